@@ -1,0 +1,172 @@
+"""The one door every collective goes through.
+
+A :class:`CommGroup` wraps one torch process group (the TP group or the DP group
+of this rank). Its methods run the collective over exactly that group, count
+the bytes this rank moves, and turn a backend failure (a dead peer, a timeout)
+into a :class:`CollectiveError` that names the operation, the group and the
+global ranks involved, so a job ends with a message instead of a hang.
+
+[Note: what the byte counters count]
+Counters record the volume a rank *sends* under the bandwidth-optimal ring
+algorithm, which is also what it receives, so it is the figure the ZeRO paper
+calls "communication volume":
+
+* all-reduce of S bytes over n ranks:      2 * S * (n - 1) / n
+* reduce-scatter of an S-byte input:       S * (n - 1) / n
+* all-gather into an S-byte output:        S * (n - 1) / n
+* broadcast of S bytes:                    S * (n - 1) / n
+
+A group of one rank moves nothing and its collectives return immediately
+without touching torch.distributed, so single-process code runs the same path.
+"""
+
+from __future__ import annotations
+
+import datetime
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+KINDS = ("all_reduce", "reduce_scatter", "all_gather", "broadcast")
+
+# torch 2.13 renamed the tensor-in/tensor-out collectives; keep older torch working.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+class CollectiveError(RuntimeError):
+    """A collective failed or timed out; the message names rank, op and group."""
+
+
+@dataclass
+class CommStats:
+    """Bytes this process moved, per collective kind. Shared by all its groups."""
+
+    bytes: dict = field(default_factory=lambda: dict.fromkeys(KINDS, 0))
+    calls: dict = field(default_factory=lambda: dict.fromkeys(KINDS, 0))
+
+    def add(self, kind: str, nbytes: float) -> None:
+        self.bytes[kind] += int(round(nbytes))
+        self.calls[kind] += 1
+
+    def snapshot(self) -> dict:
+        return dict(self.bytes)
+
+    def reset(self) -> None:
+        for k in KINDS:
+            self.bytes[k] = 0
+            self.calls[k] = 0
+
+
+class _Work:
+    """Handle of an async collective whose ``wait`` reports failures like the sync path."""
+
+    def __init__(self, work, describe):
+        self._work = work
+        self._describe = describe
+
+    def wait(self) -> None:
+        if self._work is None:
+            return
+        try:
+            self._work.wait()
+        except Exception as e:  # noqa: BLE001 - re-raised with context
+            raise CollectiveError(f"{self._describe()}: {e}") from e
+        finally:
+            self._work = None
+
+
+class CommGroup:
+    """One process group of this rank, with counted, named, timed collectives.
+
+    Attributes:
+        name: "tp" or "dp" (or "world"), used in error messages.
+        ranks: the global ranks of the group, in group-rank order.
+        rank: this process's rank inside the group.
+        size: number of ranks in the group.
+    """
+
+    def __init__(self, name: str, pg, ranks: list[int], global_rank: int,
+                 stats: CommStats, timeout: datetime.timedelta):
+        self.name = name
+        self.pg = pg
+        self.ranks = list(ranks)
+        self.global_rank = global_rank
+        self.rank = self.ranks.index(global_rank)
+        self.size = len(self.ranks)
+        self.stats = stats
+        self.timeout = timeout
+
+    def __repr__(self) -> str:
+        return f"CommGroup({self.name}, ranks={self.ranks})"
+
+    # -- helpers -------------------------------------------------------------
+    def _describe(self, op: str, t: torch.Tensor):
+        def describe():
+            return (f"rank {self.global_rank}: {op} over the {self.name} group "
+                    f"(global ranks {self.ranks}, {tuple(t.shape)} {t.dtype}) failed "
+                    f"(timeout {self.timeout.total_seconds():.0f}s; a peer may have died "
+                    f"or be stuck)")
+        return describe
+
+    def _run(self, op: str, kind: str, nbytes: float, t: torch.Tensor, fn, async_op: bool):
+        self.stats.add(kind, nbytes)
+        describe = self._describe(op, t)
+        try:
+            work = fn()
+        except Exception as e:  # noqa: BLE001
+            raise CollectiveError(f"{describe()}: {e}") from e
+        if async_op:
+            return _Work(work, describe)
+        return None
+
+    def _frac(self) -> float:
+        return (self.size - 1) / self.size
+
+    # -- collectives ---------------------------------------------------------
+    def all_reduce(self, t: torch.Tensor, op=dist.ReduceOp.SUM, async_op: bool = False):
+        """In-place all-reduce of ``t`` over this group."""
+        if self.size == 1:
+            return _Work(None, None) if async_op else None
+        nbytes = 2 * t.numel() * t.element_size() * self._frac()
+        return self._run("all_reduce", "all_reduce", nbytes, t,
+                         lambda: dist.all_reduce(t, op=op, group=self.pg, async_op=async_op),
+                         async_op)
+
+    def all_gather(self, out: torch.Tensor, inp: torch.Tensor, async_op: bool = False):
+        """Gather equal-size ``inp`` of every rank into contiguous ``out``.
+
+        ``out`` holds ``size * inp.numel()`` elements, rank chunks in order
+        (flat: the shapes only need matching element counts).
+        """
+        if self.size == 1:
+            out.copy_(inp.reshape(out.shape))
+            return _Work(None, None) if async_op else None
+        nbytes = out.numel() * out.element_size() * self._frac()
+        return self._run("all_gather", "all_gather", nbytes, out,
+                         lambda: _all_gather_single(out.view(-1), inp.reshape(-1), group=self.pg,
+                                                    async_op=async_op),
+                         async_op)
+
+    def reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, op=dist.ReduceOp.SUM,
+                       async_op: bool = False):
+        """Sum ``inp`` over ranks; leave flat chunk ``rank`` (out.numel() elements) in ``out``."""
+        if self.size == 1:
+            out.copy_(inp.reshape(out.shape))
+            return _Work(None, None) if async_op else None
+        nbytes = inp.numel() * inp.element_size() * self._frac()
+        return self._run("reduce_scatter", "reduce_scatter", nbytes, inp,
+                         lambda: _reduce_scatter_single(out.view(-1), inp.reshape(-1), op=op,
+                                                        group=self.pg, async_op=async_op),
+                         async_op)
+
+    def broadcast(self, t: torch.Tensor, src: int = 0, async_op: bool = False):
+        """Broadcast ``t`` from group rank ``src`` to the group, in place."""
+        if self.size == 1:
+            return _Work(None, None) if async_op else None
+        nbytes = t.numel() * t.element_size() * self._frac()
+        return self._run("broadcast", "broadcast", nbytes, t,
+                         lambda: dist.broadcast(t, src=self.ranks[src], group=self.pg,
+                                                async_op=async_op),
+                         async_op)

@@ -1,0 +1,1 @@
+"""Data: tokenizer -> token stream -> fixed-length samples -> this DP rank's micro-batches."""

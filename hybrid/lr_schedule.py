@@ -1,0 +1,28 @@
+"""Learning rate as a pure function of the iteration (so resuming needs no state)."""
+
+from __future__ import annotations
+
+import math
+
+
+def learning_rate(iteration: int, lr: float, min_lr: float, warmup_iters: int,
+                  decay_iters: int, style: str) -> float:
+    """LR for 1-based ``iteration``.
+
+    Linear warmup from ``lr / warmup_iters`` to ``lr`` over ``warmup_iters``,
+    then ``constant``, ``linear`` or ``cosine`` decay to ``min_lr`` at
+    ``decay_iters``, and ``min_lr`` after.
+    """
+    if warmup_iters > 0 and iteration <= warmup_iters:
+        return lr * iteration / warmup_iters
+    if style == "constant":
+        return lr
+    if iteration >= decay_iters:
+        return min_lr
+    span = max(1, decay_iters - warmup_iters)
+    frac = (iteration - warmup_iters) / span
+    if style == "linear":
+        return min_lr + (lr - min_lr) * (1.0 - frac)
+    if style == "cosine":
+        return min_lr + (lr - min_lr) * 0.5 * (1.0 + math.cos(math.pi * frac))
+    raise ValueError(f"unknown lr decay style {style!r}")

@@ -1,0 +1,156 @@
+"""ParallelState: the one object that knows the process layout.
+
+Built once per process and passed explicitly to layers, the model, the
+optimizer, checkpointing and the data loader. Nothing keeps process groups in
+module globals.
+
+Layout (Megatron's, with tensor-parallel ranks adjacent so a TP group stays
+inside one node where NVLink is)::
+
+    global rank = dp_rank * tp_size + tp_rank
+
+    world 8, TP 2:  TP groups [0,1] [2,3] [4,5] [6,7]
+                    DP groups [0,2,4,6] [1,3,5,7]
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from hybrid.comm import CommGroup, CommStats
+from hybrid.config import check_layout
+
+
+def tp_group_ranks(world_size: int, tp_size: int) -> list[list[int]]:
+    """Global ranks of every TP group: consecutive blocks of tp_size."""
+    return [list(range(s, s + tp_size)) for s in range(0, world_size, tp_size)]
+
+
+def dp_group_ranks(world_size: int, tp_size: int) -> list[list[int]]:
+    """Global ranks of every DP group: ranks with the same tp_rank, strided by tp_size."""
+    return [list(range(t, world_size, tp_size)) for t in range(tp_size)]
+
+
+@dataclass
+class ParallelState:
+    """Sizes, ranks and groups of this process.
+
+    ``tp_group`` and ``dp_group`` are :class:`hybrid.comm.CommGroup` objects: every
+    collective in the library runs through one of them (and is counted in
+    ``comm_stats``).
+    """
+
+    world_size: int
+    rank: int
+    tp_group: CommGroup
+    dp_group: CommGroup
+    world_group: CommGroup
+    device: torch.device
+    backend: str
+    timeout: datetime.timedelta
+    comm_stats: CommStats = field(repr=False)
+
+    @property
+    def tp_size(self) -> int:
+        return self.tp_group.size
+
+    @property
+    def tp_rank(self) -> int:
+        return self.tp_group.rank
+
+    @property
+    def dp_size(self) -> int:
+        return self.dp_group.size
+
+    @property
+    def dp_rank(self) -> int:
+        return self.dp_group.rank
+
+    @property
+    def is_first_rank(self) -> bool:
+        return self.rank == 0
+
+    # -- construction ----------------------------------------------------------
+    @classmethod
+    def single(cls, device: str | torch.device = "cpu") -> "ParallelState":
+        """A one-process state (TP=1, DP=1) that needs no torch.distributed."""
+        stats = CommStats()
+        timeout = datetime.timedelta(minutes=10)
+        groups = [CommGroup(n, None, [0], 0, stats, timeout) for n in ("tp", "dp", "world")]
+        return cls(1, 0, *groups, torch.device(device), "none", timeout, stats)
+
+    @classmethod
+    def build(cls, tensor_model_parallel_size: int,
+              timeout: datetime.timedelta = datetime.timedelta(minutes=10),
+              device: torch.device | None = None) -> "ParallelState":
+        """Create the TP and DP groups of an initialized default process group.
+
+        Every rank must call this with the same arguments (group creation is
+        itself collective).
+        """
+        if not dist.is_initialized():
+            check_layout(1, tensor_model_parallel_size)
+            return cls.single(device or "cpu")
+        world, rank = dist.get_world_size(), dist.get_rank()
+        tp = tensor_model_parallel_size
+        check_layout(world, tp)
+        backend = dist.get_backend()
+        if device is None:
+            device = _default_device(backend)
+        stats = CommStats()
+
+        def make(name, all_ranks):
+            mine = None
+            for ranks in all_ranks:
+                pg = dist.new_group(ranks, timeout=timeout)
+                if rank in ranks:
+                    mine = CommGroup(name, pg, ranks, rank, stats, timeout)
+            return mine
+
+        tp_group = make("tp", tp_group_ranks(world, tp))
+        dp_group = make("dp", dp_group_ranks(world, tp))
+        world_group = CommGroup("world", dist.group.WORLD, list(range(world)), rank, stats, timeout)
+        return cls(world, rank, tp_group, dp_group, world_group, device, backend, timeout, stats)
+
+    def describe(self) -> str:
+        """Human-readable layout: which global ranks form each TP and DP group."""
+        tp = tp_group_ranks(self.world_size, self.tp_size)
+        dp = dp_group_ranks(self.world_size, self.tp_size)
+        return (f"world {self.world_size} = TP {self.tp_size} x DP {self.dp_size} "
+                f"(backend {self.backend}, device {self.device.type})\n"
+                f"  TP groups: {tp}\n  DP groups: {dp}")
+
+
+def _default_device(backend: str) -> torch.device:
+    if backend == "nccl" and torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def init_distributed(tensor_model_parallel_size: int, timeout_minutes: float = 10.0,
+                     backend: str | None = None) -> ParallelState:
+    """Join the job torchrun started (env RANK/WORLD_SIZE/MASTER_ADDR...) and build groups.
+
+    Picks nccl + cuda:LOCAL_RANK when a GPU exists, gloo + cpu otherwise. A
+    single process started without torchrun gets :meth:`ParallelState.single`.
+    """
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    check_layout(world, tensor_model_parallel_size)
+    timeout = datetime.timedelta(minutes=timeout_minutes)
+    if backend is None:
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+    device = None
+    if backend == "nccl":
+        local = int(os.environ.get("LOCAL_RANK", "0"))
+        torch.cuda.set_device(local)
+        device = torch.device("cuda", local)
+    if world == 1 and "MASTER_ADDR" not in os.environ:
+        return ParallelState.single(device or "cpu")
+    if not dist.is_initialized():
+        dist.init_process_group(backend, timeout=timeout, device_id=device)
+    return ParallelState.build(tensor_model_parallel_size, timeout, device)

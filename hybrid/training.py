@@ -1,0 +1,132 @@
+"""The training loop, and the one module that composes all the others.
+
+One iteration, data flowing one way::
+
+    this DP rank's micro-batches -> GPT (TP layers) -> loss / n_micro -> backward
+    (grads accumulate) -> all-reduce grads over DP in buckets -> clip by the
+    global norm -> AdamW step -> metrics
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from hybrid.config import TrainConfig, padded_vocab_size
+from hybrid.data.dataset import GPTSamples, dp_micro_batches, load_token_stream
+from hybrid.data.tokenizer import ByteTokenizer
+from hybrid.data_parallel import BucketedGradAllReduce
+from hybrid.lr_schedule import learning_rate
+from hybrid.monitor import Monitor, log
+from hybrid.optimizer import build_adamw, clip_grads
+from hybrid.parallel_state import ParallelState
+from hybrid.tensor_parallel import TPRNGTracker, seed_all
+from models.gpt import GPT, GPTConfig
+
+
+@dataclass
+class TrainState:
+    """Where a run is: everything the loop needs to continue besides the weights."""
+
+    iteration: int = 0
+    consumed_samples: int = 0
+
+
+def gpt_config(cfg: TrainConfig, vocab_size: int) -> GPTConfig:
+    return GPTConfig(
+        vocab_size=vocab_size,
+        padded_vocab_size=padded_vocab_size(vocab_size, cfg.make_vocab_size_divisible_by,
+                                            cfg.tensor_model_parallel_size),
+        num_layers=cfg.num_layers, hidden_size=cfg.hidden_size,
+        num_attention_heads=cfg.num_attention_heads,
+        max_position_embeddings=cfg.max_position_embeddings,
+        ffn_hidden_size=cfg.ffn_hidden_size, hidden_dropout=cfg.hidden_dropout,
+        attention_dropout=cfg.attention_dropout, init_std=cfg.init_method_std)
+
+
+def build_model(cfg: TrainConfig, ps: ParallelState, vocab_size: int,
+                rng: TPRNGTracker) -> GPT:
+    return GPT(gpt_config(cfg, vocab_size), ps.tp_group, rng=rng, seed=cfg.seed, device=ps.device)
+
+
+def _sync(ps: ParallelState) -> None:
+    if ps.device.type == "cuda":
+        torch.cuda.synchronize(ps.device)
+
+
+def train_step(model: GPT, micro_batches, optimizer, grad_sync: BucketedGradAllReduce,
+               params, cfg: TrainConfig, ps: ParallelState) -> tuple[torch.Tensor, float]:
+    """One optimizer step over this rank's micro-batches; returns (local loss, grad norm).
+
+    Each micro-batch loss is a mean over its tokens; dividing by the number of
+    micro-batches makes the accumulated gradient that of the mean over this
+    rank's share, and the DP average makes it the global batch's.
+    """
+    optimizer.zero_grad(set_to_none=False)
+    n = len(micro_batches)
+    total = torch.zeros((), device=ps.device)
+    for tokens, labels in micro_batches:
+        loss = model(tokens, labels) / n
+        loss.backward()
+        total += loss.detach()
+    grad_sync.all_reduce_grads()
+    norm = clip_grads(params, cfg.clip_grad, ps.tp_group)
+    optimizer.step()
+    return total, norm
+
+
+def pretrain(cfg: TrainConfig, ps: ParallelState) -> list[dict]:
+    """Train for ``cfg.train_iters`` iterations; return the logged metrics (rank 0's view)."""
+    rng = seed_all(cfg.seed, ps.tp_rank, ps.dp_rank, ps.device)
+    tokenizer = ByteTokenizer()
+    samples = GPTSamples(load_token_stream(cfg.data_path, tokenizer), cfg.seq_length, cfg.seed)
+    model = build_model(cfg, ps, tokenizer.vocab_size, rng)
+    model.train()
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = build_adamw(model, cfg)
+    grad_sync = BucketedGradAllReduce(params, ps.dp_group, cfg.ddp_bucket_size)
+    monitor = Monitor(ps.rank, cfg.log_json)
+
+    log.info("layout: %s", ps.describe())
+    log.info("parameters: %d on this rank (TP rank %d), %d in the model; data: %d tokens, "
+             "%d samples per epoch", sum(p.numel() for p in params), ps.tp_rank,
+             model.cfg.num_parameters(), len(samples.tokens), samples.samples_per_epoch)
+    log.info("config: %s", cfg.to_dict())
+
+    state = TrainState()
+    tokens_per_iter = cfg.global_batch_size * cfg.seq_length
+    history, loss_acc, time_acc, n_acc = [], torch.zeros((), device=ps.device), 0.0, 0
+    try:
+        while state.iteration < cfg.train_iters:
+            _sync(ps)
+            t0 = time.perf_counter()
+            lr = learning_rate(state.iteration + 1, cfg.lr, cfg.min_lr, cfg.lr_warmup_iters,
+                               cfg.lr_decay_iters, cfg.lr_decay_style)
+            for group in optimizer.param_groups:
+                group["lr"] = lr
+            batches = dp_micro_batches(samples, state.consumed_samples, cfg.global_batch_size,
+                                       cfg.micro_batch_size, ps.dp_rank, ps.dp_size, ps.device)
+            loss, norm = train_step(model, batches, optimizer, grad_sync, params, cfg, ps)
+            state.iteration += 1
+            state.consumed_samples += cfg.global_batch_size
+            _sync(ps)
+            time_acc += time.perf_counter() - t0
+            loss_acc += loss
+            n_acc += 1
+            if state.iteration % cfg.log_interval == 0 or state.iteration == cfg.train_iters:
+                ps.dp_group.all_reduce(loss_acc)  # mean over DP replicas, once per log line
+                step_time = time_acc / n_acc
+                m = {"iteration": state.iteration, "train_iters": cfg.train_iters,
+                     "consumed_samples": state.consumed_samples,
+                     "loss": float(loss_acc) / (n_acc * ps.dp_size), "lr": lr,
+                     "grad_norm": norm, "step_time_s": step_time,
+                     "tokens_per_sec": tokens_per_iter / step_time}
+                monitor.log_iteration(m)
+                history.append(m)
+                loss_acc.zero_()
+                time_acc, n_acc = 0.0, 0
+    finally:
+        monitor.close()
+    return history

@@ -1,0 +1,198 @@
+"""GPT-2, built from tensor-parallel layers.
+
+The architecture is GPT-2's: learned position embeddings, pre-LayerNorm blocks,
+GELU MLP with 4x expansion, biases everywhere, and an output head tied to the
+token embedding. The model knows nothing of data parallelism, ZeRO or
+activation checkpointing; those are applied from outside (``model.blocks`` is
+the list they wrap).
+
+Tensor parallelism, with ``tp`` ranks in the TP group:
+
+* token embedding: vocabulary rows split over TP (VocabParallelEmbedding);
+* attention: each rank owns ``num_heads / tp`` heads -- QKV is a column-parallel
+  linear, the output projection a row-parallel one;
+* MLP: column-parallel up-projection, row-parallel down-projection;
+* head: logits for this rank's vocabulary slice only, fed straight into the
+  vocab-parallel cross-entropy, so full logits never exist on one rank.
+
+Shapes: B batch, T sequence, C hidden, nh heads on this rank, hs head size,
+V padded vocabulary.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from einops import rearrange
+from torch import nn
+
+from hybrid.comm import CommGroup
+from hybrid.tensor_parallel import (ColumnParallelLinear, RowParallelLinear, TPRNGTracker,
+                                    VocabParallelEmbedding, copy_to_tp, init_parameters,
+                                    vocab_parallel_cross_entropy)
+
+
+@dataclass
+class GPTConfig:
+    vocab_size: int  # ids that can occur in the data
+    padded_vocab_size: int  # embedding rows; >= vocab_size, divisible by TP
+    num_layers: int
+    hidden_size: int
+    num_attention_heads: int
+    max_position_embeddings: int
+    ffn_hidden_size: int | None = None  # default 4 * hidden_size
+    hidden_dropout: float = 0.1
+    attention_dropout: float = 0.1
+    init_std: float = 0.02
+    layernorm_epsilon: float = 1e-5
+
+    def __post_init__(self):
+        if self.ffn_hidden_size is None:
+            self.ffn_hidden_size = 4 * self.hidden_size
+
+    @property
+    def head_size(self) -> int:
+        return self.hidden_size // self.num_attention_heads
+
+    def num_parameters(self) -> int:
+        """Parameters of the whole (unsharded) model, tied head counted once."""
+        C, F_, L = self.hidden_size, self.ffn_hidden_size, self.num_layers
+        per_layer = 4 * C + (3 * C * C + 3 * C) + (C * C + C) + (C * F_ + F_) + (F_ * C + C)
+        return self.padded_vocab_size * C + self.max_position_embeddings * C + L * per_layer + 2 * C
+
+    def flops_per_token(self, seq_length: int) -> float:
+        """Forward+backward FLOPs per token (dense matmuls and attention scores)."""
+        C, F_, L = self.hidden_size, self.ffn_hidden_size, self.num_layers
+        matmul = 2 * (3 * C * C + C * C + 2 * C * F_) * L + 2 * C * self.padded_vocab_size
+        attention = 2 * 2 * seq_length * C * L  # QK^T and AV
+        return 3 * (matmul + attention)
+
+
+class ParallelAttention(nn.Module):
+    """Causal self-attention with heads split over the TP group."""
+
+    def __init__(self, cfg: GPTConfig, tp_group: CommGroup, rng: TPRNGTracker | None):
+        super().__init__()
+        C, tp = cfg.hidden_size, tp_group.size
+        if cfg.num_attention_heads % tp:
+            raise ValueError(f"num_attention_heads {cfg.num_attention_heads} is not divisible "
+                             f"by the tensor-parallel size {tp}")
+        self.head_size = cfg.head_size
+        self.dropout = cfg.attention_dropout
+        self.rng = rng
+        # QKV rows are laid out per head as [q | k | v], so a contiguous chunk of
+        # rows is whole heads: the split is the same function for every TP size.
+        self.qkv = ColumnParallelLinear(C, 3 * C, tp_group)
+        self.proj = RowParallelLinear(C, C, tp_group, input_is_parallel=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        qkv = self.qkv(x)  # (B, T, 3 * nh * hs)
+        q, k, v = rearrange(qkv, "b t (nh three hs) -> three b nh t hs", three=3,
+                            hs=self.head_size)  # each (B, nh, T, hs)
+        p = self.dropout if self.training else 0.0
+        # Heads differ per TP rank, so their dropout draws from the per-rank stream.
+        fork = self.rng.fork() if (p > 0 and self.rng is not None) else contextlib.nullcontext()
+        with fork:
+            y = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
+        y = rearrange(y, "b nh t hs -> b t (nh hs)")  # (B, T, nh * hs)
+        return self.proj(y)  # (B, T, C), summed over TP
+
+
+class ParallelMLP(nn.Module):
+    """C -> ffn (column-parallel) -> GELU -> C (row-parallel)."""
+
+    def __init__(self, cfg: GPTConfig, tp_group: CommGroup):
+        super().__init__()
+        self.fc = ColumnParallelLinear(cfg.hidden_size, cfg.ffn_hidden_size, tp_group)
+        self.proj = RowParallelLinear(cfg.ffn_hidden_size, cfg.hidden_size, tp_group)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(F.gelu(self.fc(x), approximate="tanh"))
+
+
+class Block(nn.Module):
+    """Pre-LN transformer block. Input and output ``(B, T, C)``, replicated over TP."""
+
+    def __init__(self, cfg: GPTConfig, tp_group: CommGroup, rng: TPRNGTracker | None):
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(cfg.hidden_size, eps=cfg.layernorm_epsilon)
+        self.attn = ParallelAttention(cfg, tp_group, rng)
+        self.ln_2 = nn.LayerNorm(cfg.hidden_size, eps=cfg.layernorm_epsilon)
+        self.mlp = ParallelMLP(cfg, tp_group)
+        # Residual-stream dropout is in a replicated region: the default RNG stream,
+        # identical on every TP rank, keeps the replicas equal.
+        self.drop = nn.Dropout(cfg.hidden_dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.drop(self.attn(self.ln_1(x)))
+        return x + self.drop(self.mlp(self.ln_2(x)))
+
+
+class GPT(nn.Module):
+    """GPT-2 language model over the TP group of ``tp_group``.
+
+    ``forward(tokens)`` returns this rank's logits ``(B, T, V / tp)``;
+    ``forward(tokens, labels)`` returns the mean token loss (a scalar, equal on
+    every TP rank).
+    """
+
+    def __init__(self, cfg: GPTConfig, tp_group: CommGroup, rng: TPRNGTracker | None = None,
+                 seed: int = 1234, device: torch.device | str = "cpu"):
+        super().__init__()
+        if cfg.hidden_size % cfg.num_attention_heads:
+            raise ValueError(f"hidden_size {cfg.hidden_size} is not divisible by "
+                             f"num_attention_heads {cfg.num_attention_heads}")
+        if tp_group.size > 1 and cfg.attention_dropout > 0 and rng is None:
+            raise ValueError("attention dropout under TP needs the TP RNG tracker (rng=...)")
+        self.cfg = cfg
+        self.tp_group = tp_group
+        self.wte = VocabParallelEmbedding(cfg.padded_vocab_size, cfg.hidden_size, tp_group)
+        self.wpe = nn.Embedding(cfg.max_position_embeddings, cfg.hidden_size)
+        self.drop = nn.Dropout(cfg.hidden_dropout)
+        self.blocks = nn.ModuleList(Block(cfg, tp_group, rng) for _ in range(cfg.num_layers))
+        self.ln_f = nn.LayerNorm(cfg.hidden_size, eps=cfg.layernorm_epsilon)
+        # Padded vocabulary columns on this rank (ids >= vocab_size) are masked
+        # out of the softmax, so padding never changes the loss: the model is the
+        # same function for any TP size even though the padding depends on it.
+        self._valid_local = max(0, min(cfg.vocab_size - self.wte.vocab_start,
+                                       self.wte.vocab_end - self.wte.vocab_start))
+        self.to(device)
+        init_parameters(self, seed, self._init_fn)
+
+    def _init_fn(self, name: str, shape: tuple, g: torch.Generator) -> torch.Tensor:
+        """Full fp32 value of parameter ``name`` (GPT-2's init)."""
+        cfg = self.cfg
+        if name.endswith("bias"):
+            return torch.zeros(shape)
+        if ".ln_" in name or name.startswith("ln_f"):
+            return torch.ones(shape)
+        std = cfg.init_std
+        if name.endswith("proj.weight"):  # residual projections: scaled by depth (GPT-2)
+            std = cfg.init_std / math.sqrt(2 * cfg.num_layers)
+        if name == "wte.weight":  # padding rows stay zero
+            w = torch.zeros(shape)
+            w[: cfg.vocab_size].normal_(0.0, std, generator=g)
+            return w
+        return torch.empty(shape).normal_(0.0, std, generator=g)
+
+    def forward(self, tokens: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
+        B, T = tokens.shape
+        if T > self.cfg.max_position_embeddings:
+            raise ValueError(f"sequence length {T} exceeds max_position_embeddings "
+                             f"{self.cfg.max_position_embeddings}")
+        pos = torch.arange(T, device=tokens.device)
+        x = self.drop(self.wte(tokens) + self.wpe(pos))  # (B, T, C)
+        for block in self.blocks:
+            x = block(x)
+        x = self.ln_f(x)
+        logits = F.linear(copy_to_tp(x, self.tp_group), self.wte.weight)  # (B, T, V / tp)
+        if self._valid_local < logits.shape[-1]:
+            pad = torch.arange(logits.shape[-1], device=logits.device) >= self._valid_local
+            logits = logits.masked_fill(pad, float("-inf"))
+        if labels is None:
+            return logits
+        return vocab_parallel_cross_entropy(logits, labels, self.tp_group).mean()

@@ -1,0 +1,61 @@
+#!/usr/bin/env python
+"""Pretrain a GPT with tensor x data parallelism. Launch with torchrun (see pretrain_gpt.sh).
+
+Thin on purpose: parse and check the flags, join the process groups, train.
+A bad flag ends every rank with one line naming it and exit code 2, before
+any process group exists, so nothing can hang on it.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from hybrid.config import parse_args  # noqa: E402  (no torch import: fast preflight)
+from hybrid.errors import ConfigError, DataError  # noqa: E402
+
+
+def _world_size() -> int:
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def _fail(msg: str) -> int:
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(f"pretrain_gpt.py: error: {msg}", file=sys.stderr, flush=True)
+    return 2
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    check_only = "--check-config" in argv
+    argv = [a for a in argv if a != "--check-config"]
+    try:
+        cfg = parse_args(argv).validate(_world_size())
+    except ConfigError as e:
+        return _fail(str(e))
+    if check_only:  # the launcher's preflight: flags are fine for this world size
+        return 0
+
+    import torch.distributed as dist
+
+    from hybrid.monitor import setup_logging
+    from hybrid.parallel_state import init_distributed
+    from hybrid.training import pretrain
+
+    ps = init_distributed(cfg.tensor_model_parallel_size, cfg.distributed_timeout_minutes,
+                          cfg.distributed_backend)
+    setup_logging(ps.rank)
+    try:
+        pretrain(cfg, ps)
+    except (ConfigError, DataError) as e:
+        return _fail(str(e))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

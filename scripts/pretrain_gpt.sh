@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# Pretrain a GPT under torchrun, on one machine or many.
+#
+#   bash scripts/pretrain_gpt.sh [pretrain_gpt.py flags...]
+#
+# Environment (all optional):
+#   NPROC_PER_NODE  processes per node        (default: GPUs on this node, else 2)
+#   NNODES          number of nodes           (default 1; SLURM_NNODES when under SLURM)
+#   NODE_RANK       this node's index         (default 0; SLURM_NODEID when under SLURM)
+#   MASTER_ADDR     rendezvous host           (default 127.0.0.1)
+#   MASTER_PORT     rendezvous port           (default 29500)
+# Flags pass straight through to scripts/pretrain_gpt.py; with none, a small GPT
+# trains on the built-in corpus for 200 iterations.
+set -euo pipefail
+here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+
+if [ -z "${NPROC_PER_NODE:-}" ]; then
+  NPROC_PER_NODE=$(python -c "import torch; print(torch.cuda.device_count() or 2)" 2>/dev/null || echo 2)
+fi
+NNODES=${NNODES:-${SLURM_NNODES:-1}}
+NODE_RANK=${NODE_RANK:-${SLURM_NODEID:-0}}
+MASTER_ADDR=${MASTER_ADDR:-127.0.0.1}
+MASTER_PORT=${MASTER_PORT:-29500}
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
+
+# Preflight: reject a bad command line with one message before any worker starts.
+WORLD_SIZE=$((NNODES * NPROC_PER_NODE)) python "$here/pretrain_gpt.py" --check-config "$@"
+
+if [ "$NNODES" -eq 1 ]; then
+  exec torchrun --standalone --nnodes 1 --nproc-per-node "$NPROC_PER_NODE" \
+    "$here/pretrain_gpt.py" "$@"
+fi
+exec torchrun --nnodes "$NNODES" --node-rank "$NODE_RANK" --nproc-per-node "$NPROC_PER_NODE" \
+  --rdzv-backend c10d --rdzv-endpoint "$MASTER_ADDR:$MASTER_PORT" --rdzv-id "${RDZV_ID:-hybrid}" \
+  "$here/pretrain_gpt.py" "$@"
