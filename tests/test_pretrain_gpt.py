@@ -1,0 +1,91 @@
+"""End to end through scripts/pretrain_gpt.py under torchrun."""
+
+import os
+import subprocess
+
+import pytest
+
+from launch import ROOT, TINY, env, read_json_log, torchrun
+
+LAYOUTS = [(1, 1), (2, 1), (1, 2), (2, 2)]  # (TP, DP)
+
+
+@pytest.fixture(scope="module")
+def curves(tmp_path_factory):
+    out = {}
+    tmp = tmp_path_factory.mktemp("curves")
+    for tp, dp in LAYOUTS:
+        path = str(tmp / f"tp{tp}dp{dp}.jsonl")
+        r = torchrun(tp * dp, TINY + ["--tensor-model-parallel-size", str(tp),
+                                      "--global-batch-size", "8", "--train-iters", "10",
+                                      "--log-json", path])
+        assert r.returncode == 0, f"TP{tp}xDP{dp} failed:\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}"
+        out[(tp, dp)] = read_json_log(path)
+    return out
+
+
+def test_loss_curves_agree_across_layouts(curves):
+    ref = [m["loss"] for m in curves[(1, 1)]]
+    assert len(ref) == 10
+    for layout, log in curves.items():
+        losses = [m["loss"] for m in log]
+        assert [m["iteration"] for m in log] == list(range(1, 11))
+        for it, (a, b) in enumerate(zip(losses, ref), 1):
+            assert abs(a - b) <= 1e-4 * abs(b), f"TP{layout[0]}xDP{layout[1]} iter {it}: {a} vs {b}"
+
+
+def test_loss_falls_and_json_has_required_keys(curves):
+    log = curves[(2, 2)]
+    for m in log:
+        for key in ("iteration", "loss", "lr", "grad_norm", "step_time_s", "tokens_per_sec"):
+            assert key in m
+        assert m["tokens_per_sec"] > 0 and m["step_time_s"] > 0
+    assert log[-1]["loss"] < log[0]["loss"] - 0.5
+
+
+def test_gradient_accumulation_matches_one_big_micro_batch(tmp_path):
+    """4 micro-batches of 2 per step == 1 micro-batch of 8 (same global batch)."""
+    logs = {}
+    for mbs in ("2", "8"):
+        path = str(tmp_path / f"mbs{mbs}.jsonl")
+        args = TINY + ["--global-batch-size", "8", "--train-iters", "4", "--log-json", path]
+        args[args.index("--micro-batch-size") + 1] = mbs
+        r = torchrun(1, args)
+        assert r.returncode == 0, r.stderr[-3000:]
+        logs[mbs] = [m["loss"] for m in read_json_log(path)]
+    for a, b in zip(logs["2"], logs["8"]):
+        assert abs(a - b) <= 1e-5 * abs(b)
+
+
+BAD = [
+    (["--tensor-model-parallel-size", "3"], "--tensor-model-parallel-size 3 does not divide"),
+    (["--num-attention-heads", "3", "--hidden-size", "48", "--tensor-model-parallel-size", "2"],
+     "--num-attention-heads 3 is not divisible by --tensor-model-parallel-size 2"),
+    (["--hidden-size", "50"], "--hidden-size 50 is not divisible by --num-attention-heads 4"),
+    (["--global-batch-size", "6"], "--global-batch-size 6 is not a multiple"),
+    (["--seq-length", "64", "--max-position-embeddings", "32"], "--seq-length 64 exceeds"),
+]
+
+
+@pytest.mark.parametrize("args,message", BAD, ids=[m.split()[0] for _, m in BAD])
+def test_bad_config_one_line_error_from_launcher(args, message):
+    r = subprocess.run(["bash", os.path.join(ROOT, "scripts", "pretrain_gpt.sh"), *TINY, *args],
+                       capture_output=True, text=True, timeout=60,
+                       env=dict(env(), NPROC_PER_NODE="4"))
+    assert r.returncode == 2
+    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and message in lines[0], r.stderr
+
+
+def test_bad_config_under_torchrun_exits_without_hanging():
+    r = torchrun(2, TINY + ["--num-attention-heads", "3", "--hidden-size", "48",
+                            "--tensor-model-parallel-size", "2"], timeout=120)
+    assert r.returncode != 0
+    assert "--num-attention-heads 3 is not divisible" in r.stderr
+
+
+def test_missing_data_path_is_named(tmp_path):
+    missing = str(tmp_path / "nope.txt")
+    r = torchrun(2, TINY + ["--data-path", missing, "--train-iters", "2"], timeout=120)
+    assert r.returncode != 0
+    assert f"--data-path {missing}: no such file" in r.stderr
