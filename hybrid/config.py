@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from hybrid.errors import ConfigError
 
@@ -35,46 +35,85 @@ def padded_vocab_size(vocab_size: int, divisible_by: int, tp: int) -> int:
     return int(math.ceil(vocab_size / multiple) * multiple)
 
 
+def opt(default, help: str, alias: str | None = None):
+    """A config field with its --help text (and an optional alias flag)."""
+    return field(default=default, metadata={"help": help, "alias": alias})
+
+
 @dataclass
 class TrainConfig:
     # parallelism
-    tensor_model_parallel_size: int = 1
-    distributed_backend: str | None = None  # None: nccl with a GPU, gloo otherwise
-    distributed_timeout_minutes: float = 10.0
+    tensor_model_parallel_size: int = opt(1, "TP degree: ranks splitting each layer")
+    distributed_backend: str | None = opt(None, "gloo or nccl (default: nccl with a GPU)")
+    distributed_timeout_minutes: float = opt(10.0, "timeout of every collective")
     # model (defaults: a small GPT that trains on 2 CPU cores in minutes)
-    num_layers: int = 4
-    hidden_size: int = 256
-    num_attention_heads: int = 4
-    ffn_hidden_size: int | None = None
-    seq_length: int = 128
-    max_position_embeddings: int | None = None  # default: seq_length
-    make_vocab_size_divisible_by: int = 128
-    hidden_dropout: float = 0.1
-    attention_dropout: float = 0.1
-    init_method_std: float = 0.02
+    num_layers: int = opt(4, "transformer layers")
+    hidden_size: int = opt(256, "model width")
+    num_attention_heads: int = opt(4, "attention heads (divisible by TP)")
+    ffn_hidden_size: int | None = opt(None, "MLP width (default 4 x hidden)")
+    seq_length: int = opt(128, "tokens per sample")
+    max_position_embeddings: int | None = opt(None, "positions (default: seq length)")
+    make_vocab_size_divisible_by: int = opt(128, "pad vocab to a multiple of this x TP")
+    hidden_dropout: float = opt(0.1, "dropout on the residual stream")
+    attention_dropout: float = opt(0.1, "dropout on attention probabilities")
+    init_method_std: float = opt(0.02, "std of the normal weight init")
     # batch
-    micro_batch_size: int = 8
-    global_batch_size: int | None = None  # default: micro_batch_size x DP
+    micro_batch_size: int = opt(8, "samples per rank per forward/backward")
+    global_batch_size: int | None = opt(None, "samples per step (default micro x DP)")
     # optimizer and schedule
-    lr: float = 1e-3
-    min_lr: float = 0.0
-    lr_warmup_iters: int = 0
-    lr_decay_style: str = "constant"
-    lr_decay_iters: int | None = None  # default: train_iters
-    weight_decay: float = 0.01
-    adam_beta1: float = 0.9
-    adam_beta2: float = 0.999
-    adam_eps: float = 1e-8
-    clip_grad: float = 1.0
-    train_iters: int = 200
-    seed: int = 1234
-    # data parallel communication
-    ddp_bucket_size: int = 2_000_000  # elements per all-reduce bucket
+    lr: float = opt(1e-3, "peak learning rate")
+    min_lr: float = opt(0.0, "learning rate at the end of decay")
+    lr_warmup_iters: int = opt(0, "linear warmup iterations")
+    lr_decay_style: str = opt("constant", "constant, linear or cosine")
+    lr_decay_iters: int | None = opt(None, "decay length (default: train iters)")
+    weight_decay: float = opt(0.01, "AdamW decay (not on biases and norms)")
+    adam_beta1: float = opt(0.9, "Adam beta1")
+    adam_beta2: float = opt(0.999, "Adam beta2")
+    adam_eps: float = opt(1e-8, "Adam epsilon")
+    clip_grad: float = opt(1.0, "clip the global grad norm to this (0: off)")
+    train_iters: int = opt(200, "optimizer steps")
+    seed: int = opt(1234, "fixes init, data order and dropout")
+    # ZeRO data parallelism
+    zero_stage: int = opt(0, "0: all-reduce DP, 1: shard optimizer states, 2: +grads, "
+                             "3: +params")
+    reduce_bucket_size: int = opt(50_000_000, "elements per gradient reduce bucket")
+    allgather_bucket_size: int = opt(50_000_000, "elements per parameter all-gather bucket")
+    overlap_comm: bool = opt(False, "launch bucket collectives during backward")
+    zero_param_persistence_threshold: int = opt(100_000, "stage 3: params with fewer "
+                                                         "elements stay unpartitioned")
+    offload_optimizer: bool = opt(False, "keep fp32 master shard and Adam states on the CPU")
+    # mixed precision
+    bf16: bool = opt(False, "bf16 params and grads, fp32 master weights")
+    fp16: bool = opt(False, "fp16 params and grads, fp32 master weights, loss scaling")
+    loss_scale: float | None = opt(None, "static loss scale (default: dynamic)")
+    initial_loss_scale: float = opt(2.0 ** 32, "dynamic loss scale to start from")
+    min_loss_scale: float = opt(1.0, "dynamic loss scale floor")
+    loss_scale_window: int = opt(1000, "clean steps before the scale doubles")
+    hysteresis: int = opt(2, "overflows tolerated before the scale halves")
+    # activation checkpointing (ZeRO-R)
+    recompute_activations: bool = opt(False, "checkpoint each layer's input and recompute "
+                                             "it in backward", alias="--checkpoint-activations")
+    recompute_num_layers: int | None = opt(None, "recompute only the first N layers")
+    partition_activations: bool = opt(False, "each TP rank stores 1/TP of each checkpoint")
+    cpu_checkpointing: bool = opt(False, "keep the checkpoints in host memory")
+    contiguous_checkpointing: bool = opt(False, "store checkpoints in one preallocated buffer")
     # data
-    data_path: str | None = None  # a text file; default: the built-in corpus
-    # logging
-    log_interval: int = 10
-    log_json: str | None = None
+    data_path: list[str] | None = opt(None, "text file, or [weight] prefix ... of "
+                                            "preprocessed data (default: built-in corpus)")
+    split: str = opt("949,50,1", "train,valid,test proportions")
+    tokenizer_type: str = opt("byte", "byte, gpt2bpe (--vocab-file/--merge-file) or "
+                                      "hf (--tokenizer-file)")
+    vocab_file: str | None = opt(None, "GPT-2 vocab.json")
+    merge_file: str | None = opt(None, "GPT-2 merges.txt")
+    tokenizer_file: str | None = opt(None, "a tokenizers-library tokenizer.json")
+    data_cache_path: str | None = opt(None, "where sample indices are cached "
+                                            "(default: next to the data)")
+    # evaluation and logging
+    eval_interval: int = opt(1000, "validate every N iterations")
+    eval_iters: int = opt(10, "iterations per validation")
+    log_interval: int = opt(10, "iterations per console line")
+    log_json: str | None = opt(None, "write one JSON object per logged iteration here")
+    tensorboard_dir: str | None = opt(None, "write TensorBoard scalars here")
 
     # -- validation -----------------------------------------------------------
     def validate(self, world_size: int) -> "TrainConfig":
@@ -83,7 +122,8 @@ class TrainConfig:
         tp = self.tensor_model_parallel_size
         for name in ("num_layers", "hidden_size", "num_attention_heads", "seq_length",
                      "micro_batch_size", "train_iters", "log_interval",
-                     "make_vocab_size_divisible_by", "ddp_bucket_size"):
+                     "make_vocab_size_divisible_by", "reduce_bucket_size",
+                     "allgather_bucket_size", "eval_interval", "loss_scale_window"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{_flag(name)} must be >= 1, got {getattr(self, name)}")
         if self.hidden_size % self.num_attention_heads:
@@ -129,7 +169,53 @@ class TrainConfig:
                               f"got {self.distributed_backend!r}")
         if self.distributed_timeout_minutes <= 0:
             raise ConfigError("--distributed-timeout-minutes must be > 0")
+        self._validate_zero()
+        self._validate_recompute()
+        self._validate_data()
         return self
+
+    def _validate_zero(self) -> None:
+        if self.zero_stage not in (0, 1, 2, 3):
+            raise ConfigError(f"--zero-stage must be 0, 1, 2 or 3, got {self.zero_stage}")
+        if self.bf16 and self.fp16:
+            raise ConfigError("--bf16 and --fp16 are exclusive: pick one")
+        if self.zero_param_persistence_threshold < 0:
+            raise ConfigError("--zero-param-persistence-threshold must be >= 0")
+        if self.offload_optimizer and self.zero_stage == 0:
+            raise ConfigError("--offload-optimizer needs --zero-stage 1, 2 or 3")
+        if self.loss_scale is not None and self.loss_scale <= 0:
+            raise ConfigError(f"--loss-scale must be > 0, got {self.loss_scale}")
+        if self.initial_loss_scale <= 0 or self.min_loss_scale <= 0 or self.hysteresis < 1:
+            raise ConfigError("--initial-loss-scale and --min-loss-scale must be > 0, "
+                              "--hysteresis >= 1")
+
+    def _validate_recompute(self) -> None:
+        if self.recompute_num_layers is not None:
+            if not 1 <= self.recompute_num_layers <= self.num_layers:
+                raise ConfigError(f"--recompute-num-layers must be in [1, --num-layers "
+                                  f"{self.num_layers}], got {self.recompute_num_layers}")
+        for name in ("partition_activations", "cpu_checkpointing", "contiguous_checkpointing"):
+            if getattr(self, name) and not self.recompute_activations:
+                raise ConfigError(f"{_flag(name)} needs --recompute-activations")
+
+    def _validate_data(self) -> None:
+        parts = self.split.replace("/", ",").split(",")
+        try:
+            weights = [float(x) for x in parts]
+        except ValueError:
+            weights = []
+        if len(weights) != 3 or any(w < 0 for w in weights) or sum(weights) <= 0:
+            raise ConfigError(f"--split {self.split!r} must be three non-negative numbers "
+                              f"train,valid,test (e.g. 949,50,1)")
+        if self.tokenizer_type not in ("byte", "gpt2bpe", "hf"):
+            raise ConfigError(f"--tokenizer-type must be byte, gpt2bpe or hf, "
+                              f"got {self.tokenizer_type!r}")
+        if self.tokenizer_type == "gpt2bpe" and not (self.vocab_file and self.merge_file):
+            raise ConfigError("--tokenizer-type gpt2bpe needs --vocab-file and --merge-file")
+        if self.tokenizer_type == "hf" and not self.tokenizer_file:
+            raise ConfigError("--tokenizer-type hf needs --tokenizer-file")
+        if self.eval_iters < 0:
+            raise ConfigError("--eval-iters must be >= 0")
 
     def data_parallel_size(self, world_size: int) -> int:
         return check_layout(world_size, self.tensor_model_parallel_size)
@@ -146,27 +232,31 @@ def _flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
-
 def build_parser() -> argparse.ArgumentParser:
     """One flag per TrainConfig field, named as Megatron names it."""
     p = argparse.ArgumentParser(
         prog="pretrain_gpt.py", description="Pretrain a GPT with tensor x data parallelism.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     for f in dataclasses.fields(TrainConfig):
-        kind = _field_type(f)
+        names = [_flag(f.name)] + ([f.metadata["alias"]] if f.metadata.get("alias") else [])
+        kind, many = _field_type(f)
+        kw = dict(dest=f.name, default=f.default, help=f.metadata.get("help"))
         if kind is bool:
-            p.add_argument(_flag(f.name), dest=f.name, action="store_true", default=f.default)
+            p.add_argument(*names, action="store_true", **kw)
         else:
-            p.add_argument(_flag(f.name), dest=f.name, type=kind, default=f.default,
-                           metavar=f.name.upper())
+            p.add_argument(*names, type=kind, nargs="+" if many else None,
+                           metavar=f.name.split("_")[-1].upper(), **kw)
     return p
 
 
-def _field_type(f: dataclasses.Field):
-    t = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", str(f.type))
+def _field_type(f: dataclasses.Field) -> tuple[type, bool]:
+    """(element type, is a list) of a field annotated like 'int', 'str | None', 'list[str]'."""
+    t = str(f.type).replace("typing.", "")
+    many = t.startswith("list[")
+    head = t[5:].split("]")[0] if many else t.split(" ")[0]
     for name, kind in (("bool", bool), ("int", int), ("float", float), ("str", str)):
-        if t.split(" ")[0] == name:
-            return kind
+        if head == name:
+            return kind, many
     raise TypeError(f"unsupported config field type {f.type!r} for {f.name}")
 
 

@@ -81,12 +81,13 @@ def pretrain(cfg: TrainConfig, ps: ParallelState) -> list[dict]:
     """Train for ``cfg.train_iters`` iterations; return the logged metrics (rank 0's view)."""
     rng = seed_all(cfg.seed, ps.tp_rank, ps.dp_rank, ps.device)
     tokenizer = ByteTokenizer()
-    samples = GPTSamples(load_token_stream(cfg.data_path, tokenizer), cfg.seq_length, cfg.seed)
+    text_file = cfg.data_path[0] if cfg.data_path else None
+    samples = GPTSamples(load_token_stream(text_file, tokenizer), cfg.seq_length, cfg.seed)
     model = build_model(cfg, ps, tokenizer.vocab_size, rng)
     model.train()
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = build_adamw(model, cfg)
-    grad_sync = BucketedGradAllReduce(params, ps.dp_group, cfg.ddp_bucket_size)
+    grad_sync = BucketedGradAllReduce(params, ps.dp_group, cfg.reduce_bucket_size)
     monitor = Monitor(ps.rank, cfg.log_json)
 
     log.info("layout: %s", ps.describe())
