@@ -45,10 +45,13 @@ class CommStats:
 
     bytes: dict = field(default_factory=lambda: dict.fromkeys(KINDS, 0))
     calls: dict = field(default_factory=lambda: dict.fromkeys(KINDS, 0))
+    # Largest message (elements of the bigger side) per kind: what bucket sizes bound.
+    max_numel: dict = field(default_factory=lambda: dict.fromkeys(KINDS, 0))
 
-    def add(self, kind: str, nbytes: float) -> None:
+    def add(self, kind: str, nbytes: float, numel: int = 0) -> None:
         self.bytes[kind] += int(round(nbytes))
         self.calls[kind] += 1
+        self.max_numel[kind] = max(self.max_numel[kind], numel)
 
     def snapshot(self) -> dict:
         return dict(self.bytes)
@@ -57,6 +60,7 @@ class CommStats:
         for k in KINDS:
             self.bytes[k] = 0
             self.calls[k] = 0
+            self.max_numel[k] = 0
 
 
 class _Work:
@@ -111,7 +115,7 @@ class CommGroup:
         return describe
 
     def _run(self, op: str, kind: str, nbytes: float, t: torch.Tensor, fn, async_op: bool):
-        self.stats.add(kind, nbytes)
+        self.stats.add(kind, nbytes, t.numel())
         describe = self._describe(op, t)
         try:
             work = fn()

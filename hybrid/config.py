@@ -86,7 +86,7 @@ class TrainConfig:
     bf16: bool = opt(False, "bf16 params and grads, fp32 master weights")
     fp16: bool = opt(False, "fp16 params and grads, fp32 master weights, loss scaling")
     loss_scale: float | None = opt(None, "static loss scale (default: dynamic)")
-    initial_loss_scale: float = opt(2.0 ** 32, "dynamic loss scale to start from")
+    initial_loss_scale: float = opt(2.0 ** 16, "dynamic loss scale to start from")
     min_loss_scale: float = opt(1.0, "dynamic loss scale floor")
     loss_scale_window: int = opt(1000, "clean steps before the scale doubles")
     hysteresis: int = opt(2, "overflows tolerated before the scale halves")

@@ -3,8 +3,8 @@
 One iteration, data flowing one way::
 
     this DP rank's micro-batches -> GPT (TP layers) -> loss / n_micro -> backward
-    (grads accumulate) -> all-reduce grads over DP in buckets -> clip by the
-    global norm -> AdamW step -> metrics
+    (ZeRO hooks reduce grads over DP in buckets) -> unscale, clip by the global
+    norm -> AdamW on this rank's shard -> all-gather params -> metrics
 """
 
 from __future__ import annotations
@@ -17,12 +17,11 @@ import torch
 from hybrid.config import TrainConfig, padded_vocab_size
 from hybrid.data.dataset import GPTSamples, dp_micro_batches, load_token_stream
 from hybrid.data.tokenizer import ByteTokenizer
-from hybrid.data_parallel import BucketedGradAllReduce
 from hybrid.lr_schedule import learning_rate
 from hybrid.monitor import Monitor, log
-from hybrid.optimizer import build_adamw, clip_grads
 from hybrid.parallel_state import ParallelState
 from hybrid.tensor_parallel import TPRNGTracker, seed_all
+from hybrid.zero import ZeroEngine, apply_zero
 from models.gpt import GPT, GPTConfig
 
 
@@ -56,25 +55,21 @@ def _sync(ps: ParallelState) -> None:
         torch.cuda.synchronize(ps.device)
 
 
-def train_step(model: GPT, micro_batches, optimizer, grad_sync: BucketedGradAllReduce,
-               params, cfg: TrainConfig, ps: ParallelState) -> tuple[torch.Tensor, float]:
-    """One optimizer step over this rank's micro-batches; returns (local loss, grad norm).
+def train_step(model: GPT, engine: ZeroEngine, micro_batches, lr: float):
+    """One optimizer step over this rank's micro-batches; returns (local loss, StepResult).
 
     Each micro-batch loss is a mean over its tokens; dividing by the number of
     micro-batches makes the accumulated gradient that of the mean over this
     rank's share, and the DP average makes it the global batch's.
     """
-    optimizer.zero_grad(set_to_none=False)
+    engine.zero_grad()
     n = len(micro_batches)
-    total = torch.zeros((), device=ps.device)
-    for tokens, labels in micro_batches:
+    total = None
+    for i, (tokens, labels) in enumerate(micro_batches):
         loss = model(tokens, labels) / n
-        loss.backward()
-        total += loss.detach()
-    grad_sync.all_reduce_grads()
-    norm = clip_grads(params, cfg.clip_grad, ps.tp_group)
-    optimizer.step()
-    return total, norm
+        engine.backward(loss, sync=(i == n - 1))
+        total = loss.detach().float() if total is None else total + loss.detach().float()
+    return total, engine.step(lr)
 
 
 def pretrain(cfg: TrainConfig, ps: ParallelState) -> list[dict]:
@@ -85,9 +80,12 @@ def pretrain(cfg: TrainConfig, ps: ParallelState) -> list[dict]:
     samples = GPTSamples(load_token_stream(text_file, tokenizer), cfg.seq_length, cfg.seed)
     model = build_model(cfg, ps, tokenizer.vocab_size, rng)
     model.train()
+    ac = None
+    if cfg.recompute_activations:
+        from hybrid.activation_checkpointing import apply_activation_checkpointing
+        ac = apply_activation_checkpointing(model, ps, rng, cfg)
+    engine = apply_zero(model, ps, cfg)
     params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = build_adamw(model, cfg)
-    grad_sync = BucketedGradAllReduce(params, ps.dp_group, cfg.reduce_bucket_size)
     monitor = Monitor(ps.rank, cfg.log_json)
 
     log.info("layout: %s", ps.describe())
@@ -99,17 +97,19 @@ def pretrain(cfg: TrainConfig, ps: ParallelState) -> list[dict]:
     state = TrainState()
     tokens_per_iter = cfg.global_batch_size * cfg.seq_length
     history, loss_acc, time_acc, n_acc = [], torch.zeros((), device=ps.device), 0.0, 0
+    skipped = 0
     try:
         while state.iteration < cfg.train_iters:
             _sync(ps)
             t0 = time.perf_counter()
             lr = learning_rate(state.iteration + 1, cfg.lr, cfg.min_lr, cfg.lr_warmup_iters,
                                cfg.lr_decay_iters, cfg.lr_decay_style)
-            for group in optimizer.param_groups:
-                group["lr"] = lr
             batches = dp_micro_batches(samples, state.consumed_samples, cfg.global_batch_size,
                                        cfg.micro_batch_size, ps.dp_rank, ps.dp_size, ps.device)
-            loss, norm = train_step(model, batches, optimizer, grad_sync, params, cfg, ps)
+            comm_before = ps.comm_stats.snapshot()
+            loss, result = train_step(model, engine, batches, lr)
+            comm = {k: v - comm_before[k] for k, v in ps.comm_stats.snapshot().items()}
+            skipped += int(result.skipped)
             state.iteration += 1
             state.consumed_samples += cfg.global_batch_size
             _sync(ps)
@@ -122,8 +122,12 @@ def pretrain(cfg: TrainConfig, ps: ParallelState) -> list[dict]:
                 m = {"iteration": state.iteration, "train_iters": cfg.train_iters,
                      "consumed_samples": state.consumed_samples,
                      "loss": float(loss_acc) / (n_acc * ps.dp_size), "lr": lr,
-                     "grad_norm": norm, "step_time_s": step_time,
-                     "tokens_per_sec": tokens_per_iter / step_time}
+                     "grad_norm": result.grad_norm, "loss_scale": result.loss_scale,
+                     "skipped_iterations": skipped, "step_time_s": step_time,
+                     "tokens_per_sec": tokens_per_iter / step_time,
+                     "model_state_bytes": engine.model_state_bytes(), "comm_bytes": comm}
+                if ac is not None:
+                    m["activation_checkpoint_bytes"] = ac.peak_bytes()
                 monitor.log_iteration(m)
                 history.append(m)
                 loss_acc.zero_()

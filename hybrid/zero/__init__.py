@@ -1,0 +1,5 @@
+"""ZeRO-DP over the data-parallel group: stages 0-3, applied to a model from outside."""
+
+from hybrid.zero.engine import StepResult, ZeroEngine, apply_zero, model_dtype
+
+__all__ = ["apply_zero", "ZeroEngine", "StepResult", "model_dtype"]

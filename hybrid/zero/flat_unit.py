@@ -1,0 +1,150 @@
+"""FlatUnit: a group of parameters living as views of one flat buffer, sharded over DP.
+
+A unit is what ZeRO communicates as one: a gradient bucket (stages 0-2) or the
+parameters of one module (stage 3). Its ``padded`` elements are split into
+``dp`` equal contiguous shards; DP rank ``r`` owns ``[r * S, (r + 1) * S)``.
+Padding (at the end) keeps the shards equal so every collective is a plain
+reduce-scatter or all-gather.
+
+[Note: pieces keep the temporaries constant]
+A unit may be larger than a communication bucket (one big embedding). Its
+collectives then run in pieces: piece ``k`` is columns ``[k * c, (k + 1) * c)``
+of every rank's shard, staged through a temporary of ``dp * c <= bucket``
+elements. So no temporary communication buffer ever exceeds the bucket size,
+whatever the model size. A unit that fits runs in one piece and, where both
+sides are permanent flat buffers, in place with no temporary at all.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from hybrid.comm import CommGroup
+
+
+class FlatUnit:
+    """Parameters ``params`` laid out back to back; see the module note.
+
+    Attributes:
+        offsets: start of each parameter in unit coordinates.
+        padded, shard_size (S): padded length and per-rank shard length.
+        own_lo, own_hi: this rank's shard in unit coordinates.
+        full: ``(padded,)`` model-dtype buffer the parameters are views of.
+        shard: this rank's slice ``full[own_lo:own_hi]`` of the parameters; a view,
+            or, when parameters are partitioned (stage 3), a tensor of its own
+            while ``full``'s storage is freed between uses.
+    """
+
+    def __init__(self, params: list[nn.Parameter], dp_group: CommGroup,
+                 partition_params: bool = False, owns_all: bool = False, name: str = ""):
+        self.params = params
+        self.name = name
+        self.dp = dp_group
+        self.partition_params = partition_params
+        self.offsets, total = [], 0
+        for p in params:
+            self.offsets.append(total)
+            total += p.numel()
+        self.numel = total
+        self.padded = -(-total // dp_group.size) * dp_group.size
+        self.shard_size = self.padded // dp_group.size
+        # Stage 0 keeps everything: this rank "owns" the whole unit for the optimizer.
+        self.own_lo = 0 if owns_all else dp_group.rank * self.shard_size
+        self.own_hi = self.padded if owns_all else self.own_lo + self.shard_size
+        self.grad_full: torch.Tensor | None = None  # stages 0, 1: view of the flat grads
+        self.grad_shard: torch.Tensor | None = None  # this rank's summed gradient
+        self.full: torch.Tensor | None = None
+        self.shard: torch.Tensor | None = None
+        self.gathered = True
+        self.pending = None  # in-flight async gather: (work, staged pieces)
+
+    # -- layout -------------------------------------------------------------
+    def segments(self, lo: int, hi: int):
+        """(param index, param-local start, unit start, length) overlapping unit range [lo, hi)."""
+        for i, (p, off) in enumerate(zip(self.params, self.offsets)):
+            a, b = max(lo, off), min(hi, off + p.numel())
+            if a < b:
+                yield i, a - off, a, b - a
+
+    def bind(self, full: torch.Tensor, values: list[torch.Tensor] | None = None) -> None:
+        """Make ``full`` the parameters' storage, copying in ``values`` (or current data)."""
+        assert full.numel() == self.padded
+        self.full = full
+        with torch.no_grad():
+            full[self.numel:].zero_()
+            for p, off, v in zip(self.params, self.offsets, values or [None] * len(self.params)):
+                view = full[off: off + p.numel()].view_as(p)
+                view.copy_(p.data if v is None else v)
+                p.data = view
+        if self.partition_params:
+            self.shard = full[self.own_lo: self.own_hi].clone()
+        else:
+            self.shard = full[self.own_lo: self.own_hi]
+
+    def copy_range(self, lo: int, hi: int, dst: torch.Tensor, grads: bool) -> None:
+        """Copy unit range [lo, hi) of the params' grads (or data) into ``dst`` (zeros in padding)."""
+        dst.zero_()
+        for i, plo, ulo, n in self.segments(lo, hi):
+            src = self.params[i].grad if grads else self.params[i].data
+            if src is not None:
+                dst[ulo - lo: ulo - lo + n].copy_(src.reshape(-1)[plo: plo + n])
+
+    # -- stage 3: free and restore the full parameters -------------------------
+    def release(self) -> None:
+        """Free the full parameters' memory; the views stay (FSDP's storage-resize trick)."""
+        if self.partition_params and self.gathered:
+            self.full.untyped_storage().resize_(0)
+            self.gathered = False
+
+    def start_gather(self, bucket: int) -> None:
+        """All-gather the shards into ``full`` (async); ``finish_gather`` completes it."""
+        if self.gathered or self.pending is not None:
+            return
+        storage = self.full.untyped_storage()
+        storage.resize_(self.padded * self.full.element_size())
+        self.pending = gather_pieces(self.full, self.shard, self.dp, bucket, async_op=True)
+
+    def finish_gather(self, bucket: int) -> None:
+        if self.gathered:
+            return
+        if self.pending is None:
+            self.start_gather(bucket)
+        self.pending.wait()
+        self.pending = None
+        self.gathered = True
+
+
+def piece_columns(shard_size: int, dp: int, bucket: int) -> int:
+    """Columns per piece so that a staged piece (dp x columns) fits in ``bucket`` elements."""
+    return max(1, min(shard_size, bucket // dp))
+
+
+class _Done:
+    """Handle of a collective that already completed (the piecewise path is synchronous)."""
+
+    def wait(self) -> None:
+        pass
+
+
+def gather_pieces(full: torch.Tensor, shard: torch.Tensor, dp: CommGroup, bucket: int,
+                  async_op: bool = False):
+    """All-gather every rank's ``shard`` (S,) into ``full`` (dp * S,), rank-major, over ``dp``.
+
+    One collective, in place and asynchronous if asked, when the unit fits in
+    ``bucket``. Otherwise pieces, one at a time, staged through one temporary
+    of at most ``bucket`` elements (synchronously: holding several pieces in
+    flight would hold several temporaries). Returns a handle with ``wait()``.
+    """
+    S = shard.numel()
+    if dp.size * S <= bucket:
+        work = dp.all_gather(full, shard, async_op=async_op)
+        return work if async_op else _Done()
+    c = piece_columns(S, dp.size, bucket)
+    tmp = torch.empty(dp.size * c, dtype=full.dtype, device=full.device)
+    grid = full.view(dp.size, S)
+    for k in range(0, S, c):
+        w = min(c, S - k)
+        dp.all_gather(tmp[: dp.size * w], shard[k: k + w])
+        grid[:, k: k + w].copy_(tmp[: dp.size * w].view(dp.size, w))
+    return _Done()

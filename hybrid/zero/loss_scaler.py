@@ -1,0 +1,61 @@
+"""Loss scaling for fp16: static, or dynamic with a growth window and hysteresis.
+
+Dynamic scaling multiplies the loss by ``scale`` so small fp16 gradients do
+not flush to zero. An inf/nan in any gradient on any rank means the scale was
+too high: the step is skipped on every rank (the caller all-reduces the
+overflow flag) and, once ``hysteresis`` overflows have accumulated, the scale
+halves. After ``window`` clean steps in a row it doubles.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class LossScaler:
+    scale: float = 1.0
+    dynamic: bool = False
+    window: int = 1000
+    min_scale: float = 1.0
+    hysteresis: int = 2
+    _clean_steps: int = 0
+    _hysteresis_left: int = 2
+
+    def __post_init__(self):
+        self._hysteresis_left = self.hysteresis
+
+    @classmethod
+    def from_config(cls, cfg) -> "LossScaler":
+        """fp16: dynamic unless --loss-scale is given; bf16/fp32: no scaling."""
+        if not cfg.fp16:
+            return cls(1.0, dynamic=False)
+        if cfg.loss_scale is not None:
+            return cls(cfg.loss_scale, dynamic=False)
+        return cls(cfg.initial_loss_scale, dynamic=True, window=cfg.loss_scale_window,
+                   min_scale=cfg.min_loss_scale, hysteresis=cfg.hysteresis)
+
+    def update(self, overflow: bool) -> None:
+        """Adjust the scale after a step (skipped when ``overflow``)."""
+        if not self.dynamic:
+            return
+        if overflow:
+            self._clean_steps = 0
+            self._hysteresis_left -= 1
+            if self._hysteresis_left <= 0:
+                self.scale = max(self.scale / 2.0, self.min_scale)
+                self._hysteresis_left = self.hysteresis
+            return
+        self._clean_steps += 1
+        if self._clean_steps % self.window == 0:
+            self.scale *= 2.0
+            self._hysteresis_left = self.hysteresis
+
+    def state_dict(self) -> dict:
+        return {"scale": self.scale, "clean_steps": self._clean_steps,
+                "hysteresis_left": self._hysteresis_left}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.scale = state["scale"]
+        self._clean_steps = state["clean_steps"]
+        self._hysteresis_left = state["hysteresis_left"]

@@ -1,0 +1,119 @@
+"""AdamW over this rank's flat shard of the model, with fp32 master weights.
+
+The shard is the concatenation of this rank's part of every unit (all of
+every unit at stage 0). Master weights, both Adam moments and the fp32
+gradient the step reads are flat ``(n,)`` tensors over it, so the update is a
+handful of vectorized ops whatever the number of parameters. Per-parameter
+facts the update needs -- whether weight decay applies, whether the parameter
+is TP-split (for the norm) -- are kept as ranges of the flat shard.
+
+[Note: counting TP-replicated parameters once]
+Across DP the shards are disjoint, so their squared norms add. Inside one DP
+replica the TP ranks hold two kinds of parameters: TP shards (disjoint pieces
+of a weight, ``param.tp_spec``) and replicated parameters (LayerNorm, position
+embeddings, row-parallel biases) whose gradients are identical on every TP
+rank. The global squared norm sums the shards' squares over TP and adds the
+replicated squares *once*; summing everything over TP would count each
+replicated parameter TP times.
+
+The arithmetic is torch.optim.AdamW's (decoupled decay, bias-corrected
+moments, eps added after the square root), so a ZeRO run and a plain
+single-process run agree to rounding.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from hybrid.comm import CommGroup
+
+
+class ShardedAdamW:
+    """Adam moments and master weights for this rank's parts of the model.
+
+    Args:
+        master: fp32 master weights, one tensor per unit part (views of one
+            flat buffer, or the fp32 parameter shards themselves when the model
+            is fp32 and not offloaded). Updated in place.
+        decay_ranges: per part, ``[(lo, hi)]`` that get weight decay.
+        split_ranges: per part, ``[(lo, hi)]`` belonging to TP-split parameters.
+    """
+
+    def __init__(self, master: list[torch.Tensor], decay_ranges, split_ranges, betas,
+                 eps: float, weight_decay: float):
+        self.master = master
+        n = sum(m.numel() for m in master)
+        dev = master[0].device if master else torch.device("cpu")
+        # Both moments are single flat buffers; parts are views.
+        self._flat_avg = torch.zeros(n, dtype=torch.float32, device=dev)
+        self._flat_avg_sq = torch.zeros(n, dtype=torch.float32, device=dev)
+        self.exp_avg = _split_like(self._flat_avg, master)
+        self.exp_avg_sq = _split_like(self._flat_avg_sq, master)
+        self.decay_ranges = decay_ranges
+        self.split_ranges = split_ranges
+        self.beta1, self.beta2 = betas
+        self.eps = eps
+        self.weight_decay = weight_decay
+        self.step_count = 0
+
+    def state_bytes(self) -> int:
+        return 2 * self._flat_avg.numel() * self._flat_avg.element_size()
+
+    @torch.no_grad()
+    def squared_norms(self, grads: list[torch.Tensor]) -> torch.Tensor:
+        """fp64 ``[sum of squares over TP-split ranges, over the rest]`` of ``grads``."""
+        split = torch.zeros((), dtype=torch.float64, device=grads[0].device)
+        total = torch.zeros((), dtype=torch.float64, device=grads[0].device)
+        for g, ranges in zip(grads, self.split_ranges):
+            total += g.double().pow(2).sum()
+            for lo, hi in ranges:
+                split += g[lo:hi].double().pow(2).sum()
+        return torch.stack([split, total - split])
+
+    @torch.no_grad()
+    def step(self, grads: list[torch.Tensor], lr: float, grad_scale: float = 1.0) -> None:
+        """AdamW on every part from ``grads * grad_scale`` (unscale and clip folded in)."""
+        self.step_count += 1
+        b1, b2 = self.beta1, self.beta2
+        bias1 = 1.0 - b1 ** self.step_count
+        bias2_sqrt = math.sqrt(1.0 - b2 ** self.step_count)
+        for i, (w, m, v) in enumerate(zip(self.master, self.exp_avg, self.exp_avg_sq)):
+            g = grads[i].to(device=w.device, dtype=torch.float32)
+            if grad_scale != 1.0:
+                g = g * grad_scale
+            if self.weight_decay > 0:
+                for lo, hi in self.decay_ranges[i]:
+                    w[lo:hi].mul_(1.0 - lr * self.weight_decay)
+            m.lerp_(g, 1.0 - b1)
+            v.mul_(b2).addcmul_(g, g, value=1.0 - b2)
+            denom = (v.sqrt() / bias2_sqrt).add_(self.eps)
+            w.addcdiv_(m, denom, value=-lr / bias1)
+
+    def state_dict(self) -> dict:
+        return {"step": self.step_count, "exp_avg": self._flat_avg, "exp_avg_sq": self._flat_avg_sq}
+
+
+def _split_like(flat: torch.Tensor, parts: list[torch.Tensor]) -> list[torch.Tensor]:
+    out, off = [], 0
+    for p in parts:
+        out.append(flat[off: off + p.numel()])
+        off += p.numel()
+    return out
+
+
+@torch.no_grad()
+def global_grad_norm(opt: ShardedAdamW, grads: list[torch.Tensor], tp: CommGroup,
+                     dp: CommGroup | None) -> float:
+    """L2 norm of the whole model's gradient from this rank's parts of it.
+
+    Parts are disjoint across ``dp`` (pass None when every DP rank holds the
+    full gradient, stage 0). Across TP, split parameters are summed and
+    replicated ones counted once (see the note at the top).
+    """
+    both = opt.squared_norms(grads)
+    if dp is not None:
+        dp.all_reduce(both)
+    tp.all_reduce(both[:1])
+    return math.sqrt(float(both.sum()))

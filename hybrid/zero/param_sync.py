@@ -1,0 +1,112 @@
+"""Stage 3: gather a module's parameters just before it runs, free them right after.
+
+Each partitioned unit belongs to one module (a transformer block, or the root
+module for what no block owns). Hooks on that module:
+
+* forward pre-hook: finish this unit's all-gather (usually already prefetched),
+  then start the next unit's in forward order;
+* forward post-hook: free the full parameters and hook the module's output so
+  its gradient, arriving in backward, gathers them again (and prefetches the
+  unit that backward reaches next);
+* after backward, when the unit's gradients have been reduce-scattered
+  (``GradReducer`` calls :meth:`ParamGatherer.after_reduce`), free them again.
+
+[Note: recompute]
+With activation checkpointing, a block's forward runs a second time inside
+backward. That pre-forward gather *is* the backward gather of the 3 Psi
+budget, so the post-forward hook must not free the parameters then: the
+block's backward follows at once. We tell the two apart by asking autograd
+whether a backward pass is running on this thread.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from hybrid.zero.flat_unit import FlatUnit
+
+
+def _in_backward() -> bool:
+    return torch._C._current_graph_task_id() != -1
+
+
+class ParamGatherer:
+    def __init__(self, owners: list[tuple[nn.Module, FlatUnit]], bucket: int):
+        self.bucket = bucket
+        self.units = [u for _, u in owners]
+        self._forward_order: list[FlatUnit] = []
+        self._recording = True
+        self._handles = []
+        for module, unit in owners:
+            self._handles.append(module.register_forward_pre_hook(self._pre_forward(unit)))
+            self._handles.append(module.register_forward_hook(self._post_forward(unit)))
+
+    # -- ordering --------------------------------------------------------------
+    def _next(self, unit: FlatUnit, backward: bool) -> FlatUnit | None:
+        order = self._forward_order
+        if unit not in order:
+            return None
+        i = order.index(unit)
+        if not backward:
+            return order[i + 1] if i + 1 < len(order) else None
+        # Backward meets the root first (the loss), then blocks last to first.
+        if i == 0:
+            return order[-1] if len(order) > 1 else None
+        return order[i - 1] if i > 1 else None
+
+    def _prefetch(self, unit: FlatUnit, backward: bool) -> None:
+        nxt = self._next(unit, backward)
+        if nxt is not None:
+            nxt.start_gather(self.bucket)
+
+    # -- hooks -----------------------------------------------------------------
+    def _pre_forward(self, unit: FlatUnit):
+        def hook(module, args):
+            if self._recording and not _in_backward() and unit not in self._forward_order:
+                self._forward_order.append(unit)
+            unit.finish_gather(self.bucket)
+            self._prefetch(unit, backward=_in_backward())
+        return hook
+
+    def _post_forward(self, unit: FlatUnit):
+        def hook(module, args, output):
+            if _in_backward():  # recompute: backward of this module comes next
+                return output
+            if torch.is_grad_enabled():
+                self._hook_output(unit, output)
+            unit.release()
+            return output
+        return hook
+
+    def _hook_output(self, unit: FlatUnit, output) -> None:
+        tensors = [output] if isinstance(output, torch.Tensor) else [
+            t for t in (output if isinstance(output, (tuple, list)) else [])
+            if isinstance(t, torch.Tensor)]
+        for t in tensors:
+            if t.requires_grad:
+                t.register_hook(self._pre_backward(unit))
+                break
+
+    def _pre_backward(self, unit: FlatUnit):
+        def hook(grad):
+            self._recording = False
+            unit.finish_gather(self.bucket)
+            self._prefetch(unit, backward=True)
+            return grad
+        return hook
+
+    def after_reduce(self, unit: FlatUnit) -> None:
+        if unit in self.units:
+            unit.release()
+
+    def release_all(self) -> None:
+        """Free everything gathered (end of step, or after an eval forward)."""
+        for u in self.units:
+            if u.pending is not None:
+                u.finish_gather(self.bucket)
+            u.release()
+
+    def remove(self) -> None:
+        for h in self._handles:
+            h.remove()
