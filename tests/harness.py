@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import pickle
 import queue
 import traceback
 
@@ -37,7 +38,9 @@ def _worker(rank, world_size, port, tp, fn, args, results, collective_timeout):
                                 timeout=timeout)
         ps = ParallelState.build(tp, timeout=timeout, device=torch.device("cpu"))
         out = fn(ps, *args)
-        results.put((rank, "ok", _to_cpu(out)))
+        # Plain pickle copies tensor bytes; torch's queue pickler would share them
+        # through file descriptors that vanish when this process exits.
+        results.put((rank, "ok", pickle.dumps(_to_cpu(out))))
     except BaseException:  # noqa: BLE001 - shipped to the parent with the rank
         results.put((rank, "error", traceback.format_exc()))
     finally:
@@ -87,7 +90,7 @@ def run_ranks(fn, world_size: int, tp: int = 1, args: tuple = (), timeout: float
                                        f"{[procs[r].exitcode for r in dead]}")
                 continue
             if status == "ok":
-                out[rank] = payload
+                out[rank] = pickle.loads(payload)
             else:
                 errors.append((rank, payload))
                 break  # the others may be blocked on the failed rank
