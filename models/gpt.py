@@ -58,11 +58,16 @@ class GPTConfig:
     def head_size(self) -> int:
         return self.hidden_size // self.num_attention_heads
 
-    def num_parameters(self) -> int:
-        """Parameters of the whole (unsharded) model, tied head counted once."""
+    def num_parameters(self, tp: int = 1) -> int:
+        """Parameters held by one TP rank of ``tp`` (the whole model for tp=1).
+
+        Split over TP: token embedding, QKV and MLP-up weights and biases, both
+        projection weights. Replicated: positions, LayerNorms, projection biases.
+        """
         C, F_, L = self.hidden_size, self.ffn_hidden_size, self.num_layers
-        per_layer = 4 * C + (3 * C * C + 3 * C) + (C * C + C) + (C * F_ + F_) + (F_ * C + C)
-        return self.padded_vocab_size * C + self.max_position_embeddings * C + L * per_layer + 2 * C
+        split = self.padded_vocab_size * C + L * (3 * C * C + 3 * C + C * C + C * F_ + F_ + F_ * C)
+        replicated = self.max_position_embeddings * C + L * (4 * C + 2 * C) + 2 * C
+        return split // tp + replicated
 
     def flops_per_token(self, seq_length: int) -> float:
         """Forward+backward FLOPs per token (dense matmuls and attention scores)."""

@@ -10,6 +10,7 @@ from hybrid.config import TrainConfig, padded_vocab_size
 from hybrid.parallel_state import ParallelState
 from hybrid.tensor_parallel import seed_all
 from hybrid.zero import apply_zero
+from hybrid.zero.estimate import model_state_bytes
 from models.gpt import GPT, GPTConfig
 
 SEED, VOCAB, SEQ, STEPS, GLOBAL_BATCH, MICRO = 5, 257, 16, 3, 8, 2
@@ -160,26 +161,36 @@ def _bytes_per_stage(ps, dtype_flag):
     return out
 
 
+def _assert_states_match_estimator(res, dtype, nd=4):
+    for stage, r in res.items():
+        expect = model_state_bytes(r["psi"], nd, stage, dtype)
+        for what in ("params", "grads", "optimizer"):
+            got, e = r["state"][what], expect[what]
+            assert abs(got - e) <= 0.02 * e, f"{dtype} stage {stage} {what}: {got} vs {e}"
+
+
+def test_estimator_is_the_zero_paper_formula():
+    psi, nd = 1000, 4
+    assert model_state_bytes(psi, nd, 0, "bf16")["total"] == 16 * psi
+    assert model_state_bytes(psi, nd, 1, "bf16")["total"] == 4 * psi + 12 * psi // nd
+    assert model_state_bytes(psi, nd, 2, "bf16")["total"] == 2 * psi + 14 * psi // nd
+    assert model_state_bytes(psi, nd, 3, "bf16")["total"] == 16 * psi // nd
+    assert model_state_bytes(psi, nd, 0, "fp32")["total"] == 16 * psi
+
+
 def test_model_state_bytes_follow_zero_formulas():
     """bf16 params and grads (2 + 2 bytes), fp32 master + Adam moments (K = 12),
-    measured from the storages alive after a step, TP1 x DP4."""
+    measured from the storages alive after a step, TP1 x DP4; the estimator
+    script's formula must predict them."""
     res = run_ranks(_bytes_per_stage, world_size=4, tp=1, args=("bf16",))[0]
-    nd = 4
-    for stage, r in res.items():
-        psi = r["psi"]
-        expect = {0: (2 * psi, 2 * psi, 12 * psi),
-                  1: (2 * psi, 2 * psi, 12 * psi / nd),
-                  2: (2 * psi, 2 * psi / nd, 12 * psi / nd),
-                  3: (2 * psi / nd, 2 * psi / nd, 12 * psi / nd)}[stage]
-        got = (r["state"]["params"], r["state"]["grads"], r["state"]["optimizer"])
-        for g, e, what in zip(got, expect, ("params", "grads", "optimizer")):
-            assert abs(g - e) <= 0.02 * e, f"stage {stage} {what}: {g} vs formula {e}"
+    _assert_states_match_estimator(res, "bf16")
 
 
 def test_communicated_bytes_per_step_follow_zero_theory():
     """fp32, one micro-batch per step, TP1 x DP4: stages 0-2 move 2 Psi (N-1)/N
     elements per rank, stage 3 moves 3 Psi (N-1)/N."""
     res = run_ranks(_bytes_per_stage, world_size=4, tp=1, args=("overlap_comm",))[0]
+    _assert_states_match_estimator(res, "fp32")  # K = 8: fp32 params are their own master
     nd = 4
     for stage, r in res.items():
         elems = sum(r["comm"].values()) / 4  # fp32
