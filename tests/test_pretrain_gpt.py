@@ -89,3 +89,23 @@ def test_missing_data_path_is_named(tmp_path):
     r = torchrun(2, TINY + ["--data-path", missing, "--train-iters", "2"], timeout=120)
     assert r.returncode != 0
     assert f"--data-path {missing}: no such file" in r.stderr
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_zero_stages_through_the_script_follow_the_stage0_curve(curves, tmp_path, stage):
+    """TP2 x DP2 with --zero-stage 1/2/3 (overlapped, small buckets) == stage 0."""
+    path = str(tmp_path / "zero.jsonl")
+    r = torchrun(4, TINY + ["--tensor-model-parallel-size", "2", "--global-batch-size", "8",
+                            "--train-iters", "10", "--log-json", path, "--zero-stage",
+                            str(stage), "--overlap-comm", "--reduce-bucket-size", "4000",
+                            "--allgather-bucket-size", "4000",
+                            "--zero-param-persistence-threshold", "0"])
+    assert r.returncode == 0, r.stderr[-3000:]
+    log = read_json_log(path)
+    for a, b in zip(log, curves[(2, 2)]):
+        assert abs(a["loss"] - b["loss"]) <= 1e-5 * abs(b["loss"]), (a["iteration"], a, b)
+    states = log[-1]["model_state_bytes"]
+    ref = curves[(2, 2)][-1]["model_state_bytes"]
+    assert states["optimizer"] < ref["optimizer"]  # sharded over the 2 DP ranks
+    assert (states["params"] < ref["params"]) == (stage == 3)
+    assert log[-1]["comm_bytes"]["reduce_scatter"] > 0
