@@ -108,6 +108,13 @@ class TrainConfig:
     tokenizer_file: str | None = opt(None, "a tokenizers-library tokenizer.json")
     data_cache_path: str | None = opt(None, "where sample indices are cached "
                                             "(default: next to the data)")
+    # checkpoints
+    save: str | None = opt(None, "save checkpoints in this directory")
+    load: str | None = opt(None, "resume from the newest checkpoint in this directory")
+    save_interval: int | None = opt(None, "save every N iterations (and at the end)")
+    keep_last: int | None = opt(None, "after a save, keep only the newest N checkpoints")
+    exit_on_nan_iterations: int = opt(10, "stop with an error after N consecutive skipped "
+                                          "steps with non-finite gradients")
     # evaluation and logging
     eval_interval: int = opt(1000, "validate every N iterations")
     eval_iters: int = opt(10, "iterations per validation")
@@ -172,7 +179,18 @@ class TrainConfig:
         self._validate_zero()
         self._validate_recompute()
         self._validate_data()
+        self._validate_checkpoint()
         return self
+
+    def _validate_checkpoint(self) -> None:
+        if self.save_interval is not None and self.save_interval < 1:
+            raise ConfigError(f"--save-interval must be >= 1, got {self.save_interval}")
+        if self.save_interval is not None and not self.save:
+            raise ConfigError("--save-interval needs --save DIR")
+        if self.keep_last is not None and self.keep_last < 1:
+            raise ConfigError(f"--keep-last must be >= 1, got {self.keep_last}")
+        if self.exit_on_nan_iterations < 1:
+            raise ConfigError("--exit-on-nan-iterations must be >= 1")
 
     def _validate_zero(self) -> None:
         if self.zero_stage not in (0, 1, 2, 3):

@@ -11,3 +11,7 @@ class CheckpointError(RuntimeError):
 
 class DataError(RuntimeError):
     """A data path that is missing or a data file that is corrupt."""
+
+
+class TrainingError(RuntimeError):
+    """Training cannot go on (e.g. the loss stayed non-finite); checkpoints are left as they are."""

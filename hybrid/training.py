@@ -14,9 +14,11 @@ from dataclasses import dataclass
 
 import torch
 
+from hybrid.checkpoint import load_checkpoint, save_checkpoint
 from hybrid.config import TrainConfig, padded_vocab_size
 from hybrid.data.dataset import GPTSamples, dp_micro_batches, load_token_stream
 from hybrid.data.tokenizer import ByteTokenizer
+from hybrid.errors import TrainingError
 from hybrid.lr_schedule import learning_rate
 from hybrid.monitor import Monitor, log
 from hybrid.parallel_state import ParallelState
@@ -72,6 +74,25 @@ def train_step(model: GPT, engine: ZeroEngine, micro_batches, lr: float):
     return total, engine.step(lr)
 
 
+def _nan_guard(result, scaler, streak: int, cfg, iteration: int) -> int:
+    """Count consecutive steps skipped for non-finite gradients; stop past the limit.
+
+    fp16 overflows while the dynamic scale is still coming down are normal and
+    do not count; at the minimum scale (or without fp16) they do.
+    """
+    if not result.skipped:
+        return 0
+    if scaler.dynamic and scaler.scale > scaler.min_scale:
+        return streak
+    streak += 1
+    if streak >= cfg.exit_on_nan_iterations:
+        raise TrainingError(
+            f"loss or gradients were not finite for {streak} consecutive iterations (up to "
+            f"{iteration}); stopping without saving. Lower --lr, raise --clip-grad's "
+            f"strictness, or check the data (--exit-on-nan-iterations sets the patience)")
+    return streak
+
+
 def pretrain(cfg: TrainConfig, ps: ParallelState) -> list[dict]:
     """Train for ``cfg.train_iters`` iterations; return the logged metrics (rank 0's view)."""
     rng = seed_all(cfg.seed, ps.tp_rank, ps.dp_rank, ps.device)
@@ -86,6 +107,15 @@ def pretrain(cfg: TrainConfig, ps: ParallelState) -> list[dict]:
         ac = apply_activation_checkpointing(model, ps, rng, cfg)
     engine = apply_zero(model, ps, cfg)
     params = [p for p in model.parameters() if p.requires_grad]
+
+    state = TrainState()
+    if cfg.load:
+        loaded = load_checkpoint(cfg.load, engine, ps, cfg, rng, tokenizer.vocab_size,
+                                 allow_empty=cfg.load == cfg.save)
+        if loaded is not None:
+            state.iteration, state.consumed_samples = loaded
+            log.info("resumed from %s at iteration %d (%d samples consumed)", cfg.load,
+                     state.iteration, state.consumed_samples)
     monitor = Monitor(ps.rank, cfg.log_json)
 
     log.info("layout: %s", ps.describe())
@@ -94,10 +124,14 @@ def pretrain(cfg: TrainConfig, ps: ParallelState) -> list[dict]:
              model.cfg.num_parameters(), len(samples.tokens), samples.samples_per_epoch)
     log.info("config: %s", cfg.to_dict())
 
-    state = TrainState()
+    def save():
+        path = save_checkpoint(cfg.save, state.iteration, state.consumed_samples, engine, ps,
+                               cfg, rng, cfg.keep_last, tokenizer.vocab_size)
+        log.info("saved checkpoint %s", path)
+
     tokens_per_iter = cfg.global_batch_size * cfg.seq_length
     history, loss_acc, time_acc, n_acc = [], torch.zeros((), device=ps.device), 0.0, 0
-    skipped = 0
+    skipped, nan_streak, saved_at = 0, 0, state.iteration
     try:
         while state.iteration < cfg.train_iters:
             _sync(ps)
@@ -112,6 +146,7 @@ def pretrain(cfg: TrainConfig, ps: ParallelState) -> list[dict]:
             skipped += int(result.skipped)
             state.iteration += 1
             state.consumed_samples += cfg.global_batch_size
+            nan_streak = _nan_guard(result, engine.scaler, nan_streak, cfg, state.iteration)
             _sync(ps)
             time_acc += time.perf_counter() - t0
             loss_acc += loss
@@ -132,6 +167,11 @@ def pretrain(cfg: TrainConfig, ps: ParallelState) -> list[dict]:
                 history.append(m)
                 loss_acc.zero_()
                 time_acc, n_acc = 0.0, 0
+            if cfg.save and cfg.save_interval and state.iteration % cfg.save_interval == 0:
+                save()
+                saved_at = state.iteration
+        if cfg.save and saved_at != state.iteration:
+            save()
     finally:
         monitor.close()
     return history

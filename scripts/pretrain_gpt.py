@@ -14,7 +14,8 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from hybrid.config import parse_args  # noqa: E402  (no torch import: fast preflight)
-from hybrid.errors import ConfigError, DataError  # noqa: E402
+from hybrid.errors import (CheckpointError, ConfigError, DataError,  # noqa: E402
+                           TrainingError)
 
 
 def _world_size() -> int:
@@ -49,7 +50,7 @@ def main(argv: list[str] | None = None) -> int:
     setup_logging(ps.rank)
     try:
         pretrain(cfg, ps)
-    except (ConfigError, DataError) as e:
+    except (ConfigError, DataError, CheckpointError, TrainingError) as e:
         return _fail(str(e))
     finally:
         if dist.is_initialized():

@@ -215,11 +215,11 @@ class ZeroEngine:
         if self.cfg.clip_grad > 0 and norm > self.cfg.clip_grad:
             coef *= self.cfg.clip_grad / (norm + 1e-6)
         self.optimizer.step(grads, lr, coef)
-        self._publish_params()
+        self.publish_params()
         return StepResult(norm, False, self.scaler.scale)
 
     @torch.no_grad()
-    def _publish_params(self) -> None:
+    def publish_params(self) -> None:
         """Master -> this rank's parameter shard -> (stages 1-2) all-gather."""
         if self.separate_master:
             for u, m in zip(self.units, self.optimizer.master):
