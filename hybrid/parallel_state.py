@@ -152,5 +152,24 @@ def init_distributed(tensor_model_parallel_size: int, timeout_minutes: float = 1
     if world == 1 and "MASTER_ADDR" not in os.environ:
         return ParallelState.single(device or "cpu")
     if not dist.is_initialized():
-        dist.init_process_group(backend, timeout=timeout, device_id=device)
+        dist.init_process_group(backend, timeout=timeout, device_id=device,
+                                store=_attempt_store(world, timeout), rank=int(os.environ["RANK"]),
+                                world_size=world)
     return ParallelState.build(tensor_model_parallel_size, timeout, device)
+
+
+def _attempt_store(world: int, timeout: datetime.timedelta):
+    """The rendezvous store, with keys private to this torchrun restart attempt.
+
+    After ``torchrun --max-restarts`` restarts a job, the store still holds the
+    previous attempt's keys (the dead processes' gloo/nccl addresses) under the
+    same group names; a fresh prefix per attempt keeps the new processes from
+    dialing them.
+    """
+    rank = int(os.environ["RANK"])
+    agent_hosts_it = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
+    base = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
+                         is_master=(rank == 0 and not agent_hosts_it), timeout=timeout,
+                         wait_for_workers=False)
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return dist.PrefixStore(f"hybrid/attempt_{attempt}", base)

@@ -167,7 +167,8 @@ def pretrain(cfg: TrainConfig, ps: ParallelState) -> list[dict]:
                 history.append(m)
                 loss_acc.zero_()
                 time_acc, n_acc = 0.0, 0
-            if cfg.save and cfg.save_interval and state.iteration % cfg.save_interval == 0:
+            if (cfg.save and cfg.save_interval and state.iteration % cfg.save_interval == 0
+                    and nan_streak == 0):  # never save a step that went non-finite
                 save()
                 saved_at = state.iteration
         if cfg.save and saved_at != state.iteration:

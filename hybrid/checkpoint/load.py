@@ -48,6 +48,8 @@ def load_checkpoint(load_dir: str, engine: ZeroEngine, ps: ParallelState, cfg,
     error. RNG states come back exactly when the world layout is the same;
     otherwise the streams are reseeded from ``--seed`` and the iteration.
     """
+    if allow_empty and not os.path.exists(load_dir):
+        return None
     ckpt = find_checkpoint(load_dir)
     if ckpt is None:
         if allow_empty:
@@ -70,7 +72,9 @@ def load_checkpoint(load_dir: str, engine: ZeroEngine, ps: ParallelState, cfg,
 
     load_shard_state(engine, fetch, files[0]["step"], files[0]["loss_scaler"])
     iteration, consumed = meta["iteration"], meta["consumed_samples"]
-    if meta["world_size"] == ps.world_size and meta["tensor_model_parallel_size"] == ps.tp_size:
+    same_layout = (meta["world_size"] == ps.world_size
+                   and meta["tensor_model_parallel_size"] == ps.tp_size)
+    if same_layout and "rng" in files[ps.rank]:
         saved = files[ps.rank]["rng"]
         set_device_rng_state(saved["device"], ps.device)
         torch.set_rng_state(saved["cpu"])

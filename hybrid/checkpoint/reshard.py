@@ -74,3 +74,11 @@ def fit_rows(full: torch.Tensor, shape: list[int]) -> torch.Tensor:
     n = min(full.shape[0], shape[0])
     out[:n] = full[:n]
     return out
+
+
+def merged_state(ckpt: str) -> tuple[dict, dict[str, dict[str, torch.Tensor]]]:
+    """(metadata, {name: {"master", "exp_avg", "exp_avg_sq"}}) of a whole checkpoint, unsharded."""
+    from hybrid.checkpoint.files import read_metadata, read_rank_files
+    meta = read_metadata(ckpt)
+    full = FullParams(read_rank_files(ckpt, meta["world_size"]), ckpt)
+    return meta, {n: {k: full.full(n, k).clone() for k in KEYS} for n in full.names()}

@@ -158,3 +158,34 @@ def _prune(save_dir: str, keep_last: int, keep: str) -> None:
     for n in names[:-keep_last]:
         if n != keep:
             shutil.rmtree(os.path.join(save_dir, n), ignore_errors=True)
+
+
+def write_unsharded_checkpoint(save_dir: str, model: dict[str, torch.Tensor], config: dict,
+                               vocab_size: int, iteration: int = 0) -> str:
+    """A one-rank checkpoint of full fp32 weights with a fresh optimizer (single process).
+
+    For weights that come from elsewhere (a Hugging Face GPT-2): ``--load`` reads it
+    into any layout like any other checkpoint.
+    """
+    name = iter_name(iteration)
+    final, tmp = os.path.join(save_dir, name), os.path.join(save_dir, f".tmp_{name}")
+    if os.path.exists(final):
+        raise CheckpointError(f"{final}: already exists; not overwriting it")
+    os.makedirs(tmp)
+    params = {n: {"ranges": [(0, t.numel())], "master": t.float().reshape(-1).contiguous(),
+                  "exp_avg": torch.zeros(t.numel()), "exp_avg_sq": torch.zeros(t.numel())}
+              for n, t in model.items()}
+    specs = {n: {"full_shape": list(t.shape), "dim": None, "tp_rank": 0, "tp_size": 1}
+             for n, t in model.items()}
+    payload = {"version": VERSION, "rank": 0, "tp_rank": 0, "dp_rank": 0, "specs": specs,
+               "params": params, "step": 0, "loss_scaler": None}
+    _fsync_write(os.path.join(tmp, "rank_00000.pt"), lambda f: torch.save(payload, f))
+    meta = {"version": VERSION, "iteration": iteration, "consumed_samples": 0,
+            "world_size": 1, "tensor_model_parallel_size": 1, "data_parallel_size": 1,
+            "zero_stage": 0, "vocab_size": vocab_size,
+            "model": {n: list(t.shape) for n, t in model.items()}, "config": config,
+            "complete": True}
+    _fsync_write(os.path.join(tmp, "metadata.json"),
+                 lambda f: f.write(json.dumps(meta, indent=1).encode()))
+    _publish(save_dir, name, tmp, final)
+    return final

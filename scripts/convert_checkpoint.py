@@ -1,0 +1,59 @@
+#!/usr/bin/env python
+"""Merge a sharded hybrid checkpoint (any TP x DP x ZeRO stage) into one file.
+
+    python scripts/convert_checkpoint.py CHECKPOINT_DIR_OR_SAVE_DIR OUT.pt [--with-optimizer]
+
+OUT.pt holds ``{"model": {name: full fp32 tensor}, "metadata": {...}}`` (and
+``"optimizer": {name: {"exp_avg", "exp_avg_sq"}}`` with --with-optimizer), loadable
+with ``torch.load`` and, for the model, into a TP=1 ``models.gpt.GPT``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+
+from hybrid.checkpoint import find_checkpoint  # noqa: E402
+from hybrid.checkpoint.reshard import merged_state  # noqa: E402
+from hybrid.errors import CheckpointError  # noqa: E402
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("checkpoint", help="an iter_* directory, or a --save directory (newest)")
+    ap.add_argument("output", help="the single file to write")
+    ap.add_argument("--with-optimizer", action="store_true", help="include Adam moments")
+    a = ap.parse_args(argv)
+    try:
+        ckpt = a.checkpoint
+        if not os.path.isfile(os.path.join(ckpt, "metadata.json")):
+            ckpt = find_checkpoint(ckpt)
+            if ckpt is None:
+                raise CheckpointError(f"{a.checkpoint}: no checkpoint there")
+        if os.path.exists(a.output):
+            raise CheckpointError(f"{a.output}: already exists; not overwriting it")
+        meta, state = merged_state(ckpt)
+        out = {"model": {n: s["master"] for n, s in state.items()}, "metadata": meta}
+        if a.with_optimizer:
+            out["optimizer"] = {n: {"exp_avg": s["exp_avg"], "exp_avg_sq": s["exp_avg_sq"]}
+                                for n, s in state.items()}
+        tmp = a.output + ".tmp"
+        torch.save(out, tmp)
+        os.replace(tmp, a.output)
+    except CheckpointError as e:
+        print(f"convert_checkpoint.py: error: {e}", file=sys.stderr)
+        return 2
+    n = sum(t.numel() for t in out["model"].values())
+    print(f"wrote {a.output}: {len(out['model'])} tensors, {n} parameters, iteration "
+          f"{meta['iteration']} (saved at TP {meta['tensor_model_parallel_size']} x DP "
+          f"{meta['data_parallel_size']}, ZeRO stage {meta['zero_stage']})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
