@@ -9,6 +9,8 @@
 #   NODE_RANK       this node's index         (default 0; SLURM_NODEID when under SLURM)
 #   MASTER_ADDR     rendezvous host           (default 127.0.0.1)
 #   MASTER_PORT     rendezvous port           (default 29500)
+#   MAX_RESTARTS    restarts after a worker dies (default 0); with --save DIR --load DIR
+#                   the job resumes from its last checkpoint
 # Flags pass straight through to scripts/pretrain_gpt.py; with none, a small GPT
 # trains on the built-in corpus for 200 iterations.
 set -euo pipefail
@@ -28,8 +30,10 @@ WORLD_SIZE=$((NNODES * NPROC_PER_NODE)) python "$here/pretrain_gpt.py" --check-c
 
 if [ "$NNODES" -eq 1 ]; then
   exec torchrun --standalone --nnodes 1 --nproc-per-node "$NPROC_PER_NODE" \
+    --max-restarts "${MAX_RESTARTS:-0}" \
     "$here/pretrain_gpt.py" "$@"
 fi
 exec torchrun --nnodes "$NNODES" --node-rank "$NODE_RANK" --nproc-per-node "$NPROC_PER_NODE" \
+  --max-restarts "${MAX_RESTARTS:-0}" \
   --rdzv-backend c10d --rdzv-endpoint "$MASTER_ADDR:$MASTER_PORT" --rdzv-id "${RDZV_ID:-hybrid}" \
   "$here/pretrain_gpt.py" "$@"

@@ -1,0 +1,97 @@
+"""Hugging Face GPT-2 export and import give the same logits as hybrid."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from harness import run_ranks
+from launch import ROOT, TINY, env, torchrun
+
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("safetensors")
+
+VOCAB = 257
+
+
+def _tokens():
+    return torch.randint(0, VOCAB, (2, 32), generator=torch.Generator().manual_seed(9))
+
+
+def _hybrid_logits_from_merged(ckpt):
+    from hybrid.checkpoint.reshard import merged_state
+    from hybrid.parallel_state import ParallelState
+    from models.gpt import GPT, GPTConfig
+    meta, state = merged_state(ckpt)
+    c = meta["config"]
+    cfg = GPTConfig(VOCAB, 384, c["num_layers"], c["hidden_size"], c["num_attention_heads"],
+                    c["max_position_embeddings"], hidden_dropout=0, attention_dropout=0)
+    model = GPT(cfg, ParallelState.single().tp_group).eval()
+    sd = {n: s["master"] for n, s in state.items()}
+    sd["wte.weight"] = torch.nn.functional.pad(sd["wte.weight"][:VOCAB], (0, 0, 0, 384 - VOCAB))
+    model.load_state_dict(sd)
+    with torch.no_grad():
+        return model(_tokens())[..., :VOCAB]
+
+
+def test_export_loads_in_transformers_with_the_same_logits(tmp_path):
+    save, out = str(tmp_path / "ckpt"), str(tmp_path / "hf")
+    r = torchrun(2, TINY + ["--tensor-model-parallel-size", "2", "--zero-stage", "1",
+                            "--global-batch-size", "4", "--train-iters", "2", "--save", save])
+    assert r.returncode == 0, r.stderr[-3000:]
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "export_hf.py"), save, out],
+                       capture_output=True, text=True, env=env())
+    assert r.returncode == 0, r.stderr
+    hf = transformers.GPT2LMHeadModel.from_pretrained(out).eval()
+    with torch.no_grad():
+        theirs = hf(_tokens()).logits
+    ours = _hybrid_logits_from_merged(os.path.join(save, "iter_0000002"))
+    torch.testing.assert_close(theirs, ours, rtol=1e-5, atol=1e-5)
+
+
+def _load_imported(ps, save):
+    from hybrid.checkpoint import load_checkpoint
+    from hybrid.config import TrainConfig
+    from hybrid.tensor_parallel import seed_all
+    from hybrid.training import build_model
+    from hybrid.zero import apply_zero
+    cfg = TrainConfig(tensor_model_parallel_size=ps.tp_size, num_layers=2, hidden_size=32,
+                      num_attention_heads=4, seq_length=32, zero_stage=3, hidden_dropout=0.0,
+                      attention_dropout=0.0, zero_param_persistence_threshold=0
+                      ).validate(ps.world_size)
+    rng = seed_all(0, ps.tp_rank, ps.dp_rank, ps.device)
+    model = build_model(cfg, ps, VOCAB, rng).eval()
+    engine = apply_zero(model, ps, cfg)
+    assert load_checkpoint(save, engine, ps, cfg, rng, VOCAB) == (0, 0)
+    with torch.no_grad():
+        return model(_tokens())
+
+
+def test_import_of_a_gpt2_on_disk_trains_from_it_in_any_layout(tmp_path):
+    hf_dir, save = str(tmp_path / "gpt2"), str(tmp_path / "imported")
+    config = transformers.GPT2Config(vocab_size=VOCAB, n_positions=32, n_embd=32, n_layer=2,
+                                     n_head=4, activation_function="gelu_new")
+    torch.manual_seed(0)
+    hf = transformers.GPT2LMHeadModel(config).eval()
+    hf.save_pretrained(hf_dir)
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "import_hf.py"), hf_dir,
+                        save], capture_output=True, text=True, env=env())
+    assert r.returncode == 0, r.stderr
+    assert "--num-layers 2 --hidden-size 32" in r.stdout
+    with torch.no_grad():
+        theirs = hf(_tokens()).logits
+    res = run_ranks(_load_imported, world_size=4, tp=2, args=(save,))  # TP2 x DP2, ZeRO-3
+    ours = torch.cat([res[0], res[1]], dim=-1)[..., :VOCAB]
+    torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)
+
+
+def test_import_refuses_a_non_gpt2_config(tmp_path):
+    d = tmp_path / "bert"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps({"model_type": "bert"}))
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "import_hf.py"), str(d),
+                        str(tmp_path / "out")], capture_output=True, text=True, env=env())
+    assert r.returncode == 2 and "expected gpt2" in r.stderr
