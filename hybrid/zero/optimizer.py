@@ -29,6 +29,9 @@ import torch
 
 from hybrid.comm import CommGroup
 
+# torch's fused AdamW kernel (CPU and CUDA); the plain loop below is the fallback.
+_FUSED = hasattr(torch, "_fused_adamw_")
+
 
 class ShardedAdamW:
     """Adam moments and master weights for this rank's parts of the model.
@@ -57,39 +60,80 @@ class ShardedAdamW:
         self.eps = eps
         self.weight_decay = weight_decay
         self.step_count = 0
+        self._segs = None
 
     def state_bytes(self) -> int:
         return 2 * self._flat_avg.numel() * self._flat_avg.element_size()
 
     @torch.no_grad()
     def squared_norms(self, grads: list[torch.Tensor]) -> torch.Tensor:
-        """fp64 ``[sum of squares over TP-split ranges, over the rest]`` of ``grads``."""
+        """fp64 ``[sum of squares over TP-split ranges, over the rest]`` of ``grads``.
+
+        Each part is reduced in fp32 by one norm kernel (no copy of the
+        gradient), partial sums are added in fp64.
+        """
         split = torch.zeros((), dtype=torch.float64, device=grads[0].device)
         total = torch.zeros((), dtype=torch.float64, device=grads[0].device)
         for g, ranges in zip(grads, self.split_ranges):
-            total += g.double().pow(2).sum()
+            total += torch.linalg.vector_norm(g, dtype=torch.float32).double() ** 2
             for lo, hi in ranges:
-                split += g[lo:hi].double().pow(2).sum()
+                split += torch.linalg.vector_norm(g[lo:hi], dtype=torch.float32).double() ** 2
         return torch.stack([split, total - split])
+
+    def _segments(self):
+        """(weight decay, [(part, lo, hi)]) for the decayed and the undecayed ranges."""
+        decayed, plain = [], []
+        for i, (w, ranges) in enumerate(zip(self.master, self.decay_ranges)):
+            pos = 0
+            for lo, hi in sorted(ranges):
+                if lo > pos:
+                    plain.append((i, pos, lo))
+                decayed.append((i, lo, hi))
+                pos = hi
+            if pos < w.numel():
+                plain.append((i, pos, w.numel()))
+        return [(self.weight_decay, decayed), (0.0, plain)]
 
     @torch.no_grad()
     def step(self, grads: list[torch.Tensor], lr: float, grad_scale: float = 1.0) -> None:
         """AdamW on every part from ``grads * grad_scale`` (unscale and clip folded in)."""
         self.step_count += 1
+        grads = [g.to(device=w.device, dtype=torch.float32) for g, w in zip(grads, self.master)]
+        if _FUSED:
+            self._fused_step(grads, lr, grad_scale)
+            return
         b1, b2 = self.beta1, self.beta2
         bias1 = 1.0 - b1 ** self.step_count
         bias2_sqrt = math.sqrt(1.0 - b2 ** self.step_count)
         for i, (w, m, v) in enumerate(zip(self.master, self.exp_avg, self.exp_avg_sq)):
-            g = grads[i].to(device=w.device, dtype=torch.float32)
-            if grad_scale != 1.0:
-                g = g * grad_scale
+            g = grads[i]
             if self.weight_decay > 0:
                 for lo, hi in self.decay_ranges[i]:
                     w[lo:hi].mul_(1.0 - lr * self.weight_decay)
-            m.lerp_(g, 1.0 - b1)
-            v.mul_(b2).addcmul_(g, g, value=1.0 - b2)
+            m.mul_(b1).add_(g, alpha=(1.0 - b1) * grad_scale)
+            v.mul_(b2).addcmul_(g, g, value=(1.0 - b2) * grad_scale * grad_scale)
             denom = (v.sqrt() / bias2_sqrt).add_(self.eps)
             w.addcdiv_(m, denom, value=-lr / bias1)
+
+    def _fused_step(self, grads, lr: float, grad_scale: float) -> None:
+        """torch's fused multi-tensor AdamW kernel: one pass over each group's ranges."""
+        if self._segs is None:
+            self._segs = self._segments()
+        dev = self.master[0].device
+        step = torch.tensor(float(self.step_count), device=dev)
+        # the kernel divides gradients by grad_scale
+        inv = None if grad_scale == 1.0 else torch.tensor(1.0 / grad_scale, device=dev)
+        for decay, segs in self._segs:
+            if not segs:
+                continue
+            torch._fused_adamw_(
+                [self.master[i][lo:hi] for i, lo, hi in segs],
+                [grads[i][lo:hi] for i, lo, hi in segs],
+                [self.exp_avg[i][lo:hi] for i, lo, hi in segs],
+                [self.exp_avg_sq[i][lo:hi] for i, lo, hi in segs], [],
+                [step] * len(segs), lr=lr, beta1=self.beta1, beta2=self.beta2,
+                weight_decay=decay, eps=self.eps, amsgrad=False, maximize=False,
+                grad_scale=inv, found_inf=None)
 
     def state_dict(self) -> dict:
         return {"step": self.step_count, "exp_avg": self._flat_avg, "exp_avg_sq": self._flat_avg_sq}
