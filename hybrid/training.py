@@ -163,6 +163,7 @@ def pretrain(cfg: TrainConfig, ps: ParallelState) -> list[dict]:
                      "model_state_bytes": engine.model_state_bytes(), "comm_bytes": comm}
                 if ac is not None:
                     m["activation_checkpoint_bytes"] = ac.peak_bytes()
+                    ac.reset_peak()
                 monitor.log_iteration(m)
                 history.append(m)
                 loss_acc.zero_()

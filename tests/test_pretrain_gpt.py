@@ -109,3 +109,20 @@ def test_zero_stages_through_the_script_follow_the_stage0_curve(curves, tmp_path
     assert states["optimizer"] < ref["optimizer"]  # sharded over the 2 DP ranks
     assert (states["params"] < ref["params"]) == (stage == 3)
     assert log[-1]["comm_bytes"]["reduce_scatter"] > 0
+
+
+@pytest.mark.parametrize("flags", [
+    ["--recompute-activations", "--partition-activations"],
+    ["--checkpoint-activations", "--partition-activations", "--cpu-checkpointing",
+     "--contiguous-checkpointing", "--zero-stage", "3", "--zero-param-persistence-threshold",
+     "0"]], ids=["partition", "partition+cpu+contiguous+zero3"])
+def test_partitioned_recompute_follows_the_plain_curve(curves, tmp_path, flags):
+    path = str(tmp_path / "ac.jsonl")
+    r = torchrun(4, TINY + ["--tensor-model-parallel-size", "2", "--global-batch-size", "8",
+                            "--train-iters", "10", "--log-json", path, *flags])
+    assert r.returncode == 0, r.stderr[-3000:]
+    log = read_json_log(path)
+    for a, b in zip(log, curves[(2, 2)]):
+        assert abs(a["loss"] - b["loss"]) <= 1e-5 * abs(b["loss"]), (a["iteration"], a, b)
+    # 2 layers x (2 samples x 32 tokens x 64 hidden) fp32 inputs, split over TP 2
+    assert log[-1]["activation_checkpoint_bytes"] == 2 * 2 * 32 * 64 * 4 // 2
