@@ -1,13 +1,17 @@
-"""The one place that reads the metrics dict: console line and ``--log-json``.
+"""The one place that reads the metrics dict: console line, ``--log-json``, TensorBoard.
 
 Only global rank 0 writes. Each logged iteration becomes one console line
-(Megatron's format) and, with ``--log-json PATH``, one JSON object per line.
+(Megatron's format), one JSON object per line with ``--log-json PATH``, and
+TensorBoard scalars with ``--tensorboard-dir DIR`` (every numeric field; dict
+fields such as ``comm_bytes`` become ``comm_bytes/all_reduce`` ...). Evaluations
+are logged with a ``split`` key (JSON) and under ``valid/``, ``test/`` (TensorBoard).
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import sys
 
@@ -24,29 +28,74 @@ def setup_logging(rank: int) -> None:
     log.setLevel(logging.INFO if rank == 0 else logging.WARNING)
 
 
+def _scalars(prefix: str, m: dict):
+    for k, v in m.items():
+        if isinstance(v, dict):
+            yield from _scalars(f"{prefix}{k}/", v)
+        elif isinstance(v, (int, float)) and not isinstance(v, bool) and k != "iteration":
+            yield prefix + k, float(v)
+
+
 class Monitor:
-    def __init__(self, rank: int, log_json: str | None = None):
+    def __init__(self, rank: int, log_json: str | None = None,
+                 tensorboard_dir: str | None = None, append: bool = False):
         self.enabled = rank == 0
-        self._json = None
-        if self.enabled and log_json:
+        self._json = self._tb = None
+        if not self.enabled:
+            return
+        if log_json:
             os.makedirs(os.path.dirname(os.path.abspath(log_json)), exist_ok=True)
-            self._json = open(log_json, "w", encoding="utf-8")
+            self._json = open(log_json, "a" if append else "w", encoding="utf-8")
+        if tensorboard_dir:
+            from torch.utils.tensorboard import SummaryWriter
+            self._tb = SummaryWriter(tensorboard_dir)
+
+    def _write(self, record: dict, prefix: str, step: int) -> None:
+        if self._json is not None:
+            self._json.write(json.dumps(record) + "\n")
+            self._json.flush()
+        if self._tb is not None:
+            for tag, v in _scalars(prefix, record):
+                self._tb.add_scalar(tag, v, step)
+            self._tb.flush()
 
     def log_iteration(self, m: dict) -> None:
         """``m`` holds iteration, train_iters, consumed_samples, loss, lr, grad_norm,
-        step_time_s and tokens_per_sec (and whatever other components add)."""
+        step_time_s, tokens_per_sec, and optionally loss_scale, skipped_iterations,
+        tflops_per_rank, peak_memory_bytes, model_state_bytes, comm_bytes,
+        activation_checkpoint_bytes."""
         if not self.enabled:
             return
-        log.info(" iteration %8d/%8d | consumed samples: %10d | elapsed time per iteration "
-                 "(ms): %.1f | learning rate: %.3E | lm loss: %.6E | grad norm: %.3f | "
-                 "tokens/s: %.0f |", m["iteration"], m["train_iters"], m["consumed_samples"],
-                 m["step_time_s"] * 1000, m["lr"], m["loss"], m["grad_norm"],
-                 m["tokens_per_sec"])
-        if self._json is not None:
-            self._json.write(json.dumps(m) + "\n")
-            self._json.flush()
+        parts = [f" iteration {m['iteration']:8d}/{m['train_iters']:8d}",
+                 f"consumed samples: {m['consumed_samples']:10d}",
+                 f"elapsed time per iteration (ms): {m['step_time_s'] * 1000:.1f}",
+                 f"learning rate: {m['lr']:.3E}", f"lm loss: {m['loss']:.6E}"]
+        if "loss_scale" in m:
+            parts.append(f"loss scale: {m['loss_scale']:.1f}")
+        parts.append(f"grad norm: {m['grad_norm']:.3f}")
+        if "skipped_iterations" in m:
+            parts.append(f"number of skipped iterations: {m['skipped_iterations']:3d}")
+        parts.append(f"tokens/s: {m['tokens_per_sec']:.0f}")
+        if "tflops_per_rank" in m:
+            parts.append(f"TFLOP/s per rank: {m['tflops_per_rank']:.3f}")
+        if "peak_memory_bytes" in m:
+            parts.append(f"peak memory (MB): {m['peak_memory_bytes'] / 2**20:.0f}")
+        log.info(" | ".join(parts) + " |")
+        self._write(m, "train/", m["iteration"])
+
+    def log_eval(self, iteration: int, split: str, loss: float) -> None:
+        if not self.enabled:
+            return
+        ppl = math.exp(min(loss, 50.0))
+        log.info("-" * 80 + f"\n {split} loss at iteration {iteration} | lm loss: {loss:.6E} "
+                 f"| lm loss PPL: {ppl:.6E} |\n" + "-" * 80)
+        self._write({"iteration": iteration, "split": split, "loss": loss, "ppl": ppl},
+                    f"{split}/", iteration)
 
     def close(self) -> None:
         if self._json is not None:
             self._json.close()
             self._json = None
+        if self._tb is not None:
+            self._tb.close()
+            self._tb = None

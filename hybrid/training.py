@@ -9,15 +9,17 @@ One iteration, data flowing one way::
 
 from __future__ import annotations
 
+import resource
 import time
 from dataclasses import dataclass
 
 import torch
 
+from hybrid.activation_checkpointing import apply_activation_checkpointing
 from hybrid.checkpoint import load_checkpoint, save_checkpoint
 from hybrid.config import TrainConfig, padded_vocab_size
-from hybrid.data.dataset import GPTSamples, dp_micro_batches, load_token_stream
-from hybrid.data.tokenizer import ByteTokenizer
+from hybrid.data.dataset import build_datasets, dp_micro_batches
+from hybrid.data.tokenizer import build_tokenizer
 from hybrid.errors import TrainingError
 from hybrid.lr_schedule import learning_rate
 from hybrid.monitor import Monitor, log
@@ -93,20 +95,40 @@ def _nan_guard(result, scaler, streak: int, cfg, iteration: int) -> int:
     return streak
 
 
+@torch.no_grad()
+def evaluate(model: GPT, samples, cfg: TrainConfig, ps: ParallelState) -> float:
+    """Mean loss over ``--eval-iters`` global batches from the start of ``samples``
+    (the same batches every time, so evaluations compare), averaged over DP."""
+    model.eval()
+    total = torch.zeros((), device=ps.device)
+    count = 0
+    for k in range(cfg.eval_iters):
+        for tokens, labels in dp_micro_batches(samples, k * cfg.global_batch_size,
+                                               cfg.global_batch_size, cfg.micro_batch_size,
+                                               ps.dp_rank, ps.dp_size, ps.device):
+            total += model(tokens, labels).float()
+            count += 1
+    model.train()
+    ps.dp_group.all_reduce(total)
+    return float(total) / (count * ps.dp_size)
+
+
+def _peak_memory(ps: ParallelState) -> int:
+    if ps.device.type == "cuda":
+        return torch.cuda.max_memory_allocated(ps.device)
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # peak RSS on Linux
+
+
 def pretrain(cfg: TrainConfig, ps: ParallelState) -> list[dict]:
     """Train for ``cfg.train_iters`` iterations; return the logged metrics (rank 0's view)."""
     rng = seed_all(cfg.seed, ps.tp_rank, ps.dp_rank, ps.device)
-    tokenizer = ByteTokenizer()
-    text_file = cfg.data_path[0] if cfg.data_path else None
-    samples = GPTSamples(load_token_stream(text_file, tokenizer), cfg.seq_length, cfg.seed)
+    tokenizer = build_tokenizer(cfg)
+    data = build_datasets(cfg, tokenizer)
     model = build_model(cfg, ps, tokenizer.vocab_size, rng)
     model.train()
-    ac = None
-    if cfg.recompute_activations:
-        from hybrid.activation_checkpointing import apply_activation_checkpointing
-        ac = apply_activation_checkpointing(model, ps, rng, cfg)
+    ac = apply_activation_checkpointing(model, ps, rng, cfg) if cfg.recompute_activations \
+        else None
     engine = apply_zero(model, ps, cfg)
-    params = [p for p in model.parameters() if p.requires_grad]
 
     state = TrainState()
     if cfg.load:
@@ -116,12 +138,12 @@ def pretrain(cfg: TrainConfig, ps: ParallelState) -> list[dict]:
             state.iteration, state.consumed_samples = loaded
             log.info("resumed from %s at iteration %d (%d samples consumed)", cfg.load,
                      state.iteration, state.consumed_samples)
-    monitor = Monitor(ps.rank, cfg.log_json)
-
+    monitor = Monitor(ps.rank, cfg.log_json, cfg.tensorboard_dir, append=state.iteration > 0)
     log.info("layout: %s", ps.describe())
-    log.info("parameters: %d on this rank (TP rank %d), %d in the model; data: %d tokens, "
-             "%d samples per epoch", sum(p.numel() for p in params), ps.tp_rank,
-             model.cfg.num_parameters(), len(samples.tokens), samples.samples_per_epoch)
+    log.info("parameters: %d on each TP rank, %d in the model (TP %d, padded vocab %d); "
+             "train samples per epoch: %d", model.cfg.num_parameters(ps.tp_size),
+             model.cfg.num_parameters(), ps.tp_size, model.cfg.padded_vocab_size,
+             len(data["train"]))
     log.info("config: %s", cfg.to_dict())
 
     def save():
@@ -129,7 +151,12 @@ def pretrain(cfg: TrainConfig, ps: ParallelState) -> list[dict]:
                                cfg, rng, cfg.keep_last, tokenizer.vocab_size)
         log.info("saved checkpoint %s", path)
 
+    def run_eval(split):
+        if data[split] is not None and cfg.eval_iters > 0:
+            monitor.log_eval(state.iteration, split, evaluate(model, data[split], cfg, ps))
+
     tokens_per_iter = cfg.global_batch_size * cfg.seq_length
+    flops_per_iter = model.cfg.flops_per_token(cfg.seq_length) * tokens_per_iter
     history, loss_acc, time_acc, n_acc = [], torch.zeros((), device=ps.device), 0.0, 0
     skipped, nan_streak, saved_at = 0, 0, state.iteration
     try:
@@ -138,8 +165,9 @@ def pretrain(cfg: TrainConfig, ps: ParallelState) -> list[dict]:
             t0 = time.perf_counter()
             lr = learning_rate(state.iteration + 1, cfg.lr, cfg.min_lr, cfg.lr_warmup_iters,
                                cfg.lr_decay_iters, cfg.lr_decay_style)
-            batches = dp_micro_batches(samples, state.consumed_samples, cfg.global_batch_size,
-                                       cfg.micro_batch_size, ps.dp_rank, ps.dp_size, ps.device)
+            batches = dp_micro_batches(data["train"], state.consumed_samples,
+                                       cfg.global_batch_size, cfg.micro_batch_size,
+                                       ps.dp_rank, ps.dp_size, ps.device)
             comm_before = ps.comm_stats.snapshot()
             loss, result = train_step(model, engine, batches, lr)
             comm = {k: v - comm_before[k] for k, v in ps.comm_stats.snapshot().items()}
@@ -160,6 +188,8 @@ def pretrain(cfg: TrainConfig, ps: ParallelState) -> list[dict]:
                      "grad_norm": result.grad_norm, "loss_scale": result.loss_scale,
                      "skipped_iterations": skipped, "step_time_s": step_time,
                      "tokens_per_sec": tokens_per_iter / step_time,
+                     "tflops_per_rank": flops_per_iter / step_time / ps.world_size / 1e12,
+                     "peak_memory_bytes": _peak_memory(ps),
                      "model_state_bytes": engine.model_state_bytes(), "comm_bytes": comm}
                 if ac is not None:
                     m["activation_checkpoint_bytes"] = ac.peak_bytes()
@@ -168,12 +198,15 @@ def pretrain(cfg: TrainConfig, ps: ParallelState) -> list[dict]:
                 history.append(m)
                 loss_acc.zero_()
                 time_acc, n_acc = 0.0, 0
+            if cfg.eval_interval and state.iteration % cfg.eval_interval == 0:
+                run_eval("valid")
             if (cfg.save and cfg.save_interval and state.iteration % cfg.save_interval == 0
                     and nan_streak == 0):  # never save a step that went non-finite
                 save()
                 saved_at = state.iteration
         if cfg.save and saved_at != state.iteration:
             save()
+        run_eval("test")
     finally:
         monitor.close()
     return history

@@ -29,6 +29,8 @@ def torchrun(nproc: int, args: list[str], timeout: float = 300) -> subprocess.Co
                           cwd=ROOT)
 
 
-def read_json_log(path: str) -> list[dict]:
+def read_json_log(path: str, split: str | None = None) -> list[dict]:
+    """Training records of a --log-json file (or the evaluations of ``split``)."""
     with open(path, encoding="utf-8") as f:
-        return [json.loads(line) for line in f if line.strip()]
+        records = [json.loads(line) for line in f if line.strip()]
+    return [r for r in records if r.get("split") == split]

@@ -1,53 +1,64 @@
-"""Token stream -> fixed-length GPT samples -> this data-parallel rank's micro-batches.
+"""Token sources -> train/valid/test splits -> shuffled fixed-length samples -> DP micro-batches.
 
-A sample is ``seq_length + 1`` consecutive tokens (inputs and shifted labels),
-cut from the concatenated documents without regard to document boundaries.
-Sample ``i`` of the run is window ``perm_e[i mod n]`` of epoch ``e = i // n``,
-where each epoch's permutation is drawn from ``seed + e``: the order depends
-only on the seed, never on the layout, and ``consumed_samples`` alone says
-where a run is.
+A sample is ``seq_length + 1`` consecutive tokens (inputs and shifted labels)
+cut from a split's token span without regard to document boundaries;
+consecutive windows share one token. Sample ``i`` is window ``perm_e[i mod n]``
+of epoch ``e = i // n``; each epoch's permutation comes from the seed alone
+(never the layout) and is cached as ``.npy`` next to the data (or in
+``--data-cache-path``), so ``consumed_samples`` alone says where a run is.
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
 
 import numpy as np
 import torch
 
+from hybrid.data.blending import BlendedSamples
 from hybrid.data.builtin import builtin_documents
-from hybrid.data.tokenizer import ByteTokenizer
+from hybrid.data.indexed import IndexedTokens
 from hybrid.errors import DataError
 
 
-def load_token_stream(data_path: str | None, tokenizer: ByteTokenizer) -> np.ndarray:
-    """All documents tokenized and joined, each followed by the end-of-document token.
+class InMemoryTokens:
+    """Documents tokenized in memory, with the IndexedTokens interface."""
 
-    ``data_path`` None means the built-in corpus; otherwise a UTF-8 text file
-    read as one document.
+    def __init__(self, docs, tokenizer, name: str):
+        parts = [tokenizer.encode_array(d).astype(np.int64) for d in docs]
+        lengths = [len(p) + 1 for p in parts]  # + end of document
+        self.tokens = np.empty(sum(lengths), dtype=np.int64)
+        self.offsets = np.zeros(len(parts) + 1, dtype=np.int64)
+        np.cumsum(lengths, out=self.offsets[1:])
+        for p, start in zip(parts, self.offsets[:-1]):
+            self.tokens[start: start + len(p)] = p
+            self.tokens[start + len(p)] = tokenizer.eod
+        self.num_documents = len(parts)
+        self.prefix = name
+
+
+def split_spans(source, split: str) -> list[tuple[int, int]]:
+    """Token ranges [lo, hi) of train/valid/test by the --split proportions.
+
+    Cuts fall on document boundaries when the source has enough documents (so
+    no document straddles two splits), else on token positions (one big text).
     """
-    if data_path is None:
-        docs = builtin_documents()
-    else:
-        if not os.path.isfile(data_path):
-            raise DataError(f"--data-path {data_path}: no such file")
-        try:
-            with open(data_path, encoding="utf-8") as f:
-                docs = [f.read()]
-        except (OSError, UnicodeDecodeError) as e:
-            raise DataError(f"--data-path {data_path}: cannot read as UTF-8 text ({e})") from e
-    dtype = np.uint16 if tokenizer.vocab_size < 2**16 else np.int32
-    parts = []
-    for doc in docs:
-        parts.append(tokenizer.encode_array(doc).astype(dtype, copy=False))
-        parts.append(np.asarray([tokenizer.eod], dtype=dtype))
-    return np.concatenate(parts)
+    w = np.asarray([float(x) for x in split.replace("/", ",").split(",")])
+    total = int(source.offsets[-1])
+    cuts = np.round(np.cumsum(np.concatenate([[0.0], w / w.sum()])) * total).astype(np.int64)
+    if source.num_documents >= 100:
+        idx = np.searchsorted(source.offsets, cuts)
+        cuts = source.offsets[np.minimum(idx, source.num_documents)]
+    cuts[-1] = total
+    return [(int(cuts[i]), int(cuts[i + 1])) for i in range(3)]
 
 
 class GPTSamples:
-    """Shuffled fixed-length windows over a token stream, repeating in epochs."""
+    """Shuffled fixed-length windows over a token span, repeating in epochs."""
 
-    def __init__(self, tokens: np.ndarray, seq_length: int, seed: int):
+    def __init__(self, tokens: np.ndarray, seq_length: int, seed: int,
+                 cache_dir: str | None = None, cache_key: str = ""):
         self.tokens = tokens
         self.seq_length = seq_length
         self.seed = seed
@@ -55,22 +66,112 @@ class GPTSamples:
         if self.samples_per_epoch < 1:
             raise DataError(f"the data has {len(tokens)} tokens, fewer than one sample of "
                             f"--seq-length {seq_length} + 1")
+        self.cache_dir, self.cache_key = cache_dir, cache_key
         self._perm_epoch, self._perm = -1, None
 
-    def _window(self, i: int) -> int:
-        epoch, j = divmod(i, self.samples_per_epoch)
-        if epoch != self._perm_epoch:
-            rng = np.random.default_rng(self.seed + epoch)
-            self._perm = rng.permutation(self.samples_per_epoch)
-            self._perm_epoch = epoch
-        return int(self._perm[j])
+    def __len__(self) -> int:
+        return self.samples_per_epoch
+
+    def _permutation(self, epoch: int) -> np.ndarray:
+        path = None
+        if self.cache_dir:
+            h = hashlib.sha1(f"{self.cache_key}|{self.seq_length}|{self.seed}|{epoch}|"
+                             f"{self.samples_per_epoch}".encode()).hexdigest()[:16]
+            path = os.path.join(self.cache_dir, f"shuffle_{h}.npy")
+            if os.path.isfile(path):
+                try:
+                    perm = np.load(path, mmap_mode="r")
+                    if len(perm) == self.samples_per_epoch:
+                        return perm
+                except (OSError, ValueError):
+                    pass  # a damaged cache entry is rebuilt below
+        perm = np.random.default_rng(self.seed + epoch).permutation(self.samples_per_epoch)
+        if path:
+            try:  # atomic: concurrent ranks may build the same entry at once
+                os.makedirs(self.cache_dir, exist_ok=True)
+                tmp = f"{path}.{os.getpid()}.tmp.npy"
+                np.save(tmp, perm)
+                os.replace(tmp, path)
+            except OSError:
+                pass  # a read-only data directory just means no cache
+        return perm
 
     def __getitem__(self, i: int) -> np.ndarray:
-        start = self._window(i) * self.seq_length
-        return self.tokens[start: start + self.seq_length + 1]
+        epoch, j = divmod(int(i), self.samples_per_epoch)
+        if epoch != self._perm_epoch:
+            self._perm, self._perm_epoch = self._permutation(epoch), epoch
+        start = int(self._perm[j]) * self.seq_length
+        return np.asarray(self.tokens[start: start + self.seq_length + 1], dtype=np.int64)
 
 
-def dp_micro_batches(samples: GPTSamples, consumed_samples: int, global_batch_size: int,
+def _parse_data_path(paths: list[str]) -> list[tuple[float, str]]:
+    """``[w1] p1 [w2] p2 ...`` -> [(weight, path)] (weights default to equal)."""
+    def is_number(s):
+        try:
+            float(s)
+            return True
+        except ValueError:
+            return False
+    if all(is_number(p) for p in paths[0::2]) and len(paths) % 2 == 0 and len(paths) > 1:
+        out = [(float(w), p) for w, p in zip(paths[0::2], paths[1::2])]
+    elif any(is_number(p) for p in paths):
+        raise DataError(f"--data-path {' '.join(paths)}: give either prefixes, or "
+                        f"weight prefix pairs")
+    else:
+        out = [(1.0, p) for p in paths]
+    if any(w <= 0 for w, _ in out):
+        raise DataError("--data-path weights must be > 0")
+    return out
+
+
+def _open_source(path: str | None, tokenizer):
+    if path is None:
+        return InMemoryTokens(builtin_documents(), tokenizer, "builtin")
+    if os.path.isfile(path + ".idx") or os.path.isfile(path + ".bin"):
+        return IndexedTokens(path)
+    if os.path.isfile(path):
+        try:
+            with open(path, encoding="utf-8") as f:
+                return InMemoryTokens([f.read()], tokenizer, path)
+        except (OSError, UnicodeDecodeError) as e:
+            raise DataError(f"--data-path {path}: cannot read as UTF-8 text ({e})") from e
+    raise DataError(f"--data-path {path}: no such file (nor {path}.bin/.idx)")
+
+
+def build_datasets(cfg, tokenizer) -> dict:
+    """{"train", "valid", "test"}: samples objects (``len``, ``[i]``) or None if empty."""
+    sources = [(1.0, None)] if not cfg.data_path else _parse_data_path(cfg.data_path)
+    per_split: dict[str, list] = {"train": [], "valid": [], "test": []}
+    for weight, path in sources:
+        src = _open_source(path, tokenizer)
+        top = int(src.tokens.max()) if len(src.tokens) and path and not isinstance(
+            src, IndexedTokens) else -1
+        if top >= tokenizer.vocab_size:
+            raise DataError(f"--data-path {path}: token id {top} >= vocabulary size "
+                            f"{tokenizer.vocab_size} (another tokenizer?)")
+        cache = cfg.data_cache_path or (os.path.dirname(os.path.abspath(path)) if path and
+                                        isinstance(src, IndexedTokens) else None)
+        for k, (name, (lo, hi)) in enumerate(zip(per_split, split_spans(src, cfg.split))):
+            if hi - lo < cfg.seq_length + 1:
+                continue
+            key = f"{os.path.abspath(path) if path else 'builtin'}|{lo}|{hi}"
+            per_split[name].append((weight, GPTSamples(src.tokens[lo:hi], cfg.seq_length,
+                                                       cfg.seed + k, cache, key)))
+    out = {}
+    for name, parts in per_split.items():
+        if not parts:
+            out[name] = None
+        elif len(parts) == 1:
+            out[name] = parts[0][1]
+        else:
+            out[name] = BlendedSamples([p for _, p in parts], [w for w, _ in parts])
+    if out["train"] is None:
+        raise DataError(f"--data-path: the train split has fewer than --seq-length "
+                        f"{cfg.seq_length} + 1 tokens (check --split {cfg.split})")
+    return out
+
+
+def dp_micro_batches(samples, consumed_samples: int, global_batch_size: int,
                      micro_batch_size: int, dp_rank: int, dp_size: int,
                      device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """This DP rank's micro-batches for the iteration starting at ``consumed_samples``.
@@ -85,6 +186,6 @@ def dp_micro_batches(samples: GPTSamples, consumed_samples: int, global_batch_si
     out = []
     for m in range(0, per_rank, micro_batch_size):
         rows = np.stack([samples[first + m + k] for k in range(micro_batch_size)])
-        batch = torch.from_numpy(rows.astype(np.int64)).to(device)
+        batch = torch.from_numpy(rows).to(device)
         out.append((batch[:, :-1], batch[:, 1:]))
     return out
