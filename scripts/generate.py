@@ -1,0 +1,106 @@
+#!/usr/bin/env python
+"""Sample text from a checkpoint (any layout), on one process.
+
+    python scripts/generate.py --load runs/ckpt --prompt "ROMEO:" --max-new-tokens 200
+
+Rebuilds the full model from the sharded checkpoint, uses the tokenizer the run
+trained with (its flags are in the checkpoint's metadata; override with
+--tokenizer-type/--vocab-file/--merge-file/--tokenizer-file), and samples with
+temperature and top-k.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from types import SimpleNamespace
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+
+from hybrid.checkpoint import find_checkpoint  # noqa: E402
+from hybrid.checkpoint.reshard import merged_state  # noqa: E402
+from hybrid.config import padded_vocab_size  # noqa: E402
+from hybrid.data.tokenizer import build_tokenizer  # noqa: E402
+from hybrid.errors import CheckpointError, DataError  # noqa: E402
+from hybrid.parallel_state import ParallelState  # noqa: E402
+from models.gpt import GPT, GPTConfig  # noqa: E402
+
+
+def load_model(ckpt: str, device: str):
+    meta, state = merged_state(ckpt)
+    c = meta["config"]
+    vocab = meta["vocab_size"]
+    cfg = GPTConfig(vocab_size=vocab, padded_vocab_size=padded_vocab_size(vocab, 128, 1),
+                    num_layers=c["num_layers"], hidden_size=c["hidden_size"],
+                    num_attention_heads=c["num_attention_heads"],
+                    max_position_embeddings=c["max_position_embeddings"],
+                    ffn_hidden_size=c.get("ffn_hidden_size"), hidden_dropout=0.0,
+                    attention_dropout=0.0)
+    model = GPT(cfg, ParallelState.single().tp_group)
+    weights = {n: s["master"] for n, s in state.items()}
+    wte = torch.zeros(cfg.padded_vocab_size, cfg.hidden_size)
+    wte[:vocab] = weights["wte.weight"][:vocab]
+    weights["wte.weight"] = wte
+    model.load_state_dict(weights)
+    return model.to(device).eval(), c
+
+
+@torch.no_grad()
+def sample(model, ids: list[int], n: int, temperature: float, top_k: int, seed: int):
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    ctx = model.cfg.max_position_embeddings
+    x = torch.tensor([ids], dtype=torch.long, device=next(model.parameters()).device)
+    for _ in range(n):
+        logits = model(x[:, -ctx:])[0, -1, : model.cfg.vocab_size].float().cpu()
+        if temperature <= 0:
+            nxt = int(logits.argmax())
+        else:
+            logits = logits / temperature
+            if top_k > 0:
+                kth = torch.topk(logits, min(top_k, logits.numel())).values[-1]
+                logits[logits < kth] = float("-inf")
+            nxt = int(torch.multinomial(torch.softmax(logits, -1), 1, generator=g))
+        x = torch.cat([x, torch.tensor([[nxt]], device=x.device)], dim=1)
+    return x[0].tolist()
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--load", required=True, help="a --save directory or an iter_* directory")
+    ap.add_argument("--prompt", default="\n")
+    ap.add_argument("--max-new-tokens", type=int, default=200)
+    ap.add_argument("--temperature", type=float, default=0.8)
+    ap.add_argument("--top-k", type=int, default=40)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--tokenizer-type", default=None)
+    ap.add_argument("--vocab-file")
+    ap.add_argument("--merge-file")
+    ap.add_argument("--tokenizer-file")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    a = ap.parse_args(argv)
+    try:
+        ckpt = a.load
+        if not os.path.isfile(os.path.join(ckpt, "metadata.json")):
+            ckpt = find_checkpoint(ckpt)
+            if ckpt is None:
+                raise CheckpointError(f"--load {a.load}: no checkpoint there")
+        model, c = load_model(ckpt, a.device)
+        tok = build_tokenizer(SimpleNamespace(
+            tokenizer_type=a.tokenizer_type or c.get("tokenizer_type", "byte"),
+            vocab_file=a.vocab_file or c.get("vocab_file"),
+            merge_file=a.merge_file or c.get("merge_file"),
+            tokenizer_file=a.tokenizer_file or c.get("tokenizer_file")))
+    except (CheckpointError, DataError) as e:
+        print(f"generate.py: error: {e}", file=sys.stderr)
+        return 2
+    prompt = tok.encode(a.prompt) or [tok.eod]
+    out = sample(model, prompt, a.max_new_tokens, a.temperature, a.top_k, a.seed)
+    print(tok.decode(out))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

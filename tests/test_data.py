@@ -1,0 +1,160 @@
+"""Data: preprocessing round trip, constant memory, sample order, DP slices, blending."""
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from hybrid.config import TrainConfig
+from hybrid.data.blending import BlendedSamples
+from hybrid.data.dataset import GPTSamples, build_datasets, dp_micro_batches
+from hybrid.data.indexed import IndexedTokens
+from hybrid.data.tokenizer import ByteTokenizer
+from hybrid.errors import DataError
+from launch import ROOT, env
+
+PREPROCESS = os.path.join(ROOT, "scripts", "preprocess_data.py")
+SHAKESPEARE = os.path.join(ROOT, "..", "shared", "data", "tinyshakespeare.txt")
+
+
+def _preprocess(*args):
+    r = subprocess.run([sys.executable, PREPROCESS, *args], capture_output=True, text=True,
+                       env=env())
+    assert r.returncode == 0, r.stderr
+    return r
+
+
+def test_preprocess_round_trip_with_empty_tiny_and_huge_documents(tmp_path):
+    docs = ["", "x", "héllo wörld " * 20000, "line one\nline two\n"]
+    src = tmp_path / "in.jsonl"
+    src.write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
+    r = _preprocess("--input", str(src), "--output-prefix", str(tmp_path / "out"),
+                    "--workers", "2")
+    assert "4 documents" in r.stdout
+    ds, tok = IndexedTokens(str(tmp_path / "out")), ByteTokenizer()
+    assert len(ds) == 4 and ds.tokens.dtype == np.uint16
+    for i, d in enumerate(docs):
+        assert ds.document(i).tolist() == tok.encode(d) + [tok.eod]
+    _preprocess("--input", str(src), "--output-prefix", str(tmp_path / "raw"),
+                "--no-append-eod")
+    raw = IndexedTokens(str(tmp_path / "raw"))
+    assert [len(raw.document(i)) for i in range(4)] == [0, 1, len(docs[2].encode()), 18]
+
+
+def test_preprocess_memory_stays_flat_on_a_large_file(tmp_path):
+    big = tmp_path / "big.txt"
+    line = ("All the world's a stage, and all the men and women merely players. " * 3) + "\n"
+    with open(big, "w") as f:
+        for _ in range(40 * 2**20 // len(line)):  # 40 MB
+            f.write(line)
+    probe = ("import resource, subprocess, sys; "
+             "r = subprocess.run(sys.argv[1:]); "
+             "print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss); "
+             "sys.exit(r.returncode)")
+    r = subprocess.run([sys.executable, "-c", probe, sys.executable, PREPROCESS, "--input",
+                        str(big), "--output-prefix", str(tmp_path / "big"), "--workers", "2"],
+                       capture_output=True, text=True, env=env())
+    assert r.returncode == 0, r.stderr
+    peak_mb = int(r.stdout.strip().splitlines()[-1]) / 1024
+    assert IndexedTokens(str(tmp_path / "big")).tokens.size > 40 * 10**6
+    assert peak_mb < 100, f"peak RSS {peak_mb:.0f} MB for a 40 MB input"  # tokens alone: 80 MB
+
+
+def test_corrupt_truncated_and_missing_files_are_named(tmp_path):
+    src = tmp_path / "in.txt"
+    src.write_text("some text " * 100)
+    _preprocess("--input", str(src), "--output-prefix", str(tmp_path / "d"))
+    idx = tmp_path / "d.idx"
+    good = idx.read_bytes()
+    idx.write_bytes(good[:-3])
+    with pytest.raises(DataError, match=r"d\.idx: corrupt or truncated"):
+        IndexedTokens(str(tmp_path / "d"))
+    idx.write_bytes(b"garbage!" + good[8:])
+    with pytest.raises(DataError, match="not a hybrid token index"):
+        IndexedTokens(str(tmp_path / "d"))
+    idx.write_bytes(good)
+    (tmp_path / "d.bin").write_bytes(b"\0" * 10)
+    with pytest.raises(DataError, match="does not match"):
+        IndexedTokens(str(tmp_path / "d"))
+    with pytest.raises(DataError, match="nope.idx does not exist"):
+        IndexedTokens(str(tmp_path / "nope"))
+
+
+def _samples(n_tokens=5000, seq=16, seed=3):
+    return GPTSamples(np.arange(n_tokens), seq, seed)
+
+
+def test_same_seed_same_order_and_epochs_reshuffle():
+    a, b, c = _samples(), _samples(), _samples(seed=4)
+    n = a.samples_per_epoch
+    assert all(np.array_equal(a[i], b[i]) for i in range(2 * n))
+    assert not all(np.array_equal(a[i], c[i]) for i in range(20))
+    first = {a[i].tobytes() for i in range(n)}
+    assert len(first) == n  # an epoch visits every window once
+    assert [a[i].tobytes() for i in range(n, n + 10)] != [a[i].tobytes() for i in range(10)]
+
+
+def test_dp_ranks_get_disjoint_slices_of_the_global_batch():
+    s = _samples()
+    whole = dp_micro_batches(s, 40, 16, 4, 0, 1, torch.device("cpu"))
+    parts = [dp_micro_batches(s, 40, 16, 2, r, 4, torch.device("cpu")) for r in range(4)]
+    whole_rows = torch.cat([x for x, _ in whole])
+    rank_rows = torch.cat([x for p in parts for x, _ in p])
+    assert torch.equal(whole_rows, rank_rows)  # together: exactly the global batch, in order
+    for x, y in whole:
+        assert torch.equal(x[:, 1:], y[:, :-1])  # labels are inputs shifted by one
+
+
+def test_resuming_at_consumed_samples_continues_the_order():
+    s1, s2 = _samples(), _samples()
+    run = [dp_micro_batches(s1, k * 8, 8, 8, 0, 1, torch.device("cpu"))[0][0]
+           for k in range(6)]
+    resumed = [dp_micro_batches(s2, k * 8, 8, 8, 0, 1, torch.device("cpu"))[0][0]
+               for k in range(3, 6)]  # a fresh process that starts at consumed = 24
+    assert all(torch.equal(a, b) for a, b in zip(run[3:], resumed))
+
+
+def test_blend_draws_in_the_requested_proportions():
+    b = BlendedSamples([_samples(seed=1), _samples(seed=2), _samples(seed=3)], [2, 5, 3])
+    for n in (10, 100, 1000, 20000):
+        counts = np.bincount([b.source_of(i) for i in range(n)], minlength=3)
+        assert np.all(np.abs(counts - n * np.array([0.2, 0.5, 0.3])) <= 1), (n, counts)
+
+
+def test_build_datasets_splits_and_blends_prefixes(tmp_path):
+    for name, text in (("a", "alpha " * 3000), ("b", "beta " * 3000)):
+        (tmp_path / f"{name}.jsonl").write_text(
+            "".join(json.dumps({"text": text[i: i + 150]}) + "\n" for i in range(0, 18000, 150)))
+        _preprocess("--input", str(tmp_path / f"{name}.jsonl"), "--output-prefix",
+                    str(tmp_path / name))
+    cfg = TrainConfig(seq_length=32, split="80,10,10",
+                      data_path=["0.25", str(tmp_path / "a"), "0.75", str(tmp_path / "b")])
+    cfg.validate(1)
+    data = build_datasets(cfg, ByteTokenizer())
+    assert all(data[s] is not None for s in ("train", "valid", "test"))
+    train = data["train"]
+    assert np.bincount([train.source_of(i) for i in range(40)]).tolist() == [10, 30]
+    text = ByteTokenizer().decode(train[0])
+    assert ("alpha" in text) != ("beta" in text)  # each sample comes from one prefix
+    assert list(tmp_path.glob("shuffle_*.npy"))  # the sample order was cached
+
+
+@pytest.mark.skipif(not os.path.isfile(SHAKESPEARE), reason="shared corpus not present")
+def test_tinyshakespeare_through_the_bpe_tokenizer(tmp_path):
+    from hybrid.data.tokenizer import GPT2BPETokenizer
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "train_tokenizer.py"),
+                        "--input", SHAKESPEARE, "--vocab-size", "512", "--output-dir",
+                        str(tmp_path / "tok")], capture_output=True, text=True, env=env())
+    assert r.returncode == 0, r.stderr
+    vocab, merges = str(tmp_path / "tok" / "vocab.json"), str(tmp_path / "tok" / "merges.txt")
+    _preprocess("--input", SHAKESPEARE, "--output-prefix", str(tmp_path / "shake"),
+                "--tokenizer-type", "gpt2bpe", "--vocab-file", vocab, "--merge-file", merges)
+    tok = GPT2BPETokenizer(vocab, merges)
+    ds = IndexedTokens(str(tmp_path / "shake"))
+    text = open(SHAKESPEARE, encoding="utf-8").read()
+    assert tok.decode(ds.document(0)[:-1]) == text
+    assert len(ds.document(0)) < 0.7 * len(text.encode())  # BPE compresses

@@ -1,0 +1,40 @@
+"""pretrain_gpt.sh as a multi-node launcher: two "nodes" on one machine."""
+
+import os
+import socket
+import subprocess
+
+from launch import ROOT, TINY, env, read_json_log, torchrun
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_two_nodes_train_the_same_curve_as_one_node(tmp_path):
+    args = TINY + ["--train-iters", "5", "--global-batch-size", "4", "--zero-stage", "2"]
+    one = str(tmp_path / "one.jsonl")
+    r = torchrun(2, args + ["--log-json", one])
+    assert r.returncode == 0, r.stderr[-3000:]
+    two = str(tmp_path / "two.jsonl")
+    port = str(_free_port())
+    procs = []
+    for node in range(2):
+        e = dict(env(), NNODES="2", NODE_RANK=str(node), NPROC_PER_NODE="1",
+                 MASTER_ADDR="127.0.0.1", MASTER_PORT=port, RDZV_ID=f"test{port}")
+        out = open(tmp_path / f"node{node}.log", "w")
+        procs.append((subprocess.Popen(["bash", os.path.join(ROOT, "scripts", "pretrain_gpt.sh"),
+                                        *args, "--log-json", two], env=e, stdout=out,
+                                       stderr=subprocess.STDOUT, cwd=ROOT), out))
+    for p, out in procs:
+        try:
+            assert p.wait(timeout=180) == 0, (tmp_path / "node0.log").read_text()[-3000:]
+        finally:
+            if p.poll() is None:
+                p.kill()
+            out.close()
+    assert [m["loss"] for m in read_json_log(two)] == [m["loss"] for m in read_json_log(one)]
+    assert "world 2 = TP 1 x DP 2" in (tmp_path / "node0.log").read_text() + \
+        (tmp_path / "node1.log").read_text()

@@ -1,0 +1,25 @@
+"""TensorBoard and --log-json carry the metrics with the right steps."""
+
+from launch import TINY, read_json_log, torchrun
+
+
+def test_tensorboard_scalars_and_json_records(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    tb, js = str(tmp_path / "tb"), str(tmp_path / "log.jsonl")
+    r = torchrun(2, TINY + ["--train-iters", "6", "--log-interval", "2", "--eval-interval", "3",
+                            "--eval-iters", "1", "--global-batch-size", "4", "--zero-stage", "1",
+                            "--tensorboard-dir", tb, "--log-json", js])
+    assert r.returncode == 0, r.stderr[-3000:]
+    acc = EventAccumulator(tb)
+    acc.Reload()
+    tags = set(acc.Tags()["scalars"])
+    for tag in ("train/loss", "train/lr", "train/grad_norm", "train/tokens_per_sec",
+                "train/loss_scale", "train/tflops_per_rank", "train/model_state_bytes/total",
+                "train/comm_bytes/reduce_scatter", "valid/loss", "valid/ppl", "test/loss"):
+        assert tag in tags, (tag, sorted(tags))
+    assert [e.step for e in acc.Scalars("train/loss")] == [2, 4, 6]
+    assert [e.step for e in acc.Scalars("valid/loss")] == [3, 6]
+    losses = [e.value for e in acc.Scalars("train/loss")]
+    assert losses == [m["loss"] for m in read_json_log(js)]
+    assert [m["iteration"] for m in read_json_log(js, "valid")] == [3, 6]
+    assert "lm loss PPL" in r.stdout and "TFLOP/s per rank" in r.stdout
