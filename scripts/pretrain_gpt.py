@@ -8,6 +8,7 @@ any process group exists, so nothing can hang on it.
 
 from __future__ import annotations
 
+import gc
 import os
 import sys
 
@@ -53,6 +54,12 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, DataError, CheckpointError, TrainingError) as e:
         return _fail(str(e))
     finally:
+        # Collect the model/engine/hook reference cycles now, while the interpreter is
+        # whole: left to teardown, process groups they hold were destroyed late enough
+        # for gloo's threads to abort the process ("terminate called without an
+        # active exception") after a successful run.
+        del ps
+        gc.collect()
         if dist.is_initialized():
             dist.destroy_process_group()
     return 0
