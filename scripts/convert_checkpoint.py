@@ -18,7 +18,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
-from hybrid.checkpoint import find_checkpoint  # noqa: E402
+from hybrid.checkpoint import resolve_checkpoint  # noqa: E402
 from hybrid.checkpoint.reshard import merged_state  # noqa: E402
 from hybrid.errors import CheckpointError  # noqa: E402
 
@@ -30,11 +30,7 @@ def main(argv=None) -> int:
     ap.add_argument("--with-optimizer", action="store_true", help="include Adam moments")
     a = ap.parse_args(argv)
     try:
-        ckpt = a.checkpoint
-        if not os.path.isfile(os.path.join(ckpt, "metadata.json")):
-            ckpt = find_checkpoint(ckpt)
-            if ckpt is None:
-                raise CheckpointError(f"{a.checkpoint}: no checkpoint there")
+        ckpt = resolve_checkpoint(a.checkpoint)
         if os.path.exists(a.output):
             raise CheckpointError(f"{a.output}: already exists; not overwriting it")
         meta, state = merged_state(ckpt)

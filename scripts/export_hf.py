@@ -17,7 +17,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from hybrid.checkpoint import find_checkpoint  # noqa: E402
+from hybrid.checkpoint import resolve_checkpoint  # noqa: E402
 from hybrid.checkpoint.reshard import merged_state  # noqa: E402
 from hybrid.errors import CheckpointError  # noqa: E402
 from hybrid.hf import hf_config, to_hf  # noqa: E402
@@ -35,11 +35,7 @@ def main(argv=None) -> int:
               file=sys.stderr)
         return 2
     try:
-        ckpt = a.checkpoint
-        if not os.path.isfile(os.path.join(ckpt, "metadata.json")):
-            ckpt = find_checkpoint(ckpt)
-            if ckpt is None:
-                raise CheckpointError(f"{a.checkpoint}: no checkpoint there")
+        ckpt = resolve_checkpoint(a.checkpoint)
         if os.path.exists(os.path.join(a.output_dir, "model.safetensors")):
             raise CheckpointError(f"{a.output_dir}: already holds a model; not overwriting it")
         meta, state = merged_state(ckpt)

@@ -20,7 +20,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
-from hybrid.checkpoint import find_checkpoint  # noqa: E402
+from hybrid.checkpoint import resolve_checkpoint  # noqa: E402
 from hybrid.checkpoint.reshard import merged_state  # noqa: E402
 from hybrid.config import padded_vocab_size  # noqa: E402
 from hybrid.data.tokenizer import build_tokenizer  # noqa: E402
@@ -82,11 +82,7 @@ def main(argv=None) -> int:
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     a = ap.parse_args(argv)
     try:
-        ckpt = a.load
-        if not os.path.isfile(os.path.join(ckpt, "metadata.json")):
-            ckpt = find_checkpoint(ckpt)
-            if ckpt is None:
-                raise CheckpointError(f"--load {a.load}: no checkpoint there")
+        ckpt = resolve_checkpoint(a.load)
         model, c = load_model(ckpt, a.device)
         tok = build_tokenizer(SimpleNamespace(
             tokenizer_type=a.tokenizer_type or c.get("tokenizer_type", "byte"),

@@ -41,6 +41,17 @@ def find_checkpoint(load_dir: str) -> str | None:
     return os.path.join(load_dir, names[-1]) if names else None
 
 
+def resolve_checkpoint(path: str) -> str:
+    """``path`` itself if it is a checkpoint (``iter_*`` with metadata), else the newest
+    complete one under it (a ``--save`` directory); CheckpointError if none."""
+    if os.path.isfile(os.path.join(path, "metadata.json")):
+        return path
+    ckpt = find_checkpoint(path)
+    if ckpt is None:
+        raise CheckpointError(f"{path}: no checkpoint there")
+    return ckpt
+
+
 def read_metadata(ckpt: str) -> dict:
     path = os.path.join(ckpt, "metadata.json")
     try:
