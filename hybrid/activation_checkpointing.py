@@ -1,225 +1,382 @@
 """ZeRO-R: activation checkpointing, partitioned across the TP group, optionally on the host.
 
-``apply_activation_checkpointing(model, ps, rng, cfg)`` makes each of the first
-``--recompute-num-layers`` transformer blocks keep only its *input* during the
-forward pass and recompute itself during backward.
+    ac = apply_activation_checkpointing(model, ps, rng, cfg)  # right after the model is built
+    loss = model(tokens, labels); loss.backward()              # as before
+    ac.peak_bytes(); ac.reset_peak(); ac.allocations           # what the metrics read
+
+Each of the first ``cfg.recompute_num_layers`` blocks of ``model.blocks`` (all
+by default) keeps only its *input* ``(B, T, C)`` during the forward pass and
+runs itself again, with a graph, during backward.
 
 Under Megatron tensor parallelism every TP rank holds the same copy of a
 block's input (the residual stream is replicated), so storing it whole on each
 rank is TP-fold redundant. With ``--partition-activations`` each TP rank keeps
-only its ``1/TP`` slice of the flattened input (padded to a multiple of TP), and
-the slices are all-gathered over the TP group, into one gather buffer
-allocated once and reused by every layer, right before the recompute.
-``--cpu-checkpointing`` keeps the stored slices in host memory (pinned on
-CUDA); ``--contiguous-checkpointing`` puts them in one preallocated buffer with
-a slot per layer instead of many small tensors.
+only chunk ``tp_rank`` of the flattened input, padded to ``ceil(numel / TP)``
+elements, and the chunks are all-gathered over ``ps.tp_group`` into one gather
+buffer right before the recompute. ``--cpu-checkpointing`` keeps the stored
+chunks in host memory (pinned when the device is CUDA) and copies them back to
+the device before the gather; on a CPU-only machine the copy goes to a separate
+host buffer, so the same path runs. ``--contiguous-checkpointing`` writes the
+chunks into one preallocated buffer with one slot per checkpointed block.
+
+[Note: recompute re-enters the block's __call__]
+The wrapper is installed as the block's ``forward`` *instance attribute*: not a
+submodule, so parameter names, ``state_dict`` keys and the name-seeded init are
+unchanged. In backward the recompute calls ``block(x)`` -- ``Module.__call__``
+-- so forward hooks on the block and its submodules fire again; ZeRO-3's
+pre-forward hook gathers the block's parameters there (the backward gather of
+its 3 Psi budget) and its post-forward hook sees it is inside backward and keeps
+them. A per-block flag routes that re-entered ``forward`` straight to the
+block's own code.
 
 [Note: RNG in recompute]
-Dropout inside the recomputed block must draw the same masks as in the
-forward pass. The forward records the CPU, device and TP-tracker RNG states it
-started from; the recompute restores them, runs, then puts back the states
-of "now" so the rest of backward is undisturbed.
+Dropout in the recomputed block must draw the masks of the forward pass. The
+forward records the CPU generator, the CUDA generator of the device (on CUDA)
+and the TP tracker's states (:meth:`TPRNGTracker.get_states`) it started from;
+the recompute sets them, runs, and puts back the states of "now", so the rest
+of backward and the next step draw exactly what they would without
+checkpointing. The autocast state of the forward is replayed the same way.
 
-Wrapping replaces the block's ``forward`` on the instance only, so parameter
-names, ``state_dict`` and module hooks (ZeRO-3's gathers) are untouched: a
-ZeRO-3 block is gathered for the recompute by the hook on its output's gradient.
+[Note: buffer lifetimes]
+The gather and staging buffers are shared by every block and allocated once
+(again only for a larger micro-batch). A restored input is a view of them and
+the recompute graph saves it (LayerNorm's input); that is safe because one
+block's recompute *and* backward finish inside its ``backward`` before the
+next block restores. A contiguous slot is written in forward and read in the
+same step's backward; if it is still held (two forwards before one backward),
+the new checkpoint gets a tensor of its own instead of overwriting it. Padding
+elements of a chunk are never written: they land past ``numel`` in the gather
+buffer and are sliced off.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import weakref
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from hybrid.parallel_state import ParallelState
 from hybrid.tensor_parallel import TPRNGTracker
-from hybrid.tensor_parallel.random import get_device_rng_state, set_device_rng_state
+
+_ALIGN = 64  # bytes; slot offsets stay aligned for a .view() as any dtype
+
+ALLOCATION_KINDS = ("gather", "staging", "contiguous", "tensor")
 
 
-@dataclass
-class _Stashed:
-    """One stored checkpoint: the held tensor and how to rebuild the full input."""
+def _aligned(nbytes: int) -> int:
+    return -(-nbytes // _ALIGN) * _ALIGN
 
-    held: torch.Tensor  # this rank's slice (or the whole input), maybe on the host
+
+class _Reusable:
+    """One byte buffer that grows to the largest request and is reused otherwise."""
+
+    def __init__(self, kind: str, device: torch.device, counts: dict, pin: bool = False):
+        self.kind, self.device, self.counts, self.pin = kind, device, counts, pin
+        self.buf: torch.Tensor | None = None
+
+    def get(self, nbytes: int) -> torch.Tensor:
+        """A uint8 view of ``nbytes`` bytes at the start of the buffer."""
+        if self.buf is None or self.buf.numel() < nbytes:
+            self.buf = None  # let the smaller one go first (unless a stash still views it)
+            self.buf = torch.empty(nbytes, dtype=torch.uint8, device=self.device,
+                                   pin_memory=self.pin)
+            self.counts[self.kind] += 1
+        return self.buf[:nbytes]
+
+    def nbytes(self) -> int:
+        return 0 if self.buf is None else self.buf.numel()
+
+
+@dataclass(eq=False)  # identity hash: lives in a WeakSet
+class _Stash:
+    """One stored checkpoint: this rank's chunk (or the whole input) and how to rebuild it."""
+
+    held: torch.Tensor | None  # None once restored
     shape: torch.Size
-    numel: int
-    nbytes: int
+    numel: int  # of the full input
+    nbytes: int  # of ``held``
+    version: int | None  # input's version counter when ``held`` is the input itself
 
 
-@dataclass
 class CheckpointStore:
-    """Owner of every checkpoint buffer; reports bytes and allocations.
+    """Owner of every checkpoint buffer of one model; reports bytes and allocations.
 
-    ``allocations`` counts buffer (re)allocations by kind: "gather" (the TP
-    gather buffer), "staging" (device copy of a host slice before the gather),
-    "contiguous" (the slot store), "tensor" (one per stored checkpoint when not
-    contiguous: that is the fragmentation contiguous mode removes).
+    ``stash`` keeps this rank's share of a block input, ``restore`` rebuilds the
+    full input on ``ps.device`` (all-gathering over ``ps.tp_group`` when
+    partitioned). ``allocations`` counts buffer allocations by kind: "gather"
+    (the TP gather buffer), "staging" (a host chunk's copy back on the device),
+    "contiguous" (the slot buffer), "tensor" (one per stored checkpoint when not
+    contiguous -- the fragmentation contiguous mode removes). Plain recompute
+    on the device keeps a reference to the input itself and allocates nothing.
     """
 
-    ps: ParallelState
-    partition: bool
-    cpu: bool
-    contiguous: bool
-    num_slots: int
-    allocations: dict = field(default_factory=lambda: {"gather": 0, "staging": 0,
-                                                        "contiguous": 0, "tensor": 0})
-    stored_bytes: int = 0
-    peak: int = 0
-    _gather: torch.Tensor | None = None
-    _staging: torch.Tensor | None = None
-    _slots: torch.Tensor | None = None
+    def __init__(self, ps: ParallelState, partition: bool, cpu: bool, contiguous: bool,
+                 num_slots: int):
+        self.ps = ps
+        self.partition = partition and ps.tp_size > 1  # nothing to split at TP 1
+        self.cpu, self.contiguous, self.num_slots = cpu, contiguous, num_slots
+        self.home = torch.device("cpu") if cpu else ps.device
+        self.pin = cpu and ps.device.type == "cuda"  # async host<->device copies
+        self.allocations = dict.fromkeys(ALLOCATION_KINDS, 0)
+        self._gather = _Reusable("gather", ps.device, self.allocations)
+        self._staging = _Reusable("staging", ps.device, self.allocations)
+        self._slots: torch.Tensor | None = None
+        self._slot_stride = 0  # bytes per slot in ``_slots``
+        self._slot_user: list = [None] * num_slots  # weakref to the stash in each slot
+        self._live: weakref.WeakSet = weakref.WeakSet()  # stashes not yet restored
+        self._peak = 0
 
-    def _home(self) -> torch.device:
-        return torch.device("cpu") if self.cpu else self.ps.device
+    # -- accounting ------------------------------------------------------------
+    def stored_bytes(self) -> int:
+        """Bytes of checkpoints stored and not yet restored (dropped stashes excluded)."""
+        return sum(s.nbytes for s in list(self._live))
 
-    def _empty(self, n: int, dtype, device) -> torch.Tensor:
-        pin = self.cpu and device.type == "cpu" and torch.cuda.is_available()
-        return torch.empty(n, dtype=dtype, device=device, pin_memory=pin)
+    def peak_bytes(self) -> int:
+        return self._peak
 
-    def _piece_len(self, numel: int) -> int:
-        tp = self.ps.tp_size if self.partition else 1
-        return -(-numel // tp)
+    def reset_peak(self) -> None:
+        self._peak = self.stored_bytes()
+
+    def buffer_bytes(self) -> int:
+        """Bytes of the long-lived buffers: gather, staging and the contiguous slots."""
+        slots = 0 if self._slots is None else self._slots.numel()
+        return self._gather.nbytes() + self._staging.nbytes() + slots
+
+    # -- storage ---------------------------------------------------------------
+    def _slot(self, slot: int, nbytes: int) -> torch.Tensor | None:
+        """Bytes for ``slot`` in the contiguous buffer; None while that slot is still held."""
+        user = self._slot_user[slot]
+        if user is not None and user() is not None and user().held is not None:
+            return None
+        if self._slots is None or self._slot_stride < nbytes:
+            # A larger micro-batch: one new buffer for all slots. Stashes still
+            # viewing the old one keep it alive until they are restored.
+            self._slot_stride = _aligned(nbytes)
+            self._slots = None
+            self._slots = torch.empty(self.num_slots * self._slot_stride, dtype=torch.uint8,
+                                      device=self.home, pin_memory=self.pin)
+            self.allocations["contiguous"] += 1
+        lo = slot * self._slot_stride
+        return self._slots[lo: lo + nbytes]
 
     @torch.no_grad()
-    def stash(self, slot: int, x: torch.Tensor) -> _Stashed:
-        """Keep this rank's share of ``x`` (its TP slice when partitioning)."""
+    def stash(self, slot: int, x: torch.Tensor) -> _Stash:
+        """Keep this rank's share of ``x``: chunk ``tp_rank`` of ``ceil(numel / TP)``
+        elements when partitioning, else all of it; on the host with ``cpu``."""
         flat = x.detach().reshape(-1)
-        n, P = flat.numel(), self._piece_len(flat.numel())
-        lo = self.ps.tp_rank * P if self.partition else 0
-        src = flat[lo: min(n, lo + P)]
-        if self.contiguous:
-            if self._slots is None or self._slots.numel() < self.num_slots * P \
-                    or self._slots.dtype != flat.dtype:
-                self._slots = self._empty(self.num_slots * P, flat.dtype, self._home())
-                self.allocations["contiguous"] += 1
-            held = self._slots[slot * P: (slot + 1) * P]
+        n, es = flat.numel(), flat.element_size()
+        if not (self.partition or self.cpu or self.contiguous) and x.is_contiguous() \
+                and x.untyped_storage().nbytes() == n * es:
+            # Plain recompute: the input is alive until the next block has read
+            # it anyway; holding it costs the same bytes as a copy, minus the copy.
+            s = _Stash(flat, x.shape, n, n * es, x._version)  # a view of x
         else:
-            held = self._empty(P, flat.dtype, self._home())
-            self.allocations["tensor"] += 1
-        held[: src.numel()].copy_(src, non_blocking=self.cpu)
-        held[src.numel():].zero_()  # padding of the last slice
-        s = _Stashed(held, x.shape, n, P * flat.element_size())
-        self.stored_bytes += s.nbytes
-        self.peak = max(self.peak, self.stored_bytes)
+            piece = -(-n // self.ps.tp_size) if self.partition else n
+            lo = min(n, self.ps.tp_rank * piece) if self.partition else 0
+            src = flat[lo: min(n, lo + piece)]
+            raw = self._slot(slot, piece * es) if self.contiguous else None
+            in_slot = raw is not None
+            if not in_slot:
+                raw = torch.empty(piece * es, dtype=torch.uint8, device=self.home,
+                                  pin_memory=self.pin)
+                self.allocations["tensor"] += 1
+            held = raw.view(flat.dtype)
+            held[: src.numel()].copy_(src, non_blocking=self.cpu)
+            s = _Stash(held, x.shape, n, piece * es, None)
+            if in_slot:
+                self._slot_user[slot] = weakref.ref(s)
+        self._live.add(s)
+        self._peak = max(self._peak, self.stored_bytes())
         return s
 
     @torch.no_grad()
-    def restore(self, s: _Stashed) -> torch.Tensor:
-        """The full input again, on the device; frees the stash's share of the bytes."""
-        self.stored_bytes -= s.nbytes
-        dev = self.ps.device
-        piece = s.held
-        if piece.device != dev or self.partition:
-            if self._staging is None or self._staging.numel() < piece.numel() \
-                    or self._staging.dtype != piece.dtype:
-                self._staging = torch.empty(piece.numel(), dtype=piece.dtype, device=dev)
-                self.allocations["staging"] += 1
-            staged = self._staging[: piece.numel()]
-            staged.copy_(piece, non_blocking=True)
+    def restore(self, s: _Stash) -> torch.Tensor:
+        """The full input again, on ``ps.device``; releases the stash.
+
+        Collective (partitioned): all-gather over ``ps.tp_group``, every TP rank
+        restores the same block in the same order. The result is a view of a
+        shared buffer, valid until the next ``restore`` (see [Note: buffer lifetimes]).
+        """
+        if s.held is None:
+            raise RuntimeError("this checkpoint was already restored: a checkpointed block "
+                               "supports one backward per forward (no retain_graph)")
+        held, s.held = s.held, None
+        self._live.discard(s)
+        if s.version is not None and held._version != s.version:
+            raise RuntimeError("the input of a checkpointed block was modified in place after "
+                               "its forward; the recompute would see different values")
+        piece, es = held, held.element_size()
+        if self.cpu:  # back to the device before the gather
+            staged = self._staging.get(held.numel() * es).view(held.dtype)
+            staged.copy_(held, non_blocking=True)
             piece = staged
-        if not self.partition:
-            return piece[: s.numel].view(s.shape)
-        tp = self.ps.tp_size
-        if self._gather is None or self._gather.numel() < tp * piece.numel() \
-                or self._gather.dtype != piece.dtype:
-            self._gather = torch.empty(tp * piece.numel(), dtype=piece.dtype, device=dev)
-            self.allocations["gather"] += 1
-        out = self._gather[: tp * piece.numel()]
-        self.ps.tp_group.all_gather(out, piece)
-        # A view of the shared gather buffer is safe: this block's recompute and
-        # backward finish before the next layer's restore overwrites it.
-        return out[: s.numel].view(s.shape)
+        if self.partition:
+            out = self._gather.get(self.ps.tp_size * piece.numel() * es).view(held.dtype)
+            self.ps.tp_group.all_gather(out, piece)
+            piece = out
+        return piece[: s.numel].view(s.shape)
 
 
-class _RNGState:
-    """CPU, device and TP-tracker RNG states at one moment."""
+class _ForwardState:
+    """What a block's forward drew from besides its input and parameters:
+    the CPU, device and TP-tracker RNG states, and the autocast setting."""
 
-    def __init__(self, device: torch.device, rng: TPRNGTracker | None):
-        self.device = device
+    def __init__(self, device: torch.device, tracker: TPRNGTracker | None):
+        self.device, self.tracker = device, tracker
         self.cpu = torch.get_rng_state()
-        self.dev = get_device_rng_state(device) if device.type == "cuda" else None
-        self.tracker = rng.get_states() if rng is not None else None
+        self.cuda = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+        self.tracked = tracker.get_states() if tracker is not None else None
+        self.autocast = (torch.is_autocast_enabled(device.type),
+                         torch.get_autocast_dtype(device.type))
 
-    def restore(self, rng: TPRNGTracker | None) -> None:
+    def restore_rng(self) -> None:
         torch.set_rng_state(self.cpu)
-        if self.dev is not None:
-            set_device_rng_state(self.dev, self.device)
-        if rng is not None and self.tracker is not None:
-            rng.set_states(self.tracker)
+        if self.cuda is not None:
+            torch.cuda.set_rng_state(self.cuda, self.device)
+        if self.tracked is not None:
+            self.tracker.set_states(self.tracked)
+
+    def autocast_context(self):
+        enabled, dtype = self.autocast
+        return torch.autocast(self.device.type, dtype=dtype, enabled=enabled)
+
+
+class _CheckpointedForward:
+    """Stands in for ``block.forward``: one tensor in ``(B, T, C)``, one tensor out.
+
+    Under ``no_grad`` (evaluation) or while recomputing it runs the block's own
+    forward; otherwise it goes through :class:`_Recompute`.
+    """
+
+    def __init__(self, block: nn.Module, store: CheckpointStore, slot: int,
+                 rng: TPRNGTracker | None):
+        if "forward" in vars(block):
+            raise ValueError(f"{type(block).__name__} already has an instance-level forward "
+                             f"(activation checkpointing applied twice?)")
+        self._block = weakref.ref(block)  # no block -> wrapper -> block cycle
+        self._inner = type(block).forward
+        self.store, self.slot, self.rng = store, slot, rng
+        self.recomputing = False
+        # Makes the output require grad when the input does not, so backward
+        # still reaches this block's parameters.
+        self._anchor = torch.empty(0, requires_grad=True)
+
+    @property
+    def block(self) -> nn.Module:
+        return self._block()
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.recomputing or not torch.is_grad_enabled():
+            return self._inner(self.block, x)
+        anchor = () if x.requires_grad else (self._anchor,)
+        return _Recompute.apply(self, x, *anchor)
+
+    def recompute(self, x: torch.Tensor) -> torch.Tensor:
+        """``block(x)`` through ``Module.__call__``, so every module hook fires again."""
+        self.recomputing = True
+        try:
+            return self.block(x)
+        finally:
+            self.recomputing = False
 
 
 class _Recompute(torch.autograd.Function):
-    """forward: run the block without building a graph, stash its input.
-    backward: restore input and RNG, rerun with a graph, backpropagate through it."""
+    """forward: stash the block input (partitioned / on the host), run the block without a graph.
+    backward: restore the input (all-gather over the TP group when partitioned) and the
+    forward's RNG, rerun the block with a graph, backpropagate ``dy`` through it.
+
+    Parameter gradients reach ``param.grad`` through that inner backward, so
+    post-accumulate-grad hooks (ZeRO's reductions) fire as usual.
+    """
 
     @staticmethod
-    def forward(ctx, run, store: CheckpointStore, slot: int, rng, x):
-        ctx.run, ctx.store, ctx.rng = run, store, rng
-        ctx.rng_state = _RNGState(x.device, rng)
-        with torch.no_grad():
-            y = run(x)
-        ctx.stashed = store.stash(slot, x)
-        return y
+    def forward(ctx, fwd: _CheckpointedForward, x: torch.Tensor, *anchor):
+        ctx.fwd, ctx.n_anchor, ctx.x_requires_grad = fwd, len(anchor), x.requires_grad
+        ctx.state = _ForwardState(x.device, fwd.rng)
+        ctx.stash = fwd.store.stash(fwd.slot, x)
+        return fwd._inner(fwd.block, x)  # grad mode is off inside Function.forward
 
     @staticmethod
     def backward(ctx, dy):
-        x = ctx.store.restore(ctx.stashed).detach().requires_grad_()
-        now = _RNGState(x.device, ctx.rng)
-        ctx.rng_state.restore(ctx.rng)
+        if not torch.autograd._is_checkpoint_valid():
+            raise RuntimeError("activation checkpointing supports loss.backward(), not "
+                               "torch.autograd.grad(...) or backward(inputs=...)")
+        fwd, stash = ctx.fwd, ctx.stash
+        ctx.stash = None
+        x = fwd.store.restore(stash).detach().requires_grad_(ctx.x_requires_grad)
+        now = _ForwardState(x.device, fwd.rng)
+        ctx.state.restore_rng()
         try:
-            with torch.enable_grad():
-                y = ctx.run(x)
+            with torch.enable_grad(), ctx.state.autocast_context():
+                y = fwd.recompute(x)
         finally:
-            now.restore(ctx.rng)
-        torch.autograd.backward(y, dy)
-        ctx.stashed = None
-        return None, None, None, None, x.grad
+            now.restore_rng()
+        if y.requires_grad:
+            torch.autograd.backward(y, dy)
+        return (None, x.grad if ctx.x_requires_grad else None) + (None,) * ctx.n_anchor
 
 
 class ActivationCheckpointing:
-    """Handle returned by :func:`apply_activation_checkpointing`: bytes and counters."""
+    """Handle returned by :func:`apply_activation_checkpointing`: bytes and counters.
 
-    def __init__(self, store: CheckpointStore, blocks: list[nn.Module]):
-        self.store, self.blocks = store, blocks
+    Bytes are this rank's (with partitioning, its 1/TP chunks).
+    """
+
+    def __init__(self, store: CheckpointStore, wrappers: list[_CheckpointedForward]):
+        self.store, self._wrappers = store, wrappers
+
+    @property
+    def blocks(self) -> list[nn.Module]:
+        """The checkpointed blocks, in order."""
+        return [w.block for w in self._wrappers]
 
     def stored_bytes(self) -> int:
         """Checkpoint bytes held now (between a forward and its backward)."""
-        return self.store.stored_bytes
+        return self.store.stored_bytes()
 
     def peak_bytes(self) -> int:
         """Most checkpoint bytes held at once since the last :meth:`reset_peak`."""
-        return self.store.peak
+        return self.store.peak_bytes()
 
     def reset_peak(self) -> None:
-        self.store.peak = self.store.stored_bytes
+        self.store.reset_peak()
 
     def buffer_bytes(self) -> int:
-        bufs = (self.store._gather, self.store._staging, self.store._slots)
-        return sum(b.numel() * b.element_size() for b in bufs if b is not None)
+        """Long-lived buffers: gather, staging, contiguous slots (allocated once)."""
+        return self.store.buffer_bytes()
 
     @property
     def allocations(self) -> dict:
+        """Buffer allocations so far, by kind (see :class:`CheckpointStore`)."""
         return dict(self.store.allocations)
 
+    def remove(self) -> None:
+        """Give the blocks their own forward back (checkpoints held so far stay valid)."""
+        for w in self._wrappers:
+            if w.block is not None and vars(w.block).get("forward") is w:
+                del w.block.forward
 
-def apply_activation_checkpointing(model: nn.Module, ps: ParallelState, rng: TPRNGTracker,
-                                   cfg) -> ActivationCheckpointing:
-    """Checkpoint ``model.blocks[:cfg.recompute_num_layers]`` (all by default).
 
-    Each block's input ``(B, T, C)`` is stored (partitioned over ``ps.tp_group``
-    with ``cfg.partition_activations``) and the block is recomputed in backward.
+def apply_activation_checkpointing(model: nn.Module, ps: ParallelState,
+                                   rng: TPRNGTracker | None, cfg,
+                                   blocks: list[nn.Module] | None = None
+                                   ) -> ActivationCheckpointing:
+    """Checkpoint ``blocks`` (default: ``model.blocks[:cfg.recompute_num_layers]``, all
+    when that is None) in place, following ``cfg.partition_activations``,
+    ``cfg.cpu_checkpointing`` and ``cfg.contiguous_checkpointing``.
+
+    Each block must map one tensor ``(B, T, C)``, replicated over ``ps.tp_group``,
+    to one tensor. ``rng`` is the tracker whose states the recompute replays.
+    Names of parameters and ``state_dict`` keys do not change; apply before or
+    after ZeRO (its hooks fire in the recompute either way).
     """
-    n = cfg.recompute_num_layers or len(model.blocks)
-    store = CheckpointStore(ps, cfg.partition_activations and ps.tp_size > 1,
-                            cfg.cpu_checkpointing, cfg.contiguous_checkpointing, n)
-    blocks = list(model.blocks)[:n]
-    for slot, block in enumerate(blocks):
-        run = block.forward  # the class's forward, bound: no hooks, no recursion
-
-        def checkpointed(x, run=run, slot=slot):
-            if not torch.is_grad_enabled():  # evaluation: nothing to store
-                return run(x)
-            return _Recompute.apply(run, store, slot, rng, x)
-        block.forward = checkpointed
-    return ActivationCheckpointing(store, blocks)
+    if blocks is None:
+        blocks = list(model.blocks)[: cfg.recompute_num_layers or len(model.blocks)]
+    store = CheckpointStore(ps, cfg.partition_activations, cfg.cpu_checkpointing,
+                            cfg.contiguous_checkpointing, len(blocks))
+    wrappers = [_CheckpointedForward(b, store, slot, rng) for slot, b in enumerate(blocks)]
+    for b, w in zip(blocks, wrappers):
+        b.forward = w  # instance attribute, not a submodule: names stay
+    return ActivationCheckpointing(store, wrappers)

@@ -1,91 +1,287 @@
-"""ZeRO-R: recompute (partitioned, on the host, contiguous) gives the same gradients."""
+"""ZeRO-R activation checkpointing: every mode gives the gradients of no checkpointing,
+with dropout on, while holding 1/TP of the bytes in buffers allocated once.
+
+One worker call per TP size runs every variant (process spawns dominate the
+runtime); the end-to-end test runs scripts/pretrain_gpt.py under torchrun.
+"""
+
+import itertools
+import subprocess
 
 import pytest
 import torch
 
 from harness import run_ranks
-from hybrid.activation_checkpointing import apply_activation_checkpointing
+from hybrid.activation_checkpointing import CheckpointStore, apply_activation_checkpointing
 from hybrid.config import TrainConfig
 from hybrid.tensor_parallel import seed_all
-from hybrid.training import build_model
+from launch import ROOT, TINY, read_json_log, torchrun
+from models.gpt import GPT, GPTConfig
 
-VARIANTS = {
-    "none": {},
-    "recompute": {"recompute_activations": True},
-    "partition": {"recompute_activations": True, "partition_activations": True},
-    "partition+cpu": {"recompute_activations": True, "partition_activations": True,
-                      "cpu_checkpointing": True},
-    "partition+cpu+contiguous": {"recompute_activations": True, "partition_activations": True,
-                                 "cpu_checkpointing": True, "contiguous_checkpointing": True},
-    "first layer only": {"recompute_activations": True, "partition_activations": True,
-                         "recompute_num_layers": 1},
-}
-B, T = 3, 10
+B, T, C, LAYERS, SEED, STEPS = 3, 10, 32, 2, 5, 3
+PER_LAYER = B * T * C * 4  # bytes of one block's fp32 input (B, T, C)
 
 
-def _grads(ps, tp, hidden, steps=3):
-    out = {}
-    for name, kw in VARIANTS.items():
-        cfg = TrainConfig(tensor_model_parallel_size=tp, num_layers=2, hidden_size=hidden,
-                          num_attention_heads=4, seq_length=T, hidden_dropout=0.1,
-                          attention_dropout=0.1, seed=3, **kw).validate(ps.world_size)
-        rng = seed_all(cfg.seed, ps.tp_rank, ps.dp_rank, ps.device)
-        model = build_model(cfg, ps, 257, rng)
-        model.train()
-        ac = apply_activation_checkpointing(model, ps, rng, cfg) if kw else None
-        g = torch.Generator().manual_seed(0)
-        allocs, peaks = [], []
-        for _ in range(steps):
-            x = torch.randint(0, 257, (B, T + 1), generator=g)
-            model.zero_grad()
-            loss = model(x[:, :-1], x[:, 1:])
-            if ac is not None:
-                peaks.append(ac.stored_bytes())  # everything stored, nothing restored yet
-            loss.backward()
-            if ac is not None:
-                allocs.append(ac.allocations)
-                assert ac.stored_bytes() == 0
-        out[name] = {"grads": {n: p.grad.clone() for n, p in model.named_parameters()},
-                     "allocs": allocs, "peak": peaks[-1] if peaks else None}
+def _flags(partition, cpu, contiguous, layers=None):
+    return {"recompute_activations": True, "partition_activations": partition,
+            "cpu_checkpointing": cpu, "contiguous_checkpointing": contiguous,
+            "recompute_num_layers": layers}
+
+
+# every combination of the three flags on top of --recompute-activations
+VARIANTS = {"+".join(["recompute"] + [n for n, on in zip(("partition", "cpu", "contiguous"), f)
+                                      if on]): _flags(*f)
+            for f in itertools.product((False, True), repeat=3)}
+VARIANTS["first layer only"] = _flags(True, False, False, layers=1)
+
+
+def _model(ps, seed=SEED):
+    """The same weights and the same dropout streams for every variant."""
+    rng = seed_all(seed, ps.tp_rank, ps.dp_rank, ps.device)
+    cfg = GPTConfig(vocab_size=257, padded_vocab_size=512, num_layers=LAYERS, hidden_size=C,
+                    num_attention_heads=4, max_position_embeddings=T, hidden_dropout=0.1,
+                    attention_dropout=0.1)
+    model = GPT(cfg, ps.tp_group, rng=rng, seed=SEED)
+    model.train()
+    return model, rng
+
+
+def _apply(model, ps, rng, flags):
+    cfg = TrainConfig(tensor_model_parallel_size=ps.tp_size, num_layers=LAYERS, hidden_size=C,
+                      num_attention_heads=4, seq_length=T, **flags).validate(ps.world_size)
+    return apply_activation_checkpointing(model, ps, rng, cfg)
+
+
+def _held_by_graph(loss):
+    """The checkpoint tensors the autograd graph of ``loss`` actually holds."""
+    held, seen, todo = [], set(), [loss.grad_fn]
+    while todo:
+        fn = todo.pop()
+        if fn is None or fn in seen:
+            continue
+        seen.add(fn)
+        stash = getattr(fn, "stash", None)
+        if stash is not None and stash.held is not None:
+            held.append(stash.held)
+        todo.extend(f for f, _ in fn.next_functions)
+    return held
+
+
+def _batch(g, b=B):
+    x = torch.randint(0, 257, (b, T + 1), generator=g)
+    return x[:, :-1], x[:, 1:]
+
+
+def _train(model, ac, steps=STEPS, sizes=None):
+    """``steps`` forward+backward passes (no optimizer: grads are those of the last)."""
+    g = torch.Generator().manual_seed(0)
+    rec = {"losses": [], "allocs": [], "peaks": [], "held": [], "left": []}
+    for b in sizes or [B] * steps:
+        model.zero_grad(set_to_none=True)
+        if ac is not None:
+            ac.reset_peak()
+        loss = model(*_batch(g, b))
+        if ac is not None:
+            held = _held_by_graph(loss)
+            rec["held"].append({"bytes": sum(t.numel() * t.element_size() for t in held),
+                                "count": len(held), "store": ac.stored_bytes(),
+                                "devices": {t.device.type for t in held},
+                                "storages": len({t.untyped_storage().data_ptr() for t in held})})
+        loss.backward()
+        rec["losses"].append(loss.item())
+        if ac is not None:
+            rec["allocs"].append(ac.allocations)
+            rec["peaks"].append(ac.peak_bytes())
+            rec["left"].append(ac.stored_bytes())
+    rec["grads"] = {n: p.grad.clone() for n, p in model.named_parameters()}
+    return rec
+
+
+def _all_variants(ps):
+    out = {"none": _train(_model(ps)[0], None),
+           "other seed": _train(_model(ps, seed=SEED + 1)[0], None)}
+    for name, flags in VARIANTS.items():
+        model, rng = _model(ps)
+        names = [n for n, _ in model.named_parameters()], list(model.state_dict())
+        ac = _apply(model, ps, rng, flags)
+        calls = [0] * LAYERS  # forward pre-hooks on each block: forward + recompute
+        for i, blk in enumerate(model.blocks):
+            blk.register_forward_pre_hook(lambda m, a, i=i: calls.__setitem__(i, calls[i] + 1))
+        out[name] = _train(model, ac)
+        out[name]["calls"] = calls
+        out[name]["names kept"] = names == ([n for n, _ in model.named_parameters()],
+                                            list(model.state_dict()))
+    # growth: a larger micro-batch re-allocates once, the old size then fits
+    model, rng = _model(ps)
+    ac = _apply(model, ps, rng, VARIANTS["recompute+partition+cpu+contiguous"])
+    out["growth"] = _train(model, ac, sizes=[B, B, 2 * B, B, 2 * B])
+    with torch.no_grad():  # evaluation stores nothing and computes the same logits
+        model.eval()
+        ac.reset_peak()
+        plain = _model(ps)[0].eval()
+        x, _ = _batch(torch.Generator().manual_seed(1))
+        out["eval"] = {"same": torch.equal(model(x), plain(x)), "peak": ac.peak_bytes()}
+    ac.remove()  # the blocks run their own forward again
+    out["removed"] = not any("forward" in vars(b) for b in model.blocks)
     return out
 
 
-@pytest.mark.parametrize("tp,hidden", [(2, 36), (4, 36)])
-def test_recompute_variants_match_no_checkpointing(tp, hidden):
-    """Dropout on: the masks in the recompute equal the forward's (exact grads)."""
-    res = run_ranks(_grads, world_size=tp, tp=tp, args=(tp, hidden))
-    for r in res:
-        ref = r["none"]["grads"]
+@pytest.fixture(scope="module", params=[2, 4], ids=["tp2", "tp4"])
+def runs(request):
+    tp = request.param
+    return tp, run_ranks(_all_variants, world_size=tp, tp=tp)
+
+
+def test_every_mode_gives_the_gradients_of_no_checkpointing(runs):
+    """Dropout 0.1 in the residual stream and attention: the recompute replays the
+    forward's CPU and TP-tracker RNG, so the masks -- and the gradients -- match,
+    step after step (the states of "now" come back after each recompute)."""
+    _, res = runs
+    for rank, r in enumerate(res):
+        ref = r["none"]
         for name in VARIANTS:
+            assert r[name]["losses"] == pytest.approx(ref["losses"], rel=1e-6, abs=0)
             for pname, g in r[name]["grads"].items():
-                torch.testing.assert_close(g, ref[pname], rtol=1e-6, atol=1e-6,
-                                           msg=lambda m: f"{name} {pname}: {m}")
-        full = r["recompute"]["peak"]
-        per_layer = B * T * hidden * 4
-        assert full == 2 * per_layer  # two layers, fp32 inputs
-        for name in ("partition", "partition+cpu", "partition+cpu+contiguous"):
-            assert r[name]["peak"] == 2 * (-(-B * T * hidden // tp)) * 4  # 1/TP, padded
-            assert r[name]["peak"] <= full / tp + 2 * tp * 4
-        assert r["first layer only"]["peak"] == -(-B * T * hidden // tp) * 4
-        # buffers come once, in the first step; later steps allocate none
-        a = r["partition+cpu+contiguous"]["allocs"]
-        assert a[0] == a[-1] and a[0]["gather"] == 1 and a[0]["contiguous"] == 1
-        assert a[0]["tensor"] == 0 and a[0]["staging"] == 1
-        assert r["partition"]["allocs"][-1]["gather"] == 1
+                torch.testing.assert_close(g, ref["grads"][pname], rtol=1e-6, atol=1e-6,
+                                           msg=lambda m: f"rank {rank} {name} {pname}: {m}")
+        # control: other dropout masks move the gradients far beyond that tolerance
+        diff = max((r["other seed"]["grads"][n] - g).abs().max().item()
+                   for n, g in ref["grads"].items())
+        assert diff > 1e-3
 
 
-def _odd_sized(ps):
-    from hybrid.activation_checkpointing import CheckpointStore
+def test_partitioned_checkpoints_hold_one_tp_th_of_the_bytes(runs):
+    """Bytes summed over the tensors the autograd graph holds after the forward
+    (and the store's own count, and the peak of the step) are L x (B, T, C) fp32
+    unpartitioned, 1/TP of that partitioned; nothing is held after backward."""
+    tp, res = runs
+    for r in res:
+        for name, flags in VARIANTS.items():
+            layers = flags["recompute_num_layers"] or LAYERS
+            full = layers * PER_LAYER
+            want = full // tp if flags["partition_activations"] else full
+            for step in range(STEPS):
+                h = r[name]["held"][step]
+                assert h["count"] == layers, name
+                assert h["bytes"] == h["store"] == want, (name, h, want)
+                assert r[name]["peaks"][step] == want and r[name]["left"][step] == 0
+                assert h["devices"] == {"cpu"}  # host with --cpu-checkpointing; CPU run anyway
+                if flags["contiguous_checkpointing"]:
+                    assert h["storages"] == 1, name  # all layers in one buffer
+        assert r["recompute+partition"]["peaks"][0] <= r["recompute"]["peaks"][0] / tp * 1.05
+
+
+def test_buffers_are_allocated_once(runs):
+    """The gather buffer, the staging buffer and the contiguous slots come in the
+    first step; later steps allocate nothing. Without contiguous, each partitioned
+    checkpoint is its own tensor; plain recompute keeps the input and copies nothing."""
+    tp, res = runs
+    for r in res:
+        a = r["recompute+partition+cpu+contiguous"]["allocs"]
+        assert a[0] == a[-1] == {"gather": 1, "staging": 1, "contiguous": 1, "tensor": 0}
+        a = r["recompute+partition"]["allocs"]
+        assert a[0]["gather"] == a[-1]["gather"] == 1 and a[-1]["staging"] == 0
+        assert a[-1]["tensor"] == STEPS * LAYERS
+        a = r["recompute+contiguous"]["allocs"]
+        assert a[-1] == {"gather": 0, "staging": 0, "contiguous": 1, "tensor": 0}
+        assert r["recompute"]["allocs"][-1] == dict.fromkeys(a[-1], 0)
+        # sizes B, B, 2B, B, 2B: one re-allocation for the larger micro-batch, then none
+        g = r["growth"]["allocs"]
+        assert [x["gather"] for x in g] == [1, 1, 2, 2, 2]
+        assert [x["contiguous"] for x in g] == [1, 1, 2, 2, 2]
+        assert g[-1]["tensor"] == 0
+
+
+def test_recompute_num_layers_and_hooks(runs):
+    """--recompute-num-layers 1 of 2 checkpoints block 0 only (bytes above); the
+    recompute re-enters Module.__call__, so a block's forward pre-hook (where ZeRO-3
+    gathers) fires twice per step on checkpointed blocks, once on the others.
+    Parameter names and state_dict keys are unchanged by wrapping; evaluation
+    under no_grad stores nothing; ``remove`` unwraps."""
+    _, res = runs
+    for r in res:
+        assert r["first layer only"]["calls"] == [2 * STEPS, STEPS]
+        assert r["recompute+partition"]["calls"] == [2 * STEPS, 2 * STEPS]
+        assert all(r[name]["names kept"] for name in VARIANTS)
+        assert r["eval"] == {"same": True, "peak": 0} and r["removed"]
+
+
+def _store_round_trip(ps):
     x = torch.arange(105, dtype=torch.float32).view(3, 5, 7)  # 105 = 4 * 27 - 3
     store = CheckpointStore(ps, partition=True, cpu=True, contiguous=True, num_slots=2)
     s0, s1 = store.stash(0, x), store.stash(1, x * 2)
-    held = store.stored_bytes
-    back1, back0 = store.restore(s1).clone(), store.restore(s0).clone()
-    return held, back0, back1
+    held = store.stored_bytes()
+    back1 = store.restore(s1).clone()
+    back0 = store.restore(s0).clone()
+    s2 = store.stash(0, x[:1])  # a smaller input reuses slot 0
+    again = store.restore(s2).clone()
+    return held, back0, back1, again, store.allocations, store.stored_bytes()
 
 
 def test_partition_pads_sizes_that_do_not_divide_by_tp():
-    for held, back0, back1 in run_ranks(_odd_sized, world_size=4, tp=4):
-        assert held == 2 * 27 * 4  # ceil(105 / 4) elements per slice, two slots
-        x = torch.arange(105, dtype=torch.float32).view(3, 5, 7)
-        assert torch.equal(back0, x) and torch.equal(back1, 2 * x)
+    """105 elements over TP 4: chunks of 27, the last rank's holds 24 real ones."""
+    x = torch.arange(105, dtype=torch.float32).view(3, 5, 7)
+    for held, back0, back1, again, allocs, left in run_ranks(_store_round_trip, world_size=4,
+                                                             tp=4):
+        assert held == 2 * 27 * 4 and left == 0
+        assert torch.equal(back0, x) and torch.equal(back1, 2 * x) and torch.equal(again, x[:1])
+        assert allocs == {"gather": 1, "staging": 1, "contiguous": 1, "tensor": 0}
+
+
+def test_misuse_fails_loudly_instead_of_wrong_gradients():
+    """In-place change of a held input, and a second restore, raise."""
+    from hybrid.parallel_state import ParallelState
+    store = CheckpointStore(ParallelState.single(), partition=False, cpu=False,
+                            contiguous=False, num_slots=1)
+    x = torch.ones(2, 3)
+    s = store.stash(0, x)
+    assert store.stored_bytes() == 24 and store.allocations["tensor"] == 0  # x itself
+    x.add_(1)
+    with pytest.raises(RuntimeError, match="modified in place"):
+        store.restore(s)
+    with pytest.raises(RuntimeError, match="already restored"):
+        store.restore(s)
+
+
+# -- end to end: scripts/pretrain_gpt.py at TP2 x DP2 -----------------------------------
+E2E = TINY + ["--tensor-model-parallel-size", "2", "--global-batch-size", "8",
+              "--train-iters", "6"]
+DROPOUT = ["--hidden-dropout", "0.1", "--attention-dropout", "0.1"]  # after TINY's 0: wins
+
+
+def _wired() -> bool:
+    r = subprocess.run(["grep", "-q", "apply_activation_checkpointing",
+                        f"{ROOT}/hybrid/training.py"])
+    return r.returncode == 0
+
+
+def _losses(tmp_path, name, flags):
+    path = str(tmp_path / f"{name}.jsonl")
+    r = torchrun(4, E2E + ["--log-json", path] + flags)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return read_json_log(path)
+
+
+@pytest.mark.skipif(not _wired(), reason="hybrid/training.py does not call "
+                    "apply_activation_checkpointing yet")
+def test_pretrain_script_loss_curve_unchanged(tmp_path):
+    """The same 6 losses (1e-5 relative) with --recompute-activations
+    --partition-activations, and with --cpu-checkpointing --contiguous-checkpointing
+    under ZeRO-3, as without recompute. Dropout 0.1, so the RNG replay is checked
+    through the whole training stack (at TINY's dropout 0 the same flags are run by
+    tests/test_pretrain_gpt.py::test_partitioned_recompute_follows_the_plain_curve)."""
+    dropout = DROPOUT
+    ref = _losses(tmp_path, "plain", dropout)
+    runs = {"partition": ["--recompute-activations", "--partition-activations"],
+            "cpu+contiguous+zero3": ["--recompute-activations", "--partition-activations",
+                                     "--cpu-checkpointing", "--contiguous-checkpointing",
+                                     "--zero-stage", "3",
+                                     "--zero-param-persistence-threshold", "0"]}
+    assert len(ref) == 6
+    for name, flags in runs.items():
+        log = _losses(tmp_path, name, dropout + flags)
+        assert [m["iteration"] for m in log] == list(range(1, 7))
+        for a, b in zip(log, ref):
+            assert abs(a["loss"] - b["loss"]) <= 1e-5 * abs(b["loss"]), (name, a, b)
+        # 2 layers x (2 samples x 32 tokens x 64 hidden) fp32, split over TP 2
+        assert log[-1]["activation_checkpoint_bytes"] == 2 * 2 * 32 * 64 * 4 // 2
