@@ -11,6 +11,7 @@ of epoch ``e = i // n``; each epoch's permutation comes from the seed alone
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 
 import numpy as np
@@ -20,6 +21,8 @@ from hybrid.data.blending import BlendedSamples
 from hybrid.data.builtin import builtin_documents
 from hybrid.data.indexed import IndexedTokens
 from hybrid.errors import DataError
+
+log = logging.getLogger("hybrid")
 
 
 class InMemoryTokens:
@@ -83,8 +86,8 @@ class GPTSamples:
                     perm = np.load(path, mmap_mode="r")
                     if len(perm) == self.samples_per_epoch:
                         return perm
-                except (OSError, ValueError):
-                    pass  # a damaged cache entry is rebuilt below
+                except (OSError, ValueError) as e:  # damaged entry: rebuilt below
+                    log.warning("sample-order cache %s unreadable (%s); rebuilding it", path, e)
         perm = np.random.default_rng(self.seed + epoch).permutation(self.samples_per_epoch)
         if path:
             try:  # atomic: concurrent ranks may build the same entry at once
@@ -92,8 +95,9 @@ class GPTSamples:
                 tmp = f"{path}.{os.getpid()}.tmp.npy"
                 np.save(tmp, perm)
                 os.replace(tmp, path)
-            except OSError:
-                pass  # a read-only data directory just means no cache
+            except OSError as e:  # e.g. a read-only data directory: run uncached
+                log.warning("cannot cache the sample order in %s (%s); use --data-cache-path "
+                            "to choose a writable directory", self.cache_dir, e)
         return perm
 
     def __getitem__(self, i: int) -> np.ndarray:
