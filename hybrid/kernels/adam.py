@@ -1,0 +1,116 @@
+"""One AdamW step over a flat fp32 master shard, fused where a kernel exists.
+
+    segs = AdamSegments.from_ranges(n, decay_ranges, device)
+    found_inf = adam_step(master, grad, exp_avg, exp_avg_sq, out, segs, lr=..., step=t, ...)
+
+Contract (every implementation):
+    master, exp_avg, exp_avg_sq: contiguous fp32 ``(n,)``, updated in place.
+    grad: contiguous ``(n,)`` fp32/bf16/fp16, read only; the update uses
+        ``float(grad) * grad_scale`` (grad_scale folds unscaling and clipping).
+    out: None, or contiguous ``(n,)`` fp32/bf16/fp16 that receives the updated
+        master rounded to its dtype (the parameter copy to upload).
+    segs: which ranges of the shard get weight decay.
+    Returns a one-element fp32 tensor on the shard's device, 1.0 if any
+    gradient element was inf/NaN (a report from the same pass, not a guard).
+
+Arithmetic is torch.optim.AdamW's: decoupled decay, bias-corrected moments,
+eps added after the square root. On CPU the compiled kernel is
+``csrc/cpu_adam.cpp`` (ZeRO-Offload's step); on CUDA ``csrc/cuda/fused_adam.cu``;
+elsewhere, or with ``HYBRID_NO_KERNELS=1``, the torch-op sequence below.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from hybrid.kernels.build import load_extension
+
+
+def cpu_adam_ext():
+    """The compiled CPU step (``hybrid_cpu_adam``) or None."""
+    return load_extension("hybrid_cpu_adam", ["cpu_adam.cpp"],
+                          cflags=["-O3", "-march=native", "-fopenmp"], ldflags=["-fopenmp"])
+
+
+def _cuda_ext():
+    from hybrid.kernels.cuda_ops import cuda_ops
+    return cuda_ops()
+
+
+def has_adam_kernel(device: torch.device) -> bool:
+    """Whether :func:`adam_step` on ``device`` runs a compiled kernel."""
+    if device.type == "cpu":
+        return cpu_adam_ext() is not None
+    from hybrid.kernels.select import kernel_choice
+    return kernel_choice("adam", device) == "fused"
+
+
+@dataclass
+class AdamSegments:
+    """Segment bounds ``(S+1,)`` int64 and per-segment decay flags ``(S,)`` uint8."""
+    bounds: torch.Tensor
+    decay: torch.Tensor
+
+    @classmethod
+    def from_ranges(cls, n: int, decay_ranges, device) -> "AdamSegments":
+        """``decay_ranges``: sorted or not, disjoint ``(lo, hi)`` within ``[0, n)``."""
+        bounds, flags, pos = [0], [], 0
+        for lo, hi in sorted(r for r in decay_ranges if r[1] > r[0]):
+            if lo > pos:
+                bounds.append(lo)
+                flags.append(0)
+            bounds.append(hi)
+            flags.append(1)
+            pos = hi
+        if pos < n or not flags:
+            bounds.append(n)
+            flags.append(0)
+        return cls(torch.tensor(bounds, dtype=torch.int64, device=device),
+                   torch.tensor(flags, dtype=torch.uint8, device=device))
+
+    def ranges(self):
+        b = self.bounds.tolist()
+        return [(b[i], b[i + 1], bool(d)) for i, d in enumerate(self.decay.tolist())]
+
+
+def adam_step(master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
+              exp_avg_sq: torch.Tensor, out: torch.Tensor | None, segs: AdamSegments, *,
+              lr: float, beta1: float, beta2: float, eps: float, weight_decay: float,
+              step: int, grad_scale: float = 1.0, use_kernel: bool = True) -> torch.Tensor:
+    """AdamW on the whole shard; see the module docstring for the contract."""
+    found_inf = torch.zeros(1, dtype=torch.float32, device=master.device)
+    ext = None
+    if use_kernel:
+        ext = cpu_adam_ext() if master.device.type == "cpu" else _cuda_ext()
+    args = (lr, beta1, beta2, eps, weight_decay, step, grad_scale)
+    if ext is not None:
+        ext.adam_step(master, grad, exp_avg, exp_avg_sq, out, segs.bounds, segs.decay,
+                      *args, found_inf)
+    else:
+        adam_step_reference(master, grad, exp_avg, exp_avg_sq, out, segs, *args, found_inf)
+    return found_inf
+
+
+@torch.no_grad()
+def adam_step_reference(master, grad, exp_avg, exp_avg_sq, out, segs: AdamSegments, lr, beta1,
+                        beta2, eps, weight_decay, step, grad_scale, found_inf) -> None:
+    """The same step as torch ops: upcast, scale, decay, moments, update, downcast."""
+    if not bool(torch.isfinite(grad).all()):
+        found_inf.fill_(1.0)
+    g = grad.float()
+    if grad_scale != 1.0:
+        g = g * grad_scale
+    if weight_decay != 0.0:
+        for lo, hi, decay in segs.ranges():
+            if decay:
+                master[lo:hi].mul_(1.0 - lr * weight_decay)
+    exp_avg.mul_(beta1).add_(g, alpha=1.0 - beta1)
+    exp_avg_sq.mul_(beta2).addcmul_(g, g, value=1.0 - beta2)
+    bias2_sqrt = math.sqrt(1.0 - beta2 ** step)
+    denom = (exp_avg_sq.sqrt() / bias2_sqrt).add_(eps)
+    master.addcdiv_(exp_avg, denom, value=-lr / (1.0 - beta1 ** step))
+    if out is not None:
+        out.copy_(master)

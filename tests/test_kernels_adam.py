@@ -1,0 +1,160 @@
+"""The fused AdamW step (csrc/cpu_adam.cpp, ZeRO-Offload's) against torch.optim.AdamW.
+
+The reference is what a user would otherwise write: upcast the gradient,
+unscale it by the loss scale, apply the clip coefficient, ``torch.optim.AdamW``
+on fp32 masters (decay and no-decay groups), downcast for the model.
+"""
+
+import shutil
+
+import pytest
+import torch
+
+from hybrid.kernels import build
+from hybrid.kernels.adam import AdamSegments, adam_step, cpu_adam_ext
+
+N = 10_007  # neither a multiple of the vector width nor of the thread chunk
+DECAY = [(0, 4000), (5003, 9001)]  # two decayed ranges, no-decay between and after
+LR, BETAS, EPS, WD = 3e-3, (0.9, 0.95), 1e-8, 0.1
+LOSS_SCALE, CLIP = 1024.0, 0.37
+
+
+@pytest.fixture(scope="module")
+def ext():
+    if shutil.which("c++") is None and shutil.which("g++") is None:
+        pytest.skip("no C++ compiler on this machine")
+    mod = cpu_adam_ext()
+    assert mod is not None, "a C++ compiler is present but hybrid_cpu_adam did not build"
+    return mod
+
+
+def _pieces(decay_ranges, n):
+    """(lo, hi, decayed) covering [0, n) in order."""
+    out, pos = [], 0
+    for lo, hi in decay_ranges:
+        if lo > pos:
+            out.append((pos, lo, False))
+        out.append((lo, hi, True))
+        pos = hi
+    if pos < n:
+        out.append((pos, n, False))
+    return out
+
+
+def _grads(steps, dtype, n=N):
+    g = torch.Generator().manual_seed(7)
+    # scaled gradients with a spread of magnitudes, as fp16 loss scaling leaves them
+    return [(torch.randn(n, generator=g) * torch.rand(n, generator=g) * 3 * LOSS_SCALE).to(dtype)
+            for _ in range(steps)]
+
+
+def _reference(init, grads, decay_ranges, weight_decay, out_dtype):
+    pieces = _pieces(decay_ranges, init.numel())
+    params = [torch.nn.Parameter(init[lo:hi].clone()) for lo, hi, _ in pieces]
+    groups = [{"params": [p], "weight_decay": weight_decay if d else 0.0}
+              for p, (_, _, d) in zip(params, pieces)]
+    opt = torch.optim.AdamW(groups, lr=LR, betas=BETAS, eps=EPS)
+    for grad in grads:
+        full = grad.float() / LOSS_SCALE * CLIP
+        for p, (lo, hi, _) in zip(params, pieces):
+            p.grad = full[lo:hi].clone()
+        opt.step()
+    master = torch.cat([p.detach() for p in params])
+    return master, master.to(out_dtype)
+
+
+def _fused(init, grads, decay_ranges, weight_decay, out_dtype, use_kernel=True):
+    n = init.numel()
+    master, m, v = init.clone(), torch.zeros(n), torch.zeros(n)
+    out = torch.empty(n, dtype=out_dtype)
+    segs = AdamSegments.from_ranges(n, decay_ranges, "cpu")
+    for t, grad in enumerate(grads, start=1):
+        found = adam_step(master, grad, m, v, out, segs, lr=LR, beta1=BETAS[0], beta2=BETAS[1],
+                          eps=EPS, weight_decay=weight_decay, step=t,
+                          grad_scale=CLIP / LOSS_SCALE, use_kernel=use_kernel)
+        assert float(found) == 0.0
+    return master, out
+
+
+@pytest.mark.parametrize("grad_dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("weight_decay", [0.0, WD])
+def test_fused_step_matches_torch_adamw_over_many_steps(ext, grad_dtype, weight_decay):
+    init = torch.randn(N, generator=torch.Generator().manual_seed(3)) * 0.02
+    grads = _grads(25, grad_dtype)
+    ref_master, ref_out = _reference(init, grads, DECAY, weight_decay, grad_dtype)
+    master, out = _fused(init, grads, DECAY, weight_decay, grad_dtype)
+    assert (master - ref_master).abs().max().item() <= 1e-6
+    assert not torch.equal(master, init)
+    # the copy-out is the updated master rounded to nearest even, bit for bit
+    assert torch.equal(out, master.to(grad_dtype))
+    # ... and at most one rounding step away from the reference's downcast
+    if grad_dtype != torch.float32:
+        fi = torch.finfo(grad_dtype)  # (fp16 subnormals have a fixed absolute step)
+        ulp = fi.eps * ref_master.abs().clamp_min(fi.smallest_normal)
+        assert ((out.float() - ref_out.float()).abs() <= ulp).all()
+
+
+def test_fused_step_without_copy_out_and_odd_tiny_sizes(ext):
+    for n in (1, 7, 8, 9, 63, 65, 130):
+        init = torch.randn(n, generator=torch.Generator().manual_seed(n))
+        grads = _grads(5, torch.float32, n)
+        decay = [(0, n // 2)] if n > 1 else []
+        ref_master, _ = _reference(init, grads, decay, WD, torch.float32)
+        master, m, v = init.clone(), torch.zeros(n), torch.zeros(n)
+        segs = AdamSegments.from_ranges(n, decay, "cpu")
+        for t, g in enumerate(grads, start=1):
+            adam_step(master, g, m, v, None, segs, lr=LR, beta1=BETAS[0], beta2=BETAS[1],
+                      eps=EPS, weight_decay=WD, step=t, grad_scale=CLIP / LOSS_SCALE)
+        assert (master - ref_master).abs().max().item() <= 1e-6, n
+
+
+@pytest.mark.parametrize("grad_dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("where", [5, 4096, N - 1])  # vector body and scalar tail
+@pytest.mark.parametrize("bad", [float("inf"), float("nan")])
+def test_nonfinite_gradient_element_is_reported(ext, grad_dtype, where, bad):
+    grad = _grads(1, grad_dtype)[0]
+    segs = AdamSegments.from_ranges(N, DECAY, "cpu")
+    clean = adam_step(torch.zeros(N), grad, torch.zeros(N), torch.zeros(N), None, segs, lr=LR,
+                      beta1=0.9, beta2=0.95, eps=EPS, weight_decay=WD, step=1)
+    assert float(clean) == 0.0
+    grad[where] = bad
+    found = adam_step(torch.zeros(N), grad, torch.zeros(N), torch.zeros(N), None, segs, lr=LR,
+                      beta1=0.9, beta2=0.95, eps=EPS, weight_decay=WD, step=1)
+    assert float(found) == 1.0
+
+
+@pytest.mark.parametrize("grad_dtype", [torch.bfloat16, torch.float16])
+def test_torch_fallback_gives_the_kernels_numbers(ext, grad_dtype):
+    init = torch.randn(N, generator=torch.Generator().manual_seed(3)) * 0.02
+    grads = _grads(10, grad_dtype)
+    a, out_a = _fused(init, grads, DECAY, WD, grad_dtype, use_kernel=True)
+    b, out_b = _fused(init, grads, DECAY, WD, grad_dtype, use_kernel=False)
+    assert (a - b).abs().max().item() <= 1e-6
+    assert (out_a.float() - out_b.float()).abs().max().item() <= 2 * torch.finfo(grad_dtype).eps
+
+
+def test_no_kernels_env_forces_the_fallback(monkeypatch):
+    monkeypatch.setenv("HYBRID_NO_KERNELS", "1")
+    monkeypatch.setattr(build, "_loaded", {})
+    assert cpu_adam_ext() is None
+    # and the step still runs, through the torch ops
+    segs = AdamSegments.from_ranges(10, [(0, 5)], "cpu")
+    master = torch.ones(10)
+    adam_step(master, torch.ones(10), torch.zeros(10), torch.zeros(10), None, segs, lr=0.1,
+              beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.0, step=1)
+    assert torch.allclose(master, torch.full((10,), 0.9))
+
+
+def test_a_kernel_that_cannot_build_falls_back_with_one_line(monkeypatch, caplog):
+    monkeypatch.setattr(build, "_loaded", {})
+    with caplog.at_level("WARNING", logger="hybrid"):
+        assert build.load_extension("hybrid_missing", ["no_such_file.cpp"]) is None
+    lines = [r for r in caplog.records if "hybrid_missing" in r.getMessage()]
+    assert len(lines) == 1 and "no_such_file.cpp" in lines[0].getMessage()
+
+
+def test_segments_cover_the_shard():
+    segs = AdamSegments.from_ranges(100, [(50, 60), (0, 10)], "cpu")
+    assert segs.ranges() == [(0, 10, True), (10, 50, False), (50, 60, True), (60, 100, False)]
+    assert AdamSegments.from_ranges(5, [], "cpu").ranges() == [(0, 5, False)]
+    assert AdamSegments.from_ranges(5, [(0, 5)], "cpu").ranges() == [(0, 5, True)]
