@@ -111,6 +111,18 @@ def test_zero_stages_through_the_script_follow_the_stage0_curve(curves, tmp_path
     assert log[-1]["comm_bytes"]["reduce_scatter"] > 0
 
 
+def test_offload_optimizer_through_the_script_follows_the_stage0_curve(curves, tmp_path):
+    """TP2 x DP2, ZeRO-3 with --offload-optimizer (the fused CPU step) == stage 0."""
+    path = str(tmp_path / "offload.jsonl")
+    r = torchrun(4, TINY + ["--tensor-model-parallel-size", "2", "--global-batch-size", "8",
+                            "--train-iters", "10", "--log-json", path, "--zero-stage", "3",
+                            "--offload-optimizer", "--zero-param-persistence-threshold", "0"])
+    assert r.returncode == 0, r.stderr[-3000:]
+    log = read_json_log(path)
+    for a, b in zip(log, curves[(2, 2)]):
+        assert abs(a["loss"] - b["loss"]) <= 1e-5 * abs(b["loss"]), (a["iteration"], a, b)
+
+
 @pytest.mark.parametrize("flags", [
     ["--recompute-activations", "--partition-activations"],
     ["--recompute-activations", "--partition-activations", "--zero-stage", "1"],

@@ -24,19 +24,24 @@ autograd accumulates in place) -- no per-parameter allocation in a step.
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
+from hybrid.kernels.adam import has_adam_kernel
 from hybrid.parallel_state import ParallelState
 from hybrid.tensor_parallel import is_tp_split
 from hybrid.zero.flat_unit import FlatUnit, gather_pieces
 from hybrid.zero.grad_sync import GradReducer
 from hybrid.zero.loss_scaler import LossScaler
+from hybrid.zero.offload import OptimizerOffload
 from hybrid.zero.optimizer import ShardedAdamW, global_grad_norm
 from hybrid.zero.param_sync import ParamGatherer
+
+log = logging.getLogger("hybrid")
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -173,7 +178,14 @@ class ZeroEngine:
             self.flat_master = None
             master = [u.shard for u in self.units]
         self.optimizer = ShardedAdamW(master, decay, split, (cfg.adam_beta1, cfg.adam_beta2),
-                                      cfg.adam_eps, cfg.weight_decay)
+                                      cfg.adam_eps, cfg.weight_decay, self.flat_master)
+        self.offload = (OptimizerOffload(self.units, self.dtype, self.flat_grads, self.stage)
+                        if cfg.offload_optimizer else None)
+        # One fused pass over the flat shard where the gradient shard is already
+        # flat and in master order (stages 2-3) and a compiled kernel exists;
+        # otherwise torch's fused AdamW per unit.
+        self._flat_step = (self.offload is None and self.separate_master and self.stage >= 2
+                           and has_adam_kernel(self.flat_master.device))
 
     @staticmethod
     def _fill_master(u: FlatUnit, part: torch.Tensor, fp32_values) -> None:
@@ -214,14 +226,30 @@ class ZeroEngine:
         coef = 1.0 / self.scaler.scale
         if self.cfg.clip_grad > 0 and norm > self.cfg.clip_grad:
             coef *= self.cfg.clip_grad / (norm + 1e-6)
-        self.optimizer.step(grads, lr, coef)
-        self.publish_params()
+        found = None
+        if self.offload is not None:
+            found = self.optimizer.step_flat(self.offload.grads_to_host(self.units), lr, coef,
+                                             out=self.offload.out)
+        elif self._flat_step:
+            found = self.optimizer.step_flat(self.flat_grads, lr, coef)
+        else:
+            self.optimizer.step(grads, lr, coef)
+        if found is not None and bool(found.item()):
+            # the norm was finite on every rank, so this means memory changed under us
+            log.warning("optimizer step met a non-finite gradient the norm did not show")
+        self.publish_params(after_step=True)
         return StepResult(norm, False, self.scaler.scale)
 
     @torch.no_grad()
-    def publish_params(self) -> None:
-        """Master -> this rank's parameter shard -> (stages 1-2) all-gather."""
-        if self.separate_master:
+    def publish_params(self, after_step: bool = False) -> None:
+        """Master -> this rank's parameter shard -> (stages 1-2) all-gather.
+
+        ``after_step``: called right after an optimizer step, so an offloaded
+        step's parameter copy is current (else the master is the source).
+        """
+        if self.offload is not None:
+            self.offload.params_to_device(self.units, self.flat_master, after_step)
+        elif self.separate_master:
             for u, m in zip(self.units, self.optimizer.master):
                 u.shard.copy_(m)
         if self.stage == 0:
@@ -260,6 +288,8 @@ class ZeroEngine:
             u.shard.untyped_storage().nbytes() + u.full.untyped_storage().nbytes()
             for u in self.units if u.partition_params)
         opt = self.optimizer.state_bytes() + nbytes(self.flat_master)
+        if self.offload is not None:
+            opt += self.offload.nbytes()
         return {"params": params, "grads": nbytes(self.flat_grads), "optimizer": opt,
                 "total": params + nbytes(self.flat_grads) + opt}
 

@@ -28,6 +28,7 @@ import math
 import torch
 
 from hybrid.comm import CommGroup
+from hybrid.kernels.adam import AdamSegments, adam_step
 
 # torch's fused AdamW kernel (CPU and CUDA); the plain loop below is the fallback.
 _FUSED = hasattr(torch, "_fused_adamw_")
@@ -42,11 +43,14 @@ class ShardedAdamW:
             is fp32 and not offloaded). Updated in place.
         decay_ranges: per part, ``[(lo, hi)]`` that get weight decay.
         split_ranges: per part, ``[(lo, hi)]`` belonging to TP-split parameters.
+        flat_master: the flat buffer ``master`` are views of, in order, if any;
+            it enables :meth:`step_flat`.
     """
 
     def __init__(self, master: list[torch.Tensor], decay_ranges, split_ranges, betas,
-                 eps: float, weight_decay: float):
+                 eps: float, weight_decay: float, flat_master: torch.Tensor | None = None):
         self.master = master
+        self.flat_master = flat_master
         n = sum(m.numel() for m in master)
         dev = master[0].device if master else torch.device("cpu")
         # Both moments are single flat buffers; parts are views.
@@ -61,6 +65,13 @@ class ShardedAdamW:
         self.weight_decay = weight_decay
         self.step_count = 0
         self._segs = None
+        self._flat_segs = None
+        if flat_master is not None:
+            ranges, off = [], 0
+            for w, part in zip(master, decay_ranges):
+                ranges += [(off + lo, off + hi) for lo, hi in part]
+                off += w.numel()
+            self._flat_segs = AdamSegments.from_ranges(off, ranges, flat_master.device)
 
     def state_bytes(self) -> int:
         return 2 * self._flat_avg.numel() * self._flat_avg.element_size()
@@ -114,6 +125,22 @@ class ShardedAdamW:
             v.mul_(b2).addcmul_(g, g, value=(1.0 - b2) * grad_scale * grad_scale)
             denom = (v.sqrt() / bias2_sqrt).add_(self.eps)
             w.addcdiv_(m, denom, value=-lr / bias1)
+
+    @torch.no_grad()
+    def step_flat(self, grad: torch.Tensor, lr: float, grad_scale: float = 1.0,
+                  out: torch.Tensor | None = None, use_kernel: bool = True) -> torch.Tensor:
+        """AdamW on the whole flat master in one pass (``hybrid.kernels.adam_step``).
+
+        ``grad``: flat ``(n,)`` gradient of the shard in any float dtype, on the
+        master's device, parts in ``master`` order. ``out``: optional flat
+        ``(n,)`` buffer that receives the updated parameters in its dtype.
+        Returns the kernel's one-element inf/NaN flag.
+        """
+        self.step_count += 1
+        return adam_step(self.flat_master, grad, self._flat_avg, self._flat_avg_sq, out,
+                         self._flat_segs, lr=lr, beta1=self.beta1, beta2=self.beta2,
+                         eps=self.eps, weight_decay=self.weight_decay, step=self.step_count,
+                         grad_scale=grad_scale, use_kernel=use_kernel)
 
     def _fused_step(self, grads, lr: float, grad_scale: float) -> None:
         """torch's fused multi-tensor AdamW kernel: one pass over each group's ranges."""
