@@ -31,6 +31,7 @@ from einops import rearrange
 from torch import nn
 
 from hybrid.comm import CommGroup
+from hybrid.kernels import LayerNorm, bias_gelu, splits_bias
 from hybrid.tensor_parallel import (ColumnParallelLinear, RowParallelLinear, TPRNGTracker,
                                     VocabParallelEmbedding, copy_to_tp, init_parameters,
                                     vocab_parallel_cross_entropy)
@@ -116,6 +117,10 @@ class ParallelMLP(nn.Module):
         self.proj = RowParallelLinear(cfg.ffn_hidden_size, cfg.hidden_size, tp_group)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if splits_bias(x):  # fused/compiled bias-GELU: the bias add moves into it
+            h, b = self.fc(x, skip_bias_add=True)
+            return self.proj(bias_gelu(h, b))
+        # eager (always on CPU): bias inside the matmul, exactly as before
         return self.proj(F.gelu(self.fc(x), approximate="tanh"))
 
 
@@ -124,9 +129,9 @@ class Block(nn.Module):
 
     def __init__(self, cfg: GPTConfig, tp_group: CommGroup, rng: TPRNGTracker | None):
         super().__init__()
-        self.ln_1 = nn.LayerNorm(cfg.hidden_size, eps=cfg.layernorm_epsilon)
+        self.ln_1 = LayerNorm(cfg.hidden_size, eps=cfg.layernorm_epsilon)
         self.attn = ParallelAttention(cfg, tp_group, rng)
-        self.ln_2 = nn.LayerNorm(cfg.hidden_size, eps=cfg.layernorm_epsilon)
+        self.ln_2 = LayerNorm(cfg.hidden_size, eps=cfg.layernorm_epsilon)
         self.mlp = ParallelMLP(cfg, tp_group)
         # Residual-stream dropout is in a replicated region: the default RNG stream,
         # identical on every TP rank, keeps the replicas equal.
@@ -159,7 +164,7 @@ class GPT(nn.Module):
         self.wpe = nn.Embedding(cfg.max_position_embeddings, cfg.hidden_size)
         self.drop = nn.Dropout(cfg.hidden_dropout)
         self.blocks = nn.ModuleList(Block(cfg, tp_group, rng) for _ in range(cfg.num_layers))
-        self.ln_f = nn.LayerNorm(cfg.hidden_size, eps=cfg.layernorm_epsilon)
+        self.ln_f = LayerNorm(cfg.hidden_size, eps=cfg.layernorm_epsilon)
         # Padded vocabulary columns on this rank (ids >= vocab_size) are masked
         # out of the softmax, so padding never changes the loss: the model is the
         # same function for any TP size even though the padding depends on it.
@@ -195,9 +200,12 @@ class GPT(nn.Module):
             x = block(x)
         x = self.ln_f(x)
         logits = F.linear(copy_to_tp(x, self.tp_group), self.wte.weight)  # (B, T, V / tp)
-        if self._valid_local < logits.shape[-1]:
+        # The cross-entropy takes the valid width instead of reading a masked copy
+        # (one pass over the logits less); returned logits get the -inf mask.
+        if labels is None and self._valid_local < logits.shape[-1]:
             pad = torch.arange(logits.shape[-1], device=logits.device) >= self._valid_local
             logits = logits.masked_fill(pad, float("-inf"))
         if labels is None:
             return logits
-        return vocab_parallel_cross_entropy(logits, labels, self.tp_group).mean()
+        return vocab_parallel_cross_entropy(logits, labels, self.tp_group,
+                                            valid=self._valid_local).mean()

@@ -4,7 +4,9 @@ Each rank holds ``logits[..., V/tp]`` for its vocabulary slice. The loss needs
 three numbers per token that span the whole vocabulary: the max (for a stable
 softmax), the sum of exponentials, and the target's logit. Each is a small
 all-reduce over TP of a ``(...)`` tensor, so the full ``(..., V)`` logits are
-never built on any rank.
+never built on any rank. The per-rank work (local statistics, and the gradient
+recomputed from the saved logits in backward) is in
+:mod:`hybrid.kernels.cross_entropy`, fused on GPU.
 """
 
 from __future__ import annotations
@@ -13,9 +15,49 @@ import torch
 import torch.distributed as dist
 
 from hybrid.comm import CommGroup
+from hybrid.kernels.cross_entropy import local_softmax_stats, softmax_grad
+from hybrid.kernels.select import kernel_choice
 
 
-class _VocabParallelCrossEntropy(torch.autograd.Function):
+class _FusedVocabParallelCE(torch.autograd.Function):
+    """Kernel path: saves the logits, recomputes the softmax in backward."""
+
+    @staticmethod
+    def forward(ctx, logits, target, group: CommGroup, valid: int | None):
+        # Per-row statistics in fp32 from one pass over this rank's logits (a fused
+        # online-softmax kernel on GPU); the (..., V/tp) softmax is never stored.
+        local_v = logits.shape[-1]
+        start = group.rank * local_v
+        x = logits.reshape(-1, local_v)
+        t = target.reshape(-1)
+        m, s, target_logit = local_softmax_stats(x, t, start, valid)
+
+        M = m.clone()
+        group.all_reduce(M, op=dist.ReduceOp.MAX)
+        # Rescale this rank's sum to the global max; a rank with no finite logit in a
+        # row has m = -inf and s = 0, and exp(-inf - M) = 0 keeps it at 0.
+        S = s * (m - M).exp_()
+        group.all_reduce(S)
+        group.all_reduce(target_logit)  # 0 on every rank but the owner
+
+        loss = S.log() - (target_logit - M)
+        ctx.save_for_backward(x, t, M, S)
+        ctx.meta = (start, valid, logits.shape)
+        return loss.view(target.shape)
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        x, t, M, S = ctx.saved_tensors
+        start, valid, shape = ctx.meta
+        # d loss / d logits = softmax - onehot(target), onehot only on the owning rank,
+        # recomputed from the saved logits.
+        grad = softmax_grad(x, t, start, valid, M, S, grad_loss.reshape(-1))
+        return grad.view(shape), None, None, None
+
+
+class _EagerVocabParallelCE(torch.autograd.Function):
+    """PyTorch ops: keeps this rank's fp32 softmax slice for backward."""
+
     @staticmethod
     def forward(ctx, logits, target, group: CommGroup):
         # fp32 for the softmax whatever the model dtype: bf16 exp-sums lose the loss.
@@ -53,14 +95,22 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
 
 
 def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor,
-                                 group: CommGroup) -> torch.Tensor:
+                                 group: CommGroup, valid: int | None = None) -> torch.Tensor:
     """Per-token loss ``(...)`` from ``logits (..., V/tp)`` split over ``group``.
 
-    ``target`` holds global vocabulary ids ``(...)``. Collectives: three
-    all-reduces over the TP group of ``(...)``-shaped tensors.
+    ``target`` holds global vocabulary ids ``(...)``. ``valid``: how many of this
+    rank's columns are real vocabulary (the rest is padding, ignored whatever it
+    holds); None means all. Padding may instead be masked to -inf by the caller.
+    Collectives: three all-reduces over the TP group of ``(...)``-shaped fp32
+    tensors (max, sum of exponentials, target logit).
     """
-    if group.size == 1:
-        return torch.nn.functional.cross_entropy(
-            logits.float().flatten(0, -2), target.flatten(), reduction="none"
-        ).view(target.shape)
-    return _VocabParallelCrossEntropy.apply(logits, target, group)
+    if kernel_choice("cross_entropy", logits.device) == "eager":
+        if valid is not None and valid < logits.shape[-1]:
+            pad = torch.arange(logits.shape[-1], device=logits.device) >= valid
+            logits = logits.masked_fill(pad, float("-inf"))
+        if group.size == 1:  # torch's own cross-entropy is the fast path on one rank
+            return torch.nn.functional.cross_entropy(
+                logits.float().flatten(0, -2), target.flatten(), reduction="none"
+            ).view(target.shape)
+        return _EagerVocabParallelCE.apply(logits, target, group)
+    return _FusedVocabParallelCE.apply(logits, target, group, valid)

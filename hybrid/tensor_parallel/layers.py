@@ -34,6 +34,8 @@ class ColumnParallelLinear(nn.Module):
     Output ``(..., out_features / tp)`` (this rank's columns of y), or
     ``(..., out_features)`` with ``gather_output=True``.
     Backward all-reduces the input gradient over TP (the f operator).
+    ``forward(x, skip_bias_add=True)`` returns ``(y without bias, bias)`` so the
+    caller can fuse the bias add into the next op (bias-GELU).
     """
 
     def __init__(self, in_features: int, out_features: int, tp_group: CommGroup, *,
@@ -51,8 +53,12 @@ class ColumnParallelLinear(nn.Module):
         else:
             self.register_parameter("bias", None)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, skip_bias_add: bool = False):
         x = copy_to_tp(x, self.tp_group)
+        if skip_bias_add:
+            if self.gather_output:
+                raise ValueError("skip_bias_add needs gather_output=False (the bias is local)")
+            return F.linear(x, self.weight), self.bias  # (..., out / tp), (out / tp,)
         y = F.linear(x, self.weight, self.bias)  # (..., out / tp)
         return gather_from_tp(y, self.tp_group) if self.gather_output else y
 

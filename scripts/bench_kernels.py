@@ -1,0 +1,159 @@
+"""Time the fused CUDA kernels against eager PyTorch and torch.compile (GPU only).
+
+    python scripts/bench_kernels.py [--iters 30] [--write-choice]
+
+GPT-1.3B shapes: hidden 2048, ffn 8192, seq 2048 x micro-batch 4 = 8192 rows,
+vocab 50304 (TP=1) and 25152 (TP=2 local). Each op is timed forward+backward
+(CUDA events, warmup, median of --iters) in bf16; fused AdamW over a 100M fp32
+shard (bf16 grads, bf16 copy-out) against torch._fused_adamw_ + .copy_().
+Prints one JSON object: per op and path the median ms, the speedups over eager
+and the fastest path ("choice"). --write-choice also prints the CUDA_CHOICE table
+for hybrid/kernels/select.py.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+
+import torch
+import torch.nn.functional as F
+
+
+def median_ms(fn, iters: int, warmup: int = 5) -> float:
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    return statistics.median(times)
+
+
+def with_path(op: str, path: str, fn):
+    def run():
+        os.environ["HYBRID_KERNEL_CHOICE"] = f"{op}={path}"
+        fn()
+    return run
+
+
+MARGIN = 1.05  # a non-eager path must beat eager by 5%: ties cost compile time for nothing
+
+
+def pick(times: dict) -> str:
+    """Fastest path, eager unless another beats it by MARGIN."""
+    if not times:
+        return "eager"
+    best = min(times, key=times.get)
+    if "eager" in times and times["eager"] < MARGIN * times[best]:
+        return "eager"
+    return best
+
+
+def bench_op(op, make_fn, iters):
+    out = {}
+    for path in ("eager", "compile", "fused"):
+        try:
+            out[path] = round(median_ms(with_path(op, path, make_fn()), iters), 4)
+        except Exception as e:  # e.g. torch.compile unavailable
+            out[path] = None
+            out[f"{path}_error"] = f"{type(e).__name__}: {e}"[:200]
+    times = {p: t for p, t in out.items() if p in ("eager", "compile", "fused") and t}
+    out["choice"] = pick(times)
+    for p in ("compile", "fused"):
+        if out.get(p) and out.get("eager"):
+            out[f"speedup_{p}"] = round(out["eager"] / out[p], 3)
+    return out
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--iters", type=int, default=30)
+    ap.add_argument("--write-choice", action="store_true")
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("bench_kernels.py needs a CUDA GPU (torch.cuda.is_available() is False)")
+    from hybrid.kernels import bias_gelu, layer_norm, local_softmax_stats, softmax_grad
+    from hybrid.kernels.cuda_ops import cuda_ops
+    ops = cuda_ops()
+    if ops is None:
+        sys.exit("hybrid_cuda_ops did not build; see the log line above")
+    dev, bf16 = "cuda", torch.bfloat16
+    rows, H, FF = 8192, 2048, 8192
+    res = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": rows}
+
+    def ln_fn():
+        x = torch.randn(rows, H, device=dev, dtype=bf16, requires_grad=True)
+        w = torch.ones(H, device=dev, dtype=bf16, requires_grad=True)
+        b = torch.zeros(H, device=dev, dtype=bf16, requires_grad=True)
+        dy = torch.randn_like(x)
+        return lambda: layer_norm(x, w, b, 1e-5).backward(dy)
+
+    def gelu_fn():
+        x = torch.randn(rows, FF, device=dev, dtype=bf16, requires_grad=True)
+        b = torch.zeros(FF, device=dev, dtype=bf16, requires_grad=True)
+        dy = torch.randn_like(x)
+        return lambda: bias_gelu(x, b).backward(dy)
+
+    def ce_fn(V):
+        def make():
+            x = torch.randn(rows, V, device=dev, dtype=bf16) * 4
+            t = torch.randint(0, V, (rows,), device=dev)
+            g = torch.ones(rows, device=dev)
+
+            def step():  # one rank's share: stats forward, gradient backward
+                m, s, tl = local_softmax_stats(x, t, 0, V)
+                softmax_grad(x, t, 0, V, m, s, g)
+            return step
+        return make
+
+    res["layer_norm"] = bench_op("layer_norm", ln_fn, args.iters)
+    res["bias_gelu"] = bench_op("bias_gelu", gelu_fn, args.iters)
+    res["cross_entropy_50304"] = bench_op("cross_entropy", ce_fn(50304), args.iters)
+    res["cross_entropy_25152"] = bench_op("cross_entropy", ce_fn(25152), args.iters)
+    os.environ.pop("HYBRID_KERNEL_CHOICE", None)
+
+    # AdamW over a 100M-element fp32 shard, bf16 grads, bf16 parameter copy-out.
+    n = 100_000_000
+    p = torch.randn(n, device=dev)
+    m, v = torch.zeros(n, device=dev), torch.zeros(n, device=dev)
+    g16 = torch.randn(n, device=dev, dtype=bf16)
+    out = torch.empty(n, device=dev, dtype=bf16)
+    bounds = torch.tensor([0, n // 2, n], device=dev)
+    decay = torch.tensor([1, 0], device=dev, dtype=torch.uint8)
+    fi = torch.zeros(1, device=dev)
+    fused = median_ms(lambda: ops.adam_step(p, g16, m, v, out, bounds, decay, 1e-4, 0.9, 0.95,
+                                            1e-8, 0.1, 10, 1.0, fi), args.iters)
+    g32 = g16.float()  # _fused_adamw_ needs fp32 grads for fp32 params
+    st = torch.tensor(10.0, device=dev)
+
+    def torch_adam():
+        torch._fused_adamw_([p], [g32], [m], [v], [], [st], lr=1e-4, beta1=0.9, beta2=0.95,
+                            weight_decay=0.1, eps=1e-8, amsgrad=False, maximize=False)
+        out.copy_(p)
+    ref = median_ms(torch_adam, args.iters)
+    res["adam_100M"] = {"fused": round(fused, 4), "torch_fused_adamw_plus_copy": round(ref, 4),
+                        "speedup_fused": round(ref / fused, 3),
+                        "choice": pick({"fused": fused, "eager": ref}),
+                        "fused_GBps": round(n * (4 * 6 + 2 + 2) / fused / 1e6, 1)}
+
+    choice = {op: res[key]["choice"] for op, key in
+              (("layer_norm", "layer_norm"), ("bias_gelu", "bias_gelu"),
+               ("cross_entropy", "cross_entropy_50304"), ("adam", "adam_100M"))}
+    res["choice"] = choice
+    print(json.dumps(res, indent=1))
+    if args.write_choice:
+        print("# paste into hybrid/kernels/select.py")
+        print(f"CUDA_CHOICE = {choice!r}")
+
+
+if __name__ == "__main__":
+    main()

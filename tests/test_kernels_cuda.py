@@ -1,0 +1,339 @@
+"""Fused CUDA kernels (csrc/cuda) against their PyTorch fallbacks.
+
+GPU tests are skipped without CUDA; they force the kernel path with
+HYBRID_KERNEL_CHOICE and compare forward and backward with explicit per-dtype
+tolerances. The CPU tests check that the selection layer and the fallbacks are
+exact references and that a missing GPU or HYBRID_NO_KERNELS=1 means no kernel,
+no exception.
+"""
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from hybrid.kernels import bias_gelu, layer_norm, local_softmax_stats, softmax_grad
+from hybrid.kernels import build as kbuild
+from hybrid.kernels.cross_entropy import grad_eager, stats_eager
+from hybrid.kernels.select import kernel_choice
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+# (rtol, atol) for the kernel vs the eager op, same input dtype
+TOL = {torch.float32: (1e-5, 1e-5), torch.bfloat16: (1.6e-2, 1e-2), torch.float16: (2e-3, 2e-3)}
+
+
+def _ops():
+    from hybrid.kernels.cuda_ops import cuda_ops
+    ops = cuda_ops()
+    assert ops is not None, "hybrid_cuda_ops failed to build (see the log line above)"
+    return ops
+
+
+def _close(a, b, dtype, scale=1.0):
+    rtol, atol = TOL[dtype]
+    torch.testing.assert_close(a.float(), b.float(), rtol=rtol, atol=atol * scale)
+
+
+# ---------------------------------------------------------------- CPU
+def test_cpu_paths_are_the_references(monkeypatch):
+    monkeypatch.setenv("HYBRID_KERNEL_CHOICE", "all=fused")  # ignored on CPU
+    assert kernel_choice("layer_norm", torch.device("cpu")) == "eager"
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(3, 7, 40, generator=g)
+    w, b = torch.randn(40, generator=g), torch.randn(40, generator=g)
+    assert torch.equal(layer_norm(x, w, b, 1e-5), F.layer_norm(x, (40,), w, b, 1e-5))
+    assert torch.equal(bias_gelu(x, b), F.gelu(x + b, approximate="tanh"))
+    from hybrid.kernels import LayerNorm
+    ln = LayerNorm(40)
+    ref = torch.nn.LayerNorm(40)
+    assert list(ln.state_dict()) == list(ref.state_dict())
+    assert torch.equal(ln(x), ref(x))
+
+
+def test_cpu_cross_entropy_helpers():
+    g = torch.Generator().manual_seed(1)
+    N, V, valid, start = 6, 24, 19, 48
+    x = torch.randn(N, V, generator=g) * 20
+    t = torch.tensor([48, 50, 66, 3, 100, 60])  # in range, in range, in range, below, above, in
+    m, s, tl = local_softmax_stats(x, t, start, valid)
+    real = x[:, :valid]
+    torch.testing.assert_close(m, real.max(-1).values)
+    torch.testing.assert_close(s, (real - m[:, None]).exp().sum(-1))
+    inside = (t >= start) & (t < start + V)
+    ref_tl = torch.where(inside, x.gather(1, (t - start).clamp(0, V - 1)[:, None])[:, 0], 0.0)
+    torch.testing.assert_close(tl, ref_tl)
+    # -inf masked padding gives the same stats as `valid`
+    masked = x.clone()
+    masked[:, valid:] = float("-inf")
+    for a, b in zip(local_softmax_stats(masked, t, start, None), (m, s, tl)):
+        torch.testing.assert_close(a, b)
+    # gradient = (softmax - onehot) * g with this rank alone as the "world"
+    xr = real.clone().requires_grad_()
+    gl = torch.linspace(0.5, 1.5, N)
+    tt = (t - start).clamp(0, valid - 1)
+    keep = inside & (t - start < valid)
+    loss = torch.logsumexp(xr, -1) - xr.gather(1, tt[:, None])[:, 0] * keep
+    loss.backward(gl)
+    grad = softmax_grad(x, t, start, valid, m, s, gl)
+    torch.testing.assert_close(grad[:, :valid], xr.grad)
+    assert (grad[:, valid:] == 0).all()
+    # a rank whose columns are all padding: m = -inf, s = 0, zero gradient
+    m0, s0, _ = local_softmax_stats(x, t, start, 0)
+    assert torch.isinf(m0).all() and (s0 == 0).all()
+
+
+def test_no_kernel_without_cuda_or_when_disabled(monkeypatch):
+    from hybrid.kernels.cuda_ops import cuda_ops
+    monkeypatch.setattr(kbuild, "_loaded", {})
+    monkeypatch.setenv("HYBRID_NO_KERNELS", "1")
+    assert cuda_ops() is None
+    assert kernel_choice("layer_norm", torch.device("cuda")) == "eager"
+    if not torch.cuda.is_available():
+        monkeypatch.setattr(kbuild, "_loaded", {})
+        monkeypatch.delenv("HYBRID_NO_KERNELS")
+        assert cuda_ops() is None
+
+
+def test_bad_choice_is_a_clear_error(monkeypatch):
+    monkeypatch.setenv("HYBRID_KERNEL_CHOICE", "layer_norm=fast")
+    with pytest.raises(ValueError, match="HYBRID_KERNEL_CHOICE"):
+        kernel_choice("layer_norm", torch.device("cuda"))
+
+
+# ---------------------------------------------------------------- LayerNorm
+@cuda
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows,cols", [(1, 8), (37, 1000), (129, 2048), (5, 1023),
+                                       (64, 4096), (33, 8192), (3, 12288), (17, 20000)])
+def test_layer_norm(dtype, rows, cols, monkeypatch):
+    _ops()
+    g = torch.Generator(device="cuda").manual_seed(rows * cols)
+    x = (torch.randn(rows, cols, device="cuda", generator=g) * 3 + 1).to(dtype)
+    w = (1 + 0.1 * torch.randn(cols, device="cuda", generator=g)).to(dtype)
+    b = (0.1 * torch.randn(cols, device="cuda", generator=g)).to(dtype)
+    dy = torch.randn(rows, cols, device="cuda", generator=g).to(dtype)
+
+    def run(path):
+        monkeypatch.setenv("HYBRID_KERNEL_CHOICE", f"layer_norm={path}")
+        xs, ws, bs = (t.clone().requires_grad_() for t in (x, w, b))
+        y = layer_norm(xs, ws, bs, 1e-5)
+        y.backward(dy)
+        return y, xs.grad, ws.grad, bs.grad
+
+    fused, eager = run("fused"), run("eager")
+    _close(fused[0], eager[0], dtype)
+    _close(fused[1], eager[1], dtype)
+    # dweight/dbias sum over rows: absolute error grows with sqrt(rows)
+    _close(fused[2], eager[2], dtype, scale=math.sqrt(rows))
+    _close(fused[3], eager[3], dtype, scale=math.sqrt(rows))
+
+
+@cuda
+def test_layer_norm_stats_and_3d():
+    ops = _ops()
+    x = torch.randn(2, 5, 2048, device="cuda") * 2 + 3
+    w, b = torch.ones(2048, device="cuda"), torch.zeros(2048, device="cuda")
+    y, mean, rstd = ops.layer_norm_fwd(x, w, b, 1e-5)
+    torch.testing.assert_close(mean, x.view(-1, 2048).mean(-1))
+    var = x.view(-1, 2048).var(-1, unbiased=False)
+    torch.testing.assert_close(rstd, (var + 1e-5).rsqrt())
+    torch.testing.assert_close(y, F.layer_norm(x, (2048,), w, b, 1e-5), rtol=1e-5, atol=1e-5)
+
+
+# ---------------------------------------------------------------- bias GELU
+@cuda
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(3, 1000), (2, 33, 8192), (257, 2048), (7, 13), (1, 24)])
+def test_bias_gelu(dtype, shape, monkeypatch):
+    _ops()
+    g = torch.Generator(device="cuda").manual_seed(sum(shape))
+    x = (torch.randn(*shape, device="cuda", generator=g) * 2).to(dtype)
+    b = torch.randn(shape[-1], device="cuda", generator=g).to(dtype)
+    dy = torch.randn(*shape, device="cuda", generator=g).to(dtype)
+
+    def run(path):
+        monkeypatch.setenv("HYBRID_KERNEL_CHOICE", f"bias_gelu={path}")
+        xs, bs = x.clone().requires_grad_(), b.clone().requires_grad_()
+        y = bias_gelu(xs, bs)
+        y.backward(dy)
+        return y, xs.grad, bs.grad
+
+    fused, eager = run("fused"), run("eager")
+    rows = x.numel() // shape[-1]
+    _close(fused[0], eager[0], dtype)
+    _close(fused[1], eager[1], dtype)
+    _close(fused[2], eager[2], dtype, scale=math.sqrt(rows))
+
+
+# ---------------------------------------------------------------- cross-entropy
+@cuda
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows,cols,valid", [(5, 1000, 1000), (33, 25152, 25152),
+                                             (17, 50304, 50257), (9, 1001, 990), (4, 64, 0)])
+def test_cross_entropy_pieces(dtype, rows, cols, valid, monkeypatch):
+    _ops()
+    g = torch.Generator(device="cuda").manual_seed(rows + cols)
+    x = (torch.randn(rows, cols, device="cuda", generator=g) * 8).to(dtype)
+    start = 1000
+    t = torch.randint(start - 50, start + cols + 50, (rows,), device="cuda", generator=g)
+    t[0] = start  # at least one target on this rank
+    t = t.clamp(max=start + max(valid, 1) - 1)
+    gl = torch.rand(rows, device="cuda", generator=g) + 0.5
+
+    monkeypatch.setenv("HYBRID_KERNEL_CHOICE", "cross_entropy=fused")
+    m, s, tl = local_softmax_stats(x, t, start, valid)
+    monkeypatch.setenv("HYBRID_KERNEL_CHOICE", "cross_entropy=eager")
+    rm, rs, rtl = local_softmax_stats(x, t, start, valid)
+    assert torch.equal(m, rm) and torch.equal(tl, rtl)  # max and a gather are exact
+    torch.testing.assert_close(s, rs, rtol=1e-5, atol=0)
+    if valid == 0:
+        assert torch.isinf(m).all() and (s == 0).all()
+        return
+    # pretend this rank is the world: M = m, S = s
+    monkeypatch.setenv("HYBRID_KERNEL_CHOICE", "cross_entropy=fused")
+    grad = softmax_grad(x, t, start, valid, m, s, gl)
+    ref = grad_eager(x, t, start, valid, rm, rs, gl)
+    assert grad.dtype == dtype
+    _close(grad, ref, dtype, scale=0.1)
+    assert (grad[:, valid:] == 0).all()
+    # and against autograd through F.cross_entropy
+    xr = x[:, :valid].float().requires_grad_()
+    F.cross_entropy(xr, t - start, reduction="none").backward(gl)
+    _close(grad[:, :valid], xr.grad, dtype, scale=0.1)
+
+
+@cuda
+def test_vocab_parallel_loss_kernel_vs_eager_single_rank(monkeypatch):
+    """The kernel-backed stats give F.cross_entropy's loss (TP world of one)."""
+    _ops()
+    x = torch.randn(64, 50304, device="cuda", dtype=torch.bfloat16) * 4
+    t = torch.randint(0, 50257, (64,), device="cuda")
+    monkeypatch.setenv("HYBRID_KERNEL_CHOICE", "cross_entropy=fused")
+    m, s, tl = local_softmax_stats(x, t, 0, 50257)
+    loss = s.log() - (tl - m)
+    ref = F.cross_entropy(x[:, :50257].float(), t, reduction="none")
+    torch.testing.assert_close(loss, ref, rtol=1e-5, atol=1e-5)
+
+
+# ---------------------------------------------------------------- Adam
+def _segs(n, device):
+    from hybrid.kernels.adam import AdamSegments
+    return AdamSegments.from_ranges(n, [(0, n // 3), (n // 2, n // 2 + 1), (n - 7, n)], device)
+
+
+@cuda
+@pytest.mark.parametrize("n", [1, 7, 4096 + 3, 1_000_003])
+@pytest.mark.parametrize("grad_dtype", DTYPES)
+@pytest.mark.parametrize("out_dtype", [None, torch.bfloat16, torch.float16, torch.float32])
+def test_fused_adam_matches_reference(n, grad_dtype, out_dtype):
+    from hybrid.kernels.adam import adam_step_reference
+    ops = _ops()
+    g = torch.Generator(device="cuda").manual_seed(n)
+    p0 = torch.randn(n, device="cuda", generator=g)
+    segs = _segs(n, "cuda")
+    state = {k: [p0.clone(), torch.zeros(n, device="cuda"), torch.zeros(n, device="cuda")]
+             for k in ("fused", "ref")}
+    outs = {k: (torch.empty(n, device="cuda", dtype=out_dtype) if out_dtype else None)
+            for k in state}
+    hp = dict(lr=1e-3, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1)
+    for step in range(1, 6):
+        grad = (torch.randn(n, device="cuda", generator=g) * 100).to(grad_dtype)
+        scale = 1.0 / 128 if step % 2 else 1.0
+        args = (hp["lr"], hp["beta1"], hp["beta2"], hp["eps"], hp["weight_decay"], step, scale)
+        fi = {k: torch.zeros(1, device="cuda") for k in state}
+        ops.adam_step(*state["fused"][:1], grad, *state["fused"][1:], outs["fused"],
+                      segs.bounds, segs.decay, *args, fi["fused"])
+        adam_step_reference(state["ref"][0], grad, state["ref"][1], state["ref"][2], outs["ref"],
+                            segs, *args, fi["ref"])
+        assert fi["fused"].item() == 0.0
+    (pf, mf, vf), (pr, mr, vr) = state["fused"], state["ref"]
+    torch.testing.assert_close(pf, pr, rtol=1e-5, atol=1e-6)
+    # moments: FMA contraction on the GPU rounds differently, and m = b1*m + (1-b1)*g
+    # cancels towards 0, so their error is relative to their scale, not to each value
+    for a, b in ((mf, mr), (vf, vr)):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6 * b.abs().max().item())
+    if out_dtype is not None:
+        torch.testing.assert_close(outs["fused"], state["fused"][0].to(out_dtype), rtol=0, atol=0)
+        torch.testing.assert_close(outs["fused"].float(), outs["ref"].float(),
+                                   rtol=TOL[out_dtype][0], atol=1e-6)
+
+
+@cuda
+def test_fused_adam_decay_segments_and_found_inf():
+    ops = _ops()
+    n = 10_001
+    segs = _segs(n, "cuda")
+    p = torch.ones(n, device="cuda")
+    m, v = torch.zeros(n, device="cuda"), torch.zeros(n, device="cuda")
+    grad = torch.zeros(n, device="cuda", dtype=torch.bfloat16)
+    fi = torch.zeros(1, device="cuda")
+    # zero grad: only decay moves p, exactly by (1 - lr * wd) on decayed segments
+    ops.adam_step(p, grad, m, v, None, segs.bounds, segs.decay, 0.1, 0.9, 0.999, 1e-8, 0.5, 1,
+                  1.0, fi)
+    want = torch.ones(n, device="cuda")
+    for lo, hi, decay in segs.ranges():
+        if decay:
+            want[lo:hi] = float(torch.tensor(1.0 - 0.1 * 0.5, dtype=torch.float32))
+    assert torch.equal(p, want) and fi.item() == 0.0
+    for bad in (float("inf"), float("nan")):
+        g2 = torch.zeros(n, device="cuda", dtype=torch.float16)
+        g2[n - 2] = bad
+        fi = torch.zeros(1, device="cuda")
+        ops.adam_step(p.clone(), g2, m.clone(), v.clone(), None, segs.bounds, segs.decay, 0.1,
+                      0.9, 0.999, 1e-8, 0.0, 2, 1.0, fi)
+        assert fi.item() == 1.0
+    fi = torch.ones(1, device="cuda")  # never reset by a clean step
+    ops.adam_step(p, grad, m, v, None, segs.bounds, segs.decay, 0.1, 0.9, 0.999, 1e-8, 0.0, 2,
+                  1.0, fi)
+    assert fi.item() == 1.0
+
+
+# ---------------------------------------------------------------- model wiring
+@cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gpt_fused_matches_eager(dtype, monkeypatch):
+    from hybrid.parallel_state import ParallelState
+    from models.gpt import GPT, GPTConfig
+    cfg = GPTConfig(vocab_size=1000, padded_vocab_size=1024, num_layers=2, hidden_size=256,
+                    num_attention_heads=4, max_position_embeddings=64, hidden_dropout=0.0,
+                    attention_dropout=0.0)
+    ps = ParallelState.single("cuda")
+    model = GPT(cfg, ps.tp_group, device="cuda").to(dtype)
+    tok = torch.randint(0, 1000, (2, 64), device="cuda")
+    lab = torch.randint(0, 1000, (2, 64), device="cuda")
+    res = {}
+    for path in ("eager", "fused"):
+        monkeypatch.setenv("HYBRID_KERNEL_CHOICE", f"all={path}")
+        model.zero_grad()
+        loss = model(tok, lab)
+        loss.backward()
+        res[path] = (loss.detach().float(), model.blocks[0].mlp.fc.bias.grad.float().clone(),
+                     model.blocks[1].ln_1.weight.grad.float().clone())
+    tol = 1e-4 if dtype == torch.float32 else 3e-2
+    for a, b in zip(res["fused"], res["eager"]):
+        torch.testing.assert_close(a, b, rtol=tol, atol=tol * 0.1)
+
+
+@cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_vocab_parallel_function_fused_single_rank(dtype, monkeypatch):
+    """The autograd Function on the kernel path (all-reduces are no-ops at TP=1)."""
+    from hybrid.parallel_state import ParallelState
+    from hybrid.tensor_parallel.cross_entropy import _VocabParallelCrossEntropy
+    _ops()
+    ps = ParallelState.single("cuda")
+    x = (torch.randn(4, 50, 1024, device="cuda") * 4).to(dtype)
+    t = torch.randint(0, 1000, (4, 50), device="cuda")
+    gl = torch.rand(4, 50, device="cuda")
+    monkeypatch.setenv("HYBRID_KERNEL_CHOICE", "cross_entropy=fused")
+    xs = x.clone().requires_grad_()
+    loss = _VocabParallelCrossEntropy.apply(xs, t, ps.tp_group, 1000)
+    loss.backward(gl)
+    xr = x[..., :1000].float().requires_grad_()
+    ref = F.cross_entropy(xr.flatten(0, 1), t.flatten(), reduction="none").view(4, 50)
+    ref.backward(gl)
+    torch.testing.assert_close(loss, ref.detach(), rtol=1e-5, atol=1e-5)
+    assert xs.grad.dtype == dtype and (xs.grad[..., 1000:] == 0).all()
+    _close(xs.grad[..., :1000], xr.grad, dtype, scale=0.1)
