@@ -319,9 +319,10 @@ def test_gpt_fused_matches_eager(dtype, monkeypatch):
 @cuda
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_vocab_parallel_function_fused_single_rank(dtype, monkeypatch):
-    """The autograd Function on the kernel path (all-reduces are no-ops at TP=1)."""
+    """TP=1 on GPU routes through the fused Function (all-reduces are no-ops) and
+    matches F.cross_entropy over the valid columns, padding getting zero gradient."""
     from hybrid.parallel_state import ParallelState
-    from hybrid.tensor_parallel.cross_entropy import _VocabParallelCrossEntropy
+    from hybrid.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
     _ops()
     ps = ParallelState.single("cuda")
     x = (torch.randn(4, 50, 1024, device="cuda") * 4).to(dtype)
@@ -329,7 +330,7 @@ def test_vocab_parallel_function_fused_single_rank(dtype, monkeypatch):
     gl = torch.rand(4, 50, device="cuda")
     monkeypatch.setenv("HYBRID_KERNEL_CHOICE", "cross_entropy=fused")
     xs = x.clone().requires_grad_()
-    loss = _VocabParallelCrossEntropy.apply(xs, t, ps.tp_group, 1000)
+    loss = vocab_parallel_cross_entropy(xs, t, ps.tp_group, valid=1000)
     loss.backward(gl)
     xr = x[..., :1000].float().requires_grad_()
     ref = F.cross_entropy(xr.flatten(0, 1), t.flatten(), reduction="none").view(4, 50)

@@ -98,14 +98,6 @@ bias_gelu_bwd_kernel(const T* __restrict__ dy, const T* __restrict__ x,
   }
 }
 
-template <typename T>
-bool can_vec(int64_t cols, std::initializer_list<const void*> ptrs) {
-  if (cols % (16 / sizeof(T))) return false;
-  for (const void* p : ptrs)
-    if (!aligned16(p)) return false;
-  return true;
-}
-
 }  // namespace
 
 void bias_gelu_fwd(const void* x, const void* bias, void* y, int64_t rows, int64_t cols,

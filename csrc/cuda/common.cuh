@@ -59,6 +59,16 @@ __device__ __forceinline__ float warp_sum(float v) {
 inline bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
 inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
+// Whether 16-byte vector loads/stores of T work: every row a whole number of
+// vectors and every base pointer 16-byte aligned.
+template <typename T>
+bool can_vec(int64_t cols, std::initializer_list<const void*> ptrs) {
+  if (cols % (16 / sizeof(T))) return false;
+  for (const void* p : ptrs)
+    if (!aligned16(p)) return false;
+  return true;
+}
+
 // Number of SMs of the current device (cached per process; one device per rank).
 int num_sms();
 

@@ -105,14 +105,6 @@ ce_grad_kernel(const T* __restrict__ logits, const int64_t* __restrict__ target,
   }
 }
 
-template <typename T>
-bool can_vec(int64_t cols, std::initializer_list<const void*> ptrs) {
-  if (cols % (16 / sizeof(T))) return false;
-  for (const void* p : ptrs)
-    if (!aligned16(p)) return false;
-  return true;
-}
-
 }  // namespace
 
 void ce_stats(const void* logits, const int64_t* target, float* max, float* sumexp,

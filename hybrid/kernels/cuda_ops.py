@@ -39,9 +39,19 @@ def _headers_digest() -> str:
     return h.hexdigest()[:16]
 
 
+_digest: str | None = None
+
+
 def cuda_ops():
-    """The loaded ``hybrid_cuda_ops`` module, or None (never raises)."""
-    digest = f"-DHYBRID_HEADERS_{_headers_digest()}"
+    """The loaded ``hybrid_cuda_ops`` module, or None (never raises).
+
+    Called on every fused op, so after the first call it is a dict lookup
+    (load_extension remembers the module; the header hash is taken once).
+    """
+    global _digest
+    if _digest is None:
+        _digest = _headers_digest()
+    digest = f"-DHYBRID_HEADERS_{_digest}"
     # -O3 everywhere; no --use_fast_math: the kernels must agree with the fallbacks.
     # The architecture comes from TORCH_CUDA_ARCH_LIST or the visible GPU (sm_90 on H100).
     return load_extension("hybrid_cuda_ops", SOURCES, cuda=True, cflags=["-O3", digest],
