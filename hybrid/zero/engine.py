@@ -290,8 +290,10 @@ class ZeroEngine:
         opt = self.optimizer.state_bytes() + nbytes(self.flat_master)
         if self.offload is not None:
             opt += self.offload.nbytes()
+        # Offloaded, the optimizer's bytes are host memory, not accelerator memory.
+        host = opt if self.offload is not None else 0
         return {"params": params, "grads": nbytes(self.flat_grads), "optimizer": opt,
-                "total": params + nbytes(self.flat_grads) + opt}
+                "total": params + nbytes(self.flat_grads) + opt, "host": host}
 
     def comm_temp_bytes(self) -> int:
         return self.reducer.temp_bytes()
