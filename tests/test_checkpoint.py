@@ -53,29 +53,15 @@ def _save_at_3_and_resume(tmp_path, world, tp, stage, *extra):
 
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_exact_resume_is_bit_identical(tmp_path, stage):
-    """DP 2, dropout on: save at 3 of 6, resume: losses and gradient norms 4..6
-    equal to the last bit."""
-    dropout = ["--hidden-dropout", "0.1", "--attention-dropout", "0.1"]
-    full, resumed = _save_at_3_and_resume(tmp_path, 2, 1, stage, *dropout)
-    assert [m["loss"] for m in resumed] == [m["loss"] for m in full]
-    assert [m["grad_norm"] for m in resumed] == [m["grad_norm"] for m in full]
-
-
-@pytest.mark.parametrize("stage", [0, 3])
-def test_resume_under_tp_continues_the_curve(tmp_path, stage):
-    """TP2 x DP2, dropout on: the resumed curve is the uninterrupted one.
-
-    Known defect: after a TP=2 resume the gradient norm differs from the
-    uninterrupted run's in the ~9th significant digit (bit-exact at TP=1, and the
-    replicated parameters saved by both TP ranks are identical), so the losses
-    are compared to 1e-6 rather than to the bit.
-    """
+    """TP2 x DP2, dropout on: save at 3 of 6, resume: losses and gradient norms
+    4..6 equal to the last bit. (Each TP rank takes back its own copy of the
+    replicated parameters, which may differ from the other ranks' in the last
+    bits.)"""
     dropout = ["--hidden-dropout", "0.1", "--attention-dropout", "0.1"]
     full, resumed = _save_at_3_and_resume(tmp_path, 4, 2, stage, *dropout)
     assert len(resumed) == len(full) == 3
-    for a, b in zip(resumed, full):
-        assert abs(a["loss"] - b["loss"]) <= 1e-6 * abs(b["loss"]), (a, b)
-        assert abs(a["grad_norm"] - b["grad_norm"]) <= 1e-6 * b["grad_norm"], (a, b)
+    assert [m["loss"] for m in resumed] == [m["loss"] for m in full]
+    assert [m["grad_norm"] for m in resumed] == [m["grad_norm"] for m in full]
 
 
 @pytest.fixture(scope="module")
