@@ -54,9 +54,7 @@ def _save_at_3_and_resume(tmp_path, world, tp, stage, *extra):
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_exact_resume_is_bit_identical(tmp_path, stage):
     """TP2 x DP2, dropout on: save at 3 of 6, resume: losses and gradient norms
-    4..6 equal to the last bit. (Each TP rank takes back its own copy of the
-    replicated parameters, which may differ from the other ranks' in the last
-    bits.)"""
+    4..6 equal to the last bit."""
     dropout = ["--hidden-dropout", "0.1", "--attention-dropout", "0.1"]
     full, resumed = _save_at_3_and_resume(tmp_path, 4, 2, stage, *dropout)
     assert len(resumed) == len(full) == 3

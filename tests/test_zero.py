@@ -144,6 +144,10 @@ def _assert_matches_reference(res, reference, variants, tp, dp):
         for r in range(1, tp * dp):  # every DP replica ends with the same params
             for name, t in res[r][v]["params"].items():
                 assert torch.equal(t, res[r % tp][v]["params"][name]), f"{what}: {name} r{r}"
+                if got["specs"][name] is None:  # and TP replicas of replicated ones too:
+                    # a clip coefficient one ulp apart would make them drift apart
+                    assert torch.equal(t, got["params"][name]), f"{what}: {name} r{r} vs r0"
+            assert res[r][v]["norms"] == got["norms"], f"{what}: grad norms r{r} vs r0"
 
 
 def _bytes_per_stage(ps, dtype_flag):

@@ -17,10 +17,11 @@ class FullParams:
     """``full(name, key)``: the full fp32 tensor of one parameter from its pieces.
 
     A TP-replicated parameter was saved once per TP rank; ``replica`` picks
-    whose copy. Loading into the same TP size, each rank takes back its own:
-    the copies can differ in the last bits (each TP rank computes the
-    replicated gradients itself), and any other choice would make a resumed
-    run drift from the uninterrupted one.
+    whose copy. Loading into the same TP size, each rank takes back its own.
+    Training keeps the copies bit-identical (every TP rank reaches the same
+    clip coefficient), but a copy that differed in the last bits -- a
+    checkpoint from before that was so, or a non-deterministic kernel -- would
+    otherwise make the resumed run drift from the uninterrupted one.
     """
 
     def __init__(self, rank_files: list[dict], where: str):

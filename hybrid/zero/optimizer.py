@@ -65,6 +65,7 @@ class ShardedAdamW:
         self.weight_decay = weight_decay
         self.step_count = 0
         self._segs = None
+        self._replicated = None  # per part, the complement of split_ranges
         self._flat_segs = None
         if flat_master is not None:
             ranges, off = [], 0
@@ -78,31 +79,30 @@ class ShardedAdamW:
 
     @torch.no_grad()
     def squared_norms(self, grads: list[torch.Tensor]) -> torch.Tensor:
-        """fp64 ``[sum of squares over TP-split ranges, over the rest]`` of ``grads``.
+        """fp64 ``[sum of squares over TP-split ranges, over the replicated ranges]``.
 
-        Each part is reduced in fp32 by one norm kernel (no copy of the
-        gradient), partial sums are added in fp64.
+        Each range is reduced in fp32 by one norm kernel (no copy of the
+        gradient), partial sums are added in fp64. The replicated sum is taken
+        over the replicated ranges themselves -- never as total minus split --
+        so it depends only on gradients every TP rank holds bit-identically:
+        all TP ranks then reach the same norm to the last bit, hence the same
+        clip coefficient, and their copies of replicated parameters never drift.
         """
-        split = torch.zeros((), dtype=torch.float64, device=grads[0].device)
-        total = torch.zeros((), dtype=torch.float64, device=grads[0].device)
-        for g, ranges in zip(grads, self.split_ranges):
-            total += torch.linalg.vector_norm(g, dtype=torch.float32).double() ** 2
-            for lo, hi in ranges:
-                split += torch.linalg.vector_norm(g[lo:hi], dtype=torch.float32).double() ** 2
-        return torch.stack([split, total - split])
+        if self._replicated is None:
+            self._replicated = [_complement(r, g.numel()) for g, r in zip(grads, self.split_ranges)]
+        out = torch.zeros(2, dtype=torch.float64, device=grads[0].device)
+        for g, split, rest in zip(grads, self.split_ranges, self._replicated):
+            for k, ranges in enumerate((split, rest)):
+                for lo, hi in ranges:
+                    out[k] += torch.linalg.vector_norm(g[lo:hi], dtype=torch.float32).double() ** 2
+        return out
 
     def _segments(self):
         """(weight decay, [(part, lo, hi)]) for the decayed and the undecayed ranges."""
         decayed, plain = [], []
         for i, (w, ranges) in enumerate(zip(self.master, self.decay_ranges)):
-            pos = 0
-            for lo, hi in sorted(ranges):
-                if lo > pos:
-                    plain.append((i, pos, lo))
-                decayed.append((i, lo, hi))
-                pos = hi
-            if pos < w.numel():
-                plain.append((i, pos, w.numel()))
+            decayed += [(i, lo, hi) for lo, hi in sorted(ranges)]
+            plain += [(i, lo, hi) for lo, hi in _complement(ranges, w.numel())]
         return [(self.weight_decay, decayed), (0.0, plain)]
 
     @torch.no_grad()
@@ -164,6 +164,18 @@ class ShardedAdamW:
 
     def state_dict(self) -> dict:
         return {"step": self.step_count, "exp_avg": self._flat_avg, "exp_avg_sq": self._flat_avg_sq}
+
+
+def _complement(ranges, n: int) -> list[tuple[int, int]]:
+    """The parts of ``[0, n)`` that the disjoint ``ranges`` leave uncovered."""
+    out, pos = [], 0
+    for lo, hi in sorted(ranges):
+        if lo > pos:
+            out.append((pos, lo))
+        pos = hi
+    if pos < n:
+        out.append((pos, n))
+    return out
 
 
 def _split_like(flat: torch.Tensor, parts: list[torch.Tensor]) -> list[torch.Tensor]:
