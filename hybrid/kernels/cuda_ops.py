@@ -22,9 +22,9 @@ import hashlib
 
 from hybrid.kernels.build import CSRC, load_extension
 
-SOURCES = ["cuda/ops.cpp", "cuda/common.cu", "cuda/layer_norm.cu", "cuda/bias_gelu.cu",
-           "cuda/cross_entropy.cu", "cuda/fused_adam.cu"]
-HEADERS = ["cuda/ops.h", "cuda/common.cuh"]
+SOURCES = ["cuda/ops.cpp", "cuda/common.cu", "cuda/layer_norm.cu", "cuda/layer_norm_multipass.cu",
+           "cuda/bias_gelu.cu", "cuda/cross_entropy.cu", "cuda/fused_adam.cu"]
+HEADERS = ["cuda/ops.h", "cuda/common.cuh", "cuda/layer_norm.cuh"]
 
 
 def _headers_digest() -> str:
