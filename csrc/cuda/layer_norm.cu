@@ -354,7 +354,7 @@ void layer_norm_fwd(const void* x, const void* w, const void* b, void* y, float*
       case 4: launch_fwd_reg<scalar_t, V, 4>(xt, wt, bt, yt, mean, rstd, rows, c, eps, R.wpr, stream); break;
       case 8: launch_fwd_reg<scalar_t, V, 8>(xt, wt, bt, yt, mean, rstd, rows, c, eps, R.wpr, stream); break;
       default:  // unaligned or very wide rows
-        layer_norm_fwd_multipass(x, w, b, y, mean, rstd, rows, cols, eps, vec, dt, stream);
+        layer_norm_fwd_multipass<scalar_t>(xt, wt, bt, yt, mean, rstd, rows, c, eps, vec, stream);
     }
   });
 }
@@ -390,8 +390,8 @@ void layer_norm_bwd(const void* dy, const void* x, const void* w, const float* m
       case 4: launch_bwd_reg<scalar_t, V, 4>(dyt, xt, wt, mean, rstd, dxt, part_w, part_b, rows, c, chunks, per_chunk, R.wpr, stream); break;
       case 8: launch_bwd_reg<scalar_t, V, 8>(dyt, xt, wt, mean, rstd, dxt, part_w, part_b, rows, c, chunks, per_chunk, R.wpr, stream); break;
       default:  // unaligned or very wide rows
-        layer_norm_bwd_multipass(dy, x, w, mean, rstd, dx, part_w, part_b, rows, cols, chunks,
-                                 per_chunk, vec, dt, stream);
+        layer_norm_bwd_multipass<scalar_t>(dyt, xt, wt, mean, rstd, dxt, part_w, part_b, rows, c,
+                                           chunks, per_chunk, vec, stream);
     }
     dim3 sblock(32, 16), sgrid(static_cast<unsigned>(ceil_div(cols, 32)), 2);
     ln_colsum_kernel<scalar_t><<<sgrid, sblock, 0, stream>>>(

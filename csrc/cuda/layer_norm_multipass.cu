@@ -4,6 +4,8 @@
 // A block holds rows side by side (threadIdx.y), each row owned by `wpr` warps;
 // the row is re-read from L1/L2 for every pass; dx by one kernel, the
 // dweight/dbias partial sums of row chunks by a column-tiled kernel.
+#include <type_traits>
+
 #include "common.cuh"
 #include "layer_norm.cuh"
 
@@ -189,59 +191,52 @@ ln_bwd_dwb_kernel(const T* __restrict__ dy, const T* __restrict__ x,
 
 }  // namespace
 
-void layer_norm_fwd_multipass(const void* x, const void* w, const void* b, void* y,
-                              float* mean, float* rstd, int64_t rows, int64_t cols, float eps,
-                              bool vec, DType dt, cudaStream_t stream) {
-  HYBRID_DISPATCH(dt, {
-    constexpr int V = 16 / sizeof(scalar_t);
-    auto xt = static_cast<const scalar_t*>(x);
-    auto wt = static_cast<const scalar_t*>(w);
-    auto bt = static_cast<const scalar_t*>(b);
-    auto yt = static_cast<scalar_t*>(y);
-    const int c = static_cast<int>(cols);
-    const RowLayout L = row_layout(cols);
-    dim3 block(32 * L.wpr, L.rpb), grid(static_cast<unsigned>(ceil_div(rows, L.rpb)));
-    if (vec)
-      ln_fwd_kernel<scalar_t, V><<<grid, block, 0, stream>>>(xt, wt, bt, yt, mean, rstd,
-                                                              rows, c, eps, L.wpr);
-    else
-      ln_fwd_kernel<scalar_t, 1><<<grid, block, 0, stream>>>(xt, wt, bt, yt, mean, rstd,
-                                                              rows, c, eps, L.wpr);
-  });
+// The kernels' vector width as a type, so one launch site serves both widths.
+template <int V>
+using Width = std::integral_constant<int, V>;
+
+template <typename T>
+void layer_norm_fwd_multipass(const T* x, const T* w, const T* b, T* y, float* mean,
+                              float* rstd, int64_t rows, int cols, float eps, bool vec,
+                              cudaStream_t stream) {
+  const RowLayout L = row_layout(cols);
+  dim3 block(32 * L.wpr, L.rpb), grid(static_cast<unsigned>(ceil_div(rows, L.rpb)));
+  auto launch = [&](auto width) {
+    ln_fwd_kernel<T, decltype(width)::value><<<grid, block, 0, stream>>>(
+        x, w, b, y, mean, rstd, rows, cols, eps, L.wpr);
+  };
+  vec ? launch(Width<16 / sizeof(T)>{}) : launch(Width<1>{});
 }
 
-void layer_norm_bwd_multipass(const void* dy, const void* x, const void* w, const float* mean,
-                              const float* rstd, void* dx, float* part_w, float* part_b,
-                              int64_t rows, int64_t cols, int64_t chunks, int64_t per_chunk,
-                              bool vec, DType dt, cudaStream_t stream) {
-  HYBRID_DISPATCH(dt, {
-    constexpr int V = 16 / sizeof(scalar_t);
-    auto dyt = static_cast<const scalar_t*>(dy);
-    auto xt = static_cast<const scalar_t*>(x);
-    auto wt = static_cast<const scalar_t*>(w);
-    auto dxt = static_cast<scalar_t*>(dx);
-    const int c = static_cast<int>(cols);
-    const RowLayout L = row_layout(cols);
-    dim3 block(32 * L.wpr, L.rpb), grid(static_cast<unsigned>(ceil_div(rows, L.rpb)));
-    if (rows > 0) {
-      if (vec)
-        ln_bwd_dx_kernel<scalar_t, V><<<grid, block, 0, stream>>>(dyt, xt, wt, mean, rstd,
-                                                                   dxt, rows, c, L.wpr);
-      else
-        ln_bwd_dx_kernel<scalar_t, 1><<<grid, block, 0, stream>>>(dyt, xt, wt, mean, rstd,
-                                                                   dxt, rows, c, L.wpr);
-    }
-    dim3 tblock(32, 8);
-    if (vec) {
-      dim3 tgrid(static_cast<unsigned>(ceil_div(cols, 32 * V)), static_cast<unsigned>(chunks));
-      ln_bwd_dwb_kernel<scalar_t, V><<<tgrid, tblock, 0, stream>>>(
-          dyt, xt, mean, rstd, part_w, part_b, rows, c, per_chunk);
-    } else {
-      dim3 tgrid(static_cast<unsigned>(ceil_div(cols, 32)), static_cast<unsigned>(chunks));
-      ln_bwd_dwb_kernel<scalar_t, 1><<<tgrid, tblock, 0, stream>>>(
-          dyt, xt, mean, rstd, part_w, part_b, rows, c, per_chunk);
-    }
-  });
+template <typename T>
+void layer_norm_bwd_multipass(const T* dy, const T* x, const T* w, const float* mean,
+                              const float* rstd, T* dx, float* part_w, float* part_b,
+                              int64_t rows, int cols, int64_t chunks, int64_t per_chunk,
+                              bool vec, cudaStream_t stream) {
+  const RowLayout L = row_layout(cols);
+  dim3 block(32 * L.wpr, L.rpb), grid(static_cast<unsigned>(ceil_div(rows, L.rpb)));
+  auto launch = [&](auto width) {
+    constexpr int V = decltype(width)::value;
+    if (rows > 0)
+      ln_bwd_dx_kernel<T, V><<<grid, block, 0, stream>>>(dy, x, w, mean, rstd, dx, rows, cols,
+                                                         L.wpr);
+    dim3 tblock(32, 8), tgrid(static_cast<unsigned>(ceil_div(cols, 32 * V)),
+                              static_cast<unsigned>(chunks));
+    ln_bwd_dwb_kernel<T, V><<<tgrid, tblock, 0, stream>>>(dy, x, mean, rstd, part_w, part_b,
+                                                          rows, cols, per_chunk);
+  };
+  vec ? launch(Width<16 / sizeof(T)>{}) : launch(Width<1>{});
 }
+
+#define HYBRID_LN_MULTIPASS(T)                                                             \
+  template void layer_norm_fwd_multipass<T>(const T*, const T*, const T*, T*, float*, float*, \
+                                            int64_t, int, float, bool, cudaStream_t);        \
+  template void layer_norm_bwd_multipass<T>(const T*, const T*, const T*, const float*,     \
+                                            const float*, T*, float*, float*, int64_t, int,  \
+                                            int64_t, int64_t, bool, cudaStream_t);
+HYBRID_LN_MULTIPASS(float)
+HYBRID_LN_MULTIPASS(__nv_bfloat16)
+HYBRID_LN_MULTIPASS(__half)
+#undef HYBRID_LN_MULTIPASS
 
 }  // namespace hybrid
