@@ -63,10 +63,8 @@ def load_checkpoint(load_dir: str, engine: ZeroEngine, ps: ParallelState, cfg,
     shapes = {n: list(full_shape(p)) for n, p in engine.model.named_parameters()}
     specs = {n: getattr(p, "tp_spec", None) for n, p in engine.model.named_parameters()}
 
-    replica = ps.tp_rank if meta["tensor_model_parallel_size"] == ps.tp_size else 0
-
     def fetch(name, key, lo, hi):
-        t = fit_rows(full.full(name, key, replica), shapes[name])
+        t = fit_rows(full.full(name, key), shapes[name])
         spec = specs[name]
         if spec is not None:
             t = t.chunk(spec.size, dim=spec.dim)[spec.rank]
