@@ -11,6 +11,7 @@ from __future__ import annotations
 import gc
 import os
 import sys
+import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -23,22 +24,24 @@ def _world_size() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
-def _fail(msg: str, settle_s: float = 5.0) -> int:
+# How long a rank other than 0 waits before saying an error itself (see _fail).
+_SETTLE_S = 5.0
+
+
+def _fail(msg: str) -> int:
     """Print one error line for the whole job and return exit code 2.
 
-    Rank 0 prints at once. Another rank waits ``settle_s`` first: when every rank
-    hits the same error, rank 0 prints and exits and the launcher stops this rank
-    before it prints a duplicate; if the error is this rank's alone, it still
-    gets said (with the rank) before the launcher stops the others. Without the
-    wait a faster rank's exit could kill rank 0 before its line is out.
+    Rank 0 prints at once. Another rank waits first: when every rank hits the
+    same error, rank 0 prints and exits and the launcher stops this rank before
+    it prints a duplicate; if the error is this rank's alone, it still gets said
+    (with the rank) before the launcher stops the others. Without the wait a
+    faster rank's exit could kill rank 0 before its line is out.
     """
     rank = int(os.environ.get("RANK", "0"))
-    if rank == 0:
-        print(f"pretrain_gpt.py: error: {msg}", file=sys.stderr, flush=True)
-    elif settle_s > 0:
-        import time
-        time.sleep(settle_s)
-        print(f"pretrain_gpt.py: error (rank {rank}): {msg}", file=sys.stderr, flush=True)
+    if rank != 0:
+        time.sleep(_SETTLE_S)
+    where = "" if rank == 0 else f" (rank {rank})"
+    print(f"pretrain_gpt.py: error{where}: {msg}", file=sys.stderr, flush=True)
     return 2
 
 

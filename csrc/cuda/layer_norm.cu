@@ -17,7 +17,6 @@
 namespace hybrid {
 namespace {
 
-// ---------------------------------------------------------------------------
 // Register-cached kernels (the fast path: 16-byte vectors, rows that fit).
 //
 // A row is owned by `wpr` warps (tpr = 32 * wpr threads, threadIdx.x); thread t
@@ -329,7 +328,6 @@ void launch_bwd_reg(const T* dy, const T* x, const T* w, const float* mean, cons
         dy, x, w, mean, rstd, dx, part_w, part_b, rows, cols, per_chunk, wpr);
   }
 }
-
 
 }  // namespace
 

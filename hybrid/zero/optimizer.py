@@ -65,7 +65,7 @@ class ShardedAdamW:
         self.weight_decay = weight_decay
         self.step_count = 0
         self._segs = None
-        self._replicated = None  # per part, the complement of split_ranges
+        self._replicated = [_complement(r, w.numel()) for w, r in zip(master, split_ranges)]
         self._flat_segs = None
         if flat_master is not None:
             ranges, off = [], 0
@@ -88,8 +88,6 @@ class ShardedAdamW:
         all TP ranks then reach the same norm to the last bit, hence the same
         clip coefficient, and their copies of replicated parameters never drift.
         """
-        if self._replicated is None:
-            self._replicated = [_complement(r, g.numel()) for g, r in zip(grads, self.split_ranges)]
         out = torch.zeros(2, dtype=torch.float64, device=grads[0].device)
         for g, split, rest in zip(grads, self.split_ranges, self._replicated):
             for k, ranges in enumerate((split, rest)):
