@@ -24,7 +24,7 @@ from hybrid.errors import TrainingError
 from hybrid.lr_schedule import learning_rate
 from hybrid.monitor import Monitor, log
 from hybrid.parallel_state import ParallelState
-from hybrid.tensor_parallel import TPRNGTracker, seed_all
+from hybrid.tensor_parallel import InitValues, TPRNGTracker, seed_all
 from hybrid.zero import ZeroEngine, apply_zero
 from models.gpt import GPT, GPTConfig
 
@@ -50,8 +50,26 @@ def gpt_config(cfg: TrainConfig, vocab_size: int) -> GPTConfig:
 
 
 def build_model(cfg: TrainConfig, ps: ParallelState, vocab_size: int,
-                rng: TPRNGTracker) -> GPT:
-    return GPT(gpt_config(cfg, vocab_size), ps.tp_group, rng=rng, seed=cfg.seed, device=ps.device)
+                rng: TPRNGTracker, device: torch.device | str | None = None) -> GPT:
+    """The GPT on ``device`` (default ``ps.device``), initialized from ``--seed``;
+    on "meta" only its shapes (ZeRO materializes it: see :func:`build_engine`)."""
+    return GPT(gpt_config(cfg, vocab_size), ps.tp_group, rng=rng, seed=cfg.seed,
+               device=device or ps.device)
+
+
+def build_engine(cfg: TrainConfig, ps: ParallelState, vocab_size: int, rng: TPRNGTracker):
+    """(model, activation checkpointing handle or None, ZeRO engine).
+
+    The model is built on the meta device and ZeRO draws only what this rank
+    keeps from the block-seeded init: no rank ever holds the whole model.
+    """
+    model = build_model(cfg, ps, vocab_size, rng, device="meta")
+    model.train()
+    ac = (apply_activation_checkpointing(model, ps, rng, cfg.recompute)
+          if cfg.recompute_activations else None)
+    engine = apply_zero(model, ps, cfg.zero, values=InitValues(cfg.seed, model.init_of),
+                        recompute=ac.phase if ac is not None else None)
+    return model, ac, engine
 
 
 def _sync(ps: ParallelState) -> None:
@@ -124,11 +142,7 @@ def pretrain(cfg: TrainConfig, ps: ParallelState) -> list[dict]:
     rng = seed_all(cfg.seed, ps.tp_rank, ps.dp_rank, ps.device)
     tokenizer = build_tokenizer(cfg)
     data = build_datasets(cfg, tokenizer)
-    model = build_model(cfg, ps, tokenizer.vocab_size, rng)
-    model.train()
-    ac = apply_activation_checkpointing(model, ps, rng, cfg) if cfg.recompute_activations \
-        else None
-    engine = apply_zero(model, ps, cfg)
+    model, ac, engine = build_engine(cfg, ps, tokenizer.vocab_size, rng)
 
     state = TrainState()
     if cfg.load:
