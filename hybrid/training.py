@@ -131,10 +131,20 @@ def evaluate(model: GPT, samples, cfg: TrainConfig, ps: ParallelState) -> float:
     return float(total) / (count * ps.dp_size)
 
 
-def _peak_memory(ps: ParallelState) -> int:
+def _memory(ps: ParallelState) -> tuple[int, int]:
+    """(bytes held now, peak so far): allocated device memory on CUDA, RSS on the CPU."""
     if ps.device.type == "cuda":
-        return torch.cuda.max_memory_allocated(ps.device)
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # peak RSS on Linux
+        return (torch.cuda.memory_allocated(ps.device),
+                torch.cuda.max_memory_allocated(ps.device))
+    with open("/proc/self/statm", encoding="ascii") as f:
+        now = int(f.read().split()[1]) * resource.getpagesize()
+    return now, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
+
+
+def _max_over_ranks(ps: ParallelState, values: list[int]) -> list[int]:
+    t = torch.tensor(values, dtype=torch.float64, device=ps.device)
+    ps.world_group.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
+    return [int(v) for v in t.tolist()]
 
 
 def pretrain(cfg: TrainConfig, ps: ParallelState) -> list[dict]:
@@ -142,6 +152,7 @@ def pretrain(cfg: TrainConfig, ps: ParallelState) -> list[dict]:
     rng = seed_all(cfg.seed, ps.tp_rank, ps.dp_rank, ps.device)
     tokenizer = build_tokenizer(cfg)
     data = build_datasets(cfg, tokenizer)
+    before_model = _memory(ps)[0]  # the process without the model: runtime, data
     model, ac, engine = build_engine(cfg, ps, tokenizer.vocab_size, rng)
 
     state = TrainState()
@@ -152,6 +163,7 @@ def pretrain(cfg: TrainConfig, ps: ParallelState) -> list[dict]:
             state.iteration, state.consumed_samples = loaded
             log.info("resumed from %s at iteration %d (%d samples consumed)", cfg.load,
                      state.iteration, state.consumed_samples)
+    setup_peak = _memory(ps)[1]
     monitor = Monitor(ps.rank, cfg.log_json, cfg.tensorboard_dir, append=state.iteration > 0)
     log.info("layout: %s", ps.describe())
     log.info("parameters: %d on each TP rank, %d in the model (TP %d, padded vocab %d); "
@@ -203,7 +215,10 @@ def pretrain(cfg: TrainConfig, ps: ParallelState) -> list[dict]:
                      "skipped_iterations": skipped, "step_time_s": step_time,
                      "tokens_per_sec": tokens_per_iter / step_time,
                      "tflops_per_rank": flops_per_iter / step_time / ps.world_size / 1e12,
-                     "peak_memory_bytes": _peak_memory(ps),
+                     # memory: the largest rank's (one tiny all-reduce per log line)
+                     **dict(zip(("peak_memory_bytes", "setup_peak_memory_bytes",
+                                 "memory_before_model_bytes"),
+                                _max_over_ranks(ps, [_memory(ps)[1], setup_peak, before_model]))),
                      "model_state_bytes": engine.model_state_bytes(), "comm_bytes": comm}
                 if ac is not None:
                     m["activation_checkpoint_bytes"] = ac.peak_bytes()
