@@ -204,6 +204,9 @@ def test_build_datasets_splits_and_blends_prefixes(tmp_path):
     assert all(data[s] is not None for s in ("train", "valid", "test"))
     train = data["train"]
     assert np.bincount([train.source_of(i) for i in range(40)]).tolist() == [10, 30]
+    batches = dp_micro_batches(train, 10**6, 8, 2, 1, 2, torch.device("cpu"))  # rank 1 of 2
+    rows = torch.cat([torch.cat([x, y[:, -1:]], 1) for x, y in batches]).numpy()
+    assert np.array_equal(rows, np.stack([train[i] for i in range(10**6 + 4, 10**6 + 8)]))
     text = ByteTokenizer().decode(train[0])
     assert ("alpha" in text) != ("beta" in text)  # each sample comes from one prefix
     assert list(tmp_path.glob("shuffle_*.npy"))  # the sample order was cached
