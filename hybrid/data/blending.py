@@ -10,8 +10,10 @@ read in order: its ``k``-th appearance in the blend is its sample ``k``.
 Proportions: after any prefix of ``n`` samples, dataset ``d`` has contributed
 ``counts(n)[d]`` with ``|counts(n)[d] - w_d * n| <= bound[d]`` (plus float64
 rounding, ~1e-16 * n). ``bound`` comes from the blending tree (Note below): 1/2
-for two datasets, < 1 for three, < 1.68 for any number; measured over 2..10
-random skewed weights: about 1 typically, 1.35 at worst.
+for two datasets, < 1 for three, < 1.68 for any number. Measured over 400
+random weight vectors (2..10 datasets, uniform, log-normal and one-heavy weights;
+every prefix to 2e6, 3000 random n up to 1e10 each): worst deviation 1.0 at the median
+vector, 1.44 at worst, never above ``bound``.
 """
 
 from __future__ import annotations
