@@ -21,6 +21,7 @@ from hybrid.config import TrainConfig, padded_vocab_size
 from hybrid.data.dataset import build_datasets, dp_micro_batches
 from hybrid.data.tokenizer import build_tokenizer
 from hybrid.errors import TrainingError
+from hybrid.host_memory import return_freed_memory
 from hybrid.lr_schedule import learning_rate
 from hybrid.monitor import Monitor, log
 from hybrid.parallel_state import ParallelState
@@ -149,6 +150,8 @@ def _max_over_ranks(ps: ParallelState, values: list[int]) -> list[int]:
 
 def pretrain(cfg: TrainConfig, ps: ParallelState) -> list[dict]:
     """Train for ``cfg.train_iters`` iterations; return the logged metrics (rank 0's view)."""
+    if ps.device.type == "cpu":  # the model lives in host memory: keep RSS to what is used
+        return_freed_memory()
     rng = seed_all(cfg.seed, ps.tp_rank, ps.dp_rank, ps.device)
     tokenizer = build_tokenizer(cfg)
     data = build_datasets(cfg, tokenizer)
