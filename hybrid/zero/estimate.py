@@ -28,7 +28,8 @@ once; stages 2-3 have no such buffer and reduce-scatter every micro-batch;
 stage 3 also gathers every parameter before each micro-batch's forward and
 again before its backward. So with gradient accumulation, stage 2 trades
 ``g Psi (1 - 1/N)`` bytes of memory for ``(k - 1) g Psi f`` bytes of traffic
-per step over stage 1: :func:`choose_stage` weighs that.
+per step over stage 1: :func:`hybrid.memory_estimate.choose_stage` weighs
+that against the peak memory of each stage.
 """
 
 from __future__ import annotations
@@ -82,14 +83,3 @@ def comm_bytes_per_step(psi: int, dp: int, stage: int, micro_batches: int = 1,
     out["total"] = sum(out.values())
     return out
 
-
-def choose_stage(psi: int, dp: int, micro_batches: int, dtype: str, grads_dtype: str | None,
-                 budget_bytes: float) -> int:
-    """The stage with the least traffic per step whose model states fit ``budget_bytes``
-    (ties go to the lower stage); 3 when none fits."""
-    fitting = [s for s in range(4)
-               if model_state_bytes(psi, dp, s, dtype, grads_dtype)["total"] <= budget_bytes]
-    if not fitting:
-        return 3
-    return min(fitting, key=lambda s: (comm_bytes_per_step(psi, dp, s, micro_batches, dtype,
-                                                           grads_dtype)["total"], s))

@@ -1,0 +1,226 @@
+"""Peak memory per rank: model states, activations, gather buffers, communication buckets.
+
+:func:`peak_memory` adds up what one rank holds at its high-water mark, which
+for a GPT trained by hybrid is early in backward: every activation still
+saved, the output head's softmax, the gathered and not yet reduced units, and
+the staging buffers. Each term is written out below;
+``tests/test_memory_estimate.py`` checks the activation terms byte for byte
+against what autograd saves, and ``scripts/bench_memory.py`` checks the total
+against measured peaks. :func:`choose_stage` picks the ZeRO stage with the least
+traffic whose peak fits a device (``scripts/estimate_memory.py``).
+
+[Note: activations per layer]
+Saved for backward by one transformer layer (s sequence, b micro-batch, h
+hidden, f MLP width, t TP size, a heads, e bytes per activation element), with
+an attention kernel that keeps no s x s scores (flash / memory-efficient
+SDPA)::
+
+    replicated over TP: LN-1 input and output, LN-2 input and output     4 sbh e
+    split over TP:      QKV output (SDPA keeps q, k, v as views of it)    3 sbh e / t
+                        attention output (also the projection's input)    1 sbh e / t
+                        MLP up output (GELU input) and GELU output        2 sbf e / t
+    statistics:         two LayerNorms' mean and 1/std (fp32 on CUDA,   16 sb
+                        the input's dtype on the CPU)
+                        SDPA's log-sum-exp per head (fp32)                4 sb a / t
+
+This is Korthikanti et al. 2022's ``sbh (10 + 24/t)`` for 16-bit activations
+(f = 4h), without their dropout masks and their ``5as/(ht)`` scores term.
+Dropout on the two residual branches adds two masks of ``sbh`` elements, one
+byte each on CUDA and ``e`` bytes on the CPU (which keeps the scaled noise).
+Attention dropout on the CPU runs the math kernel in fp32, which keeps its own
+q, k, v (``3 sbh 4 / t`` instead of the QKV output) and the scores: the
+softmax, its mask and its output (``3 a s^2 b 4 / t``) instead of the
+log-sum-exp. With full recompute a checkpointed layer keeps only its input
+(``sbh e``, ``/t`` when partitioned, nothing on the device with
+``--cpu-checkpointing``), and during backward one layer's activations exist
+again.
+
+The head keeps LN-f input and output (``2 sbh e``) with their statistics, the
+token and label ids and the positions, and for the cross-entropy one slice of
+``bsV/t`` values: the fp32 softmax on the CPU (PyTorch ops) or the logits
+themselves (``e`` bytes, the fused kernel on CUDA). At the end of forward the
+logits and their fp32 softmax exist at once.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from hybrid.zero.estimate import BYTES, comm_bytes_per_step, model_state_bytes
+
+
+@dataclass(frozen=True)
+class Workload:
+    """One rank's share of a GPT training run (sizes as Megatron's flags name them)."""
+
+    num_layers: int
+    hidden_size: int
+    num_attention_heads: int
+    ffn_hidden_size: int
+    padded_vocab_size: int
+    seq_length: int
+    micro_batch_size: int
+    max_position_embeddings: int
+    tp: int = 1
+    dp: int = 1
+    micro_batches: int = 1  # per optimizer step (gradient accumulation)
+    zero_stage: int = 0
+    params_dtype: str = "fp32"
+    grads_dtype: str | None = None
+    hidden_dropout: float = 0.0
+    attention_dropout: float = 0.0
+    recompute: bool = False
+    recompute_num_layers: int | None = None
+    partition_activations: bool = False
+    cpu_checkpointing: bool = False
+    reduce_bucket_size: int = 50_000_000
+    device: str = "cuda"  # "cpu": the kernels and masks of a CPU run
+
+    @property
+    def psi(self) -> int:
+        """Parameters of one TP rank (see ``GPTConfig.num_parameters``)."""
+        return self.block_params * self.num_layers + self.root_params
+
+    @property
+    def block_params(self) -> int:
+        C, F, t = self.hidden_size, self.ffn_hidden_size, self.tp
+        return (3 * C * C + 3 * C + C * C + C * F + F + F * C) // t + 6 * C
+
+    @property
+    def root_params(self) -> int:
+        C = self.hidden_size
+        return self.padded_vocab_size * C // self.tp + self.max_position_embeddings * C + 2 * C
+
+    def with_stage(self, stage: int) -> "Workload":
+        return replace(self, zero_stage=stage)
+
+
+def workload(cfg, world_size: int, vocab_size: int, device: str = "cuda") -> Workload:
+    """The :class:`Workload` of a validated :class:`hybrid.config.TrainConfig` run."""
+    from hybrid.config import padded_vocab_size
+    tp = cfg.tensor_model_parallel_size
+    zero = cfg.zero
+    return Workload(
+        num_layers=cfg.num_layers, hidden_size=cfg.hidden_size,
+        num_attention_heads=cfg.num_attention_heads,
+        ffn_hidden_size=cfg.ffn_hidden_size or 4 * cfg.hidden_size,
+        padded_vocab_size=padded_vocab_size(vocab_size, cfg.make_vocab_size_divisible_by, tp),
+        seq_length=cfg.seq_length, micro_batch_size=cfg.micro_batch_size,
+        max_position_embeddings=cfg.max_position_embeddings or cfg.seq_length,
+        tp=tp, dp=cfg.data_parallel_size(world_size),
+        micro_batches=cfg.num_micro_batches(world_size), zero_stage=zero.stage,
+        params_dtype=zero.params_dtype, grads_dtype=zero.grads_dtype,
+        hidden_dropout=cfg.hidden_dropout, attention_dropout=cfg.attention_dropout,
+        recompute=cfg.recompute_activations, recompute_num_layers=cfg.recompute_num_layers,
+        partition_activations=cfg.partition_activations,
+        cpu_checkpointing=cfg.cpu_checkpointing, reduce_bucket_size=zero.reduce_bucket_size,
+        device=device)
+
+
+def _stat_bytes(w: Workload) -> int:
+    """LayerNorm's saved mean and 1/std: fp32 on CUDA, the input's dtype on the CPU."""
+    return 4 if w.device == "cuda" else BYTES[w.params_dtype]
+
+
+def activation_bytes_per_layer(w: Workload) -> int:
+    """Bytes one layer saves for backward without recompute (see the note)."""
+    s, b, h, t, a = w.seq_length, w.micro_batch_size, w.hidden_size, w.tp, w.num_attention_heads
+    e = BYTES[w.params_dtype]
+    sbh = s * b * h
+    stats = 2 * 2 * s * b * _stat_bytes(w)
+    if w.device == "cpu" and w.attention_dropout > 0:
+        # the math kernel, in fp32: its own q, k, v and the scores, not the QKV output
+        saved = 4 * sbh * e + (sbh + 2 * w.ffn_hidden_size * s * b) * e // t
+        attention = 3 * sbh * 4 // t + 3 * (a // t) * s * s * b * 4
+    else:
+        saved = 4 * sbh * e + (4 * sbh + 2 * w.ffn_hidden_size * s * b) * e // t
+        attention = (a // t) * s * b * 4
+    masks = 2 * sbh * (1 if w.device == "cuda" else e) if w.hidden_dropout > 0 else 0
+    return saved + stats + attention + masks
+
+
+def head_bytes(w: Workload) -> int:
+    """Bytes saved outside the layers: embedding and head (see the note)."""
+    s, b, h = w.seq_length, w.micro_batch_size, w.hidden_size
+    e = BYTES[w.params_dtype]
+    # tokens, labels, positions (int64); then at TP 1 the loss's weight scalar, at TP > 1
+    # the masks of ids outside this rank's vocabulary slice (embedding, cross-entropy)
+    ids = 2 * 8 * s * b + 8 * s + (4 if w.tp == 1 else 2 * s * b)
+    ln_f = 2 * s * b * h * e + 2 * s * b * _stat_bytes(w)
+    softmax = (e if w.device == "cuda" else 4) * b * s * w.padded_vocab_size // w.tp
+    mask = s * b * h * (1 if w.device == "cuda" else e) if w.hidden_dropout > 0 else 0
+    return ids + ln_f + softmax + mask
+
+
+def activation_bytes(w: Workload) -> dict:
+    """{"layers", "head", "recompute_working_set", "peak"}: bytes saved at the end of
+    forward, and the most that exists at once (the peak term of :func:`peak_memory`)."""
+    s, b, h, t = w.seq_length, w.micro_batch_size, w.hidden_size, w.tp
+    e = BYTES[w.params_dtype]
+    per_layer = activation_bytes_per_layer(w)
+    n_ckpt = (w.recompute_num_layers or w.num_layers) if w.recompute else 0
+    stored_input = 0 if w.cpu_checkpointing else s * b * h * e // (
+        t if w.partition_activations else 1)
+    layers = n_ckpt * stored_input + (w.num_layers - n_ckpt) * per_layer
+    head = head_bytes(w)
+    working = per_layer if n_ckpt else 0  # a recomputed layer during its backward
+    transient = max(working, e * b * s * w.padded_vocab_size // t)  # logits beside softmax
+    return {"layers": layers, "head": head, "recompute_working_set": working,
+            "peak": layers + head + transient}
+
+
+def buffer_bytes(w: Workload) -> dict:
+    """ZeRO's buffers beyond the model states at the backward peak.
+
+    ``gathered``: stage 3 keeps the root unit (embeddings, final norm) whole for
+    the whole step, plus the running and the prefetched block. ``grads``: a
+    unit's ``param.grad`` waits until its last gradient arrives and it is
+    reduced (stages 2-3: the running unit plus the root or last bucket, which
+    holds the head's embedding gradient through backward; with fp32 gradients at
+    stages 0-1 only the embedding's, folded at the end). ``staging``: the two
+    reduce-scatter staging buffers.
+    """
+    p = BYTES[w.params_dtype]
+    g = BYTES[w.grads_dtype or w.params_dtype]
+    block, root = w.block_params, w.root_params
+    bucket = w.reduce_bucket_size
+    gathered = grads = staging = 0
+    if w.zero_stage == 3:
+        gathered = (root + 2 * block) * p
+        grads = (root + block) * p
+        staging = 2 * min(bucket, max(block, root)) * g
+    elif w.zero_stage == 2:
+        grads = 2 * min(bucket, w.psi) * p
+        staging = 2 * min(bucket, w.psi) * g
+    elif (w.grads_dtype or w.params_dtype) != w.params_dtype:
+        grads = w.padded_vocab_size * w.hidden_size // w.tp * p
+    return {"gathered": gathered, "grads": grads, "staging": staging,
+            "total": gathered + grads + staging}
+
+
+def peak_memory(w: Workload, runtime_bytes: int = 0) -> dict:
+    """Predicted peak bytes per rank: ``runtime_bytes`` (the process before the
+    model: framework, CUDA context or interpreter, data) + model states +
+    activations + ZeRO buffers."""
+    states = model_state_bytes(w.psi, w.dp, w.zero_stage, w.params_dtype, w.grads_dtype)
+    acts = activation_bytes(w)
+    bufs = buffer_bytes(w)
+    total = runtime_bytes + states["total"] + acts["peak"] + bufs["total"]
+    return {"runtime": runtime_bytes, "model_states": states["total"],
+            "activations": acts["peak"], "buffers": bufs["total"], "total": total}
+
+
+def traffic_bytes(w: Workload) -> dict:
+    """Bytes this rank sends over DP per optimizer step (``comm_bytes_per_step``)."""
+    return comm_bytes_per_step(w.psi, w.dp, w.zero_stage, w.micro_batches, w.params_dtype,
+                               w.grads_dtype)
+
+
+def choose_stage(w: Workload, budget_bytes: float, runtime_bytes: int = 0) -> int | None:
+    """The ZeRO stage with the least DP traffic per step whose predicted peak fits
+    ``budget_bytes`` (ties go to the lower stage), or None when none fits."""
+    fitting = [s for s in range(4)
+               if peak_memory(w.with_stage(s), runtime_bytes)["total"] <= budget_bytes]
+    if not fitting:
+        return None
+    return min(fitting, key=lambda s: (traffic_bytes(w.with_stage(s))["total"], s))

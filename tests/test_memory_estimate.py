@@ -1,0 +1,180 @@
+"""The estimator's activation terms equal, byte for byte, what autograd saves.
+
+A GPT is run forward under a saved-tensor hook that records every storage
+autograd keeps for backward (parameters aside); one layer's bytes are the
+difference between a 2-layer and a 1-layer model, the head's the rest. Checked
+at TP 1 and 2, fp32 and bf16, with and without dropout, and under full
+recompute (stored inputs only, whole or partitioned over TP).
+"""
+
+from dataclasses import replace
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from harness import run_ranks
+from hybrid.activation_checkpointing import apply_activation_checkpointing
+from hybrid.config_sections import RecomputeConfig
+from hybrid.memory_estimate import (Workload, activation_bytes, activation_bytes_per_layer,
+                                    choose_stage, head_bytes, peak_memory, traffic_bytes)
+from hybrid.parallel_state import ParallelState
+from hybrid.tensor_parallel import seed_all
+from models.gpt import GPT, GPTConfig
+
+S, B, H, HEADS, V = 16, 2, 32, 4, 256
+CASES = [  # (dtype, hidden dropout, attention dropout)
+    ("fp32", 0.0, 0.0), ("bf16", 0.0, 0.0), ("fp32", 0.1, 0.0), ("fp32", 0.1, 0.1),
+    ("bf16", 0.1, 0.1)]
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def _workload(tp, dtype, drop, attn, layers=1, **kw):
+    return Workload(num_layers=layers, hidden_size=H, num_attention_heads=HEADS,
+                    ffn_hidden_size=4 * H, padded_vocab_size=V, seq_length=S,
+                    micro_batch_size=B, max_position_embeddings=S, tp=tp, params_dtype=dtype,
+                    hidden_dropout=drop, attention_dropout=attn, device="cpu", **kw)
+
+
+def _saved_bytes(ps, layers, dtype, drop, attn, recompute=None):
+    """Bytes of the distinct storages autograd saves in one forward (params excluded),
+    plus the checkpoints activation checkpointing stores."""
+    cfg = GPTConfig(vocab_size=V, padded_vocab_size=V, num_layers=layers, hidden_size=H,
+                    num_attention_heads=HEADS, max_position_embeddings=S,
+                    hidden_dropout=drop, attention_dropout=attn)
+    rng = seed_all(1, ps.tp_rank, ps.dp_rank, ps.device)
+    model = GPT(cfg, ps.tp_group, rng=rng, seed=1).to(DTYPES[dtype])
+    ac = None if recompute is None else apply_activation_checkpointing(model, ps, rng,
+                                                                        recompute)
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    seen = {}
+
+    def pack(t):
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in params:
+            seen[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    g = torch.Generator().manual_seed(0)
+    tokens, labels = (torch.randint(0, V, (B, S), generator=g) for _ in range(2))
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss = model(tokens, labels)  # held: the graph keeps the checkpoints alive
+    stored = ac.stored_bytes() if ac is not None else 0
+    del loss
+    return sum(seen.values()) + stored
+
+
+def _measure(ps):
+    out = {}
+    for case in CASES:
+        one, two = (_saved_bytes(ps, n, *case) for n in (1, 2))
+        out[case] = {"layer": two - one, "head": 2 * one - two}
+    for partition in (False, True):
+        rc = RecomputeConfig(partition_activations=partition)
+        one, two = (_saved_bytes(ps, n, "fp32", 0.0, 0.0, rc) for n in (1, 2))
+        out[("recompute", partition)] = two - one
+    return out
+
+
+@pytest.fixture(scope="module")
+def measured():
+    """{tp: what rank 0 saw} at TP 1 (this process) and TP 2."""
+    return {1: _measure(ParallelState.single()),
+            2: run_ranks(_measure, world_size=2, tp=2)[0]}
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[0]}-drop{c[1]}-attn{c[2]}")
+def test_layer_activations_equal_saved_bytes(measured, tp, case):
+    assert measured[tp][case]["layer"] == activation_bytes_per_layer(_workload(tp, *case))
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[0]}-drop{c[1]}-attn{c[2]}")
+def test_head_activations_equal_saved_bytes(measured, tp, case):
+    assert measured[tp][case]["head"] == head_bytes(_workload(tp, *case))
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+@pytest.mark.parametrize("partition", [False, True])
+def test_recomputed_layer_keeps_only_its_input(measured, tp, partition):
+    w = _workload(tp, "fp32", 0.0, 0.0, layers=2, recompute=True,
+                  partition_activations=partition)
+    per_layer_stored = (activation_bytes(w)["layers"]) // 2
+    assert measured[tp][("recompute", partition)] == per_layer_stored
+    assert per_layer_stored == S * B * H * 4 // (tp if partition else 1)
+
+
+def test_choose_stage_weighs_peak_against_traffic():
+    # 8 micro-batches: stage 1 moves far less than 2-3, so it wins while it fits
+    w = Workload(num_layers=24, hidden_size=2048, num_attention_heads=16,
+                 ffn_hidden_size=8192, padded_vocab_size=50304, seq_length=1024,
+                 micro_batch_size=4, max_position_embeddings=1024, tp=4, dp=8,
+                 micro_batches=8, params_dtype="bf16", grads_dtype="fp32", recompute=True)
+    peaks = {s: peak_memory(w.with_stage(s))["total"] for s in range(4)}
+    traffic = {s: traffic_bytes(w.with_stage(s))["total"] for s in range(4)}
+    assert peaks[0] > peaks[1] > peaks[2] > peaks[3]
+    assert traffic[1] < traffic[0] and traffic[1] < traffic[2] < traffic[3]
+    assert choose_stage(w, budget_bytes=peaks[0]) == 1
+    assert choose_stage(w, budget_bytes=peaks[1]) == 1
+    assert choose_stage(w, budget_bytes=peaks[1] - 1) == 2
+    assert choose_stage(w, budget_bytes=peaks[3]) == 3
+    assert choose_stage(w, budget_bytes=peaks[3] - 1) is None
+    # one micro-batch, bf16 gradients: stage 0's all-reduce moves what stage 1's
+    # reduce-scatter + all-gather do, and the tie goes to the lower stage; fp32
+    # gradients make the all-reduce 4/3 of that
+    w1 = replace(w, micro_batches=1, grads_dtype="bf16")
+    assert choose_stage(w1, budget_bytes=peak_memory(w1.with_stage(0))["total"]) == 0
+    assert choose_stage(replace(w1, grads_dtype="fp32"), budget_bytes=peaks[0]) == 1
+
+
+def test_estimate_memory_script_recommends_a_stage_and_rejects_bad_layouts():
+    script = os.path.join(os.path.dirname(__file__), "..", "scripts", "estimate_memory.py")
+    preset = ["--num-layers", "24", "--hidden-size", "2048", "--num-attention-heads", "16",
+              "--seq-length", "1024", "--tensor-model-parallel-size", "4",
+              "--micro-batch-size", "4", "--global-batch-size", "512", "--bf16",
+              "--tokenizer-type", "gpt2bpe", "--world-size", "32"]
+    out = subprocess.run([sys.executable, script, *preset, "--gpu-memory-gb", "80"],
+                         capture_output=True, text=True, check=True).stdout
+    records = [json.loads(line) for line in out.splitlines()]
+    stages = records[:4]
+    assert [r["zero_stage"] for r in stages] == [0, 1, 2, 3]
+    assert all(r["dp"] == 8 and r["micro_batches"] == 16 and r["fits"] for r in stages)
+    assert records[4]["recommended_zero_stage"] == 1  # what examples/pretrain_gpt2.sh runs
+    bad = subprocess.run([sys.executable, script, *preset[:-2], "--world-size", "6"],
+                         capture_output=True, text=True)
+    assert bad.returncode == 2
+    assert "--tensor-model-parallel-size 4 does not divide the world size 6" in bad.stderr
+
+
+def _presets():
+    """{size: (flags of its shape, the flags every preset shares)} from examples/pretrain_gpt2.sh."""
+    import re
+    import shlex
+    path = os.path.join(os.path.dirname(__file__), "..", "examples", "pretrain_gpt2.sh")
+    text = open(path, encoding="utf-8").read()
+    shapes = {m[1]: shlex.split(m[2]) for m in
+              re.finditer(r"^\s*([\w.]+)\) shape=\(([^)]*)\)", text, flags=re.M)}
+    common = text[text.index('"${shape[@]}"') + len('"${shape[@]}"'):]
+    keep = ("--seq-length", "--micro-batch-size", "--global-batch-size")
+    words = shlex.split(common.replace("\\\n", " "))
+    shared = ["--bf16"] + [x for i, w in enumerate(words) if w in keep
+                           for x in (w, words[i + 1])]
+    return shapes, shared
+
+
+@pytest.mark.parametrize("world", [8, 32])
+def test_gpt2_presets_run_the_stage_the_estimator_recommends(world):
+    from hybrid.config import parse_args
+    from hybrid.memory_estimate import workload
+    shapes, shared = _presets()
+    assert set(shapes) == {"125m", "350m", "1.3b"} and "--global-batch-size" in shared
+    for size, shape in shapes.items():
+        cfg = parse_args(shape + shared + ["--hidden-dropout", "0", "--attention-dropout", "0"])
+        w = workload(cfg.validate(world), world, 50257)
+        assert choose_stage(w, budget_bytes=80 * 2 ** 30, runtime_bytes=int(1.5 * 2 ** 30)) \
+            == cfg.zero_stage, size
