@@ -1,66 +1,113 @@
 #!/usr/bin/env python
-"""Per-rank model-state memory (params, grads, optimizer) for a GPT under TP x ZeRO.
+"""Peak memory and DP traffic per rank of a pretrain_gpt.py run, for every ZeRO stage.
 
     python scripts/estimate_memory.py --num-layers 24 --hidden-size 2048 \
-        --num-attention-heads 16 --seq-length 2048 --vocab-size 50257 \
-        --tensor-model-parallel-size 2 --data-parallel-size 64 --bf16
+        --num-attention-heads 16 --seq-length 1024 --tensor-model-parallel-size 4 \
+        --micro-batch-size 4 --global-batch-size 512 --bf16 --tokenizer-type gpt2bpe \
+        --world-size 32 --gpu-memory-gb 80
 
-Prints one JSON record per ZeRO stage (or just --zero-stage), from the ZeRO
-paper's formulas with Psi = the parameters of one TP rank. Activations,
-communication buffers and framework overhead come on top.
+Takes pretrain_gpt.py's own flags (so a launch script's line can be pasted as
+it is) plus the few below. Prints one JSON line per ZeRO stage: model states
+(params, grads, optimizer), activations for the recompute mode in use,
+ZeRO's gather and staging buffers, the predicted peak per rank
+(:func:`hybrid.memory_estimate.peak_memory`) and the bytes each rank sends
+per optimizer step with the run's micro-batches per step. With
+``--gpu-memory-gb`` a last line names the stage with the least traffic whose
+peak fits (``recommended_zero_stage``; null when none does).
 """
 
 from __future__ import annotations
 
-import argparse
+import dataclasses
 import json
 import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from hybrid.config import padded_vocab_size  # noqa: E402
+from hybrid.config import TrainConfig, build_parser  # noqa: E402
+from hybrid.errors import ConfigError  # noqa: E402
+from hybrid.memory_estimate import (activation_bytes, buffer_bytes, choose_stage,  # noqa: E402
+                                    peak_memory, traffic_bytes, workload)
 from hybrid.zero.estimate import model_state_bytes  # noqa: E402
-from models.gpt import GPTConfig  # noqa: E402
+
+GIB = 2 ** 30
+OWN = ("world_size", "data_parallel_size", "micro_batches", "vocab_size", "gpu_memory_gb",
+       "runtime_gb", "device")
+# Memory a process holds before the model: on the CPU, what scripts/bench_memory.py
+# measures (memory_before_model_bytes, about 0.25 GB: interpreter, torch, gloo,
+# data); on CUDA a reserve for the context, NCCL's buffers and the caching
+# allocator's slack that this repository has not measured -- set --runtime-gb.
+RUNTIME_GB = {"cpu": 0.25, "cuda": 1.5}
+
+
+def _parser():
+    ap = build_parser()
+    ap.prog = "estimate_memory.py"
+    ap.usage = ("%(prog)s [pretrain_gpt.py flags] [--world-size N] [--micro-batches K] "
+                "[--gpu-memory-gb M] [--runtime-gb R] [--device cuda|cpu]")
+    ap.description = __doc__.split("\n\n")[0]
+    g = ap.add_argument_group("the estimate")
+    g.add_argument("--world-size", type=int, default=None,
+                   help="ranks in the job (default: TP x --data-parallel-size)")
+    g.add_argument("--data-parallel-size", type=int, default=1,
+                   help="DP size when --world-size is not given")
+    g.add_argument("--micro-batches", type=int, default=None,
+                   help="micro-batches per step (default: from --global-batch-size)")
+    g.add_argument("--vocab-size", type=int, default=None,
+                   help="token ids (default: 257 for --tokenizer-type byte, else GPT-2's 50257)")
+    g.add_argument("--gpu-memory-gb", type=float, default=None,
+                   help="device memory per rank (GiB): recommend the stage that fits")
+    g.add_argument("--runtime-gb", type=float, default=None,
+                   help="memory per rank before the model (GiB; default 0.25 on cpu, 1.5 "
+                        "on cuda)")
+    g.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    return ap
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--num-layers", type=int, required=True)
-    ap.add_argument("--hidden-size", type=int, required=True)
-    ap.add_argument("--num-attention-heads", type=int, required=True)
-    ap.add_argument("--ffn-hidden-size", type=int, default=None)
-    ap.add_argument("--seq-length", type=int, default=1024)
-    ap.add_argument("--max-position-embeddings", type=int, default=None)
-    ap.add_argument("--vocab-size", type=int, default=50257)
-    ap.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
-    ap.add_argument("--tensor-model-parallel-size", type=int, default=1)
-    ap.add_argument("--data-parallel-size", type=int, default=1)
-    ap.add_argument("--zero-stage", type=int, choices=[0, 1, 2, 3], default=None)
-    prec = ap.add_mutually_exclusive_group()
-    prec.add_argument("--bf16", action="store_true")
-    prec.add_argument("--fp16", action="store_true")
-    a = ap.parse_args(argv)
-    tp = a.tensor_model_parallel_size
-    if a.num_attention_heads % tp or a.hidden_size % a.num_attention_heads:
-        ap.error("--num-attention-heads must divide --hidden-size and be divisible by "
-                 "--tensor-model-parallel-size")
-    cfg = GPTConfig(vocab_size=a.vocab_size,
-                    padded_vocab_size=padded_vocab_size(a.vocab_size,
-                                                        a.make_vocab_size_divisible_by, tp),
-                    num_layers=a.num_layers, hidden_size=a.hidden_size,
-                    num_attention_heads=a.num_attention_heads,
-                    max_position_embeddings=a.max_position_embeddings or a.seq_length,
-                    ffn_hidden_size=a.ffn_hidden_size)
-    psi = cfg.num_parameters(tp)
-    dtype = "bf16" if a.bf16 else "fp16" if a.fp16 else "fp32"
-    stages = [a.zero_stage] if a.zero_stage is not None else [0, 1, 2, 3]
-    for stage in stages:
-        b = model_state_bytes(psi, a.data_parallel_size, stage, dtype)
-        print(json.dumps({"zero_stage": stage, "dtype": dtype, "tp": tp,
-                          "dp": a.data_parallel_size, "params_total": cfg.num_parameters(),
-                          "params_per_tp_rank": psi, **{f"{k}_bytes": v for k, v in b.items()},
-                          "total_gib": round(b["total"] / 2**30, 3)}))
+    ap = _parser()
+    ns = vars(ap.parse_args(argv))
+    own = {k: ns.pop(k) for k in OWN}
+    # Shapes are all an estimate needs: no tokenizer or data files are read.
+    cfg = dataclasses.replace(TrainConfig(**ns), tokenizer_type="byte", data_path=None)
+    tp = cfg.tensor_model_parallel_size
+    world = own["world_size"] or tp * own["data_parallel_size"]
+    if own["micro_batches"] is not None:
+        if own["micro_batches"] < 1:
+            ap.error("--micro-batches must be >= 1")
+        cfg.global_batch_size = own["micro_batches"] * cfg.micro_batch_size * (world // tp)
+    try:
+        cfg.validate(world)
+    except ConfigError as e:
+        ap.error(str(e))
+    vocab = own["vocab_size"] or (257 if ns["tokenizer_type"] == "byte" else 50257)
+    runtime = int((own["runtime_gb"] if own["runtime_gb"] is not None
+                   else RUNTIME_GB[own["device"]]) * GIB)
+    w = workload(cfg, world, vocab, own["device"])
+    budget = own["gpu_memory_gb"] * GIB if own["gpu_memory_gb"] is not None else None
+    for stage in range(4):
+        ws = w.with_stage(stage)
+        peak = peak_memory(ws, runtime)
+        record = {
+            "zero_stage": stage, "selected": stage == w.zero_stage, "tp": w.tp, "dp": w.dp,
+            "micro_batches": w.micro_batches, "params_dtype": w.params_dtype,
+            "grads_dtype": w.grads_dtype or w.params_dtype, "recompute": w.recompute,
+            "params_per_tp_rank": w.psi,
+            "model_states": model_state_bytes(w.psi, w.dp, stage, w.params_dtype,
+                                              w.grads_dtype),
+            "activations": activation_bytes(ws), "buffers": buffer_bytes(ws),
+            "runtime_bytes": runtime, "peak_bytes": peak["total"],
+            "peak_gib": round(peak["total"] / GIB, 3),
+            "traffic_bytes_per_step": traffic_bytes(ws)}
+        if budget is not None:
+            record["fits"] = peak["total"] <= budget
+        print(json.dumps(record))
+    if budget is not None:
+        best = choose_stage(w, budget, runtime)
+        print(json.dumps({"recommended_zero_stage": best, "gpu_memory_gb": own["gpu_memory_gb"],
+                          "rule": "least DP traffic per step among the stages whose "
+                                  "predicted peak fits"}))
     return 0
 
 
