@@ -7,9 +7,12 @@ the engine, pinned when a GPU exists). Each step this module moves
     host parameter copy    --(H2D, training dtype)-->  device parameter shard
 
 and the fused CPU kernel (``hybrid.kernels.adam_step``) reads the first and
-writes the second in the same pass as the Adam update. Moving the training
-dtype both ways (not fp32) is what keeps the PCIe traffic at 2x the shard in
-bf16/fp16, the same as the ZeRO-Offload paper's 4 bytes per parameter per step.
+writes the second in the same pass as the Adam update. The gradient dtype is
+fp32 when gradients are accumulated in fp32 (``--accumulate-allreduce-grads-in-fp32``,
+the default with bf16): 6 bytes per parameter per step over PCIe. With
+``--no-accumulate-allreduce-grads-in-fp32`` both directions move the training
+dtype, 4 bytes per parameter per step in bf16/fp16, the ZeRO-Offload paper's
+figure.
 
 On a CPU-only machine the same path runs with host tensors; at stages 2-3 the
 engine's flat gradient shard is already a contiguous host buffer in master
@@ -57,7 +60,7 @@ class OptimizerOffload:
 
     @torch.no_grad()
     def grads_to_host(self, units: list[FlatUnit]) -> torch.Tensor:
-        """The shard's gradient as one flat host tensor (training dtype)."""
+        """The shard's gradient as one flat host tensor (gradient dtype)."""
         if self._own_grad:
             for u, dst in zip(units, self._pieces(self.grad)):
                 dst.copy_(u.grad_shard, non_blocking=self.pin)
