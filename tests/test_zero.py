@@ -57,6 +57,23 @@ def _named_params(model, engine):
         return {n: p.detach().float().clone() for n, p in model.named_parameters()}
 
 
+def _train_steps(model, engine, ps, cfg):
+    """STEPS optimizer steps on the shared data: (mean losses over DP, grad norms)."""
+    losses, norms = [], []
+    for step in range(STEPS):
+        engine.zero_grad()
+        batches = _my_micro_batches(step, ps, cfg.micro_batch_size)
+        total = torch.zeros(())
+        for i, (x, y) in enumerate(batches):
+            loss = model(x, y) / len(batches)
+            engine.backward(loss, sync=i == len(batches) - 1)
+            total += loss.detach().float()
+        ps.dp_group.all_reduce(total)
+        losses.append(float(total) / ps.dp_size)
+        norms.append(engine.step(cfg.lr).grad_norm)
+    return losses, norms
+
+
 def _train_stages(ps, variants):
     """For each variant (stage, overrides): STEPS steps; losses, norms, final params."""
     out = []
@@ -64,18 +81,7 @@ def _train_stages(ps, variants):
         cfg = _train_cfg(ps.world_size, ps.tp_size, zero_stage=stage, **kw)
         model = _gpt(cfg, ps, device="meta")  # as training builds it: ZeRO materializes
         engine = apply_zero(model, ps, cfg.zero, values=InitValues(cfg.seed, model.init_of))
-        losses, norms = [], []
-        for step in range(STEPS):
-            engine.zero_grad()
-            batches = _my_micro_batches(step, ps, cfg.micro_batch_size)
-            total = torch.zeros(())
-            for i, (x, y) in enumerate(batches):
-                loss = model(x, y) / len(batches)
-                engine.backward(loss, sync=i == len(batches) - 1)
-                total += loss.detach().float()
-            ps.dp_group.all_reduce(total)
-            losses.append(float(total) / ps.dp_size)
-            norms.append(engine.step(cfg.lr).grad_norm)
+        losses, norms = _train_steps(model, engine, ps, cfg)
         specs = {n: getattr(p, "tp_spec", None) for n, p in model.named_parameters()}
         out.append({"losses": losses, "norms": norms,
                     "params": _named_params(model, engine), "specs": specs})

@@ -8,8 +8,8 @@ from hybrid.activation_checkpointing import apply_activation_checkpointing
 from hybrid.parallel_state import ParallelState
 from hybrid.tensor_parallel import InitValues
 from hybrid.zero import apply_zero
-from test_zero import (MICRO, STEPS, _global_batch, _gpt, _my_micro_batches, _named_params,
-                       _train_cfg)
+from test_zero import (MICRO, STEPS, _global_batch, _gpt, _named_params, _train_cfg,
+                       _train_steps)
 
 
 def _full_params(res, tp, name, spec):
@@ -115,18 +115,7 @@ def _train_tied(ps, variants):
             phase = apply_activation_checkpointing(model, ps, None, cfg.recompute).phase
         engine = apply_zero(model, ps, cfg.zero, values=InitValues(cfg.seed, model.init_of),
                             recompute=phase)
-        losses = []
-        for step in range(STEPS):
-            engine.zero_grad()
-            batches = _my_micro_batches(step, ps, cfg.micro_batch_size)
-            total = torch.zeros(())
-            for i, (x, y) in enumerate(batches):
-                loss = model(x, y) / len(batches)
-                engine.backward(loss, sync=i == len(batches) - 1)
-                total += loss.detach().float()
-            ps.dp_group.all_reduce(total)
-            losses.append(float(total) / ps.dp_size)
-            engine.step(cfg.lr)
+        losses, _ = _train_steps(model, engine, ps, cfg)
         out.append({"losses": losses, "params": _named_params(model, engine),
                     "specs": {n: getattr(p, "tp_spec", None)
                               for n, p in model.named_parameters()}})
