@@ -11,9 +11,9 @@ the measured model-state bytes, the largest rank's peak memory after setup and
 after the 2 steps (RSS on the CPU, max_memory_allocated on a GPU), the memory
 the process held before the model existed (runtime + data), and the
 estimator's prediction (``hybrid.memory_estimate.peak_memory``, given that
-pre-model memory). A last line checks the bounds this bench exists for: every
-peak within model states + activations + 0.6 GB and within 10% of the
-prediction, and the DP4 peak at most 0.35x DP1's.
+pre-model memory). A last line says whether every peak is within model states +
+activations + 0.6 GB and within 10% of the prediction, and gives the DP4
+peak over the DP1 peak (the 302M run is meant to keep it at most 0.35).
 """
 
 from __future__ import annotations
@@ -76,7 +76,7 @@ def main(argv=None) -> int:
     ap.add_argument("extra", nargs="*", help="more pretrain_gpt.py flags, after --")
     a = ap.parse_args(argv)
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    peaks, bounds = {}, []
+    peaks, near, predicted = {}, [], []
     with tempfile.TemporaryDirectory() as tmp:
         for dp in a.dp:
             argv_dp = flags(a, dp)
@@ -89,7 +89,8 @@ def main(argv=None) -> int:
             peaks[dp] = peak
             error = pred["total"] / peak - 1
             over = (peak - states - acts) / GB
-            bounds.append(abs(error) <= 0.10 and over <= 0.6)
+            near.append(over <= 0.6)
+            predicted.append(abs(error) <= 0.10)
             print(json.dumps({
                 "params": w.psi, "dp": dp, "zero_stage": w.zero_stage,
                 "params_dtype": w.params_dtype, "recompute": w.recompute, "device": device,
@@ -100,10 +101,10 @@ def main(argv=None) -> int:
                 "predicted": pred, "prediction_error": round(error, 4),
                 "peak_minus_states_and_activations_gb": round(over, 3),
                 "step_time_s": m["step_time_s"]}), flush=True)
-    summary = {"within_bounds": all(bounds)}
+    summary = {"peaks_within_states_activations_plus_0.6gb": all(near),
+               "predictions_within_10pct": all(predicted)}
     if 1 in peaks and 4 in peaks:
         summary["dp4_peak_over_dp1_peak"] = round(peaks[4] / peaks[1], 4)
-        summary["within_bounds"] = summary["within_bounds"] and peaks[4] <= 0.35 * peaks[1]
     print(json.dumps(summary))
     return 0
 
