@@ -15,6 +15,15 @@ Tensor parallelism, with ``tp`` ranks in the TP group:
 * head: logits for this rank's vocabulary slice only, fed straight into the
   vocab-parallel cross-entropy, so full logits never exist on one rank.
 
+With ``sequence_parallel`` (TP > 1) the residual stream between the TP regions
+-- embeddings, LayerNorms, dropout, residual adds -- holds this rank's chunk of
+the sequence, ``(B, T / tp, C)``: the embedding reduce-scatters, every
+column-parallel layer all-gathers its input, every row-parallel layer
+reduce-scatters its output, and the final LayerNorm's output is gathered before
+the head. Each rank now holds different tokens there, so that dropout draws
+from the per-TP-rank stream, and the replicated parameters used there get
+their gradients summed over TP (see :mod:`hybrid.tensor_parallel.layers`).
+
 Shapes: B batch, T sequence, C hidden, nh heads on this rank, hs head size,
 V padded vocabulary.
 """
@@ -31,10 +40,11 @@ from einops import rearrange
 from torch import nn
 
 from hybrid.comm import CommGroup
-from hybrid.kernels import LayerNorm, bias_gelu, splits_bias
-from hybrid.tensor_parallel import (ColumnParallelLinear, Init, RowParallelLinear,
+from hybrid.kernels import bias_gelu, splits_bias
+from hybrid.tensor_parallel import (ColumnParallelLinear, Init, LayerNorm, RowParallelLinear,
                                     TPRNGTracker, VocabParallelEmbedding, copy_to_tp,
-                                    init_parameters, vocab_parallel_cross_entropy)
+                                    gather_from_sequence, init_parameters,
+                                    sequence_parallel_param, vocab_parallel_cross_entropy)
 
 
 @dataclass
@@ -50,6 +60,7 @@ class GPTConfig:
     attention_dropout: float = 0.1
     init_std: float = 0.02
     layernorm_epsilon: float = 1e-5
+    sequence_parallel: bool = False  # split norms/dropout/residuals along T over TP
 
     def __post_init__(self):
         if self.ffn_hidden_size is None:
@@ -92,11 +103,13 @@ class ParallelAttention(nn.Module):
         self.rng = rng
         # QKV rows are laid out per head as [q | k | v], so a contiguous chunk of
         # rows is whole heads: the split is the same function for every TP size.
-        self.qkv = ColumnParallelLinear(C, 3 * C, tp_group)
-        self.proj = RowParallelLinear(C, C, tp_group, input_is_parallel=True)
+        sp = cfg.sequence_parallel
+        self.qkv = ColumnParallelLinear(C, 3 * C, tp_group, sequence_parallel=sp)
+        self.proj = RowParallelLinear(C, C, tp_group, input_is_parallel=True,
+                                      sequence_parallel=sp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        qkv = self.qkv(x)  # (B, T, 3 * nh * hs)
+        qkv = self.qkv(x)  # (B, T, 3 * nh * hs); x is (B, T / tp, C) with SP
         q, k, v = rearrange(qkv, "b t (nh three hs) -> three b nh t hs", three=3,
                             hs=self.head_size)  # each (B, nh, T, hs)
         p = self.dropout if self.training else 0.0
@@ -105,7 +118,7 @@ class ParallelAttention(nn.Module):
         with fork:
             y = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
         y = rearrange(y, "b nh t hs -> b t (nh hs)")  # (B, T, nh * hs)
-        return self.proj(y)  # (B, T, C), summed over TP
+        return self.proj(y)  # (B, T, C) summed over TP; (B, T / tp, C) with SP
 
 
 class ParallelMLP(nn.Module):
@@ -113,8 +126,11 @@ class ParallelMLP(nn.Module):
 
     def __init__(self, cfg: GPTConfig, tp_group: CommGroup):
         super().__init__()
-        self.fc = ColumnParallelLinear(cfg.hidden_size, cfg.ffn_hidden_size, tp_group)
-        self.proj = RowParallelLinear(cfg.ffn_hidden_size, cfg.hidden_size, tp_group)
+        sp = cfg.sequence_parallel
+        self.fc = ColumnParallelLinear(cfg.hidden_size, cfg.ffn_hidden_size, tp_group,
+                                       sequence_parallel=sp)
+        self.proj = RowParallelLinear(cfg.ffn_hidden_size, cfg.hidden_size, tp_group,
+                                      sequence_parallel=sp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if splits_bias(x):  # fused/compiled bias-GELU: the bias add moves into it
@@ -124,22 +140,36 @@ class ParallelMLP(nn.Module):
         return self.proj(F.gelu(self.fc(x), approximate="tanh"))
 
 
+def _residual_rng(cfg: GPTConfig, rng: TPRNGTracker | None):
+    """The RNG context of residual-stream dropout. Replicated over TP, the default
+    stream, identical on every TP rank, keeps the replicas equal; with SP each rank
+    holds other tokens, so the per-TP-rank stream gives them independent masks."""
+    if cfg.sequence_parallel and cfg.hidden_dropout > 0:
+        return rng.fork()
+    return contextlib.nullcontext()
+
+
 class Block(nn.Module):
-    """Pre-LN transformer block. Input and output ``(B, T, C)``, replicated over TP."""
+    """Pre-LN transformer block. Input and output ``(B, T, C)``, replicated over TP
+    (``(B, T / tp, C)``, this rank's tokens, with sequence parallelism)."""
 
     def __init__(self, cfg: GPTConfig, tp_group: CommGroup, rng: TPRNGTracker | None):
         super().__init__()
-        self.ln_1 = LayerNorm(cfg.hidden_size, eps=cfg.layernorm_epsilon)
+        self.cfg, self.rng = cfg, rng
+        sp, eps = cfg.sequence_parallel, cfg.layernorm_epsilon
+        self.ln_1 = LayerNorm(cfg.hidden_size, tp_group, eps=eps, sequence_parallel=sp)
         self.attn = ParallelAttention(cfg, tp_group, rng)
-        self.ln_2 = LayerNorm(cfg.hidden_size, eps=cfg.layernorm_epsilon)
+        self.ln_2 = LayerNorm(cfg.hidden_size, tp_group, eps=eps, sequence_parallel=sp)
         self.mlp = ParallelMLP(cfg, tp_group)
-        # Residual-stream dropout is in a replicated region: the default RNG stream,
-        # identical on every TP rank, keeps the replicas equal.
         self.drop = nn.Dropout(cfg.hidden_dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.drop(self.attn(self.ln_1(x)))
-        return x + self.drop(self.mlp(self.ln_2(x)))
+        a = self.attn(self.ln_1(x))
+        with _residual_rng(self.cfg, self.rng):
+            x = x + self.drop(a)
+        m = self.mlp(self.ln_2(x))
+        with _residual_rng(self.cfg, self.rng):
+            return x + self.drop(m)
 
 
 class GPT(nn.Module):
@@ -161,14 +191,22 @@ class GPT(nn.Module):
                              f"num_attention_heads {cfg.num_attention_heads}")
         if tp_group.size > 1 and cfg.attention_dropout > 0 and rng is None:
             raise ValueError("attention dropout under TP needs the TP RNG tracker (rng=...)")
+        if cfg.sequence_parallel and tp_group.size == 1:
+            raise ValueError("sequence parallelism needs a TP group of 2 or more ranks")
+        if cfg.sequence_parallel and cfg.hidden_dropout > 0 and rng is None:
+            raise ValueError("dropout under sequence parallelism needs the TP RNG tracker "
+                             "(rng=...)")
         self.cfg = cfg
         self.tp_group = tp_group
         with torch.device(device):
-            self.wte = VocabParallelEmbedding(cfg.padded_vocab_size, cfg.hidden_size, tp_group)
+            self.wte = VocabParallelEmbedding(cfg.padded_vocab_size, cfg.hidden_size, tp_group,
+                                              sequence_parallel=cfg.sequence_parallel)
             self.wpe = nn.Embedding(cfg.max_position_embeddings, cfg.hidden_size)
             self.drop = nn.Dropout(cfg.hidden_dropout)
             self.blocks = nn.ModuleList(Block(cfg, tp_group, rng) for _ in range(cfg.num_layers))
-            self.ln_f = LayerNorm(cfg.hidden_size, eps=cfg.layernorm_epsilon)
+            self.ln_f = LayerNorm(cfg.hidden_size, tp_group, eps=cfg.layernorm_epsilon,
+                                  sequence_parallel=cfg.sequence_parallel)
+        self.rng = rng
         # Padded vocabulary columns on this rank (ids >= vocab_size) are masked
         # out of the softmax, so padding never changes the loss: the model is the
         # same function for any TP size even though the padding depends on it.
@@ -196,11 +234,19 @@ class GPT(nn.Module):
             raise ValueError(f"sequence length {T} exceeds max_position_embeddings "
                              f"{self.cfg.max_position_embeddings}")
         pos = torch.arange(T, device=tokens.device)
-        x = self.drop(self.wte(tokens) + self.wpe(pos))  # (B, T, C)
+        sp, g = self.cfg.sequence_parallel, self.tp_group
+        if sp:  # this rank's positions, and wpe's gradient summed over TP
+            pos = pos.chunk(g.size)[g.rank]
+            wpe = F.embedding(pos, sequence_parallel_param(self.wpe.weight, g))
+        else:
+            wpe = self.wpe(pos)
+        with _residual_rng(self.cfg, self.rng):
+            x = self.drop(self.wte(tokens) + wpe)  # (B, T, C); (B, T / tp, C) with SP
         for block in self.blocks:
             x = block(x)
         x = self.ln_f(x)
-        logits = F.linear(copy_to_tp(x, self.tp_group), self.wte.weight)  # (B, T, V / tp)
+        x = gather_from_sequence(x, g) if sp else copy_to_tp(x, g)  # (B, T, C)
+        logits = F.linear(x, self.wte.weight)  # (B, T, V / tp)
         # The cross-entropy takes the valid width instead of reading a masked copy
         # (one pass over the logits less); returned logits get the -inf mask.
         if labels is None and self._valid_local < logits.shape[-1]:

@@ -5,8 +5,16 @@ Shapes below use ``tp`` for the TP group size. Every layer takes the TP
 ``nn.Linear`` / ``nn.Embedding`` and issue no collective.
 
 Weights are created empty; the model fills them with
-:func:`hybrid.tensor_parallel.sharding.init_parameters` so the values do not
+:func:`hybrid.tensor_parallel.init.init_parameters` so the values do not
 depend on the layout.
+
+``sequence_parallel=True`` (Korthikanti et al. 2022): activations outside the
+TP regions are ``(B, T / tp, C)``, this rank's chunk of the sequence. A
+column-parallel layer then all-gathers its input (instead of f), a row-parallel
+layer and the embedding reduce-scatter their output (instead of g), and the
+replicated parameters used on the local tokens (row-parallel bias, LayerNorm)
+get their gradients all-reduced over TP (:func:`sequence_parallel_param`).
+The parameters are the same either way, so a checkpoint does not care.
 """
 
 from __future__ import annotations
@@ -16,8 +24,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from hybrid.comm import CommGroup
-from hybrid.tensor_parallel.mappings import (copy_to_tp, gather_from_tp, reduce_from_tp,
-                                             scatter_to_tp)
+from hybrid.kernels import LayerNorm as _KernelLayerNorm
+from hybrid.kernels import layer_norm
+from hybrid.tensor_parallel.mappings import (copy_to_tp, gather_from_sequence, gather_from_tp,
+                                             reduce_from_tp, reduce_scatter_to_sequence,
+                                             scatter_to_tp, sequence_parallel_param)
 from hybrid.tensor_parallel.sharding import mark_split
 
 
@@ -36,13 +47,17 @@ class ColumnParallelLinear(nn.Module):
     Backward all-reduces the input gradient over TP (the f operator).
     ``forward(x, skip_bias_add=True)`` returns ``(y without bias, bias)`` so the
     caller can fuse the bias add into the next op (bias-GELU).
+    With ``sequence_parallel`` the input is ``(B, T / tp, in_features)`` and is
+    all-gathered along the sequence (backward: reduce-scatter).
     """
 
     def __init__(self, in_features: int, out_features: int, tp_group: CommGroup, *,
-                 bias: bool = True, gather_output: bool = False, device=None, dtype=None):
+                 bias: bool = True, gather_output: bool = False,
+                 sequence_parallel: bool = False, device=None, dtype=None):
         super().__init__()
         self.tp_group = tp_group
         self.gather_output = gather_output
+        self.sequence_parallel = sequence_parallel
         local_out = _divide(out_features, tp_group.size, "out_features")
         kw = dict(device=device, dtype=dtype)
         self.weight = nn.Parameter(torch.empty(local_out, in_features, **kw))
@@ -54,7 +69,10 @@ class ColumnParallelLinear(nn.Module):
             self.register_parameter("bias", None)
 
     def forward(self, x: torch.Tensor, skip_bias_add: bool = False):
-        x = copy_to_tp(x, self.tp_group)
+        if self.sequence_parallel:
+            x = gather_from_sequence(x, self.tp_group)  # (B, T, in)
+        else:
+            x = copy_to_tp(x, self.tp_group)
         if skip_bias_add:
             if self.gather_output:
                 raise ValueError("skip_bias_add needs gather_output=False (the bias is local)")
@@ -70,14 +88,19 @@ class RowParallelLinear(nn.Module):
     ColumnParallelLinear), else ``(..., in_features)`` which is split here.
     Output ``(..., out_features)``, identical on every TP rank: partial products
     are summed by an all-reduce (the g operator) and the bias, replicated, is
-    added once after it.
+    added once after it. With ``sequence_parallel`` the sum is reduce-scattered
+    along the sequence instead: output ``(B, T / tp, out_features)``.
     """
 
     def __init__(self, in_features: int, out_features: int, tp_group: CommGroup, *,
-                 bias: bool = True, input_is_parallel: bool = True, device=None, dtype=None):
+                 bias: bool = True, input_is_parallel: bool = True,
+                 sequence_parallel: bool = False, device=None, dtype=None):
         super().__init__()
+        if sequence_parallel and not input_is_parallel:
+            raise ValueError("sequence_parallel needs input_is_parallel=True")
         self.tp_group = tp_group
         self.input_is_parallel = input_is_parallel
+        self.sequence_parallel = sequence_parallel
         local_in = _divide(in_features, tp_group.size, "in_features")
         kw = dict(device=device, dtype=dtype)
         self.weight = nn.Parameter(torch.empty(out_features, local_in, **kw))
@@ -90,8 +113,14 @@ class RowParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.input_is_parallel:
             x = scatter_to_tp(x, self.tp_group)
-        y = reduce_from_tp(F.linear(x, self.weight), self.tp_group)  # (..., out)
-        return y + self.bias if self.bias is not None else y
+        if self.sequence_parallel:
+            y = reduce_scatter_to_sequence(F.linear(x, self.weight), self.tp_group)
+            bias = (None if self.bias is None
+                    else sequence_parallel_param(self.bias, self.tp_group))
+        else:
+            y = reduce_from_tp(F.linear(x, self.weight), self.tp_group)  # (..., out)
+            bias = self.bias
+        return y + bias if bias is not None else y
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -99,13 +128,16 @@ class VocabParallelEmbedding(nn.Module):
 
     Rank r holds rows ``[r * V / tp, (r + 1) * V / tp)``. Input ids ``(...)``;
     each rank looks up the ids it owns, zeros the rest, and an all-reduce over
-    TP assembles ``(..., embedding_dim)`` on every rank.
+    TP assembles ``(..., embedding_dim)`` on every rank -- or, with
+    ``sequence_parallel``, a reduce-scatter leaves each rank its sequence chunk
+    ``(B, T / tp, embedding_dim)`` of ids ``(B, T)``.
     """
 
     def __init__(self, num_embeddings: int, embedding_dim: int, tp_group: CommGroup, *,
-                 device=None, dtype=None):
+                 sequence_parallel: bool = False, device=None, dtype=None):
         super().__init__()
         self.tp_group = tp_group
+        self.sequence_parallel = sequence_parallel
         self.num_embeddings = num_embeddings
         local = _divide(num_embeddings, tp_group.size, "num_embeddings (padded vocab size)")
         self.vocab_start = tp_group.rank * local
@@ -119,4 +151,28 @@ class VocabParallelEmbedding(nn.Module):
         outside = (ids < self.vocab_start) | (ids >= self.vocab_end)
         local_ids = (ids - self.vocab_start).masked_fill(outside, 0)
         out = F.embedding(local_ids, self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
+        if self.sequence_parallel:
+            return reduce_scatter_to_sequence(out, self.tp_group)
         return reduce_from_tp(out, self.tp_group)
+
+
+class LayerNorm(_KernelLayerNorm):
+    """LayerNorm over the last dim (``hybrid.kernels``' op), replicated over TP.
+
+    With ``sequence_parallel`` it normalizes this rank's tokens only, so its
+    weight and bias enter through :func:`sequence_parallel_param`: their
+    gradients are all-reduced over ``tp_group`` and every replica stays equal.
+    """
+
+    def __init__(self, hidden_size: int, tp_group: CommGroup, *, eps: float = 1e-5,
+                 sequence_parallel: bool = False, device=None, dtype=None):
+        super().__init__(hidden_size, eps=eps, device=device, dtype=dtype)
+        self.tp_group = tp_group
+        self.sequence_parallel = sequence_parallel and tp_group.size > 1
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w, b = self.weight, self.bias
+        if self.sequence_parallel:
+            w, b = sequence_parallel_param(w, self.tp_group), sequence_parallel_param(
+                b, self.tp_group)
+        return layer_norm(x, w, b, self.eps)

@@ -10,6 +10,19 @@ and the last-dimension split/concat pair:
 * :func:`scatter_to_tp`   forward: keep this rank's chunk of the last dim,  backward: all-gather
 * :func:`gather_from_tp`  forward: all-gather along the last dim,            backward: keep own chunk
 
+and the sequence-parallel ops (Korthikanti et al. 2022), which split the
+sequence dimension (dim 1 of ``(B, T, C)``) over the TP group in the regions TP
+leaves replicated (norms, dropout, residual adds):
+
+* :func:`scatter_to_sequence`        forward: keep own sequence chunk,   backward: all-gather
+* :func:`gather_from_sequence`       forward: all-gather the sequence,   backward: reduce-scatter
+* :func:`reduce_scatter_to_sequence` forward: reduce-scatter the sequence, backward: all-gather
+
+With sequence parallelism ``gather_from_sequence`` takes f's place before a
+column-parallel layer and ``reduce_scatter_to_sequence`` takes g's after a
+row-parallel one: an all-reduce is a reduce-scatter plus an all-gather, so the
+bytes on the wire are the same, and the activations between them are 1/tp.
+
 Every collective runs over the ``group`` passed in (the TP group of this rank).
 """
 
@@ -43,6 +56,31 @@ def _all_reduce(x: torch.Tensor, group: CommGroup) -> torch.Tensor:
         return x
     out = x.contiguous().clone()  # never reduce in place into a tensor autograd saved
     group.all_reduce(out)
+    return out
+
+
+def _split_sequence(x: torch.Tensor, group: CommGroup) -> torch.Tensor:
+    if x.shape[1] % group.size:
+        raise ValueError(f"sequence length {x.shape[1]} not divisible by TP size {group.size}")
+    return x.chunk(group.size, dim=1)[group.rank].contiguous()
+
+
+def _gather_sequence(x: torch.Tensor, group: CommGroup) -> torch.Tensor:
+    """(B, T / tp, ...) -> (B, T, ...): rank chunks one after another along dim 1."""
+    x = x.contiguous()
+    buf = torch.empty((group.size, *x.shape), dtype=x.dtype, device=x.device)
+    group.all_gather(buf, x)
+    return rearrange(buf, "r b t ... -> b (r t) ...")
+
+
+def _reduce_scatter_sequence(x: torch.Tensor, group: CommGroup) -> torch.Tensor:
+    """(B, T, ...) summed over TP ranks, this rank's (B, T / tp, ...) chunk of the sum."""
+    if x.shape[1] % group.size:
+        raise ValueError(f"sequence length {x.shape[1]} not divisible by TP size {group.size}")
+    # batch-first tensors: a rank's chunk is strided in memory, so pack chunks rank-major
+    parts = rearrange(x, "b (r t) ... -> r b t ...", r=group.size).contiguous()
+    out = torch.empty(parts.shape[1:], dtype=x.dtype, device=x.device)
+    group.reduce_scatter(out, parts)
     return out
 
 
@@ -97,6 +135,50 @@ class _GatherFromTP(torch.autograd.Function):
         return _split_last(grad, ctx.group), None
 
 
+class _ScatterToSequence(torch.autograd.Function):
+    """forward: keep this rank's chunk of the sequence; backward: all-gather the sequence."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _split_sequence(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _gather_sequence(grad, ctx.group), None
+
+
+class _GatherFromSequence(torch.autograd.Function):
+    """forward: all-gather the sequence; backward: reduce-scatter the sequence.
+
+    The consumer is tensor-parallel (a column-parallel linear, the head), so each
+    rank's input gradient is a partial sum over TP: reduce-scatter adds the parts
+    and leaves each rank its own chunk.
+    """
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _gather_sequence(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _reduce_scatter_sequence(grad, ctx.group), None
+
+
+class _ReduceScatterToSequence(torch.autograd.Function):
+    """forward: reduce-scatter the sequence; backward: all-gather the sequence."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _reduce_scatter_sequence(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _gather_sequence(grad, ctx.group), None
+
+
 def copy_to_tp(x: torch.Tensor, group: CommGroup) -> torch.Tensor:
     """Megatron's f: enter a TP region (identity forward, all-reduce backward)."""
     return _CopyToTP.apply(x, group) if group.size > 1 else x
@@ -115,3 +197,27 @@ def scatter_to_tp(x: torch.Tensor, group: CommGroup) -> torch.Tensor:
 def gather_from_tp(x: torch.Tensor, group: CommGroup) -> torch.Tensor:
     """Concatenate TP chunks along the last dim (..., d / tp) -> (..., d)."""
     return _GatherFromTP.apply(x, group) if group.size > 1 else x
+
+
+def scatter_to_sequence(x: torch.Tensor, group: CommGroup) -> torch.Tensor:
+    """Keep this rank's sequence chunk: (B, T, ...) -> (B, T / tp, ...)."""
+    return _ScatterToSequence.apply(x, group) if group.size > 1 else x
+
+
+def gather_from_sequence(x: torch.Tensor, group: CommGroup) -> torch.Tensor:
+    """Enter a TP region from a sequence-parallel one: (B, T / tp, ...) -> (B, T, ...)."""
+    return _GatherFromSequence.apply(x, group) if group.size > 1 else x
+
+
+def reduce_scatter_to_sequence(x: torch.Tensor, group: CommGroup) -> torch.Tensor:
+    """Leave a TP region into a sequence-parallel one by summing partial results:
+    (B, T, ...) partial on each rank -> this rank's (B, T / tp, ...) of the sum."""
+    return _ReduceScatterToSequence.apply(x, group) if group.size > 1 else x
+
+
+def sequence_parallel_param(p: torch.Tensor, group: CommGroup) -> torch.Tensor:
+    """A replicated parameter used on this rank's tokens only (norms, row-parallel
+    biases, positions under sequence parallelism): forward identity, backward
+    all-reduce over TP -- f applied to the parameter -- so every replica gets the
+    gradient of the whole sequence and the replicas stay equal."""
+    return copy_to_tp(p, group)
