@@ -45,6 +45,8 @@ def opt(default, help: str, alias: str | None = None):
 class TrainConfig:
     # parallelism
     tensor_model_parallel_size: int = opt(1, "TP degree: ranks splitting each layer")
+    sequence_parallel: bool = opt(False, "split norms, dropout and residuals along the "
+                                         "sequence over TP (needs TP > 1)")
     distributed_backend: str | None = opt(None, "gloo or nccl (default: nccl with a GPU)")
     distributed_timeout_minutes: float = opt(10.0, "timeout of every collective")
     # model (defaults: a small GPT that trains on 2 CPU cores in minutes)
@@ -148,6 +150,12 @@ class TrainConfig:
         if self.ffn_hidden_size is not None and self.ffn_hidden_size % tp:
             raise ConfigError(f"--ffn-hidden-size {self.ffn_hidden_size} is not divisible by "
                               f"--tensor-model-parallel-size {tp}")
+        if self.sequence_parallel and tp == 1:
+            raise ConfigError("--sequence-parallel needs --tensor-model-parallel-size > 1 "
+                              "(it splits the sequence over the TP group): drop it or raise TP")
+        if self.sequence_parallel and self.seq_length % tp:
+            raise ConfigError(f"--sequence-parallel splits --seq-length {self.seq_length} over "
+                              f"--tensor-model-parallel-size {tp}: use a multiple of {tp}")
         if self.max_position_embeddings is None:
             self.max_position_embeddings = self.seq_length
         if self.seq_length > self.max_position_embeddings:
@@ -271,7 +279,9 @@ class TrainConfig:
     def recompute(self) -> RecomputeConfig:
         return RecomputeConfig(
             num_layers=self.recompute_num_layers,
-            partition_activations=self.partition_activations,
+            # With SP a block's input is already this rank's 1/TP of the sequence:
+            # nothing replicated is left to partition (see README, "Sequence parallelism").
+            partition_activations=self.partition_activations and not self.sequence_parallel,
             cpu_checkpointing=self.cpu_checkpointing,
             contiguous_checkpointing=self.contiguous_checkpointing)
 

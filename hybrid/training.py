@@ -47,7 +47,8 @@ def gpt_config(cfg: TrainConfig, vocab_size: int) -> GPTConfig:
         num_attention_heads=cfg.num_attention_heads,
         max_position_embeddings=cfg.max_position_embeddings,
         ffn_hidden_size=cfg.ffn_hidden_size, hidden_dropout=cfg.hidden_dropout,
-        attention_dropout=cfg.attention_dropout, init_std=cfg.init_method_std)
+        attention_dropout=cfg.attention_dropout, init_std=cfg.init_method_std,
+        sequence_parallel=cfg.sequence_parallel)
 
 
 def build_model(cfg: TrainConfig, ps: ParallelState, vocab_size: int,

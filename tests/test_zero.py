@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from harness import run_ranks
+from hybrid.activation_checkpointing import apply_activation_checkpointing
 from hybrid.config import TrainConfig, padded_vocab_size
 from hybrid.parallel_state import ParallelState
 from hybrid.tensor_parallel import InitValues, seed_all
@@ -37,7 +38,8 @@ def _gpt(cfg, ps, device="cpu"):
                      padded_vocab_size=padded_vocab_size(VOCAB, 128, ps.tp_size),
                      num_layers=cfg.num_layers, hidden_size=cfg.hidden_size,
                      num_attention_heads=cfg.num_attention_heads,
-                     max_position_embeddings=SEQ, hidden_dropout=0.0, attention_dropout=0.0)
+                     max_position_embeddings=SEQ, hidden_dropout=0.0, attention_dropout=0.0,
+                     sequence_parallel=cfg.sequence_parallel)
     return GPT(gcfg, ps.tp_group, rng=rng, seed=cfg.seed, device=device)
 
 
@@ -75,12 +77,17 @@ def _train_steps(model, engine, ps, cfg):
 
 
 def _train_stages(ps, variants):
-    """For each variant (stage, overrides): STEPS steps; losses, norms, final params."""
+    """For each variant (stage, overrides): STEPS steps; losses, norms, final params.
+    ``recompute_activations`` in the overrides wraps the blocks as training does."""
     out = []
     for stage, kw in variants:
         cfg = _train_cfg(ps.world_size, ps.tp_size, zero_stage=stage, **kw)
         model = _gpt(cfg, ps, device="meta")  # as training builds it: ZeRO materializes
-        engine = apply_zero(model, ps, cfg.zero, values=InitValues(cfg.seed, model.init_of))
+        phase = None
+        if cfg.recompute_activations:
+            phase = apply_activation_checkpointing(model, ps, model.rng, cfg.recompute).phase
+        engine = apply_zero(model, ps, cfg.zero, values=InitValues(cfg.seed, model.init_of),
+                            recompute=phase)
         losses, norms = _train_steps(model, engine, ps, cfg)
         specs = {n: getattr(p, "tp_spec", None) for n, p in model.named_parameters()}
         out.append({"losses": losses, "norms": norms,
