@@ -43,7 +43,7 @@ from hybrid.comm import CommGroup
 from hybrid.kernels import bias_gelu, splits_bias
 from hybrid.tensor_parallel import (ColumnParallelLinear, Init, LayerNorm, RowParallelLinear,
                                     TPRNGTracker, VocabParallelEmbedding, copy_to_tp,
-                                    gather_from_sequence, init_parameters,
+                                    init_parameters, sequence_gathered_linear,
                                     sequence_parallel_param, vocab_parallel_cross_entropy)
 
 
@@ -245,8 +245,10 @@ class GPT(nn.Module):
         for block in self.blocks:
             x = block(x)
         x = self.ln_f(x)
-        x = gather_from_sequence(x, g) if sp else copy_to_tp(x, g)  # (B, T, C)
-        logits = F.linear(x, self.wte.weight)  # (B, T, V / tp)
+        if sp:  # gather the sequence for the head, keeping only the local x for backward
+            logits = sequence_gathered_linear(x, self.wte.weight, None, g)  # (B, T, V / tp)
+        else:
+            logits = F.linear(copy_to_tp(x, g), self.wte.weight)  # (B, T, V / tp)
         # The cross-entropy takes the valid width instead of reading a masked copy
         # (one pass over the logits less); returned logits get the -inf mask.
         if labels is None and self._valid_local < logits.shape[-1]:

@@ -26,9 +26,10 @@ from torch import nn
 from hybrid.comm import CommGroup
 from hybrid.kernels import LayerNorm as _KernelLayerNorm
 from hybrid.kernels import layer_norm
-from hybrid.tensor_parallel.mappings import (copy_to_tp, gather_from_sequence, gather_from_tp,
-                                             reduce_from_tp, reduce_scatter_to_sequence,
-                                             scatter_to_tp, sequence_parallel_param)
+from hybrid.tensor_parallel.mappings import (all_gather_sequence, copy_to_tp, gather_from_tp,
+                                             reduce_from_tp, reduce_scatter_sequence,
+                                             reduce_scatter_to_sequence, scatter_to_tp,
+                                             sequence_parallel_param)
 from hybrid.tensor_parallel.sharding import mark_split
 
 
@@ -36,6 +37,44 @@ def _divide(n: int, tp: int, what: str) -> int:
     if n % tp:
         raise ValueError(f"{what} = {n} is not divisible by the tensor-parallel size {tp}")
     return n // tp
+
+
+class _SequenceGatheredLinear(torch.autograd.Function):
+    """``y = allall_gather_sequence(x) W^T (+ b)``, saving only this rank's ``x``.
+
+    forward: all-gather the sequence over TP, then the matmul.
+    backward: all-gather ``x`` again for the weight gradient, reduce-scatter the
+    input gradient (each rank's is a partial sum over the TP ranks' columns).
+
+    Saving the local ``(B, T / tp, in)`` rather than the gathered ``(B, T, in)``
+    is what divides a layer's stored activations by TP under sequence
+    parallelism; the price is a second all-gather in backward.
+    """
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, group):
+        ctx.group, ctx.has_bias = group, bias is not None
+        ctx.save_for_backward(x, weight)
+        return F.linear(all_gather_sequence(x, group), weight, bias)
+
+    @staticmethod
+    def backward(ctx, grad_y):
+        x, weight = ctx.saved_tensors
+        full = all_gather_sequence(x, ctx.group)  # (B, T, in)
+        grad_x = reduce_scatter_sequence(grad_y.matmul(weight), ctx.group)
+        g2 = grad_y.reshape(-1, grad_y.shape[-1])
+        grad_w = g2.t().matmul(full.reshape(-1, full.shape[-1]))
+        grad_b = g2.sum(0) if ctx.has_bias else None
+        return grad_x, grad_w, grad_b, None
+
+
+def sequence_gathered_linear(x: torch.Tensor, weight: torch.Tensor,
+                             bias: torch.Tensor | None, group: CommGroup) -> torch.Tensor:
+    """``F.linear`` of the sequence-gathered ``x`` ``(B, T / tp, in) -> (B, T, out)``,
+    storing only the local ``x`` for backward (see :class:`_SequenceGatheredLinear`)."""
+    if group.size == 1:
+        return F.linear(x, weight, bias)
+    return _SequenceGatheredLinear.apply(x, weight, bias, group)
 
 
 class ColumnParallelLinear(nn.Module):
@@ -48,7 +87,8 @@ class ColumnParallelLinear(nn.Module):
     ``forward(x, skip_bias_add=True)`` returns ``(y without bias, bias)`` so the
     caller can fuse the bias add into the next op (bias-GELU).
     With ``sequence_parallel`` the input is ``(B, T / tp, in_features)`` and is
-    all-gathered along the sequence (backward: reduce-scatter).
+    all-gathered along the sequence (backward: all-gathered again for the weight
+    gradient, and the input gradient reduce-scattered).
     """
 
     def __init__(self, in_features: int, out_features: int, tp_group: CommGroup, *,
@@ -69,15 +109,15 @@ class ColumnParallelLinear(nn.Module):
             self.register_parameter("bias", None)
 
     def forward(self, x: torch.Tensor, skip_bias_add: bool = False):
-        if self.sequence_parallel:
-            x = gather_from_sequence(x, self.tp_group)  # (B, T, in)
+        if skip_bias_add and self.gather_output:
+            raise ValueError("skip_bias_add needs gather_output=False (the bias is local)")
+        bias = None if skip_bias_add else self.bias
+        if self.sequence_parallel:  # (B, T / tp, in) -> (B, T, out / tp)
+            y = sequence_gathered_linear(x, self.weight, bias, self.tp_group)
         else:
-            x = copy_to_tp(x, self.tp_group)
+            y = F.linear(copy_to_tp(x, self.tp_group), self.weight, bias)  # (..., out / tp)
         if skip_bias_add:
-            if self.gather_output:
-                raise ValueError("skip_bias_add needs gather_output=False (the bias is local)")
-            return F.linear(x, self.weight), self.bias  # (..., out / tp), (out / tp,)
-        y = F.linear(x, self.weight, self.bias)  # (..., out / tp)
+            return y, self.bias  # (..., out / tp), (out / tp,)
         return gather_from_tp(y, self.tp_group) if self.gather_output else y
 
 

@@ -65,16 +65,18 @@ def _split_sequence(x: torch.Tensor, group: CommGroup) -> torch.Tensor:
     return x.chunk(group.size, dim=1)[group.rank].contiguous()
 
 
-def _gather_sequence(x: torch.Tensor, group: CommGroup) -> torch.Tensor:
-    """(B, T / tp, ...) -> (B, T, ...): rank chunks one after another along dim 1."""
+def all_gather_sequence(x: torch.Tensor, group: CommGroup) -> torch.Tensor:
+    """(B, T / tp, ...) -> (B, T, ...): rank chunks one after another along dim 1.
+    A plain collective over ``group`` (no autograd), for the ops' own backward passes."""
     x = x.contiguous()
     buf = torch.empty((group.size, *x.shape), dtype=x.dtype, device=x.device)
     group.all_gather(buf, x)
     return rearrange(buf, "r b t ... -> b (r t) ...")
 
 
-def _reduce_scatter_sequence(x: torch.Tensor, group: CommGroup) -> torch.Tensor:
-    """(B, T, ...) summed over TP ranks, this rank's (B, T / tp, ...) chunk of the sum."""
+def reduce_scatter_sequence(x: torch.Tensor, group: CommGroup) -> torch.Tensor:
+    """(B, T, ...) summed over TP ranks, this rank's (B, T / tp, ...) chunk of the sum.
+    A plain collective over ``group`` (no autograd)."""
     if x.shape[1] % group.size:
         raise ValueError(f"sequence length {x.shape[1]} not divisible by TP size {group.size}")
     # batch-first tensors: a rank's chunk is strided in memory, so pack chunks rank-major
@@ -145,7 +147,7 @@ class _ScatterToSequence(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        return _gather_sequence(grad, ctx.group), None
+        return all_gather_sequence(grad, ctx.group), None
 
 
 class _GatherFromSequence(torch.autograd.Function):
@@ -159,11 +161,11 @@ class _GatherFromSequence(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group):
         ctx.group = group
-        return _gather_sequence(x, group)
+        return all_gather_sequence(x, group)
 
     @staticmethod
     def backward(ctx, grad):
-        return _reduce_scatter_sequence(grad, ctx.group), None
+        return reduce_scatter_sequence(grad, ctx.group), None
 
 
 class _ReduceScatterToSequence(torch.autograd.Function):
@@ -172,11 +174,11 @@ class _ReduceScatterToSequence(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group):
         ctx.group = group
-        return _reduce_scatter_sequence(x, group)
+        return reduce_scatter_sequence(x, group)
 
     @staticmethod
     def backward(ctx, grad):
-        return _gather_sequence(grad, ctx.group), None
+        return all_gather_sequence(grad, ctx.group), None
 
 
 def copy_to_tp(x: torch.Tensor, group: CommGroup) -> torch.Tensor:
