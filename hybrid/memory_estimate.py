@@ -24,7 +24,12 @@ SDPA)::
                         SDPA's log-sum-exp per head (fp32)                4 sb a / t
 
 This is Korthikanti et al. 2022's ``sbh (10 + 24/t)`` for 16-bit activations
-(f = 4h), without their dropout masks and their ``5as/(ht)`` scores term.
+(f = 4h), without their dropout masks and their ``5as/(ht)`` scores term. With
+sequence parallelism the replicated terms (LayerNorm inputs and outputs, their
+statistics, the dropout masks) are this rank's ``1/t`` of the sequence too --
+the column-parallel layers save their local input and gather it again in
+backward -- so a layer keeps ``16 sbh e / t`` and its two masks: the paper's
+``34 sbh / t`` for 16-bit activations.
 Dropout on the two residual branches adds two masks of ``sbh`` elements, one
 byte each on CUDA and ``e`` bytes on the CPU (which keeps the scaled noise).
 Attention dropout on the CPU runs the math kernel in fp32, which keeps its own
@@ -62,6 +67,7 @@ class Workload:
     micro_batch_size: int
     max_position_embeddings: int
     tp: int = 1
+    sequence_parallel: bool = False
     dp: int = 1
     micro_batches: int = 1  # per optimizer step (gradient accumulation)
     zero_stage: int = 0
@@ -107,12 +113,12 @@ def workload(cfg, world_size: int, vocab_size: int, device: str = "cuda") -> Wor
         padded_vocab_size=padded_vocab_size(vocab_size, cfg.make_vocab_size_divisible_by, tp),
         seq_length=cfg.seq_length, micro_batch_size=cfg.micro_batch_size,
         max_position_embeddings=cfg.max_position_embeddings or cfg.seq_length,
-        tp=tp, dp=cfg.data_parallel_size(world_size),
+        tp=tp, sequence_parallel=cfg.sequence_parallel, dp=cfg.data_parallel_size(world_size),
         micro_batches=cfg.num_micro_batches(world_size), zero_stage=zero.stage,
         params_dtype=zero.params_dtype, grads_dtype=zero.grads_dtype,
         hidden_dropout=cfg.hidden_dropout, attention_dropout=cfg.attention_dropout,
         recompute=cfg.recompute_activations, recompute_num_layers=cfg.recompute_num_layers,
-        partition_activations=cfg.partition_activations,
+        partition_activations=cfg.recompute.partition_activations,
         cpu_checkpointing=cfg.cpu_checkpointing, reduce_bucket_size=zero.reduce_bucket_size,
         device=device)
 
@@ -126,17 +132,24 @@ def activation_bytes_per_layer(w: Workload) -> int:
     """Bytes one layer saves for backward without recompute (see the note)."""
     s, b, h, t, a = w.seq_length, w.micro_batch_size, w.hidden_size, w.tp, w.num_attention_heads
     e = BYTES[w.params_dtype]
+    r = _replicated_divisor(w)
     sbh = s * b * h
-    stats = 2 * 2 * s * b * _stat_bytes(w)
+    stats = 2 * 2 * s * b * _stat_bytes(w) // r
     if w.device == "cpu" and w.attention_dropout > 0:
         # the math kernel, in fp32: its own q, k, v and the scores, not the QKV output
-        saved = 4 * sbh * e + (sbh + 2 * w.ffn_hidden_size * s * b) * e // t
+        saved = 4 * sbh * e // r + (sbh + 2 * w.ffn_hidden_size * s * b) * e // t
         attention = 3 * sbh * 4 // t + 3 * (a // t) * s * s * b * 4
     else:
-        saved = 4 * sbh * e + (4 * sbh + 2 * w.ffn_hidden_size * s * b) * e // t
+        saved = 4 * sbh * e // r + (4 * sbh + 2 * w.ffn_hidden_size * s * b) * e // t
         attention = (a // t) * s * b * 4
-    masks = 2 * sbh * (1 if w.device == "cuda" else e) if w.hidden_dropout > 0 else 0
+    masks = 2 * sbh * (1 if w.device == "cuda" else e) // r if w.hidden_dropout > 0 else 0
     return saved + stats + attention + masks
+
+
+def _replicated_divisor(w: Workload) -> int:
+    """What divides the activations TP leaves replicated: TP with sequence parallelism
+    (each rank keeps its 1/t of the sequence there), else 1."""
+    return w.tp if w.sequence_parallel else 1
 
 
 def head_bytes(w: Workload) -> int:
@@ -145,10 +158,11 @@ def head_bytes(w: Workload) -> int:
     e = BYTES[w.params_dtype]
     # tokens, labels, positions (int64); then at TP 1 the loss's weight scalar, at TP > 1
     # the masks of ids outside this rank's vocabulary slice (embedding, cross-entropy)
-    ids = 2 * 8 * s * b + 8 * s + (4 if w.tp == 1 else 2 * s * b)
-    ln_f = 2 * s * b * h * e + 2 * s * b * _stat_bytes(w)
+    r = _replicated_divisor(w)
+    ids = 2 * 8 * s * b + 8 * s + (4 if w.tp == 1 else 2 * s * b)  # SP: a view of all s
+    ln_f = (2 * s * b * h * e + 2 * s * b * _stat_bytes(w)) // r
     softmax = (e if w.device == "cuda" else 4) * b * s * w.padded_vocab_size // w.tp
-    mask = s * b * h * (1 if w.device == "cuda" else e) if w.hidden_dropout > 0 else 0
+    mask = s * b * h * (1 if w.device == "cuda" else e) // r if w.hidden_dropout > 0 else 0
     return ids + ln_f + softmax + mask
 
 
@@ -159,8 +173,8 @@ def activation_bytes(w: Workload) -> dict:
     e = BYTES[w.params_dtype]
     per_layer = activation_bytes_per_layer(w)
     n_ckpt = (w.recompute_num_layers or w.num_layers) if w.recompute else 0
-    stored_input = 0 if w.cpu_checkpointing else s * b * h * e // (
-        t if w.partition_activations else 1)
+    split = w.partition_activations or w.sequence_parallel  # the input is 1/t either way
+    stored_input = 0 if w.cpu_checkpointing else s * b * h * e // (t if split else 1)
     layers = n_ckpt * stored_input + (w.num_layers - n_ckpt) * per_layer
     head = head_bytes(w)
     working = per_layer if n_ckpt else 0  # a recomputed layer during its backward

@@ -40,12 +40,12 @@ def _workload(tp, dtype, drop, attn, layers=1, **kw):
                     hidden_dropout=drop, attention_dropout=attn, device="cpu", **kw)
 
 
-def _saved_bytes(ps, layers, dtype, drop, attn, recompute=None):
+def _saved_bytes(ps, layers, dtype, drop, attn, recompute=None, sp=False):
     """Bytes of the distinct storages autograd saves in one forward (params excluded),
     plus the checkpoints activation checkpointing stores."""
     cfg = GPTConfig(vocab_size=V, padded_vocab_size=V, num_layers=layers, hidden_size=H,
                     num_attention_heads=HEADS, max_position_embeddings=S,
-                    hidden_dropout=drop, attention_dropout=attn)
+                    hidden_dropout=drop, attention_dropout=attn, sequence_parallel=sp)
     rng = seed_all(1, ps.tp_rank, ps.dp_rank, ps.device)
     model = GPT(cfg, ps.tp_group, rng=rng, seed=1).to(DTYPES[dtype])
     ac = None if recompute is None else apply_activation_checkpointing(model, ps, rng,
@@ -73,6 +73,9 @@ def _measure(ps):
     for case in CASES:
         one, two = (_saved_bytes(ps, n, *case) for n in (1, 2))
         out[case] = {"layer": two - one, "head": 2 * one - two}
+        if ps.tp_size > 1:
+            one, two = (_saved_bytes(ps, n, *case, sp=True) for n in (1, 2))
+            out[("sp", *case)] = {"layer": two - one, "head": 2 * one - two}
     for partition in (False, True):
         rc = RecomputeConfig(partition_activations=partition)
         one, two = (_saved_bytes(ps, n, "fp32", 0.0, 0.0, rc) for n in (1, 2))
@@ -97,6 +100,16 @@ def test_layer_activations_equal_saved_bytes(measured, tp, case):
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[0]}-drop{c[1]}-attn{c[2]}")
 def test_head_activations_equal_saved_bytes(measured, tp, case):
     assert measured[tp][case]["head"] == head_bytes(_workload(tp, *case))
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[0]}-drop{c[1]}-attn{c[2]}")
+def test_sequence_parallel_activations_equal_saved_bytes(measured, case):
+    w = _workload(2, *case, sequence_parallel=True)
+    got = measured[2][("sp", *case)]
+    assert got["layer"] == activation_bytes_per_layer(w)
+    assert got["head"] == head_bytes(w)
+    if case[2] == 0.0:  # no CPU math-kernel scores: every stored term is 1/TP of TP=1's
+        assert got["layer"] * 2 == measured[1][case]["layer"]
 
 
 @pytest.mark.parametrize("tp", [1, 2])
