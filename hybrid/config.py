@@ -97,10 +97,19 @@ class TrainConfig:
     loss_scale_window: int = opt(1000, "clean steps before the scale doubles")
     hysteresis: int = opt(2, "overflows tolerated before the scale halves")
     # activation checkpointing (ZeRO-R)
-    recompute_activations: bool = opt(False, "checkpoint each layer's input and recompute "
-                                             "it in backward", alias="--checkpoint-activations")
-    recompute_num_layers: int | None = opt(None, "recompute only the first N layers")
-    partition_activations: bool = opt(False, "each TP rank stores 1/TP of each checkpoint")
+    recompute_granularity: str | None = opt(
+        None, "full: keep only each layer's input and rerun the layer in backward (ZeRO-R); "
+              "selective: rerun only the attention core (scores, softmax, dropout)")
+    recompute_method: str | None = opt(None, "with full: uniform (every layer) or block "
+                                             "(the first --recompute-num-layers layers)")
+    recompute_num_layers: int | None = opt(None, "with full: layers per checkpoint (uniform, "
+                                                 "only 1) or layers checkpointed (block)")
+    recompute_activations: bool = opt(False, "Megatron's shorthand for "
+                                             "--recompute-granularity selective")
+    checkpoint_activations: bool = opt(False, "older Megatron name for "
+                                              "--recompute-granularity full")
+    partition_activations: bool = opt(False, "each TP rank stores 1/TP of each checkpoint",
+                                      alias="--distribute-saved-activations")
     cpu_checkpointing: bool = opt(False, "keep the checkpoints in host memory")
     contiguous_checkpointing: bool = opt(False, "store checkpoints in one preallocated buffer")
     # data
@@ -222,13 +231,38 @@ class TrainConfig:
             self.accumulate_allreduce_grads_in_fp32 = self.bf16
 
     def _validate_recompute(self) -> None:
+        """Resolve Megatron's recompute flags into granularity + method + layers."""
+        g = self.recompute_granularity
+        if g not in (None, "full", "selective"):
+            raise ConfigError(f"--recompute-granularity must be full or selective, got {g!r}")
+        for flag, implied in (("recompute_activations", "selective"),
+                              ("checkpoint_activations", "full")):
+            if getattr(self, flag):
+                if g not in (None, implied):
+                    raise ConfigError(f"{_flag(flag)} means --recompute-granularity {implied}, "
+                                      f"but --recompute-granularity {g} is given: keep one")
+                g = implied
+        self.recompute_granularity = g
+        if self.recompute_method not in (None, "uniform", "block"):
+            raise ConfigError(f"--recompute-method must be uniform or block, "
+                              f"got {self.recompute_method!r}")
+        if g != "full" and (self.recompute_method or self.recompute_num_layers is not None):
+            raise ConfigError("--recompute-method and --recompute-num-layers need "
+                              "--recompute-granularity full")
         if self.recompute_num_layers is not None:
             if not 1 <= self.recompute_num_layers <= self.num_layers:
                 raise ConfigError(f"--recompute-num-layers must be in [1, --num-layers "
                                   f"{self.num_layers}], got {self.recompute_num_layers}")
+        if g == "full" and self.recompute_method is None:
+            self.recompute_method = "block" if self.recompute_num_layers else "uniform"
+        if self.recompute_method == "uniform" and (self.recompute_num_layers or 1) != 1:
+            raise ConfigError("--recompute-method uniform checkpoints every layer on its own "
+                              "here (--recompute-num-layers 1); for fewer checkpoints use "
+                              "--recompute-method block --recompute-num-layers N")
         for name in ("partition_activations", "cpu_checkpointing", "contiguous_checkpointing"):
-            if getattr(self, name) and not self.recompute_activations:
-                raise ConfigError(f"{_flag(name)} needs --recompute-activations")
+            if getattr(self, name) and g != "full":
+                raise ConfigError(f"{_flag(name)} needs --recompute-granularity full (it "
+                                  f"handles whole-layer checkpoints)")
 
     def _validate_data(self) -> None:
         parts = self.split.replace("/", ",").split(",")
@@ -278,7 +312,8 @@ class TrainConfig:
     @property
     def recompute(self) -> RecomputeConfig:
         return RecomputeConfig(
-            num_layers=self.recompute_num_layers,
+            granularity=self.recompute_granularity,
+            num_layers=self.recompute_num_layers if self.recompute_method == "block" else None,
             # With SP a block's input is already this rank's 1/TP of the sequence:
             # nothing replicated is left to partition (see README, "Sequence parallelism").
             partition_activations=self.partition_activations and not self.sequence_parallel,

@@ -52,9 +52,12 @@ class ZeroConfig:
 class RecomputeConfig:
     """What :func:`hybrid.activation_checkpointing.apply_activation_checkpointing` needs.
 
-    ``num_layers``: checkpoint the first N blocks (None: all).
+    ``granularity``: None (no recompute), "full" (whole blocks) or "selective"
+    (the attention core only). ``num_layers``: with full, checkpoint the first N
+    blocks (None: all).
     """
 
+    granularity: str | None = None
     num_layers: int | None = None
     partition_activations: bool = False
     cpu_checkpointing: bool = False

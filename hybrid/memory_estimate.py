@@ -75,8 +75,9 @@ class Workload:
     grads_dtype: str | None = None
     hidden_dropout: float = 0.0
     attention_dropout: float = 0.0
-    recompute: bool = False
+    recompute: bool = False  # full: whole layers
     recompute_num_layers: int | None = None
+    selective_recompute: bool = False  # the attention core only
     partition_activations: bool = False
     cpu_checkpointing: bool = False
     reduce_bucket_size: int = 50_000_000
@@ -117,7 +118,9 @@ def workload(cfg, world_size: int, vocab_size: int, device: str = "cuda") -> Wor
         micro_batches=cfg.num_micro_batches(world_size), zero_stage=zero.stage,
         params_dtype=zero.params_dtype, grads_dtype=zero.grads_dtype,
         hidden_dropout=cfg.hidden_dropout, attention_dropout=cfg.attention_dropout,
-        recompute=cfg.recompute_activations, recompute_num_layers=cfg.recompute_num_layers,
+        recompute=cfg.recompute.granularity == "full",
+        recompute_num_layers=cfg.recompute.num_layers,
+        selective_recompute=cfg.recompute.granularity == "selective",
         partition_activations=cfg.recompute.partition_activations,
         cpu_checkpointing=cfg.cpu_checkpointing, reduce_bucket_size=zero.reduce_bucket_size,
         device=device)
@@ -135,7 +138,10 @@ def activation_bytes_per_layer(w: Workload) -> int:
     r = _replicated_divisor(w)
     sbh = s * b * h
     stats = 2 * 2 * s * b * _stat_bytes(w) // r
-    if w.device == "cpu" and w.attention_dropout > 0:
+    if w.selective_recompute:  # the checkpoint holds the QKV output, SDPA keeps nothing
+        saved = 4 * sbh * e // r + (4 * sbh + 2 * w.ffn_hidden_size * s * b) * e // t
+        attention = 0
+    elif w.device == "cpu" and w.attention_dropout > 0:
         # the math kernel, in fp32: its own q, k, v and the scores, not the QKV output
         saved = 4 * sbh * e // r + (sbh + 2 * w.ffn_hidden_size * s * b) * e // t
         attention = 3 * sbh * 4 // t + 3 * (a // t) * s * s * b * 4
@@ -178,6 +184,8 @@ def activation_bytes(w: Workload) -> dict:
     layers = n_ckpt * stored_input + (w.num_layers - n_ckpt) * per_layer
     head = head_bytes(w)
     working = per_layer if n_ckpt else 0  # a recomputed layer during its backward
+    if w.selective_recompute:  # one attention core's scores, rerun during its backward
+        working = activation_bytes_per_layer(replace(w, selective_recompute=False)) - per_layer
     transient = max(working, e * b * s * w.padded_vocab_size // t)  # logits beside softmax
     return {"layers": layers, "head": head, "recompute_working_set": working,
             "peak": layers + head + transient}

@@ -18,6 +18,7 @@ import torch
 from hybrid.activation_checkpointing import apply_activation_checkpointing
 from hybrid.checkpoint import load_checkpoint, save_checkpoint
 from hybrid.config import TrainConfig, padded_vocab_size
+from hybrid.config_sections import RecomputeConfig
 from hybrid.data.dataset import build_datasets, dp_micro_batches
 from hybrid.data.tokenizer import build_tokenizer
 from hybrid.errors import TrainingError
@@ -59,6 +60,15 @@ def build_model(cfg: TrainConfig, ps: ParallelState, vocab_size: int,
                device=device or ps.device)
 
 
+def recompute_targets(model: GPT, rc: RecomputeConfig) -> list[torch.nn.Module]:
+    """The modules activation checkpointing wraps: whole blocks (full granularity;
+    the first ``rc.num_layers`` with Megatron's block method) or every block's
+    attention core (selective: only scores, softmax and dropout are rerun)."""
+    if rc.granularity == "selective":
+        return [block.attn.core for block in model.blocks]
+    return list(model.blocks)[: rc.num_layers or len(model.blocks)]
+
+
 def build_engine(cfg: TrainConfig, ps: ParallelState, vocab_size: int, rng: TPRNGTracker):
     """(model, activation checkpointing handle or None, ZeRO engine).
 
@@ -67,8 +77,9 @@ def build_engine(cfg: TrainConfig, ps: ParallelState, vocab_size: int, rng: TPRN
     """
     model = build_model(cfg, ps, vocab_size, rng, device="meta")
     model.train()
-    ac = (apply_activation_checkpointing(model, ps, rng, cfg.recompute)
-          if cfg.recompute_activations else None)
+    rc = cfg.recompute
+    ac = (apply_activation_checkpointing(model, ps, rng, rc, blocks=recompute_targets(model, rc))
+          if rc.granularity else None)
     engine = apply_zero(model, ps, cfg.zero, values=InitValues(cfg.seed, model.init_of),
                         recompute=ac.phase if ac is not None else None)
     return model, ac, engine

@@ -89,6 +89,31 @@ class GPTConfig:
         return 3 * (matmul + attention)
 
 
+class AttentionCore(nn.Module):
+    """Causal scaled-dot-product attention over this rank's heads, with dropout.
+
+    ``(B, T, 3 * nh * hs)`` QKV in, ``(B, T, nh * hs)`` out. A module of its own
+    (no parameters) so selective recompute can checkpoint exactly this: the
+    scores, softmax and dropout, rerun in backward from the QKV output.
+    """
+
+    def __init__(self, cfg: GPTConfig, rng: TPRNGTracker | None):
+        super().__init__()
+        self.head_size = cfg.head_size
+        self.dropout = cfg.attention_dropout
+        self.rng = rng
+
+    def forward(self, qkv: torch.Tensor) -> torch.Tensor:
+        q, k, v = rearrange(qkv, "b t (nh three hs) -> three b nh t hs", three=3,
+                            hs=self.head_size)  # each (B, nh, T, hs)
+        p = self.dropout if self.training else 0.0
+        # Heads differ per TP rank, so their dropout draws from the per-rank stream.
+        fork = self.rng.fork() if (p > 0 and self.rng is not None) else contextlib.nullcontext()
+        with fork:
+            y = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
+        return rearrange(y, "b nh t hs -> b t (nh hs)")  # (B, T, nh * hs)
+
+
 class ParallelAttention(nn.Module):
     """Causal self-attention with heads split over the TP group."""
 
@@ -98,27 +123,17 @@ class ParallelAttention(nn.Module):
         if cfg.num_attention_heads % tp:
             raise ValueError(f"num_attention_heads {cfg.num_attention_heads} is not divisible "
                              f"by the tensor-parallel size {tp}")
-        self.head_size = cfg.head_size
-        self.dropout = cfg.attention_dropout
-        self.rng = rng
         # QKV rows are laid out per head as [q | k | v], so a contiguous chunk of
         # rows is whole heads: the split is the same function for every TP size.
         sp = cfg.sequence_parallel
         self.qkv = ColumnParallelLinear(C, 3 * C, tp_group, sequence_parallel=sp)
+        self.core = AttentionCore(cfg, rng)
         self.proj = RowParallelLinear(C, C, tp_group, input_is_parallel=True,
                                       sequence_parallel=sp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         qkv = self.qkv(x)  # (B, T, 3 * nh * hs); x is (B, T / tp, C) with SP
-        q, k, v = rearrange(qkv, "b t (nh three hs) -> three b nh t hs", three=3,
-                            hs=self.head_size)  # each (B, nh, T, hs)
-        p = self.dropout if self.training else 0.0
-        # Heads differ per TP rank, so their dropout draws from the per-rank stream.
-        fork = self.rng.fork() if (p > 0 and self.rng is not None) else contextlib.nullcontext()
-        with fork:
-            y = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
-        y = rearrange(y, "b nh t hs -> b t (nh hs)")  # (B, T, nh * hs)
-        return self.proj(y)  # (B, T, C) summed over TP; (B, T / tp, C) with SP
+        return self.proj(self.core(qkv))  # (B, T, C) summed over TP; (B, T / tp, C) with SP
 
 
 class ParallelMLP(nn.Module):

@@ -112,7 +112,7 @@ def _bench(ps, a):
         if flags is not None:
             cfg = TrainConfig(tensor_model_parallel_size=ps.tp_size, num_layers=a.num_layers,
                               hidden_size=a.hidden_size, num_attention_heads=a.heads,
-                              seq_length=a.seq_length, recompute_activations=True, **flags
+                              seq_length=a.seq_length, recompute_granularity="full", **flags
                               ).validate(ps.world_size)
             ac = apply_activation_checkpointing(model, ps, rng, cfg.recompute)
         runs[mode] = {"model": model, "ac": ac, "times": []}

@@ -46,7 +46,7 @@ def flags(a, dp: int) -> list[str]:
             "--zero-stage", str(a.zero_stage), "--train-iters", "2", "--log-interval", "1",
             "--eval-iters", "0", "--hidden-dropout", "0", "--attention-dropout", "0",
             *(["--bf16"] if a.precision == "bf16" else []),
-            *(["--recompute-activations"] if a.recompute else []), *a.extra]
+            *(["--recompute-granularity", "full"] if a.recompute else []), *a.extra]
 
 
 def run(argv: list[str], dp: int, log: str) -> list[dict]:
@@ -72,7 +72,7 @@ def main(argv=None) -> int:
     ap.add_argument("--dp", type=int, nargs="+", default=[1, 2, 4])
     ap.add_argument("--precision", choices=["bf16", "fp32"], default="bf16")
     ap.add_argument("--recompute", action=argparse.BooleanOptionalAction, default=True,
-                    help="--recompute-activations (full recompute, as ZeRO-3 runs use)")
+                    help="--recompute-granularity full (as ZeRO-3 runs use)")
     ap.add_argument("extra", nargs="*", help="more pretrain_gpt.py flags, after --")
     a = ap.parse_args(argv)
     device = "cuda" if torch.cuda.is_available() else "cpu"

@@ -23,12 +23,12 @@ PER_LAYER = B * T * C * 4  # bytes of one block's fp32 input (B, T, C)
 
 
 def _flags(partition, cpu, contiguous, layers=None):
-    return {"recompute_activations": True, "partition_activations": partition,
+    return {"recompute_granularity": "full", "partition_activations": partition,
             "cpu_checkpointing": cpu, "contiguous_checkpointing": contiguous,
             "recompute_num_layers": layers}
 
 
-# every combination of the three flags on top of --recompute-activations
+# every combination of the three flags on top of --recompute-granularity full
 VARIANTS = {"+".join(["recompute"] + [n for n, on in zip(("partition", "cpu", "contiguous"), f)
                                       if on]): _flags(*f)
             for f in itertools.product((False, True), repeat=3)}
@@ -265,23 +265,28 @@ def _losses(tmp_path, name, flags):
 @pytest.mark.skipif(not _wired(), reason="hybrid/training.py does not call "
                     "apply_activation_checkpointing yet")
 def test_pretrain_script_loss_curve_unchanged(tmp_path):
-    """The same 6 losses (1e-5 relative) with --recompute-activations
-    --partition-activations, and with --cpu-checkpointing --contiguous-checkpointing
-    under ZeRO-3, as without recompute. Dropout 0.1, so the RNG replay is checked
-    through the whole training stack (at TINY's dropout 0 the same flags are run by
+    """The same 6 losses (1e-5 relative) with --recompute-granularity full
+    --partition-activations, with --cpu-checkpointing --contiguous-checkpointing
+    under ZeRO-3, and with selective recompute (--recompute-activations, Megatron's
+    name: only the attention core reruns), as without recompute. Dropout 0.1, so
+    the RNG replay is checked through the whole training stack (at TINY's dropout
+    0 the same flags are run by
     tests/test_pretrain_gpt.py::test_partitioned_recompute_follows_the_plain_curve)."""
     dropout = DROPOUT
     ref = _losses(tmp_path, "plain", dropout)
-    runs = {"partition": ["--recompute-activations", "--partition-activations"],
-            "cpu+contiguous+zero3": ["--recompute-activations", "--partition-activations",
-                                     "--cpu-checkpointing", "--contiguous-checkpointing",
-                                     "--zero-stage", "3",
-                                     "--zero-param-persistence-threshold", "0"]}
+    full = ["--recompute-granularity", "full"]
+    # checkpoint bytes per step: 2 layers x (2 samples x 32 tokens x 64 hidden) fp32,
+    # split over TP 2; selective keeps each layer's QKV output (3 x that, per TP rank)
+    runs = {"partition": (full + ["--partition-activations"], 2 * 2 * 32 * 64 * 4 // 2),
+            "cpu+contiguous+zero3": (full + ["--partition-activations", "--cpu-checkpointing",
+                                             "--contiguous-checkpointing", "--zero-stage", "3",
+                                             "--zero-param-persistence-threshold", "0"],
+                                     2 * 2 * 32 * 64 * 4 // 2),
+            "selective": (["--recompute-activations"], 2 * 3 * 2 * 32 * 64 * 4 // 2)}
     assert len(ref) == 6
-    for name, flags in runs.items():
+    for name, (flags, stored) in runs.items():
         log = _losses(tmp_path, name, dropout + flags)
         assert [m["iteration"] for m in log] == list(range(1, 7))
         for a, b in zip(log, ref):
             assert abs(a["loss"] - b["loss"]) <= 1e-5 * abs(b["loss"]), (name, a, b)
-        # 2 layers x (2 samples x 32 tokens x 64 hidden) fp32, split over TP 2
-        assert log[-1]["activation_checkpoint_bytes"] == 2 * 2 * 32 * 64 * 4 // 2
+        assert log[-1]["activation_checkpoint_bytes"] == stored, name

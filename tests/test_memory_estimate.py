@@ -24,6 +24,7 @@ from hybrid.memory_estimate import (Workload, activation_bytes, activation_bytes
                                     choose_stage, head_bytes, peak_memory, traffic_bytes)
 from hybrid.parallel_state import ParallelState
 from hybrid.tensor_parallel import seed_all
+from hybrid.training import recompute_targets
 from models.gpt import GPT, GPTConfig
 
 S, B, H, HEADS, V = 16, 2, 32, 4, 256
@@ -48,8 +49,8 @@ def _saved_bytes(ps, layers, dtype, drop, attn, recompute=None, sp=False):
                     hidden_dropout=drop, attention_dropout=attn, sequence_parallel=sp)
     rng = seed_all(1, ps.tp_rank, ps.dp_rank, ps.device)
     model = GPT(cfg, ps.tp_group, rng=rng, seed=1).to(DTYPES[dtype])
-    ac = None if recompute is None else apply_activation_checkpointing(model, ps, rng,
-                                                                        recompute)
+    ac = None if recompute is None else apply_activation_checkpointing(
+        model, ps, rng, recompute, blocks=recompute_targets(model, recompute))
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
     seen = {}
 
@@ -76,8 +77,12 @@ def _measure(ps):
         if ps.tp_size > 1:
             one, two = (_saved_bytes(ps, n, *case, sp=True) for n in (1, 2))
             out[("sp", *case)] = {"layer": two - one, "head": 2 * one - two}
+    for case in CASES:  # selective: only the attention cores rerun
+        rc = RecomputeConfig(granularity="selective")
+        one, two = (_saved_bytes(ps, n, *case, rc) for n in (1, 2))
+        out[("selective", *case)] = two - one
     for partition in (False, True):
-        rc = RecomputeConfig(partition_activations=partition)
+        rc = RecomputeConfig(granularity="full", partition_activations=partition)
         one, two = (_saved_bytes(ps, n, "fp32", 0.0, 0.0, rc) for n in (1, 2))
         out[("recompute", partition)] = two - one
     return out
@@ -110,6 +115,14 @@ def test_sequence_parallel_activations_equal_saved_bytes(measured, case):
     assert got["head"] == head_bytes(w)
     if case[2] == 0.0:  # no CPU math-kernel scores: every stored term is 1/TP of TP=1's
         assert got["layer"] * 2 == measured[1][case]["layer"]
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[0]}-drop{c[1]}-attn{c[2]}")
+def test_selective_recompute_drops_the_attention_core(measured, tp, case):
+    w = _workload(tp, *case, selective_recompute=True)
+    assert measured[tp][("selective", *case)] == activation_bytes_per_layer(w)
+    assert activation_bytes_per_layer(w) < measured[tp][case]["layer"]
 
 
 @pytest.mark.parametrize("tp", [1, 2])

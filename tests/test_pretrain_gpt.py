@@ -124,9 +124,10 @@ def test_offload_optimizer_through_the_script_follows_the_stage0_curve(curves, t
 
 
 @pytest.mark.parametrize("flags", [
-    ["--recompute-activations", "--partition-activations"],
-    ["--recompute-activations", "--partition-activations", "--zero-stage", "1"],
-    ["--recompute-activations", "--cpu-checkpointing", "--zero-stage", "2", "--overlap-comm"],
+    ["--recompute-granularity", "full", "--partition-activations"],
+    ["--distribute-saved-activations", "--recompute-granularity", "full", "--zero-stage", "1"],
+    ["--recompute-granularity", "full", "--cpu-checkpointing", "--zero-stage", "2",
+     "--overlap-comm"],
     ["--checkpoint-activations", "--partition-activations", "--cpu-checkpointing",
      "--contiguous-checkpointing", "--zero-stage", "3", "--zero-param-persistence-threshold",
      "0"]], ids=["partition", "partition+zero1", "cpu+zero2", "partition+cpu+contiguous+zero3"])

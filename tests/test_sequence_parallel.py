@@ -151,7 +151,7 @@ def _rel(a, b):
     return float((a - b).norm() / b.norm().clamp_min(1e-30))
 
 
-SP, RC = {"sequence_parallel": True}, {"recompute_activations": True}
+SP, RC = {"sequence_parallel": True}, {"recompute_granularity": "full"}
 COMPOSE = {  # TP size -> variants (stage, overrides), each compared with the first
     2: [(0, {}), (3, SP), (3, {**SP, **RC}), (0, {**SP, **RC, "partition_activations": True})],
     4: [(0, {}), (3, {**SP, **RC})],

@@ -78,13 +78,13 @@ def _train_steps(model, engine, ps, cfg):
 
 def _train_stages(ps, variants):
     """For each variant (stage, overrides): STEPS steps; losses, norms, final params.
-    ``recompute_activations`` in the overrides wraps the blocks as training does."""
+    ``recompute_granularity`` in the overrides wraps the blocks as training does."""
     out = []
     for stage, kw in variants:
         cfg = _train_cfg(ps.world_size, ps.tp_size, zero_stage=stage, **kw)
         model = _gpt(cfg, ps, device="meta")  # as training builds it: ZeRO materializes
         phase = None
-        if cfg.recompute_activations:
+        if cfg.recompute_granularity:
             phase = apply_activation_checkpointing(model, ps, model.rng, cfg.recompute).phase
         engine = apply_zero(model, ps, cfg.zero, values=InitValues(cfg.seed, model.init_of),
                             recompute=phase)
