@@ -9,6 +9,7 @@ One iteration, data flowing one way::
 
 from __future__ import annotations
 
+import contextlib
 import resource
 import time
 from dataclasses import dataclass
@@ -16,6 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from hybrid.activation_checkpointing import apply_activation_checkpointing
+from hybrid.activation_meter import SavedActivationMeter
 from hybrid.checkpoint import load_checkpoint, save_checkpoint
 from hybrid.config import TrainConfig, padded_vocab_size
 from hybrid.config_sections import RecomputeConfig
@@ -90,19 +92,22 @@ def _sync(ps: ParallelState) -> None:
         torch.cuda.synchronize(ps.device)
 
 
-def train_step(model: GPT, engine: ZeroEngine, micro_batches, lr: float):
+def train_step(model: GPT, engine: ZeroEngine, micro_batches, lr: float,
+               meter: SavedActivationMeter | None = None):
     """One optimizer step over this rank's micro-batches; returns (local loss, StepResult).
 
     Each micro-batch loss is a mean over its tokens; dividing by the number of
     micro-batches makes the accumulated gradient that of the mean over this
-    rank's share, and the DP average makes it the global batch's.
+    rank's share, and the DP average makes it the global batch's. ``meter``
+    measures the first micro-batch's forward and backward.
     """
     engine.zero_grad()
     n = len(micro_batches)
     total = None
     for i, (tokens, labels) in enumerate(micro_batches):
-        loss = model(tokens, labels) / n
-        engine.backward(loss, sync=(i == n - 1))
+        with meter if (meter is not None and i == 0) else contextlib.nullcontext():
+            loss = model(tokens, labels) / n
+            engine.backward(loss, sync=(i == n - 1))
         total = loss.detach().float() if total is None else total + loss.detach().float()
     return total, engine.step(lr)
 
@@ -199,6 +204,7 @@ def pretrain(cfg: TrainConfig, ps: ParallelState) -> list[dict]:
     tokens_per_iter = cfg.global_batch_size * cfg.seq_length
     flops_per_iter = model.cfg.flops_per_token(cfg.seq_length) * tokens_per_iter
     history, loss_acc, time_acc, n_acc = [], torch.zeros((), device=ps.device), 0.0, 0
+    meter = SavedActivationMeter(extra=ac.stored_bytes if ac is not None else lambda: 0)
     skipped, nan_streak, saved_at = 0, 0, state.iteration
     try:
         while state.iteration < cfg.train_iters:
@@ -210,7 +216,9 @@ def pretrain(cfg: TrainConfig, ps: ParallelState) -> list[dict]:
                                        cfg.global_batch_size, cfg.micro_batch_size,
                                        ps.dp_rank, ps.dp_size, ps.device)
             comm_before = ps.comm_stats.snapshot()
-            loss, result = train_step(model, engine, batches, lr)
+            logs = ((state.iteration + 1) % cfg.log_interval == 0
+                    or state.iteration + 1 == cfg.train_iters)
+            loss, result = train_step(model, engine, batches, lr, meter if logs else None)
             comm = {k: v - comm_before[k] for k, v in ps.comm_stats.snapshot().items()}
             skipped += int(result.skipped)
             state.iteration += 1
@@ -234,7 +242,9 @@ def pretrain(cfg: TrainConfig, ps: ParallelState) -> list[dict]:
                      **dict(zip(("peak_memory_bytes", "setup_peak_memory_bytes",
                                  "memory_before_model_bytes"),
                                 _max_over_ranks(ps, [_memory(ps)[1], setup_peak, before_model]))),
-                     "model_state_bytes": engine.model_state_bytes(), "comm_bytes": comm}
+                     "model_state_bytes": engine.model_state_bytes(), "comm_bytes": comm,
+                     # saved for backward by this rank's first micro-batch, measured
+                     "activation_bytes": meter.peak}
                 if ac is not None:
                     m["activation_checkpoint_bytes"] = ac.peak_bytes()
                     ac.reset_peak()

@@ -204,3 +204,38 @@ def test_gpt2_presets_run_the_stage_the_estimator_recommends(world):
         w = workload(cfg.validate(world), world, 50257)
         assert choose_stage(w, budget_bytes=80 * 2 ** 30, runtime_bytes=int(1.5 * 2 ** 30)) \
             == cfg.zero_stage, size
+
+
+def _metered(ps, recompute):
+    """SavedActivationMeter's peak over one forward + backward of a 2-layer fp32 GPT."""
+    from hybrid.activation_meter import SavedActivationMeter
+    cfg = GPTConfig(vocab_size=V, padded_vocab_size=V, num_layers=2, hidden_size=H,
+                    num_attention_heads=HEADS, max_position_embeddings=S,
+                    hidden_dropout=0.0, attention_dropout=0.0)
+    rng = seed_all(1, ps.tp_rank, ps.dp_rank, ps.device)
+    model = GPT(cfg, ps.tp_group, rng=rng, seed=1)
+    ac = None if recompute is None else apply_activation_checkpointing(
+        model, ps, rng, recompute, blocks=recompute_targets(model, recompute))
+    g = torch.Generator().manual_seed(0)
+    tokens, labels = (torch.randint(0, V, (B, S), generator=g) for _ in range(2))
+    meter = SavedActivationMeter(extra=ac.stored_bytes if ac else lambda: 0)
+    with meter:
+        model(tokens, labels).backward()
+    return meter.peak
+
+
+def test_activation_meter_peaks_at_what_forward_saved():
+    ps = ParallelState.single()
+    w = _workload(1, "fp32", 0.0, 0.0, layers=2)
+    # no recompute: the peak is everything forward saved, at the start of backward
+    assert _metered(ps, None) == 2 * activation_bytes_per_layer(w) + head_bytes(w)
+    # selective: the attention cores' scores never pile up across layers
+    sel = _metered(ps, RecomputeConfig(granularity="selective"))
+    assert sel == 2 * activation_bytes_per_layer(replace(w, selective_recompute=True)) \
+        + head_bytes(w)
+    # full: two stored inputs and the head at the end of forward; in backward, one
+    # block's activations again beside block 0's input and the ids the embeddings keep
+    full = _metered(ps, RecomputeConfig(granularity="full"))
+    stored, ids = S * B * H * 4, 8 * S * B + 8 * S
+    assert full == max(2 * stored + head_bytes(w),
+                       stored + activation_bytes_per_layer(w) + ids)
