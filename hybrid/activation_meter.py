@@ -38,6 +38,10 @@ class SavedActivationMeter:
         self._hooks.__enter__()
         return self
 
+    def held(self) -> int:
+        """Bytes held for backward right now (inside the context)."""
+        return self._now + self.extra()
+
     def __exit__(self, *exc) -> None:
         self._hooks.__exit__(*exc)
         self._hooks = None

@@ -1,28 +1,29 @@
 #!/usr/bin/env python
-"""Activation memory and step time of the ZeRO-R checkpointing modes, on CPU.
+"""Activation memory and step time per recompute / sequence-parallel mode, on CPU.
 
     python scripts/bench_activations.py [--tp 2 4] [--budget-bytes 268435456]
 
 For a GPT at each TP size (world = TP, one gloo process per rank, launched by
-:func:`hybrid.multiprocess.run_ranks`) and each mode -- none, recompute,
-recompute+partition, recompute+partition+cpu -- prints one JSON record:
+:func:`hybrid.multiprocess.run_ranks`) and each mode -- none, sp, selective,
+sp+selective, full, full+partition, sp+full -- prints one JSON record:
 
-* ``checkpoint_bytes_per_rank``: peak bytes of stored checkpoints in a step
-  (:meth:`ActivationCheckpointing.peak_bytes`); 0 for none;
-* ``checkpoint_fraction_of_unpartitioned``: that over plain recompute's (the
-  issue's target: <= 1/TP + 5%);
-* ``buffer_bytes_per_rank``: the gather/staging buffers, allocated once;
-* ``peak_activation_bytes_per_rank``: high-water mark of everything autograd
-  holds for backward (unique non-parameter storages, via saved_tensors_hooks;
-  recompute's one re-run block included) plus the stored checkpoints;
+* ``measured_bytes_per_layer``: what one layer leaves saved for backward at the
+  end of forward, measured (:class:`hybrid.activation_meter.SavedActivationMeter`
+  on an L-layer and a 1-layer model; the difference over L - 1), stored
+  checkpoints included;
+* ``table2_bytes_per_layer``: Korthikanti et al. 2022's Table 2 for that mode,
+  adjusted for the dtype in use (``e`` bytes per activation instead of 2, masks
+  only with dropout, the ``5as/(ht)`` scores term only when the attention
+  kernel keeps scores: never with flash/memory-efficient SDPA), and
+  ``table2_error`` (measured / formula - 1);
+* ``peak_activation_bytes_per_rank``: the meter's high-water mark over a
+  forward and backward (recompute's re-run block included);
+* ``max_micro_batch_in_budget``: ``--budget-bytes`` over the peak bytes per sample;
 * ``median_step_s`` (forward + backward, median over ``--steps`` steps of every
   rank after ``--warmup``; modes interleaved step by step, so the machine's
-  drift hits all alike) and its ratio to plain recompute (target for
-  partitioning: <= 1.10);
-* ``max_micro_batch_in_budget``: ``--budget-bytes // bytes_per_sample``, with
-  bytes per sample = peak activation bytes / ``--micro-batch-size``.
+  drift hits all alike) and ``step_time_ratio_to_none``.
 
-Memory is measured on a separate step from the timed ones (the hooks cost time).
+Memory is measured on separate steps from the timed ones (the hooks cost time).
 Timings on a machine with fewer cores than ranks are noisy; nothing is asserted.
 """
 
@@ -41,84 +42,62 @@ import torch  # noqa: E402
 
 from hybrid.multiprocess import run_ranks  # noqa: E402
 
-MODES = {"none": None,
-         "recompute": {},
-         "recompute+partition": {"partition_activations": True},
-         "recompute+partition+cpu": {"partition_activations": True, "cpu_checkpointing": True}}
+SP = {"sequence_parallel": True}
+MODES = {"none": {}, "sp": SP,
+         "selective": {"recompute_granularity": "selective"},
+         "sp+selective": {**SP, "recompute_granularity": "selective"},
+         "full": {"recompute_granularity": "full"},
+         "full+partition": {"recompute_granularity": "full", "partition_activations": True},
+         "sp+full": {**SP, "recompute_granularity": "full"}}
 
 
-class _SavedBytes:
-    """High-water mark of the bytes autograd holds for backward (non-parameter storages).
-
-    Use as ``saved_tensors_hooks(sb.pack, sb.unpack)``; a storage counts once
-    however many saved tensors view it, until the last of them is freed.
-    """
-
-    def __init__(self, params, extra=lambda: 0):
-        self.param_ptrs = {p.untyped_storage().data_ptr() for p in params}
-        self.extra = extra  # bytes held outside autograd (stored checkpoints)
-        self.live: dict[int, list] = {}  # storage ptr -> [bytes, references]
-        self.now = self.peak = 0
-
-    def pack(self, t):
-        ptr = t.untyped_storage().data_ptr()
-        if ptr in self.param_ptrs:
-            return t
-        entry = self.live.setdefault(ptr, [t.untyped_storage().nbytes(), 0])
-        if entry[1] == 0:
-            self.now += entry[0]
-        entry[1] += 1
-        self.peak = max(self.peak, self.now + self.extra())
-        return _Held(t, ptr, self)
-
-    @staticmethod
-    def unpack(h):
-        return h.t if isinstance(h, _Held) else h
-
-    def drop(self, ptr):
-        entry = self.live[ptr]
-        entry[1] -= 1
-        if entry[1] == 0:
-            self.now -= entry[0]
-            del self.live[ptr]
+def table2_bytes_per_layer(mode: str, a, t: int, e: int) -> int:
+    """Korthikanti et al.'s Table 2 for ``mode``, with e-byte activations (see the doc)."""
+    s, b, h, heads = a.seq_length, a.micro_batch_size, a.hidden_size, a.heads
+    sbh = s * b * h
+    sp = "sp" in mode
+    if "full" in mode:  # only the layer input: 2 sbh at e = 2
+        return sbh * e // (t if sp or "partition" in mode else 1)
+    # 10 sbh replicated at e = 2 (8 of activations, 2 of one-byte dropout masks),
+    # 24 sbh / t split, 5 as^2 b / t of scores (4 of activations, 1 of mask)
+    masks = 2 * sbh if a.dropout > 0 else 0
+    replicated = 4 * sbh * e + masks
+    split = 12 * sbh * e
+    keeps_scores = a.attention_dropout > 0 and "selective" not in mode  # CPU: math kernel
+    scores = (2 * e + (1 if a.attention_dropout > 0 else 0)) * heads * s * s * b \
+        if keeps_scores else 0
+    return (replicated // t if sp else replicated) + (split + scores) // t
 
 
-class _Held:
-    """A saved tensor whose release (when autograd frees it) updates the count."""
-
-    def __init__(self, t, ptr, owner):
-        self.t, self.ptr, self.owner = t, ptr, owner
-
-    def __del__(self):
-        self.owner.drop(self.ptr)
-
-
-def _bench(ps, a):
+def _model(ps, a, flags, layers):
     from hybrid.activation_checkpointing import apply_activation_checkpointing
     from hybrid.config import TrainConfig
     from hybrid.tensor_parallel import seed_all
-    from models.gpt import GPT, GPTConfig
+    from hybrid.training import gpt_config, recompute_targets
+    cfg = TrainConfig(tensor_model_parallel_size=ps.tp_size, num_layers=layers,
+                      hidden_size=a.hidden_size, num_attention_heads=a.heads,
+                      seq_length=a.seq_length, micro_batch_size=a.micro_batch_size,
+                      hidden_dropout=a.dropout, attention_dropout=a.attention_dropout,
+                      make_vocab_size_divisible_by=a.vocab_size // ps.tp_size,
+                      **flags).validate(ps.world_size)
+    rng = seed_all(1234, ps.tp_rank, ps.dp_rank, ps.device)
+    from models.gpt import GPT
+    model = GPT(gpt_config(cfg, a.vocab_size), ps.tp_group, rng=rng, seed=1234)
+    model.train()
+    rc = cfg.recompute
+    ac = (apply_activation_checkpointing(model, ps, rng, rc, blocks=recompute_targets(model, rc))
+          if rc.granularity else None)
+    return model, ac
+
+
+def _bench(ps, a):
+    from hybrid.activation_meter import SavedActivationMeter
     torch.set_num_threads(1)
-    gcfg = GPTConfig(vocab_size=a.vocab_size, padded_vocab_size=a.vocab_size,
-                     num_layers=a.num_layers, hidden_size=a.hidden_size,
-                     num_attention_heads=a.heads, max_position_embeddings=a.seq_length,
-                     hidden_dropout=0.1, attention_dropout=0.1)
-    runs = {}
-    for mode, flags in MODES.items():
-        rng = seed_all(1234, ps.tp_rank, ps.dp_rank, ps.device)
-        model = GPT(gcfg, ps.tp_group, rng=rng, seed=1234)
-        model.train()
-        ac = None
-        if flags is not None:
-            cfg = TrainConfig(tensor_model_parallel_size=ps.tp_size, num_layers=a.num_layers,
-                              hidden_size=a.hidden_size, num_attention_heads=a.heads,
-                              seq_length=a.seq_length, recompute_granularity="full", **flags
-                              ).validate(ps.world_size)
-            ac = apply_activation_checkpointing(model, ps, rng, cfg.recompute)
-        runs[mode] = {"model": model, "ac": ac, "times": []}
     g = torch.Generator().manual_seed(0)
     batch = torch.randint(0, a.vocab_size, (a.micro_batch_size, a.seq_length + 1), generator=g)
     tokens, labels = batch[:, :-1], batch[:, 1:]
+    runs = {m: dict(zip(("model", "ac"), _model(ps, a, f, a.num_layers)), times=[])
+            for m, f in MODES.items()}
 
     def step(r):
         r["model"].zero_grad(set_to_none=False)
@@ -132,15 +111,18 @@ def _bench(ps, a):
                 r["times"].append(time.perf_counter() - t0)
     out = {}
     for mode, r in runs.items():
-        ac = r["ac"]
-        sb = _SavedBytes(r["model"].parameters(), ac.stored_bytes if ac else (lambda: 0))
-        if ac is not None:
-            ac.reset_peak()
-        with torch.autograd.graph.saved_tensors_hooks(sb.pack, sb.unpack):
-            step(r)
-        out[mode] = {"times": r["times"], "peak": sb.peak,
-                     "ckpt": ac.peak_bytes() if ac else 0,
-                     "buffers": ac.buffer_bytes() if ac else 0}
+        one_layer = dict(zip(("model", "ac"), _model(ps, a, MODES[mode], 1)))
+        held = {}
+        for name, run in (("L", r), ("1", one_layer)):
+            ac = run["ac"]
+            meter = SavedActivationMeter(extra=ac.stored_bytes if ac else lambda: 0)
+            with meter:
+                loss = run["model"](tokens, labels)
+                held[name] = meter.held()
+                loss.backward()
+            held[name + "_peak"] = meter.peak
+        out[mode] = {"times": r["times"], "peak": held["L_peak"],
+                     "per_layer": (held["L"] - held["1"]) / (a.num_layers - 1)}
     return out
 
 
@@ -153,6 +135,9 @@ def main(argv=None) -> int:
     ap.add_argument("--seq-length", type=int, default=256)
     ap.add_argument("--vocab-size", type=int, default=4096)
     ap.add_argument("--micro-batch-size", type=int, default=4)
+    ap.add_argument("--dropout", type=float, default=0.0, help="hidden dropout")
+    ap.add_argument("--attention-dropout", type=float, default=0.0,
+                    help="> 0 runs the CPU's math attention kernel, which keeps the scores")
     ap.add_argument("--budget-bytes", type=int, default=256 * 2**20,
                     help="per-rank activation memory budget for max_micro_batch_in_budget")
     ap.add_argument("--warmup", type=int, default=2)
@@ -160,27 +145,26 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     for tp in a.tp:
-        ranks = run_ranks(_bench, tp, tp, args=(a,), timeout=1800)
+        ranks = run_ranks(_bench, tp, tp, args=(a,), timeout=3600)
         med = {m: statistics.median(t for r in ranks for t in r[m]["times"]) for m in MODES}
-        full_ckpt = max(r["recompute"]["ckpt"] for r in ranks)
         for mode in MODES:
             peak = max(r[mode]["peak"] for r in ranks)
-            ckpt = max(r[mode]["ckpt"] for r in ranks)
-            per_sample = peak / a.micro_batch_size
+            per_layer = max(r[mode]["per_layer"] for r in ranks)
+            formula = table2_bytes_per_layer(mode, a, tp, 4)
             print(json.dumps({
                 "tp": tp, "mode": mode, "layers": a.num_layers,
                 "micro_batch_size": a.micro_batch_size, "seq_length": a.seq_length,
-                "hidden_size": a.hidden_size,
-                "median_step_s": round(med[mode], 4),
-                "step_time_ratio_to_recompute": round(med[mode] / med["recompute"], 3),
-                "checkpoint_bytes_per_rank": ckpt,
-                "checkpoint_fraction_of_unpartitioned":
-                    round(ckpt / full_ckpt, 4) if ckpt else None,
-                "buffer_bytes_per_rank": max(r[mode]["buffers"] for r in ranks),
+                "hidden_size": a.hidden_size, "dtype": "fp32",
+                "measured_bytes_per_layer": int(per_layer),
+                "table2_bytes_per_layer": formula,
+                "table2_error": round(per_layer / formula - 1, 4),
+                "fraction_of_none_per_layer": round(
+                    per_layer / max(r["none"]["per_layer"] for r in ranks), 4),
                 "peak_activation_bytes_per_rank": peak,
-                "bytes_per_sample": int(per_sample),
+                "max_micro_batch_in_budget": int(a.budget_bytes // (peak / a.micro_batch_size)),
                 "budget_bytes": a.budget_bytes,
-                "max_micro_batch_in_budget": int(a.budget_bytes // per_sample)}), flush=True)
+                "median_step_s": round(med[mode], 4),
+                "step_time_ratio_to_none": round(med[mode] / med["none"], 3)}), flush=True)
     return 0
 
 
