@@ -281,3 +281,242 @@ def test_full_disk_during_save_fails_everywhere_and_keeps_the_old_one(tmp_path):
     assert sorted(os.listdir(save)) == ["iter_0000001", "latest"]
     with open(os.path.join(save, "latest")) as f:
         assert f.read() == "iter_0000001"
+
+
+# -- I/O proportional to what a rank owns --------------------------------------------------
+
+IO_VOCAB = 257
+
+
+def _io_engine(ps, stage, seed):
+    from hybrid.config import TrainConfig
+    from hybrid.tensor_parallel import seed_all
+    from hybrid.training import build_model
+    from hybrid.zero import apply_zero
+    cfg = TrainConfig(tensor_model_parallel_size=ps.tp_size, num_layers=2, hidden_size=32,
+                      num_attention_heads=4, seq_length=8, zero_stage=stage, seed=seed,
+                      zero_param_persistence_threshold=0, reduce_bucket_size=3000,
+                      hidden_dropout=0.0, attention_dropout=0.0).validate(ps.world_size)
+    rng = seed_all(seed, ps.tp_rank, ps.dp_rank, ps.device)
+    model = build_model(cfg, ps, IO_VOCAB, rng)
+    return cfg, rng, model, apply_zero(model, ps, cfg)
+
+
+def _io_state(engine, model):
+    """This rank's pieces, their (n, 3) values, and how it holds each parameter."""
+    import torch
+    from hybrid.zero.state import iter_piece_values, shard_state
+    pieces = shard_state(engine)["pieces"]
+    values = torch.cat(list(iter_piece_values(engine))) if pieces else torch.zeros(0, 3)
+    specs = {}
+    for n, p in model.named_parameters():
+        s = getattr(p, "tp_spec", None)
+        specs[n] = (list(p.shape), None, 0, 1) if s is None else (list(s.full_shape), s.dim,
+                                                                   s.rank, s.size)
+    return {"pieces": pieces, "values": values, "specs": specs}
+
+
+def _io_save(ps, save, stage):
+    """Two steps (non-zero moments), then a save at iteration 2."""
+    import torch
+    from hybrid.checkpoint import save_checkpoint
+    cfg, rng, model, engine = _io_engine(ps, stage, seed=3)
+    g = torch.Generator().manual_seed(ps.dp_rank)
+    for _ in range(2):
+        tokens = torch.randint(0, IO_VOCAB, (2, 9), generator=g)
+        engine.zero_grad()
+        engine.backward(model(tokens[:, :-1], tokens[:, 1:]))
+        engine.step(1e-2)
+    save_checkpoint(save, 2, 16, engine, ps, cfg, rng, vocab_size=IO_VOCAB)
+    return _io_state(engine, model)
+
+
+def _io_load(ps, save, stage):
+    """Load into a fresh engine (another seed) counting every open under ``save``, the
+    reader's counters and /proc/self/io rchar; return them with the loaded state."""
+    import builtins
+    from hybrid.checkpoint import RangeReader, load_checkpoint
+    from hybrid.checkpoint.reader import process_rchar
+    from hybrid.errors import CheckpointError
+    cfg, rng, model, engine = _io_engine(ps, stage, seed=99)
+    opened, real_open, real_os_open = [], builtins.open, os.open
+
+    def record(path):
+        path = os.path.abspath(os.fspath(path))
+        if path.startswith(os.path.abspath(save) + os.sep):
+            opened.append(os.path.relpath(path, save))
+
+    def open_(file, *a, **k):
+        if isinstance(file, (str, os.PathLike)):
+            record(file)
+        return real_open(file, *a, **k)
+
+    def os_open(path, *a, **k):
+        record(path)
+        return real_os_open(path, *a, **k)
+
+    reader = RangeReader()
+    builtins.open, os.open = open_, os_open
+    before = process_rchar()
+    try:
+        load_checkpoint(save, engine, ps, cfg, rng, IO_VOCAB, reader=reader)
+    except CheckpointError as e:
+        return {"error": str(e)}
+    finally:
+        after = process_rchar()
+        builtins.open, os.open = real_open, real_os_open
+    data_read = sum(1 for p in reader.files_opened if p.endswith(".bin"))
+    return {"opened": opened, "reader_files": [os.path.relpath(p, save)
+                                               for p in reader.files_opened],
+            "bytes": reader.bytes_read, "rchar": after - before, "data_files": data_read,
+            **_io_state(engine, model)}
+
+
+def _own_file_bytes(ckpt, rank):
+    return sum(os.path.getsize(os.path.join(ckpt, f"rank_{rank:05d}{e}")) for e in (".pt", ".bin"))
+
+
+@pytest.mark.parametrize("tp,dp", [(1, 4), (2, 2)])
+def test_same_layout_load_reads_only_the_rank_s_own_files(tmp_path, tp, dp):
+    """ZeRO-3, same layout: each rank opens latest, the metadata, its own header and
+    its own data file, nothing else; it reads at most 1.1x its own files; and gets
+    back exactly what it saved."""
+    import torch
+    from harness import run_ranks
+    save = str(tmp_path / "ckpt")
+    saved = run_ranks(_io_save, world_size=tp * dp, tp=tp, args=(save, 3))
+    loaded = run_ranks(_io_load, world_size=tp * dp, tp=tp, args=(save, 3))
+    ckpt = os.path.join(save, "iter_0000002")
+    for r, (s, got) in enumerate(zip(saved, loaded)):
+        assert "error" not in got, got
+        own = {f"iter_0000002/rank_{r:05d}.pt", f"iter_0000002/rank_{r:05d}.bin"}
+        assert sorted(got["opened"]) == sorted(["latest", "iter_0000002/metadata.json", *own])
+        assert set(got["reader_files"]) == own | {"iter_0000002/metadata.json"}
+        assert got["bytes"] <= 1.1 * _own_file_bytes(ckpt, r)
+        assert got["bytes"] <= got["rchar"] <= got["bytes"] + 64 * 1024, (got["bytes"],
+                                                                          got["rchar"])
+        assert got["pieces"] == s["pieces"]
+        assert torch.equal(got["values"], s["values"])
+
+
+def _old_full_tensors(ckpt):
+    """Straight from the files, independently of hybrid.checkpoint's readers:
+    {name: (full (*shape, 3) fp32 values, full owner-rank map per replica pick)}."""
+    import glob
+    import json
+
+    import numpy as np
+    import torch
+    with open(os.path.join(ckpt, "metadata.json")) as f:
+        meta = json.load(f)
+    tp = meta["tensor_model_parallel_size"]
+    local = {}  # name -> tp rank -> (values (n, 3), owners (n,))
+    specs = {}
+    for head in sorted(glob.glob(os.path.join(ckpt, "rank_*.pt"))):
+        h = torch.load(head, weights_only=True)
+        data = torch.from_numpy(np.fromfile(head[:-3] + ".bin", dtype=np.float32)).view(-1, 3)
+        for name, ranges in h["pieces"].items():
+            spec = h["specs"][name]
+            specs[name] = spec
+            n = 1
+            for i, s in enumerate(spec["full_shape"]):
+                n *= s // spec["tp_size"] if i == spec["dim"] else s
+            v, o = local.setdefault(name, {}).setdefault(
+                h["tp_rank"], (torch.full((n, 3), float("nan")), torch.full((n,), -1)))
+            for lo, hi, row in ranges:
+                v[lo:hi] = data[row: row + hi - lo]
+                o[lo:hi] = h["rank"]
+    out = {}
+    for name, per_tp in local.items():
+        spec = specs[name]
+        shape = list(spec["full_shape"])
+        if spec["dim"] is None:
+            out[name] = (per_tp[0][0].view(*shape, 3),
+                         [per_tp[t][1].view(shape) for t in range(tp)])
+            continue
+        local_shape = list(shape)
+        local_shape[spec["dim"]] //= spec["tp_size"]
+        vals = torch.cat([per_tp[t][0].view(*local_shape, 3) for t in range(tp)], spec["dim"])
+        owners = torch.cat([per_tp[t][1].view(local_shape) for t in range(tp)], spec["dim"])
+        out[name] = (vals, [owners])
+    return meta, out
+
+
+def _expected_piece(full, owners, spec, lo, hi, tp_rank):
+    """(values (hi - lo, 3), owner ranks) of new-local [lo, hi) cut from the old full tensors."""
+    import torch
+    shape, dim, rank, size = spec
+    owner = owners[tp_rank % len(owners)]
+    if list(full.shape[:-1]) != shape:  # the padded vocabulary: cut or zero-fill rows
+        fv, fo = torch.zeros(*shape, 3), torch.full(shape, -1)
+        n = min(shape[0], full.shape[0])
+        fv[:n], fo[:n] = full[:n], owner[:n]
+        full, owner = fv, fo
+    if dim is not None:
+        full, owner = full.chunk(size, dim)[rank], owner.chunk(size, dim)[rank]
+    return full.reshape(-1, 3)[lo:hi], owner.reshape(-1)[lo:hi]
+
+
+@pytest.fixture(scope="module")
+def io_checkpoint(tmp_path_factory):
+    """A TP2 x DP2 ZeRO-3 checkpoint after two steps, with small reduce buckets."""
+    from harness import run_ranks
+    save = str(tmp_path_factory.mktemp("io") / "ckpt")
+    run_ranks(_io_save, world_size=4, tp=2, args=(save, 3))
+    return save
+
+
+@pytest.mark.parametrize("tp,dp,stage", [(1, 4, 1), (4, 1, 0), (1, 2, 2)])
+def test_reshard_reads_only_the_overlapping_ranges(io_checkpoint, tp, dp, stage):
+    """TP2 x DP2 ZeRO-3 -> another layout: every rank's master and moments equal the
+    old full tensors' cut exactly; it opens only the data files holding its pieces
+    (no header: RNG is reseeded), and reads at most 2x the bytes it needs."""
+    import torch
+    from harness import run_ranks
+    from hybrid.checkpoint import merged_state
+    ckpt = os.path.join(io_checkpoint, "iter_0000002")
+    meta, old = _old_full_tensors(ckpt)
+    _, merged = merged_state(ckpt)  # the tools' path agrees with the raw files
+    for name, (full, _) in old.items():
+        for k, key in enumerate(("master", "exp_avg", "exp_avg_sq")):
+            assert torch.equal(merged[name][key], full[..., k]), (name, key)
+    results = run_ranks(_io_load, world_size=tp * dp, tp=tp, args=(io_checkpoint, stage))
+    for r, got in enumerate(results):
+        assert "error" not in got, got
+        tp_rank = r % tp
+        expect, owners, off = [], set(), 0
+        for name, lo, hi in got["pieces"]:
+            v, o = _expected_piece(*old[name], got["specs"][name], lo, hi, tp_rank)
+            assert torch.equal(got["values"][off: off + hi - lo], v), (r, name, lo, hi)
+            owners |= set(o.tolist()) - {-1}
+            off += hi - lo
+            expect.append(hi - lo)
+        files = {f"iter_0000002/rank_{k:05d}.bin" for k in owners}
+        assert sorted(got["opened"]) == sorted(["latest", "iter_0000002/metadata.json", *files])
+        needed = 12 * sum(expect)
+        meta_bytes = os.path.getsize(os.path.join(ckpt, "metadata.json"))
+        assert got["bytes"] - meta_bytes <= 2 * needed, (r, got["bytes"] - meta_bytes, needed)
+
+
+def _io_load_error(ps, save, stage):
+    return _io_load(ps, save, stage).get("error")
+
+
+def test_truncated_data_file_fails_every_rank_naming_it(io_checkpoint, tmp_path):
+    from harness import run_ranks
+    ck = _copy(io_checkpoint, tmp_path)
+    data = os.path.join(ck, "iter_0000002", "rank_00001.bin")
+    with open(data, "r+b") as f:
+        f.truncate(os.path.getsize(data) - 12)
+    errors = run_ranks(_io_load_error, world_size=4, tp=2, args=(ck, 3))
+    assert "rank_00001.bin" in errors[1] and "corrupt or truncated" in errors[1]
+    assert all(e is not None for e in errors)  # the others learn of it and stop too
+
+
+def test_a_version_1_checkpoint_is_named_as_an_older_format(tmp_path):
+    import json
+    from hybrid.checkpoint import read_metadata
+    from hybrid.errors import CheckpointError
+    (tmp_path / "metadata.json").write_text(json.dumps({"version": 1, "complete": True}))
+    with pytest.raises(CheckpointError, match="metadata.json: an older checkpoint format"):
+        read_metadata(str(tmp_path))
