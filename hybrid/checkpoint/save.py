@@ -109,8 +109,8 @@ def save_checkpoint(save_dir: str, iteration: int, consumed_samples: int, engine
     # Stage 0: every DP replica holds the same values; DP rank 0's copy is enough.
     pieces = state["pieces"] if not (engine.stage == 0 and ps.dp_rank != 0) else []
     table, rows = {}, 0
-    for name, lo, hi in pieces:
-        table.setdefault(name, []).append((lo, hi, rows))
+    for pname, lo, hi in pieces:
+        table.setdefault(pname, []).append((lo, hi, rows))
         rows += hi - lo
     specs = {n: _spec_dict(p) for n, p in engine.model.named_parameters()}
     header = {"version": VERSION, "rank": ps.rank, "tp_rank": ps.tp_rank,
