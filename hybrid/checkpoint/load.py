@@ -16,7 +16,7 @@ from hybrid.checkpoint.files import find_checkpoint, rank_paths, read_metadata
 from hybrid.checkpoint.layout import ROW_BYTES, SavedLayout
 from hybrid.checkpoint.reader import RangeReader
 from hybrid.checkpoint.reshard import ParamSource, Target
-from hybrid.checkpoint.save import agree, model_signature
+from hybrid.checkpoint.save import agree_error, model_signature
 from hybrid.errors import CheckpointError
 from hybrid.parallel_state import ParallelState
 from hybrid.tensor_parallel import TPRNGTracker, seed_all
@@ -62,47 +62,52 @@ def load_checkpoint(load_dir: str, engine: ZeroEngine, ps: ParallelState, cfg,
     """
     if allow_empty and not os.path.exists(load_dir):
         return None
-    ckpt = find_checkpoint(load_dir)
-    if ckpt is None:
-        if allow_empty:
-            return None
-        raise CheckpointError(f"--load {load_dir}: no checkpoint there (no 'latest' file and "
-                              f"no complete iter_* directory)")
     reader = reader if reader is not None else RangeReader()
-    meta = read_metadata(ckpt, reader)
-    check_model(meta, engine.model, vocab_size, os.path.join(ckpt, "metadata.json"))
-    layout = SavedLayout(meta, ckpt)
+    # [Note: one error, every rank] Every failure is agreed on over the world before
+    # the next collective, and every rank raises the first failing rank's message
+    # (which names the file): no rank waits in a collective another rank left, and
+    # the message the job prints is the real cause whichever rank hit it.
+    error, found = None, None
+    try:
+        found = _open_metadata(load_dir, engine, vocab_size, allow_empty, reader)
+    except CheckpointError as e:
+        error = str(e)
+    error = agree_error(ps, error)
+    if error:
+        reader.close()
+        raise CheckpointError(error)
+    if found is None:  # allow_empty and nothing saved yet (the same on every rank)
+        return None
+    ckpt, meta, layout = found
     same_layout = (meta["world_size"] == ps.world_size
                    and meta["tensor_model_parallel_size"] == ps.tp_size)
-    # [Note: one error, every rank] Only this rank's files are read here, so a bad
-    # file fails one rank; it records the error, the others go on (zeros after a
-    # failure), all meet in publish_params and agree, and every rank raises.
-    error: CheckpointError | None = None
     header = None
-    if same_layout:
+    if same_layout:  # only for the RNG states: per-rank streams map 1:1
         try:
             header = _read_header(ckpt, ps, layout, reader)
         except CheckpointError as e:
-            error = e
+            error = str(e)
     source = ParamSource(layout, reader)
     targets = {n: Target.of(p, ps.tp_rank) for n, p in engine.model.named_parameters()}
 
     def fetch(name, lo, hi):
+        # After a failure this rank stops reading but still takes part in the
+        # republishing collectives (with zeros) so that every rank reaches the vote.
         nonlocal error
         if error is None:
             try:
                 return source.read(name, targets[name], lo, hi)
             except CheckpointError as e:
-                error = e
+                error = str(e)
         return torch.zeros(hi - lo, 3)
 
     try:
         load_shard_state(engine, fetch, meta["step"], meta["loss_scaler"])
     finally:
         reader.close()
-    if agree(ps, error is not None):
-        raise error or CheckpointError(f"--load {load_dir}: another rank could not read its "
-                                       f"part of {ckpt} (see its error)")
+    error = agree_error(ps, error)
+    if error:
+        raise CheckpointError(error)
     iteration, consumed = meta["iteration"], meta["consumed_samples"]
     if header is not None and "rng" in header:
         saved = header["rng"]
@@ -113,6 +118,23 @@ def load_checkpoint(load_dir: str, engine: ZeroEngine, ps: ParallelState, cfg,
         rng.set_states(seed_all(cfg.seed + iteration, ps.tp_rank, ps.dp_rank,
                                 ps.device).get_states())
     return iteration, consumed
+
+
+def _open_metadata(load_dir: str, engine: ZeroEngine, vocab_size: int | None,
+                   allow_empty: bool, reader: RangeReader):
+    """(checkpoint dir, metadata, SavedLayout) of the newest checkpoint under
+    ``load_dir``, checked against this model; None if there is none and
+    ``allow_empty``. Raises CheckpointError naming the file or flag at fault."""
+    ckpt = find_checkpoint(load_dir)
+    if ckpt is None:
+        if allow_empty:
+            return None
+        raise CheckpointError(f"--load {load_dir}: no checkpoint there (no 'latest' file and "
+                              f"no complete iter_* directory)")
+    meta = read_metadata(ckpt, reader)
+    where = os.path.join(ckpt, "metadata.json")
+    check_model(meta, engine.model, vocab_size, where)
+    return ckpt, meta, SavedLayout(meta, ckpt)
 
 
 def _read_header(ckpt: str, ps: ParallelState, layout: SavedLayout,

@@ -54,11 +54,25 @@ from hybrid.zero import ZeroEngine
 from hybrid.zero.state import iter_piece_values, shard_state
 
 
-def agree(ps: ParallelState, failed: bool) -> bool:
-    """True when any rank failed (a max over the world), so all ranks act alike."""
-    flag = torch.tensor([1.0 if failed else 0.0], device=ps.device)
-    ps.world_group.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
-    return bool(flag.item() > 0)
+def agree_error(ps: ParallelState, error: str | None) -> str | None:
+    """None when no rank failed; else the message of the lowest failing rank, on every
+    rank. Collective over the world, so all ranks take the same branch, and the error a
+    job prints (rank 0's) names the file that actually failed, whichever rank hit it."""
+    g = ps.world_group
+    first = torch.tensor([ps.rank if error is not None else ps.world_size], dtype=torch.int64,
+                         device=ps.device)
+    g.all_reduce(first, op=torch.distributed.ReduceOp.MIN)
+    src = int(first.item())
+    if src == ps.world_size:
+        return None
+    data = error.encode() if ps.rank == src else b""
+    size = torch.tensor([len(data)], dtype=torch.int64, device=ps.device)
+    g.broadcast(size, src=src)
+    buf = torch.zeros(int(size.item()), dtype=torch.uint8, device=ps.device)
+    if ps.rank == src:
+        buf.copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
+    g.broadcast(buf, src=src)
+    return bytes(buf.cpu().tolist()).decode(errors="replace")
 
 
 def _fsync_write(path: str, write) -> None:
@@ -96,8 +110,9 @@ def save_checkpoint(save_dir: str, iteration: int, consumed_samples: int, engine
             os.makedirs(tmp)
         except OSError as e:
             error = f"--save {save_dir}: cannot create the checkpoint directory ({e})"
-    if agree(ps, error is not None):
-        raise CheckpointError(error or f"--save {save_dir}: rank 0 could not create {tmp}")
+    error = agree_error(ps, error)
+    if error:
+        raise CheckpointError(error)
 
     layout = describe(engine, ps)
     if not _same_units_everywhere(ps, layout["units"]):
@@ -132,11 +147,11 @@ def save_checkpoint(save_dir: str, iteration: int, consumed_samples: int, engine
         _fsync_write(head_path, lambda f: torch.save(header, f))
     except (OSError, RuntimeError) as e:
         error = f"--save {save_dir}: writing {path} failed on rank {ps.rank} ({e})"
-    if agree(ps, error is not None):
+    error = agree_error(ps, error)
+    if error:
         if ps.rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
-        raise CheckpointError(error or f"--save {save_dir}: another rank failed to write "
-                                       f"its shard; nothing was changed")
+        raise CheckpointError(error)
     if ps.rank == 0:
         try:
             meta = {"version": VERSION, "iteration": iteration,
@@ -152,8 +167,9 @@ def save_checkpoint(save_dir: str, iteration: int, consumed_samples: int, engine
         except OSError as e:
             shutil.rmtree(tmp, ignore_errors=True)
             error = f"--save {save_dir}: finishing checkpoint {name} failed ({e})"
-    if agree(ps, error is not None):
-        raise CheckpointError(error or f"--save {save_dir}: rank 0 could not finish {name}")
+    error = agree_error(ps, error)
+    if error:
+        raise CheckpointError(error)
     if ps.rank == 0 and keep_last:
         _prune(save_dir, keep_last, keep=name)
     return final
