@@ -10,7 +10,7 @@ the old data files, from the metadata alone: no other rank's header is read.
 [Note: a data file is its rank's owned unit ranges]
 Unit ``u`` has ``numel`` elements padded to ``N * S`` (``N`` = DP size, ``S`` =
 ``ceil(numel / N)``); DP rank ``d`` owns unit coordinates ``[d*S, (d+1)*S)`` (at
-stage 0, rank 0 saves ``[0, padded)`` and the others nothing). A rank's data
+stage 0, DP rank 0 saves ``[0, padded)`` and the others nothing). A rank's data
 file holds, unit after unit, its owned coordinates below ``numel`` (padding is
 not stored) as rows ``[master, exp_avg, exp_avg_sq]`` of fp32. So unit
 coordinate ``x`` of unit ``u`` is row ``base(u, d) + x - d*S`` of rank ``(t, d)``'s
@@ -32,11 +32,28 @@ ROW_BYTES = 12  # one element's [master, exp_avg, exp_avg_sq], fp32
 
 
 def describe(engine, ps) -> dict:
-    """This rank's unit layout, as metadata.json stores it (JSON-safe)."""
+    """This rank's unit layout, as metadata.json stores it (JSON-safe), read off the
+    engine's own units (``engine.units``, in the order their owned ranges are saved).
+
+    CheckpointError when a unit's owned range is not the one :class:`SavedLayout`
+    derives from ``(numel, dp_size, owns_all)``: a change in how hybrid.zero shards
+    that this format does not describe, caught at save time rather than as wrong
+    values at load time.
+    """
     names = {id(p): n for n, p in engine.model.named_parameters()}
-    return {"tp_size": ps.tp_size, "dp_size": ps.dp_size, "owns_all": engine.stage == 0,
+    units, dp = engine.units, ps.dp_size
+    # Stage 0 units own everything; with one DP rank both readings coincide.
+    owns_all = dp > 1 and bool(units) and all(u.own_hi - u.own_lo == u.padded for u in units)
+    for u in units:
+        s = -(-u.numel // dp)
+        want = (0, u.padded) if owns_all else (ps.dp_rank * s, (ps.dp_rank + 1) * s)
+        if u.padded != s * dp or (u.own_lo, u.own_hi) != want:
+            raise CheckpointError(f"ZeRO unit {u.name!r} owns [{u.own_lo}, {u.own_hi}) of "
+                                  f"{u.padded} on DP rank {ps.dp_rank}; the checkpoint "
+                                  f"format expects [{want[0]}, {want[1]})")
+    return {"tp_size": ps.tp_size, "dp_size": dp, "owns_all": owns_all,
             "split_dims": {n: _split_dim(p) for n, p in engine.model.named_parameters()},
-            "units": [[[names[id(p)], p.numel()] for p in u.params] for u in engine.units]}
+            "units": [[[names[id(p)], p.numel()] for p in u.params] for u in units]}
 
 
 def single_file_layout(shapes: dict[str, list[int]]) -> dict:

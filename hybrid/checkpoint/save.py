@@ -114,15 +114,23 @@ def save_checkpoint(save_dir: str, iteration: int, consumed_samples: int, engine
     if error:
         raise CheckpointError(error)
 
-    layout = describe(engine, ps)
-    if not _same_units_everywhere(ps, layout["units"]):
+    layout = None
+    try:
+        layout = describe(engine, ps)
+    except CheckpointError as e:
+        error = f"--save {save_dir}: {e}; nothing was written"
+    if error is None and not _same_units_everywhere(ps, layout["units"]):
+        error = (f"--save {save_dir}: ranks disagree on the ZeRO unit layout (a bug in "
+                 f"hybrid.zero); nothing was written")
+    error = agree_error(ps, error)
+    if error:
         if ps.rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
-        raise CheckpointError(f"--save {save_dir}: ranks disagree on the ZeRO unit layout "
-                              f"(a bug in hybrid.zero); nothing was written")
+        raise CheckpointError(error)
     state = shard_state(engine)
-    # Stage 0: every DP replica holds the same values; DP rank 0's copy is enough.
-    pieces = state["pieces"] if not (engine.stage == 0 and ps.dp_rank != 0) else []
+    # Owning everything (stage 0), every DP replica holds the same values: DP rank 0's
+    # copy is the one saved (SavedLayout reads DP rank 0's files for all of a unit).
+    pieces = state["pieces"] if not (layout["owns_all"] and ps.dp_rank != 0) else []
     table, rows = {}, 0
     for pname, lo, hi in pieces:
         table.setdefault(pname, []).append((lo, hi, rows))
