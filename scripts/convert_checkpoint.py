@@ -18,8 +18,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
-from hybrid.checkpoint import resolve_checkpoint  # noqa: E402
-from hybrid.checkpoint.reshard import merged_state  # noqa: E402
+from hybrid.checkpoint import iter_full_params, resolve_checkpoint  # noqa: E402
 from hybrid.errors import CheckpointError  # noqa: E402
 
 
@@ -33,11 +32,14 @@ def main(argv=None) -> int:
         ckpt = resolve_checkpoint(a.checkpoint)
         if os.path.exists(a.output):
             raise CheckpointError(f"{a.output}: already exists; not overwriting it")
-        meta, state = merged_state(ckpt)
-        out = {"model": {n: s["master"] for n, s in state.items()}, "metadata": meta}
-        if a.with_optimizer:
-            out["optimizer"] = {n: {"exp_avg": s["exp_avg"], "exp_avg_sq": s["exp_avg_sq"]}
-                                for n, s in state.items()}
+        keys = ("master", "exp_avg", "exp_avg_sq") if a.with_optimizer else ("master",)
+        meta, params = iter_full_params(ckpt, keys)  # one parameter read at a time
+        out = {"model": {}, "metadata": meta}
+        for n, s in params:
+            out["model"][n] = s["master"]
+            if a.with_optimizer:
+                out.setdefault("optimizer", {})[n] = {"exp_avg": s["exp_avg"],
+                                                      "exp_avg_sq": s["exp_avg_sq"]}
         tmp = a.output + ".tmp"
         torch.save(out, tmp)
         os.replace(tmp, a.output)

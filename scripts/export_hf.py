@@ -17,8 +17,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from hybrid.checkpoint import resolve_checkpoint  # noqa: E402
-from hybrid.checkpoint.reshard import merged_state  # noqa: E402
+from hybrid.checkpoint import iter_full_params, resolve_checkpoint  # noqa: E402
 from hybrid.errors import CheckpointError  # noqa: E402
 from hybrid.hf import hf_config, to_hf  # noqa: E402
 
@@ -38,11 +37,12 @@ def main(argv=None) -> int:
         ckpt = resolve_checkpoint(a.checkpoint)
         if os.path.exists(os.path.join(a.output_dir, "model.safetensors")):
             raise CheckpointError(f"{a.output_dir}: already holds a model; not overwriting it")
-        meta, state = merged_state(ckpt)
+        meta, params = iter_full_params(ckpt, ("master",))  # one parameter at a time
+        weights = {n: s["master"] for n, s in params}
         cfg, vocab = meta["config"], meta["vocab_size"]
         if cfg.get("ffn_hidden_size") is None:
             cfg = dict(cfg, ffn_hidden_size=4 * cfg["hidden_size"])
-        tensors = to_hf({n: s["master"] for n, s in state.items()}, cfg["num_layers"],
+        tensors = to_hf(weights, cfg["num_layers"],
                         cfg["num_attention_heads"], vocab)
     except CheckpointError as e:
         print(f"export_hf.py: error: {e}", file=sys.stderr)

@@ -20,8 +20,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
-from hybrid.checkpoint import resolve_checkpoint  # noqa: E402
-from hybrid.checkpoint.reshard import merged_state  # noqa: E402
+from hybrid.checkpoint import iter_full_params, resolve_checkpoint  # noqa: E402
 from hybrid.config import padded_vocab_size  # noqa: E402
 from hybrid.data.tokenizer import build_tokenizer  # noqa: E402
 from hybrid.errors import CheckpointError, DataError  # noqa: E402
@@ -30,7 +29,8 @@ from models.gpt import GPT, GPTConfig  # noqa: E402
 
 
 def load_model(ckpt: str, device: str):
-    meta, state = merged_state(ckpt)
+    meta, params = iter_full_params(ckpt, ("master",))  # one parameter read at a time
+    weights = {n: s["master"] for n, s in params}
     c = meta["config"]
     vocab = meta["vocab_size"]
     cfg = GPTConfig(vocab_size=vocab, padded_vocab_size=padded_vocab_size(vocab, 128, 1),
@@ -40,7 +40,6 @@ def load_model(ckpt: str, device: str):
                     ffn_hidden_size=c.get("ffn_hidden_size"), hidden_dropout=0.0,
                     attention_dropout=0.0)
     model = GPT(cfg, ParallelState.single().tp_group)
-    weights = {n: s["master"] for n, s in state.items()}
     wte = torch.zeros(cfg.padded_vocab_size, cfg.hidden_size)
     wte[:vocab] = weights["wte.weight"][:vocab]
     weights["wte.weight"] = wte

@@ -262,22 +262,26 @@ def _save_with_full_disk(ps, save_dir):
             raise OSError(errno.ENOSPC, "No space left on device")
         real(path, write)
     save_mod._fsync_write = full_disk
+    error = None
     try:
         save_checkpoint(save_dir, 2, 16, engine, ps, cfg, rng)
     except CheckpointError as e:
-        return str(e)
+        error = str(e)
     finally:
         save_mod._fsync_write = real
-    return None
+    # the interrupted save left the previous checkpoint loadable
+    from hybrid.checkpoint import load_checkpoint
+    return error, load_checkpoint(save_dir, engine, ps, cfg, rng)
 
 
 def test_full_disk_during_save_fails_everywhere_and_keeps_the_old_one(tmp_path):
     from harness import run_ranks
     save = str(tmp_path / "ckpt")
-    errors = run_ranks(_save_with_full_disk, world_size=2, tp=1, args=(save,))
+    errors, loaded = zip(*run_ranks(_save_with_full_disk, world_size=2, tp=1, args=(save,)))
+    assert loaded == ((1, 8), (1, 8))
     assert errors[1] is not None and "No space left on device" in errors[1]
     assert errors[1].startswith(f"--save {save}: writing")
-    assert errors[0] is not None  # rank 0 learns of it too and stops
+    assert errors[0] == errors[1]  # rank 0 learns of it too and stops, with the same message
     assert sorted(os.listdir(save)) == ["iter_0000001", "latest"]
     with open(os.path.join(save, "latest")) as f:
         assert f.read() == "iter_0000001"

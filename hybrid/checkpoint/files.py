@@ -6,11 +6,11 @@ import glob
 import json
 import os
 
-import torch
-
+from hybrid.checkpoint.reader import RangeReader
 from hybrid.errors import CheckpointError
 
-VERSION = 1
+# 2: metadata with the ZeRO unit layout, per rank a header (.pt) and a raw data file (.bin)
+VERSION = 2
 LATEST = "latest"
 
 
@@ -52,29 +52,27 @@ def resolve_checkpoint(path: str) -> str:
     return ckpt
 
 
-def read_metadata(ckpt: str) -> dict:
+def rank_paths(ckpt: str, rank: int) -> tuple[str, str]:
+    """(header, data) file paths of ``rank``'s shard."""
+    base = os.path.join(ckpt, f"rank_{rank:05d}")
+    return base + ".pt", base + ".bin"
+
+
+def read_metadata(ckpt: str, reader: RangeReader | None = None) -> dict:
+    """``ckpt/metadata.json``, checked to be a complete checkpoint of this format.
+
+    ``reader``: the load's :class:`RangeReader`, so the read is counted with the rest.
+    """
     path = os.path.join(ckpt, "metadata.json")
     try:
-        with open(path, encoding="utf-8") as f:
-            meta = json.load(f)
-    except (OSError, json.JSONDecodeError) as e:
+        meta = json.loads((reader or RangeReader()).read_whole(path))
+    except (OSError, ValueError) as e:
         raise CheckpointError(f"{path}: missing or corrupt checkpoint metadata ({e})") from e
+    if meta.get("version") == 1:
+        raise CheckpointError(f"{path}: an older checkpoint format (version 1, one torch file "
+                              f"per rank); this hybrid reads version {VERSION} only: resume "
+                              f"it with the hybrid that wrote it")
     if meta.get("version") != VERSION or not meta.get("complete"):
         raise CheckpointError(f"{path}: not a complete hybrid checkpoint (version "
                               f"{meta.get('version')}, expected {VERSION})")
     return meta
-
-
-def read_rank_files(ckpt: str, world_size: int) -> list[dict]:
-    """Every rank file of a checkpoint, memory-mapped; errors name the bad file."""
-    out = []
-    for r in range(world_size):
-        path = os.path.join(ckpt, f"rank_{r:05d}.pt")
-        if not os.path.isfile(path):
-            raise CheckpointError(f"{path}: missing checkpoint shard")
-        try:
-            out.append(torch.load(path, mmap=True, weights_only=True, map_location="cpu"))
-        except Exception as e:  # noqa: BLE001 - any unreadable file is a corrupt checkpoint
-            raise CheckpointError(f"{path}: corrupt or truncated checkpoint shard "
-                                  f"({type(e).__name__}: {e})") from e
-    return out

@@ -1,17 +1,25 @@
-"""Load a checkpoint into a running engine, in the same layout or any other."""
+"""Load a checkpoint into a running engine, in the same layout or any other.
+
+What a rank opens: ``latest``, ``metadata.json``, in the same world layout its
+own header (for the RNG states), and the data files holding its pieces -- in
+the same ZeRO layout only its own. Nothing here loops over the old world.
+"""
 
 from __future__ import annotations
 
+import io
 import os
 
 import torch
 
-from hybrid.checkpoint.files import find_checkpoint, read_metadata, read_rank_files
-from hybrid.checkpoint.reshard import FullParams, fit_rows
-from hybrid.checkpoint.save import model_signature
+from hybrid.checkpoint.files import find_checkpoint, rank_paths, read_metadata
+from hybrid.checkpoint.layout import ROW_BYTES, SavedLayout
+from hybrid.checkpoint.reader import RangeReader
+from hybrid.checkpoint.reshard import ParamSource, Target
+from hybrid.checkpoint.save import agree_error, model_signature
 from hybrid.errors import CheckpointError
 from hybrid.parallel_state import ParallelState
-from hybrid.tensor_parallel import TPRNGTracker, full_shape, seed_all
+from hybrid.tensor_parallel import TPRNGTracker, seed_all
 from hybrid.tensor_parallel.random import set_device_rng_state
 from hybrid.zero import ZeroEngine
 from hybrid.zero.state import load_shard_state
@@ -40,42 +48,69 @@ def check_model(meta: dict, model: torch.nn.Module, vocab_size: int | None, wher
 
 def load_checkpoint(load_dir: str, engine: ZeroEngine, ps: ParallelState, cfg,
                     rng: TPRNGTracker, vocab_size: int | None = None,
-                    allow_empty: bool = False) -> tuple[int, int] | None:
+                    allow_empty: bool = False,
+                    reader: RangeReader | None = None) -> tuple[int, int] | None:
     """Restore weights, optimizer, loss scale and RNG; return (iteration, consumed samples).
 
-    ``allow_empty``: a directory with no checkpoint yet means "start fresh" (the
-    resume-from-own-saves pattern, ``--load`` equal to ``--save``) instead of an
-    error. RNG states come back exactly when the world layout is the same;
-    otherwise the streams are reseeded from ``--seed`` and the iteration.
+    Collective over the world (the parameters are republished, and a read error on
+    any rank makes every rank raise). ``allow_empty``: a directory with no
+    checkpoint yet means "start fresh" (the resume-from-own-saves pattern,
+    ``--load`` equal to ``--save``) instead of an error. RNG states come back
+    exactly when the world layout is the same; otherwise the streams are reseeded
+    from ``--seed`` and the iteration. ``reader``: pass a
+    :class:`RangeReader` to learn what this rank opened and read.
     """
     if allow_empty and not os.path.exists(load_dir):
         return None
-    ckpt = find_checkpoint(load_dir)
-    if ckpt is None:
-        if allow_empty:
-            return None
-        raise CheckpointError(f"--load {load_dir}: no checkpoint there (no 'latest' file and "
-                              f"no complete iter_* directory)")
-    meta = read_metadata(ckpt)
-    check_model(meta, engine.model, vocab_size, os.path.join(ckpt, "metadata.json"))
-    files = read_rank_files(ckpt, meta["world_size"])
-    full = FullParams(files, ckpt)
-    shapes = {n: list(full_shape(p)) for n, p in engine.model.named_parameters()}
-    specs = {n: getattr(p, "tp_spec", None) for n, p in engine.model.named_parameters()}
-
-    def fetch(name, key, lo, hi):
-        t = fit_rows(full.full(name, key), shapes[name])
-        spec = specs[name]
-        if spec is not None:
-            t = t.chunk(spec.size, dim=spec.dim)[spec.rank]
-        return t.reshape(-1)[lo:hi]
-
-    load_shard_state(engine, fetch, files[0]["step"], files[0]["loss_scaler"])
-    iteration, consumed = meta["iteration"], meta["consumed_samples"]
+    reader = reader if reader is not None else RangeReader()
+    # [Note: one error, every rank] Every failure is agreed on over the world before
+    # the next collective, and every rank raises the first failing rank's message
+    # (which names the file): no rank waits in a collective another rank left, and
+    # the message the job prints is the real cause whichever rank hit it.
+    error, found = None, None
+    try:
+        found = _open_metadata(load_dir, engine, vocab_size, allow_empty, reader)
+    except CheckpointError as e:
+        error = str(e)
+    error = agree_error(ps, error)
+    if error:
+        reader.close()
+        raise CheckpointError(error)
+    if found is None:  # allow_empty and nothing saved yet (the same on every rank)
+        return None
+    ckpt, meta, layout = found
     same_layout = (meta["world_size"] == ps.world_size
                    and meta["tensor_model_parallel_size"] == ps.tp_size)
-    if same_layout and "rng" in files[ps.rank]:
-        saved = files[ps.rank]["rng"]
+    header = None
+    if same_layout:  # only for the RNG states: per-rank streams map 1:1
+        try:
+            header = _read_header(ckpt, ps, layout, reader)
+        except CheckpointError as e:
+            error = str(e)
+    source = ParamSource(layout, reader)
+    targets = {n: Target.of(p, ps.tp_rank) for n, p in engine.model.named_parameters()}
+
+    def fetch(name, lo, hi):
+        # After a failure this rank stops reading but still takes part in the
+        # republishing collectives (with zeros) so that every rank reaches the vote.
+        nonlocal error
+        if error is None:
+            try:
+                return source.read(name, targets[name], lo, hi)
+            except CheckpointError as e:
+                error = str(e)
+        return torch.zeros(hi - lo, 3)
+
+    try:
+        load_shard_state(engine, fetch, meta["step"], meta["loss_scaler"])
+    finally:
+        reader.close()
+    error = agree_error(ps, error)
+    if error:
+        raise CheckpointError(error)
+    iteration, consumed = meta["iteration"], meta["consumed_samples"]
+    if header is not None and "rng" in header:
+        saved = header["rng"]
         set_device_rng_state(saved["device"], ps.device)
         torch.set_rng_state(saved["cpu"])
         rng.set_states(saved["tracker"])
@@ -83,3 +118,45 @@ def load_checkpoint(load_dir: str, engine: ZeroEngine, ps: ParallelState, cfg,
         rng.set_states(seed_all(cfg.seed + iteration, ps.tp_rank, ps.dp_rank,
                                 ps.device).get_states())
     return iteration, consumed
+
+
+def _open_metadata(load_dir: str, engine: ZeroEngine, vocab_size: int | None,
+                   allow_empty: bool, reader: RangeReader):
+    """(checkpoint dir, metadata, SavedLayout) of the newest checkpoint under
+    ``load_dir``, checked against this model; None if there is none and
+    ``allow_empty``. Raises CheckpointError naming the file or flag at fault."""
+    ckpt = find_checkpoint(load_dir)
+    if ckpt is None:
+        if allow_empty:
+            return None
+        raise CheckpointError(f"--load {load_dir}: no checkpoint there (no 'latest' file and "
+                              f"no complete iter_* directory)")
+    meta = read_metadata(ckpt, reader)
+    where = os.path.join(ckpt, "metadata.json")
+    check_model(meta, engine.model, vocab_size, where)
+    return ckpt, meta, SavedLayout(meta, ckpt)
+
+
+def _read_header(ckpt: str, ps: ParallelState, layout: SavedLayout,
+                 reader: RangeReader) -> dict:
+    """This rank's header (same world layout), checked against the metadata's layout."""
+    path = rank_paths(ckpt, ps.rank)[0]
+    try:
+        data = reader.read_whole(path)
+    except FileNotFoundError as e:
+        raise CheckpointError(f"{path}: missing checkpoint shard") from e
+    except OSError as e:
+        raise CheckpointError(f"{path}: cannot read checkpoint shard ({e})") from e
+    try:
+        header = torch.load(io.BytesIO(data), weights_only=True, map_location="cpu")
+    except Exception as e:  # noqa: BLE001 - any unreadable header is a corrupt checkpoint
+        raise CheckpointError(f"{path}: corrupt or truncated checkpoint shard "
+                              f"({type(e).__name__}: {e})") from e
+    if not isinstance(header, dict) or header.get("rank") != ps.rank:
+        raise CheckpointError(f"{path}: corrupt checkpoint shard (not rank {ps.rank}'s header)")
+    # Its data file must hold what the metadata's layout says it does.
+    expect = layout.data_bytes(ps.dp_rank) // ROW_BYTES
+    if header.get("data_rows") != expect:
+        raise CheckpointError(f"{path}: piece table ({header.get('data_rows')} rows) "
+                              f"disagrees with metadata.json's zero_layout ({expect} rows)")
+    return header

@@ -1,84 +1,199 @@
-"""Rebuild full parameters (and Adam moments) from any layout's rank files.
+"""Read any TP-local range of a parameter, in any new TP layout, from the old files.
 
-See the resharding note in :mod:`hybrid.checkpoint.save`. Only one
-parameter's full tensors are held at a time; the rank files are memory-mapped.
+``ParamSource.read(name, target, lo, hi)`` returns elements ``[lo, hi)`` of the
+new TP-local parameter flattened, as ``(hi - lo, 3)`` fp32 rows ``[master,
+exp_avg, exp_avg_sq]``, reading only the old ranges that hold them. The tools
+(convert, HF export, generate) ask for "TP size 1, ``[0, numel)``": one full
+parameter at a time.
+
+[Note: TP remapping as rectangles]
+View a parameter as a matrix of ``rows = prod(full_shape[:dim])`` by ``cols =
+prod(full_shape[dim:])``; a TP split along ``dim`` cuts the columns into ``T``
+chunks of width ``W = cols / T``, and TP rank ``t``'s local tensor flattened is
+its chunk row-major (a split along dim 0 is one row; a replicated parameter is
+one chunk, ``T = 1``). A new-local range is at most three rectangles (partial
+first row, full middle rows, partial last row). Each rectangle's columns are
+cut at the old chunk boundaries; each piece is an old-local rectangle, read as
+one contiguous old-local span when it is one row, full width, or at least half
+the width (so at most 2x the needed bytes), else one read per row (exact).
+Spans are then cut at the old DP shard boundaries into file reads
+(:mod:`hybrid.checkpoint.layout`). When old and new split the parameter the
+same way, the old-local range *is* the new-local one: one span, exact.
+
+The padded vocabulary (``wte.weight``, split along dim 0, so one row) may
+differ between TP sizes: new columns past the old full size are zero, and
+old ones past the new size are not read (rows past the real vocabulary are
+zero in both).
 """
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
+from hybrid.checkpoint.files import read_metadata
+from hybrid.checkpoint.layout import ROW_BYTES, SavedLayout
+from hybrid.checkpoint.reader import RangeReader
 from hybrid.errors import CheckpointError
 
 KEYS = ("master", "exp_avg", "exp_avg_sq")
 
 
-class FullParams:
-    """``full(name, key)``: the full fp32 tensor of one parameter from its pieces."""
+class Target:
+    """How the reading rank holds a parameter: chunk ``rank`` of ``size`` along ``dim``
+    of ``full_shape`` (``dim`` None: replicated; ``rank`` then only spreads reads
+    over the old replicas)."""
 
-    def __init__(self, rank_files: list[dict], where: str):
-        self.where = where
-        self.specs: dict[str, dict] = {}
-        self.pieces: dict[str, list] = {}
-        for rf in rank_files:
-            for name, spec in rf["specs"].items():
-                self.specs.setdefault(name, spec)
-            for name, entry in rf["params"].items():
-                self.pieces.setdefault(name, []).append((rf["specs"][name]["tp_rank"], entry))
-        self._cache_name, self._cache = None, {}
+    __slots__ = ("full_shape", "dim", "rank", "size")
 
-    def names(self) -> list[str]:
-        return list(self.specs)
+    def __init__(self, full_shape, dim: int | None, rank: int, size: int):
+        self.full_shape, self.dim, self.rank, self.size = tuple(full_shape), dim, rank, size
 
-    def full(self, name: str, key: str) -> torch.Tensor:
-        if name != self._cache_name:
-            self._cache = self._assemble(name)
-            self._cache_name = name
-        return self._cache[key]
+    @classmethod
+    def of(cls, param, tp_rank: int) -> "Target":
+        spec = getattr(param, "tp_spec", None)
+        if spec is None:
+            return cls(param.shape, None, tp_rank, 1)
+        return cls(spec.full_shape, spec.dim, spec.rank, spec.size)
 
-    def _assemble(self, name: str) -> dict[str, torch.Tensor]:
-        if name not in self.specs:
-            raise CheckpointError(f"{self.where}: has no parameter {name!r}")
-        spec = self.specs[name]
-        shape, dim, tp = list(spec["full_shape"]), spec["dim"], spec["tp_size"]
-        local_shape = list(shape)
-        if dim is not None:
-            local_shape[dim] //= tp
-        n_local = 1
-        for s in local_shape:
-            n_local *= s
-        slices = {k: [torch.zeros(n_local) for _ in range(tp)] for k in KEYS}
-        covered = [torch.zeros(n_local, dtype=torch.bool) for _ in range(tp)]
-        for tp_rank, entry in self.pieces.get(name, []):
-            off = 0
-            for lo, hi in entry["ranges"]:
-                for k in KEYS:
-                    slices[k][tp_rank][lo:hi] = entry[k][off: off + hi - lo]
-                covered[tp_rank][lo:hi] = True
-                off += hi - lo
-        if not all(c.all() for c in covered):
-            raise CheckpointError(f"{self.where}: pieces of {name!r} are missing "
-                                  f"(a rank file is incomplete)")
-        out = {}
-        for k in KEYS:
-            parts = [t.view(local_shape) for t in slices[k]]
-            out[k] = torch.cat(parts, dim=dim) if dim is not None else parts[0]
+
+class _Geometry(NamedTuple):
+    old_cols: int
+    old_width: int  # old chunk width (old_cols when replicated)
+    old_split: bool
+    new_width: int
+    new_col0: int  # first full column of the new chunk
+    replica: int  # the old TP rank read for a replicated parameter
+
+
+def _prod(shape) -> int:
+    out = 1
+    for s in shape:
+        out *= s
+    return out
+
+
+def rectangles(lo: int, hi: int, width: int):
+    """``(row0, row1, col0, col1)``: at most 3 rectangles of a width-``width`` row-major
+    matrix covering flat range ``[lo, hi)`` in order, each contiguous in it."""
+    r0, c0 = divmod(lo, width)
+    r1, c1 = divmod(hi, width)
+    if r0 == r1:
+        yield r0, r0 + 1, c0, c1
+        return
+    if c0:
+        yield r0, r0 + 1, c0, width
+        r0 += 1
+    if r1 > r0:
+        yield r0, r1, 0, width
+    if c1:
+        yield r1, r1 + 1, 0, c1
+
+
+class ParamSource:
+    """Reads of a saved checkpoint's parameter state through one :class:`RangeReader`."""
+
+    def __init__(self, layout: SavedLayout, reader: RangeReader):
+        self.layout, self.reader = layout, reader
+
+    def read(self, name: str, target: Target, lo: int, hi: int) -> torch.Tensor:
+        """Elements ``[lo, hi)`` of ``name`` as ``target`` holds it: ``(hi - lo, 3)`` fp32."""
+        g = self._geometry(name, target)
+        if (g.old_split == (target.dim is not None) and g.old_width == g.new_width
+                and g.old_cols == g.new_width * (target.size if g.old_split else 1)):
+            # Split the same way (or replicated in both): the old-local range is this one.
+            out = torch.empty(hi - lo, 3)
+            self._read_span(name, target.rank if g.old_split else g.replica, lo, hi, out)
+            return out
+        out = torch.zeros(hi - lo, 3)  # columns past the old full size stay zero
+        for r0, r1, c0, c1 in rectangles(lo, hi, g.new_width):
+            start = r0 * g.new_width + c0 - lo
+            dst = out[start: start + (r1 - r0) * (c1 - c0)].view(r1 - r0, c1 - c0, 3)
+            a, b = g.new_col0 + c0, min(g.new_col0 + c1, g.old_cols)
+            col = a
+            while col < b:  # cut at the old chunk boundaries
+                t = col // g.old_width if g.old_split else g.replica
+                t_lo = t * g.old_width if g.old_split else 0
+                end = min(b, t_lo + g.old_width)
+                self._read_rect(name, t, r0, r1, col - t_lo, end - t_lo, g.old_width,
+                                dst[:, col - a: end - a])
+                col = end
         return out
 
+    def _geometry(self, name: str, target: Target) -> _Geometry:
+        lay = self.layout
+        old_dim = lay.split_dims.get(name)
+        old_shape, new_shape = lay.full_shapes.get(name), list(target.full_shape)
+        if old_shape is None:
+            raise CheckpointError(f"{lay.ckpt}: has no parameter {name!r}")
+        if old_dim is not None and target.dim is not None and old_dim != target.dim:
+            raise CheckpointError(f"{lay.ckpt}: {name!r} was split along dim {old_dim}, here "
+                                  f"along dim {target.dim}; a different model")
+        dim = target.dim if target.dim is not None else old_dim
+        rows = _prod(new_shape[:dim]) if dim is not None else 1
+        old_rows = _prod(old_shape[:dim]) if dim is not None else 1
+        old_t = lay.tp if old_dim is not None else 1
+        old_cols, new_cols = _prod(old_shape) // old_rows, _prod(new_shape) // rows
+        new_t = target.size if target.dim is not None else 1
+        if (old_rows != rows or old_cols % old_t or new_cols % new_t
+                or lay.local_numel(name) * old_t != old_rows * old_cols):
+            raise CheckpointError(f"{lay.ckpt}: {name!r} is {old_shape} split {old_t} ways "
+                                  f"there and {new_shape} split {new_t} ways here; only the "
+                                  f"padded vocabulary (dim 0) may differ")
+        new_width = new_cols // new_t
+        return _Geometry(old_cols, old_cols // old_t, old_dim is not None, new_width,
+                         (target.rank if target.dim is not None else 0) * new_width,
+                         target.rank % lay.tp)
 
-def fit_rows(full: torch.Tensor, shape: list[int]) -> torch.Tensor:
-    """Cut or zero-pad dim 0 (the padded vocabulary) to ``shape``."""
-    if list(full.shape) == list(shape):
-        return full
-    out = torch.zeros(shape, dtype=full.dtype)
-    n = min(full.shape[0], shape[0])
-    out[:n] = full[:n]
-    return out
+    def _read_rect(self, name, t, r0, r1, a, b, width, dst) -> None:
+        """Old-local rows ``[r0, r1)`` x columns ``[a, b)`` of TP rank ``t`` (chunk width
+        ``width``) into ``dst`` ``(r1 - r0, b - a, 3)``."""
+        n_rows, w = r1 - r0, b - a
+        if n_rows > 1 and 2 * w < width:  # narrow: one exact read per row
+            tmp = torch.empty(w, 3)
+            for i in range(n_rows):
+                x = (r0 + i) * width + a
+                self._read_span(name, t, x, x + w, tmp)
+                dst[i].copy_(tmp)
+            return
+        x, y = r0 * width + a, (r1 - 1) * width + b  # one covering span
+        if (n_rows == 1 or w == width) and dst.is_contiguous():  # no gaps: read in place
+            self._read_span(name, t, x, y, dst.view(-1, 3))
+            return
+        tmp = torch.empty(y - x, 3)
+        self._read_span(name, t, x, y, tmp)
+        dst.copy_(tmp.as_strided((n_rows, w, 3), (3 * width, 3, 1)))
+
+    def _read_span(self, name: str, t: int, x: int, y: int, out: torch.Tensor) -> None:
+        """Old TP rank ``t``'s local elements ``[x, y)`` of ``name`` into ``out`` ``(y - x, 3)``."""
+        k = 0
+        for path, size, row, n in self.layout.reads(name, t, x, y):
+            self.reader.read_into(path, size, row * ROW_BYTES, out[k: k + n])
+            k += n
+
+
+def iter_full_params(ckpt: str, keys=KEYS, reader: RangeReader | None = None):
+    """``(metadata, iterator of (name, {key: full fp32 tensor}))`` for a checkpoint
+    directory: one parameter's full tensors at a time, in saved order."""
+    reader = reader or RangeReader()
+    meta = read_metadata(ckpt, reader)
+    layout = SavedLayout(meta, ckpt)
+    source = ParamSource(layout, reader)
+    cols = [KEYS.index(k) for k in keys]
+
+    def gen():
+        try:
+            for name in layout.names():
+                shape = layout.full_shapes[name]
+                rows = source.read(name, Target(shape, None, 0, 1), 0, _prod(shape))
+                yield name, {k: rows[:, c].contiguous().view(shape) for k, c in zip(keys, cols)}
+        finally:
+            reader.close()
+    return meta, gen()
 
 
 def merged_state(ckpt: str) -> tuple[dict, dict[str, dict[str, torch.Tensor]]]:
     """(metadata, {name: {"master", "exp_avg", "exp_avg_sq"}}) of a whole checkpoint, unsharded."""
-    from hybrid.checkpoint.files import read_metadata, read_rank_files
-    meta = read_metadata(ckpt)
-    full = FullParams(read_rank_files(ckpt, meta["world_size"]), ckpt)
-    return meta, {n: {k: full.full(n, k).clone() for k in KEYS} for n in full.names()}
+    meta, params = iter_full_params(ckpt)
+    return meta, dict(params)

@@ -3,13 +3,18 @@
 On disk::
 
     SAVE/latest                      "iter_0000100" (written last, atomically)
-    SAVE/iter_0000100/metadata.json  config, layout, iteration, consumed samples,
-                                     model shapes (readable without torch)
-    SAVE/iter_0000100/rank_00003.pt  rank 3's pieces: for each parameter it owns a
-                                     piece of, the TP-local element ranges with their
-                                     fp32 master values and Adam moments; its TP
-                                     shard spec; its RNG states; the optimizer step
-                                     and loss-scaler state
+    SAVE/iter_0000100/metadata.json  config, iteration, consumed samples, model
+                                     shapes, optimizer step, loss-scaler state, and
+                                     the ``zero_layout`` (TP/DP sizes, each unit's
+                                     [param name, TP-local numel] list): O(params),
+                                     readable without torch
+    SAVE/iter_0000100/rank_00003.pt  rank 3's small header: TP/DP rank, TP specs, RNG
+                                     states, step, loss scale, and its piece table
+                                     {name: [(lo, hi, first row in the .bin)]}
+    SAVE/iter_0000100/rank_00003.bin rank 3's values: each piece (a TP-local element
+                                     range [lo, hi) of one parameter) as (hi - lo, 3)
+                                     fp32 rows [master, exp_avg, exp_avg_sq], pieces
+                                     in unit order; no padding, no framing
 
 A save is written into ``SAVE/.tmp_iter_...``, flushed, and renamed into place,
 then ``latest`` is replaced: a crash at any moment leaves the previous
@@ -18,13 +23,16 @@ read-only directory) are agreed on over the world, the temporary is removed,
 and every rank raises the same :class:`CheckpointError`; nothing existing is
 touched.
 
-[Note: resharding]
-A piece is (parameter name, ``[lo, hi)`` of the TP-local parameter flattened),
-independent of ZeRO stage, buckets and DP size. Loading rebuilds each full
-parameter from the old ranks' pieces and TP specs, one parameter at a time
-(files are memory-mapped), then cuts the new rank's TP slice and pieces from
-it. The padded vocabulary may differ between TP sizes: rows past the real
-vocabulary are zero and are cut or zero-filled.
+[Note: I/O proportional to what a rank owns]
+A rank's data file is its owned unit ranges in order (see
+:mod:`hybrid.checkpoint.layout`), so from ``zero_layout`` alone a loader knows
+which rows of which old file hold any (parameter, TP-local range), without
+opening anything else. Loading in the same layout reads the metadata, the
+rank's header (RNG states) and its own data file, nothing more; another
+layout reads only the overlapping ranges of the overlapping files
+(:mod:`hybrid.checkpoint.reshard`), never a whole parameter's full tensors
+unless the rank owns all of it. Interleaving the three fp32 values per
+element makes any sub-range of a piece one contiguous read.
 """
 
 from __future__ import annotations
@@ -32,23 +40,39 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import zlib
 
 import torch
 
-from hybrid.checkpoint.files import LATEST, VERSION, complete_checkpoints, iter_name
+from hybrid.checkpoint.files import LATEST, VERSION, complete_checkpoints, iter_name, rank_paths
+from hybrid.checkpoint.layout import describe, single_file_layout
 from hybrid.errors import CheckpointError
 from hybrid.parallel_state import ParallelState
 from hybrid.tensor_parallel import TPRNGTracker
 from hybrid.tensor_parallel.random import get_device_rng_state
 from hybrid.zero import ZeroEngine
-from hybrid.zero.state import shard_state
+from hybrid.zero.state import iter_piece_values, shard_state
 
 
-def agree(ps: ParallelState, failed: bool) -> bool:
-    """True when any rank failed (a max over the world), so all ranks act alike."""
-    flag = torch.tensor([1.0 if failed else 0.0], device=ps.device)
-    ps.world_group.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
-    return bool(flag.item() > 0)
+def agree_error(ps: ParallelState, error: str | None) -> str | None:
+    """None when no rank failed; else the message of the lowest failing rank, on every
+    rank. Collective over the world, so all ranks take the same branch, and the error a
+    job prints (rank 0's) names the file that actually failed, whichever rank hit it."""
+    g = ps.world_group
+    first = torch.tensor([ps.rank if error is not None else ps.world_size], dtype=torch.int64,
+                         device=ps.device)
+    g.all_reduce(first, op=torch.distributed.ReduceOp.MIN)
+    src = int(first.item())
+    if src == ps.world_size:
+        return None
+    data = error.encode() if ps.rank == src else b""
+    size = torch.tensor([len(data)], dtype=torch.int64, device=ps.device)
+    g.broadcast(size, src=src)
+    buf = torch.zeros(int(size.item()), dtype=torch.uint8, device=ps.device)
+    if ps.rank == src:
+        buf.copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
+    g.broadcast(buf, src=src)
+    return bytes(buf.cpu().tolist()).decode(errors="replace")
 
 
 def _fsync_write(path: str, write) -> None:
@@ -86,27 +110,56 @@ def save_checkpoint(save_dir: str, iteration: int, consumed_samples: int, engine
             os.makedirs(tmp)
         except OSError as e:
             error = f"--save {save_dir}: cannot create the checkpoint directory ({e})"
-    if agree(ps, error is not None):
-        raise CheckpointError(error or f"--save {save_dir}: rank 0 could not create {tmp}")
+    error = agree_error(ps, error)
+    if error:
+        raise CheckpointError(error)
 
-    state = shard_state(engine)
-    if engine.stage == 0 and ps.dp_rank != 0:
-        state["params"] = {}  # every DP replica holds the same values; one copy is enough
-    specs = {n: _spec_dict(p) for n, p in engine.model.named_parameters()}
-    payload = {"version": VERSION, "rank": ps.rank, "tp_rank": ps.tp_rank,
-               "dp_rank": ps.dp_rank, "specs": specs, **state,
-               "rng": {"device": get_device_rng_state(ps.device), "cpu": torch.get_rng_state(),
-                       "tracker": rng.get_states()}}
-    path = os.path.join(tmp, f"rank_{ps.rank:05d}.pt")
+    layout = None
     try:
-        _fsync_write(path, lambda f: torch.save(payload, f))
-    except (OSError, RuntimeError) as e:
-        error = f"--save {save_dir}: writing {path} failed on rank {ps.rank} ({e})"
-    if agree(ps, error is not None):
+        layout = describe(engine, ps)
+    except CheckpointError as e:
+        error = f"--save {save_dir}: {e}; nothing was written"
+    if error is None and not _same_units_everywhere(ps, layout["units"]):
+        error = (f"--save {save_dir}: ranks disagree on the ZeRO unit layout (a bug in "
+                 f"hybrid.zero); nothing was written")
+    error = agree_error(ps, error)
+    if error:
         if ps.rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
-        raise CheckpointError(error or f"--save {save_dir}: another rank failed to write "
-                                       f"its shard; nothing was changed")
+        raise CheckpointError(error)
+    state = shard_state(engine)
+    # Owning everything (stage 0), every DP replica holds the same values: DP rank 0's
+    # copy is the one saved (SavedLayout reads DP rank 0's files for all of a unit).
+    pieces = state["pieces"] if not (layout["owns_all"] and ps.dp_rank != 0) else []
+    table, rows = {}, 0
+    for pname, lo, hi in pieces:
+        table.setdefault(pname, []).append((lo, hi, rows))
+        rows += hi - lo
+    specs = {n: _spec_dict(p) for n, p in engine.model.named_parameters()}
+    header = {"version": VERSION, "rank": ps.rank, "tp_rank": ps.tp_rank,
+              "dp_rank": ps.dp_rank, "specs": specs, "step": state["step"],
+              "loss_scaler": state["loss_scaler"], "pieces": table, "data_rows": rows,
+              "rng": {"device": get_device_rng_state(ps.device), "cpu": torch.get_rng_state(),
+                      "tracker": rng.get_states()}}
+    head_path, data_path = rank_paths(tmp, ps.rank)
+
+    def write_data(f):
+        if pieces:
+            for values in iter_piece_values(engine):  # one piece in memory at a time
+                f.write(memoryview(values.numpy()).cast("B"))
+
+    path = data_path
+    try:
+        _fsync_write(data_path, write_data)
+        path = head_path
+        _fsync_write(head_path, lambda f: torch.save(header, f))
+    except (OSError, RuntimeError) as e:
+        error = f"--save {save_dir}: writing {path} failed on rank {ps.rank} ({e})"
+    error = agree_error(ps, error)
+    if error:
+        if ps.rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise CheckpointError(error)
     if ps.rank == 0:
         try:
             meta = {"version": VERSION, "iteration": iteration,
@@ -114,18 +167,29 @@ def save_checkpoint(save_dir: str, iteration: int, consumed_samples: int, engine
                     "tensor_model_parallel_size": ps.tp_size,
                     "data_parallel_size": ps.dp_size, "zero_stage": engine.stage,
                     "vocab_size": vocab_size, "model": model_signature(engine.model),
-                    "config": cfg.to_dict(), "complete": True}
+                    "step": state["step"], "loss_scaler": state["loss_scaler"],
+                    "zero_layout": layout, "config": cfg.to_dict(), "complete": True}
             _fsync_write(os.path.join(tmp, "metadata.json"),
                          lambda f: f.write(json.dumps(meta, indent=1).encode()))
             _publish(save_dir, name, tmp, final)
         except OSError as e:
             shutil.rmtree(tmp, ignore_errors=True)
             error = f"--save {save_dir}: finishing checkpoint {name} failed ({e})"
-    if agree(ps, error is not None):
-        raise CheckpointError(error or f"--save {save_dir}: rank 0 could not finish {name}")
+    error = agree_error(ps, error)
+    if error:
+        raise CheckpointError(error)
     if ps.rank == 0 and keep_last:
         _prune(save_dir, keep_last, keep=name)
     return final
+
+
+def _same_units_everywhere(ps: ParallelState, units: list) -> bool:
+    """True when every rank has the same unit structure (names, TP-local numels), which
+    ``zero_layout`` (written by rank 0 alone) assumes. One tiny all-reduce over the world."""
+    crc = zlib.crc32(json.dumps(units).encode())
+    t = torch.tensor([crc, -crc], dtype=torch.int64, device=ps.device)
+    ps.world_group.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
+    return int(t[0]) == -int(t[1])  # max == min
 
 
 def _spec_dict(p) -> dict:
@@ -165,25 +229,36 @@ def write_unsharded_checkpoint(save_dir: str, model: dict[str, torch.Tensor], co
     """A one-rank checkpoint of full fp32 weights with a fresh optimizer (single process).
 
     For weights that come from elsewhere (a Hugging Face GPT-2): ``--load`` reads it
-    into any layout like any other checkpoint.
+    into any layout like any other checkpoint. Written one parameter at a time.
     """
     name = iter_name(iteration)
     final, tmp = os.path.join(save_dir, name), os.path.join(save_dir, f".tmp_{name}")
     if os.path.exists(final):
         raise CheckpointError(f"{final}: already exists; not overwriting it")
     os.makedirs(tmp)
-    params = {n: {"ranges": [(0, t.numel())], "master": t.float().reshape(-1).contiguous(),
-                  "exp_avg": torch.zeros(t.numel()), "exp_avg_sq": torch.zeros(t.numel())}
-              for n, t in model.items()}
-    specs = {n: {"full_shape": list(t.shape), "dim": None, "tp_rank": 0, "tp_size": 1}
-             for n, t in model.items()}
-    payload = {"version": VERSION, "rank": 0, "tp_rank": 0, "dp_rank": 0, "specs": specs,
-               "params": params, "step": 0, "loss_scaler": None}
-    _fsync_write(os.path.join(tmp, "rank_00000.pt"), lambda f: torch.save(payload, f))
+    shapes = {n: list(t.shape) for n, t in model.items()}
+    table, rows = {}, 0
+    for n, t in model.items():
+        table[n] = [(0, t.numel(), rows)]
+        rows += t.numel()
+
+    def write_data(f):
+        for t in model.values():
+            values = torch.zeros(t.numel(), 3)  # fresh Adam moments
+            values[:, 0] = t.reshape(-1)
+            f.write(memoryview(values.numpy()).cast("B"))
+
+    specs = {n: {"full_shape": s, "dim": None, "tp_rank": 0, "tp_size": 1}
+             for n, s in shapes.items()}
+    header = {"version": VERSION, "rank": 0, "tp_rank": 0, "dp_rank": 0, "specs": specs,
+              "step": 0, "loss_scaler": None, "pieces": table, "data_rows": rows}
+    head_path, data_path = rank_paths(tmp, 0)
+    _fsync_write(data_path, write_data)
+    _fsync_write(head_path, lambda f: torch.save(header, f))
     meta = {"version": VERSION, "iteration": iteration, "consumed_samples": 0,
             "world_size": 1, "tensor_model_parallel_size": 1, "data_parallel_size": 1,
-            "zero_stage": 0, "vocab_size": vocab_size,
-            "model": {n: list(t.shape) for n, t in model.items()}, "config": config,
+            "zero_stage": 0, "vocab_size": vocab_size, "model": shapes, "step": 0,
+            "loss_scaler": None, "zero_layout": single_file_layout(shapes), "config": config,
             "complete": True}
     _fsync_write(os.path.join(tmp, "metadata.json"),
                  lambda f: f.write(json.dumps(meta, indent=1).encode()))

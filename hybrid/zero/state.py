@@ -24,41 +24,40 @@ def _pieces(engine: ZeroEngine):
             yield names[id(p)], p, plo, ui, ulo - u.own_lo, n
 
 
-@torch.no_grad()
 def shard_state(engine: ZeroEngine) -> dict:
-    """This rank's pieces: ``{name: {"ranges", "master", "exp_avg", "exp_avg_sq"}}``.
+    """This rank's pieces ``[(name, lo, hi)]`` in owned order (unit by unit, in unit
+    coordinates), the optimizer step count and the loss-scaler state.
 
-    Values are fp32 CPU tensors, the pieces of one parameter concatenated in
-    ``ranges`` order. Also the optimizer step count and loss-scaler state.
+    The values come from :func:`iter_piece_values`, one piece at a time.
     """
+    pieces = [(name, plo, plo + n) for name, _, plo, _, _, n in _pieces(engine)]
+    return {"pieces": pieces, "step": engine.optimizer.step_count,
+            "loss_scaler": engine.scaler.state_dict()}
+
+
+@torch.no_grad()
+def iter_piece_values(engine: ZeroEngine):
+    """For each piece of :func:`shard_state`, in its order: an fp32 CPU ``(n, 3)``
+    tensor of rows ``[master, exp_avg, exp_avg_sq]``."""
     opt = engine.optimizer
-    out: dict[str, dict] = {}
-    for name, p, plo, ui, off, n in _pieces(engine):
-        entry = out.setdefault(name, {"ranges": [], "master": [], "exp_avg": [],
-                                      "exp_avg_sq": []})
-        entry["ranges"].append((plo, plo + n))
-        for key, src in (("master", opt.master), ("exp_avg", opt.exp_avg),
-                         ("exp_avg_sq", opt.exp_avg_sq)):
-            entry[key].append(src[ui][off: off + n].float().cpu().clone())
-    for entry in out.values():
-        for key in ("master", "exp_avg", "exp_avg_sq"):
-            entry[key] = torch.cat(entry[key])
-    return {"params": out, "step": opt.step_count, "loss_scaler": engine.scaler.state_dict()}
+    for _, _, _, ui, off, n in _pieces(engine):
+        yield torch.stack([src[ui][off: off + n] for src in
+                           (opt.master, opt.exp_avg, opt.exp_avg_sq)], dim=1).float().cpu()
 
 
 @torch.no_grad()
 def load_shard_state(engine: ZeroEngine, fetch, step: int, loss_scaler: dict | None) -> None:
-    """Fill this rank's pieces from ``fetch(name, key, lo, hi) -> fp32 (hi - lo,)`` and
-    republish the parameters (copy into the model dtype, all-gather where needed).
+    """Fill this rank's pieces from ``fetch(name, lo, hi) -> fp32 (hi - lo, 3)`` (rows
+    ``[master, exp_avg, exp_avg_sq]``) and republish the parameters (copy into the
+    model dtype, all-gather where needed).
 
-    ``key`` is "master", "exp_avg" or "exp_avg_sq"; ``[lo, hi)`` indexes the
-    TP-local parameter flattened.
+    ``[lo, hi)`` indexes the TP-local parameter flattened.
     """
     opt = engine.optimizer
     for name, p, plo, ui, off, n in _pieces(engine):
-        for key, dst in (("master", opt.master), ("exp_avg", opt.exp_avg),
-                         ("exp_avg_sq", opt.exp_avg_sq)):
-            dst[ui][off: off + n].copy_(fetch(name, key, plo, plo + n))
+        rows = fetch(name, plo, plo + n)
+        for k, dst in enumerate((opt.master, opt.exp_avg, opt.exp_avg_sq)):
+            dst[ui][off: off + n].copy_(rows[:, k])
     opt.step_count = step
     if loss_scaler is not None:
         engine.scaler.load_state_dict(loss_scaler)

@@ -1,0 +1,157 @@
+"""Where every saved value lives: the ``zero_layout`` of ``metadata.json``.
+
+``describe(engine, ps)`` (save side) writes down the ZeRO unit layout: TP and
+DP sizes, whether DP rank 0 holds everything (stage 0), each parameter's TP
+split dimension, and the units as lists of ``[param name, TP-local numel]``.
+That is O(parameters), whatever the world size. ``SavedLayout`` (load side)
+turns a (parameter, old TP rank, old TP-local range) into positional reads of
+the old data files, from the metadata alone: no other rank's header is read.
+
+[Note: a data file is its rank's owned unit ranges]
+Unit ``u`` has ``numel`` elements padded to ``N * S`` (``N`` = DP size, ``S`` =
+``ceil(numel / N)``); DP rank ``d`` owns unit coordinates ``[d*S, (d+1)*S)`` (at
+stage 0, DP rank 0 saves ``[0, padded)`` and the others nothing). A rank's data
+file holds, unit after unit, its owned coordinates below ``numel`` (padding is
+not stored) as rows ``[master, exp_avg, exp_avg_sq]`` of fp32. So unit
+coordinate ``x`` of unit ``u`` is row ``base(u, d) + x - d*S`` of rank ``(t, d)``'s
+file, where ``base(u, d)`` sums what ``d`` owns of the units before ``u``. The
+unit structure is the same on every rank (same names, same TP-local numels;
+the save checks it), so this holds for every TP rank ``t``. ``base`` is built
+per DP rank on first use, only for the few ``d`` a loader touches: nothing
+loops over the world.
+"""
+
+from __future__ import annotations
+
+import os
+
+from hybrid.checkpoint.files import rank_paths
+from hybrid.errors import CheckpointError
+
+ROW_BYTES = 12  # one element's [master, exp_avg, exp_avg_sq], fp32
+
+
+def describe(engine, ps) -> dict:
+    """This rank's unit layout, as metadata.json stores it (JSON-safe), read off the
+    engine's own units (``engine.units``, in the order their owned ranges are saved).
+
+    CheckpointError when a unit's owned range is not the one :class:`SavedLayout`
+    derives from ``(numel, dp_size, owns_all)``: a change in how hybrid.zero shards
+    that this format does not describe, caught at save time rather than as wrong
+    values at load time.
+    """
+    names = {id(p): n for n, p in engine.model.named_parameters()}
+    units, dp = engine.units, ps.dp_size
+    # Stage 0 units own everything; with one DP rank both readings coincide.
+    owns_all = dp > 1 and bool(units) and all(u.own_hi - u.own_lo == u.padded for u in units)
+    for u in units:
+        s = -(-u.numel // dp)
+        want = (0, u.padded) if owns_all else (ps.dp_rank * s, (ps.dp_rank + 1) * s)
+        if u.padded != s * dp or (u.own_lo, u.own_hi) != want:
+            raise CheckpointError(f"ZeRO unit {u.name!r} owns [{u.own_lo}, {u.own_hi}) of "
+                                  f"{u.padded} on DP rank {ps.dp_rank}; the checkpoint "
+                                  f"format expects [{want[0]}, {want[1]})")
+    return {"tp_size": ps.tp_size, "dp_size": dp, "owns_all": owns_all,
+            "split_dims": {n: _split_dim(p) for n, p in engine.model.named_parameters()},
+            "units": [[[names[id(p)], p.numel()] for p in u.params] for u in units]}
+
+
+def single_file_layout(shapes: dict[str, list[int]]) -> dict:
+    """The layout of a one-rank checkpoint of replicated full tensors (the HF import)."""
+    numel = {n: _prod(s) for n, s in shapes.items()}
+    return {"tp_size": 1, "dp_size": 1, "owns_all": True,
+            "split_dims": {n: None for n in shapes},
+            "units": [[[n, numel[n]] for n in shapes]]}
+
+
+def _split_dim(p) -> int | None:
+    spec = getattr(p, "tp_spec", None)
+    return None if spec is None else spec.dim
+
+
+def _prod(shape) -> int:
+    out = 1
+    for s in shape:
+        out *= s
+    return out
+
+
+def rank_of(tp_rank: int, dp_rank: int, tp_size: int) -> int:
+    """Global rank of (tp_rank, dp_rank): Megatron's order, as in hybrid.parallel_state."""
+    return dp_rank * tp_size + tp_rank
+
+
+class SavedLayout:
+    """The old layout of checkpoint ``ckpt`` (from its metadata), for planning reads."""
+
+    def __init__(self, meta: dict, ckpt: str):
+        self.ckpt = ckpt
+        where = os.path.join(ckpt, "metadata.json")
+        z = meta.get("zero_layout")
+        if not isinstance(z, dict):
+            raise CheckpointError(f"{where}: has no zero_layout; not a checkpoint of this format")
+        self.tp, self.dp, self.owns_all = z["tp_size"], z["dp_size"], bool(z["owns_all"])
+        self.split_dims: dict[str, int | None] = z["split_dims"]
+        self.full_shapes: dict[str, list[int]] = meta["model"]
+        self.unit_numel: list[int] = []
+        self._where: dict[str, tuple[int, int, int]] = {}  # name -> (unit, offset, numel)
+        for ui, unit in enumerate(z["units"]):
+            off = 0
+            for name, n in unit:
+                self._where[name] = (ui, off, n)
+                off += n
+            self.unit_numel.append(off)
+        self._base: dict[int, list[int]] = {}  # dp rank -> [row of each unit's start, total]
+
+    def names(self) -> list[str]:
+        return list(self._where)
+
+    def local_numel(self, name: str) -> int:
+        if name not in self._where:
+            raise CheckpointError(f"{self.ckpt}: has no saved state for parameter {name!r}")
+        return self._where[name][2]
+
+    def _shard(self, ui: int) -> int:
+        return -(-self.unit_numel[ui] // self.dp)
+
+    def _owned(self, ui: int, d: int) -> tuple[int, int]:
+        """Unit coordinates of unit ``ui`` that DP rank ``d``'s file holds (padding excluded)."""
+        n = self.unit_numel[ui]
+        if self.owns_all:
+            return (0, n) if d == 0 else (0, 0)
+        s = self._shard(ui)
+        return min(d * s, n), min((d + 1) * s, n)
+
+    def _bases(self, d: int) -> list[int]:
+        """Start row of every unit in DP rank ``d``'s data file, then the total rows."""
+        if d not in self._base:
+            rows, out = 0, []
+            for ui in range(len(self.unit_numel)):
+                out.append(rows)
+                lo, hi = self._owned(ui, d)
+                rows += hi - lo
+            self._base[d] = out + [rows]
+        return self._base[d]
+
+    def data_bytes(self, d: int) -> int:
+        """Size the data file of every rank with DP rank ``d`` must have."""
+        return self._bases(d)[-1] * ROW_BYTES
+
+    def data_path(self, t: int, d: int) -> str:
+        return rank_paths(self.ckpt, rank_of(t, d, self.tp))[1]
+
+    def reads(self, name: str, t: int, a: int, b: int):
+        """``(path, file bytes, first row, rows)`` covering elements ``[a, b)`` of TP rank
+        ``t``'s local ``name`` flattened, in order; one per DP shard it crosses."""
+        ui, off, n = self._where[name]
+        if not 0 <= a <= b <= n:
+            raise CheckpointError(f"{self.ckpt}: range [{a}, {b}) is outside {name!r} "
+                                  f"({n} elements per TP rank)")
+        x, y = off + a, off + b
+        s = self._shard(ui)
+        while x < y:
+            d = 0 if self.owns_all else x // s
+            end = y if self.owns_all else min(y, (d + 1) * s)
+            row = self._bases(d)[ui] + x - self._owned(ui, d)[0]
+            yield self.data_path(t, d), self.data_bytes(d), row, end - x
+            x = end

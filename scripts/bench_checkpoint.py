@@ -1,0 +1,173 @@
+#!/usr/bin/env python
+"""Checkpoint I/O per rank: files, bytes and seconds of a save, a same-layout load and a
+reshard, at several world sizes (ranks are local processes, gloo, CPU).
+
+    python scripts/bench_checkpoint.py [--worlds 2 4 8] [--hidden-size 256] [--layers 4]
+
+For each world size W, one session of W processes:
+
+* save: a GPT at TP 2 x DP W/2, ZeRO-3, after one optimizer step (non-zero
+  moments). Reported: the files this rank wrote and their bytes, the bytes it
+  read meanwhile (``/proc/self/io`` rchar), seconds.
+* load, same layout: into a fresh engine of the same layout. Reported from the
+  load's :class:`hybrid.checkpoint.RangeReader`: files opened, bytes read, and
+  ``ratio``, bytes read over the bytes of this rank's own files (header + data);
+  ``exact``: the loaded master and moments equal the saved ones bit for bit.
+* reshard: into TP 1 x DP W at ZeRO-1 (TP and DP and stage change). Reported:
+  files opened, bytes read, ``needed`` (12 bytes per fp32 [master, exp_avg,
+  exp_avg_sq] element the rank now owns) and seconds.
+
+Seconds are wall time between barriers, with the files in the page cache (they
+were just written); on this shared 2-core machine they are noisy. Prints one
+JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+
+from hybrid.multiprocess import run_ranks  # noqa: E402
+
+VOCAB = 8000  # padded to 8192 at TP 1 and 2
+
+
+def _engine(ps, model_args, stage, seed):
+    from hybrid.config import TrainConfig
+    from hybrid.tensor_parallel import seed_all
+    from hybrid.training import build_engine
+    cfg = TrainConfig(tensor_model_parallel_size=ps.tp_size, zero_stage=stage, seed=seed,
+                      hidden_dropout=0.0, attention_dropout=0.0,
+                      **model_args).validate(ps.world_size)
+    rng = seed_all(seed, ps.tp_rank, ps.dp_rank, ps.device)
+    model, _, engine = build_engine(cfg, ps, VOCAB, rng)
+    return cfg, rng, model, engine
+
+
+def _values(engine) -> torch.Tensor:
+    from hybrid.zero.state import iter_piece_values
+    parts = list(iter_piece_values(engine))
+    return torch.cat(parts) if parts else torch.zeros(0, 3)
+
+
+def _timed(ps, fn):
+    """(seconds, result) of ``fn()`` between two world barriers."""
+    ps.world_group.all_reduce(torch.zeros(1))
+    t0 = time.perf_counter()
+    out = fn()
+    seconds = time.perf_counter() - t0
+    ps.world_group.all_reduce(torch.zeros(1))
+    return seconds, out
+
+
+def _load(ps, save, model_args, stage):
+    from hybrid.checkpoint import RangeReader, load_checkpoint
+    from hybrid.checkpoint.reader import process_rchar
+    cfg, rng, _, engine = _engine(ps, model_args, stage, seed=7)
+    reader = RangeReader()
+    before = process_rchar()
+    seconds, _ = _timed(ps, lambda: load_checkpoint(save, engine, ps, cfg, rng, VOCAB,
+                                                    reader=reader))
+    rchar = process_rchar() - before
+    files = sorted({os.path.basename(p) for p in reader.files_opened})
+    return engine, {"files_opened": len(reader.files_opened), "files": files,
+                    "bytes_read": reader.bytes_read, "rchar": rchar,
+                    "seconds": round(seconds, 4)}
+
+
+def _session(ps, root, model_args):
+    from hybrid.checkpoint import save_checkpoint
+    from hybrid.checkpoint.reader import process_rchar
+    from hybrid.parallel_state import ParallelState
+    save = os.path.join(root, "ckpt")
+    cfg, rng, model, engine = _engine(ps, model_args, 3, seed=3)
+    tokens = torch.randint(0, VOCAB, (2, model_args["seq_length"] + 1),
+                           generator=torch.Generator().manual_seed(ps.dp_rank))
+    engine.zero_grad()
+    engine.backward(model(tokens[:, :-1], tokens[:, 1:]))
+    engine.step(1e-3)
+    before = process_rchar()
+    seconds, ckpt = _timed(ps, lambda: save_checkpoint(save, 1, 8, engine, ps, cfg, rng,
+                                                       vocab_size=VOCAB))
+    rchar = process_rchar() - before
+    own = [os.path.join(ckpt, f"rank_{ps.rank:05d}{e}") for e in (".pt", ".bin")]
+    if ps.rank == 0:
+        own.append(os.path.join(ckpt, "metadata.json"))
+    own_bytes = sum(os.path.getsize(p) for p in own[:2])
+    out = {"save": {"files_written": len(own) + (ps.rank == 0),  # + 'latest' on rank 0
+                    "bytes_written": sum(os.path.getsize(p) for p in own),
+                    "bytes_read": rchar, "seconds": round(seconds, 4)}}
+    saved = _values(engine)
+    del engine, model
+
+    loaded, same = _load(ps, save, model_args, 3)
+    same["own_file_bytes"] = own_bytes
+    same["ratio"] = round(same["bytes_read"] / own_bytes, 4)
+    same["exact"] = torch.equal(_values(loaded), saved)
+    out["load_same_layout"] = same
+    del loaded
+
+    tp1 = ParallelState.build(1, timeout=ps.timeout, device=ps.device)
+    loaded, re = _load(tp1, save, model_args, 1)
+    re["needed"] = 12 * sum(n for u in loaded.units for *_, n in u.segments(u.own_lo, u.own_hi))
+    out["reshard"] = re
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--worlds", type=int, nargs="+", default=[2, 4, 8])
+    ap.add_argument("--hidden-size", type=int, default=256)
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--seq-length", type=int, default=64)
+    ap.add_argument("--ranks", action="store_true", help="also list every rank's record")
+    a = ap.parse_args(argv)
+    model_args = {"num_layers": a.layers, "hidden_size": a.hidden_size,
+                  "num_attention_heads": 8, "seq_length": a.seq_length}
+    report = {"model": dict(model_args, vocab_size=VOCAB), "runs": []}
+    for world in a.worlds:
+        with tempfile.TemporaryDirectory(prefix="bench_ckpt_") as root:
+            ranks = run_ranks(_session, world_size=world, tp=2, args=(root, model_args),
+                              timeout=600)
+        run = {"world": world, "saved_as": f"TP2 x DP{world // 2} ZeRO-3",
+               "resharded_to": f"TP1 x DP{world} ZeRO-1"}
+        for phase in ("save", "load_same_layout", "reshard"):
+            run[phase] = _summary([r[phase] for r in ranks])
+        run["load_same_layout"]["max_ratio"] = max(r["load_same_layout"]["ratio"]
+                                                   for r in ranks)
+        run["load_same_layout"]["all_exact"] = all(r["load_same_layout"]["exact"]
+                                                   for r in ranks)
+        run["reshard"]["max_read_over_needed"] = round(max(
+            r["reshard"]["bytes_read"] / r["reshard"]["needed"] for r in ranks), 4)
+        if a.ranks:
+            run["per_rank"] = ranks
+        report["runs"].append(run)
+    # One line per phase: readable, and still one JSON object.
+    runs = ",\n".join("  {" + ",\n   ".join(f"{json.dumps(k)}: {json.dumps(v)}"
+                                             for k, v in run.items()) + "}"
+                       for run in report["runs"])
+    print(f'{{"model": {json.dumps(report["model"])},\n "runs": [\n{runs}]}}')
+    return 0
+
+
+def _summary(records: list[dict]) -> dict:
+    """Per-rank lists of the numeric fields (rank order), files opened by rank 0."""
+    out = {}
+    for k, v in records[0].items():
+        if isinstance(v, (int, float)) and not isinstance(v, bool):
+            out[k] = [r[k] for r in records]
+    if "files" in records[0]:
+        out["rank0_files"] = records[0]["files"]
+    return out
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,305 @@
+"""Checkpoint I/O proportional to what a rank owns, and exact resharding.
+
+One 4-process session does every save and load below (spawning ranks is what
+costs here); the tests then check its records against the raw files, read
+independently of hybrid.checkpoint. (End-to-end resume, crashes and bad input
+through pretrain_gpt.py: tests/test_checkpoint.py.)
+"""
+
+import os
+
+import pytest
+
+IO_VOCAB = 257
+
+
+def _io_engine(ps, stage, seed):
+    from hybrid.config import TrainConfig
+    from hybrid.tensor_parallel import seed_all
+    from hybrid.training import build_engine
+    cfg = TrainConfig(tensor_model_parallel_size=ps.tp_size, num_layers=2, hidden_size=32,
+                      num_attention_heads=4, seq_length=8, zero_stage=stage, seed=seed,
+                      zero_param_persistence_threshold=0, reduce_bucket_size=3000,
+                      hidden_dropout=0.0, attention_dropout=0.0).validate(ps.world_size)
+    rng = seed_all(seed, ps.tp_rank, ps.dp_rank, ps.device)
+    model, _, engine = build_engine(cfg, ps, IO_VOCAB, rng)
+    return cfg, rng, model, engine
+
+
+def _io_state(engine, model):
+    """This rank's pieces, their (n, 3) values, and how it holds each parameter."""
+    import torch
+    from hybrid.zero.state import iter_piece_values, shard_state
+    pieces = shard_state(engine)["pieces"]
+    values = torch.cat(list(iter_piece_values(engine))) if pieces else torch.zeros(0, 3)
+    specs = {}
+    for n, p in model.named_parameters():
+        s = getattr(p, "tp_spec", None)
+        specs[n] = (list(p.shape), None, 0, 1) if s is None else (list(s.full_shape), s.dim,
+                                                                   s.rank, s.size)
+    return {"pieces": pieces, "values": values, "specs": specs, "tp_rank": engine.ps.tp_rank}
+
+
+def _io_train_and_save(ps, save, stage):
+    """Two steps (non-zero moments), then a save at iteration 2."""
+    import torch
+    from hybrid.checkpoint import save_checkpoint
+    cfg, rng, model, engine = _io_engine(ps, stage, seed=3)
+    g = torch.Generator().manual_seed(ps.dp_rank)
+    for _ in range(2):
+        tokens = torch.randint(0, IO_VOCAB, (2, 9), generator=g)
+        engine.zero_grad()
+        engine.backward(model(tokens[:, :-1], tokens[:, 1:]))
+        engine.step(1e-2)
+    save_checkpoint(save, 2, 16, engine, ps, cfg, rng, vocab_size=IO_VOCAB)
+    return _io_state(engine, model)
+
+
+def _io_load(ps, save, stage, save_to=None):
+    """Load into a fresh engine (another seed) counting every open under ``save``
+    (an independent check of the reader's list), the reader's counters and
+    /proc/self/io rchar. Returns them with the loaded state, or {"error": message}.
+    ``save_to``: then save the loaded engine there (a checkpoint in this layout)."""
+    import builtins
+    from hybrid.checkpoint import RangeReader, load_checkpoint, save_checkpoint
+    from hybrid.checkpoint.reader import process_rchar
+    from hybrid.errors import CheckpointError
+    cfg, rng, model, engine = _io_engine(ps, stage, seed=99)
+    opened, real_open, real_os_open = [], builtins.open, os.open
+    root = os.path.abspath(save) + os.sep
+
+    def record(path):
+        path = os.path.abspath(os.fspath(path))
+        if path.startswith(root):
+            opened.append(os.path.relpath(path, save))
+
+    def open_(file, *a, **k):
+        if isinstance(file, (str, os.PathLike)):
+            record(file)
+        return real_open(file, *a, **k)
+
+    def os_open(path, *a, **k):
+        record(path)
+        return real_os_open(path, *a, **k)
+
+    reader = RangeReader()
+    builtins.open, os.open = open_, os_open
+    before = process_rchar()
+    try:
+        load_checkpoint(save, engine, ps, cfg, rng, IO_VOCAB, reader=reader)
+    except CheckpointError as e:
+        return {"error": str(e)}
+    finally:
+        after = process_rchar()
+        builtins.open, os.open = real_open, real_os_open
+    if save_to:
+        save_checkpoint(save_to, 2, 16, engine, ps, cfg, rng, vocab_size=IO_VOCAB)
+    return {"opened": opened, "reader_files": [os.path.relpath(p, save)
+                                               for p in reader.files_opened],
+            "bytes": reader.bytes_read, "rchar": after - before, **_io_state(engine, model)}
+
+
+def _barrier(ps):
+    import torch
+    ps.world_group.all_reduce(torch.zeros(1))
+
+
+def _io_session(ps, root):
+    """World 4. ``a``: TP2 x DP2 ZeRO-3, saved after two steps. Loaded back in the same
+    layout, then at ZeRO-1 (same world layout, other units), TP1 x DP4 ZeRO-1 (saved
+    again as ``b``), TP4 x DP1 ZeRO-0 and, on rank 0 alone, one process (the
+    reference); ``b`` loaded at TP2 x DP2 ZeRO-3 must give back ``a``'s state.
+    Then bad files: a truncated data file, a missing one."""
+    import shutil
+
+    from hybrid.parallel_state import ParallelState
+    a, b = os.path.join(root, "a"), os.path.join(root, "b")
+    out = {"saved": _io_train_and_save(ps, a, 3), "same": _io_load(ps, a, 3),
+           "stage1": _io_load(ps, a, 1)}
+    tp1 = ParallelState.build(1, timeout=ps.timeout, device=ps.device)
+    out["tp1dp4"] = _io_load(tp1, a, 1, save_to=b)
+    tp4 = ParallelState.build(4, timeout=ps.timeout, device=ps.device)
+    out["tp4dp1"] = _io_load(tp4, a, 0)
+    out["back"] = _io_load(ps, b, 3)
+    if ps.rank == 0:
+        out["single"] = _io_load(ParallelState.single(), a, 0)
+    truncated, missing = os.path.join(root, "truncated"), os.path.join(root, "missing")
+    if ps.rank == 0:
+        shutil.copytree(a, truncated)
+        data = os.path.join(truncated, "iter_0000002", "rank_00001.bin")
+        os.truncate(data, os.path.getsize(data) - 12)
+        shutil.copytree(a, missing)
+        os.remove(os.path.join(missing, "iter_0000002", "rank_00002.bin"))
+    _barrier(ps)
+    out["truncated"] = _io_load(ps, truncated, 3).get("error")
+    out["missing"] = _io_load(tp4, missing, 0).get("error")
+    return out
+
+
+@pytest.fixture(scope="module")
+def io_session(tmp_path_factory):
+    from harness import run_ranks
+    root = str(tmp_path_factory.mktemp("io"))
+    return root, run_ranks(_io_session, world_size=4, tp=2, args=(root,))
+
+
+def _own_file_bytes(ckpt, rank):
+    return sum(os.path.getsize(os.path.join(ckpt, f"rank_{rank:05d}{e}")) for e in (".pt", ".bin"))
+
+
+def _old_full_tensors(ckpt):
+    """Straight from the files, independently of hybrid.checkpoint's readers:
+    {name: (full (*shape, 3) fp32 values, [full map of the rank whose file holds each
+    element, per TP replica of a replicated parameter])}."""
+    import glob
+    import json
+
+    import numpy as np
+    import torch
+    with open(os.path.join(ckpt, "metadata.json")) as f:
+        meta = json.load(f)
+    tp = meta["tensor_model_parallel_size"]
+    local = {}  # name -> tp rank -> (values (n, 3), owners (n,))
+    specs = {}
+    for head in sorted(glob.glob(os.path.join(ckpt, "rank_*.pt"))):
+        h = torch.load(head, weights_only=True)
+        data = torch.from_numpy(np.fromfile(head[:-3] + ".bin", dtype=np.float32)).view(-1, 3)
+        for name, ranges in h["pieces"].items():
+            spec = h["specs"][name]
+            specs[name] = spec
+            n = 1
+            for i, s in enumerate(spec["full_shape"]):
+                n *= s // spec["tp_size"] if i == spec["dim"] else s
+            v, o = local.setdefault(name, {}).setdefault(
+                h["tp_rank"], (torch.full((n, 3), float("nan")), torch.full((n,), -1)))
+            for lo, hi, row in ranges:
+                v[lo:hi] = data[row: row + hi - lo]
+                o[lo:hi] = h["rank"]
+    out = {}
+    for name, per_tp in local.items():
+        spec = specs[name]
+        shape = list(spec["full_shape"])
+        if spec["dim"] is None:
+            out[name] = (per_tp[0][0].view(*shape, 3),
+                         [per_tp[t][1].view(shape) for t in range(tp)])
+            continue
+        local_shape = list(shape)
+        local_shape[spec["dim"]] //= spec["tp_size"]
+        vals = torch.cat([per_tp[t][0].view(*local_shape, 3) for t in range(tp)], spec["dim"])
+        owners = torch.cat([per_tp[t][1].view(local_shape) for t in range(tp)], spec["dim"])
+        out[name] = (vals, [owners])
+    assert not any(torch.isnan(v).any() for v, _ in out.values())  # every element saved
+    return meta, out
+
+
+def _expected_piece(full, owners, spec, lo, hi, tp_rank):
+    """(values (hi - lo, 3), owner ranks) of new-local [lo, hi) cut from the old full tensors."""
+    import torch
+    shape, dim, rank, size = spec
+    owner = owners[tp_rank % len(owners)]
+    if list(full.shape[:-1]) != shape:  # the padded vocabulary: cut or zero-fill rows
+        fv, fo = torch.zeros(*shape, 3), torch.full(shape, -1)
+        n = min(shape[0], full.shape[0])
+        fv[:n], fo[:n] = full[:n], owner[:n]
+        full, owner = fv, fo
+    if dim is not None:
+        full, owner = full.chunk(size, dim)[rank], owner.chunk(size, dim)[rank]
+    return full.reshape(-1, 3)[lo:hi], owner.reshape(-1)[lo:hi]
+
+
+def test_same_layout_load_reads_only_the_rank_s_own_files(io_session):
+    """TP2 x DP2 ZeRO-3, same layout: each rank opens latest, the metadata, its own
+    header and its own data file, nothing else; reads at most 1.1x its own files
+    (the reader's count agrees with the kernel's); and gets back exactly what it saved."""
+    import torch
+    root, results = io_session
+    ckpt = os.path.join(root, "a", "iter_0000002")
+    for r, out in enumerate(results):
+        s, got = out["saved"], out["same"]
+        assert "error" not in got, got
+        with open(os.path.join(root, "a", "latest")) as f:
+            assert f.read() == "iter_0000002"
+        own = {f"iter_0000002/rank_{r:05d}.pt", f"iter_0000002/rank_{r:05d}.bin"}
+        assert sorted(got["opened"]) == sorted(["latest", "iter_0000002/metadata.json", *own])
+        assert sorted(got["reader_files"]) == sorted(own | {"iter_0000002/metadata.json"})
+        assert got["bytes"] <= 1.1 * _own_file_bytes(ckpt, r)
+        # rchar also counts 'latest' and Python's own reads; nothing of size
+        assert got["bytes"] <= got["rchar"] <= got["bytes"] + 64 * 1024, (got["bytes"],
+                                                                          got["rchar"])
+        assert got["pieces"] == s["pieces"]
+        assert torch.equal(got["values"], s["values"])
+
+
+def _check_reshard(ckpt, got, r, header):
+    """``got`` equals the old full tensors' cut exactly, and rank ``r`` opened only the
+    data files holding its elements (plus its own header when ``header``)."""
+    import torch
+    _, old = _old_full_tensors(ckpt)
+    assert "error" not in got, got
+    owners, needed, off = set(), 0, 0
+    for name, lo, hi in got["pieces"]:
+        v, o = _expected_piece(*old[name], got["specs"][name], lo, hi, got["tp_rank"])
+        assert torch.equal(got["values"][off: off + hi - lo], v), (r, name, lo, hi)
+        owners |= set(o.tolist()) - {-1}
+        off += hi - lo
+        needed += hi - lo
+    files = {f"iter_0000002/rank_{k:05d}.bin" for k in owners}
+    files |= {f"iter_0000002/rank_{r:05d}.pt"} if header else set()
+    assert sorted(got["opened"]) == sorted(["latest", "iter_0000002/metadata.json", *files])
+    head = os.path.getsize(os.path.join(ckpt, f"rank_{r:05d}.pt")) if header else 0
+    extra = got["bytes"] - head - os.path.getsize(os.path.join(ckpt, "metadata.json"))
+    assert extra <= 2 * 12 * needed, (r, extra, needed)  # narrow rectangles: <= 2x
+
+
+@pytest.mark.parametrize("case", ["stage1", "tp1dp4", "tp4dp1", "single"])
+def test_reshard_is_exact_and_reads_only_the_overlapping_ranges(io_session, case):
+    """TP2 x DP2 ZeRO-3 -> ZeRO-1 in the same world layout (header read for the RNG
+    states), TP1 x DP4, TP4 x DP1 ZeRO-0, and one process: master and both moments
+    equal the old full tensors' cut to the bit, and each rank opened only the data
+    files holding its elements and read at most 2x what it needs."""
+    root, results = io_session
+    ckpt = os.path.join(root, "a", "iter_0000002")
+    for r, out in enumerate(results):
+        if case in out:
+            _check_reshard(ckpt, out[case], r, header=case == "stage1")
+
+
+def test_reshard_there_and_back_is_bit_identical(io_session):
+    """TP2 x DP2 ZeRO-3 -> TP1 x DP4 ZeRO-1, saved, -> TP2 x DP2 ZeRO-3: every rank has
+    exactly the pieces and values it saved at first."""
+    import torch
+    _, results = io_session
+    for out in results:
+        assert out["back"]["pieces"] == out["saved"]["pieces"]
+        assert torch.equal(out["back"]["values"], out["saved"]["values"])
+
+
+def test_merged_state_equals_the_raw_files(io_session):
+    """The tools' path (one full parameter at a time through the reader)."""
+    import torch
+    from hybrid.checkpoint import merged_state
+    ckpt = os.path.join(io_session[0], "a", "iter_0000002")
+    _, old = _old_full_tensors(ckpt)
+    _, merged = merged_state(ckpt)
+    assert set(merged) == set(old)
+    for name, (full, _) in old.items():
+        for k, key in enumerate(("master", "exp_avg", "exp_avg_sq")):
+            assert torch.equal(merged[name][key], full[..., k]), (name, key)
+
+
+def test_bad_data_files_fail_every_rank_naming_the_file(io_session):
+    """A truncated data file (read by rank 1 only) and a missing one (read by the TP4
+    ranks that need it): every rank raises the same error, which names the file."""
+    _, results = io_session
+    for out in results:
+        assert "rank_00001.bin: corrupt or truncated" in out["truncated"], out["truncated"]
+        assert "rank_00002.bin: missing checkpoint shard" in out["missing"], out["missing"]
+
+
+def test_a_version_1_checkpoint_is_named_as_an_older_format(tmp_path):
+    import json
+    from hybrid.checkpoint import read_metadata
+    from hybrid.errors import CheckpointError
+    (tmp_path / "metadata.json").write_text(json.dumps({"version": 1, "complete": True}))
+    with pytest.raises(CheckpointError, match="metadata.json: an older checkpoint format"):
+        read_metadata(str(tmp_path))
