@@ -153,7 +153,8 @@ def _rel(a, b):
 
 SP, RC = {"sequence_parallel": True}, {"recompute_granularity": "full"}
 COMPOSE = {  # TP size -> variants (stage, overrides), each compared with the first
-    2: [(0, {}), (3, SP), (3, {**SP, **RC}), (0, {**SP, **RC, "partition_activations": True})],
+    2: [(0, {}), (3, SP), (3, {**SP, **RC}), (0, {**SP, **RC, "partition_activations": True}),
+        (2, {**SP, "overlap_comm": True, "offload_optimizer": True})],
     4: [(0, {}), (3, {**SP, **RC})],
 }
 
@@ -162,8 +163,9 @@ COMPOSE = {  # TP size -> variants (stage, overrides), each compared with the fi
 def test_sequence_parallel_composes_with_zero_and_recompute(tp):
     """SP on vs off (ZeRO-0, no recompute), same seed and data, TP x DP = 4 ranks: the
     same loss curve and final parameters (relative 1e-5) with SP at ZeRO 3, with full
-    recompute, and with --partition-activations (which SP makes moot: the block
-    input is already this rank's 1/TP)."""
+    recompute, with --partition-activations (which SP makes moot: the block input is
+    already this rank's 1/TP), and at ZeRO 2 with overlap and optimizer offload; two
+    micro-batches per step throughout."""
     variants = COMPOSE[tp]
     res = run_ranks(_train_stages, world_size=4, tp=tp, args=(variants,))[0]
     ref = res[0]
