@@ -12,9 +12,10 @@ sp+selective, full, full+partition, sp+full -- prints one JSON record:
   on an L-layer and a 1-layer model; the difference over L - 1), stored
   checkpoints included;
 * ``table2_bytes_per_layer``: Korthikanti et al. 2022's Table 2 for that mode,
-  adjusted for the dtype in use (``e`` bytes per activation instead of 2, masks
-  only with dropout, the ``5as/(ht)`` scores term only when the attention
-  kernel keeps scores: never with flash/memory-efficient SDPA), and
+  adjusted for the dtype in use (``e`` bytes per activation instead of 2; masks
+  only with dropout, of ``e`` bytes on the CPU, whose dropout keeps the scaled
+  noise; the ``5as/(ht)`` scores term only when the attention kernel keeps
+  scores: never with flash/memory-efficient SDPA), and
   ``table2_error`` (measured / formula - 1);
 * ``peak_activation_bytes_per_rank``: the meter's high-water mark over a
   forward and backward (recompute's re-run block included);
@@ -59,13 +60,14 @@ def table2_bytes_per_layer(mode: str, a, t: int, e: int) -> int:
     if "full" in mode:  # only the layer input: 2 sbh at e = 2
         return sbh * e // (t if sp or "partition" in mode else 1)
     # 10 sbh replicated at e = 2 (8 of activations, 2 of one-byte dropout masks),
-    # 24 sbh / t split, 5 as^2 b / t of scores (4 of activations, 1 of mask)
-    masks = 2 * sbh if a.dropout > 0 else 0
+    # 24 sbh / t split, 5 as^2 b / t of scores (4 of activations, 1 of mask). A mask
+    # is one byte on CUDA; the CPU's dropout keeps its scaled noise, e bytes.
+    mask = e  # this bench runs on the CPU
+    masks = 2 * sbh * mask if a.dropout > 0 else 0
     replicated = 4 * sbh * e + masks
     split = 12 * sbh * e
     keeps_scores = a.attention_dropout > 0 and "selective" not in mode  # CPU: math kernel
-    scores = (2 * e + (1 if a.attention_dropout > 0 else 0)) * heads * s * s * b \
-        if keeps_scores else 0
+    scores = (2 * e + mask) * heads * s * s * b if keeps_scores else 0
     return (replicated // t if sp else replicated) + (split + scores) // t
 
 
