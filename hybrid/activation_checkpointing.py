@@ -1,10 +1,10 @@
 """ZeRO-R: activation checkpointing, partitioned across the TP group, optionally on the host.
 
-    ac = apply_activation_checkpointing(model, ps, rng, cfg)  # right after the model is built
+    ac = apply_activation_checkpointing(model, ps, rng, cfg.recompute)  # after building the model
     loss = model(tokens, labels); loss.backward()              # as before
     ac.peak_bytes(); ac.reset_peak(); ac.allocations           # what the metrics read
 
-Each of the first ``cfg.recompute_num_layers`` blocks of ``model.blocks`` (all
+Each of the first ``cfg.num_layers`` blocks of ``model.blocks`` (all
 by default) keeps only its *input* ``(B, T, C)`` during the forward pass and
 runs itself again, with a graph, during backward.
 
@@ -25,9 +25,10 @@ submodule, so parameter names, ``state_dict`` keys and the name-seeded init are
 unchanged. In backward the recompute calls ``block(x)`` -- ``Module.__call__``
 -- so forward hooks on the block and its submodules fire again; ZeRO-3's
 pre-forward hook gathers the block's parameters there (the backward gather of
-its 3 Psi budget) and its post-forward hook sees it is inside backward and keeps
-them. A per-block flag routes that re-entered ``forward`` straight to the
-block's own code.
+its 3 Psi budget) and its post-forward hook keeps them, because the recompute
+runs inside ``phase.recomputing()`` (:class:`hybrid.phase.RecomputePhase`, the
+explicit signal shared with ZeRO). A per-block flag routes that re-entered
+``forward`` straight to the block's own code.
 
 [Note: RNG in recompute]
 Dropout in the recomputed block must draw the masks of the forward pass. The
@@ -57,7 +58,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from hybrid.config_sections import RecomputeConfig
 from hybrid.parallel_state import ParallelState
+from hybrid.phase import RecomputePhase
 from hybrid.tensor_parallel import TPRNGTracker
 
 _ALIGN = 64  # bytes; slot offsets stay aligned for a .view() as any dtype
@@ -251,13 +254,13 @@ class _CheckpointedForward:
     """
 
     def __init__(self, block: nn.Module, store: CheckpointStore, slot: int,
-                 rng: TPRNGTracker | None):
+                 rng: TPRNGTracker | None, phase: RecomputePhase):
         if "forward" in vars(block):
             raise ValueError(f"{type(block).__name__} already has an instance-level forward "
                              f"(activation checkpointing applied twice?)")
         self._block = weakref.ref(block)  # no block -> wrapper -> block cycle
         self._inner = type(block).forward
-        self.store, self.slot, self.rng = store, slot, rng
+        self.store, self.slot, self.rng, self.phase = store, slot, rng, phase
         self.recomputing = False
         # Makes the output require grad when the input does not, so backward
         # still reaches this block's parameters.
@@ -277,7 +280,8 @@ class _CheckpointedForward:
         """``block(x)`` through ``Module.__call__``, so every module hook fires again."""
         self.recomputing = True
         try:
-            return self.block(x)
+            with self.phase.recomputing():
+                return self.block(x)
         finally:
             self.recomputing = False
 
@@ -324,8 +328,10 @@ class ActivationCheckpointing:
     Bytes are this rank's (with partitioning, its 1/TP chunks).
     """
 
-    def __init__(self, store: CheckpointStore, wrappers: list[_CheckpointedForward]):
+    def __init__(self, store: CheckpointStore, wrappers: list[_CheckpointedForward],
+                 phase: RecomputePhase):
         self.store, self._wrappers = store, wrappers
+        self.phase = phase  # set during every recompute; give it to apply_zero
 
     @property
     def blocks(self) -> list[nn.Module]:
@@ -360,23 +366,28 @@ class ActivationCheckpointing:
 
 
 def apply_activation_checkpointing(model: nn.Module, ps: ParallelState,
-                                   rng: TPRNGTracker | None, cfg,
-                                   blocks: list[nn.Module] | None = None
+                                   rng: TPRNGTracker | None, cfg: RecomputeConfig,
+                                   blocks: list[nn.Module] | None = None,
+                                   phase: RecomputePhase | None = None
                                    ) -> ActivationCheckpointing:
-    """Checkpoint ``blocks`` (default: ``model.blocks[:cfg.recompute_num_layers]``, all
-    when that is None) in place, following ``cfg.partition_activations``,
+    """Checkpoint ``blocks`` (default: ``model.blocks[:cfg.num_layers]``, all when
+    that is None) in place, following ``cfg.partition_activations``,
     ``cfg.cpu_checkpointing`` and ``cfg.contiguous_checkpointing``.
 
     Each block must map one tensor ``(B, T, C)``, replicated over ``ps.tp_group``,
     to one tensor. ``rng`` is the tracker whose states the recompute replays.
+    ``phase`` is set around every recompute (a new one if not given; it is
+    ``handle.phase``): pass the same object to ``apply_zero(..., recompute=)``.
     Names of parameters and ``state_dict`` keys do not change; apply before or
-    after ZeRO (its hooks fire in the recompute either way).
+    after ZeRO.
     """
     if blocks is None:
-        blocks = list(model.blocks)[: cfg.recompute_num_layers or len(model.blocks)]
+        blocks = list(model.blocks)[: cfg.num_layers or len(model.blocks)]
+    phase = phase or RecomputePhase()
     store = CheckpointStore(ps, cfg.partition_activations, cfg.cpu_checkpointing,
                             cfg.contiguous_checkpointing, len(blocks))
-    wrappers = [_CheckpointedForward(b, store, slot, rng) for slot, b in enumerate(blocks)]
+    wrappers = [_CheckpointedForward(b, store, slot, rng, phase)
+                for slot, b in enumerate(blocks)]
     for b, w in zip(blocks, wrappers):
         b.forward = w  # instance attribute, not a submodule: names stay
-    return ActivationCheckpointing(store, wrappers)
+    return ActivationCheckpointing(store, wrappers, phase)

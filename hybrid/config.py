@@ -13,6 +13,7 @@ import dataclasses
 import math
 from dataclasses import dataclass, field
 
+from hybrid.config_sections import RecomputeConfig, ZeroConfig
 from hybrid.errors import ConfigError
 
 
@@ -85,6 +86,9 @@ class TrainConfig:
     # mixed precision
     bf16: bool = opt(False, "bf16 params and grads, fp32 master weights")
     fp16: bool = opt(False, "fp16 params and grads, fp32 master weights, loss scaling")
+    accumulate_allreduce_grads_in_fp32: bool | None = opt(
+        None, "accumulate micro-batch gradients and reduce them over DP in fp32 "
+              "(default: on with --bf16, as in Megatron)")
     loss_scale: float | None = opt(None, "static loss scale (default: dynamic)")
     initial_loss_scale: float = opt(2.0 ** 16, "dynamic loss scale to start from")
     min_loss_scale: float = opt(1.0, "dynamic loss scale floor")
@@ -206,6 +210,8 @@ class TrainConfig:
         if self.initial_loss_scale <= 0 or self.min_loss_scale <= 0 or self.hysteresis < 1:
             raise ConfigError("--initial-loss-scale and --min-loss-scale must be > 0, "
                               "--hysteresis >= 1")
+        if self.accumulate_allreduce_grads_in_fp32 is None:
+            self.accumulate_allreduce_grads_in_fp32 = self.bf16
 
     def _validate_recompute(self) -> None:
         if self.recompute_num_layers is not None:
@@ -245,6 +251,30 @@ class TrainConfig:
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
 
+    # -- the sections components take ------------------------------------------
+    @property
+    def zero(self) -> ZeroConfig:
+        return ZeroConfig(
+            stage=self.zero_stage, reduce_bucket_size=self.reduce_bucket_size,
+            allgather_bucket_size=self.allgather_bucket_size, overlap_comm=self.overlap_comm,
+            param_persistence_threshold=self.zero_param_persistence_threshold,
+            offload_optimizer=self.offload_optimizer,
+            params_dtype="bf16" if self.bf16 else "fp16" if self.fp16 else "fp32",
+            grads_in_fp32=bool(self.accumulate_allreduce_grads_in_fp32),
+            clip_grad=self.clip_grad, adam_beta1=self.adam_beta1, adam_beta2=self.adam_beta2,
+            adam_eps=self.adam_eps, weight_decay=self.weight_decay,
+            loss_scale=self.loss_scale, initial_loss_scale=self.initial_loss_scale,
+            min_loss_scale=self.min_loss_scale, loss_scale_window=self.loss_scale_window,
+            hysteresis=self.hysteresis)
+
+    @property
+    def recompute(self) -> RecomputeConfig:
+        return RecomputeConfig(
+            num_layers=self.recompute_num_layers,
+            partition_activations=self.partition_activations,
+            cpu_checkpointing=self.cpu_checkpointing,
+            contiguous_checkpointing=self.contiguous_checkpointing)
+
 
 def _flag(name: str) -> str:
     return "--" + name.replace("_", "-")
@@ -259,7 +289,9 @@ def build_parser() -> argparse.ArgumentParser:
         names = [_flag(f.name)] + ([f.metadata["alias"]] if f.metadata.get("alias") else [])
         kind, many = _field_type(f)
         kw = dict(dest=f.name, default=f.default, help=f.metadata.get("help"))
-        if kind is bool:
+        if kind is bool and f.default is None:  # tri-state: --x / --no-x / derived default
+            p.add_argument(*names, action=argparse.BooleanOptionalAction, **kw)
+        elif kind is bool:
             p.add_argument(*names, action="store_true", **kw)
         else:
             p.add_argument(*names, type=kind, nargs="+" if many else None,

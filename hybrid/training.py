@@ -24,7 +24,7 @@ from hybrid.errors import TrainingError
 from hybrid.lr_schedule import learning_rate
 from hybrid.monitor import Monitor, log
 from hybrid.parallel_state import ParallelState
-from hybrid.tensor_parallel import TPRNGTracker, seed_all
+from hybrid.tensor_parallel import InitValues, TPRNGTracker, seed_all
 from hybrid.zero import ZeroEngine, apply_zero
 from models.gpt import GPT, GPTConfig
 
@@ -50,8 +50,26 @@ def gpt_config(cfg: TrainConfig, vocab_size: int) -> GPTConfig:
 
 
 def build_model(cfg: TrainConfig, ps: ParallelState, vocab_size: int,
-                rng: TPRNGTracker) -> GPT:
-    return GPT(gpt_config(cfg, vocab_size), ps.tp_group, rng=rng, seed=cfg.seed, device=ps.device)
+                rng: TPRNGTracker, device: torch.device | str | None = None) -> GPT:
+    """The GPT on ``device`` (default ``ps.device``), initialized from ``--seed``;
+    on "meta" only its shapes (ZeRO materializes it: see :func:`build_engine`)."""
+    return GPT(gpt_config(cfg, vocab_size), ps.tp_group, rng=rng, seed=cfg.seed,
+               device=device or ps.device)
+
+
+def build_engine(cfg: TrainConfig, ps: ParallelState, vocab_size: int, rng: TPRNGTracker):
+    """(model, activation checkpointing handle or None, ZeRO engine).
+
+    The model is built on the meta device and ZeRO draws only what this rank
+    keeps from the block-seeded init: no rank ever holds the whole model.
+    """
+    model = build_model(cfg, ps, vocab_size, rng, device="meta")
+    model.train()
+    ac = (apply_activation_checkpointing(model, ps, rng, cfg.recompute)
+          if cfg.recompute_activations else None)
+    engine = apply_zero(model, ps, cfg.zero, values=InitValues(cfg.seed, model.init_of),
+                        recompute=ac.phase if ac is not None else None)
+    return model, ac, engine
 
 
 def _sync(ps: ParallelState) -> None:
@@ -113,10 +131,20 @@ def evaluate(model: GPT, samples, cfg: TrainConfig, ps: ParallelState) -> float:
     return float(total) / (count * ps.dp_size)
 
 
-def _peak_memory(ps: ParallelState) -> int:
+def _memory(ps: ParallelState) -> tuple[int, int]:
+    """(bytes held now, peak so far): allocated device memory on CUDA, RSS on the CPU."""
     if ps.device.type == "cuda":
-        return torch.cuda.max_memory_allocated(ps.device)
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # peak RSS on Linux
+        return (torch.cuda.memory_allocated(ps.device),
+                torch.cuda.max_memory_allocated(ps.device))
+    with open("/proc/self/statm", encoding="ascii") as f:
+        now = int(f.read().split()[1]) * resource.getpagesize()
+    return now, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
+
+
+def _max_over_ranks(ps: ParallelState, values: list[int]) -> list[int]:
+    t = torch.tensor(values, dtype=torch.float64, device=ps.device)
+    ps.world_group.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
+    return [int(v) for v in t.tolist()]
 
 
 def pretrain(cfg: TrainConfig, ps: ParallelState) -> list[dict]:
@@ -124,11 +152,8 @@ def pretrain(cfg: TrainConfig, ps: ParallelState) -> list[dict]:
     rng = seed_all(cfg.seed, ps.tp_rank, ps.dp_rank, ps.device)
     tokenizer = build_tokenizer(cfg)
     data = build_datasets(cfg, tokenizer)
-    model = build_model(cfg, ps, tokenizer.vocab_size, rng)
-    model.train()
-    ac = apply_activation_checkpointing(model, ps, rng, cfg) if cfg.recompute_activations \
-        else None
-    engine = apply_zero(model, ps, cfg)
+    before_model = _memory(ps)[0]  # the process without the model: runtime, data
+    model, ac, engine = build_engine(cfg, ps, tokenizer.vocab_size, rng)
 
     state = TrainState()
     if cfg.load:
@@ -138,6 +163,7 @@ def pretrain(cfg: TrainConfig, ps: ParallelState) -> list[dict]:
             state.iteration, state.consumed_samples = loaded
             log.info("resumed from %s at iteration %d (%d samples consumed)", cfg.load,
                      state.iteration, state.consumed_samples)
+    setup_peak = _memory(ps)[1]
     monitor = Monitor(ps.rank, cfg.log_json, cfg.tensorboard_dir, append=state.iteration > 0)
     log.info("layout: %s", ps.describe())
     log.info("parameters: %d on each TP rank, %d in the model (TP %d, padded vocab %d); "
@@ -189,7 +215,10 @@ def pretrain(cfg: TrainConfig, ps: ParallelState) -> list[dict]:
                      "skipped_iterations": skipped, "step_time_s": step_time,
                      "tokens_per_sec": tokens_per_iter / step_time,
                      "tflops_per_rank": flops_per_iter / step_time / ps.world_size / 1e12,
-                     "peak_memory_bytes": _peak_memory(ps),
+                     # memory: the largest rank's (one tiny all-reduce per log line)
+                     **dict(zip(("peak_memory_bytes", "setup_peak_memory_bytes",
+                                 "memory_before_model_bytes"),
+                                _max_over_ranks(ps, [_memory(ps)[1], setup_peak, before_model]))),
                      "model_state_bytes": engine.model_state_bytes(), "comm_bytes": comm}
                 if ac is not None:
                     m["activation_checkpoint_bytes"] = ac.peak_bytes()

@@ -32,9 +32,9 @@ from torch import nn
 
 from hybrid.comm import CommGroup
 from hybrid.kernels import LayerNorm, bias_gelu, splits_bias
-from hybrid.tensor_parallel import (ColumnParallelLinear, RowParallelLinear, TPRNGTracker,
-                                    VocabParallelEmbedding, copy_to_tp, init_parameters,
-                                    vocab_parallel_cross_entropy)
+from hybrid.tensor_parallel import (ColumnParallelLinear, Init, RowParallelLinear,
+                                    TPRNGTracker, VocabParallelEmbedding, copy_to_tp,
+                                    init_parameters, vocab_parallel_cross_entropy)
 
 
 @dataclass
@@ -152,6 +152,9 @@ class GPT(nn.Module):
 
     def __init__(self, cfg: GPTConfig, tp_group: CommGroup, rng: TPRNGTracker | None = None,
                  seed: int = 1234, device: torch.device | str = "cpu"):
+        """Build on ``device`` and draw the init from ``seed`` -- or, with
+        ``device="meta"``, only shapes: ZeRO then materializes what each rank keeps
+        (``apply_zero(..., values=InitValues(seed, model.init_of))``)."""
         super().__init__()
         if cfg.hidden_size % cfg.num_attention_heads:
             raise ValueError(f"hidden_size {cfg.hidden_size} is not divisible by "
@@ -160,34 +163,32 @@ class GPT(nn.Module):
             raise ValueError("attention dropout under TP needs the TP RNG tracker (rng=...)")
         self.cfg = cfg
         self.tp_group = tp_group
-        self.wte = VocabParallelEmbedding(cfg.padded_vocab_size, cfg.hidden_size, tp_group)
-        self.wpe = nn.Embedding(cfg.max_position_embeddings, cfg.hidden_size)
-        self.drop = nn.Dropout(cfg.hidden_dropout)
-        self.blocks = nn.ModuleList(Block(cfg, tp_group, rng) for _ in range(cfg.num_layers))
-        self.ln_f = LayerNorm(cfg.hidden_size, eps=cfg.layernorm_epsilon)
+        with torch.device(device):
+            self.wte = VocabParallelEmbedding(cfg.padded_vocab_size, cfg.hidden_size, tp_group)
+            self.wpe = nn.Embedding(cfg.max_position_embeddings, cfg.hidden_size)
+            self.drop = nn.Dropout(cfg.hidden_dropout)
+            self.blocks = nn.ModuleList(Block(cfg, tp_group, rng) for _ in range(cfg.num_layers))
+            self.ln_f = LayerNorm(cfg.hidden_size, eps=cfg.layernorm_epsilon)
         # Padded vocabulary columns on this rank (ids >= vocab_size) are masked
         # out of the softmax, so padding never changes the loss: the model is the
         # same function for any TP size even though the padding depends on it.
         self._valid_local = max(0, min(cfg.vocab_size - self.wte.vocab_start,
                                        self.wte.vocab_end - self.wte.vocab_start))
-        self.to(device)
-        init_parameters(self, seed, self._init_fn)
+        if torch.device(device).type != "meta":
+            init_parameters(self, seed, self.init_of)
 
-    def _init_fn(self, name: str, shape: tuple, g: torch.Generator) -> torch.Tensor:
-        """Full fp32 value of parameter ``name`` (GPT-2's init)."""
+    def init_of(self, name: str) -> Init:
+        """How parameter ``name``'s full value is drawn (GPT-2's init)."""
         cfg = self.cfg
         if name.endswith("bias"):
-            return torch.zeros(shape)
+            return Init("zeros")
         if ".ln_" in name or name.startswith("ln_f"):
-            return torch.ones(shape)
-        std = cfg.init_std
+            return Init("ones")
         if name.endswith("proj.weight"):  # residual projections: scaled by depth (GPT-2)
-            std = cfg.init_std / math.sqrt(2 * cfg.num_layers)
+            return Init("normal", cfg.init_std / math.sqrt(2 * cfg.num_layers))
         if name == "wte.weight":  # padding rows stay zero
-            w = torch.zeros(shape)
-            w[: cfg.vocab_size].normal_(0.0, std, generator=g)
-            return w
-        return torch.empty(shape).normal_(0.0, std, generator=g)
+            return Init("normal", cfg.init_std, valid_rows=cfg.vocab_size)
+        return Init("normal", cfg.init_std)
 
     def forward(self, tokens: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
         B, T = tokens.shape

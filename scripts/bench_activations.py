@@ -114,7 +114,7 @@ def _bench(ps, a):
                               hidden_size=a.hidden_size, num_attention_heads=a.heads,
                               seq_length=a.seq_length, recompute_activations=True, **flags
                               ).validate(ps.world_size)
-            ac = apply_activation_checkpointing(model, ps, rng, cfg)
+            ac = apply_activation_checkpointing(model, ps, rng, cfg.recompute)
         runs[mode] = {"model": model, "ac": ac, "times": []}
     g = torch.Generator().manual_seed(0)
     batch = torch.randint(0, a.vocab_size, (a.micro_batch_size, a.seq_length + 1), generator=g)

@@ -88,7 +88,7 @@ def _bench_rank(ps, system, a):
     if system.startswith("hybrid"):
         from hybrid.zero import apply_zero
         cfg.zero_stage = int(system[-1])
-        engine = apply_zero(model, ps, cfg)
+        engine = apply_zero(model, ps, cfg.zero)
 
         def step(b):
             engine.zero_grad()

@@ -49,7 +49,7 @@ def _model(ps, seed=SEED):
 def _apply(model, ps, rng, flags):
     cfg = TrainConfig(tensor_model_parallel_size=ps.tp_size, num_layers=LAYERS, hidden_size=C,
                       num_attention_heads=4, seq_length=T, **flags).validate(ps.world_size)
-    return apply_activation_checkpointing(model, ps, rng, cfg)
+    return apply_activation_checkpointing(model, ps, rng, cfg.recompute)
 
 
 def _held_by_graph(loss):

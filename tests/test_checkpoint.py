@@ -253,7 +253,7 @@ def _save_with_full_disk(ps, save_dir):
     cfg = TrainConfig(num_layers=1, hidden_size=32, num_attention_heads=4, seq_length=8,
                       zero_stage=2).validate(ps.world_size)
     rng = seed_all(1, ps.tp_rank, ps.dp_rank, ps.device)
-    engine = apply_zero(build_model(cfg, ps, 257, rng), ps, cfg)
+    engine = apply_zero(build_model(cfg, ps, 257, rng), ps, cfg.zero)
     save_checkpoint(save_dir, 1, 8, engine, ps, cfg, rng)
     real = save_mod._fsync_write
 

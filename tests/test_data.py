@@ -123,6 +123,72 @@ def test_blend_draws_in_the_requested_proportions():
     for n in (10, 100, 1000, 20000):
         counts = np.bincount([b.source_of(i) for i in range(n)], minlength=3)
         assert np.all(np.abs(counts - n * np.array([0.2, 0.5, 0.3])) <= 1), (n, counts)
+    assert np.allclose(b.bound, [0.7, 0.5, 0.8])  # 1/2 sum_a w_d / W_a: (0.2, 0.3) under the root
+    rng = np.random.default_rng(0)
+    for w in ([2, 5, 3], [0.68] + [0.0355] * 9, rng.random(6) ** 3, np.exp(rng.normal(0, 2, 10))):
+        b = BlendedSamples([None] * len(w), w)
+        which, _ = b.locate(0, 200_000)
+        n = np.arange(1, 200_001)
+        dev = [np.abs(np.cumsum(which == d) - b.weights[d] * n).max() for d in range(len(w))]
+        assert np.all(dev <= b.bound + 1e-9) and b.bound.max() < 1.68, (w, dev, b.bound)
+        far = [b.counts(k) for k in (10**9 + 7, 3 * 10**9 + 1, 10**10)]  # closed form, any n
+        assert all(np.all(np.abs(c - b.weights * c.sum()) <= b.bound + 1e-5) for c in far)
+    assert max(dev) > 0.8 * b.bound.max()  # the bound is nearly reached, not loose
+
+
+def _reference_walk(b, lo, hi):
+    """The blend as a run walking it sample by sample: every split keeps counters, and its
+    smaller child takes the next sample when at least half a sample behind its share."""
+    first = len(b.datasets)
+    kids = {g: (b._small[g - first], b._big[g - first], b._q[g - first])
+            for g in range(first, b._root + 1)}
+    seen, small = {b._root: lo}, {}  # state at lo: each split's counts, top down
+    for g in range(b._root, first - 1, -1):
+        s_child, b_child, q = kids[g]
+        small[g] = int(np.floor(q * seen[g] + 0.5))
+        seen[s_child], seen[b_child] = small[g], seen[g] - small[g]
+    out = []
+    for _ in range(lo, hi):
+        g = b._root
+        while g >= first:
+            s_child, b_child, q = kids[g]
+            take = q * (seen[g] + 1) - small[g] >= 0.5
+            small[g] += take
+            seen[g] += 1
+            g = s_child if take else b_child
+        out.append((g, seen[g]))
+        seen[g] += 1
+    return np.array(out).T
+
+
+def test_blend_random_access_matches_a_sequential_walk():
+    b = BlendedSamples([None] * 5, [0.07, 0.3, 0.13, 0.5, 0.011])
+    walk = _reference_walk(b, 0, 200_000)
+    cuts = [0, 1, 65535, 65536, 65537, 131072, 199_999, 200_000]  # blocks of odd sizes
+    got = np.concatenate([np.stack(b.locate(x, y)) for x, y in zip(cuts, cuts[1:])], axis=1)
+    assert np.array_equal(got, walk)
+    assert np.array_equal(np.bincount(walk[0], minlength=5), b.counts(200_000))
+    at = [0, 65535, 65536, 199_999]
+    assert [b.source_of(i) for i in at] == walk[0, at].tolist()
+
+
+def test_resume_with_blended_data_is_exact():
+    w, lo, n = [0.3, 1.1, 0.25], 10**8, 5000
+    fresh = BlendedSamples([_samples(seed=s) for s in range(3)], w)
+    which, index = fresh.locate(lo, lo + n)
+    assert np.array_equal([which, index], _reference_walk(fresh, lo, lo + n))
+    other = BlendedSamples([_samples(seed=s) for s in range(3)], w)
+    other.locate(lo + 2 * n, lo + 3 * n)  # another path there: no state carries over
+    parts = [np.stack(other.locate(x, min(x + 777, lo + n))) for x in range(lo, lo + n, 777)]
+    assert np.array_equal(np.concatenate(parts, axis=1), [which, index])
+    before = fresh.counts(lo)  # samples each dataset gave the first 10**8
+    assert before.tolist() == [18_181_818, 66_666_667, 15_151_515] and before.sum() == lo
+    assert np.all(np.abs(before - fresh.weights * lo) <= fresh.bound)
+    for d in range(3):  # each dataset continues exactly where the first 10**8 left it
+        assert np.array_equal(index[which == d], before[d] + np.arange((which == d).sum()))
+    assert np.array_equal(fresh.counts(lo + n) - before, np.bincount(which, minlength=3))
+    i = lo + 123
+    assert np.array_equal(fresh[i], fresh.datasets[which[123]][index[123]])
 
 
 def test_build_datasets_splits_and_blends_prefixes(tmp_path):
@@ -138,6 +204,9 @@ def test_build_datasets_splits_and_blends_prefixes(tmp_path):
     assert all(data[s] is not None for s in ("train", "valid", "test"))
     train = data["train"]
     assert np.bincount([train.source_of(i) for i in range(40)]).tolist() == [10, 30]
+    batches = dp_micro_batches(train, 10**6, 8, 2, 1, 2, torch.device("cpu"))  # rank 1 of 2
+    rows = torch.cat([torch.cat([x, y[:, -1:]], 1) for x, y in batches]).numpy()
+    assert np.array_equal(rows, np.stack([train[i] for i in range(10**6 + 4, 10**6 + 8)]))
     text = ByteTokenizer().decode(train[0])
     assert ("alpha" in text) != ("beta" in text)  # each sample comes from one prefix
     assert list(tmp_path.glob("shuffle_*.npy"))  # the sample order was cached

@@ -64,7 +64,7 @@ def _load_imported(ps, save):
                       ).validate(ps.world_size)
     rng = seed_all(0, ps.tp_rank, ps.dp_rank, ps.device)
     model = build_model(cfg, ps, VOCAB, rng).eval()
-    engine = apply_zero(model, ps, cfg)
+    engine = apply_zero(model, ps, cfg.zero)
     assert load_checkpoint(save, engine, ps, cfg, rng, VOCAB) == (0, 0)
     with torch.no_grad():
         return model(_tokens())

@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from harness import run_ranks
 from hybrid.parallel_state import ParallelState
 from hybrid.tensor_parallel import (ColumnParallelLinear, RowParallelLinear,
-                                    VocabParallelEmbedding, init_parameters, shard_of)
+                                    VocabParallelEmbedding, init_parameters, shard_of, Init)
 
 IN, OUT, V, D = 8, 12, 16, 6
 
@@ -102,7 +102,7 @@ def _init_worker(ps):
     col = ColumnParallelLinear(IN, OUT, ps.tp_group)
     row = RowParallelLinear(OUT, IN, ps.tp_group)
     model = torch.nn.ModuleDict({"col": col, "row": row})
-    init_parameters(model, 42, lambda name, shape, g: torch.randn(shape, generator=g))
+    init_parameters(model, 42, lambda name: Init("normal", 1.0))
     return {n: p.detach() for n, p in model.named_parameters()}
 
 

@@ -8,9 +8,9 @@ import torch
 from harness import run_ranks
 from hybrid.config import TrainConfig, padded_vocab_size
 from hybrid.parallel_state import ParallelState
-from hybrid.tensor_parallel import seed_all
+from hybrid.tensor_parallel import InitValues, seed_all
 from hybrid.zero import apply_zero
-from hybrid.zero.estimate import model_state_bytes
+from hybrid.zero.estimate import choose_stage, comm_bytes_per_step, model_state_bytes
 from models.gpt import GPT, GPTConfig
 
 SEED, VOCAB, SEQ, STEPS, GLOBAL_BATCH, MICRO = 5, 257, 16, 3, 8, 2
@@ -31,14 +31,14 @@ def _train_cfg(world, tp, **kw):
     return TrainConfig(**base).validate(world)
 
 
-def _gpt(cfg, ps):
+def _gpt(cfg, ps, device="cpu"):
     rng = seed_all(cfg.seed, ps.tp_rank, ps.dp_rank, ps.device)
     gcfg = GPTConfig(vocab_size=VOCAB,
                      padded_vocab_size=padded_vocab_size(VOCAB, 128, ps.tp_size),
                      num_layers=cfg.num_layers, hidden_size=cfg.hidden_size,
                      num_attention_heads=cfg.num_attention_heads,
                      max_position_embeddings=SEQ, hidden_dropout=0.0, attention_dropout=0.0)
-    return GPT(gcfg, ps.tp_group, rng=rng, seed=cfg.seed)
+    return GPT(gcfg, ps.tp_group, rng=rng, seed=cfg.seed, device=device)
 
 
 def _global_batch(step):
@@ -62,8 +62,8 @@ def _train_stages(ps, variants):
     out = []
     for stage, kw in variants:
         cfg = _train_cfg(ps.world_size, ps.tp_size, zero_stage=stage, **kw)
-        model = _gpt(cfg, ps)
-        engine = apply_zero(model, ps, cfg)
+        model = _gpt(cfg, ps, device="meta")  # as training builds it: ZeRO materializes
+        engine = apply_zero(model, ps, cfg.zero, values=InitValues(cfg.seed, model.init_of))
         losses, norms = [], []
         for step in range(STEPS):
             engine.zero_grad()
@@ -150,28 +150,31 @@ def _assert_matches_reference(res, reference, variants, tp, dp):
             assert res[r][v]["norms"] == got["norms"], f"{what}: grad norms r{r} vs r0"
 
 
-def _bytes_per_stage(ps, dtype_flag):
+def _bytes_per_stage(ps, flags, micro_batches=1):
+    """Per stage: Psi, model-state bytes after a step, and bytes moved by one step of
+    ``micro_batches`` micro-batches (counted by hybrid/comm.py), by collective kind."""
     out = {}
     for stage in range(4):
         cfg = _train_cfg(ps.world_size, 1, zero_stage=stage, hidden_size=64,
-                         global_batch_size=ps.dp_size * MICRO, **{dtype_flag: True})
+                         global_batch_size=ps.dp_size * MICRO * micro_batches, **flags)
         model = _gpt(cfg, ps)
         psi = sum(p.numel() for p in model.parameters())
-        engine = apply_zero(model, ps, cfg)
+        engine = apply_zero(model, ps, cfg.zero)
         engine.zero_grad()
-        (x, y), = _my_micro_batches(0, ps, MICRO)
-        before = ps.comm_stats.snapshot()
-        engine.backward(model(x, y))
+        batches = [b for s in range(micro_batches) for b in _my_micro_batches(s, ps, MICRO)]
+        ps.comm_stats.reset()
+        for i, (x, y) in enumerate(batches[:micro_batches]):
+            engine.backward(model(x, y) / micro_batches, sync=i == micro_batches - 1)
         engine.step(cfg.lr)
-        after = ps.comm_stats.snapshot()
-        out[stage] = {"psi": psi, "state": engine.model_state_bytes(),
-                      "comm": {k: after[k] - before[k] for k in after}}
+        out[stage] = {"psi": psi, "padded": sum(u.padded for u in engine.units),
+                      "state": engine.model_state_bytes(), "comm": dict(ps.comm_stats.bytes),
+                      "calls": dict(ps.comm_stats.calls)}
     return out
 
 
-def _assert_states_match_estimator(res, dtype, nd=4):
+def _assert_states_match_estimator(res, dtype, grads_dtype=None, nd=4):
     for stage, r in res.items():
-        expect = model_state_bytes(r["psi"], nd, stage, dtype)
+        expect = model_state_bytes(r["psi"], nd, stage, dtype, grads_dtype)
         for what in ("params", "grads", "optimizer"):
             got, e = r["state"][what], expect[what]
             assert abs(got - e) <= 0.02 * e, f"{dtype} stage {stage} {what}: {got} vs {e}"
@@ -184,29 +187,52 @@ def test_estimator_is_the_zero_paper_formula():
     assert model_state_bytes(psi, nd, 2, "bf16")["total"] == 2 * psi + 14 * psi // nd
     assert model_state_bytes(psi, nd, 3, "bf16")["total"] == 16 * psi // nd
     assert model_state_bytes(psi, nd, 0, "fp32")["total"] == 16 * psi
+    # fp32 gradients for bf16 training: g = 4
+    assert model_state_bytes(psi, nd, 1, "bf16", "fp32")["total"] == 6 * psi + 12 * psi // nd
+    assert model_state_bytes(psi, nd, 3, "bf16", "fp32")["total"] == 18 * psi // nd
+    # traffic: stage 2 pays a reduce-scatter per micro-batch, stage 1 one per step
+    one = comm_bytes_per_step(psi, nd, 1, 8, "bf16", "fp32")
+    two = comm_bytes_per_step(psi, nd, 2, 8, "bf16", "fp32")
+    assert one["reduce_scatter"] == 4 * psi * 3 // 4 and two["reduce_scatter"] == 8 * 3 * psi
+    assert choose_stage(psi, nd, 8, "bf16", "fp32", budget_bytes=1e12) == 1
+    assert choose_stage(psi, nd, 1, "bf16", "fp32",
+                        budget_bytes=model_state_bytes(psi, nd, 3, "bf16", "fp32")["total"]) == 3
 
 
 def test_model_state_bytes_follow_zero_formulas():
-    """bf16 params and grads (2 + 2 bytes), fp32 master + Adam moments (K = 12),
-    measured from the storages alive after a step, TP1 x DP4; the estimator
-    script's formula must predict them."""
-    res = run_ranks(_bytes_per_stage, world_size=4, tp=1, args=("bf16",))[0]
-    _assert_states_match_estimator(res, "bf16")
+    """bf16 params (2 bytes), fp32 gradients (4: the default with bf16), fp32 master
+    + Adam moments (K = 12), measured from the storages alive after a step,
+    TP1 x DP4; and bf16 gradients (2) when fp32 accumulation is turned off. The
+    estimator's formula must predict them."""
+    res = run_ranks(_bytes_per_stage, world_size=4, tp=1, args=({"bf16": True},))[0]
+    _assert_states_match_estimator(res, "bf16", "fp32")
+    res = run_ranks(_bytes_per_stage, world_size=4, tp=1,
+                    args=({"bf16": True, "accumulate_allreduce_grads_in_fp32": False},))[0]
+    _assert_states_match_estimator(res, "bf16", "bf16")
 
 
-def test_communicated_bytes_per_step_follow_zero_theory():
-    """fp32, one micro-batch per step, TP1 x DP4: stages 0-2 move 2 Psi (N-1)/N
-    elements per rank, stage 3 moves 3 Psi (N-1)/N."""
-    res = run_ranks(_bytes_per_stage, world_size=4, tp=1, args=("overlap_comm",))[0]
-    _assert_states_match_estimator(res, "fp32")  # K = 8: fp32 params are their own master
-    nd = 4
-    for stage, r in res.items():
-        elems = sum(r["comm"].values()) / 4  # fp32
-        theory = (3 if stage == 3 else 2) * r["psi"] * (nd - 1) / nd
-        assert abs(elems - theory) <= 0.05 * theory, f"stage {stage}: {elems} vs {theory}"
-        if stage == 3:
-            ag = r["comm"]["all_gather"] / 4
-            assert abs(ag - 2 * r["psi"] * (nd - 1) / nd) <= 0.05 * ag
+@pytest.mark.parametrize("k", [1, 4])
+def test_communicated_bytes_per_step_equal_the_formula(k):
+    """TP1 x DP4, k micro-batches per step, fp32 (and bf16 with fp32 gradients at
+    k = 4): the bytes each collective kind moves equal ``comm_bytes_per_step`` for
+    the padded Psi exactly (up to each call's rounding to whole bytes); the
+    all-reduce adds only the grad-norm and overflow scalars."""
+    runs = [("fp32", None, {"overlap_comm": True})]
+    if k == 4:
+        runs.append(("bf16", "fp32", {"bf16": True}))
+    for dtype, grads, flags in runs:
+        res = run_ranks(_bytes_per_stage, world_size=4, tp=1, args=(flags, k))[0]
+        if dtype == "fp32":
+            _assert_states_match_estimator(res, "fp32")  # K = 8: params are their own master
+        nd, f = 4, 3 / 4
+        for stage, r in res.items():
+            expect = comm_bytes_per_step(r["padded"], nd, stage, k, dtype, grads)
+            scalars = (2 * 16 * f if stage else 0) + 2 * 4 * f  # norm (fp64 x 2), flag
+            for kind in ("reduce_scatter", "all_gather", "all_reduce"):
+                got = r["comm"][kind] - (scalars if kind == "all_reduce" else 0)
+                assert abs(got - expect[kind]) <= r["calls"][kind], \
+                    f"{dtype} stage {stage} k={k} {kind}: {got} vs {expect[kind]}"
+            assert r["padded"] - r["psi"] < nd * 40  # padding: < N per unit
 
 
 def _largest_messages(ps, hidden):
@@ -215,7 +241,7 @@ def _largest_messages(ps, hidden):
         cfg = _train_cfg(ps.world_size, 1, zero_stage=stage, hidden_size=hidden,
                          overlap_comm=stage % 2 == 0)
         model = _gpt(cfg, ps)
-        engine = apply_zero(model, ps, cfg)
+        engine = apply_zero(model, ps, cfg.zero)
         ps.comm_stats.reset()
         engine.zero_grad()
         for i, (x, y) in enumerate(_my_micro_batches(0, ps, MICRO)):
@@ -243,7 +269,7 @@ def _overflow(ps):
     cfg = _train_cfg(ps.world_size, 1, zero_stage=2, fp16=True, hysteresis=1,
                      initial_loss_scale=1024.0)
     model = _gpt(cfg, ps)
-    engine = apply_zero(model, ps, cfg)
+    engine = apply_zero(model, ps, cfg.zero)
     steps = []
     for step in range(2):
         engine.zero_grad()

@@ -187,9 +187,11 @@ def dp_micro_batches(samples, consumed_samples: int, global_batch_size: int,
     """
     per_rank = global_batch_size // dp_size
     first = consumed_samples + dp_rank * per_rank
-    out = []
-    for m in range(0, per_rank, micro_batch_size):
-        rows = np.stack([samples[first + m + k] for k in range(micro_batch_size)])
-        batch = torch.from_numpy(rows).to(device)
-        out.append((batch[:, :-1], batch[:, 1:]))
-    return out
+    if isinstance(samples, BlendedSamples):  # where each row lives: one vectorized lookup
+        which, index = samples.locate(first, first + per_rank)
+        rows = [samples.datasets[d][k] for d, k in zip(which.tolist(), index.tolist())]
+    else:
+        rows = [samples[i] for i in range(first, first + per_rank)]
+    batch = torch.from_numpy(np.stack(rows)).to(device)
+    return [(batch[m: m + micro_batch_size, :-1], batch[m: m + micro_batch_size, 1:])
+            for m in range(0, per_rank, micro_batch_size)]

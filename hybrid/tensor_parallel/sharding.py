@@ -1,23 +1,17 @@
-"""Which slice of a full tensor a TP rank holds, and layout-independent init.
+"""Which slice of a full tensor a TP rank holds.
 
 A TP-split parameter carries a :class:`ShardSpec` (``param.tp_spec``): the full
 shape, the split dimension, and this rank's index among ``size`` equal chunks.
 A parameter without one is replicated on every TP rank (LayerNorm, position
 embeddings, row-parallel biases).
 
-[Note: layout-independent init]
-Each parameter's *full* value is drawn from its own generator, seeded by the
-run seed and the parameter's name, and each rank keeps its slice. So with the
-same ``--seed`` the model is the same function whatever the TP x DP layout and
-whatever order modules were built in. That is what lets every parallel run be
-checked against a one-process reference.
+Initial values are defined on the full tensor and drawn slice by slice:
+see :mod:`hybrid.tensor_parallel.init`.
 """
 
 from __future__ import annotations
 
-import zlib
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 from torch import nn
@@ -63,23 +57,3 @@ def shard_of(full: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
     return full.chunk(spec.size, dim=spec.dim)[spec.rank]
 
 
-def param_generator(seed: int, name: str) -> torch.Generator:
-    """A CPU generator owned by one named parameter, independent of build order."""
-    g = torch.Generator(device="cpu")
-    g.manual_seed((seed * 1_000_003 + zlib.crc32(name.encode())) % (2**63))
-    return g
-
-
-InitFn = Callable[[str, tuple, torch.Generator], torch.Tensor]
-
-
-@torch.no_grad()
-def init_parameters(module: nn.Module, seed: int, init_fn: InitFn) -> None:
-    """Fill every parameter with its slice of ``init_fn(name, full_shape, generator)``.
-
-    ``init_fn`` returns the full fp32 CPU tensor; it is drawn on CPU so the values
-    do not depend on the device either.
-    """
-    for name, p in module.named_parameters():
-        full = init_fn(name, full_shape(p), param_generator(seed, name))
-        p.copy_(shard_of(full, p).to(device=p.device, dtype=p.dtype))

@@ -1,11 +1,12 @@
 """apply_zero: ZeRO-DP applied to a model from outside.
 
-    engine = apply_zero(model, ps, cfg)
+    engine = apply_zero(model, ps, cfg.zero, values=InitValues(seed, model.init_of))
     for tokens, labels in micro_batches:
         engine.backward(model(tokens, labels) / n, sync=is_last)
     result = engine.step(lr)
 
-What each stage keeps on a rank (Psi = this TP rank's parameters, N = DP size):
+What each stage keeps on a rank (Psi = this TP rank's parameters, N = DP size;
+the stage is resolved once into a :class:`ShardingPlan`):
 
 =======  ==============  =================  =======================================
 stage    parameters      gradients          fp32 master + Adam moments
@@ -16,9 +17,12 @@ stage    parameters      gradients          fp32 master + Adam moments
 3        1/N             1/N                1/N
 =======  ==============  =================  =======================================
 
-All parameters live as views of flat buffers (one per dtype, or one per
-module at stage 3), gradients too at stages 0-1 (``param.grad`` is a view, so
-autograd accumulates in place) -- no per-parameter allocation in a step.
+All parameters live as views of flat buffers (one for the whole units, one per
+module at stage 3), gradients too at stages 0-1 -- no per-parameter allocation
+in a step. Gradients are accumulated and reduced in ``cfg.grads_dtype`` (fp32
+with ``--accumulate-allreduce-grads-in-fp32``, the default under bf16).
+The model may be built on the meta device: the engine materializes only what
+this rank keeps (see :mod:`hybrid.zero.units`).
 """
 
 from __future__ import annotations
@@ -31,19 +35,23 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from hybrid.config_sections import ZeroConfig
 from hybrid.kernels.adam import has_adam_kernel
 from hybrid.parallel_state import ParallelState
+from hybrid.phase import RecomputePhase
 from hybrid.tensor_parallel import is_tp_split
-from hybrid.zero.flat_unit import FlatUnit, gather_pieces
+from hybrid.zero.flat_unit import gather_pieces
 from hybrid.zero.grad_sync import GradReducer
 from hybrid.zero.loss_scaler import LossScaler
 from hybrid.zero.offload import OptimizerOffload
 from hybrid.zero.optimizer import ShardedAdamW, global_grad_norm
 from hybrid.zero.param_sync import ParamGatherer
+from hybrid.zero.plan import ShardingPlan
+from hybrid.zero.units import Materializer, plan_units
 
 log = logging.getLogger("hybrid")
 
-_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 @dataclass
@@ -53,103 +61,77 @@ class StepResult:
     loss_scale: float
 
 
-def model_dtype(cfg) -> torch.dtype:
-    return torch.bfloat16 if cfg.bf16 else torch.float16 if cfg.fp16 else torch.float32
-
-
-def _bucket_units(params, ps, bucket: int, owns_all: bool, tag: str) -> list[FlatUnit]:
-    """Pack params, last first (their grads are ready first), into <= bucket-element units."""
-    units, cur, size = [], [], 0
-    for p in reversed(params):
-        if cur and size + p.numel() > bucket:
-            units.append(cur)
-            cur, size = [], 0
-        cur.append(p)
-        size += p.numel()
-    if cur:
-        units.append(cur)
-    return [FlatUnit(u, ps.dp_group, owns_all=owns_all, name=f"{tag}{i}")
-            for i, u in enumerate(units)]
-
-
 class ZeroEngine:
-    def __init__(self, model: nn.Module, ps: ParallelState, cfg, unit_modules=None):
+    """See the module docstring; built by :func:`apply_zero`."""
+
+    def __init__(self, model: nn.Module, ps: ParallelState, cfg: ZeroConfig, values=None,
+                 unit_modules=None, recompute: RecomputePhase | None = None):
         self.model, self.ps, self.cfg = model, ps, cfg
-        self.stage = cfg.zero_stage
-        self.dtype = model_dtype(cfg)
+        self.plan = ShardingPlan.for_stage(cfg.stage)
+        self.stage = cfg.stage
+        self.dtype, self.grad_dtype = DTYPES[cfg.params_dtype], DTYPES[cfg.grads_dtype]
         self.scaler = LossScaler.from_config(cfg)
-        params = [p for p in model.parameters() if p.requires_grad]
-        fp32_values = {id(p): p.detach().float().clone() for p in params}
-        self.gatherer = None
-        owners = []
-        if self.stage == 3:
-            owners = self._module_owners(model, params, unit_modules)
-            small = [p for p in params
-                     if p.numel() < cfg.zero_param_persistence_threshold]
-            self.units = _bucket_units(small, ps, cfg.reduce_bucket_size, False, "persistent")
-            self.units += [u for _, u in owners]
-        else:
-            self.units = _bucket_units(params, ps, cfg.reduce_bucket_size, self.stage == 0,
-                                       "bucket")
-        self._allocate(fp32_values, owners)
-        if owners:
-            self.gatherer = ParamGatherer(owners, cfg.allgather_bucket_size)
-        self.reducer = GradReducer(self.units, self.stage, ps.dp_group, cfg.reduce_bucket_size,
-                                   cfg.overlap_comm,
+        self.units, owners = plan_units(model, ps, cfg, self.plan, unit_modules)
+        fill = Materializer(model, values)
+        # fp32 master weights first: they read the exact fp32 values, which a
+        # materialized model loses once its parameters become low-precision views.
+        master = self._allocate_master(fill)
+        whole = [u for u in self.units if not u.partition_params]
+        self.flat_params = torch.empty(sum(u.padded for u in whole), dtype=self.dtype,
+                                       device=ps.device)
+        fill.bind(self.units, self.flat_params, self.dtype, ps.device)
+        self._allocate_grads()
+        self.gatherer = (ParamGatherer(owners, cfg.allgather_bucket_size,
+                                       recompute or RecomputePhase()) if owners else None)
+        self.reducer = GradReducer(self.units, self.plan, ps.dp_group, cfg.reduce_bucket_size,
+                                   cfg.overlap_comm, self.grad_dtype,
                                    self.gatherer.after_reduce if self.gatherer else None)
-        self._build_optimizer(fp32_values)
+        self._build_optimizer(master if master is not None else [u.shard for u in self.units])
 
     # -- construction ------------------------------------------------------------
-    def _module_owners(self, model, params, unit_modules):
-        """Stage 3: one partitioned unit per module (e.g. block), one for the rest (root)."""
-        thr = self.cfg.zero_param_persistence_threshold
-        modules = list(unit_modules) if unit_modules is not None else []
-        taken, owners = set(), []
-        for i, m in enumerate(modules):
-            ps_ = [p for p in m.parameters() if p.requires_grad and p.numel() >= thr]
-            taken.update(id(p) for p in ps_)
-            if ps_:
-                owners.append((m, FlatUnit(ps_, self.ps.dp_group, partition_params=True,
-                                           name=f"module{i}")))
-        rest = [p for p in params if id(p) not in taken and p.numel() >= thr]
-        if rest:
-            owners.insert(0, (model, FlatUnit(rest, self.ps.dp_group, partition_params=True,
-                                              name="root")))
-        return owners
-
-    def _allocate(self, fp32_values, owners) -> None:
-        dev, dt = self.ps.device, self.dtype
-        shared = [u for u in self.units if not u.partition_params]
-        flat = torch.empty(sum(u.padded for u in shared), dtype=dt, device=dev)
-        self.flat_params = flat
-        off = 0
-        for u in shared:
-            u.bind(flat[off: off + u.padded], [fp32_values[id(p)] for p in u.params])
-            off += u.padded
+    def _allocate_master(self, fill: Materializer) -> list[torch.Tensor] | None:
+        """One flat fp32 buffer over this rank's owned ranges (on the host when
+        offloaded); None when the fp32, on-device parameter shards are their own master."""
+        self.separate_master = self.dtype != torch.float32 or self.cfg.offload_optimizer
+        self.flat_master = None
+        if not self.separate_master:
+            return None
+        dev = torch.device("cpu") if self.cfg.offload_optimizer else self.ps.device
+        n = sum(u.own_hi - u.own_lo for u in self.units)
+        pin = self.cfg.offload_optimizer and torch.cuda.is_available()
+        self.flat_master = torch.empty(n, dtype=torch.float32, device=dev, pin_memory=pin)
+        master, off = [], 0
         for u in self.units:
-            if u.partition_params:
-                u.bind(torch.empty(u.padded, dtype=dt, device=dev),
-                       [fp32_values[id(p)] for p in u.params])
-                u.release()
-        if self.stage <= 1:  # full gradients, and param.grad are views of them
+            part = self.flat_master[off: off + u.own_hi - u.own_lo]
+            fill.fill_master(u, part)
+            master.append(part)
+            off += part.numel()
+        return master
+
+    def _allocate_grads(self) -> None:
+        """Full gradients (plan.grads False: ``unit.grad_full`` views, ``param.grad``
+        views too when they share the dtype) or this rank's shard only."""
+        dev, dt = self.ps.device, self.grad_dtype
+        if not self.plan.grads:
             self.flat_grads = torch.zeros(sum(u.padded for u in self.units), dtype=dt, device=dev)
             off = 0
             for u in self.units:
                 u.grad_full = self.flat_grads[off: off + u.padded]
                 u.grad_shard = u.grad_full[u.own_lo: u.own_hi]
-                for p, o in zip(u.params, u.offsets):
-                    p.grad = u.grad_full[o: o + p.numel()].view_as(p)
+                if dt == self.dtype:  # autograd accumulates straight into the buffer
+                    for p, o in zip(u.params, u.offsets):
+                        p.grad = u.grad_full[o: o + p.numel()].view_as(p)
                 off += u.padded
-        else:
-            self.flat_grads = torch.zeros(sum(u.own_hi - u.own_lo for u in self.units),
-                                          dtype=dt, device=dev)
-            off = 0
-            for u in self.units:
-                n = u.own_hi - u.own_lo
-                u.grad_shard = self.flat_grads[off: off + n]
-                off += n
+            return
+        self.flat_grads = torch.zeros(sum(u.own_hi - u.own_lo for u in self.units),
+                                      dtype=dt, device=dev)
+        off = 0
+        for u in self.units:
+            n = u.own_hi - u.own_lo
+            u.grad_shard = self.flat_grads[off: off + n]
+            off += n
 
-    def _build_optimizer(self, fp32_values) -> None:
+    def _build_optimizer(self, master: list[torch.Tensor]) -> None:
         cfg = self.cfg
         decay, split = [], []
         for u in self.units:
@@ -160,40 +142,15 @@ class ZeroEngine:
                 (s if is_tp_split(u.params[i]) else []).append(rng)
             decay.append(d)
             split.append(s)
-        # fp32 master weights: the parameter shards themselves when the model is
-        # fp32 and on-device; otherwise one flat fp32 buffer (on the host if offloaded).
-        self.separate_master = self.dtype != torch.float32 or cfg.offload_optimizer
-        if self.separate_master:
-            dev = torch.device("cpu") if cfg.offload_optimizer else self.ps.device
-            n = sum(u.own_hi - u.own_lo for u in self.units)
-            pin = cfg.offload_optimizer and torch.cuda.is_available()
-            self.flat_master = torch.empty(n, dtype=torch.float32, device=dev, pin_memory=pin)
-            master, off = [], 0
-            for u in self.units:
-                part = self.flat_master[off: off + u.own_hi - u.own_lo]
-                self._fill_master(u, part, fp32_values)
-                master.append(part)
-                off += part.numel()
-        else:
-            self.flat_master = None
-            master = [u.shard for u in self.units]
         self.optimizer = ShardedAdamW(master, decay, split, (cfg.adam_beta1, cfg.adam_beta2),
                                       cfg.adam_eps, cfg.weight_decay, self.flat_master)
-        self.offload = (OptimizerOffload(self.units, self.dtype, self.flat_grads, self.stage)
+        self.offload = (OptimizerOffload(self.units, self.dtype, self.flat_grads, self.plan)
                         if cfg.offload_optimizer else None)
         # One fused pass over the flat shard where the gradient shard is already
         # flat and in master order (stages 2-3) and a compiled kernel exists;
         # otherwise torch's fused AdamW per unit.
-        self._flat_step = (self.offload is None and self.separate_master and self.stage >= 2
+        self._flat_step = (self.offload is None and self.separate_master and self.plan.grads
                            and has_adam_kernel(self.flat_master.device))
-
-    @staticmethod
-    def _fill_master(u: FlatUnit, part: torch.Tensor, fp32_values) -> None:
-        """Master = the exact fp32 init, not its rounded low-precision copy."""
-        part.zero_()
-        for i, plo, ulo, n in u.segments(u.own_lo, u.own_hi):
-            v = fp32_values[id(u.params[i])].reshape(-1)[plo: plo + n]
-            part[ulo - u.own_lo: ulo - u.own_lo + n].copy_(v)
 
     # -- the step ------------------------------------------------------------------
     def zero_grad(self) -> None:
@@ -214,7 +171,7 @@ class ZeroEngine:
     def step(self, lr: float) -> StepResult:
         """Unscale, check overflow (all ranks agree), clip, update, re-assemble params."""
         grads = [u.grad_shard for u in self.units]
-        dp = None if self.stage == 0 else self.ps.dp_group
+        dp = self.ps.dp_group if self.plan.optimizer else None
         norm = global_grad_norm(self.optimizer, grads, self.ps.tp_group, dp) / self.scaler.scale
         # Every rank must take the same decision: agree on overflow over the world.
         flag = torch.tensor([0.0 if math.isfinite(norm) else 1.0], device=self.ps.device)
@@ -252,7 +209,7 @@ class ZeroEngine:
         elif self.separate_master:
             for u, m in zip(self.units, self.optimizer.master):
                 u.shard.copy_(m)
-        if self.stage == 0:
+        if not self.plan.optimizer:
             return
         works = [gather_pieces(u.full, u.shard, self.ps.dp_group,
                                self.cfg.allgather_bucket_size, async_op=True)
@@ -299,14 +256,20 @@ class ZeroEngine:
         return self.reducer.temp_bytes()
 
 
-def apply_zero(model: nn.Module, ps: ParallelState, cfg, unit_modules=None) -> ZeroEngine:
-    """Wrap ``model`` for ZeRO stage ``cfg.zero_stage`` over ``ps.dp_group``.
+def apply_zero(model: nn.Module, ps: ParallelState, cfg: ZeroConfig, values=None,
+               unit_modules=None, recompute: RecomputePhase | None = None) -> ZeroEngine:
+    """Wrap ``model`` for ZeRO stage ``cfg.stage`` over ``ps.dp_group``.
 
+    ``values(name, param, lo, hi)``: fp32 values of a TP-local flat range of a
+    parameter, for a model built on the meta device (e.g.
+    ``InitValues(seed, model.init_of)``); default: the parameters' own (fp32)
+    data. The engine keeps exact fp32 master weights and makes the parameters
+    ``cfg.params_dtype`` views of its buffers.
     ``unit_modules``: the modules whose parameters stage 3 gathers as one unit
-    (default ``model.blocks`` when it exists). The model must be fp32 here; the
-    engine keeps the fp32 values as master weights and casts the model's
-    parameters to ``--bf16``/``--fp16``.
+    (default ``model.blocks`` when it exists).
+    ``recompute``: the :class:`RecomputePhase` activation checkpointing sets,
+    so stage 3 keeps a recomputed block's parameters for its backward.
     """
     if unit_modules is None and hasattr(model, "blocks"):
         unit_modules = list(model.blocks)
-    return ZeroEngine(model, ps, cfg, unit_modules)
+    return ZeroEngine(model, ps, cfg, values, unit_modules, recompute)

@@ -52,6 +52,9 @@ class FlatUnit:
         # Stage 0 keeps everything: this rank "owns" the whole unit for the optimizer.
         self.own_lo = 0 if owns_all else dp_group.rank * self.shard_size
         self.own_hi = self.padded if owns_all else self.own_lo + self.shard_size
+        # Reduced at the end of backward rather than from hooks: its parameters are
+        # used in several places, so no hook can tell when their gradients are whole.
+        self.deferred = False
         self.grad_full: torch.Tensor | None = None  # stages 0, 1: view of the flat grads
         self.grad_shard: torch.Tensor | None = None  # this rank's summed gradient
         self.full: torch.Tensor | None = None
@@ -67,26 +70,40 @@ class FlatUnit:
             if a < b:
                 yield i, a - off, a, b - a
 
-    def bind(self, full: torch.Tensor, values: list[torch.Tensor] | None = None) -> None:
-        """Make ``full`` the parameters' storage, copying in ``values`` (or current data)."""
+    def bind(self, full: torch.Tensor, fill) -> None:
+        """Make ``full`` (``(padded,)``, model dtype) the parameters' storage.
+
+        ``fill(i, lo, hi, dst)`` writes elements ``[lo, hi)`` of parameter ``i``
+        (TP-local, flattened) into ``dst``. A unit whose parameters are
+        partitioned (stage 3) fills only this rank's shard and frees ``full`` at
+        once: no rank ever holds the unit whole outside a gather. Parameters on
+        the meta device become real tensors here (same Python objects).
+        """
         assert full.numel() == self.padded
         self.full = full
+        views = [full[off: off + p.numel()].view_as(p) for p, off in zip(self.params, self.offsets)]
         with torch.no_grad():
-            full[self.numel:].zero_()
-            for p, off, v in zip(self.params, self.offsets, values or [None] * len(self.params)):
-                view = full[off: off + p.numel()].view_as(p)
-                view.copy_(p.data if v is None else v)
-                p.data = view
-        if self.partition_params:
-            self.shard = full[self.own_lo: self.own_hi].clone()
-        else:
-            self.shard = full[self.own_lo: self.own_hi]
+            if self.partition_params:
+                self.shard = torch.zeros(self.shard_size, dtype=full.dtype, device=full.device)
+                for i, plo, ulo, n in self.segments(self.own_lo, self.own_hi):
+                    a = ulo - self.own_lo
+                    fill(i, plo, plo + n, self.shard[a: a + n])
+                full.untyped_storage().resize_(0)
+                self.gathered = False
+            else:
+                full[self.numel:].zero_()
+                for i, v in enumerate(views):
+                    fill(i, 0, v.numel(), v.view(-1))
+                self.shard = full[self.own_lo: self.own_hi]
+        for p, v in zip(self.params, views):
+            _rebind(p, v)
 
-    def copy_range(self, lo: int, hi: int, dst: torch.Tensor, grads: bool) -> None:
-        """Copy unit range [lo, hi) of the params' grads (or data) into ``dst`` (zeros in padding)."""
+    def copy_grads(self, lo: int, hi: int, dst: torch.Tensor) -> None:
+        """Copy unit range [lo, hi) of the params' ``.grad`` into ``dst`` (converting to
+        its dtype; zeros in padding and for params without a gradient)."""
         dst.zero_()
         for i, plo, ulo, n in self.segments(lo, hi):
-            src = self.params[i].grad if grads else self.params[i].data
+            src = self.params[i].grad
             if src is not None:
                 dst[ulo - lo: ulo - lo + n].copy_(src.reshape(-1)[plo: plo + n])
 
@@ -113,6 +130,20 @@ class FlatUnit:
         self.pending.wait()
         self.pending = None
         self.gathered = True
+
+
+def _rebind(p: nn.Parameter, view: torch.Tensor) -> None:
+    """Make ``view`` the data of ``p``, keeping the Parameter object (its hooks, its
+    attributes such as ``tp_spec``, every module slot that holds it)."""
+    if p.is_meta:  # .data cannot change the device: swap the whole tensor in place
+        new = nn.Parameter(torch.empty(0, dtype=view.dtype, device=view.device),
+                           requires_grad=p.requires_grad)
+        new.__dict__.update(p.__dict__)
+        torch.utils.swap_tensors(p, new)
+    # Through .data, not as a view: the parameter keeps a version counter of its
+    # own, so the stage-3 gathers that rewrite the buffer in place do not look
+    # like modifications of the tensors autograd saved in forward.
+    p.data = view
 
 
 def piece_columns(shard_size: int, dp: int, bucket: int) -> int:

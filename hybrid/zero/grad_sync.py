@@ -5,20 +5,30 @@ a unit's last gradient lands, its reduction starts -- asynchronously with
 ``--overlap-comm`` (communication runs while backward computes the next
 units), synchronously otherwise. ``finish()`` waits for what is in flight.
 
-What "reduce" means per stage:
+What "reduce" means per plan (N = DP size, k = micro-batches per step):
 
-* stage 0: all-reduce the unit's slice of the flat gradient buffer in place,
-  in chunks of at most a bucket;
-* stage 1: reduce-scatter it in place: this rank's shard gets the sum (a
-  unit larger than a bucket is staged in pieces like stage 2);
-* stages 2, 3: there is no full gradient buffer. The unit's gradients are
-  packed into a temporary (at most ``bucket`` elements, from a pool of two),
-  reduce-scattered, and this rank's part is added to its gradient shard; the
-  parameters' ``.grad`` are dropped at once. This happens for every
-  micro-batch, since nothing else could hold the full gradients.
+* gradients not sharded (stages 0, 1): micro-batches accumulate in the full
+  flat gradient buffer; only the last one (``begin(sync=True)``) reduces it, in
+  place -- stage 0 all-reduces it in chunks of at most a bucket, stage 1
+  reduce-scatters it so this rank's shard holds the sum. Traffic per step does
+  not depend on k.
+* gradients sharded (stages 2, 3): there is no full buffer to accumulate in.
+  Each micro-batch's gradients are packed into a staging buffer (at most a
+  bucket, from a pool of two), reduce-scattered, and this rank's part is added
+  to its gradient shard; ``param.grad`` is dropped at once. Traffic per step is
+  k times a reduce-scatter of Psi.
 
-Stages 0 and 1 accumulate micro-batches in the flat buffer and reduce only
-when ``begin(sync=True)`` announced the last micro-batch.
+[Note: gradient precision]
+Gradients are accumulated and reduced in ``grad_dtype``. When that is wider
+than the parameters (fp32 for bf16/fp16 training), a full-buffer unit adds
+each micro-batch's ``param.grad`` into its fp32 view from the hook and drops
+it, and the staged path upcasts while packing. Every reduction divides by N
+*before* summing: in fp16 a sum of N gradients overflows N times sooner than
+their mean.
+
+Deferred units (parameters used in several places, see
+:mod:`hybrid.zero.units`) skip the hooks' trigger and are reduced in
+``finish()``, once backward is over.
 """
 
 from __future__ import annotations
@@ -47,22 +57,22 @@ class _TempPool:
 
 
 class GradReducer:
-    def __init__(self, units: list[FlatUnit], stage: int, dp: CommGroup, bucket: int,
-                 overlap: bool, on_reduced: Callable[[FlatUnit], None] | None = None):
-        self.units, self.stage, self.dp = units, stage, dp
+    def __init__(self, units: list[FlatUnit], plan, dp: CommGroup, bucket: int,
+                 overlap: bool, grad_dtype: torch.dtype,
+                 on_reduced: Callable[[FlatUnit], None] | None = None):
+        self.units, self.plan, self.dp = units, plan, dp
         self.bucket, self.overlap = bucket, overlap
         self.on_reduced = on_reduced
         self.sync = True
         self._arrived = {id(u): 0 for u in units}
         self._inflight: deque = deque()  # (work, finalize)
         self.pool = None
-        staged = [u for u in units if stage >= 2 or dp.size * u.shard_size > bucket]
-        if stage >= 1 and staged:
+        staged = [u for u in units if plan.grads or dp.size * u.shard_size > bucket]
+        if plan.optimizer and staged:
             # Staging holds one piece (dp x columns): at most the bucket, and no more
             # than the largest unit needs.
             biggest = max(dp.size * piece_columns(u.shard_size, dp.size, bucket) for u in staged)
-            p0 = units[0].params[0]
-            self.pool = _TempPool(2, biggest, p0.dtype, p0.device)
+            self.pool = _TempPool(2, biggest, grad_dtype, units[0].params[0].device)
         self._hooks = [p.register_post_accumulate_grad_hook(self._hook(u))
                        for u in units for p in u.params]
 
@@ -77,48 +87,57 @@ class GradReducer:
             self._arrived[k] = 0
 
     def _hook(self, unit: FlatUnit):
+        # A full-buffer unit whose buffer is wider than param.grad: fold it in here.
+        fold = (not self.plan.grads and unit.grad_full is not None
+                and unit.grad_full.dtype != unit.params[0].dtype)
+        offsets = {id(p): o for p, o in zip(unit.params, unit.offsets)}
+
         def on_grad(param):
+            if fold:
+                o = offsets[id(param)]
+                unit.grad_full[o: o + param.numel()].view_as(param).add_(param.grad)
+                param.grad = None
             self._arrived[id(unit)] += 1
-            if self._arrived[id(unit)] == len(unit.params):
+            if not unit.deferred and self._arrived[id(unit)] == len(unit.params):
                 self._unit_ready(unit)
         return on_grad
 
     def _unit_ready(self, unit: FlatUnit) -> None:
-        if self.stage <= 1:
+        if not self.plan.grads:
             if self.sync:
                 self._reduce_in_place(unit)
-        else:
-            self._reduce_scatter_staged(unit, accumulate=True)
-            for p in unit.params:
-                p.grad = None  # the shard holds this rank's part now
-            if self.on_reduced is not None:
-                self.on_reduced(unit)
+            return
+        self._reduce_scatter_staged(unit, accumulate=True)
+        for p in unit.params:
+            p.grad = None  # the shard holds this rank's part now
+        if self.on_reduced is not None:
+            self.on_reduced(unit)
 
-    # -- stages 0 and 1: the flat gradient buffer is permanent -----------------
+    # -- full gradient buffer (stages 0 and 1) ---------------------------------
     def _reduce_in_place(self, unit: FlatUnit) -> None:
-        g, scale, n = unit.grad_full, 1.0 / self.dp.size, self.dp.size
-        if self.stage == 0:  # contiguous chunks of at most a bucket, in place
+        g, n = unit.grad_full, self.dp.size
+        if n > 1:
+            g.div_(n)  # mean, not sum: see [Note: gradient precision]
+        if not self.plan.optimizer:  # contiguous chunks of at most a bucket, in place
             for a in range(0, g.numel(), self.bucket):
-                chunk = g[a: a + self.bucket]
-                self._push(self.dp.all_reduce(chunk, async_op=True),
-                           lambda chunk=chunk: chunk.mul_(scale))
+                self._push(self.dp.all_reduce(g[a: a + self.bucket], async_op=True), None)
         elif n * unit.shard_size <= self.bucket:
             own = g[unit.own_lo: unit.own_hi]
-            self._push(self.dp.reduce_scatter(own, g, async_op=True), lambda: own.mul_(scale))
+            self._push(self.dp.reduce_scatter(own, g, async_op=True), None)
         else:  # a unit larger than a bucket: stage it in pieces
             self._reduce_scatter_staged(unit, accumulate=False)
 
-    # -- stages 2 and 3: stage through the pool --------------------------------
+    # -- staged through the pool -----------------------------------------------
     def _reduce_scatter_staged(self, unit: FlatUnit, accumulate: bool = True) -> None:
-        """Reduce-scatter ``unit``'s grads piece by piece through pool buffers.
+        """Reduce-scatter ``unit``'s gradients piece by piece through pool buffers.
 
-        ``accumulate``: add into the gradient shard (stages 2-3 sum micro-batches
-        there); otherwise overwrite it (stage 1, whose shard is a view of the
-        very gradients being reduced).
+        ``accumulate``: add into the gradient shard, packing from the params'
+        ``.grad`` (sharded gradients sum micro-batches there); otherwise
+        overwrite it, packing from the full buffer (stage 1, whose shard is a
+        view of the very gradients being reduced).
         """
         S, n = unit.shard_size, self.dp.size
         c = piece_columns(S, n, self.bucket)
-        scale = 1.0 / n
         for k in range(0, S, c):
             w = min(c, S - k)
             tmp = self.pool.take()
@@ -127,16 +146,22 @@ class GradReducer:
                 tmp = self.pool.take()
             grid = tmp[: n * w].view(n, w)
             for r in range(n):  # rank r's columns [k, k + w) of its shard
-                unit.copy_range(r * S + k, r * S + k + w, grid[r], grads=True)
+                lo = r * S + k
+                if accumulate:
+                    unit.copy_grads(lo, lo + w, grid[r])
+                else:
+                    grid[r].copy_(unit.grad_full[lo: lo + w])
+            if accumulate and n > 1:
+                grid.div_(n)  # (the full-buffer path divided already)
             mine = grid[self.dp.rank]
             work = self.dp.reduce_scatter(mine, tmp[: n * w], async_op=True)
             dst = unit.grad_shard[k: k + w]
 
             def finalize(dst=dst, mine=mine, tmp=tmp):
                 if accumulate:
-                    dst.add_(mine, alpha=scale)
+                    dst.add_(mine)
                 else:
-                    torch.mul(mine, scale, out=dst)
+                    dst.copy_(mine)
                 self.pool.give(tmp)
             self._push(work, finalize)
 
@@ -149,19 +174,23 @@ class GradReducer:
     def _retire_one(self) -> None:
         work, finalize = self._inflight.popleft()
         work.wait()
-        finalize()
+        if finalize is not None:
+            finalize()
 
     def finish(self) -> None:
-        """Wait for every launched reduction (call after each backward)."""
+        """After each backward: reduce the deferred units, wait for every launched
+        reduction, and check that every unit got its gradients."""
+        for u in self.units:
+            if u.deferred and (self.plan.grads or self.sync):
+                self._unit_ready(u)
         while self._inflight:
             self._retire_one()
-        if self.sync or self.stage >= 2:
+        if self.sync or self.plan.grads:
             missing = [u.name for u in self.units
-                       if self._arrived[id(u)] != len(u.params)]
+                       if self._arrived[id(u)] < len(u.params)
+                       or (self._arrived[id(u)] > len(u.params) and not u.deferred)]
             if missing:
                 raise RuntimeError(f"ZeRO: parameters of units {missing[:3]} got no gradient "
-                                   f"this backward; every rank must reduce every unit")
-
-    def remove(self) -> None:
-        for h in self._hooks:
-            h.remove()
+                                   f"(or more than one) this backward; every rank must reduce "
+                                   f"every unit, and a parameter used in several places must "
+                                   f"be registered in each")

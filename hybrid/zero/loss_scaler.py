@@ -27,8 +27,9 @@ class LossScaler:
 
     @classmethod
     def from_config(cls, cfg) -> "LossScaler":
-        """fp16: dynamic unless --loss-scale is given; bf16/fp32: no scaling."""
-        if not cfg.fp16:
+        """From a :class:`~hybrid.config_sections.ZeroConfig`: fp16 is dynamic unless
+        ``loss_scale`` is given; bf16/fp32 are not scaled."""
+        if cfg.params_dtype != "fp16":
             return cls(1.0, dynamic=False)
         if cfg.loss_scale is not None:
             return cls(cfg.loss_scale, dynamic=False)

@@ -3,7 +3,7 @@
 The fp32 master shard and both Adam moments live in host memory (allocated by
 the engine, pinned when a GPU exists). Each step this module moves
 
-    device gradient shard  --(D2H, training dtype)-->  host gradient buffer
+    device gradient shard  --(D2H, gradient dtype)-->  host gradient buffer
     host parameter copy    --(H2D, training dtype)-->  device parameter shard
 
 and the fused CPU kernel (``hybrid.kernels.adam_step``) reads the first and
@@ -29,19 +29,21 @@ class OptimizerOffload:
     Args:
         units: the engine's units; unit ``i`` owns ``[own_lo, own_hi)`` of its flat
             buffer, and the host buffers hold those pieces back to back.
-        dtype: the model's training dtype (what crosses the bus).
-        flat_grads: the engine's flat gradient buffer; reused as the host
-            gradient buffer when it already is one (CPU, stage >= 2).
+        dtype: the model's training dtype (the parameters that go back up).
+        flat_grads: the engine's flat gradient buffer (its dtype is what goes
+            down); reused as the host gradient buffer when it already is one
+            (CPU, gradients sharded).
+        plan: the engine's :class:`~hybrid.zero.plan.ShardingPlan`.
     """
 
     def __init__(self, units: list[FlatUnit], dtype: torch.dtype, flat_grads: torch.Tensor,
-                 stage: int):
+                 plan):
         self.sizes = [u.own_hi - u.own_lo for u in units]
         n = sum(self.sizes)
         self.pin = flat_grads.is_cuda  # pinned host memory makes the copies asynchronous DMA
-        on_host_in_order = flat_grads.device.type == "cpu" and stage >= 2
+        on_host_in_order = flat_grads.device.type == "cpu" and plan.grads
         self.grad = flat_grads if on_host_in_order else torch.empty(
-            n, dtype=dtype, pin_memory=self.pin)
+            n, dtype=flat_grads.dtype, pin_memory=self.pin)
         self._own_grad = not on_host_in_order
         # fp32 models upload the master itself: no narrow copy to make.
         self.out = None if dtype == torch.float32 else torch.empty(

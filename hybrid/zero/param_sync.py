@@ -15,8 +15,8 @@ module for what no block owns). Hooks on that module:
 With activation checkpointing, a block's forward runs a second time inside
 backward. That pre-forward gather *is* the backward gather of the 3 Psi
 budget, so the post-forward hook must not free the parameters then: the
-block's backward follows at once. We tell the two apart by asking autograd
-whether a backward pass is running on this thread.
+block's backward follows at once. Activation checkpointing says so through
+the :class:`~hybrid.phase.RecomputePhase` it shares with this gatherer.
 """
 
 from __future__ import annotations
@@ -24,16 +24,15 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from hybrid.phase import RecomputePhase
 from hybrid.zero.flat_unit import FlatUnit
 
 
-def _in_backward() -> bool:
-    return torch._C._current_graph_task_id() != -1
-
-
 class ParamGatherer:
-    def __init__(self, owners: list[tuple[nn.Module, FlatUnit]], bucket: int):
+    def __init__(self, owners: list[tuple[nn.Module, FlatUnit]], bucket: int,
+                 recompute: RecomputePhase):
         self.bucket = bucket
+        self.recompute = recompute
         self.units = [u for _, u in owners]
         self._forward_order: list[FlatUnit] = []
         self._recording = True
@@ -63,15 +62,16 @@ class ParamGatherer:
     # -- hooks -----------------------------------------------------------------
     def _pre_forward(self, unit: FlatUnit):
         def hook(module, args):
-            if self._recording and not _in_backward() and unit not in self._forward_order:
+            recomputing = self.recompute.active
+            if self._recording and not recomputing and unit not in self._forward_order:
                 self._forward_order.append(unit)
             unit.finish_gather(self.bucket)
-            self._prefetch(unit, backward=_in_backward())
+            self._prefetch(unit, backward=recomputing)
         return hook
 
     def _post_forward(self, unit: FlatUnit):
         def hook(module, args, output):
-            if _in_backward():  # recompute: backward of this module comes next
+            if self.recompute.active:  # backward of this module comes next
                 return output
             if torch.is_grad_enabled():
                 self._hook_output(unit, output)

@@ -1,0 +1,137 @@
+"""How ZeRO lays a model out: which parameters form each unit, and making them real.
+
+A unit (:class:`FlatUnit`) is what ZeRO communicates as one. Stages 0-2 pack
+parameters, last first (their gradients are ready first), into units of at
+most a reduce bucket. Stage 3 makes one partitioned unit per module it gathers
+as a whole (each transformer block), one for what no block owns (the root
+module), and buckets of the small parameters that stay whole
+(``param_persistence_threshold``).
+
+[Note: shared parameters]
+A parameter registered under several names (one weight used by two blocks)
+gets gradient contributions from several places, and under recompute each
+checkpointed block runs its own nested backward, so its post-accumulate hook
+fires once per use. No hook can tell when its gradient is complete. Such
+parameters go into *deferred* units, reduced once when backward has finished.
+At stage 3 they join the root unit, which stays gathered through the whole
+forward and the whole backward, so every block that uses them finds them
+whole.
+
+[Note: materializing only what a rank keeps]
+Parameters may arrive on the meta device. ``values(name, param, lo, hi)``
+supplies fp32 values of a TP-local flat range (the block-seeded init of
+:mod:`hybrid.tensor_parallel.init`, or a real parameter's own data). Units are
+filled chunk by chunk from it: a partitioned unit only its own shard, the
+fp32 master only this rank's ranges. So no rank ever holds more than it keeps.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from hybrid.parallel_state import ParallelState
+from hybrid.zero.flat_unit import FlatUnit
+
+FILL_CHUNK = 1 << 22  # elements drawn at once while materializing
+
+
+def shared_param_ids(model: nn.Module) -> set[int]:
+    """Parameters registered under more than one name."""
+    count: dict[int, int] = {}
+    for _, p in model.named_parameters(remove_duplicate=False):
+        count[id(p)] = count.get(id(p), 0) + 1
+    return {k for k, c in count.items() if c > 1}
+
+
+def bucket_units(params, ps: ParallelState, bucket: int, owns_all: bool, tag: str,
+                 deferred: bool = False) -> list[FlatUnit]:
+    """Pack params, last first, into units of at most ``bucket`` elements (one
+    larger parameter makes a unit of its own)."""
+    groups, cur, size = [], [], 0
+    for p in reversed(params):
+        if cur and size + p.numel() > bucket:
+            groups.append(cur)
+            cur, size = [], 0
+        cur.append(p)
+        size += p.numel()
+    if cur:
+        groups.append(cur)
+    units = [FlatUnit(g, ps.dp_group, owns_all=owns_all, name=f"{tag}{i}")
+             for i, g in enumerate(groups)]
+    for u in units:
+        u.deferred = deferred
+    return units
+
+
+def plan_units(model: nn.Module, ps: ParallelState, cfg, plan, unit_modules):
+    """(units, owners): every trainable parameter in exactly one unit; ``owners`` are
+    the (module, partitioned unit) pairs stage 3 gathers around each module's run."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    shared = shared_param_ids(model)
+    if not plan.params:
+        plain = [p for p in params if id(p) not in shared]
+        multi = [p for p in params if id(p) in shared]
+        return (bucket_units(plain, ps, cfg.reduce_bucket_size, not plan.optimizer, "bucket")
+                + bucket_units(multi, ps, cfg.reduce_bucket_size, not plan.optimizer,
+                               "shared", deferred=True)), []
+    thr = cfg.param_persistence_threshold
+    small = [p for p in params if p.numel() < thr]
+    units = (bucket_units([p for p in small if id(p) not in shared], ps,
+                          cfg.reduce_bucket_size, False, "persistent")
+             + bucket_units([p for p in small if id(p) in shared], ps,
+                            cfg.reduce_bucket_size, False, "persistent_shared", deferred=True))
+    taken, owners = set(), []
+    for i, m in enumerate(unit_modules or []):
+        mine = [p for p in m.parameters() if p.requires_grad and p.numel() >= thr
+                and id(p) not in shared and id(p) not in taken]
+        taken.update(id(p) for p in mine)
+        if mine:
+            owners.append((m, FlatUnit(mine, ps.dp_group, partition_params=True,
+                                       name=f"module{i}")))
+    rest = [p for p in params if id(p) not in taken and p.numel() >= thr]
+    if rest:
+        root = FlatUnit(rest, ps.dp_group, partition_params=True, name="root")
+        root.deferred = any(id(p) in shared for p in rest)
+        owners.insert(0, (model, root))
+    return units + [u for _, u in owners], owners
+
+
+def read_values(name: str, param: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
+    """The value source of a model whose parameters are already materialized."""
+    return param.detach().reshape(-1)[lo:hi].float()
+
+
+class Materializer:
+    """Fills unit storage and master shards from ``values``, a bounded chunk at a time."""
+
+    def __init__(self, model: nn.Module, values):
+        self.names = {id(p): n for n, p in model.named_parameters()}
+        self.values = values or read_values
+
+    @torch.no_grad()
+    def fill(self, p: torch.Tensor, lo: int, hi: int, dst: torch.Tensor) -> None:
+        """``dst`` (``(hi - lo,)``, any dtype/device) <- values of ``p``'s range [lo, hi)."""
+        name = self.names[id(p)]
+        for a in range(lo, hi, FILL_CHUNK):
+            b = min(hi, a + FILL_CHUNK)
+            dst[a - lo: b - lo].copy_(self.values(name, p, a, b))
+
+    def bind(self, units: list[FlatUnit], flat: torch.Tensor, dtype, device) -> None:
+        """Give every unit its storage: views of ``flat`` for whole units (in order),
+        a transient full buffer for partitioned ones (freed at once)."""
+        off = 0
+        for u in units:
+            fill = (lambda i, lo, hi, dst, u=u: self.fill(u.params[i], lo, hi, dst))
+            if u.partition_params:
+                u.bind(torch.empty(u.padded, dtype=dtype, device=device), fill)
+            else:
+                u.bind(flat[off: off + u.padded], fill)
+                off += u.padded
+
+    def fill_master(self, u: FlatUnit, part: torch.Tensor) -> None:
+        """``part`` <- the exact fp32 values of ``u``'s owned range (zeros in padding)."""
+        part.zero_()
+        for i, plo, ulo, n in u.segments(u.own_lo, u.own_hi):
+            a = ulo - u.own_lo
+            self.fill(u.params[i], plo, plo + n, part[a: a + n])
