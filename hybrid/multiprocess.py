@@ -18,8 +18,8 @@ OS-chosen free port, so parallel test runs never collide.
 Starting a rank (a Python process that imports torch and joins a gloo group)
 costs seconds, far more than most calls, so ranks are kept: the first call for
 a world size spawns a *pool* of ``world_size`` workers, and later calls with the
-same world size, ``collective_timeout`` and environment run on the same
-processes, one call after another. The contract:
+same world size, ``collective_timeout`` and process-level environment (below)
+run on the same processes, one call after another. The contract:
 
 * Each call gets a fresh :class:`ParallelState` for its ``tp`` with fresh
   :class:`hybrid.comm.CommStats` (byte counts start at zero). The process
@@ -28,14 +28,18 @@ processes, one call after another. The contract:
 * Before each call a worker puts back what a fresh process would have: the
   torch CPU generator's initial state (and fresh entropy for ``random`` and
   numpy's global generator), one intra-op thread, float32 default dtype, grad
-  mode on, anomaly detection and deterministic algorithms as at start, its
-  environment variables, the caller's working directory and ``sys.path``, and
-  the ``hybrid`` logger's handlers and level. After each call it runs the
+  mode on, anomaly detection and deterministic algorithms as at start, the
+  caller's environment variables (as of this call), working directory and
+  ``sys.path``, and the ``hybrid`` logger's handlers and level. After each call it runs the
   garbage collector, so models, hooks and buffers of one call do not outlive it.
-* A pool is keyed by the caller's environment (``PYTEST_*`` aside): a call made
-  with other environment variables (``HYBRID_NO_KERNELS=1``, say) gets its own
-  pool, spawned with that environment, so per-process caches that depend on it
-  (compiled-kernel loading) are what a fresh process would have.
+* A pool is also keyed by the caller's *process-level* variables, those read
+  once per process into caches (``HYBRID_*``: compiled-kernel loading;
+  ``TORCH_*``, ``OMP_*``, ``GLOO_*``, ``PYTHON*`` ...; see ``_PROCESS_ENV``): a
+  call made with ``HYBRID_NO_KERNELS=1``, say, gets its own pool, spawned with
+  that environment, so those caches are what a fresh process would have. Other
+  variables (set by a test, or by torch in the caller, as
+  ``TORCHINDUCTOR_CACHE_DIR``) reach the call through the previous point
+  without a new pool.
 * If any rank raises, dies or runs past ``timeout``, the whole pool is killed
   (the other ranks may be stuck in a collective) and the error is reported as
   before, with the rank's traceback; the next call spawns a new pool.
@@ -76,17 +80,19 @@ class _Fresh:
 
     def __init__(self):
         self.rng = torch.get_rng_state()
-        self.environ = dict(os.environ)
+        self.own_env = {"OMP_NUM_THREADS": os.environ["OMP_NUM_THREADS"],
+                        "GLOO_SOCKET_IFNAME": os.environ["GLOO_SOCKET_IFNAME"]}
         self.anomaly = torch.is_anomaly_enabled()
         self.deterministic = torch.are_deterministic_algorithms_enabled()
         self.dtype = torch.get_default_dtype()
         logger = logging.getLogger("hybrid")
         self.log = (list(logger.handlers), logger.level, logger.propagate, logger.disabled)
 
-    def restore(self, cwd: str, path: list[str]) -> None:
-        if os.environ != self.environ:
+    def restore(self, environ: dict, cwd: str, path: list[str]) -> None:
+        environ = {**environ, **self.own_env}
+        if os.environ != environ:
             os.environ.clear()
-            os.environ.update(self.environ)
+            os.environ.update(environ)
         try:
             os.chdir(cwd)
         except OSError:
@@ -163,8 +169,8 @@ def _worker(rank, world_size, port, collective_timeout, tasks, results):
             results.put((call_id, rank, "error", init_error))
             continue
         try:
-            fn, tp, args, cwd, path = pickle.loads(payload)
-            fresh.restore(cwd, path)
+            fn, tp, args, environ, cwd, path = pickle.loads(payload)
+            fresh.restore(environ, cwd, path)
             out = fn(layouts.state(tp), *args)
             # Plain pickle copies tensor bytes; torch's queue pickler would share them
             # through file descriptors that vanish when this process exits.
@@ -234,8 +240,8 @@ class _Pool:
         call_id = self.calls
         # Pickled here, unpickled inside the worker's try: an unimportable ``fn``
         # comes back as that rank's error. Tensors in ``args`` travel as shared memory.
-        task = (call_id, bytes(ForkingPickler.dumps((fn, tp, args, os.getcwd(),
-                                                     list(sys.path)))))
+        task = (call_id, bytes(ForkingPickler.dumps((fn, tp, args, dict(os.environ),
+                                                     os.getcwd(), list(sys.path)))))
         try:
             for c in self.conns:
                 c.send(task)
@@ -316,8 +322,14 @@ class _Pool:
 _POOLS: dict[tuple, _Pool] = {}
 
 
+# Environment variables read once per process (at import or into a cache), by the
+# library (kernel loading), torch, OpenMP/MKL, gloo or the interpreter.
+_PROCESS_ENV = ("HYBRID_", "XDG_", "HOME", "TORCH_", "PYTORCH_", "OMP_", "MKL_", "KMP_",
+                "GLOO_", "NCCL_", "CUDA_", "LD_", "PYTHON")
+
+
 def _env_key() -> tuple:
-    return tuple(sorted((k, v) for k, v in os.environ.items() if not k.startswith("PYTEST_")))
+    return tuple(sorted((k, v) for k, v in os.environ.items() if k.startswith(_PROCESS_ENV)))
 
 
 def _pool(world_size: int, collective_timeout: float) -> _Pool:
