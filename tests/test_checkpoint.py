@@ -236,7 +236,7 @@ def test_a_kill_mid_save_leaves_the_previous_checkpoint_loadable(small_checkpoin
     os.remove(os.path.join(ck, "latest"))  # even without the pointer
     assert find_checkpoint(ck).endswith("iter_0000002")
     log = str(tmp_path / "log.jsonl")
-    _ok(torchrun(2, _args(1, 1, "--load", ck, "--train-iters", "3", "--log-json", log)))
+    _ok(pretrain(2, _args(1, 1, "--load", ck, "--train-iters", "3", "--log-json", log)))
     assert [m["iteration"] for m in read_json_log(log)] == [3]
 
 
