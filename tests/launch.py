@@ -38,23 +38,6 @@ def torchrun(nproc: int, args: list[str], timeout: float = 300) -> subprocess.Co
                           cwd=ROOT)
 
 
-def _builtin_corpus_once():
-    """Parse the built-in corpus (the stdlib's docstrings, seconds of ``ast`` work per
-    rank) once per pooled worker rather than once per run: the same documents."""
-    import hybrid.data.dataset as dataset
-    parse = dataset.builtin_documents
-    if getattr(parse, "memo", None) is not None:
-        return
-    memo = []
-
-    def builtin_documents():
-        if not memo:
-            memo.append(parse())
-        return list(memo[0])
-    builtin_documents.memo = memo
-    dataset.builtin_documents = builtin_documents
-
-
 def _pretrain_rank(ps, cfg):
     """scripts/pretrain_gpt.py's main() on one pooled rank: (exit code, stdout, error)."""
     import io
@@ -62,8 +45,6 @@ def _pretrain_rank(ps, cfg):
 
     from hybrid.errors import CheckpointError, ConfigError, DataError, TrainingError
     from hybrid.training import pretrain
-
-    _builtin_corpus_once()
 
     # setup_logging(rank)'s console, captured: INFO on rank 0, warnings elsewhere
     out = io.StringIO()
