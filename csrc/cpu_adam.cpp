@@ -23,7 +23,10 @@
 // scalar path for the tail and for other CPUs; threads from ATen's pool, so
 // torch.set_num_threads governs it.
 
-#include <torch/extension.h>
+// ATen and torch's pybind casters only: <torch/extension.h> would pull in the whole
+// C++ frontend and nearly double the compile time (24 s vs 13 s on 2 cores).
+#include <ATen/ATen.h>
+#include <torch/csrc/utils/pybind.h>
 #include <ATen/Parallel.h>
 
 #include <algorithm>

@@ -11,44 +11,194 @@ rank) comes back. A worker that raises fails the test with that rank's
 traceback; a worker that hangs fails it after ``timeout`` seconds, and every
 collective inside times out after ``collective_timeout`` seconds.
 
-The rendezvous store is hosted by the test process on 127.0.0.1 with an
+The rendezvous store is hosted by the calling process on 127.0.0.1 with an
 OS-chosen free port, so parallel test runs never collide.
+
+[Note: the worker pool]
+Starting a rank (a Python process that imports torch and joins a gloo group)
+costs seconds, far more than most calls, so ranks are kept: the first call for
+a world size spawns a *pool* of ``world_size`` workers, and later calls with the
+same world size, ``collective_timeout`` and process-level environment (below)
+run on the same processes, one call after another. The contract:
+
+* Each call gets a fresh :class:`ParallelState` for its ``tp`` with fresh
+  :class:`hybrid.comm.CommStats` (byte counts start at zero). The process
+  groups under it are created once per ``tp`` in a pool and reused; the default
+  group lives as long as the pool.
+* Before each call a worker puts back what a fresh process would have: the
+  torch CPU generator's initial state (and fresh entropy for ``random`` and
+  numpy's global generator), one intra-op thread, float32 default dtype, grad
+  mode on, anomaly detection and deterministic algorithms as at start, the
+  caller's environment variables (as of this call), working directory and
+  ``sys.path``, and the ``hybrid`` logger's handlers and level. After each call
+  (its reply sent) it runs the garbage collector, so models, hooks and buffers
+  of one call do not outlive it, then freezes what survived (``gc.freeze``).
+* A pool is also keyed by the caller's *process-level* variables, those read
+  once per process into caches (``HYBRID_*``: compiled-kernel loading;
+  ``TORCH_*``, ``OMP_*``, ``GLOO_*``, ``PYTHON*`` ...; see ``_PROCESS_ENV``): a
+  call made with ``HYBRID_NO_KERNELS=1``, say, gets its own pool, spawned with
+  that environment, so those caches are what a fresh process would have. Other
+  variables (set by a test, or by torch in the caller, as
+  ``TORCHINDUCTOR_CACHE_DIR``) reach the call through the previous point
+  without a new pool.
+* If any rank raises, dies or runs past ``timeout``, the whole pool is killed
+  (the other ranks may be stuck in a collective) and the error is reported as
+  before, with the rank's traceback; the next call spawns a new pool.
+* ``reuse=False`` runs the call on throwaway processes that exit afterwards:
+  for calls that deliberately hang, stop or kill a rank, or leave a collective
+  unmatched, and for measurements that need a fresh process (peak RSS).
+* Pools are shut down at interpreter exit (``atexit``) or by
+  :func:`shutdown_pools`; a worker whose parent dies exits on its own.
 """
 
 from __future__ import annotations
 
+import atexit
+import dataclasses
 import datetime
+import gc
+import logging
 import os
 import pickle
 import queue
+import sys
+import time
 import traceback
+from multiprocessing.reduction import ForkingPickler
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+# At most this many idle pooled workers are kept; older pools are shut down first.
+MAX_POOLED_WORKERS = 8
 
-def _worker(rank, world_size, port, tp, fn, args, results, collective_timeout):
+
+# -- worker side ------------------------------------------------------------------------
+
+class _Fresh:
+    """What a fresh worker process looks like, captured once, put back before each call."""
+
+    def __init__(self):
+        self.rng = torch.get_rng_state()
+        self.own_env = {"OMP_NUM_THREADS": os.environ["OMP_NUM_THREADS"],
+                        "GLOO_SOCKET_IFNAME": os.environ["GLOO_SOCKET_IFNAME"]}
+        self.anomaly = torch.is_anomaly_enabled()
+        self.deterministic = torch.are_deterministic_algorithms_enabled()
+        self.dtype = torch.get_default_dtype()
+        logger = logging.getLogger("hybrid")
+        self.log = (list(logger.handlers), logger.level, logger.propagate, logger.disabled)
+
+    def restore(self, environ: dict, cwd: str, path: list[str]) -> None:
+        environ = {**environ, **self.own_env}
+        if os.environ != environ:
+            os.environ.clear()
+            os.environ.update(environ)
+        try:
+            os.chdir(cwd)
+        except OSError:
+            pass
+        sys.path[:] = path
+        torch.set_rng_state(self.rng)
+        import random
+        random.seed()
+        if "numpy" in sys.modules:
+            sys.modules["numpy"].random.seed()
+        torch.set_num_threads(1)
+        torch.set_default_dtype(self.dtype)
+        torch.set_grad_enabled(True)
+        torch.autograd.set_detect_anomaly(self.anomaly)
+        torch.use_deterministic_algorithms(self.deterministic)
+        logger = logging.getLogger("hybrid")
+        handlers, level, propagate, disabled = self.log
+        logger.handlers[:] = handlers
+        logger.setLevel(level)
+        logger.propagate, logger.disabled = propagate, disabled
+
+
+class _Layouts:
+    """The TP/DP groups of one pool worker, created once per TP size."""
+
+    def __init__(self, timeout: datetime.timedelta):
+        self.timeout = timeout
+        self.built = {}
+
+    def state(self, tp: int):
+        from hybrid.comm import CommGroup, CommStats
+        from hybrid.parallel_state import ParallelState
+
+        if tp not in self.built:  # collective: every rank sees the same calls in order
+            self.built[tp] = ParallelState.build(tp, timeout=self.timeout,
+                                                 device=torch.device("cpu"))
+        base, stats = self.built[tp], CommStats()
+
+        def fresh(g):
+            return CommGroup(g.name, g.pg, g.ranks, g.global_rank, stats, g.timeout)
+
+        return dataclasses.replace(base, tp_group=fresh(base.tp_group),
+                                   dp_group=fresh(base.dp_group),
+                                   world_group=fresh(base.world_group), comm_stats=stats)
+
+
+def _worker(rank, world_size, port, collective_timeout, tasks, results):
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
+    fresh = _Fresh()
+    parent = os.getppid()
+    layouts, init_error = None, None
     try:
-        from hybrid.parallel_state import ParallelState
-
         timeout = datetime.timedelta(seconds=collective_timeout)
         store = dist.TCPStore("127.0.0.1", port, world_size, is_master=False, timeout=timeout)
         dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size,
                                 timeout=timeout)
-        ps = ParallelState.build(tp, timeout=timeout, device=torch.device("cpu"))
-        out = fn(ps, *args)
-        # Plain pickle copies tensor bytes; torch's queue pickler would share them
-        # through file descriptors that vanish when this process exits.
-        results.put((rank, "ok", pickle.dumps(_to_cpu(out))))
-    except BaseException:  # noqa: BLE001 - shipped to the parent with the rank
-        results.put((rank, "error", traceback.format_exc()))
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        layouts = _Layouts(timeout)
+    except BaseException:  # noqa: BLE001 - reported as the failure of every call
+        init_error = traceback.format_exc()
+    while True:
+        try:
+            while not tasks.poll(1.0):
+                if os.getppid() != parent:  # orphaned: nobody will send more work
+                    os._exit(0)
+            task = tasks.recv()
+        except (EOFError, OSError):  # the parent closed the pipe or died
+            task = None
+        if task is None:
+            break
+        call_id, payload = task
+        if init_error is not None:
+            results.put((call_id, rank, "error", init_error))
+            continue
+        try:
+            fn, tp, args, environ, cwd, path = pickle.loads(payload)
+            fresh.restore(environ, cwd, path)
+            out = fn(layouts.state(tp), *args)
+            # Plain pickle copies tensor bytes; torch's queue pickler would share them
+            # through file descriptors that vanish when this process exits.
+            reply = (call_id, rank, "ok", pickle.dumps(_to_cpu(out)))
+        except BaseException:  # noqa: BLE001 - shipped to the parent with the rank
+            reply = (call_id, rank, "error", traceback.format_exc())
+        fn = args = out = None
+        results.put(reply)
+        reply = None
+        # This call's cycles (models, hooks) go now; the survivors (modules, caches,
+        # process groups) are frozen so later passes walk only new objects: a full
+        # pass over torch's ~300k objects costs ~0.15 s a call.
+        gc.collect()
+        gc.freeze()
+    # Shutdown: drop groups, flush the result queue, and leave without interpreter
+    # teardown (gloo threads torn down late can abort the process noisily).
+    del layouts
+    gc.collect()
+    try:
+        dist.destroy_process_group()
+    except Exception:  # noqa: BLE001
+        pass
+    results.close()
+    results.join_thread()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def _to_cpu(x):
@@ -61,51 +211,174 @@ def _to_cpu(x):
     return x
 
 
+# -- parent side ------------------------------------------------------------------------
+
+class _Pool:
+    """``world_size`` worker processes sharing one default process group."""
+
+    def __init__(self, world_size: int, collective_timeout: float):
+        ctx = mp.get_context("spawn")
+        self.world_size = world_size
+        self.store = dist.TCPStore("127.0.0.1", 0, world_size + 1, is_master=True,
+                                   wait_for_workers=False,
+                                   timeout=datetime.timedelta(seconds=collective_timeout))
+        self.results = ctx.Queue()
+        self.conns, self.procs = [], []
+        for r in range(world_size):
+            recv, send = ctx.Pipe(duplex=False)
+            p = ctx.Process(target=_worker, args=(r, world_size, self.store.port,
+                                                  collective_timeout, recv, self.results),
+                            daemon=True)
+            p.start()
+            recv.close()  # the worker holds it now; our copy would mask its EOF
+            self.conns.append(send)
+            self.procs.append(p)
+        self.calls = 0
+        self.last_used = time.monotonic()
+
+    @property
+    def alive(self) -> bool:
+        return all(p.is_alive() for p in self.procs)
+
+    def run(self, fn, tp, args, timeout, early_exit=None, grace_s=0.0):
+        """Results by rank; raises (after killing the pool) on any rank's failure."""
+        self.calls += 1
+        call_id = self.calls
+        # Pickled here, unpickled inside the worker's try: an unimportable ``fn``
+        # comes back as that rank's error. Tensors in ``args`` travel as shared memory.
+        task = (call_id, bytes(ForkingPickler.dumps((fn, tp, args, dict(os.environ),
+                                                     os.getcwd(), list(sys.path)))))
+        try:
+            for c in self.conns:
+                c.send(task)
+        except (OSError, ValueError) as e:
+            self.kill()
+            raise RuntimeError(f"the worker pool for world size {self.world_size} is "
+                               f"gone ({e})") from e
+        out, errors = {}, []
+        deadline = time.monotonic() + timeout
+        stop_by = None  # set when a result asks to stop the rest (early_exit)
+        try:
+            while len(out) < self.world_size:
+                now = time.monotonic()
+                if stop_by is not None and now >= stop_by:
+                    self.kill()  # as torchrun stops a job after one worker's failure
+                    return [out.get(r) for r in range(self.world_size)]
+                left = deadline - now
+                if left <= 0:
+                    raise TimeoutError(
+                        f"ranks {sorted(set(range(self.world_size)) - set(out))} did not "
+                        f"finish within {timeout}s")
+                wait = min(left, 1.0) if stop_by is None else min(left, stop_by - now, 1.0)
+                try:
+                    cid, rank, status, payload = self.results.get(timeout=max(wait, 0.01))
+                except queue.Empty:
+                    dead = [r for r, p in enumerate(self.procs)
+                            if p.exitcode is not None and r not in out]
+                    if dead:
+                        raise RuntimeError(f"rank(s) {dead} died with exit codes "
+                                           f"{[self.procs[r].exitcode for r in dead]}")
+                    continue
+                if cid != call_id:
+                    continue  # cannot happen: a failed call's pool is not reused
+                if status != "ok":
+                    errors.append((rank, payload))
+                    break  # the others may be blocked on the failed rank
+                out[rank] = pickle.loads(payload)
+                if early_exit is not None and stop_by is None and early_exit(out[rank]):
+                    stop_by = time.monotonic() + grace_s
+        except BaseException:
+            self.kill()
+            raise
+        if errors:
+            self.kill()
+            rank, tb = errors[0]
+            raise AssertionError(f"rank {rank} failed:\n{tb}")
+        self.last_used = time.monotonic()
+        return [out[r] for r in range(self.world_size)]
+
+    def close(self, wait: float = 5.0) -> None:
+        """Ask the workers to exit; kill those that have not within ``wait`` seconds."""
+        for c in self.conns:
+            try:
+                c.send(None)
+            except (OSError, ValueError):
+                pass
+        deadline = time.monotonic() + wait
+        for p in self.procs:
+            p.join(timeout=max(0.0, deadline - time.monotonic()))
+        self.kill()
+
+    def kill(self) -> None:
+        for p in self.procs:
+            if p.is_alive():
+                p.kill()
+        for p in self.procs:
+            p.join(timeout=5)
+        for c in self.conns:
+            c.close()
+        self.conns = []
+        self.results.close()
+        self.results.cancel_join_thread()
+        if self in _POOLS.values():
+            for k in [k for k, v in _POOLS.items() if v is self]:
+                del _POOLS[k]
+
+
+_POOLS: dict[tuple, _Pool] = {}
+
+
+# Environment variables read once per process (at import or into a cache), by the
+# library (kernel loading), torch, OpenMP/MKL, gloo or the interpreter.
+_PROCESS_ENV = ("HYBRID_", "XDG_", "HOME", "TORCH_", "PYTORCH_", "OMP_", "MKL_", "KMP_",
+                "GLOO_", "NCCL_", "CUDA_", "LD_", "PYTHON")
+
+
+def _env_key() -> tuple:
+    return tuple(sorted((k, v) for k, v in os.environ.items() if k.startswith(_PROCESS_ENV)))
+
+
+def _pool(world_size: int, collective_timeout: float) -> _Pool:
+    key = (world_size, float(collective_timeout), _env_key())
+    pool = _POOLS.get(key)
+    if pool is not None and not pool.alive:
+        pool.kill()
+        pool = None
+    if pool is None:
+        # Bound the idle processes: shut down the least recently used pools first.
+        while _POOLS and sum(p.world_size for p in _POOLS.values()) + world_size > \
+                MAX_POOLED_WORKERS:
+            min(_POOLS.values(), key=lambda p: p.last_used).close()
+        pool = _POOLS[key] = _Pool(world_size, collective_timeout)
+    return pool
+
+
+def shutdown_pools() -> None:
+    """Stop every pooled worker (also done at interpreter exit)."""
+    for pool in list(_POOLS.values()):
+        pool.close()
+    _POOLS.clear()
+
+
+atexit.register(shutdown_pools)
+
+
 def run_ranks(fn, world_size: int, tp: int = 1, args: tuple = (), timeout: float = 240,
-              collective_timeout: float = 60):
+              collective_timeout: float = 60, reuse: bool = True, early_exit=None,
+              grace_s: float = 5.0):
     """Run ``fn(ps, *args)`` on ``world_size`` gloo ranks; return results by rank.
 
     ``fn`` must be importable by name (a module-level function) for spawn.
+    ``reuse=False``: throwaway processes (see the module docstring).
+    ``early_exit(result) -> bool``: when a rank's result satisfies it, ranks that
+    have not finished ``grace_s`` seconds later are killed with their pool and
+    come back as None -- what torchrun does to a job one of whose workers failed.
     """
-    ctx = mp.get_context("spawn")
-    store = dist.TCPStore("127.0.0.1", 0, world_size + 1, is_master=True,
-                          wait_for_workers=False,
-                          timeout=datetime.timedelta(seconds=collective_timeout))
-    results = ctx.Queue()
-    procs = [ctx.Process(target=_worker,
-                         args=(r, world_size, store.port, tp, fn, args, results,
-                               collective_timeout), daemon=True)
-             for r in range(world_size)]
-    for p in procs:
-        p.start()
-    out, errors = {}, []
-    deadline = datetime.datetime.now() + datetime.timedelta(seconds=timeout)
-    try:
-        while len(out) + len(errors) < world_size:
-            left = (deadline - datetime.datetime.now()).total_seconds()
-            if left <= 0:
-                raise TimeoutError(f"ranks {sorted(set(range(world_size)) - set(out))} did not "
-                                   f"finish within {timeout}s")
-            try:
-                rank, status, payload = results.get(timeout=min(left, 1.0))
-            except queue.Empty:
-                dead = [r for r, p in enumerate(procs)
-                        if p.exitcode not in (None, 0) and r not in out]
-                if dead and not errors:
-                    raise RuntimeError(f"rank(s) {dead} died with exit codes "
-                                       f"{[procs[r].exitcode for r in dead]}")
-                continue
-            if status == "ok":
-                out[rank] = pickle.loads(payload)
-            else:
-                errors.append((rank, payload))
-                break  # the others may be blocked on the failed rank
-    finally:
-        for p in procs:
-            p.join(timeout=5)
-            if p.is_alive():
-                p.kill()
-    if errors:
-        rank, tb = errors[0]
-        raise AssertionError(f"rank {rank} failed:\n{tb}")
-    return [out[r] for r in range(world_size)]
+    if not reuse:
+        pool = _Pool(world_size, collective_timeout)
+        try:
+            return pool.run(fn, tp, args, timeout, early_exit, grace_s)
+        finally:
+            pool.close()
+    pool = _pool(world_size, collective_timeout)
+    return pool.run(fn, tp, args, timeout, early_exit, grace_s)

@@ -194,7 +194,9 @@ def main(argv=None) -> int:
                 continue
             if s.startswith("deepspeed"):
                 os.environ.setdefault("DS_ACCELERATOR", "cpu")
-            runs[s].append(run_ranks(_bench_rank, a.world_size, 1, args=(s, a), timeout=900))
+            # fresh processes (reuse=False): peak RSS is over a process's whole life
+            runs[s].append(run_ranks(_bench_rank, a.world_size, 1, args=(s, a), timeout=900,
+                                     reuse=False))
     ddp_median = None
     for s in systems:
         if not runs[s]:

@@ -2,7 +2,7 @@
 with dropout on, while holding 1/TP of the bytes in buffers allocated once.
 
 One worker call per TP size runs every variant (process spawns dominate the
-runtime); the end-to-end test runs scripts/pretrain_gpt.py under torchrun.
+runtime); the end-to-end test runs scripts/pretrain_gpt.py's work (launch.pretrain).
 """
 
 import itertools
@@ -15,7 +15,7 @@ from harness import run_ranks
 from hybrid.activation_checkpointing import CheckpointStore, apply_activation_checkpointing
 from hybrid.config import TrainConfig
 from hybrid.tensor_parallel import seed_all
-from launch import ROOT, TINY, read_json_log, torchrun
+from launch import ROOT, TINY, pretrain, read_json_log
 from models.gpt import GPT, GPTConfig
 
 B, T, C, LAYERS, SEED, STEPS = 3, 10, 32, 2, 5, 3
@@ -257,7 +257,7 @@ def _wired() -> bool:
 
 def _losses(tmp_path, name, flags):
     path = str(tmp_path / f"{name}.jsonl")
-    r = torchrun(4, E2E + ["--log-json", path] + flags)
+    r = pretrain(4, E2E + ["--log-json", path] + flags)
     assert r.returncode == 0, r.stderr[-3000:]
     return read_json_log(path)
 

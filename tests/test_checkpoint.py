@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from launch import ROOT, SCRIPT, TINY, env, read_json_log, torchrun
+from launch import ROOT, SCRIPT, TINY, env, pretrain, read_json_log, torchrun
 
 ITERS = 6
 BASE = TINY + ["--global-batch-size", "8", "--train-iters", str(ITERS)]
@@ -42,12 +42,12 @@ def _save_at_3_and_resume(tmp_path, world, tp, stage, *extra):
     """(uninterrupted log from iteration 4 on, resumed log): save at 3 of 6, resume."""
     full, resumed, save = (str(tmp_path / "full.jsonl"), str(tmp_path / "res.jsonl"),
                            str(tmp_path / "ckpt"))
-    _ok(torchrun(world, _args(tp, stage, *extra, "--save", save, "--save-interval", "3",
+    _ok(pretrain(world, _args(tp, stage, *extra, "--save", save, "--save-interval", "3",
                               "--log-json", full)))
     os.remove(os.path.join(save, "latest"))  # resume from iteration 3, not the final save
     import shutil
     shutil.rmtree(os.path.join(save, "iter_0000006"))
-    _ok(torchrun(world, _args(tp, stage, *extra, "--load", save, "--log-json", resumed)))
+    _ok(pretrain(world, _args(tp, stage, *extra, "--load", save, "--log-json", resumed)))
     return read_json_log(full)[3:], read_json_log(resumed)
 
 
@@ -67,10 +67,10 @@ def stage3_checkpoint(tmp_path_factory):
     """TP2 x DP2 ZeRO-3 run saved at iteration 3, and its uninterrupted curve."""
     tmp = tmp_path_factory.mktemp("reshard")
     save, log = str(tmp / "ckpt"), str(tmp / "full.jsonl")
-    _ok(torchrun(4, _args(2, 3, "--save", save, "--save-interval", "3", "--keep-last", "1",
+    _ok(pretrain(4, _args(2, 3, "--save", save, "--save-interval", "3", "--keep-last", "1",
                           "--log-json", log)))
     # keep-last 1 left only the final save; make the iteration-3 one again for resharding
-    _ok(torchrun(4, _args(2, 3, "--save", str(tmp / "at3"), "--train-iters", "3")))
+    _ok(pretrain(4, _args(2, 3, "--save", str(tmp / "at3"), "--train-iters", "3")))
     return str(tmp / "at3"), _losses(log), save
 
 
@@ -78,7 +78,7 @@ def stage3_checkpoint(tmp_path_factory):
 def test_reshard_continues_the_same_curve(stage3_checkpoint, tmp_path, tp, dp, stage):
     ckpt, curve, _ = stage3_checkpoint
     log = str(tmp_path / "re.jsonl")
-    _ok(torchrun(tp * dp, _args(tp, stage, "--load", ckpt, "--log-json", log)))
+    _ok(pretrain(tp * dp, _args(tp, stage, "--load", ckpt, "--log-json", log)))
     for a, b in zip(_losses(log), curve[3:]):
         assert abs(a - b) <= 1e-5 * abs(b)
 
@@ -118,7 +118,7 @@ def test_sigkill_of_one_rank_restarts_from_the_last_checkpoint(tmp_path):
     resumes from it and ends with the uninterrupted run's final loss."""
     ref_log, log, save = (str(tmp_path / "ref.jsonl"), str(tmp_path / "run.jsonl"),
                           str(tmp_path / "ckpt"))
-    _ok(torchrun(2, _args(1, 1, "--train-iters", "40", "--log-json", ref_log)))
+    _ok(pretrain(2, _args(1, 1, "--train-iters", "40", "--log-json", ref_log)))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes", "1",
            "--nproc-per-node", "2", "--max-restarts", "1", SCRIPT,
            *_args(1, 1, "--train-iters", "40", "--save-interval", "10", "--save", save,
@@ -153,7 +153,7 @@ def test_sigkill_of_one_rank_restarts_from_the_last_checkpoint(tmp_path):
 @pytest.fixture(scope="module")
 def small_checkpoint(tmp_path_factory):
     save = str(tmp_path_factory.mktemp("small") / "ckpt")
-    _ok(torchrun(2, _args(1, 1, "--train-iters", "2", "--save", save)))
+    _ok(pretrain(2, _args(1, 1, "--train-iters", "2", "--save", save)))
     return save
 
 
@@ -176,7 +176,7 @@ def test_truncated_shard_is_named(small_checkpoint, tmp_path):
     with open(shard, "r+b") as f:
         f.truncate(100)
     before = _digest(ck)
-    r = torchrun(2, _args(1, 1, "--load", ck, "--save", ck, "--train-iters", "4"))
+    r = pretrain(2, _args(1, 1, "--load", ck, "--save", ck, "--train-iters", "4"))
     _fails_naming(r, "rank_00001.pt", "corrupt or truncated")
     assert _digest(ck) == before
 
@@ -184,24 +184,24 @@ def test_truncated_shard_is_named(small_checkpoint, tmp_path):
 def test_missing_shard_and_corrupt_metadata_are_named(small_checkpoint, tmp_path):
     ck = _copy(small_checkpoint, tmp_path)
     os.remove(os.path.join(ck, "iter_0000002", "rank_00000.pt"))
-    _fails_naming(torchrun(2, _args(1, 1, "--load", ck)), "rank_00000.pt", "missing")
+    _fails_naming(pretrain(2, _args(1, 1, "--load", ck)), "rank_00000.pt", "missing")
     with open(os.path.join(ck, "iter_0000002", "metadata.json"), "w") as f:
         f.write("{not json")
     # metadata unreadable: the directory no longer counts as a complete checkpoint
-    _fails_naming(torchrun(2, _args(1, 1, "--load", ck)), "metadata.json")
+    _fails_naming(pretrain(2, _args(1, 1, "--load", ck)), "metadata.json")
 
 
 def test_checkpoint_of_another_model_shape_is_refused(small_checkpoint):
     args = _args(1, 1, "--load", small_checkpoint)
     args[args.index("--hidden-size") + 1] = "128"
-    _fails_naming(torchrun(2, args), "different model", "--hidden-size")
+    _fails_naming(pretrain(2, args), "different model", "--hidden-size")
 
 
 def test_load_of_an_empty_directory_is_an_error(tmp_path):
     empty = str(tmp_path / "empty")
     os.makedirs(empty)
-    _fails_naming(torchrun(2, _args(1, 1, "--load", empty)), f"--load {empty}", "no checkpoint")
-    _fails_naming(torchrun(2, _args(1, 1, "--load", str(tmp_path / "nope"))),
+    _fails_naming(pretrain(2, _args(1, 1, "--load", empty)), f"--load {empty}", "no checkpoint")
+    _fails_naming(pretrain(2, _args(1, 1, "--load", str(tmp_path / "nope"))),
                   "no such directory")
 
 
@@ -209,7 +209,7 @@ def test_unwritable_save_dir_is_named_and_existing_untouched(tmp_path):
     blocker = tmp_path / "a_file"
     blocker.write_text("not a directory")
     bad = str(blocker / "ckpt")
-    _fails_naming(torchrun(2, _args(1, 1, "--train-iters", "1", "--save", bad)),
+    _fails_naming(pretrain(2, _args(1, 1, "--train-iters", "1", "--save", bad)),
                   f"--save {bad}")
     assert blocker.read_text() == "not a directory"
 
@@ -217,7 +217,7 @@ def test_unwritable_save_dir_is_named_and_existing_untouched(tmp_path):
 def test_nan_loss_stops_the_run_without_saving(small_checkpoint, tmp_path):
     ck = _copy(small_checkpoint, tmp_path)
     before = _digest(ck)
-    r = torchrun(2, _args(1, 1, "--load", ck, "--save", ck, "--train-iters", "30",
+    r = pretrain(2, _args(1, 1, "--load", ck, "--save", ck, "--train-iters", "30",
                           "--lr", "1e30", "--clip-grad", "0", "--exit-on-nan-iterations", "3"))
     _fails_naming(r, "not finite for 3 consecutive iterations")
     assert _digest(ck) == before
@@ -236,7 +236,7 @@ def test_a_kill_mid_save_leaves_the_previous_checkpoint_loadable(small_checkpoin
     os.remove(os.path.join(ck, "latest"))  # even without the pointer
     assert find_checkpoint(ck).endswith("iter_0000002")
     log = str(tmp_path / "log.jsonl")
-    _ok(torchrun(2, _args(1, 1, "--load", ck, "--train-iters", "3", "--log-json", log)))
+    _ok(pretrain(2, _args(1, 1, "--load", ck, "--train-iters", "3", "--log-json", log)))
     assert [m["iteration"] for m in read_json_log(log)] == [3]
 
 

@@ -4,12 +4,12 @@ import os
 import subprocess
 import sys
 
-from launch import ROOT, TINY, env, torchrun
+from launch import ROOT, TINY, env, pretrain
 
 
 def test_generate_from_a_tp2_checkpoint(tmp_path):
     save = str(tmp_path / "ckpt")
-    r = torchrun(2, TINY + ["--tensor-model-parallel-size", "2", "--train-iters", "30",
+    r = pretrain(2, TINY + ["--tensor-model-parallel-size", "2", "--train-iters", "30",
                             "--global-batch-size", "4", "--lr", "3e-3", "--save", save])
     assert r.returncode == 0, r.stderr[-3000:]
     cmd = [sys.executable, os.path.join(ROOT, "scripts", "generate.py"), "--load", save,

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from harness import run_ranks
-from launch import ROOT, TINY, env, torchrun
+from launch import ROOT, TINY, env, pretrain
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("safetensors")
@@ -39,7 +39,7 @@ def _hybrid_logits_from_merged(ckpt):
 
 def test_export_loads_in_transformers_with_the_same_logits(tmp_path):
     save, out = str(tmp_path / "ckpt"), str(tmp_path / "hf")
-    r = torchrun(2, TINY + ["--tensor-model-parallel-size", "2", "--zero-stage", "1",
+    r = pretrain(2, TINY + ["--tensor-model-parallel-size", "2", "--zero-stage", "1",
                             "--global-batch-size", "4", "--train-iters", "2", "--save", save])
     assert r.returncode == 0, r.stderr[-3000:]
     r = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "export_hf.py"), save, out],

@@ -4,7 +4,7 @@ import os
 import socket
 import subprocess
 
-from launch import ROOT, TINY, env, read_json_log, torchrun
+from launch import ROOT, TINY, env, pretrain, read_json_log
 
 
 def _free_port():
@@ -16,7 +16,7 @@ def _free_port():
 def test_two_nodes_train_the_same_curve_as_one_node(tmp_path):
     args = TINY + ["--train-iters", "5", "--global-batch-size", "4", "--zero-stage", "2"]
     one = str(tmp_path / "one.jsonl")
-    r = torchrun(2, args + ["--log-json", one])
+    r = pretrain(2, args + ["--log-json", one])
     assert r.returncode == 0, r.stderr[-3000:]
     two = str(tmp_path / "two.jsonl")
     port = str(_free_port())

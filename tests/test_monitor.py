@@ -1,12 +1,12 @@
 """TensorBoard and --log-json carry the metrics with the right steps."""
 
-from launch import TINY, read_json_log, torchrun
+from launch import TINY, pretrain, read_json_log
 
 
 def test_tensorboard_scalars_and_json_records(tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
     tb, js = str(tmp_path / "tb"), str(tmp_path / "log.jsonl")
-    r = torchrun(2, TINY + ["--train-iters", "6", "--log-interval", "2", "--eval-interval", "3",
+    r = pretrain(2, TINY + ["--train-iters", "6", "--log-interval", "2", "--eval-interval", "3",
                             "--eval-iters", "1", "--global-batch-size", "4", "--zero-stage", "1",
                             "--tensorboard-dir", tb, "--log-json", js])
     assert r.returncode == 0, r.stderr[-3000:]

@@ -1,11 +1,12 @@
-"""End to end through scripts/pretrain_gpt.py under torchrun."""
+"""End to end through scripts/pretrain_gpt.py: its work on pooled ranks (launch.pretrain),
+and under torchrun where the launcher's behaviour is the point."""
 
 import os
 import subprocess
 
 import pytest
 
-from launch import ROOT, TINY, env, read_json_log, torchrun
+from launch import ROOT, TINY, env, pretrain, read_json_log, torchrun
 
 LAYOUTS = [(1, 1), (2, 1), (1, 2), (2, 2)]  # (TP, DP)
 
@@ -16,7 +17,7 @@ def curves(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("curves")
     for tp, dp in LAYOUTS:
         path = str(tmp / f"tp{tp}dp{dp}.jsonl")
-        r = torchrun(tp * dp, TINY + ["--tensor-model-parallel-size", str(tp),
+        r = pretrain(tp * dp, TINY + ["--tensor-model-parallel-size", str(tp),
                                       "--global-batch-size", "8", "--train-iters", "10",
                                       "--log-json", path])
         assert r.returncode == 0, f"TP{tp}xDP{dp} failed:\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}"
@@ -50,7 +51,7 @@ def test_gradient_accumulation_matches_one_big_micro_batch(tmp_path):
         path = str(tmp_path / f"mbs{mbs}.jsonl")
         args = TINY + ["--global-batch-size", "8", "--train-iters", "4", "--log-json", path]
         args[args.index("--micro-batch-size") + 1] = mbs
-        r = torchrun(1, args)
+        r = pretrain(1, args)
         assert r.returncode == 0, r.stderr[-3000:]
         logs[mbs] = [m["loss"] for m in read_json_log(path)]
     for a, b in zip(logs["2"], logs["8"]):
@@ -95,7 +96,7 @@ def test_missing_data_path_is_named(tmp_path):
 def test_zero_stages_through_the_script_follow_the_stage0_curve(curves, tmp_path, stage):
     """TP2 x DP2 with --zero-stage 1/2/3 (overlapped, small buckets) == stage 0."""
     path = str(tmp_path / "zero.jsonl")
-    r = torchrun(4, TINY + ["--tensor-model-parallel-size", "2", "--global-batch-size", "8",
+    r = pretrain(4, TINY + ["--tensor-model-parallel-size", "2", "--global-batch-size", "8",
                             "--train-iters", "10", "--log-json", path, "--zero-stage",
                             str(stage), "--overlap-comm", "--reduce-bucket-size", "4000",
                             "--allgather-bucket-size", "4000",
@@ -114,7 +115,7 @@ def test_zero_stages_through_the_script_follow_the_stage0_curve(curves, tmp_path
 def test_offload_optimizer_through_the_script_follows_the_stage0_curve(curves, tmp_path):
     """TP2 x DP2, ZeRO-3 with --offload-optimizer (the fused CPU step) == stage 0."""
     path = str(tmp_path / "offload.jsonl")
-    r = torchrun(4, TINY + ["--tensor-model-parallel-size", "2", "--global-batch-size", "8",
+    r = pretrain(4, TINY + ["--tensor-model-parallel-size", "2", "--global-batch-size", "8",
                             "--train-iters", "10", "--log-json", path, "--zero-stage", "3",
                             "--offload-optimizer", "--zero-param-persistence-threshold", "0"])
     assert r.returncode == 0, r.stderr[-3000:]
@@ -133,7 +134,7 @@ def test_offload_optimizer_through_the_script_follows_the_stage0_curve(curves, t
      "0"]], ids=["partition", "partition+zero1", "cpu+zero2", "partition+cpu+contiguous+zero3"])
 def test_partitioned_recompute_follows_the_plain_curve(curves, tmp_path, flags):
     path = str(tmp_path / "ac.jsonl")
-    r = torchrun(4, TINY + ["--tensor-model-parallel-size", "2", "--global-batch-size", "8",
+    r = pretrain(4, TINY + ["--tensor-model-parallel-size", "2", "--global-batch-size", "8",
                             "--train-iters", "10", "--log-json", path, *flags])
     assert r.returncode == 0, r.stderr[-3000:]
     log = read_json_log(path)

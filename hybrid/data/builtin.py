@@ -10,6 +10,7 @@ same on every machine with the same Python version.
 from __future__ import annotations
 
 import ast
+import functools
 import glob
 import os
 import sysconfig
@@ -18,8 +19,16 @@ _MIN_CHARS = 40  # one-line docstrings ("Return x.") teach little
 
 
 def builtin_documents() -> list[str]:
-    """Docstrings of modules, classes and functions of the stdlib, one document each."""
-    stdlib = sysconfig.get_paths()["stdlib"]
+    """Docstrings of modules, classes and functions of the stdlib, one document each.
+
+    Parsed once per process (about a second of ``ast`` work); later calls, as by
+    several runs in one process, get a copy of the same list.
+    """
+    return list(_parse(sysconfig.get_paths()["stdlib"]))
+
+
+@functools.lru_cache(maxsize=1)
+def _parse(stdlib: str) -> tuple[str, ...]:
     docs = []
     for path in sorted(glob.glob(os.path.join(stdlib, "*.py"))):
         try:
@@ -34,4 +43,4 @@ def builtin_documents() -> list[str]:
                     docs.append(doc)
     if not docs:
         raise RuntimeError(f"no docstrings found under {stdlib}; pass --data-path FILE.txt")
-    return docs
+    return tuple(docs)
