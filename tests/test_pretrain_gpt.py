@@ -143,3 +143,6 @@ def test_partitioned_recompute_follows_the_plain_curve(curves, tmp_path, flags):
     # 2 layers x (2 samples x 32 tokens x 64 hidden) fp32 inputs, split over TP 2
     split = 2 if {"--partition-activations", "--distribute-saved-activations"} & set(flags) else 1
     assert log[-1]["activation_checkpoint_bytes"] == 2 * 2 * 32 * 64 * 4 // split
+    # measured activation bytes (checkpoints + one re-run block): far below the plain run's
+    plain = curves[(2, 2)][-1]["activation_bytes"]
+    assert 0 < log[-1]["activation_bytes"] < plain / 2, (log[-1]["activation_bytes"], plain)
