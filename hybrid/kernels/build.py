@@ -93,6 +93,9 @@ def _build(name, paths, cuda, cflags, cuda_cflags, ldflags):
     key = hashlib.sha256()
     for p in paths:
         key.update(p.read_bytes())
+        # ninja's build file records absolute source paths: two checkouts sharing the
+        # cache would otherwise rebuild each other's kernels on every switch
+        key.update(str(p.resolve()).encode())
     key.update(repr((cflags, cuda_cflags, ldflags, torch.__version__, torch.version.cuda,
                      _cpu_fingerprint())).encode())
     build_dir = cache_root() / f"{name}-{key.hexdigest()[:16]}"
