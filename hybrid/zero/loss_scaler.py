@@ -4,7 +4,9 @@ Dynamic scaling multiplies the loss by ``scale`` so small fp16 gradients do
 not flush to zero. An inf/nan in any gradient on any rank means the scale was
 too high: the step is skipped on every rank (the caller all-reduces the
 overflow flag) and, once ``hysteresis`` overflows have accumulated, the scale
-halves. After ``window`` clean steps in a row it doubles.
+halves -- and halves again on every further overflow, as in Megatron and
+DeepSpeed. After ``window`` clean steps in a row it doubles and the hysteresis
+is restored.
 """
 
 from __future__ import annotations
@@ -43,9 +45,9 @@ class LossScaler:
         if overflow:
             self._clean_steps = 0
             self._hysteresis_left -= 1
-            if self._hysteresis_left <= 0:
+            if self._hysteresis_left <= 0:  # used up: halve on every overflow from now on,
+                # until a clean window grows the scale again and restores the hysteresis
                 self.scale = max(self.scale / 2.0, self.min_scale)
-                self._hysteresis_left = self.hysteresis
             return
         self._clean_steps += 1
         if self._clean_steps % self.window == 0:
