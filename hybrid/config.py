@@ -142,6 +142,10 @@ class TrainConfig:
         """Check everything that can be checked before starting; fill derived defaults."""
         dp = check_layout(world_size, self.tensor_model_parallel_size)
         tp = self.tensor_model_parallel_size
+        for f in dataclasses.fields(self):  # nan and inf pass argparse's float()
+            value = getattr(self, f.name)
+            if isinstance(value, float) and not math.isfinite(value):
+                raise ConfigError(f"{_flag(f.name)} must be a finite number, got {value}")
         for name in ("num_layers", "hidden_size", "num_attention_heads", "seq_length",
                      "micro_batch_size", "train_iters", "log_interval",
                      "make_vocab_size_divisible_by", "reduce_bucket_size",

@@ -64,3 +64,11 @@ def test_sequence_parallel_needs_tp():
     with pytest.raises(ConfigError, match="--sequence-parallel needs "
                                           "--tensor-model-parallel-size > 1"):
         _cfg("--sequence-parallel", world=1, tp=1)
+
+
+@pytest.mark.parametrize("flag", ["--lr", "--min-lr", "--clip-grad", "--hidden-dropout",
+                                  "--loss-scale", "--adam-eps", "--init-method-std"])
+@pytest.mark.parametrize("value", ["nan", "inf", "-inf"])
+def test_non_finite_float_flags_are_refused(flag, value):
+    with pytest.raises(ConfigError, match=f"{flag} must be a finite number"):
+        _cfg(f"{flag}={value}")  # "=": argparse reads a bare -inf as a flag
