@@ -95,17 +95,14 @@ def _train_stages(ps, variants):
     return out
 
 
-@pytest.fixture(scope="module")
-def reference():
-    """Plain torch: TP=1 GPT, torch.optim.AdamW, clip_grad_norm_, the whole global batch."""
-    ps = ParallelState.single()
-    cfg = _train_cfg(1, 1)
-    model = _gpt(cfg, ps)
-    decay = [p for p in model.parameters() if p.ndim >= 2]
-    no_decay = [p for p in model.parameters() if p.ndim < 2]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
-                             {"params": no_decay, "weight_decay": 0.0}], lr=cfg.lr,
-                            eps=cfg.adam_eps)
+def _train_reference(model, cfg):
+    """Plain torch on a one-process model: torch.optim.AdamW (no decay on biases and
+    norms), clip_grad_norm_, the whole global batch in MICRO-sized micro-batches."""
+    params = list(model.parameters())
+    opt = torch.optim.AdamW([{"params": [p for p in params if p.ndim >= 2],
+                              "weight_decay": cfg.weight_decay},
+                             {"params": [p for p in params if p.ndim < 2],
+                              "weight_decay": 0.0}], lr=cfg.lr, eps=cfg.adam_eps)
     losses, norms = [], []
     for step in range(STEPS):
         opt.zero_grad()
@@ -120,6 +117,13 @@ def reference():
         opt.step()
     return {"losses": losses, "norms": norms,
             "params": {n: p.detach().clone() for n, p in model.named_parameters()}}
+
+
+@pytest.fixture(scope="module")
+def reference():
+    """Plain torch: TP=1 GPT, torch.optim.AdamW, clip_grad_norm_, the whole global batch."""
+    cfg = _train_cfg(1, 1)
+    return _train_reference(_gpt(cfg, ParallelState.single()), cfg)
 
 
 VARIANTS = [(0, {}), (1, {}), (2, {}), (3, {}),

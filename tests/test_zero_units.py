@@ -8,8 +8,7 @@ from hybrid.activation_checkpointing import apply_activation_checkpointing
 from hybrid.parallel_state import ParallelState
 from hybrid.tensor_parallel import InitValues
 from hybrid.zero import apply_zero
-from test_zero import (MICRO, STEPS, _global_batch, _gpt, _named_params, _train_cfg,
-                       _train_steps)
+from test_zero import _gpt, _named_params, _train_cfg, _train_reference, _train_steps
 
 
 def _full_params(res, tp, name, spec):
@@ -83,26 +82,7 @@ def _tie(model):
 def tied_reference():
     """Plain torch on the tied TP1 model: AdamW, clip_grad_norm_, the whole batch."""
     cfg = _train_cfg(1, 1)
-    model = _tie(_gpt(cfg, ParallelState.single()))
-    params = list(model.parameters())
-    opt = torch.optim.AdamW([{"params": [p for p in params if p.ndim >= 2],
-                              "weight_decay": cfg.weight_decay},
-                             {"params": [p for p in params if p.ndim < 2],
-                              "weight_decay": 0.0}], lr=cfg.lr, eps=cfg.adam_eps)
-    losses = []
-    for step in range(STEPS):
-        opt.zero_grad()
-        batches = [(b[:, :-1], b[:, 1:]) for b in _global_batch(step).split(MICRO)]
-        total = 0.0
-        for x, y in batches:
-            loss = model(x, y) / len(batches)
-            loss.backward()
-            total += loss.item()
-        losses.append(total)
-        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.clip_grad)
-        opt.step()
-    return {"losses": losses,
-            "params": {n: p.detach().clone() for n, p in model.named_parameters()}}
+    return _train_reference(_tie(_gpt(cfg, ParallelState.single())), cfg)
 
 
 def _train_tied(ps, variants):
