@@ -4,13 +4,9 @@ Built once per process and passed explicitly to layers, the model, the
 optimizer, checkpointing and the data loader. Nothing keeps process groups in
 module globals.
 
-Layout (Megatron's, with tensor-parallel ranks adjacent so a TP group stays
-inside one node where NVLink is)::
-
-    global rank = dp_rank * tp_size + tp_rank
-
-    world 8, TP 2:  TP groups [0,1] [2,3] [4,5] [6,7]
-                    DP groups [0,2,4,6] [1,3,5,7]
+The layout is :mod:`hybrid.layout`'s (TP ranks adjacent,
+``global rank = dp_rank * tp_size + tp_rank``); this module turns it into
+process groups.
 """
 
 from __future__ import annotations
@@ -23,17 +19,7 @@ import torch
 import torch.distributed as dist
 
 from hybrid.comm import CommGroup, CommStats
-from hybrid.config import check_layout
-
-
-def tp_group_ranks(world_size: int, tp_size: int) -> list[list[int]]:
-    """Global ranks of every TP group: consecutive blocks of tp_size."""
-    return [list(range(s, s + tp_size)) for s in range(0, world_size, tp_size)]
-
-
-def dp_group_ranks(world_size: int, tp_size: int) -> list[list[int]]:
-    """Global ranks of every DP group: ranks with the same tp_rank, strided by tp_size."""
-    return [list(range(t, world_size, tp_size)) for t in range(tp_size)]
+from hybrid.layout import check_layout, dp_group_ranks, tp_group_ranks
 
 
 @dataclass
@@ -140,7 +126,6 @@ def init_distributed(tensor_model_parallel_size: int, timeout_minutes: float = 1
     single process started without torchrun gets :meth:`ParallelState.single`.
     """
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    check_layout(world, tensor_model_parallel_size)
     timeout = datetime.timedelta(minutes=timeout_minutes)
     if backend is None:
         backend = "nccl" if torch.cuda.is_available() else "gloo"
