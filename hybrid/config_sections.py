@@ -1,9 +1,9 @@
 """The small, frozen config sections each component takes (never the whole run config).
 
-:class:`hybrid.config.TrainConfig` holds the flags and validates them in one
-place; ``cfg.zero`` and ``cfg.recompute`` cut the sections out of it. Each
-section is plain data (no torch import), so a component can also be built
-directly in tests and tools.
+:func:`hybrid.config.build_config` checks the flat command-line flags in one
+place and cuts them into these sections; :class:`hybrid.config.TrainConfig`
+holds one of each. Each section is plain data (no torch import), so a
+component can also be built directly in tests and tools.
 """
 
 from __future__ import annotations
@@ -62,3 +62,106 @@ class RecomputeConfig:
     partition_activations: bool = False
     cpu_checkpointing: bool = False
     contiguous_checkpointing: bool = False
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """The process layout (:mod:`hybrid.layout`) and how the process groups are made."""
+
+    world_size: int = 1
+    tensor_model_parallel_size: int = 1
+    data_parallel_size: int = 1
+    sequence_parallel: bool = False
+    backend: str | None = None  # None: nccl with a GPU, gloo otherwise
+    timeout_minutes: float = 10.0
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The architecture, independent of the vocabulary (that comes from the tokenizer)."""
+
+    num_layers: int = 4
+    hidden_size: int = 256
+    num_attention_heads: int = 4
+    ffn_hidden_size: int | None = None  # None: 4 x hidden
+    seq_length: int = 128
+    max_position_embeddings: int = 128
+    make_vocab_size_divisible_by: int = 128
+    hidden_dropout: float = 0.1
+    attention_dropout: float = 0.1
+    init_method_std: float = 0.02
+    attention_backend: str = "auto"  # auto, flash, fused, unfused, local
+
+
+@dataclass(frozen=True)
+class OptimizerConfig:
+    """The learning-rate schedule. (AdamW's own hyperparameters are in :class:`ZeroConfig`:
+    the ZeRO engine runs AdamW on its shards.)
+
+    ``unit``: "iterations" or "samples" -- what ``warmup`` and ``decay`` count,
+    and what :func:`hybrid.lr_schedule.scheduled_lr` is stepped by.
+    """
+
+    lr: float = 1e-3
+    min_lr: float = 0.0
+    decay_style: str = "constant"
+    unit: str = "iterations"
+    warmup: int = 0
+    decay: int = 200
+
+
+@dataclass(frozen=True)
+class ScheduleConfig:
+    """How long the run goes and in what steps: batches, the length, exits, evaluation.
+
+    Exactly one of ``train_iters`` and ``train_samples`` is set. ``rampup``:
+    (start, increment, samples) -- Megatron's ``--rampup-batch-size``; the
+    global batch is ``start + k * increment`` after ``k`` ramp intervals of
+    ``samples / ((global - start) / increment)`` samples each.
+    """
+
+    micro_batch_size: int = 8
+    global_batch_size: int = 8
+    rampup: tuple[int, int, int] | None = None
+    train_iters: int | None = 200
+    train_samples: int | None = None
+    exit_interval: int | None = None
+    exit_duration_in_mins: float | None = None
+    exit_on_nan_iterations: int = 10
+    eval_interval: int = 1000
+    eval_iters: int = 10
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    """Where tokens come from and how they are cut into samples."""
+
+    data_path: tuple[str, ...] | None = None  # None: the built-in corpus
+    split: str = "949,50,1"
+    tokenizer_type: str = "byte"
+    vocab_file: str | None = None
+    merge_file: str | None = None
+    tokenizer_file: str | None = None
+    data_cache_path: str | None = None
+    seq_length: int = 128  # tokens per sample (the model's --seq-length)
+    seed: int = 1234  # shuffles documents and samples
+
+
+@dataclass(frozen=True)
+class CheckpointConfig:
+    """Where checkpoints go, when, and how many stay."""
+
+    save: str | None = None
+    load: str | None = None
+    save_interval: int | None = None
+    keep_last: int | None = None
+
+
+@dataclass(frozen=True)
+class LoggingConfig:
+    """What is logged where, and how often (rank 0 writes)."""
+
+    log_interval: int = 10
+    log_json: str | None = None
+    tensorboard_dir: str | None = None
+    log_throughput: bool = False

@@ -72,7 +72,7 @@ def from_hf(hf: dict[str, torch.Tensor], num_layers: int, heads: int) -> dict[st
 
 
 def hf_config(cfg: dict, vocab_size: int) -> dict:
-    """GPT-2 ``config.json`` fields for a hybrid TrainConfig dict."""
+    """GPT-2 ``config.json`` fields for a checkpoint's flat config dict."""
     return {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2",
             "vocab_size": vocab_size, "n_positions": cfg["max_position_embeddings"],
             "n_embd": cfg["hidden_size"], "n_layer": cfg["num_layers"],

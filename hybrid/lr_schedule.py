@@ -1,4 +1,5 @@
-"""Learning rate as a pure function of the iteration (so resuming needs no state)."""
+"""Learning rate as a pure function of the iteration or the samples consumed
+(so resuming needs no state)."""
 
 from __future__ import annotations
 
@@ -26,3 +27,13 @@ def learning_rate(iteration: int, lr: float, min_lr: float, warmup_iters: int,
     if style == "cosine":
         return min_lr + (lr - min_lr) * 0.5 * (1.0 + math.cos(math.pi * frac))
     raise ValueError(f"unknown lr decay style {style!r}")
+
+
+def scheduled_lr(opt, iteration: int, consumed_samples: int) -> float:
+    """LR for the step that ends at 1-based ``iteration`` having consumed
+    ``consumed_samples`` (this step's batch included), under ``opt``
+    (:class:`hybrid.config_sections.OptimizerConfig`): the schedule counts
+    iterations or samples, as ``opt.unit`` says. With a constant batch the two
+    give the same rates (the ratios are the same integers)."""
+    step = consumed_samples if opt.unit == "samples" else iteration
+    return learning_rate(step, opt.lr, opt.min_lr, opt.warmup, opt.decay, opt.decay_style)

@@ -102,27 +102,27 @@ class Workload:
         return replace(self, zero_stage=stage)
 
 
-def workload(cfg, world_size: int, vocab_size: int, device: str = "cuda") -> Workload:
-    """The :class:`Workload` of a validated :class:`hybrid.config.TrainConfig` run."""
-    from hybrid.config import padded_vocab_size
-    tp = cfg.tensor_model_parallel_size
-    zero = cfg.zero
+def workload(cfg, vocab_size: int, device: str = "cuda") -> Workload:
+    """The :class:`Workload` of a :class:`hybrid.config.TrainConfig` run (at its full
+    global batch, after any ramp-up)."""
+    from hybrid.layout import padded_vocab_size
+    m, p, zero, rc = cfg.model, cfg.parallel, cfg.zero, cfg.recompute
+    tp = p.tensor_model_parallel_size
     return Workload(
-        num_layers=cfg.num_layers, hidden_size=cfg.hidden_size,
-        num_attention_heads=cfg.num_attention_heads,
-        ffn_hidden_size=cfg.ffn_hidden_size or 4 * cfg.hidden_size,
-        padded_vocab_size=padded_vocab_size(vocab_size, cfg.make_vocab_size_divisible_by, tp),
-        seq_length=cfg.seq_length, micro_batch_size=cfg.micro_batch_size,
-        max_position_embeddings=cfg.max_position_embeddings or cfg.seq_length,
-        tp=tp, sequence_parallel=cfg.sequence_parallel, dp=cfg.data_parallel_size(world_size),
-        micro_batches=cfg.num_micro_batches(world_size), zero_stage=zero.stage,
+        num_layers=m.num_layers, hidden_size=m.hidden_size,
+        num_attention_heads=m.num_attention_heads,
+        ffn_hidden_size=m.ffn_hidden_size or 4 * m.hidden_size,
+        padded_vocab_size=padded_vocab_size(vocab_size, m.make_vocab_size_divisible_by, tp),
+        seq_length=m.seq_length, micro_batch_size=cfg.schedule.micro_batch_size,
+        max_position_embeddings=m.max_position_embeddings,
+        tp=tp, sequence_parallel=p.sequence_parallel, dp=p.data_parallel_size,
+        micro_batches=cfg.num_micro_batches, zero_stage=zero.stage,
         params_dtype=zero.params_dtype, grads_dtype=zero.grads_dtype,
-        hidden_dropout=cfg.hidden_dropout, attention_dropout=cfg.attention_dropout,
-        recompute=cfg.recompute.granularity == "full",
-        recompute_num_layers=cfg.recompute.num_layers,
-        selective_recompute=cfg.recompute.granularity == "selective",
-        partition_activations=cfg.recompute.partition_activations,
-        cpu_checkpointing=cfg.cpu_checkpointing, reduce_bucket_size=zero.reduce_bucket_size,
+        hidden_dropout=m.hidden_dropout, attention_dropout=m.attention_dropout,
+        recompute=rc.granularity == "full", recompute_num_layers=rc.num_layers,
+        selective_recompute=rc.granularity == "selective",
+        partition_activations=rc.partition_activations,
+        cpu_checkpointing=rc.cpu_checkpointing, reduce_bucket_size=zero.reduce_bucket_size,
         device=device)
 
 

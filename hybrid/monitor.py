@@ -38,8 +38,12 @@ def _scalars(prefix: str, m: dict):
 
 class Monitor:
     def __init__(self, rank: int, log_json: str | None = None,
-                 tensorboard_dir: str | None = None, append: bool = False):
+                 tensorboard_dir: str | None = None, append: bool = False,
+                 log_throughput: bool = False):
+        """``log_throughput``: the console line also shows TFLOP/s per rank
+        (Megatron's ``--log-throughput``; JSON and TensorBoard always carry it)."""
         self.enabled = rank == 0
+        self.log_throughput = log_throughput
         self._json = self._tb = None
         if not self.enabled:
             return
@@ -75,8 +79,10 @@ class Monitor:
         parts.append(f"grad norm: {m['grad_norm']:.3f}")
         if "skipped_iterations" in m:
             parts.append(f"number of skipped iterations: {m['skipped_iterations']:3d}")
+        if "global_batch_size" in m:
+            parts.append(f"global batch size: {m['global_batch_size']:5d}")
         parts.append(f"tokens/s: {m['tokens_per_sec']:.0f}")
-        if "tflops_per_rank" in m:
+        if "tflops_per_rank" in m and self.log_throughput:
             parts.append(f"TFLOP/s per rank: {m['tflops_per_rank']:.3f}")
         if "peak_memory_bytes" in m:
             parts.append(f"peak memory (MB): {m['peak_memory_bytes'] / 2**20:.0f}")

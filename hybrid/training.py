@@ -19,15 +19,17 @@ import torch
 from hybrid.activation_checkpointing import apply_activation_checkpointing
 from hybrid.activation_meter import SavedActivationMeter
 from hybrid.checkpoint import load_checkpoint, save_checkpoint
-from hybrid.config import TrainConfig, padded_vocab_size
-from hybrid.config_sections import RecomputeConfig
+from hybrid.config import TrainConfig
+from hybrid.config_sections import RecomputeConfig, ScheduleConfig
 from hybrid.data.dataset import build_datasets, dp_micro_batches
 from hybrid.data.tokenizer import build_tokenizer
 from hybrid.errors import TrainingError
 from hybrid.host_memory import return_freed_memory
-from hybrid.lr_schedule import learning_rate
+from hybrid.layout import padded_vocab_size
+from hybrid.lr_schedule import scheduled_lr
 from hybrid.monitor import Monitor, log
 from hybrid.parallel_state import ParallelState
+from hybrid.schedule import finished, global_batch_size_at, total_iterations
 from hybrid.tensor_parallel import InitValues, TPRNGTracker, seed_all
 from hybrid.zero import ZeroEngine, apply_zero
 from models.gpt import GPT, GPTConfig
@@ -42,16 +44,17 @@ class TrainState:
 
 
 def gpt_config(cfg: TrainConfig, vocab_size: int) -> GPTConfig:
+    m, p = cfg.model, cfg.parallel
     return GPTConfig(
         vocab_size=vocab_size,
-        padded_vocab_size=padded_vocab_size(vocab_size, cfg.make_vocab_size_divisible_by,
-                                            cfg.tensor_model_parallel_size),
-        num_layers=cfg.num_layers, hidden_size=cfg.hidden_size,
-        num_attention_heads=cfg.num_attention_heads,
-        max_position_embeddings=cfg.max_position_embeddings,
-        ffn_hidden_size=cfg.ffn_hidden_size, hidden_dropout=cfg.hidden_dropout,
-        attention_dropout=cfg.attention_dropout, init_std=cfg.init_method_std,
-        sequence_parallel=cfg.sequence_parallel)
+        padded_vocab_size=padded_vocab_size(vocab_size, m.make_vocab_size_divisible_by,
+                                            p.tensor_model_parallel_size),
+        num_layers=m.num_layers, hidden_size=m.hidden_size,
+        num_attention_heads=m.num_attention_heads,
+        max_position_embeddings=m.max_position_embeddings,
+        ffn_hidden_size=m.ffn_hidden_size, hidden_dropout=m.hidden_dropout,
+        attention_dropout=m.attention_dropout, init_std=m.init_method_std,
+        sequence_parallel=p.sequence_parallel)
 
 
 def build_model(cfg: TrainConfig, ps: ParallelState, vocab_size: int,
@@ -121,7 +124,7 @@ def train_step(model: GPT, engine: ZeroEngine, micro_batches, lr: float,
     return total, engine.step(lr)
 
 
-def _nan_guard(result, scaler, streak: int, cfg, iteration: int) -> int:
+def _nan_guard(result, scaler, streak: int, limit: int, iteration: int) -> int:
     """Count consecutive steps skipped for non-finite gradients; stop past the limit.
 
     fp16 overflows while the dynamic scale is still coming down are normal and
@@ -132,7 +135,7 @@ def _nan_guard(result, scaler, streak: int, cfg, iteration: int) -> int:
     if scaler.dynamic and scaler.scale > scaler.min_scale:
         return streak
     streak += 1
-    if streak >= cfg.exit_on_nan_iterations:
+    if streak >= limit:
         raise TrainingError(
             f"loss or gradients were not finite for {streak} consecutive iterations (up to "
             f"{iteration}); stopping without saving. Lower --lr, raise --clip-grad's "
@@ -141,15 +144,16 @@ def _nan_guard(result, scaler, streak: int, cfg, iteration: int) -> int:
 
 
 @torch.no_grad()
-def evaluate(model: GPT, samples, cfg: TrainConfig, ps: ParallelState) -> float:
-    """Mean loss over ``--eval-iters`` global batches from the start of ``samples``
-    (the same batches every time, so evaluations compare), averaged over DP."""
+def evaluate(model: GPT, samples, s: ScheduleConfig, ps: ParallelState) -> float:
+    """Mean loss over ``--eval-iters`` full global batches from the start of
+    ``samples`` (the same batches every time, so evaluations compare), averaged
+    over DP."""
     model.eval()
     total = torch.zeros((), device=ps.device)
     count = 0
-    for k in range(cfg.eval_iters):
-        for tokens, labels in dp_micro_batches(samples, k * cfg.global_batch_size,
-                                               cfg.global_batch_size, cfg.micro_batch_size,
+    for k in range(s.eval_iters):
+        for tokens, labels in dp_micro_batches(samples, k * s.global_batch_size,
+                                               s.global_batch_size, s.micro_batch_size,
                                                ps.dp_rank, ps.dp_size, ps.device):
             total += model(tokens, labels).float()
             count += 1
@@ -175,10 +179,13 @@ def _max_over_ranks(ps: ParallelState, values: list[int]) -> list[int]:
 
 
 def pretrain(cfg: TrainConfig, ps: ParallelState) -> list[dict]:
-    """Train for ``cfg.train_iters`` iterations; return the logged metrics (rank 0's view)."""
+    """Train until ``--train-iters`` or ``--train-samples`` (or an exit flag);
+    return the logged metrics (rank 0's view)."""
+    s, lg, ck = cfg.schedule, cfg.logging, cfg.checkpoint
+    started = time.monotonic()
     rng = seed_all(cfg.seed, ps.tp_rank, ps.dp_rank, ps.device)
-    tokenizer = build_tokenizer(cfg)
-    data = build_datasets(cfg, tokenizer)
+    tokenizer = build_tokenizer(cfg.data)
+    data = build_datasets(cfg.data, tokenizer)
     psi = gpt_config(cfg, tokenizer.vocab_size).num_parameters(ps.tp_size)
     if ps.device.type == "cpu" and psi >= HOST_TRIM_MIN_PARAMS:
         return_freed_memory()  # the model lives in host memory: keep RSS to what is used
@@ -186,68 +193,76 @@ def pretrain(cfg: TrainConfig, ps: ParallelState) -> list[dict]:
     model, ac, engine = build_engine(cfg, ps, tokenizer.vocab_size, rng)
 
     state = TrainState()
-    if cfg.load:
-        loaded = load_checkpoint(cfg.load, engine, ps, cfg, rng, tokenizer.vocab_size,
-                                 allow_empty=cfg.load == cfg.save)
+    if ck.load:
+        loaded = load_checkpoint(ck.load, engine, ps, cfg, rng, tokenizer.vocab_size,
+                                 allow_empty=ck.load == ck.save)
         if loaded is not None:
             state.iteration, state.consumed_samples = loaded
-            log.info("resumed from %s at iteration %d (%d samples consumed)", cfg.load,
+            log.info("resumed from %s at iteration %d (%d samples consumed)", ck.load,
                      state.iteration, state.consumed_samples)
     setup_peak = _memory(ps)[1]
-    monitor = Monitor(ps.rank, cfg.log_json, cfg.tensorboard_dir, append=state.iteration > 0)
+    monitor = Monitor(ps.rank, lg.log_json, lg.tensorboard_dir, append=state.iteration > 0,
+                      log_throughput=lg.log_throughput)
     log.info("layout: %s", ps.describe())
     log.info("parameters: %d on each TP rank, %d in the model (TP %d, padded vocab %d); "
              "train samples per epoch: %d", model.cfg.num_parameters(ps.tp_size),
              model.cfg.num_parameters(), ps.tp_size, model.cfg.padded_vocab_size,
              len(data["train"]))
     log.info("config: %s", cfg.to_dict())
+    if cfg.flags.ignored_megatron_flags:
+        log.info("Megatron flags with no effect here (they pick Megatron's own kernels or "
+                 "internals): %s", " ".join(cfg.flags.ignored_megatron_flags))
 
     def save():
-        path = save_checkpoint(cfg.save, state.iteration, state.consumed_samples, engine, ps,
-                               cfg, rng, cfg.keep_last, tokenizer.vocab_size)
+        path = save_checkpoint(ck.save, state.iteration, state.consumed_samples, engine, ps,
+                               cfg, rng, ck.keep_last, tokenizer.vocab_size)
         log.info("saved checkpoint %s", path)
 
     def run_eval(split):
-        if data[split] is not None and cfg.eval_iters > 0:
-            monitor.log_eval(state.iteration, split, evaluate(model, data[split], cfg, ps))
+        if data[split] is not None and s.eval_iters > 0:
+            monitor.log_eval(state.iteration, split, evaluate(model, data[split], s, ps))
 
-    tokens_per_iter = cfg.global_batch_size * cfg.seq_length
-    flops_per_iter = model.cfg.flops_per_token(cfg.seq_length) * tokens_per_iter
+    train_iters = total_iterations(s)
+    flops_per_token = model.cfg.flops_per_token(cfg.model.seq_length)
     history, loss_acc, time_acc, n_acc = [], torch.zeros((), device=ps.device), 0.0, 0
+    tokens_acc = 0
     meter = SavedActivationMeter(extra=ac.stored_bytes if ac is not None else lambda: 0)
     skipped, nan_streak, saved_at = 0, 0, state.iteration
     try:
-        while state.iteration < cfg.train_iters:
+        while not finished(s, state.iteration, state.consumed_samples):
             _sync(ps)
             t0 = time.perf_counter()
-            lr = learning_rate(state.iteration + 1, cfg.lr, cfg.min_lr, cfg.lr_warmup_iters,
-                               cfg.lr_decay_iters, cfg.lr_decay_style)
-            batches = dp_micro_batches(data["train"], state.consumed_samples,
-                                       cfg.global_batch_size, cfg.micro_batch_size,
-                                       ps.dp_rank, ps.dp_size, ps.device)
+            batch = global_batch_size_at(s, state.consumed_samples)
+            lr = scheduled_lr(cfg.optimizer, state.iteration + 1,
+                              state.consumed_samples + batch)
+            batches = dp_micro_batches(data["train"], state.consumed_samples, batch,
+                                       s.micro_batch_size, ps.dp_rank, ps.dp_size, ps.device)
             comm_before = ps.comm_stats.snapshot()
-            logs = ((state.iteration + 1) % cfg.log_interval == 0
-                    or state.iteration + 1 == cfg.train_iters)
+            last = finished(s, state.iteration + 1, state.consumed_samples + batch)
+            logs = (state.iteration + 1) % lg.log_interval == 0 or last
             loss, result = train_step(model, engine, batches, lr, meter if logs else None)
             comm = {k: v - comm_before[k] for k, v in ps.comm_stats.snapshot().items()}
             skipped += int(result.skipped)
             state.iteration += 1
-            state.consumed_samples += cfg.global_batch_size
-            nan_streak = _nan_guard(result, engine.scaler, nan_streak, cfg, state.iteration)
+            state.consumed_samples += batch
+            nan_streak = _nan_guard(result, engine.scaler, nan_streak,
+                                    s.exit_on_nan_iterations, state.iteration)
             _sync(ps)
             time_acc += time.perf_counter() - t0
             loss_acc += loss
             n_acc += 1
-            if state.iteration % cfg.log_interval == 0 or state.iteration == cfg.train_iters:
+            tokens_acc += batch * cfg.model.seq_length
+            if logs:
                 ps.dp_group.all_reduce(loss_acc)  # mean over DP replicas, once per log line
                 step_time = time_acc / n_acc
-                m = {"iteration": state.iteration, "train_iters": cfg.train_iters,
-                     "consumed_samples": state.consumed_samples,
+                m = {"iteration": state.iteration, "train_iters": train_iters,
+                     "consumed_samples": state.consumed_samples, "global_batch_size": batch,
                      "loss": float(loss_acc) / (n_acc * ps.dp_size), "lr": lr,
                      "grad_norm": result.grad_norm, "loss_scale": result.loss_scale,
                      "skipped_iterations": skipped, "step_time_s": step_time,
-                     "tokens_per_sec": tokens_per_iter / step_time,
-                     "tflops_per_rank": flops_per_iter / step_time / ps.world_size / 1e12,
+                     "tokens_per_sec": tokens_acc / time_acc,
+                     "tflops_per_rank": flops_per_token * tokens_acc / time_acc
+                     / ps.world_size / 1e12,
                      # memory: the largest rank's (one tiny all-reduce per log line)
                      **dict(zip(("peak_memory_bytes", "setup_peak_memory_bytes",
                                  "memory_before_model_bytes"),
@@ -261,16 +276,40 @@ def pretrain(cfg: TrainConfig, ps: ParallelState) -> list[dict]:
                 monitor.log_iteration(m)
                 history.append(m)
                 loss_acc.zero_()
-                time_acc, n_acc = 0.0, 0
-            if cfg.eval_interval and state.iteration % cfg.eval_interval == 0:
+                time_acc, n_acc, tokens_acc = 0.0, 0, 0
+            if s.eval_interval and state.iteration % s.eval_interval == 0:
                 run_eval("valid")
-            if (cfg.save and cfg.save_interval and state.iteration % cfg.save_interval == 0
-                    and nan_streak == 0):  # never save a step that went non-finite
+            clean = nan_streak == 0  # never save a step that went non-finite
+            if ck.save and ck.save_interval and state.iteration % ck.save_interval == 0 and clean:
                 save()
                 saved_at = state.iteration
-        if cfg.save and saved_at != state.iteration:
+            why = _exit_reason(s, state.iteration, started, ps)
+            if why:
+                log.info("exiting at iteration %d: %s", state.iteration, why)
+                break
+        if ck.save and saved_at != state.iteration:
             save()
-        run_eval("test")
+        if finished(s, state.iteration, state.consumed_samples):
+            run_eval("test")
     finally:
         monitor.close()
     return history
+
+
+def _exit_reason(s: ScheduleConfig, iteration: int, started: float,
+                 ps: ParallelState) -> str | None:
+    """Why to stop early (``--exit-interval``, ``--exit-duration-in-mins``), or None.
+
+    The duration is judged on the slowest clock (a one-element all-reduce over
+    the world, only when the flag is given), so every rank stops at the same
+    iteration.
+    """
+    if s.exit_interval and iteration % s.exit_interval == 0:
+        return f"--exit-interval {s.exit_interval}"
+    if s.exit_duration_in_mins is not None:
+        elapsed = torch.tensor([time.monotonic() - started], dtype=torch.float64,
+                               device=ps.device)
+        ps.world_group.all_reduce(elapsed, op=torch.distributed.ReduceOp.MAX)
+        if float(elapsed) >= s.exit_duration_in_mins * 60:
+            return f"--exit-duration-in-mins {s.exit_duration_in_mins}"
+    return None

@@ -73,10 +73,10 @@ def table2_bytes_per_layer(mode: str, a, t: int, e: int) -> int:
 
 def _model(ps, a, flags, layers):
     from hybrid.activation_checkpointing import apply_activation_checkpointing
-    from hybrid.config import TrainConfig
+    from hybrid.flags import Flags
     from hybrid.tensor_parallel import seed_all
     from hybrid.training import gpt_config, recompute_targets
-    cfg = TrainConfig(tensor_model_parallel_size=ps.tp_size, num_layers=layers,
+    cfg = Flags(tensor_model_parallel_size=ps.tp_size, num_layers=layers,
                       hidden_size=a.hidden_size, num_attention_heads=a.heads,
                       seq_length=a.seq_length, micro_batch_size=a.micro_batch_size,
                       hidden_dropout=a.dropout, attention_dropout=a.attention_dropout,

@@ -41,10 +41,10 @@ VOCAB = 8000  # padded to 8192 at TP 1 and 2
 
 
 def _engine(ps, model_args, stage, seed):
-    from hybrid.config import TrainConfig
+    from hybrid.flags import Flags
     from hybrid.tensor_parallel import seed_all
     from hybrid.training import build_engine
-    cfg = TrainConfig(tensor_model_parallel_size=ps.tp_size, zero_stage=stage, seed=seed,
+    cfg = Flags(tensor_model_parallel_size=ps.tp_size, zero_stage=stage, seed=seed,
                       hidden_dropout=0.0, attention_dropout=0.0,
                       **model_args).validate(ps.world_size)
     rng = seed_all(seed, ps.tp_rank, ps.dp_rank, ps.device)

@@ -81,7 +81,7 @@ def main(argv=None) -> int:
         for dp in a.dp:
             argv_dp = flags(a, dp)
             m = run(argv_dp, dp, os.path.join(tmp, f"dp{dp}.jsonl"))[-1]
-            w = workload(parse_args(argv_dp).validate(dp), dp, BYTE_VOCAB, device)
+            w = workload(parse_args(argv_dp).validate(dp), BYTE_VOCAB, device)
             runtime = m["memory_before_model_bytes"]
             pred = peak_memory(w, runtime)
             states, peak = m["model_state_bytes"]["total"], m["peak_memory_bytes"]

@@ -18,6 +18,7 @@ marked as such).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import resource
@@ -29,7 +30,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
-from hybrid.config import TrainConfig  # noqa: E402
+from hybrid.flags import Flags  # noqa: E402
 from hybrid.multiprocess import run_ranks  # noqa: E402
 
 PEERS = ["ddp", "zero_redundancy", "fsdp2"]
@@ -60,7 +61,7 @@ def _optimizer_state_bytes(opt) -> int:
 def _build(a, ps):
     from hybrid.tensor_parallel import seed_all
     from hybrid.training import build_model
-    cfg = TrainConfig(num_layers=a.num_layers, hidden_size=a.hidden_size,
+    cfg = Flags(num_layers=a.num_layers, hidden_size=a.hidden_size,
                       num_attention_heads=a.heads, seq_length=a.seq_length,
                       micro_batch_size=a.micro_batch_size, hidden_dropout=0.0,
                       attention_dropout=0.0, lr=1e-4, weight_decay=0.01, clip_grad=1.0,
@@ -87,13 +88,12 @@ def _bench_rank(ps, system, a):
     states = None
     if system.startswith("hybrid"):
         from hybrid.zero import apply_zero
-        cfg.zero_stage = int(system[-1])
-        engine = apply_zero(model, ps, cfg.zero)
+        engine = apply_zero(model, ps, dataclasses.replace(cfg.zero, stage=int(system[-1])))
 
         def step(b):
             engine.zero_grad()
             engine.backward(model(b[:, :-1], b[:, 1:]))
-            engine.step(cfg.lr)
+            engine.step(cfg.optimizer.lr)
         states = engine.model_state_bytes
         comm_source = "measured"
     elif system.startswith("deepspeed"):

@@ -25,7 +25,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from hybrid.config import TrainConfig, build_parser  # noqa: E402
+from hybrid.flags import Flags, build_parser  # noqa: E402
 from hybrid.errors import ConfigError  # noqa: E402
 from hybrid.memory_estimate import (activation_bytes, buffer_bytes, choose_stage,  # noqa: E402
                                     peak_memory, traffic_bytes, workload)
@@ -70,21 +70,21 @@ def main(argv=None) -> int:
     ns = vars(ap.parse_args(argv))
     own = {k: ns.pop(k) for k in OWN}
     # Shapes are all an estimate needs: no tokenizer or data files are read.
-    cfg = dataclasses.replace(TrainConfig(**ns), tokenizer_type="byte", data_path=None)
-    tp = cfg.tensor_model_parallel_size
+    flags = dataclasses.replace(Flags(**ns), tokenizer_type="byte", data_path=None)
+    tp = flags.tensor_model_parallel_size
     world = own["world_size"] or tp * own["data_parallel_size"]
     if own["micro_batches"] is not None:
         if own["micro_batches"] < 1:
             ap.error("--micro-batches must be >= 1")
-        cfg.global_batch_size = own["micro_batches"] * cfg.micro_batch_size * (world // tp)
+        flags.global_batch_size = own["micro_batches"] * flags.micro_batch_size * (world // tp)
     try:
-        cfg.validate(world)
+        cfg = flags.validate(world)
     except ConfigError as e:
         ap.error(str(e))
     vocab = own["vocab_size"] or (257 if ns["tokenizer_type"] == "byte" else 50257)
     runtime = int((own["runtime_gb"] if own["runtime_gb"] is not None
                    else RUNTIME_GB[own["device"]]) * GIB)
-    w = workload(cfg, world, vocab, own["device"])
+    w = workload(cfg, vocab, own["device"])
     budget = own["gpu_memory_gb"] * GIB if own["gpu_memory_gb"] is not None else None
     for stage in range(4):
         ws = w.with_stage(stage)

@@ -21,7 +21,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 
 from hybrid.checkpoint import iter_full_params, resolve_checkpoint  # noqa: E402
-from hybrid.config import padded_vocab_size  # noqa: E402
+from hybrid.layout import padded_vocab_size  # noqa: E402
 from hybrid.data.tokenizer import build_tokenizer  # noqa: E402
 from hybrid.errors import CheckpointError, DataError  # noqa: E402
 from hybrid.parallel_state import ParallelState  # noqa: E402

@@ -62,8 +62,8 @@ def main(argv: list[str] | None = None) -> int:
     from hybrid.parallel_state import init_distributed
     from hybrid.training import pretrain
 
-    ps = init_distributed(cfg.tensor_model_parallel_size, cfg.distributed_timeout_minutes,
-                          cfg.distributed_backend)
+    par = cfg.parallel
+    ps = init_distributed(par.tensor_model_parallel_size, par.timeout_minutes, par.backend)
     setup_logging(ps.rank)
     try:
         pretrain(cfg, ps)

@@ -85,7 +85,7 @@ def pretrain(nproc: int, args: list[str], timeout: float = 300) -> subprocess.Co
         return subprocess.CompletedProcess(argv, 2, "", f"pretrain_gpt.py: error: {e}\n")
     except SystemExit as e:  # argparse: unknown flag or bad value, already said on err
         return subprocess.CompletedProcess(argv, e.code, "", err.getvalue())
-    res = run_ranks(_pretrain_rank, world_size=nproc, tp=cfg.tensor_model_parallel_size,
+    res = run_ranks(_pretrain_rank, world_size=nproc, tp=cfg.parallel.tensor_model_parallel_size,
                     args=(cfg,), timeout=timeout, early_exit=lambda r: r[0] != 0,
                     grace_s=5.0)
     done = {rank: r for rank, r in enumerate(res) if r is not None}

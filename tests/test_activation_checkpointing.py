@@ -13,7 +13,7 @@ import torch
 
 from harness import run_ranks
 from hybrid.activation_checkpointing import CheckpointStore, apply_activation_checkpointing
-from hybrid.config import TrainConfig
+from hybrid.flags import Flags
 from hybrid.tensor_parallel import seed_all
 from launch import ROOT, TINY, pretrain, read_json_log
 from models.gpt import GPT, GPTConfig
@@ -47,7 +47,7 @@ def _model(ps, seed=SEED):
 
 
 def _apply(model, ps, rng, flags):
-    cfg = TrainConfig(tensor_model_parallel_size=ps.tp_size, num_layers=LAYERS, hidden_size=C,
+    cfg = Flags(tensor_model_parallel_size=ps.tp_size, num_layers=LAYERS, hidden_size=C,
                       num_attention_heads=4, seq_length=T, **flags).validate(ps.world_size)
     return apply_activation_checkpointing(model, ps, rng, cfg.recompute)
 

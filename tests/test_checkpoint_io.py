@@ -14,10 +14,10 @@ IO_VOCAB = 257
 
 
 def _io_engine(ps, stage, seed):
-    from hybrid.config import TrainConfig
+    from hybrid.flags import Flags
     from hybrid.tensor_parallel import seed_all
     from hybrid.training import build_engine
-    cfg = TrainConfig(tensor_model_parallel_size=ps.tp_size, num_layers=2, hidden_size=32,
+    cfg = Flags(tensor_model_parallel_size=ps.tp_size, num_layers=2, hidden_size=32,
                       num_attention_heads=4, seq_length=8, zero_stage=stage, seed=seed,
                       zero_param_persistence_threshold=0, reduce_bucket_size=3000,
                       hidden_dropout=0.0, attention_dropout=0.0).validate(ps.world_size)

@@ -33,7 +33,7 @@ def test_recompute_flags_resolve_to_granularity_and_layers(flags, granularity, n
 
 def test_distribute_saved_activations_is_partitioning_and_moot_under_sp():
     cfg = _cfg("--recompute-granularity", "full", "--distribute-saved-activations")
-    assert cfg.partition_activations and cfg.recompute.partition_activations
+    assert cfg.flags.partition_activations and cfg.recompute.partition_activations
     cfg = _cfg("--recompute-granularity", "full", "--distribute-saved-activations",
                "--sequence-parallel")
     assert not cfg.recompute.partition_activations  # the block input is already 1/TP
@@ -72,3 +72,81 @@ def test_sequence_parallel_needs_tp():
 def test_non_finite_float_flags_are_refused(flag, value):
     with pytest.raises(ConfigError, match=f"{flag} must be a finite number"):
         _cfg(f"{flag}={value}")  # "=": argparse reads a bare -inf as a flag
+
+
+# -- Megatron's flags ----------------------------------------------------------
+
+def test_megatron_implementation_flags_are_dropped_and_listed():
+    f = parse_args(BASE + ["--use-mcore-models", "--transformer-impl", "local",
+                           "--no-masked-softmax-fusion", "--optimizer", "adam",
+                           "--pipeline-model-parallel-size", "1", "--num-workers", "2"])
+    assert f.ignored_megatron_flags == ["--use-mcore-models", "--transformer-impl local",
+                                        "--no-masked-softmax-fusion", "--optimizer adam",
+                                        "--num-workers 2"]
+    assert f.validate(1).model.num_layers == 4  # the values after them still parse
+
+
+@pytest.mark.parametrize("flags,needle", [
+    (["--pipeline-model-parallel-size", "2"], "--pipeline-model-parallel-size 2: hybrid has no "
+                                              "pipeline parallelism"),
+    (["--num-experts", "8"], "--num-experts is a Megatron-LM flag hybrid does not implement"),
+    (["--moe-router-topk", "2"], "mixture-of-experts"),
+    (["--fp8-format", "hybrid"], "use --bf16"),
+    (["--use-torch-fsdp2"], "--zero-stage 3"),
+    (["--context-parallel-size", "2"], "--context-parallel-size 2: hybrid implements only 1"),
+    (["--optimizer", "sgd"], "--optimizer sgd: hybrid implements only adam"),
+    (["--num-layerz", "2"], "--num-layerz is not a flag hybrid knows, nor a Megatron-LM flag it "
+                            "maps (README: 'Coming from Megatron-LM'); did you mean "
+                            "--num-layers?"),
+])
+def test_unimplemented_flags_get_one_named_error(flags, needle):
+    with pytest.raises(ConfigError) as e:
+        parse_args(BASE + flags).validate(1)
+    assert needle in str(e.value)
+    assert "unrecognized arguments" not in str(e.value)
+
+
+def test_megatron_optimizer_and_overlap_flags_map_onto_zero():
+    cfg = parse_args(BASE + ["--use-distributed-optimizer", "--overlap-grad-reduce",
+                             "--overlap-param-gather"]).validate(2)
+    assert (cfg.zero.stage, cfg.zero.overlap_comm) == (1, True)
+    cfg = parse_args(BASE + ["--use-distributed-optimizer", "--zero-stage", "3"]).validate(2)
+    assert cfg.zero.stage == 3  # already shards more than Megatron's optimizer
+    assert parse_args(BASE).validate(2).zero == parse_args(BASE).validate(2).zero
+
+
+def test_attention_backend_and_use_flash_attn():
+    assert parse_args(BASE + ["--use-flash-attn"]).validate(1).model.attention_backend == "flash"
+    assert parse_args(BASE).validate(1).model.attention_backend == "auto"
+    with pytest.raises(ConfigError, match="--use-flash-attn means --attention-backend flash"):
+        parse_args(BASE + ["--use-flash-attn", "--attention-backend", "unfused"]).validate(1)
+    with pytest.raises(ConfigError, match="--attention-backend must be"):
+        parse_args(BASE + ["--attention-backend", "cudnn"]).validate(1)
+
+
+@pytest.mark.parametrize("flags,needle", [
+    (["--train-iters", "5", "--train-samples", "80"], "exclusive"),
+    (["--train-samples", "80", "--lr-decay-iters", "5"], "--lr-decay-iters counts iterations"),
+    (["--lr-warmup-samples", "8"], "--lr-warmup-samples counts samples: it needs --train-samples"),
+    (["--lr-warmup-fraction", "0.1", "--lr-warmup-iters", "3"], "exclusive"),
+    (["--rampup-batch-size", "4", "4"], "three numbers"),
+    (["--global-batch-size", "16", "--rampup-batch-size", "3", "4", "40"],
+     "--rampup-batch-size START 3 is not a multiple of --micro-batch-size 2"),
+    (["--global-batch-size", "18", "--rampup-batch-size", "4", "4", "40"],
+     "must be START 4 plus a whole number of INCR 4"),
+    (["--exit-interval", "0"], "--exit-interval must be >= 1"),
+])
+def test_schedule_flags_are_checked(flags, needle):
+    with pytest.raises(ConfigError) as e:
+        parse_args(BASE + ["--micro-batch-size", "2", *flags]).validate(1)
+    assert needle in str(e.value)
+
+
+def test_flags_are_not_modified_and_defaults_are_filled_in_the_copy():
+    f = parse_args(BASE)
+    cfg = f.validate(2)
+    assert f.train_iters is None and f.global_batch_size is None
+    assert cfg.flags.train_iters == 200 and cfg.flags.global_batch_size == 16  # 8 x DP 2
+    assert cfg.to_dict()["lr_decay_iters"] == 200 and "ignored_megatron_flags" not in cfg.to_dict()
+    with pytest.raises(Exception):
+        cfg.model.num_layers = 3  # frozen

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from hybrid.config import TrainConfig
+from hybrid.flags import Flags
 from hybrid.data.blending import BlendedSamples
 from hybrid.data.dataset import GPTSamples, build_datasets, dp_micro_batches
 from hybrid.data.indexed import IndexedTokens
@@ -197,7 +197,7 @@ def test_build_datasets_splits_and_blends_prefixes(tmp_path):
             "".join(json.dumps({"text": text[i: i + 150]}) + "\n" for i in range(0, 18000, 150)))
         _preprocess("--input", str(tmp_path / f"{name}.jsonl"), "--output-prefix",
                     str(tmp_path / name))
-    cfg = TrainConfig(seq_length=32, split="80,10,10",
+    cfg = Flags(seq_length=32, split="80,10,10",
                       data_path=["0.25", str(tmp_path / "a"), "0.75", str(tmp_path / "b")])
     cfg.validate(1)
     data = build_datasets(cfg, ByteTokenizer())

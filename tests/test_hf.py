@@ -54,11 +54,11 @@ def test_export_loads_in_transformers_with_the_same_logits(tmp_path):
 
 def _load_imported(ps, save):
     from hybrid.checkpoint import load_checkpoint
-    from hybrid.config import TrainConfig
+    from hybrid.flags import Flags
     from hybrid.tensor_parallel import seed_all
     from hybrid.training import build_model
     from hybrid.zero import apply_zero
-    cfg = TrainConfig(tensor_model_parallel_size=ps.tp_size, num_layers=2, hidden_size=32,
+    cfg = Flags(tensor_model_parallel_size=ps.tp_size, num_layers=2, hidden_size=32,
                       num_attention_heads=4, seq_length=32, zero_stage=3, hidden_dropout=0.0,
                       attention_dropout=0.0, zero_param_persistence_threshold=0
                       ).validate(ps.world_size)

@@ -201,7 +201,7 @@ def test_gpt2_presets_run_the_stage_the_estimator_recommends(world):
     assert set(shapes) == {"125m", "350m", "1.3b"} and "--global-batch-size" in shared
     for size, shape in shapes.items():
         cfg = parse_args(shape + shared + ["--hidden-dropout", "0", "--attention-dropout", "0"])
-        w = workload(cfg.validate(world), world, 50257)
+        w = workload(cfg.validate(world), 50257)
         assert choose_stage(w, budget_bytes=80 * 2 ** 30, runtime_bytes=int(1.5 * 2 ** 30)) \
             == cfg.zero_stage, size
 

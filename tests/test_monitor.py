@@ -8,7 +8,7 @@ def test_tensorboard_scalars_and_json_records(tmp_path):
     tb, js = str(tmp_path / "tb"), str(tmp_path / "log.jsonl")
     r = pretrain(2, TINY + ["--train-iters", "6", "--log-interval", "2", "--eval-interval", "3",
                             "--eval-iters", "1", "--global-batch-size", "4", "--zero-stage", "1",
-                            "--tensorboard-dir", tb, "--log-json", js])
+                            "--tensorboard-dir", tb, "--log-json", js, "--log-throughput"])
     assert r.returncode == 0, r.stderr[-3000:]
     acc = EventAccumulator(tb)
     acc.Reload()
@@ -22,4 +22,5 @@ def test_tensorboard_scalars_and_json_records(tmp_path):
     losses = [e.value for e in acc.Scalars("train/loss")]
     assert losses == [m["loss"] for m in read_json_log(js)]
     assert [m["iteration"] for m in read_json_log(js, "valid")] == [3, 6]
-    assert "lm loss PPL" in r.stdout and "TFLOP/s per rank" in r.stdout
+    assert "lm loss PPL" in r.stdout and "TFLOP/s per rank" in r.stdout  # --log-throughput
+    assert "global batch size:     4" in r.stdout

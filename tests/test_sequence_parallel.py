@@ -196,11 +196,11 @@ def _sp_checkpoint_round_trip(ps, tmp):
     """Train 2 steps with SP on, save; load with SP off and save; load with SP on again.
     Every engine's parameters (gathered) and the losses of one more step each."""
     from hybrid.checkpoint import load_checkpoint, save_checkpoint
-    from hybrid.config import TrainConfig
+    from hybrid.flags import Flags
     from hybrid.training import build_engine
 
     def engine(sp, seed):
-        cfg = TrainConfig(tensor_model_parallel_size=2, num_layers=2, hidden_size=32,
+        cfg = Flags(tensor_model_parallel_size=2, num_layers=2, hidden_size=32,
                           num_attention_heads=4, seq_length=T, zero_stage=3, seed=seed,
                           sequence_parallel=sp, hidden_dropout=0.0,
                           attention_dropout=0.0).validate(ps.world_size)

@@ -1,13 +1,13 @@
 """ZeRO stages 0-3 against a one-process torch reference: losses, params, norms, bytes."""
 
-import math
 
 import pytest
 import torch
 
 from harness import run_ranks
 from hybrid.activation_checkpointing import apply_activation_checkpointing
-from hybrid.config import TrainConfig, padded_vocab_size
+from hybrid.flags import Flags
+from hybrid.layout import padded_vocab_size
 from hybrid.parallel_state import ParallelState
 from hybrid.tensor_parallel import InitValues, seed_all
 from hybrid.zero import apply_zero
@@ -29,17 +29,17 @@ def _train_cfg(world, tp, **kw):
                 # the comparison about the distributed arithmetic.
                 adam_eps=1e-4)
     base.update(kw)
-    return TrainConfig(**base).validate(world)
+    return Flags(**base).validate(world)
 
 
 def _gpt(cfg, ps, device="cpu"):
     rng = seed_all(cfg.seed, ps.tp_rank, ps.dp_rank, ps.device)
     gcfg = GPTConfig(vocab_size=VOCAB,
                      padded_vocab_size=padded_vocab_size(VOCAB, 128, ps.tp_size),
-                     num_layers=cfg.num_layers, hidden_size=cfg.hidden_size,
-                     num_attention_heads=cfg.num_attention_heads,
+                     num_layers=cfg.model.num_layers, hidden_size=cfg.model.hidden_size,
+                     num_attention_heads=cfg.model.num_attention_heads,
                      max_position_embeddings=SEQ, hidden_dropout=0.0, attention_dropout=0.0,
-                     sequence_parallel=cfg.sequence_parallel)
+                     sequence_parallel=cfg.parallel.sequence_parallel)
     return GPT(gcfg, ps.tp_group, rng=rng, seed=cfg.seed, device=device)
 
 
@@ -64,7 +64,7 @@ def _train_steps(model, engine, ps, cfg):
     losses, norms = [], []
     for step in range(STEPS):
         engine.zero_grad()
-        batches = _my_micro_batches(step, ps, cfg.micro_batch_size)
+        batches = _my_micro_batches(step, ps, cfg.schedule.micro_batch_size)
         total = torch.zeros(())
         for i, (x, y) in enumerate(batches):
             loss = model(x, y) / len(batches)
@@ -72,7 +72,7 @@ def _train_steps(model, engine, ps, cfg):
             total += loss.detach().float()
         ps.dp_group.all_reduce(total)
         losses.append(float(total) / ps.dp_size)
-        norms.append(engine.step(cfg.lr).grad_norm)
+        norms.append(engine.step(cfg.optimizer.lr).grad_norm)
     return losses, norms
 
 
@@ -84,7 +84,7 @@ def _train_stages(ps, variants):
         cfg = _train_cfg(ps.world_size, ps.tp_size, zero_stage=stage, **kw)
         model = _gpt(cfg, ps, device="meta")  # as training builds it: ZeRO materializes
         phase = None
-        if cfg.recompute_granularity:
+        if cfg.recompute.granularity:
             phase = apply_activation_checkpointing(model, ps, model.rng, cfg.recompute).phase
         engine = apply_zero(model, ps, cfg.zero, values=InitValues(cfg.seed, model.init_of),
                             recompute=phase)
@@ -100,9 +100,9 @@ def _train_reference(model, cfg):
     norms), clip_grad_norm_, the whole global batch in MICRO-sized micro-batches."""
     params = list(model.parameters())
     opt = torch.optim.AdamW([{"params": [p for p in params if p.ndim >= 2],
-                              "weight_decay": cfg.weight_decay},
+                              "weight_decay": cfg.zero.weight_decay},
                              {"params": [p for p in params if p.ndim < 2],
-                              "weight_decay": 0.0}], lr=cfg.lr, eps=cfg.adam_eps)
+                              "weight_decay": 0.0}], lr=cfg.optimizer.lr, eps=cfg.zero.adam_eps)
     losses, norms = [], []
     for step in range(STEPS):
         opt.zero_grad()
@@ -113,7 +113,7 @@ def _train_reference(model, cfg):
             loss.backward()
             total += loss.item()
         losses.append(total)
-        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.clip_grad)))
+        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.zero.clip_grad)))
         opt.step()
     return {"losses": losses, "norms": norms,
             "params": {n: p.detach().clone() for n, p in model.named_parameters()}}
@@ -182,7 +182,7 @@ def _bytes_per_stage(ps, flags, micro_batches=1):
         ps.comm_stats.reset()
         for i, (x, y) in enumerate(batches[:micro_batches]):
             engine.backward(model(x, y) / micro_batches, sync=i == micro_batches - 1)
-        engine.step(cfg.lr)
+        engine.step(cfg.optimizer.lr)
         out[stage] = {"psi": psi, "padded": sum(u.padded for u in engine.units),
                       "state": engine.model_state_bytes(), "comm": dict(ps.comm_stats.bytes),
                       "calls": dict(ps.comm_stats.calls)}
@@ -260,7 +260,7 @@ def _largest_messages(ps, hidden):
         engine.zero_grad()
         for i, (x, y) in enumerate(_my_micro_batches(0, ps, MICRO)):
             engine.backward(model(x, y), sync=i == 1)
-        engine.step(cfg.lr)
+        engine.step(cfg.optimizer.lr)
         out[stage] = (dict(ps.comm_stats.max_numel), engine.comm_temp_bytes(),
                       max(p.numel() for p in model.parameters()))
     return out
@@ -293,7 +293,7 @@ def _overflow(ps):
             engine.units[0].grad_shard[0] = float("inf")
         before = _named_params(model, engine)
         master_before = [m.clone() for m in engine.optimizer.master]
-        result = engine.step(cfg.lr)
+        result = engine.step(cfg.optimizer.lr)
         after = _named_params(model, engine)
         steps.append({"skipped": result.skipped, "scale": result.loss_scale,
                       "unchanged": all(torch.equal(before[n], after[n]) for n in before),

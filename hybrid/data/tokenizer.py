@@ -147,7 +147,7 @@ class HFTokenizer:
 
 def build_tokenizer(cfg):
     """The tokenizer the flags ask for (``--tokenizer-type byte|gpt2bpe|hf``)."""
-    kind = getattr(cfg, "tokenizer_type", "byte")
+    kind = cfg.tokenizer_type
     if kind == "byte":
         return ByteTokenizer()
     if kind == "gpt2bpe":

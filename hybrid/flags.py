@@ -1,0 +1,228 @@
+"""The command line: Megatron-compatible flags -> :class:`Flags`, one field per flag.
+
+Megatron users bring launch scripts full of flags. Each flag hybrid implements
+is a field here; :mod:`hybrid.megatron_flags` knows the rest of Megatron's
+flags, so they get a named answer (ignored with a note, or refused with what
+to use instead) rather than argparse's "unrecognized arguments". No torch
+import: the launcher checks a command line before it starts any worker.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import difflib
+import sys
+from dataclasses import dataclass, field
+
+from hybrid.errors import ConfigError
+
+
+def opt(default, help: str, alias: str | None = None):
+    """A flag field with its --help text (and an optional alias flag)."""
+    return field(default=default, metadata={"help": help, "alias": alias})
+
+
+@dataclass
+class Flags:
+    """One field per command-line flag, flat, named as Megatron names it.
+
+    Plain data, not yet checked: :meth:`validate` turns it into the nested,
+    frozen :class:`hybrid.config.TrainConfig` the components take.
+    """
+
+
+    # parallelism
+    tensor_model_parallel_size: int = opt(1, "TP degree: ranks splitting each layer")
+    sequence_parallel: bool = opt(False, "split norms, dropout and residuals along the "
+                                         "sequence over TP (needs TP > 1)")
+    distributed_backend: str | None = opt(None, "gloo or nccl (default: nccl with a GPU)")
+    distributed_timeout_minutes: float = opt(10.0, "timeout of every collective")
+    pipeline_model_parallel_size: int = opt(1, "pipeline stages: only 1 (hybrid shards "
+                                               "with TP x ZeRO instead)")
+    # model (defaults: a small GPT that trains on 2 CPU cores in minutes)
+    num_layers: int = opt(4, "transformer layers")
+    hidden_size: int = opt(256, "model width")
+    num_attention_heads: int = opt(4, "attention heads (divisible by TP)")
+    ffn_hidden_size: int | None = opt(None, "MLP width (default 4 x hidden)")
+    seq_length: int = opt(128, "tokens per sample")
+    max_position_embeddings: int | None = opt(None, "positions (default: seq length)")
+    make_vocab_size_divisible_by: int = opt(128, "pad vocab to a multiple of this x TP")
+    hidden_dropout: float = opt(0.1, "dropout on the residual stream")
+    attention_dropout: float = opt(0.1, "dropout on attention probabilities")
+    init_method_std: float = opt(0.02, "std of the normal weight init")
+    attention_backend: str = opt("auto", "auto, flash, fused, unfused or local: which "
+                                         "attention kernel runs (auto: torch's SDPA picks)")
+    use_flash_attn: bool = opt(False, "older Megatron name for --attention-backend flash")
+    # batch
+    micro_batch_size: int = opt(8, "samples per rank per forward/backward")
+    global_batch_size: int | None = opt(None, "samples per step (default micro x DP)")
+    rampup_batch_size: list[int] | None = opt(
+        None, "START INCR SAMPLES: the global batch grows from START by INCR over the "
+              "first SAMPLES samples, to --global-batch-size")
+    # optimizer and schedule
+    lr: float = opt(1e-3, "peak learning rate")
+    min_lr: float = opt(0.0, "learning rate at the end of decay")
+    lr_warmup_iters: int = opt(0, "linear warmup iterations")
+    lr_warmup_fraction: float | None = opt(None, "warmup as a fraction of the decay length")
+    lr_warmup_samples: int = opt(0, "linear warmup samples (with --train-samples)")
+    lr_decay_style: str = opt("constant", "constant, linear or cosine")
+    lr_decay_iters: int | None = opt(None, "decay length (default: train iters)")
+    lr_decay_samples: int | None = opt(None, "decay length in samples (with "
+                                             "--train-samples; default: train samples)")
+    weight_decay: float = opt(0.01, "AdamW decay (not on biases and norms)")
+    adam_beta1: float = opt(0.9, "Adam beta1")
+    adam_beta2: float = opt(0.999, "Adam beta2")
+    adam_eps: float = opt(1e-8, "Adam epsilon")
+    clip_grad: float = opt(1.0, "clip the global grad norm to this (0: off)")
+    train_iters: int | None = opt(None, "optimizer steps (default 200 unless "
+                                        "--train-samples)")
+    train_samples: int | None = opt(None, "train on this many samples instead of "
+                                          "--train-iters (schedules count samples)")
+    exit_interval: int | None = opt(None, "save (with --save) and exit at the first "
+                                          "iteration divisible by N")
+    exit_duration_in_mins: float | None = opt(None, "save (with --save) and exit once "
+                                                    "the run has taken this long")
+    seed: int = opt(1234, "fixes init, data order and dropout")
+    # ZeRO data parallelism
+    zero_stage: int = opt(0, "0: all-reduce DP, 1: shard optimizer states, 2: +grads, "
+                             "3: +params")
+    reduce_bucket_size: int = opt(50_000_000, "elements per gradient reduce bucket")
+    allgather_bucket_size: int = opt(50_000_000, "elements per parameter all-gather bucket")
+    overlap_comm: bool = opt(False, "launch bucket collectives during backward")
+    use_distributed_optimizer: bool = opt(False, "Megatron's sharded optimizer: ZeRO-1 "
+                                                 "(unless --zero-stage says more)")
+    overlap_grad_reduce: bool = opt(False, "Megatron's name for --overlap-comm (gradients)")
+    overlap_param_gather: bool = opt(False, "Megatron's name for --overlap-comm "
+                                            "(parameters)")
+    zero_param_persistence_threshold: int = opt(100_000, "stage 3: params with fewer "
+                                                         "elements stay unpartitioned")
+    offload_optimizer: bool = opt(False, "keep fp32 master shard and Adam states on the CPU")
+    # mixed precision
+    bf16: bool = opt(False, "bf16 params and grads, fp32 master weights")
+    fp16: bool = opt(False, "fp16 params and grads, fp32 master weights, loss scaling")
+    accumulate_allreduce_grads_in_fp32: bool | None = opt(
+        None, "accumulate micro-batch gradients and reduce them over DP in fp32 "
+              "(default: on with --bf16, as in Megatron)")
+    loss_scale: float | None = opt(None, "static loss scale (default: dynamic)")
+    initial_loss_scale: float = opt(2.0 ** 16, "dynamic loss scale to start from")
+    min_loss_scale: float = opt(1.0, "dynamic loss scale floor")
+    loss_scale_window: int = opt(1000, "clean steps before the scale doubles")
+    hysteresis: int = opt(2, "overflows tolerated before the scale halves")
+    # activation checkpointing (ZeRO-R)
+    recompute_granularity: str | None = opt(
+        None, "full: keep only each layer's input and rerun the layer in backward (ZeRO-R); "
+              "selective: rerun only the attention core (scores, softmax, dropout)")
+    recompute_method: str | None = opt(None, "with full: uniform (every layer) or block "
+                                             "(the first --recompute-num-layers layers)")
+    recompute_num_layers: int | None = opt(None, "with full: layers per checkpoint (uniform, "
+                                                 "only 1) or layers checkpointed (block)")
+    recompute_activations: bool = opt(False, "Megatron's shorthand for "
+                                             "--recompute-granularity selective")
+    checkpoint_activations: bool = opt(False, "older Megatron name for "
+                                              "--recompute-granularity full")
+    partition_activations: bool = opt(False, "each TP rank stores 1/TP of each checkpoint",
+                                      alias="--distribute-saved-activations")
+    cpu_checkpointing: bool = opt(False, "keep the checkpoints in host memory")
+    contiguous_checkpointing: bool = opt(False, "store checkpoints in one preallocated buffer")
+    # data
+    data_path: list[str] | None = opt(None, "text file, or [weight] prefix ... of "
+                                            "preprocessed data (default: built-in corpus)")
+    split: str = opt("949,50,1", "train,valid,test proportions")
+    tokenizer_type: str = opt("byte", "byte, gpt2bpe (--vocab-file/--merge-file) or "
+                                      "hf (--tokenizer-file)")
+    vocab_file: str | None = opt(None, "GPT-2 vocab.json")
+    merge_file: str | None = opt(None, "GPT-2 merges.txt")
+    tokenizer_file: str | None = opt(None, "a tokenizers-library tokenizer.json")
+    data_cache_path: str | None = opt(None, "where sample indices are cached "
+                                            "(default: next to the data)")
+    # checkpoints
+    save: str | None = opt(None, "save checkpoints in this directory")
+    load: str | None = opt(None, "resume from the newest checkpoint in this directory")
+    save_interval: int | None = opt(None, "save every N iterations (and at the end)")
+    keep_last: int | None = opt(None, "after a save, keep only the newest N checkpoints")
+    exit_on_nan_iterations: int = opt(10, "stop with an error after N consecutive skipped "
+                                          "steps with non-finite gradients")
+    # evaluation and logging
+    eval_interval: int = opt(1000, "validate every N iterations")
+    eval_iters: int = opt(10, "iterations per validation")
+    log_interval: int = opt(10, "iterations per console line")
+    log_json: str | None = opt(None, "write one JSON object per logged iteration here")
+    tensorboard_dir: str | None = opt(None, "write TensorBoard scalars here")
+    log_throughput: bool = opt(False, "add TFLOP/s per rank to the console line "
+                                      "(always in --log-json and TensorBoard)")
+    # not a flag: the Megatron flags parse_args dropped as having no effect here
+    ignored_megatron_flags: list[str] = field(default_factory=list, metadata={"cli": False})
+
+    def validate(self, world_size: int):
+        """The checked, nested :class:`hybrid.config.TrainConfig` for ``world_size`` ranks."""
+        from hybrid.config import build_config
+        return build_config(self, world_size)
+
+
+def flag_name(field_name: str) -> str:
+    return "--" + field_name.replace("_", "-")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """One flag per :class:`Flags` field, named as Megatron names it."""
+    p = argparse.ArgumentParser(
+        prog="pretrain_gpt.py", description="Pretrain a GPT with tensor x data parallelism.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    for f in dataclasses.fields(Flags):
+        if f.metadata.get("cli") is False:
+            continue
+        names = [flag_name(f.name)] + ([f.metadata["alias"]] if f.metadata.get("alias") else [])
+        kind, many = _field_type(f)
+        kw = dict(dest=f.name, default=f.default, help=f.metadata.get("help"))
+        if kind is bool and f.default is None:  # tri-state: --x / --no-x / derived default
+            p.add_argument(*names, action=argparse.BooleanOptionalAction, **kw)
+        elif kind is bool:
+            p.add_argument(*names, action="store_true", **kw)
+        else:
+            p.add_argument(*names, type=kind, nargs="+" if many else None,
+                           metavar=f.name.split("_")[-1].upper(), **kw)
+    return p
+
+
+def _field_type(f: dataclasses.Field) -> tuple[type, bool]:
+    """(element type, is a list) of a field annotated like 'int', 'str | None', 'list[str]'."""
+    t = str(f.type).replace("typing.", "")
+    many = t.startswith("list[")
+    head = t[5:].split("]")[0] if many else t.split(" ")[0]
+    for name, kind in (("bool", bool), ("int", int), ("float", float), ("str", str)):
+        if head == name:
+            return kind, many
+    raise TypeError(f"unsupported flag field type {f.type!r} for {f.name}")
+
+
+def parse_args(argv: list[str] | None = None) -> Flags:
+    """Parse a command line into :class:`Flags` (checked later: that needs the world size).
+
+    Megatron flags hybrid does not implement raise one ConfigError naming them
+    (see :mod:`hybrid.megatron_flags`); those that only pick a Megatron
+    implementation are dropped, and :attr:`Flags.ignored` lists them.
+    """
+    from hybrid.megatron_flags import split_megatron_flags
+    ours, ignored = split_megatron_flags(list(sys.argv[1:] if argv is None else argv))
+    parser = build_parser()
+    parser.error = _raise  # one ConfigError, not argparse's usage dump + exit
+    ns, unknown = parser.parse_known_args(ours)
+    if unknown:
+        raise ConfigError(_unknown_message(unknown[0]))
+    return Flags(**vars(ns), ignored_megatron_flags=ignored)
+
+
+def _unknown_message(arg: str) -> str:
+    name = arg.partition("=")[0]
+    if not name.startswith("-"):
+        return f"unexpected argument {arg!r} (every value follows its --flag)"
+    known = [flag_name(f.name) for f in dataclasses.fields(Flags)]
+    close = difflib.get_close_matches(name, known, n=1)
+    hint = f"; did you mean {close[0]}?" if close else ""
+    return (f"{name} is not a flag hybrid knows, nor a Megatron-LM flag it maps "
+            f"(README: 'Coming from Megatron-LM'){hint}")
+
+
+def _raise(message: str):
+    raise ConfigError(message)
