@@ -116,13 +116,23 @@ class TrainConfig:
     data_path: list[str] | None = opt(None, "text file, or [weight] prefix ... of "
                                             "preprocessed data (default: built-in corpus)")
     split: str = opt("949,50,1", "train,valid,test proportions")
-    tokenizer_type: str = opt("byte", "byte, gpt2bpe (--vocab-file/--merge-file) or "
-                                      "hf (--tokenizer-file)")
+    tokenizer_type: str = opt("byte", "byte, GPT2BPETokenizer (--vocab-file/--merge-file), "
+                                      "HuggingFaceTokenizer (--tokenizer-model) or "
+                                      "NullTokenizer (--vocab-size); older names gpt2bpe, hf")
     vocab_file: str | None = opt(None, "GPT-2 vocab.json")
     merge_file: str | None = opt(None, "GPT-2 merges.txt")
     tokenizer_file: str | None = opt(None, "a tokenizers-library tokenizer.json")
     data_cache_path: str | None = opt(None, "where sample indices are cached "
                                             "(default: next to the data)")
+    # --- data (Megatron) ---
+    mock_data: bool = opt(False, "train on synthetic tokens from --seed, no files (benchmarks)")
+    train_data_path: list[str] | None = opt(None, "[weight] prefix ... of the train split, "
+                                                  "used whole (instead of --data-path + --split)")
+    valid_data_path: list[str] | None = opt(None, "[weight] prefix ... of the valid split")
+    test_data_path: list[str] | None = opt(None, "[weight] prefix ... of the test split")
+    tokenizer_model: str | None = opt(None, "HuggingFaceTokenizer: a tokenizer directory or "
+                                            "tokenizer.json")
+    vocab_size: int | None = opt(None, "NullTokenizer: token ids 0..N-1 (eod is N)")
     # checkpoints
     save: str | None = opt(None, "save checkpoints in this directory")
     load: str | None = opt(None, "resume from the newest checkpoint in this directory")
@@ -204,6 +214,7 @@ class TrainConfig:
         self._validate_zero()
         self._validate_recompute()
         self._validate_data()
+        self._validate_data_megatron()
         self._validate_checkpoint()
         return self
 
@@ -277,15 +288,42 @@ class TrainConfig:
         if len(weights) != 3 or any(w < 0 for w in weights) or sum(weights) <= 0:
             raise ConfigError(f"--split {self.split!r} must be three non-negative numbers "
                               f"train,valid,test (e.g. 949,50,1)")
-        if self.tokenizer_type not in ("byte", "gpt2bpe", "hf"):
-            raise ConfigError(f"--tokenizer-type must be byte, gpt2bpe or hf, "
-                              f"got {self.tokenizer_type!r}")
-        if self.tokenizer_type == "gpt2bpe" and not (self.vocab_file and self.merge_file):
-            raise ConfigError("--tokenizer-type gpt2bpe needs --vocab-file and --merge-file")
-        if self.tokenizer_type == "hf" and not self.tokenizer_file:
-            raise ConfigError("--tokenizer-type hf needs --tokenizer-file")
         if self.eval_iters < 0:
             raise ConfigError("--eval-iters must be >= 0")
+
+    def _validate_data_megatron(self) -> None:
+        """Tokenizer names and files; where the data comes from (one source kind)."""
+        from hybrid.data.tokenizer import TOKENIZER_TYPES, tokenizer_kind
+        t = self.tokenizer_type
+        kind = tokenizer_kind(t)
+        if kind is None:
+            raise ConfigError(f"--tokenizer-type must be one of {', '.join(TOKENIZER_TYPES)}, "
+                              f"got {t!r}")
+        if kind == "GPT2BPETokenizer" and not (self.vocab_file and self.merge_file):
+            raise ConfigError(f"--tokenizer-type {t} needs --vocab-file and --merge-file")
+        if kind == "HuggingFaceTokenizer" and not (self.tokenizer_model or self.tokenizer_file):
+            raise ConfigError(f"--tokenizer-type {t} needs --tokenizer-model (a tokenizer "
+                              f"directory or tokenizer.json)")
+        if kind == "NullTokenizer" and self.vocab_size is None:
+            raise ConfigError(f"--tokenizer-type {t} needs --vocab-size")
+        if self.vocab_size is not None and self.vocab_size < 1:
+            raise ConfigError(f"--vocab-size must be >= 1, got {self.vocab_size}")
+        per_split = [f for f in ("train_data_path", "valid_data_path", "test_data_path")
+                     if getattr(self, f)]
+        if per_split:
+            given = " ".join(_flag(f) for f in per_split)
+            if self.data_path:
+                raise ConfigError(f"{given} and --data-path are exclusive: give each split its "
+                                  f"files, or one --data-path cut by --split")
+            if self.split != TrainConfig.split:
+                raise ConfigError(f"--split {self.split} cuts --data-path; with {given} each "
+                                  f"split has its own files: drop --split")
+            if not self.train_data_path:
+                raise ConfigError(f"{given} needs --train-data-path")
+        if self.mock_data and (self.data_path or per_split):
+            raise ConfigError("--mock-data trains on synthetic tokens and reads no files: drop "
+                              + " ".join(["--data-path"] * bool(self.data_path)
+                                         + [_flag(f) for f in per_split]))
 
     def data_parallel_size(self, world_size: int) -> int:
         return check_layout(world_size, self.tensor_model_parallel_size)

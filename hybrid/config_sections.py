@@ -62,3 +62,36 @@ class RecomputeConfig:
     partition_activations: bool = False
     cpu_checkpointing: bool = False
     contiguous_checkpointing: bool = False
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    """What :func:`hybrid.data.dataset.build_datasets` needs.
+
+    The sources, one of: ``data_path`` (``[weight] prefix ...`` cut into
+    train/valid/test by ``split``), per-split ``train/valid/test_data_path``
+    lists used whole, ``mock_data`` (synthetic tokens from ``seed``), or none
+    (the built-in corpus). ``cache_path``: where sample orders and token checks
+    are cached (None: next to each data file).
+    """
+
+    seq_length: int = 128
+    seed: int = 1234
+    data_path: tuple[str, ...] | None = None
+    split: str = "949,50,1"
+    train_data_path: tuple[str, ...] | None = None
+    valid_data_path: tuple[str, ...] | None = None
+    test_data_path: tuple[str, ...] | None = None
+    mock_data: bool = False
+    cache_path: str | None = None
+
+    @classmethod
+    def from_train_config(cls, cfg) -> "DataConfig":
+        """The section of a validated :class:`hybrid.config.TrainConfig`."""
+        def paths(v):
+            return tuple(v) if v else None
+        return cls(seq_length=cfg.seq_length, seed=cfg.seed, data_path=paths(cfg.data_path),
+                   split=cfg.split, train_data_path=paths(cfg.train_data_path),
+                   valid_data_path=paths(cfg.valid_data_path),
+                   test_data_path=paths(cfg.test_data_path), mock_data=cfg.mock_data,
+                   cache_path=cfg.data_cache_path)

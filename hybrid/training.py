@@ -20,7 +20,7 @@ from hybrid.activation_checkpointing import apply_activation_checkpointing
 from hybrid.activation_meter import SavedActivationMeter
 from hybrid.checkpoint import load_checkpoint, save_checkpoint
 from hybrid.config import TrainConfig, padded_vocab_size
-from hybrid.config_sections import RecomputeConfig
+from hybrid.config_sections import DataConfig, RecomputeConfig
 from hybrid.data.dataset import build_datasets, dp_micro_batches
 from hybrid.data.tokenizer import build_tokenizer
 from hybrid.errors import TrainingError
@@ -178,7 +178,7 @@ def pretrain(cfg: TrainConfig, ps: ParallelState) -> list[dict]:
     """Train for ``cfg.train_iters`` iterations; return the logged metrics (rank 0's view)."""
     rng = seed_all(cfg.seed, ps.tp_rank, ps.dp_rank, ps.device)
     tokenizer = build_tokenizer(cfg)
-    data = build_datasets(cfg, tokenizer)
+    data = build_datasets(DataConfig.from_train_config(cfg), tokenizer, ps)
     psi = gpt_config(cfg, tokenizer.vocab_size).num_parameters(ps.tp_size)
     if ps.device.type == "cpu" and psi >= HOST_TRIM_MIN_PARAMS:
         return_freed_memory()  # the model lives in host memory: keep RSS to what is used
