@@ -22,6 +22,7 @@ from hybrid.data.hybridx import HybridxIndexed
 from hybrid.data.tokenizer import ByteTokenizer, GPT2BPETokenizer
 from hybrid.data.vocab_check import RECORD_LIMIT, check_sources, scan_tokens, sidecar_path
 from hybrid.errors import ConfigError, DataError
+from harness import run_ranks
 from launch import ROOT, TINY, env, pretrain, read_json_log
 
 PREPROCESS = os.path.join(ROOT, "scripts", "preprocess_data.py")
@@ -382,6 +383,32 @@ def test_dtype_limits_skip_the_scan_and_long_records_still_locate(tmp_path):
     with pytest.raises(DataError, match=re.escape(p + ".bin") + ": negative token id -3 at "
                                         "position 4 "):
         check_sources([open_indexed(p)], 257, "ByteTokenizer", [None])
+
+
+def _check_on_ranks(ps, prefixes, vocab):
+    """Every rank opens the files; each is checked by one rank; the error each rank raises."""
+    try:
+        done = check_sources([open_indexed(p) for p in prefixes], vocab, "ByteTokenizer",
+                             [None] * len(prefixes), ps)
+    except DataError as e:
+        return str(e)
+    return [c is not None and c.scanned for c in done]
+
+
+def test_each_file_is_checked_by_one_rank_and_every_rank_raises_its_error(tmp_path):
+    good, bad = str(tmp_path / "good"), str(tmp_path / "bad")
+    megatron_pair(good, DOCS, 8)
+    megatron_pair(bad, DOCS, 8)
+    assert run_ranks(_check_on_ranks, world_size=2, tp=1, args=([good, bad], 257)) == \
+        [[True, False], [False, True]]  # file i on rank i mod 2
+    _poke(bad + ".idx", 66, struct.pack("<q", 2))  # found by rank 1 alone
+    out = run_ranks(_check_on_ranks, world_size=2, tp=1, args=([good, bad], 257))
+    assert out[0] == out[1] == f"{bad}.idx: sequence_pointers[2] = 2 decreases (expected 8 = " \
+        f"sequence_pointers[1] + sequence_lengths[1] x 2 bytes)"
+    small = str(tmp_path / "small")
+    megatron_pair(small, [[[1, 2]]], 8)
+    out = run_ranks(_check_on_ranks, world_size=2, tp=1, args=([small, good], 50))
+    assert out[0] == out[1] and out[0].startswith(f"{good}.bin: token id 100 at position 7 ")
 
 
 # -- configuration and training end to end ----------------------------------------------

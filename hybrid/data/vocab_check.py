@@ -40,6 +40,7 @@ log = logging.getLogger("hybrid")
 RECORD_LIMIT = 4096  # records kept; past them a bad id is located by a scan (error path only)
 OK, TOO_LARGE, NEGATIVE, INVALID = 0, 1, 2, 3
 _CACHE_VERSION = 1
+_MESSAGE_BYTES = 1024  # of a corrupt-index error, sent from the rank that found it
 
 
 @dataclass
@@ -201,9 +202,7 @@ def check_sources(sources: list, vocab_size: int, tokenizer_name: str, cache_dir
     for i, (status, pos, tok) in enumerate(verdicts.tolist()):
         src = sources[i]
         if status == INVALID:
-            raise errors.get(i) or DataError(
-                f"{src.idx_path}: corrupt index (found by rank {i % world}, whose error "
-                f"names the field)")
+            raise _shared_error(errors.get(i), i % world, ps)
         if status == TOO_LARGE:
             raise DataError(
                 f"{src.bin_path}: token id {tok} at position {pos} (document "
@@ -214,3 +213,18 @@ def check_sources(sources: list, vocab_size: int, tokenizer_name: str, cache_dir
             raise DataError(f"{src.bin_path}: negative token id {tok} at position {pos} "
                             f"(document {int(src.document_of(pos))}): corrupt data")
     return mine
+
+
+def _shared_error(error: DataError | None, owner: int, ps) -> DataError:
+    """The owner rank's DataError, its text sent to every rank (one more all-reduce, on
+    this error path only), so each rank raises the same message naming the field."""
+    if ps is None or ps.world_size == 1:
+        return error
+    text = torch.zeros(_MESSAGE_BYTES, dtype=torch.int32)
+    if ps.rank == owner:
+        raw = str(error).encode("utf-8")[:_MESSAGE_BYTES]
+        text[: len(raw)] = torch.tensor(list(raw), dtype=torch.int32)
+    shared = text.to(ps.device)
+    ps.world_group.all_reduce(shared)
+    raw = bytes(v for v in shared.cpu().tolist() if v)
+    return error or DataError(raw.decode("utf-8", errors="replace"))
