@@ -150,11 +150,13 @@ def _open_source(path: str | None, flag: str, cfg: DataConfig, tokenizer, io: IO
 
 def _cache_dir(cfg: DataConfig, path: str | None, src) -> str | None:
     """Where a source's sample orders and token check are cached (None: not at all)."""
-    if path is None or path == MOCK:
-        return None  # built from nothing on disk: nothing to cache
+    if path == MOCK:
+        return None  # --mock-data touches no files
     if cfg.cache_path:
         return cfg.cache_path
-    return os.path.dirname(os.path.abspath(path)) if hasattr(src, "validate") else None
+    if path is None or not hasattr(src, "validate"):
+        return None  # the built-in corpus, a text file: no data directory of their own
+    return os.path.dirname(os.path.abspath(path))
 
 
 def _check_vocabulary(opened: dict, cfg: DataConfig, tokenizer, ps) -> None:
