@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from hybrid.config_sections import (CheckpointConfig, DataConfig, LoggingConfig, ModelConfig,
                                     OptimizerConfig, ParallelConfig, RecomputeConfig,
                                     ScheduleConfig, ZeroConfig)
+from hybrid.data.tokenizer import TOKENIZER_TYPES, tokenizer_kind
 from hybrid.errors import ConfigError
 from hybrid.flags import Flags, flag_name, parse_args
 from hybrid.layout import check_layout
@@ -116,16 +117,23 @@ def build_config(flags: Flags, world_size: int) -> TrainConfig:
             cpu_checkpointing=f.cpu_checkpointing,
             contiguous_checkpointing=f.contiguous_checkpointing),
         data=DataConfig(
-            data_path=tuple(f.data_path) if f.data_path else None, split=f.split,
-            tokenizer_type=f.tokenizer_type, vocab_file=f.vocab_file,
-            merge_file=f.merge_file, tokenizer_file=f.tokenizer_file,
-            data_cache_path=f.data_cache_path, seq_length=f.seq_length, seed=f.seed),
+            seq_length=f.seq_length, seed=f.seed, data_path=_paths(f.data_path), split=f.split,
+            train_data_path=_paths(f.train_data_path),
+            valid_data_path=_paths(f.valid_data_path), test_data_path=_paths(f.test_data_path),
+            mock_data=f.mock_data, cache_path=f.data_cache_path,
+            tokenizer_type=tokenizer_kind(f.tokenizer_type), vocab_file=f.vocab_file,
+            merge_file=f.merge_file, tokenizer_model=f.tokenizer_model,
+            tokenizer_file=f.tokenizer_file, vocab_size=f.vocab_size),
         checkpoint=CheckpointConfig(save=f.save, load=f.load, save_interval=f.save_interval,
                                     keep_last=f.keep_last),
         logging=LoggingConfig(log_interval=f.log_interval, log_json=f.log_json,
                               tensorboard_dir=f.tensorboard_dir,
                               log_throughput=f.log_throughput),
         seed=f.seed, flags=f)
+
+
+def _paths(values: list[str] | None) -> tuple[str, ...] | None:
+    return tuple(values) if values else None
 
 
 def _check_numbers(f: Flags) -> None:
@@ -339,6 +347,8 @@ def _check_recompute(f: Flags) -> None:
 
 
 def _check_data(f: Flags) -> None:
+    """The tokenizer (Megatron's names or hybrid's older ones) and its files; where the
+    data comes from (one kind of source)."""
     parts = f.split.replace("/", ",").split(",")
     try:
         weights = [float(x) for x in parts]
@@ -347,13 +357,38 @@ def _check_data(f: Flags) -> None:
     if len(weights) != 3 or any(w < 0 for w in weights) or sum(weights) <= 0:
         raise ConfigError(f"--split {f.split!r} must be three non-negative numbers "
                           f"train,valid,test (e.g. 949,50,1)")
-    if f.tokenizer_type not in ("byte", "gpt2bpe", "hf"):
-        raise ConfigError(f"--tokenizer-type must be byte, gpt2bpe or hf, "
-                          f"got {f.tokenizer_type!r}")
-    if f.tokenizer_type == "gpt2bpe" and not (f.vocab_file and f.merge_file):
-        raise ConfigError("--tokenizer-type gpt2bpe needs --vocab-file and --merge-file")
-    if f.tokenizer_type == "hf" and not f.tokenizer_file:
-        raise ConfigError("--tokenizer-type hf needs --tokenizer-file")
+    if f.tokenizer_type is None:  # Megatron scripts give GPT-2's files without a type
+        f.tokenizer_type = "GPT2BPETokenizer" if f.vocab_file and f.merge_file else "byte"
+    t = f.tokenizer_type
+    kind = tokenizer_kind(t)
+    if kind is None:
+        raise ConfigError(f"--tokenizer-type must be one of {', '.join(TOKENIZER_TYPES)}, "
+                          f"got {t!r}")
+    if kind == "GPT2BPETokenizer" and not (f.vocab_file and f.merge_file):
+        raise ConfigError(f"--tokenizer-type {t} needs --vocab-file and --merge-file")
+    if kind == "HuggingFaceTokenizer" and not (f.tokenizer_model or f.tokenizer_file):
+        raise ConfigError(f"--tokenizer-type {t} needs --tokenizer-model (a tokenizer "
+                          f"directory or tokenizer.json)")
+    if kind == "NullTokenizer" and f.vocab_size is None:
+        raise ConfigError(f"--tokenizer-type {t} needs --vocab-size")
+    if f.vocab_size is not None and f.vocab_size < 1:
+        raise ConfigError(f"--vocab-size must be >= 1, got {f.vocab_size}")
+    per_split = [n for n in ("train_data_path", "valid_data_path", "test_data_path")
+                 if getattr(f, n)]
+    if per_split:
+        given = " ".join(flag_name(n) for n in per_split)
+        if f.data_path:
+            raise ConfigError(f"{given} and --data-path are exclusive: give each split its "
+                              f"files, or one --data-path cut by --split")
+        if f.split != Flags.split:
+            raise ConfigError(f"--split {f.split} cuts --data-path; with {given} each "
+                              f"split has its own files: drop --split")
+        if not f.train_data_path:
+            raise ConfigError(f"{given} needs --train-data-path")
+    if f.mock_data and (f.data_path or per_split):
+        raise ConfigError("--mock-data trains on synthetic tokens and reads no files: drop "
+                          + " ".join(["--data-path"] * bool(f.data_path)
+                                     + [flag_name(n) for n in per_split]))
 
 
 def _check_checkpoint(f: Flags) -> None:

@@ -134,17 +134,32 @@ class ScheduleConfig:
 
 @dataclass(frozen=True)
 class DataConfig:
-    """Where tokens come from and how they are cut into samples."""
+    """What :func:`hybrid.data.tokenizer.build_tokenizer` and
+    :func:`hybrid.data.dataset.build_datasets` need.
 
-    data_path: tuple[str, ...] | None = None  # None: the built-in corpus
+    The sources, one of: ``data_path`` (``[weight] prefix ...`` cut into
+    train/valid/test by ``split``), per-split ``train/valid/test_data_path``
+    lists used whole, ``mock_data`` (synthetic tokens from ``seed``), or none
+    (the built-in corpus). ``cache_path``: where sample orders and token checks
+    are cached (None: next to each data file). The tokenizer: ``tokenizer_type``
+    (a canonical name of :data:`hybrid.data.tokenizer.TOKENIZER_TYPES`) and its files.
+    """
+
+    seq_length: int = 128
+    seed: int = 1234
+    data_path: tuple[str, ...] | None = None
     split: str = "949,50,1"
+    train_data_path: tuple[str, ...] | None = None
+    valid_data_path: tuple[str, ...] | None = None
+    test_data_path: tuple[str, ...] | None = None
+    mock_data: bool = False
+    cache_path: str | None = None
     tokenizer_type: str = "byte"
     vocab_file: str | None = None
     merge_file: str | None = None
-    tokenizer_file: str | None = None
-    data_cache_path: str | None = None
-    seq_length: int = 128  # tokens per sample (the model's --seq-length)
-    seed: int = 1234  # shuffles documents and samples
+    tokenizer_model: str | None = None  # HuggingFaceTokenizer
+    tokenizer_file: str | None = None  # its older flag
+    vocab_size: int | None = None  # NullTokenizer
 
 
 @dataclass(frozen=True)

@@ -129,13 +129,23 @@ class Flags:
     data_path: list[str] | None = opt(None, "text file, or [weight] prefix ... of "
                                             "preprocessed data (default: built-in corpus)")
     split: str = opt("949,50,1", "train,valid,test proportions")
-    tokenizer_type: str = opt("byte", "byte, gpt2bpe (--vocab-file/--merge-file) or "
-                                      "hf (--tokenizer-file)")
+    tokenizer_type: str | None = opt(
+        None, "byte, GPT2BPETokenizer (--vocab-file/--merge-file), HuggingFaceTokenizer "
+              "(--tokenizer-model) or NullTokenizer (--vocab-size); older names gpt2bpe, hf. "
+              "Default: GPT2BPETokenizer when both GPT-2 files are given, else byte")
     vocab_file: str | None = opt(None, "GPT-2 vocab.json")
     merge_file: str | None = opt(None, "GPT-2 merges.txt")
     tokenizer_file: str | None = opt(None, "a tokenizers-library tokenizer.json")
     data_cache_path: str | None = opt(None, "where sample indices are cached "
                                             "(default: next to the data)")
+    mock_data: bool = opt(False, "train on synthetic tokens from --seed, no files (benchmarks)")
+    train_data_path: list[str] | None = opt(None, "[weight] prefix ... of the train split, "
+                                                  "used whole (instead of --data-path + --split)")
+    valid_data_path: list[str] | None = opt(None, "[weight] prefix ... of the valid split")
+    test_data_path: list[str] | None = opt(None, "[weight] prefix ... of the test split")
+    tokenizer_model: str | None = opt(None, "HuggingFaceTokenizer: a tokenizer directory or "
+                                            "tokenizer.json")
+    vocab_size: int | None = opt(None, "NullTokenizer: token ids 0..N-1 (eod is N)")
     # checkpoints
     save: str | None = opt(None, "save checkpoints in this directory")
     load: str | None = opt(None, "resume from the newest checkpoint in this directory")

@@ -185,7 +185,7 @@ def pretrain(cfg: TrainConfig, ps: ParallelState) -> list[dict]:
     started = time.monotonic()
     rng = seed_all(cfg.seed, ps.tp_rank, ps.dp_rank, ps.device)
     tokenizer = build_tokenizer(cfg.data)
-    data = build_datasets(cfg.data, tokenizer)
+    data = build_datasets(cfg.data, tokenizer, ps)
     psi = gpt_config(cfg, tokenizer.vocab_size).num_parameters(ps.tp_size)
     if ps.device.type == "cpu" and psi >= HOST_TRIM_MIN_PARAMS:
         return_freed_memory()  # the model lives in host memory: keep RSS to what is used

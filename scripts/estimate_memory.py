@@ -26,14 +26,15 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from hybrid.flags import Flags, build_parser  # noqa: E402
+from hybrid.data.tokenizer import tokenizer_kind  # noqa: E402
 from hybrid.errors import ConfigError  # noqa: E402
 from hybrid.memory_estimate import (activation_bytes, buffer_bytes, choose_stage,  # noqa: E402
                                     peak_memory, traffic_bytes, workload)
 from hybrid.zero.estimate import model_state_bytes  # noqa: E402
 
 GIB = 2 ** 30
-OWN = ("world_size", "data_parallel_size", "micro_batches", "vocab_size", "gpu_memory_gb",
-       "runtime_gb", "device")
+OWN = ("world_size", "data_parallel_size", "micro_batches", "gpu_memory_gb", "runtime_gb",
+       "device")
 # Memory a process holds before the model: on the CPU, what scripts/bench_memory.py
 # measures (memory_before_model_bytes, about 0.25 GB: interpreter, torch, gloo,
 # data); on CUDA a reserve for the context, NCCL's buffers and the caching
@@ -54,8 +55,6 @@ def _parser():
                    help="DP size when --world-size is not given")
     g.add_argument("--micro-batches", type=int, default=None,
                    help="micro-batches per step (default: from --global-batch-size)")
-    g.add_argument("--vocab-size", type=int, default=None,
-                   help="token ids (default: 257 for --tokenizer-type byte, else GPT-2's 50257)")
     g.add_argument("--gpu-memory-gb", type=float, default=None,
                    help="device memory per rank (GiB): recommend the stage that fits")
     g.add_argument("--runtime-gb", type=float, default=None,
@@ -81,7 +80,11 @@ def main(argv=None) -> int:
         cfg = flags.validate(world)
     except ConfigError as e:
         ap.error(str(e))
-    vocab = own["vocab_size"] or (257 if ns["tokenizer_type"] == "byte" else 50257)
+    # --vocab-size N: NullTokenizer's ids (N + 1 with its eod); else taken as the vocabulary
+    kind = tokenizer_kind(ns["tokenizer_type"] or ("GPT2BPETokenizer" if ns["vocab_file"]
+                                                   else "byte"))
+    vocab = (ns["vocab_size"] + (kind == "NullTokenizer")
+             if ns["vocab_size"] else 257 if kind == "byte" else 50257)
     runtime = int((own["runtime_gb"] if own["runtime_gb"] is not None
                    else RUNTIME_GB[own["device"]]) * GIB)
     w = workload(cfg, vocab, own["device"])

@@ -5,7 +5,7 @@
 
 Rebuilds the full model from the sharded checkpoint, uses the tokenizer the run
 trained with (its flags are in the checkpoint's metadata; override with
---tokenizer-type/--vocab-file/--merge-file/--tokenizer-file), and samples with
+--tokenizer-type/--vocab-file/--merge-file/--tokenizer-model/--vocab-size), and samples with
 temperature and top-k.
 """
 
@@ -78,6 +78,8 @@ def main(argv=None) -> int:
     ap.add_argument("--vocab-file")
     ap.add_argument("--merge-file")
     ap.add_argument("--tokenizer-file")
+    ap.add_argument("--tokenizer-model")
+    ap.add_argument("--vocab-size", type=int)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     a = ap.parse_args(argv)
     try:
@@ -87,7 +89,9 @@ def main(argv=None) -> int:
             tokenizer_type=a.tokenizer_type or c.get("tokenizer_type", "byte"),
             vocab_file=a.vocab_file or c.get("vocab_file"),
             merge_file=a.merge_file or c.get("merge_file"),
-            tokenizer_file=a.tokenizer_file or c.get("tokenizer_file")))
+            tokenizer_file=a.tokenizer_file or c.get("tokenizer_file"),
+            tokenizer_model=a.tokenizer_model or c.get("tokenizer_model"),
+            vocab_size=a.vocab_size or c.get("vocab_size")))
     except (CheckpointError, DataError) as e:
         print(f"generate.py: error: {e}", file=sys.stderr)
         return 2

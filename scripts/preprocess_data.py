@@ -1,17 +1,25 @@
 #!/usr/bin/env python
-"""Tokenize text or JSONL into a memory-mapped token file pair for --data-path.
+"""Tokenize JSONL or text into Megatron's indexed dataset (.bin/.idx), for --data-path.
 
-    python scripts/preprocess_data.py --input corpus.jsonl --json-keys text \
-        --output-prefix data/corpus --workers 2
-    python scripts/preprocess_data.py --input book.txt --output-prefix data/book
+    python scripts/preprocess_data.py --input corpus.jsonl --output-prefix data/corpus \
+        --tokenizer-type GPT2BPETokenizer --vocab-file vocab.json --merge-file merges.txt \
+        --append-eod --workers 8 --json-keys text
+    # -> data/corpus_text_document.bin/.idx: --data-path data/corpus_text_document
 
-Writes ``PREFIX.bin`` and ``PREFIX.idx`` (see hybrid/data/indexed.py). Input is
-streamed in chunks and tokenized by a pool of ``--workers`` processes, so
-memory stays constant on multi-GB files. Documents: one per JSON line (per
-``--json-keys`` key, each key to its own ``PREFIX_KEY`` output when there are
-several), or one per ``.txt`` file (one per line with ``--line-documents``).
-Each document ends with the end-of-document token unless ``--no-append-eod``.
-A progress bar goes to stderr; a summary line to stdout.
+Megatron's command line (tools/preprocess_data.py) and output: one
+``<output-prefix>_<key>_document`` pair per ``--json-keys`` key, in
+megatron-core's layout (hybrid/data/indexed.py), uint16 tokens below 65500 ids
+and int32 above. Each non-empty document is one sequence; ``--append-eod``
+ends it with the end-of-document token (Megatron's default is none, and an
+empty document gets none). ``--tokenizer-type`` takes Megatron's names
+(GPT2BPETokenizer, HuggingFaceTokenizer, NullTokenizer) and hybrid's (byte,
+and gpt2bpe / hf / --tokenizer-file, the older spellings).
+
+hybrid's additions: several ``--input`` files, and text files (one document a
+file, a line with ``--line-documents``). Input is streamed in chunks and
+tokenized by a pool of ``--workers`` processes, so memory stays constant on
+multi-GB files, and the outputs appear (by rename) only when complete. A
+progress bar goes to stderr; a summary line to stdout.
 """
 
 from __future__ import annotations
@@ -27,7 +35,7 @@ from types import SimpleNamespace
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from hybrid.data.indexed import IndexedWriter, dtype_for_vocab  # noqa: E402
-from hybrid.data.tokenizer import build_tokenizer  # noqa: E402
+from hybrid.data.tokenizer import TOKENIZER_TYPES, build_tokenizer  # noqa: E402
 from hybrid.errors import DataError  # noqa: E402
 
 CHUNK_BYTES = 1 << 20  # text per task: small enough to bound memory, big enough to amortize
@@ -60,9 +68,9 @@ def _tasks(paths, keys, line_documents, progress):
                     except json.JSONDecodeError as e:
                         raise DataError(f"--input {path}: line {n} is not JSON ({e})") from e
                     for k in keys:
-                        if k not in obj:
-                            raise DataError(f"--input {path}: line {n} has no key {k!r} "
-                                            f"(--json-keys)")
+                        if not isinstance(obj.get(k), str):
+                            raise DataError(f"--input {path}: line {n} has no text under key "
+                                            f"{k!r} (--json-keys)")
                         task.append((k, obj[k], True))
                         size += len(obj[k])
                     if size >= CHUNK_BYTES:
@@ -101,28 +109,47 @@ class _Progress:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--input", nargs="+", required=True)
-    ap.add_argument("--output-prefix", required=True)
-    ap.add_argument("--json-keys", nargs="+", default=["text"])
-    ap.add_argument("--line-documents", action="store_true", help=".txt: one document a line")
-    ap.add_argument("--tokenizer-type", default="byte", choices=["byte", "gpt2bpe", "hf"])
-    ap.add_argument("--vocab-file")
-    ap.add_argument("--merge-file")
-    ap.add_argument("--tokenizer-file")
-    ap.add_argument("--workers", type=int, default=1)
-    ap.add_argument("--no-append-eod", action="store_true")
-    ap.add_argument("--no-progress", action="store_true")
+    g = ap.add_argument_group("input data")
+    g.add_argument("--input", nargs="+", required=True, help=".jsonl/.json (one document a "
+                   "line) or text files (one document a file)")
+    g.add_argument("--json-keys", nargs="+", default=["text"],
+                   help="keys to extract from each JSON line, one output pair each")
+    g.add_argument("--line-documents", action="store_true", help="text: one document a line")
+    g = ap.add_argument_group("tokenizer")
+    g.add_argument("--tokenizer-type", default="byte", choices=list(TOKENIZER_TYPES))
+    g.add_argument("--vocab-file", help="GPT2BPETokenizer: vocab.json")
+    g.add_argument("--merge-file", help="GPT2BPETokenizer: merges.txt")
+    g.add_argument("--tokenizer-model", help="HuggingFaceTokenizer: a tokenizer directory or "
+                   "tokenizer.json")
+    g.add_argument("--tokenizer-file", help="older name of --tokenizer-model")
+    g.add_argument("--vocab-size", type=int, help="NullTokenizer: ids 0..N-1, eod N")
+    g = ap.add_argument_group("tokenization process")
+    g.add_argument("--append-eod", action="store_true",
+                   help="end each non-empty document with the end-of-document token")
+    g.add_argument("--no-append-eod", action="store_true",
+                   help="older flag: no end-of-document token (now the default)")
+    g = ap.add_argument_group("output data")
+    g.add_argument("--output-prefix", required=True,
+                   help="writes <prefix>_<json-key>_document.bin/.idx")
+    g = ap.add_argument_group("runtime")
+    g.add_argument("--workers", type=int, default=1, help="tokenizer processes")
+    g.add_argument("--no-progress", action="store_true")
     a = ap.parse_args(argv)
+    if a.append_eod and a.no_append_eod:
+        ap.error("--append-eod and --no-append-eod contradict each other")
+    if a.workers < 1:
+        ap.error(f"--workers must be >= 1, got {a.workers}")
     tok_args = {"tokenizer_type": a.tokenizer_type, "vocab_file": a.vocab_file,
-                "merge_file": a.merge_file, "tokenizer_file": a.tokenizer_file}
+                "merge_file": a.merge_file, "tokenizer_model": a.tokenizer_model,
+                "tokenizer_file": a.tokenizer_file, "vocab_size": a.vocab_size}
+    writers, pool = {}, None
     try:
         for path in a.input:
             if not os.path.isfile(path):
                 raise DataError(f"--input {path}: no such file")
         tok = build_tokenizer(SimpleNamespace(**tok_args))
         keys = a.json_keys
-        prefixes = {k: (a.output_prefix if len(keys) == 1 else f"{a.output_prefix}_{k}")
-                    for k in keys}
+        prefixes = {k: output_prefix(a.output_prefix, k) for k in keys}
         os.makedirs(os.path.dirname(os.path.abspath(a.output_prefix)), exist_ok=True)
         writers = {k: IndexedWriter(p, dtype_for_vocab(tok.vocab_size))
                    for k, p in prefixes.items()}
@@ -136,22 +163,26 @@ def main(argv=None) -> int:
             results = pool.imap(_tokenize, tasks, chunksize=1)
         else:
             _init_worker(tok_args)
-            pool, results = None, map(_tokenize, tasks)
+            results = map(_tokenize, tasks)
         for chunk in results:
             for k, ids, end in chunk:
-                writers[k].add(ids)
+                w = writers[k]
+                w.add(ids)
                 if end:
-                    if not a.no_append_eod:
-                        writers[k].add([tok.eod])
-                    writers[k].end_document()
-        if pool is not None:
-            pool.close()
-            pool.join()
+                    if a.append_eod and w.document_tokens:  # Megatron: none after an empty one
+                        w.add([tok.eod])
+                    w.end_document()
         for w in writers.values():
             w.finalize()
     except DataError as e:
+        for w in writers.values():
+            w.abort()
         print(f"\npreprocess_data.py: error: {e}", file=sys.stderr)
         return 2
+    finally:
+        if pool is not None:
+            pool.terminate()
+            pool.join()
     dt = max(time.time() - t0, 1e-9)
     if progress.enabled:
         sys.stderr.write("\n")
@@ -160,6 +191,11 @@ def main(argv=None) -> int:
     print(f"{docs} documents, {toks} tokens -> {', '.join(prefixes.values())}.bin/.idx in "
           f"{dt:.1f}s ({total / 2**20 / dt:.1f} MB/s, {toks / dt:.0f} tokens/s)")
     return 0
+
+
+def output_prefix(prefix: str, key: str) -> str:
+    """Megatron's name for a key's output pair (document level)."""
+    return f"{prefix}_{key}_document"
 
 
 if __name__ == "__main__":

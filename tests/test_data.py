@@ -12,9 +12,8 @@ import torch
 from hybrid.flags import Flags
 from hybrid.data.blending import BlendedSamples
 from hybrid.data.dataset import GPTSamples, build_datasets, dp_micro_batches
-from hybrid.data.indexed import IndexedTokens
+from hybrid.data.indexed import open_indexed
 from hybrid.data.tokenizer import ByteTokenizer
-from hybrid.errors import DataError
 from launch import ROOT, env
 
 PREPROCESS = os.path.join(ROOT, "scripts", "preprocess_data.py")
@@ -33,15 +32,14 @@ def test_preprocess_round_trip_with_empty_tiny_and_huge_documents(tmp_path):
     src = tmp_path / "in.jsonl"
     src.write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
     r = _preprocess("--input", str(src), "--output-prefix", str(tmp_path / "out"),
-                    "--workers", "2")
+                    "--workers", "2", "--append-eod")
     assert "4 documents" in r.stdout
-    ds, tok = IndexedTokens(str(tmp_path / "out")), ByteTokenizer()
+    ds, tok = open_indexed(str(tmp_path / "out_text_document")), ByteTokenizer()
     assert len(ds) == 4 and ds.tokens.dtype == np.uint16
-    for i, d in enumerate(docs):
-        assert ds.document(i).tolist() == tok.encode(d) + [tok.eod]
-    _preprocess("--input", str(src), "--output-prefix", str(tmp_path / "raw"),
-                "--no-append-eod")
-    raw = IndexedTokens(str(tmp_path / "raw"))
+    for i, d in enumerate(docs):  # as Megatron: no end-of-document token after nothing
+        assert ds.document(i).tolist() == (tok.encode(d) + [tok.eod] if d else [])
+    _preprocess("--input", str(src), "--output-prefix", str(tmp_path / "raw"))
+    raw = open_indexed(str(tmp_path / "raw_text_document"))
     assert [len(raw.document(i)) for i in range(4)] == [0, 1, len(docs[2].encode()), 18]
 
 
@@ -60,28 +58,8 @@ def test_preprocess_memory_stays_flat_on_a_large_file(tmp_path):
                        capture_output=True, text=True, env=env())
     assert r.returncode == 0, r.stderr
     peak_mb = int(r.stdout.strip().splitlines()[-1]) / 1024
-    assert IndexedTokens(str(tmp_path / "big")).tokens.size > 40 * 10**6
+    assert open_indexed(str(tmp_path / "big_text_document")).tokens.size > 40 * 10**6
     assert peak_mb < 100, f"peak RSS {peak_mb:.0f} MB for a 40 MB input"  # tokens alone: 80 MB
-
-
-def test_corrupt_truncated_and_missing_files_are_named(tmp_path):
-    src = tmp_path / "in.txt"
-    src.write_text("some text " * 100)
-    _preprocess("--input", str(src), "--output-prefix", str(tmp_path / "d"))
-    idx = tmp_path / "d.idx"
-    good = idx.read_bytes()
-    idx.write_bytes(good[:-3])
-    with pytest.raises(DataError, match=r"d\.idx: corrupt or truncated"):
-        IndexedTokens(str(tmp_path / "d"))
-    idx.write_bytes(b"garbage!" + good[8:])
-    with pytest.raises(DataError, match="not a hybrid token index"):
-        IndexedTokens(str(tmp_path / "d"))
-    idx.write_bytes(good)
-    (tmp_path / "d.bin").write_bytes(b"\0" * 10)
-    with pytest.raises(DataError, match="does not match"):
-        IndexedTokens(str(tmp_path / "d"))
-    with pytest.raises(DataError, match="nope.idx does not exist"):
-        IndexedTokens(str(tmp_path / "nope"))
 
 
 def _samples(n_tokens=5000, seq=16, seed=3):
@@ -196,11 +174,11 @@ def test_build_datasets_splits_and_blends_prefixes(tmp_path):
         (tmp_path / f"{name}.jsonl").write_text(
             "".join(json.dumps({"text": text[i: i + 150]}) + "\n" for i in range(0, 18000, 150)))
         _preprocess("--input", str(tmp_path / f"{name}.jsonl"), "--output-prefix",
-                    str(tmp_path / name))
+                    str(tmp_path / name), "--append-eod")
     cfg = Flags(seq_length=32, split="80,10,10",
-                      data_path=["0.25", str(tmp_path / "a"), "0.75", str(tmp_path / "b")])
-    cfg.validate(1)
-    data = build_datasets(cfg, ByteTokenizer())
+                data_path=["0.25", str(tmp_path / "a_text_document"), "0.75",
+                           str(tmp_path / "b_text_document")]).validate(1)
+    data = build_datasets(cfg.data, ByteTokenizer())
     assert all(data[s] is not None for s in ("train", "valid", "test"))
     train = data["train"]
     assert np.bincount([train.source_of(i) for i in range(40)]).tolist() == [10, 30]
@@ -221,9 +199,10 @@ def test_tinyshakespeare_through_the_bpe_tokenizer(tmp_path):
     assert r.returncode == 0, r.stderr
     vocab, merges = str(tmp_path / "tok" / "vocab.json"), str(tmp_path / "tok" / "merges.txt")
     _preprocess("--input", SHAKESPEARE, "--output-prefix", str(tmp_path / "shake"),
-                "--tokenizer-type", "gpt2bpe", "--vocab-file", vocab, "--merge-file", merges)
+                "--tokenizer-type", "gpt2bpe", "--vocab-file", vocab, "--merge-file", merges,
+                "--append-eod")
     tok = GPT2BPETokenizer(vocab, merges)
-    ds = IndexedTokens(str(tmp_path / "shake"))
+    ds = open_indexed(str(tmp_path / "shake_text_document"))
     text = open(SHAKESPEARE, encoding="utf-8").read()
     assert tok.decode(ds.document(0)[:-1]) == text
     assert len(ds.document(0)) < 0.7 * len(text.encode())  # BPE compresses

@@ -1,5 +1,12 @@
 """Token sources -> train/valid/test splits -> shuffled fixed-length samples -> DP micro-batches.
 
+Sources (hybrid/data/sources.py, one interface): Megatron ``.bin/.idx`` pairs
+and hybrid's older ones (:func:`hybrid.data.indexed.open_indexed`), text files,
+the built-in corpus, ``--mock-data``. ``--data-path`` blends sources and cuts
+each into train/valid/test by ``--split``; ``--train/valid/test-data-path``
+give each split its own sources, used whole. Every file's token ids are
+checked against the vocabulary when it is opened (hybrid/data/vocab_check.py).
+
 A sample is ``seq_length + 1`` consecutive tokens (inputs and shifted labels)
 cut from a split's token span without regard to document boundaries;
 consecutive windows share one token. Sample ``i`` is window ``perm_e[i mod n]``
@@ -13,32 +20,20 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import time
 
 import numpy as np
 import torch
 
+from hybrid.config_sections import DataConfig
 from hybrid.data.blending import BlendedSamples
 from hybrid.data.builtin import builtin_documents
-from hybrid.data.indexed import IndexedTokens
+from hybrid.data.indexed import IOCounter, open_indexed
+from hybrid.data.sources import InMemoryTokens, MockTokens
+from hybrid.data.vocab_check import check_sources
 from hybrid.errors import DataError
 
 log = logging.getLogger("hybrid")
-
-
-class InMemoryTokens:
-    """Documents tokenized in memory, with the IndexedTokens interface."""
-
-    def __init__(self, docs, tokenizer, name: str):
-        parts = [tokenizer.encode_array(d).astype(np.int64) for d in docs]
-        lengths = [len(p) + 1 for p in parts]  # + end of document
-        self.tokens = np.empty(sum(lengths), dtype=np.int64)
-        self.offsets = np.zeros(len(parts) + 1, dtype=np.int64)
-        np.cumsum(lengths, out=self.offsets[1:])
-        for p, start in zip(parts, self.offsets[:-1]):
-            self.tokens[start: start + len(p)] = p
-            self.tokens[start + len(p)] = tokenizer.eod
-        self.num_documents = len(parts)
-        self.prefix = name
 
 
 def split_spans(source, split: str) -> list[tuple[int, int]]:
@@ -48,11 +43,11 @@ def split_spans(source, split: str) -> list[tuple[int, int]]:
     no document straddles two splits), else on token positions (one big text).
     """
     w = np.asarray([float(x) for x in split.replace("/", ",").split(",")])
-    total = int(source.offsets[-1])
+    total = source.num_tokens
     cuts = np.round(np.cumsum(np.concatenate([[0.0], w / w.sum()])) * total).astype(np.int64)
     if source.num_documents >= 100:
-        idx = np.searchsorted(source.offsets, cuts)
-        cuts = source.offsets[np.minimum(idx, source.num_documents)]
+        idx = source.first_doc_at_or_after(cuts)
+        cuts = source.doc_start(np.minimum(idx, source.num_documents))
     cuts[-1] = total
     return [(int(cuts[i]), int(cuts[i + 1])) for i in range(3)]
 
@@ -108,8 +103,10 @@ class GPTSamples:
         return np.asarray(self.tokens[start: start + self.seq_length + 1], dtype=np.int64)
 
 
-def _parse_data_path(paths: list[str]) -> list[tuple[float, str]]:
+def _parse_data_path(paths, flag: str = "--data-path") -> list[tuple[float, str]]:
     """``[w1] p1 [w2] p2 ...`` -> [(weight, path)] (weights default to equal)."""
+    paths = list(paths)
+
     def is_number(s):
         try:
             float(s)
@@ -119,48 +116,116 @@ def _parse_data_path(paths: list[str]) -> list[tuple[float, str]]:
     if all(is_number(p) for p in paths[0::2]) and len(paths) % 2 == 0 and len(paths) > 1:
         out = [(float(w), p) for w, p in zip(paths[0::2], paths[1::2])]
     elif any(is_number(p) for p in paths):
-        raise DataError(f"--data-path {' '.join(paths)}: give either prefixes, or "
+        raise DataError(f"{flag} {' '.join(paths)}: give either prefixes, or "
                         f"weight prefix pairs")
     else:
         out = [(1.0, p) for p in paths]
     if any(w <= 0 for w, _ in out):
-        raise DataError("--data-path weights must be > 0")
+        raise DataError(f"{flag} weights must be > 0")
     return out
 
 
-def _open_source(path: str | None, tokenizer):
+MOCK = "<mock>"  # the source name of --mock-data
+
+
+def _open_source(path: str | None, flag: str, cfg: DataConfig, tokenizer, io: IOCounter):
     if path is None:
         return InMemoryTokens(builtin_documents(), tokenizer, "builtin")
+    if path == MOCK:  # enough for 1024 samples, at least 4M tokens; epochs repeat it
+        return MockTokens(cfg.seed, tokenizer.vocab_size, tokenizer.eod,
+                          max(1 << 22, 1024 * (cfg.seq_length + 1)), cfg.seq_length)
     if os.path.isfile(path + ".idx") or os.path.isfile(path + ".bin"):
-        return IndexedTokens(path)
+        try:
+            return open_indexed(path, io)
+        except DataError as e:
+            raise DataError(f"{flag} {path}: {e}") from e
     if os.path.isfile(path):
         try:
             with open(path, encoding="utf-8") as f:
                 return InMemoryTokens([f.read()], tokenizer, path)
         except (OSError, UnicodeDecodeError) as e:
-            raise DataError(f"--data-path {path}: cannot read as UTF-8 text ({e})") from e
-    raise DataError(f"--data-path {path}: no such file (nor {path}.bin/.idx)")
+            raise DataError(f"{flag} {path}: cannot read as UTF-8 text ({e})") from e
+    raise DataError(f"{flag} {path}: no such file (nor {path}.bin/.idx)")
 
 
-def build_datasets(cfg, tokenizer) -> dict:
-    """{"train", "valid", "test"}: samples objects (``len``, ``[i]``) or None if empty."""
-    sources = [(1.0, None)] if not cfg.data_path else _parse_data_path(cfg.data_path)
+def _cache_dir(cfg: DataConfig, path: str | None, src) -> str | None:
+    """Where a source's sample orders and token check are cached (None: not at all)."""
+    if path == MOCK:
+        return None  # --mock-data touches no files
+    if cfg.cache_path:
+        return cfg.cache_path
+    if path is None or not hasattr(src, "validate"):
+        return None  # the built-in corpus, a text file: no data directory of their own
+    return os.path.dirname(os.path.abspath(path))
+
+
+def _check_vocabulary(opened: dict, cfg: DataConfig, tokenizer, ps) -> None:
+    """Every token id in ``[0, vocab)``: files through the cached, rank-shared check
+    (hybrid/data/vocab_check.py), in-memory sources directly."""
+    files = [(p, s) for p, s in opened.items() if hasattr(s, "validate")]
+    for path, src in files:
+        if src.tokens.dtype.kind not in "iu":
+            raise DataError(f"{src.idx_path}: holds {src.tokens.dtype.name} values, not token "
+                            f"ids (dtype code {getattr(src, 'dtype_code', '?')})")
+    t0 = time.perf_counter()
+    done = check_sources([s for _, s in files], tokenizer.vocab_size, type(tokenizer).__name__,
+                         [_cache_dir(cfg, p, s) for p, s in files], ps)
+    scanned = [c for c in done if c is not None and c.scanned]
+    if scanned:
+        log.info("token ids checked against the vocabulary (%d): %d file(s) scanned in %.1fs, "
+                 "cached for later runs", tokenizer.vocab_size, len(scanned),
+                 time.perf_counter() - t0)
+    for path, src in opened.items():
+        if not hasattr(src, "validate") and path not in (None, MOCK) and len(src.tokens):
+            top = int(src.tokens.max())
+            if top >= tokenizer.vocab_size:
+                raise DataError(f"{path}: token id {top} >= vocabulary size "
+                                f"{tokenizer.vocab_size} (another tokenizer?)")
+
+
+def build_datasets(cfg: DataConfig, tokenizer, ps=None) -> dict:
+    """{"train", "valid", "test"}: samples objects (``len``, ``[i]``) or None if empty.
+
+    With ``ps`` (a ParallelState; None for one process) every rank opens the
+    same files, and the vocabulary check of each file runs on one rank, shared
+    over the world group.
+    """
+    if cfg.train_data_path:
+        lists = {name: _parse_data_path(paths, f"--{name}-data-path") if paths else []
+                 for name, paths in (("train", cfg.train_data_path),
+                                     ("valid", cfg.valid_data_path),
+                                     ("test", cfg.test_data_path))}
+    else:
+        one = ([(1.0, MOCK)] if cfg.mock_data else [(1.0, None)] if not cfg.data_path
+               else _parse_data_path(cfg.data_path))
+        lists = {"train": one, "valid": one, "test": one}
+    io = IOCounter()
+    opened = {}
+    for name, entries in lists.items():
+        flag = f"--{name}-data-path" if cfg.train_data_path else "--data-path"
+        for _, path in entries:
+            if path not in opened:
+                opened[path] = _open_source(path, flag, cfg, tokenizer, io)
+    _check_vocabulary(opened, cfg, tokenizer, ps)
     per_split: dict[str, list] = {"train": [], "valid": [], "test": []}
-    for weight, path in sources:
-        src = _open_source(path, tokenizer)
-        top = int(src.tokens.max()) if len(src.tokens) and path and not isinstance(
-            src, IndexedTokens) else -1
-        if top >= tokenizer.vocab_size:
-            raise DataError(f"--data-path {path}: token id {top} >= vocabulary size "
-                            f"{tokenizer.vocab_size} (another tokenizer?)")
-        cache = cfg.data_cache_path or (os.path.dirname(os.path.abspath(path)) if path and
-                                        isinstance(src, IndexedTokens) else None)
-        for k, (name, (lo, hi)) in enumerate(zip(per_split, split_spans(src, cfg.split))):
-            if hi - lo < cfg.seq_length + 1:
-                continue
-            key = f"{os.path.abspath(path) if path else 'builtin'}|{lo}|{hi}"
+    for k, (name, entries) in enumerate(lists.items()):
+        for weight, path in entries:
+            src = opened[path]
+            if cfg.train_data_path:  # each split's own files, whole
+                lo, hi = 0, src.num_tokens
+                if hi - lo < cfg.seq_length + 1:
+                    raise DataError(f"--{name}-data-path {path}: {hi} tokens, fewer than one "
+                                    f"sample of --seq-length {cfg.seq_length} + 1")
+            else:
+                lo, hi = split_spans(src, cfg.split)[k]
+                if hi - lo < cfg.seq_length + 1:
+                    continue
+            key = f"{os.path.abspath(path) if path not in (None, MOCK) else path}|{lo}|{hi}"
             per_split[name].append((weight, GPTSamples(src.tokens[lo:hi], cfg.seq_length,
-                                                       cfg.seed + k, cache, key)))
+                                                       cfg.seed + k, _cache_dir(cfg, path, src),
+                                                       key)))
+    log.info("data: %d source(s), %d file(s) opened, %d bytes read to open and check them",
+             len(opened), len(io.files_opened), io.bytes_read)
     out = {}
     for name, parts in per_split.items():
         if not parts:

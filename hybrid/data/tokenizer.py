@@ -1,8 +1,10 @@
-"""Tokenizers: byte-level (the default: no files), GPT-2 BPE from local files, tokenizer.json.
+"""Tokenizers: byte-level (the default: no files), GPT-2 BPE, Hugging Face, Megatron's null.
 
 Every tokenizer has ``vocab_size``, ``eod`` (the end-of-document id), ``encode``
-(str -> list[int]) and ``decode``. ``build_tokenizer(cfg)`` picks one from the
-``--tokenizer-type`` flags; a missing or unreadable file is a DataError naming it.
+(str -> list[int]), ``encode_array`` and ``decode``. ``build_tokenizer(cfg)``
+picks one from the ``--tokenizer-type`` flags, under Megatron's names or
+hybrid's older ones (:data:`TOKENIZER_TYPES`), for training and preprocessing
+alike; a missing or unreadable file is a DataError naming its flag.
 """
 
 from __future__ import annotations
@@ -117,44 +119,152 @@ class GPT2BPETokenizer:
 
 
 class HFTokenizer:
-    """A ``tokenizer.json`` through the ``tokenizers`` library (optional dependency)."""
+    """Megatron's HuggingFaceTokenizer: a tokenizer directory or ``tokenizer.json``.
 
-    def __init__(self, path: str, eod_token: str = "<|endoftext|>"):
+    Read through the ``tokenizers`` library (no transformers needed); a
+    directory without a tokenizer.json (a slow, sentencepiece-only tokenizer)
+    goes through ``transformers.AutoTokenizer``. As in Megatron: special tokens
+    are added as the tokenizer's post-processor says (e.g. a BOS), the
+    vocabulary counts added tokens, and ``eod`` is the EOS token named in
+    ``tokenizer_config.json`` (else ``<|endoftext|>``, else the last id).
+    """
+
+    def __init__(self, path: str, flag: str = "--tokenizer-model",
+                 eod_token: str = "<|endoftext|>"):
+        json_path = os.path.join(path, "tokenizer.json") if os.path.isdir(path) else path
+        if not os.path.exists(path):
+            raise DataError(f"{flag} {path}: no such file or directory")
+        folder = path if os.path.isdir(path) else os.path.dirname(path)
+        eos = _eos_token(folder, flag) or eod_token
+        self._auto = None
+        if not os.path.isfile(json_path):
+            self._auto = _auto_tokenizer(path, flag)
+            self.vocab_size = len(self._auto)
+            self.eod = self._auto.eos_token_id if self._auto.eos_token_id is not None \
+                else self.vocab_size - 1
+            return
         try:
             from tokenizers import Tokenizer
         except ImportError as e:
-            raise DataError("--tokenizer-type hf needs the tokenizers package "
-                            "(pip install tokenizers)") from e
-        if not os.path.isfile(path):
-            raise DataError(f"--tokenizer-file {path}: no such file")
+            raise DataError("--tokenizer-type HuggingFaceTokenizer needs the tokenizers "
+                            "package (pip install tokenizers)") from e
         try:
-            self.tok = Tokenizer.from_file(path)
+            self.tok = Tokenizer.from_file(json_path)
         except Exception as e:  # noqa: BLE001 - the library raises bare Exceptions
-            raise DataError(f"--tokenizer-file {path}: cannot load ({e})") from e
-        self.vocab_size = self.tok.get_vocab_size()
-        eod = self.tok.token_to_id(eod_token)
+            raise DataError(f"{flag} {json_path}: cannot load ({e})") from e
+        self.vocab_size = self.tok.get_vocab_size(with_added_tokens=True)
+        eod = self.tok.token_to_id(eos)
         self.eod = eod if eod is not None else self.vocab_size - 1
 
     def encode(self, text: str) -> list[int]:
+        if self._auto is not None:
+            return list(self._auto(text).input_ids)
         return self.tok.encode(text).ids
 
     def encode_array(self, text: str) -> np.ndarray:
         return np.asarray(self.encode(text), dtype=np.int64)
 
     def decode(self, ids) -> str:
-        return self.tok.decode([int(i) for i in ids])
+        ids = [int(i) for i in ids]
+        return self._auto.decode(ids) if self._auto is not None else self.tok.decode(ids)
+
+
+def _eos_token(folder: str, flag: str) -> str | None:
+    """The EOS token a tokenizer directory names (tokenizer_config.json, special_tokens_map)."""
+    for name in ("tokenizer_config.json", "special_tokens_map.json"):
+        path = os.path.join(folder, name)
+        if not os.path.isfile(path):
+            continue
+        try:
+            with open(path, encoding="utf-8") as f:
+                eos = json.load(f).get("eos_token")
+        except (OSError, ValueError, AttributeError) as e:
+            raise DataError(f"{flag} {path}: cannot read ({e})") from e
+        if isinstance(eos, dict):
+            eos = eos.get("content")
+        if isinstance(eos, str):
+            return eos
+    return None
+
+
+def _auto_tokenizer(path: str, flag: str):
+    try:
+        import transformers
+    except ImportError as e:
+        raise DataError(f"{flag} {path}: has no tokenizer.json; reading it needs the "
+                        f"transformers package") from e
+    try:
+        return transformers.AutoTokenizer.from_pretrained(path)
+    except Exception as e:  # noqa: BLE001 - any loader failure, named
+        raise DataError(f"{flag} {path}: cannot load ({e})") from e
+
+
+class NullTokenizer:
+    """Megatron's NullTokenizer: text is whitespace-separated integer ids ``0..N-1``
+    (``--vocab-size N``); the end-of-document id is ``N``, so the vocabulary is N + 1."""
+
+    def __init__(self, vocab_size: int):
+        if vocab_size < 1:
+            raise DataError(f"--vocab-size must be >= 1 for NullTokenizer, got {vocab_size}")
+        self.vocab_size = int(vocab_size) + 1
+        self.eod = int(vocab_size)
+
+    def encode(self, text: str) -> list[int]:
+        return self.encode_array(text).tolist()
+
+    def encode_array(self, text: str) -> np.ndarray:
+        parts = text.split()
+        try:
+            ids = np.array(parts, dtype=np.int64)
+        except (ValueError, OverflowError) as e:
+            raise DataError(f"NullTokenizer: the text must be integer token ids ({e})") from e
+        bad = np.flatnonzero((ids < 0) | (ids >= self.vocab_size))
+        if bad.size:
+            raise DataError(f"NullTokenizer: token id {ids[bad[0]]} is outside [0, "
+                            f"{self.vocab_size}) (--vocab-size {self.eod}, eod {self.eod})")
+        return ids
+
+    def decode(self, ids) -> str:
+        return " ".join(str(int(i)) for i in ids)
+
+
+# --tokenizer-type: Megatron's names, and hybrid's older ones as aliases.
+TOKENIZER_TYPES = {
+    "byte": "byte",
+    "GPT2BPETokenizer": "GPT2BPETokenizer", "gpt2bpe": "GPT2BPETokenizer",
+    "HuggingFaceTokenizer": "HuggingFaceTokenizer", "hf": "HuggingFaceTokenizer",
+    "NullTokenizer": "NullTokenizer", "null": "NullTokenizer",
+}
+
+
+def tokenizer_kind(name: str | None) -> str | None:
+    """The canonical name of a ``--tokenizer-type`` value, or None if unknown."""
+    return TOKENIZER_TYPES.get(name or "byte")
 
 
 def build_tokenizer(cfg):
-    """The tokenizer the flags ask for (``--tokenizer-type byte|gpt2bpe|hf``)."""
-    kind = cfg.tokenizer_type
+    """The tokenizer the flags ask for: ``--tokenizer-type`` (a :data:`TOKENIZER_TYPES`
+    name) with ``--vocab-file/--merge-file``, ``--tokenizer-model`` (or the older
+    ``--tokenizer-file``) or ``--vocab-size``; ``cfg`` is any object with those fields."""
+    name = getattr(cfg, "tokenizer_type", None) or "byte"
+    kind = tokenizer_kind(name)
     if kind == "byte":
         return ByteTokenizer()
-    if kind == "gpt2bpe":
-        for flag, path in (("--vocab-file", cfg.vocab_file), ("--merge-file", cfg.merge_file)):
+    if kind == "GPT2BPETokenizer":
+        vocab, merges = getattr(cfg, "vocab_file", None), getattr(cfg, "merge_file", None)
+        for flag, path in (("--vocab-file", vocab), ("--merge-file", merges)):
             if not path or not os.path.isfile(path):
                 raise DataError(f"{flag} {path}: no such file")
-        return GPT2BPETokenizer(cfg.vocab_file, cfg.merge_file)
-    if kind == "hf":
-        return HFTokenizer(cfg.tokenizer_file)
-    raise DataError(f"--tokenizer-type {kind!r}: unknown")
+        return GPT2BPETokenizer(vocab, merges)
+    if kind == "HuggingFaceTokenizer":
+        model, old = getattr(cfg, "tokenizer_model", None), getattr(cfg, "tokenizer_file", None)
+        if not (model or old):
+            raise DataError(f"--tokenizer-type {name} needs --tokenizer-model (a tokenizer "
+                            f"directory or tokenizer.json)")
+        return HFTokenizer(model or old, "--tokenizer-model" if model else "--tokenizer-file")
+    if kind == "NullTokenizer":
+        size = getattr(cfg, "vocab_size", None)
+        if size is None:
+            raise DataError(f"--tokenizer-type {name} needs --vocab-size")
+        return NullTokenizer(size)
+    raise DataError(f"--tokenizer-type {name!r}: unknown (one of {', '.join(TOKENIZER_TYPES)})")
