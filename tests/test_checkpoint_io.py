@@ -149,8 +149,9 @@ def _own_file_bytes(ckpt, rank):
 
 def _old_full_tensors(ckpt):
     """Straight from the files, independently of hybrid.checkpoint's readers:
-    {name: (full (*shape, 3) fp32 values, [full map of the rank whose file holds each
-    element, per TP replica of a replicated parameter])}."""
+    {name: (full (*shape, C) fp32 values -- C the saved columns, 3 or (weights only) 1 --,
+    [full map of the rank whose file holds each element, per TP replica of a replicated
+    parameter])}."""
     import glob
     import json
 
@@ -159,11 +160,14 @@ def _old_full_tensors(ckpt):
     with open(os.path.join(ckpt, "metadata.json")) as f:
         meta = json.load(f)
     tp = meta["tensor_model_parallel_size"]
-    local = {}  # name -> tp rank -> (values (n, 3), owners (n,))
+    ncols = len(meta["zero_layout"]["columns"])
+    local = {}  # name -> tp rank -> (values (n, C), owners (n,))
     specs = {}
     for head in sorted(glob.glob(os.path.join(ckpt, "rank_*.pt"))):
         h = torch.load(head, weights_only=True)
-        data = torch.from_numpy(np.fromfile(head[:-3] + ".bin", dtype=np.float32)).view(-1, 3)
+        # one block per column: (columns, rows) -> rows of columns
+        data = torch.from_numpy(np.fromfile(head[:-3] + ".bin", dtype=np.float32))
+        data = data.view(ncols, h["data_rows"]).t()
         for name, ranges in h["pieces"].items():
             spec = h["specs"][name]
             specs[name] = spec
@@ -171,7 +175,7 @@ def _old_full_tensors(ckpt):
             for i, s in enumerate(spec["full_shape"]):
                 n *= s // spec["tp_size"] if i == spec["dim"] else s
             v, o = local.setdefault(name, {}).setdefault(
-                h["tp_rank"], (torch.full((n, 3), float("nan")), torch.full((n,), -1)))
+                h["tp_rank"], (torch.full((n, ncols), float("nan")), torch.full((n,), -1)))
             for lo, hi, row in ranges:
                 v[lo:hi] = data[row: row + hi - lo]
                 o[lo:hi] = h["rank"]
@@ -180,12 +184,13 @@ def _old_full_tensors(ckpt):
         spec = specs[name]
         shape = list(spec["full_shape"])
         if spec["dim"] is None:
-            out[name] = (per_tp[0][0].view(*shape, 3),
+            out[name] = (per_tp[0][0].view(*shape, ncols),
                          [per_tp[t][1].view(shape) for t in range(tp)])
             continue
         local_shape = list(shape)
         local_shape[spec["dim"]] //= spec["tp_size"]
-        vals = torch.cat([per_tp[t][0].view(*local_shape, 3) for t in range(tp)], spec["dim"])
+        vals = torch.cat([per_tp[t][0].view(*local_shape, ncols) for t in range(tp)],
+                         spec["dim"])
         owners = torch.cat([per_tp[t][1].view(local_shape) for t in range(tp)], spec["dim"])
         out[name] = (vals, [owners])
     assert not any(torch.isnan(v).any() for v, _ in out.values())  # every element saved
@@ -193,18 +198,18 @@ def _old_full_tensors(ckpt):
 
 
 def _expected_piece(full, owners, spec, lo, hi, tp_rank):
-    """(values (hi - lo, 3), owner ranks) of new-local [lo, hi) cut from the old full tensors."""
+    """(values (hi - lo, C), owner ranks) of new-local [lo, hi) cut from the old full tensors."""
     import torch
     shape, dim, rank, size = spec
     owner = owners[tp_rank % len(owners)]
     if list(full.shape[:-1]) != shape:  # the padded vocabulary: cut or zero-fill rows
-        fv, fo = torch.zeros(*shape, 3), torch.full(shape, -1)
+        fv, fo = torch.zeros(*shape, full.shape[-1]), torch.full(shape, -1)
         n = min(shape[0], full.shape[0])
         fv[:n], fo[:n] = full[:n], owner[:n]
         full, owner = fv, fo
     if dim is not None:
         full, owner = full.chunk(size, dim)[rank], owner.chunk(size, dim)[rank]
-    return full.reshape(-1, 3)[lo:hi], owner.reshape(-1)[lo:hi]
+    return full.reshape(-1, full.shape[-1])[lo:hi], owner.reshape(-1)[lo:hi]
 
 
 def test_same_layout_load_reads_only_the_rank_s_own_files(io_session):
