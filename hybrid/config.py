@@ -13,7 +13,7 @@ import dataclasses
 import math
 from dataclasses import dataclass, field
 
-from hybrid.config_sections import RecomputeConfig, ZeroConfig
+from hybrid.config_sections import CheckpointConfig, RecomputeConfig, ZeroConfig
 from hybrid.errors import ConfigError
 
 
@@ -130,6 +130,16 @@ class TrainConfig:
     keep_last: int | None = opt(None, "after a save, keep only the newest N checkpoints")
     exit_on_nan_iterations: int = opt(10, "stop with an error after N consecutive skipped "
                                           "steps with non-finite gradients")
+    # --- checkpoint flags (Megatron) ---
+    no_save_optim: bool = opt(False, "save the fp32 model weights only, no optimizer state "
+                                     "(about 1/3 of the bytes); resuming one needs "
+                                     "--no-load-optim or --finetune")
+    no_load_optim: bool = opt(False, "load weights, iteration and data position from --load "
+                                     "but start the optimizer fresh (zero Adam moments)")
+    no_load_rng: bool = opt(False, "keep the RNG seeded from --seed, not the checkpoint's")
+    finetune: bool = opt(False, "load the weights only: iteration 0, data from the start, "
+                                "fresh optimizer, RNG from --seed; --save starts a new "
+                                "series (a restart resumes that series)")
     # evaluation and logging
     eval_interval: int = opt(1000, "validate every N iterations")
     eval_iters: int = opt(10, "iterations per validation")
@@ -205,7 +215,17 @@ class TrainConfig:
         self._validate_recompute()
         self._validate_data()
         self._validate_checkpoint()
+        self._validate_checkpoint_flags()
         return self
+
+    def _validate_checkpoint_flags(self) -> None:
+        """Megatron's --no-save-optim, --no-load-optim, --no-load-rng, --finetune."""
+        if self.no_save_optim and not self.save:
+            raise ConfigError("--no-save-optim needs --save DIR")
+        for name in ("no_load_optim", "no_load_rng", "finetune"):
+            if getattr(self, name) and not self.load:
+                raise ConfigError(f"{_flag(name)} needs --load DIR (the checkpoint to "
+                                  f"start from)")
 
     def _validate_checkpoint(self) -> None:
         if self.save_interval is not None and self.save_interval < 1:
@@ -312,6 +332,14 @@ class TrainConfig:
             loss_scale=self.loss_scale, initial_loss_scale=self.initial_loss_scale,
             min_loss_scale=self.min_loss_scale, loss_scale_window=self.loss_scale_window,
             hysteresis=self.hysteresis)
+
+    @property
+    def checkpoint(self) -> CheckpointConfig:
+        return CheckpointConfig(
+            save=self.save, load=self.load, save_interval=self.save_interval,
+            keep_last=self.keep_last, no_save_optim=self.no_save_optim,
+            no_load_optim=self.no_load_optim, no_load_rng=self.no_load_rng,
+            finetune=self.finetune)
 
     @property
     def recompute(self) -> RecomputeConfig:

@@ -18,7 +18,8 @@ import torch
 
 from hybrid.activation_checkpointing import apply_activation_checkpointing
 from hybrid.activation_meter import SavedActivationMeter
-from hybrid.checkpoint import load_checkpoint, save_checkpoint
+from hybrid.checkpoint import save_checkpoint
+from hybrid.checkpoint.resume import start_from_checkpoint
 from hybrid.config import TrainConfig, padded_vocab_size
 from hybrid.config_sections import RecomputeConfig
 from hybrid.data.dataset import build_datasets, dp_micro_batches
@@ -186,13 +187,11 @@ def pretrain(cfg: TrainConfig, ps: ParallelState) -> list[dict]:
     model, ac, engine = build_engine(cfg, ps, tokenizer.vocab_size, rng)
 
     state = TrainState()
-    if cfg.load:
-        loaded = load_checkpoint(cfg.load, engine, ps, cfg, rng, tokenizer.vocab_size,
-                                 allow_empty=cfg.load == cfg.save)
-        if loaded is not None:
-            state.iteration, state.consumed_samples = loaded
-            log.info("resumed from %s at iteration %d (%d samples consumed)", cfg.load,
-                     state.iteration, state.consumed_samples)
+    ck = cfg.checkpoint
+    # --load with --no-load-optim / --no-load-rng / --finetune (hybrid/checkpoint/resume.py)
+    start = start_from_checkpoint(ck, engine, ps, cfg, rng, tokenizer.vocab_size)
+    if start is not None:
+        state.iteration, state.consumed_samples = start.iteration, start.consumed_samples
     setup_peak = _memory(ps)[1]
     monitor = Monitor(ps.rank, cfg.log_json, cfg.tensorboard_dir, append=state.iteration > 0)
     log.info("layout: %s", ps.describe())
@@ -204,7 +203,9 @@ def pretrain(cfg: TrainConfig, ps: ParallelState) -> list[dict]:
 
     def save():
         path = save_checkpoint(cfg.save, state.iteration, state.consumed_samples, engine, ps,
-                               cfg, rng, cfg.keep_last, tokenizer.vocab_size)
+                               cfg, rng, cfg.keep_last, tokenizer.vocab_size,
+                               optimizer=not ck.no_save_optim,
+                               finetune=start.finetune if start is not None else None)
         log.info("saved checkpoint %s", path)
 
     def run_eval(split):
