@@ -124,8 +124,10 @@ def build_config(flags: Flags, world_size: int) -> TrainConfig:
             tokenizer_type=tokenizer_kind(f.tokenizer_type), vocab_file=f.vocab_file,
             merge_file=f.merge_file, tokenizer_model=f.tokenizer_model,
             tokenizer_file=f.tokenizer_file, vocab_size=f.vocab_size),
-        checkpoint=CheckpointConfig(save=f.save, load=f.load, save_interval=f.save_interval,
-                                    keep_last=f.keep_last),
+        checkpoint=CheckpointConfig(
+            save=f.save, load=f.load, save_interval=f.save_interval, keep_last=f.keep_last,
+            no_save_optim=f.no_save_optim, no_load_optim=f.no_load_optim,
+            no_load_rng=f.no_load_rng, finetune=f.finetune),
         logging=LoggingConfig(log_interval=f.log_interval, log_json=f.log_json,
                               tensorboard_dir=f.tensorboard_dir,
                               log_throughput=f.log_throughput),
@@ -394,3 +396,9 @@ def _check_data(f: Flags) -> None:
 def _check_checkpoint(f: Flags) -> None:
     if f.save_interval is not None and not f.save:
         raise ConfigError("--save-interval needs --save DIR")
+    if f.no_save_optim and not f.save:
+        raise ConfigError("--no-save-optim needs --save DIR")
+    for name in ("no_load_optim", "no_load_rng", "finetune"):
+        if getattr(f, name) and not f.load:
+            raise ConfigError(f"{flag_name(name)} needs --load DIR (the checkpoint to "
+                              f"start from)")

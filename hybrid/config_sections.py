@@ -164,12 +164,23 @@ class DataConfig:
 
 @dataclass(frozen=True)
 class CheckpointConfig:
-    """Where checkpoints go, when, and how many stay."""
+    """What saving and resuming need (:mod:`hybrid.checkpoint.resume`, the training loop).
+
+    ``save`` / ``load``: directories (None: off). ``no_save_optim``: save the fp32
+    master weights only. ``no_load_optim``: load the weights, iteration and data
+    position, with a fresh optimizer. ``no_load_rng``: keep the RNG seeded from
+    ``--seed``. ``finetune``: load the weights only and start at iteration 0 (a
+    new series of checkpoints in ``save``). Megatron's flags of the same names.
+    """
 
     save: str | None = None
     load: str | None = None
     save_interval: int | None = None
     keep_last: int | None = None
+    no_save_optim: bool = False
+    no_load_optim: bool = False
+    no_load_rng: bool = False
+    finetune: bool = False
 
 
 @dataclass(frozen=True)

@@ -151,6 +151,15 @@ class Flags:
     load: str | None = opt(None, "resume from the newest checkpoint in this directory")
     save_interval: int | None = opt(None, "save every N iterations (and at the end)")
     keep_last: int | None = opt(None, "after a save, keep only the newest N checkpoints")
+    no_save_optim: bool = opt(False, "save the fp32 model weights only, no optimizer state "
+                                     "(about 1/3 of the bytes); resuming one needs "
+                                     "--no-load-optim or --finetune")
+    no_load_optim: bool = opt(False, "load weights, iteration and data position from --load "
+                                     "but start the optimizer fresh (zero Adam moments)")
+    no_load_rng: bool = opt(False, "keep the RNG seeded from --seed, not the checkpoint's")
+    finetune: bool = opt(False, "load the weights only: iteration 0, data from the start, "
+                                "fresh optimizer, RNG from --seed; --save starts a new "
+                                "series (a restart resumes that series)")
     exit_on_nan_iterations: int = opt(10, "stop with an error after N consecutive skipped "
                                           "steps with non-finite gradients")
     # evaluation and logging

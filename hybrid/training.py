@@ -18,7 +18,8 @@ import torch
 
 from hybrid.activation_checkpointing import apply_activation_checkpointing
 from hybrid.activation_meter import SavedActivationMeter
-from hybrid.checkpoint import load_checkpoint, save_checkpoint
+from hybrid.checkpoint import save_checkpoint
+from hybrid.checkpoint.resume import start_from_checkpoint
 from hybrid.config import TrainConfig
 from hybrid.config_sections import RecomputeConfig, ScheduleConfig
 from hybrid.data.dataset import build_datasets, dp_micro_batches
@@ -193,13 +194,10 @@ def pretrain(cfg: TrainConfig, ps: ParallelState) -> list[dict]:
     model, ac, engine = build_engine(cfg, ps, tokenizer.vocab_size, rng)
 
     state = TrainState()
-    if ck.load:
-        loaded = load_checkpoint(ck.load, engine, ps, cfg, rng, tokenizer.vocab_size,
-                                 allow_empty=ck.load == ck.save)
-        if loaded is not None:
-            state.iteration, state.consumed_samples = loaded
-            log.info("resumed from %s at iteration %d (%d samples consumed)", ck.load,
-                     state.iteration, state.consumed_samples)
+    # --load with --no-load-optim / --no-load-rng / --finetune (hybrid/checkpoint/resume.py)
+    start = start_from_checkpoint(ck, engine, ps, cfg, rng, tokenizer.vocab_size)
+    if start is not None:
+        state.iteration, state.consumed_samples = start.iteration, start.consumed_samples
     setup_peak = _memory(ps)[1]
     monitor = Monitor(ps.rank, lg.log_json, lg.tensorboard_dir, append=state.iteration > 0,
                       log_throughput=lg.log_throughput)
@@ -215,7 +213,9 @@ def pretrain(cfg: TrainConfig, ps: ParallelState) -> list[dict]:
 
     def save():
         path = save_checkpoint(ck.save, state.iteration, state.consumed_samples, engine, ps,
-                               cfg, rng, ck.keep_last, tokenizer.vocab_size)
+                               cfg, rng, ck.keep_last, tokenizer.vocab_size,
+                               optimizer=not ck.no_save_optim,
+                               finetune=start.finetune if start is not None else None)
         log.info("saved checkpoint %s", path)
 
     def run_eval(split):

@@ -16,6 +16,8 @@ For each world size W, one session of W processes:
 * reshard: into TP 1 x DP W at ZeRO-1 (TP and DP and stage change). Reported:
   files opened, bytes read, ``needed`` (12 bytes per fp32 [master, exp_avg,
   exp_avg_sq] element the rank now owns) and seconds.
+* finetune: the same reshard loading the weights only (``--finetune``: no
+  optimizer state, no RNG): ``needed`` is 4 bytes per element, the master.
 
 Seconds are wall time between barriers, with the files in the page cache (they
 were just written); on this shared 2-core machine they are noisy. Prints one
@@ -68,14 +70,14 @@ def _timed(ps, fn):
     return seconds, out
 
 
-def _load(ps, save, model_args, stage):
+def _load(ps, save, model_args, stage, **load_kw):
     from hybrid.checkpoint import RangeReader, load_checkpoint
     from hybrid.checkpoint.reader import process_rchar
     cfg, rng, _, engine = _engine(ps, model_args, stage, seed=7)
     reader = RangeReader()
     before = process_rchar()
     seconds, _ = _timed(ps, lambda: load_checkpoint(save, engine, ps, cfg, rng, VOCAB,
-                                                    reader=reader))
+                                                    reader=reader, **load_kw))
     rchar = process_rchar() - before
     files = sorted({os.path.basename(p) for p in reader.files_opened})
     return engine, {"files_opened": len(reader.files_opened), "files": files,
@@ -119,6 +121,10 @@ def _session(ps, root, model_args):
     loaded, re = _load(tp1, save, model_args, 1)
     re["needed"] = 12 * sum(n for u in loaded.units for *_, n in u.segments(u.own_lo, u.own_hi))
     out["reshard"] = re
+    del loaded
+    loaded, ft = _load(tp1, save, model_args, 1, load_optim=False, load_rng=False)
+    ft["needed"] = re["needed"] // 3
+    out["finetune"] = ft
     return out
 
 
@@ -139,14 +145,15 @@ def main(argv=None) -> int:
                               timeout=600)
         run = {"world": world, "saved_as": f"TP2 x DP{world // 2} ZeRO-3",
                "resharded_to": f"TP1 x DP{world} ZeRO-1"}
-        for phase in ("save", "load_same_layout", "reshard"):
+        for phase in ("save", "load_same_layout", "reshard", "finetune"):
             run[phase] = _summary([r[phase] for r in ranks])
         run["load_same_layout"]["max_ratio"] = max(r["load_same_layout"]["ratio"]
                                                    for r in ranks)
         run["load_same_layout"]["all_exact"] = all(r["load_same_layout"]["exact"]
                                                    for r in ranks)
-        run["reshard"]["max_read_over_needed"] = round(max(
-            r["reshard"]["bytes_read"] / r["reshard"]["needed"] for r in ranks), 4)
+        for phase in ("reshard", "finetune"):
+            run[phase]["max_read_over_needed"] = round(max(
+                r[phase]["bytes_read"] / r[phase]["needed"] for r in ranks), 4)
         if a.ranks:
             run["per_rank"] = ranks
         report["runs"].append(run)

@@ -40,8 +40,9 @@ def _io_state(engine, model):
     return {"pieces": pieces, "values": values, "specs": specs, "tp_rank": engine.ps.tp_rank}
 
 
-def _io_train_and_save(ps, save, stage):
-    """Two steps (non-zero moments), then a save at iteration 2."""
+def _io_train_and_save(ps, save, stage, weights_to=None):
+    """Two steps (non-zero moments), then a save at iteration 2 (and a weights-only
+    one, --no-save-optim, in ``weights_to``)."""
     import torch
     from hybrid.checkpoint import save_checkpoint
     cfg, rng, model, engine = _io_engine(ps, stage, seed=3)
@@ -52,14 +53,19 @@ def _io_train_and_save(ps, save, stage):
         engine.backward(model(tokens[:, :-1], tokens[:, 1:]))
         engine.step(1e-2)
     save_checkpoint(save, 2, 16, engine, ps, cfg, rng, vocab_size=IO_VOCAB)
+    if weights_to:
+        save_checkpoint(weights_to, 2, 16, engine, ps, cfg, rng, vocab_size=IO_VOCAB,
+                        optimizer=False)
     return _io_state(engine, model)
 
 
-def _io_load(ps, save, stage, save_to=None):
+def _io_load(ps, save, stage, save_to=None, **load_kw):
     """Load into a fresh engine (another seed) counting every open under ``save``
     (an independent check of the reader's list), the reader's counters and
     /proc/self/io rchar. Returns them with the loaded state, or {"error": message}.
-    ``save_to``: then save the loaded engine there (a checkpoint in this layout)."""
+    ``save_to``: then save the loaded engine there (a checkpoint in this layout).
+    ``load_kw``: load_checkpoint's load_optim / load_rng. ``rng_kept``: the CPU and
+    tracker RNG states are the fresh engine's own after the load."""
     import builtins
     from hybrid.checkpoint import RangeReader, load_checkpoint, save_checkpoint
     from hybrid.checkpoint.reader import process_rchar
@@ -82,11 +88,13 @@ def _io_load(ps, save, stage, save_to=None):
         record(path)
         return real_os_open(path, *a, **k)
 
+    import torch
+    rng_before = (torch.get_rng_state(), rng.get_states())
     reader = RangeReader()
     builtins.open, os.open = open_, os_open
     before = process_rchar()
     try:
-        load_checkpoint(save, engine, ps, cfg, rng, IO_VOCAB, reader=reader)
+        load_checkpoint(save, engine, ps, cfg, rng, IO_VOCAB, reader=reader, **load_kw)
     except CheckpointError as e:
         return {"error": str(e)}
     finally:
@@ -94,9 +102,14 @@ def _io_load(ps, save, stage, save_to=None):
         builtins.open, os.open = real_open, real_os_open
     if save_to:
         save_checkpoint(save_to, 2, 16, engine, ps, cfg, rng, vocab_size=IO_VOCAB)
+    states = rng.get_states()
+    rng_kept = (torch.equal(torch.get_rng_state(), rng_before[0])
+                and states.keys() == rng_before[1].keys()
+                and all(torch.equal(states[k], rng_before[1][k]) for k in states))
     return {"opened": opened, "reader_files": [os.path.relpath(p, save)
                                                for p in reader.files_opened],
-            "bytes": reader.bytes_read, "rchar": after - before, **_io_state(engine, model)}
+            "bytes": reader.bytes_read, "rchar": after - before, "rng_kept": rng_kept,
+            "step": engine.optimizer.step_count, **_io_state(engine, model)}
 
 
 def _barrier(ps):
@@ -109,17 +122,26 @@ def _io_session(ps, root):
     layout, then at ZeRO-1 (same world layout, other units), TP1 x DP4 ZeRO-1 (saved
     again as ``b``), TP4 x DP1 ZeRO-0 and, on rank 0 alone, one process (the
     reference); ``b`` loaded at TP2 x DP2 ZeRO-3 must give back ``a``'s state.
+    Weights only (``aw``, saved with ``a`` by --no-save-optim; loads with
+    load_optim=False, as --no-load-optim and --finetune do): ``a`` in the same layout
+    without the RNG (--finetune) and at TP1 x DP4; ``aw`` in the same layout and at
+    TP4 x DP1, and as an exact resume (refused).
     Then bad files: a truncated data file, a missing one."""
     import shutil
 
     from hybrid.parallel_state import ParallelState
-    a, b = os.path.join(root, "a"), os.path.join(root, "b")
-    out = {"saved": _io_train_and_save(ps, a, 3), "same": _io_load(ps, a, 3),
-           "stage1": _io_load(ps, a, 1)}
+    a, b, aw = (os.path.join(root, n) for n in ("a", "b", "aw"))
+    out = {"saved": _io_train_and_save(ps, a, 3, weights_to=aw), "same": _io_load(ps, a, 3),
+           "stage1": _io_load(ps, a, 1),
+           "weights": _io_load(ps, a, 3, load_optim=False, load_rng=False),
+           "wonly_same": _io_load(ps, aw, 3, load_optim=False),
+           "wonly_exact": _io_load(ps, aw, 3).get("error")}
     tp1 = ParallelState.build(1, timeout=ps.timeout, device=ps.device)
     out["tp1dp4"] = _io_load(tp1, a, 1, save_to=b)
+    out["weights_tp1dp4"] = _io_load(tp1, a, 1, load_optim=False)
     tp4 = ParallelState.build(4, timeout=ps.timeout, device=ps.device)
     out["tp4dp1"] = _io_load(tp4, a, 0)
+    out["wonly_tp4dp1"] = _io_load(tp4, aw, 0, load_optim=False)
     out["back"] = _io_load(ps, b, 3)
     if ps.rank == 0:
         out["single"] = _io_load(ParallelState.single(), a, 0)
@@ -149,8 +171,9 @@ def _own_file_bytes(ckpt, rank):
 
 def _old_full_tensors(ckpt):
     """Straight from the files, independently of hybrid.checkpoint's readers:
-    {name: (full (*shape, 3) fp32 values, [full map of the rank whose file holds each
-    element, per TP replica of a replicated parameter])}."""
+    {name: (full (*shape, C) fp32 values -- C the saved columns, 3 or (weights only) 1 --,
+    [full map of the rank whose file holds each element, per TP replica of a replicated
+    parameter])}."""
     import glob
     import json
 
@@ -159,11 +182,14 @@ def _old_full_tensors(ckpt):
     with open(os.path.join(ckpt, "metadata.json")) as f:
         meta = json.load(f)
     tp = meta["tensor_model_parallel_size"]
-    local = {}  # name -> tp rank -> (values (n, 3), owners (n,))
+    ncols = len(meta["zero_layout"]["columns"])
+    local = {}  # name -> tp rank -> (values (n, C), owners (n,))
     specs = {}
     for head in sorted(glob.glob(os.path.join(ckpt, "rank_*.pt"))):
         h = torch.load(head, weights_only=True)
-        data = torch.from_numpy(np.fromfile(head[:-3] + ".bin", dtype=np.float32)).view(-1, 3)
+        # one block per column: (columns, rows) -> rows of columns
+        data = torch.from_numpy(np.fromfile(head[:-3] + ".bin", dtype=np.float32))
+        data = data.view(ncols, h["data_rows"]).t()
         for name, ranges in h["pieces"].items():
             spec = h["specs"][name]
             specs[name] = spec
@@ -171,7 +197,7 @@ def _old_full_tensors(ckpt):
             for i, s in enumerate(spec["full_shape"]):
                 n *= s // spec["tp_size"] if i == spec["dim"] else s
             v, o = local.setdefault(name, {}).setdefault(
-                h["tp_rank"], (torch.full((n, 3), float("nan")), torch.full((n,), -1)))
+                h["tp_rank"], (torch.full((n, ncols), float("nan")), torch.full((n,), -1)))
             for lo, hi, row in ranges:
                 v[lo:hi] = data[row: row + hi - lo]
                 o[lo:hi] = h["rank"]
@@ -180,12 +206,13 @@ def _old_full_tensors(ckpt):
         spec = specs[name]
         shape = list(spec["full_shape"])
         if spec["dim"] is None:
-            out[name] = (per_tp[0][0].view(*shape, 3),
+            out[name] = (per_tp[0][0].view(*shape, ncols),
                          [per_tp[t][1].view(shape) for t in range(tp)])
             continue
         local_shape = list(shape)
         local_shape[spec["dim"]] //= spec["tp_size"]
-        vals = torch.cat([per_tp[t][0].view(*local_shape, 3) for t in range(tp)], spec["dim"])
+        vals = torch.cat([per_tp[t][0].view(*local_shape, ncols) for t in range(tp)],
+                         spec["dim"])
         owners = torch.cat([per_tp[t][1].view(local_shape) for t in range(tp)], spec["dim"])
         out[name] = (vals, [owners])
     assert not any(torch.isnan(v).any() for v, _ in out.values())  # every element saved
@@ -193,18 +220,18 @@ def _old_full_tensors(ckpt):
 
 
 def _expected_piece(full, owners, spec, lo, hi, tp_rank):
-    """(values (hi - lo, 3), owner ranks) of new-local [lo, hi) cut from the old full tensors."""
+    """(values (hi - lo, C), owner ranks) of new-local [lo, hi) cut from the old full tensors."""
     import torch
     shape, dim, rank, size = spec
     owner = owners[tp_rank % len(owners)]
     if list(full.shape[:-1]) != shape:  # the padded vocabulary: cut or zero-fill rows
-        fv, fo = torch.zeros(*shape, 3), torch.full(shape, -1)
+        fv, fo = torch.zeros(*shape, full.shape[-1]), torch.full(shape, -1)
         n = min(shape[0], full.shape[0])
         fv[:n], fo[:n] = full[:n], owner[:n]
         full, owner = fv, fo
     if dim is not None:
         full, owner = full.chunk(size, dim)[rank], owner.chunk(size, dim)[rank]
-    return full.reshape(-1, 3)[lo:hi], owner.reshape(-1)[lo:hi]
+    return full.reshape(-1, full.shape[-1])[lo:hi], owner.reshape(-1)[lo:hi]
 
 
 def test_same_layout_load_reads_only_the_rank_s_own_files(io_session):
@@ -230,25 +257,35 @@ def test_same_layout_load_reads_only_the_rank_s_own_files(io_session):
         assert torch.equal(got["values"], s["values"])
 
 
-def _check_reshard(ckpt, got, r, header):
+def _check_reshard(ckpt, got, r, header, master_only=False):
     """``got`` equals the old full tensors' cut exactly, and rank ``r`` opened only the
-    data files holding its elements (plus its own header when ``header``)."""
+    data files holding its elements (plus its own header when ``header``).
+    ``master_only`` (a weights-only load): the master equals the cut, both moments
+    and the step count are zero, and only master bytes count as needed."""
     import torch
     _, old = _old_full_tensors(ckpt)
     assert "error" not in got, got
     owners, needed, off = set(), 0, 0
     for name, lo, hi in got["pieces"]:
         v, o = _expected_piece(*old[name], got["specs"][name], lo, hi, got["tp_rank"])
-        assert torch.equal(got["values"][off: off + hi - lo], v), (r, name, lo, hi)
+        mine = got["values"][off: off + hi - lo]
+        if master_only:
+            assert torch.equal(mine[:, :1], v[:, :1]), (r, name, lo, hi)
+            assert not mine[:, 1:].any(), (r, name)
+        else:
+            assert torch.equal(mine, v), (r, name, lo, hi)
         owners |= set(o.tolist()) - {-1}
         off += hi - lo
         needed += hi - lo
+    if master_only:
+        assert got["step"] == 0
     files = {f"iter_0000002/rank_{k:05d}.bin" for k in owners}
     files |= {f"iter_0000002/rank_{r:05d}.pt"} if header else set()
     assert sorted(got["opened"]) == sorted(["latest", "iter_0000002/metadata.json", *files])
     head = os.path.getsize(os.path.join(ckpt, f"rank_{r:05d}.pt")) if header else 0
     extra = got["bytes"] - head - os.path.getsize(os.path.join(ckpt, "metadata.json"))
-    assert extra <= 2 * 12 * needed, (r, extra, needed)  # narrow rectangles: <= 2x
+    per_element = 4 if master_only else 12  # fp32 master, or master and both moments
+    assert extra <= 2 * per_element * needed, (r, extra, needed)  # narrow rectangles: <= 2x
 
 
 @pytest.mark.parametrize("case", ["stage1", "tp1dp4", "tp4dp1", "single"])
@@ -262,6 +299,98 @@ def test_reshard_is_exact_and_reads_only_the_overlapping_ranges(io_session, case
     for r, out in enumerate(results):
         if case in out:
             _check_reshard(ckpt, out[case], r, header=case == "stage1")
+
+
+def _rows(ckpt, rank):
+    import torch
+    return torch.load(os.path.join(ckpt, f"rank_{rank:05d}.pt"), weights_only=True)["data_rows"]
+
+
+def test_no_save_optim_writes_the_master_column_only(io_session):
+    """--no-save-optim: every data file is exactly 1/3 of the full one (4 of 12 bytes
+    per element), the whole checkpoint smaller by just the moments, the columns are
+    named, no step or loss scale is recorded, and the master values are the full
+    checkpoint's."""
+    import json
+
+    import torch
+    root, results = io_session
+    full, weights = (os.path.join(root, n, "iter_0000002") for n in ("a", "aw"))
+    for r in range(len(results)):
+        data = [os.path.getsize(os.path.join(c, f"rank_{r:05d}.bin")) for c in (full, weights)]
+        assert data[1] * 3 == data[0] == 12 * _rows(full, r) > 0
+    # The rest (headers: RNG states, piece tables; metadata) is the same but for the
+    # step and loss scale; at this toy size it is a good part of the whole (the
+    # whole-checkpoint ratio at a larger size: tests/test_checkpoint.py).
+    total = [sum(os.path.getsize(os.path.join(c, f)) for f in os.listdir(c))
+             for c in (full, weights)]
+    moments = sum(8 * _rows(full, r) for r in range(len(results)))
+    assert abs(total[0] - total[1] - moments) < 1024, (total, moments)
+    with open(os.path.join(weights, "metadata.json")) as f:
+        meta = json.load(f)
+    assert meta["zero_layout"]["columns"] == ["master"]
+    assert meta["step"] is None and meta["loss_scaler"] is None
+    _, old_full = _old_full_tensors(full)
+    _, old_weights = _old_full_tensors(weights)
+    for name, (values, _) in old_full.items():
+        assert torch.equal(old_weights[name][0], values[..., :1]), name
+
+
+def test_weights_only_load_reads_only_the_master_bytes(io_session):
+    """load_optim=False, load_rng=False (--finetune) from a full checkpoint, same layout:
+    each rank opens latest, the metadata and its own data file -- not its header -- and
+    reads exactly the metadata plus its master block (a third of its data file); it
+    gets the saved master, zero moments and step, and keeps its own RNG. With the RNG
+    (--no-load-optim) from a weights-only checkpoint it reads its header as well."""
+    import torch
+    root, results = io_session
+    ckpt, wckpt = (os.path.join(root, n, "iter_0000002") for n in ("a", "aw"))
+    for r, out in enumerate(results):
+        s, got = out["saved"], out["weights"]
+        assert "error" not in got, got
+        own_bin = f"iter_0000002/rank_{r:05d}.bin"
+        assert sorted(got["opened"]) == sorted(["latest", "iter_0000002/metadata.json",
+                                                own_bin])
+        meta_bytes = os.path.getsize(os.path.join(ckpt, "metadata.json"))
+        assert got["bytes"] == meta_bytes + 4 * _rows(ckpt, r)
+        assert got["bytes"] <= got["rchar"] <= got["bytes"] + 64 * 1024
+        assert got["pieces"] == s["pieces"]
+        assert torch.equal(got["values"][:, 0], s["values"][:, 0])
+        assert s["values"][:, 1:].abs().sum() > 0 and not got["values"][:, 1:].any()
+        assert got["step"] == 0 and out["same"]["step"] == 2
+        assert got["rng_kept"] and not out["same"]["rng_kept"]
+        w = out["wonly_same"]
+        assert "error" not in w, w
+        head = f"iter_0000002/rank_{r:05d}.pt"
+        assert sorted(w["opened"]) == sorted(["latest", "iter_0000002/metadata.json",
+                                              head, own_bin])
+        assert w["bytes"] == sum(os.path.getsize(os.path.join(wckpt, f)) for f in
+                                 ("metadata.json", f"rank_{r:05d}.pt", f"rank_{r:05d}.bin"))
+        assert torch.equal(w["values"][:, 0], s["values"][:, 0]) and not w["values"][:, 1:].any()
+        assert not w["rng_kept"] and w["step"] == 0
+
+
+@pytest.mark.parametrize("case,ckpt", [("weights_tp1dp4", "a"), ("wonly_tp4dp1", "aw")])
+def test_weights_only_reshard_reads_only_the_overlapping_master_ranges(io_session, case, ckpt):
+    """load_optim=False into TP1 x DP4 ZeRO-1 from the full checkpoint, and into TP4 x
+    DP1 ZeRO-0 from the weights-only one: the master is the old full tensor's cut to
+    the bit, the moments zero, and each rank read at most 2x the master bytes it
+    needs, from only the data files holding its elements."""
+    root, results = io_session
+    for r, out in enumerate(results):
+        _check_reshard(os.path.join(root, ckpt, "iter_0000002"), out[case], r, header=False,
+                       master_only=True)
+
+
+def test_exact_load_of_a_weights_only_checkpoint_names_the_flags(io_session):
+    """Resuming a --no-save-optim checkpoint with its optimizer: the same error on every
+    rank, naming the checkpoint and the flags that load it, nothing zeroed silently."""
+    _, results = io_session
+    for out in results:
+        e = out["wonly_exact"]
+        assert e == results[0]["wonly_exact"]
+        assert "aw/iter_0000002: saved with --no-save-optim" in e, e
+        assert "--no-load-optim" in e and "--finetune" in e, e
 
 
 def test_reshard_there_and_back_is_bit_identical(io_session):
@@ -287,6 +416,22 @@ def test_merged_state_equals_the_raw_files(io_session):
             assert torch.equal(merged[name][key], full[..., k]), (name, key)
 
 
+def test_merged_state_of_a_weights_only_checkpoint_is_its_master(io_session):
+    """The tools' path on --no-save-optim: the master only; asking for a moment is a
+    CheckpointError naming the flag."""
+    import torch
+    from hybrid.checkpoint import iter_full_params, merged_state
+    from hybrid.errors import CheckpointError
+    root = io_session[0]
+    _, full = merged_state(os.path.join(root, "a", "iter_0000002"))
+    _, weights = merged_state(os.path.join(root, "aw", "iter_0000002"))
+    assert set(weights) == set(full)
+    for name, s in weights.items():
+        assert list(s) == ["master"] and torch.equal(s["master"], full[name]["master"])
+    with pytest.raises(CheckpointError, match="saved with --no-save-optim"):
+        iter_full_params(os.path.join(root, "aw", "iter_0000002"), ("master", "exp_avg"))
+
+
 def test_bad_data_files_fail_every_rank_naming_the_file(io_session):
     """A truncated data file (read by rank 1 only) and a missing one (read by the TP4
     ranks that need it): every rank raises the same error, which names the file."""
@@ -296,10 +441,12 @@ def test_bad_data_files_fail_every_rank_naming_the_file(io_session):
         assert "rank_00002.bin: missing checkpoint shard" in out["missing"], out["missing"]
 
 
-def test_a_version_1_checkpoint_is_named_as_an_older_format(tmp_path):
+@pytest.mark.parametrize("version", [1, 2])
+def test_an_older_checkpoint_version_is_named_as_an_older_format(tmp_path, version):
     import json
     from hybrid.checkpoint import read_metadata
     from hybrid.errors import CheckpointError
-    (tmp_path / "metadata.json").write_text(json.dumps({"version": 1, "complete": True}))
-    with pytest.raises(CheckpointError, match="metadata.json: an older checkpoint format"):
+    (tmp_path / "metadata.json").write_text(json.dumps({"version": version, "complete": True}))
+    with pytest.raises(CheckpointError, match=f"metadata.json: an older checkpoint format "
+                                              f"\\(version {version}"):
         read_metadata(str(tmp_path))

@@ -1,5 +1,5 @@
-"""Megatron's recompute and sequence-parallel flags resolve into one plan, or one error
-naming the flag to change."""
+"""Megatron's recompute, sequence-parallel and checkpoint flags resolve into one plan, or
+one error naming the flag to change."""
 
 import pytest
 
@@ -150,3 +150,22 @@ def test_flags_are_not_modified_and_defaults_are_filled_in_the_copy():
     assert cfg.to_dict()["lr_decay_iters"] == 200 and "ignored_megatron_flags" not in cfg.to_dict()
     with pytest.raises(Exception):
         cfg.model.num_layers = 3  # frozen
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--no-save-optim"], "--no-save-optim needs --save DIR"),
+    (["--no-load-optim"], "--no-load-optim needs --load DIR"),
+    (["--no-load-rng", "--save", "s"], "--no-load-rng needs --load DIR"),
+    (["--finetune", "--save", "s"], "--finetune needs --load DIR"),
+])
+def test_checkpoint_flags_without_their_directory_name_the_flag(flags, message):
+    with pytest.raises(ConfigError, match=message):
+        _cfg(*flags)
+
+
+def test_checkpoint_flags_reach_the_checkpoint_section():
+    ck = _cfg("--load", "a", "--save", "b", "--save-interval", "5", "--keep-last", "2",
+              "--no-save-optim", "--no-load-optim", "--no-load-rng", "--finetune").checkpoint
+    assert (ck.load, ck.save, ck.save_interval, ck.keep_last) == ("a", "b", 5, 2)
+    assert ck.no_save_optim and ck.no_load_optim and ck.no_load_rng and ck.finetune
+    assert _cfg().checkpoint == type(ck)()  # all off by default

@@ -10,7 +10,10 @@ from hybrid.checkpoint.reader import RangeReader
 from hybrid.errors import CheckpointError
 
 # 2: metadata with the ZeRO unit layout, per rank a header (.pt) and a raw data file (.bin)
-VERSION = 2
+#    of interleaved [master, exp_avg, exp_avg_sq] rows
+# 3: the same, the data file column by column, the columns named (weights-only saves)
+VERSION = 3
+_OLDER = {1: "one torch file per rank", 2: "interleaved rows: no weights-only loads"}
 LATEST = "latest"
 
 
@@ -68,10 +71,11 @@ def read_metadata(ckpt: str, reader: RangeReader | None = None) -> dict:
         meta = json.loads((reader or RangeReader()).read_whole(path))
     except (OSError, ValueError) as e:
         raise CheckpointError(f"{path}: missing or corrupt checkpoint metadata ({e})") from e
-    if meta.get("version") == 1:
-        raise CheckpointError(f"{path}: an older checkpoint format (version 1, one torch file "
-                              f"per rank); this hybrid reads version {VERSION} only: resume "
-                              f"it with the hybrid that wrote it")
+    old = meta.get("version")
+    if old in _OLDER:
+        raise CheckpointError(f"{path}: an older checkpoint format (version {old}, "
+                              f"{_OLDER[old]}); this hybrid reads version {VERSION} only: "
+                              f"resume it with the hybrid that wrote it")
     if meta.get("version") != VERSION or not meta.get("complete"):
         raise CheckpointError(f"{path}: not a complete hybrid checkpoint (version "
                               f"{meta.get('version')}, expected {VERSION})")

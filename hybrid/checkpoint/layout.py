@@ -7,18 +7,22 @@ That is O(parameters), whatever the world size. ``SavedLayout`` (load side)
 turns a (parameter, old TP rank, old TP-local range) into positional reads of
 the old data files, from the metadata alone: no other rank's header is read.
 
-[Note: a data file is its rank's owned unit ranges]
+[Note: a data file is its rank's owned unit ranges, column by column]
 Unit ``u`` has ``numel`` elements padded to ``N * S`` (``N`` = DP size, ``S`` =
 ``ceil(numel / N)``); DP rank ``d`` owns unit coordinates ``[d*S, (d+1)*S)`` (at
-stage 0, DP rank 0 saves ``[0, padded)`` and the others nothing). A rank's data
-file holds, unit after unit, its owned coordinates below ``numel`` (padding is
-not stored) as rows ``[master, exp_avg, exp_avg_sq]`` of fp32. So unit
-coordinate ``x`` of unit ``u`` is row ``base(u, d) + x - d*S`` of rank ``(t, d)``'s
-file, where ``base(u, d)`` sums what ``d`` owns of the units before ``u``. The
-unit structure is the same on every rank (same names, same TP-local numels;
-the save checks it), so this holds for every TP rank ``t``. ``base`` is built
-per DP rank on first use, only for the few ``d`` a loader touches: nothing
-loops over the world.
+stage 0, DP rank 0 saves ``[0, padded)`` and the others nothing). A rank's
+*rows* are, unit after unit, its owned coordinates below ``numel`` (padding is
+not stored). Its data file holds one fp32 block of all its rows per saved
+column (``zero_layout["columns"]``: ``master, exp_avg, exp_avg_sq``, or only
+``master`` for a ``--no-save-optim`` checkpoint), blocks in that order. So unit
+coordinate ``x`` of unit ``u``, column ``c``, is element ``c * R(d) + base(u, d)
++ x - d*S`` of rank ``(t, d)``'s file, where ``base(u, d)`` sums what ``d`` owns of
+the units before ``u`` and ``R(d)`` is all it owns. Column blocks make any row
+range of one column one contiguous read: a weights-only load reads the master
+bytes it needs and nothing of the moments. The unit structure is the same on
+every rank (same names, same TP-local numels; the save checks it), so this
+holds for every TP rank ``t``. ``base`` is built per DP rank on first use, only
+for the few ``d`` a loader touches: nothing loops over the world.
 """
 
 from __future__ import annotations
@@ -28,7 +32,9 @@ import os
 from hybrid.checkpoint.files import rank_paths
 from hybrid.errors import CheckpointError
 
-ROW_BYTES = 12  # one element's [master, exp_avg, exp_avg_sq], fp32
+# What a checkpoint can hold per element, in file order; ``--no-save-optim`` keeps the first.
+COLUMNS = ("master", "exp_avg", "exp_avg_sq")
+ELEMENT_BYTES = 4  # fp32
 
 
 def describe(engine, ps) -> dict:
@@ -59,7 +65,7 @@ def describe(engine, ps) -> dict:
 def single_file_layout(shapes: dict[str, list[int]]) -> dict:
     """The layout of a one-rank checkpoint of replicated full tensors (the HF import)."""
     numel = {n: _prod(s) for n, s in shapes.items()}
-    return {"tp_size": 1, "dp_size": 1, "owns_all": True,
+    return {"tp_size": 1, "dp_size": 1, "owns_all": True, "columns": list(COLUMNS),
             "split_dims": {n: None for n in shapes},
             "units": [[[n, numel[n]] for n in shapes]]}
 
@@ -91,6 +97,12 @@ class SavedLayout:
         if not isinstance(z, dict):
             raise CheckpointError(f"{where}: has no zero_layout; not a checkpoint of this format")
         self.tp, self.dp, self.owns_all = z["tp_size"], z["dp_size"], bool(z["owns_all"])
+        cols = z.get("columns")
+        if (not isinstance(cols, list) or not cols or cols[0] != "master"
+                or cols != list(COLUMNS[:len(cols)])):
+            raise CheckpointError(f"{where}: zero_layout names the columns {cols!r}; expected "
+                                  f"{list(COLUMNS)} or ['master']")
+        self.columns: tuple[str, ...] = tuple(cols)
         self.split_dims: dict[str, int | None] = z["split_dims"]
         self.full_shapes: dict[str, list[int]] = meta["model"]
         self.unit_numel: list[int] = []
@@ -133,16 +145,26 @@ class SavedLayout:
             self._base[d] = out + [rows]
         return self._base[d]
 
+    @property
+    def weights_only(self) -> bool:
+        """Saved with ``--no-save-optim``: the master column and no optimizer state."""
+        return self.columns == ("master",)
+
+    def rows(self, d: int) -> int:
+        """Elements per column in the data file of every rank with DP rank ``d``."""
+        return self._bases(d)[-1]
+
     def data_bytes(self, d: int) -> int:
         """Size the data file of every rank with DP rank ``d`` must have."""
-        return self._bases(d)[-1] * ROW_BYTES
+        return self.rows(d) * ELEMENT_BYTES * len(self.columns)
 
     def data_path(self, t: int, d: int) -> str:
         return rank_paths(self.ckpt, rank_of(t, d, self.tp))[1]
 
     def reads(self, name: str, t: int, a: int, b: int):
-        """``(path, file bytes, first row, rows)`` covering elements ``[a, b)`` of TP rank
-        ``t``'s local ``name`` flattened, in order; one per DP shard it crosses."""
+        """``(path, file bytes, byte offset in column 0, bytes between columns, elements)``
+        covering elements ``[a, b)`` of TP rank ``t``'s local ``name`` flattened, in order;
+        one per DP shard it crosses. Column ``c`` of them starts at ``offset + c * stride``."""
         ui, off, n = self._where[name]
         if not 0 <= a <= b <= n:
             raise CheckpointError(f"{self.ckpt}: range [{a}, {b}) is outside {name!r} "
@@ -153,5 +175,6 @@ class SavedLayout:
             d = 0 if self.owns_all else x // s
             end = y if self.owns_all else min(y, (d + 1) * s)
             row = self._bases(d)[ui] + x - self._owned(ui, d)[0]
-            yield self.data_path(t, d), self.data_bytes(d), row, end - x
+            yield (self.data_path(t, d), self.data_bytes(d), row * ELEMENT_BYTES,
+                   self.rows(d) * ELEMENT_BYTES, end - x)
             x = end

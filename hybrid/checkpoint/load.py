@@ -1,8 +1,10 @@
 """Load a checkpoint into a running engine, in the same layout or any other.
 
 What a rank opens: ``latest``, ``metadata.json``, in the same world layout its
-own header (for the RNG states), and the data files holding its pieces -- in
-the same ZeRO layout only its own. Nothing here loops over the old world.
+own header (for the RNG states, so not when they are not loaded), and the data
+files holding its pieces -- in the same ZeRO layout only its own. Of those it
+reads only the column blocks it loads: the master values alone when the
+optimizer is not loaded. Nothing here loops over the old world.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import os
 import torch
 
 from hybrid.checkpoint.files import find_checkpoint, rank_paths, read_metadata
-from hybrid.checkpoint.layout import ROW_BYTES, SavedLayout
+from hybrid.checkpoint.layout import COLUMNS, SavedLayout
 from hybrid.checkpoint.reader import RangeReader
 from hybrid.checkpoint.reshard import ParamSource, Target
 from hybrid.checkpoint.save import agree_error, model_signature
@@ -48,8 +50,9 @@ def check_model(meta: dict, model: torch.nn.Module, vocab_size: int | None, wher
 
 def load_checkpoint(load_dir: str, engine: ZeroEngine, ps: ParallelState, cfg,
                     rng: TPRNGTracker, vocab_size: int | None = None,
-                    allow_empty: bool = False,
-                    reader: RangeReader | None = None) -> tuple[int, int] | None:
+                    allow_empty: bool = False, reader: RangeReader | None = None, *,
+                    load_optim: bool = True, load_rng: bool = True,
+                    info: dict | None = None) -> tuple[int, int] | None:
     """Restore weights, optimizer, loss scale and RNG; return (iteration, consumed samples).
 
     Collective over the world (the parameters are republished, and a read error on
@@ -59,6 +62,17 @@ def load_checkpoint(load_dir: str, engine: ZeroEngine, ps: ParallelState, cfg,
     exactly when the world layout is the same; otherwise the streams are reseeded
     from ``--seed`` and the iteration. ``reader``: pass a
     :class:`RangeReader` to learn what this rank opened and read.
+
+    ``load_optim`` False (``--no-load-optim``, ``--finetune``): only the fp32 master
+    values are read; both Adam moments are zero, the optimizer's step count 0 and
+    the loss scaler as the engine built it. True on a weights-only checkpoint
+    (``--no-save-optim``) is a CheckpointError naming the flags that load it,
+    never a silent restart of the moments. ``load_rng`` False (``--no-load-rng``,
+    ``--finetune``): the RNG states are left as they are (seeded from ``--seed``)
+    and the rank's header is not read. The iteration and consumed samples are
+    returned either way; whether to use them is the caller's choice.
+    ``info``: pass a dict to receive ``checkpoint`` (the directory loaded) and
+    ``metadata`` (its metadata.json).
     """
     if allow_empty and not os.path.exists(load_dir):
         return None
@@ -69,7 +83,7 @@ def load_checkpoint(load_dir: str, engine: ZeroEngine, ps: ParallelState, cfg,
     # the message the job prints is the real cause whichever rank hit it.
     error, found = None, None
     try:
-        found = _open_metadata(load_dir, engine, vocab_size, allow_empty, reader)
+        found = _open_metadata(load_dir, engine, vocab_size, allow_empty, reader, load_optim)
     except CheckpointError as e:
         error = str(e)
     error = agree_error(ps, error)
@@ -82,12 +96,13 @@ def load_checkpoint(load_dir: str, engine: ZeroEngine, ps: ParallelState, cfg,
     same_layout = (meta["world_size"] == ps.world_size
                    and meta["tensor_model_parallel_size"] == ps.tp_size)
     header = None
-    if same_layout:  # only for the RNG states: per-rank streams map 1:1
+    if same_layout and load_rng:  # only for the RNG states: per-rank streams map 1:1
         try:
             header = _read_header(ckpt, ps, layout, reader)
         except CheckpointError as e:
             error = str(e)
-    source = ParamSource(layout, reader)
+    keys = COLUMNS if load_optim else ("master",)
+    source = ParamSource(layout, reader, keys)
     targets = {n: Target.of(p, ps.tp_rank) for n, p in engine.model.named_parameters()}
 
     def fetch(name, lo, hi):
@@ -99,32 +114,51 @@ def load_checkpoint(load_dir: str, engine: ZeroEngine, ps: ParallelState, cfg,
                 return source.read(name, targets[name], lo, hi)
             except CheckpointError as e:
                 error = str(e)
-        return torch.zeros(hi - lo, 3)
+        return torch.zeros(len(keys), hi - lo)
 
     try:
-        load_shard_state(engine, fetch, meta["step"], meta["loss_scaler"])
+        if load_optim:
+            load_shard_state(engine, fetch, keys, meta["step"], meta["loss_scaler"])
+        else:  # a fresh optimizer on the saved weights
+            load_shard_state(engine, fetch, keys, 0, None)
     finally:
         reader.close()
     error = agree_error(ps, error)
     if error:
         raise CheckpointError(error)
     iteration, consumed = meta["iteration"], meta["consumed_samples"]
+    if info is not None:
+        info.update(checkpoint=ckpt, metadata=meta)
+    if load_rng:
+        _restore_rng(header, rng, ps, cfg.seed + iteration)
+    return iteration, consumed
+
+
+def _restore_rng(header: dict | None, rng: TPRNGTracker, ps: ParallelState, seed: int) -> None:
+    """The saved streams (same world layout: ``header`` read), else fresh ones from ``seed``."""
     if header is not None and "rng" in header:
         saved = header["rng"]
         set_device_rng_state(saved["device"], ps.device)
         torch.set_rng_state(saved["cpu"])
         rng.set_states(saved["tracker"])
     else:  # another layout: per-rank streams do not map; start fresh ones, deterministically
-        rng.set_states(seed_all(cfg.seed + iteration, ps.tp_rank, ps.dp_rank,
-                                ps.device).get_states())
-    return iteration, consumed
+        rng.set_states(seed_all(seed, ps.tp_rank, ps.dp_rank, ps.device).get_states())
+
+
+def weights_only_error(ckpt: str) -> str:
+    """Why a ``--no-save-optim`` checkpoint cannot be resumed exactly, and what loads it."""
+    return (f"{ckpt}: saved with --no-save-optim (model weights only, no optimizer state), "
+            f"so it cannot be resumed exactly: add --no-load-optim to continue from its "
+            f"iteration with fresh Adam moments, or --finetune (with --save to a new "
+            f"directory) to start a new run at iteration 0 from its weights")
 
 
 def _open_metadata(load_dir: str, engine: ZeroEngine, vocab_size: int | None,
-                   allow_empty: bool, reader: RangeReader):
+                   allow_empty: bool, reader: RangeReader, load_optim: bool = True):
     """(checkpoint dir, metadata, SavedLayout) of the newest checkpoint under
-    ``load_dir``, checked against this model; None if there is none and
-    ``allow_empty``. Raises CheckpointError naming the file or flag at fault."""
+    ``load_dir``, checked against this model (and, with ``load_optim``, to hold
+    optimizer state); None if there is none and ``allow_empty``. Raises
+    CheckpointError naming the file or flag at fault."""
     ckpt = find_checkpoint(load_dir)
     if ckpt is None:
         if allow_empty:
@@ -134,7 +168,10 @@ def _open_metadata(load_dir: str, engine: ZeroEngine, vocab_size: int | None,
     meta = read_metadata(ckpt, reader)
     where = os.path.join(ckpt, "metadata.json")
     check_model(meta, engine.model, vocab_size, where)
-    return ckpt, meta, SavedLayout(meta, ckpt)
+    layout = SavedLayout(meta, ckpt)
+    if load_optim and layout.weights_only:
+        raise CheckpointError(weights_only_error(ckpt))
+    return ckpt, meta, layout
 
 
 def _read_header(ckpt: str, ps: ParallelState, layout: SavedLayout,
@@ -155,7 +192,7 @@ def _read_header(ckpt: str, ps: ParallelState, layout: SavedLayout,
     if not isinstance(header, dict) or header.get("rank") != ps.rank:
         raise CheckpointError(f"{path}: corrupt checkpoint shard (not rank {ps.rank}'s header)")
     # Its data file must hold what the metadata's layout says it does.
-    expect = layout.data_bytes(ps.dp_rank) // ROW_BYTES
+    expect = layout.rows(ps.dp_rank)
     if header.get("data_rows") != expect:
         raise CheckpointError(f"{path}: piece table ({header.get('data_rows')} rows) "
                               f"disagrees with metadata.json's zero_layout ({expect} rows)")

@@ -1,8 +1,10 @@
 """Read any TP-local range of a parameter, in any new TP layout, from the old files.
 
 ``ParamSource.read(name, target, lo, hi)`` returns elements ``[lo, hi)`` of the
-new TP-local parameter flattened, as ``(hi - lo, 3)`` fp32 rows ``[master,
-exp_avg, exp_avg_sq]``, reading only the old ranges that hold them. The tools
+new TP-local parameter flattened, as a ``(len(keys), hi - lo)`` fp32 tensor: one
+plane per saved value asked for (``master``, ``exp_avg``, ``exp_avg_sq``; a
+weights-only load asks for ``master`` alone), reading only the old ranges that
+hold them, and of those only the asked-for column blocks. The tools
 (convert, HF export, generate) ask for "TP size 1, ``[0, numel)``": one full
 parameter at a time.
 
@@ -33,11 +35,11 @@ from typing import NamedTuple
 import torch
 
 from hybrid.checkpoint.files import read_metadata
-from hybrid.checkpoint.layout import ROW_BYTES, SavedLayout
+from hybrid.checkpoint.layout import COLUMNS, SavedLayout
 from hybrid.checkpoint.reader import RangeReader
 from hybrid.errors import CheckpointError
 
-KEYS = ("master", "exp_avg", "exp_avg_sq")
+KEYS = COLUMNS
 
 
 class Target:
@@ -92,24 +94,35 @@ def rectangles(lo: int, hi: int, width: int):
 
 
 class ParamSource:
-    """Reads of a saved checkpoint's parameter state through one :class:`RangeReader`."""
+    """Reads of a saved checkpoint's parameter state through one :class:`RangeReader`.
 
-    def __init__(self, layout: SavedLayout, reader: RangeReader):
+    ``keys``: the saved values to read, in the order of the returned planes;
+    CheckpointError when the checkpoint does not hold one of them (a weights-only
+    checkpoint has no moments).
+    """
+
+    def __init__(self, layout: SavedLayout, reader: RangeReader, keys=KEYS):
+        missing = [k for k in keys if k not in layout.columns]
+        if missing:
+            raise CheckpointError(f"{layout.ckpt}: holds only {', '.join(layout.columns)} "
+                                  f"(saved with --no-save-optim), not {', '.join(missing)}")
         self.layout, self.reader = layout, reader
+        self.cols = [layout.columns.index(k) for k in keys]
 
     def read(self, name: str, target: Target, lo: int, hi: int) -> torch.Tensor:
-        """Elements ``[lo, hi)`` of ``name`` as ``target`` holds it: ``(hi - lo, 3)`` fp32."""
+        """Elements ``[lo, hi)`` of ``name`` as ``target`` holds it: ``(len(keys), hi - lo)``."""
         g = self._geometry(name, target)
+        k = len(self.cols)
         if (g.old_split == (target.dim is not None) and g.old_width == g.new_width
                 and g.old_cols == g.new_width * (target.size if g.old_split else 1)):
             # Split the same way (or replicated in both): the old-local range is this one.
-            out = torch.empty(hi - lo, 3)
+            out = torch.empty(k, hi - lo)
             self._read_span(name, target.rank if g.old_split else g.replica, lo, hi, out)
             return out
-        out = torch.zeros(hi - lo, 3)  # columns past the old full size stay zero
+        out = torch.zeros(k, hi - lo)  # columns past the old full size stay zero
         for r0, r1, c0, c1 in rectangles(lo, hi, g.new_width):
             start = r0 * g.new_width + c0 - lo
-            dst = out[start: start + (r1 - r0) * (c1 - c0)].view(r1 - r0, c1 - c0, 3)
+            dst = out[:, start: start + (r1 - r0) * (c1 - c0)].view(k, r1 - r0, c1 - c0)
             a, b = g.new_col0 + c0, min(g.new_col0 + c1, g.old_cols)
             col = a
             while col < b:  # cut at the old chunk boundaries
@@ -117,7 +130,7 @@ class ParamSource:
                 t_lo = t * g.old_width if g.old_split else 0
                 end = min(b, t_lo + g.old_width)
                 self._read_rect(name, t, r0, r1, col - t_lo, end - t_lo, g.old_width,
-                                dst[:, col - a: end - a])
+                                dst[:, :, col - a: end - a])
                 col = end
         return out
 
@@ -148,52 +161,62 @@ class ParamSource:
 
     def _read_rect(self, name, t, r0, r1, a, b, width, dst) -> None:
         """Old-local rows ``[r0, r1)`` x columns ``[a, b)`` of TP rank ``t`` (chunk width
-        ``width``) into ``dst`` ``(r1 - r0, b - a, 3)``."""
+        ``width``) into ``dst`` ``(planes, r1 - r0, b - a)``."""
         n_rows, w = r1 - r0, b - a
+        k = dst.shape[0]
         if n_rows > 1 and 2 * w < width:  # narrow: one exact read per row
-            tmp = torch.empty(w, 3)
+            tmp = torch.empty(k, w)
             for i in range(n_rows):
                 x = (r0 + i) * width + a
                 self._read_span(name, t, x, x + w, tmp)
-                dst[i].copy_(tmp)
+                dst[:, i].copy_(tmp)
             return
         x, y = r0 * width + a, (r1 - 1) * width + b  # one covering span
-        if (n_rows == 1 or w == width) and dst.is_contiguous():  # no gaps: read in place
-            self._read_span(name, t, x, y, dst.view(-1, 3))
+        if dst.stride(2) == 1 and (n_rows == 1 or w == width == dst.stride(1)):
+            # no gaps, each plane contiguous: read in place
+            self._read_span(name, t, x, y, dst[:, 0] if n_rows == 1 else dst.view(k, -1))
             return
-        tmp = torch.empty(y - x, 3)
+        tmp = torch.empty(k, y - x)
         self._read_span(name, t, x, y, tmp)
-        dst.copy_(tmp.as_strided((n_rows, w, 3), (3 * width, 3, 1)))
+        dst.copy_(tmp.as_strided((k, n_rows, w), (y - x, width, 1)))
 
     def _read_span(self, name: str, t: int, x: int, y: int, out: torch.Tensor) -> None:
-        """Old TP rank ``t``'s local elements ``[x, y)`` of ``name`` into ``out`` ``(y - x, 3)``."""
+        """Old TP rank ``t``'s local elements ``[x, y)`` of ``name`` into ``out``
+        ``(planes, y - x)``, each plane contiguous: one positional read per plane and
+        DP shard crossed."""
         k = 0
-        for path, size, row, n in self.layout.reads(name, t, x, y):
-            self.reader.read_into(path, size, row * ROW_BYTES, out[k: k + n])
+        for path, size, offset, stride, n in self.layout.reads(name, t, x, y):
+            for plane, c in enumerate(self.cols):
+                self.reader.read_into(path, size, offset + c * stride, out[plane, k: k + n])
             k += n
 
 
-def iter_full_params(ckpt: str, keys=KEYS, reader: RangeReader | None = None):
+def iter_full_params(ckpt: str, keys=None, reader: RangeReader | None = None):
     """``(metadata, iterator of (name, {key: full fp32 tensor}))`` for a checkpoint
-    directory: one parameter's full tensors at a time, in saved order."""
+    directory: one parameter's full tensors at a time, in saved order. ``keys``: the
+    saved values to read (default: all the checkpoint holds); CheckpointError naming
+    the checkpoint when it lacks one (``--no-save-optim`` saves ``master`` only)."""
     reader = reader or RangeReader()
     meta = read_metadata(ckpt, reader)
     layout = SavedLayout(meta, ckpt)
-    source = ParamSource(layout, reader)
-    cols = [KEYS.index(k) for k in keys]
+    keys = layout.columns if keys is None else tuple(keys)
+    source = ParamSource(layout, reader, keys)
 
     def gen():
         try:
             for name in layout.names():
                 shape = layout.full_shapes[name]
-                rows = source.read(name, Target(shape, None, 0, 1), 0, _prod(shape))
-                yield name, {k: rows[:, c].contiguous().view(shape) for k, c in zip(keys, cols)}
+                planes = source.read(name, Target(shape, None, 0, 1), 0, _prod(shape))
+                # each its own storage (torch.save would write a shared one whole)
+                yield name, {k: (planes[j].clone() if len(keys) > 1 else planes[j]).view(shape)
+                             for j, k in enumerate(keys)}
         finally:
             reader.close()
     return meta, gen()
 
 
 def merged_state(ckpt: str) -> tuple[dict, dict[str, dict[str, torch.Tensor]]]:
-    """(metadata, {name: {"master", "exp_avg", "exp_avg_sq"}}) of a whole checkpoint, unsharded."""
+    """(metadata, {name: {"master", "exp_avg", "exp_avg_sq"}}) of a whole checkpoint,
+    unsharded (``{"master"}`` only for a weights-only one)."""
     meta, params = iter_full_params(ckpt)
     return meta, dict(params)

@@ -6,15 +6,20 @@ On disk::
     SAVE/iter_0000100/metadata.json  config, iteration, consumed samples, model
                                      shapes, optimizer step, loss-scaler state, and
                                      the ``zero_layout`` (TP/DP sizes, each unit's
-                                     [param name, TP-local numel] list): O(params),
-                                     readable without torch
+                                     [param name, TP-local numel] list, the saved
+                                     columns): O(params), readable without torch
     SAVE/iter_0000100/rank_00003.pt  rank 3's small header: TP/DP rank, TP specs, RNG
                                      states, step, loss scale, and its piece table
                                      {name: [(lo, hi, first row in the .bin)]}
-    SAVE/iter_0000100/rank_00003.bin rank 3's values: each piece (a TP-local element
-                                     range [lo, hi) of one parameter) as (hi - lo, 3)
-                                     fp32 rows [master, exp_avg, exp_avg_sq], pieces
-                                     in unit order; no padding, no framing
+    SAVE/iter_0000100/rank_00003.bin rank 3's values: its rows (each piece -- a
+                                     TP-local element range [lo, hi) of one
+                                     parameter -- in unit order) as one fp32 block
+                                     per column: master, exp_avg, exp_avg_sq; no
+                                     padding, no framing
+
+``optimizer=False`` (``--no-save-optim``) writes the master column only (about a
+third of the bytes; ``zero_layout["columns"] == ["master"]``, no step or loss
+scale): every reader of weights takes it, an exact resume refuses it.
 
 A save is written into ``SAVE/.tmp_iter_...``, flushed, and renamed into place,
 then ``latest`` is replaced: a crash at any moment leaves the previous
@@ -31,8 +36,8 @@ opening anything else. Loading in the same layout reads the metadata, the
 rank's header (RNG states) and its own data file, nothing more; another
 layout reads only the overlapping ranges of the overlapping files
 (:mod:`hybrid.checkpoint.reshard`), never a whole parameter's full tensors
-unless the rank owns all of it. Interleaving the three fp32 values per
-element makes any sub-range of a piece one contiguous read.
+unless the rank owns all of it. Column blocks make any sub-range of a piece
+one contiguous read per column, so a weights-only load reads no moment bytes.
 """
 
 from __future__ import annotations
@@ -45,7 +50,7 @@ import zlib
 import torch
 
 from hybrid.checkpoint.files import LATEST, VERSION, complete_checkpoints, iter_name, rank_paths
-from hybrid.checkpoint.layout import describe, single_file_layout
+from hybrid.checkpoint.layout import COLUMNS, describe, single_file_layout
 from hybrid.errors import CheckpointError
 from hybrid.parallel_state import ParallelState
 from hybrid.tensor_parallel import TPRNGTracker
@@ -98,8 +103,15 @@ def model_signature(model: torch.nn.Module) -> dict:
 
 def save_checkpoint(save_dir: str, iteration: int, consumed_samples: int, engine: ZeroEngine,
                     ps: ParallelState, cfg, rng: TPRNGTracker, keep_last: int | None = None,
-                    vocab_size: int | None = None) -> str:
-    """Write checkpoint ``iteration`` (collective over the world); return its directory."""
+                    vocab_size: int | None = None, *, optimizer: bool = True,
+                    finetune: dict | None = None) -> str:
+    """Write checkpoint ``iteration`` (collective over the world); return its directory.
+
+    ``optimizer`` False (``--no-save-optim``): the fp32 master values only.
+    ``finetune``: recorded as metadata.json's ``finetune`` (where a ``--finetune``
+    run started; see :mod:`hybrid.checkpoint.resume`), None for other runs.
+    """
+    columns = COLUMNS if optimizer else COLUMNS[:1]
     name = iter_name(iteration)
     final, tmp = os.path.join(save_dir, name), os.path.join(save_dir, f".tmp_{name}")
     error = None
@@ -127,7 +139,10 @@ def save_checkpoint(save_dir: str, iteration: int, consumed_samples: int, engine
         if ps.rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
         raise CheckpointError(error)
+    layout["columns"] = list(columns)
     state = shard_state(engine)
+    if not optimizer:  # nothing of the optimizer is saved, its step and scale neither
+        state["step"] = state["loss_scaler"] = None
     # Owning everything (stage 0), every DP replica holds the same values: DP rank 0's
     # copy is the one saved (SavedLayout reads DP rank 0's files for all of a unit).
     pieces = state["pieces"] if not (layout["owns_all"] and ps.dp_rank != 0) else []
@@ -145,8 +160,9 @@ def save_checkpoint(save_dir: str, iteration: int, consumed_samples: int, engine
 
     def write_data(f):
         if pieces:
-            for values in iter_piece_values(engine):  # one piece in memory at a time
-                f.write(memoryview(values.numpy()).cast("B"))
+            for key in columns:  # column blocks, one piece in memory at a time
+                for values in iter_piece_values(engine, (key,)):
+                    f.write(memoryview(values.numpy()).cast("B"))
 
     path = data_path
     try:
@@ -168,7 +184,8 @@ def save_checkpoint(save_dir: str, iteration: int, consumed_samples: int, engine
                     "data_parallel_size": ps.dp_size, "zero_stage": engine.stage,
                     "vocab_size": vocab_size, "model": model_signature(engine.model),
                     "step": state["step"], "loss_scaler": state["loss_scaler"],
-                    "zero_layout": layout, "config": cfg.to_dict(), "complete": True}
+                    "zero_layout": layout, "finetune": finetune, "config": cfg.to_dict(),
+                    "complete": True}
             _fsync_write(os.path.join(tmp, "metadata.json"),
                          lambda f: f.write(json.dumps(meta, indent=1).encode()))
             _publish(save_dir, name, tmp, final)
@@ -243,10 +260,11 @@ def write_unsharded_checkpoint(save_dir: str, model: dict[str, torch.Tensor], co
         rows += t.numel()
 
     def write_data(f):
-        for t in model.values():
-            values = torch.zeros(t.numel(), 3)  # fresh Adam moments
-            values[:, 0] = t.reshape(-1)
-            f.write(memoryview(values.numpy()).cast("B"))
+        for t in model.values():  # the master column
+            f.write(memoryview(t.detach().float().contiguous().reshape(-1).numpy()).cast("B"))
+        for _ in COLUMNS[1:]:  # fresh Adam moments
+            for t in model.values():
+                f.write(memoryview(torch.zeros(t.numel()).numpy()).cast("B"))
 
     specs = {n: {"full_shape": s, "dim": None, "tp_rank": 0, "tp_size": 1}
              for n, s in shapes.items()}

@@ -14,6 +14,13 @@ import torch
 
 from hybrid.zero.engine import ZeroEngine
 
+KEYS = ("master", "exp_avg", "exp_avg_sq")  # what a rank holds per element of its shard
+
+
+def _sources(engine: ZeroEngine) -> dict[str, list[torch.Tensor]]:
+    opt = engine.optimizer
+    return {"master": opt.master, "exp_avg": opt.exp_avg, "exp_avg_sq": opt.exp_avg_sq}
+
 
 def _pieces(engine: ZeroEngine):
     """(param name, param, local lo, unit index, offset in the unit's owned part, length)."""
@@ -36,28 +43,36 @@ def shard_state(engine: ZeroEngine) -> dict:
 
 
 @torch.no_grad()
-def iter_piece_values(engine: ZeroEngine):
-    """For each piece of :func:`shard_state`, in its order: an fp32 CPU ``(n, 3)``
-    tensor of rows ``[master, exp_avg, exp_avg_sq]``."""
-    opt = engine.optimizer
+def iter_piece_values(engine: ZeroEngine, keys=KEYS):
+    """For each piece of :func:`shard_state`, in its order: an fp32 CPU ``(n, len(keys))``
+    tensor of rows (default ``[master, exp_avg, exp_avg_sq]``)."""
+    src = [_sources(engine)[k] for k in keys]
     for _, _, _, ui, off, n in _pieces(engine):
-        yield torch.stack([src[ui][off: off + n] for src in
-                           (opt.master, opt.exp_avg, opt.exp_avg_sq)], dim=1).float().cpu()
+        yield torch.stack([s[ui][off: off + n] for s in src], dim=1).float().cpu()
 
 
 @torch.no_grad()
-def load_shard_state(engine: ZeroEngine, fetch, step: int, loss_scaler: dict | None) -> None:
-    """Fill this rank's pieces from ``fetch(name, lo, hi) -> fp32 (hi - lo, 3)`` (rows
-    ``[master, exp_avg, exp_avg_sq]``) and republish the parameters (copy into the
-    model dtype, all-gather where needed).
+def load_shard_state(engine: ZeroEngine, fetch, keys, step: int,
+                     loss_scaler: dict | None) -> None:
+    """Fill this rank's pieces from ``fetch(name, lo, hi) -> fp32 (len(keys), hi - lo)``
+    (one plane per name in ``keys``, ``master`` among them), set the optimizer's
+    step count, and republish the parameters (copy into the model dtype, all-gather
+    where needed). Values not in ``keys`` (the Adam moments, for a weights-only
+    load) are set to zero: a fresh optimizer on the loaded weights.
 
     ``[lo, hi)`` indexes the TP-local parameter flattened.
     """
-    opt = engine.optimizer
+    if "master" not in keys:
+        raise ValueError(f"load_shard_state needs the master values, got keys {keys}")
+    opt, sources = engine.optimizer, _sources(engine)
     for name, p, plo, ui, off, n in _pieces(engine):
-        rows = fetch(name, plo, plo + n)
-        for k, dst in enumerate((opt.master, opt.exp_avg, opt.exp_avg_sq)):
-            dst[ui][off: off + n].copy_(rows[:, k])
+        planes = fetch(name, plo, plo + n)
+        for key, dst in sources.items():
+            part = dst[ui][off: off + n]
+            if key in keys:
+                part.copy_(planes[keys.index(key)])
+            else:
+                part.zero_()
     opt.step_count = step
     if loss_scaler is not None:
         engine.scaler.load_state_dict(loss_scaler)
