@@ -13,6 +13,7 @@ import dataclasses
 import math
 from dataclasses import dataclass, field
 
+from hybrid.architecture import NORMALIZATIONS, POSITION_EMBEDDING_TYPES, swiglu_ffn_hidden_size
 from hybrid.config_sections import RecomputeConfig, ZeroConfig
 from hybrid.errors import ConfigError
 
@@ -53,13 +54,27 @@ class TrainConfig:
     num_layers: int = opt(4, "transformer layers")
     hidden_size: int = opt(256, "model width")
     num_attention_heads: int = opt(4, "attention heads (divisible by TP)")
-    ffn_hidden_size: int | None = opt(None, "MLP width (default 4 x hidden)")
+    ffn_hidden_size: int | None = opt(None, "MLP width (default 4 x hidden; see --swiglu)")
     seq_length: int = opt(128, "tokens per sample")
     max_position_embeddings: int | None = opt(None, "positions (default: seq length)")
     make_vocab_size_divisible_by: int = opt(128, "pad vocab to a multiple of this x TP")
     hidden_dropout: float = opt(0.1, "dropout on the residual stream")
     attention_dropout: float = opt(0.1, "dropout on attention probabilities")
     init_method_std: float = opt(0.02, "std of the normal weight init")
+    # --- model architecture (Llama family) ---
+    normalization: str = opt("LayerNorm", "LayerNorm or RMSNorm")
+    norm_epsilon: float = opt(1e-5, "epsilon of every LayerNorm / RMSNorm")
+    swiglu: bool = opt(False, "gated SiLU MLP; --ffn-hidden-size then defaults to "
+                              "int(8 x hidden / 3 / 64) x 64")
+    position_embedding_type: str = opt("learned_absolute", "learned_absolute, rope or none")
+    rotary_base: float = opt(10000.0, "RoPE frequency base (theta)")
+    rotary_percent: float = opt(1.0, "fraction of each head's channels RoPE rotates")
+    group_query_attention: bool = opt(False, "grouped-query attention (--num-query-groups)")
+    num_query_groups: int | None = opt(None, "key/value heads with --group-query-attention "
+                                             "(default 1)")
+    untie_embeddings_and_output_weights: bool = opt(False, "a separate output layer instead "
+                                                           "of the embedding's transpose")
+    disable_bias_linear: bool = opt(False, "no biases in the linear layers")
     # batch
     micro_batch_size: int = opt(8, "samples per rank per forward/backward")
     global_batch_size: int | None = opt(None, "samples per step (default micro x DP)")
@@ -201,11 +216,54 @@ class TrainConfig:
                               f"got {self.distributed_backend!r}")
         if self.distributed_timeout_minutes <= 0:
             raise ConfigError("--distributed-timeout-minutes must be > 0")
+        self._validate_model_architecture()
         self._validate_zero()
         self._validate_recompute()
         self._validate_data()
         self._validate_checkpoint()
         return self
+
+    def _validate_model_architecture(self) -> None:
+        """The Llama-family flags; fills --num-query-groups and the SwiGLU MLP width."""
+        tp = self.tensor_model_parallel_size
+        if self.normalization not in NORMALIZATIONS:
+            raise ConfigError(f"--normalization must be one of {', '.join(NORMALIZATIONS)}, "
+                              f"got {self.normalization!r}")
+        if self.norm_epsilon <= 0:
+            raise ConfigError(f"--norm-epsilon must be > 0, got {self.norm_epsilon}")
+        if self.position_embedding_type not in POSITION_EMBEDDING_TYPES:
+            raise ConfigError(f"--position-embedding-type must be one of "
+                              f"{', '.join(POSITION_EMBEDDING_TYPES)}, "
+                              f"got {self.position_embedding_type!r}")
+        if self.rotary_base <= 0:
+            raise ConfigError(f"--rotary-base must be > 0, got {self.rotary_base}")
+        if not 0 < self.rotary_percent <= 1:
+            raise ConfigError(f"--rotary-percent must be in (0, 1], got {self.rotary_percent}")
+        head = self.hidden_size // self.num_attention_heads
+        rotary_dim = int(head * self.rotary_percent)
+        if self.position_embedding_type == "rope" and (rotary_dim < 2 or rotary_dim % 2):
+            raise ConfigError(f"--rotary-percent {self.rotary_percent} of the head size {head} "
+                              f"rotates {rotary_dim} channels; RoPE needs an even number >= 2")
+        if self.num_query_groups is not None and not self.group_query_attention:
+            raise ConfigError("--num-query-groups needs --group-query-attention")
+        if self.group_query_attention:
+            if self.num_query_groups is None:
+                self.num_query_groups = 1  # Megatron's default: one key/value head
+            g = self.num_query_groups
+            if g < 1 or self.num_attention_heads % g:
+                raise ConfigError(f"--num-attention-heads {self.num_attention_heads} is not "
+                                  f"divisible by --num-query-groups {g}")
+            if g % tp:
+                raise ConfigError(f"--num-query-groups {g} is not divisible by "
+                                  f"--tensor-model-parallel-size {tp}: each TP rank needs "
+                                  f"whole key/value heads")
+        if self.swiglu and self.ffn_hidden_size is None:
+            self.ffn_hidden_size = swiglu_ffn_hidden_size(self.hidden_size)
+            if self.ffn_hidden_size < 1 or self.ffn_hidden_size % tp:
+                raise ConfigError(f"--swiglu's default --ffn-hidden-size for --hidden-size "
+                                  f"{self.hidden_size} is {self.ffn_hidden_size}, not a "
+                                  f"positive multiple of --tensor-model-parallel-size {tp}: "
+                                  f"give --ffn-hidden-size")
 
     def _validate_checkpoint(self) -> None:
         if self.save_interval is not None and self.save_interval < 1:

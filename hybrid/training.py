@@ -18,6 +18,7 @@ import torch
 
 from hybrid.activation_checkpointing import apply_activation_checkpointing
 from hybrid.activation_meter import SavedActivationMeter
+from hybrid.architecture import architecture_fields
 from hybrid.checkpoint import load_checkpoint, save_checkpoint
 from hybrid.config import TrainConfig, padded_vocab_size
 from hybrid.config_sections import RecomputeConfig
@@ -51,7 +52,7 @@ def gpt_config(cfg: TrainConfig, vocab_size: int) -> GPTConfig:
         max_position_embeddings=cfg.max_position_embeddings,
         ffn_hidden_size=cfg.ffn_hidden_size, hidden_dropout=cfg.hidden_dropout,
         attention_dropout=cfg.attention_dropout, init_std=cfg.init_method_std,
-        sequence_parallel=cfg.sequence_parallel)
+        sequence_parallel=cfg.sequence_parallel, **architecture_fields(cfg))
 
 
 def build_model(cfg: TrainConfig, ps: ParallelState, vocab_size: int,
