@@ -13,13 +13,12 @@ from __future__ import annotations
 import torch
 
 from hybrid.architecture import architecture_fields
+from hybrid.checkpoint.load import VOCAB_PARAMS
 from hybrid.checkpoint.reshard import iter_full_params
 from hybrid.config import padded_vocab_size
 from hybrid.errors import CheckpointError
 from hybrid.parallel_state import ParallelState
 from models.gpt import GPT, GPTConfig
-
-VOCAB_PARAMS = ("wte.weight", "output_layer.weight")
 
 
 def saved_gpt_config(c: dict, vocab_size: int, tp: int = 1) -> GPTConfig:

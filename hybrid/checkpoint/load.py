@@ -18,6 +18,9 @@ from hybrid.checkpoint.reader import RangeReader
 from hybrid.checkpoint.reshard import ParamSource, Target
 from hybrid.checkpoint.save import agree_error, model_signature
 from hybrid.errors import CheckpointError
+
+# Split along dim 0 with padding rows that depend on TP: their row count may differ.
+VOCAB_PARAMS = ("wte.weight", "output_layer.weight")
 from hybrid.parallel_state import ParallelState
 from hybrid.tensor_parallel import TPRNGTracker, seed_all
 from hybrid.tensor_parallel.random import set_device_rng_state
@@ -37,7 +40,7 @@ def check_model(meta: dict, model: torch.nn.Module, vocab_size: int | None, wher
         old = saved[name]
         if old == shape:
             continue
-        vocab_ok = (name == "wte.weight" and old[1:] == shape[1:] and vocab_size is not None
+        vocab_ok = (name in VOCAB_PARAMS and old[1:] == shape[1:] and vocab_size is not None
                     and meta.get("vocab_size") == vocab_size and min(old[0], shape[0]) >= vocab_size)
         if not vocab_ok:
             raise CheckpointError(f"{where}: checkpoint is for a different model: {name} is "
