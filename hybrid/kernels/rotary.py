@@ -6,8 +6,9 @@
 ``r = q_per_group`` query heads, then the key head, then the value head --
 Megatron's layout, which keeps whole groups in any contiguous TP chunk (and
 with ``r = 1`` is the per-head ``[q k v]`` of GPT-2). Returned: ``q`` ``(B, g r,
-T, hs)``, ``k`` and ``v`` ``(B, g, T, hs)``, fresh contiguous tensors, query
-head ``i`` using key/value head ``i // r`` (Hugging Face's ``repeat_kv``).
+T, hs)``, ``k`` and ``v`` ``(B, g, T, hs)``, fresh tensors stored token-major
+(transposed views, as views of ``qkv`` would be), query head ``i`` using
+key/value head ``i // r`` (Hugging Face's ``repeat_kv``).
 
 ``rotary`` (a :class:`Rotary`, or None) rotates the first ``rotary.dim``
 channels of every query and key head by position (RoPE, Su et al. 2021) in
@@ -52,7 +53,8 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """``x`` ``(..., T, hs)`` with its first ``cos.shape[-1]`` channels rotated."""
+    """``x`` ``(B, T, heads, hs)`` with its first ``cos.shape[-1]`` channels rotated;
+    ``cos`` and ``sin`` are ``(T, 1, dim)``."""
     d = cos.shape[-1]
     if d == x.shape[-1]:
         return x * cos + _rotate_half(x) * sin
@@ -65,27 +67,31 @@ class SplitQKVFunction(torch.autograd.Function):
     def forward(ctx, qkv, q_per_group: int, head_size: int, rotary: Rotary | None):
         B, T, _ = qkv.shape
         r = q_per_group
-        x = qkv.view(B, T, -1, r + 2, head_size).permute(0, 2, 3, 1, 4)  # (B, g, r+2, T, hs)
-        g = x.shape[1]
-        q = x[:, :, :r].reshape(B, g * r, T, head_size)
-        k, v = x[:, :, r].contiguous(), x[:, :, r + 1].contiguous()
+        x = qkv.view(B, T, -1, r + 2, head_size)  # (B, T, g, r + 2, hs)
+        g = x.shape[2]
+        # Token-major storage (B, T, heads, hs), returned as (B, heads, T, hs) views: the
+        # attention output then comes back token-major too, and merging its heads for
+        # the projection is a view, not a copy.
+        q = x[:, :, :, :r].reshape(B, T, g * r, head_size)
+        k, v = x[:, :, :, r].contiguous(), x[:, :, :, r + 1].contiguous()
         ctx.meta = (B, T, g, r, head_size, rotary)
         if rotary is not None:
-            cos, sin = rotary.cos_sin(T, qkv.dtype, qkv.device)
+            cos, sin = (t[:, None] for t in rotary.cos_sin(T, qkv.dtype, qkv.device))
             q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
-        return q, k, v
+        return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
 
     @staticmethod
     def backward(ctx, dq, dk, dv):
         B, T, g, r, hs, rotary = ctx.meta
+        dq, dk, dv = dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)  # (B, T, h, hs)
         if rotary is not None:  # rotate back: the transpose of R(theta) is R(-theta)
-            cos, sin = rotary.cos_sin(T, dq.dtype, dq.device)
+            cos, sin = (t[:, None] for t in rotary.cos_sin(T, dq.dtype, dq.device))
             dq, dk = _rotate(dq, cos, -sin), _rotate(dk, cos, -sin)
-        grad = torch.empty(B, g, r + 2, T, hs, dtype=dq.dtype, device=dq.device)
-        grad[:, :, :r] = dq.view(B, g, r, T, hs)
-        grad[:, :, r] = dk
-        grad[:, :, r + 1] = dv
-        return grad.permute(0, 3, 1, 2, 4).reshape(B, T, g * (r + 2) * hs), None, None, None
+        grad = torch.empty(B, T, g, r + 2, hs, dtype=dq.dtype, device=dq.device)
+        grad[:, :, :, :r] = dq.reshape(B, T, g, r, hs)
+        grad[:, :, :, r] = dk
+        grad[:, :, :, r + 1] = dv
+        return grad.view(B, T, g * (r + 2) * hs), None, None, None
 
 
 def split_qkv(qkv: torch.Tensor, q_per_group: int, head_size: int,
