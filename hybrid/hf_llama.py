@@ -141,7 +141,7 @@ def llama_hf_config(c: dict, vocab_size: int) -> dict:
     f = architecture_fields(c)
     missing = is_llama(f)
     if missing:
-        raise CheckpointError(f"not a Llama-shaped model: it was trained without "
+        raise CheckpointError(f"neither GPT-2 nor Llama-shaped: a Hugging Face Llama needs "
                               f"{', '.join(missing)}")
     heads = c["num_attention_heads"]
     theta = f["rotary_base"]

@@ -24,7 +24,8 @@ from models.gpt import GPT, GPTConfig
 def saved_gpt_config(c: dict, vocab_size: int, tp: int = 1) -> GPTConfig:
     """The GPTConfig of a checkpoint's saved config dict ``c``, without dropout."""
     return GPTConfig(vocab_size=vocab_size,
-                     padded_vocab_size=padded_vocab_size(vocab_size, 128, tp), num_layers=c["num_layers"], hidden_size=c["hidden_size"],
+                     padded_vocab_size=padded_vocab_size(vocab_size, 128, tp),
+                     num_layers=c["num_layers"], hidden_size=c["hidden_size"],
                      num_attention_heads=c["num_attention_heads"],
                      max_position_embeddings=c["max_position_embeddings"],
                      ffn_hidden_size=c.get("ffn_hidden_size"), hidden_dropout=0.0,
