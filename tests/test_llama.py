@@ -11,6 +11,10 @@ TP size, composes with ZeRO, recompute and sequence parallelism, and reshards.
 * Bad flag combinations are one ConfigError naming the flag.
 """
 
+import importlib.util
+import os
+import shlex
+
 import pytest
 import torch
 
@@ -318,3 +322,39 @@ def test_llama_flags_map_to_the_model_and_fill_megatron_defaults():
 def test_bad_llama_flags_name_the_flag(flags, message):
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
         _validate(flags)
+
+
+# -- the preset --------------------------------------------------------------------------
+def _preset_flags():
+    """The flags examples/pretrain_llama.sh passes to scripts/pretrain_gpt.sh."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    text = open(os.path.join(root, "examples", "pretrain_llama.sh"), encoding="utf-8").read()
+    cmd = text[text.index('pretrain_gpt.sh"') + len('pretrain_gpt.sh"'):]
+    return root, [w for w in shlex.split(cmd.replace("\\\n", " ")) if w != "$@"]
+
+
+@pytest.mark.parametrize("world", [8, 32])
+def test_llama_preset_validates_and_runs_the_stage_the_estimator_recommends(world, capsys):
+    """Llama-3.2-1B's shape (untied), config only: the flags validate at 8 and 32 ranks,
+    and scripts/estimate_memory.py takes them as they are and recommends the preset's
+    ZeRO stage for an 80 GiB device."""
+    from hybrid.memory_estimate import choose_stage, workload
+    root, flags = _preset_flags()
+    cfg = parse_args(flags).validate(world)
+    assert (cfg.num_layers, cfg.hidden_size, cfg.num_attention_heads, cfg.num_query_groups,
+            cfg.ffn_hidden_size, cfg.rotary_base, cfg.normalization, cfg.swiglu,
+            cfg.position_embedding_type, cfg.untie_embeddings_and_output_weights,
+            cfg.disable_bias_linear, cfg.tokenizer_type) == \
+        (16, 2048, 32, 8, 8192, 500000.0, "RMSNorm", True, "rope", True, True, "hf")
+    w = workload(cfg, world, 128256)
+    assert w.psi == 749_275_136  # per TP rank at TP 2; 1.50B in all
+    assert choose_stage(w, 80 * 2 ** 30, runtime_bytes=int(1.5 * 2 ** 30)) == cfg.zero_stage
+    spec = importlib.util.spec_from_file_location(
+        "estimate_memory", os.path.join(root, "scripts", "estimate_memory.py"))
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    capsys.readouterr()
+    assert script.main(flags + ["--world-size", str(world), "--vocab-size", "128256",
+                                "--gpu-memory-gb", "80"]) == 0
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    assert '"recommended_zero_stage": 1' in last and cfg.zero_stage == 1
