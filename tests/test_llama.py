@@ -279,6 +279,15 @@ def test_checkpoints_reshard_between_tp1_and_tp2(tmp_path):
     assert load_checkpoint(two, engine, ps, cfg, rng, V) == (2, 4)  # TP2 -> TP1
     _same(params2, _named_params(model, engine), specs2)
     assert abs(_loss(model) - loss2) <= 1e-6 * loss2
+    # the Llama checkpoint into a GPT-2 of the same size: refused, naming the flags
+    from hybrid.errors import CheckpointError
+    from hybrid.training import build_engine
+    gpt2 = TrainConfig(num_layers=2, hidden_size=32, num_attention_heads=8, seq_length=T,
+                       ffn_hidden_size=64).validate(1)
+    rng = seed_all(3, 0, 0, ps.device)
+    _, _, engine = build_engine(gpt2, ps, V, rng)
+    with pytest.raises(CheckpointError, match="the architecture flags"):
+        load_checkpoint(one, engine, ps, gpt2, rng, V)
 
 
 # -- flags ----------------------------------------------------------------------------

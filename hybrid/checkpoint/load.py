@@ -35,7 +35,9 @@ def check_model(meta: dict, model: torch.nn.Module, vocab_size: int | None, wher
         extra, missing = sorted(set(saved) - set(mine)), sorted(set(mine) - set(saved))
         raise CheckpointError(f"{where}: checkpoint is for a different model (it has "
                               f"{extra[:3]} this model lacks, lacks {missing[:3]}); check "
-                              f"--num-layers")
+                              f"--num-layers and the architecture flags (--normalization, "
+                              f"--position-embedding-type, --disable-bias-linear, "
+                              f"--untie-embeddings-and-output-weights)")
     for name, shape in mine.items():
         old = saved[name]
         if old == shape:
@@ -46,7 +48,8 @@ def check_model(meta: dict, model: torch.nn.Module, vocab_size: int | None, wher
             raise CheckpointError(f"{where}: checkpoint is for a different model: {name} is "
                                   f"{old} there and {shape} here; check --hidden-size, "
                                   f"--num-attention-heads, --ffn-hidden-size, --seq-length / "
-                                  f"--max-position-embeddings and the tokenizer")
+                                  f"--max-position-embeddings, --swiglu, --num-query-groups "
+                                  f"and the tokenizer")
 
 
 def load_checkpoint(load_dir: str, engine: ZeroEngine, ps: ParallelState, cfg,
