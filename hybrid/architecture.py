@@ -8,12 +8,16 @@ one to the other, from a validated ``TrainConfig`` or from the ``config`` dict
 a checkpoint's ``metadata.json`` stores -- where a checkpoint written before
 these flags existed has none of the keys and reads as GPT-2.
 
-No torch here: :mod:`hybrid.config` imports it to validate a command line.
+:func:`validate_architecture` holds their checks (``TrainConfig.validate``
+calls it). No torch here: :mod:`hybrid.config` imports it to validate a
+command line.
 """
 
 from __future__ import annotations
 
 from typing import Any
+
+from hybrid.errors import ConfigError
 
 NORMALIZATIONS = ("LayerNorm", "RMSNorm")
 POSITION_EMBEDDING_TYPES = ("learned_absolute", "rope", "none")
@@ -71,3 +75,49 @@ def is_gpt2(fields: dict) -> bool:
             and fields["num_query_groups"] is None
             and not fields["untie_embeddings_and_output_weights"]
             and fields["add_bias_linear"])
+
+
+def validate_architecture(cfg) -> None:
+    """Check the architecture flags of a ``TrainConfig`` (after its layout and head
+    checks), raising one ConfigError naming the flag; fill ``num_query_groups`` (1,
+    Megatron's default, with --group-query-attention) and, with --swiglu, the
+    default ``ffn_hidden_size``."""
+    tp = cfg.tensor_model_parallel_size
+    if cfg.normalization not in NORMALIZATIONS:
+        raise ConfigError(f"--normalization must be one of {', '.join(NORMALIZATIONS)}, "
+                          f"got {cfg.normalization!r}")
+    if cfg.norm_epsilon <= 0:
+        raise ConfigError(f"--norm-epsilon must be > 0, got {cfg.norm_epsilon}")
+    if cfg.position_embedding_type not in POSITION_EMBEDDING_TYPES:
+        raise ConfigError(f"--position-embedding-type must be one of "
+                          f"{', '.join(POSITION_EMBEDDING_TYPES)}, "
+                          f"got {cfg.position_embedding_type!r}")
+    if cfg.rotary_base <= 0:
+        raise ConfigError(f"--rotary-base must be > 0, got {cfg.rotary_base}")
+    if not 0 < cfg.rotary_percent <= 1:
+        raise ConfigError(f"--rotary-percent must be in (0, 1], got {cfg.rotary_percent}")
+    head = cfg.hidden_size // cfg.num_attention_heads
+    rotary_dim = int(head * cfg.rotary_percent)
+    if cfg.position_embedding_type == "rope" and (rotary_dim < 2 or rotary_dim % 2):
+        raise ConfigError(f"--rotary-percent {cfg.rotary_percent} of the head size {head} "
+                          f"rotates {rotary_dim} channels; RoPE needs an even number >= 2")
+    if cfg.num_query_groups is not None and not cfg.group_query_attention:
+        raise ConfigError("--num-query-groups needs --group-query-attention")
+    if cfg.group_query_attention:
+        if cfg.num_query_groups is None:
+            cfg.num_query_groups = 1  # Megatron's default: one key/value head
+        g = cfg.num_query_groups
+        if g < 1 or cfg.num_attention_heads % g:
+            raise ConfigError(f"--num-attention-heads {cfg.num_attention_heads} is not "
+                              f"divisible by --num-query-groups {g}")
+        if g % tp:
+            raise ConfigError(f"--num-query-groups {g} is not divisible by "
+                              f"--tensor-model-parallel-size {tp}: each TP rank needs "
+                              f"whole key/value heads")
+    if cfg.swiglu and cfg.ffn_hidden_size is None:
+        cfg.ffn_hidden_size = swiglu_ffn_hidden_size(cfg.hidden_size)
+        if cfg.ffn_hidden_size < 1 or cfg.ffn_hidden_size % tp:
+            raise ConfigError(f"--swiglu's default --ffn-hidden-size for --hidden-size "
+                              f"{cfg.hidden_size} is {cfg.ffn_hidden_size}, not a "
+                              f"positive multiple of --tensor-model-parallel-size {tp}: "
+                              f"give --ffn-hidden-size")

@@ -13,7 +13,7 @@ import dataclasses
 import math
 from dataclasses import dataclass, field
 
-from hybrid.architecture import NORMALIZATIONS, POSITION_EMBEDDING_TYPES, swiglu_ffn_hidden_size
+from hybrid.architecture import validate_architecture
 from hybrid.config_sections import RecomputeConfig, ZeroConfig
 from hybrid.errors import ConfigError
 
@@ -224,46 +224,9 @@ class TrainConfig:
         return self
 
     def _validate_model_architecture(self) -> None:
-        """The Llama-family flags; fills --num-query-groups and the SwiGLU MLP width."""
-        tp = self.tensor_model_parallel_size
-        if self.normalization not in NORMALIZATIONS:
-            raise ConfigError(f"--normalization must be one of {', '.join(NORMALIZATIONS)}, "
-                              f"got {self.normalization!r}")
-        if self.norm_epsilon <= 0:
-            raise ConfigError(f"--norm-epsilon must be > 0, got {self.norm_epsilon}")
-        if self.position_embedding_type not in POSITION_EMBEDDING_TYPES:
-            raise ConfigError(f"--position-embedding-type must be one of "
-                              f"{', '.join(POSITION_EMBEDDING_TYPES)}, "
-                              f"got {self.position_embedding_type!r}")
-        if self.rotary_base <= 0:
-            raise ConfigError(f"--rotary-base must be > 0, got {self.rotary_base}")
-        if not 0 < self.rotary_percent <= 1:
-            raise ConfigError(f"--rotary-percent must be in (0, 1], got {self.rotary_percent}")
-        head = self.hidden_size // self.num_attention_heads
-        rotary_dim = int(head * self.rotary_percent)
-        if self.position_embedding_type == "rope" and (rotary_dim < 2 or rotary_dim % 2):
-            raise ConfigError(f"--rotary-percent {self.rotary_percent} of the head size {head} "
-                              f"rotates {rotary_dim} channels; RoPE needs an even number >= 2")
-        if self.num_query_groups is not None and not self.group_query_attention:
-            raise ConfigError("--num-query-groups needs --group-query-attention")
-        if self.group_query_attention:
-            if self.num_query_groups is None:
-                self.num_query_groups = 1  # Megatron's default: one key/value head
-            g = self.num_query_groups
-            if g < 1 or self.num_attention_heads % g:
-                raise ConfigError(f"--num-attention-heads {self.num_attention_heads} is not "
-                                  f"divisible by --num-query-groups {g}")
-            if g % tp:
-                raise ConfigError(f"--num-query-groups {g} is not divisible by "
-                                  f"--tensor-model-parallel-size {tp}: each TP rank needs "
-                                  f"whole key/value heads")
-        if self.swiglu and self.ffn_hidden_size is None:
-            self.ffn_hidden_size = swiglu_ffn_hidden_size(self.hidden_size)
-            if self.ffn_hidden_size < 1 or self.ffn_hidden_size % tp:
-                raise ConfigError(f"--swiglu's default --ffn-hidden-size for --hidden-size "
-                                  f"{self.hidden_size} is {self.ffn_hidden_size}, not a "
-                                  f"positive multiple of --tensor-model-parallel-size {tp}: "
-                                  f"give --ffn-hidden-size")
+        """The Llama-family flags (:func:`hybrid.architecture.validate_architecture`);
+        fills --num-query-groups and the SwiGLU MLP width."""
+        validate_architecture(self)
 
     def _validate_checkpoint(self) -> None:
         if self.save_interval is not None and self.save_interval < 1:
