@@ -13,6 +13,7 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
+from hybrid.architecture import architecture_fields, validate_architecture
 from hybrid.config_sections import (CheckpointConfig, DataConfig, LoggingConfig, ModelConfig,
                                     OptimizerConfig, ParallelConfig, RecomputeConfig,
                                     ScheduleConfig, ZeroConfig)
@@ -70,6 +71,7 @@ def build_config(flags: Flags, world_size: int) -> TrainConfig:
     _check_numbers(f)
     _check_parallel(f)
     _check_model(f)
+    validate_architecture(f)  # the Llama-family flags; fills the SwiGLU width
     _check_batch(f, dp)
     _check_schedule(f)
     _check_zero(f)
@@ -88,7 +90,8 @@ def build_config(flags: Flags, world_size: int) -> TrainConfig:
             seq_length=f.seq_length, max_position_embeddings=f.max_position_embeddings,
             make_vocab_size_divisible_by=f.make_vocab_size_divisible_by,
             hidden_dropout=f.hidden_dropout, attention_dropout=f.attention_dropout,
-            init_method_std=f.init_method_std, attention_backend=f.attention_backend),
+            init_method_std=f.init_method_std, attention_backend=f.attention_backend,
+            **architecture_fields(f)),
         optimizer=_optimizer(f),
         schedule=ScheduleConfig(
             micro_batch_size=f.micro_batch_size, global_batch_size=f.global_batch_size,

@@ -91,6 +91,16 @@ class ModelConfig:
     attention_dropout: float = 0.1
     init_method_std: float = 0.02
     attention_backend: str = "auto"  # auto, flash, fused, unfused, local
+    # the Llama family (hybrid.architecture; defaults: GPT-2)
+    normalization: str = "LayerNorm"  # or RMSNorm
+    norm_epsilon: float = 1e-5
+    swiglu: bool = False
+    position_embedding_type: str = "learned_absolute"  # rope, none
+    rotary_base: float = 10000.0
+    rotary_percent: float = 1.0
+    num_query_groups: int | None = None  # key/value heads; None: one per query head
+    untie_embeddings_and_output_weights: bool = False
+    add_bias_linear: bool = True
 
 
 @dataclass(frozen=True)

@@ -44,7 +44,7 @@ class Flags:
     num_layers: int = opt(4, "transformer layers")
     hidden_size: int = opt(256, "model width")
     num_attention_heads: int = opt(4, "attention heads (divisible by TP)")
-    ffn_hidden_size: int | None = opt(None, "MLP width (default 4 x hidden)")
+    ffn_hidden_size: int | None = opt(None, "MLP width (default 4 x hidden; see --swiglu)")
     seq_length: int = opt(128, "tokens per sample")
     max_position_embeddings: int | None = opt(None, "positions (default: seq length)")
     make_vocab_size_divisible_by: int = opt(128, "pad vocab to a multiple of this x TP")
@@ -54,6 +54,20 @@ class Flags:
     attention_backend: str = opt("auto", "auto, flash, fused, unfused or local: which "
                                          "attention kernel runs (auto: torch's SDPA picks)")
     use_flash_attn: bool = opt(False, "older Megatron name for --attention-backend flash")
+    # model architecture (the Llama family: hybrid/architecture.py)
+    normalization: str = opt("LayerNorm", "LayerNorm or RMSNorm")
+    norm_epsilon: float = opt(1e-5, "epsilon of every LayerNorm / RMSNorm")
+    swiglu: bool = opt(False, "gated SiLU MLP; --ffn-hidden-size then defaults to "
+                              "int(8 x hidden / 3 / 64) x 64")
+    position_embedding_type: str = opt("learned_absolute", "learned_absolute, rope or none")
+    rotary_base: float = opt(10000.0, "RoPE frequency base (theta)")
+    rotary_percent: float = opt(1.0, "fraction of each head's channels RoPE rotates")
+    group_query_attention: bool = opt(False, "grouped-query attention (--num-query-groups)")
+    num_query_groups: int | None = opt(None, "key/value heads with --group-query-attention "
+                                             "(default 1)")
+    untie_embeddings_and_output_weights: bool = opt(False, "a separate output layer instead "
+                                                           "of the embedding's transpose")
+    disable_bias_linear: bool = opt(False, "no biases in the linear layers")
     # batch
     micro_batch_size: int = opt(8, "samples per rank per forward/backward")
     global_batch_size: int | None = opt(None, "samples per step (default micro x DP)")

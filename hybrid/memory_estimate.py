@@ -23,6 +23,16 @@ SDPA)::
                         the input's dtype on the CPU)
                         SDPA's log-sum-exp per head (fp32)                4 sb a / t
 
+The Llama-family options change three terms. With ``g`` query groups the QKV
+output is ``(a + 2g) / a`` sbh wide: with GQA or RoPE it is split into fresh
+q, k, v tensors (RoPE applied) that SDPA keeps instead, the same bytes, and
+the QKV output itself is freed. SwiGLU keeps its ``2f``-wide input and its
+``f``-wide output (``3 sbf e / t``; silu is recomputed in backward). RMSNorm
+keeps one fp32 ``1/rms`` per row instead of LayerNorm's two statistics
+(``8 sb`` for two norms). RoPE and ``none`` positions save no position ids;
+biases and an untied output layer save nothing more (the head's input is the
+final norm's output either way).
+
 This is Korthikanti et al. 2022's ``sbh (10 + 24/t)`` for 16-bit activations
 (f = 4h), without their dropout masks and their ``5as/(ht)`` scores term. With
 sequence parallelism the replicated terms (LayerNorm inputs and outputs, their
@@ -82,6 +92,13 @@ class Workload:
     cpu_checkpointing: bool = False
     reduce_bucket_size: int = 50_000_000
     device: str = "cuda"  # "cpu": the kernels and masks of a CPU run
+    # the Llama family (GPTConfig's fields of the same names; defaults: GPT-2)
+    normalization: str = "LayerNorm"
+    swiglu: bool = False
+    position_embedding_type: str = "learned_absolute"
+    num_query_groups: int | None = None  # None: one per head
+    untie_embeddings_and_output_weights: bool = False
+    add_bias_linear: bool = True
 
     @property
     def psi(self) -> int:
@@ -89,14 +106,33 @@ class Workload:
         return self.block_params * self.num_layers + self.root_params
 
     @property
+    def qkv_width(self) -> int:
+        """Output features of the fused QKV: every query head, a key and a value per group."""
+        a = self.num_attention_heads
+        return (a + 2 * (self.num_query_groups or a)) * (self.hidden_size // a)
+
+    @property
+    def mlp_up_width(self) -> int:
+        return (2 if self.swiglu else 1) * self.ffn_hidden_size
+
+    @property
+    def norm_params(self) -> int:
+        return (2 if self.normalization == "LayerNorm" else 1) * self.hidden_size
+
+    @property
     def block_params(self) -> int:
         C, F, t = self.hidden_size, self.ffn_hidden_size, self.tp
-        return (3 * C * C + 3 * C + C * C + C * F + F + F * C) // t + 6 * C
+        bias = 1 if self.add_bias_linear else 0
+        split = self.qkv_width * (C + bias) + C * C + self.mlp_up_width * (C + bias) + F * C
+        return split // t + 2 * self.norm_params + 2 * bias * C
 
     @property
     def root_params(self) -> int:
         C = self.hidden_size
-        return self.padded_vocab_size * C // self.tp + self.max_position_embeddings * C + 2 * C
+        heads = 2 if self.untie_embeddings_and_output_weights else 1
+        positions = (self.max_position_embeddings * C
+                     if self.position_embedding_type == "learned_absolute" else 0)
+        return heads * self.padded_vocab_size * C // self.tp + positions + self.norm_params
 
     def with_stage(self, stage: int) -> "Workload":
         return replace(self, zero_stage=stage)
@@ -123,12 +159,19 @@ def workload(cfg, vocab_size: int, device: str = "cuda") -> Workload:
         selective_recompute=rc.granularity == "selective",
         partition_activations=rc.partition_activations,
         cpu_checkpointing=rc.cpu_checkpointing, reduce_bucket_size=zero.reduce_bucket_size,
-        device=device)
+        device=device, **{k: getattr(m, k) for k in (
+            "normalization", "swiglu", "position_embedding_type", "num_query_groups",
+            "untie_embeddings_and_output_weights", "add_bias_linear")})
 
 
 def _stat_bytes(w: Workload) -> int:
     """LayerNorm's saved mean and 1/std: fp32 on CUDA, the input's dtype on the CPU."""
     return 4 if w.device == "cuda" else BYTES[w.params_dtype]
+
+
+def _norm_row_bytes(w: Workload) -> int:
+    """Statistics one norm saves per row: LayerNorm's mean and 1/std, RMSNorm's fp32 1/rms."""
+    return 2 * _stat_bytes(w) if w.normalization == "LayerNorm" else 4
 
 
 def activation_bytes_per_layer(w: Workload) -> int:
@@ -137,16 +180,20 @@ def activation_bytes_per_layer(w: Workload) -> int:
     e = BYTES[w.params_dtype]
     r = _replicated_divisor(w)
     sbh = s * b * h
-    stats = 2 * 2 * s * b * _stat_bytes(w) // r
+    stats = 2 * s * b * _norm_row_bytes(w) // r
+    # MLP: GELU's input and output (2f); SwiGLU's [gate | up] input and output (3f)
+    mlp = (w.mlp_up_width + w.ffn_hidden_size) * s * b
+    qkv = w.qkv_width * s * b  # 3 sbh without GQA
     if w.selective_recompute:  # the checkpoint holds the QKV output, SDPA keeps nothing
-        saved = 4 * sbh * e // r + (4 * sbh + 2 * w.ffn_hidden_size * s * b) * e // t
+        saved = 4 * sbh * e // r + (qkv + sbh + mlp) * e // t
         attention = 0
     elif w.device == "cpu" and w.attention_dropout > 0:
-        # the math kernel, in fp32: its own q, k, v and the scores, not the QKV output
-        saved = 4 * sbh * e // r + (sbh + 2 * w.ffn_hidden_size * s * b) * e // t
+        # the math kernel, in fp32: its own q, k, v (k, v repeated to every query
+        # head) and the scores, not the QKV output
+        saved = 4 * sbh * e // r + (sbh + mlp) * e // t
         attention = 3 * sbh * 4 // t + 3 * (a // t) * s * s * b * 4
     else:
-        saved = 4 * sbh * e // r + (4 * sbh + 2 * w.ffn_hidden_size * s * b) * e // t
+        saved = 4 * sbh * e // r + (qkv + sbh + mlp) * e // t
         attention = (a // t) * s * b * 4
     masks = 2 * sbh * (1 if w.device == "cuda" else e) // r if w.hidden_dropout > 0 else 0
     return saved + stats + attention + masks
@@ -165,8 +212,9 @@ def head_bytes(w: Workload) -> int:
     # tokens, labels, positions (int64); then at TP 1 the loss's weight scalar, at TP > 1
     # the masks of ids outside this rank's vocabulary slice (embedding, cross-entropy)
     r = _replicated_divisor(w)
-    ids = 2 * 8 * s * b + 8 * s + (4 if w.tp == 1 else 2 * s * b)  # SP: a view of all s
-    ln_f = (2 * s * b * h * e + 2 * s * b * _stat_bytes(w)) // r
+    positions = 8 * s if w.position_embedding_type == "learned_absolute" else 0  # SP: a view
+    ids = 2 * 8 * s * b + positions + (4 if w.tp == 1 else 2 * s * b)
+    ln_f = (2 * s * b * h * e + s * b * _norm_row_bytes(w)) // r
     softmax = (e if w.device == "cuda" else 4) * b * s * w.padded_vocab_size // w.tp
     mask = s * b * h * (1 if w.device == "cuda" else e) // r if w.hidden_dropout > 0 else 0
     return ids + ln_f + softmax + mask

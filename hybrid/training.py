@@ -18,6 +18,7 @@ import torch
 
 from hybrid.activation_checkpointing import apply_activation_checkpointing
 from hybrid.activation_meter import SavedActivationMeter
+from hybrid.architecture import ARCHITECTURE_FIELDS
 from hybrid.checkpoint import save_checkpoint
 from hybrid.checkpoint.resume import start_from_checkpoint
 from hybrid.config import TrainConfig
@@ -26,6 +27,7 @@ from hybrid.data.dataset import build_datasets, dp_micro_batches
 from hybrid.data.tokenizer import build_tokenizer
 from hybrid.errors import TrainingError
 from hybrid.host_memory import return_freed_memory
+from hybrid.kernels.attention import check_attention_backend
 from hybrid.layout import padded_vocab_size
 from hybrid.lr_schedule import scheduled_lr
 from hybrid.monitor import Monitor, log
@@ -55,7 +57,8 @@ def gpt_config(cfg: TrainConfig, vocab_size: int) -> GPTConfig:
         max_position_embeddings=m.max_position_embeddings,
         ffn_hidden_size=m.ffn_hidden_size, hidden_dropout=m.hidden_dropout,
         attention_dropout=m.attention_dropout, init_std=m.init_method_std,
-        sequence_parallel=p.sequence_parallel)
+        sequence_parallel=p.sequence_parallel, attention_backend=m.attention_backend,
+        **{k: getattr(m, k) for k in ARCHITECTURE_FIELDS})
 
 
 def build_model(cfg: TrainConfig, ps: ParallelState, vocab_size: int,
@@ -81,6 +84,10 @@ def build_engine(cfg: TrainConfig, ps: ParallelState, vocab_size: int, rng: TPRN
     The model is built on the meta device and ZeRO draws only what this rank
     keeps from the block-seeded init: no rank ever holds the whole model.
     """
+    m = cfg.model
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+    check_attention_backend(m.attention_backend, ps.device, dtype[cfg.zero.params_dtype],
+                            m.hidden_size // m.num_attention_heads, m.attention_dropout)
     model = build_model(cfg, ps, vocab_size, rng, device="meta")
     model.train()
     rc = cfg.recompute

@@ -5,7 +5,9 @@
 
 OUT.pt holds ``{"model": {name: full fp32 tensor}, "metadata": {...}}`` (and
 ``"optimizer": {name: {"exp_avg", "exp_avg_sq"}}`` with --with-optimizer), loadable
-with ``torch.load`` and, for the model, into a TP=1 ``models.gpt.GPT``.
+with ``torch.load`` and, for the model, into a TP=1 ``models.gpt.GPT`` (fused
+parameters are saved with their full shape -- SwiGLU's ``(2, F, C)`` -- which
+:func:`hybrid.checkpoint.full_model.load_full_weights` reshapes to the model's).
 """
 
 from __future__ import annotations

@@ -1,11 +1,16 @@
 #!/usr/bin/env python
-"""Export a hybrid checkpoint (any layout) as a Hugging Face GPT-2 model directory.
+"""Export a hybrid checkpoint (any layout) as a Hugging Face model directory.
 
     python scripts/export_hf.py SAVE_DIR_OR_CHECKPOINT OUT_DIR
 
-Writes ``OUT_DIR/config.json`` and ``OUT_DIR/model.safetensors``, which
-``transformers.GPT2LMHeadModel.from_pretrained(OUT_DIR)`` loads. Needs the
-``safetensors`` package (``pip install -e '.[dev]'`` has it).
+Writes ``OUT_DIR/config.json`` and ``OUT_DIR/model.safetensors``: a
+``GPT2LMHeadModel`` for a GPT-2-shaped run, a ``LlamaForCausalLM`` for a
+Llama-shaped one (``--normalization RMSNorm --swiglu --position-embedding-type
+rope``, with or without GQA, untied output and biases), which
+``transformers.AutoModelForCausalLM.from_pretrained(OUT_DIR)`` loads. A Llama
+export leaves ``bos_token_id`` / ``eos_token_id`` unset: hybrid does not know
+the tokenizer's special ids. Needs the ``safetensors`` package (``pip install
+-e '.[dev]'`` has it).
 """
 
 from __future__ import annotations
@@ -17,9 +22,11 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from hybrid.architecture import architecture_fields, is_gpt2  # noqa: E402
 from hybrid.checkpoint import iter_full_params, resolve_checkpoint  # noqa: E402
 from hybrid.errors import CheckpointError  # noqa: E402
 from hybrid.hf import hf_config, to_hf  # noqa: E402
+from hybrid.hf_llama import llama_hf_config, to_hf_llama  # noqa: E402
 
 
 def main(argv=None) -> int:
@@ -38,21 +45,25 @@ def main(argv=None) -> int:
         if os.path.exists(os.path.join(a.output_dir, "model.safetensors")):
             raise CheckpointError(f"{a.output_dir}: already holds a model; not overwriting it")
         meta, params = iter_full_params(ckpt, ("master",))  # one parameter at a time
-        weights = {n: s["master"] for n, s in params}
         cfg, vocab = meta["config"], meta["vocab_size"]
-        if cfg.get("ffn_hidden_size") is None:
-            cfg = dict(cfg, ffn_hidden_size=4 * cfg["hidden_size"])
-        tensors = to_hf(weights, cfg["num_layers"],
-                        cfg["num_attention_heads"], vocab)
+        if is_gpt2(architecture_fields(cfg)):
+            cfg = dict(cfg, ffn_hidden_size=cfg.get("ffn_hidden_size") or 4 * cfg["hidden_size"])
+            kind, config = "GPT-2", hf_config(cfg, vocab)
+        else:  # CheckpointError naming the flags when it is not a Llama either
+            kind, config = "Llama", llama_hf_config(cfg, vocab)
+        weights = {n: s["master"] for n, s in params}
+        if kind == "GPT-2":  # HF ties lm_head to wte, so only the embedding is stored
+            tensors = to_hf(weights, cfg["num_layers"], cfg["num_attention_heads"], vocab)
+        else:
+            tensors = to_hf_llama(weights, cfg, vocab)
     except CheckpointError as e:
         print(f"export_hf.py: error: {e}", file=sys.stderr)
         return 2
     os.makedirs(a.output_dir, exist_ok=True)
-    # HF ties lm_head to wte, so only the embedding is stored.
     save_file(tensors, os.path.join(a.output_dir, "model.safetensors"), metadata={"format": "pt"})
     with open(os.path.join(a.output_dir, "config.json"), "w", encoding="utf-8") as f:
-        json.dump(hf_config(cfg, vocab), f, indent=1)
-    print(f"wrote {a.output_dir} (GPT-2, {cfg['num_layers']} layers, hidden "
+        json.dump(config, f, indent=1)
+    print(f"wrote {a.output_dir} ({kind}, {cfg['num_layers']} layers, hidden "
           f"{cfg['hidden_size']}, vocab {vocab}) from {ckpt}")
     return 0
 

@@ -20,31 +20,15 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
-from hybrid.checkpoint import iter_full_params, resolve_checkpoint  # noqa: E402
-from hybrid.layout import padded_vocab_size  # noqa: E402
+from hybrid.checkpoint import resolve_checkpoint  # noqa: E402
+from hybrid.checkpoint.full_model import load_full_model  # noqa: E402
 from hybrid.data.tokenizer import build_tokenizer  # noqa: E402
 from hybrid.errors import CheckpointError, DataError  # noqa: E402
-from hybrid.parallel_state import ParallelState  # noqa: E402
-from models.gpt import GPT, GPTConfig  # noqa: E402
 
 
 def load_model(ckpt: str, device: str):
-    meta, params = iter_full_params(ckpt, ("master",))  # one parameter read at a time
-    weights = {n: s["master"] for n, s in params}
-    c = meta["config"]
-    vocab = meta["vocab_size"]
-    cfg = GPTConfig(vocab_size=vocab, padded_vocab_size=padded_vocab_size(vocab, 128, 1),
-                    num_layers=c["num_layers"], hidden_size=c["hidden_size"],
-                    num_attention_heads=c["num_attention_heads"],
-                    max_position_embeddings=c["max_position_embeddings"],
-                    ffn_hidden_size=c.get("ffn_hidden_size"), hidden_dropout=0.0,
-                    attention_dropout=0.0)
-    model = GPT(cfg, ParallelState.single().tp_group)
-    wte = torch.zeros(cfg.padded_vocab_size, cfg.hidden_size)
-    wte[:vocab] = weights["wte.weight"][:vocab]
-    weights["wte.weight"] = wte
-    model.load_state_dict(weights)
-    return model.to(device).eval(), c
+    """(the checkpoint's model on ``device``, eval mode; its saved config)."""
+    return load_full_model(ckpt, device)
 
 
 @torch.no_grad()

@@ -1,12 +1,17 @@
 #!/usr/bin/env python
-"""Turn a Hugging Face GPT-2 model directory on disk into a hybrid checkpoint.
+"""Turn a Hugging Face GPT-2 or Llama model directory on disk into a hybrid checkpoint.
 
     python scripts/import_hf.py HF_DIR SAVE_DIR
-    bash scripts/pretrain_gpt.sh --load SAVE_DIR --num-layers ... (matching shape)
+    bash scripts/pretrain_gpt.sh --load SAVE_DIR --num-layers ... (the flags it prints)
 
-Reads ``config.json`` and ``model.safetensors`` (or ``pytorch_model.bin``) and
-writes ``SAVE_DIR/iter_0000000`` with a fresh optimizer; ``--load`` then reads
-it into any TP x DP x ZeRO layout. Prints the flags that match the model.
+Reads ``config.json`` and ``model.safetensors`` (or the shards a
+``model.safetensors.index.json`` lists, or ``pytorch_model.bin``) and writes
+``SAVE_DIR/iter_0000000`` with a fresh optimizer; ``--load`` then reads it
+into any TP x DP x ZeRO layout. Prints the flags that match the model: for a
+``LlamaForCausalLM`` (``model_type`` llama, plain RoPE) those include
+``--normalization RMSNorm --swiglu --position-embedding-type rope`` and, as the
+model has them, ``--group-query-attention``, ``--untie-embeddings-and-output-
+weights`` and ``--disable-bias-linear``.
 """
 
 from __future__ import annotations
@@ -23,17 +28,43 @@ import torch  # noqa: E402
 from hybrid.checkpoint.save import write_unsharded_checkpoint  # noqa: E402
 from hybrid.errors import CheckpointError  # noqa: E402
 from hybrid.hf import from_hf  # noqa: E402
+from hybrid.hf_llama import from_hf_llama, llama_flags  # noqa: E402
 
 
 def _read_weights(hf_dir: str) -> dict:
     st = os.path.join(hf_dir, "model.safetensors")
-    if os.path.isfile(st):
+    index = st + ".index.json"
+    if os.path.isfile(st) or os.path.isfile(index):
         from safetensors.torch import load_file
-        return load_file(st)
+        if os.path.isfile(st):
+            return load_file(st)
+        with open(index, encoding="utf-8") as f:
+            shards = sorted(set(json.load(f)["weight_map"].values()))
+        out = {}
+        for shard in shards:
+            out.update(load_file(os.path.join(hf_dir, shard)))
+        return out
     pt = os.path.join(hf_dir, "pytorch_model.bin")
     if os.path.isfile(pt):
         return torch.load(pt, map_location="cpu", weights_only=True)
-    raise CheckpointError(f"{hf_dir}: no model.safetensors or pytorch_model.bin")
+    raise CheckpointError(f"{hf_dir}: no model.safetensors(.index.json) or pytorch_model.bin")
+
+
+def _gpt2(hf_dir: str, hc: dict) -> tuple[dict, dict]:
+    flags = {"num_layers": hc["n_layer"], "hidden_size": hc["n_embd"],
+             "num_attention_heads": hc["n_head"],
+             "ffn_hidden_size": hc.get("n_inner") or 4 * hc["n_embd"],
+             "max_position_embeddings": hc["n_positions"]}
+    return flags, from_hf(_read_weights(hf_dir), hc["n_layer"], hc["n_head"])
+
+
+def _flag_words(flags: dict) -> str:
+    words = []
+    for k, v in flags.items():
+        words.append("--" + k.replace("_", "-"))
+        if v is not True:  # store_true flags stand alone
+            words.append(str(v))
+    return " ".join(words)
 
 
 def main(argv=None) -> int:
@@ -48,19 +79,19 @@ def main(argv=None) -> int:
                 hc = json.load(f)
         except (OSError, json.JSONDecodeError) as e:
             raise CheckpointError(f"{path}: missing or unreadable ({e})") from e
-        if hc.get("model_type") != "gpt2":
-            raise CheckpointError(f"{path}: model_type {hc.get('model_type')!r}, expected gpt2")
-        ffn = hc.get("n_inner") or 4 * hc["n_embd"]
-        model = from_hf(_read_weights(a.hf_dir), hc["n_layer"], hc["n_head"])
-        flags = {"num_layers": hc["n_layer"], "hidden_size": hc["n_embd"],
-                 "num_attention_heads": hc["n_head"], "ffn_hidden_size": ffn,
-                 "max_position_embeddings": hc["n_positions"]}
+        kind = hc.get("model_type")
+        if kind == "gpt2":
+            flags, model = _gpt2(a.hf_dir, hc)
+        elif kind == "llama":
+            flags = llama_flags(hc)  # refuses what hybrid cannot express, before reading
+            model = from_hf_llama(_read_weights(a.hf_dir), hc)
+        else:
+            raise CheckpointError(f"{path}: model_type {kind!r}, expected gpt2 or llama")
         out = write_unsharded_checkpoint(a.save_dir, model, flags, hc["vocab_size"])
     except CheckpointError as e:
         print(f"import_hf.py: error: {e}", file=sys.stderr)
         return 2
-    print(f"wrote {out}; train from it with --load {a.save_dir} "
-          + " ".join(f"--{k.replace('_', '-')} {v}" for k, v in flags.items()))
+    print(f"wrote {out}; train from it with --load {a.save_dir} {_flag_words(flags)}")
     return 0
 
 

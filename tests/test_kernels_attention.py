@@ -30,3 +30,14 @@ def test_a_backend_that_cannot_run_here_is_a_named_error(name, dropout, needle):
     msg = str(e.value)
     assert msg.startswith(f"--attention-backend {name} cannot run on this cpu") and needle in msg
     assert "--attention-backend auto" in msg
+
+
+def test_the_flag_reaches_the_model_and_a_run_that_cannot_use_it_stops_at_start():
+    from launch import TINY, pretrain
+    r = pretrain(1, TINY + ["--train-iters", "1", "--attention-backend", "fused"])
+    assert r.returncode == 2
+    assert "pretrain_gpt.py: error: --attention-backend fused cannot run on this cpu" in r.stderr
+    from hybrid.config import parse_args
+    from hybrid.training import gpt_config
+    cfg = parse_args(TINY + ["--use-flash-attn"]).validate(1)
+    assert gpt_config(cfg, 257).attention_backend == "flash"

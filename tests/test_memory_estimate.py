@@ -4,7 +4,8 @@ A GPT is run forward under a saved-tensor hook that records every storage
 autograd keeps for backward (parameters aside); one layer's bytes are the
 difference between a 2-layer and a 1-layer model, the head's the rest. Checked
 at TP 1 and 2, fp32 and bf16, with and without dropout, and under full
-recompute (stored inputs only, whole or partitioned over TP).
+recompute (stored inputs only, whole or partitioned over TP) -- for GPT-2 and
+for a Llama-shaped model (RMSNorm, SwiGLU, RoPE, GQA, untied, no biases).
 """
 
 from dataclasses import replace
@@ -34,19 +35,29 @@ CASES = [  # (dtype, hidden dropout, attention dropout)
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
-def _workload(tp, dtype, drop, attn, layers=1, **kw):
+# The Llama-shaped model: GPTConfig and Workload fields of the same names
+LLAMA = dict(normalization="RMSNorm", swiglu=True, position_embedding_type="rope",
+             num_query_groups=2, untie_embeddings_and_output_weights=True,
+             add_bias_linear=False)
+LLAMA_FFN = 48  # SwiGLU's [gate | up] is 96 wide
+
+
+def _workload(tp, dtype, drop, attn, layers=1, arch=None, **kw):
+    ffn = LLAMA_FFN if arch else 4 * H
     return Workload(num_layers=layers, hidden_size=H, num_attention_heads=HEADS,
-                    ffn_hidden_size=4 * H, padded_vocab_size=V, seq_length=S,
+                    ffn_hidden_size=ffn, padded_vocab_size=V, seq_length=S,
                     micro_batch_size=B, max_position_embeddings=S, tp=tp, params_dtype=dtype,
-                    hidden_dropout=drop, attention_dropout=attn, device="cpu", **kw)
+                    hidden_dropout=drop, attention_dropout=attn, device="cpu", **(arch or {}),
+                    **kw)
 
 
-def _saved_bytes(ps, layers, dtype, drop, attn, recompute=None, sp=False):
+def _saved_bytes(ps, layers, dtype, drop, attn, recompute=None, sp=False, arch=None):
     """Bytes of the distinct storages autograd saves in one forward (params excluded),
     plus the checkpoints activation checkpointing stores."""
     cfg = GPTConfig(vocab_size=V, padded_vocab_size=V, num_layers=layers, hidden_size=H,
                     num_attention_heads=HEADS, max_position_embeddings=S,
-                    hidden_dropout=drop, attention_dropout=attn, sequence_parallel=sp)
+                    hidden_dropout=drop, attention_dropout=attn, sequence_parallel=sp,
+                    ffn_hidden_size=LLAMA_FFN if arch else None, **(arch or {}))
     rng = seed_all(1, ps.tp_rank, ps.dp_rank, ps.device)
     model = GPT(cfg, ps.tp_group, rng=rng, seed=1).to(DTYPES[dtype])
     ac = None if recompute is None else apply_activation_checkpointing(
@@ -85,6 +96,13 @@ def _measure(ps):
         rc = RecomputeConfig(granularity="full", partition_activations=partition)
         one, two = (_saved_bytes(ps, n, "fp32", 0.0, 0.0, rc) for n in (1, 2))
         out[("recompute", partition)] = two - one
+    for case in CASES:  # Llama-shaped: plain, SP, selective
+        for sp in (False, True) if ps.tp_size > 1 else (False,):
+            one, two = (_saved_bytes(ps, n, *case, sp=sp, arch=LLAMA) for n in (1, 2))
+            out[("llama", sp, *case)] = {"layer": two - one, "head": 2 * one - two}
+        rc = RecomputeConfig(granularity="selective")
+        one, two = (_saved_bytes(ps, n, *case, rc, arch=LLAMA) for n in (1, 2))
+        out[("llama-selective", *case)] = two - one
     return out
 
 
@@ -133,6 +151,34 @@ def test_recomputed_layer_keeps_only_its_input(measured, tp, partition):
     per_layer_stored = (activation_bytes(w)["layers"]) // 2
     assert measured[tp][("recompute", partition)] == per_layer_stored
     assert per_layer_stored == S * B * H * 4 // (tp if partition else 1)
+
+
+@pytest.mark.parametrize("tp,sp", [(1, False), (2, False), (2, True)])
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[0]}-drop{c[1]}-attn{c[2]}")
+def test_llama_activations_equal_saved_bytes(measured, tp, sp, case):
+    """RMSNorm's one statistic, SwiGLU's 3f, the GQA-narrow QKV (split and rotated
+    into fresh q, k, v by RoPE), no position ids: layer and head, with SP and with
+    selective recompute."""
+    w = _workload(tp, *case, arch=LLAMA, sequence_parallel=sp)
+    got = measured[tp][("llama", sp, *case)]
+    assert got["layer"] == activation_bytes_per_layer(w)
+    assert got["head"] == head_bytes(w)
+    if not sp:
+        sel = replace(w, selective_recompute=True)
+        assert measured[tp][("llama-selective", *case)] == activation_bytes_per_layer(sel)
+    # a GPT-2 layer of this width saves more: 4f of MLP against 3 x 48, full-width K, V
+    assert got["layer"] < measured[tp][("sp", *case) if sp else case]["layer"]
+
+
+def test_llama_parameter_count_matches_the_model():
+    for tp in (1, 2):
+        w = _workload(tp, "fp32", 0.0, 0.0, layers=2, arch=LLAMA)
+        cfg = GPTConfig(vocab_size=V, padded_vocab_size=V, num_layers=2, hidden_size=H,
+                        num_attention_heads=HEADS, max_position_embeddings=S,
+                        ffn_hidden_size=LLAMA_FFN, **LLAMA)
+        assert w.psi == cfg.num_parameters(tp)
+    model = GPT(cfg, ParallelState.single().tp_group, device="meta")
+    assert cfg.num_parameters() == sum(p.numel() for p in model.parameters())
 
 
 def test_choose_stage_weighs_peak_against_traffic():

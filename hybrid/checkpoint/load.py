@@ -20,6 +20,9 @@ from hybrid.checkpoint.reader import RangeReader
 from hybrid.checkpoint.reshard import ParamSource, Target
 from hybrid.checkpoint.save import agree_error, model_signature
 from hybrid.errors import CheckpointError
+
+# Split along dim 0 with padding rows that depend on TP: their row count may differ.
+VOCAB_PARAMS = ("wte.weight", "output_layer.weight")
 from hybrid.parallel_state import ParallelState
 from hybrid.tensor_parallel import TPRNGTracker, seed_all
 from hybrid.tensor_parallel.random import set_device_rng_state
@@ -34,18 +37,21 @@ def check_model(meta: dict, model: torch.nn.Module, vocab_size: int | None, wher
         extra, missing = sorted(set(saved) - set(mine)), sorted(set(mine) - set(saved))
         raise CheckpointError(f"{where}: checkpoint is for a different model (it has "
                               f"{extra[:3]} this model lacks, lacks {missing[:3]}); check "
-                              f"--num-layers")
+                              f"--num-layers and the architecture flags (--normalization, "
+                              f"--position-embedding-type, --disable-bias-linear, "
+                              f"--untie-embeddings-and-output-weights)")
     for name, shape in mine.items():
         old = saved[name]
         if old == shape:
             continue
-        vocab_ok = (name == "wte.weight" and old[1:] == shape[1:] and vocab_size is not None
+        vocab_ok = (name in VOCAB_PARAMS and old[1:] == shape[1:] and vocab_size is not None
                     and meta.get("vocab_size") == vocab_size and min(old[0], shape[0]) >= vocab_size)
         if not vocab_ok:
             raise CheckpointError(f"{where}: checkpoint is for a different model: {name} is "
                                   f"{old} there and {shape} here; check --hidden-size, "
                                   f"--num-attention-heads, --ffn-hidden-size, --seq-length / "
-                                  f"--max-position-embeddings and the tokenizer")
+                                  f"--max-position-embeddings, --swiglu, --num-query-groups "
+                                  f"and the tokenizer")
 
 
 def load_checkpoint(load_dir: str, engine: ZeroEngine, ps: ParallelState, cfg,

@@ -22,10 +22,17 @@ Spans are then cut at the old DP shard boundaries into file reads
 (:mod:`hybrid.checkpoint.layout`). When old and new split the parameter the
 same way, the old-local range *is* the new-local one: one span, exact.
 
-The padded vocabulary (``wte.weight``, split along dim 0, so one row) may
-differ between TP sizes: new columns past the old full size are zero, and
-old ones past the new size are not read (rows past the real vocabulary are
-zero in both).
+The padded vocabulary (``wte.weight`` and an untied ``output_layer.weight``,
+split along dim 0, so one row) may differ between TP sizes: new columns past
+the old full size are zero, and old ones past the new size are not read (rows
+past the real vocabulary are zero in both).
+
+Fused parameters whose TP slice interleaves parts -- SwiGLU's ``[gate; up]``,
+where a rank holds its gate rows and then its up rows -- are saved with the
+full shape that makes the slice a column chunk (``(2, F, C)`` split along dim
+1: two rows of ``F C / T``-wide chunks), so they reshard as rectangles like
+any other. The grouped QKV needs nothing special: its rows are whole query
+groups, a contiguous chunk along dim 0 at every TP size.
 """
 
 from __future__ import annotations

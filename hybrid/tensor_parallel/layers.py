@@ -26,6 +26,7 @@ from torch import nn
 from hybrid.comm import CommGroup
 from hybrid.kernels import LayerNorm as _KernelLayerNorm
 from hybrid.kernels import layer_norm
+from hybrid.kernels.rms_norm import rms_norm
 from hybrid.tensor_parallel.mappings import (all_gather_sequence, copy_to_tp, gather_from_tp,
                                              reduce_from_tp, reduce_scatter_sequence,
                                              reduce_scatter_to_sequence, scatter_to_tp,
@@ -89,22 +90,37 @@ class ColumnParallelLinear(nn.Module):
     With ``sequence_parallel`` the input is ``(B, T / tp, in_features)`` and is
     all-gathered along the sequence (backward: all-gathered again for the weight
     gradient, and the input gradient reduce-scattered).
+
+    ``parts > 1`` fuses that many equal linears (SwiGLU's ``[gate; up]``): the
+    output features are ``parts`` blocks, each split over TP, and a rank holds
+    its rows of every block in order -- ``[gate rows of rank r; up rows of rank
+    r]`` -- so its output is ``[its gate | its up]``. The full weight is then the
+    ``(parts, out_features / parts, in_features)`` stack of the blocks, split
+    along dim 1 (``tp_spec``), which is the same tensor at every TP size: the
+    block-seeded init and the checkpoint resharding work on it unchanged.
     """
 
     def __init__(self, in_features: int, out_features: int, tp_group: CommGroup, *,
                  bias: bool = True, gather_output: bool = False,
-                 sequence_parallel: bool = False, device=None, dtype=None):
+                 sequence_parallel: bool = False, parts: int = 1, device=None, dtype=None):
         super().__init__()
+        if gather_output and parts > 1:
+            raise ValueError("gather_output with parts > 1 would interleave the parts")
         self.tp_group = tp_group
         self.gather_output = gather_output
         self.sequence_parallel = sequence_parallel
-        local_out = _divide(out_features, tp_group.size, "out_features")
+        tp, rank = tp_group.size, tp_group.rank
+        per_part = _divide(_divide(out_features, parts, "out_features / parts"), tp,
+                           "out_features / parts")
+        local_out = parts * per_part
         kw = dict(device=device, dtype=dtype)
+        # parts == 1: the plain (out, in) split along dim 0
+        lead, dim = ((parts, out_features // parts), 1) if parts > 1 else ((out_features,), 0)
         self.weight = nn.Parameter(torch.empty(local_out, in_features, **kw))
-        mark_split(self.weight, (out_features, in_features), 0, tp_group.rank, tp_group.size)
+        mark_split(self.weight, (*lead, in_features), dim, rank, tp)
         if bias:
             self.bias = nn.Parameter(torch.zeros(local_out, **kw))
-            mark_split(self.bias, (out_features,), 0, tp_group.rank, tp_group.size)
+            mark_split(self.bias, lead, dim, rank, tp)
         else:
             self.register_parameter("bias", None)
 
@@ -216,3 +232,27 @@ class LayerNorm(_KernelLayerNorm):
             w, b = sequence_parallel_param(w, self.tp_group), sequence_parallel_param(
                 b, self.tp_group)
         return layer_norm(x, w, b, self.eps)
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm over the last dim (:func:`hybrid.kernels.rms_norm.rms_norm`), replicated
+    over TP: one weight ``(C,)``, no bias.
+
+    With ``sequence_parallel`` it normalizes this rank's tokens only, so like
+    :class:`LayerNorm` its weight enters through :func:`sequence_parallel_param`:
+    the gradient is all-reduced over ``tp_group`` and the replicas stay equal.
+    """
+
+    def __init__(self, hidden_size: int, tp_group: CommGroup, *, eps: float = 1e-5,
+                 sequence_parallel: bool = False, device=None, dtype=None):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size, device=device, dtype=dtype))
+        self.eps = eps
+        self.tp_group = tp_group
+        self.sequence_parallel = sequence_parallel and tp_group.size > 1
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w = self.weight
+        if self.sequence_parallel:
+            w = sequence_parallel_param(w, self.tp_group)
+        return rms_norm(x, w, self.eps)

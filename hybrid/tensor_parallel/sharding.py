@@ -3,7 +3,11 @@
 A TP-split parameter carries a :class:`ShardSpec` (``param.tp_spec``): the full
 shape, the split dimension, and this rank's index among ``size`` equal chunks.
 A parameter without one is replicated on every TP rank (LayerNorm, position
-embeddings, row-parallel biases).
+embeddings, row-parallel biases). The local tensor flattened is always chunk
+``rank`` of the full tensor seen as a ``(prod(full_shape[:dim]),
+prod(full_shape[dim:]))`` matrix, cut along its columns; its own shape may
+merge the leading dims (a fused ``[gate; up]`` weight is ``(2F/tp, C)`` locally,
+``(2, F, C)`` split along dim 1 in full).
 
 Initial values are defined on the full tensor and drawn slice by slice:
 see :mod:`hybrid.tensor_parallel.init`.
@@ -54,6 +58,17 @@ def shard_of(full: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
         return full
     if tuple(full.shape) != spec.full_shape:
         raise ValueError(f"full tensor {tuple(full.shape)} does not match {spec.full_shape}")
-    return full.chunk(spec.size, dim=spec.dim)[spec.rank]
+    # reshape: a fused parameter (ColumnParallelLinear's parts) is 2-D locally
+    return full.chunk(spec.size, dim=spec.dim)[spec.rank].reshape(param.shape)
+
+
+def unshard(parts: list[torch.Tensor], spec: ShardSpec | None) -> torch.Tensor:
+    """The full tensor from every TP rank's local one, in TP rank order (``parts[0]``
+    when replicated): the inverse of :func:`shard_of`."""
+    if spec is None:
+        return parts[0]
+    shape = spec.full_shape
+    return torch.cat([p.reshape(*shape[:spec.dim], -1, *shape[spec.dim + 1:]) for p in parts],
+                     dim=spec.dim)
 
 

@@ -1,0 +1,129 @@
+"""The model-architecture flags (GPT-2, or the Llama family) as ``GPTConfig`` fields.
+
+Megatron names the flags (``--normalization RMSNorm --swiglu
+--position-embedding-type rope --group-query-attention --num-query-groups G
+--untie-embeddings-and-output-weights --disable-bias-linear``); the model takes
+them as :class:`models.gpt.GPTConfig` fields. :func:`architecture_fields` maps
+one to the other, from checked Flags or from the flat ``config`` dict
+a checkpoint's ``metadata.json`` stores -- where a checkpoint written before
+these flags existed has none of the keys and reads as GPT-2.
+
+:func:`validate_architecture` holds their checks (:func:`hybrid.config.build_config`
+calls it). No torch here: :mod:`hybrid.config` imports it to validate a
+command line.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from hybrid.errors import ConfigError
+
+NORMALIZATIONS = ("LayerNorm", "RMSNorm")
+POSITION_EMBEDDING_TYPES = ("learned_absolute", "rope", "none")
+
+
+def swiglu_ffn_hidden_size(hidden_size: int) -> int:
+    """Megatron's default MLP width with ``--swiglu``: 2/3 of 4h (gate and up are two
+    matrices, so the parameters stay those of a 4h GELU MLP), rounded down to a
+    multiple of 64."""
+    return int((4 * hidden_size * 2 / 3) / 64) * 64
+
+
+def _get(c, name: str, default: Any) -> Any:
+    value = c.get(name, default) if isinstance(c, dict) else getattr(c, name, default)
+    return default if value is None else value
+
+
+def architecture_fields(c) -> dict:
+    """``GPTConfig`` keyword arguments of the architecture flags of ``c`` (a
+    checked Flags, or a checkpoint's saved config dict; missing keys: GPT-2)."""
+    gqa = _get(c, "group_query_attention", False)
+    return {
+        "normalization": _get(c, "normalization", "LayerNorm"),
+        "norm_epsilon": float(_get(c, "norm_epsilon", 1e-5)),
+        "swiglu": bool(_get(c, "swiglu", False)),
+        "position_embedding_type": _get(c, "position_embedding_type", "learned_absolute"),
+        "rotary_base": float(_get(c, "rotary_base", 10000)),
+        "rotary_percent": float(_get(c, "rotary_percent", 1.0)),
+        "num_query_groups": _get(c, "num_query_groups", 1) if gqa else None,
+        "untie_embeddings_and_output_weights":
+            bool(_get(c, "untie_embeddings_and_output_weights", False)),
+        "add_bias_linear": not _get(c, "disable_bias_linear", False),
+    }
+
+
+# the GPTConfig / ModelConfig fields architecture_fields fills, in order
+ARCHITECTURE_FIELDS = ("normalization", "norm_epsilon", "swiglu", "position_embedding_type",
+                       "rotary_base", "rotary_percent", "num_query_groups",
+                       "untie_embeddings_and_output_weights", "add_bias_linear")
+
+
+def is_llama(fields: dict) -> list[str]:
+    """What keeps a model of these :func:`architecture_fields` from being a Hugging
+    Face ``LlamaForCausalLM`` (empty when it is one)."""
+    missing = []
+    if fields["normalization"] != "RMSNorm":
+        missing.append("--normalization RMSNorm")
+    if not fields["swiglu"]:
+        missing.append("--swiglu")
+    if fields["position_embedding_type"] != "rope":
+        missing.append("--position-embedding-type rope")
+    if fields["rotary_percent"] != 1.0:
+        missing.append("--rotary-percent 1.0")
+    return missing
+
+
+def is_gpt2(fields: dict) -> bool:
+    """True when the flags describe GPT-2 (every architecture flag at its default)."""
+    return (fields["normalization"] == "LayerNorm" and not fields["swiglu"]
+            and fields["position_embedding_type"] == "learned_absolute"
+            and fields["num_query_groups"] is None
+            and not fields["untie_embeddings_and_output_weights"]
+            and fields["add_bias_linear"])
+
+
+def validate_architecture(cfg) -> None:
+    """Check the architecture flags of a :class:`hybrid.flags.Flags` (after its layout and head
+    checks), raising one ConfigError naming the flag; fill ``num_query_groups`` (1,
+    Megatron's default, with --group-query-attention) and, with --swiglu, the
+    default ``ffn_hidden_size``."""
+    tp = cfg.tensor_model_parallel_size
+    if cfg.normalization not in NORMALIZATIONS:
+        raise ConfigError(f"--normalization must be one of {', '.join(NORMALIZATIONS)}, "
+                          f"got {cfg.normalization!r}")
+    if cfg.norm_epsilon <= 0:
+        raise ConfigError(f"--norm-epsilon must be > 0, got {cfg.norm_epsilon}")
+    if cfg.position_embedding_type not in POSITION_EMBEDDING_TYPES:
+        raise ConfigError(f"--position-embedding-type must be one of "
+                          f"{', '.join(POSITION_EMBEDDING_TYPES)}, "
+                          f"got {cfg.position_embedding_type!r}")
+    if cfg.rotary_base <= 0:
+        raise ConfigError(f"--rotary-base must be > 0, got {cfg.rotary_base}")
+    if not 0 < cfg.rotary_percent <= 1:
+        raise ConfigError(f"--rotary-percent must be in (0, 1], got {cfg.rotary_percent}")
+    head = cfg.hidden_size // cfg.num_attention_heads
+    rotary_dim = int(head * cfg.rotary_percent)
+    if cfg.position_embedding_type == "rope" and (rotary_dim < 2 or rotary_dim % 2):
+        raise ConfigError(f"--rotary-percent {cfg.rotary_percent} of the head size {head} "
+                          f"rotates {rotary_dim} channels; RoPE needs an even number >= 2")
+    if cfg.num_query_groups is not None and not cfg.group_query_attention:
+        raise ConfigError("--num-query-groups needs --group-query-attention")
+    if cfg.group_query_attention:
+        if cfg.num_query_groups is None:
+            cfg.num_query_groups = 1  # Megatron's default: one key/value head
+        g = cfg.num_query_groups
+        if g < 1 or cfg.num_attention_heads % g:
+            raise ConfigError(f"--num-attention-heads {cfg.num_attention_heads} is not "
+                              f"divisible by --num-query-groups {g}")
+        if g % tp:
+            raise ConfigError(f"--num-query-groups {g} is not divisible by "
+                              f"--tensor-model-parallel-size {tp}: each TP rank needs "
+                              f"whole key/value heads")
+    if cfg.swiglu and cfg.ffn_hidden_size is None:
+        cfg.ffn_hidden_size = swiglu_ffn_hidden_size(cfg.hidden_size)
+        if cfg.ffn_hidden_size < 1 or cfg.ffn_hidden_size % tp:
+            raise ConfigError(f"--swiglu's default --ffn-hidden-size for --hidden-size "
+                              f"{cfg.hidden_size} is {cfg.ffn_hidden_size}, not a "
+                              f"positive multiple of --tensor-model-parallel-size {tp}: "
+                              f"give --ffn-hidden-size")

@@ -1,0 +1,63 @@
+"""A whole checkpoint as one single-process model (TP 1), for generation and export checks.
+
+``load_full_model(ckpt)`` reads every parameter's full tensor (any saved
+layout, one parameter at a time), rebuilds the GPT the run trained -- GPT-2
+or Llama-shaped, from the flags in ``metadata.json`` -- and loads them:
+the padded vocabulary rows are re-padded for TP 1, and a fused parameter
+saved with its full shape (SwiGLU's ``(2, F, C)``) takes the model's local
+shape, which at TP 1 is the same elements in the same order.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from hybrid.architecture import architecture_fields
+from hybrid.checkpoint.load import VOCAB_PARAMS
+from hybrid.checkpoint.reshard import iter_full_params
+from hybrid.layout import padded_vocab_size
+from hybrid.errors import CheckpointError
+from hybrid.parallel_state import ParallelState
+from models.gpt import GPT, GPTConfig
+
+
+def saved_gpt_config(c: dict, vocab_size: int, tp: int = 1) -> GPTConfig:
+    """The GPTConfig of a checkpoint's saved config dict ``c``, without dropout."""
+    return GPTConfig(vocab_size=vocab_size,
+                     padded_vocab_size=padded_vocab_size(vocab_size, 128, tp),
+                     num_layers=c["num_layers"], hidden_size=c["hidden_size"],
+                     num_attention_heads=c["num_attention_heads"],
+                     max_position_embeddings=c["max_position_embeddings"],
+                     ffn_hidden_size=c.get("ffn_hidden_size"), hidden_dropout=0.0,
+                     attention_dropout=0.0, **architecture_fields(c))
+
+
+def load_full_weights(model: GPT, weights: dict[str, torch.Tensor]) -> GPT:
+    """Load full (unsharded) ``weights`` into a TP-1 ``model``; the vocabulary
+    parameters may have any number of padding rows."""
+    sd = {}
+    for name, p in model.named_parameters():
+        if name not in weights:
+            raise CheckpointError(f"the checkpoint has no {name!r}; a different model")
+        w = weights[name]
+        if name in VOCAB_PARAMS:
+            rows = min(model.cfg.vocab_size, w.shape[0])
+            w = torch.cat([w[:rows], w.new_zeros(p.shape[0] - rows, *w.shape[1:])])
+        if w.numel() != p.numel():
+            raise CheckpointError(f"{name}: {list(w.shape)} in the checkpoint, "
+                                  f"{list(p.shape)} in the model")
+        sd[name] = w.reshape(p.shape)
+    model.load_state_dict(sd)
+    return model
+
+
+def load_full_model(ckpt: str, device: str | torch.device = "cpu") -> tuple[GPT, dict]:
+    """(the checkpoint's model on one process in eval mode, its saved config dict)."""
+    meta, params = iter_full_params(ckpt, ("master",))  # one parameter read at a time
+    weights = {n: s["master"] for n, s in params}
+    c = meta["config"]
+    cfg = saved_gpt_config(c, meta["vocab_size"])
+    model = GPT(cfg, ParallelState.single().tp_group, device="meta")
+    model.to_empty(device="cpu")
+    load_full_weights(model, weights)
+    return model.to(device).eval(), c

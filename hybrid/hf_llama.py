@@ -1,0 +1,163 @@
+"""Name and layout mapping between hybrid's Llama-shaped GPT and Hugging Face's Llama.
+
+A hybrid model with ``--normalization RMSNorm --swiglu --position-embedding-type
+rope`` (and optionally GQA, untied output, no biases) is ``LlamaForCausalLM``.
+What differs is only where the numbers sit:
+
+* hybrid fuses Q, K and V into one weight laid out per query group --
+  ``[the group's query heads | its key head | its value head]``, group after
+  group -- so a TP split keeps whole groups; HF keeps ``q_proj``, ``k_proj`` and
+  ``v_proj`` apart, head-major;
+* hybrid fuses gate and up into ``mlp.fc.weight`` ``(2, F, C)`` (``[gate; up]``);
+  HF has ``gate_proj`` and ``up_proj``;
+* hybrid's embedding and output layer have padding rows past the vocabulary.
+
+Both use RoPE's rotate-half convention on every head (no permutation of the
+Q/K rows) and the same RMSNorm, so logits agree to rounding. Pure tensor and
+dict functions: no torch.distributed, no transformers import.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from hybrid.architecture import architecture_fields, is_llama
+from hybrid.errors import CheckpointError
+
+
+def _qkv_from_hf(q, k, v, groups: int) -> torch.Tensor:
+    """(nq hs, ...), (g hs, ...), (g hs, ...) -> per-group (g (r + 2) hs, ...)."""
+    parts = [t.reshape(groups, -1, *t.shape[1:]) for t in (q, k, v)]
+    return torch.cat(parts, dim=1).reshape(-1, *q.shape[1:])
+
+
+def _qkv_to_hf(qkv, groups: int, heads: int):
+    """Inverse of :func:`_qkv_from_hf`: (q, k, v)."""
+    r = heads // groups
+    x = qkv.reshape(groups, r + 2, -1, *qkv.shape[1:])  # (g, r + 2, hs, ...)
+    rest = qkv.shape[1:]
+    return (x[:, :r].reshape(-1, *rest), x[:, r].reshape(-1, *rest),
+            x[:, r + 1].reshape(-1, *rest))
+
+
+def to_hf_llama(model: dict[str, torch.Tensor], c: dict,
+                vocab_size: int) -> dict[str, torch.Tensor]:
+    """hybrid state (full tensors) with saved config ``c`` -> ``LlamaForCausalLM`` state."""
+    f = architecture_fields(c)
+    heads = c["num_attention_heads"]
+    groups = f["num_query_groups"] or heads
+    out = {"model.embed_tokens.weight": model["wte.weight"][:vocab_size],
+           "model.norm.weight": model["ln_f.weight"]}
+    if f["untie_embeddings_and_output_weights"]:
+        out["lm_head.weight"] = model["output_layer.weight"][:vocab_size]
+    for i in range(c["num_layers"]):
+        src, dst = f"blocks.{i}.", f"model.layers.{i}."
+        out[dst + "input_layernorm.weight"] = model[src + "ln_1.weight"]
+        out[dst + "post_attention_layernorm.weight"] = model[src + "ln_2.weight"]
+        kinds = ("weight", "bias") if f["add_bias_linear"] else ("weight",)
+        for kind in kinds:
+            q, k, v = _qkv_to_hf(model[f"{src}attn.qkv.{kind}"], groups, heads)
+            for name, t in (("q", q), ("k", k), ("v", v)):
+                out[f"{dst}self_attn.{name}_proj.{kind}"] = t
+            out[f"{dst}self_attn.o_proj.{kind}"] = model[f"{src}attn.proj.{kind}"]
+            gate, up = model[f"{src}mlp.fc.{kind}"]  # (2, F, ...)
+            out[f"{dst}mlp.gate_proj.{kind}"] = gate
+            out[f"{dst}mlp.up_proj.{kind}"] = up
+            out[f"{dst}mlp.down_proj.{kind}"] = model[f"{src}mlp.proj.{kind}"]
+    return {k: v.contiguous() for k, v in out.items()}
+
+
+def from_hf_llama(hf: dict[str, torch.Tensor], hc: dict) -> dict[str, torch.Tensor]:
+    """``LlamaForCausalLM`` state dict with ``config.json`` ``hc`` -> hybrid state
+    (unpadded vocabulary, fp32)."""
+    groups = hc.get("num_key_value_heads") or hc["num_attention_heads"]
+    bias = bool(hc.get("attention_bias", False))
+
+    def get(k):
+        for key in (k, "model." + k):
+            if key in hf:
+                return hf[key]
+        raise CheckpointError(f"the Hugging Face weights have no {k!r}")
+    out = {"wte.weight": get("embed_tokens.weight"), "ln_f.weight": get("norm.weight")}
+    if not hc.get("tie_word_embeddings", True):
+        out["output_layer.weight"] = hf["lm_head.weight"] if "lm_head.weight" in hf \
+            else get("lm_head.weight")
+    for i in range(hc["num_hidden_layers"]):
+        src, dst = f"layers.{i}.", f"blocks.{i}."
+        out[dst + "ln_1.weight"] = get(src + "input_layernorm.weight")
+        out[dst + "ln_2.weight"] = get(src + "post_attention_layernorm.weight")
+        for kind in ("weight", "bias") if bias else ("weight",):
+            q, k, v = (get(f"{src}self_attn.{n}_proj.{kind}") for n in "qkv")
+            out[f"{dst}attn.qkv.{kind}"] = _qkv_from_hf(q, k, v, groups)
+            out[f"{dst}attn.proj.{kind}"] = get(f"{src}self_attn.o_proj.{kind}")
+            out[f"{dst}mlp.fc.{kind}"] = torch.stack([get(f"{src}mlp.gate_proj.{kind}"),
+                                                      get(f"{src}mlp.up_proj.{kind}")])
+            out[f"{dst}mlp.proj.{kind}"] = get(f"{src}mlp.down_proj.{kind}")
+    return {k: v.float().contiguous() for k, v in out.items()}
+
+
+def _rope(hc: dict) -> float:
+    """RoPE base of a Llama ``config.json`` (transformers 5 ``rope_parameters``, or the
+    older top-level ``rope_theta`` / ``rope_scaling``); refuses scaled variants."""
+    params = hc.get("rope_parameters") or {}
+    scaling = hc.get("rope_scaling") or {}
+    kind = params.get("rope_type") or scaling.get("rope_type") or scaling.get("type") \
+        or "default"
+    if kind != "default":
+        raise CheckpointError(f"config.json: rope_type {kind!r}; only plain RoPE ('default') "
+                              f"is implemented here")
+    return float(params.get("rope_theta", hc.get("rope_theta", 10000.0)))
+
+
+def llama_flags(hc: dict) -> dict:
+    """hybrid's flags (TrainConfig fields) for a Llama ``config.json``; CheckpointError
+    naming the field for what hybrid cannot express."""
+    heads, hidden = hc["num_attention_heads"], hc["hidden_size"]
+    if hc.get("hidden_act", "silu") != "silu":
+        raise CheckpointError(f"config.json: hidden_act {hc['hidden_act']!r}; SwiGLU is silu")
+    if hc.get("head_dim") not in (None, hidden // heads):
+        raise CheckpointError(f"config.json: head_dim {hc['head_dim']} is not hidden_size / "
+                              f"num_attention_heads ({hidden // heads}), which hybrid assumes")
+    if bool(hc.get("attention_bias", False)) != bool(hc.get("mlp_bias", False)):
+        raise CheckpointError("config.json: attention_bias and mlp_bias differ; hybrid's "
+                              "--disable-bias-linear covers both")
+    groups = hc.get("num_key_value_heads") or heads
+    flags = {"num_layers": hc["num_hidden_layers"], "hidden_size": hidden,
+             "num_attention_heads": heads, "ffn_hidden_size": hc["intermediate_size"],
+             "max_position_embeddings": hc["max_position_embeddings"],
+             "normalization": "RMSNorm", "norm_epsilon": hc.get("rms_norm_eps", 1e-6),
+             "swiglu": True, "position_embedding_type": "rope", "rotary_base": _rope(hc)}
+    if groups != heads:
+        flags.update(group_query_attention=True, num_query_groups=groups)
+    if not hc.get("tie_word_embeddings", True):
+        flags["untie_embeddings_and_output_weights"] = True
+    if not hc.get("attention_bias", False):
+        flags["disable_bias_linear"] = True
+    return flags
+
+
+def llama_hf_config(c: dict, vocab_size: int) -> dict:
+    """``config.json`` of ``LlamaForCausalLM`` for a hybrid saved config ``c``."""
+    f = architecture_fields(c)
+    missing = is_llama(f)
+    if missing:
+        raise CheckpointError(f"neither GPT-2 nor Llama-shaped: a Hugging Face Llama needs "
+                              f"{', '.join(missing)}")
+    heads = c["num_attention_heads"]
+    theta = f["rotary_base"]
+    return {"architectures": ["LlamaForCausalLM"], "model_type": "llama",
+            "vocab_size": vocab_size, "hidden_size": c["hidden_size"],
+            "intermediate_size": c["ffn_hidden_size"],
+            "num_hidden_layers": c["num_layers"], "num_attention_heads": heads,
+            "num_key_value_heads": f["num_query_groups"] or heads,
+            "head_dim": c["hidden_size"] // heads, "hidden_act": "silu",
+            "max_position_embeddings": c["max_position_embeddings"],
+            "rms_norm_eps": f["norm_epsilon"],
+            "rope_parameters": {"rope_type": "default", "rope_theta": theta},
+            "rope_theta": theta,  # what transformers 4.x reads
+            "attention_bias": f["add_bias_linear"], "mlp_bias": f["add_bias_linear"],
+            "attention_dropout": c.get("attention_dropout", 0.0),
+            "initializer_range": c.get("init_method_std", 0.02),
+            "tie_word_embeddings": not f["untie_embeddings_and_output_weights"],
+            # hybrid does not know the tokenizer's special ids: set them for generation
+            "bos_token_id": None, "eos_token_id": None, "use_cache": True}

@@ -1,0 +1,100 @@
+"""Split a fused, grouped QKV into query, key and value heads, with rotary embeddings.
+
+    q, k, v = split_qkv(qkv, q_per_group, head_size, rotary)
+
+``qkv`` is ``(B, T, g * (r + 2) * hs)``: per query group (a key/value head),
+``r = q_per_group`` query heads, then the key head, then the value head --
+Megatron's layout, which keeps whole groups in any contiguous TP chunk (and
+with ``r = 1`` is the per-head ``[q k v]`` of GPT-2). Returned: ``q`` ``(B, g r,
+T, hs)``, ``k`` and ``v`` ``(B, g, T, hs)``, fresh tensors stored token-major
+(transposed views, as views of ``qkv`` would be), query head ``i`` using
+key/value head ``i // r`` (Hugging Face's ``repeat_kv``).
+
+``rotary`` (a :class:`Rotary`, or None) rotates the first ``rotary.dim``
+channels of every query and key head by position (RoPE, Su et al. 2021) in
+the rotate-half convention of Hugging Face's Llama: channel ``j < dim/2`` pairs
+with ``j + dim/2`` and turns by ``pos * base^(-2j/dim)``; the other channels
+pass through (``--rotary-percent`` below 1). cos and sin are computed in fp32
+and cast to the activations' dtype, as Hugging Face does.
+
+One autograd Function that saves nothing: a rotation's transpose is the
+rotation by the opposite angle, so backward recomputes cos and sin (``T x
+dim/2`` values) and rotates the gradients back. The three outputs are what the
+attention kernel then keeps, the same bytes as the fused QKV output itself.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class Rotary:
+    """RoPE on the first ``dim`` channels of a head (even), with frequency base ``base``."""
+
+    dim: int
+    base: float = 10000.0
+
+    def cos_sin(self, seq_len: int, dtype: torch.dtype, device) -> tuple[torch.Tensor, ...]:
+        """(cos, sin), each ``(T, dim)``: ``[f | f]`` with ``f = pos * base^(-2j/dim)``."""
+        inv_freq = 1.0 / (self.base ** (torch.arange(0, self.dim, 2, dtype=torch.float,
+                                                     device=device) / self.dim))
+        pos = torch.arange(seq_len, device=device).float()
+        freqs = pos[:, None] * inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """``x`` ``(B, T, heads, hs)`` with its first ``cos.shape[-1]`` channels rotated;
+    ``cos`` and ``sin`` are ``(T, 1, dim)``."""
+    d = cos.shape[-1]
+    if d == x.shape[-1]:
+        return x * cos + _rotate_half(x) * sin
+    r = x[..., :d]
+    return torch.cat((r * cos + _rotate_half(r) * sin, x[..., d:]), dim=-1)
+
+
+class SplitQKVFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, qkv, q_per_group: int, head_size: int, rotary: Rotary | None):
+        B, T, _ = qkv.shape
+        r = q_per_group
+        x = qkv.view(B, T, -1, r + 2, head_size)  # (B, T, g, r + 2, hs)
+        g = x.shape[2]
+        # Token-major storage (B, T, heads, hs), returned as (B, heads, T, hs) views: the
+        # attention output then comes back token-major too, and merging its heads for
+        # the projection is a view, not a copy.
+        q = x[:, :, :, :r].reshape(B, T, g * r, head_size)
+        k, v = x[:, :, :, r].contiguous(), x[:, :, :, r + 1].contiguous()
+        ctx.meta = (B, T, g, r, head_size, rotary)
+        if rotary is not None:
+            cos, sin = (t[:, None] for t in rotary.cos_sin(T, qkv.dtype, qkv.device))
+            q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+        return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+
+    @staticmethod
+    def backward(ctx, dq, dk, dv):
+        B, T, g, r, hs, rotary = ctx.meta
+        dq, dk, dv = dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)  # (B, T, h, hs)
+        if rotary is not None:  # rotate back: the transpose of R(theta) is R(-theta)
+            cos, sin = (t[:, None] for t in rotary.cos_sin(T, dq.dtype, dq.device))
+            dq, dk = _rotate(dq, cos, -sin), _rotate(dk, cos, -sin)
+        grad = torch.empty(B, T, g, r + 2, hs, dtype=dq.dtype, device=dq.device)
+        grad[:, :, :, :r] = dq.reshape(B, T, g, r, hs)
+        grad[:, :, :, r] = dk
+        grad[:, :, :, r + 1] = dv
+        return grad.view(B, T, g * (r + 2) * hs), None, None, None
+
+
+def split_qkv(qkv: torch.Tensor, q_per_group: int, head_size: int,
+              rotary: Rotary | None = None):
+    """``(q, k, v)`` heads of a grouped QKV, RoPE applied to q and k (see the module doc)."""
+    return SplitQKVFunction.apply(qkv, q_per_group, head_size, rotary)

@@ -1,0 +1,151 @@
+"""The transformer block of :mod:`models.gpt`: attention, MLP, norms, residuals.
+
+GPT-2's block by default; the Llama-family options of :class:`GPTConfig` swap
+in RMSNorm, a SwiGLU MLP, rotary position embeddings, grouped-query attention
+and bias-free linears. Every option keeps the TP split a split of whole heads
+(whole query groups) and of whole MLP rows, so the block is the same function
+at every TP size.
+
+Shapes: B batch, T sequence, C hidden, hs head size; per TP rank nh query
+heads, ng query groups (key/value heads), f MLP width.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.nn.functional as F
+from einops import rearrange
+from torch import nn
+
+from hybrid.comm import CommGroup
+from hybrid.kernels import bias_gelu, splits_bias
+from hybrid.kernels.attention import attention_context
+from hybrid.kernels.rotary import Rotary, split_qkv
+from hybrid.kernels.swiglu import swiglu
+from hybrid.tensor_parallel import (ColumnParallelLinear, LayerNorm, RMSNorm, RowParallelLinear,
+                                    TPRNGTracker)
+
+
+def make_norm(cfg, tp_group: CommGroup) -> nn.Module:
+    """The block's and the final norm: ``cfg.normalization`` LayerNorm or RMSNorm."""
+    norm = RMSNorm if cfg.normalization == "RMSNorm" else LayerNorm
+    return norm(cfg.hidden_size, tp_group, eps=cfg.norm_epsilon,
+                sequence_parallel=cfg.sequence_parallel)
+
+
+class AttentionCore(nn.Module):
+    """Causal scaled-dot-product attention over this rank's heads, with dropout.
+
+    ``(B, T, ng * (nh / ng + 2) * hs)`` fused QKV in (per query group: its query
+    heads, its key head, its value head), ``(B, T, nh * hs)`` out. RoPE, when on,
+    is applied here to q and k. A module of its own (no parameters) so selective
+    recompute can checkpoint exactly this: the split, rotation, scores, softmax
+    and dropout, rerun in backward from the QKV output.
+    """
+
+    def __init__(self, cfg, rng: TPRNGTracker | None):
+        super().__init__()
+        self.head_size = cfg.head_size
+        self.q_per_group = cfg.num_attention_heads // cfg.query_groups
+        self.rotary = (Rotary(cfg.rotary_dim, cfg.rotary_base)
+                       if cfg.position_embedding_type == "rope" else None)
+        self.dropout = cfg.attention_dropout
+        self.backend = cfg.attention_backend  # --attention-backend (hybrid/kernels/attention.py)
+        self.rng = rng
+
+    def forward(self, qkv: torch.Tensor) -> torch.Tensor:
+        if self.q_per_group == 1 and self.rotary is None:  # q, k, v: views of qkv, no copy
+            q, k, v = rearrange(qkv, "b t (nh three hs) -> three b nh t hs", three=3,
+                                hs=self.head_size)  # each (B, nh, T, hs)
+        else:  # q (B, nh, T, hs), k and v (B, ng, T, hs), fresh tensors in place of qkv
+            q, k, v = split_qkv(qkv, self.q_per_group, self.head_size, self.rotary)
+        p = self.dropout if self.training else 0.0
+        # Heads differ per TP rank, so their dropout draws from the per-rank stream.
+        fork = self.rng.fork() if (p > 0 and self.rng is not None) else contextlib.nullcontext()
+        with fork, attention_context(self.backend):
+            y = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True,
+                                               enable_gqa=self.q_per_group > 1)
+        return rearrange(y, "b nh t hs -> b t (nh hs)")  # (B, T, nh * hs)
+
+
+class ParallelAttention(nn.Module):
+    """Causal self-attention with query groups (and so heads) split over the TP group."""
+
+    def __init__(self, cfg, tp_group: CommGroup, rng: TPRNGTracker | None):
+        super().__init__()
+        C, tp = cfg.hidden_size, tp_group.size
+        if cfg.num_attention_heads % tp:
+            raise ValueError(f"num_attention_heads {cfg.num_attention_heads} is not divisible "
+                             f"by the tensor-parallel size {tp}")
+        if cfg.query_groups % tp:
+            raise ValueError(f"num_query_groups {cfg.query_groups} is not divisible by "
+                             f"the tensor-parallel size {tp}")
+        # QKV rows are laid out per query group as [its q heads | k | v], so a
+        # contiguous chunk of rows is whole groups: the split is the same function
+        # for every TP size (GPT-2, one head per group: [q k v] per head).
+        sp, bias = cfg.sequence_parallel, cfg.add_bias_linear
+        self.qkv = ColumnParallelLinear(C, cfg.qkv_size, tp_group, bias=bias, sequence_parallel=sp)
+        self.core = AttentionCore(cfg, rng)
+        self.proj = RowParallelLinear(C, C, tp_group, bias=bias, input_is_parallel=True,
+                                      sequence_parallel=sp)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        qkv = self.qkv(x)  # (B, T, ng * (nh / ng + 2) * hs); x is (B, T / tp, C) with SP
+        return self.proj(self.core(qkv))  # (B, T, C) summed over TP; (B, T / tp, C) with SP
+
+
+class ParallelMLP(nn.Module):
+    """C -> f (column-parallel) -> GELU -> C (row-parallel); with ``swiglu`` the
+    up-projection is the fused ``[gate; up]`` pair (each f wide, split over TP
+    per part) and ``silu(gate) * up`` the activation."""
+
+    def __init__(self, cfg, tp_group: CommGroup):
+        super().__init__()
+        sp, bias, parts = cfg.sequence_parallel, cfg.add_bias_linear, 2 if cfg.swiglu else 1
+        self.swiglu = cfg.swiglu
+        self.fc = ColumnParallelLinear(cfg.hidden_size, parts * cfg.ffn_hidden_size, tp_group,
+                                       bias=bias, sequence_parallel=sp, parts=parts)
+        self.proj = RowParallelLinear(cfg.ffn_hidden_size, cfg.hidden_size, tp_group,
+                                      bias=bias, sequence_parallel=sp)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.swiglu:
+            return self.proj(swiglu(self.fc(x)))  # (B, T, 2f) = [gate | up] -> (B, T, f)
+        if self.fc.bias is not None and splits_bias(x):  # fused/compiled bias-GELU
+            h, b = self.fc(x, skip_bias_add=True)
+            return self.proj(bias_gelu(h, b))
+        # eager (always on CPU): bias inside the matmul, exactly as before
+        return self.proj(F.gelu(self.fc(x), approximate="tanh"))
+
+
+def residual_rng(cfg, rng: TPRNGTracker | None):
+    """The RNG context of residual-stream dropout. Replicated over TP, the default
+    stream, identical on every TP rank, keeps the replicas equal; with SP each rank
+    holds other tokens, so the per-TP-rank stream gives them independent masks."""
+    if cfg.sequence_parallel and cfg.hidden_dropout > 0:
+        return rng.fork()
+    return contextlib.nullcontext()
+
+
+class Block(nn.Module):
+    """Pre-norm transformer block. Input and output ``(B, T, C)``, replicated over TP
+    (``(B, T / tp, C)``, this rank's tokens, with sequence parallelism)."""
+
+    def __init__(self, cfg, tp_group: CommGroup, rng: TPRNGTracker | None):
+        super().__init__()
+        self.cfg, self.rng = cfg, rng
+        self.ln_1 = make_norm(cfg, tp_group)
+        self.attn = ParallelAttention(cfg, tp_group, rng)
+        self.ln_2 = make_norm(cfg, tp_group)
+        self.mlp = ParallelMLP(cfg, tp_group)
+        self.drop = nn.Dropout(cfg.hidden_dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        a = self.attn(self.ln_1(x))
+        with residual_rng(self.cfg, self.rng):
+            x = x + self.drop(a)
+        m = self.mlp(self.ln_2(x))
+        with residual_rng(self.cfg, self.rng):
+            return x + self.drop(m)

@@ -1,0 +1,149 @@
+"""Hugging Face Llama round trip: a tiny ``LlamaForCausalLM`` made and saved by
+transformers itself (GQA, tied and untied) imports into hybrid with the same logits
+and the same 32 greedy tokens, exports back bit for bit, and a Llama-shaped model
+trained by hybrid at TP 2 exports to a directory transformers loads and generates
+from exactly as hybrid does."""
+
+import importlib.util
+import os
+
+import pytest
+import torch
+
+from harness import run_ranks
+from launch import ROOT, TINY, pretrain
+
+transformers = pytest.importorskip("transformers")
+safetensors = pytest.importorskip("safetensors.torch")
+
+VOCAB, NEW = 300, 32
+PROMPT = [[5, 17, 200, 3, 99, 42, 7, 250]]
+
+
+def _script(name):
+    """scripts/<name>.py as a module (its main() runs in this process: no interpreter start)."""
+    spec = importlib.util.spec_from_file_location(name, os.path.join(ROOT, "scripts",
+                                                                     f"{name}.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _tokens(vocab):
+    return torch.randint(0, vocab, (2, 24), generator=torch.Generator().manual_seed(9))
+
+
+def _hf_greedy(hf, vocab=VOCAB):
+    with torch.no_grad():
+        out = hf.generate(torch.tensor(PROMPT), max_new_tokens=NEW, do_sample=False,
+                          pad_token_id=vocab - 1)
+    return out[0].tolist()
+
+
+def _hybrid(ckpt_dir):
+    """A checkpoint's model on one process, as scripts/generate.py builds it."""
+    from hybrid.checkpoint import resolve_checkpoint
+    return _script("generate").load_model(resolve_checkpoint(ckpt_dir), "cpu")[0]
+
+
+def _assert_same_model(hf, model, vocab):
+    x = _tokens(vocab)
+    with torch.no_grad():
+        theirs, ours = hf(x).logits, model(x)[..., :vocab]
+    rel = float((theirs - ours).abs().max() / theirs.abs().max())
+    assert rel <= 1e-5, rel
+    sample = _script("generate").sample
+    ours = sample(model, PROMPT[0], NEW, temperature=0.0, top_k=0, seed=0)
+    theirs = _hf_greedy(hf, vocab)
+    assert len(ours) == len(PROMPT[0]) + NEW and ours == theirs
+    return ours
+
+
+def _tiny_llama(tmp_path, tie):
+    config = transformers.LlamaConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+        rope_theta=50000.0, rms_norm_eps=1e-5, tie_word_embeddings=tie, initializer_range=0.3,
+        bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    torch.manual_seed(1)
+    hf = transformers.LlamaForCausalLM(config).eval()
+    hf_dir = str(tmp_path / f"llama_tie{tie}")
+    hf.save_pretrained(hf_dir)
+    return hf, hf_dir
+
+
+def _load_imported_tp2(ps, save, flags):
+    """The imported checkpoint loaded at TP 2 x DP 1, ZeRO-3: this rank's logits."""
+    from hybrid.checkpoint import load_checkpoint
+    from hybrid.flags import Flags
+    from hybrid.tensor_parallel import seed_all
+    from hybrid.training import build_engine
+    cfg = Flags(tensor_model_parallel_size=2, seq_length=32, zero_stage=3,
+                      hidden_dropout=0.0, attention_dropout=0.0, **flags).validate(ps.world_size)
+    rng = seed_all(0, ps.tp_rank, ps.dp_rank, ps.device)
+    model, _, engine = build_engine(cfg, ps, VOCAB, rng)
+    assert load_checkpoint(save, engine, ps, cfg, rng, VOCAB) == (0, 0)
+    model.eval()
+    with torch.no_grad():
+        return model(_tokens(VOCAB))
+
+
+@pytest.mark.parametrize("tie", [False, True])
+def test_llama_from_transformers_imports_and_exports_exactly(tmp_path, tie, capsys):
+    hf, hf_dir = _tiny_llama(tmp_path, tie)
+    save, out = str(tmp_path / "imported"), str(tmp_path / "exported")
+    assert _script("import_hf").main([hf_dir, save]) == 0
+    printed = capsys.readouterr().out
+    assert "--normalization RMSNorm --norm-epsilon 1e-05 --swiglu --position-embedding-type " \
+           "rope --rotary-base 50000.0 --group-query-attention --num-query-groups 2" in printed
+    assert ("--untie-embeddings-and-output-weights" in printed) == (not tie)
+    assert "--disable-bias-linear" in printed
+    model = _hybrid(save)
+    greedy = _assert_same_model(hf, model, VOCAB)
+    assert len(set(greedy[len(PROMPT[0]):])) > 1, greedy  # not one token repeated
+    if tie:  # the imported weights at TP 2, ZeRO-3: the same logits
+        from hybrid.hf_llama import llama_flags
+        flags = llama_flags(hf.config.to_dict())
+        res = run_ranks(_load_imported_tp2, world_size=2, tp=2, args=(save, flags))
+        ours = torch.cat(res, dim=-1)[..., :VOCAB]
+        with torch.no_grad():
+            torch.testing.assert_close(ours, hf(_tokens(VOCAB)).logits, rtol=1e-5, atol=1e-5)
+    assert _script("export_hf").main([save, out]) == 0
+    back = transformers.LlamaForCausalLM.from_pretrained(out).eval()
+    mine = dict(back.state_dict())
+    for name, t in hf.state_dict().items():
+        assert torch.equal(mine[name], t), name  # the round trip moves no number
+    assert back.config.tie_word_embeddings == tie
+    _assert_same_model(back, model, VOCAB)
+
+
+LLAMA_FLAGS = ["--normalization", "RMSNorm", "--swiglu", "--position-embedding-type", "rope",
+               "--rotary-base", "20000", "--group-query-attention", "--num-query-groups", "2",
+               "--untie-embeddings-and-output-weights", "--disable-bias-linear",
+               "--max-position-embeddings", "64"]
+
+
+def test_hybrid_llama_exports_to_transformers(tmp_path, capsys):
+    """Trained at TP 2 (ZeRO-3), exported: transformers' LlamaForCausalLM gives
+    hybrid's logits and greedy tokens; a GPT-2-with-RMSNorm refuses to export as
+    either architecture, naming the flags."""
+    save, out = str(tmp_path / "ckpt"), str(tmp_path / "hf")
+    r = pretrain(2, TINY + LLAMA_FLAGS + ["--tensor-model-parallel-size", "2", "--zero-stage",
+                                          "3", "--train-iters", "3", "--lr", "3e-3",
+                                          "--save", save])
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert _script("export_hf").main([save, out]) == 0
+    hf = transformers.LlamaForCausalLM.from_pretrained(out).eval()
+    assert hf.config.num_key_value_heads == 2 and not hf.config.tie_word_embeddings
+    model = _hybrid(save)
+    _assert_same_model(hf, model, 257)
+
+    from hybrid.checkpoint.save import write_unsharded_checkpoint
+    odd = str(tmp_path / "odd")
+    write_unsharded_checkpoint(odd, {}, {"num_layers": 0, "hidden_size": 8,
+                                         "num_attention_heads": 1, "normalization": "RMSNorm"},
+                               257)
+    capsys.readouterr()
+    assert _script("export_hf").main([odd, str(tmp_path / "odd_hf")]) == 2
+    assert ("neither GPT-2 nor Llama-shaped: a Hugging Face Llama needs --swiglu, "
+            "--position-embedding-type rope") in capsys.readouterr().err

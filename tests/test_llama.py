@@ -1,0 +1,374 @@
+"""The Llama-family options: each one (and all together) is the same function at every
+TP size, composes with ZeRO, recompute and sequence parallelism, and reshards.
+
+* At TP 2 and 4 the init is bit-identical to the one-process model's and the
+  logits, loss and gradients agree (one launch per TP size checks every option).
+* A Llama-shaped model (RMSNorm, SwiGLU, RoPE, GQA, untied, no biases) trains
+  3 steps at TP2 x DP2 and TP4 x DP1 under ZeRO 0-3, full and selective
+  recompute and SP with the losses and parameters of plain torch on one process.
+* A checkpoint saved at TP 2 loads at TP 1 and the reverse, bit for bit, with
+  the same loss.
+* Bad flag combinations are one ConfigError naming the flag.
+"""
+
+import importlib.util
+import os
+import shlex
+
+import pytest
+import torch
+
+from harness import run_ranks
+from hybrid.flags import Flags, parse_args
+from hybrid.errors import ConfigError
+from hybrid.parallel_state import ParallelState
+from hybrid.tensor_parallel import seed_all, unshard
+from models.gpt import GPT, GPTConfig
+from test_zero import VOCAB, _named_params, _train_cfg, _train_reference, _train_steps
+
+SEED, V, T = 13, 257, 16
+LLAMA = dict(normalization="RMSNorm", swiglu=True, position_embedding_type="rope",
+             num_query_groups=4, untie_embeddings_and_output_weights=True,
+             add_bias_linear=False)
+OPTIONS = {  # name -> GPTConfig fields; 8 heads of 8 channels, 4 query groups
+    "rmsnorm": {"normalization": "RMSNorm"},
+    "swiglu": {"swiglu": True},
+    "rope": {"position_embedding_type": "rope", "rotary_base": 500.0},
+    "rope_partial": {"position_embedding_type": "rope", "rotary_percent": 0.5},
+    "no_positions": {"position_embedding_type": "none"},
+    "gqa": {"num_query_groups": 4},
+    "untied": {"untie_embeddings_and_output_weights": True},
+    "no_bias": {"add_bias_linear": False},
+    "llama": LLAMA,
+}
+
+
+def _cfg(tp, **kw):
+    return GPTConfig(vocab_size=V, padded_vocab_size={1: 384, 2: 512, 4: 512}[tp], num_layers=2,
+                     hidden_size=64, num_attention_heads=8, max_position_embeddings=T,
+                     hidden_dropout=0.0, attention_dropout=0.0, **kw)
+
+
+def _batch():
+    x = torch.randint(0, V, (2, T + 1), generator=torch.Generator().manual_seed(4))
+    return x[:, :-1], x[:, 1:]
+
+
+def _run_options(ps, names):
+    out = {}
+    for name in names:
+        rng = seed_all(SEED, ps.tp_rank, ps.dp_rank, ps.device)
+        model = GPT(_cfg(ps.tp_size, **OPTIONS[name]), ps.tp_group, rng=rng, seed=SEED)
+        x, y = _batch()
+        logits = model(x)
+        loss = model(x, y)
+        loss.backward()
+        out[name] = {"logits": logits.detach(), "loss": loss.detach(),
+                     "weights": {n: p.detach() for n, p in model.named_parameters()},
+                     "grads": {n: p.grad for n, p in model.named_parameters()},
+                     "specs": {n: getattr(p, "tp_spec", None)
+                               for n, p in model.named_parameters()}}
+    return out
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return _run_options(ParallelState.single(), list(OPTIONS))
+
+
+def test_options_change_the_model_they_name(reference):
+    names = {k: set(r["weights"]) for k, r in reference.items()}
+    base = names["rmsnorm"]
+    assert "wpe.weight" not in names["rope"] | names["no_positions"] | names["llama"]
+    assert "output_layer.weight" in names["untied"] - base
+    linear_bias = [n for n in names["no_bias"] if n.endswith("bias") and "ln_" not in n]
+    assert not linear_bias and not any(n.endswith("bias") for n in names["llama"])
+    assert not any("ln_1.bias" in n for n in base)  # RMSNorm: a weight only
+    w = reference["llama"]["weights"]
+    assert w["blocks.0.mlp.fc.weight"].shape == (2 * 128, 64)  # [gate; up], 8h/3 -> 128
+    assert w["blocks.0.attn.qkv.weight"].shape == ((8 + 2 * 4) * 8, 64)
+    assert reference["llama"]["specs"]["blocks.0.mlp.fc.weight"].full_shape == (2, 128, 64)
+    losses = {k: float(r["loss"]) for k, r in reference.items()}
+    assert len(set(losses.values())) == len(losses), losses  # each option does something
+    cfg = _cfg(1, **LLAMA)
+    assert cfg.num_parameters() == sum(p.numel() for p in reference["llama"]["weights"].values())
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_every_option_is_the_same_function_at_tp(reference, tp):
+    """Bit-identical init (full tensors from the TP slices), and logits, loss and
+    gradients of the one-process model, for each option and all together."""
+    res = run_ranks(_run_options, world_size=tp, tp=tp, args=(list(OPTIONS),))
+    for name, ref in reference.items():
+        ranks = [r[name] for r in res]
+        logits = torch.cat([r["logits"] for r in ranks], dim=-1)
+        torch.testing.assert_close(logits[..., :V], ref["logits"][..., :V], rtol=1e-5,
+                                   atol=1e-5, msg=lambda m: f"{name} TP{tp}: {m}")
+        assert torch.isinf(logits[..., V:]).all()
+        for r in ranks:
+            assert abs(float(r["loss"]) - float(ref["loss"])) <= 1e-5 * float(ref["loss"])
+        for pname, spec in ranks[0]["specs"].items():
+            w = unshard([r["weights"][pname] for r in ranks], spec)
+            g = unshard([r["grads"][pname] for r in ranks], spec)
+            ref_w, ref_g = ref["weights"][pname], ref["grads"][pname]
+            if pname in ("wte.weight", "output_layer.weight"):  # padding rows: count differs
+                assert not w[V:].any()
+                w, g, ref_w, ref_g = w[:V], g[:V], ref_w[:V], ref_g[:V]
+            assert torch.equal(w, ref_w.reshape(w.shape)), f"{name}: init of {pname} at TP{tp}"
+            torch.testing.assert_close(g, ref_g.reshape(g.shape), rtol=1e-5, atol=1e-6,
+                                       msg=lambda m: f"{name} TP{tp} grad of {pname}: {m}")
+
+
+# -- the ops' own backward passes ---------------------------------------------------------
+def test_llama_ops_backward_is_the_derivative_of_their_forward():
+    """RMSNorm, SwiGLU and the QKV split with full and partial RoPE define their own
+    backward (saving less than autograd would): gradcheck in fp64, and the forward
+    against the plain formulas (GPT-2-style views when there is nothing to rotate)."""
+    from hybrid.kernels.rms_norm import rms_norm
+    from hybrid.kernels.rotary import Rotary, split_qkv
+    from hybrid.kernels.swiglu import swiglu
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 5, 12, dtype=torch.float64, generator=g, requires_grad=True)
+    w = torch.randn(12, dtype=torch.float64, generator=g, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda a, b: rms_norm(a, b, 1e-5), (x, w))
+    assert torch.autograd.gradcheck(swiglu, (x,))
+    torch.testing.assert_close(rms_norm(x, w, 1e-5),
+                               w * x * (x.pow(2).mean(-1, keepdim=True) + 1e-5).rsqrt())
+    a, b = x.chunk(2, -1)
+    torch.testing.assert_close(swiglu(x), torch.nn.functional.silu(a) * b)
+    qkv = torch.randn(2, 5, 2 * (3 + 2) * 4, dtype=torch.float64, generator=g,
+                      requires_grad=True)  # 2 groups of 3 query heads, head size 4
+    for rot in (None, Rotary(4, 100.0), Rotary(2, 100.0)):
+        assert torch.autograd.gradcheck(lambda t: split_qkv(t, 3, 4, rot), (qkv,))
+    q, k, v = split_qkv(qkv, 3, 4, None)
+    heads = qkv.detach().view(2, 5, 2, 5, 4)
+    assert torch.equal(q[:, 4], heads[:, :, 1, 1].contiguous())  # group 1, query head 1
+    assert torch.equal(k[:, 1], heads[:, :, 1, 3]) and torch.equal(v[:, 0], heads[:, :, 0, 4])
+    # RoPE turns channel pair (j, j + 2) of position p by p * 100^(-j/2)
+    q, k, _ = split_qkv(qkv, 3, 4, Rotary(4, 100.0))
+    x0, x2 = heads[1, 3, 0, 0, 1], heads[1, 3, 0, 0, 3]
+    angle = torch.tensor(3 * 100.0 ** -0.5, dtype=torch.float64)
+    torch.testing.assert_close(q[1, 0, 3, 1], x0 * angle.cos() - x2 * angle.sin(), rtol=1e-6,
+                               atol=1e-7)
+    torch.testing.assert_close(q[1, 0, 3, 3], x2 * angle.cos() + x0 * angle.sin(), rtol=1e-6,
+                               atol=1e-7)
+
+
+# -- training: ZeRO, recompute, SP ------------------------------------------------------
+LLAMA_FLAGS = dict(normalization="RMSNorm", swiglu=True, ffn_hidden_size=64,
+                   position_embedding_type="rope", group_query_attention=True,
+                   num_query_groups=4, untie_embeddings_and_output_weights=True,
+                   disable_bias_linear=True, num_attention_heads=8)
+SP = {"sequence_parallel": True}
+FULL, SELECTIVE = {"recompute_granularity": "full"}, {"recompute_granularity": "selective"}
+COMPOSE = {
+    2: [(0, {}), (1, SELECTIVE), (2, {**SP, "overlap_comm": True}), (3, {**SP, **FULL}),
+        (3, {**SP, **SELECTIVE, "zero_param_persistence_threshold": 100})],
+    4: [(1, SP), (3, {**SP, **FULL})],
+}
+
+
+def _train_llama(ps, variants):
+    from hybrid.training import build_engine
+    out = []
+    for stage, kw in variants:
+        cfg = _train_cfg(ps.world_size, ps.tp_size, zero_stage=stage, **LLAMA_FLAGS, **kw)
+        rng = seed_all(cfg.seed, ps.tp_rank, ps.dp_rank, ps.device)
+        model, _, engine = build_engine(cfg, ps, VOCAB, rng)
+        losses, norms = _train_steps(model, engine, ps, cfg)
+        params = _named_params(model, engine)
+        specs = {n: getattr(p, "tp_spec", None) for n, p in model.named_parameters()}
+        out.append({"losses": losses, "norms": norms, "params": params, "specs": specs})
+    return out
+
+
+@pytest.fixture(scope="module")
+def llama_reference():
+    from hybrid.training import build_model
+    cfg = _train_cfg(1, 1, **LLAMA_FLAGS)
+    ps = ParallelState.single()
+    model = build_model(cfg, ps, VOCAB, seed_all(cfg.seed, 0, 0, ps.device))
+    return _train_reference(model, cfg)
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_llama_trains_like_one_process_under_zero_recompute_and_sp(llama_reference, tp):
+    """3 AdamW steps with clipping and 2 micro-batches per step where DP is 2: the
+    losses, clipped grad norms and final parameters of the one-process plain-torch
+    run, at ZeRO 0-3, with full and selective recompute and sequence parallelism."""
+    variants = COMPOSE[tp]
+    res = run_ranks(_train_llama, world_size=4, tp=tp, args=(variants,))
+    ref = llama_reference
+    for v, variant in enumerate(variants):
+        got = res[0][v]
+        for a, b in zip(got["losses"] + got["norms"], ref["losses"] + ref["norms"]):
+            assert abs(a - b) <= 1e-5 * abs(b), (variant, got["losses"], ref["losses"])
+        for name, want in ref["params"].items():
+            if got["specs"][name] is None:  # replicated (RMSNorm): equal on every rank
+                for r in res[1:]:
+                    assert torch.equal(r[v]["params"][name], got["params"][name]), (variant, name)
+            full = unshard([res[t][v]["params"][name] for t in range(tp)], got["specs"][name])
+            if name in ("wte.weight", "output_layer.weight"):
+                full, want = full[:VOCAB], want[:VOCAB]
+            want = want.reshape(full.shape)
+            rel = float((full - want).norm() / want.norm())
+            assert rel <= 1e-5, (variant, name, rel)
+
+
+# -- checkpoints across TP sizes --------------------------------------------------------
+def _engine(ps, seed):
+    from hybrid.training import build_engine
+    cfg = Flags(tensor_model_parallel_size=ps.tp_size, num_layers=2, hidden_size=32,
+                      seq_length=T, zero_stage=1 if ps.world_size > 1 else 0, seed=seed,
+                      hidden_dropout=0.0, attention_dropout=0.0, **LLAMA_FLAGS,
+                      ).validate(ps.world_size)
+    rng = seed_all(seed, ps.tp_rank, ps.dp_rank, ps.device)
+    model, _, engine = build_engine(cfg, ps, V, rng)
+    return cfg, rng, model, engine
+
+
+def _loss(model):
+    x = torch.randint(0, V, (2, T + 1), generator=torch.Generator().manual_seed(8))
+    with torch.no_grad():
+        return float(model(x[:, :-1], x[:, 1:]))
+
+
+def _train_save_load(ps, save_dir, load_dir):
+    """Train 2 steps from seed 3 and save to ``save_dir``; then (if given) load
+    ``load_dir`` into a model from another seed. (loss after training, full
+    params; loss after loading, full params)."""
+    from hybrid.checkpoint import load_checkpoint, save_checkpoint
+    cfg, rng, model, engine = _engine(ps, 3)
+    for _ in range(2):
+        x = torch.randint(0, V, (2, T + 1), generator=torch.Generator().manual_seed(5))
+        engine.zero_grad()
+        engine.backward(model(x[:, :-1], x[:, 1:]))
+        engine.step(1e-2)
+    save_checkpoint(save_dir, 2, 4, engine, ps, cfg, rng, vocab_size=V)
+    trained = (_loss(model), _named_params(model, engine),
+               {n: getattr(p, "tp_spec", None) for n, p in model.named_parameters()})
+    if load_dir is None:
+        return trained, None
+    cfg, rng, model, engine = _engine(ps, 99)
+    assert load_checkpoint(load_dir, engine, ps, cfg, rng, V) == (2, 4)
+    return trained, (_loss(model), _named_params(model, engine))
+
+
+def _same(a, b, specs_a):
+    for name, p in b.items():
+        full = unshard(a[name], specs_a[name]) if isinstance(a[name], list) else a[name]
+        if name in ("wte.weight", "output_layer.weight"):
+            full, p = full[:V], p[:V]
+        assert torch.equal(full, p.reshape(full.shape)), name
+
+
+def test_checkpoints_reshard_between_tp1_and_tp2(tmp_path):
+    """Saved at TP 1 and loaded at TP 2, and saved at TP2 x DP1 (ZeRO-1) and loaded
+    at TP 1: the full parameters bit for bit, and the same loss."""
+    one, two = str(tmp_path / "tp1"), str(tmp_path / "tp2")
+    (loss1, params1, _), _ = _train_save_load(ParallelState.single(), one, None)
+    res = run_ranks(_train_save_load, world_size=2, tp=2, args=(two, one))
+    (loss2, _, specs2), (loaded_loss, _) = res[0]
+    params2 = {n: [r[0][1][n] for r in res] for n in res[0][0][1]}
+    loaded_at_2 = {n: [r[1][1][n] for r in res] for n in res[0][1][1]}
+    _same(loaded_at_2, params1, specs2)  # TP1 -> TP2
+    assert abs(loaded_loss - loss1) <= 1e-6 * loss1
+    from hybrid.checkpoint import load_checkpoint
+    ps = ParallelState.single()
+    cfg, rng, model, engine = _engine(ps, 99)
+    assert load_checkpoint(two, engine, ps, cfg, rng, V) == (2, 4)  # TP2 -> TP1
+    _same(params2, _named_params(model, engine), specs2)
+    assert abs(_loss(model) - loss2) <= 1e-6 * loss2
+    # the Llama checkpoint into a GPT-2 of the same size: refused, naming the flags
+    from hybrid.errors import CheckpointError
+    from hybrid.training import build_engine
+    gpt2 = Flags(num_layers=2, hidden_size=32, num_attention_heads=8, seq_length=T,
+                       ffn_hidden_size=64).validate(1)
+    rng = seed_all(3, 0, 0, ps.device)
+    _, _, engine = build_engine(gpt2, ps, V, rng)
+    with pytest.raises(CheckpointError, match="the architecture flags"):
+        load_checkpoint(one, engine, ps, gpt2, rng, V)
+
+
+# -- flags ----------------------------------------------------------------------------
+def _validate(flags, world=4):
+    return parse_args(flags).validate(world)
+
+
+def test_llama_flags_map_to_the_model_and_fill_megatron_defaults():
+    from hybrid.training import gpt_config
+    cfg = _validate(["--normalization", "RMSNorm", "--swiglu", "--hidden-size", "4096",
+                     "--num-attention-heads", "32", "--position-embedding-type", "rope",
+                     "--rotary-base", "500000", "--group-query-attention",
+                     "--untie-embeddings-and-output-weights", "--disable-bias-linear",
+                     "--norm-epsilon", "1e-6"], world=1)
+    assert cfg.model.ffn_hidden_size == 10880  # Megatron: int(4 * 4096 * 2 / 3 / 64) * 64
+    assert cfg.model.num_query_groups == 1  # Megatron's default with --group-query-attention
+    g = gpt_config(cfg, 32000)
+    assert (g.normalization, g.swiglu, g.position_embedding_type, g.rotary_base,
+            g.num_query_groups, g.untie_embeddings_and_output_weights, g.add_bias_linear,
+            g.norm_epsilon) == ("RMSNorm", True, "rope", 500000.0, 1, True, False, 1e-6)
+    plain = gpt_config(_validate([], world=1), 257)  # GPT-2 unchanged
+    assert (plain.normalization, plain.swiglu, plain.position_embedding_type,
+            plain.query_groups, plain.add_bias_linear, plain.ffn_hidden_size) == \
+        ("LayerNorm", False, "learned_absolute", 4, True, 1024)
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--group-query-attention", "--num-query-groups", "3"],
+     "--num-attention-heads 4 is not divisible by --num-query-groups 3"),
+    (["--group-query-attention", "--num-query-groups", "2", "--tensor-model-parallel-size",
+      "4"], "--num-query-groups 2 is not divisible by --tensor-model-parallel-size 4"),
+    (["--group-query-attention", "--tensor-model-parallel-size", "2"],
+     "--num-query-groups 1 is not divisible by --tensor-model-parallel-size 2"),
+    (["--num-query-groups", "2"], "--num-query-groups needs --group-query-attention"),
+    (["--normalization", "BatchNorm"], "--normalization must be one of LayerNorm, RMSNorm"),
+    (["--position-embedding-type", "alibi"], "--position-embedding-type must be one of"),
+    (["--position-embedding-type", "rope", "--rotary-percent", "0.01"],
+     "RoPE needs an even number"),
+    (["--rotary-percent", "1.5"], "--rotary-percent must be in (0, 1]"),
+    (["--swiglu", "--hidden-size", "16", "--num-attention-heads", "4"],
+     "give --ffn-hidden-size"),
+    (["--norm-epsilon", "0"], "--norm-epsilon must be > 0"),
+])
+def test_bad_llama_flags_name_the_flag(flags, message):
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        _validate(flags)
+
+
+# -- the preset --------------------------------------------------------------------------
+def _preset_flags():
+    """The flags examples/pretrain_llama.sh passes to scripts/pretrain_gpt.sh."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    text = open(os.path.join(root, "examples", "pretrain_llama.sh"), encoding="utf-8").read()
+    cmd = text[text.index('pretrain_gpt.sh"') + len('pretrain_gpt.sh"'):]
+    return root, [w for w in shlex.split(cmd.replace("\\\n", " ")) if w != "$@"]
+
+
+@pytest.mark.parametrize("world", [8, 32])
+def test_llama_preset_validates_and_runs_the_stage_the_estimator_recommends(world, capsys):
+    """Llama-3.2-1B's shape (untied), config only: the flags validate at 8 and 32 ranks,
+    and scripts/estimate_memory.py takes them as they are and recommends the preset's
+    ZeRO stage for an 80 GiB device."""
+    from hybrid.memory_estimate import choose_stage, workload
+    root, flags = _preset_flags()
+    cfg = parse_args(flags).validate(world)
+    m = cfg.model
+    assert (m.num_layers, m.hidden_size, m.num_attention_heads, m.num_query_groups,
+            m.ffn_hidden_size, m.rotary_base, m.normalization, m.swiglu,
+            m.position_embedding_type, m.untie_embeddings_and_output_weights,
+            m.add_bias_linear, cfg.data.tokenizer_type) == \
+        (16, 2048, 32, 8, 8192, 500000.0, "RMSNorm", True, "rope", True, False,
+         "HuggingFaceTokenizer")
+    w = workload(cfg, 128256)
+    assert w.psi == 749_275_136  # per TP rank at TP 2; 1.50B in all
+    assert choose_stage(w, 80 * 2 ** 30, runtime_bytes=int(1.5 * 2 ** 30)) == cfg.zero.stage
+    spec = importlib.util.spec_from_file_location(
+        "estimate_memory", os.path.join(root, "scripts", "estimate_memory.py"))
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    capsys.readouterr()
+    assert script.main(flags + ["--world-size", str(world), "--vocab-size", "128256",
+                                "--gpu-memory-gb", "80"]) == 0
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    assert '"recommended_zero_stage": 1' in last and cfg.zero.stage == 1
