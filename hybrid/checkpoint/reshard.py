@@ -182,13 +182,17 @@ class ParamSource:
 
     def _read_span(self, name: str, t: int, x: int, y: int, out: torch.Tensor) -> None:
         """Old TP rank ``t``'s local elements ``[x, y)`` of ``name`` into ``out``
-        ``(planes, y - x)``, each plane contiguous: one positional read per plane and
-        DP shard crossed."""
-        k = 0
-        for path, size, offset, stride, n in self.layout.reads(name, t, x, y):
-            for plane, c in enumerate(self.cols):
-                self.reader.read_into(path, size, offset + c * stride, out[plane, k: k + n])
-            k += n
+        ``(planes, y - x)``, each plane contiguous, by the positional reads the layout
+        plans (:meth:`SavedLayout.reads`: one per plane and DP shard crossed, or one
+        per DP shard of a format-2 file)."""
+        for r in self.layout.reads(name, t, x, y, self.cols):
+            if r.count == r.n:  # one plane's run: straight into it
+                self.reader.read_into(r.path, r.size, r.offset, out[r.picks[0][0], r.k: r.k + r.n])
+                continue
+            buf = torch.empty(r.count)
+            self.reader.read_into(r.path, r.size, r.offset, buf)
+            for plane, first, step in r.picks:
+                out[plane, r.k: r.k + r.n].copy_(buf[first::step])
 
 
 def iter_full_params(ckpt: str, keys=None, reader: RangeReader | None = None):
