@@ -4,9 +4,9 @@
 new TP-local parameter flattened, as a ``(len(keys), hi - lo)`` fp32 tensor: one
 plane per saved value asked for (``master``, ``exp_avg``, ``exp_avg_sq``; a
 weights-only load asks for ``master`` alone), reading only the old ranges that
-hold them, and of those only the asked-for column blocks. The tools
-(convert, HF export, generate) ask for "TP size 1, ``[0, numel)``": one full
-parameter at a time.
+hold them, and of those only the asked-for column blocks (of a format-2 file,
+the whole interleaved rows). The tools (convert, HF export, generate) ask for
+"TP size 1, ``[0, numel)``": one full parameter at a time.
 
 [Note: TP remapping as rectangles]
 View a parameter as a matrix of ``rows = prod(full_shape[:dim])`` by ``cols =
