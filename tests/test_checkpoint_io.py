@@ -117,6 +117,36 @@ def _barrier(ps):
     ps.world_group.all_reduce(torch.zeros(1))
 
 
+def _rewrite_as_format_2(src, dst):
+    """Copy ``--save`` directory ``src`` (format 3, full) to ``dst`` in format 2, from
+    that format's spec and not from hybrid.checkpoint: version 2 in metadata.json and
+    the headers, no ``zero_layout["columns"]`` and no ``finetune`` record (format 2 had
+    neither), and each data file's column blocks ``(3, rows)`` rewritten as
+    interleaved fp32 rows ``[master, exp_avg, exp_avg_sq]`` ``(rows, 3)``."""
+    import glob
+    import json
+    import shutil
+
+    import numpy as np
+    import torch
+    shutil.copytree(src, dst)
+    ckpt = os.path.join(dst, "iter_0000002")
+    with open(os.path.join(ckpt, "metadata.json")) as f:
+        meta = json.load(f)
+    assert meta["version"] == 3 and meta["zero_layout"].pop("columns") == [
+        "master", "exp_avg", "exp_avg_sq"]
+    meta["version"] = 2
+    del meta["finetune"]
+    with open(os.path.join(ckpt, "metadata.json"), "w") as f:
+        json.dump(meta, f, indent=1)
+    for head in glob.glob(os.path.join(ckpt, "rank_*.pt")):
+        h = torch.load(head, weights_only=True)
+        h["version"] = 2
+        torch.save(h, head)
+        data = np.fromfile(head[:-3] + ".bin", dtype=np.float32).reshape(3, h["data_rows"])
+        np.ascontiguousarray(data.T).tofile(head[:-3] + ".bin")
+
+
 def _io_session(ps, root):
     """World 4. ``a``: TP2 x DP2 ZeRO-3, saved after two steps. Loaded back in the same
     layout, then at ZeRO-1 (same world layout, other units), TP1 x DP4 ZeRO-1 (saved
@@ -126,22 +156,33 @@ def _io_session(ps, root):
     load_optim=False, as --no-load-optim and --finetune do): ``a`` in the same layout
     without the RNG (--finetune) and at TP1 x DP4; ``aw`` in the same layout and at
     TP4 x DP1, and as an exact resume (refused).
+    Format 2 (``a2``: ``a`` rewritten by the test, interleaved rows): in the same
+    layout exactly and weights only (--finetune), at TP1 x DP4 ZeRO-1 and, weights
+    only, at TP4 x DP1 ZeRO-0.
     Then bad files: a truncated data file, a missing one."""
     import shutil
 
     from hybrid.parallel_state import ParallelState
-    a, b, aw = (os.path.join(root, n) for n in ("a", "b", "aw"))
-    out = {"saved": _io_train_and_save(ps, a, 3, weights_to=aw), "same": _io_load(ps, a, 3),
+    a, b, aw, a2 = (os.path.join(root, n) for n in ("a", "b", "aw", "a2"))
+    out = {"saved": _io_train_and_save(ps, a, 3, weights_to=aw)}
+    if ps.rank == 0:
+        _rewrite_as_format_2(a, a2)
+    _barrier(ps)
+    out.update({"same": _io_load(ps, a, 3),
            "stage1": _io_load(ps, a, 1),
            "weights": _io_load(ps, a, 3, load_optim=False, load_rng=False),
            "wonly_same": _io_load(ps, aw, 3, load_optim=False),
-           "wonly_exact": _io_load(ps, aw, 3).get("error")}
+           "wonly_exact": _io_load(ps, aw, 3).get("error"),
+           "v2_same": _io_load(ps, a2, 3),
+           "v2_weights": _io_load(ps, a2, 3, load_optim=False, load_rng=False)})
     tp1 = ParallelState.build(1, timeout=ps.timeout, device=ps.device)
     out["tp1dp4"] = _io_load(tp1, a, 1, save_to=b)
     out["weights_tp1dp4"] = _io_load(tp1, a, 1, load_optim=False)
+    out["v2_tp1dp4"] = _io_load(tp1, a2, 1)
     tp4 = ParallelState.build(4, timeout=ps.timeout, device=ps.device)
     out["tp4dp1"] = _io_load(tp4, a, 0)
     out["wonly_tp4dp1"] = _io_load(tp4, aw, 0, load_optim=False)
+    out["v2_weights_tp4dp1"] = _io_load(tp4, a2, 0, load_optim=False)
     out["back"] = _io_load(ps, b, 3)
     if ps.rank == 0:
         out["single"] = _io_load(ParallelState.single(), a, 0)
@@ -182,14 +223,16 @@ def _old_full_tensors(ckpt):
     with open(os.path.join(ckpt, "metadata.json")) as f:
         meta = json.load(f)
     tp = meta["tensor_model_parallel_size"]
-    ncols = len(meta["zero_layout"]["columns"])
+    v2 = meta["version"] == 2  # interleaved rows, all three columns
+    ncols = 3 if v2 else len(meta["zero_layout"]["columns"])
     local = {}  # name -> tp rank -> (values (n, C), owners (n,))
     specs = {}
     for head in sorted(glob.glob(os.path.join(ckpt, "rank_*.pt"))):
         h = torch.load(head, weights_only=True)
-        # one block per column: (columns, rows) -> rows of columns
+        # format 3: one block per column, (columns, rows) -> rows of columns;
+        # format 2: rows of columns already
         data = torch.from_numpy(np.fromfile(head[:-3] + ".bin", dtype=np.float32))
-        data = data.view(ncols, h["data_rows"]).t()
+        data = data.view(h["data_rows"], 3) if v2 else data.view(ncols, h["data_rows"]).t()
         for name, ranges in h["pieces"].items():
             spec = h["specs"][name]
             specs[name] = spec
@@ -263,7 +306,7 @@ def _check_reshard(ckpt, got, r, header, master_only=False):
     ``master_only`` (a weights-only load): the master equals the cut, both moments
     and the step count are zero, and only master bytes count as needed."""
     import torch
-    _, old = _old_full_tensors(ckpt)
+    meta, old = _old_full_tensors(ckpt)
     assert "error" not in got, got
     owners, needed, off = set(), 0, 0
     for name, lo, hi in got["pieces"]:
@@ -284,7 +327,8 @@ def _check_reshard(ckpt, got, r, header, master_only=False):
     assert sorted(got["opened"]) == sorted(["latest", "iter_0000002/metadata.json", *files])
     head = os.path.getsize(os.path.join(ckpt, f"rank_{r:05d}.pt")) if header else 0
     extra = got["bytes"] - head - os.path.getsize(os.path.join(ckpt, "metadata.json"))
-    per_element = 4 if master_only else 12  # fp32 master, or master and both moments
+    # fp32 master, or master and both moments (always, from format 2's interleaved rows)
+    per_element = 4 if master_only and meta["version"] == 3 else 12
     assert extra <= 2 * per_element * needed, (r, extra, needed)  # narrow rectangles: <= 2x
 
 
@@ -441,7 +485,7 @@ def test_bad_data_files_fail_every_rank_naming_the_file(io_session):
         assert "rank_00002.bin: missing checkpoint shard" in out["missing"], out["missing"]
 
 
-@pytest.mark.parametrize("version", [1, 2])
+@pytest.mark.parametrize("version", [1])
 def test_an_older_checkpoint_version_is_named_as_an_older_format(tmp_path, version):
     import json
     from hybrid.checkpoint import read_metadata
@@ -450,3 +494,93 @@ def test_an_older_checkpoint_version_is_named_as_an_older_format(tmp_path, versi
     with pytest.raises(CheckpointError, match=f"metadata.json: an older checkpoint format "
                                               f"\\(version {version}"):
         read_metadata(str(tmp_path))
+
+
+def test_format_2_loads_exactly_in_the_same_layout(io_session):
+    """A format-2 checkpoint (the test's rewrite of ``a``: the same values, interleaved)
+    in the same layout: each rank opens latest, the metadata, its own header and data
+    file only, reads its own files once, and gets back bit-exactly the master and
+    moments it saved, step and RNG included. Weights only (--finetune): the same data
+    file, no header, and -- rows being interleaved -- all 12 bytes of each of its rows,
+    of which it keeps the master."""
+    import torch
+    root, results = io_session
+    ckpt, ckpt2 = (os.path.join(root, n, "iter_0000002") for n in ("a", "a2"))
+    _, old = _old_full_tensors(ckpt)
+    _, old2 = _old_full_tensors(ckpt2)
+    assert old.keys() == old2.keys()
+    assert all(torch.equal(old[n][0], old2[n][0]) for n in old)
+    meta_bytes = os.path.getsize(os.path.join(ckpt2, "metadata.json"))
+    for r, out in enumerate(results):
+        with open(os.path.join(ckpt, f"rank_{r:05d}.bin"), "rb") as f3, \
+                open(os.path.join(ckpt2, f"rank_{r:05d}.bin"), "rb") as f2:
+            b3, b2 = f3.read(), f2.read()
+        assert len(b3) == len(b2) and b3 != b2  # really another byte order
+        s, got, w = out["saved"], out["v2_same"], out["v2_weights"]
+        assert "error" not in got, got
+        own = {f"iter_0000002/rank_{r:05d}.pt", f"iter_0000002/rank_{r:05d}.bin"}
+        assert sorted(got["opened"]) == sorted(["latest", "iter_0000002/metadata.json", *own])
+        assert got["bytes"] == meta_bytes + _own_file_bytes(ckpt2, r)
+        assert got["pieces"] == s["pieces"]
+        assert torch.equal(got["values"], s["values"])
+        assert got["step"] == 2 and not got["rng_kept"]
+        assert "error" not in w, w
+        assert sorted(w["opened"]) == sorted(["latest", "iter_0000002/metadata.json",
+                                              f"iter_0000002/rank_{r:05d}.bin"])
+        assert w["bytes"] == meta_bytes + 12 * _rows(ckpt2, r)
+        assert torch.equal(w["values"][:, 0], s["values"][:, 0])
+        assert not w["values"][:, 1:].any() and w["step"] == 0 and w["rng_kept"]
+
+
+@pytest.mark.parametrize("case,master_only", [("v2_tp1dp4", False),
+                                              ("v2_weights_tp4dp1", True)])
+def test_format_2_reshards_exactly(io_session, case, master_only):
+    """Format 2 into TP1 x DP4 ZeRO-1 (master and moments) and, weights only, into
+    TP4 x DP1 ZeRO-0: the old full tensors' cut to the bit (read from the interleaved
+    files by the test), only the data files holding the rank's elements opened, at
+    most 2x the interleaved rows needed read."""
+    root, results = io_session
+    for r, out in enumerate(results):
+        _check_reshard(os.path.join(root, "a2", "iter_0000002"), out[case], r, header=False,
+                       master_only=master_only)
+
+
+def _script(name):
+    import importlib.util
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    spec = importlib.util.spec_from_file_location(name, os.path.join(root, "scripts",
+                                                                      f"{name}.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_tools_read_format_2(io_session, tmp_path):
+    """merged_state, convert_checkpoint.py --with-optimizer, generate.py's model and
+    export_hf.py on the format-2 copy give the format-3 original's values, to the bit."""
+    import torch
+    from hybrid.checkpoint import merged_state
+    root = io_session[0]
+    _, full = merged_state(os.path.join(root, "a", "iter_0000002"))
+    _, v2 = merged_state(os.path.join(root, "a2", "iter_0000002"))
+    assert v2.keys() == full.keys()
+    for name, s in v2.items():
+        assert s.keys() == full[name].keys()
+        assert all(torch.equal(s[k], full[name][k]) for k in s), name
+    out = str(tmp_path / "merged.pt")
+    assert _script("convert_checkpoint").main([os.path.join(root, "a2"), out,
+                                               "--with-optimizer"]) == 0
+    merged = torch.load(out)
+    for name, s in full.items():
+        assert torch.equal(merged["model"][name], s["master"])
+        assert torch.equal(merged["optimizer"][name]["exp_avg_sq"], s["exp_avg_sq"])
+    model, _ = _script("generate").load_model(os.path.join(root, "a2", "iter_0000002"), "cpu")
+    for name, p in model.named_parameters():  # the embedding: its real vocabulary rows
+        cut = slice(IO_VOCAB if name == "wte.weight" else None)
+        assert torch.equal(p.detach()[cut], full[name]["master"][cut]), name
+    pytest.importorskip("safetensors")
+    from safetensors.torch import load_file
+    hf = str(tmp_path / "hf")
+    assert _script("export_hf").main([os.path.join(root, "a2"), hf]) == 0
+    wte = load_file(os.path.join(hf, "model.safetensors"))["transformer.wte.weight"]
+    assert torch.equal(wte, full["wte.weight"]["master"][: wte.shape[0]])

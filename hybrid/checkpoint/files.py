@@ -12,8 +12,9 @@ from hybrid.errors import CheckpointError
 # 2: metadata with the ZeRO unit layout, per rank a header (.pt) and a raw data file (.bin)
 #    of interleaved [master, exp_avg, exp_avg_sq] rows
 # 3: the same, the data file column by column, the columns named (weights-only saves)
-VERSION = 3
-_OLDER = {1: "one torch file per rank", 2: "interleaved rows: no weights-only loads"}
+VERSION = 3  # what saves write
+READABLE = (2, 3)  # what loads read (layout.SavedLayout.reads knows both data layouts)
+_OLDER = {1: "one torch file per rank"}
 LATEST = "latest"
 
 
@@ -62,7 +63,8 @@ def rank_paths(ckpt: str, rank: int) -> tuple[str, str]:
 
 
 def read_metadata(ckpt: str, reader: RangeReader | None = None) -> dict:
-    """``ckpt/metadata.json``, checked to be a complete checkpoint of this format.
+    """``ckpt/metadata.json``, checked to be a complete checkpoint of a format this
+    hybrid reads (:data:`READABLE`; ``meta["version"]`` says which).
 
     ``reader``: the load's :class:`RangeReader`, so the read is counted with the rest.
     """
@@ -71,12 +73,12 @@ def read_metadata(ckpt: str, reader: RangeReader | None = None) -> dict:
         meta = json.loads((reader or RangeReader()).read_whole(path))
     except (OSError, ValueError) as e:
         raise CheckpointError(f"{path}: missing or corrupt checkpoint metadata ({e})") from e
-    old = meta.get("version")
+    old, readable = meta.get("version"), " or ".join(map(str, READABLE))
     if old in _OLDER:
         raise CheckpointError(f"{path}: an older checkpoint format (version {old}, "
-                              f"{_OLDER[old]}); this hybrid reads version {VERSION} only: "
+                              f"{_OLDER[old]}); this hybrid reads version {readable} only: "
                               f"resume it with the hybrid that wrote it")
-    if meta.get("version") != VERSION or not meta.get("complete"):
+    if old not in READABLE or not meta.get("complete"):
         raise CheckpointError(f"{path}: not a complete hybrid checkpoint (version "
-                              f"{meta.get('version')}, expected {VERSION})")
+                              f"{old}, expected {readable})")
     return meta

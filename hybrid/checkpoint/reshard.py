@@ -4,9 +4,9 @@
 new TP-local parameter flattened, as a ``(len(keys), hi - lo)`` fp32 tensor: one
 plane per saved value asked for (``master``, ``exp_avg``, ``exp_avg_sq``; a
 weights-only load asks for ``master`` alone), reading only the old ranges that
-hold them, and of those only the asked-for column blocks. The tools
-(convert, HF export, generate) ask for "TP size 1, ``[0, numel)``": one full
-parameter at a time.
+hold them, and of those only the asked-for column blocks (of a format-2 file,
+the whole interleaved rows). The tools (convert, HF export, generate) ask for
+"TP size 1, ``[0, numel)``": one full parameter at a time.
 
 [Note: TP remapping as rectangles]
 View a parameter as a matrix of ``rows = prod(full_shape[:dim])`` by ``cols =
@@ -189,13 +189,17 @@ class ParamSource:
 
     def _read_span(self, name: str, t: int, x: int, y: int, out: torch.Tensor) -> None:
         """Old TP rank ``t``'s local elements ``[x, y)`` of ``name`` into ``out``
-        ``(planes, y - x)``, each plane contiguous: one positional read per plane and
-        DP shard crossed."""
-        k = 0
-        for path, size, offset, stride, n in self.layout.reads(name, t, x, y):
-            for plane, c in enumerate(self.cols):
-                self.reader.read_into(path, size, offset + c * stride, out[plane, k: k + n])
-            k += n
+        ``(planes, y - x)``, each plane contiguous, by the positional reads the layout
+        plans (:meth:`SavedLayout.reads`: one per plane and DP shard crossed, or one
+        per DP shard of a format-2 file)."""
+        for r in self.layout.reads(name, t, x, y, self.cols):
+            if r.count == r.n:  # one plane's run: straight into it
+                self.reader.read_into(r.path, r.size, r.offset, out[r.picks[0][0], r.k: r.k + r.n])
+                continue
+            buf = torch.empty(r.count)
+            self.reader.read_into(r.path, r.size, r.offset, buf)
+            for plane, first, step in r.picks:
+                out[plane, r.k: r.k + r.n].copy_(buf[first::step])
 
 
 def iter_full_params(ckpt: str, keys=None, reader: RangeReader | None = None):
