@@ -25,6 +25,7 @@ progress bar goes to stderr; a summary line to stdout.
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import multiprocessing as mp
 import os
@@ -160,7 +161,7 @@ def main(argv=None) -> int:
         tasks = _tasks(a.input, keys, a.line_documents, progress)
         if a.workers > 1:
             pool = mp.get_context("spawn").Pool(a.workers, _init_worker, (tok_args,))
-            results = pool.imap(_tokenize, tasks, chunksize=1)
+            results = _bounded_imap(pool, _tokenize, tasks, window=2 * a.workers)
         else:
             _init_worker(tok_args)
             results = map(_tokenize, tasks)
@@ -191,6 +192,22 @@ def main(argv=None) -> int:
     print(f"{docs} documents, {toks} tokens -> {', '.join(prefixes.values())}.bin/.idx in "
           f"{dt:.1f}s ({total / 2**20 / dt:.1f} MB/s, {toks / dt:.0f} tokens/s)")
     return 0
+
+
+def _bounded_imap(pool, fn, tasks, window: int):
+    """``pool.imap(fn, tasks)`` in order, with at most ``window`` chunks in flight.
+
+    Pool.imap keeps every finished result until the caller takes it, so when
+    the writer falls behind the workers (a slow disk, a loaded machine) memory
+    grows with the input. Here a chunk is read only when one is taken.
+    """
+    pending = collections.deque()
+    for task in tasks:
+        pending.append(pool.apply_async(fn, (task,)))
+        if len(pending) >= window:
+            yield pending.popleft().get()
+    while pending:
+        yield pending.popleft().get()
 
 
 def output_prefix(prefix: str, key: str) -> str:
