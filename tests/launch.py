@@ -25,6 +25,16 @@ TINY = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4"
         "--attention-dropout", "0", "--log-interval", "1", "--seed", "11"]
 
 
+def script_module(name: str):
+    """scripts/<name>.py as a module, so a test calls its main() in this process."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location(name, os.path.join(ROOT, "scripts",
+                                                                     f"{name}.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def env() -> dict:
     e = dict(os.environ, OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo", PYTHONUNBUFFERED="1")
     e["PYTHONPATH"] = ROOT + os.pathsep + e.get("PYTHONPATH", "")

@@ -6,13 +6,12 @@ weights with a fresh torch.optim.AdamW -- what "weights only, fresh optimizer"
 must mean. (Bytes read per rank for these loads: tests/test_checkpoint_io.py.)
 """
 
-import importlib.util
 import json
 import os
 
 import pytest
 
-from launch import ROOT, TINY, pretrain, read_json_log
+from launch import TINY, pretrain, read_json_log, script_module
 
 # Adam eps 1e-4: the attention key bias has an exactly-zero true gradient, whose
 # rounding noise a tiny eps would turn into full-size steps (see tests/test_zero.py).
@@ -203,14 +202,6 @@ def test_finetune_refuses_a_save_directory_of_another_run(runs):
     assert sorted(os.listdir(runs["pre"])) == ["iter_0000003", "latest"]
 
 
-def _script(name):
-    spec = importlib.util.spec_from_file_location(name, os.path.join(ROOT, "scripts",
-                                                                      f"{name}.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_tools_read_a_weights_only_checkpoint(runs, tmp_path, capsys):
     """convert_checkpoint.py and export_hf.py take a --no-save-optim checkpoint;
     --with-optimizer on it is an error naming the flag."""
@@ -218,7 +209,7 @@ def test_tools_read_a_weights_only_checkpoint(runs, tmp_path, capsys):
 
     from hybrid.checkpoint import merged_state
     _, state = merged_state(os.path.join(runs["pre"], "iter_0000003"))
-    convert = _script("convert_checkpoint")
+    convert = script_module("convert_checkpoint")
     out = str(tmp_path / "merged.pt")
     assert convert.main([runs["pre"], out]) == 0
     merged = torch.load(out)["model"]
@@ -229,6 +220,6 @@ def test_tools_read_a_weights_only_checkpoint(runs, tmp_path, capsys):
     pytest.importorskip("safetensors")
     from safetensors.torch import load_file
     hf = str(tmp_path / "hf")
-    assert _script("export_hf").main([runs["pre"], hf]) == 0
+    assert script_module("export_hf").main([runs["pre"], hf]) == 0
     wte = load_file(os.path.join(hf, "model.safetensors"))["transformer.wte.weight"]
     assert torch.equal(wte, state["wte.weight"]["master"][: wte.shape[0]])

@@ -10,6 +10,8 @@ import os
 
 import pytest
 
+from launch import script_module
+
 IO_VOCAB = 257
 
 
@@ -545,16 +547,6 @@ def test_format_2_reshards_exactly(io_session, case, master_only):
                        master_only=master_only)
 
 
-def _script(name):
-    import importlib.util
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    spec = importlib.util.spec_from_file_location(name, os.path.join(root, "scripts",
-                                                                      f"{name}.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_tools_read_format_2(io_session, tmp_path):
     """merged_state, convert_checkpoint.py --with-optimizer, generate.py's model and
     export_hf.py on the format-2 copy give the format-3 original's values, to the bit."""
@@ -568,19 +560,19 @@ def test_tools_read_format_2(io_session, tmp_path):
         assert s.keys() == full[name].keys()
         assert all(torch.equal(s[k], full[name][k]) for k in s), name
     out = str(tmp_path / "merged.pt")
-    assert _script("convert_checkpoint").main([os.path.join(root, "a2"), out,
+    assert script_module("convert_checkpoint").main([os.path.join(root, "a2"), out,
                                                "--with-optimizer"]) == 0
     merged = torch.load(out)
     for name, s in full.items():
         assert torch.equal(merged["model"][name], s["master"])
         assert torch.equal(merged["optimizer"][name]["exp_avg_sq"], s["exp_avg_sq"])
-    model, _ = _script("generate").load_model(os.path.join(root, "a2", "iter_0000002"), "cpu")
+    model, _ = script_module("generate").load_model(os.path.join(root, "a2", "iter_0000002"), "cpu")
     for name, p in model.named_parameters():  # the embedding: its real vocabulary rows
         cut = slice(IO_VOCAB if name == "wte.weight" else None)
         assert torch.equal(p.detach()[cut], full[name]["master"][cut]), name
     pytest.importorskip("safetensors")
     from safetensors.torch import load_file
     hf = str(tmp_path / "hf")
-    assert _script("export_hf").main([os.path.join(root, "a2"), hf]) == 0
+    assert script_module("export_hf").main([os.path.join(root, "a2"), hf]) == 0
     wte = load_file(os.path.join(hf, "model.safetensors"))["transformer.wte.weight"]
     assert torch.equal(wte, full["wte.weight"]["master"][: wte.shape[0]])

@@ -4,29 +4,18 @@ and the same 32 greedy tokens, exports back bit for bit, and a Llama-shaped mode
 trained by hybrid at TP 2 exports to a directory transformers loads and generates
 from exactly as hybrid does."""
 
-import importlib.util
-import os
 
 import pytest
 import torch
 
 from harness import run_ranks
-from launch import ROOT, TINY, pretrain
+from launch import TINY, pretrain, script_module
 
 transformers = pytest.importorskip("transformers")
 safetensors = pytest.importorskip("safetensors.torch")
 
 VOCAB, NEW = 300, 32
 PROMPT = [[5, 17, 200, 3, 99, 42, 7, 250]]
-
-
-def _script(name):
-    """scripts/<name>.py as a module (its main() runs in this process: no interpreter start)."""
-    spec = importlib.util.spec_from_file_location(name, os.path.join(ROOT, "scripts",
-                                                                     f"{name}.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
 
 
 def _tokens(vocab):
@@ -43,7 +32,7 @@ def _hf_greedy(hf, vocab=VOCAB):
 def _hybrid(ckpt_dir):
     """A checkpoint's model on one process, as scripts/generate.py builds it."""
     from hybrid.checkpoint import resolve_checkpoint
-    return _script("generate").load_model(resolve_checkpoint(ckpt_dir), "cpu")[0]
+    return script_module("generate").load_model(resolve_checkpoint(ckpt_dir), "cpu")[0]
 
 
 def _assert_same_model(hf, model, vocab):
@@ -52,7 +41,7 @@ def _assert_same_model(hf, model, vocab):
         theirs, ours = hf(x).logits, model(x)[..., :vocab]
     rel = float((theirs - ours).abs().max() / theirs.abs().max())
     assert rel <= 1e-5, rel
-    sample = _script("generate").sample
+    sample = script_module("generate").sample
     ours = sample(model, PROMPT[0], NEW, temperature=0.0, top_k=0, seed=0)
     theirs = _hf_greedy(hf, vocab)
     assert len(ours) == len(PROMPT[0]) + NEW and ours == theirs
@@ -92,7 +81,7 @@ def _load_imported_tp2(ps, save, flags):
 def test_llama_from_transformers_imports_and_exports_exactly(tmp_path, tie, capsys):
     hf, hf_dir = _tiny_llama(tmp_path, tie)
     save, out = str(tmp_path / "imported"), str(tmp_path / "exported")
-    assert _script("import_hf").main([hf_dir, save]) == 0
+    assert script_module("import_hf").main([hf_dir, save]) == 0
     printed = capsys.readouterr().out
     assert "--normalization RMSNorm --norm-epsilon 1e-05 --swiglu --position-embedding-type " \
            "rope --rotary-base 50000.0 --group-query-attention --num-query-groups 2" in printed
@@ -108,7 +97,7 @@ def test_llama_from_transformers_imports_and_exports_exactly(tmp_path, tie, caps
         ours = torch.cat(res, dim=-1)[..., :VOCAB]
         with torch.no_grad():
             torch.testing.assert_close(ours, hf(_tokens(VOCAB)).logits, rtol=1e-5, atol=1e-5)
-    assert _script("export_hf").main([save, out]) == 0
+    assert script_module("export_hf").main([save, out]) == 0
     back = transformers.LlamaForCausalLM.from_pretrained(out).eval()
     mine = dict(back.state_dict())
     for name, t in hf.state_dict().items():
@@ -132,7 +121,7 @@ def test_hybrid_llama_exports_to_transformers(tmp_path, capsys):
                                           "3", "--train-iters", "3", "--lr", "3e-3",
                                           "--save", save])
     assert r.returncode == 0, r.stderr[-3000:]
-    assert _script("export_hf").main([save, out]) == 0
+    assert script_module("export_hf").main([save, out]) == 0
     hf = transformers.LlamaForCausalLM.from_pretrained(out).eval()
     assert hf.config.num_key_value_heads == 2 and not hf.config.tie_word_embeddings
     model = _hybrid(save)
@@ -144,6 +133,6 @@ def test_hybrid_llama_exports_to_transformers(tmp_path, capsys):
                                          "num_attention_heads": 1, "normalization": "RMSNorm"},
                                257)
     capsys.readouterr()
-    assert _script("export_hf").main([odd, str(tmp_path / "odd_hf")]) == 2
+    assert script_module("export_hf").main([odd, str(tmp_path / "odd_hf")]) == 2
     assert ("neither GPT-2 nor Llama-shaped: a Hugging Face Llama needs --swiglu, "
             "--position-embedding-type rope") in capsys.readouterr().err

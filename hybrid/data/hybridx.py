@@ -20,6 +20,7 @@ import struct
 
 import numpy as np
 
+from hybrid.data.indexed import map_tokens
 from hybrid.data.sources import DocumentSource
 from hybrid.errors import DataError
 
@@ -55,11 +56,7 @@ class HybridxIndexed(DocumentSource):
         if first != 0 or bin_size != total * self.dtype.itemsize:
             raise DataError(f"{idx}: does not match {self.bin_path} ({total} tokens indexed, "
                             f"{bin_size} bytes of tokens)")
-        if total:
-            self.tokens = np.memmap(self.bin_path, dtype=self.dtype, mode="r")
-            io.files_opened.append(self.bin_path)
-        else:
-            self.tokens = np.zeros(0, dtype=self.dtype)
+        self.tokens = map_tokens(self.bin_path, self.dtype, bin_size, io)
 
     def validate(self, chunk: int = 1 << 22) -> None:
         """Document offsets never decrease (O(D), chunked)."""

@@ -65,6 +65,14 @@ class IOCounter:
     bytes_read: int = 0
 
 
+def map_tokens(bin_path: str, dtype, nbytes: int, io: IOCounter) -> np.ndarray:
+    """The token file, memory-mapped (numpy cannot map an empty file)."""
+    if not nbytes:
+        return np.zeros(0, dtype=dtype)
+    io.files_opened.append(bin_path)
+    return np.memmap(bin_path, dtype=dtype, mode="r")
+
+
 def dtype_for_vocab(vocab_size: int) -> np.dtype:
     """Megatron's choice (``DType.optimal_dtype``): uint16 below 65500 ids, else int32."""
     return np.dtype(np.uint16 if vocab_size < 65500 else np.int32)
@@ -147,11 +155,7 @@ class MegatronIndexed(DocumentSource):
         if end != bin_size:
             raise DataError(f"{idx}: does not match {self.bin_path}: the last sequence ends at "
                             f"byte {end}, the file has {bin_size} (truncated or another pair?)")
-        if bin_size:
-            self.tokens = np.memmap(self.bin_path, dtype=self.dtype, mode="r")
-            io.files_opened.append(self.bin_path)
-        else:
-            self.tokens = np.zeros(0, dtype=self.dtype)
+        self.tokens = map_tokens(self.bin_path, self.dtype, bin_size, io)
 
     def _peek(self, arr: np.ndarray, i: int) -> int:
         self.io.bytes_read += arr.itemsize
