@@ -1,6 +1,8 @@
 """Batch ramp-up, run length and the LR schedule in iterations or samples, as Megatron
 defines them."""
 
+import os
+
 import pytest
 
 from hybrid.config import parse_args
@@ -103,3 +105,18 @@ def test_rampup_run_logs_the_schedule_and_resumes_exactly_after_exit_interval(tm
     resumed = read_json_log(part) + read_json_log(rest)
     assert [m["loss"] for m in resumed] == [m["loss"] for m in log]
     assert [m["iteration"] for m in resumed] == list(range(1, 9))
+
+
+def test_exit_duration_saves_and_stops_and_no_effect_flags_are_logged_once(tmp_path):
+    from launch import TINY, pretrain
+    ckpt = str(tmp_path / "ckpt")
+    r = pretrain(2, TINY + ["--train-iters", "50", "--exit-duration-in-mins", "1e-6",
+                            "--save", ckpt, "--use-mcore-models", "--transformer-impl",
+                            "transformer_engine", "--no-masked-softmax-fusion"])
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "exiting at iteration 1: --exit-duration-in-mins 1e-06" in r.stdout
+    assert sorted(os.listdir(ckpt)) == ["iter_0000001", "latest"]
+    line = ("Megatron flags with no effect here (they pick Megatron's own kernels or "
+            "internals): --use-mcore-models --transformer-impl transformer_engine "
+            "--no-masked-softmax-fusion")
+    assert r.stdout.count(line) == 1
