@@ -13,7 +13,7 @@ import dataclasses
 import math
 from dataclasses import dataclass, field
 
-from hybrid.config_sections import RecomputeConfig, ZeroConfig
+from hybrid.config_sections import DiagnosticsConfig, RecomputeConfig, ZeroConfig
 from hybrid.errors import ConfigError
 
 
@@ -136,6 +136,17 @@ class TrainConfig:
     log_interval: int = opt(10, "iterations per console line")
     log_json: str | None = opt(None, "write one JSON object per logged iteration here")
     tensorboard_dir: str | None = opt(None, "write TensorBoard scalars here")
+    # --- diagnostics: collective flight recorder, collective and replica checks ---
+    collective_dump_dir: str | None = opt(
+        None, "when a collective fails, every live rank writes its last collectives here as "
+              "JSON (collectives_rank00003.json)")
+    check_collectives: bool = opt(
+        False, "debug: before each collective the ranks of its group compare op, shape, dtype "
+               "and sequence number (one small all-gather); a mismatch stops the job naming "
+               "both calls")
+    check_replicas_interval: int = opt(
+        0, "every N iterations check that parameters replicated over TP and DP are "
+           "bit-identical; a divergence stops the job naming the parameter and ranks (0: off)")
 
     # -- validation -----------------------------------------------------------
     def validate(self, world_size: int) -> "TrainConfig":
@@ -205,7 +216,13 @@ class TrainConfig:
         self._validate_recompute()
         self._validate_data()
         self._validate_checkpoint()
+        self._validate_diagnostics()
         return self
+
+    def _validate_diagnostics(self) -> None:
+        if self.check_replicas_interval < 0:
+            raise ConfigError(f"--check-replicas-interval must be >= 0 (0: off), "
+                              f"got {self.check_replicas_interval}")
 
     def _validate_checkpoint(self) -> None:
         if self.save_interval is not None and self.save_interval < 1:
@@ -323,6 +340,12 @@ class TrainConfig:
             partition_activations=self.partition_activations and not self.sequence_parallel,
             cpu_checkpointing=self.cpu_checkpointing,
             contiguous_checkpointing=self.contiguous_checkpointing)
+
+    @property
+    def diagnostics(self) -> DiagnosticsConfig:
+        return DiagnosticsConfig(collective_dump_dir=self.collective_dump_dir,
+                                 check_collectives=self.check_collectives,
+                                 check_replicas_interval=self.check_replicas_interval)
 
 
 def _flag(name: str) -> str:

@@ -23,6 +23,9 @@ from hybrid.config import TrainConfig, padded_vocab_size
 from hybrid.config_sections import RecomputeConfig
 from hybrid.data.dataset import build_datasets, dp_micro_batches
 from hybrid.data.tokenizer import build_tokenizer
+from hybrid.diagnostics import nonfinite
+from hybrid.diagnostics.replicas import ReplicaChecker
+from hybrid.diagnostics.stragglers import straggler_fields
 from hybrid.errors import TrainingError
 from hybrid.host_memory import return_freed_memory
 from hybrid.lr_schedule import learning_rate
@@ -103,26 +106,31 @@ def _sync(ps: ParallelState) -> None:
 
 def train_step(model: GPT, engine: ZeroEngine, micro_batches, lr: float,
                meter: SavedActivationMeter | None = None):
-    """One optimizer step over this rank's micro-batches; returns (local loss, StepResult).
+    """One optimizer step over this rank's micro-batches; returns (local loss, StepResult,
+    the ``(n,)`` micro-batch losses).
 
     Each micro-batch loss is a mean over its tokens; dividing by the number of
     micro-batches makes the accumulated gradient that of the mean over this
     rank's share, and the DP average makes it the global batch's. ``meter``
-    measures the first micro-batch's forward and backward.
+    measures the first micro-batch's forward and backward. A non-finite loss
+    skips the step even if the gradients are finite.
     """
     engine.zero_grad()
     n = len(micro_batches)
-    total = None
+    losses = []
     for i, (tokens, labels) in enumerate(micro_batches):
         with meter if (meter is not None and i == 0) else contextlib.nullcontext():
             loss = model(tokens, labels) / n
             engine.backward(loss, sync=(i == n - 1))
-        total = loss.detach().float() if total is None else total + loss.detach().float()
-    return total, engine.step(lr)
+        losses.append(loss.detach().float())
+    losses = torch.stack(losses)
+    total = losses.sum()
+    return total, engine.step(lr, loss=total), losses
 
 
-def _nan_guard(result, scaler, streak: int, cfg, iteration: int) -> int:
-    """Count consecutive steps skipped for non-finite gradients; stop past the limit.
+def _nan_guard(result, scaler, streak: int, cfg, iteration: int, why: str = "") -> int:
+    """Count consecutive steps skipped for a non-finite loss or gradients; stop past the
+    limit (``why``: what the last one found, see :mod:`hybrid.diagnostics.nonfinite`).
 
     fp16 overflows while the dynamic scale is still coming down are normal and
     do not count; at the minimum scale (or without fp16) they do.
@@ -135,8 +143,9 @@ def _nan_guard(result, scaler, streak: int, cfg, iteration: int) -> int:
     if streak >= cfg.exit_on_nan_iterations:
         raise TrainingError(
             f"loss or gradients were not finite for {streak} consecutive iterations (up to "
-            f"{iteration}); stopping without saving. Lower --lr, raise --clip-grad's "
-            f"strictness, or check the data (--exit-on-nan-iterations sets the patience)")
+            f"{iteration}; at {iteration}: {why}); stopping without saving. Lower --lr, raise "
+            f"--clip-grad's strictness, or check the data (--exit-on-nan-iterations sets the "
+            f"patience)")
     return streak
 
 
@@ -184,6 +193,9 @@ def pretrain(cfg: TrainConfig, ps: ParallelState) -> list[dict]:
         return_freed_memory()  # the model lives in host memory: keep RSS to what is used
     before_model = _memory(ps)[0]  # the process without the model: runtime, data
     model, ac, engine = build_engine(cfg, ps, tokenizer.vocab_size, rng)
+    diag = cfg.diagnostics
+    ps.recorder.configure(diag.collective_dump_dir, diag.check_collectives)
+    replicas = ReplicaChecker(model, engine, ps) if diag.check_replicas_interval else None
 
     state = TrainState()
     if cfg.load:
@@ -214,12 +226,13 @@ def pretrain(cfg: TrainConfig, ps: ParallelState) -> list[dict]:
     tokens_per_iter = cfg.global_batch_size * cfg.seq_length
     flops_per_iter = model.cfg.flops_per_token(cfg.seq_length) * tokens_per_iter
     history, loss_acc, time_acc, n_acc = [], torch.zeros((), device=ps.device), 0.0, 0
+    busy_acc = 0.0  # step time outside collectives: see hybrid/diagnostics/stragglers.py
     meter = SavedActivationMeter(extra=ac.stored_bytes if ac is not None else lambda: 0)
     skipped, nan_streak, saved_at = 0, 0, state.iteration
     try:
         while state.iteration < cfg.train_iters:
             _sync(ps)
-            t0 = time.perf_counter()
+            t0, waited0 = time.perf_counter(), ps.comm_stats.wait_s
             lr = learning_rate(state.iteration + 1, cfg.lr, cfg.min_lr, cfg.lr_warmup_iters,
                                cfg.lr_decay_iters, cfg.lr_decay_style)
             batches = dp_micro_batches(data["train"], state.consumed_samples,
@@ -228,14 +241,23 @@ def pretrain(cfg: TrainConfig, ps: ParallelState) -> list[dict]:
             comm_before = ps.comm_stats.snapshot()
             logs = ((state.iteration + 1) % cfg.log_interval == 0
                     or state.iteration + 1 == cfg.train_iters)
-            loss, result = train_step(model, engine, batches, lr, meter if logs else None)
+            loss, result, losses = train_step(model, engine, batches, lr,
+                                              meter if logs else None)
             comm = {k: v - comm_before[k] for k, v in ps.comm_stats.snapshot().items()}
             skipped += int(result.skipped)
             state.iteration += 1
+            why = ""
+            if result.skipped:  # say why: only steps already known non-finite pay for it
+                why = nonfinite.explain(model, engine, ps, losses, state.consumed_samples,
+                                        cfg.global_batch_size, cfg.micro_batch_size)
+                if ps.rank == 0:
+                    log.warning("iteration %d skipped (loss scale now %g): %s", state.iteration,
+                                engine.scaler.scale, why)
             state.consumed_samples += cfg.global_batch_size
-            nan_streak = _nan_guard(result, engine.scaler, nan_streak, cfg, state.iteration)
+            nan_streak = _nan_guard(result, engine.scaler, nan_streak, cfg, state.iteration, why)
             _sync(ps)
             time_acc += time.perf_counter() - t0
+            busy_acc += time.perf_counter() - t0 - (ps.comm_stats.wait_s - waited0)
             loss_acc += loss
             n_acc += 1
             if state.iteration % cfg.log_interval == 0 or state.iteration == cfg.train_iters:
@@ -254,14 +276,18 @@ def pretrain(cfg: TrainConfig, ps: ParallelState) -> list[dict]:
                                 _max_over_ranks(ps, [_memory(ps)[1], setup_peak, before_model]))),
                      "model_state_bytes": engine.model_state_bytes(), "comm_bytes": comm,
                      # saved for backward by this rank's first micro-batch, measured
-                     "activation_bytes": meter.peak}
+                     "activation_bytes": meter.peak,
+                     # slowest / fastest rank (one tiny all-gather per log line)
+                     **straggler_fields(ps, step_time, busy_acc / n_acc)}
                 if ac is not None:
                     m["activation_checkpoint_bytes"] = ac.peak_bytes()
                     ac.reset_peak()
                 monitor.log_iteration(m)
                 history.append(m)
                 loss_acc.zero_()
-                time_acc, n_acc = 0.0, 0
+                time_acc, busy_acc, n_acc = 0.0, 0.0, 0
+            if replicas is not None and state.iteration % diag.check_replicas_interval == 0:
+                replicas.check(state.iteration)
             if cfg.eval_interval and state.iteration % cfg.eval_interval == 0:
                 run_eval("valid")
             if (cfg.save and cfg.save_interval and state.iteration % cfg.save_interval == 0
