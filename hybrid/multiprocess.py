@@ -134,6 +134,7 @@ class _Layouts:
         from hybrid.parallel_state import ParallelState
 
         if tp not in self.built:  # collective: every rank sees the same calls in order
+            _barrier(self.store, f"hybrid/pool/layout_{call_id}", dist.get_world_size())
             self.built[tp] = ParallelState.build(tp, timeout=self.timeout,
                                                  device=torch.device("cpu"))
         base, stats = self.built[tp], CommStats()
@@ -151,6 +152,23 @@ class _Layouts:
         return ps
 
 
+# How long ranks may take to reach the same point while starting (imports, unpickling a
+# call's function) on a loaded machine.
+_START_S = 120.0
+
+
+def _barrier(store, key: str, world_size: int) -> None:
+    """Wait until every rank has arrived at ``key``: creating a gloo group (or the default
+    one) waits for all ranks only as long as the group's timeout, which can be shorter
+    than a slow rank's imports."""
+    store.add(key, 1)
+    deadline = time.monotonic() + _START_S
+    while store.add(key, 0) < world_size:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"ranks did not all reach {key} within {_START_S:.0f}s")
+        time.sleep(0.01)
+
+
 def _worker(rank, world_size, port, collective_timeout, tasks, results):
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     os.environ["OMP_NUM_THREADS"] = "1"
@@ -160,7 +178,12 @@ def _worker(rank, world_size, port, collective_timeout, tasks, results):
     layouts, init_error = None, None
     try:
         timeout = datetime.timedelta(seconds=collective_timeout)
-        store = dist.TCPStore("127.0.0.1", port, world_size, is_master=False, timeout=timeout)
+        # The store waits as long as starting ranks may take; collectives time out after
+        # ``collective_timeout``, which may be a few seconds (see _barrier).
+        store = dist.TCPStore("127.0.0.1", port, world_size, is_master=False,
+                              timeout=datetime.timedelta(seconds=max(collective_timeout,
+                                                                     _START_S)))
+        _barrier(store, "hybrid/pool/init", world_size)
         dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size,
                                 timeout=timeout)
         layouts = _Layouts(timeout, store)
