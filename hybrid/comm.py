@@ -50,13 +50,20 @@ _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.re
 class CollectiveError(RuntimeError):
     """A collective failed, timed out, or (``--check-collectives``) did not match.
 
-    ``reporter``: this rank's message is the job's report (print it); otherwise
-    the message is a one-line pointer to the rank that has the report.
+    ``reporter``: this rank's message is the job's report (print it, then call
+    :meth:`reported` so the other ranks exit); otherwise the message is a
+    one-line pointer to the rank that has the report.
     """
 
-    def __init__(self, message: str, reporter: bool = True):
+    def __init__(self, message: str, reporter: bool = True, on_reported=None):
         super().__init__(message)
         self.reporter = reporter
+        self._on_reported = on_reported
+
+    def reported(self) -> None:
+        """The report is printed: the ranks waiting to exit with a pointer may go."""
+        if self._on_reported is not None:
+            self._on_reported()
 
 
 @dataclass
@@ -150,7 +157,7 @@ class CommGroup:
             rec.waiting = None
             if mismatch is not None:
                 entry.state = "failed"
-                raise CollectiveError(*rec.mismatch(mismatch))
+                raise self._error(*rec.mismatch(mismatch))
         if async_op:
             try:
                 work = fn()
@@ -174,7 +181,11 @@ class CommGroup:
         rec.end_wait(entry)
 
     def _failure(self, entry, error: Exception) -> CollectiveError:
-        return CollectiveError(*self.recorder.failed(entry, str(error)))
+        return self._error(*self.recorder.failed(entry, str(error)))
+
+    def _error(self, message: str, reporter: bool) -> CollectiveError:
+        return CollectiveError(message, reporter,
+                               self.recorder.reported if reporter else None)
 
     def _frac(self) -> float:
         return (self.size - 1) / self.size

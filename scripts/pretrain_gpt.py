@@ -48,10 +48,11 @@ def _fail(msg: str) -> int:
 def _collective_fail(e) -> int:
     """A failed collective: the reporting rank prints the job's one report, every other
     rank one line pointing to it (hybrid/diagnostics/recorder.py); both at once, since
-    the ranks already agreed who reports."""
+    the ranks already agreed who reports, and the others waited for this print."""
     rank = int(os.environ.get("RANK", "0"))
     if e.reporter:
         print(f"pretrain_gpt.py: error (rank {rank}): {e}", file=sys.stderr, flush=True)
+        e.reported()  # the others may exit now (and the launcher stop this rank)
     else:
         print(f"pretrain_gpt.py: {e}", file=sys.stderr, flush=True)
     return 2

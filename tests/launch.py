@@ -61,6 +61,7 @@ def _pretrain_rank(ps, cfg):
     except (ConfigError, DataError, CheckpointError, TrainingError) as e:
         return 2, out.getvalue(), str(e), False
     except CollectiveError as e:
+        e.reported()  # as the script does once it printed the report
         return 2, out.getvalue(), str(e), e.reporter
     finally:
         log.removeHandler(handler)

@@ -2,20 +2,26 @@
 
 Before each collective every rank of the group all-gathers a fixed-size int64
 fingerprint of what it is about to call -- sequence number, op, shape, dtype,
-root or reduction, and its caller's file:line as bytes -- one small all-gather
-(:data:`WIDTH` int64 per rank) over the same group. Ranks that disagree stop
-before the real collective runs, with a message naming both calls::
+root or reduction, a hash of its call site (file:line of the caller and of the
+two callers above it in other files), and the call site itself as bytes -- one
+small all-gather (:data:`WIDTH` int64 per rank) over the same group. Ranks that
+disagree stop before the real collective runs, with a message naming both
+calls::
 
     collective mismatch in the world group (global ranks [0, 1, 2, 3]): rank 3
-    calls all_gather #1 (4,) float32 at X:12 where ranks 0-2 call all_reduce #1
+    calls all_gather #2 (8,) float32 at X:12 where ranks 0-2 call all_reduce #2
     (8,) float32 sum at Y:40
 
-Only what must agree is compared (everything but the caller): SPMD code calls a
-collective from the same line on every rank, but a rank-dependent branch may
-legitimately call it from two.
+The call site is compared too: every collective in hybrid is called from the
+same lines on every rank of its group (SPMD), so a rank that skipped one shows
+up at the very next collective, calling it from another line, even when op
+and shape happen to match. Paths are relative to the repository root, so
+nodes with the checkout in different directories agree.
 """
 
 from __future__ import annotations
+
+import zlib
 
 import torch
 import torch.distributed as dist
@@ -32,8 +38,8 @@ _REDUCE_CODE = {k: i + 1 for i, k in enumerate(_REDUCE)}
 _REDUCE_NAME = {i + 1: v for i, v in enumerate(_REDUCE.values())}
 # torch 2.13 renamed the tensor-in/tensor-out all-gather (as in hybrid/comm.py)
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_HEAD = 10  # seq, op, dtype, ndim, 4 dims, extra, numel: compared across ranks
-CALLER_BYTES = 96
+_HEAD = 11  # seq, op, dtype, ndim, 4 dims, extra, numel, call-site hash: compared
+CALLER_BYTES = 192
 WIDTH = _HEAD + CALLER_BYTES // 8
 
 
@@ -54,12 +60,21 @@ def encode(e: Entry, extra: int, numel: int, device) -> torch.Tensor:
         for d in shape[3:]:
             tail *= d
         shape = shape[:3] + [tail]
+    caller = call_site(e.frames)
     head = [e.seq, OPS.index(e.op), _DTYPES.index(e.dtype) if e.dtype in _DTYPES else 99,
-            len(e.shape)] + shape + [-1] * (4 - len(shape)) + [extra, numel]
-    caller = (f"{short_path(e.frames[0][0])}:{e.frames[0][1]}" if e.frames else "?")
-    raw = caller.encode()[-CALLER_BYTES:].ljust(CALLER_BYTES, b"\0")
+            len(e.shape)] + shape + [-1] * (4 - len(shape)) + [extra, numel,
+                                                               zlib.crc32(caller.encode())]
+    raw = caller.encode()[:CALLER_BYTES].ljust(CALLER_BYTES, b"\0")
     tail = torch.frombuffer(bytearray(raw), dtype=torch.int64)
     return torch.cat([torch.tensor(head, dtype=torch.int64), tail]).to(device)
+
+
+def call_site(frames) -> str:
+    """'X:12 (via Y:40, Z:7)': file:line of the caller and its callers in other files."""
+    if not frames:
+        return "?"
+    where = [f"{short_path(f)}:{line}" for f, line, _ in frames]
+    return where[0] + (f" (via {', '.join(where[1:])})" if len(where) > 1 else "")
 
 
 def decode(row: torch.Tensor) -> dict:

@@ -4,11 +4,15 @@ A record is what :meth:`hybrid.diagnostics.recorder.FlightRecorder.record`
 publishes: per group the last sequence number and last two entries, where the
 rank is blocked if it is, where its main thread is, and when it was written.
 :func:`explain` turns the failing collective and a way to read records into
-one message::
+one message (see README, "When a run goes wrong")::
 
-    rank 2: all_reduce #57 of the tp group (global ranks [2, 3]) did not complete
-    (timeout 3 s): rank 3 never reached it.
-      rank 3 never reached all_reduce #57 of the tp group; it got through #56 ...
+    rank 2: all_reduce #55 of the tp group (global ranks [2, 3]) did not complete (...)
+      it was called at hybrid/tensor_parallel/mappings.py:58 in _all_reduce (via ...)
+      rank 3 never reached it; all got through #54, all_reduce at ...
+      rank 3: no heartbeat for 4.6 s (...); its last one had it ...
+      stuck: rank 3.
+
+It also words the ``--check-collectives`` mismatch (:func:`mismatch_message`).
 """
 
 from __future__ import annotations
@@ -125,8 +129,8 @@ def explain(head: str, failing: dict, own: dict, read_group, dump_dir: str | Non
         e, at = frontier.pop(0)
         recs = read_group(e["ranks"])
         clock = time.time() if now is None else now
-        missing = [r for r in e["ranks"]
-                   if r not in recs or recs[r]["groups"].get(e["group"], {}).get("seq", 0) < e["seq"]]
+        missing = [r for r in e["ranks"] if r not in recs
+                   or recs[r]["groups"].get(e["group"], {}).get("seq", 0) < e["seq"]]
         if not missing:
             lines[at] += ("\n    every rank of the group reached it: the backend failed, not "
                           "a lagging rank")
@@ -204,7 +208,8 @@ def mismatch_message(group: str, ranks: list[int], rows: list[dict]) -> str:
 
 
 def _key(row: dict) -> tuple:
-    return (row["op"], row["seq"], tuple(row["shape"]), row["dtype"], row["extra"])
+    return (row["op"], row["seq"], tuple(row["shape"]), row["dtype"], row["extra"],
+            row["caller"])
 
 
 def _call(row: dict) -> str:
