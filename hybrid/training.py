@@ -251,7 +251,7 @@ def pretrain(cfg: TrainConfig, ps: ParallelState) -> list[dict]:
                 why = nonfinite.explain(model, engine, ps, losses, state.consumed_samples,
                                         cfg.global_batch_size, cfg.micro_batch_size)
                 if ps.rank == 0:
-                    log.warning("iteration %d skipped (loss scale now %g): %s", state.iteration,
+                    log.warning("iteration %d skipped (loss scale now %.1f): %s", state.iteration,
                                 engine.scaler.scale, why)
             state.consumed_samples += cfg.global_batch_size
             nan_streak = _nan_guard(result, engine.scaler, nan_streak, cfg, state.iteration, why)

@@ -28,7 +28,7 @@ def _line_of(fn, marker: str) -> int:
 
 
 def _patched_train_step(ps, cfg, before=None, after=None):
-    """_pretrain_rank with ``before(ps, step)`` / ``after(ps, step, model)`` around each
+    """_pretrain_rank with ``before(ps, step)`` / ``after(ps, step, model, engine)`` around each
     train_step; pooled workers are reused, so the patch is undone on the way out."""
     from hybrid import training
     orig = training.train_step
@@ -40,7 +40,7 @@ def _patched_train_step(ps, cfg, before=None, after=None):
             before(ps, count[0])
         out = orig(model, engine, *args, **kwargs)
         if after is not None:
-            after(ps, count[0], model)
+            after(ps, count[0], model, engine)
         return out
 
     training.train_step = step
@@ -119,6 +119,7 @@ def _sleeping_peer(ps):
     try:
         ps.world_group.all_reduce(torch.ones(4))  # WAITS
     except CollectiveError as e:
+        e.reported()
         return str(e), e.reporter
     return "no error"
 
@@ -184,32 +185,50 @@ def test_the_report_follows_a_blocked_rank_to_the_stuck_one():
 
 # -- 2. --check-collectives ------------------------------------------------------------
 
-def _mismatch(ps):
+def _op_mismatch(ps):
     ps.recorder.configure(check_collectives=True)
     x = torch.full((8,), float(ps.rank))
     ps.world_group.all_reduce(x)  # agreed: it runs
+    assert x.tolist() == [6.0] * 8
     try:
         if ps.rank == 3:
-            ps.world_group.all_gather(torch.zeros(8), torch.zeros(2))  # ODD ONE
+            ps.world_group.all_gather(torch.zeros(8), torch.zeros(2))  # ODD
         else:
             ps.world_group.all_reduce(torch.zeros(8))  # MAJORITY
     except CollectiveError as e:
-        return x.tolist(), str(e), e.reporter
-    return x.tolist(), None, None
+        e.reported()
+        return str(e), e.reporter
+    return None, None
 
 
-def test_check_collectives_names_both_callers():
-    res = run_ranks(_mismatch, world_size=4, tp=1)  # stops before the real collective
-    assert all(x == [6.0] * 8 for x, _, _ in res)
+def _skipped_one(ps):
+    ps.recorder.configure(check_collectives=True)
+    try:
+        if ps.rank != 3:
+            ps.world_group.all_reduce(torch.zeros(8))  # MAJORITY
+        ps.world_group.all_reduce(torch.zeros(8))  # ODD
+    except CollectiveError as e:
+        e.reported()
+        return str(e), e.reporter
+    return None, None
+
+
+@pytest.mark.parametrize("fn,seq,odd_call,major_call", [
+    (_op_mismatch, 2, "all_gather #2 (8,) float32", "all_reduce #2 (8,) float32 sum"),
+    (_skipped_one, 1, "all_reduce #1 (8,) float32 sum", "all_reduce #1 (8,) float32 sum")],
+    ids=["op", "skipped"])
+def test_check_collectives_names_both_callers(fn, seq, odd_call, major_call):
+    from hybrid import multiprocess
+    res = run_ranks(fn, world_size=4, tp=1)  # stops before the real collective: reusable
     here = "tests/test_diagnostics.py"
+    via = f"(via hybrid/multiprocess.py:{_line_of(multiprocess._worker, 'out = fn(ps')})"
     want = (f"collective mismatch in the world group (global ranks [0, 1, 2, 3]): rank 3 "
-            f"calls all_gather #2 (8,) float32 at {here}:{_line_of(_mismatch, 'ODD ONE')} "
-            f"where ranks 0-2 call all_reduce #2 (8,) float32 sum at "
-            f"{here}:{_line_of(_mismatch, 'MAJORITY')}")
-    reporters = [r for r, (_, _, rep) in enumerate(res) if rep]
-    assert len(reporters) == 1
-    assert res[reporters[0]][1] == want
-    for r, (_, msg, rep) in enumerate(res):
+            f"calls {odd_call} at {here}:{_line_of(fn, '# ODD')} {via} where ranks 0-2 call "
+            f"{major_call} at {here}:{_line_of(fn, '# MAJORITY')} {via}")
+    reporters = [r for r, (_, rep) in enumerate(res) if rep]
+    assert len(reporters) == 1, res
+    assert res[reporters[0]][0] == want
+    for r, (msg, rep) in enumerate(res):
         if not rep:
             assert msg == (f"rank {r}: collective mismatch; see the report of rank "
                            f"{reporters[0]}")
@@ -218,28 +237,47 @@ def test_check_collectives_names_both_callers():
 # -- 3. --check-replicas-interval ------------------------------------------------------
 
 def _perturb_rank3_after_step2(ps, cfg):
-    def after(ps, step, model):
-        if step == 2 and ps.rank == 3:
-            with torch.no_grad():
+    """Rank 3 nudges one element of its copy of a TP-replicated parameter: a whole one
+    (ZeRO-0: blocks.0.ln_1.weight) or, at ZeRO-3, its shard of a partitioned one."""
+    def after(ps, step, model, engine):
+        if step != 2 or ps.rank != 3:
+            return
+        with torch.no_grad():
+            if engine.stage == 0:
                 dict(model.named_parameters())["blocks.0.ln_1.weight"][5] += 1e-3
+                return
+            wpe = model.wpe.weight
+            u = next(u for u in engine.units if any(p is wpe for p in u.params))
+            i = next(i for i, p in enumerate(u.params) if p is wpe)
+            seg = next(sg for sg in u.segments(u.own_lo, u.own_hi) if sg[0] == i)
+            u.shard[seg[2] - u.own_lo] += 1e-3
 
     return _patched_train_step(ps, cfg, after=after)
 
 
-def test_replica_check_names_the_drifted_parameter_and_ranks():
-    # ZeRO-0: every rank updates its own full copy. Checked every step: the check after
-    # step 1 passes, the one after step 2 sees rank 3's drift before the next step spreads
-    # it (through the DP reduction, its TP peer's gradients reach ranks 0 and 1).
-    r = pretrain(4, TP2DP2 + ["--train-iters", "4", "--check-replicas-interval", "1"],
+TP_DRIFT = ("1 of 15 TP-replicated parameters differ across the tp group (global ranks [2, 3]): "
+            "{} (rank 2 / rank 3 hold different values)")
+
+
+@pytest.mark.parametrize("zero,message", [
+    (["--zero-stage", "0"],
+     TP_DRIFT.format("blocks.0.ln_1.weight") + "; 1 of 28 DP-replicated parameters differ "
+     "across the dp group (global ranks [1, 3]): blocks.0.ln_1.weight (rank 1 / rank 3 hold "
+     "different values)"),
+    (["--zero-stage", "3", "--zero-param-persistence-threshold", "1000"],
+     TP_DRIFT.format("wpe.weight"))], ids=["zero0", "zero3-shard"])
+def test_replica_check_names_the_drifted_parameter_and_ranks(zero, message):
+    # Checked every step: the check after step 1 passes, the one after step 2 sees rank 3's
+    # drift before the next step spreads it (through the DP reduction, its TP peer's
+    # gradients reach ranks 0 and 1). At ZeRO-0 every rank updates its own full copy; at
+    # ZeRO-3 the TP peers' shards of a partitioned replicated parameter are compared.
+    r = pretrain(4, TP2DP2 + ["--train-iters", "4", "--check-replicas-interval", "1", *zero],
                  rank_fn=_perturb_rank3_after_step2)
     assert r.returncode == 2
     assert r.stderr == (
         "pretrain_gpt.py: error: replica check at iteration 2 (--check-replicas-interval): "
-        "1 of 15 TP-replicated parameters differ across the tp group (global ranks [2, 3]): "
-        "blocks.0.ln_1.weight (rank 2 / rank 3 hold different values); 1 of 28 DP-replicated "
-        "parameters differ across the dp group (global ranks [1, 3]): blocks.0.ln_1.weight "
-        "(rank 1 / rank 3 hold different values). The copies diverged since the last check; "
-        "stopping without saving\n"), r.stderr
+        f"{message}. The copies diverged since the last check; stopping without saving\n"), \
+        r.stderr
     assert "iteration        2/" in r.stdout and "iteration        3/" not in r.stdout
 
 
@@ -264,7 +302,7 @@ def _nonfinite_steps(ps, cfg):
             GPT.forward = forward
             handles.append(lambda: setattr(GPT, "forward", orig))
 
-    def after(ps, step, model):
+    def after(ps, step, model, engine):
         while handles:
             handles.pop()()
         if step in (3, 4) and ps.dp_rank == 0:  # hooks for steps 4 and 5
@@ -290,9 +328,9 @@ def test_nonfinite_steps_say_which_micro_batch_and_parameters(tmp_path):
     assert [m["skipped_iterations"] for m in log] == [0, 1, 1, 2]
     assert torch.isfinite(torch.tensor(log[1]["grad_norm"])) and log[1]["loss"] == float("inf")
     # samples: step 2 starts at 8; DP rank 1 holds 12-15, its micro-batch 1 is 14-15
-    assert ("iteration 2 skipped (loss scale now 1): non-finite loss in micro-batch 1 of DP "
+    assert ("iteration 2 skipped (loss scale now 1.0): non-finite loss in micro-batch 1 of DP "
             "rank 1 (samples 14-15, rank 1); every gradient finite\n") in r.stdout, r.stdout
-    assert ("iteration 4 skipped (loss scale now 1): every micro-batch loss finite; "
+    assert ("iteration 4 skipped (loss scale now 1.0): every micro-batch loss finite; "
             "non-finite gradients in 1 parameter: blocks.1.mlp.fc.bias\n") in r.stdout
     assert r.stderr == (
         "pretrain_gpt.py: error: loss or gradients were not finite for 2 consecutive "
