@@ -111,11 +111,14 @@ def test_a_stopped_rank_is_named_once_with_where_it_was(tmp_path):
     assert seqs == list(range(seqs[0], last["seq"] + 1))  # numbered per group, none lost
 
 
-def _sleeping_peer(ps):
-    """Rank 1 never joins (alive, asleep); rank 0 waits in an all-reduce."""
+def _asleep_and_gone(ps):
+    """World all-reduce #2: rank 1 is asleep in Python, rank 2 skipped it and returned."""
+    ps.world_group.all_reduce(torch.ones(4))  # FIRST
     if ps.rank == 1:
         time.sleep(8)  # ASLEEP
         return None
+    if ps.rank == 2:
+        return None  # skips the next collective and leaves
     try:
         ps.world_group.all_reduce(torch.ones(4))  # WAITS
     except CollectiveError as e:
@@ -124,19 +127,28 @@ def _sleeping_peer(ps):
     return "no error"
 
 
-def test_a_live_peer_outside_any_collective_is_named_with_its_line():
-    msg, reporter = run_ranks(_sleeping_peer, world_size=2, tp=1, collective_timeout=3,
+def test_a_live_peer_and_one_that_left_are_named_with_their_lines():
+    msg, reporter = run_ranks(_asleep_and_gone, world_size=3, tp=1, collective_timeout=3,
                               reuse=False, early_exit=lambda r: r is not None, grace_s=0)[0]
-    here = "tests/test_diagnostics.py"
+    from hybrid import multiprocess
+    at = "tests/test_diagnostics.py:{} in _asleep_and_gone"
+    via = f"(via hybrid/multiprocess.py:{_line_of(multiprocess._worker, 'out = fn(ps')} in _worker)"
+    first = at.format(_line_of(_asleep_and_gone, "# FIRST"))
+    last = rf"the last: all_reduce #1 of the world group \(global ranks \[0, 1, 2\]\) at {first} " \
+        + re.escape(via)
     assert reporter
-    assert msg.startswith("rank 0: all_reduce #1 of the world group (global ranks [0, 1]) "
-                          "did not complete (timeout 3 s; "), msg
-    assert (f"it was called at {here}:{_line_of(_sleeping_peer, 'WAITS')} in _sleeping_peer "
-            f"(via hybrid/multiprocess.py:") in msg, msg
-    assert "\n  rank 1 never reached it.\n" in msg
-    assert re.search(rf"\n  rank 1: it is alive \(heartbeat \d+\.\d s ago\) and at {here}:"
-                     rf"{_line_of(_sleeping_peer, 'ASLEEP')} in _sleeping_peer, with no "
-                     rf"collective since it started\.\n  stuck: rank 1\.$", msg), msg
+    head, rest = msg.split(")\n", 1)
+    assert head.startswith("rank 0: all_reduce #2 of the world group (global ranks [0, 1, 2]) "
+                           "did not complete (timeout 3 s; Timed out waiting 3000ms for "), msg
+    assert rest.startswith(
+        f"  it was called at {at.format(_line_of(_asleep_and_gone, 'WAITS'))} {via} on a (4,) "
+        f"float32 tensor\n  ranks 1, 2 never reached it; all got through #1, all_reduce at "
+        f"{first} {via}.\n"), msg
+    assert re.search(
+        rf"\n  rank 1: it is alive \(heartbeat \d+\.\d s ago\) and at "
+        rf"{at.format(_line_of(_asleep_and_gone, 'ASLEEP'))}, with no collective for \d+\.\d s "
+        rf"\({last}\)\.\n  rank 2: it finished and left the job, with no collective for "
+        rf"\d+\.\d s \({last}\)\.\n  stuck: rank 1\.\n  left early: rank 2\.$", msg), msg
 
 
 def _record(rank, groups, t, waiting=None, failed=None, alarm=1, where=None):

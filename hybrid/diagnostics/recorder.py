@@ -161,6 +161,8 @@ class FlightRecorder:
         self._thread = None
         self._alarm_seen = 0
         self._dumped_on_alarm = False
+        self._closed = False
+        self._host = socket.gethostname()
 
     # -- setup -------------------------------------------------------------------------
     def _clone(self, store):
@@ -189,14 +191,16 @@ class FlightRecorder:
         self._thread.start()
 
     def close(self) -> None:
-        """Stop the heartbeat and remove this rank's record."""
+        """Stop the heartbeat; the last record says this rank left (a rank that finished
+        while the others wait for a collective it skipped is named as such)."""
         if self._thread is None:
             return
         self._stop.set()
         self._thread.join(timeout=self.store_timeout.total_seconds() + 1)
         self._thread = None
+        self._closed = True
         try:
-            self._store.delete_key(_hb(self.rank))
+            self._publish(self._store)
         except Exception:  # noqa: BLE001 - the store may be gone at shutdown
             pass
 
@@ -230,8 +234,9 @@ class FlightRecorder:
                             "prev": prev.to_dict() if prev else None}
         w = self.waiting
         last_t = max((e.t for e, _ in list(self.last.values())), default=None)
-        return {"rank": self.rank, "t": now, "host": socket.gethostname(), "pid": os.getpid(),
+        return {"rank": self.rank, "t": now, "host": self._host, "pid": os.getpid(),
                 "heartbeat_s": self.heartbeat_s, "alarm": self._alarm_seen,
+                "closed": self._closed,
                 "groups": groups, "last_t": last_t, "where": self.where(),
                 "waiting": ({"group": w.group.name, "seq": w.seq, "since": self.waiting_since}
                             if w is not None else None),

@@ -60,8 +60,9 @@ def headline(rank: int, e: dict, timeout_s: float, detail: str) -> str:
 
 
 def is_fresh(rec: dict) -> bool:
-    """Written after some rank raised the alarm, or by a rank that failed itself."""
-    return bool(rec.get("alarm")) or rec.get("failed") is not None
+    """Written after some rank raised the alarm, by a rank that failed itself, or by one
+    that left: nothing newer will come."""
+    return bool(rec.get("alarm")) or rec.get("failed") is not None or bool(rec.get("closed"))
 
 
 def _ago(t: float | None, now: float) -> str:
@@ -124,7 +125,7 @@ def explain(head: str, failing: dict, own: dict, read_group, dump_dir: str | Non
     lines = [head]
     frontier = [(failing, 0)]  # (collective some rank is blocked in, line that names it)
     seen = {(failing["group"], tuple(failing["ranks"]))}
-    stuck = []
+    stuck, left = [], []
     while frontier:
         e, at = frontier.pop(0)
         recs = read_group(e["ranks"])
@@ -147,6 +148,11 @@ def explain(head: str, failing: dict, own: dict, read_group, dump_dir: str | Non
                              f"first collective).")
                 stuck.append(r)
                 continue
+            if rec.get("closed"):  # it returned from its work: it skipped collectives
+                lines.append(f"  rank {r}: it finished and left the job, with "
+                             f"{_idle(rec, clock)}.")
+                left.append(r)
+                continue
             if not is_fresh(rec):  # it stopped publishing: what it said last may be old
                 lines.append(f"  rank {r}: {_silent(rec, clock)}.")
                 stuck.append(r)
@@ -168,6 +174,8 @@ def explain(head: str, failing: dict, own: dict, read_group, dump_dir: str | Non
             stuck.append(r)
     if stuck:
         lines.append(f"  stuck: {rank_list(stuck)}.")
+    if left:
+        lines.append(f"  left early: {rank_list(left)}.")
     if dump_dir:
         lines.append(f"  each live rank's last collectives: {dump_dir}/collectives_rank*.json")
     return "\n".join(lines)
