@@ -46,6 +46,9 @@ run on the same processes, one call after another. The contract:
 * If any rank raises, dies or runs past ``timeout``, the whole pool is killed
   (the other ranks may be stuck in a collective) and the error is reported as
   before, with the rank's traceback; the next call spawns a new pool.
+* Ranks meet in the store (a barrier allowing :data:`_START_S` seconds) before
+  the default group and each layout's groups are created, so a
+  ``collective_timeout`` of a few seconds bounds collectives, not start-up.
 * ``reuse=False`` runs the call on throwaway processes that exit afterwards:
   for calls that deliberately hang, stop or kill a rank, or leave a collective
   unmatched, and for measurements that need a fresh process (peak RSS).
