@@ -117,15 +117,14 @@ def train_step(model: GPT, engine: ZeroEngine, micro_batches, lr: float,
     """
     engine.zero_grad()
     n = len(micro_batches)
-    losses = []
+    total, losses = None, []
     for i, (tokens, labels) in enumerate(micro_batches):
         with meter if (meter is not None and i == 0) else contextlib.nullcontext():
             loss = model(tokens, labels) / n
             engine.backward(loss, sync=(i == n - 1))
         losses.append(loss.detach().float())
-    losses = torch.stack(losses)
-    total = losses.sum()
-    return total, engine.step(lr, loss=total), losses
+        total = losses[-1] if total is None else total + losses[-1]
+    return total, engine.step(lr, loss=total), torch.stack(losses)
 
 
 def _nan_guard(result, scaler, streak: int, cfg, iteration: int, why: str = "") -> int:
@@ -256,8 +255,9 @@ def pretrain(cfg: TrainConfig, ps: ParallelState) -> list[dict]:
             state.consumed_samples += cfg.global_batch_size
             nan_streak = _nan_guard(result, engine.scaler, nan_streak, cfg, state.iteration, why)
             _sync(ps)
-            time_acc += time.perf_counter() - t0
-            busy_acc += time.perf_counter() - t0 - (ps.comm_stats.wait_s - waited0)
+            dt = time.perf_counter() - t0
+            time_acc += dt
+            busy_acc += dt - (ps.comm_stats.wait_s - waited0)
             loss_acc += loss
             n_acc += 1
             if state.iteration % cfg.log_interval == 0 or state.iteration == cfg.train_iters:
