@@ -6,6 +6,14 @@ the bytes this rank moves, and turn a backend failure (a dead peer, a timeout)
 into a :class:`CollectiveError` that names the operation, the group and the
 global ranks involved, so a job ends with a message instead of a hang.
 
+Every collective is numbered per group and recorded, with its caller, by the
+process's :class:`hybrid.diagnostics.recorder.FlightRecorder` (no I/O on this
+path). When one fails the ranks compare notes and one of them raises the
+report naming the ranks that never reached it (``CollectiveError.reporter``);
+the others raise a one-line pointer to it. With ``--check-collectives``
+(``recorder.check_collectives``) the ranks of a group first agree on op,
+shape and dtype (:mod:`hybrid.diagnostics.fingerprint`).
+
 [Note: what the byte counters count]
 Counters record the volume a rank *sends* under the bandwidth-optimal ring
 algorithm, which is also what it receives, so it is the figure the ZeRO paper
@@ -23,10 +31,14 @@ without touching torch.distributed, so single-process code runs the same path.
 from __future__ import annotations
 
 import datetime
+import time
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
+
+from hybrid.diagnostics import fingerprint
+from hybrid.diagnostics.recorder import FlightRecorder
 
 KINDS = ("all_reduce", "reduce_scatter", "all_gather", "broadcast")
 
@@ -36,7 +48,22 @@ _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.re
 
 
 class CollectiveError(RuntimeError):
-    """A collective failed or timed out; the message names rank, op and group."""
+    """A collective failed, timed out, or (``--check-collectives``) did not match.
+
+    ``reporter``: this rank's message is the job's report (print it, then call
+    :meth:`reported` so the other ranks exit); otherwise the message is a
+    one-line pointer to the rank that has the report.
+    """
+
+    def __init__(self, message: str, reporter: bool = True, on_reported=None):
+        super().__init__(message)
+        self.reporter = reporter
+        self._on_reported = on_reported
+
+    def reported(self) -> None:
+        """The report is printed: the ranks waiting to exit with a pointer may go."""
+        if self._on_reported is not None:
+            self._on_reported()
 
 
 @dataclass
@@ -47,6 +74,9 @@ class CommStats:
     calls: dict = field(default_factory=lambda: dict.fromkeys(KINDS, 0))
     # Largest message (elements of the bigger side) per kind: what bucket sizes bound.
     max_numel: dict = field(default_factory=lambda: dict.fromkeys(KINDS, 0))
+    # Seconds this process spent blocked in collectives (sync calls and waits):
+    # step time minus this is the time it kept others waiting, or not.
+    wait_s: float = 0.0
 
     def add(self, kind: str, nbytes: float, numel: int = 0) -> None:
         self.bytes[kind] += int(round(nbytes))
@@ -61,24 +91,22 @@ class CommStats:
             self.bytes[k] = 0
             self.calls[k] = 0
             self.max_numel[k] = 0
+        self.wait_s = 0.0
 
 
 class _Work:
     """Handle of an async collective whose ``wait`` reports failures like the sync path."""
 
-    def __init__(self, work, describe):
+    def __init__(self, work, group=None, entry=None):
         self._work = work
-        self._describe = describe
+        self._group = group
+        self._entry = entry
 
     def wait(self) -> None:
         if self._work is None:
             return
-        try:
-            self._work.wait()
-        except Exception as e:  # noqa: BLE001 - re-raised with context
-            raise CollectiveError(f"{self._describe()}: {e}") from e
-        finally:
-            self._work = None
+        self._group._wait(self._work.wait, self._entry)
+        self._work = None
 
 
 class CommGroup:
@@ -92,7 +120,8 @@ class CommGroup:
     """
 
     def __init__(self, name: str, pg, ranks: list[int], global_rank: int,
-                 stats: CommStats, timeout: datetime.timedelta):
+                 stats: CommStats, timeout: datetime.timedelta,
+                 recorder: FlightRecorder | None = None):
         self.name = name
         self.pg = pg
         self.ranks = list(ranks)
@@ -101,29 +130,62 @@ class CommGroup:
         self.size = len(self.ranks)
         self.stats = stats
         self.timeout = timeout
+        self.seq = 0  # collectives issued on this group so far (the last one's number)
+        self.recorder = recorder or FlightRecorder(global_rank, 1, None, timeout)
+        if self.size > 1:
+            self.recorder.register(self)
 
     def __repr__(self) -> str:
         return f"CommGroup({self.name}, ranks={self.ranks})"
 
     # -- helpers -------------------------------------------------------------
-    def _describe(self, op: str, t: torch.Tensor):
-        def describe():
-            return (f"rank {self.global_rank}: {op} over the {self.name} group "
-                    f"(global ranks {self.ranks}, {tuple(t.shape)} {t.dtype}) failed "
-                    f"(timeout {self.timeout.total_seconds():.0f}s; a peer may have died "
-                    f"or be stuck)")
-        return describe
-
-    def _run(self, op: str, kind: str, nbytes: float, t: torch.Tensor, fn, async_op: bool):
+    def _run(self, op: str, kind: str, nbytes: float, t: torch.Tensor, fn, async_op: bool,
+             extra: int = 0):
+        """Count, number and record the collective, then run it (see the module doc)."""
         self.stats.add(kind, nbytes, t.numel())
-        describe = self._describe(op, t)
-        try:
-            work = fn()
-        except Exception as e:  # noqa: BLE001
-            raise CollectiveError(f"{describe()}: {e}") from e
+        rec = self.recorder
+        entry = rec.issue(self, op, t)
+        if rec.check_collectives:
+            t0 = time.perf_counter()
+            rec.begin_wait(entry)
+            try:
+                mismatch = fingerprint.check(self, entry, extra, t.numel(), t.device)
+            except Exception as e:  # noqa: BLE001 - a peer never came to compare
+                raise self._failure(entry, e) from e
+            finally:
+                self.stats.wait_s += time.perf_counter() - t0  # blocked too
+            rec.waiting = None
+            if mismatch is not None:
+                entry.state = "failed"
+                raise self._error(*rec.mismatch(mismatch))
         if async_op:
-            return _Work(work, describe)
+            try:
+                work = fn()
+            except Exception as e:  # noqa: BLE001
+                raise self._failure(entry, e) from e
+            return _Work(work, self, entry)
+        self._wait(fn, entry)
         return None
+
+    def _wait(self, fn, entry) -> None:
+        """Run ``fn`` (a sync collective, or an async handle's ``wait``), timed as blocked."""
+        rec = self.recorder
+        rec.begin_wait(entry)
+        t0 = time.perf_counter()
+        try:
+            fn()
+        except Exception as e:  # noqa: BLE001 - re-raised with the report
+            raise self._failure(entry, e) from e
+        finally:
+            self.stats.wait_s += time.perf_counter() - t0
+        rec.end_wait(entry)
+
+    def _failure(self, entry, error: Exception) -> CollectiveError:
+        return self._error(*self.recorder.failed(entry, str(error)))
+
+    def _error(self, message: str, reporter: bool) -> CollectiveError:
+        return CollectiveError(message, reporter,
+                               self.recorder.reported if reporter else None)
 
     def _frac(self) -> float:
         return (self.size - 1) / self.size
@@ -132,11 +194,11 @@ class CommGroup:
     def all_reduce(self, t: torch.Tensor, op=dist.ReduceOp.SUM, async_op: bool = False):
         """In-place all-reduce of ``t`` over this group."""
         if self.size == 1:
-            return _Work(None, None) if async_op else None
+            return _Work(None) if async_op else None
         nbytes = 2 * t.numel() * t.element_size() * self._frac()
         return self._run("all_reduce", "all_reduce", nbytes, t,
                          lambda: dist.all_reduce(t, op=op, group=self.pg, async_op=async_op),
-                         async_op)
+                         async_op, fingerprint.extra_code("all_reduce", op))
 
     def all_gather(self, out: torch.Tensor, inp: torch.Tensor, async_op: bool = False):
         """Gather equal-size ``inp`` of every rank into contiguous ``out``.
@@ -146,7 +208,7 @@ class CommGroup:
         """
         if self.size == 1:
             out.copy_(inp.reshape(out.shape))
-            return _Work(None, None) if async_op else None
+            return _Work(None) if async_op else None
         nbytes = out.numel() * out.element_size() * self._frac()
         return self._run("all_gather", "all_gather", nbytes, out,
                          lambda: _all_gather_single(out.view(-1), inp.reshape(-1), group=self.pg,
@@ -158,19 +220,19 @@ class CommGroup:
         """Sum ``inp`` over ranks; leave flat chunk ``rank`` (out.numel() elements) in ``out``."""
         if self.size == 1:
             out.copy_(inp.reshape(out.shape))
-            return _Work(None, None) if async_op else None
+            return _Work(None) if async_op else None
         nbytes = inp.numel() * inp.element_size() * self._frac()
         return self._run("reduce_scatter", "reduce_scatter", nbytes, inp,
                          lambda: _reduce_scatter_single(out.view(-1), inp.reshape(-1), op=op,
                                                         group=self.pg, async_op=async_op),
-                         async_op)
+                         async_op, fingerprint.extra_code("reduce_scatter", op))
 
     def broadcast(self, t: torch.Tensor, src: int = 0, async_op: bool = False):
         """Broadcast ``t`` from group rank ``src`` to the group, in place."""
         if self.size == 1:
-            return _Work(None, None) if async_op else None
+            return _Work(None) if async_op else None
         nbytes = t.numel() * t.element_size() * self._frac()
         return self._run("broadcast", "broadcast", nbytes, t,
                          lambda: dist.broadcast(t, src=self.ranks[src], group=self.pg,
                                                 async_op=async_op),
-                         async_op)
+                         async_op, fingerprint.extra_code("broadcast", src=src))

@@ -14,9 +14,10 @@ import math
 from dataclasses import dataclass
 
 from hybrid.architecture import architecture_fields, validate_architecture
-from hybrid.config_sections import (CheckpointConfig, DataConfig, LoggingConfig, ModelConfig,
-                                    OptimizerConfig, ParallelConfig, RecomputeConfig,
-                                    ScheduleConfig, ZeroConfig)
+from hybrid.config_sections import (CheckpointConfig, DataConfig, DiagnosticsConfig,
+                                    LoggingConfig, ModelConfig, OptimizerConfig,
+                                    ParallelConfig, RecomputeConfig, ScheduleConfig,
+                                    ZeroConfig)
 from hybrid.data.tokenizer import TOKENIZER_TYPES, tokenizer_kind
 from hybrid.errors import ConfigError
 from hybrid.flags import Flags, flag_name, parse_args
@@ -44,6 +45,7 @@ class TrainConfig:
     data: DataConfig
     checkpoint: CheckpointConfig
     logging: LoggingConfig
+    diagnostics: DiagnosticsConfig
     seed: int
     flags: Flags
 
@@ -134,7 +136,16 @@ def build_config(flags: Flags, world_size: int) -> TrainConfig:
         logging=LoggingConfig(log_interval=f.log_interval, log_json=f.log_json,
                               tensorboard_dir=f.tensorboard_dir,
                               log_throughput=f.log_throughput),
+        diagnostics=DiagnosticsConfig(collective_dump_dir=f.collective_dump_dir,
+                                      check_collectives=f.check_collectives,
+                                      check_replicas_interval=f.check_replicas_interval),
         seed=f.seed, flags=f)
+
+    @property
+    def diagnostics(self) -> DiagnosticsConfig:
+        return DiagnosticsConfig(collective_dump_dir=self.collective_dump_dir,
+                                 check_collectives=self.check_collectives,
+                                 check_replicas_interval=self.check_replicas_interval)
 
 
 def _paths(values: list[str] | None) -> tuple[str, ...] | None:
@@ -152,6 +163,9 @@ def _check_numbers(f: Flags) -> None:
                  "loss_scale_window"):
         if getattr(f, name) < 1:
             raise ConfigError(f"{flag_name(name)} must be >= 1, got {getattr(f, name)}")
+    if f.check_replicas_interval < 0:
+        raise ConfigError(f"--check-replicas-interval must be >= 0 (0: off), "
+                          f"got {f.check_replicas_interval}")
     for name in ("train_iters", "train_samples", "exit_interval", "lr_decay_iters",
                  "lr_decay_samples", "save_interval", "keep_last"):
         if getattr(f, name) is not None and getattr(f, name) < 1:

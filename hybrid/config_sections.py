@@ -201,3 +201,19 @@ class LoggingConfig:
     log_json: str | None = None
     tensorboard_dir: str | None = None
     log_throughput: bool = False
+
+
+@dataclass(frozen=True)
+class DiagnosticsConfig:
+    """What the training loop's diagnostics need (:mod:`hybrid.diagnostics`).
+
+    ``collective_dump_dir``: where each live rank writes its flight recorder
+    ring when a collective fails (None: nowhere). ``check_collectives``:
+    compare every collective's fingerprint across its group first.
+    ``check_replicas_interval``: every N iterations compare the checksums of
+    replicated parameters over TP and DP (0: never).
+    """
+
+    collective_dump_dir: str | None = None
+    check_collectives: bool = False
+    check_replicas_interval: int = 0

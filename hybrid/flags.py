@@ -184,6 +184,17 @@ class Flags:
     tensorboard_dir: str | None = opt(None, "write TensorBoard scalars here")
     log_throughput: bool = opt(False, "add TFLOP/s per rank to the console line "
                                       "(always in --log-json and TensorBoard)")
+    # diagnostics: collective flight recorder, collective and replica checks
+    collective_dump_dir: str | None = opt(
+        None, "when a collective fails, every live rank writes its last collectives here as "
+              "JSON (collectives_rank00003.json)")
+    check_collectives: bool = opt(
+        False, "debug: before each collective the ranks of its group compare op, shape, dtype "
+               "and sequence number (one small all-gather); a mismatch stops the job naming "
+               "both calls")
+    check_replicas_interval: int = opt(
+        0, "every N iterations check that parameters replicated over TP and DP are "
+           "bit-identical; a divergence stops the job naming the parameter and ranks (0: off)")
     # not a flag: the Megatron flags parse_args dropped as having no effect here
     ignored_megatron_flags: list[str] = field(default_factory=list, metadata={"cli": False})
 

@@ -67,7 +67,8 @@ class Monitor:
         """``m`` holds iteration, train_iters, consumed_samples, loss, lr, grad_norm,
         step_time_s, tokens_per_sec, and optionally loss_scale, skipped_iterations,
         tflops_per_rank, peak_memory_bytes, model_state_bytes, comm_bytes,
-        activation_checkpoint_bytes."""
+        activation_checkpoint_bytes, and the fastest and slowest rank's step and busy
+        time: step_time_{min,max}_{s,rank}, busy_time_{min,max}_{s,rank}."""
         if not self.enabled:
             return
         parts = [f" iteration {m['iteration']:8d}/{m['train_iters']:8d}",
@@ -86,6 +87,11 @@ class Monitor:
             parts.append(f"TFLOP/s per rank: {m['tflops_per_rank']:.3f}")
         if "peak_memory_bytes" in m:
             parts.append(f"peak memory (MB): {m['peak_memory_bytes'] / 2**20:.0f}")
+        for name, what in (("step_time", "step time"), ("busy_time", "busy time")):
+            if f"{name}_max_s" in m:  # fastest and slowest rank (hybrid/diagnostics/stragglers.py)
+                parts.append(f"{what} min/max (ms): {m[name + '_min_s'] * 1000:.1f} (rank "
+                             f"{m[name + '_min_rank']}) / {m[name + '_max_s'] * 1000:.1f} "
+                             f"(rank {m[name + '_max_rank']})")
         log.info(" | ".join(parts) + " |")
         self._write(m, "train/", m["iteration"])
 

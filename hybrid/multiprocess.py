@@ -22,7 +22,9 @@ same world size, ``collective_timeout`` and process-level environment (below)
 run on the same processes, one call after another. The contract:
 
 * Each call gets a fresh :class:`ParallelState` for its ``tp`` with fresh
-  :class:`hybrid.comm.CommStats` (byte counts start at zero). The process
+  :class:`hybrid.comm.CommStats` (byte counts start at zero) and a fresh
+  flight recorder (collective numbers start at zero; its store keys live under
+  ``hybrid/call_<n>/``; its heartbeat stops when the call returns). The process
   groups under it are created once per ``tp`` in a pool and reused; the default
   group lives as long as the pool.
 * Before each call a worker puts back what a fresh process would have: the
@@ -44,6 +46,9 @@ run on the same processes, one call after another. The contract:
 * If any rank raises, dies or runs past ``timeout``, the whole pool is killed
   (the other ranks may be stuck in a collective) and the error is reported as
   before, with the rank's traceback; the next call spawns a new pool.
+* Ranks meet in the store (a barrier allowing :data:`_START_S` seconds) before
+  the default group and each layout's groups are created, so a
+  ``collective_timeout`` of a few seconds bounds collectives, not start-up.
 * ``reuse=False`` runs the call on throwaway processes that exit afterwards:
   for calls that deliberately hang, stop or kill a rank, or leave a collective
   unmatched, and for measurements that need a fresh process (peak RSS).
@@ -119,25 +124,52 @@ class _Fresh:
 class _Layouts:
     """The TP/DP groups of one pool worker, created once per TP size."""
 
-    def __init__(self, timeout: datetime.timedelta):
+    def __init__(self, timeout: datetime.timedelta, store):
         self.timeout = timeout
+        self.store = store
         self.built = {}
 
-    def state(self, tp: int):
+    def state(self, tp: int, call_id: int):
+        """A fresh ParallelState for call ``call_id``: fresh counters, a fresh flight
+        recorder whose store keys are private to the call."""
         from hybrid.comm import CommGroup, CommStats
+        from hybrid.diagnostics.recorder import FlightRecorder
         from hybrid.parallel_state import ParallelState
 
         if tp not in self.built:  # collective: every rank sees the same calls in order
+            _barrier(self.store, f"hybrid/pool/layout_{call_id}", dist.get_world_size())
             self.built[tp] = ParallelState.build(tp, timeout=self.timeout,
                                                  device=torch.device("cpu"))
         base, stats = self.built[tp], CommStats()
+        rec = FlightRecorder(base.rank, base.world_size,
+                             dist.PrefixStore(f"hybrid/call_{call_id}", self.store), self.timeout)
 
         def fresh(g):
-            return CommGroup(g.name, g.pg, g.ranks, g.global_rank, stats, g.timeout)
+            return CommGroup(g.name, g.pg, g.ranks, g.global_rank, stats, g.timeout, rec)
 
-        return dataclasses.replace(base, tp_group=fresh(base.tp_group),
-                                   dp_group=fresh(base.dp_group),
-                                   world_group=fresh(base.world_group), comm_stats=stats)
+        ps = dataclasses.replace(base, tp_group=fresh(base.tp_group),
+                                 dp_group=fresh(base.dp_group),
+                                 world_group=fresh(base.world_group), comm_stats=stats,
+                                 recorder=rec)
+        rec.start()
+        return ps
+
+
+# How long ranks may take to reach the same point while starting (imports, unpickling a
+# call's function) on a loaded machine.
+_START_S = 120.0
+
+
+def _barrier(store, key: str, world_size: int) -> None:
+    """Wait until every rank has arrived at ``key``: creating a gloo group (or the default
+    one) waits for all ranks only as long as the group's timeout, which can be shorter
+    than a slow rank's imports."""
+    store.add(key, 1)
+    deadline = time.monotonic() + _START_S
+    while store.add(key, 0) < world_size:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"ranks did not all reach {key} within {_START_S:.0f}s")
+        time.sleep(0.01)
 
 
 def _worker(rank, world_size, port, collective_timeout, tasks, results):
@@ -149,10 +181,15 @@ def _worker(rank, world_size, port, collective_timeout, tasks, results):
     layouts, init_error = None, None
     try:
         timeout = datetime.timedelta(seconds=collective_timeout)
-        store = dist.TCPStore("127.0.0.1", port, world_size, is_master=False, timeout=timeout)
+        # The store waits as long as starting ranks may take; collectives time out after
+        # ``collective_timeout``, which may be a few seconds (see _barrier).
+        store = dist.TCPStore("127.0.0.1", port, world_size, is_master=False,
+                              timeout=datetime.timedelta(seconds=max(collective_timeout,
+                                                                     _START_S)))
+        _barrier(store, "hybrid/pool/init", world_size)
         dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size,
                                 timeout=timeout)
-        layouts = _Layouts(timeout)
+        layouts = _Layouts(timeout, store)
     except BaseException:  # noqa: BLE001 - reported as the failure of every call
         init_error = traceback.format_exc()
     while True:
@@ -172,7 +209,12 @@ def _worker(rank, world_size, port, collective_timeout, tasks, results):
         try:
             fn, tp, args, environ, cwd, path = pickle.loads(payload)
             fresh.restore(environ, cwd, path)
-            out = fn(layouts.state(tp), *args)
+            ps = layouts.state(tp, call_id)
+            try:
+                out = fn(ps, *args)
+            finally:
+                ps.close()
+                ps = None
             # Plain pickle copies tensor bytes; torch's queue pickler would share them
             # through file descriptors that vanish when this process exits.
             reply = (call_id, rank, "ok", pickle.dumps(_to_cpu(out)))

@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from hybrid.comm import CommGroup, CommStats
+from hybrid.diagnostics.recorder import FlightRecorder
 from hybrid.layout import check_layout, dp_group_ranks, tp_group_ranks
 
 
@@ -28,7 +29,8 @@ class ParallelState:
 
     ``tp_group`` and ``dp_group`` are :class:`hybrid.comm.CommGroup` objects: every
     collective in the library runs through one of them (and is counted in
-    ``comm_stats``).
+    ``comm_stats``, and recorded by ``recorder``, whose heartbeat runs until
+    :meth:`close`).
     """
 
     world_size: int
@@ -40,6 +42,7 @@ class ParallelState:
     backend: str
     timeout: datetime.timedelta
     comm_stats: CommStats = field(repr=False)
+    recorder: FlightRecorder = field(repr=False)
 
     @property
     def tp_size(self) -> int:
@@ -67,17 +70,21 @@ class ParallelState:
         """A one-process state (TP=1, DP=1) that needs no torch.distributed."""
         stats = CommStats()
         timeout = datetime.timedelta(minutes=10)
-        groups = [CommGroup(n, None, [0], 0, stats, timeout) for n in ("tp", "dp", "world")]
-        return cls(1, 0, *groups, torch.device(device), "none", timeout, stats)
+        rec = FlightRecorder(0, 1, None, timeout)
+        groups = [CommGroup(n, None, [0], 0, stats, timeout, rec) for n in ("tp", "dp", "world")]
+        return cls(1, 0, *groups, torch.device(device), "none", timeout, stats, rec)
 
     @classmethod
     def build(cls, tensor_model_parallel_size: int,
               timeout: datetime.timedelta = datetime.timedelta(minutes=10),
-              device: torch.device | None = None) -> "ParallelState":
+              device: torch.device | None = None, store=None) -> "ParallelState":
         """Create the TP and DP groups of an initialized default process group.
 
         Every rank must call this with the same arguments (group creation is
-        itself collective).
+        itself collective). ``store``: the rendezvous store the default group
+        was built from, through which the ranks explain a failed collective
+        (see :mod:`hybrid.diagnostics.recorder`); without it each rank reports
+        only what it saw.
         """
         if not dist.is_initialized():
             check_layout(1, tensor_model_parallel_size)
@@ -89,19 +96,27 @@ class ParallelState:
         if device is None:
             device = _default_device(backend)
         stats = CommStats()
+        rec = FlightRecorder(rank, world, store, timeout)
 
         def make(name, all_ranks):
             mine = None
             for ranks in all_ranks:
                 pg = dist.new_group(ranks, timeout=timeout)
                 if rank in ranks:
-                    mine = CommGroup(name, pg, ranks, rank, stats, timeout)
+                    mine = CommGroup(name, pg, ranks, rank, stats, timeout, rec)
             return mine
 
         tp_group = make("tp", tp_group_ranks(world, tp))
         dp_group = make("dp", dp_group_ranks(world, tp))
-        world_group = CommGroup("world", dist.group.WORLD, list(range(world)), rank, stats, timeout)
-        return cls(world, rank, tp_group, dp_group, world_group, device, backend, timeout, stats)
+        world_group = CommGroup("world", dist.group.WORLD, list(range(world)), rank, stats,
+                                timeout, rec)
+        rec.start()
+        return cls(world, rank, tp_group, dp_group, world_group, device, backend, timeout, stats,
+                   rec)
+
+    def close(self) -> None:
+        """Stop the flight recorder's heartbeat (the process groups stay)."""
+        self.recorder.close()
 
     def describe(self) -> str:
         """Human-readable layout: which global ranks form each TP and DP group."""
@@ -136,11 +151,12 @@ def init_distributed(tensor_model_parallel_size: int, timeout_minutes: float = 1
         device = torch.device("cuda", local)
     if world == 1 and "MASTER_ADDR" not in os.environ:
         return ParallelState.single(device or "cpu")
+    store = None
     if not dist.is_initialized():
-        dist.init_process_group(backend, timeout=timeout, device_id=device,
-                                store=_attempt_store(world, timeout), rank=int(os.environ["RANK"]),
-                                world_size=world)
-    return ParallelState.build(tensor_model_parallel_size, timeout, device)
+        store = _attempt_store(world, timeout)
+        dist.init_process_group(backend, timeout=timeout, device_id=device, store=store,
+                                rank=int(os.environ["RANK"]), world_size=world)
+    return ParallelState.build(tensor_model_parallel_size, timeout, device, store)
 
 
 def _attempt_store(world: int, timeout: datetime.timedelta):

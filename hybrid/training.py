@@ -25,6 +25,9 @@ from hybrid.config import TrainConfig
 from hybrid.config_sections import RecomputeConfig, ScheduleConfig
 from hybrid.data.dataset import build_datasets, dp_micro_batches
 from hybrid.data.tokenizer import build_tokenizer
+from hybrid.diagnostics import nonfinite
+from hybrid.diagnostics.replicas import ReplicaChecker
+from hybrid.diagnostics.stragglers import straggler_fields
 from hybrid.errors import TrainingError
 from hybrid.host_memory import return_freed_memory
 from hybrid.kernels.attention import check_attention_backend
@@ -114,41 +117,51 @@ def _sync(ps: ParallelState) -> None:
 
 def train_step(model: GPT, engine: ZeroEngine, micro_batches, lr: float,
                meter: SavedActivationMeter | None = None):
-    """One optimizer step over this rank's micro-batches; returns (local loss, StepResult).
+    """One optimizer step over this rank's micro-batches; returns (local loss, StepResult,
+    the ``(n,)`` micro-batch losses).
 
     Each micro-batch loss is a mean over its tokens; dividing by the number of
     micro-batches makes the accumulated gradient that of the mean over this
     rank's share, and the DP average makes it the global batch's. ``meter``
-    measures the first micro-batch's forward and backward.
+    measures the first micro-batch's forward and backward. A non-finite loss
+    skips the step even if the gradients are finite.
     """
     engine.zero_grad()
     n = len(micro_batches)
-    total = None
+    total, losses = None, []
     for i, (tokens, labels) in enumerate(micro_batches):
         with meter if (meter is not None and i == 0) else contextlib.nullcontext():
             loss = model(tokens, labels) / n
             engine.backward(loss, sync=(i == n - 1))
-        total = loss.detach().float() if total is None else total + loss.detach().float()
-    return total, engine.step(lr)
+        losses.append(loss.detach().float())
+        total = losses[-1] if total is None else total + losses[-1]
+    return total, engine.step(lr, loss=total), torch.stack(losses)
 
 
-def _nan_guard(result, scaler, streak: int, limit: int, iteration: int) -> int:
-    """Count consecutive steps skipped for non-finite gradients; stop past the limit.
+def _nan_guard(result, scaler, streak: int, limit: int, iteration: int, why: str = "") -> int:
+    """Count consecutive steps skipped for a non-finite loss or gradients; stop past the
+    limit (``why``: what the last one found, see :mod:`hybrid.diagnostics.nonfinite`).
 
     fp16 overflows while the dynamic scale is still coming down are normal and
     do not count; at the minimum scale (or without fp16) they do.
     """
     if not result.skipped:
         return 0
-    if scaler.dynamic and scaler.scale > scaler.min_scale:
+    if _scale_coming_down(scaler):
         return streak
     streak += 1
     if streak >= limit:
         raise TrainingError(
             f"loss or gradients were not finite for {streak} consecutive iterations (up to "
-            f"{iteration}); stopping without saving. Lower --lr, raise --clip-grad's "
-            f"strictness, or check the data (--exit-on-nan-iterations sets the patience)")
+            f"{iteration}; at {iteration}: {why}); stopping without saving. Lower --lr, raise "
+            f"--clip-grad's strictness, or check the data (--exit-on-nan-iterations sets the "
+            f"patience)")
     return streak
+
+
+def _scale_coming_down(scaler) -> bool:
+    """An fp16 overflow with room left to lower the dynamic loss scale: routine."""
+    return scaler.dynamic and scaler.scale > scaler.min_scale
 
 
 @torch.no_grad()
@@ -199,6 +212,9 @@ def pretrain(cfg: TrainConfig, ps: ParallelState) -> list[dict]:
         return_freed_memory()  # the model lives in host memory: keep RSS to what is used
     before_model = _memory(ps)[0]  # the process without the model: runtime, data
     model, ac, engine = build_engine(cfg, ps, tokenizer.vocab_size, rng)
+    diag = cfg.diagnostics
+    ps.recorder.configure(diag.collective_dump_dir, diag.check_collectives)
+    replicas = ReplicaChecker(model, engine, ps) if diag.check_replicas_interval else None
 
     state = TrainState()
     # --load with --no-load-optim / --no-load-rng / --finetune (hybrid/checkpoint/resume.py)
@@ -233,12 +249,13 @@ def pretrain(cfg: TrainConfig, ps: ParallelState) -> list[dict]:
     flops_per_token = model.cfg.flops_per_token(cfg.model.seq_length)
     history, loss_acc, time_acc, n_acc = [], torch.zeros((), device=ps.device), 0.0, 0
     tokens_acc = 0
+    busy_acc = 0.0  # step time outside collectives: see hybrid/diagnostics/stragglers.py
     meter = SavedActivationMeter(extra=ac.stored_bytes if ac is not None else lambda: 0)
     skipped, nan_streak, saved_at = 0, 0, state.iteration
     try:
         while not finished(s, state.iteration, state.consumed_samples):
             _sync(ps)
-            t0 = time.perf_counter()
+            t0, waited0 = time.perf_counter(), ps.comm_stats.wait_s
             batch = global_batch_size_at(s, state.consumed_samples)
             lr = scheduled_lr(cfg.optimizer, state.iteration + 1,
                               state.consumed_samples + batch)
@@ -247,15 +264,27 @@ def pretrain(cfg: TrainConfig, ps: ParallelState) -> list[dict]:
             comm_before = ps.comm_stats.snapshot()
             last = finished(s, state.iteration + 1, state.consumed_samples + batch)
             logs = (state.iteration + 1) % lg.log_interval == 0 or last
-            loss, result = train_step(model, engine, batches, lr, meter if logs else None)
+            loss, result, losses = train_step(model, engine, batches, lr,
+                                              meter if logs else None)
             comm = {k: v - comm_before[k] for k, v in ps.comm_stats.snapshot().items()}
             skipped += int(result.skipped)
             state.iteration += 1
+            why = ""
+            # Say why a step was skipped -- only steps already known non-finite pay for it,
+            # and not fp16's normal overflows while the dynamic scale comes down.
+            if result.skipped and not _scale_coming_down(engine.scaler):
+                why = nonfinite.explain(model, engine, ps, losses, state.consumed_samples,
+                                        batch, s.micro_batch_size)
+                if ps.rank == 0:
+                    log.warning("iteration %d skipped (loss scale now %.1f): %s",
+                                state.iteration, engine.scaler.scale, why)
             state.consumed_samples += batch
             nan_streak = _nan_guard(result, engine.scaler, nan_streak,
-                                    s.exit_on_nan_iterations, state.iteration)
+                                    s.exit_on_nan_iterations, state.iteration, why)
             _sync(ps)
-            time_acc += time.perf_counter() - t0
+            dt = time.perf_counter() - t0
+            time_acc += dt
+            busy_acc += dt - (ps.comm_stats.wait_s - waited0)
             loss_acc += loss
             n_acc += 1
             tokens_acc += batch * cfg.model.seq_length
@@ -276,14 +305,18 @@ def pretrain(cfg: TrainConfig, ps: ParallelState) -> list[dict]:
                                 _max_over_ranks(ps, [_memory(ps)[1], setup_peak, before_model]))),
                      "model_state_bytes": engine.model_state_bytes(), "comm_bytes": comm,
                      # saved for backward by this rank's first micro-batch, measured
-                     "activation_bytes": meter.peak}
+                     "activation_bytes": meter.peak,
+                     # slowest / fastest rank (one tiny all-gather per log line)
+                     **straggler_fields(ps, step_time, busy_acc / n_acc)}
                 if ac is not None:
                     m["activation_checkpoint_bytes"] = ac.peak_bytes()
                     ac.reset_peak()
                 monitor.log_iteration(m)
                 history.append(m)
                 loss_acc.zero_()
-                time_acc, n_acc, tokens_acc = 0.0, 0, 0
+                time_acc, busy_acc, n_acc, tokens_acc = 0.0, 0.0, 0, 0
+            if replicas is not None and state.iteration % diag.check_replicas_interval == 0:
+                replicas.check(state.iteration)
             if s.eval_interval and state.iteration % s.eval_interval == 0:
                 run_eval("valid")
             clean = nan_streak == 0  # never save a step that went non-finite

@@ -45,6 +45,19 @@ def _fail(msg: str) -> int:
     return 2
 
 
+def _collective_fail(e) -> int:
+    """A failed collective: the reporting rank prints the job's one report, every other
+    rank one line pointing to it (hybrid/diagnostics/recorder.py); both at once, since
+    the ranks already agreed who reports, and the others waited for this print."""
+    rank = int(os.environ.get("RANK", "0"))
+    if e.reporter:
+        print(f"pretrain_gpt.py: error (rank {rank}): {e}", file=sys.stderr, flush=True)
+        e.reported()  # the others may exit now (and the launcher stop this rank)
+    else:
+        print(f"pretrain_gpt.py: {e}", file=sys.stderr, flush=True)
+    return 2
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     check_only = "--check-config" in argv
@@ -58,6 +71,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch.distributed as dist
 
+    from hybrid.comm import CollectiveError
     from hybrid.monitor import setup_logging
     from hybrid.parallel_state import init_distributed
     from hybrid.training import pretrain
@@ -69,11 +83,14 @@ def main(argv: list[str] | None = None) -> int:
         pretrain(cfg, ps)
     except (ConfigError, DataError, CheckpointError, TrainingError) as e:
         return _fail(str(e))
+    except CollectiveError as e:
+        return _collective_fail(e)
     finally:
         # Collect the model/engine/hook reference cycles now, while the interpreter is
         # whole: left to teardown, process groups they hold were destroyed late enough
         # for gloo's threads to abort the process ("terminate called without an
         # active exception") after a successful run.
+        ps.close()
         del ps
         gc.collect()
         if dist.is_initialized():

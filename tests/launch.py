@@ -49,10 +49,12 @@ def torchrun(nproc: int, args: list[str], timeout: float = 300) -> subprocess.Co
 
 
 def _pretrain_rank(ps, cfg):
-    """scripts/pretrain_gpt.py's main() on one pooled rank: (exit code, stdout, error)."""
+    """scripts/pretrain_gpt.py's main() on one pooled rank: (exit code, stdout, error,
+    whether the error is the job's collective report)."""
     import io
     import logging
 
+    from hybrid.comm import CollectiveError
     from hybrid.errors import CheckpointError, ConfigError, DataError, TrainingError
     from hybrid.training import pretrain
 
@@ -67,17 +69,24 @@ def _pretrain_rank(ps, cfg):
     try:
         pretrain(cfg, ps)
     except (ConfigError, DataError, CheckpointError, TrainingError) as e:
-        return 2, out.getvalue(), str(e)
+        return 2, out.getvalue(), str(e), False
+    except CollectiveError as e:
+        e.reported()  # as the script does once it printed the report
+        return 2, out.getvalue(), str(e), e.reporter
     finally:
         log.removeHandler(handler)
-    return 0, out.getvalue(), None
+    return 0, out.getvalue(), None, False
 
 
-def pretrain(nproc: int, args: list[str], timeout: float = 300) -> subprocess.CompletedProcess:
+def pretrain(nproc: int, args: list[str], timeout: float = 300, reuse: bool = True,
+             rank_fn=None, grace_s: float = 5.0) -> subprocess.CompletedProcess:
     """The work of ``torchrun(nproc, args)``, run on pooled ranks (see the module doc).
 
-    Like torchrun, once one rank fails the job ends: ranks still running a few
-    seconds later are stopped.
+    Like torchrun, once one rank fails the job ends: ranks still running
+    ``grace_s`` seconds later are stopped. ``reuse=False``: on fresh processes whose
+    collectives time out after ``--distributed-timeout-minutes`` (for runs that
+    stop or lose a rank). ``rank_fn(ps, cfg)``: what each rank runs instead of
+    :func:`_pretrain_rank` (a module-level function that ends by calling it).
     """
     import contextlib
     import io
@@ -95,14 +104,21 @@ def pretrain(nproc: int, args: list[str], timeout: float = 300) -> subprocess.Co
         return subprocess.CompletedProcess(argv, 2, "", f"pretrain_gpt.py: error: {e}\n")
     except SystemExit as e:  # argparse: unknown flag or bad value, already said on err
         return subprocess.CompletedProcess(argv, e.code, "", err.getvalue())
-    res = run_ranks(_pretrain_rank, world_size=nproc, tp=cfg.parallel.tensor_model_parallel_size,
-                    args=(cfg,), timeout=timeout, early_exit=lambda r: r[0] != 0,
-                    grace_s=5.0)
+    extra = {} if reuse else {"collective_timeout": cfg.parallel.timeout_minutes * 60}
+    res = run_ranks(rank_fn or _pretrain_rank, world_size=nproc,
+                    tp=cfg.parallel.tensor_model_parallel_size, args=(cfg,), timeout=timeout,
+                    early_exit=lambda r: r[0] != 0, grace_s=grace_s, reuse=reuse, **extra)
     done = {rank: r for rank, r in enumerate(res) if r is not None}
     failed = [rank for rank, r in done.items() if r[0] != 0]
     stdout = "".join(r[1] for r in done.values())
     if not failed:
         return subprocess.CompletedProcess(argv, 0, stdout, "")
+    reports = [rank for rank in failed if done[rank][3]]
+    if reports:  # scripts/pretrain_gpt.py's _collective_fail: the report, then pointers
+        lines = [f"pretrain_gpt.py: error (rank {reports[0]}): {done[reports[0]][2]}\n"]
+        lines += [f"pretrain_gpt.py: {done[rank][2]}\n" for rank in failed
+                  if rank != reports[0]]
+        return subprocess.CompletedProcess(argv, 2, stdout, "".join(lines))
     # scripts/pretrain_gpt.py's _fail: rank 0 says it; another rank only when rank 0 did not
     rank = failed[0]
     where = "" if rank == 0 else f" (rank {rank})"

@@ -15,7 +15,9 @@ def test_tensorboard_scalars_and_json_records(tmp_path):
     tags = set(acc.Tags()["scalars"])
     for tag in ("train/loss", "train/lr", "train/grad_norm", "train/tokens_per_sec",
                 "train/loss_scale", "train/tflops_per_rank", "train/model_state_bytes/total",
-                "train/comm_bytes/reduce_scatter", "valid/loss", "valid/ppl", "test/loss"):
+                "train/comm_bytes/reduce_scatter", "valid/loss", "valid/ppl", "test/loss",
+                "train/step_time_max_s", "train/step_time_max_rank", "train/busy_time_min_s",
+                "train/busy_time_min_rank"):
         assert tag in tags, (tag, sorted(tags))
     assert [e.step for e in acc.Scalars("train/loss")] == [2, 4, 6]
     assert [e.step for e in acc.Scalars("valid/loss")] == [3, 6]

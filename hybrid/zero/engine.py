@@ -168,13 +168,19 @@ class ZeroEngine:
         if self.gatherer is not None:
             self.gatherer.release_all()
 
-    def step(self, lr: float) -> StepResult:
-        """Unscale, check overflow (all ranks agree), clip, update, re-assemble params."""
+    def step(self, lr: float, loss: torch.Tensor | None = None) -> StepResult:
+        """Unscale, check overflow (all ranks agree), clip, update, re-assemble params.
+
+        ``loss``: this rank's loss of the step; a non-finite one skips the step
+        like a non-finite gradient does, even when the gradients are finite.
+        """
         grads = [u.grad_shard for u in self.units]
         dp = self.ps.dp_group if self.plan.optimizer else None
         norm = global_grad_norm(self.optimizer, grads, self.ps.tp_group, dp) / self.scaler.scale
         # Every rank must take the same decision: agree on overflow over the world.
         flag = torch.tensor([0.0 if math.isfinite(norm) else 1.0], device=self.ps.device)
+        if loss is not None:  # on the device: no extra synchronization
+            flag += (~torch.isfinite(loss.detach())).to(flag.dtype).reshape(1)
         self.ps.world_group.all_reduce(flag)
         skipped = bool(flag.item() > 0)
         self.scaler.update(skipped)

@@ -1,0 +1,9 @@
+"""When something goes wrong on many ranks, say where (README: "When a run goes wrong").
+
+* :mod:`.recorder`    the collective flight recorder, heartbeat and failure protocol
+* :mod:`.report`      the words of a failure report, from the ranks' records
+* :mod:`.fingerprint` ``--check-collectives``: a group agrees on each collective first
+* :mod:`.replicas`    ``--check-replicas-interval``: replicated parameters bit-identical
+* :mod:`.nonfinite`   which micro-batch and parameters made a step non-finite
+* :mod:`.stragglers`  the slowest and fastest rank of a log interval
+"""

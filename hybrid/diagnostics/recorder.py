@@ -1,0 +1,391 @@
+"""The collective flight recorder: what each rank last did, and one report when a collective fails.
+
+Every :class:`hybrid.comm.CommGroup` collective is numbered per group (``#k``
+of the tp, dp or world group) and recorded here before it runs: op, group,
+shape, dtype, the Python caller (file:line, a few frames) and the wall time,
+in a ring of the last :data:`RING` entries. When a collective fails or times
+out, the ranks compare notes through the rendezvous store and one of them
+writes one report naming the ranks that never reached collective #k and where
+each of them was last (:mod:`hybrid.diagnostics.report`).
+
+[Note: what is published, when, and what it costs]
+A rank's *record* is O(1): per group (three of them) its last sequence number,
+its last two entries, whether and where it is blocked, where its main thread is
+now, and a timestamp. It is written under the rank's own key ``hb/<rank>``:
+
+* by a heartbeat thread every ``heartbeat_s`` = timeout / 8 (clamped to
+  [0.25 s, 30 s]): at 1,000 ranks and the default 10-minute timeout that is
+  33 small writes and 33 counter reads per second on the store, whatever the
+  step time. A rank frozen by SIGSTOP or dead stops publishing; its last record
+  and its age are what the report can say about it.
+* by a rank itself the moment one of its collectives fails.
+
+The collective hot path does no store round trip: it appends to the in-memory
+ring and updates two dict slots (about 6 us per collective, frame walk
+included, on the 2-core CPU this was written on). Publishing on every
+collective would cost a round trip to one store server per collective on
+every rank -- 1,000 ranks x hundreds of collectives per step -- and still say
+nothing more about a frozen rank than its last heartbeat does: what the
+report knows exactly about a frozen rank comes from its peers (collective
+#k-1 completed, so every rank issued it).
+
+When a collective fails, its rank bumps the ``alarm`` counter, which every
+heartbeat reads (one ``add(key, 0)``); live ranks then republish at their next
+tick, so the report sees fresh records of every live rank within
+``2 * heartbeat_s``. The first rank to fail wins ``claim`` (an atomic
+``add``) and reports: the rank that has waited longest, usually the nearest
+to the stuck one, and the only choice that needs no agreement among ranks
+that are failing at different moments. It reads the records of the failing
+group, O(group size), and follows a rank that is itself blocked into the
+group it is blocked on, so whichever rank reports, the report ends at the
+ranks that are stuck outside any collective.
+Every other failing rank waits for ``done`` and then ``printed`` (polled with
+``check``, bounded) and exits with a one-line pointer to the report: exiting
+earlier could make the launcher stop the reporter before it printed.
+
+Every store operation runs on a clone of the store with its own timeout
+(``store_timeout``), one clone per thread: a dead store server cannot hang the
+report for longer than that.
+"""
+
+from __future__ import annotations
+
+import collections
+import datetime
+import json
+import os
+import socket
+import sys
+import threading
+import time
+
+import torch
+
+from hybrid.diagnostics import report
+
+RING = 64  # collectives kept per rank
+
+_TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
+_HERE = os.path.dirname(os.path.abspath(__file__)) + os.sep
+_COMM = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "comm.py")
+_ROOT = os.path.dirname(os.path.dirname(_HERE.rstrip(os.sep))) + os.sep
+_STDLIB = os.path.dirname(os.path.abspath(os.__file__)) + os.sep  # site-packages too
+
+
+def _skip(filename: str) -> bool:
+    """Frames that say nothing about who called: torch's wrappers, the standard library
+    (threading, multiprocessing), installed packages, comm, this package."""
+    return (filename.startswith(_STDLIB) or filename.startswith(_TORCH_DIR)
+            or filename.startswith(_HERE) or filename == _COMM or filename.startswith("<"))
+
+
+def short_path(filename: str) -> str:
+    """Path relative to the repository root, else its last three components."""
+    if filename.startswith(_ROOT):
+        return filename[len(_ROOT):]
+    return os.sep.join(filename.split(os.sep)[-3:])
+
+
+def fmt_frame(frame: tuple) -> str:
+    filename, line, func = frame
+    return f"{short_path(filename)}:{line} in {func}"
+
+
+def callers(frame, depth: int = 3, limit: int = 40) -> tuple:
+    """Up to ``depth`` (filename, line, function) of the frames that called, innermost
+    first, one per source file (a file's own helpers say less than who called them)."""
+    out = []
+    while frame is not None and len(out) < depth and limit > 0:
+        code = frame.f_code
+        if not _skip(code.co_filename) and (not out or out[-1][0] != code.co_filename):
+            out.append((code.co_filename, frame.f_lineno, code.co_name))
+        frame = frame.f_back
+        limit -= 1
+    return tuple(out)
+
+
+class Entry:
+    """One collective as this rank issued it. ``state``: issued, done or failed."""
+
+    __slots__ = ("seq", "group", "op", "shape", "dtype", "frames", "t", "state")
+
+    def __init__(self, seq, group, op, shape, dtype, frames, t):
+        self.seq, self.group, self.op = seq, group, op
+        self.shape, self.dtype, self.frames, self.t = shape, dtype, frames, t
+        self.state = "issued"
+
+    @property
+    def caller(self) -> str:
+        if not self.frames:
+            return "an unknown caller"
+        head = fmt_frame(self.frames[0])
+        via = ", ".join(fmt_frame(f) for f in self.frames[1:])
+        return f"{head} (via {via})" if via else head
+
+    def to_dict(self) -> dict:
+        return {"seq": self.seq, "group": self.group.name, "ranks": self.group.ranks,
+                "op": self.op, "shape": list(self.shape), "dtype": self.dtype,
+                "caller": self.caller, "t": self.t, "state": self.state}
+
+
+class FlightRecorder:
+    """This process's ring of collectives, its heartbeat, and the failure protocol.
+
+    Args:
+        rank, world_size: this process in the job.
+        store: the rendezvous store the process groups were built from (a
+            ``torch.distributed.Store``), namespaced for this job; None in a
+            one-process run or when unknown: failures are then reported from
+            this rank's own ring only.
+        timeout: the collective timeout (sets the heartbeat period).
+    """
+
+    def __init__(self, rank: int, world_size: int, store=None,
+                 timeout: datetime.timedelta = datetime.timedelta(minutes=10)):
+        self.rank, self.world_size = rank, world_size
+        self.timeout_s = timeout.total_seconds()
+        self.heartbeat_s = min(30.0, max(0.25, self.timeout_s / 8))
+        self.store_timeout = datetime.timedelta(seconds=min(30.0, max(2.0, self.timeout_s)))
+        self.ring: collections.deque = collections.deque(maxlen=RING)
+        self.groups: dict = {}  # name -> CommGroup
+        self.last: dict = {}  # group name -> (last Entry, the one before)
+        self.waiting: Entry | None = None  # the collective this rank is blocked in
+        self.waiting_since = 0.0
+        self.failure: dict | None = None
+        self.dump_dir: str | None = None
+        self.check_collectives = False
+        self._main = threading.get_ident()
+        self._store = self._clone(store)
+        self._base_store = store
+        self._stop = threading.Event()
+        self._thread = None
+        self._alarm_seen = 0
+        self._dumped_on_alarm = False
+        self._closed = False
+        self._host = socket.gethostname()
+
+    # -- setup -------------------------------------------------------------------------
+    def _clone(self, store):
+        if store is None:
+            return None
+        s = store.clone()  # one connection per thread; its own timeout
+        s.set_timeout(self.store_timeout)
+        return s
+
+    def configure(self, dump_dir: str | None = None, check_collectives: bool = False) -> None:
+        """``--collective-dump-dir`` and ``--check-collectives`` for this process."""
+        self.dump_dir = dump_dir
+        self.check_collectives = check_collectives
+
+    def register(self, group) -> None:
+        self.groups[group.name] = group
+
+    def start(self) -> None:
+        """Publish a first record and start the heartbeat (no-op without a store)."""
+        if self._store is None or self._thread is not None:
+            return
+        self._publish(self._store)
+        self._thread = threading.Thread(target=self._heartbeat,
+                                        args=(self._clone(self._base_store),),
+                                        name="hybrid-heartbeat", daemon=True)
+        self._thread.start()
+
+    def close(self) -> None:
+        """Stop the heartbeat; the last record says this rank left (a rank that finished
+        while the others wait for a collective it skipped is named as such)."""
+        if self._thread is None:
+            return
+        self._stop.set()
+        self._thread.join(timeout=self.store_timeout.total_seconds() + 1)
+        self._thread = None
+        self._closed = True
+        try:
+            self._publish(self._store)
+        except Exception:  # noqa: BLE001 - the store may be gone at shutdown
+            pass
+
+    # -- the hot path --------------------------------------------------------------------
+    def issue(self, group, op: str, t: torch.Tensor) -> Entry:
+        """Number and record a collective of ``group`` about to run (no I/O)."""
+        group.seq += 1
+        e = Entry(group.seq, group, op, tuple(t.shape), str(t.dtype).replace("torch.", ""),
+                  callers(sys._getframe(2)), time.time())
+        self.ring.append(e)
+        prev = self.last.get(group.name)
+        self.last[group.name] = (e, prev[0] if prev else None)
+        return e
+
+    def begin_wait(self, e: Entry) -> None:
+        self.waiting, self.waiting_since = e, time.time()
+
+    def end_wait(self, e: Entry) -> None:
+        e.state = "done" if e.state == "issued" else e.state
+        self.waiting = None
+
+    # -- records ---------------------------------------------------------------------------
+    def record(self) -> dict:
+        """This rank's O(1) state: see the module note."""
+        now = time.time()
+        groups = {}
+        for name, g in list(self.groups.items()):
+            last, prev = self.last.get(name, (None, None))
+            groups[name] = {"ranks": g.ranks, "seq": g.seq,
+                            "last": last.to_dict() if last else None,
+                            "prev": prev.to_dict() if prev else None}
+        w = self.waiting
+        last_t = max((e.t for e, _ in list(self.last.values())), default=None)
+        return {"rank": self.rank, "t": now, "host": self._host, "pid": os.getpid(),
+                "heartbeat_s": self.heartbeat_s, "alarm": self._alarm_seen,
+                "closed": self._closed,
+                "groups": groups, "last_t": last_t, "where": self.where(),
+                "waiting": ({"group": w.group.name, "seq": w.seq, "since": self.waiting_since}
+                            if w is not None else None),
+                "failed": self.failure}
+
+    def where(self) -> str | None:
+        """Where this process's main thread is now: its innermost frame of interest."""
+        frame = sys._current_frames().get(self._main)
+        out = callers(frame, depth=1) if frame is not None else ()
+        return fmt_frame(out[0]) if out else None
+
+    def _publish(self, store) -> None:
+        store.set(_hb(self.rank), json.dumps(self.record()))
+
+    def _heartbeat(self, store) -> None:
+        while not self._stop.wait(self.heartbeat_s):
+            try:
+                self._alarm_seen = store.add(_ALARM, 0)
+                self._publish(store)
+                if self._alarm_seen and not self._dumped_on_alarm:
+                    self._dumped_on_alarm = True
+                    self.dump("another rank's collective failed")
+            except Exception:  # noqa: BLE001 - a missing store must not kill training
+                pass
+
+    def dump(self, reason: str) -> str | None:
+        """Write the ring as JSON to ``dump_dir/collectives_rank<rank>.json``."""
+        if not self.dump_dir:
+            return None
+        os.makedirs(self.dump_dir, exist_ok=True)
+        path = os.path.join(self.dump_dir, f"collectives_rank{self.rank:05d}.json")
+        rec = self.record()
+        rec["reason"] = reason
+        rec["collectives"] = [e.to_dict() for e in list(self.ring)]
+        tmp = f"{path}.tmp{os.getpid()}"
+        with open(tmp, "w", encoding="utf-8") as f:
+            json.dump(rec, f, indent=1)
+        os.replace(tmp, path)
+        return path
+
+    # -- failures ----------------------------------------------------------------------------
+    def failed(self, e: Entry, detail: str) -> tuple[str, bool]:
+        """(message, is the report) for collective ``e`` that failed with ``detail``.
+
+        Runs the protocol of the module note. Without a store, or if the store
+        fails, the message is this rank's own view and counts as the report.
+        """
+        e.state = "failed"
+        self.waiting = None
+        self.failure = {"group": e.group.name, "seq": e.seq, "op": e.op,
+                        "error": report.short_error(detail)}
+        self._dumped_on_alarm = True  # this dump says more than the heartbeat's would
+        self.dump(f"{e.op} #{e.seq} of the {e.group.name} group failed: "
+                  f"{report.short_error(detail)}")
+        head = report.headline(self.rank, e.to_dict(), self.timeout_s, detail)
+        if self._store is None:
+            return head + report.own_view(self.record()), True
+        try:
+            self._publish(self._store)
+            self._store.add(_ALARM, 1)
+            if not self._claim():
+                return self._pointer(e), False
+            deadline = time.time() + 2 * self.heartbeat_s + 0.5
+            msg = report.explain(head, e.to_dict(), self.record(),
+                                 lambda ranks: self._read_fresh(ranks, deadline), self.dump_dir)
+            self._finish()
+            return msg, True
+        except Exception as err:  # noqa: BLE001 - the store itself failed: say what we know
+            return (head + report.own_view(self.record())
+                    + f"\n  (the ranks could not compare notes through the store: {err})"), True
+
+    def mismatch(self, message: str) -> tuple[str, bool]:
+        """(message, is the report) for a --check-collectives mismatch every rank of the
+        group found at once: one of them reports it."""
+        if self._store is None:
+            return message, True
+        try:
+            self._store.add(_ALARM, 1)
+            if not self._claim():
+                return f"rank {self.rank}: collective mismatch; see the report of rank " \
+                       f"{self._reporter()}", False
+            self._finish()
+        except Exception:  # noqa: BLE001
+            pass
+        return message, True
+
+    def _claim(self) -> bool:
+        if self._store.add(_CLAIM, 1) == 1:
+            self._store.set(_REPORTER, str(self.rank))
+            return True
+        return False
+
+    def _finish(self) -> None:
+        self._store.set(_DONE, "1")
+
+    def reported(self) -> None:
+        """The report is on the console: the other ranks may exit now. (Their exit makes a
+        launcher such as torchrun stop this rank, which must not happen before.)"""
+        if self._store is not None:
+            try:
+                self._store.set(_PRINTED, "1")
+            except Exception:  # noqa: BLE001 - they stop waiting on their own
+                pass
+
+    def _wait_for(self, key: str, seconds: float) -> bool:
+        deadline = time.time() + seconds
+        while not self._store.check([key]):
+            if time.time() >= deadline:
+                return False
+            time.sleep(min(0.1, self.heartbeat_s))
+        return True
+
+    def _reporter(self) -> str:
+        """The reporting rank, once its report is written and printed (waits, bounded)."""
+        if self._wait_for(_DONE, 4 * self.heartbeat_s + 2 * self.store_timeout.total_seconds()):
+            self._wait_for(_PRINTED, 2.0)  # if nobody calls reported(), go on after 2 s
+        return (self._store.get(_REPORTER).decode() if self._store.check([_REPORTER])
+                else "unknown")
+
+    def _pointer(self, e: Entry) -> str:
+        return (f"rank {self.rank}: {e.op} #{e.seq} of the {e.group.name} group (global ranks "
+                f"{e.group.ranks}) failed too; see the collective report of rank "
+                f"{self._reporter()}")
+
+    def _read_fresh(self, ranks: list[int], deadline: float) -> dict:
+        """Records of ``ranks``, waiting until each is fresh (published after the alarm,
+        or a failure record) or ``deadline`` passes: O(len(ranks)) reads per poll."""
+        keys = [_hb(r) for r in ranks]
+        while True:
+            recs = {}
+            if self._store.check(keys):
+                vals = self._store.multi_get(keys)
+                recs = {r: json.loads(v) for r, v in zip(ranks, vals)}
+            else:
+                for r, k in zip(ranks, keys):
+                    if self._store.check([k]):
+                        recs[r] = json.loads(self._store.get(k))
+            if self.rank in recs:
+                recs[self.rank] = self.record()
+            stale = [r for r in ranks if r not in recs or not report.is_fresh(recs[r])]
+            left = deadline - time.time()
+            if not stale or left <= 0:
+                return recs
+            time.sleep(min(left, self.heartbeat_s / 2))
+
+
+_ALARM, _CLAIM, _REPORTER = "fr/alarm", "fr/claim", "fr/reporter"
+_DONE, _PRINTED = "fr/done", "fr/printed"
+
+
+def _hb(rank: int) -> str:
+    return f"fr/hb/{rank}"

@@ -1,0 +1,133 @@
+"""``--check-replicas-interval N``: replicated parameters are checked bit-identical.
+
+Two kinds of parameters are held in full by several ranks, and training keeps
+the copies equal to the bit (same data, same reductions, same updates):
+
+* over the TP group, the parameters TP does not split: LayerNorm weights and
+  biases, row-parallel biases, the position embedding. At ZeRO-3 a partitioned
+  unit has the same layout on every TP rank, so this rank's shard of such a
+  parameter is compared with the same shard on its TP peers;
+* over the DP group, every parameter ZeRO keeps whole: all of them at stages
+  0-2, the small persistent ones at stage 3.
+
+A copy that drifted (a missed reduction, a rank-dependent code path, a flipped
+bit) trains on silently. The check sums each parameter's raw bits -- the
+plain sum and a position-weighted sum of its elements read as integers, both
+exact in int64 -- and compares them with one all-reduce (MAX of the sums and
+of their negations) per group: O(parameters) int64 per rank, whatever the
+group size, one collective per group per check. Only when some parameter
+differs, one all-gather of the first few differing sums names the ranks, and
+every rank stops with the same message.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from hybrid.diagnostics.report import rank_list
+from hybrid.errors import TrainingError
+from hybrid.tensor_parallel import is_tp_split
+
+_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+_NAMED = 4  # differing parameters named per group
+_MESSAGE_BYTES = 4096
+
+
+class ReplicaChecker:
+    """Checksums of the replicated parameters of ``model`` under ``engine``'s layout."""
+
+    def __init__(self, model, engine, ps):
+        self.ps = ps
+        names = {id(p): n for n, p in model.named_parameters()}
+        self.tp, self.dp = [], []  # (name, () -> tensor of this rank's copy)
+        for u in engine.units:
+            if u.partition_params:  # stage 3: this rank's shard of each TP-replicated param
+                for i, plo, ulo, n in u.segments(u.own_lo, u.own_hi):
+                    if not is_tp_split(u.params[i]):
+                        a = ulo - u.own_lo
+                        self.tp.append((names[id(u.params[i])],
+                                        lambda u=u, a=a, n=n: u.shard[a: a + n]))
+                continue
+            for p in u.params:
+                if not is_tp_split(p):
+                    self.tp.append((names[id(p)], lambda p=p: p.detach()))
+                self.dp.append((names[id(p)], lambda p=p: p.detach()))
+        self._weights = torch.empty(0, dtype=torch.int64, device=ps.device)
+
+    def _checksums(self, items) -> torch.Tensor:
+        """``(2 * len(items),)`` int64: per item, the sum and the position-weighted sum of
+        its elements' bits as integers (exact, wrapping modulo 2**64)."""
+        out = torch.zeros(2 * len(items), dtype=torch.int64, device=self.ps.device)
+        for k, (_, get) in enumerate(items):
+            t = get().reshape(-1)
+            x = t.view(_INT[t.element_size()]).to(torch.int64)
+            if self._weights.numel() < x.numel():
+                self._weights = torch.arange(x.numel(), device=x.device) % 65521 + 1
+            out[2 * k] = x.sum()
+            out[2 * k + 1] = (x * self._weights[: x.numel()]).sum()
+        return out
+
+    @torch.no_grad()
+    def check(self, iteration: int) -> None:
+        """Compare every replica over its group; raise TrainingError on every rank if any
+        differs. Collective over the TP group, the DP group and the world."""
+        ps = self.ps
+        found = []
+        for group, kind, items in ((ps.tp_group, "TP-replicated", self.tp),
+                                   (ps.dp_group, "DP-replicated", self.dp)):
+            if group.size == 1 or not items:
+                continue
+            mine = self._checksums(items)
+            both = torch.cat([mine, -mine])
+            group.all_reduce(both, op=dist.ReduceOp.MAX)
+            n = len(items)
+            differ = (both[: 2 * n] != -both[2 * n:]).view(n, 2).any(1).nonzero().flatten()
+            if differ.numel():
+                found.append(self._name_ranks(group, kind, items, mine, differ.tolist()))
+        self._stop_together(found, iteration)
+
+    def _name_ranks(self, group, kind: str, items, mine: torch.Tensor, differ: list[int]) -> str:
+        """Which ranks hold which copy of the first differing parameters (one all-gather,
+        only when something differs)."""
+        idx = torch.tensor(differ[:_NAMED], device=mine.device)
+        sums = mine.view(-1, 2)[idx].reshape(-1)
+        every = torch.empty(group.size * sums.numel(), dtype=torch.int64, device=mine.device)
+        group.all_gather(every, sums)
+        every = every.view(group.size, -1, 2).cpu()
+        parts = []
+        for j, k in enumerate(differ[:_NAMED]):
+            copies: dict = {}
+            for gr, r in enumerate(group.ranks):
+                copies.setdefault(tuple(every[gr, j].tolist()), []).append(r)
+            held = sorted(copies.values(), key=lambda rs: (-len(rs), rs[0]))
+            if len(held[0]) > len(held[1]):
+                who = "; ".join(f"{rank_list(rs)} {'differs' if len(rs) == 1 else 'differ'} "
+                                f"from {rank_list(held[0])}" for rs in held[1:])
+            else:
+                who = " / ".join(rank_list(rs) for rs in held) + " hold different values"
+            parts.append(f"{items[k][0]} ({who})")
+        return (f"{len(differ)} of {len(items)} {kind} parameters differ across the "
+                f"{group.name} group (global ranks {group.ranks}): " + ", ".join(parts))
+
+    def _stop_together(self, found: list[str], iteration: int) -> None:
+        """Every rank learns whether any group diverged (one world all-reduce); the rank
+        that saw the most broadcasts its message and all raise it."""
+        ps = self.ps
+        W = ps.world_size
+        key = torch.tensor([len(found) * W + (W - 1 - ps.rank) if found else -1],
+                           dtype=torch.int64, device=ps.device)
+        ps.world_group.all_reduce(key, op=dist.ReduceOp.MAX)
+        key = int(key.item())
+        if key < 0:
+            return
+        src = W - 1 - key % W
+        buf = torch.zeros(_MESSAGE_BYTES, dtype=torch.uint8, device=ps.device)
+        if ps.rank == src:
+            raw = ("; ".join(found)).encode()[: _MESSAGE_BYTES]
+            buf[: len(raw)] = torch.frombuffer(bytearray(raw), dtype=torch.uint8).to(ps.device)
+        ps.world_group.broadcast(buf, src=src)
+        text = bytes(buf.cpu().numpy()).rstrip(b"\0").decode(errors="replace")
+        raise TrainingError(f"replica check at iteration {iteration} (--check-replicas-interval): "
+                            f"{text}. The copies diverged since the last check; stopping "
+                            f"without saving")

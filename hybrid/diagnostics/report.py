@@ -1,0 +1,226 @@
+"""The words of a collective failure report, from the ranks' records (pure functions).
+
+A record is what :meth:`hybrid.diagnostics.recorder.FlightRecorder.record`
+publishes: per group the last sequence number and last two entries, where the
+rank is blocked if it is, where its main thread is, and when it was written.
+:func:`explain` turns the failing collective and a way to read records into
+one message (see README, "When a run goes wrong")::
+
+    rank 2: all_reduce #55 of the tp group (global ranks [2, 3]) did not complete (...)
+      it was called at hybrid/tensor_parallel/mappings.py:58 in _all_reduce (via ...)
+      rank 3 never reached it; all got through #54, all_reduce at ...
+      rank 3: no heartbeat for 4.6 s (...); its last one had it ...
+      stuck: rank 3.
+
+It also words the ``--check-collectives`` mismatch (:func:`mismatch_message`).
+"""
+
+from __future__ import annotations
+
+import re
+import time
+
+# the source location gloo/nccl put in front of their messages
+_SOURCE_PREFIX = re.compile(r"^\[[^\]]*\.(?:cc|cpp|h|hpp):\d+\]\s*")
+
+
+def short_error(detail: str) -> str:
+    """The backend's own words, without its C++ source location, on one line."""
+    text = _SOURCE_PREFIX.sub("", " ".join(str(detail).split()))
+    return text[:300]
+
+
+def rank_list(ranks) -> str:
+    """'rank 3', 'ranks 0-2', 'ranks 0, 2, 5-7'."""
+    ranks = sorted(ranks)
+    parts, i = [], 0
+    while i < len(ranks):
+        j = i
+        while j + 1 < len(ranks) and ranks[j + 1] == ranks[j] + 1:
+            j += 1
+        parts.append(str(ranks[i]) if j == i else
+                     f"{ranks[i]}, {ranks[j]}" if j == i + 1 else f"{ranks[i]}-{ranks[j]}")
+        i = j + 1
+    return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(parts)
+
+
+def describe(e: dict) -> str:
+    """'all_reduce #57 of the tp group (global ranks [2, 3])'."""
+    return f"{e['op']} #{e['seq']} of the {e['group']} group (global ranks {e['ranks']})"
+
+
+def shape_str(shape) -> str:
+    return "(" + ", ".join(str(d) for d in shape) + ("," if len(shape) == 1 else "") + ")"
+
+
+def headline(rank: int, e: dict, timeout_s: float, detail: str) -> str:
+    return (f"rank {rank}: {describe(e)} did not complete (timeout {timeout_s:g} s; "
+            f"{short_error(detail)})\n  it was called at {e['caller']} on a "
+            f"{shape_str(e['shape'])} {e['dtype']} tensor")
+
+
+def is_fresh(rec: dict) -> bool:
+    """Written after some rank raised the alarm, by a rank that failed itself, or by one
+    that left: nothing newer will come."""
+    return bool(rec.get("alarm")) or rec.get("failed") is not None or bool(rec.get("closed"))
+
+
+def _ago(t: float | None, now: float) -> str:
+    return "never" if t is None else f"{max(0.0, now - t):.1f} s ago"
+
+
+def _last_collective(rec: dict) -> dict | None:
+    lasts = [g["last"] for g in rec["groups"].values() if g.get("last")]
+    return max(lasts, key=lambda e: e["t"]) if lasts else None
+
+
+def _where_now(rec: dict, now: float) -> str:
+    """Where a rank outside any collective is, from its fresh record."""
+    at = f"at {rec['where']}" if rec.get("where") else "at an unknown line"
+    return (f"it is alive (heartbeat {max(0.0, now - rec['t']):.1f} s ago) and {at}, "
+            f"with {_idle(rec, now)}")
+
+
+def _silent(rec: dict, now: float) -> str:
+    """What a rank that stopped publishing last said: it may be frozen mid-step."""
+    blocked = rec.get("waiting")
+    g = rec["groups"].get(blocked["group"]) if blocked else None
+    if g and g.get("last") and g["last"]["seq"] == blocked["seq"]:
+        doing = f"blocked in {describe(dict(g['last'], ranks=g['ranks']))}"
+    else:
+        doing = (f"at {rec['where']}" if rec.get("where") else "at an unknown line") + \
+            f" with {_idle(rec, rec['t'])}"
+    return (f"no heartbeat for {max(0.0, now - rec['t']):.1f} s (the process is stopped, "
+            f"dead, or hung holding the Python interpreter); its last one had it {doing}")
+
+
+def _idle(rec: dict, now: float) -> str:
+    last = _last_collective(rec)
+    if last is None:
+        return "no collective since it started"
+    return (f"no collective for {max(0.0, now - last['t']):.1f} s (the last: {describe(last)} "
+            f"at {last['caller']})")
+
+
+def own_view(rec: dict) -> str:
+    """What one rank can say alone: its last collective per group."""
+    lines = []
+    for name, g in rec["groups"].items():
+        if g.get("last"):
+            lines.append(f"\n  this rank's last {name} collective: {describe(g['last'])} at "
+                         f"{g['last']['caller']}")
+    return "".join(lines)
+
+
+def explain(head: str, failing: dict, own: dict, read_group, dump_dir: str | None,
+            now: float | None = None) -> str:
+    """The report of the failing collective ``failing`` (an entry dict).
+
+    ``read_group(ranks) -> {rank: record}`` reads the records of a group's
+    ranks (missing ones: no record). A rank that never reached collective #k
+    of a group and is itself blocked in another group's collective leads to
+    that group, once per group, so the report names the ranks stuck outside
+    any collective.
+    """
+    lines = [head]
+    frontier = [(failing, 0)]  # (collective some rank is blocked in, line that names it)
+    seen = {(failing["group"], tuple(failing["ranks"]))}
+    stuck, left = [], []
+    while frontier:
+        e, at = frontier.pop(0)
+        recs = read_group(e["ranks"])
+        clock = time.time() if now is None else now
+        missing = [r for r in e["ranks"] if r not in recs
+                   or recs[r]["groups"].get(e["group"], {}).get("seq", 0) < e["seq"]]
+        if not missing:
+            lines[at] += ("\n    every rank of the group reached it: the backend failed, not "
+                          "a lagging rank")
+            continue
+        said = f"\n  {rank_list(missing)} never reached it"
+        prev = _prev_entry(e, recs, own) if e["op"] != "broadcast" else None
+        if prev is not None:  # #k-1 completed where #k is waited for: every rank issued it
+            said += f"; all got through #{prev['seq']}, {prev['op']} at {prev['caller']}"
+        lines[at] += said + "."
+        for r in missing:
+            rec = recs.get(r)
+            if rec is None:
+                lines.append(f"  rank {r}: published no record (it may have died before its "
+                             f"first collective).")
+                stuck.append(r)
+                continue
+            if rec.get("closed"):  # it returned from its work: it skipped collectives
+                lines.append(f"  rank {r}: it finished and left the job, with "
+                             f"{_idle(rec, clock)}.")
+                left.append(r)
+                continue
+            if not is_fresh(rec):  # it stopped publishing: what it said last may be old
+                lines.append(f"  rank {r}: {_silent(rec, clock)}.")
+                stuck.append(r)
+                continue
+            blocked = rec.get("waiting") or rec.get("failed")
+            g = rec["groups"].get(blocked["group"]) if blocked else None
+            if g and g.get("last") and g["last"]["seq"] == blocked["seq"]:
+                nxt = dict(g["last"], ranks=g["ranks"])
+                since = (f" for {clock - blocked['since']:.1f} s"
+                         if blocked.get("since") else "")
+                state = "failed in" if rec.get("failed") else "is blocked in"
+                lines.append(f"  rank {r} {state} {describe(nxt)} at {nxt['caller']}{since}.")
+                key = (nxt["group"], tuple(nxt["ranks"]))
+                if key not in seen:
+                    seen.add(key)
+                    frontier.append((nxt, len(lines) - 1))
+                continue
+            lines.append(f"  rank {r}: {_where_now(rec, clock)}.")
+            stuck.append(r)
+    if stuck:
+        lines.append(f"  stuck: {rank_list(stuck)}.")
+    if left:
+        lines.append(f"  left early: {rank_list(left)}.")
+    if dump_dir:
+        lines.append(f"  each live rank's last collectives: {dump_dir}/collectives_rank*.json")
+    return "\n".join(lines)
+
+
+def _prev_entry(e: dict, recs: dict, own: dict) -> dict | None:
+    """Collective #k-1 of ``e``'s group as a rank that reached #k issued it."""
+    for rec in [own, *recs.values()]:
+        g = rec["groups"].get(e["group"])
+        if not g or g["ranks"] != e["ranks"]:
+            continue
+        for cand in (g.get("last"), g.get("prev")):
+            if cand and cand["seq"] == e["seq"] - 1:
+                return cand
+    return None
+
+
+def mismatch_message(group: str, ranks: list[int], rows: list[dict]) -> str:
+    """The --check-collectives report: the odd ranks' call against the majority's.
+
+    ``rows[i]``: what group rank ``i`` (global rank ``ranks[i]``) is calling:
+    op, seq, shape, dtype, extra (root or reduction), caller.
+    """
+    classes: dict = {}
+    for r, row in zip(ranks, rows):
+        classes.setdefault(_key(row), []).append(r)
+    ordered = sorted(classes.values(), key=lambda rs: (-len(rs), rs[0]))
+    major = ordered[0]
+    ref = rows[ranks.index(major[0])]
+    parts = []
+    for odd in ordered[1:]:
+        row = rows[ranks.index(odd[0])]
+        verb = "calls" if len(odd) == 1 else "call"
+        parts.append(f"{rank_list(odd)} {verb} {_call(row)} where {rank_list(major)} "
+                     f"{'calls' if len(major) == 1 else 'call'} {_call(ref)}")
+    return (f"collective mismatch in the {group} group (global ranks {ranks}): "
+            + "; ".join(parts))
+
+
+def _key(row: dict) -> tuple:
+    return (row["op"], row["seq"], tuple(row["shape"]), row["dtype"], row["extra"],
+            row["caller"])
+
+
+def _call(row: dict) -> str:
+    shape = shape_str(row["shape"])
+    extra = f" {row['extra_name']}" if row.get("extra_name") else ""
+    return f"{row['op']} #{row['seq']} {shape} {row['dtype']}{extra} at {row['caller']}"
