@@ -39,6 +39,12 @@ NO_EFFECT: dict[str, int] = {
     "--manual-gc": 0, "--manual-gc-interval": 1, "--empty-unused-memory-level": 1,
     "--distributed-backend-timeout": 1, "--ckpt-fully-parallel-save": 0,
     "--ckpt-fully-parallel-load": 0, "--dist-ckpt-strictness": 1,
+    "--num-dataset-builder-threads": 1, "--mmap-bin-files": 0, "--no-mmap-bin-files": 0,
+    "--use-dist-ckpt": 0, "--auto-detect-ckpt-format": 0, "--log-progress": 0,
+    "--log-straggler": 0,  # hybrid logs the slowest and fastest rank every log line
+    "--check-for-nan-in-loss-and-grad": 0,  # hybrid always checks (and says where)
+    "--no-check-for-nan-in-loss-and-grad": 0,
+    "--wandb-project": 1, "--wandb-exp-name": 1, "--wandb-save-dir": 1, "--local-rank": 1,
 }
 
 # Megatron's "optimizer" is accepted only as the one hybrid runs.
@@ -85,6 +91,23 @@ REFUSED: dict[str, str] = {
     "--use-precision-aware-optimizer": "hybrid keeps fp32 master weights and moments",
     "--calculate-per-token-loss": "hybrid averages the loss per micro-batch, as Megatron "
                                   "does by default",
+    "--kv-channels": "a head is --hidden-size / --num-attention-heads wide in hybrid",
+    "--use-rotary-position-embeddings": "use --position-embedding-type rope",
+    "--no-position-embedding": "use --position-embedding-type none",
+    "--use-rope-scaling": "Llama-3's RoPE frequency scaling is not implemented",
+    "--rope-scaling-factor": "Llama-3's RoPE frequency scaling is not implemented",
+    "--rotary-seq-len-interpolation-factor": "RoPE interpolation is not implemented",
+    "--apply-layernorm-1p": "hybrid's norms scale by their weight, not 1 + weight",
+    "--add-qkv-bias": "biases are all on or all off (--disable-bias-linear)",
+    "--lr-warmup-init": "warmup rises linearly from lr / warmup steps",
+    "--weight-decay-incr-style": "--weight-decay is constant",
+    "--start-weight-decay": "--weight-decay is constant",
+    "--end-weight-decay": "--weight-decay is constant",
+    "--sgd-momentum": "hybrid trains with AdamW",
+    "--init-method-xavier-uniform": "weights are initialized normal(0, --init-method-std)",
+    "--data-parallel-random-init": "every DP replica starts from the same --seed",
+    "--decoder-seq-length": "hybrid trains decoder-only GPTs: use --seq-length",
+    "--profile": "run torch.profiler around scripts/bench_*.py instead",
     "--retro-": "hybrid has no RETRO", "--vision-": "hybrid trains text GPTs only",
     "--encoder-": "hybrid trains decoder-only GPTs",
 }
