@@ -197,6 +197,11 @@ def _check_model(f: Flags) -> None:
     if f.hidden_size % f.num_attention_heads:
         raise ConfigError(f"--hidden-size {f.hidden_size} is not divisible by "
                           f"--num-attention-heads {f.num_attention_heads}")
+    head = f.hidden_size // f.num_attention_heads
+    if f.kv_channels is not None and f.kv_channels != head:
+        raise ConfigError(f"--kv-channels {f.kv_channels}: hybrid's heads are --hidden-size / "
+                          f"--num-attention-heads = {head} wide; drop --kv-channels or "
+                          f"change those two")
     if f.num_attention_heads % tp:
         raise ConfigError(
             f"--num-attention-heads {f.num_attention_heads} is not divisible by "

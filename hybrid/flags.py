@@ -44,6 +44,8 @@ class Flags:
     num_layers: int = opt(4, "transformer layers")
     hidden_size: int = opt(256, "model width")
     num_attention_heads: int = opt(4, "attention heads (divisible by TP)")
+    kv_channels: int | None = opt(None, "head size: accepted when it is --hidden-size / "
+                                        "--num-attention-heads (Megatron scripts pass it)")
     ffn_hidden_size: int | None = opt(None, "MLP width (default 4 x hidden; see --swiglu)")
     seq_length: int = opt(128, "tokens per sample")
     max_position_embeddings: int | None = opt(None, "positions (default: seq length)")

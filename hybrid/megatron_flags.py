@@ -91,7 +91,6 @@ REFUSED: dict[str, str] = {
     "--use-precision-aware-optimizer": "hybrid keeps fp32 master weights and moments",
     "--calculate-per-token-loss": "hybrid averages the loss per micro-batch, as Megatron "
                                   "does by default",
-    "--kv-channels": "a head is --hidden-size / --num-attention-heads wide in hybrid",
     "--use-rotary-position-embeddings": "use --position-embedding-type rope",
     "--no-position-embedding": "use --position-embedding-type none",
     "--use-rope-scaling": "Llama-3's RoPE frequency scaling is not implemented",

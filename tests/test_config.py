@@ -169,3 +169,9 @@ def test_checkpoint_flags_reach_the_checkpoint_section():
     assert (ck.load, ck.save, ck.save_interval, ck.keep_last) == ("a", "b", 5, 2)
     assert ck.no_save_optim and ck.no_load_optim and ck.no_load_rng and ck.finetune
     assert _cfg().checkpoint == type(ck)()  # all off by default
+
+
+def test_kv_channels_is_accepted_only_as_the_head_size():
+    assert parse_args(BASE + ["--kv-channels", "16"]).validate(1).model.hidden_size == 64
+    with pytest.raises(ConfigError, match="--kv-channels 32: hybrid's heads are"):
+        parse_args(BASE + ["--kv-channels", "32"]).validate(1)
