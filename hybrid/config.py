@@ -100,10 +100,13 @@ class TrainConfig:
     recompute_granularity: str | None = opt(
         None, "full: keep only each layer's input and rerun the layer in backward (ZeRO-R); "
               "selective: rerun only the attention core (scores, softmax, dropout)")
-    recompute_method: str | None = opt(None, "with full: uniform (every layer) or block "
-                                             "(the first --recompute-num-layers layers)")
-    recompute_num_layers: int | None = opt(None, "with full: layers per checkpoint (uniform, "
-                                                 "only 1) or layers checkpointed (block)")
+    recompute_method: str | None = opt(None, "with full: uniform (every layer, in groups of "
+                                             "--recompute-num-layers that each store one "
+                                             "input) or block (only the first "
+                                             "--recompute-num-layers layers, each on its own)")
+    recompute_num_layers: int | None = opt(None, "with full: layers per checkpoint group "
+                                                 "(uniform, default 1) or layers "
+                                                 "checkpointed (block)")
     recompute_activations: bool = opt(False, "Megatron's shorthand for "
                                              "--recompute-granularity selective")
     checkpoint_activations: bool = opt(False, "older Megatron name for "
@@ -259,10 +262,6 @@ class TrainConfig:
                                   f"{self.num_layers}], got {self.recompute_num_layers}")
         if g == "full" and self.recompute_method is None:
             self.recompute_method = "block" if self.recompute_num_layers else "uniform"
-        if self.recompute_method == "uniform" and (self.recompute_num_layers or 1) != 1:
-            raise ConfigError("--recompute-method uniform checkpoints every layer on its own "
-                              "here (--recompute-num-layers 1); for fewer checkpoints use "
-                              "--recompute-method block --recompute-num-layers N")
         for name in ("partition_activations", "cpu_checkpointing", "contiguous_checkpointing"):
             if getattr(self, name) and g != "full":
                 raise ConfigError(f"{_flag(name)} needs --recompute-granularity full (it "
@@ -318,6 +317,8 @@ class TrainConfig:
         return RecomputeConfig(
             granularity=self.recompute_granularity,
             num_layers=self.recompute_num_layers if self.recompute_method == "block" else None,
+            layers_per_checkpoint=(self.recompute_num_layers or 1
+                                   if self.recompute_method == "uniform" else 1),
             # With SP a block's input is already this rank's 1/TP of the sequence:
             # nothing replicated is left to partition (see README, "Sequence parallelism").
             partition_activations=self.partition_activations and not self.sequence_parallel,

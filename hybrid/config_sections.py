@@ -54,11 +54,15 @@ class RecomputeConfig:
 
     ``granularity``: None (no recompute), "full" (whole blocks) or "selective"
     (the attention core only). ``num_layers``: with full, checkpoint the first N
-    blocks (None: all).
+    blocks (None: all) -- Megatron's block method. ``layers_per_checkpoint``:
+    with full, cut the checkpointed blocks into groups of N consecutive ones (the
+    last may be shorter); a group stores only its input and reruns all N blocks
+    in backward -- Megatron's uniform method with ``--recompute-num-layers N``.
     """
 
     granularity: str | None = None
     num_layers: int | None = None
+    layers_per_checkpoint: int = 1
     partition_activations: bool = False
     cpu_checkpointing: bool = False
     contiguous_checkpointing: bool = False
