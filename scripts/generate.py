@@ -21,9 +21,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 
 from hybrid.checkpoint import iter_full_params, resolve_checkpoint  # noqa: E402
-from hybrid.config import padded_vocab_size  # noqa: E402
+from hybrid.config import kernel_config_from_env, padded_vocab_size  # noqa: E402
 from hybrid.data.tokenizer import build_tokenizer  # noqa: E402
 from hybrid.errors import CheckpointError, DataError  # noqa: E402
+from hybrid.kernels import configure  # noqa: E402
 from hybrid.parallel_state import ParallelState  # noqa: E402
 from models.gpt import GPT, GPTConfig  # noqa: E402
 
@@ -80,6 +81,7 @@ def main(argv=None) -> int:
     ap.add_argument("--tokenizer-file")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     a = ap.parse_args(argv)
+    configure(kernel_config_from_env())  # this script's entry point: HYBRID_* settings
     try:
         ckpt = resolve_checkpoint(a.load)
         model, c = load_model(ckpt, a.device)

@@ -58,10 +58,12 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch.distributed as dist
 
+    from hybrid.kernels import configure
     from hybrid.monitor import setup_logging
     from hybrid.parallel_state import init_distributed
     from hybrid.training import pretrain
 
+    configure(cfg.kernels)  # --no-kernels, --kernel-cache-dir, --kernel-choice (or HYBRID_*)
     ps = init_distributed(cfg.tensor_model_parallel_size, cfg.distributed_timeout_minutes,
                           cfg.distributed_backend)
     setup_logging(ps.rank)

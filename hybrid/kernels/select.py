@@ -1,23 +1,22 @@
-"""Which implementation of each fusable op runs on CUDA.
+"""Which implementation of each fusable op runs.
 
-Paths: ``"fused"`` (the csrc/cuda kernel), ``"eager"`` (plain PyTorch ops, the
+On CUDA: ``"fused"`` (the csrc/cuda kernel), ``"eager"`` (plain PyTorch ops, the
 exact reference) and ``"compile"`` (the eager function under ``torch.compile``).
-CPU tensors, autocast regions and ``HYBRID_NO_KERNELS=1`` always get eager.
+CPU tensors, autocast regions and ``KernelConfig.no_kernels`` get eager.
 ``CUDA_CHOICE`` holds the fastest path measured by ``scripts/bench_kernels.py``
-(``--write-choice`` prints the table); ``HYBRID_KERNEL_CHOICE`` overrides it per
-op for tests and benchmarks, e.g. ``layer_norm=fused,bias_gelu=compile``.
+(``--write-choice`` prints the table); ``KernelConfig.choice`` (``--kernel-choice``,
+e.g. ``layer_norm=fused,bias_gelu=compile``) overrides it per op.
 A "fused" choice whose extension did not build falls back to eager.
 """
 
 from __future__ import annotations
 
-import os
-
 import torch
 
-from hybrid.kernels.build import kernels_disabled
+from hybrid.config_sections import KERNEL_PATHS
+from hybrid.kernels import settings
 
-OPS = ("layer_norm", "bias_gelu", "cross_entropy", "adam")
+OPS = tuple(op for op in KERNEL_PATHS if op != "linear")  # the CUDA kernels
 PATHS = ("fused", "eager", "compile")
 
 # Measured by scripts/bench_kernels.py on an H100 80GB HBM3 (torch 2.11, CUDA 13),
@@ -33,34 +32,13 @@ PATHS = ("fused", "eager", "compile")
 CUDA_CHOICE = {"layer_norm": "eager", "bias_gelu": "fused", "cross_entropy": "fused",
                "adam": "fused"}
 
-_env_cache: tuple[str, dict[str, str]] | None = None
 
-
-def _env_overrides() -> dict[str, str]:
-    global _env_cache
-    raw = os.environ.get("HYBRID_KERNEL_CHOICE", "")
-    if _env_cache is not None and _env_cache[0] == raw:
-        return _env_cache[1]
-    out = {}
-    for item in filter(None, (s.strip() for s in raw.split(","))):
-        op, _, path = item.partition("=")
-        op, path = op.strip(), path.strip()
-        if op not in OPS and op != "all" or path not in PATHS:
-            raise ValueError(f"HYBRID_KERNEL_CHOICE: bad entry {item!r}; expected op=path with "
-                             f"op in {OPS + ('all',)} and path in {PATHS}")
-        if op == "all":
-            out.update(dict.fromkeys(OPS, path))
-        else:
-            out[op] = path
-    _env_cache = (raw, out)
-    return out
-
-
-def kernel_choice(op: str, device: torch.device) -> str:
-    """The path ``op`` takes for tensors on ``device``: fused, eager or compile."""
-    if device.type != "cuda" or kernels_disabled() or torch.is_autocast_enabled("cuda"):
+def kernel_choice(op: str, device: torch.device, dtype: torch.dtype | None = None) -> str:
+    """The path ``op`` takes for tensors of ``dtype`` on ``device`` (see the module doc)."""
+    cfg = settings.current()
+    if device.type != "cuda" or cfg.no_kernels or torch.is_autocast_enabled("cuda"):
         return "eager"
-    path = _env_overrides().get(op, CUDA_CHOICE[op])
+    path = cfg.path_for(op) or CUDA_CHOICE[op]
     if path == "fused":
         from hybrid.kernels.cuda_ops import cuda_ops
         if cuda_ops() is None:
