@@ -25,6 +25,7 @@ from hybrid.data.dataset import build_datasets, dp_micro_batches
 from hybrid.data.tokenizer import build_tokenizer
 from hybrid.errors import TrainingError
 from hybrid.host_memory import return_freed_memory
+from hybrid.kernels.cpu_features import low_precision_warning
 from hybrid.lr_schedule import learning_rate
 from hybrid.monitor import Monitor, log
 from hybrid.parallel_state import ParallelState
@@ -201,6 +202,9 @@ def pretrain(cfg: TrainConfig, ps: ParallelState) -> list[dict]:
              model.cfg.num_parameters(), ps.tp_size, model.cfg.padded_vocab_size,
              len(data["train"]))
     log.info("config: %s", cfg.to_dict())
+    slow = low_precision_warning(cfg.zero.params_dtype, ps.device)
+    if slow and ps.rank == 0:  # one line for the job
+        log.warning("warning: %s", slow)
 
     def save():
         path = save_checkpoint(cfg.save, state.iteration, state.consumed_samples, engine, ps,

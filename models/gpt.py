@@ -40,7 +40,7 @@ from einops import rearrange
 from torch import nn
 
 from hybrid.comm import CommGroup
-from hybrid.kernels import bias_gelu, splits_bias
+from hybrid.kernels import bias_gelu, linear, splits_bias
 from hybrid.tensor_parallel import (ColumnParallelLinear, Init, LayerNorm, RowParallelLinear,
                                     TPRNGTracker, VocabParallelEmbedding, copy_to_tp,
                                     init_parameters, sequence_gathered_linear,
@@ -263,7 +263,7 @@ class GPT(nn.Module):
         if sp:  # gather the sequence for the head, keeping only the local x for backward
             logits = sequence_gathered_linear(x, self.wte.weight, None, g)  # (B, T, V / tp)
         else:
-            logits = F.linear(copy_to_tp(x, g), self.wte.weight)  # (B, T, V / tp)
+            logits = linear(copy_to_tp(x, g), self.wte.weight)  # (B, T, V / tp)
         # The cross-entropy takes the valid width instead of reading a masked copy
         # (one pass over the logits less); returned logits get the -inf mask.
         if labels is None and self._valid_local < logits.shape[-1]:

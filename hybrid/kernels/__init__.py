@@ -12,9 +12,10 @@ from hybrid.kernels.build import kernels_disabled, load_extension
 from hybrid.kernels.cross_entropy import local_softmax_stats, softmax_grad
 from hybrid.kernels.cuda_ops import cuda_ops
 from hybrid.kernels.layer_norm import LayerNorm, layer_norm
+from hybrid.kernels.linear import linear, matmul
 from hybrid.kernels.select import kernel_choice
 from hybrid.kernels.settings import configure, current
 
 __all__ = ["LayerNorm", "bias_gelu", "configure", "cuda_ops", "current", "kernel_choice",
-           "kernels_disabled", "layer_norm", "load_extension", "local_softmax_stats",
-           "softmax_grad", "splits_bias"]
+           "kernels_disabled", "layer_norm", "linear", "load_extension", "local_softmax_stats",
+           "matmul", "softmax_grad", "splits_bias"]

@@ -7,6 +7,11 @@ CPU tensors, autocast regions and ``KernelConfig.no_kernels`` get eager.
 (``--write-choice`` prints the table); ``KernelConfig.choice`` (``--kernel-choice``,
 e.g. ``layer_norm=fused,bias_gelu=compile``) overrides it per op.
 A "fused" choice whose extension did not build falls back to eager.
+
+``linear`` is the other way round: CUDA always runs torch's own matmul; a CPU
+runs bf16/fp16 products in fp32 (``"fp32"``, :mod:`hybrid.kernels.linear`) when
+it has no native matmul for that dtype (:mod:`hybrid.kernels.cpu_features`),
+``"eager"`` otherwise; ``--kernel-choice linear=eager|fp32`` forces either.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ import torch
 
 from hybrid.config_sections import KERNEL_PATHS
 from hybrid.kernels import settings
+from hybrid.kernels.cpu_features import native_cpu_matmul
 
 OPS = tuple(op for op in KERNEL_PATHS if op != "linear")  # the CUDA kernels
 PATHS = ("fused", "eager", "compile")
@@ -36,6 +42,8 @@ CUDA_CHOICE = {"layer_norm": "eager", "bias_gelu": "fused", "cross_entropy": "fu
 def kernel_choice(op: str, device: torch.device, dtype: torch.dtype | None = None) -> str:
     """The path ``op`` takes for tensors of ``dtype`` on ``device`` (see the module doc)."""
     cfg = settings.current()
+    if op == "linear":
+        return _linear_choice(device, dtype, cfg.path_for("linear"))
     if device.type != "cuda" or cfg.no_kernels or torch.is_autocast_enabled("cuda"):
         return "eager"
     path = cfg.path_for(op) or CUDA_CHOICE[op]
@@ -44,6 +52,15 @@ def kernel_choice(op: str, device: torch.device, dtype: torch.dtype | None = Non
         if cuda_ops() is None:
             return "eager"
     return path
+
+
+def _linear_choice(device: torch.device, dtype: torch.dtype | None, told: str | None) -> str:
+    if (device.type != "cpu" or dtype not in (torch.bfloat16, torch.float16)
+            or torch.is_autocast_enabled("cpu")):  # autocast would cast the fp32 copies back
+        return "eager"
+    if told is not None:
+        return told
+    return "eager" if native_cpu_matmul(dtype) else "fp32"
 
 
 _compiled: dict[object, object] = {}
