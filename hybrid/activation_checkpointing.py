@@ -6,7 +6,12 @@
 
 Each of the first ``cfg.num_layers`` blocks of ``model.blocks`` (all
 by default) keeps only its *input* ``(B, T, C)`` during the forward pass and
-runs itself again, with a graph, during backward.
+runs itself again, with a graph, during backward. With
+``cfg.layers_per_checkpoint = N`` (Megatron's ``--recompute-method uniform
+--recompute-num-layers N``) the blocks are cut into groups of N consecutive
+ones (the last may be shorter): only each group's input is kept, and the whole
+group reruns in backward -- 1/N of the stored inputs, for N layers' activations
+alive at once during a group's backward.
 
 Under Megatron tensor parallelism every TP rank holds the same copy of a
 block's input (the residual stream is replicated), so storing it whole on each
@@ -17,7 +22,7 @@ buffer right before the recompute. ``--cpu-checkpointing`` keeps the stored
 chunks in host memory (pinned when the device is CUDA) and copies them back to
 the device before the gather; on a CPU-only machine the copy goes to a separate
 host buffer, so the same path runs. ``--contiguous-checkpointing`` writes the
-chunks into one preallocated buffer with one slot per checkpointed block.
+chunks into one preallocated buffer with one slot per checkpoint group.
 
 [Note: recompute re-enters the block's __call__]
 The wrapper is installed as the block's ``forward`` *instance attribute*: not a
@@ -30,6 +35,18 @@ runs inside ``phase.recomputing()`` (:class:`hybrid.phase.RecomputePhase`, the
 explicit signal shared with ZeRO). A per-block flag routes that re-entered
 ``forward`` straight to the block's own code.
 
+[Note: groups without a container]
+A group is not a module: the model still calls each block itself, so names,
+hooks and ZeRO-3's per-block units stay as they are. The group's first block
+stores the input ``x0`` and the RNG state; its other blocks run without a graph
+(ZeRO-3 frees each one's parameters after its forward as usual); the last runs
+inside one autograd Function whose input is ``x0``, so the gradient of the
+group's output goes straight to ``x0``. Its backward reruns every block of the
+group through ``Module.__call__`` inside one ``phase.recomputing()``: each
+block's pre-forward hook gathers its parameters and none is freed before the
+group's backward is done. A block must be called on the output of the block
+before it in its group (checked by identity; anything else raises).
+
 [Note: RNG in recompute]
 Dropout in the recomputed block must draw the masks of the forward pass. The
 forward records the CPU generator, the CUDA generator of the device (on CUDA)
@@ -37,189 +54,27 @@ and the TP tracker's states (:meth:`TPRNGTracker.get_states`) it started from;
 the recompute sets them, runs, and puts back the states of "now", so the rest
 of backward and the next step draw exactly what they would without
 checkpointing. The autocast state of the forward is replayed the same way.
+A group records the states its first block started from, so the masks of all
+its blocks come back.
 
-[Note: buffer lifetimes]
-The gather and staging buffers are shared by every block and allocated once
-(again only for a larger micro-batch). A restored input is a view of them and
-the recompute graph saves it (LayerNorm's input); that is safe because one
-block's recompute *and* backward finish inside its ``backward`` before the
-next block restores. A contiguous slot is written in forward and read in the
-same step's backward; if it is still held (two forwards before one backward),
-the new checkpoint gets a tensor of its own instead of overwriting it. Padding
-elements of a chunk are never written: they land past ``numel`` in the gather
-buffer and are sliced off.
+The stored inputs and their buffers: :mod:`hybrid.activation_store`.
 """
 
 from __future__ import annotations
 
 import weakref
-from dataclasses import dataclass
 
 import torch
 from torch import nn
 
+from hybrid.activation_store import ALLOCATION_KINDS, CheckpointStore, _Stash
 from hybrid.config_sections import RecomputeConfig
 from hybrid.parallel_state import ParallelState
 from hybrid.phase import RecomputePhase
 from hybrid.tensor_parallel import TPRNGTracker
 
-_ALIGN = 64  # bytes; slot offsets stay aligned for a .view() as any dtype
-
-ALLOCATION_KINDS = ("gather", "staging", "contiguous", "tensor")
-
-
-def _aligned(nbytes: int) -> int:
-    return -(-nbytes // _ALIGN) * _ALIGN
-
-
-class _Reusable:
-    """One byte buffer that grows to the largest request and is reused otherwise."""
-
-    def __init__(self, kind: str, device: torch.device, counts: dict, pin: bool = False):
-        self.kind, self.device, self.counts, self.pin = kind, device, counts, pin
-        self.buf: torch.Tensor | None = None
-
-    def get(self, nbytes: int) -> torch.Tensor:
-        """A uint8 view of ``nbytes`` bytes at the start of the buffer."""
-        if self.buf is None or self.buf.numel() < nbytes:
-            self.buf = None  # let the smaller one go first (unless a stash still views it)
-            self.buf = torch.empty(nbytes, dtype=torch.uint8, device=self.device,
-                                   pin_memory=self.pin)
-            self.counts[self.kind] += 1
-        return self.buf[:nbytes]
-
-    def nbytes(self) -> int:
-        return 0 if self.buf is None else self.buf.numel()
-
-
-@dataclass(eq=False)  # identity hash: lives in a WeakSet
-class _Stash:
-    """One stored checkpoint: this rank's chunk (or the whole input) and how to rebuild it."""
-
-    held: torch.Tensor | None  # None once restored
-    shape: torch.Size
-    numel: int  # of the full input
-    nbytes: int  # of ``held``
-    version: int | None  # input's version counter when ``held`` is the input itself
-
-
-class CheckpointStore:
-    """Owner of every checkpoint buffer of one model; reports bytes and allocations.
-
-    ``stash`` keeps this rank's share of a block input, ``restore`` rebuilds the
-    full input on ``ps.device`` (all-gathering over ``ps.tp_group`` when
-    partitioned). ``allocations`` counts buffer allocations by kind: "gather"
-    (the TP gather buffer), "staging" (a host chunk's copy back on the device),
-    "contiguous" (the slot buffer), "tensor" (one per stored checkpoint when not
-    contiguous -- the fragmentation contiguous mode removes). Plain recompute
-    on the device keeps a reference to the input itself and allocates nothing.
-    """
-
-    def __init__(self, ps: ParallelState, partition: bool, cpu: bool, contiguous: bool,
-                 num_slots: int):
-        self.ps = ps
-        self.partition = partition and ps.tp_size > 1  # nothing to split at TP 1
-        self.cpu, self.contiguous, self.num_slots = cpu, contiguous, num_slots
-        self.home = torch.device("cpu") if cpu else ps.device
-        self.pin = cpu and ps.device.type == "cuda"  # async host<->device copies
-        self.allocations = dict.fromkeys(ALLOCATION_KINDS, 0)
-        self._gather = _Reusable("gather", ps.device, self.allocations)
-        self._staging = _Reusable("staging", ps.device, self.allocations)
-        self._slots: torch.Tensor | None = None
-        self._slot_stride = 0  # bytes per slot in ``_slots``
-        self._slot_user: list = [None] * num_slots  # weakref to the stash in each slot
-        self._live: weakref.WeakSet = weakref.WeakSet()  # stashes not yet restored
-        self._peak = 0
-
-    # -- accounting ------------------------------------------------------------
-    def stored_bytes(self) -> int:
-        """Bytes of checkpoints stored and not yet restored (dropped stashes excluded)."""
-        return sum(s.nbytes for s in list(self._live))
-
-    def peak_bytes(self) -> int:
-        return self._peak
-
-    def reset_peak(self) -> None:
-        self._peak = self.stored_bytes()
-
-    def buffer_bytes(self) -> int:
-        """Bytes of the long-lived buffers: gather, staging and the contiguous slots."""
-        slots = 0 if self._slots is None else self._slots.numel()
-        return self._gather.nbytes() + self._staging.nbytes() + slots
-
-    # -- storage ---------------------------------------------------------------
-    def _slot(self, slot: int, nbytes: int) -> torch.Tensor | None:
-        """Bytes for ``slot`` in the contiguous buffer; None while that slot is still held."""
-        user = self._slot_user[slot]
-        if user is not None and user() is not None and user().held is not None:
-            return None
-        if self._slots is None or self._slot_stride < nbytes:
-            # A larger micro-batch: one new buffer for all slots. Stashes still
-            # viewing the old one keep it alive until they are restored.
-            self._slot_stride = _aligned(nbytes)
-            self._slots = None
-            self._slots = torch.empty(self.num_slots * self._slot_stride, dtype=torch.uint8,
-                                      device=self.home, pin_memory=self.pin)
-            self.allocations["contiguous"] += 1
-        lo = slot * self._slot_stride
-        return self._slots[lo: lo + nbytes]
-
-    @torch.no_grad()
-    def stash(self, slot: int, x: torch.Tensor) -> _Stash:
-        """Keep this rank's share of ``x``: chunk ``tp_rank`` of ``ceil(numel / TP)``
-        elements when partitioning, else all of it; on the host with ``cpu``."""
-        flat = x.detach().reshape(-1)
-        n, es = flat.numel(), flat.element_size()
-        if not (self.partition or self.cpu or self.contiguous) and x.is_contiguous() \
-                and x.untyped_storage().nbytes() == n * es:
-            # Plain recompute: the input is alive until the next block has read
-            # it anyway; holding it costs the same bytes as a copy, minus the copy.
-            s = _Stash(flat, x.shape, n, n * es, x._version)  # a view of x
-        else:
-            piece = -(-n // self.ps.tp_size) if self.partition else n
-            lo = min(n, self.ps.tp_rank * piece) if self.partition else 0
-            src = flat[lo: min(n, lo + piece)]
-            raw = self._slot(slot, piece * es) if self.contiguous else None
-            in_slot = raw is not None
-            if not in_slot:
-                raw = torch.empty(piece * es, dtype=torch.uint8, device=self.home,
-                                  pin_memory=self.pin)
-                self.allocations["tensor"] += 1
-            held = raw.view(flat.dtype)
-            held[: src.numel()].copy_(src, non_blocking=self.cpu)
-            s = _Stash(held, x.shape, n, piece * es, None)
-            if in_slot:
-                self._slot_user[slot] = weakref.ref(s)
-        self._live.add(s)
-        self._peak = max(self._peak, self.stored_bytes())
-        return s
-
-    @torch.no_grad()
-    def restore(self, s: _Stash) -> torch.Tensor:
-        """The full input again, on ``ps.device``; releases the stash.
-
-        Collective (partitioned): all-gather over ``ps.tp_group``, every TP rank
-        restores the same block in the same order. The result is a view of a
-        shared buffer, valid until the next ``restore`` (see [Note: buffer lifetimes]).
-        """
-        if s.held is None:
-            raise RuntimeError("this checkpoint was already restored: a checkpointed block "
-                               "supports one backward per forward (no retain_graph)")
-        held, s.held = s.held, None
-        self._live.discard(s)
-        if s.version is not None and held._version != s.version:
-            raise RuntimeError("the input of a checkpointed block was modified in place after "
-                               "its forward; the recompute would see different values")
-        piece, es = held, held.element_size()
-        if self.cpu:  # back to the device before the gather
-            staged = self._staging.get(held.numel() * es).view(held.dtype)
-            staged.copy_(held, non_blocking=True)
-            piece = staged
-        if self.partition:
-            out = self._gather.get(self.ps.tp_size * piece.numel() * es).view(held.dtype)
-            self.ps.tp_group.all_gather(out, piece)
-            piece = out
-        return piece[: s.numel].view(s.shape)
+__all__ = ["ALLOCATION_KINDS", "ActivationCheckpointing", "CheckpointStore",
+           "apply_activation_checkpointing", "checkpoint_groups"]
 
 
 class _ForwardState:
@@ -246,25 +101,87 @@ class _ForwardState:
         return torch.autocast(self.device.type, dtype=dtype, enabled=enabled)
 
 
+class _Pending:
+    """One forward of a group between its first and its last block: what the
+    recompute needs (the forward's RNG/autocast state, the stored input) and the
+    group input ``x0`` itself, the tensor the group's gradient flows back to."""
+
+    def __init__(self, x0: torch.Tensor, state: _ForwardState, stash: _Stash):
+        self.x0, self.state, self.stash = x0, state, stash
+        self.last_out: torch.Tensor | None = None  # output of the block that ran last
+
+
+class _Group:
+    """Consecutive blocks checkpointed together: one stored input, one recompute.
+
+    In forward the model still calls each block itself. The first block records
+    the RNG state and stores the group input ``x0`` (slot ``slot`` of the store);
+    every block but the last runs without a graph; the last runs inside
+    :class:`_Recompute`, whose autograd input is ``x0`` -- so the gradient of the
+    group's output flows to ``x0`` and nothing between is held. In backward that
+    Function restores ``x0`` and reruns every block of the group with a graph.
+    A block of the group must be called on the previous one's output.
+    """
+
+    def __init__(self, blocks: list[nn.Module], store: CheckpointStore, slot: int,
+                 rng: TPRNGTracker | None, phase: RecomputePhase):
+        self.store, self.slot, self.rng, self.phase = store, slot, rng, phase
+        self.members = [_CheckpointedForward(b, self, i) for i, b in enumerate(blocks)]
+        self._pending: _Pending | None = None
+        # Makes the output require grad when the input does not, so backward
+        # still reaches this group's parameters.
+        self._anchor = torch.empty(0, requires_grad=True)
+
+    def forward(self, i: int, x: torch.Tensor) -> torch.Tensor:
+        """Block ``i`` of the group on ``x`` during a forward with grad enabled."""
+        member = self.members[i]
+        if i == 0:  # a new forward: anything pending from an aborted one is dropped
+            self._pending = _Pending(x, _ForwardState(x.device, self.rng),
+                                     self.store.stash(self.slot, x))
+        elif self._pending is None or x is not self._pending.last_out:
+            raise RuntimeError(
+                f"block {i} of a checkpoint group was called on something other than the "
+                f"output of block {i - 1}: grouped recompute (--recompute-num-layers > 1 "
+                f"with --recompute-method uniform) needs blocks run in order, each on the "
+                f"previous one's output")
+        p = self._pending
+        if i + 1 < len(self.members):
+            with torch.no_grad():
+                p.last_out = member._inner(member.block, x)
+            return p.last_out
+        self._pending = None
+        anchor = () if p.x0.requires_grad else (self._anchor,)
+        return _Recompute.apply(self, p, x, p.x0, *anchor)
+
+    def recompute(self, x: torch.Tensor) -> torch.Tensor:
+        """Every block through ``Module.__call__``, so every module hook fires again."""
+        for m in self.members:
+            m.recomputing = True
+        try:
+            with self.phase.recomputing():
+                for m in self.members:
+                    x = m.block(x)
+                return x
+        finally:
+            for m in self.members:
+                m.recomputing = False
+
+
 class _CheckpointedForward:
     """Stands in for ``block.forward``: one tensor in ``(B, T, C)``, one tensor out.
 
     Under ``no_grad`` (evaluation) or while recomputing it runs the block's own
-    forward; otherwise it goes through :class:`_Recompute`.
+    forward; otherwise it goes through its :class:`_Group`.
     """
 
-    def __init__(self, block: nn.Module, store: CheckpointStore, slot: int,
-                 rng: TPRNGTracker | None, phase: RecomputePhase):
+    def __init__(self, block: nn.Module, group: _Group, index: int):
         if "forward" in vars(block):
             raise ValueError(f"{type(block).__name__} already has an instance-level forward "
                              f"(activation checkpointing applied twice?)")
         self._block = weakref.ref(block)  # no block -> wrapper -> block cycle
         self._inner = type(block).forward
-        self.store, self.slot, self.rng, self.phase = store, slot, rng, phase
+        self.group, self.index = group, index
         self.recomputing = False
-        # Makes the output require grad when the input does not, so backward
-        # still reaches this block's parameters.
-        self._anchor = torch.empty(0, requires_grad=True)
 
     @property
     def block(self) -> nn.Module:
@@ -273,53 +190,46 @@ class _CheckpointedForward:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.recomputing or not torch.is_grad_enabled():
             return self._inner(self.block, x)
-        anchor = () if x.requires_grad else (self._anchor,)
-        return _Recompute.apply(self, x, *anchor)
-
-    def recompute(self, x: torch.Tensor) -> torch.Tensor:
-        """``block(x)`` through ``Module.__call__``, so every module hook fires again."""
-        self.recomputing = True
-        try:
-            with self.phase.recomputing():
-                return self.block(x)
-        finally:
-            self.recomputing = False
+        return self.group.forward(self.index, x)
 
 
 class _Recompute(torch.autograd.Function):
-    """forward: stash the block input (partitioned / on the host), run the block without a graph.
-    backward: restore the input (all-gather over the TP group when partitioned) and the
-    forward's RNG, rerun the block with a graph, backpropagate ``dy`` through it.
+    """forward: run a group's last block without a graph; its stored input and RNG
+    state come in ``pending``, and its autograd input is the group input ``x0``.
+    backward: restore ``x0`` (all-gather over the TP group when partitioned) and the
+    forward's RNG, rerun the whole group with a graph, backpropagate ``dy`` through it.
 
     Parameter gradients reach ``param.grad`` through that inner backward, so
     post-accumulate-grad hooks (ZeRO's reductions) fire as usual.
     """
 
     @staticmethod
-    def forward(ctx, fwd: _CheckpointedForward, x: torch.Tensor, *anchor):
-        ctx.fwd, ctx.n_anchor, ctx.x_requires_grad = fwd, len(anchor), x.requires_grad
-        ctx.state = _ForwardState(x.device, fwd.rng)
-        ctx.stash = fwd.store.stash(fwd.slot, x)
-        return fwd._inner(fwd.block, x)  # grad mode is off inside Function.forward
+    def forward(ctx, group: _Group, pending: _Pending, x: torch.Tensor, x0: torch.Tensor,
+                *anchor):
+        ctx.group, ctx.n_anchor, ctx.x_requires_grad = group, len(anchor), x0.requires_grad
+        ctx.state, ctx.stash = pending.state, pending.stash
+        last = group.members[-1]
+        return last._inner(last.block, x)  # grad mode is off inside Function.forward
 
     @staticmethod
     def backward(ctx, dy):
         if not torch.autograd._is_checkpoint_valid():
             raise RuntimeError("activation checkpointing supports loss.backward(), not "
                                "torch.autograd.grad(...) or backward(inputs=...)")
-        fwd, stash = ctx.fwd, ctx.stash
+        group, stash = ctx.group, ctx.stash
         ctx.stash = None
-        x = fwd.store.restore(stash).detach().requires_grad_(ctx.x_requires_grad)
-        now = _ForwardState(x.device, fwd.rng)
+        x = group.store.restore(stash).detach().requires_grad_(ctx.x_requires_grad)
+        now = _ForwardState(x.device, group.rng)
         ctx.state.restore_rng()
         try:
             with torch.enable_grad(), ctx.state.autocast_context():
-                y = fwd.recompute(x)
+                y = group.recompute(x)
         finally:
             now.restore_rng()
         if y.requires_grad:
             torch.autograd.backward(y, dy)
-        return (None, x.grad if ctx.x_requires_grad else None) + (None,) * ctx.n_anchor
+        dx = x.grad if ctx.x_requires_grad else None
+        return (None, None, None, dx) + (None,) * ctx.n_anchor
 
 
 class ActivationCheckpointing:
@@ -328,15 +238,19 @@ class ActivationCheckpointing:
     Bytes are this rank's (with partitioning, its 1/TP chunks).
     """
 
-    def __init__(self, store: CheckpointStore, wrappers: list[_CheckpointedForward],
-                 phase: RecomputePhase):
-        self.store, self._wrappers = store, wrappers
+    def __init__(self, store: CheckpointStore, groups: list[_Group], phase: RecomputePhase):
+        self.store, self._groups = store, groups
         self.phase = phase  # set during every recompute; give it to apply_zero
 
     @property
     def blocks(self) -> list[nn.Module]:
         """The checkpointed blocks, in order."""
-        return [w.block for w in self._wrappers]
+        return [b for g in self.groups for b in g]
+
+    @property
+    def groups(self) -> list[list[nn.Module]]:
+        """The checkpoint groups, in order: each stores one input and reruns together."""
+        return [[m.block for m in g.members] for g in self._groups]
 
     def stored_bytes(self) -> int:
         """Checkpoint bytes held now (between a forward and its backward)."""
@@ -360,9 +274,20 @@ class ActivationCheckpointing:
 
     def remove(self) -> None:
         """Give the blocks their own forward back (checkpoints held so far stay valid)."""
-        for w in self._wrappers:
-            if w.block is not None and vars(w.block).get("forward") is w:
-                del w.block.forward
+        for g in self._groups:
+            for w in g.members:
+                if w.block is not None and vars(w.block).get("forward") is w:
+                    del w.block.forward
+
+
+def checkpoint_groups(blocks: list[nn.Module], layers_per_checkpoint: int
+                      ) -> list[list[nn.Module]]:
+    """``blocks`` cut into runs of ``layers_per_checkpoint`` consecutive blocks (the
+    last run may be shorter): Megatron's uniform method with --recompute-num-layers."""
+    if layers_per_checkpoint < 1:
+        raise ValueError(f"layers_per_checkpoint must be >= 1, got {layers_per_checkpoint}")
+    n = layers_per_checkpoint
+    return [blocks[i: i + n] for i in range(0, len(blocks), n)]
 
 
 def apply_activation_checkpointing(model: nn.Module, ps: ParallelState,
@@ -371,9 +296,14 @@ def apply_activation_checkpointing(model: nn.Module, ps: ParallelState,
                                    phase: RecomputePhase | None = None
                                    ) -> ActivationCheckpointing:
     """Checkpoint ``blocks`` (default: ``model.blocks[:cfg.num_layers]``, all when
-    that is None) in place, following ``cfg.partition_activations``,
-    ``cfg.cpu_checkpointing`` and ``cfg.contiguous_checkpointing``.
+    that is None) in place, following ``cfg.layers_per_checkpoint``,
+    ``cfg.partition_activations``, ``cfg.cpu_checkpointing`` and
+    ``cfg.contiguous_checkpointing``.
 
+    Consecutive ``blocks`` form groups of ``cfg.layers_per_checkpoint`` (see
+    :func:`checkpoint_groups`); each group stores only its first block's input
+    (one store slot per group) and reruns all its blocks in backward. The blocks
+    of a group must run in order, each on the previous one's output.
     Each block must map one tensor ``(B, T, C)``, replicated over ``ps.tp_group``,
     to one tensor. ``rng`` is the tracker whose states the recompute replays.
     ``phase`` is set around every recompute (a new one if not given; it is
@@ -384,10 +314,11 @@ def apply_activation_checkpointing(model: nn.Module, ps: ParallelState,
     if blocks is None:
         blocks = list(model.blocks)[: cfg.num_layers or len(model.blocks)]
     phase = phase or RecomputePhase()
+    runs = checkpoint_groups(list(blocks), cfg.layers_per_checkpoint)
     store = CheckpointStore(ps, cfg.partition_activations, cfg.cpu_checkpointing,
-                            cfg.contiguous_checkpointing, len(blocks))
-    wrappers = [_CheckpointedForward(b, store, slot, rng, phase)
-                for slot, b in enumerate(blocks)]
-    for b, w in zip(blocks, wrappers):
-        b.forward = w  # instance attribute, not a submodule: names stay
-    return ActivationCheckpointing(store, wrappers, phase)
+                            cfg.contiguous_checkpointing, len(runs))
+    groups = [_Group(run, store, slot, rng, phase) for slot, run in enumerate(runs)]
+    for g in groups:
+        for w in g.members:
+            w.block.forward = w  # instance attribute, not a submodule: names stay
+    return ActivationCheckpointing(store, groups, phase)

@@ -14,8 +14,9 @@ import math
 from dataclasses import dataclass
 
 from hybrid.architecture import architecture_fields, validate_architecture
+from hybrid.config_kernels import kernel_config_from_env, parse_kernel_choice
 from hybrid.config_sections import (CheckpointConfig, DataConfig, DiagnosticsConfig,
-                                    LoggingConfig, ModelConfig, OptimizerConfig,
+                                    KernelConfig, LoggingConfig, ModelConfig, OptimizerConfig,
                                     ParallelConfig, RecomputeConfig, ScheduleConfig,
                                     ZeroConfig)
 from hybrid.data.tokenizer import TOKENIZER_TYPES, tokenizer_kind
@@ -23,7 +24,7 @@ from hybrid.errors import ConfigError
 from hybrid.flags import Flags, flag_name, parse_args
 from hybrid.layout import check_layout
 
-__all__ = ["TrainConfig", "Flags", "build_config", "parse_args"]
+__all__ = ["TrainConfig", "Flags", "build_config", "parse_args", "kernel_config_from_env"]
 
 DEFAULT_TRAIN_ITERS = 200
 
@@ -46,6 +47,7 @@ class TrainConfig:
     checkpoint: CheckpointConfig
     logging: LoggingConfig
     diagnostics: DiagnosticsConfig
+    kernels: KernelConfig
     seed: int
     flags: Flags
 
@@ -116,6 +118,8 @@ def build_config(flags: Flags, world_size: int) -> TrainConfig:
         recompute=RecomputeConfig(
             granularity=f.recompute_granularity,
             num_layers=f.recompute_num_layers if f.recompute_method == "block" else None,
+            layers_per_checkpoint=(f.recompute_num_layers or 1
+                                   if f.recompute_method == "uniform" else 1),
             # With SP a block's input is already this rank's 1/TP of the sequence:
             # nothing replicated is left to partition (see README, "Sequence parallelism").
             partition_activations=f.partition_activations and not f.sequence_parallel,
@@ -136,6 +140,7 @@ def build_config(flags: Flags, world_size: int) -> TrainConfig:
         logging=LoggingConfig(log_interval=f.log_interval, log_json=f.log_json,
                               tensorboard_dir=f.tensorboard_dir,
                               log_throughput=f.log_throughput),
+        kernels=_kernels(f),
         diagnostics=DiagnosticsConfig(collective_dump_dir=f.collective_dump_dir,
                                       check_collectives=f.check_collectives,
                                       check_replicas_interval=f.check_replicas_interval),
@@ -360,14 +365,27 @@ def _check_recompute(f: Flags) -> None:
                               f"{f.num_layers}], got {f.recompute_num_layers}")
     if g == "full" and f.recompute_method is None:
         f.recompute_method = "block" if f.recompute_num_layers else "uniform"
-    if f.recompute_method == "uniform" and (f.recompute_num_layers or 1) != 1:
-        raise ConfigError("--recompute-method uniform checkpoints every layer on its own "
-                          "here (--recompute-num-layers 1); for fewer checkpoints use "
-                          "--recompute-method block --recompute-num-layers N")
     for name in ("partition_activations", "cpu_checkpointing", "contiguous_checkpointing"):
         if getattr(f, name) and g != "full":
             raise ConfigError(f"{flag_name(name)} needs --recompute-granularity full (it "
                               f"handles whole-layer checkpoints)")
+
+
+def _kernels(f: Flags) -> KernelConfig:
+    """The kernel flags, each left unset filled from its HYBRID_* variable
+    (:func:`hybrid.config_kernels.kernel_config_from_env`); the filled values go
+    back into ``f`` so the log and checkpoint metadata show what ran."""
+    env = kernel_config_from_env()
+    f.no_kernels = bool(f.no_kernels or env.no_kernels)
+    if f.kernel_cache_dir is None:
+        f.kernel_cache_dir = env.cache_dir
+    if f.kernel_choice is None:
+        choice = env.choice
+        f.kernel_choice = ",".join(f"{op}={path}" for op, path in choice) or None
+    else:
+        choice = parse_kernel_choice(f.kernel_choice, "--kernel-choice")
+    return KernelConfig(no_kernels=f.no_kernels, cache_dir=f.kernel_cache_dir, choice=choice,
+                        cuda_arch_list=env.cuda_arch_list)
 
 
 def _check_data(f: Flags) -> None:

@@ -54,11 +54,15 @@ class RecomputeConfig:
 
     ``granularity``: None (no recompute), "full" (whole blocks) or "selective"
     (the attention core only). ``num_layers``: with full, checkpoint the first N
-    blocks (None: all).
+    blocks (None: all) -- Megatron's block method. ``layers_per_checkpoint``:
+    with full, cut the checkpointed blocks into groups of N consecutive ones (the
+    last may be shorter); a group stores only its input and reruns all N blocks
+    in backward -- Megatron's uniform method with ``--recompute-num-layers N``.
     """
 
     granularity: str | None = None
     num_layers: int | None = None
+    layers_per_checkpoint: int = 1
     partition_activations: bool = False
     cpu_checkpointing: bool = False
     contiguous_checkpointing: bool = False
@@ -217,3 +221,45 @@ class DiagnosticsConfig:
     collective_dump_dir: str | None = None
     check_collectives: bool = False
     check_replicas_interval: int = 0
+
+
+# The paths each op of :mod:`hybrid.kernels` can take (hybrid/kernels/select.py):
+# "fused" (a csrc/ kernel), "eager" (plain PyTorch ops), "compile" (torch.compile of
+# eager); for "linear", "fp32" (a bf16/fp16 product computed in fp32, for CPUs
+# without native low-precision matmuls).
+KERNEL_PATHS = {
+    "layer_norm": ("fused", "eager", "compile"),
+    "bias_gelu": ("fused", "eager", "compile"),
+    "cross_entropy": ("fused", "eager", "compile"),
+    "adam": ("fused", "eager", "compile"),
+    "linear": ("eager", "fp32"),
+}
+
+
+@dataclass(frozen=True)
+class KernelConfig:
+    """What :mod:`hybrid.kernels` needs; set once per process at start-up with
+    :func:`hybrid.kernels.configure` (default: this, all kernels allowed).
+
+    ``no_kernels``: never build or load a ``csrc/`` extension; every op takes its
+    PyTorch fallback. ``cache_dir``: where compiled extensions are cached (None:
+    ``~/.cache/hybrid/kernels``). ``choice``: ``(op, path)`` pairs overriding the
+    path an op takes (paths per op in ``KERNEL_PATHS``). ``cuda_arch_list``: the
+    ``TORCH_CUDA_ARCH_LIST`` the CUDA build compiles for (part of its cache key).
+    """
+
+    no_kernels: bool = False
+    cache_dir: str | None = None
+    choice: tuple[tuple[str, str], ...] = ()
+    cuda_arch_list: str | None = None
+
+    def __post_init__(self):
+        for op, path in self.choice:
+            if path not in KERNEL_PATHS.get(op, ()):
+                raise ValueError(f"kernel choice {op}={path}: expected op=path with op in "
+                                 f"{tuple(KERNEL_PATHS)} and path one of that op's "
+                                 f"{KERNEL_PATHS.get(op, ())}")
+
+    def path_for(self, op: str) -> str | None:
+        """The path ``op`` was told to take, or None (the default choice)."""
+        return dict(self.choice).get(op)

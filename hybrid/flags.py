@@ -15,6 +15,7 @@ import difflib
 import sys
 from dataclasses import dataclass, field
 
+from hybrid.config_sections import KERNEL_PATHS
 from hybrid.errors import ConfigError
 
 
@@ -129,10 +130,13 @@ class Flags:
     recompute_granularity: str | None = opt(
         None, "full: keep only each layer's input and rerun the layer in backward (ZeRO-R); "
               "selective: rerun only the attention core (scores, softmax, dropout)")
-    recompute_method: str | None = opt(None, "with full: uniform (every layer) or block "
-                                             "(the first --recompute-num-layers layers)")
-    recompute_num_layers: int | None = opt(None, "with full: layers per checkpoint (uniform, "
-                                                 "only 1) or layers checkpointed (block)")
+    recompute_method: str | None = opt(None, "with full: uniform (every layer, in groups of "
+                                             "--recompute-num-layers that each store one "
+                                             "input) or block (only the first "
+                                             "--recompute-num-layers layers, each on its own)")
+    recompute_num_layers: int | None = opt(None, "with full: layers per checkpoint group "
+                                                 "(uniform, default 1) or layers "
+                                                 "checkpointed (block)")
     recompute_activations: bool = opt(False, "Megatron's shorthand for "
                                              "--recompute-granularity selective")
     checkpoint_activations: bool = opt(False, "older Megatron name for "
@@ -197,6 +201,16 @@ class Flags:
     check_replicas_interval: int = opt(
         0, "every N iterations check that parameters replicated over TP and DP are "
            "bit-identical; a divergence stops the job naming the parameter and ranks (0: off)")
+    # kernels (hybrid.kernels; defaults from HYBRID_* variables: config_kernels.py)
+    no_kernels: bool = opt(False, "never build or load the csrc/ kernels: PyTorch fallbacks "
+                                  "only (also on with HYBRID_NO_KERNELS=1)")
+    kernel_cache_dir: str | None = opt(None, "where compiled kernels are cached (default: "
+                                             "$HYBRID_KERNEL_CACHE, else $XDG_CACHE_HOME or "
+                                             "~/.cache, /hybrid/kernels)")
+    kernel_choice: str | None = opt(None, "op=path,... the path an op takes, overriding the "
+                                          "measured default (ops: " + ", ".join(KERNEL_PATHS)
+                                    + ", all; e.g. layer_norm=fused,linear=fp32; "
+                                      "default: $HYBRID_KERNEL_CHOICE)")
     # not a flag: the Megatron flags parse_args dropped as having no effect here
     ignored_megatron_flags: list[str] = field(default_factory=list, metadata={"cli": False})
 

@@ -48,7 +48,9 @@ softmax, its mask and its output (``3 a s^2 b 4 / t``) instead of the
 log-sum-exp. With full recompute a checkpointed layer keeps only its input
 (``sbh e``, ``/t`` when partitioned, nothing on the device with
 ``--cpu-checkpointing``), and during backward one layer's activations exist
-again.
+again. With Megatron's uniform method and ``--recompute-num-layers k`` the
+layers form groups of ``k`` that keep one input each (``ceil(L / k)``
+inputs), and a group's backward holds ``k`` layers' activations at once.
 
 The head keeps LN-f input and output (``2 sbh e``) with their statistics, the
 token and label ids and the positions, and for the cross-entropy one slice of
@@ -86,7 +88,8 @@ class Workload:
     hidden_dropout: float = 0.0
     attention_dropout: float = 0.0
     recompute: bool = False  # full: whole layers
-    recompute_num_layers: int | None = None
+    recompute_num_layers: int | None = None  # block method: only the first N layers
+    recompute_layers_per_checkpoint: int = 1  # uniform method: layers per stored input
     selective_recompute: bool = False  # the attention core only
     partition_activations: bool = False
     cpu_checkpointing: bool = False
@@ -156,6 +159,7 @@ def workload(cfg, vocab_size: int, device: str = "cuda") -> Workload:
         params_dtype=zero.params_dtype, grads_dtype=zero.grads_dtype,
         hidden_dropout=m.hidden_dropout, attention_dropout=m.attention_dropout,
         recompute=rc.granularity == "full", recompute_num_layers=rc.num_layers,
+        recompute_layers_per_checkpoint=rc.layers_per_checkpoint,
         selective_recompute=rc.granularity == "selective",
         partition_activations=rc.partition_activations,
         cpu_checkpointing=rc.cpu_checkpointing, reduce_bucket_size=zero.reduce_bucket_size,
@@ -229,9 +233,11 @@ def activation_bytes(w: Workload) -> dict:
     n_ckpt = (w.recompute_num_layers or w.num_layers) if w.recompute else 0
     split = w.partition_activations or w.sequence_parallel  # the input is 1/t either way
     stored_input = 0 if w.cpu_checkpointing else s * b * h * e // (t if split else 1)
-    layers = n_ckpt * stored_input + (w.num_layers - n_ckpt) * per_layer
+    k = min(w.recompute_layers_per_checkpoint, n_ckpt) if n_ckpt else 0
+    n_stored = -(-n_ckpt // k) if k else 0  # one input per group of k layers
+    layers = n_stored * stored_input + (w.num_layers - n_ckpt) * per_layer
     head = head_bytes(w)
-    working = per_layer if n_ckpt else 0  # a recomputed layer during its backward
+    working = k * per_layer  # a recomputed group during its backward
     if w.selective_recompute:  # one attention core's scores, rerun during its backward
         working = activation_bytes_per_layer(replace(w, selective_recompute=False)) - per_layer
     transient = max(working, e * b * s * w.padded_vocab_size // t)  # logits beside softmax

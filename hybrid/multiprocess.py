@@ -36,7 +36,9 @@ run on the same processes, one call after another. The contract:
   (its reply sent) it runs the garbage collector, so models, hooks and buffers
   of one call do not outlive it, then freezes what survived (``gc.freeze``).
 * A pool is also keyed by the caller's *process-level* variables, those read
-  once per process into caches (``HYBRID_*``: compiled-kernel loading;
+  once per process into caches (``HYBRID_*``: the kernel settings, which a worker
+  takes as its entry point from :func:`hybrid.config.kernel_config_from_env` and
+  puts back before each call;
   ``TORCH_*``, ``OMP_*``, ``GLOO_*``, ``PYTHON*`` ...; see ``_PROCESS_ENV``): a
   call made with ``HYBRID_NO_KERNELS=1``, say, gets its own pool, spawned with
   that environment, so those caches are what a fresh process would have. Other
@@ -119,6 +121,11 @@ class _Fresh:
         logger.handlers[:] = handlers
         logger.setLevel(level)
         logger.propagate, logger.disabled = propagate, disabled
+        # This process's entry point: kernel settings from the (pool-keyed) HYBRID_*
+        # variables, as a fresh process would take them, whatever the last call set.
+        from hybrid.config import kernel_config_from_env
+        from hybrid.kernels import configure
+        configure(kernel_config_from_env(environ))
 
 
 class _Layouts:

@@ -31,6 +31,7 @@ from hybrid.diagnostics.stragglers import straggler_fields
 from hybrid.errors import TrainingError
 from hybrid.host_memory import return_freed_memory
 from hybrid.kernels.attention import check_attention_backend
+from hybrid.kernels.cpu_features import low_precision_warning
 from hybrid.layout import padded_vocab_size
 from hybrid.lr_schedule import scheduled_lr
 from hybrid.monitor import Monitor, log
@@ -233,6 +234,9 @@ def pretrain(cfg: TrainConfig, ps: ParallelState) -> list[dict]:
     if cfg.flags.ignored_megatron_flags:
         log.info("Megatron flags with no effect here (they pick Megatron's own kernels or "
                  "internals): %s", " ".join(cfg.flags.ignored_megatron_flags))
+    slow = low_precision_warning(cfg.zero.params_dtype, ps.device)
+    if slow and ps.rank == 0:  # one line for the job
+        log.warning("warning: %s", slow)
 
     def save():
         path = save_checkpoint(ck.save, state.iteration, state.consumed_samples, engine, ps,

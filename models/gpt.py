@@ -46,6 +46,7 @@ from torch import nn
 from hybrid.architecture import (NORMALIZATIONS, POSITION_EMBEDDING_TYPES,
                                  swiglu_ffn_hidden_size)
 from hybrid.comm import CommGroup
+from hybrid.kernels import linear
 from hybrid.tensor_parallel import (ColumnParallelLinear, Init, TPRNGTracker,
                                     VocabParallelEmbedding, copy_to_tp, init_parameters,
                                     sequence_gathered_linear, sequence_parallel_param,
@@ -214,7 +215,7 @@ class GPT(nn.Module):
         if sp:  # gather the sequence for the head, keeping only the local x for backward
             logits = sequence_gathered_linear(x, head, None, g)  # (B, T, V / tp)
         else:
-            logits = F.linear(copy_to_tp(x, g), head)  # (B, T, V / tp)
+            logits = linear(copy_to_tp(x, g), head)  # (B, T, V / tp)
         # The cross-entropy takes the valid width instead of reading a masked copy
         # (one pass over the logits less); returned logits get the -inf mask.
         if labels is None and self._valid_local < logits.shape[-1]:

@@ -33,6 +33,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from hybrid.config import kernel_config_from_env  # noqa: E402
+from hybrid.kernels import configure  # noqa: E402
 from hybrid.kernels.adam import AdamSegments, adam_step, cpu_adam_ext  # noqa: E402
 
 LR, BETAS, EPS, WD, SCALE = 1e-3, (0.9, 0.95), 1e-8, 0.1, 0.5
@@ -139,6 +141,7 @@ def main() -> None:
     ap.add_argument("--dtypes", default="fp32,bf16", help="gradient dtypes: fp32,bf16,fp16")
     ap.add_argument("--reps", type=int, default=7)
     a = ap.parse_args()
+    configure(kernel_config_from_env())  # this script's entry point: HYBRID_* settings
     dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
     ext = cpu_adam_ext()
     ds_factory, ds_why = _deepspeed_factory()

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import sys
 
@@ -46,9 +45,18 @@ def median_ms(fn, iters: int, warmup: int = 5, calls: int = 10) -> float:
 
 
 def with_path(op: str, path: str, fn):
+    """``fn`` with ``op`` forced onto ``path`` (what --kernel-choice op=path sets)."""
+    from dataclasses import replace
+
+    from hybrid.kernels import configure, current
+    base = current()
+
     def run():
-        os.environ["HYBRID_KERNEL_CHOICE"] = f"{op}={path}"
-        fn()
+        configure(replace(base, choice=((op, path),)))
+        try:
+            fn()
+        finally:
+            configure(base)
     return run
 
 
@@ -88,8 +96,11 @@ def main():
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench_kernels.py needs a CUDA GPU (torch.cuda.is_available() is False)")
-    from hybrid.kernels import bias_gelu, layer_norm, local_softmax_stats, softmax_grad
+    from hybrid.config import kernel_config_from_env
+    from hybrid.kernels import (bias_gelu, configure, layer_norm, local_softmax_stats,
+                                softmax_grad)
     from hybrid.kernels.cuda_ops import cuda_ops
+    configure(kernel_config_from_env())  # this script's entry point: HYBRID_* settings
     ops = cuda_ops()
     if ops is None:
         sys.exit("hybrid_cuda_ops did not build; see the log line above")
@@ -138,7 +149,6 @@ def main():
     res["bias_gelu"] = bench_op("bias_gelu", gelu_fn, args.iters)
     res["cross_entropy_50304"] = bench_op("cross_entropy", ce_fn(50304), args.iters)
     res["cross_entropy_25152"] = bench_op("cross_entropy", ce_fn(25152), args.iters)
-    os.environ.pop("HYBRID_KERNEL_CHOICE", None)
 
     # AdamW over a 100M-element fp32 shard, bf16 grads, bf16 parameter copy-out.
     n = 100_000_000

@@ -22,8 +22,10 @@ import torch  # noqa: E402
 
 from hybrid.checkpoint import resolve_checkpoint  # noqa: E402
 from hybrid.checkpoint.full_model import load_full_model  # noqa: E402
+from hybrid.config import kernel_config_from_env  # noqa: E402
 from hybrid.data.tokenizer import build_tokenizer  # noqa: E402
 from hybrid.errors import CheckpointError, DataError  # noqa: E402
+from hybrid.kernels import configure  # noqa: E402
 
 
 def load_model(ckpt: str, device: str):
@@ -66,6 +68,7 @@ def main(argv=None) -> int:
     ap.add_argument("--vocab-size", type=int)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     a = ap.parse_args(argv)
+    configure(kernel_config_from_env())  # this script's entry point: HYBRID_* settings
     try:
         ckpt = resolve_checkpoint(a.load)
         model, c = load_model(ckpt, a.device)

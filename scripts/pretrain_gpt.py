@@ -72,10 +72,12 @@ def main(argv: list[str] | None = None) -> int:
     import torch.distributed as dist
 
     from hybrid.comm import CollectiveError
+    from hybrid.kernels import configure
     from hybrid.monitor import setup_logging
     from hybrid.parallel_state import init_distributed
     from hybrid.training import pretrain
 
+    configure(cfg.kernels)  # --no-kernels, --kernel-cache-dir, --kernel-choice (or HYBRID_*)
     par = cfg.parallel
     ps = init_distributed(par.tensor_model_parallel_size, par.timeout_minutes, par.backend)
     setup_logging(ps.rank)

@@ -56,7 +56,10 @@ def _pretrain_rank(ps, cfg):
 
     from hybrid.comm import CollectiveError
     from hybrid.errors import CheckpointError, ConfigError, DataError, TrainingError
+    from hybrid.kernels import configure
     from hybrid.training import pretrain
+
+    configure(cfg.kernels)  # as main() does
 
     # setup_logging(rank)'s console, captured: INFO on rank 0, warnings elsewhere
     out = io.StringIO()

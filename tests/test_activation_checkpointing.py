@@ -35,10 +35,10 @@ VARIANTS = {"+".join(["recompute"] + [n for n, on in zip(("partition", "cpu", "c
 VARIANTS["first layer only"] = _flags(True, False, False, layers=1)
 
 
-def _model(ps, seed=SEED):
+def _model(ps, seed=SEED, layers=LAYERS):
     """The same weights and the same dropout streams for every variant."""
     rng = seed_all(seed, ps.tp_rank, ps.dp_rank, ps.device)
-    cfg = GPTConfig(vocab_size=257, padded_vocab_size=512, num_layers=LAYERS, hidden_size=C,
+    cfg = GPTConfig(vocab_size=257, padded_vocab_size=512, num_layers=layers, hidden_size=C,
                     num_attention_heads=4, max_position_embeddings=T, hidden_dropout=0.1,
                     attention_dropout=0.1)
     model = GPT(cfg, ps.tp_group, rng=rng, seed=SEED)
@@ -46,8 +46,8 @@ def _model(ps, seed=SEED):
     return model, rng
 
 
-def _apply(model, ps, rng, flags):
-    cfg = Flags(tensor_model_parallel_size=ps.tp_size, num_layers=LAYERS, hidden_size=C,
+def _apply(model, ps, rng, flags, layers=LAYERS):
+    cfg = Flags(tensor_model_parallel_size=ps.tp_size, num_layers=layers, hidden_size=C,
                       num_attention_heads=4, seq_length=T, **flags).validate(ps.world_size)
     return apply_activation_checkpointing(model, ps, rng, cfg.recompute)
 
@@ -243,6 +243,147 @@ def test_misuse_fails_loudly_instead_of_wrong_gradients():
         store.restore(s)
 
 
+# -- Megatron's uniform method: groups of N layers, one stored input per group ----------
+def _uniform(n, partition=False, cpu=False, contiguous=False):
+    return {**_flags(partition, cpu, contiguous), "recompute_method": "uniform",
+            "recompute_num_layers": n}
+
+
+GROUPED = {  # name -> (layers, flags, groups)
+    "4 layers, uniform 2": (4, _uniform(2), [[0, 1], [2, 3]]),
+    "4 layers, uniform 2 +partition": (4, _uniform(2, partition=True), [[0, 1], [2, 3]]),
+    "3 layers, uniform 2 +partition+cpu+contiguous":
+        (3, _uniform(2, True, True, True), [[0, 1], [2]]),  # ragged last group
+    "3 layers, uniform 3 +contiguous": (3, _uniform(3, contiguous=True), [[0, 1, 2]]),
+}
+
+
+def _grouped_variants(ps):
+    """Every GROUPED variant and its no-recompute reference, dropout 0.1."""
+    out = {"none": {n: _train(_model(ps, layers=n)[0], None) for n in (3, 4)}}
+    for name, (layers, flags, _) in GROUPED.items():
+        model, rng = _model(ps, layers=layers)
+        names = [n for n, _ in model.named_parameters()], list(model.state_dict())
+        ac = _apply(model, ps, rng, flags, layers=layers)
+        index = {b: i for i, b in enumerate(model.blocks)}
+        calls = [0] * layers
+        for i, blk in enumerate(model.blocks):
+            blk.register_forward_pre_hook(lambda m, a, i=i: calls.__setitem__(i, calls[i] + 1))
+        out[name] = _train(model, ac)
+        out[name].update(calls=calls, groups=[[index[b] for b in g] for g in ac.groups],
+                         buffer_bytes=ac.buffer_bytes(),
+                         names_kept=names == ([n for n, _ in model.named_parameters()],
+                                              list(model.state_dict())))
+    return out
+
+
+@pytest.fixture(scope="module")
+def grouped():
+    return run_ranks(_grouped_variants, world_size=2, tp=2)
+
+
+def test_uniform_groups_give_the_gradients_of_no_checkpointing(grouped):
+    """Groups of 2 layers of 4, of 2 layers of 3 (the last group has one), and one
+    group of all 3: the loss and every gradient equal no recompute's bit for bit over
+    3 steps with dropout 0.1 -- the RNG replayed from a group's start draws the masks
+    of all its layers -- also partitioned over TP, on the host and contiguous."""
+    for rank, r in enumerate(grouped):
+        for name, (layers, _, groups) in GROUPED.items():
+            ref = r["none"][layers]
+            assert r[name]["groups"] == groups, name
+            assert r[name]["losses"] == ref["losses"], (rank, name)
+            for pname, g in r[name]["grads"].items():
+                assert torch.equal(g, ref["grads"][pname]), (rank, name, pname)
+            assert r[name]["names_kept"], name
+            # every block runs twice per step (forward, then its group's recompute)
+            assert r[name]["calls"] == [2 * STEPS] * layers, name
+
+
+def test_uniform_groups_store_one_input_per_group(grouped):
+    """Stored checkpoint bytes = #groups x one layer input (B, T, C) fp32, 1/TP of that
+    partitioned, read from the handle's counters and from what the graph holds; the
+    contiguous buffer has one slot per group."""
+    tp = 2
+    for r in grouped:
+        for name, (layers, flags, groups) in GROUPED.items():
+            per = PER_LAYER // tp if flags["partition_activations"] else PER_LAYER
+            want = len(groups) * per
+            for step in range(STEPS):
+                h = r[name]["held"][step]
+                assert h["count"] == len(groups), name
+                assert h["bytes"] == h["store"] == want, (name, h, want)
+                assert r[name]["peaks"][step] == want and r[name]["left"][step] == 0, name
+            if flags["contiguous_checkpointing"]:
+                assert r[name]["held"][0]["storages"] == 1
+                assert r[name]["allocs"][-1]["contiguous"] == 1
+                # + the gather buffer (a whole input) and the staging one (this rank's piece)
+                extra = PER_LAYER + per if flags["partition_activations"] else 0
+                assert r[name]["buffer_bytes"] == want + extra, name  # per is 64-aligned
+
+
+def _zero3_grouped(ps):
+    """ZeRO-3 over DP 2 at TP 2, 3 layers, dropout 0.1: 3 AdamW steps with no
+    recompute and with uniform groups of 2 (plain, partitioned); losses and params."""
+    from hybrid.config_sections import ZeroConfig
+    from hybrid.zero import apply_zero
+    zcfg = ZeroConfig(stage=3, param_persistence_threshold=0, reduce_bucket_size=1000,
+                      allgather_bucket_size=1000)
+    out = {}
+    for name, flags in (("none", None), ("uniform 2", _uniform(2)),
+                        ("uniform 2 +partition", _uniform(2, partition=True))):
+        model, rng = _model(ps, layers=3)
+        ac = _apply(model, ps, rng, flags, layers=3) if flags else None
+        engine = apply_zero(model, ps, zcfg, recompute=ac.phase if ac else None)
+        g = torch.Generator().manual_seed(ps.dp_rank)
+        losses, stored = [], []
+        for _ in range(STEPS):
+            engine.zero_grad()
+            loss = model(*_batch(g))
+            stored.append(ac.stored_bytes() if ac else 0)
+            engine.backward(loss)
+            engine.step(1e-2)
+            losses.append(loss.item())
+        with engine.gathered():
+            params = {n: p.detach().clone() for n, p in model.named_parameters()}
+        out[name] = {"losses": losses, "params": params, "stored": stored}
+    return out
+
+
+def test_uniform_groups_under_zero3_train_as_without_recompute():
+    """Stage 3 frees each block's parameters after its forward and gathers them again
+    when its group is recomputed (RecomputePhase keeps them for the group's backward):
+    the same losses and updated parameters, bit for bit, as ZeRO-3 without recompute,
+    with 2 groups' inputs stored (halved by partitioning)."""
+    res = run_ranks(_zero3_grouped, world_size=4, tp=2)
+    for r in res:
+        ref = r["none"]
+        for name in ("uniform 2", "uniform 2 +partition"):
+            assert r[name]["losses"] == ref["losses"], name
+            for pname, p in ref["params"].items():
+                assert torch.equal(r[name]["params"][pname], p), (name, pname)
+        assert r["uniform 2"]["stored"] == [2 * PER_LAYER] * STEPS
+        assert r["uniform 2 +partition"]["stored"] == [PER_LAYER] * STEPS
+    assert res[0]["none"]["losses"] != res[2]["none"]["losses"]  # DP ranks saw other data
+
+
+def test_a_group_run_out_of_order_is_refused():
+    """Grouped recompute keeps no graph between a group's blocks, so a block must be
+    called on the previous one's output: anything else raises instead of giving
+    wrong gradients."""
+    from hybrid.parallel_state import ParallelState
+    ps = ParallelState.single()
+    model, rng = _model(ps, layers=2)
+    _apply(model, ps, rng, _uniform(2), layers=2)
+    x = torch.randn(B, T, C, requires_grad=True)
+    with pytest.raises(RuntimeError, match="output of block 0"):
+        model.blocks[1](x)
+    y = model.blocks[0](x)
+    with pytest.raises(RuntimeError, match="output of block 0"):
+        model.blocks[1](y.clone())
+    model.blocks[1](model.blocks[0](x)).sum().backward()  # in order: fine
+    assert x.grad is not None and model.blocks[0].ln_1.weight.grad is not None
+
+
 # -- end to end: scripts/pretrain_gpt.py at TP2 x DP2 -----------------------------------
 E2E = TINY + ["--tensor-model-parallel-size", "2", "--global-batch-size", "8",
               "--train-iters", "6"]
@@ -271,7 +412,9 @@ def test_pretrain_script_loss_curve_unchanged(tmp_path):
     name: only the attention core reruns), as without recompute. Dropout 0.1, so
     the RNG replay is checked through the whole training stack (at TINY's dropout
     0 the same flags are run by
-    tests/test_pretrain_gpt.py::test_partitioned_recompute_follows_the_plain_curve)."""
+    tests/test_pretrain_gpt.py::test_partitioned_recompute_follows_the_plain_curve), and
+    with --recompute-method uniform --recompute-num-layers 2 under ZeRO-3 (both layers
+    in one group: one stored input)."""
     dropout = DROPOUT
     ref = _losses(tmp_path, "plain", dropout)
     full = ["--recompute-granularity", "full"]
@@ -282,7 +425,13 @@ def test_pretrain_script_loss_curve_unchanged(tmp_path):
                                              "--contiguous-checkpointing", "--zero-stage", "3",
                                              "--zero-param-persistence-threshold", "0"],
                                      2 * 2 * 32 * 64 * 4 // 2),
-            "selective": (["--recompute-activations"], 2 * 3 * 2 * 32 * 64 * 4 // 2)}
+            "selective": (["--recompute-activations"], 2 * 3 * 2 * 32 * 64 * 4 // 2),
+            # Megatron's uniform method, both layers in one group: one stored input
+            "uniform 2+zero3": (full + ["--recompute-method", "uniform",
+                                        "--recompute-num-layers", "2",
+                                        "--partition-activations", "--zero-stage", "3",
+                                        "--zero-param-persistence-threshold", "0"],
+                                2 * 32 * 64 * 4 // 2)}
     assert len(ref) == 6
     for name, (flags, stored) in runs.items():
         log = _losses(tmp_path, name, dropout + flags)

@@ -14,21 +14,28 @@ def _cfg(*flags, world=2, tp=2):
     return parse_args(BASE + ["--tensor-model-parallel-size", str(tp), *flags]).validate(world)
 
 
-@pytest.mark.parametrize("flags,granularity,num_layers", [
-    ([], None, None),
-    (["--recompute-activations"], "selective", None),  # Megatron's shorthand
-    (["--recompute-granularity", "selective"], "selective", None),
-    (["--checkpoint-activations"], "full", None),  # the older Megatron name
-    (["--recompute-granularity", "full"], "full", None),
+@pytest.mark.parametrize("flags,granularity,num_layers,per_checkpoint", [
+    ([], None, None, 1),
+    (["--recompute-activations"], "selective", None, 1),  # Megatron's shorthand
+    (["--recompute-granularity", "selective"], "selective", None, 1),
+    (["--checkpoint-activations"], "full", None, 1),  # the older Megatron name
+    (["--recompute-granularity", "full"], "full", None, 1),
     (["--recompute-granularity", "full", "--recompute-method", "uniform",
-      "--recompute-num-layers", "1"], "full", None),
-    (["--recompute-granularity", "full", "--recompute-num-layers", "3"], "full", 3),
+      "--recompute-num-layers", "1"], "full", None, 1),
+    # uniform N: every layer checkpointed, in groups of N that store one input each
+    (["--recompute-granularity", "full", "--recompute-method", "uniform",
+      "--recompute-num-layers", "3"], "full", None, 3),
+    (["--checkpoint-activations", "--recompute-method", "uniform",
+      "--recompute-num-layers", "4"], "full", None, 4),
+    (["--recompute-granularity", "full", "--recompute-num-layers", "3"], "full", 3, 1),
     (["--recompute-granularity", "full", "--recompute-method", "block",
-      "--recompute-num-layers", "2"], "full", 2),
+      "--recompute-num-layers", "2"], "full", 2, 1),
 ])
-def test_recompute_flags_resolve_to_granularity_and_layers(flags, granularity, num_layers):
+def test_recompute_flags_resolve_to_granularity_and_layers(flags, granularity, num_layers,
+                                                           per_checkpoint):
     rc = _cfg(*flags).recompute
-    assert (rc.granularity, rc.num_layers) == (granularity, num_layers)
+    assert (rc.granularity, rc.num_layers, rc.layers_per_checkpoint) == (
+        granularity, num_layers, per_checkpoint)
 
 
 def test_distribute_saved_activations_is_partitioning_and_moot_under_sp():
@@ -46,10 +53,12 @@ def test_distribute_saved_activations_is_partitioning_and_moot_under_sp():
     (["--recompute-num-layers", "2"], "need --recompute-granularity full"),
     (["--recompute-activations", "--recompute-method", "block"],
      "need --recompute-granularity full"),
-    (["--recompute-granularity", "full", "--recompute-method", "uniform",
-      "--recompute-num-layers", "2"], "--recompute-method block --recompute-num-layers N"),
     (["--recompute-granularity", "full", "--recompute-num-layers", "5"],
      "--recompute-num-layers must be in [1, --num-layers 4]"),
+    (["--recompute-granularity", "full", "--recompute-method", "uniform",
+      "--recompute-num-layers", "0"], "--recompute-num-layers must be in [1, --num-layers 4]"),
+    (["--recompute-granularity", "full", "--recompute-method", "every"],
+     "--recompute-method must be uniform or block"),
     (["--recompute-activations", "--cpu-checkpointing"],
      "--cpu-checkpointing needs --recompute-granularity full"),
     (["--sequence-parallel", "--seq-length", "33", "--max-position-embeddings", "64"],

@@ -133,16 +133,30 @@ def test_torch_fallback_gives_the_kernels_numbers(ext, grad_dtype):
     assert (out_a.float() - out_b.float()).abs().max().item() <= 2 * torch.finfo(grad_dtype).eps
 
 
-def test_no_kernels_env_forces_the_fallback(monkeypatch):
-    monkeypatch.setenv("HYBRID_NO_KERNELS", "1")
-    monkeypatch.setattr(build, "_loaded", {})
-    assert cpu_adam_ext() is None
-    # and the step still runs, through the torch ops
-    segs = AdamSegments.from_ranges(10, [(0, 5)], "cpu")
-    master = torch.ones(10)
-    adam_step(master, torch.ones(10), torch.zeros(10), torch.zeros(10), None, segs, lr=0.1,
-              beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.0, step=1)
-    assert torch.allclose(master, torch.full((10,), 0.9))
+def test_no_kernels_forces_the_fallback(monkeypatch):
+    """--no-kernels (or HYBRID_NO_KERNELS=1, read by the config layer) reaches the
+    build through hybrid.kernels.configure: no extension, the torch ops instead."""
+    from dataclasses import replace
+
+    from hybrid import kernels
+    from hybrid.config import kernel_config_from_env, parse_args
+    assert kernel_config_from_env({"HYBRID_NO_KERNELS": "1"}).no_kernels
+    assert not kernel_config_from_env({"HYBRID_NO_KERNELS": "0"}).no_kernels
+    assert parse_args(["--no-kernels"]).validate(1).kernels.no_kernels
+    monkeypatch.setenv("HYBRID_NO_KERNELS", "1")  # a default of the flag, in one place
+    assert parse_args([]).validate(1).kernels.no_kernels
+    before = kernels.current()
+    kernels.configure(replace(before, no_kernels=True))
+    try:
+        assert cpu_adam_ext() is None
+        # and the step still runs, through the torch ops
+        segs = AdamSegments.from_ranges(10, [(0, 5)], "cpu")
+        master = torch.ones(10)
+        adam_step(master, torch.ones(10), torch.zeros(10), torch.zeros(10), None, segs, lr=0.1,
+                  beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.0, step=1)
+        assert torch.allclose(master, torch.full((10,), 0.9))
+    finally:
+        kernels.configure(before)
 
 
 def test_a_kernel_that_cannot_build_falls_back_with_one_line(monkeypatch, caplog):

@@ -1,20 +1,23 @@
 """Fused CUDA kernels (csrc/cuda) against their PyTorch fallbacks.
 
 GPU tests are skipped without CUDA; they force the kernel path with
-HYBRID_KERNEL_CHOICE and compare forward and backward with explicit per-dtype
-tolerances. The CPU tests check that the selection layer and the fallbacks are
-exact references and that a missing GPU or HYBRID_NO_KERNELS=1 means no kernel,
-no exception.
+``hybrid.kernels.configure`` (what --kernel-choice sets) and compare forward and
+backward with explicit per-dtype tolerances. The CPU tests check that the
+selection layer and the fallbacks are exact references and that a missing GPU
+or --no-kernels means no kernel, no exception.
 """
 
 import math
+from dataclasses import replace
 
 import pytest
 import torch
 import torch.nn.functional as F
 
+from hybrid import kernels
+from hybrid.config import parse_kernel_choice
+from hybrid.config_sections import KernelConfig
 from hybrid.kernels import bias_gelu, layer_norm, local_softmax_stats, softmax_grad
-from hybrid.kernels import build as kbuild
 from hybrid.kernels.cross_entropy import grad_eager, stats_eager
 from hybrid.kernels.select import kernel_choice
 
@@ -22,6 +25,15 @@ cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA de
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 # (rtol, atol) for the kernel vs the eager op, same input dtype
 TOL = {torch.float32: (1e-5, 1e-5), torch.bfloat16: (1.6e-2, 1e-2), torch.float16: (2e-3, 2e-3)}
+
+
+@pytest.fixture
+def choose():
+    """``choose("op=path,...")`` configures those paths (as --kernel-choice would);
+    the settings of before come back after the test."""
+    before = kernels.current()
+    yield lambda text: kernels.configure(replace(before, choice=parse_kernel_choice(text, "test")))
+    kernels.configure(before)
 
 
 def _ops():
@@ -37,8 +49,8 @@ def _close(a, b, dtype, scale=1.0):
 
 
 # ---------------------------------------------------------------- CPU
-def test_cpu_paths_are_the_references(monkeypatch):
-    monkeypatch.setenv("HYBRID_KERNEL_CHOICE", "all=fused")  # ignored on CPU
+def test_cpu_paths_are_the_references(choose):
+    choose("all=fused")  # ignored on CPU
     assert kernel_choice("layer_norm", torch.device("cpu")) == "eager"
     g = torch.Generator().manual_seed(0)
     x = torch.randn(3, 7, 40, generator=g)
@@ -84,22 +96,78 @@ def test_cpu_cross_entropy_helpers():
     assert torch.isinf(m0).all() and (s0 == 0).all()
 
 
-def test_no_kernel_without_cuda_or_when_disabled(monkeypatch):
+def test_no_kernel_without_cuda_or_when_disabled():
     from hybrid.kernels.cuda_ops import cuda_ops
-    monkeypatch.setattr(kbuild, "_loaded", {})
-    monkeypatch.setenv("HYBRID_NO_KERNELS", "1")
-    assert cuda_ops() is None
-    assert kernel_choice("layer_norm", torch.device("cuda")) == "eager"
-    if not torch.cuda.is_available():
-        monkeypatch.setattr(kbuild, "_loaded", {})
-        monkeypatch.delenv("HYBRID_NO_KERNELS")
+    before = kernels.current()
+    try:
+        kernels.configure(replace(before, no_kernels=True))  # forgets what was loaded
         assert cuda_ops() is None
+        assert kernel_choice("layer_norm", torch.device("cuda")) == "eager"
+        if not torch.cuda.is_available():
+            kernels.configure(replace(before, no_kernels=False))
+            assert cuda_ops() is None
+    finally:
+        kernels.configure(before)
 
 
-def test_bad_choice_is_a_clear_error(monkeypatch):
-    monkeypatch.setenv("HYBRID_KERNEL_CHOICE", "layer_norm=fast")
-    with pytest.raises(ValueError, match="HYBRID_KERNEL_CHOICE"):
-        kernel_choice("layer_norm", torch.device("cuda"))
+def test_bad_choice_is_a_clear_error():
+    """A bad op or path is refused where the settings are made, naming the flag or
+    the variable it came from; ops take only their own paths."""
+    from hybrid.config import kernel_config_from_env, parse_args
+    from hybrid.errors import ConfigError
+    with pytest.raises(ConfigError, match="--kernel-choice: bad entry 'layer_norm=fast'"):
+        parse_args(["--kernel-choice", "layer_norm=fast"]).validate(1)
+    with pytest.raises(ConfigError, match="HYBRID_KERNEL_CHOICE: bad entry 'linear=fused'"):
+        kernel_config_from_env({"HYBRID_KERNEL_CHOICE": "linear=fused"})
+    with pytest.raises(ValueError, match="bias_gelu=fp32"):
+        KernelConfig(choice=(("bias_gelu", "fp32"),))
+    assert parse_kernel_choice("all=fused, linear=fp32", "x") == (
+        ("layer_norm", "fused"), ("bias_gelu", "fused"), ("cross_entropy", "fused"),
+        ("adam", "fused"), ("linear", "fp32"))
+
+
+def test_cache_key_names_the_gpu_architecture(tmp_path):
+    """A kernel cache shared by machines: a build for sm_90 is never the one an sm_80
+    process loads. The key changes with the compute capability, TORCH_CUDA_ARCH_LIST,
+    the CUDA and torch versions, the sources; a CPU-only build ignores the GPU."""
+    from hybrid.kernels.build import cache_key
+    src = tmp_path / "k.cu"
+    src.write_text("__global__ void k() {}")
+    flags = (["-O3"], ["-O3"], [])
+    base = dict(cuda=True, capability=(9, 0), arch_list=None, torch_version="2.13.0",
+                cuda_version="13.0", cpu="flags : avx2")
+    k90 = cache_key([src], flags, **base)
+    assert cache_key([src], flags, **base) == k90 and len(k90) == 16
+    for change in ({"capability": (8, 0)}, {"capability": (9, 1)}, {"arch_list": "8.0;9.0"},
+                   {"cuda_version": "12.8"}, {"torch_version": "2.12.0"}):
+        assert cache_key([src], flags, **{**base, **change}) != k90, change
+    cpu = {**base, "cuda": False}
+    assert cache_key([src], flags, **cpu) == cache_key([src], flags, **{**cpu, "capability": (8, 0)})
+    src.write_text("__global__ void k() { }")
+    assert cache_key([src], flags, **base) != k90
+
+
+def test_cuda_build_directory_follows_the_device(tmp_path, monkeypatch):
+    """_build asks the current device for its capability: a fake sm_80 and sm_90 get
+    two build directories under the configured cache."""
+    from torch.utils import cpp_extension
+
+    from hybrid.kernels import build
+    src = tmp_path / "k.cu"
+    src.write_text("__global__ void k() {}")
+    dirs = []
+    monkeypatch.setattr(cpp_extension, "load", lambda **kw: dirs.append(kw["build_directory"]))
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    before = kernels.current()
+    kernels.configure(replace(before, cache_dir=str(tmp_path / "cache")))
+    try:
+        for cap in ((9, 0), (8, 0), (9, 0)):
+            monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d=None, c=cap: c)
+            build._build("hybrid_test", [src], True, [], [], [])
+    finally:
+        kernels.configure(before)
+    assert dirs[0] == dirs[2] != dirs[1]
+    assert all(d.startswith(str(tmp_path / "cache" / "hybrid_test-")) for d in dirs)
 
 
 # ---------------------------------------------------------------- LayerNorm
@@ -107,7 +175,7 @@ def test_bad_choice_is_a_clear_error(monkeypatch):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("rows,cols", [(1, 8), (37, 1000), (129, 2048), (5, 1023),
                                        (64, 4096), (33, 8192), (3, 12288), (17, 20000)])
-def test_layer_norm(dtype, rows, cols, monkeypatch):
+def test_layer_norm(dtype, rows, cols, choose):
     _ops()
     g = torch.Generator(device="cuda").manual_seed(rows * cols)
     x = (torch.randn(rows, cols, device="cuda", generator=g) * 3 + 1).to(dtype)
@@ -116,7 +184,7 @@ def test_layer_norm(dtype, rows, cols, monkeypatch):
     dy = torch.randn(rows, cols, device="cuda", generator=g).to(dtype)
 
     def run(path):
-        monkeypatch.setenv("HYBRID_KERNEL_CHOICE", f"layer_norm={path}")
+        choose(f"layer_norm={path}")
         xs, ws, bs = (t.clone().requires_grad_() for t in (x, w, b))
         y = layer_norm(xs, ws, bs, 1e-5)
         y.backward(dy)
@@ -146,7 +214,7 @@ def test_layer_norm_stats_and_3d():
 @cuda
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("shape", [(3, 1000), (2, 33, 8192), (257, 2048), (7, 13), (1, 24)])
-def test_bias_gelu(dtype, shape, monkeypatch):
+def test_bias_gelu(dtype, shape, choose):
     _ops()
     g = torch.Generator(device="cuda").manual_seed(sum(shape))
     x = (torch.randn(*shape, device="cuda", generator=g) * 2).to(dtype)
@@ -154,7 +222,7 @@ def test_bias_gelu(dtype, shape, monkeypatch):
     dy = torch.randn(*shape, device="cuda", generator=g).to(dtype)
 
     def run(path):
-        monkeypatch.setenv("HYBRID_KERNEL_CHOICE", f"bias_gelu={path}")
+        choose(f"bias_gelu={path}")
         xs, bs = x.clone().requires_grad_(), b.clone().requires_grad_()
         y = bias_gelu(xs, bs)
         y.backward(dy)
@@ -172,7 +240,7 @@ def test_bias_gelu(dtype, shape, monkeypatch):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("rows,cols,valid", [(5, 1000, 1000), (33, 25152, 25152),
                                              (17, 50304, 50257), (9, 1001, 990), (4, 64, 0)])
-def test_cross_entropy_pieces(dtype, rows, cols, valid, monkeypatch):
+def test_cross_entropy_pieces(dtype, rows, cols, valid, choose):
     _ops()
     g = torch.Generator(device="cuda").manual_seed(rows + cols)
     x = (torch.randn(rows, cols, device="cuda", generator=g) * 8).to(dtype)
@@ -182,9 +250,9 @@ def test_cross_entropy_pieces(dtype, rows, cols, valid, monkeypatch):
     t = t.clamp(max=start + max(valid, 1) - 1)
     gl = torch.rand(rows, device="cuda", generator=g) + 0.5
 
-    monkeypatch.setenv("HYBRID_KERNEL_CHOICE", "cross_entropy=fused")
+    choose("cross_entropy=fused")
     m, s, tl = local_softmax_stats(x, t, start, valid)
-    monkeypatch.setenv("HYBRID_KERNEL_CHOICE", "cross_entropy=eager")
+    choose("cross_entropy=eager")
     rm, rs, rtl = local_softmax_stats(x, t, start, valid)
     assert torch.equal(m, rm) and torch.equal(tl, rtl)  # max and a gather are exact
     torch.testing.assert_close(s, rs, rtol=1e-5, atol=0)
@@ -192,7 +260,7 @@ def test_cross_entropy_pieces(dtype, rows, cols, valid, monkeypatch):
         assert torch.isinf(m).all() and (s == 0).all()
         return
     # pretend this rank is the world: M = m, S = s
-    monkeypatch.setenv("HYBRID_KERNEL_CHOICE", "cross_entropy=fused")
+    choose("cross_entropy=fused")
     grad = softmax_grad(x, t, start, valid, m, s, gl)
     ref = grad_eager(x, t, start, valid, rm, rs, gl)
     assert grad.dtype == dtype
@@ -205,12 +273,12 @@ def test_cross_entropy_pieces(dtype, rows, cols, valid, monkeypatch):
 
 
 @cuda
-def test_vocab_parallel_loss_kernel_vs_eager_single_rank(monkeypatch):
+def test_vocab_parallel_loss_kernel_vs_eager_single_rank(choose):
     """The kernel-backed stats give F.cross_entropy's loss (TP world of one)."""
     _ops()
     x = torch.randn(64, 50304, device="cuda", dtype=torch.bfloat16) * 4
     t = torch.randint(0, 50257, (64,), device="cuda")
-    monkeypatch.setenv("HYBRID_KERNEL_CHOICE", "cross_entropy=fused")
+    choose("cross_entropy=fused")
     m, s, tl = local_softmax_stats(x, t, 0, 50257)
     loss = s.log() - (tl - m)
     ref = F.cross_entropy(x[:, :50257].float(), t, reduction="none")
@@ -293,7 +361,7 @@ def test_fused_adam_decay_segments_and_found_inf():
 # ---------------------------------------------------------------- model wiring
 @cuda
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_gpt_fused_matches_eager(dtype, monkeypatch):
+def test_gpt_fused_matches_eager(dtype, choose):
     from hybrid.parallel_state import ParallelState
     from models.gpt import GPT, GPTConfig
     cfg = GPTConfig(vocab_size=1000, padded_vocab_size=1024, num_layers=2, hidden_size=256,
@@ -305,7 +373,7 @@ def test_gpt_fused_matches_eager(dtype, monkeypatch):
     lab = torch.randint(0, 1000, (2, 64), device="cuda")
     res = {}
     for path in ("eager", "fused"):
-        monkeypatch.setenv("HYBRID_KERNEL_CHOICE", f"all={path}")
+        choose(f"all={path}")
         model.zero_grad()
         loss = model(tok, lab)
         loss.backward()
@@ -318,7 +386,7 @@ def test_gpt_fused_matches_eager(dtype, monkeypatch):
 
 @cuda
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_vocab_parallel_function_fused_single_rank(dtype, monkeypatch):
+def test_vocab_parallel_function_fused_single_rank(dtype, choose):
     """TP=1 on GPU routes through the fused Function (all-reduces are no-ops) and
     matches F.cross_entropy over the valid columns, padding getting zero gradient."""
     from hybrid.parallel_state import ParallelState
@@ -328,7 +396,7 @@ def test_vocab_parallel_function_fused_single_rank(dtype, monkeypatch):
     x = (torch.randn(4, 50, 1024, device="cuda") * 4).to(dtype)
     t = torch.randint(0, 1000, (4, 50), device="cuda")
     gl = torch.rand(4, 50, device="cuda")
-    monkeypatch.setenv("HYBRID_KERNEL_CHOICE", "cross_entropy=fused")
+    choose("cross_entropy=fused")
     xs = x.clone().requires_grad_()
     loss = vocab_parallel_cross_entropy(xs, t, ps.tp_group, valid=1000)
     loss.backward(gl)

@@ -96,6 +96,11 @@ def _measure(ps):
         rc = RecomputeConfig(granularity="full", partition_activations=partition)
         one, two = (_saved_bytes(ps, n, "fp32", 0.0, 0.0, rc) for n in (1, 2))
         out[("recompute", partition)] = two - one
+        # Megatron's uniform method, groups of 2: 3 layers store 2 inputs, 4 layers 2
+        rc = RecomputeConfig(granularity="full", layers_per_checkpoint=2,
+                             partition_activations=partition)
+        for n in (3, 4):
+            out[("uniform 2", partition, n)] = _saved_bytes(ps, n, "fp32", 0.0, 0.0, rc)
     for case in CASES:  # Llama-shaped: plain, SP, selective
         for sp in (False, True) if ps.tp_size > 1 else (False,):
             one, two = (_saved_bytes(ps, n, *case, sp=sp, arch=LLAMA) for n in (1, 2))
@@ -179,6 +184,21 @@ def test_llama_parameter_count_matches_the_model():
         assert w.psi == cfg.num_parameters(tp)
     model = GPT(cfg, ParallelState.single().tp_group, device="meta")
     assert cfg.num_parameters() == sum(p.numel() for p in model.parameters())
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+@pytest.mark.parametrize("partition", [False, True])
+@pytest.mark.parametrize("layers", [3, 4])
+def test_uniform_groups_keep_one_input_per_group(measured, tp, partition, layers):
+    """Groups of 2 layers: the whole forward saves the head's activations and
+    ceil(L / 2) stored inputs, nothing of the layers themselves; a group's
+    backward holds 2 layers' activations."""
+    w = _workload(tp, "fp32", 0.0, 0.0, layers=layers, recompute=True,
+                  recompute_layers_per_checkpoint=2, partition_activations=partition)
+    acts = activation_bytes(w)
+    assert acts["layers"] == 2 * S * B * H * 4 // (tp if partition else 1)
+    assert measured[tp][("uniform 2", partition, layers)] == acts["layers"] + head_bytes(w)
+    assert acts["recompute_working_set"] == 2 * activation_bytes_per_layer(w)
 
 
 def test_choose_stage_weighs_peak_against_traffic():

@@ -15,7 +15,7 @@ from hybrid.parallel_state import ParallelState
 from hybrid.tensor_parallel import (gather_from_sequence, reduce_scatter_to_sequence,
                                     scatter_to_sequence, seed_all)
 from models.gpt import GPT, GPTConfig
-from test_zero import _train_stages
+from test_zero import _gpt, _my_micro_batches, _named_params, _train_cfg, _train_stages
 
 SEED, V, T = 11, 257, 16
 
@@ -155,7 +155,8 @@ SP, RC = {"sequence_parallel": True}, {"recompute_granularity": "full"}
 COMPOSE = {  # TP size -> variants (stage, overrides), each compared with the first
     2: [(0, {}), (3, SP), (3, {**SP, **RC}), (0, {**SP, **RC, "partition_activations": True}),
         (2, {**SP, "overlap_comm": True, "offload_optimizer": True})],
-    4: [(0, {}), (3, {**SP, **RC})],
+    4: [(0, {}), (3, {**SP, **RC}),  # and both layers in one recompute group:
+        (3, {**SP, **RC, "recompute_method": "uniform", "recompute_num_layers": 2})],
 }
 
 
@@ -163,8 +164,8 @@ COMPOSE = {  # TP size -> variants (stage, overrides), each compared with the fi
 def test_sequence_parallel_composes_with_zero_and_recompute(tp):
     """SP on vs off (ZeRO-0, no recompute), same seed and data, TP x DP = 4 ranks: the
     same loss curve and final parameters (relative 1e-5) with SP at ZeRO 3, with full
-    recompute, with --partition-activations (which SP makes moot: the block input is
-    already this rank's 1/TP), and at ZeRO 2 with overlap and optimizer offload; two
+    recompute (also in groups of 2 layers), with --partition-activations (which SP
+    makes moot: the block input is already this rank's 1/TP), and at ZeRO 2 with overlap and optimizer offload; two
     micro-batches per step throughout."""
     variants = COMPOSE[tp]
     res = run_ranks(_train_stages, world_size=4, tp=tp, args=(variants,))[0]
@@ -190,6 +191,68 @@ def test_sequence_parallel_in_bf16_follows_the_bf16_curve():
         assert _rel(sp["params"][name], p) <= 2e-2, name
         if sp["specs"][name] is None:
             assert torch.equal(res[1][1]["params"][name], sp["params"][name]), name
+
+
+# fp16: a scale above this model's overflow threshold that halves on each overflow and
+# doubles after 2 clean steps, so steps overflow and are skipped early and again later
+FP16 = {"fp16": True, "initial_loss_scale": 2.0 ** 20, "loss_scale_window": 2,
+        "hysteresis": 1}
+FP16_STEPS = 8
+
+
+def _fp16_curves(ps, variants):
+    """FP16_STEPS steps per variant (stage, overrides): mean losses over DP, which
+    steps were skipped, the loss scale after each, final parameters (gathered)."""
+    from hybrid.tensor_parallel import InitValues
+    from hybrid.zero import apply_zero
+    out = []
+    for stage, kw in variants:
+        cfg = _train_cfg(ps.world_size, ps.tp_size, zero_stage=stage, **FP16, **kw)
+        model = _gpt(cfg, ps, device="meta")
+        engine = apply_zero(model, ps, cfg.zero, values=InitValues(cfg.seed, model.init_of))
+        losses, skipped, scales = [], [], []
+        for step in range(FP16_STEPS):
+            engine.zero_grad()
+            batches = _my_micro_batches(step, ps, cfg.schedule.micro_batch_size)
+            total = torch.zeros(())
+            for i, (x, y) in enumerate(batches):
+                loss = model(x, y) / len(batches)
+                engine.backward(loss, sync=i == len(batches) - 1)
+                total += loss.detach().float()
+            ps.dp_group.all_reduce(total)
+            result = engine.step(cfg.optimizer.lr)
+            losses.append(float(total) / ps.dp_size)
+            skipped.append(result.skipped)
+            scales.append(result.loss_scale)
+        out.append({"losses": losses, "skipped": skipped, "scales": scales,
+                    "params": _named_params(model, engine),
+                    "specs": {n: getattr(p, "tp_spec", None)
+                              for n, p in model.named_parameters()}})
+    return out
+
+
+def test_sequence_parallel_in_fp16_skips_the_steps_tp_alone_skips():
+    """fp16 with dynamic loss scaling, TP2 x DP2, two micro-batches per step: with SP
+    the same steps overflow and are skipped as without it, the scale moves the same
+    way, and the loss curve agrees to the bf16 test's 1e-2 relative -- at ZeRO-0 and
+    at ZeRO-3. (Across stages the skips may differ near the threshold: stages 0-1
+    add a rank's micro-batch gradients in fp16 before the DP mean, stages 2-3 after
+    it, so stage 0 overflows first. That is the stages, not SP.) The final replicated
+    parameters stay bit-identical across TP ranks."""
+    variants = [(0, {}), (0, SP), (3, {}), (3, SP)]
+    res = run_ranks(_fp16_curves, world_size=4, tp=2, args=(variants,))
+    for tp_only, sp in ((0, 1), (2, 3)):
+        ref, got = res[0][tp_only], res[0][sp]
+        assert got["skipped"] == ref["skipped"], (variants[sp], ref["skipped"], got["skipped"])
+        assert got["scales"] == ref["scales"]
+        # the scale came down and grew back: steps were skipped and steps were taken
+        assert ref["skipped"][0] and 2 <= sum(ref["skipped"]) <= FP16_STEPS - 4, ref["skipped"]
+        for la, lb in zip(ref["losses"], got["losses"]):
+            assert abs(la - lb) <= 1e-2 * abs(la), (ref["losses"], got["losses"])
+        for name, p in ref["params"].items():
+            assert _rel(got["params"][name], p) <= 2e-2, name
+            if got["specs"][name] is None:
+                assert torch.equal(res[1][sp]["params"][name], got["params"][name]), name
 
 
 def _sp_checkpoint_round_trip(ps, tmp):

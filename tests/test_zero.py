@@ -1,5 +1,6 @@
 """ZeRO stages 0-3 against a one-process torch reference: losses, params, norms, bytes."""
 
+import shutil
 
 import pytest
 import torch
@@ -314,15 +315,27 @@ def test_fp16_overflow_on_one_rank_skips_the_step_everywhere():
 OFFLOAD = [(stage, {"offload_optimizer": True}) for stage in (1, 2, 3)]
 
 
+def _cpu_adam_loaded(ps):
+    """(kernels off in this worker's settings, the compiled CPU Adam step loaded)."""
+    from hybrid.kernels import current
+    from hybrid.kernels.adam import cpu_adam_ext
+    return current().no_kernels, cpu_adam_ext() is not None
+
+
 @pytest.mark.parametrize("kernels", ["compiled", "HYBRID_NO_KERNELS=1"])
 def test_offload_optimizer_stages_1_to_3_match_the_reference(reference, monkeypatch, kernels):
     """ZeRO-Offload (host master + moments, the fused CPU step, grads down and
     params up through host buffers) gives the reference's losses, norms and
     parameters at stages 1-3, with the compiled kernel and with its fallback."""
     if kernels != "compiled":
-        monkeypatch.setenv("HYBRID_NO_KERNELS", "1")  # inherited by the spawned ranks
+        # a pool of its own, whose workers take it into their kernel settings at start
+        monkeypatch.setenv("HYBRID_NO_KERNELS", "1")
     res = run_ranks(_train_stages, world_size=2, tp=1, args=(OFFLOAD,))
     _assert_matches_reference(res, reference, OFFLOAD, 1, 2)
+    off, loaded = run_ranks(_cpu_adam_loaded, world_size=2, tp=1)[0]
+    assert off == (kernels != "compiled")
+    if off or shutil.which("c++") or shutil.which("g++"):  # no compiler: no kernel either way
+        assert loaded == (not off)
 
 
 def test_offload_optimizer_in_bf16_equals_the_device_optimizer():

@@ -16,7 +16,7 @@ Contract (every implementation):
 Arithmetic is torch.optim.AdamW's: decoupled decay, bias-corrected moments,
 eps added after the square root. On CPU the compiled kernel is
 ``csrc/cpu_adam.cpp`` (ZeRO-Offload's step); on CUDA ``csrc/cuda/fused_adam.cu``;
-elsewhere, or with ``HYBRID_NO_KERNELS=1``, the torch-op sequence below.
+elsewhere, or with ``--no-kernels`` (``KernelConfig.no_kernels``), the torch-op sequence below.
 """
 
 from __future__ import annotations

@@ -3,25 +3,30 @@
     mod = load_extension("hybrid_cpu_adam", ["cpu_adam.cpp"])   # module or None
 
 Each extension is compiled once with ``torch.utils.cpp_extension.load`` (ninja)
-into a cache directory keyed by its sources, flags, torch version and CPU, so
-later processes -- and every rank of a job -- import the cached library.
+into a cache directory keyed by :func:`cache_key` -- its sources and their
+paths, flags, the torch and CUDA versions, the CPU, and for a CUDA build the
+GPU's compute capability and ``TORCH_CUDA_ARCH_LIST`` -- so later processes,
+and every rank of a job, import the cached library, and a cache shared by
+machines never hands one GPU architecture the binary built for another.
 cpp_extension holds a file lock on that directory while it builds, so ranks
 that start together wait for one compiler rather than racing.
 
 Nothing here is required: when a kernel cannot build or load (no compiler, no
-GPU, ``HYBRID_NO_KERNELS=1``) one line says why and the caller uses its exact
-PyTorch fallback.
+GPU, ``KernelConfig.no_kernels``) one line says why and the caller uses its
+exact PyTorch fallback. Where the cache lives and whether kernels load at all
+come from :func:`hybrid.kernels.settings.current`, never from the environment.
 """
 
 from __future__ import annotations
 
 import hashlib
 import logging
-import os
 import platform
 from pathlib import Path
 
 import torch
+
+from hybrid.kernels import settings
 
 log = logging.getLogger("hybrid")
 
@@ -30,15 +35,17 @@ _loaded: dict[str, object] = {}
 
 
 def kernels_disabled() -> bool:
-    return os.environ.get("HYBRID_NO_KERNELS", "0") not in ("", "0")
+    return settings.current().no_kernels
+
+
+def forget_loaded() -> None:
+    """Forget the modules (and refusals) remembered so far: the next load decides again."""
+    _loaded.clear()
 
 
 def cache_root() -> Path:
-    env = os.environ.get("HYBRID_KERNEL_CACHE")
-    if env:
-        return Path(env)
-    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(base) / "hybrid" / "kernels"
+    configured = settings.current().cache_dir
+    return Path(configured) if configured else Path.home() / ".cache" / "hybrid" / "kernels"
 
 
 def _cpu_fingerprint() -> str:
@@ -65,7 +72,7 @@ def load_extension(name: str, sources: list[str], *, cuda: bool = False,
     mod = None
     reason = None
     if kernels_disabled():
-        reason = "HYBRID_NO_KERNELS is set"
+        reason = "kernels are off (--no-kernels / HYBRID_NO_KERNELS)"
     elif cuda and not torch.cuda.is_available():
         reason = "no CUDA device"
     else:
@@ -87,18 +94,36 @@ def load_extension(name: str, sources: list[str], *, cuda: bool = False,
     return mod
 
 
-def _build(name, paths, cuda, cflags, cuda_cflags, ldflags):
-    from torch.utils import cpp_extension
+def cache_key(paths: list[Path], flags: tuple, *, cuda: bool,
+              capability: tuple[int, int] | None, arch_list: str | None,
+              torch_version: str, cuda_version: str | None, cpu: str) -> str:
+    """16 hex digits naming one build: what went in and what it can run on.
 
+    ``capability`` (the GPU's ``(major, minor)``) and ``arch_list``
+    (``TORCH_CUDA_ARCH_LIST``) choose the code nvcc emits, so they key CUDA builds:
+    an sm_90 binary loads on sm_80 and fails at its first launch. A CPU-only build
+    ignores both.
+    """
     key = hashlib.sha256()
     for p in paths:
         key.update(p.read_bytes())
         # ninja's build file records absolute source paths: two checkouts sharing the
         # cache would otherwise rebuild each other's kernels on every switch
         key.update(str(p.resolve()).encode())
-    key.update(repr((cflags, cuda_cflags, ldflags, torch.__version__, torch.version.cuda,
-                     _cpu_fingerprint())).encode())
-    build_dir = cache_root() / f"{name}-{key.hexdigest()[:16]}"
+    target = (capability, arch_list) if cuda else None
+    key.update(repr((flags, torch_version, cuda_version, cpu, target)).encode())
+    return key.hexdigest()[:16]
+
+
+def _build(name, paths, cuda, cflags, cuda_cflags, ldflags):
+    from torch.utils import cpp_extension
+
+    capability = torch.cuda.get_device_capability(torch.cuda.current_device()) if cuda else None
+    digest = cache_key(paths, (cflags, cuda_cflags, ldflags), cuda=cuda, capability=capability,
+                       arch_list=settings.current().cuda_arch_list,
+                       torch_version=torch.__version__, cuda_version=torch.version.cuda,
+                       cpu=_cpu_fingerprint())
+    build_dir = cache_root() / f"{name}-{digest}"
     build_dir.mkdir(parents=True, exist_ok=True)
     kwargs = dict(name=name, sources=[str(p) for p in paths], extra_cflags=cflags,
                   extra_ldflags=ldflags,

@@ -1,6 +1,6 @@
 """The fused CUDA kernels of ``csrc/cuda`` as one extension, ``hybrid_cuda_ops``.
 
-    ops = cuda_ops()   # the module, or None (no GPU, no nvcc, HYBRID_NO_KERNELS=1)
+    ops = cuda_ops()   # the module, or None (no GPU, no nvcc, --no-kernels)
 
 Functions (all tensors contiguous CUDA; T is fp32, bf16 or fp16):
     layer_norm_fwd(x (..., C) T, w (C,) T, b (C,) T, eps) -> [y T, mean fp32 (R,), rstd fp32 (R,)]

@@ -1,23 +1,28 @@
-"""Which implementation of each fusable op runs on CUDA.
+"""Which implementation of each fusable op runs.
 
-Paths: ``"fused"`` (the csrc/cuda kernel), ``"eager"`` (plain PyTorch ops, the
+On CUDA: ``"fused"`` (the csrc/cuda kernel), ``"eager"`` (plain PyTorch ops, the
 exact reference) and ``"compile"`` (the eager function under ``torch.compile``).
-CPU tensors, autocast regions and ``HYBRID_NO_KERNELS=1`` always get eager.
+CPU tensors, autocast regions and ``KernelConfig.no_kernels`` get eager.
 ``CUDA_CHOICE`` holds the fastest path measured by ``scripts/bench_kernels.py``
-(``--write-choice`` prints the table); ``HYBRID_KERNEL_CHOICE`` overrides it per
-op for tests and benchmarks, e.g. ``layer_norm=fused,bias_gelu=compile``.
+(``--write-choice`` prints the table); ``KernelConfig.choice`` (``--kernel-choice``,
+e.g. ``layer_norm=fused,bias_gelu=compile``) overrides it per op.
 A "fused" choice whose extension did not build falls back to eager.
+
+``linear`` is the other way round: CUDA always runs torch's own matmul; a CPU
+runs bf16/fp16 products in fp32 (``"fp32"``, :mod:`hybrid.kernels.linear`) when
+it has no native matmul for that dtype (:mod:`hybrid.kernels.cpu_features`),
+``"eager"`` otherwise; ``--kernel-choice linear=eager|fp32`` forces either.
 """
 
 from __future__ import annotations
 
-import os
-
 import torch
 
-from hybrid.kernels.build import kernels_disabled
+from hybrid.config_sections import KERNEL_PATHS
+from hybrid.kernels import settings
+from hybrid.kernels.cpu_features import native_cpu_matmul
 
-OPS = ("layer_norm", "bias_gelu", "cross_entropy", "adam")
+OPS = tuple(op for op in KERNEL_PATHS if op != "linear")  # the CUDA kernels
 PATHS = ("fused", "eager", "compile")
 
 # Measured by scripts/bench_kernels.py on an H100 80GB HBM3 (torch 2.11, CUDA 13),
@@ -33,39 +38,29 @@ PATHS = ("fused", "eager", "compile")
 CUDA_CHOICE = {"layer_norm": "eager", "bias_gelu": "fused", "cross_entropy": "fused",
                "adam": "fused"}
 
-_env_cache: tuple[str, dict[str, str]] | None = None
 
-
-def _env_overrides() -> dict[str, str]:
-    global _env_cache
-    raw = os.environ.get("HYBRID_KERNEL_CHOICE", "")
-    if _env_cache is not None and _env_cache[0] == raw:
-        return _env_cache[1]
-    out = {}
-    for item in filter(None, (s.strip() for s in raw.split(","))):
-        op, _, path = item.partition("=")
-        op, path = op.strip(), path.strip()
-        if op not in OPS and op != "all" or path not in PATHS:
-            raise ValueError(f"HYBRID_KERNEL_CHOICE: bad entry {item!r}; expected op=path with "
-                             f"op in {OPS + ('all',)} and path in {PATHS}")
-        if op == "all":
-            out.update(dict.fromkeys(OPS, path))
-        else:
-            out[op] = path
-    _env_cache = (raw, out)
-    return out
-
-
-def kernel_choice(op: str, device: torch.device) -> str:
-    """The path ``op`` takes for tensors on ``device``: fused, eager or compile."""
-    if device.type != "cuda" or kernels_disabled() or torch.is_autocast_enabled("cuda"):
+def kernel_choice(op: str, device: torch.device, dtype: torch.dtype | None = None) -> str:
+    """The path ``op`` takes for tensors of ``dtype`` on ``device`` (see the module doc)."""
+    cfg = settings.current()
+    if op == "linear":
+        return _linear_choice(device, dtype, cfg.path_for("linear"))
+    if device.type != "cuda" or cfg.no_kernels or torch.is_autocast_enabled("cuda"):
         return "eager"
-    path = _env_overrides().get(op, CUDA_CHOICE[op])
+    path = cfg.path_for(op) or CUDA_CHOICE[op]
     if path == "fused":
         from hybrid.kernels.cuda_ops import cuda_ops
         if cuda_ops() is None:
             return "eager"
     return path
+
+
+def _linear_choice(device: torch.device, dtype: torch.dtype | None, told: str | None) -> str:
+    if (device.type != "cpu" or dtype not in (torch.bfloat16, torch.float16)
+            or torch.is_autocast_enabled("cpu")):  # autocast would cast the fp32 copies back
+        return "eager"
+    if told is not None:
+        return told
+    return "eager" if native_cpu_matmul(dtype) else "fp32"
 
 
 _compiled: dict[object, object] = {}

@@ -25,7 +25,7 @@ from torch import nn
 
 from hybrid.comm import CommGroup
 from hybrid.kernels import LayerNorm as _KernelLayerNorm
-from hybrid.kernels import layer_norm
+from hybrid.kernels import layer_norm, linear, matmul
 from hybrid.kernels.rms_norm import rms_norm
 from hybrid.tensor_parallel.mappings import (all_gather_sequence, copy_to_tp, gather_from_tp,
                                              reduce_from_tp, reduce_scatter_sequence,
@@ -56,15 +56,15 @@ class _SequenceGatheredLinear(torch.autograd.Function):
     def forward(ctx, x, weight, bias, group):
         ctx.group, ctx.has_bias = group, bias is not None
         ctx.save_for_backward(x, weight)
-        return F.linear(all_gather_sequence(x, group), weight, bias)
+        return linear(all_gather_sequence(x, group), weight, bias)
 
     @staticmethod
     def backward(ctx, grad_y):
         x, weight = ctx.saved_tensors
         full = all_gather_sequence(x, ctx.group)  # (B, T, in)
-        grad_x = reduce_scatter_sequence(grad_y.matmul(weight), ctx.group)
+        grad_x = reduce_scatter_sequence(matmul(grad_y, weight), ctx.group)
         g2 = grad_y.reshape(-1, grad_y.shape[-1])
-        grad_w = g2.t().matmul(full.reshape(-1, full.shape[-1]))
+        grad_w = matmul(g2.t(), full.reshape(-1, full.shape[-1]))
         grad_b = g2.sum(0) if ctx.has_bias else None
         return grad_x, grad_w, grad_b, None
 
@@ -74,7 +74,7 @@ def sequence_gathered_linear(x: torch.Tensor, weight: torch.Tensor,
     """``F.linear`` of the sequence-gathered ``x`` ``(B, T / tp, in) -> (B, T, out)``,
     storing only the local ``x`` for backward (see :class:`_SequenceGatheredLinear`)."""
     if group.size == 1:
-        return F.linear(x, weight, bias)
+        return linear(x, weight, bias)
     return _SequenceGatheredLinear.apply(x, weight, bias, group)
 
 
@@ -131,7 +131,7 @@ class ColumnParallelLinear(nn.Module):
         if self.sequence_parallel:  # (B, T / tp, in) -> (B, T, out / tp)
             y = sequence_gathered_linear(x, self.weight, bias, self.tp_group)
         else:
-            y = F.linear(copy_to_tp(x, self.tp_group), self.weight, bias)  # (..., out / tp)
+            y = linear(copy_to_tp(x, self.tp_group), self.weight, bias)  # (..., out / tp)
         if skip_bias_add:
             return y, self.bias  # (..., out / tp), (out / tp,)
         return gather_from_tp(y, self.tp_group) if self.gather_output else y
@@ -170,11 +170,11 @@ class RowParallelLinear(nn.Module):
         if not self.input_is_parallel:
             x = scatter_to_tp(x, self.tp_group)
         if self.sequence_parallel:
-            y = reduce_scatter_to_sequence(F.linear(x, self.weight), self.tp_group)
+            y = reduce_scatter_to_sequence(linear(x, self.weight), self.tp_group)
             bias = (None if self.bias is None
                     else sequence_parallel_param(self.bias, self.tp_group))
         else:
-            y = reduce_from_tp(F.linear(x, self.weight), self.tp_group)  # (..., out)
+            y = reduce_from_tp(linear(x, self.weight), self.tp_group)  # (..., out)
             bias = self.bias
         return y + bias if bias is not None else y
 

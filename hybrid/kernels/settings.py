@@ -1,0 +1,39 @@
+"""The kernel settings of this process, set once at start-up from the config.
+
+    from hybrid.kernels import configure
+    configure(cfg.kernels)       # scripts/pretrain_gpt.py, after validating the flags
+
+Every op of :mod:`hybrid.kernels` reads :func:`current` when it picks a path or
+loads an extension; nothing in the package reads the environment (the entry
+points turn ``HYBRID_*`` variables into a :class:`KernelConfig` with
+:func:`hybrid.config.kernel_config_from_env`). Until :func:`configure` is
+called the defaults hold: kernels allowed, the default cache, no overrides.
+"""
+
+from __future__ import annotations
+
+from hybrid.config_sections import KernelConfig
+
+_current = KernelConfig()
+
+
+def configure(cfg: KernelConfig) -> None:
+    """Use ``cfg`` from now on in this process.
+
+    A change of what decides *whether and where* extensions load (``no_kernels``,
+    ``cache_dir``, ``cuda_arch_list``) forgets the extensions loaded so far, so the
+    next call loads (or refuses) them under the new settings.
+    """
+    global _current
+    if not isinstance(cfg, KernelConfig):
+        raise TypeError(f"configure() takes a KernelConfig, got {type(cfg).__name__}")
+    loading = (cfg.no_kernels, cfg.cache_dir, cfg.cuda_arch_list)
+    if loading != (_current.no_kernels, _current.cache_dir, _current.cuda_arch_list):
+        from hybrid.kernels.build import forget_loaded
+        forget_loaded()
+    _current = cfg
+
+
+def current() -> KernelConfig:
+    """The settings in force (see :func:`configure`)."""
+    return _current
