@@ -1,0 +1,277 @@
+"""Every check that can reject a command line, one function per concern; each
+message names the flag to change.
+
+:func:`hybrid.config.build_config` calls them in order on a copy of the
+flags; some fill derived defaults into that copy (the global batch, the
+recompute method, the LR decay length, the tokenizer type ...).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from hybrid.data.tokenizer import TOKENIZER_TYPES, tokenizer_kind
+from hybrid.errors import ConfigError
+from hybrid.flags import Flags, flag_name
+
+DEFAULT_TRAIN_ITERS = 200
+
+
+def check_numbers(f: Flags) -> None:
+    for fld in dataclasses.fields(f):  # nan and inf pass argparse's float()
+        value = getattr(f, fld.name)
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ConfigError(f"{flag_name(fld.name)} must be a finite number, got {value}")
+    for name in ("num_layers", "hidden_size", "num_attention_heads", "seq_length",
+                 "micro_batch_size", "log_interval", "make_vocab_size_divisible_by",
+                 "reduce_bucket_size", "allgather_bucket_size", "eval_interval",
+                 "loss_scale_window"):
+        if getattr(f, name) < 1:
+            raise ConfigError(f"{flag_name(name)} must be >= 1, got {getattr(f, name)}")
+    if f.check_replicas_interval < 0:
+        raise ConfigError(f"--check-replicas-interval must be >= 0 (0: off), "
+                          f"got {f.check_replicas_interval}")
+    for name in ("train_iters", "train_samples", "exit_interval", "lr_decay_iters",
+                 "lr_decay_samples", "save_interval", "keep_last"):
+        if getattr(f, name) is not None and getattr(f, name) < 1:
+            raise ConfigError(f"{flag_name(name)} must be >= 1, got {getattr(f, name)}")
+
+
+def check_parallel(f: Flags) -> None:
+    tp = f.tensor_model_parallel_size
+    if f.pipeline_model_parallel_size != 1:
+        raise ConfigError(
+            f"--pipeline-model-parallel-size {f.pipeline_model_parallel_size}: hybrid has no "
+            f"pipeline parallelism. Shard the model with --tensor-model-parallel-size and "
+            f"--zero-stage 3 instead (1 is accepted)")
+    if f.sequence_parallel and tp == 1:
+        raise ConfigError("--sequence-parallel needs --tensor-model-parallel-size > 1 "
+                          "(it splits the sequence over the TP group): drop it or raise TP")
+    if f.sequence_parallel and f.seq_length % tp:
+        raise ConfigError(f"--sequence-parallel splits --seq-length {f.seq_length} over "
+                          f"--tensor-model-parallel-size {tp}: use a multiple of {tp}")
+    if f.distributed_backend not in (None, "gloo", "nccl"):
+        raise ConfigError(f"--distributed-backend must be gloo or nccl, "
+                          f"got {f.distributed_backend!r}")
+    if f.distributed_timeout_minutes <= 0:
+        raise ConfigError("--distributed-timeout-minutes must be > 0")
+
+
+def check_model(f: Flags) -> None:
+    tp = f.tensor_model_parallel_size
+    if f.hidden_size % f.num_attention_heads:
+        raise ConfigError(f"--hidden-size {f.hidden_size} is not divisible by "
+                          f"--num-attention-heads {f.num_attention_heads}")
+    head = f.hidden_size // f.num_attention_heads
+    if f.kv_channels is not None and f.kv_channels != head:
+        raise ConfigError(f"--kv-channels {f.kv_channels}: hybrid's heads are --hidden-size / "
+                          f"--num-attention-heads = {head} wide; drop --kv-channels or "
+                          f"change those two")
+    if f.num_attention_heads % tp:
+        raise ConfigError(
+            f"--num-attention-heads {f.num_attention_heads} is not divisible by "
+            f"--tensor-model-parallel-size {tp}: each TP rank needs whole heads")
+    if f.ffn_hidden_size is not None and f.ffn_hidden_size % tp:
+        raise ConfigError(f"--ffn-hidden-size {f.ffn_hidden_size} is not divisible by "
+                          f"--tensor-model-parallel-size {tp}")
+    if f.max_position_embeddings is None:
+        f.max_position_embeddings = f.seq_length
+    if f.seq_length > f.max_position_embeddings:
+        raise ConfigError(f"--seq-length {f.seq_length} exceeds "
+                          f"--max-position-embeddings {f.max_position_embeddings}")
+    for name in ("hidden_dropout", "attention_dropout"):
+        if not 0.0 <= getattr(f, name) < 1.0:
+            raise ConfigError(f"{flag_name(name)} must be in [0, 1), got {getattr(f, name)}")
+    if f.use_flash_attn:
+        if f.attention_backend not in ("auto", "flash"):
+            raise ConfigError(f"--use-flash-attn means --attention-backend flash, but "
+                              f"--attention-backend {f.attention_backend} is given: keep one")
+        f.attention_backend = "flash"
+    if f.attention_backend not in ("auto", "flash", "fused", "unfused", "local"):
+        raise ConfigError(f"--attention-backend must be auto, flash, fused, unfused or "
+                          f"local, got {f.attention_backend!r}")
+
+
+def check_batch(f: Flags, dp: int) -> None:
+    per_step = f.micro_batch_size * dp
+    if f.global_batch_size is None:
+        f.global_batch_size = per_step
+    if f.global_batch_size < 1 or f.global_batch_size % per_step:
+        raise ConfigError(
+            f"--global-batch-size {f.global_batch_size} is not a multiple of "
+            f"--micro-batch-size {f.micro_batch_size} x data-parallel size {dp} "
+            f"(= {per_step})")
+    if f.rampup_batch_size is None:
+        return
+    if len(f.rampup_batch_size) != 3:
+        raise ConfigError(f"--rampup-batch-size takes three numbers START INCR SAMPLES, got "
+                          f"{' '.join(map(str, f.rampup_batch_size))}")
+    start, incr, samples = f.rampup_batch_size
+    if start < 1 or incr < 1 or samples < 0:
+        raise ConfigError("--rampup-batch-size START INCR SAMPLES needs START >= 1, "
+                          "INCR >= 1 and SAMPLES >= 0")
+    for name, value in (("START", start), ("INCR", incr)):
+        if value % per_step:
+            raise ConfigError(
+                f"--rampup-batch-size {name} {value} is not a multiple of --micro-batch-size "
+                f"{f.micro_batch_size} x data-parallel size {dp} (= {per_step}): every "
+                f"batch of the ramp must split evenly over the ranks")
+    if start > f.global_batch_size or (f.global_batch_size - start) % incr:
+        raise ConfigError(
+            f"--rampup-batch-size: --global-batch-size {f.global_batch_size} must be START "
+            f"{start} plus a whole number of INCR {incr}")
+
+
+def check_schedule(f: Flags) -> None:
+    """Resolve Megatron's iteration- or sample-based schedule (one of the two)."""
+    iters_flags = [n for n in ("lr_decay_iters",) if getattr(f, n) is not None]
+    iters_flags += ["lr_warmup_iters"] if f.lr_warmup_iters else []
+    sample_flags = [n for n in ("lr_decay_samples",) if getattr(f, n) is not None]
+    sample_flags += ["lr_warmup_samples"] if f.lr_warmup_samples else []
+    if f.train_samples is not None:
+        if f.train_iters is not None:
+            raise ConfigError("--train-iters and --train-samples are exclusive: keep one")
+        if iters_flags:
+            raise ConfigError(f"{flag_name(iters_flags[0])} counts iterations, but the run "
+                              f"is sample-based (--train-samples): use the -samples form")
+    else:
+        if sample_flags:
+            raise ConfigError(f"{flag_name(sample_flags[0])} counts samples: it needs "
+                              f"--train-samples (or use the -iters form)")
+        if f.train_iters is None:
+            f.train_iters = DEFAULT_TRAIN_ITERS
+    if f.lr_warmup_fraction is not None:
+        if not 0.0 <= f.lr_warmup_fraction <= 1.0:
+            raise ConfigError(f"--lr-warmup-fraction must be in [0, 1], "
+                              f"got {f.lr_warmup_fraction}")
+        if f.lr_warmup_iters or f.lr_warmup_samples:
+            raise ConfigError("--lr-warmup-fraction and --lr-warmup-iters/-samples are "
+                              "exclusive: keep one")
+    if f.lr <= 0 or f.min_lr < 0 or f.min_lr > f.lr:
+        raise ConfigError(f"need 0 <= --min-lr ({f.min_lr}) <= --lr ({f.lr}), --lr > 0")
+    if f.lr_decay_style not in ("constant", "linear", "cosine"):
+        raise ConfigError(f"--lr-decay-style must be constant, linear or cosine, "
+                          f"got {f.lr_decay_style!r}")
+    if f.train_samples is None and f.lr_decay_iters is None:
+        f.lr_decay_iters = f.train_iters
+    if f.train_samples is not None and f.lr_decay_samples is None:
+        f.lr_decay_samples = f.train_samples
+    if f.lr_warmup_iters < 0 or f.lr_warmup_samples < 0:
+        raise ConfigError("--lr-warmup-iters and --lr-warmup-samples must be >= 0")
+    if f.clip_grad < 0 or f.weight_decay < 0:
+        raise ConfigError("--clip-grad and --weight-decay must be >= 0")
+    if f.exit_duration_in_mins is not None and f.exit_duration_in_mins <= 0:
+        raise ConfigError("--exit-duration-in-mins must be > 0")
+    if f.exit_on_nan_iterations < 1:
+        raise ConfigError("--exit-on-nan-iterations must be >= 1")
+    if f.eval_iters < 0:
+        raise ConfigError("--eval-iters must be >= 0")
+
+
+def check_zero(f: Flags) -> None:
+    if f.zero_stage not in (0, 1, 2, 3):
+        raise ConfigError(f"--zero-stage must be 0, 1, 2 or 3, got {f.zero_stage}")
+    if f.use_distributed_optimizer and f.zero_stage == 0:
+        f.zero_stage = 1  # Megatron's distributed optimizer shards the optimizer states
+    f.overlap_comm = f.overlap_comm or f.overlap_grad_reduce or f.overlap_param_gather
+    if f.bf16 and f.fp16:
+        raise ConfigError("--bf16 and --fp16 are exclusive: pick one")
+    if f.zero_param_persistence_threshold < 0:
+        raise ConfigError("--zero-param-persistence-threshold must be >= 0")
+    if f.offload_optimizer and f.zero_stage == 0:
+        raise ConfigError("--offload-optimizer needs --zero-stage 1, 2 or 3")
+    if f.loss_scale is not None and f.loss_scale <= 0:
+        raise ConfigError(f"--loss-scale must be > 0, got {f.loss_scale}")
+    if f.initial_loss_scale <= 0 or f.min_loss_scale <= 0 or f.hysteresis < 1:
+        raise ConfigError("--initial-loss-scale and --min-loss-scale must be > 0, "
+                          "--hysteresis >= 1")
+    if f.accumulate_allreduce_grads_in_fp32 is None:
+        f.accumulate_allreduce_grads_in_fp32 = f.bf16
+
+
+def check_recompute(f: Flags) -> None:
+    """Resolve Megatron's recompute flags into granularity + method + layers."""
+    g = f.recompute_granularity
+    if g not in (None, "full", "selective"):
+        raise ConfigError(f"--recompute-granularity must be full or selective, got {g!r}")
+    for name, implied in (("recompute_activations", "selective"),
+                          ("checkpoint_activations", "full")):
+        if getattr(f, name):
+            if g not in (None, implied):
+                raise ConfigError(f"{flag_name(name)} means --recompute-granularity {implied}, "
+                                  f"but --recompute-granularity {g} is given: keep one")
+            g = implied
+    f.recompute_granularity = g
+    if f.recompute_method not in (None, "uniform", "block"):
+        raise ConfigError(f"--recompute-method must be uniform or block, "
+                          f"got {f.recompute_method!r}")
+    if g != "full" and (f.recompute_method or f.recompute_num_layers is not None):
+        raise ConfigError("--recompute-method and --recompute-num-layers need "
+                          "--recompute-granularity full")
+    if f.recompute_num_layers is not None:
+        if not 1 <= f.recompute_num_layers <= f.num_layers:
+            raise ConfigError(f"--recompute-num-layers must be in [1, --num-layers "
+                              f"{f.num_layers}], got {f.recompute_num_layers}")
+    if g == "full" and f.recompute_method is None:
+        f.recompute_method = "block" if f.recompute_num_layers else "uniform"
+    for name in ("partition_activations", "cpu_checkpointing", "contiguous_checkpointing"):
+        if getattr(f, name) and g != "full":
+            raise ConfigError(f"{flag_name(name)} needs --recompute-granularity full (it "
+                              f"handles whole-layer checkpoints)")
+
+
+def check_data(f: Flags) -> None:
+    """The tokenizer (Megatron's names or hybrid's older ones) and its files; where the
+    data comes from (one kind of source)."""
+    parts = f.split.replace("/", ",").split(",")
+    try:
+        weights = [float(x) for x in parts]
+    except ValueError:
+        weights = []
+    if len(weights) != 3 or any(w < 0 for w in weights) or sum(weights) <= 0:
+        raise ConfigError(f"--split {f.split!r} must be three non-negative numbers "
+                          f"train,valid,test (e.g. 949,50,1)")
+    if f.tokenizer_type is None:  # Megatron scripts give GPT-2's files without a type
+        f.tokenizer_type = "GPT2BPETokenizer" if f.vocab_file and f.merge_file else "byte"
+    t = f.tokenizer_type
+    kind = tokenizer_kind(t)
+    if kind is None:
+        raise ConfigError(f"--tokenizer-type must be one of {', '.join(TOKENIZER_TYPES)}, "
+                          f"got {t!r}")
+    if kind == "GPT2BPETokenizer" and not (f.vocab_file and f.merge_file):
+        raise ConfigError(f"--tokenizer-type {t} needs --vocab-file and --merge-file")
+    if kind == "HuggingFaceTokenizer" and not (f.tokenizer_model or f.tokenizer_file):
+        raise ConfigError(f"--tokenizer-type {t} needs --tokenizer-model (a tokenizer "
+                          f"directory or tokenizer.json)")
+    if kind == "NullTokenizer" and f.vocab_size is None:
+        raise ConfigError(f"--tokenizer-type {t} needs --vocab-size")
+    if f.vocab_size is not None and f.vocab_size < 1:
+        raise ConfigError(f"--vocab-size must be >= 1, got {f.vocab_size}")
+    per_split = [n for n in ("train_data_path", "valid_data_path", "test_data_path")
+                 if getattr(f, n)]
+    if per_split:
+        given = " ".join(flag_name(n) for n in per_split)
+        if f.data_path:
+            raise ConfigError(f"{given} and --data-path are exclusive: give each split its "
+                              f"files, or one --data-path cut by --split")
+        if f.split != Flags.split:
+            raise ConfigError(f"--split {f.split} cuts --data-path; with {given} each "
+                              f"split has its own files: drop --split")
+        if not f.train_data_path:
+            raise ConfigError(f"{given} needs --train-data-path")
+    if f.mock_data and (f.data_path or per_split):
+        raise ConfigError("--mock-data trains on synthetic tokens and reads no files: drop "
+                          + " ".join(["--data-path"] * bool(f.data_path)
+                                     + [flag_name(n) for n in per_split]))
+
+
+def check_checkpoint(f: Flags) -> None:
+    if f.save_interval is not None and not f.save:
+        raise ConfigError("--save-interval needs --save DIR")
+    if f.no_save_optim and not f.save:
+        raise ConfigError("--no-save-optim needs --save DIR")
+    for name in ("no_load_optim", "no_load_rng", "finetune"):
+        if getattr(f, name) and not f.load:
+            raise ConfigError(f"{flag_name(name)} needs --load DIR (the checkpoint to "
+                              f"start from)")
