@@ -130,9 +130,10 @@ def _asleep_and_gone(ps):
 def test_a_live_peer_and_one_that_left_are_named_with_their_lines():
     msg, reporter = run_ranks(_asleep_and_gone, world_size=3, tp=1, collective_timeout=3,
                               reuse=False, early_exit=lambda r: r is not None, grace_s=0)[0]
-    from hybrid import multiprocess
+    from hybrid import multiprocess_worker
     at = "tests/test_diagnostics.py:{} in _asleep_and_gone"
-    via = f"(via hybrid/multiprocess.py:{_line_of(multiprocess._worker, 'out = fn(ps')} in _worker)"
+    line = _line_of(multiprocess_worker.worker_main, 'out = fn(ps')
+    via = f"(via hybrid/multiprocess_worker.py:{line} in worker_main)"
     first = at.format(_line_of(_asleep_and_gone, "# FIRST"))
     last = rf"the last: all_reduce #1 of the world group \(global ranks \[0, 1, 2\]\) at {first} " \
         + re.escape(via)
@@ -230,10 +231,11 @@ def _skipped_one(ps):
     (_skipped_one, 1, "all_reduce #1 (8,) float32 sum", "all_reduce #1 (8,) float32 sum")],
     ids=["op", "skipped"])
 def test_check_collectives_names_both_callers(fn, seq, odd_call, major_call):
-    from hybrid import multiprocess
+    from hybrid import multiprocess_worker
     res = run_ranks(fn, world_size=4, tp=1)  # stops before the real collective: reusable
     here = "tests/test_diagnostics.py"
-    via = f"(via hybrid/multiprocess.py:{_line_of(multiprocess._worker, 'out = fn(ps')})"
+    line = _line_of(multiprocess_worker.worker_main, 'out = fn(ps')
+    via = f"(via hybrid/multiprocess_worker.py:{line})"
     want = (f"collective mismatch in the world group (global ranks [0, 1, 2, 3]): rank 3 "
             f"calls {odd_call} at {here}:{_line_of(fn, '# ODD')} {via} where ranks 0-2 call "
             f"{major_call} at {here}:{_line_of(fn, '# MAJORITY')} {via}")

@@ -1,0 +1,205 @@
+"""The worker side of :mod:`hybrid.multiprocess`: one pooled rank's loop.
+
+A worker joins the default gloo group once, then runs calls one after another:
+before each it puts back what a fresh process would have (:class:`_Fresh`),
+builds a fresh :class:`~hybrid.parallel_state.ParallelState` over process
+groups it keeps per TP size (:class:`_Layouts`), runs the function and sends
+its result (moved to CPU) or its traceback back. See the pool's contract in
+:mod:`hybrid.multiprocess`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import gc
+import logging
+import os
+import pickle
+import sys
+import time
+import traceback
+
+import torch
+import torch.distributed as dist
+
+
+class _Fresh:
+    """What a fresh worker process looks like, captured once, put back before each call."""
+
+    def __init__(self):
+        self.rng = torch.get_rng_state()
+        self.own_env = {"OMP_NUM_THREADS": os.environ["OMP_NUM_THREADS"],
+                        "GLOO_SOCKET_IFNAME": os.environ["GLOO_SOCKET_IFNAME"]}
+        self.anomaly = torch.is_anomaly_enabled()
+        self.deterministic = torch.are_deterministic_algorithms_enabled()
+        self.dtype = torch.get_default_dtype()
+        logger = logging.getLogger("hybrid")
+        self.log = (list(logger.handlers), logger.level, logger.propagate, logger.disabled)
+
+    def restore(self, environ: dict, cwd: str, path: list[str]) -> None:
+        environ = {**environ, **self.own_env}
+        if os.environ != environ:
+            os.environ.clear()
+            os.environ.update(environ)
+        try:
+            os.chdir(cwd)
+        except OSError:
+            pass
+        sys.path[:] = path
+        torch.set_rng_state(self.rng)
+        import random
+        random.seed()
+        if "numpy" in sys.modules:
+            sys.modules["numpy"].random.seed()
+        torch.set_num_threads(1)
+        torch.set_default_dtype(self.dtype)
+        torch.set_grad_enabled(True)
+        torch.autograd.set_detect_anomaly(self.anomaly)
+        torch.use_deterministic_algorithms(self.deterministic)
+        logger = logging.getLogger("hybrid")
+        handlers, level, propagate, disabled = self.log
+        logger.handlers[:] = handlers
+        logger.setLevel(level)
+        logger.propagate, logger.disabled = propagate, disabled
+        # This process's entry point: kernel settings from the (pool-keyed) HYBRID_*
+        # variables, as a fresh process would take them, whatever the last call set.
+        from hybrid.config import kernel_config_from_env
+        from hybrid.kernels import configure
+        configure(kernel_config_from_env(environ))
+
+
+class _Layouts:
+    """The TP/DP groups of one pool worker, created once per TP size."""
+
+    def __init__(self, timeout: datetime.timedelta, store):
+        self.timeout = timeout
+        self.store = store
+        self.built = {}
+
+    def state(self, tp: int, call_id: int):
+        """A fresh ParallelState for call ``call_id``: fresh counters, a fresh flight
+        recorder whose store keys are private to the call."""
+        from hybrid.comm import CommGroup, CommStats
+        from hybrid.diagnostics.recorder import FlightRecorder
+        from hybrid.parallel_state import ParallelState
+
+        if tp not in self.built:  # collective: every rank sees the same calls in order
+            _barrier(self.store, f"hybrid/pool/layout_{call_id}", dist.get_world_size())
+            self.built[tp] = ParallelState.build(tp, timeout=self.timeout,
+                                                 device=torch.device("cpu"))
+        base, stats = self.built[tp], CommStats()
+        rec = FlightRecorder(base.rank, base.world_size,
+                             dist.PrefixStore(f"hybrid/call_{call_id}", self.store), self.timeout)
+
+        def fresh(g):
+            return CommGroup(g.name, g.pg, g.ranks, g.global_rank, stats, g.timeout, rec)
+
+        ps = dataclasses.replace(base, tp_group=fresh(base.tp_group),
+                                 dp_group=fresh(base.dp_group),
+                                 world_group=fresh(base.world_group), comm_stats=stats,
+                                 recorder=rec)
+        rec.start()
+        return ps
+
+
+# How long ranks may take to reach the same point while starting (imports, unpickling a
+# call's function) on a loaded machine.
+START_S = 120.0
+
+
+def _barrier(store, key: str, world_size: int) -> None:
+    """Wait until every rank has arrived at ``key``: creating a gloo group (or the default
+    one) waits for all ranks only as long as the group's timeout, which can be shorter
+    than a slow rank's imports."""
+    store.add(key, 1)
+    deadline = time.monotonic() + START_S
+    while store.add(key, 0) < world_size:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"ranks did not all reach {key} within {START_S:.0f}s")
+        time.sleep(0.01)
+
+
+def worker_main(rank, world_size, port, collective_timeout, tasks, results):
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
+    fresh = _Fresh()
+    parent = os.getppid()
+    layouts, init_error = None, None
+    try:
+        timeout = datetime.timedelta(seconds=collective_timeout)
+        # The store waits as long as starting ranks may take; collectives time out after
+        # ``collective_timeout``, which may be a few seconds (see _barrier).
+        store = dist.TCPStore("127.0.0.1", port, world_size, is_master=False,
+                              timeout=datetime.timedelta(seconds=max(collective_timeout,
+                                                                     START_S)))
+        _barrier(store, "hybrid/pool/init", world_size)
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size,
+                                timeout=timeout)
+        layouts = _Layouts(timeout, store)
+    except BaseException:  # noqa: BLE001 - reported as the failure of every call
+        init_error = traceback.format_exc()
+    while True:
+        try:
+            while not tasks.poll(1.0):
+                if os.getppid() != parent:  # orphaned: nobody will send more work
+                    os._exit(0)
+            task = tasks.recv()
+        except (EOFError, OSError):  # the parent closed the pipe or died
+            task = None
+        if task is None:
+            break
+        call_id, payload = task
+        if init_error is not None:
+            results.put((call_id, rank, "error", init_error))
+            continue
+        try:
+            fn, tp, args, environ, cwd, path = pickle.loads(payload)
+            fresh.restore(environ, cwd, path)
+            ps = layouts.state(tp, call_id)
+            try:
+                out = fn(ps, *args)
+            finally:
+                ps.close()
+                ps = None
+            # Plain pickle copies tensor bytes; torch's queue pickler would share them
+            # through file descriptors that vanish when this process exits.
+            reply = (call_id, rank, "ok", pickle.dumps(_to_cpu(out)))
+        except BaseException:  # noqa: BLE001 - shipped to the parent with the rank
+            reply = (call_id, rank, "error", traceback.format_exc())
+        fn = args = out = None
+        results.put(reply)
+        reply = None
+        # This call's cycles (models, hooks) go now; the survivors (modules, caches,
+        # process groups) are frozen so later passes walk only new objects: a full
+        # pass over torch's ~300k objects costs ~0.15 s a call.
+        gc.collect()
+        gc.freeze()
+    # Shutdown: drop groups, flush the result queue, and leave without interpreter
+    # teardown (gloo threads torn down late can abort the process noisily).
+    del layouts
+    gc.collect()
+    try:
+        dist.destroy_process_group()
+    except Exception:  # noqa: BLE001
+        pass
+    results.close()
+    results.join_thread()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+def _to_cpu(x):
+    if isinstance(x, torch.Tensor):
+        return x.detach().cpu().clone()
+    if isinstance(x, dict):
+        return {k: _to_cpu(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return type(x)(_to_cpu(v) for v in x)
+    return x
+
+
+# -- parent side ------------------------------------------------------------------------
+
