@@ -107,7 +107,9 @@ def build_config(flags: Flags, world_size: int) -> TrainConfig:
             clip_grad=f.clip_grad, adam_beta1=f.adam_beta1, adam_beta2=f.adam_beta2,
             adam_eps=f.adam_eps, weight_decay=f.weight_decay, loss_scale=f.loss_scale,
             initial_loss_scale=f.initial_loss_scale, min_loss_scale=f.min_loss_scale,
-            loss_scale_window=f.loss_scale_window, hysteresis=f.hysteresis),
+            loss_scale_window=f.loss_scale_window, hysteresis=f.hysteresis,
+            offload_delayed_update=f.offload_delayed_update,
+            offload_delayed_update_warmup=f.offload_delayed_update_warmup),
         recompute=RecomputeConfig(
             granularity=f.recompute_granularity,
             num_layers=f.recompute_num_layers if f.recompute_method == "block" else None,
@@ -304,6 +306,14 @@ def _check_zero(f: Flags) -> None:
         raise ConfigError("--zero-param-persistence-threshold must be >= 0")
     if f.offload_optimizer and f.zero_stage == 0:
         raise ConfigError("--offload-optimizer needs --zero-stage 1, 2 or 3")
+    if f.offload_delayed_update and not f.offload_optimizer:
+        raise ConfigError("--offload-delayed-update delays the host optimizer step: it needs "
+                          "--offload-optimizer")
+    if f.offload_delayed_update_warmup < 0:
+        raise ConfigError(f"--offload-delayed-update-warmup must be >= 0, got "
+                          f"{f.offload_delayed_update_warmup}")
+    if f.offload_delayed_update_warmup and not f.offload_delayed_update:
+        raise ConfigError("--offload-delayed-update-warmup needs --offload-delayed-update")
     if f.loss_scale is not None and f.loss_scale <= 0:
         raise ConfigError(f"--loss-scale must be > 0, got {f.loss_scale}")
     if f.initial_loss_scale <= 0 or f.min_loss_scale <= 0 or f.hysteresis < 1:
