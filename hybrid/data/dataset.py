@@ -258,7 +258,7 @@ def dp_micro_batches(samples, consumed_samples: int, global_batch_size: int,
     else:
         rows = [samples[i] for i in range(first, first + per_rank)]
     batch = torch.from_numpy(np.stack(rows))
-    if torch.device(device).type == "cuda":  # pinned + non_blocking: the copy does not make the host wait
+    if torch.device(device).type == "cuda":  # pinned, non_blocking: the host does not wait
         batch = batch.pin_memory().to(device, non_blocking=True)
     else:
         batch = batch.to(device)
