@@ -191,3 +191,23 @@ def test_cuda_bf16_steps_do_not_synchronize():
         for s in range(2, 4):
             train_step(model, engine, batches[s], 1e-2)
     assert syncs.count == 2
+
+
+def test_throughput_bench_runs_on_cpu_with_the_tiny_shape(capsys):
+    """scripts/bench_throughput.py (the 1.3B measurement on a GPU) runs its tiny
+    preset here and reports no host reads per bf16 ZeRO-2 step."""
+    import importlib.util
+    import json
+    import os
+    path = os.path.join(os.path.dirname(os.path.dirname(__file__)), "scripts",
+                        "bench_throughput.py")
+    spec = importlib.util.spec_from_file_location("bench_throughput", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    assert bench.main(["--preset", "tiny", "--configs", "zero2", "zero2_offload_delayed",
+                       "--steps", "2", "--warmup", "1"]) == 0
+    lines = [json.loads(x) for x in capsys.readouterr().out.splitlines() if x.startswith("{")]
+    assert [r["config"] for r in lines] == ["zero2", "zero2_offload_delayed"]
+    for r in lines:
+        assert r["host_syncs_per_step"] == 0 and r["tokens_per_s_per_rank"] > 0
+        assert r["peak_memory_bytes"] > 0 and r["mfu"] is None
