@@ -175,6 +175,41 @@ def test_gradients_go_down_per_unit_during_the_last_backward():
             assert sent[0][1] < n_params // 2
 
 
+def _fp16_overflow(ps):
+    out = []
+    for kw in ({}, {"offload_delayed_update": True}):
+        cfg = _cfg(ps.world_size, zero_stage=2, offload_optimizer=True, fp16=True,
+                   hysteresis=1, initial_loss_scale=1024.0, **kw)
+        model = _gpt(cfg, ps, "meta")
+        engine = apply_zero(model, ps, cfg.zero, values=InitValues(cfg.seed, model.init_of))
+        per = BATCH // ps.dp_size
+        skipped = []
+        for step in range(4):
+            engine.zero_grad()
+            mine = _global_batch(step)[ps.dp_rank * per: (ps.dp_rank + 1) * per]
+            batches = [(b[:, :-1], b[:, 1:]) for b in mine.split(MICRO)]
+            for i, (x, y) in enumerate(batches):
+                engine.backward(model(x, y) / len(batches), sync=i == len(batches) - 1)
+            if step == 1 and ps.dp_rank == 1:
+                engine.units[0].grad_shard[0] = float("inf")
+            skipped.append(engine.step(cfg.optimizer.lr).skipped)
+        engine.wait_optimizer()
+        out.append({"skipped": skipped, "steps": engine.optimizer.step_count,
+                    "params": _params(model, engine)})
+    return out
+
+
+def test_fp16_overflow_skips_an_offloaded_step_and_training_goes_on():
+    """Dynamic fp16 with the gradients already sent down during backward: the skipped
+    step frees their host buffers (else the next backward would wait for an update
+    that never comes), and the next steps update normally on every rank."""
+    res = run_ranks(_fp16_overflow, world_size=2, tp=1, timeout=120)
+    for a, b in zip(*res):
+        assert a["skipped"] == [False, True, False, False] and a["steps"] == 3
+        assert all(torch.isfinite(t).all() for t in a["params"].values())
+        assert all(torch.equal(t, b["params"][n]) for n, t in a["params"].items())
+
+
 @pytest.mark.parametrize("flags,msg", [
     (dict(offload_delayed_update=True), "--offload-delayed-update delays"),
     (dict(offload_optimizer=True, zero_stage=2, offload_delayed_update=True,

@@ -211,6 +211,8 @@ class ZeroEngine:
             skipped = bool(skip)  # the host sync of an fp16 step
             self.scaler.update(skipped)
             if skipped:
+                if self.offload is not None:
+                    self.offload.discard_step()
                 return StepResult(norm, True, self.scaler.scale)
             skip = None
         coef = self._grad_coefficient(norm) / scale

@@ -214,6 +214,15 @@ class OptimizerOffload:
         else:
             u.shard.copy_(piece)
 
+    def discard_step(self) -> None:
+        """The engine skipped this step before the optimizer (dynamic fp16 overflow):
+        the gradients sent down are not needed, their buffers are free again."""
+        self._sent = [False] * len(self.units)
+        for e in self._consumed:
+            e.set()
+        if self.cuda:
+            torch.cuda.current_stream(self.copy_stream.device).wait_stream(self.copy_stream)
+
     # -- outside the step ---------------------------------------------------------------
     def wait(self) -> None:
         """Let the update in flight finish: the master and moments are then current
