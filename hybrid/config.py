@@ -88,7 +88,8 @@ def build_config(flags: Flags, world_size: int) -> TrainConfig:
             seq_length=f.seq_length, max_position_embeddings=f.max_position_embeddings,
             make_vocab_size_divisible_by=f.make_vocab_size_divisible_by,
             hidden_dropout=f.hidden_dropout, attention_dropout=f.attention_dropout,
-            init_method_std=f.init_method_std, attention_backend=f.attention_backend),
+            init_method_std=f.init_method_std, attention_backend=f.attention_backend,
+            compile=f.compile),
         optimizer=_optimizer(f),
         schedule=ScheduleConfig(
             micro_batch_size=f.micro_batch_size, global_batch_size=f.global_batch_size,
@@ -356,6 +357,9 @@ def _check_recompute(f: Flags) -> None:
         if getattr(f, name) and g != "full":
             raise ConfigError(f"{flag_name(name)} needs --recompute-granularity full (it "
                               f"handles whole-layer checkpoints)")
+    if f.compile and g:
+        raise ConfigError(f"--compile compiles each block's forward, which activation "
+                          f"checkpointing (--recompute-granularity {g}) replaces: drop one")
 
 
 def _check_data(f: Flags) -> None:

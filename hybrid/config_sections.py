@@ -96,6 +96,7 @@ class ModelConfig:
     attention_dropout: float = 0.1
     init_method_std: float = 0.02
     attention_backend: str = "auto"  # auto, flash, fused, unfused, local
+    compile: bool = False  # torch.compile each block's forward (hybrid/compile.py)
 
 
 @dataclass(frozen=True)

@@ -104,6 +104,8 @@ class Flags:
                                               "iteration t overlaps iteration t+1)")
     offload_delayed_update_warmup: int = opt(0, "normal steps before "
                                                 "--offload-delayed-update starts")
+    compile: bool = opt(False, "torch.compile each transformer block's forward (same results "
+                               "to rounding; its speed was not measured)")
     # mixed precision
     bf16: bool = opt(False, "bf16 params and grads, fp32 master weights")
     fp16: bool = opt(False, "fp16 params and grads, fp32 master weights, loss scaling")

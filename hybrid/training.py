@@ -20,6 +20,7 @@ from hybrid.activation_checkpointing import apply_activation_checkpointing
 from hybrid.activation_meter import SavedActivationMeter
 from hybrid.checkpoint import save_checkpoint
 from hybrid.checkpoint.resume import start_from_checkpoint
+from hybrid.compile import compile_blocks
 from hybrid.config import TrainConfig
 from hybrid.config_sections import RecomputeConfig, ScheduleConfig
 from hybrid.data.dataset import build_datasets, dp_micro_batches
@@ -89,6 +90,8 @@ def build_engine(cfg: TrainConfig, ps: ParallelState, vocab_size: int, rng: TPRN
           if rc.granularity else None)
     engine = apply_zero(model, ps, cfg.zero, values=InitValues(cfg.seed, model.init_of),
                         recompute=ac.phase if ac is not None else None)
+    if cfg.model.compile:
+        compile_blocks(model.blocks)
     return model, ac, engine
 
 

@@ -80,7 +80,7 @@ def run_config(name: str, a, ps) -> dict:
                   lr=1e-4, seed=1234, reduce_bucket_size=a.bucket_size,
                   allgather_bucket_size=a.bucket_size, overlap_comm=True,
                   global_batch_size=shape["micro_batch_size"] * ps.dp_size * a.micro_batches,
-                  **CONFIGS[name])
+                  compile=a.compile, **CONFIGS[name])
     cfg = flags.validate(ps.world_size)
     if ps.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(ps.device)
@@ -108,7 +108,8 @@ def run_config(name: str, a, ps) -> dict:
     tokens = micro * seq * a.micro_batches
     flops = model.cfg.flops_per_token(seq) * tokens / step_s
     engine.wait_optimizer()
-    return {"config": name, "preset": a.preset, "device": str(ps.device),
+    return {"config": name + ("+compile" if a.compile else ""), "preset": a.preset,
+            "device": str(ps.device),
             "world_size": ps.world_size, "params": model.cfg.num_parameters(),
             "median_step_s": round(step_s, 5), "tokens_per_s_per_rank": round(tokens / step_s, 1),
             "tflops_per_rank": round(flops / 1e12, 3),
@@ -134,6 +135,7 @@ def main(argv=None) -> int:
     ap.add_argument("--peak-tflops", type=float, default=989.0,
                     help="the GPU's dense bf16 peak (H100 SXM: 989)")
     ap.add_argument("--fp32", action="store_true", help="fp32 instead of bf16")
+    ap.add_argument("--compile", action="store_true", help="torch.compile each block")
     a = ap.parse_args(argv)
     if a.preset is None:
         a.preset = "1.3b" if torch.cuda.is_available() else "tiny"
