@@ -258,12 +258,17 @@ void check_flat(const at::Tensor& t, const char* name, int64_t n) {
 }  // namespace
 
 // Python: adam_step(master, grad, exp_avg, exp_avg_sq, out, seg_bounds, seg_decay,
-//                   lr, beta1, beta2, eps, weight_decay, step, grad_scale, found_inf)
+//                   lr, beta1, beta2, eps, weight_decay, step, grad_scale, found_inf,
+//                   scalars=None)
+// scalars: optional fp64 (3,) CPU tensor [grad_scale, step, skip] that overrides the
+// two arguments of those names (the ZeRO engine computes them as tensors, so no
+// caller has to read them into Python); skip != 0 leaves every buffer untouched.
 void adam_step(at::Tensor master, const at::Tensor& grad, at::Tensor exp_avg,
                at::Tensor exp_avg_sq, const c10::optional<at::Tensor>& out,
                const at::Tensor& seg_bounds, const at::Tensor& seg_decay, double lr,
                double beta1, double beta2, double eps, double weight_decay, int64_t step,
-               double grad_scale, at::Tensor found_inf) {
+               double grad_scale, at::Tensor found_inf,
+               const c10::optional<at::Tensor>& scalars) {
   const int64_t n = master.numel();
   TORCH_CHECK(master.scalar_type() == at::kFloat, "adam_step: master must be fp32");
   check_flat(master, "master", n);
@@ -284,6 +289,16 @@ void adam_step(at::Tensor master, const at::Tensor& grad, at::Tensor exp_avg,
   TORCH_CHECK(found_inf.scalar_type() == at::kFloat && found_inf.numel() == 1 &&
                   found_inf.device().is_cpu(),
               "adam_step: found_inf must be a one-element fp32 CPU tensor");
+  if (scalars.has_value() && scalars->defined()) {
+    TORCH_CHECK(scalars->device().is_cpu() && scalars->scalar_type() == at::kDouble &&
+                    scalars->is_contiguous() && scalars->numel() == 3,
+                "adam_step: scalars must be a contiguous fp64 CPU tensor of 3 elements "
+                "[grad_scale, step, skip]");
+    const double* sc = scalars->data_ptr<double>();
+    if (sc[2] != 0.0) return;  // a skipped step: nothing moves, not even the moments
+    grad_scale = sc[0];
+    step = static_cast<int64_t>(sc[1]);
+  }
   TORCH_CHECK(step >= 1, "adam_step: step counts from 1");
 
   Coef c;
@@ -354,7 +369,14 @@ std::string build_info() {
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
-  mod.def("adam_step", &adam_step, "fused ZeRO-Offload AdamW step on a host shard");
+  // The GIL is released: ZeRO-Offload runs this step on a worker thread while the
+  // main thread keeps driving forward and backward.
+  mod.def("adam_step", &adam_step, "fused ZeRO-Offload AdamW step on a host shard",
+          py::arg("master"), py::arg("grad"), py::arg("exp_avg"), py::arg("exp_avg_sq"),
+          py::arg("out"), py::arg("seg_bounds"), py::arg("seg_decay"), py::arg("lr"),
+          py::arg("beta1"), py::arg("beta2"), py::arg("eps"), py::arg("weight_decay"),
+          py::arg("step"), py::arg("grad_scale"), py::arg("found_inf"),
+          py::arg("scalars") = py::none(), py::call_guard<py::gil_scoped_release>());
   mod.def("triad", &triad, "STREAM triad a = b + s * c");
   mod.def("build_info", &build_info, "vector ISA the kernel was built for");
 }

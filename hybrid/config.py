@@ -92,7 +92,7 @@ def build_config(flags: Flags, world_size: int) -> TrainConfig:
             make_vocab_size_divisible_by=f.make_vocab_size_divisible_by,
             hidden_dropout=f.hidden_dropout, attention_dropout=f.attention_dropout,
             init_method_std=f.init_method_std, attention_backend=f.attention_backend,
-            **architecture_fields(f)),
+            compile=f.compile, **architecture_fields(f)),
         optimizer=_optimizer(f),
         schedule=ScheduleConfig(
             micro_batch_size=f.micro_batch_size, global_batch_size=f.global_batch_size,
@@ -111,7 +111,9 @@ def build_config(flags: Flags, world_size: int) -> TrainConfig:
             clip_grad=f.clip_grad, adam_beta1=f.adam_beta1, adam_beta2=f.adam_beta2,
             adam_eps=f.adam_eps, weight_decay=f.weight_decay, loss_scale=f.loss_scale,
             initial_loss_scale=f.initial_loss_scale, min_loss_scale=f.min_loss_scale,
-            loss_scale_window=f.loss_scale_window, hysteresis=f.hysteresis),
+            loss_scale_window=f.loss_scale_window, hysteresis=f.hysteresis,
+            offload_delayed_update=f.offload_delayed_update,
+            offload_delayed_update_warmup=f.offload_delayed_update_warmup),
         recompute=RecomputeConfig(
             granularity=f.recompute_granularity,
             num_layers=f.recompute_num_layers if f.recompute_method == "block" else None,

@@ -181,6 +181,14 @@ def check_zero(f: Flags) -> None:
         raise ConfigError("--zero-param-persistence-threshold must be >= 0")
     if f.offload_optimizer and f.zero_stage == 0:
         raise ConfigError("--offload-optimizer needs --zero-stage 1, 2 or 3")
+    if f.offload_delayed_update and not f.offload_optimizer:
+        raise ConfigError("--offload-delayed-update delays the host optimizer step: it needs "
+                          "--offload-optimizer")
+    if f.offload_delayed_update_warmup < 0:
+        raise ConfigError(f"--offload-delayed-update-warmup must be >= 0, got "
+                          f"{f.offload_delayed_update_warmup}")
+    if f.offload_delayed_update_warmup and not f.offload_delayed_update:
+        raise ConfigError("--offload-delayed-update-warmup needs --offload-delayed-update")
     if f.loss_scale is not None and f.loss_scale <= 0:
         raise ConfigError(f"--loss-scale must be > 0, got {f.loss_scale}")
     if f.initial_loss_scale <= 0 or f.min_loss_scale <= 0 or f.hysteresis < 1:
@@ -203,6 +211,9 @@ def check_recompute(f: Flags) -> None:
                                   f"but --recompute-granularity {g} is given: keep one")
             g = implied
     f.recompute_granularity = g
+    if f.compile and g:
+        raise ConfigError(f"--compile compiles each block's forward, which activation "
+                          f"checkpointing (--recompute-granularity {g}) replaces: drop one")
     if f.recompute_method not in (None, "uniform", "block"):
         raise ConfigError(f"--recompute-method must be uniform or block, "
                           f"got {f.recompute_method!r}")

@@ -22,6 +22,9 @@ class ZeroConfig:
     ``params_dtype``.
     ``loss_scale``: static fp16 loss scale; None means dynamic under fp16 and
     no scaling otherwise.
+    ``offload_delayed_update``: with ``offload_optimizer``, ZeRO-Offload's
+    one-step delayed parameter update after ``offload_delayed_update_warmup``
+    normal steps (:mod:`hybrid.zero.offload`).
     """
 
     stage: int = 0
@@ -42,6 +45,8 @@ class ZeroConfig:
     min_loss_scale: float = 1.0
     loss_scale_window: int = 1000
     hysteresis: int = 2
+    offload_delayed_update: bool = False
+    offload_delayed_update_warmup: int = 0
 
     @property
     def grads_dtype(self) -> str:
@@ -105,6 +110,7 @@ class ModelConfig:
     num_query_groups: int | None = None  # key/value heads; None: one per query head
     untie_embeddings_and_output_weights: bool = False
     add_bias_linear: bool = True
+    compile: bool = False  # torch.compile each block's forward (hybrid/compile.py)
 
 
 @dataclass(frozen=True)

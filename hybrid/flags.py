@@ -115,6 +115,14 @@ class Flags:
     zero_param_persistence_threshold: int = opt(100_000, "stage 3: params with fewer "
                                                          "elements stay unpartitioned")
     offload_optimizer: bool = opt(False, "keep fp32 master shard and Adam states on the CPU")
+    # GPU throughput (issue 17)
+    offload_delayed_update: bool = opt(False, "with --offload-optimizer: ZeRO-Offload's one-step "
+                                              "delayed parameter update (the host step of "
+                                              "iteration t overlaps iteration t+1)")
+    offload_delayed_update_warmup: int = opt(0, "normal steps before "
+                                                "--offload-delayed-update starts")
+    compile: bool = opt(False, "torch.compile each transformer block's forward (same results "
+                               "to rounding; its speed was not measured)")
     # mixed precision
     bf16: bool = opt(False, "bf16 params and grads, fp32 master weights")
     fp16: bool = opt(False, "fp16 params and grads, fp32 master weights, loss scaling")

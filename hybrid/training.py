@@ -21,6 +21,7 @@ from hybrid.activation_meter import SavedActivationMeter
 from hybrid.architecture import ARCHITECTURE_FIELDS
 from hybrid.checkpoint import save_checkpoint
 from hybrid.checkpoint.resume import start_from_checkpoint
+from hybrid.compile import compile_blocks
 from hybrid.config import TrainConfig
 from hybrid.config_sections import RecomputeConfig, ScheduleConfig
 from hybrid.data.dataset import build_datasets, dp_micro_batches
@@ -37,6 +38,7 @@ from hybrid.lr_schedule import scheduled_lr
 from hybrid.monitor import Monitor, log
 from hybrid.parallel_state import ParallelState
 from hybrid.schedule import finished, global_batch_size_at, total_iterations
+from hybrid.step_stats import IterationTimer, PendingSteps
 from hybrid.tensor_parallel import InitValues, TPRNGTracker, seed_all
 from hybrid.zero import ZeroEngine, apply_zero
 from models.gpt import GPT, GPTConfig
@@ -99,6 +101,8 @@ def build_engine(cfg: TrainConfig, ps: ParallelState, vocab_size: int, rng: TPRN
           if rc.granularity else None)
     engine = apply_zero(model, ps, cfg.zero, values=InitValues(cfg.seed, model.init_of),
                         recompute=ac.phase if ac is not None else None)
+    if cfg.model.compile:
+        compile_blocks(model.blocks)
     return model, ac, engine
 
 
@@ -109,11 +113,6 @@ def build_engine(cfg: TrainConfig, ps: ParallelState, vocab_size: int, rng: TPRN
 # 4-layer x 256 default (sys time 17 s against 3 s over 50 steps). So only
 # models of this many parameters per TP rank and up get it.
 HOST_TRIM_MIN_PARAMS = 100_000_000
-
-
-def _sync(ps: ParallelState) -> None:
-    if ps.device.type == "cuda":
-        torch.cuda.synchronize(ps.device)
 
 
 def train_step(model: GPT, engine: ZeroEngine, micro_batches, lr: float,
@@ -251,15 +250,40 @@ def pretrain(cfg: TrainConfig, ps: ParallelState) -> list[dict]:
 
     train_iters = total_iterations(s)
     flops_per_token = model.cfg.flops_per_token(cfg.model.seq_length)
-    history, loss_acc, time_acc, n_acc = [], torch.zeros((), device=ps.device), 0.0, 0
+    history, loss_acc, n_acc = [], torch.zeros((), device=ps.device), 0
     tokens_acc = 0
-    busy_acc = 0.0  # step time outside collectives: see hybrid/diagnostics/stragglers.py
+    waited = 0.0  # time blocked in collectives within iterations (stragglers.py: busy time)
     meter = SavedActivationMeter(extra=ac.stored_bytes if ac is not None else lambda: 0)
     skipped, nan_streak, saved_at = 0, 0, state.iteration
+    # no host wait per iteration: see hybrid/step_stats.py, [Note: one wait per log interval]
+    timer, pending = IterationTimer(ps.device), PendingSteps()
+
+    held = {}  # iteration -> (micro-batch losses, first sample, global batch) until settled
+
+    def settle(force: bool) -> None:
+        nonlocal skipped, nan_streak
+        for it, res in pending.settle(force):
+            skipped += int(res.skipped)
+            losses, first, size = held.pop(it)
+            why = ""
+            # Say why a step was skipped -- only steps already known non-finite pay for
+            # it, and not fp16's routine overflows while the dynamic scale comes down.
+            # The gradients are still those of the newest step only.
+            if res.skipped and not _scale_coming_down(engine.scaler):
+                why = nonfinite.explain(model, engine, ps, losses, first, size,
+                                        s.micro_batch_size, grads_held=it == state.iteration)
+                if ps.rank == 0:
+                    log.warning("iteration %d skipped (loss scale now %.1f): %s", it,
+                                engine.scaler.scale, why)
+            nan_streak = _nan_guard(res, engine.scaler, nan_streak, s.exit_on_nan_iterations,
+                                    it, why)
+        if force:
+            engine.poll_warnings()
+
     try:
         while not finished(s, state.iteration, state.consumed_samples):
-            _sync(ps)
-            t0, waited0 = time.perf_counter(), ps.comm_stats.wait_s
+            timer.start()
+            waited_from = ps.comm_stats.wait_s
             batch = global_batch_size_at(s, state.consumed_samples)
             lr = scheduled_lr(cfg.optimizer, state.iteration + 1,
                               state.consumed_samples + batch)
@@ -271,34 +295,26 @@ def pretrain(cfg: TrainConfig, ps: ParallelState) -> list[dict]:
             loss, result, losses = train_step(model, engine, batches, lr,
                                               meter if logs else None)
             comm = {k: v - comm_before[k] for k, v in ps.comm_stats.snapshot().items()}
-            skipped += int(result.skipped)
             state.iteration += 1
-            why = ""
-            # Say why a step was skipped -- only steps already known non-finite pay for it,
-            # and not fp16's normal overflows while the dynamic scale comes down.
-            if result.skipped and not _scale_coming_down(engine.scaler):
-                why = nonfinite.explain(model, engine, ps, losses, state.consumed_samples,
-                                        batch, s.micro_batch_size)
-                if ps.rank == 0:
-                    log.warning("iteration %d skipped (loss scale now %.1f): %s",
-                                state.iteration, engine.scaler.scale, why)
             state.consumed_samples += batch
-            nan_streak = _nan_guard(result, engine.scaler, nan_streak,
-                                    s.exit_on_nan_iterations, state.iteration, why)
-            _sync(ps)
-            dt = time.perf_counter() - t0
-            time_acc += dt
-            busy_acc += dt - (ps.comm_stats.wait_s - waited0)
+            timer.stop()
+            waited += ps.comm_stats.wait_s - waited_from
+            pending.add(state.iteration, result)
+            held[state.iteration] = (losses, state.consumed_samples - batch, batch)
+            save_due = bool(ck.save and ck.save_interval
+                            and state.iteration % ck.save_interval == 0)
+            settle(force=logs or save_due)
             loss_acc += loss
             n_acc += 1
             tokens_acc += batch * cfg.model.seq_length
             if logs:
                 ps.dp_group.all_reduce(loss_acc)  # mean over DP replicas, once per log line
+                time_acc = timer.elapsed_s()
                 step_time = time_acc / n_acc
                 m = {"iteration": state.iteration, "train_iters": train_iters,
                      "consumed_samples": state.consumed_samples, "global_batch_size": batch,
                      "loss": float(loss_acc) / (n_acc * ps.dp_size), "lr": lr,
-                     "grad_norm": result.grad_norm, "loss_scale": result.loss_scale,
+                     "grad_norm": float(result.grad_norm), "loss_scale": result.loss_scale,
                      "skipped_iterations": skipped, "step_time_s": step_time,
                      "tokens_per_sec": tokens_acc / time_acc,
                      "tflops_per_rank": flops_per_token * tokens_acc / time_acc
@@ -311,26 +327,27 @@ def pretrain(cfg: TrainConfig, ps: ParallelState) -> list[dict]:
                      # saved for backward by this rank's first micro-batch, measured
                      "activation_bytes": meter.peak,
                      # slowest / fastest rank (one tiny all-gather per log line)
-                     **straggler_fields(ps, step_time, busy_acc / n_acc)}
+                     **straggler_fields(ps, step_time, (time_acc - waited) / n_acc)}
                 if ac is not None:
                     m["activation_checkpoint_bytes"] = ac.peak_bytes()
                     ac.reset_peak()
                 monitor.log_iteration(m)
                 history.append(m)
                 loss_acc.zero_()
-                time_acc, busy_acc, n_acc, tokens_acc = 0.0, 0.0, 0, 0
+                n_acc, tokens_acc, waited = 0, 0, 0.0
             if replicas is not None and state.iteration % diag.check_replicas_interval == 0:
                 replicas.check(state.iteration)
             if s.eval_interval and state.iteration % s.eval_interval == 0:
                 run_eval("valid")
             clean = nan_streak == 0  # never save a step that went non-finite
-            if ck.save and ck.save_interval and state.iteration % ck.save_interval == 0 and clean:
+            if save_due and clean:
                 save()
                 saved_at = state.iteration
             why = _exit_reason(s, state.iteration, started, ps)
             if why:
                 log.info("exiting at iteration %d: %s", state.iteration, why)
                 break
+        settle(force=True)
         if ck.save and saved_at != state.iteration:
             save()
         if finished(s, state.iteration, state.consumed_samples):

@@ -172,3 +172,68 @@ def test_segments_cover_the_shard():
     assert segs.ranges() == [(0, 10, True), (10, 50, False), (50, 60, True), (60, 100, False)]
     assert AdamSegments.from_ranges(5, [], "cpu").ranges() == [(0, 5, False)]
     assert AdamSegments.from_ranges(5, [(0, 5)], "cpu").ranges() == [(0, 5, True)]
+
+
+def _state(n, seed=3):
+    init = torch.randn(n, generator=torch.Generator().manual_seed(seed)) * 0.02
+    return [init.clone(), torch.zeros(n), torch.zeros(n), torch.empty(n, dtype=torch.bfloat16)]
+
+
+@pytest.mark.parametrize("use_kernel", [True, False])
+def test_scalars_tensor_gives_the_bits_of_host_arguments(ext, use_kernel):
+    """[grad_scale, step, skip] as an fp64 tensor (the engine's device-side clip
+    coefficient and step count) gives exactly the host-argument step; skip != 0
+    leaves master, moments, out and the flag untouched even over an inf."""
+    grads = _grads(6, torch.bfloat16)
+    segs = AdamSegments.from_ranges(N, DECAY, "cpu")
+    host, dev = _state(N), _state(N)
+    hp = dict(lr=LR, beta1=BETAS[0], beta2=BETAS[1], eps=EPS, weight_decay=WD,
+              use_kernel=use_kernel)
+    for t, g in enumerate(grads, start=1):
+        scale = CLIP / LOSS_SCALE / t
+        adam_step(*host[:1], g, *host[1:3], host[3], segs, step=t, grad_scale=scale, **hp)
+        sc = torch.tensor([scale, float(t), 0.0], dtype=torch.float64)
+        adam_step(*dev[:1], g, *dev[1:3], dev[3], segs, step=999, grad_scale=5.0, scalars=sc,
+                  **hp)
+        for a, b in zip(host, dev):
+            assert torch.equal(a, b), t
+    before = [x.clone() for x in dev]
+    bad = grads[0].clone()
+    bad[17] = float("inf")
+    found = adam_step(*dev[:1], bad, *dev[1:3], dev[3], segs, step=1,
+                      scalars=torch.tensor([1.0, 7.0, 1.0], dtype=torch.float64), **hp)
+    assert float(found) == 0.0
+    for a, b in zip(before, dev):
+        assert torch.equal(a, b)
+
+
+def test_pieces_and_thread_counts_give_the_bits_of_one_call(ext):
+    """Built with -ffp-contract=off, every element takes the same arithmetic in the
+    vector body and the scalar tail: the shard cut into calls at odd places, or run
+    on another number of threads, updates bit for bit like one call (what lets the
+    engine call the kernel per unit, and makes results independent of the machine)."""
+    n, grads = 20_011, _grads(3, torch.bfloat16, 20_011)
+    decay = [(0, 5000), (9000, 15001)]
+
+    def run(cuts, threads):
+        old = torch.get_num_threads()
+        torch.set_num_threads(threads)
+        try:
+            p, m, v, out = _state(n)
+            for t, g in enumerate(grads, start=1):
+                for lo, hi in cuts:
+                    segs = AdamSegments.from_ranges(
+                        hi - lo, [(max(a, lo) - lo, min(b, hi) - lo) for a, b in decay
+                                  if a < hi and b > lo], "cpu")
+                    adam_step(p[lo:hi], g[lo:hi], m[lo:hi], v[lo:hi], out[lo:hi], segs, lr=LR,
+                              beta1=BETAS[0], beta2=BETAS[1], eps=EPS, weight_decay=WD, step=t,
+                              grad_scale=CLIP / LOSS_SCALE)
+            return p, m, v, out
+        finally:
+            torch.set_num_threads(old)
+
+    whole = run([(0, n)], 1)
+    for cuts, threads in (([(0, 37), (37, 5003), (5003, n)], 1), ([(0, n)], 2),
+                          ([(0, 9), (9, n)], 2)):
+        for a, b in zip(whole, run(cuts, threads)):
+            assert torch.equal(a, b), (cuts, threads)

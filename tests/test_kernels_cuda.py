@@ -358,6 +358,43 @@ def test_fused_adam_decay_segments_and_found_inf():
     assert fi.item() == 1.0
 
 
+@cuda
+@pytest.mark.parametrize("out_dtype", [None, torch.bfloat16])
+def test_fused_adam_device_scalars_are_the_host_arguments(out_dtype):
+    """[grad_scale, step, skip] in device memory (the engine's sync-free step) gives
+    the host-argument step bit for bit; skip leaves every buffer untouched."""
+    ops = _ops()
+    n = 100_003
+    segs = _segs(n, "cuda")
+    g = torch.Generator(device="cuda").manual_seed(5)
+    p0 = torch.randn(n, device="cuda", generator=g)
+    st = {k: [p0.clone(), torch.zeros(n, device="cuda"), torch.zeros(n, device="cuda"),
+              torch.empty(n, device="cuda", dtype=out_dtype) if out_dtype else None]
+          for k in ("host", "dev")}
+    hp = (1e-3, 0.9, 0.95, 1e-8, 0.1)
+    for step in range(1, 5):
+        grad = (torch.randn(n, device="cuda", generator=g) * 100).to(torch.bfloat16)
+        scale = 0.37 / step
+        p, m, v, out = st["host"]
+        ops.adam_step(p, grad, m, v, out, segs.bounds, segs.decay, *hp, step, scale,
+                      torch.zeros(1, device="cuda"))
+        p, m, v, out = st["dev"]
+        sc = torch.tensor([scale, float(step), 0.0], dtype=torch.float64, device="cuda")
+        ops.adam_step(p, grad, m, v, out, segs.bounds, segs.decay, *hp, 999, 5.0,
+                      torch.zeros(1, device="cuda"), sc)
+        for a, b in zip(st["host"], st["dev"]):
+            assert a is None or torch.equal(a, b), step
+    before = [None if x is None else x.clone() for x in st["dev"]]
+    bad = torch.full((n,), float("inf"), device="cuda")
+    fi = torch.zeros(1, device="cuda")
+    p, m, v, out = st["dev"]
+    ops.adam_step(p, bad, m, v, out, segs.bounds, segs.decay, *hp, 1, 1.0, fi,
+                  torch.tensor([1.0, 9.0, 1.0], dtype=torch.float64, device="cuda"))
+    assert fi.item() == 0.0
+    for a, b in zip(before, st["dev"]):
+        assert a is None or torch.equal(a, b)
+
+
 # ---------------------------------------------------------------- model wiring
 @cuda
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -61,3 +61,38 @@ def test_comm_counts_ring_volume_per_rank():
     res = run_ranks(_comm_bytes_worker, world_size=4, tp=4)
     # all-reduce of 4000 bytes over 4 ranks: each rank sends 2 * 4000 * 3/4 bytes
     assert all(r["all_reduce"] == 6000 for r in res)
+
+
+def _inplace_worker(ps):
+    g = ps.tp_group
+    out = {}
+    for inplace in (False, True):
+        w = _rank_tensor(g.rank, (8, 8)).requires_grad_()
+        x = _rank_tensor(50 + g.rank)
+        partial = x @ w  # a fresh matmul output, as in RowParallelLinear
+        y = reduce_from_tp(partial, g, inplace=inplace)
+        out[inplace] = {"y": y.detach().clone(), "same": y.data_ptr() == partial.data_ptr()}
+        (y * _rank_tensor(1000 + g.rank, y.shape)).sum().backward()
+        out[inplace]["grad"] = w.grad.clone()
+    # a tensor autograd saved (exp saves its output) may not be reduced in place:
+    # backward refuses instead of using the reduced values
+    a = _rank_tensor(g.rank).requires_grad_()
+    saved = a.exp()
+    y = reduce_from_tp(saved, g, inplace=True)
+    try:
+        y.sum().backward()
+        out["refused"] = False
+    except RuntimeError as e:
+        out["refused"] = "inplace" in str(e)
+    return out
+
+
+def test_in_place_forward_all_reduce_is_exact_and_guarded():
+    """reduce_from_tp(..., inplace=True) reduces the partial sums in their own buffer
+    (no clone) with the same values and gradients as the copying path; on a tensor
+    autograd saved, backward raises instead of silently using reduced values."""
+    for r in run_ranks(_inplace_worker, world_size=2, tp=2):
+        assert r[True]["same"] and not r[False]["same"]
+        assert torch.equal(r[True]["y"], r[False]["y"])
+        assert torch.equal(r[True]["grad"], r[False]["grad"])
+        assert r["refused"]

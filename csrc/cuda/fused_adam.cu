@@ -75,8 +75,10 @@ template <typename G, typename O, bool HAS_OUT, int VEC>
 __global__ void __launch_bounds__(kThreads)
 adam_kernel(float* __restrict__ p, const G* __restrict__ g, float* __restrict__ m,
             float* __restrict__ v, O* __restrict__ out, const int64_t* __restrict__ bounds,
-            const uint8_t* __restrict__ flags, int64_t nseg, int64_t n, AdamScalars s,
-            float* __restrict__ found_inf) {
+            const uint8_t* __restrict__ flags, int64_t nseg, int64_t n, AdamScalars host_s,
+            const AdamScalars* __restrict__ dev_s, float* __restrict__ found_inf) {
+  const AdamScalars s = dev_s ? *dev_s : host_s;
+  if (s.skip) return;
   SegCursor seg;
   bool bad = false;
   const int64_t tid = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
@@ -89,10 +91,22 @@ adam_kernel(float* __restrict__ p, const G* __restrict__ g, float* __restrict__ 
   if (bad) *found_inf = 1.f;  // benign race: every writer stores the same value
 }
 
+// The scalars of a step whose inputs live on the device: the host's double
+// formulas of ops.cpp, evaluated once by one thread.
+__global__ void adam_scalars_kernel(AdamScalars s, const double* __restrict__ dev, double lr,
+                                    double beta1, double beta2, AdamScalars* __restrict__ out) {
+  const double step = dev[1];
+  s.grad_scale = static_cast<float>(dev[0]);
+  s.step_size = static_cast<float>(lr / (1.0 - pow(beta1, step)));
+  s.bias2_sqrt = static_cast<float>(sqrt(1.0 - pow(beta2, step)));
+  s.skip = dev[2] != 0.0;
+  *out = s;
+}
+
 template <typename G, typename O, bool HAS_OUT>
 void launch(float* p, const void* g, float* m, float* v, void* out, const int64_t* bounds,
             const uint8_t* flags, int64_t nseg, int64_t n, const AdamScalars& s,
-            float* found_inf, cudaStream_t stream) {
+            const AdamScalars* dev_s, float* found_inf, cudaStream_t stream) {
   const bool vec = aligned16(p) && aligned16(m) && aligned16(v) &&
                    (reinterpret_cast<uintptr_t>(g) % (kVec * sizeof(G)) == 0) &&
                    (!HAS_OUT || reinterpret_cast<uintptr_t>(out) % (kVec * sizeof(O)) == 0);
@@ -103,22 +117,25 @@ void launch(float* p, const void* g, float* m, float* v, void* out, const int64_
   auto ot = static_cast<O*>(out);
   if (vec)
     adam_kernel<G, O, HAS_OUT, kVec><<<grid, kThreads, 0, stream>>>(p, gt, m, v, ot, bounds, flags,
-                                                                    nseg, n, s, found_inf);
+                                                                    nseg, n, s, dev_s, found_inf);
   else
     adam_kernel<G, O, HAS_OUT, 1><<<grid, kThreads, 0, stream>>>(p, gt, m, v, ot, bounds, flags,
-                                                                 nseg, n, s, found_inf);
+                                                                 nseg, n, s, dev_s, found_inf);
 }
 
 template <typename G>
 void launch_out(float* p, const void* g, float* m, float* v, void* out, DType out_dt,
                 bool has_out, const int64_t* bounds, const uint8_t* flags, int64_t nseg,
-                int64_t n, const AdamScalars& s, float* found_inf, cudaStream_t stream) {
+                int64_t n, const AdamScalars& s, const AdamScalars* dev_s, float* found_inf,
+                cudaStream_t stream) {
   if (!has_out) {
-    launch<G, float, false>(p, g, m, v, nullptr, bounds, flags, nseg, n, s, found_inf, stream);
+    launch<G, float, false>(p, g, m, v, nullptr, bounds, flags, nseg, n, s, dev_s, found_inf,
+                            stream);
     return;
   }
   HYBRID_DISPATCH(out_dt, {
-    launch<G, scalar_t, true>(p, g, m, v, out, bounds, flags, nseg, n, s, found_inf, stream);
+    launch<G, scalar_t, true>(p, g, m, v, out, bounds, flags, nseg, n, s, dev_s, found_inf,
+                              stream);
   });
 }
 
@@ -127,11 +144,17 @@ void launch_out(float* p, const void* g, float* m, float* v, void* out, DType ou
 void adam_step(float* p, const void* g, DType g_dt, float* m, float* v, void* out,
                DType out_dt, bool has_out, const int64_t* seg_bounds, const uint8_t* seg_decay,
                int64_t num_segments, int64_t n, const AdamScalars& s, float* found_inf,
-               cudaStream_t stream) {
+               const double* dev_scalars, double lr, double beta1, double beta2,
+               AdamScalars* workspace, cudaStream_t stream) {
   if (n == 0 || num_segments == 0) return;
+  const AdamScalars* dev_s = nullptr;
+  if (dev_scalars != nullptr) {
+    adam_scalars_kernel<<<1, 1, 0, stream>>>(s, dev_scalars, lr, beta1, beta2, workspace);
+    dev_s = workspace;
+  }
   HYBRID_DISPATCH(g_dt, {
     launch_out<scalar_t>(p, g, m, v, out, out_dt, has_out, seg_bounds, seg_decay, num_segments,
-                         n, s, found_inf, stream);
+                         n, s, dev_s, found_inf, stream);
   });
 }
 

@@ -169,7 +169,8 @@ void adam_step(at::Tensor master, const at::Tensor& grad, at::Tensor exp_avg,
                at::Tensor exp_avg_sq, const std::optional<at::Tensor>& out,
                const at::Tensor& seg_bounds, const at::Tensor& seg_decay, double lr,
                double beta1, double beta2, double eps, double weight_decay, int64_t step,
-               double grad_scale, at::Tensor found_inf) {
+               double grad_scale, at::Tensor found_inf,
+               const std::optional<at::Tensor>& scalars) {
   for (const at::Tensor* t : std::initializer_list<const at::Tensor*>{&master, &exp_avg, &exp_avg_sq}) {
     check_cuda(*t, "master/exp_avg/exp_avg_sq");
     TORCH_CHECK(t->scalar_type() == at::kFloat, "adam_step: master and moments must be fp32");
@@ -191,7 +192,18 @@ void adam_step(at::Tensor master, const at::Tensor& grad, at::Tensor exp_avg,
   check_cuda(found_inf, "found_inf");
   TORCH_CHECK(found_inf.scalar_type() == at::kFloat && found_inf.numel() == 1,
               "adam_step: found_inf must be fp32 (1,)");
-  TORCH_CHECK(step >= 1, "adam_step: step counts from 1");
+  // scalars: fp64 [grad_scale, step, skip] on the device, overriding grad_scale and
+  // step (the ZeRO engine's clip coefficient and skip flag never reach the host)
+  const bool dev_scalars = scalars.has_value() && scalars->defined();
+  if (dev_scalars) {
+    check_cuda(*scalars, "scalars");
+    TORCH_CHECK(scalars->scalar_type() == at::kDouble && scalars->numel() == 3 &&
+                    scalars->device() == master.device(),
+                "adam_step: scalars must be fp64 (3,) [grad_scale, step, skip] on master's "
+                "device");
+  } else {
+    TORCH_CHECK(step >= 1, "adam_step: step counts from 1");
+  }
   for (const at::Tensor* t : std::initializer_list<const at::Tensor*>{
            &grad, &exp_avg, &exp_avg_sq, &seg_bounds, &seg_decay, &found_inf})
     TORCH_CHECK(t->device() == master.device(), "adam_step: all tensors on master's device");
@@ -206,14 +218,23 @@ void adam_step(at::Tensor master, const at::Tensor& grad, at::Tensor exp_avg,
   s.step_size = static_cast<float>(lr / (1.0 - std::pow(beta1, static_cast<double>(step))));
   s.bias2_sqrt = static_cast<float>(std::sqrt(1.0 - std::pow(beta2, static_cast<double>(step))));
   s.grad_scale = static_cast<float>(grad_scale);
+  s.skip = 0;
 
   c10::cuda::CUDAGuard guard(master.device());
+  at::Tensor workspace;  // the derived scalars, written and read on the device
+  if (dev_scalars)
+    workspace = at::empty({static_cast<int64_t>(sizeof(hybrid::AdamScalars))},
+                          master.options().dtype(at::kByte));
   hybrid::adam_step(master.data_ptr<float>(), grad.data_ptr(), dtype_of(grad),
                     exp_avg.data_ptr<float>(), exp_avg_sq.data_ptr<float>(),
                     has_out ? out->data_ptr() : nullptr,
                     has_out ? dtype_of(*out) : DType::kFloat, has_out,
                     seg_bounds.data_ptr<int64_t>(), seg_decay.data_ptr<uint8_t>(),
-                    seg_decay.numel(), n, s, found_inf.data_ptr<float>(), stream());
+                    seg_decay.numel(), n, s, found_inf.data_ptr<float>(),
+                    dev_scalars ? scalars->data_ptr<double>() : nullptr, lr, beta1, beta2,
+                    dev_scalars ? reinterpret_cast<hybrid::AdamScalars*>(workspace.data_ptr())
+                                : nullptr,
+                    stream());
   check_launch();
 }
 
@@ -231,5 +252,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("grad"), py::arg("exp_avg"), py::arg("exp_avg_sq"), py::arg("out"),
         py::arg("seg_bounds"), py::arg("seg_decay"), py::arg("lr"), py::arg("beta1"),
         py::arg("beta2"), py::arg("eps"), py::arg("weight_decay"), py::arg("step"),
-        py::arg("grad_scale"), py::arg("found_inf"));
+        py::arg("grad_scale"), py::arg("found_inf"), py::arg("scalars") = py::none());
 }

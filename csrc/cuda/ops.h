@@ -49,10 +49,17 @@ struct AdamScalars {
   float step_size;     // lr / (1 - beta1^step)
   float bias2_sqrt;    // sqrt(1 - beta2^step)
   float grad_scale;
+  int skip;            // nonzero: leave every buffer untouched
 };
+// dev_scalars: null, or fp64 [grad_scale, step, skip] in device memory. Then a
+// one-thread kernel derives grad_scale, step_size, bias2_sqrt and skip from them
+// into `workspace` (sizeof(AdamScalars) bytes of device memory) with the host's
+// double formulas, and the update reads them there: no value crosses to the host.
+// lr, beta1, beta2 are what `s` was built from.
 void adam_step(float* p, const void* g, DType g_dt, float* m, float* v, void* out,
                DType out_dt, bool has_out, const int64_t* seg_bounds, const uint8_t* seg_decay,
                int64_t num_segments, int64_t n, const AdamScalars& s, float* found_inf,
-               cudaStream_t stream);
+               const double* dev_scalars, double lr, double beta1, double beta2,
+               AdamScalars* workspace, cudaStream_t stream);
 
 }  // namespace hybrid

@@ -257,6 +257,10 @@ def dp_micro_batches(samples, consumed_samples: int, global_batch_size: int,
         rows = [samples.datasets[d][k] for d, k in zip(which.tolist(), index.tolist())]
     else:
         rows = [samples[i] for i in range(first, first + per_rank)]
-    batch = torch.from_numpy(np.stack(rows)).to(device)
+    batch = torch.from_numpy(np.stack(rows))
+    if torch.device(device).type == "cuda":  # pinned, non_blocking: the host does not wait
+        batch = batch.pin_memory().to(device, non_blocking=True)
+    else:
+        batch = batch.to(device)
     return [(batch[m: m + micro_batch_size, :-1], batch[m: m + micro_batch_size, 1:])
             for m in range(0, per_rank, micro_batch_size)]

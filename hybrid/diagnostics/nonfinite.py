@@ -19,11 +19,15 @@ _PARAMS = 8  # non-finite parameters listed per rank
 
 
 @torch.no_grad()
-def local_findings(model, engine, losses: torch.Tensor) -> tuple[list[int], list[int], int]:
+def local_findings(model, engine, losses: torch.Tensor,
+                   grads_held: bool = True) -> tuple[list[int], list[int], int]:
     """(micro-batches with a non-finite loss, model-order indices of parameters with a
-    non-finite gradient in this rank's owned shard (first few), how many such)."""
+    non-finite gradient in this rank's owned shard (first few), how many such).
+    ``grads_held``: the engine still holds this step's gradients (else no parameters)."""
     index = {id(p): i for i, (_, p) in enumerate(model.named_parameters())}
     micro = (~torch.isfinite(losses)).nonzero().flatten().tolist()
+    if not grads_held:
+        return micro, [], 0
     owners, checks = [], []
     for u in engine.units:
         g = u.grad_shard
@@ -37,14 +41,16 @@ def local_findings(model, engine, losses: torch.Tensor) -> tuple[list[int], list
 
 
 def explain(model, engine, ps, losses: torch.Tensor, first_sample: int,
-            global_batch_size: int, micro_batch_size: int) -> str:
+            global_batch_size: int, micro_batch_size: int, grads_held: bool = True) -> str:
     """One sentence, the same on every rank, on why this step was not finite.
 
     ``losses``: this rank's micro-batch losses ``(n,)``; ``first_sample``: the
-    consumed-samples position where the step's global batch starts.
+    consumed-samples position where the step's global batch starts. ``grads_held``:
+    False when a later step has run since (a bf16/fp32 run reads its skip flags once
+    per log interval): then only the micro-batches are named.
     Collective over the world group (one small all-gather).
     """
-    micro, params, count = local_findings(model, engine, losses)
+    micro, params, count = local_findings(model, engine, losses, grads_held)
     width = 2 + _MICRO + _PARAMS
     row = [len(micro), count] + (micro[:_MICRO] + [-1] * _MICRO)[:_MICRO] + \
         (params + [-1] * _PARAMS)[:_PARAMS]
@@ -75,6 +81,8 @@ def explain(model, engine, ps, losses: torch.Tensor, first_sample: int,
         more = " at least" if truncated or len(bad_params) > _PARAMS else ""
         text += (f"; non-finite gradients in{more} {len(bad_params)} parameter"
                  f"{'s' if len(bad_params) > 1 else ''}: {', '.join(listed)}")
-    else:
+    elif grads_held:
         text += "; every gradient finite"
+    else:
+        text += "; its gradients are gone (later steps ran before the flag was read)"
     return text

@@ -10,8 +10,22 @@ Contract (every implementation):
     out: None, or contiguous ``(n,)`` fp32/bf16/fp16 that receives the updated
         master rounded to its dtype (the parameter copy to upload).
     segs: which ranges of the shard get weight decay.
+    scalars: None, or fp64 ``(3,)`` ``[grad_scale, step, skip]`` on the shard's
+        device, overriding ``grad_scale`` and ``step``: the ZeRO engine computes
+        its clip coefficient and skip decision as tensors, so no caller reads
+        them into Python (a host sync on a GPU). ``skip != 0``: nothing is
+        written at all -- master, moments, out and found_inf keep their values.
+    found_inf: None, or a one-element fp32 tensor to report into (set to 1.0,
+        never cleared), e.g. one flag for several calls over pieces of a shard.
     Returns a one-element fp32 tensor on the shard's device, 1.0 if any
     gradient element was inf/NaN (a report from the same pass, not a guard).
+
+Every element is updated by the same arithmetic whatever the call covers:
+the CPU kernel is built with ``-ffp-contract=off`` so that its scalar tail and
+its vector body round alike (with contraction the scalar path fuses
+multiply-adds the vector path does not, so an element's result depended on
+where the thread chunks and the call's bounds fell). Calling it on pieces of
+a shard therefore gives the bits of one call over the whole.
 
 Arithmetic is torch.optim.AdamW's: decoupled decay, bias-corrected moments,
 eps added after the square root. On CPU the compiled kernel is
@@ -31,8 +45,10 @@ from hybrid.kernels.build import load_extension
 
 def cpu_adam_ext():
     """The compiled CPU step (``hybrid_cpu_adam``) or None."""
+    # -ffp-contract=off: see "Every element ..." in the module docstring
     return load_extension("hybrid_cpu_adam", ["cpu_adam.cpp"],
-                          cflags=["-O3", "-march=native", "-fopenmp"], ldflags=["-fopenmp"])
+                          cflags=["-O3", "-march=native", "-ffp-contract=off", "-fopenmp"],
+                          ldflags=["-fopenmp"])
 
 
 def _cuda_ext():
@@ -79,27 +95,39 @@ class AdamSegments:
 def adam_step(master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
               exp_avg_sq: torch.Tensor, out: torch.Tensor | None, segs: AdamSegments, *,
               lr: float, beta1: float, beta2: float, eps: float, weight_decay: float,
-              step: int, grad_scale: float = 1.0, use_kernel: bool = True) -> torch.Tensor:
+              step: int, grad_scale: float = 1.0, use_kernel: bool = True,
+              scalars: torch.Tensor | None = None,
+              found_inf: torch.Tensor | None = None) -> torch.Tensor:
     """AdamW on the whole shard; see the module docstring for the contract."""
-    found_inf = torch.zeros(1, dtype=torch.float32, device=master.device)
+    if found_inf is None:
+        found_inf = torch.zeros(1, dtype=torch.float32, device=master.device)
     ext = None
     if use_kernel:
         ext = cpu_adam_ext() if master.device.type == "cpu" else _cuda_ext()
     args = (lr, beta1, beta2, eps, weight_decay, step, grad_scale)
     if ext is not None:
         ext.adam_step(master, grad, exp_avg, exp_avg_sq, out, segs.bounds, segs.decay,
-                      *args, found_inf)
+                      *args, found_inf, scalars)
     else:
-        adam_step_reference(master, grad, exp_avg, exp_avg_sq, out, segs, *args, found_inf)
+        adam_step_reference(master, grad, exp_avg, exp_avg_sq, out, segs, *args, found_inf,
+                            scalars)
     return found_inf
 
 
 @torch.no_grad()
 def adam_step_reference(master, grad, exp_avg, exp_avg_sq, out, segs: AdamSegments, lr, beta1,
-                        beta2, eps, weight_decay, step, grad_scale, found_inf) -> None:
+                        beta2, eps, weight_decay, step, grad_scale, found_inf,
+                        scalars: torch.Tensor | None = None) -> None:
     """The same step as torch ops: upcast, scale, decay, moments, update, downcast."""
-    if not bool(torch.isfinite(grad).all()):
-        found_inf.fill_(1.0)
+    if scalars is not None:
+        # A host read. The engine reaches this fallback only with host shards
+        # (ZeRO-Offload without the compiled kernel): on a GPU without the kernel
+        # it runs torch's fused AdamW instead, which takes these as tensors.
+        grad_scale, step, skip = scalars.tolist()
+        if skip:
+            return
+        step = int(step)
+    torch.maximum(found_inf, (~torch.isfinite(grad)).any().float(), out=found_inf)
     g = grad.float()
     if grad_scale != 1.0:
         g = g * grad_scale

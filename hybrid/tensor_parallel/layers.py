@@ -174,7 +174,8 @@ class RowParallelLinear(nn.Module):
             bias = (None if self.bias is None
                     else sequence_parallel_param(self.bias, self.tp_group))
         else:
-            y = reduce_from_tp(linear(x, self.weight), self.tp_group)  # (..., out)
+            # the matmul's fresh output: reduced in place (mappings.py, in-place note)
+            y = reduce_from_tp(linear(x, self.weight), self.tp_group, inplace=True)  # (..., out)
             bias = self.bias
         return y + bias if bias is not None else y
 
@@ -209,7 +210,7 @@ class VocabParallelEmbedding(nn.Module):
         out = F.embedding(local_ids, self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
         if self.sequence_parallel:
             return reduce_scatter_to_sequence(out, self.tp_group)
-        return reduce_from_tp(out, self.tp_group)
+        return reduce_from_tp(out, self.tp_group, inplace=True)  # masked_fill saved only the mask
 
 
 class LayerNorm(_KernelLayerNorm):

@@ -52,9 +52,12 @@ def _gather_last(x: torch.Tensor, group: CommGroup) -> torch.Tensor:
 
 
 def _all_reduce(x: torch.Tensor, group: CommGroup) -> torch.Tensor:
+    """A reduced copy: for gradients in backward. The incoming gradient may be the
+    very tensor autograd hands to another branch too (an add's backward passes
+    one tensor to both inputs), so it is never reduced in place."""
     if group.size == 1:
         return x
-    out = x.contiguous().clone()  # never reduce in place into a tensor autograd saved
+    out = x.contiguous().clone()
     group.all_reduce(out)
     return out
 
@@ -100,15 +103,31 @@ class _CopyToTP(torch.autograd.Function):
 
 
 class _ReduceFromTP(torch.autograd.Function):
-    """forward: all-reduce over the TP group; backward: identity."""
+    """forward: all-reduce over the TP group; backward: identity.
+
+    [Note: the in-place forward all-reduce]
+    With ``inplace`` the partial sums are reduced in their own buffer instead of a
+    clone, saving a copy of the activation per row-parallel layer. That is safe
+    only for a tensor nobody else reads afterwards, and autograd must not have
+    saved it for a backward: the callers pass it for a fresh matmul output (a
+    matmul saves its inputs, not its output) and for the embedding's
+    masked_fill output (which saves only the mask), never for a leaf or a tensor
+    they keep. ``mark_dirty`` bumps its version, so had anything saved it,
+    backward would raise "modified by an inplace operation" rather than compute
+    with reduced values.
+    """
 
     @staticmethod
-    def forward(ctx, x, group):
+    def forward(ctx, x, group, inplace=False):
+        if inplace and x.is_contiguous():
+            group.all_reduce(x)
+            ctx.mark_dirty(x)
+            return x
         return _all_reduce(x, group)
 
     @staticmethod
     def backward(ctx, grad):
-        return grad, None
+        return grad, None, None
 
 
 class _ScatterToTP(torch.autograd.Function):
@@ -186,9 +205,13 @@ def copy_to_tp(x: torch.Tensor, group: CommGroup) -> torch.Tensor:
     return _CopyToTP.apply(x, group) if group.size > 1 else x
 
 
-def reduce_from_tp(x: torch.Tensor, group: CommGroup) -> torch.Tensor:
-    """Megatron's g: leave a TP region by summing partial results (all-reduce forward)."""
-    return _ReduceFromTP.apply(x, group) if group.size > 1 else x
+def reduce_from_tp(x: torch.Tensor, group: CommGroup, inplace: bool = False) -> torch.Tensor:
+    """Megatron's g: leave a TP region by summing partial results (all-reduce forward).
+
+    ``inplace``: ``x`` is a temporary only the caller holds and autograd did not save;
+    it is reduced in its own memory and returned (see [Note: the in-place forward
+    all-reduce])."""
+    return _ReduceFromTP.apply(x, group, inplace) if group.size > 1 else x
 
 
 def scatter_to_tp(x: torch.Tensor, group: CommGroup) -> torch.Tensor:

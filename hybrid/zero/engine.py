@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import math
 from dataclasses import dataclass
 
 import torch
@@ -40,7 +39,7 @@ from hybrid.kernels.adam import has_adam_kernel
 from hybrid.parallel_state import ParallelState
 from hybrid.phase import RecomputePhase
 from hybrid.tensor_parallel import is_tp_split
-from hybrid.zero.flat_unit import gather_pieces
+from hybrid.zero.gather_pipeline import GatherPipeline
 from hybrid.zero.grad_sync import GradReducer
 from hybrid.zero.loss_scaler import LossScaler
 from hybrid.zero.offload import OptimizerOffload
@@ -56,8 +55,18 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 @dataclass
 class StepResult:
-    grad_norm: float
-    skipped: bool
+    """What one :meth:`ZeroEngine.step` did.
+
+    ``grad_norm``: the global gradient norm (unscaled), a 0-dim fp64 tensor on
+    the device -- read it when logging, not every step. ``skipped``: a Python
+    bool when the host took the decision (dynamic fp16 loss scaling, which
+    must adjust its scale), otherwise a 0-dim bool device tensor: the step was
+    skipped on the device for a non-finite norm. ``loss_scale``: the scale the
+    next step uses.
+    """
+
+    grad_norm: torch.Tensor
+    skipped: bool | torch.Tensor
     loss_scale: float
 
 
@@ -81,12 +90,18 @@ class ZeroEngine:
                                        device=ps.device)
         fill.bind(self.units, self.flat_params, self.dtype, ps.device)
         self._allocate_grads()
-        self.gatherer = (ParamGatherer(owners, cfg.allgather_bucket_size,
+        # every parameter all-gather (stage 3's per-module ones, stages 1-2's after the
+        # step) goes through one pipeline: two staging buffers of at most a bucket
+        self.param_pipeline = GatherPipeline(ps.dp_group, cfg.allgather_bucket_size, ps.device)
+        self.gatherer = (ParamGatherer(owners, self.param_pipeline,
                                        recompute or RecomputePhase()) if owners else None)
+        self._build_optimizer(master if master is not None else [u.shard for u in self.units])
         self.reducer = GradReducer(self.units, self.plan, ps.dp_group, cfg.reduce_bucket_size,
                                    cfg.overlap_comm, self.grad_dtype,
-                                   self.gatherer.after_reduce if self.gatherer else None)
-        self._build_optimizer(master if master is not None else [u.shard for u in self.units])
+                                   self.gatherer.after_reduce if self.gatherer else None,
+                                   on_final=self.offload.grad_ready if self.offload else None)
+        # inf/NaN gradients the kernels met and the norm did not show, read at poll_warnings()
+        self._kernel_found = torch.zeros(1, dtype=torch.float32, device=ps.device)
 
     # -- construction ------------------------------------------------------------
     def _allocate_master(self, fill: Materializer) -> list[torch.Tensor] | None:
@@ -144,13 +159,19 @@ class ZeroEngine:
             split.append(s)
         self.optimizer = ShardedAdamW(master, decay, split, (cfg.adam_beta1, cfg.adam_beta2),
                                       cfg.adam_eps, cfg.weight_decay, self.flat_master)
-        self.offload = (OptimizerOffload(self.units, self.dtype, self.flat_grads, self.plan)
+        self.offload = (OptimizerOffload(self.units, self.dtype, self.flat_grads, self.plan,
+                                         self.flat_master,
+                                         cfg.offload_delayed_update_warmup
+                                         if cfg.offload_delayed_update else None)
                         if cfg.offload_optimizer else None)
         # One fused pass over the flat shard where the gradient shard is already
         # flat and in master order (stages 2-3) and a compiled kernel exists;
         # otherwise torch's fused AdamW per unit.
         self._flat_step = (self.offload is None and self.separate_master and self.plan.grads
                            and has_adam_kernel(self.flat_master.device))
+        # The kernel writes each updated unit shard in the training dtype in the same
+        # pass (its copy-out): no separate master -> parameter copy after the step.
+        self._copy_out = [u.shard for u in self.units] if self._flat_step else None
 
     # -- the step ------------------------------------------------------------------
     def zero_grad(self) -> None:
@@ -168,60 +189,105 @@ class ZeroEngine:
         if self.gatherer is not None:
             self.gatherer.release_all()
 
+    # [Note: one skip decision, no extra all-reduce]
+    # global_grad_norm sums squared norms over DP (disjoint shards, or nothing
+    # at stage 0 where the all-reduced gradients are the same on every replica)
+    # and over TP, and every rank of an all-reduce receives the same bits. TP x DP
+    # covers the world, so every rank holds the same norm, and an inf/NaN in any
+    # rank's gradient (squares cannot cancel it) makes it non-finite everywhere.
+    # A separate world all-reduce of an overflow flag would agree with it
+    # always, so there is none for the gradients. A rank's loss is its own,
+    # though: when the loop passes it, one tiny world all-reduce of a
+    # "non-finite loss" flag (on the device, no host read) makes an infinite loss
+    # with finite gradients skip the step everywhere. The decision stays on the
+    # device (kernels skip on a flag) unless dynamic loss scaling has to adjust
+    # its scale: that read is the one host sync of an fp16 step, and a bf16/fp32
+    # step has none.
     def step(self, lr: float, loss: torch.Tensor | None = None) -> StepResult:
-        """Unscale, check overflow (all ranks agree), clip, update, re-assemble params.
+        """Unscale, decide skip (same on all ranks), clip, update, re-assemble params.
 
         ``loss``: this rank's loss of the step; a non-finite one skips the step
         like a non-finite gradient does, even when the gradients are finite.
         """
         grads = [u.grad_shard for u in self.units]
         dp = self.ps.dp_group if self.plan.optimizer else None
-        norm = global_grad_norm(self.optimizer, grads, self.ps.tp_group, dp) / self.scaler.scale
-        # Every rank must take the same decision: agree on overflow over the world.
-        flag = torch.tensor([0.0 if math.isfinite(norm) else 1.0], device=self.ps.device)
-        if loss is not None:  # on the device: no extra synchronization
-            flag += (~torch.isfinite(loss.detach())).to(flag.dtype).reshape(1)
-        self.ps.world_group.all_reduce(flag)
-        skipped = bool(flag.item() > 0)
-        self.scaler.update(skipped)
-        if skipped:
-            return StepResult(norm, True, self.scaler.scale)
-        coef = 1.0 / self.scaler.scale
-        if self.cfg.clip_grad > 0 and norm > self.cfg.clip_grad:
-            coef *= self.cfg.clip_grad / (norm + 1e-6)
+        scale = self.scaler.scale  # what this step's loss was multiplied by
+        norm = global_grad_norm(self.optimizer, grads, self.ps.tp_group, dp) / scale
+        skip = ~torch.isfinite(norm)
+        if loss is not None:
+            bad = (~torch.isfinite(loss.detach())).to(torch.float32).reshape(1)
+            self.ps.world_group.all_reduce(bad)
+            skip = skip | (bad[0] > 0)
+        if self.scaler.dynamic:
+            skipped = bool(skip)  # the host sync of an fp16 step
+            self.scaler.update(skipped)
+            if skipped:
+                if self.offload is not None:
+                    self.offload.discard_step()
+                return StepResult(norm, True, self.scaler.scale)
+            skip = None
+        coef = self._grad_coefficient(norm) / scale
         found = None
         if self.offload is not None:
-            found = self.optimizer.step_flat(self.offload.grads_to_host(self.units), lr, coef,
-                                             out=self.offload.out)
+            found = self.offload.step(self.optimizer, lr, coef, skip, self._gather_unit)
         elif self._flat_step:
-            found = self.optimizer.step_flat(self.flat_grads, lr, coef)
+            found = self.optimizer.step_flat(self.flat_grads, lr, coef, skip, out=self._copy_out)
         else:
-            self.optimizer.step(grads, lr, coef)
-        if found is not None and bool(found.item()):
+            self.optimizer.step(grads, lr, coef, skip)
+        if found is not None and self.offload is None:  # (the offload keeps its own flag)
+            torch.maximum(self._kernel_found, found, out=self._kernel_found)
+        if self.offload is None:
+            self.publish_params(after_step=True)
+        else:  # the offload started each unit's all-gather as its parameters came up
+            self.param_pipeline.wait_all()
+        return StepResult(norm, False if skip is None else skip, self.scaler.scale)
+
+    def _grad_coefficient(self, norm: torch.Tensor) -> torch.Tensor:
+        """``min(1, clip / (norm + 1e-6))`` (torch's clip_grad_norm_), computed on the
+        device: no branch on the norm's value."""
+        if self.cfg.clip_grad <= 0:
+            return torch.ones_like(norm)
+        return torch.clamp(self.cfg.clip_grad / (norm + 1e-6), max=1.0)
+
+    def poll_warnings(self) -> None:
+        """Host-side checks deferred to a point that syncs anyway (a log line): warn
+        if a kernel met a non-finite gradient that the norm did not show."""
+        found = self._kernel_found if self.offload is None else self.offload.found
+        if bool(found.item()):
             # the norm was finite on every rank, so this means memory changed under us
             log.warning("optimizer step met a non-finite gradient the norm did not show")
-        self.publish_params(after_step=True)
-        return StepResult(norm, False, self.scaler.scale)
+            found.zero_()
+
+    def wait_optimizer(self) -> None:
+        """Finish an optimizer update still running on the host (ZeRO-Offload's delayed
+        update), so the master weights and moments are this step's: before saving
+        or loading them."""
+        if self.offload is not None:
+            self.offload.wait()
 
     @torch.no_grad()
     def publish_params(self, after_step: bool = False) -> None:
         """Master -> this rank's parameter shard -> (stages 1-2) all-gather.
 
-        ``after_step``: called right after an optimizer step, so an offloaded
-        step's parameter copy is current (else the master is the source).
+        ``after_step``: called right after an optimizer step whose kernel already
+        wrote the shards (its copy-out); otherwise the master is the source (e.g.
+        a checkpoint was just loaded into it).
         """
         if self.offload is not None:
-            self.offload.params_to_device(self.units, self.flat_master, after_step)
-        elif self.separate_master:
+            self.offload.upload_master()
+        elif self.separate_master and not (after_step and self._copy_out is not None):
             for u, m in zip(self.units, self.optimizer.master):
                 u.shard.copy_(m)
         if not self.plan.optimizer:
             return
-        works = [gather_pieces(u.full, u.shard, self.ps.dp_group,
-                               self.cfg.allgather_bucket_size, async_op=True)
-                 for u in self.units if not u.partition_params]
-        for w in works:
-            w.wait()
+        for u in self.units:
+            self._gather_unit(u)
+        self.param_pipeline.wait_all()
+
+    def _gather_unit(self, u) -> None:
+        """Start re-assembling a whole (not partitioned) unit from the DP shards."""
+        if self.plan.optimizer and not u.partition_params:
+            self.param_pipeline.start(u.full, u.shard)
 
     @contextlib.contextmanager
     def gathered(self):
@@ -235,7 +301,7 @@ class ZeroEngine:
             yield
             return
         for u in self.gatherer.units:
-            u.finish_gather(self.cfg.allgather_bucket_size)
+            u.finish_gather(self.param_pipeline)
         try:
             yield
         finally:
@@ -258,8 +324,10 @@ class ZeroEngine:
         return {"params": params, "grads": nbytes(self.flat_grads), "optimizer": opt,
                 "total": params + nbytes(self.flat_grads) + opt, "host": host}
 
-    def comm_temp_bytes(self) -> int:
-        return self.reducer.temp_bytes()
+    def comm_temp_bytes(self) -> dict:
+        """Bytes of the reusable communication staging buffers: the gradient reducer's
+        and the parameter gathers' (each at most two buckets)."""
+        return {"reduce": self.reducer.temp_bytes(), "gather": self.param_pipeline.temp_bytes()}
 
 
 def apply_zero(model: nn.Module, ps: ParallelState, cfg: ZeroConfig, values=None,

@@ -114,19 +114,21 @@ class FlatUnit:
             self.full.untyped_storage().resize_(0)
             self.gathered = False
 
-    def start_gather(self, bucket: int) -> None:
-        """All-gather the shards into ``full`` (async); ``finish_gather`` completes it."""
+    def start_gather(self, pipe) -> None:
+        """All-gather the shards into ``full`` through ``pipe`` (a
+        :class:`~hybrid.zero.gather_pipeline.GatherPipeline`), asynchronously;
+        ``finish_gather`` completes it."""
         if self.gathered or self.pending is not None:
             return
         storage = self.full.untyped_storage()
         storage.resize_(self.padded * self.full.element_size())
-        self.pending = gather_pieces(self.full, self.shard, self.dp, bucket, async_op=True)
+        self.pending = pipe.start(self.full, self.shard)
 
-    def finish_gather(self, bucket: int) -> None:
+    def finish_gather(self, pipe) -> None:
         if self.gathered:
             return
         if self.pending is None:
-            self.start_gather(bucket)
+            self.start_gather(pipe)
         self.pending.wait()
         self.pending = None
         self.gathered = True
@@ -149,33 +151,3 @@ def _rebind(p: nn.Parameter, view: torch.Tensor) -> None:
 def piece_columns(shard_size: int, dp: int, bucket: int) -> int:
     """Columns per piece so that a staged piece (dp x columns) fits in ``bucket`` elements."""
     return max(1, min(shard_size, bucket // dp))
-
-
-class _Done:
-    """Handle of a collective that already completed (the piecewise path is synchronous)."""
-
-    def wait(self) -> None:
-        pass
-
-
-def gather_pieces(full: torch.Tensor, shard: torch.Tensor, dp: CommGroup, bucket: int,
-                  async_op: bool = False):
-    """All-gather every rank's ``shard`` (S,) into ``full`` (dp * S,), rank-major, over ``dp``.
-
-    One collective, in place and asynchronous if asked, when the unit fits in
-    ``bucket``. Otherwise pieces, one at a time, staged through one temporary
-    of at most ``bucket`` elements (synchronously: holding several pieces in
-    flight would hold several temporaries). Returns a handle with ``wait()``.
-    """
-    S = shard.numel()
-    if dp.size * S <= bucket:
-        work = dp.all_gather(full, shard, async_op=async_op)
-        return work if async_op else _Done()
-    c = piece_columns(S, dp.size, bucket)
-    tmp = torch.empty(dp.size * c, dtype=full.dtype, device=full.device)
-    grid = full.view(dp.size, S)
-    for k in range(0, S, c):
-        w = min(c, S - k)
-        dp.all_gather(tmp[: dp.size * w], shard[k: k + w])
-        grid[:, k: k + w].copy_(tmp[: dp.size * w].view(dp.size, w))
-    return _Done()

@@ -29,6 +29,11 @@ their mean.
 Deferred units (parameters used in several places, see
 :mod:`hybrid.zero.units`) skip the hooks' trigger and are reduced in
 ``finish()``, once backward is over.
+
+``on_final(unit)`` is called as soon as a unit's gradient shard holds its
+final value for the step -- its last reduction of the step's last
+micro-batch has completed -- so ZeRO-Offload can send it to the host while
+backward goes on (:mod:`hybrid.zero.offload`).
 """
 
 from __future__ import annotations
@@ -59,13 +64,16 @@ class _TempPool:
 class GradReducer:
     def __init__(self, units: list[FlatUnit], plan, dp: CommGroup, bucket: int,
                  overlap: bool, grad_dtype: torch.dtype,
-                 on_reduced: Callable[[FlatUnit], None] | None = None):
+                 on_reduced: Callable[[FlatUnit], None] | None = None,
+                 on_final: Callable[[FlatUnit], None] | None = None):
         self.units, self.plan, self.dp = units, plan, dp
         self.bucket, self.overlap = bucket, overlap
         self.on_reduced = on_reduced
+        self.on_final = on_final
         self.sync = True
         self._arrived = {id(u): 0 for u in units}
-        self._inflight: deque = deque()  # (work, finalize)
+        self._inflight: deque = deque()  # (work, finalize, unit)
+        self._left = {id(u): 0 for u in units}  # a unit's reductions not yet retired
         self.pool = None
         staged = [u for u in units if plan.grads or dp.size * u.shard_size > bucket]
         if plan.optimizer and staged:
@@ -119,11 +127,13 @@ class GradReducer:
         if n > 1:
             g.div_(n)  # mean, not sum: see [Note: gradient precision]
         if not self.plan.optimizer:  # contiguous chunks of at most a bucket, in place
+            self._left[id(unit)] = len(range(0, g.numel(), self.bucket))
             for a in range(0, g.numel(), self.bucket):
-                self._push(self.dp.all_reduce(g[a: a + self.bucket], async_op=True), None)
+                self._push(self.dp.all_reduce(g[a: a + self.bucket], async_op=True), None, unit)
         elif n * unit.shard_size <= self.bucket:
             own = g[unit.own_lo: unit.own_hi]
-            self._push(self.dp.reduce_scatter(own, g, async_op=True), None)
+            self._left[id(unit)] = 1
+            self._push(self.dp.reduce_scatter(own, g, async_op=True), None, unit)
         else:  # a unit larger than a bucket: stage it in pieces
             self._reduce_scatter_staged(unit, accumulate=False)
 
@@ -138,6 +148,7 @@ class GradReducer:
         """
         S, n = unit.shard_size, self.dp.size
         c = piece_columns(S, n, self.bucket)
+        self._left[id(unit)] = len(range(0, S, c))
         for k in range(0, S, c):
             w = min(c, S - k)
             tmp = self.pool.take()
@@ -163,19 +174,22 @@ class GradReducer:
                 else:
                     dst.copy_(mine)
                 self.pool.give(tmp)
-            self._push(work, finalize)
+            self._push(work, finalize, unit)
 
     # -- in-flight bookkeeping -------------------------------------------------
-    def _push(self, work, finalize) -> None:
-        self._inflight.append((work, finalize))
+    def _push(self, work, finalize, unit: FlatUnit) -> None:
+        self._inflight.append((work, finalize, unit))
         if not self.overlap:
             self._retire_one()
 
     def _retire_one(self) -> None:
-        work, finalize = self._inflight.popleft()
+        work, finalize, unit = self._inflight.popleft()
         work.wait()
         if finalize is not None:
             finalize()
+        self._left[id(unit)] -= 1
+        if self._left[id(unit)] == 0 and self.sync and self.on_final is not None:
+            self.on_final(unit)  # its shard is final for this step
 
     def finish(self) -> None:
         """After each backward: reduce the deferred units, wait for every launched

@@ -1,7 +1,8 @@
-"""ZeRO-Offload: the optimizer step runs on the host, over host copies of the shard.
+"""ZeRO-Offload: the optimizer step runs on the host, overlapped with the device's work.
 
 The fp32 master shard and both Adam moments live in host memory (allocated by
-the engine, pinned when a GPU exists). Each step this module moves
+the engine, pinned when a GPU exists). Per unit of the shard (a gradient
+bucket at stages 1-2, a module or bucket at stage 3) this module moves
 
     device gradient shard  --(D2H, gradient dtype)-->  host gradient buffer
     host parameter copy    --(H2D, training dtype)-->  device parameter shard
@@ -14,12 +15,37 @@ the default with bf16): 6 bytes per parameter per step over PCIe. With
 dtype, 4 bytes per parameter per step in bf16/fp16, the ZeRO-Offload paper's
 figure.
 
-On a CPU-only machine the same path runs with host tensors; at stages 2-3 the
-engine's flat gradient shard is already a contiguous host buffer in master
-order, so it is used as is rather than copied.
+[Note: what overlaps what]
+* A unit's gradient goes down as soon as its reduction of the step's last
+  micro-batch has finished (``GradReducer`` calls :meth:`grad_ready`), on a
+  copy stream, while backward goes on with the units before it.
+* The host update runs on one worker thread, unit by unit in a fixed order;
+  unit ``i``'s new parameters go up (and, at stages 1-2, its all-gather
+  starts) while the worker updates unit ``i + 1``.
+* The update cannot start before backward ends: clipping scales every
+  gradient by a coefficient of the global norm, and a non-finite norm skips
+  the step, so the first element needs the last gradient. The clip
+  coefficient and the skip flag come down as two numbers the worker waits
+  for; the main thread never reads them.
+* With ``--offload-delayed-update`` (the paper's one-step delayed parameter
+  update), step ``t``'s update runs on the worker during step ``t + 1``'s
+  forward and backward, and its parameters go up at the end of step ``t + 1``:
+  step ``t + 1``'s gradient is taken at parameters one update old. The first
+  ``--offload-delayed-update-warmup`` steps update normally (early updates are
+  large, staleness hurts most there). A unit's host gradient buffer is
+  rewritten only after the update in flight has read it.
+
+The worker does the same arithmetic in the same order whatever the timing,
+so runs are bitwise reproducible. On a CPU-only machine the same path runs
+with host tensors (the copies are memcpys); there, at stages 2-3 without the
+delayed update, the engine's flat gradient shard is already a contiguous host
+buffer in master order and is read in place.
 """
 
 from __future__ import annotations
+
+import threading
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
@@ -27,60 +53,194 @@ from hybrid.zero.flat_unit import FlatUnit
 
 
 class OptimizerOffload:
-    """Host staging buffers for one rank's shard.
+    """Host staging buffers for one rank's shard and the worker that updates it.
 
     Args:
         units: the engine's units; unit ``i`` owns ``[own_lo, own_hi)`` of its flat
             buffer, and the host buffers hold those pieces back to back.
         dtype: the model's training dtype (the parameters that go back up).
-        flat_grads: the engine's flat gradient buffer (its dtype is what goes
-            down); reused as the host gradient buffer when it already is one
-            (CPU, gradients sharded).
+        flat_grads: the engine's flat gradient buffer (its dtype is what goes down).
         plan: the engine's :class:`~hybrid.zero.plan.ShardingPlan`.
+        flat_master: the host fp32 master, in the same order.
+        delayed_warmup: None, or the number of normal steps before the one-step
+            delayed update starts.
     """
 
     def __init__(self, units: list[FlatUnit], dtype: torch.dtype, flat_grads: torch.Tensor,
-                 plan):
-        self.sizes = [u.own_hi - u.own_lo for u in units]
-        n = sum(self.sizes)
-        self.pin = flat_grads.is_cuda  # pinned host memory makes the copies asynchronous DMA
-        on_host_in_order = flat_grads.device.type == "cpu" and plan.grads
-        self.grad = flat_grads if on_host_in_order else torch.empty(
+                 plan, flat_master: torch.Tensor, delayed_warmup: int | None = None):
+        self.units = units
+        self.index = {id(u): i for i, u in enumerate(units)}
+        self.bounds = [0]
+        for u in units:
+            self.bounds.append(self.bounds[-1] + u.own_hi - u.own_lo)
+        n = self.bounds[-1]
+        self.cuda = flat_grads.is_cuda
+        self.pin = self.cuda  # pinned host memory makes the copies asynchronous DMA
+        self.delayed = delayed_warmup is not None
+        self.warmup = delayed_warmup or 0
+        in_place = flat_grads.device.type == "cpu" and plan.grads and not self.delayed
+        self.grad = flat_grads if in_place else torch.empty(
             n, dtype=flat_grads.dtype, pin_memory=self.pin)
-        self._own_grad = not on_host_in_order
+        self._own_grad = not in_place
+        self.master = flat_master
         # fp32 models upload the master itself: no narrow copy to make.
         self.out = None if dtype == torch.float32 else torch.empty(
             n, dtype=dtype, pin_memory=self.pin)
+        if self.out is not None:
+            self.out.copy_(flat_master)  # what a skipped first step would upload
+        self.found = torch.zeros(1, dtype=torch.float32)
+        self.copy_stream = torch.cuda.Stream(flat_grads.device) if self.cuda else None
+        self._scalars = torch.zeros(2, dtype=torch.float64, pin_memory=self.pin)
+        k = len(units)
+        self._sent = [False] * k  # this step's gradient of unit i went down
+        self._down: list = [None] * k  # CUDA event: it has arrived
+        self._up: list = [None] * k  # CUDA event: unit i's last upload has been read out
+        self._consumed = [threading.Event() for _ in range(k)]  # host grad i may be rewritten
+        self._ready = [threading.Event() for _ in range(k)]  # unit i's new params are in src
+        for e in self._consumed:
+            e.set()
+        self._skipped = False
+        self._worker = ThreadPoolExecutor(1, thread_name_prefix="hybrid-offload")
+        self._pending = None  # the update in flight (a Future)
+        self._upload_due = False  # its parameters still have to go up
+        self.steps = 0
 
-    def _pieces(self, flat: torch.Tensor):
-        off = 0
-        for n in self.sizes:
-            yield flat[off: off + n]
-            off += n
+    def _piece(self, flat: torch.Tensor, i: int) -> torch.Tensor:
+        return flat[self.bounds[i]: self.bounds[i + 1]]
 
+    # -- during backward -----------------------------------------------------------
     @torch.no_grad()
-    def grads_to_host(self, units: list[FlatUnit]) -> torch.Tensor:
-        """The shard's gradient as one flat host tensor (gradient dtype)."""
-        if self._own_grad:
-            for u, dst in zip(units, self._pieces(self.grad)):
-                dst.copy_(u.grad_shard, non_blocking=self.pin)
-            if self.pin:  # the kernel reads the buffer from the CPU next
-                torch.cuda.current_stream().synchronize()
-        return self.grad
+    def grad_ready(self, unit: FlatUnit) -> None:
+        """``unit``'s gradient shard is final for this step: send it down now."""
+        i = self.index[id(unit)]
+        self._sent[i] = True
+        if not self._own_grad:
+            return
+        self._consumed[i].wait()  # the update in flight has read the previous one
+        self._consumed[i].clear()
+        dst = self._piece(self.grad, i)
+        if self.cuda:
+            self.copy_stream.wait_stream(torch.cuda.current_stream(self.copy_stream.device))
+            with torch.cuda.stream(self.copy_stream):
+                dst.copy_(unit.grad_shard, non_blocking=True)
+                self._down[i] = torch.cuda.Event()
+                self._down[i].record(self.copy_stream)
+        else:
+            dst.copy_(unit.grad_shard)
 
+    # -- the step --------------------------------------------------------------------
     @torch.no_grad()
-    def params_to_device(self, units: list[FlatUnit], master: torch.Tensor,
-                         after_step: bool) -> None:
-        """Updated parameters into each unit's shard.
+    def step(self, opt, lr: float, grad_scale: torch.Tensor, skip: torch.Tensor | None,
+             published) -> torch.Tensor:
+        """Update the host shard from this step's gradients and send parameters up.
 
-        ``after_step``: the kernel has just written ``out``; otherwise (e.g. a
-        checkpoint was loaded into the master) the master is the source.
+        ``grad_scale``, ``skip``: device tensors (never read by this thread).
+        ``published(unit)``: called once a unit's new parameter shard is on the
+        device (the engine starts its all-gather). Without the delayed update
+        the new parameters are on the device on return; with it, the previous
+        step's are, and this step's update is running on the worker.
         """
-        src = self.out if (after_step and self.out is not None) else master
-        for u, piece in zip(units, self._pieces(src)):
-            u.shard.copy_(piece, non_blocking=self.pin)
-        if self.pin:  # `out` is rewritten by the next step while copies may be in flight
-            torch.cuda.current_stream().synchronize()
+        self.steps += 1
+        for u, sent in zip(self.units, self._sent):
+            if not sent:  # no reduction reported it (cannot happen with the engine's hooks)
+                self.grad_ready(u)
+        self._sent = [False] * len(self.units)
+        if self._upload_due:  # the delayed update of the previous step: its params go up
+            self._upload(published)
+        self.wait()  # (it read the scalars buffer that is rewritten next)
+        scalars_ready = self._scalars_down(grad_scale, skip)
+        for e in self._ready:
+            e.clear()
+        task = self._worker.submit(self._update, opt, lr, scalars_ready)
+        if self.delayed and self.steps > self.warmup:
+            self._pending, self._upload_due = task, True
+        else:
+            self._upload(published)
+            task.result()
+        if self.cuda:  # the next zero_grad must not clear shards still being copied down
+            torch.cuda.current_stream(self.copy_stream.device).wait_stream(self.copy_stream)
+        return self.found
+
+    def _scalars_down(self, grad_scale: torch.Tensor, skip: torch.Tensor | None):
+        """[grad_scale, skip] into host memory (asynchronously on a GPU); returns the
+        CUDA event to wait for, or None."""
+        vals = torch.stack([grad_scale.reshape(()).double(),
+                            torch.zeros((), dtype=torch.float64, device=grad_scale.device)
+                            if skip is None else skip.reshape(()).double()])
+        if not self.cuda:
+            self._scalars.copy_(vals)
+            return None
+        self.copy_stream.wait_stream(torch.cuda.current_stream(self.copy_stream.device))
+        with torch.cuda.stream(self.copy_stream):
+            self._scalars.copy_(vals, non_blocking=True)
+            ev = torch.cuda.Event()
+            ev.record(self.copy_stream)
+        vals.record_stream(self.copy_stream)
+        return ev
+
+    def _update(self, opt, lr: float, scalars_ready) -> None:
+        """The worker: one step of AdamW over the host shard, unit by unit."""
+        if scalars_ready is not None:
+            scalars_ready.synchronize()
+        self._skipped = bool(self._scalars[1].item())  # host memory: no device sync
+        sc = opt.begin_step(self._scalars[0], self._scalars[1])
+        for i in range(len(self.units)):
+            if self._down[i] is not None:
+                self._down[i].synchronize()
+            if self._up[i] is not None:  # out_i / master_i may still be going up
+                self._up[i].synchronize()
+            if not self._skipped:
+                out = None if self.out is None else self._piece(self.out, i)
+                opt.step_parts(self.grad, lr, sc, i, i + 1, out, self.found)
+            self._consumed[i].set()
+            self._ready[i].set()
+
+    def _upload(self, published) -> None:
+        """Each unit's new parameters up as soon as the worker has them."""
+        src = self.out if self.out is not None else self.master
+        for i, u in enumerate(self.units):
+            self._ready[i].wait()
+            if self._skipped:
+                continue  # nothing changed: the device already holds these parameters
+            self._copy_up(u, i, self._piece(src, i))
+            published(u)
+        self._upload_due = False
+
+    def _copy_up(self, u: FlatUnit, i: int, piece: torch.Tensor) -> None:
+        if self.cuda:  # on the compute stream: what reads the shard next is ordered after it
+            u.shard.copy_(piece, non_blocking=True)
+            self._up[i] = torch.cuda.Event()
+            self._up[i].record()
+        else:
+            u.shard.copy_(piece)
+
+    def discard_step(self) -> None:
+        """The engine skipped this step before the optimizer (dynamic fp16 overflow):
+        the gradients sent down are not needed, their buffers are free again."""
+        self._sent = [False] * len(self.units)
+        for e in self._consumed:
+            e.set()
+        if self.cuda:
+            torch.cuda.current_stream(self.copy_stream.device).wait_stream(self.copy_stream)
+
+    # -- outside the step ---------------------------------------------------------------
+    def wait(self) -> None:
+        """Let the update in flight finish: the master and moments are then current
+        (its parameters still go up at the next step, as without the wait)."""
+        if self._pending is not None:
+            self._pending.result()
+            self._pending = None
+
+    @torch.no_grad()
+    def upload_master(self) -> None:
+        """The master (e.g. just loaded from a checkpoint) becomes the parameters."""
+        self.wait()
+        self._upload_due = False
+        if self.out is not None:
+            self.out.copy_(self.master)
+        src = self.out if self.out is not None else self.master
+        for i, u in enumerate(self.units):
+            self._copy_up(u, i, self._piece(src, i))
 
     def nbytes(self) -> int:
         own = self.grad.untyped_storage().nbytes() if self._own_grad else 0

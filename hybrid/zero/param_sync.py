@@ -4,7 +4,8 @@ Each partitioned unit belongs to one module (a transformer block, or the root
 module for what no block owns). Hooks on that module:
 
 * forward pre-hook: finish this unit's all-gather (usually already prefetched),
-  then start the next unit's in forward order;
+  then start the next unit's in forward order -- asynchronously even when the
+  unit is larger than a bucket (:mod:`hybrid.zero.gather_pipeline`);
 * forward post-hook: free the full parameters and hook the module's output so
   its gradient, arriving in backward, gathers them again (and prefetches the
   unit that backward reaches next);
@@ -26,12 +27,13 @@ from torch import nn
 
 from hybrid.phase import RecomputePhase
 from hybrid.zero.flat_unit import FlatUnit
+from hybrid.zero.gather_pipeline import GatherPipeline
 
 
 class ParamGatherer:
-    def __init__(self, owners: list[tuple[nn.Module, FlatUnit]], bucket: int,
+    def __init__(self, owners: list[tuple[nn.Module, FlatUnit]], pipe: GatherPipeline,
                  recompute: RecomputePhase):
-        self.bucket = bucket
+        self.pipe = pipe
         self.recompute = recompute
         self.units = [u for _, u in owners]
         self._forward_order: list[FlatUnit] = []
@@ -57,7 +59,7 @@ class ParamGatherer:
     def _prefetch(self, unit: FlatUnit, backward: bool) -> None:
         nxt = self._next(unit, backward)
         if nxt is not None:
-            nxt.start_gather(self.bucket)
+            nxt.start_gather(self.pipe)
 
     # -- hooks -----------------------------------------------------------------
     def _pre_forward(self, unit: FlatUnit):
@@ -65,7 +67,7 @@ class ParamGatherer:
             recomputing = self.recompute.active
             if self._recording and not recomputing and unit not in self._forward_order:
                 self._forward_order.append(unit)
-            unit.finish_gather(self.bucket)
+            unit.finish_gather(self.pipe)
             self._prefetch(unit, backward=recomputing)
         return hook
 
@@ -91,7 +93,7 @@ class ParamGatherer:
     def _pre_backward(self, unit: FlatUnit):
         def hook(grad):
             self._recording = False
-            unit.finish_gather(self.bucket)
+            unit.finish_gather(self.pipe)
             self._prefetch(unit, backward=True)
             return grad
         return hook
@@ -104,7 +106,7 @@ class ParamGatherer:
         """Free everything gathered (end of step, or after an eval forward)."""
         for u in self.units:
             if u.pending is not None:
-                u.finish_gather(self.bucket)
+                u.finish_gather(self.pipe)
             u.release()
 
     def remove(self) -> None:

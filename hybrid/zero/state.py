@@ -37,6 +37,7 @@ def shard_state(engine: ZeroEngine) -> dict:
 
     The values come from :func:`iter_piece_values`, one piece at a time.
     """
+    engine.wait_optimizer()  # a delayed host update still running would change the values
     pieces = [(name, plo, plo + n) for name, _, plo, _, _, n in _pieces(engine)]
     return {"pieces": pieces, "step": engine.optimizer.step_count,
             "loss_scaler": engine.scaler.state_dict()}
@@ -46,6 +47,7 @@ def shard_state(engine: ZeroEngine) -> dict:
 def iter_piece_values(engine: ZeroEngine, keys=KEYS):
     """For each piece of :func:`shard_state`, in its order: an fp32 CPU ``(n, len(keys))``
     tensor of rows (default ``[master, exp_avg, exp_avg_sq]``)."""
+    engine.wait_optimizer()
     src = [_sources(engine)[k] for k in keys]
     for _, _, _, ui, off, n in _pieces(engine):
         yield torch.stack([s[ui][off: off + n] for s in src], dim=1).float().cpu()
@@ -64,6 +66,7 @@ def load_shard_state(engine: ZeroEngine, fetch, keys, step: int,
     """
     if "master" not in keys:
         raise ValueError(f"load_shard_state needs the master values, got keys {keys}")
+    engine.wait_optimizer()
     opt, sources = engine.optimizer, _sources(engine)
     for name, p, plo, ui, off, n in _pieces(engine):
         planes = fetch(name, plo, plo + n)
