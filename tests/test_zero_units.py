@@ -35,6 +35,11 @@ def _construct(ps, stage, dtype_flags):
             "specs": specs, "padded": sum(u.padded for u in engine.units)}
 
 
+def _construct_each(ps, variants):
+    """:func:`_construct` for each (stage, dtype flags), in one call on the ranks."""
+    return [_construct(ps, stage, flags) for stage, flags in variants]
+
+
 @pytest.mark.parametrize("tp,dp", [(1, 2), (2, 2), (1, 4)])
 def test_meta_construction_gives_the_same_full_model_in_every_layout(tp, dp):
     """Stages 0-3, fp32 and bf16: the model ZeRO materializes from the meta device,
@@ -43,30 +48,31 @@ def test_meta_construction_gives_the_same_full_model_in_every_layout(tp, dp):
     rank holds only its 1/N shard of the parameters after construction."""
     cfg = _train_cfg(1, 1)
     ref = {n: p.detach() for n, p in _gpt(cfg, ParallelState.single()).named_parameters()}
-    for stage in range(4):
-        for flags in ({}, {"bf16": True}):
-            res = run_ranks(_construct, world_size=tp * dp, tp=tp, args=(stage, flags))
-            specs = res[0]["specs"]
-            for name, want in ref.items():
-                got = _full_params([r["params"] for r in res], tp, name, specs[name])
-                if name == "wte.weight":
-                    got, want = got[: want.shape[0]], want[: got.shape[0]]
-                expect = want.bfloat16().float() if flags else want
-                assert torch.equal(got, expect), f"stage {stage} {flags} TP{tp}xDP{dp} {name}"
-            for r in res:
-                spec_of = r["specs"]
-                for (name, lo), piece in r["master"].items():
-                    full, spec = ref[name], spec_of[name]
-                    if spec is not None and spec.full_shape != tuple(full.shape):  # vocab pad
-                        full = torch.cat([full, full.new_zeros(
-                            spec.full_shape[0] - full.shape[0], *full.shape[1:])])
-                    local = full if spec is None else full.chunk(spec.size, spec.dim)[spec.rank]
-                    local = local.reshape(-1)
-                    n = min(piece.numel(), local.numel() - lo)
-                    assert torch.equal(piece[:n], local[lo: lo + n]), (stage, name, lo)
-                if stage == 3:  # its shard of every unit, nothing whole
-                    elem = 2 if flags else 4
-                    assert r["held"] == r["padded"] // dp * elem
+    variants = [(stage, flags) for stage in range(4) for flags in ({}, {"bf16": True})]
+    per_rank = run_ranks(_construct_each, world_size=tp * dp, tp=tp, args=(variants,))
+    for k, (stage, flags) in enumerate(variants):
+        res = [r[k] for r in per_rank]
+        specs = res[0]["specs"]
+        for name, want in ref.items():
+            got = _full_params([r["params"] for r in res], tp, name, specs[name])
+            if name == "wte.weight":
+                got, want = got[: want.shape[0]], want[: got.shape[0]]
+            expect = want.bfloat16().float() if flags else want
+            assert torch.equal(got, expect), f"stage {stage} {flags} TP{tp}xDP{dp} {name}"
+        for r in res:
+            spec_of = r["specs"]
+            for (name, lo), piece in r["master"].items():
+                full, spec = ref[name], spec_of[name]
+                if spec is not None and spec.full_shape != tuple(full.shape):  # vocab pad
+                    full = torch.cat([full, full.new_zeros(
+                        spec.full_shape[0] - full.shape[0], *full.shape[1:])])
+                local = full if spec is None else full.chunk(spec.size, spec.dim)[spec.rank]
+                local = local.reshape(-1)
+                n = min(piece.numel(), local.numel() - lo)
+                assert torch.equal(piece[:n], local[lo: lo + n]), (stage, name, lo)
+            if stage == 3:  # its shard of every unit, nothing whole
+                elem = 2 if flags else 4
+                assert r["held"] == r["padded"] // dp * elem
 
 
 # -- shared parameters -----------------------------------------------------------------
