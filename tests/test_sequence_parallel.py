@@ -15,7 +15,7 @@ from hybrid.parallel_state import ParallelState
 from hybrid.tensor_parallel import (gather_from_sequence, reduce_scatter_to_sequence,
                                     scatter_to_sequence, seed_all)
 from models.gpt import GPT, GPTConfig
-from test_zero import _gpt, _my_micro_batches, _named_params, _train_cfg, _train_stages
+from test_zero import _dp_step, _gpt, _named_params, _train_cfg, _train_stages
 
 SEED, V, T = 11, 257, 16
 
@@ -212,16 +212,8 @@ def _fp16_curves(ps, variants):
         engine = apply_zero(model, ps, cfg.zero, values=InitValues(cfg.seed, model.init_of))
         losses, skipped, scales = [], [], []
         for step in range(FP16_STEPS):
-            engine.zero_grad()
-            batches = _my_micro_batches(step, ps, cfg.schedule.micro_batch_size)
-            total = torch.zeros(())
-            for i, (x, y) in enumerate(batches):
-                loss = model(x, y) / len(batches)
-                engine.backward(loss, sync=i == len(batches) - 1)
-                total += loss.detach().float()
-            ps.dp_group.all_reduce(total)
-            result = engine.step(cfg.optimizer.lr)
-            losses.append(float(total) / ps.dp_size)
+            loss, result = _dp_step(model, engine, ps, cfg, step)
+            losses.append(loss)
             skipped.append(result.skipped)
             scales.append(result.loss_scale)
         out.append({"losses": losses, "skipped": skipped, "scales": scales,

@@ -60,20 +60,27 @@ def _named_params(model, engine):
         return {n: p.detach().float().clone() for n, p in model.named_parameters()}
 
 
+def _dp_step(model, engine, ps, cfg, step):
+    """One optimizer step on global batch ``step`` of the shared data: (the loss,
+    averaged over DP, the engine's StepResult)."""
+    engine.zero_grad()
+    batches = _my_micro_batches(step, ps, cfg.schedule.micro_batch_size)
+    total = torch.zeros(())
+    for i, (x, y) in enumerate(batches):
+        loss = model(x, y) / len(batches)
+        engine.backward(loss, sync=i == len(batches) - 1)
+        total += loss.detach().float()
+    ps.dp_group.all_reduce(total)
+    return float(total) / ps.dp_size, engine.step(cfg.optimizer.lr)
+
+
 def _train_steps(model, engine, ps, cfg):
     """STEPS optimizer steps on the shared data: (mean losses over DP, grad norms)."""
     losses, norms = [], []
     for step in range(STEPS):
-        engine.zero_grad()
-        batches = _my_micro_batches(step, ps, cfg.schedule.micro_batch_size)
-        total = torch.zeros(())
-        for i, (x, y) in enumerate(batches):
-            loss = model(x, y) / len(batches)
-            engine.backward(loss, sync=i == len(batches) - 1)
-            total += loss.detach().float()
-        ps.dp_group.all_reduce(total)
-        losses.append(float(total) / ps.dp_size)
-        norms.append(float(engine.step(cfg.optimizer.lr).grad_norm))
+        loss, result = _dp_step(model, engine, ps, cfg, step)
+        losses.append(loss)
+        norms.append(float(result.grad_norm))
     return losses, norms
 
 
