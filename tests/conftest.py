@@ -11,3 +11,6 @@ from hybrid.config import kernel_config_from_env  # noqa: E402
 from hybrid.kernels import configure  # noqa: E402
 
 configure(kernel_config_from_env())
+
+# The 4-process checkpoint I/O session, shared by two test files (runs once).
+from checkpoint_io_session import io_session  # noqa: E402,F401
