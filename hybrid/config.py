@@ -10,6 +10,7 @@ fraction of a second before it starts any worker.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from hybrid import config_checks as checks
@@ -61,11 +62,13 @@ class TrainConfig:
         return s.global_batch_size // (s.micro_batch_size * p.data_parallel_size)
 
 
-def build_config(flags: Flags, world_size: int) -> TrainConfig:
+def build_config(flags: Flags, world_size: int,
+                 environ: Mapping[str, str] | None = None) -> TrainConfig:
     """Check ``flags`` for ``world_size`` ranks and cut them into sections.
 
     ``flags`` is not modified; the returned config's ``flags`` is a copy with
-    the derived defaults filled in.
+    the derived defaults filled in. ``environ``: the entry point's environment,
+    whose ``HYBRID_*`` variables default the kernel flags (None: flags only).
     """
     f = dataclasses.replace(flags)
     dp = check_layout(world_size, f.tensor_model_parallel_size)
@@ -139,7 +142,7 @@ def build_config(flags: Flags, world_size: int) -> TrainConfig:
         logging=LoggingConfig(log_interval=f.log_interval, log_json=f.log_json,
                               tensorboard_dir=f.tensorboard_dir,
                               log_throughput=f.log_throughput),
-        kernels=_kernels(f),
+        kernels=_kernels(f, environ),
         diagnostics=DiagnosticsConfig(collective_dump_dir=f.collective_dump_dir,
                                       check_collectives=f.check_collectives,
                                       check_replicas_interval=f.check_replicas_interval),
@@ -167,11 +170,11 @@ def _optimizer(f: Flags) -> OptimizerConfig:
                            warmup=warmup, decay=decay)
 
 
-def _kernels(f: Flags) -> KernelConfig:
-    """The kernel flags, each left unset filled from its HYBRID_* variable
-    (:func:`hybrid.config_kernels.kernel_config_from_env`); the filled values go
-    back into ``f`` so the log and checkpoint metadata show what ran."""
-    env = kernel_config_from_env()
+def _kernels(f: Flags, environ: Mapping[str, str] | None) -> KernelConfig:
+    """The kernel flags, each left unset filled from its HYBRID_* variable in
+    ``environ`` (:func:`hybrid.config_kernels.kernel_config_from_env`); the filled
+    values go back into ``f`` so the log and checkpoint metadata show what ran."""
+    env = kernel_config_from_env(environ) if environ is not None else KernelConfig()
     f.no_kernels = bool(f.no_kernels or env.no_kernels)
     if f.kernel_cache_dir is None:
         f.kernel_cache_dir = env.cache_dir

@@ -10,6 +10,7 @@ flags (pool workers, tests, tools) and as the defaults of TrainConfig's flags.
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 
 from hybrid.config_sections import KERNEL_PATHS, KernelConfig
 from hybrid.errors import ConfigError
@@ -30,17 +31,18 @@ def parse_kernel_choice(text: str, source: str) -> tuple[tuple[str, str], ...]:
     return tuple(out.items())
 
 
-def kernel_config_from_env(environ=None) -> KernelConfig:
-    """The kernel settings the environment asks for: the one place that reads them.
+def kernel_config_from_env(env: Mapping[str, str]) -> KernelConfig:
+    """The kernel settings the environment ``env`` asks for: the one place that reads
+    them. ``env`` is passed in by an entry point (a script's ``os.environ``, a pool
+    worker's copy of its caller's): nothing in the library looks it up itself.
 
     ``HYBRID_NO_KERNELS`` (anything but "" or "0": no compiled kernel),
     ``HYBRID_KERNEL_CACHE`` (else ``$XDG_CACHE_HOME/hybrid/kernels``),
     ``HYBRID_KERNEL_CHOICE`` (as --kernel-choice) and ``TORCH_CUDA_ARCH_LIST`` (what a
     CUDA build targets). Entry points that take no flags -- pool workers, tests,
-    tools -- configure :mod:`hybrid.kernels` from this; TrainConfig uses it as the
-    default of its kernel flags.
+    tools -- configure :mod:`hybrid.kernels` from this; ``build_config(...,
+    environ=)`` uses it as the default of the kernel flags.
     """
-    env = os.environ if environ is None else environ
     cache = env.get("HYBRID_KERNEL_CACHE")
     if not cache and env.get("XDG_CACHE_HOME"):
         cache = os.path.join(env["XDG_CACHE_HOME"], "hybrid", "kernels")

@@ -222,10 +222,11 @@ class Flags:
     # not a flag: the Megatron flags parse_args dropped as having no effect here
     ignored_megatron_flags: list[str] = field(default_factory=list, metadata={"cli": False})
 
-    def validate(self, world_size: int):
-        """The checked, nested :class:`hybrid.config.TrainConfig` for ``world_size`` ranks."""
+    def validate(self, world_size: int, environ=None):
+        """The checked, nested :class:`hybrid.config.TrainConfig` for ``world_size`` ranks
+        (``environ``: the entry point's environment, for the kernel flags' defaults)."""
         from hybrid.config import build_config
-        return build_config(self, world_size)
+        return build_config(self, world_size, environ)
 
 
 def flag_name(field_name: str) -> str:

@@ -86,7 +86,7 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, default=1)
     a = ap.parse_args(argv)
     torch.set_num_threads(a.threads)
-    base = kernel_config_from_env()  # this script's entry point: HYBRID_* settings
+    base = kernel_config_from_env(os.environ)  # this script's entry point: HYBRID_* settings
     ps = ParallelState.single()
     modes = [_Mode(m, a, ps, base) for m in a.modes]
     g = torch.Generator().manual_seed(0)

@@ -141,7 +141,7 @@ def main() -> None:
     ap.add_argument("--dtypes", default="fp32,bf16", help="gradient dtypes: fp32,bf16,fp16")
     ap.add_argument("--reps", type=int, default=7)
     a = ap.parse_args()
-    configure(kernel_config_from_env())  # this script's entry point: HYBRID_* settings
+    configure(kernel_config_from_env(os.environ))  # this script's entry point: HYBRID_* settings
     dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
     ext = cpu_adam_ext()
     ds_factory, ds_why = _deepspeed_factory()

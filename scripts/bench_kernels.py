@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 
@@ -100,7 +101,7 @@ def main():
     from hybrid.kernels import (bias_gelu, configure, layer_norm, local_softmax_stats,
                                 softmax_grad)
     from hybrid.kernels.cuda_ops import cuda_ops
-    configure(kernel_config_from_env())  # this script's entry point: HYBRID_* settings
+    configure(kernel_config_from_env(os.environ))  # this script's entry point: HYBRID_* settings
     ops = cuda_ops()
     if ops is None:
         sys.exit("hybrid_cuda_ops did not build; see the log line above")

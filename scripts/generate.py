@@ -68,7 +68,7 @@ def main(argv=None) -> int:
     ap.add_argument("--vocab-size", type=int)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     a = ap.parse_args(argv)
-    configure(kernel_config_from_env())  # this script's entry point: HYBRID_* settings
+    configure(kernel_config_from_env(os.environ))  # this script's entry point: HYBRID_* settings
     try:
         ckpt = resolve_checkpoint(a.load)
         model, c = load_model(ckpt, a.device)

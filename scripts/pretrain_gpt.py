@@ -63,7 +63,7 @@ def main(argv: list[str] | None = None) -> int:
     check_only = "--check-config" in argv
     argv = [a for a in argv if a != "--check-config"]
     try:
-        cfg = parse_args(argv).validate(_world_size())
+        cfg = parse_args(argv).validate(_world_size(), environ=os.environ)
     except ConfigError as e:
         return _fail(str(e))
     if check_only:  # the launcher's preflight: flags are fine for this world size

@@ -10,7 +10,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 from hybrid.config import kernel_config_from_env  # noqa: E402
 from hybrid.kernels import configure  # noqa: E402
 
-configure(kernel_config_from_env())
+configure(kernel_config_from_env(os.environ))
 
 # The 4-process checkpoint I/O session, shared by two test files (runs once).
 from checkpoint_io_session import io_session  # noqa: E402,F401

@@ -102,7 +102,7 @@ def pretrain(nproc: int, args: list[str], timeout: float = 300, reuse: bool = Tr
     err = io.StringIO()
     try:
         with contextlib.redirect_stderr(err):
-            cfg = parse_args(list(args)).validate(nproc)
+            cfg = parse_args(list(args)).validate(nproc, environ=os.environ)  # as main()
     except ConfigError as e:
         return subprocess.CompletedProcess(argv, 2, "", f"pretrain_gpt.py: error: {e}\n")
     except SystemExit as e:  # argparse: unknown flag or bad value, already said on err

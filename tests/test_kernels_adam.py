@@ -133,7 +133,7 @@ def test_torch_fallback_gives_the_kernels_numbers(ext, grad_dtype):
     assert (out_a.float() - out_b.float()).abs().max().item() <= 2 * torch.finfo(grad_dtype).eps
 
 
-def test_no_kernels_forces_the_fallback(monkeypatch):
+def test_no_kernels_forces_the_fallback():
     """--no-kernels (or HYBRID_NO_KERNELS=1, read by the config layer) reaches the
     build through hybrid.kernels.configure: no extension, the torch ops instead."""
     from dataclasses import replace
@@ -143,8 +143,9 @@ def test_no_kernels_forces_the_fallback(monkeypatch):
     assert kernel_config_from_env({"HYBRID_NO_KERNELS": "1"}).no_kernels
     assert not kernel_config_from_env({"HYBRID_NO_KERNELS": "0"}).no_kernels
     assert parse_args(["--no-kernels"]).validate(1).kernels.no_kernels
-    monkeypatch.setenv("HYBRID_NO_KERNELS", "1")  # a default of the flag, in one place
-    assert parse_args([]).validate(1).kernels.no_kernels
+    # the entry point's environment defaults the flag, in one place
+    assert parse_args([]).validate(1, environ={"HYBRID_NO_KERNELS": "1"}).kernels.no_kernels
+    assert not parse_args([]).validate(1).kernels.no_kernels  # no environment: flags only
     before = kernels.current()
     kernels.configure(replace(before, no_kernels=True))
     try:
