@@ -41,6 +41,7 @@ from hybrid.schedule import finished, global_batch_size_at, total_iterations
 from hybrid.step_stats import IterationTimer, PendingSteps
 from hybrid.tensor_parallel import InitValues, TPRNGTracker, seed_all
 from hybrid.zero import ZeroEngine, apply_zero
+from hybrid.zero.engine import DTYPES
 from models.gpt import GPT, GPTConfig
 
 
@@ -91,8 +92,7 @@ def build_engine(cfg: TrainConfig, ps: ParallelState, vocab_size: int, rng: TPRN
     keeps from the block-seeded init: no rank ever holds the whole model.
     """
     m = cfg.model
-    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-    check_attention_backend(m.attention_backend, ps.device, dtype[cfg.zero.params_dtype],
+    check_attention_backend(m.attention_backend, ps.device, DTYPES[cfg.zero.params_dtype],
                             m.hidden_size // m.num_attention_heads, m.attention_dropout)
     model = build_model(cfg, ps, vocab_size, rng, device="meta")
     model.train()
