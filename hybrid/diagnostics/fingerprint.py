@@ -26,7 +26,7 @@ import zlib
 import torch
 import torch.distributed as dist
 
-from hybrid.diagnostics.recorder import Entry, short_path
+from hybrid.diagnostics.entry import Entry, short_path
 from hybrid.diagnostics.report import mismatch_message
 
 OPS = ("all_reduce", "reduce_scatter", "all_gather", "broadcast")
