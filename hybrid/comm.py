@@ -39,31 +39,13 @@ import torch.distributed as dist
 
 from hybrid.diagnostics import fingerprint
 from hybrid.diagnostics.recorder import FlightRecorder
+from hybrid.errors import CollectiveError
 
 KINDS = ("all_reduce", "reduce_scatter", "all_gather", "broadcast")
 
 # torch 2.13 renamed the tensor-in/tensor-out collectives; keep older torch working.
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-
-
-class CollectiveError(RuntimeError):
-    """A collective failed, timed out, or (``--check-collectives``) did not match.
-
-    ``reporter``: this rank's message is the job's report (print it, then call
-    :meth:`reported` so the other ranks exit); otherwise the message is a
-    one-line pointer to the rank that has the report.
-    """
-
-    def __init__(self, message: str, reporter: bool = True, on_reported=None):
-        super().__init__(message)
-        self.reporter = reporter
-        self._on_reported = on_reported
-
-    def reported(self) -> None:
-        """The report is printed: the ranks waiting to exit with a pointer may go."""
-        if self._on_reported is not None:
-            self._on_reported()
 
 
 @dataclass
@@ -158,12 +140,16 @@ class CommGroup:
             if mismatch is not None:
                 entry.state = "failed"
                 raise self._error(*rec.mismatch(mismatch))
-        if async_op:
+        if async_op or rec.watch is not None:
             try:
-                work = fn()
+                work = fn(True)
             except Exception as e:  # noqa: BLE001
                 raise self._failure(entry, e) from e
-            return _Work(work, self, entry)
+            if rec.watch is not None:  # NCCL: the heartbeat watches it complete
+                rec.watch.add(entry, work)
+            if async_op:
+                return _Work(work, self, entry)
+            fn = work.wait  # queues the wait on NCCL; blocks on gloo
         self._wait(fn, entry)
         return None
 
@@ -197,7 +183,7 @@ class CommGroup:
             return _Work(None) if async_op else None
         nbytes = 2 * t.numel() * t.element_size() * self._frac()
         return self._run("all_reduce", "all_reduce", nbytes, t,
-                         lambda: dist.all_reduce(t, op=op, group=self.pg, async_op=async_op),
+                         lambda a=False: dist.all_reduce(t, op=op, group=self.pg, async_op=a),
                          async_op, fingerprint.extra_code("all_reduce", op))
 
     def all_gather(self, out: torch.Tensor, inp: torch.Tensor, async_op: bool = False):
@@ -211,8 +197,8 @@ class CommGroup:
             return _Work(None) if async_op else None
         nbytes = out.numel() * out.element_size() * self._frac()
         return self._run("all_gather", "all_gather", nbytes, out,
-                         lambda: _all_gather_single(out.view(-1), inp.reshape(-1), group=self.pg,
-                                                    async_op=async_op),
+                         lambda a=False: _all_gather_single(out.view(-1), inp.reshape(-1),
+                                                           group=self.pg, async_op=a),
                          async_op)
 
     def reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, op=dist.ReduceOp.SUM,
@@ -223,8 +209,9 @@ class CommGroup:
             return _Work(None) if async_op else None
         nbytes = inp.numel() * inp.element_size() * self._frac()
         return self._run("reduce_scatter", "reduce_scatter", nbytes, inp,
-                         lambda: _reduce_scatter_single(out.view(-1), inp.reshape(-1), op=op,
-                                                        group=self.pg, async_op=async_op),
+                         lambda a=False: _reduce_scatter_single(out.view(-1), inp.reshape(-1),
+                                                               op=op, group=self.pg,
+                                                               async_op=a),
                          async_op, fingerprint.extra_code("reduce_scatter", op))
 
     def broadcast(self, t: torch.Tensor, src: int = 0, async_op: bool = False):
@@ -233,6 +220,6 @@ class CommGroup:
             return _Work(None) if async_op else None
         nbytes = t.numel() * t.element_size() * self._frac()
         return self._run("broadcast", "broadcast", nbytes, t,
-                         lambda: dist.broadcast(t, src=self.ranks[src], group=self.pg,
-                                                async_op=async_op),
+                         lambda a=False: dist.broadcast(t, src=self.ranks[src], group=self.pg,
+                                                       async_op=a),
                          async_op, fingerprint.extra_code("broadcast", src=src))

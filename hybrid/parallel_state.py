@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from hybrid.comm import CommGroup, CommStats
-from hybrid.diagnostics.recorder import FlightRecorder
+from hybrid.diagnostics.recorder import FlightRecorder, backstop
 from hybrid.layout import check_layout, dp_group_ranks, tp_group_ranks
 
 
@@ -77,7 +77,8 @@ class ParallelState:
     @classmethod
     def build(cls, tensor_model_parallel_size: int,
               timeout: datetime.timedelta = datetime.timedelta(minutes=10),
-              device: torch.device | None = None, store=None) -> "ParallelState":
+              device: torch.device | None = None, store=None,
+              watch: bool | None = None) -> "ParallelState":
         """Create the TP and DP groups of an initialized default process group.
 
         Every rank must call this with the same arguments (group creation is
@@ -85,6 +86,13 @@ class ParallelState:
         was built from, through which the ranks explain a failed collective
         (see :mod:`hybrid.diagnostics.recorder`); without it each rank reports
         only what it saw.
+
+        ``watch``: the recorder's heartbeat reports a collective still running
+        past ``timeout`` (:mod:`hybrid.diagnostics.watch`), and the groups get
+        the longer :func:`~hybrid.diagnostics.recorder.backstop` timeout. None:
+        on NCCL, whose collectives return before they complete and whose own
+        watchdog would end the process without a report; on gloo the waiting
+        collective raises at ``timeout`` itself.
         """
         if not dist.is_initialized():
             check_layout(1, tensor_model_parallel_size)
@@ -96,12 +104,14 @@ class ParallelState:
         if device is None:
             device = _default_device(backend)
         stats = CommStats()
-        rec = FlightRecorder(rank, world, store, timeout)
+        watch = backend == "nccl" if watch is None else watch
+        rec = FlightRecorder(rank, world, store, timeout, watch=watch)
+        group_timeout = backstop(timeout) if watch else timeout
 
         def make(name, all_ranks):
             mine = None
             for ranks in all_ranks:
-                pg = dist.new_group(ranks, timeout=timeout)
+                pg = dist.new_group(ranks, timeout=group_timeout)
                 if rank in ranks:
                     mine = CommGroup(name, pg, ranks, rank, stats, timeout, rec)
             return mine
@@ -154,7 +164,9 @@ def init_distributed(tensor_model_parallel_size: int, timeout_minutes: float = 1
     store = None
     if not dist.is_initialized():
         store = _attempt_store(world, timeout)
-        dist.init_process_group(backend, timeout=timeout, device_id=device, store=store,
+        # NCCL: the flight recorder's watch reports a hang first (see ParallelState.build)
+        group_timeout = backstop(timeout) if backend == "nccl" else timeout
+        dist.init_process_group(backend, timeout=group_timeout, device_id=device, store=store,
                                 rank=int(os.environ["RANK"]), world_size=world)
     return ParallelState.build(tensor_model_parallel_size, timeout, device, store)
 

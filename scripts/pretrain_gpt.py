@@ -80,6 +80,9 @@ def main(argv: list[str] | None = None) -> int:
     configure(cfg.kernels)  # --no-kernels, --kernel-cache-dir, --kernel-choice (or HYBRID_*)
     par = cfg.parallel
     ps = init_distributed(par.tensor_model_parallel_size, par.timeout_minutes, par.backend)
+    # NCCL: a hang is found by the recorder's heartbeat, not raised here; say it the same
+    # way, then end the process (hybrid/diagnostics/watch.py)
+    ps.recorder.on_hang = lambda e: os._exit(_collective_fail(e))
     setup_logging(ps.rank)
     try:
         pretrain(cfg, ps)

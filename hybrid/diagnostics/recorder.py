@@ -43,6 +43,11 @@ Every other failing rank waits for ``done`` and then ``printed`` (polled with
 ``check``, bounded) and exits with a one-line pointer to the report: exiting
 earlier could make the launcher stop the reporter before it printed.
 
+On NCCL a collective returns before it completes and the backend's watchdog ends
+the process at the timeout without a word to Python; there the heartbeat also
+watches the collectives in flight and runs this protocol itself for one past
+the timeout (:mod:`hybrid.diagnostics.watch`).
+
 Every store operation runs on a clone of the store with its own timeout
 (``store_timeout``), one clone per thread: a dead store server cannot hang the
 report for longer than that.
@@ -62,70 +67,34 @@ import time
 import torch
 
 from hybrid.diagnostics import report
+from hybrid.diagnostics.entry import Entry, callers, fmt_frame
+from hybrid.diagnostics.watch import PendingWatch
+from hybrid.errors import CollectiveError
 
 RING = 64  # collectives kept per rank
 
-_TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
-_HERE = os.path.dirname(os.path.abspath(__file__)) + os.sep
-_COMM = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "comm.py")
-_ROOT = os.path.dirname(os.path.dirname(_HERE.rstrip(os.sep))) + os.sep
-_STDLIB = os.path.dirname(os.path.abspath(os.__file__)) + os.sep  # site-packages too
+
+def _periods(timeout_s: float) -> tuple[float, float]:
+    """(heartbeat period, store timeout) in seconds for a collective timeout."""
+    return min(30.0, max(0.25, timeout_s / 8)), min(30.0, max(2.0, timeout_s))
 
 
-def _skip(filename: str) -> bool:
-    """Frames that say nothing about who called: torch's wrappers, the standard library
-    (threading, multiprocessing), installed packages, comm, this package."""
-    return (filename.startswith(_STDLIB) or filename.startswith(_TORCH_DIR)
-            or filename.startswith(_HERE) or filename == _COMM or filename.startswith("<"))
+def backstop(timeout: datetime.timedelta) -> datetime.timedelta:
+    """The process groups' own timeout when the recorder watches for hangs
+    (:mod:`hybrid.diagnostics.watch`): ``timeout`` plus the time the ranks may take to
+    notice (one heartbeat), read fresh records (two) and, on a pointing rank, wait for
+    the report (:meth:`FlightRecorder._reporter`: four, two store timeouts and 2 s),
+    with a margin."""
+    heartbeat, store = _periods(timeout.total_seconds())
+    return timeout + datetime.timedelta(seconds=8 * heartbeat + 2 * store + 10)
 
 
-def short_path(filename: str) -> str:
-    """Path relative to the repository root, else its last three components."""
-    if filename.startswith(_ROOT):
-        return filename[len(_ROOT):]
-    return os.sep.join(filename.split(os.sep)[-3:])
-
-
-def fmt_frame(frame: tuple) -> str:
-    filename, line, func = frame
-    return f"{short_path(filename)}:{line} in {func}"
-
-
-def callers(frame, depth: int = 3, limit: int = 40) -> tuple:
-    """Up to ``depth`` (filename, line, function) of the frames that called, innermost
-    first, one per source file (a file's own helpers say less than who called them)."""
-    out = []
-    while frame is not None and len(out) < depth and limit > 0:
-        code = frame.f_code
-        if not _skip(code.co_filename) and (not out or out[-1][0] != code.co_filename):
-            out.append((code.co_filename, frame.f_lineno, code.co_name))
-        frame = frame.f_back
-        limit -= 1
-    return tuple(out)
-
-
-class Entry:
-    """One collective as this rank issued it. ``state``: issued, done or failed."""
-
-    __slots__ = ("seq", "group", "op", "shape", "dtype", "frames", "t", "state")
-
-    def __init__(self, seq, group, op, shape, dtype, frames, t):
-        self.seq, self.group, self.op = seq, group, op
-        self.shape, self.dtype, self.frames, self.t = shape, dtype, frames, t
-        self.state = "issued"
-
-    @property
-    def caller(self) -> str:
-        if not self.frames:
-            return "an unknown caller"
-        head = fmt_frame(self.frames[0])
-        via = ", ".join(fmt_frame(f) for f in self.frames[1:])
-        return f"{head} (via {via})" if via else head
-
-    def to_dict(self) -> dict:
-        return {"seq": self.seq, "group": self.group.name, "ranks": self.group.ranks,
-                "op": self.op, "shape": list(self.shape), "dtype": self.dtype,
-                "caller": self.caller, "t": self.t, "state": self.state}
+def exit_on_hang(error: CollectiveError) -> None:
+    """The default ``on_hang``: say it on stderr, let the other ranks go, end the process
+    (the backend's watchdog would end it anyway, without a word)."""
+    print(str(error), file=sys.stderr, flush=True)
+    error.reported()
+    os._exit(2)
 
 
 class FlightRecorder:
@@ -138,14 +107,20 @@ class FlightRecorder:
             one-process run or when unknown: failures are then reported from
             this rank's own ring only.
         timeout: the collective timeout (sets the heartbeat period).
+        watch: the backend completes collectives after they return (NCCL): keep
+            their handles and let the heartbeat report one running past the
+            timeout, through ``on_hang`` (:mod:`hybrid.diagnostics.watch`).
     """
 
     def __init__(self, rank: int, world_size: int, store=None,
-                 timeout: datetime.timedelta = datetime.timedelta(minutes=10)):
+                 timeout: datetime.timedelta = datetime.timedelta(minutes=10),
+                 watch: bool = False):
         self.rank, self.world_size = rank, world_size
         self.timeout_s = timeout.total_seconds()
-        self.heartbeat_s = min(30.0, max(0.25, self.timeout_s / 8))
-        self.store_timeout = datetime.timedelta(seconds=min(30.0, max(2.0, self.timeout_s)))
+        self.heartbeat_s, store_s = _periods(self.timeout_s)
+        self.store_timeout = datetime.timedelta(seconds=store_s)
+        self.watch = PendingWatch() if watch else None
+        self.on_hang = exit_on_hang  # called on the heartbeat thread with the report
         self.ring: collections.deque = collections.deque(maxlen=RING)
         self.groups: dict = {}  # name -> CommGroup
         self.last: dict = {}  # group name -> (last Entry, the one before)
@@ -163,6 +138,8 @@ class FlightRecorder:
         self._dumped_on_alarm = False
         self._closed = False
         self._host = socket.gethostname()
+        self._protocol = threading.Lock()  # one failure protocol at a time, on either thread
+        self._first_failure: tuple | None = None  # (entry, (message, is the report))
 
     # -- setup -------------------------------------------------------------------------
     def _clone(self, store):
@@ -232,13 +209,15 @@ class FlightRecorder:
             groups[name] = {"ranks": g.ranks, "seq": g.seq,
                             "last": last.to_dict() if last else None,
                             "prev": prev.to_dict() if prev else None}
-        w = self.waiting
+        w, since = self.waiting, self.waiting_since
+        if w is None and self.watch is not None:  # queued, not complete: waited for, too
+            w, since = self.watch.oldest() or (None, 0.0)
         last_t = max((e.t for e, _ in list(self.last.values())), default=None)
         return {"rank": self.rank, "t": now, "host": self._host, "pid": os.getpid(),
                 "heartbeat_s": self.heartbeat_s, "alarm": self._alarm_seen,
                 "closed": self._closed,
                 "groups": groups, "last_t": last_t, "where": self.where(),
-                "waiting": ({"group": w.group.name, "seq": w.seq, "since": self.waiting_since}
+                "waiting": ({"group": w.group.name, "seq": w.seq, "since": since}
                             if w is not None else None),
                 "failed": self.failure}
 
@@ -261,6 +240,20 @@ class FlightRecorder:
                     self.dump("another rank's collective failed")
             except Exception:  # noqa: BLE001 - a missing store must not kill training
                 pass
+            self._check_watch()
+
+    def _check_watch(self) -> None:
+        """On the heartbeat thread: report the oldest collective still running past the
+        timeout, once, through ``on_hang`` (see :mod:`hybrid.diagnostics.watch`)."""
+        if self.watch is None or self._first_failure is not None:
+            return
+        oldest = self.watch.oldest()
+        if oldest is None or time.time() - oldest[1] < self.timeout_s:
+            return
+        e, since = oldest
+        msg, is_report = self.failed(e, f"still running {time.time() - since:.1f} s after it "
+                                        f"was queued")
+        self.on_hang(CollectiveError(msg, is_report, self.reported if is_report else None))
 
     def dump(self, reason: str) -> str | None:
         """Write the ring as JSON to ``dump_dir/collectives_rank<rank>.json``."""
@@ -283,7 +276,17 @@ class FlightRecorder:
 
         Runs the protocol of the module note. Without a store, or if the store
         fails, the message is this rank's own view and counts as the report.
+        The watch and the collective's own error may both report ``e``: the
+        second gets the first's answer.
         """
+        with self._protocol:
+            if self._first_failure is not None and self._first_failure[0] is e:
+                return self._first_failure[1]
+            out = self._failed(e, detail)
+            self._first_failure = (e, out)
+            return out
+
+    def _failed(self, e: Entry, detail: str) -> tuple[str, bool]:
         e.state = "failed"
         self.waiting = None
         self.failure = {"group": e.group.name, "seq": e.seq, "op": e.op,
