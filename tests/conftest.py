@@ -14,3 +14,21 @@ configure(kernel_config_from_env(os.environ))
 
 # The 4-process checkpoint I/O session, shared by two test files (runs once).
 from checkpoint_io_session import io_session  # noqa: E402,F401
+
+
+# ``choose("op=path,...")``: kernel paths for one test (tests/test_kernels_*.py).
+import pytest  # noqa: E402
+
+
+@pytest.fixture
+def choose():
+    """``choose("op=path,...")`` configures those paths (as --kernel-choice would);
+    the settings of before come back after the test."""
+    from dataclasses import replace
+
+    from hybrid import kernels
+    from hybrid.config import parse_kernel_choice
+
+    before = kernels.current()
+    yield lambda text: kernels.configure(replace(before, choice=parse_kernel_choice(text, "test")))
+    kernels.configure(before)
