@@ -2,7 +2,8 @@
 # Llama preset: bash examples/pretrain_llama.sh [more flags]
 #
 # The shape of Llama-3.2-1B: 16 layers, hidden 2048, 32 heads in 8 query groups
-# (GQA), SwiGLU MLP of 8192, RoPE with base 500000, RMSNorm, no biases, and a
+# (GQA), SwiGLU MLP of 8192, RoPE with base 500000 and Llama-3.1's frequency
+# scaling by 32 (--use-rope-scaling, as Meta's config.json), RMSNorm, no biases, and a
 # 128256-token vocabulary from a Hugging Face tokenizer.json (Llama 3's). One
 # difference: the output layer is untied here (--untie-embeddings-and-output-
 # weights), which Llama-3.2-1B ties; drop the flag to tie it. That is 1.50B
@@ -21,8 +22,8 @@
 # the tokenizer file, and the usual launcher variables for many nodes:
 #   DATA_PATH=data/corpus TOKENIZER_FILE=llama3/tokenizer.json \
 #   NNODES=4 NODE_RANK=0 NPROC_PER_NODE=8 MASTER_ADDR=node0 bash examples/pretrain_llama.sh
-# To start from Meta's weights instead, import them first (scripts/import_hf.py;
-# plain RoPE only: Llama 3.x's rope_type "llama3" scaling is not implemented).
+# To start from Meta's weights instead, import them first (scripts/import_hf.py,
+# which prints the flags of the checkpoint, rope_type "llama3" scaling included).
 set -euo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 save="${SAVE:-runs/llama_1b}"
@@ -31,6 +32,7 @@ exec bash "$here/../scripts/pretrain_gpt.sh" \
   --group-query-attention --num-query-groups 8 --ffn-hidden-size 8192 \
   --normalization RMSNorm --norm-epsilon 1e-5 --swiglu \
   --position-embedding-type rope --rotary-base 500000 \
+  --use-rope-scaling --rope-scaling-factor 32 \
   --untie-embeddings-and-output-weights --disable-bias-linear \
   --tensor-model-parallel-size 2 --sequence-parallel --zero-stage 1 \
   --seq-length 4096 --max-position-embeddings 4096 --bf16 --overlap-comm \

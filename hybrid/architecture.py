@@ -46,6 +46,8 @@ def architecture_fields(c) -> dict:
         "position_embedding_type": _get(c, "position_embedding_type", "learned_absolute"),
         "rotary_base": float(_get(c, "rotary_base", 10000)),
         "rotary_percent": float(_get(c, "rotary_percent", 1.0)),
+        "rope_scaling_factor": (float(_get(c, "rope_scaling_factor", 8.0))
+                                if _get(c, "use_rope_scaling", False) else None),
         "num_query_groups": _get(c, "num_query_groups", 1) if gqa else None,
         "untie_embeddings_and_output_weights":
             bool(_get(c, "untie_embeddings_and_output_weights", False)),
@@ -55,7 +57,8 @@ def architecture_fields(c) -> dict:
 
 # the GPTConfig / ModelConfig fields architecture_fields fills, in order
 ARCHITECTURE_FIELDS = ("normalization", "norm_epsilon", "swiglu", "position_embedding_type",
-                       "rotary_base", "rotary_percent", "num_query_groups",
+                       "rotary_base", "rotary_percent", "rope_scaling_factor",
+                       "num_query_groups",
                        "untie_embeddings_and_output_weights", "add_bias_linear")
 
 
@@ -102,6 +105,12 @@ def validate_architecture(cfg) -> None:
         raise ConfigError(f"--rotary-base must be > 0, got {cfg.rotary_base}")
     if not 0 < cfg.rotary_percent <= 1:
         raise ConfigError(f"--rotary-percent must be in (0, 1], got {cfg.rotary_percent}")
+    if cfg.use_rope_scaling and cfg.position_embedding_type != "rope":
+        raise ConfigError("--use-rope-scaling scales RoPE's frequencies: it needs "
+                          "--position-embedding-type rope")
+    if cfg.use_rope_scaling and not cfg.rope_scaling_factor >= 1:
+        raise ConfigError(f"--rope-scaling-factor must be >= 1 (it divides the low "
+                          f"frequencies), got {cfg.rope_scaling_factor}")
     head = cfg.hidden_size // cfg.num_attention_heads
     rotary_dim = int(head * cfg.rotary_percent)
     if cfg.position_embedding_type == "rope" and (rotary_dim < 2 or rotary_dim % 2):

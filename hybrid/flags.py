@@ -65,6 +65,10 @@ class Flags:
     position_embedding_type: str = opt("learned_absolute", "learned_absolute, rope or none")
     rotary_base: float = opt(10000.0, "RoPE frequency base (theta)")
     rotary_percent: float = opt(1.0, "fraction of each head's channels RoPE rotates")
+    use_rope_scaling: bool = opt(False, "Llama-3.1's RoPE frequency scaling (low/high "
+                                        "frequency factors 1 and 4, original context 8192)")
+    rope_scaling_factor: float = opt(8.0, "with --use-rope-scaling: how much longer the "
+                                          "low frequencies' wavelengths become")
     group_query_attention: bool = opt(False, "grouped-query attention (--num-query-groups)")
     num_query_groups: int | None = opt(None, "key/value heads with --group-query-attention "
                                              "(default 1)")

@@ -23,6 +23,7 @@ import torch
 
 from hybrid.architecture import architecture_fields, is_llama
 from hybrid.errors import CheckpointError
+from hybrid.kernels.rotary import HIGH_FREQ_FACTOR, LOW_FREQ_FACTOR, ORIGINAL_CONTEXT
 
 
 def _qkv_from_hf(q, k, v, groups: int) -> torch.Tensor:
@@ -96,17 +97,37 @@ def from_hf_llama(hf: dict[str, torch.Tensor], hc: dict) -> dict[str, torch.Tens
     return {k: v.float().contiguous() for k, v in out.items()}
 
 
-def _rope(hc: dict) -> float:
-    """RoPE base of a Llama ``config.json`` (transformers 5 ``rope_parameters``, or the
-    older top-level ``rope_theta`` / ``rope_scaling``); refuses scaled variants."""
-    params = hc.get("rope_parameters") or {}
-    scaling = hc.get("rope_scaling") or {}
-    kind = params.get("rope_type") or scaling.get("rope_type") or scaling.get("type") \
-        or "default"
-    if kind != "default":
+def _rope(hc: dict) -> dict:
+    """The RoPE flags of a Llama ``config.json`` (transformers 5 ``rope_parameters``, or
+    the older top-level ``rope_theta`` / ``rope_scaling``): the base, and Llama-3.1's
+    scaling (``rope_type`` llama3) with the low/high factors and original context
+    hybrid implements (those of every released Llama 3.x); other variants refused."""
+    params = dict(hc.get("rope_scaling") or {})
+    params.update(hc.get("rope_parameters") or {})
+    kind = params.get("rope_type") or params.get("type") or "default"
+    flags = {"rotary_base": float(params.get("rope_theta", hc.get("rope_theta", 10000.0)))}
+    if kind == "default":
+        return flags
+    if kind != "llama3":
         raise CheckpointError(f"config.json: rope_type {kind!r}; only plain RoPE ('default') "
-                              f"is implemented here")
-    return float(params.get("rope_theta", hc.get("rope_theta", 10000.0)))
+                              f"and Llama-3.1's ('llama3') are implemented here")
+    fixed = {"low_freq_factor": LOW_FREQ_FACTOR, "high_freq_factor": HIGH_FREQ_FACTOR,
+             "original_max_position_embeddings": ORIGINAL_CONTEXT}
+    for key, want in fixed.items():
+        if float(params.get(key, want)) != want:
+            raise CheckpointError(f"config.json: rope {key} {params[key]}; hybrid's llama3 "
+                                  f"scaling (Megatron's --use-rope-scaling) uses {want:g}")
+    return dict(flags, use_rope_scaling=True, rope_scaling_factor=float(params["factor"]))
+
+
+def _rope_parameters(f: dict) -> dict:
+    """``rope_parameters`` of ``config.json`` for :func:`architecture_fields` ``f``."""
+    theta, factor = f["rotary_base"], f["rope_scaling_factor"]
+    if factor is None:
+        return {"rope_type": "default", "rope_theta": theta}
+    return {"rope_type": "llama3", "rope_theta": theta, "factor": factor,
+            "low_freq_factor": LOW_FREQ_FACTOR, "high_freq_factor": HIGH_FREQ_FACTOR,
+            "original_max_position_embeddings": ORIGINAL_CONTEXT}
 
 
 def llama_flags(hc: dict) -> dict:
@@ -126,7 +147,7 @@ def llama_flags(hc: dict) -> dict:
              "num_attention_heads": heads, "ffn_hidden_size": hc["intermediate_size"],
              "max_position_embeddings": hc["max_position_embeddings"],
              "normalization": "RMSNorm", "norm_epsilon": hc.get("rms_norm_eps", 1e-6),
-             "swiglu": True, "position_embedding_type": "rope", "rotary_base": _rope(hc)}
+             "swiglu": True, "position_embedding_type": "rope", **_rope(hc)}
     if groups != heads:
         flags.update(group_query_attention=True, num_query_groups=groups)
     if not hc.get("tie_word_embeddings", True):
@@ -144,7 +165,7 @@ def llama_hf_config(c: dict, vocab_size: int) -> dict:
         raise CheckpointError(f"neither GPT-2 nor Llama-shaped: a Hugging Face Llama needs "
                               f"{', '.join(missing)}")
     heads = c["num_attention_heads"]
-    theta = f["rotary_base"]
+    rope = _rope_parameters(f)
     return {"architectures": ["LlamaForCausalLM"], "model_type": "llama",
             "vocab_size": vocab_size, "hidden_size": c["hidden_size"],
             "intermediate_size": c["ffn_hidden_size"],
@@ -153,8 +174,9 @@ def llama_hf_config(c: dict, vocab_size: int) -> dict:
             "head_dim": c["hidden_size"] // heads, "hidden_act": "silu",
             "max_position_embeddings": c["max_position_embeddings"],
             "rms_norm_eps": f["norm_epsilon"],
-            "rope_parameters": {"rope_type": "default", "rope_theta": theta},
-            "rope_theta": theta,  # what transformers 4.x reads
+            "rope_parameters": rope,
+            "rope_theta": rope["rope_theta"],  # what transformers 4.x reads (and rope_scaling)
+            **({"rope_scaling": rope} if rope["rope_type"] != "default" else {}),
             "attention_bias": f["add_bias_linear"], "mlp_bias": f["add_bias_linear"],
             "attention_dropout": c.get("attention_dropout", 0.0),
             "initializer_range": c.get("init_method_std", 0.02),

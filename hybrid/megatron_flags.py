@@ -93,8 +93,6 @@ REFUSED: dict[str, str] = {
                                   "does by default",
     "--use-rotary-position-embeddings": "use --position-embedding-type rope",
     "--no-position-embedding": "use --position-embedding-type none",
-    "--use-rope-scaling": "Llama-3's RoPE frequency scaling is not implemented",
-    "--rope-scaling-factor": "Llama-3's RoPE frequency scaling is not implemented",
     "--rotary-seq-len-interpolation-factor": "RoPE interpolation is not implemented",
     "--apply-layernorm-1p": "hybrid's norms scale by their weight, not 1 + weight",
     "--add-qkv-bias": "biases are all on or all off (--disable-bias-linear)",

@@ -48,12 +48,19 @@ def _assert_same_model(hf, model, vocab):
     return ours
 
 
-def _tiny_llama(tmp_path, tie):
+def _tiny_llama(tmp_path, tie, scaling=None):
+    """``scaling``: Llama-3.1's RoPE scaling by that factor. At rope_theta 50000 and
+    head size 16 the 8 frequencies cover all three of its regimes: kept (wavelength
+    under 2048 tokens), divided by the factor (over 8192), and blended between."""
+    rope = {"rope_type": "default", "rope_theta": 50000.0}
+    if scaling is not None:
+        rope.update(rope_type="llama3", factor=scaling, low_freq_factor=1.0,
+                    high_freq_factor=4.0, original_max_position_embeddings=8192)
     config = transformers.LlamaConfig(
         vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-        rope_theta=50000.0, rms_norm_eps=1e-5, tie_word_embeddings=tie, initializer_range=0.3,
-        bos_token_id=None, eos_token_id=None, pad_token_id=None)
+        rope_parameters=rope, rms_norm_eps=1e-5, tie_word_embeddings=tie,
+        initializer_range=0.3, bos_token_id=None, eos_token_id=None, pad_token_id=None)
     torch.manual_seed(1)
     hf = transformers.LlamaForCausalLM(config).eval()
     hf_dir = str(tmp_path / f"llama_tie{tie}")
@@ -77,14 +84,16 @@ def _load_imported_tp2(ps, save, flags):
         return model(_tokens(VOCAB))
 
 
-@pytest.mark.parametrize("tie", [False, True])
-def test_llama_from_transformers_imports_and_exports_exactly(tmp_path, tie, capsys):
-    hf, hf_dir = _tiny_llama(tmp_path, tie)
+@pytest.mark.parametrize("tie, scaling", [(False, None), (True, None), (False, 32.0)])
+def test_llama_from_transformers_imports_and_exports_exactly(tmp_path, tie, scaling, capsys):
+    hf, hf_dir = _tiny_llama(tmp_path, tie, scaling)
     save, out = str(tmp_path / "imported"), str(tmp_path / "exported")
     assert script_module("import_hf").main([hf_dir, save]) == 0
     printed = capsys.readouterr().out
-    assert "--normalization RMSNorm --norm-epsilon 1e-05 --swiglu --position-embedding-type " \
-           "rope --rotary-base 50000.0 --group-query-attention --num-query-groups 2" in printed
+    scaled = " --use-rope-scaling --rope-scaling-factor 32.0" if scaling else ""
+    assert ("--normalization RMSNorm --norm-epsilon 1e-05 --swiglu --position-embedding-type "
+            f"rope --rotary-base 50000.0{scaled} --group-query-attention --num-query-groups 2"
+            ) in printed, printed
     assert ("--untie-embeddings-and-output-weights" in printed) == (not tie)
     assert "--disable-bias-linear" in printed
     model = _hybrid(save)
@@ -103,6 +112,7 @@ def test_llama_from_transformers_imports_and_exports_exactly(tmp_path, tie, caps
     for name, t in hf.state_dict().items():
         assert torch.equal(mine[name], t), name  # the round trip moves no number
     assert back.config.tie_word_embeddings == tie
+    assert back.config.rope_parameters == hf.config.rope_parameters
     _assert_same_model(back, model, VOCAB)
 
 

@@ -12,6 +12,7 @@ TP size, composes with ZeRO, recompute and sequence parallelism, and reshards.
 """
 
 import importlib.util
+import math
 import os
 import shlex
 
@@ -35,6 +36,10 @@ OPTIONS = {  # name -> GPTConfig fields; 8 heads of 8 channels, 4 query groups
     "swiglu": {"swiglu": True},
     "rope": {"position_embedding_type": "rope", "rotary_base": 500.0},
     "rope_partial": {"position_embedding_type": "rope", "rotary_percent": 0.5},
+    # base 1e6 on 8 channels: wavelengths 6, 199, 6283 and 198,692 tokens, one in each
+    # regime of Llama-3.1's scaling (kept, blended, divided by the factor)
+    "rope_scaled": {"position_embedding_type": "rope", "rotary_base": 1e6,
+                    "rope_scaling_factor": 8.0},
     "no_positions": {"position_embedding_type": "none"},
     "gqa": {"num_query_groups": 4},
     "untied": {"untie_embeddings_and_output_weights": True},
@@ -295,6 +300,13 @@ def _validate(flags, world=4):
     return parse_args(flags).validate(world)
 
 
+def test_llama3_rope_scaling_keeps_blends_and_divides_by_wavelength():
+    from hybrid.kernels.rotary import llama3_scaled
+    f = 2 * math.pi / torch.tensor([100.0, 2047.0, 4096.0, 8193.0, 1e5])  # wavelengths
+    want = torch.stack([f[0], f[1], (2 / 3) * f[2] / 8 + (1 / 3) * f[2], f[3] / 8, f[4] / 8])
+    torch.testing.assert_close(llama3_scaled(f, 8.0), want, rtol=1e-6, atol=0)
+
+
 def test_llama_flags_map_to_the_model_and_fill_megatron_defaults():
     from hybrid.training import gpt_config
     cfg = _validate(["--normalization", "RMSNorm", "--swiglu", "--hidden-size", "4096",
@@ -308,6 +320,9 @@ def test_llama_flags_map_to_the_model_and_fill_megatron_defaults():
     assert (g.normalization, g.swiglu, g.position_embedding_type, g.rotary_base,
             g.num_query_groups, g.untie_embeddings_and_output_weights, g.add_bias_linear,
             g.norm_epsilon) == ("RMSNorm", True, "rope", 500000.0, 1, True, False, 1e-6)
+    assert g.rope_scaling_factor is None
+    scaled = _validate(["--position-embedding-type", "rope", "--use-rope-scaling"], world=1)
+    assert gpt_config(scaled, 257).rope_scaling_factor == 8.0  # Megatron's default factor
     plain = gpt_config(_validate([], world=1), 257)  # GPT-2 unchanged
     assert (plain.normalization, plain.swiglu, plain.position_embedding_type,
             plain.query_groups, plain.add_bias_linear, plain.ffn_hidden_size) == \
@@ -330,6 +345,10 @@ def test_llama_flags_map_to_the_model_and_fill_megatron_defaults():
     (["--swiglu", "--hidden-size", "16", "--num-attention-heads", "4"],
      "give --ffn-hidden-size"),
     (["--norm-epsilon", "0"], "--norm-epsilon must be > 0"),
+    (["--use-rope-scaling"], "--use-rope-scaling scales RoPE's frequencies: it needs "
+                             "--position-embedding-type rope"),
+    (["--position-embedding-type", "rope", "--use-rope-scaling", "--rope-scaling-factor",
+      "0.5"], "--rope-scaling-factor must be >= 1"),
 ])
 def test_bad_llama_flags_name_the_flag(flags, message):
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):

@@ -25,22 +25,47 @@ attention kernel then keeps, the same bytes as the fused QKV output itself.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
 
 
+# Llama-3.1's RoPE scaling (Megatron's --use-rope-scaling fixes these three; so do the
+# released Llama 3.1, 3.2 and 3.3 configs)
+LOW_FREQ_FACTOR, HIGH_FREQ_FACTOR, ORIGINAL_CONTEXT = 1.0, 4.0, 8192
+
+
+def llama3_scaled(inv_freq: torch.Tensor, factor: float) -> torch.Tensor:
+    """Llama-3.1's frequency scaling: channels whose wavelength ``2 pi / f`` is shorter
+    than ``ORIGINAL_CONTEXT / HIGH_FREQ_FACTOR`` tokens keep their frequency (they
+    resolve nearby tokens), those longer than ``ORIGINAL_CONTEXT / LOW_FREQ_FACTOR``
+    turn ``factor`` times slower (they span the context), and those between move
+    linearly, in ``ORIGINAL_CONTEXT / wavelength``, from one to the other."""
+    wavelen = 2 * math.pi / inv_freq
+    smooth = ((ORIGINAL_CONTEXT / wavelen - LOW_FREQ_FACTOR)
+              / (HIGH_FREQ_FACTOR - LOW_FREQ_FACTOR))
+    between = (1 - smooth) * inv_freq / factor + smooth * inv_freq
+    out = torch.where(wavelen > ORIGINAL_CONTEXT / LOW_FREQ_FACTOR, inv_freq / factor, between)
+    return torch.where(wavelen < ORIGINAL_CONTEXT / HIGH_FREQ_FACTOR, inv_freq, out)
+
+
 @dataclass(frozen=True)
 class Rotary:
-    """RoPE on the first ``dim`` channels of a head (even), with frequency base ``base``."""
+    """RoPE on the first ``dim`` channels of a head (even), with frequency base ``base``;
+    ``scaling_factor``: Llama-3.1's frequency scaling by that factor (None: off)."""
 
     dim: int
     base: float = 10000.0
+    scaling_factor: float | None = None
 
     def cos_sin(self, seq_len: int, dtype: torch.dtype, device) -> tuple[torch.Tensor, ...]:
-        """(cos, sin), each ``(T, dim)``: ``[f | f]`` with ``f = pos * base^(-2j/dim)``."""
+        """(cos, sin), each ``(T, dim)``: ``[f | f]`` with ``f = pos * base^(-2j/dim)``
+        (frequencies scaled by :func:`llama3_scaled` when ``scaling_factor`` is set)."""
         inv_freq = 1.0 / (self.base ** (torch.arange(0, self.dim, 2, dtype=torch.float,
                                                      device=device) / self.dim))
+        if self.scaling_factor is not None:
+            inv_freq = llama3_scaled(inv_freq, self.scaling_factor)
         pos = torch.arange(seq_len, device=device).float()
         freqs = pos[:, None] * inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
