@@ -109,8 +109,8 @@ def _watching(ps, timeout_s):
 
 def _queued_then_host_wait(ps):
     """Rank 0's all-reduce returns queued and rank 0 goes on to wait on the host (as at
-    a loss read on NCCL); rank 1 sleeps in Python past the 2 s timeout, then joins."""
-    w, store = _watching(ps, 2.0)
+    a loss read on NCCL); rank 1 sleeps in Python past the 1.5 s timeout, then joins."""
+    w, store = _watching(ps, 1.5)
     hangs = []
 
     def on_hang(err):
@@ -120,13 +120,13 @@ def _queued_then_host_wait(ps):
     w.recorder.on_hang = on_hang
     t0 = time.time()
     if ps.rank == 1:
-        time.sleep(5.0)  # ASLEEP
+        time.sleep(3.5)  # ASLEEP
     work = w.world_group.all_reduce(torch.ones(4), async_op=True)  # QUEUED
     if ps.rank == 0:
-        time.sleep(5.5)  # the host waits for the device
+        time.sleep(4.0)  # the host waits for the device
     work.wait()
     w.world_group.all_reduce(torch.ones(4))  # completes: nothing more to report
-    time.sleep(4 * w.recorder.heartbeat_s)
+    time.sleep(2 * w.recorder.heartbeat_s)
     pending = len(w.recorder.watch)
     w.recorder.close()
     ps.world_group.all_reduce(torch.ones(1))  # rank 0's store outlives rank 1's use
@@ -138,13 +138,13 @@ def test_a_collective_queued_past_the_timeout_is_reported_by_the_heartbeat():
     res = run_ranks(_queued_then_host_wait, world_size=2)
     (hangs0, pending0), (hangs1, pending1) = res
     assert hangs1 == [] and pending0 == pending1 == 0
-    assert len(hangs0) == 1, hangs0  # once, though it stayed queued for 5 s
+    assert len(hangs0) == 1, hangs0  # once, though it stayed queued for 3.5 s
     took, msg, reporter = hangs0[0]
-    assert reporter and 2.0 <= took < 3.5, took
+    assert reporter and 1.5 <= took < 3.0, took
     here = "tests/test_watch.py:{} in _queued_then_host_wait"
     assert msg.startswith(
         "rank 0: all_reduce #1 of the world group (global ranks [0, 1]) did not complete "
-        "(timeout 2 s; still running "), msg
+        "(timeout 1.5 s; still running "), msg
     assert f"\n  it was called at {here.format(_line_of(_queued_then_host_wait, '# QUEUED'))}" \
         in msg, msg
     assert "\n  rank 1 never reached it.\n" in msg, msg
