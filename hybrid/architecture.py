@@ -35,6 +35,10 @@ def _get(c, name: str, default: Any) -> Any:
     return default if value is None else value
 
 
+def _float_or_none(v) -> float | None:
+    return None if v is None else float(v)
+
+
 def architecture_fields(c) -> dict:
     """``GPTConfig`` keyword arguments of the architecture flags of ``c`` (a
     checked Flags, or a checkpoint's saved config dict; missing keys: GPT-2)."""
@@ -48,6 +52,8 @@ def architecture_fields(c) -> dict:
         "rotary_percent": float(_get(c, "rotary_percent", 1.0)),
         "rope_scaling_factor": (float(_get(c, "rope_scaling_factor", 8.0))
                                 if _get(c, "use_rope_scaling", False) else None),
+        "rotary_seq_len_interpolation_factor":
+            _float_or_none(_get(c, "rotary_seq_len_interpolation_factor", None)),
         "num_query_groups": _get(c, "num_query_groups", 1) if gqa else None,
         "untie_embeddings_and_output_weights":
             bool(_get(c, "untie_embeddings_and_output_weights", False)),
@@ -58,7 +64,7 @@ def architecture_fields(c) -> dict:
 # the GPTConfig / ModelConfig fields architecture_fields fills, in order
 ARCHITECTURE_FIELDS = ("normalization", "norm_epsilon", "swiglu", "position_embedding_type",
                        "rotary_base", "rotary_percent", "rope_scaling_factor",
-                       "num_query_groups",
+                       "rotary_seq_len_interpolation_factor", "num_query_groups",
                        "untie_embeddings_and_output_weights", "add_bias_linear")
 
 
@@ -111,6 +117,17 @@ def validate_architecture(cfg) -> None:
     if cfg.use_rope_scaling and not cfg.rope_scaling_factor >= 1:
         raise ConfigError(f"--rope-scaling-factor must be >= 1 (it divides the low "
                           f"frequencies), got {cfg.rope_scaling_factor}")
+    interp = cfg.rotary_seq_len_interpolation_factor
+    if interp is not None:
+        if cfg.position_embedding_type != "rope":
+            raise ConfigError("--rotary-seq-len-interpolation-factor divides RoPE's positions: "
+                              "it needs --position-embedding-type rope")
+        if not interp >= 1:
+            raise ConfigError(f"--rotary-seq-len-interpolation-factor must be >= 1 (positions "
+                              f"are divided by it), got {interp}")
+        if cfg.use_rope_scaling:
+            raise ConfigError("--rotary-seq-len-interpolation-factor and --use-rope-scaling "
+                              "both stretch RoPE to a longer context: give one")
     head = cfg.hidden_size // cfg.num_attention_heads
     rotary_dim = int(head * cfg.rotary_percent)
     if cfg.position_embedding_type == "rope" and (rotary_dim < 2 or rotary_dim % 2):

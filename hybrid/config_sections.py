@@ -108,6 +108,7 @@ class ModelConfig:
     rotary_base: float = 10000.0
     rotary_percent: float = 1.0
     rope_scaling_factor: float | None = None  # Llama-3.1 scaling (--use-rope-scaling); None: off
+    rotary_seq_len_interpolation_factor: float | None = None  # positions / this; None: off
     num_query_groups: int | None = None  # key/value heads; None: one per query head
     untie_embeddings_and_output_weights: bool = False
     add_bias_linear: bool = True

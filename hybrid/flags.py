@@ -69,6 +69,9 @@ class Flags:
                                         "frequency factors 1 and 4, original context 8192)")
     rope_scaling_factor: float = opt(8.0, "with --use-rope-scaling: how much longer the "
                                           "low frequencies' wavelengths become")
+    rotary_seq_len_interpolation_factor: float | None = opt(
+        None, "RoPE position interpolation: positions divided by this (a model trained "
+              "at length L then reads L x factor tokens)")
     group_query_attention: bool = opt(False, "grouped-query attention (--num-query-groups)")
     num_query_groups: int | None = opt(None, "key/value heads with --group-query-attention "
                                              "(default 1)")

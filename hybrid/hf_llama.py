@@ -99,18 +99,22 @@ def from_hf_llama(hf: dict[str, torch.Tensor], hc: dict) -> dict[str, torch.Tens
 
 def _rope(hc: dict) -> dict:
     """The RoPE flags of a Llama ``config.json`` (transformers 5 ``rope_parameters``, or
-    the older top-level ``rope_theta`` / ``rope_scaling``): the base, and Llama-3.1's
-    scaling (``rope_type`` llama3) with the low/high factors and original context
-    hybrid implements (those of every released Llama 3.x); other variants refused."""
+    the older top-level ``rope_theta`` / ``rope_scaling``): the base; position
+    interpolation (``rope_type`` linear); Llama-3.1's scaling (``rope_type`` llama3)
+    with the low/high factors and original context hybrid implements (those of
+    every released Llama 3.x). Other variants are refused."""
     params = dict(hc.get("rope_scaling") or {})
     params.update(hc.get("rope_parameters") or {})
     kind = params.get("rope_type") or params.get("type") or "default"
     flags = {"rotary_base": float(params.get("rope_theta", hc.get("rope_theta", 10000.0)))}
     if kind == "default":
         return flags
+    if kind == "linear":
+        return dict(flags, rotary_seq_len_interpolation_factor=float(params["factor"]))
     if kind != "llama3":
-        raise CheckpointError(f"config.json: rope_type {kind!r}; only plain RoPE ('default') "
-                              f"and Llama-3.1's ('llama3') are implemented here")
+        raise CheckpointError(f"config.json: rope_type {kind!r}; only plain RoPE ('default'), "
+                              f"position interpolation ('linear') and Llama-3.1's ('llama3') "
+                              f"are implemented here")
     fixed = {"low_freq_factor": LOW_FREQ_FACTOR, "high_freq_factor": HIGH_FREQ_FACTOR,
              "original_max_position_embeddings": ORIGINAL_CONTEXT}
     for key, want in fixed.items():
@@ -123,6 +127,9 @@ def _rope(hc: dict) -> dict:
 def _rope_parameters(f: dict) -> dict:
     """``rope_parameters`` of ``config.json`` for :func:`architecture_fields` ``f``."""
     theta, factor = f["rotary_base"], f["rope_scaling_factor"]
+    interp = f["rotary_seq_len_interpolation_factor"]
+    if interp is not None:
+        return {"rope_type": "linear", "rope_theta": theta, "factor": interp}
     if factor is None:
         return {"rope_type": "default", "rope_theta": theta}
     return {"rope_type": "llama3", "rope_theta": theta, "factor": factor,

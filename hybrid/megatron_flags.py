@@ -93,7 +93,6 @@ REFUSED: dict[str, str] = {
                                   "does by default",
     "--use-rotary-position-embeddings": "use --position-embedding-type rope",
     "--no-position-embedding": "use --position-embedding-type none",
-    "--rotary-seq-len-interpolation-factor": "RoPE interpolation is not implemented",
     "--apply-layernorm-1p": "hybrid's norms scale by their weight, not 1 + weight",
     "--add-qkv-bias": "biases are all on or all off (--disable-bias-linear)",
     "--lr-warmup-init": "warmup rises linearly from lr / warmup steps",

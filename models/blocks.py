@@ -49,7 +49,8 @@ class AttentionCore(nn.Module):
         super().__init__()
         self.head_size = cfg.head_size
         self.q_per_group = cfg.num_attention_heads // cfg.query_groups
-        self.rotary = (Rotary(cfg.rotary_dim, cfg.rotary_base, cfg.rope_scaling_factor)
+        self.rotary = (Rotary(cfg.rotary_dim, cfg.rotary_base, cfg.rope_scaling_factor,
+                              cfg.rotary_seq_len_interpolation_factor)
                        if cfg.position_embedding_type == "rope" else None)
         self.dropout = cfg.attention_dropout
         self.backend = cfg.attention_backend  # --attention-backend (hybrid/kernels/attention.py)

@@ -75,6 +75,7 @@ class GPTConfig:
     rotary_base: float = 10000.0
     rotary_percent: float = 1.0  # RoPE on this fraction of each head's channels
     rope_scaling_factor: float | None = None  # Llama-3.1 frequency scaling; None: plain RoPE
+    rotary_seq_len_interpolation_factor: float | None = None  # RoPE positions / this
     num_query_groups: int | None = None  # GQA key/value heads; default one per head
     untie_embeddings_and_output_weights: bool = False
     add_bias_linear: bool = True

@@ -49,13 +49,16 @@ def _assert_same_model(hf, model, vocab):
 
 
 def _tiny_llama(tmp_path, tie, scaling=None):
-    """``scaling``: Llama-3.1's RoPE scaling by that factor. At rope_theta 50000 and
-    head size 16 the 8 frequencies cover all three of its regimes: kept (wavelength
-    under 2048 tokens), divided by the factor (over 8192), and blended between."""
+    """``scaling``: (rope_type, factor), "llama3" (Llama-3.1's frequency scaling) or
+    "linear" (position interpolation). At rope_theta 50000 and head size 16 the 8
+    frequencies cover all three regimes of llama3's: kept (wavelength under 2048
+    tokens), divided by the factor (over 8192), and blended between."""
     rope = {"rope_type": "default", "rope_theta": 50000.0}
     if scaling is not None:
-        rope.update(rope_type="llama3", factor=scaling, low_freq_factor=1.0,
-                    high_freq_factor=4.0, original_max_position_embeddings=8192)
+        rope.update(rope_type=scaling[0], factor=scaling[1])
+    if scaling is not None and scaling[0] == "llama3":
+        rope.update(low_freq_factor=1.0, high_freq_factor=4.0,
+                    original_max_position_embeddings=8192)
     config = transformers.LlamaConfig(
         vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
@@ -84,13 +87,16 @@ def _load_imported_tp2(ps, save, flags):
         return model(_tokens(VOCAB))
 
 
-@pytest.mark.parametrize("tie, scaling", [(False, None), (True, None), (False, 32.0)])
+@pytest.mark.parametrize("tie, scaling", [(False, None), (True, None), (False, ("llama3", 32.0)),
+                                          (False, ("linear", 4.0))],
+                         ids=["untied", "tied", "llama3", "linear"])
 def test_llama_from_transformers_imports_and_exports_exactly(tmp_path, tie, scaling, capsys):
     hf, hf_dir = _tiny_llama(tmp_path, tie, scaling)
     save, out = str(tmp_path / "imported"), str(tmp_path / "exported")
     assert script_module("import_hf").main([hf_dir, save]) == 0
     printed = capsys.readouterr().out
-    scaled = " --use-rope-scaling --rope-scaling-factor 32.0" if scaling else ""
+    scaled = {None: "", "llama3": " --use-rope-scaling --rope-scaling-factor 32.0",
+              "linear": " --rotary-seq-len-interpolation-factor 4.0"}[scaling and scaling[0]]
     assert ("--normalization RMSNorm --norm-epsilon 1e-05 --swiglu --position-embedding-type "
             f"rope --rotary-base 50000.0{scaled} --group-query-attention --num-query-groups 2"
             ) in printed, printed

@@ -40,6 +40,8 @@ OPTIONS = {  # name -> GPTConfig fields; 8 heads of 8 channels, 4 query groups
     # regime of Llama-3.1's scaling (kept, blended, divided by the factor)
     "rope_scaled": {"position_embedding_type": "rope", "rotary_base": 1e6,
                     "rope_scaling_factor": 8.0},
+    "rope_interpolated": {"position_embedding_type": "rope",
+                          "rotary_seq_len_interpolation_factor": 4.0},
     "no_positions": {"position_embedding_type": "none"},
     "gqa": {"num_query_groups": 4},
     "untied": {"untie_embeddings_and_output_weights": True},
@@ -345,10 +347,14 @@ def test_llama_flags_map_to_the_model_and_fill_megatron_defaults():
     (["--swiglu", "--hidden-size", "16", "--num-attention-heads", "4"],
      "give --ffn-hidden-size"),
     (["--norm-epsilon", "0"], "--norm-epsilon must be > 0"),
-    (["--use-rope-scaling"], "--use-rope-scaling scales RoPE's frequencies: it needs "
-                             "--position-embedding-type rope"),
+    (["--use-rope-scaling"], "--use-rope-scaling scales RoPE's frequencies: it needs --pos"),
     (["--position-embedding-type", "rope", "--use-rope-scaling", "--rope-scaling-factor",
       "0.5"], "--rope-scaling-factor must be >= 1"),
+    (["--rotary-seq-len-interpolation-factor", "2"], "factor divides RoPE's positions: it needs"),
+    (["--position-embedding-type", "rope", "--rotary-seq-len-interpolation-factor", "0.5"],
+     "--rotary-seq-len-interpolation-factor must be >= 1"),
+    (["--position-embedding-type", "rope", "--rotary-seq-len-interpolation-factor", "2",
+      "--use-rope-scaling"], "both stretch RoPE to a longer context: give one"),
 ])
 def test_bad_llama_flags_name_the_flag(flags, message):
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):

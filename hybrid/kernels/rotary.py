@@ -53,11 +53,14 @@ def llama3_scaled(inv_freq: torch.Tensor, factor: float) -> torch.Tensor:
 @dataclass(frozen=True)
 class Rotary:
     """RoPE on the first ``dim`` channels of a head (even), with frequency base ``base``;
-    ``scaling_factor``: Llama-3.1's frequency scaling by that factor (None: off)."""
+    ``scaling_factor``: Llama-3.1's frequency scaling by that factor (None: off);
+    ``interpolation``: positions divided by it (linear position interpolation, Chen
+    et al. 2023; None: off)."""
 
     dim: int
     base: float = 10000.0
     scaling_factor: float | None = None
+    interpolation: float | None = None
 
     def cos_sin(self, seq_len: int, dtype: torch.dtype, device) -> tuple[torch.Tensor, ...]:
         """(cos, sin), each ``(T, dim)``: ``[f | f]`` with ``f = pos * base^(-2j/dim)``
@@ -67,6 +70,8 @@ class Rotary:
         if self.scaling_factor is not None:
             inv_freq = llama3_scaled(inv_freq, self.scaling_factor)
         pos = torch.arange(seq_len, device=device).float()
+        if self.interpolation is not None:
+            pos = pos / self.interpolation
         freqs = pos[:, None] * inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
         return emb.cos().to(dtype), emb.sin().to(dtype)
