@@ -2,7 +2,8 @@
 
 Megatron names the flags (``--normalization RMSNorm --swiglu
 --position-embedding-type rope --group-query-attention --num-query-groups G
---untie-embeddings-and-output-weights --disable-bias-linear``); the model takes
+--untie-embeddings-and-output-weights --disable-bias-linear --add-qkv-bias``); the
+model takes
 them as :class:`models.gpt.GPTConfig` fields. :func:`architecture_fields` maps
 one to the other, from checked Flags or from the flat ``config`` dict
 a checkpoint's ``metadata.json`` stores -- where a checkpoint written before
@@ -58,6 +59,7 @@ def architecture_fields(c) -> dict:
         "untie_embeddings_and_output_weights":
             bool(_get(c, "untie_embeddings_and_output_weights", False)),
         "add_bias_linear": not _get(c, "disable_bias_linear", False),
+        "add_qkv_bias": bool(_get(c, "add_qkv_bias", False)),
     }
 
 
@@ -65,7 +67,8 @@ def architecture_fields(c) -> dict:
 ARCHITECTURE_FIELDS = ("normalization", "norm_epsilon", "swiglu", "position_embedding_type",
                        "rotary_base", "rotary_percent", "rope_scaling_factor",
                        "rotary_seq_len_interpolation_factor", "num_query_groups",
-                       "untie_embeddings_and_output_weights", "add_bias_linear")
+                       "untie_embeddings_and_output_weights", "add_bias_linear",
+                       "add_qkv_bias")
 
 
 def is_llama(fields: dict) -> list[str]:

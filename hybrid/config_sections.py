@@ -112,6 +112,7 @@ class ModelConfig:
     num_query_groups: int | None = None  # key/value heads; None: one per query head
     untie_embeddings_and_output_weights: bool = False
     add_bias_linear: bool = True
+    add_qkv_bias: bool = False  # QKV keeps a bias when add_bias_linear is off (Qwen2)
     compile: bool = False  # torch.compile each block's forward (hybrid/compile.py)
 
 

@@ -78,6 +78,8 @@ class Flags:
     untie_embeddings_and_output_weights: bool = opt(False, "a separate output layer instead "
                                                            "of the embedding's transpose")
     disable_bias_linear: bool = opt(False, "no biases in the linear layers")
+    add_qkv_bias: bool = opt(False, "a bias on the QKV projection even with "
+                                    "--disable-bias-linear (Qwen2)")
     # batch
     micro_batch_size: int = opt(8, "samples per rank per forward/backward")
     global_batch_size: int | None = opt(None, "samples per step (default micro x DP)")

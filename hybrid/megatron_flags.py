@@ -94,7 +94,6 @@ REFUSED: dict[str, str] = {
     "--use-rotary-position-embeddings": "use --position-embedding-type rope",
     "--no-position-embedding": "use --position-embedding-type none",
     "--apply-layernorm-1p": "hybrid's norms scale by their weight, not 1 + weight",
-    "--add-qkv-bias": "biases are all on or all off (--disable-bias-linear)",
     "--lr-warmup-init": "warmup rises linearly from lr / warmup steps",
     "--weight-decay-incr-style": "--weight-decay is constant",
     "--start-weight-decay": "--weight-decay is constant",

@@ -102,6 +102,7 @@ class Workload:
     num_query_groups: int | None = None  # None: one per head
     untie_embeddings_and_output_weights: bool = False
     add_bias_linear: bool = True
+    add_qkv_bias: bool = False  # QKV's bias without the others (Qwen2)
 
     @property
     def psi(self) -> int:
@@ -126,7 +127,8 @@ class Workload:
     def block_params(self) -> int:
         C, F, t = self.hidden_size, self.ffn_hidden_size, self.tp
         bias = 1 if self.add_bias_linear else 0
-        split = self.qkv_width * (C + bias) + C * C + self.mlp_up_width * (C + bias) + F * C
+        qkv_bias = 1 if self.add_bias_linear or self.add_qkv_bias else 0
+        split = self.qkv_width * (C + qkv_bias) + C * C + self.mlp_up_width * (C + bias) + F * C
         return split // t + 2 * self.norm_params + 2 * bias * C
 
     @property
@@ -165,7 +167,7 @@ def workload(cfg, vocab_size: int, device: str = "cuda") -> Workload:
         cpu_checkpointing=rc.cpu_checkpointing, reduce_bucket_size=zero.reduce_bucket_size,
         device=device, **{k: getattr(m, k) for k in (
             "normalization", "swiglu", "position_embedding_type", "num_query_groups",
-            "untie_embeddings_and_output_weights", "add_bias_linear")})
+            "untie_embeddings_and_output_weights", "add_bias_linear", "add_qkv_bias")})
 
 
 def _stat_bytes(w: Workload) -> int:

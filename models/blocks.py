@@ -2,9 +2,9 @@
 
 GPT-2's block by default; the Llama-family options of :class:`GPTConfig` swap
 in RMSNorm, a SwiGLU MLP, rotary position embeddings, grouped-query attention
-and bias-free linears. Every option keeps the TP split a split of whole heads
-(whole query groups) and of whole MLP rows, so the block is the same function
-at every TP size.
+and bias-free linears (all but QKV with ``add_qkv_bias``, as Qwen2). Every option
+keeps the TP split a split of whole heads (whole query groups) and of whole MLP
+rows, so the block is the same function at every TP size.
 
 Shapes: B batch, T sequence, C hidden, hs head size; per TP rank nh query
 heads, ng query groups (key/value heads), f MLP width.
@@ -86,8 +86,11 @@ class ParallelAttention(nn.Module):
         # QKV rows are laid out per query group as [its q heads | k | v], so a
         # contiguous chunk of rows is whole groups: the split is the same function
         # for every TP size (GPT-2, one head per group: [q k v] per head).
+        # A QKV bias (add_qkv_bias) follows the same per-group row layout: a TP shard
+        # of it is the bias of exactly the rank's groups.
         sp, bias = cfg.sequence_parallel, cfg.add_bias_linear
-        self.qkv = ColumnParallelLinear(C, cfg.qkv_size, tp_group, bias=bias, sequence_parallel=sp)
+        self.qkv = ColumnParallelLinear(C, cfg.qkv_size, tp_group, bias=cfg.qkv_bias,
+                                        sequence_parallel=sp)
         self.core = AttentionCore(cfg, rng)
         self.proj = RowParallelLinear(C, C, tp_group, bias=bias, input_is_parallel=True,
                                       sequence_parallel=sp)

@@ -5,7 +5,8 @@ pre-LayerNorm blocks, GELU MLP with 4x expansion, biases everywhere, and an
 output head tied to the token embedding. A few :class:`GPTConfig` fields (the
 Megatron flags of the same names) make it a Llama: ``normalization="RMSNorm"``,
 ``swiglu``, ``position_embedding_type="rope"``, ``num_query_groups`` (GQA),
-``untie_embeddings_and_output_weights`` and ``add_bias_linear=False``. The
+``untie_embeddings_and_output_weights`` and ``add_bias_linear=False`` (Qwen2:
+with ``add_qkv_bias``, a bias on the QKV projection only). The
 model knows nothing of data parallelism, ZeRO or activation checkpointing;
 those are applied from outside (``model.blocks`` is the list they wrap). The
 block itself is in :mod:`models.blocks`.
@@ -79,6 +80,7 @@ class GPTConfig:
     num_query_groups: int | None = None  # GQA key/value heads; default one per head
     untie_embeddings_and_output_weights: bool = False
     add_bias_linear: bool = True
+    add_qkv_bias: bool = False  # QKV's bias even without add_bias_linear (Qwen2)
 
     def __post_init__(self):
         if self.ffn_hidden_size is None:
@@ -100,6 +102,11 @@ class GPTConfig:
         return (self.num_attention_heads + 2 * self.query_groups) * self.head_size
 
     @property
+    def qkv_bias(self) -> bool:
+        """The fused QKV projection has a bias (Megatron: add_bias_linear or add_qkv_bias)."""
+        return self.add_bias_linear or self.add_qkv_bias
+
+    @property
     def rotary_dim(self) -> int:
         """Channels of each head RoPE rotates."""
         return int(self.head_size * self.rotary_percent)
@@ -113,9 +120,9 @@ class GPTConfig:
         """
         C, F_, L = self.hidden_size, self.ffn_hidden_size, self.num_layers
         up = (2 if self.swiglu else 1) * F_
-        bias = 1 if self.add_bias_linear else 0
+        bias, qkv_bias = int(self.add_bias_linear), int(self.qkv_bias)
         heads = (1 + self.untie_embeddings_and_output_weights) * self.padded_vocab_size * C
-        split = heads + L * (self.qkv_size * (C + bias) + C * C + up * (C + bias) + F_ * C)
+        split = heads + L * (self.qkv_size * (C + qkv_bias) + C * C + up * (C + bias) + F_ * C)
         norm = (2 if self.normalization == "LayerNorm" else 1) * C
         positions = (self.max_position_embeddings * C
                      if self.position_embedding_type == "learned_absolute" else 0)

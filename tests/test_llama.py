@@ -8,22 +8,17 @@ TP size, composes with ZeRO, recompute and sequence parallelism, and reshards.
   recompute and SP with the losses and parameters of plain torch on one process.
 * A checkpoint saved at TP 2 loads at TP 1 and the reverse, bit for bit, with
   the same loss.
-* Bad flag combinations are one ConfigError naming the flag.
-"""
 
-import importlib.util
-import math
-import os
-import shlex
+The flags themselves are in tests/test_llama_flags.py.
+"""
 
 import pytest
 import torch
 
 from harness import run_ranks
-from hybrid.flags import Flags, parse_args
-from hybrid.errors import ConfigError
+from hybrid.flags import Flags
 from hybrid.parallel_state import ParallelState
-from hybrid.tensor_parallel import seed_all, unshard
+from hybrid.tensor_parallel import full_shape, seed_all, shard_of, unshard
 from models.gpt import GPT, GPTConfig
 from test_zero import VOCAB, _named_params, _train_cfg, _train_reference, _train_steps
 
@@ -46,7 +41,12 @@ OPTIONS = {  # name -> GPTConfig fields; 8 heads of 8 channels, 4 query groups
     "gqa": {"num_query_groups": 4},
     "untied": {"untie_embeddings_and_output_weights": True},
     "no_bias": {"add_bias_linear": False},
+    # Qwen2: only QKV has a bias, laid out per query group (4 groups: one per rank at
+    # TP 4), added before RoPE rotates q and k (as "gqa" with zero biases elsewhere)
+    "qkv_bias": {"add_bias_linear": False, "add_qkv_bias": True, "num_query_groups": 4,
+                 "position_embedding_type": "rope"},
     "llama": LLAMA,
+    "qwen2": dict(LLAMA, add_qkv_bias=True),
 }
 
 
@@ -61,11 +61,23 @@ def _batch():
     return x[:, :-1], x[:, 1:]
 
 
+def _nonzero_qkv_bias(model):
+    """Biases start at zero, which hides their layout: give every QKV bias one full
+    value per row (the same at every TP size) and keep this rank's rows of it."""
+    for layer, block in enumerate(model.blocks):
+        p = block.attn.qkv.bias
+        if p is not None:
+            g = torch.Generator().manual_seed(100 + layer)
+            with torch.no_grad():
+                p.copy_(shard_of(0.5 * torch.randn(full_shape(p), generator=g), p))
+
+
 def _run_options(ps, names):
     out = {}
     for name in names:
         rng = seed_all(SEED, ps.tp_rank, ps.dp_rank, ps.device)
         model = GPT(_cfg(ps.tp_size, **OPTIONS[name]), ps.tp_group, rng=rng, seed=SEED)
+        _nonzero_qkv_bias(model)
         x, y = _batch()
         logits = model(x)
         loss = model(x, y)
@@ -91,14 +103,19 @@ def test_options_change_the_model_they_name(reference):
     linear_bias = [n for n in names["no_bias"] if n.endswith("bias") and "ln_" not in n]
     assert not linear_bias and not any(n.endswith("bias") for n in names["llama"])
     assert not any("ln_1.bias" in n for n in base)  # RMSNorm: a weight only
+    for name in ("qkv_bias", "qwen2"):  # the QKV bias and no other
+        assert sorted(n for n in names[name] if n.endswith("bias") and "ln_" not in n) == \
+            ["blocks.0.attn.qkv.bias", "blocks.1.attn.qkv.bias"], name
+    assert reference["qwen2"]["weights"]["blocks.0.attn.qkv.bias"].shape == ((8 + 2 * 4) * 8,)
     w = reference["llama"]["weights"]
     assert w["blocks.0.mlp.fc.weight"].shape == (2 * 128, 64)  # [gate; up], 8h/3 -> 128
     assert w["blocks.0.attn.qkv.weight"].shape == ((8 + 2 * 4) * 8, 64)
     assert reference["llama"]["specs"]["blocks.0.mlp.fc.weight"].full_shape == (2, 128, 64)
     losses = {k: float(r["loss"]) for k, r in reference.items()}
     assert len(set(losses.values())) == len(losses), losses  # each option does something
-    cfg = _cfg(1, **LLAMA)
-    assert cfg.num_parameters() == sum(p.numel() for p in reference["llama"]["weights"].values())
+    for name in ("llama", "qwen2", "qkv_bias"):
+        cfg = _cfg(1, **OPTIONS[name])
+        assert cfg.num_parameters() == sum(p.numel() for p in reference[name]["weights"].values())
 
 
 @pytest.mark.parametrize("tp", [2, 4])
@@ -295,105 +312,3 @@ def test_checkpoints_reshard_between_tp1_and_tp2(tmp_path):
     _, _, engine = build_engine(gpt2, ps, V, rng)
     with pytest.raises(CheckpointError, match="the architecture flags"):
         load_checkpoint(one, engine, ps, gpt2, rng, V)
-
-
-# -- flags ----------------------------------------------------------------------------
-def _validate(flags, world=4):
-    return parse_args(flags).validate(world)
-
-
-def test_llama3_rope_scaling_keeps_blends_and_divides_by_wavelength():
-    from hybrid.kernels.rotary import llama3_scaled
-    f = 2 * math.pi / torch.tensor([100.0, 2047.0, 4096.0, 8193.0, 1e5])  # wavelengths
-    want = torch.stack([f[0], f[1], (2 / 3) * f[2] / 8 + (1 / 3) * f[2], f[3] / 8, f[4] / 8])
-    torch.testing.assert_close(llama3_scaled(f, 8.0), want, rtol=1e-6, atol=0)
-
-
-def test_llama_flags_map_to_the_model_and_fill_megatron_defaults():
-    from hybrid.training import gpt_config
-    cfg = _validate(["--normalization", "RMSNorm", "--swiglu", "--hidden-size", "4096",
-                     "--num-attention-heads", "32", "--position-embedding-type", "rope",
-                     "--rotary-base", "500000", "--group-query-attention",
-                     "--untie-embeddings-and-output-weights", "--disable-bias-linear",
-                     "--norm-epsilon", "1e-6"], world=1)
-    assert cfg.model.ffn_hidden_size == 10880  # Megatron: int(4 * 4096 * 2 / 3 / 64) * 64
-    assert cfg.model.num_query_groups == 1  # Megatron's default with --group-query-attention
-    g = gpt_config(cfg, 32000)
-    assert (g.normalization, g.swiglu, g.position_embedding_type, g.rotary_base,
-            g.num_query_groups, g.untie_embeddings_and_output_weights, g.add_bias_linear,
-            g.norm_epsilon) == ("RMSNorm", True, "rope", 500000.0, 1, True, False, 1e-6)
-    assert g.rope_scaling_factor is None
-    scaled = _validate(["--position-embedding-type", "rope", "--use-rope-scaling"], world=1)
-    assert gpt_config(scaled, 257).rope_scaling_factor == 8.0  # Megatron's default factor
-    plain = gpt_config(_validate([], world=1), 257)  # GPT-2 unchanged
-    assert (plain.normalization, plain.swiglu, plain.position_embedding_type,
-            plain.query_groups, plain.add_bias_linear, plain.ffn_hidden_size) == \
-        ("LayerNorm", False, "learned_absolute", 4, True, 1024)
-
-
-@pytest.mark.parametrize("flags,message", [
-    (["--group-query-attention", "--num-query-groups", "3"],
-     "--num-attention-heads 4 is not divisible by --num-query-groups 3"),
-    (["--group-query-attention", "--num-query-groups", "2", "--tensor-model-parallel-size",
-      "4"], "--num-query-groups 2 is not divisible by --tensor-model-parallel-size 4"),
-    (["--group-query-attention", "--tensor-model-parallel-size", "2"],
-     "--num-query-groups 1 is not divisible by --tensor-model-parallel-size 2"),
-    (["--num-query-groups", "2"], "--num-query-groups needs --group-query-attention"),
-    (["--normalization", "BatchNorm"], "--normalization must be one of LayerNorm, RMSNorm"),
-    (["--position-embedding-type", "alibi"], "--position-embedding-type must be one of"),
-    (["--position-embedding-type", "rope", "--rotary-percent", "0.01"],
-     "RoPE needs an even number"),
-    (["--rotary-percent", "1.5"], "--rotary-percent must be in (0, 1]"),
-    (["--swiglu", "--hidden-size", "16", "--num-attention-heads", "4"],
-     "give --ffn-hidden-size"),
-    (["--norm-epsilon", "0"], "--norm-epsilon must be > 0"),
-    (["--use-rope-scaling"], "--use-rope-scaling scales RoPE's frequencies: it needs --pos"),
-    (["--position-embedding-type", "rope", "--use-rope-scaling", "--rope-scaling-factor",
-      "0.5"], "--rope-scaling-factor must be >= 1"),
-    (["--rotary-seq-len-interpolation-factor", "2"], "factor divides RoPE's positions: it needs"),
-    (["--position-embedding-type", "rope", "--rotary-seq-len-interpolation-factor", "0.5"],
-     "--rotary-seq-len-interpolation-factor must be >= 1"),
-    (["--position-embedding-type", "rope", "--rotary-seq-len-interpolation-factor", "2",
-      "--use-rope-scaling"], "both stretch RoPE to a longer context: give one"),
-])
-def test_bad_llama_flags_name_the_flag(flags, message):
-    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
-        _validate(flags)
-
-
-# -- the preset --------------------------------------------------------------------------
-def _preset_flags():
-    """The flags examples/pretrain_llama.sh passes to scripts/pretrain_gpt.sh."""
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    text = open(os.path.join(root, "examples", "pretrain_llama.sh"), encoding="utf-8").read()
-    cmd = text[text.index('pretrain_gpt.sh"') + len('pretrain_gpt.sh"'):]
-    return root, [w for w in shlex.split(cmd.replace("\\\n", " ")) if w != "$@"]
-
-
-@pytest.mark.parametrize("world", [8, 32])
-def test_llama_preset_validates_and_runs_the_stage_the_estimator_recommends(world, capsys):
-    """Llama-3.2-1B's shape (untied), config only: the flags validate at 8 and 32 ranks,
-    and scripts/estimate_memory.py takes them as they are and recommends the preset's
-    ZeRO stage for an 80 GiB device."""
-    from hybrid.memory_estimate import choose_stage, workload
-    root, flags = _preset_flags()
-    cfg = parse_args(flags).validate(world)
-    m = cfg.model
-    assert (m.num_layers, m.hidden_size, m.num_attention_heads, m.num_query_groups,
-            m.ffn_hidden_size, m.rotary_base, m.normalization, m.swiglu,
-            m.position_embedding_type, m.untie_embeddings_and_output_weights,
-            m.add_bias_linear, cfg.data.tokenizer_type) == \
-        (16, 2048, 32, 8, 8192, 500000.0, "RMSNorm", True, "rope", True, False,
-         "HuggingFaceTokenizer")
-    w = workload(cfg, 128256)
-    assert w.psi == 749_275_136  # per TP rank at TP 2; 1.50B in all
-    assert choose_stage(w, 80 * 2 ** 30, runtime_bytes=int(1.5 * 2 ** 30)) == cfg.zero.stage
-    spec = importlib.util.spec_from_file_location(
-        "estimate_memory", os.path.join(root, "scripts", "estimate_memory.py"))
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
-    capsys.readouterr()
-    assert script.main(flags + ["--world-size", str(world), "--vocab-size", "128256",
-                                "--gpu-memory-gb", "80"]) == 0
-    last = capsys.readouterr().out.strip().splitlines()[-1]
-    assert '"recommended_zero_stage": 1' in last and cfg.zero.stage == 1

@@ -175,13 +175,18 @@ def test_llama_activations_equal_saved_bytes(measured, tp, sp, case):
     assert got["layer"] < measured[tp][("sp", *case) if sp else case]["layer"]
 
 
-def test_llama_parameter_count_matches_the_model():
+@pytest.mark.parametrize("qkv_bias", [False, True], ids=["llama", "qwen2"])
+def test_llama_parameter_count_matches_the_model(qkv_bias):
+    """Qwen2's QKV bias (--add-qkv-bias): (4 + 2 x 2) heads x 8 channels per layer more."""
+    arch = dict(LLAMA, add_qkv_bias=qkv_bias)
     for tp in (1, 2):
-        w = _workload(tp, "fp32", 0.0, 0.0, layers=2, arch=LLAMA)
+        w = _workload(tp, "fp32", 0.0, 0.0, layers=2, arch=arch)
         cfg = GPTConfig(vocab_size=V, padded_vocab_size=V, num_layers=2, hidden_size=H,
                         num_attention_heads=HEADS, max_position_embeddings=S,
-                        ffn_hidden_size=LLAMA_FFN, **LLAMA)
+                        ffn_hidden_size=LLAMA_FFN, **arch)
         assert w.psi == cfg.num_parameters(tp)
+        base = _workload(tp, "fp32", 0.0, 0.0, layers=2, arch=LLAMA).psi
+        assert w.psi - base == qkv_bias * 2 * (4 + 2 * 2) * 8 // tp
     model = GPT(cfg, ParallelState.single().tp_group, device="meta")
     assert cfg.num_parameters() == sum(p.numel() for p in model.parameters())
 

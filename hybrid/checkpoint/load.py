@@ -39,7 +39,7 @@ def check_model(meta: dict, model: torch.nn.Module, vocab_size: int | None, wher
                               f"{extra[:3]} this model lacks, lacks {missing[:3]}); check "
                               f"--num-layers and the architecture flags (--normalization, "
                               f"--position-embedding-type, --disable-bias-linear, "
-                              f"--untie-embeddings-and-output-weights)")
+                              f"--add-qkv-bias, --untie-embeddings-and-output-weights)")
     for name, shape in mine.items():
         old = saved[name]
         if old == shape:
