@@ -86,6 +86,12 @@ def is_llama(fields: dict) -> list[str]:
     return missing
 
 
+def is_qwen2(fields: dict) -> bool:
+    """True when the biases are Qwen2's (q, k and v only): a Llama-shaped model with
+    them is a Hugging Face ``Qwen2ForCausalLM`` rather than a ``LlamaForCausalLM``."""
+    return fields["add_qkv_bias"] and not fields["add_bias_linear"]
+
+
 def is_gpt2(fields: dict) -> bool:
     """True when the flags describe GPT-2 (every architecture flag at its default)."""
     return (fields["normalization"] == "LayerNorm" and not fields["swiglu"]

@@ -1,8 +1,11 @@
-"""Name and layout mapping between hybrid's Llama-shaped GPT and Hugging Face's Llama.
+"""Name and layout mapping between hybrid's Llama-shaped GPT and Hugging Face's Llama
+and Qwen2.
 
 A hybrid model with ``--normalization RMSNorm --swiglu --position-embedding-type
-rope`` (and optionally GQA, untied output, no biases) is ``LlamaForCausalLM``.
-What differs is only where the numbers sit:
+rope`` (and optionally GQA, untied output, no biases) is ``LlamaForCausalLM``;
+with ``--disable-bias-linear --add-qkv-bias`` (biases on q, k and v only) it is
+``Qwen2ForCausalLM``, whose weights are named as Llama's. What differs is only
+where the numbers sit:
 
 * hybrid fuses Q, K and V into one weight laid out per query group --
   ``[the group's query heads | its key head | its value head]``, group after
@@ -41,10 +44,16 @@ def _qkv_to_hf(qkv, groups: int, heads: int):
             x[:, r + 1].reshape(-1, *rest))
 
 
+def _kinds(bias: bool) -> tuple[str, ...]:
+    return ("weight", "bias") if bias else ("weight",)
+
+
 def to_hf_llama(model: dict[str, torch.Tensor], c: dict,
                 vocab_size: int) -> dict[str, torch.Tensor]:
-    """hybrid state (full tensors) with saved config ``c`` -> ``LlamaForCausalLM`` state."""
+    """hybrid state (full tensors) with saved config ``c`` -> ``LlamaForCausalLM`` state
+    (``Qwen2ForCausalLM``'s too: the same names, q/k/v biases with --add-qkv-bias)."""
     f = architecture_fields(c)
+    qkv_bias, bias = f["add_bias_linear"] or f["add_qkv_bias"], f["add_bias_linear"]
     heads = c["num_attention_heads"]
     groups = f["num_query_groups"] or heads
     out = {"model.embed_tokens.weight": model["wte.weight"][:vocab_size],
@@ -55,11 +64,11 @@ def to_hf_llama(model: dict[str, torch.Tensor], c: dict,
         src, dst = f"blocks.{i}.", f"model.layers.{i}."
         out[dst + "input_layernorm.weight"] = model[src + "ln_1.weight"]
         out[dst + "post_attention_layernorm.weight"] = model[src + "ln_2.weight"]
-        kinds = ("weight", "bias") if f["add_bias_linear"] else ("weight",)
-        for kind in kinds:
+        for kind in _kinds(qkv_bias):
             q, k, v = _qkv_to_hf(model[f"{src}attn.qkv.{kind}"], groups, heads)
             for name, t in (("q", q), ("k", k), ("v", v)):
                 out[f"{dst}self_attn.{name}_proj.{kind}"] = t
+        for kind in _kinds(bias):
             out[f"{dst}self_attn.o_proj.{kind}"] = model[f"{src}attn.proj.{kind}"]
             gate, up = model[f"{src}mlp.fc.{kind}"]  # (2, F, ...)
             out[f"{dst}mlp.gate_proj.{kind}"] = gate
@@ -68,11 +77,23 @@ def to_hf_llama(model: dict[str, torch.Tensor], c: dict,
     return {k: v.contiguous() for k, v in out.items()}
 
 
+def _is_qwen2(hc: dict) -> bool:
+    return hc.get("model_type") == "qwen2"
+
+
+def _tied(hc: dict) -> bool:
+    """``tie_word_embeddings``, defaulting as hybrid always has for Llama and as
+    transformers does for Qwen2 (untied)."""
+    return bool(hc.get("tie_word_embeddings", not _is_qwen2(hc)))
+
+
 def from_hf_llama(hf: dict[str, torch.Tensor], hc: dict) -> dict[str, torch.Tensor]:
-    """``LlamaForCausalLM`` state dict with ``config.json`` ``hc`` -> hybrid state
-    (unpadded vocabulary, fp32)."""
+    """``LlamaForCausalLM`` or ``Qwen2ForCausalLM`` state dict with ``config.json``
+    ``hc`` -> hybrid state (unpadded vocabulary, fp32)."""
     groups = hc.get("num_key_value_heads") or hc["num_attention_heads"]
-    bias = bool(hc.get("attention_bias", False))
+    # Qwen2: q/k/v always have a bias, o_proj and the MLP never
+    bias = bool(hc.get("attention_bias", False)) and not _is_qwen2(hc)
+    qkv_bias = bias or _is_qwen2(hc)
 
     def get(k):
         for key in (k, "model." + k):
@@ -80,16 +101,17 @@ def from_hf_llama(hf: dict[str, torch.Tensor], hc: dict) -> dict[str, torch.Tens
                 return hf[key]
         raise CheckpointError(f"the Hugging Face weights have no {k!r}")
     out = {"wte.weight": get("embed_tokens.weight"), "ln_f.weight": get("norm.weight")}
-    if not hc.get("tie_word_embeddings", True):
+    if not _tied(hc):
         out["output_layer.weight"] = hf["lm_head.weight"] if "lm_head.weight" in hf \
             else get("lm_head.weight")
     for i in range(hc["num_hidden_layers"]):
         src, dst = f"layers.{i}.", f"blocks.{i}."
         out[dst + "ln_1.weight"] = get(src + "input_layernorm.weight")
         out[dst + "ln_2.weight"] = get(src + "post_attention_layernorm.weight")
-        for kind in ("weight", "bias") if bias else ("weight",):
+        for kind in _kinds(qkv_bias):
             q, k, v = (get(f"{src}self_attn.{n}_proj.{kind}") for n in "qkv")
             out[f"{dst}attn.qkv.{kind}"] = _qkv_from_hf(q, k, v, groups)
+        for kind in _kinds(bias):
             out[f"{dst}attn.proj.{kind}"] = get(f"{src}self_attn.o_proj.{kind}")
             out[f"{dst}mlp.fc.{kind}"] = torch.stack([get(f"{src}mlp.gate_proj.{kind}"),
                                                       get(f"{src}mlp.up_proj.{kind}")])
@@ -137,18 +159,14 @@ def _rope_parameters(f: dict) -> dict:
             "original_max_position_embeddings": ORIGINAL_CONTEXT}
 
 
-def llama_flags(hc: dict) -> dict:
-    """hybrid's flags (TrainConfig fields) for a Llama ``config.json``; CheckpointError
-    naming the field for what hybrid cannot express."""
+def _llama_shape_flags(hc: dict) -> dict:
+    """The flags a Llama and a Qwen2 ``config.json`` share (all but the biases)."""
     heads, hidden = hc["num_attention_heads"], hc["hidden_size"]
     if hc.get("hidden_act", "silu") != "silu":
         raise CheckpointError(f"config.json: hidden_act {hc['hidden_act']!r}; SwiGLU is silu")
     if hc.get("head_dim") not in (None, hidden // heads):
         raise CheckpointError(f"config.json: head_dim {hc['head_dim']} is not hidden_size / "
                               f"num_attention_heads ({hidden // heads}), which hybrid assumes")
-    if bool(hc.get("attention_bias", False)) != bool(hc.get("mlp_bias", False)):
-        raise CheckpointError("config.json: attention_bias and mlp_bias differ; hybrid's "
-                              "--disable-bias-linear covers both")
     groups = hc.get("num_key_value_heads") or heads
     flags = {"num_layers": hc["num_hidden_layers"], "hidden_size": hidden,
              "num_attention_heads": heads, "ffn_hidden_size": hc["intermediate_size"],
@@ -157,36 +175,81 @@ def llama_flags(hc: dict) -> dict:
              "swiglu": True, "position_embedding_type": "rope", **_rope(hc)}
     if groups != heads:
         flags.update(group_query_attention=True, num_query_groups=groups)
-    if not hc.get("tie_word_embeddings", True):
+    if not _tied(hc):
         flags["untie_embeddings_and_output_weights"] = True
+    return flags
+
+
+def llama_flags(hc: dict) -> dict:
+    """hybrid's flags (TrainConfig fields) for a Llama ``config.json``; CheckpointError
+    naming the field for what hybrid cannot express."""
+    if bool(hc.get("attention_bias", False)) != bool(hc.get("mlp_bias", False)):
+        raise CheckpointError("config.json: attention_bias and mlp_bias differ; hybrid's "
+                              "--disable-bias-linear covers both")
+    flags = _llama_shape_flags(hc)
     if not hc.get("attention_bias", False):
         flags["disable_bias_linear"] = True
     return flags
 
 
-def llama_hf_config(c: dict, vocab_size: int) -> dict:
-    """``config.json`` of ``LlamaForCausalLM`` for a hybrid saved config ``c``."""
+def qwen2_flags(hc: dict) -> dict:
+    """hybrid's flags for a Qwen2 (or Qwen2.5) ``config.json``: a Llama with biases on
+    q, k and v only (``--disable-bias-linear --add-qkv-bias``). Sliding-window
+    attention is refused: hybrid's attention is full and causal on every layer."""
+    if hc.get("use_sliding_window", False):
+        raise CheckpointError("config.json: use_sliding_window is true; hybrid's attention "
+                              "is full causal attention on every layer")
+    other = sorted(set(hc.get("layer_types") or ()) - {"full_attention"})
+    if other:
+        raise CheckpointError(f"config.json: layer_types has {', '.join(map(repr, other))}; "
+                              f"hybrid implements only 'full_attention' layers")
+    return dict(_llama_shape_flags(hc), disable_bias_linear=True, add_qkv_bias=True)
+
+
+def _hf_shape_config(c: dict, vocab_size: int, family: str) -> tuple[dict, dict]:
+    """(:func:`architecture_fields` of ``c``, the ``config.json`` keys Llama and Qwen2
+    share); CheckpointError naming the flags a Llama-shaped model needs."""
     f = architecture_fields(c)
     missing = is_llama(f)
     if missing:
-        raise CheckpointError(f"neither GPT-2 nor Llama-shaped: a Hugging Face Llama needs "
-                              f"{', '.join(missing)}")
+        raise CheckpointError(f"neither GPT-2 nor Llama-shaped: a Hugging Face {family} "
+                              f"needs {', '.join(missing)}")
     heads = c["num_attention_heads"]
     rope = _rope_parameters(f)
-    return {"architectures": ["LlamaForCausalLM"], "model_type": "llama",
-            "vocab_size": vocab_size, "hidden_size": c["hidden_size"],
-            "intermediate_size": c["ffn_hidden_size"],
-            "num_hidden_layers": c["num_layers"], "num_attention_heads": heads,
-            "num_key_value_heads": f["num_query_groups"] or heads,
-            "head_dim": c["hidden_size"] // heads, "hidden_act": "silu",
-            "max_position_embeddings": c["max_position_embeddings"],
-            "rms_norm_eps": f["norm_epsilon"],
-            "rope_parameters": rope,
-            "rope_theta": rope["rope_theta"],  # what transformers 4.x reads (and rope_scaling)
-            **({"rope_scaling": rope} if rope["rope_type"] != "default" else {}),
-            "attention_bias": f["add_bias_linear"], "mlp_bias": f["add_bias_linear"],
-            "attention_dropout": c.get("attention_dropout", 0.0),
-            "initializer_range": c.get("init_method_std", 0.02),
-            "tie_word_embeddings": not f["untie_embeddings_and_output_weights"],
-            # hybrid does not know the tokenizer's special ids: set them for generation
-            "bos_token_id": None, "eos_token_id": None, "use_cache": True}
+    return f, {
+        "vocab_size": vocab_size, "hidden_size": c["hidden_size"],
+        "intermediate_size": c["ffn_hidden_size"],
+        "num_hidden_layers": c["num_layers"], "num_attention_heads": heads,
+        "num_key_value_heads": f["num_query_groups"] or heads, "hidden_act": "silu",
+        "max_position_embeddings": c["max_position_embeddings"],
+        "rms_norm_eps": f["norm_epsilon"],
+        "rope_parameters": rope,
+        "rope_theta": rope["rope_theta"],  # what transformers 4.x reads (and rope_scaling)
+        **({"rope_scaling": rope} if rope["rope_type"] != "default" else {}),
+        "attention_dropout": c.get("attention_dropout", 0.0),
+        "initializer_range": c.get("init_method_std", 0.02),
+        "tie_word_embeddings": not f["untie_embeddings_and_output_weights"],
+        # hybrid does not know the tokenizer's special ids: set them for generation
+        "bos_token_id": None, "eos_token_id": None, "use_cache": True}
+
+
+def llama_hf_config(c: dict, vocab_size: int) -> dict:
+    """``config.json`` of ``LlamaForCausalLM`` for a hybrid saved config ``c``."""
+    f, shape = _hf_shape_config(c, vocab_size, "Llama")
+    if f["add_qkv_bias"] and not f["add_bias_linear"]:
+        raise CheckpointError("--add-qkv-bias without the other biases is Qwen2, not Llama")
+    return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", **shape,
+            "head_dim": c["hidden_size"] // c["num_attention_heads"],
+            "attention_bias": f["add_bias_linear"], "mlp_bias": f["add_bias_linear"]}
+
+
+def qwen2_hf_config(c: dict, vocab_size: int) -> dict:
+    """``config.json`` of ``Qwen2ForCausalLM`` for a hybrid saved config ``c`` (with
+    ``--disable-bias-linear --add-qkv-bias``): full attention on every layer."""
+    f, shape = _hf_shape_config(c, vocab_size, "Qwen2")
+    if f["add_bias_linear"] or not f["add_qkv_bias"]:
+        raise CheckpointError("a Hugging Face Qwen2 needs --disable-bias-linear --add-qkv-bias")
+    layers = c["num_layers"]
+    return {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", **shape,
+            "use_sliding_window": False, "sliding_window": None, "max_window_layers": layers,
+            "layer_types": ["full_attention"] * layers}

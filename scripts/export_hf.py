@@ -6,9 +6,10 @@
 Writes ``OUT_DIR/config.json`` and ``OUT_DIR/model.safetensors``: a
 ``GPT2LMHeadModel`` for a GPT-2-shaped run, a ``LlamaForCausalLM`` for a
 Llama-shaped one (``--normalization RMSNorm --swiglu --position-embedding-type
-rope``, with or without GQA, untied output and biases), which
-``transformers.AutoModelForCausalLM.from_pretrained(OUT_DIR)`` loads. A Llama
-export leaves ``bos_token_id`` / ``eos_token_id`` unset: hybrid does not know
+rope``, with or without GQA, untied output and biases), a ``Qwen2ForCausalLM``
+for a Llama-shaped one with Qwen2's biases (``--disable-bias-linear
+--add-qkv-bias``), which
+``transformers.AutoModelForCausalLM.from_pretrained(OUT_DIR)`` loads. A Llama or Qwen2 export leaves ``bos_token_id`` / ``eos_token_id`` unset: hybrid does not know
 the tokenizer's special ids. Needs the ``safetensors`` package (``pip install
 -e '.[dev]'`` has it).
 """
@@ -22,11 +23,11 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from hybrid.architecture import architecture_fields, is_gpt2  # noqa: E402
+from hybrid.architecture import architecture_fields, is_gpt2, is_qwen2  # noqa: E402
 from hybrid.checkpoint import iter_full_params, resolve_checkpoint  # noqa: E402
 from hybrid.errors import CheckpointError  # noqa: E402
 from hybrid.hf import hf_config, to_hf  # noqa: E402
-from hybrid.hf_llama import llama_hf_config, to_hf_llama  # noqa: E402
+from hybrid.hf_llama import llama_hf_config, qwen2_hf_config, to_hf_llama  # noqa: E402
 
 
 def main(argv=None) -> int:
@@ -46,16 +47,19 @@ def main(argv=None) -> int:
             raise CheckpointError(f"{a.output_dir}: already holds a model; not overwriting it")
         meta, params = iter_full_params(ckpt, ("master",))  # one parameter at a time
         cfg, vocab = meta["config"], meta["vocab_size"]
-        if is_gpt2(architecture_fields(cfg)):
+        fields = architecture_fields(cfg)
+        if is_gpt2(fields):
             cfg = dict(cfg, ffn_hidden_size=cfg.get("ffn_hidden_size") or 4 * cfg["hidden_size"])
             kind, config = "GPT-2", hf_config(cfg, vocab)
+        elif is_qwen2(fields):  # biases on q, k and v only
+            kind, config = "Qwen2", qwen2_hf_config(cfg, vocab)
         else:  # CheckpointError naming the flags when it is not a Llama either
             kind, config = "Llama", llama_hf_config(cfg, vocab)
         weights = {n: s["master"] for n, s in params}
         if kind == "GPT-2":  # HF ties lm_head to wte, so only the embedding is stored
             tensors = to_hf(weights, cfg["num_layers"], cfg["num_attention_heads"], vocab)
         else:
-            tensors = to_hf_llama(weights, cfg, vocab)
+            tensors = to_hf_llama(weights, cfg, vocab)  # Qwen2 names its weights as Llama
     except CheckpointError as e:
         print(f"export_hf.py: error: {e}", file=sys.stderr)
         return 2

@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Turn a Hugging Face GPT-2 or Llama model directory on disk into a hybrid checkpoint.
+"""Turn a Hugging Face GPT-2, Llama or Qwen2 model directory on disk into a hybrid checkpoint.
 
     python scripts/import_hf.py HF_DIR SAVE_DIR
     bash scripts/pretrain_gpt.sh --load SAVE_DIR --num-layers ... (the flags it prints)
@@ -11,7 +11,8 @@ into any TP x DP x ZeRO layout. Prints the flags that match the model: for a
 ``LlamaForCausalLM`` (``model_type`` llama, plain RoPE) those include
 ``--normalization RMSNorm --swiglu --position-embedding-type rope`` and, as the
 model has them, ``--group-query-attention``, ``--untie-embeddings-and-output-
-weights`` and ``--disable-bias-linear``.
+weights`` and ``--disable-bias-linear``; a ``Qwen2ForCausalLM`` (``model_type``
+qwen2, Qwen2 and Qwen2.5) adds ``--disable-bias-linear --add-qkv-bias``.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ import torch  # noqa: E402
 from hybrid.checkpoint.save import write_unsharded_checkpoint  # noqa: E402
 from hybrid.errors import CheckpointError  # noqa: E402
 from hybrid.hf import from_hf  # noqa: E402
-from hybrid.hf_llama import from_hf_llama, llama_flags  # noqa: E402
+from hybrid.hf_llama import from_hf_llama, llama_flags, qwen2_flags  # noqa: E402
 
 
 def _read_weights(hf_dir: str) -> dict:
@@ -82,11 +83,11 @@ def main(argv=None) -> int:
         kind = hc.get("model_type")
         if kind == "gpt2":
             flags, model = _gpt2(a.hf_dir, hc)
-        elif kind == "llama":
-            flags = llama_flags(hc)  # refuses what hybrid cannot express, before reading
+        elif kind in ("llama", "qwen2"):  # refuse what hybrid cannot express, before reading
+            flags = llama_flags(hc) if kind == "llama" else qwen2_flags(hc)
             model = from_hf_llama(_read_weights(a.hf_dir), hc)
         else:
-            raise CheckpointError(f"{path}: model_type {kind!r}, expected gpt2 or llama")
+            raise CheckpointError(f"{path}: model_type {kind!r}, expected gpt2, llama or qwen2")
         out = write_unsharded_checkpoint(a.save_dir, model, flags, hc["vocab_size"])
     except CheckpointError as e:
         print(f"import_hf.py: error: {e}", file=sys.stderr)

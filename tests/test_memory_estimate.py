@@ -249,7 +249,8 @@ def test_estimate_memory_script_recommends_a_stage_and_rejects_bad_layouts():
 
 
 def _presets():
-    """{size: (flags of its shape, the flags every preset shares)} from examples/pretrain_gpt2.sh."""
+    """{size: (flags of its shape, the flags every preset shares)} from
+    examples/pretrain_gpt2.sh."""
     import re
     import shlex
     path = os.path.join(os.path.dirname(__file__), "..", "examples", "pretrain_gpt2.sh")
