@@ -8,10 +8,11 @@ Writes ``OUT_DIR/config.json`` and ``OUT_DIR/model.safetensors``: a
 Llama-shaped one (``--normalization RMSNorm --swiglu --position-embedding-type
 rope``, with or without GQA, untied output and biases), a ``Qwen2ForCausalLM``
 for a Llama-shaped one with Qwen2's biases (``--disable-bias-linear
---add-qkv-bias``), which
-``transformers.AutoModelForCausalLM.from_pretrained(OUT_DIR)`` loads. A Llama or Qwen2 export leaves ``bos_token_id`` / ``eos_token_id`` unset: hybrid does not know
-the tokenizer's special ids. Needs the ``safetensors`` package (``pip install
--e '.[dev]'`` has it).
+--add-qkv-bias``: q, k and v only), which
+``transformers.AutoModelForCausalLM.from_pretrained(OUT_DIR)`` loads. A Llama or
+Qwen2 export leaves ``bos_token_id`` / ``eos_token_id`` unset: hybrid does not
+know the tokenizer's special ids. Needs the ``safetensors`` package (``pip
+install -e '.[dev]'`` has it).
 """
 
 from __future__ import annotations
