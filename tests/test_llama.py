@@ -7,7 +7,7 @@ TP size, composes with ZeRO, recompute and sequence parallelism, and reshards.
   3 steps at TP2 x DP2 and TP4 x DP1 under ZeRO 0-3, full and selective
   recompute and SP with the losses and parameters of plain torch on one process.
 * A checkpoint saved at TP 2 loads at TP 1 and the reverse, bit for bit, with
-  the same loss.
+  the same loss (Qwen2-shaped: with the QKV bias).
 
 The flags themselves are in tests/test_llama_flags.py.
 """
@@ -241,11 +241,12 @@ def test_llama_trains_like_one_process_under_zero_recompute_and_sp(llama_referen
 
 # -- checkpoints across TP sizes --------------------------------------------------------
 def _engine(ps, seed):
+    """Qwen2-shaped: the Llama flags and --add-qkv-bias (a bias that training moves)."""
     from hybrid.training import build_engine
     cfg = Flags(tensor_model_parallel_size=ps.tp_size, num_layers=2, hidden_size=32,
-                      seq_length=T, zero_stage=1 if ps.world_size > 1 else 0, seed=seed,
-                      hidden_dropout=0.0, attention_dropout=0.0, **LLAMA_FLAGS,
-                      ).validate(ps.world_size)
+                seq_length=T, zero_stage=1 if ps.world_size > 1 else 0, seed=seed,
+                hidden_dropout=0.0, attention_dropout=0.0, add_qkv_bias=True, **LLAMA_FLAGS,
+                ).validate(ps.world_size)
     rng = seed_all(seed, ps.tp_rank, ps.dp_rank, ps.device)
     model, _, engine = build_engine(cfg, ps, V, rng)
     return cfg, rng, model, engine
@@ -288,9 +289,11 @@ def _same(a, b, specs_a):
 
 def test_checkpoints_reshard_between_tp1_and_tp2(tmp_path):
     """Saved at TP 1 and loaded at TP 2, and saved at TP2 x DP1 (ZeRO-1) and loaded
-    at TP 1: the full parameters bit for bit, and the same loss."""
+    at TP 1: the full parameters bit for bit (the trained QKV bias too), and the same
+    loss."""
     one, two = str(tmp_path / "tp1"), str(tmp_path / "tp2")
     (loss1, params1, _), _ = _train_save_load(ParallelState.single(), one, None)
+    assert params1["blocks.1.attn.qkv.bias"].abs().min() > 0
     res = run_ranks(_train_save_load, world_size=2, tp=2, args=(two, one))
     (loss2, _, specs2), (loaded_loss, _) = res[0]
     params2 = {n: [r[0][1][n] for r in res] for n in res[0][0][1]}
