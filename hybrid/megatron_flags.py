@@ -60,7 +60,8 @@ _ONLY_VALUE: dict[str, tuple[str, str]] = {
 
 _MOE = "hybrid has no mixture-of-experts layers: train a dense model"
 _FP8 = "hybrid has no FP8 training: use --bf16"
-_PP = "hybrid has no pipeline parallelism: shard with --tensor-model-parallel-size and --zero-stage 3"
+_PP = ("hybrid has no pipeline parallelism: shard with --tensor-model-parallel-size and "
+       "--zero-stage 3")
 REFUSED: dict[str, str] = {
     "--num-experts": _MOE, "--moe-": _MOE, "--fp8-format": _FP8, "--fp8-": _FP8,
     "--fp4-": _FP8, "--num-layers-per-virtual-pipeline-stage": _PP,

@@ -45,7 +45,8 @@ def check_model(meta: dict, model: torch.nn.Module, vocab_size: int | None, wher
         if old == shape:
             continue
         vocab_ok = (name in VOCAB_PARAMS and old[1:] == shape[1:] and vocab_size is not None
-                    and meta.get("vocab_size") == vocab_size and min(old[0], shape[0]) >= vocab_size)
+                    and meta.get("vocab_size") == vocab_size
+                    and min(old[0], shape[0]) >= vocab_size)
         if not vocab_ok:
             raise CheckpointError(f"{where}: checkpoint is for a different model: {name} is "
                                   f"{old} there and {shape} here; check --hidden-size, "
