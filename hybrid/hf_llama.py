@@ -82,9 +82,9 @@ def _is_qwen2(hc: dict) -> bool:
 
 
 def _tied(hc: dict) -> bool:
-    """``tie_word_embeddings``, defaulting as hybrid always has for Llama and as
-    transformers does for Qwen2 (untied)."""
-    return bool(hc.get("tie_word_embeddings", not _is_qwen2(hc)))
+    """``tie_word_embeddings``; absent, untied, as transformers reads a Llama or Qwen2
+    ``config.json`` (saved ones always carry it)."""
+    return bool(hc.get("tie_word_embeddings", False))
 
 
 def from_hf_llama(hf: dict[str, torch.Tensor], hc: dict) -> dict[str, torch.Tensor]:

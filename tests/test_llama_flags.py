@@ -49,6 +49,17 @@ def test_llama_flags_map_to_the_model_and_fill_megatron_defaults():
         ("LayerNorm", False, "learned_absolute", 4, True, 1024)
 
 
+def test_a_hf_config_without_tie_word_embeddings_is_untied_as_transformers_reads_it():
+    from hybrid.hf_llama import llama_flags
+    base = {"num_hidden_layers": 2, "hidden_size": 64, "num_attention_heads": 4,
+            "intermediate_size": 96, "max_position_embeddings": 64}
+    for model_type in ("llama", "qwen2"):
+        hc = dict(base, model_type=model_type)
+        assert llama_flags(hc)["untie_embeddings_and_output_weights"] is True, model_type
+        assert "untie_embeddings_and_output_weights" not in \
+            llama_flags(dict(hc, tie_word_embeddings=True)), model_type
+
+
 def test_add_qkv_bias_is_megatrons_flag_and_old_checkpoints_read_it_as_off():
     """Qwen2's --disable-bias-linear --add-qkv-bias: the QKV bias alone, through the
     Megatron-flag filter (which refused it before); a saved config without the key
