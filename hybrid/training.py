@@ -21,6 +21,7 @@ from hybrid.activation_meter import SavedActivationMeter
 from hybrid.architecture import ARCHITECTURE_FIELDS
 from hybrid.checkpoint import save_checkpoint
 from hybrid.checkpoint.resume import start_from_checkpoint
+from hybrid.checkpoint.save import agree_error
 from hybrid.compile import compile_blocks
 from hybrid.config import TrainConfig
 from hybrid.config_sections import RecomputeConfig, ScheduleConfig
@@ -29,7 +30,7 @@ from hybrid.data.tokenizer import build_tokenizer
 from hybrid.diagnostics import nonfinite
 from hybrid.diagnostics.replicas import ReplicaChecker
 from hybrid.diagnostics.stragglers import straggler_fields
-from hybrid.errors import TrainingError
+from hybrid.errors import ConfigError, TrainingError
 from hybrid.host_memory import return_freed_memory
 from hybrid.kernels.attention import check_attention_backend
 from hybrid.kernels.cpu_features import low_precision_warning
@@ -224,6 +225,10 @@ def pretrain(cfg: TrainConfig, ps: ParallelState) -> list[dict]:
     setup_peak = _memory(ps)[1]
     monitor = Monitor(ps.rank, lg.log_json, lg.tensorboard_dir, append=state.iteration > 0,
                       log_throughput=lg.log_throughput)
+    error = agree_error(ps, monitor.error)  # rank 0 opened the logs: every rank hears
+    if error:
+        monitor.close()
+        raise ConfigError(error)
     log.info("layout: %s", ps.describe())
     log.info("parameters: %d on each TP rank, %d in the model (TP %d, padded vocab %d); "
              "train samples per epoch: %d", model.cfg.num_parameters(ps.tp_size),

@@ -206,3 +206,16 @@ def test_tinyshakespeare_through_the_bpe_tokenizer(tmp_path):
     text = open(SHAKESPEARE, encoding="utf-8").read()
     assert tok.decode(ds.document(0)[:-1]) == text
     assert len(ds.document(0)) < 0.7 * len(text.encode())  # BPE compresses
+
+
+@pytest.mark.parametrize("data_path,needle", [
+    (["nan", "a", "1", "b"], "--data-path weights must be finite numbers > 0, got nan"),
+    (["1", "a", "inf", "b"], "--data-path weights must be finite numbers > 0, got inf"),
+    (["0", "a", "1", "b"], "--data-path weights must be finite numbers > 0, got 0"),
+])
+def test_blend_weights_that_are_not_positive_numbers_are_named(data_path, needle):
+    from hybrid.errors import DataError
+    cfg = Flags(seq_length=32, data_path=data_path).validate(1)
+    with pytest.raises(DataError) as e:
+        build_datasets(cfg.data, ByteTokenizer())
+    assert str(e.value) == needle

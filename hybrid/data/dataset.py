@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import math
 import os
 import time
 
@@ -120,8 +121,9 @@ def _parse_data_path(paths, flag: str = "--data-path") -> list[tuple[float, str]
                         f"weight prefix pairs")
     else:
         out = [(1.0, p) for p in paths]
-    if any(w <= 0 for w, _ in out):
-        raise DataError(f"{flag} weights must be > 0")
+    bad = [w for w, _ in out if not 0 < w < math.inf]  # nan and inf parse as floats
+    if bad:
+        raise DataError(f"{flag} weights must be finite numbers > 0, got {bad[0]:g}")
     return out
 
 
