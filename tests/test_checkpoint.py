@@ -209,6 +209,15 @@ def test_checkpoint_of_another_model_shape_is_refused(small_checkpoint):
     _fails_naming(pretrain(2, args), "different model", "--hidden-size")
 
 
+def test_checkpoint_of_another_tokenizer_is_refused_even_when_the_padding_hides_it(
+        small_checkpoint):
+    """257 byte ids and 301 NullTokenizer ids both pad to 384 rows: same shapes."""
+    _fails_naming(pretrain(2, _args(1, 1, "--load", small_checkpoint, "--mock-data",
+                                    "--tokenizer-type", "NullTokenizer", "--vocab-size", "300")),
+                  "trained on a vocabulary of 257 tokens (--tokenizer-type byte), this run's "
+                  "tokenizer has 301")
+
+
 def test_load_of_an_empty_directory_is_an_error(tmp_path):
     empty = str(tmp_path / "empty")
     os.makedirs(empty)
