@@ -55,40 +55,49 @@ def _tokenize(task):
 
 
 def _tasks(paths, keys, line_documents, progress):
-    """Chunks of (key, text, ends_document), read lazily."""
+    """Chunks of (key, text, ends_document), read lazily; DataError naming the file that
+    is not UTF-8."""
     for path in paths:
-        with open(path, encoding="utf-8") as f:
-            task, size = [], 0
-            if path.endswith((".jsonl", ".json")):
-                for n, line in enumerate(f, 1):
-                    progress(len(line.encode("utf-8")))
-                    if not line.strip():
-                        continue
-                    try:
-                        obj = json.loads(line)
-                    except json.JSONDecodeError as e:
-                        raise DataError(f"--input {path}: line {n} is not JSON ({e})") from e
-                    for k in keys:
-                        if not isinstance(obj.get(k), str):
-                            raise DataError(f"--input {path}: line {n} has no text under key "
-                                            f"{k!r} (--json-keys)")
-                        task.append((k, obj[k], True))
-                        size += len(obj[k])
-                    if size >= CHUNK_BYTES:
-                        yield task
-                        task, size = [], 0
-            else:
-                for line in f:
-                    progress(len(line.encode("utf-8")))
-                    task.append((keys[0], line, line_documents))
-                    size += len(line)
-                    if size >= CHUNK_BYTES:
-                        yield task
-                        task, size = [], 0
-                if not line_documents:
-                    task.append((keys[0], "", True))  # the file is one document
-            if task:
-                yield task
+        try:
+            yield from _file_tasks(path, keys, line_documents, progress)
+        except UnicodeDecodeError as e:
+            raise DataError(f"--input {path}: cannot read as UTF-8 text ({e})") from e
+
+
+def _file_tasks(path, keys, line_documents, progress):
+    """One --input file of :func:`_tasks`."""
+    with open(path, encoding="utf-8") as f:
+        task, size = [], 0
+        if path.endswith((".jsonl", ".json")):
+            for n, line in enumerate(f, 1):
+                progress(len(line.encode("utf-8")))
+                if not line.strip():
+                    continue
+                try:
+                    obj = json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise DataError(f"--input {path}: line {n} is not JSON ({e})") from e
+                for k in keys:
+                    if not isinstance(obj.get(k), str):
+                        raise DataError(f"--input {path}: line {n} has no text under key "
+                                        f"{k!r} (--json-keys)")
+                    task.append((k, obj[k], True))
+                    size += len(obj[k])
+                if size >= CHUNK_BYTES:
+                    yield task
+                    task, size = [], 0
+        else:
+            for line in f:
+                progress(len(line.encode("utf-8")))
+                task.append((keys[0], line, line_documents))
+                size += len(line)
+                if size >= CHUNK_BYTES:
+                    yield task
+                    task, size = [], 0
+            if not line_documents:
+                task.append((keys[0], "", True))  # the file is one document
+        if task:
+            yield task
 
 
 class _Progress:
@@ -151,9 +160,13 @@ def main(argv=None) -> int:
         tok = build_tokenizer(SimpleNamespace(**tok_args))
         keys = a.json_keys
         prefixes = {k: output_prefix(a.output_prefix, k) for k in keys}
-        os.makedirs(os.path.dirname(os.path.abspath(a.output_prefix)), exist_ok=True)
-        writers = {k: IndexedWriter(p, dtype_for_vocab(tok.vocab_size))
-                   for k, p in prefixes.items()}
+        try:
+            os.makedirs(os.path.dirname(os.path.abspath(a.output_prefix)), exist_ok=True)
+            writers = {k: IndexedWriter(p, dtype_for_vocab(tok.vocab_size))
+                       for k, p in prefixes.items()}
+        except OSError as e:
+            raise DataError(f"--output-prefix {a.output_prefix}: cannot write there ({e})") \
+                from e
         total = sum(os.path.getsize(p) for p in a.input)
         progress = _Progress(total, not a.no_progress and sys.stderr.isatty() or
                              os.environ.get("HYBRID_PROGRESS") == "1")

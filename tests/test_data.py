@@ -219,3 +219,23 @@ def test_blend_weights_that_are_not_positive_numbers_are_named(data_path, needle
     with pytest.raises(DataError) as e:
         build_datasets(cfg.data, ByteTokenizer())
     assert str(e.value) == needle
+
+
+def test_preprocess_names_a_non_utf8_input_and_an_unwritable_output(tmp_path, capsys):
+    from launch import script_module
+    main = script_module("preprocess_data").main
+    bad = tmp_path / "latin1.txt"
+    bad.write_bytes("caf\xe9\n".encode("latin-1"))
+    out = tmp_path / "out"
+    assert main(["--input", str(bad), "--output-prefix", str(out), "--no-progress"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"preprocess_data.py: error: --input {bad}: cannot read as UTF-8 "
+                          f"text") and "\n" not in err, err
+    assert not list(tmp_path.glob("out*"))  # the partial output is gone
+    good = tmp_path / "good.txt"
+    good.write_text("hello")
+    under_file = str(good / "out")  # a path below a file: cannot be created
+    assert main(["--input", str(good), "--output-prefix", under_file, "--no-progress"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"preprocess_data.py: error: --output-prefix {under_file}: "
+                          f"cannot write there") and "\n" not in err, err

@@ -41,8 +41,10 @@ def check_model(meta: dict, model: torch.nn.Module, vocab_size: int | None, wher
                               f"--position-embedding-type, --disable-bias-linear, "
                               f"--untie-embeddings-and-output-weights)")
     saved_vocab = meta.get("vocab_size")
-    if None not in (vocab_size, saved_vocab) and saved_vocab != vocab_size:
-        # the padded rows can hide it: ids would silently mean other tokens
+    if None not in (vocab_size, saved_vocab) and vocab_size > saved_vocab:
+        # The padded rows can hide it: the extra ids would hit untrained rows, and the
+        # others likely mean other tokens. (Fewer ids is allowed: an imported Hugging
+        # Face config's vocab_size often exceeds its tokenizer's.)
         tok = meta.get("config", {}).get("tokenizer_type")
         raise CheckpointError(f"{where}: checkpoint was trained on a vocabulary of "
                               f"{saved_vocab} tokens (--tokenizer-type {tok}), this run's "
