@@ -212,7 +212,16 @@ def pretrain(cfg: TrainConfig, ps: ParallelState) -> list[dict]:
     if ps.device.type == "cpu" and psi >= HOST_TRIM_MIN_PARAMS:
         return_freed_memory()  # the model lives in host memory: keep RSS to what is used
     before_model = _memory(ps)[0]  # the process without the model: runtime, data
-    model, ac, engine = build_engine(cfg, ps, tokenizer.vocab_size, rng)
+    try:
+        model, ac, engine = build_engine(cfg, ps, tokenizer.vocab_size, rng)
+    except RuntimeError as e:  # torch.OutOfMemoryError is one too; CPU says "allocate"
+        if not isinstance(e, torch.OutOfMemoryError) and "allocate" not in str(e):
+            raise
+        pv = padded_vocab_size(tokenizer.vocab_size, cfg.model.make_vocab_size_divisible_by,
+                               ps.tp_size)
+        raise TrainingError(f"the model ({psi:,} parameters on each TP rank, padded vocabulary "
+                            f"{pv:,}) does not fit in memory: check --hidden-size, --num-layers, "
+                            f"--make-vocab-size-divisible-by, --max-position-embeddings") from e
     diag = cfg.diagnostics
     ps.recorder.configure(diag.collective_dump_dir, diag.check_collectives)
     replicas = ReplicaChecker(model, engine, ps) if diag.check_replicas_interval else None

@@ -183,3 +183,12 @@ def test_the_root_failure_is_the_worker_that_said_why():
     assert root({0: F(exitcode=term, timestamp=1), 1: F(exitcode=2, timestamp=1)})[0] == 1
     assert root({0: F(exitcode=term, timestamp=1), 1: F(exitcode=kill, timestamp=2)})[0] == 1
     assert root({0: F(exitcode=term, timestamp=2), 1: F(exitcode=term, timestamp=1)})[0] == 1
+
+
+def test_a_model_too_big_for_memory_is_one_named_error():
+    """A padded vocabulary of 10**12 rows: the allocation fails at once (no pages touched)."""
+    r = pretrain(1, TINY + ["--train-iters", "1", "--make-vocab-size-divisible-by",
+                            str(10**12)])
+    assert r.returncode == 2
+    assert r.stderr.startswith("pretrain_gpt.py: error: the model (") and \
+        "padded vocabulary 1,000,000,000,000) does not fit in memory" in r.stderr, r.stderr
