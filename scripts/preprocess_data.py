@@ -145,10 +145,12 @@ def main(argv=None) -> int:
     g.add_argument("--workers", type=int, default=1, help="tokenizer processes")
     g.add_argument("--no-progress", action="store_true")
     a = ap.parse_args(argv)
-    if a.append_eod and a.no_append_eod:
-        ap.error("--append-eod and --no-append-eod contradict each other")
-    if a.workers < 1:
-        ap.error(f"--workers must be >= 1, got {a.workers}")
+    bad = ("--append-eod and --no-append-eod contradict each other"
+           if a.append_eod and a.no_append_eod else
+           f"--workers must be >= 1, got {a.workers}" if a.workers < 1 else None)
+    if bad:  # one line, like every other error here (ap.error adds the whole usage)
+        print(f"preprocess_data.py: error: {bad}", file=sys.stderr)
+        return 2
     tok_args = {"tokenizer_type": a.tokenizer_type, "vocab_file": a.vocab_file,
                 "merge_file": a.merge_file, "tokenizer_model": a.tokenizer_model,
                 "tokenizer_file": a.tokenizer_file, "vocab_size": a.vocab_size}

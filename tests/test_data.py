@@ -239,3 +239,20 @@ def test_preprocess_names_a_non_utf8_input_and_an_unwritable_output(tmp_path, ca
     err = capsys.readouterr().err.strip()
     assert err.startswith(f"preprocess_data.py: error: --output-prefix {under_file}: "
                           f"cannot write there") and "\n" not in err, err
+    for args, message in ((["--workers", "0"], "--workers must be >= 1, got 0"),
+                          (["--tokenizer-type", "GPT2BPETokenizer"],
+                           "--tokenizer-type GPT2BPETokenizer needs --vocab-file")):
+        assert main(["--input", str(good), "--output-prefix", str(out), *args]) == 2
+        assert capsys.readouterr().err.strip() == f"preprocess_data.py: error: {message}"
+
+
+def test_null_tokenizer_on_a_text_file_names_the_file(tmp_path):
+    from hybrid.data.tokenizer import build_tokenizer
+    from hybrid.errors import DataError
+    text = tmp_path / "words.txt"
+    text.write_text("not ids")
+    cfg = Flags(seq_length=32, tokenizer_type="NullTokenizer", vocab_size=10,
+                data_path=[str(text)]).validate(1)
+    with pytest.raises(DataError, match=f"^--data-path {text}: NullTokenizer: the text must be "
+                                        f"integer token ids"):
+        build_datasets(cfg.data, build_tokenizer(cfg.data))

@@ -132,7 +132,10 @@ MOCK = "<mock>"  # the source name of --mock-data
 
 def _open_source(path: str | None, flag: str, cfg: DataConfig, tokenizer, io: IOCounter):
     if path is None:
-        return InMemoryTokens(builtin_documents(), tokenizer, "builtin")
+        try:
+            return InMemoryTokens(builtin_documents(), tokenizer, "builtin")
+        except DataError as e:  # NullTokenizer: text it cannot read as ids
+            raise DataError(f"the built-in corpus (no --data-path): {e}") from e
     if path == MOCK:  # enough for 1024 samples, at least 4M tokens; epochs repeat it
         return MockTokens(cfg.seed, tokenizer.vocab_size, tokenizer.eod,
                           max(1 << 22, 1024 * (cfg.seq_length + 1)), cfg.seq_length)
@@ -147,6 +150,8 @@ def _open_source(path: str | None, flag: str, cfg: DataConfig, tokenizer, io: IO
                 return InMemoryTokens([f.read()], tokenizer, path)
         except (OSError, UnicodeDecodeError) as e:
             raise DataError(f"{flag} {path}: cannot read as UTF-8 text ({e})") from e
+        except DataError as e:  # NullTokenizer: text it cannot read as ids
+            raise DataError(f"{flag} {path}: {e}") from e
     raise DataError(f"{flag} {path}: no such file (nor {path}.bin/.idx)")
 
 
