@@ -167,7 +167,8 @@ def test_a_worker_error_is_the_launcher_s_whole_report(tmp_path):
 @pytest.mark.parametrize("var,value", [("NPROC_PER_NODE", "abc"), ("NNODES", "-1")])
 def test_bad_launcher_variables_are_named(var, value):
     r = subprocess.run(["bash", os.path.join(ROOT, "scripts", "pretrain_gpt.sh"), *TINY],
-                       capture_output=True, text=True, timeout=60, env=dict(env(), **{var: value}))
+                       capture_output=True, text=True, timeout=60,
+                       env=dict(env(), **{"NPROC_PER_NODE": "2", var: value}))
     assert r.returncode == 2
     assert r.stderr == f"pretrain_gpt.sh: error: {var} must be a whole number, got '{value}'\n"
 
