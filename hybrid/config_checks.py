@@ -29,6 +29,8 @@ def check_numbers(f: Flags) -> None:
                  "loss_scale_window"):
         if getattr(f, name) < 1:
             raise ConfigError(f"{flag_name(name)} must be >= 1, got {getattr(f, name)}")
+    if not 0 <= f.seed < 2**32:  # numpy's and torch's generators all take this range
+        raise ConfigError(f"--seed must be in [0, 2**32 - 1], got {f.seed}")
     if f.check_replicas_interval < 0:
         raise ConfigError(f"--check-replicas-interval must be >= 0 (0: off), "
                           f"got {f.check_replicas_interval}")
@@ -54,8 +56,9 @@ def check_parallel(f: Flags) -> None:
     if f.distributed_backend not in (None, "gloo", "nccl"):
         raise ConfigError(f"--distributed-backend must be gloo or nccl, "
                           f"got {f.distributed_backend!r}")
-    if f.distributed_timeout_minutes <= 0:
-        raise ConfigError("--distributed-timeout-minutes must be > 0")
+    if f.distributed_timeout_minutes * 60 < 1:  # below a second, rendezvous itself times out
+        raise ConfigError(f"--distributed-timeout-minutes must be at least 1/60 (one second), "
+                          f"got {f.distributed_timeout_minutes}")
 
 
 def check_model(f: Flags) -> None:
@@ -72,6 +75,10 @@ def check_model(f: Flags) -> None:
         raise ConfigError(
             f"--num-attention-heads {f.num_attention_heads} is not divisible by "
             f"--tensor-model-parallel-size {tp}: each TP rank needs whole heads")
+    if f.ffn_hidden_size is not None and f.ffn_hidden_size < 1:
+        raise ConfigError(f"--ffn-hidden-size must be >= 1, got {f.ffn_hidden_size}")
+    if f.init_method_std < 0:
+        raise ConfigError(f"--init-method-std must be >= 0, got {f.init_method_std}")
     if f.ffn_hidden_size is not None and f.ffn_hidden_size % tp:
         raise ConfigError(f"--ffn-hidden-size {f.ffn_hidden_size} is not divisible by "
                           f"--tensor-model-parallel-size {tp}")
@@ -159,6 +166,12 @@ def check_schedule(f: Flags) -> None:
         f.lr_decay_samples = f.train_samples
     if f.lr_warmup_iters < 0 or f.lr_warmup_samples < 0:
         raise ConfigError("--lr-warmup-iters and --lr-warmup-samples must be >= 0")
+    unit = "samples" if f.train_samples is not None else "iters"
+    warmup, decay = getattr(f, f"lr_warmup_{unit}"), getattr(f, f"lr_decay_{unit}")
+    if warmup > decay:  # the rate would still be rising when the decay is over
+        raise ConfigError(f"--lr-warmup-{unit} {warmup} exceeds --lr-decay-{unit} {decay} "
+                          f"(the decay length; --train-{unit} by default): warm up for "
+                          f"fewer, or decay over more")
     if f.clip_grad < 0 or f.weight_decay < 0:
         raise ConfigError("--clip-grad and --weight-decay must be >= 0")
     if f.exit_duration_in_mins is not None and f.exit_duration_in_mins <= 0:
@@ -189,6 +202,11 @@ def check_zero(f: Flags) -> None:
                           f"{f.offload_delayed_update_warmup}")
     if f.offload_delayed_update_warmup and not f.offload_delayed_update:
         raise ConfigError("--offload-delayed-update-warmup needs --offload-delayed-update")
+    for name in ("adam_beta1", "adam_beta2"):
+        if not 0 <= getattr(f, name) < 1:
+            raise ConfigError(f"{flag_name(name)} must be in [0, 1), got {getattr(f, name)}")
+    if f.adam_eps <= 0:
+        raise ConfigError(f"--adam-eps must be > 0, got {f.adam_eps}")
     if f.loss_scale is not None and f.loss_scale <= 0:
         raise ConfigError(f"--loss-scale must be > 0, got {f.loss_scale}")
     if f.initial_loss_scale <= 0 or f.min_loss_scale <= 0 or f.hysteresis < 1:
@@ -240,7 +258,8 @@ def check_data(f: Flags) -> None:
         weights = [float(x) for x in parts]
     except ValueError:
         weights = []
-    if len(weights) != 3 or any(w < 0 for w in weights) or sum(weights) <= 0:
+    if (len(weights) != 3 or not all(0 <= w < math.inf for w in weights)
+            or sum(weights) <= 0):
         raise ConfigError(f"--split {f.split!r} must be three non-negative numbers "
                           f"train,valid,test (e.g. 949,50,1)")
     if f.tokenizer_type is None:  # Megatron scripts give GPT-2's files without a type

@@ -22,6 +22,9 @@ from hybrid.errors import ConfigError
 def check_layout(world_size: int, tensor_model_parallel_size: int) -> int:
     """The data-parallel size, or a ConfigError naming the flag to change."""
     tp = tensor_model_parallel_size
+    if world_size < 1:
+        raise ConfigError(f"the world size (nodes x processes per node) must be >= 1, got "
+                          f"{world_size}: check NNODES and NPROC_PER_NODE")
     if tp < 1:
         raise ConfigError(f"--tensor-model-parallel-size must be >= 1, got {tp}")
     if world_size % tp != 0:

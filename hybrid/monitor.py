@@ -45,14 +45,25 @@ class Monitor:
         self.enabled = rank == 0
         self.log_throughput = log_throughput
         self._json = self._tb = None
+        # Why a log could not be opened ("--log-json PATH: ..."), else None. Set, not
+        # raised: only rank 0 opens the files, and the caller must tell every rank
+        # (hybrid.checkpoint.save.agree_error) so none is left waiting in a collective.
+        self.error: str | None = None
         if not self.enabled:
             return
-        if log_json:
-            os.makedirs(os.path.dirname(os.path.abspath(log_json)), exist_ok=True)
-            self._json = open(log_json, "a" if append else "w", encoding="utf-8")
-        if tensorboard_dir:
+        if tensorboard_dir:  # first: a failure here must not have truncated the JSON log
             from torch.utils.tensorboard import SummaryWriter
-            self._tb = SummaryWriter(tensorboard_dir)
+            try:
+                self._tb = SummaryWriter(tensorboard_dir)
+            except OSError as e:
+                self.error = f"--tensorboard-dir {tensorboard_dir}: cannot write there ({e})"
+                return
+        if log_json:
+            try:
+                os.makedirs(os.path.dirname(os.path.abspath(log_json)), exist_ok=True)
+                self._json = open(log_json, "a" if append else "w", encoding="utf-8")
+            except OSError as e:
+                self.error = f"--log-json {log_json}: cannot open for writing ({e})"
 
     def _write(self, record: dict, prefix: str, step: int) -> None:
         if self._json is not None:

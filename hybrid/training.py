@@ -21,6 +21,7 @@ from hybrid.activation_meter import SavedActivationMeter
 from hybrid.architecture import ARCHITECTURE_FIELDS
 from hybrid.checkpoint import save_checkpoint
 from hybrid.checkpoint.resume import start_from_checkpoint
+from hybrid.checkpoint.save import agree_error
 from hybrid.compile import compile_blocks
 from hybrid.config import TrainConfig
 from hybrid.config_sections import RecomputeConfig, ScheduleConfig
@@ -29,7 +30,7 @@ from hybrid.data.tokenizer import build_tokenizer
 from hybrid.diagnostics import nonfinite
 from hybrid.diagnostics.replicas import ReplicaChecker
 from hybrid.diagnostics.stragglers import straggler_fields
-from hybrid.errors import TrainingError
+from hybrid.errors import ConfigError, TrainingError
 from hybrid.host_memory import return_freed_memory
 from hybrid.kernels.attention import check_attention_backend
 from hybrid.kernels.cpu_features import low_precision_warning
@@ -211,7 +212,16 @@ def pretrain(cfg: TrainConfig, ps: ParallelState) -> list[dict]:
     if ps.device.type == "cpu" and psi >= HOST_TRIM_MIN_PARAMS:
         return_freed_memory()  # the model lives in host memory: keep RSS to what is used
     before_model = _memory(ps)[0]  # the process without the model: runtime, data
-    model, ac, engine = build_engine(cfg, ps, tokenizer.vocab_size, rng)
+    try:
+        model, ac, engine = build_engine(cfg, ps, tokenizer.vocab_size, rng)
+    except RuntimeError as e:  # torch.OutOfMemoryError is one too; CPU says "allocate"
+        if not isinstance(e, torch.OutOfMemoryError) and "allocate" not in str(e):
+            raise
+        pv = padded_vocab_size(tokenizer.vocab_size, cfg.model.make_vocab_size_divisible_by,
+                               ps.tp_size)
+        raise TrainingError(f"the model ({psi:,} parameters on each TP rank, padded vocabulary "
+                            f"{pv:,}) does not fit in memory: check --hidden-size, --num-layers, "
+                            f"--make-vocab-size-divisible-by, --max-position-embeddings") from e
     diag = cfg.diagnostics
     ps.recorder.configure(diag.collective_dump_dir, diag.check_collectives)
     replicas = ReplicaChecker(model, engine, ps) if diag.check_replicas_interval else None
@@ -224,6 +234,10 @@ def pretrain(cfg: TrainConfig, ps: ParallelState) -> list[dict]:
     setup_peak = _memory(ps)[1]
     monitor = Monitor(ps.rank, lg.log_json, lg.tensorboard_dir, append=state.iteration > 0,
                       log_throughput=lg.log_throughput)
+    error = agree_error(ps, monitor.error)  # rank 0 opened the logs: every rank hears
+    if error:
+        monitor.close()
+        raise ConfigError(error)
     log.info("layout: %s", ps.describe())
     log.info("parameters: %d on each TP rank, %d in the model (TP %d, padded vocab %d); "
              "train samples per epoch: %d", model.cfg.num_parameters(ps.tp_size),

@@ -43,8 +43,11 @@ def main(argv=None) -> int:
                 out.setdefault("optimizer", {})[n] = {"exp_avg": s["exp_avg"],
                                                       "exp_avg_sq": s["exp_avg_sq"]}
         tmp = a.output + ".tmp"
-        torch.save(out, tmp)
-        os.replace(tmp, a.output)
+        try:
+            torch.save(out, tmp)
+            os.replace(tmp, a.output)
+        except (OSError, RuntimeError) as e:  # torch.save's file errors are RuntimeErrors
+            raise CheckpointError(f"{a.output}: cannot write ({e})") from e
     except CheckpointError as e:
         print(f"convert_checkpoint.py: error: {e}", file=sys.stderr)
         return 2

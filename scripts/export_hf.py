@@ -64,10 +64,16 @@ def main(argv=None) -> int:
     except CheckpointError as e:
         print(f"export_hf.py: error: {e}", file=sys.stderr)
         return 2
-    os.makedirs(a.output_dir, exist_ok=True)
-    save_file(tensors, os.path.join(a.output_dir, "model.safetensors"), metadata={"format": "pt"})
-    with open(os.path.join(a.output_dir, "config.json"), "w", encoding="utf-8") as f:
-        json.dump(config, f, indent=1)
+    try:
+        os.makedirs(a.output_dir, exist_ok=True)
+        save_file(tensors, os.path.join(a.output_dir, "model.safetensors"),
+                  metadata={"format": "pt"})
+        with open(os.path.join(a.output_dir, "config.json"), "w", encoding="utf-8") as f:
+            json.dump(config, f, indent=1)
+    except OSError as e:
+        print(f"export_hf.py: error: {a.output_dir}: cannot write the model there ({e})",
+              file=sys.stderr)
+        return 2
     print(f"wrote {a.output_dir} ({kind}, {cfg['num_layers']} layers, hidden "
           f"{cfg['hidden_size']}, vocab {vocab}) from {ckpt}")
     return 0

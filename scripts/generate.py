@@ -12,6 +12,7 @@ temperature and top-k.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 from types import SimpleNamespace
@@ -52,6 +53,19 @@ def sample(model, ids: list[int], n: int, temperature: float, top_k: int, seed: 
     return x[0].tolist()
 
 
+def _check_args(a) -> str | None:
+    """What is wrong with the sampling flags (None: nothing), naming the flag."""
+    if a.max_new_tokens < 0:
+        return f"--max-new-tokens must be >= 0, got {a.max_new_tokens}"
+    if not 0 <= a.temperature < math.inf:
+        return f"--temperature must be a finite number >= 0 (0: greedy), got {a.temperature}"
+    if a.top_k < 0:
+        return f"--top-k must be >= 0 (0: the whole vocabulary), got {a.top_k}"
+    if a.device.startswith("cuda") and not torch.cuda.is_available():
+        return f"--device {a.device}: this torch sees no CUDA device (use --device cpu)"
+    return None
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--load", required=True, help="a --save directory or an iter_* directory")
@@ -68,6 +82,10 @@ def main(argv=None) -> int:
     ap.add_argument("--vocab-size", type=int)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     a = ap.parse_args(argv)
+    bad = _check_args(a)
+    if bad:
+        print(f"generate.py: error: {bad}", file=sys.stderr)
+        return 2
     configure(kernel_config_from_env(os.environ))  # this script's entry point: HYBRID_* settings
     try:
         ckpt = resolve_checkpoint(a.load)
@@ -79,6 +97,11 @@ def main(argv=None) -> int:
             tokenizer_file=a.tokenizer_file or c.get("tokenizer_file"),
             tokenizer_model=a.tokenizer_model or c.get("tokenizer_model"),
             vocab_size=a.vocab_size or c.get("vocab_size")))
+        if tok.vocab_size > model.cfg.vocab_size:  # as hybrid.checkpoint.load.check_model
+            raise DataError(f"--load {a.load}: the checkpoint was trained on a vocabulary of "
+                            f"{model.cfg.vocab_size} tokens, this tokenizer has "
+                            f"{tok.vocab_size}: drop the tokenizer flags to use the "
+                            f"checkpoint's own, or give that one")
     except (CheckpointError, DataError) as e:
         print(f"generate.py: error: {e}", file=sys.stderr)
         return 2

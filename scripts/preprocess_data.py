@@ -55,40 +55,49 @@ def _tokenize(task):
 
 
 def _tasks(paths, keys, line_documents, progress):
-    """Chunks of (key, text, ends_document), read lazily."""
+    """Chunks of (key, text, ends_document), read lazily; DataError naming the file that
+    is not UTF-8."""
     for path in paths:
-        with open(path, encoding="utf-8") as f:
-            task, size = [], 0
-            if path.endswith((".jsonl", ".json")):
-                for n, line in enumerate(f, 1):
-                    progress(len(line.encode("utf-8")))
-                    if not line.strip():
-                        continue
-                    try:
-                        obj = json.loads(line)
-                    except json.JSONDecodeError as e:
-                        raise DataError(f"--input {path}: line {n} is not JSON ({e})") from e
-                    for k in keys:
-                        if not isinstance(obj.get(k), str):
-                            raise DataError(f"--input {path}: line {n} has no text under key "
-                                            f"{k!r} (--json-keys)")
-                        task.append((k, obj[k], True))
-                        size += len(obj[k])
-                    if size >= CHUNK_BYTES:
-                        yield task
-                        task, size = [], 0
-            else:
-                for line in f:
-                    progress(len(line.encode("utf-8")))
-                    task.append((keys[0], line, line_documents))
-                    size += len(line)
-                    if size >= CHUNK_BYTES:
-                        yield task
-                        task, size = [], 0
-                if not line_documents:
-                    task.append((keys[0], "", True))  # the file is one document
-            if task:
-                yield task
+        try:
+            yield from _file_tasks(path, keys, line_documents, progress)
+        except UnicodeDecodeError as e:
+            raise DataError(f"--input {path}: cannot read as UTF-8 text ({e})") from e
+
+
+def _file_tasks(path, keys, line_documents, progress):
+    """One --input file of :func:`_tasks`."""
+    with open(path, encoding="utf-8") as f:
+        task, size = [], 0
+        if path.endswith((".jsonl", ".json")):
+            for n, line in enumerate(f, 1):
+                progress(len(line.encode("utf-8")))
+                if not line.strip():
+                    continue
+                try:
+                    obj = json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise DataError(f"--input {path}: line {n} is not JSON ({e})") from e
+                for k in keys:
+                    if not isinstance(obj.get(k), str):
+                        raise DataError(f"--input {path}: line {n} has no text under key "
+                                        f"{k!r} (--json-keys)")
+                    task.append((k, obj[k], True))
+                    size += len(obj[k])
+                if size >= CHUNK_BYTES:
+                    yield task
+                    task, size = [], 0
+        else:
+            for line in f:
+                progress(len(line.encode("utf-8")))
+                task.append((keys[0], line, line_documents))
+                size += len(line)
+                if size >= CHUNK_BYTES:
+                    yield task
+                    task, size = [], 0
+            if not line_documents:
+                task.append((keys[0], "", True))  # the file is one document
+        if task:
+            yield task
 
 
 class _Progress:
@@ -136,10 +145,12 @@ def main(argv=None) -> int:
     g.add_argument("--workers", type=int, default=1, help="tokenizer processes")
     g.add_argument("--no-progress", action="store_true")
     a = ap.parse_args(argv)
-    if a.append_eod and a.no_append_eod:
-        ap.error("--append-eod and --no-append-eod contradict each other")
-    if a.workers < 1:
-        ap.error(f"--workers must be >= 1, got {a.workers}")
+    bad = ("--append-eod and --no-append-eod contradict each other"
+           if a.append_eod and a.no_append_eod else
+           f"--workers must be >= 1, got {a.workers}" if a.workers < 1 else None)
+    if bad:  # one line, like every other error here (ap.error adds the whole usage)
+        print(f"preprocess_data.py: error: {bad}", file=sys.stderr)
+        return 2
     tok_args = {"tokenizer_type": a.tokenizer_type, "vocab_file": a.vocab_file,
                 "merge_file": a.merge_file, "tokenizer_model": a.tokenizer_model,
                 "tokenizer_file": a.tokenizer_file, "vocab_size": a.vocab_size}
@@ -151,9 +162,13 @@ def main(argv=None) -> int:
         tok = build_tokenizer(SimpleNamespace(**tok_args))
         keys = a.json_keys
         prefixes = {k: output_prefix(a.output_prefix, k) for k in keys}
-        os.makedirs(os.path.dirname(os.path.abspath(a.output_prefix)), exist_ok=True)
-        writers = {k: IndexedWriter(p, dtype_for_vocab(tok.vocab_size))
-                   for k, p in prefixes.items()}
+        try:
+            os.makedirs(os.path.dirname(os.path.abspath(a.output_prefix)), exist_ok=True)
+            writers = {k: IndexedWriter(p, dtype_for_vocab(tok.vocab_size))
+                       for k, p in prefixes.items()}
+        except OSError as e:
+            raise DataError(f"--output-prefix {a.output_prefix}: cannot write there ({e})") \
+                from e
         total = sum(os.path.getsize(p) for p in a.input)
         progress = _Progress(total, not a.no_progress and sys.stderr.isatty() or
                              os.environ.get("HYBRID_PROGRESS") == "1")

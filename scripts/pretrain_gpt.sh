@@ -17,23 +17,34 @@ set -euo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 
 if [ -z "${NPROC_PER_NODE:-}" ]; then
-  NPROC_PER_NODE=$(python -c "import torch; print(torch.cuda.device_count() or 2)" 2>/dev/null || echo 2)
+  NPROC_PER_NODE=$(python -c "import torch; print(torch.cuda.device_count() or 2)" \
+                   2>/dev/null || echo 2)
 fi
 NNODES=${NNODES:-${SLURM_NNODES:-1}}
 NODE_RANK=${NODE_RANK:-${SLURM_NODEID:-0}}
 MASTER_ADDR=${MASTER_ADDR:-127.0.0.1}
 MASTER_PORT=${MASTER_PORT:-29500}
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
+for var in NPROC_PER_NODE NNODES NODE_RANK MASTER_PORT; do
+  if ! [[ "${!var}" =~ ^[0-9]+$ ]]; then
+    echo "pretrain_gpt.sh: error: $var must be a whole number, got '${!var}'" >&2
+    exit 2
+  fi
+done
 
 # Preflight: reject a bad command line with one message before any worker starts.
 WORLD_SIZE=$((NNODES * NPROC_PER_NODE)) python "$here/pretrain_gpt.py" --check-config "$@"
 
+# torchrun, except that a failed worker's one error line (and its exit code) stay the job's
+# whole report: torchrun would add its own traceback and a failure table.
+torchrun=(python "$here/torchrun_quiet.py")
 if [ "$NNODES" -eq 1 ]; then
-  exec torchrun --standalone --nnodes 1 --nproc-per-node "$NPROC_PER_NODE" \
+  exec "${torchrun[@]}" --standalone --nnodes 1 --nproc-per-node "$NPROC_PER_NODE" \
     --max-restarts "${MAX_RESTARTS:-0}" \
     "$here/pretrain_gpt.py" "$@"
 fi
-exec torchrun --nnodes "$NNODES" --node-rank "$NODE_RANK" --nproc-per-node "$NPROC_PER_NODE" \
+exec "${torchrun[@]}" --nnodes "$NNODES" --node-rank "$NODE_RANK" \
+  --nproc-per-node "$NPROC_PER_NODE" \
   --max-restarts "${MAX_RESTARTS:-0}" \
   --rdzv-backend c10d --rdzv-endpoint "$MASTER_ADDR:$MASTER_PORT" --rdzv-id "${RDZV_ID:-hybrid}" \
   "$here/pretrain_gpt.py" "$@"

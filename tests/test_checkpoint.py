@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from launch import ROOT, SCRIPT, TINY, env, pretrain, read_json_log, torchrun
+from launch import ROOT, SCRIPT, TINY, env, pretrain, read_json_log
 
 ITERS = 6
 BASE = TINY + ["--global-batch-size", "8", "--train-iters", str(ITERS)]
@@ -207,6 +207,27 @@ def test_checkpoint_of_another_model_shape_is_refused(small_checkpoint):
     args = _args(1, 1, "--load", small_checkpoint)
     args[args.index("--hidden-size") + 1] = "128"
     _fails_naming(pretrain(2, args), "different model", "--hidden-size")
+
+
+def test_checkpoint_of_another_tokenizer_is_refused_even_when_the_padding_hides_it(
+        small_checkpoint):
+    """257 byte ids and 301 NullTokenizer ids both pad to 384 rows: same shapes."""
+    _fails_naming(pretrain(2, _args(1, 1, "--load", small_checkpoint, "--mock-data",
+                                    "--tokenizer-type", "NullTokenizer", "--vocab-size", "300")),
+                  "trained on a vocabulary of 257 tokens (--tokenizer-type byte), this run's "
+                  "tokenizer has 301")
+
+
+def test_tools_name_an_output_they_cannot_write(small_checkpoint, tmp_path, capsys):
+    from launch import script_module
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    for tool, out, needle in (("convert_checkpoint", afile / "merged.pt", "cannot write"),
+                              ("export_hf", afile / "hf", "cannot write the model there")):
+        assert script_module(tool).main([small_checkpoint, str(out)]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"{tool}.py: error: {out}: {needle}") and err.count("\n") == 1, err
+    assert afile.read_text() == "x"
 
 
 def test_load_of_an_empty_directory_is_an_error(tmp_path):

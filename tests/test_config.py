@@ -184,3 +184,37 @@ def test_kv_channels_is_accepted_only_as_the_head_size():
     assert parse_args(BASE + ["--kv-channels", "16"]).validate(1).model.hidden_size == 64
     with pytest.raises(ConfigError, match="--kv-channels 32: hybrid's heads are"):
         parse_args(BASE + ["--kv-channels", "32"]).validate(1)
+
+
+# -- edge values found by the bad-input audit: each refused before any worker starts ------
+
+@pytest.mark.parametrize("flags,world,needle", [
+    (["--adam-beta1", "1.5"], 2, "--adam-beta1 must be in [0, 1), got 1.5"),
+    (["--adam-beta2", "-1"], 2, "--adam-beta2 must be in [0, 1), got -1.0"),
+    (["--adam-eps", "0"], 2, "--adam-eps must be > 0, got 0.0"),
+    (["--ffn-hidden-size", "0"], 2, "--ffn-hidden-size must be >= 1, got 0"),
+    (["--init-method-std", "-1"], 2, "--init-method-std must be >= 0, got -1.0"),
+    (["--seed", "-1"], 2, "--seed must be in [0, 2**32 - 1], got -1"),
+    (["--seed", str(2**32)], 2, f"--seed must be in [0, 2**32 - 1], got {2**32}"),
+    (["--distributed-timeout-minutes", "1e-9"], 2,
+     "--distributed-timeout-minutes must be at least 1/60 (one second)"),
+    (["--train-iters", "10", "--lr-warmup-iters", "11"], 2,
+     "--lr-warmup-iters 11 exceeds --lr-decay-iters 10"),
+    (["--train-samples", "80", "--lr-warmup-samples", "100"], 2,
+     "--lr-warmup-samples 100 exceeds --lr-decay-samples 80"),
+    (["--split", "nan,1,1"], 2, "--split 'nan,1,1' must be three non-negative numbers"),
+    (["--split", "inf,1,1"], 2, "--split 'inf,1,1' must be three non-negative numbers"),
+    ([], 0, "the world size (nodes x processes per node) must be >= 1, got 0"),
+])
+def test_edge_values_are_refused_naming_the_flag(flags, world, needle):
+    with pytest.raises(ConfigError) as e:
+        parse_args(BASE + flags).validate(world)
+    assert needle in str(e.value)
+
+
+def test_edge_values_just_inside_the_range_are_accepted():
+    cfg = parse_args(BASE + ["--adam-beta1", "0", "--adam-beta2", "0.999999", "--seed",
+                             str(2**32 - 1), "--init-method-std", "0", "--train-iters", "10",
+                             "--lr-warmup-iters", "10", "--distributed-timeout-minutes",
+                             str(1 / 60)]).validate(2)
+    assert cfg.seed == 2**32 - 1 and cfg.optimizer.warmup == cfg.optimizer.decay == 10

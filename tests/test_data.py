@@ -206,3 +206,53 @@ def test_tinyshakespeare_through_the_bpe_tokenizer(tmp_path):
     text = open(SHAKESPEARE, encoding="utf-8").read()
     assert tok.decode(ds.document(0)[:-1]) == text
     assert len(ds.document(0)) < 0.7 * len(text.encode())  # BPE compresses
+
+
+@pytest.mark.parametrize("data_path,needle", [
+    (["nan", "a", "1", "b"], "--data-path weights must be finite numbers > 0, got nan"),
+    (["1", "a", "inf", "b"], "--data-path weights must be finite numbers > 0, got inf"),
+    (["0", "a", "1", "b"], "--data-path weights must be finite numbers > 0, got 0"),
+])
+def test_blend_weights_that_are_not_positive_numbers_are_named(data_path, needle):
+    from hybrid.errors import DataError
+    cfg = Flags(seq_length=32, data_path=data_path).validate(1)
+    with pytest.raises(DataError) as e:
+        build_datasets(cfg.data, ByteTokenizer())
+    assert str(e.value) == needle
+
+
+def test_preprocess_names_a_non_utf8_input_and_an_unwritable_output(tmp_path, capsys):
+    from launch import script_module
+    main = script_module("preprocess_data").main
+    bad = tmp_path / "latin1.txt"
+    bad.write_bytes("caf\xe9\n".encode("latin-1"))
+    out = tmp_path / "out"
+    assert main(["--input", str(bad), "--output-prefix", str(out), "--no-progress"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"preprocess_data.py: error: --input {bad}: cannot read as UTF-8 "
+                          f"text") and "\n" not in err, err
+    assert not list(tmp_path.glob("out*"))  # the partial output is gone
+    good = tmp_path / "good.txt"
+    good.write_text("hello")
+    under_file = str(good / "out")  # a path below a file: cannot be created
+    assert main(["--input", str(good), "--output-prefix", under_file, "--no-progress"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"preprocess_data.py: error: --output-prefix {under_file}: "
+                          f"cannot write there") and "\n" not in err, err
+    for args, message in ((["--workers", "0"], "--workers must be >= 1, got 0"),
+                          (["--tokenizer-type", "GPT2BPETokenizer"],
+                           "--tokenizer-type GPT2BPETokenizer needs --vocab-file")):
+        assert main(["--input", str(good), "--output-prefix", str(out), *args]) == 2
+        assert capsys.readouterr().err.strip() == f"preprocess_data.py: error: {message}"
+
+
+def test_null_tokenizer_on_a_text_file_names_the_file(tmp_path):
+    from hybrid.data.tokenizer import build_tokenizer
+    from hybrid.errors import DataError
+    text = tmp_path / "words.txt"
+    text.write_text("not ids")
+    cfg = Flags(seq_length=32, tokenizer_type="NullTokenizer", vocab_size=10,
+                data_path=[str(text)]).validate(1)
+    with pytest.raises(DataError, match=f"^--data-path {text}: NullTokenizer: the text must be "
+                                        f"integer token ids"):
+        build_datasets(cfg.data, build_tokenizer(cfg.data))

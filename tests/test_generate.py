@@ -4,7 +4,10 @@ import os
 import subprocess
 import sys
 
-from launch import ROOT, TINY, env, pretrain
+import pytest
+import torch
+
+from launch import ROOT, TINY, env, pretrain, script_module
 
 
 def test_generate_from_a_tp2_checkpoint(tmp_path):
@@ -23,3 +26,25 @@ def test_generate_from_a_tp2_checkpoint(tmp_path):
                           "--load", str(tmp_path / "none")], capture_output=True, text=True,
                          env=env())
     assert bad.returncode == 2 and "no such directory" in bad.stderr
+    other = subprocess.run(cmd + ["--tokenizer-type", "NullTokenizer", "--vocab-size", "300"],
+                           capture_output=True, text=True, env=env())
+    assert other.returncode == 2
+    assert other.stderr == (f"generate.py: error: --load {save}: the checkpoint was trained on "
+                            f"a vocabulary of 257 tokens, this tokenizer has 301: drop the "
+                            f"tokenizer flags to use the checkpoint's own, or give that one\n")
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--max-new-tokens", "-1"], "--max-new-tokens must be >= 0, got -1"),
+    (["--temperature", "-1"], "--temperature must be a finite number >= 0 (0: greedy), got -1.0"),
+    (["--temperature", "nan"], "--temperature must be a finite number >= 0 (0: greedy), got nan"),
+    (["--top-k", "-3"], "--top-k must be >= 0 (0: the whole vocabulary), got -3"),
+    (["--device", "cuda:7"] if not torch.cuda.is_available() else ["--top-k", "-1"],
+     "--device cuda:7: this torch sees no CUDA device" if not torch.cuda.is_available()
+     else "--top-k must be >= 0"),
+])
+def test_bad_sampling_flags_are_named_before_loading(flags, message, tmp_path, capsys):
+    main = script_module("generate").main
+    assert main(["--load", str(tmp_path / "none"), *flags]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"generate.py: error: {message}") and err.count("\n") == 1, err

@@ -26,3 +26,23 @@ def test_tensorboard_scalars_and_json_records(tmp_path):
     assert [m["iteration"] for m in read_json_log(js, "valid")] == [3, 6]
     assert "lm loss PPL" in r.stdout and "TFLOP/s per rank" in r.stdout  # --log-throughput
     assert "global batch size:     4" in r.stdout
+
+
+def test_an_unwritable_log_is_one_error_from_every_rank_and_nothing_is_truncated(tmp_path):
+    """Only rank 0 opens the logs; the others must hear of its failure (not wait in a
+    collective for it). A --tensorboard-dir that fails leaves an existing --log-json as
+    it was."""
+    from hybrid.monitor import Monitor
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    old = tmp_path / "old.jsonl"
+    old.write_text('{"iteration": 1}\n')
+    m = Monitor(0, log_json=str(old), tensorboard_dir=str(afile / "tb"))
+    assert m.error.startswith(f"--tensorboard-dir {afile / 'tb'}: cannot write there")
+    assert old.read_text() == '{"iteration": 1}\n'
+    assert Monitor(1, log_json=str(tmp_path)).error is None  # rank 1 opens nothing
+    r = pretrain(2, TINY + ["--train-iters", "2", "--global-batch-size", "4",
+                            "--log-json", str(tmp_path)])  # a directory
+    assert r.returncode == 2
+    assert r.stderr == (f"pretrain_gpt.py: error: --log-json {tmp_path}: cannot open for "
+                        f"writing ([Errno 21] Is a directory: '{tmp_path}')\n"), r.stderr

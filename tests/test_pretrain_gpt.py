@@ -2,6 +2,7 @@
 and under torchrun where the launcher's behaviour is the point."""
 
 import os
+import signal
 import subprocess
 
 import pytest
@@ -146,3 +147,49 @@ def test_partitioned_recompute_follows_the_plain_curve(curves, tmp_path, flags):
     # measured activation bytes (checkpoints + one re-run block): far below the plain run's
     plain = curves[(2, 2)][-1]["activation_bytes"]
     assert 0 < log[-1]["activation_bytes"] < plain / 2, (log[-1]["activation_bytes"], plain)
+
+
+def test_a_worker_error_is_the_launcher_s_whole_report(tmp_path):
+    """A library error after the workers start (an empty data file): pretrain_gpt.sh ends
+    with that one line and the worker's exit code 2 -- no torchrun traceback or table."""
+    empty = tmp_path / "empty.txt"
+    empty.write_text("")
+    r = subprocess.run(["bash", os.path.join(ROOT, "scripts", "pretrain_gpt.sh"), *TINY,
+                        "--train-iters", "2", "--data-path", str(empty)],
+                       capture_output=True, text=True, timeout=120,
+                       env=dict(env(), NPROC_PER_NODE="2"))
+    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
+    assert r.returncode == 2, r.stderr[-3000:]
+    assert len(lines) == 1 and lines[0].startswith("pretrain_gpt.py: error: --data-path"), \
+        r.stderr[-3000:]
+
+
+@pytest.mark.parametrize("var,value", [("NPROC_PER_NODE", "abc"), ("NNODES", "-1")])
+def test_bad_launcher_variables_are_named(var, value):
+    r = subprocess.run(["bash", os.path.join(ROOT, "scripts", "pretrain_gpt.sh"), *TINY],
+                       capture_output=True, text=True, timeout=60,
+                       env=dict(env(), **{"NPROC_PER_NODE": "2", var: value}))
+    assert r.returncode == 2
+    assert r.stderr == f"pretrain_gpt.sh: error: {var} must be a whole number, got '{value}'\n"
+
+
+def test_the_root_failure_is_the_worker_that_said_why():
+    """torchrun_quiet picks the rank whose exit explains the job: one that exited with its
+    own error beats the survivors the launcher SIGTERMed, even when those come first."""
+    from types import SimpleNamespace as F
+
+    from launch import script_module
+    root = script_module("torchrun_quiet")._root_failure
+    term, kill = -int(signal.SIGTERM), -int(signal.SIGKILL)
+    assert root({0: F(exitcode=term, timestamp=1), 1: F(exitcode=2, timestamp=1)})[0] == 1
+    assert root({0: F(exitcode=term, timestamp=1), 1: F(exitcode=kill, timestamp=2)})[0] == 1
+    assert root({0: F(exitcode=term, timestamp=2), 1: F(exitcode=term, timestamp=1)})[0] == 1
+
+
+def test_a_model_too_big_for_memory_is_one_named_error():
+    """A padded vocabulary of 10**12 rows: the allocation fails at once (no pages touched)."""
+    r = pretrain(1, TINY + ["--train-iters", "1", "--make-vocab-size-divisible-by",
+                            str(10**12)])
+    assert r.returncode == 2
+    assert r.stderr.startswith("pretrain_gpt.py: error: the model (") and \
+        "padded vocabulary 1,000,000,000,000) does not fit in memory" in r.stderr, r.stderr

@@ -40,13 +40,23 @@ def check_model(meta: dict, model: torch.nn.Module, vocab_size: int | None, wher
                               f"--num-layers and the architecture flags (--normalization, "
                               f"--position-embedding-type, --disable-bias-linear, "
                               f"--add-qkv-bias, --untie-embeddings-and-output-weights)")
+    saved_vocab = meta.get("vocab_size")
+    if None not in (vocab_size, saved_vocab) and vocab_size > saved_vocab:
+        # The padded rows can hide it: the extra ids would hit untrained rows, and the
+        # others likely mean other tokens. (Fewer ids is allowed: an imported Hugging
+        # Face config's vocab_size often exceeds its tokenizer's.)
+        tok = meta.get("config", {}).get("tokenizer_type")
+        raise CheckpointError(f"{where}: checkpoint was trained on a vocabulary of "
+                              f"{saved_vocab} tokens (--tokenizer-type {tok}), this run's "
+                              f"tokenizer has {vocab_size}: give the checkpoint's tokenizer "
+                              f"(--tokenizer-type, --vocab-file/--merge-file, "
+                              f"--tokenizer-model, --vocab-size)")
     for name, shape in mine.items():
         old = saved[name]
         if old == shape:
             continue
         vocab_ok = (name in VOCAB_PARAMS and old[1:] == shape[1:] and vocab_size is not None
-                    and meta.get("vocab_size") == vocab_size
-                    and min(old[0], shape[0]) >= vocab_size)
+                    and saved_vocab == vocab_size and min(old[0], shape[0]) >= vocab_size)
         if not vocab_ok:
             raise CheckpointError(f"{where}: checkpoint is for a different model: {name} is "
                                   f"{old} there and {shape} here; check --hidden-size, "

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import math
 import os
 import time
 
@@ -120,8 +121,9 @@ def _parse_data_path(paths, flag: str = "--data-path") -> list[tuple[float, str]
                         f"weight prefix pairs")
     else:
         out = [(1.0, p) for p in paths]
-    if any(w <= 0 for w, _ in out):
-        raise DataError(f"{flag} weights must be > 0")
+    bad = [w for w, _ in out if not 0 < w < math.inf]  # nan and inf parse as floats
+    if bad:
+        raise DataError(f"{flag} weights must be finite numbers > 0, got {bad[0]:g}")
     return out
 
 
@@ -130,7 +132,10 @@ MOCK = "<mock>"  # the source name of --mock-data
 
 def _open_source(path: str | None, flag: str, cfg: DataConfig, tokenizer, io: IOCounter):
     if path is None:
-        return InMemoryTokens(builtin_documents(), tokenizer, "builtin")
+        try:
+            return InMemoryTokens(builtin_documents(), tokenizer, "builtin")
+        except DataError as e:  # NullTokenizer: text it cannot read as ids
+            raise DataError(f"the built-in corpus (no --data-path): {e}") from e
     if path == MOCK:  # enough for 1024 samples, at least 4M tokens; epochs repeat it
         return MockTokens(cfg.seed, tokenizer.vocab_size, tokenizer.eod,
                           max(1 << 22, 1024 * (cfg.seq_length + 1)), cfg.seq_length)
@@ -145,6 +150,8 @@ def _open_source(path: str | None, flag: str, cfg: DataConfig, tokenizer, io: IO
                 return InMemoryTokens([f.read()], tokenizer, path)
         except (OSError, UnicodeDecodeError) as e:
             raise DataError(f"{flag} {path}: cannot read as UTF-8 text ({e})") from e
+        except DataError as e:  # NullTokenizer: text it cannot read as ids
+            raise DataError(f"{flag} {path}: {e}") from e
     raise DataError(f"{flag} {path}: no such file (nor {path}.bin/.idx)")
 
 

@@ -253,7 +253,9 @@ def build_tokenizer(cfg):
     if kind == "GPT2BPETokenizer":
         vocab, merges = getattr(cfg, "vocab_file", None), getattr(cfg, "merge_file", None)
         for flag, path in (("--vocab-file", vocab), ("--merge-file", merges)):
-            if not path or not os.path.isfile(path):
+            if not path:
+                raise DataError(f"--tokenizer-type {name} needs {flag}")
+            if not os.path.isfile(path):
                 raise DataError(f"{flag} {path}: no such file")
         return GPT2BPETokenizer(vocab, merges)
     if kind == "HuggingFaceTokenizer":
