@@ -87,6 +87,14 @@ def _load_imported_tp2(ps, save, flags):
         return model(_tokens(VOCAB))
 
 
+def assert_same_at_tp2(hf, save, flags):
+    """The imported checkpoint ``save`` loaded at TP 2, ZeRO-3 gives ``hf``'s logits."""
+    res = run_ranks(_load_imported_tp2, world_size=2, tp=2, args=(save, flags))
+    ours = torch.cat(res, dim=-1)[..., :VOCAB]
+    with torch.no_grad():
+        torch.testing.assert_close(ours, hf(_tokens(VOCAB)).logits, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("tie, scaling", [(False, None), (True, None), (False, ("llama3", 32.0)),
                                           (False, ("linear", 4.0))],
                          ids=["untied", "tied", "llama3", "linear"])
@@ -108,10 +116,7 @@ def test_llama_from_transformers_imports_and_exports_exactly(tmp_path, tie, scal
     if tie:  # the imported weights at TP 2, ZeRO-3: the same logits
         from hybrid.hf_llama import llama_flags
         flags = llama_flags(hf.config.to_dict())
-        res = run_ranks(_load_imported_tp2, world_size=2, tp=2, args=(save, flags))
-        ours = torch.cat(res, dim=-1)[..., :VOCAB]
-        with torch.no_grad():
-            torch.testing.assert_close(ours, hf(_tokens(VOCAB)).logits, rtol=1e-5, atol=1e-5)
+        assert_same_at_tp2(hf, save, flags)
     assert script_module("export_hf").main([save, out]) == 0
     back = transformers.LlamaForCausalLM.from_pretrained(out).eval()
     mine = dict(back.state_dict())

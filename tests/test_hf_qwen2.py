@@ -10,9 +10,8 @@ import json
 import pytest
 import torch
 
-from harness import run_ranks
 from launch import script_module
-from test_hf_llama import VOCAB, _assert_same_model, _hybrid, _load_imported_tp2, _tokens
+from test_hf_llama import VOCAB, _assert_same_model, _hybrid, assert_same_at_tp2
 
 transformers = pytest.importorskip("transformers")
 safetensors = pytest.importorskip("safetensors.torch")
@@ -58,10 +57,7 @@ def test_qwen2_from_transformers_imports_and_exports_exactly(tmp_path, tie, caps
     if tie:  # the imported QKV biases at TP 2 (one query group per rank), ZeRO-3
         from hybrid.hf_llama import qwen2_flags
         flags = qwen2_flags(hf.config.to_dict())
-        res = run_ranks(_load_imported_tp2, world_size=2, tp=2, args=(save, flags))
-        ours = torch.cat(res, dim=-1)[..., :VOCAB]
-        with torch.no_grad():
-            torch.testing.assert_close(ours, hf(_tokens(VOCAB)).logits, rtol=1e-5, atol=1e-5)
+        assert_same_at_tp2(hf, save, flags)
     assert script_module("export_hf").main([save, out]) == 0
     assert "(Qwen2, 2 layers" in capsys.readouterr().out
     back = transformers.AutoModelForCausalLM.from_pretrained(out).eval()

@@ -113,7 +113,8 @@ def test_cache_key_names_the_gpu_architecture(tmp_path):
                    {"cuda_version": "12.8"}, {"torch_version": "2.12.0"}):
         assert cache_key([src], flags, **{**base, **change}) != k90, change
     cpu = {**base, "cuda": False}
-    assert cache_key([src], flags, **cpu) == cache_key([src], flags, **{**cpu, "capability": (8, 0)})
+    assert cache_key([src], flags, **cpu) == \
+        cache_key([src], flags, **{**cpu, "capability": (8, 0)})
     src.write_text("__global__ void k() { }")
     assert cache_key([src], flags, **base) != k90
 
