@@ -82,6 +82,7 @@ def build_config(flags: Flags, world_size: int,
     checks.check_recompute(f)
     checks.check_data(f)
     checks.check_checkpoint(f)
+    checks.check_output_dirs(f)
     tp = f.tensor_model_parallel_size
     return TrainConfig(
         parallel=ParallelConfig(

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 
 from hybrid.data.tokenizer import TOKENIZER_TYPES, tokenizer_kind
 from hybrid.errors import ConfigError
@@ -305,3 +306,17 @@ def check_checkpoint(f: Flags) -> None:
         if getattr(f, name) and not f.load:
             raise ConfigError(f"{flag_name(name)} needs --load DIR (the checkpoint to "
                               f"start from)")
+
+
+# Flags naming a directory the run writes into (created when missing).
+OUTPUT_DIRS = ("save", "tensorboard_dir", "data_cache_path", "collective_dump_dir",
+               "kernel_cache_dir")
+
+
+def check_output_dirs(f: Flags) -> None:
+    """A directory flag naming an existing file: said now, not when the first write fails
+    (for the dump directory, only once a collective has already failed)."""
+    for name in OUTPUT_DIRS:
+        path = getattr(f, name)
+        if path and os.path.exists(path) and not os.path.isdir(path):
+            raise ConfigError(f"{flag_name(name)} {path} is a file; give a directory")

@@ -172,6 +172,16 @@ def test_checkpoint_flags_without_their_directory_name_the_flag(flags, message):
         _cfg(*flags)
 
 
+@pytest.mark.parametrize("flag", ["--save", "--tensorboard-dir", "--data-cache-path",
+                                  "--collective-dump-dir", "--kernel-cache-dir"])
+def test_a_directory_flag_naming_a_file_is_refused_at_start(tmp_path, flag):
+    path = tmp_path / "a_file"
+    path.write_text("x")
+    with pytest.raises(ConfigError, match=f"^{flag} {path} is a file; give a directory$"):
+        _cfg(flag, str(path))
+    _cfg(flag, str(tmp_path / "new_dir"))  # missing: created when first written
+
+
 def test_checkpoint_flags_reach_the_checkpoint_section():
     ck = _cfg("--load", "a", "--save", "b", "--save-interval", "5", "--keep-last", "2",
               "--no-save-optim", "--no-load-optim", "--no-load-rng", "--finetune").checkpoint

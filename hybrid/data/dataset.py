@@ -92,8 +92,8 @@ class GPTSamples:
                 np.save(tmp, perm)
                 os.replace(tmp, path)
             except OSError as e:  # e.g. a read-only data directory: run uncached
-                log.warning("cannot cache the sample order in %s (%s); use --data-cache-path "
-                            "to choose a writable directory", self.cache_dir, e)
+                log.warning("cannot cache the sample order in %s (%s); running uncached "
+                            "(--data-cache-path names the directory)", self.cache_dir, e)
         return perm
 
     def __getitem__(self, i: int) -> np.ndarray:

@@ -138,8 +138,8 @@ def _store(path: str, key: dict, scan: TokenScan) -> None:
                        "first_negative": scan.first_negative}, f)
         os.replace(tmp, path)
     except OSError as e:  # e.g. a read-only data directory: checked again next run
-        log.warning("cannot cache the token check in %s (%s); use --data-cache-path to "
-                    "choose a writable directory", os.path.dirname(path), e)
+        log.warning("cannot cache the token check in %s (%s); checking again next run "
+                    "(--data-cache-path names the directory)", os.path.dirname(path), e)
 
 
 @dataclass
