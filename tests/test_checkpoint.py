@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from launch import ROOT, SCRIPT, TINY, env, pretrain, read_json_log
+from launch import ROOT, TINY, env, pretrain, read_json_log
 
 ITERS = 6
 BASE = TINY + ["--global-batch-size", "8", "--train-iters", str(ITERS)]
@@ -126,19 +126,20 @@ def _worker_pids(parent):
 
 
 def test_sigkill_of_one_rank_restarts_from_the_last_checkpoint(tmp_path):
-    """torchrun --max-restarts 1: SIGKILL rank 1 after the first save; the restarted job
-    resumes from it and ends with the uninterrupted run's final loss."""
+    """scripts/pretrain_gpt.sh with MAX_RESTARTS=1 (torchrun --max-restarts 1 through the
+    product's launcher): SIGKILL rank 1 after the first save; the restarted job resumes
+    from it and ends with the uninterrupted run's final loss."""
     ref_log, log, save = (str(tmp_path / "ref.jsonl"), str(tmp_path / "run.jsonl"),
                           str(tmp_path / "ckpt"))
     _ok(pretrain(2, _args(1, 1, "--train-iters", "40", "--log-json", ref_log)))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes", "1",
-           "--nproc-per-node", "2", "--max-restarts", "1", SCRIPT,
+    cmd = ["bash", os.path.join(ROOT, "scripts", "pretrain_gpt.sh"),
            *_args(1, 1, "--train-iters", "40", "--save-interval", "10", "--save", save,
                   "--load", save, "--log-json", log)]
     out_path, err_path = tmp_path / "stdout", tmp_path / "stderr"
     # Files, not pipes: nobody reads a pipe while we poll, and a full one blocks torchrun.
     with open(out_path, "w") as out_f, open(err_path, "w") as err_f:
-        proc = subprocess.Popen(cmd, stdout=out_f, stderr=err_f, text=True, env=env(), cwd=ROOT)
+        proc = subprocess.Popen(cmd, stdout=out_f, stderr=err_f, text=True, cwd=ROOT,
+                                env=dict(env(), NPROC_PER_NODE="2", MAX_RESTARTS="1"))
     killed = None
     deadline = time.time() + 120
     while time.time() < deadline and proc.poll() is None:
