@@ -319,3 +319,30 @@ def test_full_disk_during_save_fails_everywhere_and_keeps_the_old_one(tmp_path):
     assert sorted(os.listdir(save)) == ["iter_0000001", "latest"]
     with open(os.path.join(save, "latest")) as f:
         assert f.read() == "iter_0000001"
+
+
+def test_a_stale_latest_falls_back_to_the_newest_complete_checkpoint_and_says_so(tmp_path):
+    import logging
+
+    from hybrid.checkpoint.files import find_checkpoint
+    for name, complete in (("iter_0000002", True), ("iter_0000004", False)):
+        os.makedirs(tmp_path / name)
+        if complete:
+            (tmp_path / name / "metadata.json").write_text("{}")
+    said = []
+    handler = logging.Handler()
+    handler.emit = lambda record: said.append(record.getMessage())
+    log = logging.getLogger("hybrid")
+    log.addHandler(handler)
+    try:
+        for latest, warned in (("iter_0000009", True), ("iter_0000004", True),
+                               ("iter_0000002", False)):
+            (tmp_path / "latest").write_text(latest)
+            said.clear()
+            assert find_checkpoint(str(tmp_path)) == str(tmp_path / "iter_0000002")
+            assert bool(said) == warned, (latest, said)
+            if warned:
+                assert f"names '{latest}', which is not a complete checkpoint there; " \
+                       f"loading iter_0000002" in said[0]
+    finally:
+        log.removeHandler(handler)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import glob
 import json
+import logging
 import os
 
 from hybrid.checkpoint.reader import RangeReader
@@ -16,6 +17,8 @@ VERSION = 3  # what saves write
 READABLE = (2, 3)  # what loads read (layout.SavedLayout.reads knows both data layouts)
 _OLDER = {1: "one torch file per rank"}
 LATEST = "latest"
+
+log = logging.getLogger("hybrid")
 
 
 def iter_name(iteration: int) -> str:
@@ -36,12 +39,17 @@ def find_checkpoint(load_dir: str) -> str | None:
     if not os.path.isdir(load_dir):
         raise CheckpointError(f"--load {load_dir}: no such directory")
     latest = os.path.join(load_dir, LATEST)
+    stale = None
     if os.path.isfile(latest):
-        with open(latest, encoding="utf-8") as f:
+        with open(latest, encoding="utf-8", errors="replace") as f:
             name = f.read().strip()
-        if os.path.isfile(os.path.join(load_dir, name, "metadata.json")):
+        if name and os.path.isfile(os.path.join(load_dir, name, "metadata.json")):
             return os.path.join(load_dir, name)
+        stale = name
     names = complete_checkpoints(load_dir)  # latest missing or stale: newest complete one
+    if stale is not None and names:
+        log.warning("%s names %r, which is not a complete checkpoint there; loading %s, "
+                    "the newest complete one", latest, stale[:64], names[-1])
     return os.path.join(load_dir, names[-1]) if names else None
 
 
