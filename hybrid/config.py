@@ -103,6 +103,7 @@ def build_config(flags: Flags, world_size: int,
             rampup=tuple(f.rampup_batch_size) if f.rampup_batch_size else None,
             train_iters=f.train_iters, train_samples=f.train_samples,
             exit_interval=f.exit_interval, exit_duration_in_mins=f.exit_duration_in_mins,
+            exit_signal_handler=f.exit_signal_handler,
             exit_on_nan_iterations=f.exit_on_nan_iterations, eval_interval=f.eval_interval,
             eval_iters=f.eval_iters),
         zero=ZeroConfig(

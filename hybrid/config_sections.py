@@ -150,6 +150,7 @@ class ScheduleConfig:
     train_samples: int | None = None
     exit_interval: int | None = None
     exit_duration_in_mins: float | None = None
+    exit_signal_handler: bool = False  # SIGTERM: save and exit (hybrid/early_exit.py)
     exit_on_nan_iterations: int = 10
     eval_interval: int = 1000
     eval_iters: int = 10

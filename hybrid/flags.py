@@ -109,6 +109,8 @@ class Flags:
                                           "iteration divisible by N")
     exit_duration_in_mins: float | None = opt(None, "save (with --save) and exit once "
                                                     "the run has taken this long")
+    exit_signal_handler: bool = opt(False, "on SIGTERM (scancel, a preemption) save (with "
+                                           "--save) and exit after the iteration in progress")
     seed: int = opt(1234, "fixes init, data order and dropout")
     # ZeRO data parallelism
     zero_stage: int = opt(0, "0: all-reduce DP, 1: shard optimizer states, 2: +grads, "

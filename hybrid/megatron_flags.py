@@ -87,8 +87,6 @@ REFUSED: dict[str, str] = {
     "--eod-mask-loss": "hybrid trains on every token, end-of-document included",
     "--spec": "hybrid builds its model from flags, not layer specs",
     "--yaml-cfg": "pass flags on the command line",
-    "--exit-signal-handler": "hybrid does not save on a signal: use --save-interval or "
-                             "--exit-duration-in-mins",
     "--use-precision-aware-optimizer": "hybrid keeps fp32 master weights and moments",
     "--calculate-per-token-loss": "hybrid averages the loss per micro-batch, as Megatron "
                                   "does by default",

@@ -30,6 +30,7 @@ from hybrid.data.tokenizer import build_tokenizer
 from hybrid.diagnostics import nonfinite
 from hybrid.diagnostics.replicas import ReplicaChecker
 from hybrid.diagnostics.stragglers import straggler_fields
+from hybrid.early_exit import EarlyExit
 from hybrid.errors import ConfigError, TrainingError
 from hybrid.host_memory import return_freed_memory
 from hybrid.kernels.attention import check_attention_backend
@@ -294,6 +295,7 @@ def pretrain(cfg: TrainConfig, ps: ParallelState) -> list[dict]:
         if force:
             engine.poll_warnings()
 
+    early = EarlyExit(s, ps, started)  # --exit-interval / -duration-in-mins / -signal-handler
     try:
         while not finished(s, state.iteration, state.consumed_samples):
             timer.start()
@@ -357,7 +359,7 @@ def pretrain(cfg: TrainConfig, ps: ParallelState) -> list[dict]:
             if save_due and clean:
                 save()
                 saved_at = state.iteration
-            why = _exit_reason(s, state.iteration, started, ps)
+            why = early.reason(state.iteration)
             if why:
                 log.info("exiting at iteration %d: %s", state.iteration, why)
                 break
@@ -367,24 +369,6 @@ def pretrain(cfg: TrainConfig, ps: ParallelState) -> list[dict]:
         if finished(s, state.iteration, state.consumed_samples):
             run_eval("test")
     finally:
+        early.close()
         monitor.close()
     return history
-
-
-def _exit_reason(s: ScheduleConfig, iteration: int, started: float,
-                 ps: ParallelState) -> str | None:
-    """Why to stop early (``--exit-interval``, ``--exit-duration-in-mins``), or None.
-
-    The duration is judged on the slowest clock (a one-element all-reduce over
-    the world, only when the flag is given), so every rank stops at the same
-    iteration.
-    """
-    if s.exit_interval and iteration % s.exit_interval == 0:
-        return f"--exit-interval {s.exit_interval}"
-    if s.exit_duration_in_mins is not None:
-        elapsed = torch.tensor([time.monotonic() - started], dtype=torch.float64,
-                               device=ps.device)
-        ps.world_group.all_reduce(elapsed, op=torch.distributed.ReduceOp.MAX)
-        if float(elapsed) >= s.exit_duration_in_mins * 60:
-            return f"--exit-duration-in-mins {s.exit_duration_in_mins}"
-    return None

@@ -120,3 +120,43 @@ def test_exit_duration_saves_and_stops_and_no_effect_flags_are_logged_once(tmp_p
             "internals): --use-mcore-models --transformer-impl transformer_engine "
             "--no-masked-softmax-fusion")
     assert r.stdout.count(line) == 1
+
+
+def _sigterm_rank1_at_step3(ps, cfg):
+    """Rank 1 alone gets SIGTERM as iteration 3 starts (a scheduler that signals one node
+    first); pooled workers are reused, so the patch is undone on the way out."""
+    import signal
+
+    from hybrid import training
+    from launch import _pretrain_rank
+    orig, count = training.train_step, [0]
+
+    def step(*args, **kwargs):
+        count[0] += 1
+        if count[0] == 3 and ps.rank == 1:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return orig(*args, **kwargs)
+
+    training.train_step = step
+    try:
+        return _pretrain_rank(ps, cfg), signal.getsignal(signal.SIGTERM)
+    finally:
+        training.train_step = orig
+
+
+def test_exit_signal_handler_saves_and_stops_every_rank_at_the_same_iteration(tmp_path):
+    """--exit-signal-handler: a SIGTERM on rank 1 only stops both ranks after iteration 3
+    (rank 0 logs it), with a checkpoint of iteration 3; SIGTERM's handler is given back."""
+    import signal
+
+    from harness import run_ranks
+    from launch import TINY
+    ckpt = str(tmp_path / "ckpt")
+    cfg = parse_args(TINY + ["--train-iters", "50", "--exit-signal-handler", "--save",
+                             ckpt]).validate(2)
+    res = run_ranks(_sigterm_rank1_at_step3, world_size=2, args=(cfg,))
+    (rank0, handler0), (rank1, handler1) = res
+    assert rank0[0] == rank1[0] == 0, (rank0, rank1)
+    assert "exiting at iteration 3: --exit-signal-handler: SIGTERM received" in rank0[1]
+    assert sorted(os.listdir(ckpt)) == ["iter_0000003", "latest"]
+    assert handler0 == handler1 == signal.SIG_DFL

@@ -1,0 +1,74 @@
+"""Stopping before the schedule ends: ``--exit-interval``, ``--exit-duration-in-mins``
+and ``--exit-signal-handler``. The training loop then saves (with ``--save``) and
+returns, so a resumed run continues exactly.
+
+[Note: every rank stops at the same iteration]
+A stop that one rank decides alone would leave the others waiting in the next
+step's collectives. The interval is the same arithmetic everywhere; the clock
+and the signal are not (a scheduler may signal one node first, clocks drift),
+so they are judged together in one two-element MAX all-reduce over the world
+after each iteration: the slowest clock, and whether any rank got the signal.
+That is one small collective and one host read per iteration, only when one
+of the two flags is given.
+
+``--exit-signal-handler`` replaces SIGTERM's default (die at once) with a note
+that the next check reads. torchrun passes a SIGTERM it gets (``scancel``, a
+preemption) on to its workers and waits for them before it kills them, so the
+job saves the iteration in progress within that grace period. The previous
+handler comes back in :meth:`EarlyExit.close`.
+"""
+
+from __future__ import annotations
+
+import signal
+import time
+
+import torch
+
+from hybrid.config_sections import ScheduleConfig
+from hybrid.parallel_state import ParallelState
+
+EXIT_SIGNAL = signal.SIGTERM
+
+
+class EarlyExit:
+    """The early-exit conditions of one training run; ``reason`` after each iteration.
+
+    Construct in the main thread (a signal handler can only be set there) and
+    call :meth:`close` when training returns.
+    """
+
+    def __init__(self, s: ScheduleConfig, ps: ParallelState, started: float):
+        self.s, self.ps, self.started = s, ps, started
+        self.received: str | None = None
+        self._previous = None
+        if s.exit_signal_handler:
+            self._previous = signal.signal(EXIT_SIGNAL, self._on_signal)
+
+    def _on_signal(self, signum, frame) -> None:
+        self.received = signal.Signals(signum).name
+
+    def reason(self, iteration: int) -> str | None:
+        """Why to stop after ``iteration`` (the flag and what tripped it), or None.
+        Collective over the world when ``--exit-duration-in-mins`` or
+        ``--exit-signal-handler`` is given (see the module note)."""
+        s = self.s
+        if s.exit_interval and iteration % s.exit_interval == 0:
+            return f"--exit-interval {s.exit_interval}"
+        if s.exit_duration_in_mins is None and not s.exit_signal_handler:
+            return None
+        t = torch.tensor([time.monotonic() - self.started, float(self.received is not None)],
+                         dtype=torch.float64, device=self.ps.device)
+        self.ps.world_group.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
+        elapsed, signalled = t.tolist()
+        if signalled:
+            return f"--exit-signal-handler: {EXIT_SIGNAL.name} received"
+        if s.exit_duration_in_mins is not None and elapsed >= s.exit_duration_in_mins * 60:
+            return f"--exit-duration-in-mins {s.exit_duration_in_mins}"
+        return None
+
+    def close(self) -> None:
+        """Give SIGTERM its previous handler back."""
+        if self._previous is not None:
+            signal.signal(EXIT_SIGNAL, self._previous)
+            self._previous = None
