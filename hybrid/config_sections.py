@@ -177,6 +177,7 @@ class DataConfig:
     valid_data_path: tuple[str, ...] | None = None
     test_data_path: tuple[str, ...] | None = None
     mock_data: bool = False
+    eod_mask_loss: bool = False  # micro-batches carry a loss mask, 0 at end-of-document inputs
     cache_path: str | None = None
     tokenizer_type: str = "byte"
     vocab_file: str | None = None

@@ -109,6 +109,8 @@ class Flags:
                                           "iteration divisible by N")
     exit_duration_in_mins: float | None = opt(None, "save (with --save) and exit once "
                                                     "the run has taken this long")
+    eod_mask_loss: bool = opt(False, "leave the predictions made at end-of-document tokens "
+                                     "out of the loss")
     exit_signal_handler: bool = opt(False, "on SIGTERM (scancel, a preemption) save (with "
                                            "--save) and exit after the iteration in progress")
     seed: int = opt(1234, "fixes init, data order and dropout")

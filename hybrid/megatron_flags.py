@@ -84,7 +84,6 @@ REFUSED: dict[str, str] = {
     "--reset-position-ids": "hybrid does not reset positions at document boundaries",
     "--reset-attention-mask": "hybrid attends across document boundaries (as Megatron "
                               "does by default)",
-    "--eod-mask-loss": "hybrid trains on every token, end-of-document included",
     "--spec": "hybrid builds its model from flags, not layer specs",
     "--yaml-cfg": "pass flags on the command line",
     "--use-precision-aware-optimizer": "hybrid keeps fp32 master weights and moments",

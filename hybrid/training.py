@@ -131,9 +131,9 @@ def train_step(model: GPT, engine: ZeroEngine, micro_batches, lr: float,
     engine.zero_grad()
     n = len(micro_batches)
     total, losses = None, []
-    for i, (tokens, labels) in enumerate(micro_batches):
+    for i, batch in enumerate(micro_batches):  # (tokens, labels[, loss mask])
         with meter if (meter is not None and i == 0) else contextlib.nullcontext():
-            loss = model(tokens, labels) / n
+            loss = model(*batch) / n
             engine.backward(loss, sync=(i == n - 1))
         losses.append(loss.detach().float())
         total = losses[-1] if total is None else total + losses[-1]
@@ -167,7 +167,8 @@ def _scale_coming_down(scaler) -> bool:
 
 
 @torch.no_grad()
-def evaluate(model: GPT, samples, s: ScheduleConfig, ps: ParallelState) -> float:
+def evaluate(model: GPT, samples, s: ScheduleConfig, ps: ParallelState,
+             eod: int | None = None) -> float:
     """Mean loss over ``--eval-iters`` full global batches from the start of
     ``samples`` (the same batches every time, so evaluations compare), averaged
     over DP."""
@@ -175,10 +176,10 @@ def evaluate(model: GPT, samples, s: ScheduleConfig, ps: ParallelState) -> float
     total = torch.zeros((), device=ps.device)
     count = 0
     for k in range(s.eval_iters):
-        for tokens, labels in dp_micro_batches(samples, k * s.global_batch_size,
-                                               s.global_batch_size, s.micro_batch_size,
-                                               ps.dp_rank, ps.dp_size, ps.device):
-            total += model(tokens, labels).float()
+        for batch in dp_micro_batches(samples, k * s.global_batch_size, s.global_batch_size,
+                                      s.micro_batch_size, ps.dp_rank, ps.dp_size, ps.device,
+                                      eod):
+            total += model(*batch).float()
             count += 1
     model.train()
     ps.dp_group.all_reduce(total)
@@ -261,8 +262,9 @@ def pretrain(cfg: TrainConfig, ps: ParallelState) -> list[dict]:
 
     def run_eval(split):
         if data[split] is not None and s.eval_iters > 0:
-            monitor.log_eval(state.iteration, split, evaluate(model, data[split], s, ps))
+            monitor.log_eval(state.iteration, split, evaluate(model, data[split], s, ps, eod))
 
+    eod = tokenizer.eod if cfg.data.eod_mask_loss else None  # (hybrid/data/dataset.py)
     train_iters = total_iterations(s)
     flops_per_token = model.cfg.flops_per_token(cfg.model.seq_length)
     history, loss_acc, n_acc = [], torch.zeros((), device=ps.device), 0
@@ -304,7 +306,8 @@ def pretrain(cfg: TrainConfig, ps: ParallelState) -> list[dict]:
             lr = scheduled_lr(cfg.optimizer, state.iteration + 1,
                               state.consumed_samples + batch)
             batches = dp_micro_batches(data["train"], state.consumed_samples, batch,
-                                       s.micro_batch_size, ps.dp_rank, ps.dp_size, ps.device)
+                                       s.micro_batch_size, ps.dp_rank, ps.dp_size, ps.device,
+                                       eod)
             comm_before = ps.comm_stats.snapshot()
             last = finished(s, state.iteration + 1, state.consumed_samples + batch)
             logs = (state.iteration + 1) % lg.log_interval == 0 or last

@@ -200,7 +200,11 @@ class GPT(nn.Module):
             return Init("normal", cfg.init_std, valid_rows=cfg.vocab_size)
         return Init("normal", cfg.init_std)
 
-    def forward(self, tokens: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, labels: torch.Tensor | None = None,
+                loss_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits ``(B, T, V / tp)`` of this TP rank's vocabulary shard, or with ``labels``
+        ``(B, T)`` the mean cross-entropy over the tokens; with ``loss_mask`` ``(B, T)``
+        (1 = counts) the mean over the tokens it keeps (``--eod-mask-loss``)."""
         B, T = tokens.shape
         if T > self.cfg.max_position_embeddings:
             raise ValueError(f"sequence length {T} exceeds max_position_embeddings "
@@ -232,8 +236,12 @@ class GPT(nn.Module):
             logits = logits.masked_fill(pad, float("-inf"))
         if labels is None:
             return logits
-        return vocab_parallel_cross_entropy(logits, labels, self.tp_group,
-                                            valid=self._valid_local).mean()
+        losses = vocab_parallel_cross_entropy(logits, labels, self.tp_group,
+                                              valid=self._valid_local)
+        if loss_mask is None:
+            return losses.mean()
+        # a micro-batch of end-of-document tokens only counts nothing (not 0 / 0)
+        return (losses * loss_mask).sum() / loss_mask.sum().clamp(min=1)
 
 
 def _check_architecture(cfg: GPTConfig) -> None:

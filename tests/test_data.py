@@ -256,3 +256,12 @@ def test_null_tokenizer_on_a_text_file_names_the_file(tmp_path):
     with pytest.raises(DataError, match=f"^--data-path {text}: NullTokenizer: the text must be "
                                         f"integer token ids"):
         build_datasets(cfg.data, build_tokenizer(cfg.data))
+
+
+def test_eod_mask_loss_masks_the_predictions_made_at_end_of_document_inputs():
+    import numpy as np
+    rows = [np.array([5, 256, 7, 8, 256, 9], dtype=np.int64), np.array([1, 2, 3, 4, 5, 6])]
+    (x, y), = dp_micro_batches(rows, 0, 2, 2, 0, 1, "cpu")
+    (mx, my, mask), = dp_micro_batches(rows, 0, 2, 2, 0, 1, "cpu", eod=256)
+    assert torch.equal(mx, x) and torch.equal(my, y) and mask.dtype == torch.float32
+    assert mask.tolist() == [[1, 0, 1, 1, 0], [1, 1, 1, 1, 1]]  # input 256: its target left out

@@ -25,6 +25,10 @@ def _tokens():
     return x, torch.roll(x, -1, dims=1)
 
 
+def _mask(x):
+    return (x % 3 != 0).float()
+
+
 def _run_gpt(ps):
     rng = seed_all(SEED, ps.tp_rank, ps.dp_rank, ps.device)
     model = GPT(_cfg(ps.tp_size), ps.tp_group, rng=rng, seed=SEED)
@@ -32,10 +36,14 @@ def _run_gpt(ps):
     logits = model(x)
     loss = model(x, y)
     loss.backward()
+    with torch.no_grad():  # --eod-mask-loss's path, with every third id as the "end"
+        masked = model(x, y, _mask(x)).detach()
+        nothing = model(x, y, torch.zeros_like(_mask(x))).detach()
     grads = {n: p.grad for n, p in model.named_parameters()}
     specs = {n: getattr(p, "tp_spec", None) for n, p in model.named_parameters()}
     weights = {n: p.detach() for n, p in model.named_parameters()}
     return {"logits": logits.detach(), "loss": loss.detach(), "grads": grads,
+            "masked": masked, "nothing": nothing,
             "weights": weights, "specs": specs}
 
 
@@ -92,3 +100,20 @@ def test_gpt_rejects_heads_not_divisible_by_tp():
 def test_padding_rows_get_no_gradient(reference):
     g = reference["grads"]["wte.weight"]
     assert g[257:].abs().sum() == 0 and g[:257].abs().sum() > 0
+
+
+def test_a_loss_mask_averages_the_kept_tokens_only(reference):
+    """The masked loss is the mean cross-entropy of the kept tokens (a mask of zeros:
+    0, not 0/0), the same at TP 2 as in one process."""
+    import torch.nn.functional as F
+    x, y = _tokens()
+    per_token = F.cross_entropy(reference["logits"][..., :257].reshape(-1, 257), y.reshape(-1),
+                                reduction="none")
+    keep = _mask(x).reshape(-1)
+    assert 0 < keep.sum() < keep.numel()
+    want = (per_token * keep).sum() / keep.sum()
+    torch.testing.assert_close(reference["masked"], want, rtol=1e-6, atol=0)
+    assert abs(float(reference["masked"] - reference["loss"])) > 1e-3  # the mask matters
+    assert float(reference["nothing"]) == 0.0
+    for r in run_ranks(_run_gpt, world_size=2, tp=2):
+        torch.testing.assert_close(r["masked"], reference["masked"], rtol=1e-5, atol=1e-5)

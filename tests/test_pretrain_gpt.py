@@ -193,3 +193,13 @@ def test_a_model_too_big_for_memory_is_one_named_error():
     assert r.returncode == 2
     assert r.stderr.startswith("pretrain_gpt.py: error: the model (") and \
         "padded vocabulary 1,000,000,000,000) does not fit in memory" in r.stderr, r.stderr
+
+
+def test_eod_mask_loss_reaches_the_loss(tmp_path):
+    """Same init and data: the curves part where a batch holds end-of-document inputs."""
+    plain, masked = str(tmp_path / "plain.jsonl"), str(tmp_path / "masked.jsonl")
+    for path, extra in ((plain, []), (masked, ["--eod-mask-loss"])):
+        r = pretrain(2, TINY + ["--train-iters", "2", "--log-json", path] + extra)
+        assert r.returncode == 0, r.stderr[-3000:]
+    a, b = ([m["loss"] for m in read_json_log(p)] for p in (plain, masked))
+    assert a[0] == b[0] and a[1] != b[1], (a, b)  # batch 1 holds no EOD input, batch 2 does

@@ -249,13 +249,15 @@ def build_datasets(cfg: DataConfig, tokenizer, ps=None) -> dict:
 
 def dp_micro_batches(samples, consumed_samples: int, global_batch_size: int,
                      micro_batch_size: int, dp_rank: int, dp_size: int,
-                     device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:
+                     device: torch.device, eod: int | None = None) -> list[tuple]:
     """This DP rank's micro-batches for the iteration starting at ``consumed_samples``.
 
     The global batch is samples ``[consumed, consumed + global_batch_size)``;
     DP rank ``r`` takes the ``r``-th contiguous share and cuts it into
     micro-batches of ``(tokens, labels)``, each ``(micro_batch_size, seq_length)``
-    int64. TP ranks of one DP rank get identical batches.
+    int64. TP ranks of one DP rank get identical batches. ``eod`` (``--eod-mask-loss``):
+    each micro-batch also carries a float loss mask, 0 where the input token is
+    ``eod`` (the prediction across a document boundary does not count), as Megatron.
     """
     per_rank = global_batch_size // dp_size
     first = consumed_samples + dp_rank * per_rank
@@ -269,5 +271,8 @@ def dp_micro_batches(samples, consumed_samples: int, global_batch_size: int,
         batch = batch.pin_memory().to(device, non_blocking=True)
     else:
         batch = batch.to(device)
-    return [(batch[m: m + micro_batch_size, :-1], batch[m: m + micro_batch_size, 1:])
-            for m in range(0, per_rank, micro_batch_size)]
+    out = [(batch[m: m + micro_batch_size, :-1], batch[m: m + micro_batch_size, 1:])
+           for m in range(0, per_rank, micro_batch_size)]
+    if eod is None:
+        return out
+    return [(x, y, (x != eod).float()) for x, y in out]
