@@ -23,8 +23,7 @@ from __future__ import annotations
 import signal
 import time
 
-import torch
-
+from hybrid.agree import max_over_ranks
 from hybrid.config_sections import ScheduleConfig
 from hybrid.parallel_state import ParallelState
 
@@ -57,10 +56,8 @@ class EarlyExit:
             return f"--exit-interval {s.exit_interval}"
         if s.exit_duration_in_mins is None and not s.exit_signal_handler:
             return None
-        t = torch.tensor([time.monotonic() - self.started, float(self.received is not None)],
-                         dtype=torch.float64, device=self.ps.device)
-        self.ps.world_group.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
-        elapsed, signalled = t.tolist()
+        elapsed, signalled = max_over_ranks(
+            self.ps, [time.monotonic() - self.started, float(self.received is not None)])
         if signalled:
             return f"--exit-signal-handler: {EXIT_SIGNAL.name} received"
         if s.exit_duration_in_mins is not None and elapsed >= s.exit_duration_in_mins * 60:

@@ -47,7 +47,7 @@ class Monitor:
         self._json = self._tb = None
         # Why a log could not be opened ("--log-json PATH: ..."), else None. Set, not
         # raised: only rank 0 opens the files, and the caller must tell every rank
-        # (hybrid.checkpoint.save.agree_error) so none is left waiting in a collective.
+        # (hybrid.agree.agree_error) so none is left waiting in a collective.
         self.error: str | None = None
         if not self.enabled:
             return

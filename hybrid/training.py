@@ -18,10 +18,10 @@ import torch
 
 from hybrid.activation_checkpointing import apply_activation_checkpointing
 from hybrid.activation_meter import SavedActivationMeter
+from hybrid.agree import agree_error, max_over_ranks
 from hybrid.architecture import ARCHITECTURE_FIELDS
 from hybrid.checkpoint import save_checkpoint
 from hybrid.checkpoint.resume import start_from_checkpoint
-from hybrid.checkpoint.save import agree_error
 from hybrid.compile import compile_blocks
 from hybrid.config import TrainConfig
 from hybrid.config_sections import RecomputeConfig, ScheduleConfig
@@ -196,12 +196,6 @@ def _memory(ps: ParallelState) -> tuple[int, int]:
     return now, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
 
 
-def _max_over_ranks(ps: ParallelState, values: list[int]) -> list[int]:
-    t = torch.tensor(values, dtype=torch.float64, device=ps.device)
-    ps.world_group.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
-    return [int(v) for v in t.tolist()]
-
-
 def pretrain(cfg: TrainConfig, ps: ParallelState) -> list[dict]:
     """Train until ``--train-iters`` or ``--train-samples`` (or an exit flag);
     return the logged metrics (rank 0's view)."""
@@ -260,11 +254,12 @@ def pretrain(cfg: TrainConfig, ps: ParallelState) -> list[dict]:
                                finetune=start.finetune if start is not None else None)
         log.info("saved checkpoint %s", path)
 
+    eod = tokenizer.eod if cfg.data.eod_mask_loss else None  # (hybrid/data/dataset.py)
+
     def run_eval(split):
         if data[split] is not None and s.eval_iters > 0:
             monitor.log_eval(state.iteration, split, evaluate(model, data[split], s, ps, eod))
 
-    eod = tokenizer.eod if cfg.data.eod_mask_loss else None  # (hybrid/data/dataset.py)
     train_iters = total_iterations(s)
     flops_per_token = model.cfg.flops_per_token(cfg.model.seq_length)
     history, loss_acc, n_acc = [], torch.zeros((), device=ps.device), 0
@@ -341,7 +336,8 @@ def pretrain(cfg: TrainConfig, ps: ParallelState) -> list[dict]:
                      # memory: the largest rank's (one tiny all-reduce per log line)
                      **dict(zip(("peak_memory_bytes", "setup_peak_memory_bytes",
                                  "memory_before_model_bytes"),
-                                _max_over_ranks(ps, [_memory(ps)[1], setup_peak, before_model]))),
+                                map(int, max_over_ranks(ps, [_memory(ps)[1], setup_peak,
+                                                             before_model])))),
                      "model_state_bytes": engine.model_state_bytes(), "comm_bytes": comm,
                      # saved for backward by this rank's first micro-batch, measured
                      "activation_bytes": meter.peak,

@@ -48,7 +48,7 @@ from dataclasses import dataclass
 
 from hybrid.checkpoint.files import find_checkpoint, read_metadata
 from hybrid.checkpoint.load import load_checkpoint
-from hybrid.checkpoint.save import agree_error
+from hybrid.agree import agree_error
 from hybrid.config_sections import CheckpointConfig
 from hybrid.errors import CheckpointError
 from hybrid.parallel_state import ParallelState

@@ -50,6 +50,7 @@ import zlib
 import torch
 
 from hybrid.checkpoint.files import LATEST, VERSION, complete_checkpoints, iter_name, rank_paths
+from hybrid.agree import agree_error
 from hybrid.checkpoint.layout import COLUMNS, describe, single_file_layout
 from hybrid.errors import CheckpointError
 from hybrid.parallel_state import ParallelState
@@ -57,27 +58,6 @@ from hybrid.tensor_parallel import TPRNGTracker
 from hybrid.tensor_parallel.random import get_device_rng_state
 from hybrid.zero import ZeroEngine
 from hybrid.zero.state import iter_piece_values, shard_state
-
-
-def agree_error(ps: ParallelState, error: str | None) -> str | None:
-    """None when no rank failed; else the message of the lowest failing rank, on every
-    rank. Collective over the world, so all ranks take the same branch, and the error a
-    job prints (rank 0's) names the file that actually failed, whichever rank hit it."""
-    g = ps.world_group
-    first = torch.tensor([ps.rank if error is not None else ps.world_size], dtype=torch.int64,
-                         device=ps.device)
-    g.all_reduce(first, op=torch.distributed.ReduceOp.MIN)
-    src = int(first.item())
-    if src == ps.world_size:
-        return None
-    data = error.encode() if ps.rank == src else b""
-    size = torch.tensor([len(data)], dtype=torch.int64, device=ps.device)
-    g.broadcast(size, src=src)
-    buf = torch.zeros(int(size.item()), dtype=torch.uint8, device=ps.device)
-    if ps.rank == src:
-        buf.copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
-    g.broadcast(buf, src=src)
-    return bytes(buf.cpu().tolist()).decode(errors="replace")
 
 
 def _fsync_write(path: str, write) -> None:
