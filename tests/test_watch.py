@@ -4,7 +4,6 @@ with the same report as a failed collective, and ends the process by default."""
 
 import dataclasses
 import datetime
-import inspect
 import subprocess
 import sys
 import textwrap
@@ -16,6 +15,7 @@ import torch.distributed as dist
 from harness import run_ranks
 from hybrid.diagnostics.recorder import FlightRecorder, backstop
 from hybrid.diagnostics.watch import PendingWatch
+from test_diagnostics import _line_of
 
 
 class _Work:
@@ -33,11 +33,6 @@ class _Entry:
     group: object
     seq: int
     state: str = "issued"
-
-
-def _line_of(fn, marker: str) -> int:
-    lines, start = inspect.getsourcelines(fn)
-    return start + next(i for i, ln in enumerate(lines) if marker in ln)
 
 
 def test_pending_holds_only_collectives_in_flight_and_names_the_oldest():
@@ -149,7 +144,7 @@ def test_a_collective_queued_past_the_timeout_is_reported_by_the_heartbeat():
         in msg, msg
     assert "\n  rank 1 never reached it.\n" in msg, msg
     asleep = here.format(_line_of(_queued_then_host_wait, "# ASLEEP"))
-    assert f"\n  rank 1: it is alive (heartbeat " in msg and f" and at {asleep}, with " in msg, msg
+    assert "\n  rank 1: it is alive (heartbeat " in msg and f" and at {asleep}, with " in msg, msg
     assert msg.endswith("\n  stuck: rank 1."), msg
 
 
