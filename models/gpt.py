@@ -44,9 +44,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hybrid.architecture import (NORMALIZATIONS, POSITION_EMBEDDING_TYPES,
+from hybrid.config.architecture import (NORMALIZATIONS, POSITION_EMBEDDING_TYPES,
                                  swiglu_ffn_hidden_size)
-from hybrid.comm import CommGroup
+from hybrid.parallel.comm import CommGroup
 from hybrid.kernels import linear
 from hybrid.tensor_parallel import (ColumnParallelLinear, Init, TPRNGTracker,
                                     VocabParallelEmbedding, copy_to_tp, init_parameters,

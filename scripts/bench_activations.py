@@ -4,11 +4,11 @@
     python scripts/bench_activations.py [--tp 2 4] [--budget-bytes 268435456]
 
 For a GPT at each TP size (world = TP, one gloo process per rank, launched by
-:func:`hybrid.multiprocess.run_ranks`) and each mode -- none, sp, selective,
+:func:`hybrid.testing.pool.run_ranks`) and each mode -- none, sp, selective,
 sp+selective, full, full+partition, sp+full -- prints one JSON record:
 
 * ``measured_bytes_per_layer``: what one layer leaves saved for backward at the
-  end of forward, measured (:class:`hybrid.activation_meter.SavedActivationMeter`
+  end of forward, measured (:class:`hybrid.train.activation_meter.SavedActivationMeter`
   on an L-layer and a 1-layer model; the difference over L - 1), stored
   checkpoints included;
 * ``table2_bytes_per_layer``: Korthikanti et al. 2022's Table 2 for that mode,
@@ -41,7 +41,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
-from hybrid.multiprocess import run_ranks  # noqa: E402
+from hybrid.testing.pool import run_ranks  # noqa: E402
 
 SP = {"sequence_parallel": True}
 MODES = {"none": {}, "sp": SP,
@@ -72,16 +72,16 @@ def table2_bytes_per_layer(mode: str, a, t: int, e: int) -> int:
 
 
 def _model(ps, a, flags, layers):
-    from hybrid.activation_checkpointing import apply_activation_checkpointing
-    from hybrid.flags import Flags
+    from hybrid.recompute.checkpointing import apply_activation_checkpointing
+    from hybrid.config import Flags, build_config
     from hybrid.tensor_parallel import seed_all
-    from hybrid.training import gpt_config, recompute_targets
-    cfg = Flags(tensor_model_parallel_size=ps.tp_size, num_layers=layers,
+    from hybrid.train.loop import gpt_config, recompute_targets
+    cfg = build_config(Flags(tensor_model_parallel_size=ps.tp_size, num_layers=layers,
                       hidden_size=a.hidden_size, num_attention_heads=a.heads,
                       seq_length=a.seq_length, micro_batch_size=a.micro_batch_size,
                       hidden_dropout=a.dropout, attention_dropout=a.attention_dropout,
                       make_vocab_size_divisible_by=a.vocab_size // ps.tp_size,
-                      **flags).validate(ps.world_size)
+                      **flags), ps.world_size)
     rng = seed_all(1234, ps.tp_rank, ps.dp_rank, ps.device)
     from models.gpt import GPT
     model = GPT(gpt_config(cfg, a.vocab_size), ps.tp_group, rng=rng, seed=1234)
@@ -93,7 +93,7 @@ def _model(ps, a, flags, layers):
 
 
 def _bench(ps, a):
-    from hybrid.activation_meter import SavedActivationMeter
+    from hybrid.train.activation_meter import SavedActivationMeter
     torch.set_num_threads(1)
     g = torch.Generator().manual_seed(0)
     batch = torch.randint(0, a.vocab_size, (a.micro_batch_size, a.seq_length + 1), generator=g)

@@ -29,14 +29,14 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
-from hybrid.config import kernel_config_from_env  # noqa: E402
-from hybrid.config_sections import KernelConfig  # noqa: E402
-from hybrid.flags import Flags  # noqa: E402
+from hybrid.config import build_config, kernel_config_from_env  # noqa: E402
+from hybrid.config.sections import KernelConfig  # noqa: E402
+from hybrid.config.flags import Flags  # noqa: E402
 from hybrid.kernels import configure, kernel_choice  # noqa: E402
 from hybrid.kernels.cpu_features import native_cpu_matmul  # noqa: E402
-from hybrid.parallel_state import ParallelState  # noqa: E402
+from hybrid.parallel.state import ParallelState  # noqa: E402
 from hybrid.tensor_parallel import seed_all  # noqa: E402
-from hybrid.training import build_engine  # noqa: E402
+from hybrid.train.loop import build_engine  # noqa: E402
 
 VOCAB = 50257
 
@@ -47,10 +47,10 @@ class _Mode:
     def __init__(self, name: str, a, ps: ParallelState, base: KernelConfig):
         dtype, _, path = name.partition(":")
         flags = {"bf16": {"bf16": True}, "fp16": {"fp16": True}, "fp32": {}}[dtype]
-        cfg = Flags(num_layers=a.layers, hidden_size=a.hidden,
+        cfg = build_config(Flags(num_layers=a.layers, hidden_size=a.hidden,
                     num_attention_heads=a.heads, seq_length=a.seq,
                     micro_batch_size=a.micro_batch, hidden_dropout=0.1,
-                    attention_dropout=0.1, **flags).validate(1)
+                    attention_dropout=0.1, **flags), 1)
         self.name, self.cfg = name, cfg
         self.kernels = replace(base, choice=base.choice + ((("linear", path),) if path else ()))
         rng = seed_all(cfg.seed, 0, 0, ps.device)

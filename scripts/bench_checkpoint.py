@@ -37,18 +37,18 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
-from hybrid.multiprocess import run_ranks  # noqa: E402
+from hybrid.testing.pool import run_ranks  # noqa: E402
 
 VOCAB = 8000  # padded to 8192 at TP 1 and 2
 
 
 def _engine(ps, model_args, stage, seed):
-    from hybrid.flags import Flags
+    from hybrid.config import Flags, build_config
     from hybrid.tensor_parallel import seed_all
-    from hybrid.training import build_engine
-    cfg = Flags(tensor_model_parallel_size=ps.tp_size, zero_stage=stage, seed=seed,
+    from hybrid.train.loop import build_engine
+    cfg = build_config(Flags(tensor_model_parallel_size=ps.tp_size, zero_stage=stage, seed=seed,
                       hidden_dropout=0.0, attention_dropout=0.0,
-                      **model_args).validate(ps.world_size)
+                      **model_args), ps.world_size)
     rng = seed_all(seed, ps.tp_rank, ps.dp_rank, ps.device)
     model, _, engine = build_engine(cfg, ps, VOCAB, rng)
     return cfg, rng, model, engine
@@ -88,7 +88,7 @@ def _load(ps, save, model_args, stage, **load_kw):
 def _session(ps, root, model_args):
     from hybrid.checkpoint import save_checkpoint
     from hybrid.checkpoint.reader import process_rchar
-    from hybrid.parallel_state import ParallelState
+    from hybrid.parallel.state import ParallelState
     save = os.path.join(root, "ckpt")
     cfg, rng, model, engine = _engine(ps, model_args, 3, seed=3)
     tokens = torch.randint(0, VOCAB, (2, model_args["seq_length"] + 1),

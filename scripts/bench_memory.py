@@ -10,7 +10,7 @@ iterations, fresh processes, so peaks are this run's). Per DP size it prints
 the measured model-state bytes, the largest rank's peak memory after setup and
 after the 2 steps (RSS on the CPU, max_memory_allocated on a GPU), the memory
 the process held before the model existed (runtime + data), and the
-estimator's prediction (``hybrid.memory_estimate.peak_memory``, given that
+estimator's prediction (``hybrid.estimate.memory.peak_memory``, given that
 pre-model memory). A last line says whether every peak is within model states +
 activations + 0.6 GB and within 10% of the prediction, and gives the DP4
 peak over the DP1 peak (the 302M run is meant to keep it at most 0.35).
@@ -30,8 +30,8 @@ sys.path.insert(0, ROOT)
 
 import torch  # noqa: E402
 
-from hybrid.config import parse_args  # noqa: E402
-from hybrid.memory_estimate import activation_bytes, peak_memory, workload  # noqa: E402
+from hybrid.config import build_config, parse_args  # noqa: E402
+from hybrid.estimate.memory import activation_bytes, peak_memory, workload  # noqa: E402
 
 GB = 2 ** 30
 BYTE_VOCAB = 257  # the built-in corpus's byte tokenizer
@@ -81,7 +81,7 @@ def main(argv=None) -> int:
         for dp in a.dp:
             argv_dp = flags(a, dp)
             m = run(argv_dp, dp, os.path.join(tmp, f"dp{dp}.jsonl"))[-1]
-            w = workload(parse_args(argv_dp).validate(dp), BYTE_VOCAB, device)
+            w = workload(build_config(parse_args(argv_dp), dp), BYTE_VOCAB, device)
             runtime = m["memory_before_model_bytes"]
             pred = peak_memory(w, runtime)
             states, peak = m["model_state_bytes"]["total"], m["peak_memory_bytes"]

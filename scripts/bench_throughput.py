@@ -9,7 +9,7 @@
 Presets (issue 17's measurement): ``1.3b`` is 24 layers x 2048 hidden x 16 heads,
 seq 2048, micro-batch 4, bf16, GPT-2's vocabulary; ``tiny`` is 2 x 64 x 4, seq
 32, micro 2, for checking the script on a CPU. Each config builds the model
-exactly as training does (``hybrid.training.build_engine``: meta device, ZeRO
+exactly as training does (``hybrid.train.loop.build_engine``: meta device, ZeRO
 materializes its shard) and runs ``train_step`` on synthetic tokens already on
 the device, so the data pipeline is not measured.
 
@@ -19,7 +19,7 @@ tokens/s / ``--peak-tflops``; None on a CPU), peak memory (max_memory_allocated
 on a GPU, max RSS on a CPU) and host syncs per step -- counted over a few
 extra steps by torch's sync debug mode on a GPU (the synchronizing calls torch
 reports: stream/device synchronizations, blocking copies, value reads), by
-Python-level value reads on a CPU (:mod:`hybrid.host_syncs`).
+Python-level value reads on a CPU (:mod:`hybrid.testing.host_syncs`).
 
 Configs: ``zero2`` (ZeRO-2, bf16), ``zero2_offload`` (+ --offload-optimizer),
 ``zero2_offload_delayed`` (+ --offload-delayed-update), ``zero3`` (ZeRO-3).
@@ -38,8 +38,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
-from hybrid.flags import Flags  # noqa: E402
-from hybrid.host_syncs import HostReads, cuda_syncs  # noqa: E402
+from hybrid.config import Flags, build_config  # noqa: E402
+from hybrid.testing.host_syncs import HostReads, cuda_syncs  # noqa: E402
 
 PRESETS = {
     "1.3b": dict(num_layers=24, hidden_size=2048, num_attention_heads=16, seq_length=2048,
@@ -59,7 +59,7 @@ CONFIGS = {
 def _parallel_state():
     """Under torchrun: this rank's groups (TP 1, all ranks DP); alone: one process
     on the GPU, or the CPU."""
-    from hybrid.parallel_state import init_distributed
+    from hybrid.parallel.state import init_distributed
     return init_distributed(1)
 
 
@@ -70,9 +70,9 @@ def _peak_bytes(device) -> int:
 
 
 def run_config(name: str, a, ps) -> dict:
-    from hybrid.step_stats import IterationTimer
+    from hybrid.train.step_stats import IterationTimer
     from hybrid.tensor_parallel import seed_all
-    from hybrid.training import build_engine, train_step
+    from hybrid.train.loop import build_engine, train_step
 
     shape = dict(PRESETS[a.preset])
     vocab = shape.pop("vocab")
@@ -81,7 +81,7 @@ def run_config(name: str, a, ps) -> dict:
                   allgather_bucket_size=a.bucket_size, overlap_comm=True,
                   global_batch_size=shape["micro_batch_size"] * ps.dp_size * a.micro_batches,
                   compile=a.compile, **CONFIGS[name])
-    cfg = flags.validate(ps.world_size)
+    cfg = build_config(flags, ps.world_size)
     if ps.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(ps.device)
     rng = seed_all(cfg.seed, ps.tp_rank, ps.dp_rank, ps.device)

@@ -30,8 +30,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
-from hybrid.flags import Flags  # noqa: E402
-from hybrid.multiprocess import run_ranks  # noqa: E402
+from hybrid.config import Flags, build_config  # noqa: E402
+from hybrid.testing.pool import run_ranks  # noqa: E402
 
 PEERS = ["ddp", "zero_redundancy", "fsdp2"]
 HYBRID = [f"hybrid_stage{s}" for s in range(4)]
@@ -60,14 +60,14 @@ def _optimizer_state_bytes(opt) -> int:
 
 def _build(a, ps):
     from hybrid.tensor_parallel import seed_all
-    from hybrid.training import build_model
-    cfg = Flags(num_layers=a.num_layers, hidden_size=a.hidden_size,
+    from hybrid.train.loop import build_model
+    cfg = build_config(Flags(num_layers=a.num_layers, hidden_size=a.hidden_size,
                       num_attention_heads=a.heads, seq_length=a.seq_length,
                       micro_batch_size=a.micro_batch_size, hidden_dropout=0.0,
                       attention_dropout=0.0, lr=1e-4, weight_decay=0.01, clip_grad=1.0,
                       make_vocab_size_divisible_by=128, reduce_bucket_size=a.bucket_size,
                       allgather_bucket_size=a.bucket_size, overlap_comm=True,
-                      zero_param_persistence_threshold=0, seed=1234).validate(ps.world_size)
+                      zero_param_persistence_threshold=0, seed=1234), ps.world_size)
     rng = seed_all(cfg.seed, ps.tp_rank, ps.dp_rank, ps.device)
     return cfg, build_model(cfg, ps, a.vocab_size, rng)
 

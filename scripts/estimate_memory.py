@@ -10,7 +10,7 @@ Takes pretrain_gpt.py's own flags (so a launch script's line can be pasted as
 it is) plus the few below. Prints one JSON line per ZeRO stage: model states
 (params, grads, optimizer), activations for the recompute mode in use,
 ZeRO's gather and staging buffers, the predicted peak per rank
-(:func:`hybrid.memory_estimate.peak_memory`) and the bytes each rank sends
+(:func:`hybrid.estimate.memory.peak_memory`) and the bytes each rank sends
 per optimizer step with the run's micro-batches per step. With
 ``--gpu-memory-gb`` a last line names the stage with the least traffic whose
 peak fits (``recommended_zero_stage``; null when none does).
@@ -25,12 +25,13 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from hybrid.flags import Flags, build_parser  # noqa: E402
-from hybrid.data.tokenizer import tokenizer_kind  # noqa: E402
+from hybrid.config import Flags, build_config
+from hybrid.config.flags import build_parser  # noqa: E402
+from hybrid.config.sections import tokenizer_kind  # noqa: E402
 from hybrid.errors import ConfigError  # noqa: E402
-from hybrid.memory_estimate import (activation_bytes, buffer_bytes, choose_stage,  # noqa: E402
+from hybrid.estimate.memory import (activation_bytes, buffer_bytes, choose_stage,  # noqa: E402
                                     peak_memory, traffic_bytes, workload)
-from hybrid.zero.estimate import model_state_bytes  # noqa: E402
+from hybrid.estimate.model_states import model_state_bytes  # noqa: E402
 
 GIB = 2 ** 30
 OWN = ("world_size", "data_parallel_size", "micro_batches", "gpu_memory_gb", "runtime_gb",
@@ -77,7 +78,7 @@ def main(argv=None) -> int:
             ap.error("--micro-batches must be >= 1")
         flags.global_batch_size = own["micro_batches"] * flags.micro_batch_size * (world // tp)
     try:
-        cfg = flags.validate(world)
+        cfg = build_config(flags, world)
     except ConfigError as e:
         ap.error(str(e))
     # --vocab-size N: NullTokenizer's ids (N + 1 with its eod); else taken as the vocabulary

@@ -15,7 +15,6 @@ import argparse
 import math
 import os
 import sys
-from types import SimpleNamespace
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -24,8 +23,9 @@ import torch  # noqa: E402
 from hybrid.checkpoint import resolve_checkpoint  # noqa: E402
 from hybrid.checkpoint.full_model import load_full_model  # noqa: E402
 from hybrid.config import kernel_config_from_env  # noqa: E402
+from hybrid.config.sections import TokenizerConfig  # noqa: E402
 from hybrid.data.tokenizer import build_tokenizer  # noqa: E402
-from hybrid.errors import CheckpointError, DataError  # noqa: E402
+from hybrid.errors import CheckpointError, ConfigError, DataError  # noqa: E402
 from hybrid.kernels import configure  # noqa: E402
 
 
@@ -90,7 +90,7 @@ def main(argv=None) -> int:
     try:
         ckpt = resolve_checkpoint(a.load)
         model, c = load_model(ckpt, a.device)
-        tok = build_tokenizer(SimpleNamespace(
+        tok = build_tokenizer(TokenizerConfig.from_flags(
             tokenizer_type=a.tokenizer_type or c.get("tokenizer_type", "byte"),
             vocab_file=a.vocab_file or c.get("vocab_file"),
             merge_file=a.merge_file or c.get("merge_file"),
@@ -102,7 +102,7 @@ def main(argv=None) -> int:
                             f"{model.cfg.vocab_size} tokens, this tokenizer has "
                             f"{tok.vocab_size}: drop the tokenizer flags to use the "
                             f"checkpoint's own, or give that one")
-    except (CheckpointError, DataError) as e:
+    except (CheckpointError, ConfigError, DataError) as e:
         print(f"generate.py: error: {e}", file=sys.stderr)
         return 2
     prompt = tok.encode(a.prompt) or [tok.eod]

@@ -28,8 +28,8 @@ import torch  # noqa: E402
 
 from hybrid.checkpoint.save import write_unsharded_checkpoint  # noqa: E402
 from hybrid.errors import CheckpointError  # noqa: E402
-from hybrid.hf import from_hf  # noqa: E402
-from hybrid.hf_llama import from_hf_llama, llama_flags, qwen2_flags  # noqa: E402
+from hybrid.hf.gpt2 import from_hf  # noqa: E402
+from hybrid.hf.llama import from_hf_llama, llama_flags, qwen2_flags  # noqa: E402
 
 
 def _read_weights(hf_dir: str) -> dict:

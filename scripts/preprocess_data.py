@@ -31,12 +31,12 @@ import multiprocessing as mp
 import os
 import sys
 import time
-from types import SimpleNamespace
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from hybrid.data.indexed import IndexedWriter, dtype_for_vocab  # noqa: E402
-from hybrid.data.tokenizer import TOKENIZER_TYPES, build_tokenizer  # noqa: E402
+from hybrid.config.sections import TOKENIZER_TYPES, TokenizerConfig  # noqa: E402
+from hybrid.data.tokenizer import build_tokenizer  # noqa: E402
 from hybrid.errors import DataError  # noqa: E402
 
 CHUNK_BYTES = 1 << 20  # text per task: small enough to bound memory, big enough to amortize
@@ -46,7 +46,7 @@ _TOKENIZER = None
 
 def _init_worker(tok_args):
     global _TOKENIZER  # one tokenizer per worker process, built once
-    _TOKENIZER = build_tokenizer(SimpleNamespace(**tok_args))
+    _TOKENIZER = build_tokenizer(TokenizerConfig.from_flags(**tok_args))
 
 
 def _tokenize(task):
@@ -159,7 +159,7 @@ def main(argv=None) -> int:
         for path in a.input:
             if not os.path.isfile(path):
                 raise DataError(f"--input {path}: no such file")
-        tok = build_tokenizer(SimpleNamespace(**tok_args))
+        tok = build_tokenizer(TokenizerConfig.from_flags(**tok_args))
         keys = a.json_keys
         prefixes = {k: output_prefix(a.output_prefix, k) for k in keys}
         try:

@@ -15,7 +15,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from hybrid.config import parse_args  # noqa: E402  (no torch import: fast preflight)
+from hybrid.config import build_config, parse_args  # noqa: E402  (no torch import: fast preflight)
 from hybrid.errors import (CheckpointError, ConfigError, DataError,  # noqa: E402
                            TrainingError)
 
@@ -63,7 +63,7 @@ def main(argv: list[str] | None = None) -> int:
     check_only = "--check-config" in argv
     argv = [a for a in argv if a != "--check-config"]
     try:
-        cfg = parse_args(argv).validate(_world_size(), environ=os.environ)
+        cfg = build_config(parse_args(argv), _world_size(), environ=os.environ)
     except ConfigError as e:
         return _fail(str(e))
     if check_only:  # the launcher's preflight: flags are fine for this world size
@@ -71,11 +71,11 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch.distributed as dist
 
-    from hybrid.comm import CollectiveError
+    from hybrid.parallel.comm import CollectiveError
     from hybrid.kernels import configure
-    from hybrid.monitor import setup_logging
-    from hybrid.parallel_state import init_distributed
-    from hybrid.training import pretrain
+    from hybrid.train.monitor import setup_logging
+    from hybrid.parallel.state import init_distributed
+    from hybrid.train.loop import pretrain
 
     configure(cfg.kernels)  # --no-kernels, --kernel-cache-dir, --kernel-choice (or HYBRID_*)
     par = cfg.parallel

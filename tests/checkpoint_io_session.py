@@ -15,13 +15,13 @@ IO_VOCAB = 257
 
 
 def _io_engine(ps, stage, seed):
-    from hybrid.flags import Flags
+    from hybrid.config import Flags, build_config
     from hybrid.tensor_parallel import seed_all
-    from hybrid.training import build_engine
-    cfg = Flags(tensor_model_parallel_size=ps.tp_size, num_layers=2, hidden_size=32,
+    from hybrid.train.loop import build_engine
+    cfg = build_config(Flags(tensor_model_parallel_size=ps.tp_size, num_layers=2, hidden_size=32,
                       num_attention_heads=4, seq_length=8, zero_stage=stage, seed=seed,
                       zero_param_persistence_threshold=0, reduce_bucket_size=3000,
-                      hidden_dropout=0.0, attention_dropout=0.0).validate(ps.world_size)
+                      hidden_dropout=0.0, attention_dropout=0.0), ps.world_size)
     rng = seed_all(seed, ps.tp_rank, ps.dp_rank, ps.device)
     model, _, engine = build_engine(cfg, ps, IO_VOCAB, rng)
     return cfg, rng, model, engine
@@ -163,7 +163,7 @@ def _io_session(ps, root):
     Then bad files: a truncated data file, a missing one."""
     import shutil
 
-    from hybrid.parallel_state import ParallelState
+    from hybrid.parallel.state import ParallelState
     a, b, aw, a2 = (os.path.join(root, n) for n in ("a", "b", "aw", "a2"))
     out = {"saved": _io_train_and_save(ps, a, 3, weights_to=aw)}
     if ps.rank == 0:

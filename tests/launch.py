@@ -3,9 +3,9 @@
 ``torchrun(n, argv)`` launches the real script under torchrun: for what only the
 launcher does (exit codes of a whole job, restarts, rendezvous). ``pretrain(n,
 argv)`` does what the script does -- parse and validate ``argv`` for the world
-size, ``hybrid.training.pretrain`` on every rank, a library error becomes one
+size, ``hybrid.train.loop.pretrain`` on every rank, a library error becomes one
 ``pretrain_gpt.py: error: ...`` line and exit code 2 -- on the pooled ranks of
-:func:`hybrid.multiprocess.run_ranks`, writing the same ``--log-json`` and
+:func:`hybrid.testing.pool.run_ranks`, writing the same ``--log-json`` and
 ``--save`` files, seconds faster per run. Both return a CompletedProcess.
 """
 
@@ -54,10 +54,10 @@ def _pretrain_rank(ps, cfg):
     import io
     import logging
 
-    from hybrid.comm import CollectiveError
+    from hybrid.parallel.comm import CollectiveError
     from hybrid.errors import CheckpointError, ConfigError, DataError, TrainingError
     from hybrid.kernels import configure
-    from hybrid.training import pretrain
+    from hybrid.train.loop import pretrain
 
     configure(cfg.kernels)  # as main() does
 
@@ -94,15 +94,15 @@ def pretrain(nproc: int, args: list[str], timeout: float = 300, reuse: bool = Tr
     import contextlib
     import io
 
-    from hybrid.config import parse_args
+    from hybrid.config import build_config, parse_args
     from hybrid.errors import ConfigError
-    from hybrid.multiprocess import run_ranks
+    from hybrid.testing.pool import run_ranks
 
     argv = ["pretrain", str(nproc), *args]
     err = io.StringIO()
     try:
         with contextlib.redirect_stderr(err):
-            cfg = parse_args(list(args)).validate(nproc, environ=os.environ)  # as main()
+            cfg = build_config(parse_args(list(args)), nproc, environ=os.environ)  # as main()
     except ConfigError as e:
         return subprocess.CompletedProcess(argv, 2, "", f"pretrain_gpt.py: error: {e}\n")
     except SystemExit as e:  # argparse: unknown flag or bad value, already said on err

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from harness import run_ranks
-from hybrid.activation_checkpointing import apply_activation_checkpointing
-from hybrid.flags import Flags
+from hybrid.recompute.checkpointing import apply_activation_checkpointing
+from hybrid.config import Flags, build_config
 from hybrid.tensor_parallel import seed_all
 from launch import TINY, pretrain, read_json_log
 from models.gpt import GPT, GPTConfig
@@ -46,8 +46,8 @@ def _model(ps, seed=SEED, layers=LAYERS):
 
 
 def _apply(model, ps, rng, flags, layers=LAYERS):
-    cfg = Flags(tensor_model_parallel_size=ps.tp_size, num_layers=layers, hidden_size=C,
-                      num_attention_heads=4, seq_length=T, **flags).validate(ps.world_size)
+    cfg = build_config(Flags(tensor_model_parallel_size=ps.tp_size, num_layers=layers, hidden_size=C,
+                      num_attention_heads=4, seq_length=T, **flags), ps.world_size)
     return apply_activation_checkpointing(model, ps, rng, cfg.recompute)
 
 
@@ -286,7 +286,7 @@ def test_uniform_groups_store_one_input_per_group(grouped):
 def _zero3_grouped(ps):
     """ZeRO-3 over DP 2 at TP 2, 3 layers, dropout 0.1: 3 AdamW steps with no
     recompute and with uniform groups of 2 (plain, partitioned); losses and params."""
-    from hybrid.config_sections import ZeroConfig
+    from hybrid.config.sections import ZeroConfig
     from hybrid.zero import apply_zero
     zcfg = ZeroConfig(stage=3, param_persistence_threshold=0, reduce_bucket_size=1000,
                       allgather_bucket_size=1000)
@@ -332,7 +332,7 @@ def test_a_group_run_out_of_order_is_refused():
     """Grouped recompute keeps no graph between a group's blocks, so a block must be
     called on the previous one's output: anything else raises instead of giving
     wrong gradients."""
-    from hybrid.parallel_state import ParallelState
+    from hybrid.parallel.state import ParallelState
     ps = ParallelState.single()
     model, rng = _model(ps, layers=2)
     _apply(model, ps, rng, _uniform(2), layers=2)

@@ -1,11 +1,11 @@
-"""The activation checkpoint store (hybrid/activation_store.py): partitioned over TP
+"""The activation checkpoint store (hybrid/recompute/store.py): partitioned over TP
 with padding, on the host, in contiguous slots allocated once; misuse raises."""
 
 import pytest
 import torch
 
 from harness import run_ranks
-from hybrid.activation_checkpointing import CheckpointStore
+from hybrid.recompute.checkpointing import CheckpointStore
 
 
 def _store_round_trip(ps):
@@ -32,7 +32,7 @@ def test_partition_pads_sizes_that_do_not_divide_by_tp():
 
 def test_misuse_fails_loudly_instead_of_wrong_gradients():
     """In-place change of a held input, and a second restore, raise."""
-    from hybrid.parallel_state import ParallelState
+    from hybrid.parallel.state import ParallelState
     store = CheckpointStore(ParallelState.single(), partition=False, cpu=False,
                             contiguous=False, num_slots=1)
     x = torch.ones(2, 3)

@@ -279,13 +279,13 @@ def _save_with_full_disk(ps, save_dir):
 
     import hybrid.checkpoint.save as save_mod
     from hybrid.checkpoint import save_checkpoint
-    from hybrid.flags import Flags
+    from hybrid.config import Flags, build_config
     from hybrid.errors import CheckpointError
     from hybrid.tensor_parallel import seed_all
-    from hybrid.training import build_model
+    from hybrid.train.loop import build_model
     from hybrid.zero import apply_zero
-    cfg = Flags(num_layers=1, hidden_size=32, num_attention_heads=4, seq_length=8,
-                      zero_stage=2).validate(ps.world_size)
+    cfg = build_config(Flags(num_layers=1, hidden_size=32, num_attention_heads=4, seq_length=8,
+                      zero_stage=2), ps.world_size)
     rng = seed_all(1, ps.tp_rank, ps.dp_rank, ps.device)
     engine = apply_zero(build_model(cfg, ps, 257, rng), ps, cfg.zero)
     save_checkpoint(save_dir, 1, 8, engine, ps, cfg, rng)

@@ -47,16 +47,16 @@ def _reference(ckpt, consumed, iteration, steps):
     import torch
 
     from hybrid.checkpoint import merged_state
-    from hybrid.config import parse_args
+    from hybrid.config import build_config, parse_args
     from hybrid.data.dataset import build_datasets, dp_micro_batches
     from hybrid.data.tokenizer import build_tokenizer
-    from hybrid.lr_schedule import scheduled_lr
-    from hybrid.parallel_state import ParallelState
+    from hybrid.train.lr_schedule import scheduled_lr
+    from hybrid.parallel.state import ParallelState
     from hybrid.tensor_parallel import seed_all
-    from hybrid.training import build_model
-    cfg = parse_args(_args(1, 0)).validate(1)
+    from hybrid.train.loop import build_model
+    cfg = build_config(parse_args(_args(1, 0)), 1)
     ps = ParallelState.single()
-    tokenizer = build_tokenizer(cfg.data)
+    tokenizer = build_tokenizer(cfg.tokenizer)
     samples = build_datasets(cfg.data, tokenizer)["train"]
     model = build_model(cfg, ps, tokenizer.vocab_size, seed_all(cfg.seed, 0, 0, ps.device))
     _, state = merged_state(ckpt)

@@ -5,19 +5,19 @@ import torch
 
 from harness import run_ranks
 from hybrid.errors import ConfigError
-from hybrid.flags import Flags
+from hybrid.config import Flags, build_config
 
 
 def _losses(ps, compile_):
     from hybrid.tensor_parallel import seed_all
-    from hybrid.training import build_engine, train_step
-    cfg = Flags(tensor_model_parallel_size=2, num_layers=2, hidden_size=32,
+    from hybrid.train.loop import build_engine, train_step
+    cfg = build_config(Flags(tensor_model_parallel_size=2, num_layers=2, hidden_size=32,
                 num_attention_heads=4, seq_length=16, micro_batch_size=2, hidden_dropout=0.1,
                 attention_dropout=0.1, zero_stage=3, zero_param_persistence_threshold=0,
                 allgather_bucket_size=500, reduce_bucket_size=500, seed=3, lr=1e-2,
                 # the attention key bias's true gradient is 0 (softmax ignores it): with a
                 # tiny eps Adam turns its rounding noise into full steps (as in test_zero)
-                adam_eps=1e-4, compile=compile_).validate(ps.world_size)
+                adam_eps=1e-4, compile=compile_), ps.world_size)
     rng = seed_all(cfg.seed, ps.tp_rank, ps.dp_rank, ps.device)
     model, _, engine = build_engine(cfg, ps, 257, rng)
     g = torch.Generator().manual_seed(1)
@@ -47,4 +47,4 @@ def test_compiled_blocks_follow_the_eager_run():
 
 def test_compile_refuses_activation_checkpointing():
     with pytest.raises(ConfigError, match="--compile compiles each block's forward"):
-        Flags(compile=True, recompute_granularity="full").validate(1)
+        build_config(Flags(compile=True, recompute_granularity="full"), 1)

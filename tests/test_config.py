@@ -3,7 +3,7 @@ one error naming the flag to change."""
 
 import pytest
 
-from hybrid.config import parse_args
+from hybrid.config import build_config, parse_args
 from hybrid.errors import ConfigError
 
 BASE = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4",
@@ -11,7 +11,7 @@ BASE = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4"
 
 
 def _cfg(*flags, world=2, tp=2):
-    return parse_args(BASE + ["--tensor-model-parallel-size", str(tp), *flags]).validate(world)
+    return build_config(parse_args(BASE + ["--tensor-model-parallel-size", str(tp), *flags]), world)
 
 
 @pytest.mark.parametrize("flags,granularity,num_layers,per_checkpoint", [
@@ -92,7 +92,7 @@ def test_megatron_implementation_flags_are_dropped_and_listed():
     assert f.ignored_megatron_flags == ["--use-mcore-models", "--transformer-impl local",
                                         "--no-masked-softmax-fusion", "--optimizer adam",
                                         "--num-workers 2"]
-    assert f.validate(1).model.num_layers == 4  # the values after them still parse
+    assert build_config(f, 1).model.num_layers == 4  # the values after them still parse
 
 
 @pytest.mark.parametrize("flags,needle", [
@@ -110,27 +110,27 @@ def test_megatron_implementation_flags_are_dropped_and_listed():
 ])
 def test_unimplemented_flags_get_one_named_error(flags, needle):
     with pytest.raises(ConfigError) as e:
-        parse_args(BASE + flags).validate(1)
+        build_config(parse_args(BASE + flags), 1)
     assert needle in str(e.value)
     assert "unrecognized arguments" not in str(e.value)
 
 
 def test_megatron_optimizer_and_overlap_flags_map_onto_zero():
-    cfg = parse_args(BASE + ["--use-distributed-optimizer", "--overlap-grad-reduce",
-                             "--overlap-param-gather"]).validate(2)
+    cfg = build_config(parse_args(BASE + ["--use-distributed-optimizer", "--overlap-grad-reduce",
+                             "--overlap-param-gather"]), 2)
     assert (cfg.zero.stage, cfg.zero.overlap_comm) == (1, True)
-    cfg = parse_args(BASE + ["--use-distributed-optimizer", "--zero-stage", "3"]).validate(2)
+    cfg = build_config(parse_args(BASE + ["--use-distributed-optimizer", "--zero-stage", "3"]), 2)
     assert cfg.zero.stage == 3  # already shards more than Megatron's optimizer
-    assert parse_args(BASE).validate(2).zero == parse_args(BASE).validate(2).zero
+    assert build_config(parse_args(BASE), 2).zero == build_config(parse_args(BASE), 2).zero
 
 
 def test_attention_backend_and_use_flash_attn():
-    assert parse_args(BASE + ["--use-flash-attn"]).validate(1).model.attention_backend == "flash"
-    assert parse_args(BASE).validate(1).model.attention_backend == "auto"
+    assert build_config(parse_args(BASE + ["--use-flash-attn"]), 1).model.attention_backend == "flash"
+    assert build_config(parse_args(BASE), 1).model.attention_backend == "auto"
     with pytest.raises(ConfigError, match="--use-flash-attn means --attention-backend flash"):
-        parse_args(BASE + ["--use-flash-attn", "--attention-backend", "unfused"]).validate(1)
+        build_config(parse_args(BASE + ["--use-flash-attn", "--attention-backend", "unfused"]), 1)
     with pytest.raises(ConfigError, match="--attention-backend must be"):
-        parse_args(BASE + ["--attention-backend", "cudnn"]).validate(1)
+        build_config(parse_args(BASE + ["--attention-backend", "cudnn"]), 1)
 
 
 @pytest.mark.parametrize("flags,needle", [
@@ -147,13 +147,13 @@ def test_attention_backend_and_use_flash_attn():
 ])
 def test_schedule_flags_are_checked(flags, needle):
     with pytest.raises(ConfigError) as e:
-        parse_args(BASE + ["--micro-batch-size", "2", *flags]).validate(1)
+        build_config(parse_args(BASE + ["--micro-batch-size", "2", *flags]), 1)
     assert needle in str(e.value)
 
 
 def test_flags_are_not_modified_and_defaults_are_filled_in_the_copy():
     f = parse_args(BASE)
-    cfg = f.validate(2)
+    cfg = build_config(f, 2)
     assert f.train_iters is None and f.global_batch_size is None
     assert cfg.flags.train_iters == 200 and cfg.flags.global_batch_size == 16  # 8 x DP 2
     assert cfg.to_dict()["lr_decay_iters"] == 200 and "ignored_megatron_flags" not in cfg.to_dict()
@@ -191,9 +191,9 @@ def test_checkpoint_flags_reach_the_checkpoint_section():
 
 
 def test_kv_channels_is_accepted_only_as_the_head_size():
-    assert parse_args(BASE + ["--kv-channels", "16"]).validate(1).model.hidden_size == 64
+    assert build_config(parse_args(BASE + ["--kv-channels", "16"]), 1).model.hidden_size == 64
     with pytest.raises(ConfigError, match="--kv-channels 32: hybrid's heads are"):
-        parse_args(BASE + ["--kv-channels", "32"]).validate(1)
+        build_config(parse_args(BASE + ["--kv-channels", "32"]), 1)
 
 
 # -- edge values found by the bad-input audit: each refused before any worker starts ------
@@ -218,13 +218,13 @@ def test_kv_channels_is_accepted_only_as_the_head_size():
 ])
 def test_edge_values_are_refused_naming_the_flag(flags, world, needle):
     with pytest.raises(ConfigError) as e:
-        parse_args(BASE + flags).validate(world)
+        build_config(parse_args(BASE + flags), world)
     assert needle in str(e.value)
 
 
 def test_edge_values_just_inside_the_range_are_accepted():
-    cfg = parse_args(BASE + ["--adam-beta1", "0", "--adam-beta2", "0.999999", "--seed",
+    cfg = build_config(parse_args(BASE + ["--adam-beta1", "0", "--adam-beta2", "0.999999", "--seed",
                              str(2**32 - 1), "--init-method-std", "0", "--train-iters", "10",
                              "--lr-warmup-iters", "10", "--distributed-timeout-minutes",
-                             str(1 / 60)]).validate(2)
+                             str(1 / 60)]), 2)
     assert cfg.seed == 2**32 - 1 and cfg.optimizer.warmup == cfg.optimizer.decay == 10

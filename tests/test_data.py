@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from hybrid.flags import Flags
+from hybrid.config import Flags, build_config
 from hybrid.data.blending import BlendedSamples
 from hybrid.data.dataset import GPTSamples, build_datasets, dp_micro_batches
 from hybrid.data.indexed import open_indexed
@@ -175,9 +175,9 @@ def test_build_datasets_splits_and_blends_prefixes(tmp_path):
             "".join(json.dumps({"text": text[i: i + 150]}) + "\n" for i in range(0, 18000, 150)))
         _preprocess("--input", str(tmp_path / f"{name}.jsonl"), "--output-prefix",
                     str(tmp_path / name), "--append-eod")
-    cfg = Flags(seq_length=32, split="80,10,10",
+    cfg = build_config(Flags(seq_length=32, split="80,10,10",
                 data_path=["0.25", str(tmp_path / "a_text_document"), "0.75",
-                           str(tmp_path / "b_text_document")]).validate(1)
+                           str(tmp_path / "b_text_document")]), 1)
     data = build_datasets(cfg.data, ByteTokenizer())
     assert all(data[s] is not None for s in ("train", "valid", "test"))
     train = data["train"]
@@ -215,7 +215,7 @@ def test_tinyshakespeare_through_the_bpe_tokenizer(tmp_path):
 ])
 def test_blend_weights_that_are_not_positive_numbers_are_named(data_path, needle):
     from hybrid.errors import DataError
-    cfg = Flags(seq_length=32, data_path=data_path).validate(1)
+    cfg = build_config(Flags(seq_length=32, data_path=data_path), 1)
     with pytest.raises(DataError) as e:
         build_datasets(cfg.data, ByteTokenizer())
     assert str(e.value) == needle
@@ -251,11 +251,11 @@ def test_null_tokenizer_on_a_text_file_names_the_file(tmp_path):
     from hybrid.errors import DataError
     text = tmp_path / "words.txt"
     text.write_text("not ids")
-    cfg = Flags(seq_length=32, tokenizer_type="NullTokenizer", vocab_size=10,
-                data_path=[str(text)]).validate(1)
+    cfg = build_config(Flags(seq_length=32, tokenizer_type="NullTokenizer", vocab_size=10,
+                data_path=[str(text)]), 1)
     with pytest.raises(DataError, match=f"^--data-path {text}: NullTokenizer: the text must be "
                                         f"integer token ids"):
-        build_datasets(cfg.data, build_tokenizer(cfg.data))
+        build_datasets(cfg.data, build_tokenizer(cfg.tokenizer))
 
 
 def test_eod_mask_loss_masks_the_predictions_made_at_end_of_document_inputs():

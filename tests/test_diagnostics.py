@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from harness import run_ranks
-from hybrid.comm import CollectiveError
-from hybrid.config import parse_args
+from hybrid.parallel.comm import CollectiveError
+from hybrid.config import build_config, parse_args
 from hybrid.diagnostics import report
 from hybrid.errors import ConfigError
 from launch import TINY, _pretrain_rank, pretrain, read_json_log
@@ -30,7 +30,7 @@ def _line_of(fn, marker: str) -> int:
 def _patched_train_step(ps, cfg, before=None, after=None):
     """_pretrain_rank with ``before(ps, step)`` / ``after(ps, step, model, engine)`` around each
     train_step; pooled workers are reused, so the patch is undone on the way out."""
-    from hybrid import training
+    from hybrid.train import loop as training
     orig = training.train_step
     count = [0]
 
@@ -130,10 +130,10 @@ def _asleep_and_gone(ps):
 def test_a_live_peer_and_one_that_left_are_named_with_their_lines():
     msg, reporter = run_ranks(_asleep_and_gone, world_size=3, tp=1, collective_timeout=3,
                               reuse=False, early_exit=lambda r: r is not None, grace_s=0)[0]
-    from hybrid import multiprocess_worker
+    from hybrid.testing import worker as multiprocess_worker
     at = "tests/test_diagnostics.py:{} in _asleep_and_gone"
     line = _line_of(multiprocess_worker.worker_main, 'out = fn(ps')
-    via = f"(via hybrid/multiprocess_worker.py:{line} in worker_main)"
+    via = f"(via hybrid/testing/worker.py:{line} in worker_main)"
     first = at.format(_line_of(_asleep_and_gone, "# FIRST"))
     last = rf"the last: all_reduce #1 of the world group \(global ranks \[0, 1, 2\]\) at {first} " \
         + re.escape(via)
@@ -172,7 +172,7 @@ def test_the_report_follows_a_blocked_rank_to_the_stuck_one():
             2: _record(2, {"dp": ([0, 2], 11), "tp": ([2, 3], 57)}, now,
                        waiting={"group": "tp", "seq": 57, "since": now - 4}),
             3: _record(3, {"dp": ([1, 3], 11), "tp": ([2, 3], 56)}, now - 9, alarm=0,
-                       where="hybrid/training.py:120 in train_step")}
+                       where="hybrid/train/loop.py:120 in train_step")}
     failing = recs[0]["groups"]["dp"]["last"]
     reads = []
 
@@ -189,7 +189,7 @@ def test_the_report_follows_a_blocked_rank_to_the_stuck_one():
         "tp.py:57 for 4.0 s.",
         "  rank 3 never reached it; all got through #56, all_reduce at tp.py:56.",
         "  rank 3: no heartbeat for 9.0 s (the process is stopped, dead, or hung holding the "
-        "Python interpreter); its last one had it at hybrid/training.py:120 in train_step "
+        "Python interpreter); its last one had it at hybrid/train/loop.py:120 in train_step "
         "with no collective for 1.0 s (the last: all_reduce #56 of the tp group (global "
         "ranks [2, 3]) at tp.py:56).",
         "  stuck: rank 3."]
@@ -231,11 +231,11 @@ def _skipped_one(ps):
     (_skipped_one, 1, "all_reduce #1 (8,) float32 sum", "all_reduce #1 (8,) float32 sum")],
     ids=["op", "skipped"])
 def test_check_collectives_names_both_callers(fn, seq, odd_call, major_call):
-    from hybrid import multiprocess_worker
+    from hybrid.testing import worker as multiprocess_worker
     res = run_ranks(fn, world_size=4, tp=1)  # stops before the real collective: reusable
     here = "tests/test_diagnostics.py"
     line = _line_of(multiprocess_worker.worker_main, 'out = fn(ps')
-    via = f"(via hybrid/multiprocess_worker.py:{line})"
+    via = f"(via hybrid/testing/worker.py:{line})"
     want = (f"collective mismatch in the world group (global ranks [0, 1, 2, 3]): rank 3 "
             f"calls {odd_call} at {here}:{_line_of(fn, '# ODD')} {via} where ranks 0-2 call "
             f"{major_call} at {here}:{_line_of(fn, '# MAJORITY')} {via}")
@@ -383,4 +383,4 @@ def test_straggler_fields_and_a_clean_run_under_every_check(tmp_path):
 
 def test_bad_interval_is_named():
     with pytest.raises(ConfigError, match="--check-replicas-interval must be >= 0"):
-        parse_args(TINY + ["--check-replicas-interval", "-1"]).validate(1)
+        build_config(parse_args(TINY + ["--check-replicas-interval", "-1"]), 1)

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from harness import run_ranks
-from hybrid.parallel_state import ParallelState
+from hybrid.parallel.state import ParallelState
 from hybrid.tensor_parallel import seed_all
 from models.gpt import GPT, GPTConfig
 

@@ -23,7 +23,7 @@ def _tokens():
 
 def _hybrid_logits_from_merged(ckpt):
     from hybrid.checkpoint.reshard import merged_state
-    from hybrid.parallel_state import ParallelState
+    from hybrid.parallel.state import ParallelState
     from models.gpt import GPT, GPTConfig
     meta, state = merged_state(ckpt)
     c = meta["config"]
@@ -54,14 +54,14 @@ def test_export_loads_in_transformers_with_the_same_logits(tmp_path):
 
 def _load_imported(ps, save):
     from hybrid.checkpoint import load_checkpoint
-    from hybrid.flags import Flags
+    from hybrid.config import Flags, build_config
     from hybrid.tensor_parallel import seed_all
-    from hybrid.training import build_model
+    from hybrid.train.loop import build_model
     from hybrid.zero import apply_zero
-    cfg = Flags(tensor_model_parallel_size=ps.tp_size, num_layers=2, hidden_size=32,
+    cfg = build_config(Flags(tensor_model_parallel_size=ps.tp_size, num_layers=2, hidden_size=32,
                       num_attention_heads=4, seq_length=32, zero_stage=3, hidden_dropout=0.0,
                       attention_dropout=0.0, zero_param_persistence_threshold=0
-                      ).validate(ps.world_size)
+                      ), ps.world_size)
     rng = seed_all(0, ps.tp_rank, ps.dp_rank, ps.device)
     model = build_model(cfg, ps, VOCAB, rng).eval()
     engine = apply_zero(model, ps, cfg.zero)

@@ -74,11 +74,11 @@ def _tiny_llama(tmp_path, tie, scaling=None):
 def _load_imported_tp2(ps, save, flags):
     """The imported checkpoint loaded at TP 2 x DP 1, ZeRO-3: this rank's logits."""
     from hybrid.checkpoint import load_checkpoint
-    from hybrid.flags import Flags
+    from hybrid.config import Flags, build_config
     from hybrid.tensor_parallel import seed_all
-    from hybrid.training import build_engine
-    cfg = Flags(tensor_model_parallel_size=2, seq_length=32, zero_stage=3,
-                      hidden_dropout=0.0, attention_dropout=0.0, **flags).validate(ps.world_size)
+    from hybrid.train.loop import build_engine
+    cfg = build_config(Flags(tensor_model_parallel_size=2, seq_length=32, zero_stage=3,
+                      hidden_dropout=0.0, attention_dropout=0.0, **flags), ps.world_size)
     rng = seed_all(0, ps.tp_rank, ps.dp_rank, ps.device)
     model, _, engine = build_engine(cfg, ps, VOCAB, rng)
     assert load_checkpoint(save, engine, ps, cfg, rng, VOCAB) == (0, 0)
@@ -114,7 +114,7 @@ def test_llama_from_transformers_imports_and_exports_exactly(tmp_path, tie, scal
     greedy = _assert_same_model(hf, model, VOCAB)
     assert len(set(greedy[len(PROMPT[0]):])) > 1, greedy  # not one token repeated
     if tie:  # the imported weights at TP 2, ZeRO-3: the same logits
-        from hybrid.hf_llama import llama_flags
+        from hybrid.hf.llama import llama_flags
         flags = llama_flags(hf.config.to_dict())
         assert_same_at_tp2(hf, save, flags)
     assert script_module("export_hf").main([save, out]) == 0

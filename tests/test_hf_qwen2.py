@@ -55,7 +55,7 @@ def test_qwen2_from_transformers_imports_and_exports_exactly(tmp_path, tie, caps
     greedy = _assert_same_model(hf, model, VOCAB)
     assert len(set(greedy[8:])) > 1, greedy  # not one token repeated
     if tie:  # the imported QKV biases at TP 2 (one query group per rank), ZeRO-3
-        from hybrid.hf_llama import qwen2_flags
+        from hybrid.hf.llama import qwen2_flags
         flags = qwen2_flags(hf.config.to_dict())
         assert_same_at_tp2(hf, save, flags)
     assert script_module("export_hf").main([save, out]) == 0

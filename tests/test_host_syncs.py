@@ -1,6 +1,6 @@
 """The step path never waits for the device, except for dynamic fp16's skip decision.
 
-On the CPU the counter is :class:`hybrid.host_syncs.HostReads` (every Python-level
+On the CPU the counter is :class:`hybrid.testing.host_syncs.HostReads` (every Python-level
 read of a tensor value, which would make the host wait on a GPU); on a GPU,
 torch's own sync debug mode.
 """
@@ -9,10 +9,10 @@ import pytest
 import torch
 
 from harness import run_ranks
-from hybrid.flags import Flags
-from hybrid.host_syncs import HostReads, cuda_syncs
-from hybrid.layout import padded_vocab_size
-from hybrid.parallel_state import ParallelState
+from hybrid.config import Flags, build_config
+from hybrid.testing.host_syncs import HostReads, cuda_syncs
+from hybrid.parallel.layout import padded_vocab_size
+from hybrid.parallel.state import ParallelState
 from hybrid.tensor_parallel import InitValues, seed_all
 from hybrid.zero import apply_zero
 from models.gpt import GPT, GPTConfig
@@ -28,7 +28,7 @@ def _cfg(world, tp, **kw):
                 reduce_bucket_size=1000, allgather_bucket_size=1000,
                 zero_param_persistence_threshold=0, seed=3)
     base.update(kw)
-    return Flags(**base).validate(world)
+    return build_config(Flags(**base), world)
 
 
 def _engine(cfg, ps, device="cpu"):
@@ -48,7 +48,7 @@ def _batches(step, ps, device="cpu"):
 
 
 def _one_step(model, engine, step, ps, device="cpu"):
-    from hybrid.training import train_step
+    from hybrid.train.loop import train_step
     return train_step(model, engine, _batches(step, ps, device), 1e-2)
 
 
@@ -134,14 +134,14 @@ def test_a_non_finite_gradient_skips_on_the_device_everywhere():
 def test_training_loop_reads_values_only_at_log_lines(monkeypatch, dtype, per_step):
     """The real loop (one process, mock data): between log lines an iteration reads
     nothing from the device (bf16), or only the fp16 skip decision."""
-    import hybrid.training as training
-    from hybrid.config import parse_args
+    import hybrid.train.loop as training
+    from hybrid.config import build_config, parse_args
 
-    cfg = parse_args(["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
+    cfg = build_config(parse_args(["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
                       "--seq-length", "16", "--micro-batch-size", "2",
                       "--global-batch-size", "4", "--train-iters", "8", "--log-interval", "4",
                       "--eval-iters", "0", "--mock-data", "--zero-stage", "2", dtype,
-                      "--hidden-dropout", "0", "--attention-dropout", "0"]).validate(1)
+                      "--hidden-dropout", "0", "--attention-dropout", "0"]), 1)
     marks = []
     step = training.train_step
 
@@ -170,7 +170,7 @@ def test_cuda_bf16_steps_do_not_synchronize():
         cfg = _cfg(1, 1, zero_stage=stage, **kw)
         model, engine = _engine(cfg, ps)
         batches = [_batches(s, ps, "cuda") for s in range(4)]
-        from hybrid.training import train_step
+        from hybrid.train.loop import train_step
         for s in range(2):
             train_step(model, engine, batches[s], 1e-2)
         torch.cuda.synchronize()

@@ -14,8 +14,8 @@ import sys
 import numpy as np
 import pytest
 
-from hybrid.config import parse_args
-from hybrid.config_sections import DataConfig
+from hybrid.config import build_config, parse_args
+from hybrid.config.sections import DataConfig
 from hybrid.data.dataset import build_datasets
 from hybrid.data.indexed import IndexedWriter, MegatronIndexed, open_indexed, write_indexed
 from hybrid.data.hybridx import HybridxIndexed
@@ -329,19 +329,19 @@ BASE = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4"
 ])
 def test_data_flags_are_checked_naming_the_flags(flags, message):
     with pytest.raises(ConfigError, match=message):
-        parse_args(BASE + flags).validate(1)
+        build_config(parse_args(BASE + flags), 1)
 
 
 def test_megatron_tokenizer_names_and_mock_data_config():
-    cfg = parse_args(BASE + ["--tokenizer-type", "NullTokenizer", "--vocab-size", "50",
-                             "--mock-data"]).validate(1)
-    assert cfg.data.mock_data and cfg.data.vocab_size == 50
-    assert cfg.data.tokenizer_type == "NullTokenizer"
-    cfg = parse_args(BASE + ["--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model",
+    cfg = build_config(parse_args(BASE + ["--tokenizer-type", "NullTokenizer", "--vocab-size", "50",
+                             "--mock-data"]), 1)
+    assert cfg.data.mock_data and cfg.tokenizer.vocab_size == 50
+    assert cfg.tokenizer.type == "NullTokenizer"
+    cfg = build_config(parse_args(BASE + ["--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model",
                              "some/dir", "--train-data-path", "0.3", "a", "0.7", "b",
-                             "--valid-data-path", "c"]).validate(1)
+                             "--valid-data-path", "c"]), 1)
     assert cfg.data.train_data_path == ("0.3", "a", "0.7", "b")
-    assert cfg.data.tokenizer_model == "some/dir"
+    assert cfg.tokenizer.model == "some/dir"
 
 
 def test_mock_data_is_a_function_of_the_seed():

@@ -139,13 +139,13 @@ def test_no_kernels_forces_the_fallback():
     from dataclasses import replace
 
     from hybrid import kernels
-    from hybrid.config import kernel_config_from_env, parse_args
+    from hybrid.config import build_config, kernel_config_from_env, parse_args
     assert kernel_config_from_env({"HYBRID_NO_KERNELS": "1"}).no_kernels
     assert not kernel_config_from_env({"HYBRID_NO_KERNELS": "0"}).no_kernels
-    assert parse_args(["--no-kernels"]).validate(1).kernels.no_kernels
+    assert build_config(parse_args(["--no-kernels"]), 1).kernels.no_kernels
     # the entry point's environment defaults the flag, in one place
-    assert parse_args([]).validate(1, environ={"HYBRID_NO_KERNELS": "1"}).kernels.no_kernels
-    assert not parse_args([]).validate(1).kernels.no_kernels  # no environment: flags only
+    assert build_config(parse_args([]), 1, environ={"HYBRID_NO_KERNELS": "1"}).kernels.no_kernels
+    assert not build_config(parse_args([]), 1).kernels.no_kernels  # no environment: flags only
     before = kernels.current()
     kernels.configure(replace(before, no_kernels=True))
     try:

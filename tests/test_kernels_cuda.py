@@ -262,7 +262,7 @@ def test_fused_adam_device_scalars_are_the_host_arguments(out_dtype):
 @cuda
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_gpt_fused_matches_eager(dtype, choose):
-    from hybrid.parallel_state import ParallelState
+    from hybrid.parallel.state import ParallelState
     from models.gpt import GPT, GPTConfig
     cfg = GPTConfig(vocab_size=1000, padded_vocab_size=1024, num_layers=2, hidden_size=256,
                     num_attention_heads=4, max_position_embeddings=64, hidden_dropout=0.0,
@@ -289,7 +289,7 @@ def test_gpt_fused_matches_eager(dtype, choose):
 def test_vocab_parallel_function_fused_single_rank(dtype, choose):
     """TP=1 on GPU routes through the fused Function (all-reduces are no-ops) and
     matches F.cross_entropy over the valid columns, padding getting zero gradient."""
-    from hybrid.parallel_state import ParallelState
+    from hybrid.parallel.state import ParallelState
     from hybrid.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
     _ops()
     ps = ParallelState.single("cuda")

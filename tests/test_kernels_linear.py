@@ -13,8 +13,8 @@ import torch.nn.functional as F
 
 from harness import run_ranks
 from hybrid import kernels
-from hybrid.config import parse_kernel_choice
-from hybrid.kernels import cpu_features, kernel_choice, linear, matmul
+from hybrid.config import build_config, parse_kernel_choice
+from hybrid.kernels import cpu_features, kernel_choice, linear, matmul, select
 
 CPU, LOW = torch.device("cpu"), (torch.bfloat16, torch.float16)
 
@@ -170,7 +170,7 @@ def test_gpt_in_bf16_takes_the_fp32_path_everywhere():
     """Every linear of the GPT -- QKV, attention out, MLP in and out per layer, and the
     tied head -- runs the fp32 path when chosen, and the model's loss and gradients
     agree with torch's own bf16 path to bf16's rounding."""
-    from hybrid.parallel_state import ParallelState
+    from hybrid.parallel.state import ParallelState
     _assert_paths_agree(_both_paths(ParallelState.single(), False), linears=2 * 4 + 1)
 
 
@@ -185,28 +185,28 @@ def test_sequence_parallel_linears_take_the_fp32_path():
 
 def test_warning_names_the_flags_the_slowdown_and_fp32(flags, choose):
     flags(("avx2", "avx512f"))
-    msg = cpu_features.low_precision_warning("bf16", CPU)
+    msg = select.low_precision_warning("bf16", CPU)
     assert "--bf16 on a CPU without native bf16" in msg and "amx_bf16 or avx512_bf16" in msg
     assert f"{cpu_features.SLOWDOWN_TORCH_MATMUL}x" in msg and "fp32" in msg
     assert "drop --bf16" in msg
-    assert "avx512_fp16" in cpu_features.low_precision_warning("fp16", CPU)
+    assert "avx512_fp16" in select.low_precision_warning("fp16", CPU)
     choose("linear=eager")  # told to use torch's path: the warning says what that costs
-    assert "--kernel-choice linear=eager" in cpu_features.low_precision_warning("bf16", CPU)
-    assert cpu_features.low_precision_warning("fp32", CPU) is None
-    assert cpu_features.low_precision_warning("bf16", torch.device("cuda")) is None
+    assert "--kernel-choice linear=eager" in select.low_precision_warning("bf16", CPU)
+    assert select.low_precision_warning("fp32", CPU) is None
+    assert select.low_precision_warning("bf16", torch.device("cuda")) is None
     flags(("avx512_bf16",))
-    assert cpu_features.low_precision_warning("bf16", CPU) is None
+    assert select.low_precision_warning("bf16", CPU) is None
 
 
 def test_pretrain_warns_once_at_start_up(flags, caplog, tmp_path):
     """--bf16 on such a CPU: one warning line for the run, before training starts."""
     from hybrid.config import parse_args
-    from hybrid.parallel_state import ParallelState
-    from hybrid.training import pretrain
+    from hybrid.parallel.state import ParallelState
+    from hybrid.train.loop import pretrain
     flags(("avx2",))
-    cfg = parse_args(["--num-layers", "1", "--hidden-size", "32", "--num-attention-heads", "4",
+    cfg = build_config(parse_args(["--num-layers", "1", "--hidden-size", "32", "--num-attention-heads", "4",
                       "--seq-length", "16", "--micro-batch-size", "2", "--train-iters", "2",
-                      "--log-interval", "1", "--eval-iters", "0", "--bf16"]).validate(1)
+                      "--log-interval", "1", "--eval-iters", "0", "--bf16"]), 1)
     with caplog.at_level("INFO", logger="hybrid"):
         history = pretrain(cfg, ParallelState.single())
     warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]

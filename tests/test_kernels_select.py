@@ -13,8 +13,8 @@ import torch
 import torch.nn.functional as F
 
 from hybrid import kernels
-from hybrid.config import parse_kernel_choice
-from hybrid.config_sections import KernelConfig
+from hybrid.config import build_config, parse_kernel_choice
+from hybrid.config.sections import KernelConfig
 from hybrid.kernels import bias_gelu, layer_norm, local_softmax_stats, softmax_grad
 from hybrid.kernels.select import kernel_choice
 
@@ -87,7 +87,7 @@ def test_bad_choice_is_a_clear_error():
     from hybrid.config import kernel_config_from_env, parse_args
     from hybrid.errors import ConfigError
     with pytest.raises(ConfigError, match="--kernel-choice: bad entry 'layer_norm=fast'"):
-        parse_args(["--kernel-choice", "layer_norm=fast"]).validate(1)
+        build_config(parse_args(["--kernel-choice", "layer_norm=fast"]), 1)
     with pytest.raises(ConfigError, match="HYBRID_KERNEL_CHOICE: bad entry 'linear=fused'"):
         kernel_config_from_env({"HYBRID_KERNEL_CHOICE": "linear=fused"})
     with pytest.raises(ValueError, match="bias_gelu=fp32"):

@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 
 from harness import run_ranks
-from hybrid.parallel_state import ParallelState
+from hybrid.parallel.state import ParallelState
 from hybrid.tensor_parallel import (ColumnParallelLinear, RowParallelLinear,
                                     VocabParallelEmbedding, init_parameters, shard_of, Init)
 

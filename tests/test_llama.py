@@ -16,8 +16,8 @@ import pytest
 import torch
 
 from harness import run_ranks
-from hybrid.flags import Flags
-from hybrid.parallel_state import ParallelState
+from hybrid.config import Flags, build_config
+from hybrid.parallel.state import ParallelState
 from hybrid.tensor_parallel import full_shape, seed_all, shard_of, unshard
 from models.gpt import GPT, GPTConfig
 from test_zero import VOCAB, _named_params, _train_cfg, _train_reference, _train_steps
@@ -193,7 +193,7 @@ COMPOSE = {
 
 
 def _train_llama(ps, variants):
-    from hybrid.training import build_engine
+    from hybrid.train.loop import build_engine
     out = []
     for stage, kw in variants:
         cfg = _train_cfg(ps.world_size, ps.tp_size, zero_stage=stage, **LLAMA_FLAGS, **kw)
@@ -208,7 +208,7 @@ def _train_llama(ps, variants):
 
 @pytest.fixture(scope="module")
 def llama_reference():
-    from hybrid.training import build_model
+    from hybrid.train.loop import build_model
     cfg = _train_cfg(1, 1, **LLAMA_FLAGS)
     ps = ParallelState.single()
     model = build_model(cfg, ps, VOCAB, seed_all(cfg.seed, 0, 0, ps.device))
@@ -242,11 +242,11 @@ def test_llama_trains_like_one_process_under_zero_recompute_and_sp(llama_referen
 # -- checkpoints across TP sizes --------------------------------------------------------
 def _engine(ps, seed):
     """Qwen2-shaped: the Llama flags and --add-qkv-bias (a bias that training moves)."""
-    from hybrid.training import build_engine
-    cfg = Flags(tensor_model_parallel_size=ps.tp_size, num_layers=2, hidden_size=32,
+    from hybrid.train.loop import build_engine
+    cfg = build_config(Flags(tensor_model_parallel_size=ps.tp_size, num_layers=2, hidden_size=32,
                 seq_length=T, zero_stage=1 if ps.world_size > 1 else 0, seed=seed,
                 hidden_dropout=0.0, attention_dropout=0.0, add_qkv_bias=True, **LLAMA_FLAGS,
-                ).validate(ps.world_size)
+                ), ps.world_size)
     rng = seed_all(seed, ps.tp_rank, ps.dp_rank, ps.device)
     model, _, engine = build_engine(cfg, ps, V, rng)
     return cfg, rng, model, engine
@@ -308,9 +308,9 @@ def test_checkpoints_reshard_between_tp1_and_tp2(tmp_path):
     assert abs(_loss(model) - loss2) <= 1e-6 * loss2
     # the Llama checkpoint into a GPT-2 of the same size: refused, naming the flags
     from hybrid.errors import CheckpointError
-    from hybrid.training import build_engine
-    gpt2 = Flags(num_layers=2, hidden_size=32, num_attention_heads=8, seq_length=T,
-                       ffn_hidden_size=64).validate(1)
+    from hybrid.train.loop import build_engine
+    gpt2 = build_config(Flags(num_layers=2, hidden_size=32, num_attention_heads=8, seq_length=T,
+                       ffn_hidden_size=64), 1)
     rng = seed_all(3, 0, 0, ps.device)
     _, _, engine = build_engine(gpt2, ps, V, rng)
     with pytest.raises(CheckpointError, match="the architecture flags"):

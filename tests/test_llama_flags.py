@@ -12,12 +12,12 @@ import pytest
 import torch
 
 from hybrid.errors import ConfigError
-from hybrid.flags import parse_args
+from hybrid.config import build_config, parse_args
 
 
 # -- flags ----------------------------------------------------------------------------
 def _validate(flags, world=4):
-    return parse_args(flags).validate(world)
+    return build_config(parse_args(flags), world)
 
 
 def test_llama3_rope_scaling_keeps_blends_and_divides_by_wavelength():
@@ -28,7 +28,7 @@ def test_llama3_rope_scaling_keeps_blends_and_divides_by_wavelength():
 
 
 def test_llama_flags_map_to_the_model_and_fill_megatron_defaults():
-    from hybrid.training import gpt_config
+    from hybrid.train.loop import gpt_config
     cfg = _validate(["--normalization", "RMSNorm", "--swiglu", "--hidden-size", "4096",
                      "--num-attention-heads", "32", "--position-embedding-type", "rope",
                      "--rotary-base", "500000", "--group-query-attention",
@@ -50,7 +50,7 @@ def test_llama_flags_map_to_the_model_and_fill_megatron_defaults():
 
 
 def test_a_hf_config_without_tie_word_embeddings_is_untied_as_transformers_reads_it():
-    from hybrid.hf_llama import llama_flags
+    from hybrid.hf.llama import llama_flags
     base = {"num_hidden_layers": 2, "hidden_size": 64, "num_attention_heads": 4,
             "intermediate_size": 96, "max_position_embeddings": 64}
     for model_type in ("llama", "qwen2"):
@@ -64,9 +64,9 @@ def test_add_qkv_bias_is_megatrons_flag_and_old_checkpoints_read_it_as_off():
     """Qwen2's --disable-bias-linear --add-qkv-bias: the QKV bias alone, through the
     Megatron-flag filter (which refused it before); a saved config without the key
     (a checkpoint from before the flag) reads as no QKV bias."""
-    from hybrid.architecture import architecture_fields
-    from hybrid.megatron_flags import split_megatron_flags
-    from hybrid.training import gpt_config
+    from hybrid.config.architecture import architecture_fields
+    from hybrid.config.megatron_flags import split_megatron_flags
+    from hybrid.train.loop import gpt_config
     argv = ["--disable-bias-linear", "--add-qkv-bias"]
     assert split_megatron_flags(argv) == (argv, [])
     g = gpt_config(_validate(argv, world=1), 257)
@@ -121,14 +121,14 @@ def test_llama_preset_validates_and_runs_the_stage_the_estimator_recommends(worl
     """Llama-3.2-1B's shape (untied), config only: the flags validate at 8 and 32 ranks,
     and scripts/estimate_memory.py takes them as they are and recommends the preset's
     ZeRO stage for an 80 GiB device."""
-    from hybrid.memory_estimate import choose_stage, workload
+    from hybrid.estimate.memory import choose_stage, workload
     root, flags = _preset_flags()
-    cfg = parse_args(flags).validate(world)
+    cfg = build_config(parse_args(flags), world)
     m = cfg.model
     assert (m.num_layers, m.hidden_size, m.num_attention_heads, m.num_query_groups,
             m.ffn_hidden_size, m.rotary_base, m.normalization, m.swiglu,
             m.position_embedding_type, m.untie_embeddings_and_output_weights,
-            m.add_bias_linear, cfg.data.tokenizer_type) == \
+            m.add_bias_linear, cfg.tokenizer.type) == \
         (16, 2048, 32, 8, 8192, 500000.0, "RMSNorm", True, "rope", True, False,
          "HuggingFaceTokenizer")
     w = workload(cfg, 128256)

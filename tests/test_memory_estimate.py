@@ -19,13 +19,13 @@ import pytest
 import torch
 
 from harness import run_ranks
-from hybrid.activation_checkpointing import apply_activation_checkpointing
-from hybrid.config_sections import RecomputeConfig
-from hybrid.memory_estimate import (Workload, activation_bytes, activation_bytes_per_layer,
+from hybrid.recompute.checkpointing import apply_activation_checkpointing
+from hybrid.config.sections import RecomputeConfig
+from hybrid.estimate.memory import (Workload, activation_bytes, activation_bytes_per_layer,
                                     choose_stage, head_bytes, peak_memory, traffic_bytes)
-from hybrid.parallel_state import ParallelState
+from hybrid.parallel.state import ParallelState
 from hybrid.tensor_parallel import seed_all
-from hybrid.training import recompute_targets
+from hybrid.train.loop import recompute_targets
 from models.gpt import GPT, GPTConfig
 
 S, B, H, HEADS, V = 16, 2, 32, 4, 256
@@ -267,20 +267,20 @@ def _presets():
 
 @pytest.mark.parametrize("world", [8, 32])
 def test_gpt2_presets_run_the_stage_the_estimator_recommends(world):
-    from hybrid.config import parse_args
-    from hybrid.memory_estimate import workload
+    from hybrid.config import build_config, parse_args
+    from hybrid.estimate.memory import workload
     shapes, shared = _presets()
     assert set(shapes) == {"125m", "350m", "1.3b"} and "--global-batch-size" in shared
     for size, shape in shapes.items():
         cfg = parse_args(shape + shared + ["--hidden-dropout", "0", "--attention-dropout", "0"])
-        w = workload(cfg.validate(world), 50257)
+        w = workload(build_config(cfg, world), 50257)
         assert choose_stage(w, budget_bytes=80 * 2 ** 30, runtime_bytes=int(1.5 * 2 ** 30)) \
             == cfg.zero_stage, size
 
 
 def _metered(ps, recompute):
     """SavedActivationMeter's peak over one forward + backward of a 2-layer fp32 GPT."""
-    from hybrid.activation_meter import SavedActivationMeter
+    from hybrid.train.activation_meter import SavedActivationMeter
     cfg = GPTConfig(vocab_size=V, padded_vocab_size=V, num_layers=2, hidden_size=H,
                     num_attention_heads=HEADS, max_position_embeddings=S,
                     hidden_dropout=0.0, attention_dropout=0.0)

@@ -32,7 +32,7 @@ def test_an_unwritable_log_is_one_error_from_every_rank_and_nothing_is_truncated
     """Only rank 0 opens the logs; the others must hear of its failure (not wait in a
     collective for it). A --tensorboard-dir that fails leaves an existing --log-json as
     it was."""
-    from hybrid.monitor import Monitor
+    from hybrid.train.monitor import Monitor
     afile = tmp_path / "afile"
     afile.write_text("x")
     old = tmp_path / "old.jsonl"

@@ -6,7 +6,7 @@ import os
 import torch
 
 from harness import run_ranks
-from hybrid import multiprocess
+from hybrid.testing import pool as multiprocess
 
 
 def _dirty(ps):

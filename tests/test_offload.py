@@ -7,9 +7,9 @@ import torch
 
 from harness import run_ranks
 from hybrid.errors import ConfigError
-from hybrid.flags import Flags
-from hybrid.layout import padded_vocab_size
-from hybrid.parallel_state import ParallelState
+from hybrid.config import Flags, build_config
+from hybrid.parallel.layout import padded_vocab_size
+from hybrid.parallel.state import ParallelState
 from hybrid.tensor_parallel import InitValues, seed_all
 from hybrid.zero import apply_zero
 from models.gpt import GPT, GPTConfig
@@ -24,7 +24,7 @@ def _cfg(world, **kw):
                 reduce_bucket_size=1000, allgather_bucket_size=1000, adam_eps=1e-4,
                 zero_param_persistence_threshold=0, seed=SEED)
     base.update(kw)
-    return Flags(**base).validate(world)
+    return build_config(Flags(**base), world)
 
 
 def _gpt(cfg, ps, device):
@@ -219,10 +219,10 @@ def test_fp16_overflow_skips_an_offloaded_step_and_training_goes_on():
 ])
 def test_delayed_update_flags_are_checked(flags, msg):
     with pytest.raises(ConfigError, match=msg):
-        Flags(**flags).validate(1)
+        build_config(Flags(**flags), 1)
 
 
 def test_delayed_update_flags_reach_the_zero_config():
-    z = Flags(zero_stage=2, offload_optimizer=True, offload_delayed_update=True,
-              offload_delayed_update_warmup=4).validate(1).zero
+    z = build_config(Flags(zero_stage=2, offload_optimizer=True, offload_delayed_update=True,
+              offload_delayed_update_warmup=4), 1).zero
     assert z.offload_delayed_update and z.offload_delayed_update_warmup == 4

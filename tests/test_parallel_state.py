@@ -5,7 +5,7 @@ import torch
 
 from harness import run_ranks
 from hybrid.errors import ConfigError
-from hybrid.parallel_state import check_layout, dp_group_ranks, tp_group_ranks
+from hybrid.parallel.state import check_layout, dp_group_ranks, tp_group_ranks
 
 
 def _layout(ps):

@@ -5,10 +5,10 @@ import os
 
 import pytest
 
-from hybrid.config import parse_args
-from hybrid.config_sections import ScheduleConfig
-from hybrid.lr_schedule import learning_rate, scheduled_lr
-from hybrid.schedule import finished, global_batch_size_at, total_iterations
+from hybrid.config import build_config, parse_args
+from hybrid.config.sections import ScheduleConfig
+from hybrid.train.lr_schedule import learning_rate, scheduled_lr
+from hybrid.train.batches import finished, global_batch_size_at, total_iterations
 
 BASE = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
         "--seq-length", "16", "--micro-batch-size", "2"]
@@ -47,12 +47,12 @@ def test_sample_based_run_walks_the_ramp_in_whole_batches():
 
 def test_lr_in_samples_equals_lr_in_iterations_at_a_constant_batch():
     gbs = 24
-    it = parse_args(BASE + ["--global-batch-size", str(gbs), "--train-iters", "50",
+    it = build_config(parse_args(BASE + ["--global-batch-size", str(gbs), "--train-iters", "50",
                             "--lr-warmup-iters", "5", "--lr-decay-style", "cosine",
-                            "--lr", "1e-3", "--min-lr", "1e-4"]).validate(1)
-    sa = parse_args(BASE + ["--global-batch-size", str(gbs), "--train-samples", str(50 * gbs),
+                            "--lr", "1e-3", "--min-lr", "1e-4"]), 1)
+    sa = build_config(parse_args(BASE + ["--global-batch-size", str(gbs), "--train-samples", str(50 * gbs),
                             "--lr-warmup-samples", str(5 * gbs), "--lr-decay-style", "cosine",
-                            "--lr", "1e-3", "--min-lr", "1e-4"]).validate(1)
+                            "--lr", "1e-3", "--min-lr", "1e-4"]), 1)
     assert (it.optimizer.unit, sa.optimizer.unit) == ("iterations", "samples")
     for i in range(1, 51):
         assert scheduled_lr(it.optimizer, i, i * gbs) == scheduled_lr(sa.optimizer, i, i * gbs)
@@ -60,16 +60,16 @@ def test_lr_in_samples_equals_lr_in_iterations_at_a_constant_batch():
 
 
 def test_warmup_fraction_is_a_fraction_of_the_decay_length():
-    cfg = parse_args(BASE + ["--train-iters", "1000", "--lr-decay-iters", "800",
-                             "--lr-warmup-fraction", "0.01"]).validate(1)
+    cfg = build_config(parse_args(BASE + ["--train-iters", "1000", "--lr-decay-iters", "800",
+                             "--lr-warmup-fraction", "0.01"]), 1)
     assert (cfg.optimizer.warmup, cfg.optimizer.decay) == (8, 800)
     assert scheduled_lr(cfg.optimizer, 4, 0) == learning_rate(4, 1e-3, 0.0, 8, 800, "constant")
 
 
 def test_iteration_based_rampup_takes_train_iters_steps():
     # Megatron refuses ramp-up with --train-iters; its own GPT-3 example passes both.
-    cfg = parse_args(BASE + ["--global-batch-size", "16", "--rampup-batch-size", "4", "4", "40",
-                             "--train-iters", "7"]).validate(2)
+    cfg = build_config(parse_args(BASE + ["--global-batch-size", "16", "--rampup-batch-size", "4", "4", "40",
+                             "--train-iters", "7"]), 2)
     s = cfg.schedule
     assert total_iterations(s) == 7 and not finished(s, 6, 10_000) and finished(s, 7, 0)
     assert global_batch_size_at(s, 0) == 4 and global_batch_size_at(s, 40) == 16
@@ -88,7 +88,7 @@ def test_rampup_run_logs_the_schedule_and_resumes_exactly_after_exit_interval(tm
     r = pretrain(2, args + ["--log-json", full])
     assert r.returncode == 0, r.stderr[-3000:]
     log = read_json_log(full)
-    cfg = parse_args(args).validate(2)
+    cfg = build_config(parse_args(args), 2)
     consumed, expect = 0, []
     while not finished(cfg.schedule, len(expect), consumed):
         batch = global_batch_size_at(cfg.schedule, consumed)
@@ -127,7 +127,7 @@ def _sigterm_rank1_at_step3(ps, cfg):
     first); pooled workers are reused, so the patch is undone on the way out."""
     import signal
 
-    from hybrid import training
+    from hybrid.train import loop as training
     from launch import _pretrain_rank
     orig, count = training.train_step, [0]
 
@@ -152,8 +152,8 @@ def test_exit_signal_handler_saves_and_stops_every_rank_at_the_same_iteration(tm
     from harness import run_ranks
     from launch import TINY
     ckpt = str(tmp_path / "ckpt")
-    cfg = parse_args(TINY + ["--train-iters", "50", "--exit-signal-handler", "--save",
-                             ckpt]).validate(2)
+    cfg = build_config(parse_args(TINY + ["--train-iters", "50", "--exit-signal-handler", "--save",
+                             ckpt]), 2)
     res = run_ranks(_sigterm_rank1_at_step3, world_size=2, args=(cfg,))
     (rank0, handler0), (rank1, handler1) = res
     assert rank0[0] == rank1[0] == 0, (rank0, rank1)

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from harness import run_ranks
-from hybrid.parallel_state import ParallelState
+from hybrid.parallel.state import ParallelState
 from hybrid.tensor_parallel import (gather_from_sequence, reduce_scatter_to_sequence,
                                     scatter_to_sequence, seed_all)
 from models.gpt import GPT, GPTConfig
@@ -251,14 +251,14 @@ def _sp_checkpoint_round_trip(ps, tmp):
     """Train 2 steps with SP on, save; load with SP off and save; load with SP on again.
     Every engine's parameters (gathered) and the losses of one more step each."""
     from hybrid.checkpoint import load_checkpoint, save_checkpoint
-    from hybrid.flags import Flags
-    from hybrid.training import build_engine
+    from hybrid.config import Flags, build_config
+    from hybrid.train.loop import build_engine
 
     def engine(sp, seed):
-        cfg = Flags(tensor_model_parallel_size=2, num_layers=2, hidden_size=32,
+        cfg = build_config(Flags(tensor_model_parallel_size=2, num_layers=2, hidden_size=32,
                           num_attention_heads=4, seq_length=T, zero_stage=3, seed=seed,
                           sequence_parallel=sp, hidden_dropout=0.0,
-                          attention_dropout=0.0).validate(ps.world_size)
+                          attention_dropout=0.0), ps.world_size)
         rng = seed_all(seed, ps.tp_rank, ps.dp_rank, ps.device)
         model, _, eng = build_engine(cfg, ps, V, rng)
         return cfg, rng, model, eng

@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from hybrid.flags import Flags
+from hybrid.config import Flags, build_config
 from hybrid.data.tokenizer import ByteTokenizer, GPT2BPETokenizer, build_tokenizer
 from hybrid.errors import DataError
 from launch import ROOT, env
@@ -58,13 +58,13 @@ def test_tokenizer_json_through_the_library(bpe_files, tmp_path):
     hf.decoder = tokenizers.decoders.ByteLevel()
     path = str(tmp_path / "tokenizer.json")
     hf.save(path)
-    tok = build_tokenizer(Flags(tokenizer_type="hf", tokenizer_file=path).validate(1).data)
+    tok = build_tokenizer(build_config(Flags(tokenizer_type="hf", tokenizer_file=path), 1).tokenizer)
     assert tok.encode(TEXT) == GPT2BPETokenizer(*bpe_files).encode(TEXT)
     assert tok.decode(tok.encode(TEXT)) == TEXT
 
 
 def test_missing_tokenizer_files_are_named(tmp_path):
-    cfg = Flags(tokenizer_type="gpt2bpe", vocab_file=str(tmp_path / "v.json"),
-                merge_file=str(tmp_path / "m.txt")).validate(1)
+    cfg = build_config(Flags(tokenizer_type="gpt2bpe", vocab_file=str(tmp_path / "v.json"),
+                merge_file=str(tmp_path / "m.txt")), 1)
     with pytest.raises(DataError, match="--vocab-file .*v.json: no such file"):
-        build_tokenizer(cfg.data)
+        build_tokenizer(cfg.tokenizer)

@@ -80,7 +80,7 @@ def test_the_backstop_outlasts_noticing_agreeing_and_printing():
 def _watching(ps, timeout_s):
     """``ps`` with a fresh watching recorder over the same groups, on a store of its own
     (rank 0 serves it; the port goes round on the pool's world group)."""
-    from hybrid.comm import CommGroup, CommStats
+    from hybrid.parallel.comm import CommGroup, CommStats
 
     port, server = torch.tensor([0]), None
     if ps.rank == 0:

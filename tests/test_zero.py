@@ -6,13 +6,13 @@ import pytest
 import torch
 
 from harness import run_ranks
-from hybrid.activation_checkpointing import apply_activation_checkpointing
-from hybrid.flags import Flags
-from hybrid.layout import padded_vocab_size
-from hybrid.parallel_state import ParallelState
+from hybrid.recompute.checkpointing import apply_activation_checkpointing
+from hybrid.config import Flags, build_config
+from hybrid.parallel.layout import padded_vocab_size
+from hybrid.parallel.state import ParallelState
 from hybrid.tensor_parallel import InitValues, seed_all
 from hybrid.zero import apply_zero
-from hybrid.zero.estimate import comm_bytes_per_step, model_state_bytes
+from hybrid.estimate.model_states import comm_bytes_per_step, model_state_bytes
 from models.gpt import GPT, GPTConfig
 
 SEED, VOCAB, SEQ, STEPS, GLOBAL_BATCH, MICRO = 5, 257, 16, 3, 8, 2
@@ -30,7 +30,7 @@ def _train_cfg(world, tp, **kw):
                 # the comparison about the distributed arithmetic.
                 adam_eps=1e-4)
     base.update(kw)
-    return Flags(**base).validate(world)
+    return build_config(Flags(**base), world)
 
 
 def _gpt(cfg, ps, device="cpu"):
@@ -177,7 +177,7 @@ def _assert_matches_reference(res, reference, variants, tp, dp):
 
 def _bytes_per_stage(ps, flags, micro_batches=1):
     """Per stage: Psi, model-state bytes after a step, and bytes moved by one step of
-    ``micro_batches`` micro-batches (counted by hybrid/comm.py), by collective kind."""
+    ``micro_batches`` micro-batches (counted by hybrid/parallel/comm.py), by collective kind."""
     out = {}
     for stage in range(4):
         cfg = _train_cfg(ps.world_size, 1, zero_stage=stage, hidden_size=64,

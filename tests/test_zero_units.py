@@ -4,8 +4,8 @@ import pytest
 import torch
 
 from harness import run_ranks
-from hybrid.activation_checkpointing import apply_activation_checkpointing
-from hybrid.parallel_state import ParallelState
+from hybrid.recompute.checkpointing import apply_activation_checkpointing
+from hybrid.parallel.state import ParallelState
 from hybrid.tensor_parallel import InitValues
 from hybrid.zero import apply_zero
 from test_zero import _gpt, _named_params, _train_cfg, _train_reference, _train_steps

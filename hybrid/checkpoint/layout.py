@@ -105,7 +105,7 @@ class Read(NamedTuple):
 
 
 def rank_of(tp_rank: int, dp_rank: int, tp_size: int) -> int:
-    """Global rank of (tp_rank, dp_rank): Megatron's order, as in hybrid.parallel_state."""
+    """Global rank of (tp_rank, dp_rank): Megatron's order, as in hybrid.parallel.state."""
     return dp_rank * tp_size + tp_rank
 
 

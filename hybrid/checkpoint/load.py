@@ -18,13 +18,13 @@ from hybrid.checkpoint.files import find_checkpoint, rank_paths, read_metadata
 from hybrid.checkpoint.layout import COLUMNS, SavedLayout
 from hybrid.checkpoint.reader import RangeReader
 from hybrid.checkpoint.reshard import ParamSource, Target
-from hybrid.agree import agree_error
+from hybrid.parallel.agree import agree_error
 from hybrid.checkpoint.save import model_signature
 from hybrid.errors import CheckpointError
 
 # Split along dim 0 with padding rows that depend on TP: their row count may differ.
 VOCAB_PARAMS = ("wte.weight", "output_layer.weight")
-from hybrid.parallel_state import ParallelState
+from hybrid.parallel.state import ParallelState
 from hybrid.tensor_parallel import TPRNGTracker, seed_all
 from hybrid.tensor_parallel.random import set_device_rng_state
 from hybrid.zero import ZeroEngine

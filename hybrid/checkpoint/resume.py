@@ -12,7 +12,7 @@ flags                  weights   iteration, data    optimizer   RNG
 
 "Fresh optimizer": both Adam moments zero, step count 0, the loss scaler as
 configured (Megatron keeps the loss scale in the optimizer state). The
-learning rate is a function of the iteration (:mod:`hybrid.lr_schedule`), so
+learning rate is a function of the iteration (:mod:`hybrid.train.lr_schedule`), so
 after ``--no-load-optim`` it continues where the checkpoint was; Megatron
 instead restarts its scheduler when the optimizer is not loaded.
 A checkpoint saved with ``--no-save-optim`` holds no optimizer state: loading
@@ -48,10 +48,10 @@ from dataclasses import dataclass
 
 from hybrid.checkpoint.files import find_checkpoint, read_metadata
 from hybrid.checkpoint.load import load_checkpoint
-from hybrid.agree import agree_error
-from hybrid.config_sections import CheckpointConfig
+from hybrid.parallel.agree import agree_error
+from hybrid.config.sections import CheckpointConfig
 from hybrid.errors import CheckpointError
-from hybrid.parallel_state import ParallelState
+from hybrid.parallel.state import ParallelState
 from hybrid.tensor_parallel import TPRNGTracker
 from hybrid.zero import ZeroEngine
 

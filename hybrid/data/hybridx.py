@@ -20,7 +20,7 @@ import struct
 
 import numpy as np
 
-from hybrid.data.indexed import map_tokens
+from hybrid.data.sources import map_tokens
 from hybrid.data.sources import DocumentSource
 from hybrid.errors import DataError
 

@@ -39,11 +39,10 @@ from __future__ import annotations
 import os
 import shutil
 import struct
-from dataclasses import dataclass, field
 
 import numpy as np
 
-from hybrid.data.sources import DocumentSource
+from hybrid.data.sources import DocumentSource, IOCounter, map_tokens
 from hybrid.errors import DataError
 
 MAGIC = b"MMIDIDX\x00\x00"
@@ -54,23 +53,6 @@ CODES = {name: code for code, name in DTYPES.items()}
 _HEADER = struct.Struct("<9sQBQQ")  # 34 bytes
 MAX_SEQUENCE_LENGTH = 2**31 - 1  # sequence_lengths are int32
 CHUNK = 1 << 22  # entries per vectorized step: bounded temporaries, few Python iterations
-
-
-@dataclass
-class IOCounter:
-    """What a reader did: files opened (data files are memory-mapped, once) and the bytes
-    it read on purpose -- headers, the index entries and tokens its checks look at."""
-
-    files_opened: list = field(default_factory=list)
-    bytes_read: int = 0
-
-
-def map_tokens(bin_path: str, dtype, nbytes: int, io: IOCounter) -> np.ndarray:
-    """The token file, memory-mapped (numpy cannot map an empty file)."""
-    if not nbytes:
-        return np.zeros(0, dtype=dtype)
-    io.files_opened.append(bin_path)
-    return np.memmap(bin_path, dtype=dtype, mode="r")
 
 
 def dtype_for_vocab(vocab_size: int) -> np.dtype:

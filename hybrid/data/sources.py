@@ -20,7 +20,26 @@ methods, each an O(log n) lookup, never a pass over the documents.
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import numpy as np
+
+
+@dataclass
+class IOCounter:
+    """What a reader did: files opened (data files are memory-mapped, once) and the bytes
+    it read on purpose -- headers, the index entries and tokens its checks look at."""
+
+    files_opened: list = field(default_factory=list)
+    bytes_read: int = 0
+
+
+def map_tokens(bin_path: str, dtype, nbytes: int, io: IOCounter) -> np.ndarray:
+    """The token file, memory-mapped (numpy cannot map an empty file)."""
+    if not nbytes:
+        return np.zeros(0, dtype=dtype)
+    io.files_opened.append(bin_path)
+    return np.memmap(bin_path, dtype=dtype, mode="r")
 
 
 class DocumentSource:

@@ -2,9 +2,8 @@
 
 Every tokenizer has ``vocab_size``, ``eod`` (the end-of-document id), ``encode``
 (str -> list[int]), ``encode_array`` and ``decode``. ``build_tokenizer(cfg)``
-picks one from the ``--tokenizer-type`` flags, under Megatron's names or
-hybrid's older ones (:data:`TOKENIZER_TYPES`), for training and preprocessing
-alike; a missing or unreadable file is a DataError naming its flag.
+builds the one a :class:`~hybrid.config.sections.TokenizerConfig` names (from the
+``--tokenizer-type`` flags), for training and preprocessing alike; a missing or unreadable file is a DataError naming its flag.
 """
 
 from __future__ import annotations
@@ -16,6 +15,7 @@ from functools import lru_cache
 
 import numpy as np
 
+from hybrid.config.sections import TokenizerConfig
 from hybrid.errors import DataError
 
 
@@ -228,45 +228,24 @@ class NullTokenizer:
         return " ".join(str(int(i)) for i in ids)
 
 
-# --tokenizer-type: Megatron's names, and hybrid's older ones as aliases.
-TOKENIZER_TYPES = {
-    "byte": "byte",
-    "GPT2BPETokenizer": "GPT2BPETokenizer", "gpt2bpe": "GPT2BPETokenizer",
-    "HuggingFaceTokenizer": "HuggingFaceTokenizer", "hf": "HuggingFaceTokenizer",
-    "NullTokenizer": "NullTokenizer", "null": "NullTokenizer",
-}
-
-
-def tokenizer_kind(name: str | None) -> str | None:
-    """The canonical name of a ``--tokenizer-type`` value, or None if unknown."""
-    return TOKENIZER_TYPES.get(name or "byte")
-
-
-def build_tokenizer(cfg):
-    """The tokenizer the flags ask for: ``--tokenizer-type`` (a :data:`TOKENIZER_TYPES`
-    name) with ``--vocab-file/--merge-file``, ``--tokenizer-model`` (or the older
-    ``--tokenizer-file``) or ``--vocab-size``; ``cfg`` is any object with those fields."""
-    name = getattr(cfg, "tokenizer_type", None) or "byte"
-    kind = tokenizer_kind(name)
+def build_tokenizer(cfg: TokenizerConfig):
+    """The tokenizer ``cfg`` names, its files read (a missing one is a DataError naming
+    its flag)."""
+    kind = cfg.type
     if kind == "byte":
         return ByteTokenizer()
     if kind == "GPT2BPETokenizer":
-        vocab, merges = getattr(cfg, "vocab_file", None), getattr(cfg, "merge_file", None)
-        for flag, path in (("--vocab-file", vocab), ("--merge-file", merges)):
+        for flag, path in (("--vocab-file", cfg.vocab_file), ("--merge-file", cfg.merge_file)):
             if not path:
-                raise DataError(f"--tokenizer-type {name} needs {flag}")
+                raise DataError(f"--tokenizer-type {kind} needs {flag}")
             if not os.path.isfile(path):
                 raise DataError(f"{flag} {path}: no such file")
-        return GPT2BPETokenizer(vocab, merges)
+        return GPT2BPETokenizer(cfg.vocab_file, cfg.merge_file)
     if kind == "HuggingFaceTokenizer":
-        model, old = getattr(cfg, "tokenizer_model", None), getattr(cfg, "tokenizer_file", None)
-        if not (model or old):
-            raise DataError(f"--tokenizer-type {name} needs --tokenizer-model (a tokenizer "
+        if not cfg.model:
+            raise DataError(f"--tokenizer-type {kind} needs --tokenizer-model (a tokenizer "
                             f"directory or tokenizer.json)")
-        return HFTokenizer(model or old, "--tokenizer-model" if model else "--tokenizer-file")
-    if kind == "NullTokenizer":
-        size = getattr(cfg, "vocab_size", None)
-        if size is None:
-            raise DataError(f"--tokenizer-type {name} needs --vocab-size")
-        return NullTokenizer(size)
-    raise DataError(f"--tokenizer-type {name!r}: unknown (one of {', '.join(TOKENIZER_TYPES)})")
+        return HFTokenizer(cfg.model, cfg.model_flag)
+    if cfg.vocab_size is None:  # NullTokenizer: TokenizerConfig admits no other type
+        raise DataError(f"--tokenizer-type {kind} needs --vocab-size")
+    return NullTokenizer(cfg.vocab_size)

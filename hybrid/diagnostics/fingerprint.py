@@ -36,7 +36,7 @@ _REDUCE = {dist.ReduceOp.SUM: "sum", dist.ReduceOp.PRODUCT: "product",
            dist.ReduceOp.MIN: "min", dist.ReduceOp.MAX: "max"}
 _REDUCE_CODE = {k: i + 1 for i, k in enumerate(_REDUCE)}
 _REDUCE_NAME = {i + 1: v for i, v in enumerate(_REDUCE.values())}
-# torch 2.13 renamed the tensor-in/tensor-out all-gather (as in hybrid/comm.py)
+# torch 2.13 renamed the tensor-in/tensor-out all-gather (as in hybrid/parallel/comm.py)
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _HEAD = 11  # seq, op, dtype, ndim, 4 dims, extra, numel, call-site hash: compared
 CALLER_BYTES = 192

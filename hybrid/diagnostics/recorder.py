@@ -1,6 +1,6 @@
 """The collective flight recorder: what each rank last did, and one report when a collective fails.
 
-Every :class:`hybrid.comm.CommGroup` collective is numbered per group (``#k``
+Every :class:`hybrid.parallel.comm.CommGroup` collective is numbered per group (``#k``
 of the tp, dp or world group) and recorded here before it runs: op, group,
 shape, dtype, the Python caller (file:line, a few frames) and the wall time,
 in a ring of the last :data:`RING` entries. When a collective fails or times

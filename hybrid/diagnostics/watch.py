@@ -2,7 +2,7 @@
 
 [Note: why the heartbeat watches collectives on NCCL]
 On gloo a collective that never completes raises, after the group's timeout,
-in the thread that waits for it, and :mod:`hybrid.comm` turns the error into
+in the thread that waits for it, and :mod:`hybrid.parallel.comm` turns the error into
 the job's report. NCCL never gets that far: a collective returns as soon as
 it is queued on a stream, the host runs ahead to its next sync (a loss read,
 an optimizer step) and blocks there, and at the timeout NCCL's own watchdog

@@ -31,16 +31,13 @@ from hybrid.kernels import settings
 log = logging.getLogger("hybrid")
 
 CSRC = Path(__file__).resolve().parents[2] / "csrc"
-_loaded: dict[str, object] = {}
+# (name, what decides whether and where it loads) -> module or None: a change of
+# settings (hybrid.kernels.configure) decides anew instead of reusing a refusal.
+_loaded: dict[tuple, object] = {}
 
 
 def kernels_disabled() -> bool:
     return settings.current().no_kernels
-
-
-def forget_loaded() -> None:
-    """Forget the modules (and refusals) remembered so far: the next load decides again."""
-    _loaded.clear()
 
 
 def cache_root() -> Path:
@@ -65,10 +62,12 @@ def load_extension(name: str, sources: list[str], *, cuda: bool = False,
     """The compiled module ``name`` built from ``csrc/<sources>``, or None.
 
     Never raises: a failed build logs one warning naming the reason. The result
-    (module or None) is remembered for the life of the process.
+    (module or None) is remembered for the life of the process, per kernel settings.
     """
-    if name in _loaded:
-        return _loaded[name]
+    cfg = settings.current()
+    key = (name, cfg.no_kernels, cfg.cache_dir, cfg.cuda_arch_list)
+    if key in _loaded:
+        return _loaded[key]
     mod = None
     reason = None
     if kernels_disabled():
@@ -90,7 +89,7 @@ def load_extension(name: str, sources: list[str], *, cuda: bool = False,
         quiet = kernels_disabled() or (cuda and not torch.cuda.is_available())
         (log.info if quiet else log.warning)(
             "hybrid: kernel %s not used (%s); using the PyTorch fallback", name, reason)
-    _loaded[name] = mod
+    _loaded[key] = mod
     return mod
 
 

@@ -1,4 +1,4 @@
-"""Whether this CPU multiplies bf16 / fp16 matrices natively, and what to say when not.
+"""Whether this CPU multiplies bf16 / fp16 matrices natively.
 
 PyTorch's CPU matmul in bf16 goes to oneDNN, which is fast only with the
 AVX512-BF16 or AMX-BF16 instructions (fp16: AVX512-FP16 or AMX-FP16). Without
@@ -24,7 +24,6 @@ NATIVE_FLAGS = {
     torch.bfloat16: frozenset({"avx512_bf16", "amx_bf16", "bf16"}),  # "bf16": Arm BF16
     torch.float16: frozenset({"avx512_fp16", "amx_fp16", "fphp", "asimdhp"}),
 }
-_NAMES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 # Measured with scripts/bench_bf16_cpu.py (12 layers x 768, sequence 256,
 # micro-batch 2, vocabulary 50257, ZeRO-0, one thread) on a CPU without native
@@ -52,24 +51,3 @@ def native_cpu_matmul(dtype: torch.dtype) -> bool:
     """True when this CPU multiplies ``dtype`` matrices natively (fp32 always)."""
     flags = NATIVE_FLAGS.get(dtype)
     return flags is None or bool(flags & cpu_flags())
-
-
-def low_precision_warning(params_dtype: str, device: torch.device) -> str | None:
-    """The start-up warning for training in ``params_dtype`` ("bf16", "fp16", "fp32")
-    on ``device``, or None when there is nothing to say."""
-    dtype = _NAMES.get(params_dtype)
-    if dtype is None or device.type != "cpu" or native_cpu_matmul(dtype):
-        return None
-    from hybrid.kernels.select import kernel_choice
-    want = " or ".join(sorted(f for f in NATIVE_FLAGS[dtype] if "_" in f))
-    head = (f"--{params_dtype} on a CPU without native {params_dtype} matrix multiplies "
-            f"(no {want} in its flags): ")
-    advice = f"Train in fp32 (drop --{params_dtype}) unless memory is what you are short of."
-    if kernel_choice("linear", device, dtype) == "fp32":
-        return (head + f"PyTorch's {params_dtype} matmuls made a step {SLOWDOWN_TORCH_MATMUL}x "
-                f"an fp32 one on such a CPU (a 12 x 768 GPT, measured), so hybrid computes them in fp32 (--kernel-choice "
-                f"linear=fp32), and a step costs about what an fp32 step does "
-                f"({SLOWDOWN_ROUTED}x): {params_dtype} saves memory here, not time. "
-                + advice)
-    return (head + f"with --kernel-choice linear=eager its {params_dtype} matmuls make a step "
-            f"about {SLOWDOWN_TORCH_MATMUL}x an fp32 one. " + advice)

@@ -9,7 +9,7 @@ cast back to x's dtype before the weight multiplies it: Hugging Face's
 One autograd Function in plain PyTorch ops (no compiled kernel): it saves x
 and the fp32 ``1/rms`` per row (``(..., 1)``) and recomputes the normalized x
 in backward, so a norm keeps ``x`` plus 4 bytes a row -- what
-:mod:`hybrid.memory_estimate` counts -- whatever the intermediate steps.
+:mod:`hybrid.estimate.memory` counts -- whatever the intermediate steps.
 """
 
 from __future__ import annotations

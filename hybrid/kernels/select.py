@@ -18,12 +18,13 @@ from __future__ import annotations
 
 import torch
 
-from hybrid.config_sections import KERNEL_PATHS
+from hybrid.config.sections import KERNEL_PATHS
 from hybrid.kernels import settings
-from hybrid.kernels.cpu_features import native_cpu_matmul
+from hybrid.kernels.cpu_features import (NATIVE_FLAGS, SLOWDOWN_ROUTED, SLOWDOWN_TORCH_MATMUL,
+                                          native_cpu_matmul)
+from hybrid.kernels.dtypes import DTYPES
 
 OPS = tuple(op for op in KERNEL_PATHS if op != "linear")  # the CUDA kernels
-PATHS = ("fused", "eager", "compile")
 
 # Measured by scripts/bench_kernels.py on an H100 80GB HBM3 (torch 2.11, CUDA 13),
 # GPT-1.3B shapes, bf16, forward+backward, median GPU ms per call, 10 calls back
@@ -61,6 +62,26 @@ def _linear_choice(device: torch.device, dtype: torch.dtype | None, told: str | 
     if told is not None:
         return told
     return "eager" if native_cpu_matmul(dtype) else "fp32"
+
+
+def low_precision_warning(params_dtype: str, device: torch.device) -> str | None:
+    """The start-up warning for training in ``params_dtype`` ("bf16", "fp16", "fp32")
+    on ``device``, or None when there is nothing to say."""
+    dtype = DTYPES[params_dtype]
+    if dtype == torch.float32 or device.type != "cpu" or native_cpu_matmul(dtype):
+        return None
+    want = " or ".join(sorted(f for f in NATIVE_FLAGS[dtype] if "_" in f))
+    head = (f"--{params_dtype} on a CPU without native {params_dtype} matrix multiplies "
+            f"(no {want} in its flags): ")
+    advice = f"Train in fp32 (drop --{params_dtype}) unless memory is what you are short of."
+    if kernel_choice("linear", device, dtype) == "fp32":
+        return (head + f"PyTorch's {params_dtype} matmuls made a step {SLOWDOWN_TORCH_MATMUL}x "
+                f"an fp32 one on such a CPU (a 12 x 768 GPT, measured), so hybrid computes them in fp32 (--kernel-choice "
+                f"linear=fp32), and a step costs about what an fp32 step does "
+                f"({SLOWDOWN_ROUTED}x): {params_dtype} saves memory here, not time. "
+                + advice)
+    return (head + f"with --kernel-choice linear=eager its {params_dtype} matmuls make a step "
+            f"about {SLOWDOWN_TORCH_MATMUL}x an fp32 one. " + advice)
 
 
 _compiled: dict[object, object] = {}

@@ -12,7 +12,7 @@ called the defaults hold: kernels allowed, the default cache, no overrides.
 
 from __future__ import annotations
 
-from hybrid.config_sections import KernelConfig
+from hybrid.config.sections import KernelConfig
 
 _current = KernelConfig()
 
@@ -21,16 +21,12 @@ def configure(cfg: KernelConfig) -> None:
     """Use ``cfg`` from now on in this process.
 
     A change of what decides *whether and where* extensions load (``no_kernels``,
-    ``cache_dir``, ``cuda_arch_list``) forgets the extensions loaded so far, so the
-    next call loads (or refuses) them under the new settings.
+    ``cache_dir``, ``cuda_arch_list``) takes effect at the next load: extensions
+    are remembered per those settings (:func:`hybrid.kernels.build.load_extension`).
     """
     global _current
     if not isinstance(cfg, KernelConfig):
         raise TypeError(f"configure() takes a KernelConfig, got {type(cfg).__name__}")
-    loading = (cfg.no_kernels, cfg.cache_dir, cfg.cuda_arch_list)
-    if loading != (_current.no_kernels, _current.cache_dir, _current.cuda_arch_list):
-        from hybrid.kernels.build import forget_loaded
-        forget_loaded()
     _current = cfg
 
 

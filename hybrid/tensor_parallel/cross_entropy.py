@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from hybrid.comm import CommGroup
+from hybrid.parallel.comm import CommGroup
 from hybrid.kernels.cross_entropy import local_softmax_stats, softmax_grad
 from hybrid.kernels.select import kernel_choice
 

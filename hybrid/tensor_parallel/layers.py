@@ -1,7 +1,7 @@
 """Megatron's tensor-parallel layers.
 
 Shapes below use ``tp`` for the TP group size. Every layer takes the TP
-:class:`~hybrid.comm.CommGroup` explicitly; with ``tp == 1`` they are plain
+:class:`~hybrid.parallel.comm.CommGroup` explicitly; with ``tp == 1`` they are plain
 ``nn.Linear`` / ``nn.Embedding`` and issue no collective.
 
 Weights are created empty; the model fills them with
@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hybrid.comm import CommGroup
+from hybrid.parallel.comm import CommGroup
 from hybrid.kernels import LayerNorm as _KernelLayerNorm
 from hybrid.kernels import layer_norm, linear, matmul
 from hybrid.kernels.rms_norm import rms_norm

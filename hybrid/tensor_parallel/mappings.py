@@ -31,7 +31,7 @@ from __future__ import annotations
 import torch
 from einops import rearrange
 
-from hybrid.comm import CommGroup
+from hybrid.parallel.comm import CommGroup
 
 
 def _split_last(x: torch.Tensor, group: CommGroup) -> torch.Tensor:

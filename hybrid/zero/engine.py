@@ -34,10 +34,11 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from hybrid.config_sections import ZeroConfig
+from hybrid.config.sections import ZeroConfig
 from hybrid.kernels.adam import has_adam_kernel
-from hybrid.parallel_state import ParallelState
-from hybrid.phase import RecomputePhase
+from hybrid.kernels.dtypes import DTYPES
+from hybrid.parallel.state import ParallelState
+from hybrid.recompute.phase import RecomputePhase
 from hybrid.tensor_parallel import is_tp_split
 from hybrid.zero.gather_pipeline import GatherPipeline
 from hybrid.zero.grad_sync import GradReducer
@@ -49,8 +50,6 @@ from hybrid.zero.plan import ShardingPlan
 from hybrid.zero.units import Materializer, plan_units
 
 log = logging.getLogger("hybrid")
-
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 @dataclass

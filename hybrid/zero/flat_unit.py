@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from hybrid.comm import CommGroup
+from hybrid.parallel.comm import CommGroup
 
 
 class FlatUnit:

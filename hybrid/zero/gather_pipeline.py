@@ -36,7 +36,7 @@ from collections import deque
 
 import torch
 
-from hybrid.comm import CommGroup
+from hybrid.parallel.comm import CommGroup
 
 STAGING_BUFFERS = 2
 

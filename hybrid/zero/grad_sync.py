@@ -43,7 +43,7 @@ from typing import Callable
 
 import torch
 
-from hybrid.comm import CommGroup
+from hybrid.parallel.comm import CommGroup
 from hybrid.zero.flat_unit import FlatUnit, piece_columns
 
 

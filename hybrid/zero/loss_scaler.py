@@ -29,7 +29,7 @@ class LossScaler:
 
     @classmethod
     def from_config(cls, cfg) -> "LossScaler":
-        """From a :class:`~hybrid.config_sections.ZeroConfig`: fp16 is dynamic unless
+        """From a :class:`~hybrid.config.sections.ZeroConfig`: fp16 is dynamic unless
         ``loss_scale`` is given; bf16/fp32 are not scaled."""
         if cfg.params_dtype != "fp16":
             return cls(1.0, dynamic=False)

@@ -36,7 +36,7 @@ import math
 
 import torch
 
-from hybrid.comm import CommGroup
+from hybrid.parallel.comm import CommGroup
 from hybrid.kernels.adam import AdamSegments, adam_step
 
 # torch's fused AdamW kernel (CPU and CUDA); the plain loop below is the fallback.

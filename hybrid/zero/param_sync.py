@@ -17,7 +17,7 @@ With activation checkpointing, a block's forward runs a second time inside
 backward. That pre-forward gather *is* the backward gather of the 3 Psi
 budget, so the post-forward hook must not free the parameters then: the
 block's backward follows at once. Activation checkpointing says so through
-the :class:`~hybrid.phase.RecomputePhase` it shares with this gatherer.
+the :class:`~hybrid.recompute.phase.RecomputePhase` it shares with this gatherer.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from hybrid.phase import RecomputePhase
+from hybrid.recompute.phase import RecomputePhase
 from hybrid.zero.flat_unit import FlatUnit
 from hybrid.zero.gather_pipeline import GatherPipeline
 

@@ -30,7 +30,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from hybrid.parallel_state import ParallelState
+from hybrid.parallel.state import ParallelState
 from hybrid.zero.flat_unit import FlatUnit
 
 FILL_CHUNK = 1 << 22  # elements drawn at once while materializing

@@ -5,7 +5,7 @@ benchmark scripts, which need ranks without torchrun.
 
     results = run_ranks(fn, world_size=4, tp=2, args=(...))
 
-``fn(ps, *args)`` runs on every rank with a :class:`hybrid.parallel_state.ParallelState`
+``fn(ps, *args)`` runs on every rank with a :class:`hybrid.parallel.state.ParallelState`
 built for ``tp``; the list of its return values (moved to CPU, indexed by global
 rank) comes back. A worker that raises fails the test with that rank's
 traceback; a worker that hangs fails it after ``timeout`` seconds, and every
@@ -22,7 +22,7 @@ same world size, ``collective_timeout`` and process-level environment (below)
 run on the same processes, one call after another. The contract:
 
 * Each call gets a fresh :class:`ParallelState` for its ``tp`` with fresh
-  :class:`hybrid.comm.CommStats` (byte counts start at zero) and a fresh
+  :class:`hybrid.parallel.comm.CommStats` (byte counts start at zero) and a fresh
   flight recorder (collective numbers start at zero; its store keys live under
   ``hybrid/call_<n>/``; its heartbeat stops when the call returns). The process
   groups under it are created once per ``tp`` in a pool and reused; the default
@@ -48,7 +48,7 @@ run on the same processes, one call after another. The contract:
 * If any rank raises, dies or runs past ``timeout``, the whole pool is killed
   (the other ranks may be stuck in a collective) and the error is reported as
   before, with the rank's traceback; the next call spawns a new pool.
-* Ranks meet in the store (a barrier allowing :data:`hybrid.multiprocess_worker.START_S` seconds) before
+* Ranks meet in the store (a barrier allowing :data:`hybrid.testing.worker.START_S` seconds) before
   the default group and each layout's groups are created, so a
   ``collective_timeout`` of a few seconds bounds collectives, not start-up.
 * ``reuse=False`` runs the call on throwaway processes that exit afterwards:
@@ -72,7 +72,7 @@ from multiprocessing.reduction import ForkingPickler
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from hybrid.multiprocess_worker import worker_main
+from hybrid.testing.worker import worker_main
 
 # At most this many idle pooled workers are kept; older pools are shut down first.
 MAX_POOLED_WORKERS = 8

@@ -16,34 +16,34 @@ from dataclasses import dataclass
 
 import torch
 
-from hybrid.activation_checkpointing import apply_activation_checkpointing
-from hybrid.activation_meter import SavedActivationMeter
-from hybrid.agree import agree_error, max_over_ranks
-from hybrid.architecture import ARCHITECTURE_FIELDS
+from hybrid.recompute.checkpointing import apply_activation_checkpointing
+from hybrid.train.activation_meter import SavedActivationMeter
+from hybrid.parallel.agree import agree_error, max_over_ranks
+from hybrid.config.architecture import ARCHITECTURE_FIELDS
 from hybrid.checkpoint import save_checkpoint
 from hybrid.checkpoint.resume import start_from_checkpoint
-from hybrid.compile import compile_blocks
+from hybrid.train.compile import compile_blocks
 from hybrid.config import TrainConfig
-from hybrid.config_sections import RecomputeConfig, ScheduleConfig
+from hybrid.config.sections import RecomputeConfig, ScheduleConfig
 from hybrid.data.dataset import build_datasets, dp_micro_batches
 from hybrid.data.tokenizer import build_tokenizer
-from hybrid.diagnostics import nonfinite
-from hybrid.diagnostics.replicas import ReplicaChecker
-from hybrid.diagnostics.stragglers import straggler_fields
-from hybrid.early_exit import EarlyExit
+from hybrid.train import nonfinite
+from hybrid.train.replicas import ReplicaChecker
+from hybrid.train.stragglers import straggler_fields
+from hybrid.train.early_exit import EarlyExit
 from hybrid.errors import ConfigError, TrainingError
-from hybrid.host_memory import return_freed_memory
+from hybrid.train.host_memory import return_freed_memory
 from hybrid.kernels.attention import check_attention_backend
-from hybrid.kernels.cpu_features import low_precision_warning
-from hybrid.layout import padded_vocab_size
-from hybrid.lr_schedule import scheduled_lr
-from hybrid.monitor import Monitor, log
-from hybrid.parallel_state import ParallelState
-from hybrid.schedule import finished, global_batch_size_at, total_iterations
-from hybrid.step_stats import IterationTimer, PendingSteps
+from hybrid.kernels.select import low_precision_warning
+from hybrid.parallel.layout import padded_vocab_size
+from hybrid.train.lr_schedule import scheduled_lr
+from hybrid.train.monitor import Monitor, log
+from hybrid.parallel.state import ParallelState
+from hybrid.train.batches import finished, global_batch_size_at, total_iterations
+from hybrid.train.step_stats import IterationTimer, PendingSteps
 from hybrid.tensor_parallel import InitValues, TPRNGTracker, seed_all
 from hybrid.zero import ZeroEngine, apply_zero
-from hybrid.zero.engine import DTYPES
+from hybrid.kernels.dtypes import DTYPES
 from models.gpt import GPT, GPTConfig
 
 
@@ -109,7 +109,7 @@ def build_engine(cfg: TrainConfig, ps: ParallelState, vocab_size: int, rng: TPRN
 
 
 # [Note: host memory on CPU runs] glibc keeps freed activation blocks once its mmap
-# threshold has grown: ~0.6 GB per rank for a 302M GPT (hybrid/host_memory.py).
+# threshold has grown: ~0.6 GB per rank for a 302M GPT (hybrid/train/host_memory.py).
 # A fixed 1 MiB threshold returns them, at the price of a page fault per large
 # allocation: a few percent of a step at that size, but 2.7x the step of the
 # 4-layer x 256 default (sys time 17 s against 3 s over 50 steps). So only
@@ -142,7 +142,7 @@ def train_step(model: GPT, engine: ZeroEngine, micro_batches, lr: float,
 
 def _nan_guard(result, scaler, streak: int, limit: int, iteration: int, why: str = "") -> int:
     """Count consecutive steps skipped for a non-finite loss or gradients; stop past the
-    limit (``why``: what the last one found, see :mod:`hybrid.diagnostics.nonfinite`).
+    limit (``why``: what the last one found, see :mod:`hybrid.train.nonfinite`).
 
     fp16 overflows while the dynamic scale is still coming down are normal and
     do not count; at the minimum scale (or without fp16) they do.
@@ -202,7 +202,7 @@ def pretrain(cfg: TrainConfig, ps: ParallelState) -> list[dict]:
     s, lg, ck = cfg.schedule, cfg.logging, cfg.checkpoint
     started = time.monotonic()
     rng = seed_all(cfg.seed, ps.tp_rank, ps.dp_rank, ps.device)
-    tokenizer = build_tokenizer(cfg.data)
+    tokenizer = build_tokenizer(cfg.tokenizer)
     data = build_datasets(cfg.data, tokenizer, ps)
     psi = gpt_config(cfg, tokenizer.vocab_size).num_parameters(ps.tp_size)
     if ps.device.type == "cpu" and psi >= HOST_TRIM_MIN_PARAMS:
@@ -267,7 +267,7 @@ def pretrain(cfg: TrainConfig, ps: ParallelState) -> list[dict]:
     waited = 0.0  # time blocked in collectives within iterations (stragglers.py: busy time)
     meter = SavedActivationMeter(extra=ac.stored_bytes if ac is not None else lambda: 0)
     skipped, nan_streak, saved_at = 0, 0, state.iteration
-    # no host wait per iteration: see hybrid/step_stats.py, [Note: one wait per log interval]
+    # no host wait per iteration: see hybrid/train/step_stats.py, [Note: one wait per log interval]
     timer, pending = IterationTimer(ps.device), PendingSteps()
 
     held = {}  # iteration -> (micro-batch losses, first sample, global batch) until settled

@@ -1,8 +1,8 @@
 """Flat Megatron flags -> one checked, nested :class:`TrainConfig`, in one place.
 
 :func:`build_config` runs every check that can reject a run
-(:mod:`hybrid.config_checks`; every message names the flag to change) and
-returns frozen sections (:mod:`hybrid.config_sections`); each component takes
+(:mod:`hybrid.config.checks`; every message names the flag to change) and
+returns frozen sections (:mod:`hybrid.config.sections`); each component takes
 only its own. No torch import: the launcher checks a command line in a
 fraction of a second before it starts any worker.
 """
@@ -13,18 +13,17 @@ import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from hybrid import config_checks as checks
-from hybrid.architecture import architecture_fields, validate_architecture
-from hybrid.config_kernels import kernel_config_from_env, parse_kernel_choice
-from hybrid.config_sections import (CheckpointConfig, DataConfig, DiagnosticsConfig,
+from hybrid.config import checks
+from hybrid.config.architecture import architecture_fields, validate_architecture
+from hybrid.config.kernels import kernel_config_from_env, parse_kernel_choice
+from hybrid.config.sections import (CheckpointConfig, DataConfig, DiagnosticsConfig,
                                     KernelConfig, LoggingConfig, ModelConfig, OptimizerConfig,
                                     ParallelConfig, RecomputeConfig, ScheduleConfig,
-                                    ZeroConfig)
-from hybrid.data.tokenizer import tokenizer_kind
-from hybrid.flags import Flags, parse_args
-from hybrid.layout import check_layout
+                                    TokenizerConfig, ZeroConfig)
+from hybrid.config.flags import Flags
+from hybrid.parallel.layout import check_layout
 
-__all__ = ["TrainConfig", "Flags", "build_config", "parse_args", "kernel_config_from_env"]
+__all__ = ["TrainConfig", "build_config"]
 
 
 @dataclass(frozen=True)
@@ -42,6 +41,7 @@ class TrainConfig:
     zero: ZeroConfig
     recompute: RecomputeConfig
     data: DataConfig
+    tokenizer: TokenizerConfig
     checkpoint: CheckpointConfig
     logging: LoggingConfig
     diagnostics: DiagnosticsConfig
@@ -133,10 +133,10 @@ def build_config(flags: Flags, world_size: int,
             seq_length=f.seq_length, seed=f.seed, data_path=_paths(f.data_path), split=f.split,
             train_data_path=_paths(f.train_data_path),
             valid_data_path=_paths(f.valid_data_path), test_data_path=_paths(f.test_data_path),
-            mock_data=f.mock_data, cache_path=f.data_cache_path, eod_mask_loss=f.eod_mask_loss,
-            tokenizer_type=tokenizer_kind(f.tokenizer_type), vocab_file=f.vocab_file,
-            merge_file=f.merge_file, tokenizer_model=f.tokenizer_model,
-            tokenizer_file=f.tokenizer_file, vocab_size=f.vocab_size),
+            mock_data=f.mock_data, cache_path=f.data_cache_path, eod_mask_loss=f.eod_mask_loss),
+        tokenizer=TokenizerConfig.from_flags(
+            f.tokenizer_type, f.vocab_file, f.merge_file, f.tokenizer_model, f.tokenizer_file,
+            f.vocab_size),
         checkpoint=CheckpointConfig(
             save=f.save, load=f.load, save_interval=f.save_interval, keep_last=f.keep_last,
             no_save_optim=f.no_save_optim, no_load_optim=f.no_load_optim,
@@ -174,7 +174,7 @@ def _optimizer(f: Flags) -> OptimizerConfig:
 
 def _kernels(f: Flags, environ: Mapping[str, str] | None) -> KernelConfig:
     """The kernel flags, each left unset filled from its HYBRID_* variable in
-    ``environ`` (:func:`hybrid.config_kernels.kernel_config_from_env`); the filled
+    ``environ`` (:func:`hybrid.config.kernels.kernel_config_from_env`); the filled
     values go back into ``f`` so the log and checkpoint metadata show what ran."""
     env = kernel_config_from_env(environ) if environ is not None else KernelConfig()
     f.no_kernels = bool(f.no_kernels or env.no_kernels)

@@ -3,7 +3,7 @@ environment (torch-free, like :mod:`hybrid.config`, which re-exports both).
 
 ``--kernel-choice`` and ``HYBRID_KERNEL_CHOICE`` share :func:`parse_kernel_choice`;
 :func:`kernel_config_from_env` turns ``HYBRID_*`` into a
-:class:`~hybrid.config_sections.KernelConfig` for the entry points that take no
+:class:`~hybrid.config.sections.KernelConfig` for the entry points that take no
 flags (pool workers, tests, tools) and as the defaults of TrainConfig's flags.
 """
 
@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 
-from hybrid.config_sections import KERNEL_PATHS, KernelConfig
+from hybrid.config.sections import KERNEL_PATHS, KernelConfig
 from hybrid.errors import ConfigError
 
 

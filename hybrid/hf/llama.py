@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import torch
 
-from hybrid.architecture import architecture_fields, is_llama
+from hybrid.config.architecture import architecture_fields, is_llama
 from hybrid.errors import CheckpointError
 from hybrid.kernels.rotary import HIGH_FREQ_FACTOR, LOW_FREQ_FACTOR, ORIGINAL_CONTEXT
 

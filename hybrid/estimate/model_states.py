@@ -16,7 +16,7 @@ fp32: p = g = 4 and K = 8 (the parameters are their own master copy). This is
 what :meth:`ZeroEngine.model_state_bytes` measures, padding aside.
 
 Bytes each rank sends per optimizer step with k micro-batches, f = (N-1)/N
-(ring algorithms; see :mod:`hybrid.comm`):
+(ring algorithms; see :mod:`hybrid.parallel.comm`):
 
     stage 0:  all-reduce        2 g Psi f
     stage 1:  reduce-scatter      g Psi f        + all-gather    p Psi f
@@ -28,7 +28,7 @@ once; stages 2-3 have no such buffer and reduce-scatter every micro-batch;
 stage 3 also gathers every parameter before each micro-batch's forward and
 again before its backward. So with gradient accumulation, stage 2 trades
 ``g Psi (1 - 1/N)`` bytes of memory for ``(k - 1) g Psi f`` bytes of traffic
-per step over stage 1: :func:`hybrid.memory_estimate.choose_stage` weighs
+per step over stage 1: :func:`hybrid.estimate.memory.choose_stage` weighs
 that against the peak memory of each stage.
 """
 

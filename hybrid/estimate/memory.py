@@ -63,7 +63,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from hybrid.zero.estimate import BYTES, comm_bytes_per_step, model_state_bytes
+from hybrid.estimate.model_states import BYTES, comm_bytes_per_step, model_state_bytes
 
 
 @dataclass(frozen=True)
@@ -146,7 +146,7 @@ class Workload:
 def workload(cfg, vocab_size: int, device: str = "cuda") -> Workload:
     """The :class:`Workload` of a :class:`hybrid.config.TrainConfig` run (at its full
     global batch, after any ramp-up)."""
-    from hybrid.layout import padded_vocab_size
+    from hybrid.parallel.layout import padded_vocab_size
     m, p, zero, rc = cfg.model, cfg.parallel, cfg.zero, cfg.recompute
     tp = p.tensor_model_parallel_size
     return Workload(

@@ -23,9 +23,9 @@ from __future__ import annotations
 import signal
 import time
 
-from hybrid.agree import max_over_ranks
-from hybrid.config_sections import ScheduleConfig
-from hybrid.parallel_state import ParallelState
+from hybrid.parallel.agree import max_over_ranks
+from hybrid.config.sections import ScheduleConfig
+from hybrid.parallel.state import ParallelState
 
 EXIT_SIGNAL = signal.SIGTERM
 

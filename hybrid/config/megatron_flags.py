@@ -12,7 +12,7 @@ never argparse's generic "unrecognized arguments". Three kinds:
 * **refused**: features hybrid does not have (MoE, FP8, FSDP variants, ...),
   each with what to use instead.
 
-Flags hybrid implements are fields of :class:`hybrid.flags.Flags`; anything
+Flags hybrid implements are fields of :class:`hybrid.config.flags.Flags`; anything
 in none of these tables is reported by the parser as an unknown flag.
 """
 

@@ -9,7 +9,7 @@ inside one node::
                     DP groups [0,2,4,6] [1,3,5,7]
 
 :mod:`hybrid.config` checks a command line against it before any worker
-starts; :mod:`hybrid.parallel_state` builds the process groups from it.
+starts; :mod:`hybrid.parallel.state` builds the process groups from it.
 """
 
 from __future__ import annotations

@@ -31,7 +31,7 @@ unchanged. In backward the recompute calls ``block(x)`` -- ``Module.__call__``
 -- so forward hooks on the block and its submodules fire again; ZeRO-3's
 pre-forward hook gathers the block's parameters there (the backward gather of
 its 3 Psi budget) and its post-forward hook keeps them, because the recompute
-runs inside ``phase.recomputing()`` (:class:`hybrid.phase.RecomputePhase`, the
+runs inside ``phase.recomputing()`` (:class:`hybrid.recompute.phase.RecomputePhase`, the
 explicit signal shared with ZeRO). A per-block flag routes that re-entered
 ``forward`` straight to the block's own code.
 
@@ -57,7 +57,7 @@ checkpointing. The autocast state of the forward is replayed the same way.
 A group records the states its first block started from, so the masks of all
 its blocks come back.
 
-The stored inputs and their buffers: :mod:`hybrid.activation_store`.
+The stored inputs and their buffers: :mod:`hybrid.recompute.store`.
 """
 
 from __future__ import annotations
@@ -67,10 +67,10 @@ import weakref
 import torch
 from torch import nn
 
-from hybrid.activation_store import ALLOCATION_KINDS, CheckpointStore, _Stash
-from hybrid.config_sections import RecomputeConfig
-from hybrid.parallel_state import ParallelState
-from hybrid.phase import RecomputePhase
+from hybrid.recompute.store import ALLOCATION_KINDS, CheckpointStore, _Stash
+from hybrid.config.sections import RecomputeConfig
+from hybrid.parallel.state import ParallelState
+from hybrid.recompute.phase import RecomputePhase
 from hybrid.tensor_parallel import TPRNGTracker
 
 __all__ = ["ALLOCATION_KINDS", "ActivationCheckpointing", "CheckpointStore",

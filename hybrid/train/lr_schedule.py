@@ -32,7 +32,7 @@ def learning_rate(iteration: int, lr: float, min_lr: float, warmup_iters: int,
 def scheduled_lr(opt, iteration: int, consumed_samples: int) -> float:
     """LR for the step that ends at 1-based ``iteration`` having consumed
     ``consumed_samples`` (this step's batch included), under ``opt``
-    (:class:`hybrid.config_sections.OptimizerConfig`): the schedule counts
+    (:class:`hybrid.config.sections.OptimizerConfig`): the schedule counts
     iterations or samples, as ``opt.unit`` says. With a constant batch the two
     give the same rates (the ratios are the same integers)."""
     step = consumed_samples if opt.unit == "samples" else iteration

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from hybrid.errors import ConfigError
+
 
 @dataclass(frozen=True)
 class ZeroConfig:
@@ -55,7 +57,7 @@ class ZeroConfig:
 
 @dataclass(frozen=True)
 class RecomputeConfig:
-    """What :func:`hybrid.activation_checkpointing.apply_activation_checkpointing` needs.
+    """What :func:`hybrid.recompute.checkpointing.apply_activation_checkpointing` needs.
 
     ``granularity``: None (no recompute), "full" (whole blocks) or "selective"
     (the attention core only). ``num_layers``: with full, checkpoint the first N
@@ -75,7 +77,7 @@ class RecomputeConfig:
 
 @dataclass(frozen=True)
 class ParallelConfig:
-    """The process layout (:mod:`hybrid.layout`) and how the process groups are made."""
+    """The process layout (:mod:`hybrid.parallel.layout`) and how the process groups are made."""
 
     world_size: int = 1
     tensor_model_parallel_size: int = 1
@@ -100,7 +102,7 @@ class ModelConfig:
     attention_dropout: float = 0.1
     init_method_std: float = 0.02
     attention_backend: str = "auto"  # auto, flash, fused, unfused, local
-    # the Llama family (hybrid.architecture; defaults: GPT-2)
+    # the Llama family (hybrid.config.architecture; defaults: GPT-2)
     normalization: str = "LayerNorm"  # or RMSNorm
     norm_epsilon: float = 1e-5
     swiglu: bool = False
@@ -113,7 +115,7 @@ class ModelConfig:
     untie_embeddings_and_output_weights: bool = False
     add_bias_linear: bool = True
     add_qkv_bias: bool = False  # QKV keeps a bias when add_bias_linear is off (Qwen2)
-    compile: bool = False  # torch.compile each block's forward (hybrid/compile.py)
+    compile: bool = False  # torch.compile each block's forward (hybrid/train/compile.py)
 
 
 @dataclass(frozen=True)
@@ -122,7 +124,7 @@ class OptimizerConfig:
     the ZeRO engine runs AdamW on its shards.)
 
     ``unit``: "iterations" or "samples" -- what ``warmup`` and ``decay`` count,
-    and what :func:`hybrid.lr_schedule.scheduled_lr` is stepped by.
+    and what :func:`hybrid.train.lr_schedule.scheduled_lr` is stepped by.
     """
 
     lr: float = 1e-3
@@ -150,7 +152,7 @@ class ScheduleConfig:
     train_samples: int | None = None
     exit_interval: int | None = None
     exit_duration_in_mins: float | None = None
-    exit_signal_handler: bool = False  # SIGTERM: save and exit (hybrid/early_exit.py)
+    exit_signal_handler: bool = False  # SIGTERM: save and exit (hybrid/train/early_exit.py)
     exit_on_nan_iterations: int = 10
     eval_interval: int = 1000
     eval_iters: int = 10
@@ -158,15 +160,13 @@ class ScheduleConfig:
 
 @dataclass(frozen=True)
 class DataConfig:
-    """What :func:`hybrid.data.tokenizer.build_tokenizer` and
-    :func:`hybrid.data.dataset.build_datasets` need.
+    """What :func:`hybrid.data.dataset.build_datasets` needs (besides the tokenizer).
 
     The sources, one of: ``data_path`` (``[weight] prefix ...`` cut into
     train/valid/test by ``split``), per-split ``train/valid/test_data_path``
     lists used whole, ``mock_data`` (synthetic tokens from ``seed``), or none
     (the built-in corpus). ``cache_path``: where sample orders and token checks
-    are cached (None: next to each data file). The tokenizer: ``tokenizer_type``
-    (a canonical name of :data:`hybrid.data.tokenizer.TOKENIZER_TYPES`) and its files.
+    are cached (None: next to each data file).
     """
 
     seq_length: int = 128
@@ -179,12 +179,59 @@ class DataConfig:
     mock_data: bool = False
     eod_mask_loss: bool = False  # micro-batches carry a loss mask, 0 at end-of-document inputs
     cache_path: str | None = None
-    tokenizer_type: str = "byte"
+
+
+# --tokenizer-type: Megatron's names, and hybrid's older ones as aliases.
+TOKENIZER_TYPES = {
+    "byte": "byte",
+    "GPT2BPETokenizer": "GPT2BPETokenizer", "gpt2bpe": "GPT2BPETokenizer",
+    "HuggingFaceTokenizer": "HuggingFaceTokenizer", "hf": "HuggingFaceTokenizer",
+    "NullTokenizer": "NullTokenizer", "null": "NullTokenizer",
+}
+
+
+def tokenizer_kind(name: str | None) -> str | None:
+    """The canonical name of a ``--tokenizer-type`` value, or None if unknown."""
+    return TOKENIZER_TYPES.get(name or "byte")
+
+
+@dataclass(frozen=True)
+class TokenizerConfig:
+    """What :func:`hybrid.data.tokenizer.build_tokenizer` needs.
+
+    ``type``: a canonical name (a value of :data:`TOKENIZER_TYPES`). Its files:
+    ``vocab_file`` and ``merge_file`` (GPT2BPETokenizer), ``model`` (a tokenizer
+    directory or tokenizer.json, HuggingFaceTokenizer; ``model_flag`` is the flag
+    that named it, for messages), ``vocab_size`` (NullTokenizer).
+    """
+
+    type: str = "byte"
     vocab_file: str | None = None
     merge_file: str | None = None
-    tokenizer_model: str | None = None  # HuggingFaceTokenizer
-    tokenizer_file: str | None = None  # its older flag
-    vocab_size: int | None = None  # NullTokenizer
+    model: str | None = None
+    model_flag: str = "--tokenizer-model"
+    vocab_size: int | None = None
+
+    def __post_init__(self):
+        if self.type not in TOKENIZER_TYPES.values():
+            raise ValueError(f"tokenizer type {self.type!r}: expected one of "
+                             f"{sorted(set(TOKENIZER_TYPES.values()))}")
+
+    @classmethod
+    def from_flags(cls, tokenizer_type: str | None = None, vocab_file: str | None = None,
+                   merge_file: str | None = None, tokenizer_model: str | None = None,
+                   tokenizer_file: str | None = None,
+                   vocab_size: int | None = None) -> "TokenizerConfig":
+        """The section from Megatron's tokenizer flags (any spelling of the type;
+        ``--tokenizer-file`` is the older name of ``--tokenizer-model``)."""
+        kind = tokenizer_kind(tokenizer_type)
+        if kind is None:
+            raise ConfigError(f"--tokenizer-type {tokenizer_type!r}: unknown (one of "
+                             f"{', '.join(TOKENIZER_TYPES)})")
+        return cls(type=kind, vocab_file=vocab_file, merge_file=merge_file,
+                   model=tokenizer_model or tokenizer_file,
+                   model_flag="--tokenizer-model" if tokenizer_model or not tokenizer_file
+                   else "--tokenizer-file", vocab_size=vocab_size)
 
 
 @dataclass(frozen=True)

@@ -47,7 +47,7 @@ class Monitor:
         self._json = self._tb = None
         # Why a log could not be opened ("--log-json PATH: ..."), else None. Set, not
         # raised: only rank 0 opens the files, and the caller must tell every rank
-        # (hybrid.agree.agree_error) so none is left waiting in a collective.
+        # (hybrid.parallel.agree.agree_error) so none is left waiting in a collective.
         self.error: str | None = None
         if not self.enabled:
             return
@@ -99,7 +99,7 @@ class Monitor:
         if "peak_memory_bytes" in m:
             parts.append(f"peak memory (MB): {m['peak_memory_bytes'] / 2**20:.0f}")
         for name, what in (("step_time", "step time"), ("busy_time", "busy time")):
-            if f"{name}_max_s" in m:  # fastest and slowest rank (hybrid/diagnostics/stragglers.py)
+            if f"{name}_max_s" in m:  # fastest and slowest rank (hybrid/train/stragglers.py)
                 parts.append(f"{what} min/max (ms): {m[name + '_min_s'] * 1000:.1f} (rank "
                              f"{m[name + '_min_rank']}) / {m[name + '_max_s'] * 1000:.1f} "
                              f"(rank {m[name + '_max_rank']})")

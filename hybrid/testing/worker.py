@@ -1,11 +1,11 @@
-"""The worker side of :mod:`hybrid.multiprocess`: one pooled rank's loop.
+"""The worker side of :mod:`hybrid.testing.pool`: one pooled rank's loop.
 
 A worker joins the default gloo group once, then runs calls one after another:
 before each it puts back what a fresh process would have (:class:`_Fresh`),
-builds a fresh :class:`~hybrid.parallel_state.ParallelState` over process
+builds a fresh :class:`~hybrid.parallel.state.ParallelState` over process
 groups it keeps per TP size (:class:`_Layouts`), runs the function and sends
 its result (moved to CPU) or its traceback back. See the pool's contract in
-:mod:`hybrid.multiprocess`.
+:mod:`hybrid.testing.pool`.
 """
 
 from __future__ import annotations
@@ -80,9 +80,9 @@ class _Layouts:
     def state(self, tp: int, call_id: int):
         """A fresh ParallelState for call ``call_id``: fresh counters, a fresh flight
         recorder whose store keys are private to the call."""
-        from hybrid.comm import CommGroup, CommStats
+        from hybrid.parallel.comm import CommGroup, CommStats
         from hybrid.diagnostics.recorder import FlightRecorder
-        from hybrid.parallel_state import ParallelState
+        from hybrid.parallel.state import ParallelState
 
         if tp not in self.built:  # collective: every rank sees the same calls in order
             _barrier(self.store, f"hybrid/pool/layout_{call_id}", dist.get_world_size())

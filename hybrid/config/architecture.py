@@ -102,7 +102,7 @@ def is_gpt2(fields: dict) -> bool:
 
 
 def validate_architecture(cfg) -> None:
-    """Check the architecture flags of a :class:`hybrid.flags.Flags` (after its layout and head
+    """Check the architecture flags of a :class:`hybrid.config.flags.Flags` (after its layout and head
     checks), raising one ConfigError naming the flag; fill ``num_query_groups`` (1,
     Megatron's default, with --group-query-attention) and, with --swiglu, the
     default ``ffn_hidden_size``."""

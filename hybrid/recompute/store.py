@@ -4,7 +4,7 @@
     s = store.stash(slot, x)      # forward: keep this rank's share of x (B, T, C)
     x = store.restore(s)          # backward: the whole x again, on ps.device
 
-Used by :mod:`hybrid.activation_checkpointing`, one slot per checkpoint group.
+Used by :mod:`hybrid.recompute.checkpointing`, one slot per checkpoint group.
 
 [Note: buffer lifetimes]
 The gather and staging buffers are shared by every checkpoint and allocated
@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from hybrid.parallel_state import ParallelState
+from hybrid.parallel.state import ParallelState
 
 _ALIGN = 64  # bytes; slot offsets stay aligned for a .view() as any dtype
 

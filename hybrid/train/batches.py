@@ -3,7 +3,7 @@ the run is (iteration, samples consumed): resuming needs no state of its own."""
 
 from __future__ import annotations
 
-from hybrid.config_sections import ScheduleConfig
+from hybrid.config.sections import ScheduleConfig
 
 
 def global_batch_size_at(s: ScheduleConfig, consumed_samples: int) -> int:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from hybrid.parallel_state import ParallelState
+from hybrid.parallel.state import ParallelState
 
 
 def agree_error(ps: ParallelState, error: str | None) -> str | None:

@@ -1,7 +1,7 @@
 """The command line: Megatron-compatible flags -> :class:`Flags`, one field per flag.
 
 Megatron users bring launch scripts full of flags. Each flag hybrid implements
-is a field here; :mod:`hybrid.megatron_flags` knows the rest of Megatron's
+is a field here; :mod:`hybrid.config.megatron_flags` knows the rest of Megatron's
 flags, so they get a named answer (ignored with a note, or refused with what
 to use instead) rather than argparse's "unrecognized arguments". No torch
 import: the launcher checks a command line before it starts any worker.
@@ -15,7 +15,7 @@ import difflib
 import sys
 from dataclasses import dataclass, field
 
-from hybrid.config_sections import KERNEL_PATHS
+from hybrid.config.sections import KERNEL_PATHS
 from hybrid.errors import ConfigError
 
 
@@ -57,7 +57,7 @@ class Flags:
     attention_backend: str = opt("auto", "auto, flash, fused, unfused or local: which "
                                          "attention kernel runs (auto: torch's SDPA picks)")
     use_flash_attn: bool = opt(False, "older Megatron name for --attention-backend flash")
-    # model architecture (the Llama family: hybrid/architecture.py)
+    # model architecture (the Llama family: hybrid/config/architecture.py)
     normalization: str = opt("LayerNorm", "LayerNorm or RMSNorm")
     norm_epsilon: float = opt(1e-5, "epsilon of every LayerNorm / RMSNorm")
     swiglu: bool = opt(False, "gated SiLU MLP; --ffn-hidden-size then defaults to "
@@ -235,12 +235,6 @@ class Flags:
     # not a flag: the Megatron flags parse_args dropped as having no effect here
     ignored_megatron_flags: list[str] = field(default_factory=list, metadata={"cli": False})
 
-    def validate(self, world_size: int, environ=None):
-        """The checked, nested :class:`hybrid.config.TrainConfig` for ``world_size`` ranks
-        (``environ``: the entry point's environment, for the kernel flags' defaults)."""
-        from hybrid.config import build_config
-        return build_config(self, world_size, environ)
-
 
 def flag_name(field_name: str) -> str:
     return "--" + field_name.replace("_", "-")
@@ -282,10 +276,10 @@ def parse_args(argv: list[str] | None = None) -> Flags:
     """Parse a command line into :class:`Flags` (checked later: that needs the world size).
 
     Megatron flags hybrid does not implement raise one ConfigError naming them
-    (see :mod:`hybrid.megatron_flags`); those that only pick a Megatron
+    (see :mod:`hybrid.config.megatron_flags`); those that only pick a Megatron
     implementation are dropped, and :attr:`Flags.ignored` lists them.
     """
-    from hybrid.megatron_flags import split_megatron_flags
+    from hybrid.config.megatron_flags import split_megatron_flags
     ours, ignored = split_megatron_flags(list(sys.argv[1:] if argv is None else argv))
     parser = build_parser()
     parser.error = _raise  # one ConfigError, not argparse's usage dump + exit

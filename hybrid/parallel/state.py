@@ -4,7 +4,7 @@ Built once per process and passed explicitly to layers, the model, the
 optimizer, checkpointing and the data loader. Nothing keeps process groups in
 module globals.
 
-The layout is :mod:`hybrid.layout`'s (TP ranks adjacent,
+The layout is :mod:`hybrid.parallel.layout`'s (TP ranks adjacent,
 ``global rank = dp_rank * tp_size + tp_rank``); this module turns it into
 process groups.
 """
@@ -18,16 +18,16 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from hybrid.comm import CommGroup, CommStats
+from hybrid.parallel.comm import CommGroup, CommStats
 from hybrid.diagnostics.recorder import FlightRecorder, backstop
-from hybrid.layout import check_layout, dp_group_ranks, tp_group_ranks
+from hybrid.parallel.layout import check_layout, dp_group_ranks, tp_group_ranks
 
 
 @dataclass
 class ParallelState:
     """Sizes, ranks and groups of this process.
 
-    ``tp_group`` and ``dp_group`` are :class:`hybrid.comm.CommGroup` objects: every
+    ``tp_group`` and ``dp_group`` are :class:`hybrid.parallel.comm.CommGroup` objects: every
     collective in the library runs through one of them (and is counted in
     ``comm_stats``, and recorded by ``recorder``, whose heartbeat runs until
     :meth:`close`).

@@ -1,0 +1,17 @@
+"""The run's configuration, torch-free: Megatron flags -> checked, frozen sections.
+
+* :mod:`.flags`          the command line: one :class:`Flags` field per flag
+* :mod:`.megatron_flags` Megatron flags hybrid drops (no effect) or refuses, and what instead
+* :mod:`.checks`         every check that can reject a command line, and its message
+* :mod:`.architecture`   the Llama-family flags (normalization, SwiGLU, RoPE, GQA, biases)
+* :mod:`.kernels`        the kernel flags and their ``HYBRID_*`` defaults
+* :mod:`.sections`       the frozen section each component takes
+* :mod:`.build`          :func:`build_config`: flags -> :class:`TrainConfig`, in one place
+"""
+
+from hybrid.config.build import TrainConfig, build_config
+from hybrid.config.flags import Flags, parse_args
+from hybrid.config.kernels import kernel_config_from_env, parse_kernel_choice
+
+__all__ = ["TrainConfig", "Flags", "build_config", "parse_args", "kernel_config_from_env",
+           "parse_kernel_choice"]

@@ -1,0 +1,5 @@
+"""Bytes before the cluster, torch-free: what a layout will hold per rank and move per step.
+
+* :mod:`.model_states` ZeRO's model-state and communication formulas
+* :mod:`.memory`       a run's per-rank peak: model states, activations, buffers; choosing a stage
+"""

@@ -1,0 +1,5 @@
+"""Hugging Face names and layouts, as pure tensor functions (no transformers import).
+
+* :mod:`.gpt2`  GPT-2 <-> hybrid's GPT; dispatches Llama/Qwen2 configs to :mod:`.llama`
+* :mod:`.llama` Llama and Qwen2 <-> hybrid's GPT with the Llama-family options
+"""
