@@ -19,11 +19,11 @@ import torch.nn.functional as F
 from einops import rearrange
 from torch import nn
 
-from hybrid.parallel.comm import CommGroup
 from hybrid.kernels import bias_gelu, splits_bias
 from hybrid.kernels.attention import attention_context
 from hybrid.kernels.rotary import Rotary, split_qkv
 from hybrid.kernels.swiglu import swiglu
+from hybrid.parallel.comm import CommGroup
 from hybrid.tensor_parallel import (ColumnParallelLinear, LayerNorm, RMSNorm, RowParallelLinear,
                                     TPRNGTracker)
 

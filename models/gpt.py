@@ -45,14 +45,15 @@ import torch.nn.functional as F
 from torch import nn
 
 from hybrid.config.architecture import (NORMALIZATIONS, POSITION_EMBEDDING_TYPES,
-                                 swiglu_ffn_hidden_size)
-from hybrid.parallel.comm import CommGroup
+                                        swiglu_ffn_hidden_size)
 from hybrid.kernels import linear
+from hybrid.parallel.comm import CommGroup
 from hybrid.tensor_parallel import (ColumnParallelLinear, Init, TPRNGTracker,
                                     VocabParallelEmbedding, copy_to_tp, init_parameters,
                                     sequence_gathered_linear, sequence_parallel_param,
                                     vocab_parallel_cross_entropy)
 from models.blocks import Block, make_norm, residual_rng
+
 
 @dataclass
 class GPTConfig:

@@ -72,8 +72,8 @@ def table2_bytes_per_layer(mode: str, a, t: int, e: int) -> int:
 
 
 def _model(ps, a, flags, layers):
-    from hybrid.recompute.checkpointing import apply_activation_checkpointing
     from hybrid.config import Flags, build_config
+    from hybrid.recompute.checkpointing import apply_activation_checkpointing
     from hybrid.tensor_parallel import seed_all
     from hybrid.train.loop import gpt_config, recompute_targets
     cfg = build_config(Flags(tensor_model_parallel_size=ps.tp_size, num_layers=layers,

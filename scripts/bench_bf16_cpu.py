@@ -30,8 +30,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 
 from hybrid.config import build_config, kernel_config_from_env  # noqa: E402
-from hybrid.config.sections import KernelConfig  # noqa: E402
 from hybrid.config.flags import Flags  # noqa: E402
+from hybrid.config.sections import KernelConfig  # noqa: E402
 from hybrid.kernels import configure, kernel_choice  # noqa: E402
 from hybrid.kernels.cpu_features import native_cpu_matmul  # noqa: E402
 from hybrid.parallel.state import ParallelState  # noqa: E402

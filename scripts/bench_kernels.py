@@ -98,8 +98,7 @@ def main():
     if not torch.cuda.is_available():
         sys.exit("bench_kernels.py needs a CUDA GPU (torch.cuda.is_available() is False)")
     from hybrid.config import kernel_config_from_env
-    from hybrid.kernels import (bias_gelu, configure, layer_norm, local_softmax_stats,
-                                softmax_grad)
+    from hybrid.kernels import bias_gelu, configure, layer_norm, local_softmax_stats, softmax_grad
     from hybrid.kernels.cuda_ops import cuda_ops
     configure(kernel_config_from_env(os.environ))  # this script's entry point: HYBRID_* settings
     ops = cuda_ops()

@@ -70,9 +70,9 @@ def _peak_bytes(device) -> int:
 
 
 def run_config(name: str, a, ps) -> dict:
-    from hybrid.train.step_stats import IterationTimer
     from hybrid.tensor_parallel import seed_all
     from hybrid.train.loop import build_engine, train_step
+    from hybrid.train.step_stats import IterationTimer
 
     shape = dict(PRESETS[a.preset])
     vocab = shape.pop("vocab")

@@ -34,8 +34,8 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from hybrid.data.indexed import IndexedWriter, dtype_for_vocab  # noqa: E402
 from hybrid.config.sections import TOKENIZER_TYPES, TokenizerConfig  # noqa: E402
+from hybrid.data.indexed import IndexedWriter, dtype_for_vocab  # noqa: E402
 from hybrid.data.tokenizer import build_tokenizer  # noqa: E402
 from hybrid.errors import DataError  # noqa: E402
 

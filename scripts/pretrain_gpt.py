@@ -16,8 +16,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from hybrid.config import build_config, parse_args  # noqa: E402  (no torch import: fast preflight)
-from hybrid.errors import (CheckpointError, ConfigError, DataError,  # noqa: E402
-                           TrainingError)
+from hybrid.errors import CheckpointError, ConfigError, DataError, TrainingError  # noqa: E402
 
 
 def _world_size() -> int:
@@ -71,11 +70,11 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch.distributed as dist
 
-    from hybrid.parallel.comm import CollectiveError
     from hybrid.kernels import configure
-    from hybrid.train.monitor import setup_logging
+    from hybrid.parallel.comm import CollectiveError
     from hybrid.parallel.state import init_distributed
     from hybrid.train.loop import pretrain
+    from hybrid.train.monitor import setup_logging
 
     configure(cfg.kernels)  # --no-kernels, --kernel-cache-dir, --kernel-choice (or HYBRID_*)
     par = cfg.parallel

@@ -1,7 +1,7 @@
 """The 4-process checkpoint I/O session and the raw-file readers its tests share.
 
 One session does every save and load the checkpoint I/O tests check
-(tests/test_checkpoint_io.py, tests/test_checkpoint_format2.py): spawning ranks
+(tests/checkpoint/test_checkpoint_io.py, tests/checkpoint/test_checkpoint_format2.py): spawning ranks
 is what costs, so it runs once (the ``io_session`` fixture, session-scoped,
 made visible to the tests by conftest.py). The readers here parse the raw
 files independently of hybrid.checkpoint.
@@ -30,6 +30,7 @@ def _io_engine(ps, stage, seed):
 def _io_state(engine, model):
     """This rank's pieces, their (n, 3) values, and how it holds each parameter."""
     import torch
+
     from hybrid.zero.state import iter_piece_values, shard_state
     pieces = shard_state(engine)["pieces"]
     values = torch.cat(list(iter_piece_values(engine))) if pieces else torch.zeros(0, 3)
@@ -45,6 +46,7 @@ def _io_train_and_save(ps, save, stage, weights_to=None):
     """Two steps (non-zero moments), then a save at iteration 2 (and a weights-only
     one, --no-save-optim, in ``weights_to``)."""
     import torch
+
     from hybrid.checkpoint import save_checkpoint
     cfg, rng, model, engine = _io_engine(ps, stage, seed=3)
     g = torch.Generator().manual_seed(ps.dp_rank)
@@ -68,6 +70,7 @@ def _io_load(ps, save, stage, save_to=None, **load_kw):
     ``load_kw``: load_checkpoint's load_optim / load_rng. ``rng_kept``: the CPU and
     tracker RNG states are the fresh engine's own after the load."""
     import builtins
+
     from hybrid.checkpoint import RangeReader, load_checkpoint, save_checkpoint
     from hybrid.checkpoint.reader import process_rchar
     from hybrid.errors import CheckpointError

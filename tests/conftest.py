@@ -12,12 +12,11 @@ from hybrid.kernels import configure  # noqa: E402
 
 configure(kernel_config_from_env(os.environ))
 
-# The 4-process checkpoint I/O session, shared by two test files (runs once).
-from checkpoint_io_session import io_session  # noqa: E402,F401
-
-
 # ``choose("op=path,...")``: kernel paths for one test (tests/test_kernels_*.py).
 import pytest  # noqa: E402
+
+# The 4-process checkpoint I/O session, shared by two test files (runs once).
+from checkpoint_io_session import io_session  # noqa: E402,F401
 
 
 @pytest.fixture

@@ -54,9 +54,9 @@ def _pretrain_rank(ps, cfg):
     import io
     import logging
 
-    from hybrid.parallel.comm import CollectiveError
     from hybrid.errors import CheckpointError, ConfigError, DataError, TrainingError
     from hybrid.kernels import configure
+    from hybrid.parallel.comm import CollectiveError
     from hybrid.train.loop import pretrain
 
     configure(cfg.kernels)  # as main() does

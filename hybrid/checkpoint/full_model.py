@@ -12,11 +12,11 @@ from __future__ import annotations
 
 import torch
 
-from hybrid.config.architecture import architecture_fields
 from hybrid.checkpoint.load import VOCAB_PARAMS
 from hybrid.checkpoint.reshard import iter_full_params
-from hybrid.parallel.layout import padded_vocab_size
+from hybrid.config.architecture import architecture_fields
 from hybrid.errors import CheckpointError
+from hybrid.parallel.layout import padded_vocab_size
 from hybrid.parallel.state import ParallelState
 from models.gpt import GPT, GPTConfig
 

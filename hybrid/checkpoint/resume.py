@@ -48,9 +48,9 @@ from dataclasses import dataclass
 
 from hybrid.checkpoint.files import find_checkpoint, read_metadata
 from hybrid.checkpoint.load import load_checkpoint
-from hybrid.parallel.agree import agree_error
 from hybrid.config.sections import CheckpointConfig
 from hybrid.errors import CheckpointError
+from hybrid.parallel.agree import agree_error
 from hybrid.parallel.state import ParallelState
 from hybrid.tensor_parallel import TPRNGTracker
 from hybrid.zero import ZeroEngine

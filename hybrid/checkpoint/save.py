@@ -50,9 +50,9 @@ import zlib
 import torch
 
 from hybrid.checkpoint.files import LATEST, VERSION, complete_checkpoints, iter_name, rank_paths
-from hybrid.parallel.agree import agree_error
 from hybrid.checkpoint.layout import COLUMNS, describe, single_file_layout
 from hybrid.errors import CheckpointError
+from hybrid.parallel.agree import agree_error
 from hybrid.parallel.state import ParallelState
 from hybrid.tensor_parallel import TPRNGTracker
 from hybrid.tensor_parallel.random import get_device_rng_state

@@ -15,12 +15,11 @@ from dataclasses import dataclass
 
 from hybrid.config import checks
 from hybrid.config.architecture import architecture_fields, validate_architecture
-from hybrid.config.kernels import kernel_config_from_env, parse_kernel_choice
-from hybrid.config.sections import (CheckpointConfig, DataConfig, DiagnosticsConfig,
-                                    KernelConfig, LoggingConfig, ModelConfig, OptimizerConfig,
-                                    ParallelConfig, RecomputeConfig, ScheduleConfig,
-                                    TokenizerConfig, ZeroConfig)
 from hybrid.config.flags import Flags
+from hybrid.config.kernels import kernel_config_from_env, parse_kernel_choice
+from hybrid.config.sections import (CheckpointConfig, DataConfig, DiagnosticsConfig, KernelConfig,
+                                    LoggingConfig, ModelConfig, OptimizerConfig, ParallelConfig,
+                                    RecomputeConfig, ScheduleConfig, TokenizerConfig, ZeroConfig)
 from hybrid.parallel.layout import check_layout
 
 __all__ = ["TrainConfig", "build_config"]

@@ -12,9 +12,9 @@ import dataclasses
 import math
 import os
 
+from hybrid.config.flags import Flags, flag_name
 from hybrid.config.sections import TOKENIZER_TYPES, tokenizer_kind
 from hybrid.errors import ConfigError
-from hybrid.config.flags import Flags, flag_name
 
 DEFAULT_TRAIN_ITERS = 200
 

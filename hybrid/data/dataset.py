@@ -30,8 +30,7 @@ from hybrid.config.sections import DataConfig
 from hybrid.data.blending import BlendedSamples
 from hybrid.data.builtin import builtin_documents
 from hybrid.data.indexed import open_indexed
-from hybrid.data.sources import IOCounter
-from hybrid.data.sources import InMemoryTokens, MockTokens
+from hybrid.data.sources import InMemoryTokens, IOCounter, MockTokens
 from hybrid.data.vocab_check import check_sources
 from hybrid.errors import DataError
 

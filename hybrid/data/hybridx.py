@@ -20,8 +20,7 @@ import struct
 
 import numpy as np
 
-from hybrid.data.sources import map_tokens
-from hybrid.data.sources import DocumentSource
+from hybrid.data.sources import DocumentSource, map_tokens
 from hybrid.errors import DataError
 
 MAGIC = b"HYBRIDX\0"

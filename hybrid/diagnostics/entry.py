@@ -14,8 +14,8 @@ import torch
 
 _TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
 _HERE = os.path.dirname(os.path.abspath(__file__)) + os.sep
-_COMM = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "comm.py")
 _ROOT = os.path.dirname(os.path.dirname(_HERE.rstrip(os.sep))) + os.sep
+_COMM = os.path.join(_ROOT, "hybrid", "parallel", "comm.py")  # the door every collective takes
 _STDLIB = os.path.dirname(os.path.abspath(os.__file__)) + os.sep  # site-packages too
 
 

@@ -30,7 +30,6 @@ from dataclasses import dataclass
 
 import torch
 
-
 # Llama-3.1's RoPE scaling (Megatron's --use-rope-scaling fixes these three; so do the
 # released Llama 3.1, 3.2 and 3.3 configs)
 LOW_FREQ_FACTOR, HIGH_FREQ_FACTOR, ORIGINAL_CONTEXT = 1.0, 4.0, 8192

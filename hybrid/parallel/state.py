@@ -18,8 +18,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from hybrid.parallel.comm import CommGroup, CommStats
 from hybrid.diagnostics.recorder import FlightRecorder, backstop
+from hybrid.parallel.comm import CommGroup, CommStats
 from hybrid.parallel.layout import check_layout, dp_group_ranks, tp_group_ranks
 
 

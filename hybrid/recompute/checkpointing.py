@@ -67,10 +67,10 @@ import weakref
 import torch
 from torch import nn
 
-from hybrid.recompute.store import ALLOCATION_KINDS, CheckpointStore, _Stash
 from hybrid.config.sections import RecomputeConfig
 from hybrid.parallel.state import ParallelState
 from hybrid.recompute.phase import RecomputePhase
+from hybrid.recompute.store import ALLOCATION_KINDS, CheckpointStore, _Stash
 from hybrid.tensor_parallel import TPRNGTracker
 
 __all__ = ["ALLOCATION_KINDS", "ActivationCheckpointing", "CheckpointStore",

@@ -10,8 +10,7 @@ from hybrid.tensor_parallel.mappings import (copy_to_tp, gather_from_sequence, g
                                              scatter_to_sequence, scatter_to_tp,
                                              sequence_parallel_param)
 from hybrid.tensor_parallel.random import TPRNGTracker, seed_all
-from hybrid.tensor_parallel.sharding import (ShardSpec, full_shape, is_tp_split, shard_of,
-                                              unshard)
+from hybrid.tensor_parallel.sharding import ShardSpec, full_shape, is_tp_split, shard_of, unshard
 
 __all__ = [
     "ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding",

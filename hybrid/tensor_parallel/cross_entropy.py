@@ -14,9 +14,9 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from hybrid.parallel.comm import CommGroup
 from hybrid.kernels.cross_entropy import local_softmax_stats, softmax_grad
 from hybrid.kernels.select import kernel_choice
+from hybrid.parallel.comm import CommGroup
 
 
 class _FusedVocabParallelCE(torch.autograd.Function):

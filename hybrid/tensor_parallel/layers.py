@@ -23,10 +23,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hybrid.parallel.comm import CommGroup
-from hybrid.kernels import LayerNorm as _KernelLayerNorm
-from hybrid.kernels import layer_norm, linear, matmul
+from hybrid.kernels import LayerNorm as _KernelLayerNorm, layer_norm, linear, matmul
 from hybrid.kernels.rms_norm import rms_norm
+from hybrid.parallel.comm import CommGroup
 from hybrid.tensor_parallel.mappings import (all_gather_sequence, copy_to_tp, gather_from_tp,
                                              reduce_from_tp, reduce_scatter_sequence,
                                              reduce_scatter_to_sequence, scatter_to_tp,

@@ -80,8 +80,8 @@ class _Layouts:
     def state(self, tp: int, call_id: int):
         """A fresh ParallelState for call ``call_id``: fresh counters, a fresh flight
         recorder whose store keys are private to the call."""
-        from hybrid.parallel.comm import CommGroup, CommStats
         from hybrid.diagnostics.recorder import FlightRecorder
+        from hybrid.parallel.comm import CommGroup, CommStats
         from hybrid.parallel.state import ParallelState
 
         if tp not in self.built:  # collective: every rank sees the same calls in order

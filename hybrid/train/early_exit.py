@@ -23,8 +23,8 @@ from __future__ import annotations
 import signal
 import time
 
-from hybrid.parallel.agree import max_over_ranks
 from hybrid.config.sections import ScheduleConfig
+from hybrid.parallel.agree import max_over_ranks
 from hybrid.parallel.state import ParallelState
 
 EXIT_SIGNAL = signal.SIGTERM

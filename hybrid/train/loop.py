@@ -16,34 +16,34 @@ from dataclasses import dataclass
 
 import torch
 
-from hybrid.recompute.checkpointing import apply_activation_checkpointing
-from hybrid.train.activation_meter import SavedActivationMeter
-from hybrid.parallel.agree import agree_error, max_over_ranks
-from hybrid.config.architecture import ARCHITECTURE_FIELDS
 from hybrid.checkpoint import save_checkpoint
 from hybrid.checkpoint.resume import start_from_checkpoint
-from hybrid.train.compile import compile_blocks
 from hybrid.config import TrainConfig
+from hybrid.config.architecture import ARCHITECTURE_FIELDS
 from hybrid.config.sections import RecomputeConfig, ScheduleConfig
 from hybrid.data.dataset import build_datasets, dp_micro_batches
 from hybrid.data.tokenizer import build_tokenizer
-from hybrid.train import nonfinite
-from hybrid.train.replicas import ReplicaChecker
-from hybrid.train.stragglers import straggler_fields
-from hybrid.train.early_exit import EarlyExit
 from hybrid.errors import ConfigError, TrainingError
-from hybrid.train.host_memory import return_freed_memory
 from hybrid.kernels.attention import check_attention_backend
+from hybrid.kernels.dtypes import DTYPES
 from hybrid.kernels.select import low_precision_warning
+from hybrid.parallel.agree import agree_error, max_over_ranks
 from hybrid.parallel.layout import padded_vocab_size
+from hybrid.parallel.state import ParallelState
+from hybrid.recompute.checkpointing import apply_activation_checkpointing
+from hybrid.tensor_parallel import InitValues, TPRNGTracker, seed_all
+from hybrid.train import nonfinite
+from hybrid.train.activation_meter import SavedActivationMeter
+from hybrid.train.batches import finished, global_batch_size_at, total_iterations
+from hybrid.train.compile import compile_blocks
+from hybrid.train.early_exit import EarlyExit
+from hybrid.train.host_memory import return_freed_memory
 from hybrid.train.lr_schedule import scheduled_lr
 from hybrid.train.monitor import Monitor, log
-from hybrid.parallel.state import ParallelState
-from hybrid.train.batches import finished, global_batch_size_at, total_iterations
+from hybrid.train.replicas import ReplicaChecker
 from hybrid.train.step_stats import IterationTimer, PendingSteps
-from hybrid.tensor_parallel import InitValues, TPRNGTracker, seed_all
+from hybrid.train.stragglers import straggler_fields
 from hybrid.zero import ZeroEngine, apply_zero
-from hybrid.kernels.dtypes import DTYPES
 from models.gpt import GPT, GPTConfig
 
 

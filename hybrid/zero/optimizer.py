@@ -36,8 +36,8 @@ import math
 
 import torch
 
-from hybrid.parallel.comm import CommGroup
 from hybrid.kernels.adam import AdamSegments, adam_step
+from hybrid.parallel.comm import CommGroup
 
 # torch's fused AdamW kernel (CPU and CUDA); the plain loop below is the fallback.
 _FUSED = hasattr(torch, "_fused_adamw_")

@@ -1,0 +1,229 @@
+"""ZeRO-Offload's overlap: gradients go down per unit during backward, and the
+one-step delayed parameter update against a reference that applies each update
+one step late."""
+
+import pytest
+import torch
+
+from hybrid.config import Flags, build_config
+from hybrid.errors import ConfigError
+from hybrid.parallel.layout import padded_vocab_size
+from hybrid.parallel.state import ParallelState
+from hybrid.tensor_parallel import InitValues, seed_all
+from hybrid.zero import apply_zero
+from models.gpt import GPT, GPTConfig
+
+from harness import run_ranks
+
+VOCAB, SEQ, MICRO, BATCH, STEPS, SEED = 257, 16, 2, 8, 5, 5
+
+
+def _cfg(world, **kw):
+    base = dict(num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=SEQ,
+                hidden_dropout=0.0, attention_dropout=0.0, micro_batch_size=MICRO,
+                global_batch_size=BATCH, lr=1e-2, weight_decay=0.1, clip_grad=0.5,
+                reduce_bucket_size=1000, allgather_bucket_size=1000, adam_eps=1e-4,
+                zero_param_persistence_threshold=0, seed=SEED)
+    base.update(kw)
+    return build_config(Flags(**base), world)
+
+
+def _gpt(cfg, ps, device):
+    rng = seed_all(cfg.seed, ps.tp_rank, ps.dp_rank, ps.device)
+    gcfg = GPTConfig(vocab_size=VOCAB, padded_vocab_size=padded_vocab_size(VOCAB, 128, 1),
+                     num_layers=2, hidden_size=32, num_attention_heads=4,
+                     max_position_embeddings=SEQ, hidden_dropout=0.0, attention_dropout=0.0)
+    return GPT(gcfg, ps.tp_group, rng=rng, seed=cfg.seed, device=device)
+
+
+def _global_batch(step):
+    g = torch.Generator().manual_seed(1000 + step)
+    return torch.randint(0, VOCAB, (BATCH, SEQ + 1), generator=g)
+
+
+def _params(model, engine):
+    with engine.gathered():
+        return {n: p.detach().float().clone() for n, p in model.named_parameters()}
+
+
+def _train(ps, variants):
+    out = []
+    for stage, kw in variants:
+        cfg = _cfg(ps.world_size, zero_stage=stage, offload_optimizer=True, **kw)
+        model = _gpt(cfg, ps, "meta")
+        engine = apply_zero(model, ps, cfg.zero, values=InitValues(cfg.seed, model.init_of))
+        sent = []  # per step: (unit index, gradients arrived so far) for each unit sent down
+        grad_ready = engine.offload.grad_ready
+
+        def spy(unit, grad_ready=grad_ready, engine=engine, sent=sent):
+            sent[-1].append((engine.offload.index[id(unit)],
+                             sum(engine.reducer._arrived.values()), engine.reducer.sync))
+            grad_ready(unit)
+        engine.reducer.on_final = spy
+        losses, norms = [], []
+        per = BATCH // ps.dp_size
+        for step in range(STEPS):
+            engine.zero_grad()
+            mine = _global_batch(step)[ps.dp_rank * per: (ps.dp_rank + 1) * per]
+            batches = [(b[:, :-1], b[:, 1:]) for b in mine.split(MICRO)]
+            total = torch.zeros(())
+            sent.append([])
+            for i, (x, y) in enumerate(batches):
+                loss = model(x, y) / len(batches)
+                engine.backward(loss, sync=i == len(batches) - 1)
+                total += loss.detach()
+            ps.dp_group.all_reduce(total)
+            losses.append(float(total) / ps.dp_size)
+            norms.append(float(engine.step(cfg.optimizer.lr).grad_norm))
+        device_params = _params(model, engine)  # what the model runs with
+        engine.wait_optimizer()
+        master = {}
+        names = {id(p): n for n, p in model.named_parameters()}
+        for u, m in zip(engine.units, engine.optimizer.master):
+            for i, plo, ulo, n in u.segments(u.own_lo, u.own_hi):
+                master[(names[id(u.params[i])], plo)] = m[ulo - u.own_lo: ulo - u.own_lo + n]
+        out.append({"losses": losses, "norms": norms, "params": device_params,
+                    "master": master, "sent": sent, "steps": engine.optimizer.step_count,
+                    "units": len(engine.units),
+                    "n_params": sum(len(u.params) for u in engine.units)})
+    return out
+
+
+def _reference(cfg, warmup):
+    """torch: AdamW on fp32 master copies, clip_grad_norm_, the whole global batch;
+    the model runs with master m(t-1) after a normal step t <= warmup, and with
+    m(t-1) also after a delayed one -- the master *before* that step's update."""
+    ps = ParallelState.single()
+    model = _gpt(cfg, ps, "cpu")
+    master = [torch.nn.Parameter(p.detach().clone()) for p in model.parameters()]
+    z = cfg.zero
+    opt = torch.optim.AdamW([{"params": [m for m in master if m.ndim >= 2],
+                              "weight_decay": z.weight_decay},
+                             {"params": [m for m in master if m.ndim < 2],
+                              "weight_decay": 0.0}], lr=cfg.optimizer.lr, eps=z.adam_eps)
+    losses, norms = [], []
+    for step in range(STEPS):
+        model.zero_grad()
+        total = 0.0
+        for b in _global_batch(step).split(MICRO):
+            loss = model(b[:, :-1], b[:, 1:]) / (BATCH // MICRO)
+            loss.backward()
+            total += loss.item()
+        losses.append(total)
+        for m, p in zip(master, model.parameters()):
+            m.grad = p.grad.clone()
+        norms.append(float(torch.nn.utils.clip_grad_norm_(master, z.clip_grad)))
+        before = [m.detach().clone() for m in master]
+        opt.step()
+        delayed = warmup is not None and step + 1 > warmup
+        with torch.no_grad():
+            for p, m, b in zip(model.parameters(), master, before):
+                p.copy_(b if delayed else m)
+    names = [n for n, _ in model.named_parameters()]
+    return {"losses": losses, "norms": norms,
+            "params": {n: p.detach().clone() for n, p in model.named_parameters()},
+            "master": dict(zip(names, (m.detach() for m in master)))}
+
+
+VARIANTS = [(2, {"offload_delayed_update": True, "offload_delayed_update_warmup": 1}),
+            (1, {"offload_delayed_update": True}),
+            (3, {"offload_delayed_update": True, "offload_delayed_update_warmup": 2}),
+            (2, {})]
+
+
+def test_delayed_update_is_the_reference_applied_one_step_late():
+    """TP1 x DP2, 5 steps: losses, clipped norms, the parameters the model ends with
+    (one update behind) and the host master (current) equal the reference's, at
+    stages 1-3 and warmups 0-2; the undelayed offload equals the plain reference.
+    Both DP ranks end bit-identical (the worker's order does not depend on timing)."""
+    res = run_ranks(_train, world_size=2, tp=1, args=(VARIANTS,))
+    refs = {None: _reference(_cfg(1), None)}
+    for (stage, kw), got in zip(VARIANTS, res[0]):
+        warmup = (kw.get("offload_delayed_update_warmup", 0)
+                  if kw.get("offload_delayed_update") else None)
+        if warmup not in refs:
+            refs[warmup] = _reference(_cfg(1), warmup)
+        ref, what = refs[warmup], f"stage {stage} {kw}"
+        for a, b in zip(got["losses"], ref["losses"]):
+            assert abs(a - b) <= 1e-5 * abs(b), (what, got["losses"], ref["losses"])
+        for a, b in zip(got["norms"], ref["norms"]):
+            assert abs(a - b) <= 1e-5 * abs(b), (what, got["norms"], ref["norms"])
+        for name, want in ref["params"].items():
+            torch.testing.assert_close(got["params"][name], want, rtol=1e-5, atol=1e-6,
+                                       msg=lambda m: f"{what}: {name}: {m}")
+        for r in res:  # each rank's master pieces: the reference master's current values
+            for (name, lo), piece in r[VARIANTS.index((stage, kw))]["master"].items():
+                want = refs[warmup]["master"][name].reshape(-1)[lo: lo + piece.numel()]
+                torch.testing.assert_close(piece, want, rtol=1e-5, atol=1e-6)
+        assert got["steps"] == STEPS
+        other = res[1][VARIANTS.index((stage, kw))]
+        assert all(torch.equal(t, other["params"][n]) for n, t in got["params"].items())
+    # the delay is real: from step warmup + 2 on, the delayed curve leaves the plain one
+    assert refs[1]["losses"][3] != refs[None]["losses"][3]
+
+
+def test_gradients_go_down_per_unit_during_the_last_backward():
+    """Each unit's gradient shard is sent to the host exactly once per step, as soon
+    as its reduction of the last micro-batch completes -- the first one while
+    most of backward is still to come -- and never for earlier micro-batches."""
+    res = run_ranks(_train, world_size=2, tp=1, args=([(2, {}), (1, {})],))
+    for r in res[0]:
+        n_params = r["n_params"]
+        for sent in r["sent"]:
+            assert sorted(i for i, _, _ in sent) == list(range(r["units"]))
+            assert all(last for _, _, last in sent)  # only in the last micro-batch
+            # hooks of this backward so far: the first unit went while most were to come
+            assert sent[0][1] < n_params // 2
+
+
+def _fp16_overflow(ps):
+    out = []
+    for kw in ({}, {"offload_delayed_update": True}):
+        cfg = _cfg(ps.world_size, zero_stage=2, offload_optimizer=True, fp16=True,
+                   hysteresis=1, initial_loss_scale=1024.0, **kw)
+        model = _gpt(cfg, ps, "meta")
+        engine = apply_zero(model, ps, cfg.zero, values=InitValues(cfg.seed, model.init_of))
+        per = BATCH // ps.dp_size
+        skipped = []
+        for step in range(4):
+            engine.zero_grad()
+            mine = _global_batch(step)[ps.dp_rank * per: (ps.dp_rank + 1) * per]
+            batches = [(b[:, :-1], b[:, 1:]) for b in mine.split(MICRO)]
+            for i, (x, y) in enumerate(batches):
+                engine.backward(model(x, y) / len(batches), sync=i == len(batches) - 1)
+            if step == 1 and ps.dp_rank == 1:
+                engine.units[0].grad_shard[0] = float("inf")
+            skipped.append(engine.step(cfg.optimizer.lr).skipped)
+        engine.wait_optimizer()
+        out.append({"skipped": skipped, "steps": engine.optimizer.step_count,
+                    "params": _params(model, engine)})
+    return out
+
+
+def test_fp16_overflow_skips_an_offloaded_step_and_training_goes_on():
+    """Dynamic fp16 with the gradients already sent down during backward: the skipped
+    step frees their host buffers (else the next backward would wait for an update
+    that never comes), and the next steps update normally on every rank."""
+    res = run_ranks(_fp16_overflow, world_size=2, tp=1, timeout=120)
+    for a, b in zip(*res):
+        assert a["skipped"] == [False, True, False, False] and a["steps"] == 3
+        assert all(torch.isfinite(t).all() for t in a["params"].values())
+        assert all(torch.equal(t, b["params"][n]) for n, t in a["params"].items())
+
+
+@pytest.mark.parametrize("flags,msg", [
+    (dict(offload_delayed_update=True), "--offload-delayed-update delays"),
+    (dict(offload_optimizer=True, zero_stage=2, offload_delayed_update=True,
+          offload_delayed_update_warmup=-1), "--offload-delayed-update-warmup must be >= 0"),
+    (dict(offload_optimizer=True, zero_stage=2, offload_delayed_update_warmup=3),
+     "--offload-delayed-update-warmup needs --offload-delayed-update"),
+])
+def test_delayed_update_flags_are_checked(flags, msg):
+    with pytest.raises(ConfigError, match=msg):
+        build_config(Flags(**flags), 1)
+
+
+def test_delayed_update_flags_reach_the_zero_config():
+    z = build_config(Flags(zero_stage=2, offload_optimizer=True, offload_delayed_update=True,
+              offload_delayed_update_warmup=4), 1).zero
+    assert z.offload_delayed_update and z.offload_delayed_update_warmup == 4
