@@ -75,7 +75,7 @@ def _model(ps, a, flags, layers):
     from hybrid.config import Flags, build_config
     from hybrid.recompute.checkpointing import apply_activation_checkpointing
     from hybrid.tensor_parallel import seed_all
-    from hybrid.train.loop import gpt_config, recompute_targets
+    from hybrid.train.setup import gpt_config, recompute_targets
     cfg = build_config(Flags(tensor_model_parallel_size=ps.tp_size, num_layers=layers,
                       hidden_size=a.hidden_size, num_attention_heads=a.heads,
                       seq_length=a.seq_length, micro_batch_size=a.micro_batch_size,

@@ -36,7 +36,7 @@ from hybrid.kernels import configure, kernel_choice  # noqa: E402
 from hybrid.kernels.cpu_features import native_cpu_matmul  # noqa: E402
 from hybrid.parallel.state import ParallelState  # noqa: E402
 from hybrid.tensor_parallel import seed_all  # noqa: E402
-from hybrid.train.loop import build_engine  # noqa: E402
+from hybrid.train.setup import build_engine  # noqa: E402
 
 VOCAB = 50257
 

@@ -45,7 +45,7 @@ VOCAB = 8000  # padded to 8192 at TP 1 and 2
 def _engine(ps, model_args, stage, seed):
     from hybrid.config import Flags, build_config
     from hybrid.tensor_parallel import seed_all
-    from hybrid.train.loop import build_engine
+    from hybrid.train.setup import build_engine
     cfg = build_config(Flags(tensor_model_parallel_size=ps.tp_size, zero_stage=stage, seed=seed,
                       hidden_dropout=0.0, attention_dropout=0.0,
                       **model_args), ps.world_size)
@@ -76,7 +76,7 @@ def _load(ps, save, model_args, stage, **load_kw):
     cfg, rng, _, engine = _engine(ps, model_args, stage, seed=7)
     reader = RangeReader()
     before = process_rchar()
-    seconds, _ = _timed(ps, lambda: load_checkpoint(save, engine, ps, cfg, rng, VOCAB,
+    seconds, _ = _timed(ps, lambda: load_checkpoint(save, engine, ps, cfg.seed, rng, VOCAB,
                                                     reader=reader, **load_kw))
     rchar = process_rchar() - before
     files = sorted({os.path.basename(p) for p in reader.files_opened})
@@ -97,7 +97,7 @@ def _session(ps, root, model_args):
     engine.backward(model(tokens[:, :-1], tokens[:, 1:]))
     engine.step(1e-3)
     before = process_rchar()
-    seconds, ckpt = _timed(ps, lambda: save_checkpoint(save, 1, 8, engine, ps, cfg, rng,
+    seconds, ckpt = _timed(ps, lambda: save_checkpoint(save, 1, 8, engine, ps, cfg.to_dict(), rng,
                                                        vocab_size=VOCAB))
     rchar = process_rchar() - before
     own = [os.path.join(ckpt, f"rank_{ps.rank:05d}{e}") for e in (".pt", ".bin")]

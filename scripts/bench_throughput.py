@@ -9,7 +9,7 @@
 Presets (issue 17's measurement): ``1.3b`` is 24 layers x 2048 hidden x 16 heads,
 seq 2048, micro-batch 4, bf16, GPT-2's vocabulary; ``tiny`` is 2 x 64 x 4, seq
 32, micro 2, for checking the script on a CPU. Each config builds the model
-exactly as training does (``hybrid.train.loop.build_engine``: meta device, ZeRO
+exactly as training does (``hybrid.train.setup.build_engine``: meta device, ZeRO
 materializes its shard) and runs ``train_step`` on synthetic tokens already on
 the device, so the data pipeline is not measured.
 
@@ -71,7 +71,8 @@ def _peak_bytes(device) -> int:
 
 def run_config(name: str, a, ps) -> dict:
     from hybrid.tensor_parallel import seed_all
-    from hybrid.train.loop import build_engine, train_step
+    from hybrid.train.setup import build_engine
+    from hybrid.train.step import train_step
     from hybrid.train.step_stats import IterationTimer
 
     shape = dict(PRESETS[a.preset])

@@ -60,7 +60,7 @@ def _optimizer_state_bytes(opt) -> int:
 
 def _build(a, ps):
     from hybrid.tensor_parallel import seed_all
-    from hybrid.train.loop import build_model
+    from hybrid.train.setup import build_model
     cfg = build_config(Flags(num_layers=a.num_layers, hidden_size=a.hidden_size,
                       num_attention_heads=a.heads, seq_length=a.seq_length,
                       micro_batch_size=a.micro_batch_size, hidden_dropout=0.0,

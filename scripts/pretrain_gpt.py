@@ -73,12 +73,14 @@ def main(argv: list[str] | None = None) -> int:
     from hybrid.kernels import configure
     from hybrid.parallel.comm import CollectiveError
     from hybrid.parallel.state import init_distributed
-    from hybrid.train.loop import pretrain
     from hybrid.train.monitor import setup_logging
+    from hybrid.train.trainer import pretrain
 
     configure(cfg.kernels)  # --no-kernels, --kernel-cache-dir, --kernel-choice (or HYBRID_*)
     par = cfg.parallel
-    ps = init_distributed(par.tensor_model_parallel_size, par.timeout_minutes, par.backend)
+    diag = cfg.diagnostics
+    ps = init_distributed(par.tensor_model_parallel_size, par.timeout_minutes, par.backend,
+                          diag.collective_dump_dir, diag.check_collectives)
     # NCCL: a hang is found by the recorder's heartbeat, not raised here; say it the same
     # way, then end the process (hybrid/diagnostics/watch.py)
     ps.recorder.on_hang = lambda e: os._exit(_collective_fail(e))

@@ -17,7 +17,7 @@ IO_VOCAB = 257
 def _io_engine(ps, stage, seed):
     from hybrid.config import Flags, build_config
     from hybrid.tensor_parallel import seed_all
-    from hybrid.train.loop import build_engine
+    from hybrid.train.setup import build_engine
     cfg = build_config(Flags(tensor_model_parallel_size=ps.tp_size, num_layers=2, hidden_size=32,
                       num_attention_heads=4, seq_length=8, zero_stage=stage, seed=seed,
                       zero_param_persistence_threshold=0, reduce_bucket_size=3000,
@@ -55,9 +55,9 @@ def _io_train_and_save(ps, save, stage, weights_to=None):
         engine.zero_grad()
         engine.backward(model(tokens[:, :-1], tokens[:, 1:]))
         engine.step(1e-2)
-    save_checkpoint(save, 2, 16, engine, ps, cfg, rng, vocab_size=IO_VOCAB)
+    save_checkpoint(save, 2, 16, engine, ps, cfg.to_dict(), rng, vocab_size=IO_VOCAB)
     if weights_to:
-        save_checkpoint(weights_to, 2, 16, engine, ps, cfg, rng, vocab_size=IO_VOCAB,
+        save_checkpoint(weights_to, 2, 16, engine, ps, cfg.to_dict(), rng, vocab_size=IO_VOCAB,
                         optimizer=False)
     return _io_state(engine, model)
 
@@ -98,14 +98,14 @@ def _io_load(ps, save, stage, save_to=None, **load_kw):
     builtins.open, os.open = open_, os_open
     before = process_rchar()
     try:
-        load_checkpoint(save, engine, ps, cfg, rng, IO_VOCAB, reader=reader, **load_kw)
+        load_checkpoint(save, engine, ps, cfg.seed, rng, IO_VOCAB, reader=reader, **load_kw)
     except CheckpointError as e:
         return {"error": str(e)}
     finally:
         after = process_rchar()
         builtins.open, os.open = real_open, real_os_open
     if save_to:
-        save_checkpoint(save_to, 2, 16, engine, ps, cfg, rng, vocab_size=IO_VOCAB)
+        save_checkpoint(save_to, 2, 16, engine, ps, cfg.to_dict(), rng, vocab_size=IO_VOCAB)
     states = rng.get_states()
     rng_kept = (torch.equal(torch.get_rng_state(), rng_before[0])
                 and states.keys() == rng_before[1].keys()

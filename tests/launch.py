@@ -3,7 +3,7 @@
 ``torchrun(n, argv)`` launches the real script under torchrun: for what only the
 launcher does (exit codes of a whole job, restarts, rendezvous). ``pretrain(n,
 argv)`` does what the script does -- parse and validate ``argv`` for the world
-size, ``hybrid.train.loop.pretrain`` on every rank, a library error becomes one
+size, ``hybrid.train.trainer.pretrain`` on every rank, a library error becomes one
 ``pretrain_gpt.py: error: ...`` line and exit code 2 -- on the pooled ranks of
 :func:`hybrid.testing.pool.run_ranks`, writing the same ``--log-json`` and
 ``--save`` files, seconds faster per run. Both return a CompletedProcess.
@@ -57,9 +57,11 @@ def _pretrain_rank(ps, cfg):
     from hybrid.errors import CheckpointError, ConfigError, DataError, TrainingError
     from hybrid.kernels import configure
     from hybrid.parallel.comm import CollectiveError
-    from hybrid.train.loop import pretrain
+    from hybrid.train.trainer import pretrain
 
     configure(cfg.kernels)  # as main() does
+    # main() builds its ParallelState with these; a pooled rank's serves many runs
+    ps.recorder.configure(cfg.diagnostics.collective_dump_dir, cfg.diagnostics.check_collectives)
 
     # setup_logging(rank)'s console, captured: INFO on rank 0, warnings elsewhere
     out = io.StringIO()

@@ -21,14 +21,14 @@ from hybrid.checkpoint.reshard import ParamSource, Target
 from hybrid.checkpoint.save import model_signature
 from hybrid.errors import CheckpointError
 from hybrid.parallel.agree import agree_error
-
-# Split along dim 0 with padding rows that depend on TP: their row count may differ.
-VOCAB_PARAMS = ("wte.weight", "output_layer.weight")
 from hybrid.parallel.state import ParallelState
 from hybrid.tensor_parallel import TPRNGTracker, seed_all
 from hybrid.tensor_parallel.random import set_device_rng_state
 from hybrid.zero import ZeroEngine
 from hybrid.zero.state import load_shard_state
+
+# Split along dim 0 with padding rows that depend on TP: their row count may differ.
+VOCAB_PARAMS = ("wte.weight", "output_layer.weight")
 
 
 def check_model(meta: dict, model: torch.nn.Module, vocab_size: int | None, where: str) -> None:
@@ -66,7 +66,7 @@ def check_model(meta: dict, model: torch.nn.Module, vocab_size: int | None, wher
                                   f"and the tokenizer")
 
 
-def load_checkpoint(load_dir: str, engine: ZeroEngine, ps: ParallelState, cfg,
+def load_checkpoint(load_dir: str, engine: ZeroEngine, ps: ParallelState, seed: int,
                     rng: TPRNGTracker, vocab_size: int | None = None,
                     allow_empty: bool = False, reader: RangeReader | None = None, *,
                     load_optim: bool = True, load_rng: bool = True,
@@ -78,7 +78,7 @@ def load_checkpoint(load_dir: str, engine: ZeroEngine, ps: ParallelState, cfg,
     checkpoint yet means "start fresh" (the resume-from-own-saves pattern,
     ``--load`` equal to ``--save``) instead of an error. RNG states come back
     exactly when the world layout is the same; otherwise the streams are reseeded
-    from ``--seed`` and the iteration. ``reader``: pass a
+    from ``seed`` (``--seed``) and the iteration. ``reader``: pass a
     :class:`RangeReader` to learn what this rank opened and read.
 
     ``load_optim`` False (``--no-load-optim``, ``--finetune``): only the fp32 master
@@ -105,20 +105,36 @@ def load_checkpoint(load_dir: str, engine: ZeroEngine, ps: ParallelState, cfg,
     except CheckpointError as e:
         error = str(e)
     error = agree_error(ps, error)
-    if error:
+    if error or found is None:  # found None: allow_empty and nothing saved yet (everywhere)
         reader.close()
-        raise CheckpointError(error)
-    if found is None:  # allow_empty and nothing saved yet (the same on every rank)
+        if error:
+            raise CheckpointError(error)
         return None
     ckpt, meta, layout = found
+    header, error = None, None
     same_layout = (meta["world_size"] == ps.world_size
                    and meta["tensor_model_parallel_size"] == ps.tp_size)
-    header = None
     if same_layout and load_rng:  # only for the RNG states: per-rank streams map 1:1
         try:
             header = _read_header(ckpt, ps, layout, reader)
         except CheckpointError as e:
             error = str(e)
+    error = _load_pieces(engine, ps, meta, layout, reader, load_optim, error)
+    error = agree_error(ps, error)
+    if error:
+        raise CheckpointError(error)
+    iteration, consumed = meta["iteration"], meta["consumed_samples"]
+    if info is not None:
+        info.update(checkpoint=ckpt, metadata=meta)
+    if load_rng:
+        _restore_rng(header, rng, ps, seed + iteration)
+    return iteration, consumed
+
+
+def _load_pieces(engine: ZeroEngine, ps: ParallelState, meta: dict, layout: SavedLayout,
+                 reader: RangeReader, load_optim: bool, error: str | None) -> str | None:
+    """Read this rank's pieces into the engine and republish the parameters; the first
+    error this rank met (``error``: one met before), or None. Closes ``reader``."""
     keys = COLUMNS if load_optim else ("master",)
     source = ParamSource(layout, reader, keys)
     targets = {n: Target.of(p, ps.tp_rank) for n, p in engine.model.named_parameters()}
@@ -141,15 +157,7 @@ def load_checkpoint(load_dir: str, engine: ZeroEngine, ps: ParallelState, cfg,
             load_shard_state(engine, fetch, keys, 0, None)
     finally:
         reader.close()
-    error = agree_error(ps, error)
-    if error:
-        raise CheckpointError(error)
-    iteration, consumed = meta["iteration"], meta["consumed_samples"]
-    if info is not None:
-        info.update(checkpoint=ckpt, metadata=meta)
-    if load_rng:
-        _restore_rng(header, rng, ps, cfg.seed + iteration)
-    return iteration, consumed
+    return error
 
 
 def _restore_rng(header: dict | None, rng: TPRNGTracker, ps: ParallelState, seed: int) -> None:

@@ -68,14 +68,14 @@ class Start:
     finetune: dict | None  # what every save of this run records as metadata "finetune"
 
 
-def start_from_checkpoint(ck: CheckpointConfig, engine: ZeroEngine, ps: ParallelState, cfg,
-                          rng: TPRNGTracker, vocab_size: int | None) -> Start | None:
+def start_from_checkpoint(ck: CheckpointConfig, engine: ZeroEngine, ps: ParallelState,
+                          seed: int, rng: TPRNGTracker, vocab_size: int | None) -> Start | None:
     """Load what ``ck``'s flags ask for into ``engine`` and ``rng``; None when there is
     nothing to load (no ``--load``, or ``--load`` equal to ``--save`` and empty).
 
     Collective over the world (see :func:`load_checkpoint`); every error is raised on
-    every rank with the same message. ``cfg``: the run config, as load_checkpoint
-    takes it (for ``--seed``); the flags come from ``ck`` alone.
+    every rank with the same message. ``seed``: ``--seed`` (fresh RNG streams when
+    the world layout changed); the flags come from ``ck`` alone.
     """
     if not ck.load:
         return None
@@ -89,12 +89,12 @@ def start_from_checkpoint(ck: CheckpointConfig, engine: ZeroEngine, ps: Parallel
         if error:
             raise CheckpointError(error)
         if own is None:
-            return _finetune(ck, engine, ps, cfg, rng, vocab_size)
+            return _finetune(ck, engine, ps, seed, rng, vocab_size)
         load_dir, load_optim, load_rng = ck.save, True, True
     else:
         load_dir, load_optim, load_rng = ck.load, not ck.no_load_optim, not ck.no_load_rng
     info: dict = {}
-    loaded = load_checkpoint(load_dir, engine, ps, cfg, rng, vocab_size,
+    loaded = load_checkpoint(load_dir, engine, ps, seed, rng, vocab_size,
                              allow_empty=load_dir == ck.save, load_optim=load_optim,
                              load_rng=load_rng, info=info)
     if loaded is None:
@@ -118,11 +118,11 @@ def start_from_checkpoint(ck: CheckpointConfig, engine: ZeroEngine, ps: Parallel
     return start
 
 
-def _finetune(ck: CheckpointConfig, engine: ZeroEngine, ps: ParallelState, cfg,
+def _finetune(ck: CheckpointConfig, engine: ZeroEngine, ps: ParallelState, seed: int,
               rng: TPRNGTracker, vocab_size: int | None) -> Start:
     """The weights of ``--load``'s newest checkpoint; iteration and samples 0."""
     info: dict = {}
-    iteration, _ = load_checkpoint(ck.load, engine, ps, cfg, rng, vocab_size,
+    iteration, _ = load_checkpoint(ck.load, engine, ps, seed, rng, vocab_size,
                                    load_optim=False, load_rng=False, info=info)
     ckpt = info["checkpoint"]
     log.info("finetuning from %s (its iteration %d weights): starting at iteration 0 with a "

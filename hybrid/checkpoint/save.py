@@ -82,31 +82,69 @@ def model_signature(model: torch.nn.Module) -> dict:
 
 
 def save_checkpoint(save_dir: str, iteration: int, consumed_samples: int, engine: ZeroEngine,
-                    ps: ParallelState, cfg, rng: TPRNGTracker, keep_last: int | None = None,
-                    vocab_size: int | None = None, *, optimizer: bool = True,
-                    finetune: dict | None = None) -> str:
+                    ps: ParallelState, config: dict, rng: TPRNGTracker,
+                    keep_last: int | None = None, vocab_size: int | None = None, *,
+                    optimizer: bool = True, finetune: dict | None = None) -> str:
     """Write checkpoint ``iteration`` (collective over the world); return its directory.
 
+    ``config``: the run's flat flags, recorded as metadata.json's ``config`` (what
+    ``scripts/generate.py`` and the converters rebuild the model from).
     ``optimizer`` False (``--no-save-optim``): the fp32 master values only.
     ``finetune``: recorded as metadata.json's ``finetune`` (where a ``--finetune``
     run started; see :mod:`hybrid.checkpoint.resume`), None for other runs.
+    ``keep_last``: afterwards keep only the newest N complete checkpoints.
     """
     columns = COLUMNS if optimizer else COLUMNS[:1]
     name = iter_name(iteration)
     final, tmp = os.path.join(save_dir, name), os.path.join(save_dir, f".tmp_{name}")
-    error = None
+    _raise_agreed(ps, _make_tmp(save_dir, tmp) if ps.rank == 0 else None)
+    layout = _checked_layout(save_dir, tmp, engine, ps)
+    layout["columns"] = list(columns)
+    state = shard_state(engine)
+    if not optimizer:  # nothing of the optimizer is saved, its step and scale neither
+        state["step"] = state["loss_scaler"] = None
+    error = _write_rank_files(save_dir, tmp, engine, ps, rng, state, layout["owns_all"],
+                              columns)
+    _raise_agreed(ps, error, tmp)
     if ps.rank == 0:
-        try:
-            os.makedirs(save_dir, exist_ok=True)
-            shutil.rmtree(tmp, ignore_errors=True)
-            os.makedirs(tmp)
-        except OSError as e:
-            error = f"--save {save_dir}: cannot create the checkpoint directory ({e})"
+        meta = {"version": VERSION, "iteration": iteration, "consumed_samples": consumed_samples,
+                "world_size": ps.world_size, "tensor_model_parallel_size": ps.tp_size,
+                "data_parallel_size": ps.dp_size, "zero_stage": engine.stage,
+                "vocab_size": vocab_size, "model": model_signature(engine.model),
+                "step": state["step"], "loss_scaler": state["loss_scaler"],
+                "zero_layout": layout, "finetune": finetune, "config": config,
+                "complete": True}
+        error = _finish(save_dir, name, tmp, final, meta)
+    _raise_agreed(ps, error)
+    if ps.rank == 0 and keep_last:
+        _prune(save_dir, keep_last, keep=name)
+    return final
+
+
+def _raise_agreed(ps: ParallelState, error: str | None, tmp: str | None = None) -> None:
+    """Every rank raises the first rank's error (rank 0 removing ``tmp`` first); a
+    world all-reduce even when there is none, so no rank is left in a collective."""
     error = agree_error(ps, error)
     if error:
+        if tmp is not None and ps.rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
         raise CheckpointError(error)
 
-    layout = None
+
+def _make_tmp(save_dir: str, tmp: str) -> str | None:
+    """Rank 0: a fresh temporary directory for the save; why not, or None."""
+    try:
+        os.makedirs(save_dir, exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)
+        os.makedirs(tmp)
+    except OSError as e:
+        return f"--save {save_dir}: cannot create the checkpoint directory ({e})"
+    return None
+
+
+def _checked_layout(save_dir: str, tmp: str, engine: ZeroEngine, ps: ParallelState) -> dict:
+    """The ``zero_layout`` every rank agrees on (rank 0 writes it for all)."""
+    layout, error = None, None
     try:
         layout = describe(engine, ps)
     except CheckpointError as e:
@@ -114,18 +152,18 @@ def save_checkpoint(save_dir: str, iteration: int, consumed_samples: int, engine
     if error is None and not _same_units_everywhere(ps, layout["units"]):
         error = (f"--save {save_dir}: ranks disagree on the ZeRO unit layout (a bug in "
                  f"hybrid.zero); nothing was written")
-    error = agree_error(ps, error)
-    if error:
-        if ps.rank == 0:
-            shutil.rmtree(tmp, ignore_errors=True)
-        raise CheckpointError(error)
-    layout["columns"] = list(columns)
-    state = shard_state(engine)
-    if not optimizer:  # nothing of the optimizer is saved, its step and scale neither
-        state["step"] = state["loss_scaler"] = None
+    _raise_agreed(ps, error, tmp)
+    return layout
+
+
+def _write_rank_files(save_dir: str, tmp: str, engine: ZeroEngine, ps: ParallelState,
+                      rng: TPRNGTracker, state: dict, owns_all: bool,
+                      columns: tuple) -> str | None:
+    """This rank's data file (its pieces, column block by column block, one piece in
+    memory at a time) and header; why not, or None."""
     # Owning everything (stage 0), every DP replica holds the same values: DP rank 0's
     # copy is the one saved (SavedLayout reads DP rank 0's files for all of a unit).
-    pieces = state["pieces"] if not (layout["owns_all"] and ps.dp_rank != 0) else []
+    pieces = state["pieces"] if not (owns_all and ps.dp_rank != 0) else []
     table, rows = {}, 0
     for pname, lo, hi in pieces:
         table.setdefault(pname, []).append((lo, hi, rows))
@@ -140,7 +178,7 @@ def save_checkpoint(save_dir: str, iteration: int, consumed_samples: int, engine
 
     def write_data(f):
         if pieces:
-            for key in columns:  # column blocks, one piece in memory at a time
+            for key in columns:
                 for values in iter_piece_values(engine, (key,)):
                     f.write(memoryview(values.numpy()).cast("B"))
 
@@ -150,34 +188,21 @@ def save_checkpoint(save_dir: str, iteration: int, consumed_samples: int, engine
         path = head_path
         _fsync_write(head_path, lambda f: torch.save(header, f))
     except (OSError, RuntimeError) as e:
-        error = f"--save {save_dir}: writing {path} failed on rank {ps.rank} ({e})"
-    error = agree_error(ps, error)
-    if error:
-        if ps.rank == 0:
-            shutil.rmtree(tmp, ignore_errors=True)
-        raise CheckpointError(error)
-    if ps.rank == 0:
-        try:
-            meta = {"version": VERSION, "iteration": iteration,
-                    "consumed_samples": consumed_samples, "world_size": ps.world_size,
-                    "tensor_model_parallel_size": ps.tp_size,
-                    "data_parallel_size": ps.dp_size, "zero_stage": engine.stage,
-                    "vocab_size": vocab_size, "model": model_signature(engine.model),
-                    "step": state["step"], "loss_scaler": state["loss_scaler"],
-                    "zero_layout": layout, "finetune": finetune, "config": cfg.to_dict(),
-                    "complete": True}
-            _fsync_write(os.path.join(tmp, "metadata.json"),
-                         lambda f: f.write(json.dumps(meta, indent=1).encode()))
-            _publish(save_dir, name, tmp, final)
-        except OSError as e:
-            shutil.rmtree(tmp, ignore_errors=True)
-            error = f"--save {save_dir}: finishing checkpoint {name} failed ({e})"
-    error = agree_error(ps, error)
-    if error:
-        raise CheckpointError(error)
-    if ps.rank == 0 and keep_last:
-        _prune(save_dir, keep_last, keep=name)
-    return final
+        return f"--save {save_dir}: writing {path} failed on rank {ps.rank} ({e})"
+    return None
+
+
+def _finish(save_dir: str, name: str, tmp: str, final: str, meta: dict) -> str | None:
+    """Rank 0: metadata.json, then publish ``tmp`` as ``final`` and point ``latest`` at
+    it; why not (``tmp`` removed), or None."""
+    try:
+        _fsync_write(os.path.join(tmp, "metadata.json"),
+                     lambda f: f.write(json.dumps(meta, indent=1).encode()))
+        _publish(save_dir, name, tmp, final)
+    except OSError as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        return f"--save {save_dir}: finishing checkpoint {name} failed ({e})"
+    return None
 
 
 def _same_units_everywhere(ps: ParallelState, units: list) -> bool:

@@ -5,7 +5,7 @@
 * :mod:`.entry`       one recorded collective and its caller
 * :mod:`.report`      the words of a failure report, from the ranks' records
 * :mod:`.fingerprint` ``--check-collectives``: a group agrees on each collective first
-* :mod:`.replicas`    ``--check-replicas-interval``: replicated parameters bit-identical
-* :mod:`.nonfinite`   which micro-batch and parameters made a step non-finite
-* :mod:`.stragglers`  the slowest and fastest rank of a log interval
+
+The checks the training loop runs (replicas, non-finite steps, stragglers) live in
+:mod:`hybrid.train`; this package sits below the comm door, which records into it.
 """

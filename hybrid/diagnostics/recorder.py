@@ -114,7 +114,8 @@ class FlightRecorder:
 
     def __init__(self, rank: int, world_size: int, store=None,
                  timeout: datetime.timedelta = datetime.timedelta(minutes=10),
-                 watch: bool = False):
+                 watch: bool = False, dump_dir: str | None = None,
+                 check_collectives: bool = False):
         self.rank, self.world_size = rank, world_size
         self.timeout_s = timeout.total_seconds()
         self.heartbeat_s, store_s = _periods(self.timeout_s)
@@ -127,8 +128,8 @@ class FlightRecorder:
         self.waiting: Entry | None = None  # the collective this rank is blocked in
         self.waiting_since = 0.0
         self.failure: dict | None = None
-        self.dump_dir: str | None = None
-        self.check_collectives = False
+        self.dump_dir = dump_dir  # --collective-dump-dir
+        self.check_collectives = check_collectives  # --check-collectives
         self._main = threading.get_ident()
         self._store = self._clone(store)
         self._base_store = store
@@ -150,7 +151,8 @@ class FlightRecorder:
         return s
 
     def configure(self, dump_dir: str | None = None, check_collectives: bool = False) -> None:
-        """``--collective-dump-dir`` and ``--check-collectives`` for this process."""
+        """``--collective-dump-dir`` and ``--check-collectives`` for a recorder built
+        without them (the test pool's, which serves many runs)."""
         self.dump_dir = dump_dir
         self.check_collectives = check_collectives
 

@@ -66,11 +66,13 @@ class ParallelState:
 
     # -- construction ----------------------------------------------------------
     @classmethod
-    def single(cls, device: str | torch.device = "cpu") -> "ParallelState":
+    def single(cls, device: str | torch.device = "cpu", dump_dir: str | None = None,
+               check_collectives: bool = False) -> "ParallelState":
         """A one-process state (TP=1, DP=1) that needs no torch.distributed."""
         stats = CommStats()
         timeout = datetime.timedelta(minutes=10)
-        rec = FlightRecorder(0, 1, None, timeout)
+        rec = FlightRecorder(0, 1, None, timeout, dump_dir=dump_dir,
+                             check_collectives=check_collectives)
         groups = [CommGroup(n, None, [0], 0, stats, timeout, rec) for n in ("tp", "dp", "world")]
         return cls(1, 0, *groups, torch.device(device), "none", timeout, stats, rec)
 
@@ -78,7 +80,8 @@ class ParallelState:
     def build(cls, tensor_model_parallel_size: int,
               timeout: datetime.timedelta = datetime.timedelta(minutes=10),
               device: torch.device | None = None, store=None,
-              watch: bool | None = None) -> "ParallelState":
+              watch: bool | None = None, dump_dir: str | None = None,
+              check_collectives: bool = False) -> "ParallelState":
         """Create the TP and DP groups of an initialized default process group.
 
         Every rank must call this with the same arguments (group creation is
@@ -92,11 +95,13 @@ class ParallelState:
         the longer :func:`~hybrid.diagnostics.recorder.backstop` timeout. None:
         on NCCL, whose collectives return before they complete and whose own
         watchdog would end the process without a report; on gloo the waiting
-        collective raises at ``timeout`` itself.
+        collective raises at ``timeout`` itself. ``dump_dir``
+        (``--collective-dump-dir``) and ``check_collectives`` (``--check-collectives``)
+        configure the flight recorder (:mod:`hybrid.diagnostics.recorder`).
         """
         if not dist.is_initialized():
             check_layout(1, tensor_model_parallel_size)
-            return cls.single(device or "cpu")
+            return cls.single(device or "cpu", dump_dir, check_collectives)
         world, rank = dist.get_world_size(), dist.get_rank()
         tp = tensor_model_parallel_size
         check_layout(world, tp)
@@ -105,7 +110,8 @@ class ParallelState:
             device = _default_device(backend)
         stats = CommStats()
         watch = backend == "nccl" if watch is None else watch
-        rec = FlightRecorder(rank, world, store, timeout, watch=watch)
+        rec = FlightRecorder(rank, world, store, timeout, watch=watch, dump_dir=dump_dir,
+                             check_collectives=check_collectives)
         group_timeout = backstop(timeout) if watch else timeout
 
         def make(name, all_ranks):
@@ -144,11 +150,14 @@ def _default_device(backend: str) -> torch.device:
 
 
 def init_distributed(tensor_model_parallel_size: int, timeout_minutes: float = 10.0,
-                     backend: str | None = None) -> ParallelState:
+                     backend: str | None = None, dump_dir: str | None = None,
+                     check_collectives: bool = False) -> ParallelState:
     """Join the job torchrun started (env RANK/WORLD_SIZE/MASTER_ADDR...) and build groups.
 
     Picks nccl + cuda:LOCAL_RANK when a GPU exists, gloo + cpu otherwise. A
     single process started without torchrun gets :meth:`ParallelState.single`.
+    ``dump_dir``, ``check_collectives``: the flight recorder's (see
+    :meth:`ParallelState.build`).
     """
     world = int(os.environ.get("WORLD_SIZE", "1"))
     timeout = datetime.timedelta(minutes=timeout_minutes)
@@ -160,7 +169,7 @@ def init_distributed(tensor_model_parallel_size: int, timeout_minutes: float = 1
         torch.cuda.set_device(local)
         device = torch.device("cuda", local)
     if world == 1 and "MASTER_ADDR" not in os.environ:
-        return ParallelState.single(device or "cpu")
+        return ParallelState.single(device or "cpu", dump_dir, check_collectives)
     store = None
     if not dist.is_initialized():
         store = _attempt_store(world, timeout)
@@ -168,7 +177,8 @@ def init_distributed(tensor_model_parallel_size: int, timeout_minutes: float = 1
         group_timeout = backstop(timeout) if backend == "nccl" else timeout
         dist.init_process_group(backend, timeout=group_timeout, device_id=device, store=store,
                                 rank=int(os.environ["RANK"]), world_size=world)
-    return ParallelState.build(tensor_model_parallel_size, timeout, device, store)
+    return ParallelState.build(tensor_model_parallel_size, timeout, device, store,
+                               dump_dir=dump_dir, check_collectives=check_collectives)
 
 
 def _attempt_store(world: int, timeout: datetime.timedelta):

@@ -283,13 +283,13 @@ def _save_with_full_disk(ps, save_dir):
     from hybrid.config import Flags, build_config
     from hybrid.errors import CheckpointError
     from hybrid.tensor_parallel import seed_all
-    from hybrid.train.loop import build_model
+    from hybrid.train.setup import build_model
     from hybrid.zero import apply_zero
     cfg = build_config(Flags(num_layers=1, hidden_size=32, num_attention_heads=4, seq_length=8,
                       zero_stage=2), ps.world_size)
     rng = seed_all(1, ps.tp_rank, ps.dp_rank, ps.device)
     engine = apply_zero(build_model(cfg, ps, 257, rng), ps, cfg.zero)
-    save_checkpoint(save_dir, 1, 8, engine, ps, cfg, rng)
+    save_checkpoint(save_dir, 1, 8, engine, ps, cfg.to_dict(), rng)
     real = save_mod._fsync_write
 
     def full_disk(path, write):
@@ -299,14 +299,14 @@ def _save_with_full_disk(ps, save_dir):
     save_mod._fsync_write = full_disk
     error = None
     try:
-        save_checkpoint(save_dir, 2, 16, engine, ps, cfg, rng)
+        save_checkpoint(save_dir, 2, 16, engine, ps, cfg.to_dict(), rng)
     except CheckpointError as e:
         error = str(e)
     finally:
         save_mod._fsync_write = real
     # the interrupted save left the previous checkpoint loadable
     from hybrid.checkpoint import load_checkpoint
-    return error, load_checkpoint(save_dir, engine, ps, cfg, rng)
+    return error, load_checkpoint(save_dir, engine, ps, cfg.seed, rng)
 
 
 def test_full_disk_during_save_fails_everywhere_and_keeps_the_old_one(tmp_path):

@@ -52,8 +52,8 @@ def _reference(ckpt, consumed, iteration, steps):
     from hybrid.data.tokenizer import build_tokenizer
     from hybrid.parallel.state import ParallelState
     from hybrid.tensor_parallel import seed_all
-    from hybrid.train.loop import build_model
     from hybrid.train.lr_schedule import scheduled_lr
+    from hybrid.train.setup import build_model
     cfg = build_config(parse_args(_args(1, 0)), 1)
     ps = ParallelState.single()
     tokenizer = build_tokenizer(cfg.tokenizer)

@@ -30,7 +30,7 @@ def test_llama3_rope_scaling_keeps_blends_and_divides_by_wavelength():
 
 
 def test_llama_flags_map_to_the_model_and_fill_megatron_defaults():
-    from hybrid.train.loop import gpt_config
+    from hybrid.train.setup import gpt_config
     cfg = _validate(["--normalization", "RMSNorm", "--swiglu", "--hidden-size", "4096",
                      "--num-attention-heads", "32", "--position-embedding-type", "rope",
                      "--rotary-base", "500000", "--group-query-attention",
@@ -68,7 +68,7 @@ def test_add_qkv_bias_is_megatrons_flag_and_old_checkpoints_read_it_as_off():
     (a checkpoint from before the flag) reads as no QKV bias."""
     from hybrid.config.architecture import architecture_fields
     from hybrid.config.megatron_flags import split_megatron_flags
-    from hybrid.train.loop import gpt_config
+    from hybrid.train.setup import gpt_config
     argv = ["--disable-bias-linear", "--add-qkv-bias"]
     assert split_megatron_flags(argv) == (argv, [])
     g = gpt_config(_validate(argv, world=1), 257)

@@ -31,7 +31,7 @@ def _line_of(fn, marker: str) -> int:
 def _patched_train_step(ps, cfg, before=None, after=None):
     """_pretrain_rank with ``before(ps, step)`` / ``after(ps, step, model, engine)`` around each
     train_step; pooled workers are reused, so the patch is undone on the way out."""
-    from hybrid.train import loop as training
+    from hybrid.train import trainer as training
     orig = training.train_step
     count = [0]
 
@@ -173,7 +173,7 @@ def test_the_report_follows_a_blocked_rank_to_the_stuck_one():
             2: _record(2, {"dp": ([0, 2], 11), "tp": ([2, 3], 57)}, now,
                        waiting={"group": "tp", "seq": 57, "since": now - 4}),
             3: _record(3, {"dp": ([1, 3], 11), "tp": ([2, 3], 56)}, now - 9, alarm=0,
-                       where="hybrid/train/loop.py:120 in train_step")}
+                       where="hybrid/train/step.py:40 in train_step")}
     failing = recs[0]["groups"]["dp"]["last"]
     reads = []
 
@@ -190,7 +190,7 @@ def test_the_report_follows_a_blocked_rank_to_the_stuck_one():
         "tp.py:57 for 4.0 s.",
         "  rank 3 never reached it; all got through #56, all_reduce at tp.py:56.",
         "  rank 3: no heartbeat for 9.0 s (the process is stopped, dead, or hung holding the "
-        "Python interpreter); its last one had it at hybrid/train/loop.py:120 in train_step "
+        "Python interpreter); its last one had it at hybrid/train/step.py:40 in train_step "
         "with no collective for 1.0 s (the last: all_reduce #56 of the tp group (global "
         "ranks [2, 3]) at tp.py:56).",
         "  stuck: rank 3."]

@@ -23,7 +23,7 @@ from hybrid.estimate.memory import (Workload, activation_bytes, activation_bytes
 from hybrid.parallel.state import ParallelState
 from hybrid.recompute.checkpointing import apply_activation_checkpointing
 from hybrid.tensor_parallel import seed_all
-from hybrid.train.loop import recompute_targets
+from hybrid.train.setup import recompute_targets
 from models.gpt import GPT, GPTConfig
 
 from harness import run_ranks

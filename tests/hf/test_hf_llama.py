@@ -76,12 +76,12 @@ def _load_imported_tp2(ps, save, flags):
     from hybrid.checkpoint import load_checkpoint
     from hybrid.config import Flags, build_config
     from hybrid.tensor_parallel import seed_all
-    from hybrid.train.loop import build_engine
+    from hybrid.train.setup import build_engine
     cfg = build_config(Flags(tensor_model_parallel_size=2, seq_length=32, zero_stage=3,
                       hidden_dropout=0.0, attention_dropout=0.0, **flags), ps.world_size)
     rng = seed_all(0, ps.tp_rank, ps.dp_rank, ps.device)
     model, _, engine = build_engine(cfg, ps, VOCAB, rng)
-    assert load_checkpoint(save, engine, ps, cfg, rng, VOCAB) == (0, 0)
+    assert load_checkpoint(save, engine, ps, cfg.seed, rng, VOCAB) == (0, 0)
     model.eval()
     with torch.no_grad():
         return model(_tokens(VOCAB))

@@ -203,7 +203,7 @@ def test_pretrain_warns_once_at_start_up(flags, caplog, tmp_path):
     """--bf16 on such a CPU: one warning line for the run, before training starts."""
     from hybrid.config import parse_args
     from hybrid.parallel.state import ParallelState
-    from hybrid.train.loop import pretrain
+    from hybrid.train.trainer import pretrain
     flags(("avx2",))
     cfg = build_config(parse_args(["--num-layers", "1", "--hidden-size", "32", "--num-attention-heads", "4",
                       "--seq-length", "16", "--micro-batch-size", "2", "--train-iters", "2",

@@ -194,7 +194,7 @@ COMPOSE = {
 
 
 def _train_llama(ps, variants):
-    from hybrid.train.loop import build_engine
+    from hybrid.train.setup import build_engine
     out = []
     for stage, kw in variants:
         cfg = _train_cfg(ps.world_size, ps.tp_size, zero_stage=stage, **LLAMA_FLAGS, **kw)
@@ -209,7 +209,7 @@ def _train_llama(ps, variants):
 
 @pytest.fixture(scope="module")
 def llama_reference():
-    from hybrid.train.loop import build_model
+    from hybrid.train.setup import build_model
     cfg = _train_cfg(1, 1, **LLAMA_FLAGS)
     ps = ParallelState.single()
     model = build_model(cfg, ps, VOCAB, seed_all(cfg.seed, 0, 0, ps.device))
@@ -243,7 +243,7 @@ def test_llama_trains_like_one_process_under_zero_recompute_and_sp(llama_referen
 # -- checkpoints across TP sizes --------------------------------------------------------
 def _engine(ps, seed):
     """Qwen2-shaped: the Llama flags and --add-qkv-bias (a bias that training moves)."""
-    from hybrid.train.loop import build_engine
+    from hybrid.train.setup import build_engine
     cfg = build_config(Flags(tensor_model_parallel_size=ps.tp_size, num_layers=2, hidden_size=32,
                 seq_length=T, zero_stage=1 if ps.world_size > 1 else 0, seed=seed,
                 hidden_dropout=0.0, attention_dropout=0.0, add_qkv_bias=True, **LLAMA_FLAGS,
@@ -270,13 +270,13 @@ def _train_save_load(ps, save_dir, load_dir):
         engine.zero_grad()
         engine.backward(model(x[:, :-1], x[:, 1:]))
         engine.step(1e-2)
-    save_checkpoint(save_dir, 2, 4, engine, ps, cfg, rng, vocab_size=V)
+    save_checkpoint(save_dir, 2, 4, engine, ps, cfg.to_dict(), rng, vocab_size=V)
     trained = (_loss(model), _named_params(model, engine),
                {n: getattr(p, "tp_spec", None) for n, p in model.named_parameters()})
     if load_dir is None:
         return trained, None
     cfg, rng, model, engine = _engine(ps, 99)
-    assert load_checkpoint(load_dir, engine, ps, cfg, rng, V) == (2, 4)
+    assert load_checkpoint(load_dir, engine, ps, cfg.seed, rng, V) == (2, 4)
     return trained, (_loss(model), _named_params(model, engine))
 
 
@@ -304,15 +304,15 @@ def test_checkpoints_reshard_between_tp1_and_tp2(tmp_path):
     from hybrid.checkpoint import load_checkpoint
     ps = ParallelState.single()
     cfg, rng, model, engine = _engine(ps, 99)
-    assert load_checkpoint(two, engine, ps, cfg, rng, V) == (2, 4)  # TP2 -> TP1
+    assert load_checkpoint(two, engine, ps, cfg.seed, rng, V) == (2, 4)  # TP2 -> TP1
     _same(params2, _named_params(model, engine), specs2)
     assert abs(_loss(model) - loss2) <= 1e-6 * loss2
     # the Llama checkpoint into a GPT-2 of the same size: refused, naming the flags
     from hybrid.errors import CheckpointError
-    from hybrid.train.loop import build_engine
+    from hybrid.train.setup import build_engine
     gpt2 = build_config(Flags(num_layers=2, hidden_size=32, num_attention_heads=8, seq_length=T,
                        ffn_hidden_size=64), 1)
     rng = seed_all(3, 0, 0, ps.device)
     _, _, engine = build_engine(gpt2, ps, V, rng)
     with pytest.raises(CheckpointError, match="the architecture flags"):
-        load_checkpoint(one, engine, ps, gpt2, rng, V)
+        load_checkpoint(one, engine, ps, gpt2.seed, rng, V)

@@ -253,7 +253,7 @@ def _sp_checkpoint_round_trip(ps, tmp):
     Every engine's parameters (gathered) and the losses of one more step each."""
     from hybrid.checkpoint import load_checkpoint, save_checkpoint
     from hybrid.config import Flags, build_config
-    from hybrid.train.loop import build_engine
+    from hybrid.train.setup import build_engine
 
     def engine(sp, seed):
         cfg = build_config(Flags(tensor_model_parallel_size=2, num_layers=2, hidden_size=32,
@@ -279,13 +279,13 @@ def _sp_checkpoint_round_trip(ps, tmp):
     out = []
     cfg, rng, model, eng = engine(True, 5)
     step(model, eng), step(model, eng)
-    save_checkpoint(f"{tmp}/sp", 2, 4, eng, ps, cfg, rng, vocab_size=V)
+    save_checkpoint(f"{tmp}/sp", 2, 4, eng, ps, cfg.to_dict(), rng, vocab_size=V)
     out.append((params(model, eng), step(model, eng)))
     for sp, src, dst in ((False, "sp", "nosp"), (True, "nosp", None)):
         cfg, rng, model, eng = engine(sp, 99)  # another seed: everything comes from the file
-        assert load_checkpoint(f"{tmp}/{src}", eng, ps, cfg, rng, V) == (2, 4)
+        assert load_checkpoint(f"{tmp}/{src}", eng, ps, cfg.seed, rng, V) == (2, 4)
         if dst:
-            save_checkpoint(f"{tmp}/{dst}", 2, 4, eng, ps, cfg, rng, vocab_size=V)
+            save_checkpoint(f"{tmp}/{dst}", 2, 4, eng, ps, cfg.to_dict(), rng, vocab_size=V)
         out.append((params(model, eng), step(model, eng)))
     return out
 

@@ -50,7 +50,7 @@ def _batches(step, ps, device="cpu"):
 
 
 def _one_step(model, engine, step, ps, device="cpu"):
-    from hybrid.train.loop import train_step
+    from hybrid.train.step import train_step
     return train_step(model, engine, _batches(step, ps, device), 1e-2)
 
 
@@ -136,7 +136,7 @@ def test_a_non_finite_gradient_skips_on_the_device_everywhere():
 def test_training_loop_reads_values_only_at_log_lines(monkeypatch, dtype, per_step):
     """The real loop (one process, mock data): between log lines an iteration reads
     nothing from the device (bf16), or only the fp16 skip decision."""
-    import hybrid.train.loop as training
+    import hybrid.train.trainer as training
     from hybrid.config import build_config, parse_args
 
     cfg = build_config(parse_args(["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
@@ -172,7 +172,7 @@ def test_cuda_bf16_steps_do_not_synchronize():
         cfg = _cfg(1, 1, zero_stage=stage, **kw)
         model, engine = _engine(cfg, ps)
         batches = [_batches(s, ps, "cuda") for s in range(4)]
-        from hybrid.train.loop import train_step
+        from hybrid.train.step import train_step
         for s in range(2):
             train_step(model, engine, batches[s], 1e-2)
         torch.cuda.synchronize()

@@ -127,7 +127,7 @@ def _sigterm_rank1_at_step3(ps, cfg):
     first); pooled workers are reused, so the patch is undone on the way out."""
     import signal
 
-    from hybrid.train import loop as training
+    from hybrid.train import trainer as training
 
     from launch import _pretrain_rank
     orig, count = training.train_step, [0]

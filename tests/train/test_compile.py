@@ -11,7 +11,8 @@ from harness import run_ranks
 
 def _losses(ps, compile_):
     from hybrid.tensor_parallel import seed_all
-    from hybrid.train.loop import build_engine, train_step
+    from hybrid.train.setup import build_engine
+    from hybrid.train.step import train_step
     cfg = build_config(Flags(tensor_model_parallel_size=2, num_layers=2, hidden_size=32,
                 num_attention_heads=4, seq_length=16, micro_batch_size=2, hidden_dropout=0.1,
                 attention_dropout=0.1, zero_stage=3, zero_param_persistence_threshold=0,

@@ -1,0 +1,112 @@
+"""Building what the loop trains: the model on the meta device, recompute, ZeRO, compile.
+
+No rank ever holds the whole model: the GPT is built on the meta device and
+:func:`hybrid.zero.apply_zero` draws only what this rank keeps from the
+block-seeded init (:class:`hybrid.tensor_parallel.InitValues`).
+"""
+
+from __future__ import annotations
+
+import resource
+
+import torch
+
+from hybrid.config import TrainConfig
+from hybrid.config.architecture import ARCHITECTURE_FIELDS
+from hybrid.config.sections import RecomputeConfig
+from hybrid.errors import TrainingError
+from hybrid.kernels.attention import check_attention_backend
+from hybrid.kernels.dtypes import DTYPES
+from hybrid.parallel.layout import padded_vocab_size
+from hybrid.parallel.state import ParallelState
+from hybrid.recompute.checkpointing import apply_activation_checkpointing
+from hybrid.tensor_parallel import InitValues, TPRNGTracker
+from hybrid.train.compile import compile_blocks
+from hybrid.zero import apply_zero
+from models.gpt import GPT, GPTConfig
+
+# [Note: host memory on CPU runs] glibc keeps freed activation blocks once its mmap
+# threshold has grown: ~0.6 GB per rank for a 302M GPT (hybrid/train/host_memory.py).
+# A fixed 1 MiB threshold returns them, at the price of a page fault per large
+# allocation: a few percent of a step at that size, but 2.7x the step of the
+# 4-layer x 256 default (sys time 17 s against 3 s over 50 steps). So only
+# models of this many parameters per TP rank and up get it.
+HOST_TRIM_MIN_PARAMS = 100_000_000
+
+
+def gpt_config(cfg: TrainConfig, vocab_size: int) -> GPTConfig:
+    m, p = cfg.model, cfg.parallel
+    return GPTConfig(
+        vocab_size=vocab_size,
+        padded_vocab_size=padded_vocab_size(vocab_size, m.make_vocab_size_divisible_by,
+                                            p.tensor_model_parallel_size),
+        num_layers=m.num_layers, hidden_size=m.hidden_size,
+        num_attention_heads=m.num_attention_heads,
+        max_position_embeddings=m.max_position_embeddings,
+        ffn_hidden_size=m.ffn_hidden_size, hidden_dropout=m.hidden_dropout,
+        attention_dropout=m.attention_dropout, init_std=m.init_method_std,
+        sequence_parallel=p.sequence_parallel, attention_backend=m.attention_backend,
+        **{k: getattr(m, k) for k in ARCHITECTURE_FIELDS})
+
+
+def build_model(cfg: TrainConfig, ps: ParallelState, vocab_size: int,
+                rng: TPRNGTracker, device: torch.device | str | None = None) -> GPT:
+    """The GPT on ``device`` (default ``ps.device``), initialized from ``--seed``;
+    on "meta" only its shapes (ZeRO materializes it: see :func:`build_engine`)."""
+    return GPT(gpt_config(cfg, vocab_size), ps.tp_group, rng=rng, seed=cfg.seed,
+               device=device or ps.device)
+
+
+def recompute_targets(model: GPT, rc: RecomputeConfig) -> list[torch.nn.Module]:
+    """The modules activation checkpointing wraps: whole blocks (full granularity;
+    the first ``rc.num_layers`` with Megatron's block method) or every block's
+    attention core (selective: only scores, softmax and dropout are rerun)."""
+    if rc.granularity == "selective":
+        return [block.attn.core for block in model.blocks]
+    return list(model.blocks)[: rc.num_layers or len(model.blocks)]
+
+
+def build_engine(cfg: TrainConfig, ps: ParallelState, vocab_size: int, rng: TPRNGTracker):
+    """(model, activation checkpointing handle or None, ZeRO engine), in the order the
+    wrappers must go on: recompute around the blocks, ZeRO around the model, then
+    ``--compile`` of each block's forward."""
+    m = cfg.model
+    check_attention_backend(m.attention_backend, ps.device, DTYPES[cfg.zero.params_dtype],
+                            m.hidden_size // m.num_attention_heads, m.attention_dropout)
+    model = build_model(cfg, ps, vocab_size, rng, device="meta")
+    model.train()
+    rc = cfg.recompute
+    ac = (apply_activation_checkpointing(model, ps, rng, rc, blocks=recompute_targets(model, rc))
+          if rc.granularity else None)
+    engine = apply_zero(model, ps, cfg.zero, values=InitValues(cfg.seed, model.init_of),
+                        recompute=ac.phase if ac is not None else None)
+    if cfg.model.compile:
+        compile_blocks(model.blocks)
+    return model, ac, engine
+
+
+def build_engine_or_explain(cfg: TrainConfig, ps: ParallelState, vocab_size: int,
+                            rng: TPRNGTracker):
+    """:func:`build_engine`, with running out of memory said as one TrainingError naming
+    the flags that size the model instead of an allocator traceback."""
+    try:
+        return build_engine(cfg, ps, vocab_size, rng)
+    except RuntimeError as e:  # torch.OutOfMemoryError is one too; CPU says "allocate"
+        if not isinstance(e, torch.OutOfMemoryError) and "allocate" not in str(e):
+            raise
+        gc = gpt_config(cfg, vocab_size)
+        raise TrainingError(
+            f"the model ({gc.num_parameters(ps.tp_size):,} parameters on each TP rank, padded "
+            f"vocabulary {gc.padded_vocab_size:,}) does not fit in memory: check "
+            f"--hidden-size, --num-layers, --make-vocab-size-divisible-by, "
+            f"--max-position-embeddings") from e
+
+
+def memory_bytes(ps: ParallelState) -> tuple[int, int]:
+    """(bytes held now, peak so far): allocated device memory on CUDA, RSS on the CPU."""
+    if ps.device.type == "cuda":
+        return (torch.cuda.memory_allocated(ps.device),
+                torch.cuda.max_memory_allocated(ps.device))
+    with open("/proc/self/statm", encoding="ascii") as f:
+        now = int(f.read().split()[1]) * resource.getpagesize()
+    return now, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB

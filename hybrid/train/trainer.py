@@ -1,0 +1,203 @@
+"""The training loop, and the one module that composes all the others.
+
+    trainer = Trainer(cfg, ps)     # setup: data, model on meta, recompute, ZeRO, resume
+    history = trainer.train()      # step, log, evaluate, save until the run is over
+
+Each iteration: this DP rank's micro-batches -> GPT -> backward (ZeRO reduces the
+gradients) -> AdamW on the shard (:func:`hybrid.train.step.train_step`); the host
+reads device values only at log lines, saves and the end (:mod:`.step_stats`).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+from hybrid.checkpoint import save_checkpoint
+from hybrid.checkpoint.resume import start_from_checkpoint
+from hybrid.config import TrainConfig
+from hybrid.data.dataset import build_datasets, dp_micro_batches
+from hybrid.data.tokenizer import build_tokenizer
+from hybrid.errors import ConfigError
+from hybrid.kernels.select import low_precision_warning
+from hybrid.parallel.agree import agree_error
+from hybrid.parallel.state import ParallelState
+from hybrid.tensor_parallel import seed_all
+from hybrid.train.activation_meter import SavedActivationMeter
+from hybrid.train.batches import finished, global_batch_size_at, total_iterations
+from hybrid.train.early_exit import EarlyExit
+from hybrid.train.host_memory import return_freed_memory
+from hybrid.train.lr_schedule import scheduled_lr
+from hybrid.train.metrics import IntervalMetrics
+from hybrid.train.monitor import Monitor
+from hybrid.train.replicas import ReplicaChecker
+from hybrid.train.setup import (HOST_TRIM_MIN_PARAMS, build_engine_or_explain, gpt_config,
+                                memory_bytes)
+from hybrid.train.skips import SkippedSteps
+from hybrid.train.step import evaluate, train_step
+
+log = logging.getLogger("hybrid")
+
+
+@dataclass
+class TrainState:
+    """Where a run is: everything the loop needs to continue besides the weights."""
+
+    iteration: int = 0
+    consumed_samples: int = 0
+
+
+class Trainer:
+    """One training run of ``cfg`` on the ranks of ``ps``: set up in the constructor,
+    then :meth:`train`. Every method is collective over the world (each rank calls
+    it in the same order)."""
+
+    def __init__(self, cfg: TrainConfig, ps: ParallelState):
+        self.cfg, self.ps = cfg, ps
+        self.started = time.monotonic()
+        self.rng = seed_all(cfg.seed, ps.tp_rank, ps.dp_rank, ps.device)
+        self.tokenizer = build_tokenizer(cfg.tokenizer)
+        self.data = build_datasets(cfg.data, self.tokenizer, ps)
+        vocab = self.tokenizer.vocab_size
+        if ps.device.type == "cpu" and (gpt_config(cfg, vocab).num_parameters(ps.tp_size)
+                                        >= HOST_TRIM_MIN_PARAMS):
+            return_freed_memory()  # the model lives in host memory: keep RSS to what is used
+        before_model = memory_bytes(ps)[0]  # the process without the model: runtime, data
+        self.model, self.ac, self.engine = build_engine_or_explain(cfg, ps, vocab, self.rng)
+        self.state = TrainState()
+        # --load with --no-load-optim / --no-load-rng / --finetune (checkpoint/resume.py)
+        self.start = start_from_checkpoint(cfg.checkpoint, self.engine, ps, cfg.seed, self.rng,
+                                           vocab)
+        if self.start is not None:
+            self.state = TrainState(self.start.iteration, self.start.consumed_samples)
+        setup_peak = memory_bytes(ps)[1]
+        self.monitor = self._open_monitor()
+        self._log_setup()
+        self.eod = self.tokenizer.eod if cfg.data.eod_mask_loss else None  # data/dataset.py
+        self.meter = SavedActivationMeter(
+            extra=self.ac.stored_bytes if self.ac is not None else lambda: 0)
+        self.metrics = IntervalMetrics(ps, self.model.cfg.flops_per_token(cfg.model.seq_length),
+                                       before_model, setup_peak)
+        self.skips = SkippedSteps(self.model, self.engine, ps, cfg.schedule.micro_batch_size,
+                                  cfg.schedule.exit_on_nan_iterations)
+        interval = cfg.diagnostics.check_replicas_interval
+        self.replicas = ReplicaChecker(self.model, self.engine, ps) if interval else None
+        self.lr = 0.0
+
+    def train(self) -> list[dict]:
+        """Train until ``--train-iters`` or ``--train-samples`` (or an exit flag); return
+        the logged metrics (rank 0's view)."""
+        cfg, st = self.cfg, self.state
+        s, ck = cfg.schedule, cfg.checkpoint
+        history, saved_at = [], st.iteration
+        early = EarlyExit(s, self.ps, self.started)  # its SIGTERM handler: until close()
+        try:
+            while not finished(s, st.iteration, st.consumed_samples):
+                batch, result, logs = self.step()
+                save_due = bool(ck.save and ck.save_interval
+                                and st.iteration % ck.save_interval == 0)
+                self.skips.settle(force=logs or save_due)
+                if logs:
+                    history.append(self.log(batch, result))
+                interval = cfg.diagnostics.check_replicas_interval
+                if self.replicas is not None and st.iteration % interval == 0:
+                    self.replicas.check(st.iteration)
+                if s.eval_interval and st.iteration % s.eval_interval == 0:
+                    self.evaluate("valid")
+                if save_due and self.skips.clean:  # never save a step that went non-finite
+                    self.save()
+                    saved_at = st.iteration
+                why = early.reason(st.iteration)
+                if why:
+                    log.info("exiting at iteration %d: %s", st.iteration, why)
+                    break
+            self.skips.settle(force=True)
+            if ck.save and saved_at != st.iteration:
+                self.save()
+            if finished(s, st.iteration, st.consumed_samples):
+                self.evaluate("test")
+        finally:
+            early.close()
+            self.monitor.close()
+        return history
+
+    def step(self):
+        """One iteration: (its global batch size, the engine's StepResult, whether it is
+        logged). The skip flag stays on the device (see :mod:`hybrid.train.skips`)."""
+        s, st, ps = self.cfg.schedule, self.state, self.ps
+        batch = global_batch_size_at(s, st.consumed_samples)
+        self.lr = scheduled_lr(self.cfg.optimizer, st.iteration + 1, st.consumed_samples + batch)
+        logs = ((st.iteration + 1) % self.cfg.logging.log_interval == 0
+                or finished(s, st.iteration + 1, st.consumed_samples + batch))
+        self.metrics.start()
+        micro = dp_micro_batches(self.data["train"], st.consumed_samples, batch,
+                                 s.micro_batch_size, ps.dp_rank, ps.dp_size, ps.device, self.eod)
+        loss, result, losses = train_step(self.model, self.engine, micro, self.lr,
+                                          self.meter if logs else None)
+        self.metrics.stop(loss, batch * self.cfg.model.seq_length)
+        self.skips.add(st.iteration + 1, result, losses, st.consumed_samples, batch)
+        st.iteration += 1
+        st.consumed_samples += batch
+        return batch, result, logs
+
+    def log(self, batch: int, result) -> dict:
+        """The log line of the interval that ended at this iteration (console, JSON,
+        TensorBoard on rank 0); returns its metrics."""
+        st, measured = self.state, self.metrics.line()
+        m = {"iteration": st.iteration, "train_iters": total_iterations(self.cfg.schedule),
+             "consumed_samples": st.consumed_samples, "global_batch_size": batch,
+             "loss": measured.pop("loss"), "lr": self.lr, "grad_norm": float(result.grad_norm),
+             "loss_scale": result.loss_scale, "skipped_iterations": self.skips.total,
+             **measured, "model_state_bytes": self.engine.model_state_bytes(),
+             # saved for backward by this rank's first micro-batch, measured
+             "activation_bytes": self.meter.peak}
+        if self.ac is not None:
+            m["activation_checkpoint_bytes"] = self.ac.peak_bytes()
+            self.ac.reset_peak()
+        self.monitor.log_iteration(m)
+        return m
+
+    def evaluate(self, split: str) -> None:
+        """Log the mean loss over ``--eval-iters`` batches of ``split`` (if it has data)."""
+        if self.data[split] is not None and self.cfg.schedule.eval_iters > 0:
+            loss = evaluate(self.model, self.data[split], self.cfg.schedule, self.ps, self.eod)
+            self.monitor.log_eval(self.state.iteration, split, loss)
+
+    def save(self) -> None:
+        """Checkpoint this iteration into ``--save`` (see :mod:`hybrid.checkpoint.save`)."""
+        ck, st = self.cfg.checkpoint, self.state
+        path = save_checkpoint(ck.save, st.iteration, st.consumed_samples, self.engine, self.ps,
+                               self.cfg.to_dict(), self.rng, ck.keep_last,
+                               self.tokenizer.vocab_size, optimizer=not ck.no_save_optim,
+                               finetune=self.start.finetune if self.start is not None else None)
+        log.info("saved checkpoint %s", path)
+
+    def _open_monitor(self) -> Monitor:
+        lg = self.cfg.logging
+        monitor = Monitor(self.ps.rank, lg.log_json, lg.tensorboard_dir,
+                          append=self.state.iteration > 0, log_throughput=lg.log_throughput)
+        error = agree_error(self.ps, monitor.error)  # rank 0 opened the logs: every rank hears
+        if error:
+            monitor.close()
+            raise ConfigError(error)
+        return monitor
+
+    def _log_setup(self) -> None:
+        cfg, ps, mc = self.cfg, self.ps, self.model.cfg
+        log.info("layout: %s", ps.describe())
+        log.info("parameters: %d on each TP rank, %d in the model (TP %d, padded vocab %d); "
+                 "train samples per epoch: %d", mc.num_parameters(ps.tp_size),
+                 mc.num_parameters(), ps.tp_size, mc.padded_vocab_size, len(self.data["train"]))
+        log.info("config: %s", cfg.to_dict())
+        if cfg.flags.ignored_megatron_flags:
+            log.info("Megatron flags with no effect here (they pick Megatron's own kernels or "
+                     "internals): %s", " ".join(cfg.flags.ignored_megatron_flags))
+        slow = low_precision_warning(cfg.zero.params_dtype, ps.device)
+        if slow and ps.rank == 0:  # one line for the job
+            log.warning("warning: %s", slow)
+
+
+def pretrain(cfg: TrainConfig, ps: ParallelState) -> list[dict]:
+    """Set up and train (see :class:`Trainer`); return the logged metrics."""
+    return Trainer(cfg, ps).train()
