@@ -124,7 +124,7 @@ def build_config(flags: Flags, world_size: int,
             layers_per_checkpoint=(f.recompute_num_layers or 1
                                    if f.recompute_method == "uniform" else 1),
             # With SP a block's input is already this rank's 1/TP of the sequence:
-            # nothing replicated is left to partition (see README, "Sequence parallelism").
+            # nothing replicated is left to partition (see docs/sequence-parallelism.md).
             partition_activations=f.partition_activations and not f.sequence_parallel,
             cpu_checkpointing=f.cpu_checkpointing,
             contiguous_checkpointing=f.contiguous_checkpointing),

@@ -1,4 +1,4 @@
-"""When something goes wrong on many ranks, say where (README: "When a run goes wrong").
+"""When something goes wrong on many ranks, say where (docs/diagnostics.md).
 
 * :mod:`.recorder`    the collective flight recorder, heartbeat and failure protocol
 * :mod:`.watch`       on NCCL, the heartbeat's watch for collectives queued past the timeout

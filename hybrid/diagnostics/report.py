@@ -4,10 +4,10 @@ A record is what :meth:`hybrid.diagnostics.recorder.FlightRecorder.record`
 publishes: per group the last sequence number and last two entries, where the
 rank is blocked if it is, where its main thread is, and when it was written.
 :func:`explain` turns the failing collective and a way to read records into
-one message (see README, "When a run goes wrong")::
+one message (see docs/diagnostics.md)::
 
     rank 2: all_reduce #55 of the tp group (global ranks [2, 3]) did not complete (...)
-      it was called at hybrid/tensor_parallel/mappings.py:58 in _all_reduce (via ...)
+      it was called at hybrid/tensor_parallel/mappings.py:123 in forward (via ...)
       rank 3 never reached it; all got through #54, all_reduce at ...
       rank 3: no heartbeat for 4.6 s (...); its last one had it ...
       stuck: rank 3.
