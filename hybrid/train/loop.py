@@ -19,7 +19,6 @@ import torch
 from hybrid.checkpoint import save_checkpoint
 from hybrid.checkpoint.resume import start_from_checkpoint
 from hybrid.config import TrainConfig
-from hybrid.config.architecture import ARCHITECTURE_FIELDS
 from hybrid.config.sections import RecomputeConfig, ScheduleConfig
 from hybrid.data.dataset import build_datasets, dp_micro_batches
 from hybrid.data.tokenizer import build_tokenizer
@@ -28,7 +27,6 @@ from hybrid.kernels.attention import check_attention_backend
 from hybrid.kernels.dtypes import DTYPES
 from hybrid.kernels.select import low_precision_warning
 from hybrid.parallel.agree import agree_error, max_over_ranks
-from hybrid.parallel.layout import padded_vocab_size
 from hybrid.parallel.state import ParallelState
 from hybrid.recompute.checkpointing import apply_activation_checkpointing
 from hybrid.tensor_parallel import InitValues, TPRNGTracker, seed_all
@@ -44,7 +42,7 @@ from hybrid.train.replicas import ReplicaChecker
 from hybrid.train.step_stats import IterationTimer, PendingSteps
 from hybrid.train.stragglers import straggler_fields
 from hybrid.zero import ZeroEngine, apply_zero
-from models.gpt import GPT, GPTConfig
+from models.gpt import GPT
 
 
 @dataclass
@@ -55,27 +53,13 @@ class TrainState:
     consumed_samples: int = 0
 
 
-def gpt_config(cfg: TrainConfig, vocab_size: int) -> GPTConfig:
-    m, p = cfg.model, cfg.parallel
-    return GPTConfig(
-        vocab_size=vocab_size,
-        padded_vocab_size=padded_vocab_size(vocab_size, m.make_vocab_size_divisible_by,
-                                            p.tensor_model_parallel_size),
-        num_layers=m.num_layers, hidden_size=m.hidden_size,
-        num_attention_heads=m.num_attention_heads,
-        max_position_embeddings=m.max_position_embeddings,
-        ffn_hidden_size=m.ffn_hidden_size, hidden_dropout=m.hidden_dropout,
-        attention_dropout=m.attention_dropout, init_std=m.init_method_std,
-        sequence_parallel=p.sequence_parallel, attention_backend=m.attention_backend,
-        **{k: getattr(m, k) for k in ARCHITECTURE_FIELDS})
-
-
 def build_model(cfg: TrainConfig, ps: ParallelState, vocab_size: int,
                 rng: TPRNGTracker, device: torch.device | str | None = None) -> GPT:
-    """The GPT on ``device`` (default ``ps.device``), initialized from ``--seed``;
-    on "meta" only its shapes (ZeRO materializes it: see :func:`build_engine`)."""
-    return GPT(gpt_config(cfg, vocab_size), ps.tp_group, rng=rng, seed=cfg.seed,
-               device=device or ps.device)
+    """The GPT of ``cfg.model`` with the tokenizer's ``vocab_size``, on ``device``
+    (default ``ps.device``), initialized from ``--seed``; on "meta" only its shapes
+    (ZeRO materializes it: see :func:`build_engine`)."""
+    return GPT(cfg.model.with_vocab_size(vocab_size), ps.tp_group, rng=rng, seed=cfg.seed,
+               device=device or ps.device, sequence_parallel=cfg.parallel.sequence_parallel)
 
 
 def recompute_targets(model: GPT, rc: RecomputeConfig) -> list[torch.nn.Module]:
@@ -204,7 +188,8 @@ def pretrain(cfg: TrainConfig, ps: ParallelState) -> list[dict]:
     rng = seed_all(cfg.seed, ps.tp_rank, ps.dp_rank, ps.device)
     tokenizer = build_tokenizer(cfg.tokenizer)
     data = build_datasets(cfg.data, tokenizer, ps)
-    psi = gpt_config(cfg, tokenizer.vocab_size).num_parameters(ps.tp_size)
+    model_cfg = cfg.model.with_vocab_size(tokenizer.vocab_size)
+    psi = model_cfg.num_parameters(ps.tp_size)
     if ps.device.type == "cpu" and psi >= HOST_TRIM_MIN_PARAMS:
         return_freed_memory()  # the model lives in host memory: keep RSS to what is used
     before_model = _memory(ps)[0]  # the process without the model: runtime, data
@@ -213,8 +198,7 @@ def pretrain(cfg: TrainConfig, ps: ParallelState) -> list[dict]:
     except RuntimeError as e:  # torch.OutOfMemoryError is one too; CPU says "allocate"
         if not isinstance(e, torch.OutOfMemoryError) and "allocate" not in str(e):
             raise
-        pv = padded_vocab_size(tokenizer.vocab_size, cfg.model.make_vocab_size_divisible_by,
-                               ps.tp_size)
+        pv = model_cfg.padded_vocab_size(ps.tp_size)
         raise TrainingError(f"the model ({psi:,} parameters on each TP rank, padded vocabulary "
                             f"{pv:,}) does not fit in memory: check --hidden-size, --num-layers, "
                             f"--make-vocab-size-divisible-by, --max-position-embeddings") from e
@@ -236,9 +220,9 @@ def pretrain(cfg: TrainConfig, ps: ParallelState) -> list[dict]:
         raise ConfigError(error)
     log.info("layout: %s", ps.describe())
     log.info("parameters: %d on each TP rank, %d in the model (TP %d, padded vocab %d); "
-             "train samples per epoch: %d", model.cfg.num_parameters(ps.tp_size),
-             model.cfg.num_parameters(), ps.tp_size, model.cfg.padded_vocab_size,
-             len(data["train"]))
+             "train samples per epoch: %d", psi,
+             model_cfg.num_parameters(ps.tp_size, per_rank=False), ps.tp_size,
+             model.padded_vocab_size, len(data["train"]))
     log.info("config: %s", cfg.to_dict())
     if cfg.flags.ignored_megatron_flags:
         log.info("Megatron flags with no effect here (they pick Megatron's own kernels or "
@@ -261,7 +245,7 @@ def pretrain(cfg: TrainConfig, ps: ParallelState) -> list[dict]:
             monitor.log_eval(state.iteration, split, evaluate(model, data[split], s, ps, eod))
 
     train_iters = total_iterations(s)
-    flops_per_token = model.cfg.flops_per_token(cfg.model.seq_length)
+    flops_per_token = model_cfg.flops_per_token(ps.tp_size)
     history, loss_acc, n_acc = [], torch.zeros((), device=ps.device), 0
     tokens_acc = 0
     waited = 0.0  # time blocked in collectives within iterations (stragglers.py: busy time)

@@ -17,6 +17,7 @@ from dataclasses import replace
 import pytest
 import torch
 
+from hybrid.config.model import ModelConfig
 from hybrid.config.sections import RecomputeConfig
 from hybrid.estimate.memory import (Workload, activation_bytes, activation_bytes_per_layer,
                                     choose_stage, head_bytes, peak_memory, traffic_bytes)
@@ -24,7 +25,7 @@ from hybrid.parallel.state import ParallelState
 from hybrid.recompute.checkpointing import apply_activation_checkpointing
 from hybrid.tensor_parallel import seed_all
 from hybrid.train.loop import recompute_targets
-from models.gpt import GPT, GPTConfig
+from models.gpt import GPT
 
 from harness import run_ranks
 from launch import ROOT
@@ -36,7 +37,7 @@ CASES = [  # (dtype, hidden dropout, attention dropout)
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
-# The Llama-shaped model: GPTConfig and Workload fields of the same names
+# The Llama-shaped model: ModelConfig and Workload fields of the same names
 LLAMA = dict(normalization="RMSNorm", swiglu=True, position_embedding_type="rope",
              num_query_groups=2, untie_embeddings_and_output_weights=True,
              add_bias_linear=False)
@@ -55,12 +56,12 @@ def _workload(tp, dtype, drop, attn, layers=1, arch=None, **kw):
 def _saved_bytes(ps, layers, dtype, drop, attn, recompute=None, sp=False, arch=None):
     """Bytes of the distinct storages autograd saves in one forward (params excluded),
     plus the checkpoints activation checkpointing stores."""
-    cfg = GPTConfig(vocab_size=V, padded_vocab_size=V, num_layers=layers, hidden_size=H,
-                    num_attention_heads=HEADS, max_position_embeddings=S,
-                    hidden_dropout=drop, attention_dropout=attn, sequence_parallel=sp,
-                    ffn_hidden_size=LLAMA_FFN if arch else None, **(arch or {}))
+    cfg = ModelConfig(vocab_size=V, num_layers=layers, hidden_size=H,  # V rows at TP 1, 2
+                      num_attention_heads=HEADS, max_position_embeddings=S,
+                      hidden_dropout=drop, attention_dropout=attn,
+                      ffn_hidden_size=LLAMA_FFN if arch else None, **(arch or {}))
     rng = seed_all(1, ps.tp_rank, ps.dp_rank, ps.device)
-    model = GPT(cfg, ps.tp_group, rng=rng, seed=1).to(DTYPES[dtype])
+    model = GPT(cfg, ps.tp_group, rng=rng, seed=1, sequence_parallel=sp).to(DTYPES[dtype])
     ac = None if recompute is None else apply_activation_checkpointing(
         model, ps, rng, recompute, blocks=recompute_targets(model, recompute))
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
@@ -182,9 +183,9 @@ def test_llama_parameter_count_matches_the_model(qkv_bias):
     arch = dict(LLAMA, add_qkv_bias=qkv_bias)
     for tp in (1, 2):
         w = _workload(tp, "fp32", 0.0, 0.0, layers=2, arch=arch)
-        cfg = GPTConfig(vocab_size=V, padded_vocab_size=V, num_layers=2, hidden_size=H,
-                        num_attention_heads=HEADS, max_position_embeddings=S,
-                        ffn_hidden_size=LLAMA_FFN, **arch)
+        cfg = ModelConfig(vocab_size=V, num_layers=2, hidden_size=H,
+                          num_attention_heads=HEADS, max_position_embeddings=S,
+                          ffn_hidden_size=LLAMA_FFN, **arch)
         assert w.psi == cfg.num_parameters(tp)
         base = _workload(tp, "fp32", 0.0, 0.0, layers=2, arch=LLAMA).psi
         assert w.psi - base == qkv_bias * 2 * (4 + 2 * 2) * 8 // tp
@@ -282,9 +283,9 @@ def test_gpt2_presets_run_the_stage_the_estimator_recommends(world):
 def _metered(ps, recompute):
     """SavedActivationMeter's peak over one forward + backward of a 2-layer fp32 GPT."""
     from hybrid.train.activation_meter import SavedActivationMeter
-    cfg = GPTConfig(vocab_size=V, padded_vocab_size=V, num_layers=2, hidden_size=H,
-                    num_attention_heads=HEADS, max_position_embeddings=S,
-                    hidden_dropout=0.0, attention_dropout=0.0)
+    cfg = ModelConfig(vocab_size=V, num_layers=2, hidden_size=H,
+                      num_attention_heads=HEADS, max_position_embeddings=S,
+                      hidden_dropout=0.0, attention_dropout=0.0)
     rng = seed_all(1, ps.tp_rank, ps.dp_rank, ps.device)
     model = GPT(cfg, ps.tp_group, rng=rng, seed=1)
     ac = None if recompute is None else apply_activation_checkpointing(
