@@ -2,10 +2,10 @@
 
 By default the architecture is GPT-2's: learned position embeddings,
 pre-LayerNorm blocks, GELU MLP with 4x expansion, biases everywhere, and an
-output head tied to the token embedding. A few fields of the model section,
-:class:`hybrid.config.model.ModelConfig` (the Megatron flags of the same names),
-make it a Llama: ``normalization="RMSNorm"``,
-``swiglu``, ``position_embedding_type="rope"``, ``num_query_groups`` (GQA),
+output head tied to the token embedding. The model is built from its section,
+:class:`hybrid.config.model.ModelConfig`, whose fields are the Megatron flags of
+the same names; a few make it a Llama: ``normalization="RMSNorm"``, ``swiglu``,
+``position_embedding_type="rope"``, ``num_query_groups`` (GQA),
 ``untie_embeddings_and_output_weights`` and ``add_bias_linear=False`` (Qwen2:
 with ``add_qkv_bias``, a bias on the QKV projection only). The
 model knows nothing of data parallelism, ZeRO or activation checkpointing;
