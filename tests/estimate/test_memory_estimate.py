@@ -62,7 +62,8 @@ def _saved_bytes(ps, layers, dtype, drop, attn, recompute=None, sp=False, arch=N
     """Bytes of the distinct storages autograd saves in one forward (params excluded),
     plus the checkpoints activation checkpointing stores."""
     rng = seed_all(1, ps.tp_rank, ps.dp_rank, ps.device)
-    model = GPT(_model(layers, drop, attn, arch), ps.tp_group, rng=rng, seed=1, sequence_parallel=sp).to(DTYPES[dtype])
+    model = GPT(_model(layers, drop, attn, arch), ps.tp_group, rng=rng, seed=1,
+                sequence_parallel=sp).to(DTYPES[dtype])
     ac = None if recompute is None else apply_activation_checkpointing(
         model, ps, rng, recompute, blocks=recompute_targets(model, recompute))
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
