@@ -1,6 +1,7 @@
 """The transformer block of :mod:`models.gpt`: attention, MLP, norms, residuals.
 
-GPT-2's block by default; the Llama-family options of :class:`GPTConfig` swap
+GPT-2's block by default; the Llama-family options of the model section
+(:class:`hybrid.config.model.ModelConfig`) swap
 in RMSNorm, a SwiGLU MLP, rotary position embeddings, grouped-query attention
 and bias-free linears (all but QKV with ``add_qkv_bias``, as Qwen2). Every option
 keeps the TP split a split of whole heads (whole query groups) and of whole MLP
@@ -19,6 +20,7 @@ import torch.nn.functional as F
 from einops import rearrange
 from torch import nn
 
+from hybrid.config.model import ModelConfig
 from hybrid.kernels import bias_gelu, splits_bias
 from hybrid.kernels.attention import attention_context
 from hybrid.kernels.rotary import Rotary, split_qkv
@@ -28,11 +30,11 @@ from hybrid.tensor_parallel import (ColumnParallelLinear, LayerNorm, RMSNorm, Ro
                                     TPRNGTracker)
 
 
-def make_norm(cfg, tp_group: CommGroup) -> nn.Module:
+def make_norm(cfg: ModelConfig, tp_group: CommGroup, sequence_parallel: bool) -> nn.Module:
     """The block's and the final norm: ``cfg.normalization`` LayerNorm or RMSNorm."""
     norm = RMSNorm if cfg.normalization == "RMSNorm" else LayerNorm
     return norm(cfg.hidden_size, tp_group, eps=cfg.norm_epsilon,
-                sequence_parallel=cfg.sequence_parallel)
+                sequence_parallel=sequence_parallel)
 
 
 class AttentionCore(nn.Module):
@@ -45,7 +47,7 @@ class AttentionCore(nn.Module):
     and dropout, rerun in backward from the QKV output.
     """
 
-    def __init__(self, cfg, rng: TPRNGTracker | None):
+    def __init__(self, cfg: ModelConfig, rng: TPRNGTracker | None):
         super().__init__()
         self.head_size = cfg.head_size
         self.q_per_group = cfg.num_attention_heads // cfg.query_groups
@@ -74,7 +76,8 @@ class AttentionCore(nn.Module):
 class ParallelAttention(nn.Module):
     """Causal self-attention with query groups (and so heads) split over the TP group."""
 
-    def __init__(self, cfg, tp_group: CommGroup, rng: TPRNGTracker | None):
+    def __init__(self, cfg: ModelConfig, tp_group: CommGroup, rng: TPRNGTracker | None,
+                 sequence_parallel: bool):
         super().__init__()
         C, tp = cfg.hidden_size, tp_group.size
         if cfg.num_attention_heads % tp:
@@ -88,7 +91,7 @@ class ParallelAttention(nn.Module):
         # for every TP size (GPT-2, one head per group: [q k v] per head).
         # A QKV bias (add_qkv_bias) follows the same per-group row layout: a TP shard
         # of it is the bias of exactly the rank's groups.
-        sp, bias = cfg.sequence_parallel, cfg.add_bias_linear
+        sp, bias = sequence_parallel, cfg.add_bias_linear
         self.qkv = ColumnParallelLinear(C, cfg.qkv_size, tp_group, bias=cfg.qkv_bias,
                                         sequence_parallel=sp)
         self.core = AttentionCore(cfg, rng)
@@ -105,9 +108,9 @@ class ParallelMLP(nn.Module):
     up-projection is the fused ``[gate; up]`` pair (each f wide, split over TP
     per part) and ``silu(gate) * up`` the activation."""
 
-    def __init__(self, cfg, tp_group: CommGroup):
+    def __init__(self, cfg: ModelConfig, tp_group: CommGroup, sequence_parallel: bool):
         super().__init__()
-        sp, bias, parts = cfg.sequence_parallel, cfg.add_bias_linear, 2 if cfg.swiglu else 1
+        sp, bias, parts = sequence_parallel, cfg.add_bias_linear, 2 if cfg.swiglu else 1
         self.swiglu = cfg.swiglu
         self.fc = ColumnParallelLinear(cfg.hidden_size, parts * cfg.ffn_hidden_size, tp_group,
                                        bias=bias, sequence_parallel=sp, parts=parts)
@@ -124,32 +127,33 @@ class ParallelMLP(nn.Module):
         return self.proj(F.gelu(self.fc(x), approximate="tanh"))
 
 
-def residual_rng(cfg, rng: TPRNGTracker | None):
+def residual_rng(fork: bool, rng: TPRNGTracker | None):
     """The RNG context of residual-stream dropout. Replicated over TP, the default
     stream, identical on every TP rank, keeps the replicas equal; with SP each rank
-    holds other tokens, so the per-TP-rank stream gives them independent masks."""
-    if cfg.sequence_parallel and cfg.hidden_dropout > 0:
-        return rng.fork()
-    return contextlib.nullcontext()
+    holds other tokens, so the per-TP-rank stream gives them independent masks
+    (``fork``: sequence parallelism with dropout, decided when the model is built)."""
+    return rng.fork() if fork else contextlib.nullcontext()
 
 
 class Block(nn.Module):
     """Pre-norm transformer block. Input and output ``(B, T, C)``, replicated over TP
     (``(B, T / tp, C)``, this rank's tokens, with sequence parallelism)."""
 
-    def __init__(self, cfg, tp_group: CommGroup, rng: TPRNGTracker | None):
+    def __init__(self, cfg: ModelConfig, tp_group: CommGroup, rng: TPRNGTracker | None,
+                 sequence_parallel: bool):
         super().__init__()
-        self.cfg, self.rng = cfg, rng
-        self.ln_1 = make_norm(cfg, tp_group)
-        self.attn = ParallelAttention(cfg, tp_group, rng)
-        self.ln_2 = make_norm(cfg, tp_group)
-        self.mlp = ParallelMLP(cfg, tp_group)
+        self.rng = rng
+        self.fork_residual_rng = sequence_parallel and cfg.hidden_dropout > 0
+        self.ln_1 = make_norm(cfg, tp_group, sequence_parallel)
+        self.attn = ParallelAttention(cfg, tp_group, rng, sequence_parallel)
+        self.ln_2 = make_norm(cfg, tp_group, sequence_parallel)
+        self.mlp = ParallelMLP(cfg, tp_group, sequence_parallel)
         self.drop = nn.Dropout(cfg.hidden_dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         a = self.attn(self.ln_1(x))
-        with residual_rng(self.cfg, self.rng):
+        with residual_rng(self.fork_residual_rng, self.rng):
             x = x + self.drop(a)
         m = self.mlp(self.ln_2(x))
-        with residual_rng(self.cfg, self.rng):
+        with residual_rng(self.fork_residual_rng, self.rng):
             return x + self.drop(m)

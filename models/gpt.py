@@ -2,9 +2,10 @@
 
 By default the architecture is GPT-2's: learned position embeddings,
 pre-LayerNorm blocks, GELU MLP with 4x expansion, biases everywhere, and an
-output head tied to the token embedding. A few :class:`GPTConfig` fields (the
-Megatron flags of the same names) make it a Llama: ``normalization="RMSNorm"``,
-``swiglu``, ``position_embedding_type="rope"``, ``num_query_groups`` (GQA),
+output head tied to the token embedding. The model is built from its section,
+:class:`hybrid.config.model.ModelConfig`, whose fields are the Megatron flags of
+the same names; a few make it a Llama: ``normalization="RMSNorm"``, ``swiglu``,
+``position_embedding_type="rope"``, ``num_query_groups`` (GQA),
 ``untie_embeddings_and_output_weights`` and ``add_bias_linear=False`` (Qwen2:
 with ``add_qkv_bias``, a bias on the QKV projection only). The
 model knows nothing of data parallelism, ZeRO or activation checkpointing;
@@ -38,14 +39,13 @@ Shapes: B batch, T sequence, C hidden, V padded vocabulary.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hybrid.config.architecture import (NORMALIZATIONS, POSITION_EMBEDDING_TYPES,
-                                        swiglu_ffn_hidden_size)
+from hybrid.config.architecture import NORMALIZATIONS, POSITION_EMBEDDING_TYPES
+from hybrid.config.model import ModelConfig
 from hybrid.kernels import linear
 from hybrid.parallel.comm import CommGroup
 from hybrid.tensor_parallel import (ColumnParallelLinear, Init, TPRNGTracker,
@@ -53,91 +53,6 @@ from hybrid.tensor_parallel import (ColumnParallelLinear, Init, TPRNGTracker,
                                     sequence_gathered_linear, sequence_parallel_param,
                                     vocab_parallel_cross_entropy)
 from models.blocks import Block, make_norm, residual_rng
-
-
-@dataclass
-class GPTConfig:
-    vocab_size: int  # ids that can occur in the data
-    padded_vocab_size: int  # embedding rows; >= vocab_size, divisible by TP
-    num_layers: int
-    hidden_size: int
-    num_attention_heads: int
-    max_position_embeddings: int
-    ffn_hidden_size: int | None = None  # default 4 * hidden_size (SwiGLU: Megatron's 8h/3)
-    hidden_dropout: float = 0.1
-    attention_dropout: float = 0.1
-    init_std: float = 0.02
-    norm_epsilon: float = 1e-5
-    sequence_parallel: bool = False  # split norms/dropout/residuals along T over TP
-    attention_backend: str = "auto"  # torch SDPA kernels: auto, flash, fused, unfused, local
-    # the Llama family (GPT-2 with the defaults)
-    normalization: str = "LayerNorm"  # or "RMSNorm"
-    swiglu: bool = False  # gated SiLU MLP
-    position_embedding_type: str = "learned_absolute"  # or "rope", "none"
-    rotary_base: float = 10000.0
-    rotary_percent: float = 1.0  # RoPE on this fraction of each head's channels
-    rope_scaling_factor: float | None = None  # Llama-3.1 frequency scaling; None: plain RoPE
-    rotary_seq_len_interpolation_factor: float | None = None  # RoPE positions / this
-    num_query_groups: int | None = None  # GQA key/value heads; default one per head
-    untie_embeddings_and_output_weights: bool = False
-    add_bias_linear: bool = True
-    add_qkv_bias: bool = False  # QKV's bias even without add_bias_linear (Qwen2)
-
-    def __post_init__(self):
-        if self.ffn_hidden_size is None:
-            self.ffn_hidden_size = (swiglu_ffn_hidden_size(self.hidden_size) if self.swiglu
-                                    else 4 * self.hidden_size)
-
-    @property
-    def head_size(self) -> int:
-        return self.hidden_size // self.num_attention_heads
-
-    @property
-    def query_groups(self) -> int:
-        """Key/value heads: ``num_query_groups``, or one per query head (no GQA)."""
-        return self.num_query_groups or self.num_attention_heads
-
-    @property
-    def qkv_size(self) -> int:
-        """Rows of the fused QKV weight: every query head, and a key and a value per group."""
-        return (self.num_attention_heads + 2 * self.query_groups) * self.head_size
-
-    @property
-    def qkv_bias(self) -> bool:
-        """The fused QKV projection has a bias (Megatron: add_bias_linear or add_qkv_bias)."""
-        return self.add_bias_linear or self.add_qkv_bias
-
-    @property
-    def rotary_dim(self) -> int:
-        """Channels of each head RoPE rotates."""
-        return int(self.head_size * self.rotary_percent)
-
-    def num_parameters(self, tp: int = 1) -> int:
-        """Parameters held by one TP rank of ``tp`` (the whole model for tp=1).
-
-        Split over TP: token embedding (and untied output layer), QKV and MLP-up
-        weights and biases, both projection weights. Replicated: positions,
-        norms, projection biases.
-        """
-        C, F_, L = self.hidden_size, self.ffn_hidden_size, self.num_layers
-        up = (2 if self.swiglu else 1) * F_
-        bias, qkv_bias = int(self.add_bias_linear), int(self.qkv_bias)
-        heads = (1 + self.untie_embeddings_and_output_weights) * self.padded_vocab_size * C
-        split = heads + L * (self.qkv_size * (C + qkv_bias) + C * C + up * (C + bias) + F_ * C)
-        norm = (2 if self.normalization == "LayerNorm" else 1) * C
-        positions = (self.max_position_embeddings * C
-                     if self.position_embedding_type == "learned_absolute" else 0)
-        replicated = positions + L * (2 * norm + 2 * bias * C) + norm
-        return split // tp + replicated
-
-    def flops_per_token(self, seq_length: int) -> float:
-        """Forward+backward FLOPs per token (dense matmuls and attention scores)."""
-        C, F_, L = self.hidden_size, self.ffn_hidden_size, self.num_layers
-        up = (2 if self.swiglu else 1) * F_
-        matmul = 2 * (self.qkv_size * C + C * C + up * C + F_ * C) * L \
-            + 2 * C * self.padded_vocab_size
-        attention = 2 * 2 * seq_length * C * L  # QK^T and AV
-        return 3 * (matmul + attention)
 
 
 class GPT(nn.Module):
@@ -149,35 +64,46 @@ class GPT(nn.Module):
     every TP rank).
     """
 
-    def __init__(self, cfg: GPTConfig, tp_group: CommGroup, rng: TPRNGTracker | None = None,
-                 seed: int = 1234, device: torch.device | str = "cpu"):
-        """Build on ``device`` and draw the init from ``seed`` -- or, with
-        ``device="meta"``, only shapes: ZeRO then materializes what each rank keeps
-        (``apply_zero(..., values=InitValues(seed, model.init_of))``)."""
+    def __init__(self, cfg: ModelConfig, tp_group: CommGroup, rng: TPRNGTracker | None = None,
+                 seed: int = 1234, device: torch.device | str = "cpu",
+                 sequence_parallel: bool = False):
+        """Build ``cfg`` (its ``vocab_size`` known) over ``tp_group`` on ``device`` and
+        draw the init from ``seed`` -- or, with ``device="meta"``, only shapes: ZeRO then
+        materializes what each rank keeps (``apply_zero(..., values=InitValues(seed,
+        model.init_of))``). ``sequence_parallel`` (the parallel section's, TP > 1): see
+        the module doc; decided here, for every layer at once."""
         super().__init__()
+        if cfg.vocab_size is None:
+            raise ValueError("the model needs its vocabulary: build it from "
+                             "cfg.with_vocab_size(tokenizer.vocab_size)")
         if cfg.hidden_size % cfg.num_attention_heads:
             raise ValueError(f"hidden_size {cfg.hidden_size} is not divisible by "
                              f"num_attention_heads {cfg.num_attention_heads}")
         if tp_group.size > 1 and cfg.attention_dropout > 0 and rng is None:
             raise ValueError("attention dropout under TP needs the TP RNG tracker (rng=...)")
-        if cfg.sequence_parallel and tp_group.size == 1:
+        if sequence_parallel and tp_group.size == 1:
             raise ValueError("sequence parallelism needs a TP group of 2 or more ranks")
-        if cfg.sequence_parallel and cfg.hidden_dropout > 0 and rng is None:
+        if sequence_parallel and cfg.hidden_dropout > 0 and rng is None:
             raise ValueError("dropout under sequence parallelism needs the TP RNG tracker "
                              "(rng=...)")
         _check_architecture(cfg)
         self.cfg = cfg
         self.tp_group = tp_group
+        self.sequence_parallel = sequence_parallel
+        self.padded_vocab_size = cfg.padded_vocab_size(tp_group.size)  # embedding rows, all ranks
+        # SP's residual stream holds other tokens on each rank: its dropout forks the RNG
+        self.fork_residual_rng = sequence_parallel and cfg.hidden_dropout > 0
         with torch.device(device):
-            self.wte = VocabParallelEmbedding(cfg.padded_vocab_size, cfg.hidden_size, tp_group,
-                                              sequence_parallel=cfg.sequence_parallel)
+            self.wte = VocabParallelEmbedding(self.padded_vocab_size, cfg.hidden_size, tp_group,
+                                              sequence_parallel=sequence_parallel)
             if cfg.position_embedding_type == "learned_absolute":
                 self.wpe = nn.Embedding(cfg.max_position_embeddings, cfg.hidden_size)
             self.drop = nn.Dropout(cfg.hidden_dropout)
-            self.blocks = nn.ModuleList(Block(cfg, tp_group, rng) for _ in range(cfg.num_layers))
-            self.ln_f = make_norm(cfg, tp_group)
+            self.blocks = nn.ModuleList(Block(cfg, tp_group, rng, sequence_parallel)
+                                        for _ in range(cfg.num_layers))
+            self.ln_f = make_norm(cfg, tp_group, sequence_parallel)
             if cfg.untie_embeddings_and_output_weights:  # rows split like wte's
-                self.output_layer = ColumnParallelLinear(cfg.hidden_size, cfg.padded_vocab_size,
+                self.output_layer = ColumnParallelLinear(cfg.hidden_size, self.padded_vocab_size,
                                                          tp_group, bias=False)
         self.rng = rng
         # Padded vocabulary columns on this rank (ids >= vocab_size) are masked
@@ -196,10 +122,10 @@ class GPT(nn.Module):
         if ".ln_" in name or name.startswith("ln_f"):
             return Init("ones")
         if name.endswith("proj.weight"):  # residual projections: scaled by depth (GPT-2)
-            return Init("normal", cfg.init_std / math.sqrt(2 * cfg.num_layers))
+            return Init("normal", cfg.init_method_std / math.sqrt(2 * cfg.num_layers))
         if name in ("wte.weight", "output_layer.weight"):  # padding rows stay zero
-            return Init("normal", cfg.init_std, valid_rows=cfg.vocab_size)
-        return Init("normal", cfg.init_std)
+            return Init("normal", cfg.init_method_std, valid_rows=cfg.vocab_size)
+        return Init("normal", cfg.init_method_std)
 
     def forward(self, tokens: torch.Tensor, labels: torch.Tensor | None = None,
                 loss_mask: torch.Tensor | None = None) -> torch.Tensor:
@@ -210,7 +136,7 @@ class GPT(nn.Module):
         if T > self.cfg.max_position_embeddings:
             raise ValueError(f"sequence length {T} exceeds max_position_embeddings "
                              f"{self.cfg.max_position_embeddings}")
-        sp, g = self.cfg.sequence_parallel, self.tp_group
+        sp, g = self.sequence_parallel, self.tp_group
         x = self.wte(tokens)  # (B, T, C); (B, T / tp, C) with SP
         if self.cfg.position_embedding_type == "learned_absolute":
             pos = torch.arange(T, device=tokens.device)
@@ -219,7 +145,7 @@ class GPT(nn.Module):
                 x = x + F.embedding(pos, sequence_parallel_param(self.wpe.weight, g))
             else:
                 x = x + self.wpe(pos)
-        with residual_rng(self.cfg, self.rng):
+        with residual_rng(self.fork_residual_rng, self.rng):
             x = self.drop(x)
         for block in self.blocks:
             x = block(x)
@@ -245,8 +171,8 @@ class GPT(nn.Module):
         return (losses * loss_mask).sum() / loss_mask.sum().clamp(min=1)
 
 
-def _check_architecture(cfg: GPTConfig) -> None:
-    """ValueError for a GPTConfig no model can be built from (the flags are checked,
+def _check_architecture(cfg: ModelConfig) -> None:
+    """ValueError for a model section no model can be built from (the flags are checked,
     naming them, in :meth:`hybrid.config.TrainConfig.validate`)."""
     if cfg.normalization not in NORMALIZATIONS:
         raise ValueError(f"normalization {cfg.normalization!r} is not one of {NORMALIZATIONS}")

@@ -75,7 +75,7 @@ def _model(ps, a, flags, layers):
     from hybrid.config import Flags, build_config
     from hybrid.recompute.checkpointing import apply_activation_checkpointing
     from hybrid.tensor_parallel import seed_all
-    from hybrid.train.setup import gpt_config, recompute_targets
+    from hybrid.train.setup import recompute_targets
     cfg = build_config(Flags(tensor_model_parallel_size=ps.tp_size, num_layers=layers,
                       hidden_size=a.hidden_size, num_attention_heads=a.heads,
                       seq_length=a.seq_length, micro_batch_size=a.micro_batch_size,
@@ -84,7 +84,8 @@ def _model(ps, a, flags, layers):
                       **flags), ps.world_size)
     rng = seed_all(1234, ps.tp_rank, ps.dp_rank, ps.device)
     from models.gpt import GPT
-    model = GPT(gpt_config(cfg, a.vocab_size), ps.tp_group, rng=rng, seed=1234)
+    model = GPT(cfg.model.with_vocab_size(a.vocab_size), ps.tp_group, rng=rng, seed=1234,
+                sequence_parallel=cfg.parallel.sequence_parallel)
     model.train()
     rc = cfg.recompute
     ac = (apply_activation_checkpointing(model, ps, rng, rc, blocks=recompute_targets(model, rc))

@@ -107,11 +107,11 @@ def run_config(name: str, a, ps) -> dict:
             train_step(model, engine, batches, lr)
     step_s = statistics.median(times)
     tokens = micro * seq * a.micro_batches
-    flops = model.cfg.flops_per_token(seq) * tokens / step_s
+    flops = model.cfg.flops_per_token(ps.tp_size) * tokens / step_s
     engine.wait_optimizer()
     return {"config": name + ("+compile" if a.compile else ""), "preset": a.preset,
-            "device": str(ps.device),
-            "world_size": ps.world_size, "params": model.cfg.num_parameters(),
+            "device": str(ps.device), "world_size": ps.world_size,
+            "params": model.cfg.num_parameters(ps.tp_size, per_rank=False),
             "median_step_s": round(step_s, 5), "tokens_per_s_per_rank": round(tokens / step_s, 1),
             "tflops_per_rank": round(flops / 1e12, 3),
             "mfu": (round(flops / (a.peak_tflops * 1e12), 4)

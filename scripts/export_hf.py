@@ -26,6 +26,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from hybrid.checkpoint import iter_full_params, resolve_checkpoint  # noqa: E402
 from hybrid.config.architecture import architecture_fields, is_gpt2, is_qwen2  # noqa: E402
+from hybrid.config.model import ModelConfig  # noqa: E402
 from hybrid.errors import CheckpointError  # noqa: E402
 from hybrid.hf.gpt2 import hf_config, to_hf  # noqa: E402
 from hybrid.hf.llama import llama_hf_config, qwen2_hf_config, to_hf_llama  # noqa: E402
@@ -50,7 +51,8 @@ def main(argv=None) -> int:
         cfg, vocab = meta["config"], meta["vocab_size"]
         fields = architecture_fields(cfg)
         if is_gpt2(fields):
-            cfg = dict(cfg, ffn_hidden_size=cfg.get("ffn_hidden_size") or 4 * cfg["hidden_size"])
+            # the MLP width the model was built with (the flag may be unset: 4 x hidden)
+            cfg = dict(cfg, ffn_hidden_size=ModelConfig.from_flags(cfg).ffn_hidden_size)
             kind, config = "GPT-2", hf_config(cfg, vocab)
         elif is_qwen2(fields):  # biases on q, k and v only
             kind, config = "Qwen2", qwen2_hf_config(cfg, vocab)

@@ -5,11 +5,11 @@ tests/models/test_llama.py, tests/tensor_parallel/test_sequence_parallel.py)."""
 import torch
 
 from hybrid.config import Flags, build_config
-from hybrid.parallel.layout import padded_vocab_size
+from hybrid.config.model import ModelConfig
 from hybrid.recompute.checkpointing import apply_activation_checkpointing
 from hybrid.tensor_parallel import InitValues, seed_all
 from hybrid.zero import apply_zero
-from models.gpt import GPT, GPTConfig
+from models.gpt import GPT
 
 SEED, VOCAB, SEQ, STEPS, GLOBAL_BATCH, MICRO = 5, 257, 16, 3, 8, 2
 
@@ -35,13 +35,12 @@ def _train_cfg(world, tp, **kw):
 
 def _gpt(cfg, ps, device="cpu"):
     rng = seed_all(cfg.seed, ps.tp_rank, ps.dp_rank, ps.device)
-    gcfg = GPTConfig(vocab_size=VOCAB,
-                     padded_vocab_size=padded_vocab_size(VOCAB, 128, ps.tp_size),
-                     num_layers=cfg.model.num_layers, hidden_size=cfg.model.hidden_size,
-                     num_attention_heads=cfg.model.num_attention_heads,
-                     max_position_embeddings=SEQ, hidden_dropout=0.0, attention_dropout=0.0,
-                     sequence_parallel=cfg.parallel.sequence_parallel)
-    return GPT(gcfg, ps.tp_group, rng=rng, seed=cfg.seed, device=device)
+    m = ModelConfig(vocab_size=VOCAB, num_layers=cfg.model.num_layers,
+                    hidden_size=cfg.model.hidden_size,
+                    num_attention_heads=cfg.model.num_attention_heads,
+                    max_position_embeddings=SEQ, hidden_dropout=0.0, attention_dropout=0.0)
+    return GPT(m, ps.tp_group, rng=rng, seed=cfg.seed, device=device,
+               sequence_parallel=cfg.parallel.sequence_parallel)
 
 
 def _global_batch(step):

@@ -2,7 +2,8 @@
 
 ``load_full_model(ckpt)`` reads every parameter's full tensor (any saved
 layout, one parameter at a time), rebuilds the GPT the run trained -- GPT-2
-or Llama-shaped, from the flags in ``metadata.json`` -- and loads them:
+or Llama-shaped, its model section rebuilt from the flags in ``metadata.json``
+(:func:`saved_model_config`) -- and loads them:
 the padded vocabulary rows are re-padded for TP 1, and a fused parameter
 saved with its full shape (SwiGLU's ``(2, F, C)``) takes the model's local
 shape, which at TP 1 is the same elements in the same order.
@@ -10,26 +11,24 @@ shape, which at TP 1 is the same elements in the same order.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
 from hybrid.checkpoint.load import VOCAB_PARAMS
 from hybrid.checkpoint.reshard import iter_full_params
-from hybrid.config.architecture import architecture_fields
+from hybrid.config.model import ModelConfig
 from hybrid.errors import CheckpointError
-from hybrid.parallel.layout import padded_vocab_size
 from hybrid.parallel.state import ParallelState
-from models.gpt import GPT, GPTConfig
+from models.gpt import GPT
 
 
-def saved_gpt_config(c: dict, vocab_size: int, tp: int = 1) -> GPTConfig:
-    """The GPTConfig of a checkpoint's saved config dict ``c``, without dropout."""
-    return GPTConfig(vocab_size=vocab_size,
-                     padded_vocab_size=padded_vocab_size(vocab_size, 128, tp),
-                     num_layers=c["num_layers"], hidden_size=c["hidden_size"],
-                     num_attention_heads=c["num_attention_heads"],
-                     max_position_embeddings=c["max_position_embeddings"],
-                     ffn_hidden_size=c.get("ffn_hidden_size"), hidden_dropout=0.0,
-                     attention_dropout=0.0, **architecture_fields(c))
+def saved_model_config(meta: dict) -> ModelConfig:
+    """The model section a checkpoint was trained with, from its metadata.json ``meta``:
+    the saved flat flags (``"config"``, read as the command line is; a key an older
+    checkpoint lacks takes its default, 128 for ``make_vocab_size_divisible_by``) and
+    the tokenizer's ``"vocab_size"``."""
+    return ModelConfig.from_flags(meta["config"]).with_vocab_size(meta["vocab_size"])
 
 
 def load_full_weights(model: GPT, weights: dict[str, torch.Tensor]) -> GPT:
@@ -56,7 +55,10 @@ def load_full_model(ckpt: str, device: str | torch.device = "cpu") -> tuple[GPT,
     meta, params = iter_full_params(ckpt, ("master",))  # one parameter read at a time
     weights = {n: s["master"] for n, s in params}
     c = meta["config"]
-    cfg = saved_gpt_config(c, meta["vocab_size"])
+    # No dropout (eval), and torch's own choice of attention kernel: the one the run
+    # trained with may not exist on this machine, and it computes the same function.
+    cfg = replace(saved_model_config(meta), hidden_dropout=0.0, attention_dropout=0.0,
+                  attention_backend="auto")
     model = GPT(cfg, ParallelState.single().tp_group, device="meta")
     model.to_empty(device="cpu")
     load_full_weights(model, weights)

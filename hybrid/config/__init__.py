@@ -4,6 +4,7 @@
 * :mod:`.megatron_flags` Megatron flags hybrid drops (no effect) or refuses, and what instead
 * :mod:`.checks`         every check that can reject a command line, and its message
 * :mod:`.architecture`   the Llama-family flags (normalization, SwiGLU, RoPE, GQA, biases)
+* :mod:`.model`          the model section: the GPT's shape, padded vocabulary, parameter count
 * :mod:`.kernels`        the kernel flags and their ``HYBRID_*`` defaults
 * :mod:`.sections`       the frozen section each component takes
 * :mod:`.build`          :func:`build_config`: flags -> :class:`TrainConfig`, in one place

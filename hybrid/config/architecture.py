@@ -1,11 +1,11 @@
-"""The model-architecture flags (GPT-2, or the Llama family) as ``GPTConfig`` fields.
+"""The model-architecture flags (GPT-2, or the Llama family) as ``ModelConfig`` fields.
 
 Megatron names the flags (``--normalization RMSNorm --swiglu
 --position-embedding-type rope --group-query-attention --num-query-groups G
 --untie-embeddings-and-output-weights --disable-bias-linear --add-qkv-bias``); the
-model takes
-them as :class:`models.gpt.GPTConfig` fields. :func:`architecture_fields` maps
-one to the other, from checked Flags or from the flat ``config`` dict
+model section takes them as :class:`hybrid.config.model.ModelConfig` fields.
+:func:`architecture_fields` maps one to the other, from checked Flags or from the flat
+``config`` dict
 a checkpoint's ``metadata.json`` stores -- where a checkpoint written before
 these flags existed has none of the keys and reads as GPT-2.
 
@@ -41,7 +41,7 @@ def _float_or_none(v) -> float | None:
 
 
 def architecture_fields(c) -> dict:
-    """``GPTConfig`` keyword arguments of the architecture flags of ``c`` (a
+    """``ModelConfig`` keyword arguments of the architecture flags of ``c`` (a
     checked Flags, or a checkpoint's saved config dict; missing keys: GPT-2)."""
     gqa = _get(c, "group_query_attention", False)
     return {
@@ -63,7 +63,7 @@ def architecture_fields(c) -> dict:
     }
 
 
-# the GPTConfig / ModelConfig fields architecture_fields fills, in order
+# the ModelConfig fields architecture_fields fills, in order
 ARCHITECTURE_FIELDS = ("normalization", "norm_epsilon", "swiglu", "position_embedding_type",
                        "rotary_base", "rotary_percent", "rope_scaling_factor",
                        "rotary_seq_len_interpolation_factor", "num_query_groups",

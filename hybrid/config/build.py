@@ -14,7 +14,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from hybrid.config import checks
-from hybrid.config.architecture import architecture_fields, validate_architecture
+from hybrid.config.architecture import validate_architecture
 from hybrid.config.flags import Flags
 from hybrid.config.kernels import kernel_config_from_env, parse_kernel_choice
 from hybrid.config.sections import (CheckpointConfig, DataConfig, DiagnosticsConfig, KernelConfig,
@@ -88,14 +88,7 @@ def build_config(flags: Flags, world_size: int,
             world_size=world_size, tensor_model_parallel_size=tp, data_parallel_size=dp,
             sequence_parallel=f.sequence_parallel, backend=f.distributed_backend,
             timeout_minutes=f.distributed_timeout_minutes),
-        model=ModelConfig(
-            num_layers=f.num_layers, hidden_size=f.hidden_size,
-            num_attention_heads=f.num_attention_heads, ffn_hidden_size=f.ffn_hidden_size,
-            seq_length=f.seq_length, max_position_embeddings=f.max_position_embeddings,
-            make_vocab_size_divisible_by=f.make_vocab_size_divisible_by,
-            hidden_dropout=f.hidden_dropout, attention_dropout=f.attention_dropout,
-            init_method_std=f.init_method_std, attention_backend=f.attention_backend,
-            compile=f.compile, **architecture_fields(f)),
+        model=ModelConfig.from_flags(f),
         optimizer=_optimizer(f),
         schedule=ScheduleConfig(
             micro_batch_size=f.micro_batch_size, global_batch_size=f.global_batch_size,

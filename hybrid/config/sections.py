@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from hybrid.config.model import ModelConfig  # noqa: F401  (the model section: its own module)
 from hybrid.errors import ConfigError
 
 
@@ -85,37 +86,6 @@ class ParallelConfig:
     sequence_parallel: bool = False
     backend: str | None = None  # None: nccl with a GPU, gloo otherwise
     timeout_minutes: float = 10.0
-
-
-@dataclass(frozen=True)
-class ModelConfig:
-    """The architecture, independent of the vocabulary (that comes from the tokenizer)."""
-
-    num_layers: int = 4
-    hidden_size: int = 256
-    num_attention_heads: int = 4
-    ffn_hidden_size: int | None = None  # None: 4 x hidden
-    seq_length: int = 128
-    max_position_embeddings: int = 128
-    make_vocab_size_divisible_by: int = 128
-    hidden_dropout: float = 0.1
-    attention_dropout: float = 0.1
-    init_method_std: float = 0.02
-    attention_backend: str = "auto"  # auto, flash, fused, unfused, local
-    # the Llama family (hybrid.config.architecture; defaults: GPT-2)
-    normalization: str = "LayerNorm"  # or RMSNorm
-    norm_epsilon: float = 1e-5
-    swiglu: bool = False
-    position_embedding_type: str = "learned_absolute"  # rope, none
-    rotary_base: float = 10000.0
-    rotary_percent: float = 1.0
-    rope_scaling_factor: float | None = None  # Llama-3.1 scaling (--use-rope-scaling); None: off
-    rotary_seq_len_interpolation_factor: float | None = None  # positions / this; None: off
-    num_query_groups: int | None = None  # key/value heads; None: one per query head
-    untie_embeddings_and_output_weights: bool = False
-    add_bias_linear: bool = True
-    add_qkv_bias: bool = False  # QKV keeps a bias when add_bias_linear is off (Qwen2)
-    compile: bool = False  # torch.compile each block's forward (hybrid/train/compile.py)
 
 
 @dataclass(frozen=True)

@@ -63,21 +63,18 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from hybrid.config.model import ModelConfig
 from hybrid.estimate.model_states import BYTES, comm_bytes_per_step, model_state_bytes
 
 
 @dataclass(frozen=True)
 class Workload:
-    """One rank's share of a GPT training run (sizes as Megatron's flags name them)."""
+    """One rank's share of a GPT training run: the model (its section, vocabulary
+    known: sizes, dropout, ``seq_length``, the Llama-family options) and how the run
+    lays it out -- TP, DP, micro-batches, ZeRO stage, precision, recompute."""
 
-    num_layers: int
-    hidden_size: int
-    num_attention_heads: int
-    ffn_hidden_size: int
-    padded_vocab_size: int
-    seq_length: int
+    model: ModelConfig
     micro_batch_size: int
-    max_position_embeddings: int
     tp: int = 1
     sequence_parallel: bool = False
     dp: int = 1
@@ -85,8 +82,6 @@ class Workload:
     zero_stage: int = 0
     params_dtype: str = "fp32"
     grads_dtype: str | None = None
-    hidden_dropout: float = 0.0
-    attention_dropout: float = 0.0
     recompute: bool = False  # full: whole layers
     recompute_num_layers: int | None = None  # block method: only the first N layers
     recompute_layers_per_checkpoint: int = 1  # uniform method: layers per stored input
@@ -95,79 +90,37 @@ class Workload:
     cpu_checkpointing: bool = False
     reduce_bucket_size: int = 50_000_000
     device: str = "cuda"  # "cpu": the kernels and masks of a CPU run
-    # the Llama family (GPTConfig's fields of the same names; defaults: GPT-2)
-    normalization: str = "LayerNorm"
-    swiglu: bool = False
-    position_embedding_type: str = "learned_absolute"
-    num_query_groups: int | None = None  # None: one per head
-    untie_embeddings_and_output_weights: bool = False
-    add_bias_linear: bool = True
-    add_qkv_bias: bool = False  # QKV's bias without the others (Qwen2)
 
     @property
     def psi(self) -> int:
-        """Parameters of one TP rank (see ``GPTConfig.num_parameters``)."""
-        return self.block_params * self.num_layers + self.root_params
+        """Parameters of one TP rank (:meth:`ModelConfig.num_parameters`)."""
+        return self.model.num_parameters(self.tp)
 
     @property
-    def qkv_width(self) -> int:
-        """Output features of the fused QKV: every query head, a key and a value per group."""
-        a = self.num_attention_heads
-        return (a + 2 * (self.num_query_groups or a)) * (self.hidden_size // a)
-
-    @property
-    def mlp_up_width(self) -> int:
-        return (2 if self.swiglu else 1) * self.ffn_hidden_size
-
-    @property
-    def norm_params(self) -> int:
-        return (2 if self.normalization == "LayerNorm" else 1) * self.hidden_size
-
-    @property
-    def block_params(self) -> int:
-        C, F, t = self.hidden_size, self.ffn_hidden_size, self.tp
-        bias = 1 if self.add_bias_linear else 0
-        qkv_bias = 1 if self.add_bias_linear or self.add_qkv_bias else 0
-        split = self.qkv_width * (C + qkv_bias) + C * C + self.mlp_up_width * (C + bias) + F * C
-        return split // t + 2 * self.norm_params + 2 * bias * C
-
-    @property
-    def root_params(self) -> int:
-        C = self.hidden_size
-        heads = 2 if self.untie_embeddings_and_output_weights else 1
-        positions = (self.max_position_embeddings * C
-                     if self.position_embedding_type == "learned_absolute" else 0)
-        return heads * self.padded_vocab_size * C // self.tp + positions + self.norm_params
+    def padded_vocab_size(self) -> int:
+        """Embedding rows at this TP size (:meth:`ModelConfig.padded_vocab_size`)."""
+        return self.model.padded_vocab_size(self.tp)
 
     def with_stage(self, stage: int) -> "Workload":
         return replace(self, zero_stage=stage)
 
 
 def workload(cfg, vocab_size: int, device: str = "cuda") -> Workload:
-    """The :class:`Workload` of a :class:`hybrid.config.TrainConfig` run (at its full
-    global batch, after any ramp-up)."""
-    from hybrid.parallel.layout import padded_vocab_size
-    m, p, zero, rc = cfg.model, cfg.parallel, cfg.zero, cfg.recompute
-    tp = p.tensor_model_parallel_size
+    """The :class:`Workload` of a :class:`hybrid.config.TrainConfig` run with the
+    tokenizer's ``vocab_size`` (at its full global batch, after any ramp-up)."""
+    p, zero, rc = cfg.parallel, cfg.zero, cfg.recompute
     return Workload(
-        num_layers=m.num_layers, hidden_size=m.hidden_size,
-        num_attention_heads=m.num_attention_heads,
-        ffn_hidden_size=m.ffn_hidden_size or 4 * m.hidden_size,
-        padded_vocab_size=padded_vocab_size(vocab_size, m.make_vocab_size_divisible_by, tp),
-        seq_length=m.seq_length, micro_batch_size=cfg.schedule.micro_batch_size,
-        max_position_embeddings=m.max_position_embeddings,
-        tp=tp, sequence_parallel=p.sequence_parallel, dp=p.data_parallel_size,
-        micro_batches=cfg.num_micro_batches, zero_stage=zero.stage,
+        model=cfg.model.with_vocab_size(vocab_size),
+        micro_batch_size=cfg.schedule.micro_batch_size,
+        tp=p.tensor_model_parallel_size, sequence_parallel=p.sequence_parallel,
+        dp=p.data_parallel_size, micro_batches=cfg.num_micro_batches, zero_stage=zero.stage,
         params_dtype=zero.params_dtype, grads_dtype=zero.grads_dtype,
-        hidden_dropout=m.hidden_dropout, attention_dropout=m.attention_dropout,
         recompute=rc.granularity == "full", recompute_num_layers=rc.num_layers,
         recompute_layers_per_checkpoint=rc.layers_per_checkpoint,
         selective_recompute=rc.granularity == "selective",
         partition_activations=rc.partition_activations,
         cpu_checkpointing=rc.cpu_checkpointing, reduce_bucket_size=zero.reduce_bucket_size,
-        device=device, **{k: getattr(m, k) for k in (
-            "normalization", "swiglu", "position_embedding_type", "num_query_groups",
-            "untie_embeddings_and_output_weights", "add_bias_linear", "add_qkv_bias")})
+        device=device)
 
 
 def _stat_bytes(w: Workload) -> int:
@@ -177,23 +130,24 @@ def _stat_bytes(w: Workload) -> int:
 
 def _norm_row_bytes(w: Workload) -> int:
     """Statistics one norm saves per row: LayerNorm's mean and 1/std, RMSNorm's fp32 1/rms."""
-    return 2 * _stat_bytes(w) if w.normalization == "LayerNorm" else 4
+    return 2 * _stat_bytes(w) if w.model.normalization == "LayerNorm" else 4
 
 
 def activation_bytes_per_layer(w: Workload) -> int:
     """Bytes one layer saves for backward without recompute (see the note)."""
-    s, b, h, t, a = w.seq_length, w.micro_batch_size, w.hidden_size, w.tp, w.num_attention_heads
+    m, b, t = w.model, w.micro_batch_size, w.tp
+    s, h, a = m.seq_length, m.hidden_size, m.num_attention_heads
     e = BYTES[w.params_dtype]
     r = _replicated_divisor(w)
     sbh = s * b * h
     stats = 2 * s * b * _norm_row_bytes(w) // r
     # MLP: GELU's input and output (2f); SwiGLU's [gate | up] input and output (3f)
-    mlp = (w.mlp_up_width + w.ffn_hidden_size) * s * b
-    qkv = w.qkv_width * s * b  # 3 sbh without GQA
+    mlp = (m.mlp_up_size + m.ffn_hidden_size) * s * b
+    qkv = m.qkv_size * s * b  # 3 sbh without GQA
     if w.selective_recompute:  # the checkpoint holds the QKV output, SDPA keeps nothing
         saved = 4 * sbh * e // r + (qkv + sbh + mlp) * e // t
         attention = 0
-    elif w.device == "cpu" and w.attention_dropout > 0:
+    elif w.device == "cpu" and m.attention_dropout > 0:
         # the math kernel, in fp32: its own q, k, v (k, v repeated to every query
         # head) and the scores, not the QKV output
         saved = 4 * sbh * e // r + (sbh + mlp) * e // t
@@ -201,7 +155,7 @@ def activation_bytes_per_layer(w: Workload) -> int:
     else:
         saved = 4 * sbh * e // r + (qkv + sbh + mlp) * e // t
         attention = (a // t) * s * b * 4
-    masks = 2 * sbh * (1 if w.device == "cuda" else e) // r if w.hidden_dropout > 0 else 0
+    masks = 2 * sbh * (1 if w.device == "cuda" else e) // r if m.hidden_dropout > 0 else 0
     return saved + stats + attention + masks
 
 
@@ -213,31 +167,33 @@ def _replicated_divisor(w: Workload) -> int:
 
 def head_bytes(w: Workload) -> int:
     """Bytes saved outside the layers: embedding and head (see the note)."""
-    s, b, h = w.seq_length, w.micro_batch_size, w.hidden_size
+    m, b = w.model, w.micro_batch_size
+    s, h = m.seq_length, m.hidden_size
     e = BYTES[w.params_dtype]
     # tokens, labels, positions (int64); then at TP 1 the loss's weight scalar, at TP > 1
     # the masks of ids outside this rank's vocabulary slice (embedding, cross-entropy)
     r = _replicated_divisor(w)
-    positions = 8 * s if w.position_embedding_type == "learned_absolute" else 0  # SP: a view
+    positions = 8 * s if m.position_embedding_type == "learned_absolute" else 0  # SP: a view
     ids = 2 * 8 * s * b + positions + (4 if w.tp == 1 else 2 * s * b)
     ln_f = (2 * s * b * h * e + s * b * _norm_row_bytes(w)) // r
     softmax = (e if w.device == "cuda" else 4) * b * s * w.padded_vocab_size // w.tp
-    mask = s * b * h * (1 if w.device == "cuda" else e) // r if w.hidden_dropout > 0 else 0
+    mask = s * b * h * (1 if w.device == "cuda" else e) // r if m.hidden_dropout > 0 else 0
     return ids + ln_f + softmax + mask
 
 
 def activation_bytes(w: Workload) -> dict:
     """{"layers", "head", "recompute_working_set", "peak"}: bytes saved at the end of
     forward, and the most that exists at once (the peak term of :func:`peak_memory`)."""
-    s, b, h, t = w.seq_length, w.micro_batch_size, w.hidden_size, w.tp
+    m, b, t = w.model, w.micro_batch_size, w.tp
+    s, h = m.seq_length, m.hidden_size
     e = BYTES[w.params_dtype]
     per_layer = activation_bytes_per_layer(w)
-    n_ckpt = (w.recompute_num_layers or w.num_layers) if w.recompute else 0
+    n_ckpt = (w.recompute_num_layers or m.num_layers) if w.recompute else 0
     split = w.partition_activations or w.sequence_parallel  # the input is 1/t either way
     stored_input = 0 if w.cpu_checkpointing else s * b * h * e // (t if split else 1)
     k = min(w.recompute_layers_per_checkpoint, n_ckpt) if n_ckpt else 0
     n_stored = -(-n_ckpt // k) if k else 0  # one input per group of k layers
-    layers = n_stored * stored_input + (w.num_layers - n_ckpt) * per_layer
+    layers = n_stored * stored_input + (m.num_layers - n_ckpt) * per_layer
     head = head_bytes(w)
     working = k * per_layer  # a recomputed group during its backward
     if w.selective_recompute:  # one attention core's scores, rerun during its backward
@@ -260,7 +216,7 @@ def buffer_bytes(w: Workload) -> dict:
     """
     p = BYTES[w.params_dtype]
     g = BYTES[w.grads_dtype or w.params_dtype]
-    block, root = w.block_params, w.root_params
+    block, root = w.model.block_parameters(w.tp), w.model.root_parameters(w.tp)
     bucket = w.reduce_bucket_size
     gathered = grads = staging = 0
     if w.zero_stage == 3:
@@ -271,7 +227,7 @@ def buffer_bytes(w: Workload) -> dict:
         grads = 2 * min(bucket, w.psi) * p
         staging = 2 * min(bucket, w.psi) * g
     elif (w.grads_dtype or w.params_dtype) != w.params_dtype:
-        grads = w.padded_vocab_size * w.hidden_size // w.tp * p
+        grads = w.padded_vocab_size * w.model.hidden_size // w.tp * p
     return {"gathered": gathered, "grads": grads, "staging": staging,
             "total": gathered + grads + staging}
 

@@ -14,8 +14,6 @@ starts; :mod:`hybrid.parallel.state` builds the process groups from it.
 
 from __future__ import annotations
 
-import math
-
 from hybrid.errors import ConfigError
 
 
@@ -44,9 +42,3 @@ def dp_group_ranks(world_size: int, tp_size: int) -> list[list[int]]:
     """Global ranks of every DP group: ranks with the same tp_rank, strided by tp_size."""
     return [list(range(t, world_size, tp_size)) for t in range(tp_size)]
 
-
-def padded_vocab_size(vocab_size: int, divisible_by: int, tp: int) -> int:
-    """Round the vocabulary up to a multiple of ``divisible_by * tp`` (Megatron's rule),
-    so every TP rank holds the same number of embedding rows."""
-    multiple = divisible_by * tp
-    return int(math.ceil(vocab_size / multiple) * multiple)

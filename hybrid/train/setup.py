@@ -12,18 +12,16 @@ import resource
 import torch
 
 from hybrid.config import TrainConfig
-from hybrid.config.architecture import ARCHITECTURE_FIELDS
 from hybrid.config.sections import RecomputeConfig
 from hybrid.errors import TrainingError
 from hybrid.kernels.attention import check_attention_backend
 from hybrid.kernels.dtypes import DTYPES
-from hybrid.parallel.layout import padded_vocab_size
 from hybrid.parallel.state import ParallelState
 from hybrid.recompute.checkpointing import apply_activation_checkpointing
 from hybrid.tensor_parallel import InitValues, TPRNGTracker
 from hybrid.train.compile import compile_blocks
 from hybrid.zero import apply_zero
-from models.gpt import GPT, GPTConfig
+from models.gpt import GPT
 
 # [Note: host memory on CPU runs] glibc keeps freed activation blocks once its mmap
 # threshold has grown: ~0.6 GB per rank for a 302M GPT (hybrid/train/host_memory.py).
@@ -34,27 +32,13 @@ from models.gpt import GPT, GPTConfig
 HOST_TRIM_MIN_PARAMS = 100_000_000
 
 
-def gpt_config(cfg: TrainConfig, vocab_size: int) -> GPTConfig:
-    m, p = cfg.model, cfg.parallel
-    return GPTConfig(
-        vocab_size=vocab_size,
-        padded_vocab_size=padded_vocab_size(vocab_size, m.make_vocab_size_divisible_by,
-                                            p.tensor_model_parallel_size),
-        num_layers=m.num_layers, hidden_size=m.hidden_size,
-        num_attention_heads=m.num_attention_heads,
-        max_position_embeddings=m.max_position_embeddings,
-        ffn_hidden_size=m.ffn_hidden_size, hidden_dropout=m.hidden_dropout,
-        attention_dropout=m.attention_dropout, init_std=m.init_method_std,
-        sequence_parallel=p.sequence_parallel, attention_backend=m.attention_backend,
-        **{k: getattr(m, k) for k in ARCHITECTURE_FIELDS})
-
-
 def build_model(cfg: TrainConfig, ps: ParallelState, vocab_size: int,
                 rng: TPRNGTracker, device: torch.device | str | None = None) -> GPT:
-    """The GPT on ``device`` (default ``ps.device``), initialized from ``--seed``;
-    on "meta" only its shapes (ZeRO materializes it: see :func:`build_engine`)."""
-    return GPT(gpt_config(cfg, vocab_size), ps.tp_group, rng=rng, seed=cfg.seed,
-               device=device or ps.device)
+    """The GPT of ``cfg.model`` with the tokenizer's ``vocab_size``, on ``device``
+    (default ``ps.device``), initialized from ``--seed``; on "meta" only its shapes
+    (ZeRO materializes it: see :func:`build_engine`)."""
+    return GPT(cfg.model.with_vocab_size(vocab_size), ps.tp_group, rng=rng, seed=cfg.seed,
+               device=device or ps.device, sequence_parallel=cfg.parallel.sequence_parallel)
 
 
 def recompute_targets(model: GPT, rc: RecomputeConfig) -> list[torch.nn.Module]:
@@ -94,10 +78,10 @@ def build_engine_or_explain(cfg: TrainConfig, ps: ParallelState, vocab_size: int
     except RuntimeError as e:  # torch.OutOfMemoryError is one too; CPU says "allocate"
         if not isinstance(e, torch.OutOfMemoryError) and "allocate" not in str(e):
             raise
-        gc = gpt_config(cfg, vocab_size)
+        m = cfg.model.with_vocab_size(vocab_size)
         raise TrainingError(
-            f"the model ({gc.num_parameters(ps.tp_size):,} parameters on each TP rank, padded "
-            f"vocabulary {gc.padded_vocab_size:,}) does not fit in memory: check "
+            f"the model ({m.num_parameters(ps.tp_size):,} parameters on each TP rank, padded "
+            f"vocabulary {m.padded_vocab_size(ps.tp_size):,}) does not fit in memory: check "
             f"--hidden-size, --num-layers, --make-vocab-size-divisible-by, "
             f"--max-position-embeddings") from e
 

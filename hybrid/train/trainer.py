@@ -32,8 +32,7 @@ from hybrid.train.lr_schedule import scheduled_lr
 from hybrid.train.metrics import IntervalMetrics
 from hybrid.train.monitor import Monitor
 from hybrid.train.replicas import ReplicaChecker
-from hybrid.train.setup import (HOST_TRIM_MIN_PARAMS, build_engine_or_explain, gpt_config,
-                                memory_bytes)
+from hybrid.train.setup import HOST_TRIM_MIN_PARAMS, build_engine_or_explain, memory_bytes
 from hybrid.train.skips import SkippedSteps
 from hybrid.train.step import evaluate, train_step
 
@@ -60,8 +59,9 @@ class Trainer:
         self.tokenizer = build_tokenizer(cfg.tokenizer)
         self.data = build_datasets(cfg.data, self.tokenizer, ps)
         vocab = self.tokenizer.vocab_size
-        if ps.device.type == "cpu" and (gpt_config(cfg, vocab).num_parameters(ps.tp_size)
-                                        >= HOST_TRIM_MIN_PARAMS):
+        self.model_cfg = cfg.model.with_vocab_size(vocab)
+        if (ps.device.type == "cpu"
+                and self.model_cfg.num_parameters(ps.tp_size) >= HOST_TRIM_MIN_PARAMS):
             return_freed_memory()  # the model lives in host memory: keep RSS to what is used
         before_model = memory_bytes(ps)[0]  # the process without the model: runtime, data
         self.model, self.ac, self.engine = build_engine_or_explain(cfg, ps, vocab, self.rng)
@@ -77,7 +77,7 @@ class Trainer:
         self.eod = self.tokenizer.eod if cfg.data.eod_mask_loss else None  # data/dataset.py
         self.meter = SavedActivationMeter(
             extra=self.ac.stored_bytes if self.ac is not None else lambda: 0)
-        self.metrics = IntervalMetrics(ps, self.model.cfg.flops_per_token(cfg.model.seq_length),
+        self.metrics = IntervalMetrics(ps, self.model_cfg.flops_per_token(ps.tp_size),
                                        before_model, setup_peak)
         self.skips = SkippedSteps(self.model, self.engine, ps, cfg.schedule.micro_batch_size,
                                   cfg.schedule.exit_on_nan_iterations)
@@ -184,11 +184,12 @@ class Trainer:
         return monitor
 
     def _log_setup(self) -> None:
-        cfg, ps, mc = self.cfg, self.ps, self.model.cfg
+        cfg, ps, mc = self.cfg, self.ps, self.model_cfg
         log.info("layout: %s", ps.describe())
         log.info("parameters: %d on each TP rank, %d in the model (TP %d, padded vocab %d); "
                  "train samples per epoch: %d", mc.num_parameters(ps.tp_size),
-                 mc.num_parameters(), ps.tp_size, mc.padded_vocab_size, len(self.data["train"]))
+                 mc.num_parameters(ps.tp_size, per_rank=False), ps.tp_size,
+                 self.model.padded_vocab_size, len(self.data["train"]))
         log.info("config: %s", cfg.to_dict())
         if cfg.flags.ignored_megatron_flags:
             log.info("Megatron flags with no effect here (they pick Megatron's own kernels or "

@@ -220,6 +220,39 @@ def test_checkpoint_of_another_tokenizer_is_refused_even_when_the_padding_hides_
                   "tokenizer has 301")
 
 
+def test_one_process_model_pads_as_the_run_did_and_old_metadata_still_loads(
+        small_checkpoint, tmp_path):
+    """load_full_model (generate.py) rebuilds the model section from metadata.json's
+    flags: the TP-1 model pads the vocabulary with the run's
+    --make-vocab-size-divisible-by, and saved flags without it (an older checkpoint,
+    or import_hf.py's few shape flags) pad with 128. The padding changes no logit."""
+    import json
+
+    import torch
+
+    from hybrid.checkpoint.full_model import load_full_model
+    ck = os.path.join(_copy(small_checkpoint, tmp_path), "iter_0000002")
+    path = os.path.join(ck, "metadata.json")
+    with open(path, encoding="utf-8") as f:
+        meta = json.load(f)
+    shape_only = {k: meta["config"][k] for k in ("num_layers", "hidden_size",
+                                                 "num_attention_heads", "ffn_hidden_size",
+                                                 "max_position_embeddings")}
+    x = torch.randint(0, 257, (2, 16), generator=torch.Generator().manual_seed(0))
+    rows, logits = [], []
+    for config in (dict(meta["config"], make_vocab_size_divisible_by=1),
+                   dict(meta["config"], make_vocab_size_divisible_by=64), shape_only):
+        with open(path, "w", encoding="utf-8") as f:
+            json.dump(dict(meta, config=config), f)
+        model, _ = load_full_model(ck)
+        rows.append(model.padded_vocab_size)
+        with torch.no_grad():
+            logits.append(model(x)[..., :257])
+    assert rows == [257, 320, 384]
+    for other in logits[1:]:
+        torch.testing.assert_close(other, logits[0])
+
+
 def test_tools_name_an_output_they_cannot_write(small_checkpoint, tmp_path, capsys):
     from launch import script_module
     afile = tmp_path / "afile"

@@ -30,7 +30,6 @@ def test_llama3_rope_scaling_keeps_blends_and_divides_by_wavelength():
 
 
 def test_llama_flags_map_to_the_model_and_fill_megatron_defaults():
-    from hybrid.train.setup import gpt_config
     cfg = _validate(["--normalization", "RMSNorm", "--swiglu", "--hidden-size", "4096",
                      "--num-attention-heads", "32", "--position-embedding-type", "rope",
                      "--rotary-base", "500000", "--group-query-attention",
@@ -38,14 +37,14 @@ def test_llama_flags_map_to_the_model_and_fill_megatron_defaults():
                      "--norm-epsilon", "1e-6"], world=1)
     assert cfg.model.ffn_hidden_size == 10880  # Megatron: int(4 * 4096 * 2 / 3 / 64) * 64
     assert cfg.model.num_query_groups == 1  # Megatron's default with --group-query-attention
-    g = gpt_config(cfg, 32000)
+    g = cfg.model  # the section GPT is built from
     assert (g.normalization, g.swiglu, g.position_embedding_type, g.rotary_base,
             g.num_query_groups, g.untie_embeddings_and_output_weights, g.add_bias_linear,
             g.norm_epsilon) == ("RMSNorm", True, "rope", 500000.0, 1, True, False, 1e-6)
     assert g.rope_scaling_factor is None and not g.add_qkv_bias and not g.qkv_bias
     scaled = _validate(["--position-embedding-type", "rope", "--use-rope-scaling"], world=1)
-    assert gpt_config(scaled, 257).rope_scaling_factor == 8.0  # Megatron's default factor
-    plain = gpt_config(_validate([], world=1), 257)  # GPT-2 unchanged
+    assert scaled.model.rope_scaling_factor == 8.0  # Megatron's default factor
+    plain = _validate([], world=1).model  # GPT-2 unchanged
     assert (plain.normalization, plain.swiglu, plain.position_embedding_type,
             plain.query_groups, plain.add_bias_linear, plain.ffn_hidden_size) == \
         ("LayerNorm", False, "learned_absolute", 4, True, 1024)
@@ -68,10 +67,9 @@ def test_add_qkv_bias_is_megatrons_flag_and_old_checkpoints_read_it_as_off():
     (a checkpoint from before the flag) reads as no QKV bias."""
     from hybrid.config.architecture import architecture_fields
     from hybrid.config.megatron_flags import split_megatron_flags
-    from hybrid.train.setup import gpt_config
     argv = ["--disable-bias-linear", "--add-qkv-bias"]
     assert split_megatron_flags(argv) == (argv, [])
-    g = gpt_config(_validate(argv, world=1), 257)
+    g = _validate(argv, world=1).model
     assert (g.add_bias_linear, g.add_qkv_bias, g.qkv_bias) == (False, True, True)
     saved = _validate(["--disable-bias-linear"], world=1).to_dict()
     assert "add_qkv_bias" in saved

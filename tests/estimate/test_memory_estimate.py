@@ -9,6 +9,7 @@ for a Llama-shaped model (RMSNorm, SwiGLU, RoPE, GQA, untied, no biases).
 """
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -17,14 +18,15 @@ from dataclasses import replace
 import pytest
 import torch
 
+from hybrid.config.model import ModelConfig
 from hybrid.config.sections import RecomputeConfig
 from hybrid.estimate.memory import (Workload, activation_bytes, activation_bytes_per_layer,
                                     choose_stage, head_bytes, peak_memory, traffic_bytes)
 from hybrid.parallel.state import ParallelState
 from hybrid.recompute.checkpointing import apply_activation_checkpointing
-from hybrid.tensor_parallel import seed_all
+from hybrid.tensor_parallel import full_shape, seed_all
 from hybrid.train.setup import recompute_targets
-from models.gpt import GPT, GPTConfig
+from models.gpt import GPT
 
 from harness import run_ranks
 from launch import ROOT
@@ -36,31 +38,32 @@ CASES = [  # (dtype, hidden dropout, attention dropout)
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
-# The Llama-shaped model: GPTConfig and Workload fields of the same names
+# The Llama-shaped model's ModelConfig fields
 LLAMA = dict(normalization="RMSNorm", swiglu=True, position_embedding_type="rope",
              num_query_groups=2, untie_embeddings_and_output_weights=True,
              add_bias_linear=False)
 LLAMA_FFN = 48  # SwiGLU's [gate | up] is 96 wide
 
 
+def _model(layers, drop, attn, arch=None):
+    """The model both the estimator and the measured GPT take (V rows at TP 1 and 2)."""
+    return ModelConfig(vocab_size=V, num_layers=layers, hidden_size=H, num_attention_heads=HEADS,
+                       ffn_hidden_size=LLAMA_FFN if arch else 4 * H, seq_length=S,
+                       max_position_embeddings=S, hidden_dropout=drop, attention_dropout=attn,
+                       **(arch or {}))
+
+
 def _workload(tp, dtype, drop, attn, layers=1, arch=None, **kw):
-    ffn = LLAMA_FFN if arch else 4 * H
-    return Workload(num_layers=layers, hidden_size=H, num_attention_heads=HEADS,
-                    ffn_hidden_size=ffn, padded_vocab_size=V, seq_length=S,
-                    micro_batch_size=B, max_position_embeddings=S, tp=tp, params_dtype=dtype,
-                    hidden_dropout=drop, attention_dropout=attn, device="cpu", **(arch or {}),
-                    **kw)
+    return Workload(model=_model(layers, drop, attn, arch), micro_batch_size=B, tp=tp,
+                    params_dtype=dtype, device="cpu", **kw)
 
 
 def _saved_bytes(ps, layers, dtype, drop, attn, recompute=None, sp=False, arch=None):
     """Bytes of the distinct storages autograd saves in one forward (params excluded),
     plus the checkpoints activation checkpointing stores."""
-    cfg = GPTConfig(vocab_size=V, padded_vocab_size=V, num_layers=layers, hidden_size=H,
-                    num_attention_heads=HEADS, max_position_embeddings=S,
-                    hidden_dropout=drop, attention_dropout=attn, sequence_parallel=sp,
-                    ffn_hidden_size=LLAMA_FFN if arch else None, **(arch or {}))
     rng = seed_all(1, ps.tp_rank, ps.dp_rank, ps.device)
-    model = GPT(cfg, ps.tp_group, rng=rng, seed=1).to(DTYPES[dtype])
+    model = GPT(_model(layers, drop, attn, arch), ps.tp_group, rng=rng, seed=1,
+                sequence_parallel=sp).to(DTYPES[dtype])
     ac = None if recompute is None else apply_activation_checkpointing(
         model, ps, rng, recompute, blocks=recompute_targets(model, recompute))
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
@@ -178,18 +181,21 @@ def test_llama_activations_equal_saved_bytes(measured, tp, sp, case):
 
 @pytest.mark.parametrize("qkv_bias", [False, True], ids=["llama", "qwen2"])
 def test_llama_parameter_count_matches_the_model(qkv_bias):
-    """Qwen2's QKV bias (--add-qkv-bias): (4 + 2 x 2) heads x 8 channels per layer more."""
+    """Psi is what one TP rank of the built model holds, at TP 1 and 2. Qwen2's QKV bias
+    (--add-qkv-bias): (4 + 2 x 2) heads x 8 channels per layer more."""
+    class RankZeroOf:  # a TP group's size and rank: all a model needs to be built on meta
+        def __init__(self, size):
+            self.size, self.rank = size, 0
+
     arch = dict(LLAMA, add_qkv_bias=qkv_bias)
     for tp in (1, 2):
         w = _workload(tp, "fp32", 0.0, 0.0, layers=2, arch=arch)
-        cfg = GPTConfig(vocab_size=V, padded_vocab_size=V, num_layers=2, hidden_size=H,
-                        num_attention_heads=HEADS, max_position_embeddings=S,
-                        ffn_hidden_size=LLAMA_FFN, **arch)
-        assert w.psi == cfg.num_parameters(tp)
+        model = GPT(w.model, RankZeroOf(tp), device="meta")
+        assert w.psi == sum(p.numel() for p in model.parameters())
         base = _workload(tp, "fp32", 0.0, 0.0, layers=2, arch=LLAMA).psi
         assert w.psi - base == qkv_bias * 2 * (4 + 2 * 2) * 8 // tp
-    model = GPT(cfg, ParallelState.single().tp_group, device="meta")
-    assert cfg.num_parameters() == sum(p.numel() for p in model.parameters())
+        whole = sum(math.prod(full_shape(p)) for p in model.parameters())
+        assert w.model.num_parameters(tp, per_rank=False) == whole
 
 
 @pytest.mark.parametrize("tp", [1, 2])
@@ -209,10 +215,13 @@ def test_uniform_groups_keep_one_input_per_group(measured, tp, partition, layers
 
 def test_choose_stage_weighs_peak_against_traffic():
     # 8 micro-batches: stage 1 moves far less than 2-3, so it wins while it fits
-    w = Workload(num_layers=24, hidden_size=2048, num_attention_heads=16,
-                 ffn_hidden_size=8192, padded_vocab_size=50304, seq_length=1024,
-                 micro_batch_size=4, max_position_embeddings=1024, tp=4, dp=8,
-                 micro_batches=8, params_dtype="bf16", grads_dtype="fp32", recompute=True)
+    model = ModelConfig(num_layers=24, hidden_size=2048, num_attention_heads=16,
+                        ffn_hidden_size=8192, seq_length=1024, max_position_embeddings=1024,
+                        vocab_size=50257, make_vocab_size_divisible_by=32,  # 50304 rows at TP 4
+                        hidden_dropout=0.0, attention_dropout=0.0)
+    w = Workload(model=model, micro_batch_size=4, tp=4, dp=8, micro_batches=8,
+                 params_dtype="bf16", grads_dtype="fp32", recompute=True)
+    assert w.padded_vocab_size == 50304
     peaks = {s: peak_memory(w.with_stage(s))["total"] for s in range(4)}
     traffic = {s: traffic_bytes(w.with_stage(s))["total"] for s in range(4)}
     assert peaks[0] > peaks[1] > peaks[2] > peaks[3]
@@ -282,11 +291,8 @@ def test_gpt2_presets_run_the_stage_the_estimator_recommends(world):
 def _metered(ps, recompute):
     """SavedActivationMeter's peak over one forward + backward of a 2-layer fp32 GPT."""
     from hybrid.train.activation_meter import SavedActivationMeter
-    cfg = GPTConfig(vocab_size=V, padded_vocab_size=V, num_layers=2, hidden_size=H,
-                    num_attention_heads=HEADS, max_position_embeddings=S,
-                    hidden_dropout=0.0, attention_dropout=0.0)
     rng = seed_all(1, ps.tp_rank, ps.dp_rank, ps.device)
-    model = GPT(cfg, ps.tp_group, rng=rng, seed=1)
+    model = GPT(_model(2, 0.0, 0.0), ps.tp_group, rng=rng, seed=1)
     ac = None if recompute is None else apply_activation_checkpointing(
         model, ps, rng, recompute, blocks=recompute_targets(model, recompute))
     g = torch.Generator().manual_seed(0)

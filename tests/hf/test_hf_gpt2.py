@@ -22,16 +22,20 @@ def _tokens():
 
 
 def _hybrid_logits_from_merged(ckpt):
+    from dataclasses import replace
+
+    from hybrid.checkpoint.full_model import saved_model_config
     from hybrid.checkpoint.reshard import merged_state
     from hybrid.parallel.state import ParallelState
-    from models.gpt import GPT, GPTConfig
+    from models.gpt import GPT
     meta, state = merged_state(ckpt)
-    c = meta["config"]
-    cfg = GPTConfig(VOCAB, 384, c["num_layers"], c["hidden_size"], c["num_attention_heads"],
-                    c["max_position_embeddings"], hidden_dropout=0, attention_dropout=0)
+    assert meta["vocab_size"] == VOCAB
+    cfg = replace(saved_model_config(meta), hidden_dropout=0, attention_dropout=0)
     model = GPT(cfg, ParallelState.single().tp_group).eval()
+    rows = model.padded_vocab_size
+    assert rows == 384  # 257 padded to a multiple of 128 at TP 1
     sd = {n: s["master"] for n, s in state.items()}
-    sd["wte.weight"] = torch.nn.functional.pad(sd["wte.weight"][:VOCAB], (0, 0, 0, 384 - VOCAB))
+    sd["wte.weight"] = torch.nn.functional.pad(sd["wte.weight"][:VOCAB], (0, 0, 0, rows - VOCAB))
     model.load_state_dict(sd)
     with torch.no_grad():
         return model(_tokens())[..., :VOCAB]

@@ -38,6 +38,8 @@ def test_the_flag_reaches_the_model_and_a_run_that_cannot_use_it_stops_at_start(
     assert r.returncode == 2
     assert "pretrain_gpt.py: error: --attention-backend fused cannot run on this cpu" in r.stderr
     from hybrid.config import build_config, parse_args
-    from hybrid.train.setup import gpt_config
+    from hybrid.parallel.state import ParallelState
+    from hybrid.train.setup import build_model
     cfg = build_config(parse_args(TINY + ["--use-flash-attn"]), 1)
-    assert gpt_config(cfg, 257).attention_backend == "flash"
+    model = build_model(cfg, ParallelState.single(), 257, rng=None, device="meta")
+    assert {b.attn.core.backend for b in model.blocks} == {"flash"}

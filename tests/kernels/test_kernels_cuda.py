@@ -262,11 +262,12 @@ def test_fused_adam_device_scalars_are_the_host_arguments(out_dtype):
 @cuda
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_gpt_fused_matches_eager(dtype, choose):
+    from hybrid.config.model import ModelConfig
     from hybrid.parallel.state import ParallelState
-    from models.gpt import GPT, GPTConfig
-    cfg = GPTConfig(vocab_size=1000, padded_vocab_size=1024, num_layers=2, hidden_size=256,
-                    num_attention_heads=4, max_position_embeddings=64, hidden_dropout=0.0,
-                    attention_dropout=0.0)
+    from models.gpt import GPT
+    cfg = ModelConfig(vocab_size=1000, num_layers=2, hidden_size=256,  # 1024 rows
+                      num_attention_heads=4, max_position_embeddings=64, hidden_dropout=0.0,
+                      attention_dropout=0.0)
     ps = ParallelState.single("cuda")
     model = GPT(cfg, ps.tp_group, device="cuda").to(dtype)
     tok = torch.randint(0, 1000, (2, 64), device="cuda")

@@ -122,16 +122,17 @@ def test_fp32_path_saves_what_f_linear_saves(choose):
 
 def _gpt_grads(ps, path, sp=False):
     """A bf16 GPT's loss, its gradients, and the fp32-path linears in its graph."""
+    from hybrid.config.model import ModelConfig
     from hybrid.tensor_parallel import seed_all
-    from models.gpt import GPT, GPTConfig
+    from models.gpt import GPT
     before = kernels.current()
     kernels.configure(replace(before, choice=(("linear", path),)))
     try:
         rng = seed_all(3, ps.tp_rank, ps.dp_rank, ps.device)
-        cfg = GPTConfig(vocab_size=257, padded_vocab_size=512, num_layers=2, hidden_size=32,
-                        num_attention_heads=4, max_position_embeddings=16, hidden_dropout=0.0,
-                        attention_dropout=0.0, sequence_parallel=sp)
-        model = GPT(cfg, ps.tp_group, rng=rng, seed=3).to(torch.bfloat16)
+        cfg = ModelConfig(vocab_size=257, make_vocab_size_divisible_by=512 // ps.tp_size,
+                          num_layers=2, hidden_size=32, num_attention_heads=4,  # 512 rows
+                          max_position_embeddings=16, hidden_dropout=0.0, attention_dropout=0.0)
+        model = GPT(cfg, ps.tp_group, rng=rng, seed=3, sequence_parallel=sp).to(torch.bfloat16)
         g = torch.Generator().manual_seed(1)
         x = torch.randint(0, 257, (2, 17), generator=g)
         loss = model(x[:, :-1], x[:, 1:])

@@ -1,23 +1,26 @@
 """GPT at TP=2 and 4 computes the same logits, loss and gradients as TP=1 from the same seed."""
 
+from dataclasses import replace
+
 import pytest
 import torch
 
+from hybrid.config.model import ModelConfig
 from hybrid.parallel.state import ParallelState
 from hybrid.tensor_parallel import seed_all
-from models.gpt import GPT, GPTConfig
+from models.gpt import GPT
 
 from harness import run_ranks
 
 SEED = 7
 
 
-def _cfg(tp, dropout=0.0):
-    # vocab 257 padded per TP (384 / 512 / 512): padding must not change the function
-    padded = {1: 384, 2: 512, 4: 512}[tp]
-    return GPTConfig(vocab_size=257, padded_vocab_size=padded, num_layers=2, hidden_size=32,
-                     num_attention_heads=4, max_position_embeddings=16,
-                     hidden_dropout=dropout, attention_dropout=dropout)
+def _cfg(dropout=0.0):
+    # vocab 257, padded by GPT per TP size (384 / 512 / 512): padding must not change
+    # the function
+    return ModelConfig(vocab_size=257, num_layers=2, hidden_size=32, num_attention_heads=4,
+                       max_position_embeddings=16, hidden_dropout=dropout,
+                       attention_dropout=dropout)
 
 
 def _tokens():
@@ -32,7 +35,8 @@ def _mask(x):
 
 def _run_gpt(ps):
     rng = seed_all(SEED, ps.tp_rank, ps.dp_rank, ps.device)
-    model = GPT(_cfg(ps.tp_size), ps.tp_group, rng=rng, seed=SEED)
+    model = GPT(_cfg(), ps.tp_group, rng=rng, seed=SEED)
+    assert model.padded_vocab_size == {1: 384, 2: 512, 4: 512}[ps.tp_size]
     x, y = _tokens()
     logits = model(x)
     loss = model(x, y)
@@ -86,9 +90,7 @@ def test_gpt_tp_matches_single_process(reference, tp):
 
 
 def test_gpt_rejects_heads_not_divisible_by_tp():
-    cfg = _cfg(1)
-    cfg.num_attention_heads = 3
-    cfg.hidden_size = 33
+    cfg = replace(_cfg(), num_attention_heads=3, hidden_size=33)
     ps = ParallelState.single()
     GPT(cfg, ps.tp_group)  # fine at TP=1
 

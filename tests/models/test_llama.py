@@ -16,9 +16,10 @@ import pytest
 import torch
 
 from hybrid.config import Flags, build_config
+from hybrid.config.model import ModelConfig
 from hybrid.parallel.state import ParallelState
 from hybrid.tensor_parallel import full_shape, seed_all, shard_of, unshard
-from models.gpt import GPT, GPTConfig
+from models.gpt import GPT
 
 from harness import run_ranks
 from zero_reference import VOCAB, _named_params, _train_cfg, _train_reference, _train_steps
@@ -27,7 +28,7 @@ SEED, V, T = 13, 257, 16
 LLAMA = dict(normalization="RMSNorm", swiglu=True, position_embedding_type="rope",
              num_query_groups=4, untie_embeddings_and_output_weights=True,
              add_bias_linear=False)
-OPTIONS = {  # name -> GPTConfig fields; 8 heads of 8 channels, 4 query groups
+OPTIONS = {  # name -> ModelConfig fields; 8 heads of 8 channels, 4 query groups
     "rmsnorm": {"normalization": "RMSNorm"},
     "swiglu": {"swiglu": True},
     "rope": {"position_embedding_type": "rope", "rotary_base": 500.0},
@@ -51,10 +52,11 @@ OPTIONS = {  # name -> GPTConfig fields; 8 heads of 8 channels, 4 query groups
 }
 
 
-def _cfg(tp, **kw):
-    return GPTConfig(vocab_size=V, padded_vocab_size={1: 384, 2: 512, 4: 512}[tp], num_layers=2,
-                     hidden_size=64, num_attention_heads=8, max_position_embeddings=T,
-                     hidden_dropout=0.0, attention_dropout=0.0, **kw)
+def _cfg(**kw):
+    # vocab 257, padded by GPT per TP size (384 / 512 / 512)
+    return ModelConfig(vocab_size=V, num_layers=2, hidden_size=64, num_attention_heads=8,
+                       max_position_embeddings=T, hidden_dropout=0.0, attention_dropout=0.0,
+                       **kw)
 
 
 def _batch():
@@ -77,7 +79,7 @@ def _run_options(ps, names):
     out = {}
     for name in names:
         rng = seed_all(SEED, ps.tp_rank, ps.dp_rank, ps.device)
-        model = GPT(_cfg(ps.tp_size, **OPTIONS[name]), ps.tp_group, rng=rng, seed=SEED)
+        model = GPT(_cfg(**OPTIONS[name]), ps.tp_group, rng=rng, seed=SEED)
         _nonzero_qkv_bias(model)
         x, y = _batch()
         logits = model(x)
@@ -115,7 +117,7 @@ def test_options_change_the_model_they_name(reference):
     losses = {k: float(r["loss"]) for k, r in reference.items()}
     assert len(set(losses.values())) == len(losses), losses  # each option does something
     for name in ("llama", "qwen2", "qkv_bias"):
-        cfg = _cfg(1, **OPTIONS[name])
+        cfg = _cfg(**OPTIONS[name])
         assert cfg.num_parameters() == sum(p.numel() for p in reference[name]["weights"].values())
 
 

@@ -11,9 +11,10 @@ import pytest
 import torch
 
 from hybrid.config import Flags, build_config
+from hybrid.config.model import ModelConfig
 from hybrid.recompute.checkpointing import apply_activation_checkpointing
 from hybrid.tensor_parallel import seed_all
-from models.gpt import GPT, GPTConfig
+from models.gpt import GPT
 
 from harness import run_ranks
 from launch import TINY, pretrain, read_json_log
@@ -38,9 +39,9 @@ VARIANTS["first layer only"] = _flags(True, False, False, layers=1)
 def _model(ps, seed=SEED, layers=LAYERS):
     """The same weights and the same dropout streams for every variant."""
     rng = seed_all(seed, ps.tp_rank, ps.dp_rank, ps.device)
-    cfg = GPTConfig(vocab_size=257, padded_vocab_size=512, num_layers=layers, hidden_size=C,
-                    num_attention_heads=4, max_position_embeddings=T, hidden_dropout=0.1,
-                    attention_dropout=0.1)
+    cfg = ModelConfig(vocab_size=257, make_vocab_size_divisible_by=512 // ps.tp_size,  # 512 rows
+                      num_layers=layers, hidden_size=C, num_attention_heads=4,
+                      max_position_embeddings=T, hidden_dropout=0.1, attention_dropout=0.1)
     model = GPT(cfg, ps.tp_group, rng=rng, seed=SEED)
     model.train()
     return model, rng

@@ -10,10 +10,11 @@ positions) stay bit-identical across TP ranks through many optimizer steps.
 import pytest
 import torch
 
+from hybrid.config.model import ModelConfig
 from hybrid.parallel.state import ParallelState
 from hybrid.tensor_parallel import (gather_from_sequence, reduce_scatter_to_sequence,
                                     scatter_to_sequence, seed_all)
-from models.gpt import GPT, GPTConfig
+from models.gpt import GPT
 
 from harness import run_ranks
 from zero_reference import _dp_step, _gpt, _named_params, _train_cfg, _train_stages
@@ -21,10 +22,13 @@ from zero_reference import _dp_step, _gpt, _named_params, _train_cfg, _train_sta
 SEED, V, T = 11, 257, 16
 
 
-def _cfg(tp, sp, dropout=0.0):
-    return GPTConfig(vocab_size=V, padded_vocab_size={1: 384, 2: 512, 4: 512}[tp], num_layers=2,
-                     hidden_size=32, num_attention_heads=4, max_position_embeddings=T,
-                     hidden_dropout=dropout, attention_dropout=dropout, sequence_parallel=sp)
+def _gpt_sp(ps, rng, sp, dropout=0.0):
+    """The GPT of these tests at ``ps``'s TP size, with or without sequence parallelism
+    (vocab 257 padded per TP size: 384 / 512 / 512)."""
+    cfg = ModelConfig(vocab_size=V, num_layers=2, hidden_size=32, num_attention_heads=4,
+                      max_position_embeddings=T, hidden_dropout=dropout,
+                      attention_dropout=dropout)
+    return GPT(cfg, ps.tp_group, rng=rng, seed=SEED, sequence_parallel=sp)
 
 
 def _batch(step=0):
@@ -35,7 +39,7 @@ def _batch(step=0):
 
 def _run(ps, sp):
     rng = seed_all(SEED, ps.tp_rank, ps.dp_rank, ps.device)
-    model = GPT(_cfg(ps.tp_size, sp), ps.tp_group, rng=rng, seed=SEED)
+    model = _gpt_sp(ps, rng, sp)
     x, y = _batch()
     logits = model(x)
     loss = model(x, y)
@@ -76,7 +80,7 @@ def test_sequence_parallel_matches_one_process(reference, tp):
 def _train_replicas(ps, steps):
     """Steps of AdamW with dropout on, SP at this TP size: replicated params per rank."""
     rng = seed_all(SEED, ps.tp_rank, ps.dp_rank, ps.device)
-    model = GPT(_cfg(ps.tp_size, True, dropout=0.1), ps.tp_group, rng=rng, seed=SEED)
+    model = _gpt_sp(ps, rng, True, dropout=0.1)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     losses = []
     for step in range(steps):

@@ -9,12 +9,12 @@ import pytest
 import torch
 
 from hybrid.config import Flags, build_config
-from hybrid.parallel.layout import padded_vocab_size
+from hybrid.config.model import ModelConfig
 from hybrid.parallel.state import ParallelState
 from hybrid.tensor_parallel import InitValues, seed_all
 from hybrid.testing.host_syncs import HostReads, cuda_syncs
 from hybrid.zero import apply_zero
-from models.gpt import GPT, GPTConfig
+from models.gpt import GPT
 
 from harness import run_ranks
 from launch import ROOT
@@ -35,11 +35,11 @@ def _cfg(world, tp, **kw):
 
 def _engine(cfg, ps, device="cpu"):
     rng = seed_all(cfg.seed, ps.tp_rank, ps.dp_rank, ps.device)
-    gcfg = GPTConfig(vocab_size=VOCAB, padded_vocab_size=padded_vocab_size(VOCAB, 128, ps.tp_size),
-                     num_layers=cfg.model.num_layers, hidden_size=cfg.model.hidden_size,
-                     num_attention_heads=cfg.model.num_attention_heads,
-                     max_position_embeddings=SEQ, hidden_dropout=0.0, attention_dropout=0.0)
-    model = GPT(gcfg, ps.tp_group, rng=rng, seed=cfg.seed, device="meta")
+    m = ModelConfig(vocab_size=VOCAB, num_layers=cfg.model.num_layers,
+                    hidden_size=cfg.model.hidden_size,
+                    num_attention_heads=cfg.model.num_attention_heads,
+                    max_position_embeddings=SEQ, hidden_dropout=0.0, attention_dropout=0.0)
+    model = GPT(m, ps.tp_group, rng=rng, seed=cfg.seed, device="meta")
     return model, apply_zero(model, ps, cfg.zero, values=InitValues(cfg.seed, model.init_of))
 
 

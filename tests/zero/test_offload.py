@@ -6,12 +6,12 @@ import pytest
 import torch
 
 from hybrid.config import Flags, build_config
+from hybrid.config.model import ModelConfig
 from hybrid.errors import ConfigError
-from hybrid.parallel.layout import padded_vocab_size
 from hybrid.parallel.state import ParallelState
 from hybrid.tensor_parallel import InitValues, seed_all
 from hybrid.zero import apply_zero
-from models.gpt import GPT, GPTConfig
+from models.gpt import GPT
 
 from harness import run_ranks
 
@@ -30,10 +30,9 @@ def _cfg(world, **kw):
 
 def _gpt(cfg, ps, device):
     rng = seed_all(cfg.seed, ps.tp_rank, ps.dp_rank, ps.device)
-    gcfg = GPTConfig(vocab_size=VOCAB, padded_vocab_size=padded_vocab_size(VOCAB, 128, 1),
-                     num_layers=2, hidden_size=32, num_attention_heads=4,
-                     max_position_embeddings=SEQ, hidden_dropout=0.0, attention_dropout=0.0)
-    return GPT(gcfg, ps.tp_group, rng=rng, seed=cfg.seed, device=device)
+    m = ModelConfig(vocab_size=VOCAB, num_layers=2, hidden_size=32, num_attention_heads=4,
+                    max_position_embeddings=SEQ, hidden_dropout=0.0, attention_dropout=0.0)
+    return GPT(m, ps.tp_group, rng=rng, seed=cfg.seed, device=device)
 
 
 def _global_batch(step):

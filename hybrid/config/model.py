@@ -1,0 +1,203 @@
+"""The model section: a GPT's shape, written down once.
+
+:class:`ModelConfig` is what :func:`hybrid.config.build_config` cuts from the
+flags (:meth:`ModelConfig.from_flags`), what :class:`models.gpt.GPT` is built
+from, what the memory estimator (:mod:`hybrid.estimate.memory`) counts, and
+what a checkpoint is rebuilt from: its ``metadata.json`` keeps the flat flags
+(``"config"``) and the vocabulary (``"vocab_size"``), and ``from_flags`` reads
+that dict the way it reads the command line (a key an older checkpoint lacks
+takes its default).
+
+The vocabulary is the tokenizer's, and the config loads no tokenizer: the
+section holds ``vocab_size=None`` until :meth:`ModelConfig.with_vocab_size`
+gives the copy with the tokenizer's size. The embedding's rows are that
+vocabulary padded for the TP size, :meth:`ModelConfig.padded_vocab_size`,
+the one place that rounding is done. Parameters and FLOPs are counted here
+too (:meth:`ModelConfig.num_parameters`, :meth:`ModelConfig.flops_per_token`),
+once, for the training log, the estimator and the benchmarks.
+
+Not here: ``sequence_parallel`` is how the parallel section runs the model,
+not the model (``GPT(..., sequence_parallel=...)`` takes it from
+:class:`hybrid.config.sections.ParallelConfig`). ``attention_backend`` is
+here, as in Megatron's TransformerConfig: every attention core reads it once,
+when the model is built; it picks torch's kernel, not the function.
+
+No torch import: the launcher checks a command line with this module.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+
+from hybrid.config.architecture import architecture_fields, swiglu_ffn_hidden_size
+
+# The flags from_flags copies as they are, each with the section's default for a
+# saved config that lacks it (a checkpoint older than the flag).
+_PLAIN_FLAGS = ("num_layers", "hidden_size", "num_attention_heads", "seq_length",
+                "make_vocab_size_divisible_by", "hidden_dropout", "attention_dropout",
+                "init_method_std", "attention_backend", "compile")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """A GPT-2 or Llama-family model (Megatron's flags of the same names).
+
+    ``ffn_hidden_size`` None is filled at construction: 4 x hidden, or with
+    ``swiglu`` Megatron's 8h/3 rounded down to a multiple of 64.
+    ``seq_length``: the tokens of a training sample (what the estimator and the
+    FLOP count take); ``max_position_embeddings`` bounds it.
+    ``vocab_size``: ids that can occur in the data (the tokenizer's), None until
+    known; the embedding holds :meth:`padded_vocab_size` rows.
+    """
+
+    num_layers: int = 4
+    hidden_size: int = 256
+    num_attention_heads: int = 4
+    ffn_hidden_size: int | None = None
+    seq_length: int = 128
+    max_position_embeddings: int = 128
+    vocab_size: int | None = None
+    make_vocab_size_divisible_by: int = 128
+    hidden_dropout: float = 0.1
+    attention_dropout: float = 0.1
+    init_method_std: float = 0.02
+    attention_backend: str = "auto"  # auto, flash, fused, unfused, local (hybrid/kernels)
+    # the Llama family (hybrid.config.architecture; defaults: GPT-2)
+    normalization: str = "LayerNorm"  # or RMSNorm
+    norm_epsilon: float = 1e-5
+    swiglu: bool = False  # gated SiLU MLP
+    position_embedding_type: str = "learned_absolute"  # rope, none
+    rotary_base: float = 10000.0
+    rotary_percent: float = 1.0  # RoPE on this fraction of each head's channels
+    rope_scaling_factor: float | None = None  # Llama-3.1 scaling (--use-rope-scaling); None: off
+    rotary_seq_len_interpolation_factor: float | None = None  # positions / this; None: off
+    num_query_groups: int | None = None  # key/value heads; None: one per query head
+    untie_embeddings_and_output_weights: bool = False
+    add_bias_linear: bool = True
+    add_qkv_bias: bool = False  # QKV keeps a bias when add_bias_linear is off (Qwen2)
+    compile: bool = False  # torch.compile each block's forward (hybrid/train/compile.py)
+
+    def __post_init__(self):
+        if self.ffn_hidden_size is None:  # frozen: the one write, before anyone reads it
+            object.__setattr__(self, "ffn_hidden_size",
+                               swiglu_ffn_hidden_size(self.hidden_size) if self.swiglu
+                               else 4 * self.hidden_size)
+
+    @classmethod
+    def from_flags(cls, f) -> "ModelConfig":
+        """The section of checked :class:`hybrid.config.flags.Flags`, or of the flat
+        flags dict a checkpoint's metadata.json saves (``"config"``; a missing key
+        takes the default: 128 for ``make_vocab_size_divisible_by``, GPT-2's
+        architecture). The vocabulary is not a flag: see :meth:`with_vocab_size`."""
+        def get(name, default):
+            value = f.get(name) if isinstance(f, dict) else getattr(f, name)
+            return default if value is None else value
+        defaults = cls()
+        plain = {k: get(k, getattr(defaults, k)) for k in _PLAIN_FLAGS}
+        # checked flags always carry it; a saved dict without it: positions = sequence
+        positions = get("max_position_embeddings", plain["seq_length"])
+        return cls(ffn_hidden_size=get("ffn_hidden_size", None),  # None: filled per swiglu
+                   max_position_embeddings=positions, **plain, **architecture_fields(f))
+
+    def with_vocab_size(self, vocab_size: int) -> "ModelConfig":
+        """This model with the tokenizer's vocabulary of ``vocab_size`` ids."""
+        return replace(self, vocab_size=vocab_size)
+
+    def padded_vocab_size(self, tp: int) -> int:
+        """Rows of the token embedding (and of an untied output layer) at TP size ``tp``:
+        the vocabulary rounded up to a multiple of ``make_vocab_size_divisible_by * tp``
+        (Megatron's rule), so every TP rank holds the same number of rows. The padding
+        rows are zero and masked out of the softmax: the function is the same at any
+        ``tp``."""
+        if self.vocab_size is None:
+            raise ValueError("the vocabulary is not known yet: take "
+                             "ModelConfig.with_vocab_size(tokenizer.vocab_size)")
+        multiple = self.make_vocab_size_divisible_by * tp
+        return int(math.ceil(self.vocab_size / multiple) * multiple)
+
+    @property
+    def head_size(self) -> int:
+        return self.hidden_size // self.num_attention_heads
+
+    @property
+    def query_groups(self) -> int:
+        """Key/value heads: ``num_query_groups``, or one per query head (no GQA)."""
+        return self.num_query_groups or self.num_attention_heads
+
+    @property
+    def qkv_size(self) -> int:
+        """Rows of the fused QKV weight: every query head, and a key and a value per group."""
+        return (self.num_attention_heads + 2 * self.query_groups) * self.head_size
+
+    @property
+    def qkv_bias(self) -> bool:
+        """The fused QKV projection has a bias (Megatron: add_bias_linear or add_qkv_bias)."""
+        return self.add_bias_linear or self.add_qkv_bias
+
+    @property
+    def mlp_up_size(self) -> int:
+        """Rows of the MLP's up-projection: ``ffn_hidden_size``, twice that with SwiGLU
+        (gate and up fused)."""
+        return (2 if self.swiglu else 1) * self.ffn_hidden_size
+
+    @property
+    def rotary_dim(self) -> int:
+        """Channels of each head RoPE rotates."""
+        return int(self.head_size * self.rotary_percent)
+
+    # [Note: parameter counts] Each count is (split over TP) // tp + replicated. Split:
+    # the token embedding and an untied output layer (vocabulary rows), QKV and the MLP's
+    # up-projection (weights and biases), both projections' weights. Replicated: learned
+    # positions, norms, the projections' biases. For a model GPT builds every split
+    # dimension is a multiple of tp (whole heads, whole query groups, the padded
+    # vocabulary), so the division is exact and the per-block and whole-model counts agree.
+
+    def _block_counts(self) -> tuple[int, int]:
+        """(split over TP, replicated) parameters of one transformer block."""
+        C, F = self.hidden_size, self.ffn_hidden_size
+        bias, qkv_bias = int(self.add_bias_linear), int(self.qkv_bias)
+        split = self.qkv_size * (C + qkv_bias) + C * C + self.mlp_up_size * (C + bias) + F * C
+        return split, 2 * self._norm_parameters + 2 * bias * C
+
+    def _root_counts(self, tp: int) -> tuple[int, int]:
+        """(split over TP, replicated) parameters outside the blocks, padded for ``tp``."""
+        C = self.hidden_size
+        heads = 2 if self.untie_embeddings_and_output_weights else 1
+        positions = (self.max_position_embeddings * C
+                     if self.position_embedding_type == "learned_absolute" else 0)
+        return heads * self.padded_vocab_size(tp) * C, positions + self._norm_parameters
+
+    @property
+    def _norm_parameters(self) -> int:
+        return (2 if self.normalization == "LayerNorm" else 1) * self.hidden_size
+
+    def block_parameters(self, tp: int = 1) -> int:
+        """Parameters of one transformer block on one TP rank of ``tp`` (see the note)."""
+        split, replicated = self._block_counts()
+        return split // tp + replicated
+
+    def root_parameters(self, tp: int = 1) -> int:
+        """Parameters outside the blocks on one TP rank of ``tp``: embeddings, final norm,
+        untied output layer (the vocabulary padded for ``tp``)."""
+        split, replicated = self._root_counts(tp)
+        return split // tp + replicated
+
+    def num_parameters(self, tp: int = 1, *, per_rank: bool = True) -> int:
+        """Parameters of this model run at TP size ``tp`` (the vocabulary padded for
+        ``tp``): Psi, what one TP rank holds; with ``per_rank=False`` the whole model,
+        every split parameter counted once."""
+        if per_rank:
+            return self.num_layers * self.block_parameters(tp) + self.root_parameters(tp)
+        block, root = sum(self._block_counts()), sum(self._root_counts(tp))
+        return self.num_layers * block + root
+
+    def flops_per_token(self, tp: int = 1) -> float:
+        """Forward+backward FLOPs per token of a ``seq_length`` sample at TP size ``tp``
+        (the head over the vocabulary padded for ``tp``): dense matmuls and attention
+        scores, summed over the TP ranks."""
+        C, F, L = self.hidden_size, self.ffn_hidden_size, self.num_layers
+        matmul = 2 * (self.qkv_size * C + C * C + self.mlp_up_size * C + F * C) * L \
+            + 2 * C * self.padded_vocab_size(tp)
+        attention = 2 * 2 * self.seq_length * C * L  # QK^T and AV
+        return 3 * (matmul + attention)
