@@ -10,28 +10,29 @@ import torch
 from launch import ROOT, TINY, env, pretrain, script_module
 
 
-def test_generate_from_a_tp2_checkpoint(tmp_path):
+def test_generate_from_a_tp2_checkpoint(tmp_path, capsys):
+    """The script as a user runs it once; its main() in this process for the rest (the
+    same code, without a torch import per call)."""
     save = str(tmp_path / "ckpt")
     r = pretrain(2, TINY + ["--tensor-model-parallel-size", "2", "--train-iters", "30",
                             "--global-batch-size", "4", "--lr", "3e-3", "--save", save])
     assert r.returncode == 0, r.stderr[-3000:]
-    cmd = [sys.executable, os.path.join(ROOT, "scripts", "generate.py"), "--load", save,
-           "--prompt", "The ", "--max-new-tokens", "24", "--temperature", "0"]
-    a = subprocess.run(cmd, capture_output=True, text=True, env=env())
-    b = subprocess.run(cmd, capture_output=True, text=True, env=env())
+    flags = ["--load", save, "--prompt", "The ", "--max-new-tokens", "24", "--temperature", "0"]
+    a = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "generate.py"), *flags],
+                       capture_output=True, text=True, env=env())
     assert a.returncode == 0, a.stderr
-    assert a.stdout == b.stdout and a.stdout.startswith("The ")  # greedy is deterministic
-    assert len(a.stdout.encode()) >= len("The ") + 1
-    bad = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "generate.py"),
-                          "--load", str(tmp_path / "none")], capture_output=True, text=True,
-                         env=env())
-    assert bad.returncode == 2 and "no such directory" in bad.stderr
-    other = subprocess.run(cmd + ["--tokenizer-type", "NullTokenizer", "--vocab-size", "300"],
-                           capture_output=True, text=True, env=env())
-    assert other.returncode == 2
-    assert other.stderr == (f"generate.py: error: --load {save}: the checkpoint was trained on "
-                            f"a vocabulary of 257 tokens, this tokenizer has 301: drop the "
-                            f"tokenizer flags to use the checkpoint's own, or give that one\n")
+    main = script_module("generate").main
+    capsys.readouterr()
+    assert main(flags) == 0
+    assert capsys.readouterr().out == a.stdout  # greedy is deterministic
+    assert a.stdout.startswith("The ") and len(a.stdout.encode()) >= len("The ") + 1
+    assert main(["--load", str(tmp_path / "none")]) == 2
+    assert "no such directory" in capsys.readouterr().err
+    assert main(flags + ["--tokenizer-type", "NullTokenizer", "--vocab-size", "300"]) == 2
+    assert capsys.readouterr().err == (
+        f"generate.py: error: --load {save}: the checkpoint was trained on a vocabulary of "
+        f"257 tokens, this tokenizer has 301: drop the tokenizer flags to use the "
+        f"checkpoint's own, or give that one\n")
 
 
 @pytest.mark.parametrize("flags,message", [
