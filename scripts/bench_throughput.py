@@ -29,17 +29,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import resource
 import statistics
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import torch
 
-import torch  # noqa: E402
-
-from hybrid.config import Flags, build_config  # noqa: E402
-from hybrid.testing.host_syncs import HostReads, cuda_syncs  # noqa: E402
+from hybrid.config import Flags, build_config
+from hybrid.testing.host_syncs import HostReads, cuda_syncs
 
 PRESETS = {
     "1.3b": dict(num_layers=24, hidden_size=2048, num_attention_heads=16, seq_length=2048,

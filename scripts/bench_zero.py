@@ -26,12 +26,10 @@ import statistics
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import torch
 
-import torch  # noqa: E402
-
-from hybrid.config import Flags, build_config  # noqa: E402
-from hybrid.testing.pool import run_ranks  # noqa: E402
+from hybrid.config import Flags, build_config
+from hybrid.testing.pool import run_ranks
 
 PEERS = ["ddp", "zero_redundancy", "fsdp2"]
 HYBRID = [f"hybrid_stage{s}" for s in range(4)]

@@ -32,12 +32,10 @@ import os
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from hybrid.config.sections import TOKENIZER_TYPES, TokenizerConfig  # noqa: E402
-from hybrid.data.indexed import IndexedWriter, dtype_for_vocab  # noqa: E402
-from hybrid.data.tokenizer import build_tokenizer  # noqa: E402
-from hybrid.errors import DataError  # noqa: E402
+from hybrid.config.sections import TOKENIZER_TYPES, TokenizerConfig
+from hybrid.data.indexed import IndexedWriter, dtype_for_vocab
+from hybrid.data.tokenizer import build_tokenizer
+from hybrid.errors import DataError
 
 CHUNK_BYTES = 1 << 20  # text per task: small enough to bound memory, big enough to amortize
 
