@@ -33,7 +33,9 @@ pre-forward hook gathers the block's parameters there (the backward gather of
 its 3 Psi budget) and its post-forward hook keeps them, because the recompute
 runs inside ``phase.recomputing()`` (:class:`hybrid.recompute.phase.RecomputePhase`, the
 explicit signal shared with ZeRO). A per-block flag routes that re-entered
-``forward`` straight to the block's own code.
+``forward`` straight to the block's own code (``CheckpointedForward.inner``:
+under ``--compile`` the compiled forward, which the forward pass ran too; see
+[Note: compile inside the checkpoint] in :mod:`hybrid.train.compile`).
 
 [Note: groups without a container]
 A group is not a module: the model still calls each block itself, so names,
