@@ -18,8 +18,10 @@ goes *inside* it: the checkpoint runs the compiled block in the forward pass
 (without a graph) and again in the recompute (with one), so both passes run the
 same code and draw the same dropout masks from the replayed RNG states, and
 the block's hooks -- ZeRO-3's gather, which fires again for the recompute --
-stay outside the graph as without recompute. Compiling the checkpoint instead
-would hand dynamo the RNG capture, the store and the autograd Function whose
+stay outside the graph as without recompute. Dynamo compiles a forward once
+per grad mode, so the pass without a graph adds the graphs evaluation uses:
+more compile time, not more step time. Compiling the checkpoint instead would
+hand dynamo the RNG capture, the store and the autograd Function whose
 backward reruns the block: side effects a graph must not capture, and the
 recompute, called from backward through ``Module.__call__``, would run the
 eager block rather than the compiled one. With selective recompute the
