@@ -173,7 +173,7 @@ class GPT(nn.Module):
 
 def _check_architecture(cfg: ModelConfig) -> None:
     """ValueError for a model section no model can be built from (the flags are checked,
-    naming them, in :meth:`hybrid.config.TrainConfig.validate`)."""
+    naming them, by :func:`hybrid.config.build_config`)."""
     if cfg.normalization not in NORMALIZATIONS:
         raise ValueError(f"normalization {cfg.normalization!r} is not one of {NORMALIZATIONS}")
     if cfg.position_embedding_type not in POSITION_EMBEDDING_TYPES:

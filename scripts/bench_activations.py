@@ -37,11 +37,9 @@ import statistics
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import torch
 
-import torch  # noqa: E402
-
-from hybrid.testing.pool import run_ranks  # noqa: E402
+from hybrid.testing.pool import run_ranks
 
 SP = {"sequence_parallel": True}
 MODES = {"none": {}, "sp": SP,

@@ -25,18 +25,16 @@ import sys
 import time
 from dataclasses import replace
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import torch
 
-import torch  # noqa: E402
-
-from hybrid.config import build_config, kernel_config_from_env  # noqa: E402
-from hybrid.config.flags import Flags  # noqa: E402
-from hybrid.config.sections import KernelConfig  # noqa: E402
-from hybrid.kernels import configure, kernel_choice  # noqa: E402
-from hybrid.kernels.cpu_features import native_cpu_matmul  # noqa: E402
-from hybrid.parallel.state import ParallelState  # noqa: E402
-from hybrid.tensor_parallel import seed_all  # noqa: E402
-from hybrid.train.setup import build_engine  # noqa: E402
+from hybrid.config import build_config, kernel_config_from_env
+from hybrid.config.flags import Flags
+from hybrid.config.sections import KernelConfig
+from hybrid.kernels import configure, kernel_choice
+from hybrid.kernels.cpu_features import native_cpu_matmul
+from hybrid.parallel.state import ParallelState
+from hybrid.tensor_parallel import seed_all
+from hybrid.train.setup import build_engine
 
 VOCAB = 50257
 

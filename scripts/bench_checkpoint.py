@@ -33,11 +33,9 @@ import sys
 import tempfile
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import torch
 
-import torch  # noqa: E402
-
-from hybrid.testing.pool import run_ranks  # noqa: E402
+from hybrid.testing.pool import run_ranks
 
 VOCAB = 8000  # padded to 8192 at TP 1 and 2
 
@@ -60,11 +58,15 @@ def _values(engine) -> torch.Tensor:
     return torch.cat(parts) if parts else torch.zeros(0, 3)
 
 
-def _timed(ps, fn):
-    """(seconds, result) of ``fn()`` between two world barriers."""
+def _timed(ps, fn, *args, **kwargs):
+    """(seconds, result) of ``fn(*args, **kwargs)`` between two world barriers.
+
+    Arguments are bound at the call rather than captured by a closure: ``_session``
+    deletes its engine afterwards, and a lambda over a later-deleted name reads, to
+    ruff (F821) and to a reader, like a use after the ``del``."""
     ps.world_group.all_reduce(torch.zeros(1))
     t0 = time.perf_counter()
-    out = fn()
+    out = fn(*args, **kwargs)
     seconds = time.perf_counter() - t0
     ps.world_group.all_reduce(torch.zeros(1))
     return seconds, out
@@ -76,8 +78,8 @@ def _load(ps, save, model_args, stage, **load_kw):
     cfg, rng, _, engine = _engine(ps, model_args, stage, seed=7)
     reader = RangeReader()
     before = process_rchar()
-    seconds, _ = _timed(ps, lambda: load_checkpoint(save, engine, ps, cfg.seed, rng, VOCAB,
-                                                    reader=reader, **load_kw))
+    seconds, _ = _timed(ps, load_checkpoint, save, engine, ps, cfg.seed, rng, VOCAB,
+                        reader=reader, **load_kw)
     rchar = process_rchar() - before
     files = sorted({os.path.basename(p) for p in reader.files_opened})
     return engine, {"files_opened": len(reader.files_opened), "files": files,
@@ -97,8 +99,8 @@ def _session(ps, root, model_args):
     engine.backward(model(tokens[:, :-1], tokens[:, 1:]))
     engine.step(1e-3)
     before = process_rchar()
-    seconds, ckpt = _timed(ps, lambda: save_checkpoint(save, 1, 8, engine, ps, cfg.to_dict(), rng,
-                                                       vocab_size=VOCAB))
+    seconds, ckpt = _timed(ps, save_checkpoint, save, 1, 8, engine, ps, cfg.to_dict(), rng,
+                           vocab_size=VOCAB)
     rchar = process_rchar() - before
     own = [os.path.join(ckpt, f"rank_{ps.rank:05d}{e}") for e in (".pt", ".bin")]
     if ps.rank == 0:

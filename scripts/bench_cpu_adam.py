@@ -28,14 +28,12 @@ import os
 import statistics
 import sys
 import time
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from hybrid.config import kernel_config_from_env  # noqa: E402
-from hybrid.kernels import configure  # noqa: E402
-from hybrid.kernels.adam import AdamSegments, adam_step, cpu_adam_ext  # noqa: E402
+from hybrid.config import kernel_config_from_env
+from hybrid.kernels import configure
+from hybrid.kernels.adam import AdamSegments, adam_step, cpu_adam_ext
 
 LR, BETAS, EPS, WD, SCALE = 1e-3, (0.9, 0.95), 1e-8, 0.1, 0.5
 

@@ -14,12 +14,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import subprocess
 import sys
 import time
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def measure(consumed: int, gbs: int, seq: int) -> dict:
@@ -51,13 +48,12 @@ def main() -> None:
     if a.child is not None:
         print(json.dumps(measure(a.child, a.global_batch_size, a.seq_length)))
         return
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
     runs = []
     for c in a.consumed:
         r = subprocess.run([sys.executable, __file__, "--child", str(int(c)),
                             "--global-batch-size", str(a.global_batch_size),
                             "--seq-length", str(a.seq_length)],
-                           capture_output=True, text=True, env=env, check=True)
+                           capture_output=True, text=True, check=True)
         runs.append(json.loads(r.stdout.strip().splitlines()[-1]))
     print(json.dumps({"datasets": 3, "weights": [0.5, 0.3, 0.2],
                       "global_batch_size": a.global_batch_size, "seq_length": a.seq_length,

@@ -90,6 +90,88 @@ def bench_op(op, make_fn, iters):
     return out
 
 
+ROWS, HIDDEN, FFN = 8192, 2048, 8192  # GPT-1.3B: seq 2048 x micro-batch 4 rows
+DEV, BF16 = "cuda", torch.bfloat16
+
+
+def layer_norm_step():
+    """Inputs once; the timed step: LayerNorm forward + backward, (ROWS, HIDDEN) bf16."""
+    from hybrid.kernels import layer_norm
+    x = torch.randn(ROWS, HIDDEN, device=DEV, dtype=BF16, requires_grad=True)
+    w = torch.ones(HIDDEN, device=DEV, dtype=BF16, requires_grad=True)
+    b = torch.zeros(HIDDEN, device=DEV, dtype=BF16, requires_grad=True)
+    dy = torch.randn_like(x)
+    return lambda: layer_norm(x, w, b, 1e-5).backward(dy)
+
+
+def layer_norm_forward_step():
+    """LayerNorm forward alone: tells a slow backward from a slow forward."""
+    from hybrid.kernels import layer_norm
+    x = torch.randn(ROWS, HIDDEN, device=DEV, dtype=BF16)
+    w, b = torch.ones(HIDDEN, device=DEV, dtype=BF16), torch.zeros(HIDDEN, device=DEV, dtype=BF16)
+    return lambda: layer_norm(x, w, b, 1e-5)
+
+
+def bias_gelu_step():
+    """bias-GELU forward + backward, (ROWS, FFN) bf16."""
+    from hybrid.kernels import bias_gelu
+    x = torch.randn(ROWS, FFN, device=DEV, dtype=BF16, requires_grad=True)
+    b = torch.zeros(FFN, device=DEV, dtype=BF16, requires_grad=True)
+    dy = torch.randn_like(x)
+    return lambda: bias_gelu(x, b).backward(dy)
+
+
+def cross_entropy_step(vocab: int):
+    """A maker of one rank's vocab-parallel cross-entropy share over ``vocab`` columns:
+    the softmax statistics forward, the gradient backward."""
+    from hybrid.kernels import local_softmax_stats, softmax_grad
+
+    def make():
+        x = torch.randn(ROWS, vocab, device=DEV, dtype=BF16) * 4
+        t = torch.randint(0, vocab, (ROWS,), device=DEV)
+        g = torch.ones(ROWS, device=DEV)
+
+        def step():
+            m, s, tl = local_softmax_stats(x, t, 0, vocab)
+            softmax_grad(x, t, 0, vocab, m, s, g)
+        return step
+    return make
+
+
+def torch_cross_entropy_step():
+    """What TP=1 runs without the kernel: F.cross_entropy in fp32, forward + backward."""
+    x = (torch.randn(ROWS, 50304, device=DEV, dtype=BF16) * 4).requires_grad_()
+    t = torch.randint(0, 50304, (ROWS,), device=DEV)
+    return lambda: F.cross_entropy(x.float(), t).backward()
+
+
+def bench_adam(ops, iters: int) -> dict:
+    """The fused AdamW over a 100M-element fp32 shard (bf16 grads, bf16 parameter
+    copy-out) against torch._fused_adamw_ + .copy_()."""
+    n = 100_000_000
+    p = torch.randn(n, device=DEV)
+    m, v = torch.zeros(n, device=DEV), torch.zeros(n, device=DEV)
+    g16 = torch.randn(n, device=DEV, dtype=BF16)
+    out = torch.empty(n, device=DEV, dtype=BF16)
+    bounds = torch.tensor([0, n // 2, n], device=DEV)
+    decay = torch.tensor([1, 0], device=DEV, dtype=torch.uint8)
+    fi = torch.zeros(1, device=DEV)
+    fused = median_ms(lambda: ops.adam_step(p, g16, m, v, out, bounds, decay, 1e-4, 0.9, 0.95,
+                                            1e-8, 0.1, 10, 1.0, fi), iters)
+    g32 = g16.float()  # _fused_adamw_ needs fp32 grads for fp32 params
+    st = torch.tensor(10.0, device=DEV)
+
+    def torch_adam():
+        torch._fused_adamw_([p], [g32], [m], [v], [], [st], lr=1e-4, beta1=0.9, beta2=0.95,
+                            weight_decay=0.1, eps=1e-8, amsgrad=False, maximize=False)
+        out.copy_(p)
+    ref = median_ms(torch_adam, iters)
+    return {"fused": round(fused, 4), "torch_fused_adamw_plus_copy": round(ref, 4),
+            "speedup_fused": round(ref / fused, 3),
+            "choice": pick({"fused": fused, "eager": ref}),
+            "fused_GBps": round(n * (4 * 6 + 2 + 2) / fused / 1e6, 1)}
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--iters", type=int, default=30)
@@ -98,81 +180,21 @@ def main():
     if not torch.cuda.is_available():
         sys.exit("bench_kernels.py needs a CUDA GPU (torch.cuda.is_available() is False)")
     from hybrid.config import kernel_config_from_env
-    from hybrid.kernels import bias_gelu, configure, layer_norm, local_softmax_stats, softmax_grad
+    from hybrid.kernels import configure
     from hybrid.kernels.cuda_ops import cuda_ops
     configure(kernel_config_from_env(os.environ))  # this script's entry point: HYBRID_* settings
     ops = cuda_ops()
     if ops is None:
         sys.exit("hybrid_cuda_ops did not build; see the log line above")
-    dev, bf16 = "cuda", torch.bfloat16
-    rows, H, FF = 8192, 2048, 8192
-    res = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": rows}
-
-    def ln_fn():
-        x = torch.randn(rows, H, device=dev, dtype=bf16, requires_grad=True)
-        w = torch.ones(H, device=dev, dtype=bf16, requires_grad=True)
-        b = torch.zeros(H, device=dev, dtype=bf16, requires_grad=True)
-        dy = torch.randn_like(x)
-        return lambda: layer_norm(x, w, b, 1e-5).backward(dy)
-
-    def gelu_fn():
-        x = torch.randn(rows, FF, device=dev, dtype=bf16, requires_grad=True)
-        b = torch.zeros(FF, device=dev, dtype=bf16, requires_grad=True)
-        dy = torch.randn_like(x)
-        return lambda: bias_gelu(x, b).backward(dy)
-
-    def ce_fn(V):
-        def make():
-            x = torch.randn(rows, V, device=dev, dtype=bf16) * 4
-            t = torch.randint(0, V, (rows,), device=dev)
-            g = torch.ones(rows, device=dev)
-
-            def step():  # one rank's share: stats forward, gradient backward
-                m, s, tl = local_softmax_stats(x, t, 0, V)
-                softmax_grad(x, t, 0, V, m, s, g)
-            return step
-        return make
-
-    def ln_fwd_fn():  # forward alone: tells a slow backward from a slow forward
-        x = torch.randn(rows, H, device=dev, dtype=bf16)
-        w, b = torch.ones(H, device=dev, dtype=bf16), torch.zeros(H, device=dev, dtype=bf16)
-        return lambda: layer_norm(x, w, b, 1e-5)
-
-    def torch_ce_fn():  # what TP=1 runs without the kernel: F.cross_entropy in fp32
-        x = (torch.randn(rows, 50304, device=dev, dtype=bf16) * 4).requires_grad_()
-        t = torch.randint(0, 50304, (rows,), device=dev)
-        return lambda: F.cross_entropy(x.float(), t).backward()
-
-    res["layer_norm"] = bench_op("layer_norm", ln_fn, args.iters)
-    res["layer_norm_forward_only"] = bench_op("layer_norm", ln_fwd_fn, args.iters)
-    res["torch_cross_entropy_50304_ms"] = round(median_ms(torch_ce_fn(), args.iters), 4)
-    res["bias_gelu"] = bench_op("bias_gelu", gelu_fn, args.iters)
-    res["cross_entropy_50304"] = bench_op("cross_entropy", ce_fn(50304), args.iters)
-    res["cross_entropy_25152"] = bench_op("cross_entropy", ce_fn(25152), args.iters)
-
-    # AdamW over a 100M-element fp32 shard, bf16 grads, bf16 parameter copy-out.
-    n = 100_000_000
-    p = torch.randn(n, device=dev)
-    m, v = torch.zeros(n, device=dev), torch.zeros(n, device=dev)
-    g16 = torch.randn(n, device=dev, dtype=bf16)
-    out = torch.empty(n, device=dev, dtype=bf16)
-    bounds = torch.tensor([0, n // 2, n], device=dev)
-    decay = torch.tensor([1, 0], device=dev, dtype=torch.uint8)
-    fi = torch.zeros(1, device=dev)
-    fused = median_ms(lambda: ops.adam_step(p, g16, m, v, out, bounds, decay, 1e-4, 0.9, 0.95,
-                                            1e-8, 0.1, 10, 1.0, fi), args.iters)
-    g32 = g16.float()  # _fused_adamw_ needs fp32 grads for fp32 params
-    st = torch.tensor(10.0, device=dev)
-
-    def torch_adam():
-        torch._fused_adamw_([p], [g32], [m], [v], [], [st], lr=1e-4, beta1=0.9, beta2=0.95,
-                            weight_decay=0.1, eps=1e-8, amsgrad=False, maximize=False)
-        out.copy_(p)
-    ref = median_ms(torch_adam, args.iters)
-    res["adam_100M"] = {"fused": round(fused, 4), "torch_fused_adamw_plus_copy": round(ref, 4),
-                        "speedup_fused": round(ref / fused, 3),
-                        "choice": pick({"fused": fused, "eager": ref}),
-                        "fused_GBps": round(n * (4 * 6 + 2 + 2) / fused / 1e6, 1)}
+    res = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": ROWS}
+    res["layer_norm"] = bench_op("layer_norm", layer_norm_step, args.iters)
+    res["layer_norm_forward_only"] = bench_op("layer_norm", layer_norm_forward_step, args.iters)
+    res["torch_cross_entropy_50304_ms"] = round(median_ms(torch_cross_entropy_step(),
+                                                          args.iters), 4)
+    res["bias_gelu"] = bench_op("bias_gelu", bias_gelu_step, args.iters)
+    res["cross_entropy_50304"] = bench_op("cross_entropy", cross_entropy_step(50304), args.iters)
+    res["cross_entropy_25152"] = bench_op("cross_entropy", cross_entropy_step(25152), args.iters)
+    res["adam_100M"] = bench_adam(ops, args.iters)
 
     choice = {op: res[key]["choice"] for op, key in
               (("layer_norm", "layer_norm"), ("bias_gelu", "bias_gelu"),

@@ -26,12 +26,11 @@ import sys
 import tempfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
 
-import torch  # noqa: E402
+import torch
 
-from hybrid.config import build_config, parse_args  # noqa: E402
-from hybrid.estimate.memory import activation_bytes, peak_memory, workload  # noqa: E402
+from hybrid.config import build_config, parse_args
+from hybrid.estimate.memory import activation_bytes, peak_memory, workload
 
 GB = 2 ** 30
 BYTE_VOCAB = 257  # the built-in corpus's byte tokenizer
@@ -53,7 +52,7 @@ def run(argv: list[str], dp: int, log: str) -> list[dict]:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes", "1",
            "--nproc-per-node", str(dp), os.path.join(ROOT, "scripts", "pretrain_gpt.py"),
            *argv, "--log-json", log]
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
+    env = dict(os.environ, OMP_NUM_THREADS="1")
     r = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if r.returncode:
         sys.exit(f"bench_memory: DP {dp} failed:\n{r.stderr[-3000:]}")

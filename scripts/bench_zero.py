@@ -26,12 +26,10 @@ import statistics
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import torch
 
-import torch  # noqa: E402
-
-from hybrid.config import Flags, build_config  # noqa: E402
-from hybrid.testing.pool import run_ranks  # noqa: E402
+from hybrid.config import Flags, build_config
+from hybrid.testing.pool import run_ranks
 
 PEERS = ["ddp", "zero_redundancy", "fsdp2"]
 HYBRID = [f"hybrid_stage{s}" for s in range(4)]
@@ -78,77 +76,100 @@ def _batches(a, ps, n):
             for _ in range(n)]
 
 
+def _ring_bytes(psi: int, n: int, passes: int) -> float:
+    """Bytes per rank of ``passes`` ring collectives over ``psi`` fp32 values on ``n`` ranks."""
+    return passes * psi * 4 * (n - 1) / n
+
+
+def _hybrid_setup(system, cfg, model, ps):
+    """(step, model-state bytes): hybrid's ZeRO stage ``system[-1]``."""
+    from hybrid.zero import apply_zero
+    engine = apply_zero(model, ps, dataclasses.replace(cfg.zero, stage=int(system[-1])))
+
+    def step(b):
+        engine.zero_grad()
+        engine.backward(model(b[:, :-1], b[:, 1:]))
+        engine.step(cfg.optimizer.lr)
+    return step, engine.model_state_bytes
+
+
+def _deepspeed_setup(system, a, model, psi, n):
+    """(step, ring bytes of its schedule): DeepSpeed ZeRO stage ``system[-1]``."""
+    import deepspeed
+    stage = int(system[-1])
+    ds_cfg = {"train_micro_batch_size_per_gpu": a.micro_batch_size,
+              "gradient_accumulation_steps": 1, "gradient_clipping": 1.0,
+              "zero_optimization": {"stage": stage, "overlap_comm": True,
+                                    "reduce_bucket_size": a.bucket_size,
+                                    "allgather_bucket_size": a.bucket_size,
+                                    "stage3_param_persistence_threshold": 0},
+              "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "weight_decay": 0.01,
+                                                       "torch_adam": True}}}
+    engine, _, _, _ = deepspeed.initialize(model=model, config=ds_cfg,
+                                           model_parameters=model.parameters())
+
+    def step(b):
+        loss = engine(b[:, :-1], b[:, 1:])
+        engine.backward(loss)
+        engine.step()
+    return step, _ring_bytes(psi, n, 3 if stage == 3 else 2)
+
+
+def _torch_setup(system, a, model, psi, n):
+    """(step, model-state bytes, ring bytes of its schedule): torch's DDP, FSDP2 or
+    ZeroRedundancyOptimizer."""
+    from torch.distributed.fsdp import fully_shard
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    comm = _ring_bytes(psi, n, 2)
+    if system == "fsdp2":
+        for block in model.blocks:
+            fully_shard(block)
+        fully_shard(model)
+        wrapped = model
+        comm = _ring_bytes(psi, n, 3)
+    else:
+        wrapped = DDP(model, bucket_cap_mb=a.bucket_size * 4 / 2**20)
+    decay = [p for p in model.parameters() if p.ndim >= 2]
+    rest = [p for p in model.parameters() if p.ndim < 2]
+    groups = [{"params": decay, "weight_decay": 0.01}, {"params": rest, "weight_decay": 0.0}]
+    if system == "zero_redundancy":
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+        opt = ZeroRedundancyOptimizer(list(model.parameters()), torch.optim.AdamW, lr=1e-4,
+                                      weight_decay=0.01)
+    else:
+        opt = torch.optim.AdamW(groups, lr=1e-4)
+
+    def step(b):
+        opt.zero_grad(set_to_none=False)
+        wrapped(b[:, :-1], b[:, 1:]).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+
+    def states():
+        inner = opt.optim if system == "zero_redundancy" else opt
+        p = _tensor_bytes(model.parameters())
+        g = _tensor_bytes(q.grad for q in model.parameters())
+        o = _optimizer_state_bytes(inner)
+        return {"params": p, "grads": g, "optimizer": o, "total": p + g + o}
+    return step, states, comm
+
+
 def _bench_rank(ps, system, a):
+    """One rank's run of ``system``: step times after warm-up, peak RSS, model-state
+    bytes, and bytes communicated per step (hybrid's counters for hybrid, the ring
+    volume of the peers' known schedule otherwise)."""
     torch.set_num_threads(1)
     base_rss = _rss_mb()
     cfg, model = _build(a, ps)
     psi = sum(p.numel() for p in model.parameters())
     n = ps.dp_size
-    comm_source, comm_theory = "theory", 2 * psi * 4 * (n - 1) / n
-    states = None
+    states, comm = None, None  # comm None: measured by hybrid's counters
     if system.startswith("hybrid"):
-        from hybrid.zero import apply_zero
-        engine = apply_zero(model, ps, dataclasses.replace(cfg.zero, stage=int(system[-1])))
-
-        def step(b):
-            engine.zero_grad()
-            engine.backward(model(b[:, :-1], b[:, 1:]))
-            engine.step(cfg.optimizer.lr)
-        states = engine.model_state_bytes
-        comm_source = "measured"
+        step, states = _hybrid_setup(system, cfg, model, ps)
     elif system.startswith("deepspeed"):
-        import deepspeed
-        stage = int(system[-1])
-        ds_cfg = {"train_micro_batch_size_per_gpu": a.micro_batch_size,
-                  "gradient_accumulation_steps": 1, "gradient_clipping": 1.0,
-                  "zero_optimization": {"stage": stage, "overlap_comm": True,
-                                        "reduce_bucket_size": a.bucket_size,
-                                        "allgather_bucket_size": a.bucket_size,
-                                        "stage3_param_persistence_threshold": 0},
-                  "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "weight_decay": 0.01,
-                                                           "torch_adam": True}}}
-        engine, opt, _, _ = deepspeed.initialize(model=model, config=ds_cfg,
-                                                 model_parameters=model.parameters())
-
-        def step(b):
-            loss = engine(b[:, :-1], b[:, 1:])
-            engine.backward(loss)
-            engine.step()
-        comm_theory = (3 if stage == 3 else 2) * psi * 4 * (n - 1) / n
+        step, comm = _deepspeed_setup(system, a, model, psi, n)
     else:
-        from torch.distributed.fsdp import fully_shard
-        from torch.nn.parallel import DistributedDataParallel as DDP
-        if system == "fsdp2":
-            for block in model.blocks:
-                fully_shard(block)
-            fully_shard(model)
-            wrapped = model
-            comm_theory = 3 * psi * 4 * (n - 1) / n
-        else:
-            wrapped = DDP(model, bucket_cap_mb=a.bucket_size * 4 / 2**20)
-        decay = [p for p in model.parameters() if p.ndim >= 2]
-        rest = [p for p in model.parameters() if p.ndim < 2]
-        groups = [{"params": decay, "weight_decay": 0.01}, {"params": rest, "weight_decay": 0.0}]
-        if system == "zero_redundancy":
-            from torch.distributed.optim import ZeroRedundancyOptimizer
-            opt = ZeroRedundancyOptimizer(list(model.parameters()), torch.optim.AdamW, lr=1e-4,
-                                          weight_decay=0.01)
-        else:
-            opt = torch.optim.AdamW(groups, lr=1e-4)
-
-        def step(b):
-            opt.zero_grad(set_to_none=False)
-            wrapped(b[:, :-1], b[:, 1:]).backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            opt.step()
-
-        def states():
-            inner = opt.optim if system == "zero_redundancy" else opt
-            p = _tensor_bytes(model.parameters())
-            g = _tensor_bytes(q.grad for q in model.parameters())
-            o = _optimizer_state_bytes(inner)
-            return {"params": p, "grads": g, "optimizer": o, "total": p + g + o}
-
+        step, states, comm = _torch_setup(system, a, model, psi, n)
     batches = _batches(a, ps, a.warmup + a.steps)
     times = []
     for i, b in enumerate(batches):
@@ -161,8 +182,8 @@ def _bench_rank(ps, system, a):
     measured = sum(ps.comm_stats.snapshot().values()) / a.steps
     return {"times": times, "peak_rss_mb": _rss_mb(), "base_rss_mb": base_rss,
             "model_state_bytes": states() if states else None, "psi": psi,
-            "comm_bytes_per_step": measured if comm_source == "measured" else comm_theory,
-            "comm_bytes_source": comm_source}
+            "comm_bytes_per_step": measured if comm is None else comm,
+            "comm_bytes_source": "measured" if comm is None else "theory"}
 
 
 def main(argv=None) -> int:

@@ -16,12 +16,10 @@ import argparse
 import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import torch
 
-import torch  # noqa: E402
-
-from hybrid.checkpoint import iter_full_params, resolve_checkpoint  # noqa: E402
-from hybrid.errors import CheckpointError  # noqa: E402
+from hybrid.checkpoint import iter_full_params, resolve_checkpoint
+from hybrid.errors import CheckpointError
 
 
 def main(argv=None) -> int:

@@ -17,10 +17,8 @@ import os
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from hybrid.data.indexed import open_indexed, write_indexed  # noqa: E402
-from hybrid.errors import DataError  # noqa: E402
+from hybrid.data.indexed import open_indexed, write_indexed
+from hybrid.errors import DataError
 
 
 def main(argv=None) -> int:

@@ -20,18 +20,15 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
 from hybrid.config import Flags, build_config
-from hybrid.config.flags import build_parser  # noqa: E402
-from hybrid.config.sections import tokenizer_kind  # noqa: E402
-from hybrid.errors import ConfigError  # noqa: E402
-from hybrid.estimate.memory import (activation_bytes, buffer_bytes, choose_stage,  # noqa: E402
-                                    peak_memory, traffic_bytes, workload)
-from hybrid.estimate.model_states import model_state_bytes  # noqa: E402
+from hybrid.config.flags import build_parser
+from hybrid.config.sections import tokenizer_kind
+from hybrid.errors import ConfigError
+from hybrid.estimate.memory import (activation_bytes, buffer_bytes, choose_stage, peak_memory,
+                                    traffic_bytes, workload)
+from hybrid.estimate.model_states import model_state_bytes
 
 GIB = 2 ** 30
 OWN = ("world_size", "data_parallel_size", "micro_batches", "gpu_memory_gb", "runtime_gb",

@@ -22,14 +22,12 @@ import json
 import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from hybrid.checkpoint import iter_full_params, resolve_checkpoint  # noqa: E402
-from hybrid.config.architecture import architecture_fields, is_gpt2, is_qwen2  # noqa: E402
-from hybrid.config.model import ModelConfig  # noqa: E402
-from hybrid.errors import CheckpointError  # noqa: E402
-from hybrid.hf.gpt2 import hf_config, to_hf  # noqa: E402
-from hybrid.hf.llama import llama_hf_config, qwen2_hf_config, to_hf_llama  # noqa: E402
+from hybrid.checkpoint import iter_full_params, resolve_checkpoint
+from hybrid.config.architecture import architecture_fields, is_gpt2, is_qwen2
+from hybrid.config.model import ModelConfig
+from hybrid.errors import CheckpointError
+from hybrid.hf.gpt2 import hf_config, to_hf
+from hybrid.hf.llama import llama_hf_config, qwen2_hf_config, to_hf_llama
 
 
 def main(argv=None) -> int:

@@ -16,17 +16,15 @@ import math
 import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import torch
 
-import torch  # noqa: E402
-
-from hybrid.checkpoint import resolve_checkpoint  # noqa: E402
-from hybrid.checkpoint.full_model import load_full_model  # noqa: E402
-from hybrid.config import kernel_config_from_env  # noqa: E402
-from hybrid.config.sections import TokenizerConfig  # noqa: E402
-from hybrid.data.tokenizer import build_tokenizer  # noqa: E402
-from hybrid.errors import CheckpointError, ConfigError, DataError  # noqa: E402
-from hybrid.kernels import configure  # noqa: E402
+from hybrid.checkpoint import resolve_checkpoint
+from hybrid.checkpoint.full_model import load_full_model
+from hybrid.config import kernel_config_from_env
+from hybrid.config.sections import TokenizerConfig
+from hybrid.data.tokenizer import build_tokenizer
+from hybrid.errors import CheckpointError, ConfigError, DataError
+from hybrid.kernels import configure
 
 
 def load_model(ckpt: str, device: str):

@@ -22,14 +22,12 @@ import json
 import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import torch
 
-import torch  # noqa: E402
-
-from hybrid.checkpoint.save import write_unsharded_checkpoint  # noqa: E402
-from hybrid.errors import CheckpointError  # noqa: E402
-from hybrid.hf.gpt2 import from_hf  # noqa: E402
-from hybrid.hf.llama import from_hf_llama, llama_flags, qwen2_flags  # noqa: E402
+from hybrid.checkpoint.save import write_unsharded_checkpoint
+from hybrid.errors import CheckpointError
+from hybrid.hf.gpt2 import from_hf
+from hybrid.hf.llama import from_hf_llama, llama_flags, qwen2_flags
 
 
 def _read_weights(hf_dir: str) -> dict:

@@ -32,12 +32,10 @@ import os
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from hybrid.config.sections import TOKENIZER_TYPES, TokenizerConfig  # noqa: E402
-from hybrid.data.indexed import IndexedWriter, dtype_for_vocab  # noqa: E402
-from hybrid.data.tokenizer import build_tokenizer  # noqa: E402
-from hybrid.errors import DataError  # noqa: E402
+from hybrid.config.sections import TOKENIZER_TYPES, TokenizerConfig
+from hybrid.data.indexed import IndexedWriter, dtype_for_vocab
+from hybrid.data.tokenizer import build_tokenizer
+from hybrid.errors import DataError
 
 CHUNK_BYTES = 1 << 20  # text per task: small enough to bound memory, big enough to amortize
 
@@ -117,7 +115,7 @@ class _Progress:
             sys.stderr.flush()
 
 
-def main(argv=None) -> int:
+def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     g = ap.add_argument_group("input data")
     g.add_argument("--input", nargs="+", required=True, help=".jsonl/.json (one document a "
@@ -144,7 +142,35 @@ def main(argv=None) -> int:
     g = ap.add_argument_group("runtime")
     g.add_argument("--workers", type=int, default=1, help="tokenizer processes")
     g.add_argument("--no-progress", action="store_true")
-    a = ap.parse_args(argv)
+    return ap
+
+
+def _open_writers(prefix: str, keys, vocab_size: int) -> tuple[dict, dict]:
+    """(output prefix by JSON key, IndexedWriter by JSON key); DataError if the
+    directory of ``prefix`` cannot be written."""
+    prefixes = {k: output_prefix(prefix, k) for k in keys}
+    try:
+        os.makedirs(os.path.dirname(os.path.abspath(prefix)), exist_ok=True)
+        writers = {k: IndexedWriter(p, dtype_for_vocab(vocab_size)) for k, p in prefixes.items()}
+    except OSError as e:
+        raise DataError(f"--output-prefix {prefix}: cannot write there ({e})") from e
+    return prefixes, writers
+
+
+def _write(results, writers: dict, eod: int, append_eod: bool) -> None:
+    """Tokenized chunks, in input order, into each key's writer, closing documents."""
+    for chunk in results:
+        for k, ids, end in chunk:
+            w = writers[k]
+            w.add(ids)
+            if end:
+                if append_eod and w.document_tokens:  # Megatron: none after an empty one
+                    w.add([eod])
+                w.end_document()
+
+
+def main(argv=None) -> int:
+    a = _parser().parse_args(argv)
     bad = ("--append-eod and --no-append-eod contradict each other"
            if a.append_eod and a.no_append_eod else
            f"--workers must be >= 1, got {a.workers}" if a.workers < 1 else None)
@@ -160,34 +186,19 @@ def main(argv=None) -> int:
             if not os.path.isfile(path):
                 raise DataError(f"--input {path}: no such file")
         tok = build_tokenizer(TokenizerConfig.from_flags(**tok_args))
-        keys = a.json_keys
-        prefixes = {k: output_prefix(a.output_prefix, k) for k in keys}
-        try:
-            os.makedirs(os.path.dirname(os.path.abspath(a.output_prefix)), exist_ok=True)
-            writers = {k: IndexedWriter(p, dtype_for_vocab(tok.vocab_size))
-                       for k, p in prefixes.items()}
-        except OSError as e:
-            raise DataError(f"--output-prefix {a.output_prefix}: cannot write there ({e})") \
-                from e
+        prefixes, writers = _open_writers(a.output_prefix, a.json_keys, tok.vocab_size)
         total = sum(os.path.getsize(p) for p in a.input)
         progress = _Progress(total, not a.no_progress and sys.stderr.isatty() or
                              os.environ.get("HYBRID_PROGRESS") == "1")
         t0 = time.time()
-        tasks = _tasks(a.input, keys, a.line_documents, progress)
+        tasks = _tasks(a.input, a.json_keys, a.line_documents, progress)
         if a.workers > 1:
             pool = mp.get_context("spawn").Pool(a.workers, _init_worker, (tok_args,))
             results = _bounded_imap(pool, _tokenize, tasks, window=2 * a.workers)
         else:
             _init_worker(tok_args)
             results = map(_tokenize, tasks)
-        for chunk in results:
-            for k, ids, end in chunk:
-                w = writers[k]
-                w.add(ids)
-                if end:
-                    if a.append_eod and w.document_tokens:  # Megatron: none after an empty one
-                        w.add([tok.eod])
-                    w.end_document()
+        _write(results, writers, tok.eod, a.append_eod)
         for w in writers.values():
             w.finalize()
     except DataError as e:

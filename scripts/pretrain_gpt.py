@@ -13,10 +13,8 @@ import os
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from hybrid.config import build_config, parse_args  # noqa: E402  (no torch import: fast preflight)
-from hybrid.errors import CheckpointError, ConfigError, DataError, TrainingError  # noqa: E402
+from hybrid.config import build_config, parse_args  # no torch import: fast preflight
+from hybrid.errors import CheckpointError, ConfigError, DataError, TrainingError
 
 
 def _world_size() -> int:

@@ -19,9 +19,7 @@ import os
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from hybrid.data.tokenizer import PRETOKENIZE, bytes_to_unicode  # noqa: E402
+from hybrid.data.tokenizer import PRETOKENIZE, bytes_to_unicode
 
 
 def train(texts, vocab_size: int, min_frequency: int = 2):

@@ -36,6 +36,9 @@ def script_module(name: str):
 
 
 def env() -> dict:
+    """The environment of a script run as a subprocess. The scripts import the installed
+    package (``pip install -e .``); ROOT first on PYTHONPATH makes them import this
+    checkout's, the code under test, even where the install points at another one."""
     e = dict(os.environ, OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo", PYTHONUNBUFFERED="1")
     e["PYTHONPATH"] = ROOT + os.pathsep + e.get("PYTHONPATH", "")
     return e

@@ -142,12 +142,6 @@ def build_config(flags: Flags, world_size: int,
                                       check_replicas_interval=f.check_replicas_interval),
         seed=f.seed, flags=f)
 
-    @property
-    def diagnostics(self) -> DiagnosticsConfig:
-        return DiagnosticsConfig(collective_dump_dir=self.collective_dump_dir,
-                                 check_collectives=self.check_collectives,
-                                 check_replicas_interval=self.check_replicas_interval)
-
 
 def _paths(values: list[str] | None) -> tuple[str, ...] | None:
     return tuple(values) if values else None

@@ -230,9 +230,6 @@ def check_recompute(f: Flags) -> None:
                                   f"but --recompute-granularity {g} is given: keep one")
             g = implied
     f.recompute_granularity = g
-    if f.compile and g:
-        raise ConfigError(f"--compile compiles each block's forward, which activation "
-                          f"checkpointing (--recompute-granularity {g}) replaces: drop one")
     if f.recompute_method not in (None, "uniform", "block"):
         raise ConfigError(f"--recompute-method must be uniform or block, "
                           f"got {f.recompute_method!r}")

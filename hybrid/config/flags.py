@@ -28,8 +28,9 @@ def opt(default, help: str, alias: str | None = None):
 class Flags:
     """One field per command-line flag, flat, named as Megatron names it.
 
-    Plain data, not yet checked: :meth:`validate` turns it into the nested,
-    frozen :class:`hybrid.config.TrainConfig` the components take.
+    Plain data, not yet checked: ``build_config(flags, world_size)``
+    (:func:`hybrid.config.build_config`) turns it into the nested, frozen
+    :class:`hybrid.config.TrainConfig` the components take.
     """
 
 
@@ -128,7 +129,7 @@ class Flags:
     zero_param_persistence_threshold: int = opt(100_000, "stage 3: params with fewer "
                                                          "elements stay unpartitioned")
     offload_optimizer: bool = opt(False, "keep fp32 master shard and Adam states on the CPU")
-    # GPU throughput (issue 17)
+    # ZeRO-Offload's delayed update: the host step overlaps the next iteration's GPU work
     offload_delayed_update: bool = opt(False, "with --offload-optimizer: ZeRO-Offload's one-step "
                                               "delayed parameter update (the host step of "
                                               "iteration t overlaps iteration t+1)")
@@ -277,7 +278,7 @@ def parse_args(argv: list[str] | None = None) -> Flags:
 
     Megatron flags hybrid does not implement raise one ConfigError naming them
     (see :mod:`hybrid.config.megatron_flags`); those that only pick a Megatron
-    implementation are dropped, and :attr:`Flags.ignored` lists them.
+    implementation are dropped, and :attr:`Flags.ignored_megatron_flags` lists them.
     """
     from hybrid.config.megatron_flags import split_megatron_flags
     ours, ignored = split_megatron_flags(list(sys.argv[1:] if argv is None else argv))

@@ -65,10 +65,6 @@ def is_fresh(rec: dict) -> bool:
     return bool(rec.get("alarm")) or rec.get("failed") is not None or bool(rec.get("closed"))
 
 
-def _ago(t: float | None, now: float) -> str:
-    return "never" if t is None else f"{max(0.0, now - t):.1f} s ago"
-
-
 def _last_collective(rec: dict) -> dict | None:
     lasts = [g["last"] for g in rec["groups"].values() if g.get("last")]
     return max(lasts, key=lambda e: e["t"]) if lasts else None

@@ -60,10 +60,6 @@ class ParallelState:
     def dp_rank(self) -> int:
         return self.dp_group.rank
 
-    @property
-    def is_first_rank(self) -> bool:
-        return self.rank == 0
-
     # -- construction ----------------------------------------------------------
     @classmethod
     def single(cls, device: str | torch.device = "cpu", dump_dir: str | None = None,

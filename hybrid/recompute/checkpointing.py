@@ -33,7 +33,9 @@ pre-forward hook gathers the block's parameters there (the backward gather of
 its 3 Psi budget) and its post-forward hook keeps them, because the recompute
 runs inside ``phase.recomputing()`` (:class:`hybrid.recompute.phase.RecomputePhase`, the
 explicit signal shared with ZeRO). A per-block flag routes that re-entered
-``forward`` straight to the block's own code.
+``forward`` straight to the block's own code (``CheckpointedForward.inner``:
+under ``--compile`` the compiled forward, which the forward pass ran too; see
+[Note: compile inside the checkpoint] in :mod:`hybrid.train.compile`).
 
 [Note: groups without a container]
 A group is not a module: the model still calls each block itself, so names,
@@ -73,7 +75,7 @@ from hybrid.recompute.phase import RecomputePhase
 from hybrid.recompute.store import ALLOCATION_KINDS, CheckpointStore, _Stash
 from hybrid.tensor_parallel import TPRNGTracker
 
-__all__ = ["ALLOCATION_KINDS", "ActivationCheckpointing", "CheckpointStore",
+__all__ = ["ALLOCATION_KINDS", "ActivationCheckpointing", "CheckpointStore", "CheckpointedForward",
            "apply_activation_checkpointing", "checkpoint_groups"]
 
 
@@ -126,7 +128,7 @@ class _Group:
     def __init__(self, blocks: list[nn.Module], store: CheckpointStore, slot: int,
                  rng: TPRNGTracker | None, phase: RecomputePhase):
         self.store, self.slot, self.rng, self.phase = store, slot, rng, phase
-        self.members = [_CheckpointedForward(b, self, i) for i, b in enumerate(blocks)]
+        self.members = [CheckpointedForward(b, self, i) for i, b in enumerate(blocks)]
         self._pending: _Pending | None = None
         # Makes the output require grad when the input does not, so backward
         # still reaches this group's parameters.
@@ -147,7 +149,7 @@ class _Group:
         p = self._pending
         if i + 1 < len(self.members):
             with torch.no_grad():
-                p.last_out = member._inner(member.block, x)
+                p.last_out = member.inner(member.block, x)
             return p.last_out
         self._pending = None
         anchor = () if p.x0.requires_grad else (self._anchor,)
@@ -167,19 +169,23 @@ class _Group:
                 m.recomputing = False
 
 
-class _CheckpointedForward:
+class CheckpointedForward:
     """Stands in for ``block.forward``: one tensor in ``(B, T, C)``, one tensor out.
 
-    Under ``no_grad`` (evaluation) or while recomputing it runs the block's own
-    forward; otherwise it goes through its :class:`_Group`.
+    Under ``no_grad`` (evaluation) or while recomputing it runs ``inner(block, x)``
+    (the block's class ``forward`` unless replaced, see
+    :func:`hybrid.train.compile.compile_blocks`); otherwise it goes through its
+    :class:`_Group`, which runs ``inner`` too, in the forward pass and in the
+    recompute alike.
     """
 
     def __init__(self, block: nn.Module, group: _Group, index: int):
         if "forward" in vars(block):
             raise ValueError(f"{type(block).__name__} already has an instance-level forward "
-                             f"(activation checkpointing applied twice?)")
+                             f"(activation checkpointing applied twice, or compiled before "
+                             f"it? compile after checkpointing)")
         self._block = weakref.ref(block)  # no block -> wrapper -> block cycle
-        self._inner = type(block).forward
+        self.inner = type(block).forward
         self.group, self.index = group, index
         self.recomputing = False
 
@@ -187,9 +193,14 @@ class _CheckpointedForward:
     def block(self) -> nn.Module:
         return self._block()
 
+    # Never traced: when a compiled forward around this block (selective recompute
+    # under --compile) reaches it, dynamo breaks the graph here and runs it eagerly.
+    # Its RNG-state capture, the stash into the store and the autograd Function whose
+    # backward reruns the block are side effects a graph must not capture or replay.
+    @torch.compiler.disable
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.recomputing or not torch.is_grad_enabled():
-            return self._inner(self.block, x)
+            return self.inner(self.block, x)
         return self.group.forward(self.index, x)
 
 
@@ -209,7 +220,7 @@ class _Recompute(torch.autograd.Function):
         ctx.group, ctx.n_anchor, ctx.x_requires_grad = group, len(anchor), x0.requires_grad
         ctx.state, ctx.stash = pending.state, pending.stash
         last = group.members[-1]
-        return last._inner(last.block, x)  # grad mode is off inside Function.forward
+        return last.inner(last.block, x)  # grad mode is off inside Function.forward
 
     @staticmethod
     def backward(ctx, dy):

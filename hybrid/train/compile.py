@@ -11,18 +11,55 @@ rounding (``tests/train/test_compile.py``). Whether it is faster was not measure
 (no GPU was at hand when this was written): ``scripts/bench_throughput.py
 --compile`` measures it.
 
-Activation checkpointing replaces ``block.forward`` itself, so the two are
-not combined (``hybrid.config`` refuses it).
+[Note: compile inside the checkpoint]
+Activation checkpointing also stands in for a forward
+(:class:`hybrid.recompute.checkpointing.CheckpointedForward`). The compiled code
+goes *inside* it: the checkpoint runs the compiled block in the forward pass
+(without a graph) and again in the recompute (with one), so both passes run the
+same code and draw the same dropout masks from the replayed RNG states, and
+the block's hooks -- ZeRO-3's gather, which fires again for the recompute --
+stay outside the graph as without recompute. Dynamo compiles a forward once
+per grad mode, so the pass without a graph adds the graphs evaluation uses:
+more compile time, not more step time. Compiling the checkpoint instead would
+hand dynamo the RNG capture, the store and the autograd Function whose
+backward reruns the block: side effects a graph must not capture, and the
+recompute, called from backward through ``Module.__call__``, would run the
+eager block rather than the compiled one. With selective recompute the
+checkpointed attention core sits inside the compiled block: the stand-in is
+never traced (``torch.compiler.disable``), so the block's graph breaks around
+the core, which runs eagerly in both passes.
 """
 
 from __future__ import annotations
 
+import functools
+import types
+
 import torch
 from torch import nn
 
+from hybrid.recompute.checkpointing import CheckpointedForward
+
+
+@functools.cache
+def compiled_forward(cls: type[nn.Module]):
+    """``torch.compile`` of ``cls.forward``, called as ``f(module, x)``: one per class,
+    so every block of a class, checkpointed or not, runs the same compiled function."""
+    return torch.compile(cls.forward, options={"fallback_random": True})
+
 
 def compile_blocks(blocks) -> None:
-    """Replace each block's forward with its compiled version (in place)."""
+    """Compile each block's forward (in place); apply after activation checkpointing.
+
+    A block checkpointed whole keeps its checkpoint as ``block.forward``, which
+    then runs the compiled forward in both passes (see [Note: compile inside the
+    checkpoint]); any other block gets it bound as its ``forward`` instance attribute.
+    """
     for block in blocks:
         block: nn.Module
-        block.forward = torch.compile(block.forward, options={"fallback_random": True})
+        compiled = compiled_forward(type(block))
+        checkpoint = vars(block).get("forward")
+        if isinstance(checkpoint, CheckpointedForward):
+            checkpoint.inner = compiled
+        else:
+            block.forward = types.MethodType(compiled, block)

@@ -1,5 +1,6 @@
 """Megatron's .bin/.idx format both ways, the Megatron preprocessing command line, the old
-HYBRIDX files, and token ids outside the vocabulary (issue 16).
+HYBRIDX files, and token ids outside the vocabulary (refused on every rank when the data
+is opened).
 
 Reference pairs are written here by hand from the spec (struct + numpy, not hybrid's
 writer), and hybrid's output is parsed here by hand, field by field."""

@@ -29,7 +29,7 @@ from hybrid.train.setup import recompute_targets
 from models.gpt import GPT
 
 from harness import run_ranks
-from launch import ROOT
+from launch import ROOT, env
 
 S, B, H, HEADS, V = 16, 2, 32, 4, 256
 CASES = [  # (dtype, hidden dropout, attention dropout)
@@ -246,14 +246,14 @@ def test_estimate_memory_script_recommends_a_stage_and_rejects_bad_layouts():
               "--micro-batch-size", "4", "--global-batch-size", "512", "--bf16",
               "--tokenizer-type", "gpt2bpe", "--world-size", "32"]
     out = subprocess.run([sys.executable, script, *preset, "--gpu-memory-gb", "80"],
-                         capture_output=True, text=True, check=True).stdout
+                         capture_output=True, text=True, check=True, env=env()).stdout
     records = [json.loads(line) for line in out.splitlines()]
     stages = records[:4]
     assert [r["zero_stage"] for r in stages] == [0, 1, 2, 3]
     assert all(r["dp"] == 8 and r["micro_batches"] == 16 and r["fits"] for r in stages)
     assert records[4]["recommended_zero_stage"] == 1  # what examples/pretrain_gpt2.sh runs
     bad = subprocess.run([sys.executable, script, *preset[:-2], "--world-size", "6"],
-                         capture_output=True, text=True)
+                         capture_output=True, text=True, env=env())
     assert bad.returncode == 2
     assert "--tensor-model-parallel-size 4 does not divide the world size 6" in bad.stderr
 
