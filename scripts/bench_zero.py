@@ -88,7 +88,8 @@ def _bench_rank(ps, system, a):
     states = None
     if system.startswith("hybrid"):
         from hybrid.zero import apply_zero
-        engine = apply_zero(model, ps, dataclasses.replace(cfg.zero, stage=int(system[-1])))
+        engine = apply_zero(model, ps, dataclasses.replace(cfg.zero, stage=int(system[-1])),
+                            adamw=cfg.adamw, precision=cfg.precision, offload=cfg.offload)
 
         def step(b):
             engine.zero_grad()

@@ -17,8 +17,9 @@ from hybrid.config import checks
 from hybrid.config.architecture import architecture_fields, validate_architecture
 from hybrid.config.flags import Flags
 from hybrid.config.kernels import kernel_config_from_env, parse_kernel_choice
-from hybrid.config.sections import (CheckpointConfig, DataConfig, DiagnosticsConfig, KernelConfig,
-                                    LoggingConfig, ModelConfig, OptimizerConfig, ParallelConfig,
+from hybrid.config.sections import (AdamWConfig, CheckpointConfig, DataConfig, DiagnosticsConfig,
+                                    KernelConfig, LoggingConfig, ModelConfig, OffloadConfig,
+                                    OptimizerConfig, ParallelConfig, PrecisionConfig,
                                     RecomputeConfig, ScheduleConfig, TokenizerConfig, ZeroConfig)
 from hybrid.parallel.layout import check_layout
 
@@ -38,6 +39,9 @@ class TrainConfig:
     optimizer: OptimizerConfig
     schedule: ScheduleConfig
     zero: ZeroConfig
+    adamw: AdamWConfig
+    precision: PrecisionConfig
+    offload: OffloadConfig
     recompute: RecomputeConfig
     data: DataConfig
     tokenizer: TokenizerConfig
@@ -105,19 +109,7 @@ def build_config(flags: Flags, world_size: int,
             exit_signal_handler=f.exit_signal_handler,
             exit_on_nan_iterations=f.exit_on_nan_iterations, eval_interval=f.eval_interval,
             eval_iters=f.eval_iters),
-        zero=ZeroConfig(
-            stage=f.zero_stage, reduce_bucket_size=f.reduce_bucket_size,
-            allgather_bucket_size=f.allgather_bucket_size, overlap_comm=f.overlap_comm,
-            param_persistence_threshold=f.zero_param_persistence_threshold,
-            offload_optimizer=f.offload_optimizer,
-            params_dtype="bf16" if f.bf16 else "fp16" if f.fp16 else "fp32",
-            grads_in_fp32=bool(f.accumulate_allreduce_grads_in_fp32),
-            clip_grad=f.clip_grad, adam_beta1=f.adam_beta1, adam_beta2=f.adam_beta2,
-            adam_eps=f.adam_eps, weight_decay=f.weight_decay, loss_scale=f.loss_scale,
-            initial_loss_scale=f.initial_loss_scale, min_loss_scale=f.min_loss_scale,
-            loss_scale_window=f.loss_scale_window, hysteresis=f.hysteresis,
-            offload_delayed_update=f.offload_delayed_update,
-            offload_delayed_update_warmup=f.offload_delayed_update_warmup),
+        zero=_zero(f), adamw=_adamw(f), precision=_precision(f), offload=_offload(f),
         recompute=RecomputeConfig(
             granularity=f.recompute_granularity,
             num_layers=f.recompute_num_layers if f.recompute_method == "block" else None,
@@ -169,6 +161,30 @@ def _optimizer(f: Flags) -> OptimizerConfig:
     return OptimizerConfig(lr=f.lr, min_lr=f.min_lr, decay_style=f.lr_decay_style,
                            unit="samples" if samples else "iterations",
                            warmup=warmup, decay=decay)
+
+
+def _zero(f: Flags) -> ZeroConfig:
+    return ZeroConfig(stage=f.zero_stage, reduce_bucket_size=f.reduce_bucket_size,
+                      allgather_bucket_size=f.allgather_bucket_size, overlap_comm=f.overlap_comm,
+                      param_persistence_threshold=f.zero_param_persistence_threshold)
+
+
+def _adamw(f: Flags) -> AdamWConfig:
+    return AdamWConfig(beta1=f.adam_beta1, beta2=f.adam_beta2, eps=f.adam_eps,
+                       weight_decay=f.weight_decay, clip_grad=f.clip_grad)
+
+
+def _precision(f: Flags) -> PrecisionConfig:
+    return PrecisionConfig(
+        params_dtype="bf16" if f.bf16 else "fp16" if f.fp16 else "fp32",
+        grads_in_fp32=bool(f.accumulate_allreduce_grads_in_fp32), loss_scale=f.loss_scale,
+        initial_loss_scale=f.initial_loss_scale, min_loss_scale=f.min_loss_scale,
+        loss_scale_window=f.loss_scale_window, hysteresis=f.hysteresis)
+
+
+def _offload(f: Flags) -> OffloadConfig:
+    return OffloadConfig(optimizer=f.offload_optimizer, delayed_update=f.offload_delayed_update,
+                         delayed_update_warmup=f.offload_delayed_update_warmup)
 
 
 def _kernels(f: Flags, environ: Mapping[str, str] | None) -> KernelConfig:

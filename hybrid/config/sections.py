@@ -15,18 +15,14 @@ from hybrid.errors import ConfigError
 
 @dataclass(frozen=True)
 class ZeroConfig:
-    """What :func:`hybrid.zero.apply_zero` needs: sharding, buckets, precision, AdamW.
+    """How :func:`hybrid.zero.apply_zero` shards the model states over the DP group,
+    and in what pieces it communicates them.
 
-    ``params_dtype``: "fp32", "bf16" or "fp16" (the model's training dtype; the
-    optimizer keeps fp32 master weights for the low-precision ones).
-    ``grads_in_fp32``: accumulate micro-batches and reduce over DP in fp32
-    (Megatron's ``--accumulate-allreduce-grads-in-fp32``); otherwise in
-    ``params_dtype``.
-    ``loss_scale``: static fp16 loss scale; None means dynamic under fp16 and
-    no scaling otherwise.
-    ``offload_delayed_update``: with ``offload_optimizer``, ZeRO-Offload's
-    one-step delayed parameter update after ``offload_delayed_update_warmup``
-    normal steps (:mod:`hybrid.zero.offload`).
+    ``stage``: 0-3 (:class:`hybrid.zero.plan.ShardingPlan`). ``reduce_bucket_size``
+    / ``allgather_bucket_size``: elements per gradient reduction / parameter
+    all-gather bucket (no staging buffer is larger). ``overlap_comm``: reduce
+    buckets while backward goes on. ``param_persistence_threshold``: at stage 3,
+    parameters smaller than this stay whole on every rank.
     """
 
     stage: int = 0
@@ -34,25 +30,67 @@ class ZeroConfig:
     allgather_bucket_size: int = 50_000_000
     overlap_comm: bool = False
     param_persistence_threshold: int = 100_000
-    offload_optimizer: bool = False
+
+
+@dataclass(frozen=True)
+class AdamWConfig:
+    """AdamW's hyperparameters and the gradient clipping before it, as the ZeRO
+    engine applies them to its shards (the learning rate comes each step from
+    :class:`OptimizerConfig`).
+
+    ``clip_grad``: the largest global L2 norm of the gradient; a larger one is
+    scaled down to it (<= 0: no clipping). ``weight_decay``: decoupled, on the
+    matrices (parameters of two or more dimensions) only.
+    """
+
+    beta1: float = 0.9
+    beta2: float = 0.999
+    eps: float = 1e-8
+    weight_decay: float = 0.01
+    clip_grad: float = 1.0
+
+
+@dataclass(frozen=True)
+class PrecisionConfig:
+    """The dtypes the model trains and reduces in, and the fp16 loss scale.
+
+    ``params_dtype``: "fp32", "bf16" or "fp16" (the model's training dtype; the
+    optimizer keeps fp32 master weights for the low-precision ones).
+    ``grads_in_fp32``: accumulate micro-batches and reduce over DP in fp32
+    (Megatron's ``--accumulate-allreduce-grads-in-fp32``); otherwise in
+    ``params_dtype``.
+    ``loss_scale``: static fp16 loss scale; None means dynamic under fp16
+    (from ``initial_loss_scale``, halved on overflow down to ``min_loss_scale``
+    once ``hysteresis`` overflows have accumulated, doubled after
+    ``loss_scale_window`` clean steps) and no scaling otherwise.
+    """
+
     params_dtype: str = "fp32"
     grads_in_fp32: bool = False
-    clip_grad: float = 1.0
-    adam_beta1: float = 0.9
-    adam_beta2: float = 0.999
-    adam_eps: float = 1e-8
-    weight_decay: float = 0.01
     loss_scale: float | None = None
     initial_loss_scale: float = 2.0 ** 16
     min_loss_scale: float = 1.0
     loss_scale_window: int = 1000
     hysteresis: int = 2
-    offload_delayed_update: bool = False
-    offload_delayed_update_warmup: int = 0
 
     @property
     def grads_dtype(self) -> str:
         return "fp32" if self.grads_in_fp32 else self.params_dtype
+
+
+@dataclass(frozen=True)
+class OffloadConfig:
+    """What lives off the device (:mod:`hybrid.zero.offload`).
+
+    ``optimizer``: the fp32 master weights and Adam moments live in host memory
+    and the optimizer step runs there (ZeRO-Offload). ``delayed_update``: with
+    ``optimizer``, ZeRO-Offload's one-step delayed parameter update, after
+    ``delayed_update_warmup`` normal steps.
+    """
+
+    optimizer: bool = False
+    delayed_update: bool = False
+    delayed_update_warmup: int = 0
 
 
 @dataclass(frozen=True)
@@ -120,7 +158,7 @@ class ModelConfig:
 
 @dataclass(frozen=True)
 class OptimizerConfig:
-    """The learning-rate schedule. (AdamW's own hyperparameters are in :class:`ZeroConfig`:
+    """The learning-rate schedule. (AdamW's own hyperparameters are in :class:`AdamWConfig`:
     the ZeRO engine runs AdamW on its shards.)
 
     ``unit``: "iterations" or "samples" -- what ``warmup`` and ``decay`` count,

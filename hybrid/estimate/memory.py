@@ -147,7 +147,7 @@ def workload(cfg, vocab_size: int, device: str = "cuda") -> Workload:
     """The :class:`Workload` of a :class:`hybrid.config.TrainConfig` run (at its full
     global batch, after any ramp-up)."""
     from hybrid.parallel.layout import padded_vocab_size
-    m, p, zero, rc = cfg.model, cfg.parallel, cfg.zero, cfg.recompute
+    m, p, zero, rc, prec = cfg.model, cfg.parallel, cfg.zero, cfg.recompute, cfg.precision
     tp = p.tensor_model_parallel_size
     return Workload(
         num_layers=m.num_layers, hidden_size=m.hidden_size,
@@ -158,7 +158,7 @@ def workload(cfg, vocab_size: int, device: str = "cuda") -> Workload:
         max_position_embeddings=m.max_position_embeddings,
         tp=tp, sequence_parallel=p.sequence_parallel, dp=p.data_parallel_size,
         micro_batches=cfg.num_micro_batches, zero_stage=zero.stage,
-        params_dtype=zero.params_dtype, grads_dtype=zero.grads_dtype,
+        params_dtype=prec.params_dtype, grads_dtype=prec.grads_dtype,
         hidden_dropout=m.hidden_dropout, attention_dropout=m.attention_dropout,
         recompute=rc.granularity == "full", recompute_num_layers=rc.num_layers,
         recompute_layers_per_checkpoint=rc.layers_per_checkpoint,

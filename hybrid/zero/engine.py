@@ -1,6 +1,7 @@
 """apply_zero: ZeRO-DP applied to a model from outside.
 
-    engine = apply_zero(model, ps, cfg.zero, values=InitValues(seed, model.init_of))
+    engine = apply_zero(model, ps, cfg.zero, adamw=cfg.adamw, precision=cfg.precision,
+                        offload=cfg.offload, values=InitValues(seed, model.init_of))
     for tokens, labels in micro_batches:
         engine.backward(model(tokens, labels) / n, sync=is_last)
     result = engine.step(lr)
@@ -19,7 +20,7 @@ stage    parameters      gradients          fp32 master + Adam moments
 
 All parameters live as views of flat buffers (one for the whole units, one per
 module at stage 3), gradients too at stages 0-1 -- no per-parameter allocation
-in a step. Gradients are accumulated and reduced in ``cfg.grads_dtype`` (fp32
+in a step. Gradients are accumulated and reduced in ``precision.grads_dtype`` (fp32
 with ``--accumulate-allreduce-grads-in-fp32``, the default under bf16).
 The model may be built on the meta device: the engine materializes only what
 this rank keeps (see :mod:`hybrid.zero.units`).
@@ -34,7 +35,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from hybrid.config.sections import ZeroConfig
+from hybrid.config.sections import AdamWConfig, OffloadConfig, PrecisionConfig, ZeroConfig
 from hybrid.kernels.adam import has_adam_kernel
 from hybrid.kernels.dtypes import DTYPES
 from hybrid.parallel.state import ParallelState
@@ -72,18 +73,21 @@ class StepResult:
 class ZeroEngine:
     """See the module docstring; built by :func:`apply_zero`."""
 
-    def __init__(self, model: nn.Module, ps: ParallelState, cfg: ZeroConfig, values=None,
-                 unit_modules=None, recompute: RecomputePhase | None = None):
-        self.model, self.ps, self.cfg = model, ps, cfg
-        self.plan = ShardingPlan.for_stage(cfg.stage)
-        self.stage = cfg.stage
-        self.dtype, self.grad_dtype = DTYPES[cfg.params_dtype], DTYPES[cfg.grads_dtype]
-        self.scaler = LossScaler.from_config(cfg)
-        self.units, owners = plan_units(model, ps, cfg, self.plan, unit_modules)
+    def __init__(self, model: nn.Module, ps: ParallelState, zero: ZeroConfig,
+                 adamw: AdamWConfig, precision: PrecisionConfig, offload: OffloadConfig,
+                 values=None, unit_modules=None, recompute: RecomputePhase | None = None):
+        self.model, self.ps = model, ps
+        self.plan = ShardingPlan.for_stage(zero.stage)
+        self.stage = zero.stage
+        self.clip_grad = adamw.clip_grad
+        self.dtype = DTYPES[precision.params_dtype]
+        self.grad_dtype = DTYPES[precision.grads_dtype]
+        self.scaler = LossScaler.from_config(precision)
+        self.units, owners = plan_units(model, ps, zero, self.plan, unit_modules)
         fill = Materializer(model, values)
         # fp32 master weights first: they read the exact fp32 values, which a
         # materialized model loses once its parameters become low-precision views.
-        master = self._allocate_master(fill)
+        master = self._allocate_master(fill, offload.optimizer)
         whole = [u for u in self.units if not u.partition_params]
         self.flat_params = torch.empty(sum(u.padded for u in whole), dtype=self.dtype,
                                        device=ps.device)
@@ -91,28 +95,30 @@ class ZeroEngine:
         self._allocate_grads()
         # every parameter all-gather (stage 3's per-module ones, stages 1-2's after the
         # step) goes through one pipeline: two staging buffers of at most a bucket
-        self.param_pipeline = GatherPipeline(ps.dp_group, cfg.allgather_bucket_size, ps.device)
+        self.param_pipeline = GatherPipeline(ps.dp_group, zero.allgather_bucket_size, ps.device)
         self.gatherer = (ParamGatherer(owners, self.param_pipeline,
                                        recompute or RecomputePhase()) if owners else None)
-        self._build_optimizer(master if master is not None else [u.shard for u in self.units])
-        self.reducer = GradReducer(self.units, self.plan, ps.dp_group, cfg.reduce_bucket_size,
-                                   cfg.overlap_comm, self.grad_dtype,
+        self._build_optimizer(master if master is not None else [u.shard for u in self.units],
+                              adamw, offload)
+        self.reducer = GradReducer(self.units, self.plan, ps.dp_group, zero.reduce_bucket_size,
+                                   zero.overlap_comm, self.grad_dtype,
                                    self.gatherer.after_reduce if self.gatherer else None,
                                    on_final=self.offload.grad_ready if self.offload else None)
         # inf/NaN gradients the kernels met and the norm did not show, read at poll_warnings()
         self._kernel_found = torch.zeros(1, dtype=torch.float32, device=ps.device)
 
     # -- construction ------------------------------------------------------------
-    def _allocate_master(self, fill: Materializer) -> list[torch.Tensor] | None:
+    def _allocate_master(self, fill: Materializer, on_host: bool) -> list[torch.Tensor] | None:
         """One flat fp32 buffer over this rank's owned ranges (on the host when
-        offloaded); None when the fp32, on-device parameter shards are their own master."""
-        self.separate_master = self.dtype != torch.float32 or self.cfg.offload_optimizer
+        ``on_host``: offloaded); None when the fp32, on-device parameter shards are
+        their own master."""
+        self.separate_master = self.dtype != torch.float32 or on_host
         self.flat_master = None
         if not self.separate_master:
             return None
-        dev = torch.device("cpu") if self.cfg.offload_optimizer else self.ps.device
+        dev = torch.device("cpu") if on_host else self.ps.device
         n = sum(u.own_hi - u.own_lo for u in self.units)
-        pin = self.cfg.offload_optimizer and torch.cuda.is_available()
+        pin = on_host and torch.cuda.is_available()
         self.flat_master = torch.empty(n, dtype=torch.float32, device=dev, pin_memory=pin)
         master, off = [], 0
         for u in self.units:
@@ -145,8 +151,8 @@ class ZeroEngine:
             u.grad_shard = self.flat_grads[off: off + n]
             off += n
 
-    def _build_optimizer(self, master: list[torch.Tensor]) -> None:
-        cfg = self.cfg
+    def _build_optimizer(self, master: list[torch.Tensor], adamw: AdamWConfig,
+                         offload: OffloadConfig) -> None:
         decay, split = [], []
         for u in self.units:
             d, s = [], []
@@ -156,13 +162,10 @@ class ZeroEngine:
                 (s if is_tp_split(u.params[i]) else []).append(rng)
             decay.append(d)
             split.append(s)
-        self.optimizer = ShardedAdamW(master, decay, split, (cfg.adam_beta1, cfg.adam_beta2),
-                                      cfg.adam_eps, cfg.weight_decay, self.flat_master)
+        self.optimizer = ShardedAdamW(master, decay, split, adamw, self.flat_master)
         self.offload = (OptimizerOffload(self.units, self.dtype, self.flat_grads, self.plan,
-                                         self.flat_master,
-                                         cfg.offload_delayed_update_warmup
-                                         if cfg.offload_delayed_update else None)
-                        if cfg.offload_optimizer else None)
+                                         self.flat_master, offload)
+                        if offload.optimizer else None)
         # One fused pass over the flat shard where the gradient shard is already
         # flat and in master order (stages 2-3) and a compiled kernel exists;
         # otherwise torch's fused AdamW per unit.
@@ -244,9 +247,9 @@ class ZeroEngine:
     def _grad_coefficient(self, norm: torch.Tensor) -> torch.Tensor:
         """``min(1, clip / (norm + 1e-6))`` (torch's clip_grad_norm_), computed on the
         device: no branch on the norm's value."""
-        if self.cfg.clip_grad <= 0:
+        if self.clip_grad <= 0:
             return torch.ones_like(norm)
-        return torch.clamp(self.cfg.clip_grad / (norm + 1e-6), max=1.0)
+        return torch.clamp(self.clip_grad / (norm + 1e-6), max=1.0)
 
     def poll_warnings(self) -> None:
         """Host-side checks deferred to a point that syncs anyway (a log line): warn
@@ -329,15 +332,22 @@ class ZeroEngine:
         return {"reduce": self.reducer.temp_bytes(), "gather": self.param_pipeline.temp_bytes()}
 
 
-def apply_zero(model: nn.Module, ps: ParallelState, cfg: ZeroConfig, values=None,
-               unit_modules=None, recompute: RecomputePhase | None = None) -> ZeroEngine:
-    """Wrap ``model`` for ZeRO stage ``cfg.stage`` over ``ps.dp_group``.
+def apply_zero(model: nn.Module, ps: ParallelState, zero: ZeroConfig = ZeroConfig(), *,
+               adamw: AdamWConfig = AdamWConfig(), precision: PrecisionConfig = PrecisionConfig(),
+               offload: OffloadConfig = OffloadConfig(), values=None, unit_modules=None,
+               recompute: RecomputePhase | None = None) -> ZeroEngine:
+    """Wrap ``model`` for ZeRO stage ``zero.stage`` over ``ps.dp_group``.
+
+    The sections (each defaults to its dataclass defaults): ``zero`` how the
+    states are sharded and communicated; ``adamw`` the optimizer and clipping;
+    ``precision`` the training and gradient dtypes and the fp16 loss scale;
+    ``offload`` what lives in host memory.
 
     ``values(name, param, lo, hi)``: fp32 values of a TP-local flat range of a
     parameter, for a model built on the meta device (e.g.
     ``InitValues(seed, model.init_of)``); default: the parameters' own (fp32)
     data. The engine keeps exact fp32 master weights and makes the parameters
-    ``cfg.params_dtype`` views of its buffers.
+    ``precision.params_dtype`` views of its buffers.
     ``unit_modules``: the modules whose parameters stage 3 gathers as one unit
     (default ``model.blocks`` when it exists).
     ``recompute``: the :class:`RecomputePhase` activation checkpointing sets,
@@ -345,4 +355,4 @@ def apply_zero(model: nn.Module, ps: ParallelState, cfg: ZeroConfig, values=None
     """
     if unit_modules is None and hasattr(model, "blocks"):
         unit_modules = list(model.blocks)
-    return ZeroEngine(model, ps, cfg, values, unit_modules, recompute)
+    return ZeroEngine(model, ps, zero, adamw, precision, offload, values, unit_modules, recompute)

@@ -36,6 +36,7 @@ import math
 
 import torch
 
+from hybrid.config.sections import AdamWConfig
 from hybrid.kernels.adam import AdamSegments, adam_step
 from hybrid.parallel.comm import CommGroup
 
@@ -52,12 +53,14 @@ class ShardedAdamW:
             is fp32 and not offloaded). Updated in place.
         decay_ranges: per part, ``[(lo, hi)]`` that get weight decay.
         split_ranges: per part, ``[(lo, hi)]`` belonging to TP-split parameters.
+        cfg: betas, eps and weight decay (clipping is the caller's: it passes
+            the clip coefficient in ``grad_scale``).
         flat_master: the flat buffer ``master`` are views of, in order, if any;
             it enables :meth:`step_flat`.
     """
 
-    def __init__(self, master: list[torch.Tensor], decay_ranges, split_ranges, betas,
-                 eps: float, weight_decay: float, flat_master: torch.Tensor | None = None):
+    def __init__(self, master: list[torch.Tensor], decay_ranges, split_ranges, cfg: AdamWConfig,
+                 flat_master: torch.Tensor | None = None):
         self.master = master
         self.flat_master = flat_master
         n = sum(m.numel() for m in master)
@@ -69,9 +72,9 @@ class ShardedAdamW:
         self.exp_avg_sq = _split_like(self._flat_avg_sq, master)
         self.decay_ranges = decay_ranges
         self.split_ranges = split_ranges
-        self.beta1, self.beta2 = betas
-        self.eps = eps
-        self.weight_decay = weight_decay
+        self.beta1, self.beta2 = cfg.beta1, cfg.beta2
+        self.eps = cfg.eps
+        self.weight_decay = cfg.weight_decay
         # steps applied so far, where the shard lives: see [Note: a step without host reads]
         self._step = torch.zeros((), dtype=torch.float64, device=dev)
         self._segs = None

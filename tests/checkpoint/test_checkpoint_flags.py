@@ -67,12 +67,12 @@ def _reference(ckpt, consumed, iteration, steps):
             p.zero_()
             p[:n].copy_(w[:n])
     params = list(model.parameters())
-    z, s = cfg.zero, cfg.schedule
+    z, s = cfg.adamw, cfg.schedule
     gbs = s.global_batch_size
     opt = torch.optim.AdamW([{"params": [p for p in params if p.ndim >= 2],
                               "weight_decay": z.weight_decay},
                              {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}],
-                            lr=cfg.optimizer.lr, betas=(z.adam_beta1, z.adam_beta2), eps=z.adam_eps)
+                            lr=cfg.optimizer.lr, betas=(z.beta1, z.beta2), eps=z.eps)
     losses = []
     for k in range(steps):
         for group in opt.param_groups:

@@ -13,11 +13,11 @@ from hybrid.parallel.layout import padded_vocab_size
 from hybrid.parallel.state import ParallelState
 from hybrid.tensor_parallel import InitValues, seed_all
 from hybrid.testing.host_syncs import HostReads, cuda_syncs
-from hybrid.zero import apply_zero
 from models.gpt import GPT, GPTConfig
 
 from harness import run_ranks
 from launch import ROOT
+from zero_reference import zero_engine
 
 VOCAB, SEQ, MICRO = 257, 16, 2
 
@@ -40,7 +40,7 @@ def _engine(cfg, ps, device="cpu"):
                      num_attention_heads=cfg.model.num_attention_heads,
                      max_position_embeddings=SEQ, hidden_dropout=0.0, attention_dropout=0.0)
     model = GPT(gcfg, ps.tp_group, rng=rng, seed=cfg.seed, device="meta")
-    return model, apply_zero(model, ps, cfg.zero, values=InitValues(cfg.seed, model.init_of))
+    return model, zero_engine(model, ps, cfg, values=InitValues(cfg.seed, model.init_of))
 
 
 def _batches(step, ps, device="cpu"):

@@ -4,10 +4,9 @@ import pytest
 import torch
 
 from hybrid.tensor_parallel import InitValues
-from hybrid.zero import apply_zero
 
 from harness import run_ranks
-from zero_reference import SEQ, VOCAB, _gpt, _train_cfg
+from zero_reference import SEQ, VOCAB, _gpt, _train_cfg, zero_engine
 
 MICRO_BATCHES = 16
 
@@ -37,7 +36,7 @@ def _reduced_vs_fp64(ps, stage, fp32_grads):
         t /= ps.dp_size
     # ZeRO: the same micro-batches through the engine
     model = _gpt(cfg, ps, device="meta")
-    engine = apply_zero(model, ps, cfg.zero, values=InitValues(cfg.seed, model.init_of))
+    engine = zero_engine(model, ps, cfg, values=InitValues(cfg.seed, model.init_of))
     engine.zero_grad()
     for i, (x, y) in enumerate(batches):
         engine.backward(model(x, y) / MICRO_BATCHES, sync=i == MICRO_BATCHES - 1)

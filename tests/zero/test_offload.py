@@ -10,10 +10,10 @@ from hybrid.errors import ConfigError
 from hybrid.parallel.layout import padded_vocab_size
 from hybrid.parallel.state import ParallelState
 from hybrid.tensor_parallel import InitValues, seed_all
-from hybrid.zero import apply_zero
 from models.gpt import GPT, GPTConfig
 
 from harness import run_ranks
+from zero_reference import zero_engine
 
 VOCAB, SEQ, MICRO, BATCH, STEPS, SEED = 257, 16, 2, 8, 5, 5
 
@@ -51,7 +51,7 @@ def _train(ps, variants):
     for stage, kw in variants:
         cfg = _cfg(ps.world_size, zero_stage=stage, offload_optimizer=True, **kw)
         model = _gpt(cfg, ps, "meta")
-        engine = apply_zero(model, ps, cfg.zero, values=InitValues(cfg.seed, model.init_of))
+        engine = zero_engine(model, ps, cfg, values=InitValues(cfg.seed, model.init_of))
         sent = []  # per step: (unit index, gradients arrived so far) for each unit sent down
         grad_ready = engine.offload.grad_ready
 
@@ -96,11 +96,11 @@ def _reference(cfg, warmup):
     ps = ParallelState.single()
     model = _gpt(cfg, ps, "cpu")
     master = [torch.nn.Parameter(p.detach().clone()) for p in model.parameters()]
-    z = cfg.zero
+    z = cfg.adamw
     opt = torch.optim.AdamW([{"params": [m for m in master if m.ndim >= 2],
                               "weight_decay": z.weight_decay},
                              {"params": [m for m in master if m.ndim < 2],
-                              "weight_decay": 0.0}], lr=cfg.optimizer.lr, eps=z.adam_eps)
+                              "weight_decay": 0.0}], lr=cfg.optimizer.lr, eps=z.eps)
     losses, norms = [], []
     for step in range(STEPS):
         model.zero_grad()
@@ -182,7 +182,7 @@ def _fp16_overflow(ps):
         cfg = _cfg(ps.world_size, zero_stage=2, offload_optimizer=True, fp16=True,
                    hysteresis=1, initial_loss_scale=1024.0, **kw)
         model = _gpt(cfg, ps, "meta")
-        engine = apply_zero(model, ps, cfg.zero, values=InitValues(cfg.seed, model.init_of))
+        engine = zero_engine(model, ps, cfg, values=InitValues(cfg.seed, model.init_of))
         per = BATCH // ps.dp_size
         skipped = []
         for step in range(4):
@@ -223,7 +223,7 @@ def test_delayed_update_flags_are_checked(flags, msg):
         build_config(Flags(**flags), 1)
 
 
-def test_delayed_update_flags_reach_the_zero_config():
-    z = build_config(Flags(zero_stage=2, offload_optimizer=True, offload_delayed_update=True,
-              offload_delayed_update_warmup=4), 1).zero
-    assert z.offload_delayed_update and z.offload_delayed_update_warmup == 4
+def test_delayed_update_flags_reach_the_offload_config():
+    o = build_config(Flags(zero_stage=2, offload_optimizer=True, offload_delayed_update=True,
+              offload_delayed_update_warmup=4), 1).offload
+    assert o.optimizer and o.delayed_update and o.delayed_update_warmup == 4

@@ -7,11 +7,10 @@ import torch
 
 from hybrid.estimate.model_states import comm_bytes_per_step, model_state_bytes
 from hybrid.parallel.state import ParallelState
-from hybrid.zero import apply_zero
 
 from harness import run_ranks
 from zero_reference import (MICRO, VOCAB, _gpt, _my_micro_batches, _named_params, _train_cfg,
-                            _train_reference, _train_stages)
+                            _train_reference, _train_stages, zero_engine)
 
 
 @pytest.fixture(scope="module")
@@ -71,7 +70,7 @@ def _bytes_per_stage(ps, flags, micro_batches=1):
                          global_batch_size=ps.dp_size * MICRO * micro_batches, **flags)
         model = _gpt(cfg, ps)
         psi = sum(p.numel() for p in model.parameters())
-        engine = apply_zero(model, ps, cfg.zero)
+        engine = zero_engine(model, ps, cfg)
         engine.zero_grad()
         batches = [b for s in range(micro_batches) for b in _my_micro_batches(s, ps, MICRO)]
         ps.comm_stats.reset()
@@ -151,7 +150,7 @@ def _largest_messages(ps, hidden):
         cfg = _train_cfg(ps.world_size, 1, zero_stage=stage, hidden_size=hidden,
                          overlap_comm=stage % 2 == 0)
         model = _gpt(cfg, ps)
-        engine = apply_zero(model, ps, cfg.zero)
+        engine = zero_engine(model, ps, cfg)
         ps.comm_stats.reset()
         engine.zero_grad()
         for i, (x, y) in enumerate(_my_micro_batches(0, ps, MICRO)):
@@ -181,7 +180,7 @@ def _overflow(ps):
     cfg = _train_cfg(ps.world_size, 1, zero_stage=2, fp16=True, hysteresis=1,
                      initial_loss_scale=1024.0)
     model = _gpt(cfg, ps)
-    engine = apply_zero(model, ps, cfg.zero)
+    engine = zero_engine(model, ps, cfg)
     steps = []
     for step in range(2):
         engine.zero_grad()
