@@ -94,7 +94,7 @@ def _bench_rank(ps, system, a):
         def step(b):
             engine.zero_grad()
             engine.backward(model(b[:, :-1], b[:, 1:]))
-            engine.step(cfg.optimizer.lr)
+            engine.step(cfg.lr_schedule.lr)
         states = engine.model_state_bytes
         comm_source = "measured"
     elif system.startswith("deepspeed"):

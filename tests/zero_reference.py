@@ -67,14 +67,14 @@ def _dp_step(model, engine, ps, cfg, step):
     """One optimizer step on global batch ``step`` of the shared data: (the loss,
     averaged over DP, the engine's StepResult)."""
     engine.zero_grad()
-    batches = _my_micro_batches(step, ps, cfg.schedule.micro_batch_size)
+    batches = _my_micro_batches(step, ps, cfg.loop.micro_batch_size)
     total = torch.zeros(())
     for i, (x, y) in enumerate(batches):
         loss = model(x, y) / len(batches)
         engine.backward(loss, sync=i == len(batches) - 1)
         total += loss.detach().float()
     ps.dp_group.all_reduce(total)
-    return float(total) / ps.dp_size, engine.step(cfg.optimizer.lr)
+    return float(total) / ps.dp_size, engine.step(cfg.lr_schedule.lr)
 
 
 def _train_steps(model, engine, ps, cfg):
@@ -113,7 +113,7 @@ def _train_reference(model, cfg):
     opt = torch.optim.AdamW([{"params": [p for p in params if p.ndim >= 2],
                               "weight_decay": cfg.adamw.weight_decay},
                              {"params": [p for p in params if p.ndim < 2],
-                              "weight_decay": 0.0}], lr=cfg.optimizer.lr, eps=cfg.adamw.eps)
+                              "weight_decay": 0.0}], lr=cfg.lr_schedule.lr, eps=cfg.adamw.eps)
     losses, norms = [], []
     for step in range(STEPS):
         opt.zero_grad()

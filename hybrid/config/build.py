@@ -18,9 +18,9 @@ from hybrid.config.architecture import architecture_fields, validate_architectur
 from hybrid.config.flags import Flags
 from hybrid.config.kernels import kernel_config_from_env, parse_kernel_choice
 from hybrid.config.sections import (AdamWConfig, CheckpointConfig, DataConfig, DiagnosticsConfig,
-                                    KernelConfig, LoggingConfig, ModelConfig, OffloadConfig,
-                                    OptimizerConfig, ParallelConfig, PrecisionConfig,
-                                    RecomputeConfig, ScheduleConfig, TokenizerConfig, ZeroConfig)
+                                    KernelConfig, LoggingConfig, LoopConfig, LRScheduleConfig,
+                                    ModelConfig, OffloadConfig, ParallelConfig, PrecisionConfig,
+                                    RecomputeConfig, TokenizerConfig, ZeroConfig)
 from hybrid.parallel.layout import check_layout
 
 __all__ = ["TrainConfig", "build_config"]
@@ -36,8 +36,8 @@ class TrainConfig:
 
     parallel: ParallelConfig
     model: ModelConfig
-    optimizer: OptimizerConfig
-    schedule: ScheduleConfig
+    lr_schedule: LRScheduleConfig
+    loop: LoopConfig
     zero: ZeroConfig
     adamw: AdamWConfig
     precision: PrecisionConfig
@@ -61,7 +61,7 @@ class TrainConfig:
     @property
     def num_micro_batches(self) -> int:
         """Micro-batches per rank per step at the full global batch (after any ramp-up)."""
-        s, p = self.schedule, self.parallel
+        s, p = self.loop, self.parallel
         return s.global_batch_size // (s.micro_batch_size * p.data_parallel_size)
 
 
@@ -100,8 +100,8 @@ def build_config(flags: Flags, world_size: int,
             hidden_dropout=f.hidden_dropout, attention_dropout=f.attention_dropout,
             init_method_std=f.init_method_std, attention_backend=f.attention_backend,
             compile=f.compile, **architecture_fields(f)),
-        optimizer=_optimizer(f),
-        schedule=ScheduleConfig(
+        lr_schedule=_lr_schedule(f),
+        loop=LoopConfig(
             micro_batch_size=f.micro_batch_size, global_batch_size=f.global_batch_size,
             rampup=tuple(f.rampup_batch_size) if f.rampup_batch_size else None,
             train_iters=f.train_iters, train_samples=f.train_samples,
@@ -152,15 +152,15 @@ def _paths(values: list[str] | None) -> tuple[str, ...] | None:
     return tuple(values) if values else None
 
 
-def _optimizer(f: Flags) -> OptimizerConfig:
+def _lr_schedule(f: Flags) -> LRScheduleConfig:
     samples = f.train_samples is not None
     decay = f.lr_decay_samples if samples else f.lr_decay_iters
     warmup = f.lr_warmup_samples if samples else f.lr_warmup_iters
     if f.lr_warmup_fraction is not None:
         warmup = int(f.lr_warmup_fraction * decay)
-    return OptimizerConfig(lr=f.lr, min_lr=f.min_lr, decay_style=f.lr_decay_style,
-                           unit="samples" if samples else "iterations",
-                           warmup=warmup, decay=decay)
+    return LRScheduleConfig(lr=f.lr, min_lr=f.min_lr, decay_style=f.lr_decay_style,
+                            unit="samples" if samples else "iterations",
+                            warmup=warmup, decay=decay)
 
 
 def _zero(f: Flags) -> ZeroConfig:

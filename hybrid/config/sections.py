@@ -36,7 +36,7 @@ class ZeroConfig:
 class AdamWConfig:
     """AdamW's hyperparameters and the gradient clipping before it, as the ZeRO
     engine applies them to its shards (the learning rate comes each step from
-    :class:`OptimizerConfig`).
+    :class:`LRScheduleConfig`).
 
     ``clip_grad``: the largest global L2 norm of the gradient; a larger one is
     scaled down to it (<= 0: no clipping). ``weight_decay``: decoupled, on the
@@ -157,9 +157,9 @@ class ModelConfig:
 
 
 @dataclass(frozen=True)
-class OptimizerConfig:
-    """The learning-rate schedule. (AdamW's own hyperparameters are in :class:`AdamWConfig`:
-    the ZeRO engine runs AdamW on its shards.)
+class LRScheduleConfig:
+    """The learning-rate schedule, Megatron's ``--lr*`` flags (AdamW's own
+    hyperparameters are in :class:`AdamWConfig`).
 
     ``unit``: "iterations" or "samples" -- what ``warmup`` and ``decay`` count,
     and what :func:`hybrid.train.lr_schedule.scheduled_lr` is stepped by.
@@ -174,8 +174,9 @@ class OptimizerConfig:
 
 
 @dataclass(frozen=True)
-class ScheduleConfig:
-    """How long the run goes and in what steps: batches, the length, exits, evaluation.
+class LoopConfig:
+    """What the training loop (:mod:`hybrid.train.loop`) runs: its batches, how long
+    it goes, when it exits early, when it evaluates.
 
     Exactly one of ``train_iters`` and ``train_samples`` is set. ``rampup``:
     (start, increment, samples) -- Megatron's ``--rampup-batch-size``; the

@@ -154,7 +154,7 @@ def workload(cfg, vocab_size: int, device: str = "cuda") -> Workload:
         num_attention_heads=m.num_attention_heads,
         ffn_hidden_size=m.ffn_hidden_size or 4 * m.hidden_size,
         padded_vocab_size=padded_vocab_size(vocab_size, m.make_vocab_size_divisible_by, tp),
-        seq_length=m.seq_length, micro_batch_size=cfg.schedule.micro_batch_size,
+        seq_length=m.seq_length, micro_batch_size=cfg.loop.micro_batch_size,
         max_position_embeddings=m.max_position_embeddings,
         tp=tp, sequence_parallel=p.sequence_parallel, dp=p.data_parallel_size,
         micro_batches=cfg.num_micro_batches, zero_stage=zero.stage,

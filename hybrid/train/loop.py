@@ -20,7 +20,7 @@ from hybrid.checkpoint import save_checkpoint
 from hybrid.checkpoint.resume import start_from_checkpoint
 from hybrid.config import TrainConfig
 from hybrid.config.architecture import ARCHITECTURE_FIELDS
-from hybrid.config.sections import RecomputeConfig, ScheduleConfig
+from hybrid.config.sections import LoopConfig, RecomputeConfig
 from hybrid.data.dataset import build_datasets, dp_micro_batches
 from hybrid.data.tokenizer import build_tokenizer
 from hybrid.errors import ConfigError, TrainingError
@@ -168,7 +168,7 @@ def _scale_coming_down(scaler) -> bool:
 
 
 @torch.no_grad()
-def evaluate(model: GPT, samples, s: ScheduleConfig, ps: ParallelState,
+def evaluate(model: GPT, samples, s: LoopConfig, ps: ParallelState,
              eod: int | None = None) -> float:
     """Mean loss over ``--eval-iters`` full global batches from the start of
     ``samples`` (the same batches every time, so evaluations compare), averaged
@@ -200,7 +200,7 @@ def _memory(ps: ParallelState) -> tuple[int, int]:
 def pretrain(cfg: TrainConfig, ps: ParallelState) -> list[dict]:
     """Train until ``--train-iters`` or ``--train-samples`` (or an exit flag);
     return the logged metrics (rank 0's view)."""
-    s, lg, ck = cfg.schedule, cfg.logging, cfg.checkpoint
+    s, lg, ck = cfg.loop, cfg.logging, cfg.checkpoint
     started = time.monotonic()
     rng = seed_all(cfg.seed, ps.tp_rank, ps.dp_rank, ps.device)
     tokenizer = build_tokenizer(cfg.tokenizer)
@@ -299,7 +299,7 @@ def pretrain(cfg: TrainConfig, ps: ParallelState) -> list[dict]:
             timer.start()
             waited_from = ps.comm_stats.wait_s
             batch = global_batch_size_at(s, state.consumed_samples)
-            lr = scheduled_lr(cfg.optimizer, state.iteration + 1,
+            lr = scheduled_lr(cfg.lr_schedule, state.iteration + 1,
                               state.consumed_samples + batch)
             batches = dp_micro_batches(data["train"], state.consumed_samples, batch,
                                        s.micro_batch_size, ps.dp_rank, ps.dp_size, ps.device,

@@ -227,7 +227,7 @@ def test_edge_values_just_inside_the_range_are_accepted():
                              str(2**32 - 1), "--init-method-std", "0", "--train-iters", "10",
                              "--lr-warmup-iters", "10", "--distributed-timeout-minutes",
                              str(1 / 60)]), 2)
-    assert cfg.seed == 2**32 - 1 and cfg.optimizer.warmup == cfg.optimizer.decay == 10
+    assert cfg.seed == 2**32 - 1 and cfg.lr_schedule.warmup == cfg.lr_schedule.decay == 10
 
 
 def test_zero_flags_land_in_one_section_each():

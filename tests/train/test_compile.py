@@ -25,7 +25,7 @@ def _losses(ps, compile_):
     losses = []
     for _ in range(3):
         d = torch.randint(0, 257, (2, 17), generator=g)
-        loss, _, _ = train_step(model, engine, [(d[:, :-1], d[:, 1:])], cfg.optimizer.lr)
+        loss, _, _ = train_step(model, engine, [(d[:, :-1], d[:, 1:])], cfg.lr_schedule.lr)
         losses.append(float(loss))
     with engine.gathered():
         params = {n: p.detach().clone() for n, p in model.named_parameters()}

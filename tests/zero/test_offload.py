@@ -74,7 +74,7 @@ def _train(ps, variants):
                 total += loss.detach()
             ps.dp_group.all_reduce(total)
             losses.append(float(total) / ps.dp_size)
-            norms.append(float(engine.step(cfg.optimizer.lr).grad_norm))
+            norms.append(float(engine.step(cfg.lr_schedule.lr).grad_norm))
         device_params = _params(model, engine)  # what the model runs with
         engine.wait_optimizer()
         master = {}
@@ -100,7 +100,7 @@ def _reference(cfg, warmup):
     opt = torch.optim.AdamW([{"params": [m for m in master if m.ndim >= 2],
                               "weight_decay": z.weight_decay},
                              {"params": [m for m in master if m.ndim < 2],
-                              "weight_decay": 0.0}], lr=cfg.optimizer.lr, eps=z.eps)
+                              "weight_decay": 0.0}], lr=cfg.lr_schedule.lr, eps=z.eps)
     losses, norms = [], []
     for step in range(STEPS):
         model.zero_grad()
@@ -193,7 +193,7 @@ def _fp16_overflow(ps):
                 engine.backward(model(x, y) / len(batches), sync=i == len(batches) - 1)
             if step == 1 and ps.dp_rank == 1:
                 engine.units[0].grad_shard[0] = float("inf")
-            skipped.append(engine.step(cfg.optimizer.lr).skipped)
+            skipped.append(engine.step(cfg.lr_schedule.lr).skipped)
         engine.wait_optimizer()
         out.append({"skipped": skipped, "steps": engine.optimizer.step_count,
                     "params": _params(model, engine)})

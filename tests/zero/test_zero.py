@@ -76,7 +76,7 @@ def _bytes_per_stage(ps, flags, micro_batches=1):
         ps.comm_stats.reset()
         for i, (x, y) in enumerate(batches[:micro_batches]):
             engine.backward(model(x, y) / micro_batches, sync=i == micro_batches - 1)
-        engine.step(cfg.optimizer.lr)
+        engine.step(cfg.lr_schedule.lr)
         out[stage] = {"psi": psi, "padded": sum(u.padded for u in engine.units),
                       "state": engine.model_state_bytes(), "comm": dict(ps.comm_stats.bytes),
                       "calls": dict(ps.comm_stats.calls)}
@@ -155,7 +155,7 @@ def _largest_messages(ps, hidden):
         engine.zero_grad()
         for i, (x, y) in enumerate(_my_micro_batches(0, ps, MICRO)):
             engine.backward(model(x, y), sync=i == 1)
-        engine.step(cfg.optimizer.lr)
+        engine.step(cfg.lr_schedule.lr)
         out[stage] = (dict(ps.comm_stats.max_numel), engine.comm_temp_bytes(),
                       max(p.numel() for p in model.parameters()))
     return out
@@ -190,7 +190,7 @@ def _overflow(ps):
             engine.units[0].grad_shard[0] = float("inf")
         before = _named_params(model, engine)
         master_before = [m.clone() for m in engine.optimizer.master]
-        result = engine.step(cfg.optimizer.lr)
+        result = engine.step(cfg.lr_schedule.lr)
         after = _named_params(model, engine)
         steps.append({"skipped": result.skipped, "scale": result.loss_scale,
                       "unchanged": all(torch.equal(before[n], after[n]) for n in before),
