@@ -77,8 +77,7 @@ class ZeroEngine:
                  adamw: AdamWConfig, precision: PrecisionConfig, offload: OffloadConfig,
                  values=None, unit_modules=None, recompute: RecomputePhase | None = None):
         self.model, self.ps = model, ps
-        self.plan = ShardingPlan.for_stage(zero.stage)
-        self.stage = zero.stage
+        self.plan = ShardingPlan.for_stage(zero.stage)  # the stage, resolved once: plan.stage
         self.clip_grad = adamw.clip_grad
         self.dtype = DTYPES[precision.params_dtype]
         self.grad_dtype = DTYPES[precision.grads_dtype]

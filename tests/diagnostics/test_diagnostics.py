@@ -258,7 +258,7 @@ def _perturb_rank3_after_step2(ps, cfg):
         if step != 2 or ps.rank != 3:
             return
         with torch.no_grad():
-            if engine.stage == 0:
+            if engine.plan.stage == 0:
                 dict(model.named_parameters())["blocks.0.ln_1.weight"][5] += 1e-3
                 return
             wpe = model.wpe.weight
