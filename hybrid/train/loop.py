@@ -141,14 +141,15 @@ def train_step(model: GPT, engine: ZeroEngine, micro_batches, lr: float,
     return total, engine.step(lr, loss=total), torch.stack(losses)
 
 
-def _nan_guard(result, scaler, streak: int, limit: int, iteration: int, why: str = "") -> int:
+def _nan_guard(skipped: bool, scaler, streak: int, limit: int, iteration: int,
+               why: str = "") -> int:
     """Count consecutive steps skipped for a non-finite loss or gradients; stop past the
     limit (``why``: what the last one found, see :mod:`hybrid.train.nonfinite`).
 
     fp16 overflows while the dynamic scale is still coming down are normal and
     do not count; at the minimum scale (or without fp16) they do.
     """
-    if not result.skipped:
+    if not skipped:
         return 0
     if _scale_coming_down(scaler):
         return streak
@@ -275,21 +276,21 @@ def pretrain(cfg: TrainConfig, ps: ParallelState) -> list[dict]:
 
     def settle(force: bool) -> None:
         nonlocal skipped, nan_streak
-        for it, res in pending.settle(force):
-            skipped += int(res.skipped)
+        for it, _, was_skipped in pending.settle(force):
+            skipped += int(was_skipped)
             losses, first, size = held.pop(it)
             why = ""
             # Say why a step was skipped -- only steps already known non-finite pay for
             # it, and not fp16's routine overflows while the dynamic scale comes down.
             # The gradients are still those of the newest step only.
-            if res.skipped and not _scale_coming_down(engine.scaler):
+            if was_skipped and not _scale_coming_down(engine.scaler):
                 why = nonfinite.explain(model, engine, ps, losses, first, size,
                                         s.micro_batch_size, grads_held=it == state.iteration)
                 if ps.rank == 0:
                     log.warning("iteration %d skipped (loss scale now %.1f): %s", it,
                                 engine.scaler.scale, why)
-            nan_streak = _nan_guard(res, engine.scaler, nan_streak, s.exit_on_nan_iterations,
-                                    it, why)
+            nan_streak = _nan_guard(was_skipped, engine.scaler, nan_streak,
+                                    s.exit_on_nan_iterations, it, why)
         if force:
             engine.poll_warnings()
 

@@ -58,16 +58,19 @@ class StepResult:
     """What one :meth:`ZeroEngine.step` did.
 
     ``grad_norm``: the global gradient norm (unscaled), a 0-dim fp64 tensor on
-    the device -- read it when logging, not every step. ``skipped``: a Python
-    bool when the host took the decision (dynamic fp16 loss scaling, which
-    must adjust its scale), otherwise a 0-dim bool device tensor: the step was
-    skipped on the device for a non-finite norm. ``loss_scale``: the scale the
-    next step uses.
+    the device -- read it when logging, not every step. ``skipped``: a 0-dim
+    bool tensor on the device, the same on every rank: the step changed nothing
+    (a non-finite gradient norm or loss). ``loss_scale``: the scale the next
+    step uses. ``host_skipped``: ``skipped`` as a Python bool when the engine
+    has already read it (dynamic fp16 loss scaling must, to adjust its scale),
+    else None: read ``skipped`` where the host waits for the device anyway
+    (see hybrid/train/step_stats.py).
     """
 
     grad_norm: torch.Tensor
-    skipped: bool | torch.Tensor
+    skipped: torch.Tensor
     loss_scale: float
+    host_skipped: bool | None = None
 
 
 class ZeroEngine:
@@ -219,14 +222,16 @@ class ZeroEngine:
             bad = (~torch.isfinite(loss.detach())).to(torch.float32).reshape(1)
             self.ps.world_group.all_reduce(bad)
             skip = skip | (bad[0] > 0)
+        decided = skip
+        host_skipped = None
         if self.scaler.dynamic:
-            skipped = bool(skip)  # the host sync of an fp16 step
-            self.scaler.update(skipped)
-            if skipped:
+            host_skipped = bool(skip)  # the host sync of an fp16 step
+            self.scaler.update(host_skipped)
+            if host_skipped:
                 if self.offload is not None:
                     self.offload.discard_step()
-                return StepResult(norm, True, self.scaler.scale)
-            skip = None
+                return StepResult(norm, decided, self.scaler.scale, host_skipped)
+            skip = None  # known clean: the kernels need no flag
         coef = self._grad_coefficient(norm) / scale
         found = None
         if self.offload is not None:
@@ -241,7 +246,7 @@ class ZeroEngine:
             self.publish_params(after_step=True)
         else:  # the offload started each unit's all-gather as its parameters came up
             self.param_pipeline.wait_all()
-        return StepResult(norm, False if skip is None else skip, self.scaler.scale)
+        return StepResult(norm, decided, self.scaler.scale, host_skipped)
 
     def _grad_coefficient(self, norm: torch.Tensor) -> torch.Tensor:
         """``min(1, clip / (norm + 1e-6))`` (torch's clip_grad_norm_), computed on the

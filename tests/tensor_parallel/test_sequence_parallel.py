@@ -214,7 +214,7 @@ def _fp16_curves(ps, variants):
         for step in range(FP16_STEPS):
             loss, result = _dp_step(model, engine, ps, cfg, step)
             losses.append(loss)
-            skipped.append(result.skipped)
+            skipped.append(bool(result.skipped))
             scales.append(result.loss_scale)
         out.append({"losses": losses, "skipped": skipped, "scales": scales,
                     "params": _named_params(model, engine),

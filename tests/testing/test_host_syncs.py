@@ -117,6 +117,7 @@ def _device_skip(ps):
         with HostReads() as reads:
             result = engine.step(1e-2)
         out.append({"reads": reads.count, "skipped": result.skipped,
+                    "host_skipped": result.host_skipped,
                     "master": all(torch.equal(a, b) for a, b in zip(master,
                                                                    engine.optimizer.master)),
                     "shards": all(torch.equal(a, u.shard) for a, u in zip(shards, engine.units)),
@@ -129,6 +130,7 @@ def test_a_non_finite_gradient_skips_on_the_device_everywhere():
         for r in rank_res:
             assert r["reads"] == 0
             assert isinstance(r["skipped"], torch.Tensor) and bool(r["skipped"])
+            assert r["host_skipped"] is None  # decided on the device: nobody read it
             assert r["master"] and r["shards"] and r["steps"] == 1
 
 

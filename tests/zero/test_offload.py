@@ -193,7 +193,7 @@ def _fp16_overflow(ps):
                 engine.backward(model(x, y) / len(batches), sync=i == len(batches) - 1)
             if step == 1 and ps.dp_rank == 1:
                 engine.units[0].grad_shard[0] = float("inf")
-            skipped.append(engine.step(cfg.lr_schedule.lr).skipped)
+            skipped.append(bool(engine.step(cfg.lr_schedule.lr).skipped))
         engine.wait_optimizer()
         out.append({"skipped": skipped, "steps": engine.optimizer.step_count,
                     "params": _params(model, engine)})

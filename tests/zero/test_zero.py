@@ -192,7 +192,10 @@ def _overflow(ps):
         master_before = [m.clone() for m in engine.optimizer.master]
         result = engine.step(cfg.lr_schedule.lr)
         after = _named_params(model, engine)
-        steps.append({"skipped": result.skipped, "scale": result.loss_scale,
+        flag = result.skipped  # a 0-dim bool tensor, also when the host decided (fp16)
+        assert flag.dtype == torch.bool and flag.dim() == 0 and flag.device == ps.device
+        assert result.host_skipped == bool(flag)
+        steps.append({"skipped": bool(flag), "scale": result.loss_scale,
                       "unchanged": all(torch.equal(before[n], after[n]) for n in before),
                       "master_unchanged": all(torch.equal(a, b) for a, b in
                                               zip(master_before, engine.optimizer.master))})
