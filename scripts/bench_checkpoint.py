@@ -27,6 +27,7 @@ JSON object.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import sys
@@ -97,8 +98,9 @@ def _session(ps, root, model_args):
     engine.backward(model(tokens[:, :-1], tokens[:, 1:]))
     engine.step(1e-3)
     before = process_rchar()
-    seconds, ckpt = _timed(ps, lambda: save_checkpoint(save, 1, 8, engine, ps, cfg, rng,
-                                                       vocab_size=VOCAB))
+    # (partial, not a lambda: it binds engine now, before the del below)
+    seconds, ckpt = _timed(ps, functools.partial(save_checkpoint, save, 1, 8, engine, ps, cfg,
+                                                 rng, vocab_size=VOCAB))
     rchar = process_rchar() - before
     own = [os.path.join(ckpt, f"rank_{ps.rank:05d}{e}") for e in (".pt", ".bin")]
     if ps.rank == 0:
@@ -119,7 +121,7 @@ def _session(ps, root, model_args):
 
     tp1 = ParallelState.build(1, timeout=ps.timeout, device=ps.device)
     loaded, re = _load(tp1, save, model_args, 1)
-    re["needed"] = 12 * sum(n for u in loaded.units for *_, n in u.segments(u.own_lo, u.own_hi))
+    re["needed"] = 12 * sum(pc.numel for pc in loaded.owned_pieces())
     out["reshard"] = re
     del loaded
     loaded, ft = _load(tp1, save, model_args, 1, load_optim=False, load_rng=False)

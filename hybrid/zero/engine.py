@@ -48,7 +48,7 @@ from hybrid.zero.offload import OptimizerOffload
 from hybrid.zero.optimizer import ShardedAdamW, global_grad_norm
 from hybrid.zero.param_sync import ParamGatherer
 from hybrid.zero.plan import ShardingPlan
-from hybrid.zero.units import Materializer, plan_units
+from hybrid.zero.units import Materializer, OwnedPiece, owned_pieces, plan_units
 
 log = logging.getLogger("hybrid")
 
@@ -86,6 +86,7 @@ class ZeroEngine:
         self.grad_dtype = DTYPES[precision.grads_dtype]
         self.scaler = LossScaler.from_config(precision)
         self.units, owners = plan_units(model, ps, zero, self.plan, unit_modules)
+        self._pieces = owned_pieces(model, self.units)  # the layout is fixed from here on
         fill = Materializer(model, values)
         # fp32 master weights first: they read the exact fp32 values, which a
         # materialized model loses once its parameters become low-precision views.
@@ -124,10 +125,11 @@ class ZeroEngine:
         self.flat_master = torch.empty(n, dtype=torch.float32, device=dev, pin_memory=pin)
         master, off = [], 0
         for u in self.units:
-            part = self.flat_master[off: off + u.own_hi - u.own_lo]
-            fill.fill_master(u, part)
-            master.append(part)
-            off += part.numel()
+            master.append(self.flat_master[off: off + u.own_hi - u.own_lo])
+            off += u.own_hi - u.own_lo
+        self.flat_master.zero_()  # (the padding stays zero)
+        for pc in self._pieces:  # the exact fp32 values of every owned piece
+            fill.fill(pc.param, pc.lo, pc.hi, master[pc.unit][pc.part])
         return master
 
     def _allocate_grads(self) -> None:
@@ -155,15 +157,14 @@ class ZeroEngine:
 
     def _build_optimizer(self, master: list[torch.Tensor], adamw: AdamWConfig,
                          offload: OffloadConfig) -> None:
-        decay, split = [], []
-        for u in self.units:
-            d, s = [], []
-            for i, plo, ulo, n in u.segments(u.own_lo, u.own_hi):
-                rng = (ulo - u.own_lo, ulo - u.own_lo + n)
-                (d if u.params[i].ndim >= 2 else []).append(rng)
-                (s if is_tp_split(u.params[i]) else []).append(rng)
-            decay.append(d)
-            split.append(s)
+        # per unit part: the ranges with weight decay (matrices), and the TP-split ones
+        decay, split = [[] for _ in self.units], [[] for _ in self.units]
+        for pc in self._pieces:
+            rng = (pc.part.start, pc.part.stop)
+            if pc.param.ndim >= 2:
+                decay[pc.unit].append(rng)
+            if is_tp_split(pc.param):
+                split[pc.unit].append(rng)
         self.optimizer = ShardedAdamW(master, decay, split, adamw, self.flat_master)
         self.offload = (OptimizerOffload(self.units, self.dtype, self.flat_grads, self.plan,
                                          self.flat_master, offload)
@@ -176,6 +177,14 @@ class ZeroEngine:
         # The kernel writes each updated unit shard in the training dtype in the same
         # pass (its copy-out): no separate master -> parameter copy after the step.
         self._copy_out = [u.shard for u in self.units] if self._flat_step else None
+
+    def owned_pieces(self) -> tuple[OwnedPiece, ...]:
+        """Every parameter piece this rank owns for the optimizer (its 1/N of each unit;
+        all of them at stage 0), unit by unit in the order of its flat shard. A piece
+        names the parameter, its TP-local element range ``[lo, hi)``, and where its
+        values lie (:class:`~hybrid.zero.units.OwnedPiece`). Fixed at construction;
+        what checkpoints, diagnostics and tests read the shard through."""
+        return self._pieces
 
     # -- the step ------------------------------------------------------------------
     def zero_grad(self) -> None:

@@ -77,11 +77,8 @@ def _train(ps, variants):
             norms.append(float(engine.step(cfg.lr_schedule.lr).grad_norm))
         device_params = _params(model, engine)  # what the model runs with
         engine.wait_optimizer()
-        master = {}
-        names = {id(p): n for n, p in model.named_parameters()}
-        for u, m in zip(engine.units, engine.optimizer.master):
-            for i, plo, ulo, n in u.segments(u.own_lo, u.own_hi):
-                master[(names[id(u.params[i])], plo)] = m[ulo - u.own_lo: ulo - u.own_lo + n]
+        master = {(pc.name, pc.lo): engine.optimizer.master[pc.unit][pc.part]
+                  for pc in engine.owned_pieces()}
         out.append({"losses": losses, "norms": norms, "params": device_params,
                     "master": master, "sent": sent, "steps": engine.optimizer.step_count,
                     "units": len(engine.units),

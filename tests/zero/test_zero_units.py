@@ -25,11 +25,8 @@ def _construct(ps, stage, dtype_flags):
     cfg = _train_cfg(ps.world_size, ps.tp_size, zero_stage=stage, **dtype_flags)
     model = _gpt(cfg, ps, device="meta")
     engine = zero_engine(model, ps, cfg, values=InitValues(cfg.seed, model.init_of))
-    names = {id(p): n for n, p in model.named_parameters()}
-    master = {}
-    for u, m in zip(engine.units, engine.optimizer.master):
-        for i, plo, ulo, n in u.segments(u.own_lo, u.own_hi):
-            master[(names[id(u.params[i])], plo)] = m[ulo - u.own_lo: ulo - u.own_lo + n].clone()
+    master = {(pc.name, pc.lo): engine.optimizer.master[pc.unit][pc.part].clone()
+              for pc in engine.owned_pieces()}
     held = engine.model_state_bytes()["params"]
     specs = {n: getattr(p, "tp_spec", None) for n, p in model.named_parameters()}
     return {"params": _named_params(model, engine), "master": master, "held": held,
