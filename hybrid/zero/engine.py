@@ -36,7 +36,6 @@ import torch
 from torch import nn
 
 from hybrid.config.sections import AdamWConfig, OffloadConfig, PrecisionConfig, ZeroConfig
-from hybrid.kernels.adam import has_adam_kernel
 from hybrid.kernels.dtypes import DTYPES
 from hybrid.parallel.state import ParallelState
 from hybrid.recompute.phase import RecomputePhase
@@ -165,18 +164,18 @@ class ZeroEngine:
                 decay[pc.unit].append(rng)
             if is_tp_split(pc.param):
                 split[pc.unit].append(rng)
-        self.optimizer = ShardedAdamW(master, decay, split, adamw, self.flat_master)
+        # At stages 2-3 the gradient shard is one flat buffer in master order: the
+        # kernels may then update the whole shard in one pass (the offload keeps
+        # host copies of its own and steps through step_parts).
+        flat_grad = self.flat_grads if self.plan.grads and not offload.optimizer else None
+        self.optimizer = ShardedAdamW(master, decay, split, adamw, self.flat_master, flat_grad)
         self.offload = (OptimizerOffload(self.units, self.dtype, self.flat_grads, self.plan,
                                          self.flat_master, offload)
                         if offload.optimizer else None)
-        # One fused pass over the flat shard where the gradient shard is already
-        # flat and in master order (stages 2-3) and a compiled kernel exists;
-        # otherwise torch's fused AdamW per unit.
-        self._flat_step = (self.offload is None and self.separate_master and self.plan.grads
-                           and has_adam_kernel(self.flat_master.device))
-        # The kernel writes each updated unit shard in the training dtype in the same
-        # pass (its copy-out): no separate master -> parameter copy after the step.
-        self._copy_out = [u.shard for u in self.units] if self._flat_step else None
+        # With a separate master the step writes each unit's new parameter shard in
+        # the training dtype (a compiled kernel in the same pass as the update):
+        # that is the publication, no master -> shard copy after it.
+        self._step_out = [u.shard for u in self.units] if self.separate_master else None
 
     def owned_pieces(self) -> tuple[OwnedPiece, ...]:
         """Every parameter piece this rank owns for the optimizer (its 1/N of each unit;
@@ -242,19 +241,14 @@ class ZeroEngine:
                 return StepResult(norm, decided, self.scaler.scale, host_skipped)
             skip = None  # known clean: the kernels need no flag
         coef = self._grad_coefficient(norm) / scale
-        found = None
-        if self.offload is not None:
-            found = self.offload.step(self.optimizer, lr, coef, skip, self._gather_unit)
-        elif self._flat_step:
-            found = self.optimizer.step_flat(self.flat_grads, lr, coef, skip, out=self._copy_out)
-        else:
-            self.optimizer.step(grads, lr, coef, skip)
-        if found is not None and self.offload is None:  # (the offload keeps its own flag)
-            torch.maximum(self._kernel_found, found, out=self._kernel_found)
-        if self.offload is None:
-            self.publish_params(after_step=True)
-        else:  # the offload started each unit's all-gather as its parameters came up
+        if self.offload is not None:  # (it keeps its own non-finite flag)
+            self.offload.step(self.optimizer, lr, coef, skip, self._gather_unit)
+            # it started each unit's all-gather as the unit's parameters came up
             self.param_pipeline.wait_all()
+        else:
+            self.optimizer.step(grads, lr, coef, skip, out=self._step_out,
+                                found_inf=self._kernel_found)
+            self.publish_params(after_step=True)
         return StepResult(norm, decided, self.scaler.scale, host_skipped)
 
     def _grad_coefficient(self, norm: torch.Tensor) -> torch.Tensor:
@@ -284,13 +278,13 @@ class ZeroEngine:
     def publish_params(self, after_step: bool = False) -> None:
         """Master -> this rank's parameter shard -> (stages 1-2) all-gather.
 
-        ``after_step``: called right after an optimizer step whose kernel already
-        wrote the shards (its copy-out); otherwise the master is the source (e.g.
-        a checkpoint was just loaded into it).
+        ``after_step``: called right after an optimizer step, which already wrote
+        the shards (its ``out``); otherwise the master is the source (e.g. a
+        checkpoint was just loaded into it).
         """
         if self.offload is not None:
             self.offload.upload_master()
-        elif self.separate_master and not (after_step and self._copy_out is not None):
+        elif self.separate_master and not after_step:
             for u, m in zip(self.units, self.optimizer.master):
                 u.shard.copy_(m)
         if not self.plan.optimizer:
