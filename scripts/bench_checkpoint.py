@@ -121,7 +121,7 @@ def _session(ps, root, model_args):
 
     tp1 = ParallelState.build(1, timeout=ps.timeout, device=ps.device)
     loaded, re = _load(tp1, save, model_args, 1)
-    re["needed"] = 12 * sum(n for u in loaded.units for *_, n in u.segments(u.own_lo, u.own_hi))
+    re["needed"] = 12 * sum(pc.numel for pc in loaded.owned_pieces())
     out["reshard"] = re
     del loaded
     loaded, ft = _load(tp1, save, model_args, 1, load_optim=False, load_rng=False)

@@ -85,11 +85,11 @@ def run_config(name: str, a, ps) -> dict:
     rng = seed_all(cfg.seed, ps.tp_rank, ps.dp_rank, ps.device)
     model, _, engine = build_engine(cfg, ps, vocab, rng)
     g = torch.Generator().manual_seed(7 + ps.dp_rank)
-    micro, seq = cfg.schedule.micro_batch_size, cfg.model.seq_length
+    micro, seq = cfg.loop.micro_batch_size, cfg.model.seq_length
     data = [torch.randint(0, vocab, (micro, seq + 1), generator=g).to(ps.device)
             for _ in range(a.micro_batches)]
     batches = [(b[:, :-1], b[:, 1:]) for b in data]
-    lr = cfg.optimizer.lr
+    lr = cfg.lr_schedule.lr
     for _ in range(a.warmup):
         train_step(model, engine, batches, lr)
     timer, times = IterationTimer(ps.device), []

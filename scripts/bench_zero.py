@@ -84,12 +84,13 @@ def _ring_bytes(psi: int, n: int, passes: int) -> float:
 def _hybrid_setup(system, cfg, model, ps):
     """(step, model-state bytes): hybrid's ZeRO stage ``system[-1]``."""
     from hybrid.zero import apply_zero
-    engine = apply_zero(model, ps, dataclasses.replace(cfg.zero, stage=int(system[-1])))
+    engine = apply_zero(model, ps, dataclasses.replace(cfg.zero, stage=int(system[-1])),
+                        adamw=cfg.adamw, precision=cfg.precision, offload=cfg.offload)
 
     def step(b):
         engine.zero_grad()
         engine.backward(model(b[:, :-1], b[:, 1:]))
-        engine.step(cfg.optimizer.lr)
+        engine.step(cfg.lr_schedule.lr)
     return step, engine.model_state_bytes
 
 

@@ -33,6 +33,13 @@ def _train_cfg(world, tp, **kw):
     return build_config(Flags(**base), world)
 
 
+def zero_engine(model, ps, cfg, **kw):
+    """``apply_zero`` with every section of ``cfg`` it takes, as training passes them
+    (hybrid/train/loop.py); ``kw``: values, unit_modules, recompute."""
+    return apply_zero(model, ps, cfg.zero, adamw=cfg.adamw, precision=cfg.precision,
+                      offload=cfg.offload, **kw)
+
+
 def _gpt(cfg, ps, device="cpu"):
     rng = seed_all(cfg.seed, ps.tp_rank, ps.dp_rank, ps.device)
     m = ModelConfig(vocab_size=VOCAB, num_layers=cfg.model.num_layers,
@@ -63,14 +70,14 @@ def _dp_step(model, engine, ps, cfg, step):
     """One optimizer step on global batch ``step`` of the shared data: (the loss,
     averaged over DP, the engine's StepResult)."""
     engine.zero_grad()
-    batches = _my_micro_batches(step, ps, cfg.schedule.micro_batch_size)
+    batches = _my_micro_batches(step, ps, cfg.loop.micro_batch_size)
     total = torch.zeros(())
     for i, (x, y) in enumerate(batches):
         loss = model(x, y) / len(batches)
         engine.backward(loss, sync=i == len(batches) - 1)
         total += loss.detach().float()
     ps.dp_group.all_reduce(total)
-    return float(total) / ps.dp_size, engine.step(cfg.optimizer.lr)
+    return float(total) / ps.dp_size, engine.step(cfg.lr_schedule.lr)
 
 
 def _train_steps(model, engine, ps, cfg):
@@ -93,8 +100,8 @@ def _train_stages(ps, variants):
         phase = None
         if cfg.recompute.granularity:
             phase = apply_activation_checkpointing(model, ps, model.rng, cfg.recompute).phase
-        engine = apply_zero(model, ps, cfg.zero, values=InitValues(cfg.seed, model.init_of),
-                            recompute=phase)
+        engine = zero_engine(model, ps, cfg, values=InitValues(cfg.seed, model.init_of),
+                             recompute=phase)
         losses, norms = _train_steps(model, engine, ps, cfg)
         specs = {n: getattr(p, "tp_spec", None) for n, p in model.named_parameters()}
         out.append({"losses": losses, "norms": norms,
@@ -107,9 +114,9 @@ def _train_reference(model, cfg):
     norms), clip_grad_norm_, the whole global batch in MICRO-sized micro-batches."""
     params = list(model.parameters())
     opt = torch.optim.AdamW([{"params": [p for p in params if p.ndim >= 2],
-                              "weight_decay": cfg.zero.weight_decay},
+                              "weight_decay": cfg.adamw.weight_decay},
                              {"params": [p for p in params if p.ndim < 2],
-                              "weight_decay": 0.0}], lr=cfg.optimizer.lr, eps=cfg.zero.adam_eps)
+                              "weight_decay": 0.0}], lr=cfg.lr_schedule.lr, eps=cfg.adamw.eps)
     losses, norms = [], []
     for step in range(STEPS):
         opt.zero_grad()
@@ -120,7 +127,7 @@ def _train_reference(model, cfg):
             loss.backward()
             total += loss.item()
         losses.append(total)
-        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.zero.clip_grad)))
+        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.adamw.clip_grad)))
         opt.step()
     return {"losses": losses, "norms": norms,
             "params": {n: p.detach().clone() for n, p in model.named_parameters()}}

@@ -109,7 +109,7 @@ def save_checkpoint(save_dir: str, iteration: int, consumed_samples: int, engine
     if ps.rank == 0:
         meta = {"version": VERSION, "iteration": iteration, "consumed_samples": consumed_samples,
                 "world_size": ps.world_size, "tensor_model_parallel_size": ps.tp_size,
-                "data_parallel_size": ps.dp_size, "zero_stage": engine.stage,
+                "data_parallel_size": ps.dp_size, "zero_stage": engine.plan.stage,
                 "vocab_size": vocab_size, "model": model_signature(engine.model),
                 "step": state["step"], "loss_scaler": state["loss_scaler"],
                 "zero_layout": layout, "finetune": finetune, "config": config,

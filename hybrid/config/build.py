@@ -17,9 +17,10 @@ from hybrid.config import checks
 from hybrid.config.architecture import validate_architecture
 from hybrid.config.flags import Flags
 from hybrid.config.kernels import kernel_config_from_env, parse_kernel_choice
-from hybrid.config.sections import (CheckpointConfig, DataConfig, DiagnosticsConfig, KernelConfig,
-                                    LoggingConfig, ModelConfig, OptimizerConfig, ParallelConfig,
-                                    RecomputeConfig, ScheduleConfig, TokenizerConfig, ZeroConfig)
+from hybrid.config.sections import (AdamWConfig, CheckpointConfig, DataConfig, DiagnosticsConfig,
+                                    KernelConfig, LoggingConfig, LoopConfig, LRScheduleConfig,
+                                    ModelConfig, OffloadConfig, ParallelConfig, PrecisionConfig,
+                                    RecomputeConfig, TokenizerConfig, ZeroConfig)
 from hybrid.parallel.layout import check_layout
 
 __all__ = ["TrainConfig", "build_config"]
@@ -35,9 +36,12 @@ class TrainConfig:
 
     parallel: ParallelConfig
     model: ModelConfig
-    optimizer: OptimizerConfig
-    schedule: ScheduleConfig
+    lr_schedule: LRScheduleConfig
+    loop: LoopConfig
     zero: ZeroConfig
+    adamw: AdamWConfig
+    precision: PrecisionConfig
+    offload: OffloadConfig
     recompute: RecomputeConfig
     data: DataConfig
     tokenizer: TokenizerConfig
@@ -57,7 +61,7 @@ class TrainConfig:
     @property
     def num_micro_batches(self) -> int:
         """Micro-batches per rank per step at the full global batch (after any ramp-up)."""
-        s, p = self.schedule, self.parallel
+        s, p = self.loop, self.parallel
         return s.global_batch_size // (s.micro_batch_size * p.data_parallel_size)
 
 
@@ -68,8 +72,23 @@ def build_config(flags: Flags, world_size: int,
     ``flags`` is not modified; the returned config's ``flags`` is a copy with
     the derived defaults filled in. ``environ``: the entry point's environment,
     whose ``HYBRID_*`` variables default the kernel flags (None: flags only).
+    Every check runs first (:func:`_check`); then one small builder per section
+    reads the checked flags (only ``_kernels`` writes back into them: the
+    kernel flags it fills from ``environ``).
     """
     f = dataclasses.replace(flags)
+    dp = _check(f, world_size)
+    return TrainConfig(
+        parallel=_parallel(f, world_size, dp), model=_model(f), lr_schedule=_lr_schedule(f),
+        loop=_loop(f), zero=_zero(f), adamw=_adamw(f), precision=_precision(f),
+        offload=_offload(f), recompute=_recompute(f), data=_data(f), tokenizer=_tokenizer(f),
+        checkpoint=_checkpoint(f), logging=_logging(f), kernels=_kernels(f, environ),
+        diagnostics=_diagnostics(f), seed=f.seed, flags=f)
+
+
+def _check(f: Flags, world_size: int) -> int:
+    """Every check that can reject the run, in order; fills derived defaults into ``f``.
+    Returns the data-parallel size."""
     dp = check_layout(world_size, f.tensor_model_parallel_size)
     checks.check_numbers(f)
     checks.check_parallel(f)
@@ -82,80 +101,115 @@ def build_config(flags: Flags, world_size: int,
     checks.check_data(f)
     checks.check_checkpoint(f)
     checks.check_output_dirs(f)
-    tp = f.tensor_model_parallel_size
-    return TrainConfig(
-        parallel=ParallelConfig(
-            world_size=world_size, tensor_model_parallel_size=tp, data_parallel_size=dp,
-            sequence_parallel=f.sequence_parallel, backend=f.distributed_backend,
-            timeout_minutes=f.distributed_timeout_minutes),
-        model=ModelConfig.from_flags(f),
-        optimizer=_optimizer(f),
-        schedule=ScheduleConfig(
-            micro_batch_size=f.micro_batch_size, global_batch_size=f.global_batch_size,
-            rampup=tuple(f.rampup_batch_size) if f.rampup_batch_size else None,
-            train_iters=f.train_iters, train_samples=f.train_samples,
-            exit_interval=f.exit_interval, exit_duration_in_mins=f.exit_duration_in_mins,
-            exit_signal_handler=f.exit_signal_handler,
-            exit_on_nan_iterations=f.exit_on_nan_iterations, eval_interval=f.eval_interval,
-            eval_iters=f.eval_iters),
-        zero=ZeroConfig(
-            stage=f.zero_stage, reduce_bucket_size=f.reduce_bucket_size,
-            allgather_bucket_size=f.allgather_bucket_size, overlap_comm=f.overlap_comm,
-            param_persistence_threshold=f.zero_param_persistence_threshold,
-            offload_optimizer=f.offload_optimizer,
-            params_dtype="bf16" if f.bf16 else "fp16" if f.fp16 else "fp32",
-            grads_in_fp32=bool(f.accumulate_allreduce_grads_in_fp32),
-            clip_grad=f.clip_grad, adam_beta1=f.adam_beta1, adam_beta2=f.adam_beta2,
-            adam_eps=f.adam_eps, weight_decay=f.weight_decay, loss_scale=f.loss_scale,
-            initial_loss_scale=f.initial_loss_scale, min_loss_scale=f.min_loss_scale,
-            loss_scale_window=f.loss_scale_window, hysteresis=f.hysteresis,
-            offload_delayed_update=f.offload_delayed_update,
-            offload_delayed_update_warmup=f.offload_delayed_update_warmup),
-        recompute=RecomputeConfig(
-            granularity=f.recompute_granularity,
-            num_layers=f.recompute_num_layers if f.recompute_method == "block" else None,
-            layers_per_checkpoint=(f.recompute_num_layers or 1
-                                   if f.recompute_method == "uniform" else 1),
-            # With SP a block's input is already this rank's 1/TP of the sequence:
-            # nothing replicated is left to partition (see docs/sequence-parallelism.md).
-            partition_activations=f.partition_activations and not f.sequence_parallel,
-            cpu_checkpointing=f.cpu_checkpointing,
-            contiguous_checkpointing=f.contiguous_checkpointing),
-        data=DataConfig(
-            seq_length=f.seq_length, seed=f.seed, data_path=_paths(f.data_path), split=f.split,
-            train_data_path=_paths(f.train_data_path),
-            valid_data_path=_paths(f.valid_data_path), test_data_path=_paths(f.test_data_path),
-            mock_data=f.mock_data, cache_path=f.data_cache_path, eod_mask_loss=f.eod_mask_loss),
-        tokenizer=TokenizerConfig.from_flags(
-            f.tokenizer_type, f.vocab_file, f.merge_file, f.tokenizer_model, f.tokenizer_file,
-            f.vocab_size),
-        checkpoint=CheckpointConfig(
-            save=f.save, load=f.load, save_interval=f.save_interval, keep_last=f.keep_last,
-            no_save_optim=f.no_save_optim, no_load_optim=f.no_load_optim,
-            no_load_rng=f.no_load_rng, finetune=f.finetune),
-        logging=LoggingConfig(log_interval=f.log_interval, log_json=f.log_json,
-                              tensorboard_dir=f.tensorboard_dir,
-                              log_throughput=f.log_throughput),
-        kernels=_kernels(f, environ),
-        diagnostics=DiagnosticsConfig(collective_dump_dir=f.collective_dump_dir,
-                                      check_collectives=f.check_collectives,
-                                      check_replicas_interval=f.check_replicas_interval),
-        seed=f.seed, flags=f)
+    return dp
+
+
+# -- one builder per section, in TrainConfig's order ------------------------------------
+def _parallel(f: Flags, world_size: int, dp: int) -> ParallelConfig:
+    return ParallelConfig(
+        world_size=world_size, tensor_model_parallel_size=f.tensor_model_parallel_size,
+        data_parallel_size=dp, sequence_parallel=f.sequence_parallel,
+        backend=f.distributed_backend, timeout_minutes=f.distributed_timeout_minutes)
+
+
+def _model(f: Flags) -> ModelConfig:
+    return ModelConfig.from_flags(f)
+
+
+def _lr_schedule(f: Flags) -> LRScheduleConfig:
+    """Warmup and decay in the unit the run is measured in (samples with
+    ``--train-samples``, else iterations); ``--lr-warmup-fraction`` of the decay wins."""
+    samples = f.train_samples is not None
+    decay = f.lr_decay_samples if samples else f.lr_decay_iters
+    warmup = f.lr_warmup_samples if samples else f.lr_warmup_iters
+    if f.lr_warmup_fraction is not None:
+        warmup = int(f.lr_warmup_fraction * decay)
+    return LRScheduleConfig(lr=f.lr, min_lr=f.min_lr, decay_style=f.lr_decay_style,
+                            unit="samples" if samples else "iterations",
+                            warmup=warmup, decay=decay)
+
+
+def _loop(f: Flags) -> LoopConfig:
+    return LoopConfig(
+        micro_batch_size=f.micro_batch_size, global_batch_size=f.global_batch_size,
+        rampup=tuple(f.rampup_batch_size) if f.rampup_batch_size else None,
+        train_iters=f.train_iters, train_samples=f.train_samples,
+        exit_interval=f.exit_interval, exit_duration_in_mins=f.exit_duration_in_mins,
+        exit_signal_handler=f.exit_signal_handler,
+        exit_on_nan_iterations=f.exit_on_nan_iterations, eval_interval=f.eval_interval,
+        eval_iters=f.eval_iters)
+
+
+def _zero(f: Flags) -> ZeroConfig:
+    return ZeroConfig(stage=f.zero_stage, reduce_bucket_size=f.reduce_bucket_size,
+                      allgather_bucket_size=f.allgather_bucket_size, overlap_comm=f.overlap_comm,
+                      param_persistence_threshold=f.zero_param_persistence_threshold)
+
+
+def _adamw(f: Flags) -> AdamWConfig:
+    return AdamWConfig(beta1=f.adam_beta1, beta2=f.adam_beta2, eps=f.adam_eps,
+                       weight_decay=f.weight_decay, clip_grad=f.clip_grad)
+
+
+def _precision(f: Flags) -> PrecisionConfig:
+    return PrecisionConfig(
+        params_dtype="bf16" if f.bf16 else "fp16" if f.fp16 else "fp32",
+        grads_in_fp32=bool(f.accumulate_allreduce_grads_in_fp32), loss_scale=f.loss_scale,
+        initial_loss_scale=f.initial_loss_scale, min_loss_scale=f.min_loss_scale,
+        loss_scale_window=f.loss_scale_window, hysteresis=f.hysteresis)
+
+
+def _offload(f: Flags) -> OffloadConfig:
+    return OffloadConfig(optimizer=f.offload_optimizer, delayed_update=f.offload_delayed_update,
+                         delayed_update_warmup=f.offload_delayed_update_warmup)
+
+
+def _recompute(f: Flags) -> RecomputeConfig:
+    return RecomputeConfig(
+        granularity=f.recompute_granularity,
+        num_layers=f.recompute_num_layers if f.recompute_method == "block" else None,
+        layers_per_checkpoint=(f.recompute_num_layers or 1
+                               if f.recompute_method == "uniform" else 1),
+        # With SP a block's input is already this rank's 1/TP of the sequence:
+        # nothing replicated is left to partition (see docs/sequence-parallelism.md).
+        partition_activations=f.partition_activations and not f.sequence_parallel,
+        cpu_checkpointing=f.cpu_checkpointing,
+        contiguous_checkpointing=f.contiguous_checkpointing)
+
+
+def _data(f: Flags) -> DataConfig:
+    return DataConfig(
+        seq_length=f.seq_length, seed=f.seed, data_path=_paths(f.data_path), split=f.split,
+        train_data_path=_paths(f.train_data_path),
+        valid_data_path=_paths(f.valid_data_path), test_data_path=_paths(f.test_data_path),
+        mock_data=f.mock_data, cache_path=f.data_cache_path, eod_mask_loss=f.eod_mask_loss)
 
 
 def _paths(values: list[str] | None) -> tuple[str, ...] | None:
     return tuple(values) if values else None
 
 
-def _optimizer(f: Flags) -> OptimizerConfig:
-    samples = f.train_samples is not None
-    decay = f.lr_decay_samples if samples else f.lr_decay_iters
-    warmup = f.lr_warmup_samples if samples else f.lr_warmup_iters
-    if f.lr_warmup_fraction is not None:
-        warmup = int(f.lr_warmup_fraction * decay)
-    return OptimizerConfig(lr=f.lr, min_lr=f.min_lr, decay_style=f.lr_decay_style,
-                           unit="samples" if samples else "iterations",
-                           warmup=warmup, decay=decay)
+def _tokenizer(f: Flags) -> TokenizerConfig:
+    return TokenizerConfig.from_flags(f.tokenizer_type, f.vocab_file, f.merge_file,
+                                      f.tokenizer_model, f.tokenizer_file, f.vocab_size)
+
+
+def _checkpoint(f: Flags) -> CheckpointConfig:
+    return CheckpointConfig(
+        save=f.save, load=f.load, save_interval=f.save_interval, keep_last=f.keep_last,
+        no_save_optim=f.no_save_optim, no_load_optim=f.no_load_optim,
+        no_load_rng=f.no_load_rng, finetune=f.finetune)
+
+
+def _logging(f: Flags) -> LoggingConfig:
+    return LoggingConfig(log_interval=f.log_interval, log_json=f.log_json,
+                         tensorboard_dir=f.tensorboard_dir, log_throughput=f.log_throughput)
+
+
+def _diagnostics(f: Flags) -> DiagnosticsConfig:
+    return DiagnosticsConfig(collective_dump_dir=f.collective_dump_dir,
+                             check_collectives=f.check_collectives,
+                             check_replicas_interval=f.check_replicas_interval)
 
 
 def _kernels(f: Flags, environ: Mapping[str, str] | None) -> KernelConfig:

@@ -16,18 +16,14 @@ from hybrid.errors import ConfigError
 
 @dataclass(frozen=True)
 class ZeroConfig:
-    """What :func:`hybrid.zero.apply_zero` needs: sharding, buckets, precision, AdamW.
+    """How :func:`hybrid.zero.apply_zero` shards the model states over the DP group,
+    and in what pieces it communicates them.
 
-    ``params_dtype``: "fp32", "bf16" or "fp16" (the model's training dtype; the
-    optimizer keeps fp32 master weights for the low-precision ones).
-    ``grads_in_fp32``: accumulate micro-batches and reduce over DP in fp32
-    (Megatron's ``--accumulate-allreduce-grads-in-fp32``); otherwise in
-    ``params_dtype``.
-    ``loss_scale``: static fp16 loss scale; None means dynamic under fp16 and
-    no scaling otherwise.
-    ``offload_delayed_update``: with ``offload_optimizer``, ZeRO-Offload's
-    one-step delayed parameter update after ``offload_delayed_update_warmup``
-    normal steps (:mod:`hybrid.zero.offload`).
+    ``stage``: 0-3 (:class:`hybrid.zero.plan.ShardingPlan`). ``reduce_bucket_size``
+    / ``allgather_bucket_size``: elements per gradient reduction / parameter
+    all-gather bucket (no staging buffer is larger). ``overlap_comm``: reduce
+    buckets while backward goes on. ``param_persistence_threshold``: at stage 3,
+    parameters smaller than this stay whole on every rank.
     """
 
     stage: int = 0
@@ -35,25 +31,67 @@ class ZeroConfig:
     allgather_bucket_size: int = 50_000_000
     overlap_comm: bool = False
     param_persistence_threshold: int = 100_000
-    offload_optimizer: bool = False
+
+
+@dataclass(frozen=True)
+class AdamWConfig:
+    """AdamW's hyperparameters and the gradient clipping before it, as the ZeRO
+    engine applies them to its shards (the learning rate comes each step from
+    :class:`LRScheduleConfig`).
+
+    ``clip_grad``: the largest global L2 norm of the gradient; a larger one is
+    scaled down to it (<= 0: no clipping). ``weight_decay``: decoupled, on the
+    matrices (parameters of two or more dimensions) only.
+    """
+
+    beta1: float = 0.9
+    beta2: float = 0.999
+    eps: float = 1e-8
+    weight_decay: float = 0.01
+    clip_grad: float = 1.0
+
+
+@dataclass(frozen=True)
+class PrecisionConfig:
+    """The dtypes the model trains and reduces in, and the fp16 loss scale.
+
+    ``params_dtype``: "fp32", "bf16" or "fp16" (the model's training dtype; the
+    optimizer keeps fp32 master weights for the low-precision ones).
+    ``grads_in_fp32``: accumulate micro-batches and reduce over DP in fp32
+    (Megatron's ``--accumulate-allreduce-grads-in-fp32``); otherwise in
+    ``params_dtype``.
+    ``loss_scale``: static fp16 loss scale; None means dynamic under fp16
+    (from ``initial_loss_scale``, halved on overflow down to ``min_loss_scale``
+    once ``hysteresis`` overflows have accumulated, doubled after
+    ``loss_scale_window`` clean steps) and no scaling otherwise.
+    """
+
     params_dtype: str = "fp32"
     grads_in_fp32: bool = False
-    clip_grad: float = 1.0
-    adam_beta1: float = 0.9
-    adam_beta2: float = 0.999
-    adam_eps: float = 1e-8
-    weight_decay: float = 0.01
     loss_scale: float | None = None
     initial_loss_scale: float = 2.0 ** 16
     min_loss_scale: float = 1.0
     loss_scale_window: int = 1000
     hysteresis: int = 2
-    offload_delayed_update: bool = False
-    offload_delayed_update_warmup: int = 0
 
     @property
     def grads_dtype(self) -> str:
         return "fp32" if self.grads_in_fp32 else self.params_dtype
+
+
+@dataclass(frozen=True)
+class OffloadConfig:
+    """What lives off the device (:mod:`hybrid.zero.offload`).
+
+    ``optimizer``: the fp32 master weights and Adam moments live in host memory
+    and the optimizer step runs there (ZeRO-Offload). ``delayed_update``: with
+    ``optimizer``, ZeRO-Offload's one-step delayed parameter update, after
+    ``delayed_update_warmup`` normal steps.
+    """
+
+    optimizer: bool = False
+    delayed_update: bool = False
+    delayed_update_warmup: int = 0
 
 
 @dataclass(frozen=True)
@@ -89,9 +127,9 @@ class ParallelConfig:
 
 
 @dataclass(frozen=True)
-class OptimizerConfig:
-    """The learning-rate schedule. (AdamW's own hyperparameters are in :class:`ZeroConfig`:
-    the ZeRO engine runs AdamW on its shards.)
+class LRScheduleConfig:
+    """The learning-rate schedule, Megatron's ``--lr*`` flags (AdamW's own
+    hyperparameters are in :class:`AdamWConfig`).
 
     ``unit``: "iterations" or "samples" -- what ``warmup`` and ``decay`` count,
     and what :func:`hybrid.train.lr_schedule.scheduled_lr` is stepped by.
@@ -106,8 +144,9 @@ class OptimizerConfig:
 
 
 @dataclass(frozen=True)
-class ScheduleConfig:
-    """How long the run goes and in what steps: batches, the length, exits, evaluation.
+class LoopConfig:
+    """What the training loop (:mod:`hybrid.train.loop`) runs: its batches, how long
+    it goes, when it exits early, when it evaluates.
 
     Exactly one of ``train_iters`` and ``train_samples`` is set. ``rampup``:
     (start, increment, samples) -- Megatron's ``--rampup-batch-size``; the

@@ -111,10 +111,10 @@ def workload(cfg, vocab_size: int, device: str = "cuda") -> Workload:
     p, zero, rc = cfg.parallel, cfg.zero, cfg.recompute
     return Workload(
         model=cfg.model.with_vocab_size(vocab_size),
-        micro_batch_size=cfg.schedule.micro_batch_size,
+        micro_batch_size=cfg.loop.micro_batch_size,
         tp=p.tensor_model_parallel_size, sequence_parallel=p.sequence_parallel,
         dp=p.data_parallel_size, micro_batches=cfg.num_micro_batches, zero_stage=zero.stage,
-        params_dtype=zero.params_dtype, grads_dtype=zero.grads_dtype,
+        params_dtype=cfg.precision.params_dtype, grads_dtype=cfg.precision.grads_dtype,
         recompute=rc.granularity == "full", recompute_num_layers=rc.num_layers,
         recompute_layers_per_checkpoint=rc.layers_per_checkpoint,
         selective_recompute=rc.granularity == "selective",

@@ -3,10 +3,10 @@ the run is (iteration, samples consumed): resuming needs no state of its own."""
 
 from __future__ import annotations
 
-from hybrid.config.sections import ScheduleConfig
+from hybrid.config.sections import LoopConfig
 
 
-def global_batch_size_at(s: ScheduleConfig, consumed_samples: int) -> int:
+def global_batch_size_at(s: LoopConfig, consumed_samples: int) -> int:
     """The global batch of the step that starts after ``consumed_samples``.
 
     With ``s.rampup = (start, incr, ramp_samples)`` (Megatron's
@@ -24,7 +24,7 @@ def global_batch_size_at(s: ScheduleConfig, consumed_samples: int) -> int:
     return min(start + k * incr, s.global_batch_size)
 
 
-def finished(s: ScheduleConfig, iteration: int, consumed_samples: int) -> bool:
+def finished(s: LoopConfig, iteration: int, consumed_samples: int) -> bool:
     """Whether the run has done its ``--train-iters`` or ``--train-samples``.
 
     A sample-based run takes whole batches only: it stops before a step that
@@ -35,7 +35,7 @@ def finished(s: ScheduleConfig, iteration: int, consumed_samples: int) -> bool:
     return consumed_samples + global_batch_size_at(s, consumed_samples) > s.train_samples
 
 
-def total_iterations(s: ScheduleConfig) -> int:
+def total_iterations(s: LoopConfig) -> int:
     """How many iterations the run has in all (a sample-based run walks its ramp:
     one step of arithmetic per iteration, once at start-up)."""
     if s.train_samples is None:

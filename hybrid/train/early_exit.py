@@ -23,7 +23,7 @@ from __future__ import annotations
 import signal
 import time
 
-from hybrid.config.sections import ScheduleConfig
+from hybrid.config.sections import LoopConfig
 from hybrid.parallel.agree import max_over_ranks
 from hybrid.parallel.state import ParallelState
 
@@ -37,7 +37,7 @@ class EarlyExit:
     call :meth:`close` when training returns.
     """
 
-    def __init__(self, s: ScheduleConfig, ps: ParallelState, started: float):
+    def __init__(self, s: LoopConfig, ps: ParallelState, started: float):
         self.s, self.ps, self.started = s, ps, started
         self.received: str | None = None
         self._previous = None

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import math
 
+from hybrid.config.sections import LRScheduleConfig
+
 
 def learning_rate(iteration: int, lr: float, min_lr: float, warmup_iters: int,
                   decay_iters: int, style: str) -> float:
@@ -29,11 +31,11 @@ def learning_rate(iteration: int, lr: float, min_lr: float, warmup_iters: int,
     raise ValueError(f"unknown lr decay style {style!r}")
 
 
-def scheduled_lr(opt, iteration: int, consumed_samples: int) -> float:
+def scheduled_lr(sched: LRScheduleConfig, iteration: int, consumed_samples: int) -> float:
     """LR for the step that ends at 1-based ``iteration`` having consumed
-    ``consumed_samples`` (this step's batch included), under ``opt``
-    (:class:`hybrid.config.sections.OptimizerConfig`): the schedule counts
-    iterations or samples, as ``opt.unit`` says. With a constant batch the two
-    give the same rates (the ratios are the same integers)."""
-    step = consumed_samples if opt.unit == "samples" else iteration
-    return learning_rate(step, opt.lr, opt.min_lr, opt.warmup, opt.decay, opt.decay_style)
+    ``consumed_samples`` (this step's batch included), under ``sched``: the
+    schedule counts iterations or samples, as ``sched.unit`` says. With a
+    constant batch the two give the same rates (the ratios are the same integers)."""
+    step = consumed_samples if sched.unit == "samples" else iteration
+    return learning_rate(step, sched.lr, sched.min_lr, sched.warmup, sched.decay,
+                         sched.decay_style)

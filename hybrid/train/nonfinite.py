@@ -29,12 +29,9 @@ def local_findings(model, engine, losses: torch.Tensor,
     if not grads_held:
         return micro, [], 0
     owners, checks = [], []
-    for u in engine.units:
-        g = u.grad_shard
-        for i, _plo, ulo, n in u.segments(u.own_lo, u.own_hi):
-            a = ulo - u.own_lo
-            owners.append(index[id(u.params[i])])
-            checks.append(torch.isfinite(g[a: a + n]).all())
+    for pc in engine.owned_pieces():
+        owners.append(index[id(pc.param)])
+        checks.append(torch.isfinite(engine.units[pc.unit].grad_shard[pc.part]).all())
     ok = torch.stack(checks).tolist() if checks else []  # one sync for all of them
     bad = sorted({o for o, fine in zip(owners, ok) if not fine})
     return micro, bad[:_PARAMS], len(bad)

@@ -40,14 +40,15 @@ class ReplicaChecker:
     def __init__(self, model, engine, ps):
         self.ps = ps
         names = {id(p): n for n, p in model.named_parameters()}
+        shards: dict = {}  # unit index -> its owned pieces of TP-replicated params
+        for pc in engine.owned_pieces():
+            if not is_tp_split(pc.param):
+                shards.setdefault(pc.unit, []).append(pc)
         self.tp, self.dp = [], []  # (name, () -> tensor of this rank's copy)
-        for u in engine.units:
+        for k, u in enumerate(engine.units):
             if u.partition_params:  # stage 3: this rank's shard of each TP-replicated param
-                for i, plo, ulo, n in u.segments(u.own_lo, u.own_hi):
-                    if not is_tp_split(u.params[i]):
-                        a = ulo - u.own_lo
-                        self.tp.append((names[id(u.params[i])],
-                                        lambda u=u, a=a, n=n: u.shard[a: a + n]))
+                self.tp += [(pc.name, lambda u=u, pc=pc: u.shard[pc.part])
+                            for pc in shards.get(k, [])]
                 continue
             for p in u.params:
                 if not is_tp_split(p):

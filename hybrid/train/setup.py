@@ -55,14 +55,15 @@ def build_engine(cfg: TrainConfig, ps: ParallelState, vocab_size: int, rng: TPRN
     wrappers must go on: recompute around the blocks, ZeRO around the model, then
     ``--compile`` of each block's forward."""
     m = cfg.model
-    check_attention_backend(m.attention_backend, ps.device, DTYPES[cfg.zero.params_dtype],
+    check_attention_backend(m.attention_backend, ps.device, DTYPES[cfg.precision.params_dtype],
                             m.hidden_size // m.num_attention_heads, m.attention_dropout)
     model = build_model(cfg, ps, vocab_size, rng, device="meta")
     model.train()
     rc = cfg.recompute
     ac = (apply_activation_checkpointing(model, ps, rng, rc, blocks=recompute_targets(model, rc))
           if rc.granularity else None)
-    engine = apply_zero(model, ps, cfg.zero, values=InitValues(cfg.seed, model.init_of),
+    engine = apply_zero(model, ps, cfg.zero, adamw=cfg.adamw, precision=cfg.precision,
+                        offload=cfg.offload, values=InitValues(cfg.seed, model.init_of),
                         recompute=ac.phase if ac is not None else None)
     if cfg.model.compile:
         compile_blocks(model.blocks)

@@ -62,11 +62,11 @@ class SkippedSteps:
     def settle(self, force: bool) -> None:
         """Replay the held steps whose flags are known (all of them when ``force``);
         TrainingError past the patience."""
-        for iteration, result in self._pending.settle(force):
+        for iteration, _, skipped in self._pending.settle(force):
             losses, first, size = self._held.pop(iteration)
-            self.total += int(result.skipped)
+            self.total += int(skipped)
             why = ""
-            if result.skipped and not scale_coming_down(self.engine.scaler):
+            if skipped and not scale_coming_down(self.engine.scaler):
                 # Only steps already known non-finite pay for the explanation. The
                 # gradients held are those of the newest step only.
                 why = nonfinite.explain(self.model, self.engine, self.ps, losses, first, size,
@@ -75,12 +75,12 @@ class SkippedSteps:
                 if self.ps.rank == 0:
                     log.warning("iteration %d skipped (loss scale now %.1f): %s", iteration,
                                 self.engine.scaler.scale, why)
-            self._count(result, iteration, why)
+            self._count(skipped, iteration, why)
         if force:
             self.engine.poll_warnings()
 
-    def _count(self, result, iteration: int, why: str) -> None:
-        if not result.skipped:
+    def _count(self, skipped: bool, iteration: int, why: str) -> None:
+        if not skipped:
             self.streak = 0
             return
         if scale_coming_down(self.engine.scaler):

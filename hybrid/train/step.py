@@ -13,7 +13,7 @@ import contextlib
 
 import torch
 
-from hybrid.config.sections import ScheduleConfig
+from hybrid.config.sections import LoopConfig
 from hybrid.data.dataset import dp_micro_batches
 from hybrid.parallel.state import ParallelState
 from hybrid.train.activation_meter import SavedActivationMeter
@@ -44,7 +44,7 @@ def train_step(model: torch.nn.Module, engine: ZeroEngine, micro_batches, lr: fl
 
 
 @torch.no_grad()
-def evaluate(model: torch.nn.Module, samples, s: ScheduleConfig, ps: ParallelState,
+def evaluate(model: torch.nn.Module, samples, s: LoopConfig, ps: ParallelState,
              eod: int | None = None) -> float:
     """Mean loss over ``--eval-iters`` full global batches from the start of
     ``samples`` (the same batches every time, so evaluations compare), averaged

@@ -5,7 +5,7 @@
     for each iteration:
         timer.start(); ...; result = engine.step(lr); timer.stop()
         pending.add(iteration, result)
-        for it, res in pending.settle(force=is_log_line):   # res.skipped: a bool
+        for it, res, skipped in pending.settle(force=is_log_line):   # skipped: a bool
             ...
     seconds = timer.elapsed_s()   # at the log line: the one wait per interval
 
@@ -21,12 +21,12 @@ checkpoint (never save a step that went non-finite), the end. The steps are
 then replayed in order, so consecutive-skip counting gives the same answer
 as reading every flag at once -- it is only reported later, by at most one
 log interval. fp16 steps with dynamic loss scaling bring a host bool already
-(the scale had to be adjusted), and pass straight through.
+(``StepResult.host_skipped``: the scale had to be adjusted), and pass straight
+through.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import time
 
 import torch
@@ -74,7 +74,7 @@ class IterationTimer:
 
 
 class PendingSteps:
-    """Step results whose skip flag may still be on the device, in iteration order."""
+    """Step results whose skip flag the host has not read yet, in iteration order."""
 
     def __init__(self):
         self._steps: list = []  # (iteration, StepResult)
@@ -83,15 +83,15 @@ class PendingSteps:
         self._steps.append((iteration, result))
 
     def settle(self, force: bool) -> list:
-        """``[(iteration, result with a bool skipped)]`` for the steps held so far, in
-        order: all of them when ``force`` or when every flag is a host bool already
-        (one read for the whole batch otherwise); nothing yet if not."""
-        steps, on_device = self._steps, [r.skipped for _, r in self._steps
-                                         if isinstance(r.skipped, torch.Tensor)]
+        """``[(iteration, result, skipped as a bool)]`` for the steps held so far, in
+        order: all of them when ``force`` or when the host knows every flag already
+        (``result.host_skipped``; one read for the whole batch otherwise); nothing
+        yet if not."""
+        steps = self._steps
+        on_device = [r.skipped for _, r in steps if r.host_skipped is None]
         if on_device and not force:
             return []
         flags = iter(torch.stack(on_device).tolist()) if on_device else iter(())
         self._steps = []
-        return [(it, r if isinstance(r.skipped, bool)
-                 else dataclasses.replace(r, skipped=bool(next(flags))))
+        return [(it, r, r.host_skipped if r.host_skipped is not None else bool(next(flags)))
                 for it, r in steps]

@@ -79,8 +79,8 @@ class Trainer:
             extra=self.ac.stored_bytes if self.ac is not None else lambda: 0)
         self.metrics = IntervalMetrics(ps, self.model_cfg.flops_per_token(ps.tp_size),
                                        before_model, setup_peak)
-        self.skips = SkippedSteps(self.model, self.engine, ps, cfg.schedule.micro_batch_size,
-                                  cfg.schedule.exit_on_nan_iterations)
+        self.skips = SkippedSteps(self.model, self.engine, ps, cfg.loop.micro_batch_size,
+                                  cfg.loop.exit_on_nan_iterations)
         interval = cfg.diagnostics.check_replicas_interval
         self.replicas = ReplicaChecker(self.model, self.engine, ps) if interval else None
         self.lr = 0.0
@@ -89,7 +89,7 @@ class Trainer:
         """Train until ``--train-iters`` or ``--train-samples`` (or an exit flag); return
         the logged metrics (rank 0's view)."""
         cfg, st = self.cfg, self.state
-        s, ck = cfg.schedule, cfg.checkpoint
+        s, ck = cfg.loop, cfg.checkpoint
         history, saved_at = [], st.iteration
         early = EarlyExit(s, self.ps, self.started)  # its SIGTERM handler: until close()
         try:
@@ -125,9 +125,9 @@ class Trainer:
     def step(self):
         """One iteration: (its global batch size, the engine's StepResult, whether it is
         logged). The skip flag stays on the device (see :mod:`hybrid.train.skips`)."""
-        s, st, ps = self.cfg.schedule, self.state, self.ps
+        s, st, ps = self.cfg.loop, self.state, self.ps
         batch = global_batch_size_at(s, st.consumed_samples)
-        self.lr = scheduled_lr(self.cfg.optimizer, st.iteration + 1, st.consumed_samples + batch)
+        self.lr = scheduled_lr(self.cfg.lr_schedule, st.iteration + 1, st.consumed_samples + batch)
         logs = ((st.iteration + 1) % self.cfg.logging.log_interval == 0
                 or finished(s, st.iteration + 1, st.consumed_samples + batch))
         self.metrics.start()
@@ -145,7 +145,7 @@ class Trainer:
         """The log line of the interval that ended at this iteration (console, JSON,
         TensorBoard on rank 0); returns its metrics."""
         st, measured = self.state, self.metrics.line()
-        m = {"iteration": st.iteration, "train_iters": total_iterations(self.cfg.schedule),
+        m = {"iteration": st.iteration, "train_iters": total_iterations(self.cfg.loop),
              "consumed_samples": st.consumed_samples, "global_batch_size": batch,
              "loss": measured.pop("loss"), "lr": self.lr, "grad_norm": float(result.grad_norm),
              "loss_scale": result.loss_scale, "skipped_iterations": self.skips.total,
@@ -160,8 +160,8 @@ class Trainer:
 
     def evaluate(self, split: str) -> None:
         """Log the mean loss over ``--eval-iters`` batches of ``split`` (if it has data)."""
-        if self.data[split] is not None and self.cfg.schedule.eval_iters > 0:
-            loss = evaluate(self.model, self.data[split], self.cfg.schedule, self.ps, self.eod)
+        if self.data[split] is not None and self.cfg.loop.eval_iters > 0:
+            loss = evaluate(self.model, self.data[split], self.cfg.loop, self.ps, self.eod)
             self.monitor.log_eval(self.state.iteration, split, loss)
 
     def save(self) -> None:
@@ -194,7 +194,7 @@ class Trainer:
         if cfg.flags.ignored_megatron_flags:
             log.info("Megatron flags with no effect here (they pick Megatron's own kernels or "
                      "internals): %s", " ".join(cfg.flags.ignored_megatron_flags))
-        slow = low_precision_warning(cfg.zero.params_dtype, ps.device)
+        slow = low_precision_warning(cfg.precision.params_dtype, ps.device)
         if slow and ps.rank == 0:  # one line for the job
             log.warning("warning: %s", slow)
 

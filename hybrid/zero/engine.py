@@ -1,6 +1,7 @@
 """apply_zero: ZeRO-DP applied to a model from outside.
 
-    engine = apply_zero(model, ps, cfg.zero, values=InitValues(seed, model.init_of))
+    engine = apply_zero(model, ps, cfg.zero, adamw=cfg.adamw, precision=cfg.precision,
+                        offload=cfg.offload, values=InitValues(seed, model.init_of))
     for tokens, labels in micro_batches:
         engine.backward(model(tokens, labels) / n, sync=is_last)
     result = engine.step(lr)
@@ -19,7 +20,7 @@ stage    parameters      gradients          fp32 master + Adam moments
 
 All parameters live as views of flat buffers (one for the whole units, one per
 module at stage 3), gradients too at stages 0-1 -- no per-parameter allocation
-in a step. Gradients are accumulated and reduced in ``cfg.grads_dtype`` (fp32
+in a step. Gradients are accumulated and reduced in ``precision.grads_dtype`` (fp32
 with ``--accumulate-allreduce-grads-in-fp32``, the default under bf16).
 The model may be built on the meta device: the engine materializes only what
 this rank keeps (see :mod:`hybrid.zero.units`).
@@ -34,8 +35,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from hybrid.config.sections import ZeroConfig
-from hybrid.kernels.adam import has_adam_kernel
+from hybrid.config.sections import AdamWConfig, OffloadConfig, PrecisionConfig, ZeroConfig
 from hybrid.kernels.dtypes import DTYPES
 from hybrid.parallel.state import ParallelState
 from hybrid.recompute.phase import RecomputePhase
@@ -47,7 +47,7 @@ from hybrid.zero.offload import OptimizerOffload
 from hybrid.zero.optimizer import ShardedAdamW, global_grad_norm
 from hybrid.zero.param_sync import ParamGatherer
 from hybrid.zero.plan import ShardingPlan
-from hybrid.zero.units import Materializer, plan_units
+from hybrid.zero.units import Materializer, OwnedPiece, owned_pieces, plan_units
 
 log = logging.getLogger("hybrid")
 
@@ -57,33 +57,39 @@ class StepResult:
     """What one :meth:`ZeroEngine.step` did.
 
     ``grad_norm``: the global gradient norm (unscaled), a 0-dim fp64 tensor on
-    the device -- read it when logging, not every step. ``skipped``: a Python
-    bool when the host took the decision (dynamic fp16 loss scaling, which
-    must adjust its scale), otherwise a 0-dim bool device tensor: the step was
-    skipped on the device for a non-finite norm. ``loss_scale``: the scale the
-    next step uses.
+    the device -- read it when logging, not every step. ``skipped``: a 0-dim
+    bool tensor on the device, the same on every rank: the step changed nothing
+    (a non-finite gradient norm or loss). ``loss_scale``: the scale the next
+    step uses. ``host_skipped``: ``skipped`` as a Python bool when the engine
+    has already read it (dynamic fp16 loss scaling must, to adjust its scale),
+    else None: read ``skipped`` where the host waits for the device anyway
+    (see hybrid/train/step_stats.py).
     """
 
     grad_norm: torch.Tensor
-    skipped: bool | torch.Tensor
+    skipped: torch.Tensor
     loss_scale: float
+    host_skipped: bool | None = None
 
 
 class ZeroEngine:
     """See the module docstring; built by :func:`apply_zero`."""
 
-    def __init__(self, model: nn.Module, ps: ParallelState, cfg: ZeroConfig, values=None,
-                 unit_modules=None, recompute: RecomputePhase | None = None):
-        self.model, self.ps, self.cfg = model, ps, cfg
-        self.plan = ShardingPlan.for_stage(cfg.stage)
-        self.stage = cfg.stage
-        self.dtype, self.grad_dtype = DTYPES[cfg.params_dtype], DTYPES[cfg.grads_dtype]
-        self.scaler = LossScaler.from_config(cfg)
-        self.units, owners = plan_units(model, ps, cfg, self.plan, unit_modules)
+    def __init__(self, model: nn.Module, ps: ParallelState, zero: ZeroConfig,
+                 adamw: AdamWConfig, precision: PrecisionConfig, offload: OffloadConfig,
+                 values=None, unit_modules=None, recompute: RecomputePhase | None = None):
+        self.model, self.ps = model, ps
+        self.plan = ShardingPlan.for_stage(zero.stage)  # the stage, resolved once: plan.stage
+        self.clip_grad = adamw.clip_grad
+        self.dtype = DTYPES[precision.params_dtype]
+        self.grad_dtype = DTYPES[precision.grads_dtype]
+        self.scaler = LossScaler.from_config(precision)
+        self.units, owners = plan_units(model, ps, zero, self.plan, unit_modules)
+        self._pieces = owned_pieces(model, self.units)  # the layout is fixed from here on
         fill = Materializer(model, values)
         # fp32 master weights first: they read the exact fp32 values, which a
         # materialized model loses once its parameters become low-precision views.
-        master = self._allocate_master(fill)
+        master = self._allocate_master(fill, offload.optimizer)
         whole = [u for u in self.units if not u.partition_params]
         self.flat_params = torch.empty(sum(u.padded for u in whole), dtype=self.dtype,
                                        device=ps.device)
@@ -91,35 +97,38 @@ class ZeroEngine:
         self._allocate_grads()
         # every parameter all-gather (stage 3's per-module ones, stages 1-2's after the
         # step) goes through one pipeline: two staging buffers of at most a bucket
-        self.param_pipeline = GatherPipeline(ps.dp_group, cfg.allgather_bucket_size, ps.device)
+        self.param_pipeline = GatherPipeline(ps.dp_group, zero.allgather_bucket_size, ps.device)
         self.gatherer = (ParamGatherer(owners, self.param_pipeline,
                                        recompute or RecomputePhase()) if owners else None)
-        self._build_optimizer(master if master is not None else [u.shard for u in self.units])
-        self.reducer = GradReducer(self.units, self.plan, ps.dp_group, cfg.reduce_bucket_size,
-                                   cfg.overlap_comm, self.grad_dtype,
+        self._build_optimizer(master if master is not None else [u.shard for u in self.units],
+                              adamw, offload)
+        self.reducer = GradReducer(self.units, self.plan, ps.dp_group, zero.reduce_bucket_size,
+                                   zero.overlap_comm, self.grad_dtype,
                                    self.gatherer.after_reduce if self.gatherer else None,
                                    on_final=self.offload.grad_ready if self.offload else None)
         # inf/NaN gradients the kernels met and the norm did not show, read at poll_warnings()
         self._kernel_found = torch.zeros(1, dtype=torch.float32, device=ps.device)
 
     # -- construction ------------------------------------------------------------
-    def _allocate_master(self, fill: Materializer) -> list[torch.Tensor] | None:
+    def _allocate_master(self, fill: Materializer, on_host: bool) -> list[torch.Tensor] | None:
         """One flat fp32 buffer over this rank's owned ranges (on the host when
-        offloaded); None when the fp32, on-device parameter shards are their own master."""
-        self.separate_master = self.dtype != torch.float32 or self.cfg.offload_optimizer
+        ``on_host``: offloaded); None when the fp32, on-device parameter shards are
+        their own master."""
+        self.separate_master = self.dtype != torch.float32 or on_host
         self.flat_master = None
         if not self.separate_master:
             return None
-        dev = torch.device("cpu") if self.cfg.offload_optimizer else self.ps.device
+        dev = torch.device("cpu") if on_host else self.ps.device
         n = sum(u.own_hi - u.own_lo for u in self.units)
-        pin = self.cfg.offload_optimizer and torch.cuda.is_available()
+        pin = on_host and torch.cuda.is_available()
         self.flat_master = torch.empty(n, dtype=torch.float32, device=dev, pin_memory=pin)
         master, off = [], 0
         for u in self.units:
-            part = self.flat_master[off: off + u.own_hi - u.own_lo]
-            fill.fill_master(u, part)
-            master.append(part)
-            off += part.numel()
+            master.append(self.flat_master[off: off + u.own_hi - u.own_lo])
+            off += u.own_hi - u.own_lo
+        self.flat_master.zero_()  # (the padding stays zero)
+        for pc in self._pieces:  # the exact fp32 values of every owned piece
+            fill.fill(pc.param, pc.lo, pc.hi, master[pc.unit][pc.part])
         return master
 
     def _allocate_grads(self) -> None:
@@ -145,32 +154,36 @@ class ZeroEngine:
             u.grad_shard = self.flat_grads[off: off + n]
             off += n
 
-    def _build_optimizer(self, master: list[torch.Tensor]) -> None:
-        cfg = self.cfg
-        decay, split = [], []
-        for u in self.units:
-            d, s = [], []
-            for i, plo, ulo, n in u.segments(u.own_lo, u.own_hi):
-                rng = (ulo - u.own_lo, ulo - u.own_lo + n)
-                (d if u.params[i].ndim >= 2 else []).append(rng)
-                (s if is_tp_split(u.params[i]) else []).append(rng)
-            decay.append(d)
-            split.append(s)
-        self.optimizer = ShardedAdamW(master, decay, split, (cfg.adam_beta1, cfg.adam_beta2),
-                                      cfg.adam_eps, cfg.weight_decay, self.flat_master)
+    def _build_optimizer(self, master: list[torch.Tensor], adamw: AdamWConfig,
+                         offload: OffloadConfig) -> None:
+        # per unit part: the ranges with weight decay (matrices), and the TP-split ones
+        decay, split = [[] for _ in self.units], [[] for _ in self.units]
+        for pc in self._pieces:
+            rng = (pc.part.start, pc.part.stop)
+            if pc.param.ndim >= 2:
+                decay[pc.unit].append(rng)
+            if is_tp_split(pc.param):
+                split[pc.unit].append(rng)
+        # At stages 2-3 the gradient shard is one flat buffer in master order: the
+        # kernels may then update the whole shard in one pass (the offload keeps
+        # host copies of its own and steps through step_parts).
+        flat_grad = self.flat_grads if self.plan.grads and not offload.optimizer else None
+        self.optimizer = ShardedAdamW(master, decay, split, adamw, self.flat_master, flat_grad)
         self.offload = (OptimizerOffload(self.units, self.dtype, self.flat_grads, self.plan,
-                                         self.flat_master,
-                                         cfg.offload_delayed_update_warmup
-                                         if cfg.offload_delayed_update else None)
-                        if cfg.offload_optimizer else None)
-        # One fused pass over the flat shard where the gradient shard is already
-        # flat and in master order (stages 2-3) and a compiled kernel exists;
-        # otherwise torch's fused AdamW per unit.
-        self._flat_step = (self.offload is None and self.separate_master and self.plan.grads
-                           and has_adam_kernel(self.flat_master.device))
-        # The kernel writes each updated unit shard in the training dtype in the same
-        # pass (its copy-out): no separate master -> parameter copy after the step.
-        self._copy_out = [u.shard for u in self.units] if self._flat_step else None
+                                         self.flat_master, offload)
+                        if offload.optimizer else None)
+        # With a separate master the step writes each unit's new parameter shard in
+        # the training dtype (a compiled kernel in the same pass as the update):
+        # that is the publication, no master -> shard copy after it.
+        self._step_out = [u.shard for u in self.units] if self.separate_master else None
+
+    def owned_pieces(self) -> tuple[OwnedPiece, ...]:
+        """Every parameter piece this rank owns for the optimizer (its 1/N of each unit;
+        all of them at stage 0), unit by unit in the order of its flat shard. A piece
+        names the parameter, its TP-local element range ``[lo, hi)``, and where its
+        values lie (:class:`~hybrid.zero.units.OwnedPiece`). Fixed at construction;
+        what checkpoints, diagnostics and tests read the shard through."""
+        return self._pieces
 
     # -- the step ------------------------------------------------------------------
     def zero_grad(self) -> None:
@@ -217,36 +230,33 @@ class ZeroEngine:
             bad = (~torch.isfinite(loss.detach())).to(torch.float32).reshape(1)
             self.ps.world_group.all_reduce(bad)
             skip = skip | (bad[0] > 0)
+        decided = skip
+        host_skipped = None
         if self.scaler.dynamic:
-            skipped = bool(skip)  # the host sync of an fp16 step
-            self.scaler.update(skipped)
-            if skipped:
+            host_skipped = bool(skip)  # the host sync of an fp16 step
+            self.scaler.update(host_skipped)
+            if host_skipped:
                 if self.offload is not None:
                     self.offload.discard_step()
-                return StepResult(norm, True, self.scaler.scale)
-            skip = None
+                return StepResult(norm, decided, self.scaler.scale, host_skipped)
+            skip = None  # known clean: the kernels need no flag
         coef = self._grad_coefficient(norm) / scale
-        found = None
-        if self.offload is not None:
-            found = self.offload.step(self.optimizer, lr, coef, skip, self._gather_unit)
-        elif self._flat_step:
-            found = self.optimizer.step_flat(self.flat_grads, lr, coef, skip, out=self._copy_out)
-        else:
-            self.optimizer.step(grads, lr, coef, skip)
-        if found is not None and self.offload is None:  # (the offload keeps its own flag)
-            torch.maximum(self._kernel_found, found, out=self._kernel_found)
-        if self.offload is None:
-            self.publish_params(after_step=True)
-        else:  # the offload started each unit's all-gather as its parameters came up
+        if self.offload is not None:  # (it keeps its own non-finite flag)
+            self.offload.step(self.optimizer, lr, coef, skip, self._gather_unit)
+            # it started each unit's all-gather as the unit's parameters came up
             self.param_pipeline.wait_all()
-        return StepResult(norm, False if skip is None else skip, self.scaler.scale)
+        else:
+            self.optimizer.step(grads, lr, coef, skip, out=self._step_out,
+                                found_inf=self._kernel_found)
+            self.publish_params(after_step=True)
+        return StepResult(norm, decided, self.scaler.scale, host_skipped)
 
     def _grad_coefficient(self, norm: torch.Tensor) -> torch.Tensor:
         """``min(1, clip / (norm + 1e-6))`` (torch's clip_grad_norm_), computed on the
         device: no branch on the norm's value."""
-        if self.cfg.clip_grad <= 0:
+        if self.clip_grad <= 0:
             return torch.ones_like(norm)
-        return torch.clamp(self.cfg.clip_grad / (norm + 1e-6), max=1.0)
+        return torch.clamp(self.clip_grad / (norm + 1e-6), max=1.0)
 
     def poll_warnings(self) -> None:
         """Host-side checks deferred to a point that syncs anyway (a log line): warn
@@ -268,13 +278,13 @@ class ZeroEngine:
     def publish_params(self, after_step: bool = False) -> None:
         """Master -> this rank's parameter shard -> (stages 1-2) all-gather.
 
-        ``after_step``: called right after an optimizer step whose kernel already
-        wrote the shards (its copy-out); otherwise the master is the source (e.g.
-        a checkpoint was just loaded into it).
+        ``after_step``: called right after an optimizer step, which already wrote
+        the shards (its ``out``); otherwise the master is the source (e.g. a
+        checkpoint was just loaded into it).
         """
         if self.offload is not None:
             self.offload.upload_master()
-        elif self.separate_master and not (after_step and self._copy_out is not None):
+        elif self.separate_master and not after_step:
             for u, m in zip(self.units, self.optimizer.master):
                 u.shard.copy_(m)
         if not self.plan.optimizer:
@@ -329,15 +339,22 @@ class ZeroEngine:
         return {"reduce": self.reducer.temp_bytes(), "gather": self.param_pipeline.temp_bytes()}
 
 
-def apply_zero(model: nn.Module, ps: ParallelState, cfg: ZeroConfig, values=None,
-               unit_modules=None, recompute: RecomputePhase | None = None) -> ZeroEngine:
-    """Wrap ``model`` for ZeRO stage ``cfg.stage`` over ``ps.dp_group``.
+def apply_zero(model: nn.Module, ps: ParallelState, zero: ZeroConfig = ZeroConfig(), *,
+               adamw: AdamWConfig = AdamWConfig(), precision: PrecisionConfig = PrecisionConfig(),
+               offload: OffloadConfig = OffloadConfig(), values=None, unit_modules=None,
+               recompute: RecomputePhase | None = None) -> ZeroEngine:
+    """Wrap ``model`` for ZeRO stage ``zero.stage`` over ``ps.dp_group``.
+
+    The sections (each defaults to its dataclass defaults): ``zero`` how the
+    states are sharded and communicated; ``adamw`` the optimizer and clipping;
+    ``precision`` the training and gradient dtypes and the fp16 loss scale;
+    ``offload`` what lives in host memory.
 
     ``values(name, param, lo, hi)``: fp32 values of a TP-local flat range of a
     parameter, for a model built on the meta device (e.g.
     ``InitValues(seed, model.init_of)``); default: the parameters' own (fp32)
     data. The engine keeps exact fp32 master weights and makes the parameters
-    ``cfg.params_dtype`` views of its buffers.
+    ``precision.params_dtype`` views of its buffers.
     ``unit_modules``: the modules whose parameters stage 3 gathers as one unit
     (default ``model.blocks`` when it exists).
     ``recompute``: the :class:`RecomputePhase` activation checkpointing sets,
@@ -345,4 +362,4 @@ def apply_zero(model: nn.Module, ps: ParallelState, cfg: ZeroConfig, values=None
     """
     if unit_modules is None and hasattr(model, "blocks"):
         unit_modules = list(model.blocks)
-    return ZeroEngine(model, ps, cfg, values, unit_modules, recompute)
+    return ZeroEngine(model, ps, zero, adamw, precision, offload, values, unit_modules, recompute)

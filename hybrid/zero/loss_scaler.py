@@ -13,6 +13,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from hybrid.config.sections import PrecisionConfig
+
 
 @dataclass
 class LossScaler:
@@ -28,9 +30,8 @@ class LossScaler:
         self._hysteresis_left = self.hysteresis
 
     @classmethod
-    def from_config(cls, cfg) -> "LossScaler":
-        """From a :class:`~hybrid.config.sections.ZeroConfig`: fp16 is dynamic unless
-        ``loss_scale`` is given; bf16/fp32 are not scaled."""
+    def from_config(cls, cfg: PrecisionConfig) -> "LossScaler":
+        """fp16 is dynamic unless ``cfg.loss_scale`` is given; bf16/fp32 are not scaled."""
         if cfg.params_dtype != "fp16":
             return cls(1.0, dynamic=False)
         if cfg.loss_scale is not None:

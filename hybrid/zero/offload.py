@@ -49,6 +49,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
+from hybrid.config.sections import OffloadConfig
 from hybrid.zero.flat_unit import FlatUnit
 
 
@@ -62,12 +63,12 @@ class OptimizerOffload:
         flat_grads: the engine's flat gradient buffer (its dtype is what goes down).
         plan: the engine's :class:`~hybrid.zero.plan.ShardingPlan`.
         flat_master: the host fp32 master, in the same order.
-        delayed_warmup: None, or the number of normal steps before the one-step
-            delayed update starts.
+        cfg: ``delayed_update`` (and its ``delayed_update_warmup`` normal steps
+            before the one-step delayed update starts).
     """
 
     def __init__(self, units: list[FlatUnit], dtype: torch.dtype, flat_grads: torch.Tensor,
-                 plan, flat_master: torch.Tensor, delayed_warmup: int | None = None):
+                 plan, flat_master: torch.Tensor, cfg: OffloadConfig):
         self.units = units
         self.index = {id(u): i for i, u in enumerate(units)}
         self.bounds = [0]
@@ -76,8 +77,8 @@ class OptimizerOffload:
         n = self.bounds[-1]
         self.cuda = flat_grads.is_cuda
         self.pin = self.cuda  # pinned host memory makes the copies asynchronous DMA
-        self.delayed = delayed_warmup is not None
-        self.warmup = delayed_warmup or 0
+        self.delayed = cfg.delayed_update
+        self.warmup = cfg.delayed_update_warmup if cfg.delayed_update else 0
         in_place = flat_grads.device.type == "cpu" and plan.grads and not self.delayed
         self.grad = flat_grads if in_place else torch.empty(
             n, dtype=flat_grads.dtype, pin_memory=self.pin)

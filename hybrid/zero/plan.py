@@ -36,4 +36,5 @@ class ShardingPlan:
 
     @property
     def stage(self) -> int:
+        """The ZeRO stage (0-3) this plan is: the one place the number lives."""
         return int(self.optimizer) + int(self.grads) + int(self.params)

@@ -22,15 +22,6 @@ def _sources(engine: ZeroEngine) -> dict[str, list[torch.Tensor]]:
     return {"master": opt.master, "exp_avg": opt.exp_avg, "exp_avg_sq": opt.exp_avg_sq}
 
 
-def _pieces(engine: ZeroEngine):
-    """(param name, param, local lo, unit index, offset in the unit's owned part, length)."""
-    names = {id(p): n for n, p in engine.model.named_parameters()}
-    for ui, u in enumerate(engine.units):
-        for i, plo, ulo, n in u.segments(u.own_lo, u.own_hi):
-            p = u.params[i]
-            yield names[id(p)], p, plo, ui, ulo - u.own_lo, n
-
-
 def shard_state(engine: ZeroEngine) -> dict:
     """This rank's pieces ``[(name, lo, hi)]`` in owned order (unit by unit, in unit
     coordinates), the optimizer step count and the loss-scaler state.
@@ -38,7 +29,7 @@ def shard_state(engine: ZeroEngine) -> dict:
     The values come from :func:`iter_piece_values`, one piece at a time.
     """
     engine.wait_optimizer()  # a delayed host update still running would change the values
-    pieces = [(name, plo, plo + n) for name, _, plo, _, _, n in _pieces(engine)]
+    pieces = [(pc.name, pc.lo, pc.hi) for pc in engine.owned_pieces()]
     return {"pieces": pieces, "step": engine.optimizer.step_count,
             "loss_scaler": engine.scaler.state_dict()}
 
@@ -49,8 +40,8 @@ def iter_piece_values(engine: ZeroEngine, keys=KEYS):
     tensor of rows (default ``[master, exp_avg, exp_avg_sq]``)."""
     engine.wait_optimizer()
     src = [_sources(engine)[k] for k in keys]
-    for _, _, _, ui, off, n in _pieces(engine):
-        yield torch.stack([s[ui][off: off + n] for s in src], dim=1).float().cpu()
+    for pc in engine.owned_pieces():
+        yield torch.stack([s[pc.unit][pc.part] for s in src], dim=1).float().cpu()
 
 
 @torch.no_grad()
@@ -68,10 +59,10 @@ def load_shard_state(engine: ZeroEngine, fetch, keys, step: int,
         raise ValueError(f"load_shard_state needs the master values, got keys {keys}")
     engine.wait_optimizer()
     opt, sources = engine.optimizer, _sources(engine)
-    for name, p, plo, ui, off, n in _pieces(engine):
-        planes = fetch(name, plo, plo + n)
+    for pc in engine.owned_pieces():
+        planes = fetch(pc.name, pc.lo, pc.hi)
         for key, dst in sources.items():
-            part = dst[ui][off: off + n]
+            part = dst[pc.unit][pc.part]
             if key in keys:
                 part.copy_(planes[keys.index(key)])
             else:

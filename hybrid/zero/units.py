@@ -27,6 +27,8 @@ fp32 master only this rank's ranges. So no rank ever holds more than it keeps.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 from torch import nn
 
@@ -97,6 +99,43 @@ def plan_units(model: nn.Module, ps: ParallelState, cfg, plan, unit_modules):
     return units + [u for _, u in owners], owners
 
 
+class OwnedPiece(NamedTuple):
+    """One parameter's piece of a rank's owned shard (:meth:`ZeroEngine.owned_pieces`).
+
+    ``name``, ``param``: the parameter (its first name in ``model.named_parameters()``).
+    ``lo``, ``hi``: the piece is elements ``[lo, hi)`` of the TP-local parameter
+    flattened -- the same whatever the stage, bucket size or DP size.
+    ``unit``: the index of its unit in ``engine.units``, and of that unit's part in
+    every per-unit list of the optimizer (``master``, ``exp_avg``, ``exp_avg_sq``).
+    ``part``: where the piece lies in its unit's owned part: ``unit.shard[part]``,
+    ``unit.grad_shard[part]`` and ``optimizer.master[unit][part]`` are its values.
+    """
+
+    name: str
+    param: nn.Parameter
+    lo: int
+    hi: int
+    unit: int
+    part: slice
+
+    @property
+    def numel(self) -> int:
+        return self.hi - self.lo
+
+
+def owned_pieces(model: nn.Module, units: list[FlatUnit]) -> tuple[OwnedPiece, ...]:
+    """Every piece of ``units``' owned ranges, unit by unit and in unit order within
+    each (the order of the rank's flat shard); padding belongs to no piece."""
+    names = {id(p): n for n, p in model.named_parameters()}
+    out = []
+    for k, u in enumerate(units):
+        for i, plo, ulo, n in u.segments(u.own_lo, u.own_hi):
+            a = ulo - u.own_lo
+            out.append(OwnedPiece(names[id(u.params[i])], u.params[i], plo, plo + n, k,
+                                  slice(a, a + n)))
+    return tuple(out)
+
+
 def read_values(name: str, param: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
     """The value source of a model whose parameters are already materialized."""
     return param.detach().reshape(-1)[lo:hi].float()
@@ -128,10 +167,3 @@ class Materializer:
             else:
                 u.bind(flat[off: off + u.padded], fill)
                 off += u.padded
-
-    def fill_master(self, u: FlatUnit, part: torch.Tensor) -> None:
-        """``part`` <- the exact fp32 values of ``u``'s owned range (zeros in padding)."""
-        part.zero_()
-        for i, plo, ulo, n in u.segments(u.own_lo, u.own_hi):
-            a = ulo - u.own_lo
-            self.fill(u.params[i], plo, plo + n, part[a: a + n])

@@ -317,11 +317,12 @@ def _save_with_full_disk(ps, save_dir):
     from hybrid.errors import CheckpointError
     from hybrid.tensor_parallel import seed_all
     from hybrid.train.setup import build_model
-    from hybrid.zero import apply_zero
+
+    from zero_reference import zero_engine
     cfg = build_config(Flags(num_layers=1, hidden_size=32, num_attention_heads=4, seq_length=8,
                       zero_stage=2), ps.world_size)
     rng = seed_all(1, ps.tp_rank, ps.dp_rank, ps.device)
-    engine = apply_zero(build_model(cfg, ps, 257, rng), ps, cfg.zero)
+    engine = zero_engine(build_model(cfg, ps, 257, rng), ps, cfg)
     save_checkpoint(save_dir, 1, 8, engine, ps, cfg.to_dict(), rng)
     real = save_mod._fsync_write
 

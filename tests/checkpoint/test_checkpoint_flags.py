@@ -67,16 +67,16 @@ def _reference(ckpt, consumed, iteration, steps):
             p.zero_()
             p[:n].copy_(w[:n])
     params = list(model.parameters())
-    z, s = cfg.zero, cfg.schedule
+    z, s = cfg.adamw, cfg.loop
     gbs = s.global_batch_size
     opt = torch.optim.AdamW([{"params": [p for p in params if p.ndim >= 2],
                               "weight_decay": z.weight_decay},
                              {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}],
-                            lr=cfg.optimizer.lr, betas=(z.adam_beta1, z.adam_beta2), eps=z.adam_eps)
+                            lr=cfg.lr_schedule.lr, betas=(z.beta1, z.beta2), eps=z.eps)
     losses = []
     for k in range(steps):
         for group in opt.param_groups:
-            group["lr"] = scheduled_lr(cfg.optimizer, iteration + k + 1, 0)
+            group["lr"] = scheduled_lr(cfg.lr_schedule, iteration + k + 1, 0)
         opt.zero_grad()
         batches = dp_micro_batches(samples, consumed + k * gbs, gbs, s.micro_batch_size, 0, 1,
                                    ps.device)

@@ -227,4 +227,20 @@ def test_edge_values_just_inside_the_range_are_accepted():
                              str(2**32 - 1), "--init-method-std", "0", "--train-iters", "10",
                              "--lr-warmup-iters", "10", "--distributed-timeout-minutes",
                              str(1 / 60)]), 2)
-    assert cfg.seed == 2**32 - 1 and cfg.optimizer.warmup == cfg.optimizer.decay == 10
+    assert cfg.seed == 2**32 - 1 and cfg.lr_schedule.warmup == cfg.lr_schedule.decay == 10
+
+
+def test_zero_flags_land_in_one_section_each():
+    """Sharding, AdamW, precision and offload are separate sections: each component
+    takes only its own (apply_zero takes them as separate arguments)."""
+    cfg = build_config(parse_args(BASE + [
+        "--zero-stage", "2", "--reduce-bucket-size", "1000", "--adam-beta2", "0.95",
+        "--adam-eps", "1e-6", "--weight-decay", "0.1", "--clip-grad", "0.5", "--fp16",
+        "--loss-scale-window", "50", "--offload-optimizer", "--offload-delayed-update"]), 2)
+    assert (cfg.zero.stage, cfg.zero.reduce_bucket_size) == (2, 1000)
+    assert (cfg.adamw.beta2, cfg.adamw.eps, cfg.adamw.weight_decay, cfg.adamw.clip_grad) == \
+        (0.95, 1e-6, 0.1, 0.5)
+    assert (cfg.precision.params_dtype, cfg.precision.grads_dtype,
+            cfg.precision.loss_scale_window) == ("fp16", "fp16", 50)
+    assert cfg.offload.optimizer and cfg.offload.delayed_update
+    assert not hasattr(cfg.zero, "clip_grad") and not hasattr(cfg.zero, "params_dtype")

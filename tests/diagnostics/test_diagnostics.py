@@ -258,14 +258,11 @@ def _perturb_rank3_after_step2(ps, cfg):
         if step != 2 or ps.rank != 3:
             return
         with torch.no_grad():
-            if engine.stage == 0:
+            if engine.plan.stage == 0:
                 dict(model.named_parameters())["blocks.0.ln_1.weight"][5] += 1e-3
                 return
-            wpe = model.wpe.weight
-            u = next(u for u in engine.units if any(p is wpe for p in u.params))
-            i = next(i for i, p in enumerate(u.params) if p is wpe)
-            seg = next(sg for sg in u.segments(u.own_lo, u.own_hi) if sg[0] == i)
-            u.shard[seg[2] - u.own_lo] += 1e-3
+            pc = next(pc for pc in engine.owned_pieces() if pc.param is model.wpe.weight)
+            engine.units[pc.unit].shard[pc.part][0] += 1e-3
 
     return _patched_train_step(ps, cfg, after=after)
 

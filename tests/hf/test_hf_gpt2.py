@@ -61,14 +61,15 @@ def _load_imported(ps, save):
     from hybrid.config import Flags, build_config
     from hybrid.tensor_parallel import seed_all
     from hybrid.train.setup import build_model
-    from hybrid.zero import apply_zero
+
+    from zero_reference import zero_engine
     cfg = build_config(Flags(tensor_model_parallel_size=ps.tp_size, num_layers=2, hidden_size=32,
                       num_attention_heads=4, seq_length=32, zero_stage=3, hidden_dropout=0.0,
                       attention_dropout=0.0, zero_param_persistence_threshold=0
                       ), ps.world_size)
     rng = seed_all(0, ps.tp_rank, ps.dp_rank, ps.device)
     model = build_model(cfg, ps, VOCAB, rng).eval()
-    engine = apply_zero(model, ps, cfg.zero)
+    engine = zero_engine(model, ps, cfg)
     assert load_checkpoint(save, engine, ps, cfg.seed, rng, VOCAB) == (0, 0)
     with torch.no_grad():
         return model(_tokens())

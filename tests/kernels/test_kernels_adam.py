@@ -238,3 +238,51 @@ def test_pieces_and_thread_counts_give_the_bits_of_one_call(ext):
                           ([(0, 9), (9, n)], 2)):
         for a, b in zip(whole, run(cuts, threads)):
             assert torch.equal(a, b), (cuts, threads)
+
+
+def _shard(sizes, flat_grad, monkeypatch=None):
+    """A ShardAdamW over parts of ``sizes`` (views of flat buffers), decay on each
+    part's first half, from the same initial master every time."""
+    from hybrid.kernels.adam import ShardAdamW
+    n = sum(sizes)
+    flat = (torch.randn(n, generator=torch.Generator().manual_seed(3)) * 0.02,
+            torch.zeros(n), torch.zeros(n))
+    parts = [list(t.split(sizes)) for t in flat]
+    decay = [[(0, s // 2)] if s > 1 else [] for s in sizes]
+    return ShardAdamW(*parts, decay, (BETAS[0], BETAS[1], EPS, WD), flat, flat_grad)
+
+
+@pytest.mark.parametrize("use_flat_grad", [True, False])
+def test_shard_adamw_chooses_a_path_once_and_always_writes_out(ext, use_flat_grad, monkeypatch):
+    """The compiled kernel only with a flat gradient to read in one pass, else torch's
+    fused AdamW, else (a torch without it) the eager ops: all give torch.optim.AdamW's
+    numbers to rounding, write every part's master into ``out`` in its dtype, and
+    change nothing on a skipped step."""
+    from hybrid.kernels import adam
+    sizes = [37, 100, 1, 63]
+    grads = _grads(4, torch.bfloat16, sum(sizes))
+    flat_grad = torch.empty(sum(sizes), dtype=torch.bfloat16)
+    runs = {}
+    for eager in (False, True):
+        monkeypatch.setattr(adam, "_TORCH_FUSED", not eager)
+        opt = _shard(sizes, flat_grad if use_flat_grad else None)
+        out = torch.empty(sum(sizes), dtype=torch.bfloat16)
+        for t, g in enumerate(grads, start=1):
+            flat_grad.copy_(g)
+            skip = 1.0 if t == 3 else 0.0
+            before = [m.clone() for m in opt.master]
+            opt.step(list(flat_grad.split(sizes)), LR,
+                     torch.tensor([CLIP / LOSS_SCALE, float(t - (t > 3)), skip],
+                                  dtype=torch.float64), out=list(out.split(sizes)))
+            if skip:
+                assert all(torch.equal(a, b) for a, b in zip(before, opt.master))
+        assert torch.equal(out, torch.cat(opt.master).to(torch.bfloat16))
+        runs[opt.path] = torch.cat(opt.master)
+    want = (["kernel"] if use_flat_grad else ["torch", "eager"])
+    assert sorted(runs) == sorted(want)
+    starts = [0, 37, 137, 138]
+    ref, _ = _reference(_shard(sizes, None).flat[0], [g for i, g in enumerate(grads) if i != 2],
+                        [(o, o + s // 2) for o, s in zip(starts, sizes) if s > 1], WD,
+                        torch.float32)
+    for master in runs.values():
+        assert (master - ref).abs().max().item() <= 1e-6

@@ -17,7 +17,7 @@ from hybrid.tensor_parallel import (gather_from_sequence, reduce_scatter_to_sequ
 from models.gpt import GPT
 
 from harness import run_ranks
-from zero_reference import _dp_step, _gpt, _named_params, _train_cfg, _train_stages
+from zero_reference import _dp_step, _gpt, _named_params, _train_cfg, _train_stages, zero_engine
 
 SEED, V, T = 11, 257, 16
 
@@ -209,17 +209,16 @@ def _fp16_curves(ps, variants):
     """FP16_STEPS steps per variant (stage, overrides): mean losses over DP, which
     steps were skipped, the loss scale after each, final parameters (gathered)."""
     from hybrid.tensor_parallel import InitValues
-    from hybrid.zero import apply_zero
     out = []
     for stage, kw in variants:
         cfg = _train_cfg(ps.world_size, ps.tp_size, zero_stage=stage, **FP16, **kw)
         model = _gpt(cfg, ps, device="meta")
-        engine = apply_zero(model, ps, cfg.zero, values=InitValues(cfg.seed, model.init_of))
+        engine = zero_engine(model, ps, cfg, values=InitValues(cfg.seed, model.init_of))
         losses, skipped, scales = [], [], []
         for step in range(FP16_STEPS):
             loss, result = _dp_step(model, engine, ps, cfg, step)
             losses.append(loss)
-            skipped.append(result.skipped)
+            skipped.append(bool(result.skipped))
             scales.append(result.loss_scale)
         out.append({"losses": losses, "skipped": skipped, "scales": scales,
                     "params": _named_params(model, engine),

@@ -13,11 +13,11 @@ from hybrid.config.model import ModelConfig
 from hybrid.parallel.state import ParallelState
 from hybrid.tensor_parallel import InitValues, seed_all
 from hybrid.testing.host_syncs import HostReads, cuda_syncs
-from hybrid.zero import apply_zero
 from models.gpt import GPT
 
 from harness import run_ranks
 from launch import ROOT
+from zero_reference import zero_engine
 
 VOCAB, SEQ, MICRO = 257, 16, 2
 
@@ -40,7 +40,7 @@ def _engine(cfg, ps, device="cpu"):
                     num_attention_heads=cfg.model.num_attention_heads,
                     max_position_embeddings=SEQ, hidden_dropout=0.0, attention_dropout=0.0)
     model = GPT(m, ps.tp_group, rng=rng, seed=cfg.seed, device="meta")
-    return model, apply_zero(model, ps, cfg.zero, values=InitValues(cfg.seed, model.init_of))
+    return model, zero_engine(model, ps, cfg, values=InitValues(cfg.seed, model.init_of))
 
 
 def _batches(step, ps, device="cpu"):
@@ -83,7 +83,7 @@ def _reads_per_config(ps):
                      for u, m in zip(engine.units, engine.optimizer.master)) \
             if engine.separate_master and engine.offload is None else True
         out.append({"reads": reads.count, "where": where, "control": control.count,
-                    "copied": copied, "flat": engine._flat_step})
+                    "copied": copied, "path": engine.optimizer.adamw.path})
     return out
 
 
@@ -97,7 +97,9 @@ def test_steps_read_no_tensor_value_but_the_fp16_skip_decision():
             assert r["control"] == 1
             assert r["reads"] == 2 * per_step, (stage, kw, r["reads"], r["where"])
             assert r["copied"], (stage, kw)
-    assert rank_res[2]["flat"]  # the stage-2 bf16 run really took the kernel path
+    # the kernels' choice: the fp32 shards of stage 0 and the per-unit gradients of
+    # stage 1 go to torch's fused AdamW, stage 2's flat shard to the compiled kernel
+    assert [r["path"] for r in rank_res[:3]] == ["torch", "torch", "kernel"]
 
 
 def _device_skip(ps):
@@ -117,6 +119,7 @@ def _device_skip(ps):
         with HostReads() as reads:
             result = engine.step(1e-2)
         out.append({"reads": reads.count, "skipped": result.skipped,
+                    "host_skipped": result.host_skipped,
                     "master": all(torch.equal(a, b) for a, b in zip(master,
                                                                    engine.optimizer.master)),
                     "shards": all(torch.equal(a, u.shard) for a, u in zip(shards, engine.units)),
@@ -129,6 +132,7 @@ def test_a_non_finite_gradient_skips_on_the_device_everywhere():
         for r in rank_res:
             assert r["reads"] == 0
             assert isinstance(r["skipped"], torch.Tensor) and bool(r["skipped"])
+            assert r["host_skipped"] is None  # decided on the device: nobody read it
             assert r["master"] and r["shards"] and r["steps"] == 1
 
 

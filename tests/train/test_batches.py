@@ -6,7 +6,7 @@ import os
 import pytest
 
 from hybrid.config import build_config, parse_args
-from hybrid.config.sections import ScheduleConfig
+from hybrid.config.sections import LoopConfig
 from hybrid.train.batches import finished, global_batch_size_at, total_iterations
 from hybrid.train.lr_schedule import learning_rate, scheduled_lr
 
@@ -24,7 +24,7 @@ def _megatron_rampup(start, incr, ramp_samples, global_batch, consumed):
 
 @pytest.mark.parametrize("start,incr,ramp", [(16, 16, 5859), (4, 4, 100), (8, 24, 1000)])
 def test_rampup_follows_megatron_sample_by_sample(start, incr, ramp):
-    s = ScheduleConfig(micro_batch_size=4, global_batch_size=128 if incr != 24 else 80,
+    s = LoopConfig(micro_batch_size=4, global_batch_size=128 if incr != 24 else 80,
                        rampup=(start, incr, ramp), train_iters=10)
     for consumed in range(0, 2 * ramp):
         assert global_batch_size_at(s, consumed) == _megatron_rampup(
@@ -32,7 +32,7 @@ def test_rampup_follows_megatron_sample_by_sample(start, incr, ramp):
 
 
 def test_sample_based_run_walks_the_ramp_in_whole_batches():
-    s = ScheduleConfig(micro_batch_size=2, global_batch_size=16, rampup=(4, 4, 40),
+    s = LoopConfig(micro_batch_size=2, global_batch_size=16, rampup=(4, 4, 40),
                        train_iters=None, train_samples=100)
     consumed, sizes = 0, []
     while not finished(s, len(sizes), consumed):
@@ -41,7 +41,7 @@ def test_sample_based_run_walks_the_ramp_in_whole_batches():
     # ramp intervals of 40 / 3 samples: 4 x4 (to 16), 8 x2 (to 32), 12 (to 44), then 16
     assert sizes == [4, 4, 4, 4, 8, 8, 12, 16, 16, 16]
     assert consumed == 92 and total_iterations(s) == len(sizes)  # 92 + 16 would pass 100
-    constant = ScheduleConfig(global_batch_size=16, train_iters=None, train_samples=100)
+    constant = LoopConfig(global_batch_size=16, train_iters=None, train_samples=100)
     assert total_iterations(constant) == 6  # whole batches only, as Megatron
 
 
@@ -53,24 +53,24 @@ def test_lr_in_samples_equals_lr_in_iterations_at_a_constant_batch():
     sa = build_config(parse_args(BASE + ["--global-batch-size", str(gbs), "--train-samples", str(50 * gbs),
                             "--lr-warmup-samples", str(5 * gbs), "--lr-decay-style", "cosine",
                             "--lr", "1e-3", "--min-lr", "1e-4"]), 1)
-    assert (it.optimizer.unit, sa.optimizer.unit) == ("iterations", "samples")
+    assert (it.lr_schedule.unit, sa.lr_schedule.unit) == ("iterations", "samples")
     for i in range(1, 51):
-        assert scheduled_lr(it.optimizer, i, i * gbs) == scheduled_lr(sa.optimizer, i, i * gbs)
-    assert total_iterations(sa.schedule) == 50
+        assert scheduled_lr(it.lr_schedule, i, i * gbs) == scheduled_lr(sa.lr_schedule, i, i * gbs)
+    assert total_iterations(sa.loop) == 50
 
 
 def test_warmup_fraction_is_a_fraction_of_the_decay_length():
     cfg = build_config(parse_args(BASE + ["--train-iters", "1000", "--lr-decay-iters", "800",
                              "--lr-warmup-fraction", "0.01"]), 1)
-    assert (cfg.optimizer.warmup, cfg.optimizer.decay) == (8, 800)
-    assert scheduled_lr(cfg.optimizer, 4, 0) == learning_rate(4, 1e-3, 0.0, 8, 800, "constant")
+    assert (cfg.lr_schedule.warmup, cfg.lr_schedule.decay) == (8, 800)
+    assert scheduled_lr(cfg.lr_schedule, 4, 0) == learning_rate(4, 1e-3, 0.0, 8, 800, "constant")
 
 
 def test_iteration_based_rampup_takes_train_iters_steps():
     # Megatron refuses ramp-up with --train-iters; its own GPT-3 example passes both.
     cfg = build_config(parse_args(BASE + ["--global-batch-size", "16", "--rampup-batch-size", "4", "4", "40",
                              "--train-iters", "7"]), 2)
-    s = cfg.schedule
+    s = cfg.loop
     assert total_iterations(s) == 7 and not finished(s, 6, 10_000) and finished(s, 7, 0)
     assert global_batch_size_at(s, 0) == 4 and global_batch_size_at(s, 40) == 16
 
@@ -90,10 +90,10 @@ def test_rampup_run_logs_the_schedule_and_resumes_exactly_after_exit_interval(tm
     log = read_json_log(full)
     cfg = build_config(parse_args(args), 2)
     consumed, expect = 0, []
-    while not finished(cfg.schedule, len(expect), consumed):
-        batch = global_batch_size_at(cfg.schedule, consumed)
+    while not finished(cfg.loop, len(expect), consumed):
+        batch = global_batch_size_at(cfg.loop, consumed)
         consumed += batch
-        expect.append((batch, consumed, scheduled_lr(cfg.optimizer, len(expect) + 1, consumed)))
+        expect.append((batch, consumed, scheduled_lr(cfg.lr_schedule, len(expect) + 1, consumed)))
     assert [(m["global_batch_size"], m["consumed_samples"], m["lr"]) for m in log] == expect
     assert [b for b, _, _ in expect] == [4, 4, 4, 4, 8, 8, 8, 8] and expect[-1][1] == 48
 

@@ -55,7 +55,7 @@ def _train(ps, flags):
         loss = model(d[:, :-1], d[:, 1:])
         engine.backward(loss)
         grads = engine.flat_grads.clone() if grads is None else grads
-        engine.step(cfg.optimizer.lr, loss=loss.detach())
+        engine.step(cfg.lr_schedule.lr, loss=loss.detach())
         losses.append(float(loss))
     with engine.gathered():
         params = {n: p.detach().clone() for n, p in model.named_parameters()}

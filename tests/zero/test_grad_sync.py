@@ -4,10 +4,9 @@ import pytest
 import torch
 
 from hybrid.tensor_parallel import InitValues
-from hybrid.zero import apply_zero
 
 from harness import run_ranks
-from zero_reference import SEQ, VOCAB, _gpt, _train_cfg
+from zero_reference import SEQ, VOCAB, _gpt, _train_cfg, zero_engine
 
 MICRO_BATCHES = 16
 
@@ -37,18 +36,16 @@ def _reduced_vs_fp64(ps, stage, fp32_grads):
         t /= ps.dp_size
     # ZeRO: the same micro-batches through the engine
     model = _gpt(cfg, ps, device="meta")
-    engine = apply_zero(model, ps, cfg.zero, values=InitValues(cfg.seed, model.init_of))
+    engine = zero_engine(model, ps, cfg, values=InitValues(cfg.seed, model.init_of))
     engine.zero_grad()
     for i, (x, y) in enumerate(batches):
         engine.backward(model(x, y) / MICRO_BATCHES, sync=i == MICRO_BATCHES - 1)
-    names = {id(p): n for n, p in model.named_parameters()}
     err = num = 0.0
-    for u in engine.units:
-        for i, plo, ulo, n in u.segments(u.own_lo, u.own_hi):
-            got = u.grad_shard[ulo - u.own_lo: ulo - u.own_lo + n].double()
-            want = ref[names[id(u.params[i])]][plo: plo + n]
-            err += float(((got - want) ** 2).sum())
-            num += float((want ** 2).sum())
+    for pc in engine.owned_pieces():
+        got = engine.units[pc.unit].grad_shard[pc.part].double()
+        want = ref[pc.name][pc.lo: pc.hi]
+        err += float(((got - want) ** 2).sum())
+        num += float((want ** 2).sum())
     return {"rel": (err / num) ** 0.5, "dtype": str(engine.flat_grads.dtype)}
 
 

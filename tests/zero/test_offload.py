@@ -10,10 +10,10 @@ from hybrid.config.model import ModelConfig
 from hybrid.errors import ConfigError
 from hybrid.parallel.state import ParallelState
 from hybrid.tensor_parallel import InitValues, seed_all
-from hybrid.zero import apply_zero
 from models.gpt import GPT
 
 from harness import run_ranks
+from zero_reference import zero_engine
 
 VOCAB, SEQ, MICRO, BATCH, STEPS, SEED = 257, 16, 2, 8, 5, 5
 
@@ -50,7 +50,7 @@ def _train(ps, variants):
     for stage, kw in variants:
         cfg = _cfg(ps.world_size, zero_stage=stage, offload_optimizer=True, **kw)
         model = _gpt(cfg, ps, "meta")
-        engine = apply_zero(model, ps, cfg.zero, values=InitValues(cfg.seed, model.init_of))
+        engine = zero_engine(model, ps, cfg, values=InitValues(cfg.seed, model.init_of))
         sent = []  # per step: (unit index, gradients arrived so far) for each unit sent down
         grad_ready = engine.offload.grad_ready
 
@@ -73,14 +73,11 @@ def _train(ps, variants):
                 total += loss.detach()
             ps.dp_group.all_reduce(total)
             losses.append(float(total) / ps.dp_size)
-            norms.append(float(engine.step(cfg.optimizer.lr).grad_norm))
+            norms.append(float(engine.step(cfg.lr_schedule.lr).grad_norm))
         device_params = _params(model, engine)  # what the model runs with
         engine.wait_optimizer()
-        master = {}
-        names = {id(p): n for n, p in model.named_parameters()}
-        for u, m in zip(engine.units, engine.optimizer.master):
-            for i, plo, ulo, n in u.segments(u.own_lo, u.own_hi):
-                master[(names[id(u.params[i])], plo)] = m[ulo - u.own_lo: ulo - u.own_lo + n]
+        master = {(pc.name, pc.lo): engine.optimizer.master[pc.unit][pc.part]
+                  for pc in engine.owned_pieces()}
         out.append({"losses": losses, "norms": norms, "params": device_params,
                     "master": master, "sent": sent, "steps": engine.optimizer.step_count,
                     "units": len(engine.units),
@@ -95,11 +92,11 @@ def _reference(cfg, warmup):
     ps = ParallelState.single()
     model = _gpt(cfg, ps, "cpu")
     master = [torch.nn.Parameter(p.detach().clone()) for p in model.parameters()]
-    z = cfg.zero
+    z = cfg.adamw
     opt = torch.optim.AdamW([{"params": [m for m in master if m.ndim >= 2],
                               "weight_decay": z.weight_decay},
                              {"params": [m for m in master if m.ndim < 2],
-                              "weight_decay": 0.0}], lr=cfg.optimizer.lr, eps=z.adam_eps)
+                              "weight_decay": 0.0}], lr=cfg.lr_schedule.lr, eps=z.eps)
     losses, norms = [], []
     for step in range(STEPS):
         model.zero_grad()
@@ -181,7 +178,7 @@ def _fp16_overflow(ps):
         cfg = _cfg(ps.world_size, zero_stage=2, offload_optimizer=True, fp16=True,
                    hysteresis=1, initial_loss_scale=1024.0, **kw)
         model = _gpt(cfg, ps, "meta")
-        engine = apply_zero(model, ps, cfg.zero, values=InitValues(cfg.seed, model.init_of))
+        engine = zero_engine(model, ps, cfg, values=InitValues(cfg.seed, model.init_of))
         per = BATCH // ps.dp_size
         skipped = []
         for step in range(4):
@@ -192,7 +189,7 @@ def _fp16_overflow(ps):
                 engine.backward(model(x, y) / len(batches), sync=i == len(batches) - 1)
             if step == 1 and ps.dp_rank == 1:
                 engine.units[0].grad_shard[0] = float("inf")
-            skipped.append(engine.step(cfg.optimizer.lr).skipped)
+            skipped.append(bool(engine.step(cfg.lr_schedule.lr).skipped))
         engine.wait_optimizer()
         out.append({"skipped": skipped, "steps": engine.optimizer.step_count,
                     "params": _params(model, engine)})
@@ -222,7 +219,7 @@ def test_delayed_update_flags_are_checked(flags, msg):
         build_config(Flags(**flags), 1)
 
 
-def test_delayed_update_flags_reach_the_zero_config():
-    z = build_config(Flags(zero_stage=2, offload_optimizer=True, offload_delayed_update=True,
-              offload_delayed_update_warmup=4), 1).zero
-    assert z.offload_delayed_update and z.offload_delayed_update_warmup == 4
+def test_delayed_update_flags_reach_the_offload_config():
+    o = build_config(Flags(zero_stage=2, offload_optimizer=True, offload_delayed_update=True,
+              offload_delayed_update_warmup=4), 1).offload
+    assert o.optimizer and o.delayed_update and o.delayed_update_warmup == 4

@@ -7,11 +7,10 @@ import torch
 
 from hybrid.estimate.model_states import comm_bytes_per_step, model_state_bytes
 from hybrid.parallel.state import ParallelState
-from hybrid.zero import apply_zero
 
 from harness import run_ranks
 from zero_reference import (MICRO, VOCAB, _gpt, _my_micro_batches, _named_params, _train_cfg,
-                            _train_reference, _train_stages)
+                            _train_reference, _train_stages, zero_engine)
 
 
 @pytest.fixture(scope="module")
@@ -71,13 +70,13 @@ def _bytes_per_stage(ps, flags, micro_batches=1):
                          global_batch_size=ps.dp_size * MICRO * micro_batches, **flags)
         model = _gpt(cfg, ps)
         psi = sum(p.numel() for p in model.parameters())
-        engine = apply_zero(model, ps, cfg.zero)
+        engine = zero_engine(model, ps, cfg)
         engine.zero_grad()
         batches = [b for s in range(micro_batches) for b in _my_micro_batches(s, ps, MICRO)]
         ps.comm_stats.reset()
         for i, (x, y) in enumerate(batches[:micro_batches]):
             engine.backward(model(x, y) / micro_batches, sync=i == micro_batches - 1)
-        engine.step(cfg.optimizer.lr)
+        engine.step(cfg.lr_schedule.lr)
         out[stage] = {"psi": psi, "padded": sum(u.padded for u in engine.units),
                       "state": engine.model_state_bytes(), "comm": dict(ps.comm_stats.bytes),
                       "calls": dict(ps.comm_stats.calls)}
@@ -151,12 +150,12 @@ def _largest_messages(ps, hidden):
         cfg = _train_cfg(ps.world_size, 1, zero_stage=stage, hidden_size=hidden,
                          overlap_comm=stage % 2 == 0)
         model = _gpt(cfg, ps)
-        engine = apply_zero(model, ps, cfg.zero)
+        engine = zero_engine(model, ps, cfg)
         ps.comm_stats.reset()
         engine.zero_grad()
         for i, (x, y) in enumerate(_my_micro_batches(0, ps, MICRO)):
             engine.backward(model(x, y), sync=i == 1)
-        engine.step(cfg.optimizer.lr)
+        engine.step(cfg.lr_schedule.lr)
         out[stage] = (dict(ps.comm_stats.max_numel), engine.comm_temp_bytes(),
                       max(p.numel() for p in model.parameters()))
     return out
@@ -181,7 +180,7 @@ def _overflow(ps):
     cfg = _train_cfg(ps.world_size, 1, zero_stage=2, fp16=True, hysteresis=1,
                      initial_loss_scale=1024.0)
     model = _gpt(cfg, ps)
-    engine = apply_zero(model, ps, cfg.zero)
+    engine = zero_engine(model, ps, cfg)
     steps = []
     for step in range(2):
         engine.zero_grad()
@@ -191,9 +190,12 @@ def _overflow(ps):
             engine.units[0].grad_shard[0] = float("inf")
         before = _named_params(model, engine)
         master_before = [m.clone() for m in engine.optimizer.master]
-        result = engine.step(cfg.optimizer.lr)
+        result = engine.step(cfg.lr_schedule.lr)
         after = _named_params(model, engine)
-        steps.append({"skipped": result.skipped, "scale": result.loss_scale,
+        flag = result.skipped  # a 0-dim bool tensor, also when the host decided (fp16)
+        assert flag.dtype == torch.bool and flag.dim() == 0 and flag.device == ps.device
+        assert result.host_skipped == bool(flag)
+        steps.append({"skipped": bool(flag), "scale": result.loss_scale,
                       "unchanged": all(torch.equal(before[n], after[n]) for n in before),
                       "master_unchanged": all(torch.equal(a, b) for a, b in
                                               zip(master_before, engine.optimizer.master))})

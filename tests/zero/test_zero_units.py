@@ -6,10 +6,10 @@ import torch
 from hybrid.parallel.state import ParallelState
 from hybrid.recompute.checkpointing import apply_activation_checkpointing
 from hybrid.tensor_parallel import InitValues
-from hybrid.zero import apply_zero
 
 from harness import run_ranks
-from zero_reference import _gpt, _named_params, _train_cfg, _train_reference, _train_steps
+from zero_reference import (_gpt, _named_params, _train_cfg, _train_reference, _train_steps,
+                            zero_engine)
 
 
 def _full_params(res, tp, name, spec):
@@ -24,12 +24,9 @@ def _construct(ps, stage, dtype_flags):
     pieces and the bytes this rank holds right after construction."""
     cfg = _train_cfg(ps.world_size, ps.tp_size, zero_stage=stage, **dtype_flags)
     model = _gpt(cfg, ps, device="meta")
-    engine = apply_zero(model, ps, cfg.zero, values=InitValues(cfg.seed, model.init_of))
-    names = {id(p): n for n, p in model.named_parameters()}
-    master = {}
-    for u, m in zip(engine.units, engine.optimizer.master):
-        for i, plo, ulo, n in u.segments(u.own_lo, u.own_hi):
-            master[(names[id(u.params[i])], plo)] = m[ulo - u.own_lo: ulo - u.own_lo + n].clone()
+    engine = zero_engine(model, ps, cfg, values=InitValues(cfg.seed, model.init_of))
+    master = {(pc.name, pc.lo): engine.optimizer.master[pc.unit][pc.part].clone()
+              for pc in engine.owned_pieces()}
     held = engine.model_state_bytes()["params"]
     specs = {n: getattr(p, "tp_spec", None) for n, p in model.named_parameters()}
     return {"params": _named_params(model, engine), "master": master, "held": held,
@@ -100,7 +97,7 @@ def _train_tied(ps, variants):
         phase = None
         if recompute:
             phase = apply_activation_checkpointing(model, ps, None, cfg.recompute).phase
-        engine = apply_zero(model, ps, cfg.zero, values=InitValues(cfg.seed, model.init_of),
+        engine = zero_engine(model, ps, cfg, values=InitValues(cfg.seed, model.init_of),
                             recompute=phase)
         losses, _ = _train_steps(model, engine, ps, cfg)
         out.append({"losses": losses, "params": _named_params(model, engine),
