@@ -121,6 +121,11 @@ class CommGroup:
         return f"CommGroup({self.name}, ranks={self.ranks})"
 
     # -- helpers -------------------------------------------------------------
+    # [Note: collectives under torch.compile] The door's bookkeeping (the recorder's
+    # frames and clock, the byte counters) is Python that dynamo cannot trace: each
+    # piece of it would split a compiled graph again. Marked disabled, a collective
+    # inside a compiled forward (TP's all-reduce) is one clean break, run eagerly.
+    @torch.compiler.disable
     def _run(self, op: str, kind: str, nbytes: float, t: torch.Tensor, fn, async_op: bool,
              extra: int = 0):
         """Count, number and record the collective, then run it (see the module doc)."""

@@ -66,8 +66,11 @@ def _bytes_per_stage(ps, flags, micro_batches=1):
     ``micro_batches`` micro-batches (counted by hybrid/parallel/comm.py), by collective kind."""
     out = {}
     for stage in range(4):
+        # Buckets of 4096 elements, smaller than the largest parameter (the 24,576-element
+        # embedding): a step is tens of collectives, not the hundreds of 1000-element ones.
         cfg = _train_cfg(ps.world_size, 1, zero_stage=stage, hidden_size=64,
-                         global_batch_size=ps.dp_size * MICRO * micro_batches, **flags)
+                         global_batch_size=ps.dp_size * MICRO * micro_batches,
+                         reduce_bucket_size=4096, allgather_bucket_size=4096, **flags)
         model = _gpt(cfg, ps)
         psi = sum(p.numel() for p in model.parameters())
         engine = zero_engine(model, ps, cfg)
