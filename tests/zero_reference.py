@@ -35,7 +35,7 @@ def _train_cfg(world, tp, **kw):
 
 def zero_engine(model, ps, cfg, **kw):
     """``apply_zero`` with every section of ``cfg`` it takes, as training passes them
-    (hybrid/train/loop.py); ``kw``: values, unit_modules, recompute."""
+    (hybrid/train/setup.py); ``kw``: values, unit_modules, recompute."""
     return apply_zero(model, ps, cfg.zero, adamw=cfg.adamw, precision=cfg.precision,
                       offload=cfg.offload, **kw)
 

@@ -9,15 +9,13 @@ import pytest
 import torch
 
 from hybrid.config import Flags, build_config
-from hybrid.config.model import ModelConfig
 from hybrid.parallel.state import ParallelState
-from hybrid.tensor_parallel import InitValues, seed_all
+from hybrid.tensor_parallel import InitValues
 from hybrid.testing.host_syncs import HostReads, cuda_syncs
-from models.gpt import GPT
 
 from harness import run_ranks
 from launch import ROOT
-from zero_reference import zero_engine
+from zero_reference import _gpt, zero_engine
 
 VOCAB, SEQ, MICRO = 257, 16, 2
 
@@ -34,12 +32,7 @@ def _cfg(world, tp, **kw):
 
 
 def _engine(cfg, ps, device="cpu"):
-    rng = seed_all(cfg.seed, ps.tp_rank, ps.dp_rank, ps.device)
-    m = ModelConfig(vocab_size=VOCAB, num_layers=cfg.model.num_layers,
-                    hidden_size=cfg.model.hidden_size,
-                    num_attention_heads=cfg.model.num_attention_heads,
-                    max_position_embeddings=SEQ, hidden_dropout=0.0, attention_dropout=0.0)
-    model = GPT(m, ps.tp_group, rng=rng, seed=cfg.seed, device="meta")
+    model = _gpt(cfg, ps, device="meta")  # the shared reference GPT (same VOCAB and SEQ)
     return model, zero_engine(model, ps, cfg, values=InitValues(cfg.seed, model.init_of))
 
 
