@@ -97,7 +97,11 @@ class GPT(nn.Module):
             self.wte = VocabParallelEmbedding(self.padded_vocab_size, cfg.hidden_size, tp_group,
                                               sequence_parallel=sequence_parallel)
             if cfg.position_embedding_type == "learned_absolute":
-                self.wpe = nn.Embedding(cfg.max_position_embeddings, cfg.hidden_size)
+                # _weight: no reset_parameters, whose normal_ on the meta device imports
+                # torch._dynamo (a second of start-up); init_parameters draws it below
+                self.wpe = nn.Embedding(cfg.max_position_embeddings, cfg.hidden_size,
+                                        _weight=torch.empty(cfg.max_position_embeddings,
+                                                            cfg.hidden_size))
             self.drop = nn.Dropout(cfg.hidden_dropout)
             self.blocks = nn.ModuleList(Block(cfg, tp_group, rng, sequence_parallel)
                                         for _ in range(cfg.num_layers))

@@ -121,11 +121,6 @@ class CommGroup:
         return f"CommGroup({self.name}, ranks={self.ranks})"
 
     # -- helpers -------------------------------------------------------------
-    # [Note: collectives under torch.compile] The door's bookkeeping (the recorder's
-    # frames and clock, the byte counters) is Python that dynamo cannot trace: each
-    # piece of it would split a compiled graph again. Marked disabled, a collective
-    # inside a compiled forward (TP's all-reduce) is one clean break, run eagerly.
-    @torch.compiler.disable
     def _run(self, op: str, kind: str, nbytes: float, t: torch.Tensor, fn, async_op: bool,
              extra: int = 0):
         """Count, number and record the collective, then run it (see the module doc)."""
@@ -228,3 +223,17 @@ class CommGroup:
                          lambda a=False: dist.broadcast(t, src=self.ranks[src], group=self.pg,
                                                        async_op=a),
                          async_op, fingerprint.extra_code("broadcast", src=src))
+
+
+# [Note: collectives under torch.compile] The door's bookkeeping (the recorder's frames
+# and clock, the byte counters) is Python that dynamo cannot trace: each piece of it
+# would split a compiled graph again. Disabled as a whole, a collective inside a compiled
+# forward (TP's all-reduce) is one clean break, run eagerly. Done by --compile only:
+# torch.compiler.disable imports torch._dynamo (about 2 s), which a run without
+# --compile never needs.
+def exclude_from_compile() -> None:
+    """Make every collective of the door one graph break for torch.compile (idempotent)."""
+    if not getattr(CommGroup._run, "_hybrid_excluded", False):
+        run = torch.compiler.disable(CommGroup._run)
+        run._hybrid_excluded = True
+        CommGroup._run = run

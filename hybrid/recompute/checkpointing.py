@@ -193,15 +193,27 @@ class CheckpointedForward:
     def block(self) -> nn.Module:
         return self._block()
 
-    # Never traced: when a compiled forward around this block (selective recompute
-    # under --compile) reaches it, dynamo breaks the graph here and runs it eagerly.
-    # Its RNG-state capture, the stash into the store and the autograd Function whose
-    # backward reruns the block are side effects a graph must not capture or replay.
-    @torch.compiler.disable
+    # Never traced under --compile (see exclude_from_compile below).
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.recomputing or not torch.is_grad_enabled():
             return self.inner(self.block, x)
         return self.group.forward(self.index, x)
+
+
+def exclude_from_compile() -> None:
+    """Make :class:`CheckpointedForward` a graph break for torch.compile (idempotent).
+
+    When a compiled forward around a checkpointed module (selective recompute under
+    --compile) reaches it, dynamo then breaks the graph there and runs it eagerly: its
+    RNG-state capture, the stash into the store and the autograd Function whose
+    backward reruns the block are side effects a graph must not capture or replay.
+    Called by --compile only: torch.compiler.disable imports torch._dynamo.
+    """
+    call = CheckpointedForward.__call__
+    if not getattr(call, "_hybrid_excluded", False):
+        call = torch.compiler.disable(call)
+        call._hybrid_excluded = True
+        CheckpointedForward.__call__ = call
 
 
 class _Recompute(torch.autograd.Function):

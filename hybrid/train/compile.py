@@ -38,7 +38,9 @@ import types
 import torch
 from torch import nn
 
-from hybrid.recompute.checkpointing import CheckpointedForward
+from hybrid.parallel.comm import exclude_from_compile as exclude_collectives
+from hybrid.recompute.checkpointing import (CheckpointedForward,
+                                            exclude_from_compile as exclude_checkpoints)
 
 
 @functools.cache
@@ -55,6 +57,10 @@ def compile_blocks(blocks) -> None:
     then runs the compiled forward in both passes (see [Note: compile inside the
     checkpoint]); any other block gets it bound as its ``forward`` instance attribute.
     """
+    # What a compiled block must not trace: a collective is one graph break, and so is
+    # a checkpointed module inside the block (selective recompute).
+    exclude_collectives()
+    exclude_checkpoints()
     for block in blocks:
         block: nn.Module
         compiled = compiled_forward(type(block))
