@@ -46,8 +46,8 @@ PRESETS = {
 }
 CONFIGS = {
     "zero2": dict(zero_stage=2),
-    "zero2_offload": dict(zero_stage=2, offload_optimizer=True),
-    "zero2_offload_delayed": dict(zero_stage=2, offload_optimizer=True,
+    "zero2_offload": dict(zero_stage=2, offload_optimizer="cpu"),
+    "zero2_offload_delayed": dict(zero_stage=2, offload_optimizer="cpu",
                                   offload_delayed_update=True),
     "zero3": dict(zero_stage=3),
 }

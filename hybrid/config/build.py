@@ -160,8 +160,12 @@ def _precision(f: Flags) -> PrecisionConfig:
 
 
 def _offload(f: Flags) -> OffloadConfig:
-    return OffloadConfig(optimizer=f.offload_optimizer, delayed_update=f.offload_delayed_update,
-                         delayed_update_warmup=f.offload_delayed_update_warmup)
+    return OffloadConfig(
+        optimizer=f.offload_optimizer, param=f.offload_param,
+        nvme_path=f.offload_nvme_path, buffer_count=f.offload_buffer_count,
+        buffer_size=f.offload_buffer_size, pin_memory=f.offload_pin_memory,
+        delayed_update=f.offload_delayed_update,
+        delayed_update_warmup=f.offload_delayed_update_warmup)
 
 
 def _recompute(f: Flags) -> RecomputeConfig:

@@ -13,7 +13,7 @@ import math
 import os
 
 from hybrid.config.flags import Flags, flag_name
-from hybrid.config.sections import TOKENIZER_TYPES, tokenizer_kind
+from hybrid.config.sections import OFFLOAD_TIERS, TOKENIZER_TYPES, tokenizer_kind
 from hybrid.errors import ConfigError
 
 DEFAULT_TRAIN_ITERS = 200
@@ -193,8 +193,7 @@ def check_zero(f: Flags) -> None:
         raise ConfigError("--bf16 and --fp16 are exclusive: pick one")
     if f.zero_param_persistence_threshold < 0:
         raise ConfigError("--zero-param-persistence-threshold must be >= 0")
-    if f.offload_optimizer and f.zero_stage == 0:
-        raise ConfigError("--offload-optimizer needs --zero-stage 1, 2 or 3")
+    check_offload(f)
     if f.offload_delayed_update and not f.offload_optimizer:
         raise ConfigError("--offload-delayed-update delays the host optimizer step: it needs "
                           "--offload-optimizer")
@@ -215,6 +214,38 @@ def check_zero(f: Flags) -> None:
                           "--hysteresis >= 1")
     if f.accumulate_allreduce_grads_in_fp32 is None:
         f.accumulate_allreduce_grads_in_fp32 = f.bf16
+
+
+def check_offload(f: Flags) -> None:
+    """The offload tiers: what each needs, and constant-size staging that makes sense."""
+    if f.offload_optimizer is True:  # Flags(offload_optimizer=True): the bare flag
+        f.offload_optimizer = "cpu"
+    if f.offload_optimizer in (False, "none"):
+        f.offload_optimizer = None
+    if f.offload_param == "none":
+        f.offload_param = None
+    for name, tiers in (("offload_optimizer", OFFLOAD_TIERS), ("offload_param", OFFLOAD_TIERS)):
+        if getattr(f, name) not in (None, *tiers):
+            raise ConfigError(f"{flag_name(name)} must be one of {', '.join(tiers)}, got "
+                              f"{getattr(f, name)!r}")
+    if f.offload_optimizer and f.zero_stage == 0:
+        raise ConfigError("--offload-optimizer needs --zero-stage 1, 2 or 3")
+    if f.offload_param and f.zero_stage != 3:
+        raise ConfigError(f"--offload-param {f.offload_param} offloads stage 3's parameter "
+                          f"shards: it needs --zero-stage 3 (got --zero-stage {f.zero_stage})")
+    if "nvme" in (f.offload_optimizer, f.offload_param) and not f.offload_nvme_path:
+        raise ConfigError("the nvme offload tier needs --offload-nvme-path DIR (a directory "
+                          "on a local disk; each rank uses its own subdirectory)")
+    if f.offload_nvme_path and "nvme" not in (f.offload_optimizer, f.offload_param):
+        raise ConfigError("--offload-nvme-path is only used with --offload-optimizer nvme or "
+                          "--offload-param nvme")
+    if f.offload_buffer_count < 2:
+        raise ConfigError(f"--offload-buffer-count must be >= 2 (one buffer is read while "
+                          f"another is computed on), got {f.offload_buffer_count}")
+    if f.offload_buffer_size < 1024 or f.offload_buffer_size % 1024:
+        raise ConfigError(f"--offload-buffer-size must be a positive multiple of 1024 "
+                          f"elements (direct I/O moves 4096-byte blocks), got "
+                          f"{f.offload_buffer_size}")
 
 
 def check_recompute(f: Flags) -> None:

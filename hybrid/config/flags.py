@@ -19,9 +19,10 @@ from hybrid.config.sections import KERNEL_PATHS
 from hybrid.errors import ConfigError
 
 
-def opt(default, help: str, alias: str | None = None):
-    """A flag field with its --help text (and an optional alias flag)."""
-    return field(default=default, metadata={"help": help, "alias": alias})
+def opt(default, help: str, alias: str | None = None, **argparse_kw):
+    """A flag field with its --help text (and an optional alias flag). ``argparse_kw``:
+    ``choices``, or ``const`` for a flag whose value may be left out (``nargs="?"``)."""
+    return field(default=default, metadata={"help": help, "alias": alias, **argparse_kw})
 
 
 @dataclass
@@ -128,7 +129,23 @@ class Flags:
                                             "(parameters)")
     zero_param_persistence_threshold: int = opt(100_000, "stage 3: params with fewer "
                                                          "elements stay unpartitioned")
-    offload_optimizer: bool = opt(False, "keep fp32 master shard and Adam states on the CPU")
+    offload_optimizer: str | None = opt(
+        None, "where the fp32 master shard and Adam moments live and the optimizer steps: "
+              "cpu (host memory; the bare flag) or nvme (files under --offload-nvme-path, "
+              "streamed through the staging buffers)", alias="--cpu-optimizer",
+        const="cpu", choices=("cpu", "nvme"))
+    offload_param: str | None = opt(
+        None, "stage 3: where this rank's parameter shards live between uses: none, cpu or "
+              "nvme", alias="--remote-device", choices=("none", "cpu", "nvme"))
+    offload_nvme_path: str | None = opt(None, "directory of the nvme tier's swap files (each "
+                                              "rank uses its own subdirectory)")
+    offload_buffer_count: int = opt(4, "host staging buffers of the nvme tier (>= 2: one is "
+                                       "read while another is computed on)")
+    offload_buffer_size: int = opt(1 << 23, "elements per staging buffer (a multiple of "
+                                            "1024); a buffer holds a tile's master and "
+                                            "both moments, 12 bytes per element")
+    offload_pin_memory: bool | None = opt(None, "page-locked offload buffers (default: when "
+                                                "a GPU exists)", alias="--use-pin-memory")
     # ZeRO-Offload's delayed update: the host step overlaps the next iteration's GPU work
     offload_delayed_update: bool = opt(False, "with --offload-optimizer: ZeRO-Offload's one-step "
                                               "delayed parameter update (the host step of "
@@ -252,13 +269,19 @@ def build_parser() -> argparse.ArgumentParser:
         names = [flag_name(f.name)] + ([f.metadata["alias"]] if f.metadata.get("alias") else [])
         kind, many = _field_type(f)
         kw = dict(dest=f.name, default=f.default, help=f.metadata.get("help"))
+        if "choices" in f.metadata:
+            kw["choices"] = f.metadata["choices"]
+        if "const" in f.metadata:
+            kw.update(nargs="?", const=f.metadata["const"])
         if kind is bool and f.default is None:  # tri-state: --x / --no-x / derived default
             p.add_argument(*names, action=argparse.BooleanOptionalAction, **kw)
         elif kind is bool:
             p.add_argument(*names, action="store_true", **kw)
         else:
-            p.add_argument(*names, type=kind, nargs="+" if many else None,
-                           metavar=f.name.split("_")[-1].upper(), **kw)
+            kw.setdefault("nargs", "+" if many else None)
+            if "choices" not in kw:
+                kw["metavar"] = f.name.split("_")[-1].upper()
+            p.add_argument(*names, type=kind, **kw)
     return p
 
 

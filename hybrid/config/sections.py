@@ -79,19 +79,39 @@ class PrecisionConfig:
         return "fp32" if self.grads_in_fp32 else self.params_dtype
 
 
+OFFLOAD_TIERS = ("cpu", "nvme")  # where model states can live off the device
+
+
 @dataclass(frozen=True)
 class OffloadConfig:
-    """What lives off the device (:mod:`hybrid.zero.offload`).
+    """What lives off the device, and where (:mod:`hybrid.zero.offload`, :mod:`hybrid.zero.swap`).
 
-    ``optimizer``: the fp32 master weights and Adam moments live in host memory
-    and the optimizer step runs there (ZeRO-Offload). ``delayed_update``: with
-    ``optimizer``, ZeRO-Offload's one-step delayed parameter update, after
+    ``optimizer``: None (on the device), "cpu" (the fp32 master weights and Adam
+    moments live in host memory and the optimizer step runs there: ZeRO-Offload)
+    or "nvme" (they live in per-rank swap files under ``nvme_path`` and stream
+    through the staging buffers during the host step: ZeRO-Infinity).
+    ``param``: stage 3 only; None, "cpu" or "nvme": where this rank's parameter
+    shards live between the gathers that use them.
+    ``buffer_count`` x ``buffer_size`` elements: the nvme tier's host staging,
+    fixed whatever the model size. ``pin_memory``: page-locked host buffers
+    (None: when a GPU exists). ``delayed_update``: with ``optimizer``,
+    ZeRO-Offload's one-step delayed parameter update, after
     ``delayed_update_warmup`` normal steps.
     """
 
-    optimizer: bool = False
+    optimizer: str | None = None
+    param: str | None = None
+    nvme_path: str | None = None
+    buffer_count: int = 4
+    buffer_size: int = 1 << 23
+    pin_memory: bool | None = None
     delayed_update: bool = False
     delayed_update_warmup: int = 0
+
+    @property
+    def nvme(self) -> bool:
+        """Some state lives in swap files: ``nvme_path`` is needed."""
+        return "nvme" in (self.optimizer, self.param)
 
 
 @dataclass(frozen=True)

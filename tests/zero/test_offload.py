@@ -48,7 +48,7 @@ def _params(model, engine):
 def _train(ps, variants):
     out = []
     for stage, kw in variants:
-        cfg = _cfg(ps.world_size, zero_stage=stage, offload_optimizer=True, **kw)
+        cfg = _cfg(ps.world_size, zero_stage=stage, offload_optimizer="cpu", **kw)
         model = _gpt(cfg, ps, "meta")
         engine = zero_engine(model, ps, cfg, values=InitValues(cfg.seed, model.init_of))
         sent = []  # per step: (unit index, gradients arrived so far) for each unit sent down
@@ -175,7 +175,7 @@ def test_gradients_go_down_per_unit_during_the_last_backward():
 def _fp16_overflow(ps):
     out = []
     for kw in ({}, {"offload_delayed_update": True}):
-        cfg = _cfg(ps.world_size, zero_stage=2, offload_optimizer=True, fp16=True,
+        cfg = _cfg(ps.world_size, zero_stage=2, offload_optimizer="cpu", fp16=True,
                    hysteresis=1, initial_loss_scale=1024.0, **kw)
         model = _gpt(cfg, ps, "meta")
         engine = zero_engine(model, ps, cfg, values=InitValues(cfg.seed, model.init_of))
@@ -209,9 +209,9 @@ def test_fp16_overflow_skips_an_offloaded_step_and_training_goes_on():
 
 @pytest.mark.parametrize("flags,msg", [
     (dict(offload_delayed_update=True), "--offload-delayed-update delays"),
-    (dict(offload_optimizer=True, zero_stage=2, offload_delayed_update=True,
+    (dict(offload_optimizer="cpu", zero_stage=2, offload_delayed_update=True,
           offload_delayed_update_warmup=-1), "--offload-delayed-update-warmup must be >= 0"),
-    (dict(offload_optimizer=True, zero_stage=2, offload_delayed_update_warmup=3),
+    (dict(offload_optimizer="cpu", zero_stage=2, offload_delayed_update_warmup=3),
      "--offload-delayed-update-warmup needs --offload-delayed-update"),
 ])
 def test_delayed_update_flags_are_checked(flags, msg):
@@ -220,6 +220,6 @@ def test_delayed_update_flags_are_checked(flags, msg):
 
 
 def test_delayed_update_flags_reach_the_offload_config():
-    o = build_config(Flags(zero_stage=2, offload_optimizer=True, offload_delayed_update=True,
+    o = build_config(Flags(zero_stage=2, offload_optimizer="cpu", offload_delayed_update=True,
               offload_delayed_update_warmup=4), 1).offload
     assert o.optimizer and o.delayed_update and o.delayed_update_warmup == 4
