@@ -233,6 +233,12 @@ def check_offload(f: Flags) -> None:
     if f.offload_param and f.zero_stage != 3:
         raise ConfigError(f"--offload-param {f.offload_param} offloads stage 3's parameter "
                           f"shards: it needs --zero-stage 3 (got --zero-stage {f.zero_stage})")
+    if f.offload_param and not f.offload_optimizer:
+        # an offloaded unit's gradient goes to the host as its reduction finishes; the
+        # optimizer step that reads it runs there too
+        raise ConfigError(f"--offload-param {f.offload_param} needs --offload-optimizer (cpu "
+                          f"or nvme): the gradients of offloaded parameters are kept on "
+                          f"the host, where the optimizer step reads them")
     if "nvme" in (f.offload_optimizer, f.offload_param) and not f.offload_nvme_path:
         raise ConfigError("the nvme offload tier needs --offload-nvme-path DIR (a directory "
                           "on a local disk; each rank uses its own subdirectory)")
