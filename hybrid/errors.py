@@ -34,3 +34,29 @@ class CollectiveError(RuntimeError):
         """The report is printed: the ranks waiting to exit with a pointer may go."""
         if self._on_reported is not None:
             self._on_reported()
+
+
+class SwapIOError(OSError):
+    """A read or write of an offload swap file failed or came up short.
+
+    The message names the file, the operation, the offset and byte count, and
+    the OS error -- or, for a read past the end, where the file ends (a
+    truncated swap file). ``errno`` is the OS error number (None for a short
+    read); ``path`` the file.
+    """
+
+    def __init__(self, message: str, errno: int | None = None, path: str | None = None):
+        super().__init__(message)
+        self.errno = errno
+        self.path = path
+
+
+class SwapSpaceError(RuntimeError):
+    """The nvme tier's swap directory cannot be used: not enough free space (the
+    message names the directory, the bytes needed and the bytes free), another job
+    holds it, or it cannot be created. Raised before training starts."""
+
+
+# What a run can end with that the user acts on: the script prints the message, exits 2.
+USER_ERRORS = (ConfigError, CheckpointError, DataError, TrainingError, SwapIOError,
+               SwapSpaceError)

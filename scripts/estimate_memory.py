@@ -1,5 +1,6 @@
 #!/usr/bin/env python
-"""Peak memory and DP traffic per rank of a pretrain_gpt.py run, for every ZeRO stage.
+"""Peak memory and DP traffic per rank of a pretrain_gpt.py run, for every ZeRO stage,
+and where its model states can live: device, host memory, disk.
 
     python scripts/estimate_memory.py --num-layers 24 --hidden-size 2048 \
         --num-attention-heads 16 --seq-length 1024 --tensor-model-parallel-size 4 \
@@ -7,13 +8,23 @@
         --world-size 32 --gpu-memory-gb 80
 
 Takes pretrain_gpt.py's own flags (so a launch script's line can be pasted as
-it is) plus the few below. Prints one JSON line per ZeRO stage: model states
-(params, grads, optimizer), activations for the recompute mode in use,
-ZeRO's gather and staging buffers, the predicted peak per rank
-(:func:`hybrid.estimate.memory.peak_memory`) and the bytes each rank sends
-per optimizer step with the run's micro-batches per step. With
-``--gpu-memory-gb`` a last line names the stage with the least traffic whose
-peak fits (``recommended_zero_stage``; null when none does).
+it is, ``--offload-*`` included) plus the few below. Prints one JSON line per
+ZeRO stage: model states (params, grads, optimizer), activations for the
+recompute mode in use, ZeRO's gather and staging buffers, the predicted peak
+per rank (:func:`hybrid.estimate.memory.peak_memory`, no offload) and the
+bytes each rank sends per optimizer step with the run's micro-batches per step.
+
+Then one line (``"offload"``) for the run's own offload setting at its stage
+(:func:`hybrid.estimate.tiers.tier_bytes`): device, host and disk bytes per
+rank with their terms, and the bytes each step moves over PCIe and to and from
+disk. With ``--host-memory-gb`` or ``--nvme-gb`` (or ``--gpu-memory-gb``) one
+line per setting of the offload ladder (none, optimizer cpu, optimizer cpu +
+param cpu, optimizer nvme + param cpu, optimizer nvme + param nvme), each with
+``fits`` and what is short by how many bytes, and ``recommended_offload``: the
+first that fits (null when none does). With ``--gpu-memory-gb`` the last line
+names the stage with the least traffic whose peak fits
+(``recommended_zero_stage``; null when none does). ``--format text`` prints
+the same as a report for people.
 """
 
 from __future__ import annotations
@@ -29,22 +40,27 @@ from hybrid.errors import ConfigError
 from hybrid.estimate.memory import (activation_bytes, buffer_bytes, choose_stage, peak_memory,
                                     traffic_bytes, workload)
 from hybrid.estimate.model_states import model_state_bytes
+from hybrid.estimate.tiers import (HOST_BASELINE_BYTES, Capacity, offload_ladder, recommend_offload,
+                                   tier_bytes)
 
 GIB = 2 ** 30
 OWN = ("world_size", "data_parallel_size", "micro_batches", "gpu_memory_gb", "runtime_gb",
-       "device")
+       "device", "host_memory_gb", "nvme_gb", "ranks_per_node", "format")
 # Memory a process holds before the model: on the CPU, what scripts/bench_memory.py
 # measures (memory_before_model_bytes, about 0.25 GB: interpreter, torch, gloo,
 # data); on CUDA a reserve for the context, NCCL's buffers and the caching
 # allocator's slack that this repository has not measured -- set --runtime-gb.
 RUNTIME_GB = {"cpu": 0.25, "cuda": 1.5}
+GPUS_PER_NODE = 8  # --ranks-per-node's default on cuda (at most the world size)
+NVME_PATH = "(estimate: no file is made)"  # what --offload-* nvme needs to validate
 
 
 def _parser():
     ap = build_parser()
     ap.prog = "estimate_memory.py"
     ap.usage = ("%(prog)s [pretrain_gpt.py flags] [--world-size N] [--micro-batches K] "
-                "[--gpu-memory-gb M] [--runtime-gb R] [--device cuda|cpu]")
+                "[--gpu-memory-gb M] [--host-memory-gb H] [--nvme-gb D] [--ranks-per-node R] "
+                "[--runtime-gb R] [--device cuda|cpu] [--format json|text]")
     ap.description = __doc__.split("\n\n")[0]
     g = ap.add_argument_group("the estimate")
     g.add_argument("--world-size", type=int, default=None,
@@ -55,19 +71,32 @@ def _parser():
                    help="micro-batches per step (default: from --global-batch-size)")
     g.add_argument("--gpu-memory-gb", type=float, default=None,
                    help="device memory per rank (GiB): recommend the stage that fits")
+    g.add_argument("--host-memory-gb", type=float, default=None,
+                   help="host memory of a node (GiB), shared by its --ranks-per-node ranks: "
+                        "recommend the cheapest offload setting that fits")
+    g.add_argument("--nvme-gb", type=float, default=None,
+                   help="free space under --offload-nvme-path on a node (GiB), shared by its "
+                        "ranks")
+    g.add_argument("--ranks-per-node", type=int, default=None,
+                   help="ranks sharing a node's host memory and disk (default: the world size "
+                        f"on cpu, at most {GPUS_PER_NODE} on cuda)")
     g.add_argument("--runtime-gb", type=float, default=None,
                    help="memory per rank before the model (GiB; default 0.25 on cpu, 1.5 "
-                        "on cuda)")
+                        "on cuda; on cpu the offload estimate's default is the measured "
+                        "import of torch, 221 MiB)")
     g.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    g.add_argument("--format", choices=("json", "text"), default="json",
+                   help="JSON lines (default) or a report for people")
     return ap
 
 
-def main(argv=None) -> int:
-    ap = _parser()
-    ns = vars(ap.parse_args(argv))
-    own = {k: ns.pop(k) for k in OWN}
-    # Shapes are all an estimate needs: no tokenizer or data files are read.
-    flags = dataclasses.replace(Flags(**ns), tokenizer_type="byte", data_path=None)
+def _config(ap, ns: dict, own: dict):
+    """(TrainConfig, vocabulary size) of the command line; exits 2 on a bad layout."""
+    # Shapes are all an estimate needs: no tokenizer, data or swap files are read.
+    nvme = "nvme" in (ns["offload_optimizer"], ns["offload_param"])
+    path = ns["offload_nvme_path"] or (NVME_PATH if nvme else None)
+    flags = dataclasses.replace(Flags(**ns), tokenizer_type="byte", data_path=None,
+                                offload_nvme_path=path)
     tp = flags.tensor_model_parallel_size
     world = own["world_size"] or tp * own["data_parallel_size"]
     if own["micro_batches"] is not None:
@@ -83,10 +112,12 @@ def main(argv=None) -> int:
                                                    else "byte"))
     vocab = (ns["vocab_size"] + (kind == "NullTokenizer")
              if ns["vocab_size"] else 257 if kind == "byte" else 50257)
-    runtime = int((own["runtime_gb"] if own["runtime_gb"] is not None
-                   else RUNTIME_GB[own["device"]]) * GIB)
-    w = workload(cfg, vocab, own["device"])
-    budget = own["gpu_memory_gb"] * GIB if own["gpu_memory_gb"] is not None else None
+    return cfg, vocab
+
+
+def _stage_records(w, runtime: int, budget: float | None) -> list[dict]:
+    """One record per ZeRO stage (no offload)."""
+    records = []
     for stage in range(4):
         ws = w.with_stage(stage)
         peak = peak_memory(ws, runtime)
@@ -103,13 +134,120 @@ def main(argv=None) -> int:
             "traffic_bytes_per_step": traffic_bytes(ws)}
         if budget is not None:
             record["fits"] = peak["total"] <= budget
-        print(json.dumps(record))
+        records.append(record)
+    return records
+
+
+def _offload_records(w, off, own: dict, world: int, runtime: int) -> list[dict]:
+    """The run's own setting; with a capacity given, the ladder and its recommendation."""
+    cpu = own["device"] == "cpu"
+    # on a CPU the process before the model is host memory, not the device's
+    device_runtime = 0 if cpu else runtime
+    baseline = runtime if cpu and own["runtime_gb"] is not None else HOST_BASELINE_BYTES
+    records = [{"offload": tier_bytes(w, off, device_runtime, baseline)}]
+    gib = {k: None if own[k] is None else own[k] * GIB
+           for k in ("gpu_memory_gb", "host_memory_gb", "nvme_gb")}
+    if all(v is None for v in gib.values()):
+        return records
+    per_node = own["ranks_per_node"] or (world if cpu else min(world, GPUS_PER_NODE))
+    cap = Capacity(gib["gpu_memory_gb"], gib["host_memory_gb"], gib["nvme_gb"], per_node)
+    rungs = offload_ladder(w, off, cap, device_runtime, baseline)
+    records += [{"offload_rung": i, **r} for i, r in enumerate(rungs)]
+    best = recommend_offload(rungs)
+    records.append({
+        "recommended_offload": None if best is None else best["setting"],
+        "optimizer": None if best is None else best["optimizer"],
+        "param": None if best is None else best["param"],
+        "zero_stage": None if best is None else best["zero_stage"],
+        "ranks_per_node": per_node, **{k: own[k] for k in gib},
+        "why_not": {r["setting"]: r["short"] for r in rungs[:rungs.index(best)
+                                                             if best else len(rungs)]},
+        "rule": "the first setting of the ladder (none, optimizer cpu, optimizer cpu + param "
+                "cpu, optimizer nvme + param cpu, optimizer nvme + param nvme) whose device "
+                "bytes per rank and host and disk bytes per node fit"})
+    return records
+
+
+def main(argv=None) -> int:
+    ap = _parser()
+    ns = vars(ap.parse_args(argv))
+    own = {k: ns.pop(k) for k in OWN}
+    if own["ranks_per_node"] is not None and own["ranks_per_node"] < 1:
+        ap.error("--ranks-per-node must be >= 1")
+    cfg, vocab = _config(ap, ns, own)
+    runtime = int((own["runtime_gb"] if own["runtime_gb"] is not None
+                   else RUNTIME_GB[own["device"]]) * GIB)
+    w = workload(cfg, vocab, own["device"])
+    budget = own["gpu_memory_gb"] * GIB if own["gpu_memory_gb"] is not None else None
+    records = _stage_records(w, runtime, budget)
+    records += _offload_records(w, cfg.offload, own, cfg.parallel.world_size, runtime)
     if budget is not None:
-        best = choose_stage(w, budget, runtime)
-        print(json.dumps({"recommended_zero_stage": best, "gpu_memory_gb": own["gpu_memory_gb"],
-                          "rule": "least DP traffic per step among the stages whose "
-                                  "predicted peak fits"}))
+        records.append({"recommended_zero_stage": choose_stage(w, budget, runtime),
+                        "gpu_memory_gb": own["gpu_memory_gb"],
+                        "rule": "least DP traffic per step among the stages whose "
+                                "predicted peak fits"})
+    if own["format"] == "text":
+        print(_text(records))
+    else:
+        for record in records:
+            print(json.dumps(record))
     return 0
+
+
+def _size(nbytes: float) -> str:
+    return f"{nbytes / GIB:.2f} GiB ({int(nbytes):,} B)"
+
+
+def _short(short: list[dict]) -> str:
+    return "; ".join(f"{s['capacity']} short by {s['short_by_bytes']:,} B (needs "
+                     f"{_size(s['need_bytes'])}, has {_size(s['have_bytes'])})" for s in short)
+
+
+def _text_offload(est: dict, indent: str = "  ") -> list[str]:
+    pcie, disk = est["pcie_bytes_per_step"], est["disk_bytes_per_step"]
+    return [f"{indent}device {_size(est['device_bytes'])}",
+            f"{indent}host   {_size(est['host_bytes'])}",
+            f"{indent}disk   {_size(est['disk_bytes'])}",
+            f"{indent}per step: PCIe {_size(pcie['total'])} (grads down {pcie['grads_down']:,} "
+            f"B, params up {pcie['params_up']:,} B, gathers up {pcie['param_gathers_up']:,} "
+            f"B); disk read {_size(disk['read'])}, write {_size(disk['write'])}"]
+
+
+def _text(records: list[dict]) -> str:
+    """The records as a report for people."""
+    stages = [r for r in records if "selected" in r]
+    s = stages[0]
+    lines = [f"{s['params_per_tp_rank']:,} parameters per TP rank; TP {s['tp']}, DP {s['dp']}, "
+             f"micro-batches per step {s['micro_batches']}, {s['params_dtype']} params, "
+             f"{s['grads_dtype']} grads", "ZeRO stages, no offload (peak per rank, DP bytes "
+             "sent per step):"]
+    for r in stages:
+        fits = "" if "fits" not in r else ("  fits" if r["fits"] else "  does not fit")
+        lines.append(f"  stage {r['zero_stage']}{'*' if r['selected'] else ' '} "
+                     f"{_size(r['peak_bytes'])}, sends "
+                     f"{_size(r['traffic_bytes_per_step']['total'])}{fits}")
+    for r in records:
+        if "offload" in r:
+            est = r["offload"]
+            lines.append(f"this run's offload: {est['setting']} at ZeRO-{est['zero_stage']}, "
+                         "per rank:")
+            lines += _text_offload(est)
+        elif "offload_rung" in r:
+            verdict = "fits" if r["fits"] else "does not fit: " + _short(r["short"])
+            lines.append(f"ladder {r['offload_rung'] + 1}: {r['setting']} (ZeRO-"
+                         f"{r['zero_stage']}): {verdict}")
+            lines += _text_offload(r, "    ")
+        elif "recommended_offload" in r:
+            best = r["recommended_offload"]
+            last = list(r["why_not"].values())[-1] if r["why_not"] else []
+            lines.append(f"recommended offload: {best} (ZeRO-{r['zero_stage']}; "
+                         f"{r['ranks_per_node']} ranks per node)" if best else
+                         f"recommended offload: none fits; even the last: {_short(last)}")
+        elif "recommended_zero_stage" in r:
+            stage = r["recommended_zero_stage"]
+            lines.append("recommended ZeRO stage (no offload): "
+                         + ("none fits" if stage is None else str(stage)))
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

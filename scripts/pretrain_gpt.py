@@ -14,7 +14,7 @@ import sys
 import time
 
 from hybrid.config import build_config, parse_args  # no torch import: fast preflight
-from hybrid.errors import CheckpointError, ConfigError, DataError, TrainingError
+from hybrid.errors import USER_ERRORS, ConfigError
 
 
 def _world_size() -> int:
@@ -85,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
     setup_logging(ps.rank)
     try:
         pretrain(cfg, ps)
-    except (ConfigError, DataError, CheckpointError, TrainingError) as e:
+    except USER_ERRORS as e:
         return _fail(str(e))
     except CollectiveError as e:
         return _collective_fail(e)

@@ -57,7 +57,7 @@ def _pretrain_rank(ps, cfg):
     import io
     import logging
 
-    from hybrid.errors import CheckpointError, ConfigError, DataError, TrainingError
+    from hybrid.errors import USER_ERRORS
     from hybrid.kernels import configure
     from hybrid.parallel.comm import CollectiveError
     from hybrid.train.trainer import pretrain
@@ -76,7 +76,7 @@ def _pretrain_rank(ps, cfg):
     log.setLevel(logging.INFO if ps.rank == 0 else logging.WARNING)
     try:
         pretrain(cfg, ps)
-    except (ConfigError, DataError, CheckpointError, TrainingError) as e:
+    except USER_ERRORS as e:
         return 2, out.getvalue(), str(e), False
     except CollectiveError as e:
         e.reported()  # as the script does once it printed the report

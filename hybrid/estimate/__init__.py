@@ -2,4 +2,6 @@
 
 * :mod:`.model_states` ZeRO's model-state and communication formulas
 * :mod:`.memory`       a run's per-rank peak: model states, activations, buffers; choosing a stage
+* :mod:`.tiers`        the offload tiers: device, host and disk bytes, PCIe and disk traffic;
+                       the cheapest offload setting that fits
 """

@@ -54,12 +54,22 @@ def _save_at_3_and_resume(tmp_path, world, tp, stage, *extra):
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_exact_resume_is_bit_identical(tmp_path, stage):
     """TP2 x DP2, dropout on: save at 3 of 6, resume: losses and gradient norms
-    4..6 equal to the last bit."""
-    dropout = ["--hidden-dropout", "0.1", "--attention-dropout", "0.1"]
-    full, resumed = _save_at_3_and_resume(tmp_path, 4, 2, stage, *dropout)
+    4..6 equal to the last bit. Stage 2 keeps its optimizer on the nvme tier: the
+    checkpoint streams from the swap files, the restart rebuilds them from it, and
+    a clean exit deletes them."""
+    flags = ["--hidden-dropout", "0.1", "--attention-dropout", "0.1"]
+    swap = tmp_path / "swap"
+    if stage == 2:
+        flags += ["--offload-optimizer", "nvme", "--offload-nvme-path", str(swap),
+                  "--offload-buffer-size", "1024", "--offload-buffer-count", "2"]
+    full, resumed = _save_at_3_and_resume(tmp_path, 4, 2, stage, *flags)
     assert len(resumed) == len(full) == 3
     assert [m["loss"] for m in resumed] == [m["loss"] for m in full]
     assert [m["grad_norm"] for m in resumed] == [m["grad_norm"] for m in full]
+    if stage == 2:
+        assert full[0]["model_state_bytes"]["disk"] > 0
+        assert sorted(os.listdir(swap)) == [f"rank{r:05d}" for r in range(4)]
+        assert not [f for r in os.listdir(swap) for f in os.listdir(swap / r) if f != ".lock"]
 
 
 def test_exact_resume_with_sequence_parallel_dropout_and_selective_recompute(tmp_path):

@@ -251,7 +251,8 @@ def test_estimate_memory_script_recommends_a_stage_and_rejects_bad_layouts():
     stages = records[:4]
     assert [r["zero_stage"] for r in stages] == [0, 1, 2, 3]
     assert all(r["dp"] == 8 and r["micro_batches"] == 16 and r["fits"] for r in stages)
-    assert records[4]["recommended_zero_stage"] == 1  # what examples/pretrain_gpt2.sh runs
+    assert records[-1]["recommended_zero_stage"] == 1  # what examples/pretrain_gpt2.sh runs
+    assert records[4]["offload"]["setting"] == "none"  # the run's own offload setting
     bad = subprocess.run([sys.executable, script, *preset[:-2], "--world-size", "6"],
                          capture_output=True, text=True, env=env())
     assert bad.returncode == 2

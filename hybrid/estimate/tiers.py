@@ -1,0 +1,251 @@
+"""The offload tiers: what one rank keeps on the device, in host memory and on disk,
+what a step moves over PCIe and to and from disk, and the cheapest setting that fits.
+
+:func:`tier_bytes` adds up one rank's bytes in each place for an
+:class:`~hybrid.config.sections.OffloadConfig` (``--offload-optimizer``,
+``--offload-param``); :func:`pcie_bytes_per_step` and :func:`disk_bytes_per_step`
+give the traffic; :func:`offload_ladder` walks the settings from the cheapest
+(:data:`LADDER`) and :func:`recommend_offload` takes the first that fits the
+device, host and disk capacities (``scripts/estimate_memory.py``).
+
+[Note: offload tiers]
+Per rank: Psi = this TP rank's parameters, N = DP size, shard = ceil(Psi / N)
+elements, e_p = bytes per element of the params dtype (2 bf16/fp16, 4 fp32),
+e_g = of the gradient dtype (4 with fp32 accumulation, the default under bf16;
+else e_p), C x T = the nvme tier's staging: ``--offload-buffer-count`` buffers
+of ``--offload-buffer-size`` elements (one tile each), k = micro-batches per
+step, G = gather passes per micro-batch (forward, backward: 2; 3 with full
+recompute, whose recompute forward gathers again)::
+
+    device  params, grads        the stage's (model_states.py); 0 with param offload
+            optimizer            12 Psi / N (8 with fp32 params); 0 when offloaded
+            gathered units       stage 3: :func:`buffer_bytes`'s root + 2 blocks; with
+                                 param offload 3 x largest unit x e_p (the one computed,
+                                 up to 2 prefetched)
+            unit grads, staging, activations, runtime: as without offload
+    host    master_and_moments   optimizer cpu: 12 shard (fp32 master, both moments)
+            grad_buffer          optimizer offload: e_g shard (0 on a CPU device at
+                                 stages 2-3 without param offload or delayed update:
+                                 the engine's flat gradient shard is that host buffer,
+                                 already counted as the device's grads)
+            upload_copy          optimizer offload without param offload: e_p shard
+                                 (the new parameters on their way up; none on the
+                                 cpu tier with fp32 params, which uploads its master)
+            optimizer_staging    optimizer nvme: C T 12 (a tile's master and moments)
+            param_shard          param cpu: e_p shard (also where the step writes the
+                                 new parameters: it replaces the upload copy)
+            param_staging        param nvme: C T e_p
+            baseline             the process itself (torch, the interpreter)
+    disk    optimizer_swap       optimizer nvme: 12 T ceil(shard / T) (whole tiles)
+            param_swap           param nvme: e_p shard
+    PCIe    grads_down           optimizer offload: e_g shard per step; with param
+    (GPU,                        offload k e_g shard (no device shard accumulates them)
+    per     params_up            optimizer offload without param offload: e_p shard
+    step)   param_gathers_up     param offload: k G e_p shard (every gather uploads it)
+    disk    optimizer_read/write optimizer nvme: 12 shard each
+    per     param_read           param nvme: k G e_p shard
+    step    param_write          param nvme: e_p shard (the step's new parameters)
+
+On a machine without a GPU the "device" is host memory: the process's host
+bytes are the device's and the host's terms together, and nothing crosses PCIe.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from hybrid.config.sections import OffloadConfig
+from hybrid.estimate.memory import Workload, activation_bytes, buffer_bytes
+from hybrid.estimate.model_states import BYTES, model_state_bytes
+
+# The process before the model, in host memory: the VmRSS (and ru_maxrss) of
+# `python -c "import torch, hybrid.zero"`, measured on this repository's 2-core
+# CPU machine with torch 2.13 (CPU build): 226,300 KiB, three runs within 0.1%.
+HOST_BASELINE_BYTES = 226_300 * 1024
+
+# (optimizer, param) from the cheapest -- least traffic off the device -- to the most
+# offloaded. The param tiers run at ZeRO stage 3 only.
+LADDER = ((None, None), ("cpu", None), ("cpu", "cpu"), ("nvme", "cpu"), ("nvme", "nvme"))
+
+
+def setting_name(optimizer: str | None, param: str | None) -> str:
+    """``"none"``, ``"optimizer cpu"``, ``"optimizer nvme + param nvme"``..."""
+    parts = [f"{kind} {tier}" for kind, tier in (("optimizer", optimizer), ("param", param))
+             if tier]
+    return " + ".join(parts) or "none"
+
+
+def shard_elements(w: Workload) -> int:
+    """This rank's 1/N of the TP rank's parameters, rounded up."""
+    return -(-w.psi // w.dp)
+
+
+def _element_bytes(w: Workload) -> tuple[int, int]:
+    """(e_p, e_g): bytes per parameter and per gradient element."""
+    return BYTES[w.params_dtype], BYTES[w.grads_dtype or w.params_dtype]
+
+
+def gather_passes(w: Workload) -> int:
+    """Gathers of each unit per micro-batch: forward, backward, and with full
+    recompute the recompute forward (G in the note)."""
+    return 3 if w.recompute else 2
+
+
+def device_terms(w: Workload, off: OffloadConfig, runtime_bytes: int = 0) -> dict:
+    """The device's bytes at its peak, by term (see the note)."""
+    states = model_state_bytes(w.psi, w.dp, w.zero_stage, w.params_dtype, w.grads_dtype)
+    bufs = buffer_bytes(w)
+    out = {"runtime": runtime_bytes, "params": states["params"], "grads": states["grads"],
+           "optimizer": 0 if off.optimizer else states["optimizer"],
+           "gathered_units": bufs["gathered"], "unit_grads": bufs["grads"],
+           "reduce_staging": bufs["staging"], "activations": activation_bytes(w)["peak"]}
+    if off.param:
+        # the shard lives off the device, the gradients go straight to the host buffer;
+        # only the unit being computed and up to two prefetched ones are whole here
+        m, e_p = w.model, BYTES[w.params_dtype]
+        largest = max(m.block_parameters(w.tp), m.root_parameters(w.tp))
+        out.update(params=0, grads=0, gathered_units=3 * largest * e_p)
+    return out
+
+
+def host_terms(w: Workload, off: OffloadConfig, baseline_bytes: int = HOST_BASELINE_BYTES
+               ) -> dict:
+    """Host memory this rank holds for its model states, by term (see the note)."""
+    n = shard_elements(w)
+    e_p, e_g = _element_bytes(w)
+    tile_pool = off.buffer_count * off.buffer_size
+    in_place = (w.device == "cpu" and w.zero_stage >= 2 and not off.param
+                and not off.delayed_update)  # hybrid/zero/offload.py reads it in place
+    return {
+        "baseline": baseline_bytes,
+        # fp32 master and both Adam moments, the whole shard
+        "master_and_moments": 12 * n if off.optimizer == "cpu" else 0,
+        # this step's reduced gradient shard, what the host step reads
+        "grad_buffer": e_g * n if off.optimizer and not in_place else 0,
+        # the step's new parameters in the params dtype, before they go up (the cpu
+        # tier uploads an fp32 master itself; the nvme tier has no master in memory)
+        "upload_copy": e_p * n if (off.optimizer and not off.param and (
+            w.params_dtype != "fp32" or off.optimizer == "nvme")) else 0,
+        # C tiles of master + both moments (hybrid/zero/tiles.py)
+        "optimizer_staging": tile_pool * 12 if off.optimizer == "nvme" else 0,
+        # the parameter shard's home between its gathers
+        "param_shard": e_p * n if off.param == "cpu" else 0,
+        # C tiles of parameters on their way to and from the swap file
+        "param_staging": tile_pool * e_p if off.param == "nvme" else 0,
+    }
+
+
+def disk_terms(w: Workload, off: OffloadConfig) -> dict:
+    """Bytes this rank keeps in its swap files, by term (see the note)."""
+    n = shard_elements(w)
+    tiles = -(-n // off.buffer_size)
+    return {"optimizer_swap": 12 * tiles * off.buffer_size if off.optimizer == "nvme" else 0,
+            "param_swap": BYTES[w.params_dtype] * n if off.param == "nvme" else 0}
+
+
+def pcie_bytes_per_step(w: Workload, off: OffloadConfig) -> dict:
+    """Bytes this rank moves between host and device per optimizer step (0 on a CPU)."""
+    if w.device == "cpu":
+        return {"grads_down": 0, "params_up": 0, "param_gathers_up": 0, "total": 0}
+    n, k = shard_elements(w), w.micro_batches
+    e_p, e_g = _element_bytes(w)
+    out = {
+        # the reduced gradient shard, once per step; every micro-batch's with param
+        # offload, which leaves no device shard to accumulate in
+        "grads_down": e_g * n * (k if off.param else 1) if off.optimizer else 0,
+        # the step's new parameter shard; with param offload it stays in its host home
+        "params_up": e_p * n if off.optimizer and not off.param else 0,
+        # the shard, uploaded for each gather of its unit
+        "param_gathers_up": k * gather_passes(w) * e_p * n if off.param else 0,
+    }
+    out["total"] = sum(out.values())
+    return out
+
+
+def disk_bytes_per_step(w: Workload, off: OffloadConfig) -> dict:
+    """Bytes this rank reads from and writes to its swap files per optimizer step."""
+    n, e_p = shard_elements(w), BYTES[w.params_dtype]
+    opt = 12 * n if off.optimizer == "nvme" else 0  # every tile once in, once out
+    param_nvme = off.param == "nvme"
+    out = {"optimizer_read": opt, "optimizer_write": opt,
+           # the shard, read for each gather of its unit
+           "param_read": w.micro_batches * gather_passes(w) * e_p * n if param_nvme else 0,
+           # the step's new parameters
+           "param_write": e_p * n if param_nvme else 0}
+    out["read"] = out["optimizer_read"] + out["param_read"]
+    out["write"] = out["optimizer_write"] + out["param_write"]
+    out["total"] = out["read"] + out["write"]
+    return out
+
+
+def tier_bytes(w: Workload, off: OffloadConfig, runtime_bytes: int = 0,
+               baseline_bytes: int = HOST_BASELINE_BYTES) -> dict:
+    """One rank's device, host and disk bytes under ``off``, with their terms.
+
+    ``runtime_bytes``: the device's share of the process (a CUDA context, NCCL;
+    0 on a CPU); ``baseline_bytes``: the process in host memory. On a CPU device
+    ``host_bytes`` is the whole process: the device's terms and the host's.
+    """
+    dev = device_terms(w, off, runtime_bytes)
+    host, disk = host_terms(w, off, baseline_bytes), disk_terms(w, off)
+    device_total, host_total = sum(dev.values()), sum(host.values())
+    if w.device == "cpu":
+        host_total += device_total
+    return {"optimizer": off.optimizer, "param": off.param, "zero_stage": w.zero_stage,
+            "setting": setting_name(off.optimizer, off.param),
+            "device_bytes": device_total, "host_bytes": host_total,
+            "disk_bytes": sum(disk.values()),
+            "terms": {"device": dev, "host": host, "disk": disk},
+            "pcie_bytes_per_step": pcie_bytes_per_step(w, off),
+            "disk_bytes_per_step": disk_bytes_per_step(w, off)}
+
+
+@dataclass(frozen=True)
+class Capacity:
+    """What a setting must fit: device bytes per rank, host and disk bytes per node
+    shared by ``ranks_per_node`` ranks. None: not checked."""
+
+    device_bytes: float | None = None
+    host_bytes: float | None = None
+    nvme_bytes: float | None = None
+    ranks_per_node: int = 1
+
+
+def shortfalls(est: dict, cap: Capacity) -> list[dict]:
+    """Each capacity ``est`` (a :func:`tier_bytes`) exceeds: its name, what the node's
+    ranks need, what there is, and by how many bytes it is short."""
+    r = cap.ranks_per_node
+    checks = (("device", est["device_bytes"], cap.device_bytes),
+              ("host", est["host_bytes"] * r, cap.host_bytes),
+              ("nvme", est["disk_bytes"] * r, cap.nvme_bytes))
+    return [{"capacity": name, "need_bytes": int(need), "have_bytes": int(have),
+             "short_by_bytes": int(need - have)}
+            for name, need, have in checks if have is not None and need > have]
+
+
+def rung_workload(w: Workload, optimizer: str | None, param: str | None) -> Workload:
+    """``w`` at the stage a setting runs at: stage 3 with param offload, at least 1
+    with the optimizer offloaded, else the run's own."""
+    if param:
+        return w.with_stage(3)
+    return w.with_stage(max(w.zero_stage, 1)) if optimizer else w
+
+
+def offload_ladder(w: Workload, off: OffloadConfig, cap: Capacity, runtime_bytes: int = 0,
+                   baseline_bytes: int = HOST_BASELINE_BYTES) -> list[dict]:
+    """:func:`tier_bytes` of every :data:`LADDER` setting (``off``'s staging sizes), with
+    ``fits`` and, where it does not, ``short``: the capacities it exceeds."""
+    rungs = []
+    for optimizer, param in LADDER:
+        rung = replace(off, optimizer=optimizer, param=param)
+        est = tier_bytes(rung_workload(w, optimizer, param), rung, runtime_bytes,
+                         baseline_bytes)
+        est["short"] = shortfalls(est, cap)
+        est["fits"] = not est["short"]
+        rungs.append(est)
+    return rungs
+
+
+def recommend_offload(rungs: list[dict]) -> dict | None:
+    """The first (cheapest) rung of :func:`offload_ladder` that fits, or None."""
+    return next((r for r in rungs if r["fits"]), None)

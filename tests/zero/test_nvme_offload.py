@@ -1,0 +1,161 @@
+"""The nvme tier (ZeRO-Infinity's optimizer on disk) against the host tier, bit for bit.
+
+Both run the same AdamW arithmetic through the piece-exact step, over units
+(host) or over tiles that straddle units (nvme), so every loss, gradient norm,
+parameter and master element must be *equal*, not close. The host tier itself
+is checked against plain torch in test_offload.py and test_zero.py."""
+
+import os
+import subprocess
+
+import pytest
+import torch
+
+from hybrid.errors import SwapIOError, SwapSpaceError
+from hybrid.parallel.state import ParallelState
+from hybrid.zero.swap import SwapSpace
+
+from hybrid.recompute.checkpointing import apply_activation_checkpointing
+from hybrid.tensor_parallel import InitValues
+from hybrid.zero.state import iter_piece_values
+
+from harness import run_ranks
+from launch import TINY, pretrain
+from zero_reference import STEPS, _dp_step, _gpt, _named_params, _train_cfg, zero_engine
+
+TILE = 1024  # elements: the shards here are a few thousand, so tiles cross unit bounds
+
+
+def _engine(ps, stage, kw, tier, root):
+    buffers = kw.pop("buffers", 3)
+    nvme = dict(offload_nvme_path=root, offload_buffer_size=TILE,
+                offload_buffer_count=buffers) if tier == "nvme" else {}
+    cfg = _train_cfg(ps.world_size, ps.tp_size, zero_stage=stage, offload_optimizer=tier,
+                     **nvme, **kw)
+    model = _gpt(cfg, ps, device="meta")
+    phase = None
+    if cfg.recompute.granularity:
+        phase = apply_activation_checkpointing(model, ps, model.rng, cfg.recompute).phase
+    engine = zero_engine(model, ps, cfg, values=InitValues(cfg.seed, model.init_of),
+                         recompute=phase)
+    return cfg, model, engine
+
+
+def _run(ps, stage, kw, tier, root, steps=range(STEPS), engine=None):
+    cfg, model, engine = engine or _engine(ps, stage, dict(kw), tier, root)
+    losses, norms, skipped = [], [], []
+    for step in steps:
+        loss, result = _dp_step(model, engine, ps, cfg, step)
+        losses.append(loss)
+        norms.append(float(result.grad_norm))
+        skipped.append(bool(result.skipped))
+    params = _named_params(model, engine)
+    pieces = [v.clone() for v in iter_piece_values(engine)]
+    out = {"losses": losses, "norms": norms, "skipped": skipped, "params": params,
+           "pieces": pieces, "steps": engine.optimizer.step_count,
+           "bytes": engine.model_state_bytes()}
+    return out, (cfg, model, engine)
+
+
+def _compare(ps, variants, root):
+    """For each variant: (host tier's run, nvme tier's run, the swap file's size then)."""
+    out = []
+    for stage, kw in variants:
+        host, (_, _, e) = _run(ps, stage, kw, "cpu", root)
+        e.close()
+        nvme, (_, _, e) = _run(ps, stage, kw, "nvme", root)
+        path = os.path.join(root, f"rank{ps.rank:05d}", "optimizer.swp")
+        size = os.path.getsize(path)
+        e.close()
+        out.append((host, nvme, size, os.path.exists(path)))
+    return out
+
+
+def _assert_equal(host, nvme, what):
+    assert host["losses"] == nvme["losses"], (what, host["losses"], nvme["losses"])
+    assert host["norms"] == nvme["norms"], what
+    assert host["skipped"] == nvme["skipped"] and host["steps"] == nvme["steps"], what
+    for name, t in host["params"].items():
+        assert torch.equal(t, nvme["params"][name]), (what, name)
+    assert len(host["pieces"]) == len(nvme["pieces"])
+    for a, b in zip(host["pieces"], nvme["pieces"]):  # master, exp_avg, exp_avg_sq
+        assert torch.equal(a, b), what
+
+
+DP_VARIANTS = [(1, {}), (2, {"buffers": 2}),
+               (3, {"bf16": True}),
+               (2, {"offload_delayed_update": True, "offload_delayed_update_warmup": 1}),
+               (3, {"fp16": True, "initial_loss_scale": 1024.0, "buffers": 4})]
+TP_VARIANTS = [(3, {"bf16": True, "sequence_parallel": True, "recompute_granularity": "full"}),
+               (2, {"offload_delayed_update": True, "sequence_parallel": True})]
+
+
+def test_nvme_tier_is_the_host_tier_bit_for_bit(tmp_path):
+    """TP1 x DP2 at stages 1-3 (fp32, bf16, fp16 with its loss scale, the delayed update)
+    and TP2 with SP and full recompute: every loss, norm, parameter, master and moment
+    element of the nvme tier equals the host tier's. The swap file holds 12 bytes per
+    element of whole tiles, and is deleted when the engine closes."""
+    for world_tp, variants in ((1, DP_VARIANTS), (2, TP_VARIANTS)):
+        root = str(tmp_path / f"tp{world_tp}")
+        res = run_ranks(_compare, world_size=2, tp=world_tp, args=(variants, root))
+        for rank, per_rank in enumerate(res):
+            for (stage, kw), (host, nvme, size, left) in zip(variants, per_rank):
+                what = f"rank {rank}, TP{world_tp}, stage {stage} {kw}"
+                _assert_equal(host, nvme, what)
+                n = sum(p.shape[0] for p in nvme["pieces"])
+                assert size == -(-n // TILE) * TILE * 12 or size > n * 12, what
+                assert nvme["bytes"]["disk"] == size and not left, what
+                # host memory: staging buffers, not 12 bytes per element
+                assert nvme["bytes"]["optimizer"] <= 4 * 3 * TILE * 4 + 2 * n * 4, what
+                assert nvme["steps"] == STEPS
+
+
+def test_not_enough_space_is_one_error_before_training(tmp_path):
+    """The bytes asked exceed what the directory's file system has free: one error
+    naming the directory, the bytes needed and free, and nothing left behind."""
+    st = os.statvfs(tmp_path)
+    need = st.f_bavail * st.f_frsize + (1 << 40)
+    with pytest.raises(SwapSpaceError) as e:
+        SwapSpace(str(tmp_path), 3, {"optimizer.swp": need})
+    msg = str(e.value)
+    assert f"{tmp_path / 'rank00003'}: {need} bytes needed" in msg and " free" in msg
+    assert not (tmp_path / "rank00003" / "optimizer.swp").exists()
+
+
+def test_two_jobs_on_one_directory_and_a_swap_file_lost_mid_run(tmp_path):
+    """A second job on the same --offload-nvme-path stops at start naming the directory;
+    a swap file truncated, then deleted, between steps is named with its rank."""
+    ps = ParallelState.single()
+    cfg, model, engine = _engine(ps, 1, {}, "nvme", str(tmp_path))
+    with pytest.raises(SwapSpaceError, match=f"{tmp_path / 'rank00000'} is in use by another "
+                                             f"job \\(pid {os.getpid()}"):
+        SwapSpace(str(tmp_path), 0, {})
+    _dp_step(model, engine, ps, cfg, 0)
+    path = tmp_path / "rank00000" / "optimizer.swp"
+    os.truncate(path, 4096)
+    with pytest.raises(SwapIOError, match=f"rank 0: swap file {path} was truncated to 4096"):
+        _dp_step(model, engine, ps, cfg, 1)
+    os.unlink(path)
+    with pytest.raises(SwapIOError, match=f"rank 0: swap file {path} was deleted"):
+        _dp_step(model, engine, ps, cfg, 1)
+    engine.close()
+    SwapSpace(str(tmp_path), 0, {}).close()  # the lock went with the engine
+
+
+def test_a_full_disk_through_the_script(tmp_path):
+    """--offload-nvme-path on a 64 KiB file system: pretrain_gpt.py exits 2 with the one
+    error, before any step (tmpfs mounted for the test; needs root)."""
+    small = tmp_path / "small"
+    small.mkdir()
+    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs",
+                                            str(small)], capture_output=True).returncode:
+        pytest.skip("cannot mount a size-limited tmpfs here (needs root)")
+    try:
+        r = pretrain(1, TINY + ["--zero-stage", "1", "--offload-optimizer", "nvme",
+                                "--offload-nvme-path", str(small), "--train-iters", "2",
+                                "--offload-buffer-size", "1024"])
+    finally:
+        subprocess.run(["umount", str(small)], check=True)
+    assert r.returncode == 2, r.stderr[-2000:]
+    assert f"not enough space for the nvme swap files in {small / 'rank00000'}: " in r.stderr
+    assert "iteration" not in r.stdout
