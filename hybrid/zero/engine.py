@@ -44,9 +44,11 @@ from hybrid.zero.gather_pipeline import GatherPipeline
 from hybrid.zero.grad_sync import GradReducer
 from hybrid.zero.loss_scaler import LossScaler
 from hybrid.zero.offload import OptimizerOffload
+from hybrid.zero.offload_tiers import OffloadTiers
 from hybrid.zero.optimizer import ShardedAdamW, global_grad_norm
 from hybrid.zero.param_sync import ParamGatherer
 from hybrid.zero.plan import ShardingPlan
+from hybrid.zero.swapped_adamw import SwappedAdamW
 from hybrid.zero.units import Materializer, OwnedPiece, owned_pieces, plan_units
 
 log = logging.getLogger("hybrid")
@@ -87,13 +89,16 @@ class ZeroEngine:
         self.units, owners = plan_units(model, ps, zero, self.plan, unit_modules)
         self._pieces = owned_pieces(model, self.units)  # the layout is fixed from here on
         fill = Materializer(model, values)
+        # the swap files and parameter homes, checked and allocated before anything else
+        self.tiers = OffloadTiers(offload, ps.rank, self.units, self.dtype)
         # fp32 master weights first: they read the exact fp32 values, which a
         # materialized model loses once its parameters become low-precision views.
-        master = self._allocate_master(fill, offload.optimizer)
+        master = self._allocate_master(fill, offload)
         whole = [u for u in self.units if not u.partition_params]
         self.flat_params = torch.empty(sum(u.padded for u in whole), dtype=self.dtype,
                                        device=ps.device)
         fill.bind(self.units, self.flat_params, self.dtype, ps.device)
+        self.tiers.offload_params()  # (stage 3 with --offload-param; else nothing)
         self._allocate_grads()
         # every parameter all-gather (stage 3's per-module ones, stages 1-2's after the
         # step) goes through one pipeline: two staging buffers of at most a bucket
@@ -110,16 +115,23 @@ class ZeroEngine:
         self._kernel_found = torch.zeros(1, dtype=torch.float32, device=ps.device)
 
     # -- construction ------------------------------------------------------------
-    def _allocate_master(self, fill: Materializer, on_host: bool) -> list[torch.Tensor] | None:
-        """One flat fp32 buffer over this rank's owned ranges (on the host when
-        ``on_host``: offloaded); None when the fp32, on-device parameter shards are
-        their own master."""
+    def _allocate_master(self, fill: Materializer,
+                         offload: OffloadConfig) -> list[torch.Tensor] | None:
+        """One flat fp32 buffer over this rank's owned ranges (on the host when the
+        optimizer is offloaded); None when the fp32, on-device parameter shards are
+        their own master, or when the master lives in swap files (the nvme tier:
+        ``self.swapped``, filled here)."""
+        on_host = offload.optimizer is not None
         self.separate_master = self.dtype != torch.float32 or on_host
-        self.flat_master = None
+        self.flat_master = self.swapped = None
         if not self.separate_master:
             return None
-        dev = torch.device("cpu") if on_host else self.ps.device
         n = sum(u.own_hi - u.own_lo for u in self.units)
+        if offload.optimizer == "nvme":
+            self.swapped = self.tiers.states
+            self.swapped.fill(fill.flat_filler(self._pieces, self.units))
+            return None
+        dev = torch.device("cpu") if on_host else self.ps.device
         pin = on_host and torch.cuda.is_available()
         self.flat_master = torch.empty(n, dtype=torch.float32, device=dev, pin_memory=pin)
         master, off = [], 0
@@ -168,9 +180,14 @@ class ZeroEngine:
         # kernels may then update the whole shard in one pass (the offload keeps
         # host copies of its own and steps through step_parts).
         flat_grad = self.flat_grads if self.plan.grads and not offload.optimizer else None
-        self.optimizer = ShardedAdamW(master, decay, split, adamw, self.flat_master, flat_grad)
+        if self.swapped is not None:
+            self.optimizer = SwappedAdamW([u.own_hi - u.own_lo for u in self.units], decay,
+                                          split, adamw, self.swapped)
+        else:
+            self.optimizer = ShardedAdamW(master, decay, split, adamw, self.flat_master,
+                                          flat_grad)
         self.offload = (OptimizerOffload(self.units, self.dtype, self.flat_grads, self.plan,
-                                         self.flat_master, offload)
+                                         self.optimizer, offload)
                         if offload.optimizer else None)
         # With a separate master the step writes each unit's new parameter shard in
         # the training dtype (a compiled kernel in the same pass as the update):
@@ -330,8 +347,19 @@ class ZeroEngine:
             opt += self.offload.nbytes()
         # Offloaded, the optimizer's bytes are host memory, not accelerator memory.
         host = opt if self.offload is not None else 0
+        host += self.tiers.host_bytes() - (0 if self.swapped is None
+                                           else self.swapped.nbytes())  # (in opt already)
+        disk = self.tiers.disk_bytes()
         return {"params": params, "grads": nbytes(self.flat_grads), "optimizer": opt,
-                "total": params + nbytes(self.flat_grads) + opt, "host": host}
+                "total": params + nbytes(self.flat_grads) + opt, "host": host, "disk": disk}
+
+    def close(self) -> None:
+        """Finish the update in flight and delete the swap files (scratch; a restart
+        rebuilds them from its checkpoint). The engine cannot step afterwards."""
+        try:
+            self.wait_optimizer()
+        finally:
+            self.tiers.close()
 
     def comm_temp_bytes(self) -> dict:
         """Bytes of the reusable communication staging buffers: the gradient reducer's

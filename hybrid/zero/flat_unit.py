@@ -61,6 +61,9 @@ class FlatUnit:
         self.shard: torch.Tensor | None = None
         self.gathered = True
         self.pending = None  # in-flight async gather: (work, staged pieces)
+        # stage 3 parameter offload: where the shard lives between gathers
+        # (hybrid/zero/param_offload.py); None: on the device, in ``shard``
+        self.home = None
 
     # -- layout -------------------------------------------------------------
     def segments(self, lo: int, hi: int):
@@ -108,6 +111,13 @@ class FlatUnit:
                 dst[ulo - lo: ulo - lo + n].copy_(src.reshape(-1)[plo: plo + n])
 
     # -- stage 3: free and restore the full parameters -------------------------
+    def offload_to(self, home) -> None:
+        """From now on ``home`` keeps this rank's shard; the device holds it only while
+        a gather runs (``shard`` keeps its dtype and size, its storage is freed)."""
+        assert self.partition_params and not self.gathered
+        self.home = home
+        self.shard.untyped_storage().resize_(0)
+
     def release(self) -> None:
         """Free the full parameters' memory; the views stay (FSDP's storage-resize trick)."""
         if self.partition_params and self.gathered:
@@ -122,6 +132,9 @@ class FlatUnit:
             return
         storage = self.full.untyped_storage()
         storage.resize_(self.padded * self.full.element_size())
+        if self.home is not None:  # the shard comes back from its home for the gather
+            self.shard.untyped_storage().resize_(self.shard_size * self.shard.element_size())
+            self.home.load_into(self.shard)
         self.pending = pipe.start(self.full, self.shard)
 
     def finish_gather(self, pipe) -> None:
@@ -132,6 +145,8 @@ class FlatUnit:
         self.pending.wait()
         self.pending = None
         self.gathered = True
+        if self.home is not None:  # (ordered after the gather's reads of it)
+            self.shard.untyped_storage().resize_(0)
 
 
 def _rebind(p: nn.Parameter, view: torch.Tensor) -> None:

@@ -44,6 +44,7 @@ buffer in master order and is read in place.
 
 from __future__ import annotations
 
+import bisect
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
@@ -62,13 +63,17 @@ class OptimizerOffload:
         dtype: the model's training dtype (the parameters that go back up).
         flat_grads: the engine's flat gradient buffer (its dtype is what goes down).
         plan: the engine's :class:`~hybrid.zero.plan.ShardingPlan`.
-        flat_master: the host fp32 master, in the same order.
+        opt: the shard optimizer, in the same order: a
+            :class:`~hybrid.zero.optimizer.ShardedAdamW` over the host fp32 master
+            (the cpu tier) or a :class:`~hybrid.zero.swapped_adamw.SwappedAdamW`
+            over tiles on disk (the nvme tier). Its ``chunks()`` are the pieces the
+            worker updates one at a time (units, or tiles).
         cfg: ``delayed_update`` (and its ``delayed_update_warmup`` normal steps
             before the one-step delayed update starts).
     """
 
     def __init__(self, units: list[FlatUnit], dtype: torch.dtype, flat_grads: torch.Tensor,
-                 plan, flat_master: torch.Tensor, cfg: OffloadConfig):
+                 plan, opt, cfg: OffloadConfig):
         self.units = units
         self.index = {id(u): i for i, u in enumerate(units)}
         self.bounds = [0]
@@ -83,12 +88,14 @@ class OptimizerOffload:
         self.grad = flat_grads if in_place else torch.empty(
             n, dtype=flat_grads.dtype, pin_memory=self.pin)
         self._own_grad = not in_place
-        self.master = flat_master
-        # fp32 models upload the master itself: no narrow copy to make.
-        self.out = None if dtype == torch.float32 else torch.empty(
+        self.opt = opt
+        self.master = opt.flat_master  # None on the nvme tier
+        # fp32 models upload the host master itself: no narrow copy to make.
+        self.out = None if dtype == torch.float32 and self.master is not None else torch.empty(
             n, dtype=dtype, pin_memory=self.pin)
         if self.out is not None:
-            self.out.copy_(flat_master)  # what a skipped first step would upload
+            opt.master_into(self.out)  # what a skipped first step would upload
+        self._chunk_units = _chunk_units(opt.chunks(), self.bounds)
         self.found = torch.zeros(1, dtype=torch.float32)
         self.copy_stream = torch.cuda.Stream(flat_grads.device) if self.cuda else None
         self._scalars = torch.zeros(2, dtype=torch.float64, pin_memory=self.pin)
@@ -101,6 +108,7 @@ class OptimizerOffload:
         for e in self._consumed:
             e.set()
         self._skipped = False
+        self._failed = False  # the worker raised: uploads stop, the step re-raises it
         self._worker = ThreadPoolExecutor(1, thread_name_prefix="hybrid-offload")
         self._pending = None  # the update in flight (a Future)
         self._upload_due = False  # its parameters still have to go up
@@ -185,14 +193,31 @@ class OptimizerOffload:
             scalars_ready.synchronize()
         self._skipped = bool(self._scalars[1].item())  # host memory: no device sync
         sc = opt.begin_step(self._scalars[0], self._scalars[1])
-        for i in range(len(self.units)):
+        try:
+            if not self._skipped:
+                opt.run_chunks(self.grad, self.out, lr, sc, self.found, self._before_chunk,
+                               self._after_chunk)
+        except BaseException:
+            self._failed = True  # nobody may wait for a unit that will not come
+            raise
+        finally:
+            for i in range(len(self.units)):
+                self._consumed[i].set()
+                self._ready[i].set()
+
+    def _before_chunk(self, k: int) -> None:
+        """The gradients chunk ``k`` reads have arrived, and the parameters it
+        overwrites (``out``, or the fp32 master) have been read out by their upload."""
+        for i in self._chunk_units[k][0]:
             if self._down[i] is not None:
                 self._down[i].synchronize()
-            if self._up[i] is not None:  # out_i / master_i may still be going up
+            if self._up[i] is not None:
                 self._up[i].synchronize()
-            if not self._skipped:
-                out = None if self.out is None else self._piece(self.out, i)
-                opt.step_parts(self.grad, lr, sc, i, i + 1, out, self.found)
+
+    def _after_chunk(self, k: int) -> None:
+        """The units that end in chunk ``k`` are updated: upload them, and their host
+        gradient buffers may be rewritten."""
+        for i in self._chunk_units[k][1]:
             self._consumed[i].set()
             self._ready[i].set()
 
@@ -201,13 +226,16 @@ class OptimizerOffload:
         src = self.out if self.out is not None else self.master
         for i, u in enumerate(self.units):
             self._ready[i].wait()
-            if self._skipped:
+            if self._skipped or self._failed:  # (a failure is raised by the step)
                 continue  # nothing changed: the device already holds these parameters
             self._copy_up(u, i, self._piece(src, i))
             published(u)
         self._upload_due = False
 
     def _copy_up(self, u: FlatUnit, i: int, piece: torch.Tensor) -> None:
+        if u.home is not None:  # stage 3 parameter offload: the new shard goes home
+            self._up[i] = u.home.store(piece)
+            return
         if self.cuda:  # on the compute stream: what reads the shard next is ordered after it
             u.shard.copy_(piece, non_blocking=True)
             self._up[i] = torch.cuda.Event()
@@ -238,7 +266,7 @@ class OptimizerOffload:
         self.wait()
         self._upload_due = False
         if self.out is not None:
-            self.out.copy_(self.master)
+            self.opt.master_into(self.out)
         src = self.out if self.out is not None else self.master
         for i, u in enumerate(self.units):
             self._copy_up(u, i, self._piece(src, i))
@@ -246,3 +274,23 @@ class OptimizerOffload:
     def nbytes(self) -> int:
         own = self.grad.untyped_storage().nbytes() if self._own_grad else 0
         return own + (0 if self.out is None else self.out.untyped_storage().nbytes())
+
+
+def _chunk_units(chunks: list[tuple[int, int]], bounds: list[int]):
+    """Per chunk ``[lo, hi)`` of the flat shard: (the units it overlaps, the units
+    whose last element it holds). ``bounds[i]``: where unit ``i`` starts."""
+    out, done = [], 0
+    for lo, hi in chunks:
+        first = max(0, bisect.bisect_right(bounds, lo) - 1)
+        touches = []
+        for i in range(first, len(bounds) - 1):
+            if bounds[i] >= hi:
+                break
+            if bounds[i + 1] > lo:
+                touches.append(i)
+        ends = []
+        while done < len(bounds) - 1 and bounds[done + 1] <= hi:
+            ends.append(done)
+            done += 1
+        out.append((touches, ends))
+    return out

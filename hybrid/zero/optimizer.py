@@ -67,22 +67,30 @@ class ShardedAdamW:
         self.flat_master = flat_master
         n = sum(m.numel() for m in master)
         dev = master[0].device if master else torch.device("cpu")
+        self._init_counts([m.numel() for m in master], split_ranges, dev)
         # Both moments are single flat buffers; parts are views.
         self._flat_avg = torch.zeros(n, dtype=torch.float32, device=dev)
         self._flat_avg_sq = torch.zeros(n, dtype=torch.float32, device=dev)
         self.exp_avg = _split_like(self._flat_avg, master)
         self.exp_avg_sq = _split_like(self._flat_avg_sq, master)
-        self.split_ranges = split_ranges
-        # steps applied so far, where the shard lives: see [Note: a step without host reads]
-        self._step = torch.zeros((), dtype=torch.float64, device=dev)
-        self._replicated = [complement_ranges(r, w.numel())
-                            for w, r in zip(master, split_ranges)]
         flat = (None if flat_master is None
                 else (flat_master, self._flat_avg, self._flat_avg_sq))
         # the update itself, and the choice of what runs it: hybrid.kernels
         self.adamw = ShardAdamW(master, self.exp_avg, self.exp_avg_sq, decay_ranges,
                                 (cfg.beta1, cfg.beta2, cfg.eps, cfg.weight_decay), flat,
                                 flat_grad)
+
+    def _init_counts(self, sizes: list[int], split_ranges, dev: torch.device) -> None:
+        """What every shard optimizer keeps whatever holds its states: part sizes and
+        where each starts in the flat shard, the TP-split and replicated ranges of the
+        norm, and the step count."""
+        self.split_ranges = split_ranges
+        self.offsets = [0]  # where each part starts in the flat shard
+        for n in sizes:
+            self.offsets.append(self.offsets[-1] + n)
+        # steps applied so far, where the shard lives: see [Note: a step without host reads]
+        self._step = torch.zeros((), dtype=torch.float64, device=dev)
+        self._replicated = [complement_ranges(r, n) for n, r in zip(sizes, split_ranges)]
 
     @property
     def step_count(self) -> int:
@@ -156,8 +164,37 @@ class ShardedAdamW:
         in). ``grad``: the flat gradient; ``out``: None or a flat tensor over them."""
         self.adamw.step_parts(grad, lr, scalars, first, last, out, found)
 
-    def state_dict(self) -> dict:
-        return {"step": self.step_count, "exp_avg": self._flat_avg, "exp_avg_sq": self._flat_avg_sq}
+    # -- the host tiers' interface (hybrid/zero/offload.py): the step in chunks ----------
+    def chunks(self) -> list[tuple[int, int]]:
+        """The flat shard ranges one host step updates at a time: one per part (unit)."""
+        return list(zip(self.offsets[:-1], self.offsets[1:]))
+
+    def run_chunks(self, grad: torch.Tensor, out: torch.Tensor | None, lr: float,
+                   scalars: torch.Tensor, found: torch.Tensor, before, after) -> None:
+        """Every chunk of :meth:`chunks` in order: ``before(k)``, AdamW on it from the
+        flat ``grad`` (writing the flat ``out`` when given), ``after(k)``."""
+        for k, (lo, hi) in enumerate(self.chunks()):
+            before(k)
+            self.step_parts(grad, lr, scalars, k, k + 1, None if out is None else out[lo:hi],
+                            found)
+            after(k)
+
+    def master_into(self, out: torch.Tensor) -> None:
+        """The flat master, rounded to ``out``'s dtype, into the flat ``out``."""
+        out.copy_(self.flat_master)
+
+    # -- one piece of one part, for checkpoints ---------------------------------------
+    def read_piece(self, key: str, part: int, where: slice) -> torch.Tensor:
+        """Elements ``where`` of part ``part`` of ``key`` (master, exp_avg, exp_avg_sq)."""
+        return getattr(self, key)[part][where]
+
+    def write_piece(self, key: str, part: int, where: slice, values) -> None:
+        """Elements ``where`` of part ``part`` of ``key`` <- ``values`` (or zeros: None)."""
+        dst = getattr(self, key)[part][where]
+        if values is None:
+            dst.zero_()
+        else:
+            dst.copy_(values)
 
 
 def _split_like(flat: torch.Tensor, parts: list[torch.Tensor]) -> list[torch.Tensor]:

@@ -17,11 +17,6 @@ from hybrid.zero.engine import ZeroEngine
 KEYS = ("master", "exp_avg", "exp_avg_sq")  # what a rank holds per element of its shard
 
 
-def _sources(engine: ZeroEngine) -> dict[str, list[torch.Tensor]]:
-    opt = engine.optimizer
-    return {"master": opt.master, "exp_avg": opt.exp_avg, "exp_avg_sq": opt.exp_avg_sq}
-
-
 def shard_state(engine: ZeroEngine) -> dict:
     """This rank's pieces ``[(name, lo, hi)]`` in owned order (unit by unit, in unit
     coordinates), the optimizer step count and the loss-scaler state.
@@ -39,9 +34,10 @@ def iter_piece_values(engine: ZeroEngine, keys=KEYS):
     """For each piece of :func:`shard_state`, in its order: an fp32 CPU ``(n, len(keys))``
     tensor of rows (default ``[master, exp_avg, exp_avg_sq]``)."""
     engine.wait_optimizer()
-    src = [_sources(engine)[k] for k in keys]
+    opt = engine.optimizer  # (on the nvme tier each read streams from the swap file)
     for pc in engine.owned_pieces():
-        yield torch.stack([s[pc.unit][pc.part] for s in src], dim=1).float().cpu()
+        yield torch.stack([opt.read_piece(k, pc.unit, pc.part) for k in keys],
+                          dim=1).float().cpu()
 
 
 @torch.no_grad()
@@ -58,15 +54,12 @@ def load_shard_state(engine: ZeroEngine, fetch, keys, step: int,
     if "master" not in keys:
         raise ValueError(f"load_shard_state needs the master values, got keys {keys}")
     engine.wait_optimizer()
-    opt, sources = engine.optimizer, _sources(engine)
+    opt = engine.optimizer  # (on the nvme tier each write streams into the swap file)
     for pc in engine.owned_pieces():
         planes = fetch(pc.name, pc.lo, pc.hi)
-        for key, dst in sources.items():
-            part = dst[pc.unit][pc.part]
-            if key in keys:
-                part.copy_(planes[keys.index(key)])
-            else:
-                part.zero_()
+        for key in KEYS:
+            opt.write_piece(key, pc.unit, pc.part,
+                            planes[keys.index(key)] if key in keys else None)
     opt.step_count = step
     if loss_scaler is not None:
         engine.scaler.load_state_dict(loss_scaler)

@@ -27,6 +27,7 @@ fp32 master only this rank's ranges. So no rank ever holds more than it keeps.
 
 from __future__ import annotations
 
+import bisect
 from typing import NamedTuple
 
 import torch
@@ -155,6 +156,27 @@ class Materializer:
         for a in range(lo, hi, FILL_CHUNK):
             b = min(hi, a + FILL_CHUNK)
             dst[a - lo: b - lo].copy_(self.values(name, p, a, b))
+
+    def flat_filler(self, pieces, units: list[FlatUnit]):
+        """``fill(lo, hi, dst)``: ``dst`` <- the exact fp32 values of elements ``[lo, hi)``
+        of the rank's flat shard (``units``' owned parts back to back; ``pieces`` their
+        :func:`owned_pieces`), zeros in padding -- for a master that is filled a tile at
+        a time (the nvme tier)."""
+        offsets = [0]
+        for u in units:
+            offsets.append(offsets[-1] + u.own_hi - u.own_lo)
+        starts = [offsets[pc.unit] + pc.part.start for pc in pieces]
+
+        def fill(lo: int, hi: int, dst: torch.Tensor) -> None:
+            k = max(0, bisect.bisect_right(starts, lo) - 1)
+            for pc, start in zip(pieces[k:], starts[k:]):
+                if start >= hi:
+                    break
+                a, b = max(lo, start), min(hi, start + pc.numel)
+                if a < b:
+                    self.fill(pc.param, pc.lo + a - start, pc.lo + b - start,
+                              dst[a - lo: b - lo])
+        return fill
 
     def bind(self, units: list[FlatUnit], flat: torch.Tensor, dtype, device) -> None:
         """Give every unit its storage: views of ``flat`` for whole units (in order),

@@ -27,11 +27,13 @@ TILE = 1024  # elements: the shards here are a few thousand, so tiles cross unit
 
 
 def _engine(ps, stage, kw, tier, root):
+    """``tier``: "optimizer[+param]", e.g. "cpu", "nvme", "cpu+nvme" (param offload)."""
     buffers = kw.pop("buffers", 3)
+    optimizer, _, param = tier.partition("+")
     nvme = dict(offload_nvme_path=root, offload_buffer_size=TILE,
-                offload_buffer_count=buffers) if tier == "nvme" else {}
-    cfg = _train_cfg(ps.world_size, ps.tp_size, zero_stage=stage, offload_optimizer=tier,
-                     **nvme, **kw)
+                offload_buffer_count=buffers) if "nvme" in tier else {}
+    cfg = _train_cfg(ps.world_size, ps.tp_size, zero_stage=stage, offload_optimizer=optimizer,
+                     offload_param=param or None, **nvme, **kw)
     model = _gpt(cfg, ps, device="meta")
     phase = None
     if cfg.recompute.granularity:
@@ -58,17 +60,40 @@ def _run(ps, stage, kw, tier, root, steps=range(STEPS), engine=None):
 
 
 def _compare(ps, variants, root):
-    """For each variant: (host tier's run, nvme tier's run, the swap file's size then)."""
+    """For each variant: [(tier, its run, the swap files' sizes, any left after close)]
+    for the host tier first, then each of the variant's other tiers."""
     out = []
-    for stage, kw in variants:
-        host, (_, _, e) = _run(ps, stage, kw, "cpu", root)
-        e.close()
-        nvme, (_, _, e) = _run(ps, stage, kw, "nvme", root)
-        path = os.path.join(root, f"rank{ps.rank:05d}", "optimizer.swp")
-        size = os.path.getsize(path)
-        e.close()
-        out.append((host, nvme, size, os.path.exists(path)))
+    for stage, kw, tiers in variants:
+        runs = []
+        for tier in ("cpu", *tiers):
+            got, (_, _, e) = _run(ps, stage, kw, tier, root)
+            where = os.path.join(root, f"rank{ps.rank:05d}")
+            files = {f: os.path.getsize(os.path.join(where, f))
+                     for f in (os.listdir(where) if os.path.isdir(where) else [])
+                     if f.endswith(".swp")}
+            e.close()
+            left = [f for f in files if os.path.exists(os.path.join(where, f))]
+            runs.append((tier, got, files, left))
+        out.append(runs)
     return out
+
+
+def _assert_tier_bytes(tier, got, files, left, what):
+    """The swap files hold what the tier moved there (the optimizer 12 bytes per element
+    of whole tiles); they are gone after close; the host keeps only staging."""
+    n = sum(p.shape[0] for p in got["pieces"])
+    optimizer, _, param = tier.partition("+")
+    want = {"optimizer.swp"} if optimizer == "nvme" else set()
+    want |= {"params.swp"} if param == "nvme" else set()
+    assert set(files) == want and not left, (what, files, left)
+    if optimizer == "nvme":
+        assert files["optimizer.swp"] == -(-n // TILE) * TILE * 12, what
+        assert got["bytes"]["optimizer"] <= 4 * 3 * TILE * 4 + 2 * n * 4, what
+    if param == "nvme":
+        assert files["params.swp"] >= got["bytes"]["params"], what
+    if param:  # the partitioned shards left the device: only persistent units remain
+        assert got["bytes"]["params"] < n * 2, what
+    assert got["bytes"]["disk"] == sum(files.values()), what
 
 
 def _assert_equal(host, nvme, what):
@@ -82,12 +107,17 @@ def _assert_equal(host, nvme, what):
         assert torch.equal(a, b), what
 
 
-DP_VARIANTS = [(1, {}), (2, {"buffers": 2}),
-               (3, {"bf16": True}),
-               (2, {"offload_delayed_update": True, "offload_delayed_update_warmup": 1}),
-               (3, {"fp16": True, "initial_loss_scale": 1024.0, "buffers": 4})]
-TP_VARIANTS = [(3, {"bf16": True, "sequence_parallel": True, "recompute_granularity": "full"}),
-               (2, {"offload_delayed_update": True, "sequence_parallel": True})]
+P3 = ("nvme", "cpu+cpu", "cpu+nvme", "nvme+nvme")  # every stage-3 tier
+DP_VARIANTS = [(1, {}, ("nvme",)), (2, {"buffers": 2}, ("nvme",)),
+               (3, {"bf16": True}, P3),
+               (2, {"offload_delayed_update": True, "offload_delayed_update_warmup": 1},
+                ("nvme",)),
+               (3, {"offload_delayed_update": True}, ("nvme+nvme",)),
+               (3, {"fp16": True, "initial_loss_scale": 1024.0, "buffers": 4},
+                ("nvme", "nvme+nvme"))]
+TP_VARIANTS = [(3, {"bf16": True, "sequence_parallel": True, "recompute_granularity": "full"},
+                ("nvme+nvme", "cpu+cpu")),
+               (2, {"offload_delayed_update": True, "sequence_parallel": True}, ("nvme",))]
 
 
 def test_nvme_tier_is_the_host_tier_bit_for_bit(tmp_path):
@@ -99,15 +129,12 @@ def test_nvme_tier_is_the_host_tier_bit_for_bit(tmp_path):
         root = str(tmp_path / f"tp{world_tp}")
         res = run_ranks(_compare, world_size=2, tp=world_tp, args=(variants, root))
         for rank, per_rank in enumerate(res):
-            for (stage, kw), (host, nvme, size, left) in zip(variants, per_rank):
-                what = f"rank {rank}, TP{world_tp}, stage {stage} {kw}"
-                _assert_equal(host, nvme, what)
-                n = sum(p.shape[0] for p in nvme["pieces"])
-                assert size == -(-n // TILE) * TILE * 12 or size > n * 12, what
-                assert nvme["bytes"]["disk"] == size and not left, what
-                # host memory: staging buffers, not 12 bytes per element
-                assert nvme["bytes"]["optimizer"] <= 4 * 3 * TILE * 4 + 2 * n * 4, what
-                assert nvme["steps"] == STEPS
+            for (stage, kw, _), runs in zip(variants, per_rank):
+                _, host, _, _ = runs[0]
+                for tier, got, files, left in runs[1:]:
+                    what = f"rank {rank}, TP{world_tp}, stage {stage} {kw}, {tier}"
+                    _assert_equal(host, got, what)
+                    _assert_tier_bytes(tier, got, files, left, what)
 
 
 def test_not_enough_space_is_one_error_before_training(tmp_path):

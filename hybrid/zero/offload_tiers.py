@@ -1,0 +1,99 @@
+"""Where one rank's model states live off the device, built once from :class:`OffloadConfig`.
+
+    tiers = OffloadTiers(offload, rank, units, dtype)
+    tiers.states        # the nvme tier's optimizer states (SwappedStates), or None
+    tiers.offload_params(units)   # stage 3 param offload: each shard to its home
+    tiers.close()       # drain the I/O, delete the swap files
+
+One :class:`~hybrid.zero.swap.SwapSpace` per rank holds every swap file
+(``optimizer.swp``, ``params.swp``), so all of them are checked for space,
+locked and preallocated together, before the first step.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from hybrid.config.sections import OffloadConfig
+from hybrid.kernels.aio import AsyncIO
+from hybrid.zero import param_offload, tiles
+from hybrid.zero.flat_unit import FlatUnit
+from hybrid.zero.param_offload import DiskHome, HostHome, disk_slots
+from hybrid.zero.swap import SwapSpace
+from hybrid.zero.tiles import SwappedStates
+
+IO_THREADS = 4  # requests are cut into pieces over these; the disk, not the CPU, bounds them
+
+
+class OffloadTiers:
+    """The swap space, the I/O threads and the optimizer states of the nvme tier, and
+    the parameter homes of ``--offload-param``.
+
+    ``units``: the engine's units (their owned sizes, in shard order, make the
+    optimizer's flat shard); ``dtype``: the parameters' training dtype.
+    """
+
+    def __init__(self, cfg: OffloadConfig, rank: int, units: list[FlatUnit],
+                 dtype: torch.dtype):
+        self.cfg = cfg
+        self.pin = torch.cuda.is_available() if cfg.pin_memory is None else cfg.pin_memory
+        self.space = self.io = self.states = None
+        self._homes: list = []
+        n = sum(u.own_hi - u.own_lo for u in units)
+        self._partitioned = [u for u in units if u.partition_params] if cfg.param else []
+        sizes = {}
+        if cfg.optimizer == "nvme":
+            sizes[tiles.FILE] = SwappedStates.space_for(n, cfg.buffer_size)
+        if cfg.param == "nvme":
+            elem = torch.empty((), dtype=dtype).element_size()
+            self._slots, sizes[param_offload.FILE] = disk_slots(
+                [u.shard_size for u in self._partitioned], elem)
+        if not sizes:
+            return
+        self.space = SwapSpace(cfg.nvme_path, rank, sizes)
+        try:
+            self.io = AsyncIO(threads=IO_THREADS)
+            if cfg.optimizer == "nvme":
+                self.states = SwappedStates(n, cfg.buffer_size, self.space, self.io,
+                                            cfg.buffer_count, self.pin)
+        except BaseException:
+            self.close()
+            raise
+
+    @torch.no_grad()
+    def offload_params(self) -> None:
+        """Move every partitioned unit's shard (just materialized) to its home."""
+        for k, u in enumerate(self._partitioned):
+            if self.cfg.param == "cpu":
+                home = HostHome(u.shard, self.pin)
+            else:
+                home = DiskHome(self.space, self.io, self._slots[k], u.shard_size,
+                                u.shard.dtype, self.pin)
+                home.store(u.shard).synchronize()
+            u.offload_to(home)
+            self._homes.append(home)
+
+    def host_bytes(self) -> int:
+        """Host bytes of the parameter homes and staging, and the optimizer's staging."""
+        return (sum(h.host_bytes() for h in self._homes)
+                + (0 if self.states is None else self.states.nbytes()))
+
+    def disk_bytes(self) -> int:
+        return 0 if self.space is None else self.space.nbytes()
+
+    def close(self) -> None:
+        """Let every read and write in flight end, then delete the swap files
+        (scratch: a restart rebuilds them from its checkpoint)."""
+        try:
+            if self.states is not None:
+                self.states.close()
+            for h in self._homes:
+                if isinstance(h, DiskHome):
+                    h.store_done()
+        finally:
+            if self.io is not None:
+                self.io.close()
+                self.io = None
+            if self.space is not None:
+                self.space.close()
+                self.space = None

@@ -1,0 +1,126 @@
+"""Stage 3 parameter offload: where a partitioned unit's shard lives between its gathers.
+
+Without offload a rank keeps its shard of every partitioned unit on the device
+and all-gathers from it. With ``--offload-param`` the shard has a *home* off
+the device, and the device holds it only while the unit's gather runs::
+
+    home (host memory, or the rank's params.swp)  --load-->  device shard  --all-gather-->  unit
+
+    tier  home                         load                          store (after the step)
+    cpu   a host tensor (pinned, GPU)  copy (async H2D on a GPU)     copy from the host step
+    nvme  its slot in params.swp       read (prefetched), copy       asynchronous write
+
+[Note: prefetching from disk]
+The gatherer prefetches one unit ahead (its all-gather overlaps the current
+unit's compute); a disk home is asked one unit further, so the read of unit
+``i + 2`` runs while unit ``i`` computes and unit ``i + 1`` gathers -- the
+ZeRO-Infinity schedule. A prefetched read lands in a host buffer of the
+shard's size, so host memory holds at most the shards of the units in
+flight, whatever the model size.
+
+[Note: writes and reads of one slot]
+The host step writes a unit's new shard while the next step may already want
+to read it (a fast forward), and the host step of the step after may rewrite
+the buffer the write reads from (the delayed update). So :meth:`DiskHome.store`
+returns its request as the unit's upload event -- the host worker waits for
+it before it writes that unit's parameters again -- and every read of a slot
+first waits for the write to it.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from hybrid.kernels.aio import ALIGN, AsyncIO, aligned_empty
+from hybrid.zero.swap import SwapSpace
+
+FILE = "params.swp"
+
+
+class HostHome:
+    """The cpu tier: the shard's values in host memory."""
+
+    def __init__(self, values: torch.Tensor, pin: bool):
+        self.data = torch.empty(values.numel(), dtype=values.dtype, pin_memory=pin)
+        self.data.copy_(values)
+
+    def prefetch(self) -> None:
+        pass  # already in host memory
+
+    def load_into(self, shard: torch.Tensor) -> None:
+        shard.copy_(self.data, non_blocking=shard.is_cuda)
+
+    def store(self, values: torch.Tensor):
+        self.data.copy_(values)
+        return None  # done: nothing to wait for
+
+    def host_bytes(self) -> int:
+        return self.data.numel() * self.data.element_size()
+
+
+class _Done:
+    """A finished request, as an upload event (``synchronize``)."""
+
+    def __init__(self, request):
+        self.request = request
+
+    def synchronize(self) -> None:
+        self.request.wait()
+
+
+class DiskHome:
+    """The nvme tier: the shard's values at ``offset`` of the rank's params.swp."""
+
+    def __init__(self, space: SwapSpace, io: AsyncIO, offset: int, numel: int,
+                 dtype: torch.dtype, pin: bool):
+        self.file, self.io, self.offset = space.files[FILE], io, offset
+        self.numel, self.dtype, self.pin = numel, dtype, pin
+        self._buf: torch.Tensor | None = None  # a prefetched read's destination
+        self._read = self._write = None
+
+    def _wait_write(self) -> None:
+        if self._write is not None:
+            self._write.wait()
+            self._write = None
+
+    def prefetch(self) -> None:
+        """Start reading the shard into a host buffer (no-op if one is under way)."""
+        if self._read is None:
+            self._wait_write()
+            self._buf = aligned_empty(self.numel, self.dtype, self.pin)
+            self._read = self.io.read(self.file, self.offset, self._buf)
+
+    def load_into(self, shard: torch.Tensor) -> None:
+        self.prefetch()
+        self._read.wait()
+        shard.copy_(self._buf, non_blocking=shard.is_cuda)
+        if shard.is_cuda:
+            torch.cuda.current_stream(shard.device).synchronize()  # before _buf goes
+        self._buf = self._read = None
+
+    def store(self, values: torch.Tensor):
+        """Write the new shard (asynchronously); the returned event ends with the write."""
+        self._wait_write()
+        if self._read is not None:  # a stale prefetch: let it land, then drop it
+            self._read.wait()
+            self._buf = self._read = None
+        src = values.detach().contiguous()
+        self._write = self.io.write(self.file, self.offset, src)
+        return _Done(self._write)
+
+    def store_done(self) -> None:
+        """Wait for the last write (before the file goes)."""
+        self._wait_write()
+
+    def host_bytes(self) -> int:
+        return 0 if self._buf is None else self._buf.numel() * self._buf.element_size()
+
+
+def disk_slots(numels: list[int], element_size: int) -> tuple[list[int], int]:
+    """(byte offset of each shard in params.swp, the file's size): slots aligned to
+    4096 bytes, so each read and write is direct I/O."""
+    offsets, pos = [], 0
+    for n in numels:
+        offsets.append(pos)
+        pos += -(-n * element_size // ALIGN) * ALIGN
+    return offsets, pos

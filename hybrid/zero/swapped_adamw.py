@@ -1,0 +1,103 @@
+"""AdamW whose fp32 master and moments live on disk (the nvme tier, ZeRO-Infinity).
+
+The host tier (:class:`~hybrid.zero.optimizer.ShardedAdamW` under
+:class:`~hybrid.zero.offload.OptimizerOffload`) keeps the rank's flat shard
+of master weights and moments in host memory and updates it unit by unit.
+This one keeps the same flat shard in :class:`~hybrid.zero.tiles.SwappedStates`
+and updates it tile by tile as the tiles stream through the staging buffers;
+everything else -- the gradients' way down, the worker thread, the delayed
+update, the parameters' way up -- is the host tier's, unchanged.
+
+[Note: bit-identical to the host tier]
+Both call :func:`hybrid.kernels.adam.adam_step` with the same step scalars,
+hyper-parameters and per-element decay flags; only the pieces differ (units
+there, tiles here). The compiled step is piece-exact (its docstring: one
+element's arithmetic does not depend on the call's bounds), so every master
+and moment element ends with the same bits, and so does the curve.
+"""
+
+from __future__ import annotations
+
+import bisect
+
+import torch
+
+from hybrid.config.sections import AdamWConfig
+from hybrid.kernels.adam import AdamSegments, adam_step
+from hybrid.zero.optimizer import ShardedAdamW
+from hybrid.zero.tiles import SwappedStates
+
+
+class SwappedAdamW(ShardedAdamW):
+    """The shard optimizer of the nvme tier; the host tiers' interface of
+    :class:`ShardedAdamW` (``chunks``, ``run_chunks``, ``master_into``,
+    ``read_piece``, ``write_piece``) over tiles on disk.
+
+    Args:
+        sizes: elements of each part (unit), in shard order.
+        decay_ranges, split_ranges: per part, as :class:`ShardedAdamW` takes them.
+        states: the swapped master and moments of the whole flat shard.
+    """
+
+    def __init__(self, sizes: list[int], decay_ranges, split_ranges, cfg: AdamWConfig,
+                 states: SwappedStates):
+        self._init_counts(sizes, split_ranges, torch.device("cpu"))
+        self.states = states
+        self.hyper = dict(beta1=cfg.beta1, beta2=cfg.beta2, eps=cfg.eps,
+                          weight_decay=cfg.weight_decay)
+        flat = sorted((self.offsets[i] + a, self.offsets[i] + b)
+                      for i, ranges in enumerate(decay_ranges) for a, b in ranges if b > a)
+        self._decay_lo = [a for a, _ in flat]
+        self._decay = flat
+        self._segs: dict[int, AdamSegments] = {}
+        self.master = self.exp_avg = self.exp_avg_sq = None  # on disk: read_piece
+        self.flat_master = None
+
+    def _segments(self, k: int) -> AdamSegments:
+        """Decay segments of tile ``k`` in tile coordinates (cached: a tile's are fixed)."""
+        if k not in self._segs:
+            lo, hi = self.states.bounds(k)
+            first = max(0, bisect.bisect_right(self._decay_lo, lo) - 1)
+            ranges = []
+            for a, b in self._decay[first:]:
+                if a >= hi:
+                    break
+                if b > lo:
+                    ranges.append((max(a, lo) - lo, min(b, hi) - lo))
+            self._segs[k] = AdamSegments.from_ranges(hi - lo, ranges, torch.device("cpu"))
+        return self._segs[k]
+
+    def state_bytes(self) -> int:
+        return self.states.nbytes()  # host staging; the states themselves are on disk
+
+    def step(self, *args, **kwargs):
+        raise RuntimeError("the nvme tier steps through OptimizerOffload (run_chunks)")
+
+    # -- the host tiers' interface ------------------------------------------------------
+    def chunks(self) -> list[tuple[int, int]]:
+        return [self.states.bounds(k) for k in range(self.states.tiles)]
+
+    def run_chunks(self, grad: torch.Tensor, out: torch.Tensor | None, lr: float,
+                   scalars: torch.Tensor, found: torch.Tensor, before, after) -> None:
+        def update(k, master, avg, avg_sq):
+            before(k)
+            lo, hi = self.states.bounds(k)
+            adam_step(master, grad[lo:hi], avg, avg_sq, None if out is None else out[lo:hi],
+                      self._segments(k), lr=lr, step=1, scalars=scalars, found_inf=found,
+                      **self.hyper)
+            after(k)
+        self.states.run(update)
+
+    def master_into(self, out: torch.Tensor) -> None:
+        for lo, hi in self.chunks():
+            out[lo:hi].copy_(self.states.read_range("master", lo, hi))
+
+    def read_piece(self, key: str, part: int, where: slice) -> torch.Tensor:
+        lo = self.offsets[part] + where.start
+        return self.states.read_range(key, lo, lo + where.stop - where.start)
+
+    def write_piece(self, key: str, part: int, where: slice, values) -> None:
+        lo = self.offsets[part] + where.start
+        n = where.stop - where.start
+        self.states.write_range(key, lo, lo + n,
+                                torch.zeros(n) if values is None else values.reshape(-1))

@@ -1,0 +1,151 @@
+"""The nvme tier's optimizer states: one rank's fp32 master and Adam moments in tiles on disk.
+
+The rank's flat shard (every unit's owned part, back to back, as the host
+tier lays it out) is cut into tiles of ``T`` elements (``--offload-buffer-size``).
+Tile ``k`` covers shard elements ``[k T, (k + 1) T)`` and is one record of the
+swap file ``optimizer.swp``::
+
+    offset k * 12T bytes:  master[T] | exp_avg[T] | exp_avg_sq[T]   (fp32)
+
+so a tile moves with one read and one write of ``12 T`` bytes at an aligned
+offset (direct I/O, no page cache). The last tile is padded to full size.
+
+[Note: the tile pipeline]
+A step visits the tiles in order through ``--offload-buffer-count`` staging
+buffers of one tile each, used as a ring: while tile ``k`` is being updated,
+the reads of tiles ``k + 1 .. k + C - 2`` are in flight and the write of tile
+``k - 1`` drains. Before tile ``k + C - 1`` is read into the buffer tile
+``k - 1`` used, that buffer's write must have finished. Host memory is the C
+buffers, whatever the model size; the disk sees one sequential read and one
+sequential write of the swap file per step.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from hybrid.kernels.aio import AsyncIO, aligned_empty
+from hybrid.zero.swap import SwapSpace
+
+KEYS = ("master", "exp_avg", "exp_avg_sq")  # the planes of a tile, in file order
+FILE = "optimizer.swp"
+
+
+class SwappedStates:
+    """``n`` elements of master and both moments, in tiles of ``tile`` elements.
+
+    ``space_for(n, tile)`` gives the bytes to reserve for :class:`SwapSpace`;
+    ``space`` must hold :data:`FILE` of that size. ``buffers``: staging buffers
+    (>= 2). ``pin``: page-locked staging (GPU hosts).
+    """
+
+    def __init__(self, n: int, tile: int, space: SwapSpace, io: AsyncIO, buffers: int,
+                 pin: bool = False):
+        self.n, self.tile = n, tile
+        self.tiles = -(-n // tile)
+        self.space, self.io = space, io
+        self.file = space.files[FILE]
+        self.staging = [aligned_empty(3 * tile, torch.float32, pin) for _ in range(buffers)]
+        self._reads: dict[int, object] = {}  # tile -> read request in flight
+        self._writes: dict[int, object] = {}  # buffer -> write request in flight
+
+    @staticmethod
+    def space_for(n: int, tile: int) -> int:
+        return -(-n // tile) * tile * 12
+
+    def bounds(self, k: int) -> tuple[int, int]:
+        """Shard elements ``[lo, hi)`` of tile ``k``."""
+        return k * self.tile, min(self.n, (k + 1) * self.tile)
+
+    def planes(self, buf: torch.Tensor, length: int) -> tuple[torch.Tensor, ...]:
+        """(master, exp_avg, exp_avg_sq) views of a staging buffer's first ``length``."""
+        t = self.tile
+        return tuple(buf[i * t: i * t + length] for i in range(3))
+
+    def _offset(self, k: int, plane: int = 0, element: int = 0) -> int:
+        return (k * 3 * self.tile + plane * self.tile + element) * 4
+
+    # -- the pipeline --------------------------------------------------------------
+    def run(self, update) -> None:
+        """``update(k, master, exp_avg, exp_avg_sq)`` for every tile in order, on
+        tile views of the staging buffers; what it writes goes back to disk. Returns
+        once every write has finished (the file then holds this step's states)."""
+        self.space.check()
+        c = len(self.staging)
+        ahead = max(1, c - 1)  # tiles read ahead, leaving one buffer to drain a write
+        for k in range(min(ahead, self.tiles)):
+            self._read(k)
+        try:
+            for k in range(self.tiles):
+                buf = self.staging[k % c]
+                self._reads.pop(k).wait()
+                lo, hi = self.bounds(k)
+                update(k, *self.planes(buf, hi - lo))
+                self._writes[k % c] = self.io.write(self.file, self._offset(k), buf)
+                if k + ahead < self.tiles:
+                    self._read(k + ahead)
+        finally:
+            self.drain()
+
+    def _read(self, k: int) -> None:
+        b = k % len(self.staging)
+        if b in self._writes:  # the buffer's previous tile must be on disk first
+            self._writes.pop(b).wait()
+        self._reads[k] = self.io.read(self.file, self._offset(k), self.staging[b])
+
+    def drain(self) -> None:
+        """Wait for every request in flight (the first error is raised after all ended)."""
+        pending = list(self._reads.values()) + list(self._writes.values())
+        self._reads, self._writes = {}, {}
+        error = None
+        for r in pending:
+            try:
+                r.wait()
+            except Exception as e:  # noqa: BLE001 -- all must end before we raise
+                error = error or e
+        if error is not None:
+            raise error
+
+    # -- element ranges, outside the step (initialization, checkpoints) -------------
+    def fill(self, master_values) -> None:
+        """Initialize every tile: master from ``master_values(lo, hi, dst)`` (fills the
+        fp32 ``dst`` with shard elements ``[lo, hi)``), moments zero. One pass."""
+        buf = self.staging[0]
+        for k in range(self.tiles):
+            lo, hi = self.bounds(k)
+            buf.zero_()
+            master_values(lo, hi, buf[: hi - lo])
+            self.io.write(self.file, self._offset(k), buf).wait()
+
+    def read_range(self, key: str, lo: int, hi: int) -> torch.Tensor:
+        """fp32 ``(hi - lo,)`` copy of plane ``key`` over shard elements ``[lo, hi)``."""
+        out = torch.empty(hi - lo, dtype=torch.float32)
+        reqs = [self.io.read(self.file, off, out[a: b]) for off, a, b in self._spans(key, lo, hi)]
+        for r in reqs:
+            r.wait()
+        return out
+
+    def write_range(self, key: str, lo: int, hi: int, values: torch.Tensor) -> None:
+        """Plane ``key`` over shard elements ``[lo, hi)`` <- ``values`` (``(hi - lo,)``)."""
+        src = values.detach().to(torch.float32).contiguous()
+        reqs = [self.io.write(self.file, off, src[a: b]) for off, a, b in self._spans(key, lo, hi)]
+        for r in reqs:
+            r.wait()
+
+    def _spans(self, key: str, lo: int, hi: int):
+        """(file offset, start, stop) of each tile's part of ``[lo, hi)``, relative to lo."""
+        plane = KEYS.index(key)
+        pos = lo
+        while pos < hi:
+            k = pos // self.tile
+            end = min(hi, (k + 1) * self.tile)
+            yield self._offset(k, plane, pos - k * self.tile), pos - lo, end - lo
+            pos = end
+
+    def nbytes(self) -> int:
+        """Host bytes of the staging buffers."""
+        return sum(b.numel() * 4 for b in self.staging)
+
+    def close(self) -> None:
+        """Wait for what is in flight (the engine then closes the space and the I/O)."""
+        self.drain()
