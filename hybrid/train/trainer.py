@@ -120,6 +120,7 @@ class Trainer:
         finally:
             early.close()
             self.monitor.close()
+            self.engine.close()  # the nvme tier's swap files are scratch: deleted here
         return history
 
     def step(self):
