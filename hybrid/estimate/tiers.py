@@ -34,7 +34,8 @@ recompute, whose recompute forward gathers again)::
             optimizer_staging    optimizer nvme: C T 12 (a tile's master and moments)
             param_shard          param cpu: e_p shard (also where the step writes the
                                  new parameters: it replaces the upload copy)
-            param_staging        param nvme: C T e_p
+            param_staging        param nvme: 2 shards of the largest unit, e_p each
+                                 (the read being loaded, the one prefetched)
             baseline             the process itself (torch, the interpreter)
     disk    optimizer_swap       optimizer nvme: 12 T ceil(shard / T) (whole tiles)
             param_swap           param nvme: e_p shard
@@ -75,6 +76,12 @@ def setting_name(optimizer: str | None, param: str | None) -> str:
     return " + ".join(parts) or "none"
 
 
+def _largest_unit(w: Workload) -> int:
+    """Parameters of the largest stage-3 unit (a block, or what the root keeps)."""
+    m = w.model
+    return max(m.block_parameters(w.tp), m.root_parameters(w.tp))
+
+
 def shard_elements(w: Workload) -> int:
     """This rank's 1/N of the TP rank's parameters, rounded up."""
     return -(-w.psi // w.dp)
@@ -102,9 +109,8 @@ def device_terms(w: Workload, off: OffloadConfig, runtime_bytes: int = 0) -> dic
     if off.param:
         # the shard lives off the device, the gradients go straight to the host buffer;
         # only the unit being computed and up to two prefetched ones are whole here
-        m, e_p = w.model, BYTES[w.params_dtype]
-        largest = max(m.block_parameters(w.tp), m.root_parameters(w.tp))
-        out.update(params=0, grads=0, gathered_units=3 * largest * e_p)
+        e_p = BYTES[w.params_dtype]
+        out.update(params=0, grads=0, gathered_units=3 * _largest_unit(w) * e_p)
     return out
 
 
@@ -130,8 +136,9 @@ def host_terms(w: Workload, off: OffloadConfig, baseline_bytes: int = HOST_BASEL
         "optimizer_staging": tile_pool * 12 if off.optimizer == "nvme" else 0,
         # the parameter shard's home between its gathers
         "param_shard": e_p * n if off.param == "cpu" else 0,
-        # C tiles of parameters on their way to and from the swap file
-        "param_staging": tile_pool * e_p if off.param == "nvme" else 0,
+        # reads from params.swp in flight: the shard being loaded and the one
+        # prefetched (hybrid/zero/param_offload.py), each of the largest unit
+        "param_staging": 2 * -(-_largest_unit(w) // w.dp) * e_p if off.param == "nvme" else 0,
     }
 
 

@@ -70,7 +70,7 @@ def test_host_terms_by_hand():
     assert host_terms(w, _off("nvme", "cpu"), 7) == dict(
         zero, grad_buffer=4 * 39_510, optimizer_staging=49_152, param_shard=79_020)
     assert host_terms(w, _off("nvme", "nvme"), 7) == dict(
-        zero, grad_buffer=158_040, optimizer_staging=49_152, param_staging=4 * 1024 * 2)
+        zero, grad_buffer=158_040, optimizer_staging=49_152, param_staging=2 * 16_662 * 2)  # 2 reads of the largest unit's shard
     assert host_terms(w, _off())["baseline"] == HOST_BASELINE_BYTES
 
 
@@ -90,7 +90,7 @@ def test_fp32_params_need_no_narrow_copies():
         baseline=0, master_and_moments=12 * SHARD, grad_buffer=4 * SHARD, upload_copy=0,
         optimizer_staging=0, param_shard=0, param_staging=0)
     assert host_terms(w, _off("nvme", "nvme"), 0)["optimizer_staging"] == 4 * 1024 * 12
-    assert host_terms(w, _off("nvme", "nvme"), 0)["param_staging"] == 4 * 1024 * 4
+    assert host_terms(w, _off("nvme", "nvme"), 0)["param_staging"] == 2 * 16_662 * 4
 
 
 def test_device_terms_by_hand():

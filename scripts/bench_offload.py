@@ -1,0 +1,318 @@
+#!/usr/bin/env python
+"""What each offload tier costs: step time, memory and disk of one GPT, as one JSON object.
+
+    python scripts/bench_offload.py [--world-size 1] [--steps 5] [--nvme-path DIR]
+    python scripts/bench_offload.py --layers 2 --hidden 256 --steps 2      # a quick look
+
+One GPT (default 8 layers x hidden 1024, vocab 8192: ~109M parameters; seq 128,
+micro-batch 1, bf16, TP 1, DP ``--world-size``, ZeRO stage 3, synthetic tokens)
+under each setting, each in fresh processes (``run_ranks(reuse=False)``) so
+the peak RSS is that setting's: ``none``, ``optimizer_cpu``, ``optimizer_nvme``,
+``param_cpu`` (optimizer cpu + param cpu), ``param_nvme`` (optimizer nvme +
+param nvme). Swap files go to a fresh directory under ``--nvme-path`` (default:
+the current directory; tmpfs is refused), removed at the end.
+
+``configs.<name>``: ``median_step_s`` (over ``--steps`` after one warm-up step)
+and ``ratio_to_none``; its split ``median_fwd_bwd_s`` (zero_grad, forward,
+engine.backward) and ``median_optimizer_step_s`` (engine.step); nvme only,
+``median_io_wait_s``: time the step spent blocked in the swap reads' and
+writes' ``wait``; ``peak_rss_mb_per_rank`` (ru_maxrss); ``model_state_bytes_per_rank``
+(``engine.model_state_bytes()``, disk included); ``predicted``: the estimator's
+device/host/disk bytes per rank (``hybrid.estimate.tiers.tier_bytes``; on a
+CPU host_bytes is the whole process) and ``peak_rss_over_predicted_host``. A
+setting the config or the engine refuses, or whose param offload the engine
+ignores (no param bytes accounted on the host or disk beyond the optimizer's),
+is ``{"skipped": reason}``.
+
+``swap_io`` (the optimizer_nvme run's rank 0, after every rank's steps, the
+other ranks idle): ``rw_GBps``: one ``engine.swapped.run`` with a no-op update
+(reads and writes every tile, 2 x ``file_bytes``); ``read_GBps``: every tile
+read through ``swapped.io.read``, C in flight; ``dd``: ``bench_aio.bench_dd``
+on the same directory (direct I/O where the file system allows; one stream of
+8 MiB blocks); ``ratio_rw_to_dd`` (against dd's read and write of the same bytes
+back to back) and ``ratio_read_to_dd``; goal >= 0.8. ``nvme_vs_cpu_step``:
+engine.step of optimizer_nvme over optimizer_cpu (goal <= 1.5 where the disk
+allows); ``disk_bound_s`` = 12 B x shard / dd read + 12 B x shard / dd write
+(24 B per shard element moved), the step's I/O at dd's bandwidth (one rank's;
+N ranks on one disk take N times); ``disk_bound_whole_tiles_s`` the same for
+the bytes the step really moves (whole tiles: 2 x ``file_bytes``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import resource
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+
+import torch
+
+from hybrid.config import Flags, build_config
+from hybrid.testing.pool import run_ranks
+
+CONFIGS = {"none": (None, None), "optimizer_cpu": ("cpu", None),
+           "optimizer_nvme": ("nvme", None), "param_cpu": ("cpu", "cpu"),
+           "param_nvme": ("nvme", "nvme")}
+
+
+def _rss_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+
+
+def _bench_aio():
+    """scripts/bench_aio.py as a module (scripts are not a package)."""
+    here = os.path.join(os.path.dirname(os.path.abspath(__file__)), "bench_aio.py")
+    spec = importlib.util.spec_from_file_location("bench_aio", here)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _config(a, name, swap_dir, world):
+    optimizer, param = CONFIGS[name]
+    return build_config(Flags(
+        num_layers=a.layers, hidden_size=a.hidden, num_attention_heads=a.heads,
+        seq_length=a.seq_length, micro_batch_size=a.micro_batch_size, bf16=True,
+        hidden_dropout=0.0, attention_dropout=0.0, lr=1e-4, weight_decay=0.01, clip_grad=1.0,
+        zero_stage=3, zero_param_persistence_threshold=0, seed=1234,
+        offload_optimizer=optimizer, offload_param=param,
+        offload_nvme_path=os.path.join(swap_dir, name) if "nvme" in (optimizer, param) else None,
+        offload_buffer_count=a.buffer_count, offload_buffer_size=a.buffer_size), world)
+
+
+class _WaitClock:
+    """Seconds spent in ``wait()`` of the requests an AsyncIO hands out from now on."""
+
+    def __init__(self, io):
+        self.s = 0.0
+        io.read, io.write = self._timed(io.read), self._timed(io.write)
+
+    def _timed(self, submit):
+        def call(*args):
+            req = submit(*args)
+            wait = req.wait
+
+            def timed_wait():
+                t = time.perf_counter()
+                try:
+                    wait()
+                finally:
+                    self.s += time.perf_counter() - t
+            req.wait = timed_wait
+            return req
+        return call
+
+
+def _param_offload_ignored(engine, param) -> str | None:
+    """Why param offload looks unimplemented (None: the engine accounts it)."""
+    if param is None:
+        return None
+    msb = engine.model_state_bytes()
+    if param == "cpu" and msb["host"] <= msb["optimizer"]:
+        return "--offload-param cpu accepted but ignored: no parameter bytes on the host"
+    sw = engine.swapped
+    opt_swap = 0 if sw is None else sw.space_for(sw.n, sw.tile)
+    if param == "nvme" and msb["disk"] <= opt_swap:
+        return "--offload-param nvme accepted but ignored: no parameter swap on disk"
+    return None
+
+
+def _swap_rates(sw) -> dict:
+    """I/O of the swapped states alone: a no-op ``run`` pass, then a read-only pass."""
+    nbytes = sw.tiles * 12 * sw.tile
+    t = time.perf_counter()
+    sw.run(lambda *args: None)
+    rw = time.perf_counter() - t
+    c, pending = len(sw.staging), {}
+    t = time.perf_counter()
+    for k in range(sw.tiles):  # tile k is the 12 T bytes at offset 12 T k
+        if k % c in pending:
+            pending.pop(k % c).wait()
+        pending[k % c] = sw.io.read(sw.file, k * 12 * sw.tile, sw.staging[k % c])
+    for r in pending.values():
+        r.wait()
+    read = time.perf_counter() - t
+    return {"file_bytes": nbytes, "shard_elements": sw.n, "tiles": sw.tiles,
+            "rw_pass_s": rw, "rw_GBps": 2 * nbytes / rw / 1e9,
+            "read_pass_s": read, "read_GBps": nbytes / read / 1e9}
+
+
+def _time_steps(a, ps, cfg, model, engine) -> dict:
+    """Per timed step: forward+backward, engine.step, and the step's I/O waits."""
+    clock = _WaitClock(engine.swapped.io) if engine.swapped is not None else None
+    g = torch.Generator().manual_seed(100 + ps.dp_rank)
+    out = {"fwd_bwd": [], "step": [], "io_wait": []}
+    for i in range(1 + a.steps):  # the first is the warm-up
+        b = torch.randint(0, a.vocab_size, (a.micro_batch_size, a.seq_length + 1), generator=g)
+        t0 = time.perf_counter()
+        engine.zero_grad()
+        engine.backward(model(b[:, :-1], b[:, 1:]))
+        t1 = time.perf_counter()
+        waited = clock.s if clock else 0.0
+        engine.step(cfg.lr_schedule.lr)
+        t2 = time.perf_counter()
+        if i > 0:
+            out["fwd_bwd"].append(t1 - t0)
+            out["step"].append(t2 - t1)
+            out["io_wait"].append((clock.s if clock else 0.0) - waited)
+    return out
+
+
+def _bench_rank(ps, name, a, swap_dir):
+    """One rank of setting ``name``: its timings, peak RSS, bytes, and the prediction."""
+    from hybrid.errors import ConfigError
+    from hybrid.estimate.memory import workload
+    from hybrid.estimate.tiers import tier_bytes
+    from hybrid.tensor_parallel import seed_all
+    from hybrid.train.setup import build_engine
+    torch.set_num_threads(a.threads)
+    try:
+        cfg = _config(a, name, swap_dir, ps.world_size)
+    except ConfigError as e:
+        return {"skipped": f"config refused: {e}"}
+    rng = seed_all(cfg.seed, ps.tp_rank, ps.dp_rank, ps.device)
+    try:
+        model, _, engine = build_engine(cfg, ps, a.vocab_size, rng)
+    except Exception as e:  # noqa: BLE001 - a tier the engine cannot build is reported
+        return {"skipped": f"engine refused: {type(e).__name__}: {e}"}
+    try:
+        why = _param_offload_ignored(engine, cfg.offload.param)
+        if why:
+            return {"skipped": why}
+        out = _time_steps(a, ps, cfg, model, engine)
+        ps.world_group.all_reduce(torch.zeros(1))  # every rank done: rank 0's disk alone
+        if name == "optimizer_nvme" and ps.rank == 0:
+            out["swap_io"] = _swap_rates(engine.swapped)
+        out["model_state_bytes"] = engine.model_state_bytes()
+    finally:
+        engine.close()
+    est = tier_bytes(workload(cfg, a.vocab_size, device="cpu"), cfg.offload)
+    out["predicted"] = {k: est[k] for k in ("device_bytes", "host_bytes", "disk_bytes")}
+    out["params"] = sum(p.numel() for p in model.parameters())
+    out["peak_rss_mb"] = _rss_mb()
+    return out
+
+
+def _run_config(a, name, swap_dir) -> list[dict]:
+    try:
+        return run_ranks(_bench_rank, a.world_size, 1, args=(name, a, swap_dir),
+                         timeout=1800, reuse=False)
+    except Exception as e:  # noqa: BLE001 - one setting failing leaves the others' figures
+        return [{"skipped": f"failed: {type(e).__name__}: {str(e)[-2000:]}"}]
+
+
+def _summary(ranks: list[dict], none_s: float | None) -> dict:
+    if "skipped" in ranks[0]:
+        return {"skipped": ranks[0]["skipped"]}
+    med = statistics.median(f + s for r in ranks for f, s in zip(r["fwd_bwd"], r["step"]))
+    pred = ranks[0]["predicted"]
+    rss = [round(r["peak_rss_mb"], 1) for r in ranks]
+    row = {"median_step_s": round(med, 4),
+           "ratio_to_none": round(med / none_s, 3) if none_s else None,
+           "median_fwd_bwd_s": round(statistics.median(t for r in ranks for t in r["fwd_bwd"]), 4),
+           "median_optimizer_step_s": round(statistics.median(
+               t for r in ranks for t in r["step"]), 4)}
+    if ranks[0]["model_state_bytes"]["disk"]:
+        row["median_io_wait_s"] = round(statistics.median(
+            t for r in ranks for t in r["io_wait"]), 4)
+    row.update(peak_rss_mb_per_rank=rss,
+               model_state_bytes_per_rank=[r["model_state_bytes"] for r in ranks],
+               predicted=pred,
+               peak_rss_over_predicted_host=round(max(rss) * 2**20 / pred["host_bytes"], 3))
+    return row
+
+
+def _io_report(aio, swap: dict, directory: str, reps: int) -> dict:
+    """The swapper's rates beside dd's on the same directory."""
+    nbytes = max(aio.BLOCK, swap["file_bytes"] // aio.BLOCK * aio.BLOCK)
+    direct = aio._direct_ok(directory)
+    dd = aio.bench_dd(directory, nbytes, direct, reps)
+    dd_rw = 2 / (1 / dd["read_GBps"] + 1 / dd["write_GBps"])  # read then write the same bytes
+    return {**{k: round(v, 4) if isinstance(v, float) else v for k, v in swap.items()},
+            "dd": {**{k: round(v, 3) for k, v in dd.items()}, "bytes": nbytes, "direct": direct},
+            "ratio_rw_to_dd": round(swap["rw_GBps"] / dd_rw, 3),
+            "ratio_read_to_dd": round(swap["read_GBps"] / dd["read_GBps"], 3), "goal": ">= 0.8"}
+
+
+def _step_report(configs: dict, io: dict) -> dict:
+    cpu, nvme = configs["optimizer_cpu"], configs["optimizer_nvme"]
+    if "skipped" in cpu or "skipped" in nvme:
+        return {"skipped": "optimizer_cpu or optimizer_nvme did not run"}
+    cpu_s, nvme_s = cpu["median_optimizer_step_s"], nvme["median_optimizer_step_s"]
+    row = {"cpu_step_s": cpu_s, "nvme_step_s": nvme_s, "ratio": round(nvme_s / cpu_s, 3),
+           "goal": "<= 1.5 where the disk allows"}
+    if io and "dd" in io:
+        r, w = io["dd"]["read_GBps"] * 1e9, io["dd"]["write_GBps"] * 1e9
+        bound = 12 * io["shard_elements"] * (1 / r + 1 / w)
+        row.update(disk_bound_s=round(bound, 4),
+                   disk_bound_whole_tiles_s=round(io["file_bytes"] * (1 / r + 1 / w), 4),
+                   disk_bound_over_cpu_step=round(bound / cpu_s, 3),
+                   disk_allows_goal=bound <= 1.5 * cpu_s)
+    return row
+
+
+def _args(argv):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--world-size", type=int, default=1, help="DP ranks (TP is 1)")
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--hidden", type=int, default=1024)
+    ap.add_argument("--heads", type=int, default=16)
+    ap.add_argument("--seq-length", type=int, default=128)
+    ap.add_argument("--vocab-size", type=int, default=8192)
+    ap.add_argument("--micro-batch-size", type=int, default=1)
+    ap.add_argument("--steps", type=int, default=5, help="timed steps, after one warm-up")
+    ap.add_argument("--threads", type=int, default=0,
+                    help="torch threads per rank (default: cores / world size)")
+    ap.add_argument("--buffer-count", type=int, default=Flags.offload_buffer_count)
+    ap.add_argument("--buffer-size", type=int, default=Flags.offload_buffer_size)
+    ap.add_argument("--nvme-path", default=os.getcwd(),
+                    help="where the swap directory goes (default: the current directory)")
+    ap.add_argument("--dd-reps", type=int, default=2)
+    ap.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
+    a = ap.parse_args(argv)
+    a.threads = a.threads or max(1, (os.cpu_count() or 1) // a.world_size)
+    return ap, a
+
+
+def main(argv=None) -> int:
+    ap, a = _args(argv)
+    os.environ.setdefault("OMP_NUM_THREADS", str(a.threads))
+    aio = _bench_aio()
+    point, fstype = aio._mount(a.nvme_path)
+    if fstype in ("tmpfs", "ramfs"):
+        ap.error(f"--nvme-path {a.nvme_path} is on {fstype} (memory), not a disk")
+    swap_dir = tempfile.mkdtemp(prefix=".bench_offload-", dir=a.nvme_path)
+    configs, io = {}, None
+    try:
+        runs = {name: _run_config(a, name, swap_dir) for name in a.configs}
+        none = runs.get("none", [{"skipped": ""}])[0]
+        none_s = None if "skipped" in none else statistics.median(
+            f + s for f, s in zip(none["fwd_bwd"], none["step"]))
+        configs = {name: _summary(r, none_s) for name, r in runs.items()}
+        swap = runs.get("optimizer_nvme", [{}])[0].get("swap_io")
+        if swap:
+            io = _io_report(aio, swap, swap_dir, a.dd_reps)
+    finally:
+        shutil.rmtree(swap_dir, ignore_errors=True)
+    first = next((r[0] for r in runs.values() if "params" in r[0]), {})
+    report = {"command": " ".join([os.path.basename(__file__), *(argv or sys.argv[1:])]),
+              "model": {"params": first.get("params"), "layers": a.layers, "hidden": a.hidden,
+                        "vocab": a.vocab_size, "seq_length": a.seq_length,
+                        "micro_batch_size": a.micro_batch_size, "dtype": "bf16", "zero_stage": 3,
+                        "tp": 1, "dp": a.world_size, "threads_per_rank": a.threads},
+              "nvme_path": os.path.realpath(a.nvme_path), "mount": point, "fs": fstype,
+              "configs": configs, "swap_io": io}
+    if "optimizer_cpu" in configs and "optimizer_nvme" in configs:
+        report["nvme_vs_cpu_step"] = _step_report(configs, io)
+    print(json.dumps(report, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
