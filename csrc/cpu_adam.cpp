@@ -368,6 +368,8 @@ std::string build_info() {
 #endif
 }
 
+void register_aio(py::module_& mod);  // csrc/aio.cpp: the swap I/O thread pool
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
   // The GIL is released: ZeRO-Offload runs this step on a worker thread while the
   // main thread keeps driving forward and backward.
@@ -379,4 +381,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
           py::arg("scalars") = py::none(), py::call_guard<py::gil_scoped_release>());
   mod.def("triad", &triad, "STREAM triad a = b + s * c");
   mod.def("build_info", &build_info, "vector ISA the kernel was built for");
+  register_aio(mod);
 }

@@ -140,7 +140,7 @@ def main() -> None:
         torch.arange(nbytes // 8, dtype=torch.int64, out=src.view(torch.int64))
         backends = ["csrc", "python"] if aio_ext() is not None else ["python"]
         if "csrc" not in backends:
-            report["csrc_note"] = "hybrid_aio did not load (kernels off or build failed)"
+            report["csrc_note"] = "hybrid_cpu_ops did not load (kernels off or build failed)"
         for b in backends:
             row = bench_backend(b, scratch, src, args.threads, args.reps)
             row["ratio_to_dd"] = {k: row[k] / report["dd"][k] for k in ("write_GBps", "read_GBps")}

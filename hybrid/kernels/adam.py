@@ -46,15 +46,12 @@ from dataclasses import dataclass
 
 import torch
 
-from hybrid.kernels.build import load_extension
+from hybrid.kernels.cpu_ops import cpu_ops
 
 
 def cpu_adam_ext():
-    """The compiled CPU step (``hybrid_cpu_adam``) or None."""
-    # -ffp-contract=off: see "Every element ..." in the module docstring
-    return load_extension("hybrid_cpu_adam", ["cpu_adam.cpp"],
-                          cflags=["-O3", "-march=native", "-ffp-contract=off", "-fopenmp"],
-                          ldflags=["-fopenmp"])
+    """The compiled CPU step (in ``hybrid_cpu_ops``, :mod:`hybrid.kernels.cpu_ops`) or None."""
+    return cpu_ops()
 
 
 def _cuda_ext():

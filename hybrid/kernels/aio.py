@@ -44,13 +44,14 @@ from __future__ import annotations
 import ctypes
 import errno as errno_codes
 import os
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 
 import torch
 
 from hybrid.errors import SwapIOError
-from hybrid.kernels.build import load_extension
+from hybrid.kernels.cpu_ops import cpu_ops
 
 ALIGN = 4096  # O_DIRECT alignment of offsets, lengths and buffers
 MAX_CHUNK = 8 << 20  # the largest piece one thread moves at a time
@@ -58,8 +59,8 @@ MIN_CHUNK = 256 << 10  # smaller pieces cost more in calls than they gain in ove
 
 
 def aio_ext():
-    """The compiled thread pool (``hybrid_aio``) or None."""
-    return load_extension("hybrid_aio", ["aio.cpp"], cflags=["-O2"])
+    """The compiled thread pool (in ``hybrid_cpu_ops``, :mod:`hybrid.kernels.cpu_ops`) or None."""
+    return cpu_ops()
 
 
 def aligned_empty(numel: int, dtype: torch.dtype, pin: bool = False) -> torch.Tensor:
@@ -179,12 +180,17 @@ class Request:
         self._buf = buf  # alive until waited, whatever the backend holds
         self._parts = parts  # [(start, length, waiter() -> (errno, done))]
         self._outcome: tuple[int, int] | None = None
+        # two threads may wait for one request (the host step's worker and the main
+        # thread, param_offload.py): the first collects the outcome, the other reads it
+        self._lock = threading.Lock()
 
     def wait(self) -> None:
-        """Block until every byte moved; raise SwapIOError if some did not."""
-        if self._outcome is None:
-            self._outcome = _gather([(s, n, w()) for s, n, w in self._parts])
-            self._parts, self._buf = [], None
+        """Block until every byte moved; raise SwapIOError if some did not. Safe to
+        call from several threads, and again."""
+        with self._lock:
+            if self._outcome is None:
+                self._outcome = _gather([(s, n, w()) for s, n, w in self._parts])
+                self._parts, self._buf = [], None
         err, done = self._outcome
         what = f"{self.op} of {self.nbytes} bytes at offset {self.offset} of {self.file.path}"
         if err:
@@ -212,7 +218,7 @@ class AsyncIO:
         self.threads = threads
         ext = aio_ext() if backend != "python" else None
         if backend == "csrc" and ext is None:
-            raise RuntimeError("AsyncIO(backend='csrc'): the hybrid_aio extension did not load "
+            raise RuntimeError("AsyncIO(backend='csrc'): the hybrid_cpu_ops extension did not load "
                                "(kernels off, or the build failed: see the logged warning)")
         self._pool = ext.Pool(threads, MAX_CHUNK) if ext is not None else None
         self._executor = None if ext is not None else ThreadPoolExecutor(

@@ -1,6 +1,6 @@
 """Build and load the C++/CUDA extensions in ``csrc/``, or say why not.
 
-    mod = load_extension("hybrid_cpu_adam", ["cpu_adam.cpp"])   # module or None
+    mod = load_extension("hybrid_cpu_ops", ["cpu_adam.cpp", "aio.cpp"])   # module or None
 
 Each extension is compiled once with ``torch.utils.cpp_extension.load`` (ninja)
 into a cache directory keyed by :func:`cache_key` -- its sources and their

@@ -61,7 +61,7 @@ def test_exact_resume_is_bit_identical(tmp_path, stage):
     swap = tmp_path / "swap"
     if stage == 2:
         flags += ["--offload-optimizer", "nvme", "--offload-nvme-path", str(swap),
-                  "--offload-buffer-size", "1024", "--offload-buffer-count", "2"]
+                  "--offload-buffer-size", "8192", "--offload-buffer-count", "2"]
     full, resumed = _save_at_3_and_resume(tmp_path, 4, 2, stage, *flags)
     assert len(resumed) == len(full) == 3
     assert [m["loss"] for m in resumed] == [m["loss"] for m in full]

@@ -108,16 +108,14 @@ def _assert_equal(host, nvme, what):
 
 
 P3 = ("nvme", "cpu+cpu", "cpu+nvme", "nvme+nvme")  # every stage-3 tier
-DP_VARIANTS = [(1, {}, ("nvme",)), (2, {"buffers": 2}, ("nvme",)),
+DP_VARIANTS = [(1, {}, ("nvme",)),
+               (2, {"offload_delayed_update": True, "offload_delayed_update_warmup": 1,
+                    "buffers": 2}, ("nvme",)),
                (3, {"bf16": True}, P3),
-               (2, {"offload_delayed_update": True, "offload_delayed_update_warmup": 1},
-                ("nvme",)),
                (3, {"offload_delayed_update": True}, ("nvme+nvme",)),
-               (3, {"fp16": True, "initial_loss_scale": 1024.0, "buffers": 4},
-                ("nvme", "nvme+nvme"))]
+               (3, {"fp16": True, "initial_loss_scale": 1024.0, "buffers": 4}, ("nvme+nvme",))]
 TP_VARIANTS = [(3, {"bf16": True, "sequence_parallel": True, "recompute_granularity": "full"},
-                ("nvme+nvme", "cpu+cpu")),
-               (2, {"offload_delayed_update": True, "sequence_parallel": True}, ("nvme",))]
+                ("nvme+nvme",))]
 
 
 def test_nvme_tier_is_the_host_tier_bit_for_bit(tmp_path):
