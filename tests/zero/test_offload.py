@@ -127,12 +127,18 @@ VARIANTS = [(2, {"offload_delayed_update": True, "offload_delayed_update_warmup"
             (2, {})]
 
 
-def test_delayed_update_is_the_reference_applied_one_step_late():
+@pytest.fixture(scope="module")
+def offloaded_runs():
+    """VARIANTS trained once on TP1 x DP2, for the tests of this module that read them."""
+    return run_ranks(_train, world_size=2, tp=1, args=(VARIANTS,))
+
+
+def test_delayed_update_is_the_reference_applied_one_step_late(offloaded_runs):
     """TP1 x DP2, 5 steps: losses, clipped norms, the parameters the model ends with
     (one update behind) and the host master (current) equal the reference's, at
     stages 1-3 and warmups 0-2; the undelayed offload equals the plain reference.
     Both DP ranks end bit-identical (the worker's order does not depend on timing)."""
-    res = run_ranks(_train, world_size=2, tp=1, args=(VARIANTS,))
+    res = offloaded_runs
     refs = {None: _reference(_cfg(1), None)}
     for (stage, kw), got in zip(VARIANTS, res[0]):
         warmup = (kw.get("offload_delayed_update_warmup", 0)
@@ -158,18 +164,19 @@ def test_delayed_update_is_the_reference_applied_one_step_late():
     assert refs[1]["losses"][3] != refs[None]["losses"][3]
 
 
-def test_gradients_go_down_per_unit_during_the_last_backward():
+def test_gradients_go_down_per_unit_during_the_last_backward(offloaded_runs):
     """Each unit's gradient shard is sent to the host exactly once per step, as soon
     as its reduction of the last micro-batch completes -- the first one while
-    most of backward is still to come -- and never for earlier micro-batches."""
-    res = run_ranks(_train, world_size=2, tp=1, args=([(2, {}), (1, {})],))
-    for r in res[0]:
+    most of backward is still to come -- and never for earlier micro-batches (stages
+    1-3, with and without the delayed update)."""
+    for (stage, _), r in zip(VARIANTS, offloaded_runs[0]):
         n_params = r["n_params"]
         for sent in r["sent"]:
             assert sorted(i for i, _, _ in sent) == list(range(r["units"]))
             assert all(last for _, _, last in sent)  # only in the last micro-batch
             # hooks of this backward so far: the first unit went while most were to come
-            assert sent[0][1] < n_params // 2
+            # (stages 1-2; stage 3's units are whole blocks, the first sent after one)
+            assert sent[0][1] < n_params // (2 if stage < 3 else 1), (stage, sent)
 
 
 def _fp16_overflow(ps):
