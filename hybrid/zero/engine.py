@@ -347,8 +347,7 @@ class ZeroEngine:
             opt += self.offload.nbytes()
         # Offloaded, the optimizer's bytes are host memory, not accelerator memory.
         host = opt if self.offload is not None else 0
-        host += self.tiers.host_bytes() - (0 if self.swapped is None
-                                           else self.swapped.nbytes())  # (in opt already)
+        host += self.tiers.param_host_bytes()
         disk = self.tiers.disk_bytes()
         return {"params": params, "grads": nbytes(self.flat_grads), "optimizer": opt,
                 "total": params + nbytes(self.flat_grads) + opt, "host": host, "disk": disk}

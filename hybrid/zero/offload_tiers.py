@@ -73,10 +73,10 @@ class OffloadTiers:
             u.offload_to(home)
             self._homes.append(home)
 
-    def host_bytes(self) -> int:
-        """Host bytes of the parameter homes and staging, and the optimizer's staging."""
-        return (sum(h.host_bytes() for h in self._homes)
-                + (0 if self.states is None else self.states.nbytes()))
+    def param_host_bytes(self) -> int:
+        """Host bytes of the parameter homes (a shard each on the cpu tier, the reads in
+        flight on the nvme tier); the optimizer's staging is the optimizer's to count."""
+        return sum(h.host_bytes() for h in self._homes)
 
     def disk_bytes(self) -> int:
         return 0 if self.space is None else self.space.nbytes()

@@ -41,6 +41,10 @@ from hybrid.config.sections import AdamWConfig
 from hybrid.kernels.adam import ShardAdamW, complement_ranges
 from hybrid.parallel.comm import CommGroup
 
+# What a rank keeps per element of its shard, in this order wherever they are stored
+# together (a checkpoint's rows, a swap file's tile planes).
+STATE_KEYS = ("master", "exp_avg", "exp_avg_sq")
+
 
 class ShardedAdamW:
     """Adam moments and master weights for this rank's parts of the model.

@@ -45,7 +45,7 @@ class HostHome:
         self.data.copy_(values)
 
     def prefetch(self) -> None:
-        pass  # already in host memory
+        """Nothing to do: the shard is already in host memory."""
 
     def load_into(self, shard: torch.Tensor) -> None:
         shard.copy_(self.data, non_blocking=shard.is_cuda)
@@ -77,6 +77,9 @@ class DiskHome:
         self.numel, self.dtype, self.pin = numel, dtype, pin
         self._buf: torch.Tensor | None = None  # a prefetched read's destination
         self._read = self._write = None
+        # (buffer, CUDA event): the last load's host buffer, alive until its
+        # asynchronous copy to the device has run -- no host sync in the gather
+        self._copying = None
 
     def _wait_write(self) -> None:
         if self._write is not None:
@@ -87,6 +90,9 @@ class DiskHome:
         """Start reading the shard into a host buffer (no-op if one is under way)."""
         if self._read is None:
             self._wait_write()
+            if self._copying is not None:  # a unit later: the copy has long run
+                self._copying[1].synchronize()
+                self._copying = None
             self._buf = aligned_empty(self.numel, self.dtype, self.pin)
             self._read = self.io.read(self.file, self.offset, self._buf)
 
@@ -95,7 +101,9 @@ class DiskHome:
         self._read.wait()
         shard.copy_(self._buf, non_blocking=shard.is_cuda)
         if shard.is_cuda:
-            torch.cuda.current_stream(shard.device).synchronize()  # before _buf goes
+            event = torch.cuda.Event()
+            event.record(torch.cuda.current_stream(shard.device))
+            self._copying = (self._buf, event)
         self._buf = self._read = None
 
     def store(self, values: torch.Tensor):
@@ -113,7 +121,8 @@ class DiskHome:
         self._wait_write()
 
     def host_bytes(self) -> int:
-        return 0 if self._buf is None else self._buf.numel() * self._buf.element_size()
+        bufs = [self._buf, None if self._copying is None else self._copying[0]]
+        return sum(b.numel() * b.element_size() for b in bufs if b is not None)
 
 
 def disk_slots(numels: list[int], element_size: int) -> tuple[list[int], int]:

@@ -13,8 +13,9 @@ from __future__ import annotations
 import torch
 
 from hybrid.zero.engine import ZeroEngine
+from hybrid.zero.optimizer import STATE_KEYS
 
-KEYS = ("master", "exp_avg", "exp_avg_sq")  # what a rank holds per element of its shard
+KEYS = STATE_KEYS  # what a rank holds per element of its shard
 
 
 def shard_state(engine: ZeroEngine) -> dict:

@@ -25,9 +25,9 @@ from __future__ import annotations
 import torch
 
 from hybrid.kernels.aio import AsyncIO, aligned_empty
+from hybrid.zero.optimizer import STATE_KEYS
 from hybrid.zero.swap import SwapSpace
 
-KEYS = ("master", "exp_avg", "exp_avg_sq")  # the planes of a tile, in file order
 FILE = "optimizer.swp"
 
 
@@ -134,7 +134,7 @@ class SwappedStates:
 
     def _spans(self, key: str, lo: int, hi: int):
         """(file offset, start, stop) of each tile's part of ``[lo, hi)``, relative to lo."""
-        plane = KEYS.index(key)
+        plane = STATE_KEYS.index(key)  # the planes of a tile, in file order
         pos = lo
         while pos < hi:
             k = pos // self.tile

@@ -43,8 +43,8 @@ def _engine(ps, stage, kw, tier, root):
     return cfg, model, engine
 
 
-def _run(ps, stage, kw, tier, root, steps=range(2), engine=None):
-    cfg, model, engine = engine or _engine(ps, stage, dict(kw), tier, root)
+def _run(ps, stage, kw, tier, root, steps=range(2)):
+    cfg, model, engine = _engine(ps, stage, dict(kw), tier, root)
     losses, norms, skipped = [], [], []
     for step in steps:
         loss, result = _dp_step(model, engine, ps, cfg, step)
