@@ -28,14 +28,20 @@ recompute, whose recompute forward gathers again)::
                                  stages 2-3 without param offload or delayed update:
                                  the engine's flat gradient shard is that host buffer,
                                  already counted as the device's grads)
-            upload_copy          optimizer offload without param offload: e_p shard
-                                 (the new parameters on their way up; none on the
-                                 cpu tier with fp32 params, which uploads its master)
+            upload_copy          optimizer offload without param offload (or with the
+                                 delayed update): e_p shard (the new parameters on
+                                 their way up; none on the cpu tier with fp32 params,
+                                 which uploads its master)
             optimizer_staging    optimizer nvme: C T 12 (a tile's master and moments)
             param_shard          param cpu: e_p shard (also where the step writes the
                                  new parameters: it replaces the upload copy)
             param_staging        param nvme: 2 shards of the largest unit, e_p each
                                  (the read being loaded, the one prefetched)
+            param_write_staging  param offload without the delayed update: the step
+                                 writes new parameters home through 2 chunks, e_p
+                                 each (home_writer.py): a tile (optimizer nvme) or
+                                 the largest unit's shard (optimizer cpu, param nvme;
+                                 none with param cpu: the step writes in place)
             baseline             the process itself (torch, the interpreter)
     disk    optimizer_swap       optimizer nvme: 12 T ceil(shard / T) (whole tiles)
             param_swap           param nvme: e_p shard
@@ -130,8 +136,9 @@ def host_terms(w: Workload, off: OffloadConfig, baseline_bytes: int = HOST_BASEL
         "grad_buffer": e_g * n if off.optimizer and not in_place else 0,
         # the step's new parameters in the params dtype, before they go up (the cpu
         # tier uploads an fp32 master itself; the nvme tier has no master in memory)
-        "upload_copy": e_p * n if (off.optimizer and not off.param and (
-            w.params_dtype != "fp32" or off.optimizer == "nvme")) else 0,
+        "upload_copy": e_p * n if (off.optimizer and (not off.param or off.delayed_update)
+                                   and (w.params_dtype != "fp32" or off.optimizer == "nvme"))
+        else 0,
         # C tiles of master + both moments (hybrid/zero/tiles.py)
         "optimizer_staging": tile_pool * 12 if off.optimizer == "nvme" else 0,
         # the parameter shard's home between its gathers
@@ -139,7 +146,17 @@ def host_terms(w: Workload, off: OffloadConfig, baseline_bytes: int = HOST_BASEL
         # reads from params.swp in flight: the shard being loaded and the one
         # prefetched (hybrid/zero/param_offload.py), each of the largest unit
         "param_staging": 2 * -(-_largest_unit(w) // w.dp) * e_p if off.param == "nvme" else 0,
+        "param_write_staging": 2 * _write_chunk(w, off) * e_p,
     }
+
+
+def _write_chunk(w: Workload, off: OffloadConfig) -> int:
+    """Elements of one of the home writer's 2 scratch chunks (0: it needs none)."""
+    if not off.param or off.delayed_update:
+        return 0  # no home writer: the new parameters go through the upload copy
+    if off.optimizer == "nvme":  # tiles straddle units
+        return min(off.buffer_size, shard_elements(w))
+    return -(-_largest_unit(w) // w.dp) if off.param == "nvme" else 0
 
 
 def disk_terms(w: Workload, off: OffloadConfig) -> dict:

@@ -52,6 +52,7 @@ import torch
 
 from hybrid.config.sections import OffloadConfig
 from hybrid.zero.flat_unit import FlatUnit
+from hybrid.zero.home_writer import HomeWriter
 
 
 class OptimizerOffload:
@@ -90,12 +91,21 @@ class OptimizerOffload:
         self._own_grad = not in_place
         self.opt = opt
         self.master = opt.flat_master  # None on the nvme tier
+        self._chunks = opt.chunks()
+        self._chunk_units = _chunk_units(self._chunks, self.bounds)
         # fp32 models upload the host master itself: no narrow copy to make.
-        self.out = None if dtype == torch.float32 and self.master is not None else torch.empty(
-            n, dtype=dtype, pin_memory=self.pin)
-        if self.out is not None:
-            opt.master_into(self.out)  # what a skipped first step would upload
-        self._chunk_units = _chunk_units(opt.chunks(), self.bounds)
+        master_uploads = dtype == torch.float32 and self.master is not None
+        # Stage 3 parameter offload: the new shards go straight home (home_writer.py),
+        # unless the delayed update needs a copy to hold them for a step.
+        self.writer = None
+        if any(u.home is not None for u in units) and not self.delayed:
+            self.writer = HomeWriter(units, self.bounds, self._chunk_units, self._chunks,
+                                     dtype, master_uploads, self.pin)
+            self.out = None
+        else:
+            self.out = None if master_uploads else torch.empty(n, dtype=dtype,
+                                                               pin_memory=self.pin)
+        self._fill_upload_copies()  # what a skipped first step would upload
         self.found = torch.zeros(1, dtype=torch.float32)
         self.copy_stream = torch.cuda.Stream(flat_grads.device) if self.cuda else None
         self._scalars = torch.zeros(2, dtype=torch.float64, pin_memory=self.pin)
@@ -195,7 +205,7 @@ class OptimizerOffload:
         sc = opt.begin_step(self._scalars[0], self._scalars[1])
         try:
             if not self._skipped:
-                opt.run_chunks(self.grad, self.out, lr, sc, self.found, self._before_chunk,
+                opt.run_chunks(self.grad, lr, sc, self.found, self._before_chunk,
                                self._after_chunk)
         except BaseException:
             self._failed = True  # nobody may wait for a unit that will not come
@@ -205,32 +215,57 @@ class OptimizerOffload:
                 self._consumed[i].set()
                 self._ready[i].set()
 
-    def _before_chunk(self, k: int) -> None:
+    def _before_chunk(self, k: int) -> torch.Tensor | None:
         """The gradients chunk ``k`` reads have arrived, and the parameters it
-        overwrites (``out``, or the fp32 master) have been read out by their upload."""
+        overwrites (``out``, or the fp32 master) have been read out by their upload.
+        Returns where the chunk's new parameters go (None: only into the master)."""
         for i in self._chunk_units[k][0]:
             if self._down[i] is not None:
                 self._down[i].synchronize()
             if self._up[i] is not None:
                 self._up[i].synchronize()
+        if self.writer is not None:
+            return self.writer.out_for(k)
+        lo, hi = self._chunks[k]
+        return None if self.out is None else self.out[lo:hi]
 
     def _after_chunk(self, k: int) -> None:
         """The units that end in chunk ``k`` are updated: upload them, and their host
         gradient buffers may be rewritten."""
+        if self.writer is not None:
+            self.writer.deliver(k)
         for i in self._chunk_units[k][1]:
             self._consumed[i].set()
             self._ready[i].set()
 
     def _upload(self, published) -> None:
         """Each unit's new parameters up as soon as the worker has them."""
-        src = self.out if self.out is not None else self.master
         for i, u in enumerate(self.units):
             self._ready[i].wait()
             if self._skipped or self._failed:  # (a failure is raised by the step)
                 continue  # nothing changed: the device already holds these parameters
-            self._copy_up(u, i, self._piece(src, i))
+            if self.writer is None or u.home is None:  # (else the worker sent it home)
+                self._copy_up(u, i, self._source(i))
             published(u)
         self._upload_due = False
+
+    def _source(self, i: int) -> torch.Tensor:
+        """Host memory holding unit ``i``'s new parameters, to upload from."""
+        src = None if self.writer is None else self.writer.source(i)
+        if src is not None:
+            return src
+        return self._piece(self.out if self.out is not None else self.master, i)
+
+    def _fill_upload_copies(self) -> None:
+        """The host copies of the new parameters (``out``, or the home-less units' under
+        the home writer) <- the master, rounded to the training dtype."""
+        if self.out is not None:
+            self.opt.master_into(self.out)
+        elif self.writer is not None and self.writer.out is not None:
+            for i, u in enumerate(self.units):
+                dst = self.writer.source(i)
+                if dst is not None:
+                    dst.copy_(self.opt.master_range(self.bounds[i], self.bounds[i + 1]))
 
     def _copy_up(self, u: FlatUnit, i: int, piece: torch.Tensor) -> None:
         if u.home is not None:  # stage 3 parameter offload: the new shard goes home
@@ -265,14 +300,19 @@ class OptimizerOffload:
         """The master (e.g. just loaded from a checkpoint) becomes the parameters."""
         self.wait()
         self._upload_due = False
-        if self.out is not None:
-            self.opt.master_into(self.out)
-        src = self.out if self.out is not None else self.master
+        self._fill_upload_copies()
         for i, u in enumerate(self.units):
-            self._copy_up(u, i, self._piece(src, i))
+            if self.writer is not None and u.home is not None:  # one unit's shard at a time
+                lo, hi = self.bounds[i], self.bounds[i + 1]
+                event = u.home.store(self.opt.master_range(lo, hi).to(u.shard.dtype))
+                if event is not None:
+                    event.synchronize()
+            else:
+                self._copy_up(u, i, self._source(i))
 
     def nbytes(self) -> int:
         own = self.grad.untyped_storage().nbytes() if self._own_grad else 0
+        own += 0 if self.writer is None else self.writer.nbytes()
         return own + (0 if self.out is None else self.out.untyped_storage().nbytes())
 
 

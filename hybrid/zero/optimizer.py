@@ -173,19 +173,22 @@ class ShardedAdamW:
         """The flat shard ranges one host step updates at a time: one per part (unit)."""
         return list(zip(self.offsets[:-1], self.offsets[1:]))
 
-    def run_chunks(self, grad: torch.Tensor, out: torch.Tensor | None, lr: float,
-                   scalars: torch.Tensor, found: torch.Tensor, before, after) -> None:
-        """Every chunk of :meth:`chunks` in order: ``before(k)``, AdamW on it from the
-        flat ``grad`` (writing the flat ``out`` when given), ``after(k)``."""
-        for k, (lo, hi) in enumerate(self.chunks()):
-            before(k)
-            self.step_parts(grad, lr, scalars, k, k + 1, None if out is None else out[lo:hi],
-                            found)
+    def run_chunks(self, grad: torch.Tensor, lr: float, scalars: torch.Tensor,
+                   found: torch.Tensor, before, after) -> None:
+        """Every chunk of :meth:`chunks` in order: ``out = before(k)``, AdamW on it from
+        the flat ``grad`` (writing the chunk's new parameters into ``out`` when it is
+        not None), ``after(k)``."""
+        for k in range(len(self.offsets) - 1):
+            self.step_parts(grad, lr, scalars, k, k + 1, before(k), found)
             after(k)
 
     def master_into(self, out: torch.Tensor) -> None:
         """The flat master, rounded to ``out``'s dtype, into the flat ``out``."""
         out.copy_(self.flat_master)
+
+    def master_range(self, lo: int, hi: int) -> torch.Tensor:
+        """fp32 master over flat shard elements ``[lo, hi)``."""
+        return self.flat_master[lo:hi]
 
     # -- one piece of one part, for checkpoints ---------------------------------------
     def read_piece(self, key: str, part: int, where: slice) -> torch.Tensor:

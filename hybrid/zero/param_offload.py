@@ -43,14 +43,30 @@ class HostHome:
     def __init__(self, values: torch.Tensor, pin: bool):
         self.data = torch.empty(values.numel(), dtype=values.dtype, pin_memory=pin)
         self.data.copy_(values)
+        self._copying = None  # CUDA event: the last load's copy to the device has run
 
     def prefetch(self) -> None:
         """Nothing to do: the shard is already in host memory."""
 
     def load_into(self, shard: torch.Tensor) -> None:
         shard.copy_(self.data, non_blocking=shard.is_cuda)
+        if shard.is_cuda:
+            self._copying = torch.cuda.Event()
+            self._copying.record(torch.cuda.current_stream(shard.device))
+
+    def target(self) -> torch.Tensor:
+        """Where the host step may write the new shard in place (after
+        :meth:`wait_loaded`)."""
+        return self.data
+
+    def wait_loaded(self) -> None:
+        """The last load has read ``data`` out: it may be rewritten."""
+        if self._copying is not None:
+            self._copying.synchronize()
+            self._copying = None
 
     def store(self, values: torch.Tensor):
+        self.wait_loaded()
         self.data.copy_(values)
         return None  # done: nothing to wait for
 
@@ -76,15 +92,16 @@ class DiskHome:
         self.file, self.io, self.offset = space.files[FILE], io, offset
         self.numel, self.dtype, self.pin = numel, dtype, pin
         self._buf: torch.Tensor | None = None  # a prefetched read's destination
-        self._read = self._write = None
+        self._read = None
+        self._writes: list = []  # requests writing the slot
         # (buffer, CUDA event): the last load's host buffer, alive until its
         # asynchronous copy to the device has run -- no host sync in the gather
         self._copying = None
 
     def _wait_write(self) -> None:
-        if self._write is not None:
-            self._write.wait()
-            self._write = None
+        writes, self._writes = self._writes, []
+        for w in writes:
+            w.wait()
 
     def prefetch(self) -> None:
         """Start reading the shard into a host buffer (no-op if one is under way)."""
@@ -106,15 +123,28 @@ class DiskHome:
             self._copying = (self._buf, event)
         self._buf = self._read = None
 
-    def store(self, values: torch.Tensor):
-        """Write the new shard (asynchronously); the returned event ends with the write."""
-        self._wait_write()
+    def target(self) -> None:
+        """No host tensor to write in place: the step writes through :meth:`write_at`."""
+        return None
+
+    def wait_loaded(self) -> None:
+        """(A load reads the file, not a buffer the step writes.)"""
+
+    def write_at(self, start: int, values: torch.Tensor):
+        """Write ``values`` over shard elements ``[start, start + len)``, asynchronously;
+        returns the request (``values`` must stay unchanged until it ends)."""
         if self._read is not None:  # a stale prefetch: let it land, then drop it
             self._read.wait()
             self._buf = self._read = None
         src = values.detach().contiguous()
-        self._write = self.io.write(self.file, self.offset, src)
-        return _Done(self._write)
+        req = self.io.write(self.file, self.offset + start * src.element_size(), src)
+        self._writes.append(req)
+        return req
+
+    def store(self, values: torch.Tensor):
+        """Write the new shard (asynchronously); the returned event ends with the write."""
+        self._wait_write()
+        return _Done(self.write_at(0, values))
 
     def store_done(self) -> None:
         """Wait for the last write (before the file goes)."""

@@ -77,20 +77,22 @@ class SwappedAdamW(ShardedAdamW):
     def chunks(self) -> list[tuple[int, int]]:
         return [self.states.bounds(k) for k in range(self.states.tiles)]
 
-    def run_chunks(self, grad: torch.Tensor, out: torch.Tensor | None, lr: float,
-                   scalars: torch.Tensor, found: torch.Tensor, before, after) -> None:
+    def run_chunks(self, grad: torch.Tensor, lr: float, scalars: torch.Tensor,
+                   found: torch.Tensor, before, after) -> None:
         def update(k, master, avg, avg_sq):
-            before(k)
+            out = before(k)
             lo, hi = self.states.bounds(k)
-            adam_step(master, grad[lo:hi], avg, avg_sq, None if out is None else out[lo:hi],
-                      self._segments(k), lr=lr, step=1, scalars=scalars, found_inf=found,
-                      **self.hyper)
+            adam_step(master, grad[lo:hi], avg, avg_sq, out, self._segments(k), lr=lr,
+                      step=1, scalars=scalars, found_inf=found, **self.hyper)
             after(k)
         self.states.run(update)
 
     def master_into(self, out: torch.Tensor) -> None:
         for lo, hi in self.chunks():
-            out[lo:hi].copy_(self.states.read_range("master", lo, hi))
+            out[lo:hi].copy_(self.master_range(lo, hi))
+
+    def master_range(self, lo: int, hi: int) -> torch.Tensor:
+        return self.states.read_range("master", lo, hi)
 
     def read_piece(self, key: str, part: int, where: slice) -> torch.Tensor:
         lo = self.offsets[part] + where.start

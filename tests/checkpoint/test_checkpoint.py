@@ -58,18 +58,22 @@ def test_exact_resume_is_bit_identical(tmp_path, stage):
     pieces; test_reshard_continues_the_same_curve loads into both and continues the
     curve.) Stage 2 keeps its optimizer on the nvme tier: the
     checkpoint streams from the swap files, the restart rebuilds them from it, and
-    a clean exit deletes them."""
+    a clean exit deletes them. Stage 3 keeps its parameter shards in params.swp (the
+    optimizer on the host): the loaded master goes home unit by unit."""
     flags = ["--hidden-dropout", "0.1", "--attention-dropout", "0.1"]
     swap = tmp_path / "swap"
     if stage == 2:
         flags += ["--offload-optimizer", "nvme", "--offload-nvme-path", str(swap),
                   "--offload-buffer-size", "8192", "--offload-buffer-count", "2"]
+    else:
+        flags += ["--offload-optimizer", "cpu", "--offload-param", "nvme",
+                  "--offload-nvme-path", str(swap)]
     full, resumed = _save_at_3_and_resume(tmp_path, 4, 2, stage, *flags)
     assert len(resumed) == len(full) == 3
     assert [m["loss"] for m in resumed] == [m["loss"] for m in full]
     assert [m["grad_norm"] for m in resumed] == [m["grad_norm"] for m in full]
+    assert full[0]["model_state_bytes"]["disk"] > 0
     if stage == 2:
-        assert full[0]["model_state_bytes"]["disk"] > 0
         assert sorted(os.listdir(swap)) == [f"rank{r:05d}" for r in range(4)]
         assert not [f for r in os.listdir(swap) for f in os.listdir(swap / r) if f != ".lock"]
 

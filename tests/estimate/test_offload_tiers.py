@@ -57,7 +57,7 @@ def test_host_terms_by_hand():
     """bf16 params (e_p 2), fp32 gradients (e_g 4), on a GPU."""
     w = _small()
     zero = dict(baseline=7, master_and_moments=0, grad_buffer=0, upload_copy=0,
-                optimizer_staging=0, param_shard=0, param_staging=0)
+                optimizer_staging=0, param_shard=0, param_staging=0, param_write_staging=0)
     assert host_terms(w, _off(), 7) == zero
     assert host_terms(w, _off("cpu"), 7) == dict(
         zero, master_and_moments=12 * 39_510, grad_buffer=4 * 39_510, upload_copy=2 * 39_510)
@@ -67,10 +67,22 @@ def test_host_terms_by_hand():
     # param cpu: the shard's home (the step writes the new parameters there)
     assert host_terms(w, _off("cpu", "cpu"), 7) == dict(
         zero, master_and_moments=12 * 39_510, grad_buffer=4 * 39_510, param_shard=2 * 39_510)
+    # tiles straddle units: the new parameters go home through 2 scratch tiles
     assert host_terms(w, _off("nvme", "cpu"), 7) == dict(
-        zero, grad_buffer=4 * 39_510, optimizer_staging=49_152, param_shard=79_020)
+        zero, grad_buffer=4 * 39_510, optimizer_staging=49_152, param_shard=79_020,
+        param_write_staging=2 * 1024 * 2)
+    # 2 reads of the largest unit's shard in flight
     assert host_terms(w, _off("nvme", "nvme"), 7) == dict(
-        zero, grad_buffer=158_040, optimizer_staging=49_152, param_staging=2 * 16_662 * 2)  # 2 reads of the largest unit's shard
+        zero, grad_buffer=158_040, optimizer_staging=49_152, param_staging=2 * 16_662 * 2,
+        param_write_staging=2 * 1024 * 2)
+    # the host step writes whole units: scratch for the disk writes of the largest
+    assert host_terms(w, _off("cpu", "nvme"), 7) == dict(
+        zero, master_and_moments=12 * 39_510, grad_buffer=4 * 39_510,
+        param_staging=2 * 16_662 * 2, param_write_staging=2 * 16_662 * 2)
+    # the delayed update holds a step's new parameters in the upload copy instead
+    assert host_terms(w, _off("nvme", "nvme", delayed_update=True), 7) == dict(
+        zero, grad_buffer=158_040, optimizer_staging=49_152, param_staging=2 * 16_662 * 2,
+        upload_copy=2 * 39_510)
     assert host_terms(w, _off())["baseline"] == HOST_BASELINE_BYTES
 
 
@@ -88,7 +100,7 @@ def test_fp32_params_need_no_narrow_copies():
     w = _small(params_dtype="fp32", grads_dtype=None)
     assert host_terms(w, _off("cpu"), 0) == dict(
         baseline=0, master_and_moments=12 * SHARD, grad_buffer=4 * SHARD, upload_copy=0,
-        optimizer_staging=0, param_shard=0, param_staging=0)
+        optimizer_staging=0, param_shard=0, param_staging=0, param_write_staging=0)
     assert host_terms(w, _off("nvme", "nvme"), 0)["optimizer_staging"] == 4 * 1024 * 12
     assert host_terms(w, _off("nvme", "nvme"), 0)["param_staging"] == 2 * 16_662 * 4
 

@@ -53,9 +53,14 @@ def _run(ps, stage, kw, tier, root, steps=range(2)):
         skipped.append(bool(result.skipped))
     params = _named_params(model, engine)
     pieces = [v.clone() for v in iter_piece_values(engine)]
+    off = engine.offload
+    copy = off.out if off.writer is None else off.writer.out
     out = {"losses": losses, "norms": norms, "skipped": skipped, "params": params,
            "pieces": pieces, "steps": engine.optimizer.step_count,
-           "bytes": engine.model_state_bytes()}
+           "bytes": engine.model_state_bytes(),
+           # elements of the host copy of new parameters, and of the units without a home
+           "upload_copy": 0 if copy is None else copy.numel(),
+           "homeless": sum(u.own_hi - u.own_lo for u in engine.units if u.home is None)}
     return out, (cfg, model, engine)
 
 
@@ -93,6 +98,10 @@ def _assert_tier_bytes(tier, got, files, left, what):
         assert files["params.swp"] >= got["bytes"]["params"], what
     if param:  # the partitioned shards left the device: only persistent units remain
         assert got["bytes"]["params"] < n * 2, what
+        # the step writes new shards straight home: a host copy only of the units kept
+        # whole (the delayed update's copy holds them for a step: the whole shard)
+        delayed = "delayed" in what
+        assert got["upload_copy"] == (n if delayed else got["homeless"]) < 2 * n, what
     assert got["bytes"]["disk"] == sum(files.values()), what
 
 
@@ -107,13 +116,16 @@ def _assert_equal(host, nvme, what):
         assert torch.equal(a, b), what
 
 
-P3 = ("nvme", "cpu+cpu", "nvme+nvme")  # the host and disk homes of stage 3
+P3 = ("nvme", "cpu+cpu", "cpu+nvme", "nvme+nvme")  # the host and disk homes of stage 3
 DP_VARIANTS = [(1, {}, ("nvme",)),
                (2, {"offload_delayed_update": True, "offload_delayed_update_warmup": 1,
                     "buffers": 2}, ("nvme",)),
                (3, {"bf16": True}, P3),
                (3, {"offload_delayed_update": True}, ("nvme+nvme",)),
-               (3, {"fp16": True, "initial_loss_scale": 1024.0, "buffers": 4}, ("nvme+nvme",))]
+               # fp16, with the small units kept whole (their new parameters go up from a
+               # host copy of their own, the others straight to their homes)
+               (3, {"fp16": True, "initial_loss_scale": 1024.0, "buffers": 4,
+                    "zero_param_persistence_threshold": 200}, ("nvme+nvme",))]
 TP_VARIANTS = [(3, {"bf16": True, "sequence_parallel": True, "recompute_granularity": "full"},
                 ("nvme+nvme",))]
 
