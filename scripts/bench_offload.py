@@ -5,7 +5,9 @@
     python scripts/bench_offload.py --layers 2 --hidden 256 --steps 2      # a quick look
 
 One GPT (default 8 layers x hidden 1024, vocab 8192: ~109M parameters; seq 128,
-micro-batch 1, bf16, TP 1, DP ``--world-size``, ZeRO stage 3, synthetic tokens)
+micro-batch 1, ``--dtype`` (default bf16 with a GPU, fp32 without: a CPU without
+bf16 matrix units multiplies bf16 hundreds of times slower), TP 1, DP
+``--world-size``, ZeRO stage 3, synthetic tokens)
 under each setting, each in fresh processes (``run_ranks(reuse=False)``) so
 the peak RSS is that setting's: ``none``, ``optimizer_cpu``, ``optimizer_nvme``,
 ``param_cpu`` (optimizer cpu + param cpu), ``param_nvme`` (optimizer nvme +
@@ -78,7 +80,7 @@ def _config(a, name, swap_dir, world):
     optimizer, param = CONFIGS[name]
     return build_config(Flags(
         num_layers=a.layers, hidden_size=a.hidden, num_attention_heads=a.heads,
-        seq_length=a.seq_length, micro_batch_size=a.micro_batch_size, bf16=True,
+        seq_length=a.seq_length, micro_batch_size=a.micro_batch_size, bf16=a.dtype == "bf16",
         hidden_dropout=0.0, attention_dropout=0.0, lr=1e-4, weight_decay=0.01, clip_grad=1.0,
         zero_stage=3, zero_param_persistence_threshold=0, seed=1234,
         offload_optimizer=optimizer, offload_param=param,
@@ -266,6 +268,8 @@ def _args(argv):
     ap.add_argument("--seq-length", type=int, default=128)
     ap.add_argument("--vocab-size", type=int, default=8192)
     ap.add_argument("--micro-batch-size", type=int, default=1)
+    ap.add_argument("--dtype", choices=("fp32", "bf16"),
+                    default="bf16" if torch.cuda.is_available() else "fp32")
     ap.add_argument("--steps", type=int, default=5, help="timed steps, after one warm-up")
     ap.add_argument("--threads", type=int, default=0,
                     help="torch threads per rank (default: cores / world size)")
@@ -304,7 +308,7 @@ def main(argv=None) -> int:
     report = {"command": " ".join([os.path.basename(__file__), *(argv or sys.argv[1:])]),
               "model": {"params": first.get("params"), "layers": a.layers, "hidden": a.hidden,
                         "vocab": a.vocab_size, "seq_length": a.seq_length,
-                        "micro_batch_size": a.micro_batch_size, "dtype": "bf16", "zero_stage": 3,
+                        "micro_batch_size": a.micro_batch_size, "dtype": a.dtype, "zero_stage": 3,
                         "tp": 1, "dp": a.world_size, "threads_per_rank": a.threads},
               "nvme_path": os.path.realpath(a.nvme_path), "mount": point, "fs": fstype,
               "configs": configs, "swap_io": io}

@@ -45,6 +45,7 @@ import ctypes
 import errno as errno_codes
 import os
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 
@@ -171,12 +172,25 @@ def _py_transfer(write: bool, fd: int, buf: torch.Tensor, lo: int, hi: int,
     return 0, done
 
 
+class WaitClock:
+    """Seconds spent blocked in :meth:`Request.wait`, summed over the waiting threads."""
+
+    def __init__(self):
+        self.s = 0.0
+        self._lock = threading.Lock()
+
+    def add(self, seconds: float) -> None:
+        with self._lock:
+            self.s += seconds
+
+
 class Request:
     """One read or write in flight; :meth:`wait` for it (module docstring)."""
 
     def __init__(self, op: str, file: SwapFile, offset: int, nbytes: int, buf: torch.Tensor,
-                 parts: list):
+                 parts: list, clock: WaitClock | None = None):
         self.op, self.file, self.offset, self.nbytes = op, file, offset, nbytes
+        self._clock = clock
         self._buf = buf  # alive until waited, whatever the backend holds
         self._parts = parts  # [(start, length, waiter() -> (errno, done))]
         self._outcome: tuple[int, int] | None = None
@@ -187,10 +201,13 @@ class Request:
     def wait(self) -> None:
         """Block until every byte moved; raise SwapIOError if some did not. Safe to
         call from several threads, and again."""
+        start = time.perf_counter()
         with self._lock:
             if self._outcome is None:
                 self._outcome = _gather([(s, n, w()) for s, n, w in self._parts])
                 self._parts, self._buf = [], None
+        if self._clock is not None:
+            self._clock.add(time.perf_counter() - start)
         err, done = self._outcome
         what = f"{self.op} of {self.nbytes} bytes at offset {self.offset} of {self.file.path}"
         if err:
@@ -225,6 +242,7 @@ class AsyncIO:
             threads, thread_name_prefix="hybrid-aio")
         self.backend = "csrc" if ext is not None else "python"
         self._closed = False
+        self.waited = WaitClock()  # seconds callers spent blocked in Request.wait
 
     def read(self, file: SwapFile, offset: int, dst: torch.Tensor) -> Request:
         """Start filling ``dst`` from ``file`` at ``offset``."""
@@ -252,7 +270,7 @@ class AsyncIO:
         pieces = [(file.direct_fd, 0, body), (file.fd, body, nbytes - body)]
         parts = [(start, n, self._start(write, fd, buf[start:start + n], offset + start))
                  for fd, start, n in pieces if n > 0]
-        return Request(op, file, offset, nbytes, buf, parts)
+        return Request(op, file, offset, nbytes, buf, parts, self.waited)
 
     def _start(self, write: bool, fd: int, buf: torch.Tensor, offset: int):
         """Queue one piece; returns its waiter, ``() -> (errno, done)``."""

@@ -84,6 +84,7 @@ class Trainer:
         interval = cfg.diagnostics.check_replicas_interval
         self.replicas = ReplicaChecker(self.model, self.engine, ps) if interval else None
         self.lr = 0.0
+        self._offload_prev: dict = {}  # engine.offload_seconds() at the last log line
 
     def train(self) -> list[dict]:
         """Train until ``--train-iters`` or ``--train-samples`` (or an exit flag); return
@@ -145,6 +146,7 @@ class Trainer:
     def log(self, batch: int, result) -> dict:
         """The log line of the interval that ended at this iteration (console, JSON,
         TensorBoard on rank 0); returns its metrics."""
+        n = self.metrics.iterations
         st, measured = self.state, self.metrics.line()
         m = {"iteration": st.iteration, "train_iters": total_iterations(self.cfg.loop),
              "consumed_samples": st.consumed_samples, "global_batch_size": batch,
@@ -153,11 +155,21 @@ class Trainer:
              **measured, "model_state_bytes": self.engine.model_state_bytes(),
              # saved for backward by this rank's first micro-batch, measured
              "activation_bytes": self.meter.peak}
+        split = self._offload_split(n)
+        if split:
+            m["offload_time_s"] = split
         if self.ac is not None:
             m["activation_checkpoint_bytes"] = self.ac.peak_bytes()
             self.ac.reset_peak()
         self.monitor.log_iteration(m)
         return m
+
+    def _offload_split(self, n: int) -> dict:
+        """This rank's seconds per step over the interval's ``n`` steps, in the offloaded
+        optimizer step, the host Adam kernels and swap I/O waits (none: {})."""
+        now = self.engine.offload_seconds()
+        prev, self._offload_prev = self._offload_prev, now
+        return {k: (v - prev.get(k, 0.0)) / max(n, 1) for k, v in now.items()}
 
     def evaluate(self, split: str) -> None:
         """Log the mean loss over ``--eval-iters`` batches of ``split`` (if it has data)."""

@@ -97,8 +97,8 @@ class ZeroEngine:
         whole = [u for u in self.units if not u.partition_params]
         self.flat_params = torch.empty(sum(u.padded for u in whole), dtype=self.dtype,
                                        device=ps.device)
-        fill.bind(self.units, self.flat_params, self.dtype, ps.device)
-        self.tiers.offload_params()  # (stage 3 with --offload-param; else nothing)
+        # (stage 3 with --offload-param: each shard goes home as soon as it is made)
+        fill.bind(self.units, self.flat_params, self.dtype, ps.device, self.tiers.send_home)
         self._allocate_grads()
         # every parameter all-gather (stage 3's per-module ones, stages 1-2's after the
         # step) goes through one pipeline: two staging buffers of at most a bucket
@@ -351,6 +351,16 @@ class ZeroEngine:
         disk = self.tiers.disk_bytes()
         return {"params": params, "grads": nbytes(self.flat_grads), "optimizer": opt,
                 "total": params + nbytes(self.flat_grads) + opt, "host": host, "disk": disk}
+
+    def offload_seconds(self) -> dict:
+        """With an optimizer offload, seconds summed over the steps so far: ``host_step``
+        (the main thread in the offloaded step), ``adam`` (the host worker in the Adam
+        kernels) and ``io_wait`` (threads blocked on swap reads and writes); else {}."""
+        if self.offload is None:
+            return {}
+        io = self.tiers.io
+        return {"host_step": self.offload.step_s, "adam": self.offload.adam_s,
+                "io_wait": 0.0 if io is None else io.waited.s}
 
     def close(self) -> None:
         """Finish the update in flight and delete the swap files (scratch; a restart

@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import bisect
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
@@ -123,6 +124,9 @@ class OptimizerOffload:
         self._pending = None  # the update in flight (a Future)
         self._upload_due = False  # its parameters still have to go up
         self.steps = 0
+        # seconds, summed over steps: the main thread in step(), the worker in the kernels
+        self.step_s = self.adam_s = 0.0
+        self._chunk_t0 = 0.0
 
     def _piece(self, flat: torch.Tensor, i: int) -> torch.Tensor:
         return flat[self.bounds[i]: self.bounds[i + 1]]
@@ -159,6 +163,13 @@ class OptimizerOffload:
         the new parameters are on the device on return; with it, the previous
         step's are, and this step's update is running on the worker.
         """
+        t0 = time.perf_counter()
+        try:
+            return self._step(opt, lr, grad_scale, skip, published)
+        finally:
+            self.step_s += time.perf_counter() - t0
+
+    def _step(self, opt, lr, grad_scale, skip, published) -> torch.Tensor:
         self.steps += 1
         for u, sent in zip(self.units, self._sent):
             if not sent:  # no reduction reported it (cannot happen with the engine's hooks)
@@ -224,14 +235,15 @@ class OptimizerOffload:
                 self._down[i].synchronize()
             if self._up[i] is not None:
                 self._up[i].synchronize()
-        if self.writer is not None:
-            return self.writer.out_for(k)
-        lo, hi = self._chunks[k]
-        return None if self.out is None else self.out[lo:hi]
+        out = self.writer.out_for(k) if self.writer is not None else (
+            None if self.out is None else self.out[slice(*self._chunks[k])])
+        self._chunk_t0 = time.perf_counter()
+        return out
 
     def _after_chunk(self, k: int) -> None:
         """The units that end in chunk ``k`` are updated: upload them, and their host
         gradient buffers may be rewritten."""
+        self.adam_s += time.perf_counter() - self._chunk_t0
         if self.writer is not None:
             self.writer.deliver(k)
         for i in self._chunk_units[k][1]:

@@ -2,7 +2,7 @@
 
     tiers = OffloadTiers(offload, rank, units, dtype)
     tiers.states        # the nvme tier's optimizer states (SwappedStates), or None
-    tiers.offload_params(units)   # stage 3 param offload: each shard to its home
+    tiers.send_home(unit)   # stage 3 param offload: a unit's shard, just materialized, home
     tiers.close()       # drain the I/O, delete the swap files
 
 One :class:`~hybrid.zero.swap.SwapSpace` per rank holds every swap file
@@ -41,6 +41,7 @@ class OffloadTiers:
         self._homes: list = []
         n = sum(u.own_hi - u.own_lo for u in units)
         self._partitioned = [u for u in units if u.partition_params] if cfg.param else []
+        self._slot_of = {id(u): k for k, u in enumerate(self._partitioned)}
         sizes = {}
         if cfg.optimizer == "nvme":
             sizes[tiles.FILE] = SwappedStates.space_for(n, cfg.buffer_size)
@@ -61,17 +62,20 @@ class OffloadTiers:
             raise
 
     @torch.no_grad()
-    def offload_params(self) -> None:
-        """Move every partitioned unit's shard (just materialized) to its home."""
-        for k, u in enumerate(self._partitioned):
-            if self.cfg.param == "cpu":
-                home = HostHome(u.shard, self.pin)
-            else:
-                home = DiskHome(self.space, self.io, self._slots[k], u.shard_size,
-                                u.shard.dtype, self.pin)
-                home.store(u.shard).synchronize()
-            u.offload_to(home)
-            self._homes.append(home)
+    def send_home(self, u: FlatUnit) -> None:
+        """Move ``u``'s shard (just materialized) to its home, if it has one -- unit by
+        unit, so host memory never holds every shard at once."""
+        k = self._slot_of.get(id(u))
+        if k is None:
+            return
+        if self.cfg.param == "cpu":
+            home = HostHome(u.shard, self.pin)
+        else:
+            home = DiskHome(self.space, self.io, self._slots[k], u.shard_size,
+                            u.shard.dtype, self.pin)
+            home.store(u.shard).synchronize()
+        u.offload_to(home)
+        self._homes.append(home)
 
     def param_host_bytes(self) -> int:
         """Host bytes of the parameter homes (a shard each on the cpu tier, the reads in

@@ -178,9 +178,11 @@ class Materializer:
                               dst[a - lo: b - lo])
         return fill
 
-    def bind(self, units: list[FlatUnit], flat: torch.Tensor, dtype, device) -> None:
+    def bind(self, units: list[FlatUnit], flat: torch.Tensor, dtype, device,
+             bound=lambda u: None) -> None:
         """Give every unit its storage: views of ``flat`` for whole units (in order),
-        a transient full buffer for partitioned ones (freed at once)."""
+        a transient full buffer for partitioned ones (freed at once); ``bound(unit)``
+        after each (stage 3 parameter offload sends the shard home there)."""
         off = 0
         for u in units:
             fill = (lambda i, lo, hi, dst, u=u: self.fill(u.params[i], lo, hi, dst))
@@ -189,3 +191,4 @@ class Materializer:
             else:
                 u.bind(flat[off: off + u.padded], fill)
                 off += u.padded
+            bound(u)
