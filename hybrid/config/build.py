@@ -15,12 +15,14 @@ from dataclasses import dataclass
 
 from hybrid.config import checks
 from hybrid.config.architecture import validate_architecture
+from hybrid.config.deepspeed import apply_ds_config, load_ds_config
 from hybrid.config.flags import Flags
 from hybrid.config.kernels import kernel_config_from_env, parse_kernel_choice
 from hybrid.config.sections import (AdamWConfig, CheckpointConfig, DataConfig, DiagnosticsConfig,
                                     KernelConfig, LoggingConfig, LoopConfig, LRScheduleConfig,
                                     ModelConfig, OffloadConfig, ParallelConfig, PrecisionConfig,
                                     RecomputeConfig, TokenizerConfig, ZeroConfig)
+from hybrid.errors import ConfigError
 from hybrid.parallel.layout import check_layout
 
 __all__ = ["TrainConfig", "build_config"]
@@ -55,7 +57,8 @@ class TrainConfig:
     def to_dict(self) -> dict:
         """The flat flags (checkpoint metadata, logs)."""
         d = dataclasses.asdict(self.flags)
-        d.pop("ignored_megatron_flags")
+        for name in ("ignored_megatron_flags", "explicit_flags", "ds_config_notes"):
+            d.pop(name)
         return d
 
     @property
@@ -77,6 +80,7 @@ def build_config(flags: Flags, world_size: int,
     kernel flags it fills from ``environ``).
     """
     f = dataclasses.replace(flags)
+    _deepspeed(f, world_size)
     dp = _check(f, world_size)
     return TrainConfig(
         parallel=_parallel(f, world_size, dp), model=_model(f), lr_schedule=_lr_schedule(f),
@@ -84,6 +88,21 @@ def build_config(flags: Flags, world_size: int,
         offload=_offload(f), recompute=_recompute(f), data=_data(f), tokenizer=_tokenizer(f),
         checkpoint=_checkpoint(f), logging=_logging(f), kernels=_kernels(f, environ),
         diagnostics=_diagnostics(f), seed=f.seed, flags=f)
+
+
+def _deepspeed(f: Flags, world_size: int) -> None:
+    """``--deepspeed_config FILE`` (or ``--deepspeed FILE``): its keys into ``f``
+    (:mod:`hybrid.config.deepspeed`), before any check reads them."""
+    path = f.deepspeed_config
+    if f.deepspeed:
+        if path is not None and path != f.deepspeed:
+            raise ConfigError(f"--deepspeed {f.deepspeed} and --deepspeed_config {path} name "
+                              f"two files: keep one")
+        path = f.deepspeed
+    if path is None:
+        return
+    dp = check_layout(world_size, f.tensor_model_parallel_size)
+    f.ds_config_notes = apply_ds_config(f, load_ds_config(path), dp, source=path)
 
 
 def _check(f: Flags, world_size: int) -> int:
@@ -126,7 +145,8 @@ def _lr_schedule(f: Flags) -> LRScheduleConfig:
         warmup = int(f.lr_warmup_fraction * decay)
     return LRScheduleConfig(lr=f.lr, min_lr=f.min_lr, decay_style=f.lr_decay_style,
                             unit="samples" if samples else "iterations",
-                            warmup=warmup, decay=decay)
+                            warmup=warmup, decay=decay, warmup_init=f.lr_warmup_init,
+                            warmup_style=f.lr_warmup_style)
 
 
 def _loop(f: Flags) -> LoopConfig:

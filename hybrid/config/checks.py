@@ -158,6 +158,8 @@ def check_schedule(f: Flags) -> None:
                               "exclusive: keep one")
     if f.lr <= 0 or f.min_lr < 0 or f.min_lr > f.lr:
         raise ConfigError(f"need 0 <= --min-lr ({f.min_lr}) <= --lr ({f.lr}), --lr > 0")
+    if not 0.0 <= f.lr_warmup_init <= f.lr:
+        raise ConfigError(f"need 0 <= --lr-warmup-init ({f.lr_warmup_init}) <= --lr ({f.lr})")
     if f.lr_decay_style not in ("constant", "linear", "cosine"):
         raise ConfigError(f"--lr-decay-style must be constant, linear or cosine, "
                           f"got {f.lr_decay_style!r}")

@@ -95,6 +95,10 @@ class Flags:
     lr_warmup_fraction: float | None = opt(None, "warmup as a fraction of the decay length")
     lr_warmup_samples: int = opt(0, "linear warmup samples (with --train-samples)")
     lr_decay_style: str = opt("constant", "constant, linear or cosine")
+    lr_warmup_init: float = opt(0.0, "the learning rate warmup starts from")
+    lr_warmup_style: str = opt("linear", "warmup shape: linear, or log (DeepSpeed's "
+                                         "WarmupLR default: log(step) / log(warmup))",
+                               choices=("linear", "log"))
     lr_decay_iters: int | None = opt(None, "decay length (default: train iters)")
     lr_decay_samples: int | None = opt(None, "decay length in samples (with "
                                              "--train-samples; default: train samples)")
@@ -182,8 +186,14 @@ class Flags:
                                               "--recompute-granularity full")
     partition_activations: bool = opt(False, "each TP rank stores 1/TP of each checkpoint",
                                       alias="--distribute-saved-activations")
-    cpu_checkpointing: bool = opt(False, "keep the checkpoints in host memory")
-    contiguous_checkpointing: bool = opt(False, "store checkpoints in one preallocated buffer")
+    cpu_checkpointing: bool = opt(False, "keep the checkpoints in host memory",
+                                  alias="--checkpoint-in-cpu")
+    contiguous_checkpointing: bool = opt(False, "store checkpoints in one preallocated buffer",
+                                         alias="--contigious-checkpointing")
+    deepspeed_activation_checkpointing: bool = opt(
+        False, "Megatron-DeepSpeed's switch to DeepSpeed's activation checkpointing: hybrid's "
+               "ZeRO-R is that, and the ds_config's activation_checkpointing section applies "
+               "whenever recompute is on")
     # data
     data_path: list[str] | None = opt(None, "text file, or [weight] prefix ... of "
                                             "preprocessed data (default: built-in corpus)")
@@ -250,16 +260,28 @@ class Flags:
                                           "measured default (ops: " + ", ".join(KERNEL_PATHS)
                                     + ", all; e.g. layer_norm=fused,linear=fp32; "
                                       "default: $HYBRID_KERNEL_CHOICE)")
-    # not a flag: the Megatron flags parse_args dropped as having no effect here
+    # DeepSpeed's configuration file (hybrid/config/deepspeed.py)
+    deepspeed: str | None = opt(None, "Megatron-DeepSpeed's marker (no value), or as Hugging "
+                                      "Face's Trainer takes it, the ds_config.json to read",
+                                const="")
+    deepspeed_config: str | None = opt(None, "a DeepSpeed ds_config.json: its keys set the "
+                                             "matching flags (README: 'Coming from "
+                                             "DeepSpeed')", alias="--deepspeed_config")
+    # not flags: the Megatron flags parse_args dropped as having no effect here, the
+    # flags the command line gave (a ds_config may not contradict them), and what the
+    # ds_config accepted without effect
     ignored_megatron_flags: list[str] = field(default_factory=list, metadata={"cli": False})
+    explicit_flags: list[str] = field(default_factory=list, metadata={"cli": False})
+    ds_config_notes: list[str] = field(default_factory=list, metadata={"cli": False})
 
 
 def flag_name(field_name: str) -> str:
     return "--" + field_name.replace("_", "-")
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """One flag per :class:`Flags` field, named as Megatron names it."""
+def build_parser(explicit_only: bool = False) -> argparse.ArgumentParser:
+    """One flag per :class:`Flags` field, named as Megatron names it. ``explicit_only``:
+    no defaults, so a parse holds only the flags the command line gave."""
     p = argparse.ArgumentParser(
         prog="pretrain_gpt.py", description="Pretrain a GPT with tensor x data parallelism.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -268,7 +290,8 @@ def build_parser() -> argparse.ArgumentParser:
             continue
         names = [flag_name(f.name)] + ([f.metadata["alias"]] if f.metadata.get("alias") else [])
         kind, many = _field_type(f)
-        kw = dict(dest=f.name, default=f.default, help=f.metadata.get("help"))
+        kw = dict(dest=f.name, default=argparse.SUPPRESS if explicit_only else f.default,
+                  help=f.metadata.get("help"))
         if "choices" in f.metadata:
             kw["choices"] = f.metadata["choices"]
         if "const" in f.metadata:
@@ -310,7 +333,8 @@ def parse_args(argv: list[str] | None = None) -> Flags:
     ns, unknown = parser.parse_known_args(ours)
     if unknown:
         raise ConfigError(_unknown_message(unknown[0]))
-    return Flags(**vars(ns), ignored_megatron_flags=ignored)
+    given = build_parser(explicit_only=True).parse_known_args(ours)[0]
+    return Flags(**vars(ns), ignored_megatron_flags=ignored, explicit_flags=sorted(vars(given)))
 
 
 def _unknown_message(arg: str) -> str:

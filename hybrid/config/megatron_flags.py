@@ -45,6 +45,10 @@ NO_EFFECT: dict[str, int] = {
     "--check-for-nan-in-loss-and-grad": 0,  # hybrid always checks (and says where)
     "--no-check-for-nan-in-loss-and-grad": 0,
     "--wandb-project": 1, "--wandb-exp-name": 1, "--wandb-save-dir": 1, "--local-rank": 1,
+    # Megatron-DeepSpeed: a device sync at each checkpoint boundary, and its profiling
+    # (hybrid's recompute needs neither: the boundaries are ordered on the stream)
+    "--synchronize-each-layer": 0, "--profile-backward": 0,
+    "--local_rank": 1,  # the deepspeed launcher's spelling
 }
 
 # Megatron's "optimizer" is accepted only as the one hybrid runs.
@@ -92,7 +96,6 @@ REFUSED: dict[str, str] = {
     "--use-rotary-position-embeddings": "use --position-embedding-type rope",
     "--no-position-embedding": "use --position-embedding-type none",
     "--apply-layernorm-1p": "hybrid's norms scale by their weight, not 1 + weight",
-    "--lr-warmup-init": "warmup rises linearly from lr / warmup steps",
     "--weight-decay-incr-style": "--weight-decay is constant",
     "--start-weight-decay": "--weight-decay is constant",
     "--end-weight-decay": "--weight-decay is constant",

@@ -153,6 +153,8 @@ class LRScheduleConfig:
 
     ``unit``: "iterations" or "samples" -- what ``warmup`` and ``decay`` count,
     and what :func:`hybrid.train.lr_schedule.scheduled_lr` is stepped by.
+    Warmup rises from ``warmup_init`` to ``lr``, linearly or (``warmup_style``
+    "log", DeepSpeed's default) as log(step) / log(warmup).
     """
 
     lr: float = 1e-3
@@ -161,6 +163,8 @@ class LRScheduleConfig:
     unit: str = "iterations"
     warmup: int = 0
     decay: int = 200
+    warmup_init: float = 0.0
+    warmup_style: str = "linear"
 
 
 @dataclass(frozen=True)

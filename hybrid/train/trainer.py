@@ -207,6 +207,9 @@ class Trainer:
         if cfg.flags.ignored_megatron_flags:
             log.info("Megatron flags with no effect here (they pick Megatron's own kernels or "
                      "internals): %s", " ".join(cfg.flags.ignored_megatron_flags))
+        if cfg.flags.ds_config_notes and ps.rank == 0:  # keys accepted without effect
+            for note in cfg.flags.ds_config_notes:
+                log.warning("warning: ds_config %s", note)
         slow = low_precision_warning(cfg.precision.params_dtype, ps.device)
         if slow and ps.rank == 0:  # one line for the job
             log.warning("warning: %s", slow)
