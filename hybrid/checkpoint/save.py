@@ -84,7 +84,8 @@ def model_signature(model: torch.nn.Module) -> dict:
 def save_checkpoint(save_dir: str, iteration: int, consumed_samples: int, engine: ZeroEngine,
                     ps: ParallelState, config: dict, rng: TPRNGTracker,
                     keep_last: int | None = None, vocab_size: int | None = None, *,
-                    optimizer: bool = True, finetune: dict | None = None) -> str:
+                    optimizer: bool = True, finetune: dict | None = None,
+                    extra_meta: dict | None = None) -> str:
     """Write checkpoint ``iteration`` (collective over the world); return its directory.
 
     ``config``: the run's flat flags, recorded as metadata.json's ``config`` (what
@@ -93,6 +94,8 @@ def save_checkpoint(save_dir: str, iteration: int, consumed_samples: int, engine
     ``finetune``: recorded as metadata.json's ``finetune`` (where a ``--finetune``
     run started; see :mod:`hybrid.checkpoint.resume`), None for other runs.
     ``keep_last``: afterwards keep only the newest N complete checkpoints.
+    ``extra_meta``: more metadata.json entries (JSON values; ``hybrid.initialize``'s
+    client state and schedule).
     """
     columns = COLUMNS if optimizer else COLUMNS[:1]
     name = iter_name(iteration)
@@ -113,7 +116,7 @@ def save_checkpoint(save_dir: str, iteration: int, consumed_samples: int, engine
                 "vocab_size": vocab_size, "model": model_signature(engine.model),
                 "step": state["step"], "loss_scaler": state["loss_scaler"],
                 "zero_layout": layout, "finetune": finetune, "config": config,
-                "complete": True}
+                **(extra_meta or {}), "complete": True}
         error = _finish(save_dir, name, tmp, final, meta)
     _raise_agreed(ps, error)
     if ps.rank == 0 and keep_last:

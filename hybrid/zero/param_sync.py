@@ -22,6 +22,8 @@ the :class:`~hybrid.recompute.phase.RecomputePhase` it shares with this gatherer
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import torch
 from torch import nn
 
@@ -87,6 +89,10 @@ class ParamGatherer:
         return hook
 
     def _hook_output(self, unit: FlatUnit, output) -> None:
+        """Hook the first output tensor that needs a gradient (a tensor, a tuple or
+        list of them, or a mapping such as a ``transformers`` ModelOutput)."""
+        if isinstance(output, Mapping):
+            output = list(output.values())
         tensors = [output] if isinstance(output, torch.Tensor) else [
             t for t in (output if isinstance(output, (tuple, list)) else [])
             if isinstance(t, torch.Tensor)]
