@@ -14,12 +14,29 @@ transformers = pytest.importorskip("transformers")
 STEPS, ACCUM, SEQ, VOCAB = 3, 2, 16, 64
 
 
-def _gpt2():
+def _model(family: str):
+    """A tiny random-init ``transformers`` model (dropout off) of ``family``."""
     torch.manual_seed(0)
-    cfg = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=4, vocab_size=VOCAB,
-                                  n_positions=SEQ, resid_pdrop=0.0, embd_pdrop=0.0,
-                                  attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
-    return transformers.GPT2LMHeadModel(cfg)
+    t = transformers
+    if family == "gpt2":
+        return t.GPT2LMHeadModel(t.GPT2Config(
+            n_layer=2, n_embd=32, n_head=4, vocab_size=VOCAB, n_positions=SEQ, resid_pdrop=0.0,
+            embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0))
+    if family == "llama":
+        return t.LlamaForCausalLM(t.LlamaConfig(
+            hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=SEQ,
+            bos_token_id=0, eos_token_id=0, pad_token_id=0))
+    return t.BertForSequenceClassification(t.BertConfig(
+        hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
+        vocab_size=VOCAB, max_position_embeddings=SEQ, num_labels=3, hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0, pad_token_id=0))
+
+
+def _loss(model, family: str, x: torch.Tensor) -> torch.Tensor:
+    if family == "bert":  # a sequence label from its tokens
+        return model(input_ids=x, labels=x[:, 0] % 3).loss
+    return model(x, labels=x).loss
 
 
 def _ds(stage, **extra):
@@ -38,10 +55,10 @@ def _mine(batch: torch.Tensor, dp_rank: int, k: int) -> torch.Tensor:
     return batch[dp_rank * ACCUM + k].unsqueeze(0)
 
 
-def _reference(steps):
+def _reference(family, steps):
     """One process, torch AdamW (decay on matrices only, as hybrid's), clip 1.0: the
     micro-batch losses of every step, in (step, dp rank, micro) order."""
-    model = _gpt2()
+    model = _model(family)
     decay = [p for p in model.parameters() if p.ndim >= 2]
     rest = [p for p in model.parameters() if p.ndim < 2]
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1},
@@ -51,7 +68,7 @@ def _reference(steps):
         batch = _batches(step)
         for i in range(batch.shape[0]):
             x = batch[i].unsqueeze(0)
-            loss = model(x, labels=x).loss
+            loss = _loss(model, family, x)
             (loss / batch.shape[0]).backward()
             out.append(float(loss.detach()))
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -60,13 +77,13 @@ def _reference(steps):
     return out
 
 
-def _train(engine, ps, steps):
+def _train(engine, ps, steps, family):
     losses = []
     for step in steps:
         batch = _batches(step)
         for k in range(ACCUM):
             x = _mine(batch, ps.dp_rank, k)
-            loss = engine(x, labels=x).loss
+            loss = _loss(engine, family, x)
             engine.backward(loss)
             engine.step()
             losses.append(float(loss.detach()))
@@ -80,22 +97,23 @@ def sched_of(engine):
 def _run(ps, variants, ckpt_root):
     import hybrid
     out = []
-    for i, (stage, extra, resume) in enumerate(variants):
-        engine, _, _, sched = hybrid.initialize(model=_gpt2(), config=_ds(stage, **extra),
+    for i, (family, stage, extra, resume) in enumerate(variants):
+        config = _ds(stage, **extra)
+        engine, _, _, sched = hybrid.initialize(model=_model(family), config=config,
                                                 parallel_state=ps)
-        losses = _train(engine, ps, range(STEPS))
+        losses = _train(engine, ps, range(STEPS), family)
         got = {"losses": losses, "steps": engine.global_steps, "lr": sched.get_last_lr()}
         if resume:
             save = f"{ckpt_root}/v{i}"
             engine.save_checkpoint(save, client_state={"epoch": 7})
-            more = _train(engine, ps, range(STEPS, STEPS + 2))
+            more = _train(engine, ps, range(STEPS, STEPS + 2), family)
             engine.close()
-            fresh, _, _, _ = hybrid.initialize(model=_gpt2(), config=_ds(stage, **extra),
+            fresh, _, _, _ = hybrid.initialize(model=_model(family), config=config,
                                                parallel_state=ps)
             path, client = fresh.load_checkpoint(save)
             got.update(client=client, path=path, fresh_steps=fresh.global_steps,
                        lr_steps=sched_of(fresh).steps, continued=more,
-                       resumed=_train(fresh, ps, range(STEPS, STEPS + 2)))
+                       resumed=_train(fresh, ps, range(STEPS, STEPS + 2), family))
             fresh.close()
         else:
             engine.close()
@@ -103,19 +121,26 @@ def _run(ps, variants, ckpt_root):
     return out
 
 
-VARIANTS = [(0, {}, False), (1, {}, False), (2, {"offload_optimizer": {"device": "cpu"}}, False),
-            (3, {"stage3_param_persistence_threshold": 0}, True)]
+P3 = {"stage3_param_persistence_threshold": 0}
+HOST = {"offload_optimizer": {"device": "cpu"}}
+VARIANTS = [("gpt2", 0, {}, False), ("gpt2", 1, {}, False), ("gpt2", 2, HOST, False),
+            ("gpt2", 3, P3, True), ("llama", 0, {}, False), ("llama", 2, {}, False),
+            ("llama", 3, {**P3, **HOST}, True), ("bert", 1, HOST, False),
+            ("bert", 3, P3, True)]
 
 
-def test_a_transformers_gpt2_trains_as_one_process_at_every_stage(tmp_path):
-    ref = _reference(range(STEPS))
+def test_transformers_models_train_as_one_process_at_every_stage(tmp_path):
+    """GPT-2, Llama (GQA, RoPE) and BERT (a classification head) at DP 2."""
+    refs = {f: _reference(f, range(STEPS)) for f in ("gpt2", "llama", "bert")}
     res = run_ranks(_run, world_size=2, args=(VARIANTS, str(tmp_path)))
     for rank, per_rank in enumerate(res):
-        # this rank's micro-batches in the reference's (step, dp rank, micro) order
-        mine = [ref[s * 2 * ACCUM + rank * ACCUM + k] for s in range(STEPS) for k in range(ACCUM)]
-        for (stage, extra, resume), got in zip(VARIANTS, per_rank):
-            what = f"rank {rank}, stage {stage} {extra}"
-            assert got["steps"] == STEPS, what
+        for (family, stage, extra, resume), got in zip(VARIANTS, per_rank):
+            ref = refs[family]
+            # this rank's micro-batches in the reference's (step, dp rank, micro) order
+            mine = [ref[s * 2 * ACCUM + rank * ACCUM + k]
+                    for s in range(STEPS) for k in range(ACCUM)]
+            what = f"rank {rank}, {family} stage {stage} {extra}"
+            assert got["steps"] == STEPS and len(got["losses"]) == len(mine) == STEPS * ACCUM
             for a, b in zip(got["losses"], mine):
                 assert abs(a - b) <= 1e-5 * abs(b), (what, got["losses"], mine)
             if resume:
