@@ -12,4 +12,7 @@ def __getattr__(name):
     if name in ("initialize", "Engine"):
         from hybrid.train import api
         return getattr(api, name)
+    if name in ("zero_init", "GatheredParameters"):
+        from hybrid.train import zero_context
+        return getattr(zero_context, name)
     raise AttributeError(f"module 'hybrid' has no attribute {name!r}")

@@ -34,6 +34,7 @@ from hybrid.config.deepspeed import apply_ds_config, load_ds_config
 from hybrid.parallel.state import ParallelState, init_distributed
 from hybrid.tensor_parallel import seed_all
 from hybrid.train.lr_schedule import scheduled_lr
+from hybrid.train.zero_context import ModuleInitValues
 from hybrid.zero import apply_zero
 
 
@@ -178,21 +179,36 @@ def initialize(model: nn.Module, config=None, model_parameters=None, optimizer=N
                                                 source=source)
     cfg = build_config(dataclasses.replace(flags, deepspeed_config=None), ps.world_size)
     rng = seed_all(cfg.seed, ps.tp_rank, ps.dp_rank, ps.device)
-    _broadcast_from_first_replica(model, ps)
-    zero = apply_zero(model.to(ps.device), ps, cfg.zero, adamw=cfg.adamw,
-                      precision=cfg.precision, offload=cfg.offload, unit_modules=_units(model))
+    # built under zero_init(): the engine draws this rank's shard from the modules'
+    # own initializers (zero_context.py); else every replica takes DP rank 0's values
+    on_meta = any(p.is_meta for p in model.parameters())
+    values = ModuleInitValues(model, cfg.seed) if on_meta else None
+    if not on_meta:
+        _broadcast_from_first_replica(model, ps)
+    if on_meta:
+        _buffers_to(model, ps.device)
+    else:
+        model.to(ps.device)
+    zero = apply_zero(model, ps, cfg.zero, adamw=cfg.adamw, precision=cfg.precision,
+                      offload=cfg.offload, values=values, unit_modules=_units(model))
     schedule = LRSchedule(cfg.lr_schedule, cfg.loop.global_batch_size)
     engine = Engine(model, cfg, ps, zero, rng, schedule)
+    for p in model.parameters():  # GatheredParameters finds the engine from a parameter
+        p.hybrid_engine = engine
     return engine, zero.optimizer, None, schedule
+
+
+def _buffers_to(model: nn.Module, device: torch.device) -> None:
+    for module in model.modules():
+        for name, b in module.named_buffers(recurse=False):
+            module._buffers[name] = b.to(device)
 
 
 @torch.no_grad()
 def _broadcast_from_first_replica(model: nn.Module, ps: ParallelState) -> None:
     """Every DP replica starts from DP rank 0's parameters and buffers (as DDP does),
-    whatever each process's own random init drew. Meta tensors (a model built to be
-    materialized by the engine) have nothing to send."""
+    whatever each process's own random init drew."""
     if ps.dp_size == 1:
         return
     for t in list(model.parameters()) + list(model.buffers()):
-        if not t.is_meta:
-            ps.dp_group.broadcast(t.data, src=0)
+        ps.dp_group.broadcast(t.data, src=0)

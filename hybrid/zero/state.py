@@ -65,3 +65,18 @@ def load_shard_state(engine: ZeroEngine, fetch, keys, step: int,
     if loss_scaler is not None:
         engine.scaler.load_state_dict(loss_scaler)
     engine.publish_params()
+
+
+@torch.no_grad()
+def write_master_from_params(engine: ZeroEngine, params) -> None:
+    """The full values of ``params`` (just changed in place, the same on every DP rank,
+    inside :meth:`ZeroEngine.gathered`) become this rank's fp32 master pieces of them;
+    then the parameters are republished. The Adam moments are kept."""
+    engine.wait_optimizer()
+    wanted = {id(p) for p in params}
+    opt = engine.optimizer
+    for pc in engine.owned_pieces():
+        if id(pc.param) in wanted:
+            values = pc.param.detach().reshape(-1)[pc.lo: pc.hi].float().cpu()
+            opt.write_piece("master", pc.unit, pc.part, values)
+    engine.publish_params()
