@@ -32,7 +32,7 @@ from torch import nn
 from hybrid.config import Flags, build_config
 from hybrid.config.deepspeed import apply_ds_config, load_ds_config
 from hybrid.parallel.state import ParallelState, init_distributed
-from hybrid.tensor_parallel import seed_all
+from hybrid.tensor_parallel import InitValues, seed_all
 from hybrid.train.lr_schedule import scheduled_lr
 from hybrid.train.zero_context import ModuleInitValues
 from hybrid.zero import apply_zero
@@ -96,6 +96,10 @@ class Engine:
     def eval(self) -> "Engine":
         return self.train(False)
 
+    def zero_grad(self) -> None:
+        """(``backward`` clears the gradients at the start of each window itself.)"""
+        self.zero.zero_grad()
+
     def is_gradient_accumulation_boundary(self) -> bool:
         return (self.micro_steps + 1) % self.gradient_accumulation_steps == 0
 
@@ -148,7 +152,8 @@ class Engine:
 
 
 def initialize(model: nn.Module, config=None, model_parameters=None, optimizer=None,
-               lr_scheduler=None, training_data=None, *, parallel_state=None, seed: int = 1234):
+               lr_scheduler=None, training_data=None, *, parallel_state=None,
+               tensor_parallel_size: int = 1, seed: int = 1234):
     """(engine, optimizer, dataloader, lr_scheduler) as ``deepspeed.initialize`` returns
     them: ``optimizer`` is the engine's shard optimizer, ``dataloader`` None (hybrid
     does not wrap a user's data: feed each rank its own micro-batches), ``lr_scheduler``
@@ -158,7 +163,9 @@ def initialize(model: nn.Module, config=None, model_parameters=None, optimizer=N
     accepted when it is all of ``model.parameters()`` (hybrid shards the whole model).
     ``optimizer``/``lr_scheduler``/``training_data`` objects are refused: the engine
     runs its own AdamW and schedule (set them in the config). ``parallel_state``: an
-    existing :class:`ParallelState` (default: joined from torchrun's environment).
+    existing :class:`ParallelState` (default: joined from torchrun's environment with
+    ``tensor_parallel_size`` adjacent ranks per TP group, for a model built from
+    hybrid's TP layers on that state). ``seed``: the run seed (hybrid's ``--seed``).
     """
     for name, value in (("optimizer", optimizer), ("lr_scheduler", lr_scheduler),
                         ("training_data", training_data)):
@@ -171,7 +178,7 @@ def initialize(model: nn.Module, config=None, model_parameters=None, optimizer=N
         if given != {id(p) for p in model.parameters()}:
             raise ValueError("hybrid.initialize(model_parameters=...): hybrid trains every "
                              "parameter of the model; freeze with requires_grad=False")
-    ps = parallel_state or init_distributed(1)
+    ps = parallel_state or init_distributed(tensor_parallel_size)
     flags = Flags(seed=seed)
     if config is not None:
         source = config if isinstance(config, str) else "<dict>"
@@ -182,7 +189,10 @@ def initialize(model: nn.Module, config=None, model_parameters=None, optimizer=N
     # built under zero_init(): the engine draws this rank's shard from the modules'
     # own initializers (zero_context.py); else every replica takes DP rank 0's values
     on_meta = any(p.is_meta for p in model.parameters())
-    values = ModuleInitValues(model, cfg.seed) if on_meta else None
+    values = None
+    if on_meta:  # hybrid's own GPT knows its init; other models use their modules'
+        values = (InitValues(cfg.seed, model.init_of) if hasattr(model, "init_of")
+                  else ModuleInitValues(model, cfg.seed))
     if not on_meta:
         _broadcast_from_first_replica(model, ps)
     if on_meta:
