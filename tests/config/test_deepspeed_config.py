@@ -277,3 +277,11 @@ def test_a_docs_style_config_trains_as_its_flags_bit_for_bit(tmp_path):
     assert [m["loss"] for m in ds] == [m["loss"] for m in flags]
     assert [m["grad_norm"] for m in ds] == [m["grad_norm"] for m in flags]
     assert ds[-1]["loss_scale"] == flags[-1]["loss_scale"]
+
+
+def test_the_docs_table_lists_every_key():
+    import os
+    doc = open(os.path.join(os.path.dirname(__file__), "..", "..", "docs", "deepspeed.md"),
+               encoding="utf-8").read()
+    missing = [k for k in KEYS if f"| `{k}` |" not in doc]
+    assert not missing, missing
