@@ -227,7 +227,8 @@ def _checkpoint(f: Flags) -> CheckpointConfig:
 
 def _logging(f: Flags) -> LoggingConfig:
     return LoggingConfig(log_interval=f.log_interval, log_json=f.log_json,
-                         tensorboard_dir=f.tensorboard_dir, log_throughput=f.log_throughput)
+                         tensorboard_dir=f.tensorboard_dir, log_throughput=f.log_throughput,
+                         timing_breakdown=f.timing_breakdown)
 
 
 def _diagnostics(f: Flags) -> DiagnosticsConfig:

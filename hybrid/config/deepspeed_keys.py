@@ -64,8 +64,7 @@ KEYS: dict[str, object] = {
     "gradient_accumulation_steps": Custom(),
     "gradient_clipping": Flag("clip_grad", float),
     "steps_per_print": Flag("log_interval", int),
-    "wall_clock_breakdown": Hint("hybrid logs each step's time, every rank's busy time and, "
-                                 "with an offload, the host step's split on every log line"),
+    "wall_clock_breakdown": Flag("timing_breakdown", bool),
     "memory_breakdown": Hint("hybrid logs peak memory and model-state bytes every log line"),
     "dump_state": Hint("hybrid logs its configuration at start"),
     "prescale_gradients": Refuse("hybrid averages gradients in one reduction: drop it"),

@@ -239,6 +239,9 @@ class Flags:
     tensorboard_dir: str | None = opt(None, "write TensorBoard scalars here")
     log_throughput: bool = opt(False, "add TFLOP/s per rank to the console line "
                                       "(always in --log-json and TensorBoard)")
+    timing_breakdown: bool = opt(False, "forward, backward and optimizer seconds per step "
+                                        "on every log line (on a GPU: a device sync at each "
+                                        "phase boundary)")
     # diagnostics: collective flight recorder, collective and replica checks
     collective_dump_dir: str | None = opt(
         None, "when a collective fails, every live rank writes its last collectives here as "

@@ -296,6 +296,7 @@ class LoggingConfig:
     log_json: str | None = None
     tensorboard_dir: str | None = None
     log_throughput: bool = False
+    timing_breakdown: bool = False
 
 
 @dataclass(frozen=True)

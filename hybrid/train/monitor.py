@@ -103,6 +103,9 @@ class Monitor:
                 parts.append(f"{what} min/max (ms): {m[name + '_min_s'] * 1000:.1f} (rank "
                              f"{m[name + '_min_rank']}) / {m[name + '_max_s'] * 1000:.1f} "
                              f"(rank {m[name + '_max_rank']})")
+        for key in ("time_breakdown_s", "offload_time_s"):  # rank 0's, per step
+            if m.get(key):
+                parts.append(", ".join(f"{k} (ms): {v * 1000:.1f}" for k, v in m[key].items()))
         log.info(" | ".join(parts) + " |")
         self._write(m, "train/", m["iteration"])
 

@@ -17,30 +17,36 @@ from hybrid.config.sections import LoopConfig
 from hybrid.data.dataset import dp_micro_batches
 from hybrid.parallel.state import ParallelState
 from hybrid.train.activation_meter import SavedActivationMeter
+from hybrid.train.phase_clock import NoClock
 from hybrid.zero import ZeroEngine
 
 
 def train_step(model: torch.nn.Module, engine: ZeroEngine, micro_batches, lr: float,
-               meter: SavedActivationMeter | None = None):
+               meter: SavedActivationMeter | None = None, clock=NoClock()):
     """One optimizer step over this rank's micro-batches; returns (local loss, StepResult,
     the ``(n,)`` micro-batch losses).
 
     Each micro-batch loss is a mean over its tokens; dividing by the number of
     micro-batches makes the accumulated gradient that of the mean over this
     rank's share, and the DP average makes it the global batch's. ``meter``
-    measures the first micro-batch's forward and backward. A non-finite loss
-    skips the step even if the gradients are finite.
+    measures the first micro-batch's forward and backward; ``clock``
+    (:mod:`hybrid.train.phase_clock`) times forward, backward and the optimizer.
+    A non-finite loss skips the step even if the gradients are finite.
     """
     engine.zero_grad()
     n = len(micro_batches)
     total, losses = None, []
     for i, batch in enumerate(micro_batches):  # (tokens, labels[, loss mask])
         with meter if (meter is not None and i == 0) else contextlib.nullcontext():
-            loss = model(*batch) / n
-            engine.backward(loss, sync=(i == n - 1))
+            with clock.phase("forward"):
+                loss = model(*batch) / n
+            with clock.phase("backward"):
+                engine.backward(loss, sync=(i == n - 1))
         losses.append(loss.detach().float())
         total = losses[-1] if total is None else total + losses[-1]
-    return total, engine.step(lr, loss=total), torch.stack(losses)
+    with clock.phase("optimizer"):
+        result = engine.step(lr, loss=total)
+    return total, result, torch.stack(losses)
 
 
 @torch.no_grad()

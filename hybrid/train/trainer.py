@@ -31,6 +31,7 @@ from hybrid.train.host_memory import return_freed_memory
 from hybrid.train.lr_schedule import scheduled_lr
 from hybrid.train.metrics import IntervalMetrics
 from hybrid.train.monitor import Monitor
+from hybrid.train.phase_clock import NoClock, PhaseClock
 from hybrid.train.replicas import ReplicaChecker
 from hybrid.train.setup import HOST_TRIM_MIN_PARAMS, build_engine_or_explain, memory_bytes
 from hybrid.train.skips import SkippedSteps
@@ -85,6 +86,7 @@ class Trainer:
         self.replicas = ReplicaChecker(self.model, self.engine, ps) if interval else None
         self.lr = 0.0
         self._offload_prev: dict = {}  # engine.offload_seconds() at the last log line
+        self.clock = PhaseClock(ps.device) if cfg.logging.timing_breakdown else NoClock()
 
     def train(self) -> list[dict]:
         """Train until ``--train-iters`` or ``--train-samples`` (or an exit flag); return
@@ -136,7 +138,7 @@ class Trainer:
         micro = dp_micro_batches(self.data["train"], st.consumed_samples, batch,
                                  s.micro_batch_size, ps.dp_rank, ps.dp_size, ps.device, self.eod)
         loss, result, losses = train_step(self.model, self.engine, micro, self.lr,
-                                          self.meter if logs else None)
+                                          self.meter if logs else None, self.clock)
         self.metrics.stop(loss, batch * self.cfg.model.seq_length)
         self.skips.add(st.iteration + 1, result, losses, st.consumed_samples, batch)
         st.iteration += 1
@@ -155,6 +157,9 @@ class Trainer:
              **measured, "model_state_bytes": self.engine.model_state_bytes(),
              # saved for backward by this rank's first micro-batch, measured
              "activation_bytes": self.meter.peak}
+        phases = self.clock.take(n)
+        if phases:
+            m["time_breakdown_s"] = phases
         split = self._offload_split(n)
         if split:
             m["offload_time_s"] = split

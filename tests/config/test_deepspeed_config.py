@@ -49,6 +49,7 @@ def _nest(key: str, value) -> dict:
 # key -> (a value, the Flags field it sets, what the field then holds)
 FLAG_VALUES = {
     "gradient_clipping": (0.5, "clip_grad", 0.5), "steps_per_print": (7, "log_interval", 7),
+    "wall_clock_breakdown": (True, "timing_breakdown", True),
     "data_types.grad_accum_dtype": ("fp32", "accumulate_allreduce_grads_in_fp32", True),
     "fp16.enabled": (True, "fp16", True), "fp16.loss_scale": (128, "loss_scale", 128.0),
     "fp16.initial_scale_power": (12, "initial_loss_scale", 4096.0),
@@ -241,6 +242,7 @@ def test_tensorboard_and_megatron_deepspeed_flags(tmp_path):
 DOCS_STYLE = {  # as DeepSpeed's ZeRO tutorial writes one (shrunk to the tiny model)
     "train_batch_size": 8, "train_micro_batch_size_per_gpu": 2,
     "gradient_accumulation_steps": 2, "gradient_clipping": 1.0, "steps_per_print": 1,
+    "wall_clock_breakdown": True,
     "fp16": {"enabled": True, "loss_scale": 0, "initial_scale_power": 12,
              "loss_scale_window": 1000, "hysteresis": 2, "min_loss_scale": 1},
     "zero_optimization": {"stage": 3, "contiguous_gradients": True, "overlap_comm": True,
@@ -251,7 +253,7 @@ DOCS_STYLE = {  # as DeepSpeed's ZeRO tutorial writes one (shrunk to the tiny mo
                                               "eps": 1e-8, "weight_decay": 0.01}},
 }
 AS_FLAGS = ["--global-batch-size", "8", "--micro-batch-size", "2", "--clip-grad", "1.0",
-            "--log-interval", "1", "--fp16", "--initial-loss-scale", "4096",
+            "--log-interval", "1", "--timing-breakdown", "--fp16", "--initial-loss-scale", "4096",
             "--loss-scale-window", "1000", "--hysteresis", "2", "--min-loss-scale", "1",
             "--zero-stage", "3", "--overlap-comm", "--reduce-bucket-size", "500000000",
             "--allgather-bucket-size", "500000000", "--offload-optimizer", "cpu", "--lr",
@@ -277,6 +279,9 @@ def test_a_docs_style_config_trains_as_its_flags_bit_for_bit(tmp_path):
     assert [m["loss"] for m in ds] == [m["loss"] for m in flags]
     assert [m["grad_norm"] for m in ds] == [m["grad_norm"] for m in flags]
     assert ds[-1]["loss_scale"] == flags[-1]["loss_scale"]
+    for m in ds + flags:  # wall_clock_breakdown: each phase timed, every log line
+        assert set(m["time_breakdown_s"]) == {"forward", "backward", "optimizer"}
+        assert all(v > 0 for v in m["time_breakdown_s"].values())
 
 
 def test_the_docs_table_lists_every_key():
