@@ -132,7 +132,23 @@ def apply_ds_config(f: Flags, ds: Mapping, dp: int, source: str = "<dict>") -> l
     _tensorboard(run, ds.get("tensorboard"))
     if isinstance(ds.get("compile"), Mapping):
         run.set("compile.enabled", "compile", bool(ds["compile"].get("enabled", False)))
+    _checkpointing_applies(run)
     return run.notes
+
+
+def _checkpointing_applies(run: _Apply) -> None:
+    """The activation_checkpointing section configures whole-layer recompute; without
+    it (no --checkpoint-activations / --recompute-granularity full) it has nothing to
+    configure, as in Megatron-DeepSpeed: its keys are then noted, not applied."""
+    f = run.f
+    if f.recompute_granularity == "full" or f.checkpoint_activations:
+        return
+    for field in ("partition_activations", "cpu_checkpointing", "contiguous_checkpointing"):
+        key = run.origin.get(field, "")
+        if key.startswith("activation_checkpointing.") and getattr(f, field):
+            setattr(f, field, False)
+            run.notes.append(f"{key}: no effect without whole-layer recompute "
+                             f"(--checkpoint-activations or --recompute-granularity full)")
 
 
 def _unknown(key: str, source: str) -> str:

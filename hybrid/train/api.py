@@ -23,7 +23,7 @@ ds_config's ``scheduler`` block or the ``--lr*`` defaults) at the step about to 
 
 from __future__ import annotations
 
-import dataclasses
+import logging
 from collections.abc import Mapping
 
 import torch
@@ -36,6 +36,9 @@ from hybrid.tensor_parallel import InitValues, seed_all
 from hybrid.train.lr_schedule import scheduled_lr
 from hybrid.train.zero_context import ModuleInitValues
 from hybrid.zero import apply_zero
+
+
+log = logging.getLogger("hybrid")
 
 
 class LRSchedule:
@@ -184,7 +187,10 @@ def initialize(model: nn.Module, config=None, model_parameters=None, optimizer=N
         source = config if isinstance(config, str) else "<dict>"
         flags.ds_config_notes = apply_ds_config(flags, load_ds_config(config), ps.dp_size,
                                                 source=source)
-    cfg = build_config(dataclasses.replace(flags, deepspeed_config=None), ps.world_size)
+    cfg = build_config(flags, ps.world_size)
+    if ps.rank == 0:  # one warning per key the file set that this door does not use
+        for note in flags.ds_config_notes + _loop_only(flags):
+            log.warning("hybrid.initialize: ds_config %s", note)
     rng = seed_all(cfg.seed, ps.tp_rank, ps.dp_rank, ps.device)
     # built under zero_init(): the engine draws this rank's shard from the modules'
     # own initializers (zero_context.py); else every replica takes DP rank 0's values
@@ -206,6 +212,27 @@ def initialize(model: nn.Module, config=None, model_parameters=None, optimizer=N
     for p in model.parameters():  # GatheredParameters finds the engine from a parameter
         p.hybrid_engine = engine
     return engine, zero.optimizer, None, schedule
+
+
+# Settings a ds_config may make that only pretrain_gpt.py's loop uses: (Flags field,
+# the ds_config key, why it does nothing here).
+_LOOP_ONLY = (
+    ("log_interval", "steps_per_print", "your loop prints"),
+    ("tensorboard_dir", "tensorboard", "your loop logs"),
+    ("timing_breakdown", "wall_clock_breakdown", "your loop times its phases"),
+    ("partition_activations", "activation_checkpointing.partition_activations",
+     "the API does not wrap your layers: use your model's own gradient checkpointing"),
+    ("cpu_checkpointing", "activation_checkpointing.cpu_checkpointing",
+     "the API does not wrap your layers"),
+    ("contiguous_checkpointing", "activation_checkpointing.contiguous_memory_optimization",
+     "the API does not wrap your layers"),
+)
+
+
+def _loop_only(flags: Flags) -> list[str]:
+    """Notes for loop-only settings the file changed from their defaults."""
+    return [f"{key}: no effect through hybrid.initialize ({why})"
+            for field, key, why in _LOOP_ONLY if getattr(flags, field) != getattr(Flags, field)]
 
 
 def _buffers_to(model: nn.Module, device: torch.device) -> None:

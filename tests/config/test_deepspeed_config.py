@@ -88,7 +88,7 @@ def test_the_table_is_covered():
 @pytest.mark.parametrize("key", sorted(FLAG_VALUES))
 def test_each_flag_key_sets_its_field(key):
     value, field, want = FLAG_VALUES[key]
-    f = Flags()
+    f = Flags(checkpoint_activations=True)  # (activation_checkpointing needs recompute)
     notes = apply_ds_config(f, _nest(key, value), dp=2)
     assert getattr(f, field) == want and notes == []
 
@@ -290,3 +290,17 @@ def test_the_docs_table_lists_every_key():
                encoding="utf-8").read()
     missing = [k for k in KEYS if f"| `{k}` |" not in doc]
     assert not missing, missing
+
+
+def test_activation_checkpointing_keys_wait_for_recompute():
+    """Without whole-layer recompute the section has nothing to configure (as in
+    Megatron-DeepSpeed): noted by name, not applied, not an error."""
+    cfg = _cfg({"activation_checkpointing": {"partition_activations": True,
+                                             "cpu_checkpointing": True}})
+    assert not cfg.recompute.partition_activations and not cfg.recompute.cpu_checkpointing
+    assert len(cfg.flags.ds_config_notes) == 2
+    assert cfg.flags.ds_config_notes[0].startswith(
+        "activation_checkpointing.partition_activations: no effect without whole-layer")
+    cfg = _cfg({"activation_checkpointing": {"partition_activations": True}},
+               "--recompute-granularity", "full")
+    assert cfg.recompute.partition_activations
