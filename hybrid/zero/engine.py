@@ -353,14 +353,8 @@ class ZeroEngine:
                 "total": params + nbytes(self.flat_grads) + opt, "host": host, "disk": disk}
 
     def offload_seconds(self) -> dict:
-        """With an optimizer offload, seconds summed over the steps so far: ``host_step``
-        (the main thread in the offloaded step), ``adam`` (the host worker in the Adam
-        kernels) and ``io_wait`` (threads blocked on swap reads and writes); else {}."""
-        if self.offload is None:
-            return {}
-        io = self.tiers.io
-        return {"host_step": self.offload.step_s, "adam": self.offload.adam_s,
-                "io_wait": 0.0 if io is None else io.waited.s}
+        """:meth:`OptimizerOffload.seconds` (with the swap I/O's waits), or {}."""
+        return {} if self.offload is None else self.offload.seconds(self.tiers.io)
 
     def close(self) -> None:
         """Finish the update in flight and delete the swap files (scratch; a restart

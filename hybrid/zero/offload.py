@@ -322,6 +322,13 @@ class OptimizerOffload:
             else:
                 self._copy_up(u, i, self._source(i))
 
+    def seconds(self, io) -> dict:
+        """Seconds summed over the steps so far: ``host_step`` (the main thread in
+        :meth:`step`), ``adam`` (the worker in the Adam kernels) and ``io_wait`` (threads
+        blocked on ``io``'s swap reads and writes; 0 without swap files)."""
+        return {"host_step": self.step_s, "adam": self.adam_s,
+                "io_wait": 0.0 if io is None else io.waited.s}
+
     def nbytes(self) -> int:
         own = self.grad.untyped_storage().nbytes() if self._own_grad else 0
         own += 0 if self.writer is None else self.writer.nbytes()
