@@ -4,9 +4,9 @@ Built once per process and passed explicitly to layers, the model, the
 optimizer, checkpointing and the data loader. Nothing keeps process groups in
 module globals.
 
-The layout is :mod:`hybrid.parallel.layout`'s (TP ranks adjacent,
-``global rank = dp_rank * tp_size + tp_rank``); this module turns it into
-process groups.
+The layout is :mod:`hybrid.parallel.layout`'s (TP ranks adjacent, then CP,
+then DP: ``global rank = (dp_rank * cp_size + cp_rank) * tp_size + tp_rank``);
+this module turns it into process groups.
 """
 
 from __future__ import annotations
@@ -20,17 +20,21 @@ import torch.distributed as dist
 
 from hybrid.diagnostics.recorder import FlightRecorder, backstop
 from hybrid.parallel.comm import CommGroup, CommStats
-from hybrid.parallel.layout import check_layout, dp_group_ranks, tp_group_ranks
+from hybrid.parallel.layout import (check_layout, cp_group_ranks, dp_cp_group_ranks,
+                                    dp_group_ranks, tp_group_ranks)
 
 
 @dataclass
 class ParallelState:
     """Sizes, ranks and groups of this process.
 
-    ``tp_group`` and ``dp_group`` are :class:`hybrid.parallel.comm.CommGroup` objects: every
+    ``tp_group``, ``dp_group``, ``cp_group`` (the ranks splitting one sequence) and
+    ``dp_cp_group`` (DP x CP: every rank holding the same TP slice of the
+    parameters) are :class:`hybrid.parallel.comm.CommGroup` objects: every
     collective in the library runs through one of them (and is counted in
     ``comm_stats``, and recorded by ``recorder``, whose heartbeat runs until
-    :meth:`close`).
+    :meth:`close`). With CP 1, ``cp_group`` is this rank alone and ``dp_cp_group``
+    is ``dp_group`` itself (no extra process group).
     """
 
     world_size: int
@@ -43,6 +47,15 @@ class ParallelState:
     timeout: datetime.timedelta
     comm_stats: CommStats = field(repr=False)
     recorder: FlightRecorder = field(repr=False)
+    cp_group: CommGroup = field(default=None, repr=False)  # (set in __post_init__ if None)
+    dp_cp_group: CommGroup = field(default=None, repr=False)
+
+    def __post_init__(self):
+        if self.cp_group is None:  # CP 1: this rank alone
+            self.cp_group = CommGroup("cp", None, [self.rank], self.rank, self.comm_stats,
+                                      self.timeout, self.recorder)
+        if self.dp_cp_group is None:
+            self.dp_cp_group = self.dp_group
 
     @property
     def tp_size(self) -> int:
@@ -59,6 +72,14 @@ class ParallelState:
     @property
     def dp_rank(self) -> int:
         return self.dp_group.rank
+
+    @property
+    def cp_size(self) -> int:
+        return self.cp_group.size
+
+    @property
+    def cp_rank(self) -> int:
+        return self.cp_group.rank
 
     # -- construction ----------------------------------------------------------
     @classmethod
@@ -77,8 +98,9 @@ class ParallelState:
               timeout: datetime.timedelta = datetime.timedelta(minutes=10),
               device: torch.device | None = None, store=None,
               watch: bool | None = None, dump_dir: str | None = None,
-              check_collectives: bool = False) -> "ParallelState":
-        """Create the TP and DP groups of an initialized default process group.
+              check_collectives: bool = False,
+              context_parallel_size: int = 1) -> "ParallelState":
+        """Create the TP, CP and DP groups of an initialized default process group.
 
         Every rank must call this with the same arguments (group creation is
         itself collective). ``store``: the rendezvous store the default group
@@ -95,12 +117,12 @@ class ParallelState:
         (``--collective-dump-dir``) and ``check_collectives`` (``--check-collectives``)
         configure the flight recorder (:mod:`hybrid.diagnostics.recorder`).
         """
+        tp, cp = tensor_model_parallel_size, context_parallel_size
         if not dist.is_initialized():
-            check_layout(1, tensor_model_parallel_size)
+            check_layout(1, tp, cp)
             return cls.single(device or "cpu", dump_dir, check_collectives)
         world, rank = dist.get_world_size(), dist.get_rank()
-        tp = tensor_model_parallel_size
-        check_layout(world, tp)
+        check_layout(world, tp, cp)
         backend = dist.get_backend()
         if device is None:
             device = _default_device(backend)
@@ -118,25 +140,29 @@ class ParallelState:
                     mine = CommGroup(name, pg, ranks, rank, stats, timeout, rec)
             return mine
 
-        tp_group = make("tp", tp_group_ranks(world, tp))
-        dp_group = make("dp", dp_group_ranks(world, tp))
+        tp_group = make("tp", tp_group_ranks(world, tp, cp))
+        dp_group = make("dp", dp_group_ranks(world, tp, cp))
+        cp_group = make("cp", cp_group_ranks(world, tp, cp)) if cp > 1 else None
+        dp_cp_group = make("dp_cp", dp_cp_group_ranks(world, tp, cp)) if cp > 1 else None
         world_group = CommGroup("world", dist.group.WORLD, list(range(world)), rank, stats,
                                 timeout, rec)
         rec.start()
         return cls(world, rank, tp_group, dp_group, world_group, device, backend, timeout, stats,
-                   rec)
+                   rec, cp_group, dp_cp_group)
 
     def close(self) -> None:
         """Stop the flight recorder's heartbeat (the process groups stay)."""
         self.recorder.close()
 
     def describe(self) -> str:
-        """Human-readable layout: which global ranks form each TP and DP group."""
-        tp = tp_group_ranks(self.world_size, self.tp_size)
-        dp = dp_group_ranks(self.world_size, self.tp_size)
-        return (f"world {self.world_size} = TP {self.tp_size} x DP {self.dp_size} "
-                f"(backend {self.backend}, device {self.device.type})\n"
-                f"  TP groups: {tp}\n  DP groups: {dp}")
+        """Human-readable layout: which global ranks form each TP, CP and DP group."""
+        w, t, c = self.world_size, self.tp_size, self.cp_size
+        cp = f" x CP {c}" if c > 1 else ""
+        out = (f"world {w} = TP {t}{cp} x DP {self.dp_size} (backend {self.backend}, "
+               f"device {self.device.type})\n  TP groups: {tp_group_ranks(w, t, c)}")
+        if c > 1:
+            out += f"\n  CP groups: {cp_group_ranks(w, t, c)}"
+        return out + f"\n  DP groups: {dp_group_ranks(w, t, c)}"
 
 
 def _default_device(backend: str) -> torch.device:
@@ -147,7 +173,8 @@ def _default_device(backend: str) -> torch.device:
 
 def init_distributed(tensor_model_parallel_size: int, timeout_minutes: float = 10.0,
                      backend: str | None = None, dump_dir: str | None = None,
-                     check_collectives: bool = False) -> ParallelState:
+                     check_collectives: bool = False,
+                     context_parallel_size: int = 1) -> ParallelState:
     """Join the job torchrun started (env RANK/WORLD_SIZE/MASTER_ADDR...) and build groups.
 
     Picks nccl + cuda:LOCAL_RANK when a GPU exists, gloo + cpu otherwise. A
@@ -174,7 +201,8 @@ def init_distributed(tensor_model_parallel_size: int, timeout_minutes: float = 1
         dist.init_process_group(backend, timeout=group_timeout, device_id=device, store=store,
                                 rank=int(os.environ["RANK"]), world_size=world)
     return ParallelState.build(tensor_model_parallel_size, timeout, device, store,
-                               dump_dir=dump_dir, check_collectives=check_collectives)
+                               dump_dir=dump_dir, check_collectives=check_collectives,
+                               context_parallel_size=context_parallel_size)
 
 
 def _attempt_store(world: int, timeout: datetime.timedelta):

@@ -243,8 +243,10 @@ atexit.register(shutdown_pools)
 
 def run_ranks(fn, world_size: int, tp: int = 1, args: tuple = (), timeout: float = 240,
               collective_timeout: float = 60, reuse: bool = True, early_exit=None,
-              grace_s: float = 5.0):
+              grace_s: float = 5.0, cp: int = 1):
     """Run ``fn(ps, *args)`` on ``world_size`` gloo ranks; return results by rank.
+
+    ``tp``, ``cp``: the TP and CP sizes of ``ps`` (DP is what is left).
 
     ``fn`` must be importable by name (a module-level function) for spawn.
     ``reuse=False``: throwaway processes (see the module docstring).
@@ -252,11 +254,12 @@ def run_ranks(fn, world_size: int, tp: int = 1, args: tuple = (), timeout: float
     have not finished ``grace_s`` seconds later are killed with their pool and
     come back as None -- what torchrun does to a job one of whose workers failed.
     """
+    layout = tp if cp == 1 else (tp, cp)
     if not reuse:
         pool = _Pool(world_size, collective_timeout)
         try:
-            return pool.run(fn, tp, args, timeout, early_exit, grace_s)
+            return pool.run(fn, layout, args, timeout, early_exit, grace_s)
         finally:
             pool.close()
     pool = _pool(world_size, collective_timeout)
-    return pool.run(fn, tp, args, timeout, early_exit, grace_s)
+    return pool.run(fn, layout, args, timeout, early_exit, grace_s)

@@ -70,33 +70,38 @@ class _Fresh:
 
 
 class _Layouts:
-    """The TP/DP groups of one pool worker, created once per TP size."""
+    """The TP/CP/DP groups of one pool worker, created once per layout (a TP size, or
+    a (TP, CP) pair)."""
 
     def __init__(self, timeout: datetime.timedelta, store):
         self.timeout = timeout
         self.store = store
         self.built = {}
 
-    def state(self, tp: int, call_id: int):
+    def state(self, layout, call_id: int):
         """A fresh ParallelState for call ``call_id``: fresh counters, a fresh flight
         recorder whose store keys are private to the call."""
         from hybrid.diagnostics.recorder import FlightRecorder
         from hybrid.parallel.comm import CommGroup, CommStats
         from hybrid.parallel.state import ParallelState
 
-        if tp not in self.built:  # collective: every rank sees the same calls in order
+        tp, cp = layout if isinstance(layout, tuple) else (layout, 1)
+        if (tp, cp) not in self.built:  # collective: every rank sees the same calls in order
             _barrier(self.store, f"hybrid/pool/layout_{call_id}", dist.get_world_size())
-            self.built[tp] = ParallelState.build(tp, timeout=self.timeout,
-                                                 device=torch.device("cpu"))
-        base, stats = self.built[tp], CommStats()
+            self.built[tp, cp] = ParallelState.build(tp, timeout=self.timeout,
+                                                     device=torch.device("cpu"),
+                                                     context_parallel_size=cp)
+        base, stats = self.built[tp, cp], CommStats()
         rec = FlightRecorder(base.rank, base.world_size,
                              dist.PrefixStore(f"hybrid/call_{call_id}", self.store), self.timeout)
 
         def fresh(g):
             return CommGroup(g.name, g.pg, g.ranks, g.global_rank, stats, g.timeout, rec)
 
-        ps = dataclasses.replace(base, tp_group=fresh(base.tp_group),
-                                 dp_group=fresh(base.dp_group),
+        dp = fresh(base.dp_group)
+        ps = dataclasses.replace(base, tp_group=fresh(base.tp_group), dp_group=dp,
+                                 cp_group=fresh(base.cp_group),
+                                 dp_cp_group=dp if cp == 1 else fresh(base.dp_cp_group),
                                  world_group=fresh(base.world_group), comm_stats=stats,
                                  recorder=rec)
         rec.start()

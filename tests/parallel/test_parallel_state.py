@@ -37,3 +37,54 @@ def test_layout_arithmetic_and_errors():
     with pytest.raises(ConfigError, match="--tensor-model-parallel-size 3 does not divide "
                                           "the world size 4"):
         check_layout(4, 3)
+
+
+def test_three_dimensional_layout_arithmetic():
+    """TP adjacent, then CP, then DP (Megatron's order), and the DP x CP groups ZeRO uses."""
+    from hybrid.parallel.layout import coords_of, cp_group_ranks, dp_cp_group_ranks, rank_of
+    assert check_layout(8, 2, 2) == 2
+    assert tp_group_ranks(8, 2, 2) == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert cp_group_ranks(8, 2, 2) == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    assert dp_group_ranks(8, 2, 2) == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    assert dp_cp_group_ranks(8, 2, 2) == [[0, 2, 4, 6], [1, 3, 5, 7]]
+    assert dp_cp_group_ranks(8, 2) == dp_group_ranks(8, 2)  # CP 1: DP x CP is DP
+    for world, tp, cp in ((8, 2, 2), (12, 1, 3), (16, 4, 2)):
+        groups = [tp_group_ranks(world, tp, cp), cp_group_ranks(world, tp, cp),
+                  dp_group_ranks(world, tp, cp)]
+        for g in groups:  # each kind of group partitions the world
+            assert sorted(r for grp in g for r in grp) == list(range(world))
+        for r in range(world):
+            assert rank_of(*coords_of(r, tp, cp), tp, cp) == r
+    with pytest.raises(ConfigError, match="--tensor-model-parallel-size 2 x "
+                                          "--context-parallel-size 3 = 6 does not divide "
+                                          "the world size 8"):
+        check_layout(8, 2, 3)
+    with pytest.raises(ConfigError, match="--context-parallel-size must be >= 1"):
+        check_layout(8, 2, 0)
+
+
+def _cp_layout(ps):
+    out = {}
+    for name in ("tp", "cp", "dp", "dp_cp"):
+        g = getattr(ps, f"{name}_group")
+        x = torch.tensor([float(ps.rank)])
+        g.all_reduce(x)
+        out[name] = (g.ranks, x.item())
+    out["coords"] = (ps.tp_rank, ps.cp_rank, ps.dp_rank)
+    out["describe"] = ps.describe()
+    return out
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_context_parallel_groups_and_their_collectives(tp):
+    """World 4 at CP 2: each group is the layout's, and a collective stays inside it."""
+    from hybrid.parallel.layout import coords_of, cp_group_ranks, dp_cp_group_ranks
+    res = run_ranks(_cp_layout, world_size=4, tp=tp, cp=2)
+    want = {"tp": tp_group_ranks(4, tp, 2), "cp": cp_group_ranks(4, tp, 2),
+            "dp": dp_group_ranks(4, tp, 2), "dp_cp": dp_cp_group_ranks(4, tp, 2)}
+    for rank, r in enumerate(res):
+        assert r["coords"] == coords_of(rank, tp, 2)
+        for name, groups in want.items():
+            mine = next(g for g in groups if rank in g)
+            assert r[name] == (mine, float(sum(mine))), (rank, name)
+        assert "CP 2" in r["describe"] and "CP groups: " in r["describe"]
