@@ -1,0 +1,75 @@
+"""Context parallelism's building blocks: which tokens each CP rank holds (equal causal
+work), and all-gather attention against one process's full attention -- outputs and
+the gradients of q, k and v -- at CP 2 and 4, with and without grouped-query heads."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from hybrid.tensor_parallel.context_parallel import (all_gather_attention, causal_pairs,
+                                                     cp_positions, cp_shard)
+
+from harness import run_ranks
+
+B, NH, T, HS = 2, 4, 32, 8
+
+
+def test_positions_of_each_layout():
+    assert cp_positions(8, 2, 0).tolist() == [0, 1, 6, 7]
+    assert cp_positions(8, 2, 1).tolist() == [2, 3, 4, 5]
+    assert cp_positions(8, 2, 1, "striped").tolist() == [1, 3, 5, 7]
+    for layout in ("load_balanced", "striped"):  # the ranks' tokens partition the sequence
+        got = torch.cat([cp_positions(48, 4, r, layout) for r in range(4)])
+        assert sorted(got.tolist()) == list(range(48))
+    with pytest.raises(ValueError, match="not a multiple of 2 x the context-parallel size 4"):
+        cp_positions(12, 4, 0)
+    x = torch.arange(16).view(2, 8)
+    assert cp_shard(x, 1, 2, 1).tolist() == [[2, 3, 4, 5], [10, 11, 12, 13]]
+
+
+@pytest.mark.parametrize("cp", [2, 4, 8])
+def test_load_balanced_layout_gives_every_rank_the_same_causal_work(cp):
+    """Counted: the (query, key) pairs under the causal mask per rank are equal in the
+    load-balanced layout, within 5% striped, while contiguous slices are far apart."""
+    t = 1024
+    keys = torch.arange(t)
+    lb = [causal_pairs(cp_positions(t, cp, r), keys) for r in range(cp)]
+    assert len(set(lb)) == 1 and sum(lb) == t * (t + 1) // 2
+    st = [causal_pairs(cp_positions(t, cp, r, "striped"), keys) for r in range(cp)]
+    assert max(st) / min(st) <= 1.05
+    contiguous = [causal_pairs(keys[r * t // cp:(r + 1) * t // cp], keys) for r in range(cp)]
+    assert max(contiguous) / min(contiguous) > 2
+
+
+def _full(seed, ng):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, NH, T, HS, generator=g)
+    k, v = (torch.randn(B, ng, T, HS, generator=g) for _ in range(2))
+    dy = torch.randn(B, NH, T, HS, generator=g)
+    return q, k, v, dy
+
+
+def _cp_rank(ps, layout, ng):
+    q, k, v, dy = _full(3, ng)
+    c, r = ps.cp_size, ps.cp_rank
+    mine = [cp_shard(t, 2, c, r, layout).clone().requires_grad_() for t in (q, k, v)]
+    y = all_gather_attention(*mine, ps.cp_group, T, layout, enable_gqa=ng < NH)
+    y.backward(cp_shard(dy, 2, c, r, layout))
+    return y.detach(), [t.grad for t in mine], ps.comm_stats.snapshot()
+
+
+@pytest.mark.parametrize("cp,layout,ng", [(2, "load_balanced", NH), (4, "load_balanced", 2),
+                                           (4, "striped", NH)])
+def test_all_gather_attention_is_one_process_attention(cp, layout, ng):
+    q, k, v, dy = (t.clone() for t in _full(3, ng))
+    for t in (q, k, v):
+        t.requires_grad_()
+    y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=ng < NH)
+    y.backward(dy)
+    res = run_ranks(_cp_rank, world_size=cp, cp=cp, args=(layout, ng))
+    for r, (y_r, grads, comm) in enumerate(res):
+        want = [cp_shard(t, 2, cp, r, layout) for t in (y, q.grad, k.grad, v.grad)]
+        for got, ref in zip([y_r, *grads], want, strict=True):
+            torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-6)
+        # K and V gathered once each, their gradients reduce-scattered once each
+        assert comm["all_gather"] > 0 and comm["reduce_scatter"] > 0
