@@ -66,8 +66,11 @@ def test_all_gather_attention_is_one_process_attention(cp, layout, ng):
         t.requires_grad_()
     y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=ng < NH)
     y.backward(dy)
-    res = run_ranks(_cp_rank, world_size=cp, cp=cp, args=(layout, ng))
-    for r, (y_r, grads, comm) in enumerate(res):
+    # world 4 for both sizes (at CP 2 the two DP replicas do the same work): the pool's
+    # CP layouts are built once for the whole suite
+    res = run_ranks(_cp_rank, world_size=4, cp=cp, args=(layout, ng))
+    for rank, (y_r, grads, comm) in enumerate(res):
+        r = rank % cp  # (CP is inside DP in the layout: rank = dp_rank * cp + cp_rank)
         want = [cp_shard(t, 2, cp, r, layout) for t in (y, q.grad, k.grad, v.grad)]
         for got, ref in zip([y_r, *grads], want, strict=True):
             torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-6)

@@ -6,6 +6,7 @@ uninterrupted curve, bit for bit."""
 
 import json
 import os
+import shutil
 
 from hybrid.config import build_config, parse_args
 
@@ -37,10 +38,11 @@ def _through_the_api(ps, src, dst):
 def test_pretrain_to_api_to_pretrain_is_the_uninterrupted_curve(tmp_path):
     full, res = str(tmp_path / "full.jsonl"), str(tmp_path / "res.jsonl")
     a, b = str(tmp_path / "a"), str(tmp_path / "b")
-    for args in (["--train-iters", "4", "--log-json", full],
-                 ["--train-iters", "2", "--save", a]):
-        r = pretrain(2, FLAGS + args)
-        assert r.returncode == 0, r.stderr[-3000:]
+    r = pretrain(2, FLAGS + ["--train-iters", "4", "--log-json", full, "--save", a,
+                             "--save-interval", "2"])
+    assert r.returncode == 0, r.stderr[-3000:]
+    shutil.rmtree(os.path.join(a, "iter_0000004"))  # resume from iteration 2
+    os.remove(os.path.join(a, "latest"))
     out = run_ranks(_through_the_api, world_size=2, args=(a, b))
     for path, client, steps, saved in out:
         assert path == os.path.join(a, "iter_0000002") and client == {} and steps == 2
