@@ -61,14 +61,17 @@ class Rotary:
     scaling_factor: float | None = None
     interpolation: float | None = None
 
-    def cos_sin(self, seq_len: int, dtype: torch.dtype, device) -> tuple[torch.Tensor, ...]:
+    def cos_sin(self, positions, dtype: torch.dtype, device) -> tuple[torch.Tensor, ...]:
         """(cos, sin), each ``(T, dim)``: ``[f | f]`` with ``f = pos * base^(-2j/dim)``
-        (frequencies scaled by :func:`llama3_scaled` when ``scaling_factor`` is set)."""
+        (frequencies scaled by :func:`llama3_scaled` when ``scaling_factor`` is set).
+        ``positions``: T (positions 0..T-1), or a ``(T,)`` tensor of the tokens' global
+        positions (a context-parallel rank's, :func:`hybrid.tensor_parallel.cp_positions`)."""
         inv_freq = 1.0 / (self.base ** (torch.arange(0, self.dim, 2, dtype=torch.float,
                                                      device=device) / self.dim))
         if self.scaling_factor is not None:
             inv_freq = llama3_scaled(inv_freq, self.scaling_factor)
-        pos = torch.arange(seq_len, device=device).float()
+        pos = (torch.arange(positions, device=device) if isinstance(positions, int)
+               else positions.to(device)).float()
         if self.interpolation is not None:
             pos = pos / self.interpolation
         freqs = pos[:, None] * inv_freq[None, :]
@@ -93,7 +96,8 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
 
 class SplitQKVFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, qkv, q_per_group: int, head_size: int, rotary: Rotary | None):
+    def forward(ctx, qkv, q_per_group: int, head_size: int, rotary: Rotary | None,
+                positions: torch.Tensor | None = None):
         B, T, _ = qkv.shape
         r = q_per_group
         x = qkv.view(B, T, -1, r + 2, head_size)  # (B, T, g, r + 2, hs)
@@ -103,27 +107,31 @@ class SplitQKVFunction(torch.autograd.Function):
         # the projection is a view, not a copy.
         q = x[:, :, :, :r].reshape(B, T, g * r, head_size)
         k, v = x[:, :, :, r].contiguous(), x[:, :, :, r + 1].contiguous()
-        ctx.meta = (B, T, g, r, head_size, rotary)
+        ctx.meta = (B, T, g, r, head_size, rotary, positions)
         if rotary is not None:
-            cos, sin = (t[:, None] for t in rotary.cos_sin(T, qkv.dtype, qkv.device))
+            where = T if positions is None else positions
+            cos, sin = (t[:, None] for t in rotary.cos_sin(where, qkv.dtype, qkv.device))
             q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
         return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
 
     @staticmethod
     def backward(ctx, dq, dk, dv):
-        B, T, g, r, hs, rotary = ctx.meta
+        B, T, g, r, hs, rotary, positions = ctx.meta
         dq, dk, dv = dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)  # (B, T, h, hs)
         if rotary is not None:  # rotate back: the transpose of R(theta) is R(-theta)
-            cos, sin = (t[:, None] for t in rotary.cos_sin(T, dq.dtype, dq.device))
+            where = T if positions is None else positions
+            cos, sin = (t[:, None] for t in rotary.cos_sin(where, dq.dtype, dq.device))
             dq, dk = _rotate(dq, cos, -sin), _rotate(dk, cos, -sin)
         grad = torch.empty(B, T, g, r + 2, hs, dtype=dq.dtype, device=dq.device)
         grad[:, :, :, :r] = dq.reshape(B, T, g, r, hs)
         grad[:, :, :, r] = dk
         grad[:, :, :, r + 1] = dv
-        return grad.view(B, T, g * (r + 2) * hs), None, None, None
+        return grad.view(B, T, g * (r + 2) * hs), None, None, None, None
 
 
 def split_qkv(qkv: torch.Tensor, q_per_group: int, head_size: int,
-              rotary: Rotary | None = None):
-    """``(q, k, v)`` heads of a grouped QKV, RoPE applied to q and k (see the module doc)."""
-    return SplitQKVFunction.apply(qkv, q_per_group, head_size, rotary)
+              rotary: Rotary | None = None, positions: torch.Tensor | None = None):
+    """``(q, k, v)`` heads of a grouped QKV, RoPE applied to q and k (see the module doc);
+    ``positions``: the tokens' global positions when they are not 0..T-1 (context
+    parallelism)."""
+    return SplitQKVFunction.apply(qkv, q_per_group, head_size, rotary, positions)

@@ -76,3 +76,25 @@ def test_all_gather_attention_is_one_process_attention(cp, layout, ng):
             torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-6)
         # K and V gathered once each, their gradients reduce-scattered once each
         assert comm["all_gather"] > 0 and comm["reduce_scatter"] > 0
+
+
+@pytest.mark.parametrize("layout", ["load_balanced", "striped"])
+def test_rope_on_a_cp_shard_uses_global_positions(layout):
+    """Splitting QKV with RoPE on a CP rank's tokens, given their global positions, is
+    the full sequence's split restricted to those tokens, forward and backward."""
+    from hybrid.kernels.rotary import Rotary, split_qkv
+    g = torch.Generator().manual_seed(7)
+    groups, per, hs, cp = 2, 2, 8, 4
+    qkv = torch.randn(B, T, groups * (per + 2) * hs, generator=g, requires_grad=True)
+    rot = Rotary(hs, 10000.0)
+    full = split_qkv(qkv, per, hs, rot)
+    grads = [torch.randn(t.shape, generator=g) for t in full]
+    torch.autograd.backward(full, grads)
+    for r in range(cp):
+        pos = cp_positions(T, cp, r, layout)
+        mine = cp_shard(qkv.detach(), 1, cp, r, layout).requires_grad_()
+        got = split_qkv(mine, per, hs, rot, positions=pos)
+        for a, b in zip(got, full, strict=True):
+            torch.testing.assert_close(a, cp_shard(b.detach(), 2, cp, r, layout))
+        torch.autograd.backward(got, [cp_shard(d, 2, cp, r, layout) for d in grads])
+        torch.testing.assert_close(mine.grad, cp_shard(qkv.grad, 1, cp, r, layout))
