@@ -184,6 +184,12 @@ def _batch(run: _Apply, ds: Mapping) -> None:
     if train is None and accum is not None:
         train = run.f.micro_batch_size * accum * run.dp
     if train is not None:
+        per = run.f.micro_batch_size * run.dp
+        if accum is None and train % per:
+            raise ConfigError(
+                f"ds_config train_batch_size {train} is not a multiple of "
+                f"train_micro_batch_size_per_gpu {run.f.micro_batch_size} x data-parallel size "
+                f"{run.dp} ({run.source})")
         if accum is not None and train != run.f.micro_batch_size * accum * run.dp:
             raise ConfigError(
                 f"ds_config train_batch_size {train} != train_micro_batch_size_per_gpu "

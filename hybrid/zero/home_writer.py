@@ -109,13 +109,6 @@ class HomeWriter:
             elif self.homes[i] is not None:
                 self._writes[k % 2].append(self.homes[i].write_at(a - self.bounds[i], piece))
 
-    def drain(self) -> None:
-        """Wait for every disk write (the scratch buffers are then free)."""
-        for b, writes in enumerate(self._writes):
-            self._writes[b] = []
-            for w in writes:
-                w.wait()
-
     def nbytes(self) -> int:
         bufs = self.scratch + ([self.out] if self.out is not None else [])
         return sum(t.numel() * t.element_size() for t in bufs)

@@ -145,6 +145,10 @@ def test_batch_sizes_any_two_give_the_third():
                                           r"data-parallel size 2"):
         _cfg({"train_batch_size": 16, "train_micro_batch_size_per_gpu": 4,
               "gradient_accumulation_steps": 3})
+    with pytest.raises(ConfigError, match=r"train_batch_size 10 is not a multiple of "
+                                          r"train_micro_batch_size_per_gpu 4 x data-parallel "
+                                          r"size 2"):
+        _cfg({"train_batch_size": 10, "train_micro_batch_size_per_gpu": 4})
 
 
 def test_the_file_and_the_command_line_may_not_disagree():
