@@ -28,6 +28,7 @@ from hybrid.kernels.swiglu import swiglu
 from hybrid.parallel.comm import CommGroup
 from hybrid.tensor_parallel import (ColumnParallelLinear, LayerNorm, RMSNorm, RowParallelLinear,
                                     TPRNGTracker)
+from hybrid.tensor_parallel.cp_attention import ContextParallel
 
 
 def make_norm(cfg: ModelConfig, tp_group: CommGroup, sequence_parallel: bool) -> nn.Module:
@@ -45,9 +46,15 @@ class AttentionCore(nn.Module):
     is applied here to q and k. A module of its own (no parameters) so selective
     recompute can checkpoint exactly this: the split, rotation, scores, softmax
     and dropout, rerun in backward from the QKV output.
+
+    With context parallelism (``cp``) T is this CP rank's share of the sequence:
+    RoPE rotates by the tokens' global positions and attention reaches every
+    rank's keys through ``cp`` (its dropout mask depends on positions and global
+    heads only, ``head_offset`` being this TP rank's first head).
     """
 
-    def __init__(self, cfg: ModelConfig, rng: TPRNGTracker | None):
+    def __init__(self, cfg: ModelConfig, rng: TPRNGTracker | None,
+                 cp: ContextParallel | None = None, head_offset: int = 0):
         super().__init__()
         self.head_size = cfg.head_size
         self.q_per_group = cfg.num_attention_heads // cfg.query_groups
@@ -57,14 +64,20 @@ class AttentionCore(nn.Module):
         self.dropout = cfg.attention_dropout
         self.backend = cfg.attention_backend  # --attention-backend (hybrid/kernels/attention.py)
         self.rng = rng
+        self.cp, self.head_offset = cp, head_offset
 
     def forward(self, qkv: torch.Tensor) -> torch.Tensor:
         if self.q_per_group == 1 and self.rotary is None:  # q, k, v: views of qkv, no copy
             q, k, v = rearrange(qkv, "b t (nh three hs) -> three b nh t hs", three=3,
                                 hs=self.head_size)  # each (B, nh, T, hs)
         else:  # q (B, nh, T, hs), k and v (B, ng, T, hs), fresh tensors in place of qkv
-            q, k, v = split_qkv(qkv, self.q_per_group, self.head_size, self.rotary)
+            pos = None if self.cp is None else self.cp.positions(qkv.shape[1], qkv.device)
+            q, k, v = split_qkv(qkv, self.q_per_group, self.head_size, self.rotary, pos)
         p = self.dropout if self.training else 0.0
+        if self.cp is not None:
+            with attention_context(self.backend):
+                y = self.cp.attention(q, k, v, p, self.head_offset)
+            return rearrange(y, "b nh t hs -> b t (nh hs)")  # (B, T / C, nh * hs)
         # Heads differ per TP rank, so their dropout draws from the per-rank stream.
         fork = self.rng.fork() if (p > 0 and self.rng is not None) else contextlib.nullcontext()
         with fork, attention_context(self.backend):
@@ -77,7 +90,7 @@ class ParallelAttention(nn.Module):
     """Causal self-attention with query groups (and so heads) split over the TP group."""
 
     def __init__(self, cfg: ModelConfig, tp_group: CommGroup, rng: TPRNGTracker | None,
-                 sequence_parallel: bool):
+                 sequence_parallel: bool, cp: ContextParallel | None = None):
         super().__init__()
         C, tp = cfg.hidden_size, tp_group.size
         if cfg.num_attention_heads % tp:
@@ -94,7 +107,10 @@ class ParallelAttention(nn.Module):
         sp, bias = sequence_parallel, cfg.add_bias_linear
         self.qkv = ColumnParallelLinear(C, cfg.qkv_size, tp_group, bias=cfg.qkv_bias,
                                         sequence_parallel=sp)
-        self.core = AttentionCore(cfg, rng)
+        heads = cfg.num_attention_heads // tp
+        if cp is not None:
+            cp.check_heads(heads, cfg.query_groups // tp)
+        self.core = AttentionCore(cfg, rng, cp, head_offset=tp_group.rank * heads)
         self.proj = RowParallelLinear(C, C, tp_group, bias=bias, input_is_parallel=True,
                                       sequence_parallel=sp)
 
@@ -129,23 +145,24 @@ class ParallelMLP(nn.Module):
 
 def residual_rng(fork: bool, rng: TPRNGTracker | None):
     """The RNG context of residual-stream dropout. Replicated over TP, the default
-    stream, identical on every TP rank, keeps the replicas equal; with SP each rank
-    holds other tokens, so the per-TP-rank stream gives them independent masks
-    (``fork``: sequence parallelism with dropout, decided when the model is built)."""
+    stream, identical on every TP rank, keeps the replicas equal; with SP or CP each
+    rank holds other tokens, so the per-(TP, CP)-rank stream gives them independent
+    masks (``fork``: SP or CP with dropout, decided when the model is built)."""
     return rng.fork() if fork else contextlib.nullcontext()
 
 
 class Block(nn.Module):
     """Pre-norm transformer block. Input and output ``(B, T, C)``, replicated over TP
-    (``(B, T / tp, C)``, this rank's tokens, with sequence parallelism)."""
+    (``(B, T / tp, C)``, this rank's tokens, with sequence parallelism); with context
+    parallelism T is this CP rank's share of the sequence."""
 
     def __init__(self, cfg: ModelConfig, tp_group: CommGroup, rng: TPRNGTracker | None,
-                 sequence_parallel: bool):
+                 sequence_parallel: bool, cp: ContextParallel | None = None):
         super().__init__()
         self.rng = rng
-        self.fork_residual_rng = sequence_parallel and cfg.hidden_dropout > 0
+        self.fork_residual_rng = (sequence_parallel or cp is not None) and cfg.hidden_dropout > 0
         self.ln_1 = make_norm(cfg, tp_group, sequence_parallel)
-        self.attn = ParallelAttention(cfg, tp_group, rng, sequence_parallel)
+        self.attn = ParallelAttention(cfg, tp_group, rng, sequence_parallel, cp)
         self.ln_2 = make_norm(cfg, tp_group, sequence_parallel)
         self.mlp = ParallelMLP(cfg, tp_group, sequence_parallel)
         self.drop = nn.Dropout(cfg.hidden_dropout)

@@ -33,6 +33,15 @@ the head. Each rank now holds different tokens there, so that dropout draws
 from the per-TP-rank stream, and the replicated parameters used there get
 their gradients summed over TP (see :mod:`hybrid.tensor_parallel.layers`).
 
+With context parallelism (``context_parallel``, a
+:class:`hybrid.tensor_parallel.cp_attention.ContextParallel`) each CP rank is
+given its share of every sequence, ``(B, T / cp)`` tokens at the global
+positions the CP layout assigns it; position embeddings and RoPE read those
+positions, attention reaches the other ranks' keys, and the loss is the mean
+over the whole sequence (one all-reduce over CP). Nothing else changes: CP
+holds no parameter of its own, and a replicated parameter's gradient is
+summed over CP by whoever reduces gradients (hybrid.zero, over DP x CP).
+
 Shapes: B batch, T sequence, C hidden, V padded vocabulary.
 """
 
@@ -52,6 +61,7 @@ from hybrid.tensor_parallel import (ColumnParallelLinear, Init, TPRNGTracker,
                                     VocabParallelEmbedding, copy_to_tp, init_parameters,
                                     sequence_gathered_linear, sequence_parallel_param,
                                     vocab_parallel_cross_entropy)
+from hybrid.tensor_parallel.cp_attention import ContextParallel
 from models.blocks import Block, make_norm, residual_rng
 
 
@@ -66,12 +76,12 @@ class GPT(nn.Module):
 
     def __init__(self, cfg: ModelConfig, tp_group: CommGroup, rng: TPRNGTracker | None = None,
                  seed: int = 1234, device: torch.device | str = "cpu",
-                 sequence_parallel: bool = False):
+                 sequence_parallel: bool = False, context_parallel: ContextParallel | None = None):
         """Build ``cfg`` (its ``vocab_size`` known) over ``tp_group`` on ``device`` and
         draw the init from ``seed`` -- or, with ``device="meta"``, only shapes: ZeRO then
         materializes what each rank keeps (``apply_zero(..., values=InitValues(seed,
         model.init_of))``). ``sequence_parallel`` (the parallel section's, TP > 1): see
-        the module doc; decided here, for every layer at once."""
+        the module doc; decided here, for every layer at once; so is ``context_parallel``."""
         super().__init__()
         if cfg.vocab_size is None:
             raise ValueError("the model needs its vocabulary: build it from "
@@ -83,16 +93,18 @@ class GPT(nn.Module):
             raise ValueError("attention dropout under TP needs the TP RNG tracker (rng=...)")
         if sequence_parallel and tp_group.size == 1:
             raise ValueError("sequence parallelism needs a TP group of 2 or more ranks")
-        if sequence_parallel and cfg.hidden_dropout > 0 and rng is None:
-            raise ValueError("dropout under sequence parallelism needs the TP RNG tracker "
-                             "(rng=...)")
+        if (sequence_parallel or context_parallel) and cfg.hidden_dropout > 0 and rng is None:
+            raise ValueError("dropout under sequence or context parallelism needs the RNG "
+                             "tracker (rng=...)")
         _check_architecture(cfg)
         self.cfg = cfg
         self.tp_group = tp_group
         self.sequence_parallel = sequence_parallel
+        self.cp = context_parallel
         self.padded_vocab_size = cfg.padded_vocab_size(tp_group.size)  # embedding rows, all ranks
-        # SP's residual stream holds other tokens on each rank: its dropout forks the RNG
-        self.fork_residual_rng = sequence_parallel and cfg.hidden_dropout > 0
+        # SP's and CP's residual stream holds other tokens on each rank: its dropout forks
+        self.fork_residual_rng = ((sequence_parallel or context_parallel is not None)
+                                  and cfg.hidden_dropout > 0)
         with torch.device(device):
             self.wte = VocabParallelEmbedding(self.padded_vocab_size, cfg.hidden_size, tp_group,
                                               sequence_parallel=sequence_parallel)
@@ -103,7 +115,8 @@ class GPT(nn.Module):
                                         _weight=torch.empty(cfg.max_position_embeddings,
                                                             cfg.hidden_size))
             self.drop = nn.Dropout(cfg.hidden_dropout)
-            self.blocks = nn.ModuleList(Block(cfg, tp_group, rng, sequence_parallel)
+            self.blocks = nn.ModuleList(Block(cfg, tp_group, rng, sequence_parallel,
+                                              context_parallel)
                                         for _ in range(cfg.num_layers))
             self.ln_f = make_norm(cfg, tp_group, sequence_parallel)
             if cfg.untie_embeddings_and_output_weights:  # rows split like wte's
@@ -135,15 +148,19 @@ class GPT(nn.Module):
                 loss_mask: torch.Tensor | None = None) -> torch.Tensor:
         """Logits ``(B, T, V / tp)`` of this TP rank's vocabulary shard, or with ``labels``
         ``(B, T)`` the mean cross-entropy over the tokens; with ``loss_mask`` ``(B, T)``
-        (1 = counts) the mean over the tokens it keeps (``--eod-mask-loss``)."""
+        (1 = counts) the mean over the tokens it keeps (``--eod-mask-loss``). With context
+        parallelism T is this CP rank's share (see the module doc)."""
         B, T = tokens.shape
-        if T > self.cfg.max_position_embeddings:
-            raise ValueError(f"sequence length {T} exceeds max_position_embeddings "
+        cp = self.cp
+        seq = T if cp is None else cp.seq_len(T)
+        if seq > self.cfg.max_position_embeddings:
+            raise ValueError(f"sequence length {seq} exceeds max_position_embeddings "
                              f"{self.cfg.max_position_embeddings}")
         sp, g = self.sequence_parallel, self.tp_group
         x = self.wte(tokens)  # (B, T, C); (B, T / tp, C) with SP
         if self.cfg.position_embedding_type == "learned_absolute":
-            pos = torch.arange(T, device=tokens.device)
+            pos = (torch.arange(T, device=tokens.device) if cp is None
+                   else cp.positions(T, tokens.device))
             if sp:  # this rank's positions, and wpe's gradient summed over TP
                 pos = pos.chunk(g.size)[g.rank]
                 x = x + F.embedding(pos, sequence_parallel_param(self.wpe.weight, g))
@@ -169,6 +186,8 @@ class GPT(nn.Module):
             return logits
         losses = vocab_parallel_cross_entropy(logits, labels, self.tp_group,
                                               valid=self._valid_local)
+        if cp is not None:  # the whole sequence's mean, equal on every CP rank
+            return cp.mean_loss(losses, loss_mask)
         if loss_mask is None:
             return losses.mean()
         # a micro-batch of end-of-document tokens only counts nothing (not 0 / 0)

@@ -56,15 +56,19 @@ def describe(engine, ps) -> dict:
     values at load time.
     """
     names = {id(p): n for n, p in engine.model.named_parameters()}
-    units, dp = engine.units, ps.dp_size
+    # ZeRO's group is DP x CP (hybrid.zero.engine): its rank z is global rank z * tp +
+    # tp_rank, so "dp" below (and in the files) is that group, and a checkpoint saved at
+    # one CP size reads at another like a change of DP size
+    zero = ps.dp_cp_group
+    units, dp, dp_rank = engine.units, zero.size, zero.rank
     # Stage 0 units own everything; with one DP rank both readings coincide.
     owns_all = dp > 1 and bool(units) and all(u.own_hi - u.own_lo == u.padded for u in units)
     for u in units:
         s = -(-u.numel // dp)
-        want = (0, u.padded) if owns_all else (ps.dp_rank * s, (ps.dp_rank + 1) * s)
+        want = (0, u.padded) if owns_all else (dp_rank * s, (dp_rank + 1) * s)
         if u.padded != s * dp or (u.own_lo, u.own_hi) != want:
             raise CheckpointError(f"ZeRO unit {u.name!r} owns [{u.own_lo}, {u.own_hi}) of "
-                                  f"{u.padded} on DP rank {ps.dp_rank}; the checkpoint "
+                                  f"{u.padded} on ZeRO rank {dp_rank}; the checkpoint "
                                   f"format expects [{want[0]}, {want[1]})")
     return {"tp_size": ps.tp_size, "dp_size": dp, "owns_all": owns_all,
             "split_dims": {n: _split_dim(p) for n, p in engine.model.named_parameters()},

@@ -113,7 +113,8 @@ def load_checkpoint(load_dir: str, engine: ZeroEngine, ps: ParallelState, seed: 
     ckpt, meta, layout = found
     header, error = None, None
     same_layout = (meta["world_size"] == ps.world_size
-                   and meta["tensor_model_parallel_size"] == ps.tp_size)
+                   and meta["tensor_model_parallel_size"] == ps.tp_size
+                   and meta.get("context_parallel_size", 1) == ps.cp_size)
     if same_layout and load_rng:  # only for the RNG states: per-rank streams map 1:1
         try:
             header = _read_header(ckpt, ps, layout, reader)
@@ -168,7 +169,8 @@ def _restore_rng(header: dict | None, rng: TPRNGTracker, ps: ParallelState, seed
         torch.set_rng_state(saved["cpu"])
         rng.set_states(saved["tracker"])
     else:  # another layout: per-rank streams do not map; start fresh ones, deterministically
-        rng.set_states(seed_all(seed, ps.tp_rank, ps.dp_rank, ps.device).get_states())
+        rng.set_states(seed_all(seed, ps.tp_rank, ps.dp_rank, ps.device, ps.cp_rank,
+                                ps.tp_size).get_states())
 
 
 def weights_only_error(ckpt: str) -> str:
@@ -218,7 +220,7 @@ def _read_header(ckpt: str, ps: ParallelState, layout: SavedLayout,
     if not isinstance(header, dict) or header.get("rank") != ps.rank:
         raise CheckpointError(f"{path}: corrupt checkpoint shard (not rank {ps.rank}'s header)")
     # Its data file must hold what the metadata's layout says it does.
-    expect = layout.rows(ps.dp_rank)
+    expect = layout.rows(ps.dp_cp_group.rank)  # ZeRO's rank: DP x CP (hybrid.zero.engine)
     if header.get("data_rows") != expect:
         raise CheckpointError(f"{path}: piece table ({header.get('data_rows')} rows) "
                               f"disagrees with metadata.json's zero_layout ({expect} rows)")

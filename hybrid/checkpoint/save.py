@@ -112,7 +112,8 @@ def save_checkpoint(save_dir: str, iteration: int, consumed_samples: int, engine
     if ps.rank == 0:
         meta = {"version": VERSION, "iteration": iteration, "consumed_samples": consumed_samples,
                 "world_size": ps.world_size, "tensor_model_parallel_size": ps.tp_size,
-                "data_parallel_size": ps.dp_size, "zero_stage": engine.plan.stage,
+                "data_parallel_size": ps.dp_size, "context_parallel_size": ps.cp_size,
+                "zero_stage": engine.plan.stage,
                 "vocab_size": vocab_size, "model": model_signature(engine.model),
                 "step": state["step"], "loss_scaler": state["loss_scaler"],
                 "zero_layout": layout, "finetune": finetune, "config": config,
@@ -164,16 +165,17 @@ def _write_rank_files(save_dir: str, tmp: str, engine: ZeroEngine, ps: ParallelS
                       columns: tuple) -> str | None:
     """This rank's data file (its pieces, column block by column block, one piece in
     memory at a time) and header; why not, or None."""
-    # Owning everything (stage 0), every DP replica holds the same values: DP rank 0's
-    # copy is the one saved (SavedLayout reads DP rank 0's files for all of a unit).
-    pieces = state["pieces"] if not (owns_all and ps.dp_rank != 0) else []
+    # Owning everything (stage 0), every DP (x CP) replica holds the same values: ZeRO
+    # rank 0's copy is the one saved (SavedLayout reads its files for all of a unit).
+    zero_rank = ps.dp_cp_group.rank  # ZeRO shards over DP x CP (hybrid.zero.engine)
+    pieces = state["pieces"] if not (owns_all and zero_rank != 0) else []
     table, rows = {}, 0
     for pname, lo, hi in pieces:
         table.setdefault(pname, []).append((lo, hi, rows))
         rows += hi - lo
     specs = {n: _spec_dict(p) for n, p in engine.model.named_parameters()}
     header = {"version": VERSION, "rank": ps.rank, "tp_rank": ps.tp_rank,
-              "dp_rank": ps.dp_rank, "specs": specs, "step": state["step"],
+              "dp_rank": zero_rank, "specs": specs, "step": state["step"],
               "loss_scaler": state["loss_scaler"], "pieces": table, "data_rows": rows,
               "rng": {"device": get_device_rng_state(ps.device), "cpu": torch.get_rng_state(),
                       "tracker": rng.get_states()}}

@@ -101,14 +101,14 @@ def _deepspeed(f: Flags, world_size: int) -> None:
         path = f.deepspeed
     if path is None:
         return
-    dp = check_layout(world_size, f.tensor_model_parallel_size)
+    dp = check_layout(world_size, f.tensor_model_parallel_size, f.context_parallel_size)
     f.ds_config_notes = apply_ds_config(f, load_ds_config(path), dp, source=path)
 
 
 def _check(f: Flags, world_size: int) -> int:
     """Every check that can reject the run, in order; fills derived defaults into ``f``.
     Returns the data-parallel size."""
-    dp = check_layout(world_size, f.tensor_model_parallel_size)
+    dp = check_layout(world_size, f.tensor_model_parallel_size, f.context_parallel_size)
     checks.check_numbers(f)
     checks.check_parallel(f)
     checks.check_model(f)
@@ -128,7 +128,8 @@ def _parallel(f: Flags, world_size: int, dp: int) -> ParallelConfig:
     return ParallelConfig(
         world_size=world_size, tensor_model_parallel_size=f.tensor_model_parallel_size,
         data_parallel_size=dp, sequence_parallel=f.sequence_parallel,
-        backend=f.distributed_backend, timeout_minutes=f.distributed_timeout_minutes)
+        context_parallel_size=f.context_parallel_size, cp_comm_type=f.cp_comm_type,
+        cp_layout=f.cp_layout, backend=f.distributed_backend, timeout_minutes=f.distributed_timeout_minutes)
 
 
 def _model(f: Flags) -> ModelConfig:

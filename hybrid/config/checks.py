@@ -54,12 +54,50 @@ def check_parallel(f: Flags) -> None:
     if f.sequence_parallel and f.seq_length % tp:
         raise ConfigError(f"--sequence-parallel splits --seq-length {f.seq_length} over "
                           f"--tensor-model-parallel-size {tp}: use a multiple of {tp}")
+    _check_context_parallel(f)
     if f.distributed_backend not in (None, "gloo", "nccl"):
         raise ConfigError(f"--distributed-backend must be gloo or nccl, "
                           f"got {f.distributed_backend!r}")
     if f.distributed_timeout_minutes * 60 < 1:  # below a second, rendezvous itself times out
         raise ConfigError(f"--distributed-timeout-minutes must be at least 1/60 (one second), "
                           f"got {f.distributed_timeout_minutes}")
+
+
+CP_COMM_TYPES = ("p2p", "all_gather", "a2a")  # hybrid.tensor_parallel.cp_attention's
+CP_LAYOUTS = ("load_balanced", "striped")
+
+
+def _check_context_parallel(f: Flags) -> None:
+    """--context-parallel-size with its comm type and layout: the sequence and the heads
+    must split as they say (the layout itself is checked by check_layout)."""
+    cp, tp = f.context_parallel_size, f.tensor_model_parallel_size
+    if f.cp_comm_type == "a2a+p2p":
+        raise ConfigError("--cp-comm-type a2a+p2p (hierarchical CP) is not in hybrid: use "
+                          "p2p, all_gather or a2a")
+    if f.cp_comm_type not in CP_COMM_TYPES:
+        raise ConfigError(f"--cp-comm-type must be one of {', '.join(CP_COMM_TYPES)}, "
+                          f"got {f.cp_comm_type!r}")
+    if f.cp_layout not in CP_LAYOUTS:
+        raise ConfigError(f"--cp-layout must be one of {', '.join(CP_LAYOUTS)}, "
+                          f"got {f.cp_layout!r}")
+    if cp == 1:
+        return
+    chunks = 2 * cp if f.cp_layout == "load_balanced" else cp
+    if f.seq_length % chunks:
+        raise ConfigError(f"--context-parallel-size {cp} with --cp-layout {f.cp_layout} cuts "
+                          f"--seq-length {f.seq_length} into {chunks} equal parts: use a "
+                          f"multiple of {chunks}")
+    if f.sequence_parallel and (f.seq_length // cp) % tp:
+        raise ConfigError(f"--sequence-parallel splits each CP rank's {f.seq_length // cp} "
+                          f"tokens (--seq-length / --context-parallel-size) over "
+                          f"--tensor-model-parallel-size {tp}: use a --seq-length that is a "
+                          f"multiple of {cp * tp}")
+    groups = ((f.group_query_attention and f.num_query_groups) or f.num_attention_heads)
+    if f.cp_comm_type == "a2a" and ((f.num_attention_heads // tp) % cp or (groups // tp) % cp):
+        raise ConfigError(f"--cp-comm-type a2a splits each TP rank's heads over "
+                          f"--context-parallel-size {cp}: --num-attention-heads "
+                          f"{f.num_attention_heads} (and the query groups) / TP {tp} must be "
+                          f"divisible by {cp}; use --cp-comm-type p2p or all_gather")
 
 
 def check_model(f: Flags) -> None:

@@ -39,6 +39,14 @@ class Flags:
     tensor_model_parallel_size: int = opt(1, "TP degree: ranks splitting each layer")
     sequence_parallel: bool = opt(False, "split norms, dropout and residuals along the "
                                          "sequence over TP (needs TP > 1)")
+    context_parallel_size: int = opt(1, "CP degree: ranks splitting each sequence "
+                                        "(attention across them, see --cp-comm-type)")
+    cp_comm_type: str = opt("p2p", "how attention crosses the CP split: p2p (ring), "
+                                   "all_gather (K/V once per layer) or a2a (Ulysses: heads "
+                                   "split instead)")
+    cp_layout: str = opt("load_balanced", "which tokens a CP rank holds: load_balanced "
+                                          "(chunks r and 2C-1-r of 2C) or striped "
+                                          "(token i on rank i mod C)")
     distributed_backend: str | None = opt(None, "gloo or nccl (default: nccl with a GPU)")
     distributed_timeout_minutes: float = opt(10.0, "timeout of every collective")
     pipeline_model_parallel_size: int = opt(1, "pipeline stages: only 1 (hybrid shards "

@@ -7,8 +7,8 @@ never argparse's generic "unrecognized arguments". Three kinds:
 * **no effect**: flags that pick one of Megatron's implementations of the same
   math (fusions, mcore vs legacy, Transformer Engine) or tune its logging and
   data-loader internals. They are dropped; the run logs them once.
-* **only one value**: parallel sizes hybrid implements only as 1 (pipeline,
-  context, expert). The value 1 is accepted; anything else is refused.
+* **only one value**: parallel sizes hybrid implements only as 1 (virtual
+  pipeline, expert). The value 1 is accepted; anything else is refused.
 * **refused**: features hybrid does not have (MoE, FP8, FSDP variants, ...),
   each with what to use instead.
 
@@ -55,8 +55,6 @@ NO_EFFECT: dict[str, int] = {
 _ONLY_VALUE: dict[str, tuple[str, str]] = {
     "--optimizer": ("adam", "hybrid trains with AdamW (decoupled weight decay, as Megatron's "
                             "adam); drop --optimizer or pass adam"),
-    "--context-parallel-size": ("1", "hybrid has no context parallelism: use "
-                                     "--sequence-parallel to split activations over TP"),
     "--expert-model-parallel-size": ("1", "hybrid has no mixture of experts"),
     "--expert-tensor-parallel-size": ("1", "hybrid has no mixture of experts"),
     "--virtual-pipeline-model-parallel-size": ("1", "hybrid has no pipeline parallelism"),

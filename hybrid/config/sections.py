@@ -142,6 +142,9 @@ class ParallelConfig:
     tensor_model_parallel_size: int = 1
     data_parallel_size: int = 1
     sequence_parallel: bool = False
+    context_parallel_size: int = 1
+    cp_comm_type: str = "p2p"  # p2p | all_gather | a2a
+    cp_layout: str = "load_balanced"  # load_balanced | striped
     backend: str | None = None  # None: nccl with a GPU, gloo otherwise
     timeout_minutes: float = 10.0
 

@@ -249,7 +249,8 @@ def build_datasets(cfg: DataConfig, tokenizer, ps=None) -> dict:
 
 def dp_micro_batches(samples, consumed_samples: int, global_batch_size: int,
                      micro_batch_size: int, dp_rank: int, dp_size: int,
-                     device: torch.device, eod: int | None = None) -> list[tuple]:
+                     device: torch.device, eod: int | None = None,
+                     keep: torch.Tensor | None = None) -> list[tuple]:
     """This DP rank's micro-batches for the iteration starting at ``consumed_samples``.
 
     The global batch is samples ``[consumed, consumed + global_batch_size)``;
@@ -258,6 +259,9 @@ def dp_micro_batches(samples, consumed_samples: int, global_batch_size: int,
     int64. TP ranks of one DP rank get identical batches. ``eod`` (``--eod-mask-loss``):
     each micro-batch also carries a float loss mask, 0 where the input token is
     ``eod`` (the prediction across a document boundary does not count), as Megatron.
+    ``keep`` (context parallelism): the sequence positions this rank holds, a
+    ``(seq_length / cp,)`` int64 tensor on ``device``; tokens, labels and mask are cut to
+    them (every CP rank of a DP rank reads the same samples and keeps its share).
     """
     per_rank = global_batch_size // dp_size
     first = consumed_samples + dp_rank * per_rank
@@ -271,7 +275,10 @@ def dp_micro_batches(samples, consumed_samples: int, global_batch_size: int,
         batch = batch.pin_memory().to(device, non_blocking=True)
     else:
         batch = batch.to(device)
-    out = [(batch[m: m + micro_batch_size, :-1], batch[m: m + micro_batch_size, 1:])
+    tokens, labels = batch[:, :-1], batch[:, 1:]
+    if keep is not None:
+        tokens, labels = tokens.index_select(1, keep), labels.index_select(1, keep)
+    out = [(tokens[m: m + micro_batch_size], labels[m: m + micro_batch_size])
            for m in range(0, per_rank, micro_batch_size)]
     if eod is None:
         return out

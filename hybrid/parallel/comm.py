@@ -23,6 +23,8 @@ calls "communication volume":
 * reduce-scatter of an S-byte input:       S * (n - 1) / n
 * all-gather into an S-byte output:        S * (n - 1) / n
 * broadcast of S bytes:                    S * (n - 1) / n
+* all-to-all of an S-byte input:           S * (n - 1) / n
+* ring exchange of S bytes (p2p):          S  (sent to the next rank, as much received)
 
 A group of one rank moves nothing and its collectives return immediately
 without touching torch.distributed, so single-process code runs the same path.
@@ -41,7 +43,7 @@ from hybrid.diagnostics import fingerprint
 from hybrid.diagnostics.recorder import FlightRecorder
 from hybrid.errors import CollectiveError
 
-KINDS = ("all_reduce", "reduce_scatter", "all_gather", "broadcast")
+KINDS = ("all_reduce", "reduce_scatter", "all_gather", "broadcast", "all_to_all", "p2p")
 
 # torch 2.13 renamed the tensor-in/tensor-out collectives; keep older torch working.
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -74,6 +76,20 @@ class CommStats:
             self.calls[k] = 0
             self.max_numel[k] = 0
         self.wait_s = 0.0
+
+
+class _Requests:
+    """Several point-to-point requests waited on as one (a ring exchange's send and recv)."""
+
+    def __init__(self, works):
+        self._works = works
+
+    def wait(self) -> None:
+        for w in self._works:
+            w.wait()
+
+    def is_completed(self) -> bool:  # (the NCCL heartbeat's question)
+        return all(w.is_completed() for w in self._works)
 
 
 class _Work:
@@ -223,6 +239,37 @@ class CommGroup:
                          lambda a=False: dist.broadcast(t, src=self.ranks[src], group=self.pg,
                                                        async_op=a),
                          async_op, fingerprint.extra_code("broadcast", src=src))
+
+    def all_to_all(self, out: torch.Tensor, inp: torch.Tensor, async_op: bool = False):
+        """Send flat chunk ``j`` of ``inp`` (``inp.numel() / size`` elements) to group rank
+        ``j``; chunk ``j`` of ``out`` is what rank ``j`` sent here (Ulysses' exchange)."""
+        if self.size == 1:
+            out.copy_(inp.reshape(out.shape))
+            return _Work(None) if async_op else None
+        nbytes = inp.numel() * inp.element_size() * self._frac()
+        return self._run("all_to_all", "all_to_all", nbytes, inp,
+                         lambda a=False: dist.all_to_all_single(out.view(-1), inp.reshape(-1),
+                                                                group=self.pg, async_op=a),
+                         async_op)
+
+    def ring_exchange(self, out: torch.Tensor, inp: torch.Tensor, async_op: bool = False):
+        """Send ``inp`` to the next group rank (``rank + 1`` mod size) and receive the
+        previous rank's into ``out`` (same shape): one step of ring attention. Every
+        rank of the group takes part, so it is numbered and checked like a collective."""
+        if self.size == 1:
+            out.copy_(inp)
+            return _Work(None) if async_op else None
+        nxt, prv = self.ranks[(self.rank + 1) % self.size], self.ranks[(self.rank - 1) % self.size]
+
+        def start(a=False):
+            ops = [dist.P2POp(dist.isend, inp.contiguous(), nxt, group=self.pg),
+                   dist.P2POp(dist.irecv, out, prv, group=self.pg)]
+            works = _Requests(dist.batch_isend_irecv(ops))
+            if not a:
+                works.wait()
+            return works
+        return self._run("ring_exchange", "p2p", inp.numel() * inp.element_size(), inp, start,
+                         async_op)
 
 
 # [Note: collectives under torch.compile] The door's bookkeeping (the recorder's frames

@@ -1,4 +1,5 @@
-"""Context parallelism: one sequence split over the CP group, attention across the split.
+"""Context parallelism's arithmetic: which tokens a CP rank holds, and which blocks of
+causal attention it computes.
 
 [Note: which tokens a CP rank holds]
 Causal attention's work grows along the sequence (token i attends to i + 1
@@ -11,47 +12,82 @@ Two layouts even it out, both as a list of global positions per rank
   work sums to the same for every rank (exactly: :func:`causal_pairs`);
 * ``striped`` (Striped Attention): token i to rank i mod C.
 
-Everything that depends on a token's position (RoPE, the causal mask, the
-loss mask) reads these global positions, never the local index.
+Everything that depends on a token's position (RoPE, learned position
+embeddings, the causal mask, the dropout mask) reads these global positions,
+never the local index.
 
-[Note: all-gather attention]
-The simplest exchange: each rank all-gathers K and V of the whole sequence
-over CP once per layer (:class:`_GatherSequence`: its backward reduce-scatters
-dK and dV to their owners), then attends its own queries to every key with
-the causal mask taken from global positions. Exact, and fine at small C; K/V
-memory per rank is the whole sequence's.
+[Note: segments and blocks]
+A rank's tokens are a few *segments*, runs of positions ``first + i * stride``:
+two contiguous chunks (load_balanced) or one stride-C run (striped). Attention
+of one rank's queries to another's keys is computed per (query segment, key
+segment) *block*, classified from the segments' ends alone (host integers, no
+device read): every key before every query (``full``, no mask), every key after
+(skipped), or in between (``causal``, a mask from positions). In the
+load-balanced layout each rank computes 2C - 1 full and 2 causal chunk blocks
+over the C sources; striped blocks are all causal (:func:`attention_work`).
 """
 
 from __future__ import annotations
 
-import torch
-import torch.nn.functional as F
+import functools
+from typing import NamedTuple
 
-from hybrid.parallel.comm import CommGroup
+import torch
 
 LAYOUTS = ("load_balanced", "striped")
+
+
+class Segment(NamedTuple):
+    """Local tokens ``[start, start + length)`` at global positions ``first + i * stride``."""
+    start: int
+    length: int
+    first: int
+    stride: int
+
+    @property
+    def last(self) -> int:
+        return self.first + (self.length - 1) * self.stride
+
+    def positions(self, device=None) -> torch.Tensor:
+        return torch.arange(self.length, device=device) * self.stride + self.first
+
+
+class Block(NamedTuple):
+    """Queries ``q`` attend keys ``k``; ``causal``: some pairs are masked out."""
+    q: Segment
+    k: Segment
+    causal: bool
+
+
+def check_seq_len(seq_len: int, cp_size: int, layout: str) -> None:
+    """ValueError unless ``seq_len`` splits evenly in ``layout`` over ``cp_size`` ranks."""
+    if layout not in LAYOUTS:
+        raise ValueError(f"context-parallel layout must be one of {LAYOUTS}, got {layout!r}")
+    if layout == "striped" and seq_len % cp_size:
+        raise ValueError(f"sequence length {seq_len} is not a multiple of the "
+                         f"context-parallel size {cp_size}")
+    if layout == "load_balanced" and seq_len % (2 * cp_size):
+        raise ValueError(f"sequence length {seq_len} is not a multiple of 2 x the "
+                         f"context-parallel size {cp_size} (the load-balanced layout cuts it "
+                         f"into {2 * cp_size} chunks)")
+
+
+@functools.lru_cache(maxsize=256)
+def segments(seq_len: int, cp_size: int, cp_rank: int,
+             layout: str = "load_balanced") -> tuple[Segment, ...]:
+    """``cp_rank``'s tokens of a ``seq_len``-token sequence, as segments in local order."""
+    check_seq_len(seq_len, cp_size, layout)
+    if layout == "striped":
+        return (Segment(0, seq_len // cp_size, cp_rank, cp_size),)
+    c = seq_len // (2 * cp_size)
+    return (Segment(0, c, cp_rank * c, 1), Segment(c, c, (2 * cp_size - 1 - cp_rank) * c, 1))
 
 
 def cp_positions(seq_len: int, cp_size: int, cp_rank: int,
                  layout: str = "load_balanced") -> torch.Tensor:
     """Global positions (``(seq_len / cp_size,)`` int64, ascending) of ``cp_rank``'s
     tokens. ``seq_len`` must be a multiple of 2 x cp_size (load_balanced) or cp_size."""
-    if layout not in LAYOUTS:
-        raise ValueError(f"context-parallel layout must be one of {LAYOUTS}, got {layout!r}")
-    if layout == "striped":
-        if seq_len % cp_size:
-            raise ValueError(f"sequence length {seq_len} is not a multiple of the "
-                             f"context-parallel size {cp_size}")
-        return torch.arange(cp_rank, seq_len, cp_size)
-    chunks = 2 * cp_size
-    if seq_len % chunks:
-        raise ValueError(f"sequence length {seq_len} is not a multiple of 2 x the "
-                         f"context-parallel size {cp_size} (the load-balanced layout cuts it "
-                         f"into {chunks} chunks)")
-    c = seq_len // chunks
-    first, last = cp_rank, chunks - 1 - cp_rank
-    return torch.cat([torch.arange(first * c, (first + 1) * c),
-                      torch.arange(last * c, (last + 1) * c)])
+    return torch.cat([s.positions() for s in segments(seq_len, cp_size, cp_rank, layout)])
 
 
 def cp_shard(x: torch.Tensor, dim: int, cp_size: int, cp_rank: int,
@@ -61,47 +97,34 @@ def cp_shard(x: torch.Tensor, dim: int, cp_size: int, cp_rank: int,
     return x.index_select(dim, pos)
 
 
+def plan_blocks(q_segs: tuple[Segment, ...], k_segs: tuple[Segment, ...]) -> list[Block]:
+    """The blocks of causal attention from queries ``q_segs`` to keys ``k_segs`` that
+    hold at least one unmasked pair (see [Note: segments and blocks])."""
+    out = []
+    for q in q_segs:
+        for k in k_segs:
+            if q.last < k.first:
+                continue  # every key after every query
+            out.append(Block(q, k, causal=q.first < k.last))
+    return out
+
+
+def block_mask(b: Block, device) -> torch.Tensor | None:
+    """``(len q, len k)`` bool, True where the query may see the key; None: all."""
+    if not b.causal:
+        return None
+    return b.q.positions(device)[:, None] >= b.k.positions(device)[None, :]
+
+
+def attention_work(seq_len: int, cp_size: int, cp_rank: int,
+                   layout: str = "load_balanced") -> int:
+    """(query, key) score elements ``cp_rank`` computes over all C sources: the sum of
+    its blocks' areas (masked pairs inside a causal block included)."""
+    mine = segments(seq_len, cp_size, cp_rank, layout)
+    return sum(b.q.length * b.k.length for j in range(cp_size)
+               for b in plan_blocks(mine, segments(seq_len, cp_size, j, layout)))
+
+
 def causal_pairs(q_pos: torch.Tensor, k_pos: torch.Tensor) -> int:
     """(query, key) pairs the causal mask keeps: the attention work of these queries."""
     return int((q_pos[:, None] >= k_pos[None, :]).sum())
-
-
-class _GatherSequence(torch.autograd.Function):
-    """``(B, H, T / C, D)`` -> ``(B, H, T, D)`` in rank order over ``group``; backward
-    sums the gradient over the group and keeps this rank's part (reduce-scatter)."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, group: CommGroup) -> torch.Tensor:
-        ctx.group = group
-        n = group.size
-        parts = torch.empty((n, *x.shape), dtype=x.dtype, device=x.device)
-        group.all_gather(parts, x.contiguous())
-        return torch.cat(list(parts.unbind(0)), dim=2)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        group = ctx.group
-        n = group.size
-        parts = torch.stack(grad.chunk(n, dim=2)).contiguous()  # (n, B, H, T / C, D)
-        out = torch.empty(parts.shape[1:], dtype=grad.dtype, device=grad.device)
-        group.reduce_scatter(out, parts)
-        return out, None
-
-
-def all_gather_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: CommGroup,
-                         seq_len: int, layout: str = "load_balanced", dropout_p: float = 0.0,
-                         enable_gqa: bool = False) -> torch.Tensor:
-    """Causal attention of this rank's queries over the whole sequence's keys.
-
-    ``q`` ``(B, nh, T / C, hs)``, ``k`` and ``v`` ``(B, ng, T / C, hs)``: this CP rank's
-    tokens (:func:`cp_positions` order) of a ``seq_len``-token sequence. K and V are
-    all-gathered over ``group`` (the CP group); returns ``(B, nh, T / C, hs)``.
-    """
-    c, r = group.size, group.rank
-    k_all = _GatherSequence.apply(k, group)
-    v_all = _GatherSequence.apply(v, group)
-    q_pos = cp_positions(seq_len, c, r, layout).to(q.device)
-    k_pos = torch.cat([cp_positions(seq_len, c, j, layout) for j in range(c)]).to(q.device)
-    mask = q_pos[:, None] >= k_pos[None, :]  # (T / C, T): global causality
-    return F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=mask, dropout_p=dropout_p,
-                                          enable_gqa=enable_gqa)

@@ -75,16 +75,19 @@ class TPRNGTracker:
         self._states = {k: v.clone() for k, v in states.items()}
 
 
-def seed_all(seed: int, tp_rank: int, dp_rank: int, device: torch.device) -> TPRNGTracker:
+def seed_all(seed: int, tp_rank: int, dp_rank: int, device: torch.device,
+             cp_rank: int = 0, tp_size: int = 1) -> TPRNGTracker:
     """Seed the default generators and return a tracker for split-region dropout.
 
-    Default stream: ``seed + dp_rank`` -- equal on the TP ranks of one replica,
-    different across replicas (they see different data anyway).
-    Model-parallel stream: ``seed + 2718 + tp_rank`` -- different per TP rank.
+    Default stream: ``seed + dp_rank`` -- equal on the TP and CP ranks of one
+    replica, different across replicas (they see different data anyway).
+    Model-parallel stream: ``seed + 2718 + cp_rank * tp_size + tp_rank`` -- different
+    per TP and per CP rank (each CP rank holds other tokens: its sequence-split
+    dropout draws other masks).
     """
     torch.manual_seed(seed + dp_rank)
     if torch.cuda.is_available():
         torch.cuda.manual_seed_all(seed + dp_rank)
     tracker = TPRNGTracker(device)
-    tracker.add(MODEL_PARALLEL_RNG, seed + _TP_SEED_OFFSET + tp_rank)
+    tracker.add(MODEL_PARALLEL_RNG, seed + _TP_SEED_OFFSET + cp_rank * tp_size + tp_rank)
     return tracker

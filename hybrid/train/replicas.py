@@ -7,8 +7,9 @@ the copies equal to the bit (same data, same reductions, same updates):
   biases, row-parallel biases, the position embedding. At ZeRO-3 a partitioned
   unit has the same layout on every TP rank, so this rank's shard of such a
   parameter is compared with the same shard on its TP peers;
-* over the DP group, every parameter ZeRO keeps whole: all of them at stages
-  0-2, the small persistent ones at stage 3.
+* over the DP group (DP x CP with context parallelism: ZeRO's group), every
+  parameter ZeRO keeps whole: all of them at stages 0-2, the small persistent
+  ones at stage 3.
 
 A copy that drifted (a missed reduction, a rank-dependent code path, a flipped
 bit) trains on silently. The check sums each parameter's raw bits -- the
@@ -72,11 +73,11 @@ class ReplicaChecker:
     @torch.no_grad()
     def check(self, iteration: int) -> None:
         """Compare every replica over its group; raise TrainingError on every rank if any
-        differs. Collective over the TP group, the DP group and the world."""
+        differs. Collective over the TP group, the DP (x CP) group and the world."""
         ps = self.ps
         found = []
         for group, kind, items in ((ps.tp_group, "TP-replicated", self.tp),
-                                   (ps.dp_group, "DP-replicated", self.dp)):
+                                   (ps.dp_cp_group, "DP-replicated", self.dp)):
             if group.size == 1 or not items:
                 continue
             mine = self._checksums(items)

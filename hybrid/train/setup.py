@@ -19,6 +19,7 @@ from hybrid.kernels.dtypes import DTYPES
 from hybrid.parallel.state import ParallelState
 from hybrid.recompute.checkpointing import apply_activation_checkpointing
 from hybrid.tensor_parallel import InitValues, TPRNGTracker
+from hybrid.tensor_parallel.cp_attention import ContextParallel
 from hybrid.train.compile import compile_blocks
 from hybrid.zero import apply_zero
 from models.gpt import GPT
@@ -37,8 +38,12 @@ def build_model(cfg: TrainConfig, ps: ParallelState, vocab_size: int,
     """The GPT of ``cfg.model`` with the tokenizer's ``vocab_size``, on ``device``
     (default ``ps.device``), initialized from ``--seed``; on "meta" only its shapes
     (ZeRO materializes it: see :func:`build_engine`)."""
+    par = cfg.parallel
+    cp = (ContextParallel(ps.cp_group, par.cp_comm_type, par.cp_layout) if ps.cp_size > 1
+          else None)
     return GPT(cfg.model.with_vocab_size(vocab_size), ps.tp_group, rng=rng, seed=cfg.seed,
-               device=device or ps.device, sequence_parallel=cfg.parallel.sequence_parallel)
+               device=device or ps.device, sequence_parallel=par.sequence_parallel,
+               context_parallel=cp)
 
 
 def recompute_targets(model: GPT, rc: RecomputeConfig) -> list[torch.nn.Module]:

@@ -51,17 +51,18 @@ def train_step(model: torch.nn.Module, engine: ZeroEngine, micro_batches, lr: fl
 
 @torch.no_grad()
 def evaluate(model: torch.nn.Module, samples, s: LoopConfig, ps: ParallelState,
-             eod: int | None = None) -> float:
+             eod: int | None = None, keep: torch.Tensor | None = None) -> float:
     """Mean loss over ``--eval-iters`` full global batches from the start of
     ``samples`` (the same batches every time, so evaluations compare), averaged
-    over DP (one all-reduce over the DP group)."""
+    over DP (one all-reduce over the DP group; the CP ranks of a DP rank already
+    agree). ``keep``: this CP rank's sequence positions (see ``dp_micro_batches``)."""
     model.eval()
     total = torch.zeros((), device=ps.device)
     count = 0
     for k in range(s.eval_iters):
         for batch in dp_micro_batches(samples, k * s.global_batch_size, s.global_batch_size,
                                       s.micro_batch_size, ps.dp_rank, ps.dp_size, ps.device,
-                                      eod):
+                                      eod, keep):
             total += model(*batch).float()
             count += 1
     model.train()

@@ -56,7 +56,7 @@ class Trainer:
     def __init__(self, cfg: TrainConfig, ps: ParallelState):
         self.cfg, self.ps = cfg, ps
         self.started = time.monotonic()
-        self.rng = seed_all(cfg.seed, ps.tp_rank, ps.dp_rank, ps.device)
+        self.rng = seed_all(cfg.seed, ps.tp_rank, ps.dp_rank, ps.device, ps.cp_rank, ps.tp_size)
         self.tokenizer = build_tokenizer(cfg.tokenizer)
         self.data = build_datasets(cfg.data, self.tokenizer, ps)
         vocab = self.tokenizer.vocab_size
@@ -76,6 +76,9 @@ class Trainer:
         self.monitor = self._open_monitor()
         self._log_setup()
         self.eod = self.tokenizer.eod if cfg.data.eod_mask_loss else None  # data/dataset.py
+        cp = self.model.cp  # context parallelism: the sequence positions this rank reads
+        self.cp_keep = (None if cp is None else
+                        cp.positions(cfg.model.seq_length // cp.size, ps.device))
         self.meter = SavedActivationMeter(
             extra=self.ac.stored_bytes if self.ac is not None else lambda: 0)
         self.metrics = IntervalMetrics(ps, self.model_cfg.flops_per_token(ps.tp_size),
@@ -136,7 +139,8 @@ class Trainer:
                 or finished(s, st.iteration + 1, st.consumed_samples + batch))
         self.metrics.start()
         micro = dp_micro_batches(self.data["train"], st.consumed_samples, batch,
-                                 s.micro_batch_size, ps.dp_rank, ps.dp_size, ps.device, self.eod)
+                                 s.micro_batch_size, ps.dp_rank, ps.dp_size, ps.device, self.eod,
+                                 self.cp_keep)
         loss, result, losses = train_step(self.model, self.engine, micro, self.lr,
                                           self.meter if logs else None, self.clock)
         self.metrics.stop(loss, batch * self.cfg.model.seq_length)
@@ -179,7 +183,8 @@ class Trainer:
     def evaluate(self, split: str) -> None:
         """Log the mean loss over ``--eval-iters`` batches of ``split`` (if it has data)."""
         if self.data[split] is not None and self.cfg.loop.eval_iters > 0:
-            loss = evaluate(self.model, self.data[split], self.cfg.loop, self.ps, self.eod)
+            loss = evaluate(self.model, self.data[split], self.cfg.loop, self.ps, self.eod,
+                            self.cp_keep)
             self.monitor.log_eval(self.state.iteration, split, loss)
 
     def save(self) -> None:

@@ -24,6 +24,16 @@ in a step. Gradients are accumulated and reduced in ``precision.grads_dtype`` (f
 with ``--accumulate-allreduce-grads-in-fp32``, the default under bf16).
 The model may be built on the meta device: the engine materializes only what
 this rank keeps (see :mod:`hybrid.zero.units`).
+
+[Note: ZeRO over DP x CP]
+With context parallelism the ranks of a CP group hold the same parameters and
+each computes only its tokens' part of their gradients, which must be summed.
+The engine therefore shards and reduces over ``ps.dp_cp_group`` (every rank with
+this TP slice; N above is DP x CP), as Megatron's distributed optimizer does:
+one reduce-scatter both sums over CP and averages over DP, and the optimizer
+states are split C times finer than over DP alone. The reduction divides by the
+DP size only (the replicas that saw different samples): over CP it is a sum.
+With CP 1 the group is the DP group and nothing changes.
 """
 
 from __future__ import annotations
@@ -102,13 +112,13 @@ class ZeroEngine:
         self._allocate_grads()
         # every parameter all-gather (stage 3's per-module ones, stages 1-2's after the
         # step) goes through one pipeline: two staging buffers of at most a bucket
-        self.param_pipeline = GatherPipeline(ps.dp_group, zero.allgather_bucket_size, ps.device)
+        self.param_pipeline = GatherPipeline(ps.dp_cp_group, zero.allgather_bucket_size, ps.device)
         self.gatherer = (ParamGatherer(owners, self.param_pipeline,
                                        recompute or RecomputePhase()) if owners else None)
         self._build_optimizer(master if master is not None else [u.shard for u in self.units],
                               adamw, offload)
-        self.reducer = GradReducer(self.units, self.plan, ps.dp_group, zero.reduce_bucket_size,
-                                   zero.overlap_comm, self.grad_dtype,
+        self.reducer = GradReducer(self.units, self.plan, ps.dp_cp_group, zero.reduce_bucket_size,
+                                   zero.overlap_comm, self.grad_dtype, ps.dp_size,
                                    self.gatherer.after_reduce if self.gatherer else None,
                                    on_final=self.offload.grad_ready if self.offload else None)
         # inf/NaN gradients the kernels met and the norm did not show, read at poll_warnings()
@@ -239,7 +249,7 @@ class ZeroEngine:
         like a non-finite gradient does, even when the gradients are finite.
         """
         grads = [u.grad_shard for u in self.units]
-        dp = self.ps.dp_group if self.plan.optimizer else None
+        dp = self.ps.dp_cp_group if self.plan.optimizer else None
         scale = self.scaler.scale  # what this step's loss was multiplied by
         norm = global_grad_norm(self.optimizer, grads, self.ps.tp_group, dp) / scale
         skip = ~torch.isfinite(norm)
@@ -374,7 +384,8 @@ def apply_zero(model: nn.Module, ps: ParallelState, zero: ZeroConfig = ZeroConfi
                adamw: AdamWConfig = AdamWConfig(), precision: PrecisionConfig = PrecisionConfig(),
                offload: OffloadConfig = OffloadConfig(), values=None, unit_modules=None,
                recompute: RecomputePhase | None = None) -> ZeroEngine:
-    """Wrap ``model`` for ZeRO stage ``zero.stage`` over ``ps.dp_group``.
+    """Wrap ``model`` for ZeRO stage ``zero.stage`` over ``ps.dp_cp_group`` (the DP group
+    with CP 1; see [Note: ZeRO over DP x CP]).
 
     The sections (each defaults to its dataclass defaults): ``zero`` how the
     states are sharded and communicated; ``adamw`` the optimizer and clipping;

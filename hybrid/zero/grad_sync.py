@@ -5,7 +5,8 @@ a unit's last gradient lands, its reduction starts -- asynchronously with
 ``--overlap-comm`` (communication runs while backward computes the next
 units), synchronously otherwise. ``finish()`` waits for what is in flight.
 
-What "reduce" means per plan (N = DP size, k = micro-batches per step):
+What "reduce" means per plan (N = size of the reducing group, DP x CP; k =
+micro-batches per step):
 
 * gradients not sharded (stages 0, 1): micro-batches accumulate in the full
   flat gradient buffer; only the last one (``begin(sync=True)``) reduces it, in
@@ -22,8 +23,8 @@ What "reduce" means per plan (N = DP size, k = micro-batches per step):
 Gradients are accumulated and reduced in ``grad_dtype``. When that is wider
 than the parameters (fp32 for bf16/fp16 training), a full-buffer unit adds
 each micro-batch's ``param.grad`` into its fp32 view from the hook and drops
-it, and the staged path upcasts while packing. Every reduction divides by N
-*before* summing: in fp16 a sum of N gradients overflows N times sooner than
+it, and the staged path upcasts while packing. Every reduction divides by the
+DP size *before* summing: in fp16 a sum of N gradients overflows N times sooner than
 their mean.
 
 Deferred units (parameters used in several places, see
@@ -63,10 +64,13 @@ class _TempPool:
 
 class GradReducer:
     def __init__(self, units: list[FlatUnit], plan, dp: CommGroup, bucket: int,
-                 overlap: bool, grad_dtype: torch.dtype,
+                 overlap: bool, grad_dtype: torch.dtype, replicas: int | None = None,
                  on_reduced: Callable[[FlatUnit], None] | None = None,
                  on_final: Callable[[FlatUnit], None] | None = None):
         self.units, self.plan, self.dp = units, plan, dp
+        # the mean is over the replicas that saw different samples (DP); the rest of
+        # the group (CP) holds parts of one gradient, summed (see hybrid.zero.engine)
+        self.replicas = dp.size if replicas is None else replicas
         self.bucket, self.overlap = bucket, overlap
         self.on_reduced = on_reduced
         self.on_final = on_final
@@ -124,8 +128,8 @@ class GradReducer:
     # -- full gradient buffer (stages 0 and 1) ---------------------------------
     def _reduce_in_place(self, unit: FlatUnit) -> None:
         g, n = unit.grad_full, self.dp.size
-        if n > 1:
-            g.div_(n)  # mean, not sum: see [Note: gradient precision]
+        if self.replicas > 1:
+            g.div_(self.replicas)  # mean, not sum: see [Note: gradient precision]
         if not self.plan.optimizer:  # contiguous chunks of at most a bucket, in place
             self._left[id(unit)] = len(range(0, g.numel(), self.bucket))
             for a in range(0, g.numel(), self.bucket):
@@ -162,8 +166,8 @@ class GradReducer:
                     unit.copy_grads(lo, lo + w, grid[r])
                 else:
                     grid[r].copy_(unit.grad_full[lo: lo + w])
-            if accumulate and n > 1:
-                grid.div_(n)  # (the full-buffer path divided already)
+            if accumulate and self.replicas > 1:
+                grid.div_(self.replicas)  # (the full-buffer path divided already)
             mine = grid[self.dp.rank]
             work = self.dp.reduce_scatter(mine, tmp[: n * w], async_op=True)
             dst = unit.grad_shard[k: k + w]

@@ -60,7 +60,7 @@ def bucket_units(params, ps: ParallelState, bucket: int, owns_all: bool, tag: st
         size += p.numel()
     if cur:
         groups.append(cur)
-    units = [FlatUnit(g, ps.dp_group, owns_all=owns_all, name=f"{tag}{i}")
+    units = [FlatUnit(g, ps.dp_cp_group, owns_all=owns_all, name=f"{tag}{i}")
              for i, g in enumerate(groups)]
     for u in units:
         u.deferred = deferred
@@ -90,11 +90,11 @@ def plan_units(model: nn.Module, ps: ParallelState, cfg, plan, unit_modules):
                 and id(p) not in shared and id(p) not in taken]
         taken.update(id(p) for p in mine)
         if mine:
-            owners.append((m, FlatUnit(mine, ps.dp_group, partition_params=True,
+            owners.append((m, FlatUnit(mine, ps.dp_cp_group, partition_params=True,
                                        name=f"module{i}")))
     rest = [p for p in params if id(p) not in taken and p.numel() >= thr]
     if rest:
-        root = FlatUnit(rest, ps.dp_group, partition_params=True, name="root")
+        root = FlatUnit(rest, ps.dp_cp_group, partition_params=True, name="root")
         root.deferred = any(id(p) in shared for p in rest)
         owners.insert(0, (model, root))
     return units + [u for _, u in owners], owners

@@ -1,13 +1,15 @@
 """Context parallelism's building blocks: which tokens each CP rank holds (equal causal
-work), and all-gather attention against one process's full attention -- outputs and
-the gradients of q, k and v -- at CP 2 and 4, with and without grouped-query heads."""
+work), and attention over the split -- ring, all-gather and all-to-all -- against one
+process's full attention (outputs and the gradients of q, k and v) at CP 2 and 4, with
+and without grouped-query heads and dropout."""
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from hybrid.tensor_parallel.context_parallel import (all_gather_attention, causal_pairs,
-                                                     cp_positions, cp_shard)
+from hybrid.parallel.state import ParallelState
+from hybrid.tensor_parallel.context_parallel import causal_pairs, cp_positions, cp_shard
+from hybrid.tensor_parallel.cp_attention import ContextParallel
 
 from harness import run_ranks
 
@@ -41,6 +43,20 @@ def test_load_balanced_layout_gives_every_rank_the_same_causal_work(cp):
     assert max(contiguous) / min(contiguous) > 2
 
 
+def test_every_rank_computes_the_same_attention_blocks():
+    """Counted on the blocks the attention really computes (masked pairs inside a
+    causal block included): equal per rank in both layouts, and the load-balanced
+    layout computes (2C + 1) / (4C) of the T^2 score matrix (2C - 1 full and 2 causal
+    chunk blocks per rank), striped all of it."""
+    from hybrid.tensor_parallel.context_parallel import attention_work
+    t = 1024
+    for cp in (2, 4, 8):
+        lb = [attention_work(t, cp, r) for r in range(cp)]
+        assert len(set(lb)) == 1 and sum(lb) * 4 * cp == t * t * (2 * cp + 1)
+        st = [attention_work(t, cp, r, "striped") for r in range(cp)]
+        assert len(set(st)) == 1 and sum(st) == t * t
+
+
 def _full(seed, ng):
     g = torch.Generator().manual_seed(seed)
     q = torch.randn(B, NH, T, HS, generator=g)
@@ -49,33 +65,63 @@ def _full(seed, ng):
     return q, k, v, dy
 
 
-def _cp_rank(ps, layout, ng):
+def _attend(q, k, v, group, comm, layout, dropout):
+    torch.manual_seed(11)  # the dropout seed each rank draws: the same everywhere
+    return ContextParallel(group, comm, layout).attention(q, k, v, dropout_p=dropout)
+
+
+def _cp_rank(ps, comm, layout, ng, dropout):
     q, k, v, dy = _full(3, ng)
     c, r = ps.cp_size, ps.cp_rank
     mine = [cp_shard(t, 2, c, r, layout).clone().requires_grad_() for t in (q, k, v)]
-    y = all_gather_attention(*mine, ps.cp_group, T, layout, enable_gqa=ng < NH)
+    ps.comm_stats.reset()
+    y = _attend(*mine, ps.cp_group, comm, layout, dropout)
     y.backward(cp_shard(dy, 2, c, r, layout))
     return y.detach(), [t.grad for t in mine], ps.comm_stats.snapshot()
 
 
-@pytest.mark.parametrize("cp,layout,ng", [(2, "load_balanced", NH), (4, "load_balanced", 2),
-                                           (4, "striped", NH)])
-def test_all_gather_attention_is_one_process_attention(cp, layout, ng):
-    q, k, v, dy = (t.clone() for t in _full(3, ng))
-    for t in (q, k, v):
-        t.requires_grad_()
-    y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=ng < NH)
-    y.backward(dy)
+def _one_process(ng, dropout):
+    q, k, v, dy = (t.clone().requires_grad_() for t in _full(3, ng))
+    if dropout:  # the layout-free mask: one process through the same blocks
+        y = _attend(q, k, v, ParallelState.single().cp_group, "p2p", "load_balanced", dropout)
+    else:
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=ng < NH)
+    y.backward(dy.detach())
+    return y.detach(), q.grad, k.grad, v.grad
+
+
+# (comm, CP, layout, K/V heads, dropout): a2a needs heads (and groups) divisible by CP
+CASES = [("p2p", 2, "load_balanced", NH, 0.0), ("p2p", 4, "load_balanced", 2, 0.2),
+         ("p2p", 4, "striped", NH, 0.0), ("all_gather", 2, "striped", 2, 0.2),
+         ("all_gather", 4, "load_balanced", NH, 0.0), ("a2a", 2, "load_balanced", 2, 0.0),
+         ("a2a", 4, "striped", NH, 0.2)]
+MOVED = {"p2p": "p2p", "all_gather": "all_gather", "a2a": "all_to_all"}
+
+
+@pytest.mark.parametrize("comm,cp,layout,ng,dropout", CASES)
+def test_context_parallel_attention_is_one_process_attention(comm, cp, layout, ng, dropout):
+    """Outputs and q/k/v gradients of every comm type equal one process's full causal
+    attention within fp32 rounding, GQA and dropout included (dropout's mask depends on
+    positions only: the CP ranks draw exactly the one-process mask)."""
+    ref = _one_process(ng, dropout)
     # world 4 for both sizes (at CP 2 the two DP replicas do the same work): the pool's
     # CP layouts are built once for the whole suite
-    res = run_ranks(_cp_rank, world_size=4, cp=cp, args=(layout, ng))
-    for rank, (y_r, grads, comm) in enumerate(res):
+    res = run_ranks(_cp_rank, world_size=4, cp=cp, args=(comm, layout, ng, dropout))
+    for rank, (y_r, grads, moved) in enumerate(res):
         r = rank % cp  # (CP is inside DP in the layout: rank = dp_rank * cp + cp_rank)
-        want = [cp_shard(t, 2, cp, r, layout) for t in (y, q.grad, k.grad, v.grad)]
-        for got, ref in zip([y_r, *grads], want, strict=True):
-            torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-6)
-        # K and V gathered once each, their gradients reduce-scattered once each
-        assert comm["all_gather"] > 0 and comm["reduce_scatter"] > 0
+        want = [cp_shard(t, 2, cp, r, layout) for t in ref]
+        for got, exp in zip([y_r, *grads], want, strict=True):
+            torch.testing.assert_close(got, exp, rtol=1e-5, atol=2e-6)
+        # every byte through the comm door, in its own kind
+        assert moved[MOVED[comm]] > 0
+        assert sum(moved.values()) == moved[MOVED[comm]] + moved.get("reduce_scatter", 0)
+
+
+def test_ring_moves_kv_c_minus_1_times_forward():
+    """Forward: C - 1 hops of [K; V]; backward C - 1 more and C of fp32 [dK; dV]."""
+    res = run_ranks(_cp_rank, world_size=4, cp=4, args=("p2p", "load_balanced", NH, 0.0))
+    kv = 2 * B * NH * (T // 4) * HS * 4  # one [K; V] block, fp32
+    assert res[0][2]["p2p"] == 3 * kv + 3 * kv + 4 * kv
 
 
 @pytest.mark.parametrize("layout", ["load_balanced", "striped"])
