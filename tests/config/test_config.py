@@ -102,7 +102,8 @@ def test_megatron_implementation_flags_are_dropped_and_listed():
     (["--moe-router-topk", "2"], "mixture-of-experts"),
     (["--fp8-format", "hybrid"], "use --bf16"),
     (["--use-torch-fsdp2"], "--zero-stage 3"),
-    (["--context-parallel-size", "2"], "--context-parallel-size 2: hybrid implements only 1"),
+    (["--expert-model-parallel-size", "2"], "--expert-model-parallel-size 2: hybrid implements "
+                                            "only 1"),
     (["--optimizer", "sgd"], "--optimizer sgd: hybrid implements only adam"),
     (["--num-layerz", "2"], "--num-layerz is not a flag hybrid knows, nor a Megatron-LM flag it "
                             "maps (README: 'Coming from Megatron-LM'); did you mean "
@@ -113,6 +114,40 @@ def test_unimplemented_flags_get_one_named_error(flags, needle):
         build_config(parse_args(BASE + flags), 1)
     assert needle in str(e.value)
     assert "unrecognized arguments" not in str(e.value)
+
+
+def test_context_parallel_flags_have_megatrons_meaning():
+    cfg = build_config(parse_args(BASE + ["--context-parallel-size", "2", "--cp-comm-type",
+                                          "all_gather", "--seq-length", "64"]), 8)
+    par = cfg.parallel
+    assert (par.context_parallel_size, par.data_parallel_size, par.cp_comm_type,
+            par.cp_layout) == (2, 4, "all_gather", "load_balanced")
+    assert build_config(parse_args(BASE), 2).parallel.context_parallel_size == 1
+
+
+@pytest.mark.parametrize("flags,world,needle", [
+    (["--context-parallel-size", "3"], 4, "--context-parallel-size 3 = 3 does not divide the "
+                                          "world size 4"),
+    (["--context-parallel-size", "0"], 4, "--context-parallel-size must be >= 1"),
+    (["--context-parallel-size", "2", "--seq-length", "66"], 2,
+     "cuts --seq-length 66 into 4 equal parts: use a multiple of 4"),
+    (["--context-parallel-size", "2", "--cp-layout", "striped", "--seq-length", "65"], 2,
+     "into 2 equal parts"),
+    (["--context-parallel-size", "2", "--cp-comm-type", "ring"], 2,
+     "--cp-comm-type must be one of p2p, all_gather, a2a, got 'ring'"),
+    (["--context-parallel-size", "2", "--cp-comm-type", "a2a+p2p"], 2, "hierarchical CP"),
+    (["--context-parallel-size", "2", "--cp-layout", "zigzag"], 2, "--cp-layout must be one of"),
+    (["--context-parallel-size", "4", "--cp-comm-type", "a2a", "--num-attention-heads", "2",
+      "--hidden-size", "64"], 4, "--num-attention-heads 2 (and the query groups) / TP 1 must be "
+                                 "divisible by 4"),
+    (["--context-parallel-size", "2", "--tensor-model-parallel-size", "4",
+      "--sequence-parallel", "--seq-length", "68"], 8, "use a --seq-length that is a multiple "
+                                                       "of 8"),
+])
+def test_context_parallel_bad_layouts_name_the_flag(flags, world, needle):
+    with pytest.raises(ConfigError) as e:
+        build_config(parse_args(BASE + flags), world)
+    assert needle in str(e.value)
 
 
 def test_megatron_optimizer_and_overlap_flags_map_onto_zero():
