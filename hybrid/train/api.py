@@ -182,6 +182,11 @@ def initialize(model: nn.Module, config=None, model_parameters=None, optimizer=N
             raise ValueError("hybrid.initialize(model_parameters=...): hybrid trains every "
                              "parameter of the model; freeze with requires_grad=False")
     ps = parallel_state or init_distributed(tensor_parallel_size)
+    if ps.cp_size > 1:  # a user's model would have to take its CP positions and loss mean
+        raise ConfigError(f"hybrid.initialize: the parallel_state has context parallelism "
+                          f"(CP {ps.cp_size}), which only hybrid's GPT takes "
+                          f"(scripts/pretrain_gpt.py --context-parallel-size); build it with "
+                          f"context_parallel_size=1")
     flags = Flags(seed=seed)
     if config is not None:
         source = config if isinstance(config, str) else "<dict>"
