@@ -31,12 +31,12 @@ from torch import nn
 
 from hybrid.config import Flags, build_config
 from hybrid.config.deepspeed import apply_ds_config, load_ds_config
+from hybrid.errors import ConfigError
 from hybrid.parallel.state import ParallelState, init_distributed
 from hybrid.tensor_parallel import InitValues, seed_all
 from hybrid.train.lr_schedule import scheduled_lr
 from hybrid.train.zero_context import ModuleInitValues
 from hybrid.zero import apply_zero
-
 
 log = logging.getLogger("hybrid")
 
