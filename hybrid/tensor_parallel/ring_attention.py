@@ -163,6 +163,14 @@ def _start(q: torch.Tensor):
     return q.float(), out, torch.full((B, H, T), float("-inf"), device=q.device)
 
 
+def _backward_start(ctx, dy):
+    """((q, k, v, lse), dout, delta, q in fp32, zero dq) from a Function saving
+    (q, k, v, out, lse): what every backward of these blocks begins with."""
+    q, k, v, out, lse = ctx.saved_tensors
+    dout = dy.float()
+    return (q, k, v, lse), dout, (dout * out).sum(-1), q.float(), torch.zeros_like(out)
+
+
 # -- the two exchanges ---------------------------------------------------------
 class RingAttention(torch.autograd.Function):
     """``q`` ``(B, nh, T / C, D)``, ``k``, ``v`` ``(B, ng, T / C, D)`` -> ``(B, nh, T / C, D)``.
@@ -191,12 +199,9 @@ class RingAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy):
-        q, k, v, out, lse = ctx.saved_tensors
+        (q, k, v, lse), dout, delta, qf, dq = _backward_start(ctx, dy)
         group, seq_len, layout, spec = ctx.args
         C, r = group.size, group.rank
-        dout = dy.float()
-        delta = (dout * out).sum(-1)
-        qf, dq = q.float(), torch.zeros_like(out)
         kv, pending, acc = torch.stack([k, v]), None, None
         for step in range(C):
             work = None
@@ -236,12 +241,9 @@ class GatheredAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy):
-        q, k, v, out, lse = ctx.saved_tensors
+        (q, k, v, lse), dout, delta, qf, dq = _backward_start(ctx, dy)
         group, seq_len, layout, spec = ctx.args
         C, r = group.size, group.rank
-        dout = dy.float()
-        delta = (dout * out).sum(-1)
-        qf, dq = q.float(), torch.zeros_like(out)
         kv_all = _gather(torch.stack([k, v]), group)
         dkv_all = torch.empty((C, 2, *k.shape), dtype=torch.float32, device=k.device)
         for src in _own_first(C, r):
@@ -282,9 +284,7 @@ class LocalAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy):
-        q, k, v, out, lse = ctx.saved_tensors
+        (q, k, v, lse), dout, delta, qf, dq = _backward_start(ctx, dy)
         seg = (Segment(0, q.shape[2], 0, 1),)
-        dout = dy.float()
-        qf, dq = q.float(), torch.zeros_like(out)
-        dkv = backward_source(qf, k, v, seg, seg, ctx.spec, lse, dout, (dout * out).sum(-1), dq)
+        dkv = backward_source(qf, k, v, seg, seg, ctx.spec, lse, dout, delta, dq)
         return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None
