@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 
 from hybrid.parallel.comm import CommGroup
-from hybrid.tensor_parallel.context_parallel import LAYOUTS, cp_positions
+from hybrid.tensor_parallel.context_parallel import LAYOUTS, segments
 from hybrid.tensor_parallel.ring_attention import (GatheredAttention, LocalAttention,
                                                    RingAttention, Spec, draw_dropout_seed)
 from hybrid.tensor_parallel.ulysses_attention import sdpa_causal, ulysses_attention
@@ -73,7 +73,8 @@ class ContextParallel:
 
     def positions(self, local_len: int, device) -> torch.Tensor:
         """Global positions ``(local_len,)`` of this rank's ``local_len`` tokens."""
-        return cp_positions(local_len * self.size, self.size, self.rank, self.layout).to(device)
+        return torch.cat([s.positions(device) for s in  # made on the device: no host copy
+                          segments(local_len * self.size, self.size, self.rank, self.layout)])
 
     def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                   dropout_p: float = 0.0, head_offset: int = 0) -> torch.Tensor:
@@ -95,9 +96,7 @@ class ContextParallel:
         return total[0] / total[1].clamp(min=1)  # only end-of-document tokens: 0, not 0 / 0
 
     def _spec(self, q, k, dropout_p, seed, first_head) -> Spec:
-        nh = q.shape[1]
-        return Spec(q.shape[-1] ** -0.5, nh // k.shape[1], dropout_p, seed,
-                    torch.arange(first_head, first_head + nh))
+        return Spec(q.shape[-1] ** -0.5, q.shape[1] // k.shape[1], dropout_p, seed, first_head)
 
     def _exchange(self, q, k, v, dropout_p, seed, head_offset):
         spec = self._spec(q, k, dropout_p, seed, head_offset)

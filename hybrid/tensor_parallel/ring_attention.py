@@ -50,7 +50,7 @@ class Spec(NamedTuple):
     groups: int  # query heads per K/V head (GQA)
     dropout: float
     seed: int
-    heads: torch.Tensor  # (nh,) int64 global head index of each local query head
+    first_head: int  # global index of the first local query head (TP, and a2a's CP share)
 
 
 def draw_dropout_seed() -> int:
@@ -72,10 +72,12 @@ def _mix(x: torch.Tensor) -> torch.Tensor:
     return x ^ (x >> 16)
 
 
-def keep_mask(spec: Spec, b: Block, batch: int, device) -> torch.Tensor:
+def keep_mask(spec: Spec, b: Block, batch: int, heads: int, device) -> torch.Tensor:
     """``(B, nh, len q, len k)`` bool: the pairs dropout keeps in block ``b``."""
-    bh = torch.arange(batch, device=device)[:, None] * 65599 + spec.heads.to(device)[None, :]
-    h = _mix(_mix(torch.tensor(spec.seed, device=device)) ^ bh)[:, :, None, None]
+    head = torch.arange(spec.first_head, spec.first_head + heads, device=device)
+    bh = torch.arange(batch, device=device)[:, None] * 65599 + head[None, :]
+    seed = torch.full((), spec.seed, dtype=torch.int64, device=device)  # (no host copy)
+    h = _mix(_mix(seed) ^ bh)[:, :, None, None]
     h = _mix(h ^ b.q.positions(device)[:, None])
     h = _mix(h ^ _mix(b.k.positions(device) + 0x9E3779B9))
     return h >= int(spec.dropout * 2**32)
@@ -122,7 +124,7 @@ def forward_source(qf: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         lse_b = torch.logsumexp(s, dim=-1)
         p = torch.exp(s - _finite(lse_b)[..., None])
         if spec.dropout > 0:
-            p = p * keep_mask(spec, b, qf.shape[0], qf.device) / (1 - spec.dropout)
+            p = p * keep_mask(spec, b, qf.shape[0], qf.shape[1], qf.device) / (1 - spec.dropout)
         o, lo = out[:, :, qs], lse[:, :, qs]  # views: merged in place
         new = torch.logaddexp(lo, lse_b)
         safe = _finite(new)
@@ -146,7 +148,7 @@ def backward_source(qf: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         do = dout[:, :, qs]
         dp = torch.matmul(do, vf[:, :, ks].transpose(-1, -2))
         if spec.dropout > 0:
-            keep = keep_mask(spec, b, qf.shape[0], qf.device) / (1 - spec.dropout)
+            keep = keep_mask(spec, b, qf.shape[0], qf.shape[1], qf.device) / (1 - spec.dropout)
             dv[:, :, ks] += torch.matmul((p * keep).transpose(-1, -2), do)
             dp = dp * keep
         else:

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from hybrid.parallel.comm import CommGroup
-from hybrid.tensor_parallel.context_parallel import cp_positions
+from hybrid.tensor_parallel.context_parallel import segments
 
 
 def _to_heads(x: torch.Tensor, group: CommGroup) -> torch.Tensor:
@@ -74,7 +74,8 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: 
     whole sequences in position order, on this rank's nh / C heads."""
     C = group.size
     T = q.shape[2] * C
-    pos = torch.cat([cp_positions(T, C, j, layout) for j in range(C)]).to(q.device)
+    pos = torch.cat([s.positions(q.device) for j in range(C)  # made on the device
+                     for s in segments(T, C, j, layout)])
     order = torch.argsort(pos)  # rank order -> position order
     q, k, v = (SequenceToHeads.apply(t, group).index_select(2, order) for t in (q, k, v))
     y = attend(q, k, v)  # (B, nh / C, T, D), position order
