@@ -165,6 +165,14 @@ def _start(q: torch.Tensor):
     return q.float(), out, torch.full((B, H, T), float("-inf"), device=q.device)
 
 
+def _forward_end(ctx, q, k, v, out, lse, args):
+    """Save what backward recomputes from (no scores: see the module note); ``out`` in
+    the input dtype."""
+    ctx.save_for_backward(q, k, v, out, lse)
+    ctx.args = args
+    return out.to(q.dtype)
+
+
 def _backward_start(ctx, dy):
     """((q, k, v, lse), dout, delta, q in fp32, zero dq) from a Function saving
     (q, k, v, out, lse): what every backward of these blocks begins with."""
@@ -195,9 +203,7 @@ class RingAttention(torch.autograd.Function):
             if work is not None:
                 work.wait()
                 kv = nxt
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.args = (group, seq_len, layout, spec)
-        return out.to(q.dtype)
+        return _forward_end(ctx, q, k, v, out, lse, (group, seq_len, layout, spec))
 
     @staticmethod
     def backward(ctx, dy):
@@ -237,9 +243,7 @@ class GatheredAttention(torch.autograd.Function):
         for src in _own_first(C, r):
             forward_source(qf, kv_all[src, 0], kv_all[src, 1], segments(seq_len, C, r, layout),
                            segments(seq_len, C, src, layout), spec, out, lse)
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.args = (group, seq_len, layout, spec)
-        return out.to(q.dtype)
+        return _forward_end(ctx, q, k, v, out, lse, (group, seq_len, layout, spec))
 
     @staticmethod
     def backward(ctx, dy):
