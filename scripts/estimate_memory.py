@@ -13,6 +13,12 @@ ZeRO stage: model states (params, grads, optimizer), activations for the
 recompute mode in use, ZeRO's gather and staging buffers, the predicted peak
 per rank (:func:`hybrid.estimate.memory.peak_memory`, no offload) and the
 bytes each rank sends per optimizer step with the run's micro-batches per step.
+With ``--context-parallel-size C`` (> 1) activations are those of this rank's
+``seq_length / C`` tokens, ZeRO shards over DP x CP, and each stage's record
+also names ``cp``, ``cp_comm_type``, ``cp_layout`` and ``seq_per_rank``, and its
+``traffic_bytes_per_step`` carries ``cp_bytes_per_step``: the bytes each rank
+sends over the CP group per step (the attention's K/V exchange, forward and
+backward, and the loss's all-reduce; :mod:`hybrid.estimate.context_parallel`).
 
 Then one line (``"offload"``) for the run's own offload setting at its stage
 (:func:`hybrid.estimate.tiers.tier_bytes`): device, host and disk bytes per
@@ -64,7 +70,7 @@ def _parser():
     ap.description = __doc__.split("\n\n")[0]
     g = ap.add_argument_group("the estimate")
     g.add_argument("--world-size", type=int, default=None,
-                   help="ranks in the job (default: TP x --data-parallel-size)")
+                   help="ranks in the job (default: TP x CP x --data-parallel-size)")
     g.add_argument("--data-parallel-size", type=int, default=1,
                    help="DP size when --world-size is not given")
     g.add_argument("--micro-batches", type=int, default=None,
@@ -97,12 +103,13 @@ def _config(ap, ns: dict, own: dict):
     path = ns["offload_nvme_path"] or (NVME_PATH if nvme else None)
     flags = dataclasses.replace(Flags(**ns), tokenizer_type="byte", data_path=None,
                                 offload_nvme_path=path)
-    tp = flags.tensor_model_parallel_size
-    world = own["world_size"] or tp * own["data_parallel_size"]
+    model_parallel = flags.tensor_model_parallel_size * flags.context_parallel_size
+    world = own["world_size"] or model_parallel * own["data_parallel_size"]
     if own["micro_batches"] is not None:
         if own["micro_batches"] < 1:
             ap.error("--micro-batches must be >= 1")
-        flags.global_batch_size = own["micro_batches"] * flags.micro_batch_size * (world // tp)
+        flags.global_batch_size = (own["micro_batches"] * flags.micro_batch_size
+                                   * (world // model_parallel))
     try:
         cfg = build_config(flags, world)
     except ConfigError as e:
@@ -126,12 +133,15 @@ def _stage_records(w, runtime: int, budget: float | None) -> list[dict]:
             "micro_batches": w.micro_batches, "params_dtype": w.params_dtype,
             "grads_dtype": w.grads_dtype or w.params_dtype, "recompute": w.recompute,
             "params_per_tp_rank": w.psi,
-            "model_states": model_state_bytes(w.psi, w.dp, stage, w.params_dtype,
+            "model_states": model_state_bytes(w.psi, w.shard_ranks, stage, w.params_dtype,
                                               w.grads_dtype),
             "activations": activation_bytes(ws), "buffers": buffer_bytes(ws),
             "runtime_bytes": runtime, "peak_bytes": peak["total"],
             "peak_gib": round(peak["total"] / GIB, 3),
             "traffic_bytes_per_step": traffic_bytes(ws)}
+        if w.cp > 1:  # (CP 1's records stay as they were)
+            record.update(cp=w.cp, cp_comm_type=w.cp_comm_type, cp_layout=w.cp_layout,
+                          seq_per_rank=w.seq_per_rank)
         if budget is not None:
             record["fits"] = peak["total"] <= budget
         records.append(record)
@@ -221,6 +231,11 @@ def _text(records: list[dict]) -> str:
              f"micro-batches per step {s['micro_batches']}, {s['params_dtype']} params, "
              f"{s['grads_dtype']} grads", "ZeRO stages, no offload (peak per rank, DP bytes "
              "sent per step):"]
+    if "cp" in s:
+        cp_bytes = s["traffic_bytes_per_step"]["cp_bytes_per_step"]["total"]
+        lines.insert(1, f"CP {s['cp']} ({s['cp_comm_type']}, {s['cp_layout']}): "
+                        f"{s['seq_per_rank']:,} tokens of each sequence per rank; sends "
+                        f"{_size(cp_bytes)} per step over CP (K/V exchange and loss)")
     for r in stages:
         fits = "" if "fits" not in r else ("  fits" if r["fits"] else "  does not fit")
         lines.append(f"  stage {r['zero_stage']}{'*' if r['selected'] else ' '} "

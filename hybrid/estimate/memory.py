@@ -57,70 +57,23 @@ token and label ids and the positions, and for the cross-entropy one slice of
 ``bsV/t`` values: the fp32 softmax on the CPU (PyTorch ops) or the logits
 themselves (``e`` bytes, the fused kernel on CUDA). At the end of forward the
 logits and their fp32 softmax exist at once.
+
+With context parallelism (``cp`` ranks) every ``s`` above is this rank's
+``s = T / cp`` tokens -- layers, head, stored checkpoints and logits alike --
+and the attention term is the CP attention's instead
+(:mod:`hybrid.estimate.context_parallel`: an fp32 output and the log-sum-exp,
+no scores; a2a adds ``16 T`` bytes of index vectors). ZeRO shards and reduces
+over DP x CP (``shard_ranks``), and the CP attention's K/V traffic is
+reported beside ZeRO's (``traffic_bytes(w)["cp_bytes_per_step"]``).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
-from hybrid.config.model import ModelConfig
+from hybrid.estimate import context_parallel as cp_terms
 from hybrid.estimate.model_states import BYTES, comm_bytes_per_step, model_state_bytes
-
-
-@dataclass(frozen=True)
-class Workload:
-    """One rank's share of a GPT training run: the model (its section, vocabulary
-    known: sizes, dropout, ``seq_length``, the Llama-family options) and how the run
-    lays it out -- TP, DP, micro-batches, ZeRO stage, precision, recompute."""
-
-    model: ModelConfig
-    micro_batch_size: int
-    tp: int = 1
-    sequence_parallel: bool = False
-    dp: int = 1
-    micro_batches: int = 1  # per optimizer step (gradient accumulation)
-    zero_stage: int = 0
-    params_dtype: str = "fp32"
-    grads_dtype: str | None = None
-    recompute: bool = False  # full: whole layers
-    recompute_num_layers: int | None = None  # block method: only the first N layers
-    recompute_layers_per_checkpoint: int = 1  # uniform method: layers per stored input
-    selective_recompute: bool = False  # the attention core only
-    partition_activations: bool = False
-    cpu_checkpointing: bool = False
-    reduce_bucket_size: int = 50_000_000
-    device: str = "cuda"  # "cpu": the kernels and masks of a CPU run
-
-    @property
-    def psi(self) -> int:
-        """Parameters of one TP rank (:meth:`ModelConfig.num_parameters`)."""
-        return self.model.num_parameters(self.tp)
-
-    @property
-    def padded_vocab_size(self) -> int:
-        """Embedding rows at this TP size (:meth:`ModelConfig.padded_vocab_size`)."""
-        return self.model.padded_vocab_size(self.tp)
-
-    def with_stage(self, stage: int) -> "Workload":
-        return replace(self, zero_stage=stage)
-
-
-def workload(cfg, vocab_size: int, device: str = "cuda") -> Workload:
-    """The :class:`Workload` of a :class:`hybrid.config.TrainConfig` run with the
-    tokenizer's ``vocab_size`` (at its full global batch, after any ramp-up)."""
-    p, zero, rc = cfg.parallel, cfg.zero, cfg.recompute
-    return Workload(
-        model=cfg.model.with_vocab_size(vocab_size),
-        micro_batch_size=cfg.loop.micro_batch_size,
-        tp=p.tensor_model_parallel_size, sequence_parallel=p.sequence_parallel,
-        dp=p.data_parallel_size, micro_batches=cfg.num_micro_batches, zero_stage=zero.stage,
-        params_dtype=cfg.precision.params_dtype, grads_dtype=cfg.precision.grads_dtype,
-        recompute=rc.granularity == "full", recompute_num_layers=rc.num_layers,
-        recompute_layers_per_checkpoint=rc.layers_per_checkpoint,
-        selective_recompute=rc.granularity == "selective",
-        partition_activations=rc.partition_activations,
-        cpu_checkpointing=rc.cpu_checkpointing, reduce_bucket_size=zero.reduce_bucket_size,
-        device=device)
+from hybrid.estimate.workload import Workload, workload  # noqa: F401 (callers import both here)
 
 
 def _stat_bytes(w: Workload) -> int:
@@ -136,7 +89,7 @@ def _norm_row_bytes(w: Workload) -> int:
 def activation_bytes_per_layer(w: Workload) -> int:
     """Bytes one layer saves for backward without recompute (see the note)."""
     m, b, t = w.model, w.micro_batch_size, w.tp
-    s, h, a = m.seq_length, m.hidden_size, m.num_attention_heads
+    s, h, a = w.seq_per_rank, m.hidden_size, m.num_attention_heads
     e = BYTES[w.params_dtype]
     r = _replicated_divisor(w)
     sbh = s * b * h
@@ -147,6 +100,9 @@ def activation_bytes_per_layer(w: Workload) -> int:
     if w.selective_recompute:  # the checkpoint holds the QKV output, SDPA keeps nothing
         saved = 4 * sbh * e // r + (qkv + sbh + mlp) * e // t
         attention = 0
+    elif w.cp > 1:  # q, k, v (the QKV term), fp32 output, log-sum-exp: no scores
+        saved = 4 * sbh * e // r + (qkv + sbh + mlp) * e // t
+        attention = cp_terms.attention_saved_bytes(w)
     elif w.device == "cpu" and m.attention_dropout > 0:
         # the math kernel, in fp32: its own q, k, v (k, v repeated to every query
         # head) and the scores, not the QKV output
@@ -168,7 +124,7 @@ def _replicated_divisor(w: Workload) -> int:
 def head_bytes(w: Workload) -> int:
     """Bytes saved outside the layers: embedding and head (see the note)."""
     m, b = w.model, w.micro_batch_size
-    s, h = m.seq_length, m.hidden_size
+    s, h = w.seq_per_rank, m.hidden_size
     e = BYTES[w.params_dtype]
     # tokens, labels, positions (int64); then at TP 1 the loss's weight scalar, at TP > 1
     # the masks of ids outside this rank's vocabulary slice (embedding, cross-entropy)
@@ -183,9 +139,11 @@ def head_bytes(w: Workload) -> int:
 
 def activation_bytes(w: Workload) -> dict:
     """{"layers", "head", "recompute_working_set", "peak"}: bytes saved at the end of
-    forward, and the most that exists at once (the peak term of :func:`peak_memory`)."""
+    forward, and the most that exists at once (the peak term of :func:`peak_memory`).
+    With CP also ``"cp_attention_working_set"``: one layer's attention exchange in
+    backward (:func:`hybrid.estimate.context_parallel.attention_working_set`)."""
     m, b, t = w.model, w.micro_batch_size, w.tp
-    s, h = m.seq_length, m.hidden_size
+    s, h = w.seq_per_rank, m.hidden_size
     e = BYTES[w.params_dtype]
     per_layer = activation_bytes_per_layer(w)
     n_ckpt = (w.recompute_num_layers or m.num_layers) if w.recompute else 0
@@ -198,9 +156,15 @@ def activation_bytes(w: Workload) -> dict:
     working = k * per_layer  # a recomputed group during its backward
     if w.selective_recompute:  # one attention core's scores, rerun during its backward
         working = activation_bytes_per_layer(replace(w, selective_recompute=False)) - per_layer
-    transient = max(working, e * b * s * w.padded_vocab_size // t)  # logits beside softmax
+    logits = e * b * s * w.padded_vocab_size // t  # beside their softmax
+    if w.cp == 1:
+        return {"layers": layers, "head": head, "recompute_working_set": working,
+                "peak": layers + head + max(working, logits)}
+    # a recomputed group's backward runs its attention's too
+    attention = cp_terms.attention_working_set(w)
     return {"layers": layers, "head": head, "recompute_working_set": working,
-            "peak": layers + head + transient}
+            "cp_attention_working_set": attention,
+            "peak": layers + head + max(working + attention, logits)}
 
 
 def buffer_bytes(w: Workload) -> dict:
@@ -236,7 +200,8 @@ def peak_memory(w: Workload, runtime_bytes: int = 0) -> dict:
     """Predicted peak bytes per rank: ``runtime_bytes`` (the process before the
     model: framework, CUDA context or interpreter, data) + model states +
     activations + ZeRO buffers."""
-    states = model_state_bytes(w.psi, w.dp, w.zero_stage, w.params_dtype, w.grads_dtype)
+    states = model_state_bytes(w.psi, w.shard_ranks, w.zero_stage, w.params_dtype,
+                               w.grads_dtype)
     acts = activation_bytes(w)
     bufs = buffer_bytes(w)
     total = runtime_bytes + states["total"] + acts["peak"] + bufs["total"]
@@ -245,9 +210,16 @@ def peak_memory(w: Workload, runtime_bytes: int = 0) -> dict:
 
 
 def traffic_bytes(w: Workload) -> dict:
-    """Bytes this rank sends over DP per optimizer step (``comm_bytes_per_step``)."""
-    return comm_bytes_per_step(w.psi, w.dp, w.zero_stage, w.micro_batches, w.params_dtype,
-                               w.grads_dtype)
+    """Bytes this rank sends over DP (x CP) per optimizer step (``comm_bytes_per_step``:
+    ZeRO's, by kind, and their ``"total"``). With CP also ``"cp_bytes_per_step"``: the
+    attention's K/V exchange and the loss's all-reduce over the CP group, by kind and
+    ``"total"`` (:func:`hybrid.estimate.context_parallel.bytes_per_step`); the same for
+    every ZeRO stage, so not in ``"total"``, which :func:`choose_stage` compares."""
+    out = comm_bytes_per_step(w.psi, w.shard_ranks, w.zero_stage, w.micro_batches,
+                              w.params_dtype, w.grads_dtype)
+    if w.cp > 1:
+        out["cp_bytes_per_step"] = cp_terms.bytes_per_step(w)
+    return out
 
 
 def choose_stage(w: Workload, budget_bytes: float, runtime_bytes: int = 0) -> int | None:

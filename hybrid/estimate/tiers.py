@@ -9,7 +9,7 @@ give the traffic; :func:`offload_ladder` walks the settings from the cheapest
 device, host and disk capacities (``scripts/estimate_memory.py``).
 
 [Note: offload tiers]
-Per rank: Psi = this TP rank's parameters, N = DP size, shard = ceil(Psi / N)
+Per rank: Psi = this TP rank's parameters, N = ZeRO's ranks (DP x CP), shard = ceil(Psi / N)
 elements, e_p = bytes per element of the params dtype (2 bf16/fp16, 4 fp32),
 e_g = of the gradient dtype (4 with fp32 accumulation, the default under bf16;
 else e_p), C x T = the nvme tier's staging: ``--offload-buffer-count`` buffers
@@ -90,7 +90,7 @@ def _largest_unit(w: Workload) -> int:
 
 def shard_elements(w: Workload) -> int:
     """This rank's 1/N of the TP rank's parameters, rounded up."""
-    return -(-w.psi // w.dp)
+    return -(-w.psi // w.shard_ranks)
 
 
 def _element_bytes(w: Workload) -> tuple[int, int]:
@@ -106,7 +106,8 @@ def gather_passes(w: Workload) -> int:
 
 def device_terms(w: Workload, off: OffloadConfig, runtime_bytes: int = 0) -> dict:
     """The device's bytes at its peak, by term (see the note)."""
-    states = model_state_bytes(w.psi, w.dp, w.zero_stage, w.params_dtype, w.grads_dtype)
+    states = model_state_bytes(w.psi, w.shard_ranks, w.zero_stage, w.params_dtype,
+                               w.grads_dtype)
     bufs = buffer_bytes(w)
     out = {"runtime": runtime_bytes, "params": states["params"], "grads": states["grads"],
            "optimizer": 0 if off.optimizer else states["optimizer"],
@@ -145,7 +146,8 @@ def host_terms(w: Workload, off: OffloadConfig, baseline_bytes: int = HOST_BASEL
         "param_shard": e_p * n if off.param == "cpu" else 0,
         # reads from params.swp in flight: the shard being loaded and the one
         # prefetched (hybrid/zero/param_offload.py), each of the largest unit
-        "param_staging": 2 * -(-_largest_unit(w) // w.dp) * e_p if off.param == "nvme" else 0,
+        "param_staging": (2 * -(-_largest_unit(w) // w.shard_ranks) * e_p
+                          if off.param == "nvme" else 0),
         "param_write_staging": 2 * _write_chunk(w, off) * e_p,
     }
 
@@ -156,7 +158,7 @@ def _write_chunk(w: Workload, off: OffloadConfig) -> int:
         return 0  # no home writer: the new parameters go through the upload copy
     if off.optimizer == "nvme":  # tiles straddle units
         return min(off.buffer_size, shard_elements(w))
-    return -(-_largest_unit(w) // w.dp) if off.param == "nvme" else 0
+    return -(-_largest_unit(w) // w.shard_ranks) if off.param == "nvme" else 0
 
 
 def disk_terms(w: Workload, off: OffloadConfig) -> dict:

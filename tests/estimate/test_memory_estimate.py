@@ -319,3 +319,39 @@ def test_activation_meter_peaks_at_what_forward_saved():
     stored, ids = S * B * H * 4, 8 * S * B + 8 * S
     assert full == max(2 * stored + head_bytes(w),
                        stored + activation_bytes_per_layer(w) + ids)
+
+
+def test_estimate_memory_script_reports_context_parallel_traffic():
+    """--context-parallel-size 2 on 4 ranks: DP 2, ZeRO shards over DP x CP (4), each
+    rank's activations are those of T / 2 tokens, and every stage's record carries the
+    CP K/V traffic per step (the same for every stage); the text report names it."""
+    from hybrid.config import build_config, parse_args
+    from hybrid.estimate.memory import workload
+    script = os.path.join(ROOT, "scripts", "estimate_memory.py")
+    shape = ["--num-layers", "4", "--hidden-size", "256", "--num-attention-heads", "8",
+             "--seq-length", "2048", "--max-position-embeddings", "2048",
+             "--micro-batch-size", "1", "--global-batch-size", "8", "--bf16",
+             "--context-parallel-size", "2", "--world-size", "4"]
+    out = subprocess.run([sys.executable, script, *shape], capture_output=True, text=True,
+                         check=True, env=env()).stdout
+    stages = [json.loads(line) for line in out.splitlines()][:4]
+    cfg = build_config(parse_args(shape[:-2]), 4)
+    w = workload(cfg, 257)
+    assert (w.cp, w.dp, w.shard_ranks, w.seq_per_rank) == (2, 2, 4, 1024)
+    # 1 micro-batch x DP 2 of 8 sequences: 4 micro-batches per step
+    want_cp = traffic_bytes(replace(w, micro_batches=4))["cp_bytes_per_step"]
+    for r in stages:
+        assert (r["cp"], r["dp"], r["seq_per_rank"], r["micro_batches"]) == (2, 2, 1024, 4)
+        assert r["traffic_bytes_per_step"]["cp_bytes_per_step"] == want_cp
+        assert r["model_states"]["optimizer"] == (12 * w.psi // 4 if r["zero_stage"] else
+                                                  12 * w.psi)
+    # ring: 4 layers x 4 micro-batches x (2 (C - 1) KV e + C KV 4), KV = 2 b heads s hs
+    kv = 2 * 1 * 8 * 1024 * 32
+    assert want_cp["p2p"] == 4 * 4 * (2 * kv * 2 + 2 * kv * 4)
+    assert want_cp["all_reduce"] == 4 * 4  # the loss, 2 x 4 bytes x 1/2, per micro-batch
+    half = replace(w, cp=1, model=replace(w.model, seq_length=1024))
+    # a CP 2 layer is a CP 1 layer of T / 2 tokens and the attention's own fp32 output
+    assert activation_bytes_per_layer(w) == activation_bytes_per_layer(half) + 4 * 1024 * 256
+    text = subprocess.run([sys.executable, script, *shape, "--format", "text"],
+                          capture_output=True, text=True, check=True, env=env()).stdout
+    assert "CP 2 (p2p, load_balanced): 1,024 tokens of each sequence per rank" in text

@@ -1,0 +1,85 @@
+"""The estimators' input: one rank's share of a GPT training run, torch-free.
+
+:class:`Workload` is what :mod:`hybrid.estimate.memory`, :mod:`.context_parallel`
+and :mod:`.tiers` read; :func:`workload` builds it from a
+:class:`hybrid.config.TrainConfig`. (Both are importable from
+:mod:`hybrid.estimate.memory` too, where they first lived.)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from hybrid.config.model import ModelConfig
+
+
+@dataclass(frozen=True)
+class Workload:
+    """One rank's share of a GPT training run: the model (its section, vocabulary
+    known: sizes, dropout, ``seq_length``, the Llama-family options) and how the run
+    lays it out -- TP, CP, DP, micro-batches, ZeRO stage, precision, recompute."""
+
+    model: ModelConfig
+    micro_batch_size: int
+    tp: int = 1
+    sequence_parallel: bool = False
+    dp: int = 1
+    micro_batches: int = 1  # per optimizer step (gradient accumulation)
+    zero_stage: int = 0
+    params_dtype: str = "fp32"
+    grads_dtype: str | None = None
+    recompute: bool = False  # full: whole layers
+    recompute_num_layers: int | None = None  # block method: only the first N layers
+    recompute_layers_per_checkpoint: int = 1  # uniform method: layers per stored input
+    selective_recompute: bool = False  # the attention core only
+    partition_activations: bool = False
+    cpu_checkpointing: bool = False
+    reduce_bucket_size: int = 50_000_000
+    device: str = "cuda"  # "cpu": the kernels and masks of a CPU run
+    cp: int = 1  # context-parallel ranks splitting each sequence
+    cp_comm_type: str = "p2p"  # p2p | all_gather | a2a
+    cp_layout: str = "load_balanced"  # load_balanced | striped
+    loss_mask: bool = False  # --eod-mask-loss: CP all-reduces [sum, count] of the loss
+
+    @property
+    def seq_per_rank(self) -> int:
+        """Tokens of each sequence this rank holds: ``seq_length / cp``."""
+        return self.model.seq_length // self.cp
+
+    @property
+    def shard_ranks(self) -> int:
+        """Ranks ZeRO shards the model states over and reduces gradients across:
+        DP x CP (every rank holding the same TP slice; :mod:`hybrid.zero.engine`)."""
+        return self.dp * self.cp
+
+    @property
+    def psi(self) -> int:
+        """Parameters of one TP rank (:meth:`ModelConfig.num_parameters`)."""
+        return self.model.num_parameters(self.tp)
+
+    @property
+    def padded_vocab_size(self) -> int:
+        """Embedding rows at this TP size (:meth:`ModelConfig.padded_vocab_size`)."""
+        return self.model.padded_vocab_size(self.tp)
+
+    def with_stage(self, stage: int) -> "Workload":
+        return replace(self, zero_stage=stage)
+
+
+def workload(cfg, vocab_size: int, device: str = "cuda") -> Workload:
+    """The :class:`Workload` of a :class:`hybrid.config.TrainConfig` run with the
+    tokenizer's ``vocab_size`` (at its full global batch, after any ramp-up)."""
+    p, zero, rc = cfg.parallel, cfg.zero, cfg.recompute
+    return Workload(
+        model=cfg.model.with_vocab_size(vocab_size),
+        micro_batch_size=cfg.loop.micro_batch_size,
+        tp=p.tensor_model_parallel_size, sequence_parallel=p.sequence_parallel,
+        dp=p.data_parallel_size, micro_batches=cfg.num_micro_batches, zero_stage=zero.stage,
+        params_dtype=cfg.precision.params_dtype, grads_dtype=cfg.precision.grads_dtype,
+        recompute=rc.granularity == "full", recompute_num_layers=rc.num_layers,
+        recompute_layers_per_checkpoint=rc.layers_per_checkpoint,
+        selective_recompute=rc.granularity == "selective",
+        partition_activations=rc.partition_activations,
+        cpu_checkpointing=rc.cpu_checkpointing, reduce_bucket_size=zero.reduce_bucket_size,
+        device=device, cp=p.context_parallel_size, cp_comm_type=p.cp_comm_type,
+        cp_layout=p.cp_layout, loss_mask=cfg.data.eod_mask_loss)
