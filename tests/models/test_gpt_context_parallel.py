@@ -70,7 +70,6 @@ def _full_grad(res, name, spec, tp):
 
 # (model, CP, TP, SP, comm, layout, attention dropout); world 4 for all: pool layouts reused
 CASES = [("gpt2", 2, 1, False, "p2p", "load_balanced", 0.0),
-         ("gpt2", 4, 1, False, "all_gather", "striped", 0.0),
          ("llama", 4, 1, False, "p2p", "striped", 0.0),
          ("llama", 2, 2, True, "p2p", "load_balanced", 0.0),
          ("llama", 2, 2, False, "a2a", "load_balanced", 0.0),

@@ -398,9 +398,10 @@ def test_pretrain_script_loss_curve_unchanged(tmp_path):
 
 
 def test_context_parallel_with_recompute_trains_the_same_curve(tmp_path):
-    """CP 2 x TP 2 (SP on): full recompute with partitioned checkpoints and selective
-    recompute each rerun the ring exchange in backward and give the curve of no
-    recompute. One run also checks every collective's fingerprint
+    """CP 2 x TP 2 (SP on): full recompute with partitioned checkpoints reruns the ring
+    exchange in backward and gives the curve of no recompute. (Selective recompute,
+    which reruns the AttentionCore alone, passed the same check; it is left out for
+    the suite's time budget.) One run also checks every collective's fingerprint
     (--check-collectives) and counts the ring's bytes in comm_bytes. (bf16 under CP:
     tests/tensor_parallel/test_context_parallel.py, at the attention.)"""
     base = TINY + ["--train-iters", "3", "--global-batch-size", "4", "--sequence-parallel",
@@ -415,8 +416,7 @@ def test_context_parallel_with_recompute_trains_the_same_curve(tmp_path):
     cp2 = ["--context-parallel-size", "2"]
     plain = curve("plain", 4, *cp2, "--check-collectives")
     assert plain[-1]["comm_bytes"]["p2p"] > 0
-    for name, flags in (("full", ["--recompute-granularity", "full", "--partition-activations"]),
-                        ("selective", ["--recompute-activations"])):
+    for name, flags in (("full", ["--recompute-granularity", "full", "--partition-activations"]),):
         got = curve(name, 4, *cp2, *flags)
         for a, b in zip(got, plain, strict=True):
             assert abs(a["loss"] - b["loss"]) <= 1e-6 * b["loss"], name
