@@ -24,16 +24,9 @@ in a step. Gradients are accumulated and reduced in ``precision.grads_dtype`` (f
 with ``--accumulate-allreduce-grads-in-fp32``, the default under bf16).
 The model may be built on the meta device: the engine materializes only what
 this rank keeps (see :mod:`hybrid.zero.units`).
-
-[Note: ZeRO over DP x CP]
-With context parallelism the ranks of a CP group hold the same parameters and
-each computes only its tokens' part of their gradients, which must be summed.
-The engine therefore shards and reduces over ``ps.dp_cp_group`` (every rank with
-this TP slice; N above is DP x CP), as Megatron's distributed optimizer does:
-one reduce-scatter both sums over CP and averages over DP, and the optimizer
-states are split C times finer than over DP alone. The reduction divides by the
-DP size only (the replicas that saw different samples): over CP it is a sum.
-With CP 1 the group is the DP group and nothing changes.
+[Note: ZeRO over DP x CP] CP ranks hold the same parameters, each with its tokens' part of their gradients:
+shard and reduce over ``ps.dp_cp_group`` (the DP group at CP 1), dividing by the DP
+size only -- a sum over CP, a mean over DP (docs/context-parallelism.md).
 """
 
 from __future__ import annotations
@@ -384,8 +377,7 @@ def apply_zero(model: nn.Module, ps: ParallelState, zero: ZeroConfig = ZeroConfi
                adamw: AdamWConfig = AdamWConfig(), precision: PrecisionConfig = PrecisionConfig(),
                offload: OffloadConfig = OffloadConfig(), values=None, unit_modules=None,
                recompute: RecomputePhase | None = None) -> ZeroEngine:
-    """Wrap ``model`` for ZeRO stage ``zero.stage`` over ``ps.dp_cp_group`` (the DP group
-    with CP 1; see [Note: ZeRO over DP x CP]).
+    """Wrap ``model`` for ZeRO stage ``zero.stage`` over ``ps.dp_cp_group`` ([Note: ZeRO ...]).
 
     The sections (each defaults to its dataclass defaults): ``zero`` how the
     states are sharded and communicated; ``adamw`` the optimizer and clipping;
