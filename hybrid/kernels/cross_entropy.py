@@ -45,6 +45,8 @@ def stats_eager(logits, target, vocab_start: int, valid: int):
     # A row with no finite logit has m = -inf; shift by 0 there so exp gives 0, not NaN.
     shift = m.masked_fill(m == float("-inf"), 0.0)
     s = (x - shift.unsqueeze(-1)).exp_().sum(dim=-1)
+    if logits.shape[-1] == 0:  # a slice cut down to nothing (all padding)
+        return m, s, torch.zeros_like(s)
     t, inside = _local_target(target, vocab_start, logits.shape[-1])
     tl = logits.gather(-1, t.unsqueeze(-1)).squeeze(-1).float().masked_fill(~inside, 0.0)
     return m, s, tl
@@ -68,7 +70,7 @@ def local_softmax_stats(logits: torch.Tensor, target: torch.Tensor, vocab_start:
                         valid: int | None = None):
     """(local max, local sum-exp, target logit), fp32 (N,) each; see the module doc."""
     valid = logits.shape[-1] if valid is None else max(0, min(int(valid), logits.shape[-1]))
-    if _use_kernel(logits):
+    if _use_kernel(logits) and logits.shape[-1]:
         from hybrid.kernels.cuda_ops import cuda_ops
         return tuple(cuda_ops().ce_stats(logits.contiguous(), target.contiguous(),
                                          int(vocab_start), valid))
@@ -83,7 +85,7 @@ def softmax_grad(logits: torch.Tensor, target: torch.Tensor, vocab_start: int,
     """d loss / d logits ``(N, V)`` in the logits dtype; see the module doc."""
     valid = logits.shape[-1] if valid is None else max(0, min(int(valid), logits.shape[-1]))
     M, S, grad_loss = (t.float().contiguous() for t in (M, S, grad_loss))
-    if _use_kernel(logits):
+    if _use_kernel(logits) and logits.shape[-1]:
         from hybrid.kernels.cuda_ops import cuda_ops
         return cuda_ops().ce_grad(logits.contiguous(), target.contiguous(), M, S, grad_loss,
                                   int(vocab_start), valid)

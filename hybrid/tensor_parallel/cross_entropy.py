@@ -2,8 +2,9 @@
 
 Each rank holds ``logits[..., V/tp]`` for its vocabulary slice. The loss needs
 three numbers per token that span the whole vocabulary: the max (for a stable
-softmax), the sum of exponentials, and the target's logit. Each is a small
-all-reduce over TP of a ``(...)`` tensor, so the full ``(..., V)`` logits are
+softmax), the sum of exponentials, and the target's logit. They take two small
+all-reduces over TP of ``(...)`` tensors -- the max first, then the sum (shifted
+by that max) and the target logit in one -- so the full ``(..., V)`` logits are
 never built on any rank. The per-rank work (local statistics, and the gradient
 recomputed from the saved logits in backward) is in
 :mod:`hybrid.kernels.cross_entropy`, fused on GPU.
@@ -19,27 +20,30 @@ from hybrid.kernels.select import kernel_choice
 from hybrid.parallel.comm import CommGroup
 
 
+def _global_stats(m, s, target_logit, group: CommGroup):
+    """(global max M, sum of exp(x - M), target logit), all ``(N,)`` fp32, from this
+    rank's local max ``m``, its sum of ``exp(x - m)`` ``s`` and its target logit (0
+    where another rank owns the target): two all-reduces over ``group``, the max,
+    then the rescaled sum and the target logit together."""
+    M = m.clone()
+    group.all_reduce(M, op=dist.ReduceOp.MAX)
+    # Rescale this rank's sum to the global max; a rank with no finite logit in a row
+    # has m = -inf and s = 0, and exp(-inf - M) = 0 keeps it at 0.
+    both = torch.stack((s * (m - M).exp_(), target_logit))
+    group.all_reduce(both)
+    return M, both[0], both[1]
+
+
 class _FusedVocabParallelCE(torch.autograd.Function):
     """Kernel path: saves the logits, recomputes the softmax in backward."""
 
     @staticmethod
-    def forward(ctx, logits, target, group: CommGroup, valid: int | None):
+    def forward(ctx, logits, target, group: CommGroup, start: int, valid: int | None):
         # Per-row statistics in fp32 from one pass over this rank's logits (a fused
         # online-softmax kernel on GPU); the (..., V/tp) softmax is never stored.
-        local_v = logits.shape[-1]
-        start = group.rank * local_v
-        x = logits.reshape(-1, local_v)
+        x = logits.flatten(0, -2)  # (N, V / tp); flatten: the width may be 0
         t = target.reshape(-1)
-        m, s, target_logit = local_softmax_stats(x, t, start, valid)
-
-        M = m.clone()
-        group.all_reduce(M, op=dist.ReduceOp.MAX)
-        # Rescale this rank's sum to the global max; a rank with no finite logit in a
-        # row has m = -inf and s = 0, and exp(-inf - M) = 0 keeps it at 0.
-        S = s * (m - M).exp_()
-        group.all_reduce(S)
-        group.all_reduce(target_logit)  # 0 on every rank but the owner
-
+        M, S, target_logit = _global_stats(*local_softmax_stats(x, t, start, valid), group)
         loss = S.log() - (target_logit - M)
         ctx.save_for_backward(x, t, M, S)
         ctx.meta = (start, valid, logits.shape)
@@ -52,31 +56,33 @@ class _FusedVocabParallelCE(torch.autograd.Function):
         # d loss / d logits = softmax - onehot(target), onehot only on the owning rank,
         # recomputed from the saved logits.
         grad = softmax_grad(x, t, start, valid, M, S, grad_loss.reshape(-1))
-        return grad.view(shape), None, None, None
+        return grad.view(shape), None, None, None, None
 
 
 class _EagerVocabParallelCE(torch.autograd.Function):
     """PyTorch ops: keeps this rank's fp32 softmax slice for backward."""
 
     @staticmethod
-    def forward(ctx, logits, target, group: CommGroup):
+    def forward(ctx, logits, target, group: CommGroup, start: int):
         # fp32 for the softmax whatever the model dtype: bf16 exp-sums lose the loss.
         x = logits.float()
         local_v = x.shape[-1]
-        start = group.rank * local_v
-
-        m = x.max(dim=-1).values
-        group.all_reduce(m, op=dist.ReduceOp.MAX)
-        x = x - m.unsqueeze(-1)
+        if local_v:
+            m = x.max(dim=-1).values
+        else:  # a rank whose slice is all padding, cut off by the caller
+            m = torch.full(target.shape, float("-inf"), device=x.device)
+        M = m.clone()
+        group.all_reduce(M, op=dist.ReduceOp.MAX)
+        x = x - M.unsqueeze(-1)  # our own fp32 copy from here on
 
         inside = (target >= start) & (target < start + local_v)
         local_t = (target - start).masked_fill(~inside, 0)
-        target_logit = x.gather(-1, local_t.unsqueeze(-1)).squeeze(-1).masked_fill(~inside, 0.0)
-        group.all_reduce(target_logit)
-
-        exp = x.exp_()  # x is our own fp32 copy, safe to overwrite
-        sum_exp = exp.sum(dim=-1)
-        group.all_reduce(sum_exp)
+        target_logit = (x.gather(-1, local_t.unsqueeze(-1)).squeeze(-1).masked_fill(~inside, 0.0)
+                        if local_v else torch.zeros_like(M))
+        exp = x.exp_()
+        both = torch.stack((exp.sum(dim=-1), target_logit))  # one all-reduce for the two
+        group.all_reduce(both)
+        sum_exp, target_logit = both[0], both[1]
 
         loss = sum_exp.log() - target_logit
         exp.div_(sum_exp.unsqueeze(-1))  # now this rank's slice of the softmax
@@ -89,21 +95,28 @@ class _EagerVocabParallelCE(torch.autograd.Function):
         softmax, local_t, inside = ctx.saved_tensors
         # d loss / d logits = softmax - onehot(target), onehot only on the owning rank
         grad = softmax
-        grad.scatter_add_(-1, local_t.unsqueeze(-1), -inside.unsqueeze(-1).to(grad.dtype))
-        grad.mul_(grad_loss.unsqueeze(-1))
-        return grad.to(ctx.logits_dtype), None, None
+        if grad.shape[-1]:
+            grad.scatter_add_(-1, local_t.unsqueeze(-1), -inside.unsqueeze(-1).to(grad.dtype))
+            grad.mul_(grad_loss.unsqueeze(-1))
+        return grad.to(ctx.logits_dtype), None, None, None
 
 
 def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor,
-                                 group: CommGroup, valid: int | None = None) -> torch.Tensor:
+                                 group: CommGroup, valid: int | None = None,
+                                 start: int | None = None) -> torch.Tensor:
     """Per-token loss ``(...)`` from ``logits (..., V/tp)`` split over ``group``.
 
-    ``target`` holds global vocabulary ids ``(...)``. ``valid``: how many of this
-    rank's columns are real vocabulary (the rest is padding, ignored whatever it
-    holds); None means all. Padding may instead be masked to -inf by the caller.
-    Collectives: three all-reduces over the TP group of ``(...)``-shaped fp32
-    tensors (max, sum of exponentials, target logit).
+    ``target`` holds global vocabulary ids ``(...)``. ``start``: the global id of
+    this rank's first column (default ``rank * width``: equal slices). A caller
+    that cut its padding off passes its own ``start`` and slices of different
+    widths, even empty ones (:class:`models.gpt.GPT` does). ``valid``: how many
+    of this rank's columns are real vocabulary (the rest is padding, ignored
+    whatever it holds); None means all. Padding may instead be masked to -inf by
+    the caller. Collectives: two all-reduces over the TP group of ``(...)``-shaped
+    fp32 tensors (the max; then the sum of exponentials with the target logit).
     """
+    if start is None:
+        start = group.rank * logits.shape[-1]
     if kernel_choice("cross_entropy", logits.device) == "eager":
         if valid is not None and valid < logits.shape[-1]:
             pad = torch.arange(logits.shape[-1], device=logits.device) >= valid
@@ -112,5 +125,5 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor,
             return torch.nn.functional.cross_entropy(
                 logits.float().flatten(0, -2), target.flatten(), reduction="none"
             ).view(target.shape)
-        return _EagerVocabParallelCE.apply(logits, target, group)
-    return _FusedVocabParallelCE.apply(logits, target, group, valid)
+        return _EagerVocabParallelCE.apply(logits, target, group, start)
+    return _FusedVocabParallelCE.apply(logits, target, group, start, valid)

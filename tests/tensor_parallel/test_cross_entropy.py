@@ -20,19 +20,23 @@ def _logits():
     return x, t
 
 
-def _ce_worker(ps):
+def _ce_worker(ps, cut=False):
     x, t = _logits()
-    local = x.chunk(ps.tp_size, -1)[ps.tp_rank].clone().requires_grad_()
+    local = x.chunk(ps.tp_size, -1)[ps.tp_rank]
+    start = ps.tp_rank * local.shape[-1]
+    if cut:  # the model's way: padding cut off, slices of unequal (even zero) width
+        local = local[..., : max(0, min(local.shape[-1], V - PAD - start))]
+    local = local.clone().requires_grad_()
     ps.comm_stats.reset()
-    loss = vocab_parallel_cross_entropy(local, t, ps.tp_group)
+    loss = vocab_parallel_cross_entropy(local, t, ps.tp_group, start=start)
     calls = dict(ps.comm_stats.calls)
     loss.backward(torch.linspace(0.5, 1.5, 15).view(3, 5))
     return loss.detach(), local.grad, calls
 
 
-@pytest.mark.parametrize("tp", [2, 4])
-def test_matches_torch_cross_entropy_and_never_gathers(tp):
-    res = run_ranks(_ce_worker, world_size=tp, tp=tp)
+@pytest.mark.parametrize("tp,cut", [(2, False), (4, False), (4, True)])
+def test_matches_torch_cross_entropy_and_never_gathers(tp, cut):
+    res = run_ranks(_ce_worker, world_size=tp, tp=tp, args=(cut,))
     x, t = _logits()
     real = x[..., : V - PAD].clone().requires_grad_()
     ref = F.cross_entropy(real.flatten(0, 1), t.flatten(), reduction="none").view(3, 5)
@@ -41,6 +45,9 @@ def test_matches_torch_cross_entropy_and_never_gathers(tp):
     for loss, _, calls in res:
         assert torch.isfinite(loss).all()
         torch.testing.assert_close(loss, ref.detach(), rtol=1e-5, atol=1e-5)
-        assert calls["all_gather"] == 0 and calls["all_reduce"] == 3
+        # the max, then the sum of exponentials and the target logit in one
+        assert calls["all_gather"] == 0 and calls["all_reduce"] == 2
+    if cut:  # TP 4 over 32 columns, 8 of them padding: the last rank holds none
+        assert [r[1].shape[-1] for r in res] == [8, 8, 8, 0]
     torch.testing.assert_close(grad[..., : V - PAD], real.grad, rtol=1e-5, atol=1e-6)
     assert (grad[..., V - PAD:] == 0).all()
