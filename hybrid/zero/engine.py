@@ -229,9 +229,10 @@ class ZeroEngine:
     # rank's gradient (squares cannot cancel it) makes it non-finite everywhere.
     # A separate world all-reduce of an overflow flag would agree with it
     # always, so there is none for the gradients. A rank's loss is its own,
-    # though: when the loop passes it, one tiny world all-reduce of a
-    # "non-finite loss" flag (on the device, no host read) makes an infinite loss
-    # with finite gradients skip the step everywhere. The decision stays on the
+    # though: when the loop passes it, a "non-finite loss" flag rides in the
+    # norm's own vector (on the device, no host read; a one-element DP all-reduce
+    # at stage 0), so an infinite loss with finite gradients skips the step
+    # everywhere at no collective of its own. The decision stays on the
     # device (kernels skip on a flag) unless dynamic loss scaling has to adjust
     # its scale: that read is the one host sync of an fp16 step, and a bf16/fp32
     # step has none.
@@ -244,12 +245,10 @@ class ZeroEngine:
         grads = [u.grad_shard for u in self.units]
         dp = self.ps.dp_cp_group if self.plan.optimizer else None
         scale = self.scaler.scale  # what this step's loss was multiplied by
-        norm = global_grad_norm(self.optimizer, grads, self.ps.tp_group, dp) / scale
-        skip = ~torch.isfinite(norm)
-        if loss is not None:
-            bad = (~torch.isfinite(loss.detach())).to(torch.float32).reshape(1)
-            self.ps.world_group.all_reduce(bad)
-            skip = skip | (bad[0] > 0)
+        norm, bad_loss = global_grad_norm(self.optimizer, grads, self.ps.tp_group, dp, loss,
+                                          self.ps.dp_cp_group)
+        norm = norm / scale
+        skip = ~torch.isfinite(norm) | bad_loss
         decided = skip
         host_skipped = None
         if self.scaler.dynamic:

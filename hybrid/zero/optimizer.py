@@ -214,16 +214,26 @@ def _split_like(flat: torch.Tensor, parts: list[torch.Tensor]) -> list[torch.Ten
 
 @torch.no_grad()
 def global_grad_norm(opt: ShardedAdamW, grads: list[torch.Tensor], tp: CommGroup,
-                     dp: CommGroup | None) -> torch.Tensor:
-    """L2 norm of the whole model's gradient from this rank's parts of it, as a
-    0-dim fp64 tensor on the gradients' device (never read here).
+                     dp: CommGroup | None, loss: torch.Tensor | None = None,
+                     loss_dp: CommGroup | None = None):
+    """(L2 norm of the whole model's gradient, whether any rank's ``loss`` is not
+    finite) from this rank's parts of the gradient, as 0-dim tensors on the
+    gradients' device (fp64, bool; never read here).
 
     Parts are disjoint across ``dp`` (pass None when every DP rank holds the
     full gradient, stage 0). Across TP, split parameters are summed and
-    replicated ones counted once (see the note at the top).
+    replicated ones counted once (see the note at the top). The loss's
+    "not finite" flag rides in the same vector, summed over TP and ``dp`` -- or,
+    at stage 0, over ``loss_dp`` (the DP x CP group) in a one-element all-reduce
+    of its own -- so it costs no collective of its own when the shards are split.
     """
-    both = opt.squared_norms(grads)
+    sq = opt.squared_norms(grads)  # [split, replicated]
+    bad = (torch.zeros((), dtype=torch.float64, device=sq.device) if loss is None
+           else (~torch.isfinite(loss.detach())).to(torch.float64).reshape(()))
+    both = torch.stack((sq[0], bad, sq[1]))  # [split, loss flag, replicated]
     if dp is not None:
         dp.all_reduce(both)
-    tp.all_reduce(both[:1])
-    return both.sum().sqrt()
+    tp.all_reduce(both[:2])
+    if dp is None and loss is not None and loss_dp is not None:
+        loss_dp.all_reduce(both[1:2])
+    return (both[0] + both[2]).sqrt(), both[1] > 0

@@ -127,8 +127,8 @@ def test_communicated_bytes_per_step_equal_the_formula(k):
     """TP1 x DP4, k micro-batches per step, fp32 (and bf16 with fp32 gradients at
     k = 4): the bytes each collective kind moves equal ``comm_bytes_per_step`` for
     the padded Psi exactly (up to each call's rounding to whole bytes); the
-    all-reduce adds only the grad-norm scalars (no overflow flag: the norm is the
-    same on every rank, see the engine's [Note: one skip decision])."""
+    all-reduce adds only the grad-norm vector (no overflow flag of its own: the norm
+    is the same on every rank, see the engine's [Note: one skip decision])."""
     runs = [("fp32", None, {"overlap_comm": True})]
     if k == 4:
         runs.append(("bf16", "fp32", {"bf16": True}))
@@ -139,7 +139,8 @@ def test_communicated_bytes_per_step_equal_the_formula(k):
         nd, f = 4, 3 / 4
         for stage, r in res.items():
             expect = comm_bytes_per_step(r["padded"], nd, stage, k, dtype, grads)
-            scalars = 2 * 16 * f if stage else 0  # the squared norms (fp64 x 2) over DP
+            # the squared norms and the loss's finite flag (fp64 x 3) over DP
+            scalars = 2 * 24 * f if stage else 0
             for kind in ("reduce_scatter", "all_gather", "all_reduce"):
                 got = r["comm"][kind] - (scalars if kind == "all_reduce" else 0)
                 assert abs(got - expect[kind]) <= r["calls"][kind], \
@@ -251,3 +252,42 @@ def test_offload_optimizer_in_bf16_equals_the_device_optimizer():
         for a, b in zip(offloaded["losses"], plain["losses"]):
             assert abs(a - b) <= 1e-4 * abs(b), (a, b)
         assert offloaded["losses"][-1] < offloaded["losses"][0]
+
+
+class _Squares:
+    """An optimizer stand-in: this rank's [split, replicated] squared norms."""
+
+    def __init__(self, split, replicated):
+        self.values = torch.tensor([split, replicated], dtype=torch.float64)
+
+    def squared_norms(self, grads):
+        return self.values.clone()
+
+
+def _norm_and_flag(ps, bad_rank):
+    from hybrid.zero.optimizer import global_grad_norm
+    # split parts differ on every rank (summed over the world); replicated ones differ
+    # over DP only (TP ranks hold the same copy, counted once)
+    opt = _Squares(1.0 + ps.rank, 10.0 * (1 + ps.dp_rank))
+    out = {}
+    for flagged in (False, True):  # rank bad_rank's loss is infinite, or not
+        loss = torch.tensor(float("inf") if flagged and ps.rank == bad_rank else 1.0)
+        for stage, dp in ((1, ps.dp_group), (0, None)):
+            ps.comm_stats.reset()
+            norm, bad = global_grad_norm(opt, [torch.zeros(1)], ps.tp_group, dp, loss,
+                                         ps.dp_cp_group)
+            out[(stage, flagged)] = (float(norm), bool(bad), ps.comm_stats.calls["all_reduce"])
+    return out
+
+
+def test_loss_flag_rides_in_the_norm_all_reduce():
+    """TP 2 x DP 2: one rank's infinite loss is seen by every rank, in the norm's own
+    all-reduces (DP then TP), and at stage 0 in a TP plus a DP one; the norm is
+    unchanged by it (stage >= 1: split parts summed over the world, replicated over DP)."""
+    for rank, res in enumerate(run_ranks(_norm_and_flag, world_size=4, tp=2, args=(3,))):
+        want = (sum(1.0 + r for r in range(4)) + 10.0 + 20.0) ** 0.5
+        for (stage, told), (norm, bad, calls) in res.items():
+            assert calls == 2, (rank, stage)  # never a world all-reduce of its own
+            if stage:
+                assert norm == pytest.approx(want)
+            assert bad == told, (rank, stage, told)
