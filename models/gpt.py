@@ -55,11 +55,10 @@ from torch import nn
 
 from hybrid.config.architecture import NORMALIZATIONS, POSITION_EMBEDDING_TYPES
 from hybrid.config.model import ModelConfig
-from hybrid.kernels import linear
 from hybrid.parallel.comm import CommGroup
 from hybrid.tensor_parallel import (ColumnParallelLinear, Init, TPRNGTracker,
-                                    VocabParallelEmbedding, copy_to_tp, init_parameters,
-                                    sequence_gathered_linear, sequence_parallel_param,
+                                    VocabParallelEmbedding, column_parallel_linear,
+                                    init_parameters, sequence_parallel_param,
                                     vocab_parallel_cross_entropy)
 from hybrid.tensor_parallel.cp_attention import ContextParallel
 from models.blocks import Block, make_norm, residual_rng
@@ -123,9 +122,9 @@ class GPT(nn.Module):
                 self.output_layer = ColumnParallelLinear(cfg.hidden_size, self.padded_vocab_size,
                                                          tp_group, bias=False)
         self.rng = rng
-        # Padded vocabulary columns on this rank (ids >= vocab_size) are masked
-        # out of the softmax, so padding never changes the loss: the model is the
-        # same function for any TP size even though the padding depends on it.
+        # Padded vocabulary columns on this rank (ids >= vocab_size) are left out of
+        # the loss (and masked to -inf in returned logits), so padding never changes
+        # it: the model is the same function for any TP size though the padding is not.
         self._valid_local = max(0, min(cfg.vocab_size - self.wte.vocab_start,
                                        self.wte.vocab_end - self.wte.vocab_start))
         if torch.device(device).type != "meta":
@@ -173,19 +172,18 @@ class GPT(nn.Module):
         x = self.ln_f(x)
         head = (self.output_layer.weight if self.cfg.untie_embeddings_and_output_weights
                 else self.wte.weight)
-        if sp:  # gather the sequence for the head, keeping only the local x for backward
-            logits = sequence_gathered_linear(x, head, None, g)  # (B, T, V / tp)
-        else:
-            logits = linear(copy_to_tp(x, g), head)  # (B, T, V / tp)
-        # The cross-entropy takes the valid width instead of reading a masked copy
-        # (one pass over the logits less); returned logits get the -inf mask.
-        if labels is None and self._valid_local < logits.shape[-1]:
-            pad = torch.arange(logits.shape[-1], device=logits.device) >= self._valid_local
-            logits = logits.masked_fill(pad, float("-inf"))
-        if labels is None:
+        if labels is None:  # this rank's whole padded slice (B, T, V / tp), padding -inf
+            logits = column_parallel_linear(x, head, None, g, sp)
+            if self._valid_local < logits.shape[-1]:
+                pad = torch.arange(logits.shape[-1], device=logits.device) >= self._valid_local
+                logits = logits.masked_fill(pad, float("-inf"))
             return logits
-        losses = vocab_parallel_cross_entropy(logits, labels, self.tp_group,
-                                              valid=self._valid_local)
+        # The loss reads the real vocabulary only: the head's GEMMs (forward and both
+        # backward), the softmax and its gradient skip this rank's padding rows, whose
+        # gradient is zero either way. Slices then differ in width (the last ranks'
+        # may be empty), so the cross-entropy is told where this one starts.
+        logits = column_parallel_linear(x, head, None, g, sp, rows=self._valid_local)
+        losses = vocab_parallel_cross_entropy(logits, labels, g, start=self.wte.vocab_start)
         if cp is not None:  # the whole sequence's mean, equal on every CP rank
             return cp.mean_loss(losses, loss_mask)
         if loss_mask is None:

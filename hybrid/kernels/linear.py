@@ -36,16 +36,9 @@ class _Fp32Linear(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):
         x, weight = ctx.saved_tensors
-        d = dy.float()
-        dx = dw = db = None
-        if ctx.needs_input_grad[0]:
-            dx = torch.matmul(d, weight.float()).to(x.dtype)
-        d2 = d.reshape(-1, d.shape[-1])  # (rows, out)
-        if ctx.needs_input_grad[1]:
-            dw = d2.t().matmul(x.reshape(-1, x.shape[-1]).float()).to(weight.dtype)
-        if ctx.has_bias and ctx.needs_input_grad[2]:
-            db = d2.sum(0).to(weight.dtype)
-        return dx, dw, db
+        dx = linear_grad_input(dy, weight) if ctx.needs_input_grad[0] else None
+        dw, db = linear_grad_weight(dy, x, ctx.has_bias and ctx.needs_input_grad[2])
+        return dx, (dw if ctx.needs_input_grad[1] else None), db
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor,
@@ -54,6 +47,27 @@ def linear(x: torch.Tensor, weight: torch.Tensor,
     if kernel_choice("linear", x.device, x.dtype) == "fp32" and weight.dtype == x.dtype:
         return _Fp32Linear.apply(x, weight, bias)
     return F.linear(x, weight, bias)
+
+
+def linear_grad_input(dy: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``dx = dy W`` of :func:`linear`, by its path: ``(..., out) -> (..., in)``, the
+    same bits autograd would give (a fresh tensor)."""
+    return matmul(dy, weight)
+
+
+def linear_grad_weight(dy: torch.Tensor, x: torch.Tensor, bias: bool,
+                       out: torch.Tensor | None = None):
+    """``(dW = dy^T x, db = sum dy or None)`` of :func:`linear`, by its path, over the
+    flattened rows of ``dy (..., out)`` and ``x (..., in)``. ``out``: a contiguous
+    ``(out, in)`` tensor to write ``dW`` into (a view of a larger gradient)."""
+    if kernel_choice("linear", x.device, x.dtype) == "fp32" and dy.dtype == x.dtype:
+        d2 = dy.float().flatten(0, -2)  # (rows, out); flatten: out may be 0
+        dw = d2.t().matmul(x.flatten(0, -2).float())
+        dw = dw.to(x.dtype) if out is None else out.copy_(dw)
+        return dw, (d2.sum(0).to(x.dtype) if bias else None)
+    d2 = dy.flatten(0, -2)
+    dw = torch.matmul(d2.t(), x.flatten(0, -2), out=out)
+    return dw, (d2.sum(0) if bias else None)
 
 
 def matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:

@@ -23,11 +23,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hybrid.kernels import LayerNorm as _KernelLayerNorm, layer_norm, linear, matmul
+from hybrid.kernels import LayerNorm as _KernelLayerNorm, layer_norm, linear
 from hybrid.kernels.rms_norm import rms_norm
 from hybrid.parallel.comm import CommGroup
-from hybrid.tensor_parallel.mappings import (all_gather_sequence, copy_to_tp, gather_from_tp,
-                                             reduce_from_tp, reduce_scatter_sequence,
+from hybrid.tensor_parallel.column_linear import column_parallel_linear
+from hybrid.tensor_parallel.mappings import (gather_from_tp, reduce_from_tp,
                                              reduce_scatter_to_sequence, scatter_to_tp,
                                              sequence_parallel_param)
 from hybrid.tensor_parallel.sharding import mark_split
@@ -39,51 +39,14 @@ def _divide(n: int, tp: int, what: str) -> int:
     return n // tp
 
 
-class _SequenceGatheredLinear(torch.autograd.Function):
-    """``y = allall_gather_sequence(x) W^T (+ b)``, saving only this rank's ``x``.
-
-    forward: all-gather the sequence over TP, then the matmul.
-    backward: all-gather ``x`` again for the weight gradient, reduce-scatter the
-    input gradient (each rank's is a partial sum over the TP ranks' columns).
-
-    Saving the local ``(B, T / tp, in)`` rather than the gathered ``(B, T, in)``
-    is what divides a layer's stored activations by TP under sequence
-    parallelism; the price is a second all-gather in backward.
-    """
-
-    @staticmethod
-    def forward(ctx, x, weight, bias, group):
-        ctx.group, ctx.has_bias = group, bias is not None
-        ctx.save_for_backward(x, weight)
-        return linear(all_gather_sequence(x, group), weight, bias)
-
-    @staticmethod
-    def backward(ctx, grad_y):
-        x, weight = ctx.saved_tensors
-        full = all_gather_sequence(x, ctx.group)  # (B, T, in)
-        grad_x = reduce_scatter_sequence(matmul(grad_y, weight), ctx.group)
-        g2 = grad_y.reshape(-1, grad_y.shape[-1])
-        grad_w = matmul(g2.t(), full.reshape(-1, full.shape[-1]))
-        grad_b = g2.sum(0) if ctx.has_bias else None
-        return grad_x, grad_w, grad_b, None
-
-
-def sequence_gathered_linear(x: torch.Tensor, weight: torch.Tensor,
-                             bias: torch.Tensor | None, group: CommGroup) -> torch.Tensor:
-    """``F.linear`` of the sequence-gathered ``x`` ``(B, T / tp, in) -> (B, T, out)``,
-    storing only the local ``x`` for backward (see :class:`_SequenceGatheredLinear`)."""
-    if group.size == 1:
-        return linear(x, weight, bias)
-    return _SequenceGatheredLinear.apply(x, weight, bias, group)
-
-
 class ColumnParallelLinear(nn.Module):
     """``y = x A^T + b`` with A split by output features (rows) across TP ranks.
 
     Input ``(..., in_features)``, identical on every TP rank.
     Output ``(..., out_features / tp)`` (this rank's columns of y), or
     ``(..., out_features)`` with ``gather_output=True``.
-    Backward all-reduces the input gradient over TP (the f operator).
+    Backward all-reduces the input gradient over TP (the f operator), overlapped
+    with the weight gradient (:mod:`hybrid.tensor_parallel.column_linear`).
     ``forward(x, skip_bias_add=True)`` returns ``(y without bias, bias)`` so the
     caller can fuse the bias add into the next op (bias-GELU).
     With ``sequence_parallel`` the input is ``(B, T / tp, in_features)`` and is
@@ -127,10 +90,9 @@ class ColumnParallelLinear(nn.Module):
         if skip_bias_add and self.gather_output:
             raise ValueError("skip_bias_add needs gather_output=False (the bias is local)")
         bias = None if skip_bias_add else self.bias
-        if self.sequence_parallel:  # (B, T / tp, in) -> (B, T, out / tp)
-            y = sequence_gathered_linear(x, self.weight, bias, self.tp_group)
-        else:
-            y = linear(copy_to_tp(x, self.tp_group), self.weight, bias)  # (..., out / tp)
+        # (..., out / tp); with SP (B, T / tp, in) -> (B, T, out / tp). Backward overlaps
+        # the input gradient's all-reduce (reduce-scatter) with the weight gradient.
+        y = column_parallel_linear(x, self.weight, bias, self.tp_group, self.sequence_parallel)
         if skip_bias_add:
             return y, self.bias  # (..., out / tp), (out / tp,)
         return gather_from_tp(y, self.tp_group) if self.gather_output else y

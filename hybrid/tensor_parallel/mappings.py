@@ -68,25 +68,40 @@ def _split_sequence(x: torch.Tensor, group: CommGroup) -> torch.Tensor:
     return x.chunk(group.size, dim=1)[group.rank].contiguous()
 
 
-def all_gather_sequence(x: torch.Tensor, group: CommGroup) -> torch.Tensor:
+class Pending:
+    """An async collective's result: ``wait()`` blocks until it has arrived, then
+    returns it (the verb pair of ``async_op=True``)."""
+
+    def __init__(self, work, finish):
+        self._work, self._finish = work, finish
+
+    def wait(self) -> torch.Tensor:
+        self._work.wait()
+        return self._finish()
+
+
+def all_gather_sequence(x: torch.Tensor, group: CommGroup, async_op: bool = False):
     """(B, T / tp, ...) -> (B, T, ...): rank chunks one after another along dim 1.
-    A plain collective over ``group`` (no autograd), for the ops' own backward passes."""
+    A plain collective over ``group`` (no autograd), for the ops' own backward passes;
+    ``async_op``: a :class:`Pending` of it."""
     x = x.contiguous()
     buf = torch.empty((group.size, *x.shape), dtype=x.dtype, device=x.device)
-    group.all_gather(buf, x)
-    return rearrange(buf, "r b t ... -> b (r t) ...")
+    work = group.all_gather(buf, x, async_op=async_op)
+    finish = lambda: rearrange(buf, "r b t ... -> b (r t) ...")  # noqa: E731
+    return Pending(work, finish) if async_op else finish()
 
 
-def reduce_scatter_sequence(x: torch.Tensor, group: CommGroup) -> torch.Tensor:
+def reduce_scatter_sequence(x: torch.Tensor, group: CommGroup, async_op: bool = False):
     """(B, T, ...) summed over TP ranks, this rank's (B, T / tp, ...) chunk of the sum.
-    A plain collective over ``group`` (no autograd)."""
+    A plain collective over ``group`` (no autograd); ``async_op``: a :class:`Pending`."""
     if x.shape[1] % group.size:
         raise ValueError(f"sequence length {x.shape[1]} not divisible by TP size {group.size}")
     # batch-first tensors: a rank's chunk is strided in memory, so pack chunks rank-major
     parts = rearrange(x, "b (r t) ... -> r b t ...", r=group.size).contiguous()
     out = torch.empty(parts.shape[1:], dtype=x.dtype, device=x.device)
-    group.reduce_scatter(out, parts)
-    return out
+    work = group.reduce_scatter(out, parts, async_op=async_op)
+    # (parts must outlive the collective: the closure keeps it until the wait)
+    return Pending(work, lambda: (parts, out)[1]) if async_op else out
 
 
 class _CopyToTP(torch.autograd.Function):

@@ -5,6 +5,7 @@ The CPU's flags are faked (``cpu_features.cpu_flags``), so every case runs on an
 machine; the fp32 path is also forced with ``configure`` as --kernel-choice does.
 """
 
+import importlib
 from dataclasses import replace
 
 import pytest
@@ -125,7 +126,10 @@ def _gpt_grads(ps, path, sp=False):
     from hybrid.config.model import ModelConfig
     from hybrid.tensor_parallel import seed_all
     from models.gpt import GPT
-    before = kernels.current()
+    klinear = importlib.import_module("hybrid.kernels.linear")  # (the module, not the function)
+    before, forward = kernels.current(), klinear._Fp32Linear.forward
+    calls = []  # fp32-path forwards, graph nodes of their own or inside another Function
+    klinear._Fp32Linear.forward = staticmethod(lambda ctx, *a: calls.append(1) or forward(ctx, *a))
     kernels.configure(replace(before, choice=(("linear", path),)))
     try:
         rng = seed_all(3, ps.tp_rank, ps.dp_rank, ps.device)
@@ -146,22 +150,27 @@ def _gpt_grads(ps, path, sp=False):
             nodes[kind] = nodes.get(kind, 0) + 1
             todo.extend(f for f, _ in fn.next_functions)
         loss.backward()
-        return {"loss": loss.float().item(), "nodes": nodes,
+        return {"loss": loss.float().item(), "nodes": nodes, "fp32_forwards": len(calls),
                 "grads": {n: p.grad.float().clone() for n, p in model.named_parameters()}}
     finally:
         kernels.configure(before)
+        klinear._Fp32Linear.forward = forward
 
 
 def _both_paths(ps, sp):
     return {path: _gpt_grads(ps, path, sp) for path in ("eager", "fp32")}
 
 
-def _assert_paths_agree(res, linears, gathered=0):
+def _assert_paths_agree(res, linears, gathered=0, rows=0):
+    """``linears``: fp32-path nodes of their own; ``gathered`` / ``rows``: sequence-gathered
+    / cut-vocabulary head Functions calling ``linear`` inside. All 2 * 4 + 1 take the path."""
     eager, fp32 = res["eager"], res["fp32"]
-    assert "_Fp32LinearBackward" not in eager["nodes"]
+    assert "_Fp32LinearBackward" not in eager["nodes"] and eager["fp32_forwards"] == 0
     assert fp32["nodes"].get("_Fp32LinearBackward") == linears
+    assert fp32["fp32_forwards"] == 2 * 4 + 1
     for r in (eager, fp32):
         assert r["nodes"].get("_SequenceGatheredLinearBackward", 0) == gathered
+        assert r["nodes"].get("_RowsLinearBackward", 0) == rows
     assert abs(fp32["loss"] - eager["loss"]) <= 1e-2 * abs(eager["loss"])
     for name, g in eager["grads"].items():
         rel = float((fp32["grads"][name] - g).norm() / g.norm().clamp_min(1e-12))
@@ -170,10 +179,10 @@ def _assert_paths_agree(res, linears, gathered=0):
 
 def test_gpt_in_bf16_takes_the_fp32_path_everywhere():
     """Every linear of the GPT -- QKV, attention out, MLP in and out per layer, and the
-    tied head -- runs the fp32 path when chosen, and the model's loss and gradients
+    tied head (over the 257 real rows of 512) -- runs the fp32 path when chosen, and the model's loss and gradients
     agree with torch's own bf16 path to bf16's rounding."""
     from hybrid.parallel.state import ParallelState
-    _assert_paths_agree(_both_paths(ParallelState.single(), False), linears=2 * 4 + 1)
+    _assert_paths_agree(_both_paths(ParallelState.single(), False), linears=2 * 4, rows=1)
 
 
 def test_sequence_parallel_linears_take_the_fp32_path():
