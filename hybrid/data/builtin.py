@@ -14,8 +14,11 @@ import functools
 import glob
 import os
 import sysconfig
+from collections import deque
 
 _MIN_CHARS = 40  # one-line docstrings ("Return x.") teach little
+_DEFS = (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)
+_HOLDERS = (ast.stmt, ast.excepthandler, ast.match_case)  # what a definition can sit in
 
 
 def builtin_documents() -> list[str]:
@@ -36,11 +39,25 @@ def _parse(stdlib: str) -> tuple[str, ...]:
                 tree = ast.parse(f.read())
         except (OSError, SyntaxError, UnicodeDecodeError, ValueError):
             continue
-        for node in ast.walk(tree):
-            if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
-                doc = ast.get_docstring(node)
-                if doc and len(doc) >= _MIN_CHARS:
-                    docs.append(doc)
+        for node in _definitions(tree):
+            doc = ast.get_docstring(node)
+            if doc and len(doc) >= _MIN_CHARS:
+                docs.append(doc)
     if not docs:
         raise RuntimeError(f"no docstrings found under {stdlib}; pass --data-path FILE.txt")
     return tuple(docs)
+
+
+def _definitions(tree: ast.Module):
+    """The module, class and function nodes of ``tree`` in ``ast.walk``'s order (breadth
+    first, fields in order), visiting statements only: a definition is never inside an
+    expression, and skipping the expressions halves the walk."""
+    todo = deque([tree])
+    while todo:
+        node = todo.popleft()
+        if isinstance(node, _DEFS):
+            yield node
+        for field in node._fields:
+            value = getattr(node, field)
+            if isinstance(value, list):
+                todo.extend(c for c in value if isinstance(c, _HOLDERS))
