@@ -16,9 +16,20 @@ import time
 from hybrid.config import build_config, parse_args  # no torch import: fast preflight
 from hybrid.errors import USER_ERRORS, ConfigError
 
+_STARTED = time.time()  # this process's start, when no launcher said when the job began
+
 
 def _world_size() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def _launched_at() -> float:
+    """When the job was launched (epoch seconds): pretrain_gpt.sh's HYBRID_LAUNCHED_AT, so
+    launch-to-first-iteration counts the launcher too; else this process's start."""
+    try:
+        return float(os.environ["HYBRID_LAUNCHED_AT"])
+    except (KeyError, ValueError):
+        return _STARTED
 
 
 # How long a rank other than 0 waits before saying an error itself (see _fail).
@@ -85,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
     ps.recorder.on_hang = lambda e: os._exit(_collective_fail(e))
     setup_logging(ps.rank)
     try:
-        pretrain(cfg, ps)
+        pretrain(cfg, ps, launched_at=_launched_at())
     except USER_ERRORS as e:
         return _fail(str(e))
     except CollectiveError as e:

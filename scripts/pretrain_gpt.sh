@@ -16,9 +16,23 @@
 set -euo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 
+# When the job was launched: the workers log launch-to-first-iteration from it.
+export HYBRID_LAUNCHED_AT=${HYBRID_LAUNCHED_AT:-$(date +%s.%N)}
+
 if [ -z "${NPROC_PER_NODE:-}" ]; then
-  NPROC_PER_NODE=$(python -c "import torch; print(torch.cuda.device_count() or 2)" \
-                   2>/dev/null || echo 2)
+  # The GPUs this node shows, counted without starting Python (importing torch to ask
+  # costs seconds): CUDA_VISIBLE_DEVICES' entries when it is set, else the driver's
+  # device nodes; none means 2 CPU processes.
+  if [ -n "${CUDA_VISIBLE_DEVICES+set}" ]; then
+    IFS=, read -ra visible <<< "$CUDA_VISIBLE_DEVICES"
+    NPROC_PER_NODE=0
+    for d in "${visible[@]}"; do
+      if [ -n "${d// /}" ]; then NPROC_PER_NODE=$((NPROC_PER_NODE + 1)); fi
+    done
+  else
+    NPROC_PER_NODE=$( (compgen -G "/dev/nvidia[0-9]*" || true) | wc -l)
+  fi
+  [ "$NPROC_PER_NODE" -gt 0 ] || NPROC_PER_NODE=2
 fi
 NNODES=${NNODES:-${SLURM_NNODES:-1}}
 NODE_RANK=${NODE_RANK:-${SLURM_NODEID:-0}}

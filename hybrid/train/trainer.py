@@ -53,9 +53,14 @@ class Trainer:
     then :meth:`train`. Every method is collective over the world (each rank calls
     it in the same order)."""
 
-    def __init__(self, cfg: TrainConfig, ps: ParallelState):
+    def __init__(self, cfg: TrainConfig, ps: ParallelState, launched_at: float | None = None):
+        """``launched_at``: when the job was launched (epoch seconds; default now), for
+        the launch-to-first-iteration time the first log line reports."""
         self.cfg, self.ps = cfg, ps
         self.started = time.monotonic()
+        self.launched_at = time.time() if launched_at is None else launched_at
+        self.first_iteration_s: float | None = None  # launch to the end of the first one
+        self._first_line: dict = {}
         self.rng = seed_all(cfg.seed, ps.tp_rank, ps.dp_rank, ps.device, ps.cp_rank, ps.tp_size)
         self.tokenizer = build_tokenizer(cfg.tokenizer)
         self.data = build_datasets(cfg.data, self.tokenizer, ps)
@@ -101,6 +106,8 @@ class Trainer:
         try:
             while not finished(s, st.iteration, st.consumed_samples):
                 batch, result, logs = self.step()
+                if self.first_iteration_s is None:
+                    self._first_iteration_done()
                 save_due = bool(ck.save and ck.save_interval
                                 and st.iteration % ck.save_interval == 0)
                 self.skips.settle(force=logs or save_due)
@@ -149,6 +156,15 @@ class Trainer:
         st.consumed_samples += batch
         return batch, result, logs
 
+    def _first_iteration_done(self) -> None:
+        """Say how long the job took from launch to its first finished iteration (the
+        first log record carries it too, as ``launch_to_first_iteration_s``)."""
+        self.first_iteration_s = time.time() - self.launched_at
+        self._first_line = {"launch_to_first_iteration_s": self.first_iteration_s}
+        log.info("first iteration done %.2f s after launch (%.2f s of it since the trainer "
+                 "started: set-up and the iteration)",
+                 self.first_iteration_s, time.monotonic() - self.started)
+
     def log(self, batch: int, result) -> dict:
         """The log line of the interval that ended at this iteration (console, JSON,
         TensorBoard on rank 0); returns its metrics."""
@@ -161,6 +177,8 @@ class Trainer:
              **measured, "model_state_bytes": self.engine.model_state_bytes(),
              # saved for backward by this rank's first micro-batch, measured
              "activation_bytes": self.meter.peak}
+        m.update(self._first_line)  # the first log record only
+        self._first_line = {}
         phases = self.clock.take(n)
         if phases:
             m["time_breakdown_s"] = phases
@@ -225,6 +243,6 @@ class Trainer:
             log.warning("warning: %s", slow)
 
 
-def pretrain(cfg: TrainConfig, ps: ParallelState) -> list[dict]:
+def pretrain(cfg: TrainConfig, ps: ParallelState, launched_at: float | None = None) -> list[dict]:
     """Set up and train (see :class:`Trainer`); return the logged metrics."""
-    return Trainer(cfg, ps).train()
+    return Trainer(cfg, ps, launched_at).train()

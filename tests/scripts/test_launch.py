@@ -49,6 +49,7 @@ def test_sigterm_to_the_launcher_saves_the_iteration_in_progress(tmp_path):
     save, log = str(tmp_path / "ckpt"), tmp_path / "out.log"
     args = TINY + ["--train-iters", "100000", "--log-interval", "1", "--exit-signal-handler",
                    "--save", save]
+    launched = time.time()
     with open(log, "w") as out:
         p = subprocess.Popen(["bash", os.path.join(ROOT, "scripts", "pretrain_gpt.sh"), *args],
                              env=dict(env(), NPROC_PER_NODE="2"), stdout=out,
@@ -58,12 +59,16 @@ def test_sigterm_to_the_launcher_saves_the_iteration_in_progress(tmp_path):
         while " iteration        3/" not in log.read_text() and time.time() < deadline:
             assert p.poll() is None, log.read_text()[-3000:]
             time.sleep(0.1)
+        seen = time.time() - launched
         p.send_signal(signal.SIGTERM)  # bash exec'd the launcher: this is its pid
         p.wait(timeout=120)
     finally:
         if p.poll() is None:
             p.kill()
     text = log.read_text()
+    # timed from the script's own start (HYBRID_LAUNCHED_AT), launcher included
+    first = re.search(r"first iteration done (\d+\.\d+) s after launch", text)
+    assert first and 0 < float(first.group(1)) < seen, text[-3000:]
     m = re.search(r"exiting at iteration (\d+): --exit-signal-handler: SIGTERM received", text)
     assert m, text[-3000:]
     it = int(m.group(1))
