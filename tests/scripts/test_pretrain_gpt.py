@@ -43,6 +43,9 @@ def test_loss_falls_and_json_has_required_keys(curves):
             assert key in m
         assert m["tokens_per_sec"] > 0 and m["step_time_s"] > 0
     assert log[-1]["loss"] < log[0]["loss"] - 0.5
+    # the first record only: launch (here, the trainer's start) to the first iteration
+    assert 0 < log[0]["launch_to_first_iteration_s"] < 60
+    assert all("launch_to_first_iteration_s" not in m for m in log[1:])
 
 
 def test_gradient_accumulation_matches_one_big_micro_batch(tmp_path):
@@ -88,7 +91,7 @@ def test_bad_config_under_torchrun_exits_without_hanging():
 
 def test_missing_data_path_is_named(tmp_path):
     missing = str(tmp_path / "nope.txt")
-    r = torchrun(2, TINY + ["--data-path", missing, "--train-iters", "2"], timeout=120)
+    r = pretrain(2, TINY + ["--data-path", missing, "--train-iters", "2"])  # (pooled ranks)
     assert r.returncode != 0
     assert f"--data-path {missing}: no such file" in r.stderr
 

@@ -157,22 +157,21 @@ def _rel(a, b):
 
 
 SP, RC = {"sequence_parallel": True}, {"recompute_granularity": "full"}
-COMPOSE = {  # TP size -> variants (stage, overrides), each compared with the first
-    2: [(0, {}), (3, SP), (3, {**SP, **RC}), (0, {**SP, **RC, "partition_activations": True}),
-        (2, {**SP, "overlap_comm": True, "offload_optimizer": True})],
-    4: [(0, {}), (3, {**SP, **RC}),  # and both layers in one recompute group:
-        (3, {**SP, **RC, "recompute_method": "uniform", "recompute_num_layers": 2})],
-}
+# TP 2 variants (stage, overrides), each compared with the first. (SP at TP 4 under ZeRO
+# and recompute: tests/models/test_llama.py, whose Llama options make it the harder case.)
+COMPOSE = [(0, {}), (3, SP), (3, {**SP, **RC}), (0, {**SP, **RC, "partition_activations": True}),
+           (2, {**SP, "overlap_comm": True, "offload_optimizer": True}),
+           # both layers in one recompute group
+           (3, {**SP, **RC, "recompute_method": "uniform", "recompute_num_layers": 2})]
 
 
-@pytest.mark.parametrize("tp", [2, 4])
-def test_sequence_parallel_composes_with_zero_and_recompute(tp):
+def test_sequence_parallel_composes_with_zero_and_recompute(tp=2):
     """SP on vs off (ZeRO-0, no recompute), same seed and data, TP x DP = 4 ranks: the
     same loss curve and final parameters (relative 1e-5) with SP at ZeRO 3, with full
     recompute (also in groups of 2 layers), with --partition-activations (which SP
     makes moot: the block input is already this rank's 1/TP), and at ZeRO 2 with overlap and optimizer offload; two
     micro-batches per step throughout."""
-    variants = COMPOSE[tp]
+    variants = COMPOSE
     res = run_ranks(_train_stages, world_size=4, tp=tp, args=(variants,))[0]
     ref = res[0]
     for variant, r in zip(variants[1:], res[1:]):
