@@ -30,6 +30,7 @@ LAYERS = [
     ["hybrid.train"],
     ["hybrid.testing"],  # the process pool of tests and benchmarks
     ["hybrid"],  # the package's own door (hybrid/__init__.py)
+    ["benchmarks"],  # the pieces of scripts/bench_peers.py
     ["scripts"],
 ]
 LAYER_OF = {unit: i for i, line in enumerate(LAYERS) for unit in line}
@@ -47,7 +48,7 @@ def _module_name(path: pathlib.Path) -> str:
 
 def _sources() -> dict[str, pathlib.Path]:
     files = [*ROOT.glob("hybrid/**/*.py"), *ROOT.glob("models/**/*.py"),
-             *ROOT.glob("scripts/*.py")]
+             *ROOT.glob("benchmarks/**/*.py"), *ROOT.glob("scripts/*.py")]
     return {_module_name(p): p for p in files}
 
 
