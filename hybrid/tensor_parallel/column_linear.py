@@ -103,22 +103,6 @@ class _SequenceGatheredLinear(torch.autograd.Function):
         return scattering.wait(), dw, db, None, None
 
 
-class _RowsLinear(torch.autograd.Function):
-    """``x W[:rows]^T`` on one rank, the unused rows' gradient zeros (no copy)."""
-
-    @staticmethod
-    def forward(ctx, x, weight, rows):
-        ctx.rows = rows
-        ctx.save_for_backward(x, weight)
-        return linear(x, weight[:rows])
-
-    @staticmethod
-    def backward(ctx, dy):
-        x, weight = ctx.saved_tensors
-        dx = linear_grad_input(dy, weight[:ctx.rows]) if ctx.needs_input_grad[0] else None
-        return dx, _weight_grad(dy, x, weight, ctx.rows, False)[0], None
-
-
 def column_parallel_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                            group: CommGroup, sequence_parallel: bool = False,
                            rows: int | None = None) -> torch.Tensor:
@@ -131,13 +115,14 @@ def column_parallel_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Te
 
     ``rows``: use only ``weight[:rows]`` (the head over the real vocabulary, its
     padding rows left out): output ``(..., rows)``, and the unused rows' gradient
-    is zeros. Bias-free only."""
+    is zeros. Bias-free only. (On one rank the Function runs too, its collectives
+    returning at once.)"""
     if rows is not None and (bias is not None or rows >= weight.shape[0]):
         if bias is not None:
             raise ValueError("column_parallel_linear: rows= needs bias=None")
         rows = None  # every row is used
-    if group.size == 1:
-        return linear(x, weight, bias) if rows is None else _RowsLinear.apply(x, weight, rows)
+    if group.size == 1 and rows is None:
+        return linear(x, weight, bias)
     if sequence_parallel:
         return _SequenceGatheredLinear.apply(x, weight, bias, group, rows)
     return _ColumnParallelLinear.apply(x, weight, bias, group, rows)

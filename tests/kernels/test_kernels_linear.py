@@ -170,7 +170,7 @@ def _assert_paths_agree(res, linears, gathered=0, rows=0):
     assert fp32["fp32_forwards"] == 2 * 4 + 1
     for r in (eager, fp32):
         assert r["nodes"].get("_SequenceGatheredLinearBackward", 0) == gathered
-        assert r["nodes"].get("_RowsLinearBackward", 0) == rows
+        assert r["nodes"].get("_ColumnParallelLinearBackward", 0) == rows
     assert abs(fp32["loss"] - eager["loss"]) <= 1e-2 * abs(eager["loss"])
     for name, g in eager["grads"].items():
         rel = float((fp32["grads"][name] - g).norm() / g.norm().clamp_min(1e-12))
