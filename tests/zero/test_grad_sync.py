@@ -49,7 +49,7 @@ def _reduced_vs_fp64(ps, stage, fp32_grads):
     return {"rel": (err / num) ** 0.5, "dtype": str(engine.flat_grads.dtype)}
 
 
-@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+@pytest.mark.parametrize("stage", [0, 1, 2])  # (3 stages gradients as 2 does)
 def test_bf16_gradients_accumulate_within_one_rounding_of_fp64(stage):
     """TP1 x DP2, 16 bf16 micro-batches: with fp32 accumulation and reduction (the
     default with --bf16) the reduced gradient is within one bf16 rounding of the
