@@ -27,6 +27,7 @@ the rest. What they show:
 
 import pytest
 import torch
+from torch.profiler import ProfilerActivity, profile, record_function
 
 from hybrid.config.model import ModelConfig
 from hybrid.config.sections import RecomputeConfig
@@ -95,8 +96,6 @@ def _attention_backward_peak(ps, comm, layout, groups, dtype, dropout, seq):
     """The CPU allocator's high-water mark during one CP attention call's backward,
     ``(B, NH, seq / C, 16)`` queries, above where backward started. Every tensor is made
     inside the profiled region, so the profiler sees each allocation and free in order."""
-    from torch.profiler import ProfilerActivity, profile, record_function
-
     def call():
         g = torch.Generator().manual_seed(0)
         s, dt = seq // ps.cp_size, DTYPES[dtype]
@@ -109,6 +108,14 @@ def _attention_backward_peak(ps, comm, layout, groups, dtype, dropout, seq):
         with record_function("cp_backward"):
             y.backward(dy)
 
+    # A gloo thread sometimes frees a gather's staging buffer late, which only raises
+    # the mark: the least of three calls is the working set.
+    return min(_profiled_peak(call) for _ in range(3))
+
+
+def _profiled_peak(call) -> int:
+    """The allocator's high-water mark inside ``call``'s "cp_backward" region, above
+    where that region began."""
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         call()
     events = list(prof.profiler.kineto_results.events())
@@ -204,8 +211,7 @@ def test_full_recompute_under_cp_stores_its_tokens_and_reruns_the_exchange(measu
 def test_cp_attention_working_set_is_the_allocator_peak(measured, case):
     """One attention call's backward: its blocks and buffers (the estimate) are what
     the allocator held at most above where backward began, to 1% in our runs (the rest:
-    lse- and delta-sized tensors); up to 10% more when a gloo thread frees a gather's
-    staging buffer late, which happens now and then."""
+    lse- and delta-sized tensors; the least of three calls, see _attention_backward_peak)."""
     cp, comm, layout, groups, dtype, dropout, seq = case
     w = Workload(model=_model(1, seq, groups=groups, attn=dropout), micro_batch_size=B,
                  params_dtype=dtype, device="cpu", cp=cp, cp_comm_type=comm, cp_layout=layout)
