@@ -10,6 +10,7 @@ fraction of a second before it starts any worker.
 from __future__ import annotations
 
 import dataclasses
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -74,7 +75,8 @@ def build_config(flags: Flags, world_size: int,
 
     ``flags`` is not modified; the returned config's ``flags`` is a copy with
     the derived defaults filled in. ``environ``: the entry point's environment,
-    whose ``HYBRID_*`` variables default the kernel flags (None: flags only).
+    whose ``HYBRID_*`` variables default the kernel flags and whose cache directory
+    keeps the parsed built-in corpus (None: flags only).
     Every check runs first (:func:`_check`); then one small builder per section
     reads the checked flags (only ``_kernels`` writes back into them: the
     kernel flags it fills from ``environ``).
@@ -85,8 +87,9 @@ def build_config(flags: Flags, world_size: int,
     return TrainConfig(
         parallel=_parallel(f, world_size, dp), model=_model(f), lr_schedule=_lr_schedule(f),
         loop=_loop(f), zero=_zero(f), adamw=_adamw(f), precision=_precision(f),
-        offload=_offload(f), recompute=_recompute(f), data=_data(f), tokenizer=_tokenizer(f),
-        checkpoint=_checkpoint(f), logging=_logging(f), kernels=_kernels(f, environ),
+        offload=_offload(f), recompute=_recompute(f), data=_data(f, environ),
+        tokenizer=_tokenizer(f), checkpoint=_checkpoint(f), logging=_logging(f),
+        kernels=_kernels(f, environ),
         diagnostics=_diagnostics(f), seed=f.seed, flags=f)
 
 
@@ -202,12 +205,25 @@ def _recompute(f: Flags) -> RecomputeConfig:
         contiguous_checkpointing=f.contiguous_checkpointing)
 
 
-def _data(f: Flags) -> DataConfig:
+def _data(f: Flags, environ: Mapping[str, str] | None) -> DataConfig:
     return DataConfig(
         seq_length=f.seq_length, seed=f.seed, data_path=_paths(f.data_path), split=f.split,
         train_data_path=_paths(f.train_data_path),
         valid_data_path=_paths(f.valid_data_path), test_data_path=_paths(f.test_data_path),
-        mock_data=f.mock_data, cache_path=f.data_cache_path, eod_mask_loss=f.eod_mask_loss)
+        mock_data=f.mock_data, cache_path=f.data_cache_path, eod_mask_loss=f.eod_mask_loss,
+        corpus_cache=f.data_cache_path or _user_cache_dir(environ))
+
+
+def _user_cache_dir(environ: Mapping[str, str] | None) -> str | None:
+    """Where the built-in corpus is kept between runs when no --data-cache-path is
+    given: hybrid's directory in the user's cache ($XDG_CACHE_HOME, else ~/.cache, as
+    XDG says), from the entry point's ``environ`` (None: nowhere, parse each time)."""
+    if environ is None:
+        return None
+    base = environ.get("XDG_CACHE_HOME")
+    if not base and environ.get("HOME"):
+        base = os.path.join(environ["HOME"], ".cache")
+    return os.path.join(base, "hybrid") if base else None
 
 
 def _paths(values: list[str] | None) -> tuple[str, ...] | None:

@@ -213,8 +213,9 @@ class Flags:
     vocab_file: str | None = opt(None, "GPT-2 vocab.json")
     merge_file: str | None = opt(None, "GPT-2 merges.txt")
     tokenizer_file: str | None = opt(None, "a tokenizers-library tokenizer.json")
-    data_cache_path: str | None = opt(None, "where sample indices are cached "
-                                            "(default: next to the data)")
+    data_cache_path: str | None = opt(None, "where sample indices are cached (default: next "
+                                            "to the data), and the parsed built-in corpus "
+                                            "(default: ~/.cache/hybrid)")
     mock_data: bool = opt(False, "train on synthetic tokens from --seed, no files (benchmarks)")
     train_data_path: list[str] | None = opt(None, "[weight] prefix ... of the train split, "
                                                   "used whole (instead of --data-path + --split)")

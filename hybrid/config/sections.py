@@ -202,7 +202,8 @@ class DataConfig:
     train/valid/test by ``split``), per-split ``train/valid/test_data_path``
     lists used whole, ``mock_data`` (synthetic tokens from ``seed``), or none
     (the built-in corpus). ``cache_path``: where sample orders and token checks
-    are cached (None: next to each data file).
+    are cached (None: next to each data file). ``corpus_cache``: where the built-in
+    corpus is kept once parsed (None: parsed by every process).
     """
 
     seq_length: int = 128
@@ -215,6 +216,7 @@ class DataConfig:
     mock_data: bool = False
     eod_mask_loss: bool = False  # micro-batches carry a loss mask, 0 at end-of-document inputs
     cache_path: str | None = None
+    corpus_cache: str | None = None
 
 
 # --tokenizer-type: Megatron's names, and hybrid's older ones as aliases.

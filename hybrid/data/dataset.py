@@ -133,7 +133,7 @@ MOCK = "<mock>"  # the source name of --mock-data
 def _open_source(path: str | None, flag: str, cfg: DataConfig, tokenizer, io: IOCounter):
     if path is None:
         try:
-            return InMemoryTokens(builtin_documents(), tokenizer, "builtin")
+            return InMemoryTokens(builtin_documents(cfg.corpus_cache), tokenizer, "builtin")
         except DataError as e:  # NullTokenizer: text it cannot read as ids
             raise DataError(f"the built-in corpus (no --data-path): {e}") from e
     if path == MOCK:  # enough for 1024 samples, at least 4M tokens; epochs repeat it

@@ -266,3 +266,39 @@ def test_eod_mask_loss_masks_the_predictions_made_at_end_of_document_inputs():
     (mx, my, mask), = dp_micro_batches(rows, 0, 2, 2, 0, 1, "cpu", eod=256)
     assert torch.equal(mx, x) and torch.equal(my, y) and mask.dtype == torch.float32
     assert mask.tolist() == [[1, 0, 1, 1, 0], [1, 1, 1, 1, 1]]  # input 256: its target left out
+
+
+def test_the_builtin_corpus_is_parsed_once_and_cached(tmp_path, monkeypatch, caplog):
+    """The parse goes to the cache directory once; a later call reads the same documents
+    without parsing; a corrupt cache file is parsed again (with a warning) and rewritten;
+    an unwritable directory only means no cache. The entry point's environment or
+    --data-cache-path picks the directory."""
+    from hybrid.data import builtin
+
+    want = builtin.builtin_documents()  # no cache: the parse (kept in this process)
+    assert builtin.builtin_documents(str(tmp_path / "c")) == want
+    (cached,) = (tmp_path / "c").iterdir()
+    assert cached.name.startswith("builtin-corpus-") and json.loads(cached.read_text()) == want
+
+    def no_parse(*a):
+        raise AssertionError("parsed although cached")
+    monkeypatch.setattr(builtin, "_parse", no_parse)
+    assert builtin.builtin_documents(str(tmp_path / "c")) == want
+
+    monkeypatch.undo()
+    cached.write_text('["half a docu')
+    assert builtin.builtin_documents(str(tmp_path / "c")) == want
+    assert "unreadable" in caplog.text and json.loads(cached.read_text()) == want
+
+    ro = tmp_path / "ro"
+    ro.mkdir(mode=0o500)
+    if not os.access(ro, os.W_OK):  # (root writes anywhere)
+        assert builtin.builtin_documents(str(ro)) == want and not list(ro.iterdir())
+
+    home = {"HOME": str(tmp_path / "home")}
+    assert build_config(Flags(), 1, environ=home).data.corpus_cache == \
+        str(tmp_path / "home" / ".cache" / "hybrid")
+    assert build_config(Flags(), 1, environ={"XDG_CACHE_HOME": "/x", **home}).data.corpus_cache \
+        == "/x/hybrid"
+    assert build_config(Flags(data_cache_path="/d"), 1, environ=home).data.corpus_cache == "/d"
+    assert build_config(Flags(), 1).data.corpus_cache is None
