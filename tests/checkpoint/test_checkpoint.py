@@ -148,9 +148,9 @@ def test_sigkill_of_one_rank_restarts_from_the_last_checkpoint(tmp_path):
     from it and ends with the uninterrupted run's final loss."""
     ref_log, log, save = (str(tmp_path / "ref.jsonl"), str(tmp_path / "run.jsonl"),
                           str(tmp_path / "ckpt"))
-    _ok(pretrain(2, _args(1, 1, "--train-iters", "40", "--log-json", ref_log)))
+    _ok(pretrain(2, _args(1, 1, "--train-iters", "16", "--log-json", ref_log)))
     cmd = ["bash", os.path.join(ROOT, "scripts", "pretrain_gpt.sh"),
-           *_args(1, 1, "--train-iters", "40", "--save-interval", "10", "--save", save,
+           *_args(1, 1, "--train-iters", "16", "--save-interval", "4", "--save", save,
                   "--load", save, "--log-json", log)]
     out_path, err_path = tmp_path / "stdout", tmp_path / "stderr"
     # Files, not pipes: nobody reads a pipe while we poll, and a full one blocks torchrun.

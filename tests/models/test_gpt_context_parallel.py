@@ -1,7 +1,7 @@
 """GPT under context parallelism against one process (same init, same data): loss,
 logits and gradients at CP 2 and 4, TP 1 and 2 (with SP), every comm type, GPT-2 and
 Llama-shaped (RoPE, GQA, RMSNorm, SwiGLU), --eod-mask-loss, attention dropout; then
-12 AdamW steps through ZeRO over DP x CP: the loss curve of one process and replicated
+6 AdamW steps through ZeRO over DP x CP: the loss curve of one process and replicated
 parameters bit-identical on every rank that holds them."""
 
 from dataclasses import replace
@@ -102,7 +102,7 @@ def test_gpt_cp_matches_one_process(name, cp, tp, sp, comm, layout, dropout):
 
 
 # -- training through ZeRO over DP x CP -----------------------------------------------
-STEPS, GLOBAL, MICRO = 12, 8, 2
+STEPS, GLOBAL, MICRO = 6, 8, 2
 
 
 def _batch(step):
@@ -142,7 +142,7 @@ def _train(ps, stage, comm):
 @pytest.mark.parametrize("stage,comm", [(1, "p2p"), (3, "a2a")])
 def test_cp_training_follows_one_process_and_keeps_replicas_identical(stage, comm):
     """World 4 = DP 2 x CP 2: ZeRO shards over all four ranks, sums gradients over CP
-    and averages over DP; 12 AdamW steps give one process's losses, and every rank ends
+    and averages over DP; 6 AdamW steps give one process's losses, and every rank ends
     with bit-identical parameters."""
     ref_losses, ref_params = _train(ParallelState.single(), stage, comm)
     res = run_ranks(_train, world_size=4, cp=2, args=(stage, comm))
