@@ -34,6 +34,20 @@ def test_every_stage_matches_single_process_reference(reference, tp, dp):
     _assert_matches_reference(res, reference, VARIANTS, tp, dp)
 
 
+def test_one_process_reduces_without_hooks_and_matches_the_reference(reference):
+    """With nothing to reduce (one rank) and gradients accumulated in place, the engine
+    registers no gradient hooks (see [Note: no hooks when nothing is reduced]) and still
+    trains as plain torch does, accumulation included; stage 2, whose gradients move
+    into shards, keeps them."""
+    ps = ParallelState.single()
+    variants = [(0, {}), (1, {})]
+    _assert_matches_reference([_train_stages(ps, variants)], reference, variants, 1, 1)
+    for stage, hooked in ((0, False), (1, False), (2, True)):
+        cfg = _train_cfg(1, 1, zero_stage=stage)
+        reducer = zero_engine(_gpt(cfg, ps), ps, cfg).reducer
+        assert reducer.hooked == hooked and bool(reducer._hooks) == hooked, stage
+
+
 def _assert_matches_reference(res, reference, variants, tp, dp):
     for v, (stage, kw) in enumerate(variants):
         what = f"stage {stage} {kw} TP{tp}xDP{dp}"
