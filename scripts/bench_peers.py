@@ -123,6 +123,9 @@ def _parser() -> argparse.ArgumentParser:
                     help="ABBA pairs of nanogpt / hybrid runs")
     ap.add_argument("--hybrid-args", nargs=argparse.REMAINDER, default=[],
                     help="extra pretrain_gpt.py flags for the nanogpt section (last)")
+    ap.add_argument("--blocked", action="store_true",
+                    help="TP sections: also time each step's wait in collectives, by phase "
+                         "(benchmarks/peers/blocked.py)")
     ap.add_argument("--timeout", type=float, default=1800, help="seconds per launch")
     ap.add_argument("--json-out", default=None, help="also write every section here")
     ap.add_argument("--verbose", action="store_true", help="keep every launch's record")

@@ -20,7 +20,7 @@ def torchrun(a, kind: str):
            "--nproc-per-node", str(a.tp), ENTRY, "--worker", kind,
            "--tp", str(a.tp), "--steps", str(a.steps), "--warmup", str(a.warmup),
            "--eval-iters", str(a.eval_iters), "--eval-repeats", str(a.eval_repeats),
-           "--zero-stage", str(a.zero_stage)]
+           "--zero-stage", str(a.zero_stage)] + (["--blocked"] if a.blocked else [])
     rc, wall, lines = run_timed(cmd, cwd=ROOT, timeout=a.timeout)
     res = None
     for _, line in lines:
@@ -65,6 +65,10 @@ def section_megatron_separate(a) -> dict:
     out["params_per_rank"] = {k: v[0]["params_per_rank"] for k, v in runs.items()}
     out["losses"] = {k: {"first": [r["first_loss"] for r in v], "last": [r["last_loss"] for r in v],
                          "eval": [r["eval_loss"] for r in v]} for k, v in runs.items()}
+    if a.blocked:  # per system: each launch's per-step record, and their median
+        out["blocked"] = {k: {"median_ms_per_step": rnd(median(
+            [r["blocked"]["blocked_ms_per_step"] for r in v]), 3),
+            "launches": [r["blocked"] for r in v]} for k, v in runs.items()}
     out["runs"] = runs if a.verbose else None
     return out
 
@@ -95,4 +99,6 @@ def section_megatron_inprocess(a) -> dict:
             "params_per_rank": {k: res[f"{k}_params_per_rank"] for k in ("hybrid", "megatron")},
             "losses": {k: {"first": res[k]["first_loss"], "last": res[k]["last_loss"],
                            "eval": res[k]["eval_loss"]} for k in ("hybrid", "megatron")},
+            "blocked": ({k: res[k]["blocked"] for k in ("hybrid", "megatron")}
+                        if a.blocked else None),
             "wall_s": res["wall_s"]}

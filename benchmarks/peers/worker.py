@@ -9,6 +9,7 @@ import os
 import time
 from time import perf_counter
 
+from benchmarks.peers.blocked import BlockedClock, per_step
 from benchmarks.peers.common import LAUNCH_ENV, RESULT_TAG, TP_SHAPE
 from benchmarks.peers.hybrid_side import HybridSide, import_hybrid
 from benchmarks.peers.megatron_side import (MegatronSide, import_megatron, init_megatron_groups,
@@ -39,10 +40,12 @@ def max_over_ranks(values: list[float]) -> list[float]:
     return t.tolist()
 
 
-def timed_steps(side, batches, n: int):
+def timed_steps(side, batches, n: int, start: int = 0, clock=None):
     times, losses = [], []
-    for i in range(n):
+    for i in range(start, start + n):
         x, y = batches[i % len(batches)]
+        if clock is not None:
+            clock.begin_step()
         t0 = perf_counter()
         losses.append(side.step(x, y))
         times.append(perf_counter() - t0)
@@ -103,15 +106,21 @@ def _build(kind: str, a, ps, shape: dict):
     return side, perf_counter() - t
 
 
-def _run_one(a, ps, shape: dict, train, evals) -> dict:
-    """One system: build it, step it, evaluate it."""
+def _run_one(a, ps, shape: dict, train, evals, clock=None) -> dict:
+    """One system: build it, step it, evaluate it; with ``clock`` (``--blocked``), the
+    time its timed steps spent blocked in collectives."""
     out = {}
     side, build_s = _build(a.worker, a, ps, shape)
     out["build_s"] = rnd(build_s, 3)
     out["params_per_rank"] = params(side.model)
     out["startup_s"] = rnd(since_launch(), 3)  # launch -> the first iteration starts
-    times, losses = timed_steps(side, train, a.warmup + a.steps)
-    times = max_over_ranks(times)[a.warmup:]
+    times, losses = timed_steps(side, train, a.warmup)
+    if clock is not None:
+        clock.take()  # (warm-up and set-up left out)
+    more, more_losses = timed_steps(side, train, a.steps, start=a.warmup, clock=clock)
+    if clock is not None:
+        out["blocked"] = per_step(*clock.take(), a.steps)
+    times, losses = max_over_ranks(times + more)[a.warmup:], losses + more_losses
     ev_times, ev_loss = timed_evals(side, evals, a.eval_repeats)
     ev_times = max_over_ranks(ev_times)
     out.update(step_s=rnd(median(times)), step_times_s=[rnd(t) for t in times],
@@ -123,8 +132,9 @@ def _run_one(a, ps, shape: dict, train, evals) -> dict:
     return out
 
 
-def _run_inprocess(a, ps, shape: dict, train, evals) -> dict:
-    """Both models on these ranks, stepped alternately (ABBA), each step timed."""
+def _run_inprocess(a, ps, shape: dict, train, evals, clock=None) -> dict:
+    """Both models on these ranks, stepped alternately (ABBA), each step timed (and
+    with ``clock``, its time blocked in collectives)."""
     out = {}
     sides = {}
     for kind in ("hybrid", "megatron"):
@@ -137,12 +147,22 @@ def _run_inprocess(a, ps, shape: dict, train, evals) -> dict:
     times = {k: [] for k in sides}
     losses = {k: [] for k in sides}
     it = {k: 0 for k in sides}
+    blocked = {k: ({}, {}) for k in sides}  # (seconds, calls) of the timed steps
+    if clock is not None:
+        clock.take()
     for kind in order:
         x, y = train[it[kind] % len(train)]
         it[kind] += 1
+        if clock is not None:
+            clock.begin_step()
         t = perf_counter()
         losses[kind].append(sides[kind].step(x, y))
         times[kind].append(perf_counter() - t)
+        if clock is not None:
+            for total, part in zip(blocked[kind], clock.take()):
+                if it[kind] > a.warmup:
+                    for key, v in part.items():
+                        total[key] = total.get(key, 0) + v
     ev = {k: [] for k in sides}
     ev_loss = {}
     for p in range(a.eval_repeats):
@@ -157,6 +177,8 @@ def _run_inprocess(a, ps, shape: dict, train, evals) -> dict:
                      "first_loss": rnd(float(losses[kind][0]), 4),
                      "last_loss": rnd(float(losses[kind][-1]), 4),
                      "eval_loss": rnd(ev_loss[kind], 4)}
+        if clock is not None:
+            out[kind]["blocked"] = per_step(*blocked[kind], a.steps)
     # per-pair ratios: step i of each system ran next to each other
     h, m = out["hybrid"]["step_times_s"], out["megatron"]["step_times_s"]
     out["pair_ratios"] = [rnd(x / y, 4) for x, y in zip(h, m)]
@@ -172,6 +194,8 @@ def worker(a) -> int:
     import torch.distributed as dist
     t_torch = perf_counter()
     torch.set_num_threads(1)
+    # before any system is imported: see [Note: installed before the systems import]
+    clock = BlockedClock().install() if a.blocked else None
     shape = dict(TP_SHAPE)
     imports = _import_libraries(a.worker)
     t0 = perf_counter()
@@ -184,7 +208,7 @@ def worker(a) -> int:
            "torch_import_s": rnd(t_torch - t_enter, 3), "imports_s": imports,
            "process_groups_s": rnd(groups_s, 3)}
     run = _run_one if a.worker in ("hybrid", "megatron") else _run_inprocess
-    out.update(run(a, ps, shape, train, evals))
+    out.update(run(a, ps, shape, train, evals, clock))
     dist.barrier()
     if rank == 0:
         print(RESULT_TAG + json.dumps(out), flush=True)
