@@ -128,6 +128,10 @@ class ParallelMLP(nn.Module):
         super().__init__()
         sp, bias, parts = sequence_parallel, cfg.add_bias_linear, 2 if cfg.swiglu else 1
         self.swiglu = cfg.swiglu
+        # [Note: which GELU] Megatron's default is the exact (erf) GELU; --openai-gelu
+        # takes GPT-2's tanh approximation (Hugging Face's gelu_new), which aten's CPU
+        # kernels compute about 2.8x slower, forward and backward.
+        self.approximate = "tanh" if cfg.openai_gelu else "none"
         self.fc = ColumnParallelLinear(cfg.hidden_size, parts * cfg.ffn_hidden_size, tp_group,
                                        bias=bias, sequence_parallel=sp, parts=parts)
         self.proj = RowParallelLinear(cfg.ffn_hidden_size, cfg.hidden_size, tp_group,
@@ -136,11 +140,11 @@ class ParallelMLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.swiglu:
             return self.proj(swiglu(self.fc(x)))  # (B, T, 2f) = [gate | up] -> (B, T, f)
-        if self.fc.bias is not None and splits_bias(x):  # fused/compiled bias-GELU
+        if self.fc.bias is not None and splits_bias(x, self.approximate):  # fused/compiled
             h, b = self.fc(x, skip_bias_add=True)
-            return self.proj(bias_gelu(h, b))
-        # eager (always on CPU): bias inside the matmul, exactly as before
-        return self.proj(F.gelu(self.fc(x), approximate="tanh"))
+            return self.proj(bias_gelu(h, b, self.approximate))
+        # eager (always on CPU): bias inside the matmul
+        return self.proj(F.gelu(self.fc(x), approximate=self.approximate))
 
 
 def residual_rng(fork: bool, rng: TPRNGTracker | None):

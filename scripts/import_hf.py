@@ -49,17 +49,27 @@ def _read_weights(hf_dir: str) -> dict:
     raise CheckpointError(f"{hf_dir}: no model.safetensors(.index.json) or pytorch_model.bin")
 
 
+# Hugging Face GPT-2's activation_function -> --openai-gelu (tanh) or not (exact)
+_GELUS = {"gelu_new": True, "gelu_pytorch_tanh": True, "gelu": False}
+
+
 def _gpt2(hf_dir: str, hc: dict) -> tuple[dict, dict]:
+    act = hc.get("activation_function", "gelu_new")  # (GPT2Config's default)
+    if act not in _GELUS:
+        raise CheckpointError(f"{os.path.join(hf_dir, 'config.json')}: activation_function "
+                              f"{act!r}; hybrid's GPT-2 MLP computes {', '.join(_GELUS)}")
     flags = {"num_layers": hc["n_layer"], "hidden_size": hc["n_embd"],
              "num_attention_heads": hc["n_head"],
              "ffn_hidden_size": hc.get("n_inner") or 4 * hc["n_embd"],
-             "max_position_embeddings": hc["n_positions"]}
+             "max_position_embeddings": hc["n_positions"], "openai_gelu": _GELUS[act]}
     return flags, from_hf(_read_weights(hf_dir), hc["n_layer"], hc["n_head"])
 
 
 def _flag_words(flags: dict) -> str:
     words = []
     for k, v in flags.items():
+        if v is False:  # a store_true flag left off
+            continue
         words.append("--" + k.replace("_", "-"))
         if v is not True:  # store_true flags stand alone
             words.append(str(v))

@@ -18,6 +18,8 @@ from hybrid.checkpoint.files import find_checkpoint, rank_paths, read_metadata
 from hybrid.checkpoint.layout import COLUMNS, SavedLayout
 from hybrid.checkpoint.reader import RangeReader
 from hybrid.checkpoint.reshard import ParamSource, Target
+from hybrid.config.architecture import architecture_fields
+from hybrid.config.model import ModelConfig
 from hybrid.checkpoint.save import model_signature
 from hybrid.errors import CheckpointError
 from hybrid.parallel.agree import agree_error
@@ -31,6 +33,19 @@ from hybrid.zero.state import load_shard_state
 VOCAB_PARAMS = ("wte.weight", "output_layer.weight")
 
 
+def _check_gelu(meta: dict, model: torch.nn.Module, where: str) -> None:
+    """The same GELU as the checkpoint's (the parameters cannot tell them apart)."""
+    cfg, saved = getattr(model, "cfg", None), meta.get("config")
+    if not isinstance(cfg, ModelConfig) or cfg.swiglu or not isinstance(saved, dict):
+        return
+    tanh = architecture_fields(saved)["openai_gelu"]
+    if tanh != cfg.openai_gelu:
+        raise CheckpointError(f"{where}: checkpoint was trained with the "
+                              f"{'tanh' if tanh else 'exact'} GELU, this run computes the "
+                              f"{'tanh' if cfg.openai_gelu else 'exact'} one: "
+                              f"{'add' if tanh else 'drop'} --openai-gelu")
+
+
 def check_model(meta: dict, model: torch.nn.Module, vocab_size: int | None, where: str) -> None:
     """Same parameter names and full shapes (the padded vocabulary rows may differ)."""
     saved, mine = meta["model"], model_signature(model)
@@ -41,6 +56,7 @@ def check_model(meta: dict, model: torch.nn.Module, vocab_size: int | None, wher
                               f"--num-layers and the architecture flags (--normalization, "
                               f"--position-embedding-type, --disable-bias-linear, "
                               f"--add-qkv-bias, --untie-embeddings-and-output-weights)")
+    _check_gelu(meta, model, where)
     saved_vocab = meta.get("vocab_size")
     if None not in (vocab_size, saved_vocab) and vocab_size > saved_vocab:
         # The padded rows can hide it: the extra ids would hit untrained rows, and the

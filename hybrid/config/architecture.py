@@ -48,6 +48,8 @@ def architecture_fields(c) -> dict:
         "normalization": _get(c, "normalization", "LayerNorm"),
         "norm_epsilon": float(_get(c, "norm_epsilon", 1e-5)),
         "swiglu": bool(_get(c, "swiglu", False)),
+        # GPT-2's tanh GELU: what every checkpoint saved before the flag existed used
+        "openai_gelu": bool(_get(c, "openai_gelu", True)),
         "position_embedding_type": _get(c, "position_embedding_type", "learned_absolute"),
         "rotary_base": float(_get(c, "rotary_base", 10000)),
         "rotary_percent": float(_get(c, "rotary_percent", 1.0)),
@@ -64,7 +66,8 @@ def architecture_fields(c) -> dict:
 
 
 # the ModelConfig fields architecture_fields fills, in order
-ARCHITECTURE_FIELDS = ("normalization", "norm_epsilon", "swiglu", "position_embedding_type",
+ARCHITECTURE_FIELDS = ("normalization", "norm_epsilon", "swiglu", "openai_gelu",
+                       "position_embedding_type",
                        "rotary_base", "rotary_percent", "rope_scaling_factor",
                        "rotary_seq_len_interpolation_factor", "num_query_groups",
                        "untie_embeddings_and_output_weights", "add_bias_linear",
@@ -112,6 +115,9 @@ def validate_architecture(cfg) -> None:
                           f"got {cfg.normalization!r}")
     if cfg.norm_epsilon <= 0:
         raise ConfigError(f"--norm-epsilon must be > 0, got {cfg.norm_epsilon}")
+    if cfg.openai_gelu and cfg.swiglu:
+        raise ConfigError("--openai-gelu picks the GELU of the GPT-2 MLP; --swiglu's MLP has "
+                          "no GELU: drop one of them")
     if cfg.position_embedding_type not in POSITION_EMBEDDING_TYPES:
         raise ConfigError(f"--position-embedding-type must be one of "
                           f"{', '.join(POSITION_EMBEDDING_TYPES)}, "

@@ -72,6 +72,9 @@ class Flags:
     norm_epsilon: float = opt(1e-5, "epsilon of every LayerNorm / RMSNorm")
     swiglu: bool = opt(False, "gated SiLU MLP; --ffn-hidden-size then defaults to "
                               "int(8 x hidden / 3 / 64) x 64")
+    openai_gelu: bool = opt(False, "the MLP's GELU is the tanh approximation (OpenAI's GPT-2; "
+                                   "Hugging Face's gelu_new); default: the exact (erf) GELU, "
+                                   "as Megatron's")
     position_embedding_type: str = opt("learned_absolute", "learned_absolute, rope or none")
     rotary_base: float = opt(10000.0, "RoPE frequency base (theta)")
     rotary_percent: float = opt(1.0, "fraction of each head's channels RoPE rotates")

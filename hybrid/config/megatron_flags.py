@@ -82,7 +82,6 @@ REFUSED: dict[str, str] = {
     "--mtp-num-layers": "hybrid has no multi-token prediction",
     "--qk-layernorm": "hybrid has no QK LayerNorm", "--squared-relu": "hybrid has no squared ReLU",
     "--apply-residual-connection-post-layernorm": "hybrid's blocks are pre-LayerNorm",
-    "--openai-gelu": "hybrid's GELU is the tanh approximation GPT-2 uses",
     "--reset-position-ids": "hybrid does not reset positions at document boundaries",
     "--reset-attention-mask": "hybrid attends across document boundaries (as Megatron "
                               "does by default)",

@@ -67,6 +67,7 @@ class ModelConfig:
     normalization: str = "LayerNorm"  # or RMSNorm
     norm_epsilon: float = 1e-5
     swiglu: bool = False  # gated SiLU MLP
+    openai_gelu: bool = False  # the MLP's GELU: tanh approximation (GPT-2's); False: exact
     position_embedding_type: str = "learned_absolute"  # rope, none
     rotary_base: float = 10000.0
     rotary_percent: float = 1.0  # RoPE on this fraction of each head's channels

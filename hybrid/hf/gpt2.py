@@ -77,7 +77,8 @@ def hf_config(cfg: dict, vocab_size: int) -> dict:
             "vocab_size": vocab_size, "n_positions": cfg["max_position_embeddings"],
             "n_embd": cfg["hidden_size"], "n_layer": cfg["num_layers"],
             "n_head": cfg["num_attention_heads"], "n_inner": cfg["ffn_hidden_size"],
-            "activation_function": "gelu_new",
+            # --openai-gelu: GPT-2's tanh GELU; a checkpoint without the key used it
+            "activation_function": "gelu_new" if cfg.get("openai_gelu", True) else "gelu",
             "layer_norm_epsilon": cfg.get("norm_epsilon") or 1e-5,
             "resid_pdrop": cfg["hidden_dropout"], "embd_pdrop": cfg["hidden_dropout"],
             "attn_pdrop": cfg["attention_dropout"], "initializer_range": cfg["init_method_std"],

@@ -1,10 +1,12 @@
-"""``gelu_tanh(x + bias)`` for the GPT MLP: fused CUDA kernel, eager, or torch.compile.
+"""``gelu(x + bias)`` for the GPT MLP: fused CUDA kernel, eager, or torch.compile.
 
-    y = bias_gelu(x, bias)     # x (..., F) without its bias, bias (F,), same dtype
+    y = bias_gelu(x, bias, approximate)   # x (..., F) without its bias, bias (F,), same dtype
 
-Every path computes ``F.gelu(x + bias, approximate="tanh")``. The kernel saves
-x and bias for backward (the same memory as eager's saved ``x + bias`` plus the
-small bias), recomputes the sum, and returns dbias as the column sum of dx.
+Every path computes ``F.gelu(x + bias, approximate=approximate)`` ("none": the exact
+GELU, "tanh": GPT-2's). The fused kernel is the tanh one (``--openai-gelu``); the
+exact GELU takes the compiled or eager path. The kernel saves x and bias for
+backward (the same memory as eager's saved ``x + bias`` plus the small bias),
+recomputes the sum, and returns dbias as the column sum of dx.
 
 :func:`splits_bias` says whether the caller should keep the bias out of the
 matmul: only for a non-eager path. On the eager path (always on CPU) the MLP
@@ -37,21 +39,26 @@ class FusedBiasGeluFunction(torch.autograd.Function):
         return dx, dbias
 
 
-def bias_gelu_eager(x, bias):
-    return F.gelu(x + bias, approximate="tanh")
+def bias_gelu_eager(x, bias, approximate: str = "tanh"):
+    return F.gelu(x + bias, approximate=approximate)
 
 
-def splits_bias(x: torch.Tensor) -> bool:
-    """True when bias_gelu on ``x``'s device takes a fused or compiled path."""
-    return kernel_choice("bias_gelu", x.device) != "eager"
-
-
-def bias_gelu(x: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
-    """``F.gelu(x + bias, approximate="tanh")`` by the selected path."""
+def _path(x: torch.Tensor, approximate: str) -> str:
     path = kernel_choice("bias_gelu", x.device)
+    return "eager" if path == "fused" and approximate != "tanh" else path
+
+
+def splits_bias(x: torch.Tensor, approximate: str = "tanh") -> bool:
+    """True when bias_gelu on ``x``'s device takes a fused or compiled path."""
+    return _path(x, approximate) != "eager"
+
+
+def bias_gelu(x: torch.Tensor, bias: torch.Tensor, approximate: str = "tanh") -> torch.Tensor:
+    """``F.gelu(x + bias, approximate=approximate)`` by the selected path."""
+    path = _path(x, approximate)
     if (path == "fused" and x.dtype in _DTYPES and bias.dtype == x.dtype and bias.dim() == 1
             and bias.numel() == x.shape[-1]):
         return FusedBiasGeluFunction.apply(x, bias)
     if path == "compile":
-        return compiled(bias_gelu_eager)(x, bias)
-    return bias_gelu_eager(x, bias)
+        return compiled(bias_gelu_eager)(x, bias, approximate)
+    return bias_gelu_eager(x, bias, approximate)

@@ -77,6 +77,22 @@ def test_add_qkv_bias_is_megatrons_flag_and_old_checkpoints_read_it_as_off():
     assert architecture_fields(saved)["add_qkv_bias"] is False
 
 
+def test_openai_gelu_is_megatrons_flag_and_old_checkpoints_read_it_as_on():
+    """The exact GELU by default, as Megatron's; --openai-gelu (refused before, when
+    the tanh GELU was the only one) through the Megatron-flag filter; a saved config
+    without the key (a checkpoint from before the flag, trained with the tanh GELU)
+    reads as --openai-gelu."""
+    from hybrid.config.architecture import architecture_fields
+    from hybrid.config.megatron_flags import split_megatron_flags
+    assert split_megatron_flags(["--openai-gelu"]) == (["--openai-gelu"], [])
+    assert _validate([], world=1).model.openai_gelu is False
+    assert _validate(["--openai-gelu"], world=1).model.openai_gelu is True
+    saved = _validate([], world=1).to_dict()
+    assert saved["openai_gelu"] is False and architecture_fields(saved)["openai_gelu"] is False
+    del saved["openai_gelu"]
+    assert architecture_fields(saved)["openai_gelu"] is True
+
+
 @pytest.mark.parametrize("flags,message", [
     (["--group-query-attention", "--num-query-groups", "3"],
      "--num-attention-heads 4 is not divisible by --num-query-groups 3"),
@@ -101,6 +117,7 @@ def test_add_qkv_bias_is_megatrons_flag_and_old_checkpoints_read_it_as_off():
      "--rotary-seq-len-interpolation-factor must be >= 1"),
     (["--position-embedding-type", "rope", "--rotary-seq-len-interpolation-factor", "2",
       "--use-rope-scaling"], "both stretch RoPE to a longer context: give one"),
+    (["--swiglu", "--openai-gelu"], "--swiglu's MLP has no GELU: drop one of them"),
 ])
 def test_bad_llama_flags_name_the_flag(flags, message):
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):

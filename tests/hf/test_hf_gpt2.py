@@ -63,11 +63,16 @@ def _load_imported(ps, save):
     from hybrid.train.setup import build_model
 
     from zero_reference import zero_engine
-    cfg = build_config(Flags(tensor_model_parallel_size=ps.tp_size, num_layers=2, hidden_size=32,
-                      num_attention_heads=4, seq_length=32, zero_stage=3, hidden_dropout=0.0,
-                      attention_dropout=0.0, zero_param_persistence_threshold=0
-                      ), ps.world_size)
+    from hybrid.errors import CheckpointError
+    flags = dict(tensor_model_parallel_size=ps.tp_size, num_layers=2, hidden_size=32,
+                 num_attention_heads=4, seq_length=32, zero_stage=3, hidden_dropout=0.0,
+                 attention_dropout=0.0, zero_param_persistence_threshold=0)
     rng = seed_all(0, ps.tp_rank, ps.dp_rank, ps.device)
+    exact = build_config(Flags(**flags), ps.world_size)  # (gelu_new is --openai-gelu)
+    model = build_model(exact, ps, VOCAB, rng)
+    with pytest.raises(CheckpointError, match="trained with the tanh GELU.*add --openai-gelu"):
+        load_checkpoint(save, zero_engine(model, ps, exact), ps, exact.seed, rng, VOCAB)
+    cfg = build_config(Flags(**flags, openai_gelu=True), ps.world_size)
     model = build_model(cfg, ps, VOCAB, rng).eval()
     engine = zero_engine(model, ps, cfg)
     assert load_checkpoint(save, engine, ps, cfg.seed, rng, VOCAB) == (0, 0)
@@ -75,10 +80,11 @@ def _load_imported(ps, save):
         return model(_tokens())
 
 
-def test_import_of_a_gpt2_on_disk_trains_from_it_in_any_layout(tmp_path):
-    hf_dir, save = str(tmp_path / "gpt2"), str(tmp_path / "imported")
+def _import(tmp_path, activation):
+    hf_dir, save = str(tmp_path / f"gpt2-{activation}"), str(tmp_path / f"imported-{activation}")
     config = transformers.GPT2Config(vocab_size=VOCAB, n_positions=32, n_embd=32, n_layer=2,
-                                     n_head=4, activation_function="gelu_new")
+                                     n_head=4, activation_function=activation,
+                                     initializer_range=0.3)  # GELU inputs where the two differ
     torch.manual_seed(0)
     hf = transformers.GPT2LMHeadModel(config).eval()
     hf.save_pretrained(hf_dir)
@@ -86,11 +92,23 @@ def test_import_of_a_gpt2_on_disk_trains_from_it_in_any_layout(tmp_path):
                         save], capture_output=True, text=True, env=env())
     assert r.returncode == 0, r.stderr
     assert "--num-layers 2 --hidden-size 32" in r.stdout
+    assert ("--openai-gelu" in r.stdout) == (activation == "gelu_new"), r.stdout
     with torch.no_grad():
-        theirs = hf(_tokens()).logits
+        return save, hf(_tokens()).logits
+
+
+def test_import_of_a_gpt2_on_disk_trains_from_it_in_any_layout(tmp_path):
+    """gelu_new (GPT-2's tanh GELU) imports as --openai-gelu: loaded at TP2 x DP2 under
+    ZeRO-3 with it, the logits are Hugging Face's; without it, the load is refused.
+    activation_function "gelu" imports as the exact GELU (one process)."""
+    save, theirs = _import(tmp_path, "gelu_new")
     res = run_ranks(_load_imported, world_size=4, tp=2, args=(save,))  # TP2 x DP2, ZeRO-3
-    ours = torch.cat([res[0], res[1]], dim=-1)[..., :VOCAB]
+    tanh = torch.cat([res[0], res[1]], dim=-1)[..., :VOCAB]
+    torch.testing.assert_close(tanh, theirs, rtol=1e-5, atol=1e-5)
+    save, theirs = _import(tmp_path, "gelu")  # the same weights (seed 0)
+    ours = _hybrid_logits_from_merged(os.path.join(save, "iter_0000000"))
     torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)
+    assert (ours - tanh).abs().max() > 1e-3  # 50x the tolerance: each check above can fail
 
 
 def test_import_refuses_a_non_gpt2_config(tmp_path):

@@ -27,12 +27,25 @@ def test_cpu_paths_are_the_references(choose):
     x = torch.randn(3, 7, 40, generator=g)
     w, b = torch.randn(40, generator=g), torch.randn(40, generator=g)
     assert torch.equal(layer_norm(x, w, b, 1e-5), F.layer_norm(x, (40,), w, b, 1e-5))
-    assert torch.equal(bias_gelu(x, b), F.gelu(x + b, approximate="tanh"))
+    for approximate in ("tanh", "none"):
+        assert torch.equal(bias_gelu(x, b, approximate), F.gelu(x + b, approximate=approximate))
     from hybrid.kernels import LayerNorm
     ln = LayerNorm(40)
     ref = torch.nn.LayerNorm(40)
     assert list(ln.state_dict()) == list(ref.state_dict())
     assert torch.equal(ln(x), ref(x))
+
+
+def test_the_fused_bias_gelu_is_the_tanh_one(monkeypatch):
+    """Where the fused kernel is chosen, the exact GELU (the default) takes the eager
+    path, bias inside the matmul; --openai-gelu's tanh GELU takes the kernel."""
+    import importlib
+    bg = importlib.import_module("hybrid.kernels.bias_gelu")  # (the package's name is the op)
+    monkeypatch.setattr(bg, "kernel_choice", lambda op, device: "fused")
+    x = torch.zeros(2, 4)
+    assert bg.splits_bias(x, "tanh") and not bg.splits_bias(x, "none")
+    monkeypatch.setattr(bg, "kernel_choice", lambda op, device: "compile")
+    assert bg.splits_bias(x, "tanh") and bg.splits_bias(x, "none")
 
 
 def test_cpu_cross_entropy_helpers():
