@@ -5,6 +5,7 @@ Bottom up (a module imports only the ones above it in this list):
 - ``common``: paths, the TP shape and optimizer settings, the progress line
 - ``stats``: medians, ratios, rounding, ABBA order, a pair of sides' record
 - ``launch``: running a command with its lines time-stamped as they arrive
+- ``blocked``: time blocked in torch.distributed collectives, per step and phase
 - ``megatron_side``, ``hybrid_side``: the two TP models, built and stepped
 - ``worker``: what one torchrun rank of a TP section does (``--worker``)
 - ``console``: the measures of a run, from its time-stamped console lines
