@@ -140,7 +140,7 @@ class ParallelMLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.swiglu:
             return self.proj(swiglu(self.fc(x)))  # (B, T, 2f) = [gate | up] -> (B, T, f)
-        if self.fc.bias is not None and splits_bias(x, self.approximate):  # fused/compiled
+        if self.fc.bias is not None and splits_bias(x):  # fused/compiled bias-GELU
             h, b = self.fc(x, skip_bias_add=True)
             return self.proj(bias_gelu(h, b, self.approximate))
         # eager (always on CPU): bias inside the matmul

@@ -90,7 +90,7 @@ std::vector<at::Tensor> layer_norm_bwd(const at::Tensor& dy, const at::Tensor& x
 }
 
 // ---- bias GELU: x (..., C), bias (C,) ----
-at::Tensor bias_gelu_fwd(const at::Tensor& x, const at::Tensor& bias) {
+at::Tensor bias_gelu_fwd(const at::Tensor& x, const at::Tensor& bias, bool use_tanh) {
   check_cuda(x, "x");
   check_same(x, bias, "bias");
   const int64_t cols = x.size(-1);
@@ -98,13 +98,13 @@ at::Tensor bias_gelu_fwd(const at::Tensor& x, const at::Tensor& bias) {
   c10::cuda::CUDAGuard guard(x.device());
   auto y = at::empty_like(x);
   hybrid::bias_gelu_fwd(x.data_ptr(), bias.data_ptr(), y.data_ptr(), cols ? x.numel() / cols : 0,
-                        cols, dtype_of(x), stream());
+                        cols, use_tanh, dtype_of(x), stream());
   check_launch();
   return y;
 }
 
 std::vector<at::Tensor> bias_gelu_bwd(const at::Tensor& dy, const at::Tensor& x,
-                                      const at::Tensor& bias) {
+                                      const at::Tensor& bias, bool use_tanh) {
   check_cuda(x, "x");
   check_same(x, dy, "grad_output");
   check_same(x, bias, "bias");
@@ -117,7 +117,8 @@ std::vector<at::Tensor> bias_gelu_bwd(const at::Tensor& dy, const at::Tensor& x,
   const int64_t chunks = hybrid::bias_gelu_bwd_chunks(rows, cols);
   auto ws = at::empty({chunks * cols}, x.options().dtype(at::kFloat));
   hybrid::bias_gelu_bwd(dy.data_ptr(), x.data_ptr(), bias.data_ptr(), dx.data_ptr(),
-                        db.data_ptr(), ws.data_ptr<float>(), rows, cols, dtype_of(x), stream());
+                        db.data_ptr(), ws.data_ptr<float>(), rows, cols, use_tanh,
+                        dtype_of(x), stream());
   check_launch();
   return {dx, db};
 }
@@ -244,7 +245,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "hybrid fused CUDA kernels (LayerNorm, bias-GELU, vocab-parallel CE, AdamW)";
   m.def("layer_norm_fwd", &layer_norm_fwd, "LayerNorm forward -> (y, mean fp32, rstd fp32)");
   m.def("layer_norm_bwd", &layer_norm_bwd, "LayerNorm backward -> (dx, dweight, dbias)");
-  m.def("bias_gelu_fwd", &bias_gelu_fwd, "gelu_tanh(x + bias)");
+  m.def("bias_gelu_fwd", &bias_gelu_fwd, "gelu(x + bias): tanh approximation or exact");
   m.def("bias_gelu_bwd", &bias_gelu_bwd, "bias-GELU backward -> (dx, dbias)");
   m.def("ce_stats", &ce_stats, "local (max, sumexp, target_logit) per row, fp32");
   m.def("ce_grad", &ce_grad, "(softmax - onehot) * grad_loss in the logits dtype");

@@ -22,13 +22,15 @@ void layer_norm_bwd(const void* dy, const void* x, const void* w, const float* m
                     const float* rstd, void* dx, void* dw, void* db, float* workspace,
                     int64_t rows, int64_t cols, DType dt, cudaStream_t stream);
 
-// ---- y = gelu_tanh(x + bias), bias broadcast over rows (bias_gelu.cu) ----
+// ---- y = gelu(x + bias), bias broadcast over rows (bias_gelu.cu); use_tanh: the
+// tanh approximation, else the exact (erf) GELU ----
 void bias_gelu_fwd(const void* x, const void* bias, void* y, int64_t rows, int64_t cols,
-                   DType dt, cudaStream_t stream);
+                   bool use_tanh, DType dt, cudaStream_t stream);
 // Workspace: chunks * cols floats.
 int64_t bias_gelu_bwd_chunks(int64_t rows, int64_t cols);
 void bias_gelu_bwd(const void* dy, const void* x, const void* bias, void* dx, void* dbias,
-                   float* workspace, int64_t rows, int64_t cols, DType dt, cudaStream_t stream);
+                   float* workspace, int64_t rows, int64_t cols, bool use_tanh, DType dt,
+                   cudaStream_t stream);
 
 // ---- vocab-parallel cross-entropy pieces (cross_entropy.cu) ----
 // logits (rows, cols) T; columns >= valid are padding (-inf). target int64 (rows,)

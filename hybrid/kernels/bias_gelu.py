@@ -3,8 +3,7 @@
     y = bias_gelu(x, bias, approximate)   # x (..., F) without its bias, bias (F,), same dtype
 
 Every path computes ``F.gelu(x + bias, approximate=approximate)`` ("none": the exact
-GELU, "tanh": GPT-2's). The fused kernel is the tanh one (``--openai-gelu``); the
-exact GELU takes the compiled or eager path. The kernel saves x and bias for
+GELU, "tanh": GPT-2's, ``--openai-gelu``). The kernel saves x and bias for
 backward (the same memory as eager's saved ``x + bias`` plus the small bias),
 recomputes the sum, and returns dbias as the column sum of dx.
 
@@ -25,40 +24,36 @@ _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 class FusedBiasGeluFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, bias):
+    def forward(ctx, x, bias, tanh: bool):
         from hybrid.kernels.cuda_ops import cuda_ops
         x, bias = x.contiguous(), bias.contiguous()
         ctx.save_for_backward(x, bias)
-        return cuda_ops().bias_gelu_fwd(x, bias)
+        ctx.tanh = tanh
+        return cuda_ops().bias_gelu_fwd(x, bias, tanh)
 
     @staticmethod
     def backward(ctx, dy):
         from hybrid.kernels.cuda_ops import cuda_ops
         x, bias = ctx.saved_tensors
-        dx, dbias = cuda_ops().bias_gelu_bwd(dy.contiguous(), x, bias)
-        return dx, dbias
+        dx, dbias = cuda_ops().bias_gelu_bwd(dy.contiguous(), x, bias, ctx.tanh)
+        return dx, dbias, None
 
 
 def bias_gelu_eager(x, bias, approximate: str = "tanh"):
     return F.gelu(x + bias, approximate=approximate)
 
 
-def _path(x: torch.Tensor, approximate: str) -> str:
-    path = kernel_choice("bias_gelu", x.device)
-    return "eager" if path == "fused" and approximate != "tanh" else path
-
-
-def splits_bias(x: torch.Tensor, approximate: str = "tanh") -> bool:
+def splits_bias(x: torch.Tensor) -> bool:
     """True when bias_gelu on ``x``'s device takes a fused or compiled path."""
-    return _path(x, approximate) != "eager"
+    return kernel_choice("bias_gelu", x.device) != "eager"
 
 
 def bias_gelu(x: torch.Tensor, bias: torch.Tensor, approximate: str = "tanh") -> torch.Tensor:
     """``F.gelu(x + bias, approximate=approximate)`` by the selected path."""
-    path = _path(x, approximate)
+    path = kernel_choice("bias_gelu", x.device)
     if (path == "fused" and x.dtype in _DTYPES and bias.dtype == x.dtype and bias.dim() == 1
             and bias.numel() == x.shape[-1]):
-        return FusedBiasGeluFunction.apply(x, bias)
+        return FusedBiasGeluFunction.apply(x, bias, approximate == "tanh")
     if path == "compile":
         return compiled(bias_gelu_eager)(x, bias, approximate)
     return bias_gelu_eager(x, bias, approximate)

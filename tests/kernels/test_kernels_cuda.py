@@ -77,7 +77,8 @@ def test_layer_norm_stats_and_3d():
 @cuda
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("shape", [(3, 1000), (2, 33, 8192), (257, 2048), (7, 13), (1, 24)])
-def test_bias_gelu(dtype, shape, choose):
+@pytest.mark.parametrize("approximate", ["none", "tanh"])
+def test_bias_gelu(dtype, shape, approximate, choose):
     _ops()
     g = torch.Generator(device="cuda").manual_seed(sum(shape))
     x = (torch.randn(*shape, device="cuda", generator=g) * 2).to(dtype)
@@ -87,7 +88,7 @@ def test_bias_gelu(dtype, shape, choose):
     def run(path):
         choose(f"bias_gelu={path}")
         xs, bs = x.clone().requires_grad_(), b.clone().requires_grad_()
-        y = bias_gelu(xs, bs)
+        y = bias_gelu(xs, bs, approximate)
         y.backward(dy)
         return y, xs.grad, bs.grad
 

@@ -36,18 +36,6 @@ def test_cpu_paths_are_the_references(choose):
     assert torch.equal(ln(x), ref(x))
 
 
-def test_the_fused_bias_gelu_is_the_tanh_one(monkeypatch):
-    """Where the fused kernel is chosen, the exact GELU (the default) takes the eager
-    path, bias inside the matmul; --openai-gelu's tanh GELU takes the kernel."""
-    import importlib
-    bg = importlib.import_module("hybrid.kernels.bias_gelu")  # (the package's name is the op)
-    monkeypatch.setattr(bg, "kernel_choice", lambda op, device: "fused")
-    x = torch.zeros(2, 4)
-    assert bg.splits_bias(x, "tanh") and not bg.splits_bias(x, "none")
-    monkeypatch.setattr(bg, "kernel_choice", lambda op, device: "compile")
-    assert bg.splits_bias(x, "tanh") and bg.splits_bias(x, "none")
-
-
 def test_cpu_cross_entropy_helpers():
     g = torch.Generator().manual_seed(1)
     N, V, valid, start = 6, 24, 19, 48
