@@ -97,6 +97,9 @@ def _hybrid_setup(system, cfg, model, ps):
 def _deepspeed_setup(system, a, model, psi, n):
     """(step, ring bytes of its schedule): DeepSpeed ZeRO stage ``system[-1]``."""
     import deepspeed
+    import torch.distributed as dist
+    # DeepSpeed reads its launcher's LOCAL_RANK; these pool ranks are one machine's
+    os.environ.setdefault("LOCAL_RANK", str(dist.get_rank()))
     stage = int(system[-1])
     ds_cfg = {"train_micro_batch_size_per_gpu": a.micro_batch_size,
               "gradient_accumulation_steps": 1, "gradient_clipping": 1.0,

@@ -271,11 +271,20 @@ def test_eod_mask_loss_masks_the_predictions_made_at_end_of_document_inputs():
 def test_the_builtin_corpus_is_parsed_once_and_cached(tmp_path, monkeypatch, caplog):
     """The parse goes to the cache directory once; a later call reads the same documents
     without parsing; a corrupt cache file is parsed again (with a warning) and rewritten;
-    an unwritable directory only means no cache. The entry point's environment or
+    a changed stdlib gets a file of its own; an unwritable directory only means no cache. The entry point's environment or
     --data-cache-path picks the directory."""
     from hybrid.data import builtin
 
-    want = builtin.builtin_documents()  # no cache: the parse (kept in this process)
+    lib = tmp_path / "stdlib"  # a two-module standard library: parsed in milliseconds
+    lib.mkdir()
+    (lib / "a.py").write_text('"""Module a: a docstring long enough to be kept as a document."""\n'
+                              'def f():\n    """f: another docstring long enough to be kept."""\n')
+    (lib / "b.py").write_text('class B:\n    """B: the last docstring, also long enough."""\n')
+    monkeypatch.setattr(builtin.sysconfig, "get_paths", lambda: {"stdlib": str(lib)})
+    parse = builtin._parse.__wrapped__  # (not the in-process memo: it keeps the real stdlib's)
+    monkeypatch.setattr(builtin, "_parse", parse)
+    want = builtin.builtin_documents()  # no cache directory: the parse
+    assert len(want) == 3 and want[0].startswith("Module a")
     assert builtin.builtin_documents(str(tmp_path / "c")) == want
     (cached,) = (tmp_path / "c").iterdir()
     assert cached.name.startswith("builtin-corpus-") and json.loads(cached.read_text()) == want
@@ -285,10 +294,15 @@ def test_the_builtin_corpus_is_parsed_once_and_cached(tmp_path, monkeypatch, cap
     monkeypatch.setattr(builtin, "_parse", no_parse)
     assert builtin.builtin_documents(str(tmp_path / "c")) == want
 
-    monkeypatch.undo()
+    monkeypatch.setattr(builtin, "_parse", parse)
     cached.write_text('["half a docu')
     assert builtin.builtin_documents(str(tmp_path / "c")) == want
     assert "unreadable" in caplog.text and json.loads(cached.read_text()) == want
+
+    (lib / "b.py").write_text('class B:\n    """B: the last docstring, changed since cached."""\n')
+    assert builtin.builtin_documents(str(tmp_path / "c"))[-1].endswith("changed since cached.")
+    assert len(list((tmp_path / "c").iterdir())) == 2  # another stdlib: a file of its own
+    want = builtin.builtin_documents()
 
     ro = tmp_path / "ro"
     ro.mkdir(mode=0o500)
