@@ -10,6 +10,7 @@ same on every machine with the same Python version.
 from __future__ import annotations
 
 import ast
+import contextlib
 import functools
 import glob
 import hashlib
@@ -18,6 +19,7 @@ import logging
 import os
 import sys
 import sysconfig
+import tempfile
 from collections import deque
 
 log = logging.getLogger(__name__)
@@ -78,18 +80,19 @@ def _read_cache(path: str) -> list[str] | None:
 def _write_cache(path: str, docs: list[str]) -> None:
     """Write ``docs`` to ``path`` whole or not at all: ranks racing to write the same
     file each rename a complete file of their own over it."""
-    tmp = f"{path}.{os.getpid()}.tmp"
+    tmp = None
     try:
         os.makedirs(os.path.dirname(path), exist_ok=True)
-        with open(tmp, "w", encoding="utf-8") as f:
+        # a name no other process has, on any host sharing the directory
+        fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), suffix=".tmp")
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
             json.dump(docs, f)
         os.replace(tmp, path)
     except OSError as e:
         log.info("built-in corpus not cached in %s (%s)", os.path.dirname(path), e)
-        try:
-            os.remove(tmp)
-        except OSError:
-            pass
+        if tmp is not None:
+            with contextlib.suppress(OSError):
+                os.remove(tmp)
 
 
 @functools.lru_cache(maxsize=1)
