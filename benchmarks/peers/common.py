@@ -16,6 +16,17 @@ TP_SHAPE = dict(num_layers=4, hidden_size=256, heads=4, seq_length=128, vocab=81
 LR, WEIGHT_DECAY, CLIP, SEED = 1e-4, 0.01, 1.0, 1234
 
 
+def mean_eval_loss(model, loss, batches) -> float:
+    """Mean of ``loss(tokens, labels)`` over ``batches`` with ``model`` in eval mode
+    and no autograd (the evaluation both TP sides time); ``model`` back in train mode."""
+    import torch
+    model.eval()
+    with torch.no_grad():
+        total = sum(float(loss(x, y)) for x, y in batches)
+    model.train()
+    return total / len(batches)
+
+
 def progress(a, msg: str) -> None:
     if not a.quiet:
         print(f"# {msg}", file=sys.stderr, flush=True)

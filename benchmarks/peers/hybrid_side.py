@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import os
 
-from benchmarks.peers.common import CLIP, LR, SEED, WEIGHT_DECAY
+from benchmarks.peers.common import CLIP, LR, SEED, WEIGHT_DECAY, mean_eval_loss
 
 
 def import_hybrid():
@@ -24,14 +24,12 @@ class HybridSide:
     name = "hybrid"
 
     def __init__(self, ps, shape: dict, zero_stage: int):
-        import torch
-
         from hybrid.config import Flags, build_config
         from hybrid.kernels import configure
         from hybrid.tensor_parallel import seed_all
         from hybrid.train.setup import build_engine
         from hybrid.train.step import train_step
-        self.torch, self.train_step = torch, train_step
+        self.train_step = train_step
         flags = Flags(num_layers=shape["num_layers"], hidden_size=shape["hidden_size"],
                       num_attention_heads=shape["heads"], seq_length=shape["seq_length"],
                       micro_batch_size=shape["micro"],
@@ -51,12 +49,7 @@ class HybridSide:
         return loss.detach()
 
     def evaluate(self, batches):
-        torch = self.torch
-        self.model.eval()
-        with torch.no_grad():
-            total = sum(float(self.model(x, y)) for x, y in batches)
-        self.model.train()
-        return total / len(batches)
+        return mean_eval_loss(self.model, self.model, batches)
 
     def close(self):
         self.engine.wait_optimizer()

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import contextlib
 
-from benchmarks.peers.common import CLIP, LR, SEED, WEIGHT_DECAY
+from benchmarks.peers.common import CLIP, LR, SEED, WEIGHT_DECAY, mean_eval_loss
 
 MEGATRON_INSTALL = "pip install --no-deps megatron-core==0.16.1 packaging"
 
@@ -119,9 +119,4 @@ class MegatronSide:
         return loss.detach()
 
     def evaluate(self, batches):
-        torch = self.torch
-        self.model.eval()
-        with torch.no_grad():
-            total = sum(float(self.loss(x, y)) for x, y in batches)
-        self.model.train()
-        return total / len(batches)
+        return mean_eval_loss(self.model, self.loss, batches)
