@@ -117,9 +117,9 @@ def column_parallel_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Te
     padding rows left out): output ``(..., rows)``, and the unused rows' gradient
     is zeros. Bias-free only. (On one rank the Function runs too, its collectives
     returning at once.)"""
-    if rows is not None and (bias is not None or rows >= weight.shape[0]):
-        if bias is not None:
-            raise ValueError("column_parallel_linear: rows= needs bias=None")
+    if rows is not None and bias is not None:
+        raise ValueError("column_parallel_linear: rows= needs bias=None")
+    if rows is not None and rows >= weight.shape[0]:
         rows = None  # every row is used
     if group.size == 1 and rows is None:
         return linear(x, weight, bias)

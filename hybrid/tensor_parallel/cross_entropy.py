@@ -67,11 +67,10 @@ class _EagerVocabParallelCE(torch.autograd.Function):
         # fp32 for the softmax whatever the model dtype: bf16 exp-sums lose the loss.
         x = logits.float()
         local_v = x.shape[-1]
-        if local_v:
-            m = x.max(dim=-1).values
+        if local_v:  # (a fresh tensor: reduced in place)
+            M = x.max(dim=-1).values
         else:  # a rank whose slice is all padding, cut off by the caller
-            m = torch.full(target.shape, float("-inf"), device=x.device)
-        M = m.clone()
+            M = torch.full(target.shape, float("-inf"), device=x.device)
         group.all_reduce(M, op=dist.ReduceOp.MAX)
         x = x - M.unsqueeze(-1)  # our own fp32 copy from here on
 
