@@ -183,7 +183,8 @@ class GPT(nn.Module):
         # gradient is zero either way. Slices then differ in width (the last ranks'
         # may be empty), so the cross-entropy is told where this one starts.
         logits = column_parallel_linear(x, head, None, g, sp, rows=self._valid_local)
-        losses = vocab_parallel_cross_entropy(logits, labels, g, start=self.wte.vocab_start)
+        losses = vocab_parallel_cross_entropy(logits, labels, g, start=self.wte.vocab_start,
+                                              scratch=True)  # (nothing reads them after)
         if cp is not None:  # the whole sequence's mean, equal on every CP rank
             return cp.mean_loss(losses, loss_mask)
         if loss_mask is None:

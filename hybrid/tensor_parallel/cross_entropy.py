@@ -34,6 +34,17 @@ def _global_stats(m, s, target_logit, group: CommGroup):
     return M, both[0], both[1]
 
 
+# [Note: the softmax in the logits' storage]
+# The eager path needs an fp32 (..., V/tp) buffer for x - max, exp and the softmax it
+# keeps for backward. With fp32 logits that only the loss reads (the model's own head:
+# its GEMM's backward needs the head's input and weight, not its output) that buffer
+# can be the logits themselves, as Megatron's loss does: one large allocation fewer per
+# call, and on CPU the page faults of first touching it (the out-of-place shift took
+# twice the exp's time). The arithmetic is the same ops on the same values, so the
+# bits are too. Autograd is told (mark_dirty), which needs the overwritten tensor
+# returned: it is a second output that the wrapper drops.
+
+
 class _FusedVocabParallelCE(torch.autograd.Function):
     """Kernel path: saves the logits, recomputes the softmax in backward."""
 
@@ -60,10 +71,12 @@ class _FusedVocabParallelCE(torch.autograd.Function):
 
 
 class _EagerVocabParallelCE(torch.autograd.Function):
-    """PyTorch ops: keeps this rank's fp32 softmax slice for backward."""
+    """PyTorch ops: keeps this rank's fp32 softmax slice for backward. With ``scratch``
+    the softmax is built in the fp32 logits' own storage (see [Note: the softmax in the
+    logits' storage]) and the overwritten logits are a second output, for autograd."""
 
     @staticmethod
-    def forward(ctx, logits, target, group: CommGroup, start: int):
+    def forward(ctx, logits, target, group: CommGroup, start: int, scratch: bool):
         # fp32 for the softmax whatever the model dtype: bf16 exp-sums lose the loss.
         x = logits.float()
         local_v = x.shape[-1]
@@ -72,7 +85,14 @@ class _EagerVocabParallelCE(torch.autograd.Function):
         else:  # a rank whose slice is all padding, cut off by the caller
             M = torch.full(target.shape, float("-inf"), device=x.device)
         group.all_reduce(M, op=dist.ReduceOp.MAX)
-        x = x - M.unsqueeze(-1)  # our own fp32 copy from here on
+        if x is not logits or scratch:  # a copy of ours, or logits given up by the caller
+            x = x.sub_(M.unsqueeze(-1))
+        else:
+            x = x - M.unsqueeze(-1)  # our own fp32 copy from here on
+        if scratch:
+            ctx.set_materialize_grads(False)  # (nothing flows back into the second output)
+            if x is logits:
+                ctx.mark_dirty(logits)
 
         inside = (target >= start) & (target < start + local_v)
         local_t = (target - start).masked_fill(~inside, 0)
@@ -87,22 +107,22 @@ class _EagerVocabParallelCE(torch.autograd.Function):
         exp.div_(sum_exp.unsqueeze(-1))  # now this rank's slice of the softmax
         ctx.save_for_backward(exp, local_t, inside)
         ctx.logits_dtype = logits.dtype
-        return loss
+        return (loss, logits) if scratch else loss
 
     @staticmethod
-    def backward(ctx, grad_loss):
+    def backward(ctx, grad_loss, _grad_logits=None):
         softmax, local_t, inside = ctx.saved_tensors
         # d loss / d logits = softmax - onehot(target), onehot only on the owning rank
         grad = softmax
         if grad.shape[-1]:
             grad.scatter_add_(-1, local_t.unsqueeze(-1), -inside.unsqueeze(-1).to(grad.dtype))
             grad.mul_(grad_loss.unsqueeze(-1))
-        return grad.to(ctx.logits_dtype), None, None, None
+        return grad.to(ctx.logits_dtype), None, None, None, None
 
 
 def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor,
                                  group: CommGroup, valid: int | None = None,
-                                 start: int | None = None) -> torch.Tensor:
+                                 start: int | None = None, scratch: bool = False) -> torch.Tensor:
     """Per-token loss ``(...)`` from ``logits (..., V/tp)`` split over ``group``.
 
     ``target`` holds global vocabulary ids ``(...)``. ``start``: the global id of
@@ -113,6 +133,8 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor,
     whatever it holds); None means all. Padding may instead be masked to -inf by
     the caller. Collectives: two all-reduces over the TP group of ``(...)``-shaped
     fp32 tensors (the max; then the sum of exponentials with the target logit).
+    ``scratch``: the caller never reads ``logits`` again, so the eager path may
+    overwrite them (see [Note: the softmax in the logits' storage]).
     """
     if start is None:
         start = group.rank * logits.shape[-1]
@@ -124,5 +146,7 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor,
             return torch.nn.functional.cross_entropy(
                 logits.float().flatten(0, -2), target.flatten(), reduction="none"
             ).view(target.shape)
-        return _EagerVocabParallelCE.apply(logits, target, group, start)
+        if scratch:
+            return _EagerVocabParallelCE.apply(logits, target, group, start, True)[0]
+        return _EagerVocabParallelCE.apply(logits, target, group, start, False)
     return _FusedVocabParallelCE.apply(logits, target, group, start, valid)

@@ -31,7 +31,20 @@ def _ce_worker(ps, cut=False):
     loss = vocab_parallel_cross_entropy(local, t, ps.tp_group, start=start)
     calls = dict(ps.comm_stats.calls)
     loss.backward(torch.linspace(0.5, 1.5, 15).view(3, 5))
-    return loss.detach(), local.grad, calls
+    return loss.detach(), local.grad, calls, _scratch_is_bit_equal(ps, local, t, start, loss)
+
+
+def _scratch_is_bit_equal(ps, local, t, start, loss):
+    """The model's way (``scratch=True``: logits nobody reads again, a GEMM's output)
+    gives the same bits, and did overwrite the logits (when there are any)."""
+    leaf = local.detach().clone().requires_grad_()
+    logits = leaf * 1.0  # a non-leaf, as the head's output is
+    before = logits.detach().clone()
+    out = vocab_parallel_cross_entropy(logits, t, ps.tp_group, start=start, scratch=True)
+    out.backward(torch.linspace(0.5, 1.5, 15).view(3, 5))
+    overwritten = logits.numel() == 0 or not torch.equal(logits.detach(), before)
+    return (torch.equal(out.detach(), loss.detach()) and torch.equal(leaf.grad, local.grad)
+            and overwritten)
 
 
 @pytest.mark.parametrize("tp,cut", [(2, False), (4, False), (4, True)])
@@ -42,7 +55,8 @@ def test_matches_torch_cross_entropy_and_never_gathers(tp, cut):
     ref = F.cross_entropy(real.flatten(0, 1), t.flatten(), reduction="none").view(3, 5)
     ref.backward(torch.linspace(0.5, 1.5, 15).view(3, 5))
     grad = torch.cat([r[1] for r in res], -1)
-    for loss, _, calls in res:
+    for loss, _, calls, scratch_ok in res:
+        assert scratch_ok
         assert torch.isfinite(loss).all()
         torch.testing.assert_close(loss, ref.detach(), rtol=1e-5, atol=1e-5)
         # the max, then the sum of exponentials and the target logit in one
