@@ -279,9 +279,6 @@ def check_offload(f: Flags) -> None:
         raise ConfigError(f"--offload-param {f.offload_param} needs --offload-optimizer (cpu "
                           f"or nvme): the gradients of offloaded parameters are kept on "
                           f"the host, where the optimizer step reads them")
-    if f.offload_param and f.check_replicas_interval:
-        raise ConfigError("--check-replicas-interval reads parameter shards on the device, "
-                          "which --offload-param keeps elsewhere: drop one of them")
     if "nvme" in (f.offload_optimizer, f.offload_param) and not f.offload_nvme_path:
         raise ConfigError("the nvme offload tier needs --offload-nvme-path DIR (a directory "
                           "on a local disk; each rank uses its own subdirectory)")

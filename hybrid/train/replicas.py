@@ -11,6 +11,10 @@ the copies equal to the bit (same data, same reductions, same updates):
   parameter ZeRO keeps whole: all of them at stages 0-2, the small persistent
   ones at stage 3.
 
+Under ``--offload-param`` a partitioned unit's shard lives in its home (host
+memory or the rank's params.swp) between gathers: the check reads it from
+there, one unit at a time, so a check holds at most one unit's shard.
+
 A copy that drifted (a missed reduction, a rank-dependent code path, a flipped
 bit) trains on silently. The check sums each parameter's raw bits -- the
 plain sum and a position-weighted sum of its elements read as integers, both
@@ -48,7 +52,7 @@ class ReplicaChecker:
         self.tp, self.dp = [], []  # (name, () -> tensor of this rank's copy)
         for k, u in enumerate(engine.units):
             if u.partition_params:  # stage 3: this rank's shard of each TP-replicated param
-                self.tp += [(pc.name, lambda u=u, pc=pc: u.shard[pc.part])
+                self.tp += [(pc.name, lambda u=u, pc=pc: self._shard_of(u)[pc.part])
                             for pc in shards.get(k, [])]
                 continue
             for p in u.params:
@@ -56,18 +60,26 @@ class ReplicaChecker:
                     self.tp.append((names[id(p)], lambda p=p: p.detach()))
                 self.dp.append((names[id(p)], lambda p=p: p.detach()))
         self._weights = torch.empty(0, dtype=torch.int64, device=ps.device)
+        self._last = (None, None)  # (unit, its shard values): the pieces come unit by unit
+
+    def _shard_of(self, u) -> torch.Tensor:
+        """``u``'s shard values, wherever they live (read once for all its pieces)."""
+        if self._last[0] is not u:
+            self._last = (u, u.shard_values())
+        return self._last[1]
 
     def _checksums(self, items) -> torch.Tensor:
         """``(2 * len(items),)`` int64: per item, the sum and the position-weighted sum of
         its elements' bits as integers (exact, wrapping modulo 2**64)."""
         out = torch.zeros(2 * len(items), dtype=torch.int64, device=self.ps.device)
         for k, (_, get) in enumerate(items):
-            t = get().reshape(-1)
+            t = get().reshape(-1).to(self.ps.device)  # (an offloaded shard: from the host)
             x = t.view(_INT[t.element_size()]).to(torch.int64)
             if self._weights.numel() < x.numel():
                 self._weights = torch.arange(x.numel(), device=x.device) % 65521 + 1
             out[2 * k] = x.sum()
             out[2 * k + 1] = (x * self._weights[: x.numel()]).sum()
+        self._last = (None, None)  # (no shard kept between checks)
         return out
 
     @torch.no_grad()

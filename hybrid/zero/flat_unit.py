@@ -118,6 +118,11 @@ class FlatUnit:
         self.home = home
         self.shard.untyped_storage().resize_(0)
 
+    def shard_values(self) -> torch.Tensor:
+        """This rank's shard as it is now: ``shard``, or under parameter offload its
+        home's values (host memory; a read for the disk tier). For reading only."""
+        return self.shard if self.home is None else self.home.values()
+
     def release(self) -> None:
         """Free the full parameters' memory; the views stay (FSDP's storage-resize trick)."""
         if self.partition_params and self.gathered:

@@ -70,6 +70,10 @@ class HostHome:
         self.data.copy_(values)
         return None  # done: nothing to wait for
 
+    def values(self) -> torch.Tensor:
+        """The shard as it is now, in host memory (for reading: diagnostics)."""
+        return self.data
+
     def host_bytes(self) -> int:
         return self.data.numel() * self.data.element_size()
 
@@ -149,6 +153,14 @@ class DiskHome:
     def store_done(self) -> None:
         """Wait for the last write (before the file goes)."""
         self._wait_write()
+
+    def values(self) -> torch.Tensor:
+        """The shard as it is now, read into a fresh host buffer after the writes to
+        its slot (for reading: diagnostics; a prefetch under way is left alone)."""
+        self._wait_write()
+        buf = aligned_empty(self.numel, self.dtype, self.pin)
+        self.io.read(self.file, self.offset, buf).wait()
+        return buf
 
     def host_bytes(self) -> int:
         bufs = [self._buf, None if self._copying is None else self._copying[0]]

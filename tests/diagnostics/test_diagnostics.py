@@ -266,7 +266,15 @@ def _perturb_rank3_after_step2(ps, cfg):
                 dict(model.named_parameters())["blocks.0.ln_1.weight"][5] += 1e-3
                 return
             pc = next(pc for pc in engine.owned_pieces() if pc.param is model.wpe.weight)
-            engine.units[pc.unit].shard[pc.part][0] += 1e-3
+            u = engine.units[pc.unit]
+            if u.home is None:
+                u.shard[pc.part][0] += 1e-3
+                return
+            values = u.shard_values().clone()  # --offload-param: the drift is in its home
+            values[pc.part.start] += 1e-3
+            done = u.home.store(values)
+            if done is not None:
+                done.synchronize()
 
     return _patched_train_step(ps, cfg, after=after)
 
@@ -281,12 +289,17 @@ TP_DRIFT = ("1 of 15 TP-replicated parameters differ across the tp group (global
      "across the dp group (global ranks [1, 3]): blocks.0.ln_1.weight (rank 1 / rank 3 hold "
      "different values)"),
     (["--zero-stage", "3", "--zero-param-persistence-threshold", "1000"],
-     TP_DRIFT.format("wpe.weight"))], ids=["zero0", "zero3-shard"])
-def test_replica_check_names_the_drifted_parameter_and_ranks(zero, message):
+     TP_DRIFT.format("wpe.weight")),
+    (["--zero-stage", "3", "--zero-param-persistence-threshold", "1000", "--offload-optimizer",
+      "cpu", "--offload-param", "nvme", "--offload-nvme-path", "{tmp}"],
+     TP_DRIFT.format("wpe.weight"))], ids=["zero0", "zero3-shard", "zero3-param-nvme"])
+def test_replica_check_names_the_drifted_parameter_and_ranks(zero, message, tmp_path):
     # Checked every step: the check after step 1 passes, the one after step 2 sees rank 3's
     # drift before the next step spreads it (through the DP reduction, its TP peer's
     # gradients reach ranks 0 and 1). At ZeRO-0 every rank updates its own full copy; at
     # ZeRO-3 the TP peers' shards of a partitioned replicated parameter are compared.
+    # (with --offload-param nvme the shards are read from each rank's params.swp)
+    zero = [a.format(tmp=tmp_path) for a in zero]
     r = pretrain(4, TP2DP2 + ["--train-iters", "4", "--check-replicas-interval", "1", *zero],
                  rank_fn=_perturb_rank3_after_step2)
     assert r.returncode == 2
@@ -368,8 +381,10 @@ def _rank1_slow(ps, cfg):
 
 def test_straggler_fields_and_a_clean_run_under_every_check(tmp_path):
     path = str(tmp_path / "log.jsonl")
+    # (the replica check reads the ZeRO-3 shards from their host homes here)
     r = pretrain(4, TP2DP2 + ["--train-iters", "3", "--zero-stage", "3",
                               "--zero-param-persistence-threshold", "1000",
+                              "--offload-optimizer", "cpu", "--offload-param", "cpu",
                               "--check-collectives", "--check-replicas-interval", "1",
                               "--log-json", path], rank_fn=_rank1_slow)
     assert r.returncode == 0, r.stderr
