@@ -100,9 +100,11 @@ def _summary(results: dict) -> dict:
 def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--sections", nargs="+", choices=SECTIONS, default=SECTIONS)
-    ap.add_argument("--pairs", type=int, default=4,
+    # 8 pairs of 40 steps: with 4 of 10 the separate pairs spread 0.78-1.27 on the
+    # 2-core machine and the median moved by 0.25 from run to run (docs/peers.md)
+    ap.add_argument("--pairs", type=int, default=8,
                     help="megatron_separate: ABBA pairs of launches")
-    ap.add_argument("--steps", type=int, default=10, help="timed steps per system per launch")
+    ap.add_argument("--steps", type=int, default=40, help="timed steps per system per launch")
     ap.add_argument("--warmup", type=int, default=2,
                     help="steps (nanogpt: iteration gaps) left out before timing")
     ap.add_argument("--eval-iters", type=int, default=10,
