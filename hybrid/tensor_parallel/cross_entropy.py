@@ -72,7 +72,7 @@ class _FusedVocabParallelCE(torch.autograd.Function):
 
 class _EagerVocabParallelCE(torch.autograd.Function):
     """PyTorch ops: keeps this rank's fp32 softmax slice for backward. With ``scratch``
-    the softmax is built in the fp32 logits' own storage (see [Note: the softmax in the
+    (fp32 logits only) the softmax is built in the logits' own storage (see [Note: the softmax in the
     logits' storage]) and the overwritten logits are a second output, for autograd."""
 
     @staticmethod
@@ -89,10 +89,9 @@ class _EagerVocabParallelCE(torch.autograd.Function):
             x = x.sub_(M.unsqueeze(-1))
         else:
             x = x - M.unsqueeze(-1)  # our own fp32 copy from here on
-        if scratch:
+        if scratch:  # (fp32 logits: x is logits)
+            ctx.mark_dirty(logits)
             ctx.set_materialize_grads(False)  # (nothing flows back into the second output)
-            if x is logits:
-                ctx.mark_dirty(logits)
 
         inside = (target >= start) & (target < start + local_v)
         local_t = (target - start).masked_fill(~inside, 0)
@@ -146,7 +145,7 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor,
             return torch.nn.functional.cross_entropy(
                 logits.float().flatten(0, -2), target.flatten(), reduction="none"
             ).view(target.shape)
-        if scratch:
+        if scratch and logits.dtype == torch.float32:  # (else the fp32 copy is ours anyway)
             return _EagerVocabParallelCE.apply(logits, target, group, start, True)[0]
         return _EagerVocabParallelCE.apply(logits, target, group, start, False)
     return _FusedVocabParallelCE.apply(logits, target, group, start, valid)
