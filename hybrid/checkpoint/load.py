@@ -18,9 +18,9 @@ from hybrid.checkpoint.files import find_checkpoint, rank_paths, read_metadata
 from hybrid.checkpoint.layout import COLUMNS, SavedLayout
 from hybrid.checkpoint.reader import RangeReader
 from hybrid.checkpoint.reshard import ParamSource, Target
+from hybrid.checkpoint.save import model_signature
 from hybrid.config.architecture import architecture_fields
 from hybrid.config.model import ModelConfig
-from hybrid.checkpoint.save import model_signature
 from hybrid.errors import CheckpointError
 from hybrid.parallel.agree import agree_error
 from hybrid.parallel.state import ParallelState

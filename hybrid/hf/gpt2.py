@@ -16,6 +16,8 @@ from __future__ import annotations
 import torch
 from einops import rearrange
 
+from hybrid.config.architecture import architecture_fields
+
 
 def _per_head_to_qkv(t: torch.Tensor, heads: int) -> torch.Tensor:
     """(nh*3*hs, ...) per-head rows -> (3*nh*hs, ...) [q|k|v] rows."""
@@ -77,8 +79,9 @@ def hf_config(cfg: dict, vocab_size: int) -> dict:
             "vocab_size": vocab_size, "n_positions": cfg["max_position_embeddings"],
             "n_embd": cfg["hidden_size"], "n_layer": cfg["num_layers"],
             "n_head": cfg["num_attention_heads"], "n_inner": cfg["ffn_hidden_size"],
-            # --openai-gelu: GPT-2's tanh GELU; a checkpoint without the key used it
-            "activation_function": "gelu_new" if cfg.get("openai_gelu", True) else "gelu",
+            # --openai-gelu: GPT-2's tanh GELU (architecture_fields: what old checkpoints used)
+            "activation_function": ("gelu_new" if architecture_fields(cfg)["openai_gelu"]
+                                    else "gelu"),
             "layer_norm_epsilon": cfg.get("norm_epsilon") or 1e-5,
             "resid_pdrop": cfg["hidden_dropout"], "embd_pdrop": cfg["hidden_dropout"],
             "attn_pdrop": cfg["attention_dropout"], "initializer_range": cfg["init_method_std"],

@@ -39,7 +39,7 @@ class FusedBiasGeluFunction(torch.autograd.Function):
         return dx, dbias, None
 
 
-def bias_gelu_eager(x, bias, approximate: str = "tanh"):
+def bias_gelu_eager(x, bias, approximate: str):
     return F.gelu(x + bias, approximate=approximate)
 
 
@@ -48,7 +48,7 @@ def splits_bias(x: torch.Tensor) -> bool:
     return kernel_choice("bias_gelu", x.device) != "eager"
 
 
-def bias_gelu(x: torch.Tensor, bias: torch.Tensor, approximate: str = "tanh") -> torch.Tensor:
+def bias_gelu(x: torch.Tensor, bias: torch.Tensor, approximate: str) -> torch.Tensor:
     """``F.gelu(x + bias, approximate=approximate)`` by the selected path."""
     path = kernel_choice("bias_gelu", x.device)
     if (path == "fused" and x.dtype in _DTYPES and bias.dtype == x.dtype and bias.dim() == 1

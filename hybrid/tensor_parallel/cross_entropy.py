@@ -41,8 +41,8 @@ def _global_stats(m, s, target_logit, group: CommGroup):
 # can be the logits themselves, as Megatron's loss does: one large allocation fewer per
 # call (in a CPU profile at TP 2 the out-of-place shift took twice the exp's time, and
 # the loss's share of a step halved without it). The arithmetic is the same ops on the
-# same values, so the bits are too. Autograd is told (mark_dirty), which needs the overwritten tensor
-# returned: it is a second output that the wrapper drops.
+# same values, so the bits are too. Autograd is told (mark_dirty), which needs the
+# overwritten tensor returned: it is a second output that the wrapper drops.
 
 
 class _FusedVocabParallelCE(torch.autograd.Function):
@@ -72,8 +72,8 @@ class _FusedVocabParallelCE(torch.autograd.Function):
 
 class _EagerVocabParallelCE(torch.autograd.Function):
     """PyTorch ops: keeps this rank's fp32 softmax slice for backward. With ``scratch``
-    (fp32 logits only) the softmax is built in the logits' own storage (see [Note: the softmax in the
-    logits' storage]) and the overwritten logits are a second output, for autograd."""
+    (fp32 logits only) the softmax is built in the logits' own storage (see [Note: the
+    softmax in the logits' storage]); the overwritten logits are a second output."""
 
     @staticmethod
     def forward(ctx, logits, target, group: CommGroup, start: int, scratch: bool):
@@ -85,10 +85,10 @@ class _EagerVocabParallelCE(torch.autograd.Function):
         else:  # a rank whose slice is all padding, cut off by the caller
             M = torch.full(target.shape, float("-inf"), device=x.device)
         group.all_reduce(M, op=dist.ReduceOp.MAX)
-        if x is not logits or scratch:  # a copy of ours, or logits given up by the caller
-            x = x.sub_(M.unsqueeze(-1))
-        else:
+        if x is logits and not scratch:
             x = x - M.unsqueeze(-1)  # our own fp32 copy from here on
+        else:  # a copy of ours already, or logits the caller gave up
+            x.sub_(M.unsqueeze(-1))
         if scratch:  # (fp32 logits: x is logits)
             ctx.mark_dirty(logits)
             ctx.set_materialize_grads(False)  # (nothing flows back into the second output)
