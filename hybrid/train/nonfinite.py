@@ -31,7 +31,7 @@ def local_findings(model, engine, losses: torch.Tensor,
     owners, checks = [], []
     for pc in engine.owned_pieces():
         owners.append(index[id(pc.param)])
-        checks.append(torch.isfinite(engine.units[pc.unit].grad_shard[pc.part]).all())
+        checks.append(torch.isfinite(engine.grad_values(pc)).all())
     ok = torch.stack(checks).tolist() if checks else []  # one sync for all of them
     bad = sorted({o for o, fine in zip(owners, ok) if not fine})
     return micro, bad[:_PARAMS], len(bad)

@@ -24,9 +24,10 @@ in a step. Gradients are accumulated and reduced in ``precision.grads_dtype`` (f
 with ``--accumulate-allreduce-grads-in-fp32``, the default under bf16).
 The model may be built on the meta device: the engine materializes only what
 this rank keeps (see :mod:`hybrid.zero.units`).
-[Note: ZeRO over DP x CP] CP ranks hold the same parameters, each with its tokens' part of their gradients:
-shard and reduce over ``ps.dp_cp_group`` (the DP group at CP 1), dividing by the DP
-size only -- a sum over CP, a mean over DP (docs/context-parallelism.md).
+[Note: ZeRO over DP x CP] CP ranks hold the same parameters, each with its tokens' part of
+their gradients: shard and reduce over ``ps.dp_cp_group`` (the DP group at CP 1),
+dividing by the DP size only -- a sum over CP, a mean over DP
+(docs/context-parallelism.md).
 """
 
 from __future__ import annotations
@@ -43,7 +44,9 @@ from hybrid.kernels.dtypes import DTYPES
 from hybrid.parallel.state import ParallelState
 from hybrid.recompute.phase import RecomputePhase
 from hybrid.tensor_parallel import is_tp_split
+from hybrid.zero.buffers import allocate_grads, allocate_master
 from hybrid.zero.gather_pipeline import GatherPipeline
+from hybrid.zero.grad_landing import GradLanding
 from hybrid.zero.grad_sync import GradReducer
 from hybrid.zero.loss_scaler import LossScaler
 from hybrid.zero.offload import OptimizerOffload
@@ -96,13 +99,22 @@ class ZeroEngine:
         self.tiers = OffloadTiers(offload, ps.rank, self.units, self.dtype)
         # fp32 master weights first: they read the exact fp32 values, which a
         # materialized model loses once its parameters become low-precision views.
-        master = self._allocate_master(fill, offload)
+        self.separate_master = self.dtype != torch.float32 or offload.optimizer is not None
+        self.flat_master, master, self.swapped = allocate_master(
+            self.units, self._pieces, fill, offload, self.tiers,
+            ps.device if self.separate_master else None)
         whole = [u for u in self.units if not u.partition_params]
         self.flat_params = torch.empty(sum(u.padded for u in whole), dtype=self.dtype,
                                        device=ps.device)
         # (stage 3 with --offload-param: each shard goes home as soon as it is made)
         fill.bind(self.units, self.flat_params, self.dtype, ps.device, self.tiers.send_home)
-        self._allocate_grads()
+        # An offloaded optimizer at stages 2-3 reads host copies of the gradient shards;
+        # the device keeps none (grad_landing.py) -- unless, on a CPU, the flat shard is
+        # that host buffer itself (no delayed update reads it while the next step writes).
+        lands = bool(offload.optimizer) and self.plan.grads and (
+            ps.device.type != "cpu" or offload.delayed_update)
+        self.flat_grads = allocate_grads(self.units, self.plan.grads, self.dtype,
+                                         self.grad_dtype, ps.device, lands)
         # every parameter all-gather (stage 3's per-module ones, stages 1-2's after the
         # step) goes through one pipeline: two staging buffers of at most a bucket
         self.param_pipeline = GatherPipeline(ps.dp_cp_group, zero.allgather_bucket_size, ps.device)
@@ -110,65 +122,18 @@ class ZeroEngine:
                                        recompute or RecomputePhase()) if owners else None)
         self._build_optimizer(master if master is not None else [u.shard for u in self.units],
                               adamw, offload)
+        self.landing = (GradLanding(self.units, self.offload, self.optimizer, self.grad_dtype,
+                                    ps.device) if lands else None)
+        final = self.landing.final if lands else (self.offload.grad_ready if self.offload
+                                                   else None)
         self.reducer = GradReducer(self.units, self.plan, ps.dp_cp_group, zero.reduce_bucket_size,
                                    zero.overlap_comm, self.grad_dtype, ps.dp_size,
                                    self.gatherer.after_reduce if self.gatherer else None,
-                                   on_final=self.offload.grad_ready if self.offload else None)
+                                   on_final=final, landing=self.landing)
         # inf/NaN gradients the kernels met and the norm did not show, read at poll_warnings()
         self._kernel_found = torch.zeros(1, dtype=torch.float32, device=ps.device)
 
     # -- construction ------------------------------------------------------------
-    def _allocate_master(self, fill: Materializer,
-                         offload: OffloadConfig) -> list[torch.Tensor] | None:
-        """One flat fp32 buffer over this rank's owned ranges (on the host when the
-        optimizer is offloaded); None when the fp32, on-device parameter shards are
-        their own master, or when the master lives in swap files (the nvme tier:
-        ``self.swapped``, filled here)."""
-        on_host = offload.optimizer is not None
-        self.separate_master = self.dtype != torch.float32 or on_host
-        self.flat_master = self.swapped = None
-        if not self.separate_master:
-            return None
-        n = sum(u.own_hi - u.own_lo for u in self.units)
-        if offload.optimizer == "nvme":
-            self.swapped = self.tiers.states
-            self.swapped.fill(fill.flat_filler(self._pieces, self.units))
-            return None
-        dev = torch.device("cpu") if on_host else self.ps.device
-        pin = on_host and torch.cuda.is_available()
-        self.flat_master = torch.empty(n, dtype=torch.float32, device=dev, pin_memory=pin)
-        master, off = [], 0
-        for u in self.units:
-            master.append(self.flat_master[off: off + u.own_hi - u.own_lo])
-            off += u.own_hi - u.own_lo
-        self.flat_master.zero_()  # (the padding stays zero)
-        for pc in self._pieces:  # the exact fp32 values of every owned piece
-            fill.fill(pc.param, pc.lo, pc.hi, master[pc.unit][pc.part])
-        return master
-
-    def _allocate_grads(self) -> None:
-        """Full gradients (plan.grads False: ``unit.grad_full`` views, ``param.grad``
-        views too when they share the dtype) or this rank's shard only."""
-        dev, dt = self.ps.device, self.grad_dtype
-        if not self.plan.grads:
-            self.flat_grads = torch.zeros(sum(u.padded for u in self.units), dtype=dt, device=dev)
-            off = 0
-            for u in self.units:
-                u.grad_full = self.flat_grads[off: off + u.padded]
-                u.grad_shard = u.grad_full[u.own_lo: u.own_hi]
-                if dt == self.dtype:  # autograd accumulates straight into the buffer
-                    for p, o in zip(u.params, u.offsets):
-                        p.grad = u.grad_full[o: o + p.numel()].view_as(p)
-                off += u.padded
-            return
-        self.flat_grads = torch.zeros(sum(u.own_hi - u.own_lo for u in self.units),
-                                      dtype=dt, device=dev)
-        off = 0
-        for u in self.units:
-            n = u.own_hi - u.own_lo
-            u.grad_shard = self.flat_grads[off: off + n]
-            off += n
-
     def _build_optimizer(self, master: list[torch.Tensor], adamw: AdamWConfig,
                          offload: OffloadConfig) -> None:
         # per unit part: the ranges with weight decay (matrices), and the TP-split ones
@@ -189,7 +154,8 @@ class ZeroEngine:
         else:
             self.optimizer = ShardedAdamW(master, decay, split, adamw, self.flat_master,
                                           flat_grad)
-        self.offload = (OptimizerOffload(self.units, self.dtype, self.flat_grads, self.plan,
+        self.offload = (OptimizerOffload(self.units, self.dtype, self.flat_grads,
+                                         self.grad_dtype, self.ps.device, self.plan,
                                          self.optimizer, offload)
                         if offload.optimizer else None)
         # With a separate master the step writes each unit's new parameter shard in
@@ -207,7 +173,10 @@ class ZeroEngine:
 
     # -- the step ------------------------------------------------------------------
     def zero_grad(self) -> None:
-        self.flat_grads.zero_()
+        if self.landing is not None:
+            self.landing.reset()
+        else:
+            self.flat_grads.zero_()
 
     def backward(self, loss: torch.Tensor, sync: bool = True) -> None:
         """Backward of ``loss`` (scaled for fp16); reductions run from hooks.
@@ -245,8 +214,11 @@ class ZeroEngine:
         grads = [u.grad_shard for u in self.units]
         dp = self.ps.dp_cp_group if self.plan.optimizer else None
         scale = self.scaler.scale  # what this step's loss was multiplied by
-        norm, bad_loss = global_grad_norm(self.optimizer, grads, self.ps.tp_group, dp, loss,
-                                          self.ps.dp_cp_group)
+        # (landed gradients are on the host by now: their norm terms were taken on landing)
+        squared = None if self.landing is None else self.landing.squared_norms()
+        norm, bad_loss = global_grad_norm(self.optimizer, None if squared is not None else grads,
+                                          self.ps.tp_group, dp, loss, self.ps.dp_cp_group,
+                                          squared)
         norm = norm / scale
         skip = ~torch.isfinite(norm) | bad_loss
         decided = skip
@@ -351,8 +323,17 @@ class ZeroEngine:
         host = opt if self.offload is not None else 0
         host += self.tiers.param_host_bytes()
         disk = self.tiers.disk_bytes()
-        return {"params": params, "grads": nbytes(self.flat_grads), "optimizer": opt,
-                "total": params + nbytes(self.flat_grads) + opt, "host": host, "disk": disk}
+        grads = self.landing.bytes if self.landing is not None else nbytes(self.flat_grads)
+        return {"params": params, "grads": grads, "optimizer": opt,
+                "total": params + grads + opt, "host": host, "disk": disk}
+
+    def grad_values(self, pc: OwnedPiece) -> torch.Tensor:
+        """This rank's reduced gradient of owned piece ``pc`` as the step reads it: its
+        gradient shard, or the host buffer it went down to (for reading, e.g. why a
+        skipped step was not finite)."""
+        if self.landing is not None:
+            return self.offload.host_grads()[pc.unit][pc.part]
+        return self.units[pc.unit].grad_shard[pc.part]
 
     def offload_seconds(self) -> dict:
         """:meth:`OptimizerOffload.seconds` (with the swap I/O's waits), or {}."""

@@ -34,7 +34,11 @@ Deferred units (parameters used in several places, see
 ``on_final(unit)`` is called as soon as a unit's gradient shard holds its
 final value for the step -- its last reduction of the step's last
 micro-batch has completed -- so ZeRO-Offload can send it to the host while
-backward goes on (:mod:`hybrid.zero.offload`).
+backward goes on (:mod:`hybrid.zero.offload`). With ``landing`` (an offloaded
+optimizer at stages 2-3, :mod:`hybrid.zero.grad_landing`) a unit's shard
+exists on the device only while its reduction runs: ``landing.open(unit)``
+before its first piece, ``landing.park(unit)`` after an earlier micro-batch's
+last one.
 """
 
 from __future__ import annotations
@@ -66,7 +70,7 @@ class GradReducer:
     def __init__(self, units: list[FlatUnit], plan, dp: CommGroup, bucket: int,
                  overlap: bool, grad_dtype: torch.dtype, replicas: int | None = None,
                  on_reduced: Callable[[FlatUnit], None] | None = None,
-                 on_final: Callable[[FlatUnit], None] | None = None):
+                 on_final: Callable[[FlatUnit], None] | None = None, landing=None):
         self.units, self.plan, self.dp = units, plan, dp
         # the mean is over the replicas that saw different samples (DP); the rest of
         # the group (CP) holds parts of one gradient, summed (see hybrid.zero.engine)
@@ -74,6 +78,7 @@ class GradReducer:
         self.bucket, self.overlap = bucket, overlap
         self.on_reduced = on_reduced
         self.on_final = on_final
+        self.landing = landing
         self.sync = True
         self._arrived = {id(u): 0 for u in units}
         self._inflight: deque = deque()  # (work, finalize, unit)
@@ -159,6 +164,9 @@ class GradReducer:
         view of the very gradients being reduced).
         """
         S, n = unit.shard_size, self.dp.size
+        if accumulate and self.landing is not None:
+            while not self.landing.open(unit):
+                self._retire_one()  # every landing buffer is taken: end the oldest unit
         c = piece_columns(S, n, self.bucket)
         self._left[id(unit)] = len(range(0, S, c))
         for k in range(0, S, c):
@@ -200,8 +208,11 @@ class GradReducer:
         if finalize is not None:
             finalize()
         self._left[id(unit)] -= 1
-        if self._left[id(unit)] == 0 and self.sync and self.on_final is not None:
-            self.on_final(unit)  # its shard is final for this step
+        if self._left[id(unit)] == 0:
+            if self.sync and self.on_final is not None:
+                self.on_final(unit)  # its shard is final for this step
+            elif self.landing is not None and not self.sync:
+                self.landing.park(unit)
 
     def finish(self) -> None:
         """After each backward: reduce the deferred units, wait for every launched

@@ -35,6 +35,11 @@ figure.
   large, staleness hurts most there). A unit's host gradient buffer is
   rewritten only after the update in flight has read it.
 
+* At stages 2-3 the device keeps no gradient shard: each unit's reduction
+  lands in one of a few device buffers and goes down to the host buffer as
+  soon as it is done, in every micro-batch (:mod:`hybrid.zero.grad_landing`);
+  only the last micro-batch's is "ready" for the update.
+
 The worker does the same arithmetic in the same order whatever the timing,
 so runs are bitwise reproducible. On a CPU-only machine the same path runs
 with host tensors (the copies are memcpys); there, at stages 2-3 without the
@@ -63,7 +68,9 @@ class OptimizerOffload:
         units: the engine's units; unit ``i`` owns ``[own_lo, own_hi)`` of its flat
             buffer, and the host buffers hold those pieces back to back.
         dtype: the model's training dtype (the parameters that go back up).
-        flat_grads: the engine's flat gradient buffer (its dtype is what goes down).
+        flat_grads: the engine's flat gradient buffer, or None when gradients only
+            land on the device (hybrid/zero/grad_landing.py).
+        grad_dtype, device: what goes down, and from where.
         plan: the engine's :class:`~hybrid.zero.plan.ShardingPlan`.
         opt: the shard optimizer, in the same order: a
             :class:`~hybrid.zero.optimizer.ShardedAdamW` over the host fp32 master
@@ -74,21 +81,23 @@ class OptimizerOffload:
             before the one-step delayed update starts).
     """
 
-    def __init__(self, units: list[FlatUnit], dtype: torch.dtype, flat_grads: torch.Tensor,
-                 plan, opt, cfg: OffloadConfig):
+    def __init__(self, units: list[FlatUnit], dtype: torch.dtype,
+                 flat_grads: torch.Tensor | None, grad_dtype: torch.dtype,
+                 device: torch.device, plan, opt, cfg: OffloadConfig):
         self.units = units
         self.index = {id(u): i for i, u in enumerate(units)}
         self.bounds = [0]
         for u in units:
             self.bounds.append(self.bounds[-1] + u.own_hi - u.own_lo)
         n = self.bounds[-1]
-        self.cuda = flat_grads.is_cuda
+        self.cuda = device.type == "cuda"
         self.pin = self.cuda  # pinned host memory makes the copies asynchronous DMA
         self.delayed = cfg.delayed_update
         self.warmup = cfg.delayed_update_warmup if cfg.delayed_update else 0
-        in_place = flat_grads.device.type == "cpu" and plan.grads and not self.delayed
+        in_place = (flat_grads is not None and flat_grads.device.type == "cpu" and plan.grads
+                    and not self.delayed)
         self.grad = flat_grads if in_place else torch.empty(
-            n, dtype=flat_grads.dtype, pin_memory=self.pin)
+            n, dtype=grad_dtype, pin_memory=self.pin)
         self._own_grad = not in_place
         self.opt = opt
         self.master = opt.flat_master  # None on the nvme tier
@@ -108,10 +117,11 @@ class OptimizerOffload:
                                                                pin_memory=self.pin)
         self._fill_upload_copies()  # what a skipped first step would upload
         self.found = torch.zeros(1, dtype=torch.float32)
-        self.copy_stream = torch.cuda.Stream(flat_grads.device) if self.cuda else None
+        self.copy_stream = torch.cuda.Stream(device) if self.cuda else None
         self._scalars = torch.zeros(2, dtype=torch.float64, pin_memory=self.pin)
         k = len(units)
         self._sent = [False] * k  # this step's gradient of unit i went down
+        self._written = [False] * k  # host grad i was written this step (waited for the update)
         self._down: list = [None] * k  # CUDA event: it has arrived
         self._up: list = [None] * k  # CUDA event: unit i's last upload has been read out
         self._consumed = [threading.Event() for _ in range(k)]  # host grad i may be rewritten
@@ -133,23 +143,54 @@ class OptimizerOffload:
 
     # -- during backward -----------------------------------------------------------
     @torch.no_grad()
-    def grad_ready(self, unit: FlatUnit) -> None:
-        """``unit``'s gradient shard is final for this step: send it down now."""
+    def grad_ready(self, unit: FlatUnit):
+        """``unit``'s gradient shard is final for this step: send it down now. Returns
+        the CUDA event of its copy (None: done, or nothing to copy)."""
         i = self.index[id(unit)]
         self._sent[i] = True
-        if not self._own_grad:
-            return
-        self._consumed[i].wait()  # the update in flight has read the previous one
-        self._consumed[i].clear()
+        return self.park(unit) if self._own_grad else None
+
+    @torch.no_grad()
+    def park(self, unit: FlatUnit):
+        """Copy ``unit``'s gradient shard (a partial sum of the step's micro-batches, or
+        the final one) into its host buffer; returns the copy's CUDA event, or None."""
+        i = self.index[id(unit)]
+        if not self._written[i]:
+            self._consumed[i].wait()  # the update in flight has read the previous one
+            self._consumed[i].clear()
+            self._written[i] = True
         dst = self._piece(self.grad, i)
-        if self.cuda:
-            self.copy_stream.wait_stream(torch.cuda.current_stream(self.copy_stream.device))
-            with torch.cuda.stream(self.copy_stream):
-                dst.copy_(unit.grad_shard, non_blocking=True)
-                self._down[i] = torch.cuda.Event()
-                self._down[i].record(self.copy_stream)
-        else:
+        if not self.cuda:
             dst.copy_(unit.grad_shard)
+            return None
+        self.copy_stream.wait_stream(torch.cuda.current_stream(self.copy_stream.device))
+        with torch.cuda.stream(self.copy_stream):
+            dst.copy_(unit.grad_shard, non_blocking=True)
+            self._down[i] = torch.cuda.Event()
+            self._down[i].record(self.copy_stream)
+        return self._down[i]
+
+    @torch.no_grad()
+    def unpark(self, unit: FlatUnit, dst: torch.Tensor) -> None:
+        """``dst`` (on the device) <- ``unit``'s host gradient buffer, the partial sum an
+        earlier :meth:`park` of this step left there; ordered before the current
+        stream's next work, without a host wait."""
+        src = self._piece(self.grad, self.index[id(unit)])
+        if not self.cuda:
+            dst.copy_(src)
+            return
+        current = torch.cuda.current_stream(self.copy_stream.device)
+        self.copy_stream.wait_stream(current)  # (after the park that wrote src)
+        with torch.cuda.stream(self.copy_stream):
+            dst.copy_(src, non_blocking=True)
+        current.wait_stream(self.copy_stream)
+
+    def host_grads(self) -> list[torch.Tensor]:
+        """Each unit's gradient as it went down (host memory), once the copies have
+        landed: for reading, where the step is stopped anyway (a skipped step)."""
+        if self.cuda:
+            self.copy_stream.synchronize()
+        return [self._piece(self.grad, i) for i in range(len(self.units))]
 
     # -- the step --------------------------------------------------------------------
     @torch.no_grad()
@@ -172,9 +213,10 @@ class OptimizerOffload:
     def _step(self, opt, lr, grad_scale, skip, published) -> torch.Tensor:
         self.steps += 1
         for u, sent in zip(self.units, self._sent):
-            if not sent:  # no reduction reported it (cannot happen with the engine's hooks)
-                self.grad_ready(u)
+            if not sent and u.grad_shard is not None:  # no reduction reported it (cannot
+                self.grad_ready(u)  # happen with the engine's hooks)
         self._sent = [False] * len(self.units)
+        self._written = [False] * len(self.units)
         if self._upload_due:  # the delayed update of the previous step: its params go up
             self._upload(published)
         self.wait()  # (it read the scalars buffer that is rewritten next)
@@ -294,6 +336,7 @@ class OptimizerOffload:
         """The engine skipped this step before the optimizer (dynamic fp16 overflow):
         the gradients sent down are not needed, their buffers are free again."""
         self._sent = [False] * len(self.units)
+        self._written = [False] * len(self.units)
         for e in self._consumed:
             e.set()
         if self.cuda:

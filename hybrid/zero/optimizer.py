@@ -139,11 +139,27 @@ class ShardedAdamW:
         all TP ranks then reach the same norm to the last bit, hence the same
         clip coefficient, and their copies of replicated parameters never drift.
         """
-        out = torch.zeros(2, dtype=torch.float64, device=grads[0].device)
-        for g, split, rest in zip(grads, self.split_ranges, self._replicated):
-            for k, ranges in enumerate((split, rest)):
-                for lo, hi in ranges:
-                    out[k] += torch.linalg.vector_norm(g[lo:hi], dtype=torch.float32).double() ** 2
+        terms = [self.part_terms(i, g) for i, g in enumerate(grads)]
+        return self.sum_terms(terms, grads[0].device)
+
+    def part_terms(self, i: int, g: torch.Tensor) -> tuple[list, list]:
+        """Part ``i``'s squared norms from its gradient ``g``, range by range: (TP-split
+        ranges', replicated ranges'), 0-dim fp64 tensors on ``g``'s device. Taken as
+        soon as a part's gradient is final when the gradient only passes through the
+        device (hybrid/zero/grad_landing.py)."""
+        return tuple([torch.linalg.vector_norm(g[lo:hi], dtype=torch.float32).double() ** 2
+                      for lo, hi in ranges]
+                     for ranges in (self.split_ranges[i], self._replicated[i]))
+
+    @staticmethod
+    def sum_terms(terms, device) -> torch.Tensor:
+        """:meth:`squared_norms` from every part's :meth:`part_terms`, in part order:
+        added one by one in fp64, the same order whenever the terms were taken."""
+        out = torch.zeros(2, dtype=torch.float64, device=device)
+        for part in terms:
+            for k, ranges in enumerate(part):
+                for t in ranges:
+                    out[k] += t
         return out
 
     @torch.no_grad()
@@ -213,9 +229,9 @@ def _split_like(flat: torch.Tensor, parts: list[torch.Tensor]) -> list[torch.Ten
 
 
 @torch.no_grad()
-def global_grad_norm(opt: ShardedAdamW, grads: list[torch.Tensor], tp: CommGroup,
+def global_grad_norm(opt: ShardedAdamW, grads: list[torch.Tensor] | None, tp: CommGroup,
                      dp: CommGroup | None, loss: torch.Tensor | None = None,
-                     loss_dp: CommGroup | None = None):
+                     loss_dp: CommGroup | None = None, squared: torch.Tensor | None = None):
     """(L2 norm of the whole model's gradient, whether any rank's ``loss`` is not
     finite) from this rank's parts of the gradient, as 0-dim tensors on the
     gradients' device (fp64, bool; never read here).
@@ -226,8 +242,9 @@ def global_grad_norm(opt: ShardedAdamW, grads: list[torch.Tensor], tp: CommGroup
     "not finite" flag rides in the same vector, summed over TP and ``dp`` -- or,
     at stage 0, over ``loss_dp`` (the DP x CP group) in a one-element all-reduce
     of its own -- so it costs no collective of its own when the shards are split.
+    ``squared``: this rank's ``opt.squared_norms`` when already taken (``grads`` None).
     """
-    sq = opt.squared_norms(grads)  # [split, replicated]
+    sq = opt.squared_norms(grads) if squared is None else squared  # [split, replicated]
     bad = (torch.zeros((), dtype=torch.float64, device=sq.device) if loss is None
            else (~torch.isfinite(loss.detach())).to(torch.float64).reshape(()))
     both = torch.stack((sq[0], bad, sq[1]))  # [split, loss flag, replicated]

@@ -52,12 +52,12 @@ def _train(ps, variants):
         model = _gpt(cfg, ps, "meta")
         engine = zero_engine(model, ps, cfg, values=InitValues(cfg.seed, model.init_of))
         sent = []  # per step: (unit index, gradients arrived so far) for each unit sent down
-        grad_ready = engine.offload.grad_ready
+        final = engine.reducer.on_final  # (the offload's, or the landing buffers')
 
-        def spy(unit, grad_ready=grad_ready, engine=engine, sent=sent):
+        def spy(unit, final=final, engine=engine, sent=sent):
             sent[-1].append((engine.offload.index[id(unit)],
                              sum(engine.reducer._arrived.values()), engine.reducer.sync))
-            grad_ready(unit)
+            final(unit)
         engine.reducer.on_final = spy
         losses, norms = [], []
         per = BATCH // ps.dp_size
@@ -193,9 +193,11 @@ def _fp16_overflow(ps):
             mine = _global_batch(step)[ps.dp_rank * per: (ps.dp_rank + 1) * per]
             batches = [(b[:, :-1], b[:, 1:]) for b in mine.split(MICRO)]
             for i, (x, y) in enumerate(batches):
-                engine.backward(model(x, y) / len(batches), sync=i == len(batches) - 1)
-            if step == 1 and ps.dp_rank == 1:
-                engine.units[0].grad_shard[0] = float("inf")
+                # an overflow in one rank's backward only (its gradients leave the
+                # device as they are reduced: nothing to poke after backward)
+                blow = float("inf") if step == 1 and ps.dp_rank == 1 and i == 0 else 1.0
+                engine.backward(model(x, y) * blow / len(batches),
+                                sync=i == len(batches) - 1)
             skipped.append(bool(engine.step(cfg.lr_schedule.lr).skipped))
         engine.wait_optimizer()
         out.append({"skipped": skipped, "steps": engine.optimizer.step_count,

@@ -1,0 +1,112 @@
+"""Gradients that only pass through the device: an offloaded optimizer at stages 2-3.
+
+With the optimizer on the host, the step reads each unit's reduced gradient
+shard from a host buffer (:class:`~hybrid.zero.offload.OptimizerOffload`).
+A flat gradient shard on the device as well would cost ``e_g Psi / N`` bytes
+there -- at DP 1 the whole model's gradient, more than the parameters a
+parameter-offloaded model keeps on the device. So the device keeps none:
+
+    reduce-scatter pieces --add--> landing buffer --D2H--> host gradient buffer
+
+[Note: landing buffers]
+A unit borrows one of ``count`` device buffers (each the size of the largest
+unit's shard) when its first reduce-scatter piece of a micro-batch starts,
+and gives it back when its last piece has been added and the copy down is
+queued. The reducer's two staging buffers bound the pieces in flight, so two
+landing buffers are enough: when none is free the reducer retires its oldest
+reduction, which ends a unit. Device memory for gradients is then constant:
+``count`` unit shards, whatever the model size.
+
+* Micro-batches accumulate on the host. A unit's first landing of a step
+  starts from zeros; a later one starts from the partial sum an earlier
+  micro-batch left in its host buffer (copied back up), so each element is
+  summed in the same order as in a device shard: bit-identical gradients.
+  Per step that is ``k`` copies down and ``k - 1`` up of each unit's shard
+  (``k`` micro-batches); one of each way with ``k = 1``.
+* The clip needs the global norm, which needs every gradient; they are not on
+  the device any more at step time. So each unit's squared-norm terms are
+  taken on the device as its final gradient lands, before it goes down, and
+  the step adds them in the order a device shard's norm would
+  (:meth:`~hybrid.zero.optimizer.ShardedAdamW.sum_terms`): the same bits.
+* On a GPU a buffer given back is free only once its copy down has run: the
+  next borrower's stream waits for that copy's event -- the host never does.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from hybrid.zero.flat_unit import FlatUnit
+
+
+class GradLanding:
+    """``count`` device buffers the units' gradient shards land in (see the Note).
+
+    Args:
+        units: the engine's units, in shard order.
+        offload: the :class:`~hybrid.zero.offload.OptimizerOffload` holding the host
+            gradient buffers (``park``, ``unpark``, ``grad_ready``).
+        opt: the shard optimizer (``part_terms``, ``sum_terms`` of the norm).
+        dtype, device: the gradient dtype, and where the landing buffers live.
+    """
+
+    def __init__(self, units: list[FlatUnit], offload, opt, dtype: torch.dtype,
+                 device: torch.device, count: int = 2):
+        self.units, self.offload, self.opt, self.device = units, offload, opt, device
+        self.index = {id(u): i for i, u in enumerate(units)}
+        size = max(u.own_hi - u.own_lo for u in units)
+        # (buffer, CUDA event after which it is free, or None)
+        self.free = [(torch.empty(size, dtype=dtype, device=device), None)
+                     for _ in range(count)]
+        self.bytes = count * size * self.free[0][0].element_size()
+        self._held: list = [None] * len(units)  # the buffer unit i has landed in
+        self._parked = [False] * len(units)  # host buffer i holds this step's partial sum
+        self._terms: list = [None] * len(units)  # unit i's final squared-norm terms
+
+    def open(self, unit: FlatUnit) -> bool:
+        """Make ``unit.grad_shard`` a landing buffer holding what the unit has summed so
+        far this step (zeros, or its parked partial sum). False: none is free."""
+        if not self.free:
+            return False
+        buf, freed = self.free.pop()
+        i = self.index[id(unit)]
+        if freed is not None:  # its last copy down has to run before anything writes it
+            torch.cuda.current_stream(self.device).wait_event(freed)
+        dst = buf[: unit.own_hi - unit.own_lo]
+        if self._parked[i]:
+            self.offload.unpark(unit, dst)
+        else:
+            dst.zero_()
+        self._held[i], unit.grad_shard = buf, dst
+        return True
+
+    def park(self, unit: FlatUnit) -> None:
+        """An earlier micro-batch's reduction of ``unit`` is done: its partial sum goes
+        down, the buffer back to the pool."""
+        self._close(unit, self.offload.park(unit))
+
+    def final(self, unit: FlatUnit) -> None:
+        """The step's last reduction of ``unit`` is done: its norm terms are taken, its
+        gradient goes down for the update, the buffer back to the pool."""
+        i = self.index[id(unit)]
+        self._terms[i] = self.opt.part_terms(i, unit.grad_shard)
+        self._close(unit, self.offload.grad_ready(unit))
+
+    def _close(self, unit: FlatUnit, copied) -> None:
+        i = self.index[id(unit)]
+        self.free.append((self._held[i], copied))
+        self._held[i], unit.grad_shard = None, None
+        self._parked[i] = True
+
+    def squared_norms(self) -> torch.Tensor:
+        """The step's ``[split, replicated]`` squared norms from every unit's terms."""
+        missing = [u.name for u, t in zip(self.units, self._terms) if t is None]
+        if missing:
+            raise RuntimeError(f"ZeRO: no final gradient of units {missing[:3]} this step "
+                               f"(the last backward before step() must pass sync=True)")
+        return self.opt.sum_terms(self._terms, self.device)
+
+    def reset(self) -> None:
+        """Gradients zeroed: the next landing of every unit starts from zeros."""
+        self._parked = [False] * len(self.units)
+        self._terms = [None] * len(self.units)
