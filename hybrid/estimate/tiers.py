@@ -17,7 +17,11 @@ of ``--offload-buffer-size`` elements (one tile each), k = micro-batches per
 step, G = gather passes per micro-batch (forward, backward: 2; 3 with full
 recompute, whose recompute forward gathers again)::
 
-    device  params, grads        the stage's (model_states.py); 0 with param offload
+    device  params               the stage's (model_states.py); 0 with param offload
+            grads                the stage's; with the optimizer offloaded at stages
+                                 2-3, 2 landing buffers of the largest unit's shard,
+                                 e_g each (grad_landing.py; on a CPU device only with
+                                 the delayed update, else the shard is the host buffer)
             optimizer            12 Psi / N (8 with fp32 params); 0 when offloaded
             gathered units       stage 3: :func:`buffer_bytes`'s root + 2 blocks; with
                                  param offload 3 x largest unit x e_p (the one computed,
@@ -25,9 +29,9 @@ recompute, whose recompute forward gathers again)::
             unit grads, staging, activations, runtime: as without offload
     host    master_and_moments   optimizer cpu: 12 shard (fp32 master, both moments)
             grad_buffer          optimizer offload: e_g shard (0 on a CPU device at
-                                 stages 2-3 without param offload or delayed update:
-                                 the engine's flat gradient shard is that host buffer,
-                                 already counted as the device's grads)
+                                 stages 2-3 without the delayed update: the engine's
+                                 flat gradient shard is that host buffer, already
+                                 counted as the device's grads)
             upload_copy          optimizer offload without param offload (or with the
                                  delayed update): e_p shard (the new parameters on
                                  their way up; none on the cpu tier with fp32 params,
@@ -45,10 +49,12 @@ recompute, whose recompute forward gathers again)::
             baseline             the process itself (torch, the interpreter)
     disk    optimizer_swap       optimizer nvme: 12 T ceil(shard / T) (whole tiles)
             param_swap           param nvme: e_p shard
-    PCIe    grads_down           optimizer offload: e_g shard per step; with param
-    (GPU,                        offload k e_g shard (no device shard accumulates them)
-    per     params_up            optimizer offload without param offload: e_p shard
-    step)   param_gathers_up     param offload: k G e_p shard (every gather uploads it)
+    PCIe    grads_down           optimizer offload: e_g shard per step; k e_g shard at
+    (GPU,                        stages 2-3 (every micro-batch's sum lands and goes down)
+    per     grads_up             stages 2-3: (k - 1) e_g shard (a partial sum back up
+    step)                        to add the next micro-batch to)
+            params_up            optimizer offload without param offload: e_p shard
+            param_gathers_up     param offload: k G e_p shard (every gather uploads it)
     disk    optimizer_read/write optimizer nvme: 12 shard each
     per     param_read           param nvme: k G e_p shard
     step    param_write          param nvme: e_p shard (the step's new parameters)
@@ -98,6 +104,25 @@ def _element_bytes(w: Workload) -> tuple[int, int]:
     return BYTES[w.params_dtype], BYTES[w.grads_dtype or w.params_dtype]
 
 
+def lands_grads(w: Workload, off: OffloadConfig) -> bool:
+    """The device keeps no gradient shard: they land in 2 buffers and go down
+    (the engine's rule, hybrid/zero/engine.py)."""
+    return bool(off.optimizer) and w.zero_stage >= 2 and (
+        w.device != "cpu" or off.delayed_update)
+
+
+def landing_bytes(w: Workload) -> int:
+    """The 2 landing buffers: the largest unit's shard each, in the gradient dtype. The
+    largest unit: a block or the root at stage 3; at stage 2 a bucket, or the word
+    embedding when it is larger (a parameter larger than a bucket is a unit alone)."""
+    if w.zero_stage >= 3:
+        unit = _largest_unit(w)
+    else:
+        unit = max(min(w.reduce_bucket_size, w.psi),
+                   w.padded_vocab_size * w.model.hidden_size // w.tp)
+    return 2 * -(-unit // w.shard_ranks) * _element_bytes(w)[1]
+
+
 def gather_passes(w: Workload) -> int:
     """Gathers of each unit per micro-batch: forward, backward, and with full
     recompute the recompute forward (G in the note)."""
@@ -113,11 +138,13 @@ def device_terms(w: Workload, off: OffloadConfig, runtime_bytes: int = 0) -> dic
            "optimizer": 0 if off.optimizer else states["optimizer"],
            "gathered_units": bufs["gathered"], "unit_grads": bufs["grads"],
            "reduce_staging": bufs["staging"], "activations": activation_bytes(w)["peak"]}
+    if lands_grads(w, off):
+        out["grads"] = landing_bytes(w)
     if off.param:
-        # the shard lives off the device, the gradients go straight to the host buffer;
-        # only the unit being computed and up to two prefetched ones are whole here
+        # the shard lives off the device; only the unit being computed and up to two
+        # prefetched ones are whole here
         e_p = BYTES[w.params_dtype]
-        out.update(params=0, grads=0, gathered_units=3 * _largest_unit(w) * e_p)
+        out.update(params=0, gathered_units=3 * _largest_unit(w) * e_p)
     return out
 
 
@@ -127,8 +154,8 @@ def host_terms(w: Workload, off: OffloadConfig, baseline_bytes: int = HOST_BASEL
     n = shard_elements(w)
     e_p, e_g = _element_bytes(w)
     tile_pool = off.buffer_count * off.buffer_size
-    in_place = (w.device == "cpu" and w.zero_stage >= 2 and not off.param
-                and not off.delayed_update)  # hybrid/zero/offload.py reads it in place
+    # (on a CPU at stages 2-3 the host step reads the device's shard in place)
+    in_place = w.zero_stage >= 2 and not lands_grads(w, off)
     return {
         "baseline": baseline_bytes,
         # fp32 master and both Adam moments, the whole shard
@@ -172,13 +199,16 @@ def disk_terms(w: Workload, off: OffloadConfig) -> dict:
 def pcie_bytes_per_step(w: Workload, off: OffloadConfig) -> dict:
     """Bytes this rank moves between host and device per optimizer step (0 on a CPU)."""
     if w.device == "cpu":
-        return {"grads_down": 0, "params_up": 0, "param_gathers_up": 0, "total": 0}
+        return {"grads_down": 0, "grads_up": 0, "params_up": 0, "param_gathers_up": 0,
+                "total": 0}
     n, k = shard_elements(w), w.micro_batches
     e_p, e_g = _element_bytes(w)
+    lands = lands_grads(w, off)
     out = {
-        # the reduced gradient shard, once per step; every micro-batch's with param
-        # offload, which leaves no device shard to accumulate in
-        "grads_down": e_g * n * (k if off.param else 1) if off.optimizer else 0,
+        # the reduced gradient shard, once per step; every micro-batch's sum when they
+        # only land on the device, the partial sums coming back up to be added to
+        "grads_down": e_g * n * (k if lands else 1) if off.optimizer else 0,
+        "grads_up": e_g * n * (k - 1) if lands else 0,
         # the step's new parameter shard; with param offload it stays in its host home
         "params_up": e_p * n if off.optimizer and not off.param else 0,
         # the shard, uploaded for each gather of its unit

@@ -114,13 +114,22 @@ def test_device_terms_by_hand():
                     "optimizer": states["optimizer"], "gathered_units": bufs["gathered"],
                     "unit_grads": bufs["grads"], "reduce_staging": bufs["staging"],
                     "activations": acts}
-    assert device_terms(w, _off("cpu"), 5) == dict(none, optimizer=0)
-    assert device_terms(w, _off("nvme"), 5) == dict(none, optimizer=0)
-    # param offload: no shard, no gradient shard; the computed unit + 2 prefetched,
-    # each the largest unit (a block here) in bf16
+    # the optimizer offloaded at stage 3: no gradient shard, 2 landing buffers of the
+    # largest unit's (a block's 49,984 elements) shard, fp32
+    landing = 2 * 16_662 * 4
+    assert device_terms(w, _off("cpu"), 5) == dict(none, optimizer=0, grads=landing)
+    assert device_terms(w, _off("nvme"), 5) == dict(none, optimizer=0, grads=landing)
+    # param offload: no shard; the computed unit + 2 prefetched, each the largest unit
+    # in bf16
     for opt, param in (("cpu", "cpu"), ("nvme", "nvme")):
         assert device_terms(w, _off(opt, param), 5) == dict(
-            none, params=0, grads=0, optimizer=0, gathered_units=3 * 49_984 * 2)
+            none, params=0, grads=landing, optimizer=0, gathered_units=3 * 49_984 * 2)
+    # stage 2: a bucket's shard, or the word embedding's when it is larger
+    w2 = replace(w.with_stage(2), reduce_bucket_size=10**6)
+    assert device_terms(w2, _off("cpu"))["grads"] == 2 * -(-PSI // 3) * 4
+    w2 = replace(w2, reduce_bucket_size=100)
+    emb = w.padded_vocab_size * SMALL.hidden_size
+    assert device_terms(w2, _off("cpu"))["grads"] == 2 * -(-emb // 3) * 4
     # stage 1: full parameters and gradients stay, only the optimizer states leave
     w1 = w.with_stage(1)
     assert device_terms(w1, _off("cpu"))["params"] == 2 * PSI
@@ -129,21 +138,23 @@ def test_device_terms_by_hand():
 
 def test_pcie_per_step_by_hand():
     w = _small()
-    assert pcie_bytes_per_step(w, _off()) == {"grads_down": 0, "params_up": 0,
+    assert pcie_bytes_per_step(w, _off()) == {"grads_down": 0, "grads_up": 0, "params_up": 0,
                                               "param_gathers_up": 0, "total": 0}
     assert pcie_bytes_per_step(w, _off("nvme")) == {
-        "grads_down": 4 * SHARD, "params_up": 2 * SHARD, "param_gathers_up": 0,
+        "grads_down": 4 * SHARD, "grads_up": 0, "params_up": 2 * SHARD, "param_gathers_up": 0,
         "total": 6 * SHARD}
     # param offload: the shard goes up for the forward's and the backward's gathers
     assert pcie_bytes_per_step(w, _off("cpu", "cpu")) == {
-        "grads_down": 4 * SHARD, "params_up": 0, "param_gathers_up": 2 * 2 * SHARD,
-        "total": 8 * SHARD}
-    # full recompute gathers a third time; 4 micro-batches each gather and send down
+        "grads_down": 4 * SHARD, "grads_up": 0, "params_up": 0,
+        "param_gathers_up": 2 * 2 * SHARD, "total": 8 * SHARD}
+    # full recompute gathers a third time; 4 micro-batches each gather and send their
+    # sums down, 3 come back up to be added to
     w4 = replace(w, recompute=True, micro_batches=4)
     assert pcie_bytes_per_step(w4, _off("nvme", "nvme")) == {
-        "grads_down": 4 * 4 * SHARD, "params_up": 0, "param_gathers_up": 4 * 3 * 2 * SHARD,
-        "total": 40 * SHARD}
-    assert pcie_bytes_per_step(w4, _off("cpu"))["grads_down"] == 4 * SHARD  # accumulated
+        "grads_down": 4 * 4 * SHARD, "grads_up": 3 * 4 * SHARD, "params_up": 0,
+        "param_gathers_up": 4 * 3 * 2 * SHARD, "total": 52 * SHARD}
+    # stage 1 accumulates in its full device buffer: one shard down per step
+    assert pcie_bytes_per_step(w4.with_stage(1), _off("cpu"))["grads_down"] == 4 * SHARD
     assert pcie_bytes_per_step(replace(w, device="cpu"), _off("cpu", "cpu"))["total"] == 0
 
 
@@ -169,10 +180,13 @@ def test_cpu_device_is_host_memory():
     assert host["grad_buffer"] == 0 and dev["grads"] == 4 * PSI // 3
     assert est["host_bytes"] == sum(dev.values()) + sum(host.values())
     assert est["device_bytes"] == sum(dev.values())
-    # a separate buffer: at stage 1, with the delayed update, with param offload
+    # a separate buffer: at stage 1, and with the delayed update (which reads it while
+    # the next step's gradients land)
     assert host_terms(w.with_stage(1), _off("cpu"))["grad_buffer"] == 4 * SHARD
     assert host_terms(w, _off("cpu", delayed_update=True))["grad_buffer"] == 4 * SHARD
-    assert host_terms(w, _off("cpu", "cpu"))["grad_buffer"] == 4 * SHARD
+    assert tier_bytes(w, _off("cpu", delayed_update=True))["terms"]["device"]["grads"] == \
+        2 * 16_662 * 4
+    assert host_terms(w, _off("cpu", "cpu"))["grad_buffer"] == 0
     # a GPU's host bytes are the host's terms only
     gpu = tier_bytes(replace(w, device="cuda"), _off("cpu"), 0, 100)
     assert gpu["host_bytes"] == sum(gpu["terms"]["host"].values())
@@ -282,7 +296,7 @@ def test_output_has_the_three_byte_counts_and_the_traffic(script, capsys):
         assert est[key] == sum(est["terms"][key.split("_")[0]].values()) > 0
     shard = 2_423_408_640 // 2
     # gradients down (fp32), the shard up for 2 gathers (bf16); on the GPU's host only
-    assert est["pcie_bytes_per_step"] == {"grads_down": 4 * shard, "params_up": 0,
+    assert est["pcie_bytes_per_step"] == {"grads_down": 4 * shard, "grads_up": 0, "params_up": 0,
                                           "param_gathers_up": 2 * 2 * shard,
                                           "total": 8 * shard}
     assert est["disk_bytes_per_step"]["read"] == (12 + 4) * shard
