@@ -3,6 +3,7 @@
 
     python scripts/bench_offload.py [--world-size 1] [--steps 5] [--nvme-path DIR]
     python scripts/bench_offload.py --layers 2 --hidden 256 --steps 2      # a quick look
+    python scripts/bench_offload.py --largest --hidden 4096 --configs param_cpu param_nvme
 
 One GPT (default 8 layers x hidden 1024, vocab 8192: ~109M parameters; seq 128,
 micro-batch 1, ``--dtype`` (default bf16 with a GPU, fp32 without: a CPU without
@@ -24,7 +25,16 @@ device/host/disk bytes per rank (``hybrid.estimate.tiers.tier_bytes``; on a
 CPU host_bytes is the whole process) and ``peak_rss_over_predicted_host``. A
 setting the config or the engine refuses, or whose param offload the engine
 ignores (no param bytes accounted on the host or disk beyond the optimizer's),
-is ``{"skipped": reason}``.
+is ``{"skipped": reason}``. Each row also names its ``layers`` and ``params``,
+and ``tflops_per_rank`` (``ModelConfig.flops_per_token`` x the step's tokens
+over the median step); on a GPU ``peak_device_bytes_per_rank``
+(``torch.cuda.max_memory_allocated``: no CUDA context or NCCL buffers) and
+``peak_device_over_predicted``. ``--micro-batches k`` accumulates k
+micro-batches per step. ``--largest``: per setting, the most ``--hidden``-wide
+layers the estimator says fit this machine (the GPU's memory, the host's
+available memory, the free disk at ``--nvme-path``, each times
+``--fit-margin``), found before anything is built: the largest GPT each tier
+trains here.
 
 ``swap_io`` (the optimizer_nvme run's rank 0, after every rank's steps, the
 other ranks idle): ``rw_GBps``: one ``engine.swapped.run`` with a no-op update
@@ -76,11 +86,12 @@ def _bench_aio():
     return mod
 
 
-def _config(a, name, swap_dir, world):
+def _config(a, name, swap_dir, world, layers=None):
     optimizer, param = CONFIGS[name]
     return build_config(Flags(
-        num_layers=a.layers, hidden_size=a.hidden, num_attention_heads=a.heads,
+        num_layers=layers or a.layers, hidden_size=a.hidden, num_attention_heads=a.heads,
         seq_length=a.seq_length, micro_batch_size=a.micro_batch_size, bf16=a.dtype == "bf16",
+        global_batch_size=a.micro_batch_size * a.micro_batches * world,
         hidden_dropout=0.0, attention_dropout=0.0, lr=1e-4, weight_decay=0.01, clip_grad=1.0,
         zero_stage=3, zero_param_persistence_threshold=0, seed=1234,
         offload_optimizer=optimizer, offload_param=param,
@@ -145,20 +156,31 @@ def _swap_rates(sw) -> dict:
             "read_pass_s": read, "read_GBps": nbytes / read / 1e9}
 
 
+def _now(device) -> float:
+    """perf_counter once the device has finished what was queued (a GPU runs behind)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
+
+
 def _time_steps(a, ps, cfg, model, engine) -> dict:
-    """Per timed step: forward+backward, engine.step, and the step's I/O waits."""
+    """Per timed step: forward+backward of ``--micro-batches`` micro-batches,
+    engine.step, and the step's I/O waits."""
     clock = _WaitClock(engine.swapped.io) if engine.swapped is not None else None
     g = torch.Generator().manual_seed(100 + ps.dp_rank)
     out = {"fwd_bwd": [], "step": [], "io_wait": []}
+    k = a.micro_batches
     for i in range(1 + a.steps):  # the first is the warm-up
-        b = torch.randint(0, a.vocab_size, (a.micro_batch_size, a.seq_length + 1), generator=g)
-        t0 = time.perf_counter()
+        data = torch.randint(0, a.vocab_size, (k, a.micro_batch_size, a.seq_length + 1),
+                             generator=g).to(ps.device)
+        t0 = _now(ps.device)
         engine.zero_grad()
-        engine.backward(model(b[:, :-1], b[:, 1:]))
-        t1 = time.perf_counter()
+        for j, b in enumerate(data):
+            engine.backward(model(b[:, :-1], b[:, 1:]) / k, sync=j == k - 1)
+        t1 = _now(ps.device)
         waited = clock.s if clock else 0.0
         engine.step(cfg.lr_schedule.lr)
-        t2 = time.perf_counter()
+        t2 = _now(ps.device)
         if i > 0:
             out["fwd_bwd"].append(t1 - t0)
             out["step"].append(t2 - t1)
@@ -175,9 +197,11 @@ def _bench_rank(ps, name, a, swap_dir):
     from hybrid.train.setup import build_engine
     torch.set_num_threads(a.threads)
     try:
-        cfg = _config(a, name, swap_dir, ps.world_size)
+        cfg = _config(a, name, swap_dir, ps.world_size, a.layers_of.get(name))
     except ConfigError as e:
         return {"skipped": f"config refused: {e}"}
+    if ps.device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(ps.device)
     rng = seed_all(cfg.seed, ps.tp_rank, ps.dp_rank, ps.device)
     try:
         model, _, engine = build_engine(cfg, ps, a.vocab_size, rng)
@@ -194,11 +218,50 @@ def _bench_rank(ps, name, a, swap_dir):
         out["model_state_bytes"] = engine.model_state_bytes()
     finally:
         engine.close()
-    est = tier_bytes(workload(cfg, a.vocab_size, device="cpu"), cfg.offload)
+    est = tier_bytes(workload(cfg, a.vocab_size, device=ps.device.type), cfg.offload)
     out["predicted"] = {k: est[k] for k in ("device_bytes", "host_bytes", "disk_bytes")}
     out["params"] = sum(p.numel() for p in model.parameters())
+    out["layers"] = cfg.model.num_layers
+    out["flops_per_step"] = (cfg.model.with_vocab_size(a.vocab_size).flops_per_token()
+                             * a.micro_batches * a.micro_batch_size * a.seq_length)
     out["peak_rss_mb"] = _rss_mb()
+    if ps.device.type == "cuda":
+        out["peak_device_bytes"] = torch.cuda.max_memory_allocated(ps.device)
     return out
+
+
+def _capacity(a, device: str):
+    """This machine's room, times ``--fit-margin``: the GPU's memory (none on a CPU),
+    the host's available memory, the free disk at ``--nvme-path``; every rank here."""
+    from hybrid.estimate.tiers import Capacity
+    with open("/proc/meminfo") as f:
+        avail = next(int(line.split()[1]) * 1024 for line in f
+                     if line.startswith("MemAvailable:"))
+    gpu = torch.cuda.mem_get_info()[1] if device == "cuda" else None
+    m = a.fit_margin
+    return Capacity(device_bytes=None if gpu is None else gpu * m, host_bytes=avail * m,
+                    nvme_bytes=shutil.disk_usage(a.nvme_path).free * m,
+                    ranks_per_node=a.world_size)
+
+
+def largest_layers(a, name: str, swap_dir: str, device: str, limit: int = 1 << 12) -> int:
+    """The most ``--hidden``-wide layers the estimator says fit this machine under
+    setting ``name`` (0: not even one)."""
+    from hybrid.estimate.memory import workload
+    from hybrid.estimate.tiers import shortfalls, tier_bytes
+    cap = _capacity(a, device)
+
+    def fits(layers: int) -> bool:
+        cfg = _config(a, name, swap_dir, a.world_size, layers)
+        est = tier_bytes(workload(cfg, a.vocab_size, device=device), cfg.offload)
+        return not shortfalls(est, cap)
+    lo, hi = 0, 1  # fits(lo) (or lo == 0), not fits(hi)
+    while hi <= limit and fits(hi):
+        lo, hi = hi, 2 * hi
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    return lo
 
 
 def _run_config(a, name, swap_dir) -> list[dict]:
@@ -215,8 +278,10 @@ def _summary(ranks: list[dict], none_s: float | None) -> dict:
     med = statistics.median(f + s for r in ranks for f, s in zip(r["fwd_bwd"], r["step"]))
     pred = ranks[0]["predicted"]
     rss = [round(r["peak_rss_mb"], 1) for r in ranks]
-    row = {"median_step_s": round(med, 4),
+    row = {"layers": ranks[0]["layers"], "params": ranks[0]["params"],
+           "median_step_s": round(med, 4),
            "ratio_to_none": round(med / none_s, 3) if none_s else None,
+           "tflops_per_rank": round(ranks[0]["flops_per_step"] / med / 1e12, 4),
            "median_fwd_bwd_s": round(statistics.median(t for r in ranks for t in r["fwd_bwd"]), 4),
            "median_optimizer_step_s": round(statistics.median(
                t for r in ranks for t in r["step"]), 4)}
@@ -227,6 +292,10 @@ def _summary(ranks: list[dict], none_s: float | None) -> dict:
                model_state_bytes_per_rank=[r["model_state_bytes"] for r in ranks],
                predicted=pred,
                peak_rss_over_predicted_host=round(max(rss) * 2**20 / pred["host_bytes"], 3))
+    if "peak_device_bytes" in ranks[0]:  # (allocated by torch: no CUDA context, no NCCL)
+        dev = [r["peak_device_bytes"] for r in ranks]
+        row.update(peak_device_bytes_per_rank=dev,
+                   peak_device_over_predicted=round(max(dev) / pred["device_bytes"], 3))
     return row
 
 
@@ -268,6 +337,13 @@ def _args(argv):
     ap.add_argument("--seq-length", type=int, default=128)
     ap.add_argument("--vocab-size", type=int, default=8192)
     ap.add_argument("--micro-batch-size", type=int, default=1)
+    ap.add_argument("--micro-batches", type=int, default=1,
+                    help="micro-batches per step (gradient accumulation)")
+    ap.add_argument("--largest", action="store_true",
+                    help="per setting, the most --hidden-wide layers the estimator says fit "
+                         "this machine (GPU, available host memory, free disk at --nvme-path)")
+    ap.add_argument("--fit-margin", type=float, default=0.85,
+                    help="with --largest: the share of each capacity a setting may use")
     ap.add_argument("--dtype", choices=("fp32", "bf16"),
                     default="bf16" if torch.cuda.is_available() else "fp32")
     ap.add_argument("--steps", type=int, default=5, help="timed steps, after one warm-up")
@@ -281,6 +357,7 @@ def _args(argv):
     ap.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
     a = ap.parse_args(argv)
     a.threads = a.threads or max(1, (os.cpu_count() or 1) // a.world_size)
+    a.layers_of = {}  # per setting, with --largest
     return ap, a
 
 
@@ -294,7 +371,12 @@ def main(argv=None) -> int:
     swap_dir = tempfile.mkdtemp(prefix=".bench_offload-", dir=a.nvme_path)
     configs, io = {}, None
     try:
-        runs = {name: _run_config(a, name, swap_dir) for name in a.configs}
+        if a.largest:
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+            a.layers_of = {n: largest_layers(a, n, swap_dir, device) for n in a.configs}
+        runs = {name: _run_config(a, name, swap_dir) if a.layers_of.get(name, 1)
+                else [{"skipped": "--largest: not even one layer fits"}]
+                for name in a.configs}
         none = runs.get("none", [{"skipped": ""}])[0]
         none_s = None if "skipped" in none else statistics.median(
             f + s for f, s in zip(none["fwd_bwd"], none["step"]))
@@ -306,7 +388,8 @@ def main(argv=None) -> int:
         shutil.rmtree(swap_dir, ignore_errors=True)
     first = next((r[0] for r in runs.values() if "params" in r[0]), {})
     report = {"command": " ".join([os.path.basename(__file__), *(argv or sys.argv[1:])]),
-              "model": {"params": first.get("params"), "layers": a.layers, "hidden": a.hidden,
+              "model": {"params": first.get("params"), "layers": a.layers_of or a.layers,
+                        "hidden": a.hidden, "micro_batches": a.micro_batches,
                         "vocab": a.vocab_size, "seq_length": a.seq_length,
                         "micro_batch_size": a.micro_batch_size, "dtype": a.dtype, "zero_stage": 3,
                         "tp": 1, "dp": a.world_size, "threads_per_rank": a.threads},
