@@ -244,24 +244,18 @@ def _capacity(a, device: str):
                     ranks_per_node=a.world_size)
 
 
-def largest_layers(a, name: str, swap_dir: str, device: str, limit: int = 1 << 12) -> int:
+def largest_layers(a, name: str, swap_dir: str, device: str) -> int:
     """The most ``--hidden``-wide layers the estimator says fit this machine under
     setting ``name`` (0: not even one)."""
     from hybrid.estimate.memory import workload
-    from hybrid.estimate.tiers import shortfalls, tier_bytes
+    from hybrid.estimate.tiers import largest_fitting, shortfalls, tier_bytes
     cap = _capacity(a, device)
 
     def fits(layers: int) -> bool:
         cfg = _config(a, name, swap_dir, a.world_size, layers)
         est = tier_bytes(workload(cfg, a.vocab_size, device=device), cfg.offload)
         return not shortfalls(est, cap)
-    lo, hi = 0, 1  # fits(lo) (or lo == 0), not fits(hi)
-    while hi <= limit and fits(hi):
-        lo, hi = hi, 2 * hi
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
-    return lo
+    return largest_fitting(fits)
 
 
 def _run_config(a, name, swap_dir) -> list[dict]:

@@ -279,6 +279,19 @@ def shortfalls(est: dict, cap: Capacity) -> list[dict]:
             for name, need, have in checks if have is not None and need > have]
 
 
+def largest_fitting(fits, limit: int = 1 << 12) -> int:
+    """The largest ``n`` in ``[1, limit]`` with ``fits(n)``, for a ``fits`` that holds up
+    to some size and not beyond (0: not even 1). O(log n) calls."""
+    lo, hi = 0, 1  # fits(lo) or lo == 0; not fits(hi), once found
+    while hi <= limit and fits(hi):
+        lo, hi = hi, 2 * hi
+    hi = min(hi, limit + 1)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    return lo
+
+
 def rung_workload(w: Workload, optimizer: str | None, param: str | None) -> Workload:
     """``w`` at the stage a setting runs at: stage 3 with param offload, at least 1
     with the optimizer offloaded, else the run's own."""

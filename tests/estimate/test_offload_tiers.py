@@ -20,7 +20,8 @@ from hybrid.config.sections import OffloadConfig
 from hybrid.estimate.memory import Workload, activation_bytes, buffer_bytes
 from hybrid.estimate.model_states import model_state_bytes
 from hybrid.estimate.tiers import (HOST_BASELINE_BYTES, LADDER, Capacity, device_terms,
-                                   disk_bytes_per_step, disk_terms, host_terms, offload_ladder,
+                                   disk_bytes_per_step, disk_terms, host_terms,
+                                   largest_fitting, offload_ladder,
                                    pcie_bytes_per_step, recommend_offload, rung_workload,
                                    setting_name, shard_elements, shortfalls, tier_bytes)
 
@@ -337,3 +338,13 @@ def test_nvme_offload_flags_validate_without_a_path(script, capsys):
         script.main(TINY + ["--zero-stage", "2", "--offload-optimizer", "--offload-param",
                             "cpu"])
     assert "needs --zero-stage 3" in capsys.readouterr().err
+
+
+def test_largest_fitting_bisects_to_the_last_size_that_fits():
+    """What bench_offload.py --largest sizes a model with: exact at every cut, 0 when
+    nothing fits, the limit when everything does, in O(log n) estimates."""
+    for cut in (0, 1, 2, 3, 7, 100, 1000, 4096):
+        calls = []
+        assert largest_fitting(lambda n: calls.append(n) or n <= cut) == cut
+        assert len(calls) <= 2 * max(1, cut).bit_length() + 2, (cut, calls)
+    assert largest_fitting(lambda n: True, limit=50) == 50
