@@ -332,7 +332,7 @@ class ZeroEngine:
         gradient shard, or the host buffer it went down to (for reading, e.g. why a
         skipped step was not finite)."""
         if self.landing is not None:
-            return self.offload.host_grads()[pc.unit][pc.part]
+            return self.offload.host_grad(pc.unit)[pc.part]
         return self.units[pc.unit].grad_shard[pc.part]
 
     def offload_seconds(self) -> dict:

@@ -185,12 +185,12 @@ class OptimizerOffload:
             dst.copy_(src, non_blocking=True)
         current.wait_stream(self.copy_stream)
 
-    def host_grads(self) -> list[torch.Tensor]:
-        """Each unit's gradient as it went down (host memory), once the copies have
+    def host_grad(self, i: int) -> torch.Tensor:
+        """Unit ``i``'s gradient as it went down (host memory), once the copies have
         landed: for reading, where the step is stopped anyway (a skipped step)."""
         if self.cuda:
             self.copy_stream.synchronize()
-        return [self._piece(self.grad, i) for i in range(len(self.units))]
+        return self._piece(self.grad, i)
 
     # -- the step --------------------------------------------------------------------
     @torch.no_grad()
