@@ -162,10 +162,15 @@ def test_training_loop_reads_values_only_at_log_lines(monkeypatch, dtype, per_st
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_cuda_bf16_steps_do_not_synchronize():
     """torch's sync debug mode set to "error" around bf16 steps (stages 2 and 3, the
-    kernel path when it builds): any synchronizing CUDA call raises. fp16 makes
-    exactly its one skip-decision sync per step."""
+    kernel path when it builds; the host offload, whose gradients land on the device
+    and go down per unit, with parameter offload and the delayed update): any
+    synchronizing CUDA call raises. fp16 makes exactly its one skip-decision sync
+    per step."""
     ps = ParallelState.single("cuda")
-    for stage, kw in ((2, {"bf16": True}), (3, {"bf16": True})):
+    offload = {"bf16": True, "offload_optimizer": "cpu"}
+    for stage, kw in ((2, {"bf16": True}), (3, {"bf16": True}), (2, offload),
+                      (3, {**offload, "offload_param": "cpu"}),
+                      (3, {**offload, "offload_delayed_update": True})):
         cfg = _cfg(1, 1, zero_stage=stage, **kw)
         model, engine = _engine(cfg, ps)
         batches = [_batches(s, ps, "cuda") for s in range(4)]
