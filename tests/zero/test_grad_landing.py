@@ -14,8 +14,9 @@ from hybrid.tensor_parallel import InitValues
 from hybrid.zero.state import iter_piece_values
 
 from harness import run_ranks
-from zero_reference import STEPS, VOCAB, _dp_step, _gpt, _named_params, _train_cfg, zero_engine
+from zero_reference import VOCAB, _dp_step, _gpt, _named_params, _train_cfg, zero_engine
 
+STEPS = 2  # the second step's gradients are taken at parameters the first updated
 LANDS = {"offload_delayed_update": True, "offload_delayed_update_warmup": STEPS}
 VARIANTS = [(2, {}), (3, {"bf16": True, "overlap_comm": True, "offload_param": "cpu"}),
             (2, {"fp16": True, "initial_loss_scale": 1024.0, "overlap_comm": True})]
