@@ -213,8 +213,9 @@ class OptimizerOffload:
     def _step(self, opt, lr, grad_scale, skip, published) -> torch.Tensor:
         self.steps += 1
         for u, sent in zip(self.units, self._sent):
-            if not sent and u.grad_shard is not None:  # no reduction reported it (cannot
-                self.grad_ready(u)  # happen with the engine's hooks)
+            # (a unit no reduction reported: cannot happen with the engine's hooks)
+            if not sent and u.grad_shard is not None:
+                self.grad_ready(u)
         self._sent = [False] * len(self.units)
         self._written = [False] * len(self.units)
         if self._upload_due:  # the delayed update of the previous step: its params go up
