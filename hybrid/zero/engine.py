@@ -96,7 +96,7 @@ class ZeroEngine:
         self._pieces = owned_pieces(model, self.units)  # the layout is fixed from here on
         fill = Materializer(model, values)
         # the swap files and parameter homes, checked and allocated before anything else
-        self.tiers = OffloadTiers(offload, ps.rank, self.units, self.dtype)
+        self.tiers = OffloadTiers(offload, ps.rank, self.units, self.dtype, self.grad_dtype)
         # fp32 master weights first: they read the exact fp32 values, which a
         # materialized model loses once its parameters become low-precision views.
         self.separate_master = self.dtype != torch.float32 or offload.optimizer is not None
@@ -108,11 +108,12 @@ class ZeroEngine:
                                        device=ps.device)
         # (stage 3 with --offload-param: each shard goes home as soon as it is made)
         fill.bind(self.units, self.flat_params, self.dtype, ps.device, self.tiers.send_home)
-        # An offloaded optimizer at stages 2-3 reads host copies of the gradient shards;
-        # the device keeps none (grad_landing.py) -- unless, on a CPU, the flat shard is
-        # that host buffer itself (no delayed update reads it while the next step writes).
+        # An offloaded optimizer at stages 2-3 reads host copies of the gradient shards
+        # (or, on the nvme tier, swapped ones); the device keeps none (grad_landing.py) --
+        # unless, on a CPU, the flat shard is that host buffer itself (host tier, no
+        # delayed update reading it while the next step writes).
         lands = bool(offload.optimizer) and self.plan.grads and (
-            ps.device.type != "cpu" or offload.delayed_update)
+            ps.device.type != "cpu" or offload.delayed_update or offload.optimizer == "nvme")
         self.flat_grads = allocate_grads(self.units, self.plan.grads, self.dtype,
                                          self.grad_dtype, ps.device, lands)
         # every parameter all-gather (stage 3's per-module ones, stages 1-2's after the
@@ -156,7 +157,7 @@ class ZeroEngine:
                                           flat_grad)
         self.offload = (OptimizerOffload(self.units, self.dtype, self.flat_grads,
                                          self.grad_dtype, self.ps.device, self.plan,
-                                         self.optimizer, offload)
+                                         self.optimizer, offload, self.tiers.grads)
                         if offload.optimizer else None)
         # With a separate master the step writes each unit's new parameter shard in
         # the training dtype (a compiled kernel in the same pass as the update):

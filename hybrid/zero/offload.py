@@ -58,6 +58,7 @@ import torch
 
 from hybrid.config.sections import OffloadConfig
 from hybrid.zero.flat_unit import FlatUnit
+from hybrid.zero.grad_homes import HostGrads
 from hybrid.zero.home_writer import HomeWriter
 
 
@@ -79,11 +80,13 @@ class OptimizerOffload:
             worker updates one at a time (units, or tiles).
         cfg: ``delayed_update`` (and its ``delayed_update_warmup`` normal steps
             before the one-step delayed update starts).
+        swapped_grads: the nvme tier's :class:`~hybrid.zero.grad_homes.SwappedGrads`,
+            where the gradients go instead of a host buffer (None: host memory).
     """
 
     def __init__(self, units: list[FlatUnit], dtype: torch.dtype,
                  flat_grads: torch.Tensor | None, grad_dtype: torch.dtype,
-                 device: torch.device, plan, opt, cfg: OffloadConfig):
+                 device: torch.device, plan, opt, cfg: OffloadConfig, swapped_grads=None):
         self.units = units
         self.index = {id(u): i for i, u in enumerate(units)}
         self.bounds = [0]
@@ -96,9 +99,11 @@ class OptimizerOffload:
         self.warmup = cfg.delayed_update_warmup if cfg.delayed_update else 0
         in_place = (flat_grads is not None and flat_grads.device.type == "cpu" and plan.grads
                     and not self.delayed)
-        self.grad = flat_grads if in_place else torch.empty(
-            n, dtype=grad_dtype, pin_memory=self.pin)
-        self._own_grad = not in_place
+        self.grads = swapped_grads or HostGrads(
+            flat_grads if in_place else torch.empty(n, dtype=grad_dtype, pin_memory=self.pin),
+            self.bounds, own=not in_place)
+        # what the step reads its gradient from (None: the swapped tiles bring it)
+        self._flat_grad = None if swapped_grads is not None else self.grads.flat
         self.opt = opt
         self.master = opt.flat_master  # None on the nvme tier
         self._chunks = opt.chunks()
@@ -148,7 +153,7 @@ class OptimizerOffload:
         the CUDA event of its copy (None: done, or nothing to copy)."""
         i = self.index[id(unit)]
         self._sent[i] = True
-        return self.park(unit) if self._own_grad else None
+        return self.park(unit) if self.grads.own else None
 
     @torch.no_grad()
     def park(self, unit: FlatUnit):
@@ -159,15 +164,7 @@ class OptimizerOffload:
             self._consumed[i].wait()  # the update in flight has read the previous one
             self._consumed[i].clear()
             self._written[i] = True
-        dst = self._piece(self.grad, i)
-        if not self.cuda:
-            dst.copy_(unit.grad_shard)
-            return None
-        self.copy_stream.wait_stream(torch.cuda.current_stream(self.copy_stream.device))
-        with torch.cuda.stream(self.copy_stream):
-            dst.copy_(unit.grad_shard, non_blocking=True)
-            self._down[i] = torch.cuda.Event()
-            self._down[i].record(self.copy_stream)
+        self._down[i] = self.grads.store(i, unit.grad_shard, self.copy_stream)
         return self._down[i]
 
     @torch.no_grad()
@@ -175,22 +172,14 @@ class OptimizerOffload:
         """``dst`` (on the device) <- ``unit``'s host gradient buffer, the partial sum an
         earlier :meth:`park` of this step left there; ordered before the current
         stream's next work, without a host wait."""
-        src = self._piece(self.grad, self.index[id(unit)])
-        if not self.cuda:
-            dst.copy_(src)
-            return
-        current = torch.cuda.current_stream(self.copy_stream.device)
-        self.copy_stream.wait_stream(current)  # (after the park that wrote src)
-        with torch.cuda.stream(self.copy_stream):
-            dst.copy_(src, non_blocking=True)
-        current.wait_stream(self.copy_stream)
+        self.grads.load(self.index[id(unit)], dst, self.copy_stream)
 
     def host_grad(self, i: int) -> torch.Tensor:
         """Unit ``i``'s gradient as it went down (host memory), once the copies have
         landed: for reading, where the step is stopped anyway (a skipped step)."""
         if self.cuda:
             self.copy_stream.synchronize()
-        return self._piece(self.grad, i)
+        return self.grads.values(i)
 
     # -- the step --------------------------------------------------------------------
     @torch.no_grad()
@@ -259,7 +248,8 @@ class OptimizerOffload:
         sc = opt.begin_step(self._scalars[0], self._scalars[1])
         try:
             if not self._skipped:
-                opt.run_chunks(self.grad, lr, sc, self.found, self._before_chunk,
+                self.grads.wait_all()  # (swapped: every unit's gradient on disk)
+                opt.run_chunks(self._flat_grad, lr, sc, self.found, self._before_chunk,
                                self._after_chunk)
         except BaseException:
             self._failed = True  # nobody may wait for a unit that will not come
@@ -374,7 +364,7 @@ class OptimizerOffload:
                 "io_wait": 0.0 if io is None else io.waited.s}
 
     def nbytes(self) -> int:
-        own = self.grad.untyped_storage().nbytes() if self._own_grad else 0
+        own = self.grads.nbytes()
         own += 0 if self.writer is None else self.writer.nbytes()
         return own + (0 if self.out is None else self.out.untyped_storage().nbytes())
 

@@ -1,12 +1,13 @@
 """Where one rank's model states live off the device, built once from :class:`OffloadConfig`.
 
-    tiers = OffloadTiers(offload, rank, units, dtype)
+    tiers = OffloadTiers(offload, rank, units, dtype, grad_dtype)
     tiers.states        # the nvme tier's optimizer states (SwappedStates), or None
+    tiers.grads         # ... and its gradient shard (SwappedGrads), or None
     tiers.send_home(unit)   # stage 3 param offload: a unit's shard, just materialized, home
     tiers.close()       # drain the I/O, delete the swap files
 
 One :class:`~hybrid.zero.swap.SwapSpace` per rank holds every swap file
-(``optimizer.swp``, ``params.swp``), so all of them are checked for space,
+(``optimizer.swp``, ``grads.swp``, ``params.swp``), so all of them are checked for space,
 locked and preallocated together, before the first step.
 """
 
@@ -16,8 +17,9 @@ import torch
 
 from hybrid.config.sections import OffloadConfig
 from hybrid.kernels.aio import AsyncIO
-from hybrid.zero import param_offload, tiles
+from hybrid.zero import grad_homes, param_offload, tiles
 from hybrid.zero.flat_unit import FlatUnit
+from hybrid.zero.grad_homes import SwappedGrads
 from hybrid.zero.param_offload import DiskHome, HostHome, disk_slots
 from hybrid.zero.swap import SwapSpace
 from hybrid.zero.tiles import SwappedStates
@@ -30,14 +32,15 @@ class OffloadTiers:
     the parameter homes of ``--offload-param``.
 
     ``units``: the engine's units (their owned sizes, in shard order, make the
-    optimizer's flat shard); ``dtype``: the parameters' training dtype.
+    optimizer's flat shard); ``dtype``: the parameters' training dtype;
+    ``grad_dtype``: the gradients'.
     """
 
     def __init__(self, cfg: OffloadConfig, rank: int, units: list[FlatUnit],
-                 dtype: torch.dtype):
+                 dtype: torch.dtype, grad_dtype: torch.dtype):
         self.cfg = cfg
         self.pin = torch.cuda.is_available() if cfg.pin_memory is None else cfg.pin_memory
-        self.space = self.io = self.states = None
+        self.space = self.io = self.states = self.grads = None
         self._homes: list = []
         n = sum(u.own_hi - u.own_lo for u in units)
         self._partitioned = [u for u in units if u.partition_params] if cfg.param else []
@@ -45,6 +48,7 @@ class OffloadTiers:
         sizes = {}
         if cfg.optimizer == "nvme":
             sizes[tiles.FILE] = SwappedStates.space_for(n, cfg.buffer_size)
+            sizes[grad_homes.FILE] = SwappedGrads.space_for(n, cfg.buffer_size, grad_dtype)
         if cfg.param == "nvme":
             elem = torch.empty((), dtype=dtype).element_size()
             self._slots, sizes[param_offload.FILE] = disk_slots(
@@ -57,6 +61,12 @@ class OffloadTiers:
             if cfg.optimizer == "nvme":
                 self.states = SwappedStates(n, cfg.buffer_size, self.space, self.io,
                                             cfg.buffer_count, self.pin)
+                bounds = [0]
+                for u in units:
+                    bounds.append(bounds[-1] + u.own_hi - u.own_lo)
+                self.grads = SwappedGrads(self.space, self.io, bounds, cfg.buffer_size,
+                                          grad_dtype, self.pin)
+                self.states.attach_grads(self.grads, self.pin)
         except BaseException:
             self.close()
             raise
@@ -89,6 +99,8 @@ class OffloadTiers:
         """Let every read and write in flight end, then delete the swap files
         (scratch: a restart rebuilds them from its checkpoint)."""
         try:
+            if self.grads is not None:
+                self.grads.close()
             if self.states is not None:
                 self.states.close()
             for h in self._homes:

@@ -79,10 +79,11 @@ class SwappedAdamW(ShardedAdamW):
 
     def run_chunks(self, grad: torch.Tensor, lr: float, scalars: torch.Tensor,
                    found: torch.Tensor, before, after) -> None:
-        def update(k, master, avg, avg_sq):
+        def update(k, master, avg, avg_sq, tile_grad=None):
             out = before(k)
             lo, hi = self.states.bounds(k)
-            adam_step(master, grad[lo:hi], avg, avg_sq, out, self._segments(k), lr=lr,
+            g = grad[lo:hi] if tile_grad is None else tile_grad  # (swapped with the tile)
+            adam_step(master, g, avg, avg_sq, out, self._segments(k), lr=lr,
                       step=1, scalars=scalars, found_inf=found, **self.hyper)
             after(k)
         self.states.run(update)

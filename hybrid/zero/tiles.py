@@ -17,7 +17,10 @@ the reads of tiles ``k + 1 .. k + C - 2`` are in flight and the write of tile
 ``k - 1`` drains. Before tile ``k + C - 1`` is read into the buffer tile
 ``k - 1`` used, that buffer's write must have finished. Host memory is the C
 buffers, whatever the model size; the disk sees one sequential read and one
-sequential write of the swap file per step.
+sequential write of the swap file per step. When the gradients are swapped too
+(:class:`~hybrid.zero.grad_homes.SwappedGrads`, attached), each tile's
+gradient slot is read with its states into a ring of its own, and not written
+back.
 """
 
 from __future__ import annotations
@@ -48,6 +51,15 @@ class SwappedStates:
         self.staging = [aligned_empty(3 * tile, torch.float32, pin) for _ in range(buffers)]
         self._reads: dict[int, object] = {}  # tile -> read request in flight
         self._writes: dict[int, object] = {}  # buffer -> write request in flight
+        self.grads = None  # SwappedGrads, when attached
+        self._grad_reads: dict[int, object] = {}  # tile -> its gradient's read
+
+    def attach_grads(self, grads, pin: bool = False) -> None:
+        """Read each tile's gradient from ``grads`` (a SwappedGrads in the same tiles)
+        with its states; ``update`` then gets it as a fifth argument."""
+        self.grads = grads
+        per = grads.slot_bytes // grads.esize
+        self.grad_staging = [aligned_empty(per, grads.dtype, pin) for _ in self.staging]
 
     @staticmethod
     def space_for(n: int, tile: int) -> int:
@@ -67,9 +79,10 @@ class SwappedStates:
 
     # -- the pipeline --------------------------------------------------------------
     def run(self, update) -> None:
-        """``update(k, master, exp_avg, exp_avg_sq)`` for every tile in order, on
-        tile views of the staging buffers; what it writes goes back to disk. Returns
-        once every write has finished (the file then holds this step's states)."""
+        """``update(k, master, exp_avg, exp_avg_sq[, grad])`` for every tile in order,
+        on tile views of the staging buffers (``grad`` when gradients are attached);
+        what it writes to the states goes back to disk. Returns once every write has
+        finished (the file then holds this step's states)."""
         self.space.check()
         c = len(self.staging)
         ahead = max(1, c - 1)  # tiles read ahead, leaving one buffer to drain a write
@@ -80,7 +93,11 @@ class SwappedStates:
                 buf = self.staging[k % c]
                 self._reads.pop(k).wait()
                 lo, hi = self.bounds(k)
-                update(k, *self.planes(buf, hi - lo))
+                if self.grads is None:
+                    update(k, *self.planes(buf, hi - lo))
+                else:
+                    self._grad_reads.pop(k).wait()
+                    update(k, *self.planes(buf, hi - lo), self.grad_staging[k % c][: hi - lo])
                 self._writes[k % c] = self.io.write(self.file, self._offset(k), buf)
                 if k + ahead < self.tiles:
                     self._read(k + ahead)
@@ -92,11 +109,14 @@ class SwappedStates:
         if b in self._writes:  # the buffer's previous tile must be on disk first
             self._writes.pop(b).wait()
         self._reads[k] = self.io.read(self.file, self._offset(k), self.staging[b])
+        if self.grads is not None:  # (its buffer's previous tile was read: never written)
+            self._grad_reads[k] = self.io.read(self.grads.file, k * self.grads.slot_bytes,
+                                               self.grad_staging[b])
 
     def drain(self) -> None:
         """Wait for every request in flight (the first error is raised after all ended)."""
-        pending = list(self._reads.values()) + list(self._writes.values())
-        self._reads, self._writes = {}, {}
+        pending = [*self._reads.values(), *self._writes.values(), *self._grad_reads.values()]
+        self._reads, self._writes, self._grad_reads = {}, {}, {}
         error = None
         for r in pending:
             try:
@@ -144,7 +164,9 @@ class SwappedStates:
 
     def nbytes(self) -> int:
         """Host bytes of the staging buffers."""
-        return sum(b.numel() * 4 for b in self.staging)
+        grads = 0 if self.grads is None else sum(
+            b.untyped_storage().nbytes() for b in self.grad_staging)
+        return sum(b.numel() * 4 for b in self.staging) + grads
 
     def close(self) -> None:
         """Wait for what is in flight (the engine then closes the space and the I/O)."""

@@ -60,7 +60,11 @@ def _run(ps, stage, kw, tier, root, steps=range(2)):
            "bytes": engine.model_state_bytes(),
            # elements of the host copy of new parameters, and of the units without a home
            "upload_copy": 0 if copy is None else copy.numel(),
-           "homeless": sum(u.own_hi - u.own_lo for u in engine.units if u.home is None)}
+           "homeless": sum(u.own_hi - u.own_lo for u in engine.units if u.home is None),
+           # host bytes of the gradients on their way to the step, and what bounds them
+           "grad_host_bytes": off.grads.nbytes(),
+           "biggest": max(u.own_hi - u.own_lo for u in engine.units),
+           "grad_esize": torch.empty((), dtype=engine.grad_dtype).element_size()}
     return out, (cfg, model, engine)
 
 
@@ -88,12 +92,18 @@ def _assert_tier_bytes(tier, got, files, left, what):
     of whole tiles); they are gone after close; the host keeps only staging."""
     n = sum(p.shape[0] for p in got["pieces"])
     optimizer, _, param = tier.partition("+")
-    want = {"optimizer.swp"} if optimizer == "nvme" else set()
+    want = {"optimizer.swp", "grads.swp"} if optimizer == "nvme" else set()
     want |= {"params.swp"} if param == "nvme" else set()
     assert set(files) == want and not left, (what, files, left)
     if optimizer == "nvme":
+        e = got["grad_esize"]
         assert files["optimizer.swp"] == -(-n // TILE) * TILE * 12, what
-        assert got["bytes"]["optimizer"] <= 4 * 3 * TILE * 4 + 2 * n * 4, what
+        # the gradient shard is on disk too, tile by tile in 4096-aligned slots; the
+        # host holds 2 staging buffers of the largest unit (each 4096-aligned), not it
+        assert files["grads.swp"] == -(-n // TILE) * -(-TILE * e // 4096) * 4096, what
+        assert got["grad_host_bytes"] <= 2 * (got["biggest"] * e + 4096) < n * e, what
+        assert got["bytes"]["optimizer"] <= 4 * TILE * (12 + e) + got["grad_host_bytes"] \
+            + n * 4, what
     if param == "nvme":
         assert files["params.swp"] >= got["bytes"]["params"], what
     if param:  # the partitioned shards left the device: only persistent units remain
