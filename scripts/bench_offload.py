@@ -8,46 +8,42 @@
 One GPT (default 8 layers x hidden 1024, vocab 8192: ~109M parameters; seq 128,
 micro-batch 1, ``--dtype`` (default bf16 with a GPU, fp32 without: a CPU without
 bf16 matrix units multiplies bf16 hundreds of times slower), TP 1, DP
-``--world-size``, ZeRO stage 3, synthetic tokens)
-under each setting, each in fresh processes (``run_ranks(reuse=False)``) so
-the peak RSS is that setting's: ``none``, ``optimizer_cpu``, ``optimizer_nvme``,
+``--world-size``, ZeRO-3, synthetic tokens) under each setting, in fresh
+processes (``run_ranks(reuse=False)``) so the peak RSS is that setting's: ``none``, ``optimizer_cpu``, ``optimizer_nvme``,
 ``param_cpu`` (optimizer cpu + param cpu), ``param_nvme`` (optimizer nvme +
 param nvme). Swap files go to a fresh directory under ``--nvme-path`` (default:
 the current directory; tmpfs is refused), removed at the end.
 
-``configs.<name>``: ``median_step_s`` (over ``--steps`` after one warm-up step)
-and ``ratio_to_none``; its split ``median_fwd_bwd_s`` (zero_grad, forward,
-engine.backward) and ``median_optimizer_step_s`` (engine.step); nvme only,
-``median_io_wait_s``: time the step spent blocked in the swap reads' and
-writes' ``wait``; ``peak_rss_mb_per_rank`` (ru_maxrss); ``model_state_bytes_per_rank``
+``configs.<name>``: ``median_step_s`` (``--steps`` after one warm-up) and
+``ratio_to_none``, split into ``median_fwd_bwd_s`` and ``median_optimizer_step_s``
+(engine.step); nvme only, ``median_io_wait_s`` (blocked in swap waits);
+``peak_rss_mb_per_rank`` (ru_maxrss); ``model_state_bytes_per_rank``
 (``engine.model_state_bytes()``, disk included); ``predicted``: the estimator's
-device/host/disk bytes per rank (``hybrid.estimate.tiers.tier_bytes``; on a
-CPU host_bytes is the whole process) and ``peak_rss_over_predicted_host``. A
-setting the config or the engine refuses, or whose param offload the engine
-ignores (no param bytes accounted on the host or disk beyond the optimizer's),
-is ``{"skipped": reason}``. Each row also names its ``layers`` and ``params``,
+device/host/disk bytes per rank (``tier_bytes``; on a CPU host_bytes is the
+whole process) and ``peak_rss_over_predicted_host``. A setting the config or
+the engine refuses is ``{"skipped": reason}``. Each row also names its ``layers`` and ``params``,
 and ``tflops_per_rank`` (``ModelConfig.flops_per_token`` x the step's tokens
 over the median step); on a GPU ``peak_device_bytes_per_rank``
 (``torch.cuda.max_memory_allocated``: no CUDA context or NCCL buffers) and
 ``peak_device_over_predicted``. ``--micro-batches k`` accumulates k
 micro-batches per step. ``--largest``: per setting, the most ``--hidden``-wide
-layers the estimator says fit this machine (the GPU's memory, the host's
-available memory, the free disk at ``--nvme-path``, each times
-``--fit-margin``), found before anything is built: the largest GPT each tier
-trains here.
+layers the estimator fits on this machine (GPU memory, available host memory,
+free disk at ``--nvme-path``, each times ``--fit-margin``), before anything is
+built: the largest GPT each tier trains here.
 
-``swap_io`` (the optimizer_nvme run's rank 0, after every rank's steps, the
-other ranks idle): ``rw_GBps``: one ``engine.swapped.run`` with a no-op update
-(reads and writes every tile, 2 x ``file_bytes``); ``read_GBps``: every tile
+``swap_io`` (optimizer_nvme's rank 0, after every rank's steps): ``rw_GBps``:
+one ``engine.swapped.run`` of the states with a no-op update (reads and writes
+every tile, 2 x ``file_bytes``); ``read_GBps``: every tile
 read through ``swapped.io.read``, C in flight; ``dd``: ``bench_aio.bench_dd``
 on the same directory (direct I/O where the file system allows; one stream of
 8 MiB blocks); ``ratio_rw_to_dd`` (against dd's read and write of the same bytes
 back to back) and ``ratio_read_to_dd``; goal >= 0.8. ``nvme_vs_cpu_step``:
 engine.step of optimizer_nvme over optimizer_cpu (goal <= 1.5 where the disk
-allows); ``disk_bound_s`` = 12 B x shard / dd read + 12 B x shard / dd write
-(24 B per shard element moved), the step's I/O at dd's bandwidth (one rank's;
-N ranks on one disk take N times); ``disk_bound_whole_tiles_s`` the same for
-the bytes the step really moves (whole tiles: 2 x ``file_bytes``).
+allows); ``disk_bound_s`` = 16 B x shard / dd read + 12 B x shard / dd write
+(28 B per shard element moved: the states in and out, the fp32 gradient in),
+the step's I/O at dd's bandwidth (one rank's; N ranks on one disk take N
+times); ``disk_bound_whole_tiles_s`` the same for the bytes the step really
+moves (whole tiles: 2 x ``file_bytes`` and ``grad_file_bytes`` in).
 """
 
 from __future__ import annotations
@@ -122,25 +118,15 @@ class _WaitClock:
         return call
 
 
-def _param_offload_ignored(engine, param) -> str | None:
-    """Why param offload looks unimplemented (None: the engine accounts it)."""
-    if param is None:
-        return None
-    msb = engine.model_state_bytes()
-    if param == "cpu" and msb["host"] <= msb["optimizer"]:
-        return "--offload-param cpu accepted but ignored: no parameter bytes on the host"
-    sw = engine.swapped
-    opt_swap = 0 if sw is None else sw.space_for(sw.n, sw.tile)
-    if param == "nvme" and msb["disk"] <= opt_swap:
-        return "--offload-param nvme accepted but ignored: no parameter swap on disk"
-    return None
-
-
 def _swap_rates(sw) -> dict:
     """I/O of the swapped states alone: a no-op ``run`` pass, then a read-only pass."""
     nbytes = sw.tiles * 12 * sw.tile
+    grads, sw.grads = sw.grads, None  # (the states' pass only)
     t = time.perf_counter()
-    sw.run(lambda *args: None)
+    try:
+        sw.run(lambda *args: None)
+    finally:
+        sw.grads = grads
     rw = time.perf_counter() - t
     c, pending = len(sw.staging), {}
     t = time.perf_counter()
@@ -152,6 +138,7 @@ def _swap_rates(sw) -> dict:
         r.wait()
     read = time.perf_counter() - t
     return {"file_bytes": nbytes, "shard_elements": sw.n, "tiles": sw.tiles,
+            "grad_file_bytes": 0 if grads is None else sw.tiles * grads.slot_bytes,
             "rw_pass_s": rw, "rw_GBps": 2 * nbytes / rw / 1e9,
             "read_pass_s": read, "read_GBps": nbytes / read / 1e9}
 
@@ -208,9 +195,6 @@ def _bench_rank(ps, name, a, swap_dir):
     except Exception as e:  # noqa: BLE001 - a tier the engine cannot build is reported
         return {"skipped": f"engine refused: {type(e).__name__}: {e}"}
     try:
-        why = _param_offload_ignored(engine, cfg.offload.param)
-        if why:
-            return {"skipped": why}
         out = _time_steps(a, ps, cfg, model, engine)
         ps.world_group.all_reduce(torch.zeros(1))  # every rank done: rank 0's disk alone
         if name == "optimizer_nvme" and ps.rank == 0:
@@ -314,9 +298,10 @@ def _step_report(configs: dict, io: dict) -> dict:
            "goal": "<= 1.5 where the disk allows"}
     if io and "dd" in io:
         r, w = io["dd"]["read_GBps"] * 1e9, io["dd"]["write_GBps"] * 1e9
-        bound = 12 * io["shard_elements"] * (1 / r + 1 / w)
+        bound = io["shard_elements"] * (16 / r + 12 / w)
         row.update(disk_bound_s=round(bound, 4),
-                   disk_bound_whole_tiles_s=round(io["file_bytes"] * (1 / r + 1 / w), 4),
+                   disk_bound_whole_tiles_s=round(io["file_bytes"] * (1 / r + 1 / w)
+                                                  + io["grad_file_bytes"] / r, 4),
                    disk_bound_over_cpu_step=round(bound / cpu_s, 3),
                    disk_allows_goal=bound <= 1.5 * cpu_s)
     return row

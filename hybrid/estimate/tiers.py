@@ -28,10 +28,13 @@ recompute, whose recompute forward gathers again)::
                                  up to 2 prefetched)
             unit grads, staging, activations, runtime: as without offload
     host    master_and_moments   optimizer cpu: 12 shard (fp32 master, both moments)
-            grad_buffer          optimizer offload: e_g shard (0 on a CPU device at
-                                 stages 2-3 without the delayed update: the engine's
-                                 flat gradient shard is that host buffer, already
-                                 counted as the device's grads)
+            grad_buffer          optimizer cpu: e_g shard (0 on a CPU device at stages
+                                 2-3 without the delayed update: the engine's flat
+                                 gradient shard is that host buffer, already counted
+                                 as the device's grads)
+            grad_staging         optimizer nvme (the gradients go to grads.swp): 2
+                                 largest-unit shards, e_g each, + C slots of T e_g
+                                 (each 4096-aligned; the step's gradient tiles)
             upload_copy          optimizer offload without param offload (or with the
                                  delayed update): e_p shard (the new parameters on
                                  their way up; none on the cpu tier with fp32 params,
@@ -48,6 +51,7 @@ recompute, whose recompute forward gathers again)::
                                  none with param cpu: the step writes in place)
             baseline             the process itself (torch, the interpreter)
     disk    optimizer_swap       optimizer nvme: 12 T ceil(shard / T) (whole tiles)
+            grad_swap            optimizer nvme: e_g T ceil(shard / T) (aligned slots)
             param_swap           param nvme: e_p shard
     PCIe    grads_down           optimizer offload: e_g shard per step; k e_g shard at
     (GPU,                        stages 2-3 (every micro-batch's sum lands and goes down)
@@ -56,6 +60,10 @@ recompute, whose recompute forward gathers again)::
             params_up            optimizer offload without param offload: e_p shard
             param_gathers_up     param offload: k G e_p shard (every gather uploads it)
     disk    optimizer_read/write optimizer nvme: 12 shard each
+    per     grad_write           optimizer nvme: e_g shard per micro-batch at stages 2-3
+    step                         (every sum lands and goes down), once at stage 1
+            grad_read            optimizer nvme: the step's e_g shard + (k - 1) e_g
+                                 shard of partial sums read back at stages 2-3
     per     param_read           param nvme: k G e_p shard
     step    param_write          param nvme: e_p shard (the step's new parameters)
 
@@ -108,7 +116,7 @@ def lands_grads(w: Workload, off: OffloadConfig) -> bool:
     """The device keeps no gradient shard: they land in 2 buffers and go down
     (the engine's rule, hybrid/zero/engine.py)."""
     return bool(off.optimizer) and w.zero_stage >= 2 and (
-        w.device != "cpu" or off.delayed_update)
+        w.device != "cpu" or off.delayed_update or off.optimizer == "nvme")
 
 
 def landing_bytes(w: Workload) -> int:
@@ -161,7 +169,10 @@ def host_terms(w: Workload, off: OffloadConfig, baseline_bytes: int = HOST_BASEL
         # fp32 master and both Adam moments, the whole shard
         "master_and_moments": 12 * n if off.optimizer == "cpu" else 0,
         # this step's reduced gradient shard, what the host step reads
-        "grad_buffer": e_g * n if off.optimizer and not in_place else 0,
+        "grad_buffer": e_g * n if off.optimizer == "cpu" and not in_place else 0,
+        # the nvme tier's gradients on their way to and from grads.swp (grad_homes.py)
+        "grad_staging": (landing_bytes(w) + off.buffer_count * _grad_slot(w, off)
+                         if off.optimizer == "nvme" else 0),
         # the step's new parameters in the params dtype, before they go up (the cpu
         # tier uploads an fp32 master itself; the nvme tier has no master in memory)
         "upload_copy": e_p * n if (off.optimizer and (not off.param or off.delayed_update)
@@ -188,11 +199,18 @@ def _write_chunk(w: Workload, off: OffloadConfig) -> int:
     return -(-_largest_unit(w) // w.shard_ranks) if off.param == "nvme" else 0
 
 
+def _grad_slot(w: Workload, off: OffloadConfig) -> int:
+    """Bytes of one tile's gradient in grads.swp: T e_g, 4096-aligned."""
+    return -(-off.buffer_size * _element_bytes(w)[1] // 4096) * 4096
+
+
 def disk_terms(w: Workload, off: OffloadConfig) -> dict:
     """Bytes this rank keeps in its swap files, by term (see the note)."""
     n = shard_elements(w)
     tiles = -(-n // off.buffer_size)
-    return {"optimizer_swap": 12 * tiles * off.buffer_size if off.optimizer == "nvme" else 0,
+    nvme = off.optimizer == "nvme"
+    return {"optimizer_swap": 12 * tiles * off.buffer_size if nvme else 0,
+            "grad_swap": tiles * _grad_slot(w, off) if nvme else 0,
             "param_swap": BYTES[w.params_dtype] * n if off.param == "nvme" else 0}
 
 
@@ -220,16 +238,22 @@ def pcie_bytes_per_step(w: Workload, off: OffloadConfig) -> dict:
 
 def disk_bytes_per_step(w: Workload, off: OffloadConfig) -> dict:
     """Bytes this rank reads from and writes to its swap files per optimizer step."""
-    n, e_p = shard_elements(w), BYTES[w.params_dtype]
-    opt = 12 * n if off.optimizer == "nvme" else 0  # every tile once in, once out
+    n, k = shard_elements(w), w.micro_batches
+    e_p, e_g = _element_bytes(w)
+    nvme = off.optimizer == "nvme"
+    opt = 12 * n if nvme else 0  # every tile once in, once out
+    sums = k if w.zero_stage >= 2 else 1  # gradient sums sent down per step
     param_nvme = off.param == "nvme"
     out = {"optimizer_read": opt, "optimizer_write": opt,
+           # each sum of a unit, written; the earlier ones read back, the last by the step
+           "grad_write": e_g * n * sums if nvme else 0,
+           "grad_read": e_g * n * sums if nvme else 0,
            # the shard, read for each gather of its unit
            "param_read": w.micro_batches * gather_passes(w) * e_p * n if param_nvme else 0,
            # the step's new parameters
            "param_write": e_p * n if param_nvme else 0}
-    out["read"] = out["optimizer_read"] + out["param_read"]
-    out["write"] = out["optimizer_write"] + out["param_write"]
+    out["read"] = out["optimizer_read"] + out["grad_read"] + out["param_read"]
+    out["write"] = out["optimizer_write"] + out["grad_write"] + out["param_write"]
     out["total"] = out["read"] + out["write"]
     return out
 

@@ -57,24 +57,27 @@ def test_small_model_sizes():
 def test_host_terms_by_hand():
     """bf16 params (e_p 2), fp32 gradients (e_g 4), on a GPU."""
     w = _small()
-    zero = dict(baseline=7, master_and_moments=0, grad_buffer=0, upload_copy=0,
+    zero = dict(baseline=7, master_and_moments=0, grad_buffer=0, grad_staging=0, upload_copy=0,
                 optimizer_staging=0, param_shard=0, param_staging=0, param_write_staging=0)
     assert host_terms(w, _off(), 7) == zero
     assert host_terms(w, _off("cpu"), 7) == dict(
         zero, master_and_moments=12 * 39_510, grad_buffer=4 * 39_510, upload_copy=2 * 39_510)
-    # nvme: no master or moments on the host, C tiles of 12 bytes per element
+    # nvme: no master, moments or gradient shard on the host: C tiles of 12 bytes per
+    # element, and the gradients' staging -- 2 shards of the largest unit (a block's
+    # 16,662) and C tile slots of T x 4 bytes
+    grads = 2 * 16_662 * 4 + C * T * 4
     assert host_terms(w, _off("nvme"), 7) == dict(
-        zero, grad_buffer=4 * 39_510, upload_copy=2 * 39_510, optimizer_staging=4 * 1024 * 12)
+        zero, grad_staging=grads, upload_copy=2 * 39_510, optimizer_staging=4 * 1024 * 12)
     # param cpu: the shard's home (the step writes the new parameters there)
     assert host_terms(w, _off("cpu", "cpu"), 7) == dict(
         zero, master_and_moments=12 * 39_510, grad_buffer=4 * 39_510, param_shard=2 * 39_510)
     # tiles straddle units: the new parameters go home through 2 scratch tiles
     assert host_terms(w, _off("nvme", "cpu"), 7) == dict(
-        zero, grad_buffer=4 * 39_510, optimizer_staging=49_152, param_shard=79_020,
+        zero, grad_staging=grads, optimizer_staging=49_152, param_shard=79_020,
         param_write_staging=2 * 1024 * 2)
     # 2 reads of the largest unit's shard in flight
     assert host_terms(w, _off("nvme", "nvme"), 7) == dict(
-        zero, grad_buffer=158_040, optimizer_staging=49_152, param_staging=2 * 16_662 * 2,
+        zero, grad_staging=grads, optimizer_staging=49_152, param_staging=2 * 16_662 * 2,
         param_write_staging=2 * 1024 * 2)
     # the host step writes whole units: scratch for the disk writes of the largest
     assert host_terms(w, _off("cpu", "nvme"), 7) == dict(
@@ -82,25 +85,30 @@ def test_host_terms_by_hand():
         param_staging=2 * 16_662 * 2, param_write_staging=2 * 16_662 * 2)
     # the delayed update holds a step's new parameters in the upload copy instead
     assert host_terms(w, _off("nvme", "nvme", delayed_update=True), 7) == dict(
-        zero, grad_buffer=158_040, optimizer_staging=49_152, param_staging=2 * 16_662 * 2,
+        zero, grad_staging=grads, optimizer_staging=49_152, param_staging=2 * 16_662 * 2,
         upload_copy=2 * 39_510)
     assert host_terms(w, _off())["baseline"] == HOST_BASELINE_BYTES
 
 
 def test_disk_terms_by_hand():
     w = _small()
-    assert disk_terms(w, _off("cpu", "cpu")) == {"optimizer_swap": 0, "param_swap": 0}
-    # 39,510 elements are 39 tiles of 1,024 (39,936 elements), 12 bytes each
-    assert disk_terms(w, _off("nvme")) == {"optimizer_swap": 12 * 39 * 1024, "param_swap": 0}
+    assert disk_terms(w, _off("cpu", "cpu")) == {"optimizer_swap": 0, "grad_swap": 0,
+                                                 "param_swap": 0}
+    # 39,510 elements are 39 tiles of 1,024 (39,936 elements), 12 bytes each, and a
+    # gradient slot of 4,096 bytes each
+    assert disk_terms(w, _off("nvme")) == {"optimizer_swap": 12 * 39 * 1024,
+                                           "grad_swap": 39 * 4096, "param_swap": 0}
     assert disk_terms(w, _off("nvme", "nvme")) == {"optimizer_swap": 479_232,
+                                                   "grad_swap": 159_744,
                                                    "param_swap": 2 * 39_510}
-    assert tier_bytes(w, _off("nvme", "nvme"))["disk_bytes"] == 479_232 + 79_020
+    assert tier_bytes(w, _off("nvme", "nvme"))["disk_bytes"] == 479_232 + 159_744 + 79_020
 
 
 def test_fp32_params_need_no_narrow_copies():
     w = _small(params_dtype="fp32", grads_dtype=None)
     assert host_terms(w, _off("cpu"), 0) == dict(
-        baseline=0, master_and_moments=12 * SHARD, grad_buffer=4 * SHARD, upload_copy=0,
+        baseline=0, master_and_moments=12 * SHARD, grad_buffer=4 * SHARD, grad_staging=0,
+        upload_copy=0,
         optimizer_staging=0, param_shard=0, param_staging=0, param_write_staging=0)
     assert host_terms(w, _off("nvme", "nvme"), 0)["optimizer_staging"] == 4 * 1024 * 12
     assert host_terms(w, _off("nvme", "nvme"), 0)["param_staging"] == 2 * 16_662 * 4
@@ -163,11 +171,19 @@ def test_disk_per_step_by_hand():
     w = _small()
     assert disk_bytes_per_step(w, _off("cpu", "cpu"))["total"] == 0
     nvme = disk_bytes_per_step(w, _off("nvme", "cpu"))
-    assert (nvme["read"], nvme["write"], nvme["total"]) == (12 * SHARD, 12 * SHARD, 24 * SHARD)
+    # the states in and out, the gradient shard (fp32) out during backward, in at the step
+    assert (nvme["read"], nvme["write"], nvme["total"]) == (16 * SHARD, 16 * SHARD, 32 * SHARD)
     both = disk_bytes_per_step(w, _off("nvme", "nvme"))
     assert both == {"optimizer_read": 12 * SHARD, "optimizer_write": 12 * SHARD,
+                    "grad_write": 4 * SHARD, "grad_read": 4 * SHARD,
                     "param_read": 2 * 2 * SHARD, "param_write": 2 * SHARD,
-                    "read": 16 * SHARD, "write": 14 * SHARD, "total": 30 * SHARD}
+                    "read": 20 * SHARD, "write": 18 * SHARD, "total": 38 * SHARD}
+    # 4 micro-batches: every sum goes out, 3 partial ones come back and the step's
+    w4 = disk_bytes_per_step(replace(w, micro_batches=4), _off("nvme"))
+    assert (w4["grad_write"], w4["grad_read"]) == (4 * 4 * SHARD, 4 * 4 * SHARD)
+    # stage 1 accumulates in its device buffer: one shard out, one in
+    w1 = disk_bytes_per_step(replace(w, micro_batches=4).with_stage(1), _off("nvme"))
+    assert (w1["grad_write"], w1["grad_read"]) == (4 * SHARD, 4 * SHARD)
     rc = disk_bytes_per_step(replace(w, recompute=True), _off("nvme", "nvme"))
     assert rc["param_read"] == 3 * 2 * SHARD and rc["param_write"] == 2 * SHARD
 
@@ -252,29 +268,32 @@ def _by_key(records, key):
     return [r for r in records if key in r]
 
 
-def test_big_gpt_at_dp2_needs_the_nvme_tier_for_both(script, capsys):
+def test_big_gpt_at_dp2_needs_the_nvme_optimizer_tier(script, capsys):
     records = _records(script, capsys, BIG + ["--host-memory-gb", "24", "--nvme-gb", "70"])
     assert records[0]["params_per_tp_rank"] == 2_423_408_640
     rungs = _by_key(records, "offload_rung")
-    assert [r["fits"] for r in rungs] == [False, False, False, False, True]
+    # (with its gradients on disk too, the nvme optimizer leaves room for host param homes)
+    assert [r["fits"] for r in rungs] == [False, False, False, True, True]
     best = _by_key(records, "recommended_offload")[-1]
     assert (best["recommended_offload"], best["optimizer"], best["param"], best["zero_stage"],
-            best["ranks_per_node"]) == ("optimizer nvme + param nvme", "nvme", "nvme", 3, 2)
+            best["ranks_per_node"]) == ("optimizer nvme + param cpu", "nvme", "cpu", 3, 2)
     # every cheaper setting says why: the host memory of the node's two ranks
     why = best["why_not"]
-    assert list(why) == [r["setting"] for r in rungs[:4]]
-    for r in rungs[:4]:
+    assert list(why) == [r["setting"] for r in rungs[:3]]
+    for r in rungs[:3]:
         (short,) = [s for s in why[r["setting"]] if s["capacity"] == "host"]
         assert short["need_bytes"] == 2 * r["host_bytes"]
         assert short["short_by_bytes"] == 2 * r["host_bytes"] - 24 * GIB > 0
     nvme = rungs[4]
     assert 2 * nvme["host_bytes"] <= 24 * GIB and 2 * nvme["disk_bytes"] <= 70 * GIB
-    # the disk: 12 bytes per shard element in whole tiles of 2^23, and a bf16 shard
+    # the disk: 12 bytes per shard element in whole tiles of 2^23, their fp32 gradient
+    # slots, and a bf16 shard
     shard = 2_423_408_640 // 2
     tiles = -(-shard // (1 << 23))
     assert nvme["terms"]["disk"] == {"optimizer_swap": 12 * tiles * (1 << 23),
+                                     "grad_swap": 4 * tiles * (1 << 23),
                                      "param_swap": 2 * shard}
-    assert nvme["disk_bytes_per_step"]["total"] == (24 + 2 * 2 + 2) * shard
+    assert nvme["disk_bytes_per_step"]["total"] == (24 + 2 * 4 + 2 * 2 + 2) * shard
     assert nvme["pcie_bytes_per_step"]["total"] == 0  # --device cpu: no PCIe
 
 
@@ -300,8 +319,8 @@ def test_output_has_the_three_byte_counts_and_the_traffic(script, capsys):
     assert est["pcie_bytes_per_step"] == {"grads_down": 4 * shard, "grads_up": 0, "params_up": 0,
                                           "param_gathers_up": 2 * 2 * shard,
                                           "total": 8 * shard}
-    assert est["disk_bytes_per_step"]["read"] == (12 + 4) * shard
-    assert est["disk_bytes_per_step"]["write"] == (12 + 2) * shard
+    assert est["disk_bytes_per_step"]["read"] == (12 + 4 + 4) * shard
+    assert est["disk_bytes_per_step"]["write"] == (12 + 4 + 2) * shard
     assert "recommended_zero_stage" in records[-1]  # the last line, as before
     text = _run(script, capsys, argv + ["--format", "text"])
     assert "this run's offload: optimizer nvme + param nvme at ZeRO-3" in text
@@ -309,7 +328,7 @@ def test_output_has_the_three_byte_counts_and_the_traffic(script, capsys):
                  f"host   {est['host_bytes'] / GIB:.2f} GiB ({est['host_bytes']:,} B)",
                  f"disk   {est['disk_bytes'] / GIB:.2f} GiB ({est['disk_bytes']:,} B)",
                  f"grads down {4 * shard:,} B", f"gathers up {4 * shard:,} B",
-                 f"disk read {16 * shard / GIB:.2f} GiB ({16 * shard:,} B)"):
+                 f"disk read {20 * shard / GIB:.2f} GiB ({20 * shard:,} B)"):
         assert word in text, word
 
 
