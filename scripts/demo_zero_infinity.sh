@@ -7,7 +7,7 @@
 #
 # SUMMARY_ONLY=1 prints the JSON again from WORK_DIR's logs without training.
 # WORK_DIR gets the swap files (deleted at each clean exit), the checkpoint and the
-# logs; it needs about 19 GB per rank of swap plus 12 bytes per parameter of
+# logs; it needs about 24 GB per rank of swap plus 12 bytes per parameter of
 # checkpoint. Environment: NPROC_PER_NODE (default 2), LAYERS (default 21: 2.38B
 # parameters at width 3072), STEPS (default 3), and EXTRA (more pretrain_gpt.py flags).
 # Prints one JSON object: the model's size against the RAM, the estimator's bytes per
