@@ -171,13 +171,20 @@ def test_not_enough_space_is_one_error_before_training(tmp_path):
 
 def test_two_jobs_on_one_directory_and_a_swap_file_lost_mid_run(tmp_path):
     """A second job on the same --offload-nvme-path stops at start naming the directory;
-    a swap file truncated, then deleted, between steps is named with its rank."""
+    a swap file truncated (the gradients', the optimizer's), then deleted, between steps
+    is named with its rank."""
     ps = ParallelState.single()
     cfg, model, engine = _engine(ps, 1, {}, "nvme", str(tmp_path))
     with pytest.raises(SwapSpaceError, match=f"{tmp_path / 'rank00000'} is in use by another "
                                              f"job \\(pid {os.getpid()}"):
         SwapSpace(str(tmp_path), 0, {})
     _dp_step(model, engine, ps, cfg, 0)
+    grads = tmp_path / "rank00000" / "grads.swp"  # (the gradients' file is checked too)
+    size = os.path.getsize(grads)
+    os.truncate(grads, 0)
+    with pytest.raises(SwapIOError, match=f"rank 0: swap file {grads} was truncated to "):
+        _dp_step(model, engine, ps, cfg, 1)
+    os.truncate(grads, size)
     path = tmp_path / "rank00000" / "optimizer.swp"
     os.truncate(path, 4096)
     with pytest.raises(SwapIOError, match=f"rank 0: swap file {path} was truncated to 4096"):
