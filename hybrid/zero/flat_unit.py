@@ -168,6 +168,15 @@ def _rebind(p: nn.Parameter, view: torch.Tensor) -> None:
     p.data = view
 
 
+def shard_bounds(units: list[FlatUnit]) -> list[int]:
+    """Where each unit's owned part starts in the rank's flat shard (the parts back to
+    back, in unit order), and the shard's length last."""
+    out = [0]
+    for u in units:
+        out.append(out[-1] + u.own_hi - u.own_lo)
+    return out
+
+
 def piece_columns(shard_size: int, dp: int, bucket: int) -> int:
     """Columns per piece so that a staged piece (dp x columns) fits in ``bucket`` elements."""
     return max(1, min(shard_size, bucket // dp))

@@ -31,6 +31,7 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 from hybrid.kernels.aio import ALIGN, aligned_empty
+from hybrid.zero.tiles import tile_spans
 
 FILE = "grads.swp"
 
@@ -49,11 +50,11 @@ class HostGrads:
     def store(self, i: int, src: torch.Tensor, stream):
         """``src`` (unit ``i``'s shard) into the buffer, on ``stream`` when it is on a GPU;
         returns the copy's CUDA event, or None (done)."""
-        return _copy(self.piece(i), src, stream)
+        return stream_copy(self.piece(i), src, stream)
 
     def load(self, i: int, dst: torch.Tensor, stream) -> None:
         """``dst`` <- unit ``i``'s piece, ordered before the current stream's next work."""
-        _copy(dst, self.piece(i), stream, back=True)
+        stream_copy(dst, self.piece(i), stream, back=True)
 
     def values(self, i: int) -> torch.Tensor:
         return self.piece(i)
@@ -103,12 +104,8 @@ class SwappedGrads:
     def _spans(self, lo: int, hi: int):
         """(file offset, start, stop) of each tile's part of shard elements ``[lo, hi)``,
         start and stop relative to ``lo``."""
-        pos = lo
-        while pos < hi:
-            k = pos // self.tile
-            end = min(hi, (k + 1) * self.tile)
-            yield k * self.slot_bytes + (pos - k * self.tile) * self.esize, pos - lo, end - lo
-            pos = end
+        for k, within, a, b in tile_spans(lo, hi, self.tile):
+            yield k * self.slot_bytes + within * self.esize, a, b
 
     def _raise(self) -> None:
         if self._error is not None:
@@ -121,7 +118,7 @@ class SwappedGrads:
         self._raise()
         buf = self._free.get()  # (both in flight: the disk is behind; wait for it)
         stage = buf[: src.numel()]
-        event = _copy(stage, src, stream)
+        event = stream_copy(stage, src, stream)
         self.stored[i].clear()
         self._writer.submit(self._write, i, stage, buf, event)
         return event
@@ -148,7 +145,7 @@ class SwappedGrads:
         self._raise()
         buf = self._free.get()
         stage = self.read_into(i, buf)
-        event = _copy(dst, stage, stream, back=True)
+        event = stream_copy(dst, stage, stream, back=True)
         if event is None:
             self._free.put(buf)
         else:  # the buffer is free once the copy up has read it
@@ -188,7 +185,7 @@ class SwappedGrads:
         self._writer.shutdown(wait=True)
 
 
-def _copy(dst: torch.Tensor, src: torch.Tensor, stream, back: bool = False):
+def stream_copy(dst: torch.Tensor, src: torch.Tensor, stream, back: bool = False):
     """``dst.copy_(src)``, on ``stream`` (a CUDA copy stream, after the current stream's
     work) when there is one; ``back``: the current stream then waits for it. Returns the
     copy's CUDA event, or None (done)."""

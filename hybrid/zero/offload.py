@@ -57,8 +57,8 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 from hybrid.config.sections import OffloadConfig
-from hybrid.zero.flat_unit import FlatUnit
-from hybrid.zero.grad_homes import HostGrads
+from hybrid.zero.flat_unit import FlatUnit, shard_bounds
+from hybrid.zero.grad_homes import HostGrads, stream_copy
 from hybrid.zero.home_writer import HomeWriter
 
 
@@ -89,9 +89,7 @@ class OptimizerOffload:
                  device: torch.device, plan, opt, cfg: OffloadConfig, swapped_grads=None):
         self.units = units
         self.index = {id(u): i for i, u in enumerate(units)}
-        self.bounds = [0]
-        for u in units:
-            self.bounds.append(self.bounds[-1] + u.own_hi - u.own_lo)
+        self.bounds = shard_bounds(units)
         n = self.bounds[-1]
         self.cuda = device.type == "cuda"
         self.pin = self.cuda  # pinned host memory makes the copies asynchronous DMA
@@ -229,15 +227,9 @@ class OptimizerOffload:
         vals = torch.stack([grad_scale.reshape(()).double(),
                             torch.zeros((), dtype=torch.float64, device=grad_scale.device)
                             if skip is None else skip.reshape(()).double()])
-        if not self.cuda:
-            self._scalars.copy_(vals)
-            return None
-        self.copy_stream.wait_stream(torch.cuda.current_stream(self.copy_stream.device))
-        with torch.cuda.stream(self.copy_stream):
-            self._scalars.copy_(vals, non_blocking=True)
-            ev = torch.cuda.Event()
-            ev.record(self.copy_stream)
-        vals.record_stream(self.copy_stream)
+        ev = stream_copy(self._scalars, vals, self.copy_stream)
+        if ev is not None:  # (vals is freed here: the copy stream still reads it)
+            vals.record_stream(self.copy_stream)
         return ev
 
     def _update(self, opt, lr: float, scalars_ready) -> None:

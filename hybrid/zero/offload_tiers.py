@@ -18,7 +18,7 @@ import torch
 from hybrid.config.sections import OffloadConfig
 from hybrid.kernels.aio import AsyncIO
 from hybrid.zero import grad_homes, param_offload, tiles
-from hybrid.zero.flat_unit import FlatUnit
+from hybrid.zero.flat_unit import FlatUnit, shard_bounds
 from hybrid.zero.grad_homes import SwappedGrads
 from hybrid.zero.param_offload import DiskHome, HostHome, disk_slots
 from hybrid.zero.swap import SwapSpace
@@ -61,11 +61,8 @@ class OffloadTiers:
             if cfg.optimizer == "nvme":
                 self.states = SwappedStates(n, cfg.buffer_size, self.space, self.io,
                                             cfg.buffer_count, self.pin)
-                bounds = [0]
-                for u in units:
-                    bounds.append(bounds[-1] + u.own_hi - u.own_lo)
-                self.grads = SwappedGrads(self.space, self.io, bounds, cfg.buffer_size,
-                                          grad_dtype, self.pin)
+                self.grads = SwappedGrads(self.space, self.io, shard_bounds(units),
+                                          cfg.buffer_size, grad_dtype, self.pin)
                 self.states.attach_grads(self.grads, self.pin)
         except BaseException:
             self.close()

@@ -34,6 +34,17 @@ from hybrid.zero.swap import SwapSpace
 FILE = "optimizer.swp"
 
 
+def tile_spans(lo: int, hi: int, tile: int):
+    """(tile k, start within it, start, stop) of each tile's part of shard elements
+    ``[lo, hi)``; start and stop relative to ``lo``."""
+    pos = lo
+    while pos < hi:
+        k = pos // tile
+        end = min(hi, (k + 1) * tile)
+        yield k, pos - k * tile, pos - lo, end - lo
+        pos = end
+
+
 class SwappedStates:
     """``n`` elements of master and both moments, in tiles of ``tile`` elements.
 
@@ -155,12 +166,8 @@ class SwappedStates:
     def _spans(self, key: str, lo: int, hi: int):
         """(file offset, start, stop) of each tile's part of ``[lo, hi)``, relative to lo."""
         plane = STATE_KEYS.index(key)  # the planes of a tile, in file order
-        pos = lo
-        while pos < hi:
-            k = pos // self.tile
-            end = min(hi, (k + 1) * self.tile)
-            yield self._offset(k, plane, pos - k * self.tile), pos - lo, end - lo
-            pos = end
+        for k, within, a, b in tile_spans(lo, hi, self.tile):
+            yield self._offset(k, plane, within), a, b
 
     def nbytes(self) -> int:
         """Host bytes of the staging buffers."""
