@@ -11,7 +11,8 @@ bf16 matrix units multiplies bf16 hundreds of times slower), TP 1, DP
 ``--world-size``, ZeRO-3, synthetic tokens) under each setting, in fresh
 processes (``run_ranks(reuse=False)``) so the peak RSS is that setting's: ``none``, ``optimizer_cpu``, ``optimizer_nvme``,
 ``param_cpu`` (optimizer cpu + param cpu), ``param_nvme`` (optimizer nvme +
-param nvme). Swap files go to a fresh directory under ``--nvme-path`` (default:
+param nvme), ``param_nvme_gds`` (the same with ``--offload-gds``; its row's
+``gds_per_rank`` says "used" or why not -- not in the default list). Swap files go to a fresh directory under ``--nvme-path`` (default:
 the current directory; tmpfs is refused), removed at the end.
 
 ``configs.<name>``: ``median_step_s`` (``--steps`` after one warm-up) and
@@ -66,7 +67,7 @@ from hybrid.testing.pool import run_ranks
 
 CONFIGS = {"none": (None, None), "optimizer_cpu": ("cpu", None),
            "optimizer_nvme": ("nvme", None), "param_cpu": ("cpu", "cpu"),
-           "param_nvme": ("nvme", "nvme")}
+           "param_nvme": ("nvme", "nvme"), "param_nvme_gds": ("nvme", "nvme")}
 
 
 def _rss_mb() -> float:
@@ -92,7 +93,8 @@ def _config(a, name, swap_dir, world, layers=None):
         zero_stage=3, zero_param_persistence_threshold=0, seed=1234,
         offload_optimizer=optimizer, offload_param=param,
         offload_nvme_path=os.path.join(swap_dir, name) if "nvme" in (optimizer, param) else None,
-        offload_buffer_count=a.buffer_count, offload_buffer_size=a.buffer_size), world)
+        offload_buffer_count=a.buffer_count, offload_buffer_size=a.buffer_size,
+        offload_gds=name.endswith("_gds")), world)
 
 
 class _WaitClock:
@@ -200,6 +202,8 @@ def _bench_rank(ps, name, a, swap_dir):
         if name == "optimizer_nvme" and ps.rank == 0:
             out["swap_io"] = _swap_rates(engine.swapped)
         out["model_state_bytes"] = engine.model_state_bytes()
+        if cfg.offload.gds:  # did the probe pass (hybrid/kernels/gds.py)?
+            out["gds"] = engine.tiers.gds or "used"
     finally:
         engine.close()
     est = tier_bytes(workload(cfg, a.vocab_size, device=ps.device.type), cfg.offload)
@@ -274,6 +278,8 @@ def _summary(ranks: list[dict], none_s: float | None) -> dict:
         dev = [r["peak_device_bytes"] for r in ranks]
         row.update(peak_device_bytes_per_rank=dev,
                    peak_device_over_predicted=round(max(dev) / pred["device_bytes"], 3))
+    if "gds" in ranks[0]:
+        row["gds_per_rank"] = [r["gds"] for r in ranks]
     return row
 
 
@@ -333,7 +339,8 @@ def _args(argv):
     ap.add_argument("--nvme-path", default=os.getcwd(),
                     help="where the swap directory goes (default: the current directory)")
     ap.add_argument("--dd-reps", type=int, default=2)
-    ap.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
+    ap.add_argument("--configs", nargs="+", default=[c for c in CONFIGS if c != "param_nvme_gds"],
+                    choices=list(CONFIGS))
     a = ap.parse_args(argv)
     a.threads = a.threads or max(1, (os.cpu_count() or 1) // a.world_size)
     a.layers_of = {}  # per setting, with --largest

@@ -189,7 +189,7 @@ def _offload(f: Flags) -> OffloadConfig:
         nvme_path=f.offload_nvme_path, buffer_count=f.offload_buffer_count,
         buffer_size=f.offload_buffer_size, pin_memory=f.offload_pin_memory,
         delayed_update=f.offload_delayed_update,
-        delayed_update_warmup=f.offload_delayed_update_warmup)
+        delayed_update_warmup=f.offload_delayed_update_warmup, gds=f.offload_gds)
 
 
 def _recompute(f: Flags) -> RecomputeConfig:

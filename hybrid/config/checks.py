@@ -279,6 +279,10 @@ def check_offload(f: Flags) -> None:
         raise ConfigError(f"--offload-param {f.offload_param} needs --offload-optimizer (cpu "
                           f"or nvme): the gradients of offloaded parameters are kept on "
                           f"the host, where the optimizer step reads them")
+    if f.offload_gds and f.offload_param != "nvme":
+        raise ConfigError("--offload-gds reads stage 3 parameter shards from disk into device "
+                          "memory: it needs --offload-param nvme (got "
+                          f"{f.offload_param or 'none'})")
     if "nvme" in (f.offload_optimizer, f.offload_param) and not f.offload_nvme_path:
         raise ConfigError("the nvme offload tier needs --offload-nvme-path DIR (a directory "
                           "on a local disk; each rank uses its own subdirectory)")

@@ -189,7 +189,7 @@ KEYS: dict[str, object] = {
     "aio.block_size": Hint(_AIO), "aio.queue_depth": Hint(_AIO), "aio.thread_count": Hint(_AIO),
     "aio.single_submit": Hint(_AIO), "aio.overlap_events": Hint(_AIO),
     "aio.intra_op_parallelism": Hint(_AIO),
-    "aio.use_gds": Refuse("hybrid does not use GPUDirect Storage yet"),
+    "aio.use_gds": Flag("offload_gds", bool),
     # optimizer and scheduler blocks (deepspeed.py reads them whole)
     "optimizer": Custom(), "scheduler": Custom(),
     # ZeRO-R

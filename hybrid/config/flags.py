@@ -161,6 +161,10 @@ class Flags:
                                             "both moments, 12 bytes per element")
     offload_pin_memory: bool | None = opt(None, "page-locked offload buffers (default: when "
                                                 "a GPU exists)", alias="--use-pin-memory")
+    offload_gds: bool = opt(False, "with --offload-param nvme: read the parameter shards "
+                                   "from disk straight into device memory through GPUDirect "
+                                   "Storage (torch.cuda.gds) where a probe shows it works; "
+                                   "elsewhere one warning and pinned host buffers")
     # ZeRO-Offload's delayed update: the host step overlaps the next iteration's GPU work
     offload_delayed_update: bool = opt(False, "with --offload-optimizer: ZeRO-Offload's one-step "
                                               "delayed parameter update (the host step of "

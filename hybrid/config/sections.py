@@ -96,7 +96,9 @@ class OffloadConfig:
     fixed whatever the model size. ``pin_memory``: page-locked host buffers
     (None: when a GPU exists). ``delayed_update``: with ``optimizer``,
     ZeRO-Offload's one-step delayed parameter update, after
-    ``delayed_update_warmup`` normal steps.
+    ``delayed_update_warmup`` normal steps. ``gds``: with ``param`` "nvme", read
+    the shards into device memory through GPUDirect Storage where it works
+    (:mod:`hybrid.kernels.gds`).
     """
 
     optimizer: str | None = None
@@ -107,6 +109,7 @@ class OffloadConfig:
     pin_memory: bool | None = None
     delayed_update: bool = False
     delayed_update_warmup: int = 0
+    gds: bool = False
 
     @property
     def nvme(self) -> bool:

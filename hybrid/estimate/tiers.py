@@ -26,6 +26,8 @@ recompute, whose recompute forward gathers again)::
             gathered units       stage 3: :func:`buffer_bytes`'s root + 2 blocks; with
                                  param offload 3 x largest unit x e_p (the one computed,
                                  up to 2 prefetched)
+            param_reads          param nvme with --offload-gds: the host's
+                                 param_staging, in device memory instead
             unit grads, staging, activations, runtime: as without offload
     host    master_and_moments   optimizer cpu: 12 shard (fp32 master, both moments)
             grad_buffer          optimizer cpu: e_g shard (0 on a CPU device at stages
@@ -43,7 +45,8 @@ recompute, whose recompute forward gathers again)::
             param_shard          param cpu: e_p shard (also where the step writes the
                                  new parameters: it replaces the upload copy)
             param_staging        param nvme: 2 shards of the largest unit, e_p each
-                                 (the read being loaded, the one prefetched)
+                                 (the read being loaded, the one prefetched); 0 with
+                                 --offload-gds (assumed to work where asked)
             param_write_staging  param offload without the delayed update: the step
                                  writes new parameters home through 2 chunks, e_p
                                  each (home_writer.py): a tile (optimizer nvme) or
@@ -153,7 +156,15 @@ def device_terms(w: Workload, off: OffloadConfig, runtime_bytes: int = 0) -> dic
         # prefetched ones are whole here
         e_p = BYTES[w.params_dtype]
         out.update(params=0, gathered_units=3 * _largest_unit(w) * e_p)
+    if off.param == "nvme" and off.gds:  # GPUDirect reads land in device buffers
+        out["param_reads"] = _param_reads(w)
     return out
+
+
+def _param_reads(w: Workload) -> int:
+    """Bytes of the reads from params.swp in flight: the shard being loaded and the one
+    prefetched (hybrid/zero/param_offload.py), each of the largest unit."""
+    return 2 * -(-_largest_unit(w) // w.shard_ranks) * BYTES[w.params_dtype]
 
 
 def host_terms(w: Workload, off: OffloadConfig, baseline_bytes: int = HOST_BASELINE_BYTES
@@ -184,8 +195,7 @@ def host_terms(w: Workload, off: OffloadConfig, baseline_bytes: int = HOST_BASEL
         "param_shard": e_p * n if off.param == "cpu" else 0,
         # reads from params.swp in flight: the shard being loaded and the one
         # prefetched (hybrid/zero/param_offload.py), each of the largest unit
-        "param_staging": (2 * -(-_largest_unit(w) // w.shard_ranks) * e_p
-                          if off.param == "nvme" else 0),
+        "param_staging": _param_reads(w) if off.param == "nvme" and not off.gds else 0,
         "param_write_staging": 2 * _write_chunk(w, off) * e_p,
     }
 

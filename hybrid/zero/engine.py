@@ -96,7 +96,8 @@ class ZeroEngine:
         self._pieces = owned_pieces(model, self.units)  # the layout is fixed from here on
         fill = Materializer(model, values)
         # the swap files and parameter homes, checked and allocated before anything else
-        self.tiers = OffloadTiers(offload, ps.rank, self.units, self.dtype, self.grad_dtype)
+        self.tiers = OffloadTiers(offload, ps.rank, self.units, self.dtype, self.grad_dtype,
+                                  ps.device)
         # fp32 master weights first: they read the exact fp32 values, which a
         # materialized model loses once its parameters become low-precision views.
         self.separate_master = self.dtype != torch.float32 or offload.optimizer is not None
@@ -316,7 +317,7 @@ class ZeroEngine:
             return 0 if t is None else t.untyped_storage().nbytes()
         params = nbytes(self.flat_params) + sum(
             u.shard.untyped_storage().nbytes() + u.full.untyped_storage().nbytes()
-            for u in self.units if u.partition_params)
+            for u in self.units if u.partition_params) + self.tiers.param_device_bytes()
         opt = self.optimizer.state_bytes() + nbytes(self.flat_master)
         if self.offload is not None:
             opt += self.offload.nbytes()

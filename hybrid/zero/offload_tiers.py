@@ -1,6 +1,7 @@
 """Where one rank's model states live off the device, built once from :class:`OffloadConfig`.
 
-    tiers = OffloadTiers(offload, rank, units, dtype, grad_dtype)
+    tiers = OffloadTiers(offload, rank, units, dtype, grad_dtype, device)
+    tiers.gds           # None, or why --offload-gds reads through host buffers here
     tiers.states        # the nvme tier's optimizer states (SwappedStates), or None
     tiers.grads         # ... and its gradient shard (SwappedGrads), or None
     tiers.send_home(unit)   # stage 3 param offload: a unit's shard, just materialized, home
@@ -13,16 +14,21 @@ locked and preallocated together, before the first step.
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from hybrid.config.sections import OffloadConfig
+from hybrid.kernels import gds
 from hybrid.kernels.aio import AsyncIO
 from hybrid.zero import grad_homes, param_offload, tiles
 from hybrid.zero.flat_unit import FlatUnit, shard_bounds
 from hybrid.zero.grad_homes import SwappedGrads
-from hybrid.zero.param_offload import DiskHome, HostHome, disk_slots
+from hybrid.zero.param_offload import DiskHome, GdsHome, HostHome, disk_slots
 from hybrid.zero.swap import SwapSpace
 from hybrid.zero.tiles import SwappedStates
+
+log = logging.getLogger("hybrid")
 
 IO_THREADS = 4  # requests are cut into pieces over these; the disk, not the CPU, bounds them
 
@@ -33,14 +39,18 @@ class OffloadTiers:
 
     ``units``: the engine's units (their owned sizes, in shard order, make the
     optimizer's flat shard); ``dtype``: the parameters' training dtype;
-    ``grad_dtype``: the gradients'.
+    ``grad_dtype``: the gradients'; ``device``: the training device (GDS reads land
+    there). ``gds_file``: the cuFile binding (``torch.cuda.gds.GdsFile``; a test's
+    stand-in).
     """
 
     def __init__(self, cfg: OffloadConfig, rank: int, units: list[FlatUnit],
-                 dtype: torch.dtype, grad_dtype: torch.dtype):
-        self.cfg = cfg
+                 dtype: torch.dtype, grad_dtype: torch.dtype, device: torch.device,
+                 gds_file=None):
+        self.cfg, self.device = cfg, device
         self.pin = torch.cuda.is_available() if cfg.pin_memory is None else cfg.pin_memory
-        self.space = self.io = self.states = self.grads = None
+        self.space = self.io = self.states = self.grads = self.reader = None
+        self.gds = None  # why --offload-gds is not used here (None: used, or not asked)
         self._homes: list = []
         n = sum(u.own_hi - u.own_lo for u in units)
         self._partitioned = [u for u in units if u.partition_params] if cfg.param else []
@@ -64,9 +74,23 @@ class OffloadTiers:
                 self.grads = SwappedGrads(self.space, self.io, shard_bounds(units),
                                           cfg.buffer_size, grad_dtype, self.pin)
                 self.states.attach_grads(self.grads, self.pin)
+            if cfg.param == "nvme" and cfg.gds:
+                self._open_gds(rank, gds_file)
         except BaseException:
             self.close()
             raise
+
+    def _open_gds(self, rank: int, gds_file) -> None:
+        """GDS reads of params.swp if the probe says they work; else the reason, kept
+        in ``self.gds`` (hybrid/kernels/gds.py, [Note: never required])."""
+        self.gds = gds.probe(self.space.dir, self.device, gds_file)
+        if self.gds is None:
+            self.reader = gds.GdsReader(self.space.files[param_offload.FILE].path, rank,
+                                        file_cls=gds_file)
+        elif rank == 0:  # (every rank probes its own directory; one line for the job)
+            log.warning("--offload-gds: GPUDirect Storage does not work here (%s); "
+                        "params.swp is read through %shost buffers", self.gds,
+                        "pinned " if self.pin else "")
 
     @torch.no_grad()
     def send_home(self, u: FlatUnit) -> None:
@@ -78,8 +102,9 @@ class OffloadTiers:
         if self.cfg.param == "cpu":
             home = HostHome(u.shard, self.pin)
         else:
-            home = DiskHome(self.space, self.io, self._slots[k], u.shard_size,
-                            u.shard.dtype, self.pin)
+            where = (self.space, self.io, self._slots[k], u.shard_size, u.shard.dtype)
+            home = (DiskHome(*where, self.pin) if self.reader is None else
+                    GdsHome(self.space, self.io, self.reader, *where[2:], self.device))
             home.store(u.shard).synchronize()
         u.offload_to(home)
         self._homes.append(home)
@@ -88,6 +113,10 @@ class OffloadTiers:
         """Host bytes of the parameter homes (a shard each on the cpu tier, the reads in
         flight on the nvme tier); the optimizer's staging is the optimizer's to count."""
         return sum(h.host_bytes() for h in self._homes)
+
+    def param_device_bytes(self) -> int:
+        """Device bytes of the GPUDirect reads in flight (--offload-gds)."""
+        return sum(h.device_bytes() for h in self._homes if isinstance(h, GdsHome))
 
     def disk_bytes(self) -> int:
         return 0 if self.space is None else self.space.nbytes()
@@ -104,6 +133,9 @@ class OffloadTiers:
                 if isinstance(h, DiskHome):
                     h.store_done()
         finally:
+            if self.reader is not None:
+                self.reader.close()
+                self.reader = None
             if self.io is not None:
                 self.io.close()
                 self.io = None

@@ -9,6 +9,7 @@ the device, and the device holds it only while the unit's gather runs::
     tier  home                         load                          store (after the step)
     cpu   a host tensor (pinned, GPU)  copy (async H2D on a GPU)     copy from the host step
     nvme  its slot in params.swp       read (prefetched), copy       asynchronous write
+    (with --offload-gds where GPUDirect Storage works: read straight into device memory)
 
 [Note: prefetching from disk]
 The gatherer prefetches one unit ahead (its all-gather overlaps the current
@@ -141,6 +142,8 @@ class DiskHome:
             self._read.wait()
             self._buf = self._read = None
         src = values.detach().contiguous()
+        if src.device.type != "cpu":  # the shard as first materialized, on the device
+            src = aligned_empty(src.numel(), src.dtype).copy_(src)
         req = self.io.write(self.file, self.offset + start * src.element_size(), src)
         self._writes.append(req)
         return req
@@ -165,6 +168,44 @@ class DiskHome:
     def host_bytes(self) -> int:
         bufs = [self._buf, None if self._copying is None else self._copying[0]]
         return sum(b.numel() * b.element_size() for b in bufs if b is not None)
+
+
+class GdsHome(DiskHome):
+    """The nvme tier read with GPUDirect Storage (``--offload-gds``): a prefetch reads
+    the slot straight into a device buffer of the shard's size (no host buffer, no
+    host-to-device copy); the load copies it into the shard on the device. Writes
+    come from the host step, as for :class:`DiskHome`."""
+
+    def __init__(self, space: SwapSpace, io: AsyncIO, reader, offset: int, numel: int,
+                 dtype: torch.dtype, device: torch.device):
+        super().__init__(space, io, offset, numel, dtype, pin=False)
+        self.reader, self.device = reader, device
+
+    def prefetch(self) -> None:
+        """Start reading the shard into a device buffer (no-op if one is under way)."""
+        if self._read is None:
+            self._wait_write()
+            self._buf = torch.empty(self.numel, dtype=self.dtype, device=self.device)
+            after = None
+            if self._buf.is_cuda:  # the buffer is free once the stream gets here
+                after = torch.cuda.Event()
+                after.record(torch.cuda.current_stream(self.device))
+            self._read = self.reader.read(self.offset, self._buf, after)
+
+    def load_into(self, shard: torch.Tensor) -> None:
+        self.prefetch()
+        self._read.wait()
+        # on the compute stream, where the buffer was allocated: the allocator reuses
+        # it only after this copy
+        shard.copy_(self._buf)
+        self._buf = self._read = None
+
+    def host_bytes(self) -> int:
+        return 0
+
+    def device_bytes(self) -> int:
+        """Bytes of the read in flight's device buffer."""
+        return 0 if self._buf is None else self._buf.numel() * self._buf.element_size()
 
 
 def disk_slots(numels: list[int], element_size: int) -> tuple[list[int], int]:

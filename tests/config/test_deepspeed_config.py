@@ -72,6 +72,7 @@ FLAG_VALUES = {
     "zero_optimization.offload_param.device": ("cpu", "offload_param", "cpu"),
     "zero_optimization.offload_param.nvme_path": ("/swap", "offload_nvme_path", "/swap"),
     "zero_optimization.offload_param.pin_memory": (False, "offload_pin_memory", False),
+    "aio.use_gds": (True, "offload_gds", True),
     "activation_checkpointing.partition_activations": (True, "partition_activations", True),
     "activation_checkpointing.cpu_checkpointing": (True, "cpu_checkpointing", True),
     "activation_checkpointing.contiguous_memory_optimization": (

@@ -133,6 +133,12 @@ def test_device_terms_by_hand():
     for opt, param in (("cpu", "cpu"), ("nvme", "nvme")):
         assert device_terms(w, _off(opt, param), 5) == dict(
             none, params=0, grads=landing, optimizer=0, gathered_units=3 * 49_984 * 2)
+    # ... and GPUDirect reads of params.swp: the 2 reads in flight move from the host's
+    # staging to the device
+    gds, plain = _off("nvme", "nvme", gds=True), _off("nvme", "nvme")
+    assert device_terms(w, gds, 5) == dict(device_terms(w, plain, 5),
+                                           param_reads=2 * 16_662 * 2)
+    assert host_terms(w, gds, 0) == dict(host_terms(w, plain, 0), param_staging=0)
     # stage 2: a bucket's shard, or the word embedding's when it is larger
     w2 = replace(w.with_stage(2), reduce_bucket_size=10**6)
     assert device_terms(w2, _off("cpu"))["grads"] == 2 * -(-PSI // 3) * 4

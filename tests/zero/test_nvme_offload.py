@@ -5,14 +5,20 @@ Both run the same AdamW arithmetic through the piece-exact step, over units
 parameter and master element must be *equal*, not close. The host tier itself
 is checked against plain torch in test_offload.py and test_zero.py."""
 
+import contextlib
+import ctypes
+import logging
 import os
 import subprocess
+from unittest import mock
 
 import pytest
 import torch
 
-from hybrid.errors import SwapIOError, SwapSpaceError
+from hybrid.errors import ConfigError, SwapIOError, SwapSpaceError
+from hybrid.kernels import gds
 from hybrid.parallel.state import ParallelState
+from hybrid.zero.param_offload import DiskHome
 from hybrid.zero.swap import SwapSpace
 
 from hybrid.recompute.checkpointing import apply_activation_checkpointing
@@ -21,25 +27,54 @@ from hybrid.zero.state import iter_piece_values
 
 from harness import run_ranks
 from launch import TINY, pretrain
-from zero_reference import _dp_step, _gpt, _named_params, _train_cfg, zero_engine
+from zero_reference import (_dp_step, _gpt, _my_micro_batches, _named_params, _train_cfg,
+                            zero_engine)
 
 TILE = 1024  # elements: the shards here are a few thousand, so tiles cross unit bounds
 
 
+class FakeGdsFile:
+    """``torch.cuda.gds.GdsFile``'s interface over POSIX reads of CPU storages: the
+    GDS path's wiring (probe, reader threads, offsets, whole-storage reads) on a CPU.
+    ``reads``: (offset, bytes) of every load, for the test to check."""
+
+    reads: list = []
+
+    def __init__(self, path, flags):
+        self.fd = os.open(path, flags)
+
+    def __del__(self):
+        os.close(self.fd)
+
+    def save_storage(self, storage, offset=0):
+        os.pwrite(self.fd, ctypes.string_at(storage.data_ptr(), storage.nbytes()), offset)
+
+    def load_storage(self, storage, offset=0):
+        data = os.pread(self.fd, storage.nbytes(), offset)
+        ctypes.memmove(storage.data_ptr(), data, len(data))
+        FakeGdsFile.reads.append((offset, len(data)))
+
+
 def _engine(ps, stage, kw, tier, root):
-    """``tier``: "optimizer[+param]", e.g. "cpu", "nvme", "cpu+nvme" (param offload)."""
+    """``tier``: "optimizer[+param[+gds]]", e.g. "cpu", "nvme", "cpu+nvme" (param
+    offload), "cpu+nvme+gds" (its reads through :class:`FakeGdsFile`)."""
     buffers = kw.pop("buffers", 3)
     optimizer, _, param = tier.partition("+")
+    param, _, via = param.partition("+")
     nvme = dict(offload_nvme_path=root, offload_buffer_size=TILE,
                 offload_buffer_count=buffers) if "nvme" in tier else {}
     cfg = _train_cfg(ps.world_size, ps.tp_size, zero_stage=stage, offload_optimizer=optimizer,
-                     offload_param=param or None, **nvme, **kw)
+                     offload_param=param or None, offload_gds=bool(via), **nvme, **kw)
     model = _gpt(cfg, ps, device="meta")
     phase = None
     if cfg.recompute.granularity:
         phase = apply_activation_checkpointing(model, ps, model.rng, cfg.recompute).phase
-    engine = zero_engine(model, ps, cfg, values=InitValues(cfg.seed, model.init_of),
-                         recompute=phase)
+    # "gds": the stand-in for cuFile; "cufile": torch's own binding
+    with mock.patch.object(gds, "gds_file_class", lambda: FakeGdsFile) if via == "gds" \
+            else contextlib.nullcontext():
+        engine = zero_engine(model, ps, cfg, values=InitValues(cfg.seed, model.init_of),
+                             recompute=phase)
+    FakeGdsFile.reads = []  # (not the probe's)
     return cfg, model, engine
 
 
@@ -64,7 +99,11 @@ def _run(ps, stage, kw, tier, root, steps=range(2)):
            # host bytes of the gradients on their way to the step, and what bounds them
            "grad_host_bytes": off.grads.nbytes(),
            "biggest": max(u.own_hi - u.own_lo for u in engine.units),
-           "grad_esize": torch.empty((), dtype=engine.grad_dtype).element_size()}
+           "grad_esize": torch.empty((), dtype=engine.grad_dtype).element_size(),
+           # GDS: why not used (None: used), the reads, the (offset, bytes) of each slot
+           "gds": engine.tiers.gds, "gds_reads": list(FakeGdsFile.reads),
+           "slots": {(u.home.offset, u.home.numel * u.shard.element_size())
+                     for u in engine.units if hasattr(u.home, "offset")}}
     return out, (cfg, model, engine)
 
 
@@ -93,7 +132,7 @@ def _assert_tier_bytes(tier, got, files, left, what):
     n = sum(p.shape[0] for p in got["pieces"])
     optimizer, _, param = tier.partition("+")
     want = {"optimizer.swp", "grads.swp"} if optimizer == "nvme" else set()
-    want |= {"params.swp"} if param == "nvme" else set()
+    want |= {"params.swp"} if param.startswith("nvme") else set()
     assert set(files) == want and not left, (what, files, left)
     if optimizer == "nvme":
         e = got["grad_esize"]
@@ -104,8 +143,15 @@ def _assert_tier_bytes(tier, got, files, left, what):
         assert got["grad_host_bytes"] <= 2 * (got["biggest"] * e + 4096) < n * e, what
         assert got["bytes"]["optimizer"] <= 4 * TILE * (12 + e) + got["grad_host_bytes"] \
             + n * 4, what
-    if param == "nvme":
+    if param.startswith("nvme"):
         assert files["params.swp"] >= got["bytes"]["params"], what
+    if param.endswith("+gds"):  # every shard came off disk whole, at its slot, in each
+        # forward and backward of both steps
+        reads = got["gds_reads"]
+        assert got["gds"] is None and set(reads) == got["slots"], what
+        assert all(reads.count(s) >= 4 for s in got["slots"]), what
+    else:
+        assert not got["gds_reads"], what
     if param:  # the partitioned shards left the device: only persistent units remain
         assert got["bytes"]["params"] < n * 2, what
         # the step writes new shards straight home: a host copy only of the units kept
@@ -126,7 +172,8 @@ def _assert_equal(host, nvme, what):
         assert torch.equal(a, b), what
 
 
-P3 = ("nvme", "cpu+cpu", "cpu+nvme", "nvme+nvme")  # the host and disk homes of stage 3
+# the host and disk homes of stage 3 (the disk's read through GPUDirect Storage's interface)
+P3 = ("nvme", "cpu+cpu", "cpu+nvme", "cpu+nvme+gds", "nvme+nvme")
 DP_VARIANTS = [(1, {}, ("nvme",)),
                (2, {"offload_delayed_update": True, "offload_delayed_update_warmup": 1,
                     "buffers": 2}, ("nvme",)),
@@ -155,6 +202,61 @@ def test_nvme_tier_is_the_host_tier_bit_for_bit(tmp_path):
                     what = f"rank {rank}, TP{world_tp}, stage {stage} {kw}, {tier}"
                     _assert_equal(host, got, what)
                     _assert_tier_bytes(tier, got, files, left, what)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="cuFile may work on a GPU machine")
+def test_gds_where_cufile_does_not_work_is_one_warning_and_the_pinned_path(tmp_path, caplog):
+    """--offload-gds with torch's own cuFile binding on this CPU build: the probe says
+    why it cannot be used (one warning naming the flag), params.swp is read through
+    host buffers, training steps as without the flag, and the probe leaves no file.
+    Without --offload-param nvme the flag is one error naming both flags."""
+    ps = ParallelState.single()
+    with caplog.at_level(logging.WARNING, logger="hybrid"):
+        cfg, model, engine = _engine(ps, 3, {}, "cpu+nvme+cufile", str(tmp_path / "a"))
+    reason = engine.tiers.gds
+    assert reason and "not supported on this platform" in reason, reason
+    warned = [r.getMessage() for r in caplog.records if "--offload-gds" in r.getMessage()]
+    assert warned == [f"--offload-gds: GPUDirect Storage does not work here ({reason}); "
+                      f"params.swp is read through host buffers"]
+    homes = [u.home for u in engine.units if u.home is not None]
+    assert homes and all(type(h) is DiskHome for h in homes)
+    assert sorted(os.listdir(tmp_path / "a" / "rank00000")) == [".lock", "params.swp"]
+    plain = _engine(ps, 3, {}, "cpu+nvme", str(tmp_path / "b"))
+    for step in range(2):
+        assert _dp_step(model, engine, ps, cfg, step)[0] == \
+            _dp_step(plain[1], plain[2], ps, plain[0], step)[0]
+    engine.close()
+    plain[2].close()
+    with pytest.raises(ConfigError, match="--offload-gds .* needs --offload-param nvme "
+                                          r"\(got cpu\)"):
+        _train_cfg(1, 1, zero_stage=3, offload_optimizer="cpu", offload_param="cpu",
+                   offload_gds=True)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_disk_homes_train_the_host_home_s_curve(tmp_path):
+    """On a GPU, stage 3 bf16 with the parameter shards in params.swp -- read through
+    pinned host buffers, and with --offload-gds through GPUDirect Storage where the
+    probe passes (else that same path; ``tiers.gds`` says which) -- trains the curve of
+    the host home bit for bit: losses and every parameter after 3 steps."""
+    from hybrid.train.step import train_step
+    ps = ParallelState.single("cuda")
+    runs = {}
+    for tier in ("cpu+cpu", "cpu+nvme", "cpu+nvme+cufile"):
+        cfg, model, engine = _engine(ps, 3, {"bf16": True}, tier, str(tmp_path / tier))
+        losses = []
+        for step in range(3):
+            batches = [(x.cuda(), y.cuda()) for x, y in
+                       _my_micro_batches(step, ps, cfg.loop.micro_batch_size)]
+            losses.append(float(train_step(model, engine, batches, 1e-2)[0]))
+        runs[tier] = (losses, _named_params(model, engine), engine.tiers.gds)
+        engine.close()
+    print("GPUDirect Storage:", runs["cpu+nvme+cufile"][2] or "used")
+    losses, params, _ = runs["cpu+cpu"]
+    for tier in ("cpu+nvme", "cpu+nvme+cufile"):
+        assert runs[tier][0] == losses, (tier, runs[tier][0], losses)
+        for name, t in params.items():
+            assert torch.equal(runs[tier][1][name], t), (tier, name)
 
 
 def test_not_enough_space_is_one_error_before_training(tmp_path):
