@@ -160,7 +160,7 @@ class Flags:
                                             "1024); a buffer holds a tile's master and "
                                             "both moments, 12 bytes per element")
     offload_pin_memory: bool | None = opt(None, "page-locked offload buffers (default: when "
-                                                "a GPU exists)", alias="--use-pin-memory")
+                                                "training on a GPU; never without CUDA)", alias="--use-pin-memory")
     offload_gds: bool = opt(False, "with --offload-param nvme: read the parameter shards "
                                    "from disk straight into device memory through GPUDirect "
                                    "Storage (torch.cuda.gds) where a probe shows it works; "

@@ -94,8 +94,8 @@ class OffloadConfig:
     shards live between the gathers that use them.
     ``buffer_count`` x ``buffer_size`` elements: the nvme tier's host staging,
     fixed whatever the model size. ``pin_memory``: page-locked host buffers
-    (None: when a GPU exists). ``delayed_update``: with ``optimizer``,
-    ZeRO-Offload's one-step delayed parameter update, after
+    (None: when training on a GPU; never without CUDA). ``delayed_update``:
+    with ``optimizer``, ZeRO-Offload's one-step delayed parameter update, after
     ``delayed_update_warmup`` normal steps. ``gds``: with ``param`` "nvme", read
     the shards into device memory through GPUDirect Storage where it works
     (:mod:`hybrid.kernels.gds`).

@@ -72,7 +72,9 @@ def aligned_empty(numel: int, dtype: torch.dtype, pin: bool = False) -> torch.Te
     """
     nbytes = numel * torch.empty((), dtype=dtype).element_size()
     pin = pin and torch.cuda.is_available()
-    raw = torch.empty(nbytes + ALIGN, dtype=torch.uint8, pin_memory=pin)
+    raw = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin)
+    if raw.data_ptr() % ALIGN:  # (pinned blocks start on a page: only pageable ones retry)
+        raw = torch.empty(nbytes + ALIGN, dtype=torch.uint8, pin_memory=pin)
     skip = -raw.data_ptr() % ALIGN
     return raw[skip:skip + nbytes].view(dtype)
 

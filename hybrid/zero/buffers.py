@@ -19,7 +19,7 @@ def allocate_master(units: list[FlatUnit], pieces, fill, offload: OffloadConfig,
 
     ``device`` None: no separate master (the fp32, on-device parameter shards are
     their own): all three None. With ``offload.optimizer`` the master lives on
-    the host (pinned when a GPU exists), or on the nvme tier in ``tiers.states``
+    the host (pinned as ``tiers.pin`` says), or on the nvme tier in ``tiers.states``
     (returned third, filled here; the first two None). ``pieces``: the engine's
     owned pieces, whose exact fp32 values ``fill`` writes -- before the model's
     parameters become low-precision views and lose them.
@@ -32,7 +32,7 @@ def allocate_master(units: list[FlatUnit], pieces, fill, offload: OffloadConfig,
     on_host = offload.optimizer is not None
     flat = torch.empty(sum(u.own_hi - u.own_lo for u in units), dtype=torch.float32,
                        device=torch.device("cpu") if on_host else device,
-                       pin_memory=on_host and torch.cuda.is_available())
+                       pin_memory=on_host and tiers.pin)
     master, off = [], 0
     for u in units:
         master.append(flat[off: off + u.own_hi - u.own_lo])

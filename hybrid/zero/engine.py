@@ -158,7 +158,8 @@ class ZeroEngine:
                                           flat_grad)
         self.offload = (OptimizerOffload(self.units, self.dtype, self.flat_grads,
                                          self.grad_dtype, self.ps.device, self.plan,
-                                         self.optimizer, offload, self.tiers.grads)
+                                         self.optimizer, offload, self.tiers.grads,
+                                         pin=self.tiers.pin)
                         if offload.optimizer else None)
         # With a separate master the step writes each unit's new parameter shard in
         # the training dtype (a compiled kernel in the same pass as the update):

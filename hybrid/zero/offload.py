@@ -82,17 +82,19 @@ class OptimizerOffload:
             before the one-step delayed update starts).
         swapped_grads: the nvme tier's :class:`~hybrid.zero.grad_homes.SwappedGrads`,
             where the gradients go instead of a host buffer (None: host memory).
+        pin: page-locked host buffers (``OffloadTiers.pin``, decided once).
     """
 
     def __init__(self, units: list[FlatUnit], dtype: torch.dtype,
                  flat_grads: torch.Tensor | None, grad_dtype: torch.dtype,
-                 device: torch.device, plan, opt, cfg: OffloadConfig, swapped_grads=None):
+                 device: torch.device, plan, opt, cfg: OffloadConfig, swapped_grads=None,
+                 pin: bool = False):
         self.units = units
         self.index = {id(u): i for i, u in enumerate(units)}
         self.bounds = shard_bounds(units)
         n = self.bounds[-1]
         self.cuda = device.type == "cuda"
-        self.pin = self.cuda  # pinned host memory makes the copies asynchronous DMA
+        self.pin = pin  # pinned host memory makes the copies asynchronous DMA
         self.delayed = cfg.delayed_update
         self.warmup = cfg.delayed_update_warmup if cfg.delayed_update else 0
         in_place = (flat_grads is not None and flat_grads.device.type == "cpu" and plan.grads
@@ -338,6 +340,10 @@ class OptimizerOffload:
         """The master (e.g. just loaded from a checkpoint) becomes the parameters."""
         self.wait()
         self._upload_due = False
+        for i, up in enumerate(self._up):  # the copies about to be refilled are read out
+            if up is not None:
+                up.synchronize()
+                self._up[i] = None
         self._fill_upload_copies()
         for i, u in enumerate(self.units):
             if self.writer is not None and u.home is not None:  # one unit's shard at a time

@@ -33,6 +33,30 @@ log = logging.getLogger("hybrid")
 IO_THREADS = 4  # requests are cut into pieces over these; the disk, not the CPU, bounds them
 
 
+# [Note: pinned buffers at their size]
+# torch's caching host allocator rounds every pinned allocation up to a power of
+# two (so freed blocks are reused by size class). For the offload's buffers --
+# a master shard of gigabytes, staging tiles, host gradients -- that is up to
+# twice the host memory the estimator counts and the tier exists to save. Above
+# PINNED_ROUND_MB the allocator is told to give the exact size
+# (``pinned_max_round_threshold_mb``, a process-wide allocator setting); the
+# small buffers below it keep the rounding, a constant number of them.
+PINNED_ROUND_MB = 16
+
+
+def host_pinning(asked: bool | None, device: torch.device) -> bool:
+    """Whether the host buffers of the offload are page-locked, decided once for every
+    component: ``--offload-pin-memory`` (None: yes when training on a GPU), never
+    without CUDA (pinning needs it)."""
+    pin = device.type == "cuda" if asked is None else asked
+    if pin and torch.cuda.is_available():
+        if hasattr(torch._C, "_accelerator_setAllocatorSettings"):  # (torch >= 2.9)
+            torch._C._accelerator_setAllocatorSettings(
+                f"pinned_max_round_threshold_mb:{PINNED_ROUND_MB}")
+        return True
+    return False
+
+
 class OffloadTiers:
     """The swap space, the I/O threads and the optimizer states of the nvme tier, and
     the parameter homes of ``--offload-param``.
@@ -48,7 +72,7 @@ class OffloadTiers:
                  dtype: torch.dtype, grad_dtype: torch.dtype, device: torch.device,
                  gds_file=None):
         self.cfg, self.device = cfg, device
-        self.pin = torch.cuda.is_available() if cfg.pin_memory is None else cfg.pin_memory
+        self.pin = host_pinning(cfg.pin_memory, device)
         self.space = self.io = self.states = self.grads = self.reader = None
         self.gds = None  # why --offload-gds is not used here (None: used, or not asked)
         self._homes: list = []

@@ -18,6 +18,7 @@ import torch
 from hybrid.errors import ConfigError, SwapIOError, SwapSpaceError
 from hybrid.kernels import gds
 from hybrid.parallel.state import ParallelState
+from hybrid.zero.offload_tiers import host_pinning
 from hybrid.zero.param_offload import DiskHome
 from hybrid.zero.swap import SwapSpace
 
@@ -231,6 +232,20 @@ def test_gds_where_cufile_does_not_work_is_one_warning_and_the_pinned_path(tmp_p
                                           r"\(got cpu\)"):
         _train_cfg(1, 1, zero_stage=3, offload_optimizer="cpu", offload_param="cpu",
                    offload_gds=True)
+
+
+def test_pinning_asked_without_cuda_is_pageable_memory(tmp_path):
+    """--offload-pin-memory (DeepSpeed's pin_memory keys) on a machine without CUDA:
+    the host homes and buffers are ordinary memory and training steps (pinning needs
+    CUDA; it used to raise at the first host home). Unasked, a CPU device pins nothing."""
+    assert host_pinning(True, torch.device("cpu")) is torch.cuda.is_available()
+    assert host_pinning(None, torch.device("cpu")) is False
+    ps = ParallelState.single()
+    cfg, model, engine = _engine(ps, 3, {"offload_pin_memory": True}, "cpu+cpu",
+                                 str(tmp_path))
+    assert engine.tiers.pin is torch.cuda.is_available()
+    assert _dp_step(model, engine, ps, cfg, 0)[1].skipped is not None
+    engine.close()
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
