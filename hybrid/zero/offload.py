@@ -49,7 +49,6 @@ buffer in master order and is read in place.
 
 from __future__ import annotations
 
-import bisect
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -57,6 +56,7 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 from hybrid.config.sections import OffloadConfig
+from hybrid.zero.chunk_order import chunk_units, reverse_ends
 from hybrid.zero.flat_unit import FlatUnit, shard_bounds
 from hybrid.zero.grad_homes import HostGrads, stream_copy
 from hybrid.zero.home_writer import HomeWriter
@@ -107,7 +107,11 @@ class OptimizerOffload:
         self.opt = opt
         self.master = opt.flat_master  # None on the nvme tier
         self._chunks = opt.chunks()
-        self._chunk_units = _chunk_units(self._chunks, self.bounds)
+        self._chunk_units = chunk_units(self._chunks, self.bounds)
+        # (chunk_order.py, [Note: the delayed update runs last to first])
+        self._forward_ends = [ends for _, ends in self._chunk_units]
+        self._reverse_ends = reverse_ends(self._chunks, self.bounds)
+        self._ends = self._forward_ends  # the update's in flight, per chunk
         # fp32 models upload the host master itself: no narrow copy to make.
         master_uploads = dtype == torch.float32 and self.master is not None
         # Stage 3 parameter offload: the new shards go straight home (home_writer.py),
@@ -141,6 +145,9 @@ class OptimizerOffload:
         self.steps = 0
         # seconds, summed over steps: the main thread in step(), the worker in the kernels
         self.step_s = self.adam_s = 0.0
+        # ... and the main thread blocked in backward until the update in flight (the
+        # delayed update's) had read a host gradient buffer it rewrites
+        self.update_wait_s = 0.0
         self._chunk_t0 = 0.0
 
     def _piece(self, flat: torch.Tensor, i: int) -> torch.Tensor:
@@ -161,7 +168,10 @@ class OptimizerOffload:
         the final one) into its host buffer; returns the copy's CUDA event, or None."""
         i = self.index[id(unit)]
         if not self._written[i]:
-            self._consumed[i].wait()  # the update in flight has read the previous one
+            if not self._consumed[i].is_set():  # the update in flight has not read it yet
+                t0 = time.perf_counter()
+                self._consumed[i].wait()
+                self.update_wait_s += time.perf_counter() - t0
             self._consumed[i].clear()
             self._written[i] = True
         self._down[i] = self.grads.store(i, unit.grad_shard, self.copy_stream)
@@ -213,8 +223,9 @@ class OptimizerOffload:
         scalars_ready = self._scalars_down(grad_scale, skip)
         for e in self._ready:
             e.clear()
-        task = self._worker.submit(self._update, opt, lr, scalars_ready)
-        if self.delayed and self.steps > self.warmup:
+        delayed = self.delayed and self.steps > self.warmup
+        task = self._worker.submit(self._update, opt, lr, scalars_ready, delayed)
+        if delayed:
             self._pending, self._upload_due = task, True
         else:
             self._upload(published)
@@ -234,8 +245,9 @@ class OptimizerOffload:
             vals.record_stream(self.copy_stream)
         return ev
 
-    def _update(self, opt, lr: float, scalars_ready) -> None:
-        """The worker: one step of AdamW over the host shard, unit by unit."""
+    def _update(self, opt, lr: float, scalars_ready, delayed: bool) -> None:
+        """The worker: one step of AdamW over the host shard, unit by unit (last to first
+        when ``delayed``: chunk_order.py)."""
         if scalars_ready is not None:
             scalars_ready.synchronize()
         self._skipped = bool(self._scalars[1].item())  # host memory: no device sync
@@ -243,8 +255,11 @@ class OptimizerOffload:
         try:
             if not self._skipped:
                 self.grads.wait_all()  # (swapped: every unit's gradient on disk)
+                k = len(self._chunks)
+                order = range(k - 1, -1, -1) if delayed else range(k)
+                self._ends = self._reverse_ends if delayed else self._forward_ends
                 opt.run_chunks(self._flat_grad, lr, sc, self.found, self._before_chunk,
-                               self._after_chunk)
+                               self._after_chunk, order)
         except BaseException:
             self._failed = True  # nobody may wait for a unit that will not come
             raise
@@ -273,7 +288,7 @@ class OptimizerOffload:
         self.adam_s += time.perf_counter() - self._chunk_t0
         if self.writer is not None:
             self.writer.deliver(k)
-        for i in self._chunk_units[k][1]:
+        for i in self._ends[k]:
             self._consumed[i].set()
             self._ready[i].set()
 
@@ -356,32 +371,15 @@ class OptimizerOffload:
 
     def seconds(self, io) -> dict:
         """Seconds summed over the steps so far: ``host_step`` (the main thread in
-        :meth:`step`), ``adam`` (the worker in the Adam kernels) and ``io_wait`` (threads
-        blocked on ``io``'s swap reads and writes; 0 without swap files)."""
+        :meth:`step`), ``adam`` (the worker in the Adam kernels), ``update_wait`` (the
+        main thread in backward, waiting for the update in flight to have read a gradient
+        buffer: the delayed update's) and ``io_wait`` (threads blocked on ``io``'s swap
+        reads and writes; 0 without swap files)."""
         return {"host_step": self.step_s, "adam": self.adam_s,
+                "update_wait": self.update_wait_s,
                 "io_wait": 0.0 if io is None else io.waited.s}
 
     def nbytes(self) -> int:
         own = self.grads.nbytes()
         own += 0 if self.writer is None else self.writer.nbytes()
         return own + (0 if self.out is None else self.out.untyped_storage().nbytes())
-
-
-def _chunk_units(chunks: list[tuple[int, int]], bounds: list[int]):
-    """Per chunk ``[lo, hi)`` of the flat shard: (the units it overlaps, the units
-    whose last element it holds). ``bounds[i]``: where unit ``i`` starts."""
-    out, done = [], 0
-    for lo, hi in chunks:
-        first = max(0, bisect.bisect_right(bounds, lo) - 1)
-        touches = []
-        for i in range(first, len(bounds) - 1):
-            if bounds[i] >= hi:
-                break
-            if bounds[i + 1] > lo:
-                touches.append(i)
-        ends = []
-        while done < len(bounds) - 1 and bounds[done + 1] <= hi:
-            ends.append(done)
-            done += 1
-        out.append((touches, ends))
-    return out

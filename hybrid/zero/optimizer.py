@@ -190,11 +190,12 @@ class ShardedAdamW:
         return list(zip(self.offsets[:-1], self.offsets[1:]))
 
     def run_chunks(self, grad: torch.Tensor, lr: float, scalars: torch.Tensor,
-                   found: torch.Tensor, before, after) -> None:
-        """Every chunk of :meth:`chunks` in order: ``out = before(k)``, AdamW on it from
-        the flat ``grad`` (writing the chunk's new parameters into ``out`` when it is
-        not None), ``after(k)``."""
-        for k in range(len(self.offsets) - 1):
+                   found: torch.Tensor, before, after, order=None) -> None:
+        """Every chunk ``k`` of :meth:`chunks` in ``order`` (default: ascending; each
+        element's update is independent of the others', so any order gives the same
+        bits): ``out = before(k)``, AdamW on it from the flat ``grad`` (writing the
+        chunk's new parameters into ``out`` when it is not None), ``after(k)``."""
+        for k in (range(len(self.offsets) - 1) if order is None else order):
             self.step_parts(grad, lr, scalars, k, k + 1, before(k), found)
             after(k)
 

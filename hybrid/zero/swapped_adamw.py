@@ -78,7 +78,7 @@ class SwappedAdamW(ShardedAdamW):
         return [self.states.bounds(k) for k in range(self.states.tiles)]
 
     def run_chunks(self, grad: torch.Tensor, lr: float, scalars: torch.Tensor,
-                   found: torch.Tensor, before, after) -> None:
+                   found: torch.Tensor, before, after, order=None) -> None:
         def update(k, master, avg, avg_sq, tile_grad=None):
             out = before(k)
             lo, hi = self.states.bounds(k)
@@ -86,7 +86,7 @@ class SwappedAdamW(ShardedAdamW):
             adam_step(master, g, avg, avg_sq, out, self._segments(k), lr=lr,
                       step=1, scalars=scalars, found_inf=found, **self.hyper)
             after(k)
-        self.states.run(update)
+        self.states.run(update, order)
 
     def master_into(self, out: torch.Tensor) -> None:
         for lo, hi in self.chunks():

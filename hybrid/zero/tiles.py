@@ -89,34 +89,36 @@ class SwappedStates:
         return (k * 3 * self.tile + plane * self.tile + element) * 4
 
     # -- the pipeline --------------------------------------------------------------
-    def run(self, update) -> None:
-        """``update(k, master, exp_avg, exp_avg_sq[, grad])`` for every tile in order,
-        on tile views of the staging buffers (``grad`` when gradients are attached);
-        what it writes to the states goes back to disk. Returns once every write has
-        finished (the file then holds this step's states)."""
+    def run(self, update, order=None) -> None:
+        """``update(k, master, exp_avg, exp_avg_sq[, grad])`` for every tile ``k`` of
+        ``order`` (default: ascending), on tile views of the staging buffers (``grad``
+        when gradients are attached); what it writes to the states goes back to disk.
+        Returns once every write has finished (the file then holds this step's states)."""
         self.space.check()
+        order = list(range(self.tiles)) if order is None else list(order)
         c = len(self.staging)
         ahead = max(1, c - 1)  # tiles read ahead, leaving one buffer to drain a write
-        for k in range(min(ahead, self.tiles)):
-            self._read(k)
+        for j in range(min(ahead, len(order))):
+            self._read(j, order[j])
         try:
-            for k in range(self.tiles):
-                buf = self.staging[k % c]
+            for j, k in enumerate(order):  # the j-th tile uses buffer j % c
+                buf = self.staging[j % c]
                 self._reads.pop(k).wait()
                 lo, hi = self.bounds(k)
                 if self.grads is None:
                     update(k, *self.planes(buf, hi - lo))
                 else:
                     self._grad_reads.pop(k).wait()
-                    update(k, *self.planes(buf, hi - lo), self.grad_staging[k % c][: hi - lo])
-                self._writes[k % c] = self.io.write(self.file, self._offset(k), buf)
-                if k + ahead < self.tiles:
-                    self._read(k + ahead)
+                    update(k, *self.planes(buf, hi - lo), self.grad_staging[j % c][: hi - lo])
+                self._writes[j % c] = self.io.write(self.file, self._offset(k), buf)
+                if j + ahead < len(order):
+                    self._read(j + ahead, order[j + ahead])
         finally:
             self.drain()
 
-    def _read(self, k: int) -> None:
-        b = k % len(self.staging)
+    def _read(self, j: int, k: int) -> None:
+        """Read tile ``k``, the ``j``-th of the run, into buffer ``j % C``."""
+        b = j % len(self.staging)
         if b in self._writes:  # the buffer's previous tile must be on disk first
             self._writes.pop(b).wait()
         self._reads[k] = self.io.read(self.file, self._offset(k), self.staging[b])

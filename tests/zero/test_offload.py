@@ -2,6 +2,8 @@
 one-step delayed parameter update against a reference that applies each update
 one step late."""
 
+import threading
+
 import pytest
 import torch
 
@@ -203,6 +205,72 @@ def _fp16_overflow(ps):
         out.append({"skipped": skipped, "steps": engine.optimizer.step_count,
                     "params": _params(model, engine)})
     return out
+
+
+def _watched_delayed_update(ps):
+    """Stage 3 with the delayed update from the first step. The update of step 0 is held
+    before its chunk of unit 0 (the embeddings, which backward sends last) until step
+    1's backward has parked every other unit: it can, only if the update freed them
+    first. That chunk then ends only once backward's park of unit 0 has returned (or
+    0.5 s later): a park that did not wait for it records it missing. Returns (the
+    chunks in the order the update ran them, per park of step 1 the unit and the
+    chunks updated by then, each unit's chunks, whether the hold gave up)."""
+    cfg = _cfg(ps.world_size, zero_stage=3, offload_optimizer="cpu",
+               offload_delayed_update=True)
+    model = _gpt(cfg, ps, "meta")
+    engine = zero_engine(model, ps, cfg, values=InitValues(cfg.seed, model.init_of))
+    off = engine.offload
+    touches = [t for t, _ in off._chunk_units]
+    units = {i: [k for k, t in enumerate(touches) if i in t] for i in range(len(off.units))}
+    done, parks, step, gate, gave_up = [], [], [0], threading.Event(), []
+    parked0 = threading.Event()
+    before, after, park = off._before_chunk, off._after_chunk, off.park
+
+    def held_before(k):
+        if 0 in touches[k] and not gate.wait(timeout=30):
+            gave_up.append(k)  # (a deadlock otherwise: backward waits for this update)
+        return before(k)
+
+    def recorded_after(k):
+        if 0 in touches[k]:
+            parked0.wait(timeout=0.5)  # (times out unless the park came too early)
+        done.append(k)
+        after(k)
+
+    def watched_park(unit):
+        event = park(unit)
+        if step[0] == 1:
+            parks.append((off.index[id(unit)], list(done)))
+            if off.index[id(unit)] == 0:
+                parked0.set()
+            if {i for i, _ in parks} >= set(units) - {i for k in units[0] for i in touches[k]}:
+                gate.set()
+        return event
+    off._before_chunk, off._after_chunk, off.park = held_before, recorded_after, watched_park
+    per = BATCH // ps.dp_size
+    for step[0] in range(2):
+        engine.zero_grad()
+        mine = _global_batch(step[0])[ps.dp_rank * per: (ps.dp_rank + 1) * per]
+        for i, b in enumerate(mine.split(MICRO)):
+            engine.backward(model(b[:, :-1], b[:, 1:]), sync=i == per // MICRO - 1)
+        if step[0] == 0:
+            engine.step(cfg.lr_schedule.lr)  # its update runs on the worker during step 1
+    engine.wait_optimizer()
+    return done, parks, units, gave_up
+
+
+def test_the_delayed_update_runs_last_to_first_and_frees_each_gradient_once_read():
+    """The delayed update of step t runs its chunks last to first, the order in which
+    step t + 1's backward sends gradients down, so backward never waits for the whole
+    update (held before its first unit, the update still lets every other unit's
+    gradient down); and no unit's host gradient is rewritten before every chunk of it
+    was updated (checked at each park)."""
+    for done, parks, units, gave_up in run_ranks(_watched_delayed_update, world_size=2, tp=1):
+        assert not gave_up
+        assert done == sorted(done, reverse=True) and len(done) == len(units) > 2
+        assert {i for i, _ in parks} == set(units)
+        for i, updated in parks:
+            assert set(units[i]) <= set(updated), (i, units[i], updated)
 
 
 def test_fp16_overflow_skips_an_offloaded_step_and_training_goes_on():
