@@ -110,12 +110,16 @@ class FlightRecorder:
         watch: the backend completes collectives after they return (NCCL): keep
             their handles and let the heartbeat report one running past the
             timeout, through ``on_hang`` (:mod:`hybrid.diagnostics.watch`).
+        connections: (main thread's, heartbeat's) stores to use instead of two
+            clones of ``store`` -- for a process that makes many recorders (the test
+            pool): each clone is a new TCP connection, and a connect to the
+            store on 127.0.0.1 now and then stalls for 5 s.
     """
 
     def __init__(self, rank: int, world_size: int, store=None,
                  timeout: datetime.timedelta = datetime.timedelta(minutes=10),
                  watch: bool = False, dump_dir: str | None = None,
-                 check_collectives: bool = False):
+                 check_collectives: bool = False, connections: tuple | None = None):
         self.rank, self.world_size = rank, world_size
         self.timeout_s = timeout.total_seconds()
         self.heartbeat_s, store_s = _periods(self.timeout_s)
@@ -131,7 +135,8 @@ class FlightRecorder:
         self.dump_dir = dump_dir  # --collective-dump-dir
         self.check_collectives = check_collectives  # --check-collectives
         self._main = threading.get_ident()
-        self._store = self._clone(store)
+        self._connections = connections
+        self._store = self._clone(store, 0)
         self._base_store = store
         self._stop = threading.Event()
         self._thread = None
@@ -143,10 +148,12 @@ class FlightRecorder:
         self._first_failure: tuple | None = None  # (entry, (message, is the report))
 
     # -- setup -------------------------------------------------------------------------
-    def _clone(self, store):
+    def _clone(self, store, thread: int):
+        """A store connection for ``thread`` (0: the main one, 1: the heartbeat's)."""
         if store is None:
             return None
-        s = store.clone()  # one connection per thread; its own timeout
+        s = store.clone() if self._connections is None else self._connections[thread]
+        # (one connection per thread; its own timeout)
         s.set_timeout(self.store_timeout)
         return s
 
@@ -165,7 +172,7 @@ class FlightRecorder:
             return
         self._publish(self._store)
         self._thread = threading.Thread(target=self._heartbeat,
-                                        args=(self._clone(self._base_store),),
+                                        args=(self._clone(self._base_store, 1),),
                                         name="hybrid-heartbeat", daemon=True)
         self._thread.start()
 

@@ -77,6 +77,10 @@ class _Layouts:
         self.timeout = timeout
         self.store = store
         self.built = {}
+        # the calls' flight recorders share two store connections (their main thread's
+        # and their heartbeat's; one call at a time): a fresh pair per call cost two
+        # connects, and one in ~20 stalls for 5 s here
+        self.connections = (store.clone(), store.clone())
 
     def state(self, layout, call_id: int):
         """A fresh ParallelState for call ``call_id``: fresh counters, a fresh flight
@@ -92,8 +96,10 @@ class _Layouts:
                                                      device=torch.device("cpu"),
                                                      context_parallel_size=cp)
         base, stats = self.built[tp, cp], CommStats()
-        rec = FlightRecorder(base.rank, base.world_size,
-                             dist.PrefixStore(f"hybrid/call_{call_id}", self.store), self.timeout)
+        prefix = f"hybrid/call_{call_id}"
+        rec = FlightRecorder(base.rank, base.world_size, dist.PrefixStore(prefix, self.store),
+                             self.timeout, connections=tuple(
+                                 dist.PrefixStore(prefix, c) for c in self.connections))
 
         def fresh(g):
             return CommGroup(g.name, g.pg, g.ranks, g.global_rank, stats, g.timeout, rec)
