@@ -110,10 +110,8 @@ class FlightRecorder:
         watch: the backend completes collectives after they return (NCCL): keep
             their handles and let the heartbeat report one running past the
             timeout, through ``on_hang`` (:mod:`hybrid.diagnostics.watch`).
-        connections: (main thread's, heartbeat's) stores to use instead of two
-            clones of ``store`` -- for a process that makes many recorders (the test
-            pool): each clone is a new TCP connection, and a connect to the
-            store on 127.0.0.1 now and then stalls for 5 s.
+        connections: (main thread's, heartbeat's) stores instead of two clones of
+            ``store`` (new TCP connects) -- for a process making many recorders.
     """
 
     def __init__(self, rank: int, world_size: int, store=None,
@@ -149,11 +147,10 @@ class FlightRecorder:
 
     # -- setup -------------------------------------------------------------------------
     def _clone(self, store, thread: int):
-        """A store connection for ``thread`` (0: the main one, 1: the heartbeat's)."""
+        """``thread``'s store connection (0: main, 1: heartbeat), with its own timeout."""
         if store is None:
             return None
         s = store.clone() if self._connections is None else self._connections[thread]
-        # (one connection per thread; its own timeout)
         s.set_timeout(self.store_timeout)
         return s
 
