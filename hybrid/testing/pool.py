@@ -24,7 +24,9 @@ run on the same processes, one call after another. The contract:
 * Each call gets a fresh :class:`ParallelState` for its ``tp`` with fresh
   :class:`hybrid.parallel.comm.CommStats` (byte counts start at zero) and a fresh
   flight recorder (collective numbers start at zero; its store keys live under
-  ``hybrid/call_<n>/``; its heartbeat stops when the call returns). The process
+  ``hybrid/call_<n>/``, reached through two store connections each worker makes
+  once -- a connect to the store stalls for 5 s about once in 20 on the CI
+  machine; its heartbeat stops when the call returns). The process
   groups under it are created once per ``tp`` in a pool and reused; the default
   group lives as long as the pool.
 * Before each call a worker puts back what a fresh process would have: the
