@@ -4,6 +4,11 @@ import sys
 # Tests import the shared harness as `harness`; spawned ranks inherit sys.path.
 sys.path.insert(0, os.path.dirname(__file__))
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# torch's store sockets name their peers with a reverse lookup (getnameinfo), and
+# ::ffff:127.0.0.1 is not in /etc/hosts, so each connect asks DNS; where the resolver
+# drops a query (this machine's, about once in 20) the lookup waits glibc's default
+# 5 s before retrying. Retrying after 1 s keeps the ranks' connects from stalling.
+os.environ.setdefault("RES_OPTIONS", "timeout:1 attempts:2")
 
 # This process is an entry point too: kernel settings from HYBRID_* as a script's
 # would be (tests that need others call hybrid.kernels.configure themselves).
