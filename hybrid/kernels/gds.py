@@ -33,6 +33,7 @@ reads. The main thread never waits on the device.
 
 from __future__ import annotations
 
+import contextlib
 import os
 from concurrent.futures import ThreadPoolExecutor
 
@@ -64,7 +65,8 @@ def probe(directory: str, device: torch.device, file_cls=None) -> str | None:
         pattern = torch.arange(PROBE_BYTES, dtype=torch.int32).remainder(251).to(torch.uint8)
         src, dst = pattern.to(device), torch.zeros(PROBE_BYTES, dtype=torch.uint8,
                                                      device=device)
-        _sync(device)
+        if device.type == "cuda":  # cuFile reads src outside the stream its copy is on
+            torch.cuda.synchronize(device)
         f = file_cls(path, os.O_CREAT | os.O_RDWR)
         try:
             f.save_storage(src.untyped_storage(), 0)
@@ -81,11 +83,6 @@ def probe(directory: str, device: torch.device, file_cls=None) -> str | None:
             os.unlink(path)
         except OSError:
             pass
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 class _Read:
@@ -128,10 +125,7 @@ class GdsReader:
         try:
             if after is not None:
                 after.synchronize()
-            if dst.is_cuda:
-                with torch.cuda.device(dst.device):
-                    self._file.load_storage(storage, offset)
-            else:
+            with torch.cuda.device(dst.device) if dst.is_cuda else contextlib.nullcontext():
                 self._file.load_storage(storage, offset)
         except Exception as e:  # noqa: BLE001
             raise SwapIOError(f"rank {self.rank}: GPUDirect read of {nbytes} bytes at offset "

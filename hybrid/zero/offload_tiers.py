@@ -50,6 +50,10 @@ def host_pinning(asked: bool | None, device: torch.device) -> bool:
     without CUDA (pinning needs it)."""
     pin = device.type == "cuda" if asked is None else asked
     if pin and torch.cuda.is_available():
+        # A private call, as torch 2.13 has no public setter: the public way,
+        # PYTORCH_ALLOC_CONF, is read once when the process starts, before anyone knows
+        # the run will pin; torch.cuda.memory._set_allocator_settings (also private) is
+        # deprecated in favour of this one. Without it the buffers are only rounded up.
         if hasattr(torch._C, "_accelerator_setAllocatorSettings"):  # (torch >= 2.9)
             torch._C._accelerator_setAllocatorSettings(
                 f"pinned_max_round_threshold_mb:{PINNED_ROUND_MB}")
@@ -126,9 +130,9 @@ class OffloadTiers:
         if self.cfg.param == "cpu":
             home = HostHome(u.shard, self.pin)
         else:
-            where = (self.space, self.io, self._slots[k], u.shard_size, u.shard.dtype)
-            home = (DiskHome(*where, self.pin) if self.reader is None else
-                    GdsHome(self.space, self.io, self.reader, *where[2:], self.device))
+            slot = (self._slots[k], u.shard_size, u.shard.dtype)
+            home = (DiskHome(self.space, self.io, *slot, self.pin) if self.reader is None
+                    else GdsHome(self.space, self.io, self.reader, *slot, self.device))
             home.store(u.shard).synchronize()
         u.offload_to(home)
         self._homes.append(home)
