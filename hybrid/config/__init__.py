@@ -3,6 +3,7 @@
 * :mod:`.flags`          the command line: one :class:`Flags` field per flag
 * :mod:`.megatron_flags` Megatron flags hybrid drops (no effect) or refuses, and what instead
 * :mod:`.checks`         every check that can reject a command line, and its message
+* :mod:`.kinds`          the type a ds_config value or API argument must have, and its check
 * :mod:`.architecture`   the Llama-family flags (normalization, SwiGLU, RoPE, GQA, biases)
 * :mod:`.model`          the model section: the GPT's shape, padded vocabulary, parameter count
 * :mod:`.kernels`        the kernel flags and their ``HYBRID_*`` defaults

@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 
 from hybrid.config import checks
 from hybrid.config.architecture import validate_architecture
 from hybrid.config.deepspeed import apply_ds_config, load_ds_config
-from hybrid.config.flags import Flags
+from hybrid.config.flags import Flags, flag_name
 from hybrid.config.kernels import kernel_config_from_env, parse_kernel_choice
 from hybrid.config.sections import (AdamWConfig, CheckpointConfig, DataConfig, DiagnosticsConfig,
                                     KernelConfig, LoggingConfig, LoopConfig, LRScheduleConfig,
@@ -58,7 +59,7 @@ class TrainConfig:
     def to_dict(self) -> dict:
         """The flat flags (checkpoint metadata, logs)."""
         d = dataclasses.asdict(self.flags)
-        for name in ("ignored_megatron_flags", "explicit_flags", "ds_config_notes"):
+        for name in ("ignored_megatron_flags", "explicit_flags", "ds_config_notes", "given_as"):
             d.pop(name)
         return d
 
@@ -110,7 +111,27 @@ def _deepspeed(f: Flags, world_size: int) -> None:
 
 def _check(f: Flags, world_size: int) -> int:
     """Every check that can reject the run, in order; fills derived defaults into ``f``.
-    Returns the data-parallel size."""
+    Returns the data-parallel size. A message names a value by the name the user gave
+    it (:func:`_as_given`)."""
+    try:
+        return _run_checks(f, world_size)
+    except ConfigError as e:
+        raise ConfigError(_as_given(str(e), f.given_as)) from None
+
+
+def _as_given(message: str, given_as: Mapping[str, str]) -> str:
+    """``message`` with each flag whose value came from elsewhere (a ds_config key, an
+    argument of ``hybrid.initialize``) named as the user gave it: "--zero-stage must be
+    0, 1, 2 or 3, got 5" from ``{"zero_optimization": {"stage": 5}}`` says
+    "ds_config zero_optimization.stage must be ...". The checks speak in flags; this is
+    the one place that knows where a value came from."""
+    for field, name in given_as.items():
+        message = re.sub(rf"(?<![\w-]){re.escape(flag_name(field))}(?![\w-])",
+                         lambda _, name=name: name, message)
+    return message
+
+
+def _run_checks(f: Flags, world_size: int) -> int:
     dp = check_layout(world_size, f.tensor_model_parallel_size, f.context_parallel_size)
     checks.check_numbers(f)
     checks.check_parallel(f)
@@ -121,6 +142,7 @@ def _check(f: Flags, world_size: int) -> int:
     checks.check_zero(f)
     checks.check_recompute(f)
     checks.check_data(f)
+    checks.check_data_paths(f)
     checks.check_checkpoint(f)
     checks.check_output_dirs(f)
     return dp

@@ -92,12 +92,24 @@ def _check_context_parallel(f: Flags) -> None:
                           f"tokens (--seq-length / --context-parallel-size) over "
                           f"--tensor-model-parallel-size {tp}: use a --seq-length that is a "
                           f"multiple of {cp * tp}")
-    groups = ((f.group_query_attention and f.num_query_groups) or f.num_attention_heads)
-    if f.cp_comm_type == "a2a" and ((f.num_attention_heads // tp) % cp or (groups // tp) % cp):
+    if f.cp_comm_type != "a2a":
+        return
+    heads = f.num_attention_heads
+    if (heads // tp) % cp:
         raise ConfigError(f"--cp-comm-type a2a splits each TP rank's heads over "
-                          f"--context-parallel-size {cp}: --num-attention-heads "
-                          f"{f.num_attention_heads} (and the query groups) / TP {tp} must be "
-                          f"divisible by {cp}; use --cp-comm-type p2p or all_gather")
+                          f"--context-parallel-size {cp}: --num-attention-heads {heads} / TP "
+                          f"{tp} must be divisible by {cp}; use --cp-comm-type p2p or "
+                          f"all_gather")
+    if f.group_query_attention:  # the key/value heads split the same way
+        given = f.num_query_groups is not None
+        groups = f.num_query_groups if given else 1  # (Megatron's default, filled in later)
+        default = "" if given else " (the default with --group-query-attention)"
+        if groups >= 1 and (groups // tp) % cp:  # (below 1: validate_architecture says)
+            raise ConfigError(f"--cp-comm-type a2a splits each TP rank's key/value heads over "
+                              f"--context-parallel-size {cp}: --num-query-groups {groups}"
+                              f"{default} / TP {tp} must be divisible by {cp}; give "
+                              f"--num-query-groups a multiple of {cp * tp}, or use "
+                              f"--cp-comm-type p2p or all_gather")
 
 
 def check_model(f: Flags) -> None:
@@ -376,6 +388,8 @@ def check_data(f: Flags) -> None:
 
 
 def check_checkpoint(f: Flags) -> None:
+    if f.load and os.path.isfile(f.load):
+        raise ConfigError(_load_is_a_file(f.load))
     if f.save_interval is not None and not f.save:
         raise ConfigError("--save-interval needs --save DIR")
     if f.no_save_optim and not f.save:
@@ -384,6 +398,49 @@ def check_checkpoint(f: Flags) -> None:
         if getattr(f, name) and not f.load:
             raise ConfigError(f"{flag_name(name)} needs --load DIR (the checkpoint to "
                               f"start from)")
+
+
+def _load_is_a_file(path: str) -> str:
+    """--load names a file: what it takes instead, and the directory the file belongs to
+    when that is a run's checkpoints (a file of one ``iter_*`` checkpoint, or 'latest')."""
+    parent = os.path.dirname(os.path.abspath(path))
+    if os.path.isfile(os.path.join(parent, "metadata.json")):  # inside iter_NNNNNNN/
+        parent = os.path.dirname(parent)
+    looks = os.path.isfile(os.path.join(parent, "latest")) or any(
+        os.path.isfile(os.path.join(parent, d, "metadata.json"))
+        for d in _listdir(parent) if d.startswith("iter_"))
+    hint = f"; did you mean --load {parent}?" if looks else ""
+    return (f"--load {path} is a file; --load takes the directory a run saved into with "
+            f"--save (it holds 'latest' and the iter_* checkpoints){hint}")
+
+
+def _data_dir_message(flag: str, path: str) -> str:
+    """A data flag naming a directory: what it takes, and the prefix of preprocessed data
+    found in it, if any (one directory listing)."""
+    prefixes = sorted({name[:-4] for name in _listdir(path) if name.endswith((".idx", ".bin"))})
+    hint = (f"; did you mean {flag} {os.path.join(path, prefixes[0])}"
+            + (f" (one of {len(prefixes)} there)" if len(prefixes) > 1 else "") + "?"
+            if prefixes else "")
+    return (f"{flag} {path} is a directory; give a text file, or the prefix of "
+            f"preprocessed data (PREFIX for PREFIX.bin and PREFIX.idx){hint}")
+
+
+def _listdir(path: str) -> list[str]:
+    try:
+        return os.listdir(path)
+    except OSError:
+        return []
+
+
+def check_data_paths(f: Flags) -> None:
+    """A directory given where data files are wanted: said at the launcher's preflight,
+    not by every worker once the process groups exist."""
+    for name in ("data_path", "train_data_path", "valid_data_path", "test_data_path"):
+        for item in getattr(f, name) or ():
+            # (a prefix may share its name with a directory: data/ beside data.bin)
+            if (os.path.isdir(item) and not os.path.isfile(item + ".idx")
+                    and not os.path.isfile(item + ".bin")):
+                raise ConfigError(_data_dir_message(flag_name(name), item))
 
 
 # Flags naming a directory the run writes into (created when missing).

@@ -17,8 +17,16 @@ width h: ``reduce_bucket_size`` h^2, ``stage3_prefetch_bucket_size`` 0.9 h^2,
 
 [Note: batch sizes]
 DeepSpeed's train_batch_size = micro x gradient_accumulation_steps x DP. Any two
-give the third (one alone: accumulation 1); all three must agree. hybrid then
-holds micro-batch size and global batch size, as Megatron does.
+give the third (one alone: accumulation 1); all three must agree. A size the file
+leaves out may come from its flag (``--global-batch-size``, ``--micro-batch-size``),
+and a message names each size as the user gave it, never one derived from the
+others. hybrid then holds micro-batch size and global batch size, as Megatron does.
+
+[Note: types]
+Every value is checked against the type its key declares
+(:mod:`hybrid.config.deepspeed_keys`) in one place, :meth:`_Apply.typed`, before its
+rule reads it: ``{"enabled": "false"}`` is an error naming ``fp16.enabled``, not
+fp16 on (:mod:`hybrid.config.kinds`).
 """
 
 from __future__ import annotations
@@ -28,8 +36,10 @@ import json
 import os
 from collections.abc import Mapping
 
-from hybrid.config.deepspeed_keys import KEYS, SECTIONS, Custom, Flag, Hint, Refuse
+from hybrid.config.deepspeed_keys import (KEYS, SECTIONS, Custom, Flag, Hint, Refuse, kind_of,
+                                          quiet)
 from hybrid.config.flags import Flags, flag_name
+from hybrid.config.kinds import BOOL, OBJECT, Kind, show, typed
 from hybrid.errors import ConfigError
 
 _AUTO_FROM_WIDTH = {
@@ -39,10 +49,14 @@ _AUTO_FROM_WIDTH = {
 }
 
 
-def load_ds_config(source: str | Mapping) -> dict:
+def load_ds_config(source) -> dict:
     """The config as a dict, from a path or a dict (the API's ``config=``)."""
     if isinstance(source, Mapping):
         return dict(source)
+    if not isinstance(source, (str, os.PathLike)):
+        raise ConfigError(f"the ds_config must be a path to a JSON file or a dict, got "
+                          f"{type(source).__name__} {show(source)}")
+    source = os.fspath(source)
     if not os.path.isfile(source):
         raise ConfigError(f"--deepspeed_config {source}: no such file")
     try:
@@ -64,9 +78,18 @@ class _Apply:
         self.explicit = set(f.explicit_flags)
         self.notes: list[str] = []
         self.origin: dict[str, str] = {}  # flag field -> the key that set it
+        self.custom: dict[str, object] = {}  # a Custom rule's key -> its checked value
 
     def where(self, key: str) -> str:
         return f"ds_config {key} ({self.source})"
+
+    def typed(self, key: str, value, kind: Kind):
+        """``value`` of ``key`` checked against ``kind`` (:func:`hybrid.config.kinds.typed`,
+        the one place a value meets its type). ``"auto"`` passes for any key but a
+        section: the rule decides what it leaves to the command line."""
+        if isinstance(value, str) and value == "auto" and kind.base != "object":
+            return value
+        return typed(value, kind, self.where(key))
 
     def set(self, key: str, field: str, value) -> None:
         """``field`` <- ``value`` for ``key``, unless the command line or another key said
@@ -82,26 +105,43 @@ class _Apply:
         self.origin[field] = key
 
     def walk(self, ds: Mapping, prefix: str = "") -> None:
+        """Every key of ``ds`` (under ``prefix``): its value checked against its kind, then
+        applied by its rule (a Custom block is kept for its handler)."""
         for name, value in ds.items():
-            key = prefix + name
+            key = f"{prefix}{name}"
             rule = KEYS.get(key)
-            if rule is None and key in SECTIONS and isinstance(value, Mapping):
-                self.walk(value, key + ".")
+            if key in SECTIONS:
+                self.walk(self.typed(key, value, OBJECT), key + ".")
             elif rule is None:
                 raise ConfigError(_unknown(key, self.source))
+            elif isinstance(rule, Custom):
+                self.custom[key] = self.block(key, self.typed(key, value, rule.kind),
+                                              rule.fields)
             else:
-                self.rule(key, rule, value)
+                self.rule(key, rule, self.typed(key, value, kind_of(rule)))
+
+    def block(self, key: str, value, fields: dict, below: str = ""):
+        """A Custom block's value with each key ``fields`` types checked (recursing into
+        the objects it names); keys it does not name are left for the block's handler."""
+        if not isinstance(value, Mapping):
+            return value
+        out = {}
+        for name, v in value.items():
+            path = f"{below}{name}"
+            kind = fields.get(path)
+            if kind is not None:
+                v = self.typed(f"{key}.{path}", v, kind)
+                if kind.base == "object":
+                    v = self.block(key, v, fields, path + ".")
+            out[name] = v
+        return out
 
     def rule(self, key: str, rule, value) -> None:
-        if isinstance(rule, Custom):
-            return  # read by its own handler
-        if isinstance(rule, Refuse):
-            if value in rule.ok or value == {}:
+        if isinstance(rule, (Hint, Refuse)):
+            if self.switched_off(key, rule, value):
                 return
-            raise ConfigError(f"{self.where(key)}: hybrid does not implement it: {rule.why}")
-        if isinstance(rule, Hint):
-            if value in rule.same:
-                return
+            if isinstance(rule, Refuse):
+                raise ConfigError(f"{self.where(key)}: hybrid does not implement it: {rule.why}")
             self.notes.append(f"{key}: no effect in hybrid ({rule.why})")
             return
         assert isinstance(rule, Flag)
@@ -110,29 +150,44 @@ class _Apply:
             if derive is None:
                 return  # the command line's (or the default) stands
             value = derive(self.f.hidden_size)
-        try:
-            value = rule.convert(value) if rule.convert else value
-        except (TypeError, ValueError, KeyError):
-            raise ConfigError(f"{self.where(key)}: {value!r} is not a valid value") from None
+        elif rule.convert is not None:
+            try:
+                value = rule.convert(value)
+            except (TypeError, ValueError, KeyError, OverflowError):
+                raise ConfigError(f"{self.where(key)}: {show(value)} is not a valid "
+                                  f"value") from None
         self.set(key, rule.field, value)
+
+    def switched_off(self, key: str, rule, value) -> bool:
+        """``value`` asks for nothing hybrid lacks: null, an empty section or one whose
+        ``enabled`` is false, or one of the rule's own such values (compared with their
+        type: 0 is not false here, as it is to Python)."""
+        if isinstance(value, Mapping):
+            enabled = self.typed(f"{key}.enabled", value.get("enabled"), BOOL.or_null())
+            return not value or enabled is False
+        return value is None or any(type(q) is type(value) and q == value for q in quiet(rule))
 
 
 def apply_ds_config(f: Flags, ds: Mapping, dp: int, source: str = "<dict>") -> list[str]:
     """Set ``f``'s fields from ``ds`` for a run of ``dp`` data-parallel ranks; returns the
     notes on keys accepted without effect (to log once). Raises ConfigError naming the
-    key for an unknown or refused key, a bad value, or a contradiction."""
+    key for an unknown or refused key, a value of the wrong type, a bad value, or a
+    contradiction. ``f.given_as`` then names, for each field the file set, the key
+    that set it (the checks' messages say the key: :func:`hybrid.config.build_config`)."""
     ds = dict(ds)
     if "bfloat16" in ds:  # DeepSpeed's older name of the bf16 block
         ds.setdefault("bf16", ds.pop("bfloat16"))
     run = _Apply(f, source, dp)
     run.walk(ds)
-    _batch(run, ds)
-    _optimizer(run, ds.get("optimizer"))
-    _scheduler(run, ds.get("scheduler"))
-    _tensorboard(run, ds.get("tensorboard"))
-    if isinstance(ds.get("compile"), Mapping):
-        run.set("compile.enabled", "compile", bool(ds["compile"].get("enabled", False)))
+    _batch(run)
+    _optimizer(run)
+    _scheduler(run)
+    _tensorboard(run)
+    compile_block = run.custom.get("compile")
+    if compile_block is not None and compile_block.get("enabled", False) != "auto":
+        run.set("compile.enabled", "compile", compile_block.get("enabled", False))
     _checkpointing_applies(run)
+    f.given_as = {**f.given_as, **{field: f"ds_config {key}" for field, key in run.origin.items()}}
     return run.notes
 
 
@@ -147,6 +202,7 @@ def _checkpointing_applies(run: _Apply) -> None:
         key = run.origin.get(field, "")
         if key.startswith("activation_checkpointing.") and getattr(f, field):
             setattr(f, field, False)
+            del run.origin[field]
             run.notes.append(f"{key}: no effect without whole-layer recompute "
                              f"(--checkpoint-activations or --recompute-granularity full)")
 
@@ -158,52 +214,61 @@ def _unknown(key: str, source: str) -> str:
             f"'Coming from DeepSpeed'){hint}")
 
 
-def _int_or_auto(run: _Apply, ds: Mapping, key: str) -> int | None:
-    v = ds.get(key)
-    if v is None or v == "auto":
-        return None
-    if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-        raise ConfigError(f"{run.where(key)}: {v!r} is not a positive whole number")
-    return v
+# The three batch sizes: (ds_config key, the Flags field of the same meaning, if any).
+_BATCH = (("train_batch_size", "global_batch_size"),
+          ("train_micro_batch_size_per_gpu", "micro_batch_size"),
+          ("gradient_accumulation_steps", None))
 
 
-def _batch(run: _Apply, ds: Mapping) -> None:
-    """train = micro x accumulation x DP (the module note)."""
-    train = _int_or_auto(run, ds, "train_batch_size")
-    micro = _int_or_auto(run, ds, "train_micro_batch_size_per_gpu")
-    accum = _int_or_auto(run, ds, "gradient_accumulation_steps")
-    if micro is None and train is not None:
-        per = (accum or 1) * run.dp
-        if train % per:
-            raise ConfigError(f"ds_config train_batch_size {train} is not a multiple of "
-                              f"gradient_accumulation_steps {accum or 1} x data-parallel size "
-                              f"{run.dp} ({run.source})")
-        micro = train // per
-    if micro is not None:
-        run.set("train_micro_batch_size_per_gpu", "micro_batch_size", micro)
-    if train is None and accum is not None:
-        train = run.f.micro_batch_size * accum * run.dp
-    if train is not None:
-        per = run.f.micro_batch_size * run.dp
-        if accum is None and train % per:
-            raise ConfigError(
-                f"ds_config train_batch_size {train} is not a multiple of "
-                f"train_micro_batch_size_per_gpu {run.f.micro_batch_size} x data-parallel size "
-                f"{run.dp} ({run.source})")
-        if accum is not None and train != run.f.micro_batch_size * accum * run.dp:
-            raise ConfigError(
-                f"ds_config train_batch_size {train} != train_micro_batch_size_per_gpu "
-                f"{run.f.micro_batch_size} x gradient_accumulation_steps {accum} x "
-                f"data-parallel size {run.dp} ({run.source})")
-        run.set("train_batch_size", "global_batch_size", train)
+def _batch(run: _Apply) -> None:
+    """train = micro x accumulation x DP (the module note). Each size comes from its key,
+    or where the file leaves it out (or says "auto") from its flag on the command line;
+    any two give the third, and a clash names the sizes as the user gave them."""
+    given: dict[str, tuple[str, int]] = {}  # key -> (the name the user gave it by, value)
+    for key, field in _BATCH:
+        v = run.custom.get(key)
+        if v is not None and v != "auto":
+            if v < 1:
+                raise ConfigError(f"{run.where(key)} must be >= 1, got {v}")
+            if field is not None:
+                run.set(key, field, v)  # a flag saying otherwise is one error naming both
+            given[key] = (key, v)
+        elif field is not None and field in run.explicit and getattr(run.f, field) is not None:
+            given[key] = (flag_name(field), getattr(run.f, field))
+    if not any(name == key for key, (name, _) in given.items()):
+        return  # the file gives no size: the command line's checks alone
+    train, micro, accum = (given.get(key) for key, _ in _BATCH)
+    dp, where = run.dp, f"(ds_config {run.source})"
+
+    def said(size: tuple[str, int]) -> str:
+        return f"{size[0]} {size[1]}"
+
+    if train and micro and accum:
+        if train[1] != micro[1] * accum[1] * dp:
+            raise ConfigError(f"{said(train)} != {said(micro)} x {said(accum)} x "
+                              f"data-parallel size {dp} {where}")
+    elif train and (micro or accum):
+        per = micro or accum
+        if train[1] % (per[1] * dp):
+            raise ConfigError(f"{said(train)} is not a multiple of {said(per)} x "
+                              f"data-parallel size {dp} {where}")
+        if accum:
+            run.f.micro_batch_size = train[1] // (accum[1] * dp)
+    elif train:  # alone: accumulation 1
+        if train[1] % dp:
+            raise ConfigError(f"{said(train)} is not a multiple of the data-parallel size "
+                              f"{dp} {where}")
+        run.f.micro_batch_size = train[1] // dp
+    elif accum:  # the micro-batch given or the default, accumulated
+        run.f.global_batch_size = run.f.micro_batch_size * accum[1] * dp
 
 
-def _optimizer(run: _Apply, block) -> None:
+def _optimizer(run: _Apply) -> None:
     """Adam/AdamW with decoupled weight decay: hybrid's AdamW."""
+    block = run.custom.get("optimizer")
     if block is None:
         return
-    kind = str(block.get("type", "")).lower()
-    if kind not in ("adam", "adamw"):
+    if str(block.get("type", "")).lower() not in ("adam", "adamw"):
         raise ConfigError(f"{run.where('optimizer.type')} is {block.get('type')!r}: hybrid "
                           f"trains with AdamW; use \"Adam\" or \"AdamW\"")
     for name in block:
@@ -220,34 +285,31 @@ def _optimizer(run: _Apply, block) -> None:
     if p.pop("torch_adam", None) is not None:
         run.notes.append("optimizer.params.torch_adam: no effect in hybrid (its AdamW is "
                          "its own fused step)")
-    setters = {"lr": ("lr", float), "eps": ("adam_eps", float),
-               "weight_decay": ("weight_decay", float)}
+    fields = {"lr": ("lr",), "eps": ("adam_eps",), "weight_decay": ("weight_decay",),
+              "betas": ("adam_beta1", "adam_beta2")}
     for name, value in p.items():
         key = f"optimizer.params.{name}"
-        if name == "betas" and value != "auto":
-            if not (isinstance(value, (list, tuple)) and len(value) == 2):
-                raise ConfigError(f"{run.where(key)}: betas takes two numbers, got {value!r}")
-            run.set(key, "adam_beta1", float(value[0]))
-            run.set(key, "adam_beta2", float(value[1]))
-        elif name in setters and value != "auto":
-            field, convert = setters[name]
-            run.set(key, field, convert(value))
-        elif name not in setters and name != "betas":
+        if name not in fields:
             raise ConfigError(_unknown(key, run.source))
+        if value != "auto":  # (checked: a number, or two for betas)
+            for field, v in zip(fields[name], value if name == "betas" else (value,)):
+                run.set(key, field, v)
 
 
-def _scheduler(run: _Apply, block) -> None:
+def _scheduler(run: _Apply) -> None:
     """WarmupLR, WarmupDecayLR, WarmupCosineLR as hybrid's warmup + decay schedule."""
+    block = run.custom.get("scheduler")
     if block is None:
         return
     from hybrid.config.deepspeed_schedule import schedule_flags
-    for field, key, value in schedule_flags(block, run.f.lr, run.where("scheduler")):
+    for field, key, value in schedule_flags(block, run.f.lr, run.where):
         if field == "lr" and run.origin.get("lr") == "optimizer.params.lr":
             del run.origin["lr"]  # DeepSpeed's scheduler sets the rate the optimizer runs at
         run.set(key, field, value)
 
 
-def _tensorboard(run: _Apply, block) -> None:
+def _tensorboard(run: _Apply) -> None:
+    block = run.custom.get("tensorboard")
     if not block or not block.get("enabled", False):
         return
     for name in block:

@@ -16,6 +16,8 @@ runs at 1 / warmup_num_steps of the way; a log warmup's at its start value).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from hybrid.errors import ConfigError
 
 _DEFAULTS = {
@@ -30,44 +32,54 @@ _NAMES = {"warmuplr": "WarmupLR", "warmupdecaylr": "WarmupDecayLR",
           "warmupcosinelr": "WarmupCosineLR"}
 
 
-def schedule_flags(block: dict, lr: float, where: str) -> list[tuple[str, str, object]]:
-    """[(flag field, ds key, value)] for ``block``; ``lr``: the run's peak learning rate
-    (WarmupCosineLR's ratios are of it). ``where`` names the block in errors."""
+def schedule_flags(block: dict, lr: float,
+                   where: Callable[[str], str]) -> list[tuple[str, str, object]]:
+    """[(flag field, the ds key it comes from, value)] for ``block`` (its values already
+    checked against their types by :mod:`hybrid.config.deepspeed`); ``lr``: the run's
+    peak learning rate (WarmupCosineLR's ratios are of it). ``where(key)`` names a key
+    in errors. A value the block leaves to the scheduler's default names the key with
+    "(WarmupLR's default)", so a message about it says where the number came from."""
     kind = str(block.get("type", "")).lower()
     if kind not in _DEFAULTS:
-        raise ConfigError(f"{where}.type is {block.get('type')!r}: hybrid runs WarmupLR, "
-                          f"WarmupDecayLR or WarmupCosineLR (or the --lr* flags)")
+        raise ConfigError(f"{where('scheduler.type')} is {block.get('type')!r}: hybrid runs "
+                          f"WarmupLR, WarmupDecayLR or WarmupCosineLR (or the --lr* flags)")
     for name in block:
         if name not in ("type", "params"):
-            raise ConfigError(f"{where}.{name} is not a scheduler key hybrid knows")
+            raise ConfigError(f"{where('scheduler.' + name)} is not a scheduler key hybrid "
+                              f"knows")
     given = dict(block.get("params", {}))
     for name in given:
         if name not in _DEFAULTS[kind] and name != "last_batch_iteration":
-            raise ConfigError(f"{where}.params.{name} is not a parameter of "
+            raise ConfigError(f"{where('scheduler.params.' + name)} is not a parameter of "
                               f"{_NAMES[kind]}")
     if given.pop("last_batch_iteration", -1) != -1:
-        raise ConfigError(f"{where}.params.last_batch_iteration: resume from a checkpoint "
-                          f"instead (hybrid's schedule is a function of the iteration)")
-    p = {**_DEFAULTS[kind], **{k: v for k, v in given.items() if v != "auto"}}
-    if p["warmup_type"] not in ("log", "linear"):
-        raise ConfigError(f"{where}.params.warmup_type must be log or linear, "
-                          f"got {p['warmup_type']!r}")
-    key = f"scheduler.params ({_NAMES[kind]})"
-    out = [("lr_warmup_iters", key, int(p["warmup_num_steps"])),
-           ("lr_warmup_style", key, p["warmup_type"])]
+        raise ConfigError(f"{where('scheduler.params.last_batch_iteration')}: resume from a "
+                          f"checkpoint instead (hybrid's schedule is a function of the "
+                          f"iteration)")
+    given = {k: v for k, v in given.items() if v != "auto"}
+    p = {**_DEFAULTS[kind], **given}
+
+    def key(name: str) -> str:
+        return (f"scheduler.params.{name}" if name in given
+                else f"scheduler.params.{name} ({_NAMES[kind]}'s default)")
+
+    out = [("lr_warmup_iters", key("warmup_num_steps"), p["warmup_num_steps"]),
+           ("lr_warmup_style", key("warmup_type"), p["warmup_type"])]
     if kind == "warmupcosinelr":
-        out += [("lr_warmup_init", key, float(p["warmup_min_ratio"]) * lr),
-                ("min_lr", key, float(p["cos_min_ratio"]) * lr),
-                ("lr_decay_style", key, "cosine")]
+        out += [("lr_warmup_init", key("warmup_min_ratio"), p["warmup_min_ratio"] * lr),
+                ("min_lr", key("cos_min_ratio"), p["cos_min_ratio"] * lr),
+                ("lr_decay_style", "scheduler.type", "cosine")]
     else:
         if "warmup_max_lr" in given:
-            out.append(("lr", key, float(p["warmup_max_lr"])))
-        out += [("lr_warmup_init", key, float(p["warmup_min_lr"])),
-                ("lr_decay_style", key, "constant" if kind == "warmuplr" else "linear")]
+            out.append(("lr", key("warmup_max_lr"), p["warmup_max_lr"]))
+        out += [("lr_warmup_init", key("warmup_min_lr"), float(p["warmup_min_lr"])),
+                ("lr_decay_style", "scheduler.type",
+                 "constant" if kind == "warmuplr" else "linear")]
         if kind == "warmupdecaylr":
-            out.append(("min_lr", key, float(p["warmup_min_lr"])))
+            out.append(("min_lr", key("warmup_min_lr"), float(p["warmup_min_lr"])))
     if kind != "warmuplr":
         if p["total_num_steps"] is None:
-            raise ConfigError(f"{where}.params.total_num_steps is required by {_NAMES[kind]}")
-        out.append(("lr_decay_iters", key, int(p["total_num_steps"])))
+            raise ConfigError(f"{where('scheduler.params.total_num_steps')} is required by "
+                              f"{_NAMES[kind]}")
+        out.append(("lr_decay_iters", key("total_num_steps"), p["total_num_steps"]))
     return out

@@ -287,11 +287,14 @@ class Flags:
                                              "matching flags (README: 'Coming from "
                                              "DeepSpeed')", alias="--deepspeed_config")
     # not flags: the Megatron flags parse_args dropped as having no effect here, the
-    # flags the command line gave (a ds_config may not contradict them), and what the
-    # ds_config accepted without effect
+    # flags the command line gave (a ds_config may not contradict them), what the
+    # ds_config accepted without effect, and the fields set other than by their flag
+    # (field -> the name the user gave the value by: "ds_config zero_optimization.stage",
+    # "hybrid.initialize(seed=...)"), which build_config's messages say instead of the flag
     ignored_megatron_flags: list[str] = field(default_factory=list, metadata={"cli": False})
     explicit_flags: list[str] = field(default_factory=list, metadata={"cli": False})
     ds_config_notes: list[str] = field(default_factory=list, metadata={"cli": False})
+    given_as: dict[str, str] = field(default_factory=dict, metadata={"cli": False})
 
 
 def flag_name(field_name: str) -> str:
@@ -308,7 +311,7 @@ def build_parser(explicit_only: bool = False) -> argparse.ArgumentParser:
         if f.metadata.get("cli") is False:
             continue
         names = [flag_name(f.name)] + ([f.metadata["alias"]] if f.metadata.get("alias") else [])
-        kind, many = _field_type(f)
+        kind, many = field_type(f)
         kw = dict(dest=f.name, default=argparse.SUPPRESS if explicit_only else f.default,
                   help=f.metadata.get("help"))
         if "choices" in f.metadata:
@@ -327,7 +330,7 @@ def build_parser(explicit_only: bool = False) -> argparse.ArgumentParser:
     return p
 
 
-def _field_type(f: dataclasses.Field) -> tuple[type, bool]:
+def field_type(f: dataclasses.Field) -> tuple[type, bool]:
     """(element type, is a list) of a field annotated like 'int', 'str | None', 'list[str]'."""
     t = str(f.type).replace("typing.", "")
     many = t.startswith("list[")

@@ -24,6 +24,7 @@ ds_config's ``scheduler`` block or the ``--lr*`` defaults) at the step about to 
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Mapping
 
 import torch
@@ -31,6 +32,7 @@ from torch import nn
 
 from hybrid.config import Flags, build_config
 from hybrid.config.deepspeed import apply_ds_config, load_ds_config
+from hybrid.config.kinds import INT, typed
 from hybrid.errors import ConfigError
 from hybrid.parallel.state import ParallelState, init_distributed
 from hybrid.tensor_parallel import InitValues, seed_all
@@ -162,14 +164,26 @@ def initialize(model: nn.Module, config=None, model_parameters=None, optimizer=N
     does not wrap a user's data: feed each rank its own micro-batches), ``lr_scheduler``
     the run's :class:`LRSchedule`.
 
-    ``config``: a ds_config path or dict (None: hybrid's defaults). ``model_parameters``:
+    ``config``: a ds_config path or dict (None: hybrid's defaults), each key's value
+    checked against its type as from a file. ``model_parameters``:
     accepted when it is all of ``model.parameters()`` (hybrid shards the whole model).
     ``optimizer``/``lr_scheduler``/``training_data`` objects are refused: the engine
     runs its own AdamW and schedule (set them in the config). ``parallel_state``: an
     existing :class:`ParallelState` (default: joined from torchrun's environment with
     ``tensor_parallel_size`` adjacent ranks per TP group, for a model built from
     hybrid's TP layers on that state). ``seed``: the run seed (hybrid's ``--seed``).
+    A ``config`` key or an argument of the wrong type or value is one ConfigError
+    naming it (``model`` or ``parallel_state`` of the wrong class: TypeError).
     """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"hybrid.initialize(model=...) takes a torch.nn.Module, got "
+                        f"{type(model).__name__}")
+    if parallel_state is not None and not isinstance(parallel_state, ParallelState):
+        raise TypeError(f"hybrid.initialize(parallel_state=...) takes a ParallelState or None, "
+                        f"got {type(parallel_state).__name__}")
+    tensor_parallel_size = typed(tensor_parallel_size, INT,
+                                 "hybrid.initialize(tensor_parallel_size=...)")
+    seed = typed(seed, INT, "hybrid.initialize(seed=...)")
     for name, value in (("optimizer", optimizer), ("lr_scheduler", lr_scheduler),
                         ("training_data", training_data)):
         if value is not None:
@@ -187,9 +201,10 @@ def initialize(model: nn.Module, config=None, model_parameters=None, optimizer=N
                           f"(CP {ps.cp_size}), which only hybrid's GPT takes "
                           f"(scripts/pretrain_gpt.py --context-parallel-size); build it with "
                           f"context_parallel_size=1")
-    flags = Flags(seed=seed)
+    # the checks name the seed as it was given here, not as --seed
+    flags = Flags(seed=seed, given_as={"seed": "hybrid.initialize(seed=...)"})
     if config is not None:
-        source = config if isinstance(config, str) else "<dict>"
+        source = os.fspath(config) if isinstance(config, (str, os.PathLike)) else "<dict>"
         flags.ds_config_notes = apply_ds_config(flags, load_ds_config(config), ps.dp_size,
                                                 source=source)
     cfg = build_config(flags, ps.world_size)

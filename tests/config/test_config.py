@@ -138,8 +138,15 @@ def test_context_parallel_flags_have_megatrons_meaning():
     (["--context-parallel-size", "2", "--cp-comm-type", "a2a+p2p"], 2, "hierarchical CP"),
     (["--context-parallel-size", "2", "--cp-layout", "zigzag"], 2, "--cp-layout must be one of"),
     (["--context-parallel-size", "4", "--cp-comm-type", "a2a", "--num-attention-heads", "2",
-      "--hidden-size", "64"], 4, "--num-attention-heads 2 (and the query groups) / TP 1 must be "
-                                 "divisible by 4"),
+      "--hidden-size", "64"], 4, "--num-attention-heads 2 / TP 1 must be divisible by 4"),
+    # the heads split, the key/value heads do not: the groups are named
+    (["--context-parallel-size", "2", "--cp-comm-type", "a2a", "--group-query-attention",
+      "--num-query-groups", "2", "--tensor-model-parallel-size", "2"], 4,
+     "splits each TP rank's key/value heads over --context-parallel-size 2: --num-query-groups "
+     "2 / TP 2 must be divisible by 2; give --num-query-groups a multiple of 4"),
+    (["--context-parallel-size", "2", "--cp-comm-type", "a2a", "--group-query-attention"], 2,
+     "--num-query-groups 1 (the default with --group-query-attention) / TP 1 must be "
+     "divisible by 2"),
     (["--context-parallel-size", "2", "--tensor-model-parallel-size", "4",
       "--sequence-parallel", "--seq-length", "68"], 8, "use a --seq-length that is a multiple "
                                                        "of 8"),
@@ -215,6 +222,43 @@ def test_a_directory_flag_naming_a_file_is_refused_at_start(tmp_path, flag):
     with pytest.raises(ConfigError, match=f"^{flag} {path} is a file; give a directory$"):
         _cfg(flag, str(path))
     _cfg(flag, str(tmp_path / "new_dir"))  # missing: created when first written
+
+
+def _error(*flags) -> str:
+    with pytest.raises(ConfigError) as e:
+        _cfg(*flags)
+    return str(e.value)
+
+
+def test_a_directory_as_data_or_a_file_as_load_says_what_is_wanted_at_preflight(tmp_path):
+    """Said by build_config (the launcher's --check-config), before any worker starts."""
+    data = tmp_path / "data"
+    data.mkdir()
+    want = (f"--data-path {data} is a directory; give a text file, or the prefix of "
+            f"preprocessed data (PREFIX for PREFIX.bin and PREFIX.idx)")
+    assert _error("--data-path", str(data)) == want
+    for suffix in (".bin", ".idx"):  # the prefix of what is there is suggested
+        (data / f"corpus_text_document{suffix}").write_bytes(b"")
+    assert _error("--data-path", "0.5", str(data), "0.5", "other") == (
+        f"{want}; did you mean --data-path {data / 'corpus_text_document'}?")
+    assert _error("--train-data-path", "a", "--valid-data-path", str(data)).startswith(
+        f"--valid-data-path {data} is a directory")
+    (tmp_path / "data.bin").write_bytes(b"")  # a prefix beside a directory of its name: fine
+    _cfg("--data-path", str(data))
+
+    save = tmp_path / "save"
+    (save / "iter_0000010").mkdir(parents=True)
+    (save / "iter_0000010" / "metadata.json").write_text("{}")
+    (save / "latest").write_text("iter_0000010")
+    takes = ("--load takes the directory a run saved into with --save (it holds 'latest' "
+             "and the iter_* checkpoints)")
+    for path in (save / "latest", save / "iter_0000010" / "metadata.json"):
+        assert _error("--load", str(path)) == (
+            f"--load {path} is a file; {takes}; did you mean --load {save}?")
+    other = tmp_path / "weights.pt"
+    other.write_bytes(b"")
+    assert _error("--load", str(other)) == f"--load {other} is a file; {takes}"
+    assert _cfg("--load", str(save)).checkpoint.load == str(save)
 
 
 def test_checkpoint_flags_reach_the_checkpoint_section():

@@ -10,12 +10,12 @@ import pytest
 
 from hybrid.config import build_config, parse_args
 from hybrid.config.deepspeed import apply_ds_config
-from hybrid.config.deepspeed_keys import KEYS, Custom, Flag, Hint, Refuse
+from hybrid.config.deepspeed_keys import KEYS, Custom, Flag, Hint, Refuse, kind_of, quiet
 from hybrid.config.flags import Flags
 from hybrid.errors import ConfigError
 from hybrid.train.lr_schedule import scheduled_lr
 
-from launch import TINY, pretrain, read_json_log
+from launch import TINY, pretrain, read_json_log, script_module
 
 
 def _cfg(ds, *argv, world=2):
@@ -94,16 +94,27 @@ def test_each_flag_key_sets_its_field(key):
     assert getattr(f, field) == want and notes == []
 
 
+def _asking(rule):
+    """A value of the rule's kind that asks for something (a knob set, a feature on)."""
+    return {"bool": True not in quiet(rule), "int": 7, "number": 0.5, "string": "fp16",
+            "object": {"enabled": True}}[rule.kind.base]
+
+
 def test_every_hint_warns_by_name_and_every_refusal_stops_by_name():
+    """... each checked against its type first; null, an empty or disabled section, and
+    the rule's own values ask for nothing."""
     for key, rule in KEYS.items():
+        nothing = (None, {}, {"enabled": False}) if kind_of(rule).base == "object" else (None,)
         if isinstance(rule, Hint):
-            notes = apply_ds_config(Flags(), _nest(key, 7), dp=1)
+            notes = apply_ds_config(Flags(), _nest(key, _asking(rule)), dp=1)
             assert notes == [f"{key}: no effect in hybrid ({rule.why})"], key
-            assert apply_ds_config(Flags(), _nest(key, rule.same[0]), dp=1) == [], key
+            for off in nothing + quiet(rule):
+                assert apply_ds_config(Flags(), _nest(key, off), dp=1) == [], (key, off)
         elif isinstance(rule, Refuse):
             with pytest.raises(ConfigError, match=f"ds_config {key} .*{rule.why[:20]}"):
-                apply_ds_config(Flags(), _nest(key, "on"), dp=1)
-            assert apply_ds_config(Flags(), _nest(key, rule.ok[0]), dp=1) == [], key
+                apply_ds_config(Flags(), _nest(key, _asking(rule)), dp=1)
+            for off in nothing + quiet(rule):
+                assert apply_ds_config(Flags(), _nest(key, off), dp=1) == [], (key, off)
         else:
             assert isinstance(rule, (Flag, Custom)), key
 
@@ -216,7 +227,8 @@ def test_optimizer_and_schedulers():
     assert (s.warmup_init, s.min_lr, s.decay_style, s.decay) == (
         pytest.approx(1e-4), pytest.approx(1e-5), "cosine", 30)
     for bad, msg in ((({"type": "OneCycle"}), "hybrid runs WarmupLR"),
-                     ({"type": "WarmupDecayLR", "params": {}}, "total_num_steps is required"),
+                     ({"type": "WarmupDecayLR", "params": {}},
+                      r"scheduler.params.total_num_steps \(.*\) is required by WarmupDecayLR"),
                      ({"type": "WarmupLR", "params": {"gamma": 1}}, "not a parameter of "
                                                                     "WarmupLR")):
         with pytest.raises(ConfigError, match=msg):
@@ -309,3 +321,156 @@ def test_activation_checkpointing_keys_wait_for_recompute():
     cfg = _cfg({"activation_checkpointing": {"partition_activations": True}},
                "--recompute-granularity", "full")
     assert cfg.recompute.partition_activations
+
+
+# -- values are checked against their type, not converted (hybrid/config/kinds.py) ----------
+def _error(ds, *argv, world=2) -> str:
+    """The one ConfigError ``ds`` gets, its file's path written as F."""
+    path = _write(ds)
+    with pytest.raises(ConfigError) as e:
+        build_config(parse_args(["--deepspeed_config", path, *argv]), world)
+    return str(e.value).replace(path, "F")
+
+
+def test_every_key_has_a_type():
+    """Declared in the table, or (a Flag without a conversion) its field's annotation."""
+    for key, rule in KEYS.items():
+        assert kind_of(rule).base in ("bool", "int", "number", "string", "object", "pair",
+                                      "choice"), key
+        if isinstance(rule, Flag) and rule.convert is not None:
+            assert rule.kind is not None, f"{key} converts its value: declare the kind it takes"
+
+
+WRONG_TYPES = [
+    # switches: JSON true/false, not a quoted word or a number (Python's bool("false") is True)
+    ({"fp16": {"enabled": "false"}},
+     'ds_config fp16.enabled (F) must be true or false, got "false": write false without quotes'),
+    ({"bf16": {"enabled": "yes"}},
+     'ds_config bf16.enabled (F) must be true or false, got "yes": write true without quotes'),
+    ({"fp16": {"enabled": 1}}, "ds_config fp16.enabled (F) must be true or false, got 1: "
+                               "write true"),
+    ({"wall_clock_breakdown": "True"}, 'ds_config wall_clock_breakdown (F) must be true or '
+                                       'false, got "True": write true without quotes'),
+    ({"zero_optimization": {"offload_optimizer": {"pin_memory": "no"}}},
+     'ds_config zero_optimization.offload_optimizer.pin_memory (F) must be true or false, '
+     'got "no": write false without quotes'),
+    ({"compile": {"enabled": "false"}}, 'ds_config compile.enabled (F) must be true or false, '
+                                        'got "false": write false without quotes'),
+    # a knob and a refused feature are typed too: "false" is not refused as "on"
+    ({"zero_optimization": {"contiguous_gradients": "true"}},
+     'ds_config zero_optimization.contiguous_gradients (F) must be true or false, got "true": '
+     'write true without quotes'),
+    ({"prescale_gradients": "false"}, 'ds_config prescale_gradients (F) must be true or '
+                                      'false, got "false": write false without quotes'),
+    ({"wandb": {"enabled": "false"}}, 'ds_config wandb.enabled (F) must be true or false, '
+                                      'got "false": write false without quotes'),
+    # stages and counts: whole numbers
+    ({"zero_optimization": {"stage": 2.7}},
+     "ds_config zero_optimization.stage (F) must be a whole number, got 2.7"),
+    ({"zero_optimization": {"stage": "2"}},
+     'ds_config zero_optimization.stage (F) must be a whole number, got "2": write 2 without '
+     'quotes'),
+    ({"zero_optimization": {"stage": True}},
+     "ds_config zero_optimization.stage (F) must be a whole number, got true"),
+    ({"train_batch_size": 8.5}, "ds_config train_batch_size (F) must be a whole number, got 8.5"),
+    ({"scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 10.5}}},
+     "ds_config scheduler.params.warmup_num_steps (F) must be a whole number, got 10.5"),
+    # rates: numbers (true is not one, nor a quoted number)
+    ({"gradient_clipping": True}, "ds_config gradient_clipping (F) must be a number, got true"),
+    ({"optimizer": {"type": "AdamW", "params": {"lr": "1e-3"}}},
+     'ds_config optimizer.params.lr (F) must be a number, got "1e-3": write 1e-3 without quotes'),
+    ({"optimizer": {"type": "AdamW", "params": {"betas": [0.9]}}},
+     "ds_config optimizer.params.betas (F) must be two numbers ([a, b]), got [0.9]"),
+    # names from a list
+    ({"zero_optimization": {"offload_optimizer": {"device": "gpu"}}},
+     'ds_config zero_optimization.offload_optimizer.device (F) must be one of none, cpu, nvme, '
+     'null, got "gpu"'),
+    ({"scheduler": {"type": "WarmupLR", "params": {"warmup_type": "cosine"}}},
+     'ds_config scheduler.params.warmup_type (F) must be one of log, linear, got "cosine"'),
+]
+
+
+@pytest.mark.parametrize("ds,message", WRONG_TYPES, ids=[m.split()[1] for _, m in WRONG_TYPES])
+def test_a_value_of_the_wrong_type_is_one_error_naming_the_key(ds, message):
+    assert _error(ds) == message
+
+
+def test_whole_numbers_may_be_written_as_json_writes_them():
+    """JSON has one number type: 2.0 is the stage 2, and 5e8 (a float to Python) a size."""
+    cfg = _cfg({"zero_optimization": {"stage": 2.0, "reduce_bucket_size": 5e8}})
+    assert cfg.zero.stage == 2 and type(cfg.zero.stage) is int
+    assert cfg.zero.reduce_bucket_size == 500_000_000 and type(cfg.zero.reduce_bucket_size) is int
+    assert _cfg({"fp16": {"enabled": False}, "gradient_clipping": 1}).adamw.clip_grad == 1.0
+
+
+@pytest.mark.parametrize("ds,message", [
+    ({"zero_optimization": 3}, 'ds_config zero_optimization (F) must be an object ({"key": '
+                               'value, ...}), got 3'),
+    ({"zero_optimization": None}, 'ds_config zero_optimization (F) must be an object ({"key": '
+                                  'value, ...}), got null: leave it out, or write {}'),
+    ({"fp16": True}, 'ds_config fp16 (F) must be an object ({"key": value, ...}), got true'),
+    ({"optimizer": "AdamW"}, 'ds_config optimizer (F) must be an object ({"key": value, ...}), '
+                             'got "AdamW"'),
+    ({"scheduler": {"type": "WarmupLR", "params": None}},
+     'ds_config scheduler.params (F) must be an object ({"key": value, ...}), got null: leave '
+     'it out, or write {}'),
+])
+def test_a_known_section_of_the_wrong_type_says_so(ds, message):
+    """... instead of "not a key hybrid knows" (or a crash on 'int' object has no 'get')."""
+    assert _error(ds) == message
+
+
+def test_a_check_names_the_key_that_set_the_value():
+    """The range checks speak in flags; a value the file gave is named by its key."""
+    assert _error({"zero_optimization": {"stage": 5}}) == (
+        "ds_config zero_optimization.stage must be 0, 1, 2 or 3, got 5")
+    assert _error({"fp16": {"enabled": True}, "bf16": {"enabled": True}}) == (
+        "ds_config bf16.enabled and ds_config fp16.enabled are exclusive: pick one")
+    assert _error({"steps_per_print": 0}) == "ds_config steps_per_print must be >= 1, got 0"
+    # a scheduler's default is named as one: here it outlasts the run's 200 iterations
+    assert _error({"scheduler": {"type": "WarmupLR", "params": {"warmup_max_lr": 1e-3}}}) == (
+        "ds_config scheduler.params.warmup_num_steps (WarmupLR's default) 1000 exceeds "
+        "--lr-decay-iters 200 (the decay length; --train-iters by default): warm up for "
+        "fewer, or decay over more")
+    # the flag still, where the command line gave the value
+    assert _error({"gradient_clipping": 1.0}, "--zero-stage", "5") == (
+        "--zero-stage must be 0, 1, 2 or 3, got 5")
+
+
+def test_a_batch_size_clash_names_the_sizes_the_user_gave():
+    """Each size from its key, or from its flag where the file leaves it out; never a
+    size the file did not give (a derived train_micro_batch_size_per_gpu)."""
+    message = _error({"train_batch_size": 8}, "--global-batch-size", "4",
+                     "--micro-batch-size", "2")
+    assert message == ("ds_config train_batch_size (F) is 8 but the command line gives "
+                       "--global-batch-size 4: drop one or make them equal")
+    assert _error({"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2},
+                  "--global-batch-size", "4") == (
+        "--global-batch-size 4 != train_micro_batch_size_per_gpu 2 x "
+        "gradient_accumulation_steps 2 x data-parallel size 2 (ds_config F)")
+    assert _error({"train_batch_size": 8}, "--micro-batch-size", "3") == (
+        "train_batch_size 8 is not a multiple of --micro-batch-size 3 x data-parallel size 2 "
+        "(ds_config F)")
+    # two given on either side give the third
+    cfg = _cfg({"train_batch_size": 8}, "--micro-batch-size", "2")
+    assert (cfg.loop.micro_batch_size, cfg.num_micro_batches) == (2, 2)
+    cfg = _cfg({"gradient_accumulation_steps": 2}, "--global-batch-size", "4")
+    assert (cfg.loop.micro_batch_size, cfg.loop.global_batch_size) == (1, 4)
+
+
+@pytest.mark.parametrize("ds,message", [
+    ({"fp16": {"enabled": "false"}}, "ds_config fp16.enabled ({path}) must be true or false, "
+                                     "got \"false\": write false without quotes"),
+    ({"zero_optimization": {"stage": 2.7}},
+     "ds_config zero_optimization.stage ({path}) must be a whole number, got 2.7"),
+])
+def test_the_launcher_preflight_refuses_it_in_one_line(ds, message, capsys, monkeypatch):
+    """scripts/pretrain_gpt.py --check-config (what pretrain_gpt.sh runs before any worker):
+    exit 2, one line naming the key."""
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.delenv("RANK", raising=False)
+    path = _write(ds)
+    rc = script_module("pretrain_gpt").main(["--check-config", "--deepspeed_config", path])
+    err = capsys.readouterr().err
+    assert rc == 2
+    assert err.splitlines() == ["pretrain_gpt.py: error: " + message.format(path=path)]

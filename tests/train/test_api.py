@@ -201,3 +201,30 @@ def test_zero_init_draws_only_the_shard_and_gathered_parameters_writes_back():
             assert abs(a - b) <= 1e-5 * abs(b), (rank, got["losses"], mine)
         assert got["shape"] == (VOCAB, 32)
         assert torch.equal(got["row"], torch.ones(32))
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    # {"enabled": "false"} used to turn fp16 on, then failed in the model's first matmul
+    (dict(config={"fp16": {"enabled": "false"}}),
+     'ds_config fp16.enabled (<dict>) must be true or false, got "false": write false without '
+     'quotes'),
+    (dict(config={"zero_optimization": {"stage": 2.7}}),  # used to run ZeRO-2
+     "ds_config zero_optimization.stage (<dict>) must be a whole number, got 2.7"),
+    (dict(config={"zero_optimization": {"stage": 5}}),
+     "ds_config zero_optimization.stage must be 0, 1, 2 or 3, got 5"),
+    (dict(seed="1234"), 'hybrid.initialize(seed=...) must be a whole number, got "1234": write '
+                        '1234 without quotes'),
+    (dict(seed=-1), "hybrid.initialize(seed=...) must be in [0, 2**32 - 1], got -1"),
+    (dict(tensor_parallel_size=1.5),
+     "hybrid.initialize(tensor_parallel_size=...) must be a whole number, got 1.5"),
+    (dict(config=3), "the ds_config must be a path to a JSON file or a dict, got int 3"),
+])
+def test_a_config_value_or_argument_of_the_wrong_type_is_one_error_naming_it(kwargs, message):
+    """In this process, before any engine is built: the message names the key or argument
+    as the caller wrote it."""
+    import hybrid
+    from hybrid.errors import ConfigError
+    from hybrid.parallel.state import ParallelState
+    with pytest.raises(ConfigError) as e:
+        hybrid.initialize(torch.nn.Linear(4, 4), parallel_state=ParallelState.single(), **kwargs)
+    assert str(e.value) == message
