@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import gc
 import os
+import signal
 import sys
 import time
 
 from hybrid.config import build_config, parse_args  # no torch import: fast preflight
 from hybrid.errors import USER_ERRORS, ConfigError
+from hybrid.train.orphans import end_with_launcher
 
 _STARTED = time.time()  # this process's start, when no launcher said when the job began
 
@@ -69,6 +71,14 @@ def _collective_fail(e) -> int:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     check_only = "--check-config" in argv
+    if not check_only:  # a worker (the preflight is the launcher's own child, not one)
+        end_with_launcher(os.environ)  # first: it arms a signal, then checks for the race
+    if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+        # Ctrl-C reaches a worker from the launcher, which then says the job's one line
+        # "stopped by SIGINT": end here as on its SIGTERM, without a KeyboardInterrupt
+        # traceback per rank from wherever it struck. A stop that saves first is SIGTERM's
+        # with --exit-signal-handler.
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
     argv = [a for a in argv if a != "--check-config"]
     try:
         cfg = build_config(parse_args(argv), _world_size(), environ=os.environ)
@@ -82,6 +92,7 @@ def main(argv: list[str] | None = None) -> int:
     from hybrid.kernels import configure
     from hybrid.parallel.comm import CollectiveError
     from hybrid.parallel.state import init_distributed
+    from hybrid.train.early_exit import stopped_by_signal
     from hybrid.train.monitor import setup_logging
     from hybrid.train.trainer import pretrain
 
@@ -111,7 +122,8 @@ def main(argv: list[str] | None = None) -> int:
         gc.collect()
         if dist.is_initialized():
             dist.destroy_process_group()
-    return 0
+    stopped = stopped_by_signal()  # --exit-signal-handler saved, then stopped: 128 + signal
+    return 128 + int(stopped) if stopped else 0
 
 
 if __name__ == "__main__":

@@ -13,6 +13,8 @@
 #                   the job resumes from its last checkpoint
 # Flags pass straight through to scripts/pretrain_gpt.py; with none, a small GPT
 # trains on the built-in corpus for 200 iterations.
+# This script's process becomes the launcher (exec below), and the workers end with it,
+# a kill -9 included (hybrid/train/orphans.py).
 set -euo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 

@@ -8,6 +8,13 @@ with a bad flag, file or checkpoint has already printed its one
 that line. Here the job instead exits with the worker's own exit code (2 for
 bad input) and nothing more is printed. A worker that died without a word (a
 signal: out of memory, killed) gets one line naming the rank and the signal.
+Each restart (``--max-restarts``) gets one line too: the rank that died and
+how, and the iteration the job resumes from. A stop by a signal to this
+process (Ctrl-C, ``scancel``) is one line, ``pretrain_gpt.sh: stopped by ...``.
+
+The workers learn this process's pid (:data:`hybrid.train.orphans.LAUNCHER_PID`),
+so that they end with it however it ends (``kill -9`` included): see
+:mod:`hybrid.train.orphans`.
 
 ``LOGLEVEL`` (torchrun's own variable) set in the environment keeps torchrun's
 process-management log lines; by default those below CRITICAL are dropped on
@@ -20,6 +27,8 @@ import logging
 import os
 import signal
 import sys
+
+from hybrid.train.orphans import LAUNCHER_PID
 
 
 def _root_failure(failures: dict):
@@ -34,7 +43,86 @@ def _root_failure(failures: dict):
     return rank, failures[rank]
 
 
+def _how(failure) -> str:
+    """How a worker ended, as a sentence's end: killed by which signal, or its exit code."""
+    if failure.exitcode > 0:
+        return f"exited with code {failure.exitcode}"
+    hint = " (out of memory? see dmesg)" if failure.exitcode == -signal.SIGKILL else ""
+    return f"was killed by {failure.signal_name()}{hint}"
+
+
+def _resume_point(script_args: list[str]) -> str:
+    """Where a restarted job starts, read from disk as its workers will: the newest
+    complete checkpoint of ``--load`` (of ``--save`` for a ``--finetune`` run that
+    saved already: checkpoint/resume.py), else iteration 0."""
+    from hybrid.checkpoint import find_checkpoint
+    from hybrid.config import parse_args
+    from hybrid.errors import USER_ERRORS
+    try:
+        flags = parse_args(script_args)
+        ckpt = None
+        if flags.finetune and flags.save and os.path.isdir(flags.save):
+            ckpt = find_checkpoint(flags.save)
+        if ckpt is None and flags.load and not flags.finetune:
+            ckpt = find_checkpoint(flags.load)
+    except (*USER_ERRORS, OSError):  # the workers will say what is wrong with it
+        return "its --load"
+    if ckpt is None:
+        return "iteration 0"
+    iteration = os.path.basename(ckpt).removeprefix("iter_").lstrip("0") or "0"
+    return f"iteration {iteration} ({ckpt})"
+
+
+def _restart_reporting(agent_class: type, script_args: list[str]) -> type:
+    """``agent_class`` (torchrun's elastic agent), saying in one line why it restarts.
+
+    Overrides two of the methods every torchrun agent implements (the abstract
+    ``_monitor_workers`` and ``_start_workers`` of torch's SimpleElasticAgent): the
+    failures a check returns are kept, and when workers start again after them,
+    that start is a restart.
+    By then the old workers are stopped, so the checkpoint on disk is the one
+    the new workers load.
+    """
+
+    class RestartReportingAgent(agent_class):
+        _failures: dict | None = None
+        _restarts = 0
+
+        def _monitor_workers(self, worker_group):
+            result = super()._monitor_workers(worker_group)
+            if result.failures:
+                self._failures = result.failures
+            return result
+
+        def _start_workers(self, worker_group):
+            if self._failures:
+                self._restarts += 1
+                rank, failure = _root_failure(self._failures)
+                self._failures = None
+                print(f"pretrain_gpt.sh: rank {rank} (pid {failure.pid}) {_how(failure)}; "
+                      f"restart {self._restarts} of {worker_group.spec.max_restarts}, "
+                      f"resuming from {_resume_point(script_args)}", file=sys.stderr,
+                      flush=True)
+            return super()._start_workers(worker_group)
+
+    return RestartReportingAgent
+
+
+def _stopped(sig: int) -> int:
+    print(f"pretrain_gpt.sh: stopped by {signal.Signals(sig).name}", file=sys.stderr,
+          flush=True)
+    return 128 + int(sig)
+
+
 def main(argv: list[str] | None = None, environ=os.environ) -> int:
+    try:
+        return _launch(sys.argv[1:] if argv is None else argv, environ)
+    except KeyboardInterrupt:  # Ctrl-C before torchrun's own handlers are in place
+        return _stopped(signal.SIGINT)
+
+
+def _launch(argv: list[str], environ) -> int:
+    import torch.distributed.launcher.api as launcher_api
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args, run
@@ -43,22 +131,28 @@ def main(argv: list[str] | None = None, environ=os.environ) -> int:
         # the worker's SIGTERMs and exit codes, logged by the agent as it stops the job
         logging.getLogger("torch.distributed.elastic.multiprocessing.api").setLevel(
             logging.CRITICAL)
-    args = parse_args(sys.argv[1:] if argv is None else argv)
+        # "Received 2 death signal, shutting down workers": the line below says it
+        logging.getLogger("torch.distributed.elastic.agent.server.api").setLevel(
+            logging.ERROR)
+    args = parse_args(argv)
+    environ[LAUNCHER_PID] = str(os.getpid())  # the workers' parent: hybrid/train/orphans.py
+    # torchrun builds its agent inside run(), from this module's name for the class: the
+    # only place to give it the restart line
+    agent_class = launcher_api.LocalElasticAgent
+    launcher_api.LocalElasticAgent = _restart_reporting(agent_class, args.training_script_args)
     try:
         run(args)
     except ChildFailedError as e:
         rank, failure = _root_failure(e.failures)
         if failure.exitcode > 0:
             return failure.exitcode  # the worker printed its own error line
-        sig = failure.signal_name()
-        hint = " (out of memory? see dmesg)" if failure.exitcode == -signal.SIGKILL else ""
-        print(f"pretrain_gpt.sh: error: rank {rank} (pid {failure.pid}) was killed by "
-              f"{sig}{hint}", file=sys.stderr, flush=True)
+        print(f"pretrain_gpt.sh: error: rank {rank} (pid {failure.pid}) {_how(failure)}",
+              file=sys.stderr, flush=True)
         return 128 - failure.exitcode
     except SignalException as e:  # the launcher itself was stopped (Ctrl-C, timeout, scancel)
-        print(f"pretrain_gpt.sh: stopped by {signal.Signals(e.sigval).name}", file=sys.stderr,
-              flush=True)
-        return 128 + int(e.sigval)
+        return _stopped(e.sigval)
+    finally:
+        launcher_api.LocalElasticAgent = agent_class
     return 0
 
 

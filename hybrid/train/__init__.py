@@ -4,6 +4,7 @@
 * :mod:`.batches`          global batch ramp-up and run length, as functions of samples
 * :mod:`.lr_schedule`      the learning rate at an iteration or sample count
 * :mod:`.early_exit`       --exit-interval, --exit-duration-in-mins, --exit-signal-handler
+* :mod:`.orphans`          a worker ends with its launcher (Linux's parent-death signal)
 * :mod:`.monitor`          console line, --log-json, TensorBoard
 * :mod:`.step_stats`       iteration timing and skip flags read once per log line
 * :mod:`.activation_meter` bytes saved for backward by one micro-batch

@@ -37,6 +37,7 @@ from hybrid.errors import ConfigError
 from hybrid.parallel.state import ParallelState, init_distributed
 from hybrid.tensor_parallel import InitValues, seed_all
 from hybrid.train.lr_schedule import scheduled_lr
+from hybrid.train.orphans import end_with_launcher
 from hybrid.train.zero_context import ModuleInitValues
 from hybrid.zero import apply_zero
 
@@ -195,6 +196,8 @@ def initialize(model: nn.Module, config=None, model_parameters=None, optimizer=N
         if given != {id(p) for p in model.parameters()}:
             raise ValueError("hybrid.initialize(model_parameters=...): hybrid trains every "
                              "parameter of the model; freeze with requires_grad=False")
+    if parallel_state is None:  # this door joins torchrun's job: it is the worker's entry
+        end_with_launcher(os.environ)  # no rank outlives its launcher (train/orphans.py)
     ps = parallel_state or init_distributed(tensor_parallel_size)
     if ps.cp_size > 1:  # a user's model would have to take its CP positions and loss mean
         raise ConfigError(f"hybrid.initialize: the parallel_state has context parallelism "

@@ -16,6 +16,15 @@ that the next check reads. torchrun passes a SIGTERM it gets (``scancel``, a
 preemption) on to its workers and waits for them before it kills them, so the
 job saves the iteration in progress within that grace period. The previous
 handler comes back in :meth:`EarlyExit.close`.
+
+[Note: a stop by signal ends with the signal's code]
+A job the signal stopped ends as a job a signal ended: exit code 128 + 15, not
+0, whether the launcher got the signal (torchrun then exits with it) or one
+worker did (then the workers' own codes are the job's). A scheduler reads 0 as
+"done" and would not requeue. The trainer returns normally after the save, so
+the stop is noted in the process, where signal dispositions live too, and the
+entry point reads :func:`stopped_by_signal` once training has returned. Every
+rank notes it, not only the one signalled: all of them stopped for it.
 """
 
 from __future__ import annotations
@@ -28,6 +37,13 @@ from hybrid.parallel.agree import max_over_ranks
 from hybrid.parallel.state import ParallelState
 
 EXIT_SIGNAL = signal.SIGTERM
+_stopped_by: signal.Signals | None = None  # see [Note: a stop by signal ends with ...]
+
+
+def stopped_by_signal() -> signal.Signals | None:
+    """The signal that stopped this process's latest training run (``--exit-signal-handler``,
+    received by any rank), or None when it ran to its end or stopped for another reason."""
+    return _stopped_by
 
 
 class EarlyExit:
@@ -38,6 +54,8 @@ class EarlyExit:
     """
 
     def __init__(self, s: LoopConfig, ps: ParallelState, started: float):
+        global _stopped_by
+        _stopped_by = None  # a new run (a pooled test rank runs many)
         self.s, self.ps, self.started = s, ps, started
         self.received: str | None = None
         self._previous = None
@@ -51,6 +69,7 @@ class EarlyExit:
         """Why to stop after ``iteration`` (the flag and what tripped it), or None.
         Collective over the world when ``--exit-duration-in-mins`` or
         ``--exit-signal-handler`` is given (see the module note)."""
+        global _stopped_by
         s = self.s
         if s.exit_interval and iteration % s.exit_interval == 0:
             return f"--exit-interval {s.exit_interval}"
@@ -59,6 +78,7 @@ class EarlyExit:
         elapsed, signalled = max_over_ranks(
             self.ps, [time.monotonic() - self.started, float(self.received is not None)])
         if signalled:
+            _stopped_by = EXIT_SIGNAL
             return f"--exit-signal-handler: {EXIT_SIGNAL.name} received"
         if s.exit_duration_in_mins is not None and elapsed >= s.exit_duration_in_mins * 60:
             return f"--exit-duration-in-mins {s.exit_duration_in_mins}"

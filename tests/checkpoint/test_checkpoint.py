@@ -144,8 +144,9 @@ def _worker_pids(parent):
 
 def test_sigkill_of_one_rank_restarts_from_the_last_checkpoint(tmp_path):
     """scripts/pretrain_gpt.sh with MAX_RESTARTS=1 (torchrun --max-restarts 1 through the
-    product's launcher): SIGKILL rank 1 after the first save; the restarted job resumes
-    from it and ends with the uninterrupted run's final loss."""
+    product's launcher): SIGKILL rank 1 after the first save; the launcher says in one line
+    who died, how, and where the job resumes; the restarted job resumes from there and
+    ends with the uninterrupted run's final loss."""
     ref_log, log, save = (str(tmp_path / "ref.jsonl"), str(tmp_path / "run.jsonl"),
                           str(tmp_path / "ckpt"))
     _ok(pretrain(2, _args(1, 1, "--train-iters", "16", "--log-json", ref_log)))
@@ -174,7 +175,11 @@ def test_sigkill_of_one_rank_restarts_from_the_last_checkpoint(tmp_path):
     out, err = out_path.read_text(), err_path.read_text()
     assert killed is not None, f"no worker was killed before the run ended:\n{err[-3000:]}"
     assert proc.returncode == 0, err[-3000:]
-    assert "resumed from" in out
+    import re
+    said = re.findall(rf"^pretrain_gpt\.sh: rank \d \(pid {killed}\) was killed by SIGKILL.*; "
+                      r"restart 1 of 1, resuming from iteration (\d+) ", err, re.M)
+    resumed = re.findall(r"resumed from \S+ at iteration (\d+)", out)
+    assert said and said == resumed, err[-3000:]
     assert _losses(log)[-1] == _losses(ref_log)[-1]
 
 

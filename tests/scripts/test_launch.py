@@ -1,8 +1,14 @@
-"""pretrain_gpt.sh as a multi-node launcher: two "nodes" on one machine."""
+"""pretrain_gpt.sh as a launcher: two "nodes" on one machine, and the signals a job gets
+(SIGTERM to save and stop, kill -9 of the launcher, Ctrl-C)."""
 
 import os
+import re
+import signal
 import socket
 import subprocess
+import time
+
+import pytest
 
 from launch import ROOT, TINY, env, pretrain, read_json_log
 
@@ -40,32 +46,60 @@ def test_two_nodes_train_the_same_curve_as_one_node(tmp_path):
         (tmp_path / "node1.log").read_text()
 
 
-def test_sigterm_to_the_launcher_saves_the_iteration_in_progress(tmp_path):
+def _launch(tmp_path, args):
+    """pretrain_gpt.sh on 2 ranks in its own session (a terminal's foreground job), its
+    output in files: (process, stdout path, stderr path)."""
+    out, err = tmp_path / "stdout", tmp_path / "stderr"
+    with open(out, "w") as o, open(err, "w") as e:
+        p = subprocess.Popen(["bash", os.path.join(ROOT, "scripts", "pretrain_gpt.sh"), *args],
+                             env=dict(env(), NPROC_PER_NODE="2"), stdout=o, stderr=e,
+                             cwd=ROOT, start_new_session=True)
+    return p, out, err
+
+
+def _wait_for(p, out, err, text, timeout=120):
+    deadline = time.time() + timeout
+    while text not in out.read_text():
+        assert p.poll() is None and time.time() < deadline, err.read_text()[-3000:]
+        time.sleep(0.1)
+
+
+def _workers(launcher):
+    """pids of the workers: the launcher's children (bash exec'd it: its pid is ours)."""
+    ps = subprocess.run(["ps", "-o", "pid=", "--ppid", str(launcher)], capture_output=True,
+                        text=True).stdout
+    return [int(pid) for pid in ps.split()]
+
+
+def _alive(pid):
+    """Whether ``pid`` runs: a zombie (dead, not yet reaped by init) does not."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rpartition(")")[2].split()[0] not in "ZX"
+    except FileNotFoundError:
+        return False
+
+
+@pytest.mark.parametrize("target", ["launcher", "one worker"])
+def test_sigterm_saves_the_iteration_in_progress_and_exits_with_its_code(tmp_path, target):
     """As scancel or a preemption does it: SIGTERM to pretrain_gpt.sh's launcher, which
-    passes it to the workers; with --exit-signal-handler they save and stop together."""
-    import re
-    import signal
-    import time
-    save, log = str(tmp_path / "ckpt"), tmp_path / "out.log"
+    passes it to the workers, or to one worker alone; with --exit-signal-handler they save
+    and stop together, and the job exits 128 + 15 either way."""
+    save = str(tmp_path / "ckpt")
     args = TINY + ["--train-iters", "100000", "--log-interval", "1", "--exit-signal-handler",
                    "--save", save]
     launched = time.time()
-    with open(log, "w") as out:
-        p = subprocess.Popen(["bash", os.path.join(ROOT, "scripts", "pretrain_gpt.sh"), *args],
-                             env=dict(env(), NPROC_PER_NODE="2"), stdout=out,
-                             stderr=subprocess.STDOUT, cwd=ROOT)
+    p, out, err = _launch(tmp_path, args)
     try:
-        deadline = time.time() + 120
-        while " iteration        3/" not in log.read_text() and time.time() < deadline:
-            assert p.poll() is None, log.read_text()[-3000:]
-            time.sleep(0.1)
+        _wait_for(p, out, err, " iteration        3/")
         seen = time.time() - launched
-        p.send_signal(signal.SIGTERM)  # bash exec'd the launcher: this is its pid
+        # bash exec'd the launcher: p.pid is its pid
+        os.kill(p.pid if target == "launcher" else _workers(p.pid)[-1], signal.SIGTERM)
         p.wait(timeout=120)
     finally:
         if p.poll() is None:
             p.kill()
-    text = log.read_text()
+    text = out.read_text()
     # timed from the script's own start (HYBRID_LAUNCHED_AT), launcher included
     first = re.search(r"first iteration done (\d+\.\d+) s after launch", text)
     assert first and 0 < float(first.group(1)) < seen, text[-3000:]
@@ -73,4 +107,52 @@ def test_sigterm_to_the_launcher_saves_the_iteration_in_progress(tmp_path):
     assert m, text[-3000:]
     it = int(m.group(1))
     assert it >= 3 and f"saved checkpoint {save}/iter_{it:07d}" in text, text[-3000:]
-    assert sorted(os.listdir(save)) == [f"iter_{it:07d}", "latest"]
+    names = os.listdir(save)
+    assert [n for n in names if "iter_" in n] == [f"iter_{it:07d}"] and "latest" in names
+    assert p.returncode == 128 + signal.SIGTERM, err.read_text()[-3000:]
+
+
+def test_kill_9_of_the_launcher_ends_every_worker_and_the_last_checkpoint_loads(tmp_path):
+    """As the OOM killer or a scheduler's hard kill does it: SIGKILL to pretrain_gpt.sh's
+    launcher while the job saves every iteration. The kernel ends each worker with it
+    (hybrid/train/orphans.py), within 10 s, and the newest checkpoint left behind loads."""
+    from hybrid.checkpoint import find_checkpoint
+    save = str(tmp_path / "ckpt")
+    p, out, err = _launch(tmp_path, TINY + ["--train-iters", "100000", "--save", save,
+                                            "--save-interval", "1"])
+    workers = []
+    try:
+        _wait_for(p, out, err, " iteration        3/")
+        workers = _workers(p.pid)
+        assert len(workers) == 2
+        p.kill()
+        p.wait()
+        deadline = time.time() + 10
+        while any(map(_alive, workers)) and time.time() < deadline:
+            time.sleep(0.05)
+        assert not any(map(_alive, workers)), "workers outlived their launcher by 10 s"
+    finally:
+        for pid in filter(_alive, workers):
+            os.kill(pid, signal.SIGKILL)
+        if p.poll() is None:
+            p.kill()
+    last = find_checkpoint(save)
+    it = int(os.path.basename(last).removeprefix("iter_"))
+    r = pretrain(2, TINY + ["--load", save, "--train-iters", str(it + 1)])
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert f"resumed from {last} at iteration {it}" in r.stdout
+
+
+def test_ctrl_c_is_one_line(tmp_path):
+    """Ctrl-C (SIGINT to the terminal's foreground job) mid-run: the launcher passes it
+    on; the job's whole report is one line, no traceback from any rank, and exit 130."""
+    p, out, err = _launch(tmp_path, TINY + ["--train-iters", "100000"])
+    try:
+        _wait_for(p, out, err, " iteration        2/")
+        os.killpg(p.pid, signal.SIGINT)
+        p.wait(timeout=60)
+    finally:
+        if p.poll() is None:
+            p.kill()
+    assert err.read_text() == "pretrain_gpt.sh: stopped by SIGINT\n"
+    assert p.returncode == 128 + signal.SIGINT
