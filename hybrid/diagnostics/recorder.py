@@ -11,14 +11,18 @@ each of them was last (:mod:`hybrid.diagnostics.report`).
 [Note: what is published, when, and what it costs]
 A rank's *record* is O(1): per group (three of them) its last sequence number,
 its last two entries, whether and where it is blocked, where its main thread is
-now, and a timestamp. It is written under the rank's own key ``hb/<rank>``:
+now, its host, and a timestamp. It is written under the rank's own key ``hb/<rank>``:
 
 * by a heartbeat thread every ``heartbeat_s`` = timeout / 8 (clamped to
   [0.25 s, 30 s]): at 1,000 ranks and the default 10-minute timeout that is
-  33 small writes and 33 counter reads per second on the store, whatever the
-  step time. A rank frozen by SIGSTOP or dead stops publishing; its last record
-  and its age are what the report can say about it.
+  33 small writes per second on the store, whatever the step time. A rank
+  frozen by SIGSTOP or dead stops publishing; its last record and its age are
+  what the report can say about it.
+* by the same thread at once when it sees the alarm (below);
 * by a rank itself the moment one of its collectives fails.
+
+At start a rank also appends its number to its host's key ``host/<hostname>``,
+so a report can tell which ranks share a host.
 
 The collective hot path does no store round trip: it appends to the in-memory
 ring and updates two dict slots (about 6 us per collective, frame walk
@@ -26,19 +30,26 @@ included, on the 2-core CPU this was written on). Publishing on every
 collective would cost a round trip to one store server per collective on
 every rank -- 1,000 ranks x hundreds of collectives per step -- and still say
 nothing more about a frozen rank than its last heartbeat does: what the
-report knows exactly about a frozen rank comes from its peers (collective
-#k-1 completed, so every rank issued it).
+report knows exactly about a frozen or dead rank comes from its peers (a
+collective they completed needed its part: it got through it).
 
-When a collective fails, its rank bumps the ``alarm`` counter, which every
-heartbeat reads (one ``add(key, 0)``); live ranks then republish at their next
-tick, so the report sees fresh records of every live rank within
-``2 * heartbeat_s``. The first rank to fail wins ``claim`` (an atomic
-``add``) and reports: the rank that has waited longest, usually the nearest
-to the stuck one, and the only choice that needs no agreement among ranks
-that are failing at different moments. It reads the records of the failing
-group, O(group size), and follows a rank that is itself blocked into the
-group it is blocked on, so whichever rank reports, the report ends at the
-ranks that are stuck outside any collective.
+When a collective fails, its rank bumps the ``alarm`` counter. Every heartbeat
+thread reads it each ``poll_s`` = min(heartbeat_s, 1 s) (one ``add(key, 0)``:
+at 1,000 ranks 1,000 small requests a second, a few percent of what one store
+server serves -- about 30,000 a second on the 2-core CPU this was written on)
+and republishes as soon as it changes. So a live rank answers within
+``poll_s``, whatever the timeout, and the report waits ``answer_s`` =
+2 * poll_s + 1 s for the answers; a rank silent by then is named as dead,
+stopped or hung, and a host none of whose ranks answered as a lost node.
+(Waiting two publish periods instead, a job with the default 10-minute timeout
+took 60 s to name ranks that were already dead.) The first rank to fail wins
+``claim`` (an atomic ``add``) and reports: the rank that has waited longest,
+usually the nearest to the stuck one, and the only choice that needs no
+agreement among ranks that are failing at different moments. It reads the
+records of the failing group, O(group size), and follows a rank that is itself
+blocked into the group it is blocked on, so whichever rank reports, the report
+ends at the ranks that are stuck outside any collective; for a silent rank it
+also reads its host's ranks and a peer per group, O(ranks per host + 3).
 Every other failing rank waits for ``done`` and then ``printed`` (polled with
 ``check``, bounded) and exits with a one-line pointer to the report: exiting
 earlier could make the launcher stop the reporter before it printed.
@@ -72,20 +83,23 @@ from hybrid.diagnostics.watch import PendingWatch
 from hybrid.errors import CollectiveError
 
 RING = 64  # collectives kept per rank
+ALARM_POLL_S = 1.0  # the heartbeat reads the alarm at least this often (see the note)
 
 
-def _periods(timeout_s: float) -> tuple[float, float]:
-    """(heartbeat period, store timeout) in seconds for a collective timeout."""
-    return min(30.0, max(0.25, timeout_s / 8)), min(30.0, max(2.0, timeout_s))
+def _periods(timeout_s: float) -> tuple[float, float, float]:
+    """(heartbeat period, alarm poll period, store timeout) in seconds for a collective
+    timeout."""
+    heartbeat = min(30.0, max(0.25, timeout_s / 8))
+    return heartbeat, min(heartbeat, ALARM_POLL_S), min(30.0, max(2.0, timeout_s))
 
 
 def backstop(timeout: datetime.timedelta) -> datetime.timedelta:
     """The process groups' own timeout when the recorder watches for hangs
     (:mod:`hybrid.diagnostics.watch`): ``timeout`` plus the time the ranks may take to
-    notice (one heartbeat), read fresh records (two) and, on a pointing rank, wait for
-    the report (:meth:`FlightRecorder._reporter`: four, two store timeouts and 2 s),
-    with a margin."""
-    heartbeat, store = _periods(timeout.total_seconds())
+    notice (one heartbeat), read fresh records (``answer_s``: at most two heartbeats and
+    1 s) and, on a pointing rank, wait for the report (:meth:`FlightRecorder._reporter`:
+    four heartbeats, two store timeouts and 2 s), with a margin."""
+    heartbeat, _, store = _periods(timeout.total_seconds())
     return timeout + datetime.timedelta(seconds=8 * heartbeat + 2 * store + 10)
 
 
@@ -120,7 +134,9 @@ class FlightRecorder:
                  check_collectives: bool = False, connections: tuple | None = None):
         self.rank, self.world_size = rank, world_size
         self.timeout_s = timeout.total_seconds()
-        self.heartbeat_s, store_s = _periods(self.timeout_s)
+        self.heartbeat_s, self.poll_s, store_s = _periods(self.timeout_s)
+        # how long a report waits for the live ranks to answer the alarm (module note)
+        self.answer_s = 2 * self.poll_s + 1.0
         self.store_timeout = datetime.timedelta(seconds=store_s)
         self.watch = PendingWatch() if watch else None
         self.on_hang = exit_on_hang  # called on the heartbeat thread with the report
@@ -164,10 +180,12 @@ class FlightRecorder:
         self.groups[group.name] = group
 
     def start(self) -> None:
-        """Publish a first record and start the heartbeat (no-op without a store)."""
+        """Publish a first record, say which host this rank runs on, and start the
+        heartbeat (no-op without a store)."""
         if self._store is None or self._thread is not None:
             return
         self._publish(self._store)
+        self._store.append(_host_key(self._host), f"{self.rank},")
         self._thread = threading.Thread(target=self._heartbeat,
                                         args=(self._clone(self._base_store, 1),),
                                         name="hybrid-heartbeat", daemon=True)
@@ -237,10 +255,16 @@ class FlightRecorder:
         store.set(_hb(self.rank), json.dumps(self.record()))
 
     def _heartbeat(self, store) -> None:
-        while not self._stop.wait(self.heartbeat_s):
+        """Every ``poll_s`` read the alarm; publish every ``heartbeat_s``, and at once when
+        the alarm changed (the module note)."""
+        due = time.time() + self.heartbeat_s
+        while not self._stop.wait(self.poll_s):
             try:
-                self._alarm_seen = store.add(_ALARM, 0)
-                self._publish(store)
+                alarm = store.add(_ALARM, 0)
+                if alarm != self._alarm_seen or time.time() >= due:
+                    self._alarm_seen = alarm
+                    self._publish(store)
+                    due = time.time() + self.heartbeat_s
                 if self._alarm_seen and not self._dumped_on_alarm:
                     self._dumped_on_alarm = True
                     self.dump("another rank's collective failed")
@@ -308,9 +332,10 @@ class FlightRecorder:
             self._store.add(_ALARM, 1)
             if not self._claim():
                 return self._pointer(e), False
-            deadline = time.time() + 2 * self.heartbeat_s + 0.5
+            deadline = time.time() + self.answer_s
             msg = report.explain(head, e.to_dict(), self.record(),
-                                 lambda ranks: self._read_fresh(ranks, deadline), self.dump_dir)
+                                 lambda ranks: self._read_fresh(ranks, deadline), self.dump_dir,
+                                 host_ranks=self._host_ranks)
             self._finish()
             return msg, True
         except Exception as err:  # noqa: BLE001 - the store itself failed: say what we know
@@ -389,7 +414,14 @@ class FlightRecorder:
             left = deadline - time.time()
             if not stale or left <= 0:
                 return recs
-            time.sleep(min(left, self.heartbeat_s / 2))
+            time.sleep(min(left, self.poll_s / 2))
+
+    def _host_ranks(self, host: str) -> list[int]:
+        """The ranks that said at start they run on ``host`` (none if it is unknown)."""
+        key = _host_key(host)
+        if not self._store.check([key]):
+            return []
+        return sorted(int(r) for r in self._store.get(key).decode().split(",") if r)
 
 
 _ALARM, _CLAIM, _REPORTER = "fr/alarm", "fr/claim", "fr/reporter"
@@ -398,3 +430,7 @@ _DONE, _PRINTED = "fr/done", "fr/printed"
 
 def _hb(rank: int) -> str:
     return f"fr/hb/{rank}"
+
+
+def _host_key(host: str) -> str:
+    return f"fr/host/{host}"

@@ -2,15 +2,20 @@
 
 A record is what :meth:`hybrid.diagnostics.recorder.FlightRecorder.record`
 publishes: per group the last sequence number and last two entries, where the
-rank is blocked if it is, where its main thread is, and when it was written.
-:func:`explain` turns the failing collective and a way to read records into
-one message (see docs/diagnostics.md)::
+rank is blocked if it is, where its main thread is, its host, and when it was
+written. :func:`explain` turns the failing collective and a way to read records
+into one message (see docs/diagnostics.md)::
 
     rank 2: all_reduce #55 of the tp group (global ranks [2, 3]) did not complete (...)
       it was called at hybrid/tensor_parallel/mappings.py:123 in forward (via ...)
       rank 3 never reached it; all got through #54, all_reduce at ...
       rank 3: no heartbeat for 4.6 s (...); its last one had it ...
       stuck: rank 3.
+
+or, when every rank of a host went silent::
+
+      node node1 (ranks 2, 3) lost: no heartbeat from any of its ranks since the failure (...)
+        rank 2: last seen 3.1 s ago, getting through all_gather #11 of the world group ...
 
 It also words the ``--check-collectives`` mismatch (:func:`mismatch_message`).
 """
@@ -77,17 +82,21 @@ def _where_now(rec: dict, now: float) -> str:
             f"with {_idle(rec, now)}")
 
 
-def _silent(rec: dict, now: float) -> str:
-    """What a rank that stopped publishing last said: it may be frozen mid-step."""
+def _doing(rec: dict) -> str:
+    """What a record says its rank was doing when it was written."""
     blocked = rec.get("waiting")
     g = rec["groups"].get(blocked["group"]) if blocked else None
     if g and g.get("last") and g["last"]["seq"] == blocked["seq"]:
-        doing = f"blocked in {describe(dict(g['last'], ranks=g['ranks']))}"
-    else:
-        doing = (f"at {rec['where']}" if rec.get("where") else "at an unknown line") + \
-            f" with {_idle(rec, rec['t'])}"
+        return f"blocked in {describe(dict(g['last'], ranks=g['ranks']))}"
+    return (f"at {rec['where']}" if rec.get("where") else "at an unknown line") + \
+        f" with {_idle(rec, rec['t'])}"
+
+
+def _silent(rec: dict, now: float) -> str:
+    """What a rank that stopped publishing last said: it may be frozen mid-step."""
     return (f"no heartbeat for {max(0.0, now - rec['t']):.1f} s (the process is stopped, "
-            f"dead, or hung holding the Python interpreter); its last one had it {doing}")
+            f"dead, or hung holding the Python interpreter); its last one had it "
+            f"{_doing(rec)}")
 
 
 def _idle(rec: dict, now: float) -> str:
@@ -109,7 +118,7 @@ def own_view(rec: dict) -> str:
 
 
 def explain(head: str, failing: dict, own: dict, read_group, dump_dir: str | None,
-            now: float | None = None) -> str:
+            now: float | None = None, host_ranks=None) -> str:
     """The report of the failing collective ``failing`` (an entry dict).
 
     ``read_group(ranks) -> {rank: record}`` reads the records of a group's
@@ -117,14 +126,28 @@ def explain(head: str, failing: dict, own: dict, read_group, dump_dir: str | Non
     of a group and is itself blocked in another group's collective leads to
     that group, once per group, so the report names the ranks stuck outside
     any collective.
+
+    A silent rank (no fresh record: dead, stopped or hung) is shown where it was
+    last seen: its own last record, or a later collective its peers completed
+    with it (:func:`_seen_later`). ``host_ranks(host) -> [rank]`` (None: unknown)
+    names the ranks of a host; when none of them answered, the host is named
+    once as a lost node, with all its ranks, those outside the failing groups too.
     """
     lines = [head]
+    known = {own["rank"]: own}  # every record read: what peers know of a silent rank
+
+    def read(ranks):
+        recs = read_group(ranks)
+        known.update(recs)
+        return recs
+
     frontier = [(failing, 0)]  # (collective some rank is blocked in, line that names it)
     seen = {(failing["group"], tuple(failing["ranks"]))}
     stuck, left = [], []
+    silent = {}  # rank -> (index of the line worded for it below, its record)
     while frontier:
         e, at = frontier.pop(0)
-        recs = read_group(e["ranks"])
+        recs = read(e["ranks"])
         clock = time.time() if now is None else now
         missing = [r for r in e["ranks"] if r not in recs
                    or recs[r]["groups"].get(e["group"], {}).get("seq", 0) < e["seq"]]
@@ -149,9 +172,11 @@ def explain(head: str, failing: dict, own: dict, read_group, dump_dir: str | Non
                              f"{_idle(rec, clock)}.")
                 left.append(r)
                 continue
-            if not is_fresh(rec):  # it stopped publishing: what it said last may be old
-                lines.append(f"  rank {r}: {_silent(rec, clock)}.")
-                stuck.append(r)
+            if not is_fresh(rec):  # it stopped publishing: worded once every group is read
+                if r not in silent:
+                    lines.append("")
+                    silent[r] = (len(lines) - 1, rec)
+                    stuck.append(r)
                 continue
             blocked = rec.get("waiting") or rec.get("failed")
             g = rec["groups"].get(blocked["group"]) if blocked else None
@@ -168,13 +193,110 @@ def explain(head: str, failing: dict, own: dict, read_group, dump_dir: str | Non
                 continue
             lines.append(f"  rank {r}: {_where_now(rec, clock)}.")
             stuck.append(r)
+    clock = time.time() if now is None else now
+    nodes = _lost_nodes(silent, read, host_ranks)
+    in_node = {r for _, ranks, _ in nodes for r in ranks}
+    for r, (at, rec) in silent.items():
+        if r not in in_node:
+            later = _seen_later(r, rec, known, read, clock)
+            lines[at] = f"  rank {r}: {_silent(rec, clock)}{later}."
+    for host, ranks, recs in nodes:
+        first = min((silent[r][0] for r in ranks if r in silent), default=None)
+        text = (f"  node {host} ({rank_list(ranks)}) lost: no heartbeat from any of its ranks "
+                f"since the failure (the processes died or are stopped, or the host is "
+                f"unreachable).")
+        text += "".join(f"\n    rank {r}: {_last_seen(r, recs[r], known, read, clock)}."
+                        for r in ranks)
+        for r in ranks:
+            if r in silent:
+                lines[silent[r][0]] = None
+        if first is None:
+            lines.append(text)
+        else:
+            lines[first] = text
+    lines = [ln for ln in lines if ln is not None]
+    stuck = [r for r in stuck if r not in in_node]
     if stuck:
         lines.append(f"  stuck: {rank_list(stuck)}.")
     if left:
         lines.append(f"  left early: {rank_list(left)}.")
+    for host, ranks, _ in nodes:
+        lines.append(f"  lost: node {host} ({rank_list(ranks)}).")
     if dump_dir:
         lines.append(f"  each live rank's last collectives: {dump_dir}/collectives_rank*.json")
     return "\n".join(lines)
+
+
+def _lost_nodes(silent: dict, read, host_ranks) -> list[tuple[str, list[int], dict]]:
+    """(host, its ranks, their records) for each host of a silent rank none of whose
+    ranks answered: reads the host's other ranks, O(ranks per host)."""
+    if host_ranks is None:
+        return []
+    by_host: dict = {}
+    for r, (_, rec) in silent.items():
+        if rec.get("host"):
+            by_host.setdefault(rec["host"], []).append(r)
+    out = []
+    for host, ranks in by_host.items():
+        on_host = host_ranks(host)
+        if not on_host or not set(ranks) <= set(on_host):
+            continue
+        recs = {r: silent[r][1] for r in ranks}
+        others = [r for r in on_host if r not in recs]
+        recs.update(read(others) if others else {})
+        if all(r in recs and not is_fresh(recs[r]) for r in on_host):
+            out.append((host, sorted(on_host), recs))
+    return out
+
+
+# Collectives whose completion on one rank does not need every rank's part (a broadcast
+# needs the root's, a ring exchange the previous rank's): they say nothing of the others.
+_PARTIAL = ("broadcast", "ring_exchange")
+
+
+def _later_collective(r: int, rec: dict, known: dict, read) -> dict | None:
+    """The newest collective of ``r``'s groups that one of its peers completed, later than
+    ``r``'s own record shows (it needed ``r``'s part, so ``r`` got through it); None if its
+    record is as new. Reads one peer of a group no record read so far is in."""
+    found = []
+    for name, g in rec["groups"].items():
+        if not _peers(r, name, g["ranks"], known):
+            others = [m for m in g["ranks"] if m != r and m not in known]
+            if others:
+                read(others[:1])
+        for m in _peers(r, name, g["ranks"], known):
+            pg = known[m]["groups"][name]
+            for x in (pg.get("last"), pg.get("prev")):
+                if (x and x.get("state") == "done" and x["op"] not in _PARTIAL
+                        and x["seq"] > g["seq"]):
+                    found.append(dict(x, ranks=g["ranks"]))
+    return max(found, key=lambda x: (x["t"], x["seq"])) if found else None
+
+
+def _peers(r: int, group: str, ranks: list[int], known: dict) -> list[int]:
+    """The ranks other than ``r`` whose records read so far are of the same group."""
+    return [m for m, rec in known.items()
+            if m != r and rec["groups"].get(group, {}).get("ranks") == ranks]
+
+
+def _seen_later(r: int, rec: dict, known: dict, read, now: float) -> str:
+    """'; its peers saw it later, getting through ...' where they know of a later
+    collective than its own last record, else ''."""
+    later = _later_collective(r, rec, known, read)
+    if later is None:
+        return ""
+    return (f"; its peers saw it later, getting through {describe(later)} at "
+            f"{later['caller']}, {max(0.0, now - later['t']):.1f} s ago")
+
+
+def _last_seen(r: int, rec: dict, known: dict, read, now: float) -> str:
+    """Where a silent rank was last seen: a collective its peers completed with it, or its
+    own last record, whichever is later."""
+    later = _later_collective(r, rec, known, read)
+    if later is not None:
+        return (f"last seen {max(0.0, now - later['t']):.1f} s ago, getting through "
+                f"{describe(later)} at {later['caller']}")
+    return (f"last heard from {max(0.0, now - rec['t']):.1f} s ago, {_doing(rec)}")
 
 
 def _prev_entry(e: dict, recs: dict, own: dict) -> dict | None:

@@ -23,7 +23,7 @@ The collective path asks it (one non-blocking ``is_completed``, a CUDA event
 query on NCCL) and drops the finished ones before adding its own, so a
 group holds only the collectives in flight: references the backend holds
 anyway until they complete. The heartbeat asks the oldest of each group
-(three), once per period.
+(three), once per alarm poll (at most a second).
 """
 
 from __future__ import annotations

@@ -186,7 +186,9 @@ def test_the_report_follows_a_blocked_rank_to_the_stuck_one():
         return {r: recs[r] for r in ranks if r in recs}
 
     msg = report.explain("HEAD", failing, recs[0], read, None, now=now)
-    assert reads == [[0, 2], [2, 3]]  # O(group size) per group followed
+    # O(group size) per group followed, and one peer of each group of the silent rank that
+    # none of those is in (rank 3's dp group: did it see rank 3 later than its record?)
+    assert reads == [[0, 2], [2, 3], [1]]
     assert msg.splitlines() == [
         "HEAD",
         "  rank 2 never reached it; all got through #11, all_reduce at dp.py:11.",
@@ -199,6 +201,84 @@ def test_the_report_follows_a_blocked_rank_to_the_stuck_one():
         "ranks [2, 3]) at tp.py:56).",
         "  stuck: rank 3."]
     assert report.rank_list([5, 0, 1, 2, 7, 8]) == "ranks 0-2, 5, 7, 8"
+
+
+def _entry(group, ranks, seq, t, op="all_reduce", state="done", caller=None):
+    return {"seq": seq, "group": group, "ranks": ranks, "op": op, "shape": [4],
+            "dtype": "float32", "caller": caller or f"{group}.py:{seq}", "t": t, "state": state}
+
+
+def _host_record(rank, host, t, groups, alarm=1, failed=None, where=None):
+    """A record as FlightRecorder.record() writes it; ``groups``: name -> (ranks, [last
+    entry, the one before])."""
+    return {"rank": rank, "t": t, "host": host, "heartbeat_s": 30.0, "alarm": alarm,
+            "where": where, "waiting": None, "failed": failed, "closed": False,
+            "groups": {name: {"ranks": ranks, "seq": es[0]["seq"] if es else 0,
+                              "last": es[0] if es else None,
+                              "prev": es[1] if len(es) > 1 else None}
+                       for name, (ranks, es) in groups.items()}}
+
+
+def test_a_node_whose_ranks_all_went_silent_is_named_once_with_where_each_was_last_seen():
+    """TP 2 x DP 2 on hosts n0 (ranks 0, 1) and n1 (ranks 2, 3); n1 dies in iteration 6, and
+    ranks 0 and 1 fail in dp #16. Ranks 2 and 3 last published at start (one record per
+    30 s heartbeat): where they were last seen comes from what their peers completed with
+    them, the newest of it (the world all-gather after dp #15), not from that record."""
+    now, world = 1000.0, [0, 1, 2, 3]
+
+    def failed_in_dp16(rank, host, tp, dp, t_world):
+        return _host_record(rank, host, now, {
+            "tp": (tp, [_entry("tp", tp, 40, now - 3.3)]),
+            "dp": (dp, [_entry("dp", dp, 16, now - 0.1, state="failed"),
+                        _entry("dp", dp, 15, now - 3.2, caller="metrics.py:59")]),
+            "world": (world, [_entry("world", world, 23, t_world, op="all_gather",
+                                     caller="stragglers.py:26")])},
+            failed={"group": "dp", "seq": 16})
+
+    def at_start(rank, tp, dp):
+        return _host_record(rank, "n1", now - 5, {"tp": (tp, []), "dp": (dp, []),
+                                                  "world": (world, [])},
+                            alarm=0, where="hybrid/parallel/state.py:149 in build")
+
+    recs = {0: failed_in_dp16(0, "n0", [0, 1], [0, 2], now - 3.1),
+            1: failed_in_dp16(1, "n0", [0, 1], [1, 3], now - 3.0),
+            2: at_start(2, [2, 3], [0, 2]), 3: at_start(3, [2, 3], [1, 3])}
+    hosts = {"n0": [0, 1], "n1": [2, 3]}
+    failing = recs[0]["groups"]["dp"]["last"]
+
+    def explain(recs):
+        reads = []
+
+        def read(ranks):
+            reads.append(list(ranks))
+            return {r: recs[r] for r in ranks if r in recs}
+        return report.explain("HEAD", failing, recs[0], read, None, now=now,
+                              host_ranks=hosts.get).splitlines(), reads
+
+    lines, reads = explain(recs)
+    world_ag = "all_gather #23 of the world group (global ranks [0, 1, 2, 3]) at stragglers.py:26"
+    assert lines == [
+        "HEAD",
+        "  rank 2 never reached it; all got through #15, all_reduce at metrics.py:59.",
+        "  node n1 (ranks 2, 3) lost: no heartbeat from any of its ranks since the failure "
+        "(the processes died or are stopped, or the host is unreachable).",
+        f"    rank 2: last seen 3.1 s ago, getting through {world_ag}.",  # (rank 0's record)
+        f"    rank 3: last seen 3.0 s ago, getting through {world_ag}.",  # (rank 1's, later)
+        "  lost: node n1 (ranks 2, 3)."]
+    # the failing group, the silent rank's host-mates, one peer of rank 3's dp group
+    assert reads == [[0, 2], [3], [1]]
+
+    # rank 3 alive: no node is lost; rank 2 alone is silent, seen later by its peers
+    recs[3] = failed_in_dp16(3, "n1", [2, 3], [1, 3], now - 2.9)
+    lines, _ = explain(recs)
+    assert lines == [
+        "HEAD",
+        "  rank 2 never reached it; all got through #15, all_reduce at metrics.py:59.",
+        "  rank 2: no heartbeat for 5.0 s (the process is stopped, dead, or hung holding the "
+        "Python interpreter); its last one had it at hybrid/parallel/state.py:149 in build "
+        f"with no collective since it started; its peers saw it later, getting through "
+        f"{world_ag}, 2.9 s ago.",
+        "  stuck: rank 2."]
 
 
 # -- 2. --check-collectives ------------------------------------------------------------

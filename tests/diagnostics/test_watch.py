@@ -72,7 +72,7 @@ def test_the_backstop_outlasts_noticing_agreeing_and_printing():
         rec = FlightRecorder(0, 2, None, timeout, watch=True)
         hb, store = rec.heartbeat_s, rec.store_timeout.total_seconds()
         # notice (one period) + read fresh records + a pointer rank's longest wait
-        protocol = hb + (2 * hb + 0.5) + (4 * hb + 2 * store + 2.0)
+        protocol = hb + rec.answer_s + (4 * hb + 2 * store + 2.0)
         assert backstop(timeout).total_seconds() > rec.timeout_s + protocol, minutes
 
 
