@@ -12,16 +12,24 @@ For each world size W, one session of W processes:
 * load, same layout: into a fresh engine of the same layout. Reported from the
   load's :class:`hybrid.checkpoint.RangeReader`: files opened, bytes read, and
   ``ratio``, bytes read over the bytes of this rank's own files (header + data);
-  ``exact``: the loaded master and moments equal the saved ones bit for bit.
+  ``exact``: the loaded master and moments equal the saved ones bit for bit;
+  ``unverified_seconds``: the same load without checking the checksums,
+  alternating with the checked one (``--repeat`` times each; ``checked_seconds``).
 * reshard: into TP 1 x DP W at ZeRO-1 (TP and DP and stage change). Reported:
   files opened, bytes read, ``needed`` (12 bytes per fp32 [master, exp_avg,
   exp_avg_sq] element the rank now owns) and seconds.
 * finetune: the same reshard loading the weights only (``--finetune``: no
   optimizer state, no RNG): ``needed`` is 4 bytes per element, the master.
 
+Every phase also reports ``checksum_s``: the seconds of it spent computing and
+checking the crc32 checksums (:mod:`hybrid.checkpoint.integrity`), what they add
+to the phase's ``seconds``; loads report ``bytes_rechecked``, the bytes read only
+to complete a checksum block the load read in part.
+
 Seconds are wall time between barriers, with the files in the page cache (they
 were just written); on this shared 2-core machine they are noisy. Prints one
-JSON object.
+JSON object. The 302M GPT of docs/measurements.md: ``--worlds 2 --layers 24
+--hidden-size 1024 --heads 16 --no-reshard --repeat 3``.
 """
 
 from __future__ import annotations
@@ -72,11 +80,11 @@ def _timed(ps, fn, *args, **kwargs):
     return seconds, out
 
 
-def _load(ps, save, model_args, stage, **load_kw):
+def _load(ps, save, model_args, stage, verify=True, **load_kw):
     from hybrid.checkpoint import RangeReader, load_checkpoint
     from hybrid.checkpoint.reader import process_rchar
     cfg, rng, _, engine = _engine(ps, model_args, stage, seed=7)
-    reader = RangeReader()
+    reader = RangeReader(verify=verify)
     before = process_rchar()
     seconds, _ = _timed(ps, load_checkpoint, save, engine, ps, cfg.seed, rng, VOCAB,
                         reader=reader, **load_kw)
@@ -84,10 +92,12 @@ def _load(ps, save, model_args, stage, **load_kw):
     files = sorted({os.path.basename(p) for p in reader.files_opened})
     return engine, {"files_opened": len(reader.files_opened), "files": files,
                     "bytes_read": reader.bytes_read, "rchar": rchar,
-                    "seconds": round(seconds, 4)}
+                    "bytes_rechecked": reader.bytes_rechecked,
+                    "seconds": round(seconds, 4),
+                    "checksum_s": round(reader.checksum_seconds(), 4)}
 
 
-def _session(ps, root, model_args):
+def _session(ps, root, model_args, reshard=True, repeat=1):
     from hybrid.checkpoint import save_checkpoint
     from hybrid.checkpoint.reader import process_rchar
     from hybrid.parallel.state import ParallelState
@@ -99,8 +109,9 @@ def _session(ps, root, model_args):
     engine.backward(model(tokens[:, :-1], tokens[:, 1:]))
     engine.step(1e-3)
     before = process_rchar()
+    info: dict = {}
     seconds, ckpt = _timed(ps, save_checkpoint, save, 1, 8, engine, ps, cfg.to_dict(), rng,
-                           vocab_size=VOCAB)
+                           vocab_size=VOCAB, info=info)
     rchar = process_rchar() - before
     own = [os.path.join(ckpt, f"rank_{ps.rank:05d}{e}") for e in (".pt", ".bin")]
     if ps.rank == 0:
@@ -108,7 +119,8 @@ def _session(ps, root, model_args):
     own_bytes = sum(os.path.getsize(p) for p in own[:2])
     out = {"save": {"files_written": len(own) + (ps.rank == 0),  # + 'latest' on rank 0
                     "bytes_written": sum(os.path.getsize(p) for p in own),
-                    "bytes_read": rchar, "seconds": round(seconds, 4)}}
+                    "bytes_read": rchar, "seconds": round(seconds, 4),
+                    "checksum_s": round(info["checksum_seconds"], 4)}}
     saved = _values(engine)
     del engine, model
 
@@ -117,7 +129,17 @@ def _session(ps, root, model_args):
     same["ratio"] = round(same["bytes_read"] / own_bytes, 4)
     same["exact"] = torch.equal(_values(loaded), saved)
     out["load_same_layout"] = same
-    del loaded
+    del loaded, saved
+    # what checking adds: the same load without checking, alternating with the checked
+    # one (``repeat`` times each; the other figures are the first checked load's)
+    checked, unverified = [same["seconds"]], []
+    for i in range(repeat):
+        unverified.append(_load(ps, save, model_args, 3, verify=False)[1]["seconds"])
+        if i + 1 < repeat:
+            checked.append(_load(ps, save, model_args, 3)[1]["seconds"])
+    same["checked_seconds"], same["unverified_seconds"] = checked, unverified
+    if not reshard:
+        return out
 
     tp1 = ParallelState.build(1, timeout=ps.timeout, device=ps.device)
     loaded, re = _load(tp1, save, model_args, 1)
@@ -136,24 +158,34 @@ def main(argv=None) -> int:
     ap.add_argument("--hidden-size", type=int, default=256)
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--seq-length", type=int, default=64)
+    ap.add_argument("--heads", type=int, default=8)
     ap.add_argument("--ranks", action="store_true", help="also list every rank's record")
+    ap.add_argument("--repeat", type=int, default=1,
+                    help="same-layout loads with and without checking, each this many times")
+    ap.add_argument("--no-reshard", action="store_true",
+                    help="only the save and the same-layout load (a model whose TP 1 engine "
+                         "would not fit this machine's memory twice)")
     a = ap.parse_args(argv)
     model_args = {"num_layers": a.layers, "hidden_size": a.hidden_size,
-                  "num_attention_heads": 8, "seq_length": a.seq_length}
+                  "num_attention_heads": a.heads, "seq_length": a.seq_length}
     report = {"model": dict(model_args, vocab_size=VOCAB), "runs": []}
     for world in a.worlds:
         with tempfile.TemporaryDirectory(prefix="bench_ckpt_") as root:
-            ranks = run_ranks(_session, world_size=world, tp=2, args=(root, model_args),
-                              timeout=600)
+            ranks = run_ranks(_session, world_size=world, tp=2,
+                              args=(root, model_args, not a.no_reshard, a.repeat),
+                              timeout=1800)
         run = {"world": world, "saved_as": f"TP2 x DP{world // 2} ZeRO-3",
                "resharded_to": f"TP1 x DP{world} ZeRO-1"}
         for phase in ("save", "load_same_layout", "reshard", "finetune"):
-            run[phase] = _summary([r[phase] for r in ranks])
+            if phase in ranks[0]:
+                run[phase] = _summary([r[phase] for r in ranks])
         run["load_same_layout"]["max_ratio"] = max(r["load_same_layout"]["ratio"]
                                                    for r in ranks)
         run["load_same_layout"]["all_exact"] = all(r["load_same_layout"]["exact"]
                                                    for r in ranks)
-        for phase in ("reshard", "finetune"):
+        for k in ("checked_seconds", "unverified_seconds"):  # rank 0's (barrier-timed)
+            run["load_same_layout"][k] = ranks[0]["load_same_layout"][k]
+        for phase in ("reshard", "finetune") if not a.no_reshard else ():
             run[phase]["max_read_over_needed"] = round(max(
                 r[phase]["bytes_read"] / r[phase]["needed"] for r in ranks), 4)
         if a.ranks:

@@ -1,7 +1,14 @@
 #!/usr/bin/env python
-"""Merge a sharded hybrid checkpoint (any TP x DP x ZeRO stage) into one file.
+"""Merge a sharded hybrid checkpoint (any TP x DP x ZeRO stage) into one file, or verify one.
 
     python scripts/convert_checkpoint.py CHECKPOINT_DIR_OR_SAVE_DIR OUT.pt [--with-optimizer]
+    python scripts/convert_checkpoint.py verify CHECKPOINT_DIR_OR_SAVE_DIR
+
+``verify`` reads every file of the checkpoint (the newest one of a --save
+directory) and checks it against the checksums saved with it; it prints one
+JSON line (files, bytes, seconds) and exits 0, or names every damaged file and
+exits 2. A load checks the bytes it reads anyway; this checks a checkpoint
+before it is needed (after a copy, before deleting the ones before it).
 
 OUT.pt holds ``{"model": {name: full fp32 tensor}, "metadata": {...}}`` (and
 ``"optimizer": {name: {"exp_avg", "exp_avg_sq"}}`` with --with-optimizer), loadable
@@ -13,16 +20,39 @@ parameters are saved with their full shape -- SwiGLU's ``(2, F, C)`` -- which
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 
 import torch
 
 from hybrid.checkpoint import iter_full_params, resolve_checkpoint
+from hybrid.checkpoint.integrity import verify_checkpoint
 from hybrid.errors import CheckpointError
 
 
+def verify(argv) -> int:
+    ap = argparse.ArgumentParser(prog="convert_checkpoint.py verify",
+                                 description="check every byte of a checkpoint against the "
+                                             "checksums saved with it")
+    ap.add_argument("checkpoint", help="an iter_* directory, or a --save directory (newest)")
+    a = ap.parse_args(argv)
+    try:
+        report = verify_checkpoint(resolve_checkpoint(a.checkpoint))
+    except CheckpointError as e:
+        print(f"convert_checkpoint.py: error: {e}", file=sys.stderr)
+        return 2
+    for message in report["damaged"]:
+        print(f"convert_checkpoint.py: error: {message}", file=sys.stderr)
+    print(json.dumps({k: v for k, v in report.items() if k != "damaged"}
+                     | {"damaged": len(report["damaged"])}))
+    return 2 if report["damaged"] else 0
+
+
 def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["verify"]:
+        return verify(argv[1:])
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("checkpoint", help="an iter_* directory, or a --save directory (newest)")
     ap.add_argument("output", help="the single file to write")

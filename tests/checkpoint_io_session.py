@@ -12,6 +12,7 @@ import os
 import pytest
 
 IO_VOCAB = 257
+IO_BLOCK = 4096
 
 
 def _io_engine(ps, stage, seed):
@@ -55,10 +56,12 @@ def _io_train_and_save(ps, save, stage, weights_to=None):
         engine.zero_grad()
         engine.backward(model(tokens[:, :-1], tokens[:, 1:]))
         engine.step(1e-2)
-    save_checkpoint(save, 2, 16, engine, ps, cfg.to_dict(), rng, vocab_size=IO_VOCAB)
+    # 4 KiB checksum blocks (not 16 MiB): several per file, so that partial blocks occur
+    save_checkpoint(save, 2, 16, engine, ps, cfg.to_dict(), rng, vocab_size=IO_VOCAB,
+                    checksum_block_bytes=IO_BLOCK)
     if weights_to:
         save_checkpoint(weights_to, 2, 16, engine, ps, cfg.to_dict(), rng, vocab_size=IO_VOCAB,
-                        optimizer=False)
+                        optimizer=False, checksum_block_bytes=IO_BLOCK)
     return _io_state(engine, model)
 
 
@@ -112,7 +115,8 @@ def _io_load(ps, save, stage, save_to=None, **load_kw):
                 and all(torch.equal(states[k], rng_before[1][k]) for k in states))
     return {"opened": opened, "reader_files": [os.path.relpath(p, save)
                                                for p in reader.files_opened],
-            "bytes": reader.bytes_read, "rchar": after - before, "rng_kept": rng_kept,
+            "bytes": reader.bytes_read, "rechecked": reader.bytes_rechecked,
+            "rchar": after - before, "rng_kept": rng_kept,
             "step": engine.optimizer.step_count, **_io_state(engine, model)}
 
 
@@ -140,12 +144,13 @@ def _rewrite_as_format_2(src, dst):
     assert meta["version"] == 3 and meta["zero_layout"].pop("columns") == [
         "master", "exp_avg", "exp_avg_sq"]
     meta["version"] = 2
-    del meta["finetune"]
+    del meta["finetune"], meta["checksums"]
     with open(os.path.join(ckpt, "metadata.json"), "w") as f:
         json.dump(meta, f, indent=1)
     for head in glob.glob(os.path.join(ckpt, "rank_*.pt")):
         h = torch.load(head, weights_only=True)
         h["version"] = 2
+        del h["checksums"]
         torch.save(h, head)
         data = np.fromfile(head[:-3] + ".bin", dtype=np.float32).reshape(3, h["data_rows"])
         np.ascontiguousarray(data.T).tofile(head[:-3] + ".bin")
@@ -303,14 +308,24 @@ def _check_reshard(ckpt, got, r, header, master_only=False):
         needed += hi - lo
     if master_only:
         assert got["step"] == 0
+    # each data file read comes with its header (the data file's checksums); in the same
+    # world layout the rank's own header is read too (the RNG states)
+    checked = "checksums" in meta
+    heads = {k for k in owners} if checked else set()
+    heads |= {r} if header else set()
     files = {f"iter_0000002/rank_{k:05d}.bin" for k in owners}
-    files |= {f"iter_0000002/rank_{r:05d}.pt"} if header else set()
+    files |= {f"iter_0000002/rank_{k:05d}.pt" for k in heads}
     assert sorted(got["opened"]) == sorted(["latest", "iter_0000002/metadata.json", *files])
-    head = os.path.getsize(os.path.join(ckpt, f"rank_{r:05d}.pt")) if header else 0
-    extra = got["bytes"] - head - os.path.getsize(os.path.join(ckpt, "metadata.json"))
+    head = sum(os.path.getsize(os.path.join(ckpt, f"rank_{k:05d}.pt")) for k in heads)
+    extra = (got["bytes"] - head - os.path.getsize(os.path.join(ckpt, "metadata.json"))
+             - got["rechecked"])
     # fp32 master, or master and both moments (always, from format 2's interleaved rows)
     per_element = 4 if master_only and meta["version"] == 3 else 12
     assert extra <= 2 * per_element * needed, (r, extra, needed)  # narrow rectangles: <= 2x
+    # checking the checksums reads only the bytes of touched blocks the load did not read:
+    # never one twice (the needed elements were all read, at least once)
+    data_files = sum(os.path.getsize(os.path.join(ckpt, f"rank_{k:05d}.bin")) for k in owners)
+    assert got["rechecked"] <= data_files - per_element * needed, (r, got["rechecked"])
 
 
 def _rows(ckpt, rank):

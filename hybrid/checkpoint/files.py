@@ -53,6 +53,20 @@ def find_checkpoint(load_dir: str) -> str | None:
     return os.path.join(load_dir, names[-1]) if names else None
 
 
+def step_checkpoint(load_dir: str, step: int) -> str:
+    """Directory of the complete checkpoint of iteration ``step`` under ``load_dir``
+    (``--ckpt-step``); CheckpointError naming the ones there otherwise."""
+    if not os.path.isdir(load_dir):
+        raise CheckpointError(f"--load {load_dir}: no such directory")
+    names = complete_checkpoints(load_dir)
+    if iter_name(step) not in names:
+        have = ", ".join(n.removeprefix("iter_").lstrip("0") or "0" for n in names[-8:])
+        raise CheckpointError(f"--ckpt-step {step}: --load {load_dir} holds no complete "
+                              f"checkpoint of iteration {step} "
+                              f"({f'its iterations: {have}' if names else 'it holds none'})")
+    return os.path.join(load_dir, iter_name(step))
+
+
 def resolve_checkpoint(path: str) -> str:
     """``path`` itself if it is a checkpoint (``iter_*`` with metadata), else the newest
     complete one under it (a ``--save`` directory); CheckpointError if none."""

@@ -1,20 +1,22 @@
 """Load a checkpoint into a running engine, in the same layout or any other.
 
-What a rank opens: ``latest``, ``metadata.json``, in the same world layout its
-own header (for the RNG states, so not when they are not loaded), and the data
-files holding its pieces -- in the same ZeRO layout only its own. Of those it
-reads only the column blocks it loads: the master values alone when the
-optimizer is not loaded. Nothing here loops over the old world.
+What a rank opens: ``latest``, ``metadata.json``, and the data files holding
+its pieces -- in the same ZeRO layout only its own -- each with its header
+(the data file's checksums; in the same world layout also the RNG states).
+Of the data files it reads only the column blocks it loads: the master values
+alone when the optimizer is not loaded. Every byte read is checked against
+the checksums saved with it (:mod:`hybrid.checkpoint.integrity`). Nothing here
+loops over the old world.
 """
 
 from __future__ import annotations
 
-import io
 import os
 
 import torch
 
-from hybrid.checkpoint.files import find_checkpoint, rank_paths, read_metadata
+from hybrid.checkpoint.files import find_checkpoint, rank_paths, read_metadata, step_checkpoint
+from hybrid.checkpoint.integrity import Integrity
 from hybrid.checkpoint.layout import COLUMNS, SavedLayout
 from hybrid.checkpoint.reader import RangeReader
 from hybrid.checkpoint.reshard import ParamSource, Target
@@ -86,7 +88,7 @@ def load_checkpoint(load_dir: str, engine: ZeroEngine, ps: ParallelState, seed: 
                     rng: TPRNGTracker, vocab_size: int | None = None,
                     allow_empty: bool = False, reader: RangeReader | None = None, *,
                     load_optim: bool = True, load_rng: bool = True,
-                    info: dict | None = None) -> tuple[int, int] | None:
+                    info: dict | None = None, step: int | None = None) -> tuple[int, int] | None:
     """Restore weights, optimizer, loss scale and RNG; return (iteration, consumed samples).
 
     Collective over the world (the parameters are republished, and a read error on
@@ -106,9 +108,10 @@ def load_checkpoint(load_dir: str, engine: ZeroEngine, ps: ParallelState, seed: 
     and the rank's header is not read. The iteration and consumed samples are
     returned either way; whether to use them is the caller's choice.
     ``info``: pass a dict to receive ``checkpoint`` (the directory loaded) and
-    ``metadata`` (its metadata.json).
+    ``metadata`` (its metadata.json). ``step`` (``--ckpt-step``): load the checkpoint
+    of that iteration instead of the newest (CheckpointError if there is none).
     """
-    if allow_empty and not os.path.exists(load_dir):
+    if allow_empty and step is None and not os.path.exists(load_dir):
         return None
     reader = reader if reader is not None else RangeReader()
     # [Note: one error, every rank] Every failure is agreed on over the world before
@@ -117,7 +120,8 @@ def load_checkpoint(load_dir: str, engine: ZeroEngine, ps: ParallelState, seed: 
     # the message the job prints is the real cause whichever rank hit it.
     error, found = None, None
     try:
-        found = _open_metadata(load_dir, engine, vocab_size, allow_empty, reader, load_optim)
+        found = _open_metadata(load_dir, engine, vocab_size, allow_empty and step is None,
+                               reader, load_optim, step)
     except CheckpointError as e:
         error = str(e)
     error = agree_error(ps, error)
@@ -172,6 +176,11 @@ def _load_pieces(engine: ZeroEngine, ps: ParallelState, meta: dict, layout: Save
             load_shard_state(engine, fetch, keys, meta["step"], meta["loss_scaler"])
         else:  # a fresh optimizer on the saved weights
             load_shard_state(engine, fetch, keys, 0, None)
+        if error is None:  # the blocks read in part: their other bytes are checked now
+            try:
+                reader.finish()
+            except CheckpointError as e:
+                error = str(e)
     finally:
         reader.close()
     return error
@@ -198,18 +207,20 @@ def weights_only_error(ckpt: str) -> str:
 
 
 def _open_metadata(load_dir: str, engine: ZeroEngine, vocab_size: int | None,
-                   allow_empty: bool, reader: RangeReader, load_optim: bool = True):
+                   allow_empty: bool, reader: RangeReader, load_optim: bool = True,
+                   step: int | None = None):
     """(checkpoint dir, metadata, SavedLayout) of the newest checkpoint under
-    ``load_dir``, checked against this model (and, with ``load_optim``, to hold
-    optimizer state); None if there is none and ``allow_empty``. Raises
-    CheckpointError naming the file or flag at fault."""
-    ckpt = find_checkpoint(load_dir)
+    ``load_dir`` (of iteration ``step`` if given), checked against this model (and,
+    with ``load_optim``, to hold optimizer state); None if there is none and
+    ``allow_empty``. Raises CheckpointError naming the file or flag at fault."""
+    ckpt = find_checkpoint(load_dir) if step is None else step_checkpoint(load_dir, step)
     if ckpt is None:
         if allow_empty:
             return None
         raise CheckpointError(f"--load {load_dir}: no checkpoint there (no 'latest' file and "
                               f"no complete iter_* directory)")
     meta = read_metadata(ckpt, reader)
+    reader.integrity = Integrity(ckpt, meta, check=reader.verify)
     where = os.path.join(ckpt, "metadata.json")
     check_model(meta, engine.model, vocab_size, where)
     layout = SavedLayout(meta, ckpt)
@@ -222,18 +233,8 @@ def _read_header(ckpt: str, ps: ParallelState, layout: SavedLayout,
                  reader: RangeReader) -> dict:
     """This rank's header (same world layout), checked against the metadata's layout."""
     path = rank_paths(ckpt, ps.rank)[0]
-    try:
-        data = reader.read_whole(path)
-    except FileNotFoundError as e:
-        raise CheckpointError(f"{path}: missing checkpoint shard") from e
-    except OSError as e:
-        raise CheckpointError(f"{path}: cannot read checkpoint shard ({e})") from e
-    try:
-        header = torch.load(io.BytesIO(data), weights_only=True, map_location="cpu")
-    except Exception as e:  # noqa: BLE001 - any unreadable header is a corrupt checkpoint
-        raise CheckpointError(f"{path}: corrupt or truncated checkpoint shard "
-                              f"({type(e).__name__}: {e})") from e
-    if not isinstance(header, dict) or header.get("rank") != ps.rank:
+    header = reader.integrity.read_header(path, reader)  # checked against its checksum
+    if header.get("rank") != ps.rank:
         raise CheckpointError(f"{path}: corrupt checkpoint shard (not rank {ps.rank}'s header)")
     # Its data file must hold what the metadata's layout says it does.
     expect = layout.rows(ps.dp_cp_group.rank)  # ZeRO's rank: DP x CP (hybrid.zero.engine)

@@ -11,16 +11,29 @@ cross-check them against ``/proc/self/io``).
 A data file is opened at most once per reader, and its size is checked
 against the size the metadata implies before the first read: a truncated or
 overlong file is a :class:`CheckpointError` naming it, never a short read or
-garbage values.
+garbage values. Given the checkpoint's :class:`~hybrid.checkpoint.integrity.Integrity`,
+the reader also checks every byte it hands out against the saved checksums
+(opening a data file reads its header for them); :meth:`RangeReader.finish`
+completes the blocks read only in part.
+
+[Note: hashing while reading]
+Checking costs about as much CPU as reading from the page cache does (crc32
+runs at ~6 GiB/s a core). Both release the GIL, so a read of several chunks
+hashes each chunk on a helper thread while the next one is read: on a rank
+with a core to spare the check hides behind the read. One chunk at most is in
+flight, and a read returns only once all of it was checked.
 """
 
 from __future__ import annotations
 
 import os
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
 from hybrid.errors import CheckpointError
+
+CHUNK_BYTES = 8 << 20  # reads at least twice this long hash as they go (see the Note)
 
 
 class RangeReader:
@@ -29,12 +42,22 @@ class RangeReader:
     Attributes:
         files_opened: paths in the order they were opened (each data file once).
         bytes_read: bytes read, whole files included.
+        bytes_rechecked: of ``bytes_read``, those read only to complete a checksum block
+            the load read in part (:meth:`finish`).
     """
 
-    def __init__(self):
+    def __init__(self, verify: bool = True):
+        """``verify`` False: take the checkpoint's bytes unchecked (only for measuring what
+        checking costs: ``scripts/bench_checkpoint.py``)."""
+        self.verify = verify
         self.files_opened: list[str] = []
         self.bytes_read = 0
         self._fds: dict[str, int] = {}
+        self._hasher: ThreadPoolExecutor | None = None  # made by the first long read
+        self.integrity = None  # an Integrity: set by the load once it read the metadata
+        self._verifiers: dict = {}  # data path -> Verifier
+        self._hashed_s = 0.0  # hashing time of the verifiers finished
+        self.bytes_rechecked = 0  # of bytes_read: read again only to complete a checksum block
 
     def read_whole(self, path: str) -> bytes:
         """All of a small file (metadata, a header). OSError propagates for the caller to name."""
@@ -53,6 +76,24 @@ class RangeReader:
         if fd is None:
             fd = self._open(path, size)
         view = memoryview(out.numpy()).cast("B")
+        check = self._verifiers.get(path)
+        if check is None or len(view) < 2 * CHUNK_BYTES:
+            self._pread_into(fd, path, size, offset, view)
+            if check is not None:
+                check.feed(offset, view)
+            return
+        if self._hasher is None:
+            self._hasher = ThreadPoolExecutor(1, thread_name_prefix="ckpt-crc")
+        hashing = None  # the chunk being hashed while the next one is read
+        for lo in range(0, len(view), CHUNK_BYTES):
+            part = view[lo: lo + CHUNK_BYTES]
+            self._pread_into(fd, path, size, offset + lo, part)
+            if hashing is not None:
+                hashing.result()  # (raises its mismatch)
+            hashing = self._hasher.submit(check.feed, offset + lo, part)
+        hashing.result()
+
+    def _pread_into(self, fd: int, path: str, size: int, offset: int, view: memoryview) -> None:
         done = 0
         while done < len(view):
             try:
@@ -64,6 +105,31 @@ class RangeReader:
                                       f"stopped at byte {offset + done} of {size})")
             done += n
         self.bytes_read += done
+
+    def finish(self) -> None:
+        """Check the rest of every block read only in part (CheckpointError on a mismatch);
+        call once the load read everything it needs, before :meth:`close`."""
+        for path, check in self._verifiers.items():
+            check.finish(lambda offset, n, p=path: self._pread(p, offset, n))
+            self._hashed_s += check.seconds
+        self._verifiers.clear()
+
+    def _pread(self, path: str, offset: int, n: int) -> bytes:
+        try:
+            data = os.pread(self._fds[path], n, offset)
+        except OSError as e:
+            raise CheckpointError(f"{path}: reading checkpoint shard failed ({e})") from e
+        if len(data) != n:
+            raise CheckpointError(f"{path}: corrupt or truncated checkpoint shard (read "
+                                  f"stopped at byte {offset + len(data)})")
+        self.bytes_read += n
+        self.bytes_rechecked += n
+        return data
+
+    def checksum_seconds(self) -> float:
+        """Seconds spent hashing what was read so far (what verifying adds to a load)."""
+        headers = self.integrity.seconds if self.integrity is not None else 0.0
+        return headers + self._hashed_s + sum(c.seconds for c in self._verifiers.values())
 
     def _open(self, path: str, size: int) -> int:
         try:
@@ -78,15 +144,24 @@ class RangeReader:
         if actual != size:
             raise CheckpointError(f"{path}: corrupt or truncated checkpoint shard ({actual} "
                                   f"bytes; its piece table says {size})")
+        if self.integrity is not None:
+            check = self.integrity.verifier(path, size, self)
+            if check is not None:
+                self._verifiers[path] = check
         return fd
 
     def close(self) -> None:
         for fd in self._fds.values():
             os.close(fd)
         self._fds.clear()
+        self._verifiers.clear()
+        if self._hasher is not None:
+            self._hasher.shutdown()
+            self._hasher = None
 
     def stats(self) -> dict:
-        return {"files_opened": len(self.files_opened), "bytes_read": self.bytes_read}
+        return {"files_opened": len(self.files_opened), "bytes_read": self.bytes_read,
+                "bytes_rechecked": self.bytes_rechecked}
 
 
 def process_rchar() -> int | None:

@@ -42,6 +42,7 @@ from typing import NamedTuple
 import torch
 
 from hybrid.checkpoint.files import read_metadata
+from hybrid.checkpoint.integrity import Integrity
 from hybrid.checkpoint.layout import COLUMNS, SavedLayout
 from hybrid.checkpoint.reader import RangeReader
 from hybrid.errors import CheckpointError
@@ -209,6 +210,7 @@ def iter_full_params(ckpt: str, keys=None, reader: RangeReader | None = None):
     the checkpoint when it lacks one (``--no-save-optim`` saves ``master`` only)."""
     reader = reader or RangeReader()
     meta = read_metadata(ckpt, reader)
+    reader.integrity = Integrity(ckpt, meta, check=reader.verify)
     layout = SavedLayout(meta, ckpt)
     keys = layout.columns if keys is None else tuple(keys)
     source = ParamSource(layout, reader, keys)
@@ -221,6 +223,7 @@ def iter_full_params(ckpt: str, keys=None, reader: RangeReader | None = None):
                 # each its own storage (torch.save would write a shared one whole)
                 yield name, {k: (planes[j].clone() if len(keys) > 1 else planes[j]).view(shape)
                              for j, k in enumerate(keys)}
+            reader.finish()  # blocks shared by two parameters are checked by now
         finally:
             reader.close()
     return meta, gen()

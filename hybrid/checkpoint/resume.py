@@ -96,7 +96,8 @@ def start_from_checkpoint(ck: CheckpointConfig, engine: ZeroEngine, ps: Parallel
     info: dict = {}
     loaded = load_checkpoint(load_dir, engine, ps, seed, rng, vocab_size,
                              allow_empty=load_dir == ck.save, load_optim=load_optim,
-                             load_rng=load_rng, info=info)
+                             load_rng=load_rng, info=info,
+                             step=ck.ckpt_step if load_dir == ck.load else None)
     if loaded is None:
         return None
     start = Start(loaded[0], loaded[1], info["checkpoint"], info["metadata"].get("finetune"))
@@ -123,7 +124,8 @@ def _finetune(ck: CheckpointConfig, engine: ZeroEngine, ps: ParallelState, seed:
     """The weights of ``--load``'s newest checkpoint; iteration and samples 0."""
     info: dict = {}
     iteration, _ = load_checkpoint(ck.load, engine, ps, seed, rng, vocab_size,
-                                   load_optim=False, load_rng=False, info=info)
+                                   load_optim=False, load_rng=False, info=info,
+                                   step=ck.ckpt_step)
     ckpt = info["checkpoint"]
     log.info("finetuning from %s (its iteration %d weights): starting at iteration 0 with a "
              "fresh optimizer, the data from the start and the RNG from --seed", ckpt,

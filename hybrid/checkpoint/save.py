@@ -9,13 +9,18 @@ On disk::
                                      [param name, TP-local numel] list, the saved
                                      columns): O(params), readable without torch
     SAVE/iter_0000100/rank_00003.pt  rank 3's small header: TP/DP rank, TP specs, RNG
-                                     states, step, loss scale, and its piece table
-                                     {name: [(lo, hi, first row in the .bin)]}
+                                     states, step, loss scale, its piece table
+                                     {name: [(lo, hi, first row in the .bin)]} and
+                                     the crc32 of each 64 KiB block of its .bin
     SAVE/iter_0000100/rank_00003.bin rank 3's values: its rows (each piece -- a
                                      TP-local element range [lo, hi) of one
                                      parameter -- in unit order) as one fp32 block
                                      per column: master, exp_avg, exp_avg_sq; no
                                      padding, no framing
+
+metadata.json also holds every header's size and crc32 (``checksums``), so
+every byte of a checkpoint is checked as it is loaded
+(:mod:`hybrid.checkpoint.integrity`).
 
 ``optimizer=False`` (``--no-save-optim``) writes the master column only (about a
 third of the bytes; ``zero_layout["columns"] == ["master"]``, no step or loss
@@ -50,6 +55,7 @@ import zlib
 import torch
 
 from hybrid.checkpoint.files import LATEST, VERSION, complete_checkpoints, iter_name, rank_paths
+from hybrid.checkpoint.integrity import ALGORITHM, BLOCK_BYTES, BlockSums, crc32, header_bytes
 from hybrid.checkpoint.layout import COLUMNS, describe, single_file_layout
 from hybrid.errors import CheckpointError
 from hybrid.parallel.agree import agree_error
@@ -85,7 +91,9 @@ def save_checkpoint(save_dir: str, iteration: int, consumed_samples: int, engine
                     ps: ParallelState, config: dict, rng: TPRNGTracker,
                     keep_last: int | None = None, vocab_size: int | None = None, *,
                     optimizer: bool = True, finetune: dict | None = None,
-                    extra_meta: dict | None = None) -> str:
+                    extra_meta: dict | None = None,
+                    checksum_block_bytes: int = BLOCK_BYTES,
+                    info: dict | None = None) -> str:
     """Write checkpoint ``iteration`` (collective over the world); return its directory.
 
     ``config``: the run's flat flags, recorded as metadata.json's ``config`` (what
@@ -95,7 +103,10 @@ def save_checkpoint(save_dir: str, iteration: int, consumed_samples: int, engine
     run started; see :mod:`hybrid.checkpoint.resume`), None for other runs.
     ``keep_last``: afterwards keep only the newest N complete checkpoints.
     ``extra_meta``: more metadata.json entries (JSON values; ``hybrid.initialize``'s
-    client state and schedule).
+    client state and schedule). ``checksum_block_bytes``: the data files' checksum
+    block (tests make it small to see partial blocks on tiny models). ``info``: pass a
+    dict to receive
+    ``checksum_seconds``, this rank's time spent hashing what it wrote.
     """
     columns = COLUMNS if optimizer else COLUMNS[:1]
     name = iter_name(iteration)
@@ -106,9 +117,12 @@ def save_checkpoint(save_dir: str, iteration: int, consumed_samples: int, engine
     state = shard_state(engine)
     if not optimizer:  # nothing of the optimizer is saved, its step and scale neither
         state["step"] = state["loss_scaler"] = None
-    error = _write_rank_files(save_dir, tmp, engine, ps, rng, state, layout["owns_all"],
-                              columns)
+    error, digest, sums = _write_rank_files(save_dir, tmp, engine, ps, rng, state,
+                                            layout["owns_all"], columns, checksum_block_bytes)
+    if info is not None:
+        info["checksum_seconds"] = sums.seconds
     _raise_agreed(ps, error, tmp)
+    headers = _gather_header_digests(ps, digest)
     if ps.rank == 0:
         meta = {"version": VERSION, "iteration": iteration, "consumed_samples": consumed_samples,
                 "world_size": ps.world_size, "tensor_model_parallel_size": ps.tp_size,
@@ -117,6 +131,7 @@ def save_checkpoint(save_dir: str, iteration: int, consumed_samples: int, engine
                 "vocab_size": vocab_size, "model": model_signature(engine.model),
                 "step": state["step"], "loss_scaler": state["loss_scaler"],
                 "zero_layout": layout, "finetune": finetune, "config": config,
+                "checksums": {"algorithm": ALGORITHM, "headers": headers},
                 **(extra_meta or {}), "complete": True}
         error = _finish(save_dir, name, tmp, final, meta)
     _raise_agreed(ps, error)
@@ -161,10 +176,11 @@ def _checked_layout(save_dir: str, tmp: str, engine: ZeroEngine, ps: ParallelSta
 
 
 def _write_rank_files(save_dir: str, tmp: str, engine: ZeroEngine, ps: ParallelState,
-                      rng: TPRNGTracker, state: dict, owns_all: bool,
-                      columns: tuple) -> str | None:
+                      rng: TPRNGTracker, state: dict, owns_all: bool, columns: tuple,
+                      block_bytes: int) -> tuple[str | None, list[int], BlockSums]:
     """This rank's data file (its pieces, column block by column block, one piece in
-    memory at a time) and header; why not, or None."""
+    memory at a time, hashed as written) and header (with the data file's block
+    checksums); (why not or None, [header bytes, header crc32], the data's sums)."""
     # Owning everything (stage 0), every DP (x CP) replica holds the same values: ZeRO
     # rank 0's copy is the one saved (SavedLayout reads its files for all of a unit).
     zero_rank = ps.dp_cp_group.rank  # ZeRO shards over DP x CP (hybrid.zero.engine)
@@ -180,21 +196,37 @@ def _write_rank_files(save_dir: str, tmp: str, engine: ZeroEngine, ps: ParallelS
               "rng": {"device": get_device_rng_state(ps.device), "cpu": torch.get_rng_state(),
                       "tracker": rng.get_states()}}
     head_path, data_path = rank_paths(tmp, ps.rank)
+    sums = BlockSums(block_bytes)
 
     def write_data(f):
         if pieces:
             for key in columns:
+                sums.column()
                 for values in iter_piece_values(engine, (key,)):
-                    f.write(memoryview(values.numpy()).cast("B"))
+                    view = memoryview(values.numpy()).cast("B")
+                    sums.update(view)
+                    f.write(view)
 
-    path = data_path
+    path, digest = data_path, [0, 0]
     try:
         _fsync_write(data_path, write_data)
         path = head_path
-        _fsync_write(head_path, lambda f: torch.save(header, f))
+        header["checksums"] = sums.table()
+        data = header_bytes(header)
+        digest = [len(data), crc32(data)]
+        _fsync_write(head_path, lambda f: f.write(data))
     except (OSError, RuntimeError) as e:
-        return f"--save {save_dir}: writing {path} failed on rank {ps.rank} ({e})"
-    return None
+        return f"--save {save_dir}: writing {path} failed on rank {ps.rank} ({e})", digest, sums
+    return None, digest, sums
+
+
+def _gather_header_digests(ps: ParallelState, digest: list[int]) -> dict:
+    """{header file name: [bytes, crc32]} of every rank (one all-gather of two int64 per
+    rank over the world; only rank 0 writes it down)."""
+    out = torch.zeros(ps.world_size, 2, dtype=torch.int64, device=ps.device)
+    ps.world_group.all_gather(out, torch.tensor(digest, dtype=torch.int64, device=ps.device))
+    return {os.path.basename(rank_paths("", r)[0]): [int(n), int(c)]
+            for r, (n, c) in enumerate(out.tolist())}
 
 
 def _finish(save_dir: str, name: str, tmp: str, final: str, meta: dict) -> str | None:
@@ -269,24 +301,36 @@ def write_unsharded_checkpoint(save_dir: str, model: dict[str, torch.Tensor], co
         table[n] = [(0, t.numel(), rows)]
         rows += t.numel()
 
+    sums = BlockSums()
+
     def write_data(f):
+        sums.column()
         for t in model.values():  # the master column
-            f.write(memoryview(t.detach().float().contiguous().reshape(-1).numpy()).cast("B"))
+            view = memoryview(t.detach().float().contiguous().reshape(-1).numpy()).cast("B")
+            sums.update(view)
+            f.write(view)
         for _ in COLUMNS[1:]:  # fresh Adam moments
+            sums.column()
             for t in model.values():
-                f.write(memoryview(torch.zeros(t.numel()).numpy()).cast("B"))
+                view = memoryview(torch.zeros(t.numel()).numpy()).cast("B")
+                sums.update(view)
+                f.write(view)
 
     specs = {n: {"full_shape": s, "dim": None, "tp_rank": 0, "tp_size": 1}
              for n, s in shapes.items()}
-    header = {"version": VERSION, "rank": 0, "tp_rank": 0, "dp_rank": 0, "specs": specs,
-              "step": 0, "loss_scaler": None, "pieces": table, "data_rows": rows}
     head_path, data_path = rank_paths(tmp, 0)
     _fsync_write(data_path, write_data)
-    _fsync_write(head_path, lambda f: torch.save(header, f))
+    header = {"version": VERSION, "rank": 0, "tp_rank": 0, "dp_rank": 0, "specs": specs,
+              "step": 0, "loss_scaler": None, "pieces": table, "data_rows": rows,
+              "checksums": sums.table()}
+    data = header_bytes(header)
+    _fsync_write(head_path, lambda f: f.write(data))
     meta = {"version": VERSION, "iteration": iteration, "consumed_samples": 0,
             "world_size": 1, "tensor_model_parallel_size": 1, "data_parallel_size": 1,
             "zero_stage": 0, "vocab_size": vocab_size, "model": shapes, "step": 0,
             "loss_scaler": None, "zero_layout": single_file_layout(shapes), "config": config,
+            "checksums": {"algorithm": ALGORITHM,
+                          "headers": {os.path.basename(head_path): [len(data), crc32(data)]}},
             "complete": True}
     _fsync_write(os.path.join(tmp, "metadata.json"),
                  lambda f: f.write(json.dumps(meta, indent=1).encode()))

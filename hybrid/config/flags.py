@@ -245,6 +245,8 @@ class Flags:
     finetune: bool = opt(False, "load the weights only: iteration 0, data from the start, "
                                 "fresh optimizer, RNG from --seed; --save starts a new "
                                 "series (a restart resumes that series)")
+    ckpt_step: int | None = opt(None, "load the checkpoint of this iteration from --load "
+                                      "instead of the newest one")
     exit_on_nan_iterations: int = opt(10, "stop with an error after N consecutive skipped "
                                           "steps with non-finite gradients")
     # evaluation and logging

@@ -283,7 +283,8 @@ class CheckpointConfig:
     master weights only. ``no_load_optim``: load the weights, iteration and data
     position, with a fresh optimizer. ``no_load_rng``: keep the RNG seeded from
     ``--seed``. ``finetune``: load the weights only and start at iteration 0 (a
-    new series of checkpoints in ``save``). Megatron's flags of the same names.
+    new series of checkpoints in ``save``). ``ckpt_step``: load that iteration
+    rather than the newest. Megatron's flags of the same names.
     """
 
     save: str | None = None
@@ -294,6 +295,7 @@ class CheckpointConfig:
     no_load_optim: bool = False
     no_load_rng: bool = False
     finetune: bool = False
+    ckpt_step: int | None = None
 
 
 @dataclass(frozen=True)

@@ -29,6 +29,7 @@ def test_same_layout_load_reads_only_the_rank_s_own_files(io_session):
         assert sorted(got["opened"]) == sorted(["latest", "iter_0000002/metadata.json", *own])
         assert sorted(got["reader_files"]) == sorted(own | {"iter_0000002/metadata.json"})
         assert got["bytes"] <= 1.1 * _own_file_bytes(ckpt, r)
+        assert got["rechecked"] == 0  # every checksum block was read whole by the load
         # rchar also counts 'latest' and Python's own reads; nothing of size
         assert got["bytes"] <= got["rchar"] <= got["bytes"] + 64 * 1024, (got["bytes"],
                                                                           got["rchar"])
@@ -81,21 +82,23 @@ def test_no_save_optim_writes_the_master_column_only(io_session):
 
 def test_weights_only_load_reads_only_the_master_bytes(io_session):
     """load_optim=False, load_rng=False (--finetune) from a full checkpoint, same layout:
-    each rank opens latest, the metadata and its own data file -- not its header -- and
-    reads exactly the metadata plus its master block (a third of its data file); it
-    gets the saved master, zero moments and step, and keeps its own RNG. With the RNG
-    (--no-load-optim) from a weights-only checkpoint it reads its header as well."""
+    each rank opens latest, the metadata, its own data file and its header (for the
+    data file's checksums), and reads exactly those two small files plus its master
+    block (a third of its data file; nothing read twice for the checksums); it gets
+    the saved master, zero moments and step, and keeps its own RNG. With the RNG
+    (--no-load-optim) from a weights-only checkpoint: the same files, whole."""
     import torch
     root, results = io_session
     ckpt, wckpt = (os.path.join(root, n, "iter_0000002") for n in ("a", "aw"))
     for r, out in enumerate(results):
         s, got = out["saved"], out["weights"]
         assert "error" not in got, got
-        own_bin = f"iter_0000002/rank_{r:05d}.bin"
+        own_bin, head = f"iter_0000002/rank_{r:05d}.bin", f"iter_0000002/rank_{r:05d}.pt"
         assert sorted(got["opened"]) == sorted(["latest", "iter_0000002/metadata.json",
-                                                own_bin])
-        meta_bytes = os.path.getsize(os.path.join(ckpt, "metadata.json"))
-        assert got["bytes"] == meta_bytes + 4 * _rows(ckpt, r)
+                                                head, own_bin])
+        small = sum(os.path.getsize(os.path.join(ckpt, f)) for f in
+                    ("metadata.json", f"rank_{r:05d}.pt"))
+        assert got["bytes"] == small + 4 * _rows(ckpt, r) and got["rechecked"] == 0
         assert got["bytes"] <= got["rchar"] <= got["bytes"] + 64 * 1024
         assert got["pieces"] == s["pieces"]
         assert torch.equal(got["values"][:, 0], s["values"][:, 0])
@@ -104,7 +107,6 @@ def test_weights_only_load_reads_only_the_master_bytes(io_session):
         assert got["rng_kept"] and not out["same"]["rng_kept"]
         w = out["wonly_same"]
         assert "error" not in w, w
-        head = f"iter_0000002/rank_{r:05d}.pt"
         assert sorted(w["opened"]) == sorted(["latest", "iter_0000002/metadata.json",
                                               head, own_bin])
         assert w["bytes"] == sum(os.path.getsize(os.path.join(wckpt, f)) for f in
