@@ -89,6 +89,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch.distributed as dist
 
+    from hybrid.checkpoint.ownership import RunIdentity
     from hybrid.kernels import configure
     from hybrid.parallel.comm import CollectiveError
     from hybrid.parallel.state import init_distributed
@@ -107,7 +108,9 @@ def main(argv: list[str] | None = None) -> int:
     ps.recorder.on_hang = lambda e: os._exit(_collective_fail(e))
     setup_logging(ps.rank)
     try:
-        pretrain(cfg, ps, launched_at=_launched_at())
+        # the launch's identity: a worker torchrun restarts is the same run, so the
+        # --save directory it owns stays its own (hybrid/checkpoint/ownership.py)
+        pretrain(cfg, ps, launched_at=_launched_at(), run=RunIdentity.of_launch(os.environ))
     except USER_ERRORS as e:
         return _fail(str(e))
     except CollectiveError as e:

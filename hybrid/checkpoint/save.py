@@ -57,6 +57,7 @@ import torch
 from hybrid.checkpoint.files import LATEST, VERSION, complete_checkpoints, iter_name, rank_paths
 from hybrid.checkpoint.integrity import ALGORITHM, BLOCK_BYTES, BlockSums, crc32, header_bytes
 from hybrid.checkpoint.layout import COLUMNS, describe, single_file_layout
+from hybrid.checkpoint.ownership import write_owner
 from hybrid.errors import CheckpointError
 from hybrid.parallel.agree import agree_error
 from hybrid.parallel.state import ParallelState
@@ -92,7 +93,7 @@ def save_checkpoint(save_dir: str, iteration: int, consumed_samples: int, engine
                     keep_last: int | None = None, vocab_size: int | None = None, *,
                     optimizer: bool = True, finetune: dict | None = None,
                     extra_meta: dict | None = None,
-                    checksum_block_bytes: int = BLOCK_BYTES,
+                    checksum_block_bytes: int = BLOCK_BYTES, owner: dict | None = None,
                     info: dict | None = None) -> str:
     """Write checkpoint ``iteration`` (collective over the world); return its directory.
 
@@ -104,14 +105,15 @@ def save_checkpoint(save_dir: str, iteration: int, consumed_samples: int, engine
     ``keep_last``: afterwards keep only the newest N complete checkpoints.
     ``extra_meta``: more metadata.json entries (JSON values; ``hybrid.initialize``'s
     client state and schedule). ``checksum_block_bytes``: the data files' checksum
-    block (tests make it small to see partial blocks on tiny models). ``info``: pass a
-    dict to receive
+    block (tests make it small to see partial blocks on tiny models). ``owner``: on
+    rank 0, the run's claim record (:mod:`hybrid.checkpoint.ownership`), written as
+    ``save_dir``'s owner before anything else. ``info``: pass a dict to receive
     ``checksum_seconds``, this rank's time spent hashing what it wrote.
     """
     columns = COLUMNS if optimizer else COLUMNS[:1]
     name = iter_name(iteration)
     final, tmp = os.path.join(save_dir, name), os.path.join(save_dir, f".tmp_{name}")
-    _raise_agreed(ps, _make_tmp(save_dir, tmp) if ps.rank == 0 else None)
+    _raise_agreed(ps, _make_tmp(save_dir, tmp, owner) if ps.rank == 0 else None)
     layout = _checked_layout(save_dir, tmp, engine, ps)
     layout["columns"] = list(columns)
     state = shard_state(engine)
@@ -150,10 +152,13 @@ def _raise_agreed(ps: ParallelState, error: str | None, tmp: str | None = None) 
         raise CheckpointError(error)
 
 
-def _make_tmp(save_dir: str, tmp: str) -> str | None:
-    """Rank 0: a fresh temporary directory for the save; why not, or None."""
+def _make_tmp(save_dir: str, tmp: str, owner: dict | None) -> str | None:
+    """Rank 0: ``owner`` recorded, and a fresh temporary directory for the save; why
+    not, or None."""
     try:
         os.makedirs(save_dir, exist_ok=True)
+        if owner is not None:
+            write_owner(save_dir, owner)
         shutil.rmtree(tmp, ignore_errors=True)
         os.makedirs(tmp)
     except OSError as e:

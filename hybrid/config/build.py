@@ -261,7 +261,8 @@ def _checkpoint(f: Flags) -> CheckpointConfig:
     return CheckpointConfig(
         save=f.save, load=f.load, save_interval=f.save_interval, keep_last=f.keep_last,
         no_save_optim=f.no_save_optim, no_load_optim=f.no_load_optim,
-        no_load_rng=f.no_load_rng, finetune=f.finetune, ckpt_step=f.ckpt_step)
+        no_load_rng=f.no_load_rng, finetune=f.finetune, ckpt_step=f.ckpt_step,
+        overwrite_save=f.overwrite_save)
 
 
 def _logging(f: Flags) -> LoggingConfig:

@@ -394,6 +394,8 @@ def check_checkpoint(f: Flags) -> None:
         raise ConfigError("--save-interval needs --save DIR")
     if f.no_save_optim and not f.save:
         raise ConfigError("--no-save-optim needs --save DIR")
+    if f.overwrite_save and not f.save:
+        raise ConfigError("--overwrite-save needs --save DIR")
     if f.ckpt_step is not None and f.ckpt_step < 0:
         raise ConfigError(f"--ckpt-step must be an iteration (0 or more), got {f.ckpt_step}")
     for name in ("no_load_optim", "no_load_rng", "finetune", "ckpt_step"):

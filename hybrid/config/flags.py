@@ -247,6 +247,9 @@ class Flags:
                                 "series (a restart resumes that series)")
     ckpt_step: int | None = opt(None, "load the checkpoint of this iteration from --load "
                                       "instead of the newest one")
+    overwrite_save: bool = opt(False, "start a new run in a --save directory that holds "
+                                      "another run's checkpoints, deleting them (without it "
+                                      "such a run is refused)")
     exit_on_nan_iterations: int = opt(10, "stop with an error after N consecutive skipped "
                                           "steps with non-finite gradients")
     # evaluation and logging

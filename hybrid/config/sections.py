@@ -284,7 +284,9 @@ class CheckpointConfig:
     position, with a fresh optimizer. ``no_load_rng``: keep the RNG seeded from
     ``--seed``. ``finetune``: load the weights only and start at iteration 0 (a
     new series of checkpoints in ``save``). ``ckpt_step``: load that iteration
-    rather than the newest. Megatron's flags of the same names.
+    rather than the newest. Megatron's flags of the same names. ``overwrite_save``
+    (hybrid's own): a new run may take a ``save`` directory that holds another
+    run's checkpoints, deleting them (:mod:`hybrid.checkpoint.ownership`).
     """
 
     save: str | None = None
@@ -296,6 +298,7 @@ class CheckpointConfig:
     no_load_rng: bool = False
     finetune: bool = False
     ckpt_step: int | None = None
+    overwrite_save: bool = False
 
 
 @dataclass(frozen=True)

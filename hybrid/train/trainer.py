@@ -15,6 +15,7 @@ import time
 from dataclasses import dataclass
 
 from hybrid.checkpoint import save_checkpoint
+from hybrid.checkpoint.ownership import RunIdentity, claim_save_dir
 from hybrid.checkpoint.resume import start_from_checkpoint
 from hybrid.config import TrainConfig
 from hybrid.data.dataset import build_datasets, dp_micro_batches
@@ -53,12 +54,32 @@ class Trainer:
     then :meth:`train`. Every method is collective over the world (each rank calls
     it in the same order)."""
 
-    def __init__(self, cfg: TrainConfig, ps: ParallelState, launched_at: float | None = None):
+    def __init__(self, cfg: TrainConfig, ps: ParallelState, launched_at: float | None = None,
+                 run: RunIdentity | None = None):
         """``launched_at``: when the job was launched (epoch seconds; default now), for
-        the launch-to-first-iteration time the first log line reports."""
+        the launch-to-first-iteration time the first log line reports. ``run``: who is
+        running (:meth:`RunIdentity.of_launch`; default: a launch of its own), the
+        owner ``--save`` records (:mod:`hybrid.checkpoint.ownership`)."""
         self.cfg, self.ps = cfg, ps
         self.started = time.monotonic()
         self.launched_at = time.time() if launched_at is None else launched_at
+        # --save belongs to this run from here on (rank 0 holds it); refused: nothing ran
+        self.claim = claim_save_dir(cfg.checkpoint, ps, run or RunIdentity.of_launch(),
+                                    cfg.to_dict())
+        self.engine = None
+        try:
+            self._set_up()
+        except BaseException:
+            # a run that fails to start leaves nothing behind: no swap files on the nvme
+            # tier, no claim on --save
+            if self.engine is not None:
+                self.engine.close()
+            if self.claim is not None:
+                self.claim.release()
+            raise
+
+    def _set_up(self) -> None:
+        cfg, ps = self.cfg, self.ps
         self.first_iteration_s: float | None = None  # launch to the end of the first one
         self._first_line: dict = {}
         self.rng = seed_all(cfg.seed, ps.tp_rank, ps.dp_rank, ps.device, ps.cp_rank, ps.tp_size)
@@ -134,6 +155,8 @@ class Trainer:
             early.close()
             self.monitor.close()
             self.engine.close()  # the nvme tier's swap files are scratch: deleted here
+            if self.claim is not None:
+                self.claim.release()
         return history
 
     def step(self):
@@ -211,7 +234,8 @@ class Trainer:
         path = save_checkpoint(ck.save, st.iteration, st.consumed_samples, self.engine, self.ps,
                                self.cfg.to_dict(), self.rng, ck.keep_last,
                                self.tokenizer.vocab_size, optimizer=not ck.no_save_optim,
-                               finetune=self.start.finetune if self.start is not None else None)
+                               finetune=self.start.finetune if self.start is not None else None,
+                               owner=self.claim.record if self.claim is not None else None)
         log.info("saved checkpoint %s", path)
 
     def _open_monitor(self) -> Monitor:
@@ -241,8 +265,30 @@ class Trainer:
         slow = low_precision_warning(cfg.precision.params_dtype, ps.device)
         if slow and ps.rank == 0:  # one line for the job
             log.warning("warning: %s", slow)
+        empty = self._empty_validation()
+        if empty and ps.rank == 0:
+            log.warning("warning: %s", empty)
+
+    def _empty_validation(self) -> str | None:
+        """Why no validation will run although --eval-interval asks for one, or None.
+
+        A warning, not an error: Megatron's split (949,50,1) leaves a small corpus no
+        validation samples, and a run may not need them; but silence would let a user
+        wait for validation losses that never come."""
+        s, data = self.cfg.loop, self.cfg.data
+        if (not s.eval_interval or s.eval_iters <= 0 or self.data["valid"] is not None
+                or total_iterations(s) // s.eval_interval
+                <= self.state.iteration // s.eval_interval):  # no validation falls due
+            return None
+        where = ("--train-data-path without --valid-data-path" if data.train_data_path else
+                 f"--split {data.split} leaves it no sample of --seq-length "
+                 f"{self.cfg.model.seq_length} + 1 tokens")
+        return (f"--eval-interval {s.eval_interval}: the validation split is empty ({where}), "
+                f"so no validation will run: give the split more weight or a "
+                f"--valid-data-path, or --eval-iters 0 to say that none is wanted")
 
 
-def pretrain(cfg: TrainConfig, ps: ParallelState, launched_at: float | None = None) -> list[dict]:
+def pretrain(cfg: TrainConfig, ps: ParallelState, launched_at: float | None = None,
+             run: RunIdentity | None = None) -> list[dict]:
     """Set up and train (see :class:`Trainer`); return the logged metrics."""
-    return Trainer(cfg, ps, launched_at).train()
+    return Trainer(cfg, ps, launched_at, run).train()

@@ -113,7 +113,7 @@ def test_reshard_continues_the_same_curve(stage3_checkpoint, tmp_path, tp, dp, s
 
 def test_keep_last_prunes_only_after_a_complete_save(stage3_checkpoint):
     _, _, save = stage3_checkpoint
-    assert sorted(os.listdir(save)) == ["iter_0000006", "latest"]
+    assert sorted(os.listdir(save)) == [".lock", "iter_0000006", "latest", "owner.json"]
 
 
 def test_convert_merges_into_one_file_equal_to_the_shards(stage3_checkpoint, tmp_path):

@@ -184,7 +184,8 @@ def test_finetune_starts_at_iteration_0_and_a_restart_resumes_its_own_series(run
               "iteration": 3}
     assert runs["ft_meta_at_2"]["finetune"] == origin
     assert _meta(os.path.join(runs["ft"], "iter_0000005"))["finetune"] == origin
-    assert sorted(os.listdir(runs["pre"])) == ["iter_0000003", "latest"]  # untouched
+    # untouched
+    assert sorted(os.listdir(runs["pre"])) == [".lock", "iter_0000003", "latest", "owner.json"]
 
 
 def test_weights_only_checkpoint_refuses_an_exact_resume(runs):
@@ -199,7 +200,7 @@ def test_finetune_refuses_a_save_directory_of_another_run(runs):
                                     "--finetune", "--train-iters", "3")),
                   f"--save {runs['pre']} already holds iter_0000003 of a run not started "
                   f"with --finetune (it is the --load directory)", "new directory")
-    assert sorted(os.listdir(runs["pre"])) == ["iter_0000003", "latest"]
+    assert sorted(os.listdir(runs["pre"])) == [".lock", "iter_0000003", "latest", "owner.json"]
 
 
 def test_tools_read_a_weights_only_checkpoint(runs, tmp_path, capsys):

@@ -112,9 +112,10 @@ def test_a_changed_shard_is_one_error_naming_it_and_the_checkpoint_to_go_back_to
         two_saves, tmp_path, garbage):
     """40,000 bytes of rank 1's data file (master and moments) replaced -- by other
     finite values, or by NaN: the resume stops before training with one error naming
-    the file, the iteration, and iteration 1 to go back to; --ckpt-step 1, as the
-    message says, resumes from there on the run's own curve. The offline verify names
-    the same file and passes the checkpoint before it."""
+    the file, the iteration, and iteration 1 to go back to, leaving no swap file of
+    its nvme tier behind; --ckpt-step 1, as the message says, resumes from there on
+    the run's own curve. The offline verify names the same file and passes the
+    checkpoint before it."""
     import shutil
     save, losses = two_saves
     ck = str(tmp_path / "ckpt")
@@ -122,10 +123,14 @@ def test_a_changed_shard_is_one_error_naming_it_and_the_checkpoint_to_go_back_to
     data = os.path.join(ck, "iter_0000002", "rank_00001.bin")
     old = np.fromfile(data, np.float32)[1000: 11000]
     _overwrite(data, 4000, old * 1.01 + 1e-3 if garbage == "finite" else np.full(10000, np.nan))
-    log = str(tmp_path / "log.jsonl")
+    log, swap = str(tmp_path / "log.jsonl"), tmp_path / "swap"
+    # (on the nvme tier: a run that fails to start removes the swap files it made)
     r = pretrain(2, ARGS + ["--train-iters", "3", "--load", ck, "--save", ck,
-                            "--log-json", log])
+                            "--log-json", log, "--offload-optimizer", "nvme",
+                            "--offload-nvme-path", str(swap)])
     assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr[-3000:]
+    assert sorted(os.listdir(swap)) == ["rank00000", "rank00001"]
+    assert [os.listdir(swap / d) for d in sorted(os.listdir(swap))] == [[".lock"]] * 2
     assert f"{data}: bytes [" in r.stderr and "do not match their saved checksum" in r.stderr
     assert "(checkpoint of iteration 2)" in r.stderr
     assert "iter_0000001 (iteration 1), has all its files" in r.stderr
@@ -192,3 +197,29 @@ def test_a_long_read_is_checked_chunk_by_chunk_while_it_reads(tmp_path):
                     reader.read_into(str(path), len(data), 0, out)
         finally:
             reader.close()
+
+
+def test_a_corrupt_header_of_a_checkpoint_without_checksums_is_hybrid_s_message(
+        two_saves, tmp_path):
+    """A checkpoint saved before checksums (none in its metadata) whose header is garbage:
+    one line naming the file, without torch's advice to load it with weights_only=False
+    (unsafe for a file of unknown origin)."""
+    import json
+    import shutil
+    ck = str(tmp_path / "ckpt")
+    shutil.copytree(two_saves[0], ck)
+    meta_path = os.path.join(ck, "iter_0000002", "metadata.json")
+    with open(meta_path) as f:
+        meta = json.load(f)
+    del meta["checksums"]
+    with open(meta_path, "w") as f:
+        json.dump(meta, f)
+    head = os.path.join(ck, "iter_0000002", "rank_00000.pt")
+    with open(head, "r+b") as f:
+        f.seek(64)
+        f.write(b"\x00" * 256)
+    r = pretrain(2, ARGS + ["--train-iters", "3", "--load", ck])
+    assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr[-3000:]
+    assert f"{head}: corrupt or truncated checkpoint shard (not a readable header" in r.stderr
+    assert "weights_only" not in r.stderr
+    assert "saved before checkpoints carried checksums; loading it unverified" in r.stdout

@@ -52,7 +52,8 @@ def test_megatron_gpt3_example_runs_renamed_and_resumes(tmp_path):
     assert batches == [4, 4, 4, 4, 8, 8, 8, 8]  # --rampup-batch-size 4 4 16 to 8
     assert "consumed samples:         48" in log and "loss scale:" in log  # fp16
     assert "world 2 = TP 2 x DP 1" in log
-    assert sorted(os.listdir(ckpt)) == ["iter_0000004", "iter_0000008", "latest"]
+    assert sorted(os.listdir(ckpt)) == [".lock", "iter_0000004", "iter_0000008", "latest",
+                                        "owner.json"]
     assert any(n.startswith("events.out.tfevents") for n in os.listdir(tb))
 
     # The same script with more iterations resumes from its own --save (== --load).

@@ -108,18 +108,26 @@ def test_rampup_run_logs_the_schedule_and_resumes_exactly_after_exit_interval(tm
 
 
 def test_exit_duration_saves_and_stops_and_no_effect_flags_are_logged_once(tmp_path):
+    """Also: a validation split left empty (--split 100,0,0) while --eval-interval asks for
+    validation is one warning at start, naming the flags."""
     from launch import TINY, pretrain
     ckpt = str(tmp_path / "ckpt")
     r = pretrain(2, TINY + ["--train-iters", "50", "--exit-duration-in-mins", "1e-6",
                             "--save", ckpt, "--use-mcore-models", "--transformer-impl",
-                            "transformer_engine", "--no-masked-softmax-fusion"])
+                            "transformer_engine", "--no-masked-softmax-fusion",
+                            "--split", "100,0,0", "--eval-interval", "10"])
     assert r.returncode == 0, r.stderr[-3000:]
     assert "exiting at iteration 1: --exit-duration-in-mins 1e-06" in r.stdout
-    assert sorted(os.listdir(ckpt)) == ["iter_0000001", "latest"]
+    assert sorted(os.listdir(ckpt)) == [".lock", "iter_0000001", "latest", "owner.json"]
     line = ("Megatron flags with no effect here (they pick Megatron's own kernels or "
             "internals): --use-mcore-models --transformer-impl transformer_engine "
             "--no-masked-softmax-fusion")
     assert r.stdout.count(line) == 1
+    empty = [x for x in r.stdout.splitlines() if "the validation split is empty" in x]
+    assert empty == ["warning: --eval-interval 10: the validation split is empty (--split "
+                     "100,0,0 leaves it no sample of --seq-length 32 + 1 tokens), so no "
+                     "validation will run: give the split more weight or a --valid-data-path, "
+                     "or --eval-iters 0 to say that none is wanted"], r.stdout[-3000:]
 
 
 def _sigterm_rank1_at_step3(ps, cfg):
@@ -159,5 +167,5 @@ def test_exit_signal_handler_saves_and_stops_every_rank_at_the_same_iteration(tm
     (rank0, handler0), (rank1, handler1) = res
     assert rank0[0] == rank1[0] == 0, (rank0, rank1)
     assert "exiting at iteration 3: --exit-signal-handler: SIGTERM received" in rank0[1]
-    assert sorted(os.listdir(ckpt)) == ["iter_0000003", "latest"]
+    assert sorted(os.listdir(ckpt)) == [".lock", "iter_0000003", "latest", "owner.json"]
     assert handler0 == handler1 == signal.SIG_DFL

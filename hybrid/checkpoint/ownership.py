@@ -1,0 +1,285 @@
+"""A ``--save`` directory belongs to one run: an exclusive lock and an ownership record.
+
+    claim = SaveDirClaim.take(save_dir, run, model, resuming=..., overwrite=...)
+    save_checkpoint(..., owner=claim.record)   # each save records the run as the owner
+    claim.release()                            # the lock drops
+
+[Note: what a claim refuses]
+Without an owner, two jobs given the same ``--save`` overwrite each other's
+``iter_N`` and both exit 0, and a new run started on a used directory replaces
+another run's checkpoints. So rank 0 of a run that saves, before anything else:
+
+* takes an ``flock`` on ``SAVE/.lock`` (as the nvme tier's swap directory does)
+  and writes who holds it there (host, pid, start time): a second job on the
+  directory is refused, naming the holder. The kernel drops the lock when its
+  holder dies, so a SIGKILLed job leaves no stuck lock, only its words in the
+  file (a clean release empties it): that is how the next run knows to say it
+  took over a dead job's directory;
+* reads ``SAVE/owner.json``, the record of the run whose checkpoints the
+  directory holds, and refuses a run that would write over another run's
+  checkpoints: the directory holds complete checkpoints, this run does not
+  resume from it (``--load`` elsewhere or none), and the record names another
+  run (or there is none: an older hybrid, a copied directory). The message says
+  the three ways on: ``--load`` the same directory to resume,
+  ``--overwrite-save`` (or another directory) to start over, ``--finetune`` to
+  start from its weights.
+
+A run becomes the owner when it saves: every save writes ``owner.json`` (run
+identity, host, pid, start time, model shape) with its checkpoint, so a run
+that fails before saving leaves the directory exactly as it found it.
+
+"Another run" is another :class:`RunIdentity`. The identity is the launch's
+(torchrun's run id and the launch time), so a worker restarted by ``torchrun
+--max-restarts`` is the same run and finds its own checkpoints acceptable,
+with or without ``--load``. Resuming (``--load`` equal to ``--save``) is
+always allowed and says nothing. ``--finetune`` has its own rule for its
+``--save`` (:mod:`hybrid.checkpoint.resume`) and is left to it.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import hashlib
+import json
+import logging
+import os
+import shutil
+import socket
+import time
+import uuid
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass
+
+from hybrid.checkpoint.files import LATEST, complete_checkpoints
+from hybrid.config.sections import CheckpointConfig
+from hybrid.errors import CheckpointError
+from hybrid.parallel.agree import agree_error
+from hybrid.parallel.state import ParallelState
+
+OWNER = "owner.json"
+LOCK = ".lock"
+
+# The flags that fix a model's parameter shapes: what the ownership record's "model"
+# holds and compares (a checkpoint of other values is a checkpoint of another model).
+SHAPE_FLAGS = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size",
+               "num_query_groups", "group_query_attention", "max_position_embeddings",
+               "position_embedding_type", "swiglu", "normalization",
+               "untie_embeddings_and_output_weights", "disable_bias_linear", "add_qkv_bias",
+               "tokenizer_type", "vocab_size", "make_vocab_size_divisible_by")
+
+log = logging.getLogger("hybrid")
+
+
+@dataclass(frozen=True)
+class RunIdentity:
+    """Who is running: ``id`` is the same for every process and restart of one launch."""
+
+    id: str
+    host: str
+    pid: int
+    started: float  # epoch seconds
+
+    @classmethod
+    def of_launch(cls, environ: Mapping[str, str] | None = None) -> "RunIdentity":
+        """This process's identity, from the entry point's ``environ``: under torchrun
+        the launch's (its run id, and the agent -- this worker's parent -- by host and
+        pid, which a restarted worker shares); otherwise, or with no ``environ``, a
+        launch of its own."""
+        host, pid, now = socket.gethostname(), os.getpid(), time.time()
+        launch = (environ or {}).get("TORCHELASTIC_RUN_ID")
+        run_id = (f"torchrun {launch} (agent {host}:{os.getppid()})" if launch else
+                  f"{host}:{pid}:{uuid.uuid4().hex[:12]}")
+        return cls(run_id, host, pid, now)
+
+    def describe(self) -> str:
+        when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(self.started))
+        return f"host {self.host}, pid {self.pid}, started {when}"
+
+
+def model_shape(config: dict) -> dict:
+    """The shape flags of a run's flat config (:data:`SHAPE_FLAGS`) and their hash."""
+    fields = {k: config.get(k) for k in SHAPE_FLAGS}
+    digest = hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:16]
+    return {"fingerprint": digest, "fields": fields}
+
+
+def claim_save_dir(ck: CheckpointConfig, ps: ParallelState, run: RunIdentity,
+                   config: dict) -> "SaveDirClaim | None":
+    """Rank 0 claims ``--save`` for ``run`` (:meth:`SaveDirClaim.take`; ``config``: the
+    run's flat flags, for its model shape); None on the other ranks and without
+    ``--save``. Collective over the world: a refusal is raised on every rank."""
+    if not ck.save:
+        return None
+    claim, error = None, None
+    if ps.rank == 0:
+        resuming = bool(ck.load) and os.path.realpath(ck.load) == os.path.realpath(ck.save)
+        try:
+            claim = SaveDirClaim.take(ck.save, run, model_shape(config), resuming=resuming,
+                                      overwrite=ck.overwrite_save, check_others=not ck.finetune)
+        except CheckpointError as e:
+            error = str(e)
+    error = agree_error(ps, error)
+    if error:
+        raise CheckpointError(error)  # (rank 0 took nothing: only it can fail)
+    return claim
+
+
+class SaveDirClaim:
+    """Rank 0's hold on a ``--save`` directory (see the module notes)."""
+
+    def __init__(self, directory: str, fd: int | None, record: dict):
+        self.directory, self._fd, self.record = directory, fd, record
+
+    @classmethod
+    def take(cls, directory: str, run: RunIdentity, model: dict, *, resuming: bool,
+             overwrite: bool = False, check_others: bool = True) -> "SaveDirClaim":
+        """Lock ``directory`` for ``run`` (created if need be) and record it as the owner.
+
+        ``model``: :func:`model_shape` of the run. ``resuming``: the run loads from this
+        directory. ``overwrite`` (``--overwrite-save``): another run's checkpoints here
+        are deleted instead of refused. ``check_others`` False: only lock and record
+        (``--finetune``, which decides about its ``--save`` itself). CheckpointError
+        (naming the directory and the flag) when it is not writable, held by a live
+        job, or holds another run's checkpoints.
+        """
+        where = f"--save {directory}"
+        try:
+            os.makedirs(directory, exist_ok=True)
+            fd = os.open(os.path.join(directory, LOCK), os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as e:
+            raise CheckpointError(f"{where}: cannot write there ({e.strerror or e}); give "
+                                  f"--save a directory this job can write") from None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = _read_holder(fd)
+            os.close(fd)
+            raise CheckpointError(f"{where} is in use by another job ({holder}): two jobs "
+                                  f"saving there would overwrite each other's checkpoints; "
+                                  f"give this job another --save directory, or stop that "
+                                  f"one first") from None
+        except OSError as e:  # a filesystem without flock (ENOLCK, EOPNOTSUPP)
+            if e.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS):
+                os.close(fd)
+                raise CheckpointError(f"{where}: cannot lock it ({e.strerror})") from None
+            log.warning("warning: %s cannot be locked on this filesystem (%s); only the "
+                        "ownership record guards it", where, e.strerror)
+        claim = cls(directory, fd, {})
+        try:
+            dead = _holder_record(fd)
+            if dead is not None and dead.get("run") != run.id:
+                # its holder never released it: killed, or its node lost (a restarted
+                # worker of this same run is not news: the launcher said who died)
+                log.warning("%s: taking it over from a job that ended without releasing it "
+                            "(%s)", where, _describe(dead))
+            claim.record = {"run": run.id, **{k: v for k, v in asdict(run).items()
+                                              if k != "id"}, "model": model}
+            try:
+                os.ftruncate(fd, 0)
+                os.pwrite(fd, json.dumps(claim.record).encode(), 0)
+            except OSError as e:
+                raise CheckpointError(f"{where}: cannot write there ({e.strerror or e}); give "
+                                      f"--save a directory this job can write") from None
+            if check_others and not resuming:
+                _check_others(directory, _read_record(directory), run, model, overwrite)
+        except BaseException:
+            claim.release()
+            raise
+        return claim
+
+    def release(self) -> None:
+        """Drop the lock, leaving ``.lock`` empty (a clean end); idempotent."""
+        if self._fd is None:
+            return
+        try:
+            os.ftruncate(self._fd, 0)
+        except OSError:
+            pass  # (the next run then says it took over: harmless)
+        finally:
+            os.close(self._fd)  # (closing the descriptor drops the flock)
+            self._fd = None
+
+
+def _check_others(directory: str, previous: dict | None, run: RunIdentity, model: dict,
+                  overwrite: bool) -> None:
+    """Refuse (or, with ``overwrite``, delete) another run's checkpoints in ``directory``."""
+    names = complete_checkpoints(directory)
+    if not names or (previous is not None and previous.get("run") == run.id):
+        return  # nothing to lose, or this run's own (a torchrun restart)
+    if overwrite:
+        for name in names:
+            shutil.rmtree(os.path.join(directory, name))
+        try:
+            os.remove(os.path.join(directory, LATEST))
+        except FileNotFoundError:
+            pass
+        log.warning("--overwrite-save: deleted %d checkpoint(s) of another run in %s (%s to "
+                    "%s)", len(names), directory, names[0], names[-1])
+        return
+    whose = (f"a run of {_describe(previous)}" if previous else
+             "a run that left no ownership record")
+    shape = _shape_difference(previous, model)
+    raise CheckpointError(
+        f"--save {directory} already holds checkpoints of another run ({names[-1]}"
+        f"{f' and {len(names) - 1} more' if len(names) > 1 else ''}, {whose}{shape}), and this "
+        f"run would overwrite them: to continue that run add --load {directory}; to start "
+        f"over give --save a new directory or add --overwrite-save (which deletes them); to "
+        f"start from its weights use --finetune --load {directory} with a new --save")
+
+
+def _shape_difference(previous: dict | None, model: dict) -> str:
+    old = (previous or {}).get("model") or {}
+    if not old or old.get("fingerprint") == model["fingerprint"]:
+        return ""
+    diff = [f"{k} {v!r} there, {model['fields'].get(k)!r} here"
+            for k, v in (old.get("fields") or {}).items() if model["fields"].get(k) != v]
+    return f"; a different model: {', '.join(diff[:3])}" if diff else "; a different model"
+
+
+def _describe(record: dict) -> str:
+    started = record.get("started")
+    when = (time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(started))
+            if isinstance(started, (int, float)) else "?")
+    return f"host {record.get('host', '?')}, pid {record.get('pid', '?')}, started {when}"
+
+
+def _holder_record(fd: int) -> dict | None:
+    """What the holder (or last, unreleased holder) of the lock wrote into ``.lock``."""
+    try:
+        data = os.pread(fd, 4096, 0)
+        record = json.loads(data) if data.strip() else None
+    except (OSError, ValueError):
+        return {}  # something unreadable: a holder all the same
+    return record if isinstance(record, dict) or record is None else {}
+
+
+def _read_holder(fd: int) -> str:
+    """Who holds the lock, in words."""
+    record = _holder_record(fd)
+    return _describe(record) if record else "a job that has not said who it is"
+
+
+def write_owner(directory: str, record: dict) -> None:
+    """Record ``record`` (a claim's) as the owner of ``directory``'s checkpoints; OSError
+    for the caller (a save) to report."""
+    _write_record(directory, record)
+
+
+def _read_record(directory: str) -> dict | None:
+    try:
+        with open(os.path.join(directory, OWNER), encoding="utf-8") as f:
+            record = json.load(f)
+    except (OSError, ValueError):
+        return None
+    return record if isinstance(record, dict) else None
+
+
+def _write_record(directory: str, record: dict) -> None:
+    """Replace ``owner.json`` atomically (a crash leaves the old record or the new one)."""
+    tmp = os.path.join(directory, f".{OWNER}.tmp")
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump(record, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, os.path.join(directory, OWNER))
