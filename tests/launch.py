@@ -140,3 +140,20 @@ def read_json_log(path: str, split: str | None = None) -> list[dict]:
     with open(path, encoding="utf-8") as f:
         records = [json.loads(line) for line in f if line.strip()]
     return [r for r in records if r.get("split") == split]
+
+
+def child_pids(parent: int) -> list[int]:
+    """pids of ``parent``'s children (a launcher's workers: pretrain_gpt.sh exec's the
+    launcher, so its pid is the shell's)."""
+    out = subprocess.run(["ps", "-o", "pid=", "--ppid", str(parent)], capture_output=True,
+                         text=True).stdout
+    return [int(pid) for pid in out.split()]
+
+
+def alive(pid: int) -> bool:
+    """Whether ``pid`` runs: a zombie (dead, not yet reaped) does not."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rpartition(")")[2].split()[0] not in "ZX"
+    except FileNotFoundError:
+        return False

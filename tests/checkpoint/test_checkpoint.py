@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from launch import ROOT, TINY, env, pretrain, read_json_log
+from launch import ROOT, TINY, child_pids, env, pretrain, read_json_log
 
 ITERS = 6
 BASE = TINY + ["--global-batch-size", "8", "--train-iters", str(ITERS)]
@@ -136,12 +136,6 @@ def test_convert_merges_into_one_file_equal_to_the_shards(stage3_checkpoint, tmp
     assert again.returncode == 2 and "not overwriting" in again.stderr
 
 
-def _worker_pids(parent):
-    out = subprocess.run(["ps", "-o", "pid=", "--ppid", str(parent)], capture_output=True,
-                         text=True).stdout
-    return [int(p) for p in out.split()]
-
-
 def test_sigkill_of_one_rank_restarts_from_the_last_checkpoint(tmp_path):
     """scripts/pretrain_gpt.sh with MAX_RESTARTS=1 (torchrun --max-restarts 1 through the
     product's launcher): SIGKILL rank 1 after the first save; the launcher says in one line
@@ -162,7 +156,7 @@ def test_sigkill_of_one_rank_restarts_from_the_last_checkpoint(tmp_path):
     deadline = time.time() + 120
     while time.time() < deadline and proc.poll() is None:
         if os.path.exists(os.path.join(save, "latest")) and killed is None:
-            workers = _worker_pids(proc.pid)
+            workers = child_pids(proc.pid)
             if len(workers) == 2:
                 killed = workers[1]
                 os.kill(killed, signal.SIGKILL)

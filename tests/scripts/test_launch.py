@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from launch import ROOT, TINY, env, pretrain, read_json_log
+from launch import ROOT, TINY, alive, child_pids, env, pretrain, read_json_log
 
 
 def _free_port():
@@ -64,22 +64,6 @@ def _wait_for(p, out, err, text, timeout=120):
         time.sleep(0.1)
 
 
-def _workers(launcher):
-    """pids of the workers: the launcher's children (bash exec'd it: its pid is ours)."""
-    ps = subprocess.run(["ps", "-o", "pid=", "--ppid", str(launcher)], capture_output=True,
-                        text=True).stdout
-    return [int(pid) for pid in ps.split()]
-
-
-def _alive(pid):
-    """Whether ``pid`` runs: a zombie (dead, not yet reaped by init) does not."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rpartition(")")[2].split()[0] not in "ZX"
-    except FileNotFoundError:
-        return False
-
-
 @pytest.mark.parametrize("target", ["launcher", "one worker"])
 def test_sigterm_saves_the_iteration_in_progress_and_exits_with_its_code(tmp_path, target):
     """As scancel or a preemption does it: SIGTERM to pretrain_gpt.sh's launcher, which
@@ -94,7 +78,7 @@ def test_sigterm_saves_the_iteration_in_progress_and_exits_with_its_code(tmp_pat
         _wait_for(p, out, err, " iteration        3/")
         seen = time.time() - launched
         # bash exec'd the launcher: p.pid is its pid
-        os.kill(p.pid if target == "launcher" else _workers(p.pid)[-1], signal.SIGTERM)
+        os.kill(p.pid if target == "launcher" else child_pids(p.pid)[-1], signal.SIGTERM)
         p.wait(timeout=120)
     finally:
         if p.poll() is None:
@@ -123,16 +107,16 @@ def test_kill_9_of_the_launcher_ends_every_worker_and_the_last_checkpoint_loads(
     workers = []
     try:
         _wait_for(p, out, err, " iteration        3/")
-        workers = _workers(p.pid)
+        workers = child_pids(p.pid)
         assert len(workers) == 2
         p.kill()
         p.wait()
         deadline = time.time() + 10
-        while any(map(_alive, workers)) and time.time() < deadline:
+        while any(map(alive, workers)) and time.time() < deadline:
             time.sleep(0.05)
-        assert not any(map(_alive, workers)), "workers outlived their launcher by 10 s"
+        assert not any(map(alive, workers)), "workers outlived their launcher by 10 s"
     finally:
-        for pid in filter(_alive, workers):
+        for pid in filter(alive, workers):
             os.kill(pid, signal.SIGKILL)
         if p.poll() is None:
             p.kill()

@@ -11,7 +11,7 @@ import time
 import pytest
 
 from hybrid.train.orphans import LAUNCHER_PID, end_with_launcher
-from launch import env
+from launch import alive, env
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"),
                                 reason="the parent-death signal is Linux's")
@@ -55,20 +55,11 @@ def test_the_worker_dies_with_its_launcher():
         launcher.kill()
         launcher.wait()
         deadline = time.time() + 10
-        while _alive(worker) and time.time() < deadline:
+        while alive(worker) and time.time() < deadline:
             time.sleep(0.02)
-        assert not _alive(worker)
+        assert not alive(worker)
     finally:
         if launcher.poll() is None:
             launcher.kill()
-        if worker is not None and _alive(worker):
+        if worker is not None and alive(worker):
             os.kill(worker, signal.SIGKILL)
-
-
-def _alive(pid):
-    """Whether ``pid`` runs: a zombie (dead, not yet reaped by init) does not."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rpartition(")")[2].split()[0] not in "ZX"
-    except FileNotFoundError:
-        return False
