@@ -382,15 +382,16 @@ def verify_checkpoint(ckpt: str) -> dict:
     if not checks.enabled:
         raise CheckpointError(f"{ckpt}: saved before checkpoints carried checksums; "
                               f"nothing to verify it against")
-    out = {"checkpoint": ckpt, "iteration": meta.get("iteration"), "files": 1,
-           "bytes": os.path.getsize(os.path.join(ckpt, "metadata.json")), "damaged": []}
-    for head_name in sorted(checks.headers):
+    files, nbytes = 1, os.path.getsize(os.path.join(ckpt, "metadata.json"))
+    damaged: list[str] = []
+    for head_name in sorted(checks.headers or {}):
         head = os.path.join(ckpt, head_name)
         data_path = head[: -len(".pt")] + ".bin"
         reader = RangeReader()
         try:
             size = os.path.getsize(data_path)
             check = checks.verifier(data_path, size, reader)  # reads and checks the header
+            assert check is not None  # (the checkpoint has checksums: checked above)
             with open(data_path, "rb") as f:
                 at = 0
                 while at < size:
@@ -400,11 +401,12 @@ def verify_checkpoint(ckpt: str) -> dict:
                     check.feed(at, memoryview(chunk))
                     at += len(chunk)
             check.finish(lambda offset, n: b"")  # nothing left: every byte was fed
-            out["files"] += 2
-            out["bytes"] += reader.bytes_read + size
+            files += 2
+            nbytes += reader.bytes_read + size
         except FileNotFoundError as e:
-            out["damaged"].append(f"{e.filename}: missing checkpoint shard")
+            damaged.append(f"{e.filename}: missing checkpoint shard")
         except (CheckpointError, OSError) as e:
-            out["damaged"].append(str(e))
-    out["seconds"] = round(time.perf_counter() - t0, 3)
-    return out
+            damaged.append(str(e))
+    return {"checkpoint": ckpt, "iteration": meta.get("iteration"), "files": files,
+            "bytes": nbytes, "seconds": round(time.perf_counter() - t0, 3),
+            "damaged": damaged}

@@ -113,7 +113,7 @@ def claim_save_dir(ck: CheckpointConfig, ps: ParallelState, run: RunIdentity,
         return None
     claim, error = None, None
     if ps.rank == 0:
-        resuming = bool(ck.load) and os.path.realpath(ck.load) == os.path.realpath(ck.save)
+        resuming = ck.load is not None and os.path.realpath(ck.load) == os.path.realpath(ck.save)
         try:
             claim = SaveDirClaim.take(ck.save, run, model_shape(config), resuming=resuming,
                                       overwrite=ck.overwrite_save, check_others=not ck.finetune)

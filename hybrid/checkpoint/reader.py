@@ -27,7 +27,7 @@ flight, and a read returns only once all of it was checked.
 from __future__ import annotations
 
 import os
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
@@ -84,14 +84,15 @@ class RangeReader:
             return
         if self._hasher is None:
             self._hasher = ThreadPoolExecutor(1, thread_name_prefix="ckpt-crc")
-        hashing = None  # the chunk being hashed while the next one is read
+        hashing: list[Future] = []  # the chunk being hashed while the next one is read
         for lo in range(0, len(view), CHUNK_BYTES):
             part = view[lo: lo + CHUNK_BYTES]
             self._pread_into(fd, path, size, offset + lo, part)
-            if hashing is not None:
-                hashing.result()  # (raises its mismatch)
-            hashing = self._hasher.submit(check.feed, offset + lo, part)
-        hashing.result()
+            for done in hashing:
+                done.result()  # (raises its mismatch)
+            hashing = [self._hasher.submit(check.feed, offset + lo, part)]
+        for done in hashing:
+            done.result()
 
     def _pread_into(self, fd: int, path: str, size: int, offset: int, view: memoryview) -> None:
         done = 0

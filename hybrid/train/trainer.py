@@ -66,14 +66,14 @@ class Trainer:
         # --save belongs to this run from here on (rank 0 holds it); refused: nothing ran
         self.claim = claim_save_dir(cfg.checkpoint, ps, run or RunIdentity.of_launch(),
                                     cfg.to_dict())
-        self.engine = None
         try:
             self._set_up()
         except BaseException:
             # a run that fails to start leaves nothing behind: no swap files on the nvme
-            # tier, no claim on --save
-            if self.engine is not None:
-                self.engine.close()
+            # tier (if its engine was built), no claim on --save
+            engine = getattr(self, "engine", None)
+            if engine is not None:
+                engine.close()
             if self.claim is not None:
                 self.claim.release()
             raise
@@ -231,6 +231,7 @@ class Trainer:
     def save(self) -> None:
         """Checkpoint this iteration into ``--save`` (see :mod:`hybrid.checkpoint.save`)."""
         ck, st = self.cfg.checkpoint, self.state
+        assert ck.save is not None  # (train() saves only with --save)
         path = save_checkpoint(ck.save, st.iteration, st.consumed_samples, self.engine, self.ps,
                                self.cfg.to_dict(), self.rng, ck.keep_last,
                                self.tokenizer.vocab_size, optimizer=not ck.no_save_optim,
