@@ -1,2 +1,6 @@
-"""Benchmarks that are more than one file: each package here is driven by a script in
-``scripts/`` (``peers``: ``scripts/bench_peers.py``). Nothing in ``hybrid`` imports them."""
+"""The benchmarks: one module per measurement, run from the checkout's root as
+``python -m benchmarks.bench_<name>`` (``bench_checkpoint``, ``bench_zero``, ...); a
+bench that is more than one file keeps its pieces in a package here (``peers``: for
+``bench_peers``). Each prints JSON and asserts no timing; docs/measurements.md cites
+their commands. Not installed with ``hybrid``, and nothing in ``hybrid`` imports them;
+the user tools are in ``scripts/``."""

@@ -52,7 +52,7 @@ from hybrid.estimate.tiers import (HOST_BASELINE_BYTES, Capacity, offload_ladder
 GIB = 2 ** 30
 OWN = ("world_size", "data_parallel_size", "micro_batches", "gpu_memory_gb", "runtime_gb",
        "device", "host_memory_gb", "nvme_gb", "ranks_per_node", "format")
-# Memory a process holds before the model: on the CPU, what scripts/bench_memory.py
+# Memory a process holds before the model: on the CPU, what benchmarks/bench_memory.py
 # measures (memory_before_model_bytes, about 0.25 GB: interpreter, torch, gloo,
 # data); on CUDA a reserve for the context, NCCL's buffers and the caching
 # allocator's slack that this repository has not measured -- set --runtime-gb.

@@ -30,8 +30,8 @@ LAYERS = [
     ["hybrid.train"],
     ["hybrid.testing"],  # the process pool of tests and benchmarks
     ["hybrid"],  # the package's own door (hybrid/__init__.py)
-    ["benchmarks"],  # the pieces of scripts/bench_peers.py
-    ["scripts"],
+    # the benches (python -m benchmarks.bench_*) beside the user tools: neither imports the other
+    ["benchmarks", "scripts"],
 ]
 LAYER_OF = {unit: i for i, line in enumerate(LAYERS) for unit in line}
 # Packages that must import without torch: the launcher checks a command line with

@@ -1,4 +1,4 @@
-"""hybrid beside megatron-core (TP 2) and nanoGPT: the pieces of ``scripts/bench_peers.py``.
+"""hybrid beside megatron-core (TP 2) and nanoGPT: the pieces of ``benchmarks/bench_peers.py``.
 
 Bottom up (a module imports only the ones above it in this list):
 

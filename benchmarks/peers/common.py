@@ -8,7 +8,7 @@ import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SCRIPTS = os.path.join(ROOT, "scripts")
-ENTRY = os.path.join(SCRIPTS, "bench_peers.py")  # the script torchrun runs with --worker
+ENTRY = ["-m", "benchmarks.bench_peers"]  # what torchrun runs with --worker (cwd: ROOT)
 RESULT_TAG = "BENCH_PEERS_RESULT "
 LAUNCH_ENV = "BENCH_PEERS_LAUNCH_T"  # time.time() at launch, read by the workers
 # The TP shape of the issue: GPT-2 4 x 256, 4 heads, seq 128, vocab 8192, micro 4 per rank

@@ -1,6 +1,6 @@
 """The TP sections, parent side: ``megatron_separate`` (ABBA pairs of torchrun launches,
 one system each) and ``megatron_inprocess`` (one launch, both systems on its ranks). The
-ranks run ``scripts/bench_peers.py --worker`` (``benchmarks.peers.worker``)."""
+ranks run ``python -m benchmarks.bench_peers --worker`` (``benchmarks.peers.worker``)."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from benchmarks.peers.stats import abba, median, pair_record, ratio, rnd
 def torchrun(a, kind: str):
     """One torchrun launch of ``a.tp`` ranks running worker ``kind``; its record."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes", "1",
-           "--nproc-per-node", str(a.tp), ENTRY, "--worker", kind,
+           "--nproc-per-node", str(a.tp), *ENTRY, "--worker", kind,
            "--tp", str(a.tp), "--steps", str(a.steps), "--warmup", str(a.warmup),
            "--eval-iters", str(a.eval_iters), "--eval-repeats", str(a.eval_repeats),
            "--zero-stage", str(a.zero_stage)] + (["--blocked"] if a.blocked else [])

@@ -5,7 +5,7 @@ for a GPT trained by hybrid is early in backward: every activation still
 saved, the output head's softmax, the gathered and not yet reduced units, and
 the staging buffers. Each term is written out below;
 ``tests/estimate/test_memory_estimate.py`` checks the activation terms byte for byte
-against what autograd saves, and ``scripts/bench_memory.py`` checks the total
+against what autograd saves, and ``benchmarks/bench_memory.py`` checks the total
 against measured peaks. :func:`choose_stage` picks the ZeRO stage with the least
 traffic whose peak fits a device (``scripts/estimate_memory.py``).
 

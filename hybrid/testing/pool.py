@@ -1,7 +1,7 @@
 """Run a function on N ranks as separate processes (gloo, 127.0.0.1).
 
 The shared launcher of every multi-rank test (``tests/harness.py``) and of the
-benchmark scripts, which need ranks without torchrun.
+benches in ``benchmarks/``, which need ranks without torchrun.
 
     results = run_ranks(fn, world_size=4, tp=2, args=(...))
 

@@ -8,7 +8,7 @@ hooks launch reductions -- nothing a graph should capture. Inductor's
 current generator, so the TP RNG tracker's per-region streams give the same
 masks compiled or not, and a compiled run follows the eager loss curve to
 rounding (``tests/train/test_compile.py``). Whether it is faster was not measured
-(no GPU was at hand when this was written): ``scripts/bench_throughput.py
+(no GPU was at hand when this was written): ``benchmarks/bench_throughput.py
 --compile`` measures it.
 
 [Note: compile inside the checkpoint]

@@ -1,9 +1,9 @@
 #!/usr/bin/env python
 """What each offload tier costs: step time, memory and disk of one GPT, as one JSON object.
 
-    python scripts/bench_offload.py [--world-size 1] [--steps 5] [--nvme-path DIR]
-    python scripts/bench_offload.py --layers 2 --hidden 256 --steps 2      # a quick look
-    python scripts/bench_offload.py --largest --hidden 4096 --configs param_cpu param_nvme
+    python -m benchmarks.bench_offload [--world-size 1] [--steps 5] [--nvme-path DIR]
+    python -m benchmarks.bench_offload --layers 2 --hidden 256 --steps 2      # a quick look
+    python -m benchmarks.bench_offload --largest --hidden 4096 --configs param_cpu param_nvme
 
 One GPT (default 8 layers x hidden 1024, vocab 8192: ~109M parameters; seq 128,
 micro-batch 1, ``--dtype`` (default bf16 with a GPU, fp32 without: a CPU without
@@ -50,7 +50,6 @@ moves (whole tiles: 2 x ``file_bytes`` and ``grad_file_bytes`` in).
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import resource
@@ -62,6 +61,7 @@ import time
 
 import torch
 
+from benchmarks import bench_aio as aio
 from hybrid.config import Flags, build_config
 from hybrid.testing.pool import run_ranks
 
@@ -72,15 +72,6 @@ CONFIGS = {"none": (None, None), "optimizer_cpu": ("cpu", None),
 
 def _rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
-
-
-def _bench_aio():
-    """scripts/bench_aio.py as a module (scripts are not a package)."""
-    here = os.path.join(os.path.dirname(os.path.abspath(__file__)), "bench_aio.py")
-    spec = importlib.util.spec_from_file_location("bench_aio", here)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
 
 
 def _config(a, name, swap_dir, world, layers=None):
@@ -283,7 +274,7 @@ def _summary(ranks: list[dict], none_s: float | None) -> dict:
     return row
 
 
-def _io_report(aio, swap: dict, directory: str, reps: int) -> dict:
+def _io_report(swap: dict, directory: str, reps: int) -> dict:
     """The swapper's rates beside dd's on the same directory."""
     nbytes = max(aio.BLOCK, swap["file_bytes"] // aio.BLOCK * aio.BLOCK)
     direct = aio._direct_ok(directory)
@@ -350,7 +341,6 @@ def _args(argv):
 def main(argv=None) -> int:
     ap, a = _args(argv)
     os.environ.setdefault("OMP_NUM_THREADS", str(a.threads))
-    aio = _bench_aio()
     point, fstype = aio._mount(a.nvme_path)
     if fstype in ("tmpfs", "ramfs"):
         ap.error(f"--nvme-path {a.nvme_path} is on {fstype} (memory), not a disk")
@@ -369,7 +359,7 @@ def main(argv=None) -> int:
         configs = {name: _summary(r, none_s) for name, r in runs.items()}
         swap = runs.get("optimizer_nvme", [{}])[0].get("swap_io")
         if swap:
-            io = _io_report(aio, swap, swap_dir, a.dd_reps)
+            io = _io_report(swap, swap_dir, a.dd_reps)
     finally:
         shutil.rmtree(swap_dir, ignore_errors=True)
     first = next((r[0] for r in runs.values() if "params" in r[0]), {})

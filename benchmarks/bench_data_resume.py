@@ -6,17 +6,20 @@ on disk, so each dataset's epoch permutation is built too) and fetches the whole
 global batch at that position with ``dp_micro_batches``. ``build_s`` covers the
 blend's construction, ``batch_s`` the batch, ``total_s`` both (imports excluded).
 
-    python scripts/bench_data_resume.py
-    python scripts/bench_data_resume.py --consumed 1e8 1.5e8 --global-batch-size 1024
+    python -m benchmarks.bench_data_resume
+    python -m benchmarks.bench_data_resume --consumed 1e8 1.5e8 --global-batch-size 1024
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def measure(consumed: int, gbs: int, seq: int) -> dict:
@@ -50,10 +53,11 @@ def main() -> None:
         return
     runs = []
     for c in a.consumed:
-        r = subprocess.run([sys.executable, __file__, "--child", str(int(c)),
+        r = subprocess.run([sys.executable, "-m", "benchmarks.bench_data_resume",
+                            "--child", str(int(c)),
                             "--global-batch-size", str(a.global_batch_size),
                             "--seq-length", str(a.seq_length)],
-                           capture_output=True, text=True, check=True)
+                           capture_output=True, text=True, check=True, cwd=ROOT)
         runs.append(json.loads(r.stdout.strip().splitlines()[-1]))
     print(json.dumps({"datasets": 3, "weights": [0.5, 0.3, 0.2],
                       "global_batch_size": a.global_batch_size, "seq_length": a.seq_length,

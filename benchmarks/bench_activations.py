@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Activation memory and step time per recompute / sequence-parallel mode, on CPU.
 
-    python scripts/bench_activations.py [--tp 2 4] [--budget-bytes 268435456]
+    python -m benchmarks.bench_activations [--tp 2 4] [--budget-bytes 268435456]
 
 For a GPT at each TP size (world = TP, one gloo process per rank, launched by
 :func:`hybrid.testing.pool.run_ranks`) and each mode -- none, sp, selective,

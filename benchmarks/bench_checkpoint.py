@@ -2,7 +2,7 @@
 """Checkpoint I/O per rank: files, bytes and seconds of a save, a same-layout load and a
 reshard, at several world sizes (ranks are local processes, gloo, CPU).
 
-    python scripts/bench_checkpoint.py [--worlds 2 4 8] [--hidden-size 256] [--layers 4]
+    python -m benchmarks.bench_checkpoint [--worlds 2 4 8] [--hidden-size 256] [--layers 4]
 
 For each world size W, one session of W processes:
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """hybrid's ZeRO stages against the peers a user would pick instead, on CPU.
 
-    python scripts/bench_zero.py [--world-size 2] [--rounds 2] [--steps 8]
+    python -m benchmarks.bench_zero [--world-size 2] [--rounds 2] [--steps 8]
 
 Same GPT (hybrid's, TP=1), same seed, same synthetic token batches, same world
 size for every system: torch DDP, torch ZeroRedundancyOptimizer, torch FSDP2

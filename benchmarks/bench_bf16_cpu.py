@@ -2,7 +2,7 @@
 """Step time of a GPT in bf16 (or fp16) against fp32 on this CPU, forward / backward /
 optimizer apart. One process, ZeRO-0, one intra-op thread unless --threads.
 
-    python scripts/bench_bf16_cpu.py [--modes fp32 bf16 bf16:eager] [--layers 12]
+    python -m benchmarks.bench_bf16_cpu [--modes fp32 bf16 bf16:eager] [--layers 12]
 
 Modes: ``fp32``; ``bf16`` / ``fp16`` (the linear path hybrid picks for this CPU:
 ``hybrid.kernels.select``); ``bf16:eager`` / ``bf16:fp32`` (that path forced, as

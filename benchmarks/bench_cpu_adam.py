@@ -16,8 +16,8 @@ within each repetition. ``bandwidth_GBps`` is a STREAM triad (a = b + s*c, 12
 bytes per element) with the same threads, and ``fraction_of_triad`` counts the
 bytes each system must move per parameter at least (listed in ``bytes_per_param``).
 
-    python scripts/bench_cpu_adam.py                # 10M and 100M, 1 and 2 threads
-    python scripts/bench_cpu_adam.py --sizes 10e6 --reps 5
+    python -m benchmarks.bench_cpu_adam                # 10M and 100M, 1 and 2 threads
+    python -m benchmarks.bench_cpu_adam --sizes 10e6 --reps 5
 """
 
 from __future__ import annotations

@@ -1,10 +1,10 @@
 #!/usr/bin/env python
 """Training-step throughput of one rank: MFU, tokens/s, peak memory, host syncs per step.
 
-    python scripts/bench_throughput.py                    # GPU: the 1.3B-class shape
-    python scripts/bench_throughput.py --preset tiny      # CPU: a 2-layer model, seconds
-    python scripts/bench_throughput.py --configs zero2 zero2_offload --steps 20
-    torchrun --nproc-per-node 8 scripts/bench_throughput.py   # one line per config, rank 0
+    python -m benchmarks.bench_throughput                    # GPU: the 1.3B-class shape
+    python -m benchmarks.bench_throughput --preset tiny      # CPU: a 2-layer model, seconds
+    python -m benchmarks.bench_throughput --configs zero2 zero2_offload --steps 20
+    torchrun --nproc-per-node 8 -m benchmarks.bench_throughput   # one line per config, rank 0
 
 Presets: ``1.3b``, the shape the GPU throughput is measured at, is 24 layers x
 2048 hidden x 16 heads, seq 2048, micro-batch 4, bf16, GPT-2's vocabulary;

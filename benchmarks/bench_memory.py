@@ -1,9 +1,9 @@
 #!/usr/bin/env python
 """Peak memory per rank against the estimator, for one GPT at several DP sizes (JSON lines).
 
-    python scripts/bench_memory.py             # 302M GPT, ZeRO-3, bf16, recompute, DP 1 2 4
-    python scripts/bench_memory.py --precision fp32 --no-recompute
-    python scripts/bench_memory.py --hidden-size 1536 --dp 4 --precision fp32  # 700M startup
+    python -m benchmarks.bench_memory             # 302M GPT, ZeRO-3, bf16, recompute, DP 1 2 4
+    python -m benchmarks.bench_memory --precision fp32 --no-recompute
+    python -m benchmarks.bench_memory --hidden-size 1536 --dp 4 --precision fp32  # 700M startup
 
 Each DP size is a real run of scripts/pretrain_gpt.py under torchrun (2
 iterations, fresh processes, so peaks are this run's). Per DP size it prints

@@ -10,8 +10,8 @@ bytes/s); ``ratio_to_dd`` is the backend's over dd's. Where the file system
 refuses O_DIRECT both sides run buffered and ``direct`` is false (then the read
 figures measure the page cache, not the disk).
 
-    python scripts/bench_aio.py                      # 2 GiB in a dir under the cwd
-    python scripts/bench_aio.py --dir /nvme --gib 8 --threads 8
+    python -m benchmarks.bench_aio                      # 2 GiB in a dir under the cwd
+    python -m benchmarks.bench_aio --dir /nvme --gib 8 --threads 8
 
 The default directory is under the current directory, not /tmp: /tmp is often
 tmpfs (memory), which says nothing about a disk.

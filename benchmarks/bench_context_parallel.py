@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """How long a sequence fits a rank's activation budget at each context-parallel size, on CPU.
 
-    python scripts/bench_context_parallel.py [--cp 1 2 4] [--comm-type p2p]
+    python -m benchmarks.bench_context_parallel [--cp 1 2 4] [--comm-type p2p]
         [--budget-bytes 8388608] [--max-seq-length 65536]
 
 For a small fp32 GPT at each CP size C (world = C, one gloo process per rank,

@@ -1,6 +1,6 @@
 """Time the fused CUDA kernels against eager PyTorch and torch.compile (GPU only).
 
-    python scripts/bench_kernels.py [--iters 30] [--write-choice]
+    python -m benchmarks.bench_kernels [--iters 30] [--write-choice]
 
 GPT-1.3B shapes: hidden 2048, ffn 8192, seq 2048 x micro-batch 4 = 8192 rows,
 vocab 50304 (TP=1) and 25152 (TP=2 local). Each op is timed forward+backward

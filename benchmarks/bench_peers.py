@@ -1,10 +1,10 @@
 #!/usr/bin/env python
 """hybrid side by side with the peers a user would pick instead: megatron-core at TP 2, nanoGPT.
 
-    python scripts/bench_peers.py --nanogpt-dir /tmp/nanogpt        # all three sections
-    python scripts/bench_peers.py --sections megatron_separate megatron_inprocess
-    python scripts/bench_peers.py --sections nanogpt --nanogpt-dir /tmp/nanogpt --nanogpt-iters 500
-    python scripts/bench_peers.py --pairs 2 --steps 8 --json-out runs/peers.json
+    python -m benchmarks.bench_peers --nanogpt-dir /tmp/nanogpt        # all three sections
+    python -m benchmarks.bench_peers --sections megatron_separate megatron_inprocess
+    python -m benchmarks.bench_peers --sections nanogpt --nanogpt-dir /tmp/nanogpt --nanogpt-iters 500
+    python -m benchmarks.bench_peers --pairs 2 --steps 8 --json-out runs/peers.json
 
 One JSON line per section on stdout (and all of them in one object with
 ``--json-out``). Every ratio is hybrid / peer, so below 1 means hybrid is
@@ -71,12 +71,8 @@ import platform
 import sys
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if ROOT not in sys.path:  # benchmarks/ is a top-level package of this checkout, not installed
-    sys.path.insert(0, ROOT)
-
-from benchmarks.peers import megatron_sections, nanogpt  # noqa: E402
-from benchmarks.peers.worker import worker  # noqa: E402
+from benchmarks.peers import megatron_sections, nanogpt
+from benchmarks.peers.worker import worker
 
 SECTIONS = ["megatron_separate", "megatron_inprocess", "nanogpt"]
 SECTION_FNS = {"megatron_separate": megatron_sections.section_megatron_separate,
