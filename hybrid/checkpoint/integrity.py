@@ -44,7 +44,7 @@ ALGORITHM = "crc32"
 # each range it reads out to whole blocks (up to two blocks more per range). 64 KiB
 # keeps both small: a header grows ~100 KB per GiB of data (0.01%), and a reshard
 # whose ranges interleave finely (a ZeRO shard of each layer: a few hundred KB at
-# test sizes) rereads at most 128 KiB per range: scripts/bench_checkpoint.py's
+# test sizes) rereads at most 128 KiB per range: benchmarks/bench_checkpoint.py's
 # reshard at world 2, 4 and 8 (hidden 256) reads 1.03x, 1.09x and 1.30x the bytes it
 # needs, where 1 MiB blocks read 1.40x, 2.81x and 5.29x.
 BLOCK_BYTES = 64 << 10

@@ -5,7 +5,7 @@ whole files (``metadata.json``, a rank's header) and explicit positional reads
 of row ranges of the raw data files (``os.preadv`` straight into the
 destination buffer). No memory mapping: page faults cannot be counted, and
 the point of this module is that ``files_opened`` and ``bytes_read`` are the
-I/O a rank did (``scripts/bench_checkpoint.py`` and the tests report them and
+I/O a rank did (``benchmarks/bench_checkpoint.py`` and the tests report them and
 cross-check them against ``/proc/self/io``).
 
 A data file is opened at most once per reader, and its size is checked
@@ -48,7 +48,7 @@ class RangeReader:
 
     def __init__(self, verify: bool = True):
         """``verify`` False: take the checkpoint's bytes unchecked (only for measuring what
-        checking costs: ``scripts/bench_checkpoint.py``)."""
+        checking costs: ``benchmarks/bench_checkpoint.py``)."""
         self.verify = verify
         self.files_opened: list[str] = []
         self.bytes_read = 0
