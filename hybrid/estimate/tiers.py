@@ -20,8 +20,9 @@ recompute, whose recompute forward gathers again)::
     device  params               the stage's (model_states.py); 0 with param offload
             grads                the stage's; with the optimizer offloaded at stages
                                  2-3, 2 landing buffers of the largest unit's shard,
-                                 e_g each (grad_landing.py; on a CPU device only with
-                                 the delayed update, else the shard is the host buffer)
+                                 e_g each (zero/offload/landing.py; on a CPU device only
+                                 with the delayed update, else the shard is the host
+                                 buffer)
             optimizer            12 Psi / N (8 with fp32 params); 0 when offloaded
             gathered units       stage 3: :func:`buffer_bytes`'s root + 2 blocks; with
                                  param offload 3 x largest unit x e_p (the one computed,
@@ -49,7 +50,7 @@ recompute, whose recompute forward gathers again)::
                                  --offload-gds (assumed to work where asked)
             param_write_staging  param offload without the delayed update: the step
                                  writes new parameters home through 2 chunks, e_p
-                                 each (home_writer.py): a tile (optimizer nvme) or
+                                 each (zero/offload/writer.py): a tile (optimizer nvme) or
                                  the largest unit's shard (optimizer cpu, param nvme;
                                  none with param cpu: the step writes in place)
             baseline             the process itself (torch, the interpreter)
@@ -163,7 +164,7 @@ def device_terms(w: Workload, off: OffloadConfig, runtime_bytes: int = 0) -> dic
 
 def _param_reads(w: Workload) -> int:
     """Bytes of the reads from params.swp in flight: the shard being loaded and the one
-    prefetched (hybrid/zero/param_offload.py), each of the largest unit."""
+    prefetched (hybrid/zero/offload/nvme/homes.py), each of the largest unit."""
     return 2 * -(-_largest_unit(w) // w.shard_ranks) * BYTES[w.params_dtype]
 
 
@@ -181,7 +182,7 @@ def host_terms(w: Workload, off: OffloadConfig, baseline_bytes: int = HOST_BASEL
         "master_and_moments": 12 * n if off.optimizer == "cpu" else 0,
         # this step's reduced gradient shard, what the host step reads
         "grad_buffer": e_g * n if off.optimizer == "cpu" and not in_place else 0,
-        # the nvme tier's gradients on their way to and from grads.swp (grad_homes.py)
+        # the nvme tier's gradients on their way to and from grads.swp (nvme/grads.py)
         "grad_staging": (landing_bytes(w) + off.buffer_count * _grad_slot(w, off)
                          if off.optimizer == "nvme" else 0),
         # the step's new parameters in the params dtype, before they go up (the cpu
@@ -189,12 +190,12 @@ def host_terms(w: Workload, off: OffloadConfig, baseline_bytes: int = HOST_BASEL
         "upload_copy": e_p * n if (off.optimizer and (not off.param or off.delayed_update)
                                    and (w.params_dtype != "fp32" or off.optimizer == "nvme"))
         else 0,
-        # C tiles of master + both moments (hybrid/zero/tiles.py)
+        # C tiles of master + both moments (hybrid/zero/offload/nvme/tiles.py)
         "optimizer_staging": tile_pool * 12 if off.optimizer == "nvme" else 0,
         # the parameter shard's home between its gathers
         "param_shard": e_p * n if off.param == "cpu" else 0,
         # reads from params.swp in flight: the shard being loaded and the one
-        # prefetched (hybrid/zero/param_offload.py), each of the largest unit
+        # prefetched (hybrid/zero/offload/nvme/homes.py), each of the largest unit
         "param_staging": _param_reads(w) if off.param == "nvme" and not off.gds else 0,
         "param_write_staging": 2 * _write_chunk(w, off) * e_p,
     }

@@ -52,7 +52,7 @@ def allocate_grads(units: list[FlatUnit], sharded: bool, dtype: torch.dtype,
     ``param.grad`` views too when ``dtype`` is the gradient dtype: autograd then
     accumulates straight into the buffer). ``sharded``: this rank's shard of each
     unit only, ``unit.grad_shard``. ``lands``: None, no buffer -- the shards land
-    in :class:`~hybrid.zero.grad_landing.GradLanding`'s buffers.
+    in :class:`~hybrid.zero.offload.landing.GradLanding`'s buffers.
     """
     if lands:
         return None

@@ -46,15 +46,15 @@ from hybrid.recompute.phase import RecomputePhase
 from hybrid.tensor_parallel import is_tp_split
 from hybrid.zero.buffers import allocate_grads, allocate_master
 from hybrid.zero.gather_pipeline import GatherPipeline
-from hybrid.zero.grad_landing import GradLanding
 from hybrid.zero.grad_sync import GradReducer
 from hybrid.zero.loss_scaler import LossScaler
-from hybrid.zero.offload import OptimizerOffload
-from hybrid.zero.offload_tiers import OffloadTiers
+from hybrid.zero.offload.host_step import OptimizerOffload
+from hybrid.zero.offload.landing import GradLanding
+from hybrid.zero.offload.nvme.adamw import SwappedAdamW
+from hybrid.zero.offload.tiers import OffloadTiers
 from hybrid.zero.optimizer import ShardedAdamW, global_grad_norm
 from hybrid.zero.param_sync import ParamGatherer
 from hybrid.zero.plan import ShardingPlan
-from hybrid.zero.swapped_adamw import SwappedAdamW
 from hybrid.zero.units import Materializer, OwnedPiece, owned_pieces, plan_units
 
 log = logging.getLogger("hybrid")

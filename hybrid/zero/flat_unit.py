@@ -62,7 +62,7 @@ class FlatUnit:
         self.gathered = True
         self.pending = None  # in-flight async gather: (work, staged pieces)
         # stage 3 parameter offload: where the shard lives between gathers
-        # (hybrid/zero/param_offload.py); None: on the device, in ``shard``
+        # (hybrid/zero/offload/nvme/homes.py); None: on the device, in ``shard``
         self.home = None
 
     # -- layout -------------------------------------------------------------

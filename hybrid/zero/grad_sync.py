@@ -34,8 +34,8 @@ Deferred units (parameters used in several places, see
 ``on_final(unit)`` is called as soon as a unit's gradient shard holds its
 final value for the step -- its last reduction of the step's last
 micro-batch has completed -- so ZeRO-Offload can send it to the host while
-backward goes on (:mod:`hybrid.zero.offload`). With ``landing`` (an offloaded
-optimizer at stages 2-3, :mod:`hybrid.zero.grad_landing`) a unit's shard
+backward goes on (:mod:`hybrid.zero.offload.host_step`). With ``landing`` (an offloaded
+optimizer at stages 2-3, :mod:`hybrid.zero.offload.landing`) a unit's shard
 exists on the device only while its reduction runs: ``landing.open(unit)``
 before its first piece, ``landing.park(unit)`` after an earlier micro-batch's
 last one.

@@ -146,7 +146,7 @@ class ShardedAdamW:
         """Part ``i``'s squared norms from its gradient ``g``, range by range: (TP-split
         ranges', replicated ranges'), 0-dim fp64 tensors on ``g``'s device. Taken as
         soon as a part's gradient is final when the gradient only passes through the
-        device (hybrid/zero/grad_landing.py)."""
+        device (hybrid/zero/offload/landing.py)."""
         return tuple([torch.linalg.vector_norm(g[lo:hi], dtype=torch.float32).double() ** 2
                       for lo, hi in ranges]
                      for ranges in (self.split_ranges[i], self._replicated[i]))
@@ -184,7 +184,7 @@ class ShardedAdamW:
         in). ``grad``: the flat gradient; ``out``: None or a flat tensor over them."""
         self.adamw.step_parts(grad, lr, scalars, first, last, out, found)
 
-    # -- the host tiers' interface (hybrid/zero/offload.py): the step in chunks ----------
+    # -- the host tiers' interface (hybrid/zero/offload/host_step.py): the step in chunks
     def chunks(self) -> list[tuple[int, int]]:
         """The flat shard ranges one host step updates at a time: one per part (unit)."""
         return list(zip(self.offsets[:-1], self.offsets[1:]))

@@ -196,7 +196,8 @@ def test_disk_per_step_by_hand():
 
 def test_cpu_device_is_host_memory():
     """On a CPU the process's host bytes are the device's and the host's terms; at
-    stages 2-3 the host step reads the gradient shard in place (hybrid/zero/offload.py)."""
+    stages 2-3 the host step reads the gradient shard in place
+    (hybrid/zero/offload/host_step.py)."""
     w = _small(device="cpu")
     est = tier_bytes(w, _off("cpu"), 0, 100)
     dev, host = est["terms"]["device"], est["terms"]["host"]

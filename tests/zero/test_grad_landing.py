@@ -1,5 +1,5 @@
 """Gradients that only land on the device (an offloaded optimizer at stages 2-3,
-hybrid/zero/grad_landing.py): the same bits as a gradient shard kept whole, with the
+hybrid/zero/offload/landing.py): the same bits as a gradient shard kept whole, with the
 device holding two unit shards of gradient whatever the model size.
 
 On a CPU the whole shard is kept (it is the host buffer) unless the delayed update

@@ -16,11 +16,11 @@ import pytest
 import torch
 
 from hybrid.errors import ConfigError, SwapIOError, SwapSpaceError
-from hybrid.kernels import gds
 from hybrid.parallel.state import ParallelState
-from hybrid.zero.offload_tiers import host_pinning
-from hybrid.zero.param_offload import DiskHome
-from hybrid.zero.swap import SwapSpace
+from hybrid.zero.offload.nvme import gds
+from hybrid.zero.offload.nvme.homes import DiskHome
+from hybrid.zero.offload.nvme.swap import SwapSpace
+from hybrid.zero.offload.tiers import host_pinning
 
 from hybrid.recompute.checkpointing import apply_activation_checkpointing
 from hybrid.tensor_parallel import InitValues

@@ -37,7 +37,7 @@ figure.
 
 * At stages 2-3 the device keeps no gradient shard: each unit's reduction
   lands in one of a few device buffers and goes down to the host buffer as
-  soon as it is done, in every micro-batch (:mod:`hybrid.zero.grad_landing`);
+  soon as it is done, in every micro-batch (:mod:`hybrid.zero.offload.landing`);
   only the last micro-batch's is "ready" for the update.
 
 The worker does the same arithmetic in the same order whatever the timing,
@@ -56,10 +56,10 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 from hybrid.config.sections import OffloadConfig
-from hybrid.zero.chunk_order import chunk_units, reverse_ends
 from hybrid.zero.flat_unit import FlatUnit, shard_bounds
-from hybrid.zero.grad_homes import HostGrads, stream_copy
-from hybrid.zero.home_writer import HomeWriter
+from hybrid.zero.offload.chunk_order import chunk_units, reverse_ends
+from hybrid.zero.offload.nvme.grads import HostGrads, stream_copy
+from hybrid.zero.offload.writer import HomeWriter
 
 
 class OptimizerOffload:
@@ -70,17 +70,17 @@ class OptimizerOffload:
             buffer, and the host buffers hold those pieces back to back.
         dtype: the model's training dtype (the parameters that go back up).
         flat_grads: the engine's flat gradient buffer, or None when gradients only
-            land on the device (hybrid/zero/grad_landing.py).
+            land on the device (hybrid/zero/offload/landing.py).
         grad_dtype, device: what goes down, and from where.
         plan: the engine's :class:`~hybrid.zero.plan.ShardingPlan`.
         opt: the shard optimizer, in the same order: a
             :class:`~hybrid.zero.optimizer.ShardedAdamW` over the host fp32 master
-            (the cpu tier) or a :class:`~hybrid.zero.swapped_adamw.SwappedAdamW`
+            (the cpu tier) or a :class:`~hybrid.zero.offload.nvme.adamw.SwappedAdamW`
             over tiles on disk (the nvme tier). Its ``chunks()`` are the pieces the
             worker updates one at a time (units, or tiles).
         cfg: ``delayed_update`` (and its ``delayed_update_warmup`` normal steps
             before the one-step delayed update starts).
-        swapped_grads: the nvme tier's :class:`~hybrid.zero.grad_homes.SwappedGrads`,
+        swapped_grads: the nvme tier's :class:`~hybrid.zero.offload.nvme.grads.SwappedGrads`,
             where the gradients go instead of a host buffer (None: host memory).
         pin: page-locked host buffers (``OffloadTiers.pin``, decided once).
     """

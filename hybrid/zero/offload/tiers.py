@@ -7,7 +7,7 @@
     tiers.send_home(unit)   # stage 3 param offload: a unit's shard, just materialized, home
     tiers.close()       # drain the I/O, delete the swap files
 
-One :class:`~hybrid.zero.swap.SwapSpace` per rank holds every swap file
+One :class:`~hybrid.zero.offload.nvme.swap.SwapSpace` per rank holds every swap file
 (``optimizer.swp``, ``grads.swp``, ``params.swp``), so all of them are checked for space,
 locked and preallocated together, before the first step.
 """
@@ -19,14 +19,13 @@ import logging
 import torch
 
 from hybrid.config.sections import OffloadConfig
-from hybrid.kernels import gds
 from hybrid.kernels.aio import AsyncIO
-from hybrid.zero import grad_homes, param_offload, tiles
 from hybrid.zero.flat_unit import FlatUnit, shard_bounds
-from hybrid.zero.grad_homes import SwappedGrads
-from hybrid.zero.param_offload import DiskHome, GdsHome, HostHome, disk_slots
-from hybrid.zero.swap import SwapSpace
-from hybrid.zero.tiles import SwappedStates
+from hybrid.zero.offload.nvme import gds, grads, homes, tiles
+from hybrid.zero.offload.nvme.grads import SwappedGrads
+from hybrid.zero.offload.nvme.homes import DiskHome, GdsHome, HostHome, disk_slots
+from hybrid.zero.offload.nvme.swap import SwapSpace
+from hybrid.zero.offload.nvme.tiles import SwappedStates
 
 log = logging.getLogger("hybrid")
 
@@ -86,10 +85,10 @@ class OffloadTiers:
         sizes = {}
         if cfg.optimizer == "nvme":
             sizes[tiles.FILE] = SwappedStates.space_for(n, cfg.buffer_size)
-            sizes[grad_homes.FILE] = SwappedGrads.space_for(n, cfg.buffer_size, grad_dtype)
+            sizes[grads.FILE] = SwappedGrads.space_for(n, cfg.buffer_size, grad_dtype)
         if cfg.param == "nvme":
             elem = torch.empty((), dtype=dtype).element_size()
-            self._slots, sizes[param_offload.FILE] = disk_slots(
+            self._slots, sizes[homes.FILE] = disk_slots(
                 [u.shard_size for u in self._partitioned], elem)
         if not sizes:
             return
@@ -110,10 +109,10 @@ class OffloadTiers:
 
     def _open_gds(self, rank: int, gds_file) -> None:
         """GDS reads of params.swp if the probe says they work; else the reason, kept
-        in ``self.gds`` (hybrid/kernels/gds.py, [Note: never required])."""
+        in ``self.gds`` (hybrid/zero/offload/nvme/gds.py, [Note: never required])."""
         self.gds = gds.probe(self.space.dir, self.device, gds_file)
         if self.gds is None:
-            self.reader = gds.GdsReader(self.space.files[param_offload.FILE].path, rank,
+            self.reader = gds.GdsReader(self.space.files[homes.FILE].path, rank,
                                         file_cls=gds_file)
         elif rank == 0:  # (every rank probes its own directory; one line for the job)
             log.warning("--offload-gds: GPUDirect Storage does not work here (%s); "

@@ -1,7 +1,7 @@
 """Where the host step finds this step's gradient shard: host memory, or the nvme tier's
 ``grads.swp``.
 
-The offloaded step (:mod:`hybrid.zero.offload`) reads each unit's reduced
+The offloaded step (:mod:`hybrid.zero.offload.host_step`) reads each unit's reduced
 gradient shard off the device. :class:`HostGrads` keeps the rank's whole shard
 in one (pinned) host buffer, ``e_g`` bytes per element -- host memory that
 grows with the model. With the optimizer on NVMe that would be the one term
@@ -31,7 +31,7 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 from hybrid.kernels.aio import ALIGN, aligned_empty
-from hybrid.zero.tiles import tile_spans
+from hybrid.zero.offload.nvme.tiles import tile_spans
 
 FILE = "grads.swp"
 

@@ -1,6 +1,6 @@
 """Which units a host step has finished after each of its chunks, in either order.
 
-The host step (:mod:`hybrid.zero.offload`) updates the flat shard a chunk at a
+The host step (:mod:`hybrid.zero.offload.host_step`) updates the flat shard a chunk at a
 time: a unit per chunk on the cpu tier, a tile that may straddle units on the
 nvme tier. After each chunk the step lets go of the units it has finished: their
 host gradient buffers may be rewritten, their new parameters may go up.

@@ -33,7 +33,7 @@ from __future__ import annotations
 import torch
 
 from hybrid.kernels.aio import ALIGN, AsyncIO, aligned_empty
-from hybrid.zero.swap import SwapSpace
+from hybrid.zero.offload.nvme.swap import SwapSpace
 
 FILE = "params.swp"
 

@@ -23,7 +23,7 @@ tile on the nvme tier), used in turn: chunk ``k`` writes buffer ``k % 2``,
 whose disk writes from chunk ``k - 2`` must have ended first. So host memory
 is two chunks, whatever the model size, and the writes of chunk ``k`` drain
 while chunk ``k + 1`` is updated. A slot's reads wait for its writes
-(:class:`~hybrid.zero.param_offload.DiskHome`), so the next forward never
+(:class:`~hybrid.zero.offload.nvme.homes.DiskHome`), so the next forward never
 reads a half-written shard.
 """
 

@@ -3,7 +3,7 @@
 The host tier (:class:`~hybrid.zero.optimizer.ShardedAdamW` under
 :class:`~hybrid.zero.offload.OptimizerOffload`) keeps the rank's flat shard
 of master weights and moments in host memory and updates it unit by unit.
-This one keeps the same flat shard in :class:`~hybrid.zero.tiles.SwappedStates`
+This one keeps the same flat shard in :class:`~hybrid.zero.offload.nvme.tiles.SwappedStates`
 and updates it tile by tile as the tiles stream through the staging buffers;
 everything else -- the gradients' way down, the worker thread, the delayed
 update, the parameters' way up -- is the host tier's, unchanged.
@@ -24,8 +24,8 @@ import torch
 
 from hybrid.config.sections import AdamWConfig
 from hybrid.kernels.adam import AdamSegments, adam_step
+from hybrid.zero.offload.nvme.tiles import SwappedStates
 from hybrid.zero.optimizer import ShardedAdamW
-from hybrid.zero.tiles import SwappedStates
 
 
 class SwappedAdamW(ShardedAdamW):

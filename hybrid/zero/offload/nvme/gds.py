@@ -8,7 +8,7 @@
     reader.close()
 
 The stage 3 parameter offload's nvme tier (``--offload-gds``) reads each unit's
-shard from ``params.swp`` with it (:class:`hybrid.zero.param_offload.GdsHome`);
+shard from ``params.swp`` with it (:class:`hybrid.zero.offload.nvme.homes.GdsHome`);
 everything else keeps :mod:`hybrid.kernels.aio`. The cuFile binding is
 ``torch.cuda.gds.GdsFile``: it needs a CUDA build of torch with cuFile, and
 runs in cuFile's compatibility mode (POSIX reads through cuFile's own bounce

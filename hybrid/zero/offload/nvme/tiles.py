@@ -18,7 +18,7 @@ the reads of tiles ``k + 1 .. k + C - 2`` are in flight and the write of tile
 ``k - 1`` used, that buffer's write must have finished. Host memory is the C
 buffers, whatever the model size; the disk sees one sequential read and one
 sequential write of the swap file per step. When the gradients are swapped too
-(:class:`~hybrid.zero.grad_homes.SwappedGrads`, attached), each tile's
+(:class:`~hybrid.zero.offload.nvme.grads.SwappedGrads`, attached), each tile's
 gradient slot is read with its states into a ring of its own, and not written
 back.
 """
@@ -28,8 +28,8 @@ from __future__ import annotations
 import torch
 
 from hybrid.kernels.aio import AsyncIO, aligned_empty
+from hybrid.zero.offload.nvme.swap import SwapSpace
 from hybrid.zero.optimizer import STATE_KEYS
-from hybrid.zero.swap import SwapSpace
 
 FILE = "optimizer.swp"
 
