@@ -45,10 +45,21 @@ so runs are bitwise reproducible. On a CPU-only machine the same path runs
 with host tensors (the copies are memcpys); there, at stages 2-3 without the
 delayed update, the engine's flat gradient shard is already a contiguous host
 buffer in master order and is read in place.
+
+[Note: the delayed update runs last to first]
+The update in flight during a step's backward must have read a unit's host
+gradient before that unit's new one comes down, and backward sends the last
+unit first. Run forward, backward would wait at its first unit for the whole
+update; run last to first, it waits (if at all) only for the units the update
+has not reached yet. Every element's update is independent of the others', so
+the order changes no bit. Steps that are not delayed keep the forward order:
+their uploads (and, at stages 1-2, all-gathers) go out in it while the worker
+goes on.
 """
 
 from __future__ import annotations
 
+import bisect
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -57,8 +68,7 @@ import torch
 
 from hybrid.config.sections import OffloadConfig
 from hybrid.zero.flat_unit import FlatUnit, shard_bounds
-from hybrid.zero.offload.chunk_order import chunk_units, reverse_ends
-from hybrid.zero.offload.nvme.grads import HostGrads, stream_copy
+from hybrid.zero.offload.grads import HostGrads, stream_copy
 from hybrid.zero.offload.writer import HomeWriter
 
 
@@ -108,7 +118,7 @@ class OptimizerOffload:
         self.master = opt.flat_master  # None on the nvme tier
         self._chunks = opt.chunks()
         self._chunk_units = chunk_units(self._chunks, self.bounds)
-        # (chunk_order.py, [Note: the delayed update runs last to first])
+        # ([Note: the delayed update runs last to first])
         self._forward_ends = [ends for _, ends in self._chunk_units]
         self._reverse_ends = reverse_ends(self._chunks, self.bounds)
         self._ends = self._forward_ends  # the update's in flight, per chunk
@@ -247,7 +257,7 @@ class OptimizerOffload:
 
     def _update(self, opt, lr: float, scalars_ready, delayed: bool) -> None:
         """The worker: one step of AdamW over the host shard, unit by unit (last to first
-        when ``delayed``: chunk_order.py)."""
+        when ``delayed``: [Note: the delayed update runs last to first])."""
         if scalars_ready is not None:
             scalars_ready.synchronize()
         self._skipped = bool(self._scalars[1].item())  # host memory: no device sync
@@ -383,3 +393,41 @@ class OptimizerOffload:
         own = self.grads.nbytes()
         own += 0 if self.writer is None else self.writer.nbytes()
         return own + (0 if self.out is None else self.out.untyped_storage().nbytes())
+
+
+# -- which units a chunk finishes, in either order --------------------------------------
+# The step updates the flat shard a chunk at a time: a unit per chunk on the cpu tier, a
+# tile that may straddle units on the nvme tier. After each chunk it lets go of the units
+# it has finished: their host gradient buffers may be rewritten, their new parameters may
+# go up. ([Note: the delayed update runs last to first])
+def reverse_ends(chunks: list[tuple[int, int]], bounds: list[int]) -> list[list[int]]:
+    """Per chunk, when the chunks run last to first: the units whose every element is
+    updated once it is (those that start in it; an empty one, at its start)."""
+    out, todo = [], len(bounds) - 2
+    for lo, _ in reversed(chunks):
+        ends = []
+        while todo >= 0 and bounds[todo] >= lo:
+            ends.append(todo)
+            todo -= 1
+        out.append(ends)
+    return out[::-1]
+
+
+def chunk_units(chunks: list[tuple[int, int]], bounds: list[int]):
+    """Per chunk ``[lo, hi)`` of the flat shard: (the units it overlaps, the units
+    whose last element it holds). ``bounds[i]``: where unit ``i`` starts."""
+    out, done = [], 0
+    for lo, hi in chunks:
+        first = max(0, bisect.bisect_right(bounds, lo) - 1)
+        touches = []
+        for i in range(first, len(bounds) - 1):
+            if bounds[i] >= hi:
+                break
+            if bounds[i + 1] > lo:
+                touches.append(i)
+        ends = []
+        while done < len(bounds) - 1 and bounds[done + 1] <= hi:
+            ends.append(done)
+            done += 1
+        out.append((touches, ends))
+    return out

@@ -21,9 +21,10 @@ import torch
 from hybrid.config.sections import OffloadConfig
 from hybrid.kernels.aio import AsyncIO
 from hybrid.zero.flat_unit import FlatUnit, shard_bounds
+from hybrid.zero.offload.homes import HostHome
 from hybrid.zero.offload.nvme import gds, grads, homes, tiles
 from hybrid.zero.offload.nvme.grads import SwappedGrads
-from hybrid.zero.offload.nvme.homes import DiskHome, GdsHome, HostHome, disk_slots
+from hybrid.zero.offload.nvme.homes import DiskHome, GdsHome, disk_slots
 from hybrid.zero.offload.nvme.swap import SwapSpace
 from hybrid.zero.offload.nvme.tiles import SwappedStates
 

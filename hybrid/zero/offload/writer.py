@@ -39,7 +39,7 @@ class HomeWriter:
         units: the engine's units, in shard order (``unit.home`` set or None).
         bounds: ``bounds[i]``: where unit ``i``'s part starts in the flat shard.
         chunk_units: per chunk, (the units it overlaps, ...) as
-            ``chunk_order.chunk_units`` gives them.
+            ``host_step.chunk_units`` gives them.
         chunks: the chunks' ``[lo, hi)`` in the flat shard.
         dtype: the parameters' training dtype.
         master_uploads: the home-less units go up from the fp32 master itself (the

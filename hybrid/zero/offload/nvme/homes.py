@@ -1,13 +1,7 @@
-"""Stage 3 parameter offload: where a partitioned unit's shard lives between its gathers.
-
-Without offload a rank keeps its shard of every partitioned unit on the device
-and all-gathers from it. With ``--offload-param`` the shard has a *home* off
-the device, and the device holds it only while the unit's gather runs::
-
-    home (host memory, or the rank's params.swp)  --load-->  device shard  --all-gather-->  unit
+"""The nvme tier's parameter homes: a partitioned unit's shard in a slot of the rank's
+params.swp (:mod:`hybrid.zero.offload.homes` has the overview and the host home).
 
     tier  home                         load                          store (after the step)
-    cpu   a host tensor (pinned, GPU)  copy (async H2D on a GPU)     copy from the host step
     nvme  its slot in params.swp       read (prefetched), copy       asynchronous write
     (with --offload-gds where GPUDirect Storage works: read straight into device memory)
 
@@ -36,47 +30,6 @@ from hybrid.kernels.aio import ALIGN, AsyncIO, aligned_empty
 from hybrid.zero.offload.nvme.swap import SwapSpace
 
 FILE = "params.swp"
-
-
-class HostHome:
-    """The cpu tier: the shard's values in host memory."""
-
-    def __init__(self, values: torch.Tensor, pin: bool):
-        self.data = torch.empty(values.numel(), dtype=values.dtype, pin_memory=pin)
-        self.data.copy_(values)
-        self._copying = None  # CUDA event: the last load's copy to the device has run
-
-    def prefetch(self) -> None:
-        """Nothing to do: the shard is already in host memory."""
-
-    def load_into(self, shard: torch.Tensor) -> None:
-        shard.copy_(self.data, non_blocking=shard.is_cuda)
-        if shard.is_cuda:
-            self._copying = torch.cuda.Event()
-            self._copying.record(torch.cuda.current_stream(shard.device))
-
-    def target(self) -> torch.Tensor:
-        """Where the host step may write the new shard in place (after
-        :meth:`wait_loaded`)."""
-        return self.data
-
-    def wait_loaded(self) -> None:
-        """The last load has read ``data`` out: it may be rewritten."""
-        if self._copying is not None:
-            self._copying.synchronize()
-            self._copying = None
-
-    def store(self, values: torch.Tensor):
-        self.wait_loaded()
-        self.data.copy_(values)
-        return None  # done: nothing to wait for
-
-    def values(self) -> torch.Tensor:
-        """The shard as it is now, in host memory (for reading: diagnostics)."""
-        return self.data
-
-    def host_bytes(self) -> int:
-        return self.data.numel() * self.data.element_size()
 
 
 class _Done:
