@@ -1,9 +1,10 @@
 """hybrid beside megatron-core (TP 2) and nanoGPT: the pieces of ``benchmarks/bench_peers.py``.
 
-Bottom up (a module imports only the ones above it in this list):
+Bottom up (a module imports only the ones above it in this list, and
+``benchmarks.timing``, every bench's medians, ratios, ABBA order, a pair of sides'
+record and stopwatch):
 
 - ``common``: paths, the TP shape and optimizer settings, the progress line
-- ``stats``: medians, ratios, rounding, ABBA order, a pair of sides' record
 - ``launch``: running a command with its lines time-stamped as they arrive
 - ``blocked``: time blocked in torch.distributed collectives, per step and phase
 - ``megatron_side``, ``hybrid_side``: the two TP models, built and stepped

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import re
 
-from benchmarks.peers.stats import median, rnd
+from benchmarks.timing import median, rnd
 
 NANO_ITER = re.compile(r"^iter (\d+): loss ([-+0-9.eE]+|nan), time ([0-9.]+)ms")
 NANO_EVAL = re.compile(r"^step (\d+): train loss ([-+0-9.eE]+|nan), val loss ([-+0-9.eE]+|nan)")

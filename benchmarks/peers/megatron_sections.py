@@ -11,7 +11,7 @@ from benchmarks.peers.common import (CLIP, ENTRY, LR, RESULT_TAG, ROOT, TP_SHAPE
                                      progress)
 from benchmarks.peers.launch import run_timed, tail
 from benchmarks.peers.megatron_side import megatron_missing
-from benchmarks.peers.stats import abba, median, pair_record, ratio, rnd
+from benchmarks.timing import abba, median, pair_record, ratio, rnd
 
 
 def torchrun(a, kind: str):

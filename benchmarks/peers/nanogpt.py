@@ -14,7 +14,7 @@ from benchmarks.peers.common import ROOT, SCRIPTS, progress
 from benchmarks.peers.console import (HYB_EVAL, HYB_ITER, NANO_EVAL, NANO_ITER, NANO_SETUP_END,
                                       measures, parse_lines)
 from benchmarks.peers.launch import child_env, git_head, run_timed, tail
-from benchmarks.peers.stats import abba, median, pair_record, rnd
+from benchmarks.timing import abba, median, pair_record, rnd
 
 # nanoGPT's CPU recipe (README; ../shared/BENCHMARKS.md), on top of config/train_shakespeare_char.py
 NANOGPT_RECIPE = ["--device=cpu", "--compile=False", "--eval_iters=20", "--log_interval=1",

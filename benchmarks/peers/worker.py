@@ -14,7 +14,7 @@ from benchmarks.peers.common import LAUNCH_ENV, RESULT_TAG, TP_SHAPE
 from benchmarks.peers.hybrid_side import HybridSide, import_hybrid
 from benchmarks.peers.megatron_side import (MegatronSide, import_megatron, init_megatron_groups,
                                             patch_megatron_for_cpu)
-from benchmarks.peers.stats import abba, median, rnd
+from benchmarks.timing import Stopwatch, abba, median, rnd
 
 
 def synthetic(shape: dict, n: int, seed: int):
@@ -46,18 +46,18 @@ def timed_steps(side, batches, n: int, start: int = 0, clock=None):
         x, y = batches[i % len(batches)]
         if clock is not None:
             clock.begin_step()
-        t0 = perf_counter()
-        losses.append(side.step(x, y))
-        times.append(perf_counter() - t0)
+        with Stopwatch() as sw:
+            losses.append(side.step(x, y))
+        times.append(sw.seconds)
     return times, losses
 
 
 def timed_evals(side, batches, n: int):
     times, loss = [], None
     for _ in range(n):
-        t0 = perf_counter()
-        loss = side.evaluate(batches)
-        times.append(perf_counter() - t0)
+        with Stopwatch() as sw:
+            loss = side.evaluate(batches)
+        times.append(sw.seconds)
     return times, loss
 
 
@@ -155,9 +155,9 @@ def _run_inprocess(a, ps, shape: dict, train, evals, clock=None) -> dict:
         it[kind] += 1
         if clock is not None:
             clock.begin_step()
-        t = perf_counter()
-        losses[kind].append(sides[kind].step(x, y))
-        times[kind].append(perf_counter() - t)
+        with Stopwatch() as sw:
+            losses[kind].append(sides[kind].step(x, y))
+        times[kind].append(sw.seconds)
         if clock is not None:
             for total, part in zip(blocked[kind], clock.take()):
                 if it[kind] > a.warmup:
