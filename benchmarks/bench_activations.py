@@ -31,14 +31,13 @@ Timings on a machine with fewer cores than ranks are noisy; nothing is asserted.
 from __future__ import annotations
 
 import argparse
-import json
+import functools
 import os
-import statistics
 import sys
-import time
 
 import torch
 
+from benchmarks.timing import emit, interleaved, median
 from hybrid.testing.pool import run_ranks
 
 SP = {"sequence_parallel": True}
@@ -97,19 +96,14 @@ def _bench(ps, a):
     g = torch.Generator().manual_seed(0)
     batch = torch.randint(0, a.vocab_size, (a.micro_batch_size, a.seq_length + 1), generator=g)
     tokens, labels = batch[:, :-1], batch[:, 1:]
-    runs = {m: dict(zip(("model", "ac"), _model(ps, a, f, a.num_layers)), times=[])
-            for m, f in MODES.items()}
+    runs = {m: dict(zip(("model", "ac"), _model(ps, a, f, a.num_layers))) for m, f in MODES.items()}
 
     def step(r):
         r["model"].zero_grad(set_to_none=False)
         r["model"](tokens, labels).backward()
 
-    for i in range(a.warmup + a.steps):
-        for r in runs.values():  # interleaved: drift hits every mode alike
-            t0 = time.perf_counter()
-            step(r)
-            if i >= a.warmup:
-                r["times"].append(time.perf_counter() - t0)
+    times = interleaved({m: functools.partial(step, r) for m, r in runs.items()},
+                        a.steps, a.warmup)
     out = {}
     for mode, r in runs.items():
         one_layer = dict(zip(("model", "ac"), _model(ps, a, MODES[mode], 1)))
@@ -122,7 +116,7 @@ def _bench(ps, a):
                 held[name] = meter.held()
                 loss.backward()
             held[name + "_peak"] = meter.peak
-        out[mode] = {"times": r["times"], "peak": held["L_peak"],
+        out[mode] = {"times": times[mode], "peak": held["L_peak"],
                      "per_layer": (held["L"] - held["1"]) / (a.num_layers - 1)}
     return out
 
@@ -147,12 +141,12 @@ def main(argv=None) -> int:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     for tp in a.tp:
         ranks = run_ranks(_bench, tp, tp, args=(a,), timeout=3600)
-        med = {m: statistics.median(t for r in ranks for t in r[m]["times"]) for m in MODES}
+        med = {m: median(t for r in ranks for t in r[m]["times"]) for m in MODES}
         for mode in MODES:
             peak = max(r[mode]["peak"] for r in ranks)
             per_layer = max(r[mode]["per_layer"] for r in ranks)
             formula = table2_bytes_per_layer(mode, a, tp, 4)
-            print(json.dumps({
+            emit({
                 "tp": tp, "mode": mode, "layers": a.num_layers,
                 "micro_batch_size": a.micro_batch_size, "seq_length": a.seq_length,
                 "hidden_size": a.hidden_size, "dtype": "fp32",
@@ -165,7 +159,7 @@ def main(argv=None) -> int:
                 "max_micro_batch_in_budget": int(a.budget_bytes // (peak / a.micro_batch_size)),
                 "budget_bytes": a.budget_bytes,
                 "median_step_s": round(med[mode], 4),
-                "step_time_ratio_to_none": round(med[mode] / med["none"], 3)}), flush=True)
+                "step_time_ratio_to_none": round(med[mode] / med["none"], 3)})
     return 0
 
 

@@ -20,16 +20,15 @@ tmpfs (memory), which says nothing about a disk.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import re
 import shutil
 import subprocess
 import tempfile
-import time
 
 import torch
 
+from benchmarks.timing import Stopwatch, emit
 from hybrid.config import kernel_config_from_env
 from hybrid.kernels import configure
 from hybrid.kernels.aio import AsyncIO, SwapFile, aio_ext, aligned_empty
@@ -98,13 +97,13 @@ def bench_backend(backend: str, directory: str, src: torch.Tensor, threads: int,
             if os.path.exists(path):
                 os.unlink(path)  # a new file each time, as dd writes one
             with SwapFile(path, create=True, direct=True) as f:
-                t = time.perf_counter()
-                io.write(f, 0, src).wait()
-                write.append(time.perf_counter() - t)
+                with Stopwatch() as w:
+                    io.write(f, 0, src).wait()
                 dst.zero_()
-                t = time.perf_counter()
-                io.read(f, 0, dst).wait()
-                read.append(time.perf_counter() - t)
+                with Stopwatch() as r:
+                    io.read(f, 0, dst).wait()
+            write.append(w.seconds)
+            read.append(r.seconds)
             if not torch.equal(src, dst):
                 raise RuntimeError(f"{backend}: the bytes read back differ from those written")
     os.unlink(path)
@@ -147,7 +146,7 @@ def main() -> None:
             report[b] = row
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
-    print(json.dumps(report, indent=1))
+    emit(report, indent=1)
 
 
 if __name__ == "__main__":

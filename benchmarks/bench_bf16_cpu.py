@@ -18,15 +18,13 @@ step time over fp32's. Nothing is asserted.
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import statistics
 import sys
-import time
 from dataclasses import replace
 
 import torch
 
+from benchmarks.timing import emit, median, now
 from hybrid.config import build_config, kernel_config_from_env
 from hybrid.config.flags import Flags
 from hybrid.config.sections import KernelConfig
@@ -60,14 +58,14 @@ class _Mode:
 
     def step(self, tokens, labels) -> None:
         configure(self.kernels)
-        t0 = time.perf_counter()
+        t0 = now()
         self.engine.zero_grad()
         loss = self.model(tokens, labels)
-        t1 = time.perf_counter()
+        t1 = now()
         self.engine.backward(loss)
-        t2 = time.perf_counter()
+        t2 = now()
         self.engine.step(1e-4)
-        t3 = time.perf_counter()
+        t3 = now()
         self.times.append((t1 - t0, t2 - t1, t3 - t2))
 
 
@@ -102,16 +100,16 @@ def main(argv=None) -> int:
            "steps": a.steps, "modes": {}}
     for m in modes:
         kept = m.times[a.warmup:]
-        med = [statistics.median(t[i] for t in kept) for i in range(3)]
+        med = [median(t[i] for t in kept) for i in range(3)]
         out["modes"][m.name] = {"linear_path": m.linear_path,
                                 "forward_s": round(med[0], 3), "backward_s": round(med[1], 3),
                                 "optimizer_s": round(med[2], 3),
-                                "step_s": round(statistics.median(sum(t) for t in kept), 3)}
+                                "step_s": round(median(sum(t) for t in kept), 3)}
     ref = out["modes"].get("fp32")
     if ref:
         for r in out["modes"].values():
             r["step_over_fp32"] = round(r["step_s"] / ref["step_s"], 2)
-    print(json.dumps(out))
+    emit(out)
     return 0
 
 

@@ -39,10 +39,10 @@ import json
 import os
 import sys
 import tempfile
-import time
 
 import torch
 
+from benchmarks.timing import Stopwatch, rnd, world_barrier
 from hybrid.testing.pool import run_ranks
 
 VOCAB = 8000  # padded to 8192 at TP 1 and 2
@@ -66,34 +66,20 @@ def _values(engine) -> torch.Tensor:
     return torch.cat(parts) if parts else torch.zeros(0, 3)
 
 
-def _timed(ps, fn, *args, **kwargs):
-    """(seconds, result) of ``fn(*args, **kwargs)`` between two world barriers.
-
-    Arguments are bound at the call rather than captured by a closure: ``_session``
-    deletes its engine afterwards, and a lambda over a later-deleted name reads, to
-    ruff (F821) and to a reader, like a use after the ``del``."""
-    ps.world_group.all_reduce(torch.zeros(1))
-    t0 = time.perf_counter()
-    out = fn(*args, **kwargs)
-    seconds = time.perf_counter() - t0
-    ps.world_group.all_reduce(torch.zeros(1))
-    return seconds, out
-
-
 def _load(ps, save, model_args, stage, verify=True, **load_kw):
     from hybrid.checkpoint import RangeReader, load_checkpoint
     from hybrid.checkpoint.reader import process_rchar
     cfg, rng, _, engine = _engine(ps, model_args, stage, seed=7)
     reader = RangeReader(verify=verify)
     before = process_rchar()
-    seconds, _ = _timed(ps, load_checkpoint, save, engine, ps, cfg.seed, rng, VOCAB,
-                        reader=reader, **load_kw)
+    with Stopwatch(barrier=world_barrier(ps)) as sw:
+        load_checkpoint(save, engine, ps, cfg.seed, rng, VOCAB, reader=reader, **load_kw)
     rchar = process_rchar() - before
     files = sorted({os.path.basename(p) for p in reader.files_opened})
     return engine, {"files_opened": len(reader.files_opened), "files": files,
                     "bytes_read": reader.bytes_read, "rchar": rchar,
                     "bytes_rechecked": reader.bytes_rechecked,
-                    "seconds": round(seconds, 4),
+                    "seconds": rnd(sw.seconds, 4),
                     "checksum_s": round(reader.checksum_seconds(), 4)}
 
 
@@ -110,8 +96,9 @@ def _session(ps, root, model_args, reshard=True, repeat=1):
     engine.step(1e-3)
     before = process_rchar()
     info: dict = {}
-    seconds, ckpt = _timed(ps, save_checkpoint, save, 1, 8, engine, ps, cfg.to_dict(), rng,
-                           vocab_size=VOCAB, info=info)
+    with Stopwatch(barrier=world_barrier(ps)) as sw:
+        ckpt = save_checkpoint(save, 1, 8, engine, ps, cfg.to_dict(), rng, vocab_size=VOCAB,
+                               info=info)
     rchar = process_rchar() - before
     own = [os.path.join(ckpt, f"rank_{ps.rank:05d}{e}") for e in (".pt", ".bin")]
     if ps.rank == 0:
@@ -119,7 +106,7 @@ def _session(ps, root, model_args, reshard=True, repeat=1):
     own_bytes = sum(os.path.getsize(p) for p in own[:2])
     out = {"save": {"files_written": len(own) + (ps.rank == 0),  # + 'latest' on rank 0
                     "bytes_written": sum(os.path.getsize(p) for p in own),
-                    "bytes_read": rchar, "seconds": round(seconds, 4),
+                    "bytes_read": rchar, "seconds": rnd(sw.seconds, 4),
                     "checksum_s": round(info["checksum_seconds"], 4)}}
     saved = _values(engine)
     del engine, model

@@ -34,14 +34,13 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
+import functools
 import os
-import statistics
 import sys
-import time
 
 import torch
 
+from benchmarks.timing import emit, interleaved, median
 from hybrid.config.model import ModelConfig
 from hybrid.estimate.memory import Workload, activation_bytes, traffic_bytes
 from hybrid.testing.pool import run_ranks
@@ -135,11 +134,7 @@ def _bench(ps, a):
     out = {"longest": best, "next": nxt, "peaks": peaks, "times": []}
     if best is None:
         return out
-    for i in range(a.warmup + a.steps):
-        t0 = time.perf_counter()
-        step(best)
-        if i >= a.warmup:
-            out["times"].append(time.perf_counter() - t0)
+    out["times"] = interleaved({"step": functools.partial(step, best)}, a.steps, a.warmup)["step"]
     ps.comm_stats.reset()
     step(best)
     out["moved"] = ps.comm_stats.snapshot()
@@ -167,7 +162,7 @@ def _record(a, cp: int, ranks: list[dict], cp1_longest: int | None) -> dict:
         w = workload(a, cp, best)
         acts = activation_bytes(w)
         times = [t for rank in ranks for t in rank["times"]]
-        med = statistics.median(times)
+        med = median(times)
         predicted_cp = traffic_bytes(w).get("cp_bytes_per_step", {"total": 0})
         rec.update(predicted_saved_bytes=acts["layers"] + acts["head"],
                    predicted_peak_bytes=acts["peak"],
@@ -209,7 +204,7 @@ def main(argv=None) -> int:
         rec = _record(a, cp, ranks, cp1_longest)
         if cp == 1:
             cp1_longest = rec["longest_seq_length"]
-        print(json.dumps(rec), flush=True)
+        emit(rec)
     return 0
 
 

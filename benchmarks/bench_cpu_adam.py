@@ -23,14 +23,12 @@ bytes each system must move per parameter at least (listed in ``bytes_per_param`
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import statistics
 import sys
-import time
 
 import torch
 
+from benchmarks.timing import emit, interleaved, median
 from hybrid.config import kernel_config_from_env
 from hybrid.kernels import configure
 from hybrid.kernels.adam import AdamSegments, adam_step, cpu_adam_ext
@@ -51,15 +49,9 @@ def _bytes(grad_bytes: int, out_bytes: int) -> dict:
 def _triad_gbps(ext, reps: int) -> float:
     n = 50_000_000
     a, b, c = torch.empty(n), torch.rand(n), torch.rand(n)
-    times = []
-    for _ in range(reps + 1):
-        t = time.perf_counter()
-        if ext is not None:
-            ext.triad(a, b, c, 3.0)
-        else:
-            torch.add(b, c, alpha=3.0, out=a)
-        times.append(time.perf_counter() - t)
-    return 12 * n / statistics.median(times[1:]) / 1e9
+    triad = ((lambda: ext.triad(a, b, c, 3.0)) if ext is not None
+             else (lambda: torch.add(b, c, alpha=3.0, out=a)))
+    return 12 * n / median(interleaved({"triad": triad}, reps, warmup=1)["triad"]) / 1e9
 
 
 def _deepspeed_factory():
@@ -121,17 +113,6 @@ def _systems(n: int, grad_dtype: torch.dtype, ds_factory):
     return systems
 
 
-def _measure(systems: dict, reps: int) -> dict:
-    times = {k: [] for k in systems}
-    for r in range(reps + 1):  # the first round warms up
-        for name, fn in systems.items():
-            t = time.perf_counter()
-            fn()
-            if r:
-                times[name].append(time.perf_counter() - t)
-    return {k: statistics.median(v) for k, v in times.items()}
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--sizes", default="10e6,100e6", help="shard sizes, comma separated")
@@ -154,7 +135,7 @@ def main() -> None:
             for dname in a.dtypes.split(","):
                 dt = dtypes[dname]
                 systems = _systems(size, dt, ds_factory)
-                sec = _measure(systems, a.reps)
+                sec = {k: median(v) for k, v in interleaved(systems, a.reps, warmup=1).items()}
                 width = torch.finfo(dt).bits // 8
                 nbytes = _bytes(width, 0 if dt == torch.float32 else width)
                 rate = {k: size / s for k, s in sec.items()}
@@ -167,9 +148,9 @@ def main() -> None:
                        "hybrid_vs": {k: round(rate["hybrid"] / r, 3)
                                      for k, r in rate.items() if k != "hybrid"}}
                 report["rows"].append(row)
-                print(json.dumps(row), file=sys.stderr, flush=True)
+                emit(row, file=sys.stderr)
                 del systems
-    print(json.dumps(report, indent=1))
+    emit(report, indent=1)
 
 
 if __name__ == "__main__":

@@ -17,7 +17,8 @@ import json
 import os
 import subprocess
 import sys
-import time
+
+from benchmarks.timing import Stopwatch, emit
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -31,14 +32,15 @@ def measure(consumed: int, gbs: int, seq: int) -> dict:
 
     sizes, weights = (50_000_000, 20_000_000, 8_000_000), (0.5, 0.3, 0.2)
     tokens = [np.zeros(n, dtype=np.uint16) for n in sizes]
-    t0 = time.perf_counter()
-    blend = BlendedSamples([GPTSamples(t, seq, seed) for seed, t in enumerate(tokens)], weights)
-    t1 = time.perf_counter()
-    batches = dp_micro_batches(blend, consumed, gbs, 4, 0, 1, torch.device("cpu"))
-    t2 = time.perf_counter()
+    with Stopwatch() as build:
+        blend = BlendedSamples([GPTSamples(t, seq, seed) for seed, t in enumerate(tokens)],
+                               weights)
+    with Stopwatch() as batch:
+        batches = dp_micro_batches(blend, consumed, gbs, 4, 0, 1, torch.device("cpu"))
     assert sum(len(x) for x, _ in batches) == gbs
-    return {"consumed_samples": consumed, "build_s": round(t1 - t0, 4),
-            "batch_s": round(t2 - t1, 4), "total_s": round(t2 - t0, 4)}
+    return {"consumed_samples": consumed, "build_s": round(build.seconds, 4),
+            "batch_s": round(batch.seconds, 4),
+            "total_s": round(build.seconds + batch.seconds, 4)}
 
 
 def main() -> None:
@@ -49,7 +51,7 @@ def main() -> None:
     p.add_argument("--child", type=int, help=argparse.SUPPRESS)
     a = p.parse_args()
     if a.child is not None:
-        print(json.dumps(measure(a.child, a.global_batch_size, a.seq_length)))
+        emit(measure(a.child, a.global_batch_size, a.seq_length))
         return
     runs = []
     for c in a.consumed:
@@ -59,9 +61,8 @@ def main() -> None:
                             "--seq-length", str(a.seq_length)],
                            capture_output=True, text=True, check=True, cwd=ROOT)
         runs.append(json.loads(r.stdout.strip().splitlines()[-1]))
-    print(json.dumps({"datasets": 3, "weights": [0.5, 0.3, 0.2],
-                      "global_batch_size": a.global_batch_size, "seq_length": a.seq_length,
-                      "runs": runs}))
+    emit({"datasets": 3, "weights": [0.5, 0.3, 0.2], "global_batch_size": a.global_batch_size,
+          "seq_length": a.seq_length, "runs": runs})
 
 
 if __name__ == "__main__":

@@ -14,13 +14,13 @@ for hybrid/kernels/select.py.
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import statistics
 import sys
 
 import torch
 import torch.nn.functional as F
+
+from benchmarks.timing import emit, median
 
 
 def median_ms(fn, iters: int, warmup: int = 5, calls: int = 10) -> float:
@@ -42,7 +42,7 @@ def median_ms(fn, iters: int, warmup: int = 5, calls: int = 10) -> float:
         b.record()
         b.synchronize()
         times.append(a.elapsed_time(b) / calls)
-    return statistics.median(times)
+    return median(times)
 
 
 def with_path(op: str, path: str, fn):
@@ -201,7 +201,7 @@ def main():
               (("layer_norm", "layer_norm"), ("bias_gelu", "bias_gelu"),
                ("cross_entropy", "cross_entropy_50304"), ("adam", "adam_100M"))}
     res["choice"] = choice
-    print(json.dumps(res, indent=1))
+    emit(res, indent=1)
     if args.write_choice:
         print("# paste into hybrid/kernels/select.py")
         print(f"CUDA_CHOICE = {choice!r}")

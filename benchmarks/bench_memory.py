@@ -25,13 +25,13 @@ import subprocess
 import sys
 import tempfile
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
 import torch
 
+from benchmarks.timing import emit
 from hybrid.config import build_config, parse_args
 from hybrid.estimate.memory import activation_bytes, peak_memory, workload
 
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GB = 2 ** 30
 BYTE_VOCAB = 257  # the built-in corpus's byte tokenizer
 
@@ -90,7 +90,7 @@ def main(argv=None) -> int:
             over = (peak - states - acts) / GB
             near.append(over <= 0.6)
             predicted.append(abs(error) <= 0.10)
-            print(json.dumps({
+            emit({
                 "params": w.psi, "dp": dp, "zero_stage": w.zero_stage,
                 "params_dtype": w.params_dtype, "recompute": w.recompute, "device": device,
                 "model_state_bytes": states, "activation_bytes_estimated": acts,
@@ -99,12 +99,12 @@ def main(argv=None) -> int:
                 "peak_after_2_steps_bytes": peak, "predicted_peak_bytes": pred["total"],
                 "predicted": pred, "prediction_error": round(error, 4),
                 "peak_minus_states_and_activations_gb": round(over, 3),
-                "step_time_s": m["step_time_s"]}), flush=True)
+                "step_time_s": m["step_time_s"]})
     summary = {"peaks_within_states_activations_plus_0.6gb": all(near),
                "predictions_within_10pct": all(predicted)}
     if 1 in peaks and 4 in peaks:
         summary["dp4_peak_over_dp1_peak"] = round(peaks[4] / peaks[1], 4)
-    print(json.dumps(summary))
+    emit(summary)
     return 0
 
 

@@ -50,28 +50,21 @@ moves (whole tiles: 2 x ``file_bytes`` and ``grad_file_bytes`` in).
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import resource
 import shutil
-import statistics
 import sys
 import tempfile
-import time
 
 import torch
 
 from benchmarks import bench_aio as aio
+from benchmarks.timing import Stopwatch, emit, median, now, peak_rss_mb
 from hybrid.config import Flags, build_config
 from hybrid.testing.pool import run_ranks
 
 CONFIGS = {"none": (None, None), "optimizer_cpu": ("cpu", None),
            "optimizer_nvme": ("nvme", None), "param_cpu": ("cpu", "cpu"),
            "param_nvme": ("nvme", "nvme"), "param_nvme_gds": ("nvme", "nvme")}
-
-
-def _rss_mb() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
 
 
 def _config(a, name, swap_dir, world, layers=None):
@@ -101,11 +94,11 @@ class _WaitClock:
             wait = req.wait
 
             def timed_wait():
-                t = time.perf_counter()
+                t = now()
                 try:
                     wait()
                 finally:
-                    self.s += time.perf_counter() - t
+                    self.s += now() - t
             req.wait = timed_wait
             return req
         return call
@@ -115,32 +108,25 @@ def _swap_rates(sw) -> dict:
     """I/O of the swapped states alone: a no-op ``run`` pass, then a read-only pass."""
     nbytes = sw.tiles * 12 * sw.tile
     grads, sw.grads = sw.grads, None  # (the states' pass only)
-    t = time.perf_counter()
     try:
-        sw.run(lambda *args: None)
+        with Stopwatch() as rw_pass:
+            sw.run(lambda *args: None)
     finally:
         sw.grads = grads
-    rw = time.perf_counter() - t
+    rw = rw_pass.seconds
     c, pending = len(sw.staging), {}
-    t = time.perf_counter()
-    for k in range(sw.tiles):  # tile k is the 12 T bytes at offset 12 T k
-        if k % c in pending:
-            pending.pop(k % c).wait()
-        pending[k % c] = sw.io.read(sw.file, k * 12 * sw.tile, sw.staging[k % c])
-    for r in pending.values():
-        r.wait()
-    read = time.perf_counter() - t
+    with Stopwatch() as read_pass:
+        for k in range(sw.tiles):  # tile k is the 12 T bytes at offset 12 T k
+            if k % c in pending:
+                pending.pop(k % c).wait()
+            pending[k % c] = sw.io.read(sw.file, k * 12 * sw.tile, sw.staging[k % c])
+        for r in pending.values():
+            r.wait()
+    read = read_pass.seconds
     return {"file_bytes": nbytes, "shard_elements": sw.n, "tiles": sw.tiles,
             "grad_file_bytes": 0 if grads is None else sw.tiles * grads.slot_bytes,
             "rw_pass_s": rw, "rw_GBps": 2 * nbytes / rw / 1e9,
             "read_pass_s": read, "read_GBps": nbytes / read / 1e9}
-
-
-def _now(device) -> float:
-    """perf_counter once the device has finished what was queued (a GPU runs behind)."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    return time.perf_counter()
 
 
 def _time_steps(a, ps, cfg, model, engine) -> dict:
@@ -153,14 +139,14 @@ def _time_steps(a, ps, cfg, model, engine) -> dict:
     for i in range(1 + a.steps):  # the first is the warm-up
         data = torch.randint(0, a.vocab_size, (k, a.micro_batch_size, a.seq_length + 1),
                              generator=g).to(ps.device)
-        t0 = _now(ps.device)
+        t0 = now(ps.device)
         engine.zero_grad()
         for j, b in enumerate(data):
             engine.backward(model(b[:, :-1], b[:, 1:]) / k, sync=j == k - 1)
-        t1 = _now(ps.device)
+        t1 = now(ps.device)
         waited = clock.s if clock else 0.0
         engine.step(cfg.lr_schedule.lr)
-        t2 = _now(ps.device)
+        t2 = now(ps.device)
         if i > 0:
             out["fwd_bwd"].append(t1 - t0)
             out["step"].append(t2 - t1)
@@ -203,7 +189,7 @@ def _bench_rank(ps, name, a, swap_dir):
     out["layers"] = cfg.model.num_layers
     out["flops_per_step"] = (cfg.model.with_vocab_size(a.vocab_size).flops_per_token()
                              * a.micro_batches * a.micro_batch_size * a.seq_length)
-    out["peak_rss_mb"] = _rss_mb()
+    out["peak_rss_mb"] = peak_rss_mb()
     if ps.device.type == "cuda":
         out["peak_device_bytes"] = torch.cuda.max_memory_allocated(ps.device)
     return out
@@ -248,18 +234,18 @@ def _run_config(a, name, swap_dir) -> list[dict]:
 def _summary(ranks: list[dict], none_s: float | None) -> dict:
     if "skipped" in ranks[0]:
         return {"skipped": ranks[0]["skipped"]}
-    med = statistics.median(f + s for r in ranks for f, s in zip(r["fwd_bwd"], r["step"]))
+    med = median(f + s for r in ranks for f, s in zip(r["fwd_bwd"], r["step"]))
     pred = ranks[0]["predicted"]
     rss = [round(r["peak_rss_mb"], 1) for r in ranks]
     row = {"layers": ranks[0]["layers"], "params": ranks[0]["params"],
            "median_step_s": round(med, 4),
            "ratio_to_none": round(med / none_s, 3) if none_s else None,
            "tflops_per_rank": round(ranks[0]["flops_per_step"] / med / 1e12, 4),
-           "median_fwd_bwd_s": round(statistics.median(t for r in ranks for t in r["fwd_bwd"]), 4),
-           "median_optimizer_step_s": round(statistics.median(
+           "median_fwd_bwd_s": round(median(t for r in ranks for t in r["fwd_bwd"]), 4),
+           "median_optimizer_step_s": round(median(
                t for r in ranks for t in r["step"]), 4)}
     if ranks[0]["model_state_bytes"]["disk"]:
-        row["median_io_wait_s"] = round(statistics.median(
+        row["median_io_wait_s"] = round(median(
             t for r in ranks for t in r["io_wait"]), 4)
     row.update(peak_rss_mb_per_rank=rss,
                model_state_bytes_per_rank=[r["model_state_bytes"] for r in ranks],
@@ -354,7 +340,7 @@ def main(argv=None) -> int:
                 else [{"skipped": "--largest: not even one layer fits"}]
                 for name in a.configs}
         none = runs.get("none", [{"skipped": ""}])[0]
-        none_s = None if "skipped" in none else statistics.median(
+        none_s = None if "skipped" in none else median(
             f + s for f, s in zip(none["fwd_bwd"], none["step"]))
         configs = {name: _summary(r, none_s) for name, r in runs.items()}
         swap = runs.get("optimizer_nvme", [{}])[0].get("swap_io")
@@ -373,7 +359,7 @@ def main(argv=None) -> int:
               "configs": configs, "swap_io": io}
     if "optimizer_cpu" in configs and "optimizer_nvme" in configs:
         report["nvme_vs_cpu_step"] = _step_report(configs, io)
-    print(json.dumps(report, indent=1))
+    emit(report, indent=1)
     return 0
 
 

@@ -3,7 +3,7 @@
 
     python -m benchmarks.bench_peers --nanogpt-dir /tmp/nanogpt        # all three sections
     python -m benchmarks.bench_peers --sections megatron_separate megatron_inprocess
-    python -m benchmarks.bench_peers --sections nanogpt --nanogpt-dir /tmp/nanogpt --nanogpt-iters 500
+    python -m benchmarks.bench_peers --sections nanogpt --nanogpt-dir DIR --nanogpt-iters 500
     python -m benchmarks.bench_peers --pairs 2 --steps 8 --json-out runs/peers.json
 
 One JSON line per section on stdout (and all of them in one object with
@@ -73,6 +73,7 @@ import time
 
 from benchmarks.peers import megatron_sections, nanogpt
 from benchmarks.peers.worker import worker
+from benchmarks.timing import Stopwatch, emit, now
 
 SECTIONS = ["megatron_separate", "megatron_inprocess", "nanogpt"]
 SECTION_FNS = {"megatron_separate": megatron_sections.section_megatron_separate,
@@ -141,21 +142,21 @@ def main(argv=None) -> int:
     import signal  # SIGTERM ends the launch in progress too (run_timed), not only this process
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     results = {}
-    t0 = time.perf_counter()
+    t0 = now()
     for name in a.sections:
-        t = time.perf_counter()
-        res = SECTION_FNS[name](a)
+        with Stopwatch() as sw:
+            res = SECTION_FNS[name](a)
         res = {"section": name, **{k: v for k, v in res.items() if v is not None},
-               "section_wall_s": round(time.perf_counter() - t, 1)}
+               "section_wall_s": round(sw.seconds, 1)}
         results[name] = res
-        print(json.dumps(res), flush=True)
+        emit(res)
     import torch
     summary = {"section": "summary", "ratios_hybrid_over_peer": _summary(results),
-               "total_wall_s": round(time.perf_counter() - t0, 1),
+               "total_wall_s": round(now() - t0, 1),
                "machine": {"python": platform.python_version(), "torch": torch.__version__,
                            "cpus": os.cpu_count(), "omp_num_threads": 1,
                            "date": time.strftime("%Y-%m-%d")}}
-    print(json.dumps(summary), flush=True)
+    emit(summary)
     if a.json_out:
         os.makedirs(os.path.dirname(os.path.abspath(a.json_out)), exist_ok=True)
         with open(a.json_out, "w", encoding="utf-8") as f:

@@ -13,8 +13,8 @@ exactly as training does (``hybrid.train.setup.build_engine``: meta device, ZeRO
 materializes its shard) and runs ``train_step`` on synthetic tokens already on
 the device, so the data pipeline is not measured.
 
-Per config one JSON line: median step time over the timed steps (CUDA events,
-or perf_counter on a CPU), tokens/s per rank, MFU (model FLOPs per token x
+Per config one JSON line: median step time over the timed steps (wall time
+between device syncs), tokens/s per rank, MFU (model FLOPs per token x
 tokens/s / ``--peak-tflops``; None on a CPU), peak memory (max_memory_allocated
 on a GPU, max RSS on a CPU) and host syncs per step -- counted over a few
 extra steps by torch's sync debug mode on a GPU (the synchronizing calls torch
@@ -28,13 +28,11 @@ Configs: ``zero2`` (ZeRO-2, bf16), ``zero2_offload`` (+ --offload-optimizer),
 from __future__ import annotations
 
 import argparse
-import json
-import resource
-import statistics
 import sys
 
 import torch
 
+from benchmarks.timing import emit, interleaved, median, peak_rss_mb
 from hybrid.config import Flags, build_config
 from hybrid.testing.host_syncs import HostReads, cuda_syncs
 
@@ -63,14 +61,13 @@ def _parallel_state():
 def _peak_bytes(device) -> int:
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device)
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    return int(peak_rss_mb() * 2**20)
 
 
 def run_config(name: str, a, ps) -> dict:
     from hybrid.tensor_parallel import seed_all
     from hybrid.train.setup import build_engine
     from hybrid.train.step import train_step
-    from hybrid.train.step_stats import IterationTimer
 
     shape = dict(PRESETS[a.preset])
     vocab = shape.pop("vocab")
@@ -90,19 +87,14 @@ def run_config(name: str, a, ps) -> dict:
             for _ in range(a.micro_batches)]
     batches = [(b[:, :-1], b[:, 1:]) for b in data]
     lr = cfg.lr_schedule.lr
-    for _ in range(a.warmup):
-        train_step(model, engine, batches, lr)
-    timer, times = IterationTimer(ps.device), []
-    for _ in range(a.steps):
-        timer.start()
-        train_step(model, engine, batches, lr)
-        timer.stop()
-        times.append(timer.elapsed_s())  # one wait per step here: timing, not training
+    # the device synced around each step: timing, not training
+    times = interleaved({name: lambda: train_step(model, engine, batches, lr)}, a.steps,
+                        a.warmup, device=ps.device)[name]
     counter = cuda_syncs() if ps.device.type == "cuda" else HostReads()
     with counter as syncs:
         for _ in range(a.sync_steps):
             train_step(model, engine, batches, lr)
-    step_s = statistics.median(times)
+    step_s = median(times)
     tokens = micro * seq * a.micro_batches
     flops = model.cfg.flops_per_token(ps.tp_size) * tokens / step_s
     engine.wait_optimizer()
@@ -141,7 +133,7 @@ def main(argv=None) -> int:
     for name in a.configs:
         res = run_config(name, a, ps)
         if ps.rank == 0:
-            print(json.dumps(res), flush=True)
+            emit(res)
         if ps.device.type == "cuda":
             torch.cuda.empty_cache()
     return 0

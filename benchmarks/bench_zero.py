@@ -19,25 +19,18 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import os
-import resource
-import statistics
 import sys
-import time
 
 import torch
 
+from benchmarks.timing import Stopwatch, emit, median, peak_rss_mb
 from hybrid.config import Flags, build_config
 from hybrid.testing.pool import run_ranks
 
 PEERS = ["ddp", "zero_redundancy", "fsdp2"]
 HYBRID = [f"hybrid_stage{s}" for s in range(4)]
 DEEPSPEED = [f"deepspeed_stage{s}" for s in (1, 2, 3)]
-
-
-def _rss_mb() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
 
 
 def _tensor_bytes(tensors) -> int:
@@ -163,7 +156,7 @@ def _bench_rank(ps, system, a):
     bytes, and bytes communicated per step (hybrid's counters for hybrid, the ring
     volume of the peers' known schedule otherwise)."""
     torch.set_num_threads(1)
-    base_rss = _rss_mb()
+    base_rss = peak_rss_mb()
     cfg, model = _build(a, ps)
     psi = sum(p.numel() for p in model.parameters())
     n = ps.dp_size
@@ -179,12 +172,12 @@ def _bench_rank(ps, system, a):
     for i, b in enumerate(batches):
         if i == a.warmup:
             ps.comm_stats.reset()
-        t0 = time.perf_counter()
-        step(b)
+        with Stopwatch() as sw:
+            step(b)
         if i >= a.warmup:
-            times.append(time.perf_counter() - t0)
+            times.append(sw.seconds)
     measured = sum(ps.comm_stats.snapshot().values()) / a.steps
-    return {"times": times, "peak_rss_mb": _rss_mb(), "base_rss_mb": base_rss,
+    return {"times": times, "peak_rss_mb": peak_rss_mb(), "base_rss_mb": base_rss,
             "model_state_bytes": states() if states else None, "psi": psi,
             "comm_bytes_per_step": measured if comm is None else comm,
             "comm_bytes_source": "measured" if comm is None else "theory"}
@@ -225,14 +218,14 @@ def main(argv=None) -> int:
     ddp_median = None
     for s in systems:
         if not runs[s]:
-            print(json.dumps({"system": s, "skipped": f"deepspeed not importable ({ds_error})"}))
+            emit({"system": s, "skipped": f"deepspeed not importable ({ds_error})"})
             continue
         times = [t for r in runs[s] for rank in r for t in rank["times"]]
-        med = statistics.median(times)
+        med = median(times)
         if s == "ddp":
             ddp_median = med
         last = runs[s][-1]
-        print(json.dumps({
+        emit({
             "system": s, "world_size": a.world_size, "params": last[0]["psi"],
             "median_step_s": round(med, 4),
             "ratio_to_ddp": round(med / ddp_median, 3) if ddp_median else None,
@@ -241,7 +234,7 @@ def main(argv=None) -> int:
                                              for r in last],
             "model_state_bytes": last[0]["model_state_bytes"],
             "comm_bytes_per_step": int(last[0]["comm_bytes_per_step"]),
-            "comm_bytes_source": last[0]["comm_bytes_source"]}), flush=True)
+            "comm_bytes_source": last[0]["comm_bytes_source"]})
     return 0
 
 
