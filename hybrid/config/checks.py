@@ -13,7 +13,8 @@ import math
 import os
 
 from hybrid.config.flags import Flags, flag_name
-from hybrid.config.sections import OFFLOAD_TIERS, TOKENIZER_TYPES, tokenizer_kind
+from hybrid.config.sections import (CP_COMM_TYPES, CP_LAYOUTS, OFFLOAD_TIERS, TOKENIZER_TYPES,
+                                    tokenizer_kind)
 from hybrid.errors import ConfigError
 
 DEFAULT_TRAIN_ITERS = 200
@@ -61,10 +62,6 @@ def check_parallel(f: Flags) -> None:
     if f.distributed_timeout_minutes * 60 < 1:  # below a second, rendezvous itself times out
         raise ConfigError(f"--distributed-timeout-minutes must be at least 1/60 (one second), "
                           f"got {f.distributed_timeout_minutes}")
-
-
-CP_COMM_TYPES = ("p2p", "all_gather", "a2a")  # hybrid.tensor_parallel.cp_attention's
-CP_LAYOUTS = ("load_balanced", "striped")
 
 
 def _check_context_parallel(f: Flags) -> None:

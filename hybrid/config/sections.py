@@ -137,6 +137,12 @@ class RecomputeConfig:
     contiguous_checkpointing: bool = False
 
 
+# --cp-comm-type: how attention crosses the CP split (hybrid.tensor_parallel.cp_attention
+# runs each); --cp-layout: which tokens a CP rank holds (hybrid.tensor_parallel.context_parallel)
+CP_COMM_TYPES = ("p2p", "all_gather", "a2a")
+CP_LAYOUTS = ("load_balanced", "striped")
+
+
 @dataclass(frozen=True)
 class ParallelConfig:
     """The process layout (:mod:`hybrid.parallel.layout`) and how the process groups are made."""
@@ -146,8 +152,8 @@ class ParallelConfig:
     data_parallel_size: int = 1
     sequence_parallel: bool = False
     context_parallel_size: int = 1
-    cp_comm_type: str = "p2p"  # p2p | all_gather | a2a
-    cp_layout: str = "load_balanced"  # load_balanced | striped
+    cp_comm_type: str = "p2p"  # one of CP_COMM_TYPES
+    cp_layout: str = "load_balanced"  # one of CP_LAYOUTS
     backend: str | None = None  # None: nccl with a GPU, gloo otherwise
     timeout_minutes: float = 10.0
 

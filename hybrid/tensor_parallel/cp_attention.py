@@ -17,13 +17,12 @@ from __future__ import annotations
 
 import torch
 
+from hybrid.config.sections import CP_COMM_TYPES
 from hybrid.parallel.comm import CommGroup
 from hybrid.tensor_parallel.context_parallel import LAYOUTS, segments
 from hybrid.tensor_parallel.ring_attention import (GatheredAttention, LocalAttention,
                                                    RingAttention, Spec, draw_dropout_seed)
 from hybrid.tensor_parallel.ulysses_attention import sdpa_causal, ulysses_attention
-
-COMM_TYPES = ("p2p", "all_gather", "a2a")
 
 
 class _SumOverGroup(torch.autograd.Function):
@@ -46,8 +45,8 @@ class ContextParallel:
     """The CP group of this rank and how attention crosses it."""
 
     def __init__(self, group: CommGroup, comm_type: str = "p2p", layout: str = "load_balanced"):
-        if comm_type not in COMM_TYPES:
-            raise ValueError(f"--cp-comm-type must be one of {COMM_TYPES}, got {comm_type!r}")
+        if comm_type not in CP_COMM_TYPES:
+            raise ValueError(f"--cp-comm-type must be one of {CP_COMM_TYPES}, got {comm_type!r}")
         if layout not in LAYOUTS:
             raise ValueError(f"--cp-layout must be one of {LAYOUTS}, got {layout!r}")
         self.group, self.comm_type, self.layout = group, comm_type, layout
