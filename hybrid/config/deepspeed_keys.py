@@ -4,7 +4,9 @@ One table, :data:`KEYS`, from a dotted key path to a rule:
 
 * ``Flag(field, kind, convert)``: the value (converted) sets that :class:`Flags`
   field, as the flag of the same meaning would; ``"auto"`` leaves the field to
-  the command line (or its default).
+  the command line (or its default). The key thus reaches the section the flag
+  names (``to=``, :mod:`hybrid.config.flags`): ``aio.use_gds`` -> ``offload_gds``
+  -> ``offload.gds``; the table names no section itself.
 * ``Hint(why, kind, same)``: a tuning knob of DeepSpeed's own machinery that
   hybrid does not need; accepted with one warning naming it and why (none for
   null, a section that is empty or not enabled, or the values in ``same``, which
@@ -40,6 +42,12 @@ class Flag:
     field: str
     kind: Kind | None = None  # None: the field's own type
     convert: Callable[[Any], Any] | None = None  # the checked value -> the field's value
+
+    def __post_init__(self):
+        # the key points at the flag's one definition: a renamed or removed flag fails
+        # at import, not when a user's file first names the key
+        if self.field not in _FIELDS:
+            raise TypeError(f"Flag({self.field!r}): Flags has no field {self.field!r}")
 
 
 @dataclass(frozen=True)
