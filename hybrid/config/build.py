@@ -5,6 +5,12 @@
 returns frozen sections (:mod:`hybrid.config.sections`); each component takes
 only its own. No torch import: the launcher checks a command line in a
 fraction of a second before it starts any worker.
+
+A section is cut by :func:`_section` from the flags that name it (``to=``,
+:data:`hybrid.config.flags.ROUTES`; the note of :mod:`hybrid.config.flags`). The
+code below holds only what no single flag says: the fields derived from several
+flags or from outside them (the world size, the environment), and the three
+sections with their own constructors (model, tokenizer, kernels).
 """
 
 from __future__ import annotations
@@ -12,18 +18,20 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
+import typing
 from collections.abc import Mapping
 from dataclasses import dataclass
 
 from hybrid.config import checks
 from hybrid.config.architecture import validate_architecture
 from hybrid.config.deepspeed import apply_ds_config, load_ds_config
-from hybrid.config.flags import Flags, flag_name
+from hybrid.config.flags import ROUTES, Flags, flag_name
 from hybrid.config.kernels import kernel_config_from_env, parse_kernel_choice
+from hybrid.config.model import ModelConfig
 from hybrid.config.sections import (AdamWConfig, CheckpointConfig, DataConfig, DiagnosticsConfig,
                                     KernelConfig, LoggingConfig, LoopConfig, LRScheduleConfig,
-                                    ModelConfig, OffloadConfig, ParallelConfig, PrecisionConfig,
-                                    RecomputeConfig, TokenizerConfig, ZeroConfig)
+                                    OffloadConfig, ParallelConfig, PrecisionConfig, RecomputeConfig,
+                                    TokenizerConfig, ZeroConfig)
 from hybrid.errors import ConfigError
 from hybrid.parallel.layout import check_layout
 
@@ -78,20 +86,23 @@ def build_config(flags: Flags, world_size: int,
     the derived defaults filled in. ``environ``: the entry point's environment,
     whose ``HYBRID_*`` variables default the kernel flags and whose cache directory
     keeps the parsed built-in corpus (None: flags only).
-    Every check runs first (:func:`_check`); then one small builder per section
-    reads the checked flags (only ``_kernels`` writes back into them: the
-    kernel flags it fills from ``environ``).
+    Every check runs first (:func:`_check`); then each section is cut from the
+    checked flags routed to it, plus its derived fields (only ``_kernels`` writes
+    back into the flags: the kernel flags it fills from ``environ``).
     """
     f = dataclasses.replace(flags)
     _deepspeed(f, world_size)
     dp = _check(f, world_size)
     return TrainConfig(
-        parallel=_parallel(f, world_size, dp), model=_model(f), lr_schedule=_lr_schedule(f),
-        loop=_loop(f), zero=_zero(f), adamw=_adamw(f), precision=_precision(f),
-        offload=_offload(f), recompute=_recompute(f), data=_data(f, environ),
-        tokenizer=_tokenizer(f), checkpoint=_checkpoint(f), logging=_logging(f),
-        kernels=_kernels(f, environ),
-        diagnostics=_diagnostics(f), seed=f.seed, flags=f)
+        parallel=_section(f, "parallel", world_size=world_size, data_parallel_size=dp),
+        model=ModelConfig.from_flags(f), lr_schedule=_section(f, "lr_schedule", **_lr_lengths(f)),
+        loop=_section(f, "loop"), zero=_section(f, "zero"), adamw=_section(f, "adamw"),
+        precision=_section(f, "precision", params_dtype=_params_dtype(f)),
+        offload=_section(f, "offload"), recompute=_section(f, "recompute", **_recompute(f)),
+        data=_section(f, "data", corpus_cache=f.data_cache_path or _user_cache_dir(environ)),
+        tokenizer=_tokenizer(f), checkpoint=_section(f, "checkpoint"),
+        logging=_section(f, "logging"), kernels=_kernels(f, environ),
+        diagnostics=_section(f, "diagnostics"), seed=f.seed, flags=f)
 
 
 def _deepspeed(f: Flags, world_size: int) -> None:
@@ -148,20 +159,38 @@ def _run_checks(f: Flags, world_size: int) -> int:
     return dp
 
 
-# -- one builder per section, in TrainConfig's order ------------------------------------
-def _parallel(f: Flags, world_size: int, dp: int) -> ParallelConfig:
-    return ParallelConfig(
-        world_size=world_size, tensor_model_parallel_size=f.tensor_model_parallel_size,
-        data_parallel_size=dp, sequence_parallel=f.sequence_parallel,
-        context_parallel_size=f.context_parallel_size, cp_comm_type=f.cp_comm_type,
-        cp_layout=f.cp_layout, backend=f.distributed_backend, timeout_minutes=f.distributed_timeout_minutes)
+# -- cutting the sections -----------------------------------------------------------------
+# Each section's class by the name TrainConfig holds it under, the name a flag's ``to``
+# says ("offload": OffloadConfig): every field of TrainConfig but the run's seed and flags.
+SECTION_TYPES: dict[str, type] = {name: kind for name, kind in
+                                  typing.get_type_hints(TrainConfig).items()
+                                  if name not in ("seed", "flags")}
 
 
-def _model(f: Flags) -> ModelConfig:
-    return ModelConfig.from_flags(f)
+def _section(f: Flags, name: str, **derived):
+    """Section ``name`` of checked flags ``f``: each field a flag routes to it (``to=``,
+    :data:`~hybrid.config.flags.ROUTES`) takes that flag's value, a list as a tuple (None
+    when empty: a frozen section holds no list); ``derived`` gives the rest. A field with
+    no source, or two, is a TypeError: a flag or a field added without saying how the
+    one reaches the other fails every build, never silently takes a default."""
+    cls = SECTION_TYPES[name]
+    routed = {field: _frozen(getattr(f, flag)) for field, flag in ROUTES.get(name, {}).items()}
+    missing = {fld.name for fld in dataclasses.fields(cls)} - routed.keys() - derived.keys()
+    if missing:
+        raise TypeError(f"section {name}: no flag is routed to {sorted(missing)} (opt(to=...)) "
+                        f"and build.py derives none of them")
+    if routed.keys() & derived.keys():
+        raise TypeError(f"section {name}: {sorted(routed.keys() & derived.keys())} both "
+                        f"routed from a flag and derived")
+    return cls(**routed, **derived)
 
 
-def _lr_schedule(f: Flags) -> LRScheduleConfig:
+def _frozen(value):
+    return (tuple(value) if value else None) if isinstance(value, list) else value
+
+
+# -- the derived fields: each depends on more than one flag -----------------------------
+def _lr_lengths(f: Flags) -> dict:
     """Warmup and decay in the unit the run is measured in (samples with
     ``--train-samples``, else iterations); ``--lr-warmup-fraction`` of the decay wins."""
     samples = f.train_samples is not None
@@ -169,71 +198,23 @@ def _lr_schedule(f: Flags) -> LRScheduleConfig:
     warmup = f.lr_warmup_samples if samples else f.lr_warmup_iters
     if f.lr_warmup_fraction is not None:
         warmup = int(f.lr_warmup_fraction * decay)
-    return LRScheduleConfig(lr=f.lr, min_lr=f.min_lr, decay_style=f.lr_decay_style,
-                            unit="samples" if samples else "iterations",
-                            warmup=warmup, decay=decay, warmup_init=f.lr_warmup_init,
-                            warmup_style=f.lr_warmup_style)
+    return dict(unit="samples" if samples else "iterations", warmup=warmup, decay=decay)
 
 
-def _loop(f: Flags) -> LoopConfig:
-    return LoopConfig(
-        micro_batch_size=f.micro_batch_size, global_batch_size=f.global_batch_size,
-        rampup=tuple(f.rampup_batch_size) if f.rampup_batch_size else None,
-        train_iters=f.train_iters, train_samples=f.train_samples,
-        exit_interval=f.exit_interval, exit_duration_in_mins=f.exit_duration_in_mins,
-        exit_signal_handler=f.exit_signal_handler,
-        exit_on_nan_iterations=f.exit_on_nan_iterations, eval_interval=f.eval_interval,
-        eval_iters=f.eval_iters)
+def _params_dtype(f: Flags) -> str:
+    return "bf16" if f.bf16 else "fp16" if f.fp16 else "fp32"
 
 
-def _zero(f: Flags) -> ZeroConfig:
-    return ZeroConfig(stage=f.zero_stage, reduce_bucket_size=f.reduce_bucket_size,
-                      allgather_bucket_size=f.allgather_bucket_size, overlap_comm=f.overlap_comm,
-                      param_persistence_threshold=f.zero_param_persistence_threshold)
-
-
-def _adamw(f: Flags) -> AdamWConfig:
-    return AdamWConfig(beta1=f.adam_beta1, beta2=f.adam_beta2, eps=f.adam_eps,
-                       weight_decay=f.weight_decay, clip_grad=f.clip_grad)
-
-
-def _precision(f: Flags) -> PrecisionConfig:
-    return PrecisionConfig(
-        params_dtype="bf16" if f.bf16 else "fp16" if f.fp16 else "fp32",
-        grads_in_fp32=bool(f.accumulate_allreduce_grads_in_fp32), loss_scale=f.loss_scale,
-        initial_loss_scale=f.initial_loss_scale, min_loss_scale=f.min_loss_scale,
-        loss_scale_window=f.loss_scale_window, hysteresis=f.hysteresis)
-
-
-def _offload(f: Flags) -> OffloadConfig:
-    return OffloadConfig(
-        optimizer=f.offload_optimizer, param=f.offload_param,
-        nvme_path=f.offload_nvme_path, buffer_count=f.offload_buffer_count,
-        buffer_size=f.offload_buffer_size, pin_memory=f.offload_pin_memory,
-        delayed_update=f.offload_delayed_update,
-        delayed_update_warmup=f.offload_delayed_update_warmup, gds=f.offload_gds)
-
-
-def _recompute(f: Flags) -> RecomputeConfig:
-    return RecomputeConfig(
-        granularity=f.recompute_granularity,
+def _recompute(f: Flags) -> dict:
+    """Megatron's method and layer count as the section's two layer fields; partitioning,
+    which sequence parallelism makes moot."""
+    return dict(
         num_layers=f.recompute_num_layers if f.recompute_method == "block" else None,
         layers_per_checkpoint=(f.recompute_num_layers or 1
                                if f.recompute_method == "uniform" else 1),
         # With SP a block's input is already this rank's 1/TP of the sequence:
         # nothing replicated is left to partition (see docs/sequence-parallelism.md).
-        partition_activations=f.partition_activations and not f.sequence_parallel,
-        cpu_checkpointing=f.cpu_checkpointing,
-        contiguous_checkpointing=f.contiguous_checkpointing)
-
-
-def _data(f: Flags, environ: Mapping[str, str] | None) -> DataConfig:
-    return DataConfig(
-        seq_length=f.seq_length, seed=f.seed, data_path=_paths(f.data_path), split=f.split,
-        train_data_path=_paths(f.train_data_path),
-        valid_data_path=_paths(f.valid_data_path), test_data_path=_paths(f.test_data_path),
-        mock_data=f.mock_data, cache_path=f.data_cache_path, eod_mask_loss=f.eod_mask_loss,
-        corpus_cache=f.data_cache_path or _user_cache_dir(environ))
+        partition_activations=f.partition_activations and not f.sequence_parallel)
 
 
 def _user_cache_dir(environ: Mapping[str, str] | None) -> str | None:
@@ -248,33 +229,9 @@ def _user_cache_dir(environ: Mapping[str, str] | None) -> str | None:
     return os.path.join(base, "hybrid") if base else None
 
 
-def _paths(values: list[str] | None) -> tuple[str, ...] | None:
-    return tuple(values) if values else None
-
-
 def _tokenizer(f: Flags) -> TokenizerConfig:
     return TokenizerConfig.from_flags(f.tokenizer_type, f.vocab_file, f.merge_file,
                                       f.tokenizer_model, f.tokenizer_file, f.vocab_size)
-
-
-def _checkpoint(f: Flags) -> CheckpointConfig:
-    return CheckpointConfig(
-        save=f.save, load=f.load, save_interval=f.save_interval, keep_last=f.keep_last,
-        no_save_optim=f.no_save_optim, no_load_optim=f.no_load_optim,
-        no_load_rng=f.no_load_rng, finetune=f.finetune, ckpt_step=f.ckpt_step,
-        overwrite_save=f.overwrite_save)
-
-
-def _logging(f: Flags) -> LoggingConfig:
-    return LoggingConfig(log_interval=f.log_interval, log_json=f.log_json,
-                         tensorboard_dir=f.tensorboard_dir, log_throughput=f.log_throughput,
-                         timing_breakdown=f.timing_breakdown)
-
-
-def _diagnostics(f: Flags) -> DiagnosticsConfig:
-    return DiagnosticsConfig(collective_dump_dir=f.collective_dump_dir,
-                             check_collectives=f.check_collectives,
-                             check_replicas_interval=f.check_replicas_interval)
 
 
 def _kernels(f: Flags, environ: Mapping[str, str] | None) -> KernelConfig:

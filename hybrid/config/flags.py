@@ -5,6 +5,26 @@ is a field here; :mod:`hybrid.config.megatron_flags` knows the rest of Megatron'
 flags, so they get a named answer (ignored with a note, or refused with what
 to use instead) rather than argparse's "unrecognized arguments". No torch
 import: the launcher checks a command line before it starts any worker.
+
+[Note: each option defined once]
+A flag is written once, here: its Megatron name, type, default, help and, in
+``to``, the field of the frozen section (:mod:`hybrid.config.sections`) that
+takes its checked value::
+
+    offload_gds: bool = opt(False, "with --offload-param nvme: ...", to="offload.gds")
+
+``to`` names a section as :class:`hybrid.config.TrainConfig` names it, and the
+section's field when that differs from the flag's own name (``to="checkpoint"``
+for ``save`` -> ``checkpoint.save``); a flag that feeds several sections names
+each. :data:`ROUTES` collects them, and :func:`hybrid.config.build_config` cuts
+each section by that table: there is no hand-written mapper to keep in step. The
+flags are the source because Megatron's names are what users write and what a
+checkpoint's metadata keeps; a section keeps the short name its component reads
+(``cfg.offload.gds``). Explicit code remains only for fields derived from several
+flags or from outside them (the LR schedule's unit and lengths, the recompute
+method, the dtypes, the tokenizer, the kernels' environment defaults): see
+:mod:`hybrid.config.build`. A ds_config key sets a flag's field
+(:mod:`hybrid.config.deepspeed_keys`) and so reaches the same section.
 """
 
 from __future__ import annotations
@@ -15,14 +35,19 @@ import difflib
 import sys
 from dataclasses import dataclass, field
 
-from hybrid.config.sections import KERNEL_PATHS
+from hybrid.config.sections import KERNEL_PATHS, OFFLOAD_TIERS
 from hybrid.errors import ConfigError
 
 
-def opt(default, help: str, alias: str | None = None, **argparse_kw):
-    """A flag field with its --help text (and an optional alias flag). ``argparse_kw``:
+def opt(default, help: str, alias: str | None = None, to: str | tuple[str, ...] = (),
+        **argparse_kw):
+    """A flag field with its --help text (and an optional alias flag). ``to``: the section
+    field(s) its checked value goes to, ``"section"`` or ``"section.field"`` (the note
+    above; none for a flag only checks and derived fields read). ``argparse_kw``:
     ``choices``, or ``const`` for a flag whose value may be left out (``nargs="?"``)."""
-    return field(default=default, metadata={"help": help, "alias": alias, **argparse_kw})
+    return field(default=default, metadata={"help": help, "alias": alias,
+                                            "to": (to,) if isinstance(to, str) else to,
+                                            **argparse_kw})
 
 
 @dataclass
@@ -36,36 +61,42 @@ class Flags:
 
 
     # parallelism
-    tensor_model_parallel_size: int = opt(1, "TP degree: ranks splitting each layer")
+    tensor_model_parallel_size: int = opt(1, "TP degree: ranks splitting each layer",
+                                          to="parallel")
     sequence_parallel: bool = opt(False, "split norms, dropout and residuals along the "
-                                         "sequence over TP (needs TP > 1)")
+                                         "sequence over TP (needs TP > 1)", to="parallel")
     context_parallel_size: int = opt(1, "CP degree: ranks splitting each sequence "
-                                        "(attention across them, see --cp-comm-type)")
+                                        "(attention across them, see --cp-comm-type)",
+                                        to="parallel")
     cp_comm_type: str = opt("p2p", "how attention crosses the CP split: p2p (ring), "
                                    "all_gather (K/V once per layer) or a2a (Ulysses: heads "
-                                   "split instead)")
+                                   "split instead)", to="parallel")
     cp_layout: str = opt("load_balanced", "which tokens a CP rank holds: load_balanced "
                                           "(chunks r and 2C-1-r of 2C) or striped "
-                                          "(token i on rank i mod C)")
-    distributed_backend: str | None = opt(None, "gloo or nccl (default: nccl with a GPU)")
-    distributed_timeout_minutes: float = opt(10.0, "timeout of every collective")
+                                          "(token i on rank i mod C)", to="parallel")
+    distributed_backend: str | None = opt(None, "gloo or nccl (default: nccl with a GPU)",
+                                          to="parallel.backend")
+    distributed_timeout_minutes: float = opt(10.0, "timeout of every collective",
+                                             to="parallel.timeout_minutes")
     pipeline_model_parallel_size: int = opt(1, "pipeline stages: only 1 (hybrid shards "
                                                "with TP x ZeRO instead)")
     # model (defaults: a small GPT that trains on 2 CPU cores in minutes)
-    num_layers: int = opt(4, "transformer layers")
-    hidden_size: int = opt(256, "model width")
-    num_attention_heads: int = opt(4, "attention heads (divisible by TP)")
+    num_layers: int = opt(4, "transformer layers", to="model")
+    hidden_size: int = opt(256, "model width", to="model")
+    num_attention_heads: int = opt(4, "attention heads (divisible by TP)", to="model")
     kv_channels: int | None = opt(None, "head size: accepted when it is --hidden-size / "
                                         "--num-attention-heads (Megatron scripts pass it)")
     ffn_hidden_size: int | None = opt(None, "MLP width (default 4 x hidden; see --swiglu)")
-    seq_length: int = opt(128, "tokens per sample")
+    seq_length: int = opt(128, "tokens per sample", to=("model", "data"))
     max_position_embeddings: int | None = opt(None, "positions (default: seq length)")
-    make_vocab_size_divisible_by: int = opt(128, "pad vocab to a multiple of this x TP")
-    hidden_dropout: float = opt(0.1, "dropout on the residual stream")
-    attention_dropout: float = opt(0.1, "dropout on attention probabilities")
-    init_method_std: float = opt(0.02, "std of the normal weight init")
+    make_vocab_size_divisible_by: int = opt(128, "pad vocab to a multiple of this x TP",
+                                            to="model")
+    hidden_dropout: float = opt(0.1, "dropout on the residual stream", to="model")
+    attention_dropout: float = opt(0.1, "dropout on attention probabilities", to="model")
+    init_method_std: float = opt(0.02, "std of the normal weight init", to="model")
     attention_backend: str = opt("auto", "auto, flash, fused, unfused or local: which "
-                                         "attention kernel runs (auto: torch's SDPA picks)")
+                                         "attention kernel runs (auto: torch's SDPA picks)",
+                                         to="model")
     use_flash_attn: bool = opt(False, "older Megatron name for --attention-backend flash")
     # model architecture (the Llama family: hybrid/config/architecture.py)
     normalization: str = opt("LayerNorm", "LayerNorm or RMSNorm")
@@ -94,100 +125,114 @@ class Flags:
     add_qkv_bias: bool = opt(False, "a bias on the QKV projection even with "
                                     "--disable-bias-linear (Qwen2)")
     # batch
-    micro_batch_size: int = opt(8, "samples per rank per forward/backward")
-    global_batch_size: int | None = opt(None, "samples per step (default micro x DP)")
+    micro_batch_size: int = opt(8, "samples per rank per forward/backward", to="loop")
+    global_batch_size: int | None = opt(None, "samples per step (default micro x DP)", to="loop")
     rampup_batch_size: list[int] | None = opt(
         None, "START INCR SAMPLES: the global batch grows from START by INCR over the "
-              "first SAMPLES samples, to --global-batch-size")
+              "first SAMPLES samples, to --global-batch-size", to="loop.rampup")
     # optimizer and schedule
-    lr: float = opt(1e-3, "peak learning rate")
-    min_lr: float = opt(0.0, "learning rate at the end of decay")
+    lr: float = opt(1e-3, "peak learning rate", to="lr_schedule")
+    min_lr: float = opt(0.0, "learning rate at the end of decay", to="lr_schedule")
     lr_warmup_iters: int = opt(0, "linear warmup iterations")
     lr_warmup_fraction: float | None = opt(None, "warmup as a fraction of the decay length")
     lr_warmup_samples: int = opt(0, "linear warmup samples (with --train-samples)")
-    lr_decay_style: str = opt("constant", "constant, linear or cosine")
-    lr_warmup_init: float = opt(0.0, "the learning rate warmup starts from")
+    lr_decay_style: str = opt("constant", "constant, linear or cosine",
+                              to="lr_schedule.decay_style")
+    lr_warmup_init: float = opt(0.0, "the learning rate warmup starts from",
+                                to="lr_schedule.warmup_init")
     lr_warmup_style: str = opt("linear", "warmup shape: linear, or log (DeepSpeed's "
                                          "WarmupLR default: log(step) / log(warmup))",
-                               choices=("linear", "log"))
+                               choices=("linear", "log"), to="lr_schedule.warmup_style")
     lr_decay_iters: int | None = opt(None, "decay length (default: train iters)")
     lr_decay_samples: int | None = opt(None, "decay length in samples (with "
                                              "--train-samples; default: train samples)")
-    weight_decay: float = opt(0.01, "AdamW decay (not on biases and norms)")
-    adam_beta1: float = opt(0.9, "Adam beta1")
-    adam_beta2: float = opt(0.999, "Adam beta2")
-    adam_eps: float = opt(1e-8, "Adam epsilon")
-    clip_grad: float = opt(1.0, "clip the global grad norm to this (0: off)")
+    weight_decay: float = opt(0.01, "AdamW decay (not on biases and norms)", to="adamw")
+    adam_beta1: float = opt(0.9, "Adam beta1", to="adamw.beta1")
+    adam_beta2: float = opt(0.999, "Adam beta2", to="adamw.beta2")
+    adam_eps: float = opt(1e-8, "Adam epsilon", to="adamw.eps")
+    clip_grad: float = opt(1.0, "clip the global grad norm to this (0: off)", to="adamw")
     train_iters: int | None = opt(None, "optimizer steps (default 200 unless "
-                                        "--train-samples)")
+                                        "--train-samples)", to="loop")
     train_samples: int | None = opt(None, "train on this many samples instead of "
-                                          "--train-iters (schedules count samples)")
+                                          "--train-iters (schedules count samples)", to="loop")
     exit_interval: int | None = opt(None, "save (with --save) and exit at the first "
-                                          "iteration divisible by N")
+                                          "iteration divisible by N", to="loop")
     exit_duration_in_mins: float | None = opt(None, "save (with --save) and exit once "
-                                                    "the run has taken this long")
+                                                    "the run has taken this long", to="loop")
     eod_mask_loss: bool = opt(False, "leave the predictions made at end-of-document tokens "
-                                     "out of the loss")
+                                     "out of the loss", to="data")
     exit_signal_handler: bool = opt(False, "on SIGTERM (scancel, a preemption) save (with "
-                                           "--save) and exit after the iteration in progress")
-    seed: int = opt(1234, "fixes init, data order and dropout")
+                                           "--save) and exit after the iteration in progress",
+                                           to="loop")
+    seed: int = opt(1234, "fixes init, data order and dropout", to="data")
     # ZeRO data parallelism
     zero_stage: int = opt(0, "0: all-reduce DP, 1: shard optimizer states, 2: +grads, "
-                             "3: +params")
-    reduce_bucket_size: int = opt(50_000_000, "elements per gradient reduce bucket")
-    allgather_bucket_size: int = opt(50_000_000, "elements per parameter all-gather bucket")
-    overlap_comm: bool = opt(False, "launch bucket collectives during backward")
+                             "3: +params", to="zero.stage")
+    reduce_bucket_size: int = opt(50_000_000, "elements per gradient reduce bucket", to="zero")
+    allgather_bucket_size: int = opt(50_000_000, "elements per parameter all-gather bucket",
+                                     to="zero")
+    overlap_comm: bool = opt(False, "launch bucket collectives during backward", to="zero")
     use_distributed_optimizer: bool = opt(False, "Megatron's sharded optimizer: ZeRO-1 "
                                                  "(unless --zero-stage says more)")
     overlap_grad_reduce: bool = opt(False, "Megatron's name for --overlap-comm (gradients)")
     overlap_param_gather: bool = opt(False, "Megatron's name for --overlap-comm "
                                             "(parameters)")
     zero_param_persistence_threshold: int = opt(100_000, "stage 3: params with fewer "
-                                                         "elements stay unpartitioned")
+                                                         "elements stay unpartitioned",
+                                                         to="zero.param_persistence_threshold")
     offload_optimizer: str | None = opt(
         None, "where the fp32 master shard and Adam moments live and the optimizer steps: "
               "cpu (host memory; the bare flag) or nvme (files under --offload-nvme-path, "
               "streamed through the staging buffers)", alias="--cpu-optimizer",
-        const="cpu", choices=("cpu", "nvme"))
+        const="cpu", choices=OFFLOAD_TIERS, to="offload.optimizer")
     offload_param: str | None = opt(
         None, "stage 3: where this rank's parameter shards live between uses: none, cpu or "
-              "nvme", alias="--remote-device", choices=("none", "cpu", "nvme"))
+              "nvme", alias="--remote-device",
+        choices=("none", *OFFLOAD_TIERS), to="offload.param")
     offload_nvme_path: str | None = opt(None, "directory of the nvme tier's swap files (each "
-                                              "rank uses its own subdirectory)")
+                                              "rank uses its own subdirectory)",
+                                              to="offload.nvme_path")
     offload_buffer_count: int = opt(4, "host staging buffers of the nvme tier (>= 2: one is "
-                                       "read while another is computed on)")
+                                       "read while another is computed on)",
+                                       to="offload.buffer_count")
     offload_buffer_size: int = opt(1 << 23, "elements per staging buffer (a multiple of "
                                             "1024); a buffer holds a tile's master and "
-                                            "both moments, 12 bytes per element")
+                                            "both moments, 12 bytes per element",
+                                            to="offload.buffer_size")
     offload_pin_memory: bool | None = opt(None, "page-locked offload buffers (default: when "
-                                                "training on a GPU; never without CUDA)", alias="--use-pin-memory")
+                                                "training on a GPU; never without CUDA)",
+                                                alias="--use-pin-memory", to="offload.pin_memory")
     offload_gds: bool = opt(False, "with --offload-param nvme: read the parameter shards "
                                    "from disk straight into device memory through GPUDirect "
                                    "Storage (torch.cuda.gds) where a probe shows it works; "
-                                   "elsewhere one warning and pinned host buffers")
+                                   "elsewhere one warning and pinned host buffers",
+                                   to="offload.gds")
     # ZeRO-Offload's delayed update: the host step overlaps the next iteration's GPU work
     offload_delayed_update: bool = opt(False, "with --offload-optimizer: ZeRO-Offload's one-step "
                                               "delayed parameter update (the host step of "
-                                              "iteration t overlaps iteration t+1)")
+                                              "iteration t overlaps iteration t+1)",
+                                              to="offload.delayed_update")
     offload_delayed_update_warmup: int = opt(0, "normal steps before "
-                                                "--offload-delayed-update starts")
+                                                "--offload-delayed-update starts",
+                                                to="offload.delayed_update_warmup")
     compile: bool = opt(False, "torch.compile each transformer block's forward (same results "
-                               "to rounding; its speed was not measured)")
+                               "to rounding; its speed was not measured)", to="model")
     # mixed precision
     bf16: bool = opt(False, "bf16 params and grads, fp32 master weights")
     fp16: bool = opt(False, "fp16 params and grads, fp32 master weights, loss scaling")
     accumulate_allreduce_grads_in_fp32: bool | None = opt(
         None, "accumulate micro-batch gradients and reduce them over DP in fp32 "
-              "(default: on with --bf16, as in Megatron)")
-    loss_scale: float | None = opt(None, "static loss scale (default: dynamic)")
-    initial_loss_scale: float = opt(2.0 ** 16, "dynamic loss scale to start from")
-    min_loss_scale: float = opt(1.0, "dynamic loss scale floor")
-    loss_scale_window: int = opt(1000, "clean steps before the scale doubles")
-    hysteresis: int = opt(2, "overflows tolerated before the scale halves")
+              "(default: on with --bf16, as in Megatron)", to="precision.grads_in_fp32")
+    loss_scale: float | None = opt(None, "static loss scale (default: dynamic)", to="precision")
+    initial_loss_scale: float = opt(2.0 ** 16, "dynamic loss scale to start from", to="precision")
+    min_loss_scale: float = opt(1.0, "dynamic loss scale floor", to="precision")
+    loss_scale_window: int = opt(1000, "clean steps before the scale doubles", to="precision")
+    hysteresis: int = opt(2, "overflows tolerated before the scale halves", to="precision")
     # activation checkpointing (ZeRO-R)
     recompute_granularity: str | None = opt(
         None, "full: keep only each layer's input and rerun the layer in backward (ZeRO-R); "
-              "selective: rerun only the attention core (scores, softmax, dropout)")
+              "selective: rerun only the attention core (scores, softmax, dropout)",
+              to="recompute.granularity")
     recompute_method: str | None = opt(None, "with full: uniform (every layer, in groups of "
                                              "--recompute-num-layers that each store one "
                                              "input) or block (only the first "
@@ -202,17 +247,18 @@ class Flags:
     partition_activations: bool = opt(False, "each TP rank stores 1/TP of each checkpoint",
                                       alias="--distribute-saved-activations")
     cpu_checkpointing: bool = opt(False, "keep the checkpoints in host memory",
-                                  alias="--checkpoint-in-cpu")
+                                  alias="--checkpoint-in-cpu", to="recompute")
     contiguous_checkpointing: bool = opt(False, "store checkpoints in one preallocated buffer",
-                                         alias="--contigious-checkpointing")
+                                         alias="--contigious-checkpointing", to="recompute")
     deepspeed_activation_checkpointing: bool = opt(
         False, "Megatron-DeepSpeed's switch to DeepSpeed's activation checkpointing: hybrid's "
                "ZeRO-R is that, and the ds_config's activation_checkpointing section applies "
                "whenever recompute is on")
     # data
     data_path: list[str] | None = opt(None, "text file, or [weight] prefix ... of "
-                                            "preprocessed data (default: built-in corpus)")
-    split: str = opt("949,50,1", "train,valid,test proportions")
+                                            "preprocessed data (default: built-in corpus)",
+                                            to="data")
+    split: str = opt("949,50,1", "train,valid,test proportions", to="data")
     tokenizer_type: str | None = opt(
         None, "byte, GPT2BPETokenizer (--vocab-file/--merge-file), HuggingFaceTokenizer "
               "(--tokenizer-model) or NullTokenizer (--vocab-size); older names gpt2bpe, hf. "
@@ -222,58 +268,69 @@ class Flags:
     tokenizer_file: str | None = opt(None, "a tokenizers-library tokenizer.json")
     data_cache_path: str | None = opt(None, "where sample indices are cached (default: next "
                                             "to the data), and the parsed built-in corpus "
-                                            "(default: ~/.cache/hybrid)")
-    mock_data: bool = opt(False, "train on synthetic tokens from --seed, no files (benchmarks)")
+                                            "(default: ~/.cache/hybrid)", to="data.cache_path")
+    mock_data: bool = opt(False, "train on synthetic tokens from --seed, no files (benchmarks)",
+                          to="data")
     train_data_path: list[str] | None = opt(None, "[weight] prefix ... of the train split, "
-                                                  "used whole (instead of --data-path + --split)")
-    valid_data_path: list[str] | None = opt(None, "[weight] prefix ... of the valid split")
-    test_data_path: list[str] | None = opt(None, "[weight] prefix ... of the test split")
+                                                  "used whole (instead of --data-path + --split)",
+                                                  to="data")
+    valid_data_path: list[str] | None = opt(None, "[weight] prefix ... of the valid split",
+                                            to="data")
+    test_data_path: list[str] | None = opt(None, "[weight] prefix ... of the test split",
+                                           to="data")
     tokenizer_model: str | None = opt(None, "HuggingFaceTokenizer: a tokenizer directory or "
                                             "tokenizer.json")
     vocab_size: int | None = opt(None, "NullTokenizer: token ids 0..N-1 (eod is N)")
     # checkpoints
-    save: str | None = opt(None, "save checkpoints in this directory")
-    load: str | None = opt(None, "resume from the newest checkpoint in this directory")
-    save_interval: int | None = opt(None, "save every N iterations (and at the end)")
-    keep_last: int | None = opt(None, "after a save, keep only the newest N checkpoints")
+    save: str | None = opt(None, "save checkpoints in this directory", to="checkpoint")
+    load: str | None = opt(None, "resume from the newest checkpoint in this directory",
+                           to="checkpoint")
+    save_interval: int | None = opt(None, "save every N iterations (and at the end)",
+                                    to="checkpoint")
+    keep_last: int | None = opt(None, "after a save, keep only the newest N checkpoints",
+                                to="checkpoint")
     no_save_optim: bool = opt(False, "save the fp32 model weights only, no optimizer state "
                                      "(about 1/3 of the bytes); resuming one needs "
-                                     "--no-load-optim or --finetune")
+                                     "--no-load-optim or --finetune", to="checkpoint")
     no_load_optim: bool = opt(False, "load weights, iteration and data position from --load "
-                                     "but start the optimizer fresh (zero Adam moments)")
-    no_load_rng: bool = opt(False, "keep the RNG seeded from --seed, not the checkpoint's")
+                                     "but start the optimizer fresh (zero Adam moments)",
+                                     to="checkpoint")
+    no_load_rng: bool = opt(False, "keep the RNG seeded from --seed, not the checkpoint's",
+                            to="checkpoint")
     finetune: bool = opt(False, "load the weights only: iteration 0, data from the start, "
                                 "fresh optimizer, RNG from --seed; --save starts a new "
-                                "series (a restart resumes that series)")
+                                "series (a restart resumes that series)", to="checkpoint")
     ckpt_step: int | None = opt(None, "load the checkpoint of this iteration from --load "
-                                      "instead of the newest one")
+                                      "instead of the newest one", to="checkpoint")
     overwrite_save: bool = opt(False, "start a new run in a --save directory that holds "
                                       "another run's checkpoints, deleting them (without it "
-                                      "such a run is refused)")
+                                      "such a run is refused)", to="checkpoint")
     exit_on_nan_iterations: int = opt(10, "stop with an error after N consecutive skipped "
-                                          "steps with non-finite gradients")
+                                          "steps with non-finite gradients", to="loop")
     # evaluation and logging
-    eval_interval: int = opt(1000, "validate every N iterations")
-    eval_iters: int = opt(10, "iterations per validation")
-    log_interval: int = opt(10, "iterations per console line")
-    log_json: str | None = opt(None, "write one JSON object per logged iteration here")
-    tensorboard_dir: str | None = opt(None, "write TensorBoard scalars here")
+    eval_interval: int = opt(1000, "validate every N iterations", to="loop")
+    eval_iters: int = opt(10, "iterations per validation", to="loop")
+    log_interval: int = opt(10, "iterations per console line", to="logging")
+    log_json: str | None = opt(None, "write one JSON object per logged iteration here",
+                               to="logging")
+    tensorboard_dir: str | None = opt(None, "write TensorBoard scalars here", to="logging")
     log_throughput: bool = opt(False, "add TFLOP/s per rank to the console line "
-                                      "(always in --log-json and TensorBoard)")
+                                      "(always in --log-json and TensorBoard)", to="logging")
     timing_breakdown: bool = opt(False, "forward, backward and optimizer seconds per step "
                                         "on every log line (on a GPU: a device sync at each "
-                                        "phase boundary)")
+                                        "phase boundary)", to="logging")
     # diagnostics: collective flight recorder, collective and replica checks
     collective_dump_dir: str | None = opt(
         None, "when a collective fails, every live rank writes its last collectives here as "
-              "JSON (collectives_rank00003.json)")
+              "JSON (collectives_rank00003.json)", to="diagnostics")
     check_collectives: bool = opt(
         False, "debug: before each collective the ranks of its group compare op, shape, dtype "
                "and sequence number (one small all-gather); a mismatch stops the job naming "
-               "both calls")
+               "both calls", to="diagnostics")
     check_replicas_interval: int = opt(
         0, "every N iterations check that parameters replicated over TP and DP are "
-           "bit-identical; a divergence stops the job naming the parameter and ranks (0: off)")
+           "bit-identical; a divergence stops the job naming the parameter and ranks (0: off)",
+           to="diagnostics")
     # kernels (hybrid.kernels; defaults from HYBRID_* variables: config_kernels.py)
     no_kernels: bool = opt(False, "never build or load the csrc/ kernels: PyTorch fallbacks "
                                   "only (also on with HYBRID_NO_KERNELS=1)")
@@ -300,6 +357,25 @@ class Flags:
     explicit_flags: list[str] = field(default_factory=list, metadata={"cli": False})
     ds_config_notes: list[str] = field(default_factory=list, metadata={"cli": False})
     given_as: dict[str, str] = field(default_factory=dict, metadata={"cli": False})
+
+
+def _routes() -> dict[str, dict[str, str]]:
+    table: dict[str, dict[str, str]] = {}
+    for f in dataclasses.fields(Flags):
+        for target in f.metadata.get("to", ()):
+            section, _, name = target.partition(".")
+            fields = table.setdefault(section, {})
+            name = name or f.name
+            if name in fields:  # one field, one source: a second would silently win
+                raise TypeError(f"Flags.{f.name} and Flags.{fields[name]} both go to "
+                                f"{section}.{name}")
+            fields[name] = f.name
+    return table
+
+
+# section -> {its field: the Flags field whose checked value it takes}, from every flag's
+# ``to`` (the module note). Read-only: build_config and ModelConfig.from_flags cut by it.
+ROUTES: dict[str, dict[str, str]] = _routes()
 
 
 def flag_name(field_name: str) -> str:

@@ -31,12 +31,7 @@ import math
 from dataclasses import dataclass, replace
 
 from hybrid.config.architecture import architecture_fields, swiglu_ffn_hidden_size
-
-# The flags from_flags copies as they are, each with the section's default for a
-# saved config that lacks it (a checkpoint older than the flag).
-_PLAIN_FLAGS = ("num_layers", "hidden_size", "num_attention_heads", "seq_length",
-                "make_vocab_size_divisible_by", "hidden_dropout", "attention_dropout",
-                "init_method_std", "attention_backend", "compile")
+from hybrid.config.flags import ROUTES
 
 
 @dataclass(frozen=True)
@@ -95,7 +90,9 @@ class ModelConfig:
             value = f.get(name) if isinstance(f, dict) else getattr(f, name)
             return default if value is None else value
         defaults = cls()
-        plain = {k: get(k, getattr(defaults, k)) for k in _PLAIN_FLAGS}
+        # the flags that say ``to="model"`` are copied as they are, each with the
+        # section's default for a saved config that lacks it (older than the flag)
+        plain = {k: get(flag, getattr(defaults, k)) for k, flag in ROUTES["model"].items()}
         # checked flags always carry it; a saved dict without it: positions = sequence
         positions = get("max_position_embeddings", plain["seq_length"])
         return cls(ffn_hidden_size=get("ffn_hidden_size", None),  # None: filled per swiglu

@@ -3,14 +3,18 @@
 :func:`hybrid.config.build_config` checks the flat command-line flags in one
 place and cuts them into these sections; :class:`hybrid.config.TrainConfig`
 holds one of each. Each section is plain data (no torch import), so a
-component can also be built directly in tests and tools.
+component can also be built directly in tests and tools. A field here is the
+contract its component reads; which flag fills it is said once, by the flag
+(``to=`` in :mod:`hybrid.config.flags`), and a test holds the two to the same
+type and default (tests/config/test_single_definition.py). The model section
+lives in :mod:`hybrid.config.model`, the closed sets of values some options
+take (:data:`CP_COMM_TYPES`, :data:`OFFLOAD_TIERS`, ...) here.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from hybrid.config.model import ModelConfig  # noqa: F401  (the model section: its own module)
 from hybrid.errors import ConfigError
 
 
