@@ -48,6 +48,7 @@ from hybrid.zero.buffers import allocate_grads, allocate_master
 from hybrid.zero.gather_pipeline import GatherPipeline
 from hybrid.zero.grad_sync import GradReducer
 from hybrid.zero.loss_scaler import LossScaler
+from hybrid.zero.offload.contracts import ShardOptimizer
 from hybrid.zero.offload.host_step import OptimizerOffload
 from hybrid.zero.offload.landing import GradLanding
 from hybrid.zero.offload.nvme.adamw import SwappedAdamW
@@ -150,6 +151,7 @@ class ZeroEngine:
         # kernels may then update the whole shard in one pass (the offload keeps
         # host copies of its own and steps through step_parts).
         flat_grad = self.flat_grads if self.plan.grads and not offload.optimizer else None
+        self.optimizer: ShardOptimizer
         if self.swapped is not None:
             self.optimizer = SwappedAdamW([u.own_hi - u.own_lo for u in self.units], decay,
                                           split, adamw, self.swapped)
@@ -159,7 +161,7 @@ class ZeroEngine:
         self.offload = (OptimizerOffload(self.units, self.dtype, self.flat_grads,
                                          self.grad_dtype, self.ps.device, self.plan,
                                          self.optimizer, offload, self.tiers.grads,
-                                         pin=self.tiers.pin)
+                                         pin=self.tiers.pin, homes=self.tiers.homes(self.units))
                         if offload.optimizer else None)
         # With a separate master the step writes each unit's new parameter shard in
         # the training dtype (a compiled kernel in the same pass as the update):
@@ -240,6 +242,7 @@ class ZeroEngine:
             # it started each unit's all-gather as the unit's parameters came up
             self.param_pipeline.wait_all()
         else:
+            assert isinstance(self.optimizer, ShardedAdamW)  # (no offload: on the device)
             self.optimizer.step(grads, lr, coef, skip, out=self._step_out,
                                 found_inf=self._kernel_found)
             self.publish_params(after_step=True)

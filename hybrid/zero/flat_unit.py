@@ -17,10 +17,27 @@ sides are permanent flat buffers, in place with no temporary at all.
 
 from __future__ import annotations
 
+from typing import Protocol
+
 import torch
 from torch import nn
 
 from hybrid.parallel.comm import CommGroup
+
+
+class ShardHome(Protocol):
+    """What a unit asks of the home its parameter shard lives in between gathers (stage 3
+    ``--offload-param``). The whole contract, with what the host step writes through, is
+    :class:`hybrid.zero.offload.contracts.ParamHome`."""
+
+    def prefetch(self) -> None:
+        """Start bringing the shard nearer (a read ahead); no-op if under way."""
+
+    def load_into(self, shard: torch.Tensor) -> None:
+        """``shard`` (on the device) <- the shard's values, for a gather."""
+
+    def values(self) -> torch.Tensor:
+        """The shard as it is now, in host memory (for reading)."""
 
 
 class FlatUnit:
@@ -62,8 +79,8 @@ class FlatUnit:
         self.gathered = True
         self.pending = None  # in-flight async gather: (work, staged pieces)
         # stage 3 parameter offload: where the shard lives between gathers
-        # (hybrid/zero/offload/nvme/homes.py); None: on the device, in ``shard``
-        self.home = None
+        # (hybrid/zero/offload/homes.py); None: on the device, in ``shard``
+        self.home: ShardHome | None = None
 
     # -- layout -------------------------------------------------------------
     def segments(self, lo: int, hi: int):
@@ -111,7 +128,7 @@ class FlatUnit:
                 dst[ulo - lo: ulo - lo + n].copy_(src.reshape(-1)[plo: plo + n])
 
     # -- stage 3: free and restore the full parameters -------------------------
-    def offload_to(self, home) -> None:
+    def offload_to(self, home: ShardHome) -> None:
         """From now on ``home`` keeps this rank's shard; the device holds it only while
         a gather runs (``shard`` keeps its dtype and size, its storage is freed)."""
         assert self.partition_params and not self.gathered

@@ -35,6 +35,8 @@ made once when the optimizer is built; this module only owns the state.
 
 from __future__ import annotations
 
+from typing import Callable, Iterable, Protocol
+
 import torch
 
 from hybrid.config.sections import AdamWConfig
@@ -46,54 +48,25 @@ from hybrid.parallel.comm import CommGroup
 STATE_KEYS = ("master", "exp_avg", "exp_avg_sq")
 
 
-class ShardedAdamW:
-    """Adam moments and master weights for this rank's parts of the model.
+class ShardBase:
+    """What every shard optimizer keeps, whatever holds its states (device or host
+    memory here, tiles on disk in :class:`~hybrid.zero.offload.nvme.adamw.SwappedAdamW`):
+    the parts' sizes and where each starts in the flat shard, the TP-split and
+    replicated ranges of the norm, and the step count.
 
     Args:
-        master: fp32 master weights, one tensor per unit part (views of one
-            flat buffer, or the fp32 parameter shards themselves when the model
-            is fp32 and not offloaded). Updated in place.
-        decay_ranges: per part, ``[(lo, hi)]`` that get weight decay.
+        sizes: elements of each part (unit), in shard order.
         split_ranges: per part, ``[(lo, hi)]`` belonging to TP-split parameters.
-        cfg: betas, eps and weight decay (clipping is the caller's: it passes
-            the clip coefficient in ``grad_scale``).
-        flat_master: the flat buffer ``master`` are views of, in order, if any;
-            it enables :meth:`step_parts`.
-        flat_grad: the flat gradient every :meth:`step` will read, parts in
-            ``master`` order, if there is one (stages 2-3): with ``flat_master``
-            it lets a compiled kernel update the whole shard in one pass.
+        device: where the step count lives (the shard's device).
     """
 
-    def __init__(self, master: list[torch.Tensor], decay_ranges, split_ranges, cfg: AdamWConfig,
-                 flat_master: torch.Tensor | None = None,
-                 flat_grad: torch.Tensor | None = None):
-        self.master = master
-        self.flat_master = flat_master
-        n = sum(m.numel() for m in master)
-        dev = master[0].device if master else torch.device("cpu")
-        self._init_counts([m.numel() for m in master], split_ranges, dev)
-        # Both moments are single flat buffers; parts are views.
-        self._flat_avg = torch.zeros(n, dtype=torch.float32, device=dev)
-        self._flat_avg_sq = torch.zeros(n, dtype=torch.float32, device=dev)
-        self.exp_avg = _split_like(self._flat_avg, master)
-        self.exp_avg_sq = _split_like(self._flat_avg_sq, master)
-        flat = (None if flat_master is None
-                else (flat_master, self._flat_avg, self._flat_avg_sq))
-        # the update itself, and the choice of what runs it: hybrid.kernels
-        self.adamw = ShardAdamW(master, self.exp_avg, self.exp_avg_sq, decay_ranges,
-                                (cfg.beta1, cfg.beta2, cfg.eps, cfg.weight_decay), flat,
-                                flat_grad)
-
-    def _init_counts(self, sizes: list[int], split_ranges, dev: torch.device) -> None:
-        """What every shard optimizer keeps whatever holds its states: part sizes and
-        where each starts in the flat shard, the TP-split and replicated ranges of the
-        norm, and the step count."""
+    def __init__(self, sizes: list[int], split_ranges, device: torch.device):
         self.split_ranges = split_ranges
         self.offsets = [0]  # where each part starts in the flat shard
         for n in sizes:
             self.offsets.append(self.offsets[-1] + n)
         # steps applied so far, where the shard lives: see [Note: a step without host reads]
-        self._step = torch.zeros((), dtype=torch.float64, device=dev)
+        self._step = torch.zeros((), dtype=torch.float64, device=device)
         self._replicated = [complement_ranges(r, n) for n, r in zip(sizes, split_ranges)]
 
     @property
@@ -105,7 +78,8 @@ class ShardedAdamW:
     def step_count(self, value: int) -> None:
         self._step.fill_(float(value))
 
-    def begin_step(self, grad_scale, skip: torch.Tensor | None = None) -> torch.Tensor:
+    def begin_step(self, grad_scale: float | torch.Tensor,
+                   skip: torch.Tensor | None = None) -> torch.Tensor:
         """Count a step (unless ``skip``) and return fp64 ``[grad_scale, step, skip]``
         on the shard's device, the ``scalars`` of :func:`hybrid.kernels.adam.adam_step`.
 
@@ -124,9 +98,6 @@ class ShardedAdamW:
             skip_f = skip.reshape(()).to(device=dev, dtype=torch.float64)
             self._step.add_(1.0 - skip_f)
         return torch.stack([scale, self._step, skip_f])
-
-    def state_bytes(self) -> int:
-        return 2 * self._flat_avg.numel() * self._flat_avg.element_size()
 
     @torch.no_grad()
     def squared_norms(self, grads: list[torch.Tensor]) -> torch.Tensor:
@@ -152,7 +123,7 @@ class ShardedAdamW:
                      for ranges in (self.split_ranges[i], self._replicated[i]))
 
     @staticmethod
-    def sum_terms(terms, device) -> torch.Tensor:
+    def sum_terms(terms: list, device: torch.device) -> torch.Tensor:
         """:meth:`squared_norms` from every part's :meth:`part_terms`, in part order:
         added one by one in fp64, the same order whenever the terms were taken."""
         out = torch.zeros(2, dtype=torch.float64, device=device)
@@ -161,6 +132,48 @@ class ShardedAdamW:
                 for t in ranges:
                     out[k] += t
         return out
+
+
+class ShardedAdamW(ShardBase):
+    """Adam moments and master weights for this rank's parts of the model.
+
+    Args:
+        master: fp32 master weights, one tensor per unit part (views of one
+            flat buffer, or the fp32 parameter shards themselves when the model
+            is fp32 and not offloaded). Updated in place.
+        decay_ranges: per part, ``[(lo, hi)]`` that get weight decay.
+        split_ranges: per part, ``[(lo, hi)]`` belonging to TP-split parameters.
+        cfg: betas, eps and weight decay (clipping is the caller's: it passes
+            the clip coefficient in ``grad_scale``).
+        flat_master: the flat buffer ``master`` are views of, in order, if any;
+            it enables :meth:`step_parts`.
+        flat_grad: the flat gradient every :meth:`step` will read, parts in
+            ``master`` order, if there is one (stages 2-3): with ``flat_master``
+            it lets a compiled kernel update the whole shard in one pass.
+    """
+
+    def __init__(self, master: list[torch.Tensor], decay_ranges, split_ranges, cfg: AdamWConfig,
+                 flat_master: torch.Tensor | None = None,
+                 flat_grad: torch.Tensor | None = None):
+        self.master = master
+        self.flat_master = flat_master
+        n = sum(m.numel() for m in master)
+        dev = master[0].device if master else torch.device("cpu")
+        super().__init__([m.numel() for m in master], split_ranges, dev)
+        # Both moments are single flat buffers; parts are views.
+        self._flat_avg = torch.zeros(n, dtype=torch.float32, device=dev)
+        self._flat_avg_sq = torch.zeros(n, dtype=torch.float32, device=dev)
+        self.exp_avg = _split_like(self._flat_avg, master)
+        self.exp_avg_sq = _split_like(self._flat_avg_sq, master)
+        flat = (None if flat_master is None
+                else (flat_master, self._flat_avg, self._flat_avg_sq))
+        # the update itself, and the choice of what runs it: hybrid.kernels
+        self.adamw = ShardAdamW(master, self.exp_avg, self.exp_avg_sq, decay_ranges,
+                                (cfg.beta1, cfg.beta2, cfg.eps, cfg.weight_decay), flat,
+                                flat_grad)
+
+    def state_bytes(self) -> int:
+        return 2 * self._flat_avg.numel() * self._flat_avg.element_size()
 
     @torch.no_grad()
     def step(self, grads: list[torch.Tensor], lr: float, grad_scale=1.0,
@@ -189,12 +202,15 @@ class ShardedAdamW:
         """The flat shard ranges one host step updates at a time: one per part (unit)."""
         return list(zip(self.offsets[:-1], self.offsets[1:]))
 
-    def run_chunks(self, grad: torch.Tensor, lr: float, scalars: torch.Tensor,
-                   found: torch.Tensor, before, after, order=None) -> None:
+    def run_chunks(self, grad: torch.Tensor | None, lr: float, scalars: torch.Tensor,
+                   found: torch.Tensor, before: Callable[[int], torch.Tensor | None],
+                   after: Callable[[int], None], order: Iterable[int] | None = None) -> None:
         """Every chunk ``k`` of :meth:`chunks` in ``order`` (default: ascending; each
         element's update is independent of the others', so any order gives the same
         bits): ``out = before(k)``, AdamW on it from the flat ``grad`` (writing the
         chunk's new parameters into ``out`` when it is not None), ``after(k)``."""
+        if grad is None:
+            raise ValueError("ShardedAdamW steps from a flat gradient in memory")
         for k in (range(len(self.offsets) - 1) if order is None else order):
             self.step_parts(grad, lr, scalars, k, k + 1, before(k), found)
             after(k)
@@ -212,7 +228,8 @@ class ShardedAdamW:
         """Elements ``where`` of part ``part`` of ``key`` (master, exp_avg, exp_avg_sq)."""
         return getattr(self, key)[part][where]
 
-    def write_piece(self, key: str, part: int, where: slice, values) -> None:
+    def write_piece(self, key: str, part: int, where: slice,
+                    values: torch.Tensor | None) -> None:
         """Elements ``where`` of part ``part`` of ``key`` <- ``values`` (or zeros: None)."""
         dst = getattr(self, key)[part][where]
         if values is None:
@@ -229,8 +246,14 @@ def _split_like(flat: torch.Tensor, parts: list[torch.Tensor]) -> list[torch.Ten
     return out
 
 
+class SquaredNorms(Protocol):
+    """What the global norm asks of a shard optimizer (every one has it: ShardBase's)."""
+
+    def squared_norms(self, grads: list[torch.Tensor]) -> torch.Tensor: ...
+
+
 @torch.no_grad()
-def global_grad_norm(opt: ShardedAdamW, grads: list[torch.Tensor] | None, tp: CommGroup,
+def global_grad_norm(opt: SquaredNorms, grads: list[torch.Tensor] | None, tp: CommGroup,
                      dp: CommGroup | None, loss: torch.Tensor | None = None,
                      loss_dp: CommGroup | None = None, squared: torch.Tensor | None = None):
     """(L2 norm of the whole model's gradient, whether any rank's ``loss`` is not

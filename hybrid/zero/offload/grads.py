@@ -23,12 +23,13 @@ class HostGrads:
     def piece(self, i: int) -> torch.Tensor:
         return self.flat[self.bounds[i]: self.bounds[i + 1]]
 
-    def store(self, i: int, src: torch.Tensor, stream):
+    def store(self, i: int, src: torch.Tensor,
+              stream: torch.cuda.Stream | None) -> torch.cuda.Event | None:
         """``src`` (unit ``i``'s shard) into the buffer, on ``stream`` when it is on a GPU;
         returns the copy's CUDA event, or None (done)."""
         return stream_copy(self.piece(i), src, stream)
 
-    def load(self, i: int, dst: torch.Tensor, stream) -> None:
+    def load(self, i: int, dst: torch.Tensor, stream: torch.cuda.Stream | None) -> None:
         """``dst`` <- unit ``i``'s piece, ordered before the current stream's next work."""
         stream_copy(dst, self.piece(i), stream, back=True)
 
@@ -42,7 +43,8 @@ class HostGrads:
         return self.flat.untyped_storage().nbytes() if self.own else 0
 
 
-def stream_copy(dst: torch.Tensor, src: torch.Tensor, stream, back: bool = False):
+def stream_copy(dst: torch.Tensor, src: torch.Tensor, stream: torch.cuda.Stream | None,
+                back: bool = False) -> torch.cuda.Event | None:
     """``dst.copy_(src)``, on ``stream`` (a CUDA copy stream, after the current stream's
     work) when there is one; ``back``: the current stream then waits for it. Returns the
     copy's CUDA event, or None (done)."""

@@ -48,10 +48,18 @@ class HostHome:
             self._copying.synchronize()
             self._copying = None
 
-    def store(self, values: torch.Tensor):
+    def write_at(self, start: int, values: torch.Tensor) -> None:
+        """Shard elements ``[start, start + len)`` <- ``values``, at once (after
+        :meth:`wait_loaded`); nothing to wait for."""
+        self.data[start: start + values.numel()].copy_(values)
+
+    def store(self, values: torch.Tensor) -> None:
         self.wait_loaded()
         self.data.copy_(values)
         return None  # done: nothing to wait for
+
+    def store_done(self) -> None:
+        """(Every store ends in the call.)"""
 
     def values(self) -> torch.Tensor:
         """The shard as it is now, in host memory (for reading: diagnostics)."""
@@ -59,3 +67,6 @@ class HostHome:
 
     def host_bytes(self) -> int:
         return self.data.numel() * self.data.element_size()
+
+    def device_bytes(self) -> int:
+        return 0

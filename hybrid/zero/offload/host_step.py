@@ -68,7 +68,9 @@ import torch
 
 from hybrid.config.sections import OffloadConfig
 from hybrid.zero.flat_unit import FlatUnit, shard_bounds
+from hybrid.zero.offload.contracts import GradStore, ParamHome, ShardOptimizer
 from hybrid.zero.offload.grads import HostGrads, stream_copy
+from hybrid.zero.offload.nvme.grads import SwappedGrads
 from hybrid.zero.offload.writer import HomeWriter
 
 
@@ -93,13 +95,17 @@ class OptimizerOffload:
         swapped_grads: the nvme tier's :class:`~hybrid.zero.offload.nvme.grads.SwappedGrads`,
             where the gradients go instead of a host buffer (None: host memory).
         pin: page-locked host buffers (``OffloadTiers.pin``, decided once).
+        homes: each unit's parameter home (``OffloadTiers.homes``; None: no home, or
+            no parameter offload at all).
     """
 
     def __init__(self, units: list[FlatUnit], dtype: torch.dtype,
                  flat_grads: torch.Tensor | None, grad_dtype: torch.dtype,
-                 device: torch.device, plan, opt, cfg: OffloadConfig, swapped_grads=None,
-                 pin: bool = False):
+                 device: torch.device, plan, opt: ShardOptimizer, cfg: OffloadConfig,
+                 swapped_grads: SwappedGrads | None = None, pin: bool = False,
+                 homes: list[ParamHome | None] | None = None):
         self.units = units
+        self.homes = homes or [None] * len(units)
         self.index = {id(u): i for i, u in enumerate(units)}
         self.bounds = shard_bounds(units)
         n = self.bounds[-1]
@@ -109,11 +115,16 @@ class OptimizerOffload:
         self.warmup = cfg.delayed_update_warmup if cfg.delayed_update else 0
         in_place = (flat_grads is not None and flat_grads.device.type == "cpu" and plan.grads
                     and not self.delayed)
-        self.grads = swapped_grads or HostGrads(
-            flat_grads if in_place else torch.empty(n, dtype=grad_dtype, pin_memory=self.pin),
-            self.bounds, own=not in_place)
+        self.grads: GradStore
         # what the step reads its gradient from (None: the swapped tiles bring it)
-        self._flat_grad = None if swapped_grads is not None else self.grads.flat
+        self._flat_grad: torch.Tensor | None = None
+        if swapped_grads is None:
+            host = HostGrads(flat_grads if in_place and flat_grads is not None else
+                             torch.empty(n, dtype=grad_dtype, pin_memory=self.pin),
+                             self.bounds, own=not in_place)
+            self.grads, self._flat_grad = host, host.flat
+        else:
+            self.grads = swapped_grads
         self.opt = opt
         self.master = opt.flat_master  # None on the nvme tier
         self._chunks = opt.chunks()
@@ -124,11 +135,11 @@ class OptimizerOffload:
         self._ends = self._forward_ends  # the update's in flight, per chunk
         # fp32 models upload the host master itself: no narrow copy to make.
         master_uploads = dtype == torch.float32 and self.master is not None
-        # Stage 3 parameter offload: the new shards go straight home (home_writer.py),
+        # Stage 3 parameter offload: the new shards go straight home (writer.py),
         # unless the delayed update needs a copy to hold them for a step.
         self.writer = None
-        if any(u.home is not None for u in units) and not self.delayed:
-            self.writer = HomeWriter(units, self.bounds, self._chunk_units, self._chunks,
+        if any(h is not None for h in self.homes) and not self.delayed:
+            self.writer = HomeWriter(self.homes, self.bounds, self._chunk_units, self._chunks,
                                      dtype, master_uploads, self.pin)
             self.out = None
         else:
@@ -308,7 +319,7 @@ class OptimizerOffload:
             self._ready[i].wait()
             if self._skipped or self._failed:  # (a failure is raised by the step)
                 continue  # nothing changed: the device already holds these parameters
-            if self.writer is None or u.home is None:  # (else the worker sent it home)
+            if self.writer is None or self.homes[i] is None:  # (else the worker sent it home)
                 self._copy_up(u, i, self._source(i))
             published(u)
         self._upload_due = False
@@ -332,8 +343,9 @@ class OptimizerOffload:
                     dst.copy_(self.opt.master_range(self.bounds[i], self.bounds[i + 1]))
 
     def _copy_up(self, u: FlatUnit, i: int, piece: torch.Tensor) -> None:
-        if u.home is not None:  # stage 3 parameter offload: the new shard goes home
-            self._up[i] = u.home.store(piece)
+        home = self.homes[i]
+        if home is not None:  # stage 3 parameter offload: the new shard goes home
+            self._up[i] = home.store(piece)
             return
         if self.cuda:  # on the compute stream: what reads the shard next is ordered after it
             u.shard.copy_(piece, non_blocking=True)
@@ -371,9 +383,10 @@ class OptimizerOffload:
                 self._up[i] = None
         self._fill_upload_copies()
         for i, u in enumerate(self.units):
-            if self.writer is not None and u.home is not None:  # one unit's shard at a time
+            home = self.homes[i]
+            if self.writer is not None and home is not None:  # one unit's shard at a time
                 lo, hi = self.bounds[i], self.bounds[i + 1]
-                event = u.home.store(self.opt.master_range(lo, hi).to(u.shard.dtype))
+                event = home.store(self.opt.master_range(lo, hi).to(u.shard.dtype))
                 if event is not None:
                     event.synchronize()
             else:

@@ -37,6 +37,7 @@ from __future__ import annotations
 import torch
 
 from hybrid.zero.flat_unit import FlatUnit
+from hybrid.zero.offload.contracts import ShardOptimizer
 
 
 class GradLanding:
@@ -50,7 +51,7 @@ class GradLanding:
         dtype, device: the gradient dtype, and where the landing buffers live.
     """
 
-    def __init__(self, units: list[FlatUnit], offload, opt, dtype: torch.dtype,
+    def __init__(self, units: list[FlatUnit], offload, opt: ShardOptimizer, dtype: torch.dtype,
                  device: torch.device, count: int = 2):
         self.units, self.offload, self.opt, self.device = units, offload, opt, device
         self.index = {id(u): i for i, u in enumerate(units)}

@@ -5,6 +5,7 @@
     tiers.states        # the nvme tier's optimizer states (SwappedStates), or None
     tiers.grads         # ... and its gradient shard (SwappedGrads), or None
     tiers.send_home(unit)   # stage 3 param offload: a unit's shard, just materialized, home
+    tiers.homes(units)      # ... and where each unit's shard lives now (None: the device)
     tiers.close()       # drain the I/O, delete the swap files
 
 One :class:`~hybrid.zero.offload.nvme.swap.SwapSpace` per rank holds every swap file
@@ -21,6 +22,7 @@ import torch
 from hybrid.config.sections import OffloadConfig
 from hybrid.kernels.aio import AsyncIO
 from hybrid.zero.flat_unit import FlatUnit, shard_bounds
+from hybrid.zero.offload.contracts import ParamHome
 from hybrid.zero.offload.homes import HostHome
 from hybrid.zero.offload.nvme import gds, grads, homes, tiles
 from hybrid.zero.offload.nvme.grads import SwappedGrads
@@ -79,7 +81,8 @@ class OffloadTiers:
         self.pin = host_pinning(cfg.pin_memory, device)
         self.space = self.io = self.states = self.grads = self.reader = None
         self.gds = None  # why --offload-gds is not used here (None: used, or not asked)
-        self._homes: list = []
+        self._homes: list[ParamHome] = []
+        self._home_of: dict[int, ParamHome] = {}  # id(unit) -> its home
         n = sum(u.own_hi - u.own_lo for u in units)
         self._partitioned = [u for u in units if u.partition_params] if cfg.param else []
         self._slot_of = {id(u): k for k, u in enumerate(self._partitioned)}
@@ -127,15 +130,22 @@ class OffloadTiers:
         k = self._slot_of.get(id(u))
         if k is None:
             return
+        home: ParamHome
         if self.cfg.param == "cpu":
             home = HostHome(u.shard, self.pin)
         else:
             slot = (self._slots[k], u.shard_size, u.shard.dtype)
-            home = (DiskHome(self.space, self.io, *slot, self.pin) if self.reader is None
+            disk = (DiskHome(self.space, self.io, *slot, self.pin) if self.reader is None
                     else GdsHome(self.space, self.io, self.reader, *slot, self.device))
-            home.store(u.shard).synchronize()
+            disk.store(u.shard).synchronize()
+            home = disk
         u.offload_to(home)
         self._homes.append(home)
+        self._home_of[id(u)] = home
+
+    def homes(self, units: list[FlatUnit]) -> list[ParamHome | None]:
+        """Each unit's parameter home (None: its shard stays on the device), in order."""
+        return [self._home_of.get(id(u)) for u in units]
 
     def param_host_bytes(self) -> int:
         """Host bytes of the parameter homes (a shard each on the cpu tier, the reads in
@@ -144,7 +154,7 @@ class OffloadTiers:
 
     def param_device_bytes(self) -> int:
         """Device bytes of the GPUDirect reads in flight (--offload-gds)."""
-        return sum(h.device_bytes() for h in self._homes if isinstance(h, GdsHome))
+        return sum(h.device_bytes() for h in self._homes)
 
     def disk_bytes(self) -> int:
         return 0 if self.space is None else self.space.nbytes()
@@ -158,8 +168,7 @@ class OffloadTiers:
             if self.states is not None:
                 self.states.close()
             for h in self._homes:
-                if isinstance(h, DiskHome):
-                    h.store_done()
+                h.store_done()
         finally:
             if self.reader is not None:
                 self.reader.close()

@@ -31,12 +31,14 @@ from __future__ import annotations
 
 import torch
 
+from hybrid.zero.offload.contracts import ParamHome, Request
+
 
 class HomeWriter:
     """Per chunk of the host step: where its new parameters go, and their delivery.
 
     Args:
-        units: the engine's units, in shard order (``unit.home`` set or None).
+        homes: each unit's parameter home, in shard order (None: the unit has none).
         bounds: ``bounds[i]``: where unit ``i``'s part starts in the flat shard.
         chunk_units: per chunk, (the units it overlaps, ...) as
             ``host_step.chunk_units`` gives them.
@@ -47,10 +49,10 @@ class HomeWriter:
         pin: page-locked host buffers (GPU hosts).
     """
 
-    def __init__(self, units, bounds: list[int], chunk_units, chunks, dtype: torch.dtype,
-                 master_uploads: bool, pin: bool):
+    def __init__(self, homes: list[ParamHome | None], bounds: list[int], chunk_units, chunks,
+                 dtype: torch.dtype, master_uploads: bool, pin: bool):
         self.bounds, self.chunks = bounds, chunks
-        self.homes = [u.home for u in units]
+        self.homes = homes
         homeless = [i for i, h in enumerate(self.homes) if h is None and not master_uploads]
         n = sum(bounds[i + 1] - bounds[i] for i in homeless)
         self.out = torch.empty(n, dtype=dtype, pin_memory=pin) if homeless else None
@@ -66,7 +68,8 @@ class HomeWriter:
         size = max((hi - lo for (lo, hi), s in zip(chunks, self._scratch_for) if s), default=0)
         self.scratch = [torch.empty(size, dtype=dtype, pin_memory=pin)
                         for _ in range(2 if size else 0)]
-        self._writes: list[list] = [[] for _ in self.scratch]  # per buffer, its disk writes
+        # per buffer, its disk writes
+        self._writes: list[list[Request]] = [[] for _ in self.scratch]
 
     def _needs_scratch(self, touches: list[int]) -> bool:
         if len(touches) == 1 and self._dest[touches[0]] is not None:
@@ -107,7 +110,9 @@ class HomeWriter:
             if self._dest[i] is not None:
                 self._dest[i][a - self.bounds[i]: b - self.bounds[i]].copy_(piece)
             elif self.homes[i] is not None:
-                self._writes[k % 2].append(self.homes[i].write_at(a - self.bounds[i], piece))
+                write = self.homes[i].write_at(a - self.bounds[i], piece)
+                if write is not None:  # (a disk home's: a home with a target is written above)
+                    self._writes[k % 2].append(write)
 
     def nbytes(self) -> int:
         bufs = self.scratch + ([self.out] if self.out is not None else [])

@@ -19,29 +19,33 @@ and moment element ends with the same bits, and so does the curve.
 from __future__ import annotations
 
 import bisect
+from typing import Callable, Iterable
 
 import torch
 
 from hybrid.config.sections import AdamWConfig
 from hybrid.kernels.adam import AdamSegments, adam_step
 from hybrid.zero.offload.nvme.tiles import SwappedStates
-from hybrid.zero.optimizer import ShardedAdamW
+from hybrid.zero.optimizer import ShardBase
 
 
-class SwappedAdamW(ShardedAdamW):
-    """The shard optimizer of the nvme tier; the host tiers' interface of
-    :class:`ShardedAdamW` (``chunks``, ``run_chunks``, ``master_into``,
-    ``read_piece``, ``write_piece``) over tiles on disk.
+class SwappedAdamW(ShardBase):
+    """The shard optimizer of the nvme tier: the
+    :class:`~hybrid.zero.offload.contracts.ShardOptimizer` contract (the host step's
+    ``chunks``, ``run_chunks``, ``master_into``, ``master_range``; the checkpoint's
+    ``read_piece``, ``write_piece``) over tiles on disk. It has no device ``step``:
+    the nvme tier always steps on the host, through ``run_chunks``.
 
     Args:
         sizes: elements of each part (unit), in shard order.
-        decay_ranges, split_ranges: per part, as :class:`ShardedAdamW` takes them.
+        decay_ranges, split_ranges: per part, as
+            :class:`~hybrid.zero.optimizer.ShardedAdamW` takes them.
         states: the swapped master and moments of the whole flat shard.
     """
 
     def __init__(self, sizes: list[int], decay_ranges, split_ranges, cfg: AdamWConfig,
                  states: SwappedStates):
-        self._init_counts(sizes, split_ranges, torch.device("cpu"))
+        super().__init__(sizes, split_ranges, torch.device("cpu"))
         self.states = states
         self.hyper = dict(beta1=cfg.beta1, beta2=cfg.beta2, eps=cfg.eps,
                           weight_decay=cfg.weight_decay)
@@ -70,15 +74,13 @@ class SwappedAdamW(ShardedAdamW):
     def state_bytes(self) -> int:
         return self.states.nbytes()  # host staging; the states themselves are on disk
 
-    def step(self, *args, **kwargs):
-        raise RuntimeError("the nvme tier steps through OptimizerOffload (run_chunks)")
-
-    # -- the host tiers' interface ------------------------------------------------------
+    # -- the host step's interface ------------------------------------------------------
     def chunks(self) -> list[tuple[int, int]]:
         return [self.states.bounds(k) for k in range(self.states.tiles)]
 
-    def run_chunks(self, grad: torch.Tensor, lr: float, scalars: torch.Tensor,
-                   found: torch.Tensor, before, after, order=None) -> None:
+    def run_chunks(self, grad: torch.Tensor | None, lr: float, scalars: torch.Tensor,
+                   found: torch.Tensor, before: Callable[[int], torch.Tensor | None],
+                   after: Callable[[int], None], order: Iterable[int] | None = None) -> None:
         def update(k, master, avg, avg_sq, tile_grad=None):
             out = before(k)
             lo, hi = self.states.bounds(k)
@@ -99,7 +101,8 @@ class SwappedAdamW(ShardedAdamW):
         lo = self.offsets[part] + where.start
         return self.states.read_range(key, lo, lo + where.stop - where.start)
 
-    def write_piece(self, key: str, part: int, where: slice, values) -> None:
+    def write_piece(self, key: str, part: int, where: slice,
+                    values: torch.Tensor | None) -> None:
         lo = self.offsets[part] + where.start
         n = where.stop - where.start
         self.states.write_range(key, lo, lo + n,

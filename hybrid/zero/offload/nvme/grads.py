@@ -83,7 +83,8 @@ class SwappedGrads:
             raise self._error
 
     # -- backward: units go down, and partial sums come back up -----------------------
-    def store(self, i: int, src: torch.Tensor, stream):
+    def store(self, i: int, src: torch.Tensor,
+              stream: torch.cuda.Stream | None) -> torch.cuda.Event | None:
         """Unit ``i``'s shard ``src`` to disk, asynchronously (the module note); returns
         the CUDA event of its copy off the device (None: copied)."""
         self._raise()
@@ -109,7 +110,7 @@ class SwappedGrads:
             self._free.put(buf)
             self.stored[i].set()
 
-    def load(self, i: int, dst: torch.Tensor, stream) -> None:
+    def load(self, i: int, dst: torch.Tensor, stream: torch.cuda.Stream | None) -> None:
         """``dst`` <- unit ``i``'s shard as last stored (a partial sum of this step),
         ordered before the current stream's next work."""
         self.stored[i].wait()

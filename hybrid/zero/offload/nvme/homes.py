@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import torch
 
-from hybrid.kernels.aio import ALIGN, AsyncIO, aligned_empty
+from hybrid.kernels.aio import ALIGN, AsyncIO, Request, aligned_empty
 from hybrid.zero.offload.nvme.swap import SwapSpace
 
 FILE = "params.swp"
@@ -35,7 +35,7 @@ FILE = "params.swp"
 class _Done:
     """A finished request, as an upload event (``synchronize``)."""
 
-    def __init__(self, request):
+    def __init__(self, request: Request):
         self.request = request
 
     def synchronize(self) -> None:
@@ -88,7 +88,7 @@ class DiskHome:
     def wait_loaded(self) -> None:
         """(A load reads the file, not a buffer the step writes.)"""
 
-    def write_at(self, start: int, values: torch.Tensor):
+    def write_at(self, start: int, values: torch.Tensor) -> Request:
         """Write ``values`` over shard elements ``[start, start + len)``, asynchronously;
         returns the request (``values`` must stay unchanged until it ends)."""
         if self._read is not None:  # a stale prefetch: let it land, then drop it
@@ -101,7 +101,7 @@ class DiskHome:
         self._writes.append(req)
         return req
 
-    def store(self, values: torch.Tensor):
+    def store(self, values: torch.Tensor) -> _Done:
         """Write the new shard (asynchronously); the returned event ends with the write."""
         self._wait_write()
         return _Done(self.write_at(0, values))
@@ -121,6 +121,9 @@ class DiskHome:
     def host_bytes(self) -> int:
         bufs = [self._buf, None if self._copying is None else self._copying[0]]
         return sum(b.numel() * b.element_size() for b in bufs if b is not None)
+
+    def device_bytes(self) -> int:
+        return 0  # (its reads land in host buffers)
 
 
 class GdsHome(DiskHome):
