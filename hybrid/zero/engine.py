@@ -46,11 +46,11 @@ from hybrid.recompute.phase import RecomputePhase
 from hybrid.tensor_parallel import is_tp_split
 from hybrid.zero.buffers import allocate_grads, allocate_master
 from hybrid.zero.gather_pipeline import GatherPipeline
-from hybrid.zero.grad_sync import GradReducer
+from hybrid.zero.grad_sync import DeviceShard, GradReducer, GradSink
 from hybrid.zero.loss_scaler import LossScaler
 from hybrid.zero.offload.contracts import ShardOptimizer
 from hybrid.zero.offload.host_step import OptimizerOffload
-from hybrid.zero.offload.landing import GradLanding
+from hybrid.zero.offload.landing import CopyDown, GradLanding
 from hybrid.zero.offload.nvme.adamw import SwappedAdamW
 from hybrid.zero.offload.tiers import OffloadTiers
 from hybrid.zero.optimizer import ShardedAdamW, global_grad_norm
@@ -111,8 +111,8 @@ class ZeroEngine:
         # (stage 3 with --offload-param: each shard goes home as soon as it is made)
         fill.bind(self.units, self.flat_params, self.dtype, ps.device, self.tiers.send_home)
         # An offloaded optimizer at stages 2-3 reads host copies of the gradient shards
-        # (or, on the nvme tier, swapped ones); the device keeps none (grad_landing.py) --
-        # unless, on a CPU, the flat shard is that host buffer itself (host tier, no
+        # (or, on the nvme tier, swapped ones); the device keeps none (offload/landing.py)
+        # -- unless, on a CPU, the flat shard is that host buffer itself (host tier, no
         # delayed update reading it while the next step writes).
         lands = bool(offload.optimizer) and self.plan.grads and (
             ps.device.type != "cpu" or offload.delayed_update or offload.optimizer == "nvme")
@@ -123,50 +123,56 @@ class ZeroEngine:
         self.param_pipeline = GatherPipeline(ps.dp_cp_group, zero.allgather_bucket_size, ps.device)
         self.gatherer = (ParamGatherer(owners, self.param_pipeline,
                                        recompute or RecomputePhase()) if owners else None)
-        self._build_optimizer(master if master is not None else [u.shard for u in self.units],
-                              adamw, offload)
-        self.landing = (GradLanding(self.units, self.offload, self.optimizer, self.grad_dtype,
-                                    ps.device) if lands else None)
-        final = self.landing.final if lands else (self.offload.grad_ready if self.offload
-                                                   else None)
-        self.reducer = GradReducer(self.units, self.plan, ps.dp_cp_group, zero.reduce_bucket_size,
-                                   zero.overlap_comm, self.grad_dtype, ps.dp_size,
-                                   self.gatherer.after_reduce if self.gatherer else None,
-                                   on_final=final, landing=self.landing)
+        self.optimizer = self._build_optimizer(
+            master if master is not None else [u.shard for u in self.units], adamw, offload)
+        self.offload = (OptimizerOffload(self.units, self.dtype, self.flat_grads,
+                                         self.grad_dtype, self.ps.device, self.plan,
+                                         self.optimizer, offload, self.tiers.grads,
+                                         pin=self.tiers.pin, homes=self.tiers.homes(self.units))
+                        if offload.optimizer else None)
+        self.sink = self._pick_sink(lands)
+        self.reducer = GradReducer(self.units, self.plan, dp=ps.dp_cp_group, sink=self.sink,
+                                   bucket=zero.reduce_bucket_size, overlap=zero.overlap_comm,
+                                   grad_dtype=self.grad_dtype, replicas=ps.dp_size)
+        # With a separate master the step writes each unit's new parameter shard in
+        # the training dtype (a compiled kernel in the same pass as the update):
+        # that is the publication, no master -> shard copy after it.
+        self._step_out = [u.shard for u in self.units] if self.separate_master else None
         # inf/NaN gradients the kernels met and the norm did not show, read at poll_warnings()
         self._kernel_found = torch.zeros(1, dtype=torch.float32, device=ps.device)
 
     # -- construction ------------------------------------------------------------
     def _build_optimizer(self, master: list[torch.Tensor], adamw: AdamWConfig,
-                         offload: OffloadConfig) -> None:
+                         offload: OffloadConfig) -> ShardOptimizer:
         # per unit part: the ranges with weight decay (matrices), and the TP-split ones
-        decay, split = [[] for _ in self.units], [[] for _ in self.units]
+        decay: list[list[tuple[int, int]]] = [[] for _ in self.units]
+        split: list[list[tuple[int, int]]] = [[] for _ in self.units]
         for pc in self._pieces:
             rng = (pc.part.start, pc.part.stop)
             if pc.param.ndim >= 2:
                 decay[pc.unit].append(rng)
             if is_tp_split(pc.param):
                 split[pc.unit].append(rng)
+        if self.swapped is not None:
+            return SwappedAdamW([u.own_hi - u.own_lo for u in self.units], decay, split, adamw,
+                                self.swapped)
         # At stages 2-3 the gradient shard is one flat buffer in master order: the
         # kernels may then update the whole shard in one pass (the offload keeps
         # host copies of its own and steps through step_parts).
         flat_grad = self.flat_grads if self.plan.grads and not offload.optimizer else None
-        self.optimizer: ShardOptimizer
-        if self.swapped is not None:
-            self.optimizer = SwappedAdamW([u.own_hi - u.own_lo for u in self.units], decay,
-                                          split, adamw, self.swapped)
-        else:
-            self.optimizer = ShardedAdamW(master, decay, split, adamw, self.flat_master,
-                                          flat_grad)
-        self.offload = (OptimizerOffload(self.units, self.dtype, self.flat_grads,
-                                         self.grad_dtype, self.ps.device, self.plan,
-                                         self.optimizer, offload, self.tiers.grads,
-                                         pin=self.tiers.pin, homes=self.tiers.homes(self.units))
-                        if offload.optimizer else None)
-        # With a separate master the step writes each unit's new parameter shard in
-        # the training dtype (a compiled kernel in the same pass as the update):
-        # that is the publication, no master -> shard copy after it.
-        self._step_out = [u.shard for u in self.units] if self.separate_master else None
+        return ShardedAdamW(master, decay, split, adamw, self.flat_master, flat_grad)
+
+    def _pick_sink(self, lands: bool) -> GradSink:
+        """Where the reducer puts reduced shards, chosen once ([Note: one gradient sink]):
+        the device shard the device optimizer reads; else the host step's store,
+        through the device's own flat shard or, when ``lands``, through two landing
+        buffers (the store is host memory or grads.swp: the tiers decided)."""
+        if self.offload is None:
+            return DeviceShard(self.units, self.flat_grads)
+        if lands:
+            return GradLanding(self.units, self.offload, self.optimizer, self.grad_dtype,
+                               self.ps.device)
+        return CopyDown(self.units, self.offload, self.flat_grads)
 
     def owned_pieces(self) -> tuple[OwnedPiece, ...]:
         """Every parameter piece this rank owns for the optimizer (its 1/N of each unit;
@@ -178,10 +184,7 @@ class ZeroEngine:
 
     # -- the step ------------------------------------------------------------------
     def zero_grad(self) -> None:
-        if self.landing is not None:
-            self.landing.reset()
-        else:
-            self.flat_grads.zero_()
+        self.sink.reset()
 
     def backward(self, loss: torch.Tensor, sync: bool = True) -> None:
         """Backward of ``loss`` (scaled for fp16); reductions run from hooks.
@@ -220,7 +223,7 @@ class ZeroEngine:
         dp = self.ps.dp_cp_group if self.plan.optimizer else None
         scale = self.scaler.scale  # what this step's loss was multiplied by
         # (landed gradients are on the host by now: their norm terms were taken on landing)
-        squared = None if self.landing is None else self.landing.squared_norms()
+        squared = self.sink.squared_norms()
         norm, bad_loss = global_grad_norm(self.optimizer, None if squared is not None else grads,
                                           self.ps.tp_group, dp, loss, self.ps.dp_cp_group,
                                           squared)
@@ -329,7 +332,7 @@ class ZeroEngine:
         host = opt if self.offload is not None else 0
         host += self.tiers.param_host_bytes()
         disk = self.tiers.disk_bytes()
-        grads = self.landing.bytes if self.landing is not None else nbytes(self.flat_grads)
+        grads = self.sink.device_bytes()
         return {"params": params, "grads": grads, "optimizer": opt,
                 "total": params + grads + opt, "host": host, "disk": disk}
 
@@ -337,9 +340,7 @@ class ZeroEngine:
         """This rank's reduced gradient of owned piece ``pc`` as the step reads it: its
         gradient shard, or the host buffer it went down to (for reading, e.g. why a
         skipped step was not finite)."""
-        if self.landing is not None:
-            return self.offload.host_grad(pc.unit)[pc.part]
-        return self.units[pc.unit].grad_shard[pc.part]
+        return self.sink.values(pc.unit)[pc.part]
 
     def offload_seconds(self) -> dict:
         """:meth:`OptimizerOffload.seconds` (with the swap I/O's waits), or {}."""

@@ -31,25 +31,96 @@ Deferred units (parameters used in several places, see
 :mod:`hybrid.zero.units`) skip the hooks' trigger and are reduced in
 ``finish()``, once backward is over.
 
-``on_final(unit)`` is called as soon as a unit's gradient shard holds its
-final value for the step -- its last reduction of the step's last
-micro-batch has completed -- so ZeRO-Offload can send it to the host while
-backward goes on (:mod:`hybrid.zero.offload.host_step`). With ``landing`` (an offloaded
-optimizer at stages 2-3, :mod:`hybrid.zero.offload.landing`) a unit's shard
-exists on the device only while its reduction runs: ``landing.open(unit)``
-before its first piece, ``landing.park(unit)`` after an earlier micro-batch's
-last one.
+[Note: one gradient sink]
+Where a reduced shard goes is the :class:`GradSink` the engine picks once, at
+construction; the reducer only tells it about each unit, in order:
+``sink.open(unit)`` before a micro-batch's first piece is added into the
+unit's shard (stages 2-3), ``sink.partial(unit)`` when an earlier
+micro-batch's last piece has been added, ``sink.final(unit)`` as soon as the
+shard holds its final value for the step (its last reduction of the step's
+last micro-batch has completed). :class:`DeviceShard` does nothing with them:
+the device optimizer reads the flat shard after backward. An offloaded
+optimizer's sinks (:mod:`hybrid.zero.offload.landing`) send each unit down to
+the host while backward goes on, and at stages 2-3 give it a device buffer
+only while its reduction runs.
 """
 
 from __future__ import annotations
 
 from collections import deque
-from typing import Callable
+from typing import Protocol
 
 import torch
 
 from hybrid.parallel.comm import CommGroup
 from hybrid.zero.flat_unit import FlatUnit, piece_columns
+
+
+class GradSink(Protocol):
+    """Where reduced gradient shards go ([Note: one gradient sink]). The reducer calls
+    :meth:`open`, :meth:`partial` and :meth:`final`; the engine the rest."""
+
+    @property
+    def overlaps(self) -> bool:
+        """:meth:`final` starts work worth overlapping with the rest of backward (a copy
+        down): the reducer then follows every unit as it fills, even one it reduces
+        nothing for."""
+
+    def open(self, unit: FlatUnit) -> bool:
+        """Make ``unit.grad_shard`` a buffer holding the unit's sum so far this step,
+        before a micro-batch adds into it. False: no buffer is free now (the reducer
+        ends its oldest reduction and asks again)."""
+
+    def partial(self, unit: FlatUnit) -> None:
+        """An earlier micro-batch's reduction of ``unit`` has ended."""
+
+    def final(self, unit: FlatUnit) -> None:
+        """The step's last reduction of ``unit`` has ended: its shard is final."""
+
+    def reset(self) -> None:
+        """Gradients zeroed: the next micro-batch starts every unit from zeros."""
+
+    def squared_norms(self) -> torch.Tensor | None:
+        """This rank's ``[TP-split, replicated]`` squared norms if the sink took them
+        (the gradients left the device); None: the step takes them from the shards."""
+
+    def values(self, i: int) -> torch.Tensor:
+        """Unit ``i``'s reduced gradient shard as the step reads it (for reading)."""
+
+    def device_bytes(self) -> int:
+        """Device bytes of gradient the sink holds."""
+
+
+class DeviceShard:
+    """The sink of an optimizer on the device: each unit's shard is a view of the flat
+    gradient buffer (:func:`~hybrid.zero.buffers.allocate_grads`), where the step
+    reads it after backward; nothing moves as units complete."""
+
+    overlaps = False
+
+    def __init__(self, units: list[FlatUnit], flat_grads: torch.Tensor):
+        self.units, self.flat = units, flat_grads
+
+    def open(self, unit: FlatUnit) -> bool:
+        return True  # (the shard is the unit's view of the flat buffer, always there)
+
+    def partial(self, unit: FlatUnit) -> None:
+        pass
+
+    def final(self, unit: FlatUnit) -> None:
+        pass
+
+    def reset(self) -> None:
+        self.flat.zero_()
+
+    def squared_norms(self) -> torch.Tensor | None:
+        return None
+
+    def values(self, i: int) -> torch.Tensor:
+        return self.units[i].grad_shard
+
+    def device_bytes(self) -> int:
+        return self.flat.untyped_storage().nbytes()
 
 
 class _TempPool:
@@ -67,18 +138,28 @@ class _TempPool:
 
 
 class GradReducer:
-    def __init__(self, units: list[FlatUnit], plan, dp: CommGroup, bucket: int,
-                 overlap: bool, grad_dtype: torch.dtype, replicas: int | None = None,
-                 on_reduced: Callable[[FlatUnit], None] | None = None,
-                 on_final: Callable[[FlatUnit], None] | None = None, landing=None):
+    """Reduces each unit's gradients over ``dp`` as backward produces them and hands the
+    shards to ``sink`` (see the module docstring).
+
+    Args:
+        units, plan: the engine's units and :class:`~hybrid.zero.plan.ShardingPlan`.
+        dp: the reducing group (DP x CP).
+        sink: where reduced shards go ([Note: one gradient sink]).
+        bucket: the largest message, in elements (``--reduce-bucket-size``).
+        overlap: reductions run asynchronously while backward computes.
+        grad_dtype: the dtype gradients are accumulated and reduced in.
+        replicas: the DP size the mean is over (default: the group's size).
+    """
+
+    def __init__(self, units: list[FlatUnit], plan, *, dp: CommGroup, sink: GradSink,
+                 bucket: int, overlap: bool, grad_dtype: torch.dtype,
+                 replicas: int | None = None):
         self.units, self.plan, self.dp = units, plan, dp
         # the mean is over the replicas that saw different samples (DP); the rest of
         # the group (CP) holds parts of one gradient, summed (see hybrid.zero.engine)
         self.replicas = dp.size if replicas is None else replicas
         self.bucket, self.overlap = bucket, overlap
-        self.on_reduced = on_reduced
-        self.on_final = on_final
-        self.landing = landing
+        self.sink = sink
         self.sync = True
         self._arrived = {id(u): 0 for u in units}
         self._inflight: deque = deque()  # (work, finalize, unit)
@@ -94,8 +175,7 @@ class GradReducer:
         # gradients in the full buffer (stages 0, 1, as wide as the parameters) and
         # nobody waiting on a unit, the hooks would only count arrivals (about 6 us of
         # Python each per backward): finish() does what they would.
-        self.hooked = not (dp.size == 1 and not plan.grads and on_reduced is None
-                           and on_final is None
+        self.hooked = not (dp.size == 1 and not plan.grads and not sink.overlaps
                            and all(u.grad_full is not None
                                    and u.grad_full.dtype == u.params[0].dtype for u in units))
         self._hooks = [p.register_post_accumulate_grad_hook(self._hook(u))
@@ -135,8 +215,9 @@ class GradReducer:
         self._reduce_scatter_staged(unit, accumulate=True)
         for p in unit.params:
             p.grad = None  # the shard holds this rank's part now
-        if self.on_reduced is not None:
-            self.on_reduced(unit)
+        # Its gradient is packed: stage 3 frees the unit's gathered parameters until the
+        # next forward (FSDP's reshard after backward; a no-op for a whole unit).
+        unit.release()
 
     # -- full gradient buffer (stages 0 and 1) ---------------------------------
     def _reduce_in_place(self, unit: FlatUnit) -> None:
@@ -164,8 +245,8 @@ class GradReducer:
         view of the very gradients being reduced).
         """
         S, n = unit.shard_size, self.dp.size
-        if accumulate and self.landing is not None:
-            while not self.landing.open(unit):
+        if accumulate:
+            while not self.sink.open(unit):
                 self._retire_one()  # every landing buffer is taken: end the oldest unit
         c = piece_columns(S, n, self.bucket)
         self._left[id(unit)] = len(range(0, S, c))
@@ -209,10 +290,10 @@ class GradReducer:
             finalize()
         self._left[id(unit)] -= 1
         if self._left[id(unit)] == 0:
-            if self.sync and self.on_final is not None:
-                self.on_final(unit)  # its shard is final for this step
-            elif self.landing is not None and not self.sync:
-                self.landing.park(unit)
+            if self.sync:
+                self.sink.final(unit)  # its shard is final for this step
+            else:
+                self.sink.partial(unit)
 
     def finish(self) -> None:
         """After each backward: reduce the deferred units, wait for every launched

@@ -9,8 +9,8 @@ module for what no block owns). Hooks on that module:
 * forward post-hook: free the full parameters and hook the module's output so
   its gradient, arriving in backward, gathers them again (and prefetches the
   unit that backward reaches next);
-* after backward, when the unit's gradients have been reduce-scattered
-  (``GradReducer`` calls :meth:`ParamGatherer.after_reduce`), free them again.
+* after backward, once the unit's gradients are packed for their
+  reduce-scatter, the reducer frees them again (:meth:`FlatUnit.release`).
 
 [Note: recompute]
 With activation checkpointing, a block's forward runs a second time inside
@@ -108,10 +108,6 @@ class ParamGatherer:
             self._prefetch(unit, backward=True)
             return grad
         return hook
-
-    def after_reduce(self, unit: FlatUnit) -> None:
-        if unit in self.units:
-            unit.release()
 
     def release_all(self) -> None:
         """Free everything gathered (end of step, or after an eval forward)."""

@@ -11,6 +11,7 @@ import torch
 from hybrid.estimate.tiers import tier_bytes
 from hybrid.estimate.workload import workload
 from hybrid.tensor_parallel import InitValues
+from hybrid.zero.offload.landing import GradLanding
 from hybrid.zero.state import iter_piece_values
 
 from harness import run_ranks
@@ -29,13 +30,13 @@ def _run(ps, stage, kw):
     model = _gpt(cfg, ps, device="meta")
     engine = zero_engine(model, ps, cfg, values=InitValues(cfg.seed, model.init_of))
     parks = []  # per step: units whose partial sum went down before the last micro-batch
-    if engine.landing is not None:
-        park = engine.landing.park
+    if isinstance(engine.sink, GradLanding):
+        park = engine.sink.partial  # (an earlier micro-batch's sum goes down: parked)
 
         def spy(unit):
             parks[-1].append(unit.name)
             park(unit)
-        engine.reducer.landing.park = spy
+        engine.reducer.sink.partial = spy
     losses, norms = [], []
     for step in range(STEPS):
         parks.append([])

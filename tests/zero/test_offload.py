@@ -54,13 +54,13 @@ def _train(ps, variants):
         model = _gpt(cfg, ps, "meta")
         engine = zero_engine(model, ps, cfg, values=InitValues(cfg.seed, model.init_of))
         sent = []  # per step: (unit index, gradients arrived so far) for each unit sent down
-        final = engine.reducer.on_final  # (the offload's, or the landing buffers')
+        final = engine.reducer.sink.final  # (the offload's sink: copy down, or landing)
 
         def spy(unit, final=final, engine=engine, sent=sent):
             sent[-1].append((engine.offload.index[id(unit)],
                              sum(engine.reducer._arrived.values()), engine.reducer.sync))
             final(unit)
-        engine.reducer.on_final = spy
+        engine.reducer.sink.final = spy
         losses, norms = [], []
         per = BATCH // ps.dp_size
         for step in range(STEPS):

@@ -1,7 +1,18 @@
-"""Gradients that only pass through the device: an offloaded optimizer at stages 2-3.
+"""An offloaded optimizer's gradient sinks: each reduced shard on its way down to the host.
+
+The reducer hands every unit's reduced shard to one sink
+(:class:`~hybrid.zero.grad_sync.GradSink`, picked by the engine); with the
+optimizer off the device it is one of these two, and both send each unit's
+final shard down to the host step's gradient store -- host memory or
+``grads.swp`` -- as soon as it is final, while backward goes on
+(:meth:`~hybrid.zero.offload.host_step.OptimizerOffload.grad_ready`):
+
+* :class:`CopyDown`: the device keeps its flat gradient shard (stage 1's full
+  buffer; or, on a CPU, the flat shard that is itself the host buffer).
+* :class:`GradLanding`: the device keeps none (stages 2-3; see below).
 
 With the optimizer on the host, the step reads each unit's reduced gradient
-shard from a host buffer (:class:`~hybrid.zero.offload.OptimizerOffload`).
+shard from a host buffer (:class:`~hybrid.zero.offload.host_step.OptimizerOffload`).
 A flat gradient shard on the device as well would cost ``e_g Psi / N`` bytes
 there -- at DP 1 the whole model's gradient, more than the parameters a
 parameter-offloaded model keeps on the device. So the device keeps none:
@@ -38,21 +49,63 @@ import torch
 
 from hybrid.zero.flat_unit import FlatUnit
 from hybrid.zero.offload.contracts import ShardOptimizer
+from hybrid.zero.offload.host_step import OptimizerOffload
 
 
-class GradLanding:
-    """``count`` device buffers the units' gradient shards land in (see the Note).
+class CopyDown:
+    """The sink of an offloaded optimizer whose gradient shard stays on the device: each
+    unit's final shard is copied down to the host step's store as it completes.
 
     Args:
         units: the engine's units, in shard order.
-        offload: the :class:`~hybrid.zero.offload.OptimizerOffload` holding the host
-            gradient buffers (``park``, ``unpark``, ``grad_ready``).
+        offload: the host step, which keeps the store (``grad_ready``).
+        flat_grads: the engine's flat gradient buffer the shards are views of.
+    """
+
+    overlaps = True
+
+    def __init__(self, units: list[FlatUnit], offload: OptimizerOffload,
+                 flat_grads: torch.Tensor):
+        self.units, self.offload, self.flat = units, offload, flat_grads
+
+    def open(self, unit: FlatUnit) -> bool:
+        return True  # (the shard is the unit's view of the flat buffer, always there)
+
+    def partial(self, unit: FlatUnit) -> None:
+        pass  # (the micro-batches sum in the device shard)
+
+    def final(self, unit: FlatUnit) -> None:
+        self.offload.grad_ready(unit)
+
+    def reset(self) -> None:
+        self.flat.zero_()
+
+    def squared_norms(self) -> torch.Tensor | None:
+        return None  # (the step takes them from the device shards)
+
+    def values(self, i: int) -> torch.Tensor:
+        return self.units[i].grad_shard
+
+    def device_bytes(self) -> int:
+        return self.flat.untyped_storage().nbytes()
+
+
+class GradLanding:
+    """The sink of an offloaded optimizer at stages 2-3 where the device keeps no
+    gradient shard: ``count`` device buffers the units' shards land in (see the Note).
+
+    Args:
+        units: the engine's units, in shard order.
+        offload: the host step, which keeps the store (``park``, ``unpark``,
+            ``grad_ready``, ``host_grad``).
         opt: the shard optimizer (``part_terms``, ``sum_terms`` of the norm).
         dtype, device: the gradient dtype, and where the landing buffers live.
     """
 
-    def __init__(self, units: list[FlatUnit], offload, opt: ShardOptimizer, dtype: torch.dtype,
-                 device: torch.device, count: int = 2):
+    overlaps = True
+
+    def __init__(self, units: list[FlatUnit], offload: OptimizerOffload, opt: ShardOptimizer,
+                 dtype: torch.dtype, device: torch.device, count: int = 2):
         self.units, self.offload, self.opt, self.device = units, offload, opt, device
         self.index = {id(u): i for i, u in enumerate(units)}
         size = max(u.own_hi - u.own_lo for u in units)
@@ -81,9 +134,9 @@ class GradLanding:
         self._held[i], unit.grad_shard = buf, dst
         return True
 
-    def park(self, unit: FlatUnit) -> None:
+    def partial(self, unit: FlatUnit) -> None:
         """An earlier micro-batch's reduction of ``unit`` is done: its partial sum goes
-        down, the buffer back to the pool."""
+        down (parked), the buffer back to the pool."""
         self._close(unit, self.offload.park(unit))
 
     def final(self, unit: FlatUnit) -> None:
@@ -111,3 +164,10 @@ class GradLanding:
         """Gradients zeroed: the next landing of every unit starts from zeros."""
         self._parked = [False] * len(self.units)
         self._terms = [None] * len(self.units)
+
+    def values(self, i: int) -> torch.Tensor:
+        """Unit ``i``'s gradient as it went down (host memory; waits for the copies)."""
+        return self.offload.host_grad(i)
+
+    def device_bytes(self) -> int:
+        return self.bytes

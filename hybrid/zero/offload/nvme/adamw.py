@@ -1,7 +1,7 @@
 """AdamW whose fp32 master and moments live on disk (the nvme tier, ZeRO-Infinity).
 
 The host tier (:class:`~hybrid.zero.optimizer.ShardedAdamW` under
-:class:`~hybrid.zero.offload.OptimizerOffload`) keeps the rank's flat shard
+:class:`~hybrid.zero.offload.host_step.OptimizerOffload`) keeps the rank's flat shard
 of master weights and moments in host memory and updates it unit by unit.
 This one keeps the same flat shard in :class:`~hybrid.zero.offload.nvme.tiles.SwappedStates`
 and updates it tile by tile as the tiles stream through the staging buffers;
