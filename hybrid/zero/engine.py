@@ -45,7 +45,7 @@ from hybrid.parallel.state import ParallelState
 from hybrid.recompute.phase import RecomputePhase
 from hybrid.tensor_parallel import is_tp_split
 from hybrid.zero.buffers import allocate_grads, allocate_master
-from hybrid.zero.gather_pipeline import GatherPipeline
+from hybrid.zero.gather_pipeline import GatherPipeline, ShardPublisher
 from hybrid.zero.grad_sync import DeviceShard, GradReducer, GradSink
 from hybrid.zero.loss_scaler import LossScaler
 from hybrid.zero.offload.contracts import ShardOptimizer
@@ -121,6 +121,7 @@ class ZeroEngine:
         # every parameter all-gather (stage 3's per-module ones, stages 1-2's after the
         # step) goes through one pipeline: two staging buffers of at most a bucket
         self.param_pipeline = GatherPipeline(ps.dp_cp_group, zero.allgather_bucket_size, ps.device)
+        self.publisher = ShardPublisher(self.param_pipeline, sharded=self.plan.optimizer)
         self.gatherer = (ParamGatherer(owners, self.param_pipeline,
                                        recompute or RecomputePhase()) if owners else None)
         self.optimizer = self._build_optimizer(
@@ -128,7 +129,8 @@ class ZeroEngine:
         self.offload = (OptimizerOffload(self.units, self.dtype, self.flat_grads,
                                          self.grad_dtype, self.ps.device, self.plan,
                                          self.optimizer, offload, self.tiers.grads,
-                                         pin=self.tiers.pin, homes=self.tiers.homes(self.units))
+                                         pin=self.tiers.pin, homes=self.tiers.homes(self.units),
+                                         publisher=self.publisher)
                         if offload.optimizer else None)
         self.sink = self._pick_sink(lands)
         self.reducer = GradReducer(self.units, self.plan, dp=ps.dp_cp_group, sink=self.sink,
@@ -241,9 +243,9 @@ class ZeroEngine:
             skip = None  # known clean: the kernels need no flag
         coef = self._grad_coefficient(norm) / scale
         if self.offload is not None:  # (it keeps its own non-finite flag)
-            self.offload.step(self.optimizer, lr, coef, skip, self._gather_unit)
+            self.offload.step(lr, coef, skip)
             # it started each unit's all-gather as the unit's parameters came up
-            self.param_pipeline.wait_all()
+            self.publisher.wait()
         else:
             assert isinstance(self.optimizer, ShardedAdamW)  # (no offload: on the device)
             self.optimizer.step(grads, lr, coef, skip, out=self._step_out,
@@ -290,13 +292,8 @@ class ZeroEngine:
         if not self.plan.optimizer:
             return
         for u in self.units:
-            self._gather_unit(u)
-        self.param_pipeline.wait_all()
-
-    def _gather_unit(self, u) -> None:
-        """Start re-assembling a whole (not partitioned) unit from the DP shards."""
-        if self.plan.optimizer and not u.partition_params:
-            self.param_pipeline.start(u.full, u.shard)
+            self.publisher.publish(u)
+        self.publisher.wait()
 
     @contextlib.contextmanager
     def gathered(self):

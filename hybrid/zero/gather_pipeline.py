@@ -37,6 +37,7 @@ from collections import deque
 import torch
 
 from hybrid.parallel.comm import CommGroup
+from hybrid.zero.flat_unit import FlatUnit
 
 STAGING_BUFFERS = 2
 
@@ -71,6 +72,26 @@ class _Job:
     @property
     def done(self) -> bool:
         return self.left == 0
+
+
+class ShardPublisher:
+    """After an optimizer step: each whole unit's new shard all-gathered into its full
+    buffer through ``pipe``, so every rank runs the new parameters (stages 1-2, and the
+    small units stage 3 keeps whole). ``sharded``: the optimizer is sharded (stages 1-3;
+    else every rank updated the whole unit itself). Partitioned units are left alone:
+    stage 3 gathers them when a module uses them."""
+
+    def __init__(self, pipe: GatherPipeline, sharded: bool):
+        self.pipe, self.sharded = pipe, sharded
+
+    def publish(self, unit: FlatUnit) -> None:
+        """Start re-assembling ``unit`` from the DP shards (asynchronously)."""
+        if self.sharded and not unit.partition_params:
+            self.pipe.start(unit.full, unit.shard)
+
+    def wait(self) -> None:
+        """Every gather started so far has completed."""
+        self.pipe.wait_all()
 
 
 class GatherPipeline:

@@ -16,10 +16,13 @@ import typing
 
 import pytest
 
-from hybrid.zero import flat_unit
+from hybrid.zero import flat_unit, grad_sync
+from hybrid.zero.gather_pipeline import ShardPublisher
+from hybrid.zero.grad_sync import DeviceShard
 from hybrid.zero.offload import contracts
 from hybrid.zero.offload.grads import HostGrads
 from hybrid.zero.offload.homes import HostHome
+from hybrid.zero.offload.landing import CopyDown, GradLanding
 from hybrid.zero.offload.nvme.adamw import SwappedAdamW
 from hybrid.zero.offload.nvme.grads import SwappedGrads
 from hybrid.zero.offload.nvme.homes import DiskHome, GdsHome
@@ -32,6 +35,8 @@ FAMILIES = {
     contracts.GradStore: [HostGrads, SwappedGrads],
     contracts.ParamHome: [HostHome, DiskHome, GdsHome],
     flat_unit.ShardHome: [HostHome, DiskHome, GdsHome],
+    contracts.ParamPublisher: [ShardPublisher],
+    grad_sync.GradSink: [DeviceShard, CopyDown, GradLanding],
 }
 
 
@@ -63,8 +68,8 @@ def _params(fn) -> list[tuple[str, object, bool]]:
 @pytest.mark.parametrize("proto", list(FAMILIES), ids=lambda p: p.__name__)
 def test_every_family_member_has_the_protocol_s_methods(proto):
     """Every method of the Protocol exists on each member with the same parameters
-    (names, kinds, which have defaults); every property is a property or is set in
-    the member's constructor."""
+    (names, kinds, which have defaults); every property is a property, a class
+    attribute or set in the member's constructor."""
     members = _members(proto)
     assert members, proto
     wrong = []
@@ -75,7 +80,8 @@ def test_every_family_member_has_the_protocol_s_methods(proto):
         for name, want in members.items():
             have = inspect.getattr_static(cls, name, None)
             if isinstance(want, property):
-                if not isinstance(have, property) and f"self.{name}" not in init:
+                attribute = have is not None and not callable(have)
+                if not attribute and f"self.{name}" not in init:
                     wrong.append(f"{cls.__name__}.{name}: not a property nor set in __init__")
                 continue
             if have is None or not callable(getattr(cls, name)):
@@ -124,8 +130,11 @@ def test_the_zero_core_does_not_import_offload():
 if typing.TYPE_CHECKING:  # what a type checker holds the families to
     def _families(sharded: ShardedAdamW, swapped: SwappedAdamW, host_grads: HostGrads,
                   swapped_grads: SwappedGrads, host: HostHome, disk: DiskHome,
-                  gds: GdsHome) -> None:
+                  gds: GdsHome, publisher: ShardPublisher, device: DeviceShard,
+                  down: CopyDown, landing: GradLanding) -> None:
         optimizers: list[contracts.ShardOptimizer] = [sharded, swapped]
         stores: list[contracts.GradStore] = [host_grads, swapped_grads]
         homes: list[contracts.ParamHome] = [host, disk, gds]
-        del optimizers, stores, homes
+        publishers: list[contracts.ParamPublisher] = [publisher]
+        sinks: list[grad_sync.GradSink] = [device, down, landing]
+        del optimizers, stores, homes, publishers, sinks

@@ -11,6 +11,7 @@ contract               members                                     held by
                         ``SwappedGrads`` (grads.swp)
 :class:`ParamHome`      ``HostHome`` (host memory), ``DiskHome``   a unit, the tiers, the
                         (params.swp), ``GdsHome`` (GPUDirect)      home writer
+:class:`ParamPublisher` ``ShardPublisher`` (the engine's gathers)  the host step
 =====================  ==========================================  ======================
 
 The members match by shape, not by inheritance (a type checker holds them to
@@ -159,3 +160,12 @@ class ParamHome(ShardHome, Protocol):
     def device_bytes(self) -> int:
         """Device bytes held now (GPUDirect reads in flight)."""
 
+
+class ParamPublisher(Protocol):
+    """Makes a unit's new parameter shard every rank's: the host step tells it each
+    unit once the shard is on the device (or home), as the update goes."""
+
+    def publish(self, unit: FlatUnit) -> None:
+        """Start whatever makes ``unit``'s new shard visible: an all-gather of a whole
+        unit when the optimizer is sharded; nothing for a partitioned unit (stage 3
+        gathers it when a module uses it)."""

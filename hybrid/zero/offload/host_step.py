@@ -68,7 +68,7 @@ import torch
 
 from hybrid.config.sections import OffloadConfig
 from hybrid.zero.flat_unit import FlatUnit, shard_bounds
-from hybrid.zero.offload.contracts import GradStore, ParamHome, ShardOptimizer
+from hybrid.zero.offload.contracts import GradStore, ParamHome, ParamPublisher, ShardOptimizer
 from hybrid.zero.offload.grads import HostGrads, stream_copy
 from hybrid.zero.offload.nvme.grads import SwappedGrads
 from hybrid.zero.offload.writer import HomeWriter
@@ -97,15 +97,19 @@ class OptimizerOffload:
         pin: page-locked host buffers (``OffloadTiers.pin``, decided once).
         homes: each unit's parameter home (``OffloadTiers.homes``; None: no home, or
             no parameter offload at all).
+        publisher: told each unit whose new parameter shard is on the device (or home),
+            as the update goes (the engine's all-gathers of whole units).
     """
 
     def __init__(self, units: list[FlatUnit], dtype: torch.dtype,
                  flat_grads: torch.Tensor | None, grad_dtype: torch.dtype,
                  device: torch.device, plan, opt: ShardOptimizer, cfg: OffloadConfig,
                  swapped_grads: SwappedGrads | None = None, pin: bool = False,
-                 homes: list[ParamHome | None] | None = None):
+                 homes: list[ParamHome | None] | None = None,
+                 publisher: ParamPublisher | None = None):
         self.units = units
         self.homes = homes or [None] * len(units)
+        self.publisher = publisher
         self.index = {id(u): i for i, u in enumerate(units)}
         self.bounds = shard_bounds(units)
         n = self.bounds[-1]
@@ -214,23 +218,24 @@ class OptimizerOffload:
 
     # -- the step --------------------------------------------------------------------
     @torch.no_grad()
-    def step(self, opt, lr: float, grad_scale: torch.Tensor, skip: torch.Tensor | None,
-             published) -> torch.Tensor:
+    def step(self, lr: float, grad_scale: torch.Tensor,
+             skip: torch.Tensor | None) -> torch.Tensor:
         """Update the host shard from this step's gradients and send parameters up.
 
         ``grad_scale``, ``skip``: device tensors (never read by this thread).
-        ``published(unit)``: called once a unit's new parameter shard is on the
+        The publisher is told each unit once its new parameter shard is on the
         device (the engine starts its all-gather). Without the delayed update
         the new parameters are on the device on return; with it, the previous
         step's are, and this step's update is running on the worker.
         """
         t0 = time.perf_counter()
         try:
-            return self._step(opt, lr, grad_scale, skip, published)
+            return self._step(lr, grad_scale, skip)
         finally:
             self.step_s += time.perf_counter() - t0
 
-    def _step(self, opt, lr, grad_scale, skip, published) -> torch.Tensor:
+    def _step(self, lr: float, grad_scale: torch.Tensor,
+              skip: torch.Tensor | None) -> torch.Tensor:
         self.steps += 1
         for u, sent in zip(self.units, self._sent):
             # (a unit no reduction reported: cannot happen with the engine's hooks)
@@ -239,17 +244,17 @@ class OptimizerOffload:
         self._sent = [False] * len(self.units)
         self._written = [False] * len(self.units)
         if self._upload_due:  # the delayed update of the previous step: its params go up
-            self._upload(published)
+            self._upload()
         self.wait()  # (it read the scalars buffer that is rewritten next)
         scalars_ready = self._scalars_down(grad_scale, skip)
         for e in self._ready:
             e.clear()
         delayed = self.delayed and self.steps > self.warmup
-        task = self._worker.submit(self._update, opt, lr, scalars_ready, delayed)
+        task = self._worker.submit(self._update, lr, scalars_ready, delayed)
         if delayed:
             self._pending, self._upload_due = task, True
         else:
-            self._upload(published)
+            self._upload()
             task.result()
         if self.cuda:  # the next zero_grad must not clear shards still being copied down
             torch.cuda.current_stream(self.copy_stream.device).wait_stream(self.copy_stream)
@@ -266,20 +271,20 @@ class OptimizerOffload:
             vals.record_stream(self.copy_stream)
         return ev
 
-    def _update(self, opt, lr: float, scalars_ready, delayed: bool) -> None:
+    def _update(self, lr: float, scalars_ready, delayed: bool) -> None:
         """The worker: one step of AdamW over the host shard, unit by unit (last to first
         when ``delayed``: [Note: the delayed update runs last to first])."""
         if scalars_ready is not None:
             scalars_ready.synchronize()
         self._skipped = bool(self._scalars[1].item())  # host memory: no device sync
-        sc = opt.begin_step(self._scalars[0], self._scalars[1])
+        sc = self.opt.begin_step(self._scalars[0], self._scalars[1])
         try:
             if not self._skipped:
                 self.grads.wait_all()  # (swapped: every unit's gradient on disk)
                 k = len(self._chunks)
                 order = range(k - 1, -1, -1) if delayed else range(k)
                 self._ends = self._reverse_ends if delayed else self._forward_ends
-                opt.run_chunks(self._flat_grad, lr, sc, self.found, self._before_chunk,
+                self.opt.run_chunks(self._flat_grad, lr, sc, self.found, self._before_chunk,
                                self._after_chunk, order)
         except BaseException:
             self._failed = True  # nobody may wait for a unit that will not come
@@ -313,7 +318,7 @@ class OptimizerOffload:
             self._consumed[i].set()
             self._ready[i].set()
 
-    def _upload(self, published) -> None:
+    def _upload(self) -> None:
         """Each unit's new parameters up as soon as the worker has them."""
         for i, u in enumerate(self.units):
             self._ready[i].wait()
@@ -321,7 +326,8 @@ class OptimizerOffload:
                 continue  # nothing changed: the device already holds these parameters
             if self.writer is None or self.homes[i] is None:  # (else the worker sent it home)
                 self._copy_up(u, i, self._source(i))
-            published(u)
+            if self.publisher is not None:
+                self.publisher.publish(u)
         self._upload_due = False
 
     def _source(self, i: int) -> torch.Tensor:
