@@ -114,7 +114,7 @@ _ONE_UNIT = "hybrid prefetches one unit ahead (two from NVMe), sized by the mode
 _NO_QUANT = "hybrid communicates in the training dtype: drop it"
 _HOST_STEP = "hybrid's host step works per unit, the nvme tier per --offload-buffer-size tile"
 _AIO = ("hybrid's swap I/O is its own thread pool (pread/pwrite, O_DIRECT on aligned "
-        "blocks; scripts/bench_aio.py measures it)")
+        "blocks; python -m benchmarks.bench_aio measures it)")
 _CKPT = "hybrid's checkpoints are atomic, full-precision and reshardable as they are"
 _SYNC = "hybrid orders checkpoint boundaries on the stream; no device sync is needed"
 

@@ -100,7 +100,7 @@ REFUSED: dict[str, str] = {
     "--init-method-xavier-uniform": "weights are initialized normal(0, --init-method-std)",
     "--data-parallel-random-init": "every DP replica starts from the same --seed",
     "--decoder-seq-length": "hybrid trains decoder-only GPTs: use --seq-length",
-    "--profile": "run torch.profiler around scripts/bench_*.py instead",
+    "--profile": "run torch.profiler around a benchmarks/bench_*.py instead",
     "--retro-": "hybrid has no RETRO", "--vision-": "hybrid trains text GPTs only",
     "--encoder-": "hybrid trains decoder-only GPTs",
 }

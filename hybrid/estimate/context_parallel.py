@@ -65,10 +65,10 @@ all-reduces the loss over CP: one fp32 scalar, two with a loss mask.
 
 from __future__ import annotations
 
+from hybrid.config.sections import CP_COMM_TYPES
 from hybrid.estimate.model_states import BYTES
 from hybrid.estimate.workload import Workload
 
-CP_COMM_TYPES = ("p2p", "all_gather", "a2a")
 
 
 def _shape(w: Workload) -> tuple[int, int, int, int, int, int]:

@@ -6,7 +6,7 @@ them it runs an emulation or PyTorch's reference GEMM, whose non-transposed
 layout -- the input gradient ``dy @ W`` of every linear layer -- took 48x
 fp32's time in bf16 (512 x 768 @ 768 x 3072, oneDNN limited to AVX2) and 200x
 in fp16 (this AVX512-BF16 CPU has no AVX512-FP16), and the head's
-``(B T, V) @ (V, C)`` 456x: a whole step 45x (``scripts/bench_bf16_cpu.py``).
+``(B T, V) @ (V, C)`` 456x: a whole step 45x (``benchmarks/bench_bf16_cpu.py``).
 The answer comes from the instruction-set flags the kernel reports
 (``/proc/cpuinfo``: ``flags`` on x86, ``Features`` on Arm), read once; a CPU
 whose flags cannot be read counts as not native.
@@ -25,7 +25,7 @@ NATIVE_FLAGS = {
     torch.float16: frozenset({"avx512_fp16", "amx_fp16", "fphp", "asimdhp"}),
 }
 
-# Measured with scripts/bench_bf16_cpu.py (12 layers x 768, sequence 256,
+# Measured with benchmarks/bench_bf16_cpu.py (12 layers x 768, sequence 256,
 # micro-batch 2, vocabulary 50257, ZeRO-0, one thread) on a CPU without native
 # bf16 matmuls (an AVX512-BF16 CPU limited to AVX2 through ONEDNN_MAX_CPU_ISA,
 # MKL_ENABLE_INSTRUCTIONS and ATEN_CPU_CAPABILITY): step time over fp32's.

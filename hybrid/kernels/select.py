@@ -3,7 +3,7 @@
 On CUDA: ``"fused"`` (the csrc/cuda kernel), ``"eager"`` (plain PyTorch ops, the
 exact reference) and ``"compile"`` (the eager function under ``torch.compile``).
 CPU tensors, autocast regions and ``KernelConfig.no_kernels`` get eager.
-``CUDA_CHOICE`` holds the fastest path measured by ``scripts/bench_kernels.py``
+``CUDA_CHOICE`` holds the fastest path measured by ``benchmarks/bench_kernels.py``
 (``--write-choice`` prints the table); ``KernelConfig.choice`` (``--kernel-choice``,
 e.g. ``layer_norm=fused,bias_gelu=compile``) overrides it per op.
 A "fused" choice whose extension did not build falls back to eager.
@@ -26,7 +26,7 @@ from hybrid.kernels.dtypes import DTYPES
 
 OPS = tuple(op for op in KERNEL_PATHS if op != "linear")  # the CUDA kernels
 
-# Measured by scripts/bench_kernels.py on an H100 80GB HBM3 (torch 2.11, CUDA 13),
+# Measured by benchmarks/bench_kernels.py on an H100 80GB HBM3 (torch 2.11, CUDA 13),
 # GPT-1.3B shapes, bf16, forward+backward, median GPU ms per call, 10 calls back
 # to back (2026-11-22):
 #   layer_norm     eager 0.227  compile 0.537  fused 0.229   -> eager (fused forward

@@ -34,7 +34,8 @@ from typing import NamedTuple
 
 import torch
 
-LAYOUTS = ("load_balanced", "striped")
+from hybrid.config.sections import CP_LAYOUTS
+
 
 
 class Segment(NamedTuple):
@@ -61,8 +62,8 @@ class Block(NamedTuple):
 
 def check_seq_len(seq_len: int, cp_size: int, layout: str) -> None:
     """ValueError unless ``seq_len`` splits evenly in ``layout`` over ``cp_size`` ranks."""
-    if layout not in LAYOUTS:
-        raise ValueError(f"context-parallel layout must be one of {LAYOUTS}, got {layout!r}")
+    if layout not in CP_LAYOUTS:
+        raise ValueError(f"context-parallel layout must be one of {CP_LAYOUTS}, got {layout!r}")
     if layout == "striped" and seq_len % cp_size:
         raise ValueError(f"sequence length {seq_len} is not a multiple of the "
                          f"context-parallel size {cp_size}")

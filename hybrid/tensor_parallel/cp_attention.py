@@ -17,9 +17,9 @@ from __future__ import annotations
 
 import torch
 
-from hybrid.config.sections import CP_COMM_TYPES
+from hybrid.config.sections import CP_COMM_TYPES, CP_LAYOUTS
 from hybrid.parallel.comm import CommGroup
-from hybrid.tensor_parallel.context_parallel import LAYOUTS, segments
+from hybrid.tensor_parallel.context_parallel import segments
 from hybrid.tensor_parallel.ring_attention import (GatheredAttention, LocalAttention,
                                                    RingAttention, Spec, draw_dropout_seed)
 from hybrid.tensor_parallel.ulysses_attention import sdpa_causal, ulysses_attention
@@ -47,8 +47,8 @@ class ContextParallel:
     def __init__(self, group: CommGroup, comm_type: str = "p2p", layout: str = "load_balanced"):
         if comm_type not in CP_COMM_TYPES:
             raise ValueError(f"--cp-comm-type must be one of {CP_COMM_TYPES}, got {comm_type!r}")
-        if layout not in LAYOUTS:
-            raise ValueError(f"--cp-layout must be one of {LAYOUTS}, got {layout!r}")
+        if layout not in CP_LAYOUTS:
+            raise ValueError(f"--cp-layout must be one of {CP_LAYOUTS}, got {layout!r}")
         self.group, self.comm_type, self.layout = group, comm_type, layout
         self.size, self.rank = group.size, group.rank
         self._attend = {"p2p": self._exchange, "all_gather": self._exchange,

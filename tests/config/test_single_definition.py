@@ -125,16 +125,15 @@ def test_the_ds_config_keys_name_flags():
 
 
 def test_the_cp_comm_types_are_written_once():
-    """hybrid.config.sections holds them; the check and the attention layer import them."""
+    """hybrid.config.sections holds them; the check, the attention layer and the estimator
+    import them."""
     from hybrid.config import checks
     assert checks.CP_COMM_TYPES is CP_COMM_TYPES
     literal = set(CP_COMM_TYPES)
     where = []
     for path in sorted((ROOT / "hybrid").rglob("*.py")):
         rel = path.relative_to(ROOT).as_posix()
-        if rel in ("hybrid/config/sections.py",
-                   # the estimator's own copy, outside hybrid/config's ownership for now
-                   "hybrid/estimate/context_parallel.py"):
+        if rel == "hybrid/config/sections.py":
             continue
         for node in ast.walk(ast.parse(path.read_text(), rel)):
             if (isinstance(node, ast.Tuple) and len(node.elts) == len(literal)
