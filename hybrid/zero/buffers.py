@@ -60,17 +60,14 @@ def allocate_grads(units: list[FlatUnit], sharded: bool, dtype: torch.dtype,
         flat = torch.zeros(sum(u.padded for u in units), dtype=grad_dtype, device=device)
         off = 0
         for u in units:
-            u.grad_full = flat[off: off + u.padded]
-            u.grad_shard = u.grad_full[u.own_lo: u.own_hi]
-            if grad_dtype == dtype:
-                for p, o in zip(u.params, u.offsets):
-                    p.grad = u.grad_full[o: o + p.numel()].view_as(p)
+            full = flat[off: off + u.padded]
+            u.bind_grads(full[u.own_lo: u.own_hi], full, param_views=grad_dtype == dtype)
             off += u.padded
         return flat
     flat = torch.zeros(sum(u.own_hi - u.own_lo for u in units), dtype=grad_dtype, device=device)
     off = 0
     for u in units:
         n = u.own_hi - u.own_lo
-        u.grad_shard = flat[off: off + n]
+        u.bind_grads(flat[off: off + n])
         off += n
     return flat

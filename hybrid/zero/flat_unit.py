@@ -17,6 +17,7 @@ sides are permanent flat buffers, in place with no temporary at all.
 
 from __future__ import annotations
 
+import enum
 from typing import Protocol
 
 import torch
@@ -40,25 +41,59 @@ class ShardHome(Protocol):
         """The shard as it is now, in host memory (for reading)."""
 
 
+class ParamState(enum.Enum):
+    """Where a unit's parameters are whole ([Note: a unit owns its states])."""
+
+    WHOLE = "whole"  # never partitioned: ``full`` is the parameters' storage for good
+    SHARDED = "sharded"  # partitioned, ``full``'s storage freed; the shard (or its home) kept
+    GATHERING = "gathering"  # an all-gather into ``full`` is in flight
+    GATHERED = "gathered"  # ``full`` holds every rank's shard: the module may run
+
+
+class GradState(enum.Enum):
+    """Where a unit's reduced gradient shard is on the device."""
+
+    FLAT = "flat"  # views of the engine's flat gradient buffer, for the life of the unit
+    LANDED = "landed"  # a landing buffer, lent while its reduction runs (offload, stages 2-3)
+    AWAY = "away"  # none on the device (not bound yet, or gone down to the host step)
+
+
+# [Note: a unit owns its states]
+# A unit's parameter and gradient storage change under it as a step goes: stage 3
+# frees and re-gathers ``full``, parameter offload keeps the shard in a home, an
+# offloaded optimizer lends the gradient shard a landing buffer only while it is
+# reduced. Those transitions are the unit's own methods, each checking the state it
+# starts from, and the fields they change are read-only outside: the engine, the
+# reducer, the gatherer and the landing call a verb (FSDP2's FSDPParam owns its
+# sharded state the same way), so no module writes a field another one reads.
+
+
 class FlatUnit:
-    """Parameters ``params`` laid out back to back; see the module note.
+    """Parameters ``params`` laid out back to back; see the module notes.
 
     Attributes:
         offsets: start of each parameter in unit coordinates.
         padded, shard_size (S): padded length and per-rank shard length.
         own_lo, own_hi: this rank's shard in unit coordinates.
+        deferred: reduced once backward has finished, not from hooks (its parameters
+            are used in several places: see :mod:`hybrid.zero.units`).
         full: ``(padded,)`` model-dtype buffer the parameters are views of.
         shard: this rank's slice ``full[own_lo:own_hi]`` of the parameters; a view,
             or, when parameters are partitioned (stage 3), a tensor of its own
             while ``full``'s storage is freed between uses.
+        state, grad_state: see :class:`ParamState`, :class:`GradState`.
+        grad_full, grad_shard: the gradient views (``grad_full`` only at stages 0-1).
+        home: where the shard lives between gathers under parameter offload.
     """
 
-    def __init__(self, params: list[nn.Parameter], dp_group: CommGroup,
-                 partition_params: bool = False, owns_all: bool = False, name: str = ""):
+    def __init__(self, params: list[nn.Parameter], dp_group: CommGroup, *,
+                 partition_params: bool = False, owns_all: bool = False,
+                 deferred: bool = False, name: str = ""):
         self.params = params
         self.name = name
         self.dp = dp_group
         self.partition_params = partition_params
+        self.deferred = deferred
         self.offsets, total = [], 0
         for p in params:
             self.offsets.append(total)
@@ -69,18 +104,43 @@ class FlatUnit:
         # Stage 0 keeps everything: this rank "owns" the whole unit for the optimizer.
         self.own_lo = 0 if owns_all else dp_group.rank * self.shard_size
         self.own_hi = self.padded if owns_all else self.own_lo + self.shard_size
-        # Reduced at the end of backward rather than from hooks: its parameters are
-        # used in several places, so no hook can tell when their gradients are whole.
-        self.deferred = False
-        self.grad_full: torch.Tensor | None = None  # stages 0, 1: view of the flat grads
-        self.grad_shard: torch.Tensor | None = None  # this rank's summed gradient
         self.full: torch.Tensor | None = None
         self.shard: torch.Tensor | None = None
-        self.gathered = True
-        self.pending = None  # in-flight async gather: (work, staged pieces)
-        # stage 3 parameter offload: where the shard lives between gathers
-        # (hybrid/zero/offload/homes.py); None: on the device, in ``shard``
-        self.home: ShardHome | None = None
+        self._state = ParamState.SHARDED if partition_params else ParamState.WHOLE
+        self._pending = None  # the gather in flight (GATHERING): a pipeline handle
+        self._home: ShardHome | None = None
+        self._grad_state = GradState.AWAY
+        self._grad_full: torch.Tensor | None = None
+        self._grad_shard: torch.Tensor | None = None
+
+    @property
+    def state(self) -> ParamState:
+        return self._state
+
+    @property
+    def gathered(self) -> bool:
+        """The parameters are whole now (a whole unit always is)."""
+        return self._state in (ParamState.WHOLE, ParamState.GATHERED)
+
+    @property
+    def home(self) -> ShardHome | None:
+        """Where the shard lives between gathers (stage 3 parameter offload,
+        hybrid/zero/offload/homes.py); None: on the device, in ``shard``."""
+        return self._home
+
+    @property
+    def grad_state(self) -> GradState:
+        return self._grad_state
+
+    @property
+    def grad_full(self) -> torch.Tensor | None:
+        """Stages 0-1: the unit's whole gradient, a view of the flat gradient buffer."""
+        return self._grad_full
+
+    @property
+    def grad_shard(self) -> torch.Tensor | None:
+        """This rank's summed gradient (None: none on the device, :class:`GradState`)."""
+        return self._grad_shard
 
     # -- layout -------------------------------------------------------------
     def segments(self, lo: int, hi: int):
@@ -109,7 +169,7 @@ class FlatUnit:
                     a = ulo - self.own_lo
                     fill(i, plo, plo + n, self.shard[a: a + n])
                 full.untyped_storage().resize_(0)
-                self.gathered = False
+                self._state = ParamState.SHARDED
             else:
                 full[self.numel:].zero_()
                 for i, v in enumerate(views):
@@ -117,6 +177,31 @@ class FlatUnit:
                 self.shard = full[self.own_lo: self.own_hi]
         for p, v in zip(self.params, views):
             _rebind(p, v)
+
+    # -- gradients: bound for good, or lent a landing buffer ------------------------
+    def bind_grads(self, shard: torch.Tensor, full: torch.Tensor | None = None,
+                   param_views: bool = False) -> None:
+        """Make ``shard`` (and at stages 0-1 ``full``) the unit's gradient for good: views
+        of the engine's flat gradient buffer. ``param_views``: the parameters' ``.grad``
+        become views of ``full`` too (autograd then accumulates straight into it)."""
+        assert self._grad_state is GradState.AWAY, (self.name, self._grad_state)
+        self._grad_full, self._grad_shard = full, shard
+        self._grad_state = GradState.FLAT
+        if param_views:
+            assert full is not None
+            for p, o in zip(self.params, self.offsets):
+                p.grad = full[o: o + p.numel()].view_as(p)
+
+    def land_grads(self, shard: torch.Tensor) -> None:
+        """A landing buffer (holding the unit's sum so far) is the gradient shard while
+        the unit's reduction runs."""
+        assert self._grad_state is GradState.AWAY, (self.name, self._grad_state)
+        self._grad_shard, self._grad_state = shard, GradState.LANDED
+
+    def release_grads(self) -> None:
+        """The landing buffer goes back (its shard went down): no gradient on the device."""
+        assert self._grad_state is GradState.LANDED, (self.name, self._grad_state)
+        self._grad_shard, self._grad_state = None, GradState.AWAY
 
     def copy_grads(self, lo: int, hi: int, dst: torch.Tensor) -> None:
         """Copy unit range [lo, hi) of the params' ``.grad`` into ``dst`` (converting to
@@ -131,43 +216,47 @@ class FlatUnit:
     def offload_to(self, home: ShardHome) -> None:
         """From now on ``home`` keeps this rank's shard; the device holds it only while
         a gather runs (``shard`` keeps its dtype and size, its storage is freed)."""
-        assert self.partition_params and not self.gathered
-        self.home = home
+        assert self._state is ParamState.SHARDED, (self.name, self._state)
+        self._home = home
         self.shard.untyped_storage().resize_(0)
 
     def shard_values(self) -> torch.Tensor:
         """This rank's shard as it is now: ``shard``, or under parameter offload its
         home's values (host memory; a read for the disk tier). For reading only."""
-        return self.shard if self.home is None else self.home.values()
+        return self.shard if self._home is None else self._home.values()
 
     def release(self) -> None:
-        """Free the full parameters' memory; the views stay (FSDP's storage-resize trick)."""
-        if self.partition_params and self.gathered:
+        """Free the full parameters' memory; the views stay (FSDP's storage-resize trick).
+        A no-op unless they are gathered (a whole unit never is released)."""
+        if self._state is ParamState.GATHERED:
             self.full.untyped_storage().resize_(0)
-            self.gathered = False
+            self._state = ParamState.SHARDED
 
     def start_gather(self, pipe) -> None:
         """All-gather the shards into ``full`` through ``pipe`` (a
         :class:`~hybrid.zero.gather_pipeline.GatherPipeline`), asynchronously;
         ``finish_gather`` completes it."""
-        if self.gathered or self.pending is not None:
+        if self._state is not ParamState.SHARDED:  # (whole, gathered or under way)
             return
         storage = self.full.untyped_storage()
         storage.resize_(self.padded * self.full.element_size())
-        if self.home is not None:  # the shard comes back from its home for the gather
+        if self._home is not None:  # the shard comes back from its home for the gather
             self.shard.untyped_storage().resize_(self.shard_size * self.shard.element_size())
-            self.home.load_into(self.shard)
-        self.pending = pipe.start(self.full, self.shard)
+            self._home.load_into(self.shard)
+        self._pending = pipe.start(self.full, self.shard)
+        self._state = ParamState.GATHERING
 
     def finish_gather(self, pipe) -> None:
+        """The parameters are whole on return (a gather under way is waited for, one not
+        started is started first)."""
         if self.gathered:
             return
-        if self.pending is None:
+        if self._state is ParamState.SHARDED:
             self.start_gather(pipe)
-        self.pending.wait()
-        self.pending = None
-        self.gathered = True
-        if self.home is not None:  # (ordered after the gather's reads of it)
+        self._pending.wait()
+        self._pending = None
+        self._state = ParamState.GATHERED
+        if self._home is not None:  # (ordered after the gather's reads of it)
             self.shard.untyped_storage().resize_(0)
 
 

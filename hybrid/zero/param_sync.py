@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from hybrid.recompute.phase import RecomputePhase
-from hybrid.zero.flat_unit import FlatUnit
+from hybrid.zero.flat_unit import FlatUnit, ParamState
 from hybrid.zero.gather_pipeline import GatherPipeline
 
 
@@ -112,7 +112,7 @@ class ParamGatherer:
     def release_all(self) -> None:
         """Free everything gathered (end of step, or after an eval forward)."""
         for u in self.units:
-            if u.pending is not None:
+            if u.state is ParamState.GATHERING:
                 u.finish_gather(self.pipe)
             u.release()
 

@@ -60,11 +60,8 @@ def bucket_units(params, ps: ParallelState, bucket: int, owns_all: bool, tag: st
         size += p.numel()
     if cur:
         groups.append(cur)
-    units = [FlatUnit(g, ps.dp_cp_group, owns_all=owns_all, name=f"{tag}{i}")
-             for i, g in enumerate(groups)]
-    for u in units:
-        u.deferred = deferred
-    return units
+    return [FlatUnit(g, ps.dp_cp_group, owns_all=owns_all, deferred=deferred, name=f"{tag}{i}")
+            for i, g in enumerate(groups)]
 
 
 def plan_units(model: nn.Module, ps: ParallelState, cfg, plan, unit_modules):
@@ -94,8 +91,8 @@ def plan_units(model: nn.Module, ps: ParallelState, cfg, plan, unit_modules):
                                        name=f"module{i}")))
     rest = [p for p in params if id(p) not in taken and p.numel() >= thr]
     if rest:
-        root = FlatUnit(rest, ps.dp_cp_group, partition_params=True, name="root")
-        root.deferred = any(id(p) in shared for p in rest)
+        root = FlatUnit(rest, ps.dp_cp_group, partition_params=True,
+                        deferred=any(id(p) in shared for p in rest), name="root")
         owners.insert(0, (model, root))
     return units + [u for _, u in owners], owners
 

@@ -131,7 +131,8 @@ class GradLanding:
             self.offload.unpark(unit, dst)
         else:
             dst.zero_()
-        self._held[i], unit.grad_shard = buf, dst
+        self._held[i] = buf
+        unit.land_grads(dst)
         return True
 
     def partial(self, unit: FlatUnit) -> None:
@@ -149,7 +150,8 @@ class GradLanding:
     def _close(self, unit: FlatUnit, copied) -> None:
         i = self.index[id(unit)]
         self.free.append((self._held[i], copied))
-        self._held[i], unit.grad_shard = None, None
+        self._held[i] = None
+        unit.release_grads()
         self._parked[i] = True
 
     def squared_norms(self) -> torch.Tensor:
