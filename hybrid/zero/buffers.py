@@ -13,7 +13,7 @@ from hybrid.config.sections import OffloadConfig
 from hybrid.zero.flat_unit import FlatUnit
 
 
-def allocate_master(units: list[FlatUnit], pieces, fill, offload: OffloadConfig, tiers,
+def allocate_master(units: list[FlatUnit], pieces, fill, *, offload: OffloadConfig, tiers,
                     device: torch.device | None):
     """(flat fp32 master, its per-unit views, the nvme tier's swapped states).
 
@@ -43,7 +43,7 @@ def allocate_master(units: list[FlatUnit], pieces, fill, offload: OffloadConfig,
     return flat, master, None
 
 
-def allocate_grads(units: list[FlatUnit], sharded: bool, dtype: torch.dtype,
+def allocate_grads(units: list[FlatUnit], *, sharded: bool, dtype: torch.dtype,
                    grad_dtype: torch.dtype, device: torch.device,
                    lands: bool) -> torch.Tensor | None:
     """The flat gradient buffer in ``grad_dtype``, with each unit's views set.

@@ -84,7 +84,7 @@ class StepResult:
 class ZeroEngine:
     """See the module docstring; built by :func:`apply_zero`."""
 
-    def __init__(self, model: nn.Module, ps: ParallelState, zero: ZeroConfig,
+    def __init__(self, model: nn.Module, ps: ParallelState, zero: ZeroConfig, *,
                  adamw: AdamWConfig, precision: PrecisionConfig, offload: OffloadConfig,
                  values=None, unit_modules=None, recompute: RecomputePhase | None = None):
         self.model, self.ps = model, ps
@@ -97,27 +97,29 @@ class ZeroEngine:
         self._pieces = owned_pieces(model, self.units)  # the layout is fixed from here on
         fill = Materializer(model, values)
         # the swap files and parameter homes, checked and allocated before anything else
-        self.tiers = OffloadTiers(offload, ps.rank, self.units, self.dtype, self.grad_dtype,
-                                  ps.device)
+        self.tiers = OffloadTiers(offload, ps.rank, self.units, dtype=self.dtype,
+                                  grad_dtype=self.grad_dtype, device=ps.device)
         # fp32 master weights first: they read the exact fp32 values, which a
         # materialized model loses once its parameters become low-precision views.
         self.separate_master = self.dtype != torch.float32 or offload.optimizer is not None
         self.flat_master, master, self.swapped = allocate_master(
-            self.units, self._pieces, fill, offload, self.tiers,
-            ps.device if self.separate_master else None)
+            self.units, self._pieces, fill, offload=offload, tiers=self.tiers,
+            device=ps.device if self.separate_master else None)
         whole = [u for u in self.units if not u.partition_params]
         self.flat_params = torch.empty(sum(u.padded for u in whole), dtype=self.dtype,
                                        device=ps.device)
         # (stage 3 with --offload-param: each shard goes home as soon as it is made)
-        fill.bind(self.units, self.flat_params, self.dtype, ps.device, self.tiers.send_home)
+        fill.bind(self.units, self.flat_params, dtype=self.dtype, device=ps.device,
+                  bound=self.tiers.send_home)
         # An offloaded optimizer at stages 2-3 reads host copies of the gradient shards
         # (or, on the nvme tier, swapped ones); the device keeps none (offload/landing.py)
         # -- unless, on a CPU, the flat shard is that host buffer itself (host tier, no
         # delayed update reading it while the next step writes).
         lands = bool(offload.optimizer) and self.plan.grads and (
             ps.device.type != "cpu" or offload.delayed_update or offload.optimizer == "nvme")
-        self.flat_grads = allocate_grads(self.units, self.plan.grads, self.dtype,
-                                         self.grad_dtype, ps.device, lands)
+        self.flat_grads = allocate_grads(self.units, sharded=self.plan.grads, dtype=self.dtype,
+                                         grad_dtype=self.grad_dtype, device=ps.device,
+                                         lands=lands)
         # every parameter all-gather (stage 3's per-module ones, stages 1-2's after the
         # step) goes through one pipeline: two staging buffers of at most a bucket
         self.param_pipeline = GatherPipeline(ps.dp_cp_group, zero.allgather_bucket_size, ps.device)
@@ -126,11 +128,12 @@ class ZeroEngine:
                                        recompute or RecomputePhase()) if owners else None)
         self.optimizer = self._build_optimizer(
             master if master is not None else [u.shard for u in self.units], adamw, offload)
-        self.offload = (OptimizerOffload(self.units, self.dtype, self.flat_grads,
-                                         self.grad_dtype, self.ps.device, self.plan,
-                                         self.optimizer, offload, self.tiers.grads,
-                                         pin=self.tiers.pin, homes=self.tiers.homes(self.units),
-                                         publisher=self.publisher)
+        self.offload = (OptimizerOffload(self.units, self.optimizer, offload, plan=self.plan,
+                                         dtype=self.dtype, grad_dtype=self.grad_dtype,
+                                         device=ps.device, flat_grads=self.flat_grads,
+                                         homes=self.tiers.homes(self.units),
+                                         publisher=self.publisher,
+                                         swapped_grads=self.tiers.grads, pin=self.tiers.pin)
                         if offload.optimizer else None)
         self.sink = self._pick_sink(lands)
         self.reducer = GradReducer(self.units, self.plan, dp=ps.dp_cp_group, sink=self.sink,
@@ -157,12 +160,13 @@ class ZeroEngine:
                 split[pc.unit].append(rng)
         if self.swapped is not None:
             return SwappedAdamW([u.own_hi - u.own_lo for u in self.units], decay, split, adamw,
-                                self.swapped)
+                                states=self.swapped)
         # At stages 2-3 the gradient shard is one flat buffer in master order: the
         # kernels may then update the whole shard in one pass (the offload keeps
         # host copies of its own and steps through step_parts).
         flat_grad = self.flat_grads if self.plan.grads and not offload.optimizer else None
-        return ShardedAdamW(master, decay, split, adamw, self.flat_master, flat_grad)
+        return ShardedAdamW(master, decay, split, adamw, flat_master=self.flat_master,
+                            flat_grad=flat_grad)
 
     def _pick_sink(self, lands: bool) -> GradSink:
         """Where the reducer puts reduced shards, chosen once ([Note: one gradient sink]):
@@ -172,8 +176,8 @@ class ZeroEngine:
         if self.offload is None:
             return DeviceShard(self.units, self.flat_grads)
         if lands:
-            return GradLanding(self.units, self.offload, self.optimizer, self.grad_dtype,
-                               self.ps.device)
+            return GradLanding(self.units, self.offload, self.optimizer, dtype=self.grad_dtype,
+                               device=self.ps.device)
         return CopyDown(self.units, self.offload, self.flat_grads)
 
     def owned_pieces(self) -> tuple[OwnedPiece, ...]:
@@ -380,4 +384,5 @@ def apply_zero(model: nn.Module, ps: ParallelState, zero: ZeroConfig = ZeroConfi
     """
     if unit_modules is None and hasattr(model, "blocks"):
         unit_modules = list(model.blocks)
-    return ZeroEngine(model, ps, zero, adamw, precision, offload, values, unit_modules, recompute)
+    return ZeroEngine(model, ps, zero, adamw=adamw, precision=precision, offload=offload,
+                      values=values, unit_modules=unit_modules, recompute=recompute)

@@ -11,7 +11,7 @@ is restored.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import KW_ONLY, dataclass
 
 from hybrid.config.sections import PrecisionConfig
 
@@ -19,6 +19,7 @@ from hybrid.config.sections import PrecisionConfig
 @dataclass
 class LossScaler:
     scale: float = 1.0
+    _: KW_ONLY
     dynamic: bool = False
     window: int = 1000
     min_scale: float = 1.0

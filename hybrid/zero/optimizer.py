@@ -153,7 +153,7 @@ class ShardedAdamW(ShardBase):
     """
 
     def __init__(self, master: list[torch.Tensor], decay_ranges, split_ranges, cfg: AdamWConfig,
-                 flat_master: torch.Tensor | None = None,
+                 *, flat_master: torch.Tensor | None = None,
                  flat_grad: torch.Tensor | None = None):
         self.master = master
         self.flat_master = flat_master

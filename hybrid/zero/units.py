@@ -129,8 +129,8 @@ def owned_pieces(model: nn.Module, units: list[FlatUnit]) -> tuple[OwnedPiece, .
     for k, u in enumerate(units):
         for i, plo, ulo, n in u.segments(u.own_lo, u.own_hi):
             a = ulo - u.own_lo
-            out.append(OwnedPiece(names[id(u.params[i])], u.params[i], plo, plo + n, k,
-                                  slice(a, a + n)))
+            out.append(OwnedPiece(name=names[id(u.params[i])], param=u.params[i], lo=plo,
+                                  hi=plo + n, unit=k, part=slice(a, a + n)))
     return tuple(out)
 
 
@@ -175,8 +175,8 @@ class Materializer:
                               dst[a - lo: b - lo])
         return fill
 
-    def bind(self, units: list[FlatUnit], flat: torch.Tensor, dtype, device,
-             bound=lambda u: None) -> None:
+    def bind(self, units: list[FlatUnit], flat: torch.Tensor, *, dtype: torch.dtype,
+             device: torch.device, bound=lambda u: None) -> None:
         """Give every unit its storage: views of ``flat`` for whole units (in order),
         a transient full buffer for partitioned ones (freed at once); ``bound(unit)``
         after each (stage 3 parameter offload sends the shard home there)."""

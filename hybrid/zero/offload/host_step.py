@@ -101,14 +101,13 @@ class OptimizerOffload:
             as the update goes (the engine's all-gathers of whole units).
     """
 
-    def __init__(self, units: list[FlatUnit], dtype: torch.dtype,
-                 flat_grads: torch.Tensor | None, grad_dtype: torch.dtype,
-                 device: torch.device, plan, opt: ShardOptimizer, cfg: OffloadConfig,
-                 swapped_grads: SwappedGrads | None = None, pin: bool = False,
-                 homes: list[ParamHome | None] | None = None,
-                 publisher: ParamPublisher | None = None):
+    def __init__(self, units: list[FlatUnit], opt: ShardOptimizer, cfg: OffloadConfig, *,
+                 plan, dtype: torch.dtype, grad_dtype: torch.dtype, device: torch.device,
+                 flat_grads: torch.Tensor | None, homes: list[ParamHome | None],
+                 publisher: ParamPublisher, swapped_grads: SwappedGrads | None = None,
+                 pin: bool = False):
         self.units = units
-        self.homes = homes or [None] * len(units)
+        self.homes = homes
         self.publisher = publisher
         self.index = {id(u): i for i, u in enumerate(units)}
         self.bounds = shard_bounds(units)
@@ -143,8 +142,9 @@ class OptimizerOffload:
         # unless the delayed update needs a copy to hold them for a step.
         self.writer = None
         if any(h is not None for h in self.homes) and not self.delayed:
-            self.writer = HomeWriter(self.homes, self.bounds, self._chunk_units, self._chunks,
-                                     dtype, master_uploads, self.pin)
+            self.writer = HomeWriter(self.homes, self.bounds, chunk_units=self._chunk_units,
+                                     chunks=self._chunks, dtype=dtype,
+                                     master_uploads=master_uploads, pin=self.pin)
             self.out = None
         else:
             self.out = None if master_uploads else torch.empty(n, dtype=dtype,
@@ -326,8 +326,7 @@ class OptimizerOffload:
                 continue  # nothing changed: the device already holds these parameters
             if self.writer is None or self.homes[i] is None:  # (else the worker sent it home)
                 self._copy_up(u, i, self._source(i))
-            if self.publisher is not None:
-                self.publisher.publish(u)
+            self.publisher.publish(u)
         self._upload_due = False
 
     def _source(self, i: int) -> torch.Tensor:

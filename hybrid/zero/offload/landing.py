@@ -105,7 +105,7 @@ class GradLanding:
     overlaps = True
 
     def __init__(self, units: list[FlatUnit], offload: OptimizerOffload, opt: ShardOptimizer,
-                 dtype: torch.dtype, device: torch.device, count: int = 2):
+                 *, dtype: torch.dtype, device: torch.device, count: int = 2):
         self.units, self.offload, self.opt, self.device = units, offload, opt, device
         self.index = {id(u): i for i, u in enumerate(units)}
         size = max(u.own_hi - u.own_lo for u in units)

@@ -1,6 +1,6 @@
 """Where one rank's model states live off the device, built once from :class:`OffloadConfig`.
 
-    tiers = OffloadTiers(offload, rank, units, dtype, grad_dtype, device)
+    tiers = OffloadTiers(offload, rank, units, dtype=dtype, grad_dtype=grad_dtype, device=device)
     tiers.gds           # None, or why --offload-gds reads through host buffers here
     tiers.states        # the nvme tier's optimizer states (SwappedStates), or None
     tiers.grads         # ... and its gradient shard (SwappedGrads), or None
@@ -74,7 +74,7 @@ class OffloadTiers:
     stand-in).
     """
 
-    def __init__(self, cfg: OffloadConfig, rank: int, units: list[FlatUnit],
+    def __init__(self, cfg: OffloadConfig, rank: int, units: list[FlatUnit], *,
                  dtype: torch.dtype, grad_dtype: torch.dtype, device: torch.device,
                  gds_file=None):
         self.cfg, self.device = cfg, device
@@ -101,9 +101,9 @@ class OffloadTiers:
             self.io = AsyncIO(threads=IO_THREADS)
             if cfg.optimizer == "nvme":
                 self.states = SwappedStates(n, cfg.buffer_size, self.space, self.io,
-                                            cfg.buffer_count, self.pin)
+                                            buffers=cfg.buffer_count, pin=self.pin)
                 self.grads = SwappedGrads(self.space, self.io, shard_bounds(units),
-                                          cfg.buffer_size, grad_dtype, self.pin)
+                                          tile=cfg.buffer_size, dtype=grad_dtype, pin=self.pin)
                 self.states.attach_grads(self.grads, self.pin)
             if cfg.param == "nvme" and cfg.gds:
                 self._open_gds(rank, gds_file)
@@ -134,9 +134,9 @@ class OffloadTiers:
         if self.cfg.param == "cpu":
             home = HostHome(u.shard, self.pin)
         else:
-            slot = (self._slots[k], u.shard_size, u.shard.dtype)
-            disk = (DiskHome(self.space, self.io, *slot, self.pin) if self.reader is None
-                    else GdsHome(self.space, self.io, self.reader, *slot, self.device))
+            slot = dict(offset=self._slots[k], numel=u.shard_size, dtype=u.shard.dtype)
+            disk = (DiskHome(self.space, self.io, **slot, pin=self.pin) if self.reader is None
+                    else GdsHome(self.space, self.io, self.reader, **slot, device=self.device))
             disk.store(u.shard).synchronize()
             home = disk
         u.offload_to(home)

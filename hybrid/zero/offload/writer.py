@@ -49,8 +49,9 @@ class HomeWriter:
         pin: page-locked host buffers (GPU hosts).
     """
 
-    def __init__(self, homes: list[ParamHome | None], bounds: list[int], chunk_units, chunks,
-                 dtype: torch.dtype, master_uploads: bool, pin: bool):
+    def __init__(self, homes: list[ParamHome | None], bounds: list[int], *, chunk_units,
+                 chunks: list[tuple[int, int]], dtype: torch.dtype, master_uploads: bool,
+                 pin: bool):
         self.bounds, self.chunks = bounds, chunks
         self.homes = homes
         homeless = [i for i, h in enumerate(self.homes) if h is None and not master_uploads]

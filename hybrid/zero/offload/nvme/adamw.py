@@ -43,7 +43,7 @@ class SwappedAdamW(ShardBase):
         states: the swapped master and moments of the whole flat shard.
     """
 
-    def __init__(self, sizes: list[int], decay_ranges, split_ranges, cfg: AdamWConfig,
+    def __init__(self, sizes: list[int], decay_ranges, split_ranges, cfg: AdamWConfig, *,
                  states: SwappedStates):
         super().__init__(sizes, split_ranges, torch.device("cpu"))
         self.states = states

@@ -30,8 +30,9 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from hybrid.kernels.aio import ALIGN, aligned_empty
+from hybrid.kernels.aio import ALIGN, AsyncIO, aligned_empty
 from hybrid.zero.offload.grads import stream_copy
+from hybrid.zero.offload.nvme.swap import SwapSpace
 from hybrid.zero.offload.nvme.tiles import tile_spans
 
 FILE = "grads.swp"
@@ -44,8 +45,8 @@ class SwappedGrads:
     ``bounds``: where each unit starts in the flat shard (its last entry: ``n``).
     """
 
-    def __init__(self, space, io, bounds: list[int], tile: int, dtype: torch.dtype,
-                 pin: bool):
+    def __init__(self, space: SwapSpace, io: AsyncIO, bounds: list[int], *, tile: int,
+                 dtype: torch.dtype, pin: bool):
         self.file, self.io, self.bounds = space.files[FILE], io, bounds
         self.tile, self.dtype = tile, dtype
         self.own = True

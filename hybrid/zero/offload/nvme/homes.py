@@ -27,6 +27,7 @@ from __future__ import annotations
 import torch
 
 from hybrid.kernels.aio import ALIGN, AsyncIO, Request, aligned_empty
+from hybrid.zero.offload.nvme.gds import GdsReader
 from hybrid.zero.offload.nvme.swap import SwapSpace
 
 FILE = "params.swp"
@@ -45,7 +46,7 @@ class _Done:
 class DiskHome:
     """The nvme tier: the shard's values at ``offset`` of the rank's params.swp."""
 
-    def __init__(self, space: SwapSpace, io: AsyncIO, offset: int, numel: int,
+    def __init__(self, space: SwapSpace, io: AsyncIO, *, offset: int, numel: int,
                  dtype: torch.dtype, pin: bool):
         self.file, self.io, self.offset = space.files[FILE], io, offset
         self.numel, self.dtype, self.pin = numel, dtype, pin
@@ -132,9 +133,9 @@ class GdsHome(DiskHome):
     host-to-device copy); the load copies it into the shard on the device. Writes
     come from the host step, as for :class:`DiskHome`."""
 
-    def __init__(self, space: SwapSpace, io: AsyncIO, reader, offset: int, numel: int,
-                 dtype: torch.dtype, device: torch.device):
-        super().__init__(space, io, offset, numel, dtype, pin=False)
+    def __init__(self, space: SwapSpace, io: AsyncIO, reader: GdsReader, *, offset: int,
+                 numel: int, dtype: torch.dtype, device: torch.device):
+        super().__init__(space, io, offset=offset, numel=numel, dtype=dtype, pin=False)
         self.reader, self.device = reader, device
 
     def prefetch(self) -> None:

@@ -53,7 +53,7 @@ class SwappedStates:
     (>= 2). ``pin``: page-locked staging (GPU hosts).
     """
 
-    def __init__(self, n: int, tile: int, space: SwapSpace, io: AsyncIO, buffers: int,
+    def __init__(self, n: int, tile: int, space: SwapSpace, io: AsyncIO, *, buffers: int,
                  pin: bool = False):
         self.n, self.tile = n, tile
         self.tiles = -(-n // tile)
