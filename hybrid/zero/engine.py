@@ -95,28 +95,11 @@ class ZeroEngine:
         self.scaler = LossScaler.from_config(precision)
         self.units, owners = plan_units(model, ps, zero, self.plan, unit_modules)
         self._pieces = owned_pieces(model, self.units)  # the layout is fixed from here on
-        fill = Materializer(model, values)
-        # the swap files and parameter homes, checked and allocated before anything else
+        # [Note: the order of construction] Each part is built from the parts above it.
         self.tiers = OffloadTiers(offload, ps.rank, self.units, dtype=self.dtype,
                                   grad_dtype=self.grad_dtype, device=ps.device)
-        # fp32 master weights first: they read the exact fp32 values, which a
-        # materialized model loses once its parameters become low-precision views.
-        self.separate_master = self.dtype != torch.float32 or offload.optimizer is not None
-        self.flat_master, master, self.swapped = allocate_master(
-            self.units, self._pieces, fill, offload=offload, tiers=self.tiers,
-            device=ps.device if self.separate_master else None)
-        whole = [u for u in self.units if not u.partition_params]
-        self.flat_params = torch.empty(sum(u.padded for u in whole), dtype=self.dtype,
-                                       device=ps.device)
-        # (stage 3 with --offload-param: each shard goes home as soon as it is made)
-        fill.bind(self.units, self.flat_params, dtype=self.dtype, device=ps.device,
-                  bound=self.tiers.send_home)
-        # An offloaded optimizer at stages 2-3 reads host copies of the gradient shards
-        # (or, on the nvme tier, swapped ones); the device keeps none (offload/landing.py)
-        # -- unless, on a CPU, the flat shard is that host buffer itself (host tier, no
-        # delayed update reading it while the next step writes).
-        lands = bool(offload.optimizer) and self.plan.grads and (
-            ps.device.type != "cpu" or offload.delayed_update or offload.optimizer == "nvme")
+        master = self._materialize(Materializer(model, values), offload)
+        lands = self._gradients_land(offload)
         self.flat_grads = allocate_grads(self.units, sharded=self.plan.grads, dtype=self.dtype,
                                          grad_dtype=self.grad_dtype, device=ps.device,
                                          lands=lands)
@@ -126,15 +109,8 @@ class ZeroEngine:
         self.publisher = ShardPublisher(self.param_pipeline, sharded=self.plan.optimizer)
         self.gatherer = (ParamGatherer(owners, self.param_pipeline,
                                        recompute or RecomputePhase()) if owners else None)
-        self.optimizer = self._build_optimizer(
-            master if master is not None else [u.shard for u in self.units], adamw, offload)
-        self.offload = (OptimizerOffload(self.units, self.optimizer, offload, plan=self.plan,
-                                         dtype=self.dtype, grad_dtype=self.grad_dtype,
-                                         device=ps.device, flat_grads=self.flat_grads,
-                                         homes=self.tiers.homes(self.units),
-                                         publisher=self.publisher,
-                                         swapped_grads=self.tiers.grads, pin=self.tiers.pin)
-                        if offload.optimizer else None)
+        self.optimizer = self._build_optimizer(master, adamw, offload)
+        self.offload = self._build_offload(offload)
         self.sink = self._pick_sink(lands)
         self.reducer = GradReducer(self.units, self.plan, dp=ps.dp_cp_group, sink=self.sink,
                                    bucket=zero.reduce_bucket_size, overlap=zero.overlap_comm,
@@ -145,6 +121,43 @@ class ZeroEngine:
         self._step_out = [u.shard for u in self.units] if self.separate_master else None
         # inf/NaN gradients the kernels met and the norm did not show, read at poll_warnings()
         self._kernel_found = torch.zeros(1, dtype=torch.float32, device=ps.device)
+
+    # [Note: the order of construction]
+    # Every part takes what it uses as constructor arguments and nothing is attached to
+    # it afterwards, so the order above is the data's: the tiers (the swap files, checked
+    # and allocated before any memory is committed), the model's storage, the gradient
+    # buffer, the gathers, the optimizer, the host step that steps it, the sink that
+    # feeds the host step, the reducer that feeds the sink. One order is not a data
+    # dependency: the fp32 master must be read before the parameters are bound to
+    # their flat buffers (_materialize), because a parameter that becomes a
+    # low-precision view has lost its exact fp32 value.
+
+    # -- construction ------------------------------------------------------------
+    def _materialize(self, fill: Materializer, offload: OffloadConfig) -> list[torch.Tensor]:
+        """The fp32 master (see [Note: the order of construction]), then every unit's
+        parameter storage; returns the master per unit (the fp32 shards themselves when
+        there is no separate master)."""
+        ps = self.ps
+        self.separate_master = self.dtype != torch.float32 or offload.optimizer is not None
+        self.flat_master, master, self.swapped = allocate_master(
+            self.units, self._pieces, fill, offload=offload, tiers=self.tiers,
+            device=ps.device if self.separate_master else None)
+        whole = [u for u in self.units if not u.partition_params]
+        self.flat_params = torch.empty(sum(u.padded for u in whole), dtype=self.dtype,
+                                       device=ps.device)
+        # (stage 3 with --offload-param: each shard goes home as soon as it is made)
+        fill.bind(self.units, self.flat_params, dtype=self.dtype, device=ps.device,
+                  bound=self.tiers.send_home)
+        return master if master is not None else [u.shard for u in self.units]
+
+    def _gradients_land(self, offload: OffloadConfig) -> bool:
+        """An offloaded optimizer at stages 2-3 reads host copies of the gradient shards
+        (or, on the nvme tier, swapped ones); the device keeps none (offload/landing.py)
+        -- unless, on a CPU, the flat shard is that host buffer itself (host tier, no
+        delayed update reading it while the next step writes)."""
+        return bool(offload.optimizer) and self.plan.grads and (
+            self.ps.device.type != "cpu" or offload.delayed_update
+            or offload.optimizer == "nvme")
 
     # -- construction ------------------------------------------------------------
     def _build_optimizer(self, master: list[torch.Tensor], adamw: AdamWConfig,
@@ -167,6 +180,18 @@ class ZeroEngine:
         flat_grad = self.flat_grads if self.plan.grads and not offload.optimizer else None
         return ShardedAdamW(master, decay, split, adamw, flat_master=self.flat_master,
                             flat_grad=flat_grad)
+
+    def _build_offload(self, offload: OffloadConfig) -> OptimizerOffload | None:
+        """The host step of ``--offload-optimizer`` (None without it): it reads the
+        gradients from the tiers' store, writes new shards to their homes and tells the
+        publisher."""
+        if not offload.optimizer:
+            return None
+        return OptimizerOffload(self.units, self.optimizer, offload, plan=self.plan,
+                                dtype=self.dtype, grad_dtype=self.grad_dtype,
+                                device=self.ps.device, flat_grads=self.flat_grads,
+                                homes=self.tiers.homes(self.units), publisher=self.publisher,
+                                swapped_grads=self.tiers.grads, pin=self.tiers.pin)
 
     def _pick_sink(self, lands: bool) -> GradSink:
         """Where the reducer puts reduced shards, chosen once ([Note: one gradient sink]):
