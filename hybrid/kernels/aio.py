@@ -197,7 +197,8 @@ class Request:
         self._parts = parts  # [(start, length, waiter() -> (errno, done))]
         self._outcome: tuple[int, int] | None = None
         # two threads may wait for one request (the host step's worker and the main
-        # thread, param_offload.py): the first collects the outcome, the other reads it
+        # thread, zero/offload/nvme/homes.py): the first collects the outcome, the other
+        # reads it
         self._lock = threading.Lock()
 
     def wait(self) -> None:

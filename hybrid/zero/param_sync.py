@@ -63,7 +63,7 @@ class ParamGatherer:
         if nxt is not None:
             nxt.start_gather(self.pipe)
             # an offloaded shard's home is asked one unit further: its read from disk
-            # overlaps this unit's compute and the next one's gather (param_offload.py)
+            # overlaps this unit's compute and the next one's gather (offload/nvme/homes.py)
             after = self._next(nxt, backward)
             if after is not None and after.home is not None and not after.gathered:
                 after.home.prefetch()
