@@ -198,11 +198,13 @@ class ZeroEngine:
         the device shard the device optimizer reads; else the host step's store,
         through the device's own flat shard or, when ``lands``, through two landing
         buffers (the store is host memory or grads.swp: the tiers decided)."""
-        if self.offload is None:
-            return DeviceShard(self.units, self.flat_grads)
         if lands:
+            assert self.offload is not None  # (only an offloaded optimizer's gradients land)
             return GradLanding(self.units, self.offload, self.optimizer, dtype=self.grad_dtype,
                                device=self.ps.device)
+        assert self.flat_grads is not None  # (allocated unless the gradients land)
+        if self.offload is None:
+            return DeviceShard(self.units, self.flat_grads)
         return CopyDown(self.units, self.offload, self.flat_grads)
 
     def owned_pieces(self) -> tuple[OwnedPiece, ...]:
@@ -316,7 +318,9 @@ class ZeroEngine:
         if self.offload is not None:
             self.offload.upload_master()
         elif self.separate_master and not after_step:
-            for u, m in zip(self.units, self.optimizer.master):
+            master = self.optimizer.master
+            assert master is not None  # (no offload: the master is in device memory)
+            for u, m in zip(self.units, master):
                 u.shard.copy_(m)
         if not self.plan.optimizer:
             return

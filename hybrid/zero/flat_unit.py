@@ -104,8 +104,9 @@ class FlatUnit:
         # Stage 0 keeps everything: this rank "owns" the whole unit for the optimizer.
         self.own_lo = 0 if owns_all else dp_group.rank * self.shard_size
         self.own_hi = self.padded if owns_all else self.own_lo + self.shard_size
-        self.full: torch.Tensor | None = None
-        self.shard: torch.Tensor | None = None
+        # ``full`` and ``shard`` are set by :meth:`bind`, before anything reads them
+        self.full: torch.Tensor
+        self.shard: torch.Tensor
         self._state = ParamState.SHARDED if partition_params else ParamState.WHOLE
         self._pending = None  # the gather in flight (GATHERING): a pipeline handle
         self._home: ShardHome | None = None
@@ -253,6 +254,7 @@ class FlatUnit:
             return
         if self._state is ParamState.SHARDED:
             self.start_gather(pipe)
+        assert self._pending is not None, (self.name, self._state)  # (GATHERING)
         self._pending.wait()
         self._pending = None
         self._state = ParamState.GATHERED

@@ -117,7 +117,9 @@ class DeviceShard:
         return None
 
     def values(self, i: int) -> torch.Tensor:
-        return self.units[i].grad_shard
+        shard = self.units[i].grad_shard
+        assert shard is not None  # (bound for good: GradState.FLAT)
+        return shard
 
     def device_bytes(self) -> int:
         return self.flat.untyped_storage().nbytes()

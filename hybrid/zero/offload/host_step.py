@@ -199,7 +199,9 @@ class OptimizerOffload:
                 self.update_wait_s += time.perf_counter() - t0
             self._consumed[i].clear()
             self._written[i] = True
-        self._down[i] = self.grads.store(i, unit.grad_shard, self.copy_stream)
+        shard = unit.grad_shard
+        assert shard is not None, unit.name  # (a parked or final shard is on the device)
+        self._down[i] = self.grads.store(i, shard, self.copy_stream)
         return self._down[i]
 
     @torch.no_grad()

@@ -84,7 +84,9 @@ class CopyDown:
         return None  # (the step takes them from the device shards)
 
     def values(self, i: int) -> torch.Tensor:
-        return self.units[i].grad_shard
+        shard = self.units[i].grad_shard
+        assert shard is not None  # (bound for good: GradState.FLAT)
+        return shard
 
     def device_bytes(self) -> int:
         return self.flat.untyped_storage().nbytes()
@@ -144,7 +146,9 @@ class GradLanding:
         """The step's last reduction of ``unit`` is done: its norm terms are taken, its
         gradient goes down for the update, the buffer back to the pool."""
         i = self.index[id(unit)]
-        self._terms[i] = self.opt.part_terms(i, unit.grad_shard)
+        shard = unit.grad_shard
+        assert shard is not None  # (GradState.LANDED since open)
+        self._terms[i] = self.opt.part_terms(i, shard)
         self._close(unit, self.offload.grad_ready(unit))
 
     def _close(self, unit: FlatUnit, copied) -> None:

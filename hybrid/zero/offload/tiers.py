@@ -134,9 +134,11 @@ class OffloadTiers:
         if self.cfg.param == "cpu":
             home = HostHome(u.shard, self.pin)
         else:
-            slot = dict(offset=self._slots[k], numel=u.shard_size, dtype=u.shard.dtype)
-            disk = (DiskHome(self.space, self.io, **slot, pin=self.pin) if self.reader is None
-                    else GdsHome(self.space, self.io, self.reader, **slot, device=self.device))
+            offset, numel, dtype = self._slots[k], u.shard_size, u.shard.dtype
+            disk = (DiskHome(self.space, self.io, offset=offset, numel=numel, dtype=dtype,
+                             pin=self.pin) if self.reader is None
+                    else GdsHome(self.space, self.io, self.reader, offset=offset, numel=numel,
+                                 dtype=dtype, device=self.device))
             disk.store(u.shard).synchronize()
             home = disk
         u.offload_to(home)
