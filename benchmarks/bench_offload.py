@@ -179,7 +179,7 @@ def _bench_rank(ps, name, a, swap_dir):
         if name == "optimizer_nvme" and ps.rank == 0:
             out["swap_io"] = _swap_rates(engine.swapped)
         out["model_state_bytes"] = engine.model_state_bytes()
-        if cfg.offload.gds:  # did the probe pass (hybrid/kernels/gds.py)?
+        if cfg.offload.gds:  # did the probe pass (hybrid/zero/offload/nvme/gds.py)?
             out["gds"] = engine.tiers.gds or "used"
     finally:
         engine.close()
