@@ -1,14 +1,7 @@
 import os
-import sys
 
-# Tests import the shared harness as `harness`; spawned ranks inherit sys.path.
-sys.path.insert(0, os.path.dirname(__file__))
+# Many ranks share a few cores: one thread each (pooled ranks inherit the environment).
 os.environ.setdefault("OMP_NUM_THREADS", "1")
-# torch's store sockets name their peers with a reverse lookup (getnameinfo), and
-# ::ffff:127.0.0.1 is not in /etc/hosts, so each connect asks DNS; where the resolver
-# drops a query (this machine's, about once in 20) the lookup waits glibc's default
-# 5 s before retrying. Retrying after 1 s keeps the ranks' connects from stalling.
-os.environ.setdefault("RES_OPTIONS", "timeout:1 attempts:2")
 
 # This process is an entry point too: kernel settings from HYBRID_* as a script's
 # would be (tests that need others call hybrid.kernels.configure themselves).
@@ -21,7 +14,7 @@ configure(kernel_config_from_env(os.environ))
 import pytest  # noqa: E402
 
 # The 4-process checkpoint I/O session, shared by two test files (runs once).
-from checkpoint_io_session import io_session  # noqa: E402,F401
+from tests.helpers.checkpoint_io_session import io_session  # noqa: E402,F401
 
 
 @pytest.fixture

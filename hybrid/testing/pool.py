@@ -1,6 +1,6 @@
 """Run a function on N ranks as separate processes (gloo, 127.0.0.1).
 
-The shared launcher of every multi-rank test (``tests/harness.py``) and of the
+The shared launcher of every multi-rank test (``tests/helpers/harness.py``) and of the
 benches in ``benchmarks/``, which need ranks without torchrun.
 
     results = run_ranks(fn, world_size=4, tp=2, args=(...))

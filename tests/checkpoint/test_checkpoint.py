@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from launch import ROOT, TINY, child_pids, env, pretrain, read_json_log
+from tests.helpers.launch import ROOT, TINY, child_pids, env, pretrain, read_json_log
 
 ITERS = 6
 BASE = TINY + ["--global-batch-size", "8", "--train-iters", str(ITERS)]
@@ -269,7 +269,7 @@ def test_one_process_model_pads_as_the_run_did_and_old_metadata_still_loads(
 
 
 def test_tools_name_an_output_they_cannot_write(small_checkpoint, tmp_path, capsys):
-    from launch import script_module
+    from tests.helpers.launch import script_module
     afile = tmp_path / "afile"
     afile.write_text("x")
     for tool, out, needle in (("convert_checkpoint", afile / "merged.pt", "cannot write"),
@@ -333,7 +333,7 @@ def _save_with_full_disk(ps, save_dir):
     from hybrid.tensor_parallel import seed_all
     from hybrid.train.setup import build_model
 
-    from zero_reference import zero_engine
+    from tests.helpers.zero_reference import zero_engine
     cfg = build_config(Flags(num_layers=1, hidden_size=32, num_attention_heads=4, seq_length=8,
                       zero_stage=2), ps.world_size)
     rng = seed_all(1, ps.tp_rank, ps.dp_rank, ps.device)
@@ -359,7 +359,7 @@ def _save_with_full_disk(ps, save_dir):
 
 
 def test_full_disk_during_save_fails_everywhere_and_keeps_the_old_one(tmp_path):
-    from harness import run_ranks
+    from tests.helpers.harness import run_ranks
     save = str(tmp_path / "ckpt")
     errors, loaded = zip(*run_ranks(_save_with_full_disk, world_size=2, tp=1, args=(save,)))
     assert loaded == ((1, 8), (1, 8))

@@ -11,7 +11,7 @@ import os
 
 import pytest
 
-from launch import TINY, pretrain, read_json_log, script_module
+from tests.helpers.launch import TINY, pretrain, read_json_log, script_module
 
 # Adam eps 1e-4: the attention key bias has an exactly-zero true gradient, whose
 # rounding noise a tiny eps would turn into full-size steps (see tests/zero/test_zero.py).

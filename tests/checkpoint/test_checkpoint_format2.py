@@ -1,15 +1,15 @@
 """Checkpoints written in format 2 (interleaved [master, exp_avg, exp_avg_sq] rows)
 still load: same layout bit-exact, resharded, weights only, and through the tools.
-The 4-process session that writes and reads them is tests/checkpoint_io_session.py.
+The 4-process session that writes and reads them is tests/helpers/checkpoint_io_session.py.
 """
 
 import os
 
 import pytest
 
-from checkpoint_io_session import (IO_VOCAB, _check_reshard, _old_full_tensors, _own_file_bytes,
+from tests.helpers.checkpoint_io_session import (IO_VOCAB, _check_reshard, _old_full_tensors, _own_file_bytes,
                                    _rows)
-from launch import script_module
+from tests.helpers.launch import script_module
 
 
 def test_format_2_loads_exactly_in_the_same_layout(io_session):

@@ -1,6 +1,6 @@
 """Checkpoint I/O proportional to what a rank owns, and exact resharding.
 
-One 4-process session (tests/checkpoint_io_session.py) does every save and load
+One 4-process session (tests/helpers/checkpoint_io_session.py) does every save and load
 below; the tests check its records against the raw files, read independently
 of hybrid.checkpoint. (End-to-end resume, crashes and bad input through
 pretrain_gpt.py: tests/checkpoint/test_checkpoint.py; format 2: test_checkpoint_format2.py.)
@@ -10,7 +10,7 @@ import os
 
 import pytest
 
-from checkpoint_io_session import _check_reshard, _old_full_tensors, _own_file_bytes, _rows
+from tests.helpers.checkpoint_io_session import _check_reshard, _old_full_tensors, _own_file_bytes, _rows
 
 
 def test_same_layout_load_reads_only_the_rank_s_own_files(io_session):

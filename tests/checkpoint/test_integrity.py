@@ -14,7 +14,7 @@ import zlib
 import numpy as np
 import pytest
 
-from launch import TINY, pretrain, read_json_log, script_module
+from tests.helpers.launch import TINY, pretrain, read_json_log, script_module
 
 ARGS = TINY + ["--global-batch-size", "8", "--tensor-model-parallel-size", "1",
                "--zero-stage", "1"]

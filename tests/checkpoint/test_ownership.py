@@ -13,7 +13,7 @@ import sys
 
 import pytest
 
-from launch import ROOT, TINY, env, pretrain, read_json_log
+from tests.helpers.launch import ROOT, TINY, env, pretrain, read_json_log
 
 ARGS = TINY + ["--global-batch-size", "8", "--tensor-model-parallel-size", "1",
                "--zero-stage", "1", "--train-iters", "2"]

@@ -15,7 +15,7 @@ from hybrid.config.flags import Flags
 from hybrid.errors import ConfigError
 from hybrid.train.lr_schedule import scheduled_lr
 
-from launch import TINY, pretrain, read_json_log, script_module
+from tests.helpers.launch import TINY, pretrain, read_json_log, script_module
 
 
 def _cfg(ds, *argv, world=2):

@@ -14,7 +14,7 @@ import torch
 from hybrid.config import build_config, parse_args
 from hybrid.errors import ConfigError
 
-from launch import ROOT
+from tests.helpers.launch import ROOT
 
 
 # -- flags ----------------------------------------------------------------------------

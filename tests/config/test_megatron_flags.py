@@ -9,7 +9,7 @@ import socket
 import subprocess
 import sys
 
-from launch import ROOT, env
+from tests.helpers.launch import ROOT, env
 
 SCRIPT = os.path.join(ROOT, "examples", "megatron", "train_gpt3_shrunk.sh")
 TEXT = ("It was the best of times, it was the worst of times, it was the age of wisdom, "

@@ -15,7 +15,7 @@ from hybrid.data.dataset import GPTSamples, build_datasets, dp_micro_batches
 from hybrid.data.indexed import open_indexed
 from hybrid.data.tokenizer import ByteTokenizer
 
-from launch import ROOT, env
+from tests.helpers.launch import ROOT, env
 
 PREPROCESS = os.path.join(ROOT, "scripts", "preprocess_data.py")
 SHAKESPEARE = os.path.join(ROOT, "..", "shared", "data", "tinyshakespeare.txt")
@@ -223,7 +223,7 @@ def test_blend_weights_that_are_not_positive_numbers_are_named(data_path, needle
 
 
 def test_preprocess_names_a_non_utf8_input_and_an_unwritable_output(tmp_path, capsys):
-    from launch import script_module
+    from tests.helpers.launch import script_module
     main = script_module("preprocess_data").main
     bad = tmp_path / "latin1.txt"
     bad.write_bytes("caf\xe9\n".encode("latin-1"))

@@ -23,7 +23,7 @@ from hybrid.data.indexed import IndexedWriter, MegatronIndexed, open_indexed, wr
 from hybrid.data.tokenizer import ByteTokenizer, GPT2BPETokenizer
 from hybrid.errors import ConfigError, DataError
 
-from launch import ROOT, TINY, env, pretrain, read_json_log
+from tests.helpers.launch import ROOT, TINY, env, pretrain, read_json_log
 
 PREPROCESS = os.path.join(ROOT, "scripts", "preprocess_data.py")
 CONVERT = os.path.join(ROOT, "scripts", "convert_indexed.py")

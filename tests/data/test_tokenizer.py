@@ -10,7 +10,7 @@ from hybrid.config import Flags, build_config
 from hybrid.data.tokenizer import ByteTokenizer, GPT2BPETokenizer, build_tokenizer
 from hybrid.errors import DataError
 
-from launch import ROOT, env
+from tests.helpers.launch import ROOT, env
 
 TEXT = ("It is a truth universally acknowledged, that a single man in possession of a good "
         "fortune, must be in want of a wife.\n\nHowever little known the feelings or views "

@@ -14,7 +14,7 @@ from hybrid.data.indexed import open_indexed
 from hybrid.data.vocab_check import RECORD_LIMIT, check_sources, scan_tokens, sidecar_path
 from hybrid.errors import DataError
 
-from harness import run_ranks
+from tests.helpers.harness import run_ranks
 
 
 def _records_by_loop(tokens):

@@ -16,8 +16,8 @@ from hybrid.diagnostics import report
 from hybrid.errors import ConfigError
 from hybrid.parallel.comm import CollectiveError
 
-from harness import run_ranks
-from launch import TINY, _pretrain_rank, pretrain, read_json_log
+from tests.helpers.harness import run_ranks
+from tests.helpers.launch import TINY, _pretrain_rank, pretrain, read_json_log
 
 TP2DP2 = TINY + ["--tensor-model-parallel-size", "2", "--global-batch-size", "8"]
 

@@ -16,7 +16,7 @@ from test_diagnostics import _line_of
 from hybrid.diagnostics.recorder import FlightRecorder, backstop
 from hybrid.diagnostics.watch import PendingWatch
 
-from harness import run_ranks
+from tests.helpers.harness import run_ranks
 
 
 class _Work:

@@ -43,7 +43,7 @@ from hybrid.train.activation_meter import SavedActivationMeter
 from hybrid.train.setup import recompute_targets
 from models.gpt import GPT
 
-from harness import run_ranks
+from tests.helpers.harness import run_ranks
 
 T, B, H, NH, V = 64, 2, 64, 4, 256
 COMMS = ("p2p", "all_gather", "a2a")

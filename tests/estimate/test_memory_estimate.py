@@ -28,8 +28,8 @@ from hybrid.tensor_parallel import full_shape, seed_all
 from hybrid.train.setup import recompute_targets
 from models.gpt import GPT
 
-from harness import run_ranks
-from launch import ROOT, env
+from tests.helpers.harness import run_ranks
+from tests.helpers.launch import ROOT, env
 
 S, B, H, HEADS, V = 16, 2, 32, 4, 256
 CASES = [  # (dtype, hidden dropout, attention dropout)

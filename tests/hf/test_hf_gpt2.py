@@ -8,8 +8,8 @@ import sys
 import pytest
 import torch
 
-from harness import run_ranks
-from launch import ROOT, TINY, env, pretrain
+from tests.helpers.harness import run_ranks
+from tests.helpers.launch import ROOT, TINY, env, pretrain
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("safetensors")
@@ -62,7 +62,7 @@ def _load_imported(ps, save):
     from hybrid.tensor_parallel import seed_all
     from hybrid.train.setup import build_model
 
-    from zero_reference import zero_engine
+    from tests.helpers.zero_reference import zero_engine
     from hybrid.errors import CheckpointError
     flags = dict(tensor_model_parallel_size=ps.tp_size, num_layers=2, hidden_size=32,
                  num_attention_heads=4, seq_length=32, zero_stage=3, hidden_dropout=0.0,

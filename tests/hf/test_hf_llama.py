@@ -8,8 +8,8 @@ from exactly as hybrid does."""
 import pytest
 import torch
 
-from harness import run_ranks
-from launch import TINY, pretrain, script_module
+from tests.helpers.harness import run_ranks
+from tests.helpers.launch import TINY, pretrain, script_module
 
 transformers = pytest.importorskip("transformers")
 safetensors = pytest.importorskip("safetensors.torch")

@@ -11,7 +11,7 @@ import pytest
 import torch
 from test_hf_llama import VOCAB, _assert_same_model, _hybrid, assert_same_at_tp2
 
-from launch import script_module
+from tests.helpers.launch import script_module
 
 transformers = pytest.importorskip("transformers")
 safetensors = pytest.importorskip("safetensors.torch")

@@ -33,7 +33,7 @@ def test_a_backend_that_cannot_run_here_is_a_named_error(name, dropout, needle):
 
 
 def test_the_flag_reaches_the_model_and_a_run_that_cannot_use_it_stops_at_start():
-    from launch import TINY, pretrain
+    from tests.helpers.launch import TINY, pretrain
     r = pretrain(1, TINY + ["--train-iters", "1", "--attention-backend", "fused"])
     assert r.returncode == 2
     assert "pretrain_gpt.py: error: --attention-backend fused cannot run on this cpu" in r.stderr

@@ -10,7 +10,7 @@ from hybrid.parallel.state import ParallelState
 from hybrid.tensor_parallel import seed_all
 from models.gpt import GPT
 
-from harness import run_ranks
+from tests.helpers.harness import run_ranks
 
 SEED = 7
 

@@ -16,8 +16,8 @@ from hybrid.tensor_parallel.context_parallel import cp_shard
 from hybrid.tensor_parallel.cp_attention import ContextParallel
 from models.gpt import GPT
 
-from harness import run_ranks
-from zero_reference import _train_cfg, zero_engine
+from tests.helpers.harness import run_ranks
+from tests.helpers.zero_reference import _train_cfg, zero_engine
 
 SEED, V, T, B = 7, 257, 16, 2
 

@@ -16,8 +16,8 @@ from hybrid.recompute.checkpointing import apply_activation_checkpointing
 from hybrid.tensor_parallel import seed_all
 from models.gpt import GPT
 
-from harness import run_ranks
-from launch import TINY, pretrain, read_json_log
+from tests.helpers.harness import run_ranks
+from tests.helpers.launch import TINY, pretrain, read_json_log
 
 B, T, C, LAYERS, SEED, STEPS = 3, 10, 32, 2, 5, 3
 PER_LAYER = B * T * C * 4  # bytes of one block's fp32 input (B, T, C)

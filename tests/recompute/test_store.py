@@ -6,7 +6,7 @@ import torch
 
 from hybrid.recompute.checkpointing import CheckpointStore
 
-from harness import run_ranks
+from tests.helpers.harness import run_ranks
 
 
 def _store_round_trip(ps):

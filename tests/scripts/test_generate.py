@@ -7,7 +7,7 @@ import sys
 import pytest
 import torch
 
-from launch import ROOT, TINY, env, pretrain, script_module
+from tests.helpers.launch import ROOT, TINY, env, pretrain, script_module
 
 
 def test_generate_from_a_tp2_checkpoint(tmp_path, capsys):

@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from launch import ROOT, TINY, alive, child_pids, env, pretrain, read_json_log
+from tests.helpers.launch import ROOT, TINY, alive, child_pids, env, pretrain, read_json_log
 
 
 def _free_port():

@@ -21,7 +21,7 @@ import time
 
 import pytest
 
-from launch import ROOT, TINY, env, pretrain, read_json_log
+from tests.helpers.launch import ROOT, TINY, env, pretrain, read_json_log
 
 ARGS = TINY + ["--tensor-model-parallel-size", "2", "--global-batch-size", "8"]
 KILL_AT = 5  # iteration after which node 1 dies

@@ -7,7 +7,7 @@ import subprocess
 
 import pytest
 
-from launch import ROOT, TINY, env, pretrain, read_json_log, torchrun
+from tests.helpers.launch import ROOT, TINY, env, pretrain, read_json_log, torchrun
 
 LAYOUTS = [(1, 1), (2, 1), (1, 2), (2, 2)]  # (TP, DP)
 
@@ -181,7 +181,7 @@ def test_the_root_failure_is_the_worker_that_said_why():
     own error beats the survivors the launcher SIGTERMed, even when those come first."""
     from types import SimpleNamespace as F
 
-    from launch import script_module
+    from tests.helpers.launch import script_module
     root = script_module("torchrun_quiet")._root_failure
     term, kill = -int(signal.SIGTERM), -int(signal.SIGKILL)
     assert root({0: F(exitcode=term, timestamp=1), 1: F(exitcode=2, timestamp=1)})[0] == 1

@@ -11,7 +11,7 @@ from hybrid.parallel.state import ParallelState
 from hybrid.tensor_parallel.context_parallel import causal_pairs, cp_positions, cp_shard
 from hybrid.tensor_parallel.cp_attention import ContextParallel
 
-from harness import run_ranks
+from tests.helpers.harness import run_ranks
 
 B, NH, T, HS = 2, 4, 32, 8
 

@@ -8,7 +8,7 @@ from hybrid.parallel.state import ParallelState
 from hybrid.tensor_parallel import (ColumnParallelLinear, Init, RowParallelLinear,
                                     VocabParallelEmbedding, init_parameters, shard_of)
 
-from harness import run_ranks
+from tests.helpers.harness import run_ranks
 
 IN, OUT, V, D = 8, 12, 16, 6
 

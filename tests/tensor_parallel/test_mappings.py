@@ -5,7 +5,7 @@ import torch
 
 from hybrid.tensor_parallel import copy_to_tp, gather_from_tp, reduce_from_tp, scatter_to_tp
 
-from harness import run_ranks
+from tests.helpers.harness import run_ranks
 
 
 def _rank_tensor(rank, shape=(3, 8)):

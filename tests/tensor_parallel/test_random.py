@@ -5,7 +5,7 @@ import torch.nn.functional as F
 
 from hybrid.tensor_parallel import seed_all
 
-from harness import run_ranks
+from tests.helpers.harness import run_ranks
 
 
 def _masks(ps):

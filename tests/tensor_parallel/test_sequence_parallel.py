@@ -16,8 +16,8 @@ from hybrid.tensor_parallel import (gather_from_sequence, reduce_scatter_to_sequ
                                     scatter_to_sequence, seed_all)
 from models.gpt import GPT
 
-from harness import run_ranks
-from zero_reference import _dp_step, _gpt, _named_params, _train_cfg, _train_stages, zero_engine
+from tests.helpers.harness import run_ranks
+from tests.helpers.zero_reference import _dp_step, _gpt, _named_params, _train_cfg, _train_stages, zero_engine
 
 SEED, V, T = 11, 257, 16
 

@@ -13,9 +13,9 @@ from hybrid.parallel.state import ParallelState
 from hybrid.tensor_parallel import InitValues
 from hybrid.testing.host_syncs import HostReads, cuda_syncs
 
-from harness import run_ranks
-from launch import ROOT
-from zero_reference import _gpt, zero_engine
+from tests.helpers.harness import run_ranks
+from tests.helpers.launch import ROOT
+from tests.helpers.zero_reference import _gpt, zero_engine
 
 VOCAB, SEQ, MICRO = 257, 16, 2
 

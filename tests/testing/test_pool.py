@@ -7,7 +7,7 @@ import torch
 
 from hybrid.testing import pool as multiprocess
 
-from harness import run_ranks
+from tests.helpers.harness import run_ranks
 
 
 def _dirty(ps):

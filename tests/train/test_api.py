@@ -7,7 +7,7 @@ the caller's client_state."""
 import pytest
 import torch
 
-from harness import run_ranks
+from tests.helpers.harness import run_ranks
 
 transformers = pytest.importorskip("transformers")
 

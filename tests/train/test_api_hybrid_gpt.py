@@ -10,8 +10,8 @@ import shutil
 
 from hybrid.config import build_config, parse_args
 
-from harness import run_ranks
-from launch import TINY, pretrain, read_json_log
+from tests.helpers.harness import run_ranks
+from tests.helpers.launch import TINY, pretrain, read_json_log
 
 FLAGS = TINY + ["--zero-stage", "1", "--eval-iters", "0"]
 DS = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1,

@@ -79,7 +79,7 @@ def test_rampup_run_logs_the_schedule_and_resumes_exactly_after_exit_interval(tm
     """A sample-based run with a batch ramp-up and warmup fraction at DP 2: the log
     follows the schedule's batch sizes and rates; stopped by --exit-interval (which
     saves) and resumed, it continues with the same losses to the last bit."""
-    from launch import TINY, pretrain, read_json_log
+    from tests.helpers.launch import TINY, pretrain, read_json_log
     args = TINY + ["--train-samples", "48", "--global-batch-size", "8",
                    "--rampup-batch-size", "4", "4", "16", "--lr-warmup-fraction", "0.25",
                    "--lr-decay-style", "cosine", "--eval-interval", "1000"]
@@ -110,7 +110,7 @@ def test_rampup_run_logs_the_schedule_and_resumes_exactly_after_exit_interval(tm
 def test_exit_duration_saves_and_stops_and_no_effect_flags_are_logged_once(tmp_path):
     """Also: a validation split left empty (--split 100,0,0) while --eval-interval asks for
     validation is one warning at start, naming the flags."""
-    from launch import TINY, pretrain
+    from tests.helpers.launch import TINY, pretrain
     ckpt = str(tmp_path / "ckpt")
     r = pretrain(2, TINY + ["--train-iters", "50", "--exit-duration-in-mins", "1e-6",
                             "--save", ckpt, "--use-mcore-models", "--transformer-impl",
@@ -137,7 +137,7 @@ def _sigterm_rank1_at_step3(ps, cfg):
 
     from hybrid.train import trainer as training
 
-    from launch import _pretrain_rank
+    from tests.helpers.launch import _pretrain_rank
     orig, count = training.train_step, [0]
 
     def step(*args, **kwargs):
@@ -158,8 +158,8 @@ def test_exit_signal_handler_saves_and_stops_every_rank_at_the_same_iteration(tm
     (rank 0 logs it), with a checkpoint of iteration 3; SIGTERM's handler is given back."""
     import signal
 
-    from harness import run_ranks
-    from launch import TINY
+    from tests.helpers.harness import run_ranks
+    from tests.helpers.launch import TINY
     ckpt = str(tmp_path / "ckpt")
     cfg = build_config(parse_args(TINY + ["--train-iters", "50", "--exit-signal-handler", "--save",
                              ckpt]), 2)

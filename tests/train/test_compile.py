@@ -10,7 +10,7 @@ import torch
 
 from hybrid.config import Flags, build_config
 
-from harness import run_ranks
+from tests.helpers.harness import run_ranks
 
 FULL = {"recompute_granularity": "full"}  # uniform, one block per checkpoint
 # Megatron's block method: only the first block checkpointed, the second compiled as usual

@@ -1,6 +1,6 @@
 """TensorBoard and --log-json carry the metrics with the right steps."""
 
-from launch import TINY, pretrain, read_json_log
+from tests.helpers.launch import TINY, pretrain, read_json_log
 
 
 def test_tensorboard_scalars_and_json_records(tmp_path):

@@ -11,7 +11,7 @@ import time
 import pytest
 
 from hybrid.train.orphans import LAUNCHER_PID, end_with_launcher
-from launch import alive, env
+from tests.helpers.launch import alive, env
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"),
                                 reason="the parent-death signal is Linux's")

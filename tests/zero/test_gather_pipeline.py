@@ -4,7 +4,7 @@ import torch
 
 from hybrid.zero.gather_pipeline import GatherPipeline
 
-from harness import run_ranks
+from tests.helpers.harness import run_ranks
 
 BUCKET = 1000
 

@@ -5,8 +5,8 @@ import torch
 
 from hybrid.tensor_parallel import InitValues
 
-from harness import run_ranks
-from zero_reference import SEQ, VOCAB, _gpt, _train_cfg, zero_engine
+from tests.helpers.harness import run_ranks
+from tests.helpers.zero_reference import SEQ, VOCAB, _gpt, _train_cfg, zero_engine
 
 MICRO_BATCHES = 16
 

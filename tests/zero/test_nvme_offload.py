@@ -26,9 +26,9 @@ from hybrid.recompute.checkpointing import apply_activation_checkpointing
 from hybrid.tensor_parallel import InitValues
 from hybrid.zero.state import iter_piece_values
 
-from harness import run_ranks
-from launch import TINY, pretrain
-from zero_reference import (_dp_step, _gpt, _my_micro_batches, _named_params, _train_cfg,
+from tests.helpers.harness import run_ranks
+from tests.helpers.launch import TINY, pretrain
+from tests.helpers.zero_reference import (_dp_step, _gpt, _my_micro_batches, _named_params, _train_cfg,
                             zero_engine)
 
 TILE = 1024  # elements: the shards here are a few thousand, so tiles cross unit bounds

@@ -14,8 +14,8 @@ from hybrid.parallel.state import ParallelState
 from hybrid.tensor_parallel import InitValues, seed_all
 from models.gpt import GPT
 
-from harness import run_ranks
-from zero_reference import zero_engine
+from tests.helpers.harness import run_ranks
+from tests.helpers.zero_reference import zero_engine
 
 VOCAB, SEQ, MICRO, BATCH, STEPS, SEED = 257, 16, 2, 8, 5, 5
 

@@ -210,7 +210,7 @@ def _io_session(ps, root):
 
 @pytest.fixture(scope="session")
 def io_session(tmp_path_factory):
-    from harness import run_ranks
+    from tests.helpers.harness import run_ranks
     root = str(tmp_path_factory.mktemp("io"))
     return root, run_ranks(_io_session, world_size=4, tp=2, args=(root,))
 
