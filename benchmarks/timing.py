@@ -21,7 +21,7 @@ import resource
 import statistics
 import sys
 import time
-from typing import Callable, Iterable
+from collections.abc import Callable, Iterable
 
 
 def sync(device=None) -> None:

@@ -26,8 +26,13 @@ from hybrid.kernels.attention import attention_context
 from hybrid.kernels.rotary import Rotary, split_qkv
 from hybrid.kernels.swiglu import swiglu
 from hybrid.parallel.comm import CommGroup
-from hybrid.tensor_parallel import (ColumnParallelLinear, LayerNorm, RMSNorm, RowParallelLinear,
-                                    TPRNGTracker)
+from hybrid.tensor_parallel import (
+    ColumnParallelLinear,
+    LayerNorm,
+    RMSNorm,
+    RowParallelLinear,
+    TPRNGTracker,
+)
 from hybrid.tensor_parallel.cp_attention import ContextParallel
 
 

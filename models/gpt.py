@@ -56,10 +56,16 @@ from torch import nn
 from hybrid.config.architecture import NORMALIZATIONS, POSITION_EMBEDDING_TYPES
 from hybrid.config.model import ModelConfig
 from hybrid.parallel.comm import CommGroup
-from hybrid.tensor_parallel import (ColumnParallelLinear, Init, TPRNGTracker,
-                                    VocabParallelEmbedding, column_parallel_linear,
-                                    init_parameters, sequence_parallel_param,
-                                    vocab_parallel_cross_entropy)
+from hybrid.tensor_parallel import (
+    ColumnParallelLinear,
+    Init,
+    TPRNGTracker,
+    VocabParallelEmbedding,
+    column_parallel_linear,
+    init_parameters,
+    sequence_parallel_param,
+    vocab_parallel_cross_entropy,
+)
 from hybrid.tensor_parallel.cp_attention import ContextParallel
 from models.blocks import Block, make_norm, residual_rng
 

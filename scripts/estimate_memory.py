@@ -43,11 +43,22 @@ from hybrid.config import Flags, build_config
 from hybrid.config.flags import build_parser
 from hybrid.config.sections import tokenizer_kind
 from hybrid.errors import ConfigError
-from hybrid.estimate.memory import (activation_bytes, buffer_bytes, choose_stage, peak_memory,
-                                    traffic_bytes, workload)
+from hybrid.estimate.memory import (
+    activation_bytes,
+    buffer_bytes,
+    choose_stage,
+    peak_memory,
+    traffic_bytes,
+    workload,
+)
 from hybrid.estimate.model_states import model_state_bytes
-from hybrid.estimate.tiers import (HOST_BASELINE_BYTES, Capacity, offload_ladder, recommend_offload,
-                                   tier_bytes)
+from hybrid.estimate.tiers import (
+    HOST_BASELINE_BYTES,
+    Capacity,
+    offload_ladder,
+    recommend_offload,
+    tier_bytes,
+)
 
 GIB = 2 ** 30
 OWN = ("world_size", "data_parallel_size", "micro_batches", "gpu_memory_gb", "runtime_gb",

@@ -52,7 +52,7 @@ class BlockedClock:
         self.calls: dict[str, int] = defaultdict(int)
         self._backward_done = False
 
-    def install(self) -> "BlockedClock":
+    def install(self) -> BlockedClock:
         """Wrap every collective of ``torch.distributed`` and ``torch.autograd.backward``
         (before the systems import)."""
         import torch

@@ -7,8 +7,16 @@ from __future__ import annotations
 import json
 import sys
 
-from benchmarks.peers.common import (CLIP, ENTRY, LR, RESULT_TAG, ROOT, TP_SHAPE, WEIGHT_DECAY,
-                                     progress)
+from benchmarks.peers.common import (
+    CLIP,
+    ENTRY,
+    LR,
+    RESULT_TAG,
+    ROOT,
+    TP_SHAPE,
+    WEIGHT_DECAY,
+    progress,
+)
 from benchmarks.peers.launch import run_timed, tail
 from benchmarks.peers.megatron_side import megatron_missing
 from benchmarks.timing import abba, median, pair_record, ratio, rnd

@@ -11,8 +11,15 @@ import sys
 import tempfile
 
 from benchmarks.peers.common import ROOT, SCRIPTS, progress
-from benchmarks.peers.console import (HYB_EVAL, HYB_ITER, NANO_EVAL, NANO_ITER, NANO_SETUP_END,
-                                      measures, parse_lines)
+from benchmarks.peers.console import (
+    HYB_EVAL,
+    HYB_ITER,
+    NANO_EVAL,
+    NANO_ITER,
+    NANO_SETUP_END,
+    measures,
+    parse_lines,
+)
 from benchmarks.peers.launch import child_env, git_head, run_timed, tail
 from benchmarks.timing import abba, median, pair_record, rnd
 

@@ -12,8 +12,12 @@ from time import perf_counter
 from benchmarks.peers.blocked import BlockedClock, per_step
 from benchmarks.peers.common import LAUNCH_ENV, RESULT_TAG, TP_SHAPE
 from benchmarks.peers.hybrid_side import HybridSide, import_hybrid
-from benchmarks.peers.megatron_side import (MegatronSide, import_megatron, init_megatron_groups,
-                                            patch_megatron_for_cpu)
+from benchmarks.peers.megatron_side import (
+    MegatronSide,
+    import_megatron,
+    init_megatron_groups,
+    patch_megatron_for_cpu,
+)
 from benchmarks.timing import Stopwatch, abba, median, rnd
 
 

@@ -36,7 +36,8 @@ that turns (column, row range) into byte ranges, for both; everything above it
 from __future__ import annotations
 
 import os
-from typing import Iterator, NamedTuple
+from collections.abc import Iterator
+from typing import NamedTuple
 
 from hybrid.checkpoint.files import rank_paths
 from hybrid.errors import CheckpointError

@@ -81,7 +81,7 @@ class RunIdentity:
     started: float  # epoch seconds
 
     @classmethod
-    def of_launch(cls, environ: Mapping[str, str] | None = None) -> "RunIdentity":
+    def of_launch(cls, environ: Mapping[str, str] | None = None) -> RunIdentity:
         """This process's identity, from the entry point's ``environ``: under torchrun
         the launch's (its run id, and the agent -- this worker's parent -- by host and
         pid, which a restarted worker shares); otherwise, or with no ``environ``, a
@@ -105,7 +105,7 @@ def model_shape(config: dict) -> dict:
 
 
 def claim_save_dir(ck: CheckpointConfig, ps: ParallelState, run: RunIdentity,
-                   config: dict) -> "SaveDirClaim | None":
+                   config: dict) -> SaveDirClaim | None:
     """Rank 0 claims ``--save`` for ``run`` (:meth:`SaveDirClaim.take`; ``config``: the
     run's flat flags, for its model shape); None on the other ranks and without
     ``--save``. Collective over the world: a refusal is raised on every rank."""
@@ -133,7 +133,7 @@ class SaveDirClaim:
 
     @classmethod
     def take(cls, directory: str, run: RunIdentity, model: dict, *, resuming: bool,
-             overwrite: bool = False, check_others: bool = True) -> "SaveDirClaim":
+             overwrite: bool = False, check_others: bool = True) -> SaveDirClaim:
         """Lock ``directory`` for ``run`` (created if need be) and record it as the owner.
 
         ``model``: :func:`model_shape` of the run. ``resuming``: the run loads from this

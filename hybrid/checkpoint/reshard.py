@@ -61,7 +61,7 @@ class Target:
         self.full_shape, self.dim, self.rank, self.size = tuple(full_shape), dim, rank, size
 
     @classmethod
-    def of(cls, param, tp_rank: int) -> "Target":
+    def of(cls, param, tp_rank: int) -> Target:
         spec = getattr(param, "tp_spec", None)
         if spec is None:
             return cls(param.shape, None, tp_rank, 1)

@@ -28,10 +28,22 @@ from hybrid.config.deepspeed import apply_ds_config, load_ds_config
 from hybrid.config.flags import ROUTES, Flags, flag_name
 from hybrid.config.kernels import kernel_config_from_env, parse_kernel_choice
 from hybrid.config.model import ModelConfig
-from hybrid.config.sections import (AdamWConfig, CheckpointConfig, DataConfig, DiagnosticsConfig,
-                                    KernelConfig, LoggingConfig, LoopConfig, LRScheduleConfig,
-                                    OffloadConfig, ParallelConfig, PrecisionConfig, RecomputeConfig,
-                                    TokenizerConfig, ZeroConfig)
+from hybrid.config.sections import (
+    AdamWConfig,
+    CheckpointConfig,
+    DataConfig,
+    DiagnosticsConfig,
+    KernelConfig,
+    LoggingConfig,
+    LoopConfig,
+    LRScheduleConfig,
+    OffloadConfig,
+    ParallelConfig,
+    PrecisionConfig,
+    RecomputeConfig,
+    TokenizerConfig,
+    ZeroConfig,
+)
 from hybrid.errors import ConfigError
 from hybrid.parallel.layout import check_layout
 

@@ -13,8 +13,13 @@ import math
 import os
 
 from hybrid.config.flags import Flags, flag_name
-from hybrid.config.sections import (CP_COMM_TYPES, CP_LAYOUTS, OFFLOAD_TIERS, TOKENIZER_TYPES,
-                                    tokenizer_kind)
+from hybrid.config.sections import (
+    CP_COMM_TYPES,
+    CP_LAYOUTS,
+    OFFLOAD_TIERS,
+    TOKENIZER_TYPES,
+    tokenizer_kind,
+)
 from hybrid.errors import ConfigError
 
 DEFAULT_TRAIN_ITERS = 200

@@ -36,8 +36,7 @@ import json
 import os
 from collections.abc import Mapping
 
-from hybrid.config.deepspeed_keys import (KEYS, SECTIONS, Custom, Flag, Hint, Refuse, kind_of,
-                                          quiet)
+from hybrid.config.deepspeed_keys import KEYS, SECTIONS, Custom, Flag, Hint, Refuse, kind_of, quiet
 from hybrid.config.flags import Flags, flag_name
 from hybrid.config.kinds import BOOL, OBJECT, Kind, show, typed
 from hybrid.errors import ConfigError

@@ -30,8 +30,9 @@ Sections (``zero_optimization``, ``fp16``, ...) are objects, walked key by key.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 from hybrid.config.flags import Flags, field_type
 from hybrid.config.kinds import BOOL, INT, NUMBER, OBJECT, PAIR, STRING, Kind, one_of

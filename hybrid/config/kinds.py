@@ -47,7 +47,7 @@ class Kind:
     choices: tuple = ()
     nullable: bool = False
 
-    def or_null(self) -> "Kind":
+    def or_null(self) -> Kind:
         return replace(self, nullable=True)
 
     @property

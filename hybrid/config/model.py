@@ -81,7 +81,7 @@ class ModelConfig:
                                else 4 * self.hidden_size)
 
     @classmethod
-    def from_flags(cls, f) -> "ModelConfig":
+    def from_flags(cls, f) -> ModelConfig:
         """The section of checked :class:`hybrid.config.flags.Flags`, or of the flat
         flags dict a checkpoint's metadata.json saves (``"config"``; a missing key
         takes the default: 128 for ``make_vocab_size_divisible_by``, GPT-2's
@@ -98,7 +98,7 @@ class ModelConfig:
         return cls(ffn_hidden_size=get("ffn_hidden_size", None),  # None: filled per swiglu
                    max_position_embeddings=positions, **plain, **architecture_fields(f))
 
-    def with_vocab_size(self, vocab_size: int) -> "ModelConfig":
+    def with_vocab_size(self, vocab_size: int) -> ModelConfig:
         """This model with the tokenizer's vocabulary of ``vocab_size`` ids."""
         return replace(self, vocab_size=vocab_size)
 

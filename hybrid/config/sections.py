@@ -272,7 +272,7 @@ class TokenizerConfig:
     def from_flags(cls, tokenizer_type: str | None = None, vocab_file: str | None = None,
                    merge_file: str | None = None, tokenizer_model: str | None = None,
                    tokenizer_file: str | None = None,
-                   vocab_size: int | None = None) -> "TokenizerConfig":
+                   vocab_size: int | None = None) -> TokenizerConfig:
         """The section from Megatron's tokenizer flags (any spelling of the type;
         ``--tokenizer-file`` is the older name of ``--tokenizer-model``)."""
         kind = tokenizer_kind(tokenizer_type)

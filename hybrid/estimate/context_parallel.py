@@ -70,7 +70,6 @@ from hybrid.estimate.model_states import BYTES
 from hybrid.estimate.workload import Workload
 
 
-
 def _shape(w: Workload) -> tuple[int, int, int, int, int, int]:
     """(b, s, nh, ng, hs, e): this rank's micro-batch, tokens, query and K/V heads per
     TP rank, head size, activation bytes."""

@@ -62,7 +62,7 @@ class Workload:
         """Embedding rows at this TP size (:meth:`ModelConfig.padded_vocab_size`)."""
         return self.model.padded_vocab_size(self.tp)
 
-    def with_stage(self, stage: int) -> "Workload":
+    def with_stage(self, stage: int) -> Workload:
         return replace(self, zero_stage=stage)
 
 

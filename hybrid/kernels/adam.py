@@ -74,7 +74,7 @@ class AdamSegments:
     decay: torch.Tensor
 
     @classmethod
-    def from_ranges(cls, n: int, decay_ranges, device) -> "AdamSegments":
+    def from_ranges(cls, n: int, decay_ranges, device) -> AdamSegments:
         """``decay_ranges``: sorted or not, disjoint ``(lo, hi)`` within ``[0, n)``."""
         bounds, flags, pos = [0], [], 0
         for lo, hi in sorted(r for r in decay_ranges if r[1] > r[0]):

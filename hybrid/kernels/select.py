@@ -20,8 +20,12 @@ import torch
 
 from hybrid.config.sections import KERNEL_PATHS
 from hybrid.kernels import settings
-from hybrid.kernels.cpu_features import (NATIVE_FLAGS, SLOWDOWN_ROUTED, SLOWDOWN_TORCH_MATMUL,
-                                         native_cpu_matmul)
+from hybrid.kernels.cpu_features import (
+    NATIVE_FLAGS,
+    SLOWDOWN_ROUTED,
+    SLOWDOWN_TORCH_MATMUL,
+    native_cpu_matmul,
+)
 from hybrid.kernels.dtypes import DTYPES
 
 OPS = tuple(op for op in KERNEL_PATHS if op != "linear")  # the CUDA kernels

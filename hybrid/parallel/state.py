@@ -20,8 +20,13 @@ import torch.distributed as dist
 
 from hybrid.diagnostics.recorder import FlightRecorder, backstop
 from hybrid.parallel.comm import CommGroup, CommStats
-from hybrid.parallel.layout import (check_layout, cp_group_ranks, dp_cp_group_ranks,
-                                    dp_group_ranks, tp_group_ranks)
+from hybrid.parallel.layout import (
+    check_layout,
+    cp_group_ranks,
+    dp_cp_group_ranks,
+    dp_group_ranks,
+    tp_group_ranks,
+)
 
 
 @dataclass
@@ -84,7 +89,7 @@ class ParallelState:
     # -- construction ----------------------------------------------------------
     @classmethod
     def single(cls, device: str | torch.device = "cpu", dump_dir: str | None = None,
-               check_collectives: bool = False) -> "ParallelState":
+               check_collectives: bool = False) -> ParallelState:
         """A one-process state (TP=1, DP=1) that needs no torch.distributed."""
         stats = CommStats()
         timeout = datetime.timedelta(minutes=10)
@@ -99,7 +104,7 @@ class ParallelState:
               device: torch.device | None = None, store=None,
               watch: bool | None = None, dump_dir: str | None = None,
               check_collectives: bool = False,
-              context_parallel_size: int = 1) -> "ParallelState":
+              context_parallel_size: int = 1) -> ParallelState:
         """Create the TP, CP and DP groups of an initialized default process group.
 
         Every rank must call this with the same arguments (group creation is

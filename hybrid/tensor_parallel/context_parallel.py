@@ -37,7 +37,6 @@ import torch
 from hybrid.config.sections import CP_LAYOUTS
 
 
-
 class Segment(NamedTuple):
     """Local tokens ``[start, start + length)`` at global positions ``first + i * stride``."""
     start: int

@@ -20,8 +20,13 @@ import torch
 from hybrid.config.sections import CP_COMM_TYPES, CP_LAYOUTS
 from hybrid.parallel.comm import CommGroup
 from hybrid.tensor_parallel.context_parallel import segments
-from hybrid.tensor_parallel.ring_attention import (GatheredAttention, LocalAttention,
-                                                   RingAttention, Spec, draw_dropout_seed)
+from hybrid.tensor_parallel.ring_attention import (
+    GatheredAttention,
+    LocalAttention,
+    RingAttention,
+    Spec,
+    draw_dropout_seed,
+)
 from hybrid.tensor_parallel.ulysses_attention import sdpa_causal, ulysses_attention
 
 

@@ -27,9 +27,13 @@ from hybrid.kernels import LayerNorm as _KernelLayerNorm, layer_norm, linear
 from hybrid.kernels.rms_norm import rms_norm
 from hybrid.parallel.comm import CommGroup
 from hybrid.tensor_parallel.column_linear import column_parallel_linear
-from hybrid.tensor_parallel.mappings import (gather_from_tp, reduce_from_tp,
-                                             reduce_scatter_to_sequence, scatter_to_tp,
-                                             sequence_parallel_param)
+from hybrid.tensor_parallel.mappings import (
+    gather_from_tp,
+    reduce_from_tp,
+    reduce_scatter_to_sequence,
+    scatter_to_tp,
+    sequence_parallel_param,
+)
 from hybrid.tensor_parallel.sharding import mark_split
 
 

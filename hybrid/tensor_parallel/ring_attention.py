@@ -41,7 +41,13 @@ from typing import NamedTuple
 import torch
 
 from hybrid.parallel.comm import CommGroup
-from hybrid.tensor_parallel.context_parallel import Block, Segment, block_mask, plan_blocks, segments
+from hybrid.tensor_parallel.context_parallel import (
+    Block,
+    Segment,
+    block_mask,
+    plan_blocks,
+    segments,
+)
 
 
 class Spec(NamedTuple):

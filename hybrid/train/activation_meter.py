@@ -17,7 +17,7 @@ measures one micro-batch per logged iteration.
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
@@ -32,7 +32,7 @@ class SavedActivationMeter:
         self._live: dict[int, list] = {}  # storage ptr -> [bytes, saved tensors holding it]
         self._hooks = None
 
-    def __enter__(self) -> "SavedActivationMeter":
+    def __enter__(self) -> SavedActivationMeter:
         self.peak, self._now, self._live = 0, 0, {}
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack)
         self._hooks.__enter__()

@@ -95,11 +95,11 @@ class Engine:
     def __call__(self, *args, **kwargs):
         return self.module(*args, **kwargs)
 
-    def train(self, mode: bool = True) -> "Engine":
+    def train(self, mode: bool = True) -> Engine:
         self.module.train(mode)
         return self
 
-    def eval(self) -> "Engine":
+    def eval(self) -> Engine:
         return self.train(False)
 
     def zero_grad(self) -> None:

@@ -39,8 +39,10 @@ import torch
 from torch import nn
 
 from hybrid.parallel.comm import exclude_from_compile as exclude_collectives
-from hybrid.recompute.checkpointing import (CheckpointedForward,
-                                            exclude_from_compile as exclude_checkpoints)
+from hybrid.recompute.checkpointing import (
+    CheckpointedForward,
+    exclude_from_compile as exclude_checkpoints,
+)
 
 
 @functools.cache

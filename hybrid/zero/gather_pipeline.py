@@ -61,7 +61,7 @@ class _Direct:
 class _Job:
     """One large unit's gather: ``left`` pieces not yet copied into ``grid``."""
 
-    def __init__(self, pipe: "GatherPipeline", grid: torch.Tensor, shard: torch.Tensor):
+    def __init__(self, pipe: GatherPipeline, grid: torch.Tensor, shard: torch.Tensor):
         self.pipe, self.grid, self.shard = pipe, grid, shard
         self.left = 0
         self.event = None  # CUDA: recorded on the side stream after the last copy-out

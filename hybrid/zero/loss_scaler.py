@@ -31,7 +31,7 @@ class LossScaler:
         self._hysteresis_left = self.hysteresis
 
     @classmethod
-    def from_config(cls, cfg: PrecisionConfig) -> "LossScaler":
+    def from_config(cls, cfg: PrecisionConfig) -> LossScaler:
         """fp16 is dynamic unless ``cfg.loss_scale`` is given; bf16/fp32 are not scaled."""
         if cfg.params_dtype != "fp16":
             return cls(1.0, dynamic=False)

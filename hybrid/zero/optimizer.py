@@ -35,7 +35,8 @@ made once when the optimizer is built; this module only owns the state.
 
 from __future__ import annotations
 
-from typing import Callable, Iterable, Protocol
+from collections.abc import Callable, Iterable
+from typing import Protocol
 
 import torch
 

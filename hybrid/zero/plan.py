@@ -29,7 +29,7 @@ class ShardingPlan:
     params: bool
 
     @classmethod
-    def for_stage(cls, stage: int) -> "ShardingPlan":
+    def for_stage(cls, stage: int) -> ShardingPlan:
         if stage not in (0, 1, 2, 3):
             raise ValueError(f"ZeRO stage must be 0, 1, 2 or 3, got {stage}")
         return cls(optimizer=stage >= 1, grads=stage >= 2, params=stage == 3)

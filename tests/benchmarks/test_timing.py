@@ -10,8 +10,17 @@ import time
 
 import pytest
 
-from benchmarks.timing import (Stopwatch, abba, emit, interleaved, median, pair_record,
-                               percentile, ratio, rnd)
+from benchmarks.timing import (
+    Stopwatch,
+    abba,
+    emit,
+    interleaved,
+    median,
+    pair_record,
+    percentile,
+    ratio,
+    rnd,
+)
 
 
 def test_median_and_percentile_skip_missing_runs():

@@ -332,7 +332,6 @@ def _save_with_full_disk(ps, save_dir):
     from hybrid.errors import CheckpointError
     from hybrid.tensor_parallel import seed_all
     from hybrid.train.setup import build_model
-
     from tests.helpers.zero_reference import zero_engine
     cfg = build_config(Flags(num_layers=1, hidden_size=32, num_attention_heads=4, seq_length=8,
                       zero_stage=2), ps.world_size)

@@ -7,8 +7,13 @@ import os
 
 import pytest
 
-from tests.helpers.checkpoint_io_session import (IO_VOCAB, _check_reshard, _old_full_tensors, _own_file_bytes,
-                                   _rows)
+from tests.helpers.checkpoint_io_session import (
+    IO_VOCAB,
+    _check_reshard,
+    _old_full_tensors,
+    _own_file_bytes,
+    _rows,
+)
 from tests.helpers.launch import script_module
 
 

@@ -10,7 +10,12 @@ import os
 
 import pytest
 
-from tests.helpers.checkpoint_io_session import _check_reshard, _old_full_tensors, _own_file_bytes, _rows
+from tests.helpers.checkpoint_io_session import (
+    _check_reshard,
+    _old_full_tensors,
+    _own_file_bytes,
+    _rows,
+)
 
 
 def test_same_layout_load_reads_only_the_rank_s_own_files(io_session):

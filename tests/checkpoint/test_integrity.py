@@ -71,8 +71,8 @@ def test_reads_in_any_order_check_every_touched_block_reading_only_its_gaps(seed
 
 
 def test_a_changed_byte_is_named_by_its_block():
-    from hybrid.errors import CheckpointError
     from hybrid.checkpoint.integrity import Verifier
+    from hybrid.errors import CheckpointError
     data = bytearray(random.Random(1).randbytes(3 * 4096))
     table = _table(bytes(data), 3, 1024)
     data[5000] ^= 0x10  # column 1 (4096..8191), its block [4096, 5120)

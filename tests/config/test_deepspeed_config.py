@@ -14,7 +14,6 @@ from hybrid.config.deepspeed_keys import KEYS, Custom, Flag, Hint, Refuse, kind_
 from hybrid.config.flags import Flags
 from hybrid.errors import ConfigError
 from hybrid.train.lr_schedule import scheduled_lr
-
 from tests.helpers.launch import TINY, pretrain, read_json_log, script_module
 
 

@@ -13,7 +13,6 @@ import torch
 
 from hybrid.config import build_config, parse_args
 from hybrid.errors import ConfigError
-
 from tests.helpers.launch import ROOT
 
 

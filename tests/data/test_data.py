@@ -14,7 +14,6 @@ from hybrid.data.blending import BlendedSamples
 from hybrid.data.dataset import GPTSamples, build_datasets, dp_micro_batches
 from hybrid.data.indexed import open_indexed
 from hybrid.data.tokenizer import ByteTokenizer
-
 from tests.helpers.launch import ROOT, env
 
 PREPROCESS = os.path.join(ROOT, "scripts", "preprocess_data.py")

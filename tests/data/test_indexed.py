@@ -22,7 +22,6 @@ from hybrid.data.hybridx import HybridxIndexed
 from hybrid.data.indexed import IndexedWriter, MegatronIndexed, open_indexed, write_indexed
 from hybrid.data.tokenizer import ByteTokenizer, GPT2BPETokenizer
 from hybrid.errors import ConfigError, DataError
-
 from tests.helpers.launch import ROOT, TINY, env, pretrain, read_json_log
 
 PREPROCESS = os.path.join(ROOT, "scripts", "preprocess_data.py")

@@ -9,7 +9,6 @@ import pytest
 from hybrid.config import Flags, build_config
 from hybrid.data.tokenizer import ByteTokenizer, GPT2BPETokenizer, build_tokenizer
 from hybrid.errors import DataError
-
 from tests.helpers.launch import ROOT, env
 
 TEXT = ("It is a truth universally acknowledged, that a single man in possession of a good "

@@ -15,7 +15,6 @@ from hybrid.config import build_config, parse_args
 from hybrid.diagnostics import report
 from hybrid.errors import ConfigError
 from hybrid.parallel.comm import CollectiveError
-
 from tests.helpers.harness import run_ranks
 from tests.helpers.launch import TINY, _pretrain_rank, pretrain, read_json_log
 

@@ -15,7 +15,6 @@ from test_diagnostics import _line_of
 
 from hybrid.diagnostics.recorder import FlightRecorder, backstop
 from hybrid.diagnostics.watch import PendingWatch
-
 from tests.helpers.harness import run_ranks
 
 

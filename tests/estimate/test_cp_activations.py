@@ -32,8 +32,13 @@ from torch.profiler import ProfilerActivity, profile, record_function
 from hybrid.config.model import ModelConfig
 from hybrid.config.sections import RecomputeConfig
 from hybrid.estimate.context_parallel import attention_working_set
-from hybrid.estimate.memory import (Workload, activation_bytes, activation_bytes_per_layer,
-                                    head_bytes, traffic_bytes)
+from hybrid.estimate.memory import (
+    Workload,
+    activation_bytes,
+    activation_bytes_per_layer,
+    head_bytes,
+    traffic_bytes,
+)
 from hybrid.parallel.state import ParallelState
 from hybrid.recompute.checkpointing import apply_activation_checkpointing
 from hybrid.tensor_parallel import seed_all
@@ -42,7 +47,6 @@ from hybrid.tensor_parallel.cp_attention import ContextParallel
 from hybrid.train.activation_meter import SavedActivationMeter
 from hybrid.train.setup import recompute_targets
 from models.gpt import GPT
-
 from tests.helpers.harness import run_ranks
 
 T, B, H, NH, V = 64, 2, 64, 4, 256

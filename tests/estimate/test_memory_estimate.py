@@ -20,14 +20,20 @@ import torch
 
 from hybrid.config.model import ModelConfig
 from hybrid.config.sections import RecomputeConfig
-from hybrid.estimate.memory import (Workload, activation_bytes, activation_bytes_per_layer,
-                                    choose_stage, head_bytes, peak_memory, traffic_bytes)
+from hybrid.estimate.memory import (
+    Workload,
+    activation_bytes,
+    activation_bytes_per_layer,
+    choose_stage,
+    head_bytes,
+    peak_memory,
+    traffic_bytes,
+)
 from hybrid.parallel.state import ParallelState
 from hybrid.recompute.checkpointing import apply_activation_checkpointing
 from hybrid.tensor_parallel import full_shape, seed_all
 from hybrid.train.setup import recompute_targets
 from models.gpt import GPT
-
 from tests.helpers.harness import run_ranks
 from tests.helpers.launch import ROOT, env
 

@@ -19,11 +19,24 @@ from hybrid.config.model import ModelConfig
 from hybrid.config.sections import OffloadConfig
 from hybrid.estimate.memory import Workload, activation_bytes, buffer_bytes
 from hybrid.estimate.model_states import model_state_bytes
-from hybrid.estimate.tiers import (HOST_BASELINE_BYTES, LADDER, Capacity, device_terms,
-                                   disk_bytes_per_step, disk_terms, host_terms,
-                                   largest_fitting, offload_ladder,
-                                   pcie_bytes_per_step, recommend_offload, rung_workload,
-                                   setting_name, shard_elements, shortfalls, tier_bytes)
+from hybrid.estimate.tiers import (
+    HOST_BASELINE_BYTES,
+    LADDER,
+    Capacity,
+    device_terms,
+    disk_bytes_per_step,
+    disk_terms,
+    host_terms,
+    largest_fitting,
+    offload_ladder,
+    pcie_bytes_per_step,
+    recommend_offload,
+    rung_workload,
+    setting_name,
+    shard_elements,
+    shortfalls,
+    tier_bytes,
+)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 GIB = 2 ** 30

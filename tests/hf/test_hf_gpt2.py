@@ -59,11 +59,10 @@ def test_export_loads_in_transformers_with_the_same_logits(tmp_path):
 def _load_imported(ps, save):
     from hybrid.checkpoint import load_checkpoint
     from hybrid.config import Flags, build_config
+    from hybrid.errors import CheckpointError
     from hybrid.tensor_parallel import seed_all
     from hybrid.train.setup import build_model
-
     from tests.helpers.zero_reference import zero_engine
-    from hybrid.errors import CheckpointError
     flags = dict(tensor_model_parallel_size=ps.tp_size, num_layers=2, hidden_size=32,
                  num_attention_heads=4, seq_length=32, zero_stage=3, hidden_dropout=0.0,
                  attention_dropout=0.0, zero_param_persistence_threshold=0)

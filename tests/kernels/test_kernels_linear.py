@@ -15,7 +15,6 @@ import torch.nn.functional as F
 from hybrid import kernels
 from hybrid.config import build_config, parse_kernel_choice
 from hybrid.kernels import cpu_features, kernel_choice, linear, matmul, select
-
 from tests.helpers.harness import run_ranks
 
 CPU, LOW = torch.device("cpu"), (torch.bfloat16, torch.float16)

@@ -9,7 +9,6 @@ from hybrid.config.model import ModelConfig
 from hybrid.parallel.state import ParallelState
 from hybrid.tensor_parallel import seed_all
 from models.gpt import GPT
-
 from tests.helpers.harness import run_ranks
 
 SEED = 7

@@ -15,7 +15,6 @@ from hybrid.tensor_parallel import InitValues, seed_all, unshard
 from hybrid.tensor_parallel.context_parallel import cp_shard
 from hybrid.tensor_parallel.cp_attention import ContextParallel
 from models.gpt import GPT
-
 from tests.helpers.harness import run_ranks
 from tests.helpers.zero_reference import _train_cfg, zero_engine
 

@@ -20,9 +20,14 @@ from hybrid.config.model import ModelConfig
 from hybrid.parallel.state import ParallelState
 from hybrid.tensor_parallel import full_shape, seed_all, shard_of, unshard
 from models.gpt import GPT
-
 from tests.helpers.harness import run_ranks
-from tests.helpers.zero_reference import VOCAB, _named_params, _train_cfg, _train_reference, _train_steps
+from tests.helpers.zero_reference import (
+    VOCAB,
+    _named_params,
+    _train_cfg,
+    _train_reference,
+    _train_steps,
+)
 
 SEED, V, T = 13, 257, 16
 LLAMA = dict(normalization="RMSNorm", swiglu=True, position_embedding_type="rope",

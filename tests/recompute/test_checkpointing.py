@@ -15,7 +15,6 @@ from hybrid.config.model import ModelConfig
 from hybrid.recompute.checkpointing import apply_activation_checkpointing
 from hybrid.tensor_parallel import seed_all
 from models.gpt import GPT
-
 from tests.helpers.harness import run_ranks
 from tests.helpers.launch import TINY, pretrain, read_json_log
 

@@ -5,7 +5,6 @@ import pytest
 import torch
 
 from hybrid.recompute.checkpointing import CheckpointStore
-
 from tests.helpers.harness import run_ranks
 
 

@@ -10,7 +10,6 @@ import torch.nn.functional as F
 from hybrid.parallel.state import ParallelState
 from hybrid.tensor_parallel.context_parallel import causal_pairs, cp_positions, cp_shard
 from hybrid.tensor_parallel.cp_attention import ContextParallel
-
 from tests.helpers.harness import run_ranks
 
 B, NH, T, HS = 2, 4, 32, 8

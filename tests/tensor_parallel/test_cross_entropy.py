@@ -5,7 +5,6 @@ import torch
 import torch.nn.functional as F
 
 from hybrid.tensor_parallel import vocab_parallel_cross_entropy
-
 from tests.helpers.harness import run_ranks
 
 V, PAD = 32, 8  # the last PAD columns play the padded vocabulary (masked to -inf)

@@ -5,9 +5,14 @@ import torch
 import torch.nn.functional as F
 
 from hybrid.parallel.state import ParallelState
-from hybrid.tensor_parallel import (ColumnParallelLinear, Init, RowParallelLinear,
-                                    VocabParallelEmbedding, init_parameters, shard_of)
-
+from hybrid.tensor_parallel import (
+    ColumnParallelLinear,
+    Init,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    init_parameters,
+    shard_of,
+)
 from tests.helpers.harness import run_ranks
 
 IN, OUT, V, D = 8, 12, 16, 6

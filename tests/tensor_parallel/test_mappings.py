@@ -4,7 +4,6 @@ import pytest
 import torch
 
 from hybrid.tensor_parallel import copy_to_tp, gather_from_tp, reduce_from_tp, scatter_to_tp
-
 from tests.helpers.harness import run_ranks
 
 

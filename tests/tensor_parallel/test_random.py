@@ -4,7 +4,6 @@ import torch
 import torch.nn.functional as F
 
 from hybrid.tensor_parallel import seed_all
-
 from tests.helpers.harness import run_ranks
 
 

@@ -12,12 +12,22 @@ import torch
 
 from hybrid.config.model import ModelConfig
 from hybrid.parallel.state import ParallelState
-from hybrid.tensor_parallel import (gather_from_sequence, reduce_scatter_to_sequence,
-                                    scatter_to_sequence, seed_all)
+from hybrid.tensor_parallel import (
+    gather_from_sequence,
+    reduce_scatter_to_sequence,
+    scatter_to_sequence,
+    seed_all,
+)
 from models.gpt import GPT
-
 from tests.helpers.harness import run_ranks
-from tests.helpers.zero_reference import _dp_step, _gpt, _named_params, _train_cfg, _train_stages, zero_engine
+from tests.helpers.zero_reference import (
+    _dp_step,
+    _gpt,
+    _named_params,
+    _train_cfg,
+    _train_stages,
+    zero_engine,
+)
 
 SEED, V, T = 11, 257, 16
 

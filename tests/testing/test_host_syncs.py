@@ -12,7 +12,6 @@ from hybrid.config import Flags, build_config
 from hybrid.parallel.state import ParallelState
 from hybrid.tensor_parallel import InitValues
 from hybrid.testing.host_syncs import HostReads, cuda_syncs
-
 from tests.helpers.harness import run_ranks
 from tests.helpers.launch import ROOT
 from tests.helpers.zero_reference import _gpt, zero_engine

@@ -6,7 +6,6 @@ import os
 import torch
 
 from hybrid.testing import pool as multiprocess
-
 from tests.helpers.harness import run_ranks
 
 

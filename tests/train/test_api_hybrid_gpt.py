@@ -9,7 +9,6 @@ import os
 import shutil
 
 from hybrid.config import build_config, parse_args
-
 from tests.helpers.harness import run_ranks
 from tests.helpers.launch import TINY, pretrain, read_json_log
 

@@ -136,7 +136,6 @@ def _sigterm_rank1_at_step3(ps, cfg):
     import signal
 
     from hybrid.train import trainer as training
-
     from tests.helpers.launch import _pretrain_rank
     orig, count = training.train_step, [0]
 

@@ -9,7 +9,6 @@ import pytest
 import torch
 
 from hybrid.config import Flags, build_config
-
 from tests.helpers.harness import run_ranks
 
 FULL = {"recompute_granularity": "full"}  # uniform, one block per checkpoint

@@ -3,7 +3,6 @@
 import torch
 
 from hybrid.zero.gather_pipeline import GatherPipeline
-
 from tests.helpers.harness import run_ranks
 
 BUCKET = 1000

@@ -13,9 +13,15 @@ from hybrid.estimate.workload import workload
 from hybrid.tensor_parallel import InitValues
 from hybrid.zero.offload.landing import GradLanding
 from hybrid.zero.state import iter_piece_values
-
 from tests.helpers.harness import run_ranks
-from tests.helpers.zero_reference import VOCAB, _dp_step, _gpt, _named_params, _train_cfg, zero_engine
+from tests.helpers.zero_reference import (
+    VOCAB,
+    _dp_step,
+    _gpt,
+    _named_params,
+    _train_cfg,
+    zero_engine,
+)
 
 STEPS = 2  # the second step's gradients are taken at parameters the first updated
 LANDS = {"offload_delayed_update": True, "offload_delayed_update_warmup": STEPS}

@@ -4,7 +4,6 @@ import pytest
 import torch
 
 from hybrid.tensor_parallel import InitValues
-
 from tests.helpers.harness import run_ranks
 from tests.helpers.zero_reference import SEQ, VOCAB, _gpt, _train_cfg, zero_engine
 

@@ -17,19 +17,23 @@ import torch
 
 from hybrid.errors import ConfigError, SwapIOError, SwapSpaceError
 from hybrid.parallel.state import ParallelState
+from hybrid.recompute.checkpointing import apply_activation_checkpointing
+from hybrid.tensor_parallel import InitValues
 from hybrid.zero.offload.nvme import gds
 from hybrid.zero.offload.nvme.homes import DiskHome
 from hybrid.zero.offload.nvme.swap import SwapSpace
 from hybrid.zero.offload.tiers import host_pinning
-
-from hybrid.recompute.checkpointing import apply_activation_checkpointing
-from hybrid.tensor_parallel import InitValues
 from hybrid.zero.state import iter_piece_values
-
 from tests.helpers.harness import run_ranks
 from tests.helpers.launch import TINY, pretrain
-from tests.helpers.zero_reference import (_dp_step, _gpt, _my_micro_batches, _named_params, _train_cfg,
-                            zero_engine)
+from tests.helpers.zero_reference import (
+    _dp_step,
+    _gpt,
+    _my_micro_batches,
+    _named_params,
+    _train_cfg,
+    zero_engine,
+)
 
 TILE = 1024  # elements: the shards here are a few thousand, so tiles cross unit bounds
 

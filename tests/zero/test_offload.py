@@ -13,7 +13,6 @@ from hybrid.errors import ConfigError
 from hybrid.parallel.state import ParallelState
 from hybrid.tensor_parallel import InitValues, seed_all
 from models.gpt import GPT
-
 from tests.helpers.harness import run_ranks
 from tests.helpers.zero_reference import zero_engine
 

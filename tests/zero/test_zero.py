@@ -7,10 +7,18 @@ import torch
 
 from hybrid.estimate.model_states import comm_bytes_per_step, model_state_bytes
 from hybrid.parallel.state import ParallelState
-
 from tests.helpers.harness import run_ranks
-from tests.helpers.zero_reference import (MICRO, VOCAB, _gpt, _my_micro_batches, _named_params, _train_cfg,
-                            _train_reference, _train_stages, zero_engine)
+from tests.helpers.zero_reference import (
+    MICRO,
+    VOCAB,
+    _gpt,
+    _my_micro_batches,
+    _named_params,
+    _train_cfg,
+    _train_reference,
+    _train_stages,
+    zero_engine,
+)
 
 
 @pytest.fixture(scope="module")

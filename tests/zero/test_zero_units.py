@@ -6,10 +6,15 @@ import torch
 from hybrid.parallel.state import ParallelState
 from hybrid.recompute.checkpointing import apply_activation_checkpointing
 from hybrid.tensor_parallel import InitValues
-
 from tests.helpers.harness import run_ranks
-from tests.helpers.zero_reference import (_gpt, _named_params, _train_cfg, _train_reference, _train_steps,
-                            zero_engine)
+from tests.helpers.zero_reference import (
+    _gpt,
+    _named_params,
+    _train_cfg,
+    _train_reference,
+    _train_steps,
+    zero_engine,
+)
 
 
 def _full_params(res, tp, name, spec):

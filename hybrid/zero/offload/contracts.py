@@ -23,7 +23,8 @@ a home is the narrower :class:`~hybrid.zero.flat_unit.ShardHome`, which
 
 from __future__ import annotations
 
-from typing import Callable, Iterable, Protocol
+from collections.abc import Callable, Iterable
+from typing import Protocol
 
 import torch
 

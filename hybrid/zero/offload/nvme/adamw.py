@@ -19,7 +19,7 @@ and moment element ends with the same bits, and so does the curve.
 from __future__ import annotations
 
 import bisect
-from typing import Callable, Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 
