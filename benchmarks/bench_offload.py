@@ -9,11 +9,13 @@ One GPT (default 8 layers x hidden 1024, vocab 8192: ~109M parameters; seq 128,
 micro-batch 1, ``--dtype`` (default bf16 with a GPU, fp32 without: a CPU without
 bf16 matrix units multiplies bf16 hundreds of times slower), TP 1, DP
 ``--world-size``, ZeRO-3, synthetic tokens) under each setting, in fresh
-processes (``run_ranks(reuse=False)``) so the peak RSS is that setting's: ``none``, ``optimizer_cpu``, ``optimizer_nvme``,
-``param_cpu`` (optimizer cpu + param cpu), ``param_nvme`` (optimizer nvme +
-param nvme), ``param_nvme_gds`` (the same with ``--offload-gds``; its row's
-``gds_per_rank`` says "used" or why not -- not in the default list). Swap files go to a fresh directory under ``--nvme-path`` (default:
-the current directory; tmpfs is refused), removed at the end.
+processes (``run_ranks(reuse=False)``) so the peak RSS is that setting's:
+``none``, ``optimizer_cpu``, ``optimizer_nvme``, ``param_cpu`` (optimizer cpu +
+param cpu), ``param_nvme`` (optimizer nvme + param nvme), ``param_nvme_gds``
+(the same with ``--offload-gds``; its row's ``gds_per_rank`` says "used" or why
+not -- not in the default list). Swap files go to a fresh directory under
+``--nvme-path`` (default: the current directory; tmpfs is refused), removed at
+the end.
 
 ``configs.<name>``: ``median_step_s`` (``--steps`` after one warm-up) and
 ``ratio_to_none``, split into ``median_fwd_bwd_s`` and ``median_optimizer_step_s``

@@ -8,10 +8,11 @@
 
 Presets: ``1.3b``, the shape the GPU throughput is measured at, is 24 layers x
 2048 hidden x 16 heads, seq 2048, micro-batch 4, bf16, GPT-2's vocabulary;
-``tiny`` is 2 x 64 x 4, seq 32, micro 2, for checking the script on a CPU. Each config builds the model
-exactly as training does (``hybrid.train.setup.build_engine``: meta device, ZeRO
-materializes its shard) and runs ``train_step`` on synthetic tokens already on
-the device, so the data pipeline is not measured.
+``tiny`` is 2 x 64 x 4, seq 32, micro 2, for checking the script on a CPU. Each
+config builds the model exactly as training does
+(``hybrid.train.setup.build_engine``: meta device, ZeRO materializes its shard)
+and runs ``train_step`` on synthetic tokens already on the device, so the data
+pipeline is not measured.
 
 Per config one JSON line: median step time over the timed steps (wall time
 between device syncs), tokens/s per rank, MFU (model FLOPs per token x

@@ -41,6 +41,7 @@ def _args(argv=None):
 def _tokens(seq: int):
     """(train, validation) (n, seq + 1) byte samples of the built-in corpus."""
     import torch
+
     from hybrid.data.builtin import builtin_documents
     data = torch.tensor(list("\n\n".join(builtin_documents()).encode("utf-8")),
                         dtype=torch.long)

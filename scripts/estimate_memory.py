@@ -231,7 +231,8 @@ def _text_offload(est: dict, indent: str = "  ") -> list[str]:
             f"{indent}disk   {_size(est['disk_bytes'])}",
             f"{indent}per step: PCIe {_size(pcie['total'])} (grads down {pcie['grads_down']:,} "
             f"B, up {pcie['grads_up']:,} B, params up {pcie['params_up']:,} B, gathers up "
-            f"{pcie['param_gathers_up']:,} B); disk read {_size(disk['read'])}, write {_size(disk['write'])}"]
+            f"{pcie['param_gathers_up']:,} B); disk read {_size(disk['read'])}, "
+            f"write {_size(disk['write'])}"]
 
 
 def _text(records: list[dict]) -> str:

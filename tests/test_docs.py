@@ -60,7 +60,8 @@ LONG = 600  # lines past which a module is named in layout.md with why it is one
 
 def _layout_sections() -> dict[str, tuple[set[str], str]]:
     """{package dir: (the file names its table rows list, the section's text)}."""
-    out, current, text = {}, None, []
+    out: dict[str, tuple[set[str], str]] = {}
+    current = None
     for line in LAYOUT.read_text(encoding="utf-8").splitlines():
         m = re.match(r"#{2,3} `([\w/]+)/`", line)
         if m or line.startswith("## "):

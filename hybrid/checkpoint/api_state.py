@@ -49,7 +49,8 @@ def load_engine(engine, load_dir: str, tag, optimizer: bool, schedule: bool):
     meta = info["metadata"]
     steps = meta.get("api", {}).get("global_steps", meta["iteration"])
     engine.global_steps = steps
-    engine.micro_steps = meta.get("api", {}).get("micro_steps", steps * engine.gradient_accumulation_steps)
+    engine.micro_steps = meta.get("api", {}).get(
+        "micro_steps", steps * engine.gradient_accumulation_steps)
     if schedule and "lr_scheduler" in meta:
         engine.lr_scheduler.load_state_dict(meta["lr_scheduler"])
     return info["checkpoint"], meta.get("client_state", {})

@@ -105,8 +105,8 @@ def is_gpt2(fields: dict) -> bool:
 
 
 def validate_architecture(cfg) -> None:
-    """Check the architecture flags of a :class:`hybrid.config.flags.Flags` (after its layout and head
-    checks), raising one ConfigError naming the flag; fill ``num_query_groups`` (1,
+    """Check the architecture flags of a :class:`hybrid.config.flags.Flags` (after its
+    layout and head checks), raising one ConfigError naming the flag; fill ``num_query_groups`` (1,
     Megatron's default, with --group-query-attention) and, with --swiglu, the
     default ``ffn_hidden_size``."""
     tp = cfg.tensor_model_parallel_size

@@ -88,7 +88,8 @@ OFFLOAD_TIERS = ("cpu", "nvme")  # where model states can live off the device
 
 @dataclass(frozen=True)
 class OffloadConfig:
-    """What lives off the device, and where (:mod:`hybrid.zero.offload`, :mod:`hybrid.zero.offload.nvme.swap`).
+    """What lives off the device, and where (:mod:`hybrid.zero.offload`,
+    :mod:`hybrid.zero.offload.nvme.swap`).
 
     ``optimizer``: None (on the device), "cpu" (the fp32 master weights and Adam
     moments live in host memory and the optimizer step runs there: ZeRO-Offload)

@@ -170,7 +170,7 @@ def _check_vocabulary(opened: dict, cfg: DataConfig, tokenizer, ps) -> None:
     """Every token id in ``[0, vocab)``: files through the cached, rank-shared check
     (hybrid/data/vocab_check.py), in-memory sources directly."""
     files = [(p, s) for p, s in opened.items() if hasattr(s, "validate")]
-    for path, src in files:
+    for _, src in files:
         if src.tokens.dtype.kind not in "iu":
             raise DataError(f"{src.idx_path}: holds {src.tokens.dtype.name} values, not token "
                             f"ids (dtype code {getattr(src, 'dtype_code', '?')})")

@@ -3,7 +3,8 @@
 Every tokenizer has ``vocab_size``, ``eod`` (the end-of-document id), ``encode``
 (str -> list[int]), ``encode_array`` and ``decode``. ``build_tokenizer(cfg)``
 builds the one a :class:`~hybrid.config.sections.TokenizerConfig` names (from the
-``--tokenizer-type`` flags), for training and preprocessing alike; a missing or unreadable file is a DataError naming its flag.
+``--tokenizer-type`` flags), for training and preprocessing alike; a missing or
+unreadable file is a DataError naming its flag.
 """
 
 from __future__ import annotations

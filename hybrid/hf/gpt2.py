@@ -40,7 +40,8 @@ def to_hf(model: dict[str, torch.Tensor], num_layers: int, heads: int,
         for ln in ("ln_1", "ln_2"):
             out[dst + ln + ".weight"] = model[src + ln + ".weight"]
             out[dst + ln + ".bias"] = model[src + ln + ".bias"]
-        out[dst + "attn.c_attn.weight"] = _per_head_to_qkv(model[src + "attn.qkv.weight"], heads).t()
+        out[dst + "attn.c_attn.weight"] = _per_head_to_qkv(
+            model[src + "attn.qkv.weight"], heads).t()
         out[dst + "attn.c_attn.bias"] = _per_head_to_qkv(model[src + "attn.qkv.bias"], heads)
         out[dst + "attn.c_proj.weight"] = model[src + "attn.proj.weight"].t()
         out[dst + "attn.c_proj.bias"] = model[src + "attn.proj.bias"]

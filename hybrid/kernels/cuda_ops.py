@@ -7,7 +7,8 @@ Functions (all tensors contiguous CUDA; T is fp32, bf16 or fp16):
     layer_norm_bwd(dy, x, w, mean, rstd) -> [dx T, dw T, db T]
     bias_gelu_fwd(x (..., C) T, bias (C,) T, tanh: bool) -> y T
     bias_gelu_bwd(dy, x, bias, tanh: bool) -> [dx T, dbias T]
-    ce_stats(logits (N, V) T, target int64 (N,), vocab_start, valid) -> [max, sumexp, tlogit] fp32 (N,)
+    ce_stats(logits (N, V) T, target int64 (N,), vocab_start, valid)
+        -> [max, sumexp, tlogit] fp32 (N,)
     ce_grad(logits, target, M, S, grad_loss (fp32 (N,) each), vocab_start, valid) -> grad (N, V) T
     adam_step(master, grad, exp_avg, exp_avg_sq, out, seg_bounds, seg_decay, lr, beta1, beta2,
               eps, weight_decay, step, grad_scale, found_inf) -> None   (see hybrid/kernels/adam.py)

@@ -80,9 +80,9 @@ def low_precision_warning(params_dtype: str, device: torch.device) -> str | None
     advice = f"Train in fp32 (drop --{params_dtype}) unless memory is what you are short of."
     if kernel_choice("linear", device, dtype) == "fp32":
         return (head + f"PyTorch's {params_dtype} matmuls made a step {SLOWDOWN_TORCH_MATMUL}x "
-                f"an fp32 one on such a CPU (a 12 x 768 GPT, measured), so hybrid computes them in fp32 (--kernel-choice "
-                f"linear=fp32), and a step costs about what an fp32 step does "
-                f"({SLOWDOWN_ROUTED}x): {params_dtype} saves memory here, not time. "
+                f"an fp32 one on such a CPU (a 12 x 768 GPT, measured), so hybrid computes "
+                f"them in fp32 (--kernel-choice linear=fp32), and a step costs about what an "
+                f"fp32 step does ({SLOWDOWN_ROUTED}x): {params_dtype} saves memory here, not time. "
                 + advice)
     return (head + f"with --kernel-choice linear=eager its {params_dtype} matmuls make a step "
             f"about {SLOWDOWN_TORCH_MATMUL}x an fp32 one. " + advice)

@@ -7,8 +7,8 @@ Megatron's conjugate pair:
 
 and the last-dimension split/concat pair:
 
-* :func:`scatter_to_tp`   forward: keep this rank's chunk of the last dim,  backward: all-gather
-* :func:`gather_from_tp`  forward: all-gather along the last dim,            backward: keep own chunk
+* :func:`scatter_to_tp`   forward: keep this rank's chunk of the last dim, backward: all-gather
+* :func:`gather_from_tp`  forward: all-gather along the last dim,           backward: keep own chunk
 
 and the sequence-parallel ops (Korthikanti et al. 2022), which split the
 sequence dimension (dim 1 of ``(B, T, C)``) over the TP group in the regions TP

@@ -157,7 +157,8 @@ class _Pool:
                             if p.exitcode is not None and r not in out]
                     if dead:
                         raise RuntimeError(f"rank(s) {dead} died with exit codes "
-                                           f"{[self.procs[r].exitcode for r in dead]}")
+                                           f"{[self.procs[r].exitcode for r in dead]}"
+                                           ) from None  # the empty queue is not the cause
                     continue
                 if cid != call_id:
                     continue  # cannot happen: a failed call's pool is not reused

@@ -10,9 +10,10 @@ Inside the context every tensor autograd saves passes through
 many saved tensors view it, from the first save until autograd frees the last
 of them, so ``peak`` is a high-water mark of real memory, not a sum of saves;
 recompute's re-run block counts while it exists. Parameters and views of
-them (including ZeRO-3's gathered ones) are not activations and are skipped; ``extra`` adds bytes held outside autograd (the activation
-checkpoints). The hooks cost a Python call per saved tensor, so training
-measures one micro-batch per logged iteration.
+them (including ZeRO-3's gathered ones) are not activations and are skipped;
+``extra`` adds bytes held outside autograd (the activation checkpoints). The
+hooks cost a Python call per saved tensor, so training measures one micro-batch
+per logged iteration.
 """
 
 from __future__ import annotations

@@ -25,6 +25,9 @@ class NoClock:
         return {}
 
 
+UNTIMED = NoClock()  # stateless: the one instance every untimed caller shares
+
+
 class PhaseClock:
     """Seconds per phase, summed until :meth:`take` (which averages over ``steps``)."""
 

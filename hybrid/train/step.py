@@ -17,12 +17,13 @@ from hybrid.config.sections import LoopConfig
 from hybrid.data.dataset import dp_micro_batches
 from hybrid.parallel.state import ParallelState
 from hybrid.train.activation_meter import SavedActivationMeter
-from hybrid.train.phase_clock import NoClock
+from hybrid.train.phase_clock import UNTIMED, NoClock, PhaseClock
 from hybrid.zero import ZeroEngine
 
 
 def train_step(model: torch.nn.Module, engine: ZeroEngine, micro_batches, lr: float,
-               meter: SavedActivationMeter | None = None, clock=NoClock()):
+               meter: SavedActivationMeter | None = None,
+               clock: PhaseClock | NoClock = UNTIMED):
     """One optimizer step over this rank's micro-batches; returns (local loss, StepResult,
     the ``(n,)`` micro-batch losses).
 

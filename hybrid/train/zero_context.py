@@ -56,7 +56,7 @@ class ModuleInitValues:
     def __init__(self, model: nn.Module, seed: int):
         self.model, self.seed = model, seed
         self.owner = {}
-        for mname, module in model.named_modules():
+        for module in model.modules():
             for pname, p in module.named_parameters(recurse=False):
                 self.owner.setdefault(id(p), (module, pname))
         self._cached: tuple[str, torch.Tensor] | None = None

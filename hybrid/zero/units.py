@@ -182,7 +182,8 @@ class Materializer:
         after each (stage 3 parameter offload sends the shard home there)."""
         off = 0
         for u in units:
-            fill = (lambda i, lo, hi, dst, u=u: self.fill(u.params[i], lo, hi, dst))
+            def fill(i: int, lo: int, hi: int, dst: torch.Tensor, u: FlatUnit = u) -> None:
+                self.fill(u.params[i], lo, hi, dst)
             if u.partition_params:
                 u.bind(torch.empty(u.padded, dtype=dtype, device=device), fill)
             else:

@@ -270,8 +270,8 @@ def test_eod_mask_loss_masks_the_predictions_made_at_end_of_document_inputs():
 def test_the_builtin_corpus_is_parsed_once_and_cached(tmp_path, monkeypatch, caplog):
     """The parse goes to the cache directory once; a later call reads the same documents
     without parsing; a corrupt cache file is parsed again (with a warning) and rewritten;
-    a changed stdlib gets a file of its own; an unwritable directory only means no cache. The entry point's environment or
-    --data-cache-path picks the directory."""
+    a changed stdlib gets a file of its own; an unwritable directory only means no
+    cache. The entry point's environment or --data-cache-path picks the directory."""
     from hybrid.data import builtin
 
     lib = tmp_path / "stdlib"  # a two-module standard library: parsed in milliseconds

@@ -338,9 +338,10 @@ def test_megatron_tokenizer_names_and_mock_data_config():
                              "--mock-data"]), 1)
     assert cfg.data.mock_data and cfg.tokenizer.vocab_size == 50
     assert cfg.tokenizer.type == "NullTokenizer"
-    cfg = build_config(parse_args(BASE + ["--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model",
-                             "some/dir", "--train-data-path", "0.3", "a", "0.7", "b",
-                             "--valid-data-path", "c"]), 1)
+    cfg = build_config(parse_args(BASE + ["--tokenizer-type", "HuggingFaceTokenizer",
+                                          "--tokenizer-model", "some/dir",
+                                          "--train-data-path", "0.3", "a", "0.7", "b",
+                                          "--valid-data-path", "c"]), 1)
     assert cfg.data.train_data_path == ("0.3", "a", "0.7", "b")
     assert cfg.tokenizer.model == "some/dir"
 

@@ -58,7 +58,8 @@ def test_tokenizer_json_through_the_library(bpe_files, tmp_path):
     hf.decoder = tokenizers.decoders.ByteLevel()
     path = str(tmp_path / "tokenizer.json")
     hf.save(path)
-    tok = build_tokenizer(build_config(Flags(tokenizer_type="hf", tokenizer_file=path), 1).tokenizer)
+    cfg = build_config(Flags(tokenizer_type="hf", tokenizer_file=path), 1)
+    tok = build_tokenizer(cfg.tokenizer)
     assert tok.encode(TEXT) == GPT2BPETokenizer(*bpe_files).encode(TEXT)
     assert tok.decode(tok.encode(TEXT)) == TEXT
 

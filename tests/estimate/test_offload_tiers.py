@@ -384,6 +384,6 @@ def test_largest_fitting_bisects_to_the_last_size_that_fits():
     nothing fits, the limit when everything does, in O(log n) estimates."""
     for cut in (0, 1, 2, 3, 7, 100, 1000, 4096):
         calls = []
-        assert largest_fitting(lambda n: calls.append(n) or n <= cut) == cut
+        assert largest_fitting(lambda n, calls=calls, cut=cut: calls.append(n) or n <= cut) == cut
         assert len(calls) <= 2 * max(1, cut).bit_length() + 2, (cut, calls)
     assert largest_fitting(lambda n: True, limit=50) == 50

@@ -1,8 +1,8 @@
 """The 4-process checkpoint I/O session and the raw-file readers its tests share.
 
 One session does every save and load the checkpoint I/O tests check
-(tests/checkpoint/test_checkpoint_io.py, tests/checkpoint/test_checkpoint_format2.py): spawning ranks
-is what costs, so it runs once (the ``io_session`` fixture, session-scoped,
+(tests/checkpoint/test_checkpoint_io.py, tests/checkpoint/test_checkpoint_format2.py):
+spawning ranks is what costs, so it runs once (the ``io_session`` fixture, session-scoped,
 made visible to the tests by conftest.py). The readers here parse the raw
 files independently of hybrid.checkpoint.
 """

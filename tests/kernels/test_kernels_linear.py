@@ -108,7 +108,7 @@ def test_fp32_path_saves_what_f_linear_saves(choose):
         choose(f"linear={path}")
         seen = {}
 
-        def pack(t):
+        def pack(t, seen=seen):
             seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
             return t
         xs = x.clone().requires_grad_()
@@ -178,8 +178,8 @@ def _assert_paths_agree(res, linears, gathered=0, rows=0):
 
 def test_gpt_in_bf16_takes_the_fp32_path_everywhere():
     """Every linear of the GPT -- QKV, attention out, MLP in and out per layer, and the
-    tied head (over the 257 real rows of 512) -- runs the fp32 path when chosen, and the model's loss and gradients
-    agree with torch's own bf16 path to bf16's rounding."""
+    tied head (over the 257 real rows of 512) -- runs the fp32 path when chosen, and the
+    model's loss and gradients agree with torch's own bf16 path to bf16's rounding."""
     from hybrid.parallel.state import ParallelState
     _assert_paths_agree(_both_paths(ParallelState.single(), False), linears=2 * 4, rows=1)
 
@@ -214,9 +214,10 @@ def test_pretrain_warns_once_at_start_up(flags, caplog, tmp_path):
     from hybrid.parallel.state import ParallelState
     from hybrid.train.trainer import pretrain
     flags(("avx2",))
-    cfg = build_config(parse_args(["--num-layers", "1", "--hidden-size", "32", "--num-attention-heads", "4",
-                      "--seq-length", "16", "--micro-batch-size", "2", "--train-iters", "2",
-                      "--log-interval", "1", "--eval-iters", "0", "--bf16"]), 1)
+    cfg = build_config(parse_args(["--num-layers", "1", "--hidden-size", "32",
+                                   "--num-attention-heads", "4", "--seq-length", "16",
+                                   "--micro-batch-size", "2", "--train-iters", "2",
+                                   "--log-interval", "1", "--eval-iters", "0", "--bf16"]), 1)
     with caplog.at_level("INFO", logger="hybrid"):
         history = pretrain(cfg, ParallelState.single())
     warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]

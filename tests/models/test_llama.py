@@ -135,7 +135,7 @@ def test_every_option_is_the_same_function_at_tp(reference, tp):
         ranks = [r[name] for r in res]
         logits = torch.cat([r["logits"] for r in ranks], dim=-1)
         torch.testing.assert_close(logits[..., :V], ref["logits"][..., :V], rtol=1e-5,
-                                   atol=1e-5, msg=lambda m: f"{name} TP{tp}: {m}")
+                                   atol=1e-5, msg=lambda m, name=name: f"{name} TP{tp}: {m}")
         assert torch.isinf(logits[..., V:]).all()
         for r in ranks:
             assert abs(float(r["loss"]) - float(ref["loss"])) <= 1e-5 * float(ref["loss"])
@@ -147,8 +147,9 @@ def test_every_option_is_the_same_function_at_tp(reference, tp):
                 assert not w[V:].any()
                 w, g, ref_w, ref_g = w[:V], g[:V], ref_w[:V], ref_g[:V]
             assert torch.equal(w, ref_w.reshape(w.shape)), f"{name}: init of {pname} at TP{tp}"
-            torch.testing.assert_close(g, ref_g.reshape(g.shape), rtol=1e-5, atol=1e-6,
-                                       msg=lambda m: f"{name} TP{tp} grad of {pname}: {m}")
+            torch.testing.assert_close(
+                g, ref_g.reshape(g.shape), rtol=1e-5, atol=1e-6,
+                msg=lambda m, name=name, pname=pname: f"{name} TP{tp} grad of {pname}: {m}")
 
 
 # -- the ops' own backward passes ---------------------------------------------------------
@@ -171,7 +172,7 @@ def test_llama_ops_backward_is_the_derivative_of_their_forward():
     qkv = torch.randn(2, 5, 2 * (3 + 2) * 4, dtype=torch.float64, generator=g,
                       requires_grad=True)  # 2 groups of 3 query heads, head size 4
     for rot in (None, Rotary(4, 100.0), Rotary(2, 100.0)):
-        assert torch.autograd.gradcheck(lambda t: split_qkv(t, 3, 4, rot), (qkv,))
+        assert torch.autograd.gradcheck(lambda t, rot=rot: split_qkv(t, 3, 4, rot), (qkv,))
     q, k, v = split_qkv(qkv, 3, 4, None)
     heads = qkv.detach().view(2, 5, 2, 5, 4)
     assert torch.equal(q[:, 4], heads[:, :, 1, 1].contiguous())  # group 1, query head 1

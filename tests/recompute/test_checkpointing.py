@@ -47,8 +47,9 @@ def _model(ps, seed=SEED, layers=LAYERS):
 
 
 def _apply(model, ps, rng, flags, layers=LAYERS):
-    cfg = build_config(Flags(tensor_model_parallel_size=ps.tp_size, num_layers=layers, hidden_size=C,
-                      num_attention_heads=4, seq_length=T, **flags), ps.world_size)
+    cfg = build_config(Flags(tensor_model_parallel_size=ps.tp_size, num_layers=layers,
+                             hidden_size=C, num_attention_heads=4, seq_length=T, **flags),
+                       ps.world_size)
     return apply_activation_checkpointing(model, ps, rng, cfg.recompute)
 
 
@@ -106,7 +107,8 @@ def _all_variants(ps):
         ac = _apply(model, ps, rng, flags)
         calls = [0] * LAYERS  # forward pre-hooks on each block: forward + recompute
         for i, blk in enumerate(model.blocks):
-            blk.register_forward_pre_hook(lambda m, a, i=i: calls.__setitem__(i, calls[i] + 1))
+            blk.register_forward_pre_hook(
+                lambda m, a, i=i, calls=calls: calls.__setitem__(i, calls[i] + 1))
         out[name] = _train(model, ac)
         out[name]["calls"] = calls
         out[name]["names kept"] = names == ([n for n, _ in model.named_parameters()],
@@ -142,8 +144,10 @@ def test_every_mode_gives_the_gradients_of_no_checkpointing(runs):
         for name in VARIANTS:
             assert r[name]["losses"] == pytest.approx(ref["losses"], rel=1e-6, abs=0)
             for pname, g in r[name]["grads"].items():
-                torch.testing.assert_close(g, ref["grads"][pname], rtol=1e-6, atol=1e-6,
-                                           msg=lambda m: f"rank {rank} {name} {pname}: {m}")
+                torch.testing.assert_close(
+                    g, ref["grads"][pname], rtol=1e-6, atol=1e-6,
+                    msg=lambda m, rank=rank, name=name, pname=pname:
+                        f"rank {rank} {name} {pname}: {m}")
         # control: other dropout masks move the gradients far beyond that tolerance
         diff = max((r["other seed"]["grads"][n] - g).abs().max().item()
                    for n, g in ref["grads"].items())
@@ -231,7 +235,8 @@ def _grouped_variants(ps):
         index = {b: i for i, b in enumerate(model.blocks)}
         calls = [0] * layers
         for i, blk in enumerate(model.blocks):
-            blk.register_forward_pre_hook(lambda m, a, i=i: calls.__setitem__(i, calls[i] + 1))
+            blk.register_forward_pre_hook(
+                lambda m, a, i=i, calls=calls: calls.__setitem__(i, calls[i] + 1))
         out[name] = _train(model, ac)
         out[name].update(calls=calls, groups=[[index[b] for b in g] for g in ac.groups],
                          buffer_bytes=ac.buffer_bytes(),
@@ -268,7 +273,7 @@ def test_uniform_groups_store_one_input_per_group(grouped):
     contiguous buffer has one slot per group."""
     tp = 2
     for r in grouped:
-        for name, (layers, flags, groups) in GROUPED.items():
+        for name, (_layers, flags, groups) in GROUPED.items():
             per = PER_LAYER // tp if flags["partition_activations"] else PER_LAYER
             want = len(groups) * per
             for step in range(STEPS):

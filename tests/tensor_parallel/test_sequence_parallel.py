@@ -93,7 +93,7 @@ def _train_replicas(ps, steps):
     model = _gpt_sp(ps, rng, True, dropout=0.1)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     losses = []
-    for step in range(steps):
+    for _ in range(steps):
         opt.zero_grad()
         x, y = _batch()  # one batch, learned by heart: the loss must fall
         loss = model(x, y)
@@ -179,8 +179,8 @@ def test_sequence_parallel_composes_with_zero_and_recompute(tp=2):
     """SP on vs off (ZeRO-0, no recompute), same seed and data, TP x DP = 4 ranks: the
     same loss curve and final parameters (relative 1e-5) with SP at ZeRO 3, with full
     recompute (also in groups of 2 layers), with --partition-activations (which SP
-    makes moot: the block input is already this rank's 1/TP), and at ZeRO 2 with overlap and optimizer offload; two
-    micro-batches per step throughout."""
+    makes moot: the block input is already this rank's 1/TP), and at ZeRO 2 with overlap
+    and optimizer offload; two micro-batches per step throughout."""
     variants = COMPOSE
     res = run_ranks(_train_stages, world_size=4, tp=tp, args=(variants,))[0]
     ref = res[0]
@@ -239,9 +239,10 @@ def _fp16_curves(ps, variants):
 def test_sequence_parallel_in_fp16_skips_the_steps_tp_alone_skips():
     """fp16 with dynamic loss scaling, TP2 x DP2, two micro-batches per step: with SP
     the same steps overflow and are skipped as without it, the scale moves the same
-    way, and the loss curve agrees to the bf16 test's 1e-2 relative. (Across stages the skips may differ near the threshold: stages 0-1
-    add a rank's micro-batch gradients in fp16 before the DP mean, stages 2-3 after
-    it, so stage 0 overflows first. That is the stages, not SP.) The final replicated
+    way, and the loss curve agrees to the bf16 test's 1e-2 relative. (Across stages the
+    skips may differ near the threshold: stages 0-1 add a rank's micro-batch gradients
+    in fp16 before the DP mean, stages 2-3 after it, so stage 0 overflows first. That
+    is the stages, not SP.) The final replicated
     parameters stay bit-identical across TP ranks. At ZeRO-3 only: SP's fp16 path is
     the same at every stage, and stage 3 is the one that also shards parameters."""
     variants = [(3, {}), (3, SP)]

@@ -135,11 +135,12 @@ def test_training_loop_reads_values_only_at_log_lines(monkeypatch, dtype, per_st
     import hybrid.train.trainer as training
     from hybrid.config import build_config, parse_args
 
-    cfg = build_config(parse_args(["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
-                      "--seq-length", "16", "--micro-batch-size", "2",
-                      "--global-batch-size", "4", "--train-iters", "8", "--log-interval", "4",
-                      "--eval-iters", "0", "--mock-data", "--zero-stage", "2", dtype,
-                      "--hidden-dropout", "0", "--attention-dropout", "0"]), 1)
+    cfg = build_config(parse_args(["--num-layers", "2", "--hidden-size", "32",
+                                   "--num-attention-heads", "4", "--seq-length", "16",
+                                   "--micro-batch-size", "2", "--global-batch-size", "4",
+                                   "--train-iters", "8", "--log-interval", "4",
+                                   "--eval-iters", "0", "--mock-data", "--zero-stage", "2", dtype,
+                                   "--hidden-dropout", "0", "--attention-dropout", "0"]), 1)
     marks = []
     step = training.train_step
 

@@ -50,7 +50,8 @@ def test_lr_in_samples_equals_lr_in_iterations_at_a_constant_batch():
     it = build_config(parse_args(BASE + ["--global-batch-size", str(gbs), "--train-iters", "50",
                             "--lr-warmup-iters", "5", "--lr-decay-style", "cosine",
                             "--lr", "1e-3", "--min-lr", "1e-4"]), 1)
-    sa = build_config(parse_args(BASE + ["--global-batch-size", str(gbs), "--train-samples", str(50 * gbs),
+    sa = build_config(parse_args(BASE + ["--global-batch-size", str(gbs),
+                            "--train-samples", str(50 * gbs),
                             "--lr-warmup-samples", str(5 * gbs), "--lr-decay-style", "cosine",
                             "--lr", "1e-3", "--min-lr", "1e-4"]), 1)
     assert (it.lr_schedule.unit, sa.lr_schedule.unit) == ("iterations", "samples")
@@ -68,8 +69,9 @@ def test_warmup_fraction_is_a_fraction_of_the_decay_length():
 
 def test_iteration_based_rampup_takes_train_iters_steps():
     # Megatron refuses ramp-up with --train-iters; its own GPT-3 example passes both.
-    cfg = build_config(parse_args(BASE + ["--global-batch-size", "16", "--rampup-batch-size", "4", "4", "40",
-                             "--train-iters", "7"]), 2)
+    cfg = build_config(parse_args(BASE + ["--global-batch-size", "16",
+                                          "--rampup-batch-size", "4", "4", "40",
+                                          "--train-iters", "7"]), 2)
     s = cfg.loop
     assert total_iterations(s) == 7 and not finished(s, 6, 10_000) and finished(s, 7, 0)
     assert global_batch_size_at(s, 0) == 4 and global_batch_size_at(s, 40) == 16

@@ -153,7 +153,7 @@ def test_delayed_update_is_the_reference_applied_one_step_late(offloaded_runs):
             assert abs(a - b) <= 1e-5 * abs(b), (what, got["norms"], ref["norms"])
         for name, want in ref["params"].items():
             torch.testing.assert_close(got["params"][name], want, rtol=1e-5, atol=1e-6,
-                                       msg=lambda m: f"{what}: {name}: {m}")
+                                       msg=lambda m, what=what, name=name: f"{what}: {name}: {m}")
         for r in res:  # each rank's master pieces: the reference master's current values
             for (name, lo), piece in r[VARIANTS.index((stage, kw))]["master"].items():
                 want = refs[warmup]["master"][name].reshape(-1)[lo: lo + piece.numel()]

@@ -73,7 +73,7 @@ def _assert_matches_reference(res, reference, variants, tp, dp):
             if name == "wte.weight":
                 full, ref = full[:VOCAB], ref[:VOCAB]
             torch.testing.assert_close(full, ref, rtol=1e-5, atol=1e-6,
-                                       msg=lambda m: f"{what}: {name}: {m}")
+                                       msg=lambda m, what=what, name=name: f"{what}: {name}: {m}")
         for r in range(1, tp * dp):  # every DP replica ends with the same params
             for name, t in res[r][v]["params"].items():
                 assert torch.equal(t, res[r % tp][v]["params"][name]), f"{what}: {name} r{r}"

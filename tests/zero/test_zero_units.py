@@ -138,4 +138,4 @@ def test_shared_parameters_train_like_one_process(tied_reference, tp, dp):
             if name == "wte.weight":
                 full, want = full[:want.shape[0]], want[:full.shape[0]]
             torch.testing.assert_close(full, want, rtol=1e-5, atol=1e-6,
-                                       msg=lambda m: f"{what}: {name}: {m}")
+                                       msg=lambda m, what=what, name=name: f"{what}: {name}: {m}")

@@ -344,7 +344,7 @@ class OptimizerOffload:
         if self.out is not None:
             self.opt.master_into(self.out)
         elif self.writer is not None and self.writer.out is not None:
-            for i, u in enumerate(self.units):
+            for i in range(len(self.units)):
                 dst = self.writer.source(i)
                 if dst is not None:
                     dst.copy_(self.opt.master_range(self.bounds[i], self.bounds[i + 1]))
