@@ -150,8 +150,14 @@ def _as_given(message: str, given_as: Mapping[str, str]) -> str:
     the one place that knows where a value came from."""
     for field, name in given_as.items():
         message = re.sub(rf"(?<![\w-]){re.escape(flag_name(field))}(?![\w-])",
-                         lambda _, name=name: name, message)
+                         _verbatim(name), message)
     return message
+
+
+def _verbatim(text: str) -> typing.Callable[[re.Match[str]], str]:
+    """A :func:`re.sub` replacement that inserts ``text`` as it is (a string
+    replacement would read its backslashes as escapes)."""
+    return lambda _: text
 
 
 def _run_checks(f: Flags, world_size: int) -> int:
@@ -208,6 +214,7 @@ def _lr_lengths(f: Flags) -> dict:
     samples = f.train_samples is not None
     decay = f.lr_decay_samples if samples else f.lr_decay_iters
     warmup = f.lr_warmup_samples if samples else f.lr_warmup_iters
+    assert decay is not None  # checks.check_schedule filled it (the train length by default)
     if f.lr_warmup_fraction is not None:
         warmup = int(f.lr_warmup_fraction * decay)
     return dict(unit="samples" if samples else "iterations", warmup=warmup, decay=decay)

@@ -103,9 +103,9 @@ def _check_context_parallel(f: Flags) -> None:
                           f"{tp} must be divisible by {cp}; use --cp-comm-type p2p or "
                           f"all_gather")
     if f.group_query_attention:  # the key/value heads split the same way
-        given = f.num_query_groups is not None
-        groups = f.num_query_groups if given else 1  # (Megatron's default, filled in later)
-        default = "" if given else " (the default with --group-query-attention)"
+        given = f.num_query_groups
+        groups = 1 if given is None else given  # (Megatron's default, filled in later)
+        default = "" if given is not None else " (the default with --group-query-attention)"
         if groups >= 1 and (groups // tp) % cp:  # (below 1: validate_architecture says)
             raise ConfigError(f"--cp-comm-type a2a splits each TP rank's key/value heads over "
                               f"--context-parallel-size {cp}: --num-query-groups {groups}"

@@ -35,6 +35,7 @@ import difflib
 import json
 import os
 from collections.abc import Mapping
+from typing import Any
 
 from hybrid.config.deepspeed_keys import KEYS, SECTIONS, Custom, Flag, Hint, Refuse, kind_of, quiet
 from hybrid.config.flags import Flags, flag_name
@@ -77,7 +78,9 @@ class _Apply:
         self.explicit = set(f.explicit_flags)
         self.notes: list[str] = []
         self.origin: dict[str, str] = {}  # flag field -> the key that set it
-        self.custom: dict[str, object] = {}  # a Custom rule's key -> its checked value
+        # a Custom rule's key -> its value, checked against the rule's Kind when read in
+        # (a number, or a JSON object): its handler knows which
+        self.custom: dict[str, Any] = {}
 
     def where(self, key: str) -> str:
         return f"ds_config {key} ({self.source})"
@@ -252,8 +255,7 @@ def _batch(run: _Apply) -> None:
         if train[1] != micro[1] * accum[1] * dp:
             raise ConfigError(f"{said(train)} != {said(micro)} x {said(accum)} x "
                               f"data-parallel size {dp} {where}")
-    elif train and (micro or accum):
-        per = micro or accum
+    elif train and (per := micro or accum):
         if train[1] % (per[1] * dp):
             raise ConfigError(f"{said(train)} is not a multiple of {said(per)} x "
                               f"data-parallel size {dp} {where}")

@@ -34,6 +34,7 @@ import dataclasses
 import difflib
 import sys
 from dataclasses import dataclass, field
+from typing import Any, NoReturn
 
 from hybrid.config.sections import KERNEL_PATHS, OFFLOAD_TIERS
 from hybrid.errors import ConfigError
@@ -382,10 +383,13 @@ def flag_name(field_name: str) -> str:
     return "--" + field_name.replace("_", "-")
 
 
-def build_parser(explicit_only: bool = False) -> argparse.ArgumentParser:
+def build_parser(explicit_only: bool = False,
+                 cls: type[argparse.ArgumentParser] = argparse.ArgumentParser
+                 ) -> argparse.ArgumentParser:
     """One flag per :class:`Flags` field, named as Megatron names it. ``explicit_only``:
-    no defaults, so a parse holds only the flags the command line gave."""
-    p = argparse.ArgumentParser(
+    no defaults, so a parse holds only the flags the command line gave. ``cls``: the
+    parser's class (:func:`parse_args` takes one whose errors are ConfigErrors)."""
+    p = cls(
         prog="pretrain_gpt.py", description="Pretrain a GPT with tensor x data parallelism.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     for f in dataclasses.fields(Flags):
@@ -393,8 +397,9 @@ def build_parser(explicit_only: bool = False) -> argparse.ArgumentParser:
             continue
         names = [flag_name(f.name)] + ([f.metadata["alias"]] if f.metadata.get("alias") else [])
         kind, many = field_type(f)
-        kw = dict(dest=f.name, default=argparse.SUPPRESS if explicit_only else f.default,
-                  help=f.metadata.get("help"))
+        kw: dict[str, Any] = dict(
+            dest=f.name, default=argparse.SUPPRESS if explicit_only else f.default,
+            help=f.metadata.get("help"))
         if "choices" in f.metadata:
             kw["choices"] = f.metadata["choices"]
         if "const" in f.metadata:
@@ -431,8 +436,7 @@ def parse_args(argv: list[str] | None = None) -> Flags:
     """
     from hybrid.config.megatron_flags import split_megatron_flags
     ours, ignored = split_megatron_flags(list(sys.argv[1:] if argv is None else argv))
-    parser = build_parser()
-    parser.error = _raise  # one ConfigError, not argparse's usage dump + exit
+    parser = build_parser(cls=_RaisingParser)
     ns, unknown = parser.parse_known_args(ours)
     if unknown:
         raise ConfigError(_unknown_message(unknown[0]))
@@ -451,5 +455,8 @@ def _unknown_message(arg: str) -> str:
             f"(README: 'Coming from Megatron-LM'){hint}")
 
 
-def _raise(message: str):
-    raise ConfigError(message)
+class _RaisingParser(argparse.ArgumentParser):
+    """A parser whose errors are one ConfigError, not argparse's usage dump + exit."""
+
+    def error(self, message: str) -> NoReturn:
+        raise ConfigError(message)

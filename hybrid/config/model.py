@@ -134,10 +134,16 @@ class ModelConfig:
         return self.add_bias_linear or self.add_qkv_bias
 
     @property
+    def ffn_size(self) -> int:
+        """``ffn_hidden_size``, which construction fills when it is given as None."""
+        assert self.ffn_hidden_size is not None  # __post_init__ filled it
+        return self.ffn_hidden_size
+
+    @property
     def mlp_up_size(self) -> int:
         """Rows of the MLP's up-projection: ``ffn_hidden_size``, twice that with SwiGLU
         (gate and up fused)."""
-        return (2 if self.swiglu else 1) * self.ffn_hidden_size
+        return (2 if self.swiglu else 1) * self.ffn_size
 
     @property
     def rotary_dim(self) -> int:
@@ -153,7 +159,7 @@ class ModelConfig:
 
     def _block_counts(self) -> tuple[int, int]:
         """(split over TP, replicated) parameters of one transformer block."""
-        C, F = self.hidden_size, self.ffn_hidden_size
+        C, F = self.hidden_size, self.ffn_size
         bias, qkv_bias = int(self.add_bias_linear), int(self.qkv_bias)
         split = self.qkv_size * (C + qkv_bias) + C * C + self.mlp_up_size * (C + bias) + F * C
         return split, 2 * self._norm_parameters + 2 * bias * C
@@ -194,7 +200,7 @@ class ModelConfig:
         """Forward+backward FLOPs per token of a ``seq_length`` sample at TP size ``tp``
         (the head over the vocabulary padded for ``tp``): dense matmuls and attention
         scores, summed over the TP ranks."""
-        C, F, L = self.hidden_size, self.ffn_hidden_size, self.num_layers
+        C, F, L = self.hidden_size, self.ffn_size, self.num_layers
         matmul = 2 * (self.qkv_size * C + C * C + self.mlp_up_size * C + F * C) * L \
             + 2 * C * self.padded_vocab_size(tp)
         attention = 2 * 2 * self.seq_length * C * L  # QK^T and AV

@@ -19,6 +19,7 @@ vector, 1.44 at worst, never above ``bound``.
 from __future__ import annotations
 
 import heapq
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -49,7 +50,7 @@ class BlendedSamples:
     for a range; ``counts(n)`` and ``bound`` state the proportion guarantee.
     """
 
-    def __init__(self, datasets: list, weights: list[float]):
+    def __init__(self, datasets: list, weights: Sequence[float]):
         w = np.asarray(weights, dtype=np.float64)
         self.datasets, self.weights = list(datasets), w / w.sum()
         d_count = len(self.datasets)

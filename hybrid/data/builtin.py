@@ -117,7 +117,7 @@ def _definitions(tree: ast.Module):
     """The module, class and function nodes of ``tree`` in ``ast.walk``'s order (breadth
     first, fields in order), visiting statements only: a definition is never inside an
     expression, and skipping the expressions halves the walk."""
-    todo = deque([tree])
+    todo: deque[ast.AST] = deque([tree])
     while todo:
         node = todo.popleft()
         if isinstance(node, _DEFS):

@@ -22,6 +22,7 @@ import logging
 import math
 import os
 import time
+from collections.abc import Sequence
 
 import numpy as np
 import torch
@@ -66,7 +67,7 @@ class GPTSamples:
             raise DataError(f"the data has {len(tokens)} tokens, fewer than one sample of "
                             f"--seq-length {seq_length} + 1")
         self.cache_dir, self.cache_key = cache_dir, cache_key
-        self._perm_epoch, self._perm = -1, None
+        self._perm_epoch, self._perm = -1, np.empty(0, dtype=np.int64)  # (epoch -1: none)
 
     def __len__(self) -> int:
         return self.samples_per_epoch
@@ -87,7 +88,7 @@ class GPTSamples:
         perm = np.random.default_rng(self.seed + epoch).permutation(self.samples_per_epoch)
         if path:
             try:  # atomic: concurrent ranks may build the same entry at once
-                os.makedirs(self.cache_dir, exist_ok=True)
+                os.makedirs(os.path.dirname(path), exist_ok=True)  # the cache directory
                 tmp = f"{path}.{os.getpid()}.tmp.npy"
                 np.save(tmp, perm)
                 os.replace(tmp, path)
@@ -197,14 +198,16 @@ def build_datasets(cfg: DataConfig, tokenizer, ps=None) -> dict:
     same files, and the vocabulary check of each file runs on one rank, shared
     over the world group.
     """
+    lists: dict[str, Sequence[tuple[float, str | None]]]
     if cfg.train_data_path:
         lists = {name: _parse_data_path(paths, f"--{name}-data-path") if paths else []
                  for name, paths in (("train", cfg.train_data_path),
                                      ("valid", cfg.valid_data_path),
                                      ("test", cfg.test_data_path))}
     else:
-        one = ([(1.0, MOCK)] if cfg.mock_data else [(1.0, None)] if not cfg.data_path
-               else _parse_data_path(cfg.data_path))
+        one: Sequence[tuple[float, str | None]] = (
+            [(1.0, MOCK)] if cfg.mock_data else [(1.0, None)] if not cfg.data_path
+            else _parse_data_path(cfg.data_path))
         lists = {"train": one, "valid": one, "test": one}
     io = IOCounter()
     opened = {}
@@ -233,7 +236,7 @@ def build_datasets(cfg: DataConfig, tokenizer, ps=None) -> dict:
                                                        key)))
     log.info("data: %d source(s), %d file(s) opened, %d bytes read to open and check them",
              len(opened), len(io.files_opened), io.bytes_read)
-    out = {}
+    out: dict[str, GPTSamples | BlendedSamples | None] = {}
     for name, parts in per_split.items():
         if not parts:
             out[name] = None

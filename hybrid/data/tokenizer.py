@@ -236,12 +236,8 @@ def build_tokenizer(cfg: TokenizerConfig):
     if kind == "byte":
         return ByteTokenizer()
     if kind == "GPT2BPETokenizer":
-        for flag, path in (("--vocab-file", cfg.vocab_file), ("--merge-file", cfg.merge_file)):
-            if not path:
-                raise DataError(f"--tokenizer-type {kind} needs {flag}")
-            if not os.path.isfile(path):
-                raise DataError(f"{flag} {path}: no such file")
-        return GPT2BPETokenizer(cfg.vocab_file, cfg.merge_file)
+        vocab = _file_of(kind, "--vocab-file", cfg.vocab_file)
+        return GPT2BPETokenizer(vocab, _file_of(kind, "--merge-file", cfg.merge_file))
     if kind == "HuggingFaceTokenizer":
         if not cfg.model:
             raise DataError(f"--tokenizer-type {kind} needs --tokenizer-model (a tokenizer "
@@ -250,3 +246,12 @@ def build_tokenizer(cfg: TokenizerConfig):
     if cfg.vocab_size is None:  # NullTokenizer: TokenizerConfig admits no other type
         raise DataError(f"--tokenizer-type {kind} needs --vocab-size")
     return NullTokenizer(cfg.vocab_size)
+
+
+def _file_of(kind: str, flag: str, path: str | None) -> str:
+    """``path``, the file ``flag`` names for tokenizer ``kind``: given, and a file."""
+    if not path:
+        raise DataError(f"--tokenizer-type {kind} needs {flag}")
+    if not os.path.isfile(path):
+        raise DataError(f"{flag} {path}: no such file")
+    return path

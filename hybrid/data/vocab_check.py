@@ -51,7 +51,7 @@ class TokenScan:
     max_id: int | None = None
     records: list = field(default_factory=list)  # [(position, id)] where the max rises
     complete: bool = True  # records not cut at RECORD_LIMIT
-    first_negative: tuple | None = None  # (position, id)
+    first_negative: tuple[int, int] | None = None  # (position, id)
 
 
 def scan_tokens(tokens: np.ndarray, io, chunk: int = CHUNK) -> TokenScan:
@@ -79,7 +79,7 @@ def scan_tokens(tokens: np.ndarray, io, chunk: int = CHUNK) -> TokenScan:
 
 
 def first_at_least(tokens: np.ndarray, scan: TokenScan, vocab_size: int, io,
-                   chunk: int = CHUNK) -> tuple | None:
+                   chunk: int = CHUNK) -> tuple[int, int] | None:
     """(position, id) of the first id >= ``vocab_size``, or None."""
     if scan.max_id is None or scan.max_id < vocab_size:
         return None
@@ -125,7 +125,7 @@ def _load(path: str, key: dict, io) -> TokenScan | None:
     neg = data.get("first_negative")
     return TokenScan(num_tokens=data["num_tokens"], max_id=data["max_id"],
                      records=[tuple(r) for r in data["records"]], complete=data["complete"],
-                     first_negative=tuple(neg) if neg else None)
+                     first_negative=(neg[0], neg[1]) if neg else None)
 
 
 def _store(path: str, key: dict, scan: TokenScan) -> None:
@@ -188,8 +188,8 @@ def check_sources(sources: list, vocab_size: int, tokenizer_name: str, cache_dir
         if i % world != rank:
             continue
         try:  # no exception may skip the all-reduce below: the other ranks would wait
-            mine[i] = check_file(src, vocab_size, cache_dirs[i], chunk)
-            verdicts[i] = torch.tensor([mine[i].status, mine[i].position, mine[i].token])
+            check = mine[i] = check_file(src, vocab_size, cache_dirs[i], chunk)
+            verdicts[i] = torch.tensor([check.status, check.position, check.token])
         except DataError as e:
             errors[i], verdicts[i, 0] = e, INVALID
         except OSError as e:
@@ -219,6 +219,7 @@ def _shared_error(error: DataError | None, owner: int, ps) -> DataError:
     """The owner rank's DataError, its text sent to every rank (one more all-reduce, on
     this error path only), so each rank raises the same message naming the field."""
     if ps is None or ps.world_size == 1:
+        assert error is not None  # this rank checked the file
         return error
     text = torch.zeros(_MESSAGE_BYTES, dtype=torch.int32)
     if ps.rank == owner:

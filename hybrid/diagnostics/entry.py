@@ -41,7 +41,7 @@ def fmt_frame(frame: tuple) -> str:
 def callers(frame, depth: int = 3, limit: int = 40) -> tuple:
     """Up to ``depth`` (filename, line, function) of the frames that called, innermost
     first, one per source file (a file's own helpers say less than who called them)."""
-    out = []
+    out: list[tuple[str, int, str]] = []
     while frame is not None and len(out) < depth and limit > 0:
         code = frame.f_code
         if not _skip(code.co_filename) and (not out or out[-1][0] != code.co_filename):

@@ -65,8 +65,8 @@ def encode(e: Entry, extra: int, numel: int, device) -> torch.Tensor:
             len(e.shape)] + shape + [-1] * (4 - len(shape)) + [extra, numel,
                                                                zlib.crc32(caller.encode())]
     raw = caller.encode()[:CALLER_BYTES].ljust(CALLER_BYTES, b"\0")
-    tail = torch.frombuffer(bytearray(raw), dtype=torch.int64)
-    return torch.cat([torch.tensor(head, dtype=torch.int64), tail]).to(device)
+    name = torch.frombuffer(bytearray(raw), dtype=torch.int64)
+    return torch.cat([torch.tensor(head, dtype=torch.int64), name]).to(device)
 
 
 def call_site(frames) -> str:

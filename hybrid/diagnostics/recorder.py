@@ -74,6 +74,7 @@ import socket
 import sys
 import threading
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -139,7 +140,8 @@ class FlightRecorder:
         self.answer_s = 2 * self.poll_s + 1.0
         self.store_timeout = datetime.timedelta(seconds=store_s)
         self.watch = PendingWatch() if watch else None
-        self.on_hang = exit_on_hang  # called on the heartbeat thread with the report
+        # called on the heartbeat thread with the report
+        self.on_hang: Callable[[CollectiveError], None] = exit_on_hang
         self.ring: collections.deque = collections.deque(maxlen=RING)
         self.groups: dict = {}  # name -> CommGroup
         self.last: dict = {}  # group name -> (last Entry, the one before)
@@ -153,7 +155,7 @@ class FlightRecorder:
         self._store = self._clone(store, 0)
         self._base_store = store
         self._stop = threading.Event()
-        self._thread = None
+        self._thread: threading.Thread | None = None
         self._alarm_seen = 0
         self._dumped_on_alarm = False
         self._closed = False

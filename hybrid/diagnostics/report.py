@@ -86,7 +86,7 @@ def _doing(rec: dict) -> str:
     """What a record says its rank was doing when it was written."""
     blocked = rec.get("waiting")
     g = rec["groups"].get(blocked["group"]) if blocked else None
-    if g and g.get("last") and g["last"]["seq"] == blocked["seq"]:
+    if blocked and g and g.get("last") and g["last"]["seq"] == blocked["seq"]:
         return f"blocked in {describe(dict(g['last'], ranks=g['ranks']))}"
     return (f"at {rec['where']}" if rec.get("where") else "at an unknown line") + \
         f" with {_idle(rec, rec['t'])}"
@@ -196,6 +196,7 @@ def explain(head: str, failing: dict, own: dict, read_group, dump_dir: str | Non
     clock = time.time() if now is None else now
     nodes = _lost_nodes(silent, read, host_ranks)
     in_node = {r for _, ranks, _ in nodes for r in ranks}
+    dropped: set[int] = set()  # the lines of ranks a lost node's one line speaks for
     for r, (at, rec) in silent.items():
         if r not in in_node:
             later = _seen_later(r, rec, known, read, clock)
@@ -207,14 +208,13 @@ def explain(head: str, failing: dict, own: dict, read_group, dump_dir: str | Non
                 f"unreachable).")
         text += "".join(f"\n    rank {r}: {_last_seen(r, recs[r], known, read, clock)}."
                         for r in ranks)
-        for r in ranks:
-            if r in silent:
-                lines[silent[r][0]] = None
+        dropped.update(silent[r][0] for r in ranks if r in silent)
         if first is None:
             lines.append(text)
         else:
             lines[first] = text
-    lines = [ln for ln in lines if ln is not None]
+            dropped.discard(first)
+    lines = [ln for i, ln in enumerate(lines) if i not in dropped]
     stuck = [r for r in stuck if r not in in_node]
     if stuck:
         lines.append(f"  stuck: {rank_list(stuck)}.")

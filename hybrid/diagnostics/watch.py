@@ -40,7 +40,7 @@ class PendingWatch:
     one uncontended lock.
     """
 
-    def __init__(self):
+    def __init__(self) -> None:
         self._groups: dict = collections.defaultdict(collections.deque)
         self._lock = threading.Lock()
 

@@ -95,7 +95,7 @@ def activation_bytes_per_layer(w: Workload) -> int:
     sbh = s * b * h
     stats = 2 * s * b * _norm_row_bytes(w) // r
     # MLP: GELU's input and output (2f); SwiGLU's [gate | up] input and output (3f)
-    mlp = (m.mlp_up_size + m.ffn_hidden_size) * s * b
+    mlp = (m.mlp_up_size + m.ffn_size) * s * b
     qkv = m.qkv_size * s * b  # 3 sbh without GQA
     if w.selective_recompute:  # the checkpoint holds the QKV output, SDPA keeps nothing
         saved = 4 * sbh * e // r + (qkv + sbh + mlp) * e // t

@@ -24,7 +24,7 @@ def agree_error(ps: ParallelState, error: str | None) -> str | None:
     src = int(first.item())
     if src == ps.world_size:
         return None
-    data = error.encode() if ps.rank == src else b""
+    data = error.encode() if error is not None and ps.rank == src else b""  # (src's is)
     size = torch.tensor([len(data)], dtype=torch.int64, device=ps.device)
     g.broadcast(size, src=src)
     buf = torch.zeros(int(size.item()), dtype=torch.uint8, device=ps.device)

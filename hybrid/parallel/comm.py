@@ -283,4 +283,5 @@ def exclude_from_compile() -> None:
     if not getattr(CommGroup._run, "_hybrid_excluded", False):
         run = torch.compiler.disable(CommGroup._run)
         run._hybrid_excluded = True
-        CommGroup._run = run
+        # patched once, lazily, not declared so: torch.compiler.disable imports dynamo
+        CommGroup._run = run  # type: ignore[method-assign]

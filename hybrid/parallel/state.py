@@ -39,7 +39,8 @@ class ParallelState:
     collective in the library runs through one of them (and is counted in
     ``comm_stats``, and recorded by ``recorder``, whose heartbeat runs until
     :meth:`close`). With CP 1, ``cp_group`` is this rank alone and ``dp_cp_group``
-    is ``dp_group`` itself (no extra process group).
+    is ``dp_group`` itself (no extra process group): :meth:`single` and :meth:`build`
+    make them.
     """
 
     world_size: int
@@ -52,15 +53,8 @@ class ParallelState:
     timeout: datetime.timedelta
     comm_stats: CommStats = field(repr=False)
     recorder: FlightRecorder = field(repr=False)
-    cp_group: CommGroup = field(default=None, repr=False)  # (set in __post_init__ if None)
-    dp_cp_group: CommGroup = field(default=None, repr=False)
-
-    def __post_init__(self):
-        if self.cp_group is None:  # CP 1: this rank alone
-            self.cp_group = CommGroup("cp", None, [self.rank], self.rank, self.comm_stats,
-                                      self.timeout, self.recorder)
-        if self.dp_cp_group is None:
-            self.dp_cp_group = self.dp_group
+    cp_group: CommGroup = field(repr=False)
+    dp_cp_group: CommGroup = field(repr=False)
 
     @property
     def tp_size(self) -> int:
@@ -95,8 +89,10 @@ class ParallelState:
         timeout = datetime.timedelta(minutes=10)
         rec = FlightRecorder(0, 1, None, timeout, dump_dir=dump_dir,
                              check_collectives=check_collectives)
-        groups = [CommGroup(n, None, [0], 0, stats, timeout, rec) for n in ("tp", "dp", "world")]
-        return cls(1, 0, *groups, torch.device(device), "none", timeout, stats, rec)
+        tp, dp, world, cp = (CommGroup(n, None, [0], 0, stats, timeout, rec)
+                             for n in ("tp", "dp", "world", "cp"))
+        return cls(1, 0, tp, dp, world, torch.device(device), "none", timeout, stats, rec,
+                   cp_group=cp, dp_cp_group=dp)
 
     @classmethod
     def build(cls, tensor_model_parallel_size: int,
@@ -137,18 +133,23 @@ class ParallelState:
                              check_collectives=check_collectives)
         group_timeout = backstop(timeout) if watch else timeout
 
-        def make(name, all_ranks):
-            mine = None
+        def make(name: str, all_ranks: list[list[int]]) -> CommGroup:
+            mine: CommGroup | None = None
             for ranks in all_ranks:
                 pg = dist.new_group(ranks, timeout=group_timeout)
                 if rank in ranks:
                     mine = CommGroup(name, pg, ranks, rank, stats, timeout, rec)
+            assert mine is not None  # the groups of a kind cover every rank
             return mine
 
         tp_group = make("tp", tp_group_ranks(world, tp, cp))
         dp_group = make("dp", dp_group_ranks(world, tp, cp))
-        cp_group = make("cp", cp_group_ranks(world, tp, cp)) if cp > 1 else None
-        dp_cp_group = make("dp_cp", dp_cp_group_ranks(world, tp, cp)) if cp > 1 else None
+        if cp > 1:
+            cp_group = make("cp", cp_group_ranks(world, tp, cp))
+            dp_cp_group = make("dp_cp", dp_cp_group_ranks(world, tp, cp))
+        else:  # CP 1: this rank alone, and DP x CP is DP
+            cp_group = CommGroup("cp", None, [rank], rank, stats, timeout, rec)
+            dp_cp_group = dp_group
         world_group = CommGroup("world", dist.group.WORLD, list(range(world)), rank, stats,
                                 timeout, rec)
         rec.start()
