@@ -137,9 +137,9 @@ class ParallelMLP(nn.Module):
         # takes GPT-2's tanh approximation (Hugging Face's gelu_new), which aten's CPU
         # kernels compute about 2.8x slower, forward and backward.
         self.approximate = "tanh" if cfg.openai_gelu else "none"
-        self.fc = ColumnParallelLinear(cfg.hidden_size, parts * cfg.ffn_hidden_size, tp_group,
+        self.fc = ColumnParallelLinear(cfg.hidden_size, parts * cfg.ffn_size, tp_group,
                                        bias=bias, sequence_parallel=sp, parts=parts)
-        self.proj = RowParallelLinear(cfg.ffn_hidden_size, cfg.hidden_size, tp_group,
+        self.proj = RowParallelLinear(cfg.ffn_size, cfg.hidden_size, tp_group,
                                       bias=bias, sequence_parallel=sp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -157,7 +157,10 @@ def residual_rng(fork: bool, rng: TPRNGTracker | None):
     stream, identical on every TP rank, keeps the replicas equal; with SP or CP each
     rank holds other tokens, so the per-(TP, CP)-rank stream gives them independent
     masks (``fork``: SP or CP with dropout, decided when the model is built)."""
-    return rng.fork() if fork else contextlib.nullcontext()
+    if not fork:
+        return contextlib.nullcontext()
+    assert rng is not None, "dropout under SP or CP draws from the TP RNG tracker (rng=)"
+    return rng.fork()
 
 
 class Block(nn.Module):

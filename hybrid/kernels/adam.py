@@ -196,7 +196,8 @@ class ShardAdamW:
         self._flat_segs: dict = {}  # (first, last) -> AdamSegments of those parts
         if flat is not None:  # the whole shard's, built now rather than in the first step
             self._segments(0, len(master))
-        self._torch_segs = None
+        # per weight decay: the (part, lo, hi) segments torch's fused step takes
+        self._torch_segs: list[tuple[float, list[tuple[int, int, int]]]] | None = None
         if flat is not None and flat_grad is not None and has_adam_kernel(flat[0].device):
             self.path = "kernel"
         else:
@@ -227,12 +228,14 @@ class ShardAdamW:
         the others leave it).
         """
         if self.path == "kernel":
+            flat_grad = self.flat_grad
+            assert flat_grad is not None  # the kernel path is taken only with one
             if out is None:
-                self.step_parts(self.flat_grad, lr, scalars, 0, len(self.master), None, found_inf)
+                self.step_parts(flat_grad, lr, scalars, 0, len(self.master), None, found_inf)
                 return
             for a, b in _adjacent_runs(out):
                 run_out = out[a] if b == a + 1 else _joined(out[a], out[b - 1])
-                self.step_parts(self.flat_grad, lr, scalars, a, b, run_out, found_inf)
+                self.step_parts(flat_grad, lr, scalars, a, b, run_out, found_inf)
             return
         grads = [g.to(device=w.device, dtype=torch.float32) for g, w in zip(grads, self.master)]
         if self.path == "torch":
@@ -339,4 +342,4 @@ def _joined(first: torch.Tensor, last: torch.Tensor) -> torch.Tensor:
     start = first.storage_offset()
     n = last.storage_offset() + last.numel() - start
     return torch.empty(0, dtype=first.dtype, device=first.device).set_(
-        first.untyped_storage(), start, (n,))
+        first.untyped_storage(), start, (n,), (1,))

@@ -193,7 +193,7 @@ class Request:
                  parts: list, clock: WaitClock | None = None):
         self.op, self.file, self.offset, self.nbytes = op, file, offset, nbytes
         self._clock = clock
-        self._buf = buf  # alive until waited, whatever the backend holds
+        self._buf: torch.Tensor | None = buf  # alive until waited, whatever the backend holds
         self._parts = parts  # [(start, length, waiter() -> (errno, done))]
         self._outcome: tuple[int, int] | None = None
         # two threads may wait for one request (the host step's worker and the main
@@ -281,6 +281,7 @@ class AsyncIO:
         if self._pool is not None:
             return partial(self._pool.wait,
                            self._pool.submit(write, fd, buf, buf.data_ptr(), n, offset))
+        assert self._executor is not None  # the Python backend's threads
         step = _chunk_bytes(n, self.threads)
         futures = [(lo, min(step, n - lo),
                     self._executor.submit(_py_transfer, write, fd, buf, lo, min(n, lo + step),

@@ -67,13 +67,15 @@ def grad_eager(logits, target, vocab_start: int, valid: int, M, S, grad_loss):
 
 
 def local_softmax_stats(logits: torch.Tensor, target: torch.Tensor, vocab_start: int,
-                        valid: int | None = None):
+                        valid: int | None = None
+                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(local max, local sum-exp, target logit), fp32 (N,) each; see the module doc."""
     valid = logits.shape[-1] if valid is None else max(0, min(int(valid), logits.shape[-1]))
     if _use_kernel(logits) and logits.shape[-1]:
         from hybrid.kernels.cuda_ops import cuda_ops
-        return tuple(cuda_ops().ce_stats(logits.contiguous(), target.contiguous(),
-                                         int(vocab_start), valid))
+        m, s, t = cuda_ops().ce_stats(logits.contiguous(), target.contiguous(),
+                                      int(vocab_start), valid)
+        return m, s, t
     if kernel_choice("cross_entropy", logits.device) == "compile":
         return compiled(stats_eager)(logits, target, vocab_start, valid)
     return stats_eager(logits, target, vocab_start, valid)

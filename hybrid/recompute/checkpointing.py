@@ -65,6 +65,8 @@ The stored inputs and their buffers: :mod:`hybrid.recompute.store`.
 from __future__ import annotations
 
 import weakref
+from collections.abc import Iterable
+from typing import cast
 
 import torch
 from torch import nn
@@ -95,7 +97,7 @@ class _ForwardState:
         torch.set_rng_state(self.cpu)
         if self.cuda is not None:
             torch.cuda.set_rng_state(self.cuda, self.device)
-        if self.tracked is not None:
+        if self.tracker is not None and self.tracked is not None:  # (both or neither)
             self.tracker.set_states(self.tracked)
 
     def autocast_context(self):
@@ -191,7 +193,9 @@ class CheckpointedForward:
 
     @property
     def block(self) -> nn.Module:
-        return self._block()
+        block = self._block()
+        assert block is not None  # (a live block holds this wrapper: it calls it)
+        return block
 
     # Never traced under --compile (see exclude_from_compile below).
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
@@ -213,7 +217,8 @@ def exclude_from_compile() -> None:
     if not getattr(call, "_hybrid_excluded", False):
         call = torch.compiler.disable(call)
         call._hybrid_excluded = True
-        CheckpointedForward.__call__ = call
+        # patched once, lazily, not declared so: torch.compiler.disable imports dynamo
+        CheckpointedForward.__call__ = call  # type: ignore[method-assign]
 
 
 class _Recompute(torch.autograd.Function):
@@ -335,7 +340,8 @@ def apply_activation_checkpointing(model: nn.Module, ps: ParallelState,
     after ZeRO.
     """
     if blocks is None:
-        blocks = list(model.blocks)[: cfg.num_layers or len(model.blocks)]
+        every = list(cast("Iterable[nn.Module]", model.blocks))  # (its transformer blocks)
+        blocks = every[: cfg.num_layers or len(every)]
     phase = phase or RecomputePhase()
     runs = checkpoint_groups(list(blocks), cfg.layers_per_checkpoint)
     store = CheckpointStore(ps, cfg.partition_activations, cfg.cpu_checkpointing,

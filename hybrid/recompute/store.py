@@ -145,7 +145,7 @@ class CheckpointStore:
             src = flat[lo: min(n, lo + piece)]
             raw = self._slot(slot, piece * es) if self.contiguous else None
             in_slot = raw is not None
-            if not in_slot:
+            if raw is None:
                 raw = torch.empty(piece * es, dtype=torch.uint8, device=self.home,
                                   pin_memory=self.pin)
                 self.allocations["tensor"] += 1

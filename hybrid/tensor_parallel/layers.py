@@ -193,7 +193,8 @@ class LayerNorm(_KernelLayerNorm):
         self.sequence_parallel = sequence_parallel and tp_group.size > 1
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        w, b = self.weight, self.bias
+        w: torch.Tensor = self.weight
+        b: torch.Tensor = self.bias
         if self.sequence_parallel:
             w, b = sequence_parallel_param(w, self.tp_group), sequence_parallel_param(
                 b, self.tp_group)
@@ -218,7 +219,7 @@ class RMSNorm(nn.Module):
         self.sequence_parallel = sequence_parallel and tp_group.size > 1
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        w = self.weight
+        w: torch.Tensor = self.weight
         if self.sequence_parallel:
             w = sequence_parallel_param(w, self.tp_group)
         return rms_norm(x, w, self.eps)

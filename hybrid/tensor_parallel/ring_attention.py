@@ -226,6 +226,7 @@ class RingAttention(torch.autograd.Function):
             dkv = backward_source(qf, kv[0], kv[1], segments(seq_len, C, r, layout),
                                   segments(seq_len, C, src, layout), spec, lse, dout, delta, dq)
             if pending is not None:  # what the ranks before added to this source's dK/dV
+                assert acc is not None  # (its buffer)
                 pending.wait()
                 dkv += acc
             acc = torch.empty_like(dkv)
@@ -233,6 +234,7 @@ class RingAttention(torch.autograd.Function):
             if work is not None:
                 work.wait()
                 kv = nxt
+        assert pending is not None and acc is not None  # (C >= 1: one hop at least)
         pending.wait()  # after C hops: this rank's own dK/dV, summed over every rank
         return dq.to(q.dtype), acc[0].to(k.dtype), acc[1].to(v.dtype), None, None, None, None
 

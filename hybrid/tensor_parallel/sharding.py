@@ -36,7 +36,9 @@ class ShardSpec:
 
 
 def mark_split(param: nn.Parameter, full_shape, dim: int, rank: int, size: int) -> nn.Parameter:
-    param.tp_spec = ShardSpec(tuple(full_shape), dim, rank, size)
+    # an attribute of the tensor (as Megatron's tensor_model_parallel): torch's stubs
+    # declare none beyond its own
+    param.tp_spec = ShardSpec(tuple(full_shape), dim, rank, size)  # type: ignore[attr-defined]
     return param
 
 

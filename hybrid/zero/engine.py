@@ -411,7 +411,8 @@ def apply_zero(model: nn.Module, ps: ParallelState, zero: ZeroConfig = ZeroConfi
     ``recompute``: the :class:`RecomputePhase` activation checkpointing sets,
     so stage 3 keeps a recomputed block's parameters for its backward.
     """
-    if unit_modules is None and hasattr(model, "blocks"):
-        unit_modules = list(model.blocks)
+    blocks = getattr(model, "blocks", None)  # (a transformer's, by convention)
+    if unit_modules is None and blocks is not None:
+        unit_modules = list(blocks)
     return ZeroEngine(model, ps, zero, adamw=adamw, precision=precision, offload=offload,
                       values=values, unit_modules=unit_modules, recompute=recompute)

@@ -114,17 +114,18 @@ class GatherPipeline:
         self._open: list = []  # handles not waited for yet, for wait_all
 
     # -- public -------------------------------------------------------------------
-    def start(self, full: torch.Tensor, shard: torch.Tensor):
+    def start(self, full: torch.Tensor, shard: torch.Tensor) -> _Direct | _Job:
         """Begin gathering every rank's ``shard`` (S,) into ``full`` (dp * S,),
         rank-major. Returns a handle whose ``wait()`` completes it."""
         n, S = self.dp.size, shard.numel()
+        handle: _Direct | _Job
         if n * S <= self.bucket:
             handle = _Direct(self.dp.all_gather(full, shard, async_op=True))
         else:
-            handle = _Job(self, full.view(n, S), shard)
+            handle = job = _Job(self, full.view(n, S), shard)
             for k in range(0, S, self.columns):
-                self._queued.append((handle, k, min(self.columns, S - k)))
-                handle.left += 1
+                self._queued.append((job, k, min(self.columns, S - k)))
+                job.left += 1
             if self.stream is not None:
                 self.stream.wait_stream(torch.cuda.current_stream(self.stream.device))
             self._pump(everything=self.stream is not None)

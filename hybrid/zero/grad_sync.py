@@ -166,7 +166,7 @@ class GradReducer:
         self._arrived = {id(u): 0 for u in units}
         self._inflight: deque = deque()  # (work, finalize, unit)
         self._left = {id(u): 0 for u in units}  # a unit's reductions not yet retired
-        self.pool = None
+        self.pool: _TempPool | None = None
         staged = [u for u in units if plan.grads or dp.size * u.shard_size > bucket]
         if plan.optimizer and staged:
             # Staging holds one piece (dp x columns): at most the bucket, and no more
@@ -201,8 +201,9 @@ class GradReducer:
 
         def on_grad(param):
             if fold:
-                o = offsets[id(param)]
-                unit.grad_full[o: o + param.numel()].view_as(param).add_(param.grad)
+                o, full = offsets[id(param)], unit.grad_full
+                assert full is not None  # (fold: a full-buffer unit)
+                full[o: o + param.numel()].view_as(param).add_(param.grad)
                 param.grad = None
             self._arrived[id(unit)] += 1
             if not unit.deferred and self._arrived[id(unit)] == len(unit.params):
@@ -224,6 +225,7 @@ class GradReducer:
     # -- full gradient buffer (stages 0 and 1) ---------------------------------
     def _reduce_in_place(self, unit: FlatUnit) -> None:
         g, n = unit.grad_full, self.dp.size
+        assert g is not None  # (stages 0-1: the unit's part of the full buffer)
         if self.replicas > 1:
             g.div_(self.replicas)  # mean, not sum: see [Note: gradient precision]
         if not self.plan.optimizer:  # contiguous chunks of at most a bucket, in place
@@ -250,33 +252,36 @@ class GradReducer:
         if accumulate:
             while not self.sink.open(unit):
                 self._retire_one()  # every landing buffer is taken: end the oldest unit
+        pool, full, shard = self.pool, unit.grad_full, unit.grad_shard
+        assert pool is not None and shard is not None  # (a staged unit, its shard bound)
         c = piece_columns(S, n, self.bucket)
         self._left[id(unit)] = len(range(0, S, c))
         for k in range(0, S, c):
             w = min(c, S - k)
-            tmp = self.pool.take()
+            tmp = pool.take()
             while tmp is None:  # both buffers in flight: retire the oldest
                 self._retire_one()
-                tmp = self.pool.take()
+                tmp = pool.take()
             grid = tmp[: n * w].view(n, w)
             for r in range(n):  # rank r's columns [k, k + w) of its shard
                 lo = r * S + k
                 if accumulate:
                     unit.copy_grads(lo, lo + w, grid[r])
                 else:
-                    grid[r].copy_(unit.grad_full[lo: lo + w])
+                    assert full is not None  # (overwriting: packed from the full buffer)
+                    grid[r].copy_(full[lo: lo + w])
             if accumulate and self.replicas > 1:
                 grid.div_(self.replicas)  # (the full-buffer path divided already)
             mine = grid[self.dp.rank]
             work = self.dp.reduce_scatter(mine, tmp[: n * w], async_op=True)
-            dst = unit.grad_shard[k: k + w]
+            dst = shard[k: k + w]
 
             def finalize(dst=dst, mine=mine, tmp=tmp):
                 if accumulate:
                     dst.add_(mine)
                 else:
                     dst.copy_(mine)
-                self.pool.give(tmp)
+                pool.give(tmp)
             self._push(work, finalize, unit)
 
     # -- in-flight bookkeeping -------------------------------------------------

@@ -119,9 +119,10 @@ class ShardBase:
         ranges', replicated ranges'), 0-dim fp64 tensors on ``g``'s device. Taken as
         soon as a part's gradient is final when the gradient only passes through the
         device (hybrid/zero/offload/landing.py)."""
-        return tuple([torch.linalg.vector_norm(g[lo:hi], dtype=torch.float32).double() ** 2
-                      for lo, hi in ranges]
-                     for ranges in (self.split_ranges[i], self._replicated[i]))
+        split, replicated = ([torch.linalg.vector_norm(g[lo:hi], dtype=torch.float32).double()
+                              ** 2 for lo, hi in ranges]
+                             for ranges in (self.split_ranges[i], self._replicated[i]))
+        return split, replicated
 
     @staticmethod
     def sum_terms(terms: list, device: torch.device) -> torch.Tensor:
@@ -218,10 +219,12 @@ class ShardedAdamW(ShardBase):
 
     def master_into(self, out: torch.Tensor) -> None:
         """The flat master, rounded to ``out``'s dtype, into the flat ``out``."""
+        assert self.flat_master is not None  # the host tiers build it with one
         out.copy_(self.flat_master)
 
     def master_range(self, lo: int, hi: int) -> torch.Tensor:
         """fp32 master over flat shard elements ``[lo, hi)``."""
+        assert self.flat_master is not None  # the host tiers build it with one
         return self.flat_master[lo:hi]
 
     # -- one piece of one part, for checkpoints ---------------------------------------
@@ -269,7 +272,10 @@ def global_grad_norm(opt: SquaredNorms, grads: list[torch.Tensor] | None, tp: Co
     of its own -- so it costs no collective of its own when the shards are split.
     ``squared``: this rank's ``opt.squared_norms`` when already taken (``grads`` None).
     """
-    sq = opt.squared_norms(grads) if squared is None else squared  # [split, replicated]
+    if squared is None:
+        assert grads is not None  # (one of the two is given)
+        squared = opt.squared_norms(grads)
+    sq = squared  # [split, replicated]
     bad = (torch.zeros((), dtype=torch.float64, device=sq.device) if loss is None
            else (~torch.isfinite(loss.detach())).to(torch.float64).reshape(()))
     both = torch.stack((sq[0], bad, sq[1]))  # [split, loss flag, replicated]

@@ -51,7 +51,9 @@ def bucket_units(params, ps: ParallelState, bucket: int, owns_all: bool, tag: st
                  deferred: bool = False) -> list[FlatUnit]:
     """Pack params, last first, into units of at most ``bucket`` elements (one
     larger parameter makes a unit of its own)."""
-    groups, cur, size = [], [], 0
+    groups: list[list[nn.Parameter]] = []
+    cur: list[nn.Parameter] = []
+    size = 0
     for p in reversed(params):
         if cur and size + p.numel() > bucket:
             groups.append(cur)
@@ -81,7 +83,8 @@ def plan_units(model: nn.Module, ps: ParallelState, cfg, plan, unit_modules):
                           cfg.reduce_bucket_size, False, "persistent")
              + bucket_units([p for p in small if id(p) in shared], ps,
                             cfg.reduce_bucket_size, False, "persistent_shared", deferred=True))
-    taken, owners = set(), []
+    taken: set[int] = set()
+    owners = []
     for i, m in enumerate(unit_modules or []):
         mine = [p for p in m.parameters() if p.requires_grad and p.numel() >= thr
                 and id(p) not in shared and id(p) not in taken]

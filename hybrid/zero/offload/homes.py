@@ -26,7 +26,8 @@ class HostHome:
     def __init__(self, values: torch.Tensor, pin: bool):
         self.data = torch.empty(values.numel(), dtype=values.dtype, pin_memory=pin)
         self.data.copy_(values)
-        self._copying = None  # CUDA event: the last load's copy to the device has run
+        # the last load's copy to the device has run (a CUDA load)
+        self._copying: torch.cuda.Event | None = None
 
     def prefetch(self) -> None:
         """Nothing to do: the shard is already in host memory."""

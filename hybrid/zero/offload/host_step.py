@@ -62,7 +62,7 @@ from __future__ import annotations
 import bisect
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
@@ -165,7 +165,7 @@ class OptimizerOffload:
         self._skipped = False
         self._failed = False  # the worker raised: uploads stop, the step re-raises it
         self._worker = ThreadPoolExecutor(1, thread_name_prefix="hybrid-offload")
-        self._pending = None  # the update in flight (a Future)
+        self._pending: Future[None] | None = None  # the update in flight
         self._upload_due = False  # its parameters still have to go up
         self.steps = 0
         # seconds, summed over steps: the main thread in step(), the worker in the kernels
@@ -214,7 +214,7 @@ class OptimizerOffload:
     def host_grad(self, i: int) -> torch.Tensor:
         """Unit ``i``'s gradient as it went down (host memory), once the copies have
         landed: for reading, where the step is stopped anyway (a skipped step)."""
-        if self.cuda:
+        if self.copy_stream is not None:  # (CUDA)
             self.copy_stream.synchronize()
         return self.grads.values(i)
 
@@ -258,7 +258,8 @@ class OptimizerOffload:
         else:
             self._upload()
             task.result()
-        if self.cuda:  # the next zero_grad must not clear shards still being copied down
+        # the next zero_grad must not clear shards still being copied down
+        if self.copy_stream is not None:  # (CUDA)
             torch.cuda.current_stream(self.copy_stream.device).wait_stream(self.copy_stream)
         return self.found
 
@@ -268,9 +269,10 @@ class OptimizerOffload:
         vals = torch.stack([grad_scale.reshape(()).double(),
                             torch.zeros((), dtype=torch.float64, device=grad_scale.device)
                             if skip is None else skip.reshape(()).double()])
-        ev = stream_copy(self._scalars, vals, self.copy_stream)
-        if ev is not None:  # (vals is freed here: the copy stream still reads it)
-            vals.record_stream(self.copy_stream)
+        stream = self.copy_stream
+        ev = stream_copy(self._scalars, vals, stream)
+        if stream is not None:  # (vals is freed here: the copy stream still reads it)
+            vals.record_stream(stream)
         return ev
 
     def _update(self, lr: float, scalars_ready, delayed: bool) -> None:
@@ -336,7 +338,9 @@ class OptimizerOffload:
         src = None if self.writer is None else self.writer.source(i)
         if src is not None:
             return src
-        return self._piece(self.out if self.out is not None else self.master, i)
+        full = self.out if self.out is not None else self.master
+        assert full is not None  # (no upload copy: the fp32 master uploads itself)
+        return self._piece(full, i)
 
     def _fill_upload_copies(self) -> None:
         """The host copies of the new parameters (``out``, or the home-less units' under
@@ -368,7 +372,7 @@ class OptimizerOffload:
         self._written = [False] * len(self.units)
         for e in self._consumed:
             e.set()
-        if self.cuda:
+        if self.copy_stream is not None:  # (CUDA)
             torch.cuda.current_stream(self.copy_stream.device).wait_stream(self.copy_stream)
 
     # -- outside the step ---------------------------------------------------------------

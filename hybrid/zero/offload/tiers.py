@@ -79,8 +79,12 @@ class OffloadTiers:
                  gds_file=None):
         self.cfg, self.device = cfg, device
         self.pin = host_pinning(cfg.pin_memory, device)
-        self.space = self.io = self.states = self.grads = self.reader = None
-        self.gds = None  # why --offload-gds is not used here (None: used, or not asked)
+        self.space: SwapSpace | None = None
+        self.io: AsyncIO | None = None
+        self.states: SwappedStates | None = None
+        self.grads: SwappedGrads | None = None
+        self.reader: gds.GdsReader | None = None
+        self.gds: str | None = None  # why --offload-gds is not used here (None: used, or not asked)
         self._homes: list[ParamHome] = []
         self._home_of: dict[int, ParamHome] = {}  # id(unit) -> its home
         n = sum(u.own_hi - u.own_lo for u in units)
@@ -96,6 +100,7 @@ class OffloadTiers:
                 [u.shard_size for u in self._partitioned], elem)
         if not sizes:
             return
+        assert cfg.nvme_path is not None  # (the checks: an nvme tier names its directory)
         self.space = SwapSpace(cfg.nvme_path, rank, sizes)
         try:
             self.io = AsyncIO(threads=IO_THREADS)
@@ -114,6 +119,7 @@ class OffloadTiers:
     def _open_gds(self, rank: int, gds_file) -> None:
         """GDS reads of params.swp if the probe says they work; else the reason, kept
         in ``self.gds`` (hybrid/zero/offload/nvme/gds.py, [Note: never required])."""
+        assert self.space is not None  # (opened just before)
         self.gds = gds.probe(self.space.dir, self.device, gds_file)
         if self.gds is None:
             self.reader = gds.GdsReader(self.space.files[homes.FILE].path, rank,
@@ -134,6 +140,7 @@ class OffloadTiers:
         if self.cfg.param == "cpu":
             home = HostHome(u.shard, self.pin)
         else:
+            assert self.space is not None and self.io is not None  # (--offload-param nvme)
             offset, numel, dtype = self._slots[k], u.shard_size, u.shard.dtype
             disk = (DiskHome(self.space, self.io, offset=offset, numel=numel, dtype=dtype,
                              pin=self.pin) if self.reader is None

@@ -61,6 +61,7 @@ class HomeWriter:
             None if h is None else h.target() for h in self.homes]
         off = 0
         for i in homeless:
+            assert self.out is not None  # (allocated for the homeless)
             m = bounds[i + 1] - bounds[i]
             self._dest[i] = self.out[off: off + m]
             off += m

@@ -47,8 +47,7 @@ class SwappedAdamW(ShardBase):
                  states: SwappedStates):
         super().__init__(sizes, split_ranges, torch.device("cpu"))
         self.states = states
-        self.hyper = dict(beta1=cfg.beta1, beta2=cfg.beta2, eps=cfg.eps,
-                          weight_decay=cfg.weight_decay)
+        self.cfg = cfg  # the hyper-parameters
         flat = sorted((self.offsets[i] + a, self.offsets[i] + b)
                       for i, ranges in enumerate(decay_ranges) for a, b in ranges if b > a)
         self._decay_lo = [a for a, _ in flat]
@@ -81,12 +80,19 @@ class SwappedAdamW(ShardBase):
     def run_chunks(self, grad: torch.Tensor | None, lr: float, scalars: torch.Tensor,
                    found: torch.Tensor, before: Callable[[int], torch.Tensor | None],
                    after: Callable[[int], None], order: Iterable[int] | None = None) -> None:
+        c = self.cfg
+
         def update(k, master, avg, avg_sq, tile_grad=None):
             out = before(k)
             lo, hi = self.states.bounds(k)
-            g = grad[lo:hi] if tile_grad is None else tile_grad  # (swapped with the tile)
-            adam_step(master, g, avg, avg_sq, out, self._segments(k), lr=lr,
-                      step=1, scalars=scalars, found_inf=found, **self.hyper)
+            if tile_grad is None:
+                assert grad is not None  # (gradients not swapped with the tiles: the flat one)
+                g = grad[lo:hi]
+            else:
+                g = tile_grad  # (swapped with the tile)
+            adam_step(master, g, avg, avg_sq, out, self._segments(k), lr=lr, beta1=c.beta1,
+                      beta2=c.beta2, eps=c.eps, weight_decay=c.weight_decay, step=1,
+                      scalars=scalars, found_inf=found)
             after(k)
         self.states.run(update, order)
 

@@ -24,6 +24,8 @@ first waits for the write to it.
 
 from __future__ import annotations
 
+from typing import Protocol
+
 import torch
 
 from hybrid.kernels.aio import ALIGN, AsyncIO, Request, aligned_empty
@@ -31,6 +33,12 @@ from hybrid.zero.offload.nvme.gds import GdsReader
 from hybrid.zero.offload.nvme.swap import SwapSpace
 
 FILE = "params.swp"
+
+
+class _Reading(Protocol):
+    """A read in flight: an AsyncIO request, or a GDS read (:class:`GdsHome`)."""
+
+    def wait(self) -> None: ...
 
 
 class _Done:
@@ -51,11 +59,11 @@ class DiskHome:
         self.file, self.io, self.offset = space.files[FILE], io, offset
         self.numel, self.dtype, self.pin = numel, dtype, pin
         self._buf: torch.Tensor | None = None  # a prefetched read's destination
-        self._read = None
+        self._read: _Reading | None = None
         self._writes: list = []  # requests writing the slot
         # (buffer, CUDA event): the last load's host buffer, alive until its
         # asynchronous copy to the device has run -- no host sync in the gather
-        self._copying = None
+        self._copying: tuple[torch.Tensor, torch.cuda.Event] | None = None
 
     def _wait_write(self) -> None:
         writes, self._writes = self._writes, []
@@ -74,12 +82,14 @@ class DiskHome:
 
     def load_into(self, shard: torch.Tensor) -> None:
         self.prefetch()
-        self._read.wait()
-        shard.copy_(self._buf, non_blocking=shard.is_cuda)
+        read, buf = self._read, self._buf
+        assert read is not None and buf is not None  # (the prefetch's)
+        read.wait()
+        shard.copy_(buf, non_blocking=shard.is_cuda)
         if shard.is_cuda:
             event = torch.cuda.Event()
             event.record(torch.cuda.current_stream(shard.device))
-            self._copying = (self._buf, event)
+            self._copying = (buf, event)
         self._buf = self._read = None
 
     def target(self) -> None:
@@ -151,10 +161,12 @@ class GdsHome(DiskHome):
 
     def load_into(self, shard: torch.Tensor) -> None:
         self.prefetch()
-        self._read.wait()
+        read, buf = self._read, self._buf
+        assert read is not None and buf is not None  # (the prefetch's)
+        read.wait()
         # on the compute stream, where the buffer was allocated: the allocator reuses
         # it only after this copy
-        shard.copy_(self._buf)
+        shard.copy_(buf)
         self._buf = self._read = None
 
     def host_bytes(self) -> int:

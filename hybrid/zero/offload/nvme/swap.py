@@ -54,7 +54,7 @@ class SwapSpace:
         except OSError as e:
             raise SwapSpaceError(f"cannot create the swap directory {self.dir} "
                                  f"(--offload-nvme-path): {e.strerror}") from e
-        self._lock = _lock(self.dir)
+        self._lock: int | None = _lock(self.dir)  # the locked descriptor, until close
         self.files: dict[str, SwapFile] = {}
         try:
             _check_space(self.dir, sizes)

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import torch
 
-from hybrid.kernels.aio import AsyncIO, aligned_empty
+from hybrid.kernels.aio import AsyncIO, Request, aligned_empty
 from hybrid.zero.offload.nvme.swap import SwapSpace
 from hybrid.zero.optimizer import STATE_KEYS
 
@@ -60,10 +60,10 @@ class SwappedStates:
         self.space, self.io = space, io
         self.file = space.files[FILE]
         self.staging = [aligned_empty(3 * tile, torch.float32, pin) for _ in range(buffers)]
-        self._reads: dict[int, object] = {}  # tile -> read request in flight
-        self._writes: dict[int, object] = {}  # buffer -> write request in flight
+        self._reads: dict[int, Request] = {}  # tile -> read request in flight
+        self._writes: dict[int, Request] = {}  # buffer -> write request in flight
         self.grads = None  # SwappedGrads, when attached
-        self._grad_reads: dict[int, object] = {}  # tile -> its gradient's read
+        self._grad_reads: dict[int, Request] = {}  # tile -> its gradient's read
 
     def attach_grads(self, grads, pin: bool = False) -> None:
         """Read each tile's gradient from ``grads`` (a SwappedGrads in the same tiles)
