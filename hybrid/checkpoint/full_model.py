@@ -35,12 +35,14 @@ def load_full_weights(model: GPT, weights: dict[str, torch.Tensor]) -> GPT:
     """Load full (unsharded) ``weights`` into a TP-1 ``model``; the vocabulary
     parameters may have any number of padding rows."""
     sd = {}
+    vocab = model.cfg.vocab_size
+    assert vocab is not None  # (a built GPT knows its vocabulary)
     for name, p in model.named_parameters():
         if name not in weights:
             raise CheckpointError(f"the checkpoint has no {name!r}; a different model")
         w = weights[name]
         if name in VOCAB_PARAMS:
-            rows = min(model.cfg.vocab_size, w.shape[0])
+            rows = min(vocab, w.shape[0])
             w = torch.cat([w[:rows], w.new_zeros(p.shape[0] - rows, *w.shape[1:])])
         if w.numel() != p.numel():
             raise CheckpointError(f"{name}: {list(w.shape)} in the checkpoint, "

@@ -97,13 +97,13 @@ def _prod(shape) -> int:
 
 
 class Read(NamedTuple):
-    """One positional read: ``count`` fp32 elements of ``path`` (``size`` bytes long) from
+    """One positional read: ``numel`` fp32 elements of ``path`` (``size`` bytes long) from
     byte ``offset``. For each ``(plane, first, step)`` of ``picks``, elements ``first +
     i * step`` (``i < n``) of it are elements ``[k, k + n)`` of that plane of the range."""
     path: str
     size: int
     offset: int
-    count: int
+    numel: int  # (not ``count``: that is a tuple's method)
     k: int
     n: int
     picks: list[tuple[int, int, int]]

@@ -60,7 +60,7 @@ def check_model(meta: dict, model: torch.nn.Module, vocab_size: int | None, wher
                               f"--add-qkv-bias, --untie-embeddings-and-output-weights)")
     _check_gelu(meta, model, where)
     saved_vocab = meta.get("vocab_size")
-    if None not in (vocab_size, saved_vocab) and vocab_size > saved_vocab:
+    if vocab_size is not None and saved_vocab is not None and vocab_size > saved_vocab:
         # The padded rows can hide it: the extra ids would hit untrained rows, and the
         # others likely mean other tokens. (Fewer ids is allowed: an imported Hugging
         # Face config's vocab_size often exceeds its tokenizer's.)
@@ -233,7 +233,9 @@ def _read_header(ckpt: str, ps: ParallelState, layout: SavedLayout,
                  reader: RangeReader) -> dict:
     """This rank's header (same world layout), checked against the metadata's layout."""
     path = rank_paths(ckpt, ps.rank)[0]
-    header = reader.integrity.read_header(path, reader)  # checked against its checksum
+    integrity = reader.integrity
+    assert isinstance(integrity, Integrity)  # (the load set it when it read the metadata)
+    header = integrity.read_header(path, reader)  # checked against its checksum
     if header.get("rank") != ps.rank:
         raise CheckpointError(f"{path}: corrupt checkpoint shard (not rank {ps.rank}'s header)")
     # Its data file must hold what the metadata's layout says it does.

@@ -28,12 +28,24 @@ from __future__ import annotations
 
 import os
 from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, Protocol
 
 import torch
 
 from hybrid.errors import CheckpointError
 
 CHUNK_BYTES = 8 << 20  # reads at least twice this long hash as they go (see the Note)
+
+
+class Checksums(Protocol):
+    """What a reader asks of a checkpoint's checksums
+    (:class:`hybrid.checkpoint.integrity.Integrity`, which imports this package's
+    modules: named here by what it does, so imports stay one way)."""
+
+    seconds: float  # spent on headers
+
+    def verifier(self, data_path: str, size: int, reader: Any) -> Any:
+        """The checker of ``data_path``'s bytes as they are read (None: unchecked)."""
 
 
 class RangeReader:
@@ -54,7 +66,7 @@ class RangeReader:
         self.bytes_read = 0
         self._fds: dict[str, int] = {}
         self._hasher: ThreadPoolExecutor | None = None  # made by the first long read
-        self.integrity = None  # an Integrity: set by the load once it read the metadata
+        self.integrity: Checksums | None = None  # set by the load once it read the metadata
         self._verifiers: dict = {}  # data path -> Verifier
         self._hashed_s = 0.0  # hashing time of the verifiers finished
         self.bytes_rechecked = 0  # of bytes_read: read again only to complete a checksum block
@@ -75,7 +87,7 @@ class RangeReader:
         fd = self._fds.get(path)
         if fd is None:
             fd = self._open(path, size)
-        view = memoryview(out.numpy()).cast("B")
+        view = out.numpy().data.cast("B")  # the array's buffer, as bytes
         check = self._verifiers.get(path)
         if check is None or len(view) < 2 * CHUNK_BYTES:
             self._pread_into(fd, path, size, offset, view)

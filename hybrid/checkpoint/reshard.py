@@ -194,10 +194,10 @@ class ParamSource:
         plans (:meth:`SavedLayout.reads`: one per plane and DP shard crossed, or one
         per DP shard of a format-2 file)."""
         for r in self.layout.reads(name, t, x, y, self.cols):
-            if r.count == r.n:  # one plane's run: straight into it
+            if r.numel == r.n:  # one plane's run: straight into it
                 self.reader.read_into(r.path, r.size, r.offset, out[r.picks[0][0], r.k: r.k + r.n])
                 continue
-            buf = torch.empty(r.count)
+            buf = torch.empty(r.numel)
             self.reader.read_into(r.path, r.size, r.offset, buf)
             for plane, first, step in r.picks:
                 out[plane, r.k: r.k + r.n].copy_(buf[first::step])

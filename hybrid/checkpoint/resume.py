@@ -90,6 +90,7 @@ def start_from_checkpoint(ck: CheckpointConfig, engine: ZeroEngine, ps: Parallel
             raise CheckpointError(error)
         if own is None:
             return _finetune(ck, engine, ps, seed, rng, vocab_size)
+        assert ck.save is not None  # (own is a checkpoint in it)
         load_dir, load_optim, load_rng = ck.save, True, True
     else:
         load_dir, load_optim, load_rng = ck.load, not ck.no_load_optim, not ck.no_load_rng
@@ -108,6 +109,7 @@ def start_from_checkpoint(ck: CheckpointConfig, engine: ZeroEngine, ps: Parallel
              f"; fresh: {', '.join(fresh)}" if fresh else "")
     if ck.finetune:
         origin = start.finetune
+        assert ck.save is not None and origin is not None  # (a finetune run's own checkpoint)
         log.info("--finetune: %s holds this finetune run (started from %s at its iteration "
                  "%d), so it resumes instead of starting over", ck.save, origin["checkpoint"],
                  origin["iteration"])
@@ -122,10 +124,12 @@ def start_from_checkpoint(ck: CheckpointConfig, engine: ZeroEngine, ps: Parallel
 def _finetune(ck: CheckpointConfig, engine: ZeroEngine, ps: ParallelState, seed: int,
               rng: TPRNGTracker, vocab_size: int | None) -> Start:
     """The weights of ``--load``'s newest checkpoint; iteration and samples 0."""
+    assert ck.load is not None  # (the caller's condition)
     info: dict = {}
-    iteration, _ = load_checkpoint(ck.load, engine, ps, seed, rng, vocab_size,
-                                   load_optim=False, load_rng=False, info=info,
-                                   step=ck.ckpt_step)
+    loaded = load_checkpoint(ck.load, engine, ps, seed, rng, vocab_size, load_optim=False,
+                             load_rng=False, info=info, step=ck.ckpt_step)
+    assert loaded is not None  # (not allow_empty: no checkpoint raises)
+    iteration, _ = loaded
     ckpt = info["checkpoint"]
     log.info("finetuning from %s (its iteration %d weights): starting at iteration 0 with a "
              "fresh optimizer, the data from the start and the RNG from --seed", ckpt,
@@ -146,7 +150,7 @@ def _own_finetune_checkpoint(ck: CheckpointConfig) -> str | None:
     meta = read_metadata(ckpt)
     name = os.path.basename(ckpt)
     if not meta.get("finetune"):
-        same = os.path.realpath(ck.save) == os.path.realpath(ck.load)
+        same = ck.load is not None and os.path.realpath(ck.save) == os.path.realpath(ck.load)
         raise CheckpointError(
             f"--finetune starts a new series of checkpoints at iteration 0, but --save "
             f"{ck.save} already holds {name} of a run not started with --finetune"

@@ -168,15 +168,17 @@ def _make_tmp(save_dir: str, tmp: str, owner: dict | None) -> str | None:
 
 def _checked_layout(save_dir: str, tmp: str, engine: ZeroEngine, ps: ParallelState) -> dict:
     """The ``zero_layout`` every rank agrees on (rank 0 writes it for all)."""
-    layout, error = None, None
+    layout: dict | None = None
+    error = None
     try:
         layout = describe(engine, ps)
     except CheckpointError as e:
         error = f"--save {save_dir}: {e}; nothing was written"
-    if error is None and not _same_units_everywhere(ps, layout["units"]):
+    if layout is not None and not _same_units_everywhere(ps, layout["units"]):
         error = (f"--save {save_dir}: ranks disagree on the ZeRO unit layout (a bug in "
                  f"hybrid.zero); nothing was written")
     _raise_agreed(ps, error, tmp)
+    assert layout is not None  # (else every rank raised)
     return layout
 
 
@@ -190,7 +192,8 @@ def _write_rank_files(save_dir: str, tmp: str, engine: ZeroEngine, ps: ParallelS
     # rank 0's copy is the one saved (SavedLayout reads its files for all of a unit).
     zero_rank = ps.dp_cp_group.rank  # ZeRO shards over DP x CP (hybrid.zero.engine)
     pieces = state["pieces"] if not (owns_all and zero_rank != 0) else []
-    table, rows = {}, 0
+    table: dict[str, list[tuple[int, int, int]]] = {}  # name -> [(lo, hi, first row)]
+    rows = 0
     for pname, lo, hi in pieces:
         table.setdefault(pname, []).append((lo, hi, rows))
         rows += hi - lo
@@ -311,13 +314,13 @@ def write_unsharded_checkpoint(save_dir: str, model: dict[str, torch.Tensor], co
     def write_data(f):
         sums.column()
         for t in model.values():  # the master column
-            view = memoryview(t.detach().float().contiguous().reshape(-1).numpy()).cast("B")
+            view = t.detach().float().contiguous().reshape(-1).numpy().data.cast("B")
             sums.update(view)
             f.write(view)
         for _ in COLUMNS[1:]:  # fresh Adam moments
             sums.column()
             for t in model.values():
-                view = memoryview(torch.zeros(t.numel()).numpy()).cast("B")
+                view = torch.zeros(t.numel()).numpy().data.cast("B")
                 sums.update(view)
                 f.write(view)
 

@@ -135,7 +135,8 @@ class _Pool:
             self.kill()
             raise RuntimeError(f"the worker pool for world size {self.world_size} is "
                                f"gone ({e})") from e
-        out, errors = {}, []
+        out: dict[int, object] = {}  # rank -> its result
+        errors = []
         deadline = time.monotonic() + timeout
         stop_by = None  # set when a result asks to stop the rest (early_exit)
         try:

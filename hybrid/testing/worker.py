@@ -76,7 +76,7 @@ class _Layouts:
     def __init__(self, timeout: datetime.timedelta, store):
         self.timeout = timeout
         self.store = store
-        self.built = {}
+        self.built: dict = {}  # layout -> its groups
         # the calls' flight recorders share two store connections (their main thread's
         # and their heartbeat's; one call at a time): a fresh pair per call cost two
         # connects, and one in ~20 stalls for 5 s here
@@ -165,6 +165,8 @@ def worker_main(rank, world_size, port, collective_timeout, tasks, results):
         if init_error is not None:
             results.put((call_id, rank, "error", init_error))
             continue
+        assert layouts is not None  # (made unless init_error)
+        reply: tuple | None  # (call id, rank, "ok" or "error", the pickled result or traceback)
         try:
             fn, tp, args, environ, cwd, path = pickle.loads(payload)
             fresh.restore(environ, cwd, path)

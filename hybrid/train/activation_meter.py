@@ -31,7 +31,7 @@ class SavedActivationMeter:
         self.peak = 0
         self._now = 0
         self._live: dict[int, list] = {}  # storage ptr -> [bytes, saved tensors holding it]
-        self._hooks = None
+        self._hooks: torch.autograd.graph.saved_tensors_hooks | None = None
 
     def __enter__(self) -> SavedActivationMeter:
         self.peak, self._now, self._live = 0, 0, {}
@@ -44,6 +44,7 @@ class SavedActivationMeter:
         return self._now + self.extra()
 
     def __exit__(self, *exc) -> None:
+        assert self._hooks is not None  # entered
         self._hooks.__exit__(*exc)
         self._hooks = None
 

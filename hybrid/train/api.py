@@ -88,7 +88,7 @@ class Engine:
         self.gradient_accumulation_steps = cfg.num_micro_batches
         self.train_batch_size = cfg.loop.global_batch_size
         self.micro_steps = self.global_steps = 0
-        self._loss = None  # this window's summed micro-batch losses (device)
+        self._loss: torch.Tensor | None = None  # this window's summed micro-batch losses (device)
         self.last_result = None  # the engine's StepResult of the last optimizer step
 
     # -- the training verbs ------------------------------------------------------------
@@ -220,7 +220,8 @@ def initialize(model: nn.Module, config=None, model_parameters=None, optimizer=N
     on_meta = any(p.is_meta for p in model.parameters())
     values = None
     if on_meta:  # hybrid's own GPT knows its init; other models use their modules'
-        values = (InitValues(cfg.seed, model.init_of) if hasattr(model, "init_of")
+        init_of = getattr(model, "init_of", None)
+        values = (InitValues(cfg.seed, init_of) if init_of is not None
                   else ModuleInitValues(model, cfg.seed))
     if not on_meta:
         _broadcast_from_first_replica(model, ps)
@@ -233,7 +234,8 @@ def initialize(model: nn.Module, config=None, model_parameters=None, optimizer=N
     schedule = LRSchedule(cfg.lr_schedule, cfg.loop.global_batch_size)
     engine = Engine(model, cfg, ps, zero, rng, schedule)
     for p in model.parameters():  # GatheredParameters finds the engine from a parameter
-        p.hybrid_engine = engine
+        # an attribute of the tensor: torch's stubs declare none beyond its own
+        p.hybrid_engine = engine  # type: ignore[attr-defined]
     return engine, zero.optimizer, None, schedule
 
 

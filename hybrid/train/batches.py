@@ -31,6 +31,7 @@ def finished(s: LoopConfig, iteration: int, consumed_samples: int) -> bool:
     would pass ``--train-samples``.
     """
     if s.train_samples is None:
+        assert s.train_iters is not None  # exactly one of the two is set
         return iteration >= s.train_iters
     return consumed_samples + global_batch_size_at(s, consumed_samples) > s.train_samples
 
@@ -39,6 +40,7 @@ def total_iterations(s: LoopConfig) -> int:
     """How many iterations the run has in all (a sample-based run walks its ramp:
     one step of arithmetic per iteration, once at start-up)."""
     if s.train_samples is None:
+        assert s.train_iters is not None  # exactly one of the two is set
         return s.train_iters
     n = consumed = 0
     if s.rampup is None:

@@ -32,8 +32,8 @@ the core, which runs eagerly in both passes.
 
 from __future__ import annotations
 
-import functools
 import types
+from collections.abc import Callable, Iterable
 
 import torch
 from torch import nn
@@ -44,15 +44,18 @@ from hybrid.recompute.checkpointing import (
     exclude_from_compile as exclude_checkpoints,
 )
 
+_COMPILED: dict[type[nn.Module], Callable] = {}  # block class -> its compiled forward
 
-@functools.cache
-def compiled_forward(cls: type[nn.Module]):
+
+def compiled_forward(cls: type[nn.Module]) -> Callable:
     """``torch.compile`` of ``cls.forward``, called as ``f(module, x)``: one per class,
     so every block of a class, checkpointed or not, runs the same compiled function."""
-    return torch.compile(cls.forward, options={"fallback_random": True})
+    if cls not in _COMPILED:
+        _COMPILED[cls] = torch.compile(cls.forward, options={"fallback_random": True})
+    return _COMPILED[cls]
 
 
-def compile_blocks(blocks) -> None:
+def compile_blocks(blocks: Iterable[nn.Module]) -> None:
     """Compile each block's forward (in place); apply after activation checkpointing.
 
     A block checkpointed whole keeps its checkpoint as ``block.forward``, which
@@ -64,7 +67,6 @@ def compile_blocks(blocks) -> None:
     exclude_collectives()
     exclude_checkpoints()
     for block in blocks:
-        block: nn.Module
         compiled = compiled_forward(type(block))
         checkpoint = vars(block).get("forward")
         if isinstance(checkpoint, CheckpointedForward):

@@ -32,7 +32,8 @@ class IntervalMetrics:
         self.loss = torch.zeros((), device=ps.device)
         self.iterations, self.tokens, self.waited = 0, 0, 0.0
         self.comm: dict = {}  # bytes per collective kind of the last iteration
-        self._wait0, self._comm0 = 0.0, {}
+        self._wait0 = 0.0
+        self._comm0: dict = {}
 
     def start(self) -> None:
         """An iteration begins."""

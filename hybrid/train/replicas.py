@@ -27,6 +27,9 @@ every rank stops with the same message.
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
+
 import torch
 import torch.distributed as dist
 
@@ -42,29 +45,36 @@ _MESSAGE_BYTES = 4096
 class ReplicaChecker:
     """Checksums of the replicated parameters of ``model`` under ``engine``'s layout."""
 
-    def __init__(self, model, engine, ps):
+    def __init__(self, model, engine, ps) -> None:
         self.ps = ps
         names = {id(p): n for n, p in model.named_parameters()}
         shards: dict = {}  # unit index -> its owned pieces of TP-replicated params
         for pc in engine.owned_pieces():
             if not is_tp_split(pc.param):
                 shards.setdefault(pc.unit, []).append(pc)
-        self.tp, self.dp = [], []  # (name, () -> tensor of this rank's copy)
+        # (name, () -> tensor of this rank's copy)
+        self.tp: list[tuple[str, Callable[[], torch.Tensor]]] = []
+        self.dp: list[tuple[str, Callable[[], torch.Tensor]]] = []
         for k, u in enumerate(engine.units):
             if u.partition_params:  # stage 3: this rank's shard of each TP-replicated param
-                self.tp += [(pc.name, lambda u=u, pc=pc: self._shard_of(u)[pc.part])
+                self.tp += [(pc.name, functools.partial(self._piece, u, pc.part))
                             for pc in shards.get(k, [])]
                 continue
             for p in u.params:
                 if not is_tp_split(p):
-                    self.tp.append((names[id(p)], lambda p=p: p.detach()))
-                self.dp.append((names[id(p)], lambda p=p: p.detach()))
+                    self.tp.append((names[id(p)], p.detach))
+                self.dp.append((names[id(p)], p.detach))
         self._weights = torch.empty(0, dtype=torch.int64, device=ps.device)
-        self._last = (None, None)  # (unit, its shard values): the pieces come unit by unit
+        # (unit, its shard values): the pieces come unit by unit
+        self._last: tuple[object, torch.Tensor] | None = None
+
+    def _piece(self, u, part: slice) -> torch.Tensor:
+        """Piece ``part`` of ``u``'s shard values."""
+        return self._shard_of(u)[part]
 
     def _shard_of(self, u) -> torch.Tensor:
         """``u``'s shard values, wherever they live (read once for all its pieces)."""
-        if self._last[0] is not u:
+        if self._last is None or self._last[0] is not u:
             self._last = (u, u.shard_values())
         return self._last[1]
 
@@ -79,7 +89,7 @@ class ReplicaChecker:
                 self._weights = torch.arange(x.numel(), device=x.device) % 65521 + 1
             out[2 * k] = x.sum()
             out[2 * k + 1] = (x * self._weights[: x.numel()]).sum()
-        self._last = (None, None)  # (no shard kept between checks)
+        self._last = None  # (no shard kept between checks)
         return out
 
     @torch.no_grad()
@@ -132,10 +142,10 @@ class ReplicaChecker:
         key = torch.tensor([len(found) * W + (W - 1 - ps.rank) if found else -1],
                            dtype=torch.int64, device=ps.device)
         ps.world_group.all_reduce(key, op=dist.ReduceOp.MAX)
-        key = int(key.item())
-        if key < 0:
+        top = int(key.item())
+        if top < 0:
             return
-        src = W - 1 - key % W
+        src = W - 1 - top % W
         buf = torch.zeros(_MESSAGE_BYTES, dtype=torch.uint8, device=ps.device)
         if ps.rank == src:
             raw = ("; ".join(found)).encode()[: _MESSAGE_BYTES]

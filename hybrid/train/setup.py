@@ -8,6 +8,7 @@ block-seeded init (:class:`hybrid.tensor_parallel.InitValues`).
 from __future__ import annotations
 
 import resource
+from typing import cast
 
 import torch
 
@@ -22,6 +23,7 @@ from hybrid.tensor_parallel import InitValues, TPRNGTracker
 from hybrid.tensor_parallel.cp_attention import ContextParallel
 from hybrid.train.compile import compile_blocks
 from hybrid.zero import apply_zero
+from models.blocks import Block
 from models.gpt import GPT
 
 # [Note: host memory on CPU runs] glibc keeps freed activation blocks once its mmap
@@ -51,7 +53,7 @@ def recompute_targets(model: GPT, rc: RecomputeConfig) -> list[torch.nn.Module]:
     the first ``rc.num_layers`` with Megatron's block method) or every block's
     attention core (selective: only scores, softmax and dropout are rerun)."""
     if rc.granularity == "selective":
-        return [block.attn.core for block in model.blocks]
+        return [cast(Block, block).attn.core for block in model.blocks]  # (GPT's blocks)
     return list(model.blocks)[: rc.num_layers or len(model.blocks)]
 
 

@@ -41,22 +41,24 @@ class IterationTimer:
 
     def __init__(self, device: torch.device):
         self.cuda = device.type == "cuda"
-        self._spans: list = []
-        self._t0 = None
+        self._spans: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+        self._start: torch.cuda.Event | None = None  # on a GPU
+        self._t0 = 0.0  # on the CPU
         self._cpu_s = 0.0
 
     def start(self) -> None:
         if self.cuda:
-            self._t0 = torch.cuda.Event(enable_timing=True)
-            self._t0.record()
+            self._start = torch.cuda.Event(enable_timing=True)
+            self._start.record()
         else:
             self._t0 = time.perf_counter()
 
     def stop(self) -> None:
         if self.cuda:
+            assert self._start is not None, "stop() without start()"
             end = torch.cuda.Event(enable_timing=True)
             end.record()
-            self._spans.append((self._t0, end))
+            self._spans.append((self._start, end))
         else:
             self._cpu_s += time.perf_counter() - self._t0
 
@@ -76,7 +78,7 @@ class IterationTimer:
 class PendingSteps:
     """Step results whose skip flag the host has not read yet, in iteration order."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self._steps: list = []  # (iteration, StepResult)
 
     def add(self, iteration: int, result) -> None:

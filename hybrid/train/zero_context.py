@@ -43,11 +43,13 @@ def zero_init():
             param = nn.Parameter(param.detach().to("meta"), requires_grad=param.requires_grad)
         original(module, name, param)
 
-    nn.Module.register_parameter = register_on_meta
+    # torch's own method, replaced for the context (as DeepSpeed's zero.Init does): what
+    # mypy refuses for a declared method
+    nn.Module.register_parameter = register_on_meta  # type: ignore[method-assign]
     try:
         yield
     finally:
-        nn.Module.register_parameter = original
+        nn.Module.register_parameter = original  # type: ignore[method-assign]
 
 
 class ModuleInitValues:
@@ -55,7 +57,7 @@ class ModuleInitValues:
 
     def __init__(self, model: nn.Module, seed: int):
         self.model, self.seed = model, seed
-        self.owner = {}
+        self.owner: dict[int, tuple[nn.Module, str]] = {}  # id(param) -> (module, name)
         for module in model.modules():
             for pname, p in module.named_parameters(recurse=False):
                 self.owner.setdefault(id(p), (module, pname))
@@ -78,10 +80,11 @@ class ModuleInitValues:
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(int.from_bytes(digest[:8], "little") % (2 ** 63))
             init = getattr(self.model, "_init_weights", None)
+            reset = getattr(local, "reset_parameters", None)
             if init is not None:
                 init(local)
-            elif hasattr(local, "reset_parameters"):
-                local.reset_parameters()
+            elif reset is not None:
+                reset()
             else:
                 raise ValueError(f"hybrid.initialize: cannot draw {name} of a model built "
                                  f"under zero_init(): {type(module).__name__} has no "
