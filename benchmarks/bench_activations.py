@@ -37,7 +37,7 @@ import sys
 
 import torch
 
-from benchmarks.timing import emit, interleaved, median
+from benchmarks.timing import emit, interleaved, median_of
 from hybrid.testing.pool import run_ranks
 
 SP = {"sequence_parallel": True}
@@ -141,7 +141,7 @@ def main(argv=None) -> int:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     for tp in a.tp:
         ranks = run_ranks(_bench, tp, tp, args=(a,), timeout=3600)
-        med = {m: median(t for r in ranks for t in r[m]["times"]) for m in MODES}
+        med = {m: median_of(t for r in ranks for t in r[m]["times"]) for m in MODES}
         for mode in MODES:
             peak = max(r[mode]["peak"] for r in ranks)
             per_layer = max(r[mode]["per_layer"] for r in ranks)

@@ -21,10 +21,11 @@ import argparse
 import os
 import sys
 from dataclasses import replace
+from typing import Any
 
 import torch
 
-from benchmarks.timing import emit, median, now
+from benchmarks.timing import emit, median_of, now
 from hybrid.config import build_config, kernel_config_from_env
 from hybrid.config.flags import Flags
 from hybrid.config.sections import KernelConfig
@@ -42,7 +43,7 @@ class _Mode:
 
     def __init__(self, name: str, a, ps: ParallelState, base: KernelConfig):
         dtype, _, path = name.partition(":")
-        flags = {"bf16": {"bf16": True}, "fp16": {"fp16": True}, "fp32": {}}[dtype]
+        flags: dict[str, Any] = {"bf16": {"bf16": True}, "fp16": {"fp16": True}, "fp32": {}}[dtype]
         cfg = build_config(Flags(num_layers=a.layers, hidden_size=a.hidden,
                     num_attention_heads=a.heads, seq_length=a.seq,
                     micro_batch_size=a.micro_batch, hidden_dropout=0.1,
@@ -51,7 +52,7 @@ class _Mode:
         self.kernels = replace(base, choice=base.choice + ((("linear", path),) if path else ()))
         rng = seed_all(cfg.seed, 0, 0, ps.device)
         self.model, _, self.engine = build_engine(cfg, ps, VOCAB, rng)
-        self.times = []  # (forward, backward, optimizer) per step
+        self.times: list[tuple[float, float, float]] = []  # (forward, backward, optimizer)
         configure(self.kernels)
         low = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(dtype)
         self.linear_path = kernel_choice("linear", ps.device, low) if low else "eager"
@@ -100,11 +101,11 @@ def main(argv=None) -> int:
            "steps": a.steps, "modes": {}}
     for m in modes:
         kept = m.times[a.warmup:]
-        med = [median(t[i] for t in kept) for i in range(3)]
+        med = [median_of(t[i] for t in kept) for i in range(3)]
         out["modes"][m.name] = {"linear_path": m.linear_path,
                                 "forward_s": round(med[0], 3), "backward_s": round(med[1], 3),
                                 "optimizer_s": round(med[2], 3),
-                                "step_s": round(median(sum(t) for t in kept), 3)}
+                                "step_s": round(median_of(sum(t) for t in kept), 3)}
     ref = out["modes"].get("fp32")
     if ref:
         for r in out["modes"].values():

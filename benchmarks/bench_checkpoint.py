@@ -39,6 +39,7 @@ import json
 import os
 import sys
 import tempfile
+from typing import Any
 
 import torch
 
@@ -66,6 +67,14 @@ def _values(engine) -> torch.Tensor:
     return torch.cat(parts) if parts else torch.zeros(0, 3)
 
 
+def _rchar_since(before: int | None) -> int | None:
+    """Bytes through read-type syscalls since ``before`` (a ``process_rchar()``); None
+    where ``/proc/self/io`` is not."""
+    from hybrid.checkpoint.reader import process_rchar
+    after = process_rchar()
+    return None if before is None or after is None else after - before
+
+
 def _load(ps, save, model_args, stage, verify=True, **load_kw):
     from hybrid.checkpoint import RangeReader, load_checkpoint
     from hybrid.checkpoint.reader import process_rchar
@@ -74,7 +83,7 @@ def _load(ps, save, model_args, stage, verify=True, **load_kw):
     before = process_rchar()
     with Stopwatch(barrier=world_barrier(ps)) as sw:
         load_checkpoint(save, engine, ps, cfg.seed, rng, VOCAB, reader=reader, **load_kw)
-    rchar = process_rchar() - before
+    rchar = _rchar_since(before)
     files = sorted({os.path.basename(p) for p in reader.files_opened})
     return engine, {"files_opened": len(reader.files_opened), "files": files,
                     "bytes_read": reader.bytes_read, "rchar": rchar,
@@ -83,7 +92,7 @@ def _load(ps, save, model_args, stage, verify=True, **load_kw):
                     "checksum_s": round(reader.checksum_seconds(), 4)}
 
 
-def _session(ps, root, model_args, reshard=True, repeat=1):
+def _session(ps, root, model_args, reshard=True, repeat=1) -> dict:
     from hybrid.checkpoint import save_checkpoint
     from hybrid.checkpoint.reader import process_rchar
     from hybrid.parallel.state import ParallelState
@@ -99,7 +108,7 @@ def _session(ps, root, model_args, reshard=True, repeat=1):
     with Stopwatch(barrier=world_barrier(ps)) as sw:
         ckpt = save_checkpoint(save, 1, 8, engine, ps, cfg.to_dict(), rng, vocab_size=VOCAB,
                                info=info)
-    rchar = process_rchar() - before
+    rchar = _rchar_since(before)
     own = [os.path.join(ckpt, f"rank_{ps.rank:05d}{e}") for e in (".pt", ".bin")]
     if ps.rank == 0:
         own.append(os.path.join(ckpt, "metadata.json"))
@@ -155,7 +164,7 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     model_args = {"num_layers": a.layers, "hidden_size": a.hidden_size,
                   "num_attention_heads": a.heads, "seq_length": a.seq_length}
-    report = {"model": dict(model_args, vocab_size=VOCAB), "runs": []}
+    report: dict[str, Any] = {"model": dict(model_args, vocab_size=VOCAB), "runs": []}
     for world in a.worlds:
         with tempfile.TemporaryDirectory(prefix="bench_ckpt_") as root:
             ranks = run_ranks(_session, world_size=world, tp=2,

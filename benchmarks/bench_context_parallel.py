@@ -37,10 +37,11 @@ import contextlib
 import functools
 import os
 import sys
+from typing import Any
 
 import torch
 
-from benchmarks.timing import emit, interleaved, median
+from benchmarks.timing import emit, interleaved, median_of
 from hybrid.config.model import ModelConfig
 from hybrid.estimate.memory import Workload, activation_bytes, traffic_bytes
 from hybrid.testing.pool import run_ranks
@@ -131,7 +132,7 @@ def _bench(ps, a):
         return peaks[seq] <= a.budget_bytes
 
     best, nxt = longest_fitting(fits, grid_step(a, ps.cp_size), a.max_seq_length)
-    out = {"longest": best, "next": nxt, "peaks": peaks, "times": []}
+    out: dict[str, Any] = {"longest": best, "next": nxt, "peaks": peaks, "times": []}
     if best is None:
         return out
     out["times"] = interleaved({"step": functools.partial(step, best)}, a.steps, a.warmup)["step"]
@@ -162,7 +163,7 @@ def _record(a, cp: int, ranks: list[dict], cp1_longest: int | None) -> dict:
         w = workload(a, cp, best)
         acts = activation_bytes(w)
         times = [t for rank in ranks for t in rank["times"]]
-        med = median(times)
+        med = median_of(times)
         predicted_cp = traffic_bytes(w).get("cp_bytes_per_step", {"total": 0})
         rec.update(predicted_saved_bytes=acts["layers"] + acts["head"],
                    predicted_peak_bytes=acts["peak"],

@@ -25,10 +25,11 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from typing import Any
 
 import torch
 
-from benchmarks.timing import emit, interleaved, median
+from benchmarks.timing import emit, interleaved, median_of
 from hybrid.config import kernel_config_from_env
 from hybrid.kernels import configure
 from hybrid.kernels.adam import AdamSegments, adam_step, cpu_adam_ext
@@ -51,7 +52,7 @@ def _triad_gbps(ext, reps: int) -> float:
     a, b, c = torch.empty(n), torch.rand(n), torch.rand(n)
     triad = ((lambda: ext.triad(a, b, c, 3.0)) if ext is not None
              else (lambda: torch.add(b, c, alpha=3.0, out=a)))
-    return 12 * n / median(interleaved({"triad": triad}, reps, warmup=1)["triad"]) / 1e9
+    return 12 * n / median_of(interleaved({"triad": triad}, reps, warmup=1)["triad"]) / 1e9
 
 
 def _deepspeed_factory():
@@ -124,7 +125,7 @@ def main() -> None:
     dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
     ext = cpu_adam_ext()
     ds_factory, ds_why = _deepspeed_factory()
-    report = {"kernel": ext.build_info() if ext else "unavailable (torch fallback)",
+    report: dict[str, Any] = {"kernel": ext.build_info() if ext else "unavailable (torch fallback)",
               "torch": torch.__version__, "deepspeed": ds_why or "DeepSpeedCPUAdam",
               "rows": [], "bandwidth_GBps": {}}
     for threads in [int(x) for x in a.threads.split(",")]:
@@ -135,7 +136,7 @@ def main() -> None:
             for dname in a.dtypes.split(","):
                 dt = dtypes[dname]
                 systems = _systems(size, dt, ds_factory)
-                sec = {k: median(v) for k, v in interleaved(systems, a.reps, warmup=1).items()}
+                sec = {k: median_of(v) for k, v in interleaved(systems, a.reps, warmup=1).items()}
                 width = torch.finfo(dt).bits // 8
                 nbytes = _bytes(width, 0 if dt == torch.float32 else width)
                 rate = {k: size / s for k, s in sec.items()}

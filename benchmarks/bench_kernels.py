@@ -16,11 +16,12 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-from benchmarks.timing import emit, median
+from benchmarks.timing import emit, median_of
 
 
 def median_ms(fn, iters: int, warmup: int = 5, calls: int = 10) -> float:
@@ -42,7 +43,7 @@ def median_ms(fn, iters: int, warmup: int = 5, calls: int = 10) -> float:
         b.record()
         b.synchronize()
         times.append(a.elapsed_time(b) / calls)
-    return median(times)
+    return median_of(times)
 
 
 def with_path(op: str, path: str, fn):
@@ -68,14 +69,14 @@ def pick(times: dict) -> str:
     """Fastest path, eager unless another beats it by MARGIN."""
     if not times:
         return "eager"
-    best = min(times, key=times.get)
+    best = min(times, key=lambda path: times[path])
     if "eager" in times and times["eager"] < MARGIN * times[best]:
         return "eager"
     return best
 
 
 def bench_op(op, make_fn, iters):
-    out = {}
+    out: dict[str, Any] = {}
     for path in ("eager", "compile", "fused"):
         try:
             out[path] = round(median_ms(with_path(op, path, make_fn()), iters), 4)
@@ -187,7 +188,8 @@ def main():
     ops = cuda_ops()
     if ops is None:
         sys.exit("hybrid_cuda_ops did not build; see the log line above")
-    res = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": ROWS}
+    res: dict[str, Any] = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+                           "rows": ROWS}
     res["layer_norm"] = bench_op("layer_norm", layer_norm_step, args.iters)
     res["layer_norm_forward_only"] = bench_op("layer_norm", layer_norm_forward_step, args.iters)
     res["torch_cross_entropy_50304_ms"] = round(median_ms(torch_cross_entropy_step(),

@@ -60,8 +60,9 @@ import tempfile
 import torch
 
 from benchmarks import bench_aio as aio
-from benchmarks.timing import Stopwatch, emit, median, now, peak_rss_mb
+from benchmarks.timing import Stopwatch, emit, median_of, now, peak_rss_mb
 from hybrid.config import Flags, build_config
+from hybrid.kernels.aio import Request
 from hybrid.testing.pool import run_ranks
 
 CONFIGS = {"none": (None, None), "optimizer_cpu": ("cpu", None),
@@ -116,7 +117,8 @@ def _swap_rates(sw) -> dict:
     finally:
         sw.grads = grads
     rw = rw_pass.seconds
-    c, pending = len(sw.staging), {}
+    c = len(sw.staging)
+    pending: dict[int, Request] = {}  # staging buffer -> its read
     with Stopwatch() as read_pass:
         for k in range(sw.tiles):  # tile k is the 12 T bytes at offset 12 T k
             if k % c in pending:
@@ -136,7 +138,7 @@ def _time_steps(a, ps, cfg, model, engine) -> dict:
     engine.step, and the step's I/O waits."""
     clock = _WaitClock(engine.swapped.io) if engine.swapped is not None else None
     g = torch.Generator().manual_seed(100 + ps.dp_rank)
-    out = {"fwd_bwd": [], "step": [], "io_wait": []}
+    out: dict[str, list[float]] = {"fwd_bwd": [], "step": [], "io_wait": []}
     k = a.micro_batches
     for i in range(1 + a.steps):  # the first is the warm-up
         data = torch.randint(0, a.vocab_size, (k, a.micro_batch_size, a.seq_length + 1),
@@ -236,18 +238,18 @@ def _run_config(a, name, swap_dir) -> list[dict]:
 def _summary(ranks: list[dict], none_s: float | None) -> dict:
     if "skipped" in ranks[0]:
         return {"skipped": ranks[0]["skipped"]}
-    med = median(f + s for r in ranks for f, s in zip(r["fwd_bwd"], r["step"]))
+    med = median_of(f + s for r in ranks for f, s in zip(r["fwd_bwd"], r["step"]))
     pred = ranks[0]["predicted"]
     rss = [round(r["peak_rss_mb"], 1) for r in ranks]
     row = {"layers": ranks[0]["layers"], "params": ranks[0]["params"],
            "median_step_s": round(med, 4),
            "ratio_to_none": round(med / none_s, 3) if none_s else None,
            "tflops_per_rank": round(ranks[0]["flops_per_step"] / med / 1e12, 4),
-           "median_fwd_bwd_s": round(median(t for r in ranks for t in r["fwd_bwd"]), 4),
-           "median_optimizer_step_s": round(median(
+           "median_fwd_bwd_s": round(median_of(t for r in ranks for t in r["fwd_bwd"]), 4),
+           "median_optimizer_step_s": round(median_of(
                t for r in ranks for t in r["step"]), 4)}
     if ranks[0]["model_state_bytes"]["disk"]:
-        row["median_io_wait_s"] = round(median(
+        row["median_io_wait_s"] = round(median_of(
             t for r in ranks for t in r["io_wait"]), 4)
     row.update(peak_rss_mb_per_rank=rss,
                model_state_bytes_per_rank=[r["model_state_bytes"] for r in ranks],
@@ -274,7 +276,7 @@ def _io_report(swap: dict, directory: str, reps: int) -> dict:
             "ratio_read_to_dd": round(swap["read_GBps"] / dd["read_GBps"], 3), "goal": ">= 0.8"}
 
 
-def _step_report(configs: dict, io: dict) -> dict:
+def _step_report(configs: dict, io: dict | None) -> dict:
     cpu, nvme = configs["optimizer_cpu"], configs["optimizer_nvme"]
     if "skipped" in cpu or "skipped" in nvme:
         return {"skipped": "optimizer_cpu or optimizer_nvme did not run"}
@@ -333,16 +335,18 @@ def main(argv=None) -> int:
     if fstype in ("tmpfs", "ramfs"):
         ap.error(f"--nvme-path {a.nvme_path} is on {fstype} (memory), not a disk")
     swap_dir = tempfile.mkdtemp(prefix=".bench_offload-", dir=a.nvme_path)
-    configs, io = {}, None
+    configs: dict[str, dict] = {}
+    io: dict | None = None
     try:
         if a.largest:
             device = "cuda" if torch.cuda.is_available() else "cpu"
             a.layers_of = {n: largest_layers(a, n, swap_dir, device) for n in a.configs}
-        runs = {name: _run_config(a, name, swap_dir) if a.layers_of.get(name, 1)
-                else [{"skipped": "--largest: not even one layer fits"}]
-                for name in a.configs}
+        runs: dict[str, list[dict]] = {
+            name: _run_config(a, name, swap_dir) if a.layers_of.get(name, 1)
+            else [{"skipped": "--largest: not even one layer fits"}]
+            for name in a.configs}
         none = runs.get("none", [{"skipped": ""}])[0]
-        none_s = None if "skipped" in none else median(
+        none_s = None if "skipped" in none else median_of(
             f + s for f, s in zip(none["fwd_bwd"], none["step"]))
         configs = {name: _summary(r, none_s) for name, r in runs.items()}
         swap = runs.get("optimizer_nvme", [{}])[0].get("swap_io")

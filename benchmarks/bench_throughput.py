@@ -30,20 +30,21 @@ from __future__ import annotations
 
 import argparse
 import sys
+from typing import Any
 
 import torch
 
-from benchmarks.timing import emit, interleaved, median, peak_rss_mb
+from benchmarks.timing import emit, interleaved, median_of, peak_rss_mb
 from hybrid.config import Flags, build_config
 from hybrid.testing.host_syncs import HostReads, cuda_syncs
 
-PRESETS = {
+PRESETS: dict[str, dict[str, Any]] = {  # Flags' fields, and the vocabulary
     "1.3b": dict(num_layers=24, hidden_size=2048, num_attention_heads=16, seq_length=2048,
                  micro_batch_size=4, vocab=50257),
     "tiny": dict(num_layers=2, hidden_size=64, num_attention_heads=4, seq_length=32,
                  micro_batch_size=2, vocab=257),
 }
-CONFIGS = {
+CONFIGS: dict[str, dict[str, Any]] = {  # Flags' fields
     "zero2": dict(zero_stage=2),
     "zero2_offload": dict(zero_stage=2, offload_optimizer="cpu"),
     "zero2_offload_delayed": dict(zero_stage=2, offload_optimizer="cpu",
@@ -95,7 +96,7 @@ def run_config(name: str, a, ps) -> dict:
     with counter as syncs:
         for _ in range(a.sync_steps):
             train_step(model, engine, batches, lr)
-    step_s = median(times)
+    step_s = median_of(times)
     tokens = micro * seq * a.micro_batches
     flops = model.cfg.flops_per_token(ps.tp_size) * tokens / step_s
     engine.wait_optimizer()

@@ -24,7 +24,7 @@ import sys
 
 import torch
 
-from benchmarks.timing import Stopwatch, emit, median, peak_rss_mb
+from benchmarks.timing import Stopwatch, emit, median_of, peak_rss_mb
 from hybrid.config import Flags, build_config
 from hybrid.testing.pool import run_ranks
 
@@ -129,10 +129,12 @@ def _torch_setup(system, a, model, psi, n):
     decay = [p for p in model.parameters() if p.ndim >= 2]
     rest = [p for p in model.parameters() if p.ndim < 2]
     groups = [{"params": decay, "weight_decay": 0.01}, {"params": rest, "weight_decay": 0.0}]
+    opt: torch.optim.Optimizer
+    zero = None
     if system == "zero_redundancy":
         from torch.distributed.optim import ZeroRedundancyOptimizer
-        opt = ZeroRedundancyOptimizer(list(model.parameters()), torch.optim.AdamW, lr=1e-4,
-                                      weight_decay=0.01)
+        opt = zero = ZeroRedundancyOptimizer(list(model.parameters()), torch.optim.AdamW,
+                                             lr=1e-4, weight_decay=0.01)
     else:
         opt = torch.optim.AdamW(groups, lr=1e-4)
 
@@ -143,7 +145,7 @@ def _torch_setup(system, a, model, psi, n):
         opt.step()
 
     def states():
-        inner = opt.optim if system == "zero_redundancy" else opt
+        inner = zero.optim if zero is not None else opt  # (ZeRO: this rank's own)
         p = _tensor_bytes(model.parameters())
         g = _tensor_bytes(q.grad for q in model.parameters())
         o = _optimizer_state_bytes(inner)
@@ -215,13 +217,13 @@ def main(argv=None) -> int:
             # fresh processes (reuse=False): peak RSS is over a process's whole life
             runs[s].append(run_ranks(_bench_rank, a.world_size, 1, args=(s, a), timeout=900,
                                      reuse=False))
-    ddp_median = None
+    ddp_median: float | None = None
     for s in systems:
         if not runs[s]:
             emit({"system": s, "skipped": f"deepspeed not importable ({ds_error})"})
             continue
         times = [t for r in runs[s] for rank in r for t in rank["times"]]
-        med = median(times)
+        med = median_of(times)
         if s == "ddp":
             ddp_median = med
         last = runs[s][-1]

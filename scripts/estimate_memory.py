@@ -38,6 +38,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import sys
+from typing import Any
 
 from hybrid.config import Flags, build_config
 from hybrid.config.flags import build_parser
@@ -165,7 +166,7 @@ def _offload_records(w, off, own: dict, world: int, runtime: int) -> list[dict]:
     # on a CPU the process before the model is host memory, not the device's
     device_runtime = 0 if cpu else runtime
     baseline = runtime if cpu and own["runtime_gb"] is not None else HOST_BASELINE_BYTES
-    records = [{"offload": tier_bytes(w, off, device_runtime, baseline)}]
+    records: list[dict[str, Any]] = [{"offload": tier_bytes(w, off, device_runtime, baseline)}]
     gib = {k: None if own[k] is None else own[k] * GIB
            for k in ("gpu_memory_gb", "host_memory_gb", "nvme_gb")}
     if all(v is None for v in gib.values()):

@@ -31,6 +31,7 @@ import multiprocessing as mp
 import os
 import sys
 import time
+from multiprocessing.pool import Pool
 
 from hybrid.config.sections import TOKENIZER_TYPES, TokenizerConfig
 from hybrid.data.indexed import IndexedWriter, dtype_for_vocab
@@ -49,7 +50,9 @@ def _init_worker(tok_args):
 
 def _tokenize(task):
     """task: [(key, text, ends_document)] -> [(key, token array, ends_document)]."""
-    return [(k, _TOKENIZER.encode_array(t), end) for k, t, end in task]
+    tok = _TOKENIZER
+    assert tok is not None  # (_init_worker ran in this process)
+    return [(k, tok.encode_array(t), end) for k, t, end in task]
 
 
 def _tasks(paths, keys, line_documents, progress):
@@ -180,7 +183,8 @@ def main(argv=None) -> int:
     tok_args = {"tokenizer_type": a.tokenizer_type, "vocab_file": a.vocab_file,
                 "merge_file": a.merge_file, "tokenizer_model": a.tokenizer_model,
                 "tokenizer_file": a.tokenizer_file, "vocab_size": a.vocab_size}
-    writers, pool = {}, None
+    writers: dict[str, IndexedWriter] = {}  # json key -> its output
+    pool: Pool | None = None
     try:
         for path in a.input:
             if not os.path.isfile(path):
@@ -227,7 +231,7 @@ def _bounded_imap(pool, fn, tasks, window: int):
     the writer falls behind the workers (a slow disk, a loaded machine) memory
     grows with the input. Here a chunk is read only when one is taken.
     """
-    pending = collections.deque()
+    pending: collections.deque = collections.deque()
     for task in tasks:
         pending.append(pool.apply_async(fn, (task,)))
         if len(pending) >= window:

@@ -18,6 +18,7 @@ forward without it -- and after ``torch.autograd.backward`` has returned, "other
 
 from __future__ import annotations
 
+import weakref
 from collections import defaultdict
 from time import perf_counter
 
@@ -25,6 +26,7 @@ NAMES = ("all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_objec
          "reduce_scatter", "reduce_scatter_tensor", "broadcast", "all_to_all",
          "all_to_all_single", "barrier", "send", "recv", "isend", "irecv",
          "batch_isend_irecv", "_all_gather_base", "_reduce_scatter_base")
+_WRAPPERS: weakref.WeakSet = weakref.WeakSet()  # the timing wrappers: never wrapped again
 
 
 class _TimedWork:
@@ -47,7 +49,7 @@ class _TimedWork:
 class BlockedClock:
     """Seconds blocked per (phase, collective) on this thread since the last ``take()``."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.totals: dict[str, float] = defaultdict(float)
         self.calls: dict[str, int] = defaultdict(int)
         self._backward_done = False
@@ -59,7 +61,7 @@ class BlockedClock:
         import torch.distributed as dist
         for name in NAMES:
             fn = getattr(dist, name, None)
-            if fn is not None and not getattr(fn, "_blocked_clock", False):
+            if fn is not None and fn not in _WRAPPERS:
                 setattr(dist, name, self._wrap(name, fn))
         backward = torch.autograd.backward
 
@@ -93,7 +95,7 @@ class BlockedClock:
             if isinstance(out, list):  # batch_isend_irecv: one handle per operation
                 return [_TimedWork(w, self, key) for w in out]
             return _TimedWork(out, self, key) if out is not None and hasattr(out, "wait") else out
-        timed._blocked_clock = True
+        _WRAPPERS.add(timed)
         return timed
 
     def take(self) -> tuple[dict, dict]:
@@ -107,7 +109,7 @@ class BlockedClock:
 def per_step(seconds: dict, calls: dict, steps: int) -> dict:
     """Totals over ``steps`` steps as a per-step record: milliseconds blocked by phase
     and in all, and by collective with its calls per step."""
-    phases = defaultdict(float)
+    phases: defaultdict[str, float] = defaultdict(float)
     for key, s in seconds.items():
         phases[key.split("/")[0]] += s
     return {"blocked_ms_per_step": round(1e3 * sum(seconds.values()) / steps, 3),

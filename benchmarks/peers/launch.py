@@ -34,9 +34,11 @@ def run_timed(cmd, cwd=None, timeout=None, env=None):
                             stderr=subprocess.STDOUT, text=True, bufsize=1,
                             start_new_session=True)  # its own group: see kill_group
     lines = []
+    out = proc.stdout
+    assert out is not None  # (PIPE)
 
     def read():
-        for line in proc.stdout:
+        for line in out:
             lines.append((time.perf_counter() - t0, line.rstrip("\n")))
     reader = threading.Thread(target=read, daemon=True)
     reader.start()

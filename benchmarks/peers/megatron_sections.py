@@ -51,7 +51,7 @@ def section_megatron_separate(a) -> dict:
     if why:
         return {"skipped": why}
     import megatron.core
-    runs = {"hybrid": [], "megatron": []}
+    runs: dict[str, list[dict]] = {"hybrid": [], "megatron": []}
     for p in range(a.pairs):  # ABBA
         for kind in abba(p, "hybrid", "megatron"):
             runs[kind].append(torchrun(a, kind))

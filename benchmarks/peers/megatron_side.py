@@ -27,7 +27,8 @@ def megatron_missing() -> str | None:
 def patch_megatron_for_cpu():
     """The CPU patches, before megatron-core's models are imported."""
     import torch
-    torch.cuda.current_device = lambda: "cpu"  # it allocates an attention buffer there
+    # it allocates an attention buffer there: a device name where torch declares an index
+    torch.cuda.current_device = lambda: "cpu"  # type: ignore[assignment, return-value]
     import warnings
     warnings.filterwarnings("ignore", message=".*Transformer Engine and Apex.*")
     warnings.filterwarnings("ignore", message=".*Apex is not installed.*")
@@ -78,7 +79,8 @@ class MegatronSide:
                               share_embeddings_and_output_weights=True,
                               position_embedding_type="learned_absolute")
         self.model.train()
-        decay, no_decay = [], []
+        decay: list[torch.nn.Parameter] = []
+        no_decay: list[torch.nn.Parameter] = []
         for n, p in self.model.named_parameters():
             (no_decay if p.dim() == 1 or n.endswith(".bias") else decay).append(p)
         self.opt = torch.optim.AdamW([{"params": decay, "weight_decay": WEIGHT_DECAY},

@@ -110,7 +110,7 @@ def section_nanogpt(a) -> dict:
     iters = a.nanogpt_iters
     warmup_iters = min(100, max(1, iters // 10))
     eval_interval = 250 if iters % 250 == 0 else iters
-    runs = {"hybrid": [], "nanogpt": []}
+    runs: dict[str, list[dict]] = {"hybrid": [], "nanogpt": []}
     with tempfile.TemporaryDirectory(prefix="bench_peers_") as work:
         for p in range(a.nanogpt_pairs):  # ABBA
             for kind in abba(p, "hybrid", "nanogpt"):
@@ -133,9 +133,10 @@ def section_nanogpt(a) -> dict:
         out[key[:-2]] = pair_record(h, n, "nanogpt", 6)
     hv = [r["final_val_loss"] for r in runs["hybrid"]]
     nv = [r["final_val_loss"] for r in runs["nanogpt"]]
-    out["final_val_loss"] = {"hybrid": hv, "nanogpt": nv, "hybrid_median": rnd(median(hv), 4),
-                             "nanogpt_median": rnd(median(nv), 4),
-                             "delta": (rnd(median(hv) - median(nv), 4)
-                                       if hv and nv and None not in hv + nv else None)}
+    mh, mn = median(hv), median(nv)
+    out["final_val_loss"] = {"hybrid": hv, "nanogpt": nv, "hybrid_median": rnd(mh, 4),
+                             "nanogpt_median": rnd(mn, 4),
+                             "delta": (rnd(mh - mn, 4) if mh is not None and mn is not None
+                                       and None not in hv + nv else None)}
     out["runs"] = runs
     return out

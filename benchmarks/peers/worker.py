@@ -8,6 +8,7 @@ import json
 import os
 import time
 from time import perf_counter
+from typing import Any
 
 from benchmarks.peers.blocked import BlockedClock, per_step
 from benchmarks.peers.common import LAUNCH_ENV, RESULT_TAG, TP_SHAPE
@@ -110,10 +111,10 @@ def _build(kind: str, a, ps, shape: dict):
     return side, perf_counter() - t
 
 
-def _run_one(a, ps, shape: dict, train, evals, clock=None) -> dict:
+def _run_one(a, ps, shape: dict, train, evals, clock: BlockedClock | None = None) -> dict:
     """One system: build it, step it, evaluate it; with ``clock`` (``--blocked``), the
     time its timed steps spent blocked in collectives."""
-    out = {}
+    out: dict[str, Any] = {}  # the JSON record
     side, build_s = _build(a.worker, a, ps, shape)
     out["build_s"] = rnd(build_s, 3)
     out["params_per_rank"] = params(side.model)
@@ -136,10 +137,11 @@ def _run_one(a, ps, shape: dict, train, evals, clock=None) -> dict:
     return out
 
 
-def _run_inprocess(a, ps, shape: dict, train, evals, clock=None) -> dict:
+def _run_inprocess(a, ps, shape: dict, train, evals,
+                   clock: BlockedClock | None = None) -> dict:
     """Both models on these ranks, stepped alternately (ABBA), each step timed (and
     with ``clock``, its time blocked in collectives)."""
-    out = {}
+    out: dict[str, Any] = {}  # the JSON record
     sides = {}
     for kind in ("hybrid", "megatron"):
         sides[kind], build_s = _build(kind, a, ps, shape)
@@ -148,10 +150,11 @@ def _run_inprocess(a, ps, shape: dict, train, evals, clock=None) -> dict:
     order = []
     for p in range(a.warmup + a.steps):  # ABBA: pair p is (H, M) or (M, H)
         order += abba(p, "hybrid", "megatron")
-    times = {k: [] for k in sides}
-    losses = {k: [] for k in sides}
+    times: dict[str, list[float]] = {k: [] for k in sides}
+    losses: dict[str, list] = {k: [] for k in sides}
     it = {k: 0 for k in sides}
-    blocked = {k: ({}, {}) for k in sides}  # (seconds, calls) of the timed steps
+    # (seconds, calls) of the timed steps
+    blocked: dict[str, tuple[dict, dict]] = {k: ({}, {}) for k in sides}
     if clock is not None:
         clock.take()
     for kind in order:
@@ -167,8 +170,8 @@ def _run_inprocess(a, ps, shape: dict, train, evals, clock=None) -> dict:
                 if it[kind] > a.warmup:
                     for key, v in part.items():
                         total[key] = total.get(key, 0) + v
-    ev = {k: [] for k in sides}
-    ev_loss = {}
+    ev: dict[str, list[float]] = {k: [] for k in sides}
+    ev_loss: dict[str, float] = {}
     for p in range(a.eval_repeats):
         for kind in abba(p, "hybrid", "megatron"):
             tt, ev_loss[kind] = timed_evals(sides[kind], evals, 1)

@@ -13,6 +13,7 @@ import ast
 import inspect
 import pathlib
 import typing
+from typing import Any
 
 import pytest
 
@@ -30,7 +31,7 @@ from hybrid.zero.optimizer import ShardedAdamW
 
 ZERO = pathlib.Path(flat_unit.__file__).parent
 
-FAMILIES = {
+FAMILIES: dict[type, list[Any]] = {
     contracts.ShardOptimizer: [ShardedAdamW, SwappedAdamW],
     contracts.GradStore: [HostGrads, SwappedGrads],
     contracts.ParamHome: [HostHome, DiskHome, GdsHome],
@@ -40,9 +41,9 @@ FAMILIES = {
 }
 
 
-def _members(proto) -> dict[str, object]:
+def _members(proto) -> dict[str, Any]:
     """The Protocol's own members and its bases' (methods and properties)."""
-    out: dict[str, object] = {}
+    out: dict[str, Any] = {}
     for base in reversed(proto.__mro__):
         if base is typing.Protocol or base is typing.Generic or base is object:
             continue
