@@ -35,7 +35,7 @@ made once when the optimizer is built; this module only owns the state.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Generator, Iterable
 from typing import Protocol
 
 import torch
@@ -204,18 +204,17 @@ class ShardedAdamW(ShardBase):
         """The flat shard ranges one host step updates at a time: one per part (unit)."""
         return list(zip(self.offsets[:-1], self.offsets[1:]))
 
-    def run_chunks(self, grad: torch.Tensor | None, lr: float, scalars: torch.Tensor,
-                   found: torch.Tensor, before: Callable[[int], torch.Tensor | None],
-                   after: Callable[[int], None], order: Iterable[int] | None = None) -> None:
+    def chunk_steps(self, grad: torch.Tensor | None, lr: float, scalars: torch.Tensor,
+                    found: torch.Tensor, order: Iterable[int] | None = None
+                    ) -> Generator[_PartsStep, None, None]:
         """Every chunk ``k`` of :meth:`chunks` in ``order`` (default: ascending; each
         element's update is independent of the others', so any order gives the same
-        bits): ``out = before(k)``, AdamW on it from the flat ``grad`` (writing the
-        chunk's new parameters into ``out`` when it is not None), ``after(k)``."""
+        bits), ready to step from the flat ``grad``
+        (:class:`~hybrid.zero.offload.contracts.ChunkStep`)."""
         if grad is None:
             raise ValueError("ShardedAdamW steps from a flat gradient in memory")
         for k in (range(len(self.offsets) - 1) if order is None else order):
-            self.step_parts(grad, lr, scalars, k, k + 1, before(k), found)
-            after(k)
+            yield _PartsStep(self, k, grad, lr, scalars, found)
 
     def master_into(self, out: torch.Tensor) -> None:
         """The flat master, rounded to ``out``'s dtype, into the flat ``out``."""
@@ -285,3 +284,18 @@ def global_grad_norm(opt: SquaredNorms, grads: list[torch.Tensor] | None, tp: Co
     if dp is None and loss is not None and loss_dp is not None:
         loss_dp.all_reduce(both[1:2])
     return (both[0] + both[2]).sqrt(), both[1] > 0
+
+
+class _PartsStep:
+    """Chunk ``k`` of a :class:`ShardedAdamW` step: part ``k`` of the flat shard."""
+
+    __slots__ = ("opt", "k", "grad", "lr", "scalars", "found")
+
+    def __init__(self, opt: ShardedAdamW, k: int, grad: torch.Tensor, lr: float,
+                 scalars: torch.Tensor, found: torch.Tensor):
+        self.opt, self.k, self.grad, self.lr = opt, k, grad, lr
+        self.scalars, self.found = scalars, found
+
+    def apply(self, out: torch.Tensor | None) -> None:
+        self.opt.step_parts(self.grad, self.lr, self.scalars, self.k, self.k + 1, out,
+                            self.found)

@@ -23,7 +23,7 @@ a home is the narrower :class:`~hybrid.zero.flat_unit.ShardHome`, which
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Generator, Iterable
 from typing import Protocol
 
 import torch
@@ -84,12 +84,14 @@ class ShardOptimizer(Protocol):
     def chunks(self) -> list[tuple[int, int]]:
         """The flat shard ranges ``[lo, hi)`` a host step updates one at a time."""
 
-    def run_chunks(self, grad: torch.Tensor | None, lr: float, scalars: torch.Tensor,
-                   found: torch.Tensor, before: Callable[[int], torch.Tensor | None],
-                   after: Callable[[int], None], order: Iterable[int] | None = None) -> None:
-        """One step over every chunk ``k`` of ``order``: ``out = before(k)``, AdamW from
-        the flat ``grad`` (None: the chunk's gradient comes with its states), the new
-        parameters into ``out`` when it is not None, then ``after(k)``."""
+    def chunk_steps(self, grad: torch.Tensor | None, lr: float, scalars: torch.Tensor,
+                    found: torch.Tensor, order: Iterable[int] | None = None
+                    ) -> Generator[ChunkStep, None, None]:
+        """One step, chunk by chunk: each chunk ``k`` of ``order`` (default: ascending) in
+        turn, ready to step (:class:`ChunkStep`), its gradient from the flat ``grad``
+        (None: it comes with the chunk's states). The caller drives the loop -- it
+        prepares each chunk's output, steps it, hands the result on -- and the
+        optimizer calls nothing back. The step is done when the iteration ends."""
 
     def master_into(self, out: torch.Tensor) -> None:
         """The flat master, rounded to ``out``'s dtype, into the flat ``out``."""
@@ -103,6 +105,17 @@ class ShardOptimizer(Protocol):
     def write_piece(self, key: str, part: int, where: slice,
                     values: torch.Tensor | None) -> None:
         """Elements ``where`` of part ``part`` of ``key`` <- ``values`` (None: zeros)."""
+
+
+class ChunkStep(Protocol):
+    """One chunk of an optimizer step, its states and gradient at hand."""
+
+    @property
+    def k(self) -> int:
+        """The chunk's index in :meth:`ShardOptimizer.chunks`."""
+
+    def apply(self, out: torch.Tensor | None) -> None:
+        """AdamW over the chunk; its new parameters also into ``out`` when not None."""
 
 
 class GradStore(Protocol):

@@ -60,6 +60,7 @@ goes on.
 from __future__ import annotations
 
 import bisect
+import contextlib
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -288,8 +289,11 @@ class OptimizerOffload:
                 k = len(self._chunks)
                 order = range(k - 1, -1, -1) if delayed else range(k)
                 self._ends = self._reverse_ends if delayed else self._forward_ends
-                self.opt.run_chunks(self._flat_grad, lr, sc, self.found, self._before_chunk,
-                               self._after_chunk, order)
+                steps = self.opt.chunk_steps(self._flat_grad, lr, sc, self.found, order)
+                with contextlib.closing(steps):  # (an error mid-step: the tiles' I/O drains)
+                    for chunk in steps:
+                        chunk.apply(self._before_chunk(chunk.k))
+                        self._after_chunk(chunk.k)
         except BaseException:
             self._failed = True  # nobody may wait for a unit that will not come
             raise

@@ -19,22 +19,22 @@ and moment element ends with the same bits, and so does the curve.
 from __future__ import annotations
 
 import bisect
-from collections.abc import Callable, Iterable
+from collections.abc import Generator, Iterable
 
 import torch
 
 from hybrid.config.sections import AdamWConfig
 from hybrid.kernels.adam import AdamSegments, adam_step
-from hybrid.zero.offload.nvme.tiles import SwappedStates
+from hybrid.zero.offload.nvme.tiles import SwappedStates, Tile
 from hybrid.zero.optimizer import ShardBase
 
 
 class SwappedAdamW(ShardBase):
     """The shard optimizer of the nvme tier: the
     :class:`~hybrid.zero.offload.contracts.ShardOptimizer` contract (the host step's
-    ``chunks``, ``run_chunks``, ``master_into``, ``master_range``; the checkpoint's
+    ``chunks``, ``chunk_steps``, ``master_into``, ``master_range``; the checkpoint's
     ``read_piece``, ``write_piece``) over tiles on disk. It has no device ``step``:
-    the nvme tier always steps on the host, through ``run_chunks``.
+    the nvme tier always steps on the host, through ``chunk_steps``.
 
     Args:
         sizes: elements of each part (unit), in shard order.
@@ -77,24 +77,19 @@ class SwappedAdamW(ShardBase):
     def chunks(self) -> list[tuple[int, int]]:
         return [self.states.bounds(k) for k in range(self.states.tiles)]
 
-    def run_chunks(self, grad: torch.Tensor | None, lr: float, scalars: torch.Tensor,
-                   found: torch.Tensor, before: Callable[[int], torch.Tensor | None],
-                   after: Callable[[int], None], order: Iterable[int] | None = None) -> None:
-        c = self.cfg
-
-        def update(k, master, avg, avg_sq, tile_grad=None):
-            out = before(k)
-            lo, hi = self.states.bounds(k)
-            if tile_grad is None:
+    def chunk_steps(self, grad: torch.Tensor | None, lr: float, scalars: torch.Tensor,
+                    found: torch.Tensor, order: Iterable[int] | None = None
+                    ) -> Generator[_TileStep, None, None]:
+        """Every tile of ``order`` as it arrives from disk, ready to step
+        (:class:`~hybrid.zero.offload.contracts.ChunkStep`); a tile goes back to disk
+        when the next is asked for, and all are written when the iteration ends."""
+        for tile in self.states.each(order):
+            if tile.grad is None:
                 assert grad is not None  # (gradients not swapped with the tiles: the flat one)
-                g = grad[lo:hi]
+                lo, hi = self.states.bounds(tile.k)
+                yield _TileStep(self, tile, grad[lo:hi], lr, scalars, found)
             else:
-                g = tile_grad  # (swapped with the tile)
-            adam_step(master, g, avg, avg_sq, out, self._segments(k), lr=lr, beta1=c.beta1,
-                      beta2=c.beta2, eps=c.eps, weight_decay=c.weight_decay, step=1,
-                      scalars=scalars, found_inf=found)
-            after(k)
-        self.states.run(update, order)
+                yield _TileStep(self, tile, tile.grad, lr, scalars, found)
 
     def master_into(self, out: torch.Tensor) -> None:
         for lo, hi in self.chunks():
@@ -113,3 +108,25 @@ class SwappedAdamW(ShardBase):
         n = where.stop - where.start
         self.states.write_range(key, lo, lo + n,
                                 torch.zeros(n) if values is None else values.reshape(-1))
+
+
+class _TileStep:
+    """Chunk ``tile.k`` of a :class:`SwappedAdamW` step: one tile, its states staged."""
+
+    __slots__ = ("opt", "tile", "grad", "lr", "scalars", "found")
+
+    def __init__(self, opt: SwappedAdamW, tile: Tile, grad: torch.Tensor, lr: float,
+                 scalars: torch.Tensor, found: torch.Tensor):
+        self.opt, self.tile, self.grad, self.lr = opt, tile, grad, lr
+        self.scalars, self.found = scalars, found
+
+    @property
+    def k(self) -> int:
+        return self.tile.k
+
+    def apply(self, out: torch.Tensor | None) -> None:
+        c, t = self.opt.cfg, self.tile
+        adam_step(t.master, self.grad, t.exp_avg, t.exp_avg_sq, out, self.opt._segments(t.k),
+                  lr=self.lr, beta1=c.beta1, beta2=c.beta2, eps=c.eps,
+                  weight_decay=c.weight_decay, step=1, scalars=self.scalars,
+                  found_inf=self.found)

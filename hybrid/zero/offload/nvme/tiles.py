@@ -14,8 +14,10 @@ offset (direct I/O, no page cache). The last tile is padded to full size.
 A step visits the tiles in order through ``--offload-buffer-count`` staging
 buffers of one tile each, used as a ring: while tile ``k`` is being updated,
 the reads of tiles ``k + 1 .. k + C - 2`` are in flight and the write of tile
-``k - 1`` drains. Before tile ``k + C - 1`` is read into the buffer tile
-``k - 1`` used, that buffer's write must have finished. Host memory is the C
+``k - 1`` drains. Before tile ``k + C - 1`` is read into the buffer tile ``k - 1``
+used, that buffer's write must have finished. The optimizer drives the ring:
+:meth:`SwappedStates.each` yields tile after tile and writes a tile back when asked
+for the next one. Host memory is the C
 buffers, whatever the model size; the disk sees one sequential read and one
 sequential write of the swap file per step. When the gradients are swapped too
 (:class:`~hybrid.zero.offload.nvme.grads.SwappedGrads`, attached), each tile's
@@ -25,6 +27,9 @@ back.
 
 from __future__ import annotations
 
+from collections.abc import Generator, Iterable
+from typing import NamedTuple
+
 import torch
 
 from hybrid.kernels.aio import AsyncIO, Request, aligned_empty
@@ -32,6 +37,17 @@ from hybrid.zero.offload.nvme.swap import SwapSpace
 from hybrid.zero.optimizer import STATE_KEYS
 
 FILE = "optimizer.swp"
+
+
+class Tile(NamedTuple):
+    """Tile ``k``'s states (views of a staging buffer) and, swapped with them, its
+    gradient (None when the gradient comes from a flat shard in memory)."""
+
+    k: int
+    master: torch.Tensor
+    exp_avg: torch.Tensor
+    exp_avg_sq: torch.Tensor
+    grad: torch.Tensor | None
 
 
 def tile_spans(lo: int, hi: int, tile: int):
@@ -89,11 +105,13 @@ class SwappedStates:
         return (k * 3 * self.tile + plane * self.tile + element) * 4
 
     # -- the pipeline --------------------------------------------------------------
-    def run(self, update, order=None) -> None:
-        """``update(k, master, exp_avg, exp_avg_sq[, grad])`` for every tile ``k`` of
-        ``order`` (default: ascending), on tile views of the staging buffers (``grad``
-        when gradients are attached); what it writes to the states goes back to disk.
-        Returns once every write has finished (the file then holds this step's states)."""
+    def each(self, order: Iterable[int] | None = None) -> Generator[Tile, None, None]:
+        """Every tile ``k`` of ``order`` (default: ascending) as a :class:`Tile` of views of
+        the staging buffers (``grad`` when gradients are attached): what the caller writes
+        to its states before asking for the next tile goes back to disk. When the
+        iteration ends (or the generator is closed) every write has finished, and the
+        file holds this step's states. The caller drives the loop: nothing is called
+        back."""
         self.space.check()
         order = list(range(self.tiles)) if order is None else list(order)
         c = len(self.staging)
@@ -105,11 +123,12 @@ class SwappedStates:
                 buf = self.staging[j % c]
                 self._reads.pop(k).wait()
                 lo, hi = self.bounds(k)
-                if self.grads is None:
-                    update(k, *self.planes(buf, hi - lo))
-                else:
+                grad = None
+                if self.grads is not None:
                     self._grad_reads.pop(k).wait()
-                    update(k, *self.planes(buf, hi - lo), self.grad_staging[j % c][: hi - lo])
+                    grad = self.grad_staging[j % c][: hi - lo]
+                master, exp_avg, exp_avg_sq = self.planes(buf, hi - lo)
+                yield Tile(k, master, exp_avg, exp_avg_sq, grad)
                 self._writes[j % c] = self.io.write(self.file, self._offset(k), buf)
                 if j + ahead < len(order):
                     self._read(j + ahead, order[j + ahead])
