@@ -48,13 +48,15 @@ from __future__ import annotations
 import torch
 
 from hybrid.zero.flat_unit import FlatUnit
+from hybrid.zero.grad_sync import DeviceShard
 from hybrid.zero.offload.contracts import ShardOptimizer
 from hybrid.zero.offload.host_step import OptimizerOffload
 
 
-class CopyDown:
-    """The sink of an offloaded optimizer whose gradient shard stays on the device: each
-    unit's final shard is copied down to the host step's store as it completes.
+class CopyDown(DeviceShard):
+    """The sink of an offloaded optimizer whose gradient shard stays on the device: a
+    :class:`~hybrid.zero.grad_sync.DeviceShard` whose every unit's final shard is also
+    copied down to the host step's store as it completes.
 
     Args:
         units: the engine's units, in shard order.
@@ -66,30 +68,11 @@ class CopyDown:
 
     def __init__(self, units: list[FlatUnit], offload: OptimizerOffload,
                  flat_grads: torch.Tensor):
-        self.units, self.offload, self.flat = units, offload, flat_grads
-
-    def open(self, unit: FlatUnit) -> bool:
-        return True  # (the shard is the unit's view of the flat buffer, always there)
-
-    def partial(self, unit: FlatUnit) -> None:
-        pass  # (the micro-batches sum in the device shard)
+        super().__init__(units, flat_grads)
+        self.offload = offload
 
     def final(self, unit: FlatUnit) -> None:
         self.offload.grad_ready(unit)
-
-    def reset(self) -> None:
-        self.flat.zero_()
-
-    def squared_norms(self) -> torch.Tensor | None:
-        return None  # (the step takes them from the device shards)
-
-    def values(self, i: int) -> torch.Tensor:
-        shard = self.units[i].grad_shard
-        assert shard is not None  # (bound for good: GradState.FLAT)
-        return shard
-
-    def device_bytes(self) -> int:
-        return self.flat.untyped_storage().nbytes()
 
 
 class GradLanding:
