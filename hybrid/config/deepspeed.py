@@ -179,6 +179,8 @@ def apply_ds_config(f: Flags, ds: Mapping, dp: int, source: str = "<dict>") -> l
     ds = dict(ds)
     if "bfloat16" in ds:  # DeepSpeed's older name of the bf16 block
         ds.setdefault("bf16", ds.pop("bfloat16"))
+    if type(ds.get("zero_optimization")) is bool:  # the legacy switch: true is stage 1
+        ds["zero_optimization"] = {"stage": 1 if ds["zero_optimization"] else 0}
     run = _Apply(f, source, dp)
     run.walk(ds)
     _batch(run)
@@ -312,6 +314,12 @@ def _scheduler(run: _Apply) -> None:
     for field, key, value in schedule_flags(block, run.f.lr, run.where):
         if field == "lr" and run.origin.get("lr") == "optimizer.params.lr":
             del run.origin["lr"]  # DeepSpeed's scheduler sets the rate the optimizer runs at
+        if field == "lr_decay_iters" and key.startswith("scheduler.params.warmup_num_steps"):
+            # WarmupLR: the warmup's own length (the rest is constant), never the
+            # --train-iters default, which capped the warmup at 200 steps; a decay
+            # length the command line gives stands
+            if "lr_decay_iters" in run.explicit or run.f.train_samples is not None:
+                continue
         run.set(key, field, value)
 
 

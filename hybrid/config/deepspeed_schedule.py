@@ -12,6 +12,9 @@ hybrid's schedule is Megatron's: warmup over ``--lr-warmup-iters`` from
 
 Steps count as hybrid's iterations do (1-based: a linear warmup's first step
 runs at 1 / warmup_num_steps of the way; a log warmup's at its start value).
+Every length comes from the scheduler's own keys: WarmupLR's schedule is its
+warmup (hybrid's decay length is then warmup_num_steps, with a constant
+"decay"), so no ``--train-iters`` default caps it.
 """
 
 from __future__ import annotations
@@ -77,7 +80,9 @@ def schedule_flags(block: dict, lr: float,
                  "constant" if kind == "warmuplr" else "linear")]
         if kind == "warmupdecaylr":
             out.append(("min_lr", key("warmup_min_lr"), float(p["warmup_min_lr"])))
-    if kind != "warmuplr":
+    if kind == "warmuplr":  # constant after the warmup: the schedule ends with it
+        out.append(("lr_decay_iters", key("warmup_num_steps"), p["warmup_num_steps"]))
+    else:
         if p["total_num_steps"] is None:
             raise ConfigError(f"{where('scheduler.params.total_num_steps')} is required by "
                               f"{_NAMES[kind]}")

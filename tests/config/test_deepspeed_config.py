@@ -426,11 +426,11 @@ def test_a_check_names_the_key_that_set_the_value():
     assert _error({"fp16": {"enabled": True}, "bf16": {"enabled": True}}) == (
         "ds_config bf16.enabled and ds_config fp16.enabled are exclusive: pick one")
     assert _error({"steps_per_print": 0}) == "ds_config steps_per_print must be >= 1, got 0"
-    # a scheduler's default is named as one: here it outlasts the run's 200 iterations
-    assert _error({"scheduler": {"type": "WarmupLR", "params": {"warmup_max_lr": 1e-3}}}) == (
-        "ds_config scheduler.params.warmup_num_steps (WarmupLR's default) 1000 exceeds "
-        "--lr-decay-iters 200 (the decay length; --train-iters by default): warm up for "
-        "fewer, or decay over more")
+    # a scheduler's default is named as one: here it outlasts the scheduler's own decay
+    assert _error({"scheduler": {"type": "WarmupDecayLR", "params": {"total_num_steps": 100}}}
+                  ) == ("ds_config scheduler.params.warmup_num_steps (WarmupDecayLR's default) "
+                        "1000 exceeds ds_config scheduler.params.total_num_steps 100 (the decay "
+                        "length; --train-iters by default): warm up for fewer, or decay over more")
     # the flag still, where the command line gave the value
     assert _error({"gradient_clipping": 1.0}, "--zero-stage", "5") == (
         "--zero-stage must be 0, 1, 2 or 3, got 5")
