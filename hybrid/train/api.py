@@ -12,17 +12,31 @@ its loss scaler, offload tiers and checkpoint format), configured from a
 ds_config (a path or a dict, :mod:`hybrid.config.deepspeed`) on top of the
 defaults of hybrid's flags. Process groups come from torchrun's environment
 (gloo on a CPU, NCCL on a GPU), or from a :class:`ParallelState` passed in.
+``import hybrid.deepspeed as deepspeed`` (:mod:`hybrid.deepspeed`) is the same
+engine behind DeepSpeed's module layout.
 
 [Note: micro-steps and steps]
 As in DeepSpeed, ``backward`` and ``step`` are called every micro-batch; the
-optimizer runs on the last of each ``gradient_accumulation_steps``. Each
+optimizer runs on the last of each ``gradient_accumulation_steps()``. Each
 micro-batch's loss is divided by that count, so the accumulated gradient is
-the mean over the global batch. The learning rate is hybrid's schedule (the
-ds_config's ``scheduler`` block or the ``--lr*`` defaults) at the step about to run.
+the mean over the global batch. ``micro_steps`` counts the ``step()`` calls,
+so between a ``backward`` and its ``step`` ``is_gradient_accumulation_boundary()``
+says whether this micro-batch's step is an optimizer step. The learning rate is
+hybrid's schedule (the ds_config's ``scheduler`` block or the ``--lr*`` defaults)
+at the step about to run; ``optimizer.param_groups[i]["lr"]`` and ``get_lr()``
+hold the rate of the next optimizer step, as DeepSpeed's do.
+
+[Note: the user's RNG]
+``initialize`` leaves torch's global generators (the CPU one, and the device's)
+as it found them: hybrid's streams (the TP tracker, a ``zero_init`` model's
+draws) come from their own seeds, and what must seed the global generator to
+make them runs inside ``torch.random.fork_rng``. The user's seed goes on
+deciding their shuffles and dropout masks.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 from collections.abc import Mapping
@@ -35,7 +49,9 @@ from hybrid.config.deepspeed import apply_ds_config, load_ds_config
 from hybrid.config.kinds import INT, typed
 from hybrid.errors import ConfigError
 from hybrid.parallel.state import ParallelState, init_distributed
+from hybrid.recompute.phase import RecomputePhase
 from hybrid.tensor_parallel import InitValues, seed_all
+from hybrid.train.api_surface import EngineOptimizer, dataloader_of
 from hybrid.train.lr_schedule import scheduled_lr
 from hybrid.train.orphans import end_with_launcher
 from hybrid.train.zero_context import ModuleInitValues
@@ -59,7 +75,12 @@ class LRSchedule:
         self.steps += 1
 
     def get_last_lr(self) -> list[float]:
+        """The rate of the step just taken (of step 1 before any)."""
         return [self.lr_at(max(1, self.steps))]
+
+    def get_lr(self) -> list[float]:
+        """As :meth:`get_last_lr` (DeepSpeed's schedulers name it both ways)."""
+        return self.get_last_lr()
 
     def state_dict(self) -> dict:
         return {"steps": self.steps}
@@ -79,20 +100,126 @@ def _units(model: nn.Module) -> list[nn.Module] | None:
     return list(best) if best is not None else None
 
 
-class Engine:
-    """DeepSpeed's engine verbs over one :class:`~hybrid.zero.ZeroEngine` (module note)."""
+# DeepSpeed engine methods hybrid's engine does not have yet: name -> what to use
+_NOT_YET = {
+    "set_train_batch_size": "the batch sizes are fixed by the config",
+    "set_gradient_accumulation_boundary": "the boundary follows gradient_accumulation_steps",
+    "get_mom": "betas are optimizer.param_groups[i]['betas']",
+    "load_universal_checkpoint": "hybrid's checkpoints reshard themselves: load_checkpoint",
+    "get_data_parallel_group": "the groups live in engine.ps (a hybrid ParallelState)",
+    "empty_partition_cache": "stage 3 frees gathered parameters after each module",
+}
 
-    def __init__(self, module: nn.Module, cfg, ps: ParallelState, zero, rng, schedule):
+
+class Engine:
+    """DeepSpeed's engine verbs and the attributes its scripts read, over one
+    :class:`~hybrid.zero.ZeroEngine` (module notes). An attribute the engine does not
+    have is looked up on the wrapped module, as DeepSpeed's engine does."""
+
+    def __init__(self, module: nn.Module, cfg, ps: ParallelState, zero, rng, schedule,
+                 dataloader=None):
         self.module, self.cfg, self.ps, self.zero = module, cfg, ps, zero
         self.rng, self.lr_scheduler = rng, schedule
-        self.gradient_accumulation_steps = cfg.num_micro_batches
-        self.train_batch_size = cfg.loop.global_batch_size
-        self.micro_steps = self.global_steps = 0
+        self.training_dataloader = dataloader
+        self.micro_steps = self.global_steps = self.global_samples = 0
         self._loss: torch.Tensor | None = None  # this window's summed micro-batch losses (device)
+        self._backward_done = False  # a backward since the last step() call
         self.last_result = None  # the engine's StepResult of the last optimizer step
+        self.optimizer = EngineOptimizer(module, cfg.adamw, zero)
+        self.optimizer.set_next_lr(schedule.lr_at(1))
+
+    # -- what scripts read (DeepSpeed's names and types) --------------------------------
+    @property
+    def device(self) -> torch.device:
+        return self.ps.device
+
+    @property
+    def local_rank(self) -> int:
+        """This process's rank on its node (torchrun's LOCAL_RANK; the device index on
+        a GPU without it)."""
+        if "LOCAL_RANK" in os.environ:
+            return int(os.environ["LOCAL_RANK"])
+        return (self.ps.device.index or 0) if self.ps.device.type == "cuda" else 0
+
+    @property
+    def global_rank(self) -> int:
+        return self.ps.rank
+
+    @property
+    def world_size(self) -> int:
+        return self.ps.world_size
+
+    @property
+    def dp_world_size(self) -> int:
+        return self.ps.dp_size
+
+    @property
+    def mp_world_size(self) -> int:
+        return self.ps.tp_size
+
+    def train_micro_batch_size_per_gpu(self) -> int:
+        return self.cfg.loop.micro_batch_size
+
+    def gradient_accumulation_steps(self) -> int:
+        return self.cfg.num_micro_batches
+
+    def train_batch_size(self) -> int:
+        return self.cfg.loop.global_batch_size
+
+    def zero_optimization_stage(self) -> int:
+        return self.cfg.zero.stage
+
+    def fp16_enabled(self) -> bool:
+        return self.cfg.precision.params_dtype == "fp16"
+
+    def bfloat16_enabled(self) -> bool:
+        return self.cfg.precision.params_dtype == "bf16"
+
+    def gradient_clipping(self) -> float:
+        return float(self.cfg.adamw.clip_grad)
+
+    def get_global_grad_norm(self) -> float | None:
+        """The gradient norm of the last optimizer step, before clipping (None before the
+        first step). A host read: call it where you log."""
+        return None if self.last_result is None else float(self.last_result.grad_norm)
+
+    def was_step_applied(self) -> bool:
+        """False before the first optimizer step and after one skipped (a non-finite
+        gradient or loss; fp16 overflow). A host read."""
+        if self.last_result is None:
+            return False
+        skipped = self.last_result.host_skipped
+        return not (bool(self.last_result.skipped) if skipped is None else skipped)
+
+    def get_lr(self) -> list[float]:
+        """The rate of the next optimizer step, per parameter group (DeepSpeed's)."""
+        return [float(g["lr"]) for g in self.optimizer.param_groups]
+
+    def parameters(self, recurse: bool = True):
+        return self.module.parameters(recurse)
+
+    def named_parameters(self, prefix: str = "", recurse: bool = True):
+        return self.module.named_parameters(prefix, recurse)
+
+    def __getattr__(self, name: str):
+        # only reached for names the engine lacks; the module's, as DeepSpeed's engine does
+        if name.startswith("__") or name == "module":
+            raise AttributeError(name)
+        if name in _NOT_YET:
+            raise AttributeError(f"hybrid's engine has no {name} yet (DeepSpeed's "
+                                 f"engine.{name}): {_NOT_YET[name]}")
+        module = self.__dict__.get("module")
+        if module is not None and hasattr(module, name):
+            return getattr(module, name)
+        raise AttributeError(f"{type(self).__name__!r} object (hybrid's engine) has no "
+                             f"attribute {name!r}, nor has its module "
+                             f"{type(module).__name__}")
 
     # -- the training verbs ------------------------------------------------------------
     def __call__(self, *args, **kwargs):
+        return self.module(*args, **kwargs)
+
+    def forward(self, *args, **kwargs):
         return self.module(*args, **kwargs)
 
     def train(self, mode: bool = True) -> Engine:
@@ -107,113 +234,230 @@ class Engine:
         self.zero.zero_grad()
 
     def is_gradient_accumulation_boundary(self) -> bool:
-        return (self.micro_steps + 1) % self.gradient_accumulation_steps == 0
+        """Whether the micro-batch being run (its ``backward`` done, its ``step`` not yet)
+        ends an accumulation window."""
+        return (self.micro_steps + 1) % self.gradient_accumulation_steps() == 0
 
-    def backward(self, loss: torch.Tensor) -> None:
-        """Backward of this micro-batch's ``loss`` (divided by the accumulation steps;
-        gradients reduce over DP in the last micro-batch of the window)."""
-        if self.micro_steps % self.gradient_accumulation_steps == 0:
+    def backward(self, loss: torch.Tensor, retain_graph: bool = False,
+                 scale_wrt_gas: bool = True) -> torch.Tensor:
+        """Backward of this micro-batch's ``loss`` (divided by the accumulation steps
+        unless ``scale_wrt_gas`` is False; gradients reduce over DP in the last
+        micro-batch of the window). Returns the loss as it was backpropagated."""
+        if retain_graph:
+            raise ConfigError("engine.backward(loss, retain_graph=True): hybrid's engine "
+                              "frees the graph in backward; compute the loss again instead")
+        if self._backward_done:
+            raise ConfigError("engine.backward() twice without engine.step(): call "
+                              "engine.step() after each micro-batch's backward (it steps "
+                              "the optimizer at the accumulation boundary only)")
+        n = self.gradient_accumulation_steps()
+        if self.micro_steps % n == 0:
             self.zero.zero_grad()
             self._loss = None
-        n = self.gradient_accumulation_steps
-        scaled = loss / n if n > 1 else loss
+        scaled = loss / n if n > 1 and scale_wrt_gas else loss
         self.zero.backward(scaled, sync=self.is_gradient_accumulation_boundary())
         self._loss = scaled.detach() if self._loss is None else self._loss + scaled.detach()
+        self._backward_done = True
+        return scaled
+
+    def step(self, lr_kwargs=None) -> None:
+        """At an accumulation boundary: the optimizer step on this rank's shard (clip,
+        skip on a non-finite gradient, all-gather), then the schedule; else nothing but
+        the count. Each call must follow an ``engine.backward(loss)``."""
+        if lr_kwargs:
+            raise ConfigError("engine.step(lr_kwargs=...): hybrid's schedule takes no "
+                              "arguments; configure the ds_config's \"scheduler\" block")
+        if not self._backward_done:
+            raise ConfigError(
+                "engine.step() without engine.backward(loss) since the last step: hybrid's "
+                "engine takes each micro-batch's gradient through engine.backward(loss) (a "
+                "plain loss.backward() is not supported yet: it would train nothing); call "
+                "engine.backward(loss) before engine.step()")
+        self._backward_done = False
+        if self.is_gradient_accumulation_boundary():
+            self.optimizer.check_unchanged()
+            lr = self.lr_scheduler.lr_at(self.global_steps + 1)
+            self.last_result = self.zero.step(lr, loss=self._loss)
+            self.global_steps += 1
+            self.global_samples += self.train_batch_size()
+            self.lr_scheduler.step()
+            self.optimizer.set_next_lr(self.lr_scheduler.lr_at(self.global_steps + 1))
         self.micro_steps += 1
 
-    def step(self) -> None:
-        """At an accumulation boundary: the optimizer step on this rank's shard (clip,
-        skip on a non-finite gradient, all-gather), then the schedule; else nothing."""
-        if self.micro_steps == 0 or self.micro_steps % self.gradient_accumulation_steps:
-            return
-        lr = self.lr_scheduler.lr_at(self.global_steps + 1)
-        self.last_result = self.zero.step(lr, loss=self._loss)
-        self.global_steps += 1
-        self.lr_scheduler.step()
-
-    def get_lr(self) -> list[float]:
-        return self.lr_scheduler.get_last_lr()
+    # -- data ----------------------------------------------------------------------------
+    def deepspeed_io(self, dataset, batch_size: int | None = None, route=None,
+                     pin_memory: bool = True, data_sampler=None, collate_fn=None,
+                     num_local_io_workers: int | None = None):
+        """A DataLoader over this DP rank's share of ``dataset`` (see :func:`dataloader_of`)."""
+        if data_sampler is not None:
+            raise ConfigError("engine.deepspeed_io(data_sampler=...): hybrid shards the data "
+                              "with its own DistributedSampler; pass data_sampler=None")
+        return dataloader_of(dataset, self.ps, batch_size or self.train_micro_batch_size_per_gpu(),
+                             collate_fn, drop_last=False, workers=num_local_io_workers or 0)
 
     # -- checkpoints (hybrid's format: atomic, reshardable) ---------------------------------
     def save_checkpoint(self, save_dir: str, tag=None, client_state: Mapping | None = None,
-                        **_) -> str:
-        """Collective: write step ``global_steps`` under ``save_dir`` (``tag`` must be None
-        or the step: hybrid names checkpoints by iteration). ``client_state``: JSON
-        values, returned by :meth:`load_checkpoint`."""
+                        save_latest: bool = True, exclude_frozen_parameters: bool = False
+                        ) -> str:
+        """Collective: write step ``global_steps`` under ``save_dir``, as
+        ``iter_NNNNNNN`` (hybrid's name) or, with a ``tag``, as ``save_dir/<tag>``;
+        ``latest`` names it unless ``save_latest`` is False. ``client_state``: JSON
+        values, returned by :meth:`load_checkpoint`. Returns the directory written."""
         from hybrid.checkpoint.api_state import save_engine
-        return save_engine(self, save_dir, tag, dict(client_state or {}))
+        if exclude_frozen_parameters:
+            raise ConfigError("save_checkpoint(exclude_frozen_parameters=True): hybrid "
+                              "saves every parameter; pass False")
+        return save_engine(self, save_dir, tag, dict(client_state or {}), save_latest)
 
-    def load_checkpoint(self, load_dir: str, tag=None, load_optimizer_states: bool = True,
+    def load_checkpoint(self, load_dir: str, tag=None, load_module_strict: bool = True,
+                        load_optimizer_states: bool = True,
                         load_lr_scheduler_states: bool = True, load_module_only: bool = False,
-                        **_):
-        """Collective: restore the newest checkpoint (or step ``tag``) under
-        ``load_dir``; returns (its path, the client_state saved with it)."""
+                        custom_load_fn=None):
+        """Collective: restore the checkpoint ``latest`` names under ``load_dir`` (or the
+        one of ``tag``); returns (its path, the client_state saved with it), or
+        (None, None) when ``load_dir`` is missing or holds no checkpoint (the
+        auto-resume idiom)."""
         from hybrid.checkpoint.api_state import load_engine
-        return load_engine(self, load_dir, tag, load_optimizer_states and not load_module_only,
-                           load_lr_scheduler_states and not load_module_only)
+        if custom_load_fn is not None:
+            raise ConfigError("load_checkpoint(custom_load_fn=...): hybrid loads its own "
+                              "format; pass None")
+        got = load_engine(self, load_dir, tag, load_optimizer_states and not load_module_only,
+                          load_lr_scheduler_states and not load_module_only)
+        self.optimizer.set_next_lr(self.lr_scheduler.lr_at(self.global_steps + 1))
+        return got
+
+    @torch.no_grad()
+    def save_16bit_model(self, save_dir: str, save_filename: str = "pytorch_model.bin",
+                         exclude_frozen_parameters: bool = False) -> bool:
+        """Collective (stage 3 gathers): the module's full state_dict in its training dtype,
+        written by rank 0 to ``save_dir/save_filename`` with ``torch.save``."""
+        if self.ps.tp_size > 1:
+            raise ConfigError("save_16bit_model with tensor parallelism: each rank holds a "
+                              "slice of the weights; save_checkpoint and convert it "
+                              "(scripts/convert_checkpoint.py) instead")
+        self.zero.wait_optimizer()
+        frozen = {n for n, p in self.module.named_parameters() if not p.requires_grad}
+        with self.zero.gathered():
+            state = {k: v.detach().to("cpu", copy=True)
+                     for k, v in self.module.state_dict().items()
+                     if not (exclude_frozen_parameters and k in frozen)}
+        if self.ps.rank == 0:
+            os.makedirs(save_dir, exist_ok=True)
+            torch.save(state, os.path.join(save_dir, save_filename))
+        return True
 
     def close(self) -> None:
         """Finish the update in flight and delete any swap files."""
         self.zero.close()
 
+    destroy = close  # DeepSpeed's name
+
+
+def _trained_parameters(model: nn.Module, model_parameters, where: str) -> None:
+    """``model_parameters`` must be every parameter of ``model`` (a list, a generator
+    such as a ``requires_grad`` filter, or groups holding only ``params``)."""
+    given: set[int] = set()
+    for item in model_parameters:
+        if isinstance(item, Mapping):
+            extra = sorted(k for k in item if k != "params")
+            if extra:
+                raise ConfigError(
+                    f"{where}(model_parameters=...): parameter groups with their own "
+                    f"{', '.join(extra)} are not supported yet (hybrid applies one lr and "
+                    f"decays the matrices only); set them in the ds_config's \"optimizer\" "
+                    f"block and pass model.parameters()")
+            ps = item["params"]
+            given.update(id(p) for p in ([ps] if isinstance(ps, torch.Tensor) else ps))
+        else:
+            given.add(id(item))
+    if given != {id(p) for p in model.parameters()}:
+        raise ConfigError(f"{where}(model_parameters=...): hybrid trains every parameter of "
+                          f"the model; pass model.parameters() (freezing a part is not "
+                          f"supported yet)")
+
+
+@contextlib.contextmanager
+def _rng_kept(device: torch.device):
+    """The global generators of the CPU and of ``device`` as they were (module note)."""
+    cuda = [device.index or 0] if device.type == "cuda" else []
+    with torch.random.fork_rng(devices=cuda, device_type="cuda"):
+        yield
+
 
 def initialize(model: nn.Module, config=None, model_parameters=None, optimizer=None,
                lr_scheduler=None, training_data=None, *, parallel_state=None,
-               tensor_parallel_size: int = 1, seed: int = 1234):
+               tensor_parallel_size: int = 1, seed: int = 1234, collate_fn=None,
+               recompute_phase: RecomputePhase | None = None, caller: str = "hybrid.initialize"):
     """(engine, optimizer, dataloader, lr_scheduler) as ``deepspeed.initialize`` returns
-    them: ``optimizer`` is the engine's shard optimizer, ``dataloader`` None (hybrid
-    does not wrap a user's data: feed each rank its own micro-batches), ``lr_scheduler``
-    the run's :class:`LRSchedule`.
+    them: ``optimizer`` is the engine's :class:`EngineOptimizer`, ``dataloader`` a
+    DataLoader over this DP rank's share of ``training_data`` (None without it;
+    ``collate_fn`` its collate function), ``lr_scheduler`` the run's :class:`LRSchedule`.
 
     ``config``: a ds_config path or dict (None: hybrid's defaults), each key's value
     checked against its type as from a file. ``model_parameters``:
     accepted when it is all of ``model.parameters()`` (hybrid shards the whole model).
-    ``optimizer``/``lr_scheduler``/``training_data`` objects are refused: the engine
-    runs its own AdamW and schedule (set them in the config). ``parallel_state``: an
-    existing :class:`ParallelState` (default: joined from torchrun's environment with
+    ``optimizer``/``lr_scheduler`` objects are refused: the engine runs its own AdamW
+    and schedule (set them in the config). ``parallel_state``: an existing
+    :class:`ParallelState` (default: joined from torchrun's environment with
     ``tensor_parallel_size`` adjacent ranks per TP group, for a model built from
-    hybrid's TP layers on that state). ``seed``: the run seed (hybrid's ``--seed``).
-    A ``config`` key or an argument of the wrong type or value is one ConfigError
-    naming it (``model`` or ``parallel_state`` of the wrong class: TypeError).
+    hybrid's TP layers on that state). ``seed``: the run seed (hybrid's ``--seed``:
+    the TP stream and a ``zero_init`` model's draws; torch's global generators are
+    left as they were). ``recompute_phase``: the flag a function-level activation
+    checkpoint sets around its recompute (:mod:`hybrid.deepspeed.checkpointing`), so
+    stage 3 keeps a recomputed module's parameters for its backward. ``caller``: the
+    door's name in messages. A ``config`` key or an argument of the wrong type or
+    value is one ConfigError naming it (``model`` or ``parallel_state`` of the wrong
+    class: TypeError).
     """
     if not isinstance(model, nn.Module):
-        raise TypeError(f"hybrid.initialize(model=...) takes a torch.nn.Module, got "
+        raise TypeError(f"{caller}(model=...) takes a torch.nn.Module, got "
                         f"{type(model).__name__}")
     if parallel_state is not None and not isinstance(parallel_state, ParallelState):
-        raise TypeError(f"hybrid.initialize(parallel_state=...) takes a ParallelState or None, "
+        raise TypeError(f"{caller}(parallel_state=...) takes a ParallelState or None, "
                         f"got {type(parallel_state).__name__}")
-    tensor_parallel_size = typed(tensor_parallel_size, INT,
-                                 "hybrid.initialize(tensor_parallel_size=...)")
-    seed = typed(seed, INT, "hybrid.initialize(seed=...)")
-    for name, value in (("optimizer", optimizer), ("lr_scheduler", lr_scheduler),
-                        ("training_data", training_data)):
+    tensor_parallel_size = typed(tensor_parallel_size, INT, f"{caller}(tensor_parallel_size=...)")
+    seed = typed(seed, INT, f"{caller}(seed=...)")
+    for name, value in (("optimizer", optimizer), ("lr_scheduler", lr_scheduler)):
         if value is not None:
-            raise ValueError(f"hybrid.initialize({name}=...): hybrid runs its own AdamW and "
-                             f"schedule on the shards; configure them in the ds_config "
-                             f"(optimizer, scheduler) and pass None")
+            raise ConfigError(f"{caller}({name}=...): hybrid runs its own AdamW and "
+                              f"schedule on the shards and cannot drive a client {name} "
+                              f"object yet; configure them in the ds_config (\"optimizer\", "
+                              f"\"scheduler\") and pass {name}=None")
     if model_parameters is not None:
-        given = {id(p) for p in model_parameters}
-        if given != {id(p) for p in model.parameters()}:
-            raise ValueError("hybrid.initialize(model_parameters=...): hybrid trains every "
-                             "parameter of the model; freeze with requires_grad=False")
+        _trained_parameters(model, model_parameters, caller)
     if parallel_state is None:  # this door joins torchrun's job: it is the worker's entry
         end_with_launcher(os.environ)  # no rank outlives its launcher (train/orphans.py)
     ps = parallel_state or init_distributed(tensor_parallel_size)
     if ps.cp_size > 1:  # a user's model would have to take its CP positions and loss mean
-        raise ConfigError(f"hybrid.initialize: the parallel_state has context parallelism "
+        raise ConfigError(f"{caller}: the parallel_state has context parallelism "
                           f"(CP {ps.cp_size}), which only hybrid's GPT takes "
                           f"(scripts/pretrain_gpt.py --context-parallel-size); build it with "
                           f"context_parallel_size=1")
     # the checks name the seed as it was given here, not as --seed
-    flags = Flags(seed=seed, given_as={"seed": "hybrid.initialize(seed=...)"})
+    flags = Flags(seed=seed, given_as={"seed": f"{caller}(seed=...)"})
+    ds: dict = {}
     if config is not None:
         source = os.fspath(config) if isinstance(config, (str, os.PathLike)) else "<dict>"
-        flags.ds_config_notes = apply_ds_config(flags, load_ds_config(config), ps.dp_size,
-                                                source=source)
+        ds = load_ds_config(config)
+        flags.ds_config_notes = apply_ds_config(flags, ds, ps.dp_size, source=source)
     cfg = build_config(flags, ps.world_size)
+    drop_last = bool(ds.get("dataloader_drop_last") or False)
     if ps.rank == 0:  # one warning per key the file set that this door does not use
         for note in flags.ds_config_notes + _loop_only(flags):
-            log.warning("hybrid.initialize: ds_config %s", note)
+            if not (training_data is not None and note.startswith("dataloader_drop_last:")):
+                log.warning("%s: ds_config %s", caller, note)
+    with _rng_kept(ps.device):
+        engine = _build(model, cfg, ps, recompute_phase)
+    if training_data is not None:
+        engine.training_dataloader = dataloader_of(training_data, ps, cfg.loop.micro_batch_size,
+                                                   collate_fn, drop_last)
+    return engine, engine.optimizer, engine.training_dataloader, engine.lr_scheduler
+
+
+def _build(model: nn.Module, cfg, ps: ParallelState,
+           recompute_phase: RecomputePhase | None) -> Engine:
+    """The engine of ``model`` (inside :func:`_rng_kept`: seeding hybrid's streams
+    touches the global generators)."""
     rng = seed_all(cfg.seed, ps.tp_rank, ps.dp_rank, ps.device)
     # built under zero_init(): the engine draws this rank's shard from the modules'
     # own initializers (zero_context.py); else every replica takes DP rank 0's values
@@ -230,13 +474,14 @@ def initialize(model: nn.Module, config=None, model_parameters=None, optimizer=N
     else:
         model.to(ps.device)
     zero = apply_zero(model, ps, cfg.zero, adamw=cfg.adamw, precision=cfg.precision,
-                      offload=cfg.offload, values=values, unit_modules=_units(model))
+                      offload=cfg.offload, values=values, unit_modules=_units(model),
+                      recompute=recompute_phase)
     schedule = LRSchedule(cfg.lr_schedule, cfg.loop.global_batch_size)
     engine = Engine(model, cfg, ps, zero, rng, schedule)
     for p in model.parameters():  # GatheredParameters finds the engine from a parameter
         # an attribute of the tensor: torch's stubs declare none beyond its own
         p.hybrid_engine = engine  # type: ignore[attr-defined]
-    return engine, zero.optimizer, None, schedule
+    return engine
 
 
 # Settings a ds_config may make that only pretrain_gpt.py's loop uses: (Flags field,
