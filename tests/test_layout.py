@@ -29,7 +29,9 @@ LAYERS = [
     ["hybrid.hf"],
     ["hybrid.train"],
     ["hybrid.testing"],  # the process pool of tests and benchmarks
-    ["hybrid"],  # the package's own door (hybrid/__init__.py)
+    # the package's own door (hybrid/__init__.py), and beside it DeepSpeed's module layout
+    # over the same engine (import hybrid.deepspeed as deepspeed): nothing imports it
+    ["hybrid", "hybrid.deepspeed"],
     # the benches (python -m benchmarks.bench_*) beside the user tools: neither imports the other
     ["benchmarks", "scripts"],
 ]

@@ -1,0 +1,54 @@
+"""DeepSpeed's module layout over hybrid's engine: ``import hybrid.deepspeed as deepspeed``.
+
+    import hybrid.deepspeed as deepspeed           # the one line a DeepSpeed script changes
+    parser = deepspeed.add_config_arguments(argparse.ArgumentParser())
+    args = parser.parse_args()                     # --deepspeed --deepspeed_config ds.json
+    engine, optimizer, loader, sched = deepspeed.initialize(args=args, model=net,
+                                                            model_parameters=net.parameters())
+
+What is here runs on :func:`hybrid.initialize`'s engine (one engine, not a
+second implementation): :func:`initialize` with DeepSpeed's signature,
+:func:`add_config_arguments`, :func:`init_distributed`, and the submodules
+``zero`` (``Init``, ``GatheredParameters``), ``comm``, ``accelerator``
+(``get_accelerator``) and ``checkpointing``. docs/deepspeed.md has the table:
+each name "same", "mapped" (what it becomes) or "refused" (what to use instead).
+A DeepSpeed name that is not here is an AttributeError that says so, and what
+hybrid cannot honour yet (a client ``optimizer=`` or ``lr_scheduler=`` object,
+...) is one ConfigError naming the call and what to use instead.
+
+``deepspeed.zero`` is :mod:`hybrid.deepspeed.zero`, DeepSpeed's context managers;
+hybrid's own ZeRO engine is :mod:`hybrid.zero`, which a script never meets.
+"""
+
+from __future__ import annotations
+
+from hybrid.deepspeed import accelerator, checkpointing, comm, zero
+from hybrid.deepspeed.comm import init_distributed
+from hybrid.deepspeed.door import add_config_arguments, initialize
+from hybrid.train.api import Engine as DeepSpeedEngine
+
+__all__ = ["DeepSpeedEngine", "accelerator", "add_config_arguments", "checkpointing", "comm",
+           "init_distributed", "initialize", "zero"]
+
+# DeepSpeed names a script may reach for that hybrid does not have: name -> what instead
+_NOT_HERE = {
+    "init_inference": "hybrid trains; for generation load a checkpoint with "
+                      "scripts/generate.py, or run the module itself",
+    "PipelineModule": "hybrid has no pipeline parallelism: shard with TP and ZeRO-3",
+    "pipe": "hybrid has no pipeline parallelism: shard with TP and ZeRO-3",
+    "ops": "hybrid's AdamW is its own (configure it in the ds_config's \"optimizer\" block)",
+    "runtime": "the scheduler and optimizer classes are configured in the ds_config",
+    "DeepSpeedTransformerLayer": "build the layer from torch or transformers modules",
+    "DeepSpeedConfig": "pass the ds_config (a path or a dict) to initialize(config=...)",
+    "add_tuning_arguments": "hybrid has no autotuner",
+    "moe": "hybrid has no mixture of experts",
+    "module_inject": "hybrid injects no kernels into a model",
+}
+
+
+def __getattr__(name: str):
+    if name in _NOT_HERE:
+        raise AttributeError(f"hybrid.deepspeed has no {name} (DeepSpeed's deepspeed.{name}): "
+                             f"{_NOT_HERE[name]}; docs/deepspeed.md lists what it has")
+    raise AttributeError(f"hybrid.deepspeed has no {name!r}: it is not one of DeepSpeed's names "
+                         f"hybrid serves yet (docs/deepspeed.md lists them)")

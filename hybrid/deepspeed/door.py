@@ -1,0 +1,106 @@
+"""``deepspeed.initialize`` and ``deepspeed.add_config_arguments`` over hybrid's engine.
+
+:func:`initialize` takes DeepSpeed's arguments, resolves them to what
+:func:`hybrid.train.api.initialize` takes (the config from ``config``,
+``config_params`` or ``args.deepspeed_config``; the layout from ``mpu`` when
+it is a :class:`ParallelState`) and refuses, one ConfigError each, what hybrid
+cannot honour yet. Everything else is that function's: the same engine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+import torch.distributed as dist
+from torch import nn
+
+from hybrid.deepspeed.checkpointing import PHASE
+from hybrid.errors import ConfigError
+from hybrid.parallel.state import ParallelState
+from hybrid.train import api
+
+_WHERE = "deepspeed.initialize"
+
+
+def add_config_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """DeepSpeed's command-line arguments on ``parser`` (returned): ``--deepspeed`` (a
+    marker for the script's own use), ``--deepspeed_config FILE`` (read by
+    :func:`initialize` from ``args``), and the deprecated ``--deepscale`` and
+    ``--deepscale_config`` of the same meanings."""
+    group = parser.add_argument_group("DeepSpeed", "DeepSpeed's arguments (hybrid's engine)")
+    group.add_argument("--deepspeed", default=False, action="store_true",
+                       help="marks a DeepSpeed run (for the script; hybrid reads no more)")
+    group.add_argument("--deepspeed_config", default=None, type=str,
+                       help="the ds_config JSON file initialize(args=...) reads")
+    group.add_argument("--deepscale", default=False, action="store_true",
+                       help=argparse.SUPPRESS)
+    group.add_argument("--deepscale_config", default=None, type=str, help=argparse.SUPPRESS)
+    return parser
+
+
+def _config(args, config, config_params):
+    """The one config of the call: ``config``, or ``config_params`` (its older name), or
+    ``args.deepspeed_config`` (``args.deepscale_config``); two of them is an error."""
+    given = []
+    if config is not None:
+        given.append(("config", config))
+    if config_params is not None:
+        given.append(("config_params", config_params))
+    for name in ("deepspeed_config", "deepscale_config"):
+        value = getattr(args, name, None)
+        if value is not None:
+            given.append((f"args.{name}", value))
+    if len(given) > 1:
+        raise ConfigError(f"{_WHERE}: two configs ({given[0][0]} and {given[1][0]}): pass one")
+    return given[0][1] if given else None
+
+
+def initialize(args=None, model: nn.Module | None = None, optimizer=None, model_parameters=None,
+               training_data=None, lr_scheduler=None, distributed_port: int = 29500, mpu=None,
+               dist_init_required: bool | None = None, collate_fn=None, config=None,
+               mesh_param=None, config_params=None, *, parallel_state: ParallelState | None = None,
+               tensor_parallel_size: int = 1, seed: int = 1234):
+    """``(engine, optimizer, training_dataloader, lr_scheduler)``, as DeepSpeed's.
+
+    ``config`` / ``config_params`` / ``args.deepspeed_config``: the ds_config (a path
+    or a dict; exactly one, or none for hybrid's defaults). ``model_parameters``: all
+    of the model's parameters (a list, a ``requires_grad`` filter, groups of
+    ``params`` only). ``training_data``: a dataset; the loader returned gives this
+    DP rank's share, ``train_micro_batch_size_per_gpu`` samples a batch,
+    ``collate_fn`` collating them (DeepSpeed's DistributedSampler, same order every
+    epoch; ``dataloader_drop_last`` honoured). ``mpu``: a :class:`ParallelState`
+    (hybrid's layout object), as ``parallel_state``. ``dist_init_required`` False
+    with no process group in a multi-process job is an error, as in DeepSpeed;
+    ``distributed_port`` (DeepSpeed's MPI discovery) is unused.
+    Keyword-only, hybrid's own: ``parallel_state``, ``tensor_parallel_size``,
+    ``seed`` (:func:`hybrid.initialize`).
+
+    Refused, one ConfigError each naming what to do: a client ``optimizer`` or
+    ``lr_scheduler`` (object or callable), ``model_parameters`` other than all
+    parameters, another ``mpu``, ``mesh_param``.
+    """
+    if model is None:
+        raise TypeError(f"{_WHERE}(model=...) is required: the torch.nn.Module to train")
+    cfg = _config(args, config, config_params)
+    if mpu is not None:
+        if not isinstance(mpu, ParallelState):
+            raise ConfigError(f"{_WHERE}(mpu=...): hybrid takes its layout as a "
+                              f"ParallelState (mpu= or parallel_state=), or from torchrun's "
+                              f"environment with tensor_parallel_size=; got "
+                              f"{type(mpu).__name__}")
+        if parallel_state is not None and parallel_state is not mpu:
+            raise ConfigError(f"{_WHERE}: mpu= and parallel_state= are two layouts: pass one")
+        parallel_state = mpu
+    if mesh_param is not None:
+        raise ConfigError(f"{_WHERE}(mesh_param=...): hybrid has no sequence x data mesh in "
+                          f"this door; pass mesh_param=None")
+    if (dist_init_required is False and parallel_state is None and not dist.is_initialized()
+            and int(os.environ.get("WORLD_SIZE", "1")) > 1):
+        raise ConfigError(f"{_WHERE}(dist_init_required=False): no process group yet; call "
+                          f"deepspeed.init_distributed() first or leave dist_init_required "
+                          f"None")
+    return api.initialize(model, cfg, model_parameters, optimizer, lr_scheduler, training_data,
+                          parallel_state=parallel_state, tensor_parallel_size=tensor_parallel_size,
+                          seed=seed, collate_fn=collate_fn, recompute_phase=PHASE,
+                          caller=_WHERE)

@@ -1,0 +1,82 @@
+"""``deepspeed.zero``: DeepSpeed's two ZeRO-3 context managers, over hybrid's.
+
+    with deepspeed.zero.Init():                  # hybrid.zero_init(): parameters on meta
+        model = MyModel()
+    engine, *_ = deepspeed.initialize(model=model, config=ds)   # each rank draws its shard
+    with deepspeed.zero.GatheredParameters(model.head.weight, modifier_rank=0):
+        model.head.weight.zero_()                # full values inside; rank 0's kept
+
+This package is DeepSpeed's ``deepspeed.zero`` names only; hybrid's ZeRO engine
+itself is :mod:`hybrid.zero`. A model built under :class:`Init` takes each
+parameter's values from its own module's initializer (``reset_parameters``, or
+the model's ``_init_weights``) when ``initialize`` shards it
+(:mod:`hybrid.train.zero_context`): what a constructor writes into a parameter
+afterwards is not kept yet (docs/deepspeed.md).
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+from hybrid.errors import ConfigError
+from hybrid.train.zero_context import GatheredParameters as _gathered, zero_init
+
+__all__ = ["GatheredParameters", "Init"]
+
+
+class Init:
+    """``with deepspeed.zero.Init(): model = ...`` -- :func:`hybrid.zero_init`.
+
+    Where the shards live and in what dtype is the config's (``initialize`` reads
+    ``zero_optimization.offload_param`` and the fp16/bf16 blocks), so
+    ``remote_device``, ``pin_memory``, ``config_dict_or_path``/``config`` and
+    ``dtype`` are accepted and left to it; the groups (``data_parallel_group``,
+    ``mpu``, ...) are the engine's ParallelState. ``enabled=False`` builds the
+    model as usual. ``module=`` (partition a model already built) and quantized
+    weights are refused with what to do instead.
+    """
+
+    def __init__(self, module=None, data_parallel_group=None, mem_efficient_linear: bool = True,
+                 remote_device=None, pin_memory: bool = False, config_dict_or_path=None,
+                 config=None, enabled: bool = True, dtype=None, mpu=None,
+                 zero_param_parallel_group=None, zero_quantized_weights: bool = False,
+                 zero_quantized_nontrainable_weights: bool = False,
+                 sequence_data_parallel_group=None, param_swapper=None):
+        if module is not None:
+            raise ConfigError("deepspeed.zero.Init(module=...): hybrid shards a built model "
+                              "when initialize() wraps it; pass the model to initialize() "
+                              "as it is, or build it inside `with deepspeed.zero.Init():`")
+        if zero_quantized_weights or zero_quantized_nontrainable_weights:
+            raise ConfigError("deepspeed.zero.Init(zero_quantized_weights=...): hybrid "
+                              "communicates parameters in the training dtype; drop it")
+        if param_swapper is not None:
+            raise ConfigError("deepspeed.zero.Init(param_swapper=...): hybrid's NVMe tier is "
+                              "configured by zero_optimization.offload_param; drop it")
+        self.enabled = enabled
+        self._stack: contextlib.ExitStack | None = None
+
+    def __enter__(self) -> Init:
+        self._stack = contextlib.ExitStack()
+        if self.enabled:
+            self._stack.enter_context(zero_init())
+        return self
+
+    def __exit__(self, *exc) -> None:
+        stack, self._stack = self._stack, None
+        if stack is not None:
+            stack.close()
+
+
+def GatheredParameters(params, modifier_rank: int | None = None, fwd_module=None,
+                       enabled: bool = True):
+    """``with deepspeed.zero.GatheredParameters(params, modifier_rank=0):`` --
+    :func:`hybrid.GatheredParameters` (full values inside; ``modifier_rank``'s changes
+    kept on every rank and in the fp32 master). ``fwd_module`` is not needed: stage
+    3's gathers follow the modules that run."""
+    return _gathered(params, modifier_rank=modifier_rank, enabled=enabled)
+
+
+def __getattr__(name: str):
+    raise AttributeError(f"hybrid.deepspeed.zero has no {name!r} (DeepSpeed's deepspeed.zero."
+                         f"{name}): it holds Init and GatheredParameters; hybrid's ZeRO is "
+                         f"configured by the ds_config's zero_optimization block")
