@@ -8,7 +8,6 @@ any process group exists, so nothing can hang on it.
 
 from __future__ import annotations
 
-import gc
 import os
 import signal
 import sys
@@ -87,12 +86,11 @@ def main(argv: list[str] | None = None) -> int:
     if check_only:  # the launcher's preflight: flags are fine for this world size
         return 0
 
-    import torch.distributed as dist
-
     from hybrid.checkpoint.ownership import RunIdentity
     from hybrid.kernels import configure
     from hybrid.parallel.comm import CollectiveError
     from hybrid.parallel.state import init_distributed
+    from hybrid.parallel.teardown import teardown
     from hybrid.train.early_exit import stopped_by_signal
     from hybrid.train.monitor import setup_logging
     from hybrid.train.trainer import pretrain
@@ -116,15 +114,10 @@ def main(argv: list[str] | None = None) -> int:
     except CollectiveError as e:
         return _collective_fail(e)
     finally:
-        # Collect the model/engine/hook reference cycles now, while the interpreter is
-        # whole: left to teardown, process groups they hold were destroyed late enough
-        # for gloo's threads to abort the process ("terminate called without an
-        # active exception") after a successful run.
-        ps.close()
-        del ps
-        gc.collect()
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        # The process groups go now, while the interpreter is whole: a gloo thread
+        # still running at interpreter shutdown aborts a run that finished
+        # ("terminate called without an active exception"; hybrid/parallel/teardown.py)
+        teardown(ps)
     stopped = stopped_by_signal()  # --exit-signal-handler saved, then stopped: 128 + signal
     return 128 + int(stopped) if stopped else 0
 

@@ -129,6 +129,7 @@ class CommGroup:
         self.stats = stats
         self.timeout = timeout
         self.seq = 0  # collectives issued on this group so far (the last one's number)
+        self.released = False  # release() let go of the process group
         self.recorder = recorder or FlightRecorder(global_rank, 1, None, timeout)
         if self.size > 1:
             self.recorder.register(self)
@@ -136,10 +137,18 @@ class CommGroup:
     def __repr__(self) -> str:
         return f"CommGroup({self.name}, ranks={self.ranks})"
 
+    def release(self) -> None:
+        """Let go of the torch process group (its teardown: hybrid/parallel/teardown.py);
+        a collective over more than this rank raises from here on."""
+        self.pg, self.released = None, True
+
     # -- helpers -------------------------------------------------------------
     def _run(self, op: str, kind: str, nbytes: float, t: torch.Tensor, fn, async_op: bool,
              extra: int = 0):
         """Count, number and record the collective, then run it (see the module doc)."""
+        if self.released:  # (pg None would mean torch's default group: never that)
+            raise RuntimeError(f"{op} over the {self.name} group {self.ranks} after its "
+                               f"process group was released at teardown")
         self.stats.add(kind, nbytes, t.numel())
         rec = self.recorder
         entry = rec.issue(self, op, t)

@@ -27,6 +27,7 @@ from hybrid.parallel.layout import (
     dp_group_ranks,
     tp_group_ranks,
 )
+from hybrid.parallel.teardown import teardown_at_exit
 
 
 @dataclass
@@ -160,6 +161,16 @@ class ParallelState:
         """Stop the flight recorder's heartbeat (the process groups stay)."""
         self.recorder.close()
 
+    def release(self) -> None:
+        """:meth:`close`, and let go of every process group: this state's collectives
+        raise from here on. For the end of the process, before
+        ``dist.destroy_process_group()`` (which destroys a gloo group only when it drops
+        the last reference): see :mod:`hybrid.parallel.teardown`."""
+        self.close()
+        for g in (self.tp_group, self.dp_group, self.cp_group, self.dp_cp_group,
+                  self.world_group):
+            g.release()
+
     def describe(self) -> str:
         """Human-readable layout: which global ranks form each TP, CP and DP group."""
         w, t, c = self.world_size, self.tp_size, self.cp_size
@@ -185,6 +196,8 @@ def init_distributed(tensor_model_parallel_size: int, timeout_minutes: float = 1
 
     Picks nccl + cuda:LOCAL_RANK when a GPU exists, gloo + cpu otherwise. A
     single process started without torchrun gets :meth:`ParallelState.single`.
+    The state's groups are torn down at interpreter exit if the program has not done
+    it (:func:`~hybrid.parallel.teardown.teardown_at_exit`).
     ``dump_dir``, ``check_collectives``: the flight recorder's (see
     :meth:`ParallelState.build`).
     """
@@ -206,9 +219,13 @@ def init_distributed(tensor_model_parallel_size: int, timeout_minutes: float = 1
         group_timeout = backstop(timeout) if backend == "nccl" else timeout
         dist.init_process_group(backend, timeout=group_timeout, device_id=device, store=store,
                                 rank=int(os.environ["RANK"]), world_size=world)
-    return ParallelState.build(tensor_model_parallel_size, timeout, device, store,
-                               dump_dir=dump_dir, check_collectives=check_collectives,
-                               context_parallel_size=context_parallel_size)
+    ps = ParallelState.build(tensor_model_parallel_size, timeout, device, store,
+                             dump_dir=dump_dir, check_collectives=check_collectives,
+                             context_parallel_size=context_parallel_size)
+    # the groups go before the interpreter does, unless the program ends them first
+    # (a gloo thread left behind can abort a finished run: hybrid/parallel/teardown.py)
+    teardown_at_exit(ps)
+    return ps
 
 
 def _attempt_store(world: int, timeout: datetime.timedelta):

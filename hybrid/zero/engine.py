@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -121,6 +122,7 @@ class ZeroEngine:
         self._step_out = [u.shard for u in self.units] if self.separate_master else None
         # inf/NaN gradients the kernels met and the norm did not show, read at poll_warnings()
         self._kernel_found = torch.zeros(1, dtype=torch.float32, device=ps.device)
+        self._closed = False  # close() ran
 
     # [Note: the order of construction]
     # Every part takes what it uses as constructor arguments and nothing is attached to
@@ -376,11 +378,31 @@ class ZeroEngine:
         """:meth:`OptimizerOffload.seconds` (with the swap I/O's waits), or {}."""
         return {} if self.offload is None else self.offload.seconds(self.tiers.io)
 
+    def in_flight(self) -> int:
+        """Collectives this engine launched and has not waited for: gradient reductions
+        and parameter gathers. None once a backward or a step has returned; a stage-3
+        prefetch stays in flight after the forward of a part of the model (the unit
+        after it), and a call that raised may leave any."""
+        return self.reducer.in_flight() + self.param_pipeline.in_flight()
+
     def close(self) -> None:
-        """Finish the update in flight and delete the swap files (scratch; a restart
-        rebuilds them from its checkpoint). The engine cannot step afterwards."""
+        """Finish what is in flight -- the host update, and the collectives of
+        :meth:`in_flight` (every rank closes: they are waited for) -- then delete the
+        swap files (scratch; a restart rebuilds them from its checkpoint). Called while
+        an exception propagates (a ``finally`` block), the collectives are left
+        instead: a peer may never match them, and the rank would wait for it until the
+        collective timeout. The engine cannot step afterwards; a second close does
+        nothing."""
+        if self._closed:
+            return
+        self._closed = True
         try:
             self.wait_optimizer()
+            if sys.exc_info()[1] is None:
+                self.reducer.drain()
+                if self.gatherer is not None:
+                    self.gatherer.release_all()  # (finishes a prefetch, then frees)
+                self.param_pipeline.wait_all()
         finally:
             self.tiers.close()
 

@@ -138,6 +138,11 @@ class GatherPipeline:
             h.wait()
         self._open = []
 
+    def in_flight(self) -> int:
+        """Gathers started and not yet complete (stage 3's prefetch of a unit whose
+        module has not run yet, say)."""
+        return sum(not h.done for h in self._open)
+
     def temp_bytes(self) -> int:
         """Bytes of the staging buffers (0 until a unit larger than a bucket came)."""
         return sum(b.numel() * b.element_size() for b in self._buffers)

@@ -187,6 +187,16 @@ class GradReducer:
         """Bytes of staging buffers: the largest temporary communication memory."""
         return self.pool.bytes if self.pool else 0
 
+    def in_flight(self) -> int:
+        """Reductions launched and not yet waited for (none once :meth:`finish` returned;
+        a backward that raised may leave some)."""
+        return len(self._inflight)
+
+    def drain(self) -> None:
+        """Wait for every reduction still in flight (the engine's close)."""
+        while self._inflight:
+            self._retire_one()
+
     def begin(self, sync: bool) -> None:
         """Before a micro-batch's backward; ``sync`` marks the last one of the step."""
         self.sync = sync
