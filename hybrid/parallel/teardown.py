@@ -1,8 +1,8 @@
 """The end of a process that joined a job: finish what is in flight, then destroy the
 process groups, while the interpreter is still whole.
 
-    teardown(engine, ps)           # now: the engine closes, then the groups go
-    teardown_at_exit(engine, ps)   # the same at interpreter exit, for a script that
+    teardown(ps, engine)           # now: the engine closes, then the groups go
+    teardown_at_exit(ps, engine)   # the same at interpreter exit, for a script that
                                    # never says so (hybrid.initialize, init_distributed)
 
 [Note: why a finished run could abort at exit]
@@ -40,52 +40,68 @@ import atexit
 import gc
 import sys
 import weakref
+from typing import Protocol
 
 import torch.distributed as dist
+
+
+class _Releasable(Protocol):
+    """A :class:`~hybrid.parallel.state.ParallelState` (its ``release``)."""
+
+    def release(self) -> None: ...
+
+
+class _Closable(Protocol):
+    def close(self) -> None: ...
+
 
 # What teardown_at_exit was given, oldest first, held weakly: whatever the program
 # dropped is gone already (its groups with it, unless dist's registry holds them,
 # which destroy_process_group empties).
-_at_exit: list[weakref.ref] = []
+_states: list[weakref.ref] = []
+_closing: list[weakref.ref] = []
 _hooked = False
 
 
-def teardown(*parts) -> None:
-    """Now: close each of ``parts`` in the order given (an engine finishes the work it has
-    in flight), except the :class:`~hybrid.parallel.state.ParallelState` ones (a part
-    with ``release()``): those then close and let go of their process groups; then
-    every process group of torch.distributed is destroyed. Collective in effect (a
-    close may wait for a collective); safe to call again, and after
+def teardown(ps: _Releasable | None, *closing: _Closable) -> None:
+    """Now: close each of ``closing`` in the order given (an engine finishes the work it
+    has in flight), then close ``ps`` and let go of its process groups
+    (:meth:`ParallelState.release <hybrid.parallel.state.ParallelState.release>`), then
+    destroy every process group of torch.distributed. Collective in effect (a close
+    may wait for a collective); safe to call again, and after
     ``dist.destroy_process_group()``."""
-    try:
-        for part in parts:
-            if not hasattr(part, "release"):
-                part.close()
-    finally:
-        for part in parts:
-            if hasattr(part, "release"):
-                part.release()
-        gc.collect()  # cycles (a model's hooks, an engine) holding groups outside a state
-        if dist.is_available() and dist.is_initialized():
-            dist.destroy_process_group()
+    _teardown([ps] if ps is not None else [], closing)
 
 
-def teardown_at_exit(*parts) -> None:
-    """:func:`teardown` of ``parts`` at interpreter exit, if the interpreter is not
-    ending on an uncaught exception (see the module note). One exit hook per process,
-    registered on the first call; each call adds its parts, held weakly (the hook
-    keeps nothing alive), and a part given again is closed once. At exit the engines
-    close newest first, then the states let go of their groups."""
+def teardown_at_exit(ps: _Releasable | None, *closing: _Closable) -> None:
+    """:func:`teardown` of ``ps`` and ``closing`` at interpreter exit, unless the
+    interpreter is ending on an uncaught exception (see the module note). One exit
+    hook per process, registered on the first call; each call adds its parts, held
+    weakly (the hook keeps nothing alive), and a part given again is closed once. At
+    exit every engine closes, newest first, before any state lets go of its groups."""
     global _hooked
-    _at_exit[:] = [r for r in _at_exit if r() is not None]
-    known = {id(r()) for r in _at_exit}
-    for part in parts:
-        if part is not None and id(part) not in known:
-            _at_exit.append(weakref.ref(part))
-            known.add(id(part))
+    for kept, parts in ((_states, [ps] if ps is not None else []), (_closing, closing)):
+        kept[:] = [r for r in kept if r() is not None]
+        known = {id(r()) for r in kept}
+        for part in parts:
+            if id(part) not in known:
+                kept.append(weakref.ref(part))
+                known.add(id(part))
     if not _hooked:
         atexit.register(_teardown_at_exit)
         _hooked = True
+
+
+def _teardown(states, closing) -> None:
+    try:
+        for part in closing:
+            part.close()
+    finally:
+        for ps in states:
+            ps.release()
+        gc.collect()  # cycles (a model's hooks, an engine) holding groups outside a state
+        if dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()
 
 
 def _ending_on_exception() -> bool:
@@ -96,6 +112,8 @@ def _ending_on_exception() -> bool:
 def _teardown_at_exit() -> None:
     if _ending_on_exception():
         return
-    alive = [p for p in (r() for r in reversed(_at_exit)) if p is not None]
-    _at_exit.clear()
-    teardown(*alive)
+    states = [p for p in (r() for r in _states) if p is not None]
+    closing = [p for p in (r() for r in reversed(_closing)) if p is not None]
+    _states.clear()
+    _closing.clear()
+    _teardown(states, closing)
