@@ -49,6 +49,7 @@ from hybrid.config.deepspeed import apply_ds_config, load_ds_config
 from hybrid.config.kinds import INT, typed
 from hybrid.errors import ConfigError
 from hybrid.parallel.state import ParallelState, init_distributed
+from hybrid.parallel.teardown import teardown_at_exit
 from hybrid.recompute.phase import RecomputePhase
 from hybrid.tensor_parallel import InitValues, seed_all
 from hybrid.train.api_surface import EngineOptimizer, dataloader_of
@@ -478,6 +479,7 @@ def _build(model: nn.Module, cfg, ps: ParallelState,
                       recompute=recompute_phase)
     schedule = LRSchedule(cfg.lr_schedule, cfg.loop.global_batch_size)
     engine = Engine(model, cfg, ps, zero, rng, schedule)
+    teardown_at_exit(ps, engine)  # closed, then the groups destroyed, at exit if not before
     for p in model.parameters():  # GatheredParameters finds the engine from a parameter
         # an attribute of the tensor: torch's stubs declare none beyond its own
         p.hybrid_engine = engine  # type: ignore[attr-defined]
