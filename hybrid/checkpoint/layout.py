@@ -128,9 +128,10 @@ class SavedLayout:
         self.interleaved = meta.get("version") == 2
         cols = list(COLUMNS) if self.interleaved else z.get("columns")
         if (not isinstance(cols, list) or not cols or cols[0] != "master"
-                or cols != list(COLUMNS[:len(cols)])):
+                or not all(isinstance(c, str) for c in cols) or len(set(cols)) != len(cols)):
             raise CheckpointError(f"{where}: zero_layout names the columns {cols!r}; expected "
-                                  f"{list(COLUMNS)} or ['master']")
+                                  f"'master' first, then the optimizer's per-element states "
+                                  f"(hybrid's AdamW: {list(COLUMNS)})")
         self.columns: tuple[str, ...] = tuple(cols)
         self.split_dims: dict[str, int | None] = z["split_dims"]
         self.full_shapes: dict[str, list[int]] = meta["model"]

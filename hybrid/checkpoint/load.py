@@ -11,13 +11,14 @@ loops over the old world.
 
 from __future__ import annotations
 
+import logging
 import os
 
 import torch
 
 from hybrid.checkpoint.files import find_checkpoint, rank_paths, read_metadata, step_checkpoint
 from hybrid.checkpoint.integrity import Integrity
-from hybrid.checkpoint.layout import COLUMNS, SavedLayout
+from hybrid.checkpoint.layout import SavedLayout
 from hybrid.checkpoint.reader import RangeReader
 from hybrid.checkpoint.reshard import ParamSource, Target
 from hybrid.checkpoint.save import model_signature
@@ -30,6 +31,8 @@ from hybrid.tensor_parallel import TPRNGTracker, seed_all
 from hybrid.tensor_parallel.random import set_device_rng_state
 from hybrid.zero import ZeroEngine
 from hybrid.zero.state import load_shard_state
+
+log = logging.getLogger("hybrid")
 
 # Split along dim 0 with padding rows that depend on TP: their row count may differ.
 VOCAB_PARAMS = ("wte.weight", "output_layer.weight")
@@ -152,11 +155,29 @@ def load_checkpoint(load_dir: str, engine: ZeroEngine, ps: ParallelState, seed: 
     return iteration, consumed
 
 
+def _columns(engine: ZeroEngine, layout: SavedLayout, ps: ParallelState) -> tuple[str, ...]:
+    """The columns to read: those of the engine's optimizer that the checkpoint holds.
+    A state the optimizer keeps and the checkpoint lacks (another optimizer saved it)
+    starts afresh, and one the checkpoint holds that the optimizer does not keep is
+    left: one warning on rank 0 names both."""
+    wanted = tuple(engine.optimizer.columns)
+    keys = tuple(k for k in wanted if k in layout.columns)
+    fresh = [k for k in wanted if k not in layout.columns]
+    left = [k for k in layout.columns if k not in wanted]
+    if (fresh or left) and ps.rank == 0:
+        log.warning("%s: its optimizer kept %s, this one keeps %s: %s%s", layout.ckpt,
+                    ", ".join(layout.columns[1:]) or "nothing",
+                    ", ".join(wanted[1:]) or "nothing",
+                    f"{', '.join(fresh)} start afresh" if fresh else "",
+                    ("; " if fresh else "") + f"{', '.join(left)} not loaded" if left else "")
+    return keys
+
+
 def _load_pieces(engine: ZeroEngine, ps: ParallelState, meta: dict, layout: SavedLayout,
                  reader: RangeReader, load_optim: bool, error: str | None) -> str | None:
     """Read this rank's pieces into the engine and republish the parameters; the first
     error this rank met (``error``: one met before), or None. Closes ``reader``."""
-    keys = COLUMNS if load_optim else ("master",)
+    keys = _columns(engine, layout, ps) if load_optim else ("master",)
     source = ParamSource(layout, reader, keys)
     targets = {n: Target.of(p, ps.tp_rank) for n, p in engine.model.named_parameters()}
 

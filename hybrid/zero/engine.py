@@ -41,11 +41,13 @@ import torch
 from torch import nn
 
 from hybrid.config.sections import AdamWConfig, OffloadConfig, PrecisionConfig, ZeroConfig
+from hybrid.errors import ConfigError
 from hybrid.kernels.dtypes import DTYPES
 from hybrid.parallel.state import ParallelState
 from hybrid.recompute.phase import RecomputePhase
 from hybrid.tensor_parallel import is_tp_split
 from hybrid.zero.buffers import allocate_grads, allocate_master
+from hybrid.zero.client_optimizer import ClientShardOptimizer
 from hybrid.zero.gather_pipeline import GatherPipeline, ShardPublisher
 from hybrid.zero.grad_sync import DeviceShard, GradReducer, GradSink
 from hybrid.zero.loss_scaler import LossScaler
@@ -87,7 +89,8 @@ class ZeroEngine:
 
     def __init__(self, model: nn.Module, ps: ParallelState, zero: ZeroConfig, *,
                  adamw: AdamWConfig, precision: PrecisionConfig, offload: OffloadConfig,
-                 values=None, unit_modules=None, recompute: RecomputePhase | None = None):
+                 values=None, unit_modules=None, recompute: RecomputePhase | None = None,
+                 client: torch.optim.Optimizer | None = None, decay: str = "matrices"):
         self.model, self.ps = model, ps
         self.plan = ShardingPlan.for_stage(zero.stage)  # the stage, resolved once: plan.stage
         self.clip_grad = adamw.clip_grad
@@ -110,7 +113,7 @@ class ZeroEngine:
         self.publisher = ShardPublisher(self.param_pipeline, sharded=self.plan.optimizer)
         self.gatherer = (ParamGatherer(owners, self.param_pipeline,
                                        recompute or RecomputePhase()) if owners else None)
-        self.optimizer = self._build_optimizer(master, adamw, offload)
+        self.optimizer = self._build_optimizer(master, adamw, offload, client, decay)
         self.offload = self._build_offload(offload)
         self.sink = self._pick_sink(lands)
         self.reducer = GradReducer(self.units, self.plan, dp=ps.dp_cp_group, sink=self.sink,
@@ -163,16 +166,25 @@ class ZeroEngine:
 
     # -- construction ------------------------------------------------------------
     def _build_optimizer(self, master: list[torch.Tensor], adamw: AdamWConfig,
-                         offload: OffloadConfig) -> ShardOptimizer:
-        # per unit part: the ranges with weight decay (matrices), and the TP-split ones
+                         offload: OffloadConfig, client: torch.optim.Optimizer | None,
+                         decay_rule: str) -> ShardOptimizer:
+        # per unit part: the ranges with weight decay (matrices, or all), the TP-split ones
         decay: list[list[tuple[int, int]]] = [[] for _ in self.units]
         split: list[list[tuple[int, int]]] = [[] for _ in self.units]
         for pc in self._pieces:
             rng = (pc.part.start, pc.part.stop)
-            if pc.param.ndim >= 2:
+            if decay_rule == "all" or pc.param.ndim >= 2:
                 decay[pc.unit].append(rng)
             if is_tp_split(pc.param):
                 split[pc.unit].append(rng)
+        if client is not None:
+            if self.swapped is not None:
+                raise ConfigError(
+                    f"a client optimizer ({type(client).__name__}) with the optimizer on "
+                    f"NVMe: hybrid's NVMe tier swaps its own AdamW's states; offload the "
+                    f"optimizer to \"cpu\", or use the ds_config's \"optimizer\" block")
+            return ClientShardOptimizer(client, self._pieces, master, split,
+                                        flat_master=self.flat_master)
         if self.swapped is not None:
             return SwappedAdamW([u.own_hi - u.own_lo for u in self.units], decay, split, adamw,
                                 states=self.swapped)
@@ -280,7 +292,8 @@ class ZeroEngine:
             # it started each unit's all-gather as the unit's parameters came up
             self.publisher.wait()
         else:
-            assert isinstance(self.optimizer, ShardedAdamW)  # (no offload: on the device)
+            # (no offload: on the device)
+            assert isinstance(self.optimizer, (ShardedAdamW, ClientShardOptimizer))
             self.optimizer.step(grads, lr, coef, skip, out=self._step_out,
                                 found_inf=self._kernel_found)
             self.publish_params(after_step=True)
@@ -415,7 +428,9 @@ class ZeroEngine:
 def apply_zero(model: nn.Module, ps: ParallelState, zero: ZeroConfig = ZeroConfig(), *,
                adamw: AdamWConfig = AdamWConfig(), precision: PrecisionConfig = PrecisionConfig(),
                offload: OffloadConfig = OffloadConfig(), values=None, unit_modules=None,
-               recompute: RecomputePhase | None = None) -> ZeroEngine:
+               recompute: RecomputePhase | None = None,
+               client: torch.optim.Optimizer | None = None, decay: str = "matrices"
+               ) -> ZeroEngine:
     """Wrap ``model`` for ZeRO stage ``zero.stage`` over ``ps.dp_cp_group`` ([Note: ZeRO ...]).
 
     The sections (each defaults to its dataclass defaults): ``zero`` how the
@@ -432,9 +447,15 @@ def apply_zero(model: nn.Module, ps: ParallelState, zero: ZeroConfig = ZeroConfi
     (default ``model.blocks`` when it exists).
     ``recompute``: the :class:`RecomputePhase` activation checkpointing sets,
     so stage 3 keeps a recomputed block's parameters for its backward.
+    ``client``: a ``torch.optim`` optimizer over the model's parameters to step the
+    shard with instead of hybrid's AdamW (:mod:`hybrid.zero.client_optimizer`; its
+    groups' hyperparameters apply, ``adamw`` gives only the clipping). ``decay``:
+    which parameters hybrid's AdamW decays: "matrices" (Megatron's rule: no biases or
+    norms) or "all" (DeepSpeed's: what it is given).
     """
     blocks = getattr(model, "blocks", None)  # (a transformer's, by convention)
     if unit_modules is None and blocks is not None:
         unit_modules = list(blocks)
     return ZeroEngine(model, ps, zero, adamw=adamw, precision=precision, offload=offload,
-                      values=values, unit_modules=unit_modules, recompute=recompute)
+                      values=values, unit_modules=unit_modules, recompute=recompute,
+                      client=client, decay=decay)

@@ -61,6 +61,9 @@ class ShardBase:
         device: where the step count lives (the shard's device).
     """
 
+    # what a rank keeps per element of its shard, "master" first: a checkpoint's columns
+    columns: tuple[str, ...] = STATE_KEYS
+
     def __init__(self, sizes: list[int], split_ranges, device: torch.device):
         self.split_ranges = split_ranges
         self.offsets = [0]  # where each part starts in the flat shard

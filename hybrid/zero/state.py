@@ -1,8 +1,9 @@
 """What a ZeRO engine has to save, and how it takes it back, in layout-free terms.
 
 A rank's training state is, for every parameter it owns a piece of, the fp32
-master values and both Adam moments of that piece. A piece is described by
-the parameter's name and an element range of the *TP-local* parameter
+master values and the optimizer's per-element state of that piece (both Adam
+moments for hybrid's AdamW; a client optimizer's own: ``optimizer.columns``). A
+piece is described by the parameter's name and an element range of the *TP-local* parameter
 flattened (``[lo, hi)``), so it means the same thing whatever the ZeRO stage,
 bucket size or DP size that wrote it. Turning TP-local ranges into full
 tensors (and back, for another TP size) is the checkpoint module's job.
@@ -31,9 +32,10 @@ def shard_state(engine: ZeroEngine) -> dict:
 
 
 @torch.no_grad()
-def iter_piece_values(engine: ZeroEngine, keys=KEYS):
+def iter_piece_values(engine: ZeroEngine, keys=None):
     """For each piece of :func:`shard_state`, in its order: an fp32 CPU ``(n, len(keys))``
-    tensor of rows (default ``[master, exp_avg, exp_avg_sq]``)."""
+    tensor of rows (default: every one of ``engine.optimizer.columns``)."""
+    keys = engine.optimizer.columns if keys is None else keys
     engine.wait_optimizer()
     opt = engine.optimizer  # (on the nvme tier each read streams from the swap file)
     for pc in engine.owned_pieces():
@@ -47,8 +49,8 @@ def load_shard_state(engine: ZeroEngine, fetch, keys, step: int,
     """Fill this rank's pieces from ``fetch(name, lo, hi) -> fp32 (len(keys), hi - lo)``
     (one plane per name in ``keys``, ``master`` among them), set the optimizer's
     step count, and republish the parameters (copy into the model dtype, all-gather
-    where needed). Values not in ``keys`` (the Adam moments, for a weights-only
-    load) are set to zero: a fresh optimizer on the loaded weights.
+    where needed). The optimizer's columns not in ``keys`` (its state, for a
+    weights-only load) start afresh: zeros, or no state for a client optimizer.
 
     ``[lo, hi)`` indexes the TP-local parameter flattened.
     """
@@ -58,7 +60,7 @@ def load_shard_state(engine: ZeroEngine, fetch, keys, step: int,
     opt = engine.optimizer  # (on the nvme tier each write streams into the swap file)
     for pc in engine.owned_pieces():
         planes = fetch(pc.name, pc.lo, pc.hi)
-        for key in KEYS:
+        for key in opt.columns:
             opt.write_piece(key, pc.unit, pc.part,
                             planes[keys.index(key)] if key in keys else None)
     opt.step_count = step

@@ -50,6 +50,11 @@ class ShardOptimizer(Protocol):
     range of the flat shard that one host step updates at a time."""
 
     @property
+    def columns(self) -> tuple[str, ...]:
+        """The per-element values it keeps, ``"master"`` first (a checkpoint's columns):
+        hybrid's AdamW's ``master, exp_avg, exp_avg_sq``, a client optimizer's own."""
+
+    @property
     def master(self) -> list[torch.Tensor] | None:
         """The master per part, in memory (None: on disk, read through
         :meth:`read_piece`)."""
@@ -100,7 +105,7 @@ class ShardOptimizer(Protocol):
         """fp32 master over flat shard elements ``[lo, hi)``."""
 
     def read_piece(self, key: str, part: int, where: slice) -> torch.Tensor:
-        """Elements ``where`` of part ``part`` of ``key`` (master, exp_avg, exp_avg_sq)."""
+        """Elements ``where`` of part ``part`` of ``key`` (one of :attr:`columns`)."""
 
     def write_piece(self, key: str, part: int, where: slice,
                     values: torch.Tensor | None) -> None:
