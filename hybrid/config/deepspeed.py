@@ -291,9 +291,15 @@ def _optimizer(run: _Apply) -> None:
         if p.pop(name, ok) != ok:
             raise ConfigError(f"{run.where('optimizer.params.' + name)}: hybrid's AdamW "
                               f"runs with {name} {str(ok).lower()}")
-    if p.pop("torch_adam", None) is not None:
+    torch_adam = p.pop("torch_adam", None)
+    if torch_adam is not None:
         run.notes.append("optimizer.params.torch_adam: no effect in hybrid (its AdamW is "
                          "its own fused step)")
+    if "weight_decay" not in p and "weight_decay" not in run.explicit:
+        # DeepSpeed's default is its optimizer's: FusedAdam's and DeepSpeedCPUAdam's 0, or
+        # torch's AdamW's 0.01 under torch_adam; never hybrid's --weight-decay default
+        run.set("optimizer.params.weight_decay (DeepSpeed's default)", "weight_decay",
+                0.01 if torch_adam is True else 0.0)
     fields = {"lr": ("lr",), "eps": ("adam_eps",), "weight_decay": ("weight_decay",),
               "betas": ("adam_beta1", "adam_beta2")}
     for name, value in p.items():

@@ -10,8 +10,10 @@ hybrid's schedule is Megatron's: warmup over ``--lr-warmup-iters`` from
     WarmupCosineLR  warmup_min_ratio x lr -> lr (the optimizer's), then cosine down
                     to cos_min_ratio x lr at total_num_steps
 
-Steps count as hybrid's iterations do (1-based: a linear warmup's first step
-runs at 1 / warmup_num_steps of the way; a log warmup's at its start value).
+Steps count as DeepSpeed's schedulers count them (``--lr-schedule-steps deepspeed``,
+:func:`hybrid.train.lr_schedule.deepspeed_lr`): the first two optimizer steps run at
+the warmup's start (WarmupCosineLR's first at 0), so the rates equal DeepSpeed's
+step for step.
 Every length comes from the scheduler's own keys: WarmupLR's schedule is its
 warmup (hybrid's decay length is then warmup_num_steps, with a constant
 "decay"), so no ``--train-iters`` default caps it.
@@ -66,7 +68,8 @@ def schedule_flags(block: dict, lr: float,
         return (f"scheduler.params.{name}" if name in given
                 else f"scheduler.params.{name} ({_NAMES[kind]}'s default)")
 
-    out = [("lr_warmup_iters", key("warmup_num_steps"), p["warmup_num_steps"]),
+    out = [("lr_schedule_steps", "scheduler.type", "deepspeed"),
+           ("lr_warmup_iters", key("warmup_num_steps"), p["warmup_num_steps"]),
            ("lr_warmup_style", key("warmup_type"), p["warmup_type"])]
     if kind == "warmupcosinelr":
         out += [("lr_warmup_init", key("warmup_min_ratio"), p["warmup_min_ratio"] * lr),

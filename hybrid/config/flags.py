@@ -144,6 +144,12 @@ class Flags:
     lr_warmup_style: str = opt("linear", "warmup shape: linear, or log (DeepSpeed's "
                                          "WarmupLR default: log(step) / log(warmup))",
                                choices=("linear", "log"), to="lr_schedule.warmup_style")
+    lr_schedule_steps: str = opt("megatron", "how a step's rate is counted: megatron (step k "
+                                             "is iteration k of the schedule), or deepspeed "
+                                             "(DeepSpeed's schedulers: the warmup start for "
+                                             "steps 1 and 2, DeepSpeed's formulas after; set "
+                                             "by a ds_config scheduler block)",
+                                 choices=("megatron", "deepspeed"), to="lr_schedule.steps")
     lr_decay_iters: int | None = opt(None, "decay length (default: train iters)")
     lr_decay_samples: int | None = opt(None, "decay length in samples (with "
                                              "--train-samples; default: train samples)")

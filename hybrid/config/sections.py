@@ -171,7 +171,9 @@ class LRScheduleConfig:
     ``unit``: "iterations" or "samples" -- what ``warmup`` and ``decay`` count,
     and what :func:`hybrid.train.lr_schedule.scheduled_lr` is stepped by.
     Warmup rises from ``warmup_init`` to ``lr``, linearly or (``warmup_style``
-    "log", DeepSpeed's default) as log(step) / log(warmup).
+    "log", DeepSpeed's default) as log(step) / log(warmup). ``steps``: "megatron"
+    (optimizer step k takes the schedule's iteration k) or "deepspeed" (DeepSpeed's
+    schedulers' own counting and formulas: :func:`hybrid.train.lr_schedule.deepspeed_lr`).
     """
 
     lr: float = 1e-3
@@ -182,6 +184,7 @@ class LRScheduleConfig:
     decay: int = 200
     warmup_init: float = 0.0
     warmup_style: str = "linear"
+    steps: str = "megatron"
 
 
 @dataclass(frozen=True)

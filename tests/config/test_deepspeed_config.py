@@ -208,16 +208,17 @@ def test_optimizer_and_schedulers():
     s = cfg.lr_schedule
     assert (s.lr, s.warmup_init, s.warmup, s.warmup_style, s.decay_style) == (
         3e-4, 1e-5, 10, "log", "constant")
-    assert scheduled_lr(s, 1, 0) == 1e-5 and scheduled_lr(s, 10, 0) == 3e-4
-    assert scheduled_lr(s, 5, 0) == pytest.approx(1e-5 + (3e-4 - 1e-5) * 0.69897, rel=1e-4)
-    assert scheduled_lr(s, 40, 0) == 3e-4
+    # DeepSpeed's counting: the start for steps 1 and 2, step k at log(k - 1) / log(10)
+    assert scheduled_lr(s, 1, 0) == scheduled_lr(s, 2, 0) == 1e-5
+    assert scheduled_lr(s, 11, 0) == 3e-4 and scheduled_lr(s, 40, 0) == 3e-4
+    assert scheduled_lr(s, 5, 0) == pytest.approx(1e-5 + (3e-4 - 1e-5) * 0.60206, rel=1e-4)
     # WarmupDecayLR: then linear down to warmup_min_lr at total_num_steps
     cfg = _cfg({"scheduler": {"type": "WarmupDecayLR", "params": {
         "warmup_max_lr": 1e-3, "warmup_num_steps": 4, "warmup_type": "linear",
         "total_num_steps": 20}}}, "--train-iters", "20")
     s = cfg.lr_schedule
     assert (s.warmup_style, s.decay_style, s.decay, s.min_lr) == ("linear", "linear", 20, 0.0)
-    assert scheduled_lr(s, 2, 0) == pytest.approx(5e-4) and scheduled_lr(s, 20, 0) == 0.0
+    assert scheduled_lr(s, 4, 0) == pytest.approx(5e-4) and scheduled_lr(s, 22, 0) == 0.0
     # WarmupCosineLR: ratios of the optimizer's lr
     cfg = _cfg({"optimizer": opt, "scheduler": {"type": "WarmupCosineLR", "params": {
         "total_num_steps": 30, "warmup_num_steps": 3, "warmup_min_ratio": 0.1,

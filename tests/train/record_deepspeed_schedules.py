@@ -1,0 +1,63 @@
+"""Record DeepSpeed's scheduler rates for tests/train/test_deepspeed_schedules.py.
+
+    python -m tests.train.record_deepspeed_schedules   # rewrites deepspeed_schedules.json
+
+Each case is a ds_config ``scheduler`` block; its rates are those DeepSpeed's own
+scheduler class (``deepspeed.runtime.lr_schedules``) writes into an optimizer whose
+rate is ``LR`` (the ds_config's ``optimizer.params.lr``), read before each of
+``STEPS`` optimizer steps, as a DeepSpeed engine applies them.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+
+import torch
+
+LR, STEPS = 0.01, 16
+CASES = {
+    f"{kind}-{shape}": {"type": kind, "params": {**params, "warmup_type": shape}}
+    for shape in ("log", "linear")
+    for kind, params in (
+        ("WarmupLR", {"warmup_min_lr": 0.001, "warmup_max_lr": 0.01, "warmup_num_steps": 5}),
+        ("WarmupDecayLR", {"warmup_min_lr": 0.001, "warmup_max_lr": 0.01,
+                           "warmup_num_steps": 4, "total_num_steps": 12}),
+        ("WarmupCosineLR", {"warmup_min_ratio": 0.1, "warmup_num_steps": 4,
+                            "cos_min_ratio": 0.01, "total_num_steps": 12}),
+    )
+}
+CASES["WarmupLR-one-step"] = {"type": "WarmupLR", "params": {
+    "warmup_min_lr": 0.0, "warmup_max_lr": 0.01, "warmup_num_steps": 1,
+    "warmup_type": "linear"}}
+PATH = os.path.join(os.path.dirname(__file__), "deepspeed_schedules.json")
+
+
+def deepspeed_rates(block: dict) -> list[float]:
+    """The rate DeepSpeed's scheduler of ``block`` gives each of ``STEPS`` steps."""
+    from deepspeed.runtime import lr_schedules
+    p = torch.nn.Parameter(torch.zeros(1))
+    opt = torch.optim.SGD([p], lr=LR)
+    sched = getattr(lr_schedules, block["type"])(opt, **block["params"])
+    rates = []
+    for _ in range(STEPS):
+        rates.append(float(opt.param_groups[0]["lr"]))
+        sched.step()  # what DeepSpeed's engine does after each applied step
+    return rates
+
+
+def main() -> None:
+    logging.disable(logging.WARNING)  # its "before it has started" warnings
+    import deepspeed
+    out = {"deepspeed": deepspeed.__version__, "torch": torch.__version__, "lr": LR,
+           "cases": {name: {"scheduler": block, "rates": deepspeed_rates(block)}
+                     for name, block in CASES.items()}}
+    with open(PATH, "w", encoding="utf-8") as f:
+        json.dump(out, f, indent=1)
+        f.write("\n")
+    print(f"wrote {len(CASES)} cases to {PATH} (DeepSpeed {deepspeed.__version__})")
+
+
+if __name__ == "__main__":
+    main()
