@@ -1,0 +1,97 @@
+"""The ZeRO stages, host offload, gradient accumulation and clipping: each a ds_config
+switch on the same script (a model built under a seed, ``deepspeed.initialize`` with
+``model.parameters()``, the inner loop over rank-seeded batches)."""
+
+from __future__ import annotations
+
+import torch
+
+from tests.deepspeed.cases.common import (
+    SEED,
+    Result,
+    SimpleModel,
+    TinyBlockLM,
+    batches,
+    case,
+    ds_config,
+    token_batches,
+    train,
+)
+
+STEPS = 4
+
+
+def _simple(deepspeed, config, micro_batches=STEPS):
+    torch.manual_seed(SEED)
+    model = SimpleModel()
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
+                                           config=config)
+    return train(engine, batches(engine.global_rank, micro_batches))
+
+
+@case(ds_config(stage=1))
+def zero1(deepspeed, config, workdir):
+    """ZeRO stage 1: the optimizer state partitioned over DP, four steps."""
+    return _simple(deepspeed, config)
+
+
+@case(ds_config(stage=2))
+def zero2(deepspeed, config, workdir):
+    """ZeRO stage 2: gradients and optimizer state partitioned, four steps."""
+    return _simple(deepspeed, config)
+
+
+@case(ds_config(stage=3, zero_optimization={"stage": 3,
+                                            "stage3_param_persistence_threshold": 0}))
+def zero3(deepspeed, config, workdir):
+    """ZeRO stage 3 on a tiny transformer block (dict batches of token ids), every
+    parameter partitioned (no persistence threshold), four steps."""
+    torch.manual_seed(SEED)
+    model = TinyBlockLM()
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
+                                           config=config)
+    return train(engine, token_batches(engine.global_rank, STEPS))
+
+
+@case(ds_config(stage=2, zero_optimization={"stage": 2, "offload_optimizer": {"device": "cpu"}}))
+def offload_optimizer(deepspeed, config, workdir):
+    """ZeRO-Offload: stage 2 with the optimizer state and step on the host."""
+    return _simple(deepspeed, config)
+
+
+@case(ds_config(stage=3, zero_optimization={"stage": 3, "stage3_param_persistence_threshold": 0,
+                                            "offload_optimizer": {"device": "cpu"},
+                                            "offload_param": {"device": "cpu"}}))
+def offload_param(deepspeed, config, workdir):
+    """ZeRO-Infinity on the host: stage 3 with parameters and optimizer offloaded to the
+    CPU, the transformer block."""
+    torch.manual_seed(SEED)
+    model = TinyBlockLM()
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
+                                           config=config)
+    return train(engine, token_batches(engine.global_rank, STEPS))
+
+
+@case(ds_config(stage=2, gradient_accumulation_steps=2))
+def accumulation(deepspeed, config, workdir):
+    """Gradient accumulation over 2 micro-batches at stage 2: eight micro-batches, four
+    optimizer steps (a rate read at each boundary)."""
+    return _simple(deepspeed, config, micro_batches=2 * STEPS)
+
+
+@case(ds_config(stage=2, gradient_clipping=1.0))
+def clipping(deepspeed, config, workdir):
+    """Gradient clipping at norm 1.0 at stage 2, on the model without its LayerNorm and
+    the first batch's inputs 20 times larger (a spike): Adam is blind to a scale common
+    to every step, so only a clip that cuts one step's gradients far more than the
+    next's shows in the losses. Also the global norm each step saw
+    (``get_global_grad_norm()``, before clipping)."""
+    torch.manual_seed(SEED)
+    model = SimpleModel(norm=False)
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
+                                           config=config)
+    result: Result = {"losses": [], "lrs": [], "extra": {"grad_norm": []}}
+    for i, (x, y) in enumerate(batches(engine.global_rank, STEPS)):
+        train(engine, [(x * 20 if i == 0 else x, y)], result)
+        result["extra"]["grad_norm"].append(float(engine.get_global_grad_norm()))
+    return result
