@@ -9,7 +9,10 @@ Two links, so that no rank reads more checksums than the files it reads:
   ``"checksums"``);
 * every header's size and crc32 go into ``metadata.json``
   (``"checksums": {"algorithm", "headers": {"rank_N.pt": [bytes, crc32]}}``),
-  O(world) entries whatever the model size.
+  O(world) entries whatever the model size;
+* so do those of the few small whole files rank 0 writes beside it
+  (``"files": {"client_state.pt": [bytes, crc32]}``: an API save's client
+  state), read whole and checked by :meth:`Integrity.read_file`.
 
 A load that reads a data file first reads (and checks) that file's header,
 then checks every block it touches, hashing the bytes the load read anyway; of
@@ -257,6 +260,8 @@ class Integrity:
         self.ckpt = ckpt
         table = meta.get("checksums") if check else {}
         self.headers: dict | None = table.get("headers") if isinstance(table, dict) else None
+        files = table.get("files") if isinstance(table, dict) else None
+        self.files: dict = files if isinstance(files, dict) else {}  # rank 0's small files
         self.iteration = meta.get("iteration")
         if self.headers is None and check:
             log.info("%s: saved before checkpoints carried checksums; loading it unverified",
@@ -307,6 +312,34 @@ class Integrity:
         self._parsed[path] = header
         return header
 
+    def read_file(self, path: str, reader) -> bytes:
+        """The bytes of ``path``, one of the small whole files listed in the metadata's
+        ``checksums["files"]``, read through ``reader`` and checked against its size
+        and crc32 (when the checkpoint has checksums). CheckpointError naming the file."""
+        try:
+            data = reader.read_whole(path)
+        except FileNotFoundError as e:
+            raise CheckpointError(f"{path}: missing checkpoint file") from e
+        except OSError as e:
+            raise CheckpointError(f"{path}: cannot read checkpoint file ({e})") from e
+        if self.headers is None:
+            return data
+        want = self.files.get(os.path.basename(path))
+        if not isinstance(want, list) or len(want) != 2:
+            meta = os.path.join(self.ckpt, "metadata.json")
+            raise CheckpointError(f"{path}: not among the checksums of {meta} (a damaged or "
+                                  f"edited metadata.json)")
+        t0 = time.perf_counter()
+        got = [len(data), crc32(data)]
+        self.seconds += time.perf_counter() - t0
+        if got[0] != want[0]:
+            raise CheckpointError(damaged_message(
+                self.ckpt, path, f"corrupt or truncated checkpoint file ({got[0]} bytes; "
+                f"{want[0]} when saved)", self.iteration))
+        if got != list(want):
+            raise CheckpointError(self.damaged(path, 0, len(data)))
+        return data
+
     def verifier(self, data_path: str, size: int, reader) -> Verifier | None:
         """The Verifier of ``data_path`` (``size`` bytes), from its header (read through
         ``reader``, checked); None when the checkpoint has no checksums."""
@@ -353,7 +386,8 @@ def previous_complete(ckpt: str) -> tuple[str, int] | None:
         try:
             meta = read_metadata(d)
             layout = SavedLayout(meta, d)
-            sizes = (meta.get("checksums") or {}).get("headers") or {}
+            sums = meta.get("checksums") or {}
+            sizes = {**(sums.get("headers") or {}), **(sums.get("files") or {})}
             ok = all(os.path.getsize(os.path.join(d, f)) == want[0]
                      for f, want in sizes.items())
             for rank in range(meta["world_size"]) if ok else ():
@@ -384,6 +418,14 @@ def verify_checkpoint(ckpt: str) -> dict:
                               f"nothing to verify it against")
     files, nbytes = 1, os.path.getsize(os.path.join(ckpt, "metadata.json"))
     damaged: list[str] = []
+    for name in sorted(checks.files):  # rank 0's small files (an API save's client state)
+        reader = RangeReader()
+        try:
+            checks.read_file(os.path.join(ckpt, name), reader)
+            files += 1
+            nbytes += reader.bytes_read
+        except CheckpointError as e:
+            damaged.append(str(e))
     for head_name in sorted(checks.headers or {}):
         head = os.path.join(ckpt, head_name)
         data_path = head[: -len(".pt")] + ".bin"

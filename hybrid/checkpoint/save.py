@@ -20,7 +20,9 @@ On disk::
 
 metadata.json also holds every header's size and crc32 (``checksums``), so
 every byte of a checkpoint is checked as it is loaded
-(:mod:`hybrid.checkpoint.integrity`).
+(:mod:`hybrid.checkpoint.integrity`). A caller may add small whole files that
+rank 0 writes beside metadata.json (``extra_files``: ``hybrid.initialize``'s
+``client_state.pt``); their sizes and crc32s are listed there too.
 
 ``optimizer=False`` (``--no-save-optim``) writes the master column only (about a
 third of the bytes; ``zero_layout["columns"] == ["master"]``, no step or loss
@@ -92,7 +94,7 @@ def save_checkpoint(save_dir: str, iteration: int, consumed_samples: int, engine
                     ps: ParallelState, config: dict, rng: TPRNGTracker,
                     keep_last: int | None = None, vocab_size: int | None = None, *,
                     optimizer: bool = True, finetune: dict | None = None,
-                    extra_meta: dict | None = None,
+                    extra_meta: dict | None = None, extra_files: dict[str, bytes] | None = None,
                     checksum_block_bytes: int = BLOCK_BYTES, owner: dict | None = None,
                     info: dict | None = None) -> str:
     """Write checkpoint ``iteration`` (collective over the world); return its directory.
@@ -104,13 +106,17 @@ def save_checkpoint(save_dir: str, iteration: int, consumed_samples: int, engine
     run started; see :mod:`hybrid.checkpoint.resume`), None for other runs.
     ``keep_last``: afterwards keep only the newest N complete checkpoints.
     ``extra_meta``: more metadata.json entries (JSON values; ``hybrid.initialize``'s
-    client state and schedule). ``checksum_block_bytes``: the data files' checksum
-    block (tests make it small to see partial blocks on tiny models). ``owner``: on
+    client state's file name and schedule). ``extra_files``: on rank 0, {file name:
+    bytes}, small files written into the checkpoint directory before metadata.json
+    (so a complete checkpoint has them), each one's [bytes, crc32] listed in
+    metadata.json's ``checksums["files"]``; ignored on other ranks.
+    ``checksum_block_bytes``: the data files' checksum block (tests make it small to
+    see partial blocks on tiny models). ``owner``: on
     rank 0, the run's claim record (:mod:`hybrid.checkpoint.ownership`), written as
     ``save_dir``'s owner before anything else. ``info``: pass a dict to receive
     ``checksum_seconds``, this rank's time spent hashing what it wrote.
     """
-    columns = tuple(engine.optimizer.columns) if optimizer else ("master",)
+    columns = COLUMNS if optimizer else COLUMNS[:1]
     name = iter_name(iteration)
     final, tmp = os.path.join(save_dir, name), os.path.join(save_dir, f".tmp_{name}")
     _raise_agreed(ps, _make_tmp(save_dir, tmp, owner) if ps.rank == 0 else None)
@@ -126,6 +132,10 @@ def save_checkpoint(save_dir: str, iteration: int, consumed_samples: int, engine
     _raise_agreed(ps, error, tmp)
     headers = _gather_header_digests(ps, digest)
     if ps.rank == 0:
+        files = dict(extra_files or {})
+        checksums = {"algorithm": ALGORITHM, "headers": headers}
+        if files:
+            checksums["files"] = {n: [len(d), crc32(d)] for n, d in files.items()}
         meta = {"version": VERSION, "iteration": iteration, "consumed_samples": consumed_samples,
                 "world_size": ps.world_size, "tensor_model_parallel_size": ps.tp_size,
                 "data_parallel_size": ps.dp_size, "context_parallel_size": ps.cp_size,
@@ -133,9 +143,8 @@ def save_checkpoint(save_dir: str, iteration: int, consumed_samples: int, engine
                 "vocab_size": vocab_size, "model": model_signature(engine.model),
                 "step": state["step"], "loss_scaler": state["loss_scaler"],
                 "zero_layout": layout, "finetune": finetune, "config": config,
-                "checksums": {"algorithm": ALGORITHM, "headers": headers},
-                **(extra_meta or {}), "complete": True}
-        error = _finish(save_dir, name, tmp, final, meta)
+                "checksums": checksums, **(extra_meta or {}), "complete": True}
+        error = _finish(save_dir, name, tmp, final, meta, files)
     _raise_agreed(ps, error)
     if ps.rank == 0 and keep_last:
         _prune(save_dir, keep_last, keep=name)
@@ -237,10 +246,15 @@ def _gather_header_digests(ps: ParallelState, digest: list[int]) -> dict:
             for r, (n, c) in enumerate(out.tolist())}
 
 
-def _finish(save_dir: str, name: str, tmp: str, final: str, meta: dict) -> str | None:
-    """Rank 0: metadata.json, then publish ``tmp`` as ``final`` and point ``latest`` at
-    it; why not (``tmp`` removed), or None."""
+def _finish(save_dir: str, name: str, tmp: str, final: str, meta: dict,
+            files: dict[str, bytes]) -> str | None:
+    """Rank 0: ``files`` ({name: bytes}) and metadata.json, then publish ``tmp`` as
+    ``final`` and point ``latest`` at it; why not (``tmp`` removed), or None."""
     try:
+        for file_name, data in files.items():
+            if os.path.basename(file_name) != file_name or file_name == "metadata.json":
+                raise OSError(f"{file_name!r} is not a file name of its own")
+            _fsync_write(os.path.join(tmp, file_name), lambda f, d=data: f.write(d))
         _fsync_write(os.path.join(tmp, "metadata.json"),
                      lambda f: f.write(json.dumps(meta, indent=1).encode()))
         _publish(save_dir, name, tmp, final)
