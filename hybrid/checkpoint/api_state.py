@@ -1,5 +1,6 @@
 """Checkpoints of a ``hybrid.initialize`` engine: the training script's format, plus the
-caller's ``client_state`` and the engine's counters, in metadata.json.
+engine's counters and schedule in metadata.json, and the caller's ``client_state``
+in ``client_state.pt`` beside it (:mod:`hybrid.checkpoint.client_state`).
 
 The engine (:class:`hybrid.train.api.Engine`) is read by its attributes only
 (``zero``, ``ps``, ``cfg``, ``rng``, ``lr_scheduler``, ``global_steps``,
@@ -24,7 +25,6 @@ named in one warning.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import re
@@ -32,10 +32,14 @@ import zlib
 
 import torch
 
+from hybrid.checkpoint import client_state as client
 from hybrid.checkpoint.files import LATEST, iter_name
+from hybrid.checkpoint.integrity import Integrity
 from hybrid.checkpoint.load import load_checkpoint
+from hybrid.checkpoint.reader import RangeReader
 from hybrid.checkpoint.save import save_checkpoint
 from hybrid.errors import CheckpointError
+from hybrid.parallel.agree import agree_error
 
 log = logging.getLogger("hybrid")
 
@@ -90,25 +94,47 @@ def _barrier(ps) -> None:
     ps.world_group.all_reduce(torch.zeros(1, device=ps.device))
 
 
+def _encoded_client_state(ps, client_state: dict) -> bytes | None:
+    """Rank 0's ``client_state`` as its file's bytes (None on other ranks), checked to
+    load back safely; a ValueError naming the value otherwise, raised on every rank.
+    Collective over the world."""
+    # Rank 0's is the one saved, as the tag is (and DeepSpeed's rank 0 alone writes the
+    # file that holds it when the model is not split), so only rank 0 pays for the check.
+    data, error = None, None
+    if ps.rank == 0:
+        try:
+            data = client.encode(client_state)
+        except ValueError as e:
+            error = str(e)
+    error = agree_error(ps, error)  # before any file is touched, on every rank
+    if error:
+        raise ValueError(error)
+    return data
+
+
 def save_engine(engine, save_dir: str, tag, client_state: dict, save_latest: bool = True) -> str:
-    """Collective over the world: write the engine's checkpoint (the module note);
-    returns its directory."""
-    try:
-        json.dumps(client_state)
-    except (TypeError, ValueError) as e:
-        raise ValueError(f"save_checkpoint(client_state=...): hybrid records it in "
-                         f"metadata.json, so its values must be JSON ({e})") from None
+    """Collective over the world: write the engine's checkpoint (the module note) with
+    rank 0's ``client_state`` (:func:`hybrid.checkpoint.client_state.encode`: any value
+    the safe loader takes back, else a ValueError naming it before anything is
+    written); returns its directory."""
+    data = _encoded_client_state(engine.ps, client_state)
     tag = _agreed_tag(engine.ps, tag, "save_checkpoint")
     if tag is None and not save_latest:  # a name of its own, so that latest stays
         tag = f"global_step{engine.global_steps}"
     name = None if tag is None else _tag_name(tag, "save_checkpoint")
-    extra = {"client_state": client_state, "lr_scheduler": engine.lr_scheduler.state_dict(),
+    # The client state is a file of its own, not a metadata.json entry, in every save:
+    # JSON would turn its tuples into lists and its int keys into strings, and holds no
+    # tensors. (Checkpoints from before it hold a JSON "client_state": load_engine reads
+    # those still.)
+    extra = {"client_state_file": client.FILE,
+             "lr_scheduler": engine.lr_scheduler.state_dict(),
              "api": {"global_steps": engine.global_steps, "micro_steps": engine.micro_steps,
                      "global_samples": engine.global_samples, "tag": name}}
     target = save_dir if name is None else os.path.join(save_dir, name)
     path = save_checkpoint(target, engine.global_steps,
                            engine.global_steps * engine.train_batch_size(), engine.zero,
                            engine.ps, engine.cfg.to_dict(), engine.rng, extra_meta=extra,
+                           extra_files=None if data is None else {client.FILE: data},
                            keep_last=None if name is None else 1)
     if name is not None and save_latest:
         if engine.ps.rank == 0:
@@ -148,7 +174,10 @@ def _resolve(load_dir: str, tag) -> tuple[str, int | None] | None:
 def load_engine(engine, load_dir: str, tag, optimizer: bool, schedule: bool):
     """Collective: restore the checkpoint ``tag`` names under ``load_dir`` (the module
     note) into the engine; returns (its directory, its client_state), or (None, None)
-    when there is none and no ``tag`` was asked for."""
+    when there is none and no ``tag`` was asked for. The client_state is the one rank 0
+    saved, on every rank, its tensors on the CPU (as DeepSpeed returns them); a missing,
+    damaged or unreadable client-state file is a CheckpointError naming it, raised
+    after the weights were loaded and before the engine's counters change."""
     where = _resolve(load_dir, _agreed_tag(engine.ps, tag, "load_checkpoint"))
     if where is None:
         return None, None
@@ -159,6 +188,7 @@ def load_engine(engine, load_dir: str, tag, optimizer: bool, schedule: bool):
     if got is None:
         return None, None
     meta = info["metadata"]
+    state = _load_client_state(engine.ps, info["checkpoint"], meta)  # (before the counters)
     api = meta.get("api", {})
     steps = api.get("global_steps", meta["iteration"])
     engine.global_steps = steps
@@ -166,4 +196,32 @@ def load_engine(engine, load_dir: str, tag, optimizer: bool, schedule: bool):
     engine.global_samples = api.get("global_samples", meta["consumed_samples"])
     if schedule and "lr_scheduler" in meta:
         engine.lr_scheduler.load_state_dict(meta["lr_scheduler"])
-    return info["checkpoint"], meta.get("client_state", {})
+    return info["checkpoint"], state
+
+
+def _load_client_state(ps, ckpt: str, meta: dict) -> dict:
+    """The client_state saved in checkpoint ``ckpt`` (``meta``: its metadata.json), on
+    every rank: its file's, checked against its checksum and loaded safely with tensors
+    on the CPU, or the JSON one in metadata.json of a save from before that file.
+    CheckpointError naming the file, on every rank. Collective over the world."""
+    name = meta.get("client_state_file")
+    if name is None:
+        return meta.get("client_state", {})
+    path = os.path.join(ckpt, str(name))
+    # Every rank reads the file itself rather than taking rank 0's bytes by broadcast:
+    # it is one small file, read just after metadata.json, which every rank has read
+    # too, so at 1,000 ranks a shared filesystem serves it from its cache as it does
+    # metadata.json, with no collective sized by the state. Only the outcome is agreed.
+    state, error = None, None
+    try:
+        if os.path.basename(str(name)) != name:
+            raise CheckpointError(f"{os.path.join(ckpt, 'metadata.json')}: client_state_file "
+                                  f"{name!r} is not a file name (a damaged metadata.json)")
+        state = client.decode(Integrity(ckpt, meta).read_file(path, RangeReader()), path)
+    except CheckpointError as e:
+        error = str(e)
+    error = agree_error(ps, error)
+    if error:
+        raise CheckpointError(error)
+    assert state is not None  # (else every rank raised)
+    return state

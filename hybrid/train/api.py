@@ -302,8 +302,13 @@ class Engine:
                         ) -> str:
         """Collective: write step ``global_steps`` under ``save_dir``, as
         ``iter_NNNNNNN`` (hybrid's name) or, with a ``tag``, as ``save_dir/<tag>``;
-        ``latest`` names it unless ``save_latest`` is False. ``client_state``: JSON
-        values, returned by :meth:`load_checkpoint`. Returns the directory written."""
+        ``latest`` names it unless ``save_latest`` is False. ``client_state``: a dict
+        of any values torch's safe loader takes back (tensors, numbers, strings,
+        containers, ``argparse.Namespace``, numpy values; more with
+        ``hybrid.checkpoint.allow_client_state_types``), rank 0's written beside the
+        metadata as ``client_state.pt`` and returned by :meth:`load_checkpoint`; one
+        it would not take back is a ValueError naming the value and its type, before
+        anything is written. Returns the directory written."""
         from hybrid.checkpoint.api_state import save_engine
         if exclude_frozen_parameters:
             raise ConfigError("save_checkpoint(exclude_frozen_parameters=True): hybrid "
@@ -315,9 +320,9 @@ class Engine:
                         load_lr_scheduler_states: bool = True, load_module_only: bool = False,
                         custom_load_fn=None):
         """Collective: restore the checkpoint ``latest`` names under ``load_dir`` (or the
-        one of ``tag``); returns (its path, the client_state saved with it), or
-        (None, None) when ``load_dir`` is missing or holds no checkpoint (the
-        auto-resume idiom)."""
+        one of ``tag``); returns (its path, the client_state saved with it, on every
+        rank, its tensors on the CPU), or (None, None) when ``load_dir`` is missing or
+        holds no checkpoint (the auto-resume idiom)."""
         from hybrid.checkpoint.api_state import load_engine
         if custom_load_fn is not None:
             raise ConfigError("load_checkpoint(custom_load_fn=...): hybrid loads its own "
