@@ -90,6 +90,46 @@ def _write_latest(save_dir: str, name: str) -> None:
     os.replace(tmp, os.path.join(save_dir, LATEST))
 
 
+def _json_safe(value):
+    """``value`` with tensors as numbers or lists and tuples as lists (a scheduler's
+    state dict, a group's settings: small, JSON in metadata.json); a callable (a
+    LambdaLR's function) as None, as torch's own state dicts leave it out."""
+    if isinstance(value, torch.Tensor):
+        return value.tolist()
+    if isinstance(value, dict):
+        return {str(k): _json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_json_safe(v) for v in value]
+    if callable(value):
+        return None
+    return value
+
+
+def _group_settings(groups: list[dict]) -> list[dict]:
+    """Each optimizer group's hyperparameters (its rate, momentum, ...; not its
+    parameters): what a scheduler or the caller may have changed since initialize."""
+    return [_json_safe({k: v for k, v in g.items() if k != "params"}) for g in groups]
+
+
+def _restore_group_settings(groups: list[dict], saved: list[dict], only=None) -> None:
+    """The saved settings back into the groups (those named in ``only``, or all), each
+    in its current type (a tuple of betas, a tensor rate)."""
+    if len(saved) != len(groups):
+        raise CheckpointError(f"load_checkpoint: the checkpoint's optimizer has {len(saved)} "
+                              f"parameter groups, this one {len(groups)}")
+    for g, s in zip(groups, saved):
+        for k, v in s.items():
+            if only is not None and k not in only:
+                continue
+            old = g.get(k)
+            if isinstance(old, torch.Tensor):
+                old.fill_(v)
+            elif isinstance(old, tuple):
+                g[k] = tuple(v)
+            else:
+                g[k] = v
+
+
 def _barrier(ps) -> None:
     ps.world_group.all_reduce(torch.zeros(1, device=ps.device))
 
@@ -127,7 +167,9 @@ def save_engine(engine, save_dir: str, tag, client_state: dict, save_latest: boo
     # tensors. (Checkpoints from before it hold a JSON "client_state": load_engine reads
     # those still.)
     extra = {"client_state_file": client.FILE,
-             "lr_scheduler": engine.lr_scheduler.state_dict(),
+             "lr_scheduler": (None if engine.lr_scheduler is None
+                              else _json_safe(engine.lr_scheduler.state_dict())),
+             "optimizer_groups": _group_settings(engine.optimizer.param_groups),
              "api": {"global_steps": engine.global_steps, "micro_steps": engine.micro_steps,
                      "global_samples": engine.global_samples, "tag": name}}
     target = save_dir if name is None else os.path.join(save_dir, name)
@@ -194,7 +236,11 @@ def load_engine(engine, load_dir: str, tag, optimizer: bool, schedule: bool):
     engine.global_steps = steps
     engine.micro_steps = api.get("micro_steps", steps * engine.gradient_accumulation_steps())
     engine.global_samples = api.get("global_samples", meta["consumed_samples"])
-    if schedule and "lr_scheduler" in meta:
+    if optimizer and meta.get("optimizer_groups") is not None:
+        # a client optimizer's groups as saved; hybrid's AdamW's settings are the config's
+        _restore_group_settings(engine.optimizer.param_groups, meta["optimizer_groups"],
+                                None if engine.optimizer.client is not None else ("lr",))
+    if schedule and meta.get("lr_scheduler") is not None and engine.lr_scheduler is not None:
         engine.lr_scheduler.load_state_dict(meta["lr_scheduler"])
     return info["checkpoint"], state
 

@@ -116,7 +116,7 @@ def save_checkpoint(save_dir: str, iteration: int, consumed_samples: int, engine
     ``save_dir``'s owner before anything else. ``info``: pass a dict to receive
     ``checksum_seconds``, this rank's time spent hashing what it wrote.
     """
-    columns = COLUMNS if optimizer else COLUMNS[:1]
+    columns = tuple(engine.optimizer.columns) if optimizer else ("master",)
     name = iter_name(iteration)
     final, tmp = os.path.join(save_dir, name), os.path.join(save_dir, f".tmp_{name}")
     _raise_agreed(ps, _make_tmp(save_dir, tmp, owner) if ps.rank == 0 else None)

@@ -52,8 +52,8 @@ from hybrid.parallel.state import ParallelState, init_distributed
 from hybrid.parallel.teardown import teardown_at_exit
 from hybrid.recompute.phase import RecomputePhase
 from hybrid.tensor_parallel import InitValues, seed_all
+from hybrid.train.api_optimizer import resolve_optimizer, resolve_schedule
 from hybrid.train.api_surface import EngineOptimizer, dataloader_of
-from hybrid.train.lr_schedule import scheduled_lr
 from hybrid.train.orphans import end_with_launcher
 from hybrid.train.zero_context import ModuleInitValues
 from hybrid.zero import apply_zero
@@ -61,33 +61,17 @@ from hybrid.zero import apply_zero
 log = logging.getLogger("hybrid")
 
 
-class LRSchedule:
-    """The run's learning-rate schedule as a scheduler object: ``step()`` after each
-    optimizer step (the engine calls it), ``get_last_lr()``, and a state dict."""
-
-    def __init__(self, sched, batch: int):
-        self.sched, self.batch, self.steps = sched, batch, 0
-
-    def lr_at(self, step: int) -> float:
-        """The rate of 1-based optimizer step ``step``."""
-        return scheduled_lr(self.sched, step, step * self.batch)
-
-    def step(self) -> None:
-        self.steps += 1
-
-    def get_last_lr(self) -> list[float]:
-        """The rate of the step just taken (of step 1 before any)."""
-        return [self.lr_at(max(1, self.steps))]
-
-    def get_lr(self) -> list[float]:
-        """As :meth:`get_last_lr` (DeepSpeed's schedulers name it both ways)."""
-        return self.get_last_lr()
-
-    def state_dict(self) -> dict:
-        return {"steps": self.steps}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.steps = int(state["steps"])
+def _tensors(out):
+    """The tensors of a forward's output: a tensor, or one inside tuples, lists and
+    dicts (a transformers ModelOutput is a dict)."""
+    if isinstance(out, torch.Tensor):
+        yield out
+    elif isinstance(out, (tuple, list)):
+        for o in out:
+            yield from _tensors(o)
+    elif isinstance(out, Mapping):
+        for o in out.values():
+            yield from _tensors(o)
 
 
 def _units(model: nn.Module) -> list[nn.Module] | None:
@@ -117,17 +101,20 @@ class Engine:
     :class:`~hybrid.zero.ZeroEngine` (module notes). An attribute the engine does not
     have is looked up on the wrapped module, as DeepSpeed's engine does."""
 
-    def __init__(self, module: nn.Module, cfg, ps: ParallelState, zero, rng, schedule,
-                 dataloader=None):
+    def __init__(self, module: nn.Module, cfg, ps: ParallelState, zero, rng,
+                 optimizer: EngineOptimizer, schedule, dataloader=None):
         self.module, self.cfg, self.ps, self.zero = module, cfg, ps, zero
-        self.rng, self.lr_scheduler = rng, schedule
+        self.rng, self.optimizer, self.lr_scheduler = rng, optimizer, schedule
         self.training_dataloader = dataloader
         self.micro_steps = self.global_steps = self.global_samples = 0
         self._loss: torch.Tensor | None = None  # this window's summed micro-batch losses (device)
-        self._backward_done = False  # a backward since the last step() call
+        self._backward_done = False  # an engine.backward since the last step() call
+        self._plain = False  # a plain loss.backward() reached the outputs since then
+        self._in_backward = False  # inside engine.backward
+        self._window: str | None = None  # how this window's backwards ran: "engine", "plain"
+        self._user_scaled = False  # engine.scale(loss) was called in this window
         self.last_result = None  # the engine's StepResult of the last optimizer step
-        self.optimizer = EngineOptimizer(module, cfg.adamw, zero)
-        self.optimizer.set_next_lr(schedule.lr_at(1))
+        self._arm()
 
     # -- what scripts read (DeepSpeed's names and types) --------------------------------
     @property
@@ -218,10 +205,51 @@ class Engine:
 
     # -- the training verbs ------------------------------------------------------------
     def __call__(self, *args, **kwargs):
-        return self.module(*args, **kwargs)
+        return self.forward(*args, **kwargs)
 
     def forward(self, *args, **kwargs):
-        return self.module(*args, **kwargs)
+        """The module's forward; its outputs tell the engine when a plain
+        ``loss.backward()`` reaches them ([Note: plain backward])."""
+        out = self.module(*args, **kwargs)
+        if torch.is_grad_enabled():
+            for t in _tensors(out):
+                if t.requires_grad:
+                    t.register_hook(self._reached)
+        return out
+
+    def _reached(self, grad: torch.Tensor) -> None:
+        if not self._in_backward:
+            self._plain = True
+
+    # [Note: plain backward]
+    # DeepSpeed's scripts may call loss.backward() and then engine.step(). The engine is
+    # ready for either before each micro-batch (_arm: a new window clears the gradients,
+    # and the reducer knows whether this micro-batch ends the window), so the
+    # reductions run from the same hooks; a hook on each forward output says a plain
+    # backward went through, and step() finishes it (the deferred reductions, stage 3's
+    # gathers). Such a backward is of the undivided loss, so the window's gradient is
+    # divided by the micro-batch count at the step (in the clip coefficient): the same
+    # update as engine.backward's. fp16 needs the loss scaled: engine.scale(loss)
+    # .backward(), as in DeepSpeed; without it the step raises. A window is one kind.
+
+    def _arm(self) -> None:
+        """Ready the micro-batch about to run ([Note: plain backward])."""
+        if self.micro_steps % self.gradient_accumulation_steps() == 0:
+            self.zero.zero_grad()
+            self._loss, self._window, self._user_scaled = None, None, False
+        self.zero.begin_backward(sync=self.is_gradient_accumulation_boundary())
+
+    def _window_is(self, kind: str) -> None:
+        if self._window not in (None, kind):
+            raise ConfigError("one accumulation window mixed engine.backward(loss) and a plain "
+                              "loss.backward(): use one of them for every micro-batch")
+        self._window = kind
+
+    def scale(self, loss: torch.Tensor) -> torch.Tensor:
+        """``loss`` times the fp16 loss scale, for a plain ``.backward()`` (DeepSpeed's
+        engine.scale); the accumulation division still happens at the step."""
+        self._user_scaled = True
+        return loss * self.zero.scaler.scale if self.zero.scaler.scale != 1.0 else loss
 
     def train(self, mode: bool = True) -> Engine:
         self.module.train(mode)
@@ -247,16 +275,18 @@ class Engine:
         if retain_graph:
             raise ConfigError("engine.backward(loss, retain_graph=True): hybrid's engine "
                               "frees the graph in backward; compute the loss again instead")
-        if self._backward_done:
-            raise ConfigError("engine.backward() twice without engine.step(): call "
-                              "engine.step() after each micro-batch's backward (it steps "
+        if self._backward_done or self._plain:
+            raise ConfigError("engine.backward() after another backward without engine.step(): "
+                              "call engine.step() after each micro-batch's backward (it steps "
                               "the optimizer at the accumulation boundary only)")
+        self._window_is("engine")
         n = self.gradient_accumulation_steps()
-        if self.micro_steps % n == 0:
-            self.zero.zero_grad()
-            self._loss = None
         scaled = loss / n if n > 1 and scale_wrt_gas else loss
-        self.zero.backward(scaled, sync=self.is_gradient_accumulation_boundary())
+        self._in_backward = True
+        try:
+            self.zero.backward(scaled, sync=self.is_gradient_accumulation_boundary())
+        finally:
+            self._in_backward = False
         self._loss = scaled.detach() if self._loss is None else self._loss + scaled.detach()
         self._backward_done = True
         return scaled
@@ -264,26 +294,40 @@ class Engine:
     def step(self, lr_kwargs=None) -> None:
         """At an accumulation boundary: the optimizer step on this rank's shard (clip,
         skip on a non-finite gradient, all-gather), then the schedule; else nothing but
-        the count. Each call must follow an ``engine.backward(loss)``."""
+        the count. Each call follows a backward: ``engine.backward(loss)``, or a plain
+        ``loss.backward()`` of a loss computed from the engine's outputs ([Note: plain
+        backward])."""
         if lr_kwargs:
             raise ConfigError("engine.step(lr_kwargs=...): hybrid's schedule takes no "
                               "arguments; configure the ds_config's \"scheduler\" block")
-        if not self._backward_done:
+        if self._plain:
+            self._window_is("plain")
+            if self.zero.scaler.scale != 1.0 and not self._user_scaled:
+                raise ConfigError("a plain loss.backward() under fp16: the loss must be "
+                                  "scaled first; call engine.scale(loss).backward() or "
+                                  "engine.backward(loss)")
+            self.zero.end_backward()
+        elif not self._backward_done:
             raise ConfigError(
-                "engine.step() without engine.backward(loss) since the last step: hybrid's "
-                "engine takes each micro-batch's gradient through engine.backward(loss) (a "
-                "plain loss.backward() is not supported yet: it would train nothing); call "
-                "engine.backward(loss) before engine.step()")
-        self._backward_done = False
+                "engine.step() without a backward since the last step: call "
+                "engine.backward(loss), or loss.backward() of a loss computed from the "
+                "engine's outputs (engine(...), not engine.module(...)), before engine.step()")
+        self._backward_done = self._plain = False
         if self.is_gradient_accumulation_boundary():
             self.optimizer.check_unchanged()
-            lr = self.lr_scheduler.lr_at(self.global_steps + 1)
-            self.last_result = self.zero.step(lr, loss=self._loss)
+            divisor = self.gradient_accumulation_steps() if self._window == "plain" else 1
+            result = self.zero.step(self.optimizer.next_lr(), loss=self._loss,
+                                    grad_divisor=divisor)
+            self.last_result = result
             self.global_steps += 1
             self.global_samples += self.train_batch_size()
-            self.lr_scheduler.step()
-            self.optimizer.set_next_lr(self.lr_scheduler.lr_at(self.global_steps + 1))
+            # as DeepSpeed's engine: the schedule advances unless fp16 skipped the step
+            # (known on the host there; a bf16/fp32 skip is not, and DeepSpeed's
+            # schedule advances through it too)
+            if self.lr_scheduler is not None and result.host_skipped is not True:
+                self.lr_scheduler.step()
         self.micro_steps += 1
+        self._arm()
 
     # -- data ----------------------------------------------------------------------------
     def deepspeed_io(self, dataset, batch_size: int | None = None, route=None,
@@ -329,7 +373,7 @@ class Engine:
                               "format; pass None")
         got = load_engine(self, load_dir, tag, load_optimizer_states and not load_module_only,
                           load_lr_scheduler_states and not load_module_only)
-        self.optimizer.set_next_lr(self.lr_scheduler.lr_at(self.global_steps + 1))
+        self._arm()  # (the counters moved: the window the next micro-batch is in)
         return got
 
     @torch.no_grad()
@@ -359,29 +403,6 @@ class Engine:
     destroy = close  # DeepSpeed's name
 
 
-def _trained_parameters(model: nn.Module, model_parameters, where: str) -> None:
-    """``model_parameters`` must be every parameter of ``model`` (a list, a generator
-    such as a ``requires_grad`` filter, or groups holding only ``params``)."""
-    given: set[int] = set()
-    for item in model_parameters:
-        if isinstance(item, Mapping):
-            extra = sorted(k for k in item if k != "params")
-            if extra:
-                raise ConfigError(
-                    f"{where}(model_parameters=...): parameter groups with their own "
-                    f"{', '.join(extra)} are not supported yet (hybrid applies one lr and "
-                    f"decays the matrices only); set them in the ds_config's \"optimizer\" "
-                    f"block and pass model.parameters()")
-            ps = item["params"]
-            given.update(id(p) for p in ([ps] if isinstance(ps, torch.Tensor) else ps))
-        else:
-            given.add(id(item))
-    if given != {id(p) for p in model.parameters()}:
-        raise ConfigError(f"{where}(model_parameters=...): hybrid trains every parameter of "
-                          f"the model; pass model.parameters() (freezing a part is not "
-                          f"supported yet)")
-
-
 @contextlib.contextmanager
 def _rng_kept(device: torch.device):
     """The global generators of the CPU and of ``device`` as they were (module note)."""
@@ -397,13 +418,14 @@ def initialize(model: nn.Module, config=None, model_parameters=None, optimizer=N
     """(engine, optimizer, dataloader, lr_scheduler) as ``deepspeed.initialize`` returns
     them: ``optimizer`` is the engine's :class:`EngineOptimizer`, ``dataloader`` a
     DataLoader over this DP rank's share of ``training_data`` (None without it;
-    ``collate_fn`` its collate function), ``lr_scheduler`` the run's :class:`LRSchedule`.
+    ``collate_fn`` its collate function), ``lr_scheduler`` what sets the rates (a
+    client's, the config's :class:`~hybrid.train.api_optimizer.ConfigSchedule`, or
+    None: a client optimizer's groups keep their rates).
 
     ``config``: a ds_config path or dict (None: hybrid's defaults), each key's value
-    checked against its type as from a file. ``model_parameters``:
-    accepted when it is all of ``model.parameters()`` (hybrid shards the whole model).
-    ``optimizer``/``lr_scheduler`` objects are refused: the engine runs its own AdamW
-    and schedule (set them in the config). ``parallel_state``: an existing
+    checked against its type as from a file. ``model_parameters``, ``optimizer``,
+    ``lr_scheduler``: as DeepSpeed's, each way :mod:`hybrid.train.api_optimizer`
+    lists (every parameter that requires grad must be given). ``parallel_state``: an existing
     :class:`ParallelState` (default: joined from torchrun's environment with
     ``tensor_parallel_size`` adjacent ranks per TP group, for a model built from
     hybrid's TP layers on that state). ``seed``: the run seed (hybrid's ``--seed``:
@@ -423,14 +445,6 @@ def initialize(model: nn.Module, config=None, model_parameters=None, optimizer=N
                         f"got {type(parallel_state).__name__}")
     tensor_parallel_size = typed(tensor_parallel_size, INT, f"{caller}(tensor_parallel_size=...)")
     seed = typed(seed, INT, f"{caller}(seed=...)")
-    for name, value in (("optimizer", optimizer), ("lr_scheduler", lr_scheduler)):
-        if value is not None:
-            raise ConfigError(f"{caller}({name}=...): hybrid runs its own AdamW and "
-                              f"schedule on the shards and cannot drive a client {name} "
-                              f"object yet; configure them in the ds_config (\"optimizer\", "
-                              f"\"scheduler\") and pass {name}=None")
-    if model_parameters is not None:
-        _trained_parameters(model, model_parameters, caller)
     if parallel_state is None:  # this door joins torchrun's job: it is the worker's entry
         end_with_launcher(os.environ)  # no rank outlives its launcher (train/orphans.py)
     ps = parallel_state or init_distributed(tensor_parallel_size)
@@ -447,23 +461,28 @@ def initialize(model: nn.Module, config=None, model_parameters=None, optimizer=N
         ds = load_ds_config(config)
         flags.ds_config_notes = apply_ds_config(flags, ds, ps.dp_size, source=source)
     cfg = build_config(flags, ps.world_size)
+    # (checked alike on every rank, before the first collective)
+    client = resolve_optimizer(model, model_parameters, optimizer, lr_scheduler, cfg.adamw,
+                               cfg.lr_schedule.lr, caller)
     drop_last = bool(ds.get("dataloader_drop_last") or False)
     if ps.rank == 0:  # one warning per key the file set that this door does not use
         for note in flags.ds_config_notes + _loop_only(flags):
             if not (training_data is not None and note.startswith("dataloader_drop_last:")):
                 log.warning("%s: ds_config %s", caller, note)
     with _rng_kept(ps.device):
-        engine = _build(model, cfg, ps, recompute_phase)
+        engine = _build(model, cfg, ps, recompute_phase, client,
+                        lambda optim: resolve_schedule(lr_scheduler, ds, cfg, optim, caller))
     if training_data is not None:
         engine.training_dataloader = dataloader_of(training_data, ps, cfg.loop.micro_batch_size,
                                                    collate_fn, drop_last)
     return engine, engine.optimizer, engine.training_dataloader, engine.lr_scheduler
 
 
-def _build(model: nn.Module, cfg, ps: ParallelState,
-           recompute_phase: RecomputePhase | None) -> Engine:
+def _build(model: nn.Module, cfg, ps: ParallelState, recompute_phase: RecomputePhase | None,
+           client: torch.optim.Optimizer | None, schedule_of) -> Engine:
     """The engine of ``model`` (inside :func:`_rng_kept`: seeding hybrid's streams
-    touches the global generators)."""
+    touches the global generators), stepped by ``client`` (None: hybrid's AdamW) and
+    scheduled by ``schedule_of(engine optimizer)``."""
     rng = seed_all(cfg.seed, ps.tp_rank, ps.dp_rank, ps.device)
     # built under zero_init(): the engine draws this rank's shard from the modules'
     # own initializers (zero_context.py); else every replica takes DP rank 0's values
@@ -481,9 +500,10 @@ def _build(model: nn.Module, cfg, ps: ParallelState,
         model.to(ps.device)
     zero = apply_zero(model, ps, cfg.zero, adamw=cfg.adamw, precision=cfg.precision,
                       offload=cfg.offload, values=values, unit_modules=_units(model),
-                      recompute=recompute_phase)
-    schedule = LRSchedule(cfg.lr_schedule, cfg.loop.global_batch_size)
-    engine = Engine(model, cfg, ps, zero, rng, schedule)
+                      recompute=recompute_phase, client=client, decay="all")
+    optim = EngineOptimizer([p for p in model.parameters() if p.requires_grad], cfg.adamw, zero,
+                            client)
+    engine = Engine(model, cfg, ps, zero, rng, optim, schedule_of(optim))
     teardown_at_exit(ps, engine)  # closed, then the groups destroyed, at exit if not before
     for p in model.parameters():  # GatheredParameters finds the engine from a parameter
         # an attribute of the tensor: torch's stubs declare none beyond its own

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from torch import nn
+import torch
 
 from hybrid.config.sections import AdamWConfig
 from hybrid.errors import ConfigError
@@ -15,45 +15,53 @@ from hybrid.zero import ZeroEngine
 
 
 class EngineOptimizer:
-    """``engine.optimizer``: DeepSpeed's view of the shard optimizer the engine steps.
+    """``engine.optimizer``: DeepSpeed's view of the optimizer the engine steps.
 
-    ``param_groups`` says what hybrid applies: the parameters with weight decay
-    (matrices) and those without, each group with the rate of the next step
-    (``lr``), ``betas``, ``eps`` and ``weight_decay``. The engine writes them;
-    a change made by the caller (a hand-rolled schedule) is not honoured yet, so
-    the next optimizer step raises a ConfigError naming it instead of ignoring it.
-    The engine's verbs step and clear it: ``step()`` here refuses, ``zero_grad()``
-    is the engine's.
+    ``param_groups`` are the groups whose hyperparameters apply: a client
+    optimizer's own (:mod:`hybrid.train.api_optimizer`; their ``params`` are views
+    of this rank's shard, as DeepSpeed's flat partitions), or, for hybrid's
+    AdamW, one group of the parameters given, with ``lr``, ``betas``, ``eps``
+    and ``weight_decay``. A schedule writes each group's ``lr`` (the rate of the
+    next step), and so may the caller: the next step applies it. hybrid's AdamW
+    takes its other hyperparameters from the config, so a change to them raises
+    a ConfigError naming it at the next step instead of being ignored. The
+    engine's verbs step and clear it: ``step()`` here refuses, ``zero_grad()`` is
+    the engine's.
     """
 
-    def __init__(self, module: nn.Module, adamw: AdamWConfig, zero: ZeroEngine):
-        self._zero = zero
-        params = list(module.parameters())
-        groups = [([p for p in params if p.ndim >= 2], adamw.weight_decay),
-                  ([p for p in params if p.ndim < 2], 0.0)]
-        self.param_groups: list[dict[str, Any]] = [
-            {"params": ps, "lr": 0.0, "betas": (adamw.beta1, adamw.beta2), "eps": adamw.eps,
-             "weight_decay": wd} for ps, wd in groups if ps]
-        self._written: list[dict[str, Any]] = []
+    def __init__(self, params: list, adamw: AdamWConfig, zero: ZeroEngine,
+                 client: torch.optim.Optimizer | None = None):
+        self._zero, self.client = zero, client
+        self.param_groups: list[dict[str, Any]] = (
+            client.param_groups if client is not None else
+            [{"params": params, "lr": 0.0, "betas": (adamw.beta1, adamw.beta2),
+              "eps": adamw.eps, "weight_decay": adamw.weight_decay}])
+        self._fixed = ([] if client is not None else
+                       [{k: v for k, v in g.items() if k not in ("params", "lr")}
+                        for g in self.param_groups])
 
-    def set_next_lr(self, lr: float) -> None:
-        """(The engine's) every group's rate for the next step."""
-        for g in self.param_groups:
-            g["lr"] = lr
-        self._written = [{k: v for k, v in g.items() if k != "params"}
-                         for g in self.param_groups]
+    @property
+    def state(self) -> dict:
+        """The client optimizer's state (this rank's shard's); hybrid's AdamW keeps its
+        moments in flat buffers: empty here."""
+        return self.client.state if self.client is not None else {}
+
+    def next_lr(self) -> float:
+        """hybrid's AdamW's rate for the step about to run: its group's ``lr``
+        (unused with a client optimizer, whose groups hold their own)."""
+        return float(self.param_groups[0]["lr"])
 
     def check_unchanged(self) -> None:
-        """ConfigError naming the first hyperparameter the caller wrote since the engine
-        did (hybrid's step takes them from the config, not from the groups yet)."""
-        for i, (g, w) in enumerate(zip(self.param_groups, self._written)):
+        """ConfigError naming the first hyperparameter other than ``lr`` the caller wrote
+        into hybrid's AdamW's group (it takes them from the config)."""
+        for i, (g, w) in enumerate(zip(self.param_groups, self._fixed)):
             for k, v in w.items():
                 if g.get(k) != v:
                     raise ConfigError(
                         f"engine.optimizer.param_groups[{i}][{k!r}] was set to {g.get(k)!r} "
-                        f"(the engine's is {v!r}): hybrid's engine takes its hyperparameters "
-                        f"from the config and does not honour writes to param_groups yet; set "
-                        f"the ds_config's \"optimizer\" params and \"scheduler\" block instead")
+                        f"(the engine's is {v!r}): hybrid's AdamW takes {k} from the config; "
+                        f"set the ds_config's \"optimizer\" params, or pass a torch "
+                        f"optimizer as initialize(optimizer=...) to change it while training")
 
     @property
     def loss_scale(self) -> float:

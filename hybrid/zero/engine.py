@@ -239,8 +239,18 @@ class ZeroEngine:
         ``sync=False`` for all but the last micro-batch of a step: stages 0-1
         then only accumulate locally.
         """
-        self.reducer.begin(sync)
+        self.begin_backward(sync)
         (loss * self.scaler.scale if self.scaler.scale != 1.0 else loss).backward()
+        self.end_backward()
+
+    def begin_backward(self, sync: bool) -> None:
+        """Before a backward run by the caller (any time after the last one ended):
+        ``sync`` as in :meth:`backward`. The hooks reduce as gradients arrive."""
+        self.reducer.begin(sync)
+
+    def end_backward(self) -> None:
+        """After a backward begun by :meth:`begin_backward` has returned: the deferred
+        units' reductions, every reduction waited for, stage 3's gathers freed."""
         self.reducer.finish()
         if self.gatherer is not None:
             self.gatherer.release_all()
@@ -260,15 +270,18 @@ class ZeroEngine:
     # device (kernels skip on a flag) unless dynamic loss scaling has to adjust
     # its scale: that read is the one host sync of an fp16 step, and a bf16/fp32
     # step has none.
-    def step(self, lr: float, loss: torch.Tensor | None = None) -> StepResult:
+    def step(self, lr: float, loss: torch.Tensor | None = None,
+             grad_divisor: float = 1.0) -> StepResult:
         """Unscale, decide skip (same on all ranks), clip, update, re-assemble params.
 
         ``loss``: this rank's loss of the step; a non-finite one skips the step
         like a non-finite gradient does, even when the gradients are finite.
+        ``grad_divisor``: what the accumulated gradient is divided by besides the loss
+        scale (the micro-batch count, when each backward was of an undivided loss).
         """
         grads = [u.grad_shard for u in self.units]
         dp = self.ps.dp_cp_group if self.plan.optimizer else None
-        scale = self.scaler.scale  # what this step's loss was multiplied by
+        scale = self.scaler.scale * grad_divisor  # what the gradient is a multiple of
         # (landed gradients are on the host by now: their norm terms were taken on landing)
         squared = self.sink.squared_norms()
         norm, bad_loss = global_grad_norm(self.optimizer, None if squared is not None else grads,

@@ -71,9 +71,9 @@ def test_the_engine_surface_has_deepspeeds_names_and_types():
         assert type(got) is kind and got == value, (name, got)
     assert engine.get_global_grad_norm() is None
     assert [id(p) for p in engine.parameters()] == [id(p) for p in engine.module.parameters()]
-    groups = optimizer.param_groups  # hybrid decays the matrices only: two groups say so
-    assert [len(g["params"]) for g in groups] == [2, 2]
-    assert [g["weight_decay"] for g in groups] == [0.01, 0.0]
+    groups = optimizer.param_groups  # one group of what was given, decayed as DeepSpeed's
+    assert [len(g["params"]) for g in groups] == [4]
+    assert [g["weight_decay"] for g in groups] == [0.0]  # FusedAdam's default, not torch's
     assert all(g["lr"] == 1e-2 and g["betas"] == (0.9, 0.999) for g in groups)
     assert optimizer.cur_scale == 1.0
     w = engine.module.fc1.weight.detach().clone()
@@ -82,7 +82,7 @@ def test_the_engine_surface_has_deepspeeds_names_and_types():
     assert (engine.global_steps, engine.global_samples, engine.micro_steps) == (2, 8, 4)
     norm = engine.get_global_grad_norm()
     assert type(norm) is float and norm > 0 and engine.was_step_applied() is True
-    assert engine.get_lr() == [1e-2, 1e-2] and type(engine.get_lr()[0]) is float
+    assert engine.get_lr() == [1e-2] and type(engine.get_lr()[0]) is float
     assert engine.training is True  # the module's attribute, as DeepSpeed's engine forwards
 
 
@@ -156,9 +156,10 @@ def test_legacy_zero_switch_and_the_schedulers_own_lengths():
     engine, _, _, sched = _engine({**DS, "scheduler": {"type": "WarmupLR", "params": {
         "warmup_min_lr": 0, "warmup_max_lr": 1e-3, "warmup_num_steps": 1000}}})
     assert (sched.sched.warmup, sched.sched.decay) == (1000, 1000)
-    _train(engine, 3)
-    assert engine.get_lr()[0] == pytest.approx(1e-3 * math.log(4) / math.log(1000))
-    assert sched.lr_at(5000) == 1e-3  # constant after the warmup
+    _train(engine, 3)  # the next step is the 4th: DeepSpeed's i = 2 (lr_schedule.deepspeed_lr)
+    assert engine.get_lr()[0] == pytest.approx(1e-3 * math.log(3) / math.log(1000))
+    assert sched.get_last_lr() == engine.get_lr()  # the next step's rate, as DeepSpeed's
+    assert sched.lr_at(5000) == [1e-3]  # constant after the warmup
     # DeepSpeed's own default warmup, and WarmupDecayLR's lengths from its keys
     sched = _engine({**DS, "scheduler": {"type": "WarmupLR"}})[3]
     assert (sched.sched.warmup, sched.sched.decay) == (1000, 1000)
@@ -243,25 +244,22 @@ def test_accelerator_and_comm_in_one_process():
     assert comm.ReduceOp.SUM is torch.distributed.ReduceOp.SUM
 
 
-def _client_optimizer():
-    net = Net()
-    return dict(model=net, optimizer=torch.optim.SGD(net.parameters(), lr=0.1))
-
-
 @pytest.mark.parametrize("make,message", [
-    (_client_optimizer, r"deepspeed.initialize\(optimizer=...\): hybrid runs its own AdamW and "
-                        r"schedule on the shards and cannot drive a client optimizer object "
-                        r"yet; configure them in the ds_config"),
-    (lambda: dict(model=Net(), lr_scheduler=lambda opt: None),
-     r"deepspeed.initialize\(lr_scheduler=...\): .* pass lr_scheduler=None"),
     (lambda: dict(model=Net(), mpu=object()),
      r"deepspeed.initialize\(mpu=...\): hybrid takes its layout as a ParallelState"),
-    (lambda: (lambda n: dict(model=n, model_parameters=[
-        {"params": [n.fc1.weight, n.fc2.weight], "weight_decay": 0.1},
-        {"params": [n.fc1.bias, n.fc2.bias], "weight_decay": 0.0}]))(Net()),
-     r"parameter groups with their own weight_decay are not supported yet"),
     (lambda: (lambda n: dict(model=n, model_parameters=[n.fc1.weight]))(Net()),
-     r"hybrid trains every parameter of the model"),
+     r"model_parameters=...\): parameter fc1.bias requires grad but is not given: pass it, or "
+     r"freeze it"),
+    (lambda: (lambda n: dict(model=n, optimizer=torch.optim.SGD(
+        [n.fc1.weight, n.fc2.weight, n.fc2.bias], lr=0.1)))(Net()),
+     r"optimizer=...\): parameter fc1.bias requires grad but is in none of the optimizer's "
+     r"param_groups"),
+    (lambda: (lambda n: dict(model=n, optimizer=torch.optim.SGD(
+        list(n.parameters()) + [nn.Parameter(torch.zeros(3))], lr=0.1)))(Net()),
+     r"param_groups\[0\] holds a tensor of shape \(3,\) that is not a parameter of the model"),
+    (lambda: (lambda n: dict(model=n, lr_scheduler=torch.optim.lr_scheduler.StepLR(
+        torch.optim.SGD(n.parameters(), lr=0.1), 1)))(Net()),
+     r"lr_scheduler=...\): the scheduler drives an optimizer initialize was not given"),
 ])
 def test_what_hybrid_cannot_honour_is_one_error_naming_the_call(make, message):
     kwargs = make()
@@ -272,15 +270,22 @@ def test_what_hybrid_cannot_honour_is_one_error_naming_the_call(make, message):
 
 def test_misuse_and_missing_names_say_what_to_do_instead():
     engine, optimizer, *_ = _engine()
-    with pytest.raises(ConfigError, match=r"engine.step\(\) without engine.backward\(loss\)"):
-        engine.step()  # (a plain loss.backward() trains nothing yet: said, not silent)
+    with pytest.raises(ConfigError, match=r"engine.step\(\) without a backward since the last "
+                                          r"step: call engine.backward\(loss\), or "
+                                          r"loss.backward\(\) of a loss computed from the "
+                                          r"engine's outputs"):
+        engine.step()
+    engine.module(torch.randn(2, 12)).sum().backward()  # past the engine: it cannot know
+    with pytest.raises(ConfigError, match="without a backward since the last step"):
+        engine.step()
     engine.backward(engine(torch.randn(2, 12)).sum())
-    with pytest.raises(ConfigError, match="twice without engine.step"):
+    with pytest.raises(ConfigError, match="after another backward without engine.step"):
         engine.backward(engine(torch.randn(2, 12)).sum())
     engine.step()
     engine.backward(engine(torch.randn(2, 12)).sum())
-    optimizer.param_groups[0]["lr"] = 0.5  # a hand-rolled schedule: refused, not ignored
-    with pytest.raises(ConfigError, match=r"param_groups\[0\]\['lr'\] was set to 0.5"):
+    optimizer.param_groups[0]["weight_decay"] = 0.5  # hybrid's AdamW: refused, not ignored
+    with pytest.raises(ConfigError, match=r"param_groups\[0\]\['weight_decay'\] was set to "
+                                          r"0.5 .*pass a torch optimizer"):
         engine.step()
     with pytest.raises(ConfigError, match=r"call engine.step\(\)"):
         optimizer.step()
@@ -295,3 +300,17 @@ def test_misuse_and_missing_names_say_what_to_do_instead():
     with pytest.raises(ConfigError, match=r"zero.Init\(module=...\)"):
         deepspeed.zero.Init(module=Net())
     assert deepspeed.zero is not __import__("hybrid.zero").zero  # DeepSpeed's names, not the engine
+
+
+def test_a_plain_backward_under_fp16_needs_the_loss_scaled():
+    engine, *_ = _engine({**DS, "gradient_accumulation_steps": 1, "train_batch_size": 2,
+                          "fp16": {"enabled": True, "initial_scale_power": 4}})
+    x = torch.randn(2, 12).half()
+    engine(x).float().sum().backward()
+    with pytest.raises(ConfigError, match=r"a plain loss.backward\(\) under fp16: the loss must "
+                                          r"be scaled first; call engine.scale\(loss\).backward"):
+        engine.step()
+    w = engine.module.fc1.weight.detach().clone()
+    engine.scale(engine(x).float().sum()).backward()
+    engine.step()
+    assert engine.was_step_applied() and not torch.equal(w, engine.module.fc1.weight)

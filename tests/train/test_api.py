@@ -56,7 +56,7 @@ def _mine(batch: torch.Tensor, dp_rank: int, k: int) -> torch.Tensor:
 
 
 def _reference(family, steps, init=None):
-    """One process, torch AdamW (decay on matrices only, as hybrid's), clip 1.0: the
+    """One process, torch AdamW (decay on every parameter, as DeepSpeed's), clip 1.0: the
     micro-batch losses of every step, in (step, dp rank, micro) order. ``init``: the
     starting parameters by name (default: the model's own init)."""
     model = _model(family)
@@ -64,10 +64,7 @@ def _reference(family, steps, init=None):
         with torch.no_grad():
             for name, p in model.named_parameters():
                 p.copy_(init[name].view_as(p))
-    decay = [p for p in model.parameters() if p.ndim >= 2]
-    rest = [p for p in model.parameters() if p.ndim < 2]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1},
-                             {"params": rest, "weight_decay": 0.0}], lr=3e-3)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1)
     out = []
     for step in steps:
         batch = _batches(step)
