@@ -45,8 +45,6 @@ PENDING = {
                              "refused (client schedulers are being built)",
     "loss_backward": "a plain loss.backward() then engine.step() is refused, hybrid takes "
                      "gradients through engine.backward(loss) (being built)",
-    "checkpoint_tag": "a tensor in client_state is refused, hybrid's client_state must be "
-                      "JSON (being built)",
     "zero_init_constructor": "zero.Init does not keep what a constructor writes (its "
                              "GatheredParameters(modifier_rank=0) init): hybrid draws each "
                              "shard from the module's initializer, seeded by name (being "
