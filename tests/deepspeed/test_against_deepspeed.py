@@ -27,24 +27,10 @@ TOLERANCE = 1e-5
 
 # case -> why hybrid does not match DeepSpeed on it yet (what hybrid does instead)
 PENDING = {
-    "client_adamw": "a client optimizer object: initialize(optimizer=torch.optim.AdamW) "
-                    "is refused (client optimizers are being built)",
-    "client_sgd_momentum": "a client optimizer object: initialize(optimizer=torch.optim.SGD) "
-                           "is refused (client optimizers are being built)",
-    "frozen": "frozen parameters: a requires_grad filter over part of the model is refused, "
-              "hybrid trains every parameter (being built)",
-    "no_decay_groups": "parameter groups with their own weight_decay are refused (being "
-                       "built)",
-    "weight_decay": "hybrid decays the matrices only, DeepSpeed every parameter it is given "
-                    "(biases, LayerNorm): losses 4e-4 apart after 4 steps",
     "one_cycle": "the OneCycle scheduler is refused (hybrid runs WarmupLR, WarmupDecayLR, "
                  "WarmupCosineLR)",
     "lr_range_test": "the LRRangeTest scheduler is refused (hybrid runs WarmupLR, "
                      "WarmupDecayLR, WarmupCosineLR)",
-    "transformers_schedule": "a client lr_scheduler (a callable over the optimizer) is "
-                             "refused (client schedulers are being built)",
-    "loss_backward": "a plain loss.backward() then engine.step() is refused, hybrid takes "
-                     "gradients through engine.backward(loss) (being built)",
     "zero_init_constructor": "zero.Init does not keep what a constructor writes (its "
                              "GatheredParameters(modifier_rank=0) init): hybrid draws each "
                              "shard from the module's initializer, seeded by name (being "
