@@ -54,6 +54,7 @@ from hybrid.recompute.phase import RecomputePhase
 from hybrid.tensor_parallel import InitValues, seed_all
 from hybrid.train.api_optimizer import resolve_optimizer, resolve_schedule
 from hybrid.train.api_surface import EngineOptimizer, dataloader_of
+from hybrid.train.ds_schedulers import cycles_momentum, kind_of
 from hybrid.train.orphans import end_with_launcher
 from hybrid.train.zero_context import ModuleInitValues
 from hybrid.zero import apply_zero
@@ -459,11 +460,16 @@ def initialize(model: nn.Module, config=None, model_parameters=None, optimizer=N
     if config is not None:
         source = os.fspath(config) if isinstance(config, (str, os.PathLike)) else "<dict>"
         ds = load_ds_config(config)
-        flags.ds_config_notes = apply_ds_config(flags, ds, ps.dp_size, source=source)
+        # OneCycle and LRRangeTest are scheduler objects of this door (ds_schedulers.py),
+        # not points of the flags' schedule
+        flags.ds_config_notes = apply_ds_config(
+            flags, {k: v for k, v in ds.items() if not (k == "scheduler" and kind_of(v))},
+            ps.dp_size, source=source)
     cfg = build_config(flags, ps.world_size)
     # (checked alike on every rank, before the first collective)
     client = resolve_optimizer(model, model_parameters, optimizer, lr_scheduler, cfg.adamw,
-                               cfg.lr_schedule.lr, caller)
+                               cfg.lr_schedule.lr, caller,
+                               torch_adamw=cycles_momentum(ds.get("scheduler")))
     drop_last = bool(ds.get("dataloader_drop_last") or False)
     if ps.rank == 0:  # one warning per key the file set that this door does not use
         for note in flags.ds_config_notes + _loop_only(flags):

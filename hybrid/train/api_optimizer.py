@@ -36,6 +36,12 @@ from torch import nn
 
 from hybrid.config.sections import AdamWConfig, LRScheduleConfig
 from hybrid.errors import ConfigError
+from hybrid.train.ds_schedulers import (
+    OneCycleSchedule,
+    RangeTestSchedule,
+    kind_of,
+    settings,
+)
 from hybrid.train.lr_schedule import scheduled_lr
 from hybrid.zero.client_optimizer import check_groups
 
@@ -61,17 +67,20 @@ def _groups(items: list) -> list[dict] | None:
 
 
 def resolve_optimizer(model: nn.Module, model_parameters, optimizer, lr_scheduler,
-                      adamw: AdamWConfig, lr: float, where: str) -> torch.optim.Optimizer | None:
+                      adamw: AdamWConfig, lr: float, where: str, *, torch_adamw: bool = False
+                      ) -> torch.optim.Optimizer | None:
     """The client optimizer to step the shards with (module table), or None for hybrid's
     AdamW; every trainable parameter checked to be in it (the same check on every
     rank, before any collective). ``adamw``/``lr``: the ds_config's optimizer
     settings (the defaults of groups built here). A client ``lr_scheduler`` needs a
     torch optimizer to drive: a callable one gets torch's AdamW of those settings
-    when no ``optimizer`` is given; a scheduler object must be over ``optimizer``."""
+    when no ``optimizer`` is given; a scheduler object must be over ``optimizer``.
+    ``torch_adamw``: the schedule writes more than the rate (OneCycle's beta1), so
+    torch's AdamW steps the shards, also without a client scheduler."""
     named = list(model.named_parameters())
-    if optimizer is None and lr_scheduler is not None:
+    if optimizer is None and (lr_scheduler is not None or torch_adamw):
         bound = getattr(lr_scheduler, "optimizer", None)
-        if bound is not None:
+        if bound is not None and not torch_adamw:
             raise ConfigError(f"{where}(lr_scheduler=...): the scheduler drives an optimizer "
                               f"initialize was not given; pass that optimizer too "
                               f"(optimizer=...)")
@@ -190,6 +199,13 @@ def resolve_schedule(lr_scheduler, ds: dict, cfg, optim, where: str):
     a client optimizer, None; else the ``--lr*`` defaults."""
     block = ds.get("scheduler")
     client = optim.client
+    kind = kind_of(block)
+    if kind is not None:
+        if lr_scheduler is not None:
+            log.warning("%s: the ds_config's \"scheduler\" block sets the rates; the "
+                        "lr_scheduler given is not used (as in DeepSpeed)", where)
+        cls = OneCycleSchedule if kind == "onecycle" else RangeTestSchedule
+        return cls(optim.param_groups, settings(dict(block or {})))
     if block is not None:
         if lr_scheduler is not None:
             log.warning("%s: the ds_config's \"scheduler\" block sets the rates; the "

@@ -27,10 +27,6 @@ TOLERANCE = 1e-5
 
 # case -> why hybrid does not match DeepSpeed on it yet (what hybrid does instead)
 PENDING = {
-    "one_cycle": "the OneCycle scheduler is refused (hybrid runs WarmupLR, WarmupDecayLR, "
-                 "WarmupCosineLR)",
-    "lr_range_test": "the LRRangeTest scheduler is refused (hybrid runs WarmupLR, "
-                     "WarmupDecayLR, WarmupCosineLR)",
     "zero_init_constructor": "zero.Init does not keep what a constructor writes (its "
                              "GatheredParameters(modifier_rank=0) init): hybrid draws each "
                              "shard from the module's initializer, seeded by name (being "
