@@ -13,8 +13,8 @@ second implementation): :func:`initialize` with DeepSpeed's signature,
 (``get_accelerator``) and ``checkpointing``. docs/deepspeed.md has the table:
 each name "same", "mapped" (what it becomes) or "refused" (what to use instead).
 A DeepSpeed name that is not here is an AttributeError that says so, and what
-hybrid cannot honour yet (a client ``optimizer=`` or ``lr_scheduler=`` object,
-...) is one ConfigError naming the call and what to use instead.
+hybrid cannot honour (a client optimizer with the optimizer on NVMe, ...) is
+one ConfigError naming the call and what to use instead.
 
 ``deepspeed.zero`` is :mod:`hybrid.deepspeed.zero`, DeepSpeed's context managers;
 hybrid's own ZeRO engine is :mod:`hybrid.zero`, which a script never meets.
@@ -36,8 +36,10 @@ _NOT_HERE = {
                       "scripts/generate.py, or run the module itself",
     "PipelineModule": "hybrid has no pipeline parallelism: shard with TP and ZeRO-3",
     "pipe": "hybrid has no pipeline parallelism: shard with TP and ZeRO-3",
-    "ops": "hybrid's AdamW is its own (configure it in the ds_config's \"optimizer\" block)",
-    "runtime": "the scheduler and optimizer classes are configured in the ds_config",
+    "ops": "hybrid's AdamW is its own (configure it in the ds_config's \"optimizer\" block, "
+           "or pass a torch.optim optimizer as initialize(optimizer=...))",
+    "runtime": "the scheduler and optimizer classes are configured in the ds_config (or "
+               "passed as torch objects to initialize)",
     "DeepSpeedTransformerLayer": "build the layer from torch or transformers modules",
     "DeepSpeedConfig": "pass the ds_config (a path or a dict) to initialize(config=...)",
     "add_tuning_arguments": "hybrid has no autotuner",

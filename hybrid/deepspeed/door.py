@@ -64,9 +64,11 @@ def initialize(args=None, model: nn.Module | None = None, optimizer=None, model_
     """``(engine, optimizer, training_dataloader, lr_scheduler)``, as DeepSpeed's.
 
     ``config`` / ``config_params`` / ``args.deepspeed_config``: the ds_config (a path
-    or a dict; exactly one, or none for hybrid's defaults). ``model_parameters``: all
-    of the model's parameters (a list, a ``requires_grad`` filter, groups of
-    ``params`` only). ``training_data``: a dataset; the loader returned gives this
+    or a dict; exactly one, or none for hybrid's defaults). ``model_parameters``,
+    ``optimizer``, ``lr_scheduler``: as DeepSpeed takes them (a list, a
+    ``requires_grad`` filter or groups; a ``torch.optim`` optimizer or a callable
+    of the parameters; a scheduler over it or a callable of it:
+    :mod:`hybrid.train.api_optimizer`). ``training_data``: a dataset; the loader returned gives this
     DP rank's share, ``train_micro_batch_size_per_gpu`` samples a batch,
     ``collate_fn`` collating them (DeepSpeed's DistributedSampler, same order every
     epoch; ``dataloader_drop_last`` honoured). ``mpu``: a :class:`ParallelState`
@@ -76,9 +78,9 @@ def initialize(args=None, model: nn.Module | None = None, optimizer=None, model_
     Keyword-only, hybrid's own: ``parallel_state``, ``tensor_parallel_size``,
     ``seed`` (:func:`hybrid.initialize`).
 
-    Refused, one ConfigError each naming what to do: a client ``optimizer`` or
-    ``lr_scheduler`` (object or callable), ``model_parameters`` other than all
-    parameters, another ``mpu``, ``mesh_param``.
+    Refused, one ConfigError each naming what to do: a trainable parameter left out
+    of ``model_parameters`` or of the optimizer's groups, another ``mpu``,
+    ``mesh_param``.
     """
     if model is None:
         raise TypeError(f"{_WHERE}(model=...) is required: the torch.nn.Module to train")
