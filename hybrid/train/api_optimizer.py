@@ -37,6 +37,7 @@ from torch import nn
 from hybrid.config.sections import AdamWConfig, LRScheduleConfig
 from hybrid.errors import ConfigError
 from hybrid.train.ds_schedulers import (
+    GroupSchedule,
     OneCycleSchedule,
     RangeTestSchedule,
     kind_of,
@@ -134,11 +135,10 @@ def check_plain_parameters(model: nn.Module, params: list, where: str) -> None:
                               f"(requires_grad_(False)) before initialize")
 
 
-class ConfigSchedule:
-    """The config's schedule as a DeepSpeed scheduler: built, it writes the rate of
-    optimizer step 1 into every group; each :meth:`step` (the engine's, after an
-    applied optimizer step) writes the next one. ``get_lr()`` and ``get_last_lr()``
-    are the rates in the groups now: those of the next step, as DeepSpeed's.
+class ConfigSchedule(GroupSchedule):
+    """The config's schedule (the ds_config's WarmupLR, WarmupDecayLR, WarmupCosineLR,
+    or the ``--lr*`` defaults) as a DeepSpeed scheduler over the groups
+    (:class:`~hybrid.train.ds_schedulers.GroupSchedule`).
 
     ``peaks``: per group, the peak rate (the group's own rate when the schedule is
     relative to it); ``relative``: the warmup start and the end rate scale with the
@@ -147,38 +147,23 @@ class ConfigSchedule:
 
     def __init__(self, sched: LRScheduleConfig, groups: list[dict[str, Any]], batch: int,
                  peaks: list[float] | None = None, relative: bool = False):
-        self.sched, self.groups, self.batch, self.steps = sched, groups, batch, 0
+        self.sched, self.batch = sched, batch
         peaks = peaks or [sched.lr] * len(groups)
         self._scheds = [_with_peak(sched, p, relative) for p in peaks]
-        self._write()
+        super().__init__(groups)
 
     def lr_at(self, step: int) -> list[float]:
         """Every group's rate of 1-based optimizer step ``step``."""
         return [scheduled_lr(s, step, step * self.batch) for s in self._scheds]
 
-    def _write(self) -> None:
-        for g, lr in zip(self.groups, self.lr_at(self.steps + 1)):
-            g["lr"] = lr
-
-    def step(self, last_batch_iteration: int | None = None) -> None:
-        """After an optimizer step: the groups get the next step's rate.
-        ``last_batch_iteration``: DeepSpeed's count (steps taken minus one) to jump to."""
-        self.steps = self.steps + 1 if last_batch_iteration is None else last_batch_iteration + 1
-        self._write()
-
-    def get_lr(self) -> list[float]:
-        return [float(g["lr"]) for g in self.groups]
-
-    def get_last_lr(self) -> list[float]:
-        return self.get_lr()
-
-    def state_dict(self) -> dict:
-        return {"steps": self.steps, "last_batch_iteration": self.steps - 1}
+    def _values(self):
+        return self.lr_at(self.last_batch_iteration + 2), None
 
     def load_state_dict(self, state: dict) -> None:
-        self.steps = (int(state["steps"]) if "steps" in state
-                      else int(state["last_batch_iteration"]) + 1)
-        self._write()
+        """Also the ``{"steps": n}`` of checkpoints saved before."""
+        if "last_batch_iteration" not in state:
+            state = {"last_batch_iteration": int(state["steps"]) - 1}
+        super().load_state_dict(state)
 
 
 def _with_peak(sched: LRScheduleConfig, peak: float, relative: bool) -> LRScheduleConfig:

@@ -90,8 +90,12 @@ def settings(block: dict) -> dict[str, Any]:
     return out
 
 
-class _GroupSchedule:
-    """What both share: the groups they write, DeepSpeed's count ``i``, the rates now."""
+class GroupSchedule:
+    """A DeepSpeed scheduler over an optimizer's ``groups``: built, it writes the values
+    of optimizer step 1; ``step()`` after each applied step moves DeepSpeed's count
+    ``i`` (steps taken minus one) on and writes the next. ``get_lr()`` and
+    ``get_last_lr()`` are the rates in the groups now: the next step's, as DeepSpeed's.
+    A subclass gives :meth:`_values` at ``i``."""
 
     def __init__(self, groups: list[dict[str, Any]]):
         self.groups = groups
@@ -99,6 +103,7 @@ class _GroupSchedule:
         self._write()
 
     def _values(self) -> tuple[list[float], list[tuple[float, float]] | None]:
+        """Per group, the rate and (None: unchanged) the betas at ``i``."""
         raise NotImplementedError
 
     def _write(self) -> None:
@@ -128,7 +133,7 @@ class _GroupSchedule:
         self._write()
 
 
-class OneCycleSchedule(_GroupSchedule):
+class OneCycleSchedule(GroupSchedule):
     """DeepSpeed's OneCycle over ``groups`` (module note); ``p``: :func:`settings`."""
 
     def __init__(self, groups: list[dict[str, Any]], p: dict[str, Any]):
@@ -183,7 +188,7 @@ class OneCycleSchedule(_GroupSchedule):
         return [lr] * n, [(mom, 0.99)] * n if self.momentum else None
 
 
-class RangeTestSchedule(_GroupSchedule):
+class RangeTestSchedule(GroupSchedule):
     """DeepSpeed's LRRangeTest over ``groups`` (module note); ``p``: :func:`settings`."""
 
     def __init__(self, groups: list[dict[str, Any]], p: dict[str, Any]):

@@ -209,14 +209,8 @@ class ClientShardOptimizer(ShardBase):
         return self.flat_master[lo:hi]
 
     # -- checkpoints: one piece at a time -------------------------------------------------
-    @property
-    def step_count(self) -> int:
-        return int(self._step.item())
-
-    @step_count.setter
-    def step_count(self, value: int) -> None:
-        """Also every piece's ``step`` state, where the client keeps one."""
-        self._step.fill_(float(value))
+    def _count_set(self, value: int) -> None:
+        """Every piece's ``step`` state too, where the client keeps one."""
         if "step" in self.scalar_keys:
             for st in self.client.state.values():
                 if "step" in st:

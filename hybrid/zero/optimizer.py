@@ -81,6 +81,10 @@ class ShardBase:
     @step_count.setter
     def step_count(self, value: int) -> None:
         self._step.fill_(float(value))
+        self._count_set(value)
+
+    def _count_set(self, value: int) -> None:
+        """What else holds the count (a client optimizer's per-piece ``step``): none here."""
 
     def begin_step(self, grad_scale: float | torch.Tensor,
                    skip: torch.Tensor | None = None) -> torch.Tensor:

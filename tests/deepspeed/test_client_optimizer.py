@@ -61,11 +61,14 @@ def _loss(model, x, y):
     return nn.functional.cross_entropy(model(x), y)
 
 
-def _reference(kind, steps):
-    """One process: the micro-batch losses in (step, rank, micro) order and each step's rate."""
+def _reference(kind, steps, schedule=True):
+    """One process: the micro-batch losses in (step, rank, micro) order and each step's
+    rates; ``kind`` "sgd", "adamw" (the client optimizers) or "groups" (torch's AdamW of
+    the ds_config over the groups, no scheduler)."""
     net = _net()
-    opt = _optimizer(kind, net)
-    sched = _warmup(opt)
+    opt = (torch.optim.AdamW(_groups(net), lr=0.01) if kind == "groups"
+           else _optimizer(kind, net))
+    sched = _warmup(opt) if schedule else None
     losses, lrs = [], []
     for step in range(steps):
         for rank in range(2):
@@ -77,7 +80,8 @@ def _reference(kind, steps):
         lrs.append([g["lr"] for g in opt.param_groups])
         opt.step()
         opt.zero_grad()
-        sched.step()
+        if sched is not None:
+            sched.step()
     return losses, lrs
 
 
@@ -170,23 +174,7 @@ def test_client_optimizers_and_schedulers_step_the_shards_as_one_process(tmp_pat
             assert 0 < got["state_entries"] <= 6 and got["sched"] == "LambdaLR", what
         groups = per_rank[-1]
         assert groups["groups"] == [0.1, 0.0] and groups["sched"] == "NoneType"  # as DeepSpeed
-        ref = _reference_groups_adamw()
+        ref, _ = _reference("groups", STEPS, schedule=False)
         mine = [ref[s * 2 * ACCUM + rank * ACCUM + k] for s in range(STEPS) for k in range(ACCUM)]
         for a, b in zip(groups["losses"], mine):
             assert abs(a - b) <= 1e-5 * abs(b), (rank, groups["losses"], mine)
-
-
-def _reference_groups_adamw():
-    net = _net()
-    opt = torch.optim.AdamW(_groups(net), lr=0.01)
-    losses = []
-    for step in range(STEPS):
-        for rank in range(2):
-            for k in range(ACCUM):
-                loss = _loss(net, *_batch(step, rank, k))
-                (loss / (2 * ACCUM)).backward()
-                losses.append(loss.item())
-        torch.nn.utils.clip_grad_norm_([p for p in net.parameters() if p.requires_grad], 1.0)
-        opt.step()
-        opt.zero_grad()
-    return losses

@@ -114,7 +114,7 @@ def _run(ps, variants, ckpt_root):
                                                parallel_state=ps)
             path, client = fresh.load_checkpoint(save)
             got.update(client=client, path=path, fresh_steps=fresh.global_steps,
-                       lr_steps=sched_of(fresh).steps, continued=more,
+                       lr_steps=sched_of(fresh).last_batch_iteration + 1, continued=more,
                        resumed=_train(fresh, ps, range(STEPS, STEPS + 2), family))
             fresh.close()
         else:
