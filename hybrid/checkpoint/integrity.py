@@ -283,12 +283,7 @@ class Integrity:
         metadata's checksum and parsed (once per load). CheckpointError naming the file."""
         if path in self._parsed:
             return self._parsed[path]
-        try:
-            data = reader.read_whole(path)
-        except FileNotFoundError as e:
-            raise CheckpointError(f"{path}: missing checkpoint shard") from e
-        except OSError as e:
-            raise CheckpointError(f"{path}: cannot read checkpoint shard ({e})") from e
+        data = _read_whole(path, reader, "shard")
         if self.headers is not None:
             t0 = time.perf_counter()
             want = self.headers.get(os.path.basename(path))
@@ -316,12 +311,7 @@ class Integrity:
         """The bytes of ``path``, one of the small whole files listed in the metadata's
         ``checksums["files"]``, read through ``reader`` and checked against its size
         and crc32 (when the checkpoint has checksums). CheckpointError naming the file."""
-        try:
-            data = reader.read_whole(path)
-        except FileNotFoundError as e:
-            raise CheckpointError(f"{path}: missing checkpoint file") from e
-        except OSError as e:
-            raise CheckpointError(f"{path}: cannot read checkpoint file ({e})") from e
+        data = _read_whole(path, reader, "file")
         if self.headers is None:
             return data
         want = self.files.get(os.path.basename(path))
@@ -452,3 +442,14 @@ def verify_checkpoint(ckpt: str) -> dict:
     return {"checkpoint": ckpt, "iteration": meta.get("iteration"), "files": files,
             "bytes": nbytes, "seconds": round(time.perf_counter() - t0, 3),
             "damaged": damaged}
+
+
+def _read_whole(path: str, reader, what: str) -> bytes:
+    """``path``'s bytes through ``reader``; a CheckpointError naming the checkpoint
+    ``what`` ("shard", "file") when it is missing or unreadable."""
+    try:
+        return reader.read_whole(path)
+    except FileNotFoundError as e:
+        raise CheckpointError(f"{path}: missing checkpoint {what}") from e
+    except OSError as e:
+        raise CheckpointError(f"{path}: cannot read checkpoint {what} ({e})") from e
