@@ -66,7 +66,7 @@ from hybrid.parallel.state import ParallelState
 from hybrid.tensor_parallel import TPRNGTracker
 from hybrid.tensor_parallel.random import get_device_rng_state
 from hybrid.zero import ZeroEngine
-from hybrid.zero.state import iter_piece_values, shard_state
+from hybrid.zero.state import check_saveable, iter_piece_values, shard_state
 
 
 def _fsync_write(path: str, write) -> None:
@@ -116,6 +116,8 @@ def save_checkpoint(save_dir: str, iteration: int, consumed_samples: int, engine
     ``save_dir``'s owner before anything else. ``info``: pass a dict to receive
     ``checksum_seconds``, this rank's time spent hashing what it wrote.
     """
+    if optimizer:
+        check_saveable(engine)
     columns = tuple(engine.optimizer.columns) if optimizer else ("master",)
     name = iter_name(iteration)
     final, tmp = os.path.join(save_dir, name), os.path.join(save_dir, f".tmp_{name}")

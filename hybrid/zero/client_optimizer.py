@@ -118,6 +118,7 @@ class ClientShardOptimizer(ShardBase):
         self.client, self.master, self.flat_master = client, master, flat_master
         self.element_keys, self.scalar_keys = element_state_keys(client)
         self.columns: tuple[str, ...] = ("master",) + self.element_keys
+        self.unsaved = tuple(k for k in self.scalar_keys if k != "step")
         group_of = {id(p): i for i, g in enumerate(client.param_groups) for p in g["params"]}
         params: list[list[torch.Tensor]] = [[] for _ in client.param_groups]
         # one view per piece: (view, unit, part), and where each piece's view is

@@ -63,6 +63,9 @@ class ShardBase:
 
     # what a rank keeps per element of its shard, "master" first: a checkpoint's columns
     columns: tuple[str, ...] = STATE_KEYS
+    # state a checkpoint cannot hold (a client optimizer's per-parameter scalars other
+    # than its step count): a save refuses rather than lose it
+    unsaved: tuple[str, ...] = ()
 
     def __init__(self, sizes: list[int], split_ranges, device: torch.device):
         self.split_ranges = split_ranges

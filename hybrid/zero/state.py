@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import torch
 
+from hybrid.errors import ConfigError
 from hybrid.zero.engine import ZeroEngine
 from hybrid.zero.optimizer import STATE_KEYS
 
@@ -29,6 +30,17 @@ def shard_state(engine: ZeroEngine) -> dict:
     pieces = [(pc.name, pc.lo, pc.hi) for pc in engine.owned_pieces()]
     return {"pieces": pieces, "step": engine.optimizer.step_count,
             "loss_scaler": engine.scaler.state_dict()}
+
+
+def check_saveable(engine: ZeroEngine) -> None:
+    """ConfigError, before anything is written, when the optimizer keeps state a
+    checkpoint cannot hold (resuming would silently lose it). The same on every rank."""
+    unsaved = engine.optimizer.unsaved
+    if unsaved:
+        raise ConfigError(f"save_checkpoint: the optimizer keeps {', '.join(unsaved)} per "
+                          f"parameter, which hybrid's checkpoints do not hold (they hold the "
+                          f"per-element state and the step count); resuming would lose it, "
+                          f"so nothing was saved: use an optimizer without it")
 
 
 @torch.no_grad()

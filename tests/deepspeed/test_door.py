@@ -314,3 +314,14 @@ def test_a_plain_backward_under_fp16_needs_the_loss_scaled():
     engine.scale(engine(x).float().sum()).backward()
     engine.step()
     assert engine.was_step_applied() and not torch.equal(w, engine.module.fc1.weight)
+
+
+def test_a_client_optimizer_state_a_checkpoint_cannot_hold_is_refused_at_the_save(tmp_path):
+    net = Net()
+    engine, *_ = deepspeed.initialize(model=net, optimizer=torch.optim.NAdam(net.parameters()),
+                                      config=DS, mpu=ParallelState.single())
+    _train(engine, 2)
+    with pytest.raises(ConfigError, match="the optimizer keeps mu_product per parameter, which "
+                                          "hybrid's checkpoints do not hold"):
+        engine.save_checkpoint(str(tmp_path))
+    assert list(tmp_path.iterdir()) == []  # nothing written

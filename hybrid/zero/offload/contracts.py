@@ -55,6 +55,11 @@ class ShardOptimizer(Protocol):
         hybrid's AdamW's ``master, exp_avg, exp_avg_sq``, a client optimizer's own."""
 
     @property
+    def unsaved(self) -> tuple[str, ...]:
+        """State a checkpoint cannot hold (a client optimizer's per-parameter scalars
+        other than the step count): a save refuses."""
+
+    @property
     def master(self) -> list[torch.Tensor] | None:
         """The master per part, in memory (None: on disk, read through
         :meth:`read_piece`)."""
