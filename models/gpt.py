@@ -42,6 +42,18 @@ over the whole sequence (one all-reduce over CP). Nothing else changes: CP
 holds no parameter of its own, and a replicated parameter's gradient is
 summed over CP by whoever reduces gradients (hybrid.zero, over DP x CP).
 
+With pipeline parallelism a rank builds one stage of the model (Megatron's
+``pre_process`` / ``post_process``): ``layers``, the global indices of the
+blocks it holds; the first stage also the embeddings, the last the final norm,
+the head and the loss. ``forward`` then takes the previous stage's hidden
+states instead of tokens and returns its own for the next stage, ``(B, T, C)``
+(``(B, T / tp, C)`` under SP). Blocks keep their global index as their name
+(``blocks.7.attn...``), so parameter names -- checkpoint keys and the seeds
+of the init by name -- are the same at every pipeline size. With tied
+embeddings a last stage that is not also the first holds a copy of ``wte``
+for its head: the init by name gives it the first stage's values, and whoever
+reduces gradients sums the two copies' gradients (the embedding group).
+
 Shapes: B batch, T sequence, C hidden, V padded vocabulary.
 """
 
@@ -70,6 +82,27 @@ from hybrid.tensor_parallel.cp_attention import ContextParallel
 from models.blocks import Block, make_norm, residual_rng
 
 
+class LayerRange(nn.ModuleList):
+    """A stage's blocks, each registered under its global layer index (``first + i``),
+    so a parameter is named as in the whole model; indexed and iterated as a list."""
+
+    def __init__(self, first: int, modules=()):
+        self.first = first
+        super().__init__(modules)
+
+    def _get_abs_string_index(self, idx):
+        return str(self.first + int(super()._get_abs_string_index(idx)))
+
+    def append(self, module: nn.Module) -> LayerRange:
+        self.add_module(str(self.first + len(self)), module)
+        return self
+
+    def extend(self, modules) -> LayerRange:
+        for m in modules:
+            self.append(m)
+        return self
+
+
 class GPT(nn.Module):
     """GPT language model (GPT-2 or Llama-shaped, see the module doc) over the TP
     group of ``tp_group``.
@@ -81,13 +114,20 @@ class GPT(nn.Module):
 
     def __init__(self, cfg: ModelConfig, tp_group: CommGroup, rng: TPRNGTracker | None = None,
                  seed: int = 1234, device: torch.device | str = "cpu",
-                 sequence_parallel: bool = False, context_parallel: ContextParallel | None = None):
+                 sequence_parallel: bool = False, context_parallel: ContextParallel | None = None,
+                 layers: range | None = None, pre_process: bool = True,
+                 post_process: bool = True):
         """Build ``cfg`` (its ``vocab_size`` known) over ``tp_group`` on ``device`` and
         draw the init from ``seed`` -- or, with ``device="meta"``, only shapes: ZeRO then
         materializes what each rank keeps (``apply_zero(..., values=InitValues(seed,
         model.init_of))``). ``sequence_parallel`` (the parallel section's, TP > 1): see
-        the module doc; decided here, for every layer at once; so is ``context_parallel``."""
+        the module doc; decided here, for every layer at once; so is ``context_parallel``.
+        ``layers``, ``pre_process``, ``post_process``: one pipeline stage (module doc);
+        default the whole model."""
         super().__init__()
+        layers = range(cfg.num_layers) if layers is None else layers
+        if layers.step != 1 or layers.start < 0 or layers.stop > cfg.num_layers:
+            raise ValueError(f"layers {layers} is not a run of the model's {cfg.num_layers}")
         if cfg.vocab_size is None:
             raise ValueError("the model needs its vocabulary: build it from "
                              "cfg.with_vocab_size(tokenizer.vocab_size)")
@@ -107,32 +147,37 @@ class GPT(nn.Module):
         self.sequence_parallel = sequence_parallel
         self.cp = context_parallel
         self.padded_vocab_size = cfg.padded_vocab_size(tp_group.size)  # embedding rows, all ranks
+        self.pre_process, self.post_process = pre_process, post_process
+        tied = not cfg.untie_embeddings_and_output_weights
         # SP's and CP's residual stream holds other tokens on each rank: its dropout forks
         self.fork_residual_rng = ((sequence_parallel or context_parallel is not None)
                                   and cfg.hidden_dropout > 0)
         with torch.device(device):
-            self.wte = VocabParallelEmbedding(self.padded_vocab_size, cfg.hidden_size, tp_group,
-                                              sequence_parallel=sequence_parallel)
-            if cfg.position_embedding_type == "learned_absolute":
+            if pre_process or (post_process and tied):  # the last stage's: the head's copy
+                self.wte = VocabParallelEmbedding(self.padded_vocab_size, cfg.hidden_size,
+                                                  tp_group, sequence_parallel=sequence_parallel)
+            if pre_process and cfg.position_embedding_type == "learned_absolute":
                 # _weight: no reset_parameters, whose normal_ on the meta device imports
                 # torch._dynamo (a second of start-up); init_parameters draws it below
                 self.wpe = nn.Embedding(cfg.max_position_embeddings, cfg.hidden_size,
                                         _weight=torch.empty(cfg.max_position_embeddings,
                                                             cfg.hidden_size))
             self.drop = nn.Dropout(cfg.hidden_dropout)
-            self.blocks = nn.ModuleList(Block(cfg, tp_group, rng, sequence_parallel,
-                                              context_parallel)
-                                        for _ in range(cfg.num_layers))
-            self.ln_f = make_norm(cfg, tp_group, sequence_parallel)
-            if cfg.untie_embeddings_and_output_weights:  # rows split like wte's
+            self.blocks = LayerRange(layers.start, (Block(cfg, tp_group, rng, sequence_parallel,
+                                                          context_parallel)
+                                                    for _ in layers))
+            if post_process:
+                self.ln_f = make_norm(cfg, tp_group, sequence_parallel)
+            if post_process and not tied:  # rows split like wte's
                 self.output_layer = ColumnParallelLinear(cfg.hidden_size, self.padded_vocab_size,
                                                          tp_group, bias=False)
         self.rng = rng
         # Padded vocabulary columns on this rank (ids >= vocab_size) are left out of
         # the loss (and masked to -inf in returned logits), so padding never changes
         # it: the model is the same function for any TP size though the padding is not.
-        self._valid_local = max(0, min(cfg.vocab_size - self.wte.vocab_start,
-                                       self.wte.vocab_end - self.wte.vocab_start))
+        local = self.padded_vocab_size // tp_group.size  # (VocabParallelEmbedding's rows)
+        self.vocab_start = tp_group.rank * local
+        self._valid_local = max(0, min(cfg.vocab_size - self.vocab_start, local))
         if torch.device(device).type != "meta":
             init_parameters(self, seed, self.init_of)
 
@@ -149,12 +194,34 @@ class GPT(nn.Module):
             return Init("normal", cfg.init_method_std, valid_rows=cfg.vocab_size)
         return Init("normal", cfg.init_method_std)
 
-    def forward(self, tokens: torch.Tensor, labels: torch.Tensor | None = None,
-                loss_mask: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor | None = None, labels: torch.Tensor | None = None,
+                loss_mask: torch.Tensor | None = None,
+                hidden: torch.Tensor | None = None) -> torch.Tensor:
         """Logits ``(B, T, V / tp)`` of this TP rank's vocabulary shard, or with ``labels``
         ``(B, T)`` the mean cross-entropy over the tokens; with ``loss_mask`` ``(B, T)``
         (1 = counts) the mean over the tokens it keeps (``--eod-mask-loss``). With context
-        parallelism T is this CP rank's share (see the module doc)."""
+        parallelism T is this CP rank's share (see the module doc). A pipeline stage
+        after the first takes the previous stage's ``hidden`` instead of ``tokens``, and
+        one before the last returns its hidden states ``(B, T, C)`` (``(B, T / tp, C)``
+        under SP) instead of logits or a loss."""
+        if self.pre_process:
+            if tokens is None:
+                raise ValueError("the first stage's forward takes tokens")
+            x = self.embed(tokens)
+        elif hidden is None:
+            raise ValueError("a pipeline stage after the first takes the previous stage's "
+                             "hidden states (hidden=...)")
+        else:
+            x = hidden
+        for block in self.blocks:
+            x = block(x)
+        if not self.post_process:
+            return x
+        return self.head(x, labels, loss_mask)
+
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        """The residual stream's start, ``(B, T, C)`` (``(B, T / tp, C)`` with SP), from
+        ``tokens`` ``(B, T)``: token and position embeddings, then dropout."""
         B, T = tokens.shape
         cp = self.cp
         seq = T if cp is None else cp.seq_len(T)
@@ -172,9 +239,13 @@ class GPT(nn.Module):
             else:
                 x = x + self.wpe(pos)
         with residual_rng(self.fork_residual_rng, self.rng):
-            x = self.drop(x)
-        for block in self.blocks:
-            x = block(x)
+            return self.drop(x)
+
+    def head(self, x: torch.Tensor, labels: torch.Tensor | None = None,
+             loss_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """The final norm and the head on the residual stream ``x``: logits, or with
+        ``labels`` the loss (see :meth:`forward`)."""
+        sp, g, cp = self.sequence_parallel, self.tp_group, self.cp
         x = self.ln_f(x)
         head = (self.output_layer.weight if self.cfg.untie_embeddings_and_output_weights
                 else self.wte.weight)
@@ -189,7 +260,7 @@ class GPT(nn.Module):
         # gradient is zero either way. Slices then differ in width (the last ranks'
         # may be empty), so the cross-entropy is told where this one starts.
         logits = column_parallel_linear(x, head, None, g, sp, rows=self._valid_local)
-        losses = vocab_parallel_cross_entropy(logits, labels, g, start=self.wte.vocab_start,
+        losses = vocab_parallel_cross_entropy(logits, labels, g, start=self.vocab_start,
                                               scratch=True)  # (nothing reads them after)
         if cp is not None:  # the whole sequence's mean, equal on every CP rank
             return cp.mean_loss(losses, loss_mask)
