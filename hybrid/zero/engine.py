@@ -102,7 +102,7 @@ class ZeroEngine:
         # [Note: the order of construction] Each part is built from the parts above it.
         self.tiers = OffloadTiers(offload, ps.rank, self.units, dtype=self.dtype,
                                   grad_dtype=self.grad_dtype, device=ps.device)
-        master = self._materialize(Materializer(model, values), offload)
+        master = self._materialize(Materializer(model, values, self.units), offload)
         lands = self._gradients_land(offload)
         self.flat_grads = allocate_grads(self.units, sharded=self.plan.grads, dtype=self.dtype,
                                          grad_dtype=self.grad_dtype, device=ps.device,

@@ -20,7 +20,8 @@ whole.
 [Note: materializing only what a rank keeps]
 Parameters may arrive on the meta device. ``values(name, param, lo, hi)``
 supplies fp32 values of a TP-local flat range (the block-seeded init of
-:mod:`hybrid.tensor_parallel.init`, or a real parameter's own data). Units are
+:mod:`hybrid.tensor_parallel.init`, the parts a ``zero_init()`` build left, or a
+real parameter's own data). Units are
 filled chunk by chunk from it: a partitioned unit only its own shard, the
 fp32 master only this rank's ranges. So no rank ever holds more than it keeps.
 """
@@ -143,11 +144,19 @@ def read_values(name: str, param: torch.Tensor, lo: int, hi: int) -> torch.Tenso
 
 
 class Materializer:
-    """Fills unit storage and master shards from ``values``, a bounded chunk at a time."""
+    """Fills unit storage and master shards from ``values``, a bounded chunk at a time.
 
-    def __init__(self, model: nn.Module, values):
+    A ``values`` with a ``prepare(units)`` method has it called here, on every rank,
+    before any value is read: a source that must communicate to serve the ranges the
+    layout ``units`` asks of this rank (a model built under ``zero_init()``, whose ranks
+    each hold a part of every parameter) does so once, collectively."""
+
+    def __init__(self, model: nn.Module, values, units: list[FlatUnit] | None = None):
         self.names = {id(p): n for n, p in model.named_parameters()}
         self.values = values or read_values
+        prepare = getattr(values, "prepare", None)
+        if prepare is not None:
+            prepare(units or [])
 
     @torch.no_grad()
     def fill(self, p: torch.Tensor, lo: int, hi: int, dst: torch.Tensor) -> None:
