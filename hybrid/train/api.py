@@ -56,7 +56,7 @@ from hybrid.train.api_optimizer import resolve_optimizer, resolve_schedule
 from hybrid.train.api_surface import EngineOptimizer, dataloader_of
 from hybrid.train.ds_schedulers import cycles_momentum, kind_of
 from hybrid.train.orphans import end_with_launcher
-from hybrid.train.zero_context import ModuleInitValues
+from hybrid.train.zero_context import init_values, take_parts
 from hybrid.zero import apply_zero
 
 log = logging.getLogger("hybrid")
@@ -490,14 +490,16 @@ def _build(model: nn.Module, cfg, ps: ParallelState, recompute_phase: RecomputeP
     touches the global generators), stepped by ``client`` (None: hybrid's AdamW) and
     scheduled by ``schedule_of(engine optimizer)``."""
     rng = seed_all(cfg.seed, ps.tp_rank, ps.dp_rank, ps.device)
-    # built under zero_init(): the engine draws this rank's shard from the modules'
-    # own initializers (zero_context.py); else every replica takes DP rank 0's values
+    # built under zero_init(): the engine takes the parts its constructors left
+    # (zero_build.py); built on meta: it draws this rank's shard from the modules' own
+    # initializers (zero_context.py); else every replica takes DP rank 0's values
+    parts = take_parts(model)  # (the parameters zero_init() cut are meta from here)
     on_meta = any(p.is_meta for p in model.parameters())
     values = None
     if on_meta:  # hybrid's own GPT knows its init; other models use their modules'
         init_of = getattr(model, "init_of", None)
         values = (InitValues(cfg.seed, init_of) if init_of is not None
-                  else ModuleInitValues(model, cfg.seed))
+                  else init_values(model, cfg.seed, parts, ps))
     if not on_meta:
         _broadcast_from_first_replica(model, ps)
     if on_meta:

@@ -26,12 +26,7 @@ from tests.helpers.harness import run_ranks
 TOLERANCE = 1e-5
 
 # case -> why hybrid does not match DeepSpeed on it yet (what hybrid does instead)
-PENDING = {
-    "zero_init_constructor": "zero.Init does not keep what a constructor writes (its "
-                             "GatheredParameters(modifier_rank=0) init): hybrid draws each "
-                             "shard from the module's initializer, seeded by name (being "
-                             "built)",
-}
+PENDING: dict[str, str] = {}
 
 
 def _recorded(name: str) -> dict:

@@ -153,11 +153,14 @@ def test_transformers_models_train_as_one_process_at_every_stage(tmp_path):
 
 
 def _zero_init_run(ps):
-    """Stage 3 from a model built under zero_init, then GatheredParameters."""
+    """Stage 3 from a model built under zero_init, then GatheredParameters; and the
+    values the engine draws for a model built on the meta device."""
     import hybrid
+    from hybrid.train.zero_build import held_whole_bytes, is_cut
     with hybrid.zero_init():
         model = _model("gpt2")
-    meta = all(p.is_meta for p in model.parameters())
+    cut = all(is_cut(p) for p in model.parameters())
+    whole = held_whole_bytes(model.parameters())
     engine, _, _, _ = hybrid.initialize(model=model, config=_ds(3, **P3), parallel_state=ps)
     held = engine.zero.model_state_bytes()["params"]
     losses = _train(engine, ps, range(STEPS), "gpt2")
@@ -169,35 +172,47 @@ def _zero_init_run(ps):
     with hybrid.GatheredParameters([wte]):  # regathered from the shards the master wrote
         row = wte[0].clone()
     engine.close()
-    return {"meta": meta, "held": held, "losses": losses, "shape": shape, "row": row}
+    with torch.device("meta"):
+        meta = _model("gpt2")
+    engine, _, _, _ = hybrid.initialize(model=meta, config=_ds(3, **P3), parallel_state=ps)
+    drawn = {}
+    for n, p in meta.named_parameters():
+        with hybrid.GatheredParameters(p):
+            drawn[n] = p.detach().clone()
+    engine.close()
+    return {"cut": cut, "whole": whole, "held": held, "losses": losses, "shape": shape,
+            "row": row, "drawn": drawn}
 
 
-def test_zero_init_draws_only_the_shard_and_gathered_parameters_writes_back():
-    """Built under zero_init, no parameter has memory; at DP 2 stage 3 each rank then
-    holds only its shard of the parameters (half the model here), and trains as one
-    process started from the same values (each parameter drawn by its own module's
-    initializer, seeded by name). GatheredParameters shows full tensors, and with
-    modifier_rank 0 rank 0's change becomes every rank's and the master's."""
-    import hybrid
+def test_zero_init_keeps_the_init_and_gathered_parameters_writes_back():
+    """Built under zero_init, each rank keeps its part of every parameter only; at DP 2
+    stage 3 each rank then holds only its shard of the parameters (half the model here),
+    and trains as one process started from the model's own init (its constructors' and
+    post_init's draws, from the same seed). GatheredParameters shows full tensors, and
+    with modifier_rank 0 rank 0's change becomes every rank's and the master's. A model
+    built on the meta device instead gets each parameter drawn by its own module's
+    initializer, seeded by name, at most one module's own parameters materialized at
+    once."""
     from hybrid.train.zero_context import ModuleInitValues
-    with hybrid.zero_init():
+    with torch.device("meta"):
         meta = _model("gpt2")
     draw = ModuleInitValues(meta, seed=1234)
     init = {n: draw(n, p, 0, p.numel()) for n, p in meta.named_parameters()}
     total = sum(p.numel() for p in meta.parameters())
-    # at most one module's own parameters were ever materialized at once
     assert draw.largest == max(sum(p.numel() for p in m.parameters(recurse=False))
                                for m in meta.modules())
-    ref = _reference("gpt2", range(STEPS), init)
+    ref = _reference("gpt2", range(STEPS))
     res = run_ranks(_zero_init_run, world_size=2)
     for rank, got in enumerate(res):
-        assert got["meta"]
+        assert got["cut"] and got["whole"] == 0
         assert got["held"] <= 4 * (total // 2 + 64), (got["held"], total)  # fp32 shard + pad
         mine = [ref[s * 2 * ACCUM + rank * ACCUM + k] for s in range(STEPS) for k in range(ACCUM)]
         for a, b in zip(got["losses"], mine, strict=True):
             assert abs(a - b) <= 1e-5 * abs(b), (rank, got["losses"], mine)
         assert got["shape"] == (VOCAB, 32)
         assert torch.equal(got["row"], torch.ones(32))
+        for n, v in init.items():
+            assert torch.equal(got["drawn"][n].reshape(-1), v), (rank, n)
 
 
 @pytest.mark.parametrize("kwargs,message", [

@@ -1,23 +1,26 @@
 """``deepspeed.zero``: DeepSpeed's two ZeRO-3 context managers, over hybrid's.
 
-    with deepspeed.zero.Init():                  # hybrid.zero_init(): parameters on meta
+    torch.manual_seed(1234)                      # the same on every rank
+    with deepspeed.zero.Init():                  # hybrid.zero_init(): each rank keeps its part
         model = MyModel()
-    engine, *_ = deepspeed.initialize(model=model, config=ds)   # each rank draws its shard
+    engine, *_ = deepspeed.initialize(model=model, config=ds)   # the engine takes the parts
     with deepspeed.zero.GatheredParameters(model.head.weight, modifier_rank=0):
         model.head.weight.zero_()                # full values inside; rank 0's kept
 
 This package is DeepSpeed's ``deepspeed.zero`` names only; hybrid's ZeRO engine
-itself is :mod:`hybrid.zero`. A model built under :class:`Init` takes each
-parameter's values from its own module's initializer (``reset_parameters``, or
-the model's ``_init_weights``) when ``initialize`` shards it
-(:mod:`hybrid.train.zero_context`): what a constructor writes into a parameter
-afterwards is not kept yet (docs/deepspeed.md).
+itself is :mod:`hybrid.zero`. A model built under :class:`Init` keeps what its
+constructors write into its parameters (``nn.init.normal_`` in ``__init__``, a
+parent's ``self.fc.weight.data.zero_()``, a ``GatheredParameters`` block with a
+``modifier_rank``), and each rank holds only its part of a parameter once the
+constructor of its module has returned ([Note: building under zero_init] in
+:mod:`hybrid.train.zero_build`).
 """
 
 from __future__ import annotations
 
 import contextlib
 
+from hybrid.deepspeed.comm import init_distributed
 from hybrid.errors import ConfigError
 from hybrid.train.zero_context import GatheredParameters as _gathered, zero_init
 
@@ -27,13 +30,19 @@ __all__ = ["GatheredParameters", "Init"]
 class Init:
     """``with deepspeed.zero.Init(): model = ...`` -- :func:`hybrid.zero_init`.
 
+    Like DeepSpeed's, it joins torchrun's job first (:func:`hybrid.deepspeed.init_distributed`)
+    and cuts over the data-parallel ranks: ``data_parallel_group`` (a ProcessGroup), or
+    ``mpu``'s (a ParallelState, or an object with ``get_data_parallel_group()``), else
+    the world -- the ranks of the engine's data-parallel group. Unlike DeepSpeed's, the
+    ranks do not broadcast rank 0's values: every rank draws them, so seed every rank
+    the same before building (``initialize`` refuses ranks that drew differently).
     Where the shards live and in what dtype is the config's (``initialize`` reads
     ``zero_optimization.offload_param`` and the fp16/bf16 blocks), so
     ``remote_device``, ``pin_memory``, ``config_dict_or_path``/``config`` and
-    ``dtype`` are accepted and left to it; the groups (``data_parallel_group``,
-    ``mpu``, ...) are the engine's ParallelState. ``enabled=False`` builds the
-    model as usual. ``module=`` (partition a model already built) and quantized
-    weights are refused with what to do instead.
+    ``dtype`` are accepted and left to it; parameters are made where the model's
+    constructors make them. ``enabled=False`` builds the model as usual. ``module=``
+    (partition a model already built) and quantized weights are refused with what
+    to do instead.
     """
 
     def __init__(self, module=None, data_parallel_group=None, mem_efficient_linear: bool = True,
@@ -53,12 +62,17 @@ class Init:
             raise ConfigError("deepspeed.zero.Init(param_swapper=...): hybrid's NVMe tier is "
                               "configured by zero_optimization.offload_param; drop it")
         self.enabled = enabled
+        self.group = data_parallel_group
+        if self.group is None and mpu is not None:
+            get = getattr(mpu, "get_data_parallel_group", None)
+            self.group = get() if get is not None else getattr(mpu, "dp_cp_group", None)
         self._stack: contextlib.ExitStack | None = None
 
     def __enter__(self) -> Init:
         self._stack = contextlib.ExitStack()
         if self.enabled:
-            self._stack.enter_context(zero_init())
+            init_distributed()  # (nothing when joined, or for one process)
+            self._stack.enter_context(zero_init(self.group))
         return self
 
     def __exit__(self, *exc) -> None:
@@ -71,7 +85,8 @@ def GatheredParameters(params, modifier_rank: int | None = None, fwd_module=None
                        enabled: bool = True):
     """``with deepspeed.zero.GatheredParameters(params, modifier_rank=0):`` --
     :func:`hybrid.GatheredParameters` (full values inside; ``modifier_rank``'s changes
-    kept on every rank and in the fp32 master). ``fwd_module`` is not needed: stage
+    kept on every rank and in the fp32 master, or in the parts of a model built under
+    :class:`Init`, also inside its ``__init__``). ``fwd_module`` is not needed: stage
     3's gathers follow the modules that run."""
     return _gathered(params, modifier_rank=modifier_rank, enabled=enabled)
 
