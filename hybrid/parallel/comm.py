@@ -144,15 +144,17 @@ class CommGroup:
 
     # -- helpers -------------------------------------------------------------
     def _run(self, op: str, kind: str, nbytes: float, t: torch.Tensor, fn, async_op: bool,
-             extra: int = 0):
-        """Count, number and record the collective, then run it (see the module doc)."""
+             extra: int = 0, pairwise: bool = False):
+        """Count, number and record the collective, then run it (see the module doc).
+        ``pairwise``: point-to-point between some ranks of the group, which the others
+        do not join, so ``--check-collectives`` has nothing to compare it with."""
         if self.released:  # (pg None would mean torch's default group: never that)
             raise RuntimeError(f"{op} over the {self.name} group {self.ranks} after its "
                                f"process group was released at teardown")
         self.stats.add(kind, nbytes, t.numel())
         rec = self.recorder
         entry = rec.issue(self, op, t)
-        if rec.check_collectives:
+        if rec.check_collectives and not pairwise:
             t0 = time.perf_counter()
             rec.begin_wait(entry)
             try:
@@ -279,6 +281,29 @@ class CommGroup:
             return works
         return self._run("ring_exchange", "p2p", inp.numel() * inp.element_size(), inp, start,
                          async_op)
+
+
+    def exchange(self, sends: list[tuple[torch.Tensor, int]],
+                 recvs: list[tuple[torch.Tensor, int]], what: str, async_op: bool = False):
+        """Point-to-point: each ``(tensor, group rank)`` of ``sends`` goes to that rank, each
+        of ``recvs`` is filled from it, batched into one launch (a pipeline's activations
+        and gradients between neighbouring stages). Only the ranks named take part.
+        ``what`` names it in the flight recorder and in errors (the stage, the action,
+        the micro-batch). Counted as p2p: the bytes this rank sends."""
+        if not sends and not recvs:
+            return _Work(None) if async_op else None
+        first = (sends or recvs)[0][0]
+
+        def start(a=False):
+            ops = ([dist.P2POp(dist.isend, t.contiguous(), self.ranks[r], group=self.pg)
+                    for t, r in sends]
+                   + [dist.P2POp(dist.irecv, t, self.ranks[r], group=self.pg) for t, r in recvs])
+            works = _Requests(dist.batch_isend_irecv(ops))
+            if not a:
+                works.wait()
+            return works
+        nbytes = sum(t.numel() * t.element_size() for t, _ in sends)
+        return self._run(what, "p2p", nbytes, first, start, async_op, pairwise=True)
 
 
 # [Note: collectives under torch.compile] The door's bookkeeping (the recorder's frames
