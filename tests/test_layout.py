@@ -25,6 +25,7 @@ LAYERS = [
     ["hybrid.tensor_parallel"],
     ["models", "hybrid.recompute"],
     ["hybrid.zero"],
+    ["hybrid.pipeline"],  # schedules, their simulator, the executor, P2P
     ["hybrid.checkpoint"],
     ["hybrid.hf"],
     ["hybrid.train"],

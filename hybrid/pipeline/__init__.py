@@ -1,0 +1,15 @@
+"""Pipeline parallelism: the model cut into stages over the PP group.
+
+* :mod:`.split` which layers each (virtual) stage holds, from Megatron's flags; torch-free
+* :mod:`.actions` the vocabulary of schedules: per rank, an ordered list of forward,
+  backward (or its input and weight halves), send, receive and END actions; the
+  contract the executor honours; torch-free
+* :mod:`.schedules` the generators (gpipe, 1f1b, interleaved_1f1b, zb_h1) and the registry
+  ``--pipeline-schedule`` picks from; torch-free
+* :mod:`.simulator` plays the lists: refuses what cannot run (deadlocks included), times
+  the rest, counts the activations each stage holds; torch-free
+* :mod:`.report` the simulation's step x rank grid, summary and JSON; torch-free
+
+Import from the modules: this package's ``__init__`` stays empty so that the torch-free
+configuration can use :mod:`.split` without importing torch.
+"""
