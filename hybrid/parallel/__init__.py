@@ -1,6 +1,6 @@
 """Where each rank sits and how ranks talk.
 
-* :mod:`.layout` rank <-> (tp, dp) arithmetic and the layout check, torch-free
+* :mod:`.layout` rank <-> (tp, cp, dp, pp) arithmetic and the layout check, torch-free
 * :mod:`.state`  :class:`~hybrid.parallel.state.ParallelState`: sizes, ranks, groups, device
 * :mod:`.comm`   the one door for collectives: counted bytes, timeouts, named errors
 * :mod:`.agree`  agreeing on a rank-local value (an error, a maximum) over the world

@@ -1,94 +1,200 @@
 """The process layout as plain arithmetic: no torch, no process groups.
 
-Megatron's order, tensor-parallel ranks adjacent (a TP group stays inside one
-node), then context-parallel, then data-parallel::
+Megatron's order: tensor-parallel ranks adjacent (a TP group stays inside one node),
+then context-parallel, then data-parallel, and pipeline-parallel outermost (a pipeline
+stage spans whole nodes)::
 
-    global rank = (dp_rank * cp_size + cp_rank) * tp_size + tp_rank
+    global rank = ((pp_rank * dp_size + dp_rank) * cp_size + cp_rank) * tp_size + tp_rank
 
     world 8, TP 2, CP 2:  TP groups     [0,1] [2,3] [4,5] [6,7]
                           CP groups     [0,2] [1,3] [4,6] [5,7]
                           DP groups     [0,4] [1,5] [2,6] [3,7]
                           DP x CP       [0,2,4,6] [1,3,5,7]   (same tp_rank)
 
-A CP group holds the ranks that split one sequence; a DP group the ranks that
-see different samples at the same TP and CP position; DP x CP every rank with
-the same TP slice of the parameters (ZeRO shards and reduces over it: see
-:class:`hybrid.parallel.state.ParallelState`). With CP 1 the DP x CP groups
-are the DP groups.
+    world 8, TP 2, PP 2:  TP groups     [0,1] [2,3] [4,5] [6,7]
+                          DP groups     [0,2] [1,3] [4,6] [5,7]
+                          PP groups     [0,4] [1,5] [2,6] [3,7]
+                          embedding     [0,4] [1,5] [2,6] [3,7]   (first and last stage)
 
-:mod:`hybrid.config` checks a command line against it before any worker
-starts; :mod:`hybrid.parallel.state` builds the process groups from it.
+A CP group holds the ranks that split one sequence; a DP group the ranks that see
+different samples at the same TP, CP and PP position; DP x CP every rank with the same TP
+slice of the same stage's parameters (ZeRO shards and reduces over it: see
+:class:`hybrid.parallel.state.ParallelState`). A PP group holds the stages one sample
+flows through, in stage order; its first and last rank form the embedding group (the
+tied word embedding lives on both). With CP 1 the DP x CP groups are the DP groups; with
+PP 1 every rank is a whole pipeline and the ranks and groups are those of TP x CP x DP.
+
+Group listings cost O(world) and one rank's own group O(its size), whatever the kind
+(:meth:`Layout.groups`, :meth:`Layout.group_of`). :mod:`hybrid.config` checks a command
+line against the layout before any worker starts; :mod:`hybrid.parallel.state` builds the
+process groups from it.
 """
 
 from __future__ import annotations
 
+import itertools
+from dataclasses import dataclass
+from typing import NamedTuple
+
 from hybrid.errors import ConfigError
+
+# Group kinds by the coordinates their members differ in (t: TP, c: CP, d: DP, p: PP).
+KINDS = {"tp": "t", "cp": "c", "dp": "d", "dp_cp": "cd", "pp": "p"}
 
 
 def check_layout(world_size: int, tensor_model_parallel_size: int,
-                 context_parallel_size: int = 1) -> int:
+                 context_parallel_size: int = 1, pipeline_model_parallel_size: int = 1) -> int:
     """The data-parallel size, or a ConfigError naming the flag to change."""
-    tp, cp = tensor_model_parallel_size, context_parallel_size
+    tp, cp, pp = tensor_model_parallel_size, context_parallel_size, pipeline_model_parallel_size
     if world_size < 1:
         raise ConfigError(f"the world size (nodes x processes per node) must be >= 1, got "
                           f"{world_size}: check NNODES and NPROC_PER_NODE")
-    for flag, size in (("--tensor-model-parallel-size", tp), ("--context-parallel-size", cp)):
+    for flag, size in (("--tensor-model-parallel-size", tp), ("--context-parallel-size", cp),
+                       ("--pipeline-model-parallel-size", pp)):
         if size < 1:
             raise ConfigError(f"{flag} must be >= 1, got {size}")
-    if world_size % (tp * cp) != 0:
+    if world_size % (tp * cp * pp) != 0:
         divisors = ", ".join(str(d) for d in range(1, world_size + 1) if world_size % d == 0)
-        what = (f"--tensor-model-parallel-size {tp}" if cp == 1 else
-                f"--tensor-model-parallel-size {tp} x --context-parallel-size {cp} = {tp * cp}")
+        parts = [("--tensor-model-parallel-size", tp)]
+        parts += [("--context-parallel-size", cp)] if cp > 1 else []
+        if pp > 1:  # (PP 1: the message is the TP x CP one it always was)
+            parts = [p for p in parts if p[1] > 1] + [("--pipeline-model-parallel-size", pp)]
+        what = " x ".join(f"{flag} {size}" for flag, size in parts)
+        if len(parts) > 1:
+            what += f" = {tp * cp * pp}"
         raise ConfigError(f"{what} does not divide the world size {world_size} (nodes x "
                           f"processes per node): use one of {divisors}")
-    return world_size // (tp * cp)
+    return world_size // (tp * cp * pp)
 
 
-def rank_of(tp_rank: int, cp_rank: int, dp_rank: int, tp_size: int, cp_size: int) -> int:
-    """The global rank at (tp, cp, dp) (the module's formula)."""
-    return (dp_rank * cp_size + cp_rank) * tp_size + tp_rank
+class Coords(NamedTuple):
+    """Where a rank sits: its rank in its TP, CP, DP and PP groups."""
+
+    tp: int
+    cp: int
+    dp: int
+    pp: int
+
+
+@dataclass(frozen=True)
+class Layout:
+    """The layout of ``world_size`` ranks at TP x CP x PP (DP is what is left), checked.
+
+    ``Layout(8, tp=2, pp=2).group_of("pp", 1) == [1, 5]``.
+    """
+
+    world_size: int
+    tp: int = 1
+    cp: int = 1
+    pp: int = 1
+
+    def __post_init__(self):
+        check_layout(self.world_size, self.tp, self.cp, self.pp)
+
+    @property
+    def dp(self) -> int:
+        return self.world_size // (self.tp * self.cp * self.pp)
+
+    @property
+    def _sizes(self) -> dict[str, int]:
+        return {"t": self.tp, "c": self.cp, "d": self.dp, "p": self.pp}
+
+    @property
+    def _strides(self) -> dict[str, int]:
+        return {"t": 1, "c": self.tp, "d": self.tp * self.cp, "p": self.tp * self.cp * self.dp}
+
+    def rank_of(self, tp: int = 0, cp: int = 0, dp: int = 0, pp: int = 0) -> int:
+        """The global rank at these coordinates (the module's formula)."""
+        return ((pp * self.dp + dp) * self.cp + cp) * self.tp + tp
+
+    def coords_of(self, rank: int) -> Coords:
+        """(tp, cp, dp, pp) of a global rank."""
+        s = self._strides
+        return Coords(rank % self.tp, rank // s["c"] % self.cp, rank // s["d"] % self.dp,
+                      rank // s["p"])
+
+    def _offsets(self, vary: str) -> list[int]:
+        """Rank offsets of a group's members from its first, in ascending order."""
+        sizes, strides = self._sizes, self._strides
+        dims = sorted(vary, key=lambda d: strides[d], reverse=True)  # outermost first
+        return [sum(k * strides[d] for k, d in zip(ks, dims))
+                for ks in itertools.product(*(range(sizes[d]) for d in dims))]
+
+    def group_of(self, kind: str, rank: int) -> list[int]:
+        """The global ranks of ``rank``'s group of ``kind`` (:data:`KINDS`) in group-rank
+        order: O(group size)."""
+        vary = KINDS[kind]
+        c = dict(zip("tcdp", self.coords_of(rank)))
+        first = rank - sum(c[d] * self._strides[d] for d in vary)
+        return [first + o for o in self._offsets(vary)]
+
+    def groups(self, kind: str) -> list[list[int]]:
+        """Every group of ``kind`` (:data:`KINDS`), ordered by their first rank; together they
+        hold every rank once. O(world)."""
+        vary = KINDS[kind]
+        fixed = "".join(d for d in "tcdp" if d not in vary)
+        offsets = self._offsets(vary)
+        firsts = sorted(sum(k * self._strides[d] for k, d in zip(ks, fixed))
+                        for ks in itertools.product(*(range(self._sizes[d]) for d in fixed)))
+        return [[f + o for o in offsets] for f in firsts]
+
+    def embedding_group_of(self, rank: int) -> list[int]:
+        """The first and last stage ranks of ``rank``'s PP group (one rank at PP 1). A rank
+        of a middle stage is in none: its own list is this rank alone."""
+        pp = self.group_of("pp", rank)
+        ends = sorted({pp[0], pp[-1]})
+        return ends if rank in ends else [rank]
+
+    def embedding_groups(self) -> list[list[int]]:
+        """Every embedding group (first and last stage of each PP group), by first rank."""
+        return [sorted({g[0], g[-1]}) for g in self.groups("pp")]
+
+    def stage_neighbours(self, rank: int) -> tuple[int, int]:
+        """(previous, next) stage's rank in ``rank``'s PP group, around the ring: the first
+        stage's previous is the last stage, whose next is the first (where an interleaved
+        schedule's chunk v hands over to chunk v + 1). This rank itself at PP 1."""
+        g = self.group_of("pp", rank)
+        i = g.index(rank)
+        return g[(i - 1) % len(g)], g[(i + 1) % len(g)]
+
+
+def rank_of(tp_rank: int, cp_rank: int, dp_rank: int, tp_size: int, cp_size: int,
+            pp_rank: int = 0, dp_size: int = 1) -> int:
+    """The global rank at (tp, cp, dp, pp) (the module's formula; ``dp_size`` is needed
+    only past the first stage)."""
+    return ((pp_rank * dp_size + dp_rank) * cp_size + cp_rank) * tp_size + tp_rank
 
 
 def coords_of(rank: int, tp_size: int, cp_size: int) -> tuple[int, int, int]:
-    """(tp_rank, cp_rank, dp_rank) of a global rank."""
+    """(tp_rank, cp_rank, dp_rank) of a global rank at PP 1 (with PP: :meth:`Layout.coords_of`)."""
     return rank % tp_size, rank // tp_size % cp_size, rank // (tp_size * cp_size)
 
 
-def _groups(world_size: int, tp: int, cp: int, vary: str) -> list[list[int]]:
-    """Every group whose members differ only in the coordinates named in ``vary``."""
-    dp = world_size // (tp * cp)
-    sizes = {"t": tp, "c": cp, "d": dp}
-    groups: dict[tuple, list[int]] = {}
-    for r in range(world_size):
-        t, c, d = coords_of(r, tp, cp)
-        key = tuple(v for name, v in (("t", t), ("c", c), ("d", d)) if name not in vary)
-        groups.setdefault(key, []).append(r)
-    assert all(len(g) == _prod(sizes[v] for v in vary) for g in groups.values())
-    return list(groups.values())
-
-
-def _prod(values) -> int:
-    out = 1
-    for v in values:
-        out *= v
-    return out
-
-
-def tp_group_ranks(world_size: int, tp_size: int, cp_size: int = 1) -> list[list[int]]:
+def tp_group_ranks(world_size: int, tp_size: int, cp_size: int = 1,
+                   pp_size: int = 1) -> list[list[int]]:
     """Global ranks of every TP group: consecutive blocks of tp_size."""
-    return _groups(world_size, tp_size, cp_size, "t")
+    return Layout(world_size, tp_size, cp_size, pp_size).groups("tp")
 
 
-def cp_group_ranks(world_size: int, tp_size: int, cp_size: int = 1) -> list[list[int]]:
-    """Global ranks of every CP group: the same TP and DP position, strided by tp_size."""
-    return _groups(world_size, tp_size, cp_size, "c")
+def cp_group_ranks(world_size: int, tp_size: int, cp_size: int = 1,
+                   pp_size: int = 1) -> list[list[int]]:
+    """Global ranks of every CP group: the same TP, DP and PP position, strided by tp_size."""
+    return Layout(world_size, tp_size, cp_size, pp_size).groups("cp")
 
 
-def dp_group_ranks(world_size: int, tp_size: int, cp_size: int = 1) -> list[list[int]]:
-    """Global ranks of every DP group: the same TP and CP position, strided by tp x cp."""
-    return _groups(world_size, tp_size, cp_size, "d")
+def dp_group_ranks(world_size: int, tp_size: int, cp_size: int = 1,
+                   pp_size: int = 1) -> list[list[int]]:
+    """Global ranks of every DP group: the same TP, CP and PP position, strided by tp x cp."""
+    return Layout(world_size, tp_size, cp_size, pp_size).groups("dp")
 
 
-def dp_cp_group_ranks(world_size: int, tp_size: int, cp_size: int = 1) -> list[list[int]]:
-    """Global ranks of every DP x CP group: the same tp_rank, strided by tp_size."""
-    return _groups(world_size, tp_size, cp_size, "cd")
+def dp_cp_group_ranks(world_size: int, tp_size: int, cp_size: int = 1,
+                      pp_size: int = 1) -> list[list[int]]:
+    """Global ranks of every DP x CP group: the same tp_rank and stage, strided by tp_size."""
+    return Layout(world_size, tp_size, cp_size, pp_size).groups("dp_cp")
+
+
+def pp_group_ranks(world_size: int, tp_size: int, cp_size: int = 1,
+                   pp_size: int = 1) -> list[list[int]]:
+    """Global ranks of every PP group, in stage order: strided by world / pp."""
+    return Layout(world_size, tp_size, cp_size, pp_size).groups("pp")

@@ -4,9 +4,9 @@ Built once per process and passed explicitly to layers, the model, the
 optimizer, checkpointing and the data loader. Nothing keeps process groups in
 module globals.
 
-The layout is :mod:`hybrid.parallel.layout`'s (TP ranks adjacent, then CP,
-then DP: ``global rank = (dp_rank * cp_size + cp_rank) * tp_size + tp_rank``);
-this module turns it into process groups.
+The layout is :mod:`hybrid.parallel.layout`'s (TP ranks adjacent, then CP, then DP,
+PP outermost: ``global rank = ((pp_rank * dp_size + dp_rank) * cp_size + cp_rank) *
+tp_size + tp_rank``); this module turns it into process groups.
 """
 
 from __future__ import annotations
@@ -20,13 +20,7 @@ import torch.distributed as dist
 
 from hybrid.diagnostics.recorder import FlightRecorder, backstop
 from hybrid.parallel.comm import CommGroup, CommStats
-from hybrid.parallel.layout import (
-    check_layout,
-    cp_group_ranks,
-    dp_cp_group_ranks,
-    dp_group_ranks,
-    tp_group_ranks,
-)
+from hybrid.parallel.layout import Layout
 from hybrid.parallel.teardown import teardown_at_exit
 
 
@@ -42,6 +36,17 @@ class ParallelState:
     :meth:`close`). With CP 1, ``cp_group`` is this rank alone and ``dp_cp_group``
     is ``dp_group`` itself (no extra process group): :meth:`single` and :meth:`build`
     make them.
+
+    Pipeline parallelism: ``pp_group`` holds this rank's pipeline, one rank per stage in
+    stage order (``pp_rank`` is this rank's stage; activations go to
+    :attr:`next_stage_rank` and gradients back to :attr:`prev_stage_rank`).
+    ``embedding_group`` holds the first and the last stage's ranks of this pipeline
+    (the same TP, CP and DP position), which keep the two copies of a tied word
+    embedding and sum its gradient over it. On a middle stage, and at PP 1 (where the
+    first stage is the last), it is this rank alone: a one-rank group, whose collectives
+    return at once, so a caller need not ask first (:attr:`in_embedding_group` says when
+    it matters). At PP 1 ``pp_group`` is this rank alone too; neither makes a process
+    group then, and the ranks and other groups are exactly those of TP x CP x DP.
     """
 
     world_size: int
@@ -56,6 +61,8 @@ class ParallelState:
     recorder: FlightRecorder = field(repr=False)
     cp_group: CommGroup = field(repr=False)
     dp_cp_group: CommGroup = field(repr=False)
+    pp_group: CommGroup = field(repr=False)
+    embedding_group: CommGroup = field(repr=False)
 
     @property
     def tp_size(self) -> int:
@@ -81,19 +88,56 @@ class ParallelState:
     def cp_rank(self) -> int:
         return self.cp_group.rank
 
+    @property
+    def pp_size(self) -> int:
+        return self.pp_group.size
+
+    @property
+    def pp_rank(self) -> int:
+        """This rank's pipeline stage (0: the first, which embeds the tokens)."""
+        return self.pp_group.rank
+
+    @property
+    def is_first_stage(self) -> bool:
+        return self.pp_group.rank == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.pp_group.rank == self.pp_group.size - 1
+
+    @property
+    def in_embedding_group(self) -> bool:
+        """This rank holds a copy of the word embedding: the first or the last stage."""
+        return self.is_first_stage or self.is_last_stage
+
+    @property
+    def prev_stage_rank(self) -> int:
+        """The global rank of the previous stage of this pipeline (the same TP, CP and DP
+        position), around the ring: the first stage's is the last stage (where an
+        interleaved schedule's chunk v + 1 takes chunk v's output). This rank at PP 1."""
+        g = self.pp_group
+        return g.ranks[(g.rank - 1) % g.size]
+
+    @property
+    def next_stage_rank(self) -> int:
+        """The global rank of the next stage of this pipeline, around the ring: the last
+        stage's is the first stage. This rank at PP 1."""
+        g = self.pp_group
+        return g.ranks[(g.rank + 1) % g.size]
+
     # -- construction ----------------------------------------------------------
     @classmethod
     def single(cls, device: str | torch.device = "cpu", dump_dir: str | None = None,
                check_collectives: bool = False) -> ParallelState:
-        """A one-process state (TP=1, DP=1) that needs no torch.distributed."""
+        """A one-process state (TP=1, DP=1, PP=1) that needs no torch.distributed."""
         stats = CommStats()
         timeout = datetime.timedelta(minutes=10)
         rec = FlightRecorder(0, 1, None, timeout, dump_dir=dump_dir,
                              check_collectives=check_collectives)
-        tp, dp, world, cp = (CommGroup(n, None, [0], 0, stats, timeout, rec)
-                             for n in ("tp", "dp", "world", "cp"))
+        tp, dp, world, cp, pp, emb = (CommGroup(n, None, [0], 0, stats, timeout, rec)
+                                      for n in ("tp", "dp", "world", "cp", "pp", "embedding"))
         return cls(1, 0, tp, dp, world, torch.device(device), "none", timeout, stats, rec,
-                   cp_group=cp, dp_cp_group=dp)
+                   cp_group=cp, dp_cp_group=dp, pp_group=pp, embedding_group=emb)
 
     @classmethod
     def build(cls, tensor_model_parallel_size: int,
@@ -101,12 +145,16 @@ class ParallelState:
               device: torch.device | None = None, store=None,
               watch: bool | None = None, dump_dir: str | None = None,
               check_collectives: bool = False,
-              context_parallel_size: int = 1) -> ParallelState:
-        """Create the TP, CP and DP groups of an initialized default process group.
+              context_parallel_size: int = 1,
+              pipeline_model_parallel_size: int = 1) -> ParallelState:
+        """Create the TP, CP, DP and PP groups of an initialized default process group.
 
         Every rank must call this with the same arguments (group creation is
-        itself collective). ``store``: the rendezvous store the default group
-        was built from, through which the ranks explain a failed collective
+        itself collective: torch's ``new_group`` is called by every rank for every
+        group, in the same order, so each rank makes O(world / group size) calls per
+        kind and O(world) arithmetic, and wraps only its own groups). ``store``: the
+        rendezvous store the default group was built from, through which the ranks
+        explain a failed collective
         (see :mod:`hybrid.diagnostics.recorder`); without it each rank reports
         only what it saw.
 
@@ -120,11 +168,12 @@ class ParallelState:
         configure the flight recorder (:mod:`hybrid.diagnostics.recorder`).
         """
         tp, cp = tensor_model_parallel_size, context_parallel_size
+        pp = pipeline_model_parallel_size
         if not dist.is_initialized():
-            check_layout(1, tp, cp)
+            Layout(1, tp, cp, pp)  # (the check: sizes above 1 do not fit one process)
             return cls.single(device or "cpu", dump_dir, check_collectives)
         world, rank = dist.get_world_size(), dist.get_rank()
-        check_layout(world, tp, cp)
+        layout = Layout(world, tp, cp, pp)
         backend = dist.get_backend()
         if device is None:
             device = _default_device(backend)
@@ -143,19 +192,34 @@ class ParallelState:
             assert mine is not None  # the groups of a kind cover every rank
             return mine
 
-        tp_group = make("tp", tp_group_ranks(world, tp, cp))
-        dp_group = make("dp", dp_group_ranks(world, tp, cp))
+        def alone(name: str) -> CommGroup:
+            return CommGroup(name, None, [rank], rank, stats, timeout, rec)
+
+        # (the order of the calls is part of the collective: the same on every rank)
+        tp_group = make("tp", layout.groups("tp"))
+        dp_group = make("dp", layout.groups("dp"))
         if cp > 1:
-            cp_group = make("cp", cp_group_ranks(world, tp, cp))
-            dp_cp_group = make("dp_cp", dp_cp_group_ranks(world, tp, cp))
+            cp_group = make("cp", layout.groups("cp"))
+            dp_cp_group = make("dp_cp", layout.groups("dp_cp"))
         else:  # CP 1: this rank alone, and DP x CP is DP
-            cp_group = CommGroup("cp", None, [rank], rank, stats, timeout, rec)
+            cp_group = alone("cp")
             dp_cp_group = dp_group
+        if pp > 1:
+            pp_group = make("pp", layout.groups("pp"))
+            # every rank creates every pipeline's pair; a middle stage is in none of them
+            embedding_group = alone("embedding")
+            for ranks in layout.embedding_groups():
+                pg = dist.new_group(ranks, timeout=group_timeout)
+                if rank in ranks:
+                    embedding_group = CommGroup("embedding", pg, ranks, rank, stats, timeout,
+                                                rec)
+        else:  # PP 1: one stage, first and last at once; no process group
+            pp_group, embedding_group = alone("pp"), alone("embedding")
         world_group = CommGroup("world", dist.group.WORLD, list(range(world)), rank, stats,
                                 timeout, rec)
         rec.start()
         return cls(world, rank, tp_group, dp_group, world_group, device, backend, timeout, stats,
-                   rec, cp_group, dp_cp_group)
+                   rec, cp_group, dp_cp_group, pp_group, embedding_group)
 
     def close(self) -> None:
         """Stop the flight recorder's heartbeat (the process groups stay)."""
@@ -168,18 +232,25 @@ class ParallelState:
         the last reference): see :mod:`hybrid.parallel.teardown`."""
         self.close()
         for g in (self.tp_group, self.dp_group, self.cp_group, self.dp_cp_group,
-                  self.world_group):
+                  self.pp_group, self.embedding_group, self.world_group):
             g.release()
 
     def describe(self) -> str:
-        """Human-readable layout: which global ranks form each TP, CP and DP group."""
-        w, t, c = self.world_size, self.tp_size, self.cp_size
+        """Human-readable layout: which global ranks form each TP, CP, DP and PP group
+        (and, with PP, each embedding group)."""
+        w, t, c, p = self.world_size, self.tp_size, self.cp_size, self.pp_size
+        layout = Layout(w, t, c, p)
         cp = f" x CP {c}" if c > 1 else ""
-        out = (f"world {w} = TP {t}{cp} x DP {self.dp_size} (backend {self.backend}, "
-               f"device {self.device.type})\n  TP groups: {tp_group_ranks(w, t, c)}")
+        pp = f" x PP {p}" if p > 1 else ""
+        out = (f"world {w} = TP {t}{cp} x DP {self.dp_size}{pp} (backend {self.backend}, "
+               f"device {self.device.type})\n  TP groups: {layout.groups('tp')}")
         if c > 1:
-            out += f"\n  CP groups: {cp_group_ranks(w, t, c)}"
-        return out + f"\n  DP groups: {dp_group_ranks(w, t, c)}"
+            out += f"\n  CP groups: {layout.groups('cp')}"
+        out += f"\n  DP groups: {layout.groups('dp')}"
+        if p > 1:
+            out += (f"\n  PP groups: {layout.groups('pp')}"
+                    f"\n  embedding groups: {layout.embedding_groups()}")
+        return out
 
 
 def _default_device(backend: str) -> torch.device:
@@ -191,7 +262,8 @@ def _default_device(backend: str) -> torch.device:
 def init_distributed(tensor_model_parallel_size: int, timeout_minutes: float = 10.0,
                      backend: str | None = None, dump_dir: str | None = None,
                      check_collectives: bool = False,
-                     context_parallel_size: int = 1) -> ParallelState:
+                     context_parallel_size: int = 1,
+                     pipeline_model_parallel_size: int = 1) -> ParallelState:
     """Join the job torchrun started (env RANK/WORLD_SIZE/MASTER_ADDR...) and build groups.
 
     Picks nccl + cuda:LOCAL_RANK when a GPU exists, gloo + cpu otherwise. A
@@ -221,7 +293,8 @@ def init_distributed(tensor_model_parallel_size: int, timeout_minutes: float = 1
                                 rank=int(os.environ["RANK"]), world_size=world)
     ps = ParallelState.build(tensor_model_parallel_size, timeout, device, store,
                              dump_dir=dump_dir, check_collectives=check_collectives,
-                             context_parallel_size=context_parallel_size)
+                             context_parallel_size=context_parallel_size,
+                             pipeline_model_parallel_size=pipeline_model_parallel_size)
     # the groups go before the interpreter does, unless the program ends them first
     # (a gloo thread left behind can abort a finished run: hybrid/parallel/teardown.py)
     teardown_at_exit(ps)

@@ -70,8 +70,8 @@ class _Fresh:
 
 
 class _Layouts:
-    """The TP/CP/DP groups of one pool worker, created once per layout (a TP size, or
-    a (TP, CP) pair)."""
+    """The TP/CP/DP/PP groups of one pool worker, created once per layout (a TP size, or
+    a (TP, CP) pair, or a (TP, CP, PP) triple)."""
 
     def __init__(self, timeout: datetime.timedelta, store):
         self.timeout = timeout
@@ -89,13 +89,14 @@ class _Layouts:
         from hybrid.parallel.comm import CommGroup, CommStats
         from hybrid.parallel.state import ParallelState
 
-        tp, cp = layout if isinstance(layout, tuple) else (layout, 1)
-        if (tp, cp) not in self.built:  # collective: every rank sees the same calls in order
+        tp, cp, pp = (*layout, 1, 1)[:3] if isinstance(layout, tuple) else (layout, 1, 1)
+        if (tp, cp, pp) not in self.built:  # collective: every rank sees the same calls in order
             _barrier(self.store, f"hybrid/pool/layout_{call_id}", dist.get_world_size())
-            self.built[tp, cp] = ParallelState.build(tp, timeout=self.timeout,
-                                                     device=torch.device("cpu"),
-                                                     context_parallel_size=cp)
-        base, stats = self.built[tp, cp], CommStats()
+            self.built[tp, cp, pp] = ParallelState.build(tp, timeout=self.timeout,
+                                                         device=torch.device("cpu"),
+                                                         context_parallel_size=cp,
+                                                         pipeline_model_parallel_size=pp)
+        base, stats = self.built[tp, cp, pp], CommStats()
         prefix = f"hybrid/call_{call_id}"
         rec = FlightRecorder(base.rank, base.world_size, dist.PrefixStore(prefix, self.store),
                              self.timeout, connections=tuple(
@@ -108,6 +109,8 @@ class _Layouts:
         ps = dataclasses.replace(base, tp_group=fresh(base.tp_group), dp_group=dp,
                                  cp_group=fresh(base.cp_group),
                                  dp_cp_group=dp if cp == 1 else fresh(base.dp_cp_group),
+                                 pp_group=fresh(base.pp_group),
+                                 embedding_group=fresh(base.embedding_group),
                                  world_group=fresh(base.world_group), comm_stats=stats,
                                  recorder=rec)
         rec.start()

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from hybrid.errors import ConfigError
-from hybrid.parallel.state import check_layout, dp_group_ranks, tp_group_ranks
+from hybrid.parallel.layout import check_layout, dp_group_ranks, tp_group_ranks
 from tests.helpers.harness import run_ranks
 
 
