@@ -19,7 +19,9 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 LAYERS = [
     ["hybrid.errors"],
     ["hybrid.diagnostics"],  # the flight recorder: the comm door records into it
-    ["hybrid.parallel"],  # layout math, ParallelState, the comm door, agree
+    # layout math, ParallelState, the comm door, agree; beside it the stage split, which is
+    # arithmetic the config checks (the rest of hybrid.pipeline sits above hybrid.zero)
+    ["hybrid.parallel", "hybrid.pipeline.split"],
     ["hybrid.config"],  # torch-free: flags -> checked, frozen sections
     ["hybrid.kernels", "hybrid.data", "hybrid.estimate"],
     ["hybrid.tensor_parallel"],
@@ -39,7 +41,8 @@ LAYERS = [
 LAYER_OF = {unit: i for i, line in enumerate(LAYERS) for unit in line}
 # Packages that must import without torch: the launcher checks a command line with
 # them before any worker starts, and the estimator runs on a laptop.
-TORCH_FREE = ["hybrid.config", "hybrid.estimate", "hybrid.parallel.layout"]
+TORCH_FREE = ["hybrid.config", "hybrid.estimate", "hybrid.parallel.layout",
+              "hybrid.pipeline.split"]
 
 
 def _module_name(path: pathlib.Path) -> str:
