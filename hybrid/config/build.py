@@ -39,6 +39,7 @@ from hybrid.config.sections import (
     LRScheduleConfig,
     OffloadConfig,
     ParallelConfig,
+    PipelineConfig,
     PrecisionConfig,
     RecomputeConfig,
     TokenizerConfig,
@@ -59,6 +60,7 @@ class TrainConfig:
     """
 
     parallel: ParallelConfig
+    pipeline: PipelineConfig
     model: ModelConfig
     lr_schedule: LRScheduleConfig
     loop: LoopConfig
@@ -91,22 +93,27 @@ class TrainConfig:
 
 
 def build_config(flags: Flags, world_size: int,
-                 environ: Mapping[str, str] | None = None) -> TrainConfig:
+                 environ: Mapping[str, str] | None = None, *,
+                 plan_only: bool = False) -> TrainConfig:
     """Check ``flags`` for ``world_size`` ranks and cut them into sections.
 
     ``flags`` is not modified; the returned config's ``flags`` is a copy with
     the derived defaults filled in. ``environ``: the entry point's environment,
     whose ``HYBRID_*`` variables default the kernel flags and whose cache directory
-    keeps the parsed built-in corpus (None: flags only).
+    keeps the parsed built-in corpus (None: flags only). ``plan_only``: a config to
+    plan with, not to run (the memory estimator): what this hybrid cannot run yet
+    but can plan (pipeline stages, :func:`hybrid.config.checks.check_pipeline_runs`)
+    is let through.
     Every check runs first (:func:`_check`); then each section is cut from the
     checked flags routed to it, plus its derived fields (only ``_kernels`` writes
     back into the flags: the kernel flags it fills from ``environ``).
     """
     f = dataclasses.replace(flags)
     _deepspeed(f, world_size)
-    dp = _check(f, world_size)
+    dp = _check(f, world_size, plan_only)
     return TrainConfig(
         parallel=_section(f, "parallel", world_size=world_size, data_parallel_size=dp),
+        pipeline=_section(f, "pipeline", split=checks.stage_split(f)),
         model=ModelConfig.from_flags(f), lr_schedule=_section(f, "lr_schedule", **_lr_lengths(f)),
         loop=_section(f, "loop"), zero=_section(f, "zero"), adamw=_section(f, "adamw"),
         precision=_section(f, "precision", params_dtype=_params_dtype(f)),
@@ -128,16 +135,17 @@ def _deepspeed(f: Flags, world_size: int) -> None:
         path = f.deepspeed
     if path is None:
         return
-    dp = check_layout(world_size, f.tensor_model_parallel_size, f.context_parallel_size)
+    dp = check_layout(world_size, f.tensor_model_parallel_size, f.context_parallel_size,
+                      f.pipeline_model_parallel_size)
     f.ds_config_notes = apply_ds_config(f, load_ds_config(path), dp, source=path)
 
 
-def _check(f: Flags, world_size: int) -> int:
+def _check(f: Flags, world_size: int, plan_only: bool = False) -> int:
     """Every check that can reject the run, in order; fills derived defaults into ``f``.
     Returns the data-parallel size. A message names a value by the name the user gave
     it (:func:`_as_given`)."""
     try:
-        return _run_checks(f, world_size)
+        return _run_checks(f, world_size, plan_only)
     except ConfigError as e:
         raise ConfigError(_as_given(str(e), f.given_as)) from None
 
@@ -160,13 +168,15 @@ def _verbatim(text: str) -> typing.Callable[[re.Match[str]], str]:
     return lambda _: text
 
 
-def _run_checks(f: Flags, world_size: int) -> int:
-    dp = check_layout(world_size, f.tensor_model_parallel_size, f.context_parallel_size)
+def _run_checks(f: Flags, world_size: int, plan_only: bool) -> int:
+    dp = check_layout(world_size, f.tensor_model_parallel_size, f.context_parallel_size,
+                      f.pipeline_model_parallel_size)
     checks.check_numbers(f)
     checks.check_parallel(f)
     checks.check_model(f)
     validate_architecture(f)  # the Llama-family flags; fills the SwiGLU width
     checks.check_batch(f, dp)
+    checks.check_pipeline(f, dp)  # (after the batch: interleaving needs its micro-batches)
     checks.check_schedule(f)
     checks.check_zero(f)
     checks.check_recompute(f)
@@ -174,6 +184,8 @@ def _run_checks(f: Flags, world_size: int) -> int:
     checks.check_data_paths(f)
     checks.check_checkpoint(f)
     checks.check_output_dirs(f)
+    if not plan_only:  # last, so every pipeline flag was checked first; goes with the executor
+        checks.check_pipeline_runs(f)
     return dp
 
 

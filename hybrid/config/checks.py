@@ -21,6 +21,7 @@ from hybrid.config.sections import (
     tokenizer_kind,
 )
 from hybrid.errors import ConfigError
+from hybrid.pipeline.split import StageSplit, split_layers
 
 DEFAULT_TRAIN_ITERS = 200
 
@@ -49,11 +50,6 @@ def check_numbers(f: Flags) -> None:
 
 def check_parallel(f: Flags) -> None:
     tp = f.tensor_model_parallel_size
-    if f.pipeline_model_parallel_size != 1:
-        raise ConfigError(
-            f"--pipeline-model-parallel-size {f.pipeline_model_parallel_size}: hybrid has no "
-            f"pipeline parallelism. Shard the model with --tensor-model-parallel-size and "
-            f"--zero-stage 3 instead (1 is accepted)")
     if f.sequence_parallel and tp == 1:
         raise ConfigError("--sequence-parallel needs --tensor-model-parallel-size > 1 "
                           "(it splits the sequence over the TP group): drop it or raise TP")
@@ -181,6 +177,86 @@ def check_batch(f: Flags, dp: int) -> None:
         raise ConfigError(
             f"--rampup-batch-size: --global-batch-size {f.global_batch_size} must be START "
             f"{start} plus a whole number of INCR {incr}")
+
+
+def stage_split(f: Flags) -> StageSplit:
+    """The layers of every pipeline stage and chunk the flags ask for
+    (:func:`hybrid.pipeline.split.split_layers`; its errors name the flags)."""
+    return split_layers(
+        f.num_layers, f.pipeline_model_parallel_size, f.virtual_pipeline_model_parallel_size,
+        layers_per_virtual_stage=f.num_layers_per_virtual_pipeline_stage,
+        first=f.decoder_first_pipeline_num_layers, last=f.decoder_last_pipeline_num_layers,
+        account_for_embedding=f.account_for_embedding_in_pipeline_split,
+        account_for_loss=f.account_for_loss_in_pipeline_split,
+        layout=f.pipeline_model_parallel_layout)
+
+
+def check_pipeline(f: Flags, dp: int) -> None:
+    """The stage split (Megatron's flags; every layer on a stage, every stage with what
+    Megatron requires), the virtual size it implies, the schedule, and the micro-batches an
+    interleaved schedule can use. Fills the virtual size (1 without interleaving) and the
+    schedule (interleaved 1F1B exactly when the virtual size is above 1)."""
+    pp = f.pipeline_model_parallel_size
+    if pp == 1:
+        for name in ("decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers"):
+            if getattr(f, name) is not None:
+                raise ConfigError(f"{flag_name(name)} sets the layers of one pipeline stage: it "
+                                  f"needs --pipeline-model-parallel-size > 1")
+    split = stage_split(f)
+    # the flag that made the chunks, for the messages below
+    source = ("--pipeline-model-parallel-layout" if f.pipeline_model_parallel_layout
+              else "--num-layers-per-virtual-pipeline-stage"
+              if f.num_layers_per_virtual_pipeline_stage is not None
+              else "--virtual-pipeline-model-parallel-size")
+    if split.vpp > 1 and pp == 1:
+        raise ConfigError(f"{source} makes {split.vpp} model chunks per pipeline rank, which "
+                          f"interleave over the stages: it needs --pipeline-model-parallel-size "
+                          f"> 1")
+    f.virtual_pipeline_model_parallel_size = split.vpp
+    schedule, given = f.pipeline_schedule, "pipeline_schedule" in f.explicit_flags
+    if split.vpp > 1:
+        if schedule != "interleaved_1f1b" and (schedule != "1f1b" or given):
+            raise ConfigError(f"--pipeline-schedule {schedule} runs one model chunk per stage, "
+                              f"but {source} makes {split.vpp}: use interleaved_1f1b (or "
+                              f"leave --pipeline-schedule out)")
+        f.pipeline_schedule = "interleaved_1f1b"
+        _check_interleaved_micro_batches(f, dp, source)
+    elif schedule == "interleaved_1f1b":
+        raise ConfigError("--pipeline-schedule interleaved_1f1b needs more than one model "
+                          "chunk per stage: set --virtual-pipeline-model-parallel-size, "
+                          "--num-layers-per-virtual-pipeline-stage or a "
+                          "--pipeline-model-parallel-layout with more stages than PP")
+
+
+def _check_interleaved_micro_batches(f: Flags, dp: int, source: str) -> None:
+    """Interleaved 1F1B takes the micro-batches in groups of PP (Megatron's default group
+    size): a step's count, and every count of a batch ramp-up, is a multiple of PP."""
+    pp, per_step = f.pipeline_model_parallel_size, f.micro_batch_size * dp
+    assert f.global_batch_size is not None  # (check_batch filled it)
+    counts = [("the", f.global_batch_size, "--global-batch-size")]
+    if f.rampup_batch_size is not None:
+        start, incr, _ = f.rampup_batch_size
+        counts += [("--rampup-batch-size START's", start, "START"),
+                   ("--rampup-batch-size INCR's", incr, "INCR")]
+    for whose, batch, name in counts:
+        if (batch // per_step) % pp:
+            raise ConfigError(
+                f"{source} (interleaved 1F1B) runs the micro-batches in groups of "
+                f"--pipeline-model-parallel-size {pp}: {whose} {batch // per_step} "
+                f"micro-batches per step ({name} {batch} / (--micro-batch-size "
+                f"{f.micro_batch_size} x data-parallel size {dp})) must be a multiple of {pp}")
+
+
+def check_pipeline_runs(f: Flags) -> None:
+    """Until the pipeline executor lands, a run with PP > 1 stops here, after every other
+    check (so a bad pipeline flag gets its own message first). The estimator, which only
+    plans, skips it (``build_config(plan_only=True)``)."""
+    pp = f.pipeline_model_parallel_size
+    if pp > 1:
+        raise ConfigError(f"--pipeline-model-parallel-size {pp}: the pipeline flags are "
+                          f"accepted and checked, but hybrid cannot run pipeline stages yet "
+                          f"(the executor comes next); use --pipeline-model-parallel-size 1 "
+                          f"and shard with --tensor-model-parallel-size and --zero-stage 3")
 
 
 def check_schedule(f: Flags) -> None:

@@ -36,7 +36,7 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any, NoReturn
 
-from hybrid.config.sections import KERNEL_PATHS, OFFLOAD_TIERS
+from hybrid.config.sections import KERNEL_PATHS, OFFLOAD_TIERS, PIPELINE_SCHEDULES
 from hybrid.errors import ConfigError
 
 
@@ -79,8 +79,40 @@ class Flags:
                                           to="parallel.backend")
     distributed_timeout_minutes: float = opt(10.0, "timeout of every collective",
                                              to="parallel.timeout_minutes")
-    pipeline_model_parallel_size: int = opt(1, "pipeline stages: only 1 (hybrid shards "
-                                               "with TP x ZeRO instead)")
+    # pipeline parallelism: the stages and which layers each holds (hybrid/pipeline/split.py)
+    pipeline_model_parallel_size: int = opt(1, "PP degree: pipeline stages, each a "
+                                               "consecutive slice of the layers (the "
+                                               "outermost dimension of the layout)",
+                                            to=("parallel", "pipeline.size"))
+    virtual_pipeline_model_parallel_size: int | None = opt(
+        None, "model chunks per pipeline rank (interleaved 1F1B when > 1; default 1, or what "
+              "--num-layers-per-virtual-pipeline-stage or --pipeline-model-parallel-layout "
+              "imply)", alias="--num-virtual-stages-per-pipeline-rank",
+        to="pipeline.virtual_size")
+    num_layers_per_virtual_pipeline_stage: int | None = opt(
+        None, "layers per model chunk of an even split: the chunks per rank are the "
+              "layers per stage / N")
+    decoder_first_pipeline_num_layers: int | None = opt(
+        None, "transformer layers on the first pipeline stage (the rest split evenly over "
+              "the stages after it)")
+    decoder_last_pipeline_num_layers: int | None = opt(
+        None, "transformer layers on the last pipeline stage (the rest split evenly over "
+              "the stages before it)")
+    account_for_embedding_in_pipeline_split: bool = opt(
+        False, "count the embedding as a layer when splitting evenly: the first stage gets "
+               "one transformer layer fewer")
+    account_for_loss_in_pipeline_split: bool = opt(
+        False, "count the loss (final norm, output layer) as a layer when splitting evenly: "
+               "the last stage gets one transformer layer fewer")
+    pipeline_model_parallel_layout: str | None = opt(
+        None, "every stage's layers as Megatron writes them: E embedding, t transformer "
+              "layer, L loss, | between stages (PP x virtual stages of them, in model "
+              "order), (..)*n and x*n repeat, commas for the eye; e.g. \"Ett|(tt|)*2,tL\"")
+    pipeline_schedule: str = opt("1f1b", "the micro-batch schedule over the stages: gpipe, "
+                                         "1f1b, interleaved_1f1b (implied by more than one "
+                                         "virtual stage) or zb_h1 (zero-bubble H1)",
+                                 choices=PIPELINE_SCHEDULES,
+                                 to="pipeline.schedule")
     # model (defaults: a small GPT that trains on 2 CPU cores in minutes)
     num_layers: int = opt(4, "transformer layers", to="model")
     hidden_size: int = opt(256, "model width", to="model")

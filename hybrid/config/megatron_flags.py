@@ -7,8 +7,8 @@ never argparse's generic "unrecognized arguments". Three kinds:
 * **no effect**: flags that pick one of Megatron's implementations of the same
   math (fusions, mcore vs legacy, Transformer Engine) or tune its logging and
   data-loader internals. They are dropped; the run logs them once.
-* **only one value**: parallel sizes hybrid implements only as 1 (virtual
-  pipeline, expert). The value 1 is accepted; anything else is refused.
+* **only one value**: parallel sizes hybrid implements only as 1 (expert).
+  The value 1 is accepted; anything else is refused.
 * **refused**: features hybrid does not have (MoE, FP8, FSDP variants, ...),
   each with what to use instead.
 
@@ -57,18 +57,15 @@ _ONLY_VALUE: dict[str, tuple[str, str]] = {
                             "adam); drop --optimizer or pass adam"),
     "--expert-model-parallel-size": ("1", "hybrid has no mixture of experts"),
     "--expert-tensor-parallel-size": ("1", "hybrid has no mixture of experts"),
-    "--virtual-pipeline-model-parallel-size": ("1", "hybrid has no pipeline parallelism"),
 }
 
 _MOE = "hybrid has no mixture-of-experts layers: train a dense model"
 _FP8 = "hybrid has no FP8 training: use --bf16"
-_PP = ("hybrid has no pipeline parallelism: shard with --tensor-model-parallel-size and "
-       "--zero-stage 3")
 REFUSED: dict[str, str] = {
     "--num-experts": _MOE, "--moe-": _MOE, "--fp8-format": _FP8, "--fp8-": _FP8,
-    "--fp4-": _FP8, "--num-layers-per-virtual-pipeline-stage": _PP,
-    "--decoder-first-pipeline-num-layers": _PP, "--decoder-last-pipeline-num-layers": _PP,
-    "--pipeline-model-parallel-layout": _PP, "--overlap-p2p-communication": _PP,
+    "--fp4-": _FP8,
+    "--overlap-p2p-communication": "hybrid's pipeline schedules decide when their P2P "
+                                   "transfers run: drop it",
     "--tp-comm-overlap": "hybrid overlaps ZeRO's DP collectives (--overlap-comm), not TP's "
                          "with userbuffers: drop it",
     "--use-torch-fsdp2": "hybrid's ZeRO stage 3 is its fully sharded mode: use --zero-stage 3",

@@ -16,6 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from hybrid.errors import ConfigError
+from hybrid.pipeline.split import StageSplit
 
 
 @dataclass(frozen=True)
@@ -155,12 +156,35 @@ class ParallelConfig:
     world_size: int = 1
     tensor_model_parallel_size: int = 1
     data_parallel_size: int = 1
+    pipeline_model_parallel_size: int = 1
     sequence_parallel: bool = False
     context_parallel_size: int = 1
     cp_comm_type: str = "p2p"  # one of CP_COMM_TYPES
     cp_layout: str = "load_balanced"  # one of CP_LAYOUTS
     backend: str | None = None  # None: nccl with a GPU, gloo otherwise
     timeout_minutes: float = 10.0
+
+
+# --pipeline-schedule: the micro-batch orders of the pipeline stages
+PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zb_h1")
+
+
+@dataclass(frozen=True)
+class PipelineConfig:
+    """How the model is cut into pipeline stages and how micro-batches flow through them.
+
+    ``size``: pipeline stages (PP; the layout's is ``ParallelConfig``'s, the same number).
+    ``virtual_size``: model chunks per stage (1: each stage one consecutive slice).
+    ``schedule``: one of :data:`PIPELINE_SCHEDULES`; ``"interleaved_1f1b"`` exactly when
+    ``virtual_size`` > 1. ``split``: the layers of every chunk, and where the embedding and
+    the loss are (:class:`hybrid.pipeline.split.StageSplit`); None only in a section built
+    by hand, meaning one stage with the whole model.
+    """
+
+    size: int = 1
+    virtual_size: int = 1
+    schedule: str = "1f1b"
+    split: StageSplit | None = None
 
 
 @dataclass(frozen=True)

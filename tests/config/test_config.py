@@ -98,8 +98,6 @@ def test_megatron_implementation_flags_are_dropped_and_listed():
 
 
 @pytest.mark.parametrize("flags,needle", [
-    (["--pipeline-model-parallel-size", "2"], "--pipeline-model-parallel-size 2: hybrid has no "
-                                              "pipeline parallelism"),
     (["--num-experts", "8"], "--num-experts is a Megatron-LM flag hybrid does not implement"),
     (["--moe-router-topk", "2"], "mixture-of-experts"),
     (["--fp8-format", "hybrid"], "use --bf16"),
