@@ -19,6 +19,11 @@ also names ``cp``, ``cp_comm_type``, ``cp_layout`` and ``seq_per_rank``, and its
 ``traffic_bytes_per_step`` carries ``cp_bytes_per_step``: the bytes each rank
 sends over the CP group per step (the attention's K/V exchange, forward and
 backward, and the loss's all-reduce; :mod:`hybrid.estimate.context_parallel`).
+With ``--pipeline-model-parallel-size P`` (> 1; the stage split by the same flags as a
+run: ``--decoder-first-pipeline-num-layers``, ``--pipeline-model-parallel-layout``, ...)
+the figures are one rank's of the stage with the most parameters, and each record also
+names ``pp``, ``vpp``, ``stage``, ``layers_per_stage`` and ``params_per_stage``; its
+activations are the first stage's under 1F1B (see :class:`hybrid.estimate.workload.Workload`).
 
 Then one line (``"offload"``) for the run's own offload setting at its stage
 (:func:`hybrid.estimate.tiers.tier_bytes`): device, host and disk bytes per
@@ -82,7 +87,7 @@ def _parser():
     ap.description = __doc__.split("\n\n")[0]
     g = ap.add_argument_group("the estimate")
     g.add_argument("--world-size", type=int, default=None,
-                   help="ranks in the job (default: TP x CP x --data-parallel-size)")
+                   help="ranks in the job (default: TP x CP x PP x --data-parallel-size)")
     g.add_argument("--data-parallel-size", type=int, default=1,
                    help="DP size when --world-size is not given")
     g.add_argument("--micro-batches", type=int, default=None,
@@ -115,7 +120,8 @@ def _config(ap, ns: dict, own: dict):
     path = ns["offload_nvme_path"] or (NVME_PATH if nvme else None)
     flags = dataclasses.replace(Flags(**ns), tokenizer_type="byte", data_path=None,
                                 offload_nvme_path=path)
-    model_parallel = flags.tensor_model_parallel_size * flags.context_parallel_size
+    model_parallel = (flags.tensor_model_parallel_size * flags.context_parallel_size
+                      * flags.pipeline_model_parallel_size)
     world = own["world_size"] or model_parallel * own["data_parallel_size"]
     if own["micro_batches"] is not None:
         if own["micro_batches"] < 1:
@@ -123,7 +129,7 @@ def _config(ap, ns: dict, own: dict):
         flags.global_batch_size = (own["micro_batches"] * flags.micro_batch_size
                                    * (world // model_parallel))
     try:
-        cfg = build_config(flags, world)
+        cfg = build_config(flags, world, plan_only=True)  # (plans PP, which cannot run yet)
     except ConfigError as e:
         ap.error(str(e))
     # --vocab-size N: NullTokenizer's ids (N + 1 with its eod); else taken as the vocabulary
@@ -134,7 +140,7 @@ def _config(ap, ns: dict, own: dict):
     return cfg, vocab
 
 
-def _stage_records(w, runtime: int, budget: float | None) -> list[dict]:
+def _stage_records(w, runtime: int, budget: float | None, vpp: int = 1) -> list[dict]:
     """One record per ZeRO stage (no offload)."""
     records = []
     for stage in range(4):
@@ -154,6 +160,10 @@ def _stage_records(w, runtime: int, budget: float | None) -> list[dict]:
         if w.cp > 1:  # (CP 1's records stay as they were)
             record.update(cp=w.cp, cp_comm_type=w.cp_comm_type, cp_layout=w.cp_layout,
                           seq_per_rank=w.seq_per_rank)
+        if w.pp > 1:  # (and PP 1's)
+            record.update(pp=w.pp, vpp=vpp, stage=w.stage,
+                          layers_per_stage=list(w.stage_layers or ()),
+                          params_per_stage=[w.stage_psi(s) for s in range(w.pp)])
         if budget is not None:
             record["fits"] = peak["total"] <= budget
         records.append(record)
@@ -199,9 +209,9 @@ def main(argv=None) -> int:
     cfg, vocab = _config(ap, ns, own)
     runtime = int((own["runtime_gb"] if own["runtime_gb"] is not None
                    else RUNTIME_GB[own["device"]]) * GIB)
-    w = workload(cfg, vocab, own["device"])
+    w = workload(cfg, vocab, own["device"]).heaviest_stage()  # (PP 1: the one stage)
     budget = own["gpu_memory_gb"] * GIB if own["gpu_memory_gb"] is not None else None
-    records = _stage_records(w, runtime, budget)
+    records = _stage_records(w, runtime, budget, cfg.pipeline.virtual_size)
     records += _offload_records(w, cfg.offload, own, cfg.parallel.world_size, runtime)
     if budget is not None:
         records.append({"recommended_zero_stage": choose_stage(w, budget, runtime),
@@ -244,6 +254,10 @@ def _text(records: list[dict]) -> str:
              f"micro-batches per step {s['micro_batches']}, {s['params_dtype']} params, "
              f"{s['grads_dtype']} grads", "ZeRO stages, no offload (peak per rank, DP bytes "
              "sent per step):"]
+    if "pp" in s:
+        lines.insert(1, f"PP {s['pp']} (virtual {s['vpp']}): layers per stage "
+                        f"{s['layers_per_stage']}, parameters per TP rank "
+                        f"{s['params_per_stage']}; the figures are stage {s['stage']}'s")
     if "cp" in s:
         cp_bytes = s["traffic_bytes_per_step"]["cp_bytes_per_step"]["total"]
         lines.insert(1, f"CP {s['cp']} ({s['cp_comm_type']}, {s['cp_layout']}): "

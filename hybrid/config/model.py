@@ -187,6 +187,22 @@ class ModelConfig:
         split, replicated = self._root_counts(tp)
         return split // tp + replicated
 
+    def stage_parameters(self, tp: int, layers: int, first: bool, last: bool) -> int:
+        """Parameters one TP rank of a pipeline stage holds: its ``layers`` blocks, the
+        embeddings on the ``first`` stage, the final norm and the output layer on the
+        ``last`` one. With tied embeddings and more than one stage the last stage keeps
+        its own copy of the word embedding as the output layer (Megatron's; the two are
+        kept equal over the embedding group). One stage that is both: the whole model,
+        :meth:`num_parameters`."""
+        C = self.hidden_size
+        rows = self.padded_vocab_size(tp) * C  # one vocabulary-wide matrix
+        positions = (self.max_position_embeddings * C
+                     if self.position_embedding_type == "learned_absolute" else 0)
+        head = last and (self.untie_embeddings_and_output_weights or not first)
+        split = rows * first + rows * head
+        replicated = positions * first + self._norm_parameters * last
+        return layers * self.block_parameters(tp) + split // tp + replicated
+
     def num_parameters(self, tp: int = 1, *, per_rank: bool = True) -> int:
         """Parameters of this model run at TP size ``tp`` (the vocabulary padded for
         ``tp``): Psi, what one TP rank holds; with ``per_rank=False`` the whole model,

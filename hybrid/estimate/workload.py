@@ -17,7 +17,16 @@ from hybrid.config.model import ModelConfig
 class Workload:
     """One rank's share of a GPT training run: the model (its section, vocabulary
     known: sizes, dropout, ``seq_length``, the Llama-family options) and how the run
-    lays it out -- TP, CP, DP, micro-batches, ZeRO stage, precision, recompute."""
+    lays it out -- TP, CP, DP, PP, micro-batches, ZeRO stage, precision, recompute.
+
+    With PP > 1 the rank is one of pipeline stage ``stage``, which holds
+    ``stage_layers[stage]`` transformer layers (all its chunks together), the embedding
+    on stage 0 and the output layer on the last: ``psi`` and everything ZeRO derives from
+    it (model states, buffers, DP traffic) are that stage's. The activation terms are
+    still the whole model's layers for one micro-batch, which is what the first stage
+    holds under 1F1B (PP micro-batches in flight, each through L / PP layers); a
+    per-stage, per-schedule activation estimate is not made yet.
+    """
 
     model: ModelConfig
     micro_batch_size: int
@@ -40,6 +49,9 @@ class Workload:
     cp_comm_type: str = "p2p"  # p2p | all_gather | a2a
     cp_layout: str = "load_balanced"  # load_balanced | striped
     loss_mask: bool = False  # --eod-mask-loss: CP all-reduces [sum, count] of the loss
+    pp: int = 1  # pipeline stages
+    stage_layers: tuple[int, ...] | None = None  # layers of each stage (None: PP 1, all)
+    stage: int = 0  # the pipeline stage this rank is one of
 
     @property
     def seq_per_rank(self) -> int:
@@ -54,8 +66,21 @@ class Workload:
 
     @property
     def psi(self) -> int:
-        """Parameters of one TP rank (:meth:`ModelConfig.num_parameters`)."""
-        return self.model.num_parameters(self.tp)
+        """Parameters of one TP rank of this stage (:meth:`ModelConfig.num_parameters`;
+        with PP, :meth:`ModelConfig.stage_parameters`)."""
+        return self.stage_psi(self.stage)
+
+    def stage_psi(self, stage: int) -> int:
+        """Parameters of one TP rank of pipeline stage ``stage``."""
+        if self.pp == 1 or self.stage_layers is None:
+            return self.model.num_parameters(self.tp)
+        return self.model.stage_parameters(self.tp, self.stage_layers[stage], stage == 0,
+                                           stage == self.pp - 1)
+
+    def heaviest_stage(self) -> Workload:
+        """This workload on the stage with the most parameters (the first of equals)."""
+        stages = range(self.pp)
+        return replace(self, stage=max(stages, key=lambda s: (self.stage_psi(s), -s)))
 
     @property
     def padded_vocab_size(self) -> int:
@@ -68,8 +93,12 @@ class Workload:
 
 def workload(cfg, vocab_size: int, device: str = "cuda") -> Workload:
     """The :class:`Workload` of a :class:`hybrid.config.TrainConfig` run with the
-    tokenizer's ``vocab_size`` (at its full global batch, after any ramp-up)."""
-    p, zero, rc = cfg.parallel, cfg.zero, cfg.recompute
+    tokenizer's ``vocab_size`` (at its full global batch, after any ramp-up), on pipeline
+    stage 0 (:meth:`Workload.heaviest_stage` picks another)."""
+    p, zero, rc, split = cfg.parallel, cfg.zero, cfg.recompute, cfg.pipeline.split
+    pp = p.pipeline_model_parallel_size
+    stage_layers = (tuple(split.rank_layers(s) for s in range(pp))
+                    if split is not None and pp > 1 else None)
     return Workload(
         model=cfg.model.with_vocab_size(vocab_size),
         micro_batch_size=cfg.loop.micro_batch_size,
@@ -82,4 +111,5 @@ def workload(cfg, vocab_size: int, device: str = "cuda") -> Workload:
         partition_activations=rc.partition_activations,
         cpu_checkpointing=rc.cpu_checkpointing, reduce_bucket_size=zero.reduce_bucket_size,
         device=device, cp=p.context_parallel_size, cp_comm_type=p.cp_comm_type,
-        cp_layout=p.cp_layout, loss_mask=cfg.data.eod_mask_loss)
+        cp_layout=p.cp_layout, loss_mask=cfg.data.eod_mask_loss, pp=pp,
+        stage_layers=stage_layers)
