@@ -1,0 +1,169 @@
+"""The executor: one rank's list of a pipeline schedule, run action by action.
+
+    lists = build_schedule("1f1b", p, m)               # every rank's actions (schedules.py)
+    losses = run_actions(lists.ranks[pp_rank], forward, params, pp_group,
+                         shape=(B, T, C), dtype=torch.float32, device=device, zero=engine)
+    result = engine.step(lr)                           # after END: the step's gradients
+
+Any list the simulator accepts runs here (a new schedule is a new generator and
+nothing else), under the rules of [Note: the semantics the executor honours]
+in :mod:`hybrid.pipeline.actions`: sends are posted and not waited for until
+``END``, receives block, messages between two ranks match by their order.
+
+What the executor does not know -- the model, the data, the loss -- comes in
+as ``forward(stage, microbatch, x)``: the stage's forward of that micro-batch
+from ``x``, its input (None on stage 0, which reads the micro-batch itself),
+returning the stage's output, or on the last stage the loss to backpropagate
+(already divided by the micro-batch count and multiplied by the loss scale).
+``params[stage]`` are the parameters a stage's weight gradient goes to.
+
+[Note: ZeRO under a schedule]
+A stage's parameters reduce over DP once a step: each backward (``B``, or the
+weight half ``W``) is one ZeRO backward, begun and ended around it
+(:meth:`~hybrid.zero.ZeroEngine.begin_backward`), and only the rank's last one
+syncs, so stages 0-1 accumulate locally until then and reduce once, while
+stages 2-3 reduce-scatter each micro-batch's gradient into the shard as they
+do without a pipeline. A rank holding several stages (interleaving) would
+complete a ZeRO unit's gradient across several backwards, which the engine's
+per-backward arrival check does not allow yet: refused.
+
+[Note: the two halves of a backward]
+``I`` computes the gradient of the stage's input only (``torch.autograd.grad``,
+keeping the graph); ``W`` then runs the backward again into the stage's
+parameters. The weight half repeats the input half's traversal: right numbers,
+more compute than splitting inside the linear layers would take.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+
+from hybrid.parallel.comm import CommGroup
+from hybrid.pipeline.actions import Action, Kind, stage_rank
+
+Key = tuple[int, int]  # (stage, micro-batch)
+
+
+def run_actions(actions: Sequence[Action], forward: Callable[[int, int, torch.Tensor | None],
+                                                             torch.Tensor],
+                params: dict[int, list[torch.nn.Parameter]], pp: CommGroup, *,
+                shape: tuple[int, ...], dtype: torch.dtype, device: torch.device,
+                stages: int, zero=None) -> dict[int, torch.Tensor]:
+    """Run this rank's ``actions`` (module doc); returns the loss of each micro-batch the
+    last stage computed here, by micro-batch (empty on other ranks). ``pp``: the
+    pipeline group, its group ranks the pipeline ranks; ``shape``/``dtype``: of the
+    activations between stages, and of their gradients; ``stages``: ``p * v``;
+    ``zero``: the rank's :class:`~hybrid.zero.ZeroEngine`, or None (plain autograd)."""
+    run = _Run(forward, params, pp, shape, dtype, device, stages, zero)
+    last = max((i for i, a in enumerate(actions)
+                if a.kind in (Kind.BACKWARD, Kind.BACKWARD_WEIGHT)), default=-1)
+    if zero is not None and len({a.stage for a in actions if a.stage >= 0}) > 1:
+        raise NotImplementedError("ZeRO under an interleaved schedule (several stages on "
+                                  "one rank) is not supported yet")
+    for i, a in enumerate(actions):
+        run.do(a, sync=i == last)
+    return run.losses
+
+
+class _Run:
+    """One step's state on this rank: what each (stage, micro-batch) holds between its
+    actions, the sends in flight, the losses."""
+
+    def __init__(self, forward, params, pp: CommGroup, shape, dtype, device, stages: int,
+                 zero):
+        self.forward, self.params, self.pp, self.zero = forward, params, pp, zero
+        self.shape, self.dtype, self.device, self.stages = shape, dtype, device, stages
+        self.inputs: dict[Key, torch.Tensor] = {}  # a stage's input (requires grad)
+        self.outputs: dict[Key, torch.Tensor] = {}  # its output (the loss on the last)
+        self.out_grads: dict[Key, torch.Tensor] = {}  # the gradient of its output
+        self.in_grads: dict[Key, torch.Tensor] = {}  # the gradient of its input
+        self.split: dict[Key, tuple] = {}  # what W needs after I: (output, its gradient)
+        self.sends: list[tuple[object, torch.Tensor]] = []  # (work, tensor) until END
+        self.losses: dict[int, torch.Tensor] = {}
+
+    def do(self, a: Action, sync: bool) -> None:
+        key = (a.stage, a.microbatch)
+        k = a.kind
+        if k is Kind.FORWARD:
+            self._forward(key)
+        elif k is Kind.BACKWARD:
+            out, grad = self._take_output(key)
+            self._backward(key, out, grad, sync, keep=False)
+        elif k is Kind.BACKWARD_INPUT:
+            out, grad = self._take_output(key)
+            x = self.inputs.get(key)
+            if x is not None:  # (stage 0's input is the data: no gradient to make)
+                (self.in_grads[key],) = torch.autograd.grad(out, x, grad, retain_graph=True)
+                del self.inputs[key]
+            self.split[key] = (out, grad)
+        elif k is Kind.BACKWARD_WEIGHT:
+            out, grad = self.split.pop(key)
+            self._backward(key, out, grad, sync, keep=True)
+        elif k is Kind.SEND_ACT:
+            self._send(self.outputs[key].detach(), a)
+        elif k is Kind.SEND_GRAD:
+            self._send(self.in_grads.pop(key), a)
+        elif k is Kind.RECV_ACT:
+            self.inputs[key] = self._recv(a).requires_grad_()
+        elif k is Kind.RECV_GRAD:
+            self.out_grads[key] = self._recv(a)
+        elif k is Kind.END:
+            for work, _ in self.sends:
+                work.wait()  # type: ignore[attr-defined]
+            self.sends.clear()
+
+    def _local(self, stage: int) -> bool:
+        return stage_rank(stage, self.pp.size) == self.pp.rank
+
+    def _forward(self, key: Key) -> None:
+        s, j = key
+        if s == 0:
+            x = None
+        elif key in self.inputs:
+            x = self.inputs[key]
+        else:  # stage s-1 ran here (p == 1): its output, cut from its graph
+            x = self.outputs[(s - 1, j)].detach().requires_grad_()
+            self.inputs[key] = x
+        out = self.forward(s, j, x)
+        self.outputs[key] = out
+        if s == self.stages - 1:
+            self.losses[j] = out.detach()
+
+    def _take_output(self, key: Key) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(stage output, its gradient): None for the loss; received, or left by the
+        stage after it on this rank."""
+        s, j = key
+        out = self.outputs.pop(key)
+        if s == self.stages - 1:
+            return out, None
+        grad = self.out_grads.pop(key, None)
+        if grad is None:  # (p == 1: stage s+1's input gradient, made here)
+            grad = self.in_grads.pop((s + 1, j))
+        return out, grad
+
+    def _backward(self, key: Key, out: torch.Tensor, grad: torch.Tensor | None, sync: bool,
+                  keep: bool) -> None:
+        """The backward of ``out`` into the stage's parameters (and, unless the input half
+        ran already, its input), as one ZeRO backward ([Note: ZeRO under a schedule])."""
+        if self.zero is not None:
+            self.zero.begin_backward(sync)
+        x = None if keep else self.inputs.pop(key, None)
+        inputs = self.params[key[0]] if keep else None
+        torch.autograd.backward(out, grad, inputs=inputs)
+        if self.zero is not None:
+            self.zero.end_backward()
+        if x is not None:
+            self.in_grads[key] = x.grad
+
+    def _send(self, t: torch.Tensor, a: Action) -> None:
+        assert a.peer is not None  # (a send names its peer)
+        work = self.pp.exchange([(t, a.peer)], [], what=str(a), async_op=True)
+        self.sends.append((work, t))
+
+    def _recv(self, a: Action) -> torch.Tensor:
+        assert a.peer is not None  # (a receive names its peer)
+        buf = torch.empty(self.shape, dtype=self.dtype, device=self.device)
+        self.pp.exchange([], [(buf, a.peer)], what=str(a))
+        return buf
