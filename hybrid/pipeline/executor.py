@@ -155,6 +155,7 @@ class _Run:
         if self.zero is not None:
             self.zero.end_backward()
         if x is not None:
+            assert x.grad is not None  # (the input requires grad and reaches the output)
             self.in_grads[key] = x.grad
 
     def _send(self, t: torch.Tensor, a: Action) -> None:
