@@ -116,14 +116,16 @@ class GPT(nn.Module):
                  seed: int = 1234, device: torch.device | str = "cpu",
                  sequence_parallel: bool = False, context_parallel: ContextParallel | None = None,
                  layers: range | None = None, pre_process: bool = True,
-                 post_process: bool = True):
+                 post_process: bool = True, split_backward: bool = False):
         """Build ``cfg`` (its ``vocab_size`` known) over ``tp_group`` on ``device`` and
         draw the init from ``seed`` -- or, with ``device="meta"``, only shapes: ZeRO then
         materializes what each rank keeps (``apply_zero(..., values=InitValues(seed,
         model.init_of))``). ``sequence_parallel`` (the parallel section's, TP > 1): see
         the module doc; decided here, for every layer at once; so is ``context_parallel``.
         ``layers``, ``pre_process``, ``post_process``: one pipeline stage (module doc);
-        default the whole model."""
+        default the whole model. ``split_backward``: each backward runs twice over its
+        graph (a zero-bubble schedule's input and weight halves), so the loss keeps
+        what its backward reads."""
         super().__init__()
         layers = range(cfg.num_layers) if layers is None else layers
         if layers.step != 1 or layers.start < 0 or layers.stop > cfg.num_layers:
@@ -148,6 +150,7 @@ class GPT(nn.Module):
         self.cp = context_parallel
         self.padded_vocab_size = cfg.padded_vocab_size(tp_group.size)  # embedding rows, all ranks
         self.pre_process, self.post_process = pre_process, post_process
+        self.split_backward = split_backward
         tied = not cfg.untie_embeddings_and_output_weights
         # SP's and CP's residual stream holds other tokens on each rank: its dropout forks
         self.fork_residual_rng = ((sequence_parallel or context_parallel is not None)
@@ -260,8 +263,9 @@ class GPT(nn.Module):
         # gradient is zero either way. Slices then differ in width (the last ranks'
         # may be empty), so the cross-entropy is told where this one starts.
         logits = column_parallel_linear(x, head, None, g, sp, rows=self._valid_local)
+        # (nothing reads the logits after: their storage may hold the softmax)
         losses = vocab_parallel_cross_entropy(logits, labels, g, start=self.vocab_start,
-                                              scratch=True)  # (nothing reads them after)
+                                              scratch=True, twice=self.split_backward)
         if cp is not None:  # the whole sequence's mean, equal on every CP rank
             return cp.mean_loss(losses, loss_mask)
         if loss_mask is None:

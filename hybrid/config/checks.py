@@ -248,15 +248,28 @@ def _check_interleaved_micro_batches(f: Flags, dp: int, source: str) -> None:
 
 
 def check_pipeline_runs(f: Flags) -> None:
-    """Until the pipeline executor lands, a run with PP > 1 stops here, after every other
-    check (so a bad pipeline flag gets its own message first). The estimator, which only
-    plans, skips it (``build_config(plan_only=True)``)."""
+    """What a run with PP > 1 cannot combine with yet (the executor runs one stage per
+    rank, GPipe, 1F1B and ZB-H1, with ZeRO 0-3 in device memory, TP and SP), stopped
+    here after every other check (so a bad pipeline flag gets its own message first).
+    The estimator, which only plans, skips it (``build_config(plan_only=True)``)."""
     pp = f.pipeline_model_parallel_size
-    if pp > 1:
-        raise ConfigError(f"--pipeline-model-parallel-size {pp}: the pipeline flags are "
-                          f"accepted and checked, but hybrid cannot run pipeline stages yet "
-                          f"(the executor comes next); use --pipeline-model-parallel-size 1 "
-                          f"and shard with --tensor-model-parallel-size and --zero-stage 3")
+    if pp == 1:
+        return
+    head = f"--pipeline-model-parallel-size {pp}"
+    later = [(f.virtual_pipeline_model_parallel_size not in (None, 1),
+              "--virtual-pipeline-model-parallel-size (interleaved stages)"),
+             (not f.untie_embeddings_and_output_weights,
+              "tied embeddings across the first and last stage (pass "
+              "--untie-embeddings-and-output-weights)"),
+             (f.context_parallel_size > 1, "--context-parallel-size"),
+             (bool(f.offload_optimizer or f.offload_param),
+              "--offload-optimizer / --offload-param"),
+             (bool(f.save or f.load), "checkpoints (--save / --load)")]
+    for cannot, what in later:
+        if cannot:
+            raise ConfigError(f"{head}: pipeline stages run with TP, SP and ZeRO 0-3 so far; "
+                              f"not yet with {what}: drop it, or use "
+                              f"--pipeline-model-parallel-size 1")
 
 
 def check_schedule(f: Flags) -> None:

@@ -31,7 +31,9 @@ per-backward arrival check does not allow yet: refused.
 ``I`` computes the gradient of the stage's input only (``torch.autograd.grad``,
 keeping the graph); ``W`` then runs the backward again into the stage's
 parameters. The weight half repeats the input half's traversal: right numbers,
-more compute than splitting inside the linear layers would take.
+more compute than splitting inside the linear layers would take. An op whose
+backward reuses what it saved in place must keep it for the second pass (the
+GPT's loss: ``split_backward``).
 """
 
 from __future__ import annotations

@@ -39,13 +39,21 @@ def build_model(cfg: TrainConfig, ps: ParallelState, vocab_size: int,
                 rng: TPRNGTracker, device: torch.device | str | None = None) -> GPT:
     """The GPT of ``cfg.model`` with the tokenizer's ``vocab_size``, on ``device``
     (default ``ps.device``), initialized from ``--seed``; on "meta" only its shapes
-    (ZeRO materializes it: see :func:`build_engine`)."""
+    (ZeRO materializes it: see :func:`build_engine`). Under pipeline parallelism, this
+    rank's stage: the layers ``cfg.pipeline.split`` gives it, the embeddings on the
+    first, the head and loss on the last."""
     par = cfg.parallel
     cp = (ContextParallel(ps.cp_group, par.cp_comm_type, par.cp_layout) if ps.cp_size > 1
           else None)
+    split = cfg.pipeline.split
+    layers, first, last = None, True, True
+    if split is not None and split.pp > 1:
+        r = ps.pp_rank
+        layers, first, last = split.layer_ids(r), split.holds_embedding(r), split.holds_loss(r)
     return GPT(cfg.model.with_vocab_size(vocab_size), ps.tp_group, rng=rng, seed=cfg.seed,
                device=device or ps.device, sequence_parallel=par.sequence_parallel,
-               context_parallel=cp)
+               context_parallel=cp, layers=layers, pre_process=first, post_process=last,
+               split_backward=cfg.pipeline.schedule == "zb_h1" and layers is not None)
 
 
 def recompute_targets(model: GPT, rc: RecomputeConfig) -> list[torch.nn.Module]:

@@ -21,6 +21,7 @@ from hybrid.config import TrainConfig
 from hybrid.data.dataset import build_datasets, dp_micro_batches
 from hybrid.data.tokenizer import build_tokenizer
 from hybrid.errors import ConfigError
+from hybrid.kernels.dtypes import DTYPES
 from hybrid.kernels.select import low_precision_warning
 from hybrid.parallel.agree import agree_error
 from hybrid.parallel.state import ParallelState
@@ -33,6 +34,7 @@ from hybrid.train.lr_schedule import scheduled_lr
 from hybrid.train.metrics import IntervalMetrics
 from hybrid.train.monitor import Monitor
 from hybrid.train.phase_clock import NoClock, PhaseClock
+from hybrid.train.pipeline_step import activation_shape, pipeline_evaluate, pipeline_train_step
 from hybrid.train.replicas import ReplicaChecker
 from hybrid.train.setup import HOST_TRIM_MIN_PARAMS, build_engine_or_explain, memory_bytes
 from hybrid.train.skips import SkippedSteps
@@ -92,6 +94,10 @@ class Trainer:
             return_freed_memory()  # the model lives in host memory: keep RSS to what is used
         before_model = memory_bytes(ps)[0]  # the process without the model: runtime, data
         self.model, self.ac, self.engine = build_engine_or_explain(cfg, ps, vocab, self.rng)
+        # PP > 1: the activations between stages (hybrid/train/pipeline_step.py)
+        self.pp_io = ((activation_shape(cfg.loop.micro_batch_size, cfg.model.seq_length,
+                                        cfg.model.hidden_size, ps, cfg.parallel.sequence_parallel),
+                       DTYPES[cfg.precision.params_dtype]) if ps.pp_size > 1 else None)
         self.state = TrainState()
         # --load with --no-load-optim / --no-load-rng / --finetune (checkpoint/resume.py)
         self.start = start_from_checkpoint(cfg.checkpoint, self.engine, ps, cfg.seed, self.rng,
@@ -171,8 +177,13 @@ class Trainer:
         micro = dp_micro_batches(self.data["train"], st.consumed_samples, batch,
                                  s.micro_batch_size, ps.dp_rank, ps.dp_size, ps.device, self.eod,
                                  self.cp_keep)
-        loss, result, losses = train_step(self.model, self.engine, micro, self.lr,
-                                          self.meter if logs else None, self.clock)
+        if self.pp_io is None:
+            loss, result, losses = train_step(self.model, self.engine, micro, self.lr,
+                                              self.meter if logs else None, self.clock)
+        else:
+            loss, result, losses = pipeline_train_step(self.model, self.engine, micro, self.lr,
+                                                       ps, self.cfg.pipeline.schedule,
+                                                       *self.pp_io)
         self.metrics.stop(loss, batch * self.cfg.model.seq_length)
         self.skips.add(st.iteration + 1, result, losses, st.consumed_samples, batch)
         st.iteration += 1
@@ -224,8 +235,12 @@ class Trainer:
     def evaluate(self, split: str) -> None:
         """Log the mean loss over ``--eval-iters`` batches of ``split`` (if it has data)."""
         if self.data[split] is not None and self.cfg.loop.eval_iters > 0:
-            loss = evaluate(self.model, self.data[split], self.cfg.loop, self.ps, self.eod,
-                            self.cp_keep)
+            if self.pp_io is None:
+                loss = evaluate(self.model, self.data[split], self.cfg.loop, self.ps, self.eod,
+                                self.cp_keep)
+            else:
+                loss = pipeline_evaluate(self.model, self.data[split], self.cfg.loop, self.ps,
+                                         *self.pp_io, self.eod, self.cp_keep)
             self.monitor.log_eval(self.state.iteration, split, loss)
 
     def save(self) -> None:
@@ -252,6 +267,8 @@ class Trainer:
     def _log_setup(self) -> None:
         cfg, ps, mc = self.cfg, self.ps, self.model_cfg
         log.info("layout: %s", ps.describe())
+        if ps.pp_size > 1 and cfg.pipeline.split is not None:
+            log.info("%s; schedule %s", cfg.pipeline.split.describe(), cfg.pipeline.schedule)
         log.info("parameters: %d on each TP rank, %d in the model (TP %d, padded vocab %d); "
                  "train samples per epoch: %d", mc.num_parameters(ps.tp_size),
                  mc.num_parameters(ps.tp_size, per_rank=False), ps.tp_size,

@@ -286,7 +286,8 @@ class ZeroEngine:
         squared = self.sink.squared_norms()
         norm, bad_loss = global_grad_norm(self.optimizer, None if squared is not None else grads,
                                           self.ps.tp_group, dp, loss, self.ps.dp_cp_group,
-                                          squared)
+                                          squared,
+                                          self.ps.pp_group if self.ps.pp_size > 1 else None)
         norm = norm / scale
         skip = ~torch.isfinite(norm) | bad_loss
         decided = skip

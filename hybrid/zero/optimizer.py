@@ -268,7 +268,8 @@ class SquaredNorms(Protocol):
 @torch.no_grad()
 def global_grad_norm(opt: SquaredNorms, grads: list[torch.Tensor] | None, tp: CommGroup,
                      dp: CommGroup | None, loss: torch.Tensor | None = None,
-                     loss_dp: CommGroup | None = None, squared: torch.Tensor | None = None):
+                     loss_dp: CommGroup | None = None, squared: torch.Tensor | None = None,
+                     pp: CommGroup | None = None):
     """(L2 norm of the whole model's gradient, whether any rank's ``loss`` is not
     finite) from this rank's parts of the gradient, as 0-dim tensors on the
     gradients' device (fp64, bool; never read here).
@@ -280,6 +281,8 @@ def global_grad_norm(opt: SquaredNorms, grads: list[torch.Tensor] | None, tp: Co
     at stage 0, over ``loss_dp`` (the DP x CP group) in a one-element all-reduce
     of its own -- so it costs no collective of its own when the shards are split.
     ``squared``: this rank's ``opt.squared_norms`` when already taken (``grads`` None).
+    ``pp``: the pipeline group, whose stages hold disjoint parameters: the whole
+    vector is summed over it last, so the norm and the loss flag cover every stage.
     """
     if squared is None:
         assert grads is not None  # (one of the two is given)
@@ -293,6 +296,8 @@ def global_grad_norm(opt: SquaredNorms, grads: list[torch.Tensor] | None, tp: Co
     tp.all_reduce(both[:2])
     if dp is None and loss is not None and loss_dp is not None:
         loss_dp.all_reduce(both[1:2])
+    if pp is not None:
+        pp.all_reduce(both)
     return (both[0] + both[2]).sqrt(), both[1] > 0
 
 

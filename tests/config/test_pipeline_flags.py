@@ -109,12 +109,23 @@ def test_the_pipeline_flags_are_not_refused_any_more():
         parse_args(BASE + ["--overlap-p2p-communication"])
 
 
-def test_a_valid_pipeline_run_stops_after_every_check_until_the_executor_lands():
-    flags = parse_args(BASE + ["--pipeline-model-parallel-size", "2"])
-    with pytest.raises(ConfigError, match="--pipeline-model-parallel-size 2: the pipeline flags "
-                                          "are accepted and checked, but hybrid cannot run "
-                                          "pipeline stages yet"):
-        build_config(flags, 4)
+def test_what_pipeline_runs_cannot_combine_with_yet_is_said_after_every_check():
+    cfg = build_config(parse_args(BASE + ["--pipeline-model-parallel-size", "2",
+                                          "--untie-embeddings-and-output-weights"]), 4)
+    assert cfg.pipeline.size == 2 and cfg.pipeline.schedule == "1f1b"
+    for extra, what in ((["--virtual-pipeline-model-parallel-size", "2", "--num-layers", "8",
+                          "--global-batch-size", "8"],
+                         "--virtual-pipeline-model-parallel-size"),
+                        (["--context-parallel-size", "2"], "--context-parallel-size"),
+                        (["--offload-optimizer", "cpu", "--zero-stage", "2"],
+                         "--offload-optimizer"),
+                        (["--load", "x"], r"checkpoints \(--save / --load\)")):
+        flags = parse_args(BASE + ["--pipeline-model-parallel-size", "2",
+                                   "--untie-embeddings-and-output-weights", *extra])
+        with pytest.raises(ConfigError, match=f"--pipeline-model-parallel-size 2: pipeline "
+                                              f"stages run with TP, SP and ZeRO 0-3 so far; "
+                                              f"not yet with {what}"):
+            build_config(flags, 8)
     # a bad flag elsewhere still gets its own message first
     bad = parse_args(BASE + ["--pipeline-model-parallel-size", "2", "--zero-stage", "5"])
     with pytest.raises(ConfigError, match="--zero-stage must be 0, 1, 2 or 3"):
@@ -144,8 +155,13 @@ PREFLIGHT = [
     (["--pipeline-model-parallel-size", "3"], 8,
      "--pipeline-model-parallel-size 3 does not divide the world size 8"),
     (["--pipeline-model-parallel-size", "2"], 4,
-     "--pipeline-model-parallel-size 2: the pipeline flags are accepted and checked, but "
-     "hybrid cannot run pipeline stages yet"),
+     "--pipeline-model-parallel-size 2: pipeline stages run with TP, SP and ZeRO 0-3 so far; "
+     "not yet with tied embeddings across the first and last stage (pass "
+     "--untie-embeddings-and-output-weights)"),
+    (["--pipeline-model-parallel-size", "2", "--untie-embeddings-and-output-weights",
+      "--save", "ckpt"], 4,
+     "--pipeline-model-parallel-size 2: pipeline stages run with TP, SP and ZeRO 0-3 so far; "
+     "not yet with checkpoints (--save / --load)"),
 ]
 
 

@@ -206,3 +206,35 @@ def test_eod_mask_loss_reaches_the_loss(tmp_path):
         assert r.returncode == 0, r.stderr[-3000:]
     a, b = ([m["loss"] for m in read_json_log(p)] for p in (plain, masked))
     assert a[0] == b[0] and a[1] != b[1], (a, b)  # batch 1 holds no EOD input, batch 2 does
+
+
+def test_pipeline_stages_through_the_script_follow_the_one_stage_curve(tmp_path):
+    """PP 2 through scripts/pretrain_gpt.py: x DP 2 at ZeRO 1 under 1F1B, and x TP 2 with
+    SP at ZeRO 3 under ZB-H1 (the backward split in halves), train and evaluate as PP 1
+    at DP 2 (the same global batches): every step's loss, grad norm and validation loss
+    within 1e-5; each stage holds half the layers and sends its activations p2p."""
+    logs = {}
+    runs = {"pp1": (2, []),
+            "pp2_dp2": (4, ["--pipeline-model-parallel-size", "2", "--zero-stage", "1"]),
+            "pp2_tp2": (4, ["--pipeline-model-parallel-size", "2", "--tensor-model-parallel-size",
+                            "2", "--sequence-parallel", "--zero-stage", "3",
+                            "--pipeline-schedule", "zb_h1"])}
+    for name, (n, extra) in runs.items():
+        path = str(tmp_path / f"{name}.jsonl")
+        r = pretrain(n, TINY + ["--untie-embeddings-and-output-weights", "--global-batch-size",
+                                "8", "--train-iters", "6", "--eval-interval", "3",
+                                "--eval-iters", "1", "--log-json", path] + extra)
+        assert r.returncode == 0, f"{name}:\n{r.stdout[-2000:]}\n{r.stderr[-3000:]}"
+        logs[name] = (read_json_log(path), read_json_log(path, "valid"), r.stdout)
+    ref, ref_valid, _ = logs["pp1"]
+    for name in ("pp2_dp2", "pp2_tp2"):
+        log, valid, out = logs[name]
+        assert [m["iteration"] for m in log] == list(range(1, 7)), name
+        for a, b in zip(log, ref):
+            for key in ("loss", "grad_norm"):
+                assert abs(a[key] - b[key]) <= 1e-5 * abs(b[key]), (name, key, a, b)
+        assert len(valid) == len(ref_valid) == 2, name
+        for a, b in zip(valid, ref_valid):
+            assert abs(a["loss"] - b["loss"]) <= 1e-5 * abs(b["loss"]), (name, a, b)
+        assert log[-1]["comm_bytes"]["p2p"] > 0, name
+        assert "stage 0: embedding + 1 layer (0)" in out and "stage 1: 1 layer (1) + loss" in out
