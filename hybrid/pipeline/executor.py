@@ -34,10 +34,18 @@ parameters. The weight half repeats the input half's traversal: right numbers,
 more compute than splitting inside the linear layers would take. An op whose
 backward reuses what it saved in place must keep it for the second pass (the
 GPT's loss: ``split_backward``).
+
+[Note: the optional timeline]
+``run_actions(..., timeline=[])`` appends ``(action, start, end)`` for every action, in
+``time.perf_counter`` seconds (the device synced at both ends on CUDA, so the span
+holds its work): how long each compute ran and each receive waited
+(``benchmarks/bench_pipeline.py`` reads idle time and per-micro-batch times from it).
+None, the default, times nothing.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
 
 import torch
@@ -52,20 +60,34 @@ def run_actions(actions: Sequence[Action], forward: Callable[[int, int, torch.Te
                                                              torch.Tensor],
                 params: dict[int, list[torch.nn.Parameter]], pp: CommGroup, *,
                 shape: tuple[int, ...], dtype: torch.dtype, device: torch.device,
-                stages: int, zero=None) -> dict[int, torch.Tensor]:
+                stages: int, zero=None,
+                timeline: list[tuple[Action, float, float]] | None = None
+                ) -> dict[int, torch.Tensor]:
     """Run this rank's ``actions`` (module doc); returns the loss of each micro-batch the
     last stage computed here, by micro-batch (empty on other ranks). ``pp``: the
     pipeline group, its group ranks the pipeline ranks; ``shape``/``dtype``: of the
     activations between stages, and of their gradients; ``stages``: ``p * v``;
-    ``zero``: the rank's :class:`~hybrid.zero.ZeroEngine`, or None (plain autograd)."""
+    ``zero``: the rank's :class:`~hybrid.zero.ZeroEngine`, or None (plain autograd);
+    ``timeline``: a list to append each action's ``(action, start, end)`` to ([Note: the
+    optional timeline]), or None."""
     run = _Run(forward, params, pp, shape, dtype, device, stages, zero)
     last = max((i for i, a in enumerate(actions)
                 if a.kind in (Kind.BACKWARD, Kind.BACKWARD_WEIGHT)), default=-1)
     if zero is not None and len({a.stage for a in actions if a.stage >= 0}) > 1:
         raise NotImplementedError("ZeRO under an interleaved schedule (several stages on "
                                   "one rank) is not supported yet")
+    cuda = device.type == "cuda"
     for i, a in enumerate(actions):
+        if timeline is None:
+            run.do(a, sync=i == last)
+            continue
+        if cuda:
+            torch.cuda.synchronize(device)
+        start = time.perf_counter()
         run.do(a, sync=i == last)
+        if cuda:
+            torch.cuda.synchronize(device)
+        timeline.append((a, start, time.perf_counter()))
     return run.losses
 
 
