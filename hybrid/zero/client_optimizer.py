@@ -33,7 +33,7 @@ per optimizer step, as DeepSpeed's overflow check has.
 from __future__ import annotations
 
 import inspect
-from collections.abc import Generator, Iterable, Sequence
+from collections.abc import Collection, Generator, Iterable, Sequence
 
 import torch
 
@@ -108,13 +108,14 @@ class ClientShardOptimizer(ShardBase):
             or the fp32 parameter shards themselves).
         split_ranges: per part, ``[(lo, hi)]`` of TP-split parameters (the norm's).
         flat_master: the flat buffer ``master`` are views of, if any.
+        excluded: parts left out of the norm (:class:`~hybrid.zero.optimizer.ShardBase`).
     """
 
     def __init__(self, client: torch.optim.Optimizer, pieces: Sequence[OwnedPiece],
                  master: list[torch.Tensor], split_ranges, *,
-                 flat_master: torch.Tensor | None = None):
+                 flat_master: torch.Tensor | None = None, excluded: Collection[int] = ()):
         dev = master[0].device if master else torch.device("cpu")
-        super().__init__([m.numel() for m in master], split_ranges, dev)
+        super().__init__([m.numel() for m in master], split_ranges, dev, excluded)
         self.client, self.master, self.flat_master = client, master, flat_master
         self.element_keys, self.scalar_keys = element_state_keys(client)
         self.columns: tuple[str, ...] = ("master",) + self.element_keys

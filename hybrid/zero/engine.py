@@ -28,6 +28,19 @@ this rank keeps (see :mod:`hybrid.zero.units`).
 their gradients: shard and reduce over ``ps.dp_cp_group`` (the DP group at CP 1),
 dividing by the DP size only -- a sum over CP, a mean over DP
 (docs/context-parallelism.md).
+
+[Note: tied copies across pipeline stages]
+With tied embeddings under pipeline parallelism the first stage embeds with
+``wte.weight`` and the last stage's head reads its own copy of it (``tied``
+names such parameters). The copies start equal (the init by name) and stay
+equal: each gets a ZeRO unit of its own, of the same size and DP partition on
+both stages (:mod:`hybrid.zero.units`), and at the step, once DP has reduced
+it, its gradient shard is summed over ``ps.embedding_group`` (the two stages'
+ranks at the same TP, CP and DP position) -- both then step the same master
+from the same gradient. The norm counts it on the first stage only. Where the
+embedding group is one rank (PP 1, a middle stage) nothing is tied and the
+units are an untied run's. An offloaded optimizer's gradients go down to the
+host during backward, before the step could sum them: refused.
 """
 
 from __future__ import annotations
@@ -35,6 +48,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import sys
+from collections.abc import Collection
 from dataclasses import dataclass
 
 import torch
@@ -90,14 +104,19 @@ class ZeroEngine:
     def __init__(self, model: nn.Module, ps: ParallelState, zero: ZeroConfig, *,
                  adamw: AdamWConfig, precision: PrecisionConfig, offload: OffloadConfig,
                  values=None, unit_modules=None, recompute: RecomputePhase | None = None,
-                 client: torch.optim.Optimizer | None = None, decay: str = "matrices"):
+                 client: torch.optim.Optimizer | None = None, decay: str = "matrices",
+                 tied: Collection[str] = ()):
         self.model, self.ps = model, ps
         self.plan = ShardingPlan.for_stage(zero.stage)  # the stage, resolved once: plan.stage
         self.clip_grad = adamw.clip_grad
         self.dtype = DTYPES[precision.params_dtype]
         self.grad_dtype = DTYPES[precision.grads_dtype]
         self.scaler = LossScaler.from_config(precision)
-        self.units, owners = plan_units(model, ps, zero, self.plan, unit_modules)
+        tied = _tied_names(model, ps, tied, offload)
+        self.units, owners = plan_units(model, ps, zero, self.plan, unit_modules, alone=tied)
+        # [Note: tied copies across pipeline stages]
+        ids = {id(p) for n, p in model.named_parameters() if n in tied}
+        self.tied_units = [u for u in self.units if len(u.params) == 1 and id(u.params[0]) in ids]
         self._pieces = owned_pieces(model, self.units)  # the layout is fixed from here on
         # [Note: the order of construction] Each part is built from the parts above it.
         self.tiers = OffloadTiers(offload, ps.rank, self.units, dtype=self.dtype,
@@ -177,6 +196,9 @@ class ZeroEngine:
                 decay[pc.unit].append(rng)
             if is_tp_split(pc.param):
                 split[pc.unit].append(rng)
+        # the last stage's copy of a tied embedding: the first stage counts it
+        excluded = ([k for k, u in enumerate(self.units) if u in self.tied_units]
+                    if not self.ps.is_first_stage else [])
         if client is not None:
             if self.swapped is not None:
                 raise ConfigError(
@@ -184,7 +206,7 @@ class ZeroEngine:
                     f"NVMe: hybrid's NVMe tier swaps its own AdamW's states; offload the "
                     f"optimizer to \"cpu\", or use the ds_config's \"optimizer\" block")
             return ClientShardOptimizer(client, self._pieces, master, split,
-                                        flat_master=self.flat_master)
+                                        flat_master=self.flat_master, excluded=excluded)
         if self.swapped is not None:
             return SwappedAdamW([u.own_hi - u.own_lo for u in self.units], decay, split, adamw,
                                 states=self.swapped)
@@ -193,7 +215,7 @@ class ZeroEngine:
         # host copies of its own and steps through step_parts).
         flat_grad = self.flat_grads if self.plan.grads and not offload.optimizer else None
         return ShardedAdamW(master, decay, split, adamw, flat_master=self.flat_master,
-                            flat_grad=flat_grad)
+                            flat_grad=flat_grad, excluded=excluded)
 
     def _build_offload(self, offload: OffloadConfig) -> OptimizerOffload | None:
         """The host step of ``--offload-optimizer`` (None without it): it reads the
@@ -279,6 +301,9 @@ class ZeroEngine:
         ``grad_divisor``: what the accumulated gradient is divided by besides the loss
         scale (the micro-batch count, when each backward was of an undivided loss).
         """
+        for u in self.tied_units:  # [Note: tied copies across pipeline stages]
+            assert u.grad_shard is not None  # (on the device: no offload with tied copies)
+            self.ps.embedding_group.all_reduce(u.grad_shard)
         grads = [u.grad_shard for u in self.units]
         dp = self.ps.dp_cp_group if self.plan.optimizer else None
         scale = self.scaler.scale * grad_divisor  # what the gradient is a multiple of
@@ -443,8 +468,8 @@ def apply_zero(model: nn.Module, ps: ParallelState, zero: ZeroConfig = ZeroConfi
                adamw: AdamWConfig = AdamWConfig(), precision: PrecisionConfig = PrecisionConfig(),
                offload: OffloadConfig = OffloadConfig(), values=None, unit_modules=None,
                recompute: RecomputePhase | None = None,
-               client: torch.optim.Optimizer | None = None, decay: str = "matrices"
-               ) -> ZeroEngine:
+               client: torch.optim.Optimizer | None = None, decay: str = "matrices",
+               tied: Collection[str] = ()) -> ZeroEngine:
     """Wrap ``model`` for ZeRO stage ``zero.stage`` over ``ps.dp_cp_group`` ([Note: ZeRO ...]).
 
     The sections (each defaults to its dataclass defaults): ``zero`` how the
@@ -465,11 +490,37 @@ def apply_zero(model: nn.Module, ps: ParallelState, zero: ZeroConfig = ZeroConfi
     shard with instead of hybrid's AdamW (:mod:`hybrid.zero.client_optimizer`; its
     groups' hyperparameters apply, ``adamw`` gives only the clipping). ``decay``:
     which parameters hybrid's AdamW decays: "matrices" (Megatron's rule: no biases or
-    norms) or "all" (DeepSpeed's: what it is given).
+    norms) or "all" (DeepSpeed's: what it is given). ``tied``: names of parameters of
+    which every rank of ``ps.embedding_group`` holds a copy (a tied word embedding under
+    pipeline parallelism): their gradients are summed over that group at the step and
+    the norm counts them on the first stage only ([Note: tied copies ...]); ignored where
+    the group is this rank alone.
     """
     blocks = getattr(model, "blocks", None)  # (a transformer's, by convention)
     if unit_modules is None and blocks is not None:
         unit_modules = list(blocks)
     return ZeroEngine(model, ps, zero, adamw=adamw, precision=precision, offload=offload,
                       values=values, unit_modules=unit_modules, recompute=recompute,
-                      client=client, decay=decay)
+                      client=client, decay=decay, tied=tied)
+
+
+def _tied_names(model: nn.Module, ps: ParallelState, tied: Collection[str],
+                offload: OffloadConfig) -> tuple[str, ...]:
+    """The names of ``tied`` the engine sums over ``ps.embedding_group``: none where that
+    group is this rank alone; a ValueError when one is not in ``model`` (the other rank
+    would wait for it) and a ConfigError with an offloaded optimizer ([Note: tied ...])."""
+    group = ps.embedding_group
+    if group.size == 1 or not tied:
+        return ()
+    names = {n for n, _ in model.named_parameters()}
+    missing = [n for n in tied if n not in names]
+    if missing:
+        raise ValueError(f"tied parameter {missing[0]!r} is not in this rank's model, but "
+                         f"its embedding group (global ranks {group.ranks}) holds "
+                         f"{group.size} copies: every rank of the group must hold one")
+    if offload.optimizer:
+        raise ConfigError(f"tied embeddings across pipeline stages with --offload-optimizer "
+                          f"{offload.optimizer}: the gradient of {next(iter(tied))!r} leaves "
+                          f"the device before the step sums its copies; pass "
+                          f"--untie-embeddings-and-output-weights, or drop the offload")
+    return tuple(tied)

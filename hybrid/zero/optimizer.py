@@ -14,7 +14,10 @@ of a weight, ``param.tp_spec``) and replicated parameters (LayerNorm, position
 embeddings, row-parallel biases) whose gradients are identical on every TP
 rank. The global squared norm sums the shards' squares over TP and adds the
 replicated squares *once*; summing everything over TP would count each
-replicated parameter TP times.
+replicated parameter TP times. Across pipeline stages the parameters are
+disjoint too, except a tied word embedding's two copies (the first and the last
+stage's), whose summed gradients are equal: the copy's part is left out of the
+last stage's terms (``excluded``), so the embedding counts once.
 
 The arithmetic is torch.optim.AdamW's (decoupled decay, bias-corrected
 moments, eps added after the square root), so a ZeRO run and a plain
@@ -35,7 +38,7 @@ made once when the optimizer is built; this module only owns the state.
 
 from __future__ import annotations
 
-from collections.abc import Generator, Iterable
+from collections.abc import Collection, Generator, Iterable
 from typing import Protocol
 
 import torch
@@ -59,6 +62,8 @@ class ShardBase:
         sizes: elements of each part (unit), in shard order.
         split_ranges: per part, ``[(lo, hi)]`` belonging to TP-split parameters.
         device: where the step count lives (the shard's device).
+        excluded: parts left out of the norm: copies of a gradient another rank
+            counts (see [Note: counting TP-replicated parameters once]).
     """
 
     # what a rank keeps per element of its shard, "master" first: a checkpoint's columns
@@ -67,8 +72,10 @@ class ShardBase:
     # than its step count): a save refuses rather than lose it
     unsaved: tuple[str, ...] = ()
 
-    def __init__(self, sizes: list[int], split_ranges, device: torch.device):
+    def __init__(self, sizes: list[int], split_ranges, device: torch.device,
+                 excluded: Collection[int] = ()):
         self.split_ranges = split_ranges
+        self.excluded = frozenset(excluded)
         self.offsets = [0]  # where each part starts in the flat shard
         for n in sizes:
             self.offsets.append(self.offsets[-1] + n)
@@ -128,7 +135,9 @@ class ShardBase:
         """Part ``i``'s squared norms from its gradient ``g``, range by range: (TP-split
         ranges', replicated ranges'), 0-dim fp64 tensors on ``g``'s device. Taken as
         soon as a part's gradient is final when the gradient only passes through the
-        device (hybrid/zero/offload/landing.py)."""
+        device (hybrid/zero/offload/landing.py). An excluded part has none."""
+        if i in self.excluded:
+            return [], []
         split, replicated = ([torch.linalg.vector_norm(g[lo:hi], dtype=torch.float32).double()
                               ** 2 for lo, hi in ranges]
                              for ranges in (self.split_ranges[i], self._replicated[i]))
@@ -162,16 +171,17 @@ class ShardedAdamW(ShardBase):
         flat_grad: the flat gradient every :meth:`step` will read, parts in
             ``master`` order, if there is one (stages 2-3): with ``flat_master``
             it lets a compiled kernel update the whole shard in one pass.
+        excluded: parts left out of the norm (:class:`ShardBase`).
     """
 
     def __init__(self, master: list[torch.Tensor], decay_ranges, split_ranges, cfg: AdamWConfig,
                  *, flat_master: torch.Tensor | None = None,
-                 flat_grad: torch.Tensor | None = None):
+                 flat_grad: torch.Tensor | None = None, excluded: Collection[int] = ()):
         self.master = master
         self.flat_master = flat_master
         n = sum(m.numel() for m in master)
         dev = master[0].device if master else torch.device("cpu")
-        super().__init__([m.numel() for m in master], split_ranges, dev)
+        super().__init__([m.numel() for m in master], split_ranges, dev, excluded)
         # Both moments are single flat buffers; parts are views.
         self._flat_avg = torch.zeros(n, dtype=torch.float32, device=dev)
         self._flat_avg_sq = torch.zeros(n, dtype=torch.float32, device=dev)

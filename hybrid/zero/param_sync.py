@@ -1,7 +1,8 @@
 """Stage 3: gather a module's parameters just before it runs, free them right after.
 
 Each partitioned unit belongs to one module (a transformer block, or the root
-module for what no block owns). Hooks on that module:
+module for what no block owns and for a parameter with a unit of its own: see
+:mod:`hybrid.zero.units`). Hooks on that module:
 
 * forward pre-hook: finish this unit's all-gather (usually already prefetched),
   then start the next unit's in forward order -- asynchronously even when the
@@ -38,6 +39,7 @@ class ParamGatherer:
         self.pipe = pipe
         self.recompute = recompute
         self.units = [u for _, u in owners]
+        self._owner = {id(u): m for m, u in owners}
         self._forward_order: list[FlatUnit] = []
         self._recording = True
         self._handles = []
@@ -53,10 +55,12 @@ class ParamGatherer:
         i = order.index(unit)
         if not backward:
             return order[i + 1] if i + 1 < len(order) else None
-        # Backward meets the root first (the loss), then blocks last to first.
+        # Backward meets the root module's units first (the loss: all of them gathered
+        # there, none released before their gradients), then blocks last to first.
         if i == 0:
             return order[-1] if len(order) > 1 else None
-        return order[i - 1] if i > 1 else None
+        prev = order[i - 1]
+        return prev if self._owner[id(prev)] is not self._owner[id(order[0])] else None
 
     def _prefetch(self, unit: FlatUnit, backward: bool) -> None:
         nxt = self._next(unit, backward)

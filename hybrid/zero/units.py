@@ -17,6 +17,17 @@ At stage 3 they join the root unit, which stays gathered through the whole
 forward and the whole backward, so every block that uses them finds them
 whole.
 
+[Note: a unit of its own]
+A parameter named in ``alone`` gets a unit holding it and nothing else: the
+same size and the same DP partition on every rank that holds a copy of it,
+whatever else each rank holds. Two pipeline stages' copies of a tied word
+embedding are then summed shard against shard (element ``k`` of one rank's
+gradient shard is element ``k`` of the other's). Such units come first, so each
+starts the rank's flat shard at offset 0 on every such rank: an update kernel
+whose rounding depends on an element's place in the call still treats the
+copies alike. At stage 3 a large one is partitioned and gathered around the
+whole model's run, like the root unit.
+
 [Note: materializing only what a rank keeps]
 Parameters may arrive on the meta device. ``values(name, param, lo, hi)``
 supplies fp32 values of a TP-local flat range (the block-seeded init of
@@ -29,6 +40,7 @@ fp32 master only this rank's ranges. So no rank ever holds more than it keeps.
 from __future__ import annotations
 
 import bisect
+from collections.abc import Collection
 from typing import NamedTuple
 
 import torch
@@ -67,18 +79,29 @@ def bucket_units(params, ps: ParallelState, bucket: int, owns_all: bool, tag: st
             for i, g in enumerate(groups)]
 
 
-def plan_units(model: nn.Module, ps: ParallelState, cfg, plan, unit_modules):
+def plan_units(model: nn.Module, ps: ParallelState, cfg, plan, unit_modules,
+               alone: Collection[str] = ()):
     """(units, owners): every trainable parameter in exactly one unit; ``owners`` are
-    the (module, partitioned unit) pairs stage 3 gathers around each module's run."""
-    params = [p for p in model.parameters() if p.requires_grad]
+    the (module, partitioned unit) pairs stage 3 gathers around each module's run.
+    ``alone``: names of parameters that get a unit of their own each, first in
+    ``units`` ([Note: a unit of its own])."""
+    named = dict(model.named_parameters())
+    solo = [(n, named[n]) for n in alone if named[n].requires_grad]
+    solo_ids = {id(p) for _, p in solo}
+    params = [p for p in model.parameters() if p.requires_grad and id(p) not in solo_ids]
     shared = shared_param_ids(model)
     if not plan.params:
         plain = [p for p in params if id(p) not in shared]
         multi = [p for p in params if id(p) in shared]
-        return (bucket_units(plain, ps, cfg.reduce_bucket_size, not plan.optimizer, "bucket")
+        return ([FlatUnit([p], ps.dp_cp_group, owns_all=not plan.optimizer,
+                          deferred=id(p) in shared, name=n) for n, p in solo]
+                + bucket_units(plain, ps, cfg.reduce_bucket_size, not plan.optimizer, "bucket")
                 + bucket_units(multi, ps, cfg.reduce_bucket_size, not plan.optimizer,
                                "shared", deferred=True)), []
     thr = cfg.param_persistence_threshold
+    # a small one stays whole like the persistent buckets, a large one is partitioned
+    lone = [FlatUnit([p], ps.dp_cp_group, partition_params=p.numel() >= thr,
+                     deferred=id(p) in shared, name=n) for n, p in solo]
     small = [p for p in params if p.numel() < thr]
     units = (bucket_units([p for p in small if id(p) not in shared], ps,
                           cfg.reduce_bucket_size, False, "persistent")
@@ -88,17 +111,21 @@ def plan_units(model: nn.Module, ps: ParallelState, cfg, plan, unit_modules):
     owners = []
     for i, m in enumerate(unit_modules or []):
         mine = [p for p in m.parameters() if p.requires_grad and p.numel() >= thr
-                and id(p) not in shared and id(p) not in taken]
+                and id(p) not in shared and id(p) not in taken and id(p) not in solo_ids]
         taken.update(id(p) for p in mine)
         if mine:
             owners.append((m, FlatUnit(mine, ps.dp_cp_group, partition_params=True,
                                        name=f"module{i}")))
     rest = [p for p in params if id(p) not in taken and p.numel() >= thr]
+    # the root module's units, gathered from its forward to the end of its backward:
+    # what no block owns, then the partitioned units of their own
+    top = [(model, u) for u in lone if u.partition_params]
     if rest:
-        root = FlatUnit(rest, ps.dp_cp_group, partition_params=True,
-                        deferred=any(id(p) in shared for p in rest), name="root")
-        owners.insert(0, (model, root))
-    return units + [u for _, u in owners], owners
+        top.insert(0, (model, FlatUnit(rest, ps.dp_cp_group, partition_params=True,
+                                       deferred=any(id(p) in shared for p in rest),
+                                       name="root")))
+    owners = top + owners
+    return lone + units + [u for _, u in owners if u not in lone], owners
 
 
 class OwnedPiece(NamedTuple):

@@ -139,3 +139,87 @@ def test_shared_parameters_train_like_one_process(tied_reference, tp, dp):
                 full, want = full[:want.shape[0]], want[:full.shape[0]]
             torch.testing.assert_close(full, want, rtol=1e-5, atol=1e-6,
                                        msg=lambda m, what=what, name=name: f"{what}: {name}: {m}")
+
+
+# -- a tied embedding's copies on two pipeline stages -------------------------------------
+def _stage_engine(ps, stage, tied=("wte.weight",), threshold=2000):
+    """This rank's pipeline stage of a 2-layer tied GPT (one layer each at PP 2), under
+    ZeRO ``stage`` with ``tied``; stage 3 partitions what has ``threshold`` elements or
+    more."""
+    from hybrid.config.model import ModelConfig
+    from hybrid.config.sections import ZeroConfig
+    from hybrid.zero import apply_zero
+    from models.gpt import GPT
+    cfg = ModelConfig(num_layers=2, hidden_size=32, num_attention_heads=4,
+                      max_position_embeddings=8).with_vocab_size(64)
+    r, p = ps.pp_rank, ps.pp_size
+    layers = range(r * 2 // p, (r + 1) * 2 // p)
+    model = GPT(cfg, ps.tp_group, seed=3, device="meta", layers=layers,
+                pre_process=ps.is_first_stage, post_process=ps.is_last_stage)
+    return apply_zero(model, ps, ZeroConfig(stage=stage, param_persistence_threshold=threshold),
+                      values=InitValues(3, model.init_of), tied=tied)
+
+
+def _tied_layouts(ps):
+    out = []
+    for stage in range(4):
+        e = _stage_engine(ps, stage)
+        out.append({"tied": [(u.name, u.padded, u.own_lo, u.own_hi, u.partition_params)
+                             for u in e.tied_units],
+                    "first": e.units[0] is (e.tied_units or [None])[0],
+                    "excluded": sorted(e.optimizer.excluded)})
+    return out
+
+
+def test_a_tied_embedding_gets_the_same_unit_on_both_stages_and_counts_once():
+    """PP 2 x DP 2, stages 0-3: on the first and the last stage ``wte.weight`` is a unit of
+    its own, first in the rank's shard, of the same size and DP range on both (so its
+    gradient shards sum element for element), partitioned at stage 3; only the last
+    stage leaves it out of the norm."""
+    res = run_ranks(_tied_layouts, world_size=4, pp=2)
+    for stage in range(4):
+        rows = [r[stage] for r in res]  # ranks 0, 1: the first stage; 2, 3: the last
+        for rank, row in enumerate(rows):
+            d = rank % 2
+            # (the vocabulary padded to 128 rows of 32)
+            assert row["tied"] == [("wte.weight", 4096, 0 if stage == 0 else d * 2048,
+                                    4096 if stage == 0 else (d + 1) * 2048, stage == 3)], \
+                (stage, rank, row)
+            assert row["first"], (stage, rank)
+            assert row["excluded"] == ([] if rank < 2 else [0]), (stage, rank, row)
+
+
+def _last_stage_gathers(ps):
+    """All-gathered bytes of one forward and backward of the last stage at ZeRO 3 (its
+    root unit, the final norm, partitioned too), and what its partitioned units hold."""
+    e = _stage_engine(ps, 3, threshold=20)
+    if not ps.is_last_stage:
+        return None
+    before = ps.dp_group.stats.bytes["all_gather"]
+    g = torch.Generator().manual_seed(ps.rank)
+    e.backward(e.model(hidden=torch.randn(2, 8, 32, generator=g),
+                       labels=torch.randint(0, 64, (2, 8), generator=g)))
+    return (ps.dp_group.stats.bytes["all_gather"] - before,
+            [(u.name, u.padded) for u in e.units if u.partition_params])
+
+
+def test_stage3_gathers_a_tied_copy_once_each_way():
+    """At ZeRO 3 the last stage's copy of wte is the root module's second unit: gathered
+    for the forward and again at the loss, and not prefetched a third time by the first
+    block's backward after its gradient freed it (counted: a gather over DP 2 moves half
+    the unit's bytes, so a forward and a backward move all of them)."""
+    res = run_ranks(_last_stage_gathers, world_size=4, pp=2)
+    for moved, units in res[2:]:
+        assert [n for n, _ in units] == ["wte.weight", "root", "module0"], units
+        assert moved == 4 * sum(n for _, n in units), (moved, units)
+
+
+def test_tied_names_change_nothing_where_the_embedding_group_is_one_rank():
+    """At PP 1 the embedding group is this rank alone: nothing to sum, and the units (names,
+    sizes, order) are those of an engine built without ``tied``, at every stage."""
+    ps = ParallelState.single()
+    for stage in range(4):
+        a, b = (_stage_engine(ps, stage, tied) for tied in (("wte.weight",), ()))
+        assert a.tied_units == [] and a.optimizer.excluded == frozenset()
+        assert ([(u.name, u.padded) for u in a.units]
+                == [(u.name, u.padded) for u in b.units]), stage
