@@ -53,6 +53,13 @@ of the init by name -- are the same at every pipeline size. With tied
 embeddings a last stage that is not also the first holds a copy of ``wte``
 for its head: the init by name gives it the first stage's values, and whoever
 reduces gradients sums the two copies' gradients (the embedding group).
+Under interleaving (virtual stages) a rank holds several model chunks, stages
+r, r + p, ...: ``layers`` is then one range per chunk, every chunk's blocks sit
+in the one ``blocks`` list (still by global index), and ``forward(..., chunk=c)``
+runs chunk c -- the embeddings on the first rank's chunk 0, the head and loss on
+the last rank's last chunk. One module holds them all, so names, ``blocks`` and
+whatever wraps the model from outside stay as they are; :meth:`GPT.chunk_parameters`
+tells a gradient reducer which parameters one chunk's backward reaches.
 
 Shapes: B batch, T sequence, C hidden, V padded vocabulary.
 """
@@ -60,6 +67,7 @@ Shapes: B batch, T sequence, C hidden, V padded vocabulary.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
@@ -83,18 +91,21 @@ from models.blocks import Block, make_norm, residual_rng
 
 
 class LayerRange(nn.ModuleList):
-    """A stage's blocks, each registered under its global layer index (``first + i``),
-    so a parameter is named as in the whole model; indexed and iterated as a list."""
+    """A stage's blocks, the i-th registered under its global layer index ``ids[i]``, so
+    a parameter is named as in the whole model; indexed and iterated as a list. ``ids``
+    ascend, with gaps between an interleaved rank's chunks (0, 1, 4, 5)."""
 
-    def __init__(self, first: int, modules=()):
-        self.first = first
+    def __init__(self, ids: Sequence[int], modules=()):
+        self.ids = tuple(ids)
         super().__init__(modules)
 
     def _get_abs_string_index(self, idx):
-        return str(self.first + int(super()._get_abs_string_index(idx)))
+        return str(self.ids[int(super()._get_abs_string_index(idx))])
 
     def append(self, module: nn.Module) -> LayerRange:
-        self.add_module(str(self.first + len(self)), module)
+        if len(self) >= len(self.ids):
+            raise IndexError(f"the stage holds layers {self.ids}: no room for another block")
+        self.add_module(str(self.ids[len(self)]), module)
         return self
 
     def extend(self, modules) -> LayerRange:
@@ -115,7 +126,7 @@ class GPT(nn.Module):
     def __init__(self, cfg: ModelConfig, tp_group: CommGroup, rng: TPRNGTracker | None = None,
                  seed: int = 1234, device: torch.device | str = "cpu",
                  sequence_parallel: bool = False, context_parallel: ContextParallel | None = None,
-                 layers: range | None = None, pre_process: bool = True,
+                 layers: range | Sequence[range] | None = None, pre_process: bool = True,
                  post_process: bool = True, split_backward: bool = False):
         """Build ``cfg`` (its ``vocab_size`` known) over ``tp_group`` on ``device`` and
         draw the init from ``seed`` -- or, with ``device="meta"``, only shapes: ZeRO then
@@ -123,13 +134,23 @@ class GPT(nn.Module):
         model.init_of))``). ``sequence_parallel`` (the parallel section's, TP > 1): see
         the module doc; decided here, for every layer at once; so is ``context_parallel``.
         ``layers``, ``pre_process``, ``post_process``: one pipeline stage (module doc);
-        default the whole model. ``split_backward``: each backward runs twice over its
+        default the whole model; a sequence of ranges: an interleaved rank's chunks, in
+        model order (the first chunk's the embeddings, the last's the head, by the two
+        flags). ``split_backward``: each backward runs twice over its
         graph (a zero-bubble schedule's input and weight halves), so the loss keeps
         what its backward reads."""
         super().__init__()
-        layers = range(cfg.num_layers) if layers is None else layers
-        if layers.step != 1 or layers.start < 0 or layers.stop > cfg.num_layers:
-            raise ValueError(f"layers {layers} is not a run of the model's {cfg.num_layers}")
+        chunks = ((range(cfg.num_layers),) if layers is None
+                  else (layers,) if isinstance(layers, range) else tuple(layers))
+        stop = 0
+        for r in chunks:
+            if r.step != 1 or r.start < stop or r.stop > cfg.num_layers:
+                raise ValueError(f"layers {layers} is not a run of the model's "
+                                 f"{cfg.num_layers} (or ascending runs, one per chunk)")
+            stop = max(stop, r.stop)
+        if not chunks or (len(chunks) > 1 and pre_process and post_process):
+            raise ValueError("model chunks interleave over pipeline ranks: one rank holds "
+                             "the embeddings or the head, not both")
         if cfg.vocab_size is None:
             raise ValueError("the model needs its vocabulary: build it from "
                              "cfg.with_vocab_size(tokenizer.vocab_size)")
@@ -150,6 +171,7 @@ class GPT(nn.Module):
         self.cp = context_parallel
         self.padded_vocab_size = cfg.padded_vocab_size(tp_group.size)  # embedding rows, all ranks
         self.pre_process, self.post_process = pre_process, post_process
+        self.chunks = chunks  # each chunk's global layer numbers
         self.split_backward = split_backward
         tied = not cfg.untie_embeddings_and_output_weights
         # SP's and CP's residual stream holds other tokens on each rank: its dropout forks
@@ -166,9 +188,9 @@ class GPT(nn.Module):
                                         _weight=torch.empty(cfg.max_position_embeddings,
                                                             cfg.hidden_size))
             self.drop = nn.Dropout(cfg.hidden_dropout)
-            self.blocks = LayerRange(layers.start, (Block(cfg, tp_group, rng, sequence_parallel,
-                                                          context_parallel)
-                                                    for _ in layers))
+            ids = [i for r in chunks for i in r]
+            self.blocks = LayerRange(ids, (Block(cfg, tp_group, rng, sequence_parallel,
+                                                 context_parallel) for _ in ids))
             if post_process:
                 self.ln_f = make_norm(cfg, tp_group, sequence_parallel)
             if post_process and not tied:  # rows split like wte's
@@ -197,17 +219,37 @@ class GPT(nn.Module):
             return Init("normal", cfg.init_method_std, valid_rows=cfg.vocab_size)
         return Init("normal", cfg.init_method_std)
 
+    def chunk_blocks(self, chunk: int) -> list[nn.Module]:
+        """The blocks of model chunk ``chunk`` (all of them without interleaving)."""
+        start = sum(len(r) for r in self.chunks[:chunk])
+        return list(self.blocks)[start: start + len(self.chunks[chunk])]
+
+    def chunk_parameters(self) -> list[list[nn.Parameter]]:
+        """Each chunk's parameters, the rank's split in one list per chunk: its blocks',
+        and the parameters outside the blocks (embeddings, final norm, head) with the
+        chunk that uses them -- the first when this rank embeds, else the last. A
+        backward from one chunk's output reaches exactly its list."""
+        in_blocks = {id(p) for b in self.blocks for p in b.parameters()}
+        rest = [p for p in self.parameters() if id(p) not in in_blocks]
+        out = [[p for b in self.chunk_blocks(c) for p in b.parameters()]
+               for c in range(len(self.chunks))]
+        out[0 if self.pre_process else -1][:0] = rest
+        return out
+
     def forward(self, tokens: torch.Tensor | None = None, labels: torch.Tensor | None = None,
-                loss_mask: torch.Tensor | None = None,
-                hidden: torch.Tensor | None = None) -> torch.Tensor:
+                loss_mask: torch.Tensor | None = None, hidden: torch.Tensor | None = None,
+                chunk: int = 0) -> torch.Tensor:
         """Logits ``(B, T, V / tp)`` of this TP rank's vocabulary shard, or with ``labels``
         ``(B, T)`` the mean cross-entropy over the tokens; with ``loss_mask`` ``(B, T)``
         (1 = counts) the mean over the tokens it keeps (``--eod-mask-loss``). With context
         parallelism T is this CP rank's share (see the module doc). A pipeline stage
         after the first takes the previous stage's ``hidden`` instead of ``tokens``, and
         one before the last returns its hidden states ``(B, T, C)`` (``(B, T / tp, C)``
-        under SP) instead of logits or a loss."""
-        if self.pre_process:
+        under SP) instead of logits or a loss. ``chunk``: which of an interleaved rank's
+        model chunks runs (module doc); the embeddings belong to chunk 0, the head to
+        the last."""
+        last = chunk == len(self.chunks) - 1
+        if self.pre_process and chunk == 0:
             if tokens is None:
                 raise ValueError("the first stage's forward takes tokens")
             x = self.embed(tokens)
@@ -216,9 +258,9 @@ class GPT(nn.Module):
                              "hidden states (hidden=...)")
         else:
             x = hidden
-        for block in self.blocks:
+        for block in (self.blocks if len(self.chunks) == 1 else self.chunk_blocks(chunk)):
             x = block(x)
-        if not self.post_process:
+        if not (self.post_process and last):
             return x
         return self.head(x, labels, loss_mask)
 
