@@ -72,6 +72,7 @@ from hybrid.zero.offload.nvme.adamw import SwappedAdamW
 from hybrid.zero.offload.tiers import OffloadTiers
 from hybrid.zero.optimizer import ShardedAdamW, global_grad_norm
 from hybrid.zero.param_sync import ParamGatherer
+from hybrid.zero.parts import split_by_part
 from hybrid.zero.plan import ShardingPlan
 from hybrid.zero.units import Materializer, OwnedPiece, owned_pieces, plan_units
 
@@ -103,7 +104,8 @@ class ZeroEngine:
 
     def __init__(self, model: nn.Module, ps: ParallelState, zero: ZeroConfig, *,
                  adamw: AdamWConfig, precision: PrecisionConfig, offload: OffloadConfig,
-                 values=None, unit_modules=None, recompute: RecomputePhase | None = None,
+                 values=None, unit_modules=None, parts: list[list[nn.Parameter]] | None = None,
+                 recompute: RecomputePhase | None = None,
                  client: torch.optim.Optimizer | None = None, decay: str = "matrices",
                  tied: Collection[str] = ()):
         self.model, self.ps = model, ps
@@ -117,6 +119,10 @@ class ZeroEngine:
         # [Note: tied copies across pipeline stages]
         ids = {id(p) for n, p in model.named_parameters() if n in tied}
         self.tied_units = [u for u in self.units if len(u.params) == 1 and id(u.params[0]) in ids]
+        # a model in parts: no unit across two (hybrid/zero/parts.py); the part of each unit
+        self.unit_parts = [0] * len(self.units)
+        if parts is not None:
+            self.units, owners, self.unit_parts = split_by_part(self.units, owners, parts)
         self._pieces = owned_pieces(model, self.units)  # the layout is fixed from here on
         # [Note: the order of construction] Each part is built from the parts above it.
         self.tiers = OffloadTiers(offload, ps.rank, self.units, dtype=self.dtype,
@@ -130,14 +136,20 @@ class ZeroEngine:
         # step) goes through one pipeline: two staging buffers of at most a bucket
         self.param_pipeline = GatherPipeline(ps.dp_cp_group, zero.allgather_bucket_size, ps.device)
         self.publisher = ShardPublisher(self.param_pipeline, sharded=self.plan.optimizer)
+        # (a root unit runs in every part's forward: its part says nothing of what follows)
+        where = {id(u): k for u, k in zip(self.units, self.unit_parts)}
         self.gatherer = (ParamGatherer(owners, self.param_pipeline,
-                                       recompute or RecomputePhase()) if owners else None)
+                                       recompute or RecomputePhase(),
+                                       parts={id(u): None if m is model else where[id(u)]
+                                              for m, u in owners} if parts is not None else None)
+                         if owners else None)
         self.optimizer = self._build_optimizer(master, adamw, offload, client, decay)
         self.offload = self._build_offload(offload)
         self.sink = self._pick_sink(lands)
         self.reducer = GradReducer(self.units, self.plan, dp=ps.dp_cp_group, sink=self.sink,
                                    bucket=zero.reduce_bucket_size, overlap=zero.overlap_comm,
-                                   grad_dtype=self.grad_dtype, replicas=ps.dp_size)
+                                   grad_dtype=self.grad_dtype, replicas=ps.dp_size,
+                                   parts=self.unit_parts)
         # With a separate master the step writes each unit's new parameter shard in
         # the training dtype (a compiled kernel in the same pass as the update):
         # that is the publication, no master -> shard copy after it.
@@ -265,10 +277,14 @@ class ZeroEngine:
         (loss * self.scaler.scale if self.scaler.scale != 1.0 else loss).backward()
         self.end_backward()
 
-    def begin_backward(self, sync: bool) -> None:
+    def begin_backward(self, sync: bool, part: int | None = None) -> None:
         """Before a backward run by the caller (any time after the last one ended):
-        ``sync`` as in :meth:`backward`. The hooks reduce as gradients arrive."""
-        self.reducer.begin(sync)
+        ``sync`` as in :meth:`backward`. The hooks reduce as gradients arrive.
+        ``part``: the backward reaches only that part of the model (``parts`` given to
+        :func:`apply_zero`: an interleaved pipeline rank's chunk), and ``sync`` marks
+        that part's last backward of the step (:mod:`hybrid.zero.parts`); None: the
+        whole model."""
+        self.reducer.begin(sync, part)
 
     def end_backward(self) -> None:
         """After a backward begun by :meth:`begin_backward` has returned: the deferred
@@ -467,6 +483,7 @@ class ZeroEngine:
 def apply_zero(model: nn.Module, ps: ParallelState, zero: ZeroConfig = ZeroConfig(), *,
                adamw: AdamWConfig = AdamWConfig(), precision: PrecisionConfig = PrecisionConfig(),
                offload: OffloadConfig = OffloadConfig(), values=None, unit_modules=None,
+               parts: list[list[nn.Parameter]] | None = None,
                recompute: RecomputePhase | None = None,
                client: torch.optim.Optimizer | None = None, decay: str = "matrices",
                tied: Collection[str] = ()) -> ZeroEngine:
@@ -484,6 +501,9 @@ def apply_zero(model: nn.Module, ps: ParallelState, zero: ZeroConfig = ZeroConfi
     ``precision.params_dtype`` views of its buffers.
     ``unit_modules``: the modules whose parameters stage 3 gathers as one unit
     (default ``model.blocks`` when it exists).
+    ``parts``: the model's parameters in disjoint lists that separate backwards reach
+    (an interleaved pipeline rank's chunks: ``GPT.chunk_parameters()``); each backward
+    then names its part (:meth:`ZeroEngine.begin_backward`, :mod:`hybrid.zero.parts`).
     ``recompute``: the :class:`RecomputePhase` activation checkpointing sets,
     so stage 3 keeps a recomputed block's parameters for its backward.
     ``client``: a ``torch.optim`` optimizer over the model's parameters to step the
@@ -500,7 +520,8 @@ def apply_zero(model: nn.Module, ps: ParallelState, zero: ZeroConfig = ZeroConfi
     if unit_modules is None and blocks is not None:
         unit_modules = list(blocks)
     return ZeroEngine(model, ps, zero, adamw=adamw, precision=precision, offload=offload,
-                      values=values, unit_modules=unit_modules, recompute=recompute,
+                      values=values, unit_modules=unit_modules, parts=parts,
+                      recompute=recompute,
                       client=client, decay=decay, tied=tied)
 
 

@@ -31,6 +31,10 @@ Deferred units (parameters used in several places, see
 :mod:`hybrid.zero.units`) skip the hooks' trigger and are reduced in
 ``finish()``, once backward is over.
 
+A model in parts (an interleaved pipeline rank's chunks, :mod:`hybrid.zero.parts`)
+names each backward's part at ``begin``: that backward expects gradients for
+that part's units only, and ``sync`` says whether it is that part's last.
+
 [Note: one gradient sink]
 Where a reduced shard goes is the :class:`GradSink` the engine picks once, at
 construction; the reducer only tells it about each unit, in order:
@@ -151,12 +155,17 @@ class GradReducer:
         overlap: reductions run asynchronously while backward computes.
         grad_dtype: the dtype gradients are accumulated and reduced in.
         replicas: the DP size the mean is over (default: the group's size).
+        parts: the part of each unit (:mod:`hybrid.zero.parts`); default: one part.
     """
 
     def __init__(self, units: list[FlatUnit], plan, *, dp: CommGroup, sink: GradSink,
                  bucket: int, overlap: bool, grad_dtype: torch.dtype,
-                 replicas: int | None = None):
+                 replicas: int | None = None, parts: list[int] | None = None):
         self.units, self.plan, self.dp = units, plan, dp
+        self._by_part: dict[int, list[FlatUnit]] = {}
+        for u, k in zip(units, parts if parts is not None else [0] * len(units)):
+            self._by_part.setdefault(k, []).append(u)
+        self._expected = units  # the units the current backward reaches
         # the mean is over the replicas that saw different samples (DP); the rest of
         # the group (CP) holds parts of one gradient, summed (see hybrid.zero.engine)
         self.replicas = dp.size if replicas is None else replicas
@@ -197,8 +206,12 @@ class GradReducer:
         while self._inflight:
             self._retire_one()
 
-    def begin(self, sync: bool) -> None:
-        """Before a micro-batch's backward; ``sync`` marks the last one of the step."""
+    def begin(self, sync: bool, part: int | None = None) -> None:
+        """Before a micro-batch's backward; ``sync`` marks the last one of the step --
+        with ``part``, the last of that part, whose units alone this backward reaches
+        (None: every unit; a part with no parameters: none)."""
+        one = len(self._by_part) == 1 and part in self._by_part
+        self._expected = self.units if part is None or one else self._by_part.get(part, [])
         self.sync = sync
         for k in self._arrived:
             self._arrived[k] = 0
@@ -314,8 +327,9 @@ class GradReducer:
 
     def finish(self) -> None:
         """After each backward: reduce the deferred units, wait for every launched
-        reduction, and check that every unit got its gradients (with hooks)."""
-        for u in self.units:
+        reduction, and check that every unit the backward reaches got its gradients,
+        and no other unit any (with hooks)."""
+        for u in self._expected:
             if not self.hooked:
                 self._arrived[id(u)] = len(u.params)
                 if self.sync:
@@ -325,7 +339,7 @@ class GradReducer:
         while self._inflight:
             self._retire_one()
         if self.sync or self.plan.grads:
-            missing = [u.name for u in self.units
+            missing = [u.name for u in self._expected
                        if self._arrived[id(u)] < len(u.params)
                        or (self._arrived[id(u)] > len(u.params) and not u.deferred)]
             if missing:
@@ -333,3 +347,10 @@ class GradReducer:
                                    f"(or more than one) this backward; every rank must reduce "
                                    f"every unit, and a parameter used in several places must "
                                    f"be registered in each")
+        if self._expected is not self.units and self.hooked:
+            mine = {id(u) for u in self._expected}
+            strays = [u.name for u in self.units if id(u) not in mine and self._arrived[id(u)]]
+            if strays:
+                raise RuntimeError(f"ZeRO: units {strays[:3]} got gradients in a backward of "
+                                   f"another part of the model: its parts must hold what each "
+                                   f"backward reaches")

@@ -13,6 +13,14 @@ module for what no block owns and for a parameter with a unit of its own: see
 * after backward, once the unit's gradients are packed for their
   reduce-scatter, the reducer frees them again (:meth:`FlatUnit.release`).
 
+[Note: prefetch within a part]
+A model in parts (an interleaved pipeline rank's chunks, :mod:`hybrid.zero.parts`)
+runs one part per forward and backward, in an order the recorded forward order
+does not know: the unit after a chunk's last block is the next chunk's first,
+which the next forward may not run. So with parts a prefetch goes only to a unit
+of the same part, and a root unit (run by every part's forward) prefetches
+nothing; each part's first block is gathered when it runs.
+
 [Note: recompute]
 With activation checkpointing, a block's forward runs a second time inside
 backward. That pre-forward gather *is* the backward gather of the 3 Psi
@@ -35,9 +43,12 @@ from hybrid.zero.gather_pipeline import GatherPipeline
 
 class ParamGatherer:
     def __init__(self, owners: list[tuple[nn.Module, FlatUnit]], pipe: GatherPipeline,
-                 recompute: RecomputePhase):
+                 recompute: RecomputePhase, parts: dict[int, int | None] | None = None):
+        """``parts``: the part of each unit by ``id`` (None for a root unit), when the
+        model is in parts ([Note: prefetch within a part]); None: one part."""
         self.pipe = pipe
         self.recompute = recompute
+        self._parts = parts
         self.units = [u for _, u in owners]
         self._owner = {id(u): m for m, u in owners}
         self._forward_order: list[FlatUnit] = []
@@ -62,14 +73,24 @@ class ParamGatherer:
         prev = order[i - 1]
         return prev if self._owner[id(prev)] is not self._owner[id(order[0])] else None
 
+    def _along(self, unit: FlatUnit, nxt: FlatUnit | None) -> bool:
+        """``nxt`` runs after ``unit`` in this forward or backward, as far as parts tell
+        ([Note: prefetch within a part])."""
+        if nxt is None or self._parts is None:
+            return nxt is not None
+        k = self._parts[id(unit)]
+        return k is not None and self._parts[id(nxt)] == k
+
     def _prefetch(self, unit: FlatUnit, backward: bool) -> None:
         nxt = self._next(unit, backward)
-        if nxt is not None:
+        if self._along(unit, nxt):
+            assert nxt is not None  # (_along says so)
             nxt.start_gather(self.pipe)
             # an offloaded shard's home is asked one unit further: its read from disk
             # overlaps this unit's compute and the next one's gather (offload/nvme/homes.py)
             after = self._next(nxt, backward)
-            if after is not None and after.home is not None and not after.gathered:
+            if (self._along(nxt, after) and after is not None and after.home is not None
+                    and not after.gathered):
                 after.home.prefetch()
 
     # -- hooks -----------------------------------------------------------------
