@@ -258,10 +258,12 @@ def check_pipeline_runs(f: Flags) -> None:
     head = f"--pipeline-model-parallel-size {pp}"
     later = [(f.virtual_pipeline_model_parallel_size not in (None, 1),
               "--virtual-pipeline-model-parallel-size (interleaved stages)"),
-             (not f.untie_embeddings_and_output_weights,
-              "tied embeddings across the first and last stage (pass "
-              "--untie-embeddings-and-output-weights)"),
              (f.context_parallel_size > 1, "--context-parallel-size"),
+             # the step sums the copies' gradients on the device; offloaded, they have
+             # gone down to the host by then (hybrid/zero/engine.py, tied copies)
+             (not f.untie_embeddings_and_output_weights and bool(f.offload_optimizer),
+              "tied embeddings across the first and last stage with --offload-optimizer "
+              "(pass --untie-embeddings-and-output-weights)"),
              (bool(f.offload_optimizer or f.offload_param),
               "--offload-optimizer / --offload-param"),
              (bool(f.save or f.load), "checkpoints (--save / --load)")]

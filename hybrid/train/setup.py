@@ -77,9 +77,12 @@ def build_engine(cfg: TrainConfig, ps: ParallelState, vocab_size: int, rng: TPRN
     rc = cfg.recompute
     ac = (apply_activation_checkpointing(model, ps, rng, rc, blocks=recompute_targets(model, rc))
           if rc.granularity else None)
+    # a tied embedding's copies on the first and last stage are summed over the embedding
+    # group (one rank, nothing tied, at PP 1)
+    tied = () if cfg.model.untie_embeddings_and_output_weights else ("wte.weight",)
     engine = apply_zero(model, ps, cfg.zero, adamw=cfg.adamw, precision=cfg.precision,
                         offload=cfg.offload, values=InitValues(cfg.seed, model.init_of),
-                        recompute=ac.phase if ac is not None else None)
+                        recompute=ac.phase if ac is not None else None, tied=tied)
     if cfg.model.compile:
         compile_blocks(model.blocks)
     return model, ac, engine

@@ -238,3 +238,66 @@ def test_pipeline_stages_through_the_script_follow_the_one_stage_curve(tmp_path)
             assert abs(a["loss"] - b["loss"]) <= 1e-5 * abs(b["loss"]), (name, a, b)
         assert log[-1]["comm_bytes"]["p2p"] > 0, name
         assert "stage 0: embedding + 1 layer (0)" in out and "stage 1: 1 layer (1) + loss" in out
+
+
+def _compare_tied_copies(ps, cfg):
+    """_pretrain_rank, with the first and last stage's copies of ``wte.weight`` compared to
+    the bit after every step (gathered, then all-gathered over the embedding group): a
+    difference stops the run naming the step; each rank writes how many steps it
+    compared beside the --log-json file."""
+    import torch
+
+    from hybrid.errors import TrainingError
+    from hybrid.train import trainer as training
+    from tests.helpers.launch import _pretrain_rank
+    orig = training.pipeline_train_step
+    compared = [0]
+
+    def step(model, engine, *args, **kwargs):
+        out = orig(model, engine, *args, **kwargs)
+        with engine.gathered():
+            w = model.wte.weight.detach().reshape(-1).clone()
+        both = torch.empty(2 * w.numel(), dtype=w.dtype)
+        ps.embedding_group.all_gather(both, w)
+        if not torch.equal(both[: w.numel()], both[w.numel():]):
+            raise TrainingError(f"step {compared[0] + 1}: the copies of wte.weight differ")
+        compared[0] += 1
+        return out
+
+    training.pipeline_train_step = step
+    try:
+        return _pretrain_rank(ps, cfg)
+    finally:
+        training.pipeline_train_step = orig
+        with open(f"{cfg.logging.log_json}.compared{ps.rank}", "w") as f:
+            f.write(str(compared[0]))
+
+
+def test_tied_embeddings_across_stages_follow_the_one_stage_curve(tmp_path):
+    """The default GPT-2 (embedding and head tied) at PP 2 x DP 2: the first stage's wte
+    and the last stage's copy get their gradients summed over the embedding group and
+    stay bit-identical after every step, at ZeRO 0 and 1 (1F1B), 2 (ZB-H1) and 3 (1F1B);
+    every step's loss and grad norm (the embedding counted once) within 1e-5 of PP 1 at
+    DP 2."""
+    logs = {}
+    runs = {"pp1": (2, []),
+            **{f"pp2_zero{z}": (4, ["--pipeline-model-parallel-size", "2", "--zero-stage",
+                                    str(z), "--pipeline-schedule", sched])
+               for z, sched in ((0, "1f1b"), (1, "1f1b"), (2, "zb_h1"), (3, "1f1b"))}}
+    for name, (n, extra) in runs.items():
+        path = str(tmp_path / f"{name}.jsonl")
+        r = pretrain(n, TINY + ["--global-batch-size", "8", "--train-iters", "4",
+                                "--log-json", path] + extra,
+                     rank_fn=_compare_tied_copies if n == 4 else None)
+        assert r.returncode == 0, f"{name}:\n{r.stdout[-2000:]}\n{r.stderr[-3000:]}"
+        logs[name] = read_json_log(path)
+        if n == 4:
+            for rank in range(4):
+                with open(f"{path}.compared{rank}") as f:
+                    assert f.read() == "4", (name, rank)
+    ref = logs.pop("pp1")
+    for name, log in logs.items():
+        assert [m["iteration"] for m in log] == list(range(1, 5)), name
+        for a, b in zip(log, ref):
+            for key in ("loss", "grad_norm"):
+                assert abs(a[key] - b[key]) <= 1e-5 * abs(b[key]), (name, key, a, b)
