@@ -20,12 +20,16 @@ returning the stage's output, or on the last stage the loss to backpropagate
 [Note: ZeRO under a schedule]
 A stage's parameters reduce over DP once a step: each backward (``B``, or the
 weight half ``W``) is one ZeRO backward, begun and ended around it
-(:meth:`~hybrid.zero.ZeroEngine.begin_backward`), and only the rank's last one
+(:meth:`~hybrid.zero.ZeroEngine.begin_backward`), and only the stage's last one
 syncs, so stages 0-1 accumulate locally until then and reduce once, while
 stages 2-3 reduce-scatter each micro-batch's gradient into the shard as they
-do without a pipeline. A rank holding several stages (interleaving) would
-complete a ZeRO unit's gradient across several backwards, which the engine's
-per-backward arrival check does not allow yet: refused.
+do without a pipeline. A rank holding several stages (interleaving) holds one
+model chunk per stage, and its engine knows the model in parts, one per chunk
+(:mod:`hybrid.zero.parts`): each backward names its stage's chunk
+(``stage // p``), reaches only that chunk's units, and syncs them at that
+stage's last backward -- so each chunk reduces once a step too, and a chunk
+whose backwards end early (the last one, under interleaved 1F1B) reduces while
+the others' go on.
 
 [Note: the two halves of a backward]
 ``I`` computes the gradient of the stage's input only (``torch.autograd.grad``,
@@ -51,7 +55,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from hybrid.parallel.comm import CommGroup
-from hybrid.pipeline.actions import Action, Kind, stage_rank
+from hybrid.pipeline.actions import Action, Kind, stage_chunk, stage_rank
 
 Key = tuple[int, int]  # (stage, micro-batch)
 
@@ -71,20 +75,18 @@ def run_actions(actions: Sequence[Action], forward: Callable[[int, int, torch.Te
     ``timeline``: a list to append each action's ``(action, start, end)`` to ([Note: the
     optional timeline]), or None."""
     run = _Run(forward, params, pp, shape, dtype, device, stages, zero)
-    last = max((i for i, a in enumerate(actions)
-                if a.kind in (Kind.BACKWARD, Kind.BACKWARD_WEIGHT)), default=-1)
-    if zero is not None and len({a.stage for a in actions if a.stage >= 0}) > 1:
-        raise NotImplementedError("ZeRO under an interleaved schedule (several stages on "
-                                  "one rank) is not supported yet")
+    # each stage's last backward syncs ([Note: ZeRO under a schedule])
+    last = set({a.stage: i for i, a in enumerate(actions)
+                if a.kind in (Kind.BACKWARD, Kind.BACKWARD_WEIGHT)}.values())
     cuda = device.type == "cuda"
     for i, a in enumerate(actions):
         if timeline is None:
-            run.do(a, sync=i == last)
+            run.do(a, sync=i in last)
             continue
         if cuda:
             torch.cuda.synchronize(device)
         start = time.perf_counter()
-        run.do(a, sync=i == last)
+        run.do(a, sync=i in last)
         if cuda:
             torch.cuda.synchronize(device)
         timeline.append((a, start, time.perf_counter()))
@@ -170,9 +172,10 @@ class _Run:
     def _backward(self, key: Key, out: torch.Tensor, grad: torch.Tensor | None, sync: bool,
                   keep: bool) -> None:
         """The backward of ``out`` into the stage's parameters (and, unless the input half
-        ran already, its input), as one ZeRO backward ([Note: ZeRO under a schedule])."""
+        ran already, its input), as one ZeRO backward of the stage's model chunk ([Note:
+        ZeRO under a schedule])."""
         if self.zero is not None:
-            self.zero.begin_backward(sync)
+            self.zero.begin_backward(sync, part=stage_chunk(key[0], self.pp.size))
         x = None if keep else self.inputs.pop(key, None)
         inputs = self.params[key[0]] if keep else None
         torch.autograd.backward(out, grad, inputs=inputs)

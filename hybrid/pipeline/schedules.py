@@ -17,6 +17,9 @@ The schedules (name: order on each rank; peak micro-batches held):
 * ``zb_h1``: 1F1B's order with the backward cut into input and weight halves, the
   weight half deferred to fill the bubble (Qi et al.); ``min(p, m)`` on every stage.
 
+Evaluation runs :func:`forward_only`, which no flag names: forwards alone, each
+chunk's micro-batches in turn.
+
 Torch-free: stdlib and :mod:`hybrid.errors` only.
 """
 
@@ -253,6 +256,15 @@ def zb_h1(p: int, m: int) -> Schedule:
             run(Kind.BACKWARD_WEIGHT)
         compute.append(order)
     return with_comms("zb_h1", p, m, 1, compute)
+
+
+def forward_only(p: int, m: int, v: int = 1) -> Schedule:
+    """Forwards and no backward (evaluation): each rank runs its chunks in model order,
+    all m micro-batches of one chunk before the next, as GPipe's forward half. Not a
+    ``--pipeline-schedule``: a step that trains needs a backward."""
+    _check_sizes("forward_only", p, m, v)
+    compute = [[_f(c * p + r, j) for c in range(v) for j in range(m)] for r in range(p)]
+    return with_comms("forward_only", p, m, v, compute)
 
 
 @dataclass(frozen=True)

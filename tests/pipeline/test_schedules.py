@@ -279,3 +279,21 @@ def test_times_are_exact_and_positive():
     assert Times(1, 1, 1).of(Kind.BACKWARD) == 2
     with pytest.raises(ValueError, match="backward_weight"):
         Times(1, 1, 0)
+
+
+@pytest.mark.parametrize("p,m,v", [(2, 3, 1), (2, 4, 2), (4, 5, 3), (3, 1, 2)])
+def test_forward_only_runs_every_stage_once_per_micro_batch_without_a_deadlock(p, m, v):
+    """Evaluation's lists: rank r runs F(j) of its stages r, r + p, ... for every
+    micro-batch, chunk by chunk; the messages meet in order and the play ends."""
+    from hybrid.pipeline.schedules import forward_only
+    from hybrid.pipeline.simulator import Times, _check_messages, _play, _Problems
+    schedule = forward_only(p, m, v)
+    for r, actions in enumerate(schedule.ranks):
+        ran = [(a.stage, a.microbatch) for a in actions if a.kind is Kind.FORWARD]
+        assert ran == [(c * p + r, j) for c in range(v) for j in range(m)]
+        assert actions[-1].kind is Kind.END
+    problems = _Problems(schedule)
+    _check_messages(schedule, problems)
+    problems.raise_if_any("is not runnable")
+    slots, _ = _play(schedule, Times())
+    assert [len(s) for s in slots] == [len(a) for a in schedule.ranks]
