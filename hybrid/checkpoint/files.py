@@ -13,8 +13,12 @@ from hybrid.errors import CheckpointError
 # 2: metadata with the ZeRO unit layout, per rank a header (.pt) and a raw data file (.bin)
 #    of interleaved [master, exp_avg, exp_avg_sq] rows
 # 3: the same, the data file column by column, the columns named (weights-only saves)
-VERSION = 3  # what saves write
-READABLE = (2, 3)  # what loads read (layout.SavedLayout.reads knows both data layouts)
+# 4: a pipeline run's (PP > 1): version 3's files, zero_layout one entry per stage
+#    (layout.py's Note on stages); a PP 1 save still writes version 3, so a hybrid
+#    that predates pipelines reads it, and refuses a version 4 by its number
+VERSION = 3  # what saves write at PP 1
+PIPELINE_VERSION = 4  # what saves write at PP > 1
+READABLE = (2, 3, 4)  # what loads read (layout.SavedLayout.reads knows every data layout)
 _OLDER = {1: "one torch file per rank"}
 LATEST = "latest"
 

@@ -381,8 +381,9 @@ def previous_complete(ckpt: str) -> tuple[str, int] | None:
             ok = all(os.path.getsize(os.path.join(d, f)) == want[0]
                      for f, want in sizes.items())
             for rank in range(meta["world_size"]) if ok else ():
-                z = rank // layout.tp  # its ZeRO rank (rank = z * tp + t)
-                if os.path.getsize(layout.data_path(rank % layout.tp, z)) != layout.data_bytes(z):
+                stage, z, t = layout.coords(rank)  # (rank = (stage * dp + z) * tp + t)
+                if (os.path.getsize(layout.data_path(t, z, stage))
+                        != layout.data_bytes(z, stage)):
                     ok = False
                     break
         except (CheckpointError, OSError, KeyError, TypeError, ValueError):

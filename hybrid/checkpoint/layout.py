@@ -31,6 +31,22 @@ file holds them interleaved, ``[master, exp_avg, exp_avg_sq]`` per row (so colum
 columns (it always saved all three). :meth:`SavedLayout.reads` is the one place
 that turns (column, row range) into byte ranges, for both; everything above it
 (resharding, exact and weights-only loads, the tools) is format-blind.
+
+[Note: pipeline stages, format 4]
+Under pipeline parallelism each stage (a pipeline rank: with virtual stages, all of
+its model chunks) is a smaller model with ZeRO units of its own, so a PP > 1 save's
+``zero_layout`` holds ``pp_size`` and one entry per stage in ``stages``
+(``owns_all``, ``units``, ``unsaved``) where a PP 1 save has ``owns_all`` and
+``units`` at the top; ``split_dims`` covers the whole model. Rank ``(s, d, t)``
+(stage, ZeRO rank, TP rank) is global rank ``(s * D + d) * T + t``, the layout's
+order (PP outermost), and its file holds its stage's units as above. A name lives in
+exactly one stage's files: ``unsaved`` lists the copies a stage holds but does not
+write (a tied ``wte.weight`` on a last stage that is not the first, whose values are
+the first stage's: :data:`FIRST_STAGE_COPIES`). Their coordinates stay in the unit
+-- ZeRO shards the unit with them -- but hold no row: a row is an owned coordinate
+below ``numel`` and outside those holes. Every rank of one stage has the same units;
+the stages differ. A PP 1 layout reads as one stage, so everything here takes any PP
+size, and a loader finds a name's pieces whichever stage wrote them.
 """
 
 from __future__ import annotations
@@ -45,11 +61,17 @@ from hybrid.errors import CheckpointError
 # What a checkpoint can hold per element, in file order; ``--no-save-optim`` keeps the first.
 COLUMNS = ("master", "exp_avg", "exp_avg_sq")
 ELEMENT_BYTES = 4  # fp32
+# Parameters a later pipeline stage may hold a copy of, by name, with the first stage's
+# values (models.gpt: a tied embedding's copy on the last stage for its head): only the
+# first stage saves them, so a checkpoint holds each value once.
+FIRST_STAGE_COPIES = ("wte.weight",)
 
 
 def describe(engine, ps) -> dict:
     """This rank's unit layout, as metadata.json stores it (JSON-safe), read off the
-    engine's own units (``engine.units``, in the order their owned ranges are saved).
+    engine's own units (``engine.units``, in the order their owned ranges are saved):
+    at PP > 1 its stage's, with ``unsaved`` (the names of :data:`FIRST_STAGE_COPIES`
+    it holds on a stage after the first) beside them.
 
     CheckpointError when a unit's owned range is not the one :class:`SavedLayout`
     derives from ``(numel, dp_size, owns_all)``: a change in how hybrid.zero shards
@@ -71,9 +93,34 @@ def describe(engine, ps) -> dict:
             raise CheckpointError(f"ZeRO unit {u.name!r} owns [{u.own_lo}, {u.own_hi}) of "
                                   f"{u.padded} on ZeRO rank {dp_rank}; the checkpoint "
                                   f"format expects [{want[0]}, {want[1]})")
-    return {"tp_size": ps.tp_size, "dp_size": dp, "owns_all": owns_all,
-            "split_dims": {n: _split_dim(p) for n, p in engine.model.named_parameters()},
-            "units": [[[names[id(p)], p.numel()] for p in u.params] for u in units]}
+    out = {"tp_size": ps.tp_size, "dp_size": dp, "owns_all": owns_all,
+           "split_dims": {n: _split_dim(p) for n, p in engine.model.named_parameters()},
+           "units": [[[names[id(p)], p.numel()] for p in u.params] for u in units]}
+    if ps.pp_size > 1:
+        out["unsaved"] = unsaved_names(engine.model, ps.pp_rank)
+    return out
+
+
+def unsaved_names(model, pp_rank: int) -> list[str]:
+    """The parameters of pipeline stage ``pp_rank``'s ``model`` that its save leaves to
+    the first stage (:data:`FIRST_STAGE_COPIES` on any later stage)."""
+    if pp_rank == 0:
+        return []
+    return [n for n, _ in model.named_parameters() if n in FIRST_STAGE_COPIES]
+
+
+def pipeline_layout(stages: list[dict], columns: list[str]) -> dict:
+    """The ``zero_layout`` of a PP > 1 save from each stage's :func:`describe` (stage
+    order): the sizes, the whole model's split dims, the columns, and per stage its
+    ``owns_all``, ``units`` and ``unsaved``."""
+    split_dims: dict = {}
+    for st in stages:
+        for n, d in st["split_dims"].items():
+            split_dims.setdefault(n, d)
+    return {"tp_size": stages[0]["tp_size"], "dp_size": stages[0]["dp_size"],
+            "pp_size": len(stages), "columns": list(columns), "split_dims": split_dims,
+            "stages": [{"owns_all": st["owns_all"], "units": st["units"],
+                        "unsaved": st.get("unsaved", [])} for st in stages]}
 
 
 def single_file_layout(shapes: dict[str, list[int]]) -> dict:
@@ -109,13 +156,16 @@ class Read(NamedTuple):
     picks: list[tuple[int, int, int]]
 
 
-def rank_of(tp_rank: int, dp_rank: int, tp_size: int) -> int:
-    """Global rank of (tp_rank, dp_rank): Megatron's order, as in hybrid.parallel.state."""
-    return dp_rank * tp_size + tp_rank
+def rank_of(tp_rank: int, dp_rank: int, tp_size: int, stage: int = 0, dp_size: int = 1) -> int:
+    """Global rank of (tp_rank, ZeRO rank ``dp_rank``) in pipeline stage ``stage``
+    (``dp_size`` ZeRO ranks per stage): Megatron's order, PP outermost, as in
+    hybrid.parallel.layout."""
+    return (stage * dp_size + dp_rank) * tp_size + tp_rank
 
 
 class SavedLayout:
-    """The old layout of checkpoint ``ckpt`` (from its metadata), for planning reads."""
+    """The old layout of checkpoint ``ckpt`` (from its metadata), for planning reads:
+    any pipeline size (a PP 1 layout is one stage; see the Note on stages)."""
 
     def __init__(self, meta: dict, ckpt: str):
         self.ckpt = ckpt
@@ -123,7 +173,7 @@ class SavedLayout:
         z = meta.get("zero_layout")
         if not isinstance(z, dict):
             raise CheckpointError(f"{where}: has no zero_layout; not a checkpoint of this format")
-        self.tp, self.dp, self.owns_all = z["tp_size"], z["dp_size"], bool(z["owns_all"])
+        self.tp, self.dp = z["tp_size"], z["dp_size"]
         # Format 2: interleaved rows, always all three columns, not named.
         self.interleaved = meta.get("version") == 2
         cols = list(COLUMNS) if self.interleaved else z.get("columns")
@@ -135,23 +185,54 @@ class SavedLayout:
         self.columns: tuple[str, ...] = tuple(cols)
         self.split_dims: dict[str, int | None] = z["split_dims"]
         self.full_shapes: dict[str, list[int]] = meta["model"]
+        stages = z["stages"] if "stages" in z else [{"owns_all": z["owns_all"],
+                                                     "units": z["units"]}]
+        self.pp = len(stages)
+        if z.get("pp_size", 1) != self.pp:
+            raise CheckpointError(f"{where}: zero_layout says pp_size {z.get('pp_size')} and "
+                                  f"describes {self.pp} stages")
+        self.stage_owns_all = [bool(st["owns_all"]) for st in stages]
+        self.stage_units: list[list[int]] = []  # stage -> its units (global indices)
+        self.unit_stage: list[int] = []
         self.unit_numel: list[int] = []
+        self._holes: dict[int, list[tuple[int, int]]] = {}  # unit -> unsaved coordinates
         self._where: dict[str, tuple[int, int, int]] = {}  # name -> (unit, offset, numel)
-        for ui, unit in enumerate(z["units"]):
-            off = 0
-            for name, n in unit:
-                self._where[name] = (ui, off, n)
-                off += n
-            self.unit_numel.append(off)
-        self._base: dict[int, list[int]] = {}  # dp rank -> [row of each unit's start, total]
+        for si, st in enumerate(stages):
+            unsaved = set(st.get("unsaved", ()))
+            self.stage_units.append([])
+            for unit in st["units"]:
+                ui, off = len(self.unit_numel), 0
+                for name, n in unit:
+                    if name in unsaved:
+                        self._holes.setdefault(ui, []).append((off, off + n))
+                    else:
+                        self._where.setdefault(name, (ui, off, n))
+                    off += n
+                self.unit_numel.append(off)
+                self.unit_stage.append(si)
+                self.stage_units[-1].append(ui)
+        self._base: dict[tuple[int, int], dict[int, int]] = {}  # (stage, d) -> unit -> row
+
+    @property
+    def owns_all(self) -> bool:
+        """DP rank 0 saved everything (ZeRO stage 0), on the first stage."""
+        return self.stage_owns_all[0]
 
     def names(self) -> list[str]:
+        """Every saved parameter once, stage by stage in unit order."""
         return list(self._where)
 
-    def local_numel(self, name: str) -> int:
+    def stage_of(self, name: str) -> int:
+        """The pipeline stage whose files hold ``name``."""
+        return self.unit_stage[self._locate(name)[0]]
+
+    def _locate(self, name: str) -> tuple[int, int, int]:
         if name not in self._where:
             raise CheckpointError(f"{self.ckpt}: has no saved state for parameter {name!r}")
-        return self._where[name][2]
+        return self._where[name]
+
+    def local_numel(self, name: str) -> int:
+        return self._locate(name)[2]
 
     def _shard(self, ui: int) -> int:
         return -(-self.unit_numel[ui] // self.dp)
@@ -159,63 +240,85 @@ class SavedLayout:
     def _owned(self, ui: int, d: int) -> tuple[int, int]:
         """Unit coordinates of unit ``ui`` that DP rank ``d``'s file holds (padding excluded)."""
         n = self.unit_numel[ui]
-        if self.owns_all:
+        if self.stage_owns_all[self.unit_stage[ui]]:
             return (0, n) if d == 0 else (0, 0)
         s = self._shard(ui)
         return min(d * s, n), min((d + 1) * s, n)
 
-    def _bases(self, d: int) -> list[int]:
-        """Start row of every unit in DP rank ``d``'s data file, then the total rows."""
-        if d not in self._base:
-            rows, out = 0, []
-            for ui in range(len(self.unit_numel)):
-                out.append(rows)
-                lo, hi = self._owned(ui, d)
-                rows += hi - lo
-            self._base[d] = out + [rows]
-        return self._base[d]
+    def _saved_between(self, ui: int, a: int, b: int) -> int:
+        """Rows among unit coordinates ``[a, b)`` of unit ``ui``: those outside its holes."""
+        out = b - a
+        for x, y in self._holes.get(ui, ()):
+            out -= max(0, min(b, y) - max(a, x))
+        return out
+
+    def _bases(self, d: int, stage: int) -> dict[int, int]:
+        """Start row of every unit of ``stage`` in DP rank ``d``'s data file, and under
+        key -1 the total rows."""
+        key = (stage, d)
+        if key not in self._base:
+            rows, out = 0, {}
+            for ui in self.stage_units[stage]:
+                out[ui] = rows
+                rows += self._saved_between(ui, *self._owned(ui, d))
+            out[-1] = rows
+            self._base[key] = out
+        return self._base[key]
 
     @property
     def weights_only(self) -> bool:
         """Saved with ``--no-save-optim``: the master column and no optimizer state."""
         return self.columns == ("master",)
 
-    def rows(self, d: int) -> int:
-        """Elements per column in the data file of every rank with DP rank ``d``."""
-        return self._bases(d)[-1]
+    def rows(self, d: int, stage: int = 0) -> int:
+        """Elements per column in the data file of every rank of ``stage`` with DP rank ``d``."""
+        return self._bases(d, stage)[-1]
 
-    def data_bytes(self, d: int) -> int:
-        """Size the data file of every rank with DP rank ``d`` must have."""
-        return self.rows(d) * ELEMENT_BYTES * len(self.columns)
+    def data_bytes(self, d: int, stage: int = 0) -> int:
+        """Size the data file of every rank of ``stage`` with DP rank ``d`` must have."""
+        return self.rows(d, stage) * ELEMENT_BYTES * len(self.columns)
 
-    def data_path(self, t: int, d: int) -> str:
-        return rank_paths(self.ckpt, rank_of(t, d, self.tp))[1]
+    def data_path(self, t: int, d: int, stage: int = 0) -> str:
+        return rank_paths(self.ckpt, rank_of(t, d, self.tp, stage, self.dp))[1]
+
+    def coords(self, rank: int) -> tuple[int, int, int]:
+        """(stage, DP rank, TP rank) of old global rank ``rank``."""
+        z, t = divmod(rank, self.tp)
+        stage, d = divmod(z, self.dp)
+        return stage, d, t
 
     def reads(self, name: str, t: int, a: int, b: int, cols) -> Iterator[Read]:
         """The :class:`Read` s of columns ``cols`` (indices into :attr:`columns`, one plane
         each, in that order) of elements ``[a, b)`` of TP rank ``t``'s local ``name``
-        flattened, in order: per DP shard crossed, one exact read per column (format 3),
-        or one read of the whole interleaved rows with the columns picked out of it
-        (format 2). A format-2 weights-only load therefore reads the moments too: 12
-        bytes per master value instead of 4, 3x the bytes in as many reads (and a
-        buffer of 3x the range), the price of interleaving that format 3 removed."""
-        ui, off, n = self._where[name]
+        flattened, in order, from the files of the stage that saved ``name``: per DP
+        shard crossed, one exact read per column (format 3 and 4), or one read of the
+        whole interleaved rows with the columns picked out of it (format 2). A format-2
+        weights-only load therefore reads the moments too: 12 bytes per master value
+        instead of 4, 3x the bytes in as many reads (and a buffer of 3x the range), the
+        price of interleaving that format 3 removed."""
+        ui, off, n = self._locate(name)
         if not 0 <= a <= b <= n:
             raise CheckpointError(f"{self.ckpt}: range [{a}, {b}) is outside {name!r} "
                                   f"({n} elements per TP rank)")
+        stage = self.unit_stage[ui]
+        owns_all = self.stage_owns_all[stage]
         x, y = off + a, off + b
         s = self._shard(ui)
         while x < y:
-            d = 0 if self.owns_all else x // s
-            end = y if self.owns_all else min(y, (d + 1) * s)
-            row, m, k = self._bases(d)[ui] + x - self._owned(ui, d)[0], end - x, x - off - a
-            path, size = self.data_path(t, d), self.data_bytes(d)
+            d = 0 if owns_all else x // s
+            end = y if owns_all else min(y, (d + 1) * s)
+            # (a saved name lies outside the holes, so its rows are contiguous)
+            lo = self._owned(ui, d)[0]
+            row = self._bases(d, stage)[ui] + self._saved_between(ui, lo, x)
+            m, k = end - x, x - off - a
+            path, size = self.data_path(t, d, stage), self.data_bytes(d, stage)
             if self.interleaved:  # column c of row r: element w * r + c
                 w = len(self.columns)
                 yield Read(path, size, row * w * ELEMENT_BYTES, m * w, k, m,
                            [(p, c, w) for p, c in enumerate(cols)])
             else:  # column c of row r: element c * rows(d) + r
+                rows = self.rows(d, stage)
                 for p, c in enumerate(cols):
-                    yield Read(path, size, (c * self.rows(d) + row) * ELEMENT_BYTES, m, k, m,
+                    yield Read(path, size, (c * rows + row) * ELEMENT_BYTES, m, k, m,
                                [(p, 0, 1)])
             x = end

@@ -1,7 +1,8 @@
 """Load a checkpoint into a running engine, in the same layout or any other.
 
 What a rank opens: ``latest``, ``metadata.json``, and the data files holding
-its pieces -- in the same ZeRO layout only its own -- each with its header
+its pieces -- in the same ZeRO layout only its own; under pipeline parallelism
+only those of the old stages that held its stage's parameters -- each with its header
 (the data file's checksums; in the same world layout also the RNG states).
 Of the data files it reads only the column blocks it loads: the master values
 alone when the optimizer is not loaded. Every byte read is checked against
@@ -21,7 +22,7 @@ from hybrid.checkpoint.integrity import Integrity
 from hybrid.checkpoint.layout import SavedLayout
 from hybrid.checkpoint.reader import RangeReader
 from hybrid.checkpoint.reshard import ParamSource, Target
-from hybrid.checkpoint.save import model_signature
+from hybrid.checkpoint.save import model_signature, whole_model_signature
 from hybrid.config.architecture import architecture_fields
 from hybrid.config.model import ModelConfig
 from hybrid.errors import CheckpointError
@@ -51,9 +52,13 @@ def _check_gelu(meta: dict, model: torch.nn.Module, where: str) -> None:
                               f"{'add' if tanh else 'drop'} --openai-gelu")
 
 
-def check_model(meta: dict, model: torch.nn.Module, vocab_size: int | None, where: str) -> None:
-    """Same parameter names and full shapes (the padded vocabulary rows may differ)."""
-    saved, mine = meta["model"], model_signature(model)
+def check_model(meta: dict, model: torch.nn.Module, vocab_size: int | None, where: str,
+                signature: dict | None = None) -> None:
+    """Same parameter names and full shapes (the padded vocabulary rows may differ) as
+    ``signature``, the whole model's (:func:`~hybrid.checkpoint.save.whole_model_signature`
+    when ``model`` is one pipeline stage; default ``model``'s own)."""
+    saved = meta["model"]
+    mine = model_signature(model) if signature is None else signature
     if set(saved) != set(mine):
         extra, missing = sorted(set(saved) - set(mine)), sorted(set(mine) - set(saved))
         raise CheckpointError(f"{where}: checkpoint is for a different model (it has "
@@ -98,9 +103,9 @@ def load_checkpoint(load_dir: str, engine: ZeroEngine, ps: ParallelState, seed: 
     any rank makes every rank raise). ``allow_empty``: a directory with no
     checkpoint yet means "start fresh" (the resume-from-own-saves pattern,
     ``--load`` equal to ``--save``) instead of an error. RNG states come back
-    exactly when the world layout is the same; otherwise the streams are reseeded
-    from ``seed`` (``--seed``) and the iteration. ``reader``: pass a
-    :class:`RangeReader` to learn what this rank opened and read.
+    exactly when the world layout is the same (world, TP, CP and PP sizes); otherwise
+    the streams are reseeded from ``seed`` (``--seed``) and the iteration. ``reader``:
+    pass a :class:`RangeReader` to learn what this rank opened and read.
 
     ``load_optim`` False (``--no-load-optim``, ``--finetune``): only the fp32 master
     values are read; both Adam moments are zero, the optimizer's step count 0 and
@@ -121,10 +126,13 @@ def load_checkpoint(load_dir: str, engine: ZeroEngine, ps: ParallelState, seed: 
     # the next collective, and every rank raises the first failing rank's message
     # (which names the file): no rank waits in a collective another rank left, and
     # the message the job prints is the real cause whichever rank hit it.
+    # the whole model's names and shapes, to check against the checkpoint's: at PP > 1
+    # gathered over the pipeline group, before anything may fail on one rank alone
+    signature = whole_model_signature(engine.model, ps)
     error, found = None, None
     try:
         found = _open_metadata(load_dir, engine, vocab_size, allow_empty and step is None,
-                               reader, load_optim, step)
+                               reader, load_optim, step, signature)
     except CheckpointError as e:
         error = str(e)
     error = agree_error(ps, error)
@@ -137,7 +145,8 @@ def load_checkpoint(load_dir: str, engine: ZeroEngine, ps: ParallelState, seed: 
     header, error = None, None
     same_layout = (meta["world_size"] == ps.world_size
                    and meta["tensor_model_parallel_size"] == ps.tp_size
-                   and meta.get("context_parallel_size", 1) == ps.cp_size)
+                   and meta.get("context_parallel_size", 1) == ps.cp_size
+                   and meta.get("pipeline_model_parallel_size", 1) == ps.pp_size)
     if same_layout and load_rng:  # only for the RNG states: per-rank streams map 1:1
         try:
             header = _read_header(ckpt, ps, layout, reader)
@@ -229,11 +238,12 @@ def weights_only_error(ckpt: str) -> str:
 
 def _open_metadata(load_dir: str, engine: ZeroEngine, vocab_size: int | None,
                    allow_empty: bool, reader: RangeReader, load_optim: bool = True,
-                   step: int | None = None):
+                   step: int | None = None, signature: dict | None = None):
     """(checkpoint dir, metadata, SavedLayout) of the newest checkpoint under
-    ``load_dir`` (of iteration ``step`` if given), checked against this model (and,
-    with ``load_optim``, to hold optimizer state); None if there is none and
-    ``allow_empty``. Raises CheckpointError naming the file or flag at fault."""
+    ``load_dir`` (of iteration ``step`` if given), checked against this model (the
+    whole model's ``signature`` when it is one stage; and, with ``load_optim``, to hold
+    optimizer state); None if there is none and ``allow_empty``. Raises
+    CheckpointError naming the file or flag at fault."""
     ckpt = find_checkpoint(load_dir) if step is None else step_checkpoint(load_dir, step)
     if ckpt is None:
         if allow_empty:
@@ -243,7 +253,7 @@ def _open_metadata(load_dir: str, engine: ZeroEngine, vocab_size: int | None,
     meta = read_metadata(ckpt, reader)
     reader.integrity = Integrity(ckpt, meta, check=reader.verify)
     where = os.path.join(ckpt, "metadata.json")
-    check_model(meta, engine.model, vocab_size, where)
+    check_model(meta, engine.model, vocab_size, where, signature)
     layout = SavedLayout(meta, ckpt)
     if load_optim and layout.weights_only:
         raise CheckpointError(weights_only_error(ckpt))
@@ -260,7 +270,8 @@ def _read_header(ckpt: str, ps: ParallelState, layout: SavedLayout,
     if header.get("rank") != ps.rank:
         raise CheckpointError(f"{path}: corrupt checkpoint shard (not rank {ps.rank}'s header)")
     # Its data file must hold what the metadata's layout says it does.
-    expect = layout.rows(ps.dp_cp_group.rank)  # ZeRO's rank: DP x CP (hybrid.zero.engine)
+    expect = layout.rows(ps.dp_cp_group.rank,  # ZeRO's rank: DP x CP (hybrid.zero.engine)
+                         ps.pp_rank)
     if header.get("data_rows") != expect:
         raise CheckpointError(f"{path}: piece table ({header.get('data_rows')} rows) "
                               f"disagrees with metadata.json's zero_layout ({expect} rows)")

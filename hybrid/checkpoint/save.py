@@ -18,6 +18,13 @@ On disk::
                                      per column: master, exp_avg, exp_avg_sq; no
                                      padding, no framing
 
+A pipeline run (PP > 1) saves stage by stage in the same files (format 4): each
+stage's ranks write that stage's pieces, ``zero_layout`` describes every stage's units
+(see the Note on stages in :mod:`hybrid.checkpoint.layout`), ``model`` is the whole
+model's, and a tied embedding's copy on the last stage is left to the first stage's.
+A PP 1 save writes format 3 as before, plus ``pipeline_model_parallel_size`` (1) in
+metadata.json and ``pp_rank`` (0) in each header.
+
 metadata.json also holds every header's size and crc32 (``checksums``), so
 every byte of a checkpoint is checked as it is loaded
 (:mod:`hybrid.checkpoint.integrity`). A caller may add small whole files that
@@ -56,9 +63,16 @@ import zlib
 
 import torch
 
-from hybrid.checkpoint.files import LATEST, VERSION, complete_checkpoints, iter_name, rank_paths
+from hybrid.checkpoint.files import (
+    LATEST,
+    PIPELINE_VERSION,
+    VERSION,
+    complete_checkpoints,
+    iter_name,
+    rank_paths,
+)
 from hybrid.checkpoint.integrity import ALGORITHM, BLOCK_BYTES, BlockSums, crc32, header_bytes
-from hybrid.checkpoint.layout import COLUMNS, describe, single_file_layout
+from hybrid.checkpoint.layout import COLUMNS, describe, pipeline_layout, single_file_layout
 from hybrid.checkpoint.ownership import write_owner
 from hybrid.errors import CheckpointError
 from hybrid.parallel.agree import agree_error
@@ -88,6 +102,36 @@ def model_signature(model: torch.nn.Module) -> dict:
     """Full (unsharded) shape of every parameter, by name."""
     from hybrid.tensor_parallel import full_shape
     return {n: list(full_shape(p)) for n, p in model.named_parameters()}
+
+
+def whole_model_signature(model: torch.nn.Module, ps: ParallelState) -> dict:
+    """:func:`model_signature` of the whole model when ``model`` is one pipeline stage:
+    the stages' signatures in stage order, a name held by two stages (a tied
+    embedding's copy) once. Collective over ``ps.pp_group`` (every rank calls it); at
+    PP 1 ``model``'s own, with no communication."""
+    mine = model_signature(model)
+    if ps.pp_size == 1:
+        return mine
+    out: dict = {}
+    for sig in gather_json(ps.pp_group, mine, ps.device):
+        for n, shape in sig.items():
+            out.setdefault(n, shape)
+    return out
+
+
+def gather_json(group, obj, device) -> list:
+    """The JSON value ``obj`` of every rank of ``group``, in group order: two all-gathers
+    (the lengths, then the bytes padded to the longest), O(group x size) bytes."""
+    data = torch.frombuffer(bytearray(json.dumps(obj).encode()), dtype=torch.uint8)
+    sizes = torch.zeros(group.size, dtype=torch.int64, device=device)
+    group.all_gather(sizes, torch.tensor([data.numel()], dtype=torch.int64, device=device))
+    longest = int(sizes.max())
+    buf = torch.zeros(longest, dtype=torch.uint8, device=device)
+    buf[: data.numel()] = data.to(device)
+    out = torch.empty(group.size, longest, dtype=torch.uint8, device=device)
+    group.all_gather(out, buf)
+    rows = out.cpu()
+    return [json.loads(rows[i, : int(n)].numpy().tobytes()) for i, n in enumerate(sizes.tolist())]
 
 
 def save_checkpoint(save_dir: str, iteration: int, consumed_samples: int, engine: ZeroEngine,
@@ -122,13 +166,13 @@ def save_checkpoint(save_dir: str, iteration: int, consumed_samples: int, engine
     name = iter_name(iteration)
     final, tmp = os.path.join(save_dir, name), os.path.join(save_dir, f".tmp_{name}")
     _raise_agreed(ps, _make_tmp(save_dir, tmp, owner) if ps.rank == 0 else None)
-    layout = _checked_layout(save_dir, tmp, engine, ps)
-    layout["columns"] = list(columns)
+    mine = _checked_layout(save_dir, tmp, engine, ps)
+    layout, signature = _whole_layout(engine, ps, mine, columns)
     state = shard_state(engine)
     if not optimizer:  # nothing of the optimizer is saved, its step and scale neither
         state["step"] = state["loss_scaler"] = None
-    error, digest, sums = _write_rank_files(save_dir, tmp, engine, ps, rng, state,
-                                            layout["owns_all"], columns, checksum_block_bytes)
+    error, digest, sums = _write_rank_files(save_dir, tmp, engine, ps, rng, state, mine,
+                                            columns, checksum_block_bytes)
     if info is not None:
         info["checksum_seconds"] = sums.seconds
     _raise_agreed(ps, error, tmp)
@@ -138,11 +182,12 @@ def save_checkpoint(save_dir: str, iteration: int, consumed_samples: int, engine
         checksums = {"algorithm": ALGORITHM, "headers": headers}
         if files:
             checksums["files"] = {n: [len(d), crc32(d)] for n, d in files.items()}
-        meta = {"version": VERSION, "iteration": iteration, "consumed_samples": consumed_samples,
+        meta = {"version": VERSION if ps.pp_size == 1 else PIPELINE_VERSION,
+                "iteration": iteration, "consumed_samples": consumed_samples,
                 "world_size": ps.world_size, "tensor_model_parallel_size": ps.tp_size,
                 "data_parallel_size": ps.dp_size, "context_parallel_size": ps.cp_size,
-                "zero_stage": engine.plan.stage,
-                "vocab_size": vocab_size, "model": model_signature(engine.model),
+                "pipeline_model_parallel_size": ps.pp_size, "zero_stage": engine.plan.stage,
+                "vocab_size": vocab_size, "model": signature,
                 "step": state["step"], "loss_scaler": state["loss_scaler"],
                 "zero_layout": layout, "finetune": finetune, "config": config,
                 "checksums": checksums, **(extra_meta or {}), "complete": True}
@@ -178,7 +223,8 @@ def _make_tmp(save_dir: str, tmp: str, owner: dict | None) -> str | None:
 
 
 def _checked_layout(save_dir: str, tmp: str, engine: ZeroEngine, ps: ParallelState) -> dict:
-    """The ``zero_layout`` every rank agrees on (rank 0 writes it for all)."""
+    """This rank's :func:`~hybrid.checkpoint.layout.describe`, checked to be the same on
+    every rank of its pipeline stage (whose entry of ``zero_layout`` it becomes)."""
     layout: dict | None = None
     error = None
     try:
@@ -193,24 +239,47 @@ def _checked_layout(save_dir: str, tmp: str, engine: ZeroEngine, ps: ParallelSta
     return layout
 
 
+def _whole_layout(engine: ZeroEngine, ps: ParallelState, mine: dict,
+                  columns: tuple) -> tuple[dict, dict]:
+    """(``zero_layout``, the whole model's signature) as metadata.json records them:
+    meaningful on rank 0, which writes them. At PP 1 this rank's, as before; at PP > 1
+    the ranks of rank 0's pipeline (TP and ZeRO rank 0 of each stage) gather every
+    stage's over their pipeline group, O(params) bytes, and the other ranks skip it."""
+    if ps.pp_size == 1:
+        return dict(mine, columns=list(columns)), model_signature(engine.model)
+    if ps.tp_rank != 0 or ps.dp_cp_group.rank != 0:
+        return {}, {}
+    stages = gather_json(ps.pp_group, {"layout": mine, "model": model_signature(engine.model)},
+                         ps.device)
+    signature: dict = {}
+    for st in stages:
+        for n, shape in st["model"].items():
+            signature.setdefault(n, shape)
+    return pipeline_layout([st["layout"] for st in stages], list(columns)), signature
+
+
 def _write_rank_files(save_dir: str, tmp: str, engine: ZeroEngine, ps: ParallelState,
-                      rng: TPRNGTracker, state: dict, owns_all: bool, columns: tuple,
+                      rng: TPRNGTracker, state: dict, layout: dict, columns: tuple,
                       block_bytes: int) -> tuple[str | None, list[int], BlockSums]:
     """This rank's data file (its pieces, column block by column block, one piece in
-    memory at a time, hashed as written) and header (with the data file's block
-    checksums); (why not or None, [header bytes, header crc32], the data's sums)."""
+    memory at a time, hashed as written; ``layout``'s ``unsaved`` names left out) and
+    header (with the data file's block checksums); (why not or None, [header bytes,
+    header crc32], the data's sums)."""
     # Owning everything (stage 0), every DP (x CP) replica holds the same values: ZeRO
     # rank 0's copy is the one saved (SavedLayout reads its files for all of a unit).
     zero_rank = ps.dp_cp_group.rank  # ZeRO shards over DP x CP (hybrid.zero.engine)
-    pieces = state["pieces"] if not (owns_all and zero_rank != 0) else []
+    unsaved = frozenset(layout.get("unsaved", ()))  # a later stage's tied embedding copy
+    pieces = ([pc for pc in state["pieces"] if pc[0] not in unsaved]
+              if not (layout["owns_all"] and zero_rank != 0) else [])
     table: dict[str, list[tuple[int, int, int]]] = {}  # name -> [(lo, hi, first row)]
     rows = 0
     for pname, lo, hi in pieces:
         table.setdefault(pname, []).append((lo, hi, rows))
         rows += hi - lo
     specs = {n: _spec_dict(p) for n, p in engine.model.named_parameters()}
-    header = {"version": VERSION, "rank": ps.rank, "tp_rank": ps.tp_rank,
-              "dp_rank": zero_rank, "specs": specs, "step": state["step"],
+    header = {"version": VERSION if ps.pp_size == 1 else PIPELINE_VERSION, "rank": ps.rank,
+              "tp_rank": ps.tp_rank, "dp_rank": zero_rank, "pp_rank": ps.pp_rank,
+              "specs": specs, "step": state["step"],
               "loss_scaler": state["loss_scaler"], "pieces": table, "data_rows": rows,
               "rng": {"device": get_device_rng_state(ps.device), "cpu": torch.get_rng_state(),
                       "tracker": rng.get_states()}}
@@ -221,7 +290,7 @@ def _write_rank_files(save_dir: str, tmp: str, engine: ZeroEngine, ps: ParallelS
         if pieces:
             for key in columns:
                 sums.column()
-                for values in iter_piece_values(engine, (key,)):
+                for values in iter_piece_values(engine, (key,), skip=unsaved):
                     view = memoryview(values.numpy()).cast("B")
                     sums.update(view)
                     f.write(view)
@@ -267,12 +336,15 @@ def _finish(save_dir: str, name: str, tmp: str, final: str, meta: dict,
 
 
 def _same_units_everywhere(ps: ParallelState, units: list) -> bool:
-    """True when every rank has the same unit structure (names, TP-local numels), which
-    ``zero_layout`` (written by rank 0 alone) assumes. One tiny all-reduce over the world."""
-    crc = zlib.crc32(json.dumps(units).encode())
-    t = torch.tensor([crc, -crc], dtype=torch.int64, device=ps.device)
+    """True when every rank of each pipeline stage has the same unit structure (names,
+    TP-local numels), which ``zero_layout`` (one entry per stage) assumes. One tiny
+    all-reduce over the world: stage s's max crc and max -crc in slots s and pp + s
+    (the other stages' slots hold a floor below any crc), so max == min per stage."""
+    crc, pp = zlib.crc32(json.dumps(units).encode()), ps.pp_size
+    t = torch.full((2 * pp,), -(1 << 40), dtype=torch.int64, device=ps.device)
+    t[ps.pp_rank], t[pp + ps.pp_rank] = crc, -crc
     ps.world_group.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
-    return int(t[0]) == -int(t[1])  # max == min
+    return all(int(t[s]) == -int(t[pp + s]) for s in range(pp))
 
 
 def _spec_dict(p) -> dict:

@@ -44,13 +44,16 @@ def check_saveable(engine: ZeroEngine) -> None:
 
 
 @torch.no_grad()
-def iter_piece_values(engine: ZeroEngine, keys=None):
+def iter_piece_values(engine: ZeroEngine, keys=None, skip=()):
     """For each piece of :func:`shard_state`, in its order: an fp32 CPU ``(n, len(keys))``
-    tensor of rows (default: every one of ``engine.optimizer.columns``)."""
+    tensor of rows (default: every one of ``engine.optimizer.columns``). The pieces of
+    the parameters named in ``skip`` are left out, unread."""
     keys = engine.optimizer.columns if keys is None else keys
     engine.wait_optimizer()
     opt = engine.optimizer  # (on the nvme tier each read streams from the swap file)
     for pc in engine.owned_pieces():
+        if pc.name in skip:
+            continue
         yield torch.stack([opt.read_piece(k, pc.unit, pc.part) for k in keys],
                           dim=1).float().cpu()
 
