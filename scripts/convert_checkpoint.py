@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Merge a sharded hybrid checkpoint (any TP x DP x ZeRO stage) into one file, or verify one.
+"""Merge a sharded hybrid checkpoint (any PP x TP x DP x ZeRO stage) into one file, or verify one.
 
     python scripts/convert_checkpoint.py CHECKPOINT_DIR_OR_SAVE_DIR OUT.pt [--with-optimizer]
     python scripts/convert_checkpoint.py verify CHECKPOINT_DIR_OR_SAVE_DIR
@@ -81,8 +81,9 @@ def main(argv=None) -> int:
         return 2
     n = sum(t.numel() for t in out["model"].values())
     print(f"wrote {a.output}: {len(out['model'])} tensors, {n} parameters, iteration "
-          f"{meta['iteration']} (saved at TP {meta['tensor_model_parallel_size']} x DP "
-          f"{meta['data_parallel_size']}, ZeRO stage {meta['zero_stage']})")
+          f"{meta['iteration']} (saved at PP {meta.get('pipeline_model_parallel_size', 1)} x "
+          f"TP {meta['tensor_model_parallel_size']} x DP {meta['data_parallel_size']}, ZeRO "
+          f"stage {meta['zero_stage']})")
     return 0
 
 

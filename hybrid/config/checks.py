@@ -249,7 +249,8 @@ def _check_interleaved_micro_batches(f: Flags, dp: int, source: str) -> None:
 
 def check_pipeline_runs(f: Flags) -> None:
     """What a run with PP > 1 cannot combine with yet (the executor runs one stage per
-    rank, GPipe, 1F1B and ZB-H1, with ZeRO 0-3 in device memory, TP and SP), stopped
+    rank, GPipe, 1F1B and ZB-H1, with ZeRO 0-3 in device memory, TP, SP and
+    checkpoints in any layout), stopped
     here after every other check (so a bad pipeline flag gets its own message first).
     The estimator, which only plans, skips it (``build_config(plan_only=True)``)."""
     pp = f.pipeline_model_parallel_size
@@ -265,8 +266,7 @@ def check_pipeline_runs(f: Flags) -> None:
               "tied embeddings across the first and last stage with --offload-optimizer "
               "(pass --untie-embeddings-and-output-weights)"),
              (bool(f.offload_optimizer or f.offload_param),
-              "--offload-optimizer / --offload-param"),
-             (bool(f.save or f.load), "checkpoints (--save / --load)")]
+              "--offload-optimizer / --offload-param")]
     for cannot, what in later:
         if cannot:
             raise ConfigError(f"{head}: pipeline stages run with TP, SP and ZeRO 0-3 so far; "
