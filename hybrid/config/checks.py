@@ -248,30 +248,25 @@ def _check_interleaved_micro_batches(f: Flags, dp: int, source: str) -> None:
 
 
 def check_pipeline_runs(f: Flags) -> None:
-    """What a run with PP > 1 cannot combine with yet (the executor runs one stage per
-    rank, GPipe, 1F1B and ZB-H1, with ZeRO 0-3 in device memory, TP, SP and
-    checkpoints in any layout), stopped
-    here after every other check (so a bad pipeline flag gets its own message first).
-    The estimator, which only plans, skips it (``build_config(plan_only=True)``)."""
+    """What a run with PP > 1 cannot combine with yet (the executor runs every schedule,
+    interleaved 1F1B too, with TP, SP, CP, ZeRO 0-3 and its offload tiers, tied
+    embeddings or not, checkpoints in any layout), stopped here after every other
+    check (so a bad pipeline flag gets its own message first). The estimator, which only
+    plans, skips it (``build_config(plan_only=True)``)."""
     pp = f.pipeline_model_parallel_size
     if pp == 1:
         return
     head = f"--pipeline-model-parallel-size {pp}"
-    later = [(f.virtual_pipeline_model_parallel_size not in (None, 1),
-              "--virtual-pipeline-model-parallel-size (interleaved stages)"),
-             (f.context_parallel_size > 1, "--context-parallel-size"),
-             # the step sums the copies' gradients on the device; offloaded, they have
-             # gone down to the host by then (hybrid/zero/engine.py, tied copies)
-             (not f.untie_embeddings_and_output_weights and bool(f.offload_optimizer),
+    # the step sums a tied embedding's copies' gradients on the device; offloaded, they
+    # have gone down to the host by then (hybrid/zero/engine.py, tied copies)
+    later = [(not f.untie_embeddings_and_output_weights and bool(f.offload_optimizer),
               "tied embeddings across the first and last stage with --offload-optimizer "
-              "(pass --untie-embeddings-and-output-weights)"),
-             (bool(f.offload_optimizer or f.offload_param),
-              "--offload-optimizer / --offload-param")]
+              "(pass --untie-embeddings-and-output-weights)")]
     for cannot, what in later:
         if cannot:
-            raise ConfigError(f"{head}: pipeline stages run with TP, SP and ZeRO 0-3 so far; "
-                              f"not yet with {what}: drop it, or use "
-                              f"--pipeline-model-parallel-size 1")
+            raise ConfigError(f"{head}: pipeline stages run with TP, SP, CP, interleaving and "
+                              f"ZeRO 0-3 with its offload tiers; not yet with {what}: drop "
+                              f"it, or use --pipeline-model-parallel-size 1")
 
 
 def check_schedule(f: Flags) -> None:

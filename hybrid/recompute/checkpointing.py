@@ -321,7 +321,8 @@ def checkpoint_groups(blocks: list[nn.Module], layers_per_checkpoint: int
 def apply_activation_checkpointing(model: nn.Module, ps: ParallelState,
                                    rng: TPRNGTracker | None, cfg: RecomputeConfig,
                                    blocks: list[nn.Module] | None = None,
-                                   phase: RecomputePhase | None = None
+                                   phase: RecomputePhase | None = None,
+                                   chunks: list[list[nn.Module]] | None = None
                                    ) -> ActivationCheckpointing:
     """Checkpoint ``blocks`` (default: ``model.blocks[:cfg.num_layers]``, all when
     that is None) in place, following ``cfg.layers_per_checkpoint``,
@@ -336,14 +337,20 @@ def apply_activation_checkpointing(model: nn.Module, ps: ParallelState,
     to one tensor. ``rng`` is the tracker whose states the recompute replays.
     ``phase`` is set around every recompute (a new one if not given; it is
     ``handle.phase``): pass the same object to ``apply_zero(..., recompute=)``.
+    ``chunks``, instead of ``blocks``: the blocks in runs that the model runs apart
+    (an interleaved pipeline rank's model chunks): groups are made within each run,
+    none crossing from one to the next.
     Names of parameters and ``state_dict`` keys do not change; apply before or
     after ZeRO.
     """
-    if blocks is None:
-        every = list(cast("Iterable[nn.Module]", model.blocks))  # (its transformer blocks)
-        blocks = every[: cfg.num_layers or len(every)]
+    if chunks is not None:
+        runs = [g for c in chunks for g in checkpoint_groups(list(c), cfg.layers_per_checkpoint)]
+    else:
+        if blocks is None:
+            every = list(cast("Iterable[nn.Module]", model.blocks))  # (its transformer blocks)
+            blocks = every[: cfg.num_layers or len(every)]
+        runs = checkpoint_groups(list(blocks), cfg.layers_per_checkpoint)
     phase = phase or RecomputePhase()
-    runs = checkpoint_groups(list(blocks), cfg.layers_per_checkpoint)
     store = CheckpointStore(ps, cfg.partition_activations, cfg.cpu_checkpointing,
                             cfg.contiguous_checkpointing, len(runs))
     groups = [_Group(run, store, slot, rng, phase) for slot, run in enumerate(runs)]

@@ -10,6 +10,12 @@ stage -> AdamW on each rank's shard of its stage.
 The loss lives on the last stage; one all-reduce over the pipeline group (the
 other stages adding zeros) gives every stage the step's micro-batch losses, so
 the log line, the non-finite check and the skip decision read them on any rank.
+
+With interleaving (``--virtual-pipeline-model-parallel-size v``) the rank's model
+holds v chunks, stages r, r + p, ... (:class:`models.gpt.GPT`'s ``chunks``): stage
+s runs chunk ``s // p``, its backward reaches that chunk's parameters, and the
+engine reduces each chunk's at the chunk's last backward
+(:mod:`hybrid.zero.parts`).
 """
 
 from __future__ import annotations
@@ -21,19 +27,20 @@ import torch
 from hybrid.config.sections import LoopConfig
 from hybrid.data.dataset import dp_micro_batches
 from hybrid.parallel.state import ParallelState
-from hybrid.pipeline.actions import Action, Kind, Schedule
+from hybrid.pipeline.actions import Schedule, stage_chunk
 from hybrid.pipeline.executor import run_actions
-from hybrid.pipeline.schedules import build_schedule
+from hybrid.pipeline.schedules import build_schedule, forward_only
 from hybrid.pipeline.simulator import check
 from hybrid.zero import ZeroEngine
+from models.gpt import GPT
 
 
 @functools.lru_cache(maxsize=8)
-def checked_schedule(name: str, p: int, m: int) -> Schedule:
-    """The schedule ``name`` for ``p`` stages and ``m`` micro-batches, its lists refused
-    unless the simulator's checks pass (built once per micro-batch count: a batch
-    ramp-up changes it)."""
-    schedule = build_schedule(name, p, m)
+def checked_schedule(name: str, p: int, m: int, v: int = 1) -> Schedule:
+    """The schedule ``name`` for ``p`` ranks of ``v`` stages each and ``m`` micro-batches,
+    its lists refused unless the simulator's checks pass (built once per micro-batch
+    count: a batch ramp-up changes it)."""
+    schedule = build_schedule(name, p, m, v)
     check(schedule)
     return schedule
 
@@ -46,7 +53,7 @@ def activation_shape(micro_batch: int, seq_length: int, hidden: int, ps: Paralle
     return (micro_batch, t // ps.tp_size if sequence_parallel else t, hidden)
 
 
-def pipeline_train_step(model: torch.nn.Module, engine: ZeroEngine, micro_batches, lr: float,
+def pipeline_train_step(model: GPT, engine: ZeroEngine, micro_batches, lr: float,
                         ps: ParallelState, schedule: str, shape: tuple[int, int, int],
                         dtype: torch.dtype):
     """One optimizer step over this rank's micro-batches, through the pipeline; returns
@@ -56,26 +63,29 @@ def pipeline_train_step(model: torch.nn.Module, engine: ZeroEngine, micro_batche
     engine.zero_grad()
     batches = list(micro_batches)  # (tokens, labels[, loss mask]) each
     n = len(batches)
-    lists = checked_schedule(schedule, ps.pp_size, n)
+    p, v = ps.pp_size, len(model.chunks)
+    lists = checked_schedule(schedule, p, n, v)
     scale = engine.scaler.scale
-    last = ps.is_last_stage
 
     def forward(stage: int, j: int, x: torch.Tensor | None) -> torch.Tensor:
         b = batches[j]
         if x is None:  # the first stage reads the tokens
             return model(b[0])
-        if not last:
-            return model(hidden=x)
-        loss = model(hidden=x, labels=b[1], loss_mask=b[2] if len(b) > 2 else None)
+        if stage < p * v - 1:
+            return model(hidden=x, chunk=stage_chunk(stage, p))
+        loss = model(hidden=x, labels=b[1], loss_mask=b[2] if len(b) > 2 else None,
+                     chunk=v - 1)
         return loss / n * scale if scale != 1.0 else loss / n
 
-    params = [p for p in model.parameters() if p.requires_grad]
-    got = run_actions(lists.ranks[ps.pp_rank], forward, {ps.pp_rank: params}, ps.pp_group,
-                      shape=shape, dtype=dtype, device=ps.device, stages=ps.pp_size,
+    # what each stage's weight gradient goes to: its chunk's parameters
+    chunks = [[q for q in c if q.requires_grad] for c in model.chunk_parameters()]
+    params = {c * p + ps.pp_rank: chunks[c] for c in range(v)}
+    got = run_actions(lists.ranks[ps.pp_rank], forward, params, ps.pp_group,
+                      shape=shape, dtype=dtype, device=ps.device, stages=p * v,
                       zero=engine)
     losses = torch.zeros(n, dtype=torch.float32, device=ps.device)
-    for j, v in got.items():  # (what was backpropagated: loss / n * scale)
-        losses[j] = v.float() * (n / scale)
+    for j, loss in got.items():  # (what was backpropagated: loss / n * scale)
+        losses[j] = loss.float() * (n / scale)
     ps.pp_group.all_reduce(losses)  # the last stage's, on every stage
     total = losses.sum() / n
     result = engine.step(lr, loss=total)
@@ -83,7 +93,7 @@ def pipeline_train_step(model: torch.nn.Module, engine: ZeroEngine, micro_batche
 
 
 @torch.no_grad()
-def pipeline_evaluate(model: torch.nn.Module, samples, s: LoopConfig, ps: ParallelState,
+def pipeline_evaluate(model: GPT, samples, s: LoopConfig, ps: ParallelState,
                       shape: tuple[int, int, int], dtype: torch.dtype, eod: int | None = None,
                       keep: torch.Tensor | None = None) -> float:
     """:func:`hybrid.train.step.evaluate` through the pipeline, forward only: each
@@ -92,33 +102,26 @@ def pipeline_evaluate(model: torch.nn.Module, samples, s: LoopConfig, ps: Parall
     model.eval()
     total = torch.zeros((), device=ps.device)
     count = 0
-    p, r = ps.pp_size, ps.pp_rank
+    p, r, v = ps.pp_size, ps.pp_rank, len(model.chunks)
     for k in range(s.eval_iters):
         batches = list(dp_micro_batches(samples, k * s.global_batch_size, s.global_batch_size,
                                         s.micro_batch_size, ps.dp_rank, ps.dp_size, ps.device,
                                         eod, keep))
-        actions: list[Action] = []
-        for j in range(len(batches)):
-            if r > 0:
-                actions.append(Action(Kind.RECV_ACT, r, j, r - 1))
-            actions.append(Action(Kind.FORWARD, r, j))
-            if r < p - 1:
-                actions.append(Action(Kind.SEND_ACT, r, j, r + 1))
-        actions.append(Action(Kind.END, -1, -1))
 
         def forward(stage: int, j: int, x: torch.Tensor | None,
                     batches=batches) -> torch.Tensor:
             b = batches[j]
             if x is None:
                 return model(b[0])
-            if stage < p - 1:
-                return model(hidden=x)
-            return model(hidden=x, labels=b[1], loss_mask=b[2] if len(b) > 2 else None)
+            if stage < p * v - 1:
+                return model(hidden=x, chunk=stage_chunk(stage, p))
+            return model(hidden=x, labels=b[1], loss_mask=b[2] if len(b) > 2 else None,
+                         chunk=v - 1)
 
-        got = run_actions(actions, forward, {}, ps.pp_group, shape=shape, dtype=dtype,
-                          device=ps.device, stages=p)
-        for v in got.values():
-            total += v.float()
+        got = run_actions(forward_only(p, len(batches), v).ranks[r], forward, {}, ps.pp_group,
+                          shape=shape, dtype=dtype, device=ps.device, stages=p * v)
+        for loss in got.values():
+            total += loss.float()
         count += len(batches)
     model.train()
     ps.dp_group.all_reduce(total)

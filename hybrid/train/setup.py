@@ -41,15 +41,17 @@ def build_model(cfg: TrainConfig, ps: ParallelState, vocab_size: int,
     (default ``ps.device``), initialized from ``--seed``; on "meta" only its shapes
     (ZeRO materializes it: see :func:`build_engine`). Under pipeline parallelism, this
     rank's stage: the layers ``cfg.pipeline.split`` gives it, the embeddings on the
-    first, the head and loss on the last."""
+    first, the head and loss on the last; with virtual stages, one range of layers per
+    model chunk (the GPT's ``chunks``)."""
     par = cfg.parallel
     cp = (ContextParallel(ps.cp_group, par.cp_comm_type, par.cp_layout) if ps.cp_size > 1
           else None)
     split = cfg.pipeline.split
     layers, first, last = None, True, True
     if split is not None and split.pp > 1:
-        r = ps.pp_rank
-        layers, first, last = split.layer_ids(r), split.holds_embedding(r), split.holds_loss(r)
+        r, v = ps.pp_rank, split.vpp
+        layers = [split.layer_ids(r, c) for c in range(v)] if v > 1 else split.layer_ids(r)
+        first, last = split.holds_embedding(r), split.holds_loss(r, v - 1)
     return GPT(cfg.model.with_vocab_size(vocab_size), ps.tp_group, rng=rng, seed=cfg.seed,
                device=device or ps.device, sequence_parallel=par.sequence_parallel,
                context_parallel=cp, layers=layers, pre_process=first, post_process=last,
@@ -60,9 +62,18 @@ def recompute_targets(model: GPT, rc: RecomputeConfig) -> list[torch.nn.Module]:
     """The modules activation checkpointing wraps: whole blocks (full granularity;
     the first ``rc.num_layers`` with Megatron's block method) or every block's
     attention core (selective: only scores, softmax and dropout are rerun)."""
+    return [m for chunk in recompute_chunks(model, rc) for m in chunk]
+
+
+def recompute_chunks(model: GPT, rc: RecomputeConfig) -> list[list[torch.nn.Module]]:
+    """:func:`recompute_targets`, one list per model chunk: as in Megatron, whose chunks
+    are blocks of their own, the block method's ``rc.num_layers`` counts each chunk's
+    first layers, and the uniform method's groups stay inside a chunk (one chunk
+    without interleaving)."""
+    chunks = [model.chunk_blocks(c) for c in range(len(model.chunks))]
     if rc.granularity == "selective":
-        return [cast(Block, block).attn.core for block in model.blocks]  # (GPT's blocks)
-    return list(model.blocks)[: rc.num_layers or len(model.blocks)]
+        return [[cast(Block, block).attn.core for block in c] for c in chunks]
+    return [c[: rc.num_layers or len(c)] for c in chunks]
 
 
 def build_engine(cfg: TrainConfig, ps: ParallelState, vocab_size: int, rng: TPRNGTracker):
@@ -75,13 +86,15 @@ def build_engine(cfg: TrainConfig, ps: ParallelState, vocab_size: int, rng: TPRN
     model = build_model(cfg, ps, vocab_size, rng, device="meta")
     model.train()
     rc = cfg.recompute
-    ac = (apply_activation_checkpointing(model, ps, rng, rc, blocks=recompute_targets(model, rc))
+    ac = (apply_activation_checkpointing(model, ps, rng, rc, chunks=recompute_chunks(model, rc))
           if rc.granularity else None)
     # a tied embedding's copies on the first and last stage are summed over the embedding
     # group (one rank, nothing tied, at PP 1)
     tied = () if cfg.model.untie_embeddings_and_output_weights else ("wte.weight",)
     engine = apply_zero(model, ps, cfg.zero, adamw=cfg.adamw, precision=cfg.precision,
                         offload=cfg.offload, values=InitValues(cfg.seed, model.init_of),
+                        # interleaved: one backward per chunk (hybrid/zero/parts.py)
+                        parts=model.chunk_parameters() if len(model.chunks) > 1 else None,
                         recompute=ac.phase if ac is not None else None, tied=tied)
     if cfg.model.compile:
         compile_blocks(model.blocks)
