@@ -249,7 +249,8 @@ def test_interleaving_cp_and_offload_through_the_pipeline_follow_the_one_stage_c
     optimizer on the host (ZeRO 2) and optimizer and parameters on NVMe (ZeRO 3); all at
     once (2 chunks x CP 2, ZeRO 3, optimizer and parameters on the host); and the
     delayed host update at ZeRO 2 against PP 1's own delayed run. Every step's loss and
-    grad norm and the validation loss within 1e-5."""
+    grad norm and the validation loss within 1e-5. A checkpoint the interleaved run saves
+    after step 2 resumes at PP 1 with its steps 3-4."""
     nvme = tmp_path / "nvme"
     pp2 = ["--pipeline-model-parallel-size", "2"]
     vpp2 = pp2 + ["--virtual-pipeline-model-parallel-size", "2"]
@@ -300,6 +301,19 @@ def test_interleaving_cp_and_offload_through_the_pipeline_follow_the_one_stage_c
     assert logs["cpu"][0][-1]["model_state_bytes"]["host"] > 0
     assert logs["nvme"][0][-1]["model_state_bytes"]["disk"] > 0
     assert not [f for f in nvme.rglob("*") if f.is_file() and f.name != ".lock"]
+    ck, resumed = str(tmp_path / "ck"), str(tmp_path / "resumed.jsonl")
+    for n, extra in ((4, vpp2 + ["--zero-stage", "3", "--train-iters", "2", "--save", ck]),
+                     (2, ["--zero-stage", "1", "--train-iters", "4", "--load", ck,
+                          "--log-json", resumed])):
+        r = pretrain(n, TINY + ["--num-layers", "4", "--hidden-size", "32",
+                                "--untie-embeddings-and-output-weights",
+                                "--global-batch-size", "8"] + extra)
+        assert r.returncode == 0, f"{r.stdout[-2000:]}\n{r.stderr[-3000:]}"
+    after = read_json_log(resumed)
+    assert [m["iteration"] for m in after] == [3, 4]
+    for a, b in zip(after, logs["vpp2_zero3"][0][2:]):
+        for key in ("loss", "grad_norm"):
+            assert abs(a[key] - b[key]) <= 1e-5 * abs(b[key]), ("resumed", key, a, b)
 
 
 def _compare_tied_copies(ps, cfg):
