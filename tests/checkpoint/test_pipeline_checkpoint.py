@@ -41,31 +41,10 @@ def _recording_rank(ps, cfg):
     """scripts/pretrain_gpt.py's work on one rank, recording every file it opens under
     ``--load`` (an independent count of the checkpoint reader's); the list ends its
     stdout as one line ``OPENED <rank> <json>``."""
-    import builtins
-
     from tests.helpers.launch import _pretrain_rank
-    root = os.path.abspath(cfg.checkpoint.load) + os.sep
-    opened, real_open, real_os_open = [], builtins.open, os.open
-
-    def record(path):
-        path = os.path.abspath(os.fspath(path))
-        if path.startswith(root):
-            opened.append(os.path.relpath(path, root))
-
-    def open_(file, *a, **k):
-        if isinstance(file, (str, os.PathLike)):
-            record(file)
-        return real_open(file, *a, **k)
-
-    def os_open(path, *a, **k):
-        record(path)
-        return real_os_open(path, *a, **k)
-
-    builtins.open, os.open = open_, os_open
-    try:
+    from tests.helpers.opened import files_opened
+    with files_opened(cfg.checkpoint.load) as opened:
         code, out, err, report = _pretrain_rank(ps, cfg)
-    finally:
-        builtins.open, os.open = real_open, real_os_open
     return code, out + f"\nOPENED {ps.rank} {json.dumps(opened)}\n", err, report
 
 

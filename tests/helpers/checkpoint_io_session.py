@@ -72,41 +72,23 @@ def _io_load(ps, save, stage, save_to=None, **load_kw):
     ``save_to``: then save the loaded engine there (a checkpoint in this layout).
     ``load_kw``: load_checkpoint's load_optim / load_rng. ``rng_kept``: the CPU and
     tracker RNG states are the fresh engine's own after the load."""
-    import builtins
-
     from hybrid.checkpoint import RangeReader, load_checkpoint, save_checkpoint
     from hybrid.checkpoint.reader import process_rchar
     from hybrid.errors import CheckpointError
+    from tests.helpers.opened import files_opened
     cfg, rng, model, engine = _io_engine(ps, stage, seed=99)
-    opened, real_open, real_os_open = [], builtins.open, os.open
-    root = os.path.abspath(save) + os.sep
-
-    def record(path):
-        path = os.path.abspath(os.fspath(path))
-        if path.startswith(root):
-            opened.append(os.path.relpath(path, save))
-
-    def open_(file, *a, **k):
-        if isinstance(file, (str, os.PathLike)):
-            record(file)
-        return real_open(file, *a, **k)
-
-    def os_open(path, *a, **k):
-        record(path)
-        return real_os_open(path, *a, **k)
 
     import torch
     rng_before = (torch.get_rng_state(), rng.get_states())
     reader = RangeReader()
-    builtins.open, os.open = open_, os_open
     before = process_rchar()
-    try:
-        load_checkpoint(save, engine, ps, cfg.seed, rng, IO_VOCAB, reader=reader, **load_kw)
-    except CheckpointError as e:
-        return {"error": str(e)}
-    finally:
-        after = process_rchar()
-        builtins.open, os.open = real_open, real_os_open
+    with files_opened(save) as opened:
+        try:
+            load_checkpoint(save, engine, ps, cfg.seed, rng, IO_VOCAB, reader=reader, **load_kw)
+        except CheckpointError as e:
+            return {"error": str(e)}
+        finally:
+            after = process_rchar()
     if save_to:
         save_checkpoint(save_to, 2, 16, engine, ps, cfg.to_dict(), rng, vocab_size=IO_VOCAB)
     states = rng.get_states()
