@@ -101,9 +101,10 @@ def build_config(flags: Flags, world_size: int,
     the derived defaults filled in. ``environ``: the entry point's environment,
     whose ``HYBRID_*`` variables default the kernel flags and whose cache directory
     keeps the parsed built-in corpus (None: flags only). ``plan_only``: a config to
-    plan with, not to run (the memory estimator): what this hybrid cannot run yet
-    but can plan (pipeline stages, :func:`hybrid.config.checks.check_pipeline_runs`)
-    is let through.
+    plan with, not to run (the memory estimator): what this hybrid could plan but
+    not run yet would be let through; nothing is now (pipeline stages combine with
+    everything since tied embeddings run with an offloaded optimizer), so it changes
+    no check.
     Every check runs first (:func:`_check`); then each section is cut from the
     checked flags routed to it, plus its derived fields (only ``_kernels`` writes
     back into the flags: the kernel flags it fills from ``environ``).
@@ -184,8 +185,6 @@ def _run_checks(f: Flags, world_size: int, plan_only: bool) -> int:
     checks.check_data_paths(f)
     checks.check_checkpoint(f)
     checks.check_output_dirs(f)
-    if not plan_only:  # last, so every pipeline flag was checked first; goes with the executor
-        checks.check_pipeline_runs(f)
     return dp
 
 

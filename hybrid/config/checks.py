@@ -247,28 +247,6 @@ def _check_interleaved_micro_batches(f: Flags, dp: int, source: str) -> None:
                 f"{f.micro_batch_size} x data-parallel size {dp})) must be a multiple of {pp}")
 
 
-def check_pipeline_runs(f: Flags) -> None:
-    """What a run with PP > 1 cannot combine with yet (the executor runs every schedule,
-    interleaved 1F1B too, with TP, SP, CP, ZeRO 0-3 and its offload tiers, tied
-    embeddings or not, checkpoints in any layout), stopped here after every other
-    check (so a bad pipeline flag gets its own message first). The estimator, which only
-    plans, skips it (``build_config(plan_only=True)``)."""
-    pp = f.pipeline_model_parallel_size
-    if pp == 1:
-        return
-    head = f"--pipeline-model-parallel-size {pp}"
-    # the step sums a tied embedding's copies' gradients on the device; offloaded, they
-    # have gone down to the host by then (hybrid/zero/engine.py, tied copies)
-    later = [(not f.untie_embeddings_and_output_weights and bool(f.offload_optimizer),
-              "tied embeddings across the first and last stage with --offload-optimizer "
-              "(pass --untie-embeddings-and-output-weights)")]
-    for cannot, what in later:
-        if cannot:
-            raise ConfigError(f"{head}: pipeline stages run with TP, SP, CP, interleaving and "
-                              f"ZeRO 0-3 with its offload tiers; not yet with {what}: drop "
-                              f"it, or use --pipeline-model-parallel-size 1")
-
-
 def check_schedule(f: Flags) -> None:
     """Resolve Megatron's iteration- or sample-based schedule (one of the two)."""
     iters_flags = [n for n in ("lr_decay_iters",) if getattr(f, n) is not None]

@@ -39,8 +39,10 @@ it, its gradient shard is summed over ``ps.embedding_group`` (the two stages'
 ranks at the same TP, CP and DP position) -- both then step the same master
 from the same gradient. The norm counts it on the first stage only. Where the
 embedding group is one rank (PP 1, a middle stage) nothing is tied and the
-units are an untied run's. An offloaded optimizer's gradients go down to the
-host during backward, before the step could sum them: refused.
+units are an untied run's. With the optimizer offloaded, every other unit's
+gradient goes down to the host as its last reduction ends; the tied unit's
+waits for the step, which sums it first (the sinks' ``sum_tied``;
+[Note: a tied unit waits for the step] in hybrid/zero/offload/landing.py).
 """
 
 from __future__ import annotations
@@ -114,7 +116,7 @@ class ZeroEngine:
         self.dtype = DTYPES[precision.params_dtype]
         self.grad_dtype = DTYPES[precision.grads_dtype]
         self.scaler = LossScaler.from_config(precision)
-        tied = _tied_names(model, ps, tied, offload)
+        tied = _tied_names(model, ps, tied)
         self.units, owners = plan_units(model, ps, zero, self.plan, unit_modules, alone=tied)
         # [Note: tied copies across pipeline stages]
         ids = {id(p) for n, p in model.named_parameters() if n in tied}
@@ -221,7 +223,7 @@ class ZeroEngine:
                                         flat_master=self.flat_master, excluded=excluded)
         if self.swapped is not None:
             return SwappedAdamW([u.own_hi - u.own_lo for u in self.units], decay, split, adamw,
-                                states=self.swapped)
+                                states=self.swapped, excluded=excluded)
         # At stages 2-3 the gradient shard is one flat buffer in master order: the
         # kernels may then update the whole shard in one pass (the offload keeps
         # host copies of its own and steps through step_parts).
@@ -249,11 +251,11 @@ class ZeroEngine:
         if lands:
             assert self.offload is not None  # (only an offloaded optimizer's gradients land)
             return GradLanding(self.units, self.offload, self.optimizer, dtype=self.grad_dtype,
-                               device=self.ps.device)
+                               device=self.ps.device, tied=self.tied_units)
         assert self.flat_grads is not None  # (allocated unless the gradients land)
         if self.offload is None:
             return DeviceShard(self.units, self.flat_grads)
-        return CopyDown(self.units, self.offload, self.flat_grads)
+        return CopyDown(self.units, self.offload, self.flat_grads, tied=self.tied_units)
 
     def owned_pieces(self) -> tuple[OwnedPiece, ...]:
         """Every parameter piece this rank owns for the optimizer (its 1/N of each unit;
@@ -317,9 +319,8 @@ class ZeroEngine:
         ``grad_divisor``: what the accumulated gradient is divided by besides the loss
         scale (the micro-batch count, when each backward was of an undivided loss).
         """
-        for u in self.tied_units:  # [Note: tied copies across pipeline stages]
-            assert u.grad_shard is not None  # (on the device: no offload with tied copies)
-            self.ps.embedding_group.all_reduce(u.grad_shard)
+        if self.tied_units:  # [Note: tied copies across pipeline stages]
+            self.sink.sum_tied(self.tied_units, self.ps.embedding_group)
         grads = [u.grad_shard for u in self.units]
         dp = self.ps.dp_cp_group if self.plan.optimizer else None
         scale = self.scaler.scale * grad_divisor  # what the gradient is a multiple of
@@ -525,11 +526,10 @@ def apply_zero(model: nn.Module, ps: ParallelState, zero: ZeroConfig = ZeroConfi
                       client=client, decay=decay, tied=tied)
 
 
-def _tied_names(model: nn.Module, ps: ParallelState, tied: Collection[str],
-                offload: OffloadConfig) -> tuple[str, ...]:
+def _tied_names(model: nn.Module, ps: ParallelState, tied: Collection[str]) -> tuple[str, ...]:
     """The names of ``tied`` the engine sums over ``ps.embedding_group``: none where that
     group is this rank alone; a ValueError when one is not in ``model`` (the other rank
-    would wait for it) and a ConfigError with an offloaded optimizer ([Note: tied ...])."""
+    would wait for it)."""
     group = ps.embedding_group
     if group.size == 1 or not tied:
         return ()
@@ -539,9 +539,4 @@ def _tied_names(model: nn.Module, ps: ParallelState, tied: Collection[str],
         raise ValueError(f"tied parameter {missing[0]!r} is not in this rank's model, but "
                          f"its embedding group (global ranks {group.ranks}) holds "
                          f"{group.size} copies: every rank of the group must hold one")
-    if offload.optimizer:
-        raise ConfigError(f"tied embeddings across pipeline stages with --offload-optimizer "
-                          f"{offload.optimizer}: the gradient of {next(iter(tied))!r} leaves "
-                          f"the device before the step sums its copies; pass "
-                          f"--untie-embeddings-and-output-weights, or drop the offload")
     return tuple(tied)

@@ -84,6 +84,12 @@ class GradSink(Protocol):
     def reset(self) -> None:
         """Gradients zeroed: the next micro-batch starts every unit from zeros."""
 
+    def sum_tied(self, units: list[FlatUnit], group: CommGroup) -> None:
+        """At the step, before anything reads a gradient: sum each of ``units`` (a tied
+        embedding's copies, [Note: tied copies across pipeline stages] in
+        hybrid/zero/engine.py) over ``group``, so the step, its norm terms
+        and any copy down see the sum."""
+
     def squared_norms(self) -> torch.Tensor | None:
         """This rank's ``[TP-split, replicated]`` squared norms if the sink took them
         (the gradients left the device); None: the step takes them from the shards."""
@@ -116,6 +122,11 @@ class DeviceShard:
 
     def reset(self) -> None:
         self.flat.zero_()
+
+    def sum_tied(self, units: list[FlatUnit], group: CommGroup) -> None:
+        for u in units:
+            assert u.grad_shard is not None  # (bound for good: GradState.FLAT)
+            group.all_reduce(u.grad_shard)
 
     def squared_norms(self) -> torch.Tensor | None:
         return None

@@ -352,14 +352,20 @@ def _compare_tied_copies(ps, cfg):
 def test_tied_embeddings_across_stages_follow_the_one_stage_curve(tmp_path):
     """The default GPT-2 (embedding and head tied) at PP 2 x DP 2: the first stage's wte
     and the last stage's copy get their gradients summed over the embedding group and
-    stay bit-identical after every step, at ZeRO 0 and 1 (1F1B), 2 (ZB-H1) and 3 (1F1B);
-    every step's loss and grad norm (the embedding counted once) within 1e-5 of PP 1 at
-    DP 2."""
+    stay bit-identical after every step, at ZeRO 0 and 1 (1F1B), 2 (ZB-H1) and 3 (1F1B),
+    and with the optimizer offloaded, the tied unit going down only after the step's sum:
+    to the host at ZeRO 1 (the device shard copied down) and 2 (read in place), to NVMe
+    at ZeRO 3 (landed, parked, landed again for the sum); every step's loss and grad
+    norm (the embedding counted once) within 1e-5 of PP 1 at DP 2."""
     logs = {}
+    pp2 = ["--pipeline-model-parallel-size", "2"]
     runs = {"pp1": (2, []),
-            **{f"pp2_zero{z}": (4, ["--pipeline-model-parallel-size", "2", "--zero-stage",
-                                    str(z), "--pipeline-schedule", sched])
-               for z, sched in ((0, "1f1b"), (1, "1f1b"), (2, "zb_h1"), (3, "1f1b"))}}
+            **{f"pp2_zero{z}": (4, pp2 + ["--zero-stage", str(z), "--pipeline-schedule", sched])
+               for z, sched in ((0, "1f1b"), (1, "1f1b"), (2, "zb_h1"), (3, "1f1b"))},
+            **{f"pp2_cpu{z}": (4, pp2 + ["--zero-stage", str(z), "--offload-optimizer", "cpu"])
+               for z in (1, 2)},
+            "pp2_nvme3": (4, pp2 + ["--zero-stage", "3", "--offload-optimizer", "nvme",
+                                    "--offload-nvme-path", str(tmp_path / "nvme")])}
     for name, (n, extra) in runs.items():
         path = str(tmp_path / f"{name}.jsonl")
         r = pretrain(n, TINY + ["--global-batch-size", "8", "--train-iters", "4",

@@ -41,12 +41,28 @@ reduction, which ends a unit. Device memory for gradients is then constant:
   (:meth:`~hybrid.zero.optimizer.ShardedAdamW.sum_terms`): the same bits.
 * On a GPU a buffer given back is free only once its copy down has run: the
   next borrower's stream waits for that copy's event -- the host never does.
+
+[Note: a tied unit waits for the step]
+A tied embedding's unit (hybrid/zero/engine.py, [Note: tied copies across pipeline
+stages]) has a copy on the first and on the last pipeline stage, and the step sums
+the two. Its final shard cannot go down when its last reduction ends: the other
+stage may still be running its backward, and an all-reduce there, during backward,
+would wait on the very stage that waits for this one's activation gradients. So
+``final`` holds it back -- :class:`CopyDown` leaves it in the device shard,
+:class:`GradLanding` parks it like a partial sum -- and the engine's step calls
+``sum_tied`` first: the shard (copied back up into a landing buffer, for
+:class:`GradLanding`) is all-reduced over the embedding group, its norm terms are
+taken from the sum, and only then does it go down as final. One unit, once a step:
+its copy up and its all-reduce are all it costs.
 """
 
 from __future__ import annotations
 
+from collections.abc import Collection
+
 import torch
 
+from hybrid.parallel.comm import CommGroup
 from hybrid.zero.flat_unit import FlatUnit
 from hybrid.zero.grad_sync import DeviceShard
 from hybrid.zero.offload.contracts import ShardOptimizer
@@ -62,17 +78,26 @@ class CopyDown(DeviceShard):
         units: the engine's units, in shard order.
         offload: the host step, which keeps the store (``grad_ready``).
         flat_grads: the engine's flat gradient buffer the shards are views of.
+        tied: units summed over the embedding group at the step: they go down after
+            (:meth:`sum_tied`; [Note: a tied unit waits for the step]).
     """
 
     overlaps = True
 
     def __init__(self, units: list[FlatUnit], offload: OptimizerOffload,
-                 flat_grads: torch.Tensor):
+                 flat_grads: torch.Tensor, tied: Collection[FlatUnit] = ()):
         super().__init__(units, flat_grads)
         self.offload = offload
+        self.tied = {id(u) for u in tied}
 
     def final(self, unit: FlatUnit) -> None:
-        self.offload.grad_ready(unit)
+        if id(unit) not in self.tied:
+            self.offload.grad_ready(unit)
+
+    def sum_tied(self, units: list[FlatUnit], group: CommGroup) -> None:
+        super().sum_tied(units, group)
+        for u in units:
+            self.offload.grad_ready(u)
 
 
 class GradLanding:
@@ -85,13 +110,17 @@ class GradLanding:
             ``grad_ready``, ``host_grad``).
         opt: the shard optimizer (``part_terms``, ``sum_terms`` of the norm).
         dtype, device: the gradient dtype, and where the landing buffers live.
+        tied: units summed over the embedding group at the step: their final shard is
+            parked, and lands again for :meth:`sum_tied` ([Note: a tied unit waits ...]).
     """
 
     overlaps = True
 
     def __init__(self, units: list[FlatUnit], offload: OptimizerOffload, opt: ShardOptimizer,
-                 *, dtype: torch.dtype, device: torch.device, count: int = 2):
+                 *, dtype: torch.dtype, device: torch.device, count: int = 2,
+                 tied: Collection[FlatUnit] = ()):
         self.units, self.offload, self.opt, self.device = units, offload, opt, device
+        self.tied = {id(u) for u in tied}
         self.index = {id(u): i for i, u in enumerate(units)}
         size = max(u.own_hi - u.own_lo for u in units)
         # (buffer, CUDA event after which it is free, or None)
@@ -127,12 +156,30 @@ class GradLanding:
 
     def final(self, unit: FlatUnit) -> None:
         """The step's last reduction of ``unit`` is done: its norm terms are taken, its
-        gradient goes down for the update, the buffer back to the pool."""
+        gradient goes down for the update, the buffer back to the pool. A tied unit's
+        is parked instead, until :meth:`sum_tied`."""
+        if id(unit) in self.tied:
+            self.partial(unit)
+            return
+        self._ready(unit)
+
+    def _ready(self, unit: FlatUnit) -> None:
         i = self.index[id(unit)]
         shard = unit.grad_shard
         assert shard is not None  # (GradState.LANDED since open)
         self._terms[i] = self.opt.part_terms(i, shard)
         self._close(unit, self.offload.grad_ready(unit))
+
+    def sum_tied(self, units: list[FlatUnit], group: CommGroup) -> None:
+        """Each of ``units`` lands again (its parked sum), is summed over ``group``, and
+        goes down as final, its norm terms taken from the sum."""
+        for u in units:
+            opened = self.open(u)
+            assert opened  # (backward has ended: every landing buffer is free)
+            shard = u.grad_shard
+            assert shard is not None  # (GradState.LANDED since open)
+            group.all_reduce(shard)
+            self._ready(u)
 
     def _close(self, unit: FlatUnit, copied) -> None:
         i = self.index[id(unit)]

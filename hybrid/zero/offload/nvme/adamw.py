@@ -19,7 +19,7 @@ and moment element ends with the same bits, and so does the curve.
 from __future__ import annotations
 
 import bisect
-from collections.abc import Generator, Iterable
+from collections.abc import Collection, Generator, Iterable
 
 import torch
 
@@ -41,11 +41,12 @@ class SwappedAdamW(ShardBase):
         decay_ranges, split_ranges: per part, as
             :class:`~hybrid.zero.optimizer.ShardedAdamW` takes them.
         states: the swapped master and moments of the whole flat shard.
+        excluded: parts left out of the norm (:class:`~hybrid.zero.optimizer.ShardBase`).
     """
 
     def __init__(self, sizes: list[int], decay_ranges, split_ranges, cfg: AdamWConfig, *,
-                 states: SwappedStates):
-        super().__init__(sizes, split_ranges, torch.device("cpu"))
+                 states: SwappedStates, excluded: Collection[int] = ()):
+        super().__init__(sizes, split_ranges, torch.device("cpu"), excluded)
         self.states = states
         self.cfg = cfg  # the hyper-parameters
         flat = sorted((self.offsets[i] + a, self.offsets[i] + b)
