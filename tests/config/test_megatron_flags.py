@@ -1,6 +1,8 @@
 """A Megatron-LM launch script runs with only the entry point renamed: Megatron's
 preprocessing command line, its GPT-3 example's flag arrays (ramp-up, warmup fraction,
-fp16, TP, save/load, TensorBoard) under torchrun, and a resume from its own save."""
+fp16, TP, save/load, TensorBoard) under torchrun, and a resume from its own save; and the
+175B script with its pipeline kept (TP 2 x PP 2), its flags run on pooled ranks, resuming
+on the straight run's curve."""
 
 import json
 import os
@@ -9,9 +11,10 @@ import socket
 import subprocess
 import sys
 
-from tests.helpers.launch import ROOT, env
+from tests.helpers.launch import ROOT, env, pretrain, read_json_log, script_module
 
 SCRIPT = os.path.join(ROOT, "examples", "megatron", "train_gpt3_shrunk.sh")
+SCRIPT_PP2 = os.path.join(ROOT, "examples", "megatron", "train_gpt3_175b_pp2.sh")
 TEXT = ("It was the best of times, it was the worst of times, it was the age of wisdom, "
         "it was the age of foolishness, it was the epoch of belief. ")
 
@@ -29,20 +32,32 @@ def _run(cmd, **kw):
     return r
 
 
-def test_megatron_gpt3_example_runs_renamed_and_resumes(tmp_path):
-    # Megatron's data pipeline: GPT-2 BPE files, JSONL in, <prefix>_text_document out.
+def _megatron_data(tmp_path, run=_run):
+    """Megatron's data pipeline: GPT-2 BPE files, JSONL in, <prefix>_text_document out.
+    Returns (vocab, merges, data prefix)."""
     (tmp_path / "corpus.txt").write_text(TEXT * 40)
-    _run([sys.executable, "scripts/train_tokenizer.py", "--input", str(tmp_path / "corpus.txt"),
-          "--vocab-size", "300", "--output-dir", str(tmp_path / "tok")])
+    run([sys.executable, "scripts/train_tokenizer.py", "--input", str(tmp_path / "corpus.txt"),
+         "--vocab-size", "300", "--output-dir", str(tmp_path / "tok")])
     with open(tmp_path / "docs.jsonl", "w") as f:
         for i in range(200):
             f.write(json.dumps({"text": f"{i} " + TEXT * (1 + i % 3)}) + "\n")
     vocab, merges = str(tmp_path / "tok" / "vocab.json"), str(tmp_path / "tok" / "merges.txt")
-    _run([sys.executable, "scripts/preprocess_data.py", "--input", str(tmp_path / "docs.jsonl"),
-          "--output-prefix", str(tmp_path / "my-gpt3"), "--tokenizer-type", "GPT2BPETokenizer",
-          "--vocab-file", vocab, "--merge-file", merges, "--append-eod", "--workers", "1"])
+    run([sys.executable, "scripts/preprocess_data.py", "--input", str(tmp_path / "docs.jsonl"),
+         "--output-prefix", str(tmp_path / "my-gpt3"), "--tokenizer-type", "GPT2BPETokenizer",
+         "--vocab-file", vocab, "--merge-file", merges, "--append-eod", "--workers", "1"])
     data = str(tmp_path / "my-gpt3_text_document")
     assert os.path.isfile(data + ".bin") and os.path.isfile(data + ".idx")
+    return vocab, merges, data
+
+
+def _in_process(cmd):
+    """A scripts/*.py command line run through the script's main() in this process."""
+    name = os.path.basename(cmd[1])[: -len(".py")]
+    assert script_module(name).main(cmd[2:]) in (0, None), cmd
+
+
+def test_megatron_gpt3_example_runs_renamed_and_resumes(tmp_path):
+    vocab, merges, data = _megatron_data(tmp_path)
 
     ckpt, tb = str(tmp_path / "ckpt"), str(tmp_path / "tb")
     e = dict(env(), GPUS_PER_NODE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=_free_port())
@@ -61,3 +76,49 @@ def test_megatron_gpt3_example_runs_renamed_and_resumes(tmp_path):
     r = _run(["bash", SCRIPT, ckpt, tb, vocab, merges, data], env=e, timeout=300)
     assert "at iteration 8 (48 samples consumed)" in r.stdout
     assert re.findall(r"iteration\s+(\d+)/\s*10 ", r.stdout) == ["9", "10"]
+
+
+def _script_argv(tmp_path, script, *positional, **environ):
+    """What ``script`` hands torchrun: run it with a ``torchrun`` on PATH that only writes
+    down its argv. Returns (torchrun's arguments, pretrain_gpt.py's)."""
+    stub = tmp_path / "bin" / "torchrun"
+    stub.parent.mkdir(exist_ok=True)
+    stub.write_text(f'#!/bin/sh\n"{sys.executable}" -c "import json, sys; '
+                    f'print(json.dumps(sys.argv[1:]))" "$@" > "$ARGV_OUT"\n')
+    stub.chmod(0o755)
+    out = tmp_path / "argv.json"
+    e = dict(env(), PATH=f"{stub.parent}{os.pathsep}{os.environ['PATH']}", ARGV_OUT=str(out),
+             **environ)
+    _run(["bash", script, *positional], env=e, timeout=60)
+    argv = json.loads(out.read_text())
+    at = next(i for i, a in enumerate(argv) if a.endswith("scripts/pretrain_gpt.py"))
+    return argv[:at], argv[at + 1:]
+
+
+def test_megatron_gpt3_175b_script_at_pp2_runs_and_resumes(tmp_path):
+    """examples/megatron/train_gpt3_175b_pp2.sh: Megatron's GPT-3 175B script with its
+    sizes shrunk and PP kept (TP 2 x PP 2, embeddings tied across the stages, fp16, the
+    batch ramp-up, save and load in one directory). Its flags, as it hands them to
+    torchrun, run on 4 pooled ranks: 8 steps straight, and 4 steps then 4 more resumed
+    from the step-4 save, whose steps 5-8 follow the straight run's within 1e-5."""
+    vocab, merges, data = _megatron_data(tmp_path, _in_process)
+    logs = {}
+    for name, iters in (("straight", "8"), ("first", "4"), ("resumed", "8")):
+        ckpt = str(tmp_path / ("ck_straight" if name == "straight" else "ck"))
+        launch, args = _script_argv(tmp_path, SCRIPT_PP2, ckpt, str(tmp_path / "tb"), vocab,
+                                    merges, data, TRAIN_ITERS=iters)
+        assert launch[:2] == ["--nproc_per_node", "4"], launch
+        assert args[args.index("--pipeline-model-parallel-size") + 1] == "2"
+        path = str(tmp_path / f"{name}.jsonl")
+        r = pretrain(4, args + ["--log-json", path])
+        assert r.returncode == 0, f"{name}:\n{r.stdout[-2000:]}\n{r.stderr[-3000:]}"
+        assert "world 4 = TP 2 x DP 1 x PP 2" in r.stdout, r.stdout[:3000]
+        logs[name] = read_json_log(path)
+    straight, resumed = logs["straight"], logs["resumed"]
+    assert [m["iteration"] for m in straight] == list(range(1, 9))
+    assert [m["iteration"] for m in resumed] == [5, 6, 7, 8]
+    for a, b in zip(resumed, straight[4:]):
+        for key in ("loss", "grad_norm"):
+            assert abs(a[key] - b[key]) <= 1e-5 * abs(b[key]), (key, a, b)
+    assert sorted(os.listdir(tmp_path / "ck")) == [".lock", "iter_0000004", "iter_0000008",
+                                                   "latest", "owner.json"]
