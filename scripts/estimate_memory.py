@@ -21,9 +21,13 @@ sends over the CP group per step (the attention's K/V exchange, forward and
 backward, and the loss's all-reduce; :mod:`hybrid.estimate.context_parallel`).
 With ``--pipeline-model-parallel-size P`` (> 1; the stage split by the same flags as a
 run: ``--decoder-first-pipeline-num-layers``, ``--pipeline-model-parallel-layout``, ...)
-the figures are one rank's of the stage with the most parameters, and each record also
-names ``pp``, ``vpp``, ``stage``, ``layers_per_stage`` and ``params_per_stage``; its
-activations are the first stage's under 1F1B (see :class:`hybrid.estimate.workload.Workload`).
+the figures are one rank's of the stage with the highest predicted peak at the run's ZeRO
+stage, and each record also names ``pp``, ``vpp``, ``stage``, ``layers_per_stage`` and
+``params_per_stage``; activations are those of the micro-batches the schedule keeps in
+flight on that stage. One more line (``"pipeline"``) gives every stage's figures at the
+run's ZeRO stage (layers, parameters, micro-batches held at its peak, activations, model
+states, peak), the p2p bytes each pipeline rank sends a step and the predicted bubble
+(:mod:`hybrid.estimate.pipeline`).
 
 Then one line (``"offload"``) for the run's own offload setting at its stage
 (:func:`hybrid.estimate.tiers.tier_bytes`): device, host and disk bytes per
@@ -49,6 +53,7 @@ from hybrid.config import Flags, build_config
 from hybrid.config.flags import build_parser
 from hybrid.config.sections import tokenizer_kind
 from hybrid.errors import ConfigError
+from hybrid.estimate import pipeline as pp_terms
 from hybrid.estimate.memory import (
     activation_bytes,
     buffer_bytes,
@@ -170,6 +175,43 @@ def _stage_records(w, runtime: int, budget: float | None, vpp: int = 1) -> list[
     return records
 
 
+def _peak_stage(w, runtime: int):
+    """``w`` on the pipeline stage whose predicted peak is the highest at the run's ZeRO
+    stage (the first of equals): its parameters and the activations its schedule keeps
+    in flight together."""
+    if w.pp == 1:
+        return w
+    return max((dataclasses.replace(w, stage=s) for s in range(w.pp)),
+               key=lambda ws: (peak_memory(ws, runtime)["total"], -ws.stage))
+
+
+def _pipeline_record(w, runtime: int) -> dict:
+    """``{"pipeline": ...}``: the schedule's predicted bubble (equal times), the p2p bytes
+    each pipeline rank sends a step, and per stage at the run's ZeRO stage: its layers
+    and parameters, the micro-batches it holds at its peak, its activations, model
+    states, buffers and predicted peak (:mod:`hybrid.estimate.pipeline`)."""
+    sim = pp_terms.simulation(w)
+    stages = []
+    for s in range(w.pp):
+        ws = dataclasses.replace(w, stage=s)
+        acts = activation_bytes(ws)
+        stages.append({
+            "stage": s, "layers": list(ws.stage_chunks(s)), "params_per_tp_rank": ws.psi,
+            "micro_batches_held": acts["held"], "activations": acts,
+            "model_states": model_state_bytes(ws.psi, ws.shard_ranks, ws.zero_stage,
+                                              ws.params_dtype, ws.grads_dtype),
+            "buffers": buffer_bytes(ws), "peak_bytes": peak_memory(ws, runtime)["total"]})
+    bubble = pp_terms.bubble(w)
+    return {"pipeline": {
+        "schedule": sim.schedule.name, "pp": w.pp, "vpp": w.vpp,
+        "micro_batches": w.micro_batches, "zero_stage": w.zero_stage,
+        "bubble": float(bubble), "bubble_fraction": str(bubble),
+        "p2p_bytes_per_step": pp_terms.p2p_bytes_per_step(w), "stages": stages,
+        "rule": "activations: each stage's micro-batches in flight at its peak under the "
+                "schedule (the simulator's lists); bubble: the simulator with equal "
+                "forward, input- and weight-gradient times; p2p: sent by each rank"}}
+
+
 def _offload_records(w, off, own: dict, world: int, runtime: int) -> list[dict]:
     """The run's own setting; with a capacity given, the ladder and its recommendation."""
     cpu = own["device"] == "cpu"
@@ -209,9 +251,11 @@ def main(argv=None) -> int:
     cfg, vocab = _config(ap, ns, own)
     runtime = int((own["runtime_gb"] if own["runtime_gb"] is not None
                    else RUNTIME_GB[own["device"]]) * GIB)
-    w = workload(cfg, vocab, own["device"]).heaviest_stage()  # (PP 1: the one stage)
+    w = _peak_stage(workload(cfg, vocab, own["device"]), runtime)  # (PP 1: the one stage)
     budget = own["gpu_memory_gb"] * GIB if own["gpu_memory_gb"] is not None else None
     records = _stage_records(w, runtime, budget, cfg.pipeline.virtual_size)
+    if w.pp > 1:
+        records.append(_pipeline_record(w, runtime))
     records += _offload_records(w, cfg.offload, own, cfg.parallel.world_size, runtime)
     if budget is not None:
         records.append({"recommended_zero_stage": choose_stage(w, budget, runtime),
@@ -268,6 +312,18 @@ def _text(records: list[dict]) -> str:
         lines.append(f"  stage {r['zero_stage']}{'*' if r['selected'] else ' '} "
                      f"{_size(r['peak_bytes'])}, sends "
                      f"{_size(r['traffic_bytes_per_step']['total'])}{fits}")
+    for r in records:
+        if "pipeline" in r:
+            pl = r["pipeline"]
+            lines.append(f"pipeline: {pl['schedule']}, {pl['micro_batches']} micro-batches; "
+                         f"predicted bubble {pl['bubble_fraction']} = {pl['bubble']:.4f}; p2p "
+                         f"{_size(pl['p2p_bytes_per_step']['total'])} per step "
+                         f"(per rank {pl['p2p_bytes_per_step']['ranks']})")
+            lines += [f"  pipeline stage {x['stage']}: {sum(x['layers'])} layers, "
+                      f"{x['params_per_tp_rank']:,} parameters, {x['micro_batches_held']} "
+                      f"micro-batches held, activations {_size(x['activations']['peak'])}, "
+                      f"peak {_size(x['peak_bytes'])} at ZeRO-{pl['zero_stage']}"
+                      for x in pl["stages"]]
     for r in records:
         if "offload" in r:
             est = r["offload"]

@@ -71,7 +71,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from hybrid.estimate import context_parallel as cp_terms
+from hybrid.estimate import context_parallel as cp_terms, pipeline as pp_terms
 from hybrid.estimate.model_states import BYTES, comm_bytes_per_step, model_state_bytes
 from hybrid.estimate.workload import Workload, workload  # noqa: F401 (callers import both here)
 
@@ -123,39 +123,74 @@ def _replicated_divisor(w: Workload) -> int:
 
 def head_bytes(w: Workload) -> int:
     """Bytes saved outside the layers: embedding and head (see the note)."""
+    return embedding_bytes(w) + loss_bytes(w)
+
+
+def embedding_bytes(w: Workload) -> int:
+    """What the embedding saves (the first pipeline stage's share of :func:`head_bytes`):
+    the token ids and learned positions (int64), at TP > 1 the mask of ids outside this
+    rank's vocabulary slice, and the embedding dropout's mask."""
+    m, b = w.model, w.micro_batch_size
+    s, h = w.seq_per_rank, m.hidden_size
+    positions = 8 * s if m.position_embedding_type == "learned_absolute" else 0  # SP: a view
+    ids = 8 * s * b + positions + (0 if w.tp == 1 else s * b)
+    r = _replicated_divisor(w)
+    mask = s * b * h * (1 if w.device == "cuda" else BYTES[w.params_dtype]) // r \
+        if m.hidden_dropout > 0 else 0
+    return ids + mask
+
+
+def loss_bytes(w: Workload) -> int:
+    """What the head and loss save (the last pipeline stage's share of :func:`head_bytes`):
+    the label ids (int64), at TP 1 the loss's weight scalar and at TP > 1 the mask of
+    labels outside this rank's vocabulary slice, the final norm's input, output and
+    statistics, and the cross-entropy's slice of ``bsV/t`` values."""
     m, b = w.model, w.micro_batch_size
     s, h = w.seq_per_rank, m.hidden_size
     e = BYTES[w.params_dtype]
-    # tokens, labels, positions (int64); then at TP 1 the loss's weight scalar, at TP > 1
-    # the masks of ids outside this rank's vocabulary slice (embedding, cross-entropy)
     r = _replicated_divisor(w)
-    positions = 8 * s if m.position_embedding_type == "learned_absolute" else 0  # SP: a view
-    ids = 2 * 8 * s * b + positions + (4 if w.tp == 1 else 2 * s * b)
+    ids = 8 * s * b + (4 if w.tp == 1 else s * b)
     ln_f = (2 * s * b * h * e + s * b * _norm_row_bytes(w)) // r
     softmax = (e if w.device == "cuda" else 4) * b * s * w.padded_vocab_size // w.tp
-    mask = s * b * h * (1 if w.device == "cuda" else e) // r if m.hidden_dropout > 0 else 0
-    return ids + ln_f + softmax + mask
+    return ids + ln_f + softmax
+
+
+def layers_bytes(w: Workload, n: int) -> tuple[int, int]:
+    """(bytes ``n`` consecutive layers -- the model, or one pipeline chunk -- save for
+    backward under ``w``'s recompute, the transient of a recomputed group's backward).
+    Megatron's block method checkpoints the first ``recompute_num_layers`` of them, the
+    uniform method groups them ``recompute_layers_per_checkpoint`` at a time (see the
+    note)."""
+    m, b, t = w.model, w.micro_batch_size, w.tp
+    s, h = w.seq_per_rank, m.hidden_size
+    e = BYTES[w.params_dtype]
+    per_layer = activation_bytes_per_layer(w)
+    n_ckpt = min(w.recompute_num_layers or n, n) if w.recompute else 0
+    split = w.partition_activations or w.sequence_parallel  # the input is 1/t either way
+    stored_input = 0 if w.cpu_checkpointing else s * b * h * e // (t if split else 1)
+    k = min(w.recompute_layers_per_checkpoint, n_ckpt) if n_ckpt else 0
+    n_stored = -(-n_ckpt // k) if k else 0  # one input per group of k layers
+    layers = n_stored * stored_input + (n - n_ckpt) * per_layer
+    working = k * per_layer  # a recomputed group during its backward
+    if w.selective_recompute:  # one attention core's scores, rerun during its backward
+        working = activation_bytes_per_layer(replace(w, selective_recompute=False)) - per_layer
+    return layers, working
 
 
 def activation_bytes(w: Workload) -> dict:
     """{"layers", "head", "recompute_working_set", "peak"}: bytes saved at the end of
     forward, and the most that exists at once (the peak term of :func:`peak_memory`).
     With CP also ``"cp_attention_working_set"``: one layer's attention exchange in
-    backward (:func:`hybrid.estimate.context_parallel.attention_working_set`)."""
+    backward (:func:`hybrid.estimate.context_parallel.attention_working_set`). With PP
+    (``w.pp > 1``) those of pipeline stage ``w.stage`` under its schedule, and more
+    keys: see :func:`pipeline_activation_bytes`."""
+    if w.pp > 1:
+        return pipeline_activation_bytes(w)
     m, b, t = w.model, w.micro_batch_size, w.tp
-    s, h = w.seq_per_rank, m.hidden_size
+    s = w.seq_per_rank
     e = BYTES[w.params_dtype]
-    per_layer = activation_bytes_per_layer(w)
-    n_ckpt = (w.recompute_num_layers or m.num_layers) if w.recompute else 0
-    split = w.partition_activations or w.sequence_parallel  # the input is 1/t either way
-    stored_input = 0 if w.cpu_checkpointing else s * b * h * e // (t if split else 1)
-    k = min(w.recompute_layers_per_checkpoint, n_ckpt) if n_ckpt else 0
-    n_stored = -(-n_ckpt // k) if k else 0  # one input per group of k layers
-    layers = n_stored * stored_input + (m.num_layers - n_ckpt) * per_layer
+    layers, working = layers_bytes(w, m.num_layers)
     head = head_bytes(w)
-    working = k * per_layer  # a recomputed group during its backward
-    if w.selective_recompute:  # one attention core's scores, rerun during its backward
-        working = activation_bytes_per_layer(replace(w, selective_recompute=False)) - per_layer
     logits = e * b * s * w.padded_vocab_size // t  # beside their softmax
     if w.cp == 1:
         return {"layers": layers, "head": head, "recompute_working_set": working,
@@ -165,6 +200,43 @@ def activation_bytes(w: Workload) -> dict:
     return {"layers": layers, "head": head, "recompute_working_set": working,
             "cp_attention_working_set": attention,
             "peak": layers + head + max(working + attention, logits)}
+
+
+def pipeline_activation_bytes(w: Workload) -> dict:
+    """Pipeline stage ``w.stage``'s activations under ``w.schedule`` (see [Note:
+    activations under a schedule] in :mod:`hybrid.estimate.pipeline`): at the rank's
+    peak, ``"layers"`` and ``"head"`` (its chunks' layers, and the embedding's and the
+    loss's saved tensors, of every micro-batch then in flight) and ``"outputs"`` (each
+    such micro-batch's stage output, which the executor keeps for its backward; none on
+    the last stage, whose output is the loss); ``"held"``: those micro-batches (chunk
+    activations with interleaving); ``"peak_held"``: the simulator's peak count;
+    ``"per_micro_batch"``: one micro-batch's saved bytes on each of the rank's chunks;
+    the transients as at PP 1 (the logits only on the rank of the last stage); ``"peak"``."""
+    p, v, rank = w.pp, w.vpp, w.stage
+    b, s = w.micro_batch_size, w.seq_per_rank
+    last = p * v - 1
+    per_stage, working = {}, 0
+    for c, n in enumerate(w.stage_chunks(rank)):
+        st = c * p + rank
+        layers, work = layers_bytes(w, n)
+        head = (embedding_bytes(w) if st == 0 else 0) + (loss_bytes(w) if st == last else 0)
+        per_stage[st] = (layers, head, 0 if st == last else pp_terms.message_bytes(w))
+        working = max(working, work)
+    at_peak = pp_terms.held_peak(w, rank, per_stage)
+    layers, head, outputs = at_peak["bytes"]
+    logits = (BYTES[w.params_dtype] * b * s * w.padded_vocab_size // w.tp
+              if rank == last % p else 0)
+    out = {"layers": layers, "head": head, "outputs": outputs, "held": at_peak["held"],
+           "peak_held": at_peak["peak_held"],
+           "per_micro_batch": [per_stage[st][0] + per_stage[st][1]
+                               for st in sorted(per_stage)],
+           "recompute_working_set": working}
+    transient = working
+    if w.cp > 1:
+        out["cp_attention_working_set"] = attention = cp_terms.attention_working_set(w)
+        transient += attention
+    out["peak"] = layers + head + outputs + max(transient, logits)
+    return out
 
 
 def buffer_bytes(w: Workload) -> dict:

@@ -19,13 +19,12 @@ class Workload:
     known: sizes, dropout, ``seq_length``, the Llama-family options) and how the run
     lays it out -- TP, CP, DP, PP, micro-batches, ZeRO stage, precision, recompute.
 
-    With PP > 1 the rank is one of pipeline stage ``stage``, which holds
-    ``stage_layers[stage]`` transformer layers (all its chunks together), the embedding
-    on stage 0 and the output layer on the last: ``psi`` and everything ZeRO derives from
-    it (model states, buffers, DP traffic) are that stage's. The activation terms are
-    still the whole model's layers for one micro-batch, which is what the first stage
-    holds under 1F1B (PP micro-batches in flight, each through L / PP layers); a
-    per-stage, per-schedule activation estimate is not made yet.
+    With PP > 1 the rank is one of pipeline stage ``stage`` (its pipeline rank), which
+    holds ``stage_layers[stage]`` transformer layers (all its chunks together;
+    ``chunk_layers[stage]`` per chunk), the embedding on stage 0 and the output layer on
+    the last: ``psi`` and everything ZeRO derives from it (model states, buffers, DP
+    traffic) are that stage's. Its activations are those of the micro-batches the
+    ``schedule`` keeps in flight on it (:mod:`hybrid.estimate.pipeline`).
     """
 
     model: ModelConfig
@@ -52,6 +51,9 @@ class Workload:
     pp: int = 1  # pipeline stages
     stage_layers: tuple[int, ...] | None = None  # layers of each stage (None: PP 1, all)
     stage: int = 0  # the pipeline stage this rank is one of
+    # layers of each chunk of each stage (None: one chunk of stage_layers[s] each)
+    chunk_layers: tuple[tuple[int, ...], ...] | None = None
+    schedule: str = "1f1b"  # --pipeline-schedule (interleaved_1f1b with chunks)
 
     @property
     def seq_per_rank(self) -> int:
@@ -77,6 +79,17 @@ class Workload:
         return self.model.stage_parameters(self.tp, self.stage_layers[stage], stage == 0,
                                            stage == self.pp - 1)
 
+    @property
+    def vpp(self) -> int:
+        """Model chunks (virtual stages) per pipeline rank."""
+        return len(self.chunk_layers[0]) if self.chunk_layers else 1
+
+    def stage_chunks(self, stage: int) -> tuple[int, ...]:
+        """Layers of each chunk of pipeline stage ``stage``, in chunk order."""
+        if self.chunk_layers is not None:
+            return self.chunk_layers[stage]
+        return (self.stage_layers[stage] if self.stage_layers else self.model.num_layers,)
+
     def heaviest_stage(self) -> Workload:
         """This workload on the stage with the most parameters (the first of equals)."""
         stages = range(self.pp)
@@ -97,8 +110,10 @@ def workload(cfg, vocab_size: int, device: str = "cuda") -> Workload:
     stage 0 (:meth:`Workload.heaviest_stage` picks another)."""
     p, zero, rc, split = cfg.parallel, cfg.zero, cfg.recompute, cfg.pipeline.split
     pp = p.pipeline_model_parallel_size
-    stage_layers = (tuple(split.rank_layers(s) for s in range(pp))
-                    if split is not None and pp > 1 else None)
+    piped = split is not None and pp > 1
+    stage_layers = tuple(split.rank_layers(s) for s in range(pp)) if piped else None
+    chunk_layers = (tuple(tuple(len(split.layer_ids(s, c)) for c in range(split.vpp))
+                          for s in range(pp)) if piped else None)
     return Workload(
         model=cfg.model.with_vocab_size(vocab_size),
         micro_batch_size=cfg.loop.micro_batch_size,
@@ -112,4 +127,5 @@ def workload(cfg, vocab_size: int, device: str = "cuda") -> Workload:
         cpu_checkpointing=rc.cpu_checkpointing, reduce_bucket_size=zero.reduce_bucket_size,
         device=device, cp=p.context_parallel_size, cp_comm_type=p.cp_comm_type,
         cp_layout=p.cp_layout, loss_mask=cfg.data.eod_mask_loss, pp=pp,
-        stage_layers=stage_layers)
+        stage_layers=stage_layers, chunk_layers=chunk_layers,
+        schedule=cfg.pipeline.schedule)

@@ -1,12 +1,26 @@
-"""The estimator with PP (a first cut): each stage's parameters, the run's figures those of
-the stage with the most, and a bad split refused by the same message as the launcher's."""
+"""The estimator with PP: each stage's parameters; its activations, the micro-batches its
+schedule keeps in flight (the simulator's peak, and the activation meter's bytes on the
+real stage modules); the p2p bytes per step and the predicted bubble; the script's
+per-stage record; a bad split refused by the same message as the launcher's."""
 
 import json
+from dataclasses import replace
+from fractions import Fraction
 
 import pytest
 
 from hybrid.config import build_config, parse_args
-from hybrid.estimate.workload import workload
+from hybrid.config.model import ModelConfig
+from hybrid.estimate.memory import (
+    activation_bytes,
+    activation_bytes_per_layer,
+    embedding_bytes,
+    loss_bytes,
+)
+from hybrid.estimate.pipeline import bubble as pipeline_bubble, p2p_bytes_per_step
+from hybrid.estimate.workload import Workload, workload
+from hybrid.pipeline.schedules import build_schedule
+from hybrid.pipeline.simulator import simulate
 from tests.helpers.launch import script_module
 
 MODEL = ["--num-layers", "8", "--hidden-size", "64", "--num-attention-heads", "4",
@@ -51,3 +65,117 @@ def test_estimate_memory_plans_a_pipeline_run(capsys):
     assert e.value.code == 2
     assert ("--num-layers 30 is not divisible by --pipeline-model-parallel-size 4"
             in capsys.readouterr().err)
+
+
+# -- per stage under a schedule: activations in flight, p2p bytes, bubble ----------------------
+
+def _piped(schedule, p=4, m=8, v=1, layers=8, **kw):
+    """A Workload of ``layers`` even layers over p ranks of v chunks (fp32, CPU kernels)."""
+    model = ModelConfig(vocab_size=V, num_layers=layers, hidden_size=C, num_attention_heads=4,
+                        ffn_hidden_size=4 * C, seq_length=T, max_position_embeddings=T,
+                        hidden_dropout=0.0, attention_dropout=0.0)
+    per = layers // (p * v)
+    return Workload(model=model, micro_batch_size=B, pp=p, micro_batches=m, device="cpu",
+                    stage_layers=(per * v,) * p, chunk_layers=((per,) * v,) * p,
+                    schedule=schedule, **kw)
+
+
+V, C, T, B = 256, 32, 16, 2
+HELD = {"gpipe": [8] * 4, "1f1b": [4, 3, 2, 1], "zb_h1": [4] * 4,  # p - r under 1F1B
+        "interleaved_1f1b": [11, 9, 7, 5]}  # chunk activations (the docs' grid)
+
+
+@pytest.mark.parametrize("schedule", list(HELD))
+def test_a_stage_holds_the_simulators_peak_of_micro_batches(schedule):
+    v = 2 if schedule == "interleaved_1f1b" else 1
+    w = _piped(schedule, v=v)
+    sim = simulate(build_schedule(schedule, 4, 8, v))
+    layer = activation_bytes_per_layer(w)
+    per_chunk = (8 // (4 * v)) * layer
+    for r in range(4):
+        a = activation_bytes(replace(w, stage=r))
+        assert a["held"] == a["peak_held"] == sim.peak_held[r] == HELD[schedule][r]
+        assert a["layers"] == a["held"] * per_chunk  # equal chunks: count x one chunk
+        assert a["outputs"] <= a["held"] * B * T * C * 4  # the last stage's output: the loss
+        if v == 1:
+            assert a["outputs"] == (0 if r == 3 else a["held"] * B * T * C * 4)
+            ends = (embedding_bytes(w) if r == 0 else 0) + (loss_bytes(w) if r == 3 else 0)
+            assert a["head"] == a["held"] * ends
+    assert pipeline_bubble(w) == sim.bubble
+
+
+def test_uneven_chunks_weigh_the_walk_by_their_layers():
+    """Interleaved at p 2, m 4, rank 0's chunks of 1 and 3 layers: the peak is the heaviest
+    moment of the walk, not the count times an average chunk. Rank 0 runs F0a F1a F0b
+    F1b F2a (1 + 1 + 3 + 3 + 1 = 9 layers, 5 chunk activations), B0b, F3a, B1b, F2b,
+    B0a, F3b (9 again), ...: 9 layers at its peak of 5, where 5 average chunks are 10."""
+    w = replace(_piped("interleaved_1f1b", p=2, m=4, v=2), stage_layers=(4, 4),
+                chunk_layers=((1, 3), (3, 1)))
+    a = activation_bytes(w)
+    sim = simulate(build_schedule("interleaved_1f1b", 2, 4, 2))
+    layer = activation_bytes_per_layer(w)
+    assert a["peak_held"] == sim.peak_held[0] and a["held"] <= a["peak_held"]
+    assert a["per_micro_batch"] == [layer + embedding_bytes(w), 3 * layer]
+    assert (a["held"], a["peak_held"], a["layers"]) == (5, 5, 9 * layer)
+
+
+def test_the_bubble_is_the_formulas():
+    assert pipeline_bubble(_piped("1f1b")) == pipeline_bubble(_piped("gpipe")) == Fraction(3, 11)
+    assert pipeline_bubble(_piped("interleaved_1f1b", v=2)) == Fraction(3, 19)
+    assert pipeline_bubble(_piped("zb_h1")) == Fraction(1, 9)
+
+
+def test_p2p_bytes_per_boundary_crossed():
+    msg = B * T * C * 4
+    one = p2p_bytes_per_step(_piped("1f1b"))
+    assert one == {"message": msg, "ranks": [8 * msg, 16 * msg, 16 * msg, 8 * msg],
+                   "total": 2 * 3 * 8 * msg}
+    # interleaved at p 2, v 2: 3 boundaries, each rank sending 3 m messages (the bench's)
+    two = p2p_bytes_per_step(_piped("interleaved_1f1b", p=2, m=4, v=2))
+    assert two["ranks"] == [3 * 4 * msg] * 2 and two["total"] == 2 * 3 * 4 * msg
+    sp = p2p_bytes_per_step(_piped("1f1b", tp=2, sequence_parallel=True, cp=2))
+    assert sp["message"] == B * (T // 4) * C * 4  # (B, T / (cp tp), C)
+
+
+def test_a_stages_saved_bytes_per_micro_batch_are_the_meters():
+    """One micro-batch through the real stage modules of a 4-layer GPT at PP 2 (the
+    first: embedding and layers 0-1; the last: layers 2-3, head and loss), each under
+    the activation meter: what they save is the estimator's per-micro-batch figure."""
+    import torch
+
+    from hybrid.parallel.state import ParallelState
+    from hybrid.tensor_parallel import seed_all
+    from hybrid.train.activation_meter import SavedActivationMeter
+    from models.gpt import GPT
+
+    w = _piped("1f1b", p=2, m=2, layers=4)
+    ps = ParallelState.single()
+    rng = seed_all(1, 0, 0, ps.device)
+    first = GPT(w.model, ps.tp_group, rng=rng, layers=range(0, 2), post_process=False)
+    last = GPT(w.model, ps.tp_group, rng=rng, layers=range(2, 4), pre_process=False)
+    g = torch.Generator().manual_seed(0)
+    tokens, labels = (torch.randint(0, V, (B, T), generator=g) for _ in range(2))
+    with SavedActivationMeter() as m0:
+        out = first(tokens)
+    x = out.detach().requires_grad_()
+    with SavedActivationMeter() as m1:
+        loss = last(hidden=x, labels=labels)
+    got = [m0.held(), m1.held()]
+    del out, loss
+    want = [activation_bytes(replace(w, stage=s))["per_micro_batch"][0] for s in range(2)]
+    assert got == want
+    ps.close()
+
+
+def test_estimate_memory_prints_every_pipeline_stage(capsys):
+    script = script_module("estimate_memory")
+    assert script.main(MODEL + ["--pipeline-model-parallel-size", "4",
+                                "--global-batch-size", "8", "--world-size", "8"]) == 0
+    lines = [json.loads(x) for x in capsys.readouterr().out.splitlines()]
+    pl = next(x["pipeline"] for x in lines if "pipeline" in x)
+    assert (pl["schedule"], pl["pp"], pl["micro_batches"]) == ("1f1b", 4, 4)
+    assert pl["bubble_fraction"] == "3/7" and len(pl["stages"]) == 4
+    assert [s["micro_batches_held"] for s in pl["stages"]] == [4, 3, 2, 1]
+    assert pl["p2p_bytes_per_step"]["total"] == 2 * 3 * 4 * 1 * 32 * 64 * 4
+    first = lines[0]  # the ZeRO records describe the stage with the highest peak
+    assert first["stage"] == max(pl["stages"], key=lambda s: s["peak_bytes"])["stage"]

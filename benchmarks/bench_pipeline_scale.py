@@ -1,0 +1,214 @@
+#!/usr/bin/env python
+"""One process as the last rank of a 64- and a 1,024-rank pipeline run: set-up and step.
+
+    python -m benchmarks.bench_pipeline_scale [--zero-stage 1] [--rounds 5] [--steps 3]
+
+The process joins torch's fake process group (every collective and every send
+returns at once; a receive leaves its buffer as it was) as rank ``world - 1`` of
+PP 8 x TP 8 x DP ``world / 64``: world 64 is DP 1, world 1,024 DP 16. That rank is
+the last pipeline stage's last TP rank. Set-up is what a run does before its first
+step: the default group, every TP, DP, PP and embedding group
+(:meth:`hybrid.parallel.state.ParallelState.build`, which creates each group of every
+kind, O(world) calls) and this stage's model under ZeRO
+(:func:`hybrid.train.setup.build_engine`). A step is
+:func:`hybrid.train.pipeline_step.pipeline_train_step` under 1F1B: the stage's
+forwards from received activations, the loss, the backwards whose input gradients go
+back to stage 6, ZeRO's reduction over DP and the AdamW step.
+
+The model is small (one layer per stage, sequence 16, micro-batch 1; hidden 1024 by
+default, 128 in the test) but the layout is the real one, so what grows with the world
+(the groups, DP's shards) is what the ratio shows. At hidden 128 the set-up is mostly
+the groups: 448 ``new_group`` calls at world 1,024 against 32 at 64. A received tensor
+is filled with zeros (a peer sending zeros) so that every step computes the same; the
+fake group sums nothing, so the loss is this TP rank's slice of the vocabulary only and
+the gradient norm is this rank's.
+
+One record per world size, then a summary: the median set-up and step seconds over
+``--rounds`` (the world sizes take turns, ABBA), the model-state bytes this rank holds
+(:meth:`ZeroEngine.model_state_bytes`) beside the estimator's
+(:func:`hybrid.estimate.model_states.model_state_bytes` of this stage's parameters),
+the p2p bytes a step sends beside the estimator's
+(:func:`hybrid.estimate.pipeline.p2p_bytes_per_step`), and the 1,024-rank figures over
+the 64-rank ones. Nothing is asserted about time; docs/pipeline-parallelism.md keeps
+the figures with their machine and date. ``tests/pipeline/test_pipeline_scale.py``
+holds the exact figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import os
+import platform
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+from benchmarks.timing import emit, median_of
+from hybrid.config import build_config, parse_args
+from hybrid.estimate.model_states import model_state_bytes
+from hybrid.estimate.pipeline import p2p_bytes_per_step
+from hybrid.estimate.workload import workload
+from hybrid.kernels.dtypes import DTYPES
+from hybrid.parallel.state import ParallelState
+from hybrid.tensor_parallel import seed_all
+from hybrid.train.pipeline_step import activation_shape, pipeline_train_step
+from hybrid.train.setup import build_engine
+
+TP, PP = 8, 8
+VOCAB = 257  # the byte tokenizer's
+WORLDS = (64, 1024)
+
+
+def flags(world: int, zero_stage: int, layers: int = 8, hidden: int = 128, heads: int = 8,
+          seq: int = 16, micro_batch: int = 1, m: int = PP) -> list[str]:
+    """The pretrain_gpt.py flags of the run. Every ZeRO unit of the last stage divides
+    over DP 16 at these sizes (no padding), and the vocabulary is padded to a multiple
+    of TP only, so the last TP rank holds real rows (one made of padding alone would
+    take a loss of -inf)."""
+    dp = world // (TP * PP)
+    return ["--num-layers", str(layers), "--hidden-size", str(hidden),
+            "--num-attention-heads", str(heads), "--seq-length", str(seq),
+            "--micro-batch-size", str(micro_batch), "--global-batch-size",
+            str(micro_batch * m * dp), "--tensor-model-parallel-size", str(TP),
+            "--pipeline-model-parallel-size", str(PP), "--pipeline-schedule", "1f1b",
+            "--zero-stage", str(zero_stage), "--zero-param-persistence-threshold", "0",
+            "--make-vocab-size-divisible-by", "1", "--tokenizer-type", "byte",
+            "--hidden-dropout", "0", "--attention-dropout", "0"]
+
+
+@contextlib.contextmanager
+def _zero_receives():
+    """Receives through the fake group leave their buffer as allocated: fill them with
+    zeros after the (real) batch_isend_irecv call, as a peer sending zeros would."""
+    real = dist.batch_isend_irecv
+
+    def batch(ops):
+        works = real(ops)
+        for op in ops:
+            if op.op is dist.irecv:
+                op.tensor.zero_()
+        return works
+
+    dist.batch_isend_irecv = batch
+    try:
+        yield
+    finally:
+        dist.batch_isend_irecv = real
+
+
+def last_rank(world: int, zero_stage: int = 1, steps: int = 1, **shape) -> dict:
+    """Build and step rank ``world - 1`` of PP 8 x TP 8 x DP ``world / 64`` through the
+    fake process group (module doc); its figures and the estimator's."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    cfg = build_config(parse_args(flags(world, zero_stage, **shape)), world)
+    rank = world - 1
+    t0 = time.perf_counter()
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
+    ps = None
+    try:
+        ps = ParallelState.build(TP, pipeline_model_parallel_size=PP)
+        groups_s = time.perf_counter() - t0
+        rng = seed_all(cfg.seed, ps.tp_rank, ps.dp_rank, ps.device)
+        model, _, engine = build_engine(cfg, ps, VOCAB, rng)
+        setup_s = time.perf_counter() - t0
+        lp = cfg.loop
+        gen = torch.Generator().manual_seed(cfg.seed)
+        batches = [(torch.randint(0, VOCAB, (lp.micro_batch_size, cfg.model.seq_length),
+                                  generator=gen),) * 2 for _ in range(cfg.num_micro_batches)]
+        dtype = DTYPES[cfg.precision.params_dtype]
+        act = activation_shape(lp.micro_batch_size, cfg.model.seq_length,
+                               cfg.model.hidden_size, ps, cfg.parallel.sequence_parallel)
+        step_s, losses, p2p = [], [], []
+        with _zero_receives():
+            for _ in range(steps):
+                ps.comm_stats.reset()
+                t = time.perf_counter()
+                loss, result, _ = pipeline_train_step(model, engine, batches, 1e-3, ps,
+                                                      cfg.pipeline.schedule, act, dtype)
+                step_s.append(time.perf_counter() - t)
+                losses.append(float(loss))
+                p2p.append(ps.comm_stats.bytes["p2p"])
+        w = dataclasses.replace(workload(cfg, VOCAB, "cpu"), stage=ps.pp_rank)
+        estimate = model_state_bytes(w.psi, w.shard_ranks, zero_stage, w.params_dtype,
+                                     w.grads_dtype)
+        measured = engine.model_state_bytes()
+        return {
+            "world": world, "rank": rank, "tp": ps.tp_size, "dp": ps.dp_size,
+            "pp": ps.pp_size, "pp_rank": ps.pp_rank, "tp_rank": ps.tp_rank,
+            "is_last_stage": ps.is_last_stage, "zero_stage": zero_stage,
+            "micro_batches": cfg.num_micro_batches, "setup_s": setup_s,
+            "setup_groups_s": groups_s, "setup_model_s": setup_s - groups_s, "step_s": step_s,
+            "losses": losses, "skipped": bool(result.skipped),
+            "params": sum(p.numel() for p in model.parameters()),
+            "params_padded": sum(u.padded for u in engine.units),
+            "params_estimated": w.psi,
+            "model_state_bytes": {k: measured[k] for k in ("params", "grads", "optimizer",
+                                                           "total")},
+            "model_state_bytes_estimated": estimate,
+            "p2p_bytes_per_step": p2p,
+            "p2p_bytes_estimated": p2p_bytes_per_step(w)["ranks"][ps.pp_rank]}
+    finally:
+        if ps is not None:
+            ps.release()
+        dist.destroy_process_group()
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--zero-stage", type=int, default=1, choices=(0, 1, 2, 3))
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--steps", type=int, default=3, help="timed steps per round")
+    ap.add_argument("--hidden", type=int, default=1024,
+                    help="hidden size (a multiple of 128 keeps ZeRO's units unpadded)")
+    a = ap.parse_args(argv)
+    shape = {"hidden": a.hidden}
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    torch.set_num_threads(1)
+    emit({"bench": "pipeline_scale", "machine": {
+        "python": platform.python_version(), "torch": torch.__version__,
+        "cpus": os.cpu_count(), "threads": 1, "date": time.strftime("%Y-%m-%d")},
+        "layout": f"PP {PP} x TP {TP} x DP world/64, rank world - 1",
+        "flags": flags(1024, a.zero_stage, **shape), "rounds": a.rounds, "steps": a.steps,
+        "order": "ABBA by round, after one untimed build and step of each world"})
+    for world in WORLDS:  # warm-up: imports, lazy initializations, the allocator
+        last_rank(world, a.zero_stage, **shape)
+    runs: dict[int, list[dict]] = {w: [] for w in WORLDS}
+    for r in range(a.rounds):
+        for world in (WORLDS if r % 2 == 0 else WORLDS[::-1]):
+            runs[world].append(last_rank(world, a.zero_stage, a.steps, **shape))
+    records = {}
+    for world in WORLDS:
+        rec = dict(runs[world][-1])
+        rec["setup_s"] = median_of(x["setup_s"] for x in runs[world])
+        rec["step_s"] = median_of(s for x in runs[world] for s in x["step_s"])
+        for part in ("setup_groups_s", "setup_model_s"):
+            rec[part] = median_of(x[part] for x in runs[world])
+        rec["setup_s_all"] = [round(x["setup_s"], 5) for x in runs[world]]
+        rec["model_state_bytes_equal"] = (rec["model_state_bytes"]["total"]
+                                          == rec["model_state_bytes_estimated"]["total"])
+        records[world] = rec
+        emit(rec)
+    small, big = records[WORLDS[0]], records[WORLDS[-1]]
+    emit({"summary": {
+        "setup_s": {str(w): r["setup_s"] for w, r in records.items()},
+        "step_s": {str(w): r["step_s"] for w, r in records.items()},
+        "setup_ratio": round(big["setup_s"] / small["setup_s"], 3),
+        "setup_groups_s": {str(w): r["setup_groups_s"] for w, r in records.items()},
+        "setup_model_s": {str(w): r["setup_model_s"] for w, r in records.items()},
+        "step_ratio": round(big["step_s"] / small["step_s"], 3),
+        "model_state_bytes": {str(w): r["model_state_bytes"]["total"]
+                              for w, r in records.items()},
+        "model_state_bytes_equal": all(r["model_state_bytes_equal"]
+                                       for r in records.values()),
+        "p2p_bytes_equal": all(set(r["p2p_bytes_per_step"]) == {r["p2p_bytes_estimated"]}
+                               for r in records.values())}})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
