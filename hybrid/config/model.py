@@ -216,8 +216,14 @@ class ModelConfig:
         """Forward+backward FLOPs per token of a ``seq_length`` sample at TP size ``tp``
         (the head over the vocabulary padded for ``tp``): dense matmuls and attention
         scores, summed over the TP ranks."""
-        C, F, L = self.hidden_size, self.ffn_size, self.num_layers
-        matmul = 2 * (self.qkv_size * C + C * C + self.mlp_up_size * C + F * C) * L \
-            + 2 * C * self.padded_vocab_size(tp)
-        attention = 2 * 2 * self.seq_length * C * L  # QK^T and AV
+        return self.stage_flops_per_token(tp, self.num_layers, last=True)
+
+    def stage_flops_per_token(self, tp: int, layers: int, last: bool) -> float:
+        """:meth:`flops_per_token` of one pipeline stage: its ``layers`` blocks, and the
+        output layer on the ``last`` stage. The embedding is a lookup, no FLOPs, so the
+        first stage counts its blocks only; the stages' sum is the whole model's."""
+        C, F = self.hidden_size, self.ffn_size
+        matmul = 2 * (self.qkv_size * C + C * C + self.mlp_up_size * C + F * C) * layers \
+            + 2 * C * self.padded_vocab_size(tp) * last
+        attention = 2 * 2 * self.seq_length * C * layers  # QK^T and AV
         return 3 * (matmul + attention)

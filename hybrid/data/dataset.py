@@ -98,11 +98,17 @@ class GPTSamples:
         return perm
 
     def __getitem__(self, i: int) -> np.ndarray:
+        return self.window(i, slice(None))
+
+    def window(self, i: int, part: slice) -> np.ndarray:
+        """``self[i][part]``, reading only those tokens (a pipeline stage's share)."""
         epoch, j = divmod(int(i), self.samples_per_epoch)
         if epoch != self._perm_epoch:
             self._perm, self._perm_epoch = self._permutation(epoch), epoch
         start = int(self._perm[j]) * self.seq_length
-        return np.asarray(self.tokens[start: start + self.seq_length + 1], dtype=np.int64)
+        lo, hi, step = part.indices(self.seq_length + 1)
+        assert step == 1  # (a contiguous part)
+        return np.asarray(self.tokens[start + lo: start + max(lo, hi)], dtype=np.int64)
 
 
 def _parse_data_path(paths, flag: str = "--data-path") -> list[tuple[float, str]]:
@@ -250,10 +256,22 @@ def build_datasets(cfg: DataConfig, tokenizer, ps=None) -> dict:
     return out
 
 
+# What a pipeline stage reads of each sample (``dp_micro_batches``' ``reads``): the
+# first stage the inputs, the last the labels (with the loss mask, the input before them
+# too: the mask is made of the inputs), a middle stage nothing.
+READS = ("all", "tokens", "labels", "none")
+
+
+def _window(samples, i: int, part: slice) -> np.ndarray:
+    """Sample ``i``'s ``part``, read alone where the samples can (``window``)."""
+    window = getattr(samples, "window", None)
+    return window(i, part) if window is not None else np.asarray(samples[i])[part]
+
+
 def dp_micro_batches(samples, consumed_samples: int, global_batch_size: int,
                      micro_batch_size: int, dp_rank: int, dp_size: int,
                      device: torch.device, eod: int | None = None,
-                     keep: torch.Tensor | None = None) -> list[tuple]:
+                     keep: torch.Tensor | None = None, reads: str = "all") -> list[tuple]:
     """This DP rank's micro-batches for the iteration starting at ``consumed_samples``.
 
     The global batch is samples ``[consumed, consumed + global_batch_size)``;
@@ -265,24 +283,49 @@ def dp_micro_batches(samples, consumed_samples: int, global_batch_size: int,
     ``keep`` (context parallelism): the sequence positions this rank holds, a
     ``(seq_length / cp,)`` int64 tensor on ``device``; tokens, labels and mask are cut to
     them (every CP rank of a DP rank reads the same samples and keeps its share).
+    ``reads`` (a pipeline stage's share, :data:`READS`): ``"tokens"`` reads only the
+    inputs and leaves labels and mask None, ``"labels"`` leaves the tokens None,
+    ``"none"`` reads nothing and gives as many micro-batches of Nones; the samples are
+    the same whichever it is.
     """
+    if reads not in READS:
+        raise ValueError(f"reads={reads!r}: one of {READS}")
     per_rank = global_batch_size // dp_size
     first = consumed_samples + dp_rank * per_rank
+    if reads == "none":  # a middle pipeline stage: no data at all
+        return [(None,) * (2 if eod is None else 3)] * (per_rank // micro_batch_size)
+    part = {"all": slice(None), "tokens": slice(0, -1),
+            "labels": slice(None) if eod is not None else slice(1, None)}[reads]
     if isinstance(samples, BlendedSamples):  # where each row lives: one vectorized lookup
         which, index = samples.locate(first, first + per_rank)
-        rows = [samples.datasets[d][k] for d, k in zip(which.tolist(), index.tolist())]
-    else:
+        rows = [_window(samples.datasets[d], k, part)
+                for d, k in zip(which.tolist(), index.tolist())]
+    elif reads == "all":
         rows = [samples[i] for i in range(first, first + per_rank)]
+    else:
+        rows = [_window(samples, i, part) for i in range(first, first + per_rank)]
     batch = torch.from_numpy(np.stack(rows))
     if torch.device(device).type == "cuda":  # pinned, non_blocking: the host does not wait
         batch = batch.pin_memory().to(device, non_blocking=True)
     else:
         batch = batch.to(device)
-    tokens, labels = batch[:, :-1], batch[:, 1:]
+    tokens: torch.Tensor | None
+    labels: torch.Tensor | None
+    if reads == "tokens":
+        tokens, labels = batch, None
+    elif reads == "labels" and eod is None:
+        tokens, labels = None, batch
+    else:
+        tokens, labels = batch[:, :-1], batch[:, 1:]
     if keep is not None:
-        tokens, labels = tokens.index_select(1, keep), labels.index_select(1, keep)
-    out = [(tokens[m: m + micro_batch_size], labels[m: m + micro_batch_size])
+        tokens = None if tokens is None else tokens.index_select(1, keep)
+        labels = None if labels is None else labels.index_select(1, keep)
+    cut = [(None if tokens is None else tokens[m: m + micro_batch_size],
+            None if labels is None else labels[m: m + micro_batch_size])
            for m in range(0, per_rank, micro_batch_size)]
     if eod is None:
-        return out
-    return [(x, y, (x != eod).float()) for x, y in out]
+        return cut
+    out = [(x, y, None if x is None or y is None else (x != eod).float()) for x, y in cut]
+    if reads == "labels":  # the inputs were read for the mask only
+        return [(None, y, mask) for _, y, mask in out]
+    return out

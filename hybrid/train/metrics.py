@@ -9,17 +9,31 @@ from __future__ import annotations
 
 import torch
 
+from hybrid.config.model import ModelConfig
 from hybrid.parallel.agree import max_over_ranks
 from hybrid.parallel.state import ParallelState
+from hybrid.pipeline.split import StageSplit
 from hybrid.train.setup import memory_bytes
 from hybrid.train.step_stats import IterationTimer
 from hybrid.train.stragglers import straggler_fields
 
 
+def stage_flops_per_token(model_cfg: ModelConfig, tp: int, split: StageSplit | None,
+                          pp_rank: int) -> float:
+    """Training FLOPs per token of pipeline rank ``pp_rank``'s stage under ``split`` (its
+    chunks' layers, the output layer if it holds the loss; the whole model without a
+    split, or at PP 1): summed over the pipeline ranks, the whole model's."""
+    if split is None or split.pp == 1:
+        return model_cfg.flops_per_token(tp)
+    return model_cfg.stage_flops_per_token(tp, split.rank_layers(pp_rank),
+                                           last=split.holds_loss(pp_rank, split.vpp - 1))
+
+
 class IntervalMetrics:
     """Loss, time, tokens, blocked time and traffic of the iterations between log lines.
 
-    ``flops_per_token``: the model's training FLOPs per token (TFLOP/s per rank);
+    ``flops_per_token``: the training FLOPs per token of this rank's pipeline stage (the
+    whole model at PP 1), shared by the stage's TP, CP and DP ranks (TFLOP/s per rank);
     ``memory_before_model``, ``setup_peak``: this rank's bytes before the model was
     built and its peak after setup, reported beside the running peak.
     """
@@ -52,10 +66,11 @@ class IntervalMetrics:
         self.tokens += tokens
 
     def line(self) -> dict:
-        """The interval's loss (mean over iterations and DP), time per step, tokens/s,
-        TFLOP/s per rank, memory peaks (the largest rank's), the last iteration's traffic,
-        and the slowest and fastest rank; then start a new interval. Collective: one
-        all-reduce over DP, a max and an all-gather of a few floats over the world."""
+        """The interval's loss (mean over iterations and DP), time per step, tokens/s (of
+        the global batch), TFLOP/s per rank (its own stage's work), memory peaks (the
+        largest rank's), the last iteration's traffic, and the slowest and fastest rank;
+        then start a new interval. Collective: one all-reduce over DP, a max and an
+        all-gather of a few floats over the world."""
         ps, n = self.ps, self.iterations
         ps.dp_group.all_reduce(self.loss)  # mean over DP replicas, once per log line
         elapsed = self.timer.elapsed_s()
@@ -64,8 +79,8 @@ class IntervalMetrics:
                                     self.memory_before_model])
         m = {"loss": float(self.loss) / (n * ps.dp_size), "step_time_s": step_time,
              "tokens_per_sec": self.tokens / elapsed,
-             "tflops_per_rank": self.flops_per_token * self.tokens / elapsed / ps.world_size
-             / 1e12,
+             "tflops_per_rank": self.flops_per_token * self.tokens / elapsed
+             / (ps.world_size // ps.pp_size) / 1e12,
              **dict(zip(("peak_memory_bytes", "setup_peak_memory_bytes",
                          "memory_before_model_bytes"), map(int, peaks))),
              "comm_bytes": self.comm,

@@ -53,12 +53,22 @@ def activation_shape(micro_batch: int, seq_length: int, hidden: int, ps: Paralle
     return (micro_batch, t // ps.tp_size if sequence_parallel else t, hidden)
 
 
+def stage_reads(ps: ParallelState) -> str:
+    """What this rank reads of each sample (``dp_micro_batches``' ``reads``): at PP 1
+    everything; under a pipeline the first stage the tokens, the last the labels (and
+    the loss mask), a middle stage nothing."""
+    if ps.pp_size == 1:
+        return "all"
+    return "tokens" if ps.is_first_stage else "labels" if ps.is_last_stage else "none"
+
+
 def pipeline_train_step(model: GPT, engine: ZeroEngine, micro_batches, lr: float,
                         ps: ParallelState, schedule: str, shape: tuple[int, int, int],
                         dtype: torch.dtype):
     """One optimizer step over this rank's micro-batches, through the pipeline; returns
     (the step's loss, StepResult, the ``(n,)`` micro-batch losses), equal on every
-    stage (module doc). ``schedule``: ``--pipeline-schedule``'s name; ``shape`` and
+    stage (module doc). ``micro_batches``: this stage's share of each
+    (:func:`stage_reads`). ``schedule``: ``--pipeline-schedule``'s name; ``shape`` and
     ``dtype``: of the activations between stages (:func:`activation_shape`)."""
     engine.zero_grad()
     batches = list(micro_batches)  # (tokens, labels[, loss mask]) each
@@ -82,7 +92,7 @@ def pipeline_train_step(model: GPT, engine: ZeroEngine, micro_batches, lr: float
     params = {c * p + ps.pp_rank: chunks[c] for c in range(v)}
     got = run_actions(lists.ranks[ps.pp_rank], forward, params, ps.pp_group,
                       shape=shape, dtype=dtype, device=ps.device, stages=p * v,
-                      zero=engine)
+                      zero=engine, peers=lists.ranks)
     losses = torch.zeros(n, dtype=torch.float32, device=ps.device)
     for j, loss in got.items():  # (what was backpropagated: loss / n * scale)
         losses[j] = loss.float() * (n / scale)
@@ -97,8 +107,9 @@ def pipeline_evaluate(model: GPT, samples, s: LoopConfig, ps: ParallelState,
                       shape: tuple[int, int, int], dtype: torch.dtype, eod: int | None = None,
                       keep: torch.Tensor | None = None) -> float:
     """:func:`hybrid.train.step.evaluate` through the pipeline, forward only: each
-    micro-batch's activations go stage to stage, the last stage's losses are summed,
-    then averaged over DP and shared with every stage."""
+    micro-batch's activations go stage to stage (each stage reading its share of the
+    data, :func:`stage_reads`), the last stage's losses are summed, then averaged over
+    DP and shared with every stage."""
     model.eval()
     total = torch.zeros((), device=ps.device)
     count = 0
@@ -106,7 +117,7 @@ def pipeline_evaluate(model: GPT, samples, s: LoopConfig, ps: ParallelState,
     for k in range(s.eval_iters):
         batches = list(dp_micro_batches(samples, k * s.global_batch_size, s.global_batch_size,
                                         s.micro_batch_size, ps.dp_rank, ps.dp_size, ps.device,
-                                        eod, keep))
+                                        eod, keep, stage_reads(ps)))
 
         def forward(stage: int, j: int, x: torch.Tensor | None,
                     batches=batches) -> torch.Tensor:
@@ -118,8 +129,9 @@ def pipeline_evaluate(model: GPT, samples, s: LoopConfig, ps: ParallelState,
             return model(hidden=x, labels=b[1], loss_mask=b[2] if len(b) > 2 else None,
                          chunk=v - 1)
 
-        got = run_actions(forward_only(p, len(batches), v).ranks[r], forward, {}, ps.pp_group,
-                          shape=shape, dtype=dtype, device=ps.device, stages=p * v)
+        lists = forward_only(p, len(batches), v)
+        got = run_actions(lists.ranks[r], forward, {}, ps.pp_group, shape=shape, dtype=dtype,
+                          device=ps.device, stages=p * v, peers=lists.ranks)
         for loss in got.values():
             total += loss.float()
         count += len(batches)

@@ -31,10 +31,15 @@ from hybrid.train.batches import finished, global_batch_size_at, total_iteration
 from hybrid.train.early_exit import EarlyExit
 from hybrid.train.host_memory import return_freed_memory
 from hybrid.train.lr_schedule import scheduled_lr
-from hybrid.train.metrics import IntervalMetrics
+from hybrid.train.metrics import IntervalMetrics, stage_flops_per_token
 from hybrid.train.monitor import Monitor
 from hybrid.train.phase_clock import NoClock, PhaseClock
-from hybrid.train.pipeline_step import activation_shape, pipeline_evaluate, pipeline_train_step
+from hybrid.train.pipeline_step import (
+    activation_shape,
+    pipeline_evaluate,
+    pipeline_train_step,
+    stage_reads,
+)
 from hybrid.train.replicas import ReplicaChecker
 from hybrid.train.setup import HOST_TRIM_MIN_PARAMS, build_engine_or_explain, memory_bytes
 from hybrid.train.skips import SkippedSteps
@@ -113,8 +118,9 @@ class Trainer:
                         cp.positions(cfg.model.seq_length // cp.size, ps.device))
         self.meter = SavedActivationMeter(
             extra=self.ac.stored_bytes if self.ac is not None else lambda: 0)
-        self.metrics = IntervalMetrics(ps, self.model_cfg.flops_per_token(ps.tp_size),
-                                       before_model, setup_peak)
+        self.metrics = IntervalMetrics(  # TFLOP/s: the work of this rank's stage only
+            ps, stage_flops_per_token(self.model_cfg, ps.tp_size, cfg.pipeline.split, ps.pp_rank),
+            before_model, setup_peak)
         self.skips = SkippedSteps(self.model, self.engine, ps, cfg.loop.micro_batch_size,
                                   cfg.loop.exit_on_nan_iterations)
         interval = cfg.diagnostics.check_replicas_interval
@@ -176,7 +182,7 @@ class Trainer:
         self.metrics.start()
         micro = dp_micro_batches(self.data["train"], st.consumed_samples, batch,
                                  s.micro_batch_size, ps.dp_rank, ps.dp_size, ps.device, self.eod,
-                                 self.cp_keep)
+                                 self.cp_keep, stage_reads(ps))  # a stage reads its share
         if self.pp_io is None:
             loss, result, losses = train_step(self.model, self.engine, micro, self.lr,
                                               self.meter if logs else None, self.clock)

@@ -87,6 +87,56 @@ def test_dp_ranks_get_disjoint_slices_of_the_global_batch():
         assert torch.equal(x[:, 1:], y[:, :-1])  # labels are inputs shifted by one
 
 
+class _Reads:
+    """Samples that count the tokens read through ``window`` (what a pipeline stage reads)."""
+
+    def __init__(self, inner):
+        self.inner, self.seq_length, self.tokens = inner, inner.seq_length, 0
+
+    def __len__(self):
+        return len(self.inner)
+
+    def __getitem__(self, i):
+        return self.window(i, slice(None))
+
+    def window(self, i, part):
+        out = self.inner.window(i, part)
+        self.tokens += len(out)
+        return out
+
+
+@pytest.mark.parametrize("eod", [None, 7])
+@pytest.mark.parametrize("blend", [False, True])
+def test_a_pipeline_stage_reads_only_its_share_of_the_same_samples(eod, blend):
+    """The first stage reads the inputs, the last the labels (and, for the mask, the one
+    input before them), a middle stage nothing; each share equals that part of the whole
+    micro-batches, under CP too (positions kept)."""
+    cpu = torch.device("cpu")
+    keep = torch.tensor([0, 1, 14, 15])  # a CP rank's positions (2 of 4 chunks)
+    for cut in (None, keep):
+        def data():
+            s = [_Reads(_samples(seed=k, n_tokens=5000 + 3 * k)) for k in (1, 2)]
+            return s, (BlendedSamples(s, [1, 2]) if blend else s[0])
+        def micro(reads, cut=cut):
+            parts, samples = data()
+            got = dp_micro_batches(samples, 40, 16, 4, 1, 2, cpu, eod, cut, reads)
+            return got, sum(p.tokens for p in parts)
+        (whole, n_all), (toks, n_tok), (labs, n_lab) = (micro(r) for r in
+                                                        ("all", "tokens", "labels"))
+        assert n_all == 8 * 17 and n_tok == 8 * 16 and n_lab == 8 * (17 if eod else 16)
+        assert len(whole) == len(toks) == len(labs) == 2
+        for w, t, lab in zip(whole, toks, labs):
+            assert len(w) == len(t) == len(lab) == (2 if eod is None else 3)
+            assert torch.equal(t[0], w[0]) and all(x is None for x in t[1:])
+            assert lab[0] is None and all(torch.equal(a, b) for a, b in zip(lab[1:], w[1:]))
+        parts, samples = data()
+        none = dp_micro_batches(samples, 40, 16, 4, 1, 2, cpu, eod, cut, "none")
+        assert none == [(None,) * (2 if eod is None else 3)] * 2
+        assert sum(p.tokens for p in parts) == 0
+    with pytest.raises(ValueError, match="reads='some'"):
+        dp_micro_batches(_samples(), 0, 4, 2, 0, 1, cpu, reads="some")
+
+
 def test_resuming_at_consumed_samples_continues_the_order():
     s1, s2 = _samples(), _samples()
     run = [dp_micro_batches(s1, k * 8, 8, 8, 0, 1, torch.device("cpu"))[0][0]
