@@ -52,14 +52,19 @@ def callers(frame, depth: int = 3, limit: int = 40) -> tuple:
 
 
 class Entry:
-    """One collective as this rank issued it. ``state``: issued, done or failed."""
+    """One collective as this rank issued it. ``state``: issued, done or failed.
+    ``peers``: for a point-to-point exchange, the global ranks at its other end (None for
+    a collective of the whole group); ``about``: what the exchange is, in words (a
+    pipeline action's, [Note: a stuck exchange] in hybrid/diagnostics/report.py)."""
 
-    __slots__ = ("seq", "group", "op", "shape", "dtype", "frames", "t", "state")
+    __slots__ = ("seq", "group", "op", "shape", "dtype", "frames", "t", "state", "peers",
+                 "about")
 
-    def __init__(self, seq, group, op, shape, dtype, frames, t):
+    def __init__(self, seq, group, op, shape, dtype, frames, t, peers=None, about=None):
         self.seq, self.group, self.op = seq, group, op
         self.shape, self.dtype, self.frames, self.t = shape, dtype, frames, t
         self.state = "issued"
+        self.peers, self.about = peers, about
 
     @property
     def caller(self) -> str:
@@ -72,4 +77,6 @@ class Entry:
     def to_dict(self) -> dict:
         return {"seq": self.seq, "group": self.group.name, "ranks": self.group.ranks,
                 "op": self.op, "shape": list(self.shape), "dtype": self.dtype,
-                "caller": self.caller, "t": self.t, "state": self.state}
+                "caller": self.caller, "t": self.t, "state": self.state,
+                **({} if self.peers is None else {"peers": list(self.peers)}),
+                **({} if self.about is None else {"about": self.about})}

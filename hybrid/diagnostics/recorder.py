@@ -208,11 +208,13 @@ class FlightRecorder:
             pass
 
     # -- the hot path --------------------------------------------------------------------
-    def issue(self, group, op: str, t: torch.Tensor) -> Entry:
-        """Number and record a collective of ``group`` about to run (no I/O)."""
+    def issue(self, group, op: str, t: torch.Tensor, peers=None, about: str | None = None
+              ) -> Entry:
+        """Number and record a collective of ``group`` about to run (no I/O); ``peers``
+        and ``about`` for a point-to-point exchange (:class:`Entry`)."""
         group.seq += 1
         e = Entry(group.seq, group, op, tuple(t.shape), str(t.dtype).replace("torch.", ""),
-                  callers(sys._getframe(2)), time.time())
+                  callers(sys._getframe(2)), time.time(), peers, about)
         self.ring.append(e)
         prev = self.last.get(group.name)
         self.last[group.name] = (e, prev[0] if prev else None)
@@ -393,9 +395,8 @@ class FlightRecorder:
                 else "unknown")
 
     def _pointer(self, e: Entry) -> str:
-        return (f"rank {self.rank}: {e.op} #{e.seq} of the {e.group.name} group (global ranks "
-                f"{e.group.ranks}) failed too; see the collective report of rank "
-                f"{self._reporter()}")
+        return (f"rank {self.rank}: {report.subject(e.to_dict())} failed too; see the "
+                f"collective report of rank {self._reporter()}")
 
     def _read_fresh(self, ranks: list[int], deadline: float) -> dict:
         """Records of ``ranks``, waiting until each is fresh (published after the alarm,

@@ -58,8 +58,28 @@ def shape_str(shape) -> str:
     return "(" + ", ".join(str(d) for d in shape) + ("," if len(shape) == 1 else "") + ")"
 
 
+# [Note: a stuck exchange]
+# A point-to-point exchange (CommGroup.exchange: a pipeline's activations and gradients)
+# is met by its other end alone, the global ranks its entry names as ``peers``; the other
+# ranks of the group never join it, and each rank numbers its exchanges by what its own
+# list holds. So the numbers say nothing of who reached it: the report reads the other
+# end's record instead and says where that rank is (blocked in an exchange of its own,
+# which is followed the same way, or alive elsewhere, silent, or gone). A pipeline's
+# exchange also says what it is in words (``about``: the stage, the action, the
+# micro-batch), and the report and every pointer lead with them.
+def subject(e: dict) -> str:
+    """How a report or a pointer names a failing collective: :func:`describe`, or for a
+    pipeline's exchange 'pipeline stuck at RA3.s1<0, receiving stage 1's input for
+    micro-batch 3 from stage 0 (global rank 0): p2p #5 of the pp group (global ranks
+    [0, 1])'."""
+    if not e.get("about"):
+        return describe(e)
+    return (f"pipeline stuck at {e['op']}, {e['about']}: p2p #{e['seq']} of the {e['group']} "
+            f"group (global ranks {e['ranks']})")
+
+
 def headline(rank: int, e: dict, timeout_s: float, detail: str) -> str:
-    return (f"rank {rank}: {describe(e)} did not complete (timeout {timeout_s:g} s; "
+    return (f"rank {rank}: {subject(e)} did not complete (timeout {timeout_s:g} s; "
             f"{short_error(detail)})\n  it was called at {e['caller']} on a "
             f"{shape_str(e['shape'])} {e['dtype']} tensor")
 
@@ -134,32 +154,43 @@ def explain(head: str, failing: dict, own: dict, read_group, dump_dir: str | Non
     once as a lost node, with all its ranks, those outside the failing groups too.
     """
     lines = [head]
-    known = {own["rank"]: own}  # every record read: what peers know of a silent rank
+    me = own["rank"]
+    known = {me: own}  # every record read: what peers know of a silent rank
 
     def read(ranks):
         recs = read_group(ranks)
         known.update(recs)
         return recs
 
-    frontier = [(failing, 0)]  # (collective some rank is blocked in, line that names it)
-    seen = {(failing["group"], tuple(failing["ranks"]))}
+    # (collective some rank is blocked in, line that names it, that rank)
+    frontier = [(failing, 0, me)]
+    seen = {_followed(failing, me)}
     stuck, left = [], []
     silent = {}  # rank -> (index of the line worded for it below, its record)
     while frontier:
-        e, at = frontier.pop(0)
-        recs = read(e["ranks"])
+        e, at, who = frontier.pop(0)
+        if e.get("peers") is not None:  # [Note: a stuck exchange]
+            missing = [r for r in e["peers"] if r != me]
+            recs = read(missing) if missing else {}
+            said = f"\n  its other end is {rank_list(e['peers'])}"
+            if me in e["peers"] and who != me:
+                said += (f", this rank, blocked in the exchange above: rank {who} and this "
+                         f"rank wait for each other")
+            lines[at] += said + "."
+        else:
+            recs = read(e["ranks"])
+            missing = [r for r in e["ranks"] if r not in recs
+                       or recs[r]["groups"].get(e["group"], {}).get("seq", 0) < e["seq"]]
+            if not missing:
+                lines[at] += ("\n    every rank of the group reached it: the backend failed, "
+                              "not a lagging rank")
+                continue
+            said = f"\n  {rank_list(missing)} never reached it"
+            prev = _prev_entry(e, recs, own) if e["op"] != "broadcast" else None
+            if prev is not None:  # #k-1 completed where #k is waited for: every rank issued it
+                said += f"; all got through #{prev['seq']}, {prev['op']} at {prev['caller']}"
+            lines[at] += said + "."
         clock = time.time() if now is None else now
-        missing = [r for r in e["ranks"] if r not in recs
-                   or recs[r]["groups"].get(e["group"], {}).get("seq", 0) < e["seq"]]
-        if not missing:
-            lines[at] += ("\n    every rank of the group reached it: the backend failed, not "
-                          "a lagging rank")
-            continue
-        said = f"\n  {rank_list(missing)} never reached it"
-        prev = _prev_entry(e, recs, own) if e["op"] != "broadcast" else None
-        if prev is not None:  # #k-1 completed where #k is waited for: every rank issued it
-            said += f"; all got through #{prev['seq']}, {prev['op']} at {prev['caller']}"
-        lines[at] += said + "."
         for r in missing:
             rec = recs.get(r)
             if rec is None:
@@ -185,11 +216,11 @@ def explain(head: str, failing: dict, own: dict, read_group, dump_dir: str | Non
                 since = (f" for {clock - blocked['since']:.1f} s"
                          if blocked.get("since") else "")
                 state = "failed in" if rec.get("failed") else "is blocked in"
-                lines.append(f"  rank {r} {state} {describe(nxt)} at {nxt['caller']}{since}.")
-                key = (nxt["group"], tuple(nxt["ranks"]))
+                lines.append(f"  rank {r} {state} {subject(nxt)} at {nxt['caller']}{since}.")
+                key = _followed(nxt, r)
                 if key not in seen:
                     seen.add(key)
-                    frontier.append((nxt, len(lines) - 1))
+                    frontier.append((nxt, len(lines) - 1, r))
                 continue
             lines.append(f"  rank {r}: {_where_now(rec, clock)}.")
             stuck.append(r)
@@ -225,6 +256,14 @@ def explain(head: str, failing: dict, own: dict, read_group, dump_dir: str | Non
     if dump_dir:
         lines.append(f"  each live rank's last collectives: {dump_dir}/collectives_rank*.json")
     return "\n".join(lines)
+
+
+def _followed(e: dict, rank: int) -> tuple:
+    """What the report follows once: a group's collective, or one rank's exchange (each
+    rank of a pipeline waits in an exchange of its own)."""
+    if e.get("peers") is not None:
+        return (e["group"], tuple(e["ranks"]), rank)
+    return (e["group"], tuple(e["ranks"]))
 
 
 def _lost_nodes(silent: dict, read, host_ranks) -> list[tuple[str, list[int], dict]]:

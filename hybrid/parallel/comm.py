@@ -144,16 +144,17 @@ class CommGroup:
 
     # -- helpers -------------------------------------------------------------
     def _run(self, op: str, kind: str, nbytes: float, t: torch.Tensor, fn, async_op: bool,
-             extra: int = 0, pairwise: bool = False):
+             extra: int = 0, pairwise: bool = False, peers=None, about: str | None = None):
         """Count, number and record the collective, then run it (see the module doc).
         ``pairwise``: point-to-point between some ranks of the group, which the others
-        do not join, so ``--check-collectives`` has nothing to compare it with."""
+        do not join, so ``--check-collectives`` has nothing to compare it with; ``peers``
+        (global ranks) and ``about`` then go to the flight recorder's entry."""
         if self.released:  # (pg None would mean torch's default group: never that)
             raise RuntimeError(f"{op} over the {self.name} group {self.ranks} after its "
                                f"process group was released at teardown")
         self.stats.add(kind, nbytes, t.numel())
         rec = self.recorder
-        entry = rec.issue(self, op, t)
+        entry = rec.issue(self, op, t, peers, about)
         if rec.check_collectives and not pairwise:
             t0 = time.perf_counter()
             rec.begin_wait(entry)
@@ -284,12 +285,15 @@ class CommGroup:
 
 
     def exchange(self, sends: list[tuple[torch.Tensor, int]],
-                 recvs: list[tuple[torch.Tensor, int]], what: str, async_op: bool = False):
+                 recvs: list[tuple[torch.Tensor, int]], what: str, async_op: bool = False,
+                 about: str | None = None):
         """Point-to-point: each ``(tensor, group rank)`` of ``sends`` goes to that rank, each
         of ``recvs`` is filled from it, batched into one launch (a pipeline's activations
         and gradients between neighbouring stages). Only the ranks named take part.
-        ``what`` names it in the flight recorder and in errors (the stage, the action,
-        the micro-batch). Counted as p2p: the bytes this rank sends."""
+        ``what`` names it in the flight recorder and in errors (a pipeline action's text
+        form), ``about`` says it in words there (the stage, the action, the micro-batch:
+        the head of the report when it does not complete; [Note: a stuck exchange] in
+        hybrid/diagnostics/report.py). Counted as p2p: the bytes this rank sends."""
         if not sends and not recvs:
             return _Work(None) if async_op else None
         first = (sends or recvs)[0][0]
@@ -303,7 +307,9 @@ class CommGroup:
                 works.wait()
             return works
         nbytes = sum(t.numel() * t.element_size() for t, _ in sends)
-        return self._run(what, "p2p", nbytes, first, start, async_op, pairwise=True)
+        peers = sorted({self.ranks[r] for _, r in sends + recvs})
+        return self._run(what, "p2p", nbytes, first, start, async_op, pairwise=True,
+                         peers=peers, about=about)
 
 
 # [Note: collectives under torch.compile] The door's bookkeeping (the recorder's frames

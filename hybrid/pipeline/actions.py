@@ -171,6 +171,25 @@ def matching_receive(send: Action, sender: int) -> Action:
     raise ValueError(f"{send} is not a send")
 
 
+def in_words(a: Action, peer: int | None = None) -> str:
+    """What communication action ``a`` moves, in words, for reports: "receiving stage 1's
+    input for micro-batch 3 from stage 0 (global rank 4)"; ``peer``: the global rank of
+    ``a.peer`` (None: leave it out). The action's text form says the same in short."""
+    j, s = a.microbatch, a.stage
+    at = "" if peer is None else f" (global rank {peer})"
+    if a.kind is Kind.RECV_ACT:
+        return f"receiving stage {s}'s input for micro-batch {j} from stage {s - 1}{at}"
+    if a.kind is Kind.RECV_GRAD:
+        return (f"receiving the gradient of stage {s}'s output for micro-batch {j} from "
+                f"stage {s + 1}{at}")
+    if a.kind is Kind.SEND_ACT:
+        return f"sending stage {s}'s output for micro-batch {j} to stage {s + 1}{at}"
+    if a.kind is Kind.SEND_GRAD:
+        return (f"sending the gradient of stage {s}'s input for micro-batch {j} to stage "
+                f"{s - 1}{at}")
+    raise ValueError(f"{a} moves nothing between ranks")
+
+
 def stage_rank(stage: int, p: int) -> int:
     """The rank holding virtual stage ``stage`` of ``p`` ranks (Megatron's interleaving)."""
     return stage % p
