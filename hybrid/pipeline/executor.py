@@ -39,6 +39,21 @@ more compute than splitting inside the linear layers would take. An op whose
 backward reuses what it saved in place must keep it for the second pass (the
 GPT's loss: ``split_backward``).
 
+[Note: releasing what was sent]
+A send's tensor must stay alive and unchanged until the send completes; kept until
+``END``, the first stage under 1F1B would hold every micro-batch's output for the
+whole step. Gloo cannot be asked whether a send is done (its ``is_completed`` turns
+true only inside ``wait``), and waiting on the oldest send could block on a peer that
+is itself waiting: so the executor waits only where the wait is sure to return at
+once. Given every rank's list (``peers``, the schedule's ``ranks``), when this rank's
+``n``-th receive from ``q`` completes, ``q`` has run everything its list puts before
+that send, among it some number of receives from this rank: the sends they matched
+are done (messages on a pair match in order), so the executor waits on them -- at
+once on gloo; on NCCL a stream wait on work already finished -- and lets their
+tensors go. Under 1F1B a rank then holds no more sends per peer than there are
+micro-batches in flight (at most p; two at PP 2), whatever m. Without ``peers``
+every send is held until ``END``.
+
 [Note: the optional timeline]
 ``run_actions(..., timeline=[])`` appends ``(action, start, end)`` for every action, in
 ``time.perf_counter`` seconds (the device synced at both ends on CUDA, so the span
@@ -50,12 +65,13 @@ None, the default, times nothing.
 from __future__ import annotations
 
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
 
 import torch
 
 from hybrid.parallel.comm import CommGroup
-from hybrid.pipeline.actions import Action, Kind, in_words, stage_chunk, stage_rank
+from hybrid.pipeline.actions import RECVS, SENDS, Action, Kind, in_words, stage_chunk, stage_rank
 
 Key = tuple[int, int]  # (stage, micro-batch)
 
@@ -65,7 +81,8 @@ def run_actions(actions: Sequence[Action], forward: Callable[[int, int, torch.Te
                 params: dict[int, list[torch.nn.Parameter]], pp: CommGroup, *,
                 shape: tuple[int, ...], dtype: torch.dtype, device: torch.device,
                 stages: int, zero=None,
-                timeline: list[tuple[Action, float, float]] | None = None
+                timeline: list[tuple[Action, float, float]] | None = None,
+                peers: Sequence[Sequence[Action]] | None = None
                 ) -> dict[int, torch.Tensor]:
     """Run this rank's ``actions`` (module doc); returns the loss of each micro-batch the
     last stage computed here, by micro-batch (empty on other ranks). ``pp``: the
@@ -73,8 +90,12 @@ def run_actions(actions: Sequence[Action], forward: Callable[[int, int, torch.Te
     activations between stages, and of their gradients; ``stages``: ``p * v``;
     ``zero``: the rank's :class:`~hybrid.zero.ZeroEngine`, or None (plain autograd);
     ``timeline``: a list to append each action's ``(action, start, end)`` to ([Note: the
-    optional timeline]), or None."""
+    optional timeline]), or None; ``peers``: every rank's list, to let each sent tensor go
+    once a receive proves it arrived ([Note: releasing what was sent]), or None (held
+    until ``END``)."""
     run = _Run(forward, params, pp, shape, dtype, device, stages, zero)
+    if peers is not None:
+        run.received = sends_received(peers, pp.rank)
     # each stage's last backward syncs ([Note: ZeRO under a schedule])
     last = set({a.stage: i for i, a in enumerate(actions)
                 if a.kind in (Kind.BACKWARD, Kind.BACKWARD_WEIGHT)}.values())
@@ -106,7 +127,11 @@ class _Run:
         self.out_grads: dict[Key, torch.Tensor] = {}  # the gradient of its output
         self.in_grads: dict[Key, torch.Tensor] = {}  # the gradient of its input
         self.split: dict[Key, tuple] = {}  # what W needs after I: (output, its gradient)
-        self.sends: list[tuple[object, torch.Tensor]] = []  # (work, tensor) until END
+        # per peer, the sends not yet known done, oldest first: (number on the pair, work,
+        # tensor); and how many of them a receive proves done ([Note: releasing ...])
+        self.sends: dict[int, deque[tuple[int, object, torch.Tensor]]] = {}
+        self.sent: dict[int, int] = {}  # sends posted to each peer
+        self.received: dict[Action, int] = {}
         self.losses: dict[int, torch.Tensor] = {}
 
     def do(self, a: Action, sync: bool) -> None:
@@ -136,9 +161,11 @@ class _Run:
         elif k is Kind.RECV_GRAD:
             self.out_grads[key] = self._recv(a)
         elif k is Kind.END:
-            for work, _ in self.sends:
-                work.wait()  # type: ignore[attr-defined]
+            for held in self.sends.values():
+                for _, work, _t in held:
+                    work.wait()  # type: ignore[attr-defined]
             self.sends.clear()
+            self.sent.clear()
 
     def _local(self, stage: int) -> bool:
         return stage_rank(stage, self.pp.size) == self.pp.rank
@@ -189,11 +216,45 @@ class _Run:
         assert a.peer is not None  # (a send names its peer)
         work = self.pp.exchange([(t, a.peer)], [], what=str(a), async_op=True,
                                  about=in_words(a, self.pp.ranks[a.peer]))
-        self.sends.append((work, t))
+        n = self.sent.get(a.peer, 0)
+        self.sent[a.peer] = n + 1
+        self.sends.setdefault(a.peer, deque()).append((n, work, t))
 
     def _recv(self, a: Action) -> torch.Tensor:
         assert a.peer is not None  # (a receive names its peer)
         buf = torch.empty(self.shape, dtype=self.dtype, device=self.device)
         self.pp.exchange([], [(buf, a.peer)], what=str(a),
                          about=in_words(a, self.pp.ranks[a.peer]))
+        self._release(a.peer, self.received.get(a, 0))
         return buf
+
+    def _release(self, peer: int, done: int) -> None:
+        """Wait on (done already: [Note: releasing what was sent]) and drop the sends to
+        ``peer`` numbered below ``done``."""
+        held = self.sends.get(peer)
+        while held and held[0][0] < done:
+            held.popleft()[1].wait()  # type: ignore[attr-defined]
+
+    def held(self) -> int:
+        """How many sent tensors this rank still holds."""
+        return sum(len(h) for h in self.sends.values())
+
+
+def sends_received(ranks: Sequence[Sequence[Action]], r: int) -> dict[Action, int]:
+    """For each receive in rank ``r``'s list, how many of ``r``'s sends to that receive's
+    peer are done once it completes: the receives the peer's list runs from ``r`` before
+    the matching send ([Note: releasing what was sent]). Torch-free, O(actions)."""
+    out: dict[Action, int] = {}
+    for q, theirs in enumerate(ranks):
+        if q == r:
+            continue
+        # in q's list, how many receives from r precede each of its sends to r, in order
+        before, counts = 0, []
+        for a in theirs:
+            if a.kind in RECVS and a.peer == r:
+                before += 1
+            elif a.kind in SENDS and a.peer == r:
+                counts.append(before)
+        mine = [a for a in ranks[r] if a.kind in RECVS and a.peer == q]
+        out.update(zip(mine, counts))
+    return out
