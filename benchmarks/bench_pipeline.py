@@ -119,6 +119,9 @@ class _Stages:
                        for s in range(ps.pp_rank, n, P)}
         self.params = {s: [q for q in model.parameters() if q.requires_grad]
                        for s, model in self.models.items()}
+        # ZB-H1's stores: each linear's weight gradient deferred from I to W
+        self.weight_grads = {s: model.weight_grads for s, model in self.models.items()
+                             if model.weight_grads is not None}
         g = torch.Generator().manual_seed(7)
         data = torch.randint(0, a.vocab, (a.m, a.micro_batch, a.seq + 1), generator=g)
         self.batches = [(d[:, :-1], d[:, 1:]) for d in data]
@@ -158,7 +161,8 @@ class _Stages:
             losses = run_actions(self.schedule.ranks[self.ps.pp_rank], self.forward,
                                  self.params, self.ps.pp_group,
                                  shape=(a.micro_batch, a.seq, a.hidden), dtype=torch.float32,
-                                 device=self.ps.device, stages=self.stages, timeline=timeline)
+                                 device=self.ps.device, stages=self.stages,
+                                 weight_grads=self.weight_grads, timeline=timeline)
         return sw.seconds, stats.bytes["p2p"] - before, {j: float(x) * a.m
                                                         for j, x in losses.items()}
 

@@ -34,6 +34,7 @@ from hybrid.tensor_parallel import (
     TPRNGTracker,
 )
 from hybrid.tensor_parallel.cp_attention import ContextParallel
+from hybrid.tensor_parallel.weight_grad import WeightGradStore
 
 
 def make_norm(cfg: ModelConfig, tp_group: CommGroup, sequence_parallel: bool) -> nn.Module:
@@ -95,7 +96,8 @@ class ParallelAttention(nn.Module):
     """Causal self-attention with query groups (and so heads) split over the TP group."""
 
     def __init__(self, cfg: ModelConfig, tp_group: CommGroup, rng: TPRNGTracker | None,
-                 sequence_parallel: bool, cp: ContextParallel | None = None):
+                 sequence_parallel: bool, cp: ContextParallel | None = None,
+                 weight_grads: WeightGradStore | None = None):
         super().__init__()
         C, tp = cfg.hidden_size, tp_group.size
         if cfg.num_attention_heads % tp:
@@ -111,13 +113,13 @@ class ParallelAttention(nn.Module):
         # of it is the bias of exactly the rank's groups.
         sp, bias = sequence_parallel, cfg.add_bias_linear
         self.qkv = ColumnParallelLinear(C, cfg.qkv_size, tp_group, bias=cfg.qkv_bias,
-                                        sequence_parallel=sp)
+                                        sequence_parallel=sp, weight_grads=weight_grads)
         heads = cfg.num_attention_heads // tp
         if cp is not None:
             cp.check_heads(heads, cfg.query_groups // tp)
         self.core = AttentionCore(cfg, rng, cp, head_offset=tp_group.rank * heads)
         self.proj = RowParallelLinear(C, C, tp_group, bias=bias, input_is_parallel=True,
-                                      sequence_parallel=sp)
+                                      sequence_parallel=sp, weight_grads=weight_grads)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         qkv = self.qkv(x)  # (B, T, ng * (nh / ng + 2) * hs); x is (B, T / tp, C) with SP
@@ -129,7 +131,8 @@ class ParallelMLP(nn.Module):
     up-projection is the fused ``[gate; up]`` pair (each f wide, split over TP
     per part) and ``silu(gate) * up`` the activation."""
 
-    def __init__(self, cfg: ModelConfig, tp_group: CommGroup, sequence_parallel: bool):
+    def __init__(self, cfg: ModelConfig, tp_group: CommGroup, sequence_parallel: bool,
+                 weight_grads: WeightGradStore | None = None):
         super().__init__()
         sp, bias, parts = sequence_parallel, cfg.add_bias_linear, 2 if cfg.swiglu else 1
         self.swiglu = cfg.swiglu
@@ -138,9 +141,10 @@ class ParallelMLP(nn.Module):
         # kernels compute about 2.8x slower, forward and backward.
         self.approximate = "tanh" if cfg.openai_gelu else "none"
         self.fc = ColumnParallelLinear(cfg.hidden_size, parts * cfg.ffn_size, tp_group,
-                                       bias=bias, sequence_parallel=sp, parts=parts)
+                                       bias=bias, sequence_parallel=sp, parts=parts,
+                                       weight_grads=weight_grads)
         self.proj = RowParallelLinear(cfg.ffn_size, cfg.hidden_size, tp_group,
-                                      bias=bias, sequence_parallel=sp)
+                                      bias=bias, sequence_parallel=sp, weight_grads=weight_grads)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.swiglu:
@@ -166,17 +170,19 @@ def residual_rng(fork: bool, rng: TPRNGTracker | None):
 class Block(nn.Module):
     """Pre-norm transformer block. Input and output ``(B, T, C)``, replicated over TP
     (``(B, T / tp, C)``, this rank's tokens, with sequence parallelism); with context
-    parallelism T is this CP rank's share of the sequence."""
+    parallelism T is this CP rank's share of the sequence. ``weight_grads``: the model's
+    store for its linears' deferred weight gradients (a split backward), or None."""
 
     def __init__(self, cfg: ModelConfig, tp_group: CommGroup, rng: TPRNGTracker | None,
-                 sequence_parallel: bool, cp: ContextParallel | None = None):
+                 sequence_parallel: bool, cp: ContextParallel | None = None,
+                 weight_grads: WeightGradStore | None = None):
         super().__init__()
         self.rng = rng
         self.fork_residual_rng = (sequence_parallel or cp is not None) and cfg.hidden_dropout > 0
         self.ln_1 = make_norm(cfg, tp_group, sequence_parallel)
-        self.attn = ParallelAttention(cfg, tp_group, rng, sequence_parallel, cp)
+        self.attn = ParallelAttention(cfg, tp_group, rng, sequence_parallel, cp, weight_grads)
         self.ln_2 = make_norm(cfg, tp_group, sequence_parallel)
-        self.mlp = ParallelMLP(cfg, tp_group, sequence_parallel)
+        self.mlp = ParallelMLP(cfg, tp_group, sequence_parallel, weight_grads)
         self.drop = nn.Dropout(cfg.hidden_dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

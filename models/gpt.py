@@ -87,6 +87,7 @@ from hybrid.tensor_parallel import (
     vocab_parallel_cross_entropy,
 )
 from hybrid.tensor_parallel.cp_attention import ContextParallel
+from hybrid.tensor_parallel.weight_grad import WeightGradStore
 from models.blocks import Block, make_norm, residual_rng
 
 
@@ -136,9 +137,11 @@ class GPT(nn.Module):
         ``layers``, ``pre_process``, ``post_process``: one pipeline stage (module doc);
         default the whole model; a sequence of ranges: an interleaved rank's chunks, in
         model order (the first chunk's the embeddings, the last's the head, by the two
-        flags). ``split_backward``: each backward runs twice over its
-        graph (a zero-bubble schedule's input and weight halves), so the loss keeps
-        what its backward reads."""
+        flags). ``split_backward``: a zero-bubble schedule splits each backward into its
+        input and weight halves: the model makes ``weight_grads``, a
+        :class:`~hybrid.tensor_parallel.weight_grad.WeightGradStore` its column- and
+        row-parallel linears and its head defer their weight gradients to while the
+        executor's input half runs (None without the flag: plain linears)."""
         super().__init__()
         chunks = ((range(cfg.num_layers),) if layers is None
                   else (layers,) if isinstance(layers, range) else tuple(layers))
@@ -173,6 +176,8 @@ class GPT(nn.Module):
         self.pre_process, self.post_process = pre_process, post_process
         self.chunks = chunks  # each chunk's global layer numbers
         self.split_backward = split_backward
+        self.weight_grads = WeightGradStore() if split_backward else None
+        wg = self.weight_grads
         tied = not cfg.untie_embeddings_and_output_weights
         # SP's and CP's residual stream holds other tokens on each rank: its dropout forks
         self.fork_residual_rng = ((sequence_parallel or context_parallel is not None)
@@ -190,12 +195,12 @@ class GPT(nn.Module):
             self.drop = nn.Dropout(cfg.hidden_dropout)
             ids = [i for r in chunks for i in r]
             self.blocks = LayerRange(ids, (Block(cfg, tp_group, rng, sequence_parallel,
-                                                 context_parallel) for _ in ids))
+                                                 context_parallel, wg) for _ in ids))
             if post_process:
                 self.ln_f = make_norm(cfg, tp_group, sequence_parallel)
             if post_process and not tied:  # rows split like wte's
                 self.output_layer = ColumnParallelLinear(cfg.hidden_size, self.padded_vocab_size,
-                                                         tp_group, bias=False)
+                                                         tp_group, bias=False, weight_grads=wg)
         self.rng = rng
         # Padded vocabulary columns on this rank (ids >= vocab_size) are left out of
         # the loss (and masked to -inf in returned logits), so padding never changes
@@ -295,7 +300,8 @@ class GPT(nn.Module):
         head = (self.output_layer.weight if self.cfg.untie_embeddings_and_output_weights
                 else self.wte.weight)
         if labels is None:  # this rank's whole padded slice (B, T, V / tp), padding -inf
-            logits = column_parallel_linear(x, head, None, g, sp)
+            logits = column_parallel_linear(x, head, None, g, sp,
+                                            weight_grads=self.weight_grads)
             if self._valid_local < logits.shape[-1]:
                 pad = torch.arange(logits.shape[-1], device=logits.device) >= self._valid_local
                 logits = logits.masked_fill(pad, float("-inf"))
@@ -304,10 +310,11 @@ class GPT(nn.Module):
         # backward), the softmax and its gradient skip this rank's padding rows, whose
         # gradient is zero either way. Slices then differ in width (the last ranks'
         # may be empty), so the cross-entropy is told where this one starts.
-        logits = column_parallel_linear(x, head, None, g, sp, rows=self._valid_local)
+        logits = column_parallel_linear(x, head, None, g, sp, rows=self._valid_local,
+                                        weight_grads=self.weight_grads)
         # (nothing reads the logits after: their storage may hold the softmax)
         losses = vocab_parallel_cross_entropy(logits, labels, g, start=self.vocab_start,
-                                              scratch=True, twice=self.split_backward)
+                                              scratch=True)
         if cp is not None:  # the whole sequence's mean, equal on every CP rank
             return cp.mean_loss(losses, loss_mask)
         if loss_mask is None:

@@ -32,12 +32,23 @@ whose backwards end early (the last one, under interleaved 1F1B) reduces while
 the others' go on.
 
 [Note: the two halves of a backward]
-``I`` computes the gradient of the stage's input only (``torch.autograd.grad``,
-keeping the graph); ``W`` then runs the backward again into the stage's
-parameters. The weight half repeats the input half's traversal: right numbers,
-more compute than splitting inside the linear layers would take. An op whose
-backward reuses what it saved in place must keep it for the second pass (the
-GPT's loss: ``split_backward``).
+``I`` is the one traversal of the stage's graph: ``torch.autograd.grad`` of the
+output into the stage's input and its parameters, freeing the graph, inside
+``weight_grads[stage].deferring()`` -- the store the stage's model was built with
+(``GPT(split_backward=True)``'s ``model.weight_grads``,
+:mod:`hybrid.tensor_parallel.weight_grad`). The column- and row-parallel linears
+and the head then compute their input gradients only and leave each weight
+gradient (``dW = dy^T x``, with the column layers' ``db``) to a closure; every
+other parameter's gradient (norms, embeddings, the row layers' biases: a few
+elementwise sums) comes out of the traversal and is kept, not accumulated. ``W``
+runs the closures and adds everything into ``.grad`` by one
+``torch.autograd.backward`` rooted at the parameters themselves, as one ZeRO
+backward, so ZeRO's post-accumulate-grad hooks count, fold and reduce as after a
+whole backward ([Note: accumulating through autograd] there). Nothing is traversed
+twice and no graph is retained; ``I`` + ``W`` compute what ``B`` does. Without a
+store for the stage ``I`` computes every gradient and ``W`` only accumulates them.
+At ZeRO stage 3 ``W`` gathers nothing: ``dW`` never reads ``W``, and a released
+parameter keeps its shape for the accumulation.
 
 [Note: releasing what was sent]
 A send's tensor must stay alive and unchanged until the send completes; kept until
@@ -64,6 +75,7 @@ None, the default, times nothing.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -72,6 +84,7 @@ import torch
 
 from hybrid.parallel.comm import CommGroup
 from hybrid.pipeline.actions import RECVS, SENDS, Action, Kind, in_words, stage_chunk, stage_rank
+from hybrid.tensor_parallel.weight_grad import Deferred, Pairs, WeightGradStore, run_deferred
 
 Key = tuple[int, int]  # (stage, micro-batch)
 
@@ -81,6 +94,7 @@ def run_actions(actions: Sequence[Action], forward: Callable[[int, int, torch.Te
                 params: dict[int, list[torch.nn.Parameter]], pp: CommGroup, *,
                 shape: tuple[int, ...], dtype: torch.dtype, device: torch.device,
                 stages: int, zero=None,
+                weight_grads: dict[int, WeightGradStore] | None = None,
                 timeline: list[tuple[Action, float, float]] | None = None,
                 peers: Sequence[Sequence[Action]] | None = None
                 ) -> dict[int, torch.Tensor]:
@@ -89,11 +103,13 @@ def run_actions(actions: Sequence[Action], forward: Callable[[int, int, torch.Te
     pipeline group, its group ranks the pipeline ranks; ``shape``/``dtype``: of the
     activations between stages, and of their gradients; ``stages``: ``p * v``;
     ``zero``: the rank's :class:`~hybrid.zero.ZeroEngine`, or None (plain autograd);
+    ``weight_grads``: by stage, the store its linears defer their weight gradients to in
+    ``I`` ([Note: the two halves of a backward]); None, or a stage left out: none;
     ``timeline``: a list to append each action's ``(action, start, end)`` to ([Note: the
     optional timeline]), or None; ``peers``: every rank's list, to let each sent tensor go
     once a receive proves it arrived ([Note: releasing what was sent]), or None (held
     until ``END``)."""
-    run = _Run(forward, params, pp, shape, dtype, device, stages, zero)
+    run = _Run(forward, params, pp, shape, dtype, device, stages, zero, weight_grads)
     if peers is not None:
         run.received = sends_received(peers, pp.rank)
     # each stage's last backward syncs ([Note: ZeRO under a schedule])
@@ -119,14 +135,16 @@ class _Run:
     actions, the sends in flight, the losses."""
 
     def __init__(self, forward, params, pp: CommGroup, shape, dtype, device, stages: int,
-                 zero):
+                 zero, weight_grads: dict[int, WeightGradStore] | None):
         self.forward, self.params, self.pp, self.zero = forward, params, pp, zero
+        self.weight_grads = weight_grads or {}
         self.shape, self.dtype, self.device, self.stages = shape, dtype, device, stages
         self.inputs: dict[Key, torch.Tensor] = {}  # a stage's input (requires grad)
         self.outputs: dict[Key, torch.Tensor] = {}  # its output (the loss on the last)
         self.out_grads: dict[Key, torch.Tensor] = {}  # the gradient of its output
         self.in_grads: dict[Key, torch.Tensor] = {}  # the gradient of its input
-        self.split: dict[Key, tuple] = {}  # what W needs after I: (output, its gradient)
+        # what W needs after I: the parameters' gradients, the deferred closures
+        self.split: dict[Key, tuple[Pairs, list[Deferred]]] = {}
         # per peer, the sends not yet known done, oldest first: (number on the pair, work,
         # tensor); and how many of them a receive proves done ([Note: releasing ...])
         self.sends: dict[int, deque[tuple[int, object, torch.Tensor]]] = {}
@@ -141,17 +159,11 @@ class _Run:
             self._forward(key)
         elif k is Kind.BACKWARD:
             out, grad = self._take_output(key)
-            self._backward(key, out, grad, sync, keep=False)
+            self._backward(key, out, grad, sync)
         elif k is Kind.BACKWARD_INPUT:
-            out, grad = self._take_output(key)
-            x = self.inputs.get(key)
-            if x is not None:  # (stage 0's input is the data: no gradient to make)
-                (self.in_grads[key],) = torch.autograd.grad(out, x, grad, retain_graph=True)
-                del self.inputs[key]
-            self.split[key] = (out, grad)
+            self._backward_input(key)
         elif k is Kind.BACKWARD_WEIGHT:
-            out, grad = self.split.pop(key)
-            self._backward(key, out, grad, sync, keep=True)
+            self._backward_weight(key, sync)
         elif k is Kind.SEND_ACT:
             self._send(self.outputs[key].detach(), a)
         elif k is Kind.SEND_GRAD:
@@ -196,21 +208,55 @@ class _Run:
             grad = self.in_grads.pop((s + 1, j))
         return out, grad
 
-    def _backward(self, key: Key, out: torch.Tensor, grad: torch.Tensor | None, sync: bool,
-                  keep: bool) -> None:
-        """The backward of ``out`` into the stage's parameters (and, unless the input half
-        ran already, its input), as one ZeRO backward of the stage's model chunk ([Note:
-        ZeRO under a schedule])."""
+    def _backward(self, key: Key, out: torch.Tensor, grad: torch.Tensor | None,
+                  sync: bool) -> None:
+        """The whole backward of ``out`` into the stage's parameters and its input, as
+        one ZeRO backward of the stage's model chunk ([Note: ZeRO under a schedule])."""
         if self.zero is not None:
             self.zero.begin_backward(sync, part=stage_chunk(key[0], self.pp.size))
-        x = None if keep else self.inputs.pop(key, None)
-        inputs = self.params[key[0]] if keep else None
-        torch.autograd.backward(out, grad, inputs=inputs)
+        x = self.inputs.pop(key, None)
+        torch.autograd.backward(out, grad)
         if self.zero is not None:
             self.zero.end_backward()
         if x is not None:
             assert x.grad is not None  # (the input requires grad and reaches the output)
             self.in_grads[key] = x.grad
+
+    def _backward_input(self, key: Key) -> None:
+        """``I``: the one traversal, the input's gradient made, the parameters' kept for
+        ``W`` and the linears' weight gradients deferred ([Note: the two halves of a
+        backward])."""
+        out, grad = self._take_output(key)
+        x = self.inputs.pop(key, None)  # (None on stage 0: its input is the data)
+        params = self.params[key[0]]
+        wanted = ([x] if x is not None else []) + list(params)
+        store = self.weight_grads.get(key[0])
+        block: contextlib.AbstractContextManager[list[Deferred]] = (
+            store.deferring() if store is not None else contextlib.nullcontext([]))
+        with block as later:
+            got = torch.autograd.grad(out, wanted, grad, allow_unused=True)
+        if x is not None:
+            assert got[0] is not None  # (the input requires grad and reaches the output)
+            self.in_grads[key] = got[0]
+        kept = [(p, g) for p, g in zip(params, got[len(wanted) - len(params):])
+                if g is not None]
+        self.split[key] = (kept, list(later))
+
+    def _backward_weight(self, key: Key, sync: bool) -> None:
+        """``W``: the deferred weight gradients computed, and every parameter gradient of
+        the micro-batch added into ``.grad`` through autograd, as one ZeRO backward."""
+        kept, later = self.split.pop(key)
+        total: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        for p, g in kept + run_deferred(later):  # one root per parameter: its hooks once
+            have = total.get(id(p))
+            total[id(p)] = (p, g if have is None else have[1] + g)
+        if self.zero is not None:
+            self.zero.begin_backward(sync, part=stage_chunk(key[0], self.pp.size))
+        if total:
+            torch.autograd.backward([p for p, _ in total.values()],
+                                    [g for _, g in total.values()])
+        if self.zero is not None:
+            self.zero.end_backward()
 
     def _send(self, t: torch.Tensor, a: Action) -> None:
         assert a.peer is not None  # (a send names its peer)

@@ -76,8 +76,7 @@ class _EagerVocabParallelCE(torch.autograd.Function):
     softmax in the logits' storage]); the overwritten logits are a second output."""
 
     @staticmethod
-    def forward(ctx, logits, target, group: CommGroup, start: int, scratch: bool,
-                twice: bool = False):
+    def forward(ctx, logits, target, group: CommGroup, start: int, scratch: bool):
         # fp32 for the softmax whatever the model dtype: bf16 exp-sums lose the loss.
         x = logits.float()
         local_v = x.shape[-1]
@@ -106,25 +105,23 @@ class _EagerVocabParallelCE(torch.autograd.Function):
         loss = sum_exp.log() - target_logit
         exp.div_(sum_exp.unsqueeze(-1))  # now this rank's slice of the softmax
         ctx.save_for_backward(exp, local_t, inside)
-        ctx.logits_dtype, ctx.twice = logits.dtype, twice
+        ctx.logits_dtype = logits.dtype
         return (loss, logits) if scratch else loss
 
     @staticmethod
     def backward(ctx, grad_loss, _grad_logits=None):
         softmax, local_t, inside = ctx.saved_tensors
-        # d loss / d logits = softmax - onehot(target), onehot only on the owning rank;
-        # built in the softmax's storage unless a second backward will read it again
-        grad = softmax.clone() if ctx.twice else softmax
+        # d loss / d logits = softmax - onehot(target), onehot only on the owning rank
+        grad = softmax
         if grad.shape[-1]:
             grad.scatter_add_(-1, local_t.unsqueeze(-1), -inside.unsqueeze(-1).to(grad.dtype))
             grad.mul_(grad_loss.unsqueeze(-1))
-        return grad.to(ctx.logits_dtype), None, None, None, None, None
+        return grad.to(ctx.logits_dtype), None, None, None, None
 
 
 def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor,
                                  group: CommGroup, valid: int | None = None,
-                                 start: int | None = None, scratch: bool = False,
-                                 twice: bool = False) -> torch.Tensor:
+                                 start: int | None = None, scratch: bool = False) -> torch.Tensor:
     """Per-token loss ``(...)`` from ``logits (..., V/tp)`` split over ``group``.
 
     ``target`` holds global vocabulary ids ``(...)``. ``start``: the global id of
@@ -136,9 +133,7 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor,
     the caller. Collectives: two all-reduces over the TP group of ``(...)``-shaped
     fp32 tensors (the max; then the sum of exponentials with the target logit).
     ``scratch``: the caller never reads ``logits`` again, so the eager path may
-    overwrite them (see [Note: the softmax in the logits' storage]). ``twice``: the
-    backward will run twice over this graph (a pipeline's split backward), so it keeps
-    its saved softmax (a copy per backward) and ``scratch`` is not taken.
+    overwrite them (see [Note: the softmax in the logits' storage]).
     """
     if start is None:
         start = group.rank * logits.shape[-1]
@@ -150,7 +145,7 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor,
             return torch.nn.functional.cross_entropy(
                 logits.float().flatten(0, -2), target.flatten(), reduction="none"
             ).view(target.shape)
-        if scratch and not twice and logits.dtype == torch.float32:  # (else a copy anyway)
+        if scratch and logits.dtype == torch.float32:  # (else the fp32 copy is ours anyway)
             return _EagerVocabParallelCE.apply(logits, target, group, start, True)[0]
-        return _EagerVocabParallelCE.apply(logits, target, group, start, False, twice)
+        return _EagerVocabParallelCE.apply(logits, target, group, start, False)
     return _FusedVocabParallelCE.apply(logits, target, group, start, valid)

@@ -15,6 +15,11 @@ layer and the embedding reduce-scatter their output (instead of g), and the
 replicated parameters used on the local tokens (row-parallel bias, LayerNorm)
 get their gradients all-reduced over TP (:func:`sequence_parallel_param`).
 The parameters are the same either way, so a checkpoint does not care.
+
+``weight_grads`` (a :class:`~hybrid.tensor_parallel.weight_grad.WeightGradStore`, the
+model's one): the column- and row-parallel layers' weight gradients (and the column
+layer's bias) can be deferred to it by a split backward's input half; None, the default,
+leaves them plain (at TP 1 a plain ``nn.Linear``'s ops).
 """
 
 from __future__ import annotations
@@ -23,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hybrid.kernels import LayerNorm as _KernelLayerNorm, layer_norm, linear
+from hybrid.kernels import LayerNorm as _KernelLayerNorm, layer_norm
 from hybrid.kernels.rms_norm import rms_norm
 from hybrid.parallel.comm import CommGroup
 from hybrid.tensor_parallel.column_linear import column_parallel_linear
@@ -35,6 +40,7 @@ from hybrid.tensor_parallel.mappings import (
     sequence_parallel_param,
 )
 from hybrid.tensor_parallel.sharding import mark_split
+from hybrid.tensor_parallel.weight_grad import WeightGradStore, deferrable_linear
 
 
 def _divide(n: int, tp: int, what: str) -> int:
@@ -68,11 +74,13 @@ class ColumnParallelLinear(nn.Module):
 
     def __init__(self, in_features: int, out_features: int, tp_group: CommGroup, *,
                  bias: bool = True, gather_output: bool = False,
-                 sequence_parallel: bool = False, parts: int = 1, device=None, dtype=None):
+                 sequence_parallel: bool = False, parts: int = 1,
+                 weight_grads: WeightGradStore | None = None, device=None, dtype=None):
         super().__init__()
         if gather_output and parts > 1:
             raise ValueError("gather_output with parts > 1 would interleave the parts")
         self.tp_group = tp_group
+        self.weight_grads = weight_grads
         self.gather_output = gather_output
         self.sequence_parallel = sequence_parallel
         tp, rank = tp_group.size, tp_group.rank
@@ -96,7 +104,8 @@ class ColumnParallelLinear(nn.Module):
         bias = None if skip_bias_add else self.bias
         # (..., out / tp); with SP (B, T / tp, in) -> (B, T, out / tp). Backward overlaps
         # the input gradient's all-reduce (reduce-scatter) with the weight gradient.
-        y = column_parallel_linear(x, self.weight, bias, self.tp_group, self.sequence_parallel)
+        y = column_parallel_linear(x, self.weight, bias, self.tp_group, self.sequence_parallel,
+                                   weight_grads=self.weight_grads)
         if skip_bias_add:
             return y, self.bias  # (..., out / tp), (out / tp,)
         return gather_from_tp(y, self.tp_group) if self.gather_output else y
@@ -115,11 +124,13 @@ class RowParallelLinear(nn.Module):
 
     def __init__(self, in_features: int, out_features: int, tp_group: CommGroup, *,
                  bias: bool = True, input_is_parallel: bool = True,
-                 sequence_parallel: bool = False, device=None, dtype=None):
+                 sequence_parallel: bool = False, weight_grads: WeightGradStore | None = None,
+                 device=None, dtype=None):
         super().__init__()
         if sequence_parallel and not input_is_parallel:
             raise ValueError("sequence_parallel needs input_is_parallel=True")
         self.tp_group = tp_group
+        self.weight_grads = weight_grads
         self.input_is_parallel = input_is_parallel
         self.sequence_parallel = sequence_parallel
         local_in = _divide(in_features, tp_group.size, "in_features")
@@ -134,13 +145,15 @@ class RowParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.input_is_parallel:
             x = scatter_to_tp(x, self.tp_group)
+        # (its bias is added outside the matmul: its gradient comes with the input's)
+        xw = deferrable_linear(x, self.weight, self.weight_grads)
         if self.sequence_parallel:
-            y = reduce_scatter_to_sequence(linear(x, self.weight), self.tp_group)
+            y = reduce_scatter_to_sequence(xw, self.tp_group)
             bias = (None if self.bias is None
                     else sequence_parallel_param(self.bias, self.tp_group))
         else:
             # the matmul's fresh output: reduced in place (mappings.py, in-place note)
-            y = reduce_from_tp(linear(x, self.weight), self.tp_group, inplace=True)  # (..., out)
+            y = reduce_from_tp(xw, self.tp_group, inplace=True)  # (..., out)
             bias = self.bias
         return y + bias if bias is not None else y
 

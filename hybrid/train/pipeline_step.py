@@ -90,9 +90,12 @@ def pipeline_train_step(model: GPT, engine: ZeroEngine, micro_batches, lr: float
     # what each stage's weight gradient goes to: its chunk's parameters
     chunks = [[q for q in c if q.requires_grad] for c in model.chunk_parameters()]
     params = {c * p + ps.pp_rank: chunks[c] for c in range(v)}
+    # the store its linears defer weight gradients to (GPT(split_backward=True)), or none
+    store = model.weight_grads
+    weight_grads = None if store is None else {s: store for s in params}
     got = run_actions(lists.ranks[ps.pp_rank], forward, params, ps.pp_group,
                       shape=shape, dtype=dtype, device=ps.device, stages=p * v,
-                      zero=engine, peers=lists.ranks)
+                      zero=engine, weight_grads=weight_grads, peers=lists.ranks)
     losses = torch.zeros(n, dtype=torch.float32, device=ps.device)
     for j, loss in got.items():  # (what was backpropagated: loss / n * scale)
         losses[j] = loss.float() * (n / scale)

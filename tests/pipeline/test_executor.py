@@ -33,14 +33,14 @@ def _batches():
             for _ in range(M)]
 
 
-def _model(stage=None):
+def _model(stage=None, split_backward=False):
     from hybrid.parallel.state import ParallelState
     from models.gpt import GPT
     g = ParallelState.single().tp_group
     if stage is None:
         return GPT(_cfg(), g, seed=3)
     return GPT(_cfg(), g, seed=3, layers=SPLIT[stage], pre_process=stage == 0,
-               post_process=stage == 1)
+               post_process=stage == 1, split_backward=split_backward)
 
 
 def _reference():
@@ -62,7 +62,7 @@ def _stage_run(ps, name, zero_stage):
     from hybrid.zero import apply_zero
     pp = ps.world_group  # two ranks: the pipeline
     stage = pp.rank
-    model = _model(stage)
+    model = _model(stage, split_backward=name == "zb_h1")  # (its linears defer to I's W)
     engine = None
     if zero_stage is not None:  # a ZeRO engine over this stage alone (DP 1)
         engine = apply_zero(model, ParallelState.single(), ZeroConfig(stage=zero_stage),
@@ -80,7 +80,9 @@ def _stage_run(ps, name, zero_stage):
     losses = run_actions(schedule.ranks[stage], forward,
                          {stage: [p for p in model.parameters() if p.requires_grad]}, pp,
                          shape=(B, T, 32), dtype=torch.float32, device=torch.device("cpu"),
-                         stages=2, zero=engine)
+                         stages=2, zero=engine,
+                         weight_grads=None if model.weight_grads is None
+                         else {stage: model.weight_grads})
     sent = pp.stats.bytes["p2p"] - before
     out = {"losses": {j: float(v) * M for j, v in losses.items()}, "sent": sent}
     if engine is None:
@@ -191,3 +193,62 @@ def test_interleaved_chunks_train_as_the_whole_model(zero_stage):
             assert got["parts"] == [0, 1]
             for n, p in got["params"].items():
                 torch.testing.assert_close(p, ref_params[n], rtol=1e-5, atol=1e-6, msg=n)
+
+
+def _counted_run(ps, name):
+    """A step of ``name`` with every block's output gradient and every linear's weight
+    gradient counted, each noted with whether the stage's store was deferring (I). The
+    stage is built for the split either way (its linears hybrid's Functions at TP 1)."""
+    import hybrid.tensor_parallel.column_linear as column_linear
+    import hybrid.tensor_parallel.weight_grad as weight_grad
+    pp = ps.world_group
+    stage = pp.rank
+    model = _model(stage, split_backward=True)
+    store = model.weight_grads
+    events = []
+
+    def deferring():
+        return store.active
+
+    def on_output(module, args, out):
+        out.register_hook(lambda g: events.append(("traverse", deferring())))
+    for block in model.blocks:
+        block.register_forward_hook(on_output)
+    real = {m: m.linear_grad_weight for m in (column_linear, weight_grad)}
+
+    def counted(real_fn):
+        def fn(*a, **k):
+            events.append(("dW", deferring()))
+            return real_fn(*a, **k)
+        return fn
+    batches = _batches()
+
+    def forward(s, j, x):
+        tokens, labels = batches[j]
+        return model(tokens) if s == 0 else model(hidden=x, labels=labels) / M
+    try:  # (pooled ranks live on: put the kernels back)
+        for m, f in real.items():
+            m.linear_grad_weight = counted(f)
+        run_actions(build_schedule(name, 2, M).ranks[stage], forward,
+                    {stage: list(model.parameters())}, pp, shape=(B, T, 32),
+                    dtype=torch.float32, device=torch.device("cpu"), stages=2,
+                    weight_grads={stage: store})
+    finally:
+        for m, f in real.items():
+            m.linear_grad_weight = f
+    linears = 4 * len(model.blocks) + (stage == 1)  # qkv, proj, fc, proj; the head
+    return events, len(model.blocks), linears
+
+
+def test_zb_h1_traverses_each_backward_once_and_computes_each_weight_gradient_once():
+    """Under ZB-H1 the input half is the only traversal of a micro-batch's graph (each
+    block's output gradient once, all inside I) and the weight half only runs the
+    deferred GEMMs: every linear's (and the head's) ``dW`` once per micro-batch, all
+    inside W -- as many as 1F1B's whole backwards compute on the same stages."""
+    for name in ("zb_h1", "1f1b"):
+        for events, blocks, linears in run_ranks(_counted_run, world_size=2, args=(name,)):
+            traversed = [i for e, i in events if e == "traverse"]
+            weights = [i for e, i in events if e == "dW"]
+            assert len(traversed) == M * blocks and len(weights) == M * linears, name
+            assert all(traversed) if name == "zb_h1" else not any(traversed), name
+            assert not any(weights), name  # (never while I defers)
