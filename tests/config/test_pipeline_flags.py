@@ -177,3 +177,16 @@ def test_the_launcher_preflight_says_it_in_one_line_with_exit_2(flags, world, me
     err = capsys.readouterr().err.splitlines()
     assert rc == 2 and len(err) == 1, err
     assert err[0].startswith("pretrain_gpt.py: error: " + message), err
+
+
+def test_zero_bubble_with_recompute_is_refused_by_name():
+    for extra, name in ((["--recompute-granularity", "full"], "--recompute-granularity"),
+                        (["--recompute-activations"], "--recompute-activations")):
+        flags = parse_args(BASE + ["--pipeline-model-parallel-size", "2",
+                                   "--pipeline-schedule", "zb_h1", *extra])
+        with pytest.raises(ConfigError, match=f"--pipeline-schedule zb_h1 splits each backward "
+                                              f"into its input and weight halves, which "
+                                              f"{name}'s recompute cannot run yet"):
+            build_config(flags, 4)
+    build_config(parse_args(BASE + ["--pipeline-model-parallel-size", "2",
+                                    "--recompute-granularity", "full"]), 4)  # 1F1B: fine
