@@ -84,8 +84,9 @@ def _unfused(x, w, b, group, sp, rows):
     return F.linear(Gathered.apply(x), w_used, b)
 
 
-@pytest.mark.parametrize("sp,rows", [(False, None), (True, None), (False, 9), (True, 9)])
-def test_backward_overlaps_the_collective_and_keeps_every_bit(monkeypatch, sp, rows):
+def _recorded_case(monkeypatch, sp, rows):
+    """(stand-in TP group, x, w, b, dy, the unfused reference's gradients), with every
+    weight-gradient computation recorded in the group's events."""
     group = _TwinGroup()
     x, w, b, dy = _inputs(sp, rows)
     ref = _grads(x, w, b, _unfused(x, w, b, group, sp, rows), dy)
@@ -95,6 +96,12 @@ def test_backward_overlaps_the_collective_and_keeps_every_bit(monkeypatch, sp, r
         group.events.append("weight grad")
         return weight_grad(*a, **k)
     monkeypatch.setattr(column_linear, "linear_grad_weight", recorded)
+    return group, x, w, b, dy, ref
+
+
+@pytest.mark.parametrize("sp,rows", [(False, None), (True, None), (False, 9), (True, 9)])
+def test_backward_overlaps_the_collective_and_keeps_every_bit(monkeypatch, sp, rows):
+    group, x, w, b, dy, ref = _recorded_case(monkeypatch, sp, rows)
     group.events.clear()
     y = column_parallel_linear(x, w, b, group, sequence_parallel=sp, rows=rows)
     forward = list(group.events)

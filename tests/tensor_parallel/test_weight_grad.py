@@ -11,23 +11,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import hybrid.tensor_parallel.column_linear as column_linear
 from hybrid.tensor_parallel import column_parallel_linear
 from hybrid.tensor_parallel.weight_grad import WeightGradStore, deferrable_linear, run_deferred
-from tests.tensor_parallel.test_column_linear import _grads, _inputs, _TwinGroup, _unfused
+from tests.tensor_parallel.test_column_linear import _grads, _recorded_case
 
 
 @pytest.mark.parametrize("sp,rows", [(False, None), (True, None), (False, 9), (True, 9)])
 def test_column_parallel_defers_its_weight_gradient_to_the_bit(monkeypatch, sp, rows):
-    group = _TwinGroup()
-    x, w, b, dy = _inputs(sp, rows)
-    ref = _grads(x, w, b, _unfused(x, w, b, group, sp, rows), dy)
-    weight_grad = column_linear.linear_grad_weight
-
-    def recorded(*a, **k):
-        group.events.append("weight grad")
-        return weight_grad(*a, **k)
-    monkeypatch.setattr(column_linear, "linear_grad_weight", recorded)
+    group, x, w, b, dy, ref = _recorded_case(monkeypatch, sp, rows)
     store = WeightGradStore()
     y = column_parallel_linear(x, w, b, group, sequence_parallel=sp, rows=rows,
                                weight_grads=store)
