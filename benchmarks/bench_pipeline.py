@@ -27,7 +27,9 @@ schedule's:
 * per rank and per stage, the micro-batches whose activations are held at the peak,
   measured (each forward under its own
   :class:`hybrid.train.activation_meter.SavedActivationMeter`: a micro-batch is held
-  while any tensor its forward saved for backward is alive; sampled after every
+  while any tensor its forward saved for backward is alive, or, under ZB-H1, from its
+  input half until its weight half, whose store keeps the linears' inputs and output
+  gradients (not counted in the bytes); sampled after every
   forward, where the count and the bytes can only have grown), the simulator's peak
   and the schedule's formula; the peak bytes saved for backward on each rank and one
   micro-batch's bytes per stage. This step runs apart from the timed ones (the
@@ -127,6 +129,7 @@ class _Stages:
         self.batches = [(d[:, :-1], d[:, 1:]) for d in data]
         self.barrier = world_barrier(ps)
         self.meters: dict | None = None  # (stage, micro-batch) -> its forward's meter
+        self.timeline: list | None = None  # the metered step's actions done so far
         self.samples: list = []  # after each metered forward: the held micro-batches
 
     def forward(self, s: int, j: int, x: torch.Tensor | None) -> torch.Tensor:
@@ -137,7 +140,13 @@ class _Stages:
             out = self._forward(s, j, x)
         self.meters[(s, j)] = meter
         held = {key: m.held() for key, m in self.meters.items()}
-        self.samples.append(({key for key, b in held.items() if b > 0}, sum(held.values())))
+        # ZB-H1: after its input half a micro-batch's graph is freed, but its linears'
+        # inputs and output gradients wait in the store for the weight half: held too
+        done = self.timeline if self.timeline is not None else []
+        halves = {(a.stage, a.microbatch) for a, *_ in done if a.kind.value == "I"}
+        waiting = halves - {(a.stage, a.microbatch) for a, *_ in done if a.kind.value == "W"}
+        self.samples.append(({key for key, b in held.items() if b > 0} | waiting,
+                             sum(held.values())))
         return out
 
     def _forward(self, s: int, j: int, x: torch.Tensor | None) -> torch.Tensor:
@@ -170,10 +179,10 @@ class _Stages:
         """One step with a meter per forward: the peaks of held micro-batches (per rank,
         per stage) and of saved bytes, one micro-batch's bytes per stage, and whether
         everything was freed by the end."""
-        self.meters, self.samples = {}, []
-        self.step()
+        self.meters, self.samples, self.timeline = {}, [], []
+        self.step(self.timeline)
         meters, samples = self.meters, self.samples
-        self.meters = None
+        self.meters = self.timeline = None
         peak_stage = {s: max(sum(1 for (t, _) in held if t == s) for held, _ in samples)
                       for s in self.models}
         return {"peak_held": max(len(held) for held, _ in samples),

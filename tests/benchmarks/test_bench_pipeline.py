@@ -50,7 +50,10 @@ def test_the_bench_prints_its_records_and_the_exact_figures_hold(capsys):
             assert s["peak_held"] == s["peak_held_simulated"], (name, s["stage"])
             assert s["activation_bytes_per_microbatch"] > 0 and s["forward_s"] >= 0
             assert ("backward_input_s" in s) == (name == "zb_h1")
-        if v == 1:  # one stage per rank: the peak is that many micro-batches' bytes
+        # one stage per rank: the peak is that many micro-batches' saved bytes (not ZB-H1's:
+        # a micro-batch waiting for its weight half holds its linears' inputs and output
+        # gradients in the store, which the meter of saved tensors does not see)
+        if v == 1 and name != "zb_h1":
             for r, s in zip(rec["ranks"], rec["stages"]):
                 assert r["peak_activation_bytes"] == (
                     r["peak_held"] * s["activation_bytes_per_microbatch"])
