@@ -7,9 +7,9 @@ The process joins torch's fake process group (every collective and every send
 returns at once; a receive leaves its buffer as it was) as rank ``world - 1`` of
 PP 8 x TP 8 x DP ``world / 64``: world 64 is DP 1, world 1,024 DP 16. That rank is
 the last pipeline stage's last TP rank. Set-up is what a run does before its first
-step: the default group, every TP, DP, PP and embedding group
-(:meth:`hybrid.parallel.state.ParallelState.build`, which creates each group of every
-kind, O(world) calls) and this stage's model under ZeRO
+step: the default group, this rank's TP, DP, PP and embedding group
+(:meth:`hybrid.parallel.state.ParallelState.build`, which creates only the rank's own
+group of each kind, its members alone taking part) and this stage's model under ZeRO
 (:func:`hybrid.train.setup.build_engine`). A step is
 :func:`hybrid.train.pipeline_step.pipeline_train_step` under 1F1B: the stage's
 forwards from received activations, the loss, the backwards whose input gradients go
@@ -17,11 +17,11 @@ back to stage 6, ZeRO's reduction over DP and the AdamW step.
 
 The model is small (one layer per stage, sequence 16, micro-batch 1; hidden 1024 by
 default, 128 in the test) but the layout is the real one, so what grows with the world
-(the groups, DP's shards) is what the ratio shows. At hidden 128 the set-up is mostly
-the groups: 448 ``new_group`` calls at world 1,024 against 32 at 64. A received tensor
-is filled with zeros (a peer sending zeros) so that every step computes the same; the
-fake group sums nothing, so the loss is this TP rank's slice of the vocabulary only and
-the gradient norm is this rank's.
+(the groups' rank lists, DP's shards) is what the ratio shows: 4 ``new_group`` calls at
+either world (448 at 1,024 against 32 at 64 before each rank made only its own). A
+received tensor is filled with zeros (a peer sending zeros) so that every step computes
+the same; the fake group sums nothing, so the loss is this TP rank's slice of the
+vocabulary only and the gradient norm is this rank's.
 
 One record per world size, then a summary: the median set-up and step seconds over
 ``--rounds`` (the world sizes take turns, ABBA), the model-state bytes this rank holds

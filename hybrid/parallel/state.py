@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import warnings
 from dataclasses import dataclass, field
 
 import torch
@@ -149,10 +150,11 @@ class ParallelState:
               pipeline_model_parallel_size: int = 1) -> ParallelState:
         """Create the TP, CP, DP and PP groups of an initialized default process group.
 
-        Every rank must call this with the same arguments (group creation is
-        itself collective: torch's ``new_group`` is called by every rank for every
-        group, in the same order, so each rank makes O(world / group size) calls per
-        kind and O(world) arithmetic, and wraps only its own groups). ``store``: the
+        Every rank must call this with the same arguments. Group creation is local to
+        each group: a rank creates only the groups it belongs to, one per kind, with
+        torch's ``new_group(..., use_local_synchronization=True)`` (O(1) calls per kind
+        and O(group size) arithmetic; see :func:`_create_groups` for what that asks of the
+        caller). ``store``: the
         rendezvous store the default group was built from, through which the ranks
         explain a failed collective
         (see :mod:`hybrid.diagnostics.recorder`); without it each rank reports
@@ -183,38 +185,25 @@ class ParallelState:
                              check_collectives=check_collectives)
         group_timeout = backstop(timeout) if watch else timeout
 
-        def make(name: str, all_ranks: list[list[int]]) -> CommGroup:
-            mine: CommGroup | None = None
-            for ranks in all_ranks:
-                pg = dist.new_group(ranks, timeout=group_timeout)
-                if rank in ranks:
-                    mine = CommGroup(name, pg, ranks, rank, stats, timeout, rec)
-            assert mine is not None  # the groups of a kind cover every rank
-            return mine
-
         def alone(name: str) -> CommGroup:
             return CommGroup(name, None, [rank], rank, stats, timeout, rec)
 
-        # (the order of the calls is part of the collective: the same on every rank)
-        tp_group = make("tp", layout.groups("tp"))
-        dp_group = make("dp", layout.groups("dp"))
-        if cp > 1:
-            cp_group = make("cp", layout.groups("cp"))
-            dp_cp_group = make("dp_cp", layout.groups("dp_cp"))
-        else:  # CP 1: this rank alone, and DP x CP is DP
-            cp_group = alone("cp")
-            dp_cp_group = dp_group
-        if pp > 1:
-            pp_group = make("pp", layout.groups("pp"))
-            # every rank creates every pipeline's pair; a middle stage is in none of them
-            embedding_group = alone("embedding")
-            for ranks in layout.embedding_groups():
-                pg = dist.new_group(ranks, timeout=group_timeout)
-                if rank in ranks:
-                    embedding_group = CommGroup("embedding", pg, ranks, rank, stats, timeout,
-                                                rec)
-        else:  # PP 1: one stage, first and last at once; no process group
-            pp_group, embedding_group = alone("pp"), alone("embedding")
+        # this rank's group of each kind, in the same kind order on every rank
+        kinds = ["tp", "dp"] + (["cp", "dp_cp"] if cp > 1 else []) + (["pp"] if pp > 1 else [])
+        mine = {k: layout.group_of(k, rank) for k in kinds}
+        if pp > 1:  # a middle stage's is itself alone (see _create_groups)
+            mine["embedding"] = layout.embedding_group_of(rank)
+        pgs = _create_groups(layout, mine, group_timeout, device)
+        groups = {k: CommGroup(k, pgs[k], mine[k], rank, stats, timeout, rec)
+                  for k in mine if len(mine[k]) > 1 or k != "embedding"}
+        tp_group, dp_group = groups["tp"], groups["dp"]
+        # CP 1: this rank alone, and DP x CP is DP
+        cp_group = groups["cp"] if cp > 1 else alone("cp")
+        dp_cp_group = groups["dp_cp"] if cp > 1 else dp_group
+        # PP 1: one stage, first and last at once; no process group
+        pp_group = groups["pp"] if pp > 1 else alone("pp")
+        embedding_group = groups["embedding"] if "embedding" in groups else alone(
+            "embedding")
         world_group = CommGroup("world", dist.group.WORLD, list(range(world)), rank, stats,
                                 timeout, rec)
         rec.start()
@@ -251,6 +240,68 @@ class ParallelState:
             out += (f"\n  PP groups: {layout.groups('pp')}"
                     f"\n  embedding groups: {layout.embedding_groups()}")
         return out
+
+
+def _create_groups(layout: Layout, mine: dict[str, list[int]],
+                   timeout: datetime.timedelta, device: torch.device) -> dict[str, object]:
+    """This rank's process group of each kind in ``mine`` (kind: its ranks, in the same
+    kind order on every rank), made by its members alone.
+
+    ``dist.new_group(ranks, use_local_synchronization=True)`` is called by the members of
+    ``ranks`` only (a non-member returning at once is what makes it O(1) calls per kind).
+    What torch 2.13 (``distributed_c10d._new_group_with_tag``) asks of its callers:
+
+    * The group's name, under which its members meet in the default group's store, is a
+      hash of its ranks and of how many process groups the calling process holds
+      (``_world.pg_names``), not the every-rank counter plain ``new_group`` advances. So
+      the members of a group must hold equally many groups when they create it. Here
+      each rank creates exactly one group per kind, in the same order; a middle stage
+      creates a one-rank "embedding" group of its own for that (unused: its
+      :class:`CommGroup` has no process group), so every rank holds the same number
+      after this too. Groups a program made before on some ranks only would break that
+      (the members would wait on different keys until ``timeout``): one all-reduce over
+      the default group compares the counts first, and where they differ every rank
+      creates every group, as plain ``new_group`` requires.
+    * NCCL with an eagerly initialized default group (``init_process_group(device_id=)``,
+      which :func:`init_distributed` passes) splits each new communicator from the
+      default one, ``ncclCommSplit`` being collective over every rank of it. Because
+      each kind's groups (the embedding kind's with those one-rank groups) cover every
+      rank once, each rank makes one split per kind in the same order, each with its
+      group's colour: together they are the one split into that kind's groups.
+    * MPI refuses it (every rank creates every group there); gloo, NCCL and torch's fake
+      group take it.
+    """
+    mpi = dist.get_backend() == "mpi"
+    if not mpi and _group_counts_agree(device):
+        return {kind: dist.new_group(ranks, timeout=timeout, use_local_synchronization=True)
+                for kind, ranks in mine.items()}
+    if not mpi:
+        warnings.warn("ParallelState.build: the ranks hold different numbers of process "
+                      "groups, so each rank creates every group (O(world) new_group calls)",
+                      stacklevel=3)
+    pgs: dict[str, object] = {}
+    for kind, ranks in mine.items():
+        every = layout.embedding_groups() if kind == "embedding" else layout.groups(kind)
+        for group in every:  # (the same order on every rank: the call is collective)
+            pg = dist.new_group(group, timeout=timeout)
+            if group == ranks:
+                pgs[kind] = pg
+    pgs.setdefault("embedding", None)  # a middle stage's, which it is in none of
+    return pgs
+
+
+def _group_counts_agree(device: torch.device) -> bool:
+    """Every rank holds as many process groups as this one (see :func:`_create_groups`):
+    one all-reduce over the default group. False where torch does not say."""
+    names = getattr(getattr(dist.distributed_c10d, "_world", None), "pg_names", None)
+    if names is None:
+        return False
+    n = len(names)
+    if dist.get_backend() != "nccl":
+        device = torch.device("cpu")
+    t = torch.tensor([n, -n], dtype=torch.int64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.tolist() == [n, -n]
 
 
 def _default_device(backend: str) -> torch.device:

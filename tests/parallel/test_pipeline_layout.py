@@ -6,6 +6,7 @@ the first and last stages, the stage neighbours, and PP 1 leaving every rank and
 it was.
 """
 
+import datetime
 import time
 
 import pytest
@@ -143,13 +144,19 @@ def test_single_process_state_is_one_whole_pipeline():
 @pytest.fixture
 def fake_world(monkeypatch):
     """Join a fake world of ``size`` ranks as ``rank`` (no peers exist: every collective
-    returns at once); the group creations are recorded. Left again after the test."""
+    returns at once); the group creations are recorded, each as its ranks and whether
+    only its members create it (``use_local_synchronization``). Left again after the
+    test."""
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    calls: list[list[int]] = []
+    calls: list[tuple[list[int], bool]] = []
     real = dist.new_group
-    monkeypatch.setattr(dist, "new_group",
-                        lambda ranks, **kw: calls.append(list(ranks)) or real(ranks, **kw))
+
+    def new_group(ranks, **kw):
+        calls.append((list(ranks), kw.get("use_local_synchronization", False)))
+        return real(ranks, **kw)
+
+    monkeypatch.setattr(dist, "new_group", new_group)
 
     def join(rank: int, size: int):
         calls.clear()
@@ -180,10 +187,12 @@ def test_pp8_tp8_dp16_builds_its_groups_at_1024_ranks(fake_world):
             assert ps.embedding_group.ranks == lay.embedding_group_of(rank)
             assert (ps.prev_stage_rank, ps.next_stage_rank) == lay.stage_neighbours(rank)
             assert ps.pp_rank == rank // 128 and ps.tp_rank == rank % 8
-            # every rank creates every group of each kind, in the same order: 128 TP,
-            # 64 DP, 128 PP and 128 embedding groups (torch's new_group is collective)
-            assert calls == (lay.groups("tp") + lay.groups("dp") + lay.groups("pp")
-                             + lay.embedding_groups())
+            # each rank creates its own group of each kind, only its members taking part
+            # (not the 128 TP, 64 DP, 128 PP and 128 embedding groups of the world); a
+            # middle stage's embedding group is itself alone, with no process group
+            assert calls == [(lay.group_of(k, rank), True) for k in ("tp", "dp", "pp")] + [
+                (lay.embedding_group_of(rank), True)]
+            assert (ps.embedding_group.pg is None) == (0 < ps.pp_rank < 7)
         finally:
             ps.release()
             dist.destroy_process_group()
@@ -199,9 +208,65 @@ def test_pp_1_creates_the_same_groups_in_the_same_order_as_before(fake_world):
     ps = ParallelState.build(2, context_parallel_size=2)
     try:
         lay = Layout(16, 2, 2)
-        assert calls == (lay.groups("tp") + lay.groups("dp") + lay.groups("cp")
-                         + lay.groups("dp_cp"))
-        assert calls[:4] == [[0, 1], [2, 3], [4, 5], [6, 7]]
+        assert calls == [(lay.group_of(k, 5), True) for k in ("tp", "dp", "cp", "dp_cp")]
+        assert [c[0] for c in calls] == [[4, 5], [1, 5, 9, 13], [5, 7],
+                                         [1, 3, 5, 7, 9, 11, 13, 15]]
         assert ps.pp_group.ranks == ps.embedding_group.ranks == [5] and ps.pp_group.pg is None
     finally:
         ps.release()
+
+
+# -- groups made by their members alone (use_local_synchronization) -----------------------
+
+_LAYOUTS = ((2, 2, 1), (2, 1, 2), (1, 2, 2), (1, 1, 4), (4, 1, 1), (1, 4, 1))
+
+
+def _every_kind(tp: int, cp: int, pp: int) -> dict:
+    """This rank's ranks and all-reduced rank sum over each kind's group."""
+    ps = ParallelState.build(tp, context_parallel_size=cp, pipeline_model_parallel_size=pp,
+                             timeout=datetime.timedelta(seconds=60))
+    try:
+        out = {}
+        for name in ("tp", "cp", "dp", "dp_cp", "pp", "embedding", "world"):
+            g = getattr(ps, f"{name}_group")
+            x = torch.tensor([float(ps.rank)])
+            g.all_reduce(x)
+            out[name] = (g.ranks, x.item())
+        return out
+    finally:
+        ps.release()
+
+
+def _layouts_in_one_world(ps, first_only_on: list[int]) -> dict:
+    """Every layout of _LAYOUTS built in turn in this world, after the ranks in
+    ``first_only_on`` made a group of their own (so the ranks hold unequal numbers of
+    groups, which member-only creation cannot take: build falls back); the warnings."""
+    import warnings
+
+    if first_only_on and ps.rank in first_only_on:
+        dist.new_group(first_only_on, use_local_synchronization=True)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        res = {lay: _every_kind(*lay) for lay in _LAYOUTS}
+    return {"res": res, "warned": [str(w.message) for w in seen
+                                   if "process groups" in str(w.message)]}
+
+
+@pytest.mark.parametrize("first_only_on", [[], [0, 1]], ids=["local", "fallback"])
+def test_gloo_groups_of_every_layout_at_world_4(first_only_on):
+    """Six layouts built one after another on four gloo ranks: each group is the layout's
+    and an all-reduce over it sums its ranks. With no groups made before, no rank falls
+    back (a middle stage's one-rank embedding group keeps the counts equal build after
+    build); after ranks 0 and 1 made one, every build falls back to every rank creating
+    every group, and still gives the same groups."""
+    res = run_ranks(_layouts_in_one_world, world_size=4, args=(first_only_on,),
+                    reuse=False)
+    for rank, r in enumerate(res):
+        assert len(r["warned"]) == (len(_LAYOUTS) if first_only_on else 0), r["warned"]
+        for (tp, cp, pp), got in r["res"].items():
+            lay = Layout(4, tp, cp, pp)
+            want = {k: lay.group_of(k, rank) for k in ("tp", "cp", "dp", "dp_cp", "pp")}
+            want["embedding"] = lay.embedding_group_of(rank)
+            want["world"] = [0, 1, 2, 3]
+            for name, ranks in want.items():
+                assert got[name] == (ranks, float(sum(ranks))), (rank, (tp, cp, pp), name)
