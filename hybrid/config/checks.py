@@ -202,6 +202,10 @@ def check_pipeline(f: Flags, dp: int) -> None:
             if getattr(f, name) is not None:
                 raise ConfigError(f"{flag_name(name)} sets the layers of one pipeline stage: it "
                                   f"needs --pipeline-model-parallel-size > 1")
+        if f.pipeline_reshard_after_micro_batch:
+            raise ConfigError("--pipeline-reshard-after-micro-batch frees ZeRO-3's parameters "
+                              "between a pipeline step's micro-batches: it needs "
+                              "--pipeline-model-parallel-size > 1")
     split = stage_split(f)
     # the flag that made the chunks, for the messages below
     source = ("--pipeline-model-parallel-layout" if f.pipeline_model_parallel_layout

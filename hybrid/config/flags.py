@@ -113,6 +113,12 @@ class Flags:
                                          "virtual stage) or zb_h1 (zero-bubble H1)",
                                  choices=PIPELINE_SCHEDULES,
                                  to="pipeline.schedule")
+    pipeline_reshard_after_micro_batch: bool = opt(
+        False, "at --zero-stage 3, free each stage's gathered parameters after every "
+               "micro-batch's forward and backward (2m all-gathers per unit a step, m "
+               "micro-batches) instead of holding them from their first use to the stage's "
+               "last backward (one): less memory, more traffic",
+        to="pipeline.reshard_after_micro_batch")
     # model (defaults: a small GPT that trains on 2 CPU cores in minutes)
     num_layers: int = opt(4, "transformer layers", to="model")
     hidden_size: int = opt(256, "model width", to="model")

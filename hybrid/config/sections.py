@@ -178,13 +178,17 @@ class PipelineConfig:
     ``schedule``: one of :data:`PIPELINE_SCHEDULES`; ``"interleaved_1f1b"`` exactly when
     ``virtual_size`` > 1. ``split``: the layers of every chunk, and where the embedding and
     the loss are (:class:`hybrid.pipeline.split.StageSplit`); None only in a section built
-    by hand, meaning one stage with the whole model.
+    by hand, meaning one stage with the whole model. ``reshard_after_micro_batch``: at
+    ZeRO stage 3, free a stage's gathered parameters after every micro-batch's forward and
+    backward (2m all-gathers per unit a step) instead of holding them from their first use
+    to the stage's last backward (one).
     """
 
     size: int = 1
     virtual_size: int = 1
     schedule: str = "1f1b"
     split: StageSplit | None = None
+    reshard_after_micro_batch: bool = False
 
 
 @dataclass(frozen=True)

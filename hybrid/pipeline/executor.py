@@ -31,6 +31,19 @@ stage's last backward -- so each chunk reduces once a step too, and a chunk
 whose backwards end early (the last one, under interleaved 1F1B) reduces while
 the others' go on.
 
+[Note: ZeRO-3's parameters over a step]
+At ZeRO stage 3 the run is one :meth:`~hybrid.zero.ZeroEngine.params_held` block:
+a unit gathered at its first use in the step stays whole through every later
+micro-batch's forward and backward, and a stage's chunk is freed right after its
+last action that reads the weights -- its last ``B``, or under ZB-H1 its last
+``I`` (``W`` computes ``dW = dy^T x`` and reads no weight). So each unit is
+gathered once a step where freeing after each micro-batch gathers it 2m times (in
+each forward and again in each backward); the cost is that the chunk's gathered
+parameters stay in memory from its first forward to its last backward.
+``reshard_after_micro_batch=True`` (``--pipeline-reshard-after-micro-batch``) frees
+them after each forward and backward as without a pipeline, for memory
+(docs/pipeline-parallelism.md, "ZeRO-3's gathers under a schedule").
+
 [Note: the two halves of a backward]
 ``I`` is the one traversal of the stage's graph: ``torch.autograd.grad`` of the
 output into the stage's input and its parameters, freeing the graph, inside
@@ -96,7 +109,8 @@ def run_actions(actions: Sequence[Action], forward: Callable[[int, int, torch.Te
                 stages: int, zero=None,
                 weight_grads: dict[int, WeightGradStore] | None = None,
                 timeline: list[tuple[Action, float, float]] | None = None,
-                peers: Sequence[Sequence[Action]] | None = None
+                peers: Sequence[Sequence[Action]] | None = None,
+                reshard_after_micro_batch: bool = False
                 ) -> dict[int, torch.Tensor]:
     """Run this rank's ``actions`` (module doc); returns the loss of each micro-batch the
     last stage computed here, by micro-batch (empty on other ranks). ``pp``: the
@@ -108,25 +122,35 @@ def run_actions(actions: Sequence[Action], forward: Callable[[int, int, torch.Te
     ``timeline``: a list to append each action's ``(action, start, end)`` to ([Note: the
     optional timeline]), or None; ``peers``: every rank's list, to let each sent tensor go
     once a receive proves it arrived ([Note: releasing what was sent]), or None (held
-    until ``END``)."""
+    until ``END``); ``reshard_after_micro_batch``: stage 3 frees its gathered
+    parameters after every forward and backward instead of keeping them for the step
+    ([Note: ZeRO-3's parameters over a step])."""
     run = _Run(forward, params, pp, shape, dtype, device, stages, zero, weight_grads)
     if peers is not None:
         run.received = sends_received(peers, pp.rank)
     # each stage's last backward syncs ([Note: ZeRO under a schedule])
     last = set({a.stage: i for i, a in enumerate(actions)
                 if a.kind in (Kind.BACKWARD, Kind.BACKWARD_WEIGHT)}.values())
+    # each stage's last action that reads its weights: its chunk is freed after it
+    # ([Note: ZeRO-3's parameters over a step])
+    reads = {i: s for s, i in {a.stage: i for i, a in enumerate(actions)
+                               if a.kind in (Kind.BACKWARD, Kind.BACKWARD_INPUT)}.items()}
+    hold = zero is not None and not reshard_after_micro_batch
     cuda = device.type == "cuda"
-    for i, a in enumerate(actions):
-        if timeline is None:
-            run.do(a, sync=i in last)
-            continue
-        if cuda:
-            torch.cuda.synchronize(device)
-        start = time.perf_counter()
-        run.do(a, sync=i in last)
-        if cuda:
-            torch.cuda.synchronize(device)
-        timeline.append((a, start, time.perf_counter()))
+    with zero.params_held() if hold else contextlib.nullcontext():
+        for i, a in enumerate(actions):
+            if timeline is None:
+                run.do(a, sync=i in last)
+            else:
+                if cuda:
+                    torch.cuda.synchronize(device)
+                start = time.perf_counter()
+                run.do(a, sync=i in last)
+                if cuda:
+                    torch.cuda.synchronize(device)
+                timeline.append((a, start, time.perf_counter()))
+            if hold and i in reads:
+                zero.release_params(stage_chunk(reads[i], pp.size))
     return run.losses
 
 

@@ -64,12 +64,16 @@ def stage_reads(ps: ParallelState) -> str:
 
 def pipeline_train_step(model: GPT, engine: ZeroEngine, micro_batches, lr: float,
                         ps: ParallelState, schedule: str, shape: tuple[int, int, int],
-                        dtype: torch.dtype):
+                        dtype: torch.dtype, reshard_after_micro_batch: bool = False):
     """One optimizer step over this rank's micro-batches, through the pipeline; returns
     (the step's loss, StepResult, the ``(n,)`` micro-batch losses), equal on every
     stage (module doc). ``micro_batches``: this stage's share of each
     (:func:`stage_reads`). ``schedule``: ``--pipeline-schedule``'s name; ``shape`` and
-    ``dtype``: of the activations between stages (:func:`activation_shape`)."""
+    ``dtype``: of the activations between stages (:func:`activation_shape`);
+    ``reshard_after_micro_batch``: ZeRO-3 frees the stage's gathered parameters after each
+    micro-batch's forward and backward instead of holding them for the step
+    (``--pipeline-reshard-after-micro-batch``; hybrid/pipeline/executor.py, [Note: ZeRO-3's
+    parameters over a step])."""
     engine.zero_grad()
     batches = list(micro_batches)  # (tokens, labels[, loss mask]) each
     n = len(batches)
@@ -95,7 +99,8 @@ def pipeline_train_step(model: GPT, engine: ZeroEngine, micro_batches, lr: float
     weight_grads = None if store is None else {s: store for s in params}
     got = run_actions(lists.ranks[ps.pp_rank], forward, params, ps.pp_group,
                       shape=shape, dtype=dtype, device=ps.device, stages=p * v,
-                      zero=engine, weight_grads=weight_grads, peers=lists.ranks)
+                      zero=engine, weight_grads=weight_grads, peers=lists.ranks,
+                      reshard_after_micro_batch=reshard_after_micro_batch)
     losses = torch.zeros(n, dtype=torch.float32, device=ps.device)
     for j, loss in got.items():  # (what was backpropagated: loss / n * scale)
         losses[j] = loss.float() * (n / scale)

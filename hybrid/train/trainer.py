@@ -187,9 +187,9 @@ class Trainer:
             loss, result, losses = train_step(self.model, self.engine, micro, self.lr,
                                               self.meter if logs else None, self.clock)
         else:
-            loss, result, losses = pipeline_train_step(self.model, self.engine, micro, self.lr,
-                                                       ps, self.cfg.pipeline.schedule,
-                                                       *self.pp_io)
+            loss, result, losses = pipeline_train_step(
+                self.model, self.engine, micro, self.lr, ps, self.cfg.pipeline.schedule,
+                *self.pp_io, self.cfg.pipeline.reshard_after_micro_batch)
         self.metrics.stop(loss, batch * self.cfg.model.seq_length)
         self.skips.add(st.iteration + 1, result, losses, st.consumed_samples, batch)
         st.iteration += 1

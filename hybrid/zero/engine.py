@@ -143,7 +143,8 @@ class ZeroEngine:
         self.gatherer = (ParamGatherer(owners, self.param_pipeline,
                                        recompute or RecomputePhase(),
                                        parts={id(u): None if m is model else where[id(u)]
-                                              for m, u in owners} if parts is not None else None)
+                                              for m, u in owners} if parts is not None else None,
+                                       home=where if parts is not None else None)
                          if owners else None)
         self.optimizer = self._build_optimizer(master, adamw, offload, client, decay)
         self.offload = self._build_offload(offload)
@@ -151,7 +152,8 @@ class ZeroEngine:
         self.reducer = GradReducer(self.units, self.plan, dp=ps.dp_cp_group, sink=self.sink,
                                    bucket=zero.reduce_bucket_size, overlap=zero.overlap_comm,
                                    grad_dtype=self.grad_dtype, replicas=ps.dp_size,
-                                   parts=self.unit_parts)
+                                   parts=self.unit_parts,
+                                   release=self.gatherer.after_grads if self.gatherer else None)
         # With a separate master the step writes each unit's new parameter shard in
         # the training dtype (a compiled kernel in the same pass as the update):
         # that is the publication, no master -> shard copy after it.
@@ -287,13 +289,45 @@ class ZeroEngine:
         that part's last backward of the step (:mod:`hybrid.zero.parts`); None: the
         whole model."""
         self.reducer.begin(sync, part)
+        if self.gatherer is not None:
+            self.gatherer.backward_part = part
 
     def end_backward(self) -> None:
         """After a backward begun by :meth:`begin_backward` has returned: the deferred
         units' reductions, every reduction waited for, stage 3's gathers freed."""
         self.reducer.finish()
         if self.gatherer is not None:
-            self.gatherer.release_all()
+            self.gatherer.backward_part = None
+            if not self.gatherer.hold:
+                self.gatherer.release_all()
+
+    @contextlib.contextmanager
+    def params_held(self, on: bool = True):
+        """Inside the block (with ``on``) stage 3 keeps each unit it gathers whole --
+        after a forward, after its gradients are packed, after :meth:`end_backward` --
+        until :meth:`release_params` frees its part; every unit is freed on leaving. A
+        pipeline step runs in one, so each unit is gathered once a step, not once per
+        micro-batch in forward and again in backward (hybrid/zero/param_sync.py, [Note:
+        held for a pipeline step]). Other stages, and ``on=False``: nothing changes."""
+        g = self.gatherer
+        if g is None or not on:
+            yield
+            return
+        g.hold = True
+        try:
+            yield
+        finally:
+            g.hold = False
+        g.release_all()  # (not while an exception propagates: a gather may never match)
+
+    def release_params(self, part: int | None = None) -> None:
+        """Free stage 3's gathered units of ``part`` (:mod:`hybrid.zero.parts`; None:
+        every unit), e.g. after that part's last backward of a step in
+        :meth:`params_held`; a unit it frees is gathered again at its next use."""
+        if self.gatherer is None:
+            return
+        self.gatherer.release(self.units if part is None else
+                              [u for u, k in zip(self.units, self.unit_parts) if k == part])
 
     # [Note: one skip decision, no extra all-reduce]
     # global_grad_norm sums squared norms over DP (disjoint shards, or nothing

@@ -52,6 +52,7 @@ only while its reduction runs.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from typing import Protocol
 
 import torch
@@ -167,12 +168,16 @@ class GradReducer:
         grad_dtype: the dtype gradients are accumulated and reduced in.
         replicas: the DP size the mean is over (default: the group's size).
         parts: the part of each unit (:mod:`hybrid.zero.parts`); default: one part.
+        release: called with a unit once its gradients are packed (stage 3 frees its
+            gathered parameters there); default :meth:`FlatUnit.release`.
     """
 
     def __init__(self, units: list[FlatUnit], plan, *, dp: CommGroup, sink: GradSink,
                  bucket: int, overlap: bool, grad_dtype: torch.dtype,
-                 replicas: int | None = None, parts: list[int] | None = None):
+                 replicas: int | None = None, parts: list[int] | None = None,
+                 release: Callable[[FlatUnit], None] | None = None):
         self.units, self.plan, self.dp = units, plan, dp
+        self._release = release if release is not None else FlatUnit.release
         self._by_part: dict[int, list[FlatUnit]] = {}
         for u, k in zip(units, parts if parts is not None else [0] * len(units)):
             self._by_part.setdefault(k, []).append(u)
@@ -253,8 +258,9 @@ class GradReducer:
         for p in unit.params:
             p.grad = None  # the shard holds this rank's part now
         # Its gradient is packed: stage 3 frees the unit's gathered parameters until the
-        # next forward (FSDP's reshard after backward; a no-op for a whole unit).
-        unit.release()
+        # next forward (FSDP's reshard after backward; a no-op for a whole unit), unless a
+        # pipeline step holds it (hybrid/zero/param_sync.py, [Note: held for a pipeline step])
+        self._release(unit)
 
     # -- full gradient buffer (stages 0 and 1) ---------------------------------
     def _reduce_in_place(self, unit: FlatUnit) -> None:

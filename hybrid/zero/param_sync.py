@@ -13,6 +13,15 @@ module for what no block owns and for a parameter with a unit of its own: see
 * after backward, once the unit's gradients are packed for their
   reduce-scatter, the reducer frees them again (:meth:`FlatUnit.release`).
 
+[Note: held for a pipeline step]
+Under a pipeline schedule each micro-batch's forward and backward are separate
+runs of the stage, and freeing after each would gather every unit 2m times a
+step (m micro-batches). While :attr:`ParamGatherer.hold` is set (the executor
+sets it for a step, :meth:`~hybrid.zero.ZeroEngine.params_held`) none of the
+three frees above happens: a unit gathered at its first use in the step stays
+whole until the caller frees its part (:meth:`ParamGatherer.release`, after the
+part's last backward that reads the weights), so it is gathered once a step.
+
 [Note: prefetch within a part]
 A model in parts (an interleaved pipeline rank's chunks, :mod:`hybrid.zero.parts`)
 runs one part per forward and backward, in an order the recorded forward order
@@ -20,6 +29,10 @@ does not know: the unit after a chunk's last block is the next chunk's first,
 which the next forward may not run. So with parts a prefetch goes only to a unit
 of the same part, and a root unit (run by every part's forward) prefetches
 nothing; each part's first block is gathered when it runs.
+The root module's output carries every part's root units' backward hooks, so a
+backward of part c would gather the root units of the other parts too, which it
+does not reach: a backward told its part (``backward_part``, set by
+:meth:`~hybrid.zero.ZeroEngine.begin_backward`) gathers only c's.
 
 [Note: recompute]
 With activation checkpointing, a block's forward runs a second time inside
@@ -43,16 +56,20 @@ from hybrid.zero.gather_pipeline import GatherPipeline
 
 class ParamGatherer:
     def __init__(self, owners: list[tuple[nn.Module, FlatUnit]], pipe: GatherPipeline,
-                 recompute: RecomputePhase, parts: dict[int, int | None] | None = None):
+                 recompute: RecomputePhase, parts: dict[int, int | None] | None = None,
+                 home: dict[int, int] | None = None):
         """``parts``: the part of each unit by ``id`` (None for a root unit), when the
-        model is in parts ([Note: prefetch within a part]); None: one part."""
+        model is in parts ([Note: prefetch within a part]); None: one part. ``home``:
+        then the part of every unit, the root's too."""
         self.pipe = pipe
         self.recompute = recompute
-        self._parts = parts
+        self._parts, self._home = parts, home
+        self.backward_part: int | None = None  # the part the running backward reaches
         self.units = [u for _, u in owners]
         self._owner = {id(u): m for m, u in owners}
         self._forward_order: list[FlatUnit] = []
         self._recording = True
+        self.hold = False  # [Note: held for a pipeline step]
         self._handles = []
         for module, unit in owners:
             self._handles.append(module.register_forward_pre_hook(self._pre_forward(unit)))
@@ -109,7 +126,8 @@ class ParamGatherer:
                 return output
             if torch.is_grad_enabled():
                 self._hook_output(unit, output)
-            unit.release()
+            if not self.hold:
+                unit.release()
             return output
         return hook
 
@@ -129,14 +147,28 @@ class ParamGatherer:
     def _pre_backward(self, unit: FlatUnit):
         def hook(grad):
             self._recording = False
+            if (self._home is not None and self.backward_part is not None
+                    and self._home[id(unit)] != self.backward_part):
+                return grad  # another part's root unit ([Note: prefetch within a part])
             unit.finish_gather(self.pipe)
             self._prefetch(unit, backward=True)
             return grad
         return hook
 
+    def after_grads(self, unit: FlatUnit) -> None:
+        """The reducer has packed ``unit``'s gradients: free its parameters until the
+        next forward (FSDP's reshard after backward), unless they are held ([Note:
+        held for a pipeline step])."""
+        if not self.hold:
+            unit.release()
+
     def release_all(self) -> None:
         """Free everything gathered (end of step, or after an eval forward)."""
-        for u in self.units:
+        self.release(self.units)
+
+    def release(self, units) -> None:
+        """Free ``units`` (a gather under way is finished first)."""
+        for u in units:
             if u.state is ParamState.GATHERING:
                 u.finish_gather(self.pipe)
             u.release()

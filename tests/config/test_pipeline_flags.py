@@ -60,6 +60,13 @@ def test_each_split_flag_reaches_the_split(flags, layers, vpp):
     assert again.pipeline == cfg.pipeline
 
 
+def test_zero3_holds_a_stage_s_parameters_for_the_step_unless_told():
+    assert not _plan("--pipeline-model-parallel-size", "2").pipeline.reshard_after_micro_batch
+    cfg = _plan("--pipeline-model-parallel-size", "2", "--zero-stage", "3",
+                "--pipeline-reshard-after-micro-batch")
+    assert cfg.pipeline.reshard_after_micro_batch
+
+
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zb_h1"])
 def test_one_chunk_schedules(schedule):
     cfg = _plan("--pipeline-model-parallel-size", "4", "--pipeline-schedule", schedule)
@@ -91,6 +98,9 @@ def test_one_chunk_schedules(schedule):
       "--global-batch-size", "24", "--rampup-batch-size", "4", "4", "100"],
      "--rampup-batch-size START's 2 micro-batches per step (START 4"),
     (["--pipeline-model-parallel-size", "0"], "--pipeline-model-parallel-size must be >= 1"),
+    (["--pipeline-reshard-after-micro-batch", "--zero-stage", "3"],
+     "--pipeline-reshard-after-micro-batch frees ZeRO-3's parameters between a pipeline "
+     "step's micro-batches: it needs --pipeline-model-parallel-size > 1"),
 ])
 def test_bad_pipeline_flags_are_one_error_naming_the_flag(flags, message):
     with pytest.raises(ConfigError) as e:

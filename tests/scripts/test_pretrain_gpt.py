@@ -383,3 +383,92 @@ def test_tied_embeddings_across_stages_follow_the_one_stage_curve(tmp_path):
         for a, b in zip(log, ref):
             for key in ("loss", "grad_norm"):
                 assert abs(a[key] - b[key]) <= 1e-5 * abs(b[key]), (name, key, a, b)
+
+
+def _count_gathers(ps, cfg):
+    """_pretrain_rank, with each step's all-gather bytes on this rank, the bytes one gather
+    of every partitioned unit and one publication of the whole ones move, and the most
+    parameter bytes held at once (``model_state_bytes()["params"]`` read before every
+    free of a gathered unit), written as JSON beside the --log-json file."""
+    import json
+
+    from hybrid.train import trainer as training
+    from tests.helpers.launch import _pretrain_rank
+    orig = training.pipeline_train_step
+    seen = {"steps": [], "peak": 0}
+
+    def step(model, engine, *args, **kwargs):
+        if not seen["steps"]:
+            frac = (ps.dp_size - 1) / ps.dp_size  # (what the comm door counts of a gather)
+            for key, part in (("unit", True), ("whole", False)):
+                seen[key] = sum(u.padded * engine.dtype.itemsize * frac
+                                for u in engine.units if u.partition_params is part)
+            for u in engine.units:
+                free = u.release
+
+                def release(u=u, free=free):
+                    if u.gathered:
+                        seen["peak"] = max(seen["peak"], engine.model_state_bytes()["params"])
+                    free()
+                u.release = release
+        before = ps.comm_stats.snapshot()["all_gather"]
+        out = orig(model, engine, *args, **kwargs)
+        seen["steps"].append(ps.comm_stats.snapshot()["all_gather"] - before)
+        return out
+
+    training.pipeline_train_step = step
+    try:
+        return _pretrain_rank(ps, cfg)
+    finally:
+        training.pipeline_train_step = orig
+        with open(f"{cfg.logging.log_json}.gathers{ps.rank}", "w") as f:
+            json.dump(seen, f)
+
+
+def test_zero3_stages_gather_once_a_step_unless_told_to_reshard(tmp_path):
+    """PP 2 x DP 2 at ZeRO 3 with m = 4 micro-batches a step: by default each stage gathers
+    every partitioned unit once a step and holds it to its last backward (under 1F1B, ZB-H1
+    and, per chunk, interleaved 1F1B); with
+    --pipeline-reshard-after-micro-batch it frees them after each forward and backward,
+    gathering each 2m times. Per rank and step the all-gather bytes are exactly the whole
+    units' publication plus 1 (2m) times one gather of the partitioned ones; the default
+    holds more parameter bytes at once; the losses and grad norms of the two are equal,
+    and every run's within 1e-5 of PP 1 at DP 2, ZeRO 3."""
+    import json
+    m = 4  # --global-batch-size 16 / (--micro-batch-size 2 x DP 2)
+    pp2 = ["--pipeline-model-parallel-size", "2"]
+    runs = {"pp1": (2, []), "held": (4, pp2),
+            "reshard": (4, pp2 + ["--pipeline-reshard-after-micro-batch"]),
+            "zb_h1": (4, pp2 + ["--pipeline-schedule", "zb_h1"]),
+            "vpp2": (4, pp2 + ["--virtual-pipeline-model-parallel-size", "2"])}
+    logs, seen = {}, {}
+    for name, (n, extra) in runs.items():
+        path = str(tmp_path / f"{name}.jsonl")
+        r = pretrain(n, TINY + ["--num-layers", "8", "--hidden-size", "32",
+                                "--untie-embeddings-and-output-weights", "--zero-stage", "3",
+                                "--zero-param-persistence-threshold", "0",
+                                "--global-batch-size", "16", "--train-iters", "3",
+                                "--log-json", path] + extra,
+                     rank_fn=_count_gathers if n == 4 else None)
+        assert r.returncode == 0, f"{name}:\n{r.stdout[-2000:]}\n{r.stderr[-3000:]}"
+        logs[name] = read_json_log(path)
+        if n == 4:
+            for rank in range(4):
+                with open(f"{path}.gathers{rank}") as f:
+                    seen[name, rank] = json.load(f)
+    for a, b in zip(logs["held"], logs["reshard"]):
+        assert (a["loss"], a["grad_norm"]) == (b["loss"], b["grad_norm"]), (a, b)
+    for name in ("held", "zb_h1", "vpp2"):
+        assert len(logs[name]) == 3, name
+        for a, b in zip(logs[name], logs["pp1"]):
+            for key in ("loss", "grad_norm"):
+                assert abs(a[key] - b[key]) <= 1e-5 * abs(b[key]), (name, key, a, b)
+    for rank in range(4):
+        held, reshard = seen["held", rank], seen["reshard", rank]
+        assert held["unit"] > 0, held
+        for name in ("held", "zb_h1", "vpp2"):  # (interleaved: each chunk's units once)
+            got = seen[name, rank]
+            assert got["steps"] == [got["whole"] + got["unit"]] * 3, (name, rank, got)
+        assert reshard["steps"] == [held["whole"] + 2 * m * held["unit"]] * 3, (rank, reshard)
+        assert held["peak"] > reshard["peak"], (rank, held, reshard)
+    print({k: {f: v[f] for f in ("unit", "whole", "steps", "peak")} for k, v in seen.items()})
