@@ -14,7 +14,7 @@ import math
 from fractions import Fraction
 
 from hybrid.pipeline.actions import COMPUTE, Action, stage_chunk
-from hybrid.pipeline.simulator import Simulation
+from hybrid.pipeline.simulator import Simulation, Value
 
 LEGEND = ("F forward, B backward, I its input-gradient half, W its weight-gradient half; "
           "the number is the micro-batch")
@@ -26,6 +26,15 @@ def _number(x: Fraction) -> int | float:
 
 def _text(x: Fraction) -> str:
     return str(x.numerator) if x.denominator == 1 else f"{float(x):g}"
+
+
+def _figures(x: Value) -> str:
+    """A time of every stage, or one per stage: ``1.5`` or ``1 2`` (stage 0 first)."""
+    return _text(x) if isinstance(x, Fraction) else " ".join(_text(y) for y in x)
+
+
+def _numbers(x: Value) -> int | float | list[int | float]:
+    return _number(x) if isinstance(x, Fraction) else [_number(y) for y in x]
 
 
 def _quantum(sim: Simulation) -> Fraction:
@@ -71,9 +80,10 @@ def report(sim: Simulation) -> str:
     """The grid with a header (sizes, times, legend) and the bubble and peaks below it."""
     s, t = sim.schedule, sim.times
     lines = [
-        f"{s.name}: p={s.p} ranks, m={s.m} micro-batches, v={s.v} stage(s) per rank; times: "
-        f"forward {_text(t.forward)}, input gradient {_text(t.backward_input)}, weight "
-        f"gradient {_text(t.backward_weight)}, message {_text(t.comm)}",
+        f"{s.name}: p={s.p} ranks, m={s.m} micro-batches, v={s.v} stage(s) per rank; times"
+        + ("" if t.stages is None else " (per stage, stage 0 first)") + ": "
+        f"forward {_figures(t.forward)}, input gradient {_figures(t.backward_input)}, weight "
+        f"gradient {_figures(t.backward_weight)}, message {_text(t.comm)}",
         f"one cell = {_text(_quantum(sim))}; {LEGEND}"
         + ("; a, b, ... the rank's chunk (stage r, r+p, ...)" if s.v > 1 else "") + "; . idle",
         *grid_lines(sim),
@@ -88,14 +98,15 @@ def report(sim: Simulation) -> str:
 
 
 def summary(sim: Simulation) -> dict:
-    """The simulation as a JSON-ready record: sizes, times, step time, idle, bubble
-    (a float, and ``bubble_exact`` as a fraction), peaks per rank and per stage, each
-    rank's action list in text form and the grid's lines."""
+    """The simulation as a JSON-ready record: sizes, times (a list, stage 0 first, where
+    they are given per stage), step time, idle, bubble (a float, and ``bubble_exact`` as
+    a fraction), peaks per rank and per stage, each rank's action list in text form and
+    the grid's lines."""
     s, t = sim.schedule, sim.times
     return {
         "schedule": s.name, "p": s.p, "m": s.m, "v": s.v,
-        "times": {"forward": _number(t.forward), "backward_input": _number(t.backward_input),
-                  "backward_weight": _number(t.backward_weight), "comm": _number(t.comm)},
+        "times": {"forward": _numbers(t.forward), "backward_input": _numbers(t.backward_input),
+                  "backward_weight": _numbers(t.backward_weight), "comm": _number(t.comm)},
         "step_time": _number(sim.step_time),
         "busy": [_number(x) for x in sim.busy],
         "idle": [_number(x) for x in sim.idle],

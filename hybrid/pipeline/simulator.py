@@ -3,8 +3,9 @@
 :func:`simulate` reads a :class:`~hybrid.pipeline.actions.Schedule` and runs it under the
 rules of :mod:`hybrid.pipeline.actions` (sends do not block, receives wait for their
 send, ``END`` waits for its sends to be received), with a fixed time per compute
-action (:class:`Times`). It raises :class:`ScheduleError`, naming the rank, the
-action's place and what is wrong, for a list the executor could not run:
+action of each kind, on every stage or per stage (:class:`Times`). It raises
+:class:`ScheduleError`, naming the rank, the action's place and what is wrong, for a
+list the executor could not run:
 
 * a list that breaks the vocabulary: an action on a stage of another rank, a stage
   or micro-batch out of range, a peer that is not the neighbouring stage's rank, a
@@ -30,6 +31,7 @@ Torch-free: stdlib and :mod:`hybrid.pipeline.actions` only.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from fractions import Fraction
 
@@ -46,6 +48,7 @@ from hybrid.pipeline.actions import (
 )
 
 Number = int | float | str | Fraction
+Value = Fraction | tuple[Fraction, ...]  # one time for every stage, or one per stage
 
 
 def _exact(value: Number) -> Fraction:
@@ -53,39 +56,99 @@ def _exact(value: Number) -> Fraction:
     return Fraction(str(value)) if isinstance(value, float) else Fraction(value)
 
 
+def _text(value: Value) -> str:
+    return (str(value) if isinstance(value, Fraction)
+            else "(" + ", ".join(str(x) for x in value) + ")")
+
+
 @dataclass(frozen=True, init=False)
 class Times:
-    """Seconds (or any unit) of one action on one micro-batch, the same on every stage.
+    """Seconds (or any unit) of one action on one micro-batch: the same on every stage,
+    or one figure per (virtual) stage.
 
     ``forward``, ``backward_input`` (the input-gradient half) and ``backward_weight``
-    (the weight-gradient half); a whole backward takes their sum. ``comm``: from a
-    send to its tensor's arrival. Each is kept as an exact Fraction (a float as the
-    decimal it prints as, ``0.1`` as 1/10; a string such as ``"1/3"`` is read by
-    Fraction). Defaults: the zero-bubble paper's setting, all three equal, and free
-    messages.
+    (the weight-gradient half); a whole backward takes their sum. Each is a number, for
+    every stage, or a sequence of numbers, stage 0's first (with interleaving the
+    virtual stages in model order, ``s`` on rank ``s % p``): the sequences given must
+    be equally long, and :func:`simulate` wants one figure for each of the schedule's
+    stages. A number is kept as an exact Fraction, a sequence as a tuple of them (a
+    float as the decimal it prints as, ``0.1`` as 1/10; a string such as ``"1/3"`` is
+    read by Fraction). ``comm``: from a send to its tensor's arrival, one figure.
+    Defaults: the zero-bubble paper's setting, all three equal, and free messages.
     """
 
-    forward: Fraction
-    backward_input: Fraction
-    backward_weight: Fraction
+    forward: Value
+    backward_input: Value
+    backward_weight: Value
     comm: Fraction
 
-    def __init__(self, forward: Number = 1, backward_input: Number = 1,
-                 backward_weight: Number = 1, comm: Number = 0):
+    def __init__(self, forward: Number | Sequence[Number] = 1,
+                 backward_input: Number | Sequence[Number] = 1,
+                 backward_weight: Number | Sequence[Number] = 1, comm: Number = 0):
         given = {"forward": forward, "backward_input": backward_input,
-                 "backward_weight": backward_weight, "comm": comm}
+                 "backward_weight": backward_weight}
+        lengths = set()
         for name, raw in given.items():
-            value = _exact(raw)
-            if value < 0 or (value == 0 and name != "comm"):
-                raise ValueError(f"Times.{name} = {value}: must be positive"
-                                 + (" or zero" if name == "comm" else ""))
+            value: Value
+            values: tuple[Fraction, ...]
+            if isinstance(raw, (int, float, str, Fraction)):
+                value = _exact(raw)
+                values = (value,)
+            else:
+                values = value = tuple(_exact(x) for x in raw)
+                if not values:
+                    raise ValueError(f"Times.{name}: no stage's time given")
+                lengths.add(len(values))
+            for k, x in enumerate(values):
+                if x <= 0:
+                    where = "" if isinstance(value, Fraction) else f"[{k}] (stage {k})"
+                    raise ValueError(f"Times.{name}{where} = {x}: must be positive")
             object.__setattr__(self, name, value)
+        if len(lengths) > 1:
+            raise ValueError("Times: the per-stage sequences differ in length ("
+                             + ", ".join(f"{n} {len(v)}" for n, v in given.items()
+                                         if not isinstance(v, (int, float, str, Fraction)))
+                             + ")")
+        value = _exact(comm)
+        if value < 0:
+            raise ValueError(f"Times.comm = {value}: must be positive or zero")
+        object.__setattr__(self, "comm", value)
 
-    def of(self, kind: Kind) -> Fraction:
-        """How long one action of ``kind`` computes (0 for communication)."""
-        return {Kind.FORWARD: self.forward, Kind.BACKWARD_INPUT: self.backward_input,
-                Kind.BACKWARD_WEIGHT: self.backward_weight,
-                Kind.BACKWARD: self.backward_input + self.backward_weight}.get(kind, Fraction(0))
+    @property
+    def stages(self) -> int | None:
+        """How many stages the per-stage sequences give (None: every figure is for
+        every stage)."""
+        for value in (self.forward, self.backward_input, self.backward_weight):
+            if not isinstance(value, Fraction):
+                return len(value)
+        return None
+
+    def _one(self, value: Value, stage: int | None) -> Fraction:
+        if isinstance(value, Fraction):
+            return value
+        if stage is None:
+            raise ValueError(f"Times {self.describe()} differ by stage: name the stage")
+        return value[stage]
+
+    def of(self, kind: Kind, stage: int | None = None) -> Fraction:
+        """How long one action of ``kind`` computes on virtual stage ``stage`` (0 for
+        communication); ``stage`` may be left out when the times are every stage's."""
+        if kind is Kind.FORWARD:
+            return self._one(self.forward, stage)
+        if kind is Kind.BACKWARD_INPUT:
+            return self._one(self.backward_input, stage)
+        if kind is Kind.BACKWARD_WEIGHT:
+            return self._one(self.backward_weight, stage)
+        if kind is Kind.BACKWARD:
+            return (self._one(self.backward_input, stage)
+                    + self._one(self.backward_weight, stage))
+        return Fraction(0)
+
+    def describe(self) -> str:
+        """The figures in words (a sequence as ``(x0, x1, ...)``, stage 0 first)."""
+        return (f"forward {_text(self.forward)}, input gradient "
+                f"{_text(self.backward_input)}, weight gradient "
+                f"{_text(self.backward_weight)}, message {self.comm}")
 
 
 class ScheduleError(ValueError):
@@ -295,7 +358,7 @@ def _play(schedule: Schedule, times: Times) -> tuple[list[list[Slot]], list[Frac
         while at[rank] < len(actions):
             a, now = actions[at[rank]], clock[rank]
             if a.kind in COMPUTE:
-                end = now + times.of(a.kind)
+                end = now + times.of(a.kind, a.stage)
                 busy[rank] += end - now
             elif a.kind in SENDS:
                 assert a.peer is not None
@@ -362,6 +425,10 @@ def simulate(schedule: Schedule, times: Times | None = None) -> Simulation:
     """Check ``schedule`` (ScheduleError if the executor could not run it, deadlocks
     included) and time one step of it under ``times`` (default :class:`Times`)."""
     times = times or Times()
+    if times.stages is not None and times.stages != schedule.stages:
+        raise ValueError(f"Times give {times.stages} stages' figures; schedule "
+                         f"{schedule.name!r} (p={schedule.p}, v={schedule.v}) has "
+                         f"{schedule.stages} stages")
     peaks, per_stage = check(schedule)
     slots, busy = _play(schedule, times)
     step_time = max(rank_slots[-1].end for rank_slots in slots)

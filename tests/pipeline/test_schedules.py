@@ -17,6 +17,9 @@ What this proves:
   fraction is at most 0.4x 1F1B's once m >= 3 (p - 1); with other times its idle
   is the paper's ``(p-1)(F + I - W)``;
 * 1F1B holds at most ``min(p - s, m)`` micro-batches on stage s;
+* times given per (virtual) stage: equal ones play exactly as the single figure does
+  (every case above), each stage's actions take its own, and a hand-checked 1F1B with
+  its last stage twice as slow comes out as computed by hand;
 * ``--pipeline-schedule``'s registry: names, interleaving from the virtual size,
   and the errors naming the flags.
 """
@@ -272,6 +275,72 @@ def test_a_combination_a_schedule_cannot_run_names_the_flags(args, flags):
         build_schedule(*args)
     for flag in flags:
         assert flag in str(caught.value), str(caught.value)
+
+
+@pytest.mark.parametrize("case", CASES, ids=_ids)
+def test_equal_times_given_per_stage_change_nothing(case):
+    schedule = build_schedule(*case)
+    for f, i, w in ((1, 1, 1), (3, 2, 1)):
+        n = schedule.stages
+        one, each = (simulate(schedule, Times(f, i, w)),
+                     simulate(schedule, Times((f,) * n, [i] * n, (w,) * n)))
+        assert (each.timelines, each.step_time, each.busy, each.peak_held) == (
+            one.timelines, one.step_time, one.busy, one.peak_held)
+
+
+def test_1f1b_with_its_last_stage_twice_as_slow_as_computed_by_hand():
+    """p = 2, m = 4; stage 0: F = I = W = 1 (a whole backward 2), stage 1 twice that
+    (F = 2, B = 4), messages free. Rank 0 runs F0 F1 B0 F2 B1 F3 B2 B3, rank 1 F0 B0 F1
+    B1 F2 B2 F3 B3. Rank 1 waits for F0 on rank 0 (0-1), then runs its forwards and
+    backwards back to back, every input having arrived before it is free (F1 at 2, F2
+    at 10, F3 at 16): F0 1-3, B0 3-7, F1 7-9, B1 9-13, F2 13-15, B2 15-19, F3 19-21, B3
+    21-25. Rank 0: F0 0-1, F1 1-2, then waits for B0's gradient (7): B0 7-9, F2 9-10,
+    waits (13): B1 13-15, F3 15-16, waits (19): B2 19-21, waits (25): B3 25-27. Step
+    time 27 = F_0 + m (F_1 + B_1) + B_0; busy m (F + B) = 12 and 24, so rank 0 idles
+    15 and rank 1 3 (F_0 at the start, B_0 at the end): bubble 18 / 54 = 1/3.
+    Averaging the stages (F = 1.5, B = 3) would predict (m + p - 1)(F + B) = 22.5 and
+    4.5 idle on each rank, bubble 1/5."""
+    schedule = build_schedule("1f1b", 2, 4)
+    sim = simulate(schedule, Times((1, 2), (1, 2), (1, 2)))
+    assert [str(s.action) for s in sim.timelines[0] if s.action.kind in COMPUTE] == (
+        "F0.s0 F1.s0 B0.s0 F2.s0 B1.s0 F3.s0 B2.s0 B3.s0".split())
+    starts = {str(s.action): (s.start, s.end) for row in sim.timelines for s in row
+              if s.action.kind in COMPUTE}
+    assert starts["B0.s0"] == (7, 9) and starts["B3.s0"] == (25, 27)
+    assert starts["F2.s1"] == (13, 15) and starts["B3.s1"] == (21, 25)
+    assert sim.step_time == 27 and sim.busy == (12, 24) and sim.idle == (15, 3)
+    assert sim.bubble == Fraction(1, 3) and sim.peak_held == (2, 1)
+    mean = simulate(schedule, Times(Fraction(3, 2), Fraction(3, 2), Fraction(3, 2)))
+    assert (mean.step_time, mean.idle, mean.bubble) == (Fraction(45, 2), (Fraction(9, 2),) * 2,
+                                                        Fraction(1, 5))
+
+
+@pytest.mark.parametrize("name,v", [("gpipe", 1), ("zb_h1", 1), ("interleaved_1f1b", 2)])
+def test_each_virtual_stage_takes_its_own_times(name, v):
+    """Rank r computes, per micro-batch, its stages' F + I + W: stage s's own figures
+    (with interleaving s = r, r + p, ..., not the rank's)."""
+    p, m = 2, 4
+    f, i, w = [1, 2, 3, 4][:p * v], [2, 1, 1, 5][:p * v], [1, 1, 2, 3][:p * v]
+    sim = simulate(build_schedule(name, p, m, v), Times(f, i, w))
+    assert sim.busy == tuple(m * sum(f[s] + i[s] + w[s] for s in range(r, p * v, p))
+                             for r in range(p))
+
+
+def test_per_stage_times_are_checked():
+    with pytest.raises(ValueError, match=r"has 2 stages"):
+        simulate(build_schedule("1f1b", 2, 4), Times((1, 1, 1), 1, 1))
+    with pytest.raises(ValueError, match="differ in length"):
+        Times((1, 2), (1, 2, 3))
+    with pytest.raises(ValueError, match=r"Times.backward_input\[1\] \(stage 1\) = 0"):
+        Times(1, (1, 0))
+    with pytest.raises(ValueError, match="no stage"):
+        Times(())
+    uneven = Times((1, "1/3"), 1, 0.5)
+    assert uneven.stages == 2 and uneven.forward == (1, Fraction(1, 3))
+    assert uneven.of(Kind.BACKWARD, 1) == Fraction(3, 2) and uneven.of(Kind.SEND_ACT, 0) == 0
+    with pytest.raises(ValueError, match="name the stage"):
+        uneven.of(Kind.FORWARD)
+    assert Times().stages is None and Times().of(Kind.FORWARD, 7) == 1
 
 
 def test_times_are_exact_and_positive():
