@@ -1,9 +1,14 @@
 """The estimator with PP: each stage's parameters; its activations, the micro-batches its
 schedule keeps in flight (the simulator's peak, and the activation meter's bytes on the
 real stage modules); the p2p bytes per step and the predicted bubble; the script's
-per-stage record; a bad split refused by the same message as the launcher's."""
+per-stage record; a bad split refused by the same message as the launcher's; and the
+docs' worked example of what a rank costs: printed as the doc quotes it, and meeting the
+doc's formulas except where the doc says it does not (ZeRO 3's gathers)."""
 
 import json
+import pathlib
+import re
+import shlex
 from dataclasses import replace
 from fractions import Fraction
 
@@ -21,7 +26,7 @@ from hybrid.estimate.pipeline import bubble as pipeline_bubble, p2p_bytes_per_st
 from hybrid.estimate.workload import Workload, workload
 from hybrid.pipeline.schedules import build_schedule
 from hybrid.pipeline.simulator import simulate
-from tests.helpers.launch import script_module
+from tests.helpers.launch import ROOT, script_module
 
 MODEL = ["--num-layers", "8", "--hidden-size", "64", "--num-attention-heads", "4",
          "--seq-length", "32", "--micro-batch-size", "1"]
@@ -179,3 +184,74 @@ def test_estimate_memory_prints_every_pipeline_stage(capsys):
     assert pl["p2p_bytes_per_step"]["total"] == 2 * 3 * 4 * 1 * 32 * 64 * 4
     first = lines[0]  # the ZeRO records describe the stage with the highest peak
     assert first["stage"] == max(pl["stages"], key=lambda s: s["peak_bytes"])["stage"]
+
+
+# -- docs/pipeline-parallelism.md, "What a rank costs" --------------------------------------
+
+DOC = pathlib.Path(ROOT) / "docs" / "pipeline-parallelism.md"
+COMMAND = "$ python scripts/estimate_memory.py "
+
+
+def _cost_blocks() -> list[tuple[list[str], str]]:
+    """(arguments, printed text) of each estimate_memory.py block in the doc's section."""
+    text = DOC.read_text(encoding="utf-8")
+    section = text[text.index("\n## What a rank costs\n"):]
+    section = section[:section.index("\n## ", 1)]
+    blocks = re.findall(r"```text\n(.*?)```", section, re.S)
+    return [(shlex.split(b.split("\n", 1)[0][len(COMMAND):]), b.split("\n", 1)[1])
+            for b in blocks if b.startswith(COMMAND)]
+
+
+def test_the_docs_worked_example_is_what_the_estimator_prints(capsys):
+    blocks = _cost_blocks()
+    assert len(blocks) == 1
+    script = script_module("estimate_memory")
+    for args, printed in blocks:
+        assert script.main(args) == 0
+        assert capsys.readouterr().out == printed, "docs/pipeline-parallelism.md"
+
+
+def test_the_worked_example_meets_the_docs_formulas_but_at_zero_3(capsys):
+    """The cost tables' formulas on the example's stage 0 (bf16, fp32 gradients: e_p 2,
+    e_g 4, K 12; N 8, m 8, f 7/8), and where the doc says the estimator departs from
+    them: at ZeRO 3 it prices --pipeline-reshard-after-micro-batch (2m gathers, the root
+    and two blocks whole), not the default's one gather a step of the whole stage."""
+    (args, _), = _cost_blocks()
+    script = script_module("estimate_memory")
+    assert script.main([a for a in args if a not in ("--format", "text")]) == 0
+    lines = [json.loads(x) for x in capsys.readouterr().out.splitlines()]
+    zero = {r["zero_stage"]: r for r in lines if "selected" in r}
+    pl = next(r["pipeline"] for r in lines if "pipeline" in r)
+    psi, n, m, f = zero[1]["params_per_stage"][0], 8, 8, Fraction(7, 8)
+    assert zero[1]["stage"] == 0 and psi == zero[1]["params_per_tp_rank"] == 409_366_528
+    sh = Fraction(psi, n)
+    for stage, (params, grads) in enumerate([(2 * psi, 4 * psi), (2 * psi, 4 * psi),
+                                             (2 * psi, 4 * sh), (2 * sh, 4 * sh)]):
+        optim = 12 * (psi if stage == 0 else sh)
+        assert zero[stage]["model_states"] == {"params": params, "grads": grads,
+                                               "optimizer": optim,
+                                               "total": params + grads + optim}
+    gather = 2 * psi * f
+    dp = {0: {"all_reduce": 2 * 4 * psi * f}, 1: {"reduce_scatter": 4 * psi * f,
+                                                  "all_gather": gather},
+          2: {"reduce_scatter": m * 4 * psi * f, "all_gather": gather},
+          3: {"reduce_scatter": m * 4 * psi * f, "all_gather": 2 * m * gather}}  # reshard's
+    for stage, kinds in dp.items():
+        traffic = zero[stage]["traffic_bytes_per_step"]
+        assert {k: traffic[k] for k in kinds} == kinds
+        assert traffic["total"] == sum(kinds.values())
+    model = build_config(parse_args(["--num-layers", "24", "--hidden-size", "2048",
+                                     "--num-attention-heads", "16", "--seq-length", "2048",
+                                     "--micro-batch-size", "1"]), 1).model
+    model = model.with_vocab_size(50257)
+    root, block = model.root_parameters(1), model.block_parameters(1)
+    assert zero[3]["buffers"]["gathered"] == 2 * (root + 2 * block) < 2 * psi  # reshard's
+    message = 1 * 2048 * 2048 * 2
+    assert pl["p2p_bytes_per_step"]["ranks"] == [8 * message, 16 * message, 16 * message,
+                                                 8 * message]
+    for s in pl["stages"]:  # H_r (A_s + M), no M on the last stage
+        acts, held = s["activations"], 4 - s["stage"]
+        assert s["micro_batches_held"] == held
+        out = message if s["stage"] < 3 else 0
+        assert acts["layers"] + acts["head"] + acts["outputs"] == held * (
+            acts["per_micro_batch"][0] + out)
