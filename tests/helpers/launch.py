@@ -158,3 +158,19 @@ def alive(pid: int) -> bool:
             return f.read().rpartition(")")[2].split()[0] not in "ZX"
     except FileNotFoundError:
         return False
+
+
+def pretrain_rank_with(ps, cfg, owner, attr: str, replacement, suffix: str, result):
+    """:func:`_pretrain_rank` with ``owner.attr`` replaced by ``replacement`` for the run
+    (restored after, also on failure), then ``result()`` written as JSON beside the
+    --log-json file as ``<log>.<suffix><rank>``: what a test's rank function records
+    about the run it watches (``rank_fn=`` of :func:`pretrain`)."""
+    orig = getattr(owner, attr)
+    setattr(owner, attr, replacement)
+    try:
+        return _pretrain_rank(ps, cfg)
+    finally:
+        setattr(owner, attr, orig)
+        with open(f"{cfg.logging.log_json}.{suffix}{ps.rank}", "w") as f:
+            json.dump(result(), f)
+

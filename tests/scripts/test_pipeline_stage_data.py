@@ -6,7 +6,7 @@ reads, and --log-json and TensorBoard carry PP 1's losses."""
 
 import json
 
-from tests.helpers.launch import TINY, _pretrain_rank, pretrain, read_json_log
+from tests.helpers.launch import TINY, pretrain, pretrain_rank_with, read_json_log
 
 
 def _count_reads(ps, cfg):
@@ -21,13 +21,7 @@ def _count_reads(ps, cfg):
         seen.append((int(i), part.indices(self.seq_length + 1)[0], len(out)))
         return out
 
-    GPTSamples.window = window
-    try:
-        return _pretrain_rank(ps, cfg)
-    finally:
-        GPTSamples.window = orig
-        with open(f"{cfg.logging.log_json}.reads{ps.rank}", "w") as f:
-            json.dump(seen, f)
+    return pretrain_rank_with(ps, cfg, GPTSamples, "window", window, "reads", lambda: seen)
 
 
 def test_each_stage_reads_its_share_and_the_logs_follow_one_stage(tmp_path):

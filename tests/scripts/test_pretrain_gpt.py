@@ -325,7 +325,7 @@ def _compare_tied_copies(ps, cfg):
 
     from hybrid.errors import TrainingError
     from hybrid.train import trainer as training
-    from tests.helpers.launch import _pretrain_rank
+    from tests.helpers.launch import pretrain_rank_with
     orig = training.pipeline_train_step
     compared = [0]
 
@@ -340,13 +340,8 @@ def _compare_tied_copies(ps, cfg):
         compared[0] += 1
         return out
 
-    training.pipeline_train_step = step
-    try:
-        return _pretrain_rank(ps, cfg)
-    finally:
-        training.pipeline_train_step = orig
-        with open(f"{cfg.logging.log_json}.compared{ps.rank}", "w") as f:
-            f.write(str(compared[0]))
+    return pretrain_rank_with(ps, cfg, training, "pipeline_train_step", step, "compared",
+                              lambda: compared[0])
 
 
 def test_tied_embeddings_across_stages_follow_the_one_stage_curve(tmp_path):
@@ -390,10 +385,9 @@ def _count_gathers(ps, cfg):
     of every partitioned unit and one publication of the whole ones move, and the most
     parameter bytes held at once (``model_state_bytes()["params"]`` read before every
     free of a gathered unit), written as JSON beside the --log-json file."""
-    import json
 
     from hybrid.train import trainer as training
-    from tests.helpers.launch import _pretrain_rank
+    from tests.helpers.launch import pretrain_rank_with
     orig = training.pipeline_train_step
     seen = {"steps": [], "peak": 0}
 
@@ -416,13 +410,8 @@ def _count_gathers(ps, cfg):
         seen["steps"].append(ps.comm_stats.snapshot()["all_gather"] - before)
         return out
 
-    training.pipeline_train_step = step
-    try:
-        return _pretrain_rank(ps, cfg)
-    finally:
-        training.pipeline_train_step = orig
-        with open(f"{cfg.logging.log_json}.gathers{ps.rank}", "w") as f:
-            json.dump(seen, f)
+    return pretrain_rank_with(ps, cfg, training, "pipeline_train_step", step, "gathers",
+                              lambda: seen)
 
 
 def test_zero3_stages_gather_once_a_step_unless_told_to_reshard(tmp_path):
