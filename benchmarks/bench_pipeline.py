@@ -19,11 +19,14 @@ schedule's:
   input and weight halves), from the executor's timeline (``timeline=``);
 * per rank, the measured idle fraction (the step less this rank's compute, over the
   step: receives waited and END) beside the simulator's prediction
-  (:func:`hybrid.pipeline.simulator.simulate`) from ``Times`` made of the measured
-  per-micro-batch times, averaged over the stages (the simulator's stages are
-  equal; ``comm`` 0). ``predicted_step_s`` is its step time in seconds;
-  ``stage_imbalance`` the slowest stage's compute per micro-batch over the
-  fastest's, which the prediction takes as 1;
+  (:func:`hybrid.pipeline.simulator.simulate`) from ``Times`` made of each stage's
+  own measured per-micro-batch times (``comm`` 0; a whole backward counts as two
+  equal halves), ``idle_fraction_predicted``, and, as ``..._uniform``, from those
+  times averaged over the stages (every stage equal, the prediction before the
+  simulator took a figure per stage). ``predicted_step_s`` is the per-stage
+  prediction's step time in seconds, ``times_for_simulator_s`` its times (stage 0
+  first); ``stage_imbalance`` the slowest stage's compute per micro-batch over the
+  fastest's, which the uniform prediction takes as 1;
 * per rank and per stage, the micro-batches whose activations are held at the peak,
   measured (each forward under its own
   :class:`hybrid.train.activation_meter.SavedActivationMeter`: a micro-batch is held
@@ -240,17 +243,35 @@ def _stage_times(results: list[dict], name: str, stages: int) -> dict[int, dict[
     return got
 
 
+def _seconds(x: float) -> float:
+    """A measured time for the simulator: to the microsecond, and at least one (a stage
+    whose input half is empty still gets a positive time)."""
+    return max(round(x, 6), 1e-6)
+
+
+def _halves(t: dict[str, float]) -> tuple[float, float]:
+    """One stage's (input, weight) halves: measured under ZB-H1, else a whole backward
+    cut in equal halves (only their sum matters to a schedule without ``I``/``W``)."""
+    if "backward" in t:
+        return t["backward"] / 2, t["backward"] / 2
+    return t["backward_input"], t["backward_weight"]
+
+
 def _times(per_stage: dict[int, dict[str, float]]) -> Times:
-    """The simulator's times: each kind's mean over the stages; a whole backward is
-    split in equal halves (only their sum matters to a schedule without ``I``/``W``)."""
-    def avg(kind: str) -> float:
-        return mean(t[kind] for t in per_stage.values())
-    f = avg("forward")
-    if "backward" in next(iter(per_stage.values())):
-        i = w = avg("backward") / 2
-    else:
-        i, w = avg("backward_input"), avg("backward_weight")
-    return Times(round(f, 6), round(i, 6), round(w, 6))
+    """The simulator's times, each virtual stage its own measured medians."""
+    stages = [per_stage[s] for s in sorted(per_stage)]
+    return Times([_seconds(t["forward"]) for t in stages],
+                 [_seconds(_halves(t)[0]) for t in stages],
+                 [_seconds(_halves(t)[1]) for t in stages])
+
+
+def _uniform_times(per_stage: dict[int, dict[str, float]]) -> Times:
+    """The same times averaged over the stages: every stage equal, as the simulator's
+    stages were before it took a figure per stage."""
+    stages = list(per_stage.values())
+    return Times(_seconds(mean(t["forward"] for t in stages)),
+                 _seconds(mean(_halves(t)[0] for t in stages)),
+                 _seconds(mean(_halves(t)[1] for t in stages)))
 
 
 def _record(name: str, results: list[dict], a) -> tuple[dict, Simulation]:
@@ -260,7 +281,9 @@ def _record(name: str, results: list[dict], a) -> tuple[dict, Simulation]:
     n_steps = len(results[0][name]["steps"])
     step_s = [max(r[name]["steps"][k]["seconds"] for r in results) for k in range(n_steps)]
     per_stage = _stage_times(results, name, stages)
-    sim = simulate(build_schedule(name, P, a.m, v), _times(per_stage))
+    schedule = build_schedule(name, P, a.m, v)
+    sim = simulate(schedule, _times(per_stage))
+    uniform = simulate(schedule, _uniform_times(per_stage))
     ranks = []
     for r, res in enumerate(results):
         steps, mem = res[name]["steps"], res[name]["memory"]
@@ -269,6 +292,8 @@ def _record(name: str, results: list[dict], a) -> tuple[dict, Simulation]:
             "rank": r, "stages": list(range(r, stages, P)),
             "idle_fraction": round(median_of(idle), 4),
             "idle_fraction_predicted": round(float(sim.idle[r] / sim.step_time), 4),
+            "idle_fraction_predicted_uniform": round(float(uniform.idle[r]
+                                                           / uniform.step_time), 4),
             "compute_s": round(median_of(st["busy"] for st in steps), 4),
             "recv_wait_s": round(median_of(st["recv"] for st in steps), 4),
             "timeline_actions": steps[-1]["actions"], "list_actions": res[name]["list_length"],
@@ -293,12 +318,14 @@ def _record(name: str, results: list[dict], a) -> tuple[dict, Simulation]:
     step = median_of(step_s)
     return {"schedule": name, "p": P, "v": v, "m": a.m, "step_s": round(step, 4),
             "predicted_step_s": round(float(sim.step_time), 4),
+            "predicted_step_s_uniform": round(float(uniform.step_time), 4),
             "bubble": round(1 - busy / (P * step), 4),
             "bubble_predicted": round(float(sim.bubble), 4),
+            "bubble_predicted_uniform": round(float(uniform.bubble), 4),
             "stage_imbalance": round(max(per_mb) / min(per_mb), 3),
-            "times_for_simulator_s": {"forward": float(sim.times.forward),
-                                      "backward_input": float(sim.times.backward_input),
-                                      "backward_weight": float(sim.times.backward_weight)},
+            "times_for_simulator_s": {kind: [float(x) for x in getattr(sim.times, kind)]
+                                      for kind in ("forward", "backward_input",
+                                                   "backward_weight")},
             "stages": stage_rows, "ranks": ranks,
             "p2p_bytes_per_step": sum(r["p2p_bytes_per_step"] for r in ranks),
             "p2p_bytes_formula": 2 * (P * v - 1) * a.m * message,
@@ -346,6 +373,9 @@ def main(argv=None) -> int:
         "step_s": r["step_s"], "predicted_step_s": r["predicted_step_s"],
         "ratio_to_1f1b": round(r["step_s"] / ref["step_s"], 3) if ref else None,
         "bubble": r["bubble"], "bubble_predicted": r["bubble_predicted"],
+        "bubble_predicted_uniform": r["bubble_predicted_uniform"],
+        "idle_fraction_per_rank": [x["idle_fraction"] for x in r["ranks"]],
+        "idle_fraction_predicted_per_rank": [x["idle_fraction_predicted"] for x in r["ranks"]],
         "peak_held_per_rank": [x["peak_held"] for x in r["ranks"]],
         "peak_activation_bytes_per_rank": [x["peak_activation_bytes"] for x in r["ranks"]],
         "p2p_bytes_per_step": r["p2p_bytes_per_step"], "exact": _exact(r)}

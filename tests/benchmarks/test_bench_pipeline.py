@@ -6,7 +6,9 @@ two chunks per rank cross the ranks three times), the micro-batches whose saved
 activations are alive at the peak, counted by the activation meter on the real run,
 are the simulator's peak on every rank and stage (and 1F1B's ``p - s``), everything
 saved is freed by the step's end, the timeline has one entry per action, and every
-schedule computes the same losses."""
+schedule computes the same losses. The records carry the simulator's prediction from
+each stage's own measured times (and from their mean over the stages) beside the
+measured idle fractions; only their shape is checked."""
 
 from __future__ import annotations
 
@@ -41,8 +43,8 @@ def test_the_bench_prints_its_records_and_the_exact_figures_hold(capsys):
             assert r["p2p_bytes_per_step"] == r["p2p_bytes_formula"] == sent[name], name
             assert r["p2p_bytes_same_every_step"] and r["activations_freed_after_step"]
             assert r["timeline_actions"] == r["list_actions"] > 0
-            for key in ("idle_fraction", "idle_fraction_predicted", "compute_s",
-                        "recv_wait_s"):
+            for key in ("idle_fraction", "idle_fraction_predicted",
+                        "idle_fraction_predicted_uniform", "compute_s", "recv_wait_s"):
                 assert isinstance(r[key], float), key
         if name == "1f1b":  # the issue's rule: stage s holds p - s
             assert [r["peak_held"] for r in rec["ranks"]] == [2 - s for s in range(2)]
@@ -59,7 +61,20 @@ def test_the_bench_prints_its_records_and_the_exact_figures_hold(capsys):
                     r["peak_held"] * s["activation_bytes_per_microbatch"])
         assert rec["p2p_bytes_per_step"] == rec["p2p_bytes_formula"] == (
             2 * (2 * v - 1) * M * MESSAGE)
-        assert isinstance(rec["step_s"], float) and isinstance(rec["predicted_step_s"], float)
+        for key in ("step_s", "predicted_step_s", "predicted_step_s_uniform", "bubble",
+                    "bubble_predicted", "bubble_predicted_uniform"):
+            assert isinstance(rec[key], float), (name, key)
+        # the prediction plays each virtual stage's own measured times, stage 0 first
+        times = rec["times_for_simulator_s"]
+        assert set(times) == {"forward", "backward_input", "backward_weight"}
+        for kind, figures in times.items():
+            assert len(figures) == 2 * v and all(x > 0 for x in figures), (name, kind)
+        assert all(abs(x - s["forward_s"]) <= 1e-5  # (the stage rows round to 10 us)
+                   for x, s in zip(times["forward"], rec["stages"])), name
     assert summary["summary"].keys() == by_name.keys()
+    for name, row in summary["summary"].items():
+        assert row["idle_fraction_predicted_per_rank"] == [
+            r["idle_fraction_predicted"] for r in by_name[name]["ranks"]]
+        assert len(row["idle_fraction_per_rank"]) == 2
     assert summary["all_exact"] and all(s["exact"] for s in summary["summary"].values())
     assert summary["loss_spread"] <= 1e-5  # the same model and data under every schedule
