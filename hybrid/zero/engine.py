@@ -329,6 +329,14 @@ class ZeroEngine:
         self.gatherer.release(self.units if part is None else
                               [u for u, k in zip(self.units, self.unit_parts) if k == part])
 
+    def prefetch_step(self) -> None:
+        """This rank's backwards of the step have ended: start what the coming
+        :meth:`step` can do before its norm is known -- the nvme tier's first tiles off
+        the disk ([Note: what starts before the step] in hybrid/zero/offload/host_step.py;
+        nothing without an offloaded optimizer). Changes no number."""
+        if self.offload is not None:
+            self.offload.prefetch()
+
     # [Note: one skip decision, no extra all-reduce]
     # global_grad_norm sums squared norms over DP (disjoint shards, or nothing
     # at stage 0 where the all-reduced gradients are the same on every replica)

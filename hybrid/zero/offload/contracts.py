@@ -94,6 +94,11 @@ class ShardOptimizer(Protocol):
     def chunks(self) -> list[tuple[int, int]]:
         """The flat shard ranges ``[lo, hi)`` a host step updates one at a time."""
 
+    def prefetch(self) -> None:
+        """Start moving the states the next :meth:`chunk_steps` in ascending order reads
+        first, before its step is known (only between steps; a no-op where the states
+        are in memory)."""
+
     def chunk_steps(self, grad: torch.Tensor | None, lr: float, scalars: torch.Tensor,
                     found: torch.Tensor, order: Iterable[int] | None = None
                     ) -> Generator[ChunkStep, None, None]:

@@ -46,6 +46,29 @@ with host tensors (the copies are memcpys); there, at stages 2-3 without the
 delayed update, the engine's flat gradient shard is already a contiguous host
 buffer in master order and is read in place.
 
+[Note: what starts before the step]
+Under a pipeline a stage's last backward ends while the stages before it still drain
+theirs, and its step waits for them twice: at the loss all-reduce over the stages and
+at the global norm. What it could do meanwhile without changing a bit is narrow:
+
+* its gradients already go down (and, on NVMe, to ``grads.swp``) as each unit's last
+  reduction ends, during backward ([Note: what overlaps what]);
+* the update cannot start: with clipping every gradient is scaled by a coefficient of
+  the global norm, and without clipping (``--clip-grad 0``, no dynamic fp16 scaling)
+  the update still hangs on the skip decision, which an inf or NaN on any stage makes
+  (global_grad_norm, [Note: one skip decision ...] in hybrid/zero/engine.py). AdamW
+  writes its master and moments in place and its rounding cannot be undone, so a
+  speculative update would need a copy of all three (12 bytes per element) to fall
+  back on -- the size of the states, for a skip that a bf16/fp32 run almost never
+  takes. The delayed update does not speculate either: it submits its update once the
+  step's scalars are known, and a skipped one changes nothing;
+* the data movement can: on the nvme tier :meth:`OptimizerOffload.prefetch` starts the
+  reads of the first ``--offload-buffer-count - 1`` tiles' states into the staging
+  buffers the update reads them into ([Note: reading ahead of the step] in
+  hybrid/zero/offload/nvme/tiles.py); the update then finds them there. The pipeline
+  step calls it (:meth:`~hybrid.zero.ZeroEngine.prefetch_step`) as soon as the
+  executor's list has ended. The host tier has nothing to move.
+
 [Note: the delayed update runs last to first]
 The update in flight during a step's backward must have read a unit's host
 gradient before that unit's new one comes down, and backward sends the last
@@ -218,6 +241,16 @@ class OptimizerOffload:
         if self.copy_stream is not None:  # (CUDA)
             self.copy_stream.synchronize()
         return self.grads.values(i)
+
+    def prefetch(self) -> None:
+        """This step's gradients are all down or on their way (the rank's last backward
+        has ended): start reading what the update reads first, before the norm and the
+        skip decision it waits for are known (the nvme tier's first tiles; [Note: what
+        starts before the step]). Nothing while an update is in flight or when the update
+        is delayed (its tiles are read by the worker, during the next step)."""
+        if self.delayed or self._pending is not None or self._failed:
+            return
+        self.opt.prefetch()
 
     # -- the step --------------------------------------------------------------------
     @torch.no_grad()

@@ -78,6 +78,12 @@ class SwappedAdamW(ShardBase):
     def chunks(self) -> list[tuple[int, int]]:
         return [self.states.bounds(k) for k in range(self.states.tiles)]
 
+    def prefetch(self) -> None:
+        """The first tiles' states start coming off the disk into the staging buffers
+        the next ascending :meth:`chunk_steps` reads them into ([Note: reading ahead of
+        the step] in hybrid/zero/offload/nvme/tiles.py)."""
+        self.states.prefetch()
+
     def chunk_steps(self, grad: torch.Tensor | None, lr: float, scalars: torch.Tensor,
                     found: torch.Tensor, order: Iterable[int] | None = None
                     ) -> Generator[_TileStep, None, None]:

@@ -23,6 +23,19 @@ sequential write of the swap file per step. When the gradients are swapped too
 (:class:`~hybrid.zero.offload.nvme.grads.SwappedGrads`, attached), each tile's
 gradient slot is read with its states into a ring of its own, and not written
 back.
+
+[Note: reading ahead of the step]
+Between two steps the file holds the states the next step reads, and the staging
+buffers are idle (the update is not delayed: nothing is in flight after an
+:meth:`SwappedStates.each`). :meth:`SwappedStates.prefetch` starts the reads of the
+first ``C - 1`` tiles' states into the buffers the next :meth:`each` reads them into,
+before the step is known -- under a pipeline, as soon as the stage's last backward has
+ended, while it waits for the other stages and the global norm. :meth:`each` then
+issues only the reads it has not got (the gradients' always: they are on disk only
+once the step waits for them). The same bytes reach the same buffers, so the update
+is unchanged; a step that updates nothing (skipped) leaves them for the next, and
+whatever writes the file outside a step (:meth:`fill`, :meth:`write_range`) first
+lets them go.
 """
 
 from __future__ import annotations
@@ -80,6 +93,9 @@ class SwappedStates:
         self._writes: dict[int, Request] = {}  # buffer -> write request in flight
         self.grads = None  # SwappedGrads, when attached
         self._grad_reads: dict[int, Request] = {}  # tile -> its gradient's read
+        # the tiles whose states :meth:`prefetch` read into buffers 0, 1, ... (in flight or
+        # done), for the next :meth:`each` ([Note: reading ahead of the step])
+        self._prefetched: list[int] = []
 
     def attach_grads(self, grads, pin: bool = False) -> None:
         """Read each tile's gradient from ``grads`` (a SwappedGrads in the same tiles)
@@ -116,8 +132,13 @@ class SwappedStates:
         order = list(range(self.tiles)) if order is None else list(order)
         c = len(self.staging)
         ahead = max(1, c - 1)  # tiles read ahead, leaving one buffer to drain a write
-        for j in range(min(ahead, len(order))):
-            self._read(j, order[j])
+        first = order[: min(ahead, len(order))]
+        if self._prefetched and self._prefetched != first[: len(self._prefetched)]:
+            self.drain()  # (read ahead for another order: not this run's buffers)
+        pre = len(self._prefetched)  # [Note: reading ahead of the step]
+        self._prefetched = []
+        for j, k in enumerate(first):
+            self._read(j, k, states=j >= pre)
         try:
             for j, k in enumerate(order):  # the j-th tile uses buffer j % c
                 buf = self.staging[j % c]
@@ -135,13 +156,31 @@ class SwappedStates:
         finally:
             self.drain()
 
-    def _read(self, j: int, k: int) -> None:
-        """Read tile ``k``, the ``j``-th of the run, into buffer ``j % C``."""
+    def prefetch(self, order: Iterable[int] | None = None) -> None:
+        """Start reading the states of the first ``C - 1`` tiles of ``order`` (default:
+        ascending) into the buffers the next :meth:`each` of that order reads them into
+        ([Note: reading ahead of the step]); nothing when they are already on their way.
+        Only between steps: no :meth:`each` may be running."""
+        order = list(range(self.tiles)) if order is None else list(order)
+        first = order[: min(max(1, len(self.staging) - 1), len(order))]
+        if self._prefetched == first:
+            return
+        self.drain()
+        self.space.check()
+        for j, k in enumerate(first):
+            self._read(j, k, grad=False)
+        self._prefetched = first
+
+    def _read(self, j: int, k: int, states: bool = True, grad: bool = True) -> None:
+        """Read tile ``k``, the ``j``-th of the run, into buffer ``j % C``: its states
+        unless ``states`` is False (:meth:`prefetch` did), its gradient when attached and
+        ``grad``."""
         b = j % len(self.staging)
         if b in self._writes:  # the buffer's previous tile must be on disk first
             self._writes.pop(b).wait()
-        self._reads[k] = self.io.read(self.file, self._offset(k), self.staging[b])
-        if self.grads is not None:  # (its buffer's previous tile was read: never written)
+        if states:
+            self._reads[k] = self.io.read(self.file, self._offset(k), self.staging[b])
+        if self.grads is not None and grad:  # (its buffer's previous tile was read: never written)
             self._grad_reads[k] = self.io.read(self.grads.file, k * self.grads.slot_bytes,
                                                self.grad_staging[b])
 
@@ -149,6 +188,7 @@ class SwappedStates:
         """Wait for every request in flight (the first error is raised after all ended)."""
         pending = [*self._reads.values(), *self._writes.values(), *self._grad_reads.values()]
         self._reads, self._writes, self._grad_reads = {}, {}, {}
+        self._prefetched = []
         error = None
         for r in pending:
             try:
@@ -162,6 +202,7 @@ class SwappedStates:
     def fill(self, master_values) -> None:
         """Initialize every tile: master from ``master_values(lo, hi, dst)`` (fills the
         fp32 ``dst`` with shard elements ``[lo, hi)``), moments zero. One pass."""
+        self.drain()  # (a read ahead would hold the old states)
         buf = self.staging[0]
         for k in range(self.tiles):
             lo, hi = self.bounds(k)
@@ -179,6 +220,7 @@ class SwappedStates:
 
     def write_range(self, key: str, lo: int, hi: int, values: torch.Tensor) -> None:
         """Plane ``key`` over shard elements ``[lo, hi)`` <- ``values`` (``(hi - lo,)``)."""
+        self.drain()  # (a read ahead would hold the old states)
         src = values.detach().to(torch.float32).contiguous()
         reqs = [self.io.write(self.file, off, src[a: b]) for off, a, b in self._spans(key, lo, hi)]
         for r in reqs:
