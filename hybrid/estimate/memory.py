@@ -242,8 +242,10 @@ def pipeline_activation_bytes(w: Workload) -> dict:
 def buffer_bytes(w: Workload) -> dict:
     """ZeRO's buffers beyond the model states at the backward peak.
 
-    ``gathered``: stage 3 keeps the root unit (embeddings, final norm) whole for
-    the whole step, plus the running and the prefetched block. ``grads``: a
+    ``gathered``: stage 3 keeps the root unit (embeddings, final norm; with PP its
+    stage's share, :attr:`Workload.root_psi`) whole for the whole step, plus the running
+    and the prefetched block; a pipeline step by default (:attr:`Workload.holds_stage`)
+    holds its whole stage, ``e_p Psi``, from its first forward to its last backward. ``grads``: a
     unit's ``param.grad`` waits until its last gradient arrives and it is
     reduced (stages 2-3: the running unit plus the root or last bucket, which
     holds the head's embedding gradient through backward; with fp32 gradients at
@@ -252,11 +254,11 @@ def buffer_bytes(w: Workload) -> dict:
     """
     p = BYTES[w.params_dtype]
     g = BYTES[w.grads_dtype or w.params_dtype]
-    block, root = w.model.block_parameters(w.tp), w.model.root_parameters(w.tp)
+    block, root = w.model.block_parameters(w.tp), w.root_psi
     bucket = w.reduce_bucket_size
     gathered = grads = staging = 0
     if w.zero_stage == 3:
-        gathered = (root + 2 * block) * p
+        gathered = w.psi * p if w.holds_stage else (root + 2 * block) * p
         grads = (root + block) * p
         staging = 2 * min(bucket, max(block, root)) * g
     elif w.zero_stage == 2:
@@ -288,7 +290,7 @@ def traffic_bytes(w: Workload) -> dict:
     ``"total"`` (:func:`hybrid.estimate.context_parallel.bytes_per_step`); the same for
     every ZeRO stage, so not in ``"total"``, which :func:`choose_stage` compares."""
     out = comm_bytes_per_step(w.psi, w.shard_ranks, w.zero_stage, w.micro_batches,
-                              w.params_dtype, w.grads_dtype)
+                              w.params_dtype, w.grads_dtype, held=w.holds_stage)
     if w.cp > 1:
         out["cp_bytes_per_step"] = cp_terms.bytes_per_step(w)
     return out

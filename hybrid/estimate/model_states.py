@@ -26,7 +26,10 @@ Bytes each rank sends per optimizer step with k micro-batches, f = (N-1)/N
 Stages 0-1 accumulate micro-batches in a full gradient buffer and reduce it
 once; stages 2-3 have no such buffer and reduce-scatter every micro-batch;
 stage 3 also gathers every parameter before each micro-batch's forward and
-again before its backward. So with gradient accumulation, stage 2 trades
+again before its backward -- except under a pipeline step, which by default gathers
+each unit once a step and holds it (``held``: all-gather ``p Psi f``, stage 2's;
+``--pipeline-reshard-after-micro-batch`` gathers as above). So with gradient
+accumulation, stage 2 trades
 ``g Psi (1 - 1/N)`` bytes of memory for ``(k - 1) g Psi f`` bytes of traffic
 per step over stage 1: :func:`hybrid.estimate.memory.choose_stage` weighs
 that against the peak memory of each stage.
@@ -65,8 +68,12 @@ def model_state_bytes(psi: int, dp: int, stage: int, dtype: str = "bf16",
 
 
 def comm_bytes_per_step(psi: int, dp: int, stage: int, micro_batches: int = 1,
-                        dtype: str = "bf16", grads_dtype: str | None = None) -> dict:
+                        dtype: str = "bf16", grads_dtype: str | None = None,
+                        held: bool = False) -> dict:
     """Bytes this rank sends per step, by collective kind (the table above).
+
+    ``held``: stage 3 gathers each unit once a step and holds it (a pipeline step's
+    default) instead of before every micro-batch's forward and backward.
 
     Excludes the few scalars of the grad-norm and overflow checks.
     """
@@ -78,7 +85,7 @@ def comm_bytes_per_step(psi: int, dp: int, stage: int, micro_batches: int = 1,
         out["all_reduce"] = 2 * g * psi * f
     else:
         out["reduce_scatter"] = (1 if stage == 1 else k) * g * psi * f
-        out["all_gather"] = (2 * k if stage == 3 else 1) * p * psi * f
+        out["all_gather"] = (2 * k if stage == 3 and not held else 1) * p * psi * f
     out = {kind: int(round(v)) for kind, v in out.items()}
     out["total"] = sum(out.values())
     return out

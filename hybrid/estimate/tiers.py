@@ -26,7 +26,8 @@ recompute, whose recompute forward gathers again)::
             optimizer            12 Psi / N (8 with fp32 params); 0 when offloaded
             gathered units       stage 3: :func:`buffer_bytes`'s root + 2 blocks; with
                                  param offload 3 x largest unit x e_p (the one computed,
-                                 up to 2 prefetched)
+                                 up to 2 prefetched); a pipeline step holding its stage
+                                 (the default at PP > 1): e_p Psi either way
             param_reads          param nvme with --offload-gds: the host's
                                  param_staging, in device memory instead
             unit grads, staging, activations, runtime: as without offload
@@ -62,13 +63,17 @@ recompute, whose recompute forward gathers again)::
     per     grads_up             stages 2-3: (k - 1) e_g shard (a partial sum back up
     step)                        to add the next micro-batch to)
             params_up            optimizer offload without param offload: e_p shard
-            param_gathers_up     param offload: k G e_p shard (every gather uploads it)
+            param_gathers_up     param offload: k G e_p shard (every gather uploads it);
+                                 e_p shard under a pipeline step holding its stage
+                                 (one gather a step; G k with
+                                 --pipeline-reshard-after-micro-batch)
     disk    optimizer_read/write optimizer nvme: 12 shard each
     per     grad_write           optimizer nvme: e_g shard per micro-batch at stages 2-3
     step                         (every sum lands and goes down), once at stage 1
             grad_read            optimizer nvme: the step's e_g shard + (k - 1) e_g
                                  shard of partial sums read back at stages 2-3
-    per     param_read           param nvme: k G e_p shard
+    per     param_read           param nvme: k G e_p shard (a pipeline step holding
+                                 its stage: e_p shard)
     step    param_write          param nvme: e_p shard (the step's new parameters)
 
 On a machine without a GPU the "device" is host memory: the process's host
@@ -101,9 +106,10 @@ def setting_name(optimizer: str | None, param: str | None) -> str:
 
 
 def _largest_unit(w: Workload) -> int:
-    """Parameters of the largest stage-3 unit (a block, or what the root keeps)."""
+    """Parameters of the largest stage-3 unit (a block, or what the root keeps: with PP
+    the stage's share of it)."""
     m = w.model
-    return max(m.block_parameters(w.tp), m.root_parameters(w.tp))
+    return max(m.block_parameters(w.tp), w.root_psi)
 
 
 def shard_elements(w: Workload) -> int:
@@ -141,6 +147,12 @@ def gather_passes(w: Workload) -> int:
     return 3 if w.recompute else 2
 
 
+def gathers_per_step(w: Workload) -> int:
+    """Gathers of each unit per optimizer step: k G, or one under a pipeline step that
+    holds its stage (:attr:`Workload.holds_stage`; recompute's forward finds it whole)."""
+    return 1 if w.holds_stage else w.micro_batches * gather_passes(w)
+
+
 def device_terms(w: Workload, off: OffloadConfig, runtime_bytes: int = 0) -> dict:
     """The device's bytes at its peak, by term (see the note)."""
     states = model_state_bytes(w.psi, w.shard_ranks, w.zero_stage, w.params_dtype,
@@ -154,9 +166,10 @@ def device_terms(w: Workload, off: OffloadConfig, runtime_bytes: int = 0) -> dic
         out["grads"] = landing_bytes(w)
     if off.param:
         # the shard lives off the device; only the unit being computed and up to two
-        # prefetched ones are whole here
+        # prefetched ones are whole here (a pipeline step holding its stage: all of it)
         e_p = BYTES[w.params_dtype]
-        out.update(params=0, gathered_units=3 * _largest_unit(w) * e_p)
+        whole = w.psi if w.holds_stage else 3 * _largest_unit(w)
+        out.update(params=0, gathered_units=whole * e_p)
     if off.param == "nvme" and off.gds:  # GPUDirect reads land in device buffers
         out["param_reads"] = _param_reads(w)
     return out
@@ -241,7 +254,7 @@ def pcie_bytes_per_step(w: Workload, off: OffloadConfig) -> dict:
         # the step's new parameter shard; with param offload it stays in its host home
         "params_up": e_p * n if off.optimizer and not off.param else 0,
         # the shard, uploaded for each gather of its unit
-        "param_gathers_up": k * gather_passes(w) * e_p * n if off.param else 0,
+        "param_gathers_up": gathers_per_step(w) * e_p * n if off.param else 0,
     }
     out["total"] = sum(out.values())
     return out
@@ -260,7 +273,7 @@ def disk_bytes_per_step(w: Workload, off: OffloadConfig) -> dict:
            "grad_write": e_g * n * sums if nvme else 0,
            "grad_read": e_g * n * sums if nvme else 0,
            # the shard, read for each gather of its unit
-           "param_read": w.micro_batches * gather_passes(w) * e_p * n if param_nvme else 0,
+           "param_read": gathers_per_step(w) * e_p * n if param_nvme else 0,
            # the step's new parameters
            "param_write": e_p * n if param_nvme else 0}
     out["read"] = out["optimizer_read"] + out["grad_read"] + out["param_read"]

@@ -24,7 +24,11 @@ class Workload:
     ``chunk_layers[stage]`` per chunk), the embedding on stage 0 and the output layer on
     the last: ``psi`` and everything ZeRO derives from it (model states, buffers, DP
     traffic) are that stage's. Its activations are those of the micro-batches the
-    ``schedule`` keeps in flight on it (:mod:`hybrid.estimate.pipeline`).
+    ``schedule`` keeps in flight on it (:mod:`hybrid.estimate.pipeline`). At ZeRO 3 a
+    pipeline step gathers each unit once and holds the stage whole until its last
+    weight-reading backward, unless ``reshard_after_micro_batch``
+    (``--pipeline-reshard-after-micro-batch``) frees them after every use, as PP 1 does
+    (:attr:`holds_stage`).
     """
 
     model: ModelConfig
@@ -54,6 +58,26 @@ class Workload:
     # layers of each chunk of each stage (None: one chunk of stage_layers[s] each)
     chunk_layers: tuple[tuple[int, ...], ...] | None = None
     schedule: str = "1f1b"  # --pipeline-schedule (interleaved_1f1b with chunks)
+    reshard_after_micro_batch: bool = False  # --pipeline-reshard-after-micro-batch
+
+    @property
+    def holds_stage(self) -> bool:
+        """Whether ZeRO 3 gathers each unit once a step and holds the whole stage through
+        it (a pipeline step's default) instead of gathering it for every forward and
+        backward and freeing it after (PP 1, or PP > 1 with
+        ``reshard_after_micro_batch``). Meaningful at ZeRO 3 only."""
+        return self.pp > 1 and not self.reshard_after_micro_batch
+
+    @property
+    def root_psi(self) -> int:
+        """Parameters of this rank's root unit, outside the blocks: the whole model's
+        embeddings, final norm and output layer at PP 1; with PP what its stage holds
+        of them (the embeddings on stage 0, the final norm and output layer on the last,
+        nothing between)."""
+        if self.pp == 1 or self.stage_layers is None:
+            return self.model.root_parameters(self.tp)
+        return self.model.stage_parameters(self.tp, 0, self.stage == 0,
+                                           self.stage == self.pp - 1)
 
     @property
     def seq_per_rank(self) -> int:
@@ -128,4 +152,5 @@ def workload(cfg, vocab_size: int, device: str = "cuda") -> Workload:
         device=device, cp=p.context_parallel_size, cp_comm_type=p.cp_comm_type,
         cp_layout=p.cp_layout, loss_mask=cfg.data.eod_mask_loss, pp=pp,
         stage_layers=stage_layers, chunk_layers=chunk_layers,
-        schedule=cfg.pipeline.schedule)
+        schedule=cfg.pipeline.schedule,
+        reshard_after_micro_batch=cfg.pipeline.reshard_after_micro_batch)

@@ -3,12 +3,15 @@ schedule keeps in flight (the simulator's peak, and the activation meter's bytes
 real stage modules); the p2p bytes per step and the predicted bubble; the script's
 per-stage record; a bad split refused by the same message as the launcher's; and the
 docs' worked example of what a rank costs: printed as the doc quotes it, and meeting the
-doc's formulas except where the doc says it does not (ZeRO 3's gathers)."""
+doc's formulas in both of ZeRO 3's modes (the stage held through the step, or resharded
+after every micro-batch), which at the shape the doc measured give its bytes."""
 
+import io
 import json
 import pathlib
 import re
 import shlex
+from contextlib import redirect_stdout
 from dataclasses import replace
 from fractions import Fraction
 
@@ -19,9 +22,12 @@ from hybrid.config.model import ModelConfig
 from hybrid.estimate.memory import (
     activation_bytes,
     activation_bytes_per_layer,
+    buffer_bytes,
     embedding_bytes,
     loss_bytes,
+    traffic_bytes,
 )
+from hybrid.estimate.model_states import model_state_bytes
 from hybrid.estimate.pipeline import bubble as pipeline_bubble, p2p_bytes_per_step
 from hybrid.estimate.workload import Workload, workload
 from hybrid.pipeline.schedules import build_schedule
@@ -211,15 +217,22 @@ def test_the_docs_worked_example_is_what_the_estimator_prints(capsys):
         assert capsys.readouterr().out == printed, "docs/pipeline-parallelism.md"
 
 
-def test_the_worked_example_meets_the_docs_formulas_but_at_zero_3(capsys):
+def _records(script, args: list[str]) -> list[dict]:
+    out = io.StringIO()
+    with redirect_stdout(out):
+        assert script.main(args) == 0
+    return [json.loads(x) for x in out.getvalue().splitlines()]
+
+
+def test_the_worked_example_meets_the_docs_formulas():
     """The cost tables' formulas on the example's stage 0 (bf16, fp32 gradients: e_p 2,
-    e_g 4, K 12; N 8, m 8, f 7/8), and where the doc says the estimator departs from
-    them: at ZeRO 3 it prices --pipeline-reshard-after-micro-batch (2m gathers, the root
-    and two blocks whole), not the default's one gather a step of the whole stage."""
+    e_g 4, K 12; N 8, m 8, f 7/8); at ZeRO 3 the default's one gather a step with the
+    whole stage held, and --pipeline-reshard-after-micro-batch's 2m gathers with the
+    stage's root unit and two blocks whole."""
     (args, _), = _cost_blocks()
     script = script_module("estimate_memory")
-    assert script.main([a for a in args if a not in ("--format", "text")]) == 0
-    lines = [json.loads(x) for x in capsys.readouterr().out.splitlines()]
+    args = [a for a in args if a not in ("--format", "text")]
+    lines = _records(script, args)
     zero = {r["zero_stage"]: r for r in lines if "selected" in r}
     pl = next(r["pipeline"] for r in lines if "pipeline" in r)
     psi, n, m, f = zero[1]["params_per_stage"][0], 8, 8, Fraction(7, 8)
@@ -235,7 +248,7 @@ def test_the_worked_example_meets_the_docs_formulas_but_at_zero_3(capsys):
     dp = {0: {"all_reduce": 2 * 4 * psi * f}, 1: {"reduce_scatter": 4 * psi * f,
                                                   "all_gather": gather},
           2: {"reduce_scatter": m * 4 * psi * f, "all_gather": gather},
-          3: {"reduce_scatter": m * 4 * psi * f, "all_gather": 2 * m * gather}}  # reshard's
+          3: {"reduce_scatter": m * 4 * psi * f, "all_gather": gather}}  # held
     for stage, kinds in dp.items():
         traffic = zero[stage]["traffic_bytes_per_step"]
         assert {k: traffic[k] for k in kinds} == kinds
@@ -244,8 +257,20 @@ def test_the_worked_example_meets_the_docs_formulas_but_at_zero_3(capsys):
                                      "--num-attention-heads", "16", "--seq-length", "2048",
                                      "--micro-batch-size", "1"]), 1).model
     model = model.with_vocab_size(50257)
-    root, block = model.root_parameters(1), model.block_parameters(1)
-    assert zero[3]["buffers"]["gathered"] == 2 * (root + 2 * block) < 2 * psi  # reshard's
+    root, block = model.stage_parameters(1, 0, True, False), model.block_parameters(1)
+    assert zero[3]["buffers"]["gathered"] == 2 * psi  # the whole stage, held
+    rungs = [r for r in lines if "offload_rung" in r and r["param"]]
+    assert len(rungs) == 3  # ladders 3-5: the shard goes up, and comes off disk, once
+    for r in rungs:
+        assert r["pcie_bytes_per_step"]["param_gathers_up"] == 2 * sh
+        assert r["disk_bytes_per_step"]["param_read"] == (2 * sh if r["param"] == "nvme"
+                                                          else 0)
+    reshard = _records(script, args + ["--zero-stage", "3",
+                                       "--pipeline-reshard-after-micro-batch"])
+    z3 = next(r for r in reshard if r.get("zero_stage") == 3 and "selected" in r)
+    assert z3["stage"] == 0
+    assert z3["traffic_bytes_per_step"]["all_gather"] == 2 * m * gather
+    assert z3["buffers"]["gathered"] == 2 * (root + 2 * block) < 2 * psi
     message = 1 * 2048 * 2048 * 2
     assert pl["p2p_bytes_per_step"]["ranks"] == [8 * message, 16 * message, 16 * message,
                                                  8 * message]
@@ -255,3 +280,26 @@ def test_the_worked_example_meets_the_docs_formulas_but_at_zero_3(capsys):
         out = message if s["stage"] < 3 else 0
         assert acts["layers"] + acts["head"] + acts["outputs"] == held * (
             acts["per_micro_batch"][0] + out)
+
+
+@pytest.mark.parametrize("reshard", [False, True])
+def test_zero3_under_a_pipeline_is_what_the_doc_measured(reshard):
+    """docs/pipeline-parallelism.md, "ZeRO-3's gathers under a schedule": PP 2 x DP 2,
+    ZeRO 3, 8 layers of hidden size 32, fp32, m = 4 (384-token untied vocabulary): each
+    stage's all-gather bytes a step and its peak held parameters (shard + gathered), as
+    measured on the ranks, by default and with --pipeline-reshard-after-micro-batch."""
+    flags = ["--num-layers", "8", "--hidden-size", "32", "--num-attention-heads", "4",
+             "--seq-length", "32", "--micro-batch-size", "1", "--global-batch-size", "8",
+             "--pipeline-model-parallel-size", "2", "--zero-stage", "3",
+             "--untie-embeddings-and-output-weights"]
+    flags += ["--pipeline-reshard-after-micro-batch"] * reshard
+    w = workload(build_config(parse_args(flags), 4, plan_only=True), 384)
+    assert (w.dp, w.micro_batches, w.holds_stage) == (2, 4, not reshard)
+    measured = {False: [(256_512, 128_256, 384_768), (252_672, 126_336, 379_008)],
+                True: [(256_512, 1_026_048, 283_136), (252_672, 1_010_688, 277_376)]}
+    for stage, (p, gathered, held) in enumerate(measured[reshard]):
+        ws = replace(w, stage=stage)
+        shard = model_state_bytes(ws.psi, ws.shard_ranks, 3, ws.params_dtype)["params"]
+        assert 4 * ws.psi == p
+        assert traffic_bytes(ws)["all_gather"] == gathered
+        assert shard + buffer_bytes(ws)["gathered"] == held
