@@ -230,15 +230,6 @@ def check_pipeline(f: Flags, dp: int) -> None:
                           "chunk per stage: set --virtual-pipeline-model-parallel-size, "
                           "--num-layers-per-virtual-pipeline-stage or a "
                           "--pipeline-model-parallel-layout with more stages than PP")
-    recompute = ("--recompute-granularity" if f.recompute_granularity
-                 else "--recompute-activations" if f.recompute_activations
-                 else "--checkpoint-activations" if f.checkpoint_activations else None)
-    if pp > 1 and f.pipeline_schedule == "zb_h1" and recompute:
-        # the input half is one torch.autograd.grad, which a recomputing backward refuses
-        raise ConfigError(f"--pipeline-schedule zb_h1 splits each backward into its input and "
-                          f"weight halves, which {recompute}'s recompute cannot run yet: use "
-                          f"--pipeline-schedule 1f1b (or gpipe) with recompute, or drop "
-                          f"{recompute}")
 
 
 def _check_interleaved_micro_batches(f: Flags, dp: int, source: str) -> None:

@@ -59,6 +59,21 @@ checkpointing. The autocast state of the forward is replayed the same way.
 A group records the states its first block started from, so the masks of all
 its blocks come back.
 
+[Note: recompute in a split backward]
+A whole backward reruns the group and backpropagates into it with
+``torch.autograd.backward``, so the parameters' gradients go straight to ``.grad``
+(and their post-accumulate-grad hooks fire). That is a reentrant backward, which
+``torch.autograd.grad`` -- ZB-H1's ``I`` half -- cannot host: it wants every
+gradient back, not accumulated. With ``split_backward`` (the model was built for
+a split backward) the group's parameters are also inputs of :class:`_Recompute`,
+and its backward reruns the group and calls ``torch.autograd.grad`` of the rerun's
+output into ``x0`` and those parameters, returning them to the outer traversal
+(which keeps them for ``W``, or accumulates them in a plain ``loss.backward()``).
+The inner traversal runs inside the ``WeightGradStore.deferring()`` block the
+outer one opened, so the rerun's linears defer their weight gradients as usual;
+each deferred closure holds the rerun's input to its linear, alive until ``W``.
+Without ``split_backward`` nothing changes: no parameter is an input.
+
 The stored inputs and their buffers: :mod:`hybrid.recompute.store`.
 """
 
@@ -128,8 +143,9 @@ class _Group:
     """
 
     def __init__(self, blocks: list[nn.Module], store: CheckpointStore, slot: int,
-                 rng: TPRNGTracker | None, phase: RecomputePhase):
+                 rng: TPRNGTracker | None, phase: RecomputePhase, split_backward: bool = False):
         self.store, self.slot, self.rng, self.phase = store, slot, rng, phase
+        self.split_backward = split_backward
         self.members = [CheckpointedForward(b, self, i) for i, b in enumerate(blocks)]
         self._pending: _Pending | None = None
         # Makes the output require grad when the input does not, so backward
@@ -155,7 +171,18 @@ class _Group:
             return p.last_out
         self._pending = None
         anchor = () if p.x0.requires_grad else (self._anchor,)
+        if self.split_backward:  # [Note: recompute in a split backward]
+            return _Recompute.apply(self, p, x, p.x0, *anchor, *self.parameters())
         return _Recompute.apply(self, p, x, p.x0, *anchor)
+
+    def parameters(self) -> list[torch.Tensor]:
+        """The group's parameters that take a gradient, each once, in block order."""
+        seen: dict[int, torch.Tensor] = {}
+        for m in self.members:
+            for q in m.block.parameters():
+                if q.requires_grad:
+                    seen.setdefault(id(q), q)
+        return list(seen.values())
 
     def recompute(self, x: torch.Tensor) -> torch.Tensor:
         """Every block through ``Module.__call__``, so every module hook fires again."""
@@ -233,14 +260,21 @@ class _Recompute(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, group: _Group, pending: _Pending, x: torch.Tensor, x0: torch.Tensor,
-                *anchor):
-        ctx.group, ctx.n_anchor, ctx.x_requires_grad = group, len(anchor), x0.requires_grad
+                *extra):
+        # extra: the anchor (when x0 takes no gradient), then, in a split backward, the
+        # group's parameters
+        n_params = len(extra) - (0 if x0.requires_grad else 1) if group.split_backward else 0
+        ctx.params = extra[len(extra) - n_params:]
+        ctx.group, ctx.n_anchor = group, len(extra) - n_params
+        ctx.x_requires_grad = x0.requires_grad
         ctx.state, ctx.stash = pending.state, pending.stash
         last = group.members[-1]
         return last.inner(last.block, x)  # grad mode is off inside Function.forward
 
     @staticmethod
     def backward(ctx, dy):
+        if ctx.group.split_backward:
+            return _Recompute.backward_split(ctx, dy)
         if not torch.autograd._is_checkpoint_valid():
             raise RuntimeError("activation checkpointing supports loss.backward(), not "
                                "torch.autograd.grad(...) or backward(inputs=...)")
@@ -258,6 +292,29 @@ class _Recompute(torch.autograd.Function):
             torch.autograd.backward(y, dy)
         dx = x.grad if ctx.x_requires_grad else None
         return (None, None, None, dx) + (None,) * ctx.n_anchor
+
+    @staticmethod
+    def backward_split(ctx, dy):
+        """The recompute as one ``torch.autograd.grad`` into ``x0`` and the group's
+        parameters, returned to the outer traversal ([Note: recompute in a split
+        backward])."""
+        group, stash, params = ctx.group, ctx.stash, ctx.params
+        ctx.stash, ctx.params = None, None
+        x = group.store.restore(stash).detach().requires_grad_(ctx.x_requires_grad)
+        now = _ForwardState(x.device, group.rng)
+        ctx.state.restore_rng()
+        try:
+            with torch.enable_grad(), ctx.state.autocast_context():
+                y = group.recompute(x)
+        finally:
+            now.restore_rng()
+        wanted = ([x] if ctx.x_requires_grad else []) + list(params)
+        got: tuple = (None,) * len(wanted)
+        if y.requires_grad and wanted:
+            got = torch.autograd.grad(y, wanted, dy, allow_unused=True)
+        dx = got[0] if ctx.x_requires_grad else None
+        dparams = got[len(wanted) - len(params):]
+        return (None, None, None, dx) + (None,) * ctx.n_anchor + tuple(dparams)
 
 
 class ActivationCheckpointing:
@@ -322,7 +379,8 @@ def apply_activation_checkpointing(model: nn.Module, ps: ParallelState,
                                    rng: TPRNGTracker | None, cfg: RecomputeConfig,
                                    blocks: list[nn.Module] | None = None,
                                    phase: RecomputePhase | None = None,
-                                   chunks: list[list[nn.Module]] | None = None
+                                   chunks: list[list[nn.Module]] | None = None,
+                                   split_backward: bool = False
                                    ) -> ActivationCheckpointing:
     """Checkpoint ``blocks`` (default: ``model.blocks[:cfg.num_layers]``, all when
     that is None) in place, following ``cfg.layers_per_checkpoint``,
@@ -340,6 +398,10 @@ def apply_activation_checkpointing(model: nn.Module, ps: ParallelState,
     ``chunks``, instead of ``blocks``: the blocks in runs that the model runs apart
     (an interleaved pipeline rank's model chunks): groups are made within each run,
     none crossing from one to the next.
+    ``split_backward``: the model's backwards are split into input and weight halves
+    (ZB-H1's ``I`` runs ``torch.autograd.grad``): the recompute then returns its
+    parameters' gradients to the outer traversal instead of accumulating them
+    ([Note: recompute in a split backward]).
     Names of parameters and ``state_dict`` keys do not change; apply before or
     after ZeRO.
     """
@@ -353,7 +415,8 @@ def apply_activation_checkpointing(model: nn.Module, ps: ParallelState,
     phase = phase or RecomputePhase()
     store = CheckpointStore(ps, cfg.partition_activations, cfg.cpu_checkpointing,
                             cfg.contiguous_checkpointing, len(runs))
-    groups = [_Group(run, store, slot, rng, phase) for slot, run in enumerate(runs)]
+    groups = [_Group(run, store, slot, rng, phase, split_backward)
+              for slot, run in enumerate(runs)]
     for g in groups:
         for w in g.members:
             w.block.forward = w  # instance attribute, not a submodule: names stay

@@ -86,7 +86,8 @@ def build_engine(cfg: TrainConfig, ps: ParallelState, vocab_size: int, rng: TPRN
     model = build_model(cfg, ps, vocab_size, rng, device="meta")
     model.train()
     rc = cfg.recompute
-    ac = (apply_activation_checkpointing(model, ps, rng, rc, chunks=recompute_chunks(model, rc))
+    ac = (apply_activation_checkpointing(model, ps, rng, rc, chunks=recompute_chunks(model, rc),
+                                         split_backward=model.weight_grads is not None)
           if rc.granularity else None)
     # a tied embedding's copies on the first and last stage are summed over the embedding
     # group (one rank, nothing tied, at PP 1)

@@ -218,7 +218,16 @@ def test_pipeline_stages_through_the_script_follow_the_one_stage_curve(tmp_path)
             "pp2_dp2": (4, ["--pipeline-model-parallel-size", "2", "--zero-stage", "1"]),
             "pp2_tp2": (4, ["--pipeline-model-parallel-size", "2", "--tensor-model-parallel-size",
                             "2", "--sequence-parallel", "--zero-stage", "3",
-                            "--pipeline-schedule", "zb_h1"])}
+                            "--pipeline-schedule", "zb_h1"]),
+            # ZB-H1 with recompute: the recompute's backward inside the input half's
+            # torch.autograd.grad, its linears' weight gradients deferred to W
+            "zb_full": (4, ["--pipeline-model-parallel-size", "2", "--tensor-model-parallel-size",
+                            "2", "--sequence-parallel", "--zero-stage", "3",
+                            "--pipeline-schedule", "zb_h1", "--recompute-granularity", "full",
+                            "--partition-activations", "--cpu-checkpointing"]),
+            "zb_selective": (4, ["--pipeline-model-parallel-size", "2", "--zero-stage", "1",
+                                 "--pipeline-schedule", "zb_h1",
+                                 "--recompute-granularity", "selective"])}
     for name, (n, extra) in runs.items():
         path = str(tmp_path / f"{name}.jsonl")
         r = pretrain(n, TINY + ["--untie-embeddings-and-output-weights", "--global-batch-size",
@@ -227,7 +236,7 @@ def test_pipeline_stages_through_the_script_follow_the_one_stage_curve(tmp_path)
         assert r.returncode == 0, f"{name}:\n{r.stdout[-2000:]}\n{r.stderr[-3000:]}"
         logs[name] = (read_json_log(path), read_json_log(path, "valid"), r.stdout)
     ref, ref_valid, _ = logs["pp1"]
-    for name in ("pp2_dp2", "pp2_tp2"):
+    for name in ("pp2_dp2", "pp2_tp2", "zb_full", "zb_selective"):
         log, valid, out = logs[name]
         assert [m["iteration"] for m in log] == list(range(1, 7)), name
         for a, b in zip(log, ref):
