@@ -278,6 +278,16 @@ class _Recompute(torch.autograd.Function):
         if not torch.autograd._is_checkpoint_valid():
             raise RuntimeError("activation checkpointing supports loss.backward(), not "
                                "torch.autograd.grad(...) or backward(inputs=...)")
+        x, y = _Recompute.rerun(ctx)
+        if y.requires_grad:
+            torch.autograd.backward(y, dy)
+        dx = x.grad if ctx.x_requires_grad else None
+        return (None, None, None, dx) + (None,) * ctx.n_anchor
+
+    @staticmethod
+    def rerun(ctx) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the group's input restored from its checkpoint, its output recomputed under
+        the forward's RNG and autocast state); the stash is let go."""
         group, stash = ctx.group, ctx.stash
         ctx.stash = None
         x = group.store.restore(stash).detach().requires_grad_(ctx.x_requires_grad)
@@ -288,26 +298,15 @@ class _Recompute(torch.autograd.Function):
                 y = group.recompute(x)
         finally:
             now.restore_rng()
-        if y.requires_grad:
-            torch.autograd.backward(y, dy)
-        dx = x.grad if ctx.x_requires_grad else None
-        return (None, None, None, dx) + (None,) * ctx.n_anchor
+        return x, y
 
     @staticmethod
     def backward_split(ctx, dy):
         """The recompute as one ``torch.autograd.grad`` into ``x0`` and the group's
         parameters, returned to the outer traversal ([Note: recompute in a split
         backward])."""
-        group, stash, params = ctx.group, ctx.stash, ctx.params
-        ctx.stash, ctx.params = None, None
-        x = group.store.restore(stash).detach().requires_grad_(ctx.x_requires_grad)
-        now = _ForwardState(x.device, group.rng)
-        ctx.state.restore_rng()
-        try:
-            with torch.enable_grad(), ctx.state.autocast_context():
-                y = group.recompute(x)
-        finally:
-            now.restore_rng()
+        params, ctx.params = ctx.params, None
+        x, y = _Recompute.rerun(ctx)
         wanted = ([x] if ctx.x_requires_grad else []) + list(params)
         got: tuple = (None,) * len(wanted)
         if y.requires_grad and wanted:

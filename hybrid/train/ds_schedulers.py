@@ -27,6 +27,7 @@ torch's AdamW on the shards (hybrid's fused AdamW takes its betas from the confi
 
 from __future__ import annotations
 
+import abc
 import math
 from typing import Any
 
@@ -90,7 +91,7 @@ def settings(block: dict) -> dict[str, Any]:
     return out
 
 
-class GroupSchedule:
+class GroupSchedule(abc.ABC):
     """A DeepSpeed scheduler over an optimizer's ``groups``: built, it writes the values
     of optimizer step 1; ``step()`` after each applied step moves DeepSpeed's count
     ``i`` (steps taken minus one) on and writes the next. ``get_lr()`` and
@@ -102,9 +103,9 @@ class GroupSchedule:
         self.last_batch_iteration = -1
         self._write()
 
+    @abc.abstractmethod
     def _values(self) -> tuple[list[float], list[tuple[float, float]] | None]:
         """Per group, the rate and (None: unchanged) the betas at ``i``."""
-        raise NotImplementedError
 
     def _write(self) -> None:
         lrs, betas = self._values()

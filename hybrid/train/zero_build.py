@@ -169,8 +169,9 @@ class CutParameter(torch.Tensor):
         t._part, t._meta = part, meta
         return t
 
-    # no Python-level overrides: every operation reaches __torch_dispatch__ (torch's stub
-    # types the slot as a method)
+    # no Python-level overrides: every operation reaches __torch_dispatch__. torch has no
+    # public name for this: its tensor-subclass guide prescribes this attribute for a
+    # dispatch-only subclass (torch's stub types the slot as a method)
     __torch_function__ = torch._C._disabled_torch_function_impl  # type: ignore[assignment]
 
     # no gather just to print (torch's stub names its keyword argument oddly)
