@@ -476,10 +476,10 @@ def test_four_stages_follow_the_one_process_curve_under_every_schedule(tmp_path)
     """PP 4 through the script (4 ranks, one stage each; interleaved: 2 chunks each of an
     8-layer model) under GPipe, 1F1B, ZB-H1 and interleaved 1F1B, tied embeddings summed
     over the first and last stage, against one process with the same global batches:
-    every step's loss within 1e-5, and the grad norm too with one chunk per stage. (The
-    interleaved run's norm sums per-unit fp32 partial norms over eight chunks' units cut
-    apart: 1.2e-5 relative from the one-process norm at this size, the rounding of a
-    different cut that docs/pipeline-parallelism.md describes; its losses agree.)"""
+    every step's loss and grad norm within 1e-5. (The norm is a sum of squared norms
+    over ranges cut differently at each layout; before the norm was blocked
+    (hybrid.zero.optimizer.squared_norm) one process's fp32 norm of the whole 8-layer
+    model was itself 1.1e-5 relative off, and this test could not hold the norm.)"""
     common = ["--global-batch-size", "8", "--train-iters", "3", "--eval-iters", "0"]
     runs = {"pp1": (1, ["--num-layers", "4"]),
             "pp1_8": (1, ["--num-layers", "8"])}
@@ -502,5 +502,5 @@ def test_four_stages_follow_the_one_process_curve_under_every_schedule(tmp_path)
         ref = logs["pp1_8" if name == "interleaved" else "pp1"]
         assert len(logs[name]) == len(ref) == 3, name
         for a, b in zip(logs[name], ref):
-            for key in ("loss",) if name == "interleaved" else ("loss", "grad_norm"):
+            for key in ("loss", "grad_norm"):
                 assert abs(a[key] - b[key]) <= 1e-5 * abs(b[key]), (name, key, a, b)
