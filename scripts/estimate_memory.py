@@ -27,7 +27,10 @@ stage, and each record also names ``pp``, ``vpp``, ``stage``, ``layers_per_stage
 flight on that stage. One more line (``"pipeline"``) gives every stage's figures at the
 run's ZeRO stage (layers, parameters, micro-batches held at its peak, activations, model
 states, peak), the p2p bytes each pipeline rank sends a step and the predicted bubble
-(:mod:`hybrid.estimate.pipeline`).
+twice (:mod:`hybrid.estimate.pipeline`): with equal stages (``bubble``, the textbook
+figure) and with each virtual stage's times in proportion to its FLOPs per token
+(``bubble_flop_weighted``: the embedding on the first, the head and loss on the last,
+the split's layers; ``relative_flops`` per virtual stage, over the mean).
 
 Then one line (``"offload"``) for the run's own offload setting at its stage
 (:func:`hybrid.estimate.tiers.tier_bytes`): device, host and disk bytes per
@@ -186,10 +189,12 @@ def _peak_stage(w, runtime: int):
 
 
 def _pipeline_record(w, runtime: int) -> dict:
-    """``{"pipeline": ...}``: the schedule's predicted bubble (equal times), the p2p bytes
-    each pipeline rank sends a step, and per stage at the run's ZeRO stage: its layers
-    and parameters, the micro-batches it holds at its peak, its activations, model
-    states, buffers and predicted peak (:mod:`hybrid.estimate.pipeline`)."""
+    """``{"pipeline": ...}``: the schedule's predicted bubble with equal times and with
+    times in proportion to each virtual stage's FLOPs (and those FLOPs over the mean
+    virtual stage's, model order), the p2p bytes each pipeline rank sends a step, and
+    per stage at the run's ZeRO stage: its layers and parameters, the micro-batches it
+    holds at its peak, its activations, model states, buffers and predicted peak
+    (:mod:`hybrid.estimate.pipeline`)."""
     sim = pp_terms.simulation(w)
     stages = []
     for s in range(w.pp):
@@ -201,15 +206,21 @@ def _pipeline_record(w, runtime: int) -> dict:
             "model_states": model_state_bytes(ws.psi, ws.shard_ranks, ws.zero_stage,
                                               ws.params_dtype, ws.grads_dtype),
             "buffers": buffer_bytes(ws), "peak_bytes": peak_memory(ws, runtime)["total"]})
-    bubble = pp_terms.bubble(w)
+    bubble, weighted = pp_terms.bubble(w), pp_terms.weighted_bubble(w)
     return {"pipeline": {
         "schedule": sim.schedule.name, "pp": w.pp, "vpp": w.vpp,
         "micro_batches": w.micro_batches, "zero_stage": w.zero_stage,
         "bubble": float(bubble), "bubble_fraction": str(bubble),
+        "bubble_flop_weighted": float(weighted),
+        "bubble_flop_weighted_fraction": str(weighted),
+        "relative_flops": [round(float(x), 4) for x in pp_terms.relative_flops(w)],
         "p2p_bytes_per_step": pp_terms.p2p_bytes_per_step(w), "stages": stages,
         "rule": "activations: each stage's micro-batches in flight at its peak under the "
                 "schedule (the simulator's lists); bubble: the simulator with equal "
-                "forward, input- and weight-gradient times; p2p: sent by each rank"}}
+                "forward, input- and weight-gradient times; bubble_flop_weighted: with "
+                "each virtual stage's times in proportion to its FLOPs per token (layers, "
+                "head; relative_flops: over the mean virtual stage's, model order); p2p: "
+                "sent by each rank"}}
 
 
 def _offload_records(w, off, own: dict, world: int, runtime: int) -> list[dict]:
@@ -316,7 +327,11 @@ def _text(records: list[dict]) -> str:
         if "pipeline" in r:
             pl = r["pipeline"]
             lines.append(f"pipeline: {pl['schedule']}, {pl['micro_batches']} micro-batches; "
-                         f"predicted bubble {pl['bubble_fraction']} = {pl['bubble']:.4f}; p2p "
+                         f"predicted bubble {pl['bubble_fraction']} = {pl['bubble']:.4f} "
+                         f"(equal stages), {pl['bubble_flop_weighted']:.4f} (stages weighted "
+                         f"by their FLOPs: "
+                         f"{', '.join(f'{x:.2f}' for x in pl['relative_flops'])} of the "
+                         f"mean); p2p "
                          f"{_size(pl['p2p_bytes_per_step']['total'])} per step "
                          f"(per rank {pl['p2p_bytes_per_step']['ranks']})")
             lines += [f"  pipeline stage {x['stage']}: {sum(x['layers'])} layers, "

@@ -28,8 +28,19 @@ from hybrid.estimate.memory import (
     traffic_bytes,
 )
 from hybrid.estimate.model_states import model_state_bytes
-from hybrid.estimate.pipeline import bubble as pipeline_bubble, p2p_bytes_per_step
+from hybrid.estimate.pipeline import (
+    StageFlops,
+    bubble as pipeline_bubble,
+    flop_times,
+    p2p_bytes_per_step,
+    piece_layers,
+    relative_flops,
+    stage_flops,
+    weighted_bubble,
+    weighted_simulation,
+)
 from hybrid.estimate.workload import Workload, workload
+from hybrid.pipeline.actions import Kind
 from hybrid.pipeline.schedules import build_schedule
 from hybrid.pipeline.simulator import simulate
 from tests.helpers.launch import ROOT, script_module
@@ -303,3 +314,181 @@ def test_zero3_under_a_pipeline_is_what_the_doc_measured(reshard):
         assert 4 * ws.psi == p
         assert traffic_bytes(ws)["all_gather"] == gathered
         assert shard + buffer_bytes(ws)["gathered"] == held
+
+
+# -- the bubble with each stage's times from its FLOPs ----------------------------------------
+
+def _planned(flags: list[str], world: int, vocab: int) -> Workload:
+    """The Workload of a command line, split as the run splits it (hybrid/pipeline/split.py)."""
+    return workload(build_config(parse_args(flags), world, plan_only=True), vocab)
+
+
+# Hidden 64, sequence 64: one layer's forward is M + A = 24 C^2 + 4 T C = 114,688 FLOPs a
+# token, the head's 2 C V: one layer's at V = 896, three layers' at V = 2688 (both already
+# multiples of 128, so unpadded). Stage 0: the embedding and layers 0-1; stage 1: layer 2
+# and the head.
+SMALL = ["--num-layers", "3", "--hidden-size", "64", "--num-attention-heads", "4",
+         "--seq-length", "64", "--micro-batch-size", "1", "--global-batch-size", "3",
+         "--pipeline-model-parallel-size", "2", "--decoder-first-pipeline-num-layers", "2"]
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
+def test_the_flop_weighted_bubble_by_hand(schedule):
+    """p = 2, m = 3, a layer's forward u = 114,688 FLOPs a token and a whole backward 2u
+    (a matmul's input and weight gradients each cost its forward; the head's too).
+
+    The head one layer's worth (V = 896): both stages compute 2u forward and 4u backward,
+    so the weighted play is the equal one scaled: the bubble is (p-1)/(m+p-1) = 1/4.
+
+    The head three layers' worth (V = 2688): stage 0 F0 = 2u, B0 = 4u; stage 1 F1 = 4u,
+    B1 = 8u, the bottleneck. Under 1F1B rank 1 starts when F0 of micro-batch 0 ends (2u)
+    and then computes F1 B1 three times without waiting (stage 0's next forward is ready
+    long before), ending at 2 + 3 x 12 = 38u; rank 0's last backward needs that gradient:
+    step T = F0 + m (F1 + B1) + B0 = 2 + 36 + 4 = 42u. GPipe's order ends the same: rank
+    1's forwards end at 14u, its backwards at 38u. Busy: rank 0 m (F0 + B0) = 18u, rank 1
+    36u; idle (42 - 18) + (42 - 36) = 30u of 2 x 42: bubble 30/84 = 5/14, where equal
+    stages say 1/4."""
+    even = _planned(SMALL + ["--pipeline-schedule", schedule], 2, 896)
+    assert (even.stage_layers, even.micro_batches) == ((2, 1), 3)
+    u = 24 * 64 ** 2 + 4 * 64 * 64
+    f = stage_flops(even)
+    assert [(x.forward, x.input_grad + x.weight_grad) for x in f] == [(2 * u, 4 * u)] * 2
+    assert pipeline_bubble(even) == weighted_bubble(even) == Fraction(1, 4)
+    heavy = _planned(SMALL + ["--pipeline-schedule", schedule], 2, 2688)
+    f = stage_flops(heavy)
+    assert [(x.forward, x.input_grad + x.weight_grad) for x in f] == [(2 * u, 4 * u),
+                                                                      (4 * u, 8 * u)]
+    sim = weighted_simulation(heavy)
+    assert sim.step_time == 42 * u and sim.busy == (18 * u, 36 * u)
+    assert weighted_bubble(heavy) == Fraction(5, 14) > pipeline_bubble(heavy) == Fraction(1, 4)
+
+
+def test_zb_h1_weighs_the_halves_apart():
+    """The attention scores have no weights: their backward is all input gradient. So
+    under ZB-H1 stage 1 of the V = 896 case above (one layer + a head of one layer's
+    FLOPs) has a lighter input half than stage 0 (two layers), and the weighted bubble
+    differs from the equal one (1/10) though each stage's forward and whole backward
+    are the same."""
+    w = _planned(SMALL + ["--pipeline-schedule", "zb_h1"], 2, 896)
+    a = 4 * 64 * 64
+    f = stage_flops(w)
+    assert f[0].input_grad - f[1].input_grad == a == f[1].weight_grad - f[0].weight_grad
+    assert (pipeline_bubble(w), weighted_bubble(w)) == (Fraction(1, 10), Fraction(8, 71))
+
+
+# GPT-2's vocabulary (50,304 rows padded) at hidden 256: the head's forward, 2 C V =
+# 25.8M FLOPs a token, is 15.1 layers' (24 C^2 + 4 T C = 1.70M at T = 128).
+GPT2 = ["--hidden-size", "256", "--num-attention-heads", "4", "--seq-length", "128",
+        "--micro-batch-size", "1", "--global-batch-size", "8"]
+
+
+def test_a_last_stage_holding_the_head_idles_the_pipeline_more():
+    """PP 4, 8 layers (2 a stage), m = 8, 1F1B: the last stage's 2 layers and head are
+    17.1 layers' FLOPs against 2 on the others (2.96x the mean stage): the weighted
+    bubble is 1257/1858 = 0.677, where equal stages say 3/11 = 0.273."""
+    w = _planned(GPT2 + ["--num-layers", "8", "--pipeline-model-parallel-size", "4"], 4, 50257)
+    assert (w.stage_layers, w.micro_batches) == ((2, 2, 2, 2), 8)
+    assert relative_flops(w) == (Fraction(208, 601),) * 3 + (Fraction(1780, 601),)
+    assert pipeline_bubble(w) == Fraction(3, 11)
+    assert weighted_bubble(w) == Fraction(1257, 1858)
+
+
+def test_moving_layers_off_the_last_stage_lowers_the_weighted_bubble():
+    """The run's split flags reach the estimate: the same 7 layers at PP 4 (m = 8) as
+    --account-for-loss-in-pipeline-split's [2, 2, 2, 1] and
+    --decoder-first-pipeline-num-layers 1's [1, 2, 2, 2] have one equal-stage bubble,
+    3/11, but the weighted one is lower with the layer off the last stage: 0.672 against
+    0.688. And 8 layers at PP 2: even [4, 4] 0.411, --decoder-last-pipeline-num-layers 2
+    (or the layout Etttttt|ttL, the same split) [6, 2] 0.353; equal stages say 1/9 for
+    all three. (The head is 15 layers' FLOPs here: --account-for-loss counts it as one.)"""
+    seven = GPT2 + ["--num-layers", "7", "--pipeline-model-parallel-size", "4"]
+    loss_off = _planned(seven + ["--account-for-loss-in-pipeline-split"], 4, 50257)
+    first_off = _planned(seven + ["--decoder-first-pipeline-num-layers", "1"], 4, 50257)
+    assert (loss_off.stage_layers, first_off.stage_layers) == ((2, 2, 2, 1), (1, 2, 2, 2))
+    assert pipeline_bubble(loss_off) == pipeline_bubble(first_off) == Fraction(3, 11)
+    assert weighted_bubble(loss_off) == Fraction(1179, 1754)
+    assert weighted_bubble(first_off) == Fraction(254, 369)
+    eight = GPT2 + ["--num-layers", "8", "--pipeline-model-parallel-size", "2"]
+    even = _planned(eight, 2, 50257)
+    last = _planned(eight + ["--decoder-last-pipeline-num-layers", "2"], 2, 50257)
+    layout = _planned(eight + ["--pipeline-model-parallel-layout", "Etttttt|ttL"], 2, 50257)
+    assert (even.stage_layers, last.stage_layers, layout.stage_layers) == ((4, 4), (6, 2),
+                                                                           (6, 2))
+    assert pipeline_bubble(even) == pipeline_bubble(last) == Fraction(1, 9)
+    assert weighted_bubble(even) == Fraction(419, 1020)
+    assert weighted_bubble(last) == weighted_bubble(layout) == Fraction(328, 929)
+
+
+def test_the_stage_flops_are_the_models_count():
+    """Each virtual stage's forward + input + weight FLOPs, summed over a rank's chunks,
+    are ModelConfig.stage_flops_per_token of the rank (what the training log's TFLOP/s
+    reads), and all stages' the model's flops_per_token: interleaved, TP 2 (the head
+    over the vocabulary padded for TP 2), uneven chunks from
+    --decoder-first/last-pipeline-num-layers; an empty chunk left by the layout
+    computes nothing, and is played as 1 FLOP. Recompute adds its rerun to the input
+    half only."""
+    flags = MODEL + ["--num-layers", "12", "--pipeline-model-parallel-size", "2",
+                     "--virtual-pipeline-model-parallel-size", "2",
+                     "--decoder-first-pipeline-num-layers", "4",
+                     "--tensor-model-parallel-size", "2", "--global-batch-size", "4"]
+    w = _planned(flags + ["--pipeline-schedule", "interleaved_1f1b"], 4, 50257)
+    assert piece_layers(w) == (2, 4, 2, 4)
+    f = stage_flops(w)
+    for rank in range(2):
+        assert f[rank].total + f[rank + 2].total == w.model.stage_flops_per_token(
+            2, w.stage_layers[rank], last=rank == 1)
+    assert sum(x.total for x in f) == w.model.flops_per_token(2)
+    assert sum(relative_flops(w)) == 4
+    layer = w.model.stage_flops_per_token(2, 1, last=False) // 3
+    full = _planned(flags + ["--recompute-granularity", "full", "--recompute-method", "block",
+                             "--recompute-num-layers", "3"], 4, 50257)
+    for x, y, n in zip(f, stage_flops(full), piece_layers(w)):
+        assert (y.forward, y.weight_grad) == (x.forward, x.weight_grad)
+        assert y.input_grad - x.input_grad == min(n, 3) * layer
+    empty = _planned(MODEL + ["--num-layers", "2", "--pipeline-model-parallel-size", "3",
+                              "--pipeline-model-parallel-layout", "Et||tL",
+                              "--global-batch-size", "3"], 3, 257)
+    f = stage_flops(empty)
+    assert f[1] == StageFlops(0, 0, 0)
+    times = flop_times(empty)
+    assert times.of(Kind.FORWARD, 1) == times.of(Kind.BACKWARD, 1) / 2 == 1
+    assert Fraction(0) < weighted_bubble(empty) < 1
+
+
+BENCH = {"1f1b": (1, Fraction(45, 181), 0.25), "zb_h1": (1, Fraction(109, 517), 0.21),
+         "interleaved_1f1b": (2, Fraction(77, 349), 0.23)}
+
+
+@pytest.mark.parametrize("schedule", list(BENCH))
+def test_the_flops_predict_the_cpu_benchs_bubble(schedule):
+    """benchmarks/bench_pipeline.py's model (8 layers x 256, sequence 128, vocabulary 8192
+    untied, PP 2, m = 8): the head is 2.46 layers' FLOPs, the last stage 1.62x stage 0
+    (the bench measured 1.58x; its last chunk of four 2.23x, measured 2.2x). The weighted
+    bubble is within 0.02 of the bubble measured there (docs/pipeline-parallelism.md,
+    "Measured"), where equal stages say a third to a fifth of it."""
+    v, want, measured = BENCH[schedule]
+    model = ModelConfig(vocab_size=8192, num_layers=8, hidden_size=256, num_attention_heads=4,
+                        seq_length=128, max_position_embeddings=128,
+                        untie_embeddings_and_output_weights=True)
+    per = 4 // v
+    w = Workload(model=model, micro_batch_size=4, pp=2, micro_batches=8, stage_layers=(4, 4),
+                 chunk_layers=((per,) * v,) * 2, schedule=schedule)
+    f = stage_flops(w)
+    assert round(f[-1].total / f[0].total, 2) == (1.62 if v == 1 else 2.23)
+    assert weighted_bubble(w) == want and abs(float(want) - measured) < 0.02
+    assert pipeline_bubble(w) < measured / 2
+
+
+def test_estimate_memory_prints_both_bubbles(capsys):
+    script = script_module("estimate_memory")
+    args = GPT2 + ["--num-layers", "8", "--pipeline-model-parallel-size", "4",
+                   "--world-size", "4", "--tokenizer-type", "gpt2bpe"]
+    assert script.main(args) == 0
+    pl = next(r["pipeline"] for r in map(json.loads, capsys.readouterr().out.splitlines())
+              if "pipeline" in r)
+    assert (pl["bubble_fraction"], pl["bubble_flop_weighted_fraction"]) == ("3/11", "1257/1858")
+    assert pl["bubble_flop_weighted"] == 1257 / 1858
+    assert pl["relative_flops"] == [0.3461] * 3 + [2.9617]
+    assert script.main(args + ["--format", "text"]) == 0
+    assert ("predicted bubble 3/11 = 0.2727 (equal stages), 0.6765 (stages weighted by their "
+            "FLOPs: 0.35, 0.35, 0.35, 2.96 of the mean)") in capsys.readouterr().out
