@@ -1,6 +1,8 @@
 """The estimator with PP: each stage's parameters; its activations, the micro-batches its
 schedule keeps in flight (the simulator's peak, and the activation meter's bytes on the
-real stage modules); the p2p bytes per step and the predicted bubble; the script's
+real stage modules); the p2p bytes per step and the predicted bubble, with equal stages
+and with each stage's times from its FLOPs (worked by hand, against the split flags and
+against the CPU bench's measured bubble); the script's
 per-stage record; a bad split refused by the same message as the launcher's; and the
 docs' worked example of what a rank costs: printed as the doc quotes it, and meeting the
 doc's formulas in both of ZeRO 3's modes (the stage held through the step, or resharded
@@ -455,7 +457,8 @@ def test_the_stage_flops_are_the_models_count():
     assert Fraction(0) < weighted_bubble(empty) < 1
 
 
-BENCH = {"1f1b": (1, Fraction(45, 181), 0.25), "zb_h1": (1, Fraction(109, 517), 0.21),
+BENCH = {"gpipe": (1, Fraction(45, 181), 0.25), "1f1b": (1, Fraction(45, 181), 0.25),
+         "zb_h1": (1, Fraction(109, 517), 0.21),
          "interleaved_1f1b": (2, Fraction(77, 349), 0.23)}
 
 
