@@ -8,10 +8,11 @@ A cell is a schedule (GPipe, 1F1B, ZB-H1 on a 4-layer GPT, one layer a stage;
 interleaved 1F1B on an 8-layer one, two one-layer chunks a stage) times a feature
 (:data:`FEATURES`: DP 2 at ZeRO 0-3, ZeRO 3 resharding after every micro-batch, TP 2
 with SP, ZeRO-R's partitioned checkpoints, CP 2, selective and full recompute, the host
-and NVMe offload tiers). Its reference is PP 1 with the same feature and layers, on the
-ranks the pipeline leaves (a quarter). Every cell trains 3 steps of the same global
-batches and evaluates once; it passes when every step's loss and grad norm and the
-validation loss are within :data:`TOLERANCE` (relative) of its reference's. Each cell is
+and NVMe offload tiers, bf16, fp16). Its reference is PP 1 with the same feature and
+layers, on the ranks the pipeline leaves (a quarter). Every cell trains 3 steps of the
+same global batches and evaluates once; it passes when every step's loss and grad norm
+and the validation loss are within :data:`TOLERANCE` (relative) of its reference's
+(:data:`LOOSER` in half precision). Each cell is
 one JSON line (the largest relative differences seen); the exit status is the number of
 failed cells (0: all held). tests/pipeline/test_proof_grid.py runs a diagonal of it
 in the suite; the whole grid is this command.
@@ -56,7 +57,15 @@ FEATURES: dict[str, tuple[int, list[str]]] = {
                          "--offload-param", "cpu"]),
     "nvme": (DP2, ["--zero-stage", "3", "--offload-optimizer", "nvme", "--offload-param",
                    "nvme", "--offload-nvme-path", "{nvme}"]),
+    "bf16": (DP2, ["--bf16", "--zero-stage", "1"]),
+    "fp16": (DP2, ["--fp16", "--zero-stage", "3"]),
 }
+# Half precision keeps 8 (bf16) or 11 (fp16) significant bits. One process sums the tied
+# embedding's two gradients in the model's dtype inside autograd, the pipeline in fp32
+# across the first and last stage: at bf16 the norms part by up to 5e-4 from the first
+# step (untied, 7e-5). And a last-bit difference in the norm moves the clip coefficient,
+# which flips the bf16 rounding of a few parameters: the next losses part by ~1e-5.
+LOOSER = {"bf16": 1e-3, "fp16": 3e-4}
 
 
 @dataclass(frozen=True)
@@ -127,7 +136,7 @@ def run(grid: list[Cell], workdir: str, out=sys.stdout) -> list[dict]:
         rel = differences(ran, refs[key])
         line = {"schedule": cell.schedule, "feature": cell.feature, "world": 4 * n,
                 "layers": cell.layers, **{k: float(f"{v:.3g}") for k, v in rel.items()},
-                "ok": max(rel.values()) <= TOLERANCE,
+                "ok": max(rel.values()) <= LOOSER.get(cell.feature, TOLERANCE),
                 "seconds": round(time.perf_counter() - t, 2)}
         results.append(line)
         print(json.dumps(line), file=out, flush=True)
