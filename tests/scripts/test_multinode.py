@@ -2,9 +2,12 @@
 own host name, on this machine. Needs root, ``ip`` and ``unshare``; skips, saying why,
 where the namespaces cannot be made.
 
-One launch serves both proofs: TP 2 x DP 2 across the two nodes trains the curve a
+One launch per layout serves both proofs: across the two nodes it trains the curve a
 one-node run trains, then every process of node 1 is killed and node 0 names the node
-(host and ranks) within 15 s, with where each of its ranks was last seen.
+(host and ranks) within 15 s, with where each of its ranks was last seen. Layouts: TP 2
+x DP 2 (each node a TP pair, DP across the nodes) and PP 2 x TP 2 (each node a pipeline
+stage, the activations and their gradients crossing between the hosts; node 0 loses
+its next stage mid-schedule).
 """
 
 from __future__ import annotations
@@ -121,10 +124,12 @@ def _last_done(dumps: list[dict], rank: int) -> tuple[str, str]:
             e["caller"])
 
 
-def test_two_nodes_train_the_one_node_curve_and_a_lost_node_is_named(tmp_path):
+@pytest.mark.parametrize("layout", [ARGS, ARGS + ["--pipeline-model-parallel-size", "2"]],
+                         ids=["tp2_dp2", "pp2_tp2"])
+def test_two_nodes_train_the_one_node_curve_and_a_lost_node_is_named(tmp_path, layout):
     two_log, dump = tmp_path / "two.jsonl", tmp_path / "dump"
     # --train-iters far past the kill: node 1 dies mid-run, as a host does
-    args = ARGS + ["--train-iters", "1000", "--log-json", str(two_log),
+    args = layout + ["--train-iters", "1000", "--log-json", str(two_log),
                    "--collective-dump-dir", str(dump)]
     try:
         with two_hosts(tmp_path) as (net, command):
@@ -170,7 +175,7 @@ def test_two_nodes_train_the_one_node_curve_and_a_lost_node_is_named(tmp_path):
     # one node), bit for bit: the same seed and layout give every rank the same work, and
     # gloo's reductions over the same ranks add in the same order whichever host they run on
     one_log = tmp_path / "one.jsonl"
-    r = pretrain(4, ARGS + ["--train-iters", "1000", "--exit-interval", str(KILL_AT),
+    r = pretrain(4, layout + ["--train-iters", "1000", "--exit-interval", str(KILL_AT),
                             "--log-json", str(one_log)])
     assert r.returncode == 0, r.stderr[-3000:]
     one = [m["loss"] for m in read_json_log(str(one_log))]
