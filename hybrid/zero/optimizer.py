@@ -64,9 +64,11 @@ NORM_BLOCK = 4096
 
 
 def squared_norm(x: torch.Tensor) -> torch.Tensor:
-    """The squared L2 norm of the contiguous 1-D ``x`` (any float dtype) as a 0-dim fp64
-    tensor on its device: fp32 norms of NORM_BLOCK-element rows, squared and summed in
-    fp64 (see the note above). Deterministic: the same bits for the same ``x``."""
+    """The squared L2 norm of ``x`` (any shape and float dtype; a flat contiguous range is
+    read in place) as a 0-dim fp64 tensor on its device: fp32 norms of NORM_BLOCK-element
+    rows, squared and summed in fp64 (see the note above). Deterministic: the same bits
+    for the same ``x``."""
+    x = x.reshape(-1)
     full = x.numel() - x.numel() % NORM_BLOCK
     out = torch.zeros((), dtype=torch.float64, device=x.device)
     if full:
