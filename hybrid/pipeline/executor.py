@@ -78,6 +78,16 @@ tensors go. Under 1F1B a rank then holds no more sends per peer than there are
 micro-batches in flight (at most p; two at PP 2), whatever m. Without ``peers``
 every send is held until ``END``.
 
+[Note: activations of any shape]
+``run_actions(..., shape=None, learnt=Learnt())`` runs a model whose stages pass a tensor
+or a tuple of tensors of shapes known only at run time (``hybrid.deepspeed.pipe``'s):
+each boundary's spec is learnt by a one-time metadata message and kept in ``learnt``
+for later steps (:mod:`hybrid.pipeline.wire`, [Note: the metadata handshake]); a
+stage's ``forward`` may then take and return such tuples (a one-tensor tuple arrives as
+the tensor), and gradients travel for their floating-point members. Only whole
+backwards (``B``): a list with ``I``/``W`` is refused there. With ``shape`` (hybrid's
+GPT) none of this runs.
+
 [Note: the optional timeline]
 ``run_actions(..., timeline=[])`` appends ``(action, start, end)`` for every action, in
 ``time.perf_counter`` seconds (the device synced at both ends on CUDA, so the span
@@ -96,6 +106,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from hybrid.parallel.comm import CommGroup
+from hybrid.pipeline import wire
 from hybrid.pipeline.actions import RECVS, SENDS, Action, Kind, in_words, stage_chunk, stage_rank
 from hybrid.tensor_parallel.weight_grad import Deferred, Pairs, WeightGradStore, run_deferred
 
@@ -105,12 +116,13 @@ Key = tuple[int, int]  # (stage, micro-batch)
 def run_actions(actions: Sequence[Action], forward: Callable[[int, int, torch.Tensor | None],
                                                              torch.Tensor],
                 params: dict[int, list[torch.nn.Parameter]], pp: CommGroup, *,
-                shape: tuple[int, ...], dtype: torch.dtype, device: torch.device,
+                shape: tuple[int, ...] | None, dtype: torch.dtype, device: torch.device,
                 stages: int, zero=None,
                 weight_grads: dict[int, WeightGradStore] | None = None,
                 timeline: list[tuple[Action, float, float]] | None = None,
                 peers: Sequence[Sequence[Action]] | None = None,
-                reshard_after_micro_batch: bool = False
+                reshard_after_micro_batch: bool = False,
+                learnt: wire.Learnt | None = None
                 ) -> dict[int, torch.Tensor]:
     """Run this rank's ``actions`` (module doc); returns the loss of each micro-batch the
     last stage computed here, by micro-batch (empty on other ranks). ``pp``: the
@@ -124,8 +136,17 @@ def run_actions(actions: Sequence[Action], forward: Callable[[int, int, torch.Te
     once a receive proves it arrived ([Note: releasing what was sent]), or None (held
     until ``END``); ``reshard_after_micro_batch``: stage 3 frees its gathered
     parameters after every forward and backward instead of keeping them for the step
-    ([Note: ZeRO-3's parameters over a step])."""
+    ([Note: ZeRO-3's parameters over a step]); ``learnt``: instead of ``shape`` (None), the
+    boundaries' specs learnt so far, filled here ([Note: activations of any shape])."""
+    if (shape is None) == (learnt is None):
+        raise ValueError("run_actions: pass the activation shape, or learnt= to learn it "
+                         "at run time (one of them)")
+    if learnt is not None and any(a.kind in (Kind.BACKWARD_INPUT, Kind.BACKWARD_WEIGHT)
+                                  for a in actions):
+        raise ValueError("run_actions(learnt=...): activations learnt at run time go with "
+                         "whole backwards (B); this list splits them (I/W)")
     run = _Run(forward, params, pp, shape, dtype, device, stages, zero, weight_grads)
+    run.learnt = learnt
     if peers is not None:
         run.received = sends_received(peers, pp.rank)
     # each stage's last backward syncs ([Note: ZeRO under a schedule])
@@ -163,10 +184,11 @@ class _Run:
         self.forward, self.params, self.pp, self.zero = forward, params, pp, zero
         self.weight_grads = weight_grads or {}
         self.shape, self.dtype, self.device, self.stages = shape, dtype, device, stages
-        self.inputs: dict[Key, torch.Tensor] = {}  # a stage's input (requires grad)
-        self.outputs: dict[Key, torch.Tensor] = {}  # its output (the loss on the last)
-        self.out_grads: dict[Key, torch.Tensor] = {}  # the gradient of its output
-        self.in_grads: dict[Key, torch.Tensor] = {}  # the gradient of its input
+        # (tensors; under learnt, an activation may be a tuple, its gradient a tuple)
+        self.inputs: dict[Key, wire.Activation] = {}  # a stage's input (requires grad)
+        self.outputs: dict[Key, wire.Activation] = {}  # its output (the loss on the last)
+        self.out_grads: dict[Key, wire.Activation] = {}  # the gradient of its output
+        self.in_grads: dict[Key, wire.Activation] = {}  # the gradient of its input
         # what W needs after I: the parameters' gradients, the deferred closures
         self.split: dict[Key, tuple[Pairs, list[Deferred]]] = {}
         # per peer, the sends not yet known done, oldest first: (number on the pair, work,
@@ -175,6 +197,7 @@ class _Run:
         self.sent: dict[int, int] = {}  # sends posted to each peer
         self.received: dict[Action, int] = {}
         self.losses: dict[int, torch.Tensor] = {}
+        self.learnt: wire.Learnt | None = None  # [Note: activations of any shape]
 
     def do(self, a: Action, sync: bool) -> None:
         key = (a.stage, a.microbatch)
@@ -189,13 +212,19 @@ class _Run:
         elif k is Kind.BACKWARD_WEIGHT:
             self._backward_weight(key, sync)
         elif k is Kind.SEND_ACT:
-            self._send(self.outputs[key].detach(), a)
+            if self.learnt is not None:
+                self._handshake_send(a)
+            self._send(wire.detached(self.outputs[key], False), a)
         elif k is Kind.SEND_GRAD:
             self._send(self.in_grads.pop(key), a)
         elif k is Kind.RECV_ACT:
-            self.inputs[key] = self._recv(a).requires_grad_()
+            if self.learnt is None:
+                self.inputs[key] = self._recv(a).requires_grad_()
+            else:
+                self.inputs[key] = self._recv_learnt(a, a.stage - 1, grads=False)
         elif k is Kind.RECV_GRAD:
-            self.out_grads[key] = self._recv(a)
+            self.out_grads[key] = (self._recv(a) if self.learnt is None
+                                   else self._recv_learnt(a, a.stage, grads=True))
         elif k is Kind.END:
             for held in self.sends.values():
                 for _, work, _t in held:
@@ -208,19 +237,21 @@ class _Run:
 
     def _forward(self, key: Key) -> None:
         s, j = key
+        x: wire.Activation | None
         if s == 0:
             x = None
         elif key in self.inputs:
             x = self.inputs[key]
         else:  # stage s-1 ran here (p == 1): its output, cut from its graph
-            x = self.outputs[(s - 1, j)].detach().requires_grad_()
+            x = wire.detached(self.outputs[(s - 1, j)], True)
             self.inputs[key] = x
         out = self.forward(s, j, x)
         self.outputs[key] = out
         if s == self.stages - 1:
+            assert isinstance(out, torch.Tensor)  # (the loss)
             self.losses[j] = out.detach()
 
-    def _take_output(self, key: Key) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _take_output(self, key: Key) -> tuple[wire.Activation, wire.Activation | None]:
         """(stage output, its gradient): None for the loss; received, or left by the
         stage after it on this rank."""
         s, j = key
@@ -232,18 +263,24 @@ class _Run:
             grad = self.in_grads.pop((s + 1, j))
         return out, grad
 
-    def _backward(self, key: Key, out: torch.Tensor, grad: torch.Tensor | None,
+    def _backward(self, key: Key, out: wire.Activation, grad: wire.Activation | None,
                   sync: bool) -> None:
         """The whole backward of ``out`` into the stage's parameters and its input, as
         one ZeRO backward of the stage's model chunk ([Note: ZeRO under a schedule])."""
         if self.zero is not None:
             self.zero.begin_backward(sync, part=stage_chunk(key[0], self.pp.size))
         x = self.inputs.pop(key, None)
-        torch.autograd.backward(out, grad)
+        if self.learnt is not None and grad is not None:  # (a tuple's float members)
+            torch.autograd.backward(*wire.backward_pairs(out, wire.members(grad)))
+        else:
+            torch.autograd.backward(out, grad)
         if self.zero is not None:
             self.zero.end_backward()
-        if x is not None:
-            assert x.grad is not None  # (the input requires grad and reaches the output)
+        if x is not None and self.learnt is not None:
+            self.in_grads[key] = wire.input_grads(x)
+        elif x is not None:
+            # (the input requires grad and reaches the output)
+            assert isinstance(x, torch.Tensor) and x.grad is not None
             self.in_grads[key] = x.grad
 
     def _backward_input(self, key: Key) -> None:
@@ -282,10 +319,11 @@ class _Run:
         if self.zero is not None:
             self.zero.end_backward()
 
-    def _send(self, t: torch.Tensor, a: Action) -> None:
+    def _send(self, t, a: Action) -> None:
+        """Post ``t`` (a tensor; under ``learnt``, a tuple of them) to ``a.peer``."""
         assert a.peer is not None  # (a send names its peer)
-        work = self.pp.exchange([(t, a.peer)], [], what=str(a), async_op=True,
-                                 about=in_words(a, self.pp.ranks[a.peer]))
+        work = self.pp.exchange([(m, a.peer) for m in wire.members(t)], [], what=str(a),
+                                async_op=True, about=in_words(a, self.pp.ranks[a.peer]))
         n = self.sent.get(a.peer, 0)
         self.sent[a.peer] = n + 1
         self.sends.setdefault(a.peer, deque()).append((n, work, t))
@@ -297,6 +335,51 @@ class _Run:
                          about=in_words(a, self.pp.ranks[a.peer]))
         self._release(a.peer, self.received.get(a, 0))
         return buf
+
+    def _handshake_send(self, a: Action) -> None:
+        """Before the first activation over stage ``a.stage``'s boundary, its spec
+        (hybrid/pipeline/wire.py, [Note: the metadata handshake]); after, a check that
+        the output still fits it."""
+        assert a.peer is not None and self.learnt is not None
+        out = self.outputs[(a.stage, a.microbatch)]
+        spec = wire.spec_of(out)
+        known = self.learnt.specs.get(a.stage)
+        if known is None:
+            body = wire.encode(spec).to(self.device)
+            length = torch.tensor([body.numel()], dtype=torch.int64, device=self.device)
+            for t in (length, body):  # (small, and waited for: the tensors are local)
+                self.pp.exchange([(t, a.peer)], [], what=f"meta {a}",
+                                 about=in_words(a, self.pp.ranks[a.peer]))
+            self.learnt.specs[a.stage] = spec
+        elif known != spec:
+            raise ValueError(f"stage {a.stage}'s output changed from {known} to {spec} "
+                             f"(micro-batch {a.microbatch}): the shapes between stages are "
+                             f"learnt once and fixed; keep every micro-batch the same size")
+
+    def _recv_learnt(self, a: Action, boundary: int, grads: bool):
+        """Receive an activation over ``boundary`` (stage ``boundary``'s output; its spec
+        learnt first, the first time), or the gradients of the floating-point members
+        of one this rank sent over it. An activation's floating-point members require
+        grad; one tensor arrives bare."""
+        assert a.peer is not None and self.learnt is not None
+        about = in_words(a, self.pp.ranks[a.peer])
+        spec = self.learnt.specs.get(boundary)
+        if spec is None:
+            assert not grads  # (this rank sent that activation: it learnt the spec then)
+            length = torch.empty(1, dtype=torch.int64, device=self.device)
+            self.pp.exchange([], [(length, a.peer)], what=f"meta {a}", about=about)
+            body = torch.empty(int(length.item()), dtype=torch.int64, device=self.device)
+            self.pp.exchange([], [(body, a.peer)], what=f"meta {a}", about=about)
+            spec = self.learnt.specs[boundary] = wire.decode(body.cpu())
+        if grads:
+            spec = tuple(m for m in spec if m[1].is_floating_point)
+        bufs = [torch.empty(shape, dtype=dtype, device=self.device) for shape, dtype in spec]
+        self.pp.exchange([], [(b, a.peer) for b in bufs], what=str(a), about=about)
+        self._release(a.peer, self.received.get(a, 0))
+        if grads:
+            return tuple(bufs)
+        got = tuple(b.requires_grad_(b.is_floating_point()) for b in bufs)
+        return got[0] if len(got) == 1 else got
 
     def _release(self, peer: int, done: int) -> None:
         """Wait on (done already: [Note: releasing what was sent]) and drop the sends to
