@@ -142,7 +142,9 @@ KEYS: dict[str, object] = {
     "disable_allgather": Refuse("hybrid needs its all-gathers"),
     "amp": Refuse("use the fp16 or bf16 block (or --fp16 / --bf16)", OBJECT),
     "sparse_attention": Refuse("hybrid's attention is dense (SDPA, flash or fused)", OBJECT),
-    "pipeline": Refuse("hybrid has no pipeline parallelism: shard with TP and ZeRO-3", OBJECT),
+    "pipeline": Refuse("hybrid takes a pipeline's settings as deepspeed.pipe.PipelineModule's "
+                       "arguments (num_stages, partition_method, "
+                       "activation_checkpoint_interval): remove the block", OBJECT),
     "compression_training": Refuse("hybrid has no compression training", OBJECT),
     "quantize_training": Refuse("hybrid has no quantized training", OBJECT),
     "data_efficiency": Refuse("hybrid has no curriculum or data routing", OBJECT),

@@ -10,7 +10,9 @@ What is here runs on :func:`hybrid.initialize`'s engine (one engine, not a
 second implementation): :func:`initialize` with DeepSpeed's signature,
 :func:`add_config_arguments`, :func:`init_distributed`, and the submodules
 ``zero`` (``Init``, ``GatheredParameters``), ``comm``, ``accelerator``
-(``get_accelerator``) and ``checkpointing``. docs/deepspeed.md has the table:
+(``get_accelerator``), ``checkpointing`` and ``pipe`` (``PipelineModule``,
+``LayerSpec``, ``TiedLayerSpec``: a model as a list of layers on hybrid's pipeline, its
+engine's ``train_batch``). docs/deepspeed.md has the table:
 each name "same", "mapped" (what it becomes) or "refused" (what to use instead).
 A DeepSpeed name that is not here is an AttributeError that says so, and what
 hybrid cannot honour (a client optimizer with the optimizer on NVMe, ...) is
@@ -22,20 +24,21 @@ hybrid's own ZeRO engine is :mod:`hybrid.zero`, which a script never meets.
 
 from __future__ import annotations
 
-from hybrid.deepspeed import accelerator, checkpointing, comm, zero
+from hybrid.deepspeed import accelerator, checkpointing, comm, pipe, zero
 from hybrid.deepspeed.comm import init_distributed
 from hybrid.deepspeed.door import add_config_arguments, initialize
+from hybrid.deepspeed.pipe import PipelineModule
+from hybrid.deepspeed.pipe_engine import PipelineEngine
 from hybrid.train.api import Engine as DeepSpeedEngine
 
-__all__ = ["DeepSpeedEngine", "accelerator", "add_config_arguments", "checkpointing", "comm",
-           "init_distributed", "initialize", "zero"]
+__all__ = ["DeepSpeedEngine", "PipelineEngine", "PipelineModule", "accelerator",
+           "add_config_arguments", "checkpointing", "comm", "init_distributed", "initialize",
+           "pipe", "zero"]
 
 # DeepSpeed names a script may reach for that hybrid does not have: name -> what instead
 _NOT_HERE = {
     "init_inference": "hybrid trains; for generation load a checkpoint with "
                       "scripts/generate.py, or run the module itself",
-    "PipelineModule": "hybrid has no pipeline parallelism: shard with TP and ZeRO-3",
-    "pipe": "hybrid has no pipeline parallelism: shard with TP and ZeRO-3",
     "ops": "hybrid's AdamW is its own (configure it in the ds_config's \"optimizer\" block, "
            "or pass a torch.optim optimizer as initialize(optimizer=...))",
     "runtime": "the scheduler and optimizer classes are configured in the ds_config (or "

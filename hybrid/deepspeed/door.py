@@ -14,8 +14,11 @@ import os
 
 import torch.distributed as dist
 from torch import nn
+from torch.utils.data import DataLoader, DistributedSampler
 
 from hybrid.deepspeed.checkpointing import PHASE
+from hybrid.deepspeed.pipe import PipelineModule
+from hybrid.deepspeed.pipe_engine import PipelineEngine, RepeatingLoader
 from hybrid.errors import ConfigError
 from hybrid.parallel.state import ParallelState
 from hybrid.train import api
@@ -81,10 +84,24 @@ def initialize(args=None, model: nn.Module | None = None, optimizer=None, model_
     Refused, one ConfigError each naming what to do: a trainable parameter left out
     of ``model_parameters`` or of the optimizer's groups, another ``mpu``,
     ``mesh_param``.
+
+    ``model`` a :class:`~hybrid.deepspeed.pipe.PipelineModule`: the layout is the
+    module's (``mpu``, if given, must be it), and the engine a
+    :class:`~hybrid.deepspeed.pipe_engine.PipelineEngine` (``train_batch``); the loader
+    over ``training_data`` goes through this DP rank's share in order (not shuffled,
+    as DeepSpeed's pipeline loader) and starts again at its end.
     """
     if model is None:
         raise TypeError(f"{_WHERE}(model=...) is required: the torch.nn.Module to train")
     cfg = _config(args, config, config_params)
+    if isinstance(model, PipelineModule):  # (its layout was fixed when it was built)
+        if ((mpu is not None and mpu is not model.ps)
+                or (parallel_state is not None and parallel_state is not model.ps)):
+            raise ConfigError(f"{_WHERE}(mpu=...) with a PipelineModule: the module holds "
+                              f"its layout; pass it as PipelineModule(parallel_state=...) "
+                              f"and leave mpu None")
+        return _pipeline(model, cfg, optimizer, model_parameters, training_data, lr_scheduler,
+                         collate_fn, seed)
     if mpu is not None:
         if not isinstance(mpu, ParallelState):
             raise ConfigError(f"{_WHERE}(mpu=...): hybrid takes its layout as a "
@@ -106,3 +123,26 @@ def initialize(args=None, model: nn.Module | None = None, optimizer=None, model_
                           parallel_state=parallel_state, tensor_parallel_size=tensor_parallel_size,
                           seed=seed, collate_fn=collate_fn, recompute_phase=PHASE,
                           caller=_WHERE)
+
+
+def _pipeline(model: PipelineModule, cfg, optimizer, model_parameters, training_data,
+              lr_scheduler, collate_fn, seed: int):
+    """:func:`initialize` of a PipelineModule (its doc): the engine of this stage's
+    layers on the module's layout, ZeRO over this stage's DP group, the tied weights
+    summed over the first and the last stage."""
+    engine, optim, loader, sched = api.initialize(
+        model, cfg, model_parameters, optimizer, lr_scheduler, training_data,
+        parallel_state=model.ps, seed=seed, collate_fn=collate_fn, recompute_phase=PHASE,
+        caller=_WHERE, tied=model.tied_parameter_names(), engine_type=PipelineEngine)
+    assert isinstance(engine, PipelineEngine)
+    if loader is not None:  # DeepSpeed's pipeline loader: the share in order, repeating
+        ps = model.ps
+        sampler: DistributedSampler = DistributedSampler(
+            training_data, num_replicas=ps.dp_size, rank=ps.dp_rank, shuffle=False)
+        ordered = DataLoader(training_data, batch_size=loader.batch_size, sampler=sampler,
+                             collate_fn=loader.collate_fn, drop_last=loader.drop_last,
+                             pin_memory=loader.pin_memory)
+        loader = RepeatingLoader(ordered)
+        engine.training_dataloader = loader
+        engine.set_dataloader(loader)
+    return engine, optim, loader, sched

@@ -39,7 +39,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 
 import torch
 from torch import nn
@@ -415,7 +415,8 @@ def _rng_kept(device: torch.device):
 def initialize(model: nn.Module, config=None, model_parameters=None, optimizer=None,
                lr_scheduler=None, training_data=None, *, parallel_state=None,
                tensor_parallel_size: int = 1, seed: int = 1234, collate_fn=None,
-               recompute_phase: RecomputePhase | None = None, caller: str = "hybrid.initialize"):
+               recompute_phase: RecomputePhase | None = None, caller: str = "hybrid.initialize",
+               tied: Collection[str] = (), engine_type: type[Engine] = Engine):
     """(engine, optimizer, dataloader, lr_scheduler) as ``deepspeed.initialize`` returns
     them: ``optimizer`` is the engine's :class:`EngineOptimizer`, ``dataloader`` a
     DataLoader over this DP rank's share of ``training_data`` (None without it;
@@ -434,7 +435,10 @@ def initialize(model: nn.Module, config=None, model_parameters=None, optimizer=N
     left as they were). ``recompute_phase``: the flag a function-level activation
     checkpoint sets around its recompute (:mod:`hybrid.deepspeed.checkpointing`), so
     stage 3 keeps a recomputed module's parameters for its backward. ``caller``: the
-    door's name in messages. A ``config`` key or an argument of the wrong type or
+    door's name in messages. ``tied``: names of parameters every rank of
+    ``parallel_state.embedding_group`` holds a copy of (:func:`hybrid.zero.apply_zero`);
+    ``engine_type``: the engine class (:mod:`hybrid.deepspeed.pipe_engine`'s for a
+    pipeline). A ``config`` key or an argument of the wrong type or
     value is one ConfigError naming it (``model`` or ``parallel_state`` of the wrong
     class: TypeError).
     """
@@ -465,7 +469,9 @@ def initialize(model: nn.Module, config=None, model_parameters=None, optimizer=N
         flags.ds_config_notes = apply_ds_config(
             flags, {k: v for k, v in ds.items() if not (k == "scheduler" and kind_of(v))},
             ps.dp_size, source=source)
-    cfg = build_config(flags, ps.world_size)
+    # under a pipeline (a PipelineModule's layout) each stage trains on its own DP x TP x
+    # CP ranks: the batch arithmetic (micro-batches = global / (micro x DP)) is one stage's
+    cfg = build_config(flags, ps.world_size // ps.pp_size)
     # (checked alike on every rank, before the first collective)
     client = resolve_optimizer(model, model_parameters, optimizer, lr_scheduler, cfg.adamw,
                                cfg.lr_schedule.lr, caller,
@@ -477,7 +483,8 @@ def initialize(model: nn.Module, config=None, model_parameters=None, optimizer=N
                 log.warning("%s: ds_config %s", caller, note)
     with _rng_kept(ps.device):
         engine = _build(model, cfg, ps, recompute_phase, client,
-                        lambda optim: resolve_schedule(lr_scheduler, ds, cfg, optim, caller))
+                        lambda optim: resolve_schedule(lr_scheduler, ds, cfg, optim, caller),
+                        tied, engine_type)
     if training_data is not None:
         engine.training_dataloader = dataloader_of(training_data, ps, cfg.loop.micro_batch_size,
                                                    collate_fn, drop_last)
@@ -485,7 +492,8 @@ def initialize(model: nn.Module, config=None, model_parameters=None, optimizer=N
 
 
 def _build(model: nn.Module, cfg, ps: ParallelState, recompute_phase: RecomputePhase | None,
-           client: torch.optim.Optimizer | None, schedule_of) -> Engine:
+           client: torch.optim.Optimizer | None, schedule_of, tied: Collection[str] = (),
+           engine_type: type[Engine] = Engine) -> Engine:
     """The engine of ``model`` (inside :func:`_rng_kept`: seeding hybrid's streams
     touches the global generators), stepped by ``client`` (None: hybrid's AdamW) and
     scheduled by ``schedule_of(engine optimizer)``."""
@@ -508,10 +516,10 @@ def _build(model: nn.Module, cfg, ps: ParallelState, recompute_phase: RecomputeP
         model.to(ps.device)
     zero = apply_zero(model, ps, cfg.zero, adamw=cfg.adamw, precision=cfg.precision,
                       offload=cfg.offload, values=values, unit_modules=_units(model),
-                      recompute=recompute_phase, client=client, decay="all")
+                      recompute=recompute_phase, client=client, decay="all", tied=tied)
     optim = EngineOptimizer([p for p in model.parameters() if p.requires_grad], cfg.adamw, zero,
                             client)
-    engine = Engine(model, cfg, ps, zero, rng, optim, schedule_of(optim))
+    engine = engine_type(model, cfg, ps, zero, rng, optim, schedule_of(optim))
     teardown_at_exit(ps, engine)  # closed, then the groups destroyed, at exit if not before
     for p in model.parameters():  # GatheredParameters finds the engine from a parameter
         # an attribute of the tensor: torch's stubs declare none beyond its own

@@ -4,7 +4,9 @@ ranks by ``python -m tests.deepspeed.record_deepspeed`` into ``recorded/``): eve
 rank's loss of every micro-batch, the learning rate every optimizer step applies, and
 each case's extra numbers, equal within 1e-5 (fp32).
 
-All the cases run in one pooled 2-rank call (DP 2). A case hybrid does not match yet is
+All the cases run in one pooled 2-rank call (DP 2), and the pipeline cases
+(:mod:`tests.deepspeed.cases.pipe`, ``stages`` 2) in another, laid out PP 2. A case
+hybrid does not match yet is
 in :data:`PENDING` with the reason: it is reported as skipped, and
 :func:`test_pending_cases_still_fail_under_hybrid` fails as soon as one of them
 matches, so the suite says when to move it out.
@@ -63,10 +65,15 @@ def _problems(name: str, ranks: list[dict]) -> list[str]:
 
 @pytest.fixture(scope="module")
 def under_hybrid(tmp_path_factory) -> dict[str, list[dict]]:
-    """Every case under hybrid.deepspeed in one pooled 2-rank call: case -> rank results."""
-    by_rank = run_ranks(on_ranks, world_size=WORLD_SIZE,
-                        args=(list(CASES), str(tmp_path_factory.mktemp("cases"))))
-    return {name: [r[name] for r in by_rank] for name in CASES}
+    """Every case under hybrid.deepspeed, one pooled 2-rank call per layout (DP 2; the
+    pipeline cases' PP 2): case -> rank results."""
+    out = {}
+    for stages in sorted({c.stages for c in CASES.values()}):
+        names = [n for n, c in CASES.items() if c.stages == stages]
+        by_rank = run_ranks(on_ranks, world_size=WORLD_SIZE, pp=stages,
+                            args=(names, str(tmp_path_factory.mktemp(f"cases_pp{stages}"))))
+        out.update({name: [r[name] for r in by_rank] for name in names})
+    return out
 
 
 @pytest.mark.parametrize("name", list(CASES))
@@ -75,6 +82,17 @@ def test_the_script_trains_under_hybrid_as_under_deepspeed(name, under_hybrid):
         pytest.skip(f"pending: {PENDING[name]}")
     problems = _problems(name, under_hybrid[name])
     assert not problems, f"{name} ({CASES[name].doc}):\n" + "\n".join(problems)
+
+
+def test_every_stage_of_a_pipeline_returns_the_same(under_hybrid):
+    """Under hybrid too, train_batch's loss is the same on both stages, bit for bit, and
+    so is the tied weight of pipeline_tied: the first and the last stage's copies stay
+    identical."""
+    for name, case in CASES.items():
+        if case.stages > 1:
+            first, last = under_hybrid[name]
+            assert first == last, name
+    assert len(under_hybrid["pipeline_tied"][0]["extra"]["tied_weight"]) == 16 * 8
 
 
 def test_pending_cases_still_fail_under_hybrid(under_hybrid):
@@ -97,8 +115,10 @@ def test_every_case_is_recorded_as_it_is_written_now():
         assert rec["config"] == case.config and rec["script"] == case.doc, (
             f"{name} changed since it was recorded: python -m tests.deepspeed.record_deepspeed")
         assert rec["versions"]["deepspeed"] == "0.19.8" and rec["world_size"] == WORLD_SIZE
-        # DP 2 split the data: the ranks trained on different batches
-        assert rec["ranks"][0]["losses"] != rec["ranks"][1]["losses"], name
+        if case.stages == 1:  # DP 2 split the data: the ranks trained on different batches
+            assert rec["ranks"][0]["losses"] != rec["ranks"][1]["losses"], name
+        else:  # one pipeline: train_batch's loss is the same on every stage
+            assert rec["ranks"][0] == rec["ranks"][1], name
 
 
 def test_the_recorded_cases_exercise_what_they_name():

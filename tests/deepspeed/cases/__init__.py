@@ -14,7 +14,9 @@ The scripts, by what they cover:
 - :mod:`.optimizers`: a client AdamW, a client SGD with momentum, frozen parameters,
   no-decay groups, the config's weight decay on every parameter;
 - :mod:`.usage`: ``training_data=``, a plain ``loss.backward()``, a string-tag
-  checkpoint with a tensor in ``client_state``, ``zero.Init`` with constructor init.
+  checkpoint with a tensor in ``client_state``, ``zero.Init`` with constructor init;
+- :mod:`.pipe`: ``deepspeed.pipe``'s ``PipelineModule`` at 2 stages, ``train_batch``,
+  ``eval_batch``, a ``TiedLayerSpec`` on the first and the last stage.
 """
 
 from __future__ import annotations
@@ -22,14 +24,14 @@ from __future__ import annotations
 import os
 import traceback
 
-from tests.deepspeed.cases import optimizers, schedules, usage, zero
+from tests.deepspeed.cases import optimizers, pipe, schedules, usage, zero
 from tests.deepspeed.cases.common import CASES, Case, Result
 
 __all__ = ["CASES", "Case", "Result", "on_ranks", "run_cases"]
 
 # The modules register their cases as they are imported (alphabetically); the registry
 # is put in the order listed above, which the recorder and the tests' ids follow.
-_MODULES = (zero, schedules, optimizers, usage)
+_MODULES = (zero, schedules, optimizers, usage, pipe)
 _ordered = sorted(CASES.items(),
                   key=lambda item: [m.__name__ for m in _MODULES].index(item[1].run.__module__))
 CASES.clear()
@@ -58,16 +60,33 @@ def run_cases(deepspeed, names, workdir: str) -> dict[str, Result]:
 class _OnRanks:
     """``hybrid.deepspeed`` on the pooled ranks of a test: the module itself, except
     that ``initialize`` gets the ranks' :class:`ParallelState` as ``mpu`` (unless the
-    script passes one). Under torchrun hybrid builds that layout from the environment
-    (DP over every rank); the pooled ranks joined their process group before the call
-    and hand it over instead of building a second set of groups per engine."""
+    script passes one), and so does ``pipe.PipelineModule`` as ``parallel_state`` (the
+    pipeline cases run on ranks laid out PP x DP). Under torchrun hybrid builds that
+    layout from the environment (or the process group); the pooled ranks joined their
+    process group before the call and hand it over instead of building a second set of
+    groups per engine."""
 
     def __init__(self, module, ps):
         self._module, self._ps = module, ps
+        self.pipe = _PipeOnRanks(module.pipe, ps)
 
     def initialize(self, *args, **kwargs):
         kwargs.setdefault("mpu", self._ps)
         return self._module.initialize(*args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self._module, name)
+
+
+class _PipeOnRanks:
+    """``hybrid.deepspeed.pipe`` whose ``PipelineModule`` takes the pooled ranks' layout."""
+
+    def __init__(self, module, ps):
+        self._module, self._ps = module, ps
+
+    def PipelineModule(self, *args, **kwargs):  # noqa: N802 (DeepSpeed's class name)
+        kwargs.setdefault("parallel_state", self._ps)
+        return self._module.PipelineModule(*args, **kwargs)
 
     def __getattr__(self, name):
         return getattr(self._module, name)

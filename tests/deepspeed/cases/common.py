@@ -37,12 +37,15 @@ SEED = 42
 
 @dataclass(frozen=True)
 class Case:
-    """One script: its name, its ds_config and the function that trains it."""
+    """One script: its name, its ds_config and the function that trains it; ``stages``:
+    the pipeline depth its ``PipelineModule`` asks for (1: no pipeline), the layout the
+    hybrid run's ranks get."""
 
     name: str
     config: dict
     run: Callable[[Any, dict, str], Result]
     doc: str = field(default="")
+    stages: int = 1
 
     def __call__(self, deepspeed, workdir: str) -> Result:
         return self.run(deepspeed, copy.deepcopy(self.config), workdir)
@@ -51,11 +54,13 @@ class Case:
 CASES: dict[str, Case] = {}
 
 
-def case(config: dict):
-    """Register the decorated script under its function's name, with ``config``."""
+def case(config: dict, stages: int = 1):
+    """Register the decorated script under its function's name, with ``config`` (and the
+    pipeline depth ``stages`` it builds)."""
     def register(fn):
         assert fn.__name__ not in CASES, fn.__name__
-        CASES[fn.__name__] = Case(fn.__name__, config, fn, " ".join((fn.__doc__ or "").split()))
+        CASES[fn.__name__] = Case(fn.__name__, config, fn, " ".join((fn.__doc__ or "").split()),
+                                  stages)
         return fn
     return register
 
