@@ -124,6 +124,32 @@ def test_one_stage_runs_in_one_process():
     assert torch.equal(net(x), want) and net.partitions() == [0, 3]
 
 
+class _Counted(nn.Linear):
+    calls = 0
+
+    def forward(self, x):
+        type(self).calls += 1
+        return super().forward(x)
+
+
+def test_the_checkpoint_interval_recomputes_the_blocks_with_parameters():
+    """activation_checkpoint_interval=1 in one process: each Linear's block runs again in
+    backward (2 calls each), the ReLU's (no parameters) is not checkpointed; the
+    gradients equal the plain forward's."""
+    torch.manual_seed(0)
+    layers = [_Counted(3, 4), nn.ReLU(), _Counted(4, 2)]
+    x = torch.randn(5, 3)
+    plain = PipelineModule(layers, num_stages=1)
+    plain(x).square().sum().backward()
+    want = [p.grad.clone() for p in plain.parameters()]
+    plain.zero_grad()
+    _Counted.calls = 0
+    net = PipelineModule(layers, num_stages=1, activation_checkpoint_interval=1)
+    net(x).square().sum().backward()
+    assert _Counted.calls == 4
+    assert all(torch.equal(p.grad, w) for p, w in zip(net.parameters(), want))
+
+
 # -- the tied layer against one process sharing the module ----------------------------------
 
 class _Shared(nn.Module):

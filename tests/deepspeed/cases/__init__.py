@@ -16,7 +16,8 @@ The scripts, by what they cover:
 - :mod:`.usage`: ``training_data=``, a plain ``loss.backward()``, a string-tag
   checkpoint with a tensor in ``client_state``, ``zero.Init`` with constructor init;
 - :mod:`.pipe`: ``deepspeed.pipe``'s ``PipelineModule`` at 2 stages, ``train_batch``,
-  ``eval_batch``, a ``TiedLayerSpec`` on the first and the last stage.
+  ``eval_batch``, a ``TiedLayerSpec`` on the first and the last stage, ``seed_layers``,
+  activation checkpointing, a pipeline checkpoint resumed.
 """
 
 from __future__ import annotations

@@ -17,8 +17,8 @@ STEPS = 4
 WIDTH, CLASSES = 8, 4
 
 
-def _pipe_config(**top) -> dict:
-    return ds_config(stage=1, gradient_accumulation_steps=4, **top)
+def _pipe_config(stage: int = 1) -> dict:
+    return ds_config(stage=stage, gradient_accumulation_steps=4)
 
 
 def _trainset(samples: int = 64) -> TensorDataset:
@@ -100,4 +100,36 @@ def pipeline_tied(deepspeed, config, workdir):
             for i in range(0, 64, 4)]
     result = _train(engine, STEPS, iter(data))
     result["extra"]["tied_weight"] = net.tied_modules["embed"].weight.detach().flatten().tolist()
+    return result
+
+
+@case(_pipe_config(stage=0), stages=2)
+def pipeline_checkpointed(deepspeed, config, workdir):
+    """DeepSpeed's other module options: ``seed_layers=True`` (each layer built from
+    ``base_seed`` 7 plus its index; with ``partition_method="uniform"``: DeepSpeed 0.19.8
+    seeds Python's ``random`` with a numpy integer after a balanced partition, a
+    TypeError), ``activation_checkpoint_interval=2`` (blocks of two layers recomputed
+    in backward), ZeRO 0, 3 steps; also a checkpoint after step 2, resumed into a fresh
+    engine (a fresh module from the same seeds) for step 3: ``resumed_losses``."""
+    pipe = deepspeed.pipe
+
+    def build():
+        layers = [pipe.LayerSpec(nn.Linear, WIDTH, 16), nn.ReLU(),
+                  pipe.LayerSpec(nn.Linear, 16, 16), nn.GELU(), nn.Dropout(0.0),
+                  pipe.LayerSpec(nn.Linear, 16, 16), nn.ReLU(),
+                  pipe.LayerSpec(nn.Linear, 16, CLASSES)]
+        net = pipe.PipelineModule(layers=layers, loss_fn=nn.CrossEntropyLoss(), num_stages=2,
+                                  partition_method="uniform", seed_layers=True, base_seed=7,
+                                  activation_checkpoint_interval=2)
+        return deepspeed.initialize(
+            model=net, model_parameters=[p for p in net.parameters() if p.requires_grad],
+            training_data=_trainset(), config=dict(config))[0]
+
+    engine = build()
+    result = _train(engine, 2)
+    engine.save_checkpoint(workdir, tag="step2")
+    result["losses"] += _train(engine, 1)["losses"]
+    resumed = build()
+    resumed.load_checkpoint(workdir, tag="step2")
+    result["extra"]["resumed_losses"] = _train(resumed, 1)["losses"]
     return result
