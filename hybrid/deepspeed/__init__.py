@@ -12,7 +12,7 @@ second implementation): :func:`initialize` with DeepSpeed's signature,
 ``zero`` (``Init``, ``GatheredParameters``), ``comm``, ``accelerator``
 (``get_accelerator``), ``checkpointing`` and ``pipe`` (``PipelineModule``,
 ``LayerSpec``, ``TiedLayerSpec``: a model as a list of layers on hybrid's pipeline, its
-engine's ``train_batch``). docs/deepspeed.md has the table:
+engine's ``train_batch``), and ``utils.RepeatingLoader``. docs/deepspeed.md has the table:
 each name "same", "mapped" (what it becomes) or "refused" (what to use instead).
 A DeepSpeed name that is not here is an AttributeError that says so, and what
 hybrid cannot honour (a client optimizer with the optimizer on NVMe, ...) is
@@ -24,7 +24,7 @@ hybrid's own ZeRO engine is :mod:`hybrid.zero`, which a script never meets.
 
 from __future__ import annotations
 
-from hybrid.deepspeed import accelerator, checkpointing, comm, pipe, zero
+from hybrid.deepspeed import accelerator, checkpointing, comm, pipe, utils, zero
 from hybrid.deepspeed.comm import init_distributed
 from hybrid.deepspeed.door import add_config_arguments, initialize
 from hybrid.deepspeed.pipe import PipelineModule
@@ -33,7 +33,7 @@ from hybrid.train.api import Engine as DeepSpeedEngine
 
 __all__ = ["DeepSpeedEngine", "PipelineEngine", "PipelineModule", "accelerator",
            "add_config_arguments", "checkpointing", "comm", "init_distributed", "initialize",
-           "pipe", "zero"]
+           "pipe", "utils", "zero"]
 
 # DeepSpeed names a script may reach for that hybrid does not have: name -> what instead
 _NOT_HERE = {

@@ -279,3 +279,13 @@ def test_pp2_dp2_every_zero_stage_trains_as_one_process():
     for rank, got in enumerate(by_rank):
         for stage, losses in got.items():
             assert _worst(losses, want) < TOLERANCE, (rank, stage, losses, want)
+
+
+def test_the_pipeline_names_a_script_reaches_for():
+    """deepspeed.PipelineModule, deepspeed.pipe.*, deepspeed.utils.RepeatingLoader."""
+    import hybrid.deepspeed as deepspeed
+    assert deepspeed.PipelineModule is deepspeed.pipe.PipelineModule is PipelineModule
+    loader = deepspeed.utils.RepeatingLoader([1, 2])
+    assert [next(loader) for _ in range(5)] == [1, 2, 1, 2, 1]
+    with pytest.raises(AttributeError, match="RepeatingLoader only"):
+        deepspeed.utils.safe_get_full_grad  # noqa: B018 (the lookup is the test)
