@@ -78,8 +78,10 @@ from hybrid.testing.worker import worker_main
 
 # At most this many idle pooled workers are kept; older pools are shut down first. Ten
 # hold the suite's pools of 1, 2 and 4 ranks and an extra environment's pool of 2 (about
-# 0.4 GB each) without respawning one.
-MAX_POOLED_WORKERS = 10
+# 0.4 GB each) without respawning one; eight more let the one test of 8 ranks (the
+# pipeline's proof grid, which closes its pool when done: close_pools) start beside
+# them instead of shutting them all down.
+MAX_POOLED_WORKERS = 18
 
 
 def _context():
@@ -233,6 +235,13 @@ def _pool(world_size: int, collective_timeout: float) -> _Pool:
             min(_POOLS.values(), key=lambda p: p.last_used).close()
         pool = _POOLS[key] = _Pool(world_size, collective_timeout)
     return pool
+
+
+def close_pools(world_size: int) -> None:
+    """Stop the pooled workers of every pool of ``world_size`` ranks (a size one test
+    uses alone: its memory back at once)."""
+    for pool in [p for p in _POOLS.values() if p.world_size == world_size]:
+        pool.close()
 
 
 def shutdown_pools() -> None:
