@@ -371,6 +371,19 @@ def check_offload(f: Flags) -> None:
     if f.offload_nvme_path and "nvme" not in (f.offload_optimizer, f.offload_param):
         raise ConfigError("--offload-nvme-path is only used with --offload-optimizer nvme or "
                           "--offload-param nvme")
+    # [Note: what starts before the step] in hybrid/zero/offload/host_step.py: only the
+    # nvme tier under a pipeline has read-ahead tiles to update, and the delayed update
+    # reads its tiles during the next step (nothing before it to speculate on)
+    applies = f.offload_optimizer == "nvme" and f.pipeline_model_parallel_size > 1
+    if f.offload_speculative_step and f.offload_delayed_update:
+        raise ConfigError("--offload-speculative-step updates the read-ahead tiles before "
+                          "the step; --offload-delayed-update runs the step during the next "
+                          "iteration: drop one")
+    if f.offload_speculative_step and not applies:
+        raise ConfigError("--offload-speculative-step needs --offload-optimizer nvme and "
+                          "--pipeline-model-parallel-size > 1 (a stage's read-ahead tiles)")
+    if f.offload_speculative_step is None:
+        f.offload_speculative_step = applies and not f.offload_delayed_update
     if f.offload_buffer_count < 2:
         raise ConfigError(f"--offload-buffer-count must be >= 2 (one buffer is read while "
                           f"another is computed on), got {f.offload_buffer_count}")

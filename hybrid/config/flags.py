@@ -260,6 +260,12 @@ class Flags:
     offload_delayed_update_warmup: int = opt(0, "normal steps before "
                                                 "--offload-delayed-update starts",
                                                 to="offload.delayed_update_warmup")
+    offload_speculative_step: bool | None = opt(
+        None, "with --offload-optimizer nvme under a pipeline: a stage whose backward has "
+              "ended updates its read-ahead tiles while the other stages drain, kept when "
+              "the clip does not bind and the step is not skipped (bit-identical either "
+              "way; default: on there, never with --offload-delayed-update; --no- for A/B)",
+        to="offload.speculative_step")
     compile: bool = opt(False, "torch.compile each transformer block's forward (same results "
                                "to rounding; its speed was not measured)", to="model")
     # mixed precision

@@ -104,7 +104,10 @@ class OffloadConfig:
     with ``optimizer``, ZeRO-Offload's one-step delayed parameter update, after
     ``delayed_update_warmup`` normal steps. ``gds``: with ``param`` "nvme", read
     the shards into device memory through GPUDirect Storage where it works
-    (:mod:`hybrid.kernels.gds`).
+    (:mod:`hybrid.kernels.gds`). ``speculative_step``: on the nvme tier without the
+    delayed update, a pipeline stage whose backward has ended updates its read-ahead
+    tiles while the other stages drain, kept only if the step's scalars turn out the
+    same (hybrid/zero/offload/host_step.py, [Note: what starts before the step]).
     """
 
     optimizer: str | None = None
@@ -116,6 +119,7 @@ class OffloadConfig:
     delayed_update: bool = False
     delayed_update_warmup: int = 0
     gds: bool = False
+    speculative_step: bool = True
 
     @property
     def nvme(self) -> bool:

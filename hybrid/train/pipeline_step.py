@@ -102,8 +102,9 @@ def pipeline_train_step(model: GPT, engine: ZeroEngine, micro_batches, lr: float
                       zero=engine, weight_grads=weight_grads, peers=lists.ranks,
                       reshard_after_micro_batch=reshard_after_micro_batch)
     # the other stages may still drain their backwards: the offloaded step's first reads
-    # start now (hybrid/zero/offload/host_step.py, [Note: what starts before the step])
-    engine.prefetch_step()
+    # and their speculative update start now (hybrid/zero/offload/host_step.py, [Note:
+    # what starts before the step]); ``lr`` is the step's, its divisor step()'s default
+    engine.prefetch_step(lr)
     losses = torch.zeros(n, dtype=torch.float32, device=ps.device)
     for j, loss in got.items():  # (what was backpropagated: loss / n * scale)
         losses[j] = loss.float() * (n / scale)

@@ -329,13 +329,21 @@ class ZeroEngine:
         self.gatherer.release(self.units if part is None else
                               [u for u, k in zip(self.units, self.unit_parts) if k == part])
 
-    def prefetch_step(self) -> None:
+    def prefetch_step(self, lr: float | None = None, grad_divisor: float = 1.0) -> None:
         """This rank's backwards of the step have ended: start what the coming
         :meth:`step` can do before its norm is known -- the nvme tier's first tiles off
-        the disk ([Note: what starts before the step] in hybrid/zero/offload/host_step.py;
+        the disk and, given the step's ``lr`` and ``grad_divisor`` (those :meth:`step` will
+        be called with), their speculative update on the host step's worker
+        ([Note: what starts before the step] in hybrid/zero/offload/host_step.py;
         nothing without an offloaded optimizer). Changes no number."""
         if self.offload is not None:
-            self.offload.prefetch()
+            self.offload.prefetch(lr, None if lr is None else self.scaler.scale * grad_divisor)
+
+    def offload_speculation(self) -> dict:
+        """Tiles of the speculative update, summed over the steps so far: ``speculated``,
+        then ``used`` or ``discarded`` by the step ({} where none is made: see
+        :meth:`OptimizerOffload.speculation`)."""
+        return {} if self.offload is None else self.offload.speculation()
 
     # [Note: one skip decision, no extra all-reduce]
     # global_grad_norm sums squared norms over DP (disjoint shards, or nothing

@@ -324,3 +324,32 @@ def test_zero_flags_land_in_one_section_each():
             cfg.precision.loss_scale_window) == ("fp16", "fp16", 50)
     assert cfg.offload.optimizer and cfg.offload.delayed_update
     assert not hasattr(cfg.zero, "clip_grad") and not hasattr(cfg.zero, "params_dtype")
+
+
+@pytest.mark.parametrize("flags,speculate,error", [
+    # on where it applies: the nvme optimizer tier under a pipeline
+    (["--pipeline-model-parallel-size", "2", "--offload-optimizer", "nvme"], True, None),
+    (["--pipeline-model-parallel-size", "2", "--offload-optimizer", "nvme",
+      "--no-offload-speculative-step"], False, None),  # the A/B switch
+    (["--offload-optimizer", "nvme"], False, None),  # PP 1: no stage waits for another
+    (["--pipeline-model-parallel-size", "2", "--offload-optimizer", "cpu"], False, None),
+    (["--pipeline-model-parallel-size", "2", "--offload-optimizer", "nvme",
+      "--offload-delayed-update"], False, None),
+    (["--pipeline-model-parallel-size", "2", "--offload-optimizer", "nvme",
+      "--offload-delayed-update", "--offload-speculative-step"], None, "drop one"),
+    (["--offload-optimizer", "cpu", "--offload-speculative-step"], None,
+     "needs --offload-optimizer nvme"),
+])
+def test_the_speculative_host_step_is_on_where_it_applies(tmp_path, flags, speculate, error):
+    """--offload-speculative-step (hybrid/zero/offload/host_step.py, [Note: what starts
+    before the step]): on by default with the nvme optimizer tier under a pipeline,
+    off elsewhere; asked for where it cannot run, one error naming why."""
+    argv = ["--zero-stage", "1", *flags]
+    if "nvme" in flags:
+        argv += ["--offload-nvme-path", str(tmp_path)]
+    if error is not None:
+        with pytest.raises(ConfigError, match=error):
+            _cfg(*argv, world=4, tp=1)
+        return
+    cfg = _cfg(*argv, world=4, tp=1)
+    assert cfg.offload.speculative_step is speculate

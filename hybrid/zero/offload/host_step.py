@@ -53,15 +53,47 @@ at the global norm. What it could do meanwhile without changing a bit is narrow:
 
 * its gradients already go down (and, on NVMe, to ``grads.swp``) as each unit's last
   reduction ends, during backward ([Note: what overlaps what]);
-* the update cannot start: with clipping every gradient is scaled by a coefficient of
-  the global norm, and without clipping (``--clip-grad 0``, no dynamic fp16 scaling)
-  the update still hangs on the skip decision, which an inf or NaN on any stage makes
-  (global_grad_norm, [Note: one skip decision ...] in hybrid/zero/engine.py). AdamW
-  writes its master and moments in place and its rounding cannot be undone, so a
-  speculative update would need a copy of all three (12 bytes per element) to fall
-  back on -- the size of the states, for a skip that a bf16/fp32 run almost never
-  takes. The delayed update does not speculate either: it submits its update once the
-  step's scalars are known, and a skipped one changes nothing;
+* the update cannot start for sure: with clipping every gradient is scaled by a
+  coefficient of the global norm, and without (``--clip-grad 0``, no dynamic fp16
+  scaling) it still hangs on the skip decision, which an inf or NaN on any stage makes
+  ([Note: one skip decision ...] in hybrid/zero/engine.py). AdamW writes master and
+  moments in place with rounding no step can undo, so the host tier (states updated
+  where they live) would need a copy of all three (12 bytes per element) to fall back
+  on: it does not speculate;
+* on the nvme tier it can, speculatively, where the fallback is free: the read-ahead
+  tiles' states are copies (staging buffers) and the file keeps the old ones until the
+  tile loop writes them back. Given the step's ``lr`` and loss scale (:meth:`prefetch`,
+  from the pipeline step), the worker -- the main thread goes on to the loss
+  all-reduce and the norm at once -- waits until the final gradients of those tiles'
+  units are on disk (``SwappedGrads.stored[i]``: set by the gradient writer only after
+  every write of the unit's last ``store`` has ended; the run of tiles stops at one with
+  a unit not yet final, e.g. a tied one, summed at the step), reads them and updates
+  the tiles in their buffers with the scalars the step would use if the clip
+  coefficient were exactly 1 and the step not skipped
+  (:meth:`SwappedAdamW.speculative_scalars`: ``ones / scale`` in fp64, the division the
+  step makes after its ``clamp(..., max=1.0)``; the next step count; skip 0). Their new
+  parameters go to buffers of their own: nothing is published or written ([Note:
+  holding read-ahead tiles] in nvme/tiles.py). At the step the worker compares: the
+  step's ``begin_step`` scalars bitwise equal to those and the same ``lr`` -> the tile
+  loop takes those tiles as updated (their parameters copied to where the kernel would
+  have written them; written back and published in the loop's order as any tile);
+  anything else (the clip binds, a non-finite norm, a skip, fp16's included, another
+  lr) -> they are dropped and the loop reads those it had updated again from the
+  file (the gradients read stay). The kernel is
+  elementwise and piece-exact, so a kept tile holds the bits the loop would have made
+  and a dropped one is recomputed from untouched states: bit-identical either way
+  (tests/zero/test_nvme_speculation.py, and tests/scripts/test_pretrain_gpt.py at PP 2).
+  Kept where the clip does not bind (a norm below ``--clip-grad``, or ``--clip-grad 0``);
+  where it binds, the tiles it updated are read and computed once more. Measured
+  (CPU-2, docs/pipeline-parallelism.md "What starts before the step"): kept, the last
+  stage's host step 0.57 -> 0.47 s (3 tiles of 8M, PP 2, DP 1); discarded, 0.1 s (DP 1)
+  to 0.3 s (DP 2) longer, the wasted work sharing two cores and one disk with the other
+  stage's step. Host memory: ``C - 1`` tiles of parameters in the training dtype. Not
+  with ``--offload-delayed-update`` (the flag refuses the pair, the engine does not
+  speculate): its update runs in the next step.
+  ``--no-offload-speculative-step`` turns it off; :meth:`speculation` counts the tiles.
+  (The mechanics: hybrid/zero/offload/nvme/speculative.py, which also stops a
+  speculation the step's scalars have outrun: [Note: a speculation the step has outrun]);
 * the data movement can: on the nvme tier :meth:`OptimizerOffload.prefetch` starts the
   reads of the first ``--offload-buffer-count - 1`` tiles' states into the staging
   buffers the update reads them into ([Note: reading ahead of the step] in
@@ -94,7 +126,9 @@ from hybrid.config.sections import OffloadConfig
 from hybrid.zero.flat_unit import FlatUnit, shard_bounds
 from hybrid.zero.offload.contracts import GradStore, ParamHome, ParamPublisher, ShardOptimizer
 from hybrid.zero.offload.grads import HostGrads, stream_copy
+from hybrid.zero.offload.nvme.adamw import SwappedAdamW
 from hybrid.zero.offload.nvme.grads import SwappedGrads
+from hybrid.zero.offload.nvme.speculative import SpeculativeUpdate
 from hybrid.zero.offload.writer import HomeWriter
 
 
@@ -131,6 +165,7 @@ class OptimizerOffload:
                  publisher: ParamPublisher, swapped_grads: SwappedGrads | None = None,
                  pin: bool = False):
         self.units = units
+        self.dtype = dtype
         self.homes = homes
         self.publisher = publisher
         self.index = {id(u): i for i, u in enumerate(units)}
@@ -198,6 +233,14 @@ class OptimizerOffload:
         # delayed update's) had read a host gradient buffer it rewrites
         self.update_wait_s = 0.0
         self._chunk_t0 = 0.0
+        # [Note: what starts before the step]: the nvme tier's speculative update (its
+        # gradients swapped with the tiles; never with the delayed update)
+        self.speculative: SpeculativeUpdate | None = None
+        if (cfg.speculative_step and not self.delayed and isinstance(opt, SwappedAdamW)
+                and swapped_grads is not None and opt.states.grads is swapped_grads):
+            self.speculative = SpeculativeUpdate(
+                opt, swapped_grads, self._worker, [t for t, _ in self._chunk_units],
+                dtype=dtype, pin=self.pin)
 
     def _piece(self, flat: torch.Tensor, i: int) -> torch.Tensor:
         return flat[self.bounds[i]: self.bounds[i + 1]]
@@ -242,15 +285,25 @@ class OptimizerOffload:
             self.copy_stream.synchronize()
         return self.grads.values(i)
 
-    def prefetch(self) -> None:
+    def prefetch(self, lr: float | None = None, grad_scale: float | None = None) -> None:
         """This step's gradients are all down or on their way (the rank's last backward
         has ended): start reading what the update reads first, before the norm and the
         skip decision it waits for are known (the nvme tier's first tiles; [Note: what
         starts before the step]). Nothing while an update is in flight or when the update
-        is delayed (its tiles are read by the worker, during the next step)."""
+        is delayed (its tiles are read by the worker, during the next step).
+
+        Given ``lr`` and ``grad_scale`` (the loss scale times the divisor the step will
+        use), the worker also updates those tiles whose gradients are final, as the step
+        would with clip coefficient 1 and no skip; the step keeps it only if so (the Note)."""
         if self.delayed or self._pending is not None or self._failed:
             return
         self.opt.prefetch()
+        if self.speculative is not None and lr is not None and grad_scale is not None:
+            self.speculative.start(lr, grad_scale, self._sent)
+
+    def speculation(self) -> dict:
+        """:meth:`SpeculativeUpdate.counts` of the tiles ({} where there is none)."""
+        return {} if self.speculative is None else self.speculative.counts()
 
     # -- the step --------------------------------------------------------------------
     @torch.no_grad()
@@ -281,8 +334,10 @@ class OptimizerOffload:
         self._written = [False] * len(self.units)
         if self._upload_due:  # the delayed update of the previous step: its params go up
             self._upload()
-        self.wait()  # (it read the scalars buffer that is rewritten next)
+        self._wait_update()  # (it read the scalars buffer that is rewritten next)
         scalars_ready = self._scalars_down(grad_scale, skip)
+        if self.speculative is not None:  # (a speculation it outruns stops early)
+            self.speculative.post(self._scalars, scalars_ready, lr)
         for e in self._ready:
             e.clear()
         delayed = self.delayed and self.steps > self.warmup
@@ -317,6 +372,8 @@ class OptimizerOffload:
         self._skipped = bool(self._scalars[1].item())  # host memory: no device sync
         sc = self.opt.begin_step(self._scalars[0], self._scalars[1])
         try:
+            if self.speculative is not None:  # (kept for chunk_steps to judge, unless skipped)
+                self.speculative.end(keep=not self._skipped)
             if not self._skipped:
                 self.grads.wait_all()  # (swapped: every unit's gradient on disk)
                 k = len(self._chunks)
@@ -405,6 +462,7 @@ class OptimizerOffload:
     def discard_step(self) -> None:
         """The engine skipped this step before the optimizer (dynamic fp16 overflow):
         the gradients sent down are not needed, their buffers are free again."""
+        self._drop_speculation()  # (the step is skipped: nothing to keep)
         self._sent = [False] * len(self.units)
         self._written = [False] * len(self.units)
         for e in self._consumed:
@@ -415,7 +473,17 @@ class OptimizerOffload:
     # -- outside the step ---------------------------------------------------------------
     def wait(self) -> None:
         """Let the update in flight finish: the master and moments are then current
-        (its parameters still go up at the next step, as without the wait)."""
+        (its parameters still go up at the next step, as without the wait). A
+        speculative update not yet used is discarded (the step recomputes it)."""
+        self._wait_update()
+        self._drop_speculation()
+
+    def _drop_speculation(self) -> None:
+        if self.speculative is not None:
+            self.speculative.abandon()
+            self.speculative.end(keep=False)
+
+    def _wait_update(self) -> None:
         if self._pending is not None:
             self._pending.result()
             self._pending = None
@@ -445,14 +513,17 @@ class OptimizerOffload:
         :meth:`step`), ``adam`` (the worker in the Adam kernels), ``update_wait`` (the
         main thread in backward, waiting for the update in flight to have read a gradient
         buffer: the delayed update's) and ``io_wait`` (threads blocked on ``io``'s swap
-        reads and writes; 0 without swap files)."""
+        reads and writes; 0 without swap files); where the speculative update runs,
+        ``speculate`` (the worker in it, before the step)."""
+        spec = {} if self.speculative is None else {"speculate": self.speculative.seconds}
         return {"host_step": self.step_s, "adam": self.adam_s,
                 "update_wait": self.update_wait_s,
-                "io_wait": 0.0 if io is None else io.waited.s}
+                "io_wait": 0.0 if io is None else io.waited.s, **spec}
 
     def nbytes(self) -> int:
         own = self.grads.nbytes()
         own += 0 if self.writer is None else self.writer.nbytes()
+        own += 0 if self.speculative is None else self.speculative.nbytes()
         return own + (0 if self.out is None else self.out.untyped_storage().nbytes())
 
 

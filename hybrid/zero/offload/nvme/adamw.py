@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import bisect
 from collections.abc import Collection, Generator, Iterable
+from dataclasses import dataclass
 
 import torch
 
@@ -56,6 +57,9 @@ class SwappedAdamW(ShardBase):
         self._segs: dict[int, AdamSegments] = {}
         self.master = self.exp_avg = self.exp_avg_sq = None  # on disk: read_piece
         self.flat_master = None
+        self._spec: _Speculation | None = None  # the held tiles' update, until the step
+        # tiles, summed over steps: updated ahead of the step, then used or discarded by it
+        self.speculation = {"speculated": 0, "used": 0, "discarded": 0}
 
     def _segments(self, k: int) -> AdamSegments:
         """Decay segments of tile ``k`` in tile coordinates (cached: a tile's are fixed)."""
@@ -84,14 +88,90 @@ class SwappedAdamW(ShardBase):
         the step] in hybrid/zero/offload/nvme/tiles.py)."""
         self.states.prefetch()
 
+    # -- the speculative update ([Note: what starts before the step] in host_step.py) ---
+    def speculative_scalars(self, coefficient: torch.Tensor) -> torch.Tensor:
+        """The ``scalars`` :meth:`begin_step` will return if the step is taken with
+        gradient coefficient ``coefficient`` (fp64, 0-dim) and not skipped: the same
+        fp64 values, computed without counting the step."""
+        dev = self._step.device
+        return torch.stack([coefficient.reshape(()).to(device=dev, dtype=torch.float64),
+                            self._step + 1.0, torch.zeros((), dtype=torch.float64, device=dev)])
+
+    def speculate(self, count: int, lr: float, scalars: torch.Tensor,
+                  outs: list[torch.Tensor], stop=None) -> int:
+        """Update the first ``count`` tiles the states read ahead, held in their staging
+        buffers (:meth:`SwappedStates.ahead`), with ``lr`` and ``scalars``; their new
+        parameters go to ``outs[j]`` (one per held tile, the parameters' dtype), not to
+        where the step puts them. Nothing is written to disk: the next
+        :meth:`chunk_steps` uses them if its ``lr`` and ``scalars`` are these, bit for bit,
+        and discards them otherwise, as :meth:`drop_speculation` does. The gradients of
+        those tiles must be final on disk. ``stop()``, asked before each tile: True
+        discards what is done and ends (the step is known not to match). Returns the
+        tiles updated and held."""
+        assert self._spec is None, "a speculation is already held"
+        n = self.states.ahead(count)
+        found = torch.zeros(1, dtype=torch.float32)
+        c = self.cfg
+        tiles: list[int] = []
+        try:
+            for j in range(n):
+                if stop is not None and stop():  # (the step comes next: re-read j tiles)
+                    self.speculation["speculated"] += j
+                    self.speculation["discarded"] += j
+                    self.states.release(dirty=j)
+                    return 0
+                t = self.states.held(j)
+                assert t.grad is not None  # (held tiles come with their gradients)
+                adam_step(t.master, t.grad, t.exp_avg, t.exp_avg_sq, outs[j][: t.master.numel()],
+                          self._segments(t.k), lr=lr, beta1=c.beta1, beta2=c.beta2, eps=c.eps,
+                          weight_decay=c.weight_decay, step=1, scalars=scalars,
+                          found_inf=found)
+                tiles.append(t.k)
+        except BaseException:
+            self.states.release()
+            raise
+        self._spec = _Speculation(tiles, lr, scalars, outs, found)
+        self.speculation["speculated"] += len(tiles)
+        return len(tiles)
+
+    def drop_speculation(self) -> None:
+        """Discard the held speculative update, if any, and the held tiles (no step of
+        these gradients follows: a skipped one, or none): the file still holds the
+        states before it; the next step reads those tiles again."""
+        if self._spec is not None:
+            self.speculation["discarded"] += len(self._spec.tiles)
+            self._spec = None
+        if self.states.holding:
+            self.states.release()
+
     def chunk_steps(self, grad: torch.Tensor | None, lr: float, scalars: torch.Tensor,
                     found: torch.Tensor, order: Iterable[int] | None = None
-                    ) -> Generator[_TileStep, None, None]:
+                    ) -> Generator[_TileStep | _DoneStep, None, None]:
         """Every tile of ``order`` as it arrives from disk, ready to step
         (:class:`~hybrid.zero.offload.contracts.ChunkStep`); a tile goes back to disk
-        when the next is asked for, and all are written when the iteration ends."""
+        when the next is asked for, and all are written when the iteration ends. A held
+        speculative update (:meth:`speculate`) is used when this step's ``lr`` and
+        ``scalars`` are its own bit for bit (its tiles' steps then only deliver its
+        parameters), and discarded otherwise: the same bits either way."""
+        order = list(range(self.states.tiles)) if order is None else list(order)
+        spec, done, self._spec = self._spec, {}, None
+        ahead = self.states.read_ahead  # (held tiles are its first)
+        ours = order[: len(ahead)] == ahead  # else its buffers are not this loop's
+        if (spec is not None and ours and lr == spec.lr
+                and torch.equal(scalars.view(torch.int64), spec.scalars.view(torch.int64))):
+            self.speculation["used"] += len(spec.tiles)
+            done = {k: j for j, k in enumerate(spec.tiles)}
+        elif spec is not None or (self.states.holding and not ours):
+            if spec is not None:
+                self.speculation["discarded"] += len(spec.tiles)
+            # (only the updated tiles are read again; the gradients read stay)
+            self.states.release(dirty=len(spec.tiles) if spec is not None and ours else None)
         for tile in self.states.each(order):
-            if tile.grad is None:
+            if tile.k in done:
+                assert spec is not None  # (done comes from it)
+                yield _DoneStep(tile.k, spec.outs[done[tile.k]][: tile.master.numel()],
+                                spec.found, found)
+            elif tile.grad is None:
                 assert grad is not None  # (gradients not swapped with the tiles: the flat one)
                 lo, hi = self.states.bounds(tile.k)
                 yield _TileStep(self, tile, grad[lo:hi], lr, scalars, found)
@@ -137,3 +217,33 @@ class _TileStep:
                   lr=self.lr, beta1=c.beta1, beta2=c.beta2, eps=c.eps,
                   weight_decay=c.weight_decay, step=1, scalars=self.scalars,
                   found_inf=self.found)
+
+
+@dataclass
+class _Speculation:
+    """A held speculative update: its tiles (the read-ahead's first), the ``lr`` and fp64
+    ``scalars`` it used, the new parameters of tile ``tiles[j]`` in ``outs[j]``, and the
+    non-finite flag its kernels reported into."""
+
+    tiles: list[int]
+    lr: float
+    scalars: torch.Tensor
+    outs: list[torch.Tensor]
+    found: torch.Tensor
+
+
+class _DoneStep:
+    """Chunk ``k`` of a step that uses the speculative update: the tile's states are
+    already updated (in its staging buffer, written back as the loop goes on); applying
+    it delivers the parameters the update made, and its non-finite flag."""
+
+    __slots__ = ("k", "params", "spec_found", "found")
+
+    def __init__(self, k: int, params: torch.Tensor, spec_found: torch.Tensor,
+                 found: torch.Tensor):
+        self.k, self.params, self.spec_found, self.found = k, params, spec_found, found
+
+    def apply(self, out: torch.Tensor | None) -> None:
+        if out is not None:
+            out.copy_(self.params)  # (the same dtype: the kernel's bits)
+        torch.maximum(self.found, self.spec_found, out=self.found)

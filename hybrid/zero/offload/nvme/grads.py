@@ -147,8 +147,14 @@ class SwappedGrads:
     # -- the step -----------------------------------------------------------------------
     def wait_all(self) -> None:
         """Every unit's last write is on disk (before the step reads tiles)."""
-        for e in self.stored:
-            e.wait()
+        self.wait_units(range(len(self.stored)))
+
+    def wait_units(self, units) -> None:
+        """The last write of each unit of ``units`` is on disk (a final gradient's, once
+        its ``store`` was the step's last for the unit): ``stored[i]`` is set only after
+        every write request of it has ended; a failed write is raised."""
+        for i in units:
+            self.stored[i].wait()
         self._raise()
 
     def nbytes(self) -> int:

@@ -33,9 +33,25 @@ before the step is known -- under a pipeline, as soon as the stage's last backwa
 ended, while it waits for the other stages and the global norm. :meth:`each` then
 issues only the reads it has not got (the gradients' always: they are on disk only
 once the step waits for them). The same bytes reach the same buffers, so the update
-is unchanged; a step that updates nothing (skipped) leaves them for the next, and
-whatever writes the file outside a step (:meth:`fill`, :meth:`write_range`) first
-lets them go.
+is unchanged; a step that updates nothing (skipped) leaves them for the next (unless
+they were held and updated: then it lets them go, below), and whatever writes the
+file outside a step (:meth:`fill`, :meth:`write_range`) first lets them go.
+
+[Note: holding read-ahead tiles]
+The offloaded step may go further with the tiles read ahead: :meth:`SwappedStates.ahead`
+holds them and reads their gradients (the caller has made sure those are final on
+disk), and :meth:`held` hands each out once it has arrived. The caller updates them in
+their staging buffers (a speculative update: [Note: what starts before the step] in
+hybrid/zero/offload/host_step.py); the file keeps the old states. The next
+:meth:`each` of the read-ahead's order then yields a held tile without reading it again
+(the caller knows it is done) and writes it back as its turn comes, as any tile.
+Otherwise the caller releases them: ``release(dirty=j)`` when the step comes next and
+only the first ``j`` were updated -- their states are read again from the file, which
+still holds them as before the update, while the other held tiles' states and every
+held gradient (the kernel does not write it) stay for that :meth:`each`; ``release()``
+when no step of these gradients follows (a skipped one): everything goes, and the next
+read-ahead starts afresh. Held or not, a tile is written only by :meth:`each`, so the
+file never holds a state that the step did not decide on.
 """
 
 from __future__ import annotations
@@ -96,6 +112,9 @@ class SwappedStates:
         # the tiles whose states :meth:`prefetch` read into buffers 0, 1, ... (in flight or
         # done), for the next :meth:`each` ([Note: reading ahead of the step])
         self._prefetched: list[int] = []
+        # the first ``_held`` of them: handed out by :meth:`ahead` (gradients read, states
+        # perhaps updated by the caller), not written back ([Note: holding read-ahead tiles])
+        self._held = 0
 
     def attach_grads(self, grads, pin: bool = False) -> None:
         """Read each tile's gradient from ``grads`` (a SwappedGrads in the same tiles)
@@ -134,19 +153,25 @@ class SwappedStates:
         ahead = max(1, c - 1)  # tiles read ahead, leaving one buffer to drain a write
         first = order[: min(ahead, len(order))]
         if self._prefetched and self._prefetched != first[: len(self._prefetched)]:
+            # (held tiles are for the read-ahead's order: the caller releases them first)
+            assert not self._held, "held tiles, another order: release() them first"
             self.drain()  # (read ahead for another order: not this run's buffers)
         pre = len(self._prefetched)  # [Note: reading ahead of the step]
-        self._prefetched = []
+        held = self._held  # [Note: holding read-ahead tiles]: their gradients are here
+        self._prefetched, self._held = [], 0
         for j, k in enumerate(first):
-            self._read(j, k, states=j >= pre)
+            self._read(j, k, states=j >= pre, grad=j >= held)
         try:
             for j, k in enumerate(order):  # the j-th tile uses buffer j % c
                 buf = self.staging[j % c]
-                self._reads.pop(k).wait()
+                # (a held tile has no read in flight, unless released: then its states')
+                if k in self._reads:
+                    self._reads.pop(k).wait()
                 lo, hi = self.bounds(k)
                 grad = None
                 if self.grads is not None:
-                    self._grad_reads.pop(k).wait()
+                    if k in self._grad_reads:
+                        self._grad_reads.pop(k).wait()
                     grad = self.grad_staging[j % c][: hi - lo]
                 master, exp_avg, exp_avg_sq = self.planes(buf, hi - lo)
                 yield Tile(k, master, exp_avg, exp_avg_sq, grad)
@@ -163,13 +188,69 @@ class SwappedStates:
         Only between steps: no :meth:`each` may be running."""
         order = list(range(self.tiles)) if order is None else list(order)
         first = order[: min(max(1, len(self.staging) - 1), len(order))]
-        if self._prefetched == first:
+        if self._prefetched == first and not self._held:
             return
-        self.drain()
+        self.drain()  # (held tiles too: their buffers no longer hold the file's states)
         self.space.check()
         for j, k in enumerate(first):
             self._read(j, k, grad=False)
         self._prefetched = first
+
+    @property
+    def read_ahead(self) -> list[int]:
+        """The tiles :meth:`prefetch` read ahead (in flight, arrived or held), in order."""
+        return list(self._prefetched)
+
+    def ahead(self, count: int) -> int:
+        """Hold the first ``count`` tiles :meth:`prefetch` read ahead ([Note: holding
+        read-ahead tiles]): their gradients start coming (the caller has made sure every
+        write of them to the gradient file has ended); :meth:`held` gives each once it
+        is here. What the caller writes to them stays in the buffers until the next
+        :meth:`each` (of the read-ahead's order) writes them back, yielding them unread,
+        or :meth:`release` lets them go. Needs attached gradients; only between steps, at
+        most once per read-ahead. Returns how many are held."""
+        assert self.grads is not None, "ahead() needs the gradients attached"
+        assert not self._held, "the read-ahead tiles are already held"
+        tiles = self._prefetched[: max(0, count)]
+        for j, k in enumerate(tiles):  # (the read-ahead's buffers: none is being written)
+            self._read(j, k, states=False)
+        self._held = len(tiles)
+        return self._held
+
+    def held(self, j: int) -> Tile:
+        """The ``j``-th held tile, as :class:`Tile` views of its staging buffers, once its
+        states and gradient have arrived (what it has not waited for, :meth:`each` will)."""
+        assert j < self._held
+        k = self._prefetched[j]
+        try:
+            if k in self._reads:
+                self._reads.pop(k).wait()
+            if k in self._grad_reads:
+                self._grad_reads.pop(k).wait()
+        except BaseException:
+            self.drain()  # (nothing held: the next each() reads every tile itself)
+            raise
+        lo, hi = self.bounds(k)
+        master, exp_avg, exp_avg_sq = self.planes(self.staging[j], hi - lo)
+        return Tile(k, master, exp_avg, exp_avg_sq, self.grad_staging[j][: hi - lo])
+
+    def release(self, dirty: int | None = None) -> None:
+        """Let held tiles go. ``dirty``: the caller changed the states of the first
+        ``dirty`` held tiles only, and this step's :meth:`each` comes next: their states
+        are read again from the file (which holds them as they were; the caller has had
+        them from :meth:`held`), the rest of the read-ahead and the gradients read stay
+        for it. None: let the whole read-ahead go (the next :meth:`each` reads every tile
+        itself)."""
+        if dirty is None or not self._held:
+            self.drain()
+            return
+        for j, k in enumerate(self._prefetched[: min(dirty, self._held)]):
+            self._reads[k] = self.io.read(self.file, self._offset(k), self.staging[j])
+
+    @property
+    def holding(self) -> bool:
+        """Some read-ahead tiles are held (:meth:`ahead`), their gradients read."""
+        return self._held > 0
 
     def _read(self, j: int, k: int, states: bool = True, grad: bool = True) -> None:
         """Read tile ``k``, the ``j``-th of the run, into buffer ``j % C``: its states
@@ -188,7 +269,7 @@ class SwappedStates:
         """Wait for every request in flight (the first error is raised after all ended)."""
         pending = [*self._reads.values(), *self._writes.values(), *self._grad_reads.values()]
         self._reads, self._writes, self._grad_reads = {}, {}, {}
-        self._prefetched = []
+        self._prefetched, self._held = [], 0
         error = None
         for r in pending:
             try:
