@@ -106,6 +106,9 @@ class Monitor:
         for key in ("time_breakdown_s", "offload_time_s"):  # rank 0's, per step
             if m.get(key):
                 parts.append(", ".join(f"{k} (ms): {v * 1000:.1f}" for k, v in m[key].items()))
+        if m.get("offload_speculation"):  # rank 0's tiles, over the interval
+            parts.append("speculative tiles: " + ", ".join(
+                f"{k} {v}" for k, v in m["offload_speculation"].items()))
         log.info(" | ".join(parts) + " |")
         self._write(m, "train/", m["iteration"])
 

@@ -127,6 +127,7 @@ class Trainer:
         self.replicas = ReplicaChecker(self.model, self.engine, ps) if interval else None
         self.lr = 0.0
         self._offload_prev: dict = {}  # engine.offload_seconds() at the last log line
+        self._speculation_prev: dict = {}  # engine.offload_speculation() at the last one
         self.clock = PhaseClock(ps.device) if cfg.logging.timing_breakdown else NoClock()
 
     def train(self) -> list[dict]:
@@ -225,6 +226,10 @@ class Trainer:
         split = self._offload_split(n)
         if split:
             m["offload_time_s"] = split
+        spec = self.engine.offload_speculation()  # tiles over the interval's steps
+        if spec:
+            prev, self._speculation_prev = self._speculation_prev, spec
+            m["offload_speculation"] = {k: v - prev.get(k, 0) for k, v in spec.items()}
         if self.ac is not None:
             m["activation_checkpoint_bytes"] = self.ac.peak_bytes()
             self.ac.reset_peak()
