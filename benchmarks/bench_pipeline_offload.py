@@ -3,6 +3,7 @@
 its step's end, split into the wait for the other stages and its host step.
 
     python -m benchmarks.bench_pipeline_offload [--dp 1] [--tiers cpu nvme] [--steps 4]
+        [--modes speculate prefetch]
 
 A GPT of ``--layers`` x ``--hidden`` (default 4 x 1024, vocabulary 8192, untied head:
 many parameters) at PP 2 x DP ``--dp``, micro-batch 1, sequence ``--seq`` (default 32:
@@ -24,12 +25,16 @@ that function without changing it:
   mostly the other stages' drain, the time an early start of the host step could
   hide at most.
 
-Steps alternate, ABBA, between the step as it is (``prefetch``: the nvme tier's first
-tiles start off the disk when the executor's list ends, ``engine.prefetch_step``) and
-without that call (``no_prefetch``); the host tier has nothing to prefetch, so its two
-columns differ by noise only.
+Steps alternate, ABBA, between the two ``--modes`` of what starts when the executor's
+list ends (``engine.prefetch_step``): ``speculate``, the step as it is (the nvme tier's
+first tiles start off the disk and the worker updates them speculatively: [Note: what
+starts before the step] in hybrid/zero/offload/host_step.py); ``prefetch``, the
+read-ahead only (the call without the step's ``lr``); ``no_prefetch``, without the call.
+The host tier has nothing to prefetch or speculate on, so its columns differ by noise
+only. Each mode's rows also count the tiles speculated, used and discarded.
 
-Prints one JSON object: per tier, per stage, the medians over its DP ranks' steps.
+Prints one JSON object: per tier, per stage, per mode the medians over its DP ranks'
+steps (and the tile counts summed over them).
 A bench asserts nothing about time (benchmarks/timing.py).
 """
 
@@ -86,6 +91,9 @@ def _rank(ps, tier: str, a, swap_dir: str) -> dict:
     step_mod.run_actions = timed_run  # (this process only: fresh per tier)
     engine.step = timed_step
     prefetch = engine.prefetch_step
+    modes = {"speculate": prefetch,
+             "prefetch": lambda lr=None, grad_divisor=1.0: prefetch(),
+             "no_prefetch": lambda lr=None, grad_divisor=1.0: None}
     g = torch.Generator().manual_seed(5 + ps.dp_rank)
     shape = step_mod.activation_shape(1, a.seq, a.hidden, ps, False)
     rows: list[dict] = []
@@ -93,8 +101,9 @@ def _rank(ps, tier: str, a, swap_dir: str) -> dict:
         for i in range(1 + a.steps):
             data = torch.randint(0, a.vocab, (a.micro_batches, 1, a.seq + 1), generator=g)
             micro = [(d[:, :-1], d[:, 1:]) for d in data]
-            early = abba(i // 2, "early", "late")[i % 2] == "early"  # ABBA: with, without
-            engine.prefetch_step = prefetch if early else (lambda: None)
+            mode = abba(i // 2, *a.modes)[i % 2]  # ABBA: the first mode, the second
+            engine.prefetch_step = modes[mode]
+            counts = engine.offload_speculation()
             ps.world_group.all_reduce(torch.zeros(1))  # every rank starts together
             t0 = now()
             loss, _, _ = step_mod.pipeline_train_step(model, engine, micro, 1e-4, ps,
@@ -102,27 +111,31 @@ def _rank(ps, tier: str, a, swap_dir: str) -> dict:
             if i == 0:
                 continue
             tail = marks["step_end"] - marks["last_backward_end"]
-            rows.append({"early": early, "step_s": marks["step_end"] - t0,
+            after = engine.offload_speculation()
+            rows.append({"mode": mode, "step_s": marks["step_end"] - t0,
                          "run_s": marks["run_end"] - t0, "tail_s": tail,
                          "host_step_s": marks["host_step"],
-                         "wait_s": tail - marks["host_step"], "loss": float(loss)})
+                         "wait_s": tail - marks["host_step"], "loss": float(loss),
+                         **{k: v - counts[k] for k, v in after.items()}})
     finally:
         engine.close()
     return {"stage": ps.pp_rank, "rows": rows,
             "params": sum(p.numel() for p in model.parameters())}
 
 
-def _summary(results: list[dict]) -> dict:
+def _summary(results: list[dict], modes: list[str]) -> dict:
     out: dict = {}
     for stage in sorted({r["stage"] for r in results}):
         out[f"stage{stage}"] = {
             "params": next(r["params"] for r in results if r["stage"] == stage)}
-        for mode, early in (("prefetch", True), ("no_prefetch", False)):
+        for mode in modes:
             rows = [row for r in results if r["stage"] == stage for row in r["rows"]
-                    if row["early"] is early]
+                    if row["mode"] == mode]
             out[f"stage{stage}"][mode] = {
-                f"median_{k}": round(median_of(row[k] for row in rows), 4)
-                for k in ("step_s", "run_s", "tail_s", "host_step_s", "wait_s")}
+                **{f"median_{k}": round(median_of(row[k] for row in rows), 4)
+                   for k in ("step_s", "run_s", "tail_s", "host_step_s", "wait_s")},
+                **{f"{k}_tiles": sum(row[k] for row in rows)
+                   for k in ("speculated", "used", "discarded") if k in rows[0]}}
     return out
 
 
@@ -140,15 +153,21 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=4, help="timed steps, after one warm-up")
     ap.add_argument("--tiers", nargs="+", default=["cpu", "nvme"], choices=["cpu", "nvme"])
     ap.add_argument("--nvme-path", default=os.getcwd())
+    ap.add_argument("--modes", nargs=2, default=["speculate", "prefetch"],
+                    choices=["speculate", "prefetch", "no_prefetch"],
+                    help="the two ways of starting the step that alternate (ABBA)")
     a = ap.parse_args(argv)
+    if a.modes[0] == a.modes[1]:
+        ap.error("--modes: two different ones")
     record: dict = {"pp": 2, "dp": a.dp, "layers": a.layers, "hidden": a.hidden,
                     "seq": a.seq, "micro_batches": a.micro_batches,
-                    "zero_stage": a.zero_stage, "clip_grad": a.clip_grad}
+                    "zero_stage": a.zero_stage, "clip_grad": a.clip_grad,
+                    "modes": a.modes}
     with tempfile.TemporaryDirectory(dir=a.nvme_path) as swap_dir:
         for tier in a.tiers:
             results = run_ranks(_rank, 2 * a.dp, 1, args=(tier, a, swap_dir), pp=2,
                                 timeout=1800, reuse=False)
-            record[tier] = _summary(results)
+            record[tier] = _summary(results, a.modes)
     emit(record)
     return 0
 
