@@ -88,8 +88,10 @@ at the global norm. What it could do meanwhile without changing a bit is narrow:
   (CPU-2, docs/pipeline-parallelism.md "What starts before the step"): kept, the last
   stage's host step 0.57 -> 0.47 s (3 tiles of 8M, PP 2, DP 1); discarded, 0.1 s (DP 1)
   to 0.3 s (DP 2) longer, the wasted work sharing two cores and one disk with the other
-  stage's step. Host memory: ``C - 1`` tiles of parameters in the training dtype. Not
-  with ``--offload-delayed-update`` (the flag refuses the pair, the engine does not
+  stage's step -- so after one the step did not use, the next steps sit out, ever
+  longer while the clip binds ([Note: sitting out while the clip binds] in
+  speculative.py). Host memory: ``C - 1`` tiles of parameters in the training dtype.
+  Not with ``--offload-delayed-update`` (the flag refuses the pair, the engine does not
   speculate): its update runs in the next step.
   ``--no-offload-speculative-step`` turns it off; :meth:`speculation` counts the tiles.
   (The mechanics: hybrid/zero/offload/nvme/speculative.py, which also stops a

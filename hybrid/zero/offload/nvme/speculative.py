@@ -16,6 +16,17 @@ and lets the tiles go instead of updating the rest for nothing -- a speculation 
 outruns costs what it had done, not all of it. The check reads the same fp64 values the
 step's ``begin_step`` takes, so it decides as the step's own comparison would; either
 way, a tile is kept only by that comparison (:meth:`SwappedAdamW.chunk_steps`).
+
+[Note: sitting out while the clip binds]
+A discarded speculation is not free where the stages share cores and a disk: on the
+2-core machine, with every step's clip binding, it made the step 0.1-0.3 s longer. And a
+clip that bound last step most likely binds again: early in training the norm stays
+above ``--clip-grad`` for many steps, later below it. So after a speculation the step did
+not use (its clip bound, or it was skipped) the next steps do not speculate: 1 step
+after the first such, then 2, 4, ... up to :data:`MAX_SIT_OUT`; a speculation that is
+used again resets it. A step that does not speculate updates every
+tile as before, so the numbers do not depend on it; the waste of a binding clip falls
+from every step to one step in ``MAX_SIT_OUT + 1`` once the sit-outs have grown.
 """
 
 from __future__ import annotations
@@ -28,6 +39,8 @@ import torch
 
 from hybrid.zero.offload.nvme.adamw import SwappedAdamW
 from hybrid.zero.offload.nvme.grads import SwappedGrads
+
+MAX_SIT_OUT = 64  # steps, the longest wait between two tries while the clip binds
 
 
 class SpeculativeUpdate:
@@ -51,6 +64,11 @@ class SpeculativeUpdate:
         self._posted = threading.Event()  # the step's verdict is known ([Note: a ...])
         self._verdict: tuple | None = None  # (CUDA event or None, scalars, lr); None: drop
         self.seconds = 0.0  # the worker in it
+        # [Note: sitting out while the clip binds]: the steps still to sit out, the next
+        # sit-out's length, and the "used" count when the last speculation started (None:
+        # its outcome already judged, or none started)
+        self._sit_out, self._next_sit_out = 0, 1
+        self._used_at_start: int | None = None
 
     def start(self, lr: float, grad_scale: float, final: list[bool]) -> None:
         """After the read-ahead (between steps, main thread): update the leading read-ahead
@@ -58,6 +76,17 @@ class SpeculativeUpdate:
         step's sum and ends the run) with ``lr``, clip coefficient 1 (``ones / grad_scale``
         in fp64, the step's own division after its ``clamp(..., max=1.0)``) and no skip."""
         if self._task is not None:
+            return
+        if self._used_at_start is not None:  # the last speculation's outcome ([Note: sitting
+            used = self.opt.speculation["used"] > self._used_at_start  # out ...])
+            self._used_at_start = None
+            if used:
+                self._next_sit_out = 1
+            else:
+                self._sit_out = self._next_sit_out
+                self._next_sit_out = min(2 * self._next_sit_out, MAX_SIT_OUT)
+        if self._sit_out:
+            self._sit_out -= 1
             return
         count, units = 0, set()
         for k in self.opt.states.read_ahead:
@@ -73,6 +102,7 @@ class SpeculativeUpdate:
         coefficient = torch.ones((), dtype=torch.float64) / grad_scale
         self._posted.clear()
         self._verdict = None
+        self._used_at_start = self.opt.speculation["used"]
         self._task = self.worker.submit(self._run, count, lr, coefficient, sorted(units))
 
     def _run(self, count: int, lr: float, coefficient: torch.Tensor, units: list[int]) -> None:
