@@ -4,12 +4,11 @@ import hashlib
 import os
 import signal
 import subprocess
-import sys
 import time
 
 import pytest
 
-from tests.helpers.launch import ROOT, TINY, child_pids, env, pretrain, read_json_log
+from tests.helpers.launch import ROOT, TINY, child_pids, env, pretrain, read_json_log, run_script
 
 ITERS = 6
 BASE = TINY + ["--global-batch-size", "8", "--train-iters", str(ITERS)]
@@ -122,8 +121,7 @@ def test_convert_merges_into_one_file_equal_to_the_shards(stage3_checkpoint, tmp
     from hybrid.checkpoint.reshard import merged_state
     ckpt = stage3_checkpoint[0]
     out = str(tmp_path / "merged.pt")
-    r = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "convert_checkpoint.py"),
-                        ckpt, out], capture_output=True, text=True, env=env())
+    r = run_script("convert_checkpoint", [ckpt, out])
     assert r.returncode == 0, r.stderr
     merged = torch.load(out)
     _, state = merged_state(os.path.join(ckpt, "iter_0000003"))
@@ -131,8 +129,7 @@ def test_convert_merges_into_one_file_equal_to_the_shards(stage3_checkpoint, tmp
     for n, s in state.items():
         assert torch.equal(merged["model"][n], s["master"])
     assert merged["model"]["blocks.0.attn.qkv.weight"].shape == (192, 64)  # full, not a shard
-    again = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "convert_checkpoint.py"),
-                            ckpt, out], capture_output=True, text=True, env=env())
+    again = run_script("convert_checkpoint", [ckpt, out])
     assert again.returncode == 2 and "not overwriting" in again.stderr
 
 

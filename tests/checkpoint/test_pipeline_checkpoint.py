@@ -10,12 +10,10 @@ in another layout logs iterations 4-6, compared with the uninterrupted run's.
 import json
 import os
 import shutil
-import subprocess
-import sys
 
 import pytest
 
-from tests.helpers.launch import ROOT, TINY, env, pretrain, read_json_log
+from tests.helpers.launch import TINY, pretrain, read_json_log, run_script
 
 BASE = TINY + ["--num-layers", "4", "--global-batch-size", "8", "--train-iters", "6",
                "--eval-iters", "0", "--zero-param-persistence-threshold", "0"]
@@ -217,9 +215,7 @@ def test_tools_read_a_pipeline_checkpoint(pp2_tp2, tmp_path):
     exported = {}
     for name, ckpt in (("pp2", save), ("pp1", pp1)):
         out = str(tmp_path / f"hf_{name}")
-        r = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "export_hf.py"), ckpt,
-                            out], capture_output=True, text=True, env=env())
-        assert r.returncode == 0, r.stderr
+        assert run_script("export_hf", [ckpt, out]).returncode == 0
         with open(os.path.join(out, "config.json")) as f:
             exported[name] = (json.load(f), load_file(os.path.join(out, "model.safetensors")))
     (cfg2, w2), (cfg1, w1) = exported["pp2"], exported["pp1"]
@@ -228,20 +224,17 @@ def test_tools_read_a_pipeline_checkpoint(pp2_tp2, tmp_path):
     for n in w1:
         assert torch.equal(w2[n], w1[n]), n
     merged = str(tmp_path / "merged.pt")
-    tool = os.path.join(ROOT, "scripts", "convert_checkpoint.py")
-    r = subprocess.run([sys.executable, tool, save, merged], capture_output=True, text=True,
-                       env=env())
-    assert r.returncode == 0, r.stderr
-    assert "PP 2" in r.stdout
+    r = run_script("convert_checkpoint", [save, merged])
+    assert r.returncode == 0 and "PP 2" in r.stdout, r.stdout + r.stderr
     model = torch.load(merged)["model"]
     with open(os.path.join(save, "iter_0000003", "metadata.json")) as f:
         shapes = json.load(f)["model"]
     assert {n: list(t.shape) for n, t in model.items()} == shapes
-    r = subprocess.run([sys.executable, tool, "verify", save], capture_output=True, text=True,
-                       env=env())
+    r = run_script("convert_checkpoint", ["verify", save])
     assert r.returncode == 0, r.stderr
     report = json.loads(r.stdout)
     assert report["files"] == 1 + 2 * 4 and report["damaged"] == 0
+
 
 
 # -- a tied embedding's copy on the last stage: saved once, by the first stage ----------

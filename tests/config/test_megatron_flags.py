@@ -57,7 +57,11 @@ def _in_process(cmd):
 
 
 def test_megatron_gpt3_example_runs_renamed_and_resumes(tmp_path):
-    vocab, merges, data = _megatron_data(tmp_path)
+    """examples/megatron/train_gpt3_shrunk.sh under torchrun as Megatron runs it (the data
+    prepared by the scripts' own command lines, in this process); then its flags with
+    more iterations, as it hands them to torchrun, resume from its own --save (== --load)
+    on pooled ranks."""
+    vocab, merges, data = _megatron_data(tmp_path, _in_process)
 
     ckpt, tb = str(tmp_path / "ckpt"), str(tmp_path / "tb")
     e = dict(env(), GPUS_PER_NODE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=_free_port())
@@ -72,10 +76,13 @@ def test_megatron_gpt3_example_runs_renamed_and_resumes(tmp_path):
     assert any(n.startswith("events.out.tfevents") for n in os.listdir(tb))
 
     # The same script with more iterations resumes from its own --save (== --load).
-    e["MASTER_PORT"], e["TRAIN_ITERS"] = _free_port(), "10"
-    r = _run(["bash", SCRIPT, ckpt, tb, vocab, merges, data], env=e, timeout=300)
-    assert "at iteration 8 (48 samples consumed)" in r.stdout
-    assert re.findall(r"iteration\s+(\d+)/\s*10 ", r.stdout) == ["9", "10"]
+    launch, args = _script_argv(tmp_path, SCRIPT, ckpt, tb, vocab, merges, data,
+                                GPUS_PER_NODE="2", TRAIN_ITERS="10")
+    assert launch[:2] == ["--nproc_per_node", "2"], launch
+    r = pretrain(2, args)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    assert "at iteration 8 (48 samples consumed)" in r.stdout, r.stdout[-3000:]
+    assert re.findall(r"iteration\s+(\d+)/\s*10 ", r.stdout) == ["9", "10"], r.stdout[-3000:]
 
 
 def _script_argv(tmp_path, script, *positional, **environ):

@@ -25,6 +25,22 @@ TINY = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4"
         "--attention-dropout", "0", "--log-interval", "1", "--seed", "11"]
 
 
+def run_script(name: str, argv: list[str]) -> subprocess.CompletedProcess:
+    """``python scripts/<name>.py argv`` as a CompletedProcess, run through the script's
+    main() in this process (a torch import, about a second of CPU, saved per call): its
+    exit code (main's return, or SystemExit's), what it printed to stdout and stderr."""
+    import contextlib
+    import io
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            code = script_module(name).main(list(argv))
+        except SystemExit as e:
+            code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    return subprocess.CompletedProcess([name, *argv], code or 0, out.getvalue(), err.getvalue())
+
+
 def script_module(name: str):
     """scripts/<name>.py as a module, so a test calls its main() in this process."""
     import importlib.util

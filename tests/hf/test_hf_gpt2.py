@@ -2,14 +2,12 @@
 
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
 
 from tests.helpers.harness import run_ranks
-from tests.helpers.launch import ROOT, TINY, env, pretrain
+from tests.helpers.launch import TINY, pretrain, run_script
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("safetensors")
@@ -46,8 +44,7 @@ def test_export_loads_in_transformers_with_the_same_logits(tmp_path):
     r = pretrain(2, TINY + ["--tensor-model-parallel-size", "2", "--zero-stage", "1",
                             "--global-batch-size", "4", "--train-iters", "2", "--save", save])
     assert r.returncode == 0, r.stderr[-3000:]
-    r = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "export_hf.py"), save, out],
-                       capture_output=True, text=True, env=env())
+    r = run_script("export_hf", [save, out])
     assert r.returncode == 0, r.stderr
     hf = transformers.GPT2LMHeadModel.from_pretrained(out).eval()
     with torch.no_grad():
@@ -87,8 +84,7 @@ def _import(tmp_path, activation):
     torch.manual_seed(0)
     hf = transformers.GPT2LMHeadModel(config).eval()
     hf.save_pretrained(hf_dir)
-    r = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "import_hf.py"), hf_dir,
-                        save], capture_output=True, text=True, env=env())
+    r = run_script("import_hf", [hf_dir, save])
     assert r.returncode == 0, r.stderr
     assert "--num-layers 2 --hidden-size 32" in r.stdout
     assert ("--openai-gelu" in r.stdout) == (activation == "gelu_new"), r.stdout
@@ -114,6 +110,5 @@ def test_import_refuses_a_non_gpt2_config(tmp_path):
     d = tmp_path / "bert"
     d.mkdir()
     (d / "config.json").write_text(json.dumps({"model_type": "bert"}))
-    r = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "import_hf.py"), str(d),
-                        str(tmp_path / "out")], capture_output=True, text=True, env=env())
+    r = run_script("import_hf", [str(d), str(tmp_path / "out")])
     assert r.returncode == 2 and "expected gpt2" in r.stderr
