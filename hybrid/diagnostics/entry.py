@@ -54,17 +54,21 @@ def callers(frame, depth: int = 3, limit: int = 40) -> tuple:
 class Entry:
     """One collective as this rank issued it. ``state``: issued, done or failed.
     ``peers``: for a point-to-point exchange, the global ranks at its other end (None for
-    a collective of the whole group); ``about``: what the exchange is, in words (a
-    pipeline action's, [Note: a stuck exchange] in hybrid/diagnostics/report.py)."""
+    a collective of the whole group); ``heard``: of those, the ones it receives from --
+    its completion proves they got through their send, while a completed send proves
+    nothing of its receiver (the bytes may wait in a buffer); ``about``: what the
+    exchange is, in words (a pipeline action's, [Note: a stuck exchange] in
+    hybrid/diagnostics/report.py)."""
 
     __slots__ = ("seq", "group", "op", "shape", "dtype", "frames", "t", "state", "peers",
-                 "about")
+                 "about", "heard")
 
-    def __init__(self, seq, group, op, shape, dtype, frames, t, peers=None, about=None):
+    def __init__(self, seq, group, op, shape, dtype, frames, t, peers=None, about=None,
+                 heard=None):
         self.seq, self.group, self.op = seq, group, op
         self.shape, self.dtype, self.frames, self.t = shape, dtype, frames, t
         self.state = "issued"
-        self.peers, self.about = peers, about
+        self.peers, self.about, self.heard = peers, about, heard
 
     @property
     def caller(self) -> str:
@@ -78,5 +82,6 @@ class Entry:
         return {"seq": self.seq, "group": self.group.name, "ranks": self.group.ranks,
                 "op": self.op, "shape": list(self.shape), "dtype": self.dtype,
                 "caller": self.caller, "t": self.t, "state": self.state,
-                **({} if self.peers is None else {"peers": list(self.peers)}),
+                **({} if self.peers is None else {"peers": list(self.peers),
+                                                  "heard": list(self.heard or ())}),
                 **({} if self.about is None else {"about": self.about})}

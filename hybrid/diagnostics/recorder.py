@@ -208,13 +208,13 @@ class FlightRecorder:
             pass
 
     # -- the hot path --------------------------------------------------------------------
-    def issue(self, group, op: str, t: torch.Tensor, peers=None, about: str | None = None
-              ) -> Entry:
-        """Number and record a collective of ``group`` about to run (no I/O); ``peers``
-        and ``about`` for a point-to-point exchange (:class:`Entry`)."""
+    def issue(self, group, op: str, t: torch.Tensor, peers=None, about: str | None = None,
+              heard=None) -> Entry:
+        """Number and record a collective of ``group`` about to run (no I/O); ``peers``,
+        ``heard`` and ``about`` for a point-to-point exchange (:class:`Entry`)."""
         group.seq += 1
         e = Entry(group.seq, group, op, tuple(t.shape), str(t.dtype).replace("torch.", ""),
-                  callers(sys._getframe(2)), time.time(), peers, about)
+                  callers(sys._getframe(2)), time.time(), peers, about, heard)
         self.ring.append(e)
         prev = self.last.get(group.name)
         self.last[group.name] = (e, prev[0] if prev else None)

@@ -306,8 +306,10 @@ def _later_collective(r: int, rec: dict, known: dict, read) -> dict | None:
         for m in _peers(r, name, g["ranks"], known):
             pg = known[m]["groups"][name]
             for x in (pg.get("last"), pg.get("prev")):
+                # (an exchange counts only if it received from r: a completed send
+                # proves nothing of its receiver)
                 if (x and x.get("state") == "done" and x["op"] not in _PARTIAL
-                        and x["seq"] > g["seq"]):
+                        and x["seq"] > g["seq"] and ("peers" not in x or r in x.get("heard", ()))):
                     found.append(dict(x, ranks=g["ranks"]))
     return max(found, key=lambda x: (x["t"], x["seq"])) if found else None
 

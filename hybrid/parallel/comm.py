@@ -144,17 +144,19 @@ class CommGroup:
 
     # -- helpers -------------------------------------------------------------
     def _run(self, op: str, kind: str, nbytes: float, t: torch.Tensor, fn, async_op: bool,
-             extra: int = 0, pairwise: bool = False, peers=None, about: str | None = None):
+             extra: int = 0, pairwise: bool = False, peers=None, about: str | None = None,
+             heard=None):
         """Count, number and record the collective, then run it (see the module doc).
         ``pairwise``: point-to-point between some ranks of the group, which the others
         do not join, so ``--check-collectives`` has nothing to compare it with; ``peers``
-        (global ranks) and ``about`` then go to the flight recorder's entry."""
+        and ``heard`` (global ranks: all at the other end, those received from) and
+        ``about`` then go to the flight recorder's entry."""
         if self.released:  # (pg None would mean torch's default group: never that)
             raise RuntimeError(f"{op} over the {self.name} group {self.ranks} after its "
                                f"process group was released at teardown")
         self.stats.add(kind, nbytes, t.numel())
         rec = self.recorder
-        entry = rec.issue(self, op, t, peers, about)
+        entry = rec.issue(self, op, t, peers, about, heard)
         if rec.check_collectives and not pairwise:
             t0 = time.perf_counter()
             rec.begin_wait(entry)
@@ -308,8 +310,9 @@ class CommGroup:
             return works
         nbytes = sum(t.numel() * t.element_size() for t, _ in sends)
         peers = sorted({self.ranks[r] for _, r in sends + recvs})
+        heard = sorted({self.ranks[r] for _, r in recvs})
         return self._run(what, "p2p", nbytes, first, start, async_op, pairwise=True,
-                         peers=peers, about=about)
+                         peers=peers, about=about, heard=heard)
 
 
 # [Note: collectives under torch.compile] The door's bookkeeping (the recorder's frames

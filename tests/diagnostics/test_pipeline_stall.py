@@ -87,3 +87,42 @@ def test_two_stages_waiting_for_each_other_give_one_report_and_a_pointer():
     for text, _ in pointers:  # the other rank, if the job let it say it: its own action
         assert text.startswith(f"rank {other}: pipeline stuck at {words[other]}: p2p #1"), text
         assert text.endswith(f"failed too; see the collective report of rank {me}"), text
+
+
+def _entry(seq: int, state: str, heard: list[int]) -> dict:
+    """A flight-recorder entry of rank 0's exchange with rank 1 in the pp group [0, 1]."""
+    return {"seq": seq, "group": "pp", "ranks": [0, 1], "op": f"X{seq}", "shape": [4],
+            "dtype": "float32", "caller": "here", "t": 100.0 + seq, "state": state,
+            "peers": [1], "heard": heard}
+
+
+def test_a_silent_rank_is_seen_in_a_receive_from_it_not_in_a_send_to_it():
+    """Where the report last saw a silent rank 1 (hybrid.diagnostics.report): rank 0's
+    completed exchange #5 with it is a sighting when #5 received from rank 1 (rank 1 got
+    through its send), and none when #5 only sent to it (the bytes may sit in a buffer
+    while rank 1 is stopped). Every exchange the door records carries its receive peers
+    (``heard``)."""
+    from hybrid.diagnostics.report import _later_collective
+    silent = {"groups": {"pp": {"ranks": [0, 1], "seq": 4, "last": None, "prev": None}}}
+    for heard, seen in (([], None), ([1], 5)):
+        peer = {"groups": {"pp": {"ranks": [0, 1], "seq": 6, "last": _entry(6, "issued", [1]),
+                                  "prev": _entry(5, "done", heard)}}}
+        got = _later_collective(1, silent, {0: peer, 1: silent}, lambda ranks: None)
+        assert (got and got["seq"]) == seen, (heard, got)
+
+
+def _exchange_entries(ps):
+    """This rank's recorded entries of one exchange each way with the other rank."""
+    other = 1 - ps.rank
+    a, b = torch.zeros(2), torch.zeros(2)
+    ps.world_group.exchange([(a, other)], [(b, other)], "both")
+    ps.world_group.exchange([(a, other)] if ps.rank == 0 else [],
+                            [(b, other)] if ps.rank == 1 else [], "one way")
+    return [e.to_dict() for e in list(ps.recorder.ring)[-2:]]
+
+
+def test_the_door_records_whom_an_exchange_hears_from():
+    for rank, (both, one_way) in enumerate(run_ranks(_exchange_entries, world_size=2)):
+        assert both["peers"] == both["heard"] == [1 - rank], both
+        assert one_way["peers"] == [1 - rank], one_way
+        assert one_way["heard"] == ([] if rank == 0 else [0]), one_way
