@@ -35,6 +35,7 @@ from hybrid.pipeline.schedules import forward_only
 from hybrid.pipeline.wire import Learnt
 from hybrid.train.api import Engine
 from hybrid.train.pipeline_step import checked_schedule
+from hybrid.zero.engine import scaled_loss
 
 SCHEDULE = "1f1b"  # DeepSpeed's TrainSchedule is 1F1B
 
@@ -169,7 +170,7 @@ class PipelineEngine(Engine):
             if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
                 raise ConfigError("train_batch(): the last stage's loss must be one scalar "
                                   "tensor (loss_fn(output, labels), or the output itself)")
-            return loss / n * scale if scale != 1.0 else loss / n
+            return scaled_loss(loss, scale) / n  # (in fp32 under fp16: no overflow of its own)
 
         if train:
             lists = checked_schedule(SCHEDULE, p, n)

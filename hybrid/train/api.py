@@ -58,6 +58,7 @@ from hybrid.train.ds_schedulers import cycles_momentum, kind_of
 from hybrid.train.orphans import end_with_launcher
 from hybrid.train.zero_context import init_values, take_parts
 from hybrid.zero import apply_zero
+from hybrid.zero.engine import scaled_loss
 
 log = logging.getLogger("hybrid")
 
@@ -250,7 +251,7 @@ class Engine:
         """``loss`` times the fp16 loss scale, for a plain ``.backward()`` (DeepSpeed's
         engine.scale); the accumulation division still happens at the step."""
         self._user_scaled = True
-        return loss * self.zero.scaler.scale if self.zero.scaler.scale != 1.0 else loss
+        return scaled_loss(loss, self.zero.scaler.scale)
 
     def train(self, mode: bool = True) -> Engine:
         self.module.train(mode)

@@ -101,6 +101,15 @@ class StepResult:
     host_skipped: bool | None = None
 
 
+
+def scaled_loss(loss: torch.Tensor, scale: float) -> torch.Tensor:
+    """``loss`` times the fp16 loss ``scale``, multiplied in fp32: a half-precision loss
+    (a model whose head computes in fp16) times 2**16 would overflow in its own dtype
+    whenever it exceeds 1 -- a skipped step for no gradient's sake -- while its gradient
+    goes back through the cast in the model's dtype, where a real overflow still shows.
+    ``loss`` itself when ``scale`` is 1; an fp32 loss is scaled as before, bit for bit."""
+    return loss.float() * scale if scale != 1.0 else loss
+
 class ZeroEngine:
     """See the module docstring; built by :func:`apply_zero`."""
 
@@ -275,10 +284,10 @@ class ZeroEngine:
         """Backward of ``loss`` (scaled for fp16); reductions run from hooks.
 
         ``sync=False`` for all but the last micro-batch of a step: stages 0-1
-        then only accumulate locally.
+        then only accumulate locally. The scaling is in fp32 (:func:`scaled_loss`).
         """
         self.begin_backward(sync)
-        (loss * self.scaler.scale if self.scaler.scale != 1.0 else loss).backward()
+        scaled_loss(loss, self.scaler.scale).backward()
         self.end_backward()
 
     def begin_backward(self, sync: bool, part: int | None = None) -> None:

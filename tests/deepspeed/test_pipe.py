@@ -289,3 +289,56 @@ def test_the_pipeline_names_a_script_reaches_for():
     assert [next(loader) for _ in range(5)] == [1, 2, 1, 2, 1]
     with pytest.raises(AttributeError, match="RepeatingLoader only"):
         deepspeed.utils.safe_get_full_grad  # noqa: B018 (the lookup is the test)
+
+
+def _train_half(ps, runs: list[tuple[str, int]], steps: int) -> dict:
+    """train_batch at PP 2 x DP 2 under each (dtype, initial_scale_power) of ``runs``, the
+    inputs given in the model's dtype (as DeepSpeed's pipeline takes them): per run, each
+    step's (loss, was_step_applied, the loss scale after it)."""
+    import hybrid.deepspeed as deepspeed
+    out = {}
+    for prec, power in runs:
+        torch.manual_seed(SEED)
+        net = deepspeed.pipe.PipelineModule(
+            layers=_layers(deepspeed.pipe.LayerSpec), loss_fn=nn.CrossEntropyLoss(),
+            num_stages=2, parallel_state=ps)
+        x, y = _trainset().tensors
+        dtype = torch.float16 if prec == "fp16" else torch.bfloat16
+        extra = ({"fp16": {"enabled": True, "initial_scale_power": power, "hysteresis": 1}}
+                 if prec == "fp16" else {"bf16": {"enabled": True}})
+        engine, _, _, _ = deepspeed.initialize(
+            model=net, model_parameters=list(net.parameters()),
+            training_data=torch.utils.data.TensorDataset(x.to(dtype), y),
+            config=ds_config(stage=1, gradient_accumulation_steps=4, **extra))
+        out[(prec, power)] = [(float(engine.train_batch()), engine.was_step_applied(),
+                               float(engine.optimizer.cur_scale)) for _ in range(steps)]
+        engine.close()
+    return out
+
+
+def test_half_precision_train_batch_follows_fp32_and_an_overflow_skips_every_stage():
+    """fp16 (loss scale 2**8) and bf16 through train_batch at PP 2 x DP 2, ZeRO 1: every
+    step applied, the losses within 1e-3 (fp16) and 4e-3 (bf16) of one fp32 process.
+    At a scale of 2**40 every step's fp16 gradient overflows: every rank of both stages
+    skips it and halves the scale, and the loss it reports is the true one (scaled in
+    fp32, as DeepSpeed's loss scaler does; scaled in fp16 it read inf): step 1's, which
+    no update then moves, equal to fp16's first step."""
+    steps = 4
+    want = _reference(2, steps)
+    runs = [("fp16", 8), ("bf16", 0), ("fp16", 40)]
+    by_rank = run_ranks(_train_half, world_size=4, pp=2, args=(runs, steps))
+    for got in by_rank:
+        assert got == by_rank[0]  # (every rank of both stages returns the same)
+    got = by_rank[0]
+    # (bf16 keeps 8 significant bits: a loss near 1.4 is a multiple of 2**-7, so up to
+    # 4e-3 from the fp32 value; fp16's 11 bits: 5e-4)
+    for run, tolerance in zip(runs[:2], (1e-3, 4e-3)):
+        losses = [loss for loss, _, _ in got[run]]
+        assert all(applied for _, applied, _ in got[run]), (run, got[run])
+        assert _worst(losses, want) < tolerance, (run, losses, want)
+    assert [s for _, _, s in got[("fp16", 8)]] == [256.0] * steps
+    skipped = got[("fp16", 40)]
+    assert [applied for _, applied, _ in skipped] == [False] * steps, skipped
+    assert [s for _, _, s in skipped] == [2.0 ** (39 - i) for i in range(steps)], skipped
+    assert skipped[0][0] == got[("fp16", 8)][0][0], (skipped, got[("fp16", 8)])
+    assert all(math.isfinite(loss) for loss, _, _ in skipped), skipped
