@@ -35,7 +35,7 @@ from hybrid.pipeline.schedules import forward_only
 from hybrid.pipeline.wire import Learnt
 from hybrid.train.api import Engine
 from hybrid.train.pipeline_step import checked_schedule
-from hybrid.zero.engine import scaled_loss
+from hybrid.zero.loss_scaler import scaled_loss
 
 SCHEDULE = "1f1b"  # DeepSpeed's TrainSchedule is 1F1B
 

@@ -58,7 +58,7 @@ from hybrid.train.ds_schedulers import cycles_momentum, kind_of
 from hybrid.train.orphans import end_with_launcher
 from hybrid.train.zero_context import init_values, take_parts
 from hybrid.zero import apply_zero
-from hybrid.zero.engine import scaled_loss
+from hybrid.zero.loss_scaler import scaled_loss
 
 log = logging.getLogger("hybrid")
 

@@ -66,7 +66,7 @@ from hybrid.zero.buffers import allocate_grads, allocate_master
 from hybrid.zero.client_optimizer import ClientShardOptimizer
 from hybrid.zero.gather_pipeline import GatherPipeline, ShardPublisher
 from hybrid.zero.grad_sync import DeviceShard, GradReducer, GradSink
-from hybrid.zero.loss_scaler import LossScaler
+from hybrid.zero.loss_scaler import LossScaler, scaled_loss
 from hybrid.zero.offload.contracts import ShardOptimizer
 from hybrid.zero.offload.host_step import OptimizerOffload
 from hybrid.zero.offload.landing import CopyDown, GradLanding
@@ -101,14 +101,6 @@ class StepResult:
     host_skipped: bool | None = None
 
 
-
-def scaled_loss(loss: torch.Tensor, scale: float) -> torch.Tensor:
-    """``loss`` times the fp16 loss ``scale``, multiplied in fp32: a half-precision loss
-    (a model whose head computes in fp16) times 2**16 would overflow in its own dtype
-    whenever it exceeds 1 -- a skipped step for no gradient's sake -- while its gradient
-    goes back through the cast in the model's dtype, where a real overflow still shows.
-    ``loss`` itself when ``scale`` is 1; an fp32 loss is scaled as before, bit for bit."""
-    return loss.float() * scale if scale != 1.0 else loss
 
 class ZeroEngine:
     """See the module docstring; built by :func:`apply_zero`."""

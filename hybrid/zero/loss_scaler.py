@@ -13,6 +13,8 @@ from __future__ import annotations
 
 from dataclasses import KW_ONLY, dataclass
 
+import torch
+
 from hybrid.config.sections import PrecisionConfig
 
 
@@ -64,3 +66,12 @@ class LossScaler:
         self.scale = state["scale"]
         self._clean_steps = state["clean_steps"]
         self._hysteresis_left = state["hysteresis_left"]
+
+
+def scaled_loss(loss: torch.Tensor, scale: float) -> torch.Tensor:
+    """``loss`` times the fp16 loss ``scale``, multiplied in fp32: a half-precision loss
+    (a model whose head computes in fp16) times 2**16 would overflow in its own dtype
+    whenever it exceeds 1 -- a skipped step for no gradient's sake -- while its gradient
+    goes back through the cast in the model's dtype, where a real overflow still shows.
+    ``loss`` itself when ``scale`` is 1; an fp32 loss is scaled as before, bit for bit."""
+    return loss.float() * scale if scale != 1.0 else loss
