@@ -11,7 +11,7 @@ import socket
 import subprocess
 import sys
 
-from tests.helpers.launch import ROOT, env, pretrain, read_json_log, script_module
+from tests.helpers.launch import ROOT, env, pretrain, read_json_log, run_script
 
 SCRIPT = os.path.join(ROOT, "examples", "megatron", "train_gpt3_shrunk.sh")
 SCRIPT_PP2 = os.path.join(ROOT, "examples", "megatron", "train_gpt3_175b_pp2.sh")
@@ -52,8 +52,8 @@ def _megatron_data(tmp_path, run=_run):
 
 def _in_process(cmd):
     """A scripts/*.py command line run through the script's main() in this process."""
-    name = os.path.basename(cmd[1])[: -len(".py")]
-    assert script_module(name).main(cmd[2:]) in (0, None), cmd
+    r = run_script(os.path.basename(cmd[1])[: -len(".py")], cmd[2:])
+    assert r.returncode == 0, (cmd, r.stderr[-3000:])
 
 
 def test_megatron_gpt3_example_runs_renamed_and_resumes(tmp_path):
