@@ -29,3 +29,31 @@ def choose():
     before = kernels.current()
     yield lambda text: kernels.configure(replace(before, choice=parse_kernel_choice(text, "test")))
     kernels.configure(before)
+
+
+# -- peers: tests that run against DeepSpeed or megatron-core (tests/helpers/peers.py) -----
+def pytest_runtest_setup(item):
+    """A test marked ``peer(module)`` skips, naming the peer, where it is not installed."""
+    from tests.helpers.peers import missing
+
+    for mark in item.iter_markers("peer"):
+        reason = missing(*mark.args)
+        if reason:
+            pytest.skip(reason)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """A test that skipped for want of a peer without the ``peer`` mark fails: .ci/run's
+    peer step selects by the mark (``-m peer``), so it would run nowhere."""
+    from tests.helpers.peers import named_in
+
+    report = (yield).get_result()
+    if report.skipped and call.excinfo is not None and not any(item.iter_markers("peer")):
+        module = named_in(str(call.excinfo.value))
+        if module:
+            report.outcome = "failed"
+            report.longrepr = (f"{item.nodeid} skipped for want of {module} "
+                               f"({call.excinfo.value}) but is not marked "
+                               f"@pytest.mark.peer({module!r}): the peer step (pytest -m "
+                               f"peer) would never run it")

@@ -108,7 +108,7 @@ def partition_balanced(weights: Sequence[float], num_parts: int) -> list[int]:
     sums are as even as can be: the spread (largest sum minus smallest) is the least, and
     among cuts of equal spread the one whose last run starts latest, recursively
     (DeepSpeed's ``parameters`` / ``type:`` balancing; its results are checked against
-    DeepSpeed's in tests/deepspeed/test_pipe.py). With no more items than parts:
+    DeepSpeed's in tests/hybrid_deepspeed/test_pipe.py). With no more items than parts:
     :func:`partition_uniform`. O(n^2 p)."""
     n, m = len(weights), num_parts
     if n <= m:

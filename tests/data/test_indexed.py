@@ -96,6 +96,51 @@ def test_hand_built_megatron_pair_reads_back(tmp_path, code):
     assert src.document_of([0, 3, 4, 5, 6, 7]).tolist() == [0, 0, 2, 2, 3, 3]
 
 
+@pytest.mark.peer("megatron.core")
+@pytest.mark.parametrize("dtype", [np.uint16, np.int32])
+def test_megatron_core_writes_hybrid_s_bytes_and_each_reads_the_other(tmp_path, dtype):
+    """Against megatron-core's own IndexedDatasetBuilder and IndexedDataset: documents of
+    one sequence each (as preprocess_data writes them) give byte-identical .bin and .idx
+    files from both writers; documents of several sequences and an empty one, written
+    by megatron-core, read back in hybrid as megatron-core reads them."""
+    import torch
+    from megatron.core.datasets.indexed_dataset import IndexedDataset, IndexedDatasetBuilder
+
+    flat = [[9, 8, 7], [], [65000 if dtype == np.uint16 else 70000, 0], [5]]
+    ours, theirs = str(tmp_path / "ours"), str(tmp_path / "theirs")
+    writer = IndexedWriter(ours, dtype)
+    builder = IndexedDatasetBuilder(theirs + ".bin", dtype=dtype)
+    for doc in flat:
+        writer.add(np.asarray(doc, dtype=dtype))
+        writer.end_document()
+        if doc:
+            builder.add_item(torch.tensor(doc, dtype=torch.int64))
+        builder.end_document()
+    writer.finalize()
+    builder.finalize(theirs + ".idx")
+    for ext in (".bin", ".idx"):
+        assert open(ours + ext, "rb").read() == open(theirs + ext, "rb").read(), ext
+    read = IndexedDataset(ours)
+    assert [read[i].tolist() for i in range(len(read))] == [d for d in flat if d]
+    assert read.document_indices.tolist() == [0, 1, 1, 2, 3]
+
+    # several sequences a document (DOCS), written by megatron-core, read by hybrid
+    multi = str(tmp_path / "multi")
+    builder = IndexedDatasetBuilder(multi + ".bin", dtype=dtype)
+    for doc in DOCS:
+        for seq in doc:
+            builder.add_item(torch.tensor(seq, dtype=torch.int64))
+        builder.end_document()
+    builder.finalize(multi + ".idx")
+    src, read = open_indexed(multi), IndexedDataset(multi)
+    src.validate()
+    assert src.document_indices.tolist() == read.document_indices.tolist() == [0, 2, 2, 3, 4]
+    assert src.sequence_lengths.tolist() == read.sequence_lengths.tolist() == [3, 1, 2, 2]
+    assert [src.document(i).tolist() for i in range(src.num_documents)] == \
+        [[1, 2, 3, 4], [], [5, 6], [7, 100]]
+    assert src.tokens.dtype == np.dtype(dtype)
+
+
 def test_multimodal_tail_and_empty_pair(tmp_path):
     megatron_pair(str(tmp_path / "mm"), DOCS, 4, modes=[0, 1, 0, 1])
     assert open_indexed(str(tmp_path / "mm")).sequence_modes.tolist() == [0, 1, 0, 1]

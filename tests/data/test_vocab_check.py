@@ -8,11 +8,11 @@ import struct
 
 import numpy as np
 import pytest
-from test_indexed import DOCS, _poke, megatron_pair
 
 from hybrid.data.indexed import open_indexed
 from hybrid.data.vocab_check import RECORD_LIMIT, check_sources, scan_tokens, sidecar_path
 from hybrid.errors import DataError
+from tests.data.test_indexed import DOCS, _poke, megatron_pair
 from tests.helpers.harness import run_ranks
 
 

@@ -11,10 +11,10 @@ import time
 
 import torch
 import torch.distributed as dist
-from test_diagnostics import _line_of
 
 from hybrid.diagnostics.recorder import FlightRecorder, backstop
 from hybrid.diagnostics.watch import PendingWatch
+from tests.diagnostics.test_diagnostics import _line_of
 from tests.helpers.harness import run_ranks
 
 

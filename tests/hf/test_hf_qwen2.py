@@ -9,9 +9,9 @@ import json
 
 import pytest
 import torch
-from test_hf_llama import VOCAB, _assert_same_model, _hybrid, assert_same_at_tp2
 
 from tests.helpers.launch import script_module
+from tests.hf.test_hf_llama import VOCAB, _assert_same_model, _hybrid, assert_same_at_tp2
 
 transformers = pytest.importorskip("transformers")
 safetensors = pytest.importorskip("safetensors.torch")

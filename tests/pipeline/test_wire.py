@@ -1,5 +1,5 @@
 """hybrid/pipeline/wire.py: the boundary metadata round-trips, and the gradient members
-are the floating-point ones (the executor's use of it runs in tests/deepspeed/test_pipe.py,
+are the floating-point ones (the executor's use of it runs in tests/hybrid_deepspeed/test_pipe.py,
 a (features, int64 mask) tuple between stages)."""
 
 from __future__ import annotations

@@ -50,9 +50,8 @@ def test_rates_are_deepspeeds_recorded(name):
                                                              abs=1e-15)
 
 
+@pytest.mark.peer("deepspeed")
 def test_rates_are_the_live_deepspeeds():
-    pytest.importorskip("deepspeed", reason="DeepSpeed is not installed (../shared/"
-                                            "BENCHMARKS.md says how, without CUDA)")
     for name, block in CASES.items():
         assert _flat(_rates(block)) == pytest.approx(_flat(deepspeed_rates(block)), rel=1e-12,
                                                      abs=1e-15), name

@@ -22,9 +22,9 @@ from hybrid.deepspeed.pipe import (
     partition_uniform,
 )
 from hybrid.errors import ConfigError
-from tests.deepspeed.cases.common import SEED, ds_config
-from tests.deepspeed.cases.pipe import CLASSES, WIDTH, _Embed, _head, _trainset
 from tests.helpers.harness import run_ranks
+from tests.hybrid_deepspeed.cases.common import SEED, ds_config
+from tests.hybrid_deepspeed.cases.pipe import CLASSES, WIDTH, _Embed, _head, _trainset
 
 TOLERANCE = 1e-5
 
@@ -50,11 +50,11 @@ WEIGHTS = [
 
 
 def _ds_utils():
-    pytest.importorskip("deepspeed")
     from deepspeed.runtime import utils
     return utils
 
 
+@pytest.mark.peer("deepspeed")
 @pytest.mark.parametrize("parts", [1, 2, 3, 4])
 def test_the_partition_is_deepspeeds(parts):
     """parameters / type: balance as DeepSpeed's partition_balanced, uniform as its
@@ -73,6 +73,7 @@ def _mlp_layers():
             LayerSpec(nn.Linear, 4, 4)]
 
 
+@pytest.mark.peer("deepspeed")
 def test_the_methods_cut_the_layers_as_deepspeed():
     """The three methods on one list of layers, each equal to DeepSpeed's function on
     the weights its PipelineModule derives (parameter counts; a regex search on the class
@@ -174,7 +175,7 @@ def test_the_tied_weight_trains_as_one_shared_module():
     gradients is the shared weight's."""
     import json
 
-    from tests.deepspeed.record_deepspeed import RECORDED
+    from tests.hybrid_deepspeed.record_deepspeed import RECORDED
     with open(RECORDED / "pipeline_tied.json") as f:
         recorded = json.load(f)["ranks"][0]
     model = _Shared()

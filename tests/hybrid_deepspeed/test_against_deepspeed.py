@@ -1,11 +1,11 @@
-"""The DeepSpeed-style scripts of ``tests/deepspeed/cases/`` under ``hybrid.deepspeed``,
+"""The DeepSpeed-style scripts of ``tests/hybrid_deepspeed/cases/`` under ``hybrid.deepspeed``,
 compared with DeepSpeed 0.19.8's own run of the same scripts (recorded on the CPU at 2
-ranks by ``python -m tests.deepspeed.record_deepspeed`` into ``recorded/``): every
+ranks by ``python -m tests.hybrid_deepspeed.record_deepspeed`` into ``recorded/``): every
 rank's loss of every micro-batch, the learning rate every optimizer step applies, and
 each case's extra numbers, equal within 1e-5 (fp32).
 
 All the cases run in one pooled 2-rank call (DP 2), and the pipeline cases
-(:mod:`tests.deepspeed.cases.pipe`, ``stages`` 2) in another, laid out PP 2. A case
+(:mod:`tests.hybrid_deepspeed.cases.pipe`, ``stages`` 2) in another, laid out PP 2. A case
 hybrid does not match yet is
 in :data:`PENDING` with the reason: it is reported as skipped, and
 :func:`test_pending_cases_still_fail_under_hybrid` fails as soon as one of them
@@ -20,10 +20,10 @@ import math
 import pytest
 import torch
 
-from tests.deepspeed.cases import CASES, on_ranks
-from tests.deepspeed.cases.common import SEED, SimpleModel
-from tests.deepspeed.record_deepspeed import RECORDED, WORLD_SIZE
 from tests.helpers.harness import run_ranks
+from tests.hybrid_deepspeed.cases import CASES, on_ranks
+from tests.hybrid_deepspeed.cases.common import SEED, SimpleModel
+from tests.hybrid_deepspeed.record_deepspeed import RECORDED, WORLD_SIZE
 
 TOLERANCE = 1e-5
 
@@ -113,7 +113,8 @@ def test_every_case_is_recorded_as_it_is_written_now():
     for name, case in CASES.items():
         rec = _recorded(name)
         assert rec["config"] == case.config and rec["script"] == case.doc, (
-            f"{name} changed since it was recorded: python -m tests.deepspeed.record_deepspeed")
+            f"{name} changed since it was recorded: "
+            f"python -m tests.hybrid_deepspeed.record_deepspeed")
         assert rec["versions"]["deepspeed"] == "0.19.8" and rec["world_size"] == WORLD_SIZE
         if case.stages == 1:  # DP 2 split the data: the ranks trained on different batches
             assert rec["ranks"][0]["losses"] != rec["ranks"][1]["losses"], name

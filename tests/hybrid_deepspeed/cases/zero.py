@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from tests.deepspeed.cases.common import (
+from tests.hybrid_deepspeed.cases.common import (
     SEED,
     Result,
     SimpleModel,

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 from torch.utils.data import TensorDataset
 
-from tests.deepspeed.cases.common import SEED, Result, case, ds_config
+from tests.hybrid_deepspeed.cases.common import SEED, Result, case, ds_config
 
 STEPS = 4
 WIDTH, CLASSES = 8, 4

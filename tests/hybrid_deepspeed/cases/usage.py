@@ -9,7 +9,7 @@ import torch
 from torch import nn
 from torch.utils.data import TensorDataset
 
-from tests.deepspeed.cases.common import (
+from tests.hybrid_deepspeed.cases.common import (
     SEED,
     Result,
     SimpleModel,

@@ -1,16 +1,16 @@
-"""Record DeepSpeed's numbers for the cases of :mod:`tests.deepspeed.cases`.
+"""Record DeepSpeed's numbers for the cases of :mod:`tests.hybrid_deepspeed.cases`.
 
-    python -m tests.deepspeed.record_deepspeed                 # every case
-    python -m tests.deepspeed.record_deepspeed --cases zero1,zero2 --out /tmp/rec
+    python -m tests.hybrid_deepspeed.record_deepspeed                 # every case
+    python -m tests.hybrid_deepspeed.record_deepspeed --cases zero1,zero2 --out /tmp/rec
 
 Runs each case under the installed DeepSpeed (``import deepspeed``) on the CPU at 2
 ranks: two local processes on 127.0.0.1 joined as torchrun's workers would be
 (RANK, WORLD_SIZE, MASTER_ADDR, ...; ``DS_ACCELERATOR=cpu``, gloo, one thread each),
 all the cases one after another in one launch. It writes ``<out>/<case>.json``
-(default ``tests/deepspeed/recorded/``) holding the case's docstring and exact
+(default ``tests/hybrid_deepspeed/recorded/``) holding the case's docstring and exact
 ds_config, the DeepSpeed / torch / transformers versions, and each rank's per
 micro-batch losses, per step learning rates and extra numbers
-(:mod:`tests.deepspeed.cases.common` says what each is).
+(:mod:`tests.hybrid_deepspeed.cases.common` says what each is).
 
 Deterministic: the same versions give the same files, byte for byte (seeded models
 and data, one intra-op thread, nothing timed or dated in the record). A case that
@@ -31,7 +31,7 @@ import sys
 import tempfile
 import time
 
-from tests.deepspeed.cases import CASES
+from tests.hybrid_deepspeed.cases import CASES
 
 WORLD_SIZE = 2
 RECORDED = pathlib.Path(__file__).resolve().parent / "recorded"
@@ -75,7 +75,7 @@ def record(names=None, out: str | os.PathLike = RECORDED, timeout: float = 600.0
                        LOCAL_RANK=str(rank), WORLD_SIZE=str(WORLD_SIZE),
                        LOCAL_WORLD_SIZE=str(WORLD_SIZE), PYTHONHASHSEED="0")
             log = open(os.path.join(tmp, f"rank{rank}.log"), "w")  # closed below
-            cmd = [sys.executable, "-m", "tests.deepspeed.record_deepspeed", "--worker",
+            cmd = [sys.executable, "-m", "tests.hybrid_deepspeed.record_deepspeed", "--worker",
                    "--cases", ",".join(names), "--workdir", os.path.join(tmp, "work"),
                    "--result", os.path.join(tmp, f"rank{rank}.json")]
             procs.append((subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log,
@@ -132,7 +132,7 @@ def _worker(names: list[str], workdir: str, result: str) -> None:
     torch.set_num_threads(1)
     import deepspeed
 
-    from tests.deepspeed.cases import run_cases
+    from tests.hybrid_deepspeed.cases import run_cases
     results = run_cases(deepspeed, names, workdir)
     with open(result + ".part", "w") as f:
         json.dump({"versions": versions(), "results": results}, f)

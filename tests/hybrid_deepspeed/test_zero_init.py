@@ -194,8 +194,8 @@ def _both(ps):
             "ours": _gather_all(ours, hds.zero.GatheredParameters)}
 
 
+@pytest.mark.peer("deepspeed")
 def test_zero_init_agrees_with_deepspeed_where_deepspeed_keeps_the_writes():
-    pytest.importorskip("deepspeed")
     torch.manual_seed(0)
     plain = Supported(lambda *a, **k: _null(), lambda: 0)
     # throwaway ranks: importing DeepSpeed leaves its patches in a process

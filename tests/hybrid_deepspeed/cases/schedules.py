@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from tests.deepspeed.cases.common import SEED, SimpleModel, batches, case, ds_config, train
+from tests.hybrid_deepspeed.cases.common import SEED, SimpleModel, batches, case, ds_config, train
 
 STEPS = 6
 

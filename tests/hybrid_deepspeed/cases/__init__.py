@@ -1,10 +1,10 @@
 """DeepSpeed-style training scripts, each run twice with only the ``deepspeed`` module
-changed: under DeepSpeed itself (``tests/deepspeed/record_deepspeed.py`` records their
-numbers into ``tests/deepspeed/recorded/``) and under ``hybrid.deepspeed``
-(``tests/deepspeed/test_against_deepspeed.py`` compares with the recording).
+changed: under DeepSpeed itself (``tests/hybrid_deepspeed/record_deepspeed.py`` records their
+numbers into ``tests/hybrid_deepspeed/recorded/``) and under ``hybrid.deepspeed``
+(``tests/hybrid_deepspeed/test_against_deepspeed.py`` compares with the recording).
 
-:data:`CASES` maps each case's name to its :class:`~tests.deepspeed.cases.common.Case`
-(the contract of a case, its result and its data: :mod:`tests.deepspeed.cases.common`).
+:data:`CASES` maps each case's name to its :class:`~tests.hybrid_deepspeed.cases.common.Case`
+(the contract of a case, its result and its data: :mod:`tests.hybrid_deepspeed.cases.common`).
 The scripts, by what they cover:
 
 - :mod:`.zero`: ZeRO stages 1-3, host offload (optimizer; parameters and optimizer),
@@ -25,8 +25,8 @@ from __future__ import annotations
 import os
 import traceback
 
-from tests.deepspeed.cases import optimizers, pipe, schedules, usage, zero
-from tests.deepspeed.cases.common import CASES, Case, Result
+from tests.hybrid_deepspeed.cases import optimizers, pipe, schedules, usage, zero
+from tests.hybrid_deepspeed.cases.common import CASES, Case, Result
 
 __all__ = ["CASES", "Case", "Result", "on_ranks", "run_cases"]
 
