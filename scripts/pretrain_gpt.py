@@ -15,6 +15,7 @@ import time
 
 from hybrid.config import build_config, parse_args  # no torch import: fast preflight
 from hybrid.errors import USER_ERRORS, ConfigError
+from hybrid.train.error_report import report_error_line
 from hybrid.train.orphans import end_with_launcher
 
 _STARTED = time.time()  # this process's start, when no launcher said when the job began
@@ -33,24 +34,20 @@ def _launched_at() -> float:
         return _STARTED
 
 
-# How long a rank other than 0 waits before saying an error itself (see _fail).
-_SETTLE_S = 5.0
-
-
 def _fail(msg: str) -> int:
-    """Print one error line for the whole job and return exit code 2.
+    """Say this rank's one error line and return exit code 2.
 
-    Rank 0 prints at once. Another rank waits first: when every rank hits the
-    same error, rank 0 prints and exits and the launcher stops this rank before
-    it prints a duplicate; if the error is this rank's alone, it still gets said
-    (with the rank) before the launcher stops the others. Without the wait a
-    faster rank's exit could kill rank 0 before its line is out.
+    Under pretrain_gpt.sh the line goes to this rank's torchrun error file, and the
+    launcher prints one line for the job: the first failing rank's (the lowest of
+    those failing in the same second), however many ranks got that far before it
+    stopped the rest. Run any other way
+    (one process, plain torchrun) each failing rank prints its own line at once.
     """
     rank = int(os.environ.get("RANK", "0"))
-    if rank != 0:
-        time.sleep(_SETTLE_S)
     where = "" if rank == 0 else f" (rank {rank})"
-    print(f"pretrain_gpt.py: error{where}: {msg}", file=sys.stderr, flush=True)
+    line = f"pretrain_gpt.py: error{where}: {msg}"
+    if not report_error_line(line, os.environ):  # hybrid/train/error_report.py's Note
+        print(line, file=sys.stderr, flush=True)
     return 2
 
 

@@ -2,11 +2,12 @@
 """torchrun, minus its failure report: what pretrain_gpt.sh launches the workers with.
 
 Takes torchrun's command line and runs it in this process. A worker that fails
-with a bad flag, file or checkpoint has already printed its one
-``pretrain_gpt.py: error: ...`` line; torchrun would add its own ~40 lines
-(a traceback of the launcher and a ChildFailedError table) and exit 1, burying
-that line. Here the job instead exits with the worker's own exit code (2 for
-bad input) and nothing more is printed. A worker that died without a word (a
+with a bad flag, file or checkpoint writes its one ``pretrain_gpt.py: error: ...``
+line to its torchrun error file; torchrun would print its own ~40 lines (a
+traceback of the launcher and a ChildFailedError table) and exit 1. Here the job
+instead prints the line of the first rank to fail, once however many ranks failed
+the same way (hybrid/train/error_report.py's Note), and exits with that worker's
+own exit code (2 for bad input). A worker that died without a word (a
 signal: out of memory, killed) gets one line naming the rank and the signal.
 Each restart (``--max-restarts``) gets one line too: the rank that died and
 how, and the iteration the job resumes from. A stop by a signal to this
@@ -28,6 +29,7 @@ import os
 import signal
 import sys
 
+from hybrid.train.error_report import LAUNCHER_REPORTS, reported_line
 from hybrid.train.orphans import LAUNCHER_PID
 
 
@@ -41,6 +43,14 @@ def _root_failure(failures: dict):
     ranks = said or killed or list(failures)
     rank = min(ranks, key=lambda r: (failures[r].timestamp, r))
     return rank, failures[rank]
+
+
+def _say_line(failure) -> None:
+    """Print the error line the failed worker wrote to its error file, if it wrote one
+    (a worker that died, or printed its own traceback, wrote none)."""
+    line = reported_line(failure.error_file_data)
+    if line is not None:
+        print(line, file=sys.stderr, flush=True)
 
 
 def _how(failure) -> str:
@@ -99,6 +109,7 @@ def _restart_reporting(agent_class: type, script_args: list[str]) -> type:
                 self._restarts += 1
                 rank, failure = _root_failure(self._failures)
                 self._failures = None
+                _say_line(failure)
                 print(f"pretrain_gpt.sh: rank {rank} (pid {failure.pid}) {_how(failure)}; "
                       f"restart {self._restarts} of {worker_group.spec.max_restarts}, "
                       f"resuming from {_resume_point(script_args)}", file=sys.stderr,
@@ -136,6 +147,7 @@ def _launch(argv: list[str], environ) -> int:
             logging.ERROR)
     args = parse_args(argv)
     environ[LAUNCHER_PID] = str(os.getpid())  # the workers' parent: hybrid/train/orphans.py
+    environ[LAUNCHER_REPORTS] = "1"  # a worker's error line is this process's to print
     # torchrun builds its agent inside run(), from this module's name for the class: the
     # only place to give it the restart line
     # (a module's class replaced for the run: what mypy refuses for a declared class)
@@ -147,7 +159,8 @@ def _launch(argv: list[str], environ) -> int:
     except ChildFailedError as e:
         rank, failure = _root_failure(e.failures)
         if failure.exitcode > 0:
-            return failure.exitcode  # the worker printed its own error line
+            _say_line(failure)
+            return failure.exitcode
         print(f"pretrain_gpt.sh: error: rank {rank} (pid {failure.pid}) {_how(failure)}",
               file=sys.stderr, flush=True)
         return 128 - failure.exitcode

@@ -5,6 +5,7 @@
 * :mod:`.lr_schedule`      the learning rate at an iteration or sample count
 * :mod:`.early_exit`       --exit-interval, --exit-duration-in-mins, --exit-signal-handler
 * :mod:`.orphans`          a worker ends with its launcher (Linux's parent-death signal)
+* :mod:`.error_report`     a failed worker's error line, said once by the launcher
 * :mod:`.monitor`          console line, --log-json, TensorBoard
 * :mod:`.step_stats`       iteration timing and skip flags read once per log line
 * :mod:`.activation_meter` bytes saved for backward by one micro-batch

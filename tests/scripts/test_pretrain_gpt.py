@@ -1,7 +1,9 @@
 """End to end through scripts/pretrain_gpt.py: its work on pooled ranks (launch.pretrain),
 and under torchrun where the launcher's behaviour is the point."""
 
+import json
 import os
+import re
 import signal
 import subprocess
 
@@ -153,8 +155,9 @@ def test_partitioned_recompute_follows_the_plain_curve(curves, tmp_path, flags):
 
 
 def test_a_worker_error_is_the_launcher_s_whole_report(tmp_path):
-    """A library error after the workers start (an empty data file): pretrain_gpt.sh ends
-    with that one line and the worker's exit code 2 -- no torchrun traceback or table."""
+    """A library error after the workers start (an empty data file), hit by both ranks:
+    pretrain_gpt.sh ends with one line, the first failing rank's, and the worker's exit
+    code 2 -- no torchrun traceback or table, and no second rank's copy of the line."""
     empty = tmp_path / "empty.txt"
     empty.write_text("")
     r = subprocess.run(["bash", os.path.join(ROOT, "scripts", "pretrain_gpt.sh"), *TINY,
@@ -163,8 +166,37 @@ def test_a_worker_error_is_the_launcher_s_whole_report(tmp_path):
                        env=dict(env(), NPROC_PER_NODE="2"))
     lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
     assert r.returncode == 2, r.stderr[-3000:]
-    assert len(lines) == 1 and lines[0].startswith("pretrain_gpt.py: error: --data-path"), \
-        r.stderr[-3000:]
+    assert len(lines) == 1 and re.match(r"pretrain_gpt\.py: error( \(rank 1\))?: --data-path",
+                                        lines[0]), r.stderr[-3000:]
+
+
+def test_the_launcher_says_the_first_failing_rank_s_line_once(tmp_path, capsys):
+    """Four workers that all wrote their error line before the launcher looked (a loaded
+    machine): it prints one, the earliest second's lowest rank; a worker that wrote none
+    (killed, or a traceback it printed) adds nothing."""
+    from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+
+    from hybrid.train.error_report import LAUNCHER_REPORTS, report_error_line
+    from tests.helpers.launch import script_module
+    quiet = script_module("torchrun_quiet")
+    failures = {}
+    for rank, second in [(0, None), (1, 7), (2, 5), (3, 5)]:
+        path = tmp_path / f"error{rank}.json"
+        if second is not None:
+            environ = {LAUNCHER_REPORTS: "1", "TORCHELASTIC_ERROR_FILE": str(path)}
+            assert report_error_line(f"pretrain_gpt.py: error (rank {rank}): bad", environ)
+            written = json.loads(path.read_text())  # as if written in second ``second``
+            path.write_text(json.dumps(dict(written, timestamp=second)))
+        failures[rank] = ProcessFailure(local_rank=rank, pid=100 + rank,
+                                        exitcode=-int(signal.SIGTERM) if second is None else 2,
+                                        error_file=str(path))
+    rank, failure = quiet._root_failure(failures)
+    assert rank == 2
+    quiet._say_line(failure)
+    quiet._say_line(failures[0])  # SIGTERMed before it wrote: no line
+    assert capsys.readouterr().err == "pretrain_gpt.py: error (rank 2): bad\n"
+    # not under this launcher: the worker prints its line itself
+    assert not report_error_line("x", {"TORCHELASTIC_ERROR_FILE": str(tmp_path / "e.json")})
 
 
 @pytest.mark.parametrize("var,value", [("NPROC_PER_NODE", "abc"), ("NNODES", "-1")])
