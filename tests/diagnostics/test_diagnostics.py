@@ -94,10 +94,11 @@ def test_a_stopped_rank_is_named_once_with_where_it_was(tmp_path):
     pointers = re.findall(r"^pretrain_gpt\.py: rank ([01]): .* failed too; see the collective "
                           r"report of rank 2$", err, re.M)
     assert sorted(pointers) == ["0", "1"], err
-    # within a few timeouts of the stop
+    # not before the timeout, and near it: not at the process groups' own (minutes) or
+    # never (the bound is loose, for a loaded machine; a miss would take 100 timeouts)
     stopped = float((tmp_path / "stopped_at").read_text())
     took = float((tmp_path / "returned_2").read_text()) - stopped
-    assert timeout_s <= took < 3 * timeout_s, took
+    assert timeout_s <= took < 10 * timeout_s, took
     # every live rank's ring on disk; the reporter's ends with the failed collective
     files = sorted(os.listdir(dump))
     assert files == [f"collectives_rank{r:05d}.json" for r in range(3)], files
@@ -450,10 +451,15 @@ def test_nonfinite_steps_say_which_micro_batch_and_parameters(tmp_path):
 
 # -- 5. stragglers, and every check passing on a clean run -------------------------------
 
+# Rank 1's extra work each step: far beyond the noise of a loaded 2-core machine, where
+# 4 ranks' own busy times differ by a tenth of a second or more.
+STRAGGLE_S = 1.0
+
+
 def _rank1_slow(ps, cfg):
     def before(ps, step):
         if ps.rank == 1:
-            time.sleep(0.15)  # outside any collective: the others wait for it
+            time.sleep(STRAGGLE_S)  # outside any collective: the others wait for it
 
     return _patched_train_step(ps, cfg, before=before)
 
@@ -469,9 +475,11 @@ def test_straggler_fields_and_a_clean_run_under_every_check(tmp_path):
     assert r.returncode == 0, r.stderr
     for m in read_json_log(path):
         assert m["busy_time_max_rank"] == 1, m
-        assert m["busy_time_max_s"] - m["busy_time_min_s"] >= 0.12, m
+        # the sleep counts in rank 1's busy time and in no one else's
+        assert m["busy_time_max_s"] - m["busy_time_min_s"] >= STRAGGLE_S / 2, m
         assert m["step_time_min_s"] <= m["step_time_s"] <= m["step_time_max_s"]
-        assert m["step_time_max_s"] >= 0.15 and m["busy_time_max_s"] <= m["step_time_max_s"]
+        assert m["step_time_max_s"] >= STRAGGLE_S and \
+            m["busy_time_max_s"] <= m["step_time_max_s"]
         assert m["step_time_min_rank"] in range(4) and m["busy_time_min_rank"] != 1
     assert re.search(r"busy time min/max \(ms\): \d+\.\d \(rank [023]\) / \d+\.\d \(rank 1\)",
                      r.stdout), r.stdout

@@ -7,7 +7,6 @@ it was.
 """
 
 import datetime
-import time
 
 import pytest
 import torch
@@ -170,15 +169,13 @@ def fake_world(monkeypatch):
 
 def test_pp8_tp8_dp16_builds_its_groups_at_1024_ranks(fake_world):
     """PP 8 x TP 8 x DP 16: every rank of one pipeline (and one more) builds its state; each
-    group is the layout's, and building takes milliseconds."""
+    group is the layout's, and a rank creates only its own groups (the time to build
+    is the bench's to measure: python -m benchmarks.bench_pipeline_scale prints it)."""
     lay = Layout(1024, tp=8, pp=8)
     assert lay.dp == 16
-    seconds = []
     for rank in [*lay.group_of("pp", 517), 1023]:
         calls = fake_world(rank, 1024)
-        t0 = time.perf_counter()
         ps = ParallelState.build(8, pipeline_model_parallel_size=8)
-        seconds.append(time.perf_counter() - t0)
         try:
             assert (ps.tp_size, ps.dp_size, ps.pp_size, ps.cp_size) == (8, 16, 8, 1)
             assert ps.tp_group.ranks == lay.group_of("tp", rank)
@@ -196,9 +193,6 @@ def test_pp8_tp8_dp16_builds_its_groups_at_1024_ranks(fake_world):
         finally:
             ps.release()
             dist.destroy_process_group()
-    print(f"PP 8 x TP 8 x DP 16 = 1024 ranks: ParallelState.build {max(seconds) * 1e3:.1f} ms "
-          f"(slowest of {len(seconds)} ranks)")
-    assert max(seconds) < 5.0
 
 
 def test_pp_1_creates_the_same_groups_in_the_same_order_as_before(fake_world):
