@@ -246,21 +246,29 @@ def _layouts_in_one_world(ps, first_only_on: list[int]) -> dict:
                                    if "process groups" in str(w.message)]}
 
 
-@pytest.mark.parametrize("first_only_on", [[], [0, 1]], ids=["local", "fallback"])
-def test_gloo_groups_of_every_layout_at_world_4(first_only_on):
+def _both_ways(ps) -> dict:
+    """_layouts_in_one_world with no groups made before, then after ranks 0 and 1 made
+    one: two scenarios in one fresh world (the first leaves every rank as many groups)."""
+    return {"local": _layouts_in_one_world(ps, []),
+            "fallback": _layouts_in_one_world(ps, [0, 1])}
+
+
+def test_gloo_groups_of_every_layout_at_world_4():
     """Six layouts built one after another on four gloo ranks: each group is the layout's
     and an all-reduce over it sums its ranks. With no groups made before, no rank falls
     back (a middle stage's one-rank embedding group keeps the counts equal build after
     build); after ranks 0 and 1 made one, every build falls back to every rank creating
     every group, and still gives the same groups."""
-    res = run_ranks(_layouts_in_one_world, world_size=4, args=(first_only_on,),
-                    reuse=False)
-    for rank, r in enumerate(res):
-        assert len(r["warned"]) == (len(_LAYOUTS) if first_only_on else 0), r["warned"]
-        for (tp, cp, pp), got in r["res"].items():
-            lay = Layout(4, tp, cp, pp)
-            want = {k: lay.group_of(k, rank) for k in ("tp", "cp", "dp", "dp_cp", "pp")}
-            want["embedding"] = lay.embedding_group_of(rank)
-            want["world"] = [0, 1, 2, 3]
-            for name, ranks in want.items():
-                assert got[name] == (ranks, float(sum(ranks))), (rank, (tp, cp, pp), name)
+    res = run_ranks(_both_ways, world_size=4, reuse=False)
+    for rank, both in enumerate(res):
+        for way, r in both.items():
+            assert len(r["warned"]) == (len(_LAYOUTS) if way == "fallback" else 0), \
+                (way, r["warned"])
+            for (tp, cp, pp), got in r["res"].items():
+                lay = Layout(4, tp, cp, pp)
+                want = {k: lay.group_of(k, rank) for k in ("tp", "cp", "dp", "dp_cp", "pp")}
+                want["embedding"] = lay.embedding_group_of(rank)
+                want["world"] = [0, 1, 2, 3]
+                for name, ranks in want.items():
+                    assert got[name] == (ranks, float(sum(ranks))), \
+                        (way, rank, (tp, cp, pp), name)

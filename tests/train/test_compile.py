@@ -62,7 +62,11 @@ def _train(ps, flags):
 
 
 def _all_variants(ps):
-    return {name: _train(ps, flags) for name, flags in VARIANTS.items()}
+    # inductor's C++ compiles in this process: a pool of compile workers costs more to
+    # start on 2 cores than the 21 kernels take (11 s of a cold cache's 55)
+    from torch._inductor import config
+    with config.patch(compile_threads=1):
+        return {name: _train(ps, flags) for name, flags in VARIANTS.items()}
 
 
 @pytest.fixture(scope="module")
