@@ -84,3 +84,17 @@ def test_the_checks_find_a_shadowing_folder(tmp_path):
         "tests/deepspeed/ is named like 'deepspeed', which test_y.py, "
         "tests/helpers/peers.py import(s)"]
     assert folders_without_init(tmp_path) == [str(tmp_path), str(tmp_path / "deepspeed")]
+
+
+def test_a_skip_for_want_of_a_peer_is_named_and_an_unknown_peer_refused():
+    """What tests/conftest.py's hooks decide with: the skip messages that name a peer (an
+    unmarked test skipping with one of these fails), and peer() of an unknown module."""
+    import pytest
+
+    from tests.helpers.peers import missing, named_in
+    assert named_in("could not import 'deepspeed': No module named 'deepspeed'") == "deepspeed"
+    assert named_in("No module named 'megatron'") == "megatron.core"
+    assert named_in("could not import 'megatron.core.datasets'") == "megatron.core"
+    assert named_in("needs a CUDA device") is None
+    with pytest.raises(ValueError, match="peer\\('torchtitan'\\): not one of"):
+        missing("torchtitan")

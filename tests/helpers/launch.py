@@ -145,7 +145,8 @@ def pretrain(nproc: int, args: list[str], timeout: float = 300, reuse: bool = Tr
         lines += [f"pretrain_gpt.py: {done[rank][2]}\n" for rank in failed
                   if rank != reports[0]]
         return subprocess.CompletedProcess(argv, 2, stdout, "".join(lines))
-    # scripts/pretrain_gpt.py's _fail: rank 0 says it; another rank only when rank 0 did not
+    # what pretrain_gpt.sh's launcher says (hybrid/train/error_report.py): one failing
+    # rank's line, the lowest rank's here (the launcher's: the first second's lowest)
     rank = failed[0]
     where = "" if rank == 0 else f" (rank {rank})"
     return subprocess.CompletedProcess(argv, done[rank][0], stdout,

@@ -11,6 +11,7 @@ fails instead, since that step would never select it.
 from __future__ import annotations
 
 import importlib.util
+import re
 from dataclasses import dataclass
 
 
@@ -60,8 +61,5 @@ def missing(module: str) -> str | None:
 def named_in(text: str) -> str | None:
     """The peer a skip or import error message is about ("No module named 'deepspeed'",
     pytest.importorskip's "could not import 'deepspeed'"), or None."""
-    for module in PEERS:
-        top = module.split(".")[0]
-        if f"'{top}'" in text or f"'{module}'" in text:
-            return module
-    return None
+    quoted = {name.split(".")[0] for name in re.findall(r"'([\w.]+)'", text)}
+    return next((module for module in PEERS if module.split(".")[0] in quoted), None)
