@@ -125,6 +125,27 @@ def _stopped(sig: int) -> int:
     return 128 + int(sig)
 
 
+def _stop_signal_behind(error: BaseException, signal_exception: type):
+    """The stop signal (torch's ``SignalException``) ``error`` was raised while handling,
+    or None.
+
+    [Note: a stop that lands on torch's metrics wrapper]
+    torchrun's agent methods run inside a metrics decorator whose ``finally`` reads the
+    start time its ``try`` took first. A SIGTERM whose handler raises before that
+    assignment (seen on a loaded machine: ``start = time.time()``) makes the ``finally``
+    raise ``UnboundLocalError`` in place of the ``SignalException``; the agent still
+    stops the workers (its own ``finally``), and the stop is still what ended the job.
+    """
+    seen: set[int] = set()
+    cause: BaseException | None = error
+    while cause is not None and id(cause) not in seen:
+        if isinstance(cause, signal_exception):
+            return cause
+        seen.add(id(cause))
+        cause = cause.__cause__ or cause.__context__
+    return None
+
+
 def main(argv: list[str] | None = None, environ=os.environ) -> int:
     try:
         return _launch(sys.argv[1:] if argv is None else argv, environ)
@@ -166,6 +187,11 @@ def _launch(argv: list[str], environ) -> int:
         return 128 - failure.exitcode
     except SignalException as e:  # the launcher itself was stopped (Ctrl-C, timeout, scancel)
         return _stopped(e.sigval)
+    except Exception as e:
+        stop = _stop_signal_behind(e, SignalException)
+        if stop is None:
+            raise
+        return _stopped(stop.sigval)
     finally:
         launcher_api.LocalElasticAgent = agent_class  # type: ignore[misc]
     return 0

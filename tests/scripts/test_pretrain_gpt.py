@@ -221,6 +221,35 @@ def test_the_root_failure_is_the_worker_that_said_why():
     assert root({0: F(exitcode=term, timestamp=2), 1: F(exitcode=term, timestamp=1)})[0] == 1
 
 
+def test_a_stop_that_lands_on_torchrun_s_metrics_wrapper_is_still_a_stop(monkeypatch, capsys):
+    """SIGTERM raised on the first line of torch's metrics wrapper comes out as its
+    finally's UnboundLocalError (seen under load: exit 1 and a traceback instead of
+    128 + 15); the launcher finds the stop behind it and says it in one line."""
+    import torch.distributed.run as torchrun_module
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+
+    from tests.helpers.launch import script_module
+
+    def run(args):
+        try:
+            raise SignalException("Process 1 got signal: 15", sigval=signal.SIGTERM)
+        finally:
+            raise UnboundLocalError("cannot access local variable 'start'")
+
+    monkeypatch.setattr(torchrun_module, "run", run)
+    quiet = script_module("torchrun_quiet")
+    environ: dict[str, str] = {}
+    assert quiet.main(["--nproc-per-node", "1", "x.py"], environ) == 128 + signal.SIGTERM
+    assert capsys.readouterr().err == "pretrain_gpt.sh: stopped by SIGTERM\n"
+
+    def fails(args):
+        raise UnboundLocalError("not a stop")
+
+    monkeypatch.setattr(torchrun_module, "run", fails)
+    with pytest.raises(UnboundLocalError, match="not a stop"):
+        quiet.main(["--nproc-per-node", "1", "x.py"], environ)
+
+
 def test_a_model_too_big_for_memory_is_one_named_error():
     """A padded vocabulary of 10**12 rows: the allocation fails at once (no pages touched)."""
     r = pretrain(1, TINY + ["--train-iters", "1", "--make-vocab-size-divisible-by",
