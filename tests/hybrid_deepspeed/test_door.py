@@ -14,19 +14,7 @@ from torch import nn
 import hybrid.deepspeed as deepspeed
 from hybrid.errors import CheckpointError, ConfigError
 from hybrid.parallel.state import ParallelState
-
-
-class Net(nn.Module):
-    """The CIFAR tutorial's shape, tiny: a flattened image through two layers."""
-
-    def __init__(self):
-        super().__init__()
-        self.fc1 = nn.Linear(12, 16)
-        self.fc2 = nn.Linear(16, 4)
-
-    def forward(self, x):
-        return self.fc2(torch.relu(self.fc1(x.flatten(1))))
-
+from tests.hybrid_deepspeed.test_tutorials import Net  # the CIFAR tutorial's shape, tiny
 
 DS = {"train_batch_size": 4, "gradient_accumulation_steps": 2,
       "optimizer": {"type": "Adam", "params": {"lr": 1e-2}}, "zero_optimization": True}
