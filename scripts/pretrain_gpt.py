@@ -40,8 +40,8 @@ def _fail(msg: str) -> int:
     Under pretrain_gpt.sh the line goes to this rank's torchrun error file, and the
     launcher prints one line for the job: the first failing rank's (the lowest of
     those failing in the same second), however many ranks got that far before it
-    stopped the rest. Run any other way
-    (one process, plain torchrun) each failing rank prints its own line at once.
+    stopped the rest. Run any other way (one process, plain torchrun) each failing
+    rank prints its own line at once.
     """
     rank = int(os.environ.get("RANK", "0"))
     where = "" if rank == 0 else f" (rank {rank})"
