@@ -340,6 +340,11 @@ class ZeroEngine:
         if self.offload is not None:
             self.offload.prefetch(lr, None if lr is None else self.scaler.scale * grad_divisor)
 
+    def offload_read_ahead(self) -> int:
+        """Chunks of the offloaded optimizer's states read ahead of their step by
+        :meth:`prefetch_step`, summed over the steps so far (0: none, or no offload)."""
+        return 0 if self.offload is None else self.offload.read_ahead
+
     def offload_speculation(self) -> dict:
         """Tiles of the speculative update, summed over the steps so far: ``speculated``,
         then ``used`` or ``discarded`` by the step ({} where none is made: see

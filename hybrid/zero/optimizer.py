@@ -146,9 +146,10 @@ class ShardBase:
         return torch.stack([scale, self._step, skip_f])
 
     @torch.no_grad()
-    def prefetch(self) -> None:
+    def prefetch(self) -> int:
         """Start moving what the next host step reads first (nothing here: the states
         are in memory; the nvme tier reads its first tiles)."""
+        return 0
 
     def squared_norms(self, grads: list[torch.Tensor]) -> torch.Tensor:
         """fp64 ``[sum of squares over TP-split ranges, over the replicated ranges]``.

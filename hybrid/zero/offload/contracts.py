@@ -94,10 +94,10 @@ class ShardOptimizer(Protocol):
     def chunks(self) -> list[tuple[int, int]]:
         """The flat shard ranges ``[lo, hi)`` a host step updates one at a time."""
 
-    def prefetch(self) -> None:
+    def prefetch(self) -> int:
         """Start moving the states the next :meth:`chunk_steps` in ascending order reads
-        first, before its step is known (only between steps; a no-op where the states
-        are in memory)."""
+        first, before its step is known (only between steps); returns how many chunks'
+        reads it started (0 where the states are in memory, or already on their way)."""
 
     def chunk_steps(self, grad: torch.Tensor | None, lr: float, scalars: torch.Tensor,
                     found: torch.Tensor, order: Iterable[int] | None = None

@@ -238,6 +238,7 @@ class OptimizerOffload:
         # [Note: what starts before the step]: the nvme tier's speculative update (its
         # gradients swapped with the tiles; never with the delayed update)
         self.speculative: SpeculativeUpdate | None = None
+        self.read_ahead = 0  # chunks whose reads prefetch() started, summed over steps
         if (cfg.speculative_step and not self.delayed and isinstance(opt, SwappedAdamW)
                 and swapped_grads is not None and opt.states.grads is swapped_grads):
             self.speculative = SpeculativeUpdate(
@@ -299,7 +300,7 @@ class OptimizerOffload:
         would with clip coefficient 1 and no skip; the step keeps it only if so (the Note)."""
         if self.delayed or self._pending is not None or self._failed:
             return
-        self.opt.prefetch()
+        self.read_ahead += self.opt.prefetch()
         if self.speculative is not None and lr is not None and grad_scale is not None:
             self.speculative.start(lr, grad_scale, self._sent)
 

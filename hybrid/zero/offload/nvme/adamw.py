@@ -82,11 +82,11 @@ class SwappedAdamW(ShardBase):
     def chunks(self) -> list[tuple[int, int]]:
         return [self.states.bounds(k) for k in range(self.states.tiles)]
 
-    def prefetch(self) -> None:
+    def prefetch(self) -> int:
         """The first tiles' states start coming off the disk into the staging buffers
         the next ascending :meth:`chunk_steps` reads them into ([Note: reading ahead of
         the step] in hybrid/zero/offload/nvme/tiles.py)."""
-        self.states.prefetch()
+        return self.states.prefetch()
 
     # -- the speculative update ([Note: what starts before the step] in host_step.py) ---
     def speculative_scalars(self, coefficient: torch.Tensor) -> torch.Tensor:

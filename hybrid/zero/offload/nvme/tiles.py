@@ -181,20 +181,22 @@ class SwappedStates:
         finally:
             self.drain()
 
-    def prefetch(self, order: Iterable[int] | None = None) -> None:
+    def prefetch(self, order: Iterable[int] | None = None) -> int:
         """Start reading the states of the first ``C - 1`` tiles of ``order`` (default:
         ascending) into the buffers the next :meth:`each` of that order reads them into
         ([Note: reading ahead of the step]); nothing when they are already on their way.
-        Only between steps: no :meth:`each` may be running."""
+        Only between steps: no :meth:`each` may be running. Returns the tiles it started
+        reading."""
         order = list(range(self.tiles)) if order is None else list(order)
         first = order[: min(max(1, len(self.staging) - 1), len(order))]
         if self._prefetched == first and not self._held:
-            return
+            return 0
         self.drain()  # (held tiles too: their buffers no longer hold the file's states)
         self.space.check()
         for j, k in enumerate(first):
             self._read(j, k, grad=False)
         self._prefetched = first
+        return len(first)
 
     @property
     def read_ahead(self) -> list[int]:
