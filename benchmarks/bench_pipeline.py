@@ -63,6 +63,7 @@ from benchmarks.timing import Stopwatch, emit, median_of, world_barrier
 from hybrid.pipeline.actions import COMPUTE, RECVS, Kind
 from hybrid.pipeline.schedules import build_schedule
 from hybrid.pipeline.simulator import Simulation, Times, simulate
+from hybrid.pipeline.wire import Activation
 from hybrid.testing.pool import run_ranks
 
 P = 2  # the pipeline size this bench runs
@@ -135,7 +136,7 @@ class _Stages:
         self.timeline: list | None = None  # the metered step's actions done so far
         self.samples: list = []  # after each metered forward: the held micro-batches
 
-    def forward(self, s: int, j: int, x: torch.Tensor | None) -> torch.Tensor:
+    def forward(self, s: int, j: int, x: Activation | None) -> torch.Tensor:
         if self.meters is None:
             return self._forward(s, j, x)
         from hybrid.train.activation_meter import SavedActivationMeter
@@ -152,8 +153,9 @@ class _Stages:
                              sum(held.values())))
         return out
 
-    def _forward(self, s: int, j: int, x: torch.Tensor | None) -> torch.Tensor:
+    def _forward(self, s: int, j: int, x: Activation | None) -> torch.Tensor:
         tokens, labels = self.batches[j]
+        assert x is None or isinstance(x, torch.Tensor)  # (GPT's stages pass one tensor)
         model = self.models[s]
         if x is None:
             return model(tokens)

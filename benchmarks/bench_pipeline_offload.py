@@ -10,7 +10,7 @@ many parameters) at PP 2 x DP ``--dp``, micro-batch 1, sequence ``--seq`` (defau
 a small batch, so the optimizer step is a visible share), ``--micro-batches`` (default
 2), fp32, ZeRO ``--zero-stage`` (default 2), ``--clip-grad`` (default 1.0), the
 optimizer on each of ``--tiers`` (host memory, NVMe swap files under ``--nvme-path``),
-through the trainer's own :func:`hybrid.train.pipeline_step.pipeline_train_step`, in
+through the trainer's own :func:`hybrid.train.step.train_step`, in
 fresh processes per tier. Per rank and timed step (after one warm-up), read around
 that function without changing it:
 
@@ -63,9 +63,10 @@ def _config(a, tier: str, swap_dir: str, world: int):
 
 
 def _rank(ps, tier: str, a, swap_dir: str) -> dict:
-    import hybrid.train.pipeline_step as step_mod
+    import hybrid.pipeline.step as step_mod
     from hybrid.tensor_parallel import seed_all
     from hybrid.train.setup import build_engine
+    from hybrid.train.step import activation_shape, train_step
     torch.set_num_threads(1)
     cfg = _config(a, tier, swap_dir, ps.world_size)
     rng = seed_all(cfg.seed, ps.tp_rank, ps.dp_rank, ps.device)
@@ -95,7 +96,7 @@ def _rank(ps, tier: str, a, swap_dir: str) -> dict:
              "prefetch": lambda lr=None, grad_divisor=1.0: prefetch(),
              "no_prefetch": lambda lr=None, grad_divisor=1.0: None}
     g = torch.Generator().manual_seed(5 + ps.dp_rank)
-    shape = step_mod.activation_shape(1, a.seq, a.hidden, ps, False)
+    shape = activation_shape(1, a.seq, a.hidden, ps, False)
     rows: list[dict] = []
     try:
         for i in range(1 + a.steps):
@@ -106,8 +107,8 @@ def _rank(ps, tier: str, a, swap_dir: str) -> dict:
             counts = engine.offload_speculation()
             ps.world_group.all_reduce(torch.zeros(1))  # every rank starts together
             t0 = now()
-            loss, _, _ = step_mod.pipeline_train_step(model, engine, micro, 1e-4, ps,
-                                                      "1f1b", shape, torch.float32)
+            loss, _, _ = train_step(model, engine, micro, 1e-4, schedule="1f1b", shape=shape,
+                                    dtype=torch.float32)
             if i == 0:
                 continue
             tail = marks["step_end"] - marks["last_backward_end"]

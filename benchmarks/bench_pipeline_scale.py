@@ -11,7 +11,7 @@ step: the default group, this rank's TP, DP, PP and embedding group
 (:meth:`hybrid.parallel.state.ParallelState.build`, which creates only the rank's own
 group of each kind, its members alone taking part) and this stage's model under ZeRO
 (:func:`hybrid.train.setup.build_engine`). A step is
-:func:`hybrid.train.pipeline_step.pipeline_train_step` under 1F1B: the stage's
+:func:`hybrid.train.step.train_step` under 1F1B: the stage's
 forwards from received activations, the loss, the backwards whose input gradients go
 back to stage 6, ZeRO's reduction over DP and the AdamW step.
 
@@ -55,8 +55,8 @@ from hybrid.estimate.workload import workload
 from hybrid.kernels.dtypes import DTYPES
 from hybrid.parallel.state import ParallelState
 from hybrid.tensor_parallel import seed_all
-from hybrid.train.pipeline_step import activation_shape, pipeline_train_step
 from hybrid.train.setup import build_engine
+from hybrid.train.step import activation_shape, train_step
 
 TP, PP = 8, 8
 VOCAB = 257  # the byte tokenizer's
@@ -128,8 +128,9 @@ def last_rank(world: int, zero_stage: int = 1, steps: int = 1, **shape) -> dict:
             for _ in range(steps):
                 ps.comm_stats.reset()
                 t = time.perf_counter()
-                loss, result, _ = pipeline_train_step(model, engine, batches, 1e-3, ps,
-                                                      cfg.pipeline.schedule, act, dtype)
+                loss, result, _ = train_step(model, engine, batches, 1e-3,
+                                             schedule=cfg.pipeline.schedule, shape=act,
+                                             dtype=dtype)
                 step_s.append(time.perf_counter() - t)
                 losses.append(float(loss))
                 p2p.append(ps.comm_stats.bytes["p2p"])

@@ -2,8 +2,10 @@
 
 ``deepspeed.initialize(model=PipelineModule(...))`` returns a :class:`PipelineEngine`: the
 engine of :mod:`hybrid.train.api` (ZeRO over this stage's DP group, the optimizer, the
-schedule of rates, checkpoints) with DeepSpeed's pipeline verbs, each a whole optimizer
-step or evaluation through :func:`hybrid.pipeline.executor.run_actions`.
+schedule of rates, checkpoints) with DeepSpeed's pipeline verbs: ``train_batch`` is the
+one training step every door runs (:func:`hybrid.pipeline.step.train_step`), given this
+module's stages; ``eval_batch`` a forward-only schedule through
+:func:`hybrid.pipeline.executor.run_actions`.
 
 [Note: one step of train_batch]
 Each rank of a pipeline draws ``gradient_accumulation_steps()`` micro-batches from its
@@ -12,12 +14,13 @@ last gives its output and the labels to ``loss_fn`` (none: the output is the los
 middle stage reads no data (it has no iterator, as in DeepSpeed). The micro-batches run
 under hybrid's checked 1F1B schedule (DeepSpeed's pipeline schedule is 1F1B too), each
 loss divided by the micro-batch count (and times the fp16 loss scale) before its
-backward, so the accumulated gradient is the batch's mean; each stage's gradients reduce
+backward, so the accumulated gradient is the batch's mean ([Note: the loss path] in
+hybrid/pipeline/step.py, the Trainer's own); each stage's gradients reduce
 over its DP group once a step ([Note: ZeRO under a schedule] in the executor), a tied
 weight's copies sum over the first and the last stage, and the optimizer steps every
 stage's shard. ``train_batch`` returns what DeepSpeed's does: the mean of the last
-stage's micro-batch losses, averaged over DP, on every rank (a DP all-reduce on the last
-stage, then an all-reduce over the pipeline group, the other stages adding zeros).
+stage's micro-batch losses, averaged over DP, on every rank (an all-reduce over the
+pipeline group, the other stages adding zeros, then one over DP).
 The shapes between stages are learnt on the first step (:mod:`hybrid.pipeline.wire`),
 separately for training and evaluation.
 """
@@ -30,12 +33,11 @@ from typing import NoReturn
 import torch
 
 from hybrid.errors import ConfigError
-from hybrid.pipeline.executor import run_actions
+from hybrid.pipeline.executor import Forward, run_actions
 from hybrid.pipeline.schedules import forward_only
+from hybrid.pipeline.step import checked_schedule, train_step
 from hybrid.pipeline.wire import Learnt
 from hybrid.train.api import Engine
-from hybrid.train.pipeline_step import checked_schedule
-from hybrid.zero.loss_scaler import scaled_loss
 
 SCHEDULE = "1f1b"  # DeepSpeed's TrainSchedule is 1F1B
 
@@ -149,54 +151,33 @@ class PipelineEngine(Engine):
             out.append((_to(batch[0], self.device), _to(batch[1], self.device)))
         return out
 
-    def _run(self, batches: list, n: int, train: bool, compute_loss: bool = True):
-        """The micro-batches through the pipeline; the last stage's per-micro-batch
-        losses as computed (before any division), by micro-batch."""
+    def _forward(self, batches: list, train: bool, compute_loss: bool = True,
+                 outputs: dict[int, object] | None = None) -> Forward:
+        """The stages' forward (hybrid/pipeline/executor.py's ``forward``): the module's
+        layers of this stage; on the last stage ``loss_fn(output, labels)`` (or the output,
+        without a ``loss_fn``), its outputs kept in ``outputs`` when evaluating."""
         module, p = self.module, self.ps.pp_size
         loss_fn = getattr(module, "loss_fn", None)
-        scale = self.zero.scaler.scale if train else 1.0
-        outputs: dict[int, object] = {}
 
         def forward(stage: int, j: int, x):
             out = module(batches[j][0] if x is None else x)
             if stage < p - 1:
                 return out
-            loss = out
-            if compute_loss and loss_fn is not None:
-                loss = loss_fn(out, batches[j][1])
-            if not train:
+            loss = loss_fn(out, batches[j][1]) if compute_loss and loss_fn is not None else out
+            if outputs is not None:
                 outputs[j] = out
-                return loss
-            if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+            if train and not (isinstance(loss, torch.Tensor) and loss.numel() == 1):
                 raise ConfigError("train_batch(): the last stage's loss must be one scalar "
                                   "tensor (loss_fn(output, labels), or the output itself)")
-            return scaled_loss(loss, scale) / n  # (in fp32 under fp16: no overflow of its own)
+            return loss
+        return forward
 
-        if train:
-            lists = checked_schedule(SCHEDULE, p, n)
-            params = {self.ps.pp_rank: [q for q in module.parameters() if q.requires_grad]}
-            got = run_actions(lists.ranks[self.ps.pp_rank], forward, params, self.ps.pp_group,
-                              shape=None, dtype=torch.float32, device=self.device, stages=p,
-                              zero=self.zero, peers=lists.ranks, learnt=self._learnt_train)
-            return {j: loss.float() * (n / scale) for j, loss in got.items()}, outputs
-        lists = forward_only(p, n)
-        got = run_actions(lists.ranks[self.ps.pp_rank], forward, {}, self.ps.pp_group,
-                          shape=None, dtype=torch.float32, device=self.device, stages=p,
-                          peers=lists.ranks, learnt=self._learnt_eval)
-        return got, outputs
-
-    def _shared_mean(self, losses: dict[int, torch.Tensor], n: int) -> torch.Tensor:
-        """The mean of the last stage's micro-batch losses, averaged over DP, on every
-        rank of the pipeline ([Note: one step of train_batch])."""
-        total = torch.zeros((), dtype=torch.float32, device=self.device)
-        for loss in losses.values():
-            total += loss.detach().float().sum()
-        total /= n
-        if self.is_last_stage():
-            self.ps.dp_group.all_reduce(total)
-            total /= self.ps.dp_size
-        self.ps.pp_group.all_reduce(total)  # (the other stages add zeros)
-        return total
+    def _dp_mean(self, total: torch.Tensor) -> torch.Tensor:
+        """The batch's mean loss (the same on every stage of the pipeline), averaged over
+        DP ([Note: one step of train_batch])."""
+        mean = total.detach().float().clone()
+        self.ps.dp_group.all_reduce(mean)
+        return mean / self.ps.dp_size
 
     def train_batch(self, data_iter=None) -> torch.Tensor:
         """One optimizer step over ``gradient_accumulation_steps()`` micro-batches from
@@ -212,22 +193,15 @@ class PipelineEngine(Engine):
         self.module.train()
         batches = self._draw(self.data_iterator, n, "train_batch")
         self.optimizer.check_unchanged()
-        self.zero.zero_grad()
-        losses, _ = self._run(batches, n, train=True)
-        mean = self._shared_mean(losses, n)
-        # (the loss before the DP mean is this pipeline's: the step's non-finite check)
-        local = torch.zeros((), dtype=torch.float32, device=self.device)
-        for loss in losses.values():
-            local += loss / n
-        self.ps.pp_group.all_reduce(local)
-        result = self.zero.step(self.optimizer.next_lr(), loss=local)
-        self.last_result = result
-        self.global_steps += 1
-        self.global_samples += self.train_batch_size()
-        self.micro_steps += n
-        if self.lr_scheduler is not None and result.host_skipped is not True:
-            self.lr_scheduler.step()  # (as Engine.step: unless fp16 skipped the step)
-        return mean
+        p = self.ps.pp_size
+        params = {self.ps.pp_rank: [q for q in self.module.parameters() if q.requires_grad]}
+        total, result, _ = train_step(self._forward(batches, train=True),
+                                      checked_schedule(SCHEDULE, p, n), self.zero,
+                                      self.optimizer.next_lr(), self.ps.pp_group, shape=None,
+                                      dtype=torch.float32, device=self.device, params=params,
+                                      learnt=self._learnt_train)
+        self._stepped(result, n)
+        return self._dp_mean(total)
 
     @torch.no_grad()
     def eval_batch(self, data_iter, return_logits: bool = False, compute_loss: bool = True,
@@ -243,11 +217,22 @@ class PipelineEngine(Engine):
                               "and shares it with every stage; pass reduce_output=\"avg\", "
                               "bcast_loss=True")
         n = num_micro_batches or self.gradient_accumulation_steps()
+        p = self.ps.pp_size
         self.module.eval()
+        outputs: dict[int, object] = {}
         try:
             batches = self._draw(data_iter, n, "eval_batch")
-            losses, outputs = self._run(batches, n, train=False, compute_loss=compute_loss)
-            mean = self._shared_mean(losses, n)
+            lists = forward_only(p, n)
+            got = run_actions(lists.ranks[self.ps.pp_rank],
+                              self._forward(batches, False, compute_loss, outputs), {},
+                              self.ps.pp_group, shape=None, dtype=torch.float32,
+                              device=self.device, stages=p, peers=lists.ranks,
+                              learnt=self._learnt_eval)
+            total = torch.zeros((), dtype=torch.float32, device=self.device)
+            for j in sorted(got):
+                total += got[j].detach().float().sum()
+            self.ps.pp_group.all_reduce(total)  # (the other stages add zeros)
+            mean = self._dp_mean(total / n)
         finally:
             self.module.train()
         if return_logits:

@@ -88,6 +88,11 @@ the tensor), and gradients travel for their floating-point members. Only whole
 backwards (``B``): a list with ``I``/``W`` is refused there. With ``shape`` (hybrid's
 GPT) none of this runs.
 
+[Note: watching the actions]
+``run_actions(..., around=f)`` runs each action inside the context ``f(action)``: how the
+step (:mod:`hybrid.pipeline.step`) times its phases for ``--timing-breakdown`` and
+measures the activations saved for backward, without the executor knowing either.
+
 [Note: the optional timeline]
 ``run_actions(..., timeline=[])`` appends ``(action, start, end)`` for every action, in
 ``time.perf_counter`` seconds (the device synced at both ends on CUDA, so the span
@@ -102,6 +107,8 @@ import contextlib
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
+from typing import Protocol
 
 import torch
 
@@ -111,18 +118,34 @@ from hybrid.pipeline.actions import RECVS, SENDS, Action, Kind, in_words, stage_
 from hybrid.tensor_parallel.weight_grad import Deferred, Pairs, WeightGradStore, run_deferred
 
 Key = tuple[int, int]  # (stage, micro-batch)
+Forward = Callable[[int, int, "wire.Activation | None"], "wire.Activation"]
+Around = Callable[[Action], AbstractContextManager[object]]
 
 
-def run_actions(actions: Sequence[Action], forward: Callable[[int, int, torch.Tensor | None],
-                                                             torch.Tensor],
+class ZeroHooks(Protocol):
+    """What the executor asks of a rank's ZeRO engine (:class:`~hybrid.zero.ZeroEngine`
+    holds it): each backward bracketed, and stage 3's parameters held over the step
+    ([Note: ZeRO under a schedule], [Note: ZeRO-3's parameters over a step])."""
+
+    def begin_backward(self, sync: bool, part: int | None = None) -> None: ...
+
+    def end_backward(self) -> None: ...
+
+    def params_held(self, on: bool = True) -> AbstractContextManager[None]: ...
+
+    def release_params(self, part: int | None = None) -> None: ...
+
+
+def run_actions(actions: Sequence[Action], forward: Forward,
                 params: dict[int, list[torch.nn.Parameter]], pp: CommGroup, *,
                 shape: tuple[int, ...] | None, dtype: torch.dtype, device: torch.device,
-                stages: int, zero=None,
+                stages: int, zero: ZeroHooks | None = None,
                 weight_grads: dict[int, WeightGradStore] | None = None,
                 timeline: list[tuple[Action, float, float]] | None = None,
                 peers: Sequence[Sequence[Action]] | None = None,
                 reshard_after_micro_batch: bool = False,
-                learnt: wire.Learnt | None = None
+                learnt: wire.Learnt | None = None,
+                around: Around | None = None
                 ) -> dict[int, torch.Tensor]:
     """Run this rank's ``actions`` (module doc); returns the loss of each micro-batch the
     last stage computed here, by micro-batch (empty on other ranks). ``pp``: the
@@ -137,10 +160,13 @@ def run_actions(actions: Sequence[Action], forward: Callable[[int, int, torch.Te
     until ``END``); ``reshard_after_micro_batch``: stage 3 frees its gathered
     parameters after every forward and backward instead of keeping them for the step
     ([Note: ZeRO-3's parameters over a step]); ``learnt``: instead of ``shape`` (None), the
-    boundaries' specs learnt so far, filled here ([Note: activations of any shape])."""
+    boundaries' specs learnt so far, filled here ([Note: activations of any shape]);
+    ``around``: the context each action runs in ([Note: watching the actions]), or None."""
     if (shape is None) == (learnt is None):
         raise ValueError("run_actions: pass the activation shape, or learnt= to learn it "
                          "at run time (one of them)")
+    if around is not None and timeline is not None:
+        raise ValueError("run_actions: pass around= or timeline=, not both")
     if learnt is not None and any(a.kind in (Kind.BACKWARD_INPUT, Kind.BACKWARD_WEIGHT)
                                   for a in actions):
         raise ValueError("run_actions(learnt=...): activations learnt at run time go with "
@@ -158,9 +184,12 @@ def run_actions(actions: Sequence[Action], forward: Callable[[int, int, torch.Te
                                if a.kind in (Kind.BACKWARD, Kind.BACKWARD_INPUT)}.items()}
     hold = zero is not None and not reshard_after_micro_batch
     cuda = device.type == "cuda"
-    with zero.params_held() if hold else contextlib.nullcontext():
+    with zero.params_held() if zero is not None and hold else contextlib.nullcontext():
         for i, a in enumerate(actions):
-            if timeline is None:
+            if around is not None:
+                with around(a):
+                    run.do(a, sync=i in last)
+            elif timeline is None:
                 run.do(a, sync=i in last)
             else:
                 if cuda:
@@ -170,7 +199,7 @@ def run_actions(actions: Sequence[Action], forward: Callable[[int, int, torch.Te
                 if cuda:
                     torch.cuda.synchronize(device)
                 timeline.append((a, start, time.perf_counter()))
-            if hold and i in reads:
+            if zero is not None and hold and i in reads:
                 zero.release_params(stage_chunk(reads[i], pp.size))
     return run.losses
 
@@ -179,8 +208,10 @@ class _Run:
     """One step's state on this rank: what each (stage, micro-batch) holds between its
     actions, the sends in flight, the losses."""
 
-    def __init__(self, forward, params, pp: CommGroup, shape, dtype, device, stages: int,
-                 zero, weight_grads: dict[int, WeightGradStore] | None):
+    def __init__(self, forward: Forward, params: dict[int, list[torch.nn.Parameter]],
+                 pp: CommGroup, shape: tuple[int, ...] | None, dtype: torch.dtype,
+                 device: torch.device, stages: int, zero: ZeroHooks | None,
+                 weight_grads: dict[int, WeightGradStore] | None):
         self.forward, self.params, self.pp, self.zero = forward, params, pp, zero
         self.weight_grads = weight_grads or {}
         self.shape, self.dtype, self.device, self.stages = shape, dtype, device, stages
@@ -289,8 +320,9 @@ class _Run:
         backward])."""
         out, grad = self._take_output(key)
         x = self.inputs.pop(key, None)  # (None on stage 0: its input is the data)
+        assert x is None or isinstance(x, torch.Tensor)  # (I/W: never under learnt)
         params = self.params[key[0]]
-        wanted = ([x] if x is not None else []) + list(params)
+        wanted: list[torch.Tensor] = ([x] if x is not None else []) + list(params)
         store = self.weight_grads.get(key[0])
         block: contextlib.AbstractContextManager[list[Deferred]] = (
             store.deferring() if store is not None else contextlib.nullcontext([]))
@@ -299,8 +331,8 @@ class _Run:
         if x is not None:
             assert got[0] is not None  # (the input requires grad and reaches the output)
             self.in_grads[key] = got[0]
-        kept = [(p, g) for p, g in zip(params, got[len(wanted) - len(params):])
-                if g is not None]
+        kept: Pairs = [(p, g) for p, g in zip(params, got[len(wanted) - len(params):])
+                       if g is not None]
         self.split[key] = (kept, list(later))
 
     def _backward_weight(self, key: Key, sync: bool) -> None:
@@ -329,7 +361,7 @@ class _Run:
         self.sends.setdefault(a.peer, deque()).append((n, work, t))
 
     def _recv(self, a: Action) -> torch.Tensor:
-        assert a.peer is not None  # (a receive names its peer)
+        assert a.peer is not None and self.shape is not None  # (a receive names its peer)
         buf = torch.empty(self.shape, dtype=self.dtype, device=self.device)
         self.pp.exchange([], [(buf, a.peer)], what=str(a),
                          about=in_words(a, self.pp.ranks[a.peer]))

@@ -50,6 +50,7 @@ from hybrid.config.kinds import INT, typed
 from hybrid.errors import ConfigError
 from hybrid.parallel.state import ParallelState, init_distributed
 from hybrid.parallel.teardown import teardown_at_exit
+from hybrid.pipeline.step import micro_batch_loss
 from hybrid.recompute.phase import RecomputePhase
 from hybrid.tensor_parallel import InitValues, seed_all
 from hybrid.train.api_optimizer import resolve_optimizer, resolve_schedule
@@ -57,7 +58,7 @@ from hybrid.train.api_surface import EngineOptimizer, dataloader_of
 from hybrid.train.ds_schedulers import cycles_momentum, kind_of
 from hybrid.train.orphans import end_with_launcher
 from hybrid.train.zero_context import init_values, take_parts
-from hybrid.zero import apply_zero
+from hybrid.zero import StepResult, apply_zero
 from hybrid.zero.loss_scaler import scaled_loss
 
 log = logging.getLogger("hybrid")
@@ -115,7 +116,7 @@ class Engine:
         self._in_backward = False  # inside engine.backward
         self._window: str | None = None  # how this window's backwards ran: "engine", "plain"
         self._user_scaled = False  # engine.scale(loss) was called in this window
-        self.last_result = None  # the engine's StepResult of the last optimizer step
+        self.last_result: StepResult | None = None  # of the last optimizer step
         self._arm()
 
     # -- what scripts read (DeepSpeed's names and types) --------------------------------
@@ -282,16 +283,20 @@ class Engine:
                               "call engine.step() after each micro-batch's backward (it steps "
                               "the optimizer at the accumulation boundary only)")
         self._window_is("engine")
-        n = self.gradient_accumulation_steps()
-        scaled = loss / n if n > 1 and scale_wrt_gas else loss
+        n = self.gradient_accumulation_steps() if scale_wrt_gas else 1
+        # the Trainer's loss path (hybrid/pipeline/step.py, [Note: the loss path])
+        divided, backpropagated = micro_batch_loss(loss, n, self.zero.scaler.scale)
         self._in_backward = True
         try:
-            self.zero.backward(scaled, sync=self.is_gradient_accumulation_boundary())
+            self.zero.begin_backward(sync=self.is_gradient_accumulation_boundary())
+            backpropagated.backward()
+            self.zero.end_backward()
         finally:
             self._in_backward = False
-        self._loss = scaled.detach() if self._loss is None else self._loss + scaled.detach()
+        recorded = divided.detach().float()
+        self._loss = recorded if self._loss is None else self._loss + recorded
         self._backward_done = True
-        return scaled
+        return divided
 
     def step(self, lr_kwargs=None) -> None:
         """At an accumulation boundary: the optimizer step on this rank's shard (clip,
@@ -318,18 +323,23 @@ class Engine:
         if self.is_gradient_accumulation_boundary():
             self.optimizer.check_unchanged()
             divisor = self.gradient_accumulation_steps() if self._window == "plain" else 1
-            result = self.zero.step(self.optimizer.next_lr(), loss=self._loss,
-                                    grad_divisor=divisor)
-            self.last_result = result
-            self.global_steps += 1
-            self.global_samples += self.train_batch_size()
-            # as DeepSpeed's engine: the schedule advances unless fp16 skipped the step
-            # (known on the host there; a bf16/fp32 skip is not, and DeepSpeed's
-            # schedule advances through it too)
-            if self.lr_scheduler is not None and result.host_skipped is not True:
-                self.lr_scheduler.step()
+            lr = self.optimizer.next_lr()
+            self.zero.prefetch_step(lr, divisor)  # (an offloaded optimizer reads ahead)
+            self._stepped(self.zero.step(lr, loss=self._loss, grad_divisor=divisor), 0)
         self.micro_steps += 1
         self._arm()
+
+    def _stepped(self, result: StepResult, micro_batches: int) -> None:
+        """The counts after an optimizer step of ``micro_batches`` micro-batches (0: counted
+        by each ``step()`` call), and the schedule: as DeepSpeed's engine, it advances unless
+        fp16 skipped the step (known on the host there; a bf16/fp32 skip is not, and
+        DeepSpeed's schedule advances through it too)."""
+        self.last_result = result
+        self.global_steps += 1
+        self.global_samples += self.train_batch_size()
+        self.micro_steps += micro_batches
+        if self.lr_scheduler is not None and result.host_skipped is not True:
+            self.lr_scheduler.step()
 
     # -- data ----------------------------------------------------------------------------
     def deepspeed_io(self, dataset, batch_size: int | None = None, route=None,

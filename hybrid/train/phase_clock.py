@@ -1,10 +1,12 @@
-"""``--timing-breakdown`` (DeepSpeed's ``wall_clock_breakdown``): forward, backward and
-optimizer seconds per step on the log line.
+"""``--timing-breakdown`` (DeepSpeed's ``wall_clock_breakdown``): forward, backward,
+pipeline-message and optimizer seconds per step on the log line.
 
 Off by default because on a GPU an honest split needs a device sync at every
 phase boundary (the phases are asynchronous otherwise), which costs the overlap
 the step is built for; on a CPU the boundaries cost nothing. One object per run,
-chosen at construction: :class:`NoClock` times nothing.
+made only with the flag; without it the step is given no clock and times nothing
+(which phase each action counts to: hybrid/pipeline/step.py, [Note: what the watch
+sees]).
 """
 
 from __future__ import annotations
@@ -13,19 +15,6 @@ import contextlib
 import time
 
 import torch
-
-
-class NoClock:
-    """The default: every phase runs untimed."""
-
-    def phase(self, name: str):
-        return contextlib.nullcontext()
-
-    def take(self, steps: int) -> dict:
-        return {}
-
-
-UNTIMED = NoClock()  # stateless: the one instance every untimed caller shares
 
 
 class PhaseClock:

@@ -33,17 +33,11 @@ from hybrid.train.host_memory import return_freed_memory
 from hybrid.train.lr_schedule import scheduled_lr
 from hybrid.train.metrics import IntervalMetrics, stage_flops_per_token
 from hybrid.train.monitor import Monitor
-from hybrid.train.phase_clock import NoClock, PhaseClock
-from hybrid.train.pipeline_step import (
-    activation_shape,
-    pipeline_evaluate,
-    pipeline_train_step,
-    stage_reads,
-)
+from hybrid.train.phase_clock import PhaseClock
 from hybrid.train.replicas import ReplicaChecker
 from hybrid.train.setup import HOST_TRIM_MIN_PARAMS, build_engine_or_explain, memory_bytes
 from hybrid.train.skips import SkippedSteps
-from hybrid.train.step import evaluate, train_step
+from hybrid.train.step import activation_shape, evaluate, stage_reads, train_step
 
 log = logging.getLogger("hybrid")
 
@@ -99,10 +93,10 @@ class Trainer:
             return_freed_memory()  # the model lives in host memory: keep RSS to what is used
         before_model = memory_bytes(ps)[0]  # the process without the model: runtime, data
         self.model, self.ac, self.engine = build_engine_or_explain(cfg, ps, vocab, self.rng)
-        # PP > 1: the activations between stages (hybrid/train/pipeline_step.py)
-        self.pp_io = ((activation_shape(cfg.loop.micro_batch_size, cfg.model.seq_length,
-                                        cfg.model.hidden_size, ps, cfg.parallel.sequence_parallel),
-                       DTYPES[cfg.precision.params_dtype]) if ps.pp_size > 1 else None)
+        # the activations between pipeline stages (hybrid/train/step.py)
+        self.pp_io = (activation_shape(cfg.loop.micro_batch_size, cfg.model.seq_length,
+                                       cfg.model.hidden_size, ps, cfg.parallel.sequence_parallel),
+                      DTYPES[cfg.precision.params_dtype])
         self.state = TrainState()
         # --load with --no-load-optim / --no-load-rng / --finetune (checkpoint/resume.py)
         self.start = start_from_checkpoint(cfg.checkpoint, self.engine, ps, cfg.seed, self.rng,
@@ -128,7 +122,7 @@ class Trainer:
         self.lr = 0.0
         self._offload_prev: dict = {}  # engine.offload_seconds() at the last log line
         self._speculation_prev: dict = {}  # engine.offload_speculation() at the last one
-        self.clock = PhaseClock(ps.device) if cfg.logging.timing_breakdown else NoClock()
+        self.clock = PhaseClock(ps.device) if cfg.logging.timing_breakdown else None
 
     def train(self) -> list[dict]:
         """Train until ``--train-iters`` or ``--train-samples`` (or an exit flag); return
@@ -184,13 +178,11 @@ class Trainer:
         micro = dp_micro_batches(self.data["train"], st.consumed_samples, batch,
                                  s.micro_batch_size, ps.dp_rank, ps.dp_size, ps.device, self.eod,
                                  self.cp_keep, stage_reads(ps))  # a stage reads its share
-        if self.pp_io is None:
-            loss, result, losses = train_step(self.model, self.engine, micro, self.lr,
-                                              self.meter if logs else None, self.clock)
-        else:
-            loss, result, losses = pipeline_train_step(
-                self.model, self.engine, micro, self.lr, ps, self.cfg.pipeline.schedule,
-                *self.pp_io, self.cfg.pipeline.reshard_after_micro_batch)
+        shape, dtype = self.pp_io
+        loss, result, losses = train_step(
+            self.model, self.engine, micro, self.lr, self.meter if logs else None, self.clock,
+            schedule=self.cfg.pipeline.schedule, shape=shape, dtype=dtype,
+            reshard_after_micro_batch=self.cfg.pipeline.reshard_after_micro_batch)
         self.metrics.stop(loss, batch * self.cfg.model.seq_length)
         self.skips.add(st.iteration + 1, result, losses, st.consumed_samples, batch)
         st.iteration += 1
@@ -220,7 +212,7 @@ class Trainer:
              "activation_bytes": self.meter.peak}
         m.update(self._first_line)  # the first log record only
         self._first_line = {}
-        phases = self.clock.take(n)
+        phases = self.clock.take(n) if self.clock is not None else {}
         if phases:
             m["time_breakdown_s"] = phases
         split = self._offload_split(n)
@@ -246,12 +238,8 @@ class Trainer:
     def evaluate(self, split: str) -> None:
         """Log the mean loss over ``--eval-iters`` batches of ``split`` (if it has data)."""
         if self.data[split] is not None and self.cfg.loop.eval_iters > 0:
-            if self.pp_io is None:
-                loss = evaluate(self.model, self.data[split], self.cfg.loop, self.ps, self.eod,
-                                self.cp_keep)
-            else:
-                loss = pipeline_evaluate(self.model, self.data[split], self.cfg.loop, self.ps,
-                                         *self.pp_io, self.eod, self.cp_keep)
+            loss = evaluate(self.model, self.data[split], self.cfg.loop, self.ps, *self.pp_io,
+                            self.eod, self.cp_keep)
             self.monitor.log_eval(self.state.iteration, split, loss)
 
     def save(self) -> None:

@@ -396,7 +396,7 @@ def _compare_tied_copies(ps, cfg):
     from hybrid.errors import TrainingError
     from hybrid.train import trainer as training
     from tests.helpers.launch import pretrain_rank_with
-    orig = training.pipeline_train_step
+    orig = training.train_step
     compared = [0]
 
     def step(model, engine, *args, **kwargs):
@@ -410,7 +410,7 @@ def _compare_tied_copies(ps, cfg):
         compared[0] += 1
         return out
 
-    return pretrain_rank_with(ps, cfg, training, "pipeline_train_step", step, "compared",
+    return pretrain_rank_with(ps, cfg, training, "train_step", step, "compared",
                               lambda: compared[0])
 
 
@@ -421,11 +421,15 @@ def test_tied_embeddings_across_stages_follow_the_one_stage_curve(tmp_path):
     and with the optimizer offloaded, the tied unit going down only after the step's sum:
     to the host at ZeRO 1 (the device shard copied down) and 2 (read in place), to NVMe
     at ZeRO 3 (landed, parked, landed again for the sum); every step's loss and grad
-    norm (the embedding counted once) within 1e-5 of PP 1 at DP 2."""
+    norm (the embedding counted once) within 1e-5 of PP 1 at DP 2; at ZeRO 0 with
+    --timing-breakdown, forward, backward, pipeline messages and the optimizer timed and
+    the activations held for backward measured on every log line."""
     logs = {}
     pp2 = ["--pipeline-model-parallel-size", "2"]
     runs = {"pp1": (2, []),
-            **{f"pp2_zero{z}": (4, pp2 + ["--zero-stage", str(z), "--pipeline-schedule", sched])
+            # (ZeRO 0 with --timing-breakdown: each phase of a pipeline step timed)
+            **{f"pp2_zero{z}": (4, pp2 + ["--zero-stage", str(z), "--pipeline-schedule", sched]
+                                + (["--timing-breakdown"] if z == 0 else []))
                for z, sched in ((0, "1f1b"), (1, "1f1b"), (2, "zb_h1"), (3, "1f1b"))},
             **{f"pp2_cpu{z}": (4, pp2 + ["--zero-stage", str(z), "--offload-optimizer", "cpu"])
                for z in (1, 2)},
@@ -443,6 +447,10 @@ def test_tied_embeddings_across_stages_follow_the_one_stage_curve(tmp_path):
                 with open(f"{path}.compared{rank}") as f:
                     assert f.read() == "4", (name, rank)
     ref = logs.pop("pp1")
+    for m in logs["pp2_zero0"]:  # timed and metered at PP 2 too (both were empty there)
+        assert set(m["time_breakdown_s"]) == {"forward", "backward", "pipeline", "optimizer"}
+        assert all(v > 0 for v in m["time_breakdown_s"].values()), m
+        assert m["activation_bytes"] > 0, m
     for name, log in logs.items():
         assert [m["iteration"] for m in log] == list(range(1, 5)), name
         for a, b in zip(log, ref):
@@ -458,7 +466,7 @@ def _count_gathers(ps, cfg):
 
     from hybrid.train import trainer as training
     from tests.helpers.launch import pretrain_rank_with
-    orig = training.pipeline_train_step
+    orig = training.train_step
     seen = {"steps": [], "peak": 0}
 
     def step(model, engine, *args, **kwargs):
@@ -480,7 +488,7 @@ def _count_gathers(ps, cfg):
         seen["steps"].append(ps.comm_stats.snapshot()["all_gather"] - before)
         return out
 
-    return pretrain_rank_with(ps, cfg, training, "pipeline_train_step", step, "gathers",
+    return pretrain_rank_with(ps, cfg, training, "train_step", step, "gathers",
                               lambda: seen)
 
 
