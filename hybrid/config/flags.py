@@ -38,6 +38,7 @@ from typing import Any, NoReturn
 
 from hybrid.config.sections import KERNEL_PATHS, OFFLOAD_TIERS, PIPELINE_SCHEDULES
 from hybrid.errors import ConfigError
+from hybrid.pipeline.schedules import SCHEDULES
 
 
 def opt(default, help: str, alias: str | None = None, to: str | tuple[str, ...] = (),
@@ -108,9 +109,9 @@ class Flags:
         None, "every stage's layers as Megatron writes them: E embedding, t transformer "
               "layer, L loss, | between stages (PP x virtual stages of them, in model "
               "order), (..)*n and x*n repeat, commas for the eye; e.g. \"Ett|(tt|)*2,tL\"")
-    pipeline_schedule: str = opt("1f1b", "the micro-batch schedule over the stages: gpipe, "
-                                         "1f1b, interleaved_1f1b (implied by more than one "
-                                         "virtual stage) or zb_h1 (zero-bubble H1)",
+    pipeline_schedule: str = opt("1f1b", "the micro-batch schedule over the stages: "
+                                 + ", ".join(f"{name} ({g.about})"
+                                             for name, g in SCHEDULES.items()),
                                  choices=PIPELINE_SCHEDULES,
                                  to="pipeline.schedule")
     pipeline_reshard_after_micro_batch: bool = opt(

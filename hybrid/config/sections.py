@@ -16,6 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from hybrid.errors import ConfigError
+from hybrid.pipeline.schedules import SCHEDULES
 from hybrid.pipeline.split import StageSplit
 
 
@@ -169,8 +170,8 @@ class ParallelConfig:
     timeout_minutes: float = 10.0
 
 
-# --pipeline-schedule: the micro-batch orders of the pipeline stages
-PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zb_h1")
+# --pipeline-schedule: the micro-batch orders of the pipeline stages (the registry's names)
+PIPELINE_SCHEDULES = tuple(SCHEDULES)
 
 
 @dataclass(frozen=True)

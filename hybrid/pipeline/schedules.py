@@ -273,13 +273,17 @@ class Generator:
 
     build: Callable[..., Schedule]
     interleaved: bool
+    about: str  # (in --pipeline-schedule's help)
 
 
+# the one list of schedules: --pipeline-schedule's choices and help, the config's
+# closed set (hybrid.config.sections.PIPELINE_SCHEDULES) and the docs' table come from it
 SCHEDULES: dict[str, Generator] = {
-    "gpipe": Generator(gpipe, False),
-    "1f1b": Generator(one_f_one_b, False),
-    "interleaved_1f1b": Generator(interleaved_1f1b, True),
-    "zb_h1": Generator(zb_h1, False),
+    "gpipe": Generator(gpipe, False, "all forwards, then all backwards"),
+    "1f1b": Generator(one_f_one_b, False, "one forward, one backward"),
+    "interleaved_1f1b": Generator(interleaved_1f1b, True,
+                                  "implied by more than one virtual stage"),
+    "zb_h1": Generator(zb_h1, False, "zero-bubble H1"),
 }
 
 
