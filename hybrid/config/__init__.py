@@ -1,17 +1,22 @@
 """The run's configuration, torch-free: Megatron flags -> checked, frozen sections.
 
-* :mod:`.flags`          the command line: one :class:`Flags` field per flag, each
-                         naming the section field it fills (``to=``: defined once)
-* :mod:`.megatron_flags` Megatron flags hybrid drops (no effect) or refuses, and what instead
-* :mod:`.checks`         every check that can reject a command line, and its message
-* :mod:`.kinds`          the type a ds_config value or API argument must have, and its check
-* :mod:`.architecture`   the Llama-family flags (normalization, SwiGLU, RoPE, GQA, biases)
-* :mod:`.model`          the model section: the GPT's shape, padded vocabulary, parameter count
-* :mod:`.kernels`        the kernel flags and their ``HYBRID_*`` defaults
-* :mod:`.sections`       the frozen section each component takes, and the closed sets
-                         of values options take (``CP_COMM_TYPES``, ``OFFLOAD_TIERS``)
-* :mod:`.build`          :func:`build_config`: flags -> :class:`TrainConfig`, in one place;
-                         sections cut by the flags' routes, derived fields by hand
+* :mod:`.flags`              the command line: one :class:`Flags` field per flag, each
+                             naming the section field it fills (``to=``: defined once)
+* :mod:`.megatron_flags`     Megatron flags hybrid drops (no effect) or refuses, and what instead
+* :mod:`.deepspeed`          DeepSpeed's ds_config.json -> hybrid's flags, checked against the
+                             command line
+* :mod:`.deepspeed_keys`     every ds_config key hybrid knows, what it does with each, and the
+                             type of its value
+* :mod:`.deepspeed_schedule` a ds_config ``scheduler`` block as hybrid's learning-rate flags
+* :mod:`.checks`             every check that can reject a command line, and its message
+* :mod:`.kinds`              the type a ds_config value or API argument must have, and its check
+* :mod:`.architecture`       the Llama-family flags (normalization, SwiGLU, RoPE, GQA, biases)
+* :mod:`.model`              the model section: the GPT's shape, padded vocabulary, parameter count
+* :mod:`.kernels`            the kernel flags and their ``HYBRID_*`` defaults
+* :mod:`.sections`           the frozen section each component takes, and the closed sets
+                             of values options take (``CP_COMM_TYPES``, ``OFFLOAD_TIERS``)
+* :mod:`.build`              :func:`build_config`: flags -> :class:`TrainConfig`, in one place;
+                             sections cut by the flags' routes, derived fields by hand
 """
 
 from hybrid.config.build import TrainConfig, build_config

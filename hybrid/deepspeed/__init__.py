@@ -18,6 +18,20 @@ A DeepSpeed name that is not here is an AttributeError that says so, and what
 hybrid cannot honour (a client optimizer with the optimizer on NVMe, ...) is
 one ConfigError naming the call and what to use instead.
 
+* :mod:`.door`          ``deepspeed.initialize`` and ``deepspeed.add_config_arguments`` over
+                        hybrid's engine
+* :mod:`.accelerator`   ``get_accelerator()``: the device calls training scripts make
+* :mod:`.comm`          the collectives a training script calls, over torch.distributed
+* :mod:`.zero`          DeepSpeed's two ZeRO-3 context managers (``Init``,
+                        ``GatheredParameters``), over hybrid's
+* :mod:`.checkpointing` activation checkpointing called from a model's forward
+* :mod:`.pipe`          a model as a list of layers (``PipelineModule``), cut into pipeline stages
+* :mod:`.pipe_engine`   the pipeline engine's verbs over hybrid's pipeline: ``train_batch``,
+                        ``eval_batch``
+* :mod:`.utils`         ``RepeatingLoader``, the one helper DeepSpeed's pipeline scripts take
+* :mod:`.hf`            Hugging Face's Trainer on hybrid's engine: a Trainer script changes
+                        its import only
+
 ``deepspeed.zero`` is :mod:`hybrid.deepspeed.zero`, DeepSpeed's context managers;
 hybrid's own ZeRO engine is :mod:`hybrid.zero`, which a script never meets.
 """

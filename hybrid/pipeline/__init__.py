@@ -9,6 +9,10 @@
 * :mod:`.simulator` plays the lists: refuses what cannot run (deadlocks included), times
   the rest, counts the activations each stage holds; torch-free
 * :mod:`.report` the simulation's step x rank grid, summary and JSON; torch-free
+* :mod:`.executor` one rank's action list of a schedule, run action by action
+* :mod:`.wire` what crosses between stages when the model does not say: shapes learnt at run time
+* :mod:`.step` one training step, written once: a schedule's forwards and backwards over a
+  rank's micro-batches, the loss path, the optimizer step (every door runs it)
 
 Import from the modules: this package's ``__init__`` stays empty so that the torch-free
 configuration can use :mod:`.split` without importing torch.

@@ -1,4 +1,25 @@
-"""Tensor (intra-layer) model parallelism: Megatron's layers and the ops joining them."""
+"""Tensor (intra-layer) model parallelism: Megatron's layers and the ops joining them.
+
+* :mod:`.layers`            Megatron's tensor-parallel layers, each taking the TP group
+* :mod:`.mappings`          the communication ops that join TP regions, as autograd Functions
+* :mod:`.column_linear`     the column-parallel matmul with its TP collective overlapped in
+                            backward
+* :mod:`.cross_entropy`     cross-entropy over logits split by vocabulary across TP ranks
+* :mod:`.sharding`          which slice of a full tensor a TP rank holds (:class:`ShardSpec`)
+* :mod:`.init`              layout-independent initialization that can draw any slice of a
+                            parameter alone
+* :mod:`.random`            RNG for dropout under tensor parallelism
+* :mod:`.weight_grad`       deferred weight gradients: the linears' half of a zero-bubble
+                            pipeline's split backward
+* :mod:`.context_parallel`  context parallelism's arithmetic: which tokens a CP rank holds,
+                            which blocks of causal attention it computes
+* :mod:`.cp_attention`      ``ContextParallel``: what a model needs to run on one CP rank's
+                            share of each sequence
+* :mod:`.ring_attention`    causal attention over a sequence split across the CP group, block
+                            by block
+* :mod:`.ulysses_attention` all-to-all context parallelism (DeepSpeed-Ulysses): the sequence
+                            split traded for a head split around attention
+"""
 
 from hybrid.tensor_parallel.column_linear import column_parallel_linear
 from hybrid.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy

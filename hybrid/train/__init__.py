@@ -1,17 +1,38 @@
-"""The training loop and what only it uses.
+"""The training loop, ``hybrid.initialize``'s engine, and what only they use.
 
-* :mod:`.loop`             pretrain: setup, step, log, evaluate, save
+* :mod:`.trainer`          the training loop, composing all the others: setup, step, log,
+                           evaluate, save
+* :mod:`.setup`            building what the loop trains: the model on meta, recompute, ZeRO,
+                           compile
+* :mod:`.step`             GPT's stages on :mod:`hybrid.pipeline.step`: one optimizer step and
+                           one evaluation at any PP size
 * :mod:`.batches`          global batch ramp-up and run length, as functions of samples
 * :mod:`.lr_schedule`      the learning rate at an iteration or sample count
 * :mod:`.early_exit`       --exit-interval, --exit-duration-in-mins, --exit-signal-handler
 * :mod:`.orphans`          a worker ends with its launcher (Linux's parent-death signal)
 * :mod:`.error_report`     a failed worker's error line, said once by the launcher
 * :mod:`.monitor`          console line, --log-json, TensorBoard
+* :mod:`.metrics`          the measured half of a log line, accumulated since the last one
 * :mod:`.step_stats`       iteration timing and skip flags read once per log line
+* :mod:`.skips`            skipped steps: counted, explained and bounded, without a host wait
+                           per iteration
+* :mod:`.phase_clock`      --timing-breakdown: forward, backward, pipeline-message and optimizer
+                           seconds per step
 * :mod:`.activation_meter` bytes saved for backward by one micro-batch
 * :mod:`.compile`          --compile: torch.compile of each block's forward
 * :mod:`.host_memory`      returning freed host memory on CPU runs
 * :mod:`.replicas`         --check-replicas-interval: replicated parameters bit-identical
 * :mod:`.nonfinite`        which micro-batch and parameters made a step non-finite
 * :mod:`.stragglers`       the slowest and fastest rank of a log interval
+
+``hybrid.initialize``'s engine (DeepSpeed's verbs on any ``nn.Module``):
+
+* :mod:`.api`              ``hybrid.initialize``: ZeRO for any ``nn.Module``, with DeepSpeed's verbs
+* :mod:`.api_optimizer`    what steps the shard, and what sets its rates
+* :mod:`.api_surface`      what DeepSpeed's scripts read from the engine beside its verbs
+                           (``engine.optimizer``, the training loader)
+* :mod:`.ds_schedulers`    DeepSpeed's OneCycle and LRRangeTest schedulers
+* :mod:`.zero_context`     DeepSpeed's two ZeRO-3 context managers for a user's own model
+* :mod:`.zero_build`       building a model under :func:`hybrid.zero_init`: real parameters while
+                           a constructor runs, only this rank's part once it has returned
 """

@@ -17,6 +17,11 @@ script.py``.
 
 The two classes are imported on first use, so :mod:`.auto` (the ``"auto"`` rules)
 imports without transformers.
+
+* :mod:`.arguments` ``TrainingArguments`` whose ``deepspeed=`` hybrid's engine reads, not DeepSpeed
+* :mod:`.auto`      Hugging Face's ``"auto"`` in a ds_config, filled from the arguments and the run
+* :mod:`.trainer`   transformers' ``Trainer`` with hybrid's engine where DeepSpeed's would be
+* :mod:`.stepped`   the optimizer and scheduler a Trainer's loop holds when hybrid's engine trains
 """
 
 from __future__ import annotations
