@@ -27,6 +27,7 @@ from hybrid.zero.offload.landing import CopyDown, GradLanding
 from hybrid.zero.offload.nvme.adamw import SwappedAdamW
 from hybrid.zero.offload.nvme.grads import SwappedGrads
 from hybrid.zero.offload.nvme.homes import DiskHome, GdsHome
+from hybrid.zero.offload.nvme.speculative import SpeculativeUpdate
 from hybrid.zero.optimizer import ShardedAdamW
 
 ZERO = pathlib.Path(flat_unit.__file__).parent
@@ -37,6 +38,7 @@ FAMILIES: dict[type, list[Any]] = {
     contracts.ParamHome: [HostHome, DiskHome, GdsHome],
     flat_unit.ShardHome: [HostHome, DiskHome, GdsHome],
     contracts.ParamPublisher: [ShardPublisher],
+    contracts.Speculation: [SpeculativeUpdate],
     grad_sync.GradSink: [DeviceShard, CopyDown, GradLanding],
 }
 
@@ -128,14 +130,28 @@ def test_the_zero_core_does_not_import_offload():
     assert not wrong, wrong
 
 
+def test_the_host_step_never_asks_which_tier():
+    """Of the offload modules beside the tiers, only ``tiers.py`` (which builds them)
+    imports the nvme tier: the host step, the gradient stores, the homes and the writer
+    hold a tier's objects through the contracts alone (the engine decides the nvme
+    tier's speculative update and hands the host step a maker of it)."""
+    offload = ZERO / "offload"
+    wrong = [f"{p.name} imports {m}" for p in sorted(offload.glob("*.py"))
+             if p.name != "tiers.py"
+             for m in _zero_imports(p) if m.startswith("hybrid.zero.offload.nvme")]
+    assert not wrong, wrong
+
+
 if typing.TYPE_CHECKING:  # what a type checker holds the families to
     def _families(sharded: ShardedAdamW, swapped: SwappedAdamW, host_grads: HostGrads,
                   swapped_grads: SwappedGrads, host: HostHome, disk: DiskHome,
                   gds: GdsHome, publisher: ShardPublisher, device: DeviceShard,
-                  down: CopyDown, landing: GradLanding) -> None:
+                  down: CopyDown, landing: GradLanding,
+                  speculative: SpeculativeUpdate) -> None:
         optimizers: list[contracts.ShardOptimizer] = [sharded, swapped]
         stores: list[contracts.GradStore] = [host_grads, swapped_grads]
         homes: list[contracts.ParamHome] = [host, disk, gds]
         publishers: list[contracts.ParamPublisher] = [publisher]
         sinks: list[grad_sync.GradSink] = [device, down, landing]
-        del optimizers, stores, homes, publishers, sinks
+        speculations: list[contracts.Speculation] = [speculative]
+        del optimizers, stores, homes, publishers, sinks, speculations

@@ -23,7 +23,8 @@ a home is the narrower :class:`~hybrid.zero.flat_unit.ShardHome`, which
 
 from __future__ import annotations
 
-from collections.abc import Generator, Iterable
+from collections.abc import Callable, Generator, Iterable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Protocol
 
 import torch
@@ -188,6 +189,32 @@ class ParamHome(ShardHome, Protocol):
 
     def device_bytes(self) -> int:
         """Device bytes held now (GPUDirect reads in flight)."""
+
+
+class Speculation(Protocol):
+    """The nvme tier's update of the read-ahead tiles before the step is known
+    (:class:`~hybrid.zero.offload.nvme.speculative.SpeculativeUpdate`; [Note: what starts
+    before the step] in hybrid/zero/offload/host_step.py). The host step holds one or
+    none and never asks which tier made it."""
+
+    seconds: float  # the worker in it, summed over steps
+
+    def start(self, lr: float, grad_scale: float, final: list[bool]) -> None: ...
+
+    def post(self, scalars: torch.Tensor, ready, lr: float) -> None: ...
+
+    def abandon(self) -> None: ...
+
+    def end(self, keep: bool) -> None: ...
+
+    def counts(self) -> dict: ...
+
+    def nbytes(self) -> int: ...
+
+
+# (what the engine hands the host step: given its worker and, per tile, the units the tile
+# overlaps, the speculation)
+SpeculationOf = Callable[[ThreadPoolExecutor, list[list[int]]], Speculation]
 
 
 class ParamPublisher(Protocol):

@@ -126,11 +126,15 @@ import torch
 
 from hybrid.config.sections import OffloadConfig
 from hybrid.zero.flat_unit import FlatUnit, shard_bounds
-from hybrid.zero.offload.contracts import GradStore, ParamHome, ParamPublisher, ShardOptimizer
+from hybrid.zero.offload.contracts import (
+    GradStore,
+    ParamHome,
+    ParamPublisher,
+    ShardOptimizer,
+    Speculation,
+    SpeculationOf,
+)
 from hybrid.zero.offload.grads import HostGrads, stream_copy
-from hybrid.zero.offload.nvme.adamw import SwappedAdamW
-from hybrid.zero.offload.nvme.grads import SwappedGrads
-from hybrid.zero.offload.nvme.speculative import SpeculativeUpdate
 from hybrid.zero.offload.writer import HomeWriter
 
 
@@ -154,6 +158,9 @@ class OptimizerOffload:
             before the one-step delayed update starts).
         swapped_grads: the nvme tier's :class:`~hybrid.zero.offload.nvme.grads.SwappedGrads`,
             where the gradients go instead of a host buffer (None: host memory).
+        speculation_of: makes the speculative update from the worker and each tile's
+            units ([Note: what starts before the step]); None: the step makes none (the
+            engine decides: the nvme tier, its gradients swapped with the tiles).
         pin: page-locked host buffers (``OffloadTiers.pin``, decided once).
         homes: each unit's parameter home (``OffloadTiers.homes``; None: no home, or
             no parameter offload at all).
@@ -164,8 +171,8 @@ class OptimizerOffload:
     def __init__(self, units: list[FlatUnit], opt: ShardOptimizer, cfg: OffloadConfig, *,
                  plan, dtype: torch.dtype, grad_dtype: torch.dtype, device: torch.device,
                  flat_grads: torch.Tensor | None, homes: list[ParamHome | None],
-                 publisher: ParamPublisher, swapped_grads: SwappedGrads | None = None,
-                 pin: bool = False):
+                 publisher: ParamPublisher, swapped_grads: GradStore | None = None,
+                 speculation_of: SpeculationOf | None = None, pin: bool = False):
         self.units = units
         self.dtype = dtype
         self.homes = homes
@@ -237,13 +244,10 @@ class OptimizerOffload:
         self._chunk_t0 = 0.0
         # [Note: what starts before the step]: the nvme tier's speculative update (its
         # gradients swapped with the tiles; never with the delayed update)
-        self.speculative: SpeculativeUpdate | None = None
+        self.speculative: Speculation | None = None
         self.read_ahead = 0  # chunks whose reads prefetch() started, summed over steps
-        if (cfg.speculative_step and not self.delayed and isinstance(opt, SwappedAdamW)
-                and swapped_grads is not None and opt.states.grads is swapped_grads):
-            self.speculative = SpeculativeUpdate(
-                opt, swapped_grads, self._worker, [t for t, _ in self._chunk_units],
-                dtype=dtype, pin=self.pin)
+        if cfg.speculative_step and not self.delayed and speculation_of is not None:
+            self.speculative = speculation_of(self._worker, [t for t, _ in self._chunk_units])
 
     def _piece(self, flat: torch.Tensor, i: int) -> torch.Tensor:
         return flat[self.bounds[i]: self.bounds[i + 1]]
