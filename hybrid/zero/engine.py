@@ -48,7 +48,6 @@ waits for the step, which sums it first (the sinks' ``sum_tied``;
 from __future__ import annotations
 
 import contextlib
-import functools
 import logging
 import sys
 from collections.abc import Collection
@@ -72,7 +71,6 @@ from hybrid.zero.offload.contracts import ShardOptimizer
 from hybrid.zero.offload.host_step import OptimizerOffload
 from hybrid.zero.offload.landing import CopyDown, GradLanding
 from hybrid.zero.offload.nvme.adamw import SwappedAdamW
-from hybrid.zero.offload.nvme.speculative import SpeculativeUpdate
 from hybrid.zero.offload.tiers import OffloadTiers
 from hybrid.zero.optimizer import ShardedAdamW, global_grad_norm
 from hybrid.zero.param_sync import ParamGatherer
@@ -242,17 +240,13 @@ class ZeroEngine:
         publisher."""
         if not offload.optimizer:
             return None
-        opt, grads = self.optimizer, self.tiers.grads
-        speculation_of = None  # (the nvme tier's, its gradients swapped with its tiles)
-        if isinstance(opt, SwappedAdamW) and grads is not None and opt.states.grads is grads:
-            speculation_of = functools.partial(SpeculativeUpdate, opt, grads,
-                                               dtype=self.dtype, pin=self.tiers.pin)
-        return OptimizerOffload(self.units, opt, offload, plan=self.plan,
+        tiers = self.tiers
+        return OptimizerOffload(self.units, self.optimizer, offload, plan=self.plan,
                                 dtype=self.dtype, grad_dtype=self.grad_dtype,
                                 device=self.ps.device, flat_grads=self.flat_grads,
-                                homes=self.tiers.homes(self.units), publisher=self.publisher,
-                                swapped_grads=grads, speculation_of=speculation_of,
-                                pin=self.tiers.pin)
+                                homes=tiers.homes(self.units), publisher=self.publisher,
+                                swapped_grads=tiers.grads, pin=tiers.pin,
+                                speculation_of=tiers.speculation_of(self.optimizer, self.dtype))
 
     def _pick_sink(self, lands: bool) -> GradSink:
         """Where the reducer puts reduced shards, chosen once ([Note: one gradient sink]):

@@ -133,7 +133,7 @@ def test_the_zero_core_does_not_import_offload():
 def test_the_host_step_never_asks_which_tier():
     """Of the offload modules beside the tiers, only ``tiers.py`` (which builds them)
     imports the nvme tier: the host step, the gradient stores, the homes and the writer
-    hold a tier's objects through the contracts alone (the engine decides the nvme
+    hold a tier's objects through the contracts alone (the tiers decide the nvme
     tier's speculative update and hands the host step a maker of it)."""
     offload = ZERO / "offload"
     wrong = [f"{p.name} imports {m}" for p in sorted(offload.glob("*.py"))

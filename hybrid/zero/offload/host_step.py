@@ -159,8 +159,9 @@ class OptimizerOffload:
         swapped_grads: the nvme tier's :class:`~hybrid.zero.offload.nvme.grads.SwappedGrads`,
             where the gradients go instead of a host buffer (None: host memory).
         speculation_of: makes the speculative update from the worker and each tile's
-            units ([Note: what starts before the step]); None: the step makes none (the
-            engine decides: the nvme tier, its gradients swapped with the tiles).
+            units ([Note: what starts before the step]); None: the step makes none
+            (``OffloadTiers.speculation_of`` decides: the nvme tier's, its gradients
+            swapped with the tiles).
         pin: page-locked host buffers (``OffloadTiers.pin``, decided once).
         homes: each unit's parameter home (``OffloadTiers.homes``; None: no home, or
             no parameter offload at all).

@@ -15,6 +15,7 @@ locked and preallocated together, before the first step.
 
 from __future__ import annotations
 
+import functools
 import logging
 
 import torch
@@ -22,11 +23,13 @@ import torch
 from hybrid.config.sections import OffloadConfig
 from hybrid.kernels.aio import AsyncIO
 from hybrid.zero.flat_unit import FlatUnit, shard_bounds
-from hybrid.zero.offload.contracts import ParamHome
+from hybrid.zero.offload.contracts import ParamHome, ShardOptimizer, SpeculationOf
 from hybrid.zero.offload.homes import HostHome
 from hybrid.zero.offload.nvme import gds, grads, homes, tiles
+from hybrid.zero.offload.nvme.adamw import SwappedAdamW
 from hybrid.zero.offload.nvme.grads import SwappedGrads
 from hybrid.zero.offload.nvme.homes import DiskHome, GdsHome, disk_slots
+from hybrid.zero.offload.nvme.speculative import SpeculativeUpdate
 from hybrid.zero.offload.nvme.swap import SwapSpace
 from hybrid.zero.offload.nvme.tiles import SwappedStates
 
@@ -151,6 +154,17 @@ class OffloadTiers:
         u.offload_to(home)
         self._homes.append(home)
         self._home_of[id(u)] = home
+
+    def speculation_of(self, opt: ShardOptimizer, dtype: torch.dtype) -> SpeculationOf | None:
+        """What makes the host step's speculative update of ``opt`` ([Note: what starts
+        before the step] in hybrid/zero/offload/host_step.py): the nvme tier's optimizer,
+        its gradients swapped with its tiles; None otherwise (the host step makes none).
+        ``dtype``: the parameters' training dtype."""
+        if isinstance(opt, SwappedAdamW) and self.grads is not None \
+                and opt.states.grads is self.grads:
+            return functools.partial(SpeculativeUpdate, opt, self.grads, dtype=dtype,
+                                     pin=self.pin)
+        return None
 
     def homes(self, units: list[FlatUnit]) -> list[ParamHome | None]:
         """Each unit's parameter home (None: its shard stays on the device), in order."""
