@@ -1,7 +1,7 @@
 """hybrid: Megatron-style tensor parallelism with ZeRO data parallelism for GPT training.
 
 ``hybrid.initialize(model=..., config=...)`` is the library door (DeepSpeed's verbs on any
-``nn.Module``: :mod:`hybrid.train.api`); it is imported on first use, so ``import
+``nn.Module``: :mod:`hybrid.engine.api`); it is imported on first use, so ``import
 hybrid.config`` (the launcher's preflight) stays free of torch.
 
 The packages, bottom up (tests/test_layout.py holds the order):
@@ -21,8 +21,8 @@ The packages, bottom up (tests/test_layout.py holds the order):
 * :mod:`.pipeline`        pipeline parallelism: the model cut into stages over the PP group
 * :mod:`.checkpoint`      sharded, atomic, layout-independent checkpoints
 * :mod:`.hf`              Hugging Face names and layouts, as pure tensor functions
-* :mod:`.train`           the training loop, ``hybrid.initialize``'s engine, and what only
-                          they use
+* :mod:`.train`           the training loop and what only it uses
+* :mod:`.engine`          ``hybrid.initialize``'s engine: DeepSpeed's verbs on any ``nn.Module``
 * :mod:`.testing`         what tests and benchmarks use; nothing in the library imports it
 * :mod:`.deepspeed`       DeepSpeed's module layout over hybrid's engine
                           (``import hybrid.deepspeed as deepspeed``)
@@ -33,9 +33,9 @@ __version__ = "0.1.0"
 
 def __getattr__(name):
     if name in ("initialize", "Engine"):
-        from hybrid.train import api
+        from hybrid.engine import api
         return getattr(api, name)
     if name in ("zero_init", "GatheredParameters"):
-        from hybrid.train import zero_context
+        from hybrid.engine import zero_context
         return getattr(zero_context, name)
     raise AttributeError(f"module 'hybrid' has no attribute {name!r}")

@@ -35,7 +35,10 @@ LAYERS = [
     ["hybrid.pipeline"],  # schedules, their simulator, the executor, P2P
     ["hybrid.checkpoint"],
     ["hybrid.hf"],
-    ["hybrid.train"],
+    ["hybrid.train"],  # the training loop
+    # hybrid.initialize's engine: DeepSpeed's verbs on any nn.Module; it takes the loop's
+    # LR schedule and orphan guard, and DeepSpeed's module layout (below) sits on it
+    ["hybrid.engine"],
     ["hybrid.testing"],  # the process pool of tests and benchmarks
     # the package's own door (hybrid/__init__.py), and beside it DeepSpeed's module layout
     # over the same engine (import hybrid.deepspeed as deepspeed): nothing imports it

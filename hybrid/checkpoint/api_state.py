@@ -2,7 +2,7 @@
 engine's counters and schedule in metadata.json, and the caller's ``client_state``
 in ``client_state.pt`` beside it (:mod:`hybrid.checkpoint.client_state`).
 
-The engine (:class:`hybrid.train.api.Engine`) is read by its attributes only
+The engine (:class:`hybrid.engine.api.Engine`) is read by its attributes only
 (``zero``, ``ps``, ``cfg``, ``rng``, ``lr_scheduler``, ``global_steps``,
 ``global_samples``, ``micro_steps``, ``train_batch_size()``,
 ``gradient_accumulation_steps()``), so this module stays below the training package.

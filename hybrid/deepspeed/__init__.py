@@ -43,7 +43,7 @@ from hybrid.deepspeed.comm import init_distributed
 from hybrid.deepspeed.door import add_config_arguments, initialize
 from hybrid.deepspeed.pipe import PipelineModule
 from hybrid.deepspeed.pipe_engine import PipelineEngine
-from hybrid.train.api import Engine as DeepSpeedEngine
+from hybrid.engine.api import Engine as DeepSpeedEngine
 
 __all__ = ["DeepSpeedEngine", "PipelineEngine", "PipelineModule", "accelerator",
            "add_config_arguments", "checkpointing", "comm", "init_distributed", "initialize",

@@ -1,7 +1,7 @@
 """``deepspeed.initialize`` and ``deepspeed.add_config_arguments`` over hybrid's engine.
 
 :func:`initialize` takes DeepSpeed's arguments, resolves them to what
-:func:`hybrid.train.api.initialize` takes (the config from ``config``,
+:func:`hybrid.engine.api.initialize` takes (the config from ``config``,
 ``config_params`` or ``args.deepspeed_config``; the layout from ``mpu`` when
 it is a :class:`ParallelState`) and refuses, one ConfigError each, what hybrid
 cannot honour yet. Everything else is that function's: the same engine.
@@ -19,9 +19,9 @@ from torch.utils.data import DataLoader, DistributedSampler
 from hybrid.deepspeed.checkpointing import PHASE
 from hybrid.deepspeed.pipe import PipelineModule
 from hybrid.deepspeed.pipe_engine import PipelineEngine, RepeatingLoader
+from hybrid.engine import api
 from hybrid.errors import ConfigError
 from hybrid.parallel.state import ParallelState
-from hybrid.train import api
 
 _WHERE = "deepspeed.initialize"
 
@@ -71,7 +71,7 @@ def initialize(args=None, model: nn.Module | None = None, optimizer=None, model_
     ``optimizer``, ``lr_scheduler``: as DeepSpeed takes them (a list, a
     ``requires_grad`` filter or groups; a ``torch.optim`` optimizer or a callable
     of the parameters; a scheduler over it or a callable of it:
-    :mod:`hybrid.train.api_optimizer`). ``training_data``: a dataset; the loader returned gives this
+    :mod:`hybrid.engine.optimizer`). ``training_data``: a dataset; the loader returned gives this
     DP rank's share, ``train_micro_batch_size_per_gpu`` samples a batch,
     ``collate_fn`` collating them (DeepSpeed's DistributedSampler, same order every
     epoch; ``dataloader_drop_last`` honoured). ``mpu``: a :class:`ParallelState`

@@ -1,7 +1,7 @@
 """DeepSpeed's pipeline engine verbs over hybrid's pipeline: ``train_batch``, ``eval_batch``.
 
 ``deepspeed.initialize(model=PipelineModule(...))`` returns a :class:`PipelineEngine`: the
-engine of :mod:`hybrid.train.api` (ZeRO over this stage's DP group, the optimizer, the
+engine of :mod:`hybrid.engine.api` (ZeRO over this stage's DP group, the optimizer, the
 schedule of rates, checkpoints) with DeepSpeed's pipeline verbs: ``train_batch`` is the
 one training step every door runs (:func:`hybrid.pipeline.step.train_step`), given this
 module's stages; ``eval_batch`` a forward-only schedule through
@@ -32,12 +32,12 @@ from typing import NoReturn
 
 import torch
 
+from hybrid.engine.api import Engine
 from hybrid.errors import ConfigError
 from hybrid.pipeline.executor import Forward, run_actions
 from hybrid.pipeline.schedules import forward_only
 from hybrid.pipeline.step import checked_schedule, train_step
 from hybrid.pipeline.wire import Learnt
-from hybrid.train.api import Engine
 
 SCHEDULE = "1f1b"  # DeepSpeed's TrainSchedule is 1F1B
 

@@ -1,4 +1,4 @@
-"""The training loop, ``hybrid.initialize``'s engine, and what only they use.
+"""The training loop and what only it uses.
 
 * :mod:`.trainer`          the training loop, composing all the others: setup, step, log,
                            evaluate, save
@@ -25,14 +25,6 @@
 * :mod:`.nonfinite`        which micro-batch and parameters made a step non-finite
 * :mod:`.stragglers`       the slowest and fastest rank of a log interval
 
-``hybrid.initialize``'s engine (DeepSpeed's verbs on any ``nn.Module``):
-
-* :mod:`.api`              ``hybrid.initialize``: ZeRO for any ``nn.Module``, with DeepSpeed's verbs
-* :mod:`.api_optimizer`    what steps the shard, and what sets its rates
-* :mod:`.api_surface`      what DeepSpeed's scripts read from the engine beside its verbs
-                           (``engine.optimizer``, the training loader)
-* :mod:`.ds_schedulers`    DeepSpeed's OneCycle and LRRangeTest schedulers
-* :mod:`.zero_context`     DeepSpeed's two ZeRO-3 context managers for a user's own model
-* :mod:`.zero_build`       building a model under :func:`hybrid.zero_init`: real parameters while
-                           a constructor runs, only this rank's part once it has returned
+``hybrid.initialize``'s engine, which reuses :mod:`.lr_schedule` and :mod:`.orphans`,
+is its own package one floor up: :mod:`hybrid.engine`.
 """

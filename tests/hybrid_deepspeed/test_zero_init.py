@@ -80,7 +80,7 @@ def _build_under_init(ps):
     from torch.nn.modules import module as torch_module
 
     import hybrid.deepspeed as deepspeed
-    from hybrid.train.zero_build import held_whole_bytes, is_cut
+    from hybrid.engine.zero_build import held_whole_bytes, is_cut
     seen: list[nn.Parameter] = []
     peak = [0]
 
@@ -212,9 +212,9 @@ def test_zero_init_agrees_with_deepspeed_where_deepspeed_keeps_the_writes():
 def _gpt(ps, under_zero_init):
     import hybrid
     from hybrid.config import build_config, parse_args
+    from hybrid.engine.zero_build import is_cut
     from hybrid.tensor_parallel import seed_all
     from hybrid.train.setup import build_model
-    from hybrid.train.zero_build import is_cut
     from tests.helpers.launch import TINY
     cfg = build_config(parse_args(TINY + ["--eval-iters", "0"]), ps.world_size)
     rng = seed_all(cfg.seed, ps.tp_rank, ps.dp_rank, ps.device)

@@ -11,7 +11,7 @@ engine's.
 
 from __future__ import annotations
 
-from hybrid.train.api import Engine
+from hybrid.engine.api import Engine
 
 
 class EngineStepsOptimizer:

@@ -54,9 +54,9 @@ import hybrid.deepspeed as deepspeed
 from hybrid.deepspeed.hf import auto
 from hybrid.deepspeed.hf.arguments import TrainingArguments
 from hybrid.deepspeed.hf.stepped import EngineStepsOptimizer, EngineStepsSchedule
+from hybrid.engine.api import Engine
 from hybrid.errors import ConfigError
 from hybrid.parallel.state import ParallelState
-from hybrid.train.api import Engine
 
 
 class Trainer(transformers.Trainer):

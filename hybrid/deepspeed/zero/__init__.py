@@ -13,7 +13,7 @@ constructors write into its parameters (``nn.init.normal_`` in ``__init__``, a
 parent's ``self.fc.weight.data.zero_()``, a ``GatheredParameters`` block with a
 ``modifier_rank``), and each rank holds only its part of a parameter once the
 constructor of its module has returned ([Note: building under zero_init] in
-:mod:`hybrid.train.zero_build`).
+:mod:`hybrid.engine.zero_build`).
 """
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ from __future__ import annotations
 import contextlib
 
 from hybrid.deepspeed.comm import init_distributed
+from hybrid.engine.zero_context import GatheredParameters as _gathered, zero_init
 from hybrid.errors import ConfigError
-from hybrid.train.zero_context import GatheredParameters as _gathered, zero_init
 
 __all__ = ["GatheredParameters", "Init"]
 

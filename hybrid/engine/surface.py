@@ -18,7 +18,7 @@ class EngineOptimizer:
     """``engine.optimizer``: DeepSpeed's view of the optimizer the engine steps.
 
     ``param_groups`` are the groups whose hyperparameters apply: a client
-    optimizer's own (:mod:`hybrid.train.api_optimizer`; their ``params`` are views
+    optimizer's own (:mod:`hybrid.engine.optimizer`; their ``params`` are views
     of this rank's shard, as DeepSpeed's flat partitions), or, for hybrid's
     AdamW, one group of the parameters given, with ``lr``, ``betas``, ``eps``
     and ``weight_decay``. A schedule writes each group's ``lr`` (the rate of the

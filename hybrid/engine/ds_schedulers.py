@@ -22,7 +22,7 @@ LRRangeTest: ``lr_range_test_min_lr * (1 + lr_range_test_step_rate * x)`` with
 
 A cycled beta1 must reach the update, so a OneCycle with ``cycle_momentum`` runs
 torch's AdamW on the shards (hybrid's fused AdamW takes its betas from the config):
-:func:`hybrid.train.api_optimizer.resolve_optimizer` decides it.
+:func:`hybrid.engine.optimizer.resolve_optimizer` decides it.
 """
 
 from __future__ import annotations

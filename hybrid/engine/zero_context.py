@@ -9,7 +9,7 @@
         model.lm_head.weight.zero_()               # full values inside; rank 0's kept
 
 A model built under :func:`zero_init` keeps what its constructors wrote, and no rank
-holds it whole (:mod:`hybrid.train.zero_build`, [Note: building under zero_init]);
+holds it whole (:mod:`hybrid.engine.zero_build`, [Note: building under zero_init]);
 ``initialize`` takes the parts: :func:`take_parts` makes the cut parameters meta
 again, and :class:`BuiltValues` gathers each once and keeps what the engine's layout
 asks of the rank.
@@ -38,8 +38,7 @@ import hashlib
 import torch
 from torch import nn
 
-from hybrid.errors import ConfigError
-from hybrid.train.zero_build import (
+from hybrid.engine.zero_build import (
     Build,
     CutParameter,
     Part,
@@ -49,6 +48,7 @@ from hybrid.train.zero_build import (
     gathered,
     is_cut,
 )
+from hybrid.errors import ConfigError
 from hybrid.zero.units import read_values
 
 
@@ -57,7 +57,7 @@ def zero_init(group=None):
     """Modules built inside keep what their constructors write, and each rank keeps only
     its part of every parameter once the module's constructor has returned
     (DeepSpeed's ``zero.Init``; [Note: building under zero_init] in
-    :mod:`hybrid.train.zero_build`): :func:`hybrid.initialize` takes the parts.
+    :mod:`hybrid.engine.zero_build`): :func:`hybrid.initialize` takes the parts.
 
     Every rank draws the whole of each parameter from torch's global generator, as a
     plain build would: seed every rank the same before building (``initialize``

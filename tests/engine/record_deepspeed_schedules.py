@@ -1,6 +1,6 @@
-"""Record DeepSpeed's scheduler rates for tests/train/test_deepspeed_schedules.py.
+"""Record DeepSpeed's scheduler rates for tests/engine/test_deepspeed_schedules.py.
 
-    python -m tests.train.record_deepspeed_schedules   # rewrites deepspeed_schedules.json
+    python -m tests.engine.record_deepspeed_schedules   # rewrites deepspeed_schedules.json
 
 Each case is a ds_config ``scheduler`` block; its rates are those DeepSpeed's own
 scheduler class (``deepspeed.runtime.lr_schedules``) writes into an optimizer whose

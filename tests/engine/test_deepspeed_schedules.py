@@ -3,7 +3,7 @@ WarmupDecayLR and WarmupCosineLR through the config path every door shares (ds_c
 -> flags -> LRScheduleConfig -> scheduled_lr: the warmup start for steps 1 and 2,
 DeepSpeed's formulas after), OneCycle (its beta1 too) and LRRangeTest as the API's
 scheduler objects over an optimizer's groups. Against DeepSpeed 0.19.8's numbers
-recorded by ``python -m tests.train.record_deepspeed_schedules``, and against the live
+recorded by ``python -m tests.engine.record_deepspeed_schedules``, and against the live
 classes when DeepSpeed is installed."""
 
 import json
@@ -12,9 +12,9 @@ import pytest
 
 from hybrid.config import build_config, parse_args
 from hybrid.config.deepspeed import apply_ds_config
-from hybrid.train.ds_schedulers import OneCycleSchedule, RangeTestSchedule, kind_of, settings
+from hybrid.engine.ds_schedulers import OneCycleSchedule, RangeTestSchedule, kind_of, settings
 from hybrid.train.lr_schedule import scheduled_lr
-from tests.train.record_deepspeed_schedules import CASES, LR, PATH, STEPS, deepspeed_rates
+from tests.engine.record_deepspeed_schedules import CASES, LR, PATH, STEPS, deepspeed_rates
 
 RECORDED = json.load(open(PATH, encoding="utf-8"))
 

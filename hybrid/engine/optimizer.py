@@ -35,14 +35,14 @@ import torch
 from torch import nn
 
 from hybrid.config.sections import AdamWConfig, LRScheduleConfig
-from hybrid.errors import ConfigError
-from hybrid.train.ds_schedulers import (
+from hybrid.engine.ds_schedulers import (
     GroupSchedule,
     OneCycleSchedule,
     RangeTestSchedule,
     kind_of,
     settings,
 )
+from hybrid.errors import ConfigError
 from hybrid.train.lr_schedule import scheduled_lr
 from hybrid.zero.client_optimizer import check_groups
 
@@ -138,7 +138,7 @@ def check_plain_parameters(model: nn.Module, params: list, where: str) -> None:
 class ConfigSchedule(GroupSchedule):
     """The config's schedule (the ds_config's WarmupLR, WarmupDecayLR, WarmupCosineLR,
     or the ``--lr*`` defaults) as a DeepSpeed scheduler over the groups
-    (:class:`~hybrid.train.ds_schedulers.GroupSchedule`).
+    (:class:`~hybrid.engine.ds_schedulers.GroupSchedule`).
 
     ``peaks``: per group, the peak rate (the group's own rate when the schedule is
     relative to it); ``relative``: the warmup start and the end rate scale with the

@@ -156,7 +156,7 @@ def _zero_init_run(ps):
     """Stage 3 from a model built under zero_init, then GatheredParameters; and the
     values the engine draws for a model built on the meta device."""
     import hybrid
-    from hybrid.train.zero_build import held_whole_bytes, is_cut
+    from hybrid.engine.zero_build import held_whole_bytes, is_cut
     with hybrid.zero_init():
         model = _model("gpt2")
     cut = all(is_cut(p) for p in model.parameters())
@@ -193,7 +193,7 @@ def test_zero_init_keeps_the_init_and_gathered_parameters_writes_back():
     built on the meta device instead gets each parameter drawn by its own module's
     initializer, seeded by name, at most one module's own parameters materialized at
     once."""
-    from hybrid.train.zero_context import ModuleInitValues
+    from hybrid.engine.zero_context import ModuleInitValues
     with torch.device("meta"):
         meta = _model("gpt2")
     draw = ModuleInitValues(meta, seed=1234)

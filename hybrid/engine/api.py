@@ -47,17 +47,17 @@ from torch import nn
 from hybrid.config import Flags, build_config
 from hybrid.config.deepspeed import apply_ds_config, load_ds_config
 from hybrid.config.kinds import INT, typed
+from hybrid.engine.ds_schedulers import cycles_momentum, kind_of
+from hybrid.engine.optimizer import resolve_optimizer, resolve_schedule
+from hybrid.engine.surface import EngineOptimizer, dataloader_of
+from hybrid.engine.zero_context import init_values, take_parts
 from hybrid.errors import ConfigError
 from hybrid.parallel.state import ParallelState, init_distributed
 from hybrid.parallel.teardown import teardown_at_exit
 from hybrid.pipeline.step import micro_batch_loss
 from hybrid.recompute.phase import RecomputePhase
 from hybrid.tensor_parallel import InitValues, seed_all
-from hybrid.train.api_optimizer import resolve_optimizer, resolve_schedule
-from hybrid.train.api_surface import EngineOptimizer, dataloader_of
-from hybrid.train.ds_schedulers import cycles_momentum, kind_of
 from hybrid.train.orphans import end_with_launcher
-from hybrid.train.zero_context import init_values, take_parts
 from hybrid.zero import StepResult, apply_zero
 from hybrid.zero.loss_scaler import scaled_loss
 
@@ -432,12 +432,12 @@ def initialize(model: nn.Module, config=None, model_parameters=None, optimizer=N
     them: ``optimizer`` is the engine's :class:`EngineOptimizer`, ``dataloader`` a
     DataLoader over this DP rank's share of ``training_data`` (None without it;
     ``collate_fn`` its collate function), ``lr_scheduler`` what sets the rates (a
-    client's, the config's :class:`~hybrid.train.api_optimizer.ConfigSchedule`, or
+    client's, the config's :class:`~hybrid.engine.optimizer.ConfigSchedule`, or
     None: a client optimizer's groups keep their rates).
 
     ``config``: a ds_config path or dict (None: hybrid's defaults), each key's value
     checked against its type as from a file. ``model_parameters``, ``optimizer``,
-    ``lr_scheduler``: as DeepSpeed's, each way :mod:`hybrid.train.api_optimizer`
+    ``lr_scheduler``: as DeepSpeed's, each way :mod:`hybrid.engine.optimizer`
     lists (every parameter that requires grad must be given). ``parallel_state``: an existing
     :class:`ParallelState` (default: joined from torchrun's environment with
     ``tensor_parallel_size`` adjacent ranks per TP group, for a model built from
