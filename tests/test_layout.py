@@ -19,10 +19,8 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 LAYERS = [
     ["hybrid.errors"],
     ["hybrid.diagnostics"],  # the flight recorder: the comm door records into it
-    # layout math, ParallelState, the comm door, agree; beside it the stage split, which is
-    # arithmetic the config checks (the executor and the rest of hybrid.pipeline sit above
-    # hybrid.zero)
-    ["hybrid.parallel", "hybrid.pipeline.split"],
+    # layout math, ParallelState, the comm door, agree
+    ["hybrid.parallel"],
     # a schedule's vocabulary, its generators and the simulator, torch-free: the estimator
     # plays a schedule to find what each stage holds and the bubble
     ["hybrid.pipeline.actions"],
@@ -50,7 +48,7 @@ LAYER_OF = {unit: i for i, line in enumerate(LAYERS) for unit in line}
 # Packages that must import without torch: the launcher checks a command line with
 # them before any worker starts, and the estimator runs on a laptop.
 TORCH_FREE = ["hybrid.config", "hybrid.estimate", "hybrid.parallel.layout",
-              "hybrid.pipeline.split", "hybrid.pipeline.actions", "hybrid.pipeline.schedules",
+              "hybrid.pipeline.actions", "hybrid.pipeline.schedules",
               "hybrid.pipeline.simulator"]
 
 

@@ -15,6 +15,8 @@
 * :mod:`.kernels`            the kernel flags and their ``HYBRID_*`` defaults
 * :mod:`.sections`           the frozen section each component takes, and the closed sets
                              of values options take (``CP_COMM_TYPES``, ``OFFLOAD_TIERS``)
+* :mod:`.stage_split`        which layers each (virtual) pipeline stage holds, from Megatron's
+                             flags (the executor and the model builder read the result)
 * :mod:`.build`              :func:`build_config`: flags -> :class:`TrainConfig`, in one place;
                              sections cut by the flags' routes, derived fields by hand
 """

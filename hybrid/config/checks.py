@@ -20,8 +20,8 @@ from hybrid.config.sections import (
     TOKENIZER_TYPES,
     tokenizer_kind,
 )
+from hybrid.config.stage_split import StageSplit, split_layers
 from hybrid.errors import ConfigError
-from hybrid.pipeline.split import StageSplit, split_layers
 
 DEFAULT_TRAIN_ITERS = 200
 
@@ -181,7 +181,7 @@ def check_batch(f: Flags, dp: int) -> None:
 
 def stage_split(f: Flags) -> StageSplit:
     """The layers of every pipeline stage and chunk the flags ask for
-    (:func:`hybrid.pipeline.split.split_layers`; its errors name the flags)."""
+    (:func:`hybrid.config.stage_split.split_layers`; its errors name the flags)."""
     return split_layers(
         f.num_layers, f.pipeline_model_parallel_size, f.virtual_pipeline_model_parallel_size,
         layers_per_virtual_stage=f.num_layers_per_virtual_pipeline_stage,

@@ -80,7 +80,7 @@ class Flags:
                                           to="parallel.backend")
     distributed_timeout_minutes: float = opt(10.0, "timeout of every collective",
                                              to="parallel.timeout_minutes")
-    # pipeline parallelism: the stages and which layers each holds (hybrid/pipeline/split.py)
+    # pipeline parallelism: the stages and which layers each holds (hybrid/config/stage_split.py)
     pipeline_model_parallel_size: int = opt(1, "PP degree: pipeline stages, each a "
                                                "consecutive slice of the layers (the "
                                                "outermost dimension of the layout)",

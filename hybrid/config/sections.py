@@ -15,9 +15,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from hybrid.config.stage_split import StageSplit
 from hybrid.errors import ConfigError
 from hybrid.pipeline.schedules import SCHEDULES
-from hybrid.pipeline.split import StageSplit
 
 
 @dataclass(frozen=True)
@@ -182,7 +182,7 @@ class PipelineConfig:
     ``virtual_size``: model chunks per stage (1: each stage one consecutive slice).
     ``schedule``: one of :data:`PIPELINE_SCHEDULES`; ``"interleaved_1f1b"`` exactly when
     ``virtual_size`` > 1. ``split``: the layers of every chunk, and where the embedding and
-    the loss are (:class:`hybrid.pipeline.split.StageSplit`); None only in a section built
+    the loss are (:class:`hybrid.config.stage_split.StageSplit`); None only in a section built
     by hand, meaning one stage with the whole model. ``reshard_after_micro_batch``: at
     ZeRO stage 3, free a stage's gathered parameters after every micro-batch's forward and
     backward (2m all-gathers per unit a step) instead of holding them from their first use

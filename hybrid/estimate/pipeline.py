@@ -35,7 +35,7 @@ sender.
 
 [Note: stage times from FLOPs]
 Stages are not equal: virtual stage 0 holds the embedding, the last the final norm,
-the output layer and the loss, and the split (:mod:`hybrid.pipeline.split`: the first
+the output layer and the loss, and the split (:mod:`hybrid.config.stage_split`: the first
 and last overrides, the account-for flags, the layout) may give stages different layer
 counts. :func:`stage_flops` counts each virtual stage's training FLOPs per token as
 :meth:`hybrid.config.model.ModelConfig.stage_flops_per_token` does (the count behind
@@ -120,7 +120,7 @@ class StageFlops:
 def piece_layers(w: Workload) -> tuple[int, ...]:
     """Transformer layers of each virtual stage in model order (virtual stage ``s`` is
     chunk ``s // p`` of pipeline rank ``s % p``, as in
-    :class:`hybrid.pipeline.split.StageSplit`): the run's split, as ``w`` carries it."""
+    :class:`hybrid.config.stage_split.StageSplit`): the run's split, as ``w`` carries it."""
     return tuple(w.stage_chunks(s % w.pp)[s // w.pp] for s in range(w.pp * w.vpp))
 
 

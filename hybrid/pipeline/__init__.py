@@ -1,6 +1,5 @@
 """Pipeline parallelism: the model cut into stages over the PP group.
 
-* :mod:`.split` which layers each (virtual) stage holds, from Megatron's flags; torch-free
 * :mod:`.actions` the vocabulary of schedules: per rank, an ordered list of forward,
   backward (or its input and weight halves), send, receive and END actions; the
   contract the executor honours; torch-free
@@ -14,6 +13,8 @@
 * :mod:`.step` one training step, written once: a schedule's forwards and backwards over a
   rank's micro-batches, the loss path, the optimizer step (every door runs it)
 
-Import from the modules: this package's ``__init__`` stays empty so that the torch-free
-configuration can use :mod:`.split` without importing torch.
+Which layers each (virtual) stage holds is configuration arithmetic, checked before any
+worker starts: :mod:`hybrid.config.stage_split`. Import from the modules: this package's
+``__init__`` stays empty so that the torch-free estimator can play :mod:`.schedules` without
+importing torch.
 """

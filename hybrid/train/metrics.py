@@ -10,9 +10,9 @@ from __future__ import annotations
 import torch
 
 from hybrid.config.model import ModelConfig
+from hybrid.config.stage_split import StageSplit
 from hybrid.parallel.agree import max_over_ranks
 from hybrid.parallel.state import ParallelState
-from hybrid.pipeline.split import StageSplit
 from hybrid.train.setup import memory_bytes
 from hybrid.train.step_stats import IterationTimer
 from hybrid.train.stragglers import straggler_fields

@@ -321,7 +321,7 @@ def test_zero3_under_a_pipeline_is_what_the_doc_measured(reshard):
 # -- the bubble with each stage's times from its FLOPs ----------------------------------------
 
 def _planned(flags: list[str], world: int, vocab: int) -> Workload:
-    """The Workload of a command line, split as the run splits it (hybrid/pipeline/split.py)."""
+    """The Workload of a command line, split as the run splits it (hybrid/config/stage_split.py)."""
     return workload(build_config(parse_args(flags), world, plan_only=True), vocab)
 
 

@@ -5,7 +5,7 @@ ranks to the whole model's, for even, uneven, interleaved and layout splits."""
 import pytest
 
 from hybrid.config.model import ModelConfig
-from hybrid.pipeline.split import split_layers
+from hybrid.config.stage_split import split_layers
 from hybrid.train.metrics import stage_flops_per_token
 
 SPLITS = {"even": dict(num_layers=8, pp=4),

@@ -7,8 +7,8 @@ naming the flags to change. Torch-free and fast.
 
 import pytest
 
+from hybrid.config.stage_split import StageSplit, parse_layout, split_layers
 from hybrid.errors import ConfigError
-from hybrid.pipeline.split import StageSplit, parse_layout, split_layers
 
 
 def _ranges(split: StageSplit) -> list[list[tuple[int, int]]]:
