@@ -8,7 +8,9 @@ each op takes (``--no-kernels`` forces every fallback).
 
 * :mod:`.settings`      the kernel settings of this process, set once at start-up from the config
 * :mod:`.select`        which implementation of each fusable op runs
-* :mod:`.build`         build and load the C++/CUDA extensions in ``csrc/``, or say why not
+* :mod:`.build`         build and load the C++/CUDA extensions in ``csrc/``, or say why not;
+                        one builder per cache directory, saying when it starts and ends
+* :mod:`.__main__`      ``python -m hybrid.kernels``: build the kernels ahead of the first run
 * :mod:`.cuda_ops`      the fused CUDA kernels of ``csrc/cuda`` as one extension
 * :mod:`.cpu_ops`       the host tiers' compiled code as one extension, ``hybrid_cpu_ops``
 * :mod:`.cpu_features`  whether this CPU multiplies bf16 / fp16 matrices natively

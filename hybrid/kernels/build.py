@@ -8,8 +8,21 @@ paths, flags, the torch and CUDA versions, the CPU, and for a CUDA build the
 GPU's compute capability and ``TORCH_CUDA_ARCH_LIST`` -- so later processes,
 and every rank of a job, import the cached library, and a cache shared by
 machines never hands one GPU architecture the binary built for another.
-cpp_extension holds a file lock on that directory while it builds, so ranks
-that start together wait for one compiler rather than racing.
+
+[Note: one builder, and a build killed mid-way]
+cpp_extension guards a build directory with a "baton": a ``lock`` file created
+when a build starts and deleted when it ends. A build killed mid-way (kill -9, a
+lost node, Ctrl-C at the wrong moment) leaves the file, and every later run waits
+on it forever with an empty log. So a build here first takes an ``flock`` on
+``.hybrid-build.lock`` in that directory, which the kernel releases when its
+holder dies, and writes its pid and host there. Whoever holds the flock is the
+only process that can be inside cpp_extension's build for that directory, so a
+baton it finds was left by a build that died: it is deleted, with one warning
+naming the file and the dead builder. A live builder is waited on, with one line
+naming the lock and the holder's pid. The build itself says one line when it
+starts and one when it ends, with the time, where the user sees it: a first
+offload run compiles for minutes, and silence looks like a hang.
+``python -m hybrid.kernels`` builds the CPU kernels ahead of time.
 
 Nothing here is required: when a kernel cannot build or load (no compiler, no
 GPU, ``KernelConfig.no_kernels``) one line says why and the caller uses its
@@ -19,9 +32,15 @@ come from :func:`hybrid.kernels.settings.current`, never from the environment.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import logging
+import os
 import platform
+import socket
+import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -114,19 +133,80 @@ def cache_key(paths: list[Path], flags: tuple, *, cuda: bool,
     return key.hexdigest()[:16]
 
 
-def _build(name, paths, cuda, cflags, cuda_cflags, ldflags):
-    from torch.utils import cpp_extension
-
+def build_dir_of(name: str, paths: list[Path], cuda: bool, cflags: list[str],
+                 cuda_cflags: list[str], ldflags: list[str]) -> Path:
+    """The cache directory of one build (:func:`cache_key`), under :func:`cache_root`."""
     capability = torch.cuda.get_device_capability(torch.cuda.current_device()) if cuda else None
     digest = cache_key(paths, (cflags, cuda_cflags, ldflags), cuda=cuda, capability=capability,
                        arch_list=settings.current().cuda_arch_list,
                        torch_version=torch.__version__, cuda_version=torch.version.cuda,
                        cpu=_cpu_fingerprint())
-    build_dir = cache_root() / f"{name}-{digest}"
+    return cache_root() / f"{name}-{digest}"
+
+
+def _build(name, paths, cuda, cflags, cuda_cflags, ldflags):
+    from torch.utils import cpp_extension
+
+    build_dir = build_dir_of(name, paths, cuda, cflags, cuda_cflags, ldflags)
     build_dir.mkdir(parents=True, exist_ok=True)
     kwargs = dict(name=name, sources=[str(p) for p in paths], extra_cflags=cflags,
                   extra_ldflags=ldflags,
                   build_directory=str(build_dir), verbose=False)
     if cuda:
         kwargs["extra_cuda_cflags"] = cuda_cflags
-    return cpp_extension.load(**kwargs)
+    with build_lock(build_dir, name):
+        built = (build_dir / f"{name}.so").exists()
+        if not built:
+            log.warning("hybrid: building kernel %s in %s (once; later runs load it)",
+                        name, build_dir)
+        start = time.monotonic()
+        mod = cpp_extension.load(**kwargs)
+        if not built:
+            log.warning("hybrid: built kernel %s in %.0f s", name, time.monotonic() - start)
+    return mod
+
+
+LOCK = ".hybrid-build.lock"
+BATON = "lock"  # cpp_extension's own, created and deleted around its build
+
+
+@contextlib.contextmanager
+def build_lock(build_dir: Path, name: str, *, poll_s: float = 0.2) -> Iterator[None]:
+    """Hold ``build_dir``'s build lock (the Note above): an ``flock`` on ``LOCK``, which
+    dies with its holder. Waits for a live holder, saying so once (its pid, from the
+    file); a baton cpp_extension left behind, found while holding the lock, belongs
+    to a build that died and is deleted, with a warning naming it."""
+    path = build_dir / LOCK
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        said = False
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if not said:
+                    log.info("hybrid: waiting for %s, which builds kernel %s (lock %s)",
+                             _holder(path), name, path)
+                    said = True
+                time.sleep(poll_s)
+        baton = build_dir / BATON
+        if baton.exists():
+            log.warning("hybrid: kernel %s: %s was left by a build that did not finish (%s, "
+                        "no longer running); taking it over and building again",
+                        name, baton, _holder(path))
+            baton.unlink()
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}\n".encode(), 0)
+        yield
+    finally:
+        os.close(fd)  # releases the flock
+
+
+def _holder(path: Path) -> str:
+    """Who last took the lock at ``path``, as it wrote itself down."""
+    try:
+        said = path.read_text().strip()
+    except OSError:
+        said = ""
+    return said or "another process"
