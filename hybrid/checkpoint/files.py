@@ -54,7 +54,49 @@ def find_checkpoint(load_dir: str) -> str | None:
     if stale is not None and names:
         log.warning("%s names %r, which is not a complete checkpoint there; loading %s, "
                     "the newest complete one", latest, stale[:64], names[-1])
+    if not names:
+        refuse_foreign(load_dir)  # "nothing to load" only where there is nothing
     return os.path.join(load_dir, names[-1]) if names else None
+
+
+# [Note: another framework's checkpoint is not an empty directory]
+# A directory without a hybrid checkpoint means "start from the initial weights" (DeepSpeed's
+# load_checkpoint returns (None, None) there, and --load of a new run's --save directory
+# does the same). A directory holding another framework's checkpoint must not: a run told
+# to resume would silently start over. These are the files that show each format, looked
+# for in the directory and one level down (a tag's or an iteration's directory): a bounded
+# number of globs, whatever the directory holds.
+_FOREIGN = (
+    ("DeepSpeed", ("mp_rank_*_model_states.pt", "*zero_pp_rank_*_optim_states.pt",
+                   "*/mp_rank_*_model_states.pt", "*/*zero_pp_rank_*_optim_states.pt")),
+    ("Megatron-LM", ("latest_checkpointed_iteration.txt", "mp_rank_*/model_optim_rng.pt",
+                     "*/mp_rank_*/model_optim_rng.pt", "iter_*/common.pt")),
+    ("torch.distributed.checkpoint (DCP)", (".metadata", "*/.metadata")),
+)
+
+
+def foreign_checkpoint(path: str) -> tuple[str, str] | None:
+    """(the format, a file that shows it) when ``path`` holds a checkpoint another
+    framework wrote (the Note above); None otherwise."""
+    for fmt, patterns in _FOREIGN:
+        for pattern in patterns:
+            found = sorted(glob.glob(os.path.join(glob.escape(path), pattern)))
+            if found:
+                return fmt, found[0]
+    return None
+
+
+def refuse_foreign(path: str) -> None:
+    """CheckpointError naming the format and the file, when ``path`` holds a checkpoint of
+    another framework; nothing otherwise."""
+    found = foreign_checkpoint(path)
+    if found is not None:
+        fmt, shown_by = found
+        raise CheckpointError(
+            f"{path} holds a {fmt} checkpoint ({shown_by}), which hybrid does not read "
+            f"(skipping it would start training over from the initial weights): point --load "
+            f"(or load_checkpoint) at a directory hybrid saved, or at an empty one to start "
+            f"fresh")
 
 
 def step_checkpoint(load_dir: str, step: int) -> str:
@@ -105,6 +147,7 @@ def read_metadata(ckpt: str, reader: RangeReader | None = None) -> dict:
                               f"{_OLDER[old]}); this hybrid reads version {readable} only: "
                               f"resume it with the hybrid that wrote it")
     if old not in READABLE or not meta.get("complete"):
+        refuse_foreign(os.path.dirname(ckpt.rstrip(os.sep)) or ".")  # Megatron's torch_dist
         raise CheckpointError(f"{path}: not a complete hybrid checkpoint (version "
                               f"{old}, expected {readable})")
     return meta

@@ -8,9 +8,13 @@ must mean. (Bytes read per rank for these loads: tests/checkpoint/test_checkpoin
 
 import json
 import os
+import re
 
 import pytest
 
+from hybrid.checkpoint.files import find_checkpoint, read_metadata
+from hybrid.errors import CheckpointError
+from tests.helpers.foreign_checkpoints import FOREIGN, write_foreign
 from tests.helpers.launch import TINY, pretrain, read_json_log, script_module
 
 # Adam eps 1e-4: the attention key bias has an exactly-zero true gradient, whose
@@ -224,3 +228,17 @@ def test_tools_read_a_weights_only_checkpoint(runs, tmp_path, capsys):
     assert script_module("export_hf").main([runs["pre"], hf]) == 0
     wte = load_file(os.path.join(hf, "model.safetensors"))["transformer.wte.weight"]
     assert torch.equal(wte, state["wte.weight"]["master"][: wte.shape[0]])
+
+
+@pytest.mark.parametrize("fmt", FOREIGN)
+def test_load_of_another_framework_s_save_directory_is_refused_by_name(tmp_path, fmt):
+    """--load (and a --save directory resumed from) finds no hybrid checkpoint in another
+    framework's directory: one error naming the format and a file that shows it, not a
+    fresh start. An empty directory stays "nothing to load"."""
+    assert find_checkpoint(str(tmp_path)) is None
+    write_foreign(tmp_path, FOREIGN[fmt])
+    name = re.escape(fmt.removesuffix(" torch_dist"))
+    with pytest.raises(CheckpointError, match=rf"^{tmp_path}\S* holds a {name} checkpoint "
+                                              rf"\({tmp_path}/\S+\), which hybrid does not read"):
+        ckpt = find_checkpoint(str(tmp_path))
+        read_metadata(ckpt) if ckpt else None

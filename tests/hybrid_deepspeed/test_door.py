@@ -11,9 +11,10 @@ import pytest
 import torch
 from torch import nn
 
-import hybrid.deepspeed as deepspeed
+from hybrid import deepspeed
 from hybrid.errors import CheckpointError, ConfigError
 from hybrid.parallel.state import ParallelState
+from tests.helpers.foreign_checkpoints import FOREIGN, write_foreign
 from tests.hybrid_deepspeed.test_tutorials import Net  # the CIFAR tutorial's shape, tiny
 
 DS = {"train_batch_size": 4, "gradient_accumulation_steps": 2,
@@ -106,6 +107,23 @@ def test_load_on_an_empty_or_missing_directory_is_none_none(tmp_path):
     assert engine.load_checkpoint(str(tmp_path / "never_saved")) == (None, None)
     with pytest.raises(CheckpointError, match="tag='best'.*no checkpoint of that tag"):
         engine.load_checkpoint(str(tmp_path), tag="best")
+
+
+@pytest.mark.parametrize("fmt", FOREIGN)
+def test_load_on_another_framework_s_checkpoint_is_refused_by_name(tmp_path, fmt):
+    """Not (None, None), which would train from the initial weights as if resumed."""
+    write_foreign(tmp_path, FOREIGN[fmt])
+    engine, *_ = _engine()
+    with pytest.raises(CheckpointError) as e:
+        engine.load_checkpoint(str(tmp_path))
+    said = str(e.value)
+    shown = {"DeepSpeed": "global_step4/mp_rank_00_model_states.pt",
+             "Megatron-LM": "latest_checkpointed_iteration.txt",
+             "torch.distributed.checkpoint (DCP)": ".metadata"}
+    name = fmt.removesuffix(" torch_dist")
+    assert f"holds a {name} checkpoint (" in said and "hybrid does not read" in said, said
+    assert f"{tmp_path}/{shown[name]})" in said or f"{tmp_path}/global_step4 holds" in said, said
+    assert engine.global_steps == 0
 
 
 def test_a_string_tag_round_trips_and_latest_names_it(tmp_path):
@@ -232,25 +250,25 @@ def test_accelerator_and_comm_in_one_process():
     assert comm.ReduceOp.SUM is torch.distributed.ReduceOp.SUM
 
 
-@pytest.mark.parametrize("make,message", [
-    (lambda: dict(model=Net(), mpu=object()),
+@pytest.mark.parametrize("make,message", [  # make: initialize's arguments for a fresh Net
+    (lambda n: dict(model=n, mpu=object()),
      r"deepspeed.initialize\(mpu=...\): hybrid takes its layout as a ParallelState"),
-    (lambda: (lambda n: dict(model=n, model_parameters=[n.fc1.weight]))(Net()),
+    (lambda n: dict(model=n, model_parameters=[n.fc1.weight]),
      r"model_parameters=...\): parameter fc1.bias requires grad but is not given: pass it, or "
      r"freeze it"),
-    (lambda: (lambda n: dict(model=n, optimizer=torch.optim.SGD(
-        [n.fc1.weight, n.fc2.weight, n.fc2.bias], lr=0.1)))(Net()),
+    (lambda n: dict(model=n, optimizer=torch.optim.SGD(
+        [n.fc1.weight, n.fc2.weight, n.fc2.bias], lr=0.1)),
      r"optimizer=...\): parameter fc1.bias requires grad but is in none of the optimizer's "
      r"param_groups"),
-    (lambda: (lambda n: dict(model=n, optimizer=torch.optim.SGD(
-        list(n.parameters()) + [nn.Parameter(torch.zeros(3))], lr=0.1)))(Net()),
+    (lambda n: dict(model=n, optimizer=torch.optim.SGD(
+        list(n.parameters()) + [nn.Parameter(torch.zeros(3))], lr=0.1)),
      r"param_groups\[0\] holds a tensor of shape \(3,\) that is not a parameter of the model"),
-    (lambda: (lambda n: dict(model=n, lr_scheduler=torch.optim.lr_scheduler.StepLR(
-        torch.optim.SGD(n.parameters(), lr=0.1), 1)))(Net()),
+    (lambda n: dict(model=n, lr_scheduler=torch.optim.lr_scheduler.StepLR(
+        torch.optim.SGD(n.parameters(), lr=0.1), 1)),
      r"lr_scheduler=...\): the scheduler drives an optimizer initialize was not given"),
 ])
 def test_what_hybrid_cannot_honour_is_one_error_naming_the_call(make, message):
-    kwargs = make()
+    kwargs = make(Net())
     kwargs.setdefault("mpu", ParallelState.single())
     with pytest.raises(ConfigError, match=message):
         deepspeed.initialize(config=DS, **kwargs)
