@@ -172,7 +172,8 @@ def _verbatim(text: str) -> typing.Callable[[re.Match[str]], str]:
 def _run_checks(f: Flags, world_size: int, plan_only: bool) -> int:
     dp = check_layout(world_size, f.tensor_model_parallel_size, f.context_parallel_size,
                       f.pipeline_model_parallel_size)
-    checks.check_numbers(f)
+    checks.canonical_offload(f)
+    checks.check_fields(f)  # what each flag alone must be: its field's opt(choices=, ...)
     checks.check_parallel(f)
     checks.check_model(f)
     validate_architecture(f)  # the Llama-family flags; fills the SwiGLU width

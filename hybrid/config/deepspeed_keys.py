@@ -4,9 +4,12 @@ One table, :data:`KEYS`, from a dotted key path to a rule:
 
 * ``Flag(field, kind, convert)``: the value (converted) sets that :class:`Flags`
   field, as the flag of the same meaning would; ``"auto"`` leaves the field to
-  the command line (or its default). The key thus reaches the section the flag
-  names (``to=``, :mod:`hybrid.config.flags`): ``aio.use_gds`` -> ``offload_gds``
-  -> ``offload.gds``; the table names no section itself.
+  the command line (or its default). These rules are not written here: a flag
+  declares the keys that set it on its field (``opt(ds=...)``, a :class:`DsKey`
+  where the value has its own kind or is converted; the note of
+  :mod:`hybrid.config.flags`), and :func:`_flag_rules` makes one rule per key. The
+  key thus reaches the section the flag names (``to=``): ``aio.use_gds`` ->
+  ``offload_gds`` -> ``offload.gds``; the table names no field or section itself.
 * ``Hint(why, kind, same)``: a tuning knob of DeepSpeed's own machinery that
   hybrid does not need; accepted with one warning naming it and why (none for
   null, a section that is empty or not enabled, or the values in ``same``, which
@@ -45,8 +48,8 @@ class Flag:
     convert: Callable[[Any], Any] | None = None  # the checked value -> the field's value
 
     def __post_init__(self):
-        # the key points at the flag's one definition: a renamed or removed flag fails
-        # at import, not when a user's file first names the key
+        # the rules KEYS holds are made from the fields' ds= (_flag_rules), so each names
+        # a field by construction; a Flag made by hand still fails here on a missing one
         if self.field not in _FIELDS:
             raise TypeError(f"Flag({self.field!r}): Flags has no field {self.field!r}")
 
@@ -105,11 +108,18 @@ def _field_kind(name: str) -> Kind:
     return base.or_null() if "None" in str(_FIELDS[name].type) else base
 
 
-def _device(v):
-    return None if v in (None, "none") else v
+def _flag_rules() -> dict[str, Flag]:
+    """A :class:`Flag` rule for every ds_config key a :class:`Flags` field declares
+    (``opt(ds=...)``), in the fields' order."""
+    rules: dict[str, Flag] = {}
+    for f in dataclasses.fields(Flags):
+        for key in f.metadata.get("ds", ()):
+            if key.path in rules:  # one key, one field: a second would silently win
+                raise TypeError(f"ds_config {key.path}: Flags.{rules[key.path].field} and "
+                                f"Flags.{f.name} both declare it")
+            rules[key.path] = Flag(f.name, key.kind, key.convert)
+    return rules
 
-
-_DEVICE = one_of("none", "cpu", "nvme", None)
 
 _ONE_UNIT = "hybrid prefetches one unit ahead (two from NVMe), sized by the model's units"
 _NO_QUANT = "hybrid communicates in the training dtype: drop it"
@@ -119,13 +129,12 @@ _AIO = ("hybrid's swap I/O is its own thread pool (pread/pwrite, O_DIRECT on ali
 _CKPT = "hybrid's checkpoints are atomic, full-precision and reshardable as they are"
 _SYNC = "hybrid orders checkpoint boundaries on the stream; no device sync is needed"
 
-KEYS: dict[str, object] = {
+# The keys no flag declares; a key that sets a flag is on the flag's field (ds=), and
+# _flag_rules adds its Flag rule to KEYS below.
+_RULES: dict[str, object] = {
     # batch sizes, read together (train = micro x accumulation x DP)
     "train_batch_size": Custom(INT), "train_micro_batch_size_per_gpu": Custom(INT),
     "gradient_accumulation_steps": Custom(INT),
-    "gradient_clipping": Flag("clip_grad"),
-    "steps_per_print": Flag("log_interval"),
-    "wall_clock_breakdown": Flag("timing_breakdown"),
     "memory_breakdown": Hint("hybrid logs peak memory and model-state bytes every log line"),
     "dump_state": Hint("hybrid logs its configuration at start"),
     "prescale_gradients": Refuse("hybrid averages gradients in one reduction: drop it"),
@@ -162,38 +171,22 @@ KEYS: dict[str, object] = {
     "nebula": Refuse("hybrid saves with --save", OBJECT),
     "compile": Custom(OBJECT, {"enabled": BOOL}),
     "checkpoint": Hint(_CKPT, OBJECT),
-    "data_types.grad_accum_dtype": Flag(
-        "accumulate_allreduce_grads_in_fp32", one_of("fp32", "bf16", "fp16"),
-        lambda v: v == "fp32"),
     # precision
-    "fp16.enabled": Flag("fp16"),
-    "fp16.loss_scale": Flag("loss_scale", NUMBER, lambda v: None if v == 0 else v),
-    "fp16.initial_scale_power": Flag("initial_loss_scale", INT, lambda p: float(2 ** p)),
-    "fp16.loss_scale_window": Flag("loss_scale_window"),
-    "fp16.hysteresis": Flag("hysteresis"),
-    "fp16.min_loss_scale": Flag("min_loss_scale"),
     "fp16.consecutive_hysteresis": Refuse("hybrid's hysteresis counts overflows since the "
                                           "last scale change, as Megatron's does"),
     "fp16.auto_cast": Refuse("hybrid keeps the model in fp16 itself: drop it"),
     "fp16.fp16_master_weights_and_grads": Refuse("hybrid keeps fp32 master weights"),
-    "bf16.enabled": Flag("bf16"),
     "bf16.immediate_grad_update": Hint("hybrid accumulates into its flat gradient buffer"),
     "bf16.check_grad_overflow": Hint("hybrid checks every step's gradient norm for "
                                      "non-finite values"),
     # ZeRO
-    "zero_optimization.stage": Flag("zero_stage"),
-    "zero_optimization.overlap_comm": Flag("overlap_comm"),
     "zero_optimization.contiguous_gradients": Hint("hybrid's gradients always live in flat "
                                                    "contiguous buffers", same=(True,)),
     "zero_optimization.reduce_scatter": Hint("hybrid reduce-scatters gradients whenever the "
                                              "stage shards them", same=(True,)),
-    "zero_optimization.reduce_bucket_size": Flag("reduce_bucket_size"),
     "zero_optimization.allgather_partitions": Hint("hybrid all-gathers each bucket at once",
                                                    same=(True,)),
-    "zero_optimization.allgather_bucket_size": Flag("allgather_bucket_size"),
     "zero_optimization.stage3_prefetch_bucket_size": Hint(_ONE_UNIT, INT),
-    "zero_optimization.stage3_param_persistence_threshold": Flag(
-        "zero_param_persistence_threshold"),
     "zero_optimization.stage3_model_persistence_threshold": Hint(_ONE_UNIT, INT),
     "zero_optimization.stage3_max_live_parameters": Hint(_ONE_UNIT, INT),
     "zero_optimization.stage3_max_reuse_distance": Hint(_ONE_UNIT, INT),
@@ -210,11 +203,6 @@ KEYS: dict[str, object] = {
     "zero_optimization.memory_efficient_linear": Hint("hybrid's linear layers save what "
                                                       "backward needs only"),
     "zero_optimization.use_multi_rank_bucket_allreduce": Hint("hybrid reduces per bucket"),
-    "zero_optimization.cpu_offload": Flag("offload_optimizer", BOOL,
-                                          lambda on: "cpu" if on else None),
-    "zero_optimization.cpu_offload_use_pin_memory": Flag("offload_pin_memory"),
-    "zero_optimization.cpu_offload_params": Flag("offload_param", BOOL,
-                                                 lambda on: "cpu" if on else None),
     "zero_optimization.zero_quantized_weights": Refuse(_NO_QUANT),
     "zero_optimization.zero_quantized_nontrainable_weights": Refuse(_NO_QUANT),
     "zero_optimization.zero_quantized_gradients": Refuse(_NO_QUANT),
@@ -224,10 +212,6 @@ KEYS: dict[str, object] = {
     "zero_optimization.mics_shard_size": Refuse(
         "hybrid has no MiCS sub-groups: parameters shard over all of DP", INT, ok=(-1, 0)),
     "zero_optimization.mics_hierarchical_params_gather": Refuse("hybrid has no MiCS"),
-    "zero_optimization.offload_optimizer.device": Flag("offload_optimizer", _DEVICE, _device),
-    "zero_optimization.offload_optimizer.nvme_path": Flag("offload_nvme_path"),
-    "zero_optimization.offload_optimizer.pin_memory": Flag("offload_pin_memory"),
-    "zero_optimization.offload_optimizer.buffer_count": Flag("offload_buffer_count"),
     "zero_optimization.offload_optimizer.fast_init": Hint("hybrid fills the swap file in "
                                                           "one pass at start"),
     "zero_optimization.offload_optimizer.pipeline_read": Hint("hybrid always pipelines the "
@@ -237,9 +221,6 @@ KEYS: dict[str, object] = {
     "zero_optimization.offload_optimizer.pipeline": Hint("hybrid always pipelines the tiles"),
     "zero_optimization.offload_optimizer.ratio": Refuse(
         "hybrid offloads the whole optimizer state", NUMBER, ok=(1.0,)),
-    "zero_optimization.offload_param.device": Flag("offload_param", _DEVICE, _device),
-    "zero_optimization.offload_param.nvme_path": Flag("offload_nvme_path"),
-    "zero_optimization.offload_param.pin_memory": Flag("offload_pin_memory"),
     "zero_optimization.offload_param.buffer_count": Hint(
         "hybrid reads a unit's shard whole, two units ahead", INT),
     "zero_optimization.offload_param.buffer_size": Hint(
@@ -250,7 +231,6 @@ KEYS: dict[str, object] = {
     "aio.block_size": Hint(_AIO, INT), "aio.queue_depth": Hint(_AIO, INT),
     "aio.thread_count": Hint(_AIO, INT), "aio.single_submit": Hint(_AIO),
     "aio.overlap_events": Hint(_AIO), "aio.intra_op_parallelism": Hint(_AIO, INT),
-    "aio.use_gds": Flag("offload_gds"),
     # optimizer and scheduler blocks (deepspeed.py reads them whole)
     "optimizer": Custom(OBJECT, {
         "type": STRING, "params": OBJECT, "params.lr": NUMBER, "params.betas": PAIR,
@@ -263,10 +243,6 @@ KEYS: dict[str, object] = {
         "params.warmup_min_ratio": NUMBER, "params.cos_min_ratio": NUMBER,
         "params.last_batch_iteration": INT}),
     # ZeRO-R
-    "activation_checkpointing.partition_activations": Flag("partition_activations"),
-    "activation_checkpointing.cpu_checkpointing": Flag("cpu_checkpointing"),
-    "activation_checkpointing.contiguous_memory_optimization": Flag(
-        "contiguous_checkpointing"),
     "activation_checkpointing.number_checkpoints": Hint("hybrid sizes the contiguous "
                                                         "buffer from the model's layers", INT),
     "activation_checkpointing.synchronize_checkpoint_boundary": Hint(_SYNC),
@@ -275,6 +251,13 @@ KEYS: dict[str, object] = {
     "tensorboard": Custom(OBJECT, {"enabled": BOOL, "output_path": STRING.or_null(),
                                    "job_name": STRING.or_null()}),
 }
+
+_FLAG_RULES = _flag_rules()
+if set(_RULES) & set(_FLAG_RULES):  # a key ruled both above and on a field
+    raise TypeError(f"ds_config keys both in _RULES and on a Flags field: "
+                    f"{sorted(set(_RULES) & set(_FLAG_RULES))}")
+# every key: the rules above, and a Flag rule for each key a field declares (ds=)
+KEYS: dict[str, object] = {**_RULES, **_FLAG_RULES}
 
 # Sections walked key by key (each must be an object; a key under them that KEYS lacks
 # is unknown).

@@ -3,8 +3,10 @@
 What these tests hold, so the property cannot rot: every route names a real section
 field and agrees with it on type and default; every section field gets its value from
 one flag or from one derivation in build.py, never silently from its default; every
-flag is read by something; the ds_config key table names only real flags; and the
-context-parallel comm types are written in one place.
+flag is read by something; the ds_config key table names only real flags; the
+context-parallel comm types are written in one place; every constraint a field declares
+(``opt(choices=, at_least=, above=, at_most=, below=)``) is enforced with the one message
+naming the flag; and every ds_config key a field declares (``opt(ds=)``) sets that field.
 """
 
 import ast
@@ -18,10 +20,13 @@ import hybrid.config.build as build_module
 from hybrid.config import Flags, build_config
 from hybrid.config.architecture import ARCHITECTURE_FIELDS
 from hybrid.config.build import SECTION_TYPES
-from hybrid.config.deepspeed_keys import KEYS, Flag
-from hybrid.config.flags import ROUTES
+from hybrid.config.checks import allowed
+from hybrid.config.deepspeed import apply_ds_config
+from hybrid.config.deepspeed_keys import KEYS, Flag, kind_of
+from hybrid.config.flags import BOUNDS, ROUTES, field_type, flag_name
 from hybrid.config.model import ModelConfig
 from hybrid.config.sections import CP_COMM_TYPES
+from hybrid.errors import ConfigError
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 CLI_FIELDS = [f for f in dataclasses.fields(Flags) if f.metadata.get("cli") is not False]
@@ -143,3 +148,97 @@ def test_the_cp_comm_types_are_written_once():
     tree = ast.parse((ROOT / "hybrid/tensor_parallel/cp_attention.py").read_text())
     assert any(isinstance(n, ast.ImportFrom) and n.module == "hybrid.config.sections"
                and "CP_COMM_TYPES" in [a.name for a in n.names] for n in ast.walk(tree))
+
+
+# -- a field's own constraints and ds_config keys ------------------------------------------
+
+def _outside(f: dataclasses.Field) -> list:
+    """Values just outside what field ``f`` declares: past each bound, or beside its
+    closed set (one past the largest of numbers; a name it lacks), and each refused one."""
+    meta = f.metadata
+    if "choices" in meta:
+        choices = list(meta["choices"])
+        beside = (max(choices) + 1 if all(isinstance(c, int) for c in choices)
+                  else "not-" + str(choices[0]))
+        return [beside, *meta.get("refused", {})]
+    step = 1 if field_type(f)[0] is int else 0.5
+    out = {"at_least": lambda b: b - step, "above": lambda b: b,
+           "at_most": lambda b: b + step, "below": lambda b: b}
+    return [out[b](meta[b]) for b in BOUNDS if b in meta]
+
+
+CONSTRAINED = [(f.name, v) for f in CLI_FIELDS if allowed(f) is not None for v in _outside(f)]
+
+
+def test_the_constraints_are_declared():
+    """A sample of the fields whose single-option checks moved onto their declaration: the
+    tests below cover what is declared, so a declaration dropped by mistake would only
+    shrink them."""
+    declared = {name for name, _ in CONSTRAINED}
+    assert {"zero_stage", "cp_comm_type", "recompute_method", "adam_eps", "seed",
+            "hidden_dropout", "offload_buffer_count", "eval_iters", "vocab_size"} <= declared
+
+
+@pytest.mark.parametrize("name,value", CONSTRAINED)
+def test_a_value_outside_a_declared_constraint_is_one_error_naming_the_flag(name, value):
+    """check_fields enforces every choices=/bound on a field, with one message format:
+    the flag, what it must be, the value given (and why, for a refused value)."""
+    f = FLAG_FIELDS[name]
+    with pytest.raises(ConfigError) as e:
+        build_config(Flags(**{name: value}), 1)
+    message = f"{flag_name(name)} must be {allowed(f)}, got {value!r}"
+    why = f.metadata.get("refused", {}).get(value)
+    assert str(e.value) == (message + f": {why}" if why else message)
+
+
+@pytest.mark.parametrize("name", sorted({name for name, _ in CONSTRAINED}))
+def test_a_value_on_a_bound_or_in_the_set_passes_the_field_check(name):
+    """Inside: each value of the closed set, and an inclusive bound itself (check_fields
+    alone: other checks may refuse a value for reasons of their own)."""
+    from hybrid.config.checks import check_fields
+    f = FLAG_FIELDS[name]
+    inside = list(f.metadata.get("choices", ()))
+    inside += [f.metadata[b] for b in ("at_least", "at_most") if b in f.metadata]
+    for value in inside:
+        check_fields(Flags(**{name: value}))
+
+
+def _declared_keys():
+    return [(f.name, key) for f in CLI_FIELDS for key in f.metadata["ds"]]
+
+
+def test_the_flag_rules_are_the_keys_the_fields_declare():
+    """Every Flag rule of the key table comes from one field's ds=, with its kind and
+    conversion; none is written anywhere else."""
+    declared = {key.path: (name, key) for name, key in _declared_keys()}
+    rules = {path: rule for path, rule in KEYS.items() if isinstance(rule, Flag)}
+    assert sorted(rules) == sorted(declared)
+    for path, rule in rules.items():
+        name, key = declared[path]
+        assert (rule.field, rule.kind, rule.convert) == (name, key.kind, key.convert), path
+
+
+def _a_value(kind, default):
+    """A value of ``kind`` (the key's) that differs from the field's default."""
+    if kind.base == "choice":
+        return [c for c in kind.choices if c is not None][-1]
+    return {"bool": not default, "int": 3, "number": 0.5, "string": "/tmp/x"}[kind.base]
+
+
+@pytest.mark.parametrize("name,key", _declared_keys(), ids=lambda v: getattr(v, "path", v))
+def test_a_declared_ds_key_sets_its_field(name, key):
+    """The key, alone in a ds_config, sets its field (converted as declared) and the field
+    is then named by the key."""
+    value = _a_value(kind_of(KEYS[key.path]), FLAG_FIELDS[name].default)
+    ds: dict = {}
+    *sections, last = key.path.split(".")
+    inner = ds
+    for part in sections:
+        inner = inner.setdefault(part, {})
+    inner[last] = value
+    # (the activation_checkpointing keys apply only with whole-layer recompute)
+    f = Flags(recompute_granularity="full")
+    apply_ds_config(f, ds, dp=1)
+    expected = key.convert(value) if key.convert else value
+    assert getattr(f, name) == expected
+    assert f.given_as[name] == f"ds_config {key.path}"
