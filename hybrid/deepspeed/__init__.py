@@ -31,12 +31,19 @@ one ConfigError naming the call and what to use instead.
 * :mod:`.utils`         ``RepeatingLoader``, the one helper DeepSpeed's pipeline scripts take
 * :mod:`.hf`            Hugging Face's Trainer on hybrid's engine: a Trainer script changes
                         its import only
+* :mod:`.launcher`      ``hybrid-deepspeed``: DeepSpeed's launcher command line over torchrun,
+                        the script run with no line changed
+* :mod:`.alias`         ``deepspeed`` and its submodules served by this package, in one
+                        worker's process (an import hook)
+* :mod:`.__main__`      ``python -m hybrid.deepspeed``: the launcher
 
 ``deepspeed.zero`` is :mod:`hybrid.deepspeed.zero`, DeepSpeed's context managers;
 hybrid's own ZeRO engine is :mod:`hybrid.zero`, which a script never meets.
 """
 
 from __future__ import annotations
+
+from typing import NoReturn
 
 from hybrid.deepspeed import accelerator, checkpointing, comm, pipe, utils, zero
 from hybrid.deepspeed.comm import init_distributed
@@ -65,7 +72,7 @@ _NOT_HERE = {
 }
 
 
-def __getattr__(name: str):
+def __getattr__(name: str) -> NoReturn:
     if name in _NOT_HERE:
         raise AttributeError(f"hybrid.deepspeed has no {name} (DeepSpeed's deepspeed.{name}): "
                              f"{_NOT_HERE[name]}; docs/deepspeed.md lists what it has")

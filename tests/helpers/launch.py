@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 
@@ -23,6 +24,13 @@ SCRIPT = os.path.join(ROOT, "scripts", "pretrain_gpt.py")
 TINY = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
         "--seq-length", "32", "--micro-batch-size", "2", "--hidden-dropout", "0",
         "--attention-dropout", "0", "--log-interval", "1", "--seed", "11"]
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now, for a launch's rendezvous."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def run_script(name: str, argv: list[str]) -> subprocess.CompletedProcess:
@@ -63,8 +71,8 @@ def env() -> dict:
 def torchrun(nproc: int, args: list[str], timeout: float = 300) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes", "1",
            "--nproc-per-node", str(nproc), SCRIPT, *args]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env(),
-                          cwd=ROOT)
+    return subprocess.run(cmd, capture_output=True, check=False, text=True, timeout=timeout,
+                          env=env(), cwd=ROOT)
 
 
 def _pretrain_rank(ps, cfg):
@@ -164,7 +172,7 @@ def child_pids(parent: int) -> list[int]:
     """pids of ``parent``'s children (a launcher's workers: pretrain_gpt.sh exec's the
     launcher, so its pid is the shell's)."""
     out = subprocess.run(["ps", "-o", "pid=", "--ppid", str(parent)], capture_output=True,
-                         text=True).stdout
+                         check=False, text=True).stdout
     return [int(pid) for pid in out.split()]
 
 
