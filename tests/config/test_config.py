@@ -134,9 +134,10 @@ def test_context_parallel_flags_have_megatrons_meaning():
     (["--context-parallel-size", "2", "--cp-layout", "striped", "--seq-length", "65"], 2,
      "into 2 equal parts"),
     (["--context-parallel-size", "2", "--cp-comm-type", "ring"], 2,
-     "--cp-comm-type must be one of p2p, all_gather, a2a, got 'ring'"),
+     "--cp-comm-type must be p2p, all_gather or a2a, got 'ring'"),
     (["--context-parallel-size", "2", "--cp-comm-type", "a2a+p2p"], 2, "hierarchical CP"),
-    (["--context-parallel-size", "2", "--cp-layout", "zigzag"], 2, "--cp-layout must be one of"),
+    (["--context-parallel-size", "2", "--cp-layout", "zigzag"], 2,
+     "--cp-layout must be load_balanced or striped, got 'zigzag'"),
     (["--context-parallel-size", "4", "--cp-comm-type", "a2a", "--num-attention-heads", "2",
       "--hidden-size", "64"], 4, "--num-attention-heads 2 / TP 1 must be divisible by 4"),
     # the heads split, the key/value heads do not: the groups are named
