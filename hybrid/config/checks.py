@@ -22,12 +22,7 @@ import math
 import os
 
 from hybrid.config.flags import BOUNDS, Flags, flag_name
-from hybrid.config.sections import (
-    # --cp-comm-type's check is its field's choices=CP_COMM_TYPES now; the name stays
-    # here, where tests/config/test_single_definition.py finds the one tuple
-    CP_COMM_TYPES,  # noqa: F401
-    tokenizer_kind,
-)
+from hybrid.config.sections import tokenizer_kind
 from hybrid.config.stage_split import StageSplit, split_layers
 from hybrid.errors import ConfigError
 
@@ -403,10 +398,9 @@ def check_recompute(f: Flags) -> None:
     if g != "full" and (f.recompute_method or f.recompute_num_layers is not None):
         raise ConfigError("--recompute-method and --recompute-num-layers need "
                           "--recompute-granularity full")
-    if f.recompute_num_layers is not None:
-        if not 1 <= f.recompute_num_layers <= f.num_layers:
-            raise ConfigError(f"--recompute-num-layers must be in [1, --num-layers "
-                              f"{f.num_layers}], got {f.recompute_num_layers}")
+    if f.recompute_num_layers is not None and not 1 <= f.recompute_num_layers <= f.num_layers:
+        raise ConfigError(f"--recompute-num-layers must be in [1, --num-layers "
+                          f"{f.num_layers}], got {f.recompute_num_layers}")
     if g == "full" and f.recompute_method is None:
         f.recompute_method = "block" if f.recompute_num_layers else "uniform"
     for name in ("partition_activations", "cpu_checkpointing", "contiguous_checkpointing"):
