@@ -10,12 +10,12 @@ interleaved 1F1B on an 8-layer one, two one-layer chunks a stage) times a featur
 with SP, ZeRO-R's partitioned checkpoints, CP 2, selective and full recompute, the host
 and NVMe offload tiers, bf16, fp16). Its reference is PP 1 with the same feature and
 layers, on the ranks the pipeline leaves (a quarter). Every cell trains 3 steps of the
-same global batches and evaluates once; it passes when every step's loss and grad norm
-and the validation loss are within :data:`TOLERANCE` (relative) of its reference's
-(:data:`LOOSER` in half precision). Each cell is
-one JSON line (the largest relative differences seen); the exit status is the number of
-failed cells (0: all held). tests/pipeline/test_proof_grid.py runs eight of its cells
-in the suite; the whole grid is this command.
+same global batches (4 micro-batches a pipeline, as many as stages: :func:`global_batch`)
+and evaluates once; it passes when every step's loss and grad norm and the validation
+loss are within :data:`TOLERANCE` (relative) of its reference's (:data:`LOOSER` in half
+precision). Each cell is one JSON line (the largest relative differences seen); the
+exit status is the number of failed cells (0: all held). tests/pipeline/test_proof_grid.py
+runs eight of its cells in the suite; the whole grid is this command.
 """
 
 from __future__ import annotations
@@ -55,8 +55,11 @@ FEATURES: dict[str, tuple[int, list[str]]] = {
     "host": (DP2, ["--zero-stage", "2", "--offload-optimizer", "cpu"]),
     "host_param": (DP2, ["--zero-stage", "3", "--offload-optimizer", "cpu",
                          "--offload-param", "cpu"]),
+    # (tiles of 64Ki elements: the shards stream through several, and each unit's staging
+    # buffers and swap file stay near its size -- at the default 8Mi elements every unit,
+    # however small, zeroes and writes 96 MiB a tile: 4 s of the cell's 5 on 2 cores)
     "nvme": (DP2, ["--zero-stage", "3", "--offload-optimizer", "nvme", "--offload-param",
-                   "nvme", "--offload-nvme-path", "{nvme}"]),
+                   "nvme", "--offload-nvme-path", "{nvme}", "--offload-buffer-size", "65536"]),
     "bf16": (DP2, ["--bf16", "--zero-stage", "1"]),
     "fp16": (DP2, ["--fp16", "--zero-stage", "3"]),
 }
@@ -89,14 +92,20 @@ def cells(only: list[str] | None = None) -> list[Cell]:
     return [c for c in out if not only or c.schedule in only or c.feature in only]
 
 
+def global_batch(flags: list[str]) -> int:
+    """4 micro-batches of 2 a pipeline (m = p) in every cell: 16 samples at DP 2, 8 where
+    TP 2 or CP 2 hold the other half of the ranks (DP 1)."""
+    return 8 if {"--tensor-model-parallel-size", "--context-parallel-size"} & set(flags) else 16
+
+
 def _train(n: int, layers: int, flags: list[str], workdir: str, name: str):
     """(training records, validation records) of one run, or raises naming it."""
     path = f"{workdir}/{name}.jsonl"
     args = [a for a in TINY]
     args[args.index("--num-layers") + 1] = str(layers)
     flags = [f.replace("{nvme}", f"{workdir}/{name}.nvme") for f in flags]
-    r = pretrain(n, args + ["--global-batch-size", "16", "--train-iters", "3",
-                            "--eval-interval", "3", "--eval-iters", "1",
+    r = pretrain(n, args + ["--global-batch-size", str(global_batch(flags)),
+                            "--train-iters", "3", "--eval-interval", "3", "--eval-iters", "1",
                             "--log-json", path] + flags)
     if r.returncode != 0:
         raise AssertionError(f"{name} (exit {r.returncode}):\n{r.stdout[-2000:]}\n"
