@@ -243,6 +243,10 @@ def check_pipeline(f: Flags, dp: int) -> None:
             raise ConfigError("--pipeline-reshard-after-micro-batch frees ZeRO-3's parameters "
                               "between a pipeline step's micro-batches: it needs "
                               "--pipeline-model-parallel-size > 1")
+        if "pipeline_schedule" in f.explicit_flags:  # a plain run would ignore it, silently
+            raise ConfigError(f"--pipeline-schedule {f.pipeline_schedule} orders the micro-"
+                              f"batches of pipeline stages: it needs "
+                              f"--pipeline-model-parallel-size > 1")
     split = stage_split(f)
     # the flag that made the chunks, for the messages below
     source = ("--pipeline-model-parallel-layout" if f.pipeline_model_parallel_layout

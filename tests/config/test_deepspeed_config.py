@@ -169,6 +169,9 @@ def test_the_file_and_the_command_line_may_not_disagree():
         _cfg(ds, "--global-batch-size", "32")
     with pytest.raises(ConfigError, match="gradient_clipping .* --clip-grad 0.5"):
         _cfg(ds, "--clip-grad", "0.5")
+    with pytest.raises(ConfigError, match=r"^ds_config gradient_clipping must be >= 0, "
+                                          r"got -1.0$"):  # its own key, nothing else's
+        _cfg({"gradient_clipping": -1.0})
     cfg = _cfg(ds, "--global-batch-size", "16", "--clip-grad", "1.0")  # agreeing is fine
     assert cfg.loop.global_batch_size == 16
     # a flag at its default yields to the file
@@ -302,9 +305,9 @@ def test_a_docs_style_config_trains_as_its_flags_bit_for_bit(tmp_path):
 
 
 def test_the_docs_table_lists_every_key():
-    import os
-    doc = open(os.path.join(os.path.dirname(__file__), "..", "..", "docs", "deepspeed.md"),
-               encoding="utf-8").read()
+    from pathlib import Path
+    doc = (Path(__file__).parent / ".." / ".." / "docs" / "deepspeed.md").read_text(
+        encoding="utf-8")
     missing = [k for k in KEYS if f"| `{k}` |" not in doc]
     assert not missing, missing
 

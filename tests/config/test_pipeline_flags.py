@@ -101,6 +101,10 @@ def test_one_chunk_schedules(schedule):
     (["--pipeline-reshard-after-micro-batch", "--zero-stage", "3"],
      "--pipeline-reshard-after-micro-batch frees ZeRO-3's parameters between a pipeline "
      "step's micro-batches: it needs --pipeline-model-parallel-size > 1"),
+    # a schedule at PP 1 would be ignored: any, the default's name included
+    *((["--pipeline-schedule", s], f"--pipeline-schedule {s} orders the micro-batches of "
+                                   f"pipeline stages: it needs --pipeline-model-parallel-size > 1")
+      for s in ("zb_h1", "1f1b")),
 ])
 def test_bad_pipeline_flags_are_one_error_naming_the_flag(flags, message):
     with pytest.raises(ConfigError) as e:
