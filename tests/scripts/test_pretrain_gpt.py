@@ -337,8 +337,11 @@ def test_interleaving_cp_and_offload_through_the_pipeline_follow_the_one_stage_c
                                           "--recompute-num-layers", "2"]),
             "cp2": (4, pp2 + ["--context-parallel-size", "2", "--zero-stage", "1"]),
             "cpu": (4, pp2 + cpu2),
+            # (tiles of 64Ki elements: at the default 8Mi each unit zeroes and writes a
+            # 96 MiB staging buffer, seconds of a 2-core machine's time)
             "nvme": (4, pp2 + ["--zero-stage", "3", "--offload-optimizer", "nvme",
-                               "--offload-param", "nvme", "--offload-nvme-path", str(nvme)]),
+                               "--offload-param", "nvme", "--offload-nvme-path", str(nvme),
+                               "--offload-buffer-size", "65536"]),
             "vpp2_cp2_cpu3": (4, vpp2 + ["--context-parallel-size", "2", "--zero-stage", "3",
                                          "--offload-optimizer", "cpu", "--offload-param",
                                          "cpu"]),
@@ -433,8 +436,11 @@ def test_tied_embeddings_across_stages_follow_the_one_stage_curve(tmp_path):
                for z, sched in ((0, "1f1b"), (1, "1f1b"), (2, "zb_h1"), (3, "1f1b"))},
             **{f"pp2_cpu{z}": (4, pp2 + ["--zero-stage", str(z), "--offload-optimizer", "cpu"])
                for z in (1, 2)},
+            # (tiles of 64Ki elements: at the default 8Mi each unit zeroes and writes a
+            # 96 MiB staging buffer, seconds of a 2-core machine's time)
             "pp2_nvme3": (4, pp2 + ["--zero-stage", "3", "--offload-optimizer", "nvme",
-                                    "--offload-nvme-path", str(tmp_path / "nvme")])}
+                                    "--offload-nvme-path", str(tmp_path / "nvme"),
+                                    "--offload-buffer-size", "65536"])}
     for name, (n, extra) in runs.items():
         path = str(tmp_path / f"{name}.jsonl")
         r = pretrain(n, TINY + ["--global-batch-size", "8", "--train-iters", "4",
