@@ -61,7 +61,7 @@ def _direct_ok(directory: str) -> bool:
 
 def _dd(args: list[str]) -> float:
     """Seconds dd reports for its copy (parsed from its stderr)."""
-    run = subprocess.run(["dd", *args], capture_output=True, text=True,
+    run = subprocess.run(["dd", *args], capture_output=True, check=False, text=True,
                          env={**os.environ, "LC_ALL": "C"})
     if run.returncode != 0:
         raise RuntimeError(f"dd {' '.join(args)} failed: {run.stderr.strip()}")

@@ -53,7 +53,7 @@ def run(argv: list[str], dp: int, log: str) -> list[dict]:
            "--nproc-per-node", str(dp), os.path.join(ROOT, "scripts", "pretrain_gpt.py"),
            *argv, "--log-json", log]
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    r = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    r = subprocess.run(cmd, capture_output=True, check=False, text=True, env=env)
     if r.returncode:
         sys.exit(f"bench_memory: DP {dp} failed:\n{r.stderr[-3000:]}")
     with open(log, encoding="utf-8") as f:

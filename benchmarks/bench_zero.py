@@ -38,9 +38,8 @@ def _tensor_bytes(tensors) -> int:
     for t in tensors:
         if t is None:
             continue
-        if hasattr(t, "to_local"):  # DTensor: this rank's shard
-            t = t.to_local()
-        total += t.numel() * t.element_size()
+        local = t.to_local() if hasattr(t, "to_local") else t  # DTensor: this rank's shard
+        total += local.numel() * local.element_size()
     return total
 
 

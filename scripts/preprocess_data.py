@@ -44,7 +44,7 @@ _TOKENIZER = None
 
 
 def _init_worker(tok_args):
-    global _TOKENIZER  # one tokenizer per worker process, built once
+    global _TOKENIZER  # noqa: PLW0603 - one tokenizer per worker process, built once
     _TOKENIZER = build_tokenizer(TokenizerConfig.from_flags(**tok_args))
 
 

@@ -38,6 +38,7 @@ always allowed and says nothing. ``--finetune`` has its own rule for its
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import hashlib
@@ -210,10 +211,8 @@ def _check_others(directory: str, previous: dict | None, run: RunIdentity, model
     if overwrite:
         for name in names:
             shutil.rmtree(os.path.join(directory, name))
-        try:
+        with contextlib.suppress(FileNotFoundError):
             os.remove(os.path.join(directory, LATEST))
-        except FileNotFoundError:
-            pass
         log.warning("--overwrite-save: deleted %d checkpoint(s) of another run in %s (%s to "
                     "%s)", len(names), directory, names[0], names[-1])
         return

@@ -131,11 +131,12 @@ class _Apply:
         for name, v in value.items():
             path = f"{below}{name}"
             kind = fields.get(path)
+            checked = v
             if kind is not None:
-                v = self.typed(f"{key}.{path}", v, kind)
+                checked = self.typed(f"{key}.{path}", v, kind)
                 if kind.base == "object":
-                    v = self.block(key, v, fields, path + ".")
-            out[name] = v
+                    checked = self.block(key, checked, fields, path + ".")
+            out[name] = checked
         return out
 
     def rule(self, key: str, rule, value) -> None:
@@ -320,12 +321,12 @@ def _scheduler(run: _Apply) -> None:
     for field, key, value in schedule_flags(block, run.f.lr, run.where):
         if field == "lr" and run.origin.get("lr") == "optimizer.params.lr":
             del run.origin["lr"]  # DeepSpeed's scheduler sets the rate the optimizer runs at
-        if field == "lr_decay_iters" and key.startswith("scheduler.params.warmup_num_steps"):
+        if (field == "lr_decay_iters" and key.startswith("scheduler.params.warmup_num_steps")
+                and ("lr_decay_iters" in run.explicit or run.f.train_samples is not None)):
             # WarmupLR: the warmup's own length (the rest is constant), never the
             # --train-iters default, which capped the warmup at 200 steps; a decay
             # length the command line gives stands
-            if "lr_decay_iters" in run.explicit or run.f.train_samples is not None:
-                continue
+            continue
         run.set(key, field, value)
 
 

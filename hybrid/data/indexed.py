@@ -254,9 +254,9 @@ class IndexedWriter:
         self.max_sequence_length = max_sequence_length
         info = np.iinfo(self.dtype) if self.dtype.kind in "iu" else None
         self._range = (info.min, info.max) if info else None
-        self._bin = open(prefix + ".bin.tmp", "wb")
-        self._lengths = open(prefix + ".lengths.tmp", "wb")
-        self._docs = open(prefix + ".docs.tmp", "wb")
+        self._bin = open(prefix + ".bin.tmp", "wb")  # noqa: SIM115 - held to finalize()
+        self._lengths = open(prefix + ".lengths.tmp", "wb")  # noqa: SIM115 - held to finalize()
+        self._docs = open(prefix + ".docs.tmp", "wb")  # noqa: SIM115 - held to finalize()
         self.tokens = self.sequences = self.documents = 0
         self.document_tokens = 0  # tokens of the open document
         self._open = 0  # tokens of the open sequence

@@ -57,8 +57,8 @@ def configure(mpu_=None, deepspeed_config=None, partition_activations: bool | No
     if deepspeed_config is not None:
         block = load_ds_config(deepspeed_config).get("activation_checkpointing") or {}
         if isinstance(block, Mapping):
-            for key in asked:
-                if asked[key] is None:
+            for key, value in asked.items():
+                if value is None:
                     asked[key] = block.get(key)
     on = [key for key, value in asked.items() if value]
     if on:

@@ -67,6 +67,7 @@ report for longer than that.
 from __future__ import annotations
 
 import collections
+import contextlib
 import datetime
 import json
 import os
@@ -202,10 +203,8 @@ class FlightRecorder:
         self._thread.join(timeout=self.store_timeout.total_seconds() + 1)
         self._thread = None
         self._closed = True
-        try:
+        with contextlib.suppress(Exception):  # the store may be gone at shutdown
             self._publish(self._store)
-        except Exception:  # noqa: BLE001 - the store may be gone at shutdown
-            pass
 
     # -- the hot path --------------------------------------------------------------------
     def issue(self, group, op: str, t: torch.Tensor, peers=None, about: str | None = None,
@@ -374,10 +373,8 @@ class FlightRecorder:
         """The report is on the console: the other ranks may exit now. (Their exit makes a
         launcher such as torchrun stop this rank, which must not happen before.)"""
         if self._store is not None:
-            try:
+            with contextlib.suppress(Exception):  # they stop waiting on their own
                 self._store.set(_PRINTED, "1")
-            except Exception:  # noqa: BLE001 - they stop waiting on their own
-                pass
 
     def _wait_for(self, key: str, seconds: float) -> bool:
         deadline = time.time() + seconds

@@ -82,9 +82,9 @@ def _units(model: nn.Module) -> list[nn.Module] | None:
     transformer's layers), found once; None lets the engine use the whole model."""
     best = None
     for m in model.modules():
-        if isinstance(m, nn.ModuleList) and len(m) > 1 and len({type(b) for b in m}) == 1:
-            if best is None or len(m) > len(best):
-                best = m
+        if (isinstance(m, nn.ModuleList) and len(m) > 1 and len({type(b) for b in m}) == 1
+                and (best is None or len(m) > len(best))):
+            best = m
     return list(best) if best is not None else None
 
 

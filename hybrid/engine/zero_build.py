@@ -343,7 +343,7 @@ class Builder:
             type.__setattr__(cls, "__init__", _wrapped_init(init))
 
     def __enter__(self) -> Builder:
-        global _ACTIVE
+        global _ACTIVE  # noqa: PLW0603 - the process's one active build (constructors are global)
         for cls in _module_classes():
             self.wrap(cls)
         builder, before = self, self._subclass_hook
@@ -361,7 +361,7 @@ class Builder:
         return self
 
     def __exit__(self, *exc) -> None:
-        global _ACTIVE
+        global _ACTIVE  # noqa: PLW0603 - the process's one active build (constructors are global)
         try:
             if exc[0] is None:
                 for module in list(self.built):  # parameters added after every constructor

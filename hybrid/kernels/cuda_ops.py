@@ -19,6 +19,8 @@ R is the number of rows (x.numel() / C). Callers should use the wrappers in
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import hashlib
 
 from hybrid.kernels.build import CSRC, load_extension
@@ -28,19 +30,15 @@ SOURCES = ["cuda/ops.cpp", "cuda/common.cu", "cuda/layer_norm.cu", "cuda/layer_n
 HEADERS = ["cuda/ops.h", "cuda/common.cuh", "cuda/layer_norm.cuh"]
 
 
+@functools.cache
 def _headers_digest() -> str:
     """load_extension keys its cache on sources and flags only: a define carrying
-    the headers' hash makes a header edit rebuild too."""
+    the headers' hash makes a header edit rebuild too (taken once per process)."""
     h = hashlib.sha256()
     for name in HEADERS:
-        try:
+        with contextlib.suppress(OSError):
             h.update((CSRC / name).read_bytes())
-        except OSError:
-            pass
     return h.hexdigest()[:16]
-
-
-_digest: str | None = None
 
 
 def cuda_ops():
@@ -49,10 +47,7 @@ def cuda_ops():
     Called on every fused op, so after the first call it is a dict lookup
     (load_extension remembers the module; the header hash is taken once).
     """
-    global _digest
-    if _digest is None:
-        _digest = _headers_digest()
-    digest = f"-DHYBRID_HEADERS_{_digest}"
+    digest = f"-DHYBRID_HEADERS_{_headers_digest()}"
     # -O3 everywhere; no --use_fast_math: the kernels must agree with the fallbacks.
     # The architecture comes from TORCH_CUDA_ARCH_LIST or the visible GPU (sm_90 on H100).
     return load_extension("hybrid_cuda_ops", SOURCES, cuda=True, cflags=["-O3", digest],

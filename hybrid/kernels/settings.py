@@ -24,7 +24,7 @@ def configure(cfg: KernelConfig) -> None:
     ``cache_dir``, ``cuda_arch_list``) takes effect at the next load: extensions
     are remembered per those settings (:func:`hybrid.kernels.build.load_extension`).
     """
-    global _current
+    global _current  # noqa: PLW0603 - the process's settings; configure() is the one writer
     if not isinstance(cfg, KernelConfig):
         raise TypeError(f"configure() takes a KernelConfig, got {type(cfg).__name__}")
     _current = cfg

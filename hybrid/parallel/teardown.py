@@ -79,7 +79,7 @@ def teardown_at_exit(ps: _Releasable | None, *closing: _Closable) -> None:
     hook per process, registered on the first call; each call adds its parts, held
     weakly (the hook keeps nothing alive), and a part given again is closed once. At
     exit every engine closes, newest first, before any state lets go of its groups."""
-    global _hooked
+    global _hooked  # noqa: PLW0603 - one exit hook per process, registered once
     for kept, parts in ((_states, [ps] if ps is not None else []), (_closing, closing)):
         kept[:] = [r for r in kept if r() is not None]
         known = {id(r()) for r in kept}

@@ -80,10 +80,9 @@ class _EagerVocabParallelCE(torch.autograd.Function):
         # fp32 for the softmax whatever the model dtype: bf16 exp-sums lose the loss.
         x = logits.float()
         local_v = x.shape[-1]
-        if local_v:  # (a fresh tensor: reduced in place)
-            M = x.amax(dim=-1)  # (max(dim) also finds indices: 10x slower on CPU)
-        else:  # a rank whose slice is all padding, cut off by the caller
-            M = torch.full(target.shape, float("-inf"), device=x.device)
+        # A fresh tensor, reduced in place (max(dim) also finds indices: 10x slower on CPU);
+        # -inf on a rank whose slice is all padding, cut off by the caller.
+        M = x.amax(dim=-1) if local_v else torch.full(target.shape, float("-inf"), device=x.device)
         group.all_reduce(M, op=dist.ReduceOp.MAX)
         if x is logits and not scratch:
             x = x - M.unsqueeze(-1)  # our own fp32 copy from here on

@@ -63,6 +63,7 @@ run on the same processes, one call after another. The contract:
 from __future__ import annotations
 
 import atexit
+import contextlib
 import datetime
 import os
 import pickle
@@ -184,10 +185,8 @@ class _Pool:
     def close(self, wait: float = 5.0) -> None:
         """Ask the workers to exit; kill those that have not within ``wait`` seconds."""
         for c in self.conns:
-            try:
+            with contextlib.suppress(OSError, ValueError):
                 c.send(None)
-            except (OSError, ValueError):
-                pass
         deadline = time.monotonic() + wait
         for p in self.procs:
             p.join(timeout=max(0.0, deadline - time.monotonic()))

@@ -10,6 +10,7 @@ its result (moved to CPU) or its traceback back. See the pool's contract in
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime
 import gc
@@ -42,10 +43,8 @@ class _Fresh:
         if os.environ != environ:
             os.environ.clear()
             os.environ.update(environ)
-        try:
+        with contextlib.suppress(OSError):
             os.chdir(cwd)
-        except OSError:
-            pass
         sys.path[:] = path
         torch.set_rng_state(self.rng)
         import random
@@ -196,10 +195,8 @@ def worker_main(rank, world_size, port, collective_timeout, tasks, results):
     # teardown (gloo threads torn down late can abort the process noisily).
     del layouts
     gc.collect()
-    try:
+    with contextlib.suppress(Exception):
         dist.destroy_process_group()
-    except Exception:  # noqa: BLE001
-        pass
     results.close()
     results.join_thread()
     sys.stdout.flush()

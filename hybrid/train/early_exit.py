@@ -54,7 +54,7 @@ class EarlyExit:
     """
 
     def __init__(self, s: LoopConfig, ps: ParallelState, started: float):
-        global _stopped_by
+        global _stopped_by  # noqa: PLW0603 - process-wide: stopped_by_signal() reads it
         _stopped_by = None  # a new run (a pooled test rank runs many)
         self.s, self.ps, self.started = s, ps, started
         self.received: str | None = None
@@ -69,7 +69,7 @@ class EarlyExit:
         """Why to stop after ``iteration`` (the flag and what tripped it), or None.
         Collective over the world when ``--exit-duration-in-mins`` or
         ``--exit-signal-handler`` is given (see the module note)."""
-        global _stopped_by
+        global _stopped_by  # noqa: PLW0603 - process-wide: stopped_by_signal() reads it
         s = self.s
         if s.exit_interval and iteration % s.exit_interval == 0:
             return f"--exit-interval {s.exit_interval}"

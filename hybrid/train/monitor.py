@@ -61,7 +61,8 @@ class Monitor:
         if log_json:
             try:
                 os.makedirs(os.path.dirname(os.path.abspath(log_json)), exist_ok=True)
-                self._json = open(log_json, "a" if append else "w", encoding="utf-8")
+                self._json = open(  # noqa: SIM115 - held for the run; close() ends it
+                    log_json, "a" if append else "w", encoding="utf-8")
             except OSError as e:
                 self.error = f"--log-json {log_json}: cannot open for writing ({e})"
 

@@ -119,9 +119,8 @@ class Accelerator:
         """Bytes allocated on the GPU; on the CPU this process's resident set."""
         if self._cuda:
             return torch.cuda.memory_allocated(device_index)
-        with contextlib.suppress(OSError, ValueError, IndexError):
-            with open("/proc/self/statm") as f:
-                return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+        with contextlib.suppress(OSError, ValueError, IndexError), open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
         return 0
 
     def max_memory_allocated(self, device_index: int | None = None) -> int:

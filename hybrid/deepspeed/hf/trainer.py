@@ -50,7 +50,7 @@ import transformers
 from torch import nn
 from transformers.trainer_utils import has_length
 
-import hybrid.deepspeed as deepspeed
+from hybrid import deepspeed
 from hybrid.deepspeed.hf import auto
 from hybrid.deepspeed.hf.arguments import TrainingArguments
 from hybrid.deepspeed.hf.stepped import EngineStepsOptimizer, EngineStepsSchedule
@@ -215,7 +215,8 @@ class Trainer(transformers.Trainer):
         the full weights in the training dtype, gathered from the shards, written by
         rank 0 with ``save_pretrained``."""
         if not self._on_hybrid or self.engine is None:
-            return super().save_model(output_dir, _internal_call)
+            super().save_model(output_dir, _internal_call)
+            return
         output_dir = output_dir if output_dir is not None else self.args.output_dir
         self._save(output_dir, state_dict=gathered_state_dict(self.engine))
         if self.args.push_to_hub and not _internal_call:
@@ -223,24 +224,28 @@ class Trainer(transformers.Trainer):
 
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
         if not self._on_hybrid or self.engine is None:
-            return super()._save_optimizer_and_scheduler(output_dir)
+            super()._save_optimizer_and_scheduler(output_dir)
+            return
         # the optimizer state and the schedule are sharded or the engine's: its checkpoint
         self.engine.save_checkpoint(output_dir)
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str,
                               model: nn.Module | None = None) -> None:
         if not self._on_hybrid:
-            return super()._load_from_checkpoint(resume_from_checkpoint, model)
+            super()._load_from_checkpoint(resume_from_checkpoint, model)
+            return
         # the engine's load_checkpoint restores the weights once the engine is built
 
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
         if not self._on_hybrid:
-            return super()._load_optimizer_and_scheduler(checkpoint)
+            super()._load_optimizer_and_scheduler(checkpoint)
+            return
         # restored with the weights by the engine's load_checkpoint
 
     def _load_best_model(self) -> None:
         if not self._on_hybrid or self.engine is None:
-            return super()._load_best_model()
+            super()._load_best_model()
+            return
         best = self.state.best_model_checkpoint
         assert best is not None
         path, _ = self.engine.load_checkpoint(best)

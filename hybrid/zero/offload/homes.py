@@ -56,8 +56,7 @@ class HostHome:
 
     def store(self, values: torch.Tensor) -> None:
         self.wait_loaded()
-        self.data.copy_(values)
-        return None  # done: nothing to wait for
+        self.data.copy_(values)  # done: nothing to wait for
 
     def store_done(self) -> None:
         """(Every store ends in the call.)"""

@@ -79,10 +79,8 @@ def probe(directory: str, device: torch.device, file_cls=None) -> str | None:
     except Exception as e:  # noqa: BLE001 -- any failure means: not here
         return f"{type(e).__name__}: {e}".strip()
     finally:
-        try:
+        with contextlib.suppress(OSError):
             os.unlink(path)
-        except OSError:
-            pass
 
 
 class _Read:

@@ -94,7 +94,6 @@ class DiskHome:
 
     def target(self) -> None:
         """No host tensor to write in place: the step writes through :meth:`write_at`."""
-        return None
 
     def wait_loaded(self) -> None:
         """(A load reads the file, not a buffer the step writes.)"""

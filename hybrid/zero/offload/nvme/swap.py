@@ -25,6 +25,7 @@ later cannot fail a write in the middle of a step.
 
 from __future__ import annotations
 
+import contextlib
 import errno as errno_mod
 import fcntl
 import os
@@ -87,10 +88,8 @@ class SwapSpace:
         """Close and delete the files (scratch: see the module notes); release the lock."""
         for f in self.files.values():
             f.close()
-            try:
+            with contextlib.suppress(FileNotFoundError):
                 os.unlink(f.path)
-            except FileNotFoundError:
-                pass
         self.files = {}
         if self._lock is not None:
             os.close(self._lock)  # (closing the descriptor drops the flock)
@@ -116,10 +115,8 @@ def _check_space(directory: str, sizes: dict[str, int]) -> None:
     """All files must fit: free space plus what our own stale files already take."""
     reusable = 0
     for name in sizes:
-        try:
+        with contextlib.suppress(FileNotFoundError):
             reusable += os.stat(os.path.join(directory, name)).st_blocks * 512
-        except FileNotFoundError:
-            pass
     st = os.statvfs(directory)
     free = st.f_bavail * st.f_frsize
     need = sum(sizes.values())
