@@ -83,10 +83,11 @@ def _imports(name: str, path: pathlib.Path, known: set[str]) -> set[str]:
         else:
             continue
         for t in targets:
-            while t and t not in known:  # import a.b.c where only a.b is ours
-                t = t.rpartition(".")[0]
-            if t:
-                found.add(t)
+            mod = t
+            while mod and mod not in known:  # import a.b.c where only a.b is ours
+                mod = mod.rpartition(".")[0]
+            if mod:
+                found.add(mod)
     found.discard(name)
     return found
 

@@ -60,9 +60,9 @@ def test_stopwatch_times_its_block_between_barriers():
         time.sleep(0.01)
     assert sw.seconds >= 0.01 and len(barriers) == 2
     assert barriers[0] <= t_in  # the first barrier before the start
-    with pytest.raises(RuntimeError):  # a block that raises: no barrier after it
-        with Stopwatch(barrier=lambda: barriers.append(0.0)):
-            raise RuntimeError("a rank failed")
+    # a block that raises: no barrier after it
+    with pytest.raises(RuntimeError), Stopwatch(barrier=lambda: barriers.append(0.0)):
+        raise RuntimeError("a rank failed")
     assert len(barriers) == 3
 
 

@@ -7,6 +7,7 @@ import importlib.util
 import math
 import os
 import shlex
+from pathlib import Path
 
 import pytest
 import torch
@@ -127,7 +128,7 @@ def test_bad_llama_flags_name_the_flag(flags, message):
 def _preset_flags():
     """The flags examples/pretrain_llama.sh passes to scripts/pretrain_gpt.sh."""
     root = ROOT
-    text = open(os.path.join(root, "examples", "pretrain_llama.sh"), encoding="utf-8").read()
+    text = Path(root, "examples", "pretrain_llama.sh").read_text(encoding="utf-8")
     cmd = text[text.index('pretrain_gpt.sh"') + len('pretrain_gpt.sh"'):]
     return root, [w for w in shlex.split(cmd.replace("\\\n", " ")) if w != "$@"]
 

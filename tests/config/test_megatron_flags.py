@@ -26,7 +26,7 @@ def _free_port() -> str:
 
 
 def _run(cmd, **kw):
-    r = subprocess.run(cmd, capture_output=True, text=True, env=kw.pop("env", env()),
+    r = subprocess.run(cmd, capture_output=True, check=False, text=True, env=kw.pop("env", env()),
                        cwd=ROOT, **kw)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     return r

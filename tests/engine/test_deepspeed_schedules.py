@@ -7,6 +7,7 @@ recorded by ``python -m tests.engine.record_deepspeed_schedules``, and against t
 classes when DeepSpeed is installed."""
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -16,7 +17,7 @@ from hybrid.engine.ds_schedulers import OneCycleSchedule, RangeTestSchedule, kin
 from hybrid.train.lr_schedule import scheduled_lr
 from tests.engine.record_deepspeed_schedules import CASES, LR, PATH, STEPS, deepspeed_rates
 
-RECORDED = json.load(open(PATH, encoding="utf-8"))
+RECORDED = json.loads(Path(PATH).read_text(encoding="utf-8"))
 
 
 def _rates(block: dict) -> list[list[float]]:

@@ -74,31 +74,31 @@ def record(names=None, out: str | os.PathLike = RECORDED, timeout: float = 600.0
                        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                        LOCAL_RANK=str(rank), WORLD_SIZE=str(WORLD_SIZE),
                        LOCAL_WORLD_SIZE=str(WORLD_SIZE), PYTHONHASHSEED="0")
-            log = open(os.path.join(tmp, f"rank{rank}.log"), "w")  # closed below
             cmd = [sys.executable, "-m", "tests.hybrid_deepspeed.record_deepspeed", "--worker",
                    "--cases", ",".join(names), "--workdir", os.path.join(tmp, "work"),
                    "--result", os.path.join(tmp, f"rank{rank}.json")]
-            procs.append((subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log,
-                                           stderr=subprocess.STDOUT), log))
+            # the worker holds its own copy of the log's descriptor
+            with open(os.path.join(tmp, f"rank{rank}.log"), "w") as log:
+                procs.append(subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log,
+                                              stderr=subprocess.STDOUT))
         deadline = time.monotonic() + timeout
         try:
-            for rank, (p, _) in enumerate(procs):
+            for rank, p in enumerate(procs):
                 try:
                     p.wait(timeout=max(1.0, deadline - time.monotonic()))
                 except subprocess.TimeoutExpired:
                     raise RuntimeError(f"rank {rank} ran past {timeout:.0f} s; its log:\n"
                                        f"{_tail(tmp, rank)}") from None
         finally:
-            for p, log in procs:
+            for p in procs:
                 if p.poll() is None:
                     p.kill()
                     p.wait()
-                log.close()
         by_rank = []
         for rank in range(WORLD_SIZE):
             path = os.path.join(tmp, f"rank{rank}.json")
             if not os.path.exists(path):
-                raise RuntimeError(f"rank {rank} exited {procs[rank][0].returncode} without "
+                raise RuntimeError(f"rank {rank} exited {procs[rank].returncode} without "
                                    f"results; its log:\n{_tail(tmp, rank)}")
             with open(path) as f:
                 by_rank.append(json.load(f))

@@ -110,7 +110,7 @@ def _train(engine, ps, steps, plain=False):
 
 
 def _run(ps, variants, tmp):
-    import hybrid.deepspeed as deepspeed
+    from hybrid import deepspeed
     out = []
     for kind, stage, offload, plain in variants:
         net = _net()

@@ -7,12 +7,13 @@ import argparse
 import json
 import os
 from collections import OrderedDict, deque
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
-import hybrid.deepspeed as deepspeed
+from hybrid import deepspeed
 from hybrid.checkpoint import allow_client_state_types, client_state as client
 from hybrid.checkpoint.integrity import verify_checkpoint
 from hybrid.errors import CheckpointError
@@ -106,9 +107,9 @@ def test_a_type_off_the_allow_list_is_refused_at_the_save_then_allowed(tmp_path)
 def test_a_damaged_or_missing_client_state_file_is_one_error_naming_it(tmp_path):
     path = _engine().save_checkpoint(str(tmp_path), client_state={"t": torch.ones(8)})
     file = os.path.join(path, "client_state.pt")
-    data = bytearray(open(file, "rb").read())
+    data = bytearray(Path(file).read_bytes())
     data[len(data) // 2] ^= 0xFF
-    open(file, "wb").write(bytes(data))
+    Path(file).write_bytes(bytes(data))
     with pytest.raises(CheckpointError, match=rf"^{file}: bytes \[0, {len(data)}\) do not "
                                               r"match their saved checksum"):
         _engine().load_checkpoint(str(tmp_path))
@@ -124,17 +125,17 @@ def test_an_older_checkpoint_with_a_json_client_state_still_loads(tmp_path):
     """The format before client_state.pt: the state as JSON in metadata.json, no file."""
     path = _engine().save_checkpoint(str(tmp_path), client_state={"x": torch.zeros(1)})
     meta_path = os.path.join(path, "metadata.json")
-    meta = json.loads(open(meta_path).read())
+    meta = json.loads(Path(meta_path).read_text())
     del meta["client_state_file"], meta["checksums"]["files"]
     meta["client_state"] = {"epoch": 7, "best": [0.5, "ckpt"]}
-    open(meta_path, "w").write(json.dumps(meta))
+    Path(meta_path).write_text(json.dumps(meta))
     os.remove(os.path.join(path, "client_state.pt"))
     assert _engine().load_checkpoint(str(tmp_path)) == (path, {"epoch": 7,
                                                                  "best": [0.5, "ckpt"]})
 
 
 def _two_ranks(ps, save):
-    import hybrid.deepspeed as deepspeed
+    from hybrid import deepspeed
     torch.manual_seed(0)
     engine = deepspeed.initialize(model=torch.nn.Linear(4, 2), config=DS, mpu=ps)[0]
     refused = None

@@ -253,7 +253,7 @@ def _reference(shards: int, steps: int) -> list[float]:
 
 
 def _train_stages(ps, stages_of_zero: list[int], steps: int) -> dict[int, list[float]]:
-    import hybrid.deepspeed as deepspeed
+    from hybrid import deepspeed
     out = {}
     for stage in stages_of_zero:
         torch.manual_seed(SEED)
@@ -284,7 +284,7 @@ def test_pp2_dp2_every_zero_stage_trains_as_one_process():
 
 def test_the_pipeline_names_a_script_reaches_for():
     """deepspeed.PipelineModule, deepspeed.pipe.*, deepspeed.utils.RepeatingLoader."""
-    import hybrid.deepspeed as deepspeed
+    from hybrid import deepspeed
     assert deepspeed.PipelineModule is deepspeed.pipe.PipelineModule is PipelineModule
     loader = deepspeed.utils.RepeatingLoader([1, 2])
     assert [next(loader) for _ in range(5)] == [1, 2, 1, 2, 1]
@@ -296,7 +296,7 @@ def _train_half(ps, runs: list[tuple[str, int]], steps: int) -> dict:
     """train_batch at PP 2 x DP 2 under each (dtype, initial_scale_power) of ``runs``, the
     inputs given in the model's dtype (as DeepSpeed's pipeline takes them): per run, each
     step's (loss, was_step_applied, the loss scale after it)."""
-    import hybrid.deepspeed as deepspeed
+    from hybrid import deepspeed
     out = {}
     for prec, power in runs:
         torch.manual_seed(SEED)

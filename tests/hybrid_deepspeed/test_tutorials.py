@@ -65,7 +65,7 @@ def _loop(engine, batches):
 
 def _getting_started(ps, tmp):
     import hybrid
-    import hybrid.deepspeed as deepspeed
+    from hybrid import deepspeed
     path = os.path.join(tmp, "ds_config.json")
     if ps.rank == 0:
         with open(path, "w") as f:
@@ -126,7 +126,7 @@ def _trainset():
 
 def _cifar(ps):
     import hybrid
-    import hybrid.deepspeed as deepspeed
+    from hybrid import deepspeed
     net, trainset = _net(), _trainset()
     parameters = filter(lambda p: p.requires_grad, net.parameters())
     model_engine, optimizer, trainloader, __ = deepspeed.initialize(
@@ -183,7 +183,7 @@ class TinyLM(nn.Module):
         self.ckpt = ckpt
 
     def forward(self, input_ids, labels):
-        import hybrid.deepspeed as deepspeed
+        from hybrid import deepspeed
         x = self.embed(input_ids)
         for block in self.blocks:
             x = deepspeed.checkpointing.checkpoint(block, x) if self.ckpt else block(x)
@@ -199,8 +199,8 @@ def _hello_batches(rank, n):
 def _hello_loop(model, batches):
     losses = []
     for batch in batches:
-        batch = {k: v.to(model.device) for k, v in batch.items()}
-        loss = model(**batch)
+        on_device = {k: v.to(model.device) for k, v in batch.items()}
+        loss = model(**on_device)
         model.backward(loss)
         model.step()
         losses.append(loss.item())
@@ -209,7 +209,7 @@ def _hello_loop(model, batches):
 
 def _hello(ps, tmp):
     import hybrid
-    import hybrid.deepspeed as deepspeed
+    from hybrid import deepspeed
     exp_dir = os.path.join(tmp, "hello")
     deepspeed.checkpointing.configure(None, deepspeed_config=HELLO)
     torch.manual_seed(0)  # zero.Init keeps the constructors' draws: the same on each rank

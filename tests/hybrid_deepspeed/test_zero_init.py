@@ -79,7 +79,7 @@ class _null:
 def _build_under_init(ps):
     from torch.nn.modules import module as torch_module
 
-    import hybrid.deepspeed as deepspeed
+    from hybrid import deepspeed
     from hybrid.engine.zero_build import held_whole_bytes, is_cut
     seen: list[nn.Parameter] = []
     peak = [0]
@@ -128,7 +128,7 @@ def test_zero_init_keeps_constructor_writes_at_dp2_stage3():
 
 
 def _refused(ps):
-    import hybrid.deepspeed as deepspeed
+    from hybrid import deepspeed
     from hybrid.errors import ConfigError
     torch.manual_seed(ps.rank)  # a seed per rank: the parts would not agree
     with deepspeed.zero.Init():

@@ -69,7 +69,7 @@ def test_finished_api_run_exits_clean():
     exception"), and no gloo thread is left when the interpreter finalizes."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes", "1",
            "--nproc-per-node", "2", os.path.abspath(__file__)]
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env())
+    r = subprocess.run(cmd, capture_output=True, check=False, text=True, timeout=120, env=env())
     assert r.returncode == 0, r.stderr[-3000:]
     assert "terminate called" not in r.stderr, r.stderr[-3000:]
     assert r.stderr.count("gloo threads at exit: 0") == 2, r.stderr[-3000:]

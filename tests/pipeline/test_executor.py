@@ -199,8 +199,7 @@ def _counted_run(ps, name):
     """A step of ``name`` with every block's output gradient and every linear's weight
     gradient counted, each noted with whether the stage's store was deferring (I). The
     stage is built for the split either way (its linears hybrid's Functions at TP 1)."""
-    import hybrid.tensor_parallel.column_linear as column_linear
-    import hybrid.tensor_parallel.weight_grad as weight_grad
+    from hybrid.tensor_parallel import column_linear, weight_grad
     pp = ps.world_group
     stage = pp.rank
     model = _model(stage, split_backward=True)

@@ -67,7 +67,7 @@ def test_the_command_runs_without_torch():
             "    assert e.code == 0, e.code\n"
             "assert 'torch' not in sys.modules\n")
     done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env(),
-                          capture_output=True, text=True, timeout=60)
+                          capture_output=True, check=False, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
     assert json.loads(done.stdout)["bubble_exact"] == "1/9"
 

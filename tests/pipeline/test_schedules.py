@@ -303,7 +303,7 @@ def test_1f1b_with_its_last_stage_twice_as_slow_as_computed_by_hand():
     schedule = build_schedule("1f1b", 2, 4)
     sim = simulate(schedule, Times((1, 2), (1, 2), (1, 2)))
     assert [str(s.action) for s in sim.timelines[0] if s.action.kind in COMPUTE] == (
-        "F0.s0 F1.s0 B0.s0 F2.s0 B1.s0 F3.s0 B2.s0 B3.s0".split())
+        ["F0.s0", "F1.s0", "B0.s0", "F2.s0", "B1.s0", "F3.s0", "B2.s0", "B3.s0"])
     starts = {str(s.action): (s.start, s.end) for row in sim.timelines for s in row
               if s.action.kind in COMPUTE}
     assert starts["B0.s0"] == (7, 9) and starts["B3.s0"] == (25, 27)

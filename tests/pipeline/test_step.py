@@ -100,7 +100,7 @@ def _fp16_doors(ps) -> dict:
     halved and times the scale they pass fp16's 65504) through the API engine's backward/step, the
     shared step given that engine, and DeepSpeed's PipelineEngine at one stage: per door,
     (was the step applied, the first layer's weight after it)."""
-    import hybrid.deepspeed as deepspeed
+    from hybrid import deepspeed
     from hybrid.pipeline.step import train_step
     g = torch.Generator().manual_seed(3)
     x = torch.randn(8, 4, generator=g)
@@ -167,7 +167,7 @@ def _pipe_offloaded(ps, root: str) -> dict:
     NVMe: per tier, the three steps' losses and the tiles read ahead of their steps."""
     import os
 
-    import hybrid.deepspeed as deepspeed
+    from hybrid import deepspeed
     from tests.hybrid_deepspeed.cases.common import SEED, ds_config
     from tests.hybrid_deepspeed.cases.pipe import CLASSES, WIDTH, _trainset
     out = {}

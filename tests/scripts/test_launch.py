@@ -30,17 +30,17 @@ def test_two_nodes_train_the_same_curve_as_one_node(tmp_path):
     for node in range(2):
         e = dict(env(), NNODES="2", NODE_RANK=str(node), NPROC_PER_NODE="1",
                  MASTER_ADDR="127.0.0.1", MASTER_PORT=port, RDZV_ID=f"test{port}")
-        out = open(tmp_path / f"node{node}.log", "w")
-        procs.append((subprocess.Popen(["bash", os.path.join(ROOT, "scripts", "pretrain_gpt.sh"),
-                                        *args, "--log-json", two], env=e, stdout=out,
-                                       stderr=subprocess.STDOUT, cwd=ROOT), out))
-    for p, out in procs:
+        # (the launcher keeps its own copy of the log's descriptor)
+        with open(tmp_path / f"node{node}.log", "w") as out:
+            procs.append(subprocess.Popen(["bash", os.path.join(ROOT, "scripts", "pretrain_gpt.sh"),
+                                           *args, "--log-json", two], env=e, stdout=out,
+                                          stderr=subprocess.STDOUT, cwd=ROOT))
+    for p in procs:
         try:
             assert p.wait(timeout=180) == 0, (tmp_path / "node0.log").read_text()[-3000:]
         finally:
             if p.poll() is None:
                 p.kill()
-            out.close()
     assert [m["loss"] for m in read_json_log(two)] == [m["loss"] for m in read_json_log(one)]
     assert "world 2 = TP 1 x DP 2" in (tmp_path / "node0.log").read_text() + \
         (tmp_path / "node1.log").read_text()

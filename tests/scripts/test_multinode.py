@@ -36,13 +36,14 @@ class _Unavailable(Exception):
 
 
 def _ip(*args: str) -> None:
-    r = subprocess.run(["ip", *args], capture_output=True, text=True, timeout=30)
+    r = subprocess.run(["ip", *args], capture_output=True, check=False, text=True, timeout=30)
     if r.returncode != 0:
         raise _Unavailable(f"`ip {' '.join(args)}` failed: {r.stderr.strip()}")
 
 
 def _netns_pids(ns: str) -> list[int]:
-    r = subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True, timeout=30)
+    r = subprocess.run(["ip", "netns", "pids", ns], capture_output=True, check=False, text=True,
+                       timeout=30)
     return [int(p) for p in r.stdout.split()]
 
 
@@ -95,8 +96,8 @@ def two_hosts(tmp_path):
             return ["ip", "netns", "exec", ns[i], "unshare", "--uts", "--mount", "sh", "-c",
                     script, "sh", *argv]
 
-        probe = subprocess.run(command(1, ["hostname"]), capture_output=True, text=True,
-                               timeout=30)
+        probe = subprocess.run(command(1, ["hostname"]), capture_output=True, check=False,
+                               text=True, timeout=30)
         if probe.returncode != 0 or probe.stdout.strip() != hosts[1]:
             raise _Unavailable(f"cannot give a namespace its own host name and hosts file: "
                                f"{(probe.stderr or probe.stdout).strip()}")
@@ -107,9 +108,9 @@ def two_hosts(tmp_path):
                 if not _kill_all(n):
                     break
                 time.sleep(0.1)
-            subprocess.run(["ip", "netns", "del", n], capture_output=True, timeout=30)
+            subprocess.run(["ip", "netns", "del", n], capture_output=True, check=False, timeout=30)
         # (gone with its namespace once moved there; left in this one if the move failed)
-        subprocess.run(["ip", "link", "del", veth[0]], capture_output=True, timeout=30)
+        subprocess.run(["ip", "link", "del", veth[0]], capture_output=True, check=False, timeout=30)
 
 
 def _done_with(dumps: list[dict], rank: int) -> list[tuple[str, str]]:

@@ -5,6 +5,7 @@ PP 1's curve."""
 
 import json
 import math
+from pathlib import Path
 
 from tests.helpers.launch import TINY, pretrain, pretrain_rank_with, read_json_log
 
@@ -53,7 +54,7 @@ def test_an_fp16_overflow_on_one_stage_skips_the_step_on_every_stage(tmp_path):
         assert r.returncode == 0, f"{name}:\n{r.stdout[-2000:]}\n{r.stderr[-3000:]}"
         logs[name] = read_json_log(path)
         hits = [rank for rank in range(n)
-                if any(json.load(open(f"{path}.poisoned{rank}")))]
+                if any(json.loads(Path(f"{path}.poisoned{rank}").read_text()))]
         assert len(hits) == 1, (name, hits)
     ref = logs["pp0dp1"]
     for name, log in logs.items():

@@ -77,7 +77,7 @@ BAD = [
 @pytest.mark.parametrize("args,message", BAD, ids=[m.split()[0] for _, m in BAD])
 def test_bad_config_one_line_error_from_launcher(args, message):
     r = subprocess.run(["bash", os.path.join(ROOT, "scripts", "pretrain_gpt.sh"), *TINY, *args],
-                       capture_output=True, text=True, timeout=60,
+                       capture_output=True, check=False, text=True, timeout=60,
                        env=dict(env(), NPROC_PER_NODE="4"))
     assert r.returncode == 2
     lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
@@ -162,7 +162,7 @@ def test_a_worker_error_is_the_launcher_s_whole_report(tmp_path):
     empty.write_text("")
     r = subprocess.run(["bash", os.path.join(ROOT, "scripts", "pretrain_gpt.sh"), *TINY,
                         "--train-iters", "2", "--data-path", str(empty)],
-                       capture_output=True, text=True, timeout=120,
+                       capture_output=True, check=False, text=True, timeout=120,
                        env=dict(env(), NPROC_PER_NODE="2"))
     lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
     assert r.returncode == 2, r.stderr[-3000:]
@@ -202,7 +202,7 @@ def test_the_launcher_says_the_first_failing_rank_s_line_once(tmp_path, capsys):
 @pytest.mark.parametrize("var,value", [("NPROC_PER_NODE", "abc"), ("NNODES", "-1")])
 def test_bad_launcher_variables_are_named(var, value):
     r = subprocess.run(["bash", os.path.join(ROOT, "scripts", "pretrain_gpt.sh"), *TINY],
-                       capture_output=True, text=True, timeout=60,
+                       capture_output=True, check=False, text=True, timeout=60,
                        env=dict(env(), **{"NPROC_PER_NODE": "2", var: value}))
     assert r.returncode == 2
     assert r.stderr == f"pretrain_gpt.sh: error: {var} must be a whole number, got '{value}'\n"

@@ -11,8 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import hybrid.tensor_parallel.column_linear as column_linear
-from hybrid.tensor_parallel import column_parallel_linear, copy_to_tp
+from hybrid.tensor_parallel import column_linear, column_parallel_linear, copy_to_tp
 from hybrid.tensor_parallel.mappings import all_gather_sequence, reduce_scatter_sequence
 
 

@@ -60,11 +60,11 @@ def _layers_worker(ps):
 
 def _reference():
     ref = {}
-    for name, (w_, b_, x_, dy) in {"col": (_rand(1, OUT, IN), _rand(2, OUT), _rand(3, 4, IN),
+    for name, (w0, b0, x0, dy) in {"col": (_rand(1, OUT, IN), _rand(2, OUT), _rand(3, 4, IN),
                                            _rand(4, 4, OUT)),
                                    "row": (_rand(5, OUT, IN), _rand(6, OUT), _rand(7, 4, IN),
                                            _rand(8, 4, OUT))}.items():
-        w_, b_, x_ = (t.clone().requires_grad_() for t in (w_, b_, x_))
+        w_, b_, x_ = (t.clone().requires_grad_() for t in (w0, b0, x0))
         y = F.linear(x_, w_, b_)
         y.backward(dy)
         ref[name] = (y.detach(), x_.grad, w_.grad, b_.grad)

@@ -70,7 +70,6 @@ def test_row_parallel_matmul_defers_and_accumulates_through_the_hooks():
 
 def test_deferring_is_one_backward_at_a_time():
     store = WeightGradStore()
-    with store.deferring(), pytest.raises(RuntimeError, match="nested"):
-        with store.deferring():
-            pass
+    with store.deferring(), pytest.raises(RuntimeError, match="nested"), store.deferring():
+        pass
     assert not store.active and not store.defer(lambda: [])

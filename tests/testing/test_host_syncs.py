@@ -206,7 +206,7 @@ def test_throughput_bench_runs_on_cpu_with_the_tiny_shape():
     import sys
     run = subprocess.run([sys.executable, "-m", "benchmarks.bench_throughput", "--preset", "tiny",
                           "--configs", "zero2", "zero2_offload_delayed", "--steps", "2",
-                          "--warmup", "1"], cwd=ROOT, capture_output=True, text=True,
+                          "--warmup", "1"], cwd=ROOT, capture_output=True, check=False, text=True,
                          timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]
     lines = [json.loads(x) for x in run.stdout.splitlines() if x.startswith("{")]

@@ -32,7 +32,7 @@ def _reduced_vs_fp64(ps, stage, fp32_grads):
             ref[n] += p.grad.double().reshape(-1)
     for t in ref.values():
         ps.dp_group.all_reduce(t)
-        t /= ps.dp_size
+        t.div_(ps.dp_size)
     # ZeRO: the same micro-batches through the engine
     model = _gpt(cfg, ps, device="meta")
     engine = zero_engine(model, ps, cfg, values=InitValues(cfg.seed, model.init_of))
