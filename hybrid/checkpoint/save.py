@@ -291,7 +291,8 @@ def _write_rank_files(save_dir: str, tmp: str, engine: ZeroEngine, ps: ParallelS
             for key in columns:
                 sums.column()
                 for values in iter_piece_values(engine, (key,), skip=unsaved):
-                    view = memoryview(values.numpy()).cast("B")
+                    # (numpy's stubs give an ndarray its buffer on Python >= 3.12 only)
+                    view = memoryview(values.numpy()).cast("B")  # type: ignore[arg-type]
                     sums.update(view)
                     f.write(view)
 

@@ -24,7 +24,9 @@ GPT (``scripts/pretrain_gpt.py --partition-activations --cpu-checkpointing
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Mapping
+import os
+from collections.abc import Callable, Mapping
+from typing import NoReturn, TypeVar
 
 import torch.utils.checkpoint
 
@@ -36,6 +38,8 @@ from hybrid.recompute.phase import RecomputePhase
 # engine (a flag, not a process group: engines of one process may share it).
 PHASE = RecomputePhase()
 
+_T = TypeVar("_T")
+
 _CONFIGURED: list[bool] = []  # [True] after configure()
 
 _ZERO_R = {"partition_activations": "--partition-activations",
@@ -43,7 +47,8 @@ _ZERO_R = {"partition_activations": "--partition-activations",
            "cpu_checkpointing": "--cpu-checkpointing"}
 
 
-def configure(mpu_=None, deepspeed_config=None, partition_activations: bool | None = None,
+def configure(mpu_: object = None, deepspeed_config: str | os.PathLike | Mapping | None = None,
+              partition_activations: bool | None = None,
               contiguous_checkpointing: bool | None = None, num_checkpoints: int | None = None,
               checkpoint_in_cpu: bool | None = None, synchronize: bool | None = None,
               profile: bool | None = None) -> None:
@@ -78,7 +83,7 @@ def reset() -> None:
     """(DeepSpeed frees its partitioned buffers here; the plain recompute keeps none.)"""
 
 
-def checkpoint(function, *args):
+def checkpoint(function: Callable[..., _T], *args: object) -> _T:
     """``function(*args)``, keeping only ``args`` for backward, where it runs again
     (module note). Returns what ``function`` returns."""
     return torch.utils.checkpoint.checkpoint(
@@ -86,7 +91,7 @@ def checkpoint(function, *args):
         context_fn=lambda: (contextlib.nullcontext(), PHASE.recomputing()))
 
 
-def __getattr__(name: str):
+def __getattr__(name: str) -> NoReturn:
     raise AttributeError(f"hybrid.deepspeed.checkpointing has no {name!r} (DeepSpeed's "
                          f"deepspeed.checkpointing.{name}): it holds configure, checkpoint, "
                          f"is_configured and reset; the RNG trackers of Megatron's tensor "

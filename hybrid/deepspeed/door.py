@@ -11,15 +11,18 @@ from __future__ import annotations
 
 import argparse
 import os
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
 
 import torch.distributed as dist
 from torch import nn
-from torch.utils.data import DataLoader, DistributedSampler
+from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 from hybrid.deepspeed.checkpointing import PHASE
 from hybrid.deepspeed.pipe import PipelineModule
 from hybrid.deepspeed.pipe_engine import PipelineEngine, RepeatingLoader
 from hybrid.engine import api
+from hybrid.engine.surface import EngineOptimizer
 from hybrid.errors import ConfigError
 from hybrid.parallel.state import ParallelState
 
@@ -42,7 +45,9 @@ def add_config_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
     return parser
 
 
-def _config(args, config, config_params):
+def _config(args: argparse.Namespace | None, config: str | os.PathLike | Mapping | None,
+            config_params: str | os.PathLike | Mapping | None
+            ) -> str | os.PathLike | Mapping | None:
     """The one config of the call: ``config``, or ``config_params`` (its older name), or
     ``args.deepspeed_config`` (``args.deepscale_config``); two of them is an error."""
     given = []
@@ -59,11 +64,17 @@ def _config(args, config, config_params):
     return given[0][1] if given else None
 
 
-def initialize(args=None, model: nn.Module | None = None, optimizer=None, model_parameters=None,
-               training_data=None, lr_scheduler=None, distributed_port: int = 29500, mpu=None,
-               dist_init_required: bool | None = None, collate_fn=None, config=None,
-               mesh_param=None, config_params=None, *, parallel_state: ParallelState | None = None,
-               tensor_parallel_size: int = 1, seed: int = 1234):
+def initialize(args: argparse.Namespace | None = None, model: nn.Module | None = None,
+               optimizer: Any = None, model_parameters: Any = None,
+               training_data: Dataset | None = None, lr_scheduler: Any = None,
+               distributed_port: int = 29500, mpu: object = None,
+               dist_init_required: bool | None = None,
+               collate_fn: Callable[[list[Any]], Any] | None = None,
+               config: str | os.PathLike | Mapping | None = None, mesh_param: object = None,
+               config_params: str | os.PathLike | Mapping | None = None, *,
+               parallel_state: ParallelState | None = None, tensor_parallel_size: int = 1,
+               seed: int = 1234
+               ) -> tuple[api.Engine, EngineOptimizer, Iterable[Any] | None, Any]:
     """``(engine, optimizer, training_dataloader, lr_scheduler)``, as DeepSpeed's.
 
     ``config`` / ``config_params`` / ``args.deepspeed_config``: the ds_config (a path
@@ -125,8 +136,10 @@ def initialize(args=None, model: nn.Module | None = None, optimizer=None, model_
                           caller=_WHERE)
 
 
-def _pipeline(model: PipelineModule, cfg, optimizer, model_parameters, training_data,
-              lr_scheduler, collate_fn, seed: int):
+def _pipeline(model: PipelineModule, cfg: str | os.PathLike | Mapping | None, optimizer: Any,
+              model_parameters: Any, training_data: Dataset | None, lr_scheduler: Any,
+              collate_fn: Callable[[list[Any]], Any] | None, seed: int
+              ) -> tuple[PipelineEngine, EngineOptimizer, Iterable[Any] | None, Any]:
     """:func:`initialize` of a PipelineModule (its doc): the engine of this stage's
     layers on the module's layout, ZeRO over this stage's DP group, the tied weights
     summed over the first and the last stage."""
@@ -136,13 +149,15 @@ def _pipeline(model: PipelineModule, cfg, optimizer, model_parameters, training_
         caller=_WHERE, tied=model.tied_parameter_names(), engine_type=PipelineEngine)
     assert isinstance(engine, PipelineEngine)
     if loader is not None:  # DeepSpeed's pipeline loader: the share in order, repeating
+        assert training_data is not None  # (the loader is over it)
         ps = model.ps
         sampler: DistributedSampler = DistributedSampler(
             training_data, num_replicas=ps.dp_size, rank=ps.dp_rank, shuffle=False)
         ordered = DataLoader(training_data, batch_size=loader.batch_size, sampler=sampler,
                              collate_fn=loader.collate_fn, drop_last=loader.drop_last,
                              pin_memory=loader.pin_memory)
-        loader = RepeatingLoader(ordered)
-        engine.training_dataloader = loader
-        engine.set_dataloader(loader)
+        repeating = RepeatingLoader(ordered)
+        engine.training_dataloader = repeating
+        engine.set_dataloader(repeating)
+        return engine, optim, repeating, sched
     return engine, optim, loader, sched

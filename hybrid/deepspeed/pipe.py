@@ -194,8 +194,9 @@ class PipeOptions:
     base_seed: int = 1234
 
     @classmethod
-    def check(cls, num_stages, topology, partition_method, activation_checkpoint_interval,
-              seed_layers, base_seed, dynamic_shape) -> PipeOptions:
+    def check(cls, num_stages: int | None, topology: object, partition_method: str,
+              activation_checkpoint_interval: int, seed_layers: bool, base_seed: int,
+              dynamic_shape: bool) -> PipeOptions:
         """The options, or one ConfigError naming the argument and what to use."""
         if topology is not None:
             raise ConfigError(f"{_WHERE}(topology=...): hybrid lays the ranks out PP "
@@ -273,7 +274,8 @@ class PipelineModule(nn.Module):
     PP ``num_stages`` from the process group, or torchrun's environment).
     """
 
-    def __init__(self, layers: Sequence[Any], num_stages: int | None = None, topology=None,
+    def __init__(self, layers: Sequence[Any], num_stages: int | None = None,
+                 topology: object = None,
                  loss_fn: Callable | None = None, seed_layers: bool = False,
                  seed_fn: Callable[[int], None] | None = None, base_seed: int = 1234,
                  partition_method: str = "parameters", activation_checkpoint_interval: int = 0,
@@ -407,7 +409,7 @@ class PipelineModule(nn.Module):
         return any(isinstance(f, nn.Module) and any(True for _ in f.parameters())
                    for f in funcs)
 
-    def forward(self, x):
+    def forward(self, x: object) -> object:
         """This stage's layers in order on ``x`` (what the stage before sent, or the
         micro-batch's inputs on the first stage); with an interval k, blocks of k
         layers are recomputed in backward (class doc)."""
@@ -425,7 +427,7 @@ class PipelineModule(nn.Module):
         return x
 
 
-def _run(funcs: Sequence[Callable], x):
+def _run(funcs: Sequence[Callable], x: object) -> object:
     for f in funcs:
         x = f(x)
     return x
@@ -437,7 +439,7 @@ class _Bound:
     def __init__(self, fn: Callable, module: nn.Module):
         self.fn, self.module = fn, module
 
-    def __call__(self, x):
+    def __call__(self, x: object) -> object:
         return self.fn(self.module, x)
 
 
@@ -447,5 +449,5 @@ class _Block:
     def __init__(self, funcs: Sequence[Callable]):
         self.funcs = list(funcs)
 
-    def __call__(self, *inputs):
+    def __call__(self, *inputs: object) -> object:
         return _run(self.funcs, inputs[0] if len(inputs) == 1 else inputs)

@@ -27,8 +27,8 @@ separately for training and evaluation.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from typing import NoReturn
+from collections.abc import Iterable, Iterator
+from typing import Any, NoReturn
 
 import torch
 
@@ -37,7 +37,7 @@ from hybrid.errors import ConfigError
 from hybrid.pipeline.executor import Forward, run_actions
 from hybrid.pipeline.schedules import forward_only
 from hybrid.pipeline.step import checked_schedule, train_step
-from hybrid.pipeline.wire import Learnt
+from hybrid.pipeline.wire import Activation, Learnt
 
 SCHEDULE = "1f1b"  # DeepSpeed's TrainSchedule is 1F1B
 
@@ -46,13 +46,13 @@ class RepeatingLoader:
     """A loader that starts again at its end (DeepSpeed's ``RepeatingLoader``): what the
     engine draws ``train_batch``'s micro-batches from when given ``training_data``."""
 
-    def __init__(self, loader):
+    def __init__(self, loader: Iterable[Any]):
         self.loader, self._it = loader, iter(loader)
 
-    def __iter__(self):
+    def __iter__(self) -> RepeatingLoader:
         return self
 
-    def __next__(self):
+    def __next__(self) -> Any:
         try:
             return next(self._it)
         except StopIteration:
@@ -60,7 +60,7 @@ class RepeatingLoader:
             return next(self._it)
 
 
-def _to(x, device: torch.device):
+def _to(x: object, device: torch.device) -> object:
     if isinstance(x, torch.Tensor):
         return x.to(device)
     if isinstance(x, (tuple, list)):
@@ -106,13 +106,13 @@ class PipelineEngine(Engine):
     def _reads_data(self) -> bool:
         return self.is_first_stage() or self.is_last_stage()
 
-    def set_dataloader(self, loader) -> None:
+    def set_dataloader(self, loader: Iterable[Any]) -> None:
         """Draw ``train_batch``'s micro-batches from ``loader`` (first and last stage)."""
         if self._reads_data():
             self.training_dataloader = loader
             self.data_iterator = iter(loader)
 
-    def set_dataiterator(self, iterator) -> None:
+    def set_dataiterator(self, iterator: Iterator[Any]) -> None:
         """Draw ``train_batch``'s micro-batches from ``iterator`` (first and last stage)."""
         if self._reads_data():
             self.training_dataloader = None
@@ -123,17 +123,17 @@ class PipelineEngine(Engine):
         raise ConfigError(f"engine.{verb}() with a PipelineModule: a pipeline runs whole "
                           f"batches; call engine.train_batch() (or eval_batch(data_iter))")
 
-    def forward(self, *args, **kwargs):
+    def forward(self, *args: object, **kwargs: object) -> NoReturn:
         self._whole_batch("forward")
 
-    def backward(self, *args, **kwargs) -> torch.Tensor:
+    def backward(self, *args: object, **kwargs: object) -> torch.Tensor:
         self._whole_batch("backward")
 
-    def step(self, *args, **kwargs) -> None:
+    def step(self, *args: object, **kwargs: object) -> None:
         self._whole_batch("step")
 
     # -- the verbs -----------------------------------------------------------------------
-    def _draw(self, data_iter, n: int, verb: str) -> list:
+    def _draw(self, data_iter: Iterator[Any] | None, n: int, verb: str) -> list:
         """``n`` micro-batches from ``data_iter`` on the first and last stage; Nones on a
         middle stage (it reads no data)."""
         if not self._reads_data():
@@ -159,7 +159,7 @@ class PipelineEngine(Engine):
         module, p = self.module, self.ps.pp_size
         loss_fn = getattr(module, "loss_fn", None)
 
-        def forward(stage: int, j: int, x):
+        def forward(stage: int, j: int, x: Activation | None) -> Activation:
             out = module(batches[j][0] if x is None else x)
             if stage < p - 1:
                 return out
@@ -179,7 +179,7 @@ class PipelineEngine(Engine):
         self.ps.dp_group.all_reduce(mean)
         return mean / self.ps.dp_size
 
-    def train_batch(self, data_iter=None) -> torch.Tensor:
+    def train_batch(self, data_iter: Iterator[Any] | None = None) -> torch.Tensor:
         """One optimizer step over ``gradient_accumulation_steps()`` micro-batches from
         ``data_iter`` (kept for later calls; default: the iterator given before, or the
         loader over ``training_data``); returns the batch's mean loss, on every rank
@@ -204,9 +204,10 @@ class PipelineEngine(Engine):
         return self._dp_mean(total)
 
     @torch.no_grad()
-    def eval_batch(self, data_iter, return_logits: bool = False, compute_loss: bool = True,
-                   reduce_output: str | None = "avg", bcast_loss: bool = True,
-                   num_micro_batches: int | None = None):
+    def eval_batch(self, data_iter: Iterator[Any], return_logits: bool = False,
+                   compute_loss: bool = True, reduce_output: str | None = "avg",
+                   bcast_loss: bool = True, num_micro_batches: int | None = None
+                   ) -> torch.Tensor | tuple[torch.Tensor, list[object] | None]:
         """Forward only over ``num_micro_batches`` (default ``gradient_accumulation_steps()``)
         micro-batches of ``data_iter`` (the training iterator is kept): the mean loss,
         averaged over DP, on every rank (``reduce_output="avg"``, ``bcast_loss``);

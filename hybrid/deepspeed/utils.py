@@ -8,12 +8,14 @@ accessors of partitioned state, the groups) are not served: an AttributeError sa
 
 from __future__ import annotations
 
+from typing import NoReturn
+
 from hybrid.deepspeed.pipe_engine import RepeatingLoader
 
 __all__ = ["RepeatingLoader"]
 
 
-def __getattr__(name: str):
+def __getattr__(name: str) -> NoReturn:
     raise AttributeError(f"hybrid.deepspeed.utils has no {name!r} (DeepSpeed's "
                          f"deepspeed.utils.{name}): it holds RepeatingLoader only; read a "
                          f"parameter or its gradient inside zero.GatheredParameters")

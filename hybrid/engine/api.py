@@ -39,12 +39,13 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-from collections.abc import Collection, Mapping
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
-from hybrid.config import Flags, build_config
+from hybrid.config import Flags, TrainConfig, build_config
 from hybrid.config.deepspeed import apply_ds_config, load_ds_config
 from hybrid.config.kinds import INT, typed
 from hybrid.engine.ds_schedulers import cycles_momentum, kind_of
@@ -57,14 +58,18 @@ from hybrid.parallel.teardown import teardown_at_exit
 from hybrid.pipeline.step import micro_batch_loss
 from hybrid.recompute.phase import RecomputePhase
 from hybrid.tensor_parallel import InitValues, seed_all
+from hybrid.tensor_parallel.random import TPRNGTracker
 from hybrid.train.orphans import end_with_launcher
-from hybrid.zero import StepResult, apply_zero
+from hybrid.zero import StepResult, ZeroEngine, apply_zero
 from hybrid.zero.loss_scaler import scaled_loss
+
+if TYPE_CHECKING:
+    from torch.utils.data import DataLoader, Dataset, Sampler
 
 log = logging.getLogger("hybrid")
 
 
-def _tensors(out):
+def _tensors(out: object) -> Iterator[torch.Tensor]:
     """The tensors of a forward's output: a tensor, or one inside tuples, lists and
     dicts (a transformers ModelOutput is a dict)."""
     if isinstance(out, torch.Tensor):
@@ -104,8 +109,9 @@ class Engine:
     :class:`~hybrid.zero.ZeroEngine` (module notes). An attribute the engine does not
     have is looked up on the wrapped module, as DeepSpeed's engine does."""
 
-    def __init__(self, module: nn.Module, cfg, ps: ParallelState, zero, rng,
-                 optimizer: EngineOptimizer, schedule, dataloader=None):
+    def __init__(self, module: nn.Module, cfg: TrainConfig, ps: ParallelState,
+                 zero: ZeroEngine, rng: TPRNGTracker, optimizer: EngineOptimizer,
+                 schedule: Any, dataloader: Iterable[Any] | None = None):
         self.module, self.cfg, self.ps, self.zero = module, cfg, ps, zero
         self.rng, self.optimizer, self.lr_scheduler = rng, optimizer, schedule
         self.training_dataloader = dataloader
@@ -186,13 +192,14 @@ class Engine:
         """The rate of the next optimizer step, per parameter group (DeepSpeed's)."""
         return [float(g["lr"]) for g in self.optimizer.param_groups]
 
-    def parameters(self, recurse: bool = True):
+    def parameters(self, recurse: bool = True) -> Iterator[nn.Parameter]:
         return self.module.parameters(recurse)
 
-    def named_parameters(self, prefix: str = "", recurse: bool = True):
+    def named_parameters(self, prefix: str = "", recurse: bool = True
+                         ) -> Iterator[tuple[str, nn.Parameter]]:
         return self.module.named_parameters(prefix, recurse)
 
-    def __getattr__(self, name: str):
+    def __getattr__(self, name: str) -> Any:
         # only reached for names the engine lacks; the module's, as DeepSpeed's engine does
         if name.startswith("__") or name == "module":
             raise AttributeError(name)
@@ -207,10 +214,10 @@ class Engine:
                              f"{type(module).__name__}")
 
     # -- the training verbs ------------------------------------------------------------
-    def __call__(self, *args, **kwargs):
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return self.forward(*args, **kwargs)
 
-    def forward(self, *args, **kwargs):
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
         """The module's forward; its outputs tell the engine when a plain
         ``loss.backward()`` reaches them ([Note: plain backward])."""
         out = self.module(*args, **kwargs)
@@ -298,7 +305,7 @@ class Engine:
         self._backward_done = True
         return divided
 
-    def step(self, lr_kwargs=None) -> None:
+    def step(self, lr_kwargs: Mapping[str, object] | None = None) -> None:
         """At an accumulation boundary: the optimizer step on this rank's shard (clip,
         skip on a non-finite gradient, all-gather), then the schedule; else nothing but
         the count. Each call follows a backward: ``engine.backward(loss)``, or a plain
@@ -342,9 +349,11 @@ class Engine:
             self.lr_scheduler.step()
 
     # -- data ----------------------------------------------------------------------------
-    def deepspeed_io(self, dataset, batch_size: int | None = None, route=None,
-                     pin_memory: bool = True, data_sampler=None, collate_fn=None,
-                     num_local_io_workers: int | None = None):
+    def deepspeed_io(self, dataset: Dataset, batch_size: int | None = None,
+                     route: str | None = None, pin_memory: bool = True,
+                     data_sampler: Sampler | None = None,
+                     collate_fn: Callable[[list[Any]], Any] | None = None,
+                     num_local_io_workers: int | None = None) -> Iterable[Any]:
         """A DataLoader over this DP rank's share of ``dataset`` (see :func:`dataloader_of`)."""
         if data_sampler is not None:
             raise ConfigError("engine.deepspeed_io(data_sampler=...): hybrid shards the data "
@@ -353,7 +362,8 @@ class Engine:
                              collate_fn, drop_last=False, workers=num_local_io_workers or 0)
 
     # -- checkpoints (hybrid's format: atomic, reshardable) ---------------------------------
-    def save_checkpoint(self, save_dir: str, tag=None, client_state: Mapping | None = None,
+    def save_checkpoint(self, save_dir: str, tag: str | None = None,
+                        client_state: Mapping | None = None,
                         save_latest: bool = True, exclude_frozen_parameters: bool = False
                         ) -> str:
         """Collective: write step ``global_steps`` under ``save_dir``, as
@@ -371,10 +381,11 @@ class Engine:
                               "saves every parameter; pass False")
         return save_engine(self, save_dir, tag, dict(client_state or {}), save_latest)
 
-    def load_checkpoint(self, load_dir: str, tag=None, load_module_strict: bool = True,
-                        load_optimizer_states: bool = True,
+    def load_checkpoint(self, load_dir: str, tag: str | None = None,
+                        load_module_strict: bool = True, load_optimizer_states: bool = True,
                         load_lr_scheduler_states: bool = True, load_module_only: bool = False,
-                        custom_load_fn=None):
+                        custom_load_fn: Callable[..., object] | None = None
+                        ) -> tuple[str | None, dict | None]:
         """Collective: restore the checkpoint ``latest`` names under ``load_dir`` (or the
         one of ``tag``); returns (its path, the client_state saved with it, on every
         rank, its tensors on the CPU), or (None, None) when ``load_dir`` is missing or
@@ -416,18 +427,21 @@ class Engine:
 
 
 @contextlib.contextmanager
-def _rng_kept(device: torch.device):
+def _rng_kept(device: torch.device) -> Iterator[None]:
     """The global generators of the CPU and of ``device`` as they were (module note)."""
     cuda = [device.index or 0] if device.type == "cuda" else []
     with torch.random.fork_rng(devices=cuda, device_type="cuda"):
         yield
 
 
-def initialize(model: nn.Module, config=None, model_parameters=None, optimizer=None,
-               lr_scheduler=None, training_data=None, *, parallel_state=None,
-               tensor_parallel_size: int = 1, seed: int = 1234, collate_fn=None,
+def initialize(model: nn.Module, config: str | os.PathLike | Mapping | None = None,
+               model_parameters: Any = None, optimizer: Any = None, lr_scheduler: Any = None,
+               training_data: Dataset | None = None, *,
+               parallel_state: ParallelState | None = None, tensor_parallel_size: int = 1,
+               seed: int = 1234, collate_fn: Callable[[list[Any]], Any] | None = None,
                recompute_phase: RecomputePhase | None = None, caller: str = "hybrid.initialize",
-               tied: Collection[str] = (), engine_type: type[Engine] = Engine):
+               tied: Collection[str] = (), engine_type: type[Engine] = Engine
+               ) -> tuple[Engine, EngineOptimizer, DataLoader | None, Any]:
     """(engine, optimizer, dataloader, lr_scheduler) as ``deepspeed.initialize`` returns
     them: ``optimizer`` is the engine's :class:`EngineOptimizer`, ``dataloader`` a
     DataLoader over this DP rank's share of ``training_data`` (None without it;
@@ -496,14 +510,16 @@ def initialize(model: nn.Module, config=None, model_parameters=None, optimizer=N
         engine = _build(model, cfg, ps, recompute_phase, client,
                         lambda optim: resolve_schedule(lr_scheduler, ds, cfg, optim, caller),
                         tied, engine_type)
+    loader: DataLoader | None = None
     if training_data is not None:
-        engine.training_dataloader = dataloader_of(training_data, ps, cfg.loop.micro_batch_size,
-                                                   collate_fn, drop_last)
-    return engine, engine.optimizer, engine.training_dataloader, engine.lr_scheduler
+        loader = engine.training_dataloader = dataloader_of(
+            training_data, ps, cfg.loop.micro_batch_size, collate_fn, drop_last)
+    return engine, engine.optimizer, loader, engine.lr_scheduler
 
 
-def _build(model: nn.Module, cfg, ps: ParallelState, recompute_phase: RecomputePhase | None,
-           client: torch.optim.Optimizer | None, schedule_of, tied: Collection[str] = (),
+def _build(model: nn.Module, cfg: TrainConfig, ps: ParallelState,
+           recompute_phase: RecomputePhase | None, client: torch.optim.Optimizer | None,
+           schedule_of: Callable[[EngineOptimizer], Any], tied: Collection[str] = (),
            engine_type: type[Engine] = Engine) -> Engine:
     """The engine of ``model`` (inside :func:`_rng_kept`: seeding hybrid's streams
     touches the global generators), stepped by ``client`` (None: hybrid's AdamW) and

@@ -52,7 +52,7 @@ _PARAMS: dict[str, dict[str, tuple[Any, Any]]] = {  # name: (kind, default; None
 _OPTIONAL = {"cycle_second_step_size", "cycle_second_stair_count"}
 
 
-def kind_of(block) -> str | None:
+def kind_of(block: object) -> str | None:
     """``"onecycle"`` or ``"lrrangetest"`` for a ds_config scheduler block of those types."""
     if not isinstance(block, dict):
         return None
@@ -60,7 +60,7 @@ def kind_of(block) -> str | None:
     return kind if kind in KINDS else None
 
 
-def cycles_momentum(block) -> bool:
+def cycles_momentum(block: Any) -> bool:
     """Whether ``block`` is a OneCycle that writes beta1 (its default)."""
     return kind_of(block) == "onecycle" and block.get("params", {}).get("cycle_momentum",
                                                                         True) is not False
@@ -171,7 +171,7 @@ class OneCycleSchedule(GroupSchedule):
             scale = math.floor(pos) / stairs
         return scale
 
-    def _values(self):
+    def _values(self) -> tuple[list[float], list[tuple[float, float]] | None]:
         p, n = self.p, len(self.groups)
         i = self.last_batch_iteration
         lo, hi = p["cycle_min_lr"], p["cycle_max_lr"]
@@ -199,7 +199,7 @@ class RangeTestSchedule(GroupSchedule):
                               "must be positive")
         super().__init__(groups)
 
-    def _values(self):
+    def _values(self) -> tuple[list[float], list[tuple[float, float]] | None]:
         p = self.p
         x = (self.last_batch_iteration + 1) / p["lr_range_test_step_size"]
         if p["lr_range_test_staircase"]:

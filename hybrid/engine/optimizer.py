@@ -28,12 +28,13 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
 from torch import nn
 
+from hybrid.config import TrainConfig
 from hybrid.config.sections import AdamWConfig, LRScheduleConfig
 from hybrid.engine.ds_schedulers import (
     GroupSchedule,
@@ -42,6 +43,7 @@ from hybrid.engine.ds_schedulers import (
     kind_of,
     settings,
 )
+from hybrid.engine.surface import EngineOptimizer
 from hybrid.errors import ConfigError
 from hybrid.train.lr_schedule import scheduled_lr
 from hybrid.zero.client_optimizer import check_groups
@@ -67,7 +69,9 @@ def _groups(items: list) -> list[dict] | None:
     return out
 
 
-def resolve_optimizer(model: nn.Module, model_parameters, optimizer, lr_scheduler,
+def resolve_optimizer(model: nn.Module, model_parameters: Any,
+                      optimizer: torch.optim.Optimizer | Callable[..., torch.optim.Optimizer]
+                      | None, lr_scheduler: Any,
                       adamw: AdamWConfig, lr: float, where: str, *, torch_adamw: bool = False
                       ) -> torch.optim.Optimizer | None:
     """The client optimizer to step the shards with (module table), or None for hybrid's
@@ -156,7 +160,7 @@ class ConfigSchedule(GroupSchedule):
         """Every group's rate of 1-based optimizer step ``step``."""
         return [scheduled_lr(s, step, step * self.batch) for s in self._scheds]
 
-    def _values(self):
+    def _values(self) -> tuple[list[float], list[tuple[float, float]] | None]:
         return self.lr_at(self.last_batch_iteration + 2), None
 
     def load_state_dict(self, state: dict) -> None:
@@ -176,7 +180,8 @@ def _with_peak(sched: LRScheduleConfig, peak: float, relative: bool) -> LRSchedu
     return dataclasses.replace(sched, lr=peak)
 
 
-def resolve_schedule(lr_scheduler, ds: dict, cfg, optim, where: str):
+def resolve_schedule(lr_scheduler: Any, ds: dict, cfg: TrainConfig, optim: EngineOptimizer,
+                     where: str) -> Any:
     """What sets the rates of ``optim`` (the engine's :class:`EngineOptimizer`) (module
     note): the ds_config's ``"scheduler"`` block first (as DeepSpeed's engine, which
     prefers its config's scheduler to a client's: a warning says so), then a client

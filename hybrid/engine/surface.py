@@ -4,7 +4,8 @@ loader of ``training_data=`` (:func:`dataloader_of`)."""
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -12,6 +13,9 @@ from hybrid.config.sections import AdamWConfig
 from hybrid.errors import ConfigError
 from hybrid.parallel.state import ParallelState
 from hybrid.zero import ZeroEngine
+
+if TYPE_CHECKING:
+    from torch.utils.data import DataLoader, Dataset
 
 
 class EngineOptimizer:
@@ -74,7 +78,7 @@ class EngineOptimizer:
         """engine.zero_grad() (backward clears the gradients at each window's start)."""
         self._zero.zero_grad()
 
-    def step(self, closure=None) -> None:
+    def step(self, closure: Callable[[], float] | None = None) -> None:
         raise ConfigError("engine.optimizer.step(): hybrid's engine steps its optimizer in "
                           "engine.step() (at the accumulation boundary); call engine.step()")
 
@@ -87,8 +91,9 @@ class EngineOptimizer:
                           "sharded over the ranks; load it with engine.load_checkpoint(dir)")
 
 
-def dataloader_of(dataset, ps: ParallelState, batch_size: int, collate_fn=None,
-                  drop_last: bool = False, workers: int = 0):
+def dataloader_of(dataset: Dataset, ps: ParallelState, batch_size: int,
+                  collate_fn: Callable[[list[Any]], Any] | None = None,
+                  drop_last: bool = False, workers: int = 0) -> DataLoader:
     """DeepSpeed's training loader: this DP rank's share of ``dataset`` through a
     ``DistributedSampler`` (shuffled with its seed 0, the same order every epoch, as
     DeepSpeed's loader, which sets no epoch), ``batch_size`` samples a batch."""

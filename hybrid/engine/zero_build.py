@@ -44,13 +44,18 @@ import hashlib
 import logging
 import os
 import weakref
-from collections.abc import Callable, Iterator
-from typing import TypeGuard
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, TypeGuard, cast
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map
+
+if TYPE_CHECKING:
+    from torch._ops import OpOverload
+
+    from hybrid.parallel.comm import CommGroup
 
 log = logging.getLogger("hybrid")
 # (torch 2.13 renamed it; its old name warns)
@@ -60,7 +65,7 @@ all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_
 class Build:
     """The ranks one ``zero_init()`` context builds for: they share each parameter."""
 
-    def __init__(self, group):
+    def __init__(self, group: dist.ProcessGroup):
         self.group = group
         self.rank = dist.get_rank(group)
         self.size = dist.get_world_size(group)
@@ -162,7 +167,8 @@ class CutParameter(torch.Tensor):
     _meta: torch.Tensor
 
     @staticmethod
-    def __new__(cls, part: Part, meta: torch.Tensor, requires_grad: bool = False):
+    def __new__(cls, part: Part, meta: torch.Tensor, requires_grad: bool = False
+                ) -> CutParameter:
         t = torch.Tensor._make_wrapper_subclass(
             cls, meta.size(), strides=meta.stride(), storage_offset=meta.storage_offset(),
             dtype=meta.dtype, device=part.device, requires_grad=requires_grad)
@@ -175,12 +181,12 @@ class CutParameter(torch.Tensor):
     __torch_function__ = torch._C._disabled_torch_function_impl  # type: ignore[assignment]
 
     # no gather just to print (torch's stub names its keyword argument oddly)
-    def __repr__(self, *, tensor_contents=None) -> str:  # type: ignore[override]
+    def __repr__(self, *, tensor_contents: object = None) -> str:  # type: ignore[override]
         return (f"CutParameter(shape={tuple(self.shape)}, dtype={self.dtype}, "
                 f"device={self.device}, this rank's elements [{self._part.lo}, "
                 f"{self._part.hi}) of {self._part.numel})")
 
-    def __deepcopy__(self, memo):
+    def __deepcopy__(self, memo: dict[int, Any]) -> CutParameter:
         """A copy with a part of its own (``copy.deepcopy`` of a module built under
         ``zero_init()``, as ``clones(layer, n)`` idioms do): no gather, still cut."""
         if id(self) in memo:
@@ -197,8 +203,9 @@ class CutParameter(torch.Tensor):
         return new
 
     @classmethod
-    def __torch_dispatch__(cls, func, types, args=(),  # type: ignore[override]
-                           kwargs=None):
+    def __torch_dispatch__(cls, func: OpOverload, types: Collection[type],  # type: ignore[override]
+                           args: tuple[object, ...] = (),
+                           kwargs: dict[str, object] | None = None) -> object:
         return _run(func, args, kwargs or {})
 
 
@@ -212,7 +219,8 @@ _SHAPE_ONLY = {"new_empty", "new_empty_strided", "new_zeros", "new_ones", "new_f
                "randn_like", "randint_like"}
 
 
-def _written(func, args, kwargs) -> list[tuple[str, object]]:
+def _written(func: OpOverload, args: Sequence[object],
+             kwargs: Mapping[str, object]) -> list[tuple[str, object]]:
     """(argument name, value) of each argument ``func`` writes."""
     out = []
     for i, a in enumerate(func._schema.arguments):
@@ -221,14 +229,15 @@ def _written(func, args, kwargs) -> list[tuple[str, object]]:
     return out
 
 
-def _is_view(func) -> bool:
+def _is_view(func: OpOverload) -> bool:
     schema = func._schema
     return (any(r.alias_info is not None for r in schema.returns)
             and not any(a.alias_info is not None and a.alias_info.is_write
                         for a in schema.arguments))
 
 
-def _fills_all(func, written, cuts: list[CutParameter], part: Part) -> bool:
+def _fills_all(func: OpOverload, written: list[tuple[str, object]], cuts: list[CutParameter],
+               part: Part) -> bool:
     """The operation overwrites every element of ``part``'s parameter and reads none."""
     mine = [t for t in cuts if t._part is part]
     target = [v for _, v in written if isinstance(v, CutParameter) and v._part is part]
@@ -241,7 +250,7 @@ def _fills_all(func, written, cuts: list[CutParameter], part: Part) -> bool:
     return m.numel() == part.numel and m.is_contiguous() and m.storage_offset() == 0
 
 
-def _run(func, args, kwargs):
+def _run(func: OpOverload, args: tuple[object, ...], kwargs: dict[str, object]) -> object:
     """``func`` with :class:`CutParameter` arguments (see the module note)."""
     cuts = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, CutParameter)]
     if _is_view(func):  # a view of a cut parameter is a CutParameter of the same part
@@ -259,7 +268,7 @@ def _run(func, args, kwargs):
     # id(real view) -> (the cut tensor it stands for, the view: alive while ids are compared)
     real: dict[int, tuple[CutParameter, torch.Tensor]] = {}
 
-    def to_real(t):
+    def to_real(t: object) -> object:
         if not isinstance(t, CutParameter):
             return t
         whole = t._part.whole
@@ -279,11 +288,11 @@ def _run(func, args, kwargs):
                     else o, out)
 
 
-def _meta_of(t):
+def _meta_of(t: object) -> object:
     return t._meta if isinstance(t, CutParameter) else t
 
 
-def _blank_of(t):
+def _blank_of(t: object) -> object:
     if not isinstance(t, CutParameter):
         return t
     return torch.empty_strided(t.size(), t.stride(), dtype=t.dtype, device=t.device)
@@ -308,9 +317,9 @@ def _module_classes() -> list[type]:
     return out
 
 
-def _wrapped_init(init):
+def _wrapped_init(init: Callable[..., None]) -> Callable[..., None]:
     @functools.wraps(init)
-    def __init__(module, *args, **kwargs):
+    def __init__(module: nn.Module, *args: object, **kwargs: object) -> None:
         builder = _ACTIVE
         if builder is None or id(module) in builder.building:  # a super().__init__
             init(module, *args, **kwargs)
@@ -348,7 +357,7 @@ class Builder:
             self.wrap(cls)
         builder, before = self, self._subclass_hook
 
-        def init_subclass(cls, **kwargs):  # classes defined inside the context
+        def init_subclass(cls: type, **kwargs: object) -> None:  # classes made in the context
             if before is not None:
                 before.__get__(None, cls)(**kwargs)
             else:
@@ -360,7 +369,7 @@ class Builder:
         _ACTIVE = self
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         global _ACTIVE  # noqa: PLW0603 - the process's one active build (constructors are global)
         try:
             if exc[0] is None:
@@ -426,18 +435,19 @@ class Builder:
                                f"module holds it; keep the parameter, not a view)") from e
 
 
-def _cuttable(p) -> TypeGuard[nn.Parameter]:
+def _cuttable(p: object) -> TypeGuard[nn.Parameter]:
     """A plain, real, dense parameter (a lazy module's uninitialized one, a tensor
     subclass's, a sparse or meta one stays as it is)."""
     return (type(p) is nn.Parameter and p.layout == torch.strided and not p.is_meta
             and not nn.parameter.is_lazy(p))
 
 
-def resolve_group(group):
+def resolve_group(group: dist.ProcessGroup | CommGroup | None) -> dist.ProcessGroup | None:
     """The process group a ``zero_init(group)`` cuts over, or None to build whole: the
     given one (a torch ProcessGroup, or hybrid's CommGroup), else torch.distributed's
     world when it is initialized."""
-    group = getattr(group, "pg", group)
+    # (a CommGroup's torch group; a torch one has no pg)
+    group = cast("dist.ProcessGroup | None", getattr(group, "pg", group))
     if group is not None:
         return group
     if dist.is_available() and dist.is_initialized():
@@ -450,7 +460,7 @@ def resolve_group(group):
 
 
 @contextlib.contextmanager
-def building(group=None) -> Iterator[None]:
+def building(group: dist.ProcessGroup | CommGroup | None = None) -> Iterator[None]:
     """Cut each module's parameters as its constructor returns (the module note), over
     ``group`` (:func:`resolve_group`). One process builds as usual; a context inside
     another is part of the outer one's build."""
@@ -499,7 +509,7 @@ def gathered(params: list[torch.Tensor], modifier_rank: int | None) -> Iterator[
         part.after_op()
 
 
-def held_whole_bytes(params) -> int:
+def held_whole_bytes(params: Iterable[torch.Tensor]) -> int:
     """Bytes of ``params`` this rank holds whole now: real parameters, and cut ones
     brought back (for tests of the build's memory)."""
     total = 0

@@ -34,6 +34,8 @@ from __future__ import annotations
 import contextlib
 import copy
 import hashlib
+from collections.abc import Iterable, Iterator
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -51,9 +53,17 @@ from hybrid.engine.zero_build import (
 from hybrid.errors import ConfigError
 from hybrid.zero.units import read_values
 
+if TYPE_CHECKING:
+    import torch.distributed as dist
+
+    from hybrid.parallel.comm import CommGroup
+    from hybrid.parallel.state import ParallelState
+    from hybrid.zero.flat_unit import FlatUnit
+    from hybrid.zero.units import ValueSource
+
 
 @contextlib.contextmanager
-def zero_init(group=None):
+def zero_init(group: dist.ProcessGroup | CommGroup | None = None) -> Iterator[None]:
     """Modules built inside keep what their constructors write, and each rank keeps only
     its part of every parameter once the module's constructor has returned
     (DeepSpeed's ``zero.Init``; [Note: building under zero_init] in
@@ -138,12 +148,12 @@ class BuiltValues:
     A parameter that was not cut takes ``fallback``'s."""
 
     def __init__(self, model: nn.Module, parts: dict[int, Part], dp_ranks: list[int],
-                 device: torch.device, fallback):
+                 device: torch.device, fallback: ValueSource):
         self.model, self.parts, self.dp_ranks = model, parts, list(dp_ranks)
         self.device, self.fallback = device, fallback
         self.pieces: dict[int, list[tuple[int, int, torch.Tensor]]] = {}
 
-    def prepare(self, units) -> None:
+    def prepare(self, units: list[FlatUnit]) -> None:
         """Collective over the build's ranks, before any value is read: each parameter is
         gathered once, in the model's order, and this rank keeps the ranges ``units``
         (the engine's layout) make it fill -- a partitioned unit's own shard, a whole
@@ -218,7 +228,8 @@ def _make_real(p: nn.Parameter, values: torch.Tensor) -> None:
     torch.utils.swap_tensors(p, new)
 
 
-def init_values(model: nn.Module, seed: int, parts: dict[int, Part], ps):
+def init_values(model: nn.Module, seed: int, parts: dict[int, Part], ps: ParallelState
+                ) -> ModuleInitValues | BuiltValues:
     """The engine's ``values`` for a model with meta parameters: the parts
     :func:`zero_init` cut (``parts``, from :func:`take_parts`; gathered once over the
     build's ranks, which must be ``ps``'s data-parallel ranks), each other meta
@@ -233,7 +244,8 @@ def init_values(model: nn.Module, seed: int, parts: dict[int, Part], ps):
 
 
 @contextlib.contextmanager
-def GatheredParameters(params, modifier_rank: int | None = None, enabled: bool = True):
+def GatheredParameters(params: torch.Tensor | Iterable[torch.Tensor],
+                       modifier_rank: int | None = None, enabled: bool = True) -> Iterator[None]:
     """Full parameter values inside the block (stage 3 gathers them; other stages hold
     them anyway). With ``modifier_rank``, that DP rank's values of ``params`` afterwards
     become every rank's, and the fp32 master (so training goes on from them).

@@ -86,6 +86,7 @@ from __future__ import annotations
 
 import enum
 import re
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 
@@ -157,7 +158,7 @@ def parse_actions(text: str) -> tuple[Action, ...]:
     return tuple(parse_action(word) for word in text.split())
 
 
-def format_actions(actions) -> str:
+def format_actions(actions: Iterable[Action]) -> str:
     """A rank's list as text forms separated by spaces (what :func:`parse_actions` reads)."""
     return " ".join(str(a) for a in actions)
 

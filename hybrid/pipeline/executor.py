@@ -224,7 +224,7 @@ class _Run:
         self.split: dict[Key, tuple[Pairs, list[Deferred]]] = {}
         # per peer, the sends not yet known done, oldest first: (number on the pair, work,
         # tensor); and how many of them a receive proves done ([Note: releasing ...])
-        self.sends: dict[int, deque[tuple[int, object, torch.Tensor]]] = {}
+        self.sends: dict[int, deque[tuple[int, object, wire.Activation]]] = {}
         self.sent: dict[int, int] = {}  # sends posted to each peer
         self.received: dict[Action, int] = {}
         self.losses: dict[int, torch.Tensor] = {}
@@ -351,7 +351,7 @@ class _Run:
         if self.zero is not None:
             self.zero.end_backward()
 
-    def _send(self, t, a: Action) -> None:
+    def _send(self, t: wire.Activation, a: Action) -> None:
         """Post ``t`` (a tensor; under ``learnt``, a tuple of them) to ``a.peer``."""
         assert a.peer is not None  # (a send names its peer)
         work = self.pp.exchange([(m, a.peer) for m in wire.members(t)], [], what=str(a),
@@ -388,7 +388,7 @@ class _Run:
                              f"(micro-batch {a.microbatch}): the shapes between stages are "
                              f"learnt once and fixed; keep every micro-batch the same size")
 
-    def _recv_learnt(self, a: Action, boundary: int, grads: bool):
+    def _recv_learnt(self, a: Action, boundary: int, grads: bool) -> wire.Activation:
         """Receive an activation over ``boundary`` (stage ``boundary``'s output; its spec
         learnt first, the first time), or the gradients of the floating-point members
         of one this rank sent over it. An activation's floating-point members require

@@ -57,7 +57,7 @@ def members(x: Activation) -> tuple[torch.Tensor, ...]:
     return x
 
 
-def _kind(x) -> str:
+def _kind(x: object) -> str:
     if isinstance(x, (tuple, list)):
         return f"{type(x).__name__} of ({', '.join(type(t).__name__ for t in x)})"
     return type(x).__name__

@@ -7,14 +7,40 @@ over the whole shard in one pass.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import Protocol, TypeVar
+
 import torch
 
 from hybrid.config.sections import OffloadConfig
 from hybrid.zero.flat_unit import FlatUnit
+from hybrid.zero.units import FlatFill, Materializer, OwnedPiece
 
 
-def allocate_master(units: list[FlatUnit], pieces, fill, *, offload: OffloadConfig, tiers,
-                    device: torch.device | None):
+class _States(Protocol):
+    def fill(self, master_values: FlatFill) -> None: ...
+
+
+_S = TypeVar("_S", bound=_States)
+_S_co = TypeVar("_S_co", bound=_States, covariant=True)
+
+
+class MasterTiers(Protocol[_S_co]):
+    """What the master's allocation asks of the offload tiers
+    (:class:`~hybrid.zero.offload.tiers.OffloadTiers`; the core does not import offload):
+    whether host buffers are pinned, and the nvme tier's optimizer states (None: not
+    that tier), which the master is filled into."""
+
+    @property
+    def pin(self) -> bool: ...
+
+    @property
+    def states(self) -> _S_co | None: ...
+
+
+def allocate_master(units: list[FlatUnit], pieces: Sequence[OwnedPiece], fill: Materializer,
+                    *, offload: OffloadConfig, tiers: MasterTiers[_S], device: torch.device | None
+                    ) -> tuple[torch.Tensor | None, list[torch.Tensor] | None, _S | None]:
     """(flat fp32 master, its per-unit views, the nvme tier's swapped states).
 
     ``device`` None: no separate master (the fp32, on-device parameter shards are
@@ -27,6 +53,7 @@ def allocate_master(units: list[FlatUnit], pieces, fill, *, offload: OffloadConf
     if device is None:
         return None, None, None
     if offload.optimizer == "nvme":
+        assert tiers.states is not None  # (the tiers hold the nvme tier's states)
         tiers.states.fill(fill.flat_filler(pieces, units))
         return None, None, tiers.states
     on_host = offload.optimizer is not None

@@ -33,12 +33,12 @@ per optimizer step, as DeepSpeed's overflow check has.
 from __future__ import annotations
 
 import inspect
-from collections.abc import Collection, Generator, Iterable, Sequence
+from collections.abc import Callable, Collection, Generator, Iterable, Sequence
 
 import torch
 
 from hybrid.errors import ConfigError
-from hybrid.zero.optimizer import ShardBase
+from hybrid.zero.optimizer import PartRanges, ShardBase
 from hybrid.zero.units import OwnedPiece
 
 
@@ -112,7 +112,7 @@ class ClientShardOptimizer(ShardBase):
     """
 
     def __init__(self, client: torch.optim.Optimizer, pieces: Sequence[OwnedPiece],
-                 master: list[torch.Tensor], split_ranges, *,
+                 master: list[torch.Tensor], split_ranges: PartRanges, *,
                  flat_master: torch.Tensor | None = None, excluded: Collection[int] = ()):
         dev = master[0].device if master else torch.device("cpu")
         super().__init__([m.numel() for m in master], split_ranges, dev, excluded)
@@ -144,8 +144,8 @@ class ClientShardOptimizer(ShardBase):
 
     # -- the step ---------------------------------------------------------------------
     @torch.no_grad()
-    def step(self, grads: list[torch.Tensor], lr: float, grad_scale=1.0,
-             skip: torch.Tensor | None = None, out=None,
+    def step(self, grads: list[torch.Tensor], lr: float, grad_scale: float | torch.Tensor = 1.0,
+             skip: torch.Tensor | None = None, out: list[torch.Tensor] | None = None,
              found_inf: torch.Tensor | None = None) -> None:
         """The client's ``step()`` on every piece, from ``grads * grad_scale`` (the
         gradient is scaled in place where it is fp32); nothing changes where ``skip``
@@ -161,7 +161,8 @@ class ClientShardOptimizer(ShardBase):
             for o, m in zip(out, self.master):
                 o.copy_(m)
 
-    def _run(self, slots: Iterable[int], grad_of, scale: torch.Tensor) -> None:
+    def _run(self, slots: Iterable[int], grad_of: Callable[[int], torch.Tensor],
+             scale: torch.Tensor) -> None:
         """Give each slot its scaled fp32 gradient, step the client, take them back."""
         taken = []
         for i in slots:

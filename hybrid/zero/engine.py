@@ -50,8 +50,9 @@ from __future__ import annotations
 import contextlib
 import logging
 import sys
-from collections.abc import Collection
+from collections.abc import Collection, Iterable, Iterator
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 from torch import nn
@@ -76,7 +77,7 @@ from hybrid.zero.optimizer import ShardedAdamW, global_grad_norm
 from hybrid.zero.param_sync import ParamGatherer
 from hybrid.zero.parts import split_by_part
 from hybrid.zero.plan import ShardingPlan
-from hybrid.zero.units import Materializer, OwnedPiece, owned_pieces, plan_units
+from hybrid.zero.units import Materializer, OwnedPiece, ValueSource, owned_pieces, plan_units
 
 log = logging.getLogger("hybrid")
 
@@ -107,7 +108,9 @@ class ZeroEngine:
 
     def __init__(self, model: nn.Module, ps: ParallelState, zero: ZeroConfig, *,
                  adamw: AdamWConfig, precision: PrecisionConfig, offload: OffloadConfig,
-                 values=None, unit_modules=None, parts: list[list[nn.Parameter]] | None = None,
+                 values: ValueSource | None = None,
+                 unit_modules: Iterable[nn.Module] | None = None,
+                 parts: list[list[nn.Parameter]] | None = None,
                  recompute: RecomputePhase | None = None,
                  client: torch.optim.Optimizer | None = None, decay: str = "matrices",
                  tied: Collection[str] = ()):
@@ -305,7 +308,7 @@ class ZeroEngine:
                 self.gatherer.release_all()
 
     @contextlib.contextmanager
-    def params_held(self, on: bool = True):
+    def params_held(self, on: bool = True) -> Iterator[None]:
         """Inside the block (with ``on``) stage 3 keeps each unit it gathers whole --
         after a forward, after its gradients are packed, after :meth:`end_backward` --
         until :meth:`release_params` frees its part; every unit is freed on leaving. A
@@ -379,7 +382,8 @@ class ZeroEngine:
         """
         if self.tied_units:  # [Note: tied copies across pipeline stages]
             self.sink.sum_tied(self.tied_units, self.ps.embedding_group)
-        grads = [u.grad_shard for u in self.units]
+        # (on the device where the norm or the update reads them: landed ones are not read)
+        grads = cast(list[torch.Tensor], [u.grad_shard for u in self.units])
         dp = self.ps.dp_cp_group if self.plan.optimizer else None
         scale = self.scaler.scale * grad_divisor  # what the gradient is a multiple of
         # (landed gradients are on the host by now: their norm terms were taken on landing)
@@ -389,8 +393,8 @@ class ZeroEngine:
                                           squared,
                                           self.ps.pp_group if self.ps.pp_size > 1 else None)
         norm = norm / scale
-        skip = ~torch.isfinite(norm) | bad_loss
-        decided = skip
+        decided = ~torch.isfinite(norm) | bad_loss
+        skip: torch.Tensor | None = decided
         host_skipped = None
         if self.scaler.dynamic:
             host_skipped = bool(skip)  # the host sync of an fp16 step
@@ -458,7 +462,7 @@ class ZeroEngine:
         self.publisher.wait()
 
     @contextlib.contextmanager
-    def gathered(self):
+    def gathered(self) -> Iterator[None]:
         """Every parameter holds its full (TP-local) value inside the block.
 
         Stage 3 all-gathers the partitioned units and frees them on exit; other
@@ -479,7 +483,7 @@ class ZeroEngine:
     def model_state_bytes(self) -> dict:
         """Bytes of parameters, gradients and optimizer states held by this rank now,
         read from the storages actually allocated."""
-        def nbytes(t):
+        def nbytes(t: torch.Tensor | None) -> int:
             return 0 if t is None else t.untyped_storage().nbytes()
         params = nbytes(self.flat_params) + sum(
             u.shard.untyped_storage().nbytes() + u.full.untyped_storage().nbytes()
@@ -541,7 +545,8 @@ class ZeroEngine:
 
 def apply_zero(model: nn.Module, ps: ParallelState, zero: ZeroConfig = ZeroConfig(), *,
                adamw: AdamWConfig = AdamWConfig(), precision: PrecisionConfig = PrecisionConfig(),
-               offload: OffloadConfig = OffloadConfig(), values=None, unit_modules=None,
+               offload: OffloadConfig = OffloadConfig(), values: ValueSource | None = None,
+               unit_modules: Iterable[nn.Module] | None = None,
                parts: list[list[nn.Parameter]] | None = None,
                recompute: RecomputePhase | None = None,
                client: torch.optim.Optimizer | None = None, decay: str = "matrices",

@@ -18,6 +18,7 @@ sides are permanent flat buffers, in place with no temporary at all.
 from __future__ import annotations
 
 import enum
+from collections.abc import Callable, Iterator
 from typing import Protocol
 
 import torch
@@ -39,6 +40,19 @@ class ShardHome(Protocol):
 
     def values(self) -> torch.Tensor:
         """The shard as it is now, in host memory (for reading)."""
+
+
+class Pending(Protocol):
+    """A collective under way (a gather, a reduction): ``wait()`` completes it."""
+
+    def wait(self) -> None: ...
+
+
+class Gathers(Protocol):
+    """What a unit asks of the pipeline its gathers run through
+    (:class:`~hybrid.zero.gather_pipeline.GatherPipeline`, which imports this module)."""
+
+    def start(self, full: torch.Tensor, shard: torch.Tensor) -> Pending: ...
 
 
 class ParamState(enum.Enum):
@@ -108,7 +122,7 @@ class FlatUnit:
         self.full: torch.Tensor
         self.shard: torch.Tensor
         self._state = ParamState.SHARDED if partition_params else ParamState.WHOLE
-        self._pending = None  # the gather in flight (GATHERING): a pipeline handle
+        self._pending: Pending | None = None  # the gather in flight (GATHERING)
         self._home: ShardHome | None = None
         self._grad_state = GradState.AWAY
         self._grad_full: torch.Tensor | None = None
@@ -144,14 +158,15 @@ class FlatUnit:
         return self._grad_shard
 
     # -- layout -------------------------------------------------------------
-    def segments(self, lo: int, hi: int):
+    def segments(self, lo: int, hi: int) -> Iterator[tuple[int, int, int, int]]:
         """(param index, param-local start, unit start, length) overlapping unit range [lo, hi)."""
         for i, (p, off) in enumerate(zip(self.params, self.offsets)):
             a, b = max(lo, off), min(hi, off + p.numel())
             if a < b:
                 yield i, a - off, a, b - a
 
-    def bind(self, full: torch.Tensor, fill) -> None:
+    def bind(self, full: torch.Tensor,
+             fill: Callable[[int, int, int, torch.Tensor], None]) -> None:
         """Make ``full`` (``(padded,)``, model dtype) the parameters' storage.
 
         ``fill(i, lo, hi, dst)`` writes elements ``[lo, hi)`` of parameter ``i``
@@ -233,7 +248,7 @@ class FlatUnit:
             self.full.untyped_storage().resize_(0)
             self._state = ParamState.SHARDED
 
-    def start_gather(self, pipe) -> None:
+    def start_gather(self, pipe: Gathers) -> None:
         """All-gather the shards into ``full`` through ``pipe`` (a
         :class:`~hybrid.zero.gather_pipeline.GatherPipeline`), asynchronously;
         ``finish_gather`` completes it."""
@@ -247,7 +262,7 @@ class FlatUnit:
         self._pending = pipe.start(self.full, self.shard)
         self._state = ParamState.GATHERING
 
-    def finish_gather(self, pipe) -> None:
+    def finish_gather(self, pipe: Gathers) -> None:
         """The parameters are whole on return (a gather under way is waited for, one not
         started is started first)."""
         if self.gathered:

@@ -37,7 +37,7 @@ from collections import deque
 import torch
 
 from hybrid.parallel.comm import CommGroup
-from hybrid.zero.flat_unit import FlatUnit
+from hybrid.zero.flat_unit import FlatUnit, Pending
 
 STAGING_BUFFERS = 2
 
@@ -45,7 +45,7 @@ STAGING_BUFFERS = 2
 class _Direct:
     """A gather that fits in a bucket: one collective into the unit's buffer."""
 
-    def __init__(self, work):
+    def __init__(self, work: Pending | None):
         self.work = work
 
     def wait(self) -> None:
@@ -148,7 +148,7 @@ class GatherPipeline:
         return sum(b.numel() * b.element_size() for b in self._buffers)
 
     # -- pieces ---------------------------------------------------------------------
-    def _side(self):
+    def _side(self) -> contextlib.AbstractContextManager[object]:
         return torch.cuda.stream(self.stream) if self.stream is not None else \
             contextlib.nullcontext()
 

@@ -58,7 +58,8 @@ from typing import Protocol
 import torch
 
 from hybrid.parallel.comm import CommGroup
-from hybrid.zero.flat_unit import FlatUnit, piece_columns
+from hybrid.zero.flat_unit import FlatUnit, Pending, piece_columns
+from hybrid.zero.plan import ShardingPlan
 
 
 class GradSink(Protocol):
@@ -144,7 +145,7 @@ class DeviceShard:
 class _TempPool:
     """A fixed number of reusable staging buffers: constant communication memory."""
 
-    def __init__(self, count: int, numel: int, dtype, device):
+    def __init__(self, count: int, numel: int, dtype: torch.dtype, device: torch.device):
         self.free = [torch.empty(numel, dtype=dtype, device=device) for _ in range(count)]
         self.bytes = sum(t.numel() * t.element_size() for t in self.free)
 
@@ -172,7 +173,8 @@ class GradReducer:
             gathered parameters there); default :meth:`FlatUnit.release`.
     """
 
-    def __init__(self, units: list[FlatUnit], plan, *, dp: CommGroup, sink: GradSink,
+    def __init__(self, units: list[FlatUnit], plan: ShardingPlan, *, dp: CommGroup,
+                 sink: GradSink,
                  bucket: int, overlap: bool, grad_dtype: torch.dtype,
                  replicas: int | None = None, parts: list[int] | None = None,
                  release: Callable[[FlatUnit], None] | None = None):
@@ -232,16 +234,17 @@ class GradReducer:
         for k in self._arrived:
             self._arrived[k] = 0
 
-    def _hook(self, unit: FlatUnit):
+    def _hook(self, unit: FlatUnit) -> Callable[[torch.Tensor], None]:
         # A full-buffer unit whose buffer is wider than param.grad: fold it in here.
         fold = (not self.plan.grads and unit.grad_full is not None
                 and unit.grad_full.dtype != unit.params[0].dtype)
         offsets = {id(p): o for p, o in zip(unit.params, unit.offsets)}
 
-        def on_grad(param):
+        def on_grad(param: torch.Tensor) -> None:
             if fold:
                 o, full = offsets[id(param)], unit.grad_full
                 assert full is not None  # (fold: a full-buffer unit)
+                assert param.grad is not None  # (a post-accumulate hook: it has accumulated)
                 full[o: o + param.numel()].view_as(param).add_(param.grad)
                 param.grad = None
             self._arrived[id(unit)] += 1
@@ -316,7 +319,8 @@ class GradReducer:
             work = self.dp.reduce_scatter(mine, tmp[: n * w], async_op=True)
             dst = shard[k: k + w]
 
-            def finalize(dst=dst, mine=mine, tmp=tmp):
+            def finalize(dst: torch.Tensor = dst, mine: torch.Tensor = mine,
+                         tmp: torch.Tensor = tmp) -> None:
                 if accumulate:
                     dst.add_(mine)
                 else:
@@ -325,7 +329,8 @@ class GradReducer:
             self._push(work, finalize, unit)
 
     # -- in-flight bookkeeping -------------------------------------------------
-    def _push(self, work, finalize, unit: FlatUnit) -> None:
+    def _push(self, work: Pending, finalize: Callable[[], None] | None,
+              unit: FlatUnit) -> None:
         self._inflight.append((work, finalize, unit))
         if not self.overlap:
             self._retire_one()

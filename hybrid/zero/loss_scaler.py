@@ -29,7 +29,7 @@ class LossScaler:
     _clean_steps: int = 0
     _hysteresis_left: int = 2
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         self._hysteresis_left = self.hysteresis
 
     @classmethod

@@ -51,6 +51,9 @@ from hybrid.parallel.comm import CommGroup
 # together (a checkpoint's rows, a swap file's tile planes).
 STATE_KEYS = ("master", "exp_avg", "exp_avg_sq")
 
+# per part (unit), ``[(lo, hi)]`` ranges of its elements: weight decay's, TP-split ones
+PartRanges = list[list[tuple[int, int]]]
+
 
 # [Note: a norm that holds its digits at any size]
 # One fp32 reduction over a whole range loses digits as the range grows: torch's CPU
@@ -100,7 +103,7 @@ class ShardBase:
     # than its step count): a save refuses rather than lose it
     unsaved: tuple[str, ...] = ()
 
-    def __init__(self, sizes: list[int], split_ranges, device: torch.device,
+    def __init__(self, sizes: list[int], split_ranges: PartRanges, device: torch.device,
                  excluded: Collection[int] = ()):
         self.split_ranges = split_ranges
         self.excluded = frozenset(excluded)
@@ -206,8 +209,9 @@ class ShardedAdamW(ShardBase):
         excluded: parts left out of the norm (:class:`ShardBase`).
     """
 
-    def __init__(self, master: list[torch.Tensor], decay_ranges, split_ranges, cfg: AdamWConfig,
-                 *, flat_master: torch.Tensor | None = None,
+    def __init__(self, master: list[torch.Tensor], decay_ranges: PartRanges,
+                 split_ranges: PartRanges, cfg: AdamWConfig, *,
+                 flat_master: torch.Tensor | None = None,
                  flat_grad: torch.Tensor | None = None, excluded: Collection[int] = ()):
         self.master = master
         self.flat_master = flat_master
@@ -230,8 +234,8 @@ class ShardedAdamW(ShardBase):
         return 2 * self._flat_avg.numel() * self._flat_avg.element_size()
 
     @torch.no_grad()
-    def step(self, grads: list[torch.Tensor], lr: float, grad_scale=1.0,
-             skip: torch.Tensor | None = None, out=None,
+    def step(self, grads: list[torch.Tensor], lr: float, grad_scale: float | torch.Tensor = 1.0,
+             skip: torch.Tensor | None = None, out: list[torch.Tensor] | None = None,
              found_inf: torch.Tensor | None = None) -> None:
         """AdamW on every part from ``grads * grad_scale`` (unscale and clip folded in);
         nothing changes where ``skip`` (a device flag) is set.
@@ -311,7 +315,7 @@ class SquaredNorms(Protocol):
 def global_grad_norm(opt: SquaredNorms, grads: list[torch.Tensor] | None, tp: CommGroup,
                      dp: CommGroup | None, loss: torch.Tensor | None = None,
                      loss_dp: CommGroup | None = None, squared: torch.Tensor | None = None,
-                     pp: CommGroup | None = None):
+                     pp: CommGroup | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(L2 norm of the whole model's gradient, whether any rank's ``loss`` is not
     finite) from this rank's parts of the gradient, as 0-dim tensors on the
     gradients' device (fp64, bool; never read here).

@@ -44,7 +44,7 @@ the :class:`~hybrid.recompute.phase.RecomputePhase` it shares with this gatherer
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Iterable, Mapping
 
 import torch
 from torch import nn
@@ -111,8 +111,8 @@ class ParamGatherer:
                 after.home.prefetch()
 
     # -- hooks -----------------------------------------------------------------
-    def _pre_forward(self, unit: FlatUnit):
-        def hook(module, args):
+    def _pre_forward(self, unit: FlatUnit) -> Callable[[nn.Module, tuple[object, ...]], None]:
+        def hook(module: nn.Module, args: tuple[object, ...]) -> None:
             recomputing = self.recompute.active
             if self._recording and not recomputing and unit not in self._forward_order:
                 self._forward_order.append(unit)
@@ -120,8 +120,9 @@ class ParamGatherer:
             self._prefetch(unit, backward=recomputing)
         return hook
 
-    def _post_forward(self, unit: FlatUnit):
-        def hook(module, args, output):
+    def _post_forward(self, unit: FlatUnit
+                      ) -> Callable[[nn.Module, tuple[object, ...], object], object]:
+        def hook(module: nn.Module, args: tuple[object, ...], output: object) -> object:
             if self.recompute.active:  # backward of this module comes next
                 return output
             if torch.is_grad_enabled():
@@ -131,7 +132,7 @@ class ParamGatherer:
             return output
         return hook
 
-    def _hook_output(self, unit: FlatUnit, output) -> None:
+    def _hook_output(self, unit: FlatUnit, output: object) -> None:
         """Hook the first output tensor that needs a gradient (a tensor, a tuple or
         list of them, or a mapping such as a ``transformers`` ModelOutput)."""
         if isinstance(output, Mapping):
@@ -144,8 +145,8 @@ class ParamGatherer:
                 t.register_hook(self._pre_backward(unit))
                 break
 
-    def _pre_backward(self, unit: FlatUnit):
-        def hook(grad):
+    def _pre_backward(self, unit: FlatUnit) -> Callable[[torch.Tensor], torch.Tensor]:
+        def hook(grad: torch.Tensor) -> torch.Tensor:
             self._recording = False
             if (self._home is not None and self.backward_part is not None
                     and self._home[id(unit)] != self.backward_part):
@@ -166,7 +167,7 @@ class ParamGatherer:
         """Free everything gathered (end of step, or after an eval forward)."""
         self.release(self.units)
 
-    def release(self, units) -> None:
+    def release(self, units: Iterable[FlatUnit]) -> None:
         """Free ``units`` (a gather under way is finished first)."""
         for u in units:
             if u.state is ParamState.GATHERING:

@@ -11,6 +11,8 @@ tensors (and back, for another TP size) is the checkpoint module's job.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
+
 import torch
 
 from hybrid.errors import ConfigError
@@ -44,7 +46,8 @@ def check_saveable(engine: ZeroEngine) -> None:
 
 
 @torch.no_grad()
-def iter_piece_values(engine: ZeroEngine, keys=None, skip=()):
+def iter_piece_values(engine: ZeroEngine, keys: Sequence[str] | None = None,
+                      skip: Collection[str] = ()) -> Iterator[torch.Tensor]:
     """For each piece of :func:`shard_state`, in its order: an fp32 CPU ``(n, len(keys))``
     tensor of rows (default: every one of ``engine.optimizer.columns``). The pieces of
     the parameters named in ``skip`` are left out, unread."""
@@ -59,8 +62,8 @@ def iter_piece_values(engine: ZeroEngine, keys=None, skip=()):
 
 
 @torch.no_grad()
-def load_shard_state(engine: ZeroEngine, fetch, keys, step: int,
-                     loss_scaler: dict | None) -> None:
+def load_shard_state(engine: ZeroEngine, fetch: Callable[[str, int, int], torch.Tensor],
+                     keys: Sequence[str], step: int, loss_scaler: dict | None) -> None:
     """Fill this rank's pieces from ``fetch(name, lo, hi) -> fp32 (len(keys), hi - lo)``
     (one plane per name in ``keys``, ``master`` among them), set the optimizer's
     step count, and republish the parameters (copy into the model dtype, all-gather
@@ -85,7 +88,7 @@ def load_shard_state(engine: ZeroEngine, fetch, keys, step: int,
 
 
 @torch.no_grad()
-def write_master_from_params(engine: ZeroEngine, params) -> None:
+def write_master_from_params(engine: ZeroEngine, params: Iterable[torch.Tensor]) -> None:
     """The full values of ``params`` (just changed in place, the same on every DP rank,
     inside :meth:`ZeroEngine.gathered`) become this rank's fp32 master pieces of them;
     then the parameters are republished. The Adam moments are kept."""

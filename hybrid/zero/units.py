@@ -40,16 +40,24 @@ fp32 master only this rank's ranges. So no rank ever holds more than it keeps.
 from __future__ import annotations
 
 import bisect
-from collections.abc import Collection
+from collections.abc import Callable, Collection, Iterable, Sequence
 from typing import NamedTuple
 
 import torch
 from torch import nn
 
+from hybrid.config.sections import ZeroConfig
 from hybrid.parallel.state import ParallelState
 from hybrid.zero.flat_unit import FlatUnit
+from hybrid.zero.plan import ShardingPlan
 
 FILL_CHUNK = 1 << 22  # elements drawn at once while materializing
+
+# ``values(name, param, lo, hi)``: fp32 values of a TP-local flat range ([Note:
+# materializing only what a rank keeps])
+ValueSource = Callable[[str, torch.Tensor, int, int], torch.Tensor]
+# ``fill(lo, hi, dst)``: ``dst`` <- elements ``[lo, hi)`` of the rank's flat shard
+FlatFill = Callable[[int, int, torch.Tensor], None]
 
 
 def shared_param_ids(model: nn.Module) -> set[int]:
@@ -60,8 +68,8 @@ def shared_param_ids(model: nn.Module) -> set[int]:
     return {k for k, c in count.items() if c > 1}
 
 
-def bucket_units(params, ps: ParallelState, bucket: int, owns_all: bool, tag: str,
-                 deferred: bool = False) -> list[FlatUnit]:
+def bucket_units(params: Sequence[nn.Parameter], ps: ParallelState, bucket: int,
+                 owns_all: bool, tag: str, deferred: bool = False) -> list[FlatUnit]:
     """Pack params, last first, into units of at most ``bucket`` elements (one
     larger parameter makes a unit of its own)."""
     groups: list[list[nn.Parameter]] = []
@@ -79,8 +87,9 @@ def bucket_units(params, ps: ParallelState, bucket: int, owns_all: bool, tag: st
             for i, g in enumerate(groups)]
 
 
-def plan_units(model: nn.Module, ps: ParallelState, cfg, plan, unit_modules,
-               alone: Collection[str] = ()):
+def plan_units(model: nn.Module, ps: ParallelState, cfg: ZeroConfig, plan: ShardingPlan,
+               unit_modules: Iterable[nn.Module] | None, alone: Collection[str] = ()
+               ) -> tuple[list[FlatUnit], list[tuple[nn.Module, FlatUnit]]]:
     """(units, owners): every trainable parameter in exactly one unit; ``owners`` are
     the (module, partitioned unit) pairs stage 3 gathers around each module's run.
     ``alone``: names of parameters that get a unit of their own each, first in
@@ -178,7 +187,8 @@ class Materializer:
     layout ``units`` asks of this rank (a model built under ``zero_init()``, whose ranks
     each hold a part of every parameter) does so once, collectively."""
 
-    def __init__(self, model: nn.Module, values, units: list[FlatUnit] | None = None):
+    def __init__(self, model: nn.Module, values: ValueSource | None,
+                 units: list[FlatUnit] | None = None):
         self.names = {id(p): n for n, p in model.named_parameters()}
         self.values = values or read_values
         prepare = getattr(values, "prepare", None)
@@ -193,7 +203,7 @@ class Materializer:
             b = min(hi, a + FILL_CHUNK)
             dst[a - lo: b - lo].copy_(self.values(name, p, a, b))
 
-    def flat_filler(self, pieces, units: list[FlatUnit]):
+    def flat_filler(self, pieces: Sequence[OwnedPiece], units: list[FlatUnit]) -> FlatFill:
         """``fill(lo, hi, dst)``: ``dst`` <- the exact fp32 values of elements ``[lo, hi)``
         of the rank's flat shard (``units``' owned parts back to back; ``pieces`` their
         :func:`owned_pieces`), zeros in padding -- for a master that is filled a tile at
@@ -215,7 +225,8 @@ class Materializer:
         return fill
 
     def bind(self, units: list[FlatUnit], flat: torch.Tensor, *, dtype: torch.dtype,
-             device: torch.device, bound=lambda u: None) -> None:
+             device: torch.device,
+             bound: Callable[[FlatUnit], None] = lambda u: None) -> None:
         """Give every unit its storage: views of ``flat`` for whole units (in order),
         a transient full buffer for partitioned ones (freed at once); ``bound(unit)``
         after each (stage 3 parameter offload sends the shard home there)."""

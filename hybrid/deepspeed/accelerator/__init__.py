@@ -15,6 +15,8 @@ from __future__ import annotations
 import contextlib
 import os
 import resource
+import types
+from typing import NoReturn
 
 import torch
 
@@ -107,7 +109,7 @@ class Accelerator:
         else:
             torch.set_rng_state(new_state)
 
-    def random(self):
+    def random(self) -> types.ModuleType:
         return torch.random
 
     # -- memory ---------------------------------------------------------------------
@@ -166,7 +168,7 @@ class Accelerator:
         if self._cuda:
             torch.cuda.nvtx.range_pop()
 
-    def __getattr__(self, name: str):
+    def __getattr__(self, name: str) -> NoReturn:
         raise AttributeError(f"hybrid's get_accelerator() has no {name!r} (DeepSpeed's "
                              f"accelerator.{name}); docs/deepspeed.md lists the calls it has")
 

@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import datetime
 import os
+from collections.abc import Mapping
+from typing import NoReturn
 
 import torch
 import torch.distributed as dist
@@ -54,7 +56,8 @@ def init_distributed(dist_backend: str | None = None, auto_mpi_discovery: bool =
                      distributed_port: int = 29500, verbose: bool = True,
                      timeout: datetime.timedelta = datetime.timedelta(minutes=30),
                      init_method: str | None = None, dist_init_required: bool | None = None,
-                     config=None, rank: int = -1, world_size: int = -1) -> None:
+                     config: Mapping | None = None, rank: int = -1,
+                     world_size: int = -1) -> None:
     """Join torchrun's job (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT) as the default
     process group, once: a second call, or one after ``deepspeed.initialize``, does
     nothing. ``dist_backend``: nccl on a GPU, gloo otherwise (the default). One
@@ -80,24 +83,24 @@ def init_distributed(dist_backend: str | None = None, auto_mpi_discovery: bool =
                             world_size=world, device_id=device)
 
 
-def destroy_process_group(group=None) -> None:
+def destroy_process_group(group: dist.ProcessGroup | None = None) -> None:
     if is_initialized():
         dist.destroy_process_group(group)
 
 
-def new_group(ranks):
+def new_group(ranks: list[int]) -> dist.ProcessGroup | None:
     return dist.new_group(ranks) if _joined() else None
 
 
-def get_world_group():
+def get_world_group() -> dist.ProcessGroup | None:
     return dist.group.WORLD if _joined() else None
 
 
-def get_rank(group=None) -> int:
+def get_rank(group: dist.ProcessGroup | None = None) -> int:
     return dist.get_rank(group) if _joined() else 0
 
 
-def get_world_size(group=None) -> int:
+def get_world_size(group: dist.ProcessGroup | None = None) -> int:
     return dist.get_world_size(group) if _joined() else 1
 
 
@@ -106,48 +109,56 @@ def get_local_rank() -> int:
     return int(os.environ.get("LOCAL_RANK", "0"))
 
 
-def get_global_rank(group=None, group_rank: int = 0) -> int:
+def get_global_rank(group: dist.ProcessGroup | None = None, group_rank: int = 0) -> int:
     if not _joined() or group is None or group is dist.group.WORLD:
         return group_rank
     return dist.get_global_rank(group, group_rank)
 
 
-def get_all_ranks_from_group(group=None) -> list[int]:
+def get_all_ranks_from_group(group: dist.ProcessGroup | None = None) -> list[int]:
     if not _joined():
         return [0]
     return [get_global_rank(group, r) for r in range(dist.get_world_size(group))]
 
 
-def barrier(group=None, async_op: bool = False, device_ids=None):
+def barrier(group: dist.ProcessGroup | None = None, async_op: bool = False,
+            device_ids: list[int] | None = None) -> dist.Work | None:
     return dist.barrier(group, async_op, device_ids) if _joined() else None
 
 
-def monitored_barrier(group=None, timeout=None, wait_all_ranks: bool = False):
-    return dist.monitored_barrier(group, timeout, wait_all_ranks) if _joined() else None
+def monitored_barrier(group: dist.ProcessGroup | None = None,
+                      timeout: datetime.timedelta | None = None,
+                      wait_all_ranks: bool = False) -> None:
+    if _joined():
+        dist.monitored_barrier(group, timeout, wait_all_ranks)
 
 
-def all_reduce(tensor: torch.Tensor, op=ReduceOp.SUM, group=None, async_op: bool = False):
+def all_reduce(tensor: torch.Tensor, op: ReduceOp | ReduceOp.RedOpType = ReduceOp.SUM,
+               group: dist.ProcessGroup | None = None, async_op: bool = False) -> dist.Work | None:
     return dist.all_reduce(tensor, op, group, async_op) if _joined() else None
 
 
-def reduce(tensor: torch.Tensor, dst: int, op=ReduceOp.SUM, group=None, async_op: bool = False):
+def reduce(tensor: torch.Tensor, dst: int, op: ReduceOp | ReduceOp.RedOpType = ReduceOp.SUM,
+           group: dist.ProcessGroup | None = None, async_op: bool = False) -> dist.Work | None:
     return dist.reduce(tensor, dst, op, group, async_op) if _joined() else None
 
 
-def broadcast(tensor: torch.Tensor, src: int, group=None, async_op: bool = False):
+def broadcast(tensor: torch.Tensor, src: int, group: dist.ProcessGroup | None = None,
+              async_op: bool = False) -> dist.Work | None:
     return dist.broadcast(tensor, src, group, async_op) if _joined() else None
 
 
-def all_gather(tensor_list: list[torch.Tensor], tensor: torch.Tensor, group=None,
-               async_op: bool = False):
+def all_gather(tensor_list: list[torch.Tensor], tensor: torch.Tensor,
+               group: dist.ProcessGroup | None = None, async_op: bool = False) -> dist.Work | None:
     if _joined():
         return dist.all_gather(tensor_list, tensor, group, async_op)
     tensor_list[0].copy_(tensor)
     return None
 
 
-def all_gather_into_tensor(output_tensor: torch.Tensor, input_tensor: torch.Tensor, group=None,
-                           async_op: bool = False):
+def all_gather_into_tensor(output_tensor: torch.Tensor, input_tensor: torch.Tensor,
+                           group: dist.ProcessGroup | None = None,
+                           async_op: bool = False) -> dist.Work | None:
     if _joined():
         return dist.all_gather_into_tensor(output_tensor, input_tensor, group, async_op)
     output_tensor.copy_(input_tensor.reshape(output_tensor.shape))
@@ -155,15 +166,17 @@ def all_gather_into_tensor(output_tensor: torch.Tensor, input_tensor: torch.Tens
 
 
 def reduce_scatter_tensor(output_tensor: torch.Tensor, input_tensor: torch.Tensor,
-                          op=ReduceOp.SUM, group=None, async_op: bool = False):
+                          op: ReduceOp | ReduceOp.RedOpType = ReduceOp.SUM,
+                          group: dist.ProcessGroup | None = None,
+                          async_op: bool = False) -> dist.Work | None:
     if _joined():
         return dist.reduce_scatter_tensor(output_tensor, input_tensor, op, group, async_op)
     output_tensor.copy_(input_tensor.reshape(output_tensor.shape))
     return None
 
 
-def gather(tensor: torch.Tensor, gather_list=None, dst: int = 0, group=None,
-           async_op: bool = False):
+def gather(tensor: torch.Tensor, gather_list: list[torch.Tensor] | None = None, dst: int = 0,
+           group: dist.ProcessGroup | None = None, async_op: bool = False) -> dist.Work | None:
     if _joined():
         return dist.gather(tensor, gather_list, dst, group, async_op)
     if gather_list:
@@ -171,8 +184,9 @@ def gather(tensor: torch.Tensor, gather_list=None, dst: int = 0, group=None,
     return None
 
 
-def scatter(tensor: torch.Tensor, scatter_list=None, src: int = 0, group=None,
-            async_op: bool = False):
+def scatter(tensor: torch.Tensor, scatter_list: list[torch.Tensor] | None = None,
+            src: int = 0, group: dist.ProcessGroup | None = None,
+            async_op: bool = False) -> dist.Work | None:
     if _joined():
         return dist.scatter(tensor, scatter_list, src, group, async_op)
     if scatter_list:
@@ -180,8 +194,11 @@ def scatter(tensor: torch.Tensor, scatter_list=None, src: int = 0, group=None,
     return None
 
 
-def all_to_all_single(output: torch.Tensor, input: torch.Tensor, output_split_sizes=None,
-                      input_split_sizes=None, group=None, async_op: bool = False):
+def all_to_all_single(output: torch.Tensor, input: torch.Tensor,
+                      output_split_sizes: list[int] | None = None,
+                      input_split_sizes: list[int] | None = None,
+                      group: dist.ProcessGroup | None = None,
+                      async_op: bool = False) -> dist.Work | None:
     if _joined():
         return dist.all_to_all_single(output, input, output_split_sizes, input_split_sizes,
                                       group, async_op)
@@ -189,34 +206,40 @@ def all_to_all_single(output: torch.Tensor, input: torch.Tensor, output_split_si
     return None
 
 
-def all_gather_object(object_list: list, obj, group=None) -> None:
+def all_gather_object(object_list: list, obj: object,
+                      group: dist.ProcessGroup | None = None) -> None:
     if _joined():
         dist.all_gather_object(object_list, obj, group)
     else:
         object_list[0] = obj
 
 
-def broadcast_object_list(object_list: list, src: int, group=None, device=None) -> None:
+def broadcast_object_list(object_list: list, src: int, group: dist.ProcessGroup | None = None,
+                          device: torch.device | None = None) -> None:
     if _joined():
         dist.broadcast_object_list(object_list, src, group, device)
 
 
-def send(tensor: torch.Tensor, dst: int, group=None, tag: int = 0):
+def send(tensor: torch.Tensor, dst: int, group: dist.ProcessGroup | None = None,
+         tag: int = 0) -> None:
     _alone("send")
     return dist.send(tensor, dst, group, tag)
 
 
-def recv(tensor: torch.Tensor, src: int | None = None, group=None, tag: int = 0):
+def recv(tensor: torch.Tensor, src: int | None = None, group: dist.ProcessGroup | None = None,
+         tag: int = 0) -> int:
     _alone("recv")
     return dist.recv(tensor, src, group, tag)
 
 
-def isend(tensor: torch.Tensor, dst: int, group=None, tag: int = 0):
+def isend(tensor: torch.Tensor, dst: int, group: dist.ProcessGroup | None = None,
+          tag: int = 0) -> dist.Work | None:
     _alone("isend")
     return dist.isend(tensor, dst, group, tag)
 
 
-def irecv(tensor: torch.Tensor, src: int | None = None, group=None, tag: int = 0):
+def irecv(tensor: torch.Tensor, src: int | None = None, group: dist.ProcessGroup | None = None,
+          tag: int = 0) -> dist.Work | None:
     _alone("irecv")
     return dist.irecv(tensor, src, group, tag)
 
@@ -226,6 +249,6 @@ def _alone(op: str) -> None:
         raise ConfigError(f"deepspeed.comm.{op}: one process alone has no peer to talk to")
 
 
-def __getattr__(name: str):
+def __getattr__(name: str) -> NoReturn:
     raise AttributeError(f"hybrid.deepspeed.comm has no {name!r} (not one of DeepSpeed's comm "
                          f"calls hybrid serves yet; torch.distributed.{name} may do)")

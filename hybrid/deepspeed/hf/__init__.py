@@ -35,7 +35,7 @@ if TYPE_CHECKING:
 __all__ = ["Trainer", "TrainingArguments"]
 
 
-def __getattr__(name: str):
+def __getattr__(name: str) -> type[TrainingArguments] | type[Trainer]:
     if name == "TrainingArguments":
         from hybrid.deepspeed.hf.arguments import TrainingArguments
         return TrainingArguments

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+from collections.abc import Iterator
 from functools import cached_property
 
 import torch
@@ -62,12 +63,13 @@ class TrainingArguments(transformers.TrainingArguments):
         # the engine casts the model to the config's dtype and scales the loss itself: an
         # accelerate autocast or GradScaler on top would do it twice
         self.mixed_precision = "no"
+        assert self.deepspeed is not None  # (_on_hybrid)
         self.hybrid_ds_config = auto.read(self.deepspeed)
         self.hybrid_ds_filler = auto.Filler(self.hybrid_ds_config)
         auto.fill_from_arguments(self.hybrid_ds_filler, self)
 
     @contextlib.contextmanager
-    def _deepspeed_hidden(self):
+    def _deepspeed_hidden(self) -> Iterator[dict | str | None]:
         """``deepspeed`` reads None inside (transformers' post-init and device setup build
         DeepSpeed's plugin and process group from it), and is as given again after."""
         given = self.deepspeed

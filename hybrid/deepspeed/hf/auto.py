@@ -39,15 +39,20 @@ when the engine is built, as transformers raises them when DeepSpeed starts.
 from __future__ import annotations
 
 import copy
-from typing import Any
+import os
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
 
 from hybrid.config.deepspeed import load_ds_config
 from hybrid.errors import ConfigError
 
+if TYPE_CHECKING:
+    import transformers
+
 AUTO = "auto"
 
 
-def read(source) -> dict:
+def read(source: str | os.PathLike | Mapping) -> dict:
     """A deep copy of the ds_config ``source`` (a path to a JSON file, or a dict): the
     fills write into it, and the caller's ``TrainingArguments(deepspeed=...)`` stays as
     it was written."""
@@ -71,7 +76,7 @@ class Filler:
                 return None, last
         return (node if isinstance(node, dict) else None), last
 
-    def fill(self, key: str, value, field: str | None) -> None:
+    def fill(self, key: str, value: object, field: str | None) -> None:
         """``"auto"`` at ``key`` becomes ``value``; another value there that differs is a
         mismatch with the TrainingArguments' ``field`` (None: nothing to check against)."""
         node, last = self._node(key)
@@ -95,7 +100,7 @@ class Filler:
         return 1 if zero is True else 0
 
 
-def fill_from_arguments(filler: Filler, args) -> None:
+def fill_from_arguments(filler: Filler, args: transformers.TrainingArguments) -> None:
     """The values TrainingArguments ``args`` decides (the table's first part)."""
     micro, accumulation = args.per_device_train_batch_size, args.gradient_accumulation_steps
     filler.fill("train_micro_batch_size_per_gpu", micro, "per_device_train_batch_size")
@@ -120,7 +125,7 @@ def fill_from_arguments(filler: Filler, args) -> None:
             filler.config[dtype] = {"enabled": True}
 
 
-def hidden_size(model) -> int | None:
+def hidden_size(model: object) -> int | None:
     """The width the bucket sizes scale with: the model config's ``hidden_size`` (the
     largest of ``hidden_sizes``), or its text config's; None when it has none."""
     top = getattr(model, "config", None)
@@ -139,7 +144,8 @@ _WIDTH_KEYS = ("zero_optimization.reduce_bucket_size",
                "zero_optimization.stage3_param_persistence_threshold")
 
 
-def fill_from_run(filler: Filler, args, model, num_training_steps: int) -> None:
+def fill_from_run(filler: Filler, args: transformers.TrainingArguments, model: object,
+                  num_training_steps: int) -> None:
     """The values known once training starts (the table's second part), then the
     mismatches collected so far as one ConfigError."""
     if any(filler.is_auto(k) for k in _WIDTH_KEYS):

@@ -11,6 +11,9 @@ engine's.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 from hybrid.engine.api import Engine
 
 
@@ -22,10 +25,10 @@ class EngineStepsOptimizer:
         self.engine = engine
 
     @property
-    def param_groups(self):
+    def param_groups(self) -> list[dict[str, Any]]:
         return self.engine.optimizer.param_groups
 
-    def step(self, closure=None) -> None:
+    def step(self, closure: Callable[[], float] | None = None) -> None:
         """Nothing: ``engine.step()`` in ``training_step`` took this window's step."""
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -52,7 +55,7 @@ class EngineStepsSchedule:
         self.engine = engine
         self.ran_at: list[float] | None = None
 
-    def step(self, *args, **kwargs) -> None:
+    def step(self, *args: object, **kwargs: object) -> None:
         """Nothing: ``engine.step()`` stepped the schedule with the optimizer."""
 
     def get_last_lr(self) -> list[float]:

@@ -48,6 +48,7 @@ from typing import Any
 import torch
 import transformers
 from torch import nn
+from torch.utils.data import DataLoader
 from transformers.trainer_utils import has_length
 
 from hybrid import deepspeed
@@ -70,7 +71,7 @@ class Trainer(transformers.Trainer):
     ``engine`` is the engine once ``train()`` has built it (None before).
     """
 
-    def __init__(self, *args, parallel_state: ParallelState | None = None, **kwargs):
+    def __init__(self, *args: Any, parallel_state: ParallelState | None = None, **kwargs: Any):
         given = kwargs.get("args", args[1] if len(args) > 1 else None)
         if getattr(given, "deepspeed", None) and not isinstance(given, TrainingArguments):
             raise ConfigError("hybrid.deepspeed.hf.Trainer got transformers' own "
@@ -87,7 +88,9 @@ class Trainer(transformers.Trainer):
         return isinstance(self.args, TrainingArguments) and self.args.hybrid_ds_config is not None
 
     # -- building the engine -------------------------------------------------------------
-    def _prepare_for_training(self, max_steps, train_dataloader, resume_from_checkpoint):
+    def _prepare_for_training(self, max_steps: int, train_dataloader: DataLoader,
+                              resume_from_checkpoint: str | None
+                              ) -> tuple[nn.Module | Engine, DataLoader]:
         if not self._on_hybrid:
             return super()._prepare_for_training(max_steps, train_dataloader,
                                                  resume_from_checkpoint)
@@ -115,7 +118,7 @@ class Trainer(transformers.Trainer):
         self.callback_handler.train_dataloader = train_dataloader
         return engine, train_dataloader
 
-    def _check_windows(self, dataloader, max_steps: int) -> None:
+    def _check_windows(self, dataloader: DataLoader, max_steps: int) -> None:
         """The engine steps every ``gradient_accumulation_steps`` micro-batches; the
         Trainer would close a shorter window at an epoch's end."""
         every = self.args.gradient_accumulation_steps
@@ -191,13 +194,14 @@ class Trainer(transformers.Trainer):
         engine.step()
         return loss.detach()
 
-    def _clip_grad_norm(self, model):
+    def _clip_grad_norm(self, model: nn.Module) -> torch.Tensor | float | None:
         if not self._on_hybrid:
             return super()._clip_grad_norm(model)
         assert self.engine is not None
         return self.engine.get_global_grad_norm()  # the engine clipped in engine.step()
 
-    def _get_grad_norm(self, model, grad_norm=None):
+    def _get_grad_norm(self, model: nn.Module, grad_norm: torch.Tensor | float | None = None
+                       ) -> torch.Tensor | float | None:
         if not self._on_hybrid:
             return super()._get_grad_norm(model, grad_norm)
         assert self.engine is not None

@@ -19,10 +19,21 @@ constructor of its module has returned ([Note: building under zero_init] in
 from __future__ import annotations
 
 import contextlib
+import os
+from collections.abc import Iterable, Mapping
+from typing import TYPE_CHECKING, NoReturn
+
+import torch
+from torch import nn
 
 from hybrid.deepspeed.comm import init_distributed
 from hybrid.engine.zero_context import GatheredParameters as _gathered, zero_init
 from hybrid.errors import ConfigError
+
+if TYPE_CHECKING:
+    import torch.distributed as dist
+
+    from hybrid.parallel.comm import CommGroup
 
 __all__ = ["GatheredParameters", "Init"]
 
@@ -45,12 +56,18 @@ class Init:
     to do instead.
     """
 
-    def __init__(self, module=None, data_parallel_group=None, mem_efficient_linear: bool = True,
-                 remote_device=None, pin_memory: bool = False, config_dict_or_path=None,
-                 config=None, enabled: bool = True, dtype=None, mpu=None,
-                 zero_param_parallel_group=None, zero_quantized_weights: bool = False,
+    def __init__(self, module: nn.Module | None = None,
+                 data_parallel_group: dist.ProcessGroup | CommGroup | None = None,
+                 mem_efficient_linear: bool = True, remote_device: str | None = None,
+                 pin_memory: bool = False,
+                 config_dict_or_path: str | os.PathLike | Mapping | None = None,
+                 config: str | os.PathLike | Mapping | None = None, enabled: bool = True,
+                 dtype: torch.dtype | None = None, mpu: object = None,
+                 zero_param_parallel_group: dist.ProcessGroup | None = None,
+                 zero_quantized_weights: bool = False,
                  zero_quantized_nontrainable_weights: bool = False,
-                 sequence_data_parallel_group=None, param_swapper=None):
+                 sequence_data_parallel_group: dist.ProcessGroup | None = None,
+                 param_swapper: object = None):
         if module is not None:
             raise ConfigError("deepspeed.zero.Init(module=...): hybrid shards a built model "
                               "when initialize() wraps it; pass the model to initialize() "
@@ -75,14 +92,15 @@ class Init:
             self._stack.enter_context(zero_init(self.group))
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         stack, self._stack = self._stack, None
         if stack is not None:
             stack.close()
 
 
-def GatheredParameters(params, modifier_rank: int | None = None, fwd_module=None,
-                       enabled: bool = True):
+def GatheredParameters(params: torch.Tensor | Iterable[torch.Tensor],
+                       modifier_rank: int | None = None, fwd_module: nn.Module | None = None,
+                       enabled: bool = True) -> contextlib.AbstractContextManager[None]:
     """``with deepspeed.zero.GatheredParameters(params, modifier_rank=0):`` --
     :func:`hybrid.GatheredParameters` (full values inside; ``modifier_rank``'s changes
     kept on every rank and in the fp32 master, or in the parts of a model built under
@@ -91,7 +109,7 @@ def GatheredParameters(params, modifier_rank: int | None = None, fwd_module=None
     return _gathered(params, modifier_rank=modifier_rank, enabled=enabled)
 
 
-def __getattr__(name: str):
+def __getattr__(name: str) -> NoReturn:
     raise AttributeError(f"hybrid.deepspeed.zero has no {name!r} (DeepSpeed's deepspeed.zero."
                          f"{name}): it holds Init and GatheredParameters; hybrid's ZeRO is "
                          f"configured by the ds_config's zero_optimization block")

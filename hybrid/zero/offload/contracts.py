@@ -144,7 +144,7 @@ class GradStore(Protocol):
         shard, on a CPU, and a unit is stored by being reduced)."""
 
     def store(self, i: int, src: torch.Tensor,
-              stream: torch.cuda.Stream | None) -> Waitable | None:
+              stream: torch.cuda.Stream | None) -> torch.cuda.Event | None:
         """Unit ``i``'s shard ``src`` (a partial sum, or final) into the store; returns
         the event of its copy off the device (None: done)."""
 
@@ -201,7 +201,7 @@ class Speculation(Protocol):
 
     def start(self, lr: float, grad_scale: float, final: list[bool]) -> None: ...
 
-    def post(self, scalars: torch.Tensor, ready, lr: float) -> None: ...
+    def post(self, scalars: torch.Tensor, ready: Waitable | None, lr: float) -> None: ...
 
     def abandon(self) -> None: ...
 

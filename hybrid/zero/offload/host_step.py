@@ -125,6 +125,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import torch
 
 from hybrid.config.sections import OffloadConfig
+from hybrid.kernels.aio import AsyncIO
 from hybrid.zero.flat_unit import FlatUnit, shard_bounds
 from hybrid.zero.offload.contracts import (
     GradStore,
@@ -133,9 +134,11 @@ from hybrid.zero.offload.contracts import (
     ShardOptimizer,
     Speculation,
     SpeculationOf,
+    Waitable,
 )
 from hybrid.zero.offload.grads import HostGrads, stream_copy
 from hybrid.zero.offload.writer import HomeWriter
+from hybrid.zero.plan import ShardingPlan
 
 
 class OptimizerOffload:
@@ -170,7 +173,8 @@ class OptimizerOffload:
     """
 
     def __init__(self, units: list[FlatUnit], opt: ShardOptimizer, cfg: OffloadConfig, *,
-                 plan, dtype: torch.dtype, grad_dtype: torch.dtype, device: torch.device,
+                 plan: ShardingPlan, dtype: torch.dtype, grad_dtype: torch.dtype,
+                 device: torch.device,
                  flat_grads: torch.Tensor | None, homes: list[ParamHome | None],
                  publisher: ParamPublisher, swapped_grads: GradStore | None = None,
                  speculation_of: SpeculationOf | None = None, pin: bool = False):
@@ -255,7 +259,7 @@ class OptimizerOffload:
 
     # -- during backward -----------------------------------------------------------
     @torch.no_grad()
-    def grad_ready(self, unit: FlatUnit):
+    def grad_ready(self, unit: FlatUnit) -> torch.cuda.Event | None:
         """``unit``'s gradient shard is final for this step: send it down now. Returns
         the CUDA event of its copy (None: done, or nothing to copy)."""
         i = self.index[id(unit)]
@@ -263,7 +267,7 @@ class OptimizerOffload:
         return self.park(unit) if self.grads.own else None
 
     @torch.no_grad()
-    def park(self, unit: FlatUnit):
+    def park(self, unit: FlatUnit) -> torch.cuda.Event | None:
         """Copy ``unit``'s gradient shard (a partial sum of the step's micro-batches, or
         the final one) into its host buffer; returns the copy's CUDA event, or None."""
         i = self.index[id(unit)]
@@ -360,7 +364,8 @@ class OptimizerOffload:
             torch.cuda.current_stream(self.copy_stream.device).wait_stream(self.copy_stream)
         return self.found
 
-    def _scalars_down(self, grad_scale: torch.Tensor, skip: torch.Tensor | None):
+    def _scalars_down(self, grad_scale: torch.Tensor,
+                      skip: torch.Tensor | None) -> torch.cuda.Event | None:
         """[grad_scale, skip] into host memory (asynchronously on a GPU); returns the
         CUDA event to wait for, or None."""
         vals = torch.stack([grad_scale.reshape(()).double(),
@@ -372,7 +377,7 @@ class OptimizerOffload:
             vals.record_stream(stream)
         return ev
 
-    def _update(self, lr: float, scalars_ready, delayed: bool) -> None:
+    def _update(self, lr: float, scalars_ready: Waitable | None, delayed: bool) -> None:
         """The worker: one step of AdamW over the host shard, unit by unit (last to first
         when ``delayed``: [Note: the delayed update runs last to first])."""
         if scalars_ready is not None:
@@ -516,7 +521,7 @@ class OptimizerOffload:
             else:
                 self._copy_up(u, i, self._source(i))
 
-    def seconds(self, io) -> dict:
+    def seconds(self, io: AsyncIO | None) -> dict:
         """Seconds summed over the steps so far: ``host_step`` (the main thread in
         :meth:`step`), ``adam`` (the worker in the Adam kernels), ``update_wait`` (the
         main thread in backward, waiting for the update in flight to have read a gradient
@@ -553,7 +558,8 @@ def reverse_ends(chunks: list[tuple[int, int]], bounds: list[int]) -> list[list[
     return out[::-1]
 
 
-def chunk_units(chunks: list[tuple[int, int]], bounds: list[int]):
+def chunk_units(chunks: list[tuple[int, int]], bounds: list[int]
+                ) -> list[tuple[list[int], list[int]]]:
     """Per chunk ``[lo, hi)`` of the flat shard: (the units it overlaps, the units
     whose last element it holds). ``bounds[i]``: where unit ``i`` starts."""
     out, done = [], 0

@@ -124,8 +124,8 @@ class GradLanding:
         self.index = {id(u): i for i, u in enumerate(units)}
         size = max(u.own_hi - u.own_lo for u in units)
         # (buffer, CUDA event after which it is free, or None)
-        self.free = [(torch.empty(size, dtype=dtype, device=device), None)
-                     for _ in range(count)]
+        self.free: list[tuple[torch.Tensor, torch.cuda.Event | None]] = [
+            (torch.empty(size, dtype=dtype, device=device), None) for _ in range(count)]
         self.bytes = count * size * self.free[0][0].element_size()
         self._held: list = [None] * len(units)  # the buffer unit i has landed in
         self._parked = [False] * len(units)  # host buffer i holds this step's partial sum
@@ -181,7 +181,7 @@ class GradLanding:
             group.all_reduce(shard)
             self._ready(u)
 
-    def _close(self, unit: FlatUnit, copied) -> None:
+    def _close(self, unit: FlatUnit, copied: torch.cuda.Event | None) -> None:
         i = self.index[id(unit)]
         self.free.append((self._held[i], copied))
         self._held[i] = None

@@ -79,7 +79,7 @@ class OffloadTiers:
 
     def __init__(self, cfg: OffloadConfig, rank: int, units: list[FlatUnit], *,
                  dtype: torch.dtype, grad_dtype: torch.dtype, device: torch.device,
-                 gds_file=None):
+                 gds_file: gds.FileClass | None = None):
         self.cfg, self.device = cfg, device
         self.pin = host_pinning(cfg.pin_memory, device)
         self.space: SwapSpace | None = None
@@ -119,7 +119,7 @@ class OffloadTiers:
             self.close()
             raise
 
-    def _open_gds(self, rank: int, gds_file) -> None:
+    def _open_gds(self, rank: int, gds_file: gds.FileClass | None) -> None:
         """GDS reads of params.swp if the probe says they work; else the reason, kept
         in ``self.gds`` (hybrid/zero/offload/nvme/gds.py, [Note: never required])."""
         assert self.space is not None  # (opened just before)

@@ -49,7 +49,8 @@ class HomeWriter:
         pin: page-locked host buffers (GPU hosts).
     """
 
-    def __init__(self, homes: list[ParamHome | None], bounds: list[int], *, chunk_units,
+    def __init__(self, homes: list[ParamHome | None], bounds: list[int], *,
+                 chunk_units: list[tuple[list[int], list[int]]],
                  chunks: list[tuple[int, int]], dtype: torch.dtype, master_uploads: bool,
                  pin: bool):
         self.bounds, self.chunks = bounds, chunks
@@ -87,13 +88,15 @@ class HomeWriter:
         """Where chunk ``k``'s kernel writes its new parameters (None: nowhere)."""
         lo, hi = self.chunks[k]
         for i in self._touches[k]:
-            if self.homes[i] is not None:
-                self.homes[i].wait_loaded()  # the last gather has read it out
+            home = self.homes[i]
+            if home is not None:
+                home.wait_loaded()  # the last gather has read it out
         if not self._scratch_for[k]:
-            i = self._touches[k][0] if self._touches[k] else None
-            if i is None or self._dest[i] is None:
+            first = self._touches[k][0] if self._touches[k] else None
+            dest = None if first is None else self._dest[first]
+            if first is None or dest is None:
                 return None
-            return self._dest[i][lo - self.bounds[i]: hi - self.bounds[i]]
+            return dest[lo - self.bounds[first]: hi - self.bounds[first]]
         b = k % 2
         writes, self._writes[b] = self._writes[b], []
         for w in writes:  # the buffer's previous chunk is on disk
@@ -109,10 +112,11 @@ class HomeWriter:
         for i in self._touches[k]:
             a, b = max(lo, self.bounds[i]), min(hi, self.bounds[i + 1])
             piece = buf[a - lo: b - lo]
-            if self._dest[i] is not None:
-                self._dest[i][a - self.bounds[i]: b - self.bounds[i]].copy_(piece)
-            elif self.homes[i] is not None:
-                write = self.homes[i].write_at(a - self.bounds[i], piece)
+            dest, home = self._dest[i], self.homes[i]
+            if dest is not None:
+                dest[a - self.bounds[i]: b - self.bounds[i]].copy_(piece)
+            elif home is not None:
+                write = home.write_at(a - self.bounds[i], piece)
                 if write is not None:  # (a disk home's: a home with a target is written above)
                     self._writes[k % 2].append(write)
 

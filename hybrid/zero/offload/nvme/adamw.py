@@ -19,7 +19,7 @@ and moment element ends with the same bits, and so does the curve.
 from __future__ import annotations
 
 import bisect
-from collections.abc import Collection, Generator, Iterable
+from collections.abc import Callable, Collection, Generator, Iterable
 from dataclasses import dataclass
 
 import torch
@@ -27,7 +27,7 @@ import torch
 from hybrid.config.sections import AdamWConfig
 from hybrid.kernels.adam import AdamSegments, adam_step
 from hybrid.zero.offload.nvme.tiles import SwappedStates, Tile
-from hybrid.zero.optimizer import ShardBase
+from hybrid.zero.optimizer import PartRanges, ShardBase
 
 
 class SwappedAdamW(ShardBase):
@@ -45,7 +45,8 @@ class SwappedAdamW(ShardBase):
         excluded: parts left out of the norm (:class:`~hybrid.zero.optimizer.ShardBase`).
     """
 
-    def __init__(self, sizes: list[int], decay_ranges, split_ranges, cfg: AdamWConfig, *,
+    def __init__(self, sizes: list[int], decay_ranges: PartRanges, split_ranges: PartRanges,
+                 cfg: AdamWConfig, *,
                  states: SwappedStates, excluded: Collection[int] = ()):
         super().__init__(sizes, split_ranges, torch.device("cpu"), excluded)
         self.states = states
@@ -98,7 +99,7 @@ class SwappedAdamW(ShardBase):
                             self._step + 1.0, torch.zeros((), dtype=torch.float64, device=dev)])
 
     def speculate(self, count: int, lr: float, scalars: torch.Tensor,
-                  outs: list[torch.Tensor], stop=None) -> int:
+                  outs: list[torch.Tensor], stop: Callable[[], bool] | None = None) -> int:
         """Update the first ``count`` tiles the states read ahead, held in their staging
         buffers (:meth:`SwappedStates.ahead`), with ``lr`` and ``scalars``; their new
         parameters go to ``outs[j]`` (one per held tile, the parameters' dtype), not to

@@ -35,7 +35,9 @@ from __future__ import annotations
 
 import contextlib
 import os
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, Protocol
 
 import torch
 
@@ -45,7 +47,21 @@ PROBE_BYTES = 4096
 PROBE_FILE = ".gds_probe"
 
 
-def gds_file_class():
+class CuFile(Protocol):
+    """An open cuFile handle (``torch.cuda.gds.GdsFile``'s; a test's stand-in). The
+    storage is an ``UntypedStorage``; GdsFile annotates it as ``torch.types.Storage``,
+    which that does not derive from, hence ``Any``."""
+
+    def save_storage(self, storage: Any, offset: int) -> None: ...
+
+    def load_storage(self, storage: Any, offset: int) -> None: ...
+
+
+# the binding: ``file_cls(path, flags)`` opens ``path`` (``torch.cuda.gds.GdsFile``)
+FileClass = Callable[[str, int], CuFile]
+
+
+def gds_file_class() -> FileClass | None:
     """``torch.cuda.gds.GdsFile``, or None where this torch has no such module."""
     try:
         from torch.cuda.gds import GdsFile
@@ -54,7 +70,8 @@ def gds_file_class():
     return GdsFile
 
 
-def probe(directory: str, device: torch.device, file_cls=None) -> str | None:
+def probe(directory: str, device: torch.device,
+          file_cls: FileClass | None = None) -> str | None:
     """Round-trip one block through cuFile in ``directory`` on ``device``: None if the
     bytes come back, else the reason GDS cannot be used (see [Note: never required])."""
     file_cls = file_cls or gds_file_class()
@@ -86,7 +103,7 @@ def probe(directory: str, device: torch.device, file_cls=None) -> str | None:
 class _Read:
     """One read in flight; ``wait()`` returns None or raises :class:`SwapIOError`."""
 
-    def __init__(self, future):
+    def __init__(self, future: Future[None]):
         self._future = future
 
     def wait(self) -> None:
@@ -99,17 +116,21 @@ class GdsReader:
     ``rank`` is named in every error, with the file, the offset and the byte count.
     """
 
-    def __init__(self, path: str, rank: int, threads: int = 2, file_cls=None):
+    def __init__(self, path: str, rank: int, threads: int = 2,
+                 file_cls: FileClass | None = None):
         self.path, self.rank = path, rank
         file_cls = file_cls or gds_file_class()
+        self._file: CuFile | None
         try:
+            assert file_cls is not None  # (a reader is made where the probe found the binding)
             self._file = file_cls(path, os.O_RDWR)
         except Exception as e:  # noqa: BLE001 -- the binding raises RuntimeError or OSError
             raise SwapIOError(f"rank {rank}: cannot open {path} for GPUDirect Storage: {e}",
                               getattr(e, "errno", None), path) from e
         self._executor = ThreadPoolExecutor(threads, thread_name_prefix="hybrid-gds")
 
-    def read(self, offset: int, dst: torch.Tensor, after=None) -> _Read:
+    def read(self, offset: int, dst: torch.Tensor,
+             after: torch.cuda.Event | None = None) -> _Read:
         """Start filling ``dst`` (contiguous, its whole storage) from ``offset``; ``after``:
         a CUDA event the read must follow (see [Note: reads are not stream-ordered])."""
         storage = dst.untyped_storage()
@@ -118,12 +139,14 @@ class GdsReader:
             "a GDS read fills a whole storage"
         return _Read(self._executor.submit(self._load, offset, dst, storage, after))
 
-    def _load(self, offset: int, dst: torch.Tensor, storage, after) -> None:
+    def _load(self, offset: int, dst: torch.Tensor, storage: torch.UntypedStorage,
+              after: torch.cuda.Event | None) -> None:
         nbytes = storage.nbytes()
         try:
             if after is not None:
                 after.synchronize()
             with torch.cuda.device(dst.device) if dst.is_cuda else contextlib.nullcontext():
+                assert self._file is not None  # (open until close())
                 self._file.load_storage(storage, offset)
         except Exception as e:  # noqa: BLE001
             raise SwapIOError(f"rank {self.rank}: GPUDirect read of {nbytes} bytes at offset "

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import queue
 import threading
+from collections.abc import Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
@@ -73,7 +74,7 @@ class SwappedGrads:
     def space_for(cls, n: int, tile: int, dtype: torch.dtype) -> int:
         return -(-n // tile) * cls.slot_bytes_for(tile, dtype)
 
-    def _spans(self, lo: int, hi: int):
+    def _spans(self, lo: int, hi: int) -> Iterator[tuple[int, int, int]]:
         """(file offset, start, stop) of each tile's part of shard elements ``[lo, hi)``,
         start and stop relative to ``lo``."""
         for k, within, a, b in tile_spans(lo, hi, self.tile):
@@ -96,7 +97,8 @@ class SwappedGrads:
         self._writer.submit(self._write, i, stage, buf, event)
         return event
 
-    def _write(self, i: int, stage: torch.Tensor, buf: torch.Tensor, event) -> None:
+    def _write(self, i: int, stage: torch.Tensor, buf: torch.Tensor,
+               event: torch.cuda.Event | None) -> None:
         try:
             if event is not None:
                 event.synchronize()
@@ -124,7 +126,7 @@ class SwappedGrads:
         else:  # the buffer is free once the copy up has read it
             self._writer.submit(self._release, buf, event)
 
-    def _release(self, buf: torch.Tensor, event) -> None:
+    def _release(self, buf: torch.Tensor, event: torch.cuda.Event) -> None:
         event.synchronize()
         self._free.put(buf)
 
@@ -149,7 +151,7 @@ class SwappedGrads:
         """Every unit's last write is on disk (before the step reads tiles)."""
         self.wait_units(range(len(self.stored)))
 
-    def wait_units(self, units) -> None:
+    def wait_units(self, units: Iterable[int]) -> None:
         """The last write of each unit of ``units`` is on disk (a final gradient's, once
         its ``store`` was the step's last for the unit): ``stored[i]`` is set only after
         every write request of it has ended; a failed write is raised."""

@@ -37,6 +37,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
+from hybrid.zero.offload.contracts import Waitable
 from hybrid.zero.offload.nvme.adamw import SwappedAdamW
 from hybrid.zero.offload.nvme.grads import SwappedGrads
 
@@ -136,7 +137,7 @@ class SpeculativeUpdate:
         if task is not None:
             task.exception()  # (waits; an error is raised by end())
 
-    def post(self, scalars: torch.Tensor, ready, lr: float) -> None:
+    def post(self, scalars: torch.Tensor, ready: Waitable | None, lr: float) -> None:
         """The main thread: the step's fp64 ``[coefficient, skip]`` are in ``scalars`` once
         ``ready`` (a CUDA event; None: now), its ``lr``."""
         self._verdict = (ready, scalars, lr)

@@ -56,14 +56,15 @@ file never holds a state that the step did not decide on.
 
 from __future__ import annotations
 
-from collections.abc import Generator, Iterable
-from typing import NamedTuple
+from collections.abc import Generator, Iterable, Iterator
+from typing import NamedTuple, Protocol
 
 import torch
 
-from hybrid.kernels.aio import AsyncIO, Request, aligned_empty
+from hybrid.kernels.aio import AsyncIO, Request, SwapFile, aligned_empty
 from hybrid.zero.offload.nvme.swap import SwapSpace
 from hybrid.zero.optimizer import STATE_KEYS
+from hybrid.zero.units import FlatFill
 
 FILE = "optimizer.swp"
 
@@ -79,7 +80,7 @@ class Tile(NamedTuple):
     grad: torch.Tensor | None
 
 
-def tile_spans(lo: int, hi: int, tile: int):
+def tile_spans(lo: int, hi: int, tile: int) -> Iterator[tuple[int, int, int, int]]:
     """(tile k, start within it, start, stop) of each tile's part of shard elements
     ``[lo, hi)``; start and stop relative to ``lo``."""
     pos = lo
@@ -88,6 +89,24 @@ def tile_spans(lo: int, hi: int, tile: int):
         end = min(hi, (k + 1) * tile)
         yield k, pos - k * tile, pos - lo, end - lo
         pos = end
+
+
+class TileGrads(Protocol):
+    """What the states ask of the gradients swapped in their tiles
+    (:class:`~hybrid.zero.offload.nvme.grads.SwappedGrads`, which imports this module):
+    the file, each tile's slot in it, and the element size and dtype."""
+
+    @property
+    def file(self) -> SwapFile: ...
+
+    @property
+    def slot_bytes(self) -> int: ...
+
+    @property
+    def esize(self) -> int: ...
+
+    @property
+    def dtype(self) -> torch.dtype: ...
 
 
 class SwappedStates:
@@ -107,7 +126,7 @@ class SwappedStates:
         self.staging = [aligned_empty(3 * tile, torch.float32, pin) for _ in range(buffers)]
         self._reads: dict[int, Request] = {}  # tile -> read request in flight
         self._writes: dict[int, Request] = {}  # buffer -> write request in flight
-        self.grads = None  # SwappedGrads, when attached
+        self.grads: TileGrads | None = None  # SwappedGrads, when attached
         self._grad_reads: dict[int, Request] = {}  # tile -> its gradient's read
         # the tiles whose states :meth:`prefetch` read into buffers 0, 1, ... (in flight or
         # done), for the next :meth:`each` ([Note: reading ahead of the step])
@@ -116,7 +135,7 @@ class SwappedStates:
         # perhaps updated by the caller), not written back ([Note: holding read-ahead tiles])
         self._held = 0
 
-    def attach_grads(self, grads, pin: bool = False) -> None:
+    def attach_grads(self, grads: TileGrads, pin: bool = False) -> None:
         """Read each tile's gradient from ``grads`` (a SwappedGrads in the same tiles)
         with its states; ``update`` then gets it as a fifth argument."""
         self.grads = grads
@@ -282,7 +301,7 @@ class SwappedStates:
             raise error
 
     # -- element ranges, outside the step (initialization, checkpoints) -------------
-    def fill(self, master_values) -> None:
+    def fill(self, master_values: FlatFill) -> None:
         """Initialize every tile: master from ``master_values(lo, hi, dst)`` (fills the
         fp32 ``dst`` with shard elements ``[lo, hi)``), moments zero. One pass."""
         self.drain()  # (a read ahead would hold the old states)
@@ -309,7 +328,7 @@ class SwappedStates:
         for r in reqs:
             r.wait()
 
-    def _spans(self, key: str, lo: int, hi: int):
+    def _spans(self, key: str, lo: int, hi: int) -> Iterator[tuple[int, int, int]]:
         """(file offset, start, stop) of each tile's part of ``[lo, hi)``, relative to lo."""
         plane = STATE_KEYS.index(key)  # the planes of a tile, in file order
         for k, within, a, b in tile_spans(lo, hi, self.tile):
