@@ -102,18 +102,15 @@ class StepResult:
     host_skipped: bool | None = None
 
 
-
 class ZeroEngine:
     """See the module docstring; built by :func:`apply_zero`."""
 
     def __init__(self, model: nn.Module, ps: ParallelState, zero: ZeroConfig, *,
                  adamw: AdamWConfig, precision: PrecisionConfig, offload: OffloadConfig,
-                 values: ValueSource | None = None,
-                 unit_modules: Iterable[nn.Module] | None = None,
-                 parts: list[list[nn.Parameter]] | None = None,
+                 values: ValueSource | None = None, parts: list[list[nn.Parameter]] | None = None,
+                 unit_modules: Iterable[nn.Module] | None = None, tied: Collection[str] = (),
                  recompute: RecomputePhase | None = None,
-                 client: torch.optim.Optimizer | None = None, decay: str = "matrices",
-                 tied: Collection[str] = ()):
+                 client: torch.optim.Optimizer | None = None, decay: str = "matrices"):
         self.model, self.ps = model, ps
         self.plan = ShardingPlan.for_stage(zero.stage)  # the stage, resolved once: plan.stage
         self.clip_grad = adamw.clip_grad
@@ -389,8 +386,7 @@ class ZeroEngine:
         # (landed gradients are on the host by now: their norm terms were taken on landing)
         squared = self.sink.squared_norms()
         norm, bad_loss = global_grad_norm(self.optimizer, None if squared is not None else grads,
-                                          self.ps.tp_group, dp, loss, self.ps.dp_cp_group,
-                                          squared,
+                                          self.ps.tp_group, dp, loss, self.ps.dp_cp_group, squared,
                                           self.ps.pp_group if self.ps.pp_size > 1 else None)
         norm = norm / scale
         decided = ~torch.isfinite(norm) | bad_loss
@@ -409,8 +405,7 @@ class ZeroEngine:
             self.offload.step(lr, coef, skip)
             # it started each unit's all-gather as the unit's parameters came up
             self.publisher.wait()
-        else:
-            # (no offload: on the device)
+        else:  # (no offload: on the device)
             assert isinstance(self.optimizer, (ShardedAdamW, ClientShardOptimizer))
             self.optimizer.step(grads, lr, coef, skip, out=self._step_out,
                                 found_inf=self._kernel_found)

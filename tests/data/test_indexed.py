@@ -378,7 +378,8 @@ BASE = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4"
     (["--tokenizer-type", "NullTokenizer"], "NullTokenizer needs --vocab-size"),
     (["--tokenizer-type", "HuggingFaceTokenizer"], "needs --tokenizer-model"),
     (["--tokenizer-type", "GPT2BPETokenizer"], "needs --vocab-file and --merge-file"),
-    (["--tokenizer-type", "bpe"], "must be one of byte, GPT2BPETokenizer, gpt2bpe"),
+    (["--tokenizer-type", "bpe"], "--tokenizer-type must be byte, GPT2BPETokenizer, gpt2bpe, "
+                                      "HuggingFaceTokenizer, hf, NullTokenizer or null, got .bpe."),
 ])
 def test_data_flags_are_checked_naming_the_flags(flags, message):
     with pytest.raises(ConfigError, match=message):
