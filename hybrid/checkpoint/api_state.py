@@ -5,7 +5,19 @@ in ``client_state.pt`` beside it (:mod:`hybrid.checkpoint.client_state`).
 The engine (:class:`hybrid.engine.api.Engine`) is read by its attributes only
 (``zero``, ``ps``, ``cfg``, ``rng``, ``lr_scheduler``, ``global_steps``,
 ``global_samples``, ``micro_steps``, ``train_batch_size()``,
-``gradient_accumulation_steps()``), so this module stays below the training package.
+``gradient_accumulation_steps()``, ``module``, ``save_claims``), so this module stays below
+the training package.
+
+[Note: one owner per save directory, whichever door]
+``save_checkpoint(D)`` claims ``D`` as ``pretrain_gpt.py --save D`` does
+(:mod:`hybrid.checkpoint.ownership`): on its first save into ``D`` the engine's rank 0
+takes ``D/.lock`` and holds it until :meth:`Engine.close`, and a directory that holds
+another run's checkpoints (``owner.json`` names another run, or none) is refused unless
+this engine loaded from it or the save passes ``overwrite=True``; the messages name the
+calls, not the flags. Before, an engine's save went over a finished run's
+``iter_0000002``, wrote into a directory a live job held, and left ``latest`` naming an
+MLP in a GPT run's directory, each with exit 0. The model recorded as the owner's is
+the module's parameters (names and shapes, hashed).
 
 [Note: tags]
 Without a tag a save is hybrid's ``SAVE/iter_NNNNNNN``, the name
@@ -36,6 +48,7 @@ from hybrid.checkpoint import client_state as client
 from hybrid.checkpoint.files import LATEST, iter_name
 from hybrid.checkpoint.integrity import Integrity
 from hybrid.checkpoint.load import load_checkpoint
+from hybrid.checkpoint.ownership import API, RunIdentity, SaveDirClaim, module_shape
 from hybrid.checkpoint.reader import RangeReader
 from hybrid.checkpoint.save import save_checkpoint
 from hybrid.errors import CheckpointError
@@ -152,11 +165,53 @@ def _encoded_client_state(ps, client_state: dict) -> bytes | None:
     return data
 
 
-def save_engine(engine, save_dir: str, tag, client_state: dict, save_latest: bool = True) -> str:
+class SaveClaims:
+    """The directories one engine saves into, each claimed on its first save and held
+    until :meth:`release` (the Note on owners; rank 0 holds the claims, the other ranks
+    None)."""
+
+    def __init__(self, run: RunIdentity):
+        self.run = run
+        self.loaded: set[str] = set()  # directories the engine loaded from: resumed
+        self._held: dict[str, SaveDirClaim | None] = {}
+
+    def record(self, engine, save_dir: str, overwrite: bool) -> dict | None:
+        """Collective over the world: claim ``save_dir`` unless this engine holds it;
+        the owner record a save writes (rank 0's; None elsewhere). CheckpointError on
+        every rank when it is refused."""
+        key = os.path.realpath(save_dir)
+        if key not in self._held:
+            claim, error = None, None
+            if engine.ps.rank == 0:
+                try:
+                    claim = SaveDirClaim.take(save_dir, self.run, module_shape(engine.module),
+                                              resuming=key in self.loaded,
+                                              overwrite=overwrite, door=API)
+                except CheckpointError as e:
+                    error = str(e)
+            error = agree_error(engine.ps, error)
+            if error:
+                raise CheckpointError(error)
+            self._held[key] = claim
+        claim = self._held[key]
+        return None if claim is None else claim.record
+
+    def release(self) -> None:
+        """Drop every claim (the engine's end); idempotent."""
+        for claim in self._held.values():
+            if claim is not None:
+                claim.release()
+        self._held.clear()
+
+
+def save_engine(engine, save_dir: str, tag, client_state: dict, save_latest: bool = True,
+                overwrite: bool = False) -> str:
     """Collective over the world: write the engine's checkpoint (the module note) with
     rank 0's ``client_state`` (:func:`hybrid.checkpoint.client_state.encode`: any value
     the safe loader takes back, else a ValueError naming it before anything is
-    written); returns its directory."""
+    written), into a directory the engine claims (the Note on owners; ``overwrite``:
+    another run's checkpoints there are deleted instead of refused); returns its
+    directory."""
     data = _encoded_client_state(engine.ps, client_state)
     tag = _agreed_tag(engine.ps, tag, "save_checkpoint")
     if tag is None and not save_latest:  # a name of its own, so that latest stays
@@ -172,12 +227,14 @@ def save_engine(engine, save_dir: str, tag, client_state: dict, save_latest: boo
              "optimizer_groups": _group_settings(engine.optimizer.param_groups),
              "api": {"global_steps": engine.global_steps, "micro_steps": engine.micro_steps,
                      "global_samples": engine.global_samples, "tag": name}}
+    owner = engine.save_claims.record(engine, save_dir, overwrite)
     target = save_dir if name is None else os.path.join(save_dir, name)
     path = save_checkpoint(target, engine.global_steps,
                            engine.global_steps * engine.train_batch_size(), engine.zero,
                            engine.ps, engine.cfg.to_dict(), engine.rng, extra_meta=extra,
                            extra_files=None if data is None else {client.FILE: data},
-                           keep_last=None if name is None else 1)
+                           keep_last=None if name is None else 1,
+                           owner=owner if name is None else None)
     if name is not None and save_latest:
         if engine.ps.rank == 0:
             _write_latest(save_dir, name)
@@ -220,6 +277,7 @@ def load_engine(engine, load_dir: str, tag, optimizer: bool, schedule: bool):
     saved, on every rank, its tensors on the CPU (as DeepSpeed returns them); a missing,
     damaged or unreadable client-state file is a CheckpointError naming it, raised
     after the weights were loaded and before the engine's counters change."""
+    engine.save_claims.loaded.add(os.path.realpath(load_dir))  # a save there resumes
     where = _resolve(load_dir, _agreed_tag(engine.ps, tag, "load_checkpoint"))
     if where is None:
         return None, None

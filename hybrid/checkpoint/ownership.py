@@ -44,6 +44,7 @@ import fcntl
 import hashlib
 import json
 import logging
+import math
 import os
 import shutil
 import socket
@@ -105,6 +106,43 @@ def model_shape(config: dict) -> dict:
     return {"fingerprint": digest, "fields": fields}
 
 
+def module_shape(module) -> dict:
+    """A ``hybrid.initialize`` engine's model, as :func:`model_shape` gives a GPT's: its
+    parameters' names and shapes, hashed, and their count (any ``nn.Module``)."""
+    named = [(n, list(p.shape)) for n, p in module.named_parameters()]
+    digest = hashlib.sha256(json.dumps(named).encode()).hexdigest()[:16]
+    return {"fingerprint": digest,
+            "fields": {"parameters": sum(math.prod(s) for _, s in named),
+                       "tensors": len(named)}}
+
+
+@dataclass(frozen=True)
+class Door:
+    """How a claim's messages name the directory and the ways on: ``pretrain_gpt.py``'s
+    flags (:data:`FLAGS`) or the API engine's calls (:data:`API`). ``{d}``: the directory."""
+
+    where: str
+    resume: str
+    fresh: str
+    overwrite: str
+    writable: str
+    another: str
+    finetune: str = ""
+
+
+FLAGS = Door(where="--save {d}", resume="add --load {d}",
+             fresh="give --save a new directory or add --overwrite-save (which deletes them)",
+             overwrite="--overwrite-save", writable="give --save a directory this job can write",
+             another="give this job another --save directory",
+             finetune="; to start from its weights use --finetune --load {d} with a new --save")
+API = Door(where="save_checkpoint({d!r})", resume="call load_checkpoint({d!r}) before saving",
+           fresh="save to a new directory or pass save_checkpoint(..., overwrite=True) (which "
+                 "deletes them)",
+           overwrite="save_checkpoint(overwrite=True)",
+           writable="save to a directory this job can write",
+           another="save this job's checkpoints to another directory")
+
+
 def claim_save_dir(ck: CheckpointConfig, ps: ParallelState, run: RunIdentity,
                    config: dict) -> SaveDirClaim | None:
     """Rank 0 claims ``--save`` for ``run`` (:meth:`SaveDirClaim.take`; ``config``: the
@@ -126,15 +164,26 @@ def claim_save_dir(ck: CheckpointConfig, ps: ParallelState, run: RunIdentity,
     return claim
 
 
+# [Note: one lock per process]
+# An flock belongs to an open file, so a second open of SAVE/.lock in the process that holds
+# it conflicts with the first exactly as another job's would. Two claims of one directory
+# in one process (two engines of one script, a test's engine and the fresh one it resumes
+# into) are not two jobs: the second shares the first's lock, and is still held to the
+# ownership record (another run's checkpoints are refused to it as to anyone).
+_HELD_HERE: set[str] = set()  # realpaths of the save directories this process has locked
+
+
 class SaveDirClaim:
     """Rank 0's hold on a ``--save`` directory (see the module notes)."""
 
     def __init__(self, directory: str, fd: int | None, record: dict):
         self.directory, self._fd, self.record = directory, fd, record
+        self._key: str | None = None  # in _HELD_HERE while this claim holds the lock
 
     @classmethod
     def take(cls, directory: str, run: RunIdentity, model: dict, *, resuming: bool,
-             overwrite: bool = False, check_others: bool = True) -> SaveDirClaim:
+             overwrite: bool = False, check_others: bool = True,
+             door: Door = FLAGS) -> SaveDirClaim:
         """Lock ``directory`` for ``run`` (created if need be) and record it as the owner.
 
         ``model``: :func:`model_shape` of the run. ``resuming``: the run loads from this
@@ -142,15 +191,22 @@ class SaveDirClaim:
         are deleted instead of refused. ``check_others`` False: only lock and record
         (``--finetune``, which decides about its ``--save`` itself). CheckpointError
         (naming the directory and the flag) when it is not writable, held by a live
-        job, or holds another run's checkpoints.
+        job, or holds another run's checkpoints. ``door``: whose words the messages use.
         """
-        where = f"--save {directory}"
+        where = door.where.format(d=directory)
+        key = os.path.realpath(directory)
+        if key in _HELD_HERE:  # this process holds the lock already: share it (the Note)
+            claim = cls(directory, None, {"run": run.id, **{
+                k: v for k, v in asdict(run).items() if k != "id"}, "model": model})
+            if check_others and not resuming:
+                _check_others(directory, _read_record(directory), run, model, overwrite, door)
+            return claim
         try:
             os.makedirs(directory, exist_ok=True)
             fd = os.open(os.path.join(directory, LOCK), os.O_RDWR | os.O_CREAT, 0o644)
         except OSError as e:
-            raise CheckpointError(f"{where}: cannot write there ({e.strerror or e}); give "
-                                  f"--save a directory this job can write") from None
+            raise CheckpointError(f"{where}: cannot write there ({e.strerror or e}); "
+                                  f"{door.writable}") from None
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -158,8 +214,7 @@ class SaveDirClaim:
             os.close(fd)
             raise CheckpointError(f"{where} is in use by another job ({holder}): two jobs "
                                   f"saving there would overwrite each other's checkpoints; "
-                                  f"give this job another --save directory, or stop that "
-                                  f"one first") from None
+                                  f"{door.another}, or stop that one first") from None
         except OSError as e:  # a filesystem without flock (ENOLCK, EOPNOTSUPP)
             if e.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS):
                 os.close(fd)
@@ -180,17 +235,22 @@ class SaveDirClaim:
                 os.ftruncate(fd, 0)
                 os.pwrite(fd, json.dumps(claim.record).encode(), 0)
             except OSError as e:
-                raise CheckpointError(f"{where}: cannot write there ({e.strerror or e}); give "
-                                      f"--save a directory this job can write") from None
+                raise CheckpointError(f"{where}: cannot write there ({e.strerror or e}); "
+                                      f"{door.writable}") from None
             if check_others and not resuming:
-                _check_others(directory, _read_record(directory), run, model, overwrite)
+                _check_others(directory, _read_record(directory), run, model, overwrite, door)
         except BaseException:
             claim.release()
             raise
+        _HELD_HERE.add(key)
+        claim._key = key
         return claim
 
     def release(self) -> None:
         """Drop the lock, leaving ``.lock`` empty (a clean end); idempotent."""
+        if self._key is not None:
+            _HELD_HERE.discard(self._key)
+            self._key = None
         if self._fd is None:
             return
         try:
@@ -203,7 +263,7 @@ class SaveDirClaim:
 
 
 def _check_others(directory: str, previous: dict | None, run: RunIdentity, model: dict,
-                  overwrite: bool) -> None:
+                  overwrite: bool, door: Door) -> None:
     """Refuse (or, with ``overwrite``, delete) another run's checkpoints in ``directory``."""
     names = complete_checkpoints(directory)
     if not names or (previous is not None and previous.get("run") == run.id):
@@ -213,18 +273,18 @@ def _check_others(directory: str, previous: dict | None, run: RunIdentity, model
             shutil.rmtree(os.path.join(directory, name))
         with contextlib.suppress(FileNotFoundError):
             os.remove(os.path.join(directory, LATEST))
-        log.warning("--overwrite-save: deleted %d checkpoint(s) of another run in %s (%s to "
-                    "%s)", len(names), directory, names[0], names[-1])
+        log.warning("%s: deleted %d checkpoint(s) of another run in %s (%s to %s)",
+                    door.overwrite, len(names), directory, names[0], names[-1])
         return
     whose = (f"a run of {_describe(previous)}" if previous else
              "a run that left no ownership record")
     shape = _shape_difference(previous, model)
     raise CheckpointError(
-        f"--save {directory} already holds checkpoints of another run ({names[-1]}"
-        f"{f' and {len(names) - 1} more' if len(names) > 1 else ''}, {whose}{shape}), and this "
-        f"run would overwrite them: to continue that run add --load {directory}; to start "
-        f"over give --save a new directory or add --overwrite-save (which deletes them); to "
-        f"start from its weights use --finetune --load {directory} with a new --save")
+        f"{door.where.format(d=directory)} already holds checkpoints of another run "
+        f"({names[-1]}{f' and {len(names) - 1} more' if len(names) > 1 else ''}, {whose}"
+        f"{shape}), and this run would overwrite them: to continue that run "
+        f"{door.resume.format(d=directory)}; to start over {door.fresh}"
+        f"{door.finetune.format(d=directory)}")
 
 
 def _shape_difference(previous: dict | None, model: dict) -> str:

@@ -45,6 +45,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from hybrid.checkpoint.api_state import SaveClaims
+from hybrid.checkpoint.ownership import RunIdentity
 from hybrid.config import Flags, TrainConfig, build_config
 from hybrid.config.deepspeed import apply_ds_config, load_ds_config
 from hybrid.config.kinds import INT, typed
@@ -116,6 +118,8 @@ class Engine:
         self.rng, self.optimizer, self.lr_scheduler = rng, optimizer, schedule
         self.training_dataloader = dataloader
         self.micro_steps = self.global_steps = self.global_samples = 0
+        # its save directories, claimed at the first save (api_state's Note on owners)
+        self.save_claims = SaveClaims(RunIdentity.of_launch(os.environ))
         self._loss: torch.Tensor | None = None  # this window's summed micro-batch losses (device)
         self._backward_done = False  # an engine.backward since the last step() call
         self._plain = False  # a plain loss.backward() reached the outputs since then
@@ -364,8 +368,8 @@ class Engine:
     # -- checkpoints (hybrid's format: atomic, reshardable) ---------------------------------
     def save_checkpoint(self, save_dir: str, tag: str | None = None,
                         client_state: Mapping | None = None,
-                        save_latest: bool = True, exclude_frozen_parameters: bool = False
-                        ) -> str:
+                        save_latest: bool = True, exclude_frozen_parameters: bool = False,
+                        *, overwrite: bool = False) -> str:
         """Collective: write step ``global_steps`` under ``save_dir``, as
         ``iter_NNNNNNN`` (hybrid's name) or, with a ``tag``, as ``save_dir/<tag>``;
         ``latest`` names it unless ``save_latest`` is False. ``client_state``: a dict
@@ -374,12 +378,15 @@ class Engine:
         ``hybrid.checkpoint.allow_client_state_types``), rank 0's written beside the
         metadata as ``client_state.pt`` and returned by :meth:`load_checkpoint`; one
         it would not take back is a ValueError naming the value and its type, before
-        anything is written. Returns the directory written."""
+        anything is written. ``save_dir`` is claimed as ``--save`` is (api_state's Note on
+        owners; ``overwrite=True`` deletes another run's checkpoints there). Returns the
+        directory written."""
         from hybrid.checkpoint.api_state import save_engine
         if exclude_frozen_parameters:
             raise ConfigError("save_checkpoint(exclude_frozen_parameters=True): hybrid "
                               "saves every parameter; pass False")
-        return save_engine(self, save_dir, tag, dict(client_state or {}), save_latest)
+        return save_engine(self, save_dir, tag, dict(client_state or {}), save_latest,
+                           overwrite)
 
     def load_checkpoint(self, load_dir: str, tag: str | None = None,
                         load_module_strict: bool = True, load_optimizer_states: bool = True,
@@ -420,8 +427,9 @@ class Engine:
         return True
 
     def close(self) -> None:
-        """Finish the update in flight and delete any swap files."""
+        """Finish the update in flight, delete any swap files, free the save directories."""
         self.zero.close()
+        self.save_claims.release()
 
     destroy = close  # DeepSpeed's name
 

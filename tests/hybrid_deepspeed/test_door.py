@@ -4,8 +4,10 @@ it was, the auto-resume idiom and string tags, the legacy config and the schedul
 lengths, and one error naming the call for what hybrid cannot honour yet."""
 
 import argparse
+import fcntl
 import json
 import math
+import os
 
 import pytest
 import torch
@@ -153,6 +155,56 @@ def test_a_string_tag_round_trips_and_latest_names_it(tmp_path):
     for bad in ("../x", "latest", "iter_3", ""):
         with pytest.raises(ValueError, match="a tag names one directory"):
             fresh.save_checkpoint(save, tag=bad)
+
+
+def test_save_checkpoint_claims_its_directory_as_pretrain_gpt_does(tmp_path):
+    """One owner per save directory through the API too: another run's checkpoints are
+    refused (and kept) unless this engine resumed from them or overwrite=True; a
+    directory a live job holds is refused, naming it."""
+    save = str(tmp_path / "run")
+    first, *_ = _engine()
+    _train(first, 2)
+    first.save_checkpoint(save)
+    first.close()
+    kept = (tmp_path / "run" / "iter_0000002" / "metadata.json").read_bytes()
+    other, *_ = deepspeed.initialize(model=nn.Linear(3, 2), config=DS,
+                                     mpu=ParallelState.single())  # another run, another model
+    with pytest.raises(CheckpointError) as e:
+        other.save_checkpoint(save)
+    said = str(e.value)
+    assert said.startswith(f"save_checkpoint({save!r}) already holds checkpoints of another run "
+                           f"(iter_0000002, a run of host "), said
+    numel = sum(p.numel() for p in Net().parameters())
+    assert f"a different model: parameters {numel} there, 8 here, tensors 4 there, 2 here" \
+        in said, said
+    assert said.endswith(f"to continue that run call load_checkpoint({save!r}) before saving; "
+                         f"to start over save to a new directory or pass save_checkpoint(..., "
+                         f"overwrite=True) (which deletes them)"), said
+    assert (tmp_path / "run" / "iter_0000002" / "metadata.json").read_bytes() == kept
+    assert (tmp_path / "run" / "latest").read_text() == "iter_0000002"
+    # resuming from it is allowed, and so is overwriting it when asked
+    resumed, *_ = _engine()
+    resumed.load_checkpoint(save)
+    _train(resumed, 1)
+    assert resumed.save_checkpoint(save).endswith("iter_0000003")
+    resumed.close()
+    other.save_checkpoint(save, overwrite=True)
+    assert sorted(p.name for p in (tmp_path / "run").glob("iter_*")) == ["iter_0000000"]
+    other.close()
+    # a directory another job holds: its lock taken by another open file (another process's)
+    held = tmp_path / "held"
+    held.mkdir()
+    fd = os.open(held / ".lock", os.O_RDWR | os.O_CREAT)
+    try:
+        os.write(fd, b'{"host": "node7", "pid": 4242, "started": 0}')
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        engine, *_ = _engine()
+        with pytest.raises(CheckpointError, match=r"is in use by another job \(host node7, pid "
+                                                  r"4242, started .*\): two jobs saving there"):
+            engine.save_checkpoint(str(held))
+        assert sorted(p.name for p in held.iterdir()) == [".lock"]
+    finally:
+        os.close(fd)
 
 
 def test_legacy_zero_switch_and_the_schedulers_own_lengths():
@@ -330,4 +382,4 @@ def test_a_client_optimizer_state_a_checkpoint_cannot_hold_is_refused_at_the_sav
     with pytest.raises(ConfigError, match="the optimizer keeps mu_product per parameter, which "
                                           "hybrid's checkpoints do not hold"):
         engine.save_checkpoint(str(tmp_path))
-    assert list(tmp_path.iterdir()) == []  # nothing written
+    assert [p.name for p in tmp_path.iterdir()] == [".lock"]  # nothing but the engine's claim
