@@ -20,10 +20,13 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SCRIPT = os.path.join(ROOT, "scripts", "pretrain_gpt.py")
 
-# A model small enough that a 4-process run takes seconds on 2 cores.
+# A model small enough that a 4-process run takes seconds on 2 cores. --eval-iters 1: a run
+# that finishes evaluates its test split on one batch, not the default 10, which cost as
+# much as these runs' 3-6 training steps (no test reads that loss; a test that wants more
+# evaluation says so after TINY, whose flags it overrides).
 TINY = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
         "--seq-length", "32", "--micro-batch-size", "2", "--hidden-dropout", "0",
-        "--attention-dropout", "0", "--log-interval", "1", "--seed", "11"]
+        "--attention-dropout", "0", "--log-interval", "1", "--seed", "11", "--eval-iters", "1"]
 
 
 def free_port() -> int:
