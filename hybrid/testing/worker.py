@@ -33,7 +33,8 @@ class _Fresh:
         self.own_env = {"OMP_NUM_THREADS": os.environ["OMP_NUM_THREADS"],
                         "GLOO_SOCKET_IFNAME": os.environ["GLOO_SOCKET_IFNAME"]}
         self.anomaly = torch.is_anomaly_enabled()
-        self.deterministic = torch.are_deterministic_algorithms_enabled()
+        self.deterministic = (torch.are_deterministic_algorithms_enabled(),
+                              torch.is_deterministic_algorithms_warn_only_enabled())
         self.dtype = torch.get_default_dtype()
         logger = logging.getLogger("hybrid")
         self.log = (list(logger.handlers), logger.level, logger.propagate, logger.disabled)
@@ -55,7 +56,15 @@ class _Fresh:
         torch.set_default_dtype(self.dtype)
         torch.set_grad_enabled(True)
         torch.autograd.set_detect_anomaly(self.anomaly)
-        torch.use_deterministic_algorithms(self.deterministic)
+        # torch.use_deterministic_algorithms also sets inductor's flag, importing
+        # torch._inductor (dynamo, sympy: 1.3 s of CPU, more than the rest of a worker's
+        # start): called only where a flag may differ, so a worker that never compiles
+        # never imports it
+        mode, warn_only = self.deterministic
+        if "torch._inductor.config" in sys.modules or self.deterministic != (
+                torch.are_deterministic_algorithms_enabled(),
+                torch.is_deterministic_algorithms_warn_only_enabled()):
+            torch.use_deterministic_algorithms(mode, warn_only=warn_only)
         logger = logging.getLogger("hybrid")
         handlers, level, propagate, disabled = self.log
         logger.handlers[:] = handlers
