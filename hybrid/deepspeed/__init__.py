@@ -12,7 +12,9 @@ second implementation): :func:`initialize` with DeepSpeed's signature,
 ``zero`` (``Init``, ``GatheredParameters``), ``comm``, ``accelerator``
 (``get_accelerator``), ``checkpointing`` and ``pipe`` (``PipelineModule``,
 ``LayerSpec``, ``TiedLayerSpec``: a model as a list of layers on hybrid's pipeline, its
-engine's ``train_batch``), and ``utils.RepeatingLoader``. docs/deepspeed.md has the table:
+engine's ``train_batch``), ``utils`` (``RepeatingLoader``, ``logger``, ``log_dist``, the
+``safe_get_full_*`` readers, ``zero_to_fp32``), ``runtime`` (``utils``, ``lr_schedules``)
+and ``ops.adam`` (``FusedAdam``, ``DeepSpeedCPUAdam``). docs/deepspeed.md has the table:
 each name "same", "mapped" (what it becomes) or "refused" (what to use instead).
 A DeepSpeed name that is not here is an AttributeError that says so, and what
 hybrid cannot honour (a client optimizer with the optimizer on NVMe, ...) is
@@ -28,7 +30,13 @@ one ConfigError naming the call and what to use instead.
 * :mod:`.pipe`          a model as a list of layers (``PipelineModule``), cut into pipeline stages
 * :mod:`.pipe_engine`   the pipeline engine's verbs over hybrid's pipeline: ``train_batch``,
                         ``eval_batch``
-* :mod:`.utils`         ``RepeatingLoader``, the one helper DeepSpeed's pipeline scripts take
+* :mod:`.utils`         ``RepeatingLoader``, ``logger``, ``log_dist``, the ZeRO-partitioned
+                        values gathered (``safe_get_full_fp32_param``, ...), ``zero_to_fp32``
+* :mod:`.runtime`       ``runtime.utils`` (``set_random_seed``, ``see_memory_usage``) and
+                        ``runtime.lr_schedules`` (the scheduler classes) over hybrid's
+* :mod:`.ops`           ``ops.adam``: ``FusedAdam`` and ``DeepSpeedCPUAdam`` as torch's Adam(W)
+* :mod:`.missing`       a DeepSpeed name hybrid does not serve, refused in hybrid's words
+                        (AttributeError, or ImportError for ``from X import Y``)
 * :mod:`.hf`            Hugging Face's Trainer on hybrid's engine: a Trainer script changes
                         its import only
 * :mod:`.launcher`      ``hybrid-deepspeed``: DeepSpeed's launcher command line over torchrun,
@@ -45,25 +53,37 @@ from __future__ import annotations
 
 from typing import NoReturn
 
-from hybrid.deepspeed import accelerator, checkpointing, comm, pipe, utils, zero
+from hybrid.deepspeed import (
+    accelerator,
+    checkpointing,
+    comm,
+    ops,
+    pipe,
+    runtime,
+    utils,
+    zero,
+)
 from hybrid.deepspeed.comm import init_distributed
 from hybrid.deepspeed.door import add_config_arguments, initialize
+from hybrid.deepspeed.missing import refuse
 from hybrid.deepspeed.pipe import PipelineModule
 from hybrid.deepspeed.pipe_engine import PipelineEngine
 from hybrid.engine.api import Engine as DeepSpeedEngine
 
 __all__ = ["DeepSpeedEngine", "PipelineEngine", "PipelineModule", "accelerator",
            "add_config_arguments", "checkpointing", "comm", "init_distributed", "initialize",
-           "pipe", "utils", "zero"]
+           "ops", "pipe", "runtime", "utils", "zero"]
 
 # DeepSpeed names a script may reach for that hybrid does not have: name -> what instead
 _NOT_HERE = {
     "init_inference": "hybrid trains; for generation load a checkpoint with "
                       "scripts/generate.py, or run the module itself",
-    "ops": "hybrid's AdamW is its own (configure it in the ds_config's \"optimizer\" block, "
-           "or pass a torch.optim optimizer as initialize(optimizer=...))",
-    "runtime": "the scheduler and optimizer classes are configured in the ds_config (or "
-               "passed as torch objects to initialize)",
+    "monitor": "hybrid's engine writes no monitor events: log the loss and engine.get_lr() "
+               "with torch.utils.tensorboard yourself (pretrain_gpt.py writes TensorBoard "
+               "from the ds_config's tensorboard block)",
+    "profiling": "hybrid has no flops profiler: count a model's FLOPs with "
+                 "torch.utils.flop_counter.FlopCounterMode (pretrain_gpt.py logs TFLOP/s "
+                 "per rank, --log-throughput)",
     "DeepSpeedTransformerLayer": "build the layer from torch or transformers modules",
     "DeepSpeedConfig": "pass the ds_config (a path or a dict) to initialize(config=...)",
     "add_tuning_arguments": "hybrid has no autotuner",
@@ -73,8 +93,4 @@ _NOT_HERE = {
 
 
 def __getattr__(name: str) -> NoReturn:
-    if name in _NOT_HERE:
-        raise AttributeError(f"hybrid.deepspeed has no {name} (DeepSpeed's deepspeed.{name}): "
-                             f"{_NOT_HERE[name]}; docs/deepspeed.md lists what it has")
-    raise AttributeError(f"hybrid.deepspeed has no {name!r}: it is not one of DeepSpeed's names "
-                         f"hybrid serves yet (docs/deepspeed.md lists them)")
+    refuse("", name, _NOT_HERE.get(name, "it is not one of DeepSpeed's names hybrid serves yet"))

@@ -40,9 +40,11 @@ OURS = "hybrid.deepspeed"
 def not_served(fullname: str) -> str:
     """hybrid's words for ``deepspeed.X...`` that it does not serve."""
     from hybrid.deepspeed import _NOT_HERE
+    from hybrid.deepspeed.missing import advice
 
-    top = fullname.split(".")[1] if "." in fullname else fullname
-    why = _NOT_HERE.get(top, "it is not one of the DeepSpeed modules hybrid serves yet")
+    dotted = fullname.split(".", 1)[1] if "." in fullname else fullname
+    why = advice(dotted) or _NOT_HERE.get(
+        dotted.split(".")[0], "it is not one of the DeepSpeed modules hybrid serves yet")
     return (f"No module named {fullname!r} under hybrid (this process runs DeepSpeed's names "
             f"on hybrid.deepspeed): {why}; docs/deepspeed.md lists what it serves")
 

@@ -189,6 +189,7 @@ class PipelineEngine(Engine):
                               "use engine.eval_batch(data_iter) to evaluate")
         if data_iter is not None:
             self.set_dataiterator(data_iter)
+        self.progress.batch_started()  # (the time the steps_per_print line reports)
         n = self.gradient_accumulation_steps()
         self.module.train()
         batches = self._draw(self.data_iterator, n, "train_batch")
@@ -201,7 +202,9 @@ class PipelineEngine(Engine):
                                       dtype=torch.float32, device=self.device, params=params,
                                       learnt=self._learnt_train)
         self._stepped(result, n)
-        return self._dp_mean(total)
+        mean = self._dp_mean(total)
+        self.progress.batch_ended(mean)  # DeepSpeed's "steps: N loss: ..." line, when due
+        return mean
 
     @torch.no_grad()
     def eval_batch(self, data_iter: Iterator[Any], return_logits: bool = False,

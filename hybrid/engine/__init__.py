@@ -14,4 +14,8 @@ layout, its pipeline engine, Hugging Face's Trainer) sits on it, and the trainin
 * :mod:`.zero_context`  DeepSpeed's two ZeRO-3 context managers for a user's own model
 * :mod:`.zero_build`    building a model under :func:`hybrid.zero_init`: real parameters while
                         a constructor runs, only this rank's part once it has returned
+* :mod:`.progress`      the lines DeepSpeed's engines print every ``steps_per_print`` steps,
+                        and ``deepspeed.utils.logger``
+* :mod:`.full_values`   a parameter's full fp32 master, optimizer state or gradient, gathered
+                        from the shards (``deepspeed.utils.safe_get_full_*``)
 """

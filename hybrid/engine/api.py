@@ -8,10 +8,10 @@
     engine.save_checkpoint("ckpt", client_state={"epoch": 3})
 
 The engine is the one ``pretrain_gpt.py`` trains with (:func:`hybrid.zero.apply_zero`,
-its loss scaler, offload tiers and checkpoint format), configured from a
-ds_config (a path or a dict, :mod:`hybrid.config.deepspeed`) on top of the
-defaults of hybrid's flags. Process groups come from torchrun's environment
-(gloo on a CPU, NCCL on a GPU), or from a :class:`ParallelState` passed in.
+its loss scaler, offload tiers and checkpoint format), configured from a ds_config (a
+path or a dict, :mod:`hybrid.config.deepspeed`) on top of the defaults of hybrid's flags.
+Process groups come from torchrun's environment (gloo on a CPU, NCCL on a GPU), or from a
+:class:`ParallelState` passed in. DeepSpeed's progress line: :mod:`hybrid.engine.progress`.
 ``import hybrid.deepspeed as deepspeed`` (:mod:`hybrid.deepspeed`) is the same
 engine behind DeepSpeed's module layout.
 
@@ -27,11 +27,10 @@ at the step about to run; ``optimizer.param_groups[i]["lr"]`` and ``get_lr()``
 hold the rate of the next optimizer step, as DeepSpeed's do.
 
 [Note: the user's RNG]
-``initialize`` leaves torch's global generators (the CPU one, and the device's)
-as it found them: hybrid's streams (the TP tracker, a ``zero_init`` model's
-draws) come from their own seeds, and what must seed the global generator to
-make them runs inside ``torch.random.fork_rng``. The user's seed goes on
-deciding their shuffles and dropout masks.
+``initialize`` leaves torch's global generators (the CPU one, and the device's) as it
+found them: hybrid's streams (the TP tracker, a ``zero_init`` model's draws) come from their
+own seeds, and what must seed the global generator to make them runs inside
+``torch.random.fork_rng``. The user's seed goes on deciding their shuffles and dropout masks.
 """
 
 from __future__ import annotations
@@ -52,6 +51,7 @@ from hybrid.config.deepspeed import apply_ds_config, load_ds_config
 from hybrid.config.kinds import INT, typed
 from hybrid.engine.ds_schedulers import cycles_momentum, kind_of
 from hybrid.engine.optimizer import resolve_optimizer, resolve_schedule
+from hybrid.engine.progress import Progress
 from hybrid.engine.surface import EngineOptimizer, dataloader_of
 from hybrid.engine.zero_context import init_values, take_parts
 from hybrid.errors import ConfigError
@@ -95,8 +95,7 @@ def _units(model: nn.Module) -> list[nn.Module] | None:
     return list(best) if best is not None else None
 
 
-# DeepSpeed engine methods hybrid's engine does not have yet: name -> what to use
-_NOT_YET = {
+_NOT_YET = {  # DeepSpeed engine methods hybrid's engine does not have yet: name -> instead
     "set_train_batch_size": "the batch sizes are fixed by the config",
     "set_gradient_accumulation_boundary": "the boundary follows gradient_accumulation_steps",
     "get_mom": "betas are optimizer.param_groups[i]['betas']",
@@ -110,6 +109,8 @@ class Engine:
     """DeepSpeed's engine verbs and the attributes its scripts read, over one
     :class:`~hybrid.zero.ZeroEngine` (module notes). An attribute the engine does not
     have is looked up on the wrapped module, as DeepSpeed's engine does."""
+
+    progress: Progress  # DeepSpeed's steps_per_print lines (initialize makes it)
 
     def __init__(self, module: nn.Module, cfg: TrainConfig, ps: ParallelState,
                  zero: ZeroEngine, rng: TPRNGTracker, optimizer: EngineOptimizer,
@@ -351,6 +352,7 @@ class Engine:
         self.micro_steps += micro_batches
         if self.lr_scheduler is not None and result.host_skipped is not True:
             self.lr_scheduler.step()
+        self.progress.stepped(result)  # DeepSpeed's steps_per_print line
 
     # -- data ----------------------------------------------------------------------------
     def deepspeed_io(self, dataset: Dataset, batch_size: int | None = None,
@@ -518,6 +520,7 @@ def initialize(model: nn.Module, config: str | os.PathLike | Mapping | None = No
         engine = _build(model, cfg, ps, recompute_phase, client,
                         lambda optim: resolve_schedule(lr_scheduler, ds, cfg, optim, caller),
                         tied, engine_type)
+    engine.progress = Progress(ds.get("steps_per_print"), engine)  # (its step 0 line)
     loader: DataLoader | None = None
     if training_data is not None:
         loader = engine.training_dataloader = dataloader_of(
@@ -562,10 +565,8 @@ def _build(model: nn.Module, cfg: TrainConfig, ps: ParallelState,
     return engine
 
 
-# Settings a ds_config may make that only pretrain_gpt.py's loop uses: (Flags field,
-# the ds_config key, why it does nothing here).
+# ds_config settings only pretrain_gpt.py's loop uses: (Flags field, the key, why no effect)
 _LOOP_ONLY = (
-    ("log_interval", "steps_per_print", "your loop prints"),
     ("tensorboard_dir", "tensorboard", "your loop logs"),
     ("timing_breakdown", "wall_clock_breakdown", "your loop times its phases"),
     ("partition_activations", "activation_checkpointing.partition_activations",

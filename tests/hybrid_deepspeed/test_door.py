@@ -351,7 +351,7 @@ def test_misuse_and_missing_names_say_what_to_do_instead():
         engine.set_train_batch_size(8)
     with pytest.raises(AttributeError, match="nor has its module Net"):
         engine.no_such_thing  # noqa: B018
-    with pytest.raises(AttributeError, match="hybrid.deepspeed has no init_inference"):
+    with pytest.raises(AttributeError, match="hybrid.deepspeed has no 'init_inference'"):
         deepspeed.init_inference  # noqa: B018
     with pytest.raises(AttributeError, match="hybrid.deepspeed.zero has no 'TiledLinear'"):
         deepspeed.zero.TiledLinear  # noqa: B018
