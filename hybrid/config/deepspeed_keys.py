@@ -197,8 +197,6 @@ _RULES: dict[str, object] = {
                                                     "gradient as its reduction ends"),
     "zero_optimization.elastic_checkpoint": Hint(_CKPT),
     "zero_optimization.load_from_fp32_weights": Hint("hybrid always loads the fp32 master"),
-    "zero_optimization.ignore_unused_parameters": Hint("hybrid reduces every parameter's "
-                                                       "gradient (zero when unused)"),
     "zero_optimization.legacy_stage1": Hint("hybrid has one stage 1"),
     "zero_optimization.memory_efficient_linear": Hint("hybrid's linear layers save what "
                                                       "backward needs only"),

@@ -315,6 +315,12 @@ class Flags:
                                                 ds="zero_optimization."
                                                    "stage3_param_persistence_threshold",
                                                 to="zero.param_persistence_threshold")
+    ignore_unused_parameters: bool = opt(True, "a parameter the loss does not reach in a "
+                                               "backward trains with a zero gradient "
+                                               "(DeepSpeed's default); --no-ignore-unused-"
+                                               "parameters: that is an error naming it",
+                                         ds="zero_optimization.ignore_unused_parameters",
+                                         to="zero")
     offload_optimizer: str | None = opt(
         None, "where the fp32 master shard and Adam moments live and the optimizer steps: "
               "cpu (host memory; the bare flag) or nvme (files under --offload-nvme-path, "
@@ -583,7 +589,8 @@ def build_parser(explicit_only: bool = False,
             kw["metavar"] = "{" + ",".join(map(str, f.metadata["choices"])) + "}"
         if "const" in f.metadata:
             kw.update(nargs="?", const=f.metadata["const"])
-        if kind is bool and f.default is None:  # tri-state: --x / --no-x / derived default
+        # tri-state (--x / --no-x / a derived default), or on by default (--no-x turns it off)
+        if kind is bool and f.default is not False:
             p.add_argument(*names, action=argparse.BooleanOptionalAction, **kw)
         elif kind is bool:
             p.add_argument(*names, action="store_true", **kw)

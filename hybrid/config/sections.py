@@ -29,7 +29,10 @@ class ZeroConfig:
     / ``allgather_bucket_size``: elements per gradient reduction / parameter
     all-gather bucket (no staging buffer is larger). ``overlap_comm``: reduce
     buckets while backward goes on. ``param_persistence_threshold``: at stage 3,
-    parameters smaller than this stay whole on every rank.
+    parameters smaller than this stay whole on every rank. ``ignore_unused_parameters``:
+    a parameter that gets no gradient in a backward counts as a zero gradient (as
+    DeepSpeed's key of that name); False: it is an error naming it
+    (:mod:`hybrid.zero.grad_sync`, [Note: unused parameters]).
     """
 
     stage: int = 0
@@ -37,6 +40,7 @@ class ZeroConfig:
     allgather_bucket_size: int = 50_000_000
     overlap_comm: bool = False
     param_persistence_threshold: int = 100_000
+    ignore_unused_parameters: bool = True
 
 
 @dataclass(frozen=True)

@@ -153,8 +153,9 @@ class ZeroEngine:
         self.reducer = GradReducer(self.units, self.plan, dp=ps.dp_cp_group, sink=self.sink,
                                    bucket=zero.reduce_bucket_size, overlap=zero.overlap_comm,
                                    grad_dtype=self.grad_dtype, replicas=ps.dp_size,
-                                   parts=self.unit_parts,
-                                   release=self.gatherer.after_grads if self.gatherer else None)
+                                   parts=self.unit_parts, names=model.named_parameters(),
+                                   release=self.gatherer.after_grads if self.gatherer else None,
+                                   ignore_unused=zero.ignore_unused_parameters)
         # With a separate master the step writes each unit's new parameter shard in
         # the training dtype (a compiled kernel in the same pass as the update):
         # that is the publication, no master -> shard copy after it.
@@ -200,7 +201,6 @@ class ZeroEngine:
             self.ps.device.type != "cpu" or offload.delayed_update
             or offload.optimizer == "nvme")
 
-    # -- construction ------------------------------------------------------------
     def _build_optimizer(self, master: list[torch.Tensor], adamw: AdamWConfig,
                          offload: OffloadConfig, client: torch.optim.Optimizer | None,
                          decay_rule: str) -> ShardOptimizer:
@@ -297,7 +297,8 @@ class ZeroEngine:
 
     def end_backward(self) -> None:
         """After a backward begun by :meth:`begin_backward` has returned: the deferred
-        units' reductions, every reduction waited for, stage 3's gathers freed."""
+        units' reductions and those left unfilled (grad_sync.py, [Note: unused parameters]),
+        every reduction waited for, stage 3's gathers freed."""
         self.reducer.finish()
         if self.gatherer is not None:
             self.gatherer.backward_part = None
@@ -580,8 +581,7 @@ def apply_zero(model: nn.Module, ps: ParallelState, zero: ZeroConfig = ZeroConfi
         unit_modules = list(blocks)
     return ZeroEngine(model, ps, zero, adamw=adamw, precision=precision, offload=offload,
                       values=values, unit_modules=unit_modules, parts=parts,
-                      recompute=recompute,
-                      client=client, decay=decay, tied=tied)
+                      recompute=recompute, client=client, decay=decay, tied=tied)
 
 
 def _tied_names(model: nn.Module, ps: ParallelState, tied: Collection[str]) -> tuple[str, ...]:

@@ -31,6 +31,27 @@ Deferred units (parameters used in several places, see
 :mod:`hybrid.zero.units`) skip the hooks' trigger and are reduced in
 ``finish()``, once backward is over.
 
+[Note: unused parameters]
+A parameter the loss does not reach (a pooler the model builds and never uses, a
+branch some micro-batches skip) gets no gradient, and its hook never fires: its unit
+never fills. With ``ignore_unused`` (DeepSpeed's
+``zero_optimization.ignore_unused_parameters``, true by default) ``finish()`` reduces
+every unit the backward left unfilled, once, at its end, in unit order, as it
+reduces the deferred ones: a parameter without ``.grad`` packs as zeros
+(:meth:`FlatUnit.copy_grads`), and at stages 0-1 its part of the full buffer holds
+what earlier micro-batches added (zeros if none). It then steps as torch's AdamW
+steps a parameter whose gradient is zero (weight decay, the moments' decay). The
+cost is the loop over units ``finish()`` already runs: no per-parameter work. Which
+units go unfilled must be the same on every rank of the reducing group in a given
+backward (a static unused module, or a branch chosen by the micro-batch's index, not
+by its data), since the ranks then launch the same collectives in the same order; a
+rank that fills a unit another leaves empty reduces it from its hook, mid-backward,
+and the two ranks' collectives no longer pair. Without ``ignore_unused``, a backward
+in which a parameter got no gradient is a :class:`~hybrid.errors.TrainingError`
+naming the parameters (``names``), as DeepSpeed's assertion is; the check then needs
+the hooks even where nothing is reduced ([Note: no hooks when nothing is reduced]),
+and a set of the parameters each backward reached.
+
 A model in parts (an interleaved pipeline rank's chunks, :mod:`hybrid.zero.parts`)
 names each backward's part at ``begin``: that backward expects gradients for
 that part's units only, and ``sync`` says whether it is that part's last.
@@ -52,11 +73,12 @@ only while its reduction runs.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Protocol
 
 import torch
 
+from hybrid.errors import TrainingError
 from hybrid.parallel.comm import CommGroup
 from hybrid.zero.flat_unit import FlatUnit, Pending, piece_columns
 from hybrid.zero.plan import ShardingPlan
@@ -171,14 +193,24 @@ class GradReducer:
         parts: the part of each unit (:mod:`hybrid.zero.parts`); default: one part.
         release: called with a unit once its gradients are packed (stage 3 frees its
             gathered parameters there); default :meth:`FlatUnit.release`.
+        ignore_unused: a parameter without a gradient in a backward counts as a zero
+            gradient; False: it is an error ([Note: unused parameters]).
+        names: the model's ``named_parameters()``, to name them in that error (default:
+            by unit).
     """
 
     def __init__(self, units: list[FlatUnit], plan: ShardingPlan, *, dp: CommGroup,
                  sink: GradSink,
                  bucket: int, overlap: bool, grad_dtype: torch.dtype,
                  replicas: int | None = None, parts: list[int] | None = None,
-                 release: Callable[[FlatUnit], None] | None = None):
+                 release: Callable[[FlatUnit], None] | None = None,
+                 ignore_unused: bool = True,
+                 names: Iterable[tuple[str, torch.Tensor]] = ()):
         self.units, self.plan, self.dp = units, plan, dp
+        self.ignore_unused = ignore_unused
+        self._names = {id(p): n for n, p in names}
+        # (strict: the parameters this backward's hooks reached, [Note: unused parameters])
+        self._seen: set[int] = set()
         self._release = release if release is not None else FlatUnit.release
         self._by_part: dict[int, list[FlatUnit]] = {}
         for u, k in zip(units, parts if parts is not None else [0] * len(units)):
@@ -204,7 +236,8 @@ class GradReducer:
         # gradients in the full buffer (stages 0, 1, as wide as the parameters) and
         # nobody waiting on a unit, the hooks would only count arrivals (about 6 us of
         # Python each per backward): finish() does what they would.
-        self.hooked = not (dp.size == 1 and not plan.grads and not sink.overlaps
+        self.hooked = not (ignore_unused and dp.size == 1 and not plan.grads
+                           and not sink.overlaps
                            and all(u.grad_full is not None
                                    and u.grad_full.dtype == u.params[0].dtype for u in units))
         self._hooks = [p.register_post_accumulate_grad_hook(self._hook(u))
@@ -233,14 +266,18 @@ class GradReducer:
         self.sync = sync
         for k in self._arrived:
             self._arrived[k] = 0
+        self._seen.clear()
 
     def _hook(self, unit: FlatUnit) -> Callable[[torch.Tensor], None]:
         # A full-buffer unit whose buffer is wider than param.grad: fold it in here.
         fold = (not self.plan.grads and unit.grad_full is not None
                 and unit.grad_full.dtype != unit.params[0].dtype)
         offsets = {id(p): o for p, o in zip(unit.params, unit.offsets)}
+        seen = None if self.ignore_unused else self._seen
 
         def on_grad(param: torch.Tensor) -> None:
+            if seen is not None:
+                seen.add(id(param))
             if fold:
                 o, full = offsets[id(param)], unit.grad_full
                 assert full is not None  # (fold: a full-buffer unit)
@@ -348,27 +385,31 @@ class GradReducer:
                 self.sink.partial(unit)
 
     def finish(self) -> None:
-        """After each backward: reduce the deferred units, wait for every launched
-        reduction, and check that every unit the backward reaches got its gradients,
-        and no other unit any (with hooks)."""
+        """After each backward: reduce the deferred units and, with ``ignore_unused``, the
+        units a parameter of which got no gradient ([Note: unused parameters]); wait for
+        every launched reduction; then check (with hooks) that no unit got a gradient
+        after its reduction began, no unit of another part any, and, without
+        ``ignore_unused``, every parameter the backward reaches one."""
+        due = self.plan.grads or self.sync  # (stages 0-1 reduce at the last micro-batch only)
         for u in self._expected:
             if not self.hooked:
                 self._arrived[id(u)] = len(u.params)
                 if self.sync:
                     self._unit_ready(u)
-            elif u.deferred and (self.plan.grads or self.sync):
+            elif due and (u.deferred or (self.ignore_unused
+                                         and self._arrived[id(u)] < len(u.params))):
                 self._unit_ready(u)
         while self._inflight:
             self._retire_one()
-        if self.sync or self.plan.grads:
-            missing = [u.name for u in self._expected
-                       if self._arrived[id(u)] < len(u.params)
-                       or (self._arrived[id(u)] > len(u.params) and not u.deferred)]
-            if missing:
-                raise RuntimeError(f"ZeRO: parameters of units {missing[:3]} got no gradient "
-                                   f"(or more than one) this backward; every rank must reduce "
-                                   f"every unit, and a parameter used in several places must "
-                                   f"be registered in each")
+        if due:
+            late = [u.name for u in self._expected
+                    if self._arrived[id(u)] > len(u.params) and not u.deferred]
+            if late:
+                raise RuntimeError(f"ZeRO: a parameter of units {late[:3]} got a gradient "
+                                   f"after its unit's reduction began (its hook ran more than "
+                                   f"once this backward); every rank must reduce every unit, "
+                                   f"and a parameter used in several places must be "
+                                   f"registered in each")
         if self._expected is not self.units and self.hooked:
             mine = {id(u) for u in self._expected}
             strays = [u.name for u in self.units if id(u) not in mine and self._arrived[id(u)]]
@@ -376,3 +417,24 @@ class GradReducer:
                 raise RuntimeError(f"ZeRO: units {strays[:3]} got gradients in a backward of "
                                    f"another part of the model: its parts must hold what each "
                                    f"backward reaches")
+        if not self.ignore_unused:
+            self._check_all_reached()
+
+    def _check_all_reached(self) -> None:
+        """Without ``ignore_unused``: a TrainingError naming the parameters of the units this
+        backward reaches that got no gradient. (A count per unit; the parameters are
+        looked up one by one only to name them.)"""
+        if len(self._seen) == sum(len(u.params) for u in self._expected):
+            return  # (none of another part's: finish raised for those before)
+        missing = {id(p): f"{u.name}[{i}]" for u in self._expected
+                   for i, p in enumerate(u.params) if id(p) not in self._seen}
+        # (in the model's order where the engine gave the names)
+        unused = [n for k, n in self._names.items() if k in missing] + [
+            n for k, n in missing.items() if k not in self._names]
+        if unused:
+            raise TrainingError(
+                f"ZeRO: parameters {unused[:10]}{' ...' if len(unused) > 10 else ''} "
+                f"({len(unused)} in all) were not used in producing the loss of this "
+                f"backward (no gradient). Set zero_optimization.ignore_unused_parameters to "
+                f"true in the ds_config (the default; --ignore-unused-parameters) to train them "
+                f"with zero gradients, or make every trainable parameter take part in the loss")

@@ -61,6 +61,7 @@ FLAG_VALUES = {
     "zero_optimization.allgather_bucket_size": (2e8, "allgather_bucket_size", 200_000_000),
     "zero_optimization.stage3_param_persistence_threshold": (
         1e4, "zero_param_persistence_threshold", 10_000),
+    "zero_optimization.ignore_unused_parameters": (False, "ignore_unused_parameters", False),
     "zero_optimization.cpu_offload": (True, "offload_optimizer", "cpu"),
     "zero_optimization.cpu_offload_use_pin_memory": (True, "offload_pin_memory", True),
     "zero_optimization.cpu_offload_params": (True, "offload_param", "cpu"),

@@ -1,12 +1,14 @@
 """A model in parts (an interleaved pipeline rank's chunks, hybrid/zero/parts.py): no unit
 holds two parts' parameters, units within one part stay as the plan made them, and a
-backward that reaches another part's units than it names is one error naming them."""
+backward that reaches another part's units than it names is one error naming them (and,
+without ignore_unused_parameters, one that leaves its own part's without a gradient)."""
 
 import pytest
 import torch
 from torch import nn
 
 from hybrid.config.sections import ZeroConfig
+from hybrid.errors import TrainingError
 from hybrid.parallel.state import ParallelState
 from hybrid.zero import apply_zero
 from hybrid.zero.parts import split_by_part
@@ -69,7 +71,18 @@ def test_a_backward_reaching_another_part_is_named():
     with pytest.raises(RuntimeError, match=r"units \['bucket0.p1'\] got gradients in a "
                                            r"backward of another part of the model"):
         engine.end_backward()
+    # part 0's units got no gradient: zeros by default (hybrid/zero/grad_sync.py, [Note:
+    # unused parameters]); part 1's got some, and are named
     engine.begin_backward(sync=True, part=0)
     model(x, chunk=1).sum().backward()
-    with pytest.raises(RuntimeError, match="got no gradient"):
+    with pytest.raises(RuntimeError, match=r"units \['bucket0.p1'\] got gradients in a "):
+        engine.end_backward()
+    # without ignore_unused_parameters, a parameter of the part without a gradient is named
+    model = _TwoChunks()
+    engine = apply_zero(model, ParallelState.single(),
+                        ZeroConfig(stage=2, ignore_unused_parameters=False), parts=_parts(model))
+    engine.begin_backward(sync=True, part=0)
+    (x @ model.blocks[0].weight.T).sum().backward()  # (not the bias)
+    with pytest.raises(TrainingError, match=r"parameters \['blocks.0.bias'\] \(1 in all\) "
+                                            r"were not used in producing the loss"):
         engine.end_backward()

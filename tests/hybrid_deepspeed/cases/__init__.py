@@ -8,7 +8,7 @@ numbers into ``tests/hybrid_deepspeed/recorded/``) and under ``hybrid.deepspeed`
 The scripts, by what they cover:
 
 - :mod:`.zero`: ZeRO stages 1-3, host offload (optimizer; parameters and optimizer),
-  gradient accumulation, clipping;
+  gradient accumulation, clipping, parameters the loss does not reach and a tied head;
 - :mod:`.schedules`: WarmupLR, WarmupDecayLR, WarmupCosineLR, OneCycle, LRRangeTest,
   and a ``transformers`` schedule as a client ``lr_scheduler``;
 - :mod:`.optimizers`: a client AdamW, a client SGD with momentum, frozen parameters,

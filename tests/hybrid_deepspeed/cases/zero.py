@@ -1,10 +1,12 @@
 """The ZeRO stages, host offload, gradient accumulation and clipping: each a ds_config
 switch on the same script (a model built under a seed, ``deepspeed.initialize`` with
-``model.parameters()``, the inner loop over rank-seeded batches)."""
+``model.parameters()``, the inner loop over rank-seeded batches); and that script on a
+model with parameters its loss does not reach (HelloDeepSpeed's never-called pooler)."""
 
 from __future__ import annotations
 
 import torch
+from torch import nn
 
 from tests.hybrid_deepspeed.cases.common import (
     SEED,
@@ -94,4 +96,52 @@ def clipping(deepspeed, config, workdir):
     for i, (x, y) in enumerate(batches(engine.global_rank, STEPS)):
         train(engine, [(x * 20 if i == 0 else x, y)], result)
         result["extra"]["grad_norm"].append(float(engine.get_global_grad_norm()))
+    return result
+
+
+class _UnusedLM(TinyBlockLM):
+    """HelloDeepSpeed's shape: the block LM with a pooler it builds and never calls
+    (``RobertaModel``'s default, under a masked-LM loss) and its attention never run
+    either, an extra layer only every other micro-batch runs, and the head tied to the
+    token embedding (one Parameter, two names)."""
+
+    def __init__(self):
+        super().__init__()
+        hidden = self.tok.weight.shape[1]
+        self.pooler = nn.Sequential(nn.Linear(hidden, hidden), nn.Tanh())
+        self.sometimes = nn.Linear(hidden, hidden)
+        self.head.weight = self.tok.weight
+        self.calls = 0
+
+    def forward(self, input_ids, labels):
+        self.calls += 1
+        s = input_ids.shape[1]
+        x = self.tok(input_ids) + self.pos(torch.arange(s, device=input_ids.device))
+        x = x + self.mlp(self.ln2(x))
+        if self.calls % 2 == 0:  # (by the micro-batch's index: alike on every rank)
+            x = x + torch.tanh(self.sometimes(x))
+        return nn.functional.cross_entropy(self.head(x).flatten(0, 1), labels.flatten())
+
+
+@case(ds_config(stage=2, weight_decay=0.1, gradient_accumulation_steps=2))
+def unused_parameters(deepspeed, config, workdir):
+    """ZeRO stage 2 with parameters the loss does not reach (``ignore_unused_parameters``,
+    true by default): a pooler never called, an attention never run, a layer only every
+    other micro-batch runs (the second of each accumulation window), a head tied to the
+    embedding; weight decay 0.1, so the unused parameters still move. Also each step's
+    global norm and, at the end, the sums of the pooler's and the sometimes-layer's
+    weights."""
+    torch.manual_seed(SEED)
+    model = _UnusedLM()
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
+                                           config=config)
+    result: Result = {"losses": [], "lrs": [], "extra": {"grad_norm": []}}
+    for batch in token_batches(engine.global_rank, 2 * STEPS):
+        train(engine, [batch], result)
+        if len(result["losses"]) % 2 == 0:  # (an accumulation boundary's step)
+            result["extra"]["grad_norm"].append(float(engine.get_global_grad_norm()))
+    named = dict(model.named_parameters())
+    result["extra"]["weights"] = [float(named["pooler.0.weight"].sum()),
+                                  float(named["sometimes.weight"].sum()),
+                                  float(named["qkv.weight"].sum())]
     return result
