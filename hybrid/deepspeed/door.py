@@ -18,7 +18,9 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
+from hybrid.config.deepspeed import load_ds_config
 from hybrid.deepspeed.checkpointing import PHASE
+from hybrid.deepspeed.ops.adam import as_config_block
 from hybrid.deepspeed.pipe import PipelineModule
 from hybrid.deepspeed.pipe_engine import PipelineEngine, RepeatingLoader
 from hybrid.engine import api
@@ -82,7 +84,9 @@ def initialize(args: argparse.Namespace | None = None, model: nn.Module | None =
     ``optimizer``, ``lr_scheduler``: as DeepSpeed takes them (a list, a
     ``requires_grad`` filter or groups; a ``torch.optim`` optimizer or a callable
     of the parameters; a scheduler over it or a callable of it:
-    :mod:`hybrid.engine.optimizer`). ``training_data``: a dataset; the loader returned gives this
+    :mod:`hybrid.engine.optimizer`; a FusedAdam or DeepSpeedCPUAdam of one AdamW group
+    with no scheduler runs as hybrid's own AdamW: :mod:`hybrid.deepspeed.ops.adam`).
+    ``training_data``: a dataset; the loader returned gives this
     DP rank's share, ``train_micro_batch_size_per_gpu`` samples a batch,
     ``collate_fn`` collating them (DeepSpeed's DistributedSampler, same order every
     epoch; ``dataloader_drop_last`` honoured). ``mpu``: a :class:`ParallelState`
@@ -105,6 +109,32 @@ def initialize(args: argparse.Namespace | None = None, model: nn.Module | None =
     if model is None:
         raise TypeError(f"{_WHERE}(model=...) is required: the torch.nn.Module to train")
     cfg = _config(args, config, config_params)
+    fused = None  # a FusedAdam run as hybrid's own AdamW (ops/adam.py)
+    ds = load_ds_config(cfg) if cfg is not None and optimizer is not None else {}
+    block = as_config_block(optimizer, lr_scheduler, ds)
+    if block is not None:
+        fused, optimizer = optimizer, None
+        model_parameters = list(fused.param_groups[0]["params"])
+        cfg = ds = {**ds, "optimizer": block}
+    out = _initialize(model, cfg, optimizer, model_parameters, training_data, lr_scheduler,
+                      mpu, dist_init_required, collate_fn, mesh_param, parallel_state,
+                      tensor_parallel_size, seed)
+    if fused is None:
+        return out
+    engine, optim, loader, sched = out
+    fused.param_groups = optim.param_groups  # a rate written there applies, as DeepSpeed's
+    fused.stepped_by = engine
+    # DeepSpeed's engine has no scheduler for a client optimizer without one
+    return engine, optim, loader, sched if "scheduler" in ds else None
+
+
+def _initialize(model: nn.Module, cfg: str | os.PathLike | Mapping | None, optimizer: Any,
+                model_parameters: Any, training_data: Dataset | None, lr_scheduler: Any,
+                mpu: object, dist_init_required: bool | None,
+                collate_fn: Callable[[list[Any]], Any] | None, mesh_param: object,
+                parallel_state: ParallelState | None, tensor_parallel_size: int, seed: int
+                ) -> tuple[api.Engine, EngineOptimizer, Iterable[Any] | None, Any]:
+    """:func:`initialize` once its optimizer is resolved (its doc)."""
     if isinstance(model, PipelineModule):  # (its layout was fixed when it was built)
         if ((mpu is not None and mpu is not model.ps)
                 or (parallel_state is not None and parallel_state is not model.ps)):

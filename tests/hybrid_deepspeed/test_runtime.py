@@ -2,8 +2,9 @@
 (ParallelState.single()): ``runtime.utils`` (the seeded draws are a reference seeding's),
 ``runtime.lr_schedules`` (the classes' rates are DeepSpeed 0.19.8's recorded ones, and
 drive a client optimizer through ``initialize``), ``ops.adam`` (FusedAdam and
-DeepSpeedCPUAdam train bit for bit as torch's AdamW / Adam), and each refused name's
-message, as an attribute, as ``from X import Y`` and through the import hook."""
+DeepSpeedCPUAdam of one AdamW group train bit for bit as hybrid's own AdamW, the others as
+torch's AdamW / Adam), and each refused name's message, as an attribute, as
+``from X import Y`` and through the import hook."""
 
 import json
 import random
@@ -153,18 +154,51 @@ def _same(a, b):
     assert all(torch.equal(x, y) for x, y in zip(a[1], b[1]))
 
 
-@pytest.mark.parametrize("stage", [1, 3])
-def test_fused_adam_trains_as_torchs_adamw_bit_for_bit(stage):
-    zero = {"zero_optimization": {"stage": stage}}
-    want = _trained(lambda n: torch.optim.AdamW(n.parameters(), lr=1e-2, weight_decay=0.1,
-                                                betas=(0.8, 0.99), eps=1e-7), zero)
-    _same(_trained(lambda n: FusedAdam(n.parameters(), lr=1e-2, weight_decay=0.1,
-                                       betas=(0.8, 0.99), eps=1e-7), zero), want)
-    _same(_trained(lambda n: DeepSpeedCPUAdam(n.parameters(), lr=1e-2, weight_decay=0.1,
-                                              betas=(0.8, 0.99), eps=1e-7), zero), want)
+def _hybrids(config, steps=3):
+    """hybrid's own AdamW: the ds_config's block over a plain list of the parameters."""
+    torch.manual_seed(0)
+    net = Net()
+    engine, *_ = deepspeed.initialize(model=net, model_parameters=net.parameters(),
+                                      config={**DS, **config}, mpu=ParallelState.single())
+    return _train(engine, steps), [p.detach().clone() for p in engine.module.parameters()]
 
 
-def test_the_l2_modes_train_as_torchs_adam_and_the_cpu_one_under_offload():
+ADAMW = {"lr": 1e-2, "weight_decay": 0.1, "betas": (0.8, 0.99), "eps": 1e-7}
+
+
+@pytest.mark.parametrize("zero", [{"stage": 1}, {"stage": 3},
+                                  {"stage": 2, "offload_optimizer": {"device": "cpu"}}])
+def test_fused_adam_of_one_group_is_hybrids_own_adamw_bit_for_bit(zero):
+    block = {"type": "AdamW", "params": {**ADAMW, "betas": list(ADAMW["betas"])}}
+    want = _hybrids({"zero_optimization": zero, "optimizer": block})
+    config = {"zero_optimization": zero}
+    _same(_trained(lambda n: FusedAdam(n.parameters(), **ADAMW), config), want)
+    _same(_trained(lambda n: DeepSpeedCPUAdam(n.parameters(), **ADAMW), config), want)
+
+
+def test_a_mapped_fused_adams_groups_are_the_engines():
+    torch.manual_seed(0)
+    net = Net()
+    opt = FusedAdam(net.parameters(), lr=1e-2)
+    engine, optimizer, _, sched = deepspeed.initialize(model=net, optimizer=opt, config=DS,
+                                                       mpu=ParallelState.single())
+    assert sched is None  # as DeepSpeed's, for a client optimizer without a scheduler
+    assert opt.param_groups is optimizer.param_groups and engine.optimizer.client is None
+    opt.param_groups[0]["lr"] = 0.5  # a rate written there applies
+    assert engine.get_lr() == [0.5]
+    with pytest.raises(ConfigError, match=r"FusedAdam.step\(\): initialize runs it as "
+                                          r"hybrid's own AdamW .*call engine.step\(\)"):
+        opt.step()
+
+
+def test_fused_adams_hybrid_cannot_run_as_its_own_are_torchs_adam_bit_for_bit():
+    """Groups of their own (no decay of biases), the L2 mode, and the CPU one in L2 mode
+    under the host offload: torch's Adam(W) stepping the shards."""
+    def groups(n):
+        return [{"params": [n.fc1.weight, n.fc2.weight]},
+                {"params": [n.fc1.bias, n.fc2.bias], "weight_decay": 0.0}]
+    want = _trained(lambda n: torch.optim.AdamW(groups(n), **ADAMW))
+    _same(_trained(lambda n: FusedAdam(groups(n), **ADAMW)), want)
     want = _trained(lambda n: torch.optim.Adam(n.parameters(), lr=1e-2, weight_decay=0.1))
     _same(_trained(lambda n: FusedAdam(n.parameters(), lr=1e-2, weight_decay=0.1,
                                        adam_w_mode=False)), want)
@@ -173,21 +207,6 @@ def test_the_l2_modes_train_as_torchs_adam_and_the_cpu_one_under_offload():
                     offload)
     _same(_trained(lambda n: DeepSpeedCPUAdam(n.parameters(), lr=1e-2, weight_decay=0.1,
                                               adamw_mode=False), offload), want)
-
-
-def test_fused_adam_without_weight_decay_trains_as_hybrids_own_adamw():
-    """DeepSpeed's default (weight_decay 0) against the ds_config's Adam block, which runs
-    hybrid's fused AdamW on the flat shard."""
-    torch.manual_seed(0)
-    net = Net()
-    block = {"optimizer": {"type": "Adam", "params": {"lr": 1e-2}}}
-    engine, *_ = deepspeed.initialize(model=net, model_parameters=net.parameters(),
-                                      config={**DS, **block}, mpu=ParallelState.single())
-    want = (_train(engine, 3), [p.detach().clone() for p in engine.module.parameters()])
-    got = _trained(lambda n: FusedAdam(n.parameters(), lr=1e-2))
-    assert got[0] == pytest.approx(want[0], rel=1e-6)
-    for a, b in zip(got[1], want[1]):
-        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
 
 
 def test_the_adam_arguments_torch_cannot_honour_are_refused_by_name():

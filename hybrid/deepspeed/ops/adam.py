@@ -5,15 +5,25 @@
 
 DeepSpeed's two Adam kernels compute one update, Adam's with bias correction: with
 ``adam_w_mode=True`` (``adamw_mode`` for the CPU one; the default) the weight decay is
-decoupled (AdamW), else it is added to the gradient (Adam with L2). Here each is a
+decoupled (AdamW), else it is added to the gradient (Adam with L2). Each is a
 :class:`torch.optim.Adam` of the same settings (``decoupled_weight_decay`` the mode;
-DeepSpeed's defaults, ``weight_decay=0`` among them), so it is a client optimizer like
-any torch one: ``initialize`` steps each rank's shard with it (on the device, or on the
-host under ``offload_optimizer``: where DeepSpeed runs its CPU kernel), its state kept
-for that rank's elements, its groups driven by a client scheduler. The update is torch's
-AdamW (or Adam) bit for bit. What torch's Adam cannot compute is refused by name:
-``bias_correction=False`` and ``amsgrad=True`` (DeepSpeed refuses AMSGrad itself), and
-``fp32_optimizer_states=False`` (hybrid keeps the states in fp32).
+DeepSpeed's defaults, ``weight_decay=0`` among them), and ``initialize`` runs it one of
+two ways:
+
+* hybrid's own fused AdamW on the flat shard (on the device, or on the host under
+  ``offload_optimizer``, where DeepSpeed runs its CPU kernel) when that computes it: the
+  AdamW mode, one group of the parameters, no ``lr_scheduler`` given and no
+  ``"optimizer"`` block in the ds_config (:func:`as_config_block` makes the block of its
+  settings). The run is then bit for bit the one the block would give. The
+  optimizer's ``param_groups`` become the engine's, so a rate written there applies,
+  and its own ``step()`` is refused: the engine steps.
+* otherwise (L2 mode, several groups, a scheduler over it) torch's Adam as a client
+  optimizer of each rank's shard, like any torch optimizer: bit for bit torch's AdamW
+  (or Adam) there.
+
+What neither computes is refused by name: ``bias_correction=False`` and
+``amsgrad=True`` (DeepSpeed refuses AMSGrad itself), and ``fp32_optimizer_states=False``
+(hybrid keeps the states in fp32).
 """
 
 from __future__ import annotations
@@ -26,7 +36,7 @@ import torch
 from hybrid.deepspeed.missing import refuse
 from hybrid.errors import ConfigError
 
-__all__ = ["DeepSpeedCPUAdam", "FusedAdam"]
+__all__ = ["DeepSpeedCPUAdam", "FusedAdam", "as_config_block"]
 
 
 def _refused(cls: str, bias_correction: bool, amsgrad: bool) -> None:
@@ -38,7 +48,35 @@ def _refused(cls: str, bias_correction: bool, amsgrad: bool) -> None:
                           f"pass torch.optim.AdamW(..., amsgrad=True) as the optimizer")
 
 
-class FusedAdam(torch.optim.Adam):
+class _Adam(torch.optim.Adam):
+    """What the two share: the mode, and the engine that steps it once ``initialize``
+    ran it as hybrid's own AdamW (None until then)."""
+
+    adam_w_mode: int
+    stepped_by: object = None
+
+    def step(self, closure: Any = None) -> Any:
+        if self.stepped_by is not None:
+            raise ConfigError(f"{type(self).__name__}.step(): initialize runs it as hybrid's "
+                              f"own AdamW on the engine's shards; call engine.step()")
+        return super().step(closure)
+
+
+def as_config_block(optimizer: object, lr_scheduler: object, ds: dict) -> dict | None:
+    """The ds_config ``"optimizer"`` block whose AdamW is ``optimizer`` (a FusedAdam or
+    DeepSpeedCPUAdam in AdamW mode, one group, no scheduler over it, no block in ``ds``),
+    or None: it stays a client optimizer."""
+    if (not isinstance(optimizer, _Adam) or not optimizer.adam_w_mode
+            or lr_scheduler is not None or "optimizer" in ds
+            or len(optimizer.param_groups) != 1):
+        return None
+    g = optimizer.param_groups[0]
+    return {"type": "AdamW", "params": {"lr": float(g["lr"]), "betas": list(g["betas"]),
+                                        "eps": float(g["eps"]),
+                                        "weight_decay": float(g["weight_decay"])}}
+
+
+class FusedAdam(_Adam):
     """DeepSpeed's ``FusedAdam`` (module doc): ``adam_w_mode`` decoupled weight decay
     (AdamW, the default) or L2 (Adam); ``set_grad_none``: accepted (the engine clears the
     gradients it reduces)."""
@@ -54,7 +92,7 @@ class FusedAdam(torch.optim.Adam):
                          decoupled_weight_decay=bool(adam_w_mode))
 
 
-class DeepSpeedCPUAdam(torch.optim.Adam):
+class DeepSpeedCPUAdam(_Adam):
     """DeepSpeed's ``DeepSpeedCPUAdam`` (module doc): ``adamw_mode`` decoupled weight decay
     (AdamW, the default) or L2 (Adam). Under ``offload_optimizer`` the engine steps it on
     the host, as DeepSpeed runs it; without, on the device the shards are on."""
