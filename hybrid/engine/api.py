@@ -520,7 +520,7 @@ def initialize(model: nn.Module, config: str | os.PathLike | Mapping | None = No
         engine = _build(model, cfg, ps, recompute_phase, client,
                         lambda optim: resolve_schedule(lr_scheduler, ds, cfg, optim, caller),
                         tied, engine_type)
-    engine.progress = Progress(ds.get("steps_per_print"), engine)  # (its step 0 line)
+    engine.progress = Progress(ds, engine)  # (its step 0 line, with steps_per_print)
     loader: DataLoader | None = None
     if training_data is not None:
         loader = engine.training_dataloader = dataloader_of(

@@ -6,7 +6,8 @@ DeepSpeed's engine logs one line on global rank 0 when it is built and after eve
     [Rank 0] step=10, skipped=0, lr=[0.001], mom=[(0.9, 0.999)]
 
 ``lr``: each group's rate of the next step; ``mom``: each group's ``betas`` (its
-``momentum`` when the optimizer is SGD or RMSprop; 0.0 for a group without one);
+``momentum`` when the optimizer is SGD or RMSprop; 0.0 for a group without one; a list
+when the ds_config's ``optimizer`` block writes them, as DeepSpeed's own Adam keeps them);
 ``skipped``: the optimizer steps fp16's loss scale skipped so far. Its pipeline engine
 also prints (``print``, global rank 0), after the same steps::
 
@@ -29,6 +30,7 @@ from __future__ import annotations
 import logging
 import sys
 import time
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, Protocol, TextIO
 
 if TYPE_CHECKING:
@@ -80,23 +82,30 @@ def deepspeed_logger() -> logging.Logger:
     return logger
 
 
-def _moments(engine: Engine) -> list[Any]:
+def _moments(engine: Engine, listed: bool) -> list[Any]:
     """DeepSpeed's ``engine.get_mom()``: per group, ``momentum`` for SGD and RMSprop, else
-    ``betas``; 0.0 for a group without it."""
+    ``betas`` (hybrid's AdamW's as a list when ``listed``); 0.0 for a group without it."""
     client = engine.optimizer.client
     key = "momentum" if type(client).__name__ in ("SGD", "RMSprop") else "betas"
-    return [g.get(key, 0.0) for g in engine.optimizer.param_groups]
+    out = [g.get(key, 0.0) for g in engine.optimizer.param_groups]
+    return [list(m) for m in out] if listed and client is None else out
 
 
 class Progress:
-    """An engine's progress lines (module doc). ``every``: the ds_config's
-    ``steps_per_print`` (None: no lines). Built once the engine is, it logs the step 0
+    """An engine's progress lines (module doc), as the ds_config ``ds`` asks: its
+    ``steps_per_print`` (none: no lines). Built once the engine is, it logs the step 0
     line, as DeepSpeed's engine does once its optimizer is made."""
 
-    def __init__(self, every: object, engine: Engine):
-        # ("auto" and the like leave it unset, as a missing key does)
+    def __init__(self, ds: Mapping[str, Any], engine: Engine):
+        every = ds.get("steps_per_print")  # ("auto" and the like: unset, as a missing key)
         self.every = every if isinstance(every, int) and not isinstance(every, bool) else None
         self.engine = engine
+        # DeepSpeed's own Adam keeps the betas as the config wrote them, a JSON list
+        # (mom=[[0.9, 0.999]]); torch's (torch_adam) and a client's hold a tuple
+        block = ds.get("optimizer")
+        params = block.get("params") if isinstance(block, Mapping) else None
+        self.listed = (isinstance(params, Mapping) and isinstance(params.get("betas"), list)
+                       and not params.get("torch_adam"))
         self.skipped = 0  # optimizer steps fp16 skipped (DeepSpeed's engine.skipped_steps)
         self._seconds = 0.0  # train_batch time since the last pipeline line
         self._started: float | None = None
@@ -111,7 +120,7 @@ class Progress:
         if self.every and self.engine.global_rank == 0:
             deepspeed_logger().info("[Rank %d] step=%d, skipped=%d, lr=%s, mom=%s",
                                     self.engine.global_rank, step, self.skipped,
-                                    self.engine.get_lr(), _moments(self.engine))
+                                    self.engine.get_lr(), _moments(self.engine, self.listed))
 
     def stepped(self, result: StepResult) -> None:
         """After an optimizer step was counted (and the schedule stepped): the step's skip

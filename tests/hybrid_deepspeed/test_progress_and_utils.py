@@ -87,6 +87,18 @@ def test_the_line_counts_fp16s_skipped_steps_and_shows_sgds_momentum(capsys):
     assert _logged(capsys.readouterr().out)[1:] == want
 
 
+@pytest.mark.parametrize(("params", "mom"), [
+    ({"betas": [0.9, 0.99]}, "[[0.9, 0.99]]"),  # DeepSpeed's FusedAdam keeps the JSON list
+    ({"betas": [0.9, 0.99], "torch_adam": True}, "[(0.9, 0.99)]"),  # torch's makes a tuple
+    ({}, "[(0.9, 0.999)]")])
+def test_the_betas_show_as_deepspeeds_optimizer_holds_them(capsys, params, mom):
+    """As DeepSpeed 0.19.8 printed them for these blocks (its FusedAdam built on the CPU)."""
+    _engine({**DS, "steps_per_print": 1,
+             "optimizer": {"type": "AdamW", "params": {"lr": 0.01, **params}}})
+    assert _logged(capsys.readouterr().out) == [
+        f"[Rank 0] step=0, skipped=0, lr=[0.01], mom={mom}"]
+
+
 def test_without_steps_per_print_nothing_is_printed(capsys):
     engine = _engine(DS)
     _train(engine, 3)

@@ -176,12 +176,16 @@ def test_fused_adam_of_one_group_is_hybrids_own_adamw_bit_for_bit(zero):
     _same(_trained(lambda n: DeepSpeedCPUAdam(n.parameters(), **ADAMW), config), want)
 
 
-def test_a_mapped_fused_adams_groups_are_the_engines():
+def test_a_mapped_fused_adams_groups_are_the_engines(capsys):
     torch.manual_seed(0)
     net = Net()
     opt = FusedAdam(net.parameters(), lr=1e-2)
-    engine, optimizer, _, sched = deepspeed.initialize(model=net, optimizer=opt, config=DS,
-                                                       mpu=ParallelState.single())
+    engine, optimizer, _, sched = deepspeed.initialize(
+        model=net, optimizer=opt, config={**DS, "steps_per_print": 1},
+        mpu=ParallelState.single())
+    # its betas shown as it holds them (a tuple), as DeepSpeed shows a client FusedAdam's
+    assert capsys.readouterr().out.rstrip().endswith(
+        "[Rank 0] step=0, skipped=0, lr=[0.01], mom=[(0.9, 0.999)]")
     assert sched is None  # as DeepSpeed's, for a client optimizer without a scheduler
     assert opt.param_groups is optimizer.param_groups and engine.optimizer.client is None
     opt.param_groups[0]["lr"] = 0.5  # a rate written there applies

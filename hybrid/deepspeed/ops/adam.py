@@ -71,7 +71,8 @@ def as_config_block(optimizer: object, lr_scheduler: object, ds: dict) -> dict |
             or len(optimizer.param_groups) != 1):
         return None
     g = optimizer.param_groups[0]
-    return {"type": "AdamW", "params": {"lr": float(g["lr"]), "betas": list(g["betas"]),
+    # (the betas as held: DeepSpeed's progress line shows a list as one, a tuple as one)
+    return {"type": "AdamW", "params": {"lr": float(g["lr"]), "betas": g["betas"],
                                         "eps": float(g["eps"]),
                                         "weight_decay": float(g["weight_decay"])}}
 
