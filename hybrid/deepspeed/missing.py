@@ -29,7 +29,9 @@ NESTED = {
                     "PipeDataParallelTopology: pass num_stages) and the engine "
                     "initialize returns for it (hybrid.deepspeed.PipelineEngine)",
     "runtime.zero": "ZeRO is the ds_config's zero_optimization block; the context managers "
-                    "are deepspeed.zero (Init, GatheredParameters)",
+                    "are deepspeed.zero (Init, GatheredParameters); for the memory "
+                    "estimates (estimate_zero3_model_states_mem_needs_*) run "
+                    "scripts/estimate_memory.py",
     "runtime.engine": "the engine is what deepspeed.initialize returns "
                       "(hybrid.deepspeed.DeepSpeedEngine)",
     "runtime.activation_checkpointing": "activation checkpointing is deepspeed.checkpointing "

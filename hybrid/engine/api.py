@@ -98,7 +98,6 @@ def _units(model: nn.Module) -> list[nn.Module] | None:
 _NOT_YET = {  # DeepSpeed engine methods hybrid's engine does not have yet: name -> instead
     "set_train_batch_size": "the batch sizes are fixed by the config",
     "set_gradient_accumulation_boundary": "the boundary follows gradient_accumulation_steps",
-    "get_mom": "betas are optimizer.param_groups[i]['betas']",
     "load_universal_checkpoint": "hybrid's checkpoints reshard themselves: load_checkpoint",
     "get_data_parallel_group": "the groups live in engine.ps (a hybrid ParallelState)",
     "empty_partition_cache": "stage 3 frees gathered parameters after each module",
@@ -111,6 +110,8 @@ class Engine:
     have is looked up on the wrapped module, as DeepSpeed's engine does."""
 
     progress: Progress  # DeepSpeed's steps_per_print lines (initialize makes it)
+    get_mom = property(lambda self: self.progress.get_mom)  # betas (SGD: momentum) by group
+    skipped_steps = property(lambda self: self.progress.skipped)  # (fp16's skipped steps)
 
     def __init__(self, module: nn.Module, cfg: TrainConfig, ps: ParallelState,
                  zero: ZeroEngine, rng: TPRNGTracker, optimizer: EngineOptimizer,
@@ -205,8 +206,7 @@ class Engine:
         return self.module.named_parameters(prefix, recurse)
 
     def __getattr__(self, name: str) -> Any:
-        # only reached for names the engine lacks; the module's, as DeepSpeed's engine does
-        if name.startswith("__") or name == "module":
+        if name.startswith("__") or name == "module":  # (reached for names the engine lacks)
             raise AttributeError(name)
         if name in _NOT_YET:
             raise AttributeError(f"hybrid's engine has no {name} yet (DeepSpeed's "

@@ -111,6 +111,10 @@ class Progress:
         self._started: float | None = None
         self.report(0)
 
+    def get_mom(self) -> list[Any]:
+        """DeepSpeed's ``engine.get_mom()``: each group's betas (SGD's momentum)."""
+        return _moments(self.engine, self.listed)
+
     def due(self) -> bool:
         """Whether the optimizer step just counted ends a ``steps_per_print`` window."""
         return self.every is not None and self.engine.global_steps % self.every == 0
@@ -120,7 +124,7 @@ class Progress:
         if self.every and self.engine.global_rank == 0:
             deepspeed_logger().info("[Rank %d] step=%d, skipped=%d, lr=%s, mom=%s",
                                     self.engine.global_rank, step, self.skipped,
-                                    self.engine.get_lr(), _moments(self.engine, self.listed))
+                                    self.engine.get_lr(), self.get_mom())
 
     def stepped(self, result: StepResult) -> None:
         """After an optimizer step was counted (and the schedule stepped): the step's skip

@@ -66,6 +66,7 @@ def test_the_engine_logs_deepspeeds_line_every_steps_per_print_steps(capsys):
                         f"mom=[(0.9, 0.999)]")
     assert _logged(capsys.readouterr().out) == want
     assert want[2] == "[Rank 0] step=4, skipped=0, lr=[0.0075], mom=[(0.9, 0.999)]"
+    assert engine.get_mom() == [(0.9, 0.999)] and engine.skipped_steps == 0
 
 
 def test_the_line_counts_fp16s_skipped_steps_and_shows_sgds_momentum(capsys):
@@ -84,6 +85,7 @@ def test_the_line_counts_fp16s_skipped_steps_and_shows_sgds_momentum(capsys):
         skipped += not engine.was_step_applied()
         want.append(f"[Rank 0] step={step}, skipped={skipped}, lr=[0.1], mom=[0.9]")
     assert skipped > 0  # (2**32 overflows fp16 at first)
+    assert engine.skipped_steps == skipped and engine.get_mom() == [0.9]
     assert _logged(capsys.readouterr().out)[1:] == want
 
 
