@@ -104,7 +104,7 @@ class OffloadConfig:
     ``param``: stage 3 only; None, "cpu" or "nvme": where this rank's parameter
     shards live between the gathers that use them.
     ``buffer_count`` x ``buffer_size`` elements: the nvme tier's host staging,
-    fixed whatever the model size. ``pin_memory``: page-locked host buffers
+    at most that whatever the model size (:meth:`tile`: a smaller shard's own size). ``pin_memory``: page-locked host buffers
     (None: when training on a GPU; never without CUDA). ``delayed_update``:
     with ``optimizer``, ZeRO-Offload's one-step delayed parameter update, after
     ``delayed_update_warmup`` normal steps. ``gds``: with ``param`` "nvme", read
@@ -130,6 +130,13 @@ class OffloadConfig:
     def nvme(self) -> bool:
         """Some state lives in swap files: ``nvme_path`` is needed."""
         return "nvme" in (self.optimizer, self.param)
+
+    def tile(self, n: int) -> int:
+        """Elements of the nvme tier's tile for a shard of ``n`` elements: ``buffer_size``,
+        or a shard smaller than that whole, rounded up to 1024 elements (12 bytes each
+        keeps a tile's offsets 4096-aligned for direct I/O). A small model then stages
+        and preallocates its own size, not a default tile's 96 MiB per buffer."""
+        return min(self.buffer_size, max(1024, -(-n // 1024) * 1024))
 
 
 @dataclass(frozen=True)

@@ -186,7 +186,7 @@ def host_terms(w: Workload, off: OffloadConfig, baseline_bytes: int = HOST_BASEL
     """Host memory this rank holds for its model states, by term (see the note)."""
     n = shard_elements(w)
     e_p, e_g = _element_bytes(w)
-    tile_pool = off.buffer_count * off.buffer_size
+    tile_pool = off.buffer_count * off.tile(n)
     # (on a CPU at stages 2-3 the host step reads the device's shard in place)
     in_place = w.zero_stage >= 2 and not lands_grads(w, off)
     return {
@@ -219,21 +219,21 @@ def _write_chunk(w: Workload, off: OffloadConfig) -> int:
     if not off.param or off.delayed_update:
         return 0  # no home writer: the new parameters go through the upload copy
     if off.optimizer == "nvme":  # tiles straddle units
-        return min(off.buffer_size, shard_elements(w))
+        return min(off.tile(shard_elements(w)), shard_elements(w))
     return -(-_largest_unit(w) // w.shard_ranks) if off.param == "nvme" else 0
 
 
 def _grad_slot(w: Workload, off: OffloadConfig) -> int:
     """Bytes of one tile's gradient in grads.swp: T e_g, 4096-aligned."""
-    return -(-off.buffer_size * _element_bytes(w)[1] // 4096) * 4096
+    return -(-off.tile(shard_elements(w)) * _element_bytes(w)[1] // 4096) * 4096
 
 
 def disk_terms(w: Workload, off: OffloadConfig) -> dict:
     """Bytes this rank keeps in its swap files, by term (see the note)."""
     n = shard_elements(w)
-    tiles = -(-n // off.buffer_size)
+    tiles = -(-n // off.tile(n))
     nvme = off.optimizer == "nvme"
-    return {"optimizer_swap": 12 * tiles * off.buffer_size if nvme else 0,
+    return {"optimizer_swap": 12 * tiles * off.tile(n) if nvme else 0,
             "grad_swap": tiles * _grad_slot(w, off) if nvme else 0,
             "param_swap": BYTES[w.params_dtype] * n if off.param == "nvme" else 0}
 

@@ -7,6 +7,7 @@ is checked against plain torch in test_offload.py and test_zero.py."""
 
 import contextlib
 import ctypes
+import dataclasses
 import logging
 import os
 import subprocess
@@ -22,7 +23,7 @@ from hybrid.tensor_parallel import InitValues
 from hybrid.zero.offload.nvme import gds
 from hybrid.zero.offload.nvme.homes import DiskHome
 from hybrid.zero.offload.nvme.swap import SwapSpace
-from hybrid.zero.offload.tiers import host_pinning
+from hybrid.zero.offload.tiers import OffloadTiers, host_pinning
 from hybrid.zero.state import iter_piece_values
 from tests.helpers.harness import run_ranks
 from tests.helpers.launch import TINY, pretrain
@@ -250,6 +251,33 @@ def test_pinning_asked_without_cuda_is_pageable_memory(tmp_path):
     assert engine.tiers.pin is torch.cuda.is_available()
     assert _dp_step(model, engine, ps, cfg, 0)[1].skipped is not None
     engine.close()
+
+
+def test_a_shard_smaller_than_a_tile_stages_and_swaps_its_own_size(tmp_path):
+    """The default tile (8Mi elements: 96 MiB of states per staging buffer) is cut to a
+    smaller shard, rounded up to 1024 elements: the staging buffers, the swap files and
+    the estimator's terms all follow OffloadConfig.tile."""
+    from hybrid.config.sections import OffloadConfig
+    from hybrid.zero.offload.nvme import tiles
+    default = OffloadConfig(optimizer="nvme")
+    assert (default.tile(50_000), default.tile(1), default.tile(10 << 20)) == (
+        50_176, 1024, 8 << 20)
+    ps = ParallelState.single()
+    kw = {"buffers": 2}
+    cfg, model, engine = _engine(ps, 1, kw, "nvme", str(tmp_path))
+    engine.close()
+    cfg = dataclasses.replace(cfg, offload=dataclasses.replace(cfg.offload,
+                                                               buffer_size=1 << 23))
+    n = sum(u.own_hi - u.own_lo for u in engine.units)
+    tier = OffloadTiers(cfg.offload, 0, engine.units, dtype=torch.float32,
+                        grad_dtype=torch.float32, device=torch.device("cpu"))
+    try:
+        tile = -(-n // 1024) * 1024
+        assert n < 1 << 23 and tier.states.tile == tile
+        assert [b.numel() for b in tier.states.staging] == [3 * tile] * 2
+        assert os.path.getsize(os.path.join(tier.space.dir, tiles.FILE)) == 12 * tile
+    finally:
+        tier.close()
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

@@ -95,8 +95,8 @@ class OffloadTiers:
         self._slot_of = {id(u): k for k, u in enumerate(self._partitioned)}
         sizes = {}
         if cfg.optimizer == "nvme":
-            sizes[tiles.FILE] = SwappedStates.space_for(n, cfg.buffer_size)
-            sizes[grads.FILE] = SwappedGrads.space_for(n, cfg.buffer_size, grad_dtype)
+            sizes[tiles.FILE] = SwappedStates.space_for(n, cfg.tile(n))
+            sizes[grads.FILE] = SwappedGrads.space_for(n, cfg.tile(n), grad_dtype)
         if cfg.param == "nvme":
             elem = torch.empty((), dtype=dtype).element_size()
             self._slots, sizes[homes.FILE] = disk_slots(
@@ -108,10 +108,10 @@ class OffloadTiers:
         try:
             self.io = AsyncIO(threads=IO_THREADS)
             if cfg.optimizer == "nvme":
-                self.states = SwappedStates(n, cfg.buffer_size, self.space, self.io,
+                self.states = SwappedStates(n, cfg.tile(n), self.space, self.io,
                                             buffers=cfg.buffer_count, pin=self.pin)
                 self.grads = SwappedGrads(self.space, self.io, shard_bounds(units),
-                                          tile=cfg.buffer_size, dtype=grad_dtype, pin=self.pin)
+                                          tile=cfg.tile(n), dtype=grad_dtype, pin=self.pin)
                 self.states.attach_grads(self.grads, self.pin)
             if cfg.param == "nvme" and cfg.gds:
                 self._open_gds(rank, gds_file)
