@@ -311,3 +311,50 @@ def test_the_engines_line_is_deepspeeds(tmp_path):
                                        "[h.setLevel(logging.INFO) for h in logger.handlers]")
     ours = _progress_lines(tmp_path, "import hybrid.deepspeed as deepspeed")
     assert len(theirs) == 3 and ours == theirs, (ours, theirs)
+
+
+def _printed(ps):
+    """At DP 2 (or PP 2 with ``ps`` a pipeline's): what each rank printed over two steps
+    with steps_per_print 1, and its log_dist calls."""
+    import contextlib
+    import io
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        torch.manual_seed(0)
+        if ps.pp_size > 1:
+            net = PipelineModule(layers=[LayerSpec(nn.Linear, 4, 8), nn.ReLU(),
+                                         LayerSpec(nn.Linear, 8, 2)], num_stages=2,
+                                 loss_fn=nn.functional.cross_entropy, parallel_state=ps)
+            engine, *_ = deepspeed.initialize(model=net, model_parameters=net.parameters(),
+                                              config={**DS, "steps_per_print": 1})
+            g = torch.Generator().manual_seed(0)
+            data = iter([(torch.randn(2, 4, generator=g), torch.randint(0, 2, (2,), generator=g))
+                         for _ in range(4)])
+            losses = [float(engine.train_batch(data)) for _ in range(2)]
+        else:
+            net = Net()
+            engine, *_ = deepspeed.initialize(model=net, model_parameters=net.parameters(),
+                                              config={**DS, "train_batch_size": 8,
+                                                      "steps_per_print": 1}, mpu=ps)
+            losses = _train(engine, 2, seed=ps.rank)
+        log_dist("to one", ranks=[1])
+        log_dist("to all", ranks=[-1])
+        engine.close()
+    return out.getvalue(), losses
+
+
+@pytest.mark.parametrize("pipeline", [False, True])
+def test_only_global_rank_0_prints_the_lines_and_log_dist_picks_its_ranks(pipeline):
+    """DP 2, or PP 2 (the two ranks the two stages): the engine's lines on rank 0 only,
+    the pipeline's ``steps:`` line too; log_dist on the ranks asked for."""
+    (out0, losses0), (out1, _) = run_ranks(_printed, world_size=2, pp=2 if pipeline else 1)
+    assert _logged(out1) == ["[Rank 1] to one", "[Rank 1] to all"]
+    steps = ["[Rank 0] step=0, skipped=0, lr=[0.01], mom=[(0.9, 0.999)]",
+             "[Rank 0] step=1, skipped=0, lr=[0.01], mom=[(0.9, 0.999)]",
+             "[Rank 0] step=2, skipped=0, lr=[0.01], mom=[(0.9, 0.999)]"]
+    assert _logged(out0) == [*steps, "[Rank 0] to all"]
+    printed = [line.split(" iter time")[0] for line in out0.splitlines()
+               if line.startswith("steps: ")]
+    assert printed == ([f"steps: {k + 1} loss: {losses0[k]:0.4f}" for k in range(2)]
+                       if pipeline else [])
+    assert "steps: " not in out1
