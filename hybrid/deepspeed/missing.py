@@ -34,8 +34,6 @@ NESTED = {
                     "scripts/estimate_memory.py",
     "runtime.engine": "the engine is what deepspeed.initialize returns "
                       "(hybrid.deepspeed.DeepSpeedEngine)",
-    "runtime.activation_checkpointing": "activation checkpointing is deepspeed.checkpointing "
-                                        "(checkpoint, configure)",
     "runtime.config": "pass the ds_config (a path or a dict) to initialize(config=...)",
     "runtime.dataloader": "initialize(training_data=...) gives the loader; "
                           "deepspeed.utils.RepeatingLoader repeats one",

@@ -299,7 +299,10 @@ def test_the_served_deepspeed_imports_are_hybrids(aliased):
          "from deepspeed.runtime.utils import set_random_seed, see_memory_usage\n"
          "from deepspeed.ops.adam import FusedAdam, DeepSpeedCPUAdam\n"
          "from deepspeed.utils import logger, log_dist, safe_get_full_fp32_param\n"
-         "from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint\n",
-         scope)
+         "from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint\n"
+         "from deepspeed.runtime.activation_checkpointing import checkpointing as ac\n"
+         "import deepspeed.runtime.activation_checkpointing.checkpointing as ac2\n"
+         "import deepspeed\n", scope)
+    assert scope["ac"] is scope["ac2"] is scope["deepspeed"].checkpointing  # one module
     assert scope["WarmupLR"] is lr_schedules.WarmupLR and scope["FusedAdam"] is FusedAdam
     assert scope["logger"] is deepspeed.utils.logger

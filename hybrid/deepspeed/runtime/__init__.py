@@ -5,6 +5,8 @@
 * :mod:`.lr_schedules`  DeepSpeed's scheduler classes (WarmupLR, WarmupDecayLR,
                         WarmupCosineLR, OneCycle, LRRangeTest) over an optimizer's groups,
                         for ``initialize(lr_scheduler=...)``
+* :mod:`.activation_checkpointing`  its ``checkpointing``: :mod:`hybrid.deepspeed.checkpointing`
+                        itself (``deepspeed.checkpointing`` under DeepSpeed's other name)
 
 DeepSpeed's other runtime modules (its engines, ZeRO stages, pipeline internals,
 config) are refused by name, each with what a hybrid script uses instead: the engine
@@ -16,11 +18,12 @@ from __future__ import annotations
 from typing import NoReturn
 
 from hybrid.deepspeed.missing import advice, refuse
-from hybrid.deepspeed.runtime import lr_schedules, utils
+from hybrid.deepspeed.runtime import activation_checkpointing, lr_schedules, utils
 
-__all__ = ["lr_schedules", "utils"]
+__all__ = ["activation_checkpointing", "lr_schedules", "utils"]
 
 
 def __getattr__(name: str) -> NoReturn:
     refuse("runtime", name, advice(f"runtime.{name}") or
-           "hybrid serves deepspeed.runtime.utils and deepspeed.runtime.lr_schedules")
+           "hybrid serves deepspeed.runtime.utils, lr_schedules and "
+           "activation_checkpointing.checkpointing")
