@@ -358,3 +358,56 @@ def test_only_global_rank_0_prints_the_lines_and_log_dist_picks_its_ranks(pipeli
     assert printed == ([f"steps: {k + 1} loss: {losses0[k]:0.4f}" for k in range(2)]
                        if pipeline else [])
     assert "steps: " not in out1
+
+
+PIPE_SCRIPT = """
+import torch
+from torch import nn
+{imports}
+from deepspeed.pipe import LayerSpec, PipelineModule
+deepspeed.init_distributed(dist_backend="gloo")
+torch.manual_seed(0)
+net = PipelineModule(layers=[LayerSpec(nn.Linear, 4, 8), nn.ReLU(), LayerSpec(nn.Linear, 8, 2)],
+                     num_stages=1, loss_fn=nn.functional.cross_entropy)
+config = {{"train_batch_size": 4, "gradient_accumulation_steps": 2, "steps_per_print": 2,
+          "optimizer": {{"type": "AdamW", "params": {{"lr": 0.01, "torch_adam": True}}}}}}
+engine, *_ = deepspeed.initialize(model=net, model_parameters=net.parameters(), config=config)
+g = torch.Generator().manual_seed(0)
+data = iter([(torch.randn(2, 4, generator=g), torch.randint(0, 2, (2,), generator=g))
+             for _ in range(10)])
+for _ in range(5):
+    engine.train_batch(data)
+"""
+
+
+@pytest.mark.peer("deepspeed")
+def test_the_pipeline_line_is_deepspeeds(tmp_path):
+    """The same pipeline script under DeepSpeed 0.19.8 and under hybrid (hybrid's import
+    hook, as hybrid-deepspeed runs it): the ``steps:`` lines at the same steps, in the
+    same format, with the same losses to the 4 decimals printed."""
+    import os
+    import subprocess
+    import sys
+
+    from tests.hybrid_deepspeed.record_deepspeed import _free_port
+    runs = {}
+    for who, imports in (("deepspeed", "import deepspeed"),
+                         ("hybrid", "from hybrid.deepspeed import alias\nalias.install()\n"
+                                    "import deepspeed")):
+        script = tmp_path / f"pipe_{who}.py"  # (not deepspeed.py: it would shadow it)
+        script.write_text(PIPE_SCRIPT.format(imports=imports))
+        env = {**os.environ, "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1",
+               "LOCAL_WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
+               "MASTER_PORT": str(_free_port()), "DS_ACCELERATOR": "cpu",
+               "PYTHONPATH": os.getcwd(), "OMP_NUM_THREADS": "1"}
+        env.pop("CUDA_VISIBLE_DEVICES", None)
+        done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                              env=env, timeout=300, check=False, cwd=str(tmp_path))
+        assert done.returncode == 0, done.stderr[-3000:]
+        runs[who] = [line for line in done.stdout.splitlines() if line.startswith("steps: ")]
+    shape = re.compile(r"steps: (\d+) loss: (\d+\.\d{4}) iter time \(s\): \d+\.\d{3} "
+                       r"samples/sec: \d+\.\d{3}")
+    got = {who: [shape.fullmatch(line).groups() for line in lines]  # type: ignore[union-attr]
+           for who, lines in runs.items()}
+    assert [s for s, _ in got["deepspeed"]] == ["2", "4"], runs
+    assert got["hybrid"] == got["deepspeed"], runs
