@@ -8,6 +8,7 @@ torch's AdamW / Adam), and each refused name's message, as an attribute, as
 
 import json
 import random
+import re
 import sys
 from pathlib import Path
 
@@ -79,6 +80,19 @@ def test_the_scheduler_classes_give_deepspeeds_recorded_rates(name):
     case = RECORDED["cases"][name]
     assert _flat(_class_rates(case["scheduler"])) == pytest.approx(
         _flat(case["rates"]), rel=1e-12, abs=1e-15)
+
+
+@pytest.mark.peer("deepspeed")
+def test_see_memory_usage_prints_deepspeeds_lines(capsys):
+    """The same three lines as DeepSpeed 0.19.8's, numbers aside."""
+    from deepspeed.runtime.utils import see_memory_usage as theirs
+    shapes = []
+    for fn in (theirs, see_memory_usage):
+        fn("here", force=True)
+        shapes.append([re.sub(r"\d+(\.\d+)?", "N", line)  # (not its accelerator's log line)
+                       for line in capsys.readouterr().out.splitlines()
+                       if not line.startswith("[")])
+    assert shapes[0] == shapes[1] and len(shapes[0]) == 3, shapes
 
 
 @pytest.mark.peer("deepspeed")

@@ -52,9 +52,10 @@ def see_memory_usage(message: str, force: bool = False) -> None:
     gc.collect()  # (what Python has not collected yet would count as used)
     acc = get_accelerator()
     print(message)
-    print(f"MA {round(acc.memory_allocated() / _GB, 2)} GB "
-          f"Max_MA {round(acc.max_memory_allocated() / _GB, 2)} GB "
-          f"CA {round(acc.memory_reserved() / _GB, 2)} GB "
+    gap = " " * 8  # (DeepSpeed's line carries its source's indentation between the fields)
+    print(f"MA {round(acc.memory_allocated() / _GB, 2)} GB {gap}"
+          f"Max_MA {round(acc.max_memory_allocated() / _GB, 2)} GB {gap}"
+          f"CA {round(acc.memory_reserved() / _GB, 2)} GB {gap}"
           f"Max_CA {round(acc.max_memory_reserved() / _GB)} GB ")
     host = _host_used()
     if host is not None:
