@@ -83,6 +83,16 @@ def test_the_scheduler_classes_give_deepspeeds_recorded_rates(name):
 
 
 @pytest.mark.peer("deepspeed")
+def test_set_random_seed_draws_as_deepspeeds():
+    from deepspeed.runtime.utils import set_random_seed as theirs
+    draws = []
+    for fn in (theirs, set_random_seed):
+        fn(2 ** 40 + 7)
+        draws.append((random.random(), numpy.random.rand(3).tolist(), torch.rand(3).tolist()))
+    assert draws[0] == draws[1]
+
+
+@pytest.mark.peer("deepspeed")
 def test_see_memory_usage_prints_deepspeeds_lines(capsys):
     """The same three lines as DeepSpeed 0.19.8's, numbers aside."""
     from deepspeed.runtime.utils import see_memory_usage as theirs
