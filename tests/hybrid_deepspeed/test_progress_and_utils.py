@@ -30,6 +30,7 @@ from hybrid.deepspeed.utils.zero_to_fp32 import (
 )
 from hybrid.errors import CheckpointError, ConfigError
 from hybrid.parallel.state import ParallelState
+from tests.helpers.foreign_checkpoints import FOREIGN, write_foreign
 from tests.helpers.harness import run_ranks
 from tests.hybrid_deepspeed.test_door import _train
 from tests.hybrid_deepspeed.test_tutorials import Net
@@ -261,6 +262,11 @@ def test_zero_to_fp32_follows_tags_and_steps_as_load_checkpoint_does(tmp_path):
         get_fp32_state_dict_from_zero_checkpoint(str(tmp_path), tag="nope")
     with pytest.raises(CheckpointError, match="no such directory"):
         get_fp32_state_dict_from_zero_checkpoint(str(tmp_path / "missing"))
+    write_foreign(tmp_path / "theirs", FOREIGN["DeepSpeed"])
+    with pytest.raises(CheckpointError, match=r"it holds a DeepSpeed checkpoint \(.*"
+                                              r"mp_rank_00_model_states.pt\); hybrid reads "
+                                              r"the checkpoints its engine saved"):
+        get_fp32_state_dict_from_zero_checkpoint(str(tmp_path / "theirs"))
 
 
 PROGRESS_SCRIPT = """

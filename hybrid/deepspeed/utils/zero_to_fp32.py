@@ -23,7 +23,7 @@ from typing import NoReturn
 import torch
 from torch import nn
 
-from hybrid.checkpoint.files import find_checkpoint, step_checkpoint
+from hybrid.checkpoint.files import find_checkpoint, foreign_checkpoint, step_checkpoint
 from hybrid.checkpoint.reshard import iter_full_params
 from hybrid.deepspeed.missing import refuse
 from hybrid.errors import CheckpointError
@@ -38,6 +38,11 @@ def _save_dir(checkpoint_dir: str, tag: object) -> str:
         raise CheckpointError(f"{where}: no such directory")
     if os.path.isfile(os.path.join(checkpoint_dir, "metadata.json")):
         return checkpoint_dir  # one save's own directory
+    foreign = foreign_checkpoint(checkpoint_dir)
+    if foreign is not None:
+        raise CheckpointError(f"{where}: it holds a {foreign[0]} checkpoint ({foreign[1]}); "
+                              f"hybrid reads the checkpoints its engine saved (for "
+                              f"DeepSpeed's own, run the zero_to_fp32.py it saved there)")
     if tag is not None:
         name = str(tag)
         if os.path.isdir(os.path.join(checkpoint_dir, name)):
