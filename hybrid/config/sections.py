@@ -104,8 +104,9 @@ class OffloadConfig:
     ``param``: stage 3 only; None, "cpu" or "nvme": where this rank's parameter
     shards live between the gathers that use them.
     ``buffer_count`` x ``buffer_size`` elements: the nvme tier's host staging, at
-    most that whatever the model size (:meth:`tile`: a smaller shard's own size). ``pin_memory``: page-locked host buffers
-    (None: when training on a GPU; never without CUDA). ``delayed_update``:
+    most that whatever the model size (:meth:`tile`: a smaller shard's own size).
+    ``pin_memory``: page-locked host buffers (None: when training on a GPU; never
+    without CUDA). ``delayed_update``:
     with ``optimizer``, ZeRO-Offload's one-step delayed parameter update, after
     ``delayed_update_warmup`` normal steps. ``gds``: with ``param`` "nvme", read
     the shards into device memory through GPUDirect Storage where it works
