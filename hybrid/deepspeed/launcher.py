@@ -35,6 +35,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 DEFAULT_HOSTFILE = "/job/hostfile"  # DeepSpeed's default: used when it exists
@@ -136,10 +137,10 @@ def _hostfile(path: str) -> dict[str, int]:
 
 
 def plan(argv: list[str], *, visible_gpus: int, hostname: str,
-         environ: dict[str, str] | None = None) -> Launch:
-    """The launch a DeepSpeed command line asks for on this node. ``visible_gpus`` and
-    ``hostname``: this node's, passed in so that the plan is a pure function."""
-    environ = dict(os.environ if environ is None else environ)
+         environ: Mapping[str, str]) -> Launch:
+    """The launch a DeepSpeed command line asks for on this node. ``visible_gpus``,
+    ``hostname`` and ``environ``: this node's, passed in by :func:`main` (the entry point)
+    so that the plan is a pure function."""
     a = parser().parse_args(argv)
     for name, why in _REFUSED.items():
         value = getattr(a, name)

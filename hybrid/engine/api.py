@@ -110,6 +110,7 @@ class Engine:
     have is looked up on the wrapped module, as DeepSpeed's engine does."""
 
     progress: Progress  # DeepSpeed's steps_per_print lines (initialize makes it)
+    save_claims: SaveClaims  # its save directories (api_state's Note on owners; initialize)
     get_mom = property(lambda self: self.progress.get_mom)  # betas (SGD: momentum) by group
     skipped_steps = property(lambda self: self.progress.skipped)  # (fp16's skipped steps)
 
@@ -120,8 +121,6 @@ class Engine:
         self.rng, self.optimizer, self.lr_scheduler = rng, optimizer, schedule
         self.training_dataloader = dataloader
         self.micro_steps = self.global_steps = self.global_samples = 0
-        # its save directories, claimed at the first save (api_state's Note on owners)
-        self.save_claims = SaveClaims(RunIdentity.of_launch(os.environ))
         self._loss: torch.Tensor | None = None  # this window's summed micro-batch losses (device)
         self._backward_done = False  # an engine.backward since the last step() call
         self._plain = False  # a plain loss.backward() reached the outputs since then
@@ -521,6 +520,7 @@ def initialize(model: nn.Module, config: str | os.PathLike | Mapping | None = No
                         lambda optim: resolve_schedule(lr_scheduler, ds, cfg, optim, caller),
                         tied, engine_type)
     engine.progress = Progress(ds, engine)  # (its step 0 line, with steps_per_print)
+    engine.save_claims = SaveClaims(RunIdentity.of_launch(os.environ))  # this launch's run
     loader: DataLoader | None = None
     if training_data is not None:
         loader = engine.training_dataloader = dataloader_of(
