@@ -7,22 +7,16 @@ on the straight run's curve."""
 import json
 import os
 import re
-import socket
 import subprocess
 import sys
 
-from tests.helpers.launch import ROOT, env, pretrain, read_json_log, run_script
+from tests.helpers.launch import ROOT, env, free_port, pretrain, read_json_log, run_script
 
 SCRIPT = os.path.join(ROOT, "examples", "megatron", "train_gpt3_shrunk.sh")
 SCRIPT_PP2 = os.path.join(ROOT, "examples", "megatron", "train_gpt3_175b_pp2.sh")
 TEXT = ("It was the best of times, it was the worst of times, it was the age of wisdom, "
         "it was the age of foolishness, it was the epoch of belief. ")
 
-
-def _free_port() -> str:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return str(s.getsockname()[1])
 
 
 def _run(cmd, **kw):
@@ -64,7 +58,7 @@ def test_megatron_gpt3_example_runs_renamed_and_resumes(tmp_path):
     vocab, merges, data = _megatron_data(tmp_path, _in_process)
 
     ckpt, tb = str(tmp_path / "ckpt"), str(tmp_path / "tb")
-    e = dict(env(), GPUS_PER_NODE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=_free_port())
+    e = dict(env(), GPUS_PER_NODE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     r = _run(["bash", SCRIPT, ckpt, tb, vocab, merges, data], env=e, timeout=300)
     log = r.stdout
     batches = [int(b) for b in re.findall(r"global batch size:\s+(\d+)", log)]

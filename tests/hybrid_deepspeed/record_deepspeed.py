@@ -25,12 +25,12 @@ import importlib.metadata
 import json
 import os
 import pathlib
-import socket
 import subprocess
 import sys
 import tempfile
 import time
 
+from tests.helpers.launch import free_port
 from tests.hybrid_deepspeed.cases import CASES
 
 WORLD_SIZE = 2
@@ -50,11 +50,6 @@ def versions() -> dict[str, str | None]:
     return {p: _version(p) for p in ("deepspeed", "torch", "transformers")}
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 def record(names=None, out: str | os.PathLike = RECORDED, timeout: float = 600.0
            ) -> dict[str, dict]:
@@ -67,7 +62,7 @@ def record(names=None, out: str | os.PathLike = RECORDED, timeout: float = 600.0
     if unknown:
         raise ValueError(f"no such case: {', '.join(unknown)} (the cases: {', '.join(CASES)})")
     with tempfile.TemporaryDirectory(prefix="record_deepspeed_") as tmp:
-        port = _free_port()
+        port = free_port()
         procs = []
         for rank in range(WORLD_SIZE):
             env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1",

@@ -4,19 +4,21 @@
 import os
 import re
 import signal
-import socket
 import subprocess
 import time
 
 import pytest
 
-from tests.helpers.launch import ROOT, TINY, alive, child_pids, env, pretrain, read_json_log
-
-
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from tests.helpers.launch import (
+    ROOT,
+    TINY,
+    alive,
+    child_pids,
+    env,
+    free_port,
+    pretrain,
+    read_json_log,
+)
 
 
 def test_two_nodes_train_the_same_curve_as_one_node(tmp_path):
@@ -25,7 +27,7 @@ def test_two_nodes_train_the_same_curve_as_one_node(tmp_path):
     r = pretrain(2, args + ["--log-json", one])
     assert r.returncode == 0, r.stderr[-3000:]
     two = str(tmp_path / "two.jsonl")
-    port = str(_free_port())
+    port = str(free_port())
     procs = []
     for node in range(2):
         e = dict(env(), NNODES="2", NODE_RANK=str(node), NPROC_PER_NODE="1",
