@@ -11,7 +11,8 @@ the training package.
 [Note: one owner per save directory, whichever door]
 ``save_checkpoint(D)`` claims ``D`` as ``pretrain_gpt.py --save D`` does
 (:mod:`hybrid.checkpoint.ownership`): on its first save into ``D`` the engine's rank 0
-takes ``D/.lock`` and holds it until :meth:`Engine.close`, and a directory that holds
+takes ``D/.lock`` and holds it until it saves elsewhere or :meth:`Engine.close`
+(:class:`SaveClaims`), and a directory that holds
 another run's checkpoints (``owner.json`` names another run, or none) is refused unless
 this engine loaded from it or the save passes ``overwrite=True``; the messages name the
 calls, not the flags. Before, an engine's save went over a finished run's
@@ -166,9 +167,9 @@ def _encoded_client_state(ps, client_state: dict) -> bytes | None:
 
 
 class SaveClaims:
-    """The directories one engine saves into, each claimed on its first save and held
-    until :meth:`release` (the Note on owners; rank 0 holds the claims, the other ranks
-    None)."""
+    """The directory one engine saves into, claimed on its first save there and held until
+    it saves elsewhere or :meth:`release` (the Note on owners; rank 0 holds the claim, the
+    other ranks None)."""
 
     def __init__(self, run: RunIdentity):
         self.run = run
@@ -181,6 +182,11 @@ class SaveClaims:
         every rank when it is refused."""
         key = os.path.realpath(save_dir)
         if key not in self._held:
+            # One held at a time: a Trainer saves each checkpoint into a directory of its
+            # own (checkpoint-N), and a lock per save ever made would hold a descriptor
+            # each for the run's life. A directory let go stays this run's by owner.json,
+            # so a later save there is claimed again without a refusal.
+            self.release()
             claim, error = None, None
             if engine.ps.rank == 0:
                 try:

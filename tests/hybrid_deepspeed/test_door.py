@@ -187,6 +187,16 @@ def test_save_checkpoint_claims_its_directory_as_pretrain_gpt_does(tmp_path):
     resumed.load_checkpoint(save)
     _train(resumed, 1)
     assert resumed.save_checkpoint(save).endswith("iter_0000003")
+    # one claim held at a time (a Trainer's checkpoint-N directories): back in a directory
+    # it let go and did not load from, the engine's own checkpoints there are its own
+    elsewhere = str(tmp_path / "elsewhere")
+    resumed.save_checkpoint(elsewhere)
+    assert (tmp_path / "run" / ".lock").read_text() == ""  # let go
+    _train(resumed, 1)
+    resumed.save_checkpoint(save)
+    assert (tmp_path / "elsewhere" / ".lock").read_text() == ""
+    _train(resumed, 1)
+    assert resumed.save_checkpoint(elsewhere).endswith("iter_0000005")
     resumed.close()
     other.save_checkpoint(save, overwrite=True)
     assert sorted(p.name for p in (tmp_path / "run").glob("iter_*")) == ["iter_0000000"]
