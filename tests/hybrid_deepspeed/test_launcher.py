@@ -103,14 +103,16 @@ except ModuleNotFoundError as e:
 real = sorted(m for m, mod in sys.modules.items()
               if m.split(".")[0] == "deepspeed"
               and "hybrid" not in (getattr(mod, "__file__", None) or "hybrid"))
-print("RESULT " + json.dumps({
+# a file per rank: the two ranks' prints to one stdout may interleave within a line
+with open(os.path.join(os.environ["RESULTS"], f"{dist.get_rank()}.json"), "w") as out:
+    out.write(json.dumps({
     "rank": dist.get_rank(), "world": dist.get_world_size(), "local_rank": args.local_rank,
     "env_local_rank": int(os.environ["LOCAL_RANK"]), "steps": args.steps,
     "deepspeed": deepspeed.__name__, "pipe": PipelineModule.__module__,
     "loader": RepeatingLoader.__module__, "device": get_accelerator().device_name(),
     "same": sys.modules["deepspeed.pipe"] is sys.modules["hybrid.deepspeed.pipe"],
     "spec": sys.modules["hybrid.deepspeed.pipe"].__spec__.name,
-    "moe": moe, "real_deepspeed": real}), flush=True)
+    "moe": moe, "real_deepspeed": real}))
 dist.destroy_process_group()
 """
 
@@ -118,14 +120,15 @@ dist.destroy_process_group()
 def _launch_and_read(tmp_path) -> list[dict]:
     script = tmp_path / "train.py"
     script.write_text(textwrap.dedent(SCRIPT))
-    env = {**os.environ, "PYTHONPATH": os.getcwd()}
+    results = tmp_path / "results"
+    results.mkdir()
+    env = {**os.environ, "PYTHONPATH": os.getcwd(), "RESULTS": str(results)}
     env.pop("CUDA_VISIBLE_DEVICES", None)
     done = subprocess.run([sys.executable, "-m", "hybrid.deepspeed", "--num_gpus", "2",
                            "--master_port", str(free_port()), str(script), "--steps", "3"],
                           capture_output=True, text=True, timeout=240, env=env, check=False)
     assert done.returncode == 0, done.stderr[-3000:]
-    got = [json.loads(line.split("RESULT ", 1)[1]) for line in done.stdout.splitlines()
-           if "RESULT " in line]
+    got = [json.loads(f.read_text()) for f in results.glob("*.json")]
     return sorted(got, key=lambda r: r["rank"])
 
 

@@ -294,11 +294,11 @@ def _progress_lines(tmp_path, imports: str) -> list[str]:
     import subprocess
     import sys
 
-    from tests.hybrid_deepspeed.record_deepspeed import _free_port
+    from tests.helpers.launch import free_port
     script = tmp_path / "progress.py"
     script.write_text(PROGRESS_SCRIPT.format(imports=imports))
     env = {**os.environ, "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1",
-           "LOCAL_WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()),
+           "LOCAL_WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
            "DS_ACCELERATOR": "cpu", "PYTHONPATH": os.getcwd(), "OMP_NUM_THREADS": "1"}
     env.pop("CUDA_VISIBLE_DEVICES", None)
     done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
@@ -395,7 +395,7 @@ def test_the_pipeline_line_is_deepspeeds(tmp_path):
     import subprocess
     import sys
 
-    from tests.hybrid_deepspeed.record_deepspeed import _free_port
+    from tests.helpers.launch import free_port
     runs = {}
     for who, imports in (("deepspeed", "import deepspeed"),
                          ("hybrid", "from hybrid.deepspeed import alias\nalias.install()\n"
@@ -404,7 +404,7 @@ def test_the_pipeline_line_is_deepspeeds(tmp_path):
         script.write_text(PIPE_SCRIPT.format(imports=imports))
         env = {**os.environ, "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1",
                "LOCAL_WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
-               "MASTER_PORT": str(_free_port()), "DS_ACCELERATOR": "cpu",
+               "MASTER_PORT": str(free_port()), "DS_ACCELERATOR": "cpu",
                "PYTHONPATH": os.getcwd(), "OMP_NUM_THREADS": "1"}
         env.pop("CUDA_VISIBLE_DEVICES", None)
         done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
