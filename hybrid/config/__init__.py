@@ -1,7 +1,13 @@
 """The run's configuration, torch-free: Megatron flags -> checked, frozen sections.
 
-* :mod:`.flags`              the command line: one :class:`Flags` field per flag, each
-                             naming the section field it fills (``to=``: defined once)
+* :mod:`.options`            how a field declares its flag (``opt``): name, help, checks,
+                             ds_config keys, once, on the field that takes the value
+* :mod:`.flag_sources`       the classes that declare flags (--help groups) and the
+                             generator of :mod:`.flag_fields` (``python -m hybrid.config.generate``)
+* :mod:`.flag_fields`        GENERATED: the flat :class:`Flags`, one typed field per flag
+* :mod:`.flag_inputs`        the flags no section takes as they are (inputs of derived fields)
+* :mod:`.generate`           ``python -m hybrid.config.generate``: rewrites flag_fields.py
+* :mod:`.flags`              the command line -> Flags: the parser, grouped, and ``ROUTES``
 * :mod:`.megatron_flags`     Megatron flags hybrid drops (no effect) or refuses, and what instead
 * :mod:`.deepspeed`          DeepSpeed's ds_config.json -> hybrid's flags, checked against the
                              command line

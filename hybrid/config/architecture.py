@@ -16,12 +16,56 @@ command line.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
+from hybrid.config.options import opt
 from hybrid.errors import ConfigError
 
 NORMALIZATIONS = ("LayerNorm", "RMSNorm")
 POSITION_EMBEDDING_TYPES = ("learned_absolute", "rope", "none")
+
+
+@dataclass(frozen=True)
+class ArchitectureFlags:
+    """The model flags ``ModelConfig`` does not take as they are: the widths and lengths
+    derived when not given, and the architecture (:func:`architecture_fields` maps them,
+    :func:`validate_architecture` checks them)."""
+
+    kv_channels: int | None = opt(
+        None, "head size: accepted when it is --hidden-size / --num-attention-heads (Megatron "
+        "scripts pass it)")
+    ffn_hidden_size: int | None = opt(
+        None, "MLP width (default 4 x hidden; see --swiglu)", at_least=1)
+    max_position_embeddings: int | None = opt(None, "positions (default: seq length)")
+    use_flash_attn: bool = opt(False, "older Megatron name for --attention-backend flash")
+    normalization: str = opt("LayerNorm", "LayerNorm or RMSNorm")
+    norm_epsilon: float = opt(1e-5, "epsilon of every LayerNorm / RMSNorm", above=0)
+    swiglu: bool = opt(
+        False, "gated SiLU MLP; --ffn-hidden-size then defaults to int(8 x hidden / 3 / 64) x 64")
+    openai_gelu: bool = opt(
+        False, "the MLP's GELU is the tanh approximation (OpenAI's GPT-2; Hugging Face's "
+        "gelu_new); default: the exact (erf) GELU, as Megatron's")
+    position_embedding_type: str = opt("learned_absolute", "learned_absolute, rope or none")
+    rotary_base: float = opt(10000.0, "RoPE frequency base (theta)", above=0)
+    rotary_percent: float = opt(
+        1.0, "fraction of each head's channels RoPE rotates", above=0, at_most=1)
+    use_rope_scaling: bool = opt(
+        False, "Llama-3.1's RoPE frequency scaling (low/high frequency factors 1 and 4, original "
+        "context 8192)")
+    rope_scaling_factor: float = opt(
+        8.0, "with --use-rope-scaling: how much longer the low frequencies' wavelengths become")
+    rotary_seq_len_interpolation_factor: float | None = opt(
+        None, "RoPE position interpolation: positions divided by this (a model trained at length "
+        "L then reads L x factor tokens)")
+    group_query_attention: bool = opt(False, "grouped-query attention (--num-query-groups)")
+    num_query_groups: int | None = opt(
+        None, "key/value heads with --group-query-attention (default 1)")
+    untie_embeddings_and_output_weights: bool = opt(
+        False, "a separate output layer instead of the embedding's transpose")
+    disable_bias_linear: bool = opt(False, "no biases in the linear layers")
+    add_qkv_bias: bool = opt(
+        False, "a bias on the QKV projection even with --disable-bias-linear (Qwen2)")
 
 
 def swiglu_ffn_hidden_size(hidden_size: int) -> int:
@@ -113,8 +157,6 @@ def validate_architecture(cfg) -> None:
     if cfg.normalization not in NORMALIZATIONS:
         raise ConfigError(f"--normalization must be one of {', '.join(NORMALIZATIONS)}, "
                           f"got {cfg.normalization!r}")
-    if cfg.norm_epsilon <= 0:
-        raise ConfigError(f"--norm-epsilon must be > 0, got {cfg.norm_epsilon}")
     if cfg.openai_gelu and cfg.swiglu:
         raise ConfigError("--openai-gelu picks the GELU of the GPT-2 MLP; --swiglu's MLP has "
                           "no GELU: drop one of them")
@@ -122,10 +164,6 @@ def validate_architecture(cfg) -> None:
         raise ConfigError(f"--position-embedding-type must be one of "
                           f"{', '.join(POSITION_EMBEDDING_TYPES)}, "
                           f"got {cfg.position_embedding_type!r}")
-    if cfg.rotary_base <= 0:
-        raise ConfigError(f"--rotary-base must be > 0, got {cfg.rotary_base}")
-    if not 0 < cfg.rotary_percent <= 1:
-        raise ConfigError(f"--rotary-percent must be in (0, 1], got {cfg.rotary_percent}")
     if cfg.use_rope_scaling and cfg.position_embedding_type != "rope":
         raise ConfigError("--use-rope-scaling scales RoPE's frequencies: it needs "
                           "--position-embedding-type rope")

@@ -6,8 +6,8 @@ returns frozen sections (:mod:`hybrid.config.sections`); each component takes
 only its own. No torch import: the launcher checks a command line in a
 fraction of a second before it starts any worker.
 
-A section is cut by :func:`_section` from the flags that name it (``to=``,
-:data:`hybrid.config.flags.ROUTES`; the note of :mod:`hybrid.config.flags`). The
+A section is cut by :func:`_section` from the flags its fields declare
+(:data:`hybrid.config.flags.ROUTES`; the note of :mod:`hybrid.config.options`). The
 code below holds only what no single flag says: the fields derived from several
 flags or from outside them (the world size, the environment), and the three
 sections with their own constructors (model, tokenizer, kernels).
@@ -198,16 +198,17 @@ SECTION_TYPES: dict[str, type] = {name: kind for name, kind in
 
 
 def _section(f: Flags, name: str, **derived):
-    """Section ``name`` of checked flags ``f``: each field a flag routes to it (``to=``,
-    :data:`~hybrid.config.flags.ROUTES`) takes that flag's value, a list as a tuple (None
-    when empty: a frozen section holds no list); ``derived`` gives the rest. A field with
-    no source, or two, is a TypeError: a flag or a field added without saying how the
-    one reaches the other fails every build, never silently takes a default."""
+    """Section ``name`` of checked flags ``f``: each field that declares or routes a flag
+    (``opt``/``route``, :data:`~hybrid.config.flags.ROUTES`) takes that flag's value, a list
+    as a tuple (None when empty: a frozen section holds no list); ``derived`` gives the
+    rest. A field with no source, or two, is a TypeError: a flag or a field added without
+    saying how the one reaches the other fails every build, never silently takes a
+    default."""
     cls = SECTION_TYPES[name]
     routed = {field: _frozen(getattr(f, flag)) for field, flag in ROUTES.get(name, {}).items()}
     missing = {fld.name for fld in dataclasses.fields(cls)} - routed.keys() - derived.keys()
     if missing:
-        raise TypeError(f"section {name}: no flag is routed to {sorted(missing)} (opt(to=...)) "
+        raise TypeError(f"section {name}: no flag is routed to {sorted(missing)} (opt or route) "
                         f"and build.py derives none of them")
     if routed.keys() & derived.keys():
         raise TypeError(f"section {name}: {sorted(routed.keys() & derived.keys())} both "

@@ -21,7 +21,8 @@ import dataclasses
 import math
 import os
 
-from hybrid.config.flags import BOUNDS, Flags, flag_name
+from hybrid.config.flags import Flags
+from hybrid.config.options import BOUNDS, flag_name
 from hybrid.config.sections import tokenizer_kind
 from hybrid.config.stage_split import StageSplit, split_layers
 from hybrid.errors import ConfigError

@@ -196,21 +196,15 @@ def apply_ds_config(f: Flags, ds: Mapping, dp: int, source: str = "<dict>") -> l
     return run.notes
 
 
-# the flags the activation_checkpointing section sets, in the key table's order
-_CHECKPOINTING_FIELDS = tuple(rule.field for key, rule in KEYS.items()
-                              if key.startswith("activation_checkpointing.")
-                              and isinstance(rule, Flag))
-
-
 def _checkpointing_applies(run: _Apply) -> None:
     """The activation_checkpointing section configures whole-layer recompute; without
     it (no --checkpoint-activations / --recompute-granularity full) it has nothing to
-    configure, as in Megatron-DeepSpeed: its keys are then noted, not applied."""
+    configure, as in Megatron-DeepSpeed: its keys are then noted, not applied, in the
+    file's order."""
     f = run.f
     if f.recompute_granularity == "full" or f.checkpoint_activations:
         return
-    for field in _CHECKPOINTING_FIELDS:
-        key = run.origin.get(field, "")
+    for field, key in list(run.origin.items()):
         if key.startswith("activation_checkpointing.") and getattr(f, field):
             setattr(f, field, False)
             del run.origin[field]

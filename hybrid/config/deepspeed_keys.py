@@ -7,8 +7,8 @@ One table, :data:`KEYS`, from a dotted key path to a rule:
   the command line (or its default). These rules are not written here: a flag
   declares the keys that set it on its field (``opt(ds=...)``, a :class:`DsKey`
   where the value has its own kind or is converted; the note of
-  :mod:`hybrid.config.flags`), and :func:`_flag_rules` makes one rule per key. The
-  key thus reaches the section the flag names (``to=``): ``aio.use_gds`` ->
+  :mod:`hybrid.config.options`), and :func:`_flag_rules` makes one rule per key. The
+  key thus reaches the section field that declares the flag: ``aio.use_gds`` ->
   ``offload_gds`` -> ``offload.gds``; the table names no field or section itself.
 * ``Hint(why, kind, same)``: a tuning knob of DeepSpeed's own machinery that
   hybrid does not need; accepted with one warning naming it and why (none for

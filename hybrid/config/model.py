@@ -28,10 +28,10 @@ No torch import: the launcher checks a command line with this module.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 
 from hybrid.config.architecture import architecture_fields, swiglu_ffn_hidden_size
-from hybrid.config.flags import ROUTES
+from hybrid.config.options import flag_of, opt
 
 
 @dataclass(frozen=True)
@@ -46,18 +46,20 @@ class ModelConfig:
     known; the embedding holds :meth:`padded_vocab_size` rows.
     """
 
-    num_layers: int = 4
-    hidden_size: int = 256
-    num_attention_heads: int = 4
+    num_layers: int = opt(4, "transformer layers", at_least=1)
+    hidden_size: int = opt(256, "model width", at_least=1)
+    num_attention_heads: int = opt(4, "attention heads (divisible by TP)", at_least=1)
     ffn_hidden_size: int | None = None
-    seq_length: int = 128
+    seq_length: int = opt(128, "tokens per sample", at_least=1)
     max_position_embeddings: int = 128
     vocab_size: int | None = None
-    make_vocab_size_divisible_by: int = 128
-    hidden_dropout: float = 0.1
-    attention_dropout: float = 0.1
-    init_method_std: float = 0.02
-    attention_backend: str = "auto"  # auto, flash, fused, unfused, local (hybrid/kernels)
+    make_vocab_size_divisible_by: int = opt(128, "pad vocab to a multiple of this x TP", at_least=1)
+    hidden_dropout: float = opt(0.1, "dropout on the residual stream", at_least=0, below=1)
+    attention_dropout: float = opt(0.1, "dropout on attention probabilities", at_least=0, below=1)
+    init_method_std: float = opt(0.02, "std of the normal weight init", at_least=0)
+    attention_backend: str = opt(
+        "auto", "auto, flash, fused, unfused or local: which attention kernel runs (auto: torch's "
+        "SDPA picks)", choices=("auto", "flash", "fused", "unfused", "local"))
     # the Llama family (hybrid.config.architecture; defaults: GPT-2)
     normalization: str = "LayerNorm"  # or RMSNorm
     norm_epsilon: float = 1e-5
@@ -72,7 +74,9 @@ class ModelConfig:
     untie_embeddings_and_output_weights: bool = False
     add_bias_linear: bool = True
     add_qkv_bias: bool = False  # QKV keeps a bias when add_bias_linear is off (Qwen2)
-    compile: bool = False  # torch.compile each block's forward (hybrid/train/compile.py)
+    compile: bool = opt(
+        False, "torch.compile each transformer block's forward (same results to rounding; its "
+        "speed was not measured)")
 
     def __post_init__(self):
         if self.ffn_hidden_size is None:  # frozen: the one write, before anyone reads it
@@ -90,9 +94,10 @@ class ModelConfig:
             value = f.get(name) if isinstance(f, dict) else getattr(f, name)
             return default if value is None else value
         defaults = cls()
-        # the flags that say ``to="model"`` are copied as they are, each with the
+        # the fields that declare their flag are copied as they are, each with the
         # section's default for a saved config that lacks it (older than the flag)
-        plain = {k: get(flag, getattr(defaults, k)) for k, flag in ROUTES["model"].items()}
+        plain = {f.name: get(flag, getattr(defaults, f.name)) for f in fields(cls)
+                 if (flag := flag_of(f)) is not None}
         # checked flags always carry it; a saved dict without it: positions = sequence
         positions = get("max_position_embeddings", plain["seq_length"])
         return cls(ffn_hidden_size=get("ffn_hidden_size", None),  # None: filled per swiglu

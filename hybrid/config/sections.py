@@ -4,9 +4,10 @@
 place and cuts them into these sections; :class:`hybrid.config.TrainConfig`
 holds one of each. Each section is plain data (no torch import), so a
 component can also be built directly in tests and tools. A field here is the
-contract its component reads; which flag fills it is said once, by the flag
-(``to=`` in :mod:`hybrid.config.flags`), and a test holds the two to the same
-type and default (tests/config/test_single_definition.py). The model section
+contract its component reads, and a field a flag fills declares that flag (its
+Megatron name, help, what its value alone must be, the ds_config keys that set it:
+:func:`hybrid.config.options.opt`, the note there). A field with a plain default is
+derived by :mod:`hybrid.config.build`. The model section
 lives in :mod:`hybrid.config.model`, the closed sets of values some options
 take (:data:`CP_COMM_TYPES`, :data:`OFFLOAD_TIERS`, ...) here.
 """
@@ -15,6 +16,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from hybrid.config.kinds import BOOL, INT, NUMBER, one_of
+from hybrid.config.options import DsKey, opt, route
 from hybrid.config.stage_split import StageSplit
 from hybrid.errors import ConfigError
 from hybrid.pipeline.schedules import SCHEDULES
@@ -35,12 +38,26 @@ class ZeroConfig:
     (:mod:`hybrid.zero.grad_sync`, [Note: unused parameters]).
     """
 
-    stage: int = 0
-    reduce_bucket_size: int = 50_000_000
-    allgather_bucket_size: int = 50_000_000
-    overlap_comm: bool = False
-    param_persistence_threshold: int = 100_000
-    ignore_unused_parameters: bool = True
+    stage: int = opt(
+        0, "0: all-reduce DP, 1: shard optimizer states, 2: +grads, 3: +params", flag="zero_stage",
+        choices=(0, 1, 2, 3), ds="zero_optimization.stage")
+    reduce_bucket_size: int = opt(
+        50_000_000, "elements per gradient reduce bucket", at_least=1,
+        ds="zero_optimization.reduce_bucket_size")
+    allgather_bucket_size: int = opt(
+        50_000_000, "elements per parameter all-gather bucket", at_least=1,
+        ds="zero_optimization.allgather_bucket_size")
+    overlap_comm: bool = opt(
+        False, "launch bucket collectives during backward", ds="zero_optimization.overlap_comm")
+    param_persistence_threshold: int = opt(
+        100_000, "stage 3: params with fewer elements stay unpartitioned",
+        flag="zero_param_persistence_threshold", at_least=0,
+        ds="zero_optimization."
+           "stage3_param_persistence_threshold")
+    ignore_unused_parameters: bool = opt(
+        True, "a parameter the loss does not reach in a backward trains with a zero gradient "
+        "(DeepSpeed's default); --no-ignore-unused-parameters: that is an error naming it",
+        ds="zero_optimization.ignore_unused_parameters")
 
 
 @dataclass(frozen=True)
@@ -54,11 +71,12 @@ class AdamWConfig:
     matrices (parameters of two or more dimensions) only.
     """
 
-    beta1: float = 0.9
-    beta2: float = 0.999
-    eps: float = 1e-8
-    weight_decay: float = 0.01
-    clip_grad: float = 1.0
+    beta1: float = opt(0.9, "Adam beta1", flag="adam_beta1", at_least=0, below=1)
+    beta2: float = opt(0.999, "Adam beta2", flag="adam_beta2", at_least=0, below=1)
+    eps: float = opt(1e-8, "Adam epsilon", flag="adam_eps", above=0)
+    weight_decay: float = opt(0.01, "AdamW decay (not on biases and norms)", at_least=0)
+    clip_grad: float = opt(
+        1.0, "clip the global grad norm to this (0: off)", at_least=0, ds="gradient_clipping")
 
 
 @dataclass(frozen=True)
@@ -77,12 +95,25 @@ class PrecisionConfig:
     """
 
     params_dtype: str = "fp32"
-    grads_in_fp32: bool = False
-    loss_scale: float | None = None
-    initial_loss_scale: float = 2.0 ** 16
-    min_loss_scale: float = 1.0
-    loss_scale_window: int = 1000
-    hysteresis: int = 2
+    grads_in_fp32: bool = opt(
+        False, "accumulate micro-batch gradients and reduce them over DP in fp32 (default: on "
+        "with --bf16, as in Megatron)", flag="accumulate_allreduce_grads_in_fp32",
+        flag_default=None,
+        ds=DsKey("data_types.grad_accum_dtype", one_of("fp32", "bf16", "fp16"),
+                 lambda v: v == "fp32"))
+    loss_scale: float | None = opt(
+        None, "static loss scale (default: dynamic)", above=0,
+        ds=DsKey("fp16.loss_scale", NUMBER,
+                 lambda v: None if v == 0 else v))
+    initial_loss_scale: float = opt(
+        2.0 ** 16, "dynamic loss scale to start from", above=0,
+        ds=DsKey("fp16.initial_scale_power", INT,
+                 lambda p: float(2 ** p)))
+    min_loss_scale: float = opt(1.0, "dynamic loss scale floor", above=0, ds="fp16.min_loss_scale")
+    loss_scale_window: int = opt(
+        1000, "clean steps before the scale doubles", at_least=1, ds="fp16.loss_scale_window")
+    hysteresis: int = opt(
+        2, "overflows tolerated before the scale halves", at_least=1, ds="fp16.hysteresis")
 
     @property
     def grads_dtype(self) -> str:
@@ -90,6 +121,14 @@ class PrecisionConfig:
 
 
 OFFLOAD_TIERS = ("cpu", "nvme")  # where model states can live off the device
+
+
+def _device(v):
+    """A ds_config offload ``device`` as the tier flag takes it ("none": no tier)."""
+    return None if v in (None, "none") else v
+
+
+_DEVICE = one_of("none", "cpu", "nvme", None)
 
 
 @dataclass(frozen=True)
@@ -116,16 +155,52 @@ class OffloadConfig:
     same (hybrid/zero/offload/host_step.py, [Note: what starts before the step]).
     """
 
-    optimizer: str | None = None
-    param: str | None = None
-    nvme_path: str | None = None
-    buffer_count: int = 4
-    buffer_size: int = 1 << 23
-    pin_memory: bool | None = None
-    delayed_update: bool = False
-    delayed_update_warmup: int = 0
-    gds: bool = False
-    speculative_step: bool = True
+    optimizer: str | None = opt(
+        None, "where the fp32 master shard and Adam moments live and the optimizer steps: cpu "
+        "(host memory; the bare flag) or nvme (files under --offload-nvme-path, streamed through "
+        "the staging buffers)", flag="offload_optimizer", alias="--cpu-optimizer", const="cpu",
+        choices=OFFLOAD_TIERS,
+        ds=(DsKey("zero_optimization.cpu_offload", BOOL, lambda on: "cpu" if on else None),
+            DsKey("zero_optimization.offload_optimizer.device", _DEVICE, _device)))
+    param: str | None = opt(
+        None, "stage 3: where this rank's parameter shards live between uses: none, cpu or nvme",
+        flag="offload_param", alias="--remote-device", choices=("none", *OFFLOAD_TIERS),
+        ds=(DsKey("zero_optimization.cpu_offload_params", BOOL, lambda on: "cpu" if on else None),
+            DsKey("zero_optimization.offload_param.device", _DEVICE, _device)))
+    nvme_path: str | None = opt(
+        None, "directory of the nvme tier's swap files (each rank uses its own subdirectory)",
+        flag="offload_nvme_path",
+        ds=("zero_optimization.offload_optimizer.nvme_path",
+            "zero_optimization.offload_param.nvme_path"))
+    buffer_count: int = opt(
+        4, "host staging buffers of the nvme tier (>= 2: one is read while another is computed "
+        "on)", flag="offload_buffer_count", at_least=2,
+        ds="zero_optimization.offload_optimizer.buffer_count")
+    buffer_size: int = opt(
+        1 << 23, "elements per staging buffer (a multiple of 1024); a buffer holds a tile's "
+        "master and both moments, 12 bytes per element", flag="offload_buffer_size")
+    pin_memory: bool | None = opt(
+        None, "page-locked offload buffers (default: when training on a GPU; never without CUDA)",
+        flag="offload_pin_memory", alias="--use-pin-memory",
+        ds=("zero_optimization.cpu_offload_use_pin_memory",
+            "zero_optimization.offload_optimizer.pin_memory",
+            "zero_optimization.offload_param.pin_memory"))
+    delayed_update: bool = opt(
+        False, "with --offload-optimizer: ZeRO-Offload's one-step delayed parameter update (the "
+        "host step of iteration t overlaps iteration t+1)", flag="offload_delayed_update")
+    delayed_update_warmup: int = opt(
+        0, "normal steps before --offload-delayed-update starts",
+        flag="offload_delayed_update_warmup", at_least=0)
+    gds: bool = opt(
+        False, "with --offload-param nvme: read the parameter shards from disk straight into "
+        "device memory through GPUDirect Storage (torch.cuda.gds) where a probe shows it works; "
+        "elsewhere one warning and pinned host buffers", flag="offload_gds", ds="aio.use_gds")
+    speculative_step: bool = opt(
+        True, "with --offload-optimizer nvme under a pipeline: a stage whose backward has ended "
+        "updates its read-ahead tiles while the other stages drain, kept when the clip does not "
+        "bind and the step is not skipped (bit-identical either way; default: on there, never "
+        "with --offload-delayed-update; --no- for A/B)", flag="offload_speculative_step",
+        flag_default=None)
 
     @property
     def nvme(self) -> bool:
@@ -152,12 +227,19 @@ class RecomputeConfig:
     in backward -- Megatron's uniform method with ``--recompute-num-layers N``.
     """
 
-    granularity: str | None = None
+    granularity: str | None = opt(
+        None, "full: keep only each layer's input and rerun the layer in backward (ZeRO-R); "
+        "selective: rerun only the attention core (scores, softmax, dropout)",
+        flag="recompute_granularity", choices=("full", "selective"))
     num_layers: int | None = None
     layers_per_checkpoint: int = 1
     partition_activations: bool = False
-    cpu_checkpointing: bool = False
-    contiguous_checkpointing: bool = False
+    cpu_checkpointing: bool = opt(
+        False, "keep the checkpoints in host memory", alias="--checkpoint-in-cpu",
+        ds="activation_checkpointing.cpu_checkpointing")
+    contiguous_checkpointing: bool = opt(
+        False, "store checkpoints in one preallocated buffer", alias="--contigious-checkpointing",
+        ds="activation_checkpointing.contiguous_memory_optimization")
 
 
 # --cp-comm-type: how attention crosses the CP split (hybrid.tensor_parallel.cp_attention
@@ -171,15 +253,28 @@ class ParallelConfig:
     """The process layout (:mod:`hybrid.parallel.layout`) and how the process groups are made."""
 
     world_size: int = 1
-    tensor_model_parallel_size: int = 1
+    tensor_model_parallel_size: int = opt(1, "TP degree: ranks splitting each layer")
     data_parallel_size: int = 1
-    pipeline_model_parallel_size: int = 1
-    sequence_parallel: bool = False
-    context_parallel_size: int = 1
-    cp_comm_type: str = "p2p"  # one of CP_COMM_TYPES
-    cp_layout: str = "load_balanced"  # one of CP_LAYOUTS
-    backend: str | None = None  # None: nccl with a GPU, gloo otherwise
-    timeout_minutes: float = 10.0
+    pipeline_model_parallel_size: int = opt(
+        1, "PP degree: pipeline stages, each a consecutive slice of the layers (the outermost "
+        "dimension of the layout)")
+    sequence_parallel: bool = opt(
+        False, "split norms, dropout and residuals along the sequence over TP (needs TP > 1)")
+    context_parallel_size: int = opt(
+        1, "CP degree: ranks splitting each sequence (attention across them, see --cp-comm-type)")
+    cp_comm_type: str = opt(
+        "p2p", "how attention crosses the CP split: p2p (ring), all_gather (K/V once per layer) "
+        "or a2a (Ulysses: heads split instead)", choices=CP_COMM_TYPES,
+        refused={"a2a+p2p": "Megatron's hierarchical CP is not "
+                            "in hybrid"})
+    cp_layout: str = opt(
+        "load_balanced", "which tokens a CP rank holds: load_balanced (chunks r and 2C-1-r of 2C) "
+        "or striped (token i on rank i mod C)", choices=CP_LAYOUTS)
+    backend: str | None = opt(
+        None, "gloo or nccl (default: nccl with a GPU)", flag="distributed_backend",
+        choices=("gloo", "nccl"))
+    timeout_minutes: float = opt(
+        10.0, "timeout of every collective", flag="distributed_timeout_minutes")
 
 
 # --pipeline-schedule: the micro-batch orders of the pipeline stages (the registry's names)
@@ -201,11 +296,23 @@ class PipelineConfig:
     to the stage's last backward (one).
     """
 
-    size: int = 1
-    virtual_size: int = 1
-    schedule: str = "1f1b"
+    size: int = route("pipeline_model_parallel_size", 1)
+    virtual_size: int = opt(
+        1, "model chunks per pipeline rank (interleaved 1F1B when > 1; default 1, or what "
+        "--num-layers-per-virtual-pipeline-stage or --pipeline-model-parallel-layout imply)",
+        flag="virtual_pipeline_model_parallel_size", flag_default=None,
+        alias="--num-virtual-stages-per-pipeline-rank")
+    schedule: str = opt(
+        "1f1b",
+        "the micro-batch schedule over the stages: "
++ ", ".join(f"{name} ({g.about})"
+            for name, g in SCHEDULES.items()), flag="pipeline_schedule", choices=PIPELINE_SCHEDULES)
     split: StageSplit | None = None
-    reshard_after_micro_batch: bool = False
+    reshard_after_micro_batch: bool = opt(
+        False, "at --zero-stage 3, free each stage's gathered parameters after every "
+        "micro-batch's forward and backward (2m all-gathers per unit a step, m micro-batches) "
+        "instead of holding them from their first use to the stage's last backward (one): less "
+        "memory, more traffic", flag="pipeline_reshard_after_micro_batch")
 
 
 @dataclass(frozen=True)
@@ -221,15 +328,24 @@ class LRScheduleConfig:
     schedulers' own counting and formulas: :func:`hybrid.train.lr_schedule.deepspeed_lr`).
     """
 
-    lr: float = 1e-3
-    min_lr: float = 0.0
-    decay_style: str = "constant"
+    lr: float = opt(1e-3, "peak learning rate", above=0)
+    min_lr: float = opt(0.0, "learning rate at the end of decay", at_least=0)
+    decay_style: str = opt(
+        "constant", "constant, linear or cosine", flag="lr_decay_style",
+        choices=("constant", "linear", "cosine"))
     unit: str = "iterations"
     warmup: int = 0
     decay: int = 200
-    warmup_init: float = 0.0
-    warmup_style: str = "linear"
-    steps: str = "megatron"
+    warmup_init: float = opt(
+        0.0, "the learning rate warmup starts from", flag="lr_warmup_init", at_least=0)
+    warmup_style: str = opt(
+        "linear", "warmup shape: linear, or log (DeepSpeed's WarmupLR default: log(step) / "
+        "log(warmup))", flag="lr_warmup_style", choices=("linear", "log"))
+    steps: str = opt(
+        "megatron", "how a step's rate is counted: megatron (step k is iteration k of the "
+        "schedule), or deepspeed (DeepSpeed's schedulers: the warmup start for steps 1 and 2, "
+        "DeepSpeed's formulas after; set by a ds_config scheduler block)", flag="lr_schedule_steps",
+        choices=("megatron", "deepspeed"))
 
 
 @dataclass(frozen=True)
@@ -243,17 +359,29 @@ class LoopConfig:
     ``samples / ((global - start) / increment)`` samples each.
     """
 
-    micro_batch_size: int = 8
-    global_batch_size: int = 8
-    rampup: tuple[int, int, int] | None = None
-    train_iters: int | None = 200
-    train_samples: int | None = None
-    exit_interval: int | None = None
-    exit_duration_in_mins: float | None = None
-    exit_signal_handler: bool = False  # SIGTERM: save and exit (hybrid/train/early_exit.py)
-    exit_on_nan_iterations: int = 10
-    eval_interval: int = 1000
-    eval_iters: int = 10
+    micro_batch_size: int = opt(8, "samples per rank per forward/backward", at_least=1)
+    global_batch_size: int = opt(
+        8, "samples per step (default micro x DP)", flag_default=None, at_least=1)
+    rampup: tuple[int, int, int] | None = opt(
+        None, "START INCR SAMPLES: the global batch grows from START by INCR over the first "
+        "SAMPLES samples, to --global-batch-size", flag="rampup_batch_size")
+    train_iters: int | None = opt(
+        200, "optimizer steps (default 200 unless --train-samples)", flag_default=None, at_least=1)
+    train_samples: int | None = opt(
+        None, "train on this many samples instead of --train-iters (schedules count samples)",
+        at_least=1)
+    exit_interval: int | None = opt(
+        None, "save (with --save) and exit at the first iteration divisible by N", at_least=1)
+    exit_duration_in_mins: float | None = opt(
+        None, "save (with --save) and exit once the run has taken this long", above=0)
+    exit_signal_handler: bool = opt(
+        False, "on SIGTERM (scancel, a preemption) save (with --save) and exit after the "
+        "iteration in progress")
+    exit_on_nan_iterations: int = opt(
+        10, "stop with an error after N consecutive skipped steps with non-finite gradients",
+        at_least=1)
+    eval_interval: int = opt(1000, "validate every N iterations", at_least=1)
+    eval_iters: int = opt(10, "iterations per validation", at_least=0)
 
 
 @dataclass(frozen=True)
@@ -268,16 +396,22 @@ class DataConfig:
     corpus is kept once parsed (None: parsed by every process).
     """
 
-    seq_length: int = 128
-    seed: int = 1234
-    data_path: tuple[str, ...] | None = None
-    split: str = "949,50,1"
-    train_data_path: tuple[str, ...] | None = None
-    valid_data_path: tuple[str, ...] | None = None
-    test_data_path: tuple[str, ...] | None = None
-    mock_data: bool = False
-    eod_mask_loss: bool = False  # micro-batches carry a loss mask, 0 at end-of-document inputs
-    cache_path: str | None = None
+    seq_length: int = route("seq_length", 128)
+    seed: int = opt(1234, "fixes init, data order and dropout", at_least=0, at_most=2**32 - 1)
+    data_path: tuple[str, ...] | None = opt(
+        None, "text file, or [weight] prefix ... of preprocessed data (default: built-in corpus)")
+    split: str = opt("949,50,1", "train,valid,test proportions")
+    train_data_path: tuple[str, ...] | None = opt(
+        None, "[weight] prefix ... of the train split, used whole (instead of --data-path + "
+        "--split)")
+    valid_data_path: tuple[str, ...] | None = opt(None, "[weight] prefix ... of the valid split")
+    test_data_path: tuple[str, ...] | None = opt(None, "[weight] prefix ... of the test split")
+    mock_data: bool = opt(False, "train on synthetic tokens from --seed, no files (benchmarks)")
+    eod_mask_loss: bool = opt(
+        False, "leave the predictions made at end-of-document tokens out of the loss")
+    cache_path: str | None = opt(
+        None, "where sample indices are cached (default: next to the data), and the parsed "
+        "built-in corpus (default: ~/.cache/hybrid)", flag="data_cache_path")
     corpus_cache: str | None = None
 
 
@@ -348,27 +482,41 @@ class CheckpointConfig:
     run's checkpoints, deleting them (:mod:`hybrid.checkpoint.ownership`).
     """
 
-    save: str | None = None
-    load: str | None = None
-    save_interval: int | None = None
-    keep_last: int | None = None
-    no_save_optim: bool = False
-    no_load_optim: bool = False
-    no_load_rng: bool = False
-    finetune: bool = False
-    ckpt_step: int | None = None
-    overwrite_save: bool = False
+    save: str | None = opt(None, "save checkpoints in this directory")
+    load: str | None = opt(None, "resume from the newest checkpoint in this directory")
+    save_interval: int | None = opt(None, "save every N iterations (and at the end)", at_least=1)
+    keep_last: int | None = opt(
+        None, "after a save, keep only the newest N checkpoints", at_least=1)
+    no_save_optim: bool = opt(
+        False, "save the fp32 model weights only, no optimizer state (about 1/3 of the bytes); "
+        "resuming one needs --no-load-optim or --finetune")
+    no_load_optim: bool = opt(
+        False, "load weights, iteration and data position from --load but start the optimizer "
+        "fresh (zero Adam moments)")
+    no_load_rng: bool = opt(False, "keep the RNG seeded from --seed, not the checkpoint's")
+    finetune: bool = opt(
+        False, "load the weights only: iteration 0, data from the start, fresh optimizer, RNG "
+        "from --seed; --save starts a new series (a restart resumes that series)")
+    ckpt_step: int | None = opt(
+        None, "load the checkpoint of this iteration from --load instead of the newest one",
+        at_least=0)
+    overwrite_save: bool = opt(
+        False, "start a new run in a --save directory that holds another run's checkpoints, "
+        "deleting them (without it such a run is refused)")
 
 
 @dataclass(frozen=True)
 class LoggingConfig:
     """What is logged where, and how often (rank 0 writes)."""
 
-    log_interval: int = 10
-    log_json: str | None = None
-    tensorboard_dir: str | None = None
-    log_throughput: bool = False
-    timing_breakdown: bool = False
+    log_interval: int = opt(10, "iterations per console line", at_least=1, ds="steps_per_print")
+    log_json: str | None = opt(None, "write one JSON object per logged iteration here")
+    tensorboard_dir: str | None = opt(None, "write TensorBoard scalars here")
+    log_throughput: bool = opt(
+        False, "add TFLOP/s per rank to the console line (always in --log-json and TensorBoard)")
+    timing_breakdown: bool = opt(
+        False, "forward, backward and optimizer seconds per step on every log line (on a GPU: a "
+        "device sync at each phase boundary)", ds="wall_clock_breakdown")
 
 
 @dataclass(frozen=True)
@@ -382,9 +530,15 @@ class DiagnosticsConfig:
     replicated parameters over TP and DP (0: never).
     """
 
-    collective_dump_dir: str | None = None
-    check_collectives: bool = False
-    check_replicas_interval: int = 0
+    collective_dump_dir: str | None = opt(
+        None, "when a collective fails, every live rank writes its last collectives here as JSON "
+        "(collectives_rank00003.json)")
+    check_collectives: bool = opt(
+        False, "debug: before each collective the ranks of its group compare op, shape, dtype and "
+        "sequence number (one small all-gather); a mismatch stops the job naming both calls")
+    check_replicas_interval: int = opt(
+        0, "every N iterations check that parameters replicated over TP and DP are bit-identical; "
+        "a divergence stops the job naming the parameter and ranks (0: off)", at_least=0)
 
 
 # The paths each op of :mod:`hybrid.kernels` can take (hybrid/kernels/select.py):

@@ -46,6 +46,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from hybrid.config.options import opt
 from hybrid.errors import ConfigError
 
 PP = "--pipeline-model-parallel-size"
@@ -56,6 +57,32 @@ LAST = "--decoder-last-pipeline-num-layers"
 ACC_EMB = "--account-for-embedding-in-pipeline-split"
 ACC_LOSS = "--account-for-loss-in-pipeline-split"
 LAYOUT = "--pipeline-model-parallel-layout"
+
+
+@dataclass(frozen=True)
+class SplitFlags:
+    """The flags that say which layers each stage holds, besides the sizes
+    (:func:`split_layers` takes them; the result is ``PipelineConfig.split``)."""
+
+    num_layers_per_virtual_pipeline_stage: int | None = opt(
+        None, "layers per model chunk of an even split: the chunks per rank are the layers per "
+        "stage / N")
+    decoder_first_pipeline_num_layers: int | None = opt(
+        None, "transformer layers on the first pipeline stage (the rest split evenly over the "
+        "stages after it)")
+    decoder_last_pipeline_num_layers: int | None = opt(
+        None, "transformer layers on the last pipeline stage (the rest split evenly over the "
+        "stages before it)")
+    account_for_embedding_in_pipeline_split: bool = opt(
+        False, "count the embedding as a layer when splitting evenly: the first stage gets one "
+        "transformer layer fewer")
+    account_for_loss_in_pipeline_split: bool = opt(
+        False, "count the loss (final norm, output layer) as a layer when splitting evenly: the "
+        "last stage gets one transformer layer fewer")
+    pipeline_model_parallel_layout: str | None = opt(
+        None, "every stage's layers as Megatron writes them: E embedding, t transformer layer, L "
+        "loss, | between stages (PP x virtual stages of them, in model order), (..)*n and x*n "
+        "repeat, commas for the eye; e.g. \"Ett|(tt|)*2,tL\"")
 
 
 @dataclass(frozen=True)

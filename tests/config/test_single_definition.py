@@ -1,6 +1,9 @@
-"""Each option is defined once: a flag's ``to=`` is the only mapping into its section.
+"""Each option is declared once, on the field that takes it (:mod:`hybrid.config.options`),
+and the flat Flags are generated from the declarations (:mod:`hybrid.config.flag_sources`).
 
-What these tests hold, so the property cannot rot: every route names a real section
+What these tests hold, so the property cannot rot: the generated flag_fields.py is
+current; every ``opt`` is on a class the generator reads, and no flag is declared twice;
+--help groups flags by what takes them; every route names a real section
 field and agrees with it on type and default; every section field gets its value from
 one flag or from one derivation in build.py, never silently from its default; every
 flag is read by something; the ds_config key table names only real flags; the
@@ -23,8 +26,9 @@ from hybrid.config.build import SECTION_TYPES
 from hybrid.config.checks import allowed
 from hybrid.config.deepspeed import apply_ds_config
 from hybrid.config.deepspeed_keys import KEYS, Flag, kind_of
-from hybrid.config.flags import BOUNDS, ROUTES, field_type, flag_name
+from hybrid.config.flags import ROUTES, field_type, flag_name
 from hybrid.config.model import ModelConfig
+from hybrid.config.options import BOUNDS
 from hybrid.config.sections import CP_COMM_TYPES
 from hybrid.errors import ConfigError
 
@@ -242,3 +246,72 @@ def test_a_declared_ds_key_sets_its_field(name, key):
     expected = key.convert(value) if key.convert else value
     assert getattr(f, name) == expected
     assert f.given_as[name] == f"ds_config {key.path}"
+
+
+# -- declared once, on the field that takes it; Flags generated ----------------------------
+
+def test_the_generated_flags_are_current():
+    """hybrid/config/flag_fields.py is what ``python -m hybrid.config.generate`` writes from
+    the declarations today (a flag added, renamed or retyped without regenerating fails)."""
+    from hybrid.config.flag_sources import GENERATED, render
+    assert GENERATED.read_text() == render(), "run: python -m hybrid.config.generate"
+
+
+def test_a_stale_generated_file_is_caught(monkeypatch):
+    """The check above can fail: a declaration gone, the rendering differs from the file."""
+    from hybrid.config import flag_sources
+    monkeypatch.delitem(flag_sources.DECLARATIONS, "offload_gds")
+    assert flag_sources.GENERATED.read_text() != flag_sources.render()
+
+
+def test_every_opt_is_on_a_declaring_class():
+    """Each ``opt(`` call in hybrid/config is a field of a class flag_sources.SOURCES lists
+    (one declared elsewhere would never reach the command line), and each section source
+    is the class TrainConfig holds under its name."""
+    from hybrid.config.flag_sources import SOURCES
+    listed = {s.cls.__name__ for s in SOURCES}
+    stray = []
+    for path in sorted((ROOT / "hybrid" / "config").glob("*.py")):
+        tree = ast.parse(path.read_text())
+        for cls in (n for n in tree.body if isinstance(n, ast.ClassDef)):
+            calls = [n for n in ast.walk(cls) if isinstance(n, ast.Call)
+                     and getattr(n.func, "id", None) in ("opt", "route")]
+            if calls and cls.name not in listed:
+                stray.append(f"{path.name}:{cls.name}")
+        top = [n for n in tree.body if not isinstance(n, ast.ClassDef)]
+        stray += [f"{path.name}:{n.lineno}" for t in top for n in ast.walk(t)
+                  if isinstance(n, ast.Call) and getattr(n.func, "id", None) == "opt"]
+    assert not stray, f"flags declared outside flag_sources.SOURCES: {stray}"
+    for s in SOURCES:
+        assert s.section is None or SECTION_TYPES[s.section] is s.cls, s
+
+
+def test_a_flag_declared_twice_is_refused(monkeypatch):
+    """Two fields declaring one flag would leave one silently unused: the table refuses."""
+    from hybrid.config import flag_sources
+    from hybrid.config.options import opt
+
+    @dataclasses.dataclass(frozen=True)
+    class Again:
+        zero_stage: int = opt(0, "again")
+
+    monkeypatch.setattr(flag_sources, "SOURCES", (*flag_sources.SOURCES,
+                                                  flag_sources.Source("again", Again)))
+    with pytest.raises(TypeError, match="--zero_stage is declared by ZeroConfig.stage and "
+                                        "Again.zero_stage"):
+        flag_sources._declarations()
+
+
+def test_help_groups_flags_by_what_takes_them():
+    """--help shows one group per section (the input classes join their section's), each
+    flag under the group of the class that declares it."""
+    from hybrid.config.flags import build_parser
+    groups = {g.title: [a.dest for a in g._group_actions]
+              for g in build_parser()._action_groups}
+    assert groups["ZeRO data parallelism"][:2] == ["zero_stage", "reduce_bucket_size"]
+    assert "use_distributed_optimizer" in groups["ZeRO data parallelism"]
+    assert "offload_nvme_path" in groups["offload (ZeRO-Offload, ZeRO-Infinity)"]
+    assert "lr_warmup_iters" in groups["learning rate"] and "lr" in groups["learning rate"]
+    shown = sum((dests for title, dests in groups.items()
+                 if title not in ("options", "positional arguments")), [])
+    assert sorted(shown) == sorted(f.name for f in CLI_FIELDS)
