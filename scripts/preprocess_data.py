@@ -45,7 +45,7 @@ _TOKENIZER = None
 
 def _init_worker(tok_args):
     global _TOKENIZER  # noqa: PLW0603 - one tokenizer per worker process, built once
-    _TOKENIZER = build_tokenizer(TokenizerConfig.from_flags(**tok_args))
+    _TOKENIZER = build_tokenizer(TokenizerConfig.from_flags(tok_args))
 
 
 def _tokenize(task):
@@ -189,7 +189,7 @@ def main(argv=None) -> int:
         for path in a.input:
             if not os.path.isfile(path):
                 raise DataError(f"--input {path}: no such file")
-        tok = build_tokenizer(TokenizerConfig.from_flags(**tok_args))
+        tok = build_tokenizer(TokenizerConfig.from_flags(tok_args))
         prefixes, writers = _open_writers(a.output_prefix, a.json_keys, tok.vocab_size)
         total = sum(os.path.getsize(p) for p in a.input)
         progress = _Progress(total, not a.no_progress and sys.stderr.isatty() or

@@ -5,7 +5,6 @@
 * :mod:`.flag_sources`       the classes that declare flags (--help groups) and the
                              generator of :mod:`.flag_fields` (``python -m hybrid.config.generate``)
 * :mod:`.flag_fields`        GENERATED: the flat :class:`Flags`, one typed field per flag
-* :mod:`.flag_inputs`        the flags no section takes as they are (inputs of derived fields)
 * :mod:`.generate`           ``python -m hybrid.config.generate``: rewrites flag_fields.py
 * :mod:`.flags`              the command line -> Flags: the parser, grouped, and ``ROUTES``
 * :mod:`.megatron_flags`     Megatron flags hybrid drops (no effect) or refuses, and what instead

@@ -115,12 +115,14 @@ def build_config(flags: Flags, world_size: int,
     return TrainConfig(
         parallel=_section(f, "parallel", world_size=world_size, data_parallel_size=dp),
         pipeline=_section(f, "pipeline", split=checks.stage_split(f)),
-        model=ModelConfig.from_flags(f), lr_schedule=_section(f, "lr_schedule", **_lr_lengths(f)),
+        model=ModelConfig.from_flags(f),
+        lr_schedule=_section(f, "lr_schedule", **LRScheduleConfig.derived(f)),
         loop=_section(f, "loop"), zero=_section(f, "zero"), adamw=_section(f, "adamw"),
-        precision=_section(f, "precision", params_dtype=_params_dtype(f)),
-        offload=_section(f, "offload"), recompute=_section(f, "recompute", **_recompute(f)),
+        precision=_section(f, "precision", **PrecisionConfig.derived(f)),
+        offload=_section(f, "offload"),
+        recompute=_section(f, "recompute", **RecomputeConfig.derived(f)),
         data=_section(f, "data", corpus_cache=f.data_cache_path or _user_cache_dir(environ)),
-        tokenizer=_tokenizer(f), checkpoint=_section(f, "checkpoint"),
+        tokenizer=TokenizerConfig.from_flags(f), checkpoint=_section(f, "checkpoint"),
         logging=_section(f, "logging"), kernels=_kernels(f, environ),
         diagnostics=_section(f, "diagnostics"), seed=f.seed, flags=f)
 
@@ -220,35 +222,9 @@ def _frozen(value):
     return (tuple(value) if value else None) if isinstance(value, list) else value
 
 
-# -- the derived fields: each depends on more than one flag -----------------------------
-def _lr_lengths(f: Flags) -> dict:
-    """Warmup and decay in the unit the run is measured in (samples with
-    ``--train-samples``, else iterations); ``--lr-warmup-fraction`` of the decay wins."""
-    samples = f.train_samples is not None
-    decay = f.lr_decay_samples if samples else f.lr_decay_iters
-    warmup = f.lr_warmup_samples if samples else f.lr_warmup_iters
-    assert decay is not None  # checks.check_schedule filled it (the train length by default)
-    if f.lr_warmup_fraction is not None:
-        warmup = int(f.lr_warmup_fraction * decay)
-    return dict(unit="samples" if samples else "iterations", warmup=warmup, decay=decay)
-
-
-def _params_dtype(f: Flags) -> str:
-    return "bf16" if f.bf16 else "fp16" if f.fp16 else "fp32"
-
-
-def _recompute(f: Flags) -> dict:
-    """Megatron's method and layer count as the section's two layer fields; partitioning,
-    which sequence parallelism makes moot."""
-    return dict(
-        num_layers=f.recompute_num_layers if f.recompute_method == "block" else None,
-        layers_per_checkpoint=(f.recompute_num_layers or 1
-                               if f.recompute_method == "uniform" else 1),
-        # With SP a block's input is already this rank's 1/TP of the sequence:
-        # nothing replicated is left to partition (see docs/sequence-parallelism.md).
-        partition_activations=f.partition_activations and not f.sequence_parallel)
-
-
+# -- the derived fields: each depends on more than one flag, or on the environment -------
+# (a section's fields derived from several flags are derived by the section itself, beside
+# the input flags it declares: LRScheduleConfig.derived, PrecisionConfig.derived, ...)
 def _user_cache_dir(environ: Mapping[str, str] | None) -> str | None:
     """Where the built-in corpus is kept between runs when no --data-cache-path is
     given: hybrid's directory in the user's cache ($XDG_CACHE_HOME, else ~/.cache, as
@@ -259,11 +235,6 @@ def _user_cache_dir(environ: Mapping[str, str] | None) -> str | None:
     if not base and environ.get("HOME"):
         base = os.path.join(environ["HOME"], ".cache")
     return os.path.join(base, "hybrid") if base else None
-
-
-def _tokenizer(f: Flags) -> TokenizerConfig:
-    return TokenizerConfig.from_flags(f.tokenizer_type, f.vocab_file, f.merge_file,
-                                      f.tokenizer_model, f.tokenizer_file, f.vocab_size)
 
 
 def _kernels(f: Flags, environ: Mapping[str, str] | None) -> KernelConfig:

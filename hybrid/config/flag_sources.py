@@ -23,30 +23,28 @@ from dataclasses import dataclass
 from typing import Any
 
 from hybrid.config.architecture import ArchitectureFlags
-from hybrid.config.flag_inputs import (
-    DeepSpeedFlags,
-    DtypeFlags,
-    KernelFlags,
-    LRLengthFlags,
-    MegatronZeroFlags,
-    RecomputeFlags,
-    TokenizerFlags,
-)
 from hybrid.config.model import ModelConfig
 from hybrid.config.options import declares, flag_of
 from hybrid.config.sections import (
     AdamWConfig,
     CheckpointConfig,
     DataConfig,
+    DeepSpeedFlags,
     DiagnosticsConfig,
+    DtypeFlags,
+    KernelFlags,
     LoggingConfig,
     LoopConfig,
+    LRLengthFlags,
     LRScheduleConfig,
+    MegatronZeroFlags,
     OffloadConfig,
     ParallelConfig,
     PipelineConfig,
     PrecisionConfig,
     RecomputeConfig,
+    RecomputeFlags,
+    TokenizerFlags,
     ZeroConfig,
 )
 from hybrid.config.stage_split import SplitFlags

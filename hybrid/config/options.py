@@ -4,7 +4,8 @@
 An option is written once, on the field that takes it: the section field its
 component reads (:mod:`hybrid.config.sections`, :class:`hybrid.config.model.ModelConfig`),
 or, for a flag no section takes as it is (the inputs of derived fields, Megatron's
-other names), a field of an input class (:mod:`hybrid.config.flag_inputs`,
+other names), a field of an input class beside the code that derives from it
+(:class:`hybrid.config.sections.LRLengthFlags` beside ``LRScheduleConfig.derived``,
 :class:`hybrid.config.stage_split.SplitFlags`,
 :class:`hybrid.config.architecture.ArchitectureFlags`).
 The field carries the flag's Megatron name, its --help text, what the value alone must

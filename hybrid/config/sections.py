@@ -15,6 +15,7 @@ take (:data:`CP_COMM_TYPES`, :data:`OFFLOAD_TIERS`, ...) here.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from hybrid.config.kinds import BOOL, INT, NUMBER, one_of
 from hybrid.config.options import DsKey, opt, route
@@ -58,6 +59,16 @@ class ZeroConfig:
         True, "a parameter the loss does not reach in a backward trains with a zero gradient "
         "(DeepSpeed's default); --no-ignore-unused-parameters: that is an error naming it",
         ds="zero_optimization.ignore_unused_parameters")
+
+
+@dataclass(frozen=True)
+class MegatronZeroFlags:
+    """Megatron's names for ZeRO options (:func:`hybrid.config.checks.check_zero`)."""
+
+    use_distributed_optimizer: bool = opt(
+        False, "Megatron's sharded optimizer: ZeRO-1 (unless --zero-stage says more)")
+    overlap_grad_reduce: bool = opt(False, "Megatron's name for --overlap-comm (gradients)")
+    overlap_param_gather: bool = opt(False, "Megatron's name for --overlap-comm (parameters)")
 
 
 @dataclass(frozen=True)
@@ -118,6 +129,20 @@ class PrecisionConfig:
     @property
     def grads_dtype(self) -> str:
         return "fp32" if self.grads_in_fp32 else self.params_dtype
+
+    @staticmethod
+    def derived(f: Any) -> dict[str, Any]:
+        """``params_dtype`` from the checked flat flags ``f`` (:class:`DtypeFlags`)."""
+        return {"params_dtype": "bf16" if f.bf16 else "fp16" if f.fp16 else "fp32"}
+
+
+@dataclass(frozen=True)
+class DtypeFlags:
+    """The training dtype: ``PrecisionConfig.params_dtype`` is derived from these."""
+
+    bf16: bool = opt(False, "bf16 params and grads, fp32 master weights", ds="bf16.enabled")
+    fp16: bool = opt(
+        False, "fp16 params and grads, fp32 master weights, loss scaling", ds="fp16.enabled")
 
 
 OFFLOAD_TIERS = ("cpu", "nvme")  # where model states can live off the device
@@ -241,6 +266,44 @@ class RecomputeConfig:
         False, "store checkpoints in one preallocated buffer", alias="--contigious-checkpointing",
         ds="activation_checkpointing.contiguous_memory_optimization")
 
+    @staticmethod
+    def derived(f: Any) -> dict[str, Any]:
+        """The fields of checked flat flags ``f`` no flag gives as it is
+        (:class:`RecomputeFlags`): Megatron's method and layer count as the two layer
+        fields; partitioning, which sequence parallelism makes moot."""
+        return {
+            "num_layers": f.recompute_num_layers if f.recompute_method == "block" else None,
+            "layers_per_checkpoint": (f.recompute_num_layers or 1
+                                      if f.recompute_method == "uniform" else 1),
+            # With SP a block's input is already this rank's 1/TP of the sequence:
+            # nothing replicated is left to partition (see docs/sequence-parallelism.md).
+            "partition_activations": f.partition_activations and not f.sequence_parallel}
+
+
+@dataclass(frozen=True)
+class RecomputeFlags:
+    """Megatron's recompute method, its older switches, and the partitioning that
+    sequence parallelism makes moot: ``RecomputeConfig``'s layer fields derive from them."""
+
+    recompute_method: str | None = opt(
+        None, "with full: uniform (every layer, in groups of --recompute-num-layers that each "
+        "store one input) or block (only the first --recompute-num-layers layers, each on its "
+        "own)", choices=("uniform", "block"))
+    recompute_num_layers: int | None = opt(
+        None, "with full: layers per checkpoint group (uniform, default 1) or layers checkpointed "
+        "(block)")
+    recompute_activations: bool = opt(
+        False, "Megatron's shorthand for --recompute-granularity selective")
+    checkpoint_activations: bool = opt(
+        False, "older Megatron name for --recompute-granularity full")
+    partition_activations: bool = opt(
+        False, "each TP rank stores 1/TP of each checkpoint",
+        alias="--distribute-saved-activations", ds="activation_checkpointing.partition_activations")
+    deepspeed_activation_checkpointing: bool = opt(
+        False, "Megatron-DeepSpeed's switch to DeepSpeed's activation checkpointing: hybrid's "
+        "ZeRO-R is that, and the ds_config's activation_checkpointing section applies whenever "
+        "recompute is on")
+
 
 # --cp-comm-type: how attention crosses the CP split (hybrid.tensor_parallel.cp_attention
 # runs each); --cp-layout: which tokens a CP rank holds (hybrid.tensor_parallel.context_parallel)
@@ -347,6 +410,34 @@ class LRScheduleConfig:
         "DeepSpeed's formulas after; set by a ds_config scheduler block)", flag="lr_schedule_steps",
         choices=("megatron", "deepspeed"))
 
+    @staticmethod
+    def derived(f: Any) -> dict[str, Any]:
+        """``unit``, ``warmup`` and ``decay`` of checked flat flags ``f``
+        (:class:`LRLengthFlags`): in samples with ``--train-samples``, else iterations;
+        ``--lr-warmup-fraction`` of the decay wins over a warmup length."""
+        samples = f.train_samples is not None
+        decay = f.lr_decay_samples if samples else f.lr_decay_iters
+        warmup = f.lr_warmup_samples if samples else f.lr_warmup_iters
+        assert decay is not None  # checks.check_schedule filled it (the train length by default)
+        if f.lr_warmup_fraction is not None:
+            warmup = int(f.lr_warmup_fraction * decay)
+        return {"unit": "samples" if samples else "iterations", "warmup": warmup,
+                "decay": decay}
+
+
+@dataclass(frozen=True)
+class LRLengthFlags:
+    """Warmup and decay lengths, in iterations or samples: ``LRScheduleConfig`` takes them
+    in the run's one unit (:func:`hybrid.config.build._lr_lengths`)."""
+
+    lr_warmup_iters: int = opt(0, "linear warmup iterations", at_least=0)
+    lr_warmup_fraction: float | None = opt(
+        None, "warmup as a fraction of the decay length", at_least=0, at_most=1)
+    lr_warmup_samples: int = opt(0, "linear warmup samples (with --train-samples)", at_least=0)
+    lr_decay_iters: int | None = opt(None, "decay length (default: train iters)", at_least=1)
+    lr_decay_samples: int | None = opt(
+        None, "decay length in samples (with --train-samples; default: train samples)", at_least=1)
+
 
 @dataclass(frozen=True)
 class LoopConfig:
@@ -430,6 +521,23 @@ def tokenizer_kind(name: str | None) -> str | None:
 
 
 @dataclass(frozen=True)
+class TokenizerFlags:
+    """The tokenizer and its files (:meth:`hybrid.config.sections.TokenizerConfig.from_flags`)."""
+
+    tokenizer_type: str | None = opt(
+        None, "byte, GPT2BPETokenizer (--vocab-file/--merge-file), HuggingFaceTokenizer "
+        "(--tokenizer-model) or NullTokenizer (--vocab-size); older names gpt2bpe, hf. Default: "
+        "GPT2BPETokenizer when both GPT-2 files are given, else byte", choices=TOKENIZER_TYPES,
+        metavar="TYPE")
+    vocab_file: str | None = opt(None, "GPT-2 vocab.json")
+    merge_file: str | None = opt(None, "GPT-2 merges.txt")
+    tokenizer_file: str | None = opt(None, "a tokenizers-library tokenizer.json")
+    tokenizer_model: str | None = opt(
+        None, "HuggingFaceTokenizer: a tokenizer directory or tokenizer.json")
+    vocab_size: int | None = opt(None, "NullTokenizer: token ids 0..N-1 (eod is N)", at_least=1)
+
+
+@dataclass(frozen=True)
 class TokenizerConfig:
     """What :func:`hybrid.data.tokenizer.build_tokenizer` needs.
 
@@ -452,20 +560,22 @@ class TokenizerConfig:
                              f"{sorted(set(TOKENIZER_TYPES.values()))}")
 
     @classmethod
-    def from_flags(cls, tokenizer_type: str | None = None, vocab_file: str | None = None,
-                   merge_file: str | None = None, tokenizer_model: str | None = None,
-                   tokenizer_file: str | None = None,
-                   vocab_size: int | None = None) -> TokenizerConfig:
-        """The section from Megatron's tokenizer flags (any spelling of the type;
-        ``--tokenizer-file`` is the older name of ``--tokenizer-model``)."""
-        kind = tokenizer_kind(tokenizer_type)
+    def from_flags(cls, f: Any) -> TokenizerConfig:
+        """The section from Megatron's tokenizer flags (:class:`TokenizerFlags`): the flat
+        flags, or a dict of some of them (a tool's own command line; a missing one is
+        unset). Any spelling of the type; ``--tokenizer-file`` is the older name of
+        ``--tokenizer-model``."""
+        def get(name: str) -> Any:
+            return f.get(name) if isinstance(f, dict) else getattr(f, name)
+        given, model, older = get("tokenizer_type"), get("tokenizer_model"), get("tokenizer_file")
+        kind = tokenizer_kind(given)
         if kind is None:
-            raise ConfigError(f"--tokenizer-type {tokenizer_type!r}: unknown (one of "
-                             f"{', '.join(TOKENIZER_TYPES)})")
-        return cls(type=kind, vocab_file=vocab_file, merge_file=merge_file,
-                   model=tokenizer_model or tokenizer_file,
-                   model_flag="--tokenizer-model" if tokenizer_model or not tokenizer_file
-                   else "--tokenizer-file", vocab_size=vocab_size)
+            raise ConfigError(f"--tokenizer-type {given!r}: unknown (one of "
+                              f"{', '.join(TOKENIZER_TYPES)})")
+        return cls(type=kind, vocab_file=get("vocab_file"), merge_file=get("merge_file"),
+                   model=model or older,
+                   model_flag="--tokenizer-model" if model or not older
+                   else "--tokenizer-file", vocab_size=get("vocab_size"))
 
 
 @dataclass(frozen=True)
@@ -581,3 +691,35 @@ class KernelConfig:
     def path_for(self, op: str) -> str | None:
         """The path ``op`` was told to take, or None (the default choice)."""
         return dict(self.choice).get(op)
+
+
+@dataclass(frozen=True)
+class KernelFlags:
+    """The csrc/ kernels; each left unset takes its HYBRID_* variable at the entry point
+    (:func:`hybrid.config.kernels.kernel_config_from_env`)."""
+
+    no_kernels: bool = opt(
+        False, "never build or load the csrc/ kernels: PyTorch fallbacks only (also on with "
+        "HYBRID_NO_KERNELS=1)")
+    kernel_cache_dir: str | None = opt(
+        None, "where compiled kernels are cached (default: $HYBRID_KERNEL_CACHE, else "
+        "$XDG_CACHE_HOME or ~/.cache, /hybrid/kernels)")
+    kernel_choice: str | None = opt(
+        None,
+        "op=path,... the path an op takes, overriding the "
+        "measured default (ops: " + ", ".join(KERNEL_PATHS)
+  + ", all; e.g. layer_norm=fused,linear=fp32; "
+    "default: $HYBRID_KERNEL_CHOICE)")
+
+
+@dataclass(frozen=True)
+class DeepSpeedFlags:
+    """DeepSpeed's configuration file (:mod:`hybrid.config.deepspeed`)."""
+
+    deepspeed: str | None = opt(
+        None, "Megatron-DeepSpeed's marker (no value), or as Hugging Face's Trainer takes it, the "
+        "ds_config.json to read", const="")
+    deepspeed_config: str | None = opt(
+        None, "a DeepSpeed ds_config.json: its keys set the matching flags (README: 'Coming from "
+        "DeepSpeed')", alias="--deepspeed_config")
+
