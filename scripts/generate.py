@@ -88,13 +88,11 @@ def main(argv=None) -> int:
     try:
         ckpt = resolve_checkpoint(a.load)
         model, c = load_model(ckpt, a.device)
-        tok = build_tokenizer(TokenizerConfig.from_flags(
-            tokenizer_type=a.tokenizer_type or c.get("tokenizer_type", "byte"),
-            vocab_file=a.vocab_file or c.get("vocab_file"),
-            merge_file=a.merge_file or c.get("merge_file"),
-            tokenizer_file=a.tokenizer_file or c.get("tokenizer_file"),
-            tokenizer_model=a.tokenizer_model or c.get("tokenizer_model"),
-            vocab_size=a.vocab_size or c.get("vocab_size")))
+        # each tokenizer flag given here, else the checkpoint's (its saved flat flags)
+        tok = build_tokenizer(TokenizerConfig.from_flags({
+            name: getattr(a, name) or c.get(name)
+            for name in ("tokenizer_type", "vocab_file", "merge_file", "tokenizer_file",
+                         "tokenizer_model", "vocab_size")}))
         if tok.vocab_size > model.cfg.vocab_size:  # as hybrid.checkpoint.load.check_model
             raise DataError(f"--load {a.load}: the checkpoint was trained on a vocabulary of "
                             f"{model.cfg.vocab_size} tokens, this tokenizer has "
