@@ -35,6 +35,8 @@ one ConfigError naming the call and what to use instead.
 * :mod:`.runtime`       ``runtime.utils`` (``set_random_seed``, ``see_memory_usage``) and
                         ``runtime.lr_schedules`` (the scheduler classes) over hybrid's
 * :mod:`.ops`           ``ops.adam``: ``FusedAdam`` and ``DeepSpeedCPUAdam`` as torch's Adam(W)
+* :mod:`.moe`           ``moe.utils``' parameter-group helpers (no experts: groups as given);
+                        ``moe.layer.MoE`` refused when built
 * :mod:`.missing`       a DeepSpeed name hybrid does not serve, refused in hybrid's words
                         (AttributeError, or ImportError for ``from X import Y``)
 * :mod:`.hf`            Hugging Face's Trainer on hybrid's engine: a Trainer script changes
@@ -57,6 +59,7 @@ from hybrid.deepspeed import (
     accelerator,
     checkpointing,
     comm,
+    moe,
     ops,
     pipe,
     runtime,
@@ -72,7 +75,7 @@ from hybrid.engine.api import Engine as DeepSpeedEngine
 
 __all__ = ["DeepSpeedEngine", "PipelineEngine", "PipelineModule", "accelerator",
            "add_config_arguments", "checkpointing", "comm", "init_distributed", "initialize",
-           "ops", "pipe", "runtime", "utils", "zero"]
+           "moe", "ops", "pipe", "runtime", "utils", "zero"]
 
 # DeepSpeed names a script may reach for that hybrid does not have: name -> what instead
 _NOT_HERE = {
@@ -87,7 +90,6 @@ _NOT_HERE = {
     "DeepSpeedTransformerLayer": "build the layer from torch or transformers modules",
     "DeepSpeedConfig": "pass the ds_config (a path or a dict) to initialize(config=...)",
     "add_tuning_arguments": "hybrid has no autotuner",
-    "moe": "hybrid has no mixture of experts",
     "module_inject": "hybrid injects no kernels into a model",
 }
 

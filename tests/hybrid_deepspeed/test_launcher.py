@@ -95,11 +95,18 @@ parser = deepspeed.add_config_arguments(parser)
 args = parser.parse_args()
 deepspeed.init_distributed(dist_backend="gloo")
 import torch.distributed as dist
+from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer
+groups = split_params_into_different_moe_groups_for_optimizer({"params": [], "name": "p"})
 try:
-    from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer
-    moe = "imported"
-except ModuleNotFoundError as e:
+    deepspeed.moe.layer.MoE(hidden_size=4, expert=None, num_experts=2)
+    moe = "built"
+except NotImplementedError as e:
     moe = f"{type(e).__name__}: {e}"
+try:
+    from deepspeed.profiling.flops_profiler import get_model_profile
+    profiler = "imported"
+except ModuleNotFoundError as e:
+    profiler = f"{type(e).__name__}: {e}"
 real = sorted(m for m, mod in sys.modules.items()
               if m.split(".")[0] == "deepspeed"
               and "hybrid" not in (getattr(mod, "__file__", None) or "hybrid"))
@@ -112,7 +119,7 @@ with open(os.path.join(os.environ["RESULTS"], f"{dist.get_rank()}.json"), "w") a
     "loader": RepeatingLoader.__module__, "device": get_accelerator().device_name(),
     "same": sys.modules["deepspeed.pipe"] is sys.modules["hybrid.deepspeed.pipe"],
     "spec": sys.modules["hybrid.deepspeed.pipe"].__spec__.name,
-    "moe": moe, "real_deepspeed": real}))
+    "moe_groups": groups, "moe": moe, "profiler": profiler, "real_deepspeed": real}))
 dist.destroy_process_group()
 """
 
@@ -139,8 +146,14 @@ def _check(results):
         assert (r["deepspeed"], r["pipe"], r["loader"]) == (
             "hybrid.deepspeed", "hybrid.deepspeed.pipe", "hybrid.deepspeed.pipe_engine")
         assert r["same"] and r["spec"] == "hybrid.deepspeed.pipe" and r["device"] == "cpu"
-        assert r["moe"].startswith("ModuleNotFoundError: No module named 'deepspeed.moe' under "
-                                   "hybrid") and "mixture of experts" in r["moe"], r["moe"]
+        # deepspeed.moe imports (the CIFAR example's top line); building an MoE layer is
+        # the one error, naming it; an unserved module is hybrid's own ModuleNotFoundError
+        assert r["moe_groups"] == [{"params": [], "name": "p"}]
+        assert r["moe"].startswith("NotImplementedError: deepspeed.moe.layer.MoE(num_experts=2)"
+                                   ": hybrid has no mixture of experts yet"), r["moe"]
+        assert r["profiler"].startswith("ModuleNotFoundError: No module named "
+                                        "'deepspeed.profiling' under hybrid") and \
+            "flops profiler" in r["profiler"], r["profiler"]
         assert r["real_deepspeed"] == []
 
 
