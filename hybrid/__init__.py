@@ -32,9 +32,12 @@ __version__ = "0.1.0"
 
 
 def __getattr__(name):
-    if name in ("initialize", "Engine"):
+    if name == "initialize":
+        from hybrid.engine import build
+        return build.initialize
+    if name == "Engine":
         from hybrid.engine import api
-        return getattr(api, name)
+        return api.Engine
     if name in ("zero_init", "GatheredParameters"):
         from hybrid.engine import zero_context
         return getattr(zero_context, name)

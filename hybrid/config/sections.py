@@ -79,7 +79,11 @@ class AdamWConfig:
 
     ``clip_grad``: the largest global L2 norm of the gradient; a larger one is
     scaled down to it (<= 0: no clipping). ``weight_decay``: decoupled, on the
-    matrices (parameters of two or more dimensions) only.
+    matrices (parameters of two or more dimensions) only. ``clip_norm_of``: the
+    gradients that norm counts: ``"model"``, every parameter once (Megatron's), or
+    ``"first_stage"``, DeepSpeed's PipelineEngine's: a replicated (not tensor-split)
+    parameter counts on the first pipeline stage only, and every stage clips by that
+    norm (:func:`hybrid.zero.optimizer.global_grad_norm`).
     """
 
     beta1: float = opt(0.9, "Adam beta1", flag="adam_beta1", at_least=0, below=1)
@@ -88,6 +92,7 @@ class AdamWConfig:
     weight_decay: float = opt(0.01, "AdamW decay (not on biases and norms)", at_least=0)
     clip_grad: float = opt(
         1.0, "clip the global grad norm to this (0: off)", at_least=0, ds="gradient_clipping")
+    clip_norm_of: str = "model"
 
 
 @dataclass(frozen=True)

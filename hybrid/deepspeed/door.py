@@ -1,7 +1,7 @@
 """``deepspeed.initialize`` and ``deepspeed.add_config_arguments`` over hybrid's engine.
 
 :func:`initialize` takes DeepSpeed's arguments, resolves them to what
-:func:`hybrid.engine.api.initialize` takes (the config from ``config``,
+:func:`hybrid.engine.build.initialize` takes (the config from ``config``,
 ``config_params`` or ``args.deepspeed_config``; the layout from ``mpu`` when
 it is a :class:`ParallelState`) and refuses, one ConfigError each, what hybrid
 cannot honour yet. Everything else is that function's: the same engine.
@@ -23,7 +23,8 @@ from hybrid.deepspeed.checkpointing import PHASE
 from hybrid.deepspeed.ops.adam import as_config_block
 from hybrid.deepspeed.pipe import PipelineModule
 from hybrid.deepspeed.pipe_engine import PipelineEngine, RepeatingLoader
-from hybrid.engine import api
+from hybrid.engine import build
+from hybrid.engine.api import Engine
 from hybrid.engine.surface import EngineOptimizer
 from hybrid.errors import ConfigError
 from hybrid.parallel.state import ParallelState
@@ -76,7 +77,7 @@ def initialize(args: argparse.Namespace | None = None, model: nn.Module | None =
                config_params: str | os.PathLike | Mapping | None = None, *,
                parallel_state: ParallelState | None = None, tensor_parallel_size: int = 1,
                seed: int = 1234
-               ) -> tuple[api.Engine, EngineOptimizer, Iterable[Any] | None, Any]:
+               ) -> tuple[Engine, EngineOptimizer, Iterable[Any] | None, Any]:
     """``(engine, optimizer, training_dataloader, lr_scheduler)``, as DeepSpeed's.
 
     ``config`` / ``config_params`` / ``args.deepspeed_config``: the ds_config (a path
@@ -133,7 +134,7 @@ def _initialize(model: nn.Module, cfg: str | os.PathLike | Mapping | None, optim
                 mpu: object, dist_init_required: bool | None,
                 collate_fn: Callable[[list[Any]], Any] | None, mesh_param: object,
                 parallel_state: ParallelState | None, tensor_parallel_size: int, seed: int
-                ) -> tuple[api.Engine, EngineOptimizer, Iterable[Any] | None, Any]:
+                ) -> tuple[Engine, EngineOptimizer, Iterable[Any] | None, Any]:
     """:func:`initialize` once its optimizer is resolved (its doc)."""
     if isinstance(model, PipelineModule):  # (its layout was fixed when it was built)
         if ((mpu is not None and mpu is not model.ps)
@@ -160,7 +161,7 @@ def _initialize(model: nn.Module, cfg: str | os.PathLike | Mapping | None, optim
         raise ConfigError(f"{_WHERE}(dist_init_required=False): no process group yet; call "
                           f"deepspeed.init_distributed() first or leave dist_init_required "
                           f"None")
-    return api.initialize(model, cfg, model_parameters, optimizer, lr_scheduler, training_data,
+    return build.initialize(model, cfg, model_parameters, optimizer, lr_scheduler, training_data,
                           parallel_state=parallel_state, tensor_parallel_size=tensor_parallel_size,
                           seed=seed, collate_fn=collate_fn, recompute_phase=PHASE,
                           caller=_WHERE)
@@ -173,7 +174,7 @@ def _pipeline(model: PipelineModule, cfg: str | os.PathLike | Mapping | None, op
     """:func:`initialize` of a PipelineModule (its doc): the engine of this stage's
     layers on the module's layout, ZeRO over this stage's DP group, the tied weights
     summed over the first and the last stage."""
-    engine, optim, loader, sched = api.initialize(
+    engine, optim, loader, sched = build.initialize(
         model, cfg, model_parameters, optimizer, lr_scheduler, training_data,
         parallel_state=model.ps, seed=seed, collate_fn=collate_fn, recompute_phase=PHASE,
         caller=_WHERE, tied=model.tied_parameter_names(), engine_type=PipelineEngine)

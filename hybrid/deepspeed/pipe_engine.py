@@ -74,6 +74,11 @@ class PipelineEngine(Engine):
     DeepSpeed: one ``train_batch`` is forward, backward and step of a whole batch."""
 
     data_iterator: Iterator | None = None
+    # DeepSpeed's clip norm under its pipeline: its clip_grad_norm_ counts a parameter that
+    # is not tensor-split on model-parallel rank 0 only, and the pipeline grid makes every
+    # stage of a replica one model-parallel group, so the norm is the first stage's (plus
+    # the split parameters of all) and every stage clips by it (AdamWConfig.clip_norm_of)
+    clip_norm_of = "first_stage"
     _learnt_train: Learnt
     _learnt_eval: Learnt
 

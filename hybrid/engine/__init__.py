@@ -4,8 +4,10 @@ The engine is the DeepSpeed surface's one home: :mod:`hybrid.deepspeed` (DeepSpe
 layout, its pipeline engine, Hugging Face's Trainer) sits on it, and the training loop
 (:mod:`hybrid.train`) sits below it, sharing only the LR schedule and the orphan guard.
 
-* :mod:`.api`           ``hybrid.initialize`` and ``Engine``: ZeRO for any ``nn.Module``, with
-                        DeepSpeed's verbs (``backward``, ``step``, ``save_checkpoint``, ...)
+* :mod:`.api`           ``Engine``: ZeRO for any ``nn.Module``, with DeepSpeed's verbs
+                        (``backward``, ``step``, ``save_checkpoint``, ...)
+* :mod:`.build`         ``hybrid.initialize``: the ds_config checked, the optimizer and the
+                        schedule resolved, the engine built over the model
 * :mod:`.optimizer`     what steps the shard (DeepSpeed's ``optimizer=``, ``model_parameters=``),
                         and what sets its rates (``lr_scheduler=``, the ``scheduler`` block)
 * :mod:`.surface`       what DeepSpeed's scripts read from the engine beside its verbs

@@ -1,4 +1,5 @@
-"""``hybrid.initialize``: ZeRO for any ``nn.Module``, with DeepSpeed's verbs.
+"""The engine ``hybrid.initialize`` returns (:mod:`hybrid.engine.build` builds it): ZeRO for
+any ``nn.Module``, with DeepSpeed's verbs.
 
     engine, optimizer, _, lr_scheduler = hybrid.initialize(model=model, config="ds_config.json")
     for batch in data:
@@ -35,38 +36,27 @@ own seeds, and what must seed the global generator to make them runs inside
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
-from collections.abc import Callable, Collection, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
 from hybrid.checkpoint.api_state import SaveClaims
-from hybrid.checkpoint.ownership import RunIdentity
-from hybrid.config import Flags, TrainConfig, build_config
-from hybrid.config.deepspeed import apply_ds_config, load_ds_config
-from hybrid.config.kinds import INT, typed
-from hybrid.engine.ds_schedulers import cycles_momentum, kind_of
-from hybrid.engine.optimizer import resolve_optimizer, resolve_schedule
+from hybrid.config import TrainConfig
 from hybrid.engine.progress import Progress
 from hybrid.engine.surface import EngineOptimizer, dataloader_of
-from hybrid.engine.zero_context import init_values, take_parts
 from hybrid.errors import ConfigError
-from hybrid.parallel.state import ParallelState, init_distributed
-from hybrid.parallel.teardown import teardown_at_exit
+from hybrid.parallel.state import ParallelState
 from hybrid.pipeline.step import micro_batch_loss
-from hybrid.recompute.phase import RecomputePhase
-from hybrid.tensor_parallel import InitValues, seed_all
 from hybrid.tensor_parallel.random import TPRNGTracker
-from hybrid.train.orphans import end_with_launcher
-from hybrid.zero import StepResult, ZeroEngine, apply_zero
+from hybrid.zero import StepResult, ZeroEngine
 from hybrid.zero.loss_scaler import scaled_loss
 
 if TYPE_CHECKING:
-    from torch.utils.data import DataLoader, Dataset, Sampler
+    from torch.utils.data import Dataset, Sampler
 
 log = logging.getLogger("hybrid")
 
@@ -82,17 +72,6 @@ def _tensors(out: object) -> Iterator[torch.Tensor]:
     elif isinstance(out, Mapping):
         for o in out.values():
             yield from _tensors(o)
-
-
-def _units(model: nn.Module) -> list[nn.Module] | None:
-    """Stage 3's gather units: the longest ModuleList of same-type blocks (a
-    transformer's layers), found once; None lets the engine use the whole model."""
-    best = None
-    for m in model.modules():
-        if (isinstance(m, nn.ModuleList) and len(m) > 1 and len({type(b) for b in m}) == 1
-                and (best is None or len(m) > len(best))):
-            best = m
-    return list(best) if best is not None else None
 
 
 _NOT_YET = {  # DeepSpeed engine methods hybrid's engine does not have yet: name -> instead
@@ -111,6 +90,7 @@ class Engine:
 
     progress: Progress  # DeepSpeed's steps_per_print lines (initialize makes it)
     save_claims: SaveClaims  # its save directories (api_state's Note on owners; initialize)
+    clip_norm_of = "model"  # the gradients the clip's norm counts (AdamWConfig.clip_norm_of)
     get_mom = property(lambda self: self.progress.get_mom)  # betas (SGD: momentum) by group
     skipped_steps = property(lambda self: self.progress.skipped)  # (fp16's skipped steps)
 
@@ -433,168 +413,3 @@ class Engine:
         self.save_claims.release()
 
     destroy = close  # DeepSpeed's name
-
-
-@contextlib.contextmanager
-def _rng_kept(device: torch.device) -> Iterator[None]:
-    """The global generators of the CPU and of ``device`` as they were (module note)."""
-    cuda = [device.index or 0] if device.type == "cuda" else []
-    with torch.random.fork_rng(devices=cuda, device_type="cuda"):
-        yield
-
-
-def initialize(model: nn.Module, config: str | os.PathLike | Mapping | None = None,
-               model_parameters: Any = None, optimizer: Any = None, lr_scheduler: Any = None,
-               training_data: Dataset | None = None, *,
-               parallel_state: ParallelState | None = None, tensor_parallel_size: int = 1,
-               seed: int = 1234, collate_fn: Callable[[list[Any]], Any] | None = None,
-               recompute_phase: RecomputePhase | None = None, caller: str = "hybrid.initialize",
-               tied: Collection[str] = (), engine_type: type[Engine] = Engine
-               ) -> tuple[Engine, EngineOptimizer, DataLoader | None, Any]:
-    """(engine, optimizer, dataloader, lr_scheduler) as ``deepspeed.initialize`` returns
-    them: ``optimizer`` is the engine's :class:`EngineOptimizer`, ``dataloader`` a
-    DataLoader over this DP rank's share of ``training_data`` (None without it;
-    ``collate_fn`` its collate function), ``lr_scheduler`` what sets the rates (a
-    client's, the config's :class:`~hybrid.engine.optimizer.ConfigSchedule`, or
-    None: a client optimizer's groups keep their rates).
-
-    ``config``: a ds_config path or dict (None: hybrid's defaults), each key's value
-    checked against its type as from a file. ``model_parameters``, ``optimizer``,
-    ``lr_scheduler``: as DeepSpeed's, each way :mod:`hybrid.engine.optimizer`
-    lists (every parameter that requires grad must be given). ``parallel_state``: an existing
-    :class:`ParallelState` (default: joined from torchrun's environment with
-    ``tensor_parallel_size`` adjacent ranks per TP group, for a model built from
-    hybrid's TP layers on that state). ``seed``: the run seed (hybrid's ``--seed``:
-    the TP stream and a ``zero_init`` model's draws; torch's global generators are
-    left as they were). ``recompute_phase``: the flag a function-level activation
-    checkpoint sets around its recompute (:mod:`hybrid.deepspeed.checkpointing`), so
-    stage 3 keeps a recomputed module's parameters for its backward. ``caller``: the
-    door's name in messages. ``tied``: names of parameters every rank of
-    ``parallel_state.embedding_group`` holds a copy of (:func:`hybrid.zero.apply_zero`);
-    ``engine_type``: the engine class (:mod:`hybrid.deepspeed.pipe_engine`'s for a
-    pipeline). A ``config`` key or an argument of the wrong type or
-    value is one ConfigError naming it (``model`` or ``parallel_state`` of the wrong
-    class: TypeError).
-    """
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"{caller}(model=...) takes a torch.nn.Module, got "
-                        f"{type(model).__name__}")
-    if parallel_state is not None and not isinstance(parallel_state, ParallelState):
-        raise TypeError(f"{caller}(parallel_state=...) takes a ParallelState or None, "
-                        f"got {type(parallel_state).__name__}")
-    tensor_parallel_size = typed(tensor_parallel_size, INT, f"{caller}(tensor_parallel_size=...)")
-    seed = typed(seed, INT, f"{caller}(seed=...)")
-    if parallel_state is None:  # this door joins torchrun's job: it is the worker's entry
-        end_with_launcher(os.environ)  # no rank outlives its launcher (train/orphans.py)
-    ps = parallel_state or init_distributed(tensor_parallel_size)
-    if ps.cp_size > 1:  # a user's model would have to take its CP positions and loss mean
-        raise ConfigError(f"{caller}: the parallel_state has context parallelism "
-                          f"(CP {ps.cp_size}), which only hybrid's GPT takes "
-                          f"(scripts/pretrain_gpt.py --context-parallel-size); build it with "
-                          f"context_parallel_size=1")
-    # the checks name the seed as it was given here, not as --seed
-    flags = Flags(seed=seed, given_as={"seed": f"{caller}(seed=...)"})
-    ds: dict = {}
-    if config is not None:
-        source = os.fspath(config) if isinstance(config, (str, os.PathLike)) else "<dict>"
-        ds = load_ds_config(config)
-        # OneCycle and LRRangeTest are scheduler objects of this door (ds_schedulers.py),
-        # not points of the flags' schedule
-        flags.ds_config_notes = apply_ds_config(
-            flags, {k: v for k, v in ds.items() if not (k == "scheduler" and kind_of(v))},
-            ps.dp_size, source=source)
-    # under a pipeline (a PipelineModule's layout) each stage trains on its own DP x TP x
-    # CP ranks: the batch arithmetic (micro-batches = global / (micro x DP)) is one stage's
-    cfg = build_config(flags, ps.world_size // ps.pp_size)
-    # (checked alike on every rank, before the first collective)
-    client = resolve_optimizer(model, model_parameters, optimizer, lr_scheduler, cfg.adamw,
-                               cfg.lr_schedule.lr, caller,
-                               torch_adamw=cycles_momentum(ds.get("scheduler")))
-    drop_last = bool(ds.get("dataloader_drop_last") or False)
-    if ps.rank == 0:  # one warning per key the file set that this door does not use
-        for note in flags.ds_config_notes + _loop_only(flags):
-            if not (training_data is not None and note.startswith("dataloader_drop_last:")):
-                log.warning("%s: ds_config %s", caller, note)
-    with _rng_kept(ps.device):
-        engine = _build(model, cfg, ps, recompute_phase, client,
-                        lambda optim: resolve_schedule(lr_scheduler, ds, cfg, optim, caller),
-                        tied, engine_type)
-    engine.progress = Progress(ds, engine)  # (its step 0 line, with steps_per_print)
-    engine.save_claims = SaveClaims(RunIdentity.of_launch(os.environ))  # this launch's run
-    loader: DataLoader | None = None
-    if training_data is not None:
-        loader = engine.training_dataloader = dataloader_of(
-            training_data, ps, cfg.loop.micro_batch_size, collate_fn, drop_last)
-    return engine, engine.optimizer, loader, engine.lr_scheduler
-
-
-def _build(model: nn.Module, cfg: TrainConfig, ps: ParallelState,
-           recompute_phase: RecomputePhase | None, client: torch.optim.Optimizer | None,
-           schedule_of: Callable[[EngineOptimizer], Any], tied: Collection[str] = (),
-           engine_type: type[Engine] = Engine) -> Engine:
-    """The engine of ``model`` (inside :func:`_rng_kept`: seeding hybrid's streams
-    touches the global generators), stepped by ``client`` (None: hybrid's AdamW) and
-    scheduled by ``schedule_of(engine optimizer)``."""
-    rng = seed_all(cfg.seed, ps.tp_rank, ps.dp_rank, ps.device)
-    # built under zero_init(): the engine takes the parts its constructors left
-    # (zero_build.py); built on meta: it draws this rank's shard from the modules' own
-    # initializers (zero_context.py); else every replica takes DP rank 0's values
-    parts = take_parts(model)  # (the parameters zero_init() cut are meta from here)
-    on_meta = any(p.is_meta for p in model.parameters())
-    values = None
-    if on_meta:  # hybrid's own GPT knows its init; other models use their modules'
-        init_of = getattr(model, "init_of", None)
-        values = (InitValues(cfg.seed, init_of) if init_of is not None
-                  else init_values(model, cfg.seed, parts, ps))
-    if not on_meta:
-        _broadcast_from_first_replica(model, ps)
-    if on_meta:
-        _buffers_to(model, ps.device)
-    else:
-        model.to(ps.device)
-    zero = apply_zero(model, ps, cfg.zero, adamw=cfg.adamw, precision=cfg.precision,
-                      offload=cfg.offload, values=values, unit_modules=_units(model),
-                      recompute=recompute_phase, client=client, decay="all", tied=tied)
-    optim = EngineOptimizer([p for p in model.parameters() if p.requires_grad], cfg.adamw, zero,
-                            client)
-    engine = engine_type(model, cfg, ps, zero, rng, optim, schedule_of(optim))
-    teardown_at_exit(ps, engine)  # closed, then the groups destroyed, at exit if not before
-    for p in model.parameters():  # GatheredParameters finds the engine from a parameter
-        # an attribute of the tensor: torch's stubs declare none beyond its own
-        p.hybrid_engine = engine  # type: ignore[attr-defined]
-    return engine
-
-
-# ds_config settings only pretrain_gpt.py's loop uses: (Flags field, the key, why no effect)
-_LOOP_ONLY = (
-    ("tensorboard_dir", "tensorboard", "your loop logs"),
-    ("timing_breakdown", "wall_clock_breakdown", "your loop times its phases"),
-    ("partition_activations", "activation_checkpointing.partition_activations",
-     "the API does not wrap your layers: use your model's own gradient checkpointing"),
-    ("cpu_checkpointing", "activation_checkpointing.cpu_checkpointing",
-     "the API does not wrap your layers"),
-    ("contiguous_checkpointing", "activation_checkpointing.contiguous_memory_optimization",
-     "the API does not wrap your layers"),
-)
-
-
-def _loop_only(flags: Flags) -> list[str]:
-    """Notes for loop-only settings the file changed from their defaults."""
-    return [f"{key}: no effect through hybrid.initialize ({why})"
-            for field, key, why in _LOOP_ONLY if getattr(flags, field) != getattr(Flags, field)]
-
-
-def _buffers_to(model: nn.Module, device: torch.device) -> None:
-    for module in model.modules():
-        for name, b in module.named_buffers(recurse=False):
-            module._buffers[name] = b.to(device)
-
-
-@torch.no_grad()
-def _broadcast_from_first_replica(model: nn.Module, ps: ParallelState) -> None:
-    """Every DP replica starts from DP rank 0's parameters and buffers (as DDP does),
-    whatever each process's own random init drew."""
-    if ps.dp_size == 1:
-        return
-    for t in list(model.parameters()) + list(model.buffers()):
-        ps.dp_group.broadcast(t.data, src=0)

@@ -86,14 +86,13 @@ log = logging.getLogger("hybrid")
 class StepResult:
     """What one :meth:`ZeroEngine.step` did.
 
-    ``grad_norm``: the global gradient norm (unscaled), a 0-dim fp64 tensor on
-    the device -- read it when logging, not every step. ``skipped``: a 0-dim
-    bool tensor on the device, the same on every rank: the step changed nothing
-    (a non-finite gradient norm or loss). ``loss_scale``: the scale the next
-    step uses. ``host_skipped``: ``skipped`` as a Python bool when the engine
-    has already read it (dynamic fp16 loss scaling must, to adjust its scale),
-    else None: read ``skipped`` where the host waits for the device anyway
-    (see hybrid/train/step_stats.py).
+    ``grad_norm``: the global gradient norm (unscaled), a 0-dim fp64 tensor on the
+    device -- read it when logging, not every step. ``skipped``: a 0-dim bool tensor on
+    the device, the same on every rank: the step changed nothing (a non-finite gradient
+    norm or loss). ``loss_scale``: the scale the next step uses. ``host_skipped``:
+    ``skipped`` as a Python bool when the engine has already read it (dynamic fp16 loss
+    scaling must, to adjust its scale), else None: read ``skipped`` where the host waits
+    for the device anyway (see hybrid/train/step_stats.py).
     """
 
     grad_norm: torch.Tensor
@@ -113,7 +112,8 @@ class ZeroEngine:
                  client: torch.optim.Optimizer | None = None, decay: str = "matrices"):
         self.model, self.ps = model, ps
         self.plan = ShardingPlan.for_stage(zero.stage)  # the stage, resolved once: plan.stage
-        self.clip_grad = adamw.clip_grad
+        self.clip_grad, self._norm_counts_replicated = adamw.clip_grad, (
+            adamw.clip_norm_of == "model" or ps.pp_rank == 0)  # (AdamWConfig.clip_norm_of)
         self.dtype = DTYPES[precision.params_dtype]
         self.grad_dtype = DTYPES[precision.grads_dtype]
         self.scaler = LossScaler.from_config(precision)
@@ -355,20 +355,19 @@ class ZeroEngine:
         return {} if self.offload is None else self.offload.speculation()
 
     # [Note: one skip decision, no extra all-reduce]
-    # global_grad_norm sums squared norms over DP (disjoint shards, or nothing
-    # at stage 0 where the all-reduced gradients are the same on every replica)
-    # and over TP, and every rank of an all-reduce receives the same bits. TP x DP
-    # covers the world, so every rank holds the same norm, and an inf/NaN in any
-    # rank's gradient (squares cannot cancel it) makes it non-finite everywhere.
-    # A separate world all-reduce of an overflow flag would agree with it
+    # global_grad_norm sums squared norms over DP (disjoint shards, or nothing at stage 0
+    # where the all-reduced gradients are the same on every replica), over TP and over PP,
+    # and every rank of an all-reduce receives the same bits. They cover the world, so
+    # every rank holds the same norm, and an inf/NaN in any rank's gradient (squares cannot
+    # cancel it; one left out of a DeepSpeed pipeline norm raises the flag) makes it
+    # non-finite everywhere. A world all-reduce of an overflow flag would agree with it
     # always, so there is none for the gradients. A rank's loss is its own,
-    # though: when the loop passes it, a "non-finite loss" flag rides in the
-    # norm's own vector (on the device, no host read; a one-element DP all-reduce
-    # at stage 0), so an infinite loss with finite gradients skips the step
-    # everywhere at no collective of its own. The decision stays on the
-    # device (kernels skip on a flag) unless dynamic loss scaling has to adjust
-    # its scale: that read is the one host sync of an fp16 step, and a bf16/fp32
-    # step has none.
+    # though: when the loop passes it, a "non-finite loss" flag rides in the norm's own
+    # vector (on the device, no host read; a one-element DP all-reduce at stage 0), so an
+    # infinite loss with finite gradients skips the step everywhere at no collective of
+    # its own. The decision stays on the device (kernels skip on a flag) unless dynamic
+    # loss scaling has to adjust its scale: that read is the one host sync of an fp16
+    # step, and a bf16/fp32 step has none.
     def step(self, lr: float, loss: torch.Tensor | None = None,
              grad_divisor: float = 1.0) -> StepResult:
         """Unscale, decide skip (same on all ranks), clip, update, re-assemble params.
@@ -386,9 +385,10 @@ class ZeroEngine:
         scale = self.scaler.scale * grad_divisor  # what the gradient is a multiple of
         # (landed gradients are on the host by now: their norm terms were taken on landing)
         squared = self.sink.squared_norms()
-        norm, bad_loss = global_grad_norm(self.optimizer, None if squared is not None else grads,
-                                          self.ps.tp_group, dp, loss, self.ps.dp_cp_group, squared,
-                                          self.ps.pp_group if self.ps.pp_size > 1 else None)
+        norm, bad_loss = global_grad_norm(
+            self.optimizer, None if squared is not None else grads, self.ps.tp_group, dp, loss,
+            self.ps.dp_cp_group, squared, self.ps.pp_group if self.ps.pp_size > 1 else None,
+            count_replicated=self._norm_counts_replicated)
         norm = norm / scale
         decided = ~torch.isfinite(norm) | bad_loss
         skip: torch.Tensor | None = decided

@@ -315,7 +315,8 @@ class SquaredNorms(Protocol):
 def global_grad_norm(opt: SquaredNorms, grads: list[torch.Tensor] | None, tp: CommGroup,
                      dp: CommGroup | None, loss: torch.Tensor | None = None,
                      loss_dp: CommGroup | None = None, squared: torch.Tensor | None = None,
-                     pp: CommGroup | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                     pp: CommGroup | None = None, count_replicated: bool = True
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
     """(L2 norm of the whole model's gradient, whether any rank's ``loss`` is not
     finite) from this rank's parts of the gradient, as 0-dim tensors on the
     gradients' device (fp64, bool; never read here).
@@ -329,6 +330,9 @@ def global_grad_norm(opt: SquaredNorms, grads: list[torch.Tensor] | None, tp: Co
     ``squared``: this rank's ``opt.squared_norms`` when already taken (``grads`` None).
     ``pp``: the pipeline group, whose stages hold disjoint parameters: the whole
     vector is summed over it last, so the norm and the loss flag cover every stage.
+    ``count_replicated`` False: this rank's replicated parameters are left out of the
+    norm (DeepSpeed's pipeline norm on a stage after the first, AdamWConfig.clip_norm_of),
+    though a non-finite gradient among them still flags the step.
     """
     if squared is None:
         assert grads is not None  # (one of the two is given)
@@ -336,6 +340,9 @@ def global_grad_norm(opt: SquaredNorms, grads: list[torch.Tensor] | None, tp: Co
     sq = squared  # [split, replicated]
     bad = (torch.zeros((), dtype=torch.float64, device=sq.device) if loss is None
            else (~torch.isfinite(loss.detach())).to(torch.float64).reshape(()))
+    if not count_replicated:
+        bad = bad + (~torch.isfinite(sq[1])).to(bad.dtype)
+        sq = torch.stack((sq[0], torch.zeros_like(sq[1])))
     both = torch.stack((sq[0], bad, sq[1]))  # [split, loss flag, replicated]
     if dp is not None:
         dp.all_reduce(both)

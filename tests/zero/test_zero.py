@@ -316,6 +316,34 @@ def test_loss_flag_rides_in_the_norm_all_reduce():
             assert bad == told, (rank, stage, told)
 
 
+def _pipeline_norms(ps):
+    from hybrid.zero.optimizer import global_grad_norm
+    # stage s holds split squares 1 + s and replicated squares 10 * (1 + s); on stage 1 a
+    # last case makes its replicated part non-finite
+    out = {}
+    for counted in (True, False):
+        for poisoned in (False, True):
+            rep = float("inf") if poisoned and ps.pp_rank == 1 else 10.0 * (1 + ps.pp_rank)
+            opt = _Squares(1.0 + ps.pp_rank, rep)
+            norm, bad = global_grad_norm(opt, [torch.zeros(1)], ps.tp_group, None,
+                                         pp=ps.pp_group,
+                                         count_replicated=counted or ps.pp_rank == 0)
+            out[(counted, poisoned)] = (float(norm), bool(bad))
+    return out
+
+
+def test_deepspeed_s_pipeline_norm_counts_the_first_stage_s_replicated_gradients():
+    """PP 2: the whole model's norm sums both stages; DeepSpeed's pipeline norm
+    (AdamWConfig.clip_norm_of "first_stage": a stage after the first leaves its replicated
+    parameters out) is sqrt(split of both + the first stage's replicated), the same on
+    both stages; a non-finite gradient left out of it still flags the step everywhere."""
+    for res in run_ranks(_pipeline_norms, world_size=2, pp=2):
+        assert res[(True, False)] == (pytest.approx((1 + 2 + 10 + 20) ** 0.5), False)
+        assert res[(False, False)] == (pytest.approx((1 + 2 + 10) ** 0.5), False)
+        # (counted, the norm itself is not finite: the engine's skip reads both)
+        assert res[(False, True)][1] is True and res[(True, True)][0] == float("inf")
+
+
 def test_squared_norm_holds_its_digits_however_long_the_range():
     """The norm's squared sums (hybrid.zero.optimizer.squared_norm) against fp64: within
     1e-6 relative at 5M elements of a heavy-tailed gradient (one fp32 norm: 2e-4), for
