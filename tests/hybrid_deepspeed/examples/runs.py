@@ -1,0 +1,95 @@
+"""How each DeepSpeedExamples script is run: its command line (the script's own flags),
+the ds_config where the script reads one, the launcher, and what is compared.
+
+A run launches 2 local ranks on 127.0.0.1 with DeepSpeed's launcher
+(``python -m deepspeed.launcher.runner``) or hybrid's (``python -m hybrid.deepspeed``,
+the ``hybrid-deepspeed`` command), the same arguments after the script. ``cpu_env/`` is
+on PYTHONPATH for both (the package docstring); each rank writes its losses
+(``rank<N>.json``: every ``engine.backward(loss)``'s loss and every ``train_batch()``'s)
+and the launcher's output is kept. ``compare`` names the losses a run is judged by:
+``backward`` for a script that calls it, ``train_batch`` for a pipeline (DeepSpeed's
+pipeline engine runs its backward inside ``train_batch``). ``printed`` are the lines of
+the script's own output (or DeepSpeed's on its behalf) compared as text.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import pathlib
+import re
+import subprocess
+import sys
+
+HERE = pathlib.Path(__file__).resolve().parent
+UPSTREAM = HERE / "upstream"
+RECORDED = HERE / "recorded"
+ROOT = HERE.parents[2]
+
+# The pipeline example's own ds_config.json asks 256 samples a step (32 micro-batches of
+# AlexNet at 224 x 224 on one pipeline): this one, a step of 2 micro-batches, prints every
+# step (the example prints nothing of its own; DeepSpeed's engine prints its loss line)
+PIPELINE_CONFIG = {
+    "train_batch_size": 16, "train_micro_batch_size_per_gpu": 8,
+    "optimizer": {"type": "Adam", "params": {"lr": 0.001, "betas": [0.9, 0.999], "eps": 1e-8}},
+    "steps_per_print": 1, "wall_clock_breakdown": False,
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Run:
+    script: str  # under upstream/
+    args: tuple[str, ...]
+    compare: str  # "backward" or "train_batch"
+    printed: str  # a regex: the output lines compared as text
+    cifar_size: int = 320  # synthetic CIFAR-10 training images (cpu_env/torchvision)
+    ds_config: dict | None = None  # written to ds_config.json in the run's directory
+
+
+def _cifar(stage: int) -> Run:
+    # the script's own flags: its ZeRO stage, fp32 (a CPU has no fast fp16), one epoch of
+    # the 320 synthetic images (20 steps of its 16-sample batch at DP 2), a line per 5 steps
+    return Run("cifar/cifar10_deepspeed.py",
+               ("--deepspeed", "--dtype", "fp32", "--stage", str(stage), "--epochs", "1",
+                "--log-interval", "5"),
+               compare="backward", printed=r"^\[ *1, +\d+\] loss: +[\d.]+$|^Accuracy.*")
+
+
+RUNS: dict[str, Run] = {
+    **{f"cifar_stage{s}": _cifar(s) for s in (0, 1, 2, 3)},
+    "pipeline_pp2": Run("pipeline_parallelism/train.py",
+                        ("--deepspeed_config=ds_config.json", "-p", "2", "--steps=3",
+                         "--backend", "gloo"),
+                        compare="train_batch", printed=r"^steps: \d+ loss: [\d.]+",
+                        cifar_size=64, ds_config=PIPELINE_CONFIG),
+}
+
+
+def launch(name: str, tool: str, workdir: pathlib.Path, python: str = sys.executable,
+           port: int = 29500, timeout: float = 600) -> dict:
+    """Run ``name`` under ``tool`` ("deepspeed" or "hybrid") in ``workdir`` (made empty
+    first by the caller); returns ``{"ranks": {rank: losses}, "printed": [lines]}``.
+    Raises RuntimeError with the output's tail when the run fails."""
+    run = RUNS[name]
+    workdir.mkdir(parents=True, exist_ok=True)
+    if run.ds_config is not None:
+        (workdir / "ds_config.json").write_text(json.dumps(run.ds_config))
+    env = {**os.environ, "EXAMPLE_RECORD": str(workdir), "OMP_NUM_THREADS": "1",
+           "EXAMPLE_CIFAR_SIZE": str(run.cifar_size), "DS_ACCELERATOR": "cpu",
+           "PYTHONPATH": os.pathsep.join([str(HERE / "cpu_env"), str(ROOT)])}
+    env.pop("CUDA_VISIBLE_DEVICES", None)
+    launcher = (["-m", "deepspeed.launcher.runner"] if tool == "deepspeed"
+                else ["-m", "hybrid.deepspeed"])
+    cmd = [python, *launcher, "--num_gpus", "2", "--master_port", str(port),
+           str(UPSTREAM / run.script), *run.args]
+    done = subprocess.run(cmd, cwd=workdir, env=env, capture_output=True, text=True,
+                          timeout=timeout, check=False)
+    out = done.stdout + done.stderr
+    if done.returncode != 0:
+        raise RuntimeError(f"{name} under {tool} exited {done.returncode}:\n{out[-4000:]}")
+    ranks = {r: json.loads((workdir / f"rank{r}.json").read_text())[run.compare]
+             for r in (0, 1)}
+    printed = [m.group(0) for line in out.splitlines()
+               if (m := re.search(run.printed, line.strip()))]
+    return {"ranks": ranks, "printed": printed}
