@@ -36,8 +36,11 @@ norms: docs/deepspeed.md).
 from __future__ import annotations
 
 import importlib.util
+import json
 import math
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -45,6 +48,7 @@ import torch
 from hybrid.deepspeed.hf import auto
 from hybrid.errors import ConfigError
 from tests.helpers.harness import run_ranks
+from tests.helpers.launch import free_port
 
 needs_trainer = pytest.mark.skipif(
     importlib.util.find_spec("transformers") is None
@@ -379,3 +383,65 @@ def test_a_width_key_left_auto_needs_the_models_hidden_size():
     with pytest.raises(ConfigError, match=r"reduce_bucket_size: \"auto\" is sized from the "
                                           r"model config's hidden_size"):
         auto.fill_from_run(filler, _training_arguments(), _model(), 10)
+
+
+# -- the logged learning rate, as under DeepSpeed -------------------------------------------
+# A linear WarmupLR over 4 steps, 6 steps: what transformers 5.24's Trainer logged as
+# learning_rate on DeepSpeed 0.19.8 (one CPU rank, DeepSpeed's launcher, this script's
+# _warmup_lrs with deepspeed's own Trainer; the peer test below runs it again). DeepSpeed's
+# first two steps run at the warmup's start, and the Trainer logs each step's rate after
+# the engine stepped the schedule: the next step's.
+DEEPSPEED_WARMUP_LRS = [0.0, 0.00025, 0.0005, 0.00075, 0.001, 0.001]
+WARMUP_CONFIG = {
+    "train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
+    "train_batch_size": "auto",
+    "optimizer": {"type": "AdamW", "params": {"lr": "auto", "torch_adam": True,
+                                              "weight_decay": 0.0}},
+    "scheduler": {"type": "WarmupLR", "params": {
+        "warmup_min_lr": 0, "warmup_max_lr": "auto", "warmup_num_steps": "auto",
+        "warmup_type": "linear"}},
+    "zero_optimization": {"stage": 0}}
+
+
+def _warmup_lrs(ps, out: str, ours: bool = True) -> list[float]:
+    if ours:
+        from hybrid.deepspeed.hf import Trainer, TrainingArguments
+    else:
+        from transformers import Trainer, TrainingArguments
+    args = TrainingArguments(output_dir=out, per_device_train_batch_size=4, max_steps=6,
+                             logging_steps=1, learning_rate=1e-3, warmup_steps=4,
+                             deepspeed=WARMUP_CONFIG, use_cpu=True, report_to=[],
+                             save_strategy="no", disable_tqdm=True)
+    trainer = Trainer(model=_bert(), args=args, train_dataset=Labelled(32, 0))
+    _quiet(trainer)
+    trainer.train()
+    if ours:
+        trainer.engine.close()
+    return [h["learning_rate"] for h in trainer.state.log_history if "learning_rate" in h]
+
+
+@needs_trainer
+def test_the_logged_learning_rate_is_deepspeed_s(tmp_path):
+    """Under a ds_config scheduler the Trainer logs DeepSpeed's numbers: the next step's
+    rate (one step ahead of the rate the step ran at, which a Trainer without DeepSpeed
+    logs)."""
+    (got,) = run_ranks(_warmup_lrs, world_size=1, args=(str(tmp_path),))
+    assert got == pytest.approx(DEEPSPEED_WARMUP_LRS, abs=1e-12), got
+
+
+@pytest.mark.peer("deepspeed")
+def test_deepspeed_s_trainer_logs_the_recorded_rates(tmp_path):
+    """The recorded numbers are DeepSpeed's: transformers' own Trainer on DeepSpeed."""
+    script = tmp_path / "warmup.py"
+    script.write_text("import json, sys\n"
+                      "from tests.hybrid_deepspeed.test_hf_trainer import _warmup_lrs\n"
+                      f"print('LRS', json.dumps(_warmup_lrs(None, {str(tmp_path / 'o')!r}, "
+                      "ours=False)))\n")
+    env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.getcwd()}
+    done = subprocess.run([sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "1",
+                           "--master_port", str(free_port()), str(script)], env=env,
+                          capture_output=True, text=True, timeout=600, check=False)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    line = next(x for x in done.stdout.splitlines() if x.startswith("LRS "))
+    assert json.loads(line[4:]) == pytest.approx(DEEPSPEED_WARMUP_LRS, abs=1e-12)

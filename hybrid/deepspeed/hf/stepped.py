@@ -45,24 +45,19 @@ class EngineStepsOptimizer:
 
 class EngineStepsSchedule:
     """``trainer.lr_scheduler``: whatever sets the engine's rates (the config's schedule,
-    the Trainer's own scheduler), which the engine steps after each optimizer step.
-
-    ``ran_at``: the rates the last optimizer step ran at, per group, noted by the
-    Trainer's ``training_step`` just before it (the engine reads each step's rate from
-    its groups); None before the first."""
+    the Trainer's own scheduler), which the engine steps after each optimizer step."""
 
     def __init__(self, engine: Engine):
         self.engine = engine
-        self.ran_at: list[float] | None = None
 
     def step(self, *args: object, **kwargs: object) -> None:
         """Nothing: ``engine.step()`` stepped the schedule with the optimizer."""
 
     def get_last_lr(self) -> list[float]:
-        """The rates the last optimizer step ran at (the first step's before any): what
-        the Trainer logs as ``learning_rate`` for that step, as without DeepSpeed."""
-        if self.ran_at is not None:
-            return list(self.ran_at)
+        """The rates in the groups now: after an optimizer step, the next step's. The
+        Trainer logs it as that step's ``learning_rate``, as it does under DeepSpeed, whose
+        engine has stepped its scheduler by then (without DeepSpeed the Trainer logs the
+        rate the step ran at: one step behind, on a schedule that changes)."""
         return [float(g["lr"]) for g in self.engine.optimizer.param_groups]
 
     def state_dict(self) -> dict:

@@ -24,7 +24,7 @@ the data                           accelerate's loaders, as in any multi-process
 clipping, the gradient norm        the engine clips at ``gradient_clipping``; the norm logged
                                    is ``engine.get_global_grad_norm()``
 ``optimizer.step()``,              nothing (:mod:`.stepped`): the engine stepped them; the
-``lr_scheduler.step()``            rate logged is the one the step ran at
+``lr_scheduler.step()``            rate logged is the next step's, as under DeepSpeed
 ``save_model``                     collective: the full weights gathered, rank 0's
                                    ``save_pretrained`` (loadable with ``from_pretrained``)
 a checkpoint's optimizer state     ``engine.save_checkpoint(checkpoint-N)`` (hybrid's format)
@@ -189,8 +189,6 @@ class Trainer(transformers.Trainer):
         if not scaled:
             loss = loss / self.current_gradient_accumulation_steps
         engine.backward(loss, scale_wrt_gas=False)
-        if engine.is_gradient_accumulation_boundary():
-            self._schedule.ran_at = [float(g["lr"]) for g in engine.optimizer.param_groups]
         engine.step()
         return loss.detach()
 
