@@ -176,6 +176,14 @@ _RULES: dict[str, object] = {
                                           "last scale change, as Megatron's does"),
     "fp16.auto_cast": Refuse("hybrid keeps the model in fp16 itself: drop it"),
     "fp16.fp16_master_weights_and_grads": Refuse("hybrid keeps fp32 master weights"),
+    "bf16.bf16_master_weights_and_grads": Refuse(
+        "hybrid keeps fp32 master weights beside the bf16 parameters and reduces gradients "
+        "in bf16 (or fp32: --accumulate-allreduce-grads-in-fp32): drop it"),
+    "bf16.bf16_optimizer_states": Refuse("hybrid keeps Adam's moments in fp32: drop it"),
+    "torch_autocast": Refuse("hybrid trains in the dtype of the bf16 or fp16 block (the "
+                             "parameters themselves in it, fp32 masters beside them), not "
+                             "under torch.autocast over fp32 parameters: enable the bf16 "
+                             "block instead", OBJECT),
     "bf16.immediate_grad_update": Hint("hybrid accumulates into its flat gradient buffer"),
     "bf16.check_grad_overflow": Hint("hybrid checks every step's gradient norm for "
                                      "non-finite values"),
