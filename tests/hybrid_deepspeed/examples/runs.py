@@ -8,7 +8,8 @@ on PYTHONPATH for both (the package docstring); each rank writes its losses
 (``rank<N>.json``: every ``engine.backward(loss)``'s loss and every ``train_batch()``'s)
 and the launcher's output is kept. ``compare`` names the losses a run is judged by:
 ``backward`` for a script that calls it, ``train_batch`` for a pipeline (DeepSpeed's
-pipeline engine runs its backward inside ``train_batch``). ``printed`` are the lines of
+pipeline engine runs its backward inside ``train_batch``), ``csv`` for a script that
+calls ``loss.backward()`` and writes its own losses (rank 0's). ``printed`` are the lines of
 the script's own output (or DeepSpeed's on its behalf) compared as text.
 """
 
@@ -45,6 +46,10 @@ class Run:
     printed: str  # a regex: the output lines compared as text
     cifar_size: int = 320  # synthetic CIFAR-10 training images (cpu_env/torchvision)
     ds_config: dict | None = None  # written to ds_config.json in the run's directory
+    # the losses a script writes itself (a CSV of step,loss on rank 0), when it calls
+    # loss.backward() rather than engine.backward(loss): compare is then "csv"
+    loss_csv: str | None = None
+    bf16: bool = False  # the losses are bf16 numbers: compared within one bf16 ulp
 
 
 def _cifar(stage: int) -> Run:
@@ -56,8 +61,21 @@ def _cifar(stage: int) -> Run:
                compare="backward", printed=r"^\[ *1, +\d+\] loss: +[\d.]+$|^Accuracy.*")
 
 
+_BF16 = UPSTREAM / "bf16_master_weight"
+
 RUNS: dict[str, Run] = {
     **{f"cifar_stage{s}": _cifar(s) for s in (0, 1, 2, 3)},
+    # the bf16 master-weight example's baseline config (bf16, ZeRO 3, torch_autocast off),
+    # its model shrunk by its own flags; it calls loss.backward() and writes its losses
+    "bf16_zero3": Run("bf16_master_weight/train.py",
+                      ("--deepspeed_config", "ds_config.json",
+                       "--hidden_dim", "64", "--num_layers", "2", "--num_heads", "4",
+                       "--vocab_size", "512", "--seq_length", "32", "--batch_size", "4",
+                       "--num_steps", "6", "--log_interval", "1",
+                       "--loss_log_file", "losses.csv"),
+                      compare="csv", printed=r"params=\d+", loss_csv="losses.csv",
+                      bf16=True,
+                      ds_config=json.loads((_BF16 / "configs" / "baseline.json").read_text())),
     "pipeline_pp2": Run("pipeline_parallelism/train.py",
                         ("--deepspeed_config=ds_config.json", "-p", "2", "--steps=3",
                          "--backend", "gloo"),
@@ -88,8 +106,12 @@ def launch(name: str, tool: str, workdir: pathlib.Path, python: str = sys.execut
     out = done.stdout + done.stderr
     if done.returncode != 0:
         raise RuntimeError(f"{name} under {tool} exited {done.returncode}:\n{out[-4000:]}")
-    ranks = {r: json.loads((workdir / f"rank{r}.json").read_text())[run.compare]
-             for r in (0, 1)}
+    if run.loss_csv is not None:
+        rows = (workdir / run.loss_csv).read_text().split()[1:]  # after "step,loss"
+        ranks = {0: [float(row.split(",")[1]) for row in rows]}
+    else:
+        ranks = {r: json.loads((workdir / f"rank{r}.json").read_text())[run.compare]
+                 for r in (0, 1)}
     printed = [m.group(0) for line in out.splitlines()
                if (m := re.search(run.printed, line.strip()))]
     return {"ranks": ranks, "printed": printed}

@@ -2,8 +2,9 @@
 DeepSpeed and under hybrid (this folder is on PYTHONPATH for both runs), and the
 recorder of its losses. Nothing here changes a line of the script.
 
-* ``torch.cuda.set_device`` does nothing where torch has no CUDA (the pipeline example
-  calls it unconditionally; a CPU build of torch has no ``_cuda_setDevice``).
+* ``torch.cuda.set_device`` and ``torch.cuda.reset_peak_memory_stats`` do nothing where
+  torch has no CUDA (the pipeline and bf16 examples call them unconditionally; a CPU
+  build of torch has no ``_cuda_setDevice``).
 * torch's generator starts from seed 0, as a fresh process's did before torch drew
   its first seed at random: a script that never seeds starts from the same weights in
   every run.
@@ -33,6 +34,7 @@ _real_import = builtins.__import__
 def _patch_torch(torch):
     if not torch.cuda.is_available():
         torch.cuda.set_device = lambda device: None
+        torch.cuda.reset_peak_memory_stats = lambda device=None: None
     # torch draws its generator's first seed at random when a process starts: a script
     # that never seeds (the CIFAR example) would start from other weights every run
     torch.manual_seed(0)
