@@ -18,6 +18,17 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 TESTS = ROOT / "tests"
 # calls whose first argument names a module a test imports
 _BY_NAME = {"importorskip", "import_module", "find_spec", "peer", "installed", "missing"}
+# Folders no test imports from: their files run in a child process, as a script or with the
+# folder on PYTHONPATH (DeepSpeedExamples' scripts as published, and the torchvision
+# stand-in a CPU-only run of them needs: tests/hybrid_deepspeed/examples). They hold no
+# test file, so pytest never puts them on sys.path (checked below); what they import is
+# the child's business, and their stand-in is named like the package it stands in for.
+RUN_ONLY = ("hybrid_deepspeed/examples/upstream", "hybrid_deepspeed/examples/cpu_env")
+
+
+def _run_only(path: pathlib.Path, tests: pathlib.Path) -> bool:
+    rel = path.relative_to(tests).as_posix()
+    return any(rel == r or rel.startswith(r + "/") for r in RUN_ONLY)
 
 
 def _first_party(root: pathlib.Path) -> set[str]:
@@ -29,6 +40,8 @@ def imported_modules(tests: pathlib.Path) -> dict[str, set[str]]:
     """Top-level module name -> the test files (relative paths) that import it."""
     found: dict[str, set[str]] = {}
     for path in sorted(tests.rglob("*.py")):
+        if _run_only(path, tests):
+            continue
         names = set()
         for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
             if isinstance(node, ast.Import):
@@ -56,13 +69,15 @@ def shadowing_folders(tests: pathlib.Path, first_party: set[str]) -> list[str]:
         third_party.setdefault(module.split(".")[0], set()).add("tests/helpers/peers.py")
     return [f"tests/{d.relative_to(tests)}/ is named like {d.name!r}, which "
             f"{', '.join(sorted(third_party[d.name]))} import(s)"
-            for d in sorted(tests.rglob("*")) if d.is_dir() and d.name in third_party]
+            for d in sorted(tests.rglob("*"))
+            if d.is_dir() and d.name in third_party and not _run_only(d, tests)]
 
 
 def folders_without_init(tests: pathlib.Path) -> list[str]:
     """Folders under ``tests`` (and itself) that hold Python files but no __init__.py."""
     return [str(d) for d in [tests, *sorted(tests.rglob("*"))]
-            if d.is_dir() and any(d.glob("*.py")) and not (d / "__init__.py").exists()]
+            if d.is_dir() and any(d.glob("*.py")) and not (d / "__init__.py").exists()
+            and not (d != tests and _run_only(d, tests))]
 
 
 def test_every_test_folder_is_a_package():
@@ -71,6 +86,18 @@ def test_every_test_folder_is_a_package():
 
 def test_no_test_folder_is_named_like_a_package_a_test_imports():
     assert shadowing_folders(TESTS, _first_party(ROOT)) == []
+
+
+def test_the_run_only_folders_hold_no_test_and_no_test_imports_them():
+    """What makes RUN_ONLY safe: no test file inside (pytest puts only a test file's
+    folder chain on sys.path), and no ``tests.<folder>`` import of them anywhere."""
+    for rel in RUN_ONLY:
+        assert (TESTS / rel).is_dir(), rel
+        assert not list((TESTS / rel).rglob("test_*.py")), rel
+        dotted = "tests." + rel.replace("/", ".")
+        users = [m for m, files in imported_modules(TESTS).items() if m == "tests"
+                 for f in files if dotted in (TESTS / f).read_text(encoding="utf-8")]
+        assert not users, (rel, users)
 
 
 def test_the_checks_find_a_shadowing_folder(tmp_path):

@@ -84,11 +84,10 @@ RUNS: dict[str, Run] = {
 }
 
 
-def launch(name: str, tool: str, workdir: pathlib.Path, python: str = sys.executable,
-           port: int = 29500, timeout: float = 600) -> dict:
-    """Run ``name`` under ``tool`` ("deepspeed" or "hybrid") in ``workdir`` (made empty
-    first by the caller); returns ``{"ranks": {rank: losses}, "printed": [lines]}``.
-    Raises RuntimeError with the output's tail when the run fails."""
+def start(name: str, tool: str, workdir: pathlib.Path, python: str = sys.executable,
+          port: int = 29500) -> subprocess.Popen:
+    """Start ``name`` under ``tool`` ("deepspeed" or "hybrid") in ``workdir``; its output
+    goes to ``workdir/output.txt``. :func:`finish` reads what it left."""
     run = RUNS[name]
     workdir.mkdir(parents=True, exist_ok=True)
     if run.ds_config is not None:
@@ -101,11 +100,24 @@ def launch(name: str, tool: str, workdir: pathlib.Path, python: str = sys.execut
                 else ["-m", "hybrid.deepspeed"])
     cmd = [python, *launcher, "--num_gpus", "2", "--master_port", str(port),
            str(UPSTREAM / run.script), *run.args]
-    done = subprocess.run(cmd, cwd=workdir, env=env, capture_output=True, text=True,
-                          timeout=timeout, check=False)
-    out = done.stdout + done.stderr
-    if done.returncode != 0:
-        raise RuntimeError(f"{name} under {tool} exited {done.returncode}:\n{out[-4000:]}")
+    with open(workdir / "output.txt", "w") as out:  # (the child keeps its own descriptor)
+        return subprocess.Popen(cmd, cwd=workdir, env=env, stdout=out,
+                                stderr=subprocess.STDOUT)
+
+
+def finish(name: str, tool: str, workdir: pathlib.Path, proc: subprocess.Popen,
+           timeout: float = 600) -> dict:
+    """Wait for ``proc`` (:func:`start`); returns ``{"ranks": {rank: losses}, "printed":
+    [lines]}``. Raises RuntimeError with the output's tail when the run failed."""
+    run = RUNS[name]
+    try:
+        code = proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        raise RuntimeError(f"{name} under {tool} ran past {timeout:.0f} s") from None
+    out = (workdir / "output.txt").read_text()
+    if code != 0:
+        raise RuntimeError(f"{name} under {tool} exited {code}:\n{out[-4000:]}")
     if run.loss_csv is not None:
         rows = (workdir / run.loss_csv).read_text().split()[1:]  # after "step,loss"
         ranks = {0: [float(row.split(",")[1]) for row in rows]}
@@ -115,3 +127,9 @@ def launch(name: str, tool: str, workdir: pathlib.Path, python: str = sys.execut
     printed = [m.group(0) for line in out.splitlines()
                if (m := re.search(run.printed, line.strip()))]
     return {"ranks": ranks, "printed": printed}
+
+
+def launch(name: str, tool: str, workdir: pathlib.Path, python: str = sys.executable,
+           port: int = 29500, timeout: float = 600) -> dict:
+    """:func:`start` and :func:`finish`: one run, to its end."""
+    return finish(name, tool, workdir, start(name, tool, workdir, python, port), timeout)
