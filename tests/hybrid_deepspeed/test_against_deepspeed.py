@@ -46,11 +46,25 @@ def _differences(got: list[float], want: list[float]) -> str | None:
     return None
 
 
+# [Note: where DeepSpeed differs from itself] A parameter used in some micro-batches of an
+# accumulation window and not others (unused_parameters' "sometimes" layer, the second of
+# each window): DeepSpeed 0.19.8 trains it alike at ZeRO 0, 1 and 2, but at ZeRO 3 and with
+# the optimizer on the host its numbers leave those from the second step on, the global
+# norm growing step after step (3.77, 4.96, 6.44, 7.46 against 3.77, 3.62, 3.80, 3.24; not
+# traced further here). hybrid gives stage 0-2's numbers at every stage and tier: those
+# cases are held to the stage-2 recording, and their own recordings are kept, and checked
+# below to still differ.
+AGAINST = {"unused_parameters_stage3": "unused_parameters",
+           "unused_parameters_offload": "unused_parameters",
+           "unused_parameters_offload_param": "unused_parameters"}
+
+
 def _problems(name: str, ranks: list[dict]) -> list[str]:
     """What differs between hybrid's run of case ``name`` (each rank's result) and
-    DeepSpeed's recording; empty when they agree."""
+    DeepSpeed's recording (of the case :data:`AGAINST` names for it); empty when they
+    agree."""
     out = []
-    recorded = _recorded(name)["ranks"]
+    recorded = _recorded(AGAINST.get(name, name))["ranks"]
     for rank, (got, want) in enumerate(zip(ranks, recorded, strict=True)):
         if "error" in got:
             return [f"rank {rank}: {got['error']}"]
@@ -82,6 +96,18 @@ def test_the_script_trains_under_hybrid_as_under_deepspeed(name, under_hybrid):
         pytest.skip(f"pending: {PENDING[name]}")
     problems = _problems(name, under_hybrid[name])
     assert not problems, f"{name} ({CASES[name].doc}):\n" + "\n".join(problems)
+
+
+def test_deepspeed_differs_from_itself_on_a_parameter_used_in_part_of_a_window():
+    """The recordings behind AGAINST (the Note above): DeepSpeed's first step equals its
+    stage-2 run, and later steps do not."""
+    stage2 = _recorded("unused_parameters")["ranks"][0]
+    for name in AGAINST:
+        ranks = _recorded(name)["ranks"][0]
+        assert ranks["losses"][:2] == stage2["losses"][:2], name
+        assert _differences(ranks["losses"], stage2["losses"]) is not None, name
+    for name in ("unused_parameters_stage0", "unused_parameters_stage1"):
+        assert _differences(_recorded(name)["ranks"][0]["losses"], stage2["losses"]) is None
 
 
 def test_every_stage_of_a_pipeline_returns_the_same(under_hybrid):

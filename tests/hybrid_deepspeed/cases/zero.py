@@ -123,14 +123,7 @@ class _UnusedLM(TinyBlockLM):
         return nn.functional.cross_entropy(self.head(x).flatten(0, 1), labels.flatten())
 
 
-@case(ds_config(stage=2, weight_decay=0.1, gradient_accumulation_steps=2))
-def unused_parameters(deepspeed, config, workdir):
-    """ZeRO stage 2 with parameters the loss does not reach (``ignore_unused_parameters``,
-    true by default): a pooler never called, an attention never run, a layer only every
-    other micro-batch runs (the second of each accumulation window), a head tied to the
-    embedding; weight decay 0.1, so the unused parameters still move. Also each step's
-    global norm and, at the end, the sums of the pooler's and the sometimes-layer's
-    weights."""
+def _unused_parameters(deepspeed, config, workdir, norms: bool = True):
     torch.manual_seed(SEED)
     model = _UnusedLM()
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
@@ -138,10 +131,44 @@ def unused_parameters(deepspeed, config, workdir):
     result: Result = {"losses": [], "lrs": [], "extra": {"grad_norm": []}}
     for batch in token_batches(engine.global_rank, 2 * STEPS):
         train(engine, [batch], result)
-        if len(result["losses"]) % 2 == 0:  # (an accumulation boundary's step)
+        if norms and len(result["losses"]) % 2 == 0:  # (an accumulation boundary's step)
             result["extra"]["grad_norm"].append(float(engine.get_global_grad_norm()))
     named = dict(model.named_parameters())
     result["extra"]["weights"] = [float(named["pooler.0.weight"].sum()),
                                   float(named["sometimes.weight"].sum()),
                                   float(named["qkv.weight"].sum())]
     return result
+
+
+# Unused and tied parameters at every ZeRO stage and with the optimizer (and at stage 3
+# the parameters) on the host: one script, six configs
+_UNUSED_ZERO = {
+    "unused_parameters": {"stage": 2},
+    "unused_parameters_stage0": {"stage": 0},
+    "unused_parameters_stage1": {"stage": 1},
+    "unused_parameters_stage3": {"stage": 3},
+    "unused_parameters_offload": {"stage": 2, "offload_optimizer": {"device": "cpu"}},
+    "unused_parameters_offload_param": {"stage": 3, "offload_optimizer": {"device": "cpu"},
+                                        "offload_param": {"device": "cpu"}},
+}
+
+
+def _unused_case(name: str, zero: dict):
+    def script(deepspeed, config, workdir):
+        # (DeepSpeed's fp32 engine at stage 0 clips without keeping the norm: it reports None)
+        return _unused_parameters(deepspeed, config, workdir, norms=zero["stage"] > 0)
+    script.__name__ = name
+    where = ", ".join(f"{k} {v}" for k, v in zero.items())
+    script.__doc__ = (
+        f"ZeRO {where} with parameters the loss does not reach (``ignore_unused_parameters``, "
+        f"true by default): a pooler never called, an attention never run, a layer only every "
+        f"other micro-batch runs (the second of each accumulation window), a head tied to the "
+        f"embedding; weight decay 0.1, so the unused parameters still move. Also each step's "
+        f"global norm and, at the end, the sums of the pooler's and the sometimes-layer's "
+        f"weights.")
+    case(ds_config(stage=zero["stage"], weight_decay=0.1, gradient_accumulation_steps=2,
+                   zero_optimization=zero))(script)
+
+
+for _name, _zero in _UNUSED_ZERO.items():
+    _unused_case(_name, _zero)
