@@ -37,13 +37,17 @@ def kernel_config_from_env(env: Mapping[str, str]) -> KernelConfig:
     worker's copy of its caller's): nothing in the library looks it up itself.
 
     ``HYBRID_NO_KERNELS`` (anything but "" or "0": no compiled kernel),
-    ``HYBRID_KERNEL_CACHE`` (else ``$XDG_CACHE_HOME/hybrid/kernels``),
+    ``HYBRID_KERNEL_CACHE`` (else ``$TORCH_EXTENSIONS_DIR/hybrid``, torch's variable for
+    where JIT extensions build, which DeepSpeed's users set to move its ops; else
+    ``$XDG_CACHE_HOME/hybrid/kernels``),
     ``HYBRID_KERNEL_CHOICE`` (as --kernel-choice) and ``TORCH_CUDA_ARCH_LIST`` (what a
     CUDA build targets). Entry points that take no flags -- pool workers, tests,
     tools -- configure :mod:`hybrid.kernels` from this; ``build_config(...,
     environ=)`` uses it as the default of the kernel flags.
     """
     cache = env.get("HYBRID_KERNEL_CACHE")
+    if not cache and env.get("TORCH_EXTENSIONS_DIR"):
+        cache = os.path.join(env["TORCH_EXTENSIONS_DIR"], "hybrid")
     if not cache and env.get("XDG_CACHE_HOME"):
         cache = os.path.join(env["XDG_CACHE_HOME"], "hybrid", "kernels")
     return KernelConfig(no_kernels=env.get("HYBRID_NO_KERNELS", "0") not in ("", "0"),

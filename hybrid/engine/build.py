@@ -25,6 +25,7 @@ from hybrid.checkpoint.api_state import SaveClaims
 from hybrid.checkpoint.ownership import RunIdentity
 from hybrid.config import Flags, TrainConfig, build_config
 from hybrid.config.deepspeed import apply_ds_config, load_ds_config
+from hybrid.config.kernels import kernel_config_from_env
 from hybrid.config.kinds import INT, typed
 from hybrid.engine.api import Engine
 from hybrid.engine.ds_schedulers import cycles_momentum, kind_of
@@ -33,6 +34,7 @@ from hybrid.engine.progress import Progress
 from hybrid.engine.surface import EngineOptimizer, dataloader_of
 from hybrid.engine.zero_context import init_values, take_parts
 from hybrid.errors import ConfigError
+from hybrid.kernels import settings as kernel_settings
 from hybrid.parallel.state import ParallelState, init_distributed
 from hybrid.parallel.teardown import teardown_at_exit
 from hybrid.recompute.phase import RecomputePhase
@@ -108,6 +110,8 @@ def initialize(model: nn.Module, config: str | os.PathLike | Mapping | None = No
     seed = typed(seed, INT, f"{caller}(seed=...)")
     if parallel_state is None:  # this door joins torchrun's job: it is the worker's entry
         end_with_launcher(os.environ)  # no rank outlives its launcher (train/orphans.py)
+    if not kernel_settings.configured():  # an entry point for the kernels too: HYBRID_*
+        kernel_settings.configure(kernel_config_from_env(os.environ))
     ps = parallel_state or init_distributed(tensor_parallel_size)
     if ps.cp_size > 1:  # a user's model would have to take its CP positions and loss mean
         raise ConfigError(f"{caller}: the parallel_state has context parallelism "

@@ -15,6 +15,7 @@ from __future__ import annotations
 from hybrid.config.sections import KernelConfig
 
 _current = KernelConfig()
+_configured = False  # configure() was called in this process
 
 
 def configure(cfg: KernelConfig) -> None:
@@ -24,10 +25,17 @@ def configure(cfg: KernelConfig) -> None:
     ``cache_dir``, ``cuda_arch_list``) takes effect at the next load: extensions
     are remembered per those settings (:func:`hybrid.kernels.build.load_extension`).
     """
-    global _current  # noqa: PLW0603 - the process's settings; configure() is the one writer
+    global _current, _configured  # noqa: PLW0603 - the process's settings; the one writer
     if not isinstance(cfg, KernelConfig):
         raise TypeError(f"configure() takes a KernelConfig, got {type(cfg).__name__}")
-    _current = cfg
+    _current, _configured = cfg, True
+
+
+def configured() -> bool:
+    """Whether an entry point has set this process's settings (:func:`configure`): a
+    library door that is also an entry point (``hybrid.initialize``) sets them from the
+    environment only when none has."""
+    return _configured
 
 
 def current() -> KernelConfig:

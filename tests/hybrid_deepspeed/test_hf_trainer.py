@@ -403,30 +403,41 @@ WARMUP_CONFIG = {
     "zero_optimization": {"stage": 0}}
 
 
-def _warmup_lrs(ps, out: str, ours: bool = True) -> list[float]:
+def _warmup_lrs(ps, out: str, ours: bool = True):
+    """The logged rates (and, on hybrid, the kernel cache the engine was built with)."""
     if ours:
         from hybrid.deepspeed.hf import Trainer, TrainingArguments
+        from hybrid.kernels import settings
+        before = settings.current()
+        extra = {"kernel_cache_dir": os.path.join(out, "kernels")}
     else:
         from transformers import Trainer, TrainingArguments
+        extra = {}
     args = TrainingArguments(output_dir=out, per_device_train_batch_size=4, max_steps=6,
                              logging_steps=1, learning_rate=1e-3, warmup_steps=4,
                              deepspeed=WARMUP_CONFIG, use_cpu=True, report_to=[],
-                             save_strategy="no", disable_tqdm=True)
+                             save_strategy="no", disable_tqdm=True, **extra)
     trainer = Trainer(model=_bert(), args=args, train_dataset=Labelled(32, 0))
     _quiet(trainer)
     trainer.train()
-    if ours:
-        trainer.engine.close()
-    return [h["learning_rate"] for h in trainer.state.log_history if "learning_rate" in h]
+    lrs = [h["learning_rate"] for h in trainer.state.log_history if "learning_rate" in h]
+    if not ours:
+        return lrs
+    trainer.engine.close()
+    cache = settings.current().cache_dir
+    settings.configure(before)  # (a pooled worker goes on to other tests)
+    return lrs, cache
 
 
 @needs_trainer
 def test_the_logged_learning_rate_is_deepspeed_s(tmp_path):
     """Under a ds_config scheduler the Trainer logs DeepSpeed's numbers: the next step's
     rate (one step ahead of the rate the step ran at, which a Trainer without DeepSpeed
-    logs)."""
-    (got,) = run_ranks(_warmup_lrs, world_size=1, args=(str(tmp_path),))
+    logs). And hybrid's own argument, kernel_cache_dir, reaches the kernels."""
+    ((got, cache),) = run_ranks(_warmup_lrs, world_size=1, args=(str(tmp_path),))
     assert got == pytest.approx(DEEPSPEED_WARMUP_LRS, abs=1e-12), got
+    # TrainingArguments(kernel_cache_dir=...) is the cache the engine's kernels use
+    assert cache == str(tmp_path / "kernels")
 
 
 @pytest.mark.peer("deepspeed")

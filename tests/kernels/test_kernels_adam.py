@@ -286,3 +286,16 @@ def test_shard_adamw_chooses_a_path_once_and_always_writes_out(ext, use_flat_gra
                         torch.float32)
     for master in runs.values():
         assert (master - ref).abs().max().item() <= 1e-6
+
+
+def test_the_kernel_cache_follows_the_variables_in_order():
+    """HYBRID_KERNEL_CACHE, else TORCH_EXTENSIONS_DIR/hybrid (what DeepSpeed's users set to
+    move its JIT ops), else XDG_CACHE_HOME/hybrid/kernels, else the default (None)."""
+    from hybrid.config import kernel_config_from_env
+    env = {"HYBRID_KERNEL_CACHE": "/a", "TORCH_EXTENSIONS_DIR": "/b", "XDG_CACHE_HOME": "/c"}
+    assert kernel_config_from_env(env).cache_dir == "/a"
+    del env["HYBRID_KERNEL_CACHE"]
+    assert kernel_config_from_env(env).cache_dir == "/b/hybrid"
+    del env["TORCH_EXTENSIONS_DIR"]
+    assert kernel_config_from_env(env).cache_dir == "/c/hybrid/kernels"
+    assert kernel_config_from_env({}).cache_dir is None

@@ -13,6 +13,7 @@ training starts.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 from collections.abc import Iterator
 from functools import cached_property
@@ -28,6 +29,7 @@ def _processes() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
+@dataclasses.dataclass
 class TrainingArguments(transformers.TrainingArguments):
     """transformers' TrainingArguments; with ``deepspeed=`` (a ds_config path or dict)
     the run trains on hybrid's ZeRO engine under :class:`hybrid.deepspeed.hf.Trainer`.
@@ -42,11 +44,18 @@ class TrainingArguments(transformers.TrainingArguments):
     machine without CUDA a job of several processes (torchrun's ``WORLD_SIZE``) joins
     accelerate's CPU process group (gloo), as DeepSpeed's does without ``use_cpu``;
     ``auto_find_batch_size`` is refused (the engine's batch size is fixed when it is
-    built).
+    built). ``kernel_cache_dir`` (hybrid's own): where hybrid's compiled kernels (the
+    host optimizer's CPU Adam) are built and cached; None: ``$HYBRID_KERNEL_CACHE``, else
+    ``$TORCH_EXTENSIONS_DIR/hybrid``, else ``~/.cache/hybrid/kernels``.
     """
 
-    hybrid_ds_config: dict | None
-    hybrid_ds_filler: auto.Filler | None
+    kernel_cache_dir: str | None = dataclasses.field(default=None, metadata={
+        "help": "where hybrid's compiled kernels are built and cached (default: "
+                "$HYBRID_KERNEL_CACHE, else $TORCH_EXTENSIONS_DIR/hybrid, else "
+                "~/.cache/hybrid/kernels)"})
+    hybrid_ds_config: dict | None = dataclasses.field(default=None, init=False, repr=False)
+    hybrid_ds_filler: auto.Filler | None = dataclasses.field(default=None, init=False,
+                                                             repr=False)
 
     def __post_init__(self) -> None:
         self.hybrid_ds_config = self.hybrid_ds_filler = None
