@@ -226,6 +226,14 @@ class Engine:
     # update as engine.backward's. fp16 needs the loss scaled: engine.scale(loss)
     # .backward(), as in DeepSpeed; without it the step raises. A window is one kind.
 
+    # [Note: two backwards, one step] Each engine.backward at the boundary reduces what
+    # it adds: at stages 2-3 a reduce-scatter adds into the shard the last one filled; at
+    # stage 0 the buffer holds the last mean plus this rank's new gradient, and their mean
+    # over DP is the last mean plus the new gradients' mean; stage 1 reduce-scatters the
+    # same sum into its shard once GradReducer.rearm has put the shard back as a sum to
+    # reduce. So two backwards before one step apply both gradients' DP means, whatever
+    # the stage (tests/hybrid_deepspeed/cases/usage.py, two_backwards_*).
+
     def _arm(self) -> None:
         """Ready the micro-batch about to run ([Note: plain backward])."""
         if self.micro_steps % self.gradient_accumulation_steps() == 0:
@@ -269,16 +277,20 @@ class Engine:
         if retain_graph:
             raise ConfigError("engine.backward(loss, retain_graph=True): hybrid's engine "
                               "frees the graph in backward; compute the loss again instead")
-        if self._backward_done or self._plain:
-            raise ConfigError("engine.backward() after another backward without engine.step(): "
-                              "call engine.step() after each micro-batch's backward (it steps "
-                              "the optimizer at the accumulation boundary only)")
+        if self._plain:
+            raise ConfigError("engine.backward() after a plain loss.backward() without "
+                              "engine.step(): use one of them for every micro-batch")
+        # A second engine.backward before step() (DeepSpeedExamples' GAN) adds its
+        # gradient, as DeepSpeed's does: at the boundary each backward reduces, and a
+        # reduction adds into what the last one left ([Note: two backwards, one step])
         self._window_is("engine")
         n = self.gradient_accumulation_steps() if scale_wrt_gas else 1
         # the Trainer's loss path (hybrid/pipeline/step.py, [Note: the loss path])
         divided, backpropagated = micro_batch_loss(loss, n, self.zero.scaler.scale)
         self._in_backward = True
         try:
+            if self._backward_done and self.is_gradient_accumulation_boundary():
+                self.zero.reducer.rearm()  # (the last backward reduced: [Note: two ...])
             self.zero.begin_backward(sync=self.is_gradient_accumulation_boundary())
             backpropagated.backward()
             self.zero.end_backward()

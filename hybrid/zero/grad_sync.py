@@ -257,6 +257,24 @@ class GradReducer:
         while self._inflight:
             self._retire_one()
 
+    @torch.no_grad()
+    def rearm(self) -> None:
+        """Before another backward of a step whose reduction already ran (two backwards
+        before one optimizer step: hybrid/engine/api.py, [Note: two backwards, one step]).
+        Stage 1 only: each unit's full buffer becomes its reduced shard times the replicas
+        (the next reduction divides by them again) and zeros elsewhere (this rank's stale
+        local gradient), so the next reduce-scatter leaves shard + the new gradients' mean.
+        Stage 0's buffer holds the mean everywhere, and stages 2-3 add into the shard:
+        nothing to do there."""
+        if self.plan.grads or not self.plan.optimizer:
+            return
+        for unit in self.units:
+            g = unit.grad_full
+            assert g is not None  # (stage 1: the unit's part of the full buffer)
+            own = g[unit.own_lo: unit.own_hi] * self.replicas
+            g.zero_()
+            g[unit.own_lo: unit.own_hi] = own
+
     def begin(self, sync: bool, part: int | None = None) -> None:
         """Before a micro-batch's backward; ``sync`` marks the last one of the step --
         with ``part``, the last of that part, whose units alone this backward reaches

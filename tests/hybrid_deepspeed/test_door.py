@@ -347,10 +347,20 @@ def test_misuse_and_missing_names_say_what_to_do_instead():
     with pytest.raises(ConfigError, match="without a backward since the last step"):
         engine.step()
     engine.backward(engine(torch.randn(2, 12)).sum())
-    with pytest.raises(ConfigError, match="after another backward without engine.step"):
+    engine.backward(engine(torch.randn(2, 12)).sum())  # a second adds (DeepSpeed's GAN does)
+    engine.step()
+    engine.backward(engine(torch.randn(2, 12)).sum())  # (the window's second micro-batch)
+    engine.step()
+    engine(torch.randn(2, 12)).sum().backward()  # a plain backward, then the engine's
+    with pytest.raises(ConfigError, match=r"engine.backward\(\) after a plain "
+                                          r"loss.backward\(\) without engine.step"):
         engine.backward(engine(torch.randn(2, 12)).sum())
     engine.step()
+    engine(torch.randn(2, 12)).sum().backward()  # (the plain window's second)
+    engine.step()
     engine.backward(engine(torch.randn(2, 12)).sum())
+    engine.step()
+    engine.backward(engine(torch.randn(2, 12)).sum())  # (the next boundary)
     optimizer.param_groups[0]["weight_decay"] = 0.5  # hybrid's AdamW: refused, not ignored
     with pytest.raises(ConfigError, match=r"param_groups\[0\]\['weight_decay'\] was set to "
                                           r"0.5 .*pass a torch optimizer"):

@@ -116,3 +116,32 @@ def zero_init_constructor(deepspeed, config, workdir):
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
                                            config=config)
     return train(engine, batches(engine.global_rank, STEPS))
+
+
+def _two_backwards(deepspeed, config, workdir):
+    torch.manual_seed(SEED)
+    model = SimpleModel()
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
+                                           config=config)
+    losses, lrs = [], []
+    data = batches(engine.global_rank, 2 * STEPS)
+    for (x1, y1), (x2, y2) in zip(data[::2], data[1::2]):
+        first = engine(x1.to(engine.device), y1.to(engine.device))
+        engine.backward(first)
+        second = engine(x2.to(engine.device), y2.to(engine.device))
+        engine.backward(second)
+        lrs.append(engine.get_lr()[0])
+        engine.step()
+        losses += [first.item(), second.item()]
+    return {"losses": losses, "lrs": lrs, "extra": {}}
+
+
+# DeepSpeedExamples' GAN: two engine.backward calls, then one engine.step(), every step
+for _stage in (0, 1, 2, 3):
+    def _script(deepspeed, config, workdir):
+        return _two_backwards(deepspeed, config, workdir)
+    _script.__name__ = f"two_backwards_stage{_stage}"
+    _script.__doc__ = (f"ZeRO stage {_stage}: two engine.backward calls, each of its own "
+                       f"micro-batch's loss, then one engine.step() (DeepSpeedExamples' GAN "
+                       f"trains its discriminator so): the step applies both gradients.")
+    case(ds_config(stage=_stage))(_script)
