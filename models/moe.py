@@ -1,0 +1,146 @@
+"""A mixture-of-experts MLP: a router sends each token to ``top_k`` of ``num_experts``
+expert MLPs and sums their outputs, weighted by its gates.
+
+    moe = MoE(hidden=64, ffn=128, num_experts=8, top_k=2)
+    y, routing = moe(x)                # x: (..., hidden); y: x's shape
+    loss = lm_loss + 1e-2 * switch_aux_loss(routing)
+
+This is the layer on one process: every expert lives here. Expert parallelism (the
+experts split over ranks, tokens sent to them by all-to-all) comes from outside, as TP
+does for the dense MLP; the layer is written so that only the middle step changes
+(see [Note: three steps]).
+
+[Note: three steps]
+1. **Route.** The router's logits ``(T, E)`` (a bias-free linear layer) become gates.
+   Megatron's default (and Mixtral's): the top k logits of each token, then a softmax
+   over those k (the gates sum to 1). ``pre_softmax``: a softmax over all E, then its top
+   k (the gates sum to less than 1; Megatron's ``--moe-router-pre-softmax``). Top k is a
+   stable descending sort, so equal scores go to the lower expert index: the choice
+   never depends on the kernel's tie order, hence never on the layout.
+2. **Compute.** The T x k (token, expert) assignments are sorted by expert, stably (a
+   token's assignments keep the token order within an expert), and each expert runs its
+   MLP on its rows in one matmul pair: a grouped GEMM written as a loop in expert order
+   (torch's grouped matmul is a private API). An expert with no rows is skipped; its
+   weights get a zero gradient.
+3. **Combine.** Each assignment's output goes back to its token, and the k outputs of a
+   token are summed in the order of its gates (largest first), each times its gate: one
+   fixed order of additions, whatever the batch or the layout.
+
+[Note: the load-balancing loss]
+:func:`switch_aux_loss` is Switch Transformer's (Megatron's ``aux_loss``): E times the
+sum over experts of (the fraction of the T x k assignments it got) times (its mean
+router probability over the T tokens), with the probabilities of a softmax over all E
+logits whatever ``pre_softmax`` says. It is 1 when routing is uniform, at least 1
+otherwise up to rounding, and its gradient reaches the router through the mean
+probabilities only (the counts are integers).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass(frozen=True)
+class Routing:
+    """What the router decided for a batch of T tokens, E experts, k per token.
+
+    ``experts``: ``(T, k)`` the chosen experts, largest gate first; ``gates``: ``(T, k)``
+    their weights; ``probs``: ``(T, E)`` a softmax over all E logits (the aux loss's);
+    ``tokens_per_expert``: ``(E,)`` assignments each expert got (int64)."""
+
+    experts: torch.Tensor
+    gates: torch.Tensor
+    probs: torch.Tensor
+    tokens_per_expert: torch.Tensor
+
+
+class Router(nn.Module):
+    """hidden -> E logits, without bias; :meth:`forward` gives a :class:`Routing`."""
+
+    def __init__(self, hidden: int, num_experts: int, top_k: int,
+                 pre_softmax: bool = False):
+        super().__init__()
+        if not 1 <= top_k <= num_experts:
+            raise ValueError(f"top_k {top_k} must be in [1, num_experts {num_experts}]")
+        self.num_experts, self.top_k, self.pre_softmax = num_experts, top_k, pre_softmax
+        self.weight = nn.Parameter(torch.empty(num_experts, hidden))
+
+    def forward(self, x: torch.Tensor) -> Routing:
+        """``x``: ``(T, hidden)``."""
+        logits = F.linear(x, self.weight)
+        probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+        scores = probs if self.pre_softmax else logits
+        # a stable sort: equal scores keep the lower expert index first ([Note: three steps])
+        top, experts = torch.sort(scores, dim=-1, descending=True, stable=True)
+        top, experts = top[:, : self.top_k], experts[:, : self.top_k]
+        gates = top if self.pre_softmax else torch.softmax(top, dim=-1, dtype=torch.float32)
+        counts = torch.bincount(experts.reshape(-1), minlength=self.num_experts)
+        return Routing(experts, gates.to(x.dtype), probs, counts)
+
+
+class MoE(nn.Module):
+    """``num_experts`` MLPs (``hidden`` -> ``ffn`` -> ``hidden``, GELU; ``swiglu``: the
+    gated SiLU pair) behind a :class:`Router`. The experts' weights are stacked, expert
+    first (``fc``: ``(E, parts x ffn, hidden)``, ``proj``: ``(E, hidden, ffn)``), so that
+    an expert-parallel rank's experts are one slice of each."""
+
+    def __init__(self, hidden: int, ffn: int, num_experts: int, top_k: int, *,
+                 swiglu: bool = False, pre_softmax: bool = False,
+                 init_method_std: float = 0.02):
+        super().__init__()
+        parts = 2 if swiglu else 1
+        self.swiglu, self.num_experts = swiglu, num_experts
+        self.router = Router(hidden, num_experts, top_k, pre_softmax)
+        self.fc = nn.Parameter(torch.empty(num_experts, parts * ffn, hidden))
+        self.proj = nn.Parameter(torch.empty(num_experts, hidden, ffn))
+        for w in (self.router.weight, self.fc, self.proj):
+            nn.init.normal_(w, std=init_method_std)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, Routing]:
+        """``x``: ``(..., hidden)`` -> (the same shape, the batch's :class:`Routing`)."""
+        shape = x.shape
+        tokens = x.reshape(-1, shape[-1])
+        routing = self.router(tokens)
+        k = routing.experts.shape[1]
+        # 2. compute: the assignments sorted by expert (stably), each expert's rows at once
+        flat = routing.experts.reshape(-1)
+        order = torch.sort(flat, stable=True).indices
+        rows = tokens[order // k]
+        out = torch.empty_like(rows)
+        start = 0
+        for e, n in enumerate(routing.tokens_per_expert.tolist()):
+            if n:
+                out[start: start + n] = self._expert(e, rows[start: start + n])
+            start += n
+        # 3. combine: back to (T, k) in gate order, each times its gate, summed in that order
+        per_assignment = torch.empty_like(out)
+        per_assignment[order] = out
+        per_assignment = per_assignment.view(-1, k, shape[-1])
+        y = per_assignment[:, 0] * routing.gates[:, :1]
+        for j in range(1, k):
+            y = y + per_assignment[:, j] * routing.gates[:, j: j + 1]
+        return y.view(shape), routing
+
+    def _expert(self, e: int, rows: torch.Tensor) -> torch.Tensor:
+        h = rows @ self.fc[e].t()
+        if self.swiglu:
+            gate, up = h.chunk(2, dim=-1)
+            h = F.silu(gate) * up
+        else:
+            h = F.gelu(h)
+        return h @ self.proj[e].t()
+
+
+def switch_aux_loss(routing: Routing) -> torch.Tensor:
+    """Switch Transformer's load-balancing loss of one batch ([Note: the load-balancing
+    loss]): 1 for uniform routing. A 0-dim fp32 tensor; multiply by the coefficient
+    (Megatron's ``--moe-aux-loss-coeff``) and add to the loss."""
+    probs, counts = routing.probs, routing.tokens_per_expert
+    t, e = probs.shape
+    k = routing.experts.shape[1]
+    fraction = counts.to(probs.dtype) / (t * k)
+    return e * (fraction * probs.mean(dim=0)).sum()

@@ -1,0 +1,102 @@
+"""models/moe.py on one process: the layer against a token-by-token reference (output and
+every gradient), the router's choices (ties to the lower expert, the gate rules), an
+expert without tokens, and the load-balancing loss's values."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from models.moe import MoE, Router, switch_aux_loss
+
+
+def _reference(moe: MoE, x: torch.Tensor) -> torch.Tensor:
+    """Token by token: each token's chosen experts, in gate order, from the same weights
+    (the router's decision taken as given: its gates carry the gradient)."""
+    tokens = x.reshape(-1, x.shape[-1])
+    routing = moe.router(tokens)
+    outs = []
+    for t in range(tokens.shape[0]):
+        y = 0
+        for j in range(routing.experts.shape[1]):
+            e = int(routing.experts[t, j])
+            h = tokens[t] @ moe.fc[e].t()
+            if moe.swiglu:
+                gate, up = h.chunk(2)
+                h = F.silu(gate) * up
+            else:
+                h = F.gelu(h)
+            y = y + (h @ moe.proj[e].t()) * routing.gates[t, j]
+        outs.append(y)
+    return torch.stack(outs).view(x.shape)
+
+
+@pytest.mark.parametrize("swiglu,pre_softmax", [(False, False), (True, False), (False, True)])
+def test_the_layer_is_its_token_by_token_reference(swiglu, pre_softmax):
+    torch.manual_seed(0)
+    moe = MoE(16, 24, num_experts=6, top_k=2, swiglu=swiglu, pre_softmax=pre_softmax,
+              init_method_std=0.2).double()
+    x = torch.randn(3, 5, 16, dtype=torch.float64, requires_grad=True)
+    y, routing = moe(x)
+    want = _reference(moe, x)
+    assert y.shape == x.shape and routing.experts.shape == (15, 2)
+    torch.testing.assert_close(y, want, rtol=1e-12, atol=1e-12)
+    g = torch.randn_like(y)
+    got = torch.autograd.grad(y, [x, moe.fc, moe.proj, moe.router.weight], g)
+    ref = torch.autograd.grad(want, [x, moe.fc, moe.proj, moe.router.weight], g)
+    for a, b in zip(got, ref):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+    assert got[3].abs().sum() > 0  # the router learns through its gates
+
+
+def test_equal_scores_go_to_the_lower_expert_and_the_gates_follow_their_rule():
+    router = Router(4, num_experts=5, top_k=3)
+    torch.nn.init.zeros_(router.weight)  # every logit 0: every expert ties
+    r = router(torch.randn(7, 4))
+    assert r.experts.tolist() == [[0, 1, 2]] * 7
+    torch.testing.assert_close(r.gates, torch.full((7, 3), 1 / 3))  # softmax over the top 3
+    assert r.tokens_per_expert.tolist() == [7, 7, 7, 0, 0]
+    pre = Router(4, num_experts=5, top_k=3, pre_softmax=True)
+    torch.nn.init.zeros_(pre.weight)
+    torch.testing.assert_close(pre(torch.randn(7, 4)).gates, torch.full((7, 3), 1 / 5))
+
+
+def test_an_expert_without_tokens_gets_a_zero_gradient():
+    torch.manual_seed(1)
+    moe = MoE(8, 12, num_experts=4, top_k=1)
+    with torch.no_grad():  # the router sends every token to expert 2
+        moe.router.weight.zero_()
+        moe.router.weight[2] = 1.0
+    x = torch.rand(10, 8) + 0.1  # positive: expert 2's logit is the largest
+    y, routing = moe(x)
+    assert routing.tokens_per_expert.tolist() == [0, 0, 10, 0]
+    y.sum().backward()
+    for e in (0, 1, 3):
+        assert torch.count_nonzero(moe.fc.grad[e]) == 0
+        assert torch.count_nonzero(moe.proj.grad[e]) == 0
+    assert torch.count_nonzero(moe.fc.grad[2]) > 0
+
+
+def test_the_load_balancing_loss_is_one_when_uniform_and_more_when_not():
+    router = Router(4, num_experts=4, top_k=2)
+    torch.nn.init.zeros_(router.weight)
+    uniform = router(torch.randn(8, 4))
+    # every probability 1/4 but the ties send all to experts 0 and 1: f = (1/2, 1/2, 0, 0)
+    assert float(switch_aux_loss(uniform).detach()) == pytest.approx(1.0)
+    torch.manual_seed(2)
+    skewed = Router(4, num_experts=4, top_k=1)
+    with torch.no_grad():
+        skewed.weight.zero_()
+        skewed.weight[0] = 5.0
+    r = skewed(torch.rand(16, 4) + 0.5)  # all to expert 0, which also has most probability
+    loss = switch_aux_loss(r)
+    assert r.tokens_per_expert.tolist() == [16, 0, 0, 0]
+    value = float(loss.detach())
+    assert value == pytest.approx(4 * float(r.probs[:, 0].mean().detach()))
+    assert value > 3.5
+    loss.backward()
+    assert skewed.weight.grad.abs().sum() > 0  # through the mean probabilities
+
+
+def test_top_k_outside_the_experts_is_refused():
+    with pytest.raises(ValueError, match=r"top_k 5 must be in \[1, num_experts 4\]"):
+        Router(8, num_experts=4, top_k=5)
