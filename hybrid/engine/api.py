@@ -283,6 +283,12 @@ class Engine:
         # A second engine.backward before step() (DeepSpeedExamples' GAN) adds its
         # gradient, as DeepSpeed's does: at the boundary each backward reduces, and a
         # reduction adds into what the last one left ([Note: two backwards, one step])
+        if self._backward_done and self.cfg.offload.optimizer is not None:
+            raise ConfigError("a second engine.backward() before engine.step() with the "
+                              "optimizer offloaded (zero_optimization.offload_optimizer): "
+                              "not in hybrid yet, the host step takes each gradient as its "
+                              "reduction ends; call engine.step() between them, or keep "
+                              "the optimizer on the device")
         self._window_is("engine")
         n = self.gradient_accumulation_steps() if scale_wrt_gas else 1
         # the Trainer's loss path (hybrid/pipeline/step.py, [Note: the loss path])

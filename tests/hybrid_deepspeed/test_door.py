@@ -336,6 +336,15 @@ def test_what_hybrid_cannot_honour_is_one_error_naming_the_call(make, message):
         deepspeed.initialize(config=DS, **kwargs)
 
 
+def test_two_backwards_before_a_step_with_the_optimizer_offloaded_are_refused():
+    engine, *_ = _engine({**DS, "zero_optimization": {
+        "stage": 2, "offload_optimizer": {"device": "cpu"}}})
+    engine.backward(engine(torch.randn(2, 12)).sum())
+    with pytest.raises(ConfigError, match=r"a second engine.backward\(\) before "
+                                          r"engine.step\(\) with the optimizer offloaded"):
+        engine.backward(engine(torch.randn(2, 12)).sum())
+
+
 def test_misuse_and_missing_names_say_what_to_do_instead():
     engine, optimizer, *_ = _engine()
     with pytest.raises(ConfigError, match=r"engine.step\(\) without a backward since the last "
