@@ -35,6 +35,7 @@ def main(argv: list[str] | None = None) -> int:
             got = launch(name, "deepspeed", pathlib.Path(tmp), port=free_port())
         script = UPSTREAM / run.script
         record = {"run": name, **dataclasses.asdict(run),
+                  "setup": run.setup.__name__ if run.setup is not None else None,
                   "sha256": hashlib.sha256(script.read_bytes()).hexdigest(),
                   "versions": {p: importlib.metadata.version(p) for p in ("deepspeed", "torch")},
                   **got}

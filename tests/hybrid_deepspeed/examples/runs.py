@@ -16,12 +16,14 @@ the script's own output (or DeepSpeed's on its behalf) compared as text.
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import json
 import os
 import pathlib
 import re
 import subprocess
 import sys
+from collections.abc import Callable
 
 HERE = pathlib.Path(__file__).resolve().parent
 UPSTREAM = HERE / "upstream"
@@ -44,12 +46,19 @@ class Run:
     args: tuple[str, ...]
     compare: str  # "backward" or "train_batch"
     printed: str  # a regex: the output lines compared as text
-    cifar_size: int = 320  # synthetic CIFAR-10 training images (cpu_env/torchvision)
+    cifar_size: int = 320  # synthetic CIFAR-10 training images (cpu_env/vision/torchvision)
     ds_config: dict | None = None  # written to ds_config.json in the run's directory
     # the losses a script writes itself (a CSV of step,loss on rank 0), when it calls
     # loss.backward() rather than engine.backward(loss): compare is then "csv"
     loss_csv: str | None = None
     bf16: bool = False  # the losses are bf16 numbers: compared within one bf16 ulp
+    # what the run's directory needs before the script starts (its files), made by the
+    # harness so both runs read the same
+    setup: Callable[[pathlib.Path], None] | None = None
+    # the stand-ins the script needs (cpu_env/<name>/ on PYTHONPATH): "vision" (torchvision)
+    # or "text" (datasets); only those, as transformers takes any importable torchvision
+    # for the real one
+    standins: tuple[str, ...] = ("vision",)
 
 
 def _cifar(stage: int) -> Run:
@@ -62,6 +71,30 @@ def _cifar(stage: int) -> Run:
 
 
 _BF16 = UPSTREAM / "bf16_master_weight"
+
+
+def _word_tokenizer(workdir: pathlib.Path) -> None:
+    """``workdir/tokenizer``: a word-level tokenizer over the datasets stand-in's words,
+    with RoBERTa's special tokens, saved as a Hugging Face tokenizer directory (what
+    HelloDeepSpeed's ``--tokenizer`` loads with ``AutoTokenizer``; its default,
+    roberta-base, is a download)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    # the stand-in's words, read by path: importing it as ``datasets`` here would shadow
+    # the real package in this process
+    spec = importlib.util.spec_from_file_location(
+        "_example_words", HERE / "cpu_env" / "text" / "datasets" / "words.py")
+    assert spec is not None and spec.loader is not None
+    words = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(words)
+    special = ["<s>", "<pad>", "</s>", "<unk>", "<mask>"]
+    vocab = {w: i for i, w in enumerate([*special, *words.WORDS])}
+    core = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    core.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=core, bos_token="<s>", eos_token="</s>",
+                            pad_token="<pad>", unk_token="<unk>", mask_token="<mask>"
+                            ).save_pretrained(str(workdir / "tokenizer"))
 
 RUNS: dict[str, Run] = {
     **{f"cifar_stage{s}": _cifar(s) for s in (0, 1, 2, 3)},
@@ -76,6 +109,16 @@ RUNS: dict[str, Run] = {
                       compare="csv", printed=r"params=\d+", loss_csv="losses.csv",
                       bf16=True,
                       ds_config=json.loads((_BF16 / "configs" / "baseline.json").read_text())),
+    # HelloDeepSpeed: a RoBERTa masked LM (its pooler built and never used), bf16, ZeRO 1
+    # with the optimizer on the host, its model shrunk by its own flags
+    "hello_bert": Run("HelloDeepSpeed/train_bert_ds.py",
+                      ("--checkpoint_dir", "experiments", "--tokenizer", "tokenizer",
+                       "--num_layers", "1", "--num_heads", "2", "--ff_dim", "64",
+                       "--h_dim", "32", "--max_seq_length", "32", "--batch_size", "4",
+                       "--num_iterations", "7", "--checkpoint_every", "100",
+                       "--log_every", "1", "--dtype", "bf16"),
+                      compare="backward", printed=r"Total number of model parameters: [\d,]+",
+                      bf16=True, setup=_word_tokenizer, standins=("text",)),
     "pipeline_pp2": Run("pipeline_parallelism/train.py",
                         ("--deepspeed_config=ds_config.json", "-p", "2", "--steps=3",
                          "--backend", "gloo"),
@@ -90,11 +133,15 @@ def start(name: str, tool: str, workdir: pathlib.Path, python: str = sys.executa
     goes to ``workdir/output.txt``. :func:`finish` reads what it left."""
     run = RUNS[name]
     workdir.mkdir(parents=True, exist_ok=True)
+    if run.setup is not None:
+        run.setup(workdir)
     if run.ds_config is not None:
         (workdir / "ds_config.json").write_text(json.dumps(run.ds_config))
     env = {**os.environ, "EXAMPLE_RECORD": str(workdir), "OMP_NUM_THREADS": "1",
            "EXAMPLE_CIFAR_SIZE": str(run.cifar_size), "DS_ACCELERATOR": "cpu",
-           "PYTHONPATH": os.pathsep.join([str(HERE / "cpu_env"), str(ROOT)])}
+           "PYTHONPATH": os.pathsep.join([str(HERE / "cpu_env"),
+                                          *(str(HERE / "cpu_env" / n) for n in run.standins),
+                                          str(ROOT)])}
     env.pop("CUDA_VISIBLE_DEVICES", None)
     launcher = (["-m", "deepspeed.launcher.runner"] if tool == "deepspeed"
                 else ["-m", "hybrid.deepspeed"])

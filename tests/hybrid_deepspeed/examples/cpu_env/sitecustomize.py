@@ -8,8 +8,10 @@ recorder of its losses. Nothing here changes a line of the script.
 * torch's generator starts from seed 0, as a fresh process's did before torch drew
   its first seed at random: a script that never seeds starts from the same weights in
   every run.
-* ``torchvision`` is the stand-in beside this file (a CUDA-linked torchvision wheel does
-  not load on a CPU torch, and the data set would be downloaded).
+* The stand-ins a run needs are in folders beside this file, each on PYTHONPATH only for
+  the runs that need it (:mod:`..runs`): ``vision/torchvision`` (a CUDA-linked
+  torchvision wheel does not load on a CPU torch, and CIFAR-10 would be downloaded),
+  ``text/datasets`` (wikitext would be downloaded).
 * Each process writes its output a line at a time (two ranks share the launcher's
   stdout).
 * The losses: when the script imports ``deepspeed`` (DeepSpeed's, or hybrid's through
