@@ -73,14 +73,18 @@ def _compare(name: str, got: dict, want: dict) -> None:
     assert got["printed"] == want["printed"]
 
 
-AT_ONCE = 4  # runs started together (the docstring below)
+AT_ONCE = 5  # runs started together (the docstring below)
+# The CIFAR script at ZeRO 1 and 2 runs in the peer step, against DeepSpeed run there too
+# (test_cifar_at_zero_1_and_2_against_deepspeed_itself): the suite keeps the extremes,
+# stage 0 (nothing sharded) and stage 3 (everything), within its 8 minutes.
+PEER_STEP = ("cifar_stage1", "cifar_stage2")
 
 
-def test_every_example_gives_deepspeed_s_losses(tmp_path):
-    """Every run of :data:`RUNS` under ``hybrid-deepspeed``, four at a time (a run is
-    mostly its processes starting: on 2 cores four overlap well), each against its
-    recording."""
-    names, failed = list(RUNS), []
+def _against_recordings(names: list[str], tmp_path) -> list[str]:
+    """Each of ``names`` under ``hybrid-deepspeed``, ``AT_ONCE`` at a time (a run is mostly
+    its processes starting: on 2 cores they overlap well), against its recording; what
+    differs."""
+    failed = []
     for first in range(0, len(names), AT_ONCE):
         group = names[first:first + AT_ONCE]
         started = {n: start(n, "hybrid", tmp_path / n, port=free_port()) for n in group}
@@ -92,6 +96,23 @@ def test_every_example_gives_deepspeed_s_losses(tmp_path):
                 _compare(name, got, want)
             except AssertionError as e:
                 failed.append(f"{name}: {e}")
+    return failed
+
+
+def test_every_example_gives_deepspeed_s_losses(tmp_path):
+    failed = _against_recordings([n for n in RUNS if n not in PEER_STEP], tmp_path)
+    assert not failed, "\n".join(failed)
+
+
+@pytest.mark.peer("deepspeed")
+def test_cifar_at_zero_1_and_2_against_deepspeed_itself(tmp_path):
+    """The CIFAR script at stages 1 and 2: DeepSpeed run here gives its recording, and
+    hybrid-deepspeed gives it too."""
+    for name in PEER_STEP:
+        got = launch(name, "deepspeed", tmp_path / f"ds_{name}", port=free_port())
+        want = json.loads((RECORDED / f"{name}.json").read_text())
+        assert {int(k): v for k, v in want["ranks"].items()} == got["ranks"], name
+    failed = _against_recordings(list(PEER_STEP), tmp_path)
     assert not failed, "\n".join(failed)
 
 
