@@ -14,9 +14,13 @@ does for the dense MLP; the layer is written so that only the middle step change
 1. **Route.** The router's logits ``(T, E)`` (a bias-free linear layer) become gates.
    Megatron's default (and Mixtral's): the top k logits of each token, then a softmax
    over those k (the gates sum to 1). ``pre_softmax``: a softmax over all E, then its top
-   k (the gates sum to less than 1; Megatron's ``--moe-router-pre-softmax``). Top k is a
-   stable descending sort, so equal scores go to the lower expert index: the choice
-   never depends on the kernel's tie order, hence never on the layout.
+   k (the gates sum to less than 1; Megatron's ``--moe-router-pre-softmax``).
+   ``score="sigmoid"`` (DeepSeek-V3's): a sigmoid of each logit; the top k are chosen on
+   the scores plus an expert bias that no gradient trains (aux-loss-free balancing,
+   :meth:`Router.update_expert_bias`), and the gates are the chosen unbiased scores
+   scaled to sum to 1. Top k is a stable descending sort, so equal scores go to the
+   lower expert index: the choice never depends on the kernel's tie order, hence never
+   on the layout.
 2. **Compute.** The T x k (token, expert) assignments are sorted by expert, stably (a
    token's assignments keep the token order within an expert), and each expert runs its
    MLP on its rows in one matmul pair: a grouped GEMM written as a loop in expert order
@@ -32,7 +36,9 @@ sum over experts of (the fraction of the T x k assignments it got) times (its me
 router probability over the T tokens), with the probabilities of a softmax over all E
 logits whatever ``pre_softmax`` says. It is 1 when routing is uniform, at least 1
 otherwise up to rounding, and its gradient reaches the router through the mean
-probabilities only (the counts are integers).
+probabilities only (the counts are integers). :func:`router_z_loss` (ST-MoE's, Megatron's
+``--moe-z-loss-coeff``) keeps the logits small: the mean over tokens of the squared
+log-sum-exp of a token's logits.
 """
 
 from __future__ import annotations
@@ -48,38 +54,73 @@ from torch import nn
 class Routing:
     """What the router decided for a batch of T tokens, E experts, k per token.
 
-    ``experts``: ``(T, k)`` the chosen experts, largest gate first; ``gates``: ``(T, k)``
-    their weights; ``probs``: ``(T, E)`` a softmax over all E logits (the aux loss's);
-    ``tokens_per_expert``: ``(E,)`` assignments each expert got (int64)."""
+    ``experts``: ``(T, k)`` the chosen experts, largest score first; ``gates``: ``(T, k)``
+    their weights; ``logits``: ``(T, E)``, fp32 at least; ``probs``: ``(T, E)`` a softmax over all E
+    logits (the aux loss's); ``tokens_per_expert``: ``(E,)`` assignments each expert got
+    (int64)."""
 
     experts: torch.Tensor
     gates: torch.Tensor
+    logits: torch.Tensor
     probs: torch.Tensor
     tokens_per_expert: torch.Tensor
 
 
+SCORES = ("softmax", "sigmoid")
+
+
 class Router(nn.Module):
-    """hidden -> E logits, without bias; :meth:`forward` gives a :class:`Routing`."""
+    """hidden -> E logits, without bias; :meth:`forward` gives a :class:`Routing`.
+    ``score``: one of :data:`SCORES` ([Note: three steps]); with "sigmoid" the buffer
+    ``expert_bias`` (E,) moves the choice, never the gates."""
+
+    expert_bias: torch.Tensor  # (a buffer)
 
     def __init__(self, hidden: int, num_experts: int, top_k: int,
-                 pre_softmax: bool = False):
+                 pre_softmax: bool = False, score: str = "softmax"):
         super().__init__()
         if not 1 <= top_k <= num_experts:
             raise ValueError(f"top_k {top_k} must be in [1, num_experts {num_experts}]")
+        if score not in SCORES:
+            raise ValueError(f"score {score!r} must be one of {SCORES}")
+        if score == "sigmoid" and pre_softmax:
+            raise ValueError("pre_softmax is a softmax router's: not with score='sigmoid'")
         self.num_experts, self.top_k, self.pre_softmax = num_experts, top_k, pre_softmax
+        self.score = score
         self.weight = nn.Parameter(torch.empty(num_experts, hidden))
+        self.register_buffer("expert_bias", torch.zeros(num_experts), persistent=True)
 
     def forward(self, x: torch.Tensor) -> Routing:
         """``x``: ``(T, hidden)``."""
         logits = F.linear(x, self.weight)
-        probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
-        scores = probs if self.pre_softmax else logits
-        # a stable sort: equal scores keep the lower expert index first ([Note: three steps])
-        top, experts = torch.sort(scores, dim=-1, descending=True, stable=True)
-        top, experts = top[:, : self.top_k], experts[:, : self.top_k]
-        gates = top if self.pre_softmax else torch.softmax(top, dim=-1, dtype=torch.float32)
+        if logits.dtype in (torch.bfloat16, torch.float16):  # routing decided in fp32
+            logits = logits.float()
+        probs = torch.softmax(logits, dim=-1)
+        if self.score == "sigmoid":
+            scores = torch.sigmoid(logits)
+            # the bias only ranks; its sort key has no gradient ([Note: three steps])
+            _, experts = torch.sort(scores.detach() + self.expert_bias, dim=-1,
+                                    descending=True, stable=True)
+            experts = experts[:, : self.top_k]
+            top = scores.gather(1, experts)
+            gates = top / top.sum(dim=-1, keepdim=True)
+        else:
+            # a stable sort: equal scores keep the lower expert index first
+            top, experts = torch.sort(probs if self.pre_softmax else logits, dim=-1,
+                                      descending=True, stable=True)
+            top, experts = top[:, : self.top_k], experts[:, : self.top_k]
+            gates = top if self.pre_softmax else torch.softmax(top, dim=-1)
         counts = torch.bincount(experts.reshape(-1), minlength=self.num_experts)
-        return Routing(experts, gates.to(x.dtype), probs, counts)
+        return Routing(experts, gates.to(x.dtype), logits, probs, counts)
+
+    @torch.no_grad()
+    def update_expert_bias(self, tokens_per_expert: torch.Tensor, rate: float) -> None:
+        """Aux-loss-free balancing (arXiv 2408.15664, DeepSeek-V3): each expert's bias
+        moves by ``rate`` toward the mean load, up when it got fewer assignments than
+        the mean, down when more (the sign of the difference), after an optimizer step
+        with the step's summed counts."""
+        load = tokens_per_expert.to(self.expert_bias.dtype)
+        self.expert_bias += rate * torch.sign(load.mean() - load)
 
 
 class MoE(nn.Module):
@@ -89,12 +130,12 @@ class MoE(nn.Module):
     an expert-parallel rank's experts are one slice of each."""
 
     def __init__(self, hidden: int, ffn: int, num_experts: int, top_k: int, *,
-                 swiglu: bool = False, pre_softmax: bool = False,
+                 swiglu: bool = False, pre_softmax: bool = False, score: str = "softmax",
                  init_method_std: float = 0.02):
         super().__init__()
         parts = 2 if swiglu else 1
         self.swiglu, self.num_experts = swiglu, num_experts
-        self.router = Router(hidden, num_experts, top_k, pre_softmax)
+        self.router = Router(hidden, num_experts, top_k, pre_softmax, score)
         self.fc = nn.Parameter(torch.empty(num_experts, parts * ffn, hidden))
         self.proj = nn.Parameter(torch.empty(num_experts, hidden, ffn))
         for w in (self.router.weight, self.fc, self.proj):
@@ -144,3 +185,10 @@ def switch_aux_loss(routing: Routing) -> torch.Tensor:
     k = routing.experts.shape[1]
     fraction = counts.to(probs.dtype) / (t * k)
     return e * (fraction * probs.mean(dim=0)).sum()
+
+
+def router_z_loss(routing: Routing) -> torch.Tensor:
+    """ST-MoE's router z-loss of one batch ([Note: the load-balancing loss]): the mean over
+    tokens of logsumexp(logits)^2, a 0-dim fp32 tensor; times Megatron's
+    ``--moe-z-loss-coeff``."""
+    return torch.logsumexp(routing.logits, dim=-1).square().mean()

@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from models.moe import MoE, Router, switch_aux_loss
+from models.moe import MoE, Router, router_z_loss, switch_aux_loss
 
 
 def _reference(moe: MoE, x: torch.Tensor) -> torch.Tensor:
@@ -30,11 +30,13 @@ def _reference(moe: MoE, x: torch.Tensor) -> torch.Tensor:
     return torch.stack(outs).view(x.shape)
 
 
-@pytest.mark.parametrize("swiglu,pre_softmax", [(False, False), (True, False), (False, True)])
-def test_the_layer_is_its_token_by_token_reference(swiglu, pre_softmax):
+@pytest.mark.parametrize("swiglu,pre_softmax,score", [
+    (False, False, "softmax"), (True, False, "softmax"), (False, True, "softmax"),
+    (False, False, "sigmoid")])
+def test_the_layer_is_its_token_by_token_reference(swiglu, pre_softmax, score):
     torch.manual_seed(0)
     moe = MoE(16, 24, num_experts=6, top_k=2, swiglu=swiglu, pre_softmax=pre_softmax,
-              init_method_std=0.2).double()
+              score=score, init_method_std=0.2).double()
     x = torch.randn(3, 5, 16, dtype=torch.float64, requires_grad=True)
     y, routing = moe(x)
     want = _reference(moe, x)
@@ -100,3 +102,38 @@ def test_the_load_balancing_loss_is_one_when_uniform_and_more_when_not():
 def test_top_k_outside_the_experts_is_refused():
     with pytest.raises(ValueError, match=r"top_k 5 must be in \[1, num_experts 4\]"):
         Router(8, num_experts=4, top_k=5)
+
+
+def test_a_sigmoid_router_s_bias_moves_the_choice_not_the_gates():
+    """DeepSeek-V3's routing: the expert bias ranks, the unbiased scores weigh (summing to
+    1 over the chosen), and the bias moves toward the mean load."""
+    torch.manual_seed(3)
+    router = Router(8, num_experts=4, top_k=2, score="sigmoid")
+    torch.nn.init.normal_(router.weight)
+    x = torch.randn(6, 8)
+    plain = router(x)
+    torch.testing.assert_close(plain.gates.sum(-1), torch.ones(6))
+    router.expert_bias[3] = 100.0  # expert 3 now wins every token's first place
+    biased = router(x)
+    assert biased.experts[:, 0].tolist() == [3] * 6
+    scores = torch.sigmoid(F.linear(x, router.weight))
+    top = scores.gather(1, biased.experts)
+    torch.testing.assert_close(biased.gates, top / top.sum(-1, keepdim=True))
+    router.expert_bias.zero_()
+    router.update_expert_bias(torch.tensor([9, 1, 1, 1]), rate=0.5)  # mean 3
+    assert router.expert_bias.tolist() == [-0.5, 0.5, 0.5, 0.5]
+    assert "expert_bias" in router.state_dict() and not router.expert_bias.requires_grad
+
+
+def test_the_router_z_loss_is_the_mean_squared_log_sum_exp():
+    router = Router(4, num_experts=8, top_k=2)
+    torch.nn.init.zeros_(router.weight)  # every logit 0: logsumexp = log 8
+    z = router_z_loss(router(torch.randn(5, 4)))
+    assert float(z.detach()) == pytest.approx(torch.log(torch.tensor(8.0)).item() ** 2)
+
+
+def test_a_router_refuses_what_it_cannot_be():
+    with pytest.raises(ValueError, match="score 'relu' must be one of"):
+        Router(8, num_experts=4, top_k=1, score="relu")
+    with pytest.raises(ValueError, match="pre_softmax is a softmax router's"):
+        Router(8, num_experts=4, top_k=1, pre_softmax=True, score="sigmoid")
