@@ -43,7 +43,8 @@ log-sum-exp of a token's logits.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -64,6 +65,7 @@ class Routing:
     logits: torch.Tensor
     probs: torch.Tensor
     tokens_per_expert: torch.Tensor
+    kept: torch.Tensor | None = None  # (T, k) under a capacity: the assignments computed
 
 
 SCORES = ("softmax", "sigmoid")
@@ -123,18 +125,35 @@ class Router(nn.Module):
         self.expert_bias += rate * torch.sign(load.mean() - load)
 
 
+DROP_POLICIES = ("probs", "position")
+
+
 class MoE(nn.Module):
     """``num_experts`` MLPs (``hidden`` -> ``ffn`` -> ``hidden``, GELU; ``swiglu``: the
     gated SiLU pair) behind a :class:`Router`. The experts' weights are stacked, expert
     first (``fc``: ``(E, parts x ffn, hidden)``, ``proj``: ``(E, hidden, ffn)``), so that
-    an expert-parallel rank's experts are one slice of each."""
+    an expert-parallel rank's experts are one slice of each.
+
+    ``capacity_factor`` None: dropless (every assignment computed). Else each expert
+    takes at most ``ceil(T x k / E x capacity_factor)`` of a batch's T x k assignments
+    and the rest are dropped (they add nothing; the residual carries the token), kept
+    by ``drop_policy``: "probs", the largest gates, or "position", the earliest tokens;
+    equal gates keep the earlier assignment. Megatron's ``--moe-expert-capacity-factor``
+    and ``--moe-token-drop-policy``."""
 
     def __init__(self, hidden: int, ffn: int, num_experts: int, top_k: int, *,
                  swiglu: bool = False, pre_softmax: bool = False, score: str = "softmax",
+                 capacity_factor: float | None = None, drop_policy: str = "probs",
                  init_method_std: float = 0.02):
         super().__init__()
+        if capacity_factor is not None and not capacity_factor > 0:
+            raise ValueError(f"capacity_factor must be > 0 (None: dropless), got "
+                             f"{capacity_factor}")
+        if drop_policy not in DROP_POLICIES:
+            raise ValueError(f"drop_policy {drop_policy!r} must be one of {DROP_POLICIES}")
         parts = 2 if swiglu else 1
         self.swiglu, self.num_experts = swiglu, num_experts
+        self.capacity_factor, self.drop_policy = capacity_factor, drop_policy
         self.router = Router(hidden, num_experts, top_k, pre_softmax, score)
         self.fc = nn.Parameter(torch.empty(num_experts, parts * ffn, hidden))
         self.proj = nn.Parameter(torch.empty(num_experts, hidden, ffn))
@@ -142,29 +161,58 @@ class MoE(nn.Module):
             nn.init.normal_(w, std=init_method_std)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, Routing]:
-        """``x``: ``(..., hidden)`` -> (the same shape, the batch's :class:`Routing`)."""
+        """``x``: ``(..., hidden)`` -> (the same shape, the batch's :class:`Routing`, with
+        ``kept`` set under a capacity)."""
         shape = x.shape
         tokens = x.reshape(-1, shape[-1])
         routing = self.router(tokens)
         k = routing.experts.shape[1]
-        # 2. compute: the assignments sorted by expert (stably), each expert's rows at once
         flat = routing.experts.reshape(-1)
-        order = torch.sort(flat, stable=True).indices
+        gates = routing.gates
+        assignments = torch.arange(flat.numel(), device=flat.device)
+        if self.capacity_factor is not None:
+            kept = self._kept(routing)
+            routing = replace(routing, kept=kept)
+            assignments = assignments[kept.reshape(-1)]
+            gates = gates * kept
+        # 2. compute: the assignments sorted by expert (stably), each expert's rows at once
+        order = assignments[torch.sort(flat[assignments], stable=True).indices]
+        counts = torch.bincount(flat[order], minlength=self.num_experts)
         rows = tokens[order // k]
         out = torch.empty_like(rows)
         start = 0
-        for e, n in enumerate(routing.tokens_per_expert.tolist()):
+        for e, n in enumerate(counts.tolist()):
             if n:
                 out[start: start + n] = self._expert(e, rows[start: start + n])
             start += n
         # 3. combine: back to (T, k) in gate order, each times its gate, summed in that order
-        per_assignment = torch.empty_like(out)
+        per_assignment = tokens.new_zeros(flat.numel(), shape[-1])
         per_assignment[order] = out
         per_assignment = per_assignment.view(-1, k, shape[-1])
-        y = per_assignment[:, 0] * routing.gates[:, :1]
+        y = per_assignment[:, 0] * gates[:, :1]
         for j in range(1, k):
-            y = y + per_assignment[:, j] * routing.gates[:, j: j + 1]
+            y = y + per_assignment[:, j] * gates[:, j: j + 1]
         return y.view(shape), routing
+
+    def _kept(self, routing: Routing) -> torch.Tensor:
+        """``(T, k)`` bool: the assignments within their expert's capacity (class doc)."""
+        t, k = routing.experts.shape
+        assert self.capacity_factor is not None  # (called under a capacity)
+        capacity = math.ceil(t * k / self.num_experts * self.capacity_factor)
+        flat = routing.experts.reshape(-1)
+        if self.drop_policy == "probs":  # largest gate first, equal gates in order
+            priority = torch.sort(routing.gates.detach().reshape(-1), descending=True,
+                                  stable=True).indices
+        else:
+            priority = torch.arange(flat.numel(), device=flat.device)
+        # grouped by expert, each group in priority order: a place's rank in its group
+        grouped = priority[torch.sort(flat[priority], stable=True).indices]
+        counts = torch.bincount(flat, minlength=self.num_experts)
+        starts = torch.cumsum(counts, 0) - counts
+        rank = torch.arange(flat.numel(), device=flat.device) - starts[flat[grouped]]
+        kept = torch.zeros(flat.numel(), dtype=torch.bool, device=flat.device)
+        kept[grouped] = rank < capacity
+        return kept.view(t, k)
 
     def _expert(self, e: int, rows: torch.Tensor) -> torch.Tensor:
         h = rows @ self.fc[e].t()

@@ -137,3 +137,45 @@ def test_a_router_refuses_what_it_cannot_be():
         Router(8, num_experts=4, top_k=1, score="relu")
     with pytest.raises(ValueError, match="pre_softmax is a softmax router's"):
         Router(8, num_experts=4, top_k=1, pre_softmax=True, score="sigmoid")
+
+
+def _all_to_expert_0(moe: MoE) -> None:
+    with torch.no_grad():
+        moe.router.weight.zero_()
+        moe.router.weight[0] = 1.0
+
+
+@pytest.mark.parametrize("policy", ["position", "probs"])
+def test_a_capacity_drops_what_its_policy_drops_and_computes_the_rest(policy):
+    """Every token to expert 0 (top 1, gates from a softmax over all experts, so they
+    differ), 8 tokens, capacity ceil(8 x 1 / 2 x 1.0) = 4: "position" keeps tokens 0-3,
+    "probs" the 4 largest gates; a dropped token's output is 0, a kept one's is the
+    dropless layer's."""
+    torch.manual_seed(4)
+    dropless = MoE(6, 10, num_experts=2, top_k=1, pre_softmax=True, init_method_std=0.3)
+    _all_to_expert_0(dropless)
+    capped = MoE(6, 10, num_experts=2, top_k=1, pre_softmax=True, capacity_factor=1.0,
+                 drop_policy=policy)
+    capped.load_state_dict(dropless.state_dict())
+    x = torch.rand(8, 6) + 0.1
+    want, routing = dropless(x)
+    y, capped_routing = capped(x)
+    assert routing.tokens_per_expert.tolist() == [8, 0]
+    gates = routing.gates[:, 0]
+    largest = gates.detach().argsort(descending=True)[:4]
+    keep = (torch.arange(8) < 4 if policy == "position"
+            else torch.zeros(8, dtype=torch.bool).index_fill_(0, largest, True))
+    assert capped_routing.kept[:, 0].tolist() == keep.tolist()
+    torch.testing.assert_close(y[keep], want[keep])
+    assert torch.count_nonzero(y[~keep]) == 0
+
+
+def test_equal_gates_keep_the_earlier_assignment_and_capacities_are_checked():
+    moe = MoE(4, 8, num_experts=2, top_k=1, capacity_factor=0.5, drop_policy="probs")
+    _all_to_expert_0(moe)
+    _, routing = moe(torch.rand(8, 4))  # gates all 1 (softmax over one), capacity 2
+    assert routing.kept[:, 0].tolist() == [True, True] + [False] * 6
+    with pytest.raises(ValueError, match="capacity_factor must be > 0"):
+        MoE(4, 8, num_experts=2, top_k=1, capacity_factor=0.0)
+    with pytest.raises(ValueError, match="drop_policy 'random' must be one of"):
+        MoE(4, 8, num_experts=2, top_k=1, capacity_factor=1.0, drop_policy="random")
