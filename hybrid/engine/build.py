@@ -59,6 +59,17 @@ def _units(model: nn.Module) -> list[nn.Module] | None:
     return list(best) if best is not None else None
 
 
+def configure_kernels(environ: Mapping[str, str], cache_dir: str | None = None) -> None:
+    """The kernels' settings at an API entry point (:func:`initialize`, the Trainer):
+    ``environ``'s ``HYBRID_*`` when no entry point set them before, else those in force;
+    ``cache_dir``, when given, moves the cache (``TrainingArguments.kernel_cache_dir``)."""
+    cfg = (kernel_settings.current() if kernel_settings.configured()
+           else kernel_config_from_env(environ))
+    if cache_dir is not None:
+        cfg = replace(cfg, cache_dir=cache_dir)
+    kernel_settings.configure(cfg)
+
+
 @contextlib.contextmanager
 def _rng_kept(device: torch.device) -> Iterator[None]:
     """The global generators of the CPU and of ``device`` as they were (module note)."""
@@ -110,8 +121,7 @@ def initialize(model: nn.Module, config: str | os.PathLike | Mapping | None = No
     seed = typed(seed, INT, f"{caller}(seed=...)")
     if parallel_state is None:  # this door joins torchrun's job: it is the worker's entry
         end_with_launcher(os.environ)  # no rank outlives its launcher (train/orphans.py)
-    if not kernel_settings.configured():  # an entry point for the kernels too: HYBRID_*
-        kernel_settings.configure(kernel_config_from_env(os.environ))
+    configure_kernels(os.environ)  # an entry point for the kernels too: HYBRID_*, once
     ps = parallel_state or init_distributed(tensor_parallel_size)
     if ps.cp_size > 1:  # a user's model would have to take its CP positions and loss mean
         raise ConfigError(f"{caller}: the parallel_state has context parallelism "

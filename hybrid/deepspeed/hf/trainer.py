@@ -43,7 +43,6 @@ with TrainingArguments (:mod:`.auto`).
 
 from __future__ import annotations
 
-import dataclasses
 import os
 from typing import Any
 
@@ -54,13 +53,12 @@ from torch.utils.data import DataLoader
 from transformers.trainer_utils import has_length
 
 from hybrid import deepspeed
-from hybrid.config.kernels import kernel_config_from_env
 from hybrid.deepspeed.hf import auto
 from hybrid.deepspeed.hf.arguments import TrainingArguments
 from hybrid.deepspeed.hf.stepped import EngineStepsOptimizer, EngineStepsSchedule
 from hybrid.engine.api import Engine
+from hybrid.engine.build import configure_kernels
 from hybrid.errors import ConfigError
-from hybrid.kernels import settings as kernel_settings
 from hybrid.parallel.state import ParallelState
 
 
@@ -162,13 +160,8 @@ class Trainer(transformers.Trainer):
             # the one optimizers= gave, else the Trainer's, over the optimizer the engine steps
             schedule = self.lr_scheduler or (lambda built: self.create_scheduler(
                 num_training_steps=max_steps, optimizer=built))
-        # the kernels' settings: this script's entry point reads HYBRID_* (once), and the
-        # arguments' kernel_cache_dir moves the cache
-        kernels = (kernel_settings.current() if kernel_settings.configured()
-                   else kernel_config_from_env(os.environ))
-        if args.kernel_cache_dir is not None:
-            kernels = dataclasses.replace(kernels, cache_dir=args.kernel_cache_dir)
-        kernel_settings.configure(kernels)
+        # the Trainer is the script's entry point: HYBRID_* once, the cache it is told
+        configure_kernels(os.environ, args.kernel_cache_dir)
         engine, *_ = deepspeed.initialize(
             model=model, model_parameters=[p for p in model.parameters() if p.requires_grad],
             optimizer=optimizer, lr_scheduler=schedule, config=config,
