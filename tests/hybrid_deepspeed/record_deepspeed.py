@@ -12,6 +12,10 @@ ds_config, the DeepSpeed / torch / transformers versions, and each rank's per
 micro-batch losses, per step learning rates and extra numbers
 (:mod:`tests.hybrid_deepspeed.cases.common` says what each is).
 
+The nvme case (``unused_parameters_nvme``) needs DeepSpeed's async I/O op, which builds
+against libaio: ``apt-get install libaio-dev`` first (the op's JIT build then takes about
+4 minutes on 2 cores, once per ``TORCH_EXTENSIONS_DIR``).
+
 Deterministic: the same versions give the same files, byte for byte (seeded models
 and data, one intra-op thread, nothing timed or dated in the record). A case that
 raises under DeepSpeed stops the recording with that rank's traceback: the recorded

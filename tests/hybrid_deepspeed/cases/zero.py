@@ -5,6 +5,8 @@ model with parameters its loss does not reach (HelloDeepSpeed's never-called poo
 
 from __future__ import annotations
 
+import os
+
 import torch
 from torch import nn
 
@@ -150,11 +152,25 @@ _UNUSED_ZERO = {
     "unused_parameters_offload": {"stage": 2, "offload_optimizer": {"device": "cpu"}},
     "unused_parameters_offload_param": {"stage": 3, "offload_optimizer": {"device": "cpu"},
                                         "offload_param": {"device": "cpu"}},
+    # (the swap files under the case's own directory: the script sets nvme_path; buffers
+    # of 64 KiB, DeepSpeed's default 100M-element ones being 2 GB of host memory here)
+    "unused_parameters_nvme": {"stage": 3, "offload_optimizer": {"device": "nvme"},
+                               "offload_param": {"device": "nvme", "buffer_size": 16384}},
 }
+
+
+def _swap_files_in(config: dict, workdir: str) -> None:
+    """Each nvme tier of ``config`` swaps under ``workdir/nvme`` (a case's config is written
+    before its directory exists)."""
+    for tier in ("offload_optimizer", "offload_param"):
+        section = config["zero_optimization"].get(tier, {})
+        if section.get("device") == "nvme":
+            section["nvme_path"] = os.path.join(workdir, "nvme")
 
 
 def _unused_case(name: str, zero: dict):
     def script(deepspeed, config, workdir):
+        _swap_files_in(config, workdir)
         # (DeepSpeed's fp32 engine at stage 0 clips without keeping the norm: it reports None)
         return _unused_parameters(deepspeed, config, workdir, norms=zero["stage"] > 0)
     script.__name__ = name
