@@ -48,15 +48,47 @@ if TYPE_CHECKING:
 log = logging.getLogger("hybrid")
 
 
+_WHOLE = "_hybrid_gathered_whole"  # set by gather_whole on a module instance
+
+
+def gather_whole(module: nn.Module, on: bool = True) -> None:
+    """Mark ``module`` (off: unmark) to be gathered as one ZeRO stage-3 unit with everything
+    under it, in place of the blocks it holds (an MoE layer whose experts a router picks
+    per token, so no per-expert hook order is fixed). Read when the engine is built
+    (:func:`_units`); DeepSpeed's ``set_z3_leaf_modules`` comes here."""
+    if on:
+        setattr(module, _WHOLE, True)
+    elif hasattr(module, _WHOLE):
+        delattr(module, _WHOLE)
+
+
+def gathered_whole(module: nn.Module) -> bool:
+    """Whether :func:`gather_whole` marked ``module``."""
+    return getattr(module, _WHOLE, False)
+
+
 def _units(model: nn.Module) -> list[nn.Module] | None:
     """Stage 3's gather units: the longest ModuleList of same-type blocks (a
-    transformer's layers), found once; None lets the engine use the whole model."""
+    transformer's layers), found once, and the modules :func:`gather_whole` marked: a
+    marked module takes the place of the blocks inside it, and one inside a block
+    changes nothing (the block is gathered whole already). None lets the engine use the
+    whole model."""
     best = None
     for m in model.modules():
         if (isinstance(m, nn.ModuleList) and len(m) > 1 and len({type(b) for b in m}) == 1
                 and (best is None or len(m) > len(best))):
             best = m
-    return list(best) if best is not None else None
+    blocks = list(best) if best is not None else []
+    marked = [m for m in model.modules() if gathered_whole(m)]
+    if not marked:
+        return blocks or None
+    inside = {id(sub): m for m in marked for sub in m.modules() if sub is not m}
+    wholes = [m for m in marked if id(m) not in inside]  # the outermost marked ones
+    within = {id(sub) for b in blocks for sub in b.modules()}
+    units = [b for b in blocks if id(b) not in inside]
+    units += [m for m in wholes if id(m) not in within]
+    order = {id(m): i for i, m in enumerate(model.modules())}
+    return sorted(units, key=lambda m: order[id(m)]) or None
 
 
 def configure_kernels(environ: Mapping[str, str], cache_dir: str | None = None) -> None:

@@ -18,11 +18,15 @@ from torch import nn
 from hybrid import deepspeed
 from hybrid.deepspeed.pipe import LayerSpec, PipelineModule
 from hybrid.deepspeed.utils import (
+    get_z3_leaf_modules,
     log_dist,
     logger,
     safe_get_full_fp32_param,
     safe_get_full_grad,
     safe_get_full_optimizer_state,
+    set_z3_leaf_modules,
+    unset_z3_leaf_modules,
+    z3_leaf_module,
 )
 from hybrid.deepspeed.utils.zero_to_fp32 import (
     get_fp32_state_dict_from_zero_checkpoint,
@@ -417,3 +421,89 @@ def test_the_pipeline_line_is_deepspeeds(tmp_path):
            for who, lines in runs.items()}
     assert [s for s, _ in got["deepspeed"]] == ["2", "4"], runs
     assert got["hybrid"] == got["deepspeed"], runs
+
+
+# -- set_z3_leaf_modules ----------------------------------------------------------------------
+
+class _Experts(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w = nn.ModuleList(nn.Linear(8, 8) for _ in range(3))
+
+    def forward(self, x):
+        return sum(w(x) for w in self.w)
+
+
+class _Layer(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.attn, self.moe = nn.Linear(8, 8), _Experts()
+
+    def forward(self, x):
+        return self.moe(torch.tanh(self.attn(x)))
+
+
+class _Decoder(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList(_Layer() for _ in range(3))
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = x + layer(x)
+        return x
+
+
+class _LM(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inp, self.decoder, self.out = nn.Linear(4, 8), _Decoder(), nn.Linear(8, 2)
+
+    def forward(self, x):
+        return self.out(self.decoder(self.inp(x))).pow(2).mean()
+
+
+def _stage3_units(leaves) -> tuple[list[list[str]], list[float]]:
+    """The parameters (by name) of each unit stage 3 gathers around a module's run, and
+    four steps' losses, with ``leaves`` marked by set_z3_leaf_modules."""
+    torch.manual_seed(0)
+    model = _LM()
+    if leaves:
+        named = {c if isinstance(c, str) else c.__name__ for c in leaves}
+        assert set_z3_leaf_modules(model, leaves) == [m for m in model.modules()
+                                                      if type(m).__name__ in named]
+    engine = deepspeed.initialize(
+        model=model, model_parameters=model.parameters(), mpu=ParallelState.single(),
+        config={"train_batch_size": 2, **ADAM,
+                "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}})[0]
+    names = {id(p): n for n, p in model.named_parameters()}
+    units = [[names[id(p)] for p in u.params] for u in engine.zero.units
+             if u.name.startswith("module")]
+    losses = []
+    for i in range(4):
+        loss = engine(torch.randn(2, 4, generator=torch.Generator().manual_seed(i)))
+        engine.backward(loss)
+        engine.step()
+        losses.append(float(loss.detach()))
+    return units, losses
+
+
+def test_leaf_modules_set_what_stage_3_gathers_as_one_and_not_the_numbers():
+    """DeepSpeed's set_z3_leaf_modules: stage 3 gathers each transformer layer as one unit
+    already, so experts marked inside a layer change nothing; the decoder marked takes the
+    place of its layers (one unit of all of them); the losses are the same."""
+    layers, losses = _stage3_units([])
+    assert [len(u) for u in layers] == [8, 8, 8]
+    assert layers[0][:2] == ["decoder.layers.0.attn.weight", "decoder.layers.0.attn.bias"]
+    assert _stage3_units(["_Experts"]) == (layers, losses)
+    whole, same = _stage3_units([_Decoder])
+    assert whole == [sum(layers, [])] and same == losses
+    model = _LM()
+    with pytest.raises(ValueError, match=r"no module of the classes \['_Missing'\]"):
+        set_z3_leaf_modules(model, ["_Missing"])
+    assert set_z3_leaf_modules(model, ["_Missing"], raise_if_not_found=False) == []
+    set_z3_leaf_modules(model, [_Experts])
+    assert [z3_leaf_module(m) for m in model.decoder.layers[0].children()] == [False, True]
+    assert len(get_z3_leaf_modules(model)) == 3
+    unset_z3_leaf_modules(model, ["_Experts"])
+    assert get_z3_leaf_modules(model) == []

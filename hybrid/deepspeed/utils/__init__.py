@@ -16,12 +16,16 @@
   ``loss.backward()`` it is the window's sum, which ``step()`` divides by the
   micro-batch count); None for a frozen parameter.
 
+* ``set_z3_leaf_modules(model, classes)`` (and ``unset_``, ``get_``, ``z3_leaf_module``):
+  modules ZeRO stage 3 gathers as one unit (:mod:`.z3_leaf_module`).
+
 :mod:`.zero_to_fp32` reads a saved checkpoint into a full fp32 state dict. DeepSpeed's
 other helpers here (the ``safe_set_*`` writers, the groups, its timers) are refused by
 name, with what to use instead.
 
 * :mod:`.zero_to_fp32`  ``get_fp32_state_dict_from_zero_checkpoint``: a checkpoint
                         directory -> every parameter's full fp32 tensor
+* :mod:`.z3_leaf_module` the leaf modules stage 3 gathers whole
 """
 
 from __future__ import annotations
@@ -34,12 +38,21 @@ import torch.distributed as dist
 
 from hybrid.deepspeed.missing import refuse
 from hybrid.deepspeed.pipe_engine import RepeatingLoader
+from hybrid.deepspeed.utils.z3_leaf_module import (
+    get_z3_leaf_modules,
+    set_z3_leaf_module,
+    set_z3_leaf_modules,
+    unset_z3_leaf_modules,
+    z3_leaf_module,
+)
 from hybrid.engine.full_values import engine_of, full_value
 from hybrid.engine.progress import deepspeed_logger
 from hybrid.errors import ConfigError
 
-__all__ = ["RepeatingLoader", "log_dist", "logger", "safe_get_full_fp32_param",
-           "safe_get_full_grad", "safe_get_full_optimizer_state"]
+__all__ = ["RepeatingLoader", "get_z3_leaf_modules", "log_dist", "logger",
+           "safe_get_full_fp32_param", "safe_get_full_grad", "safe_get_full_optimizer_state",
+           "set_z3_leaf_module", "set_z3_leaf_modules", "unset_z3_leaf_modules",
+           "z3_leaf_module"]
 
 logger = deepspeed_logger()
 
@@ -95,5 +108,5 @@ _NOT_HERE = {
 
 def __getattr__(name: str) -> NoReturn:
     refuse("utils", name, _NOT_HERE.get(
-        name, "it holds RepeatingLoader, logger, log_dist, the safe_get_full_* readers and "
-              "zero_to_fp32"))
+        name, "it holds RepeatingLoader, logger, log_dist, the safe_get_full_* readers, "
+              "the z3 leaf-module markers and zero_to_fp32"))
