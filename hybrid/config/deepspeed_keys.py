@@ -225,8 +225,19 @@ _RULES: dict[str, object] = {
     "zero_optimization.offload_optimizer.pipeline_write": Hint("hybrid always pipelines the "
                                                                "tiles"),
     "zero_optimization.offload_optimizer.pipeline": Hint("hybrid always pipelines the tiles"),
-    "zero_optimization.offload_optimizer.ratio": Refuse(
-        "hybrid offloads the whole optimizer state", NUMBER, ok=(1.0,)),
+    # DeepSpeed's partial offload and SuperOffload (its .sh configs in DeepSpeedExamples'
+    # training/DeepSpeed-SuperOffload): schedules of the same arithmetic, so hybrid's own
+    # schedule gives the same numbers; the line says what differs
+    "zero_optimization.offload_optimizer.ratio": Hint(
+        "hybrid offloads the whole optimizer state and steps it on the host (more host "
+        "memory, less device memory than the ratio asks; the same numbers)", NUMBER,
+        same=(1.0,)),
+    "zero_optimization.offload_optimizer.super_offload": Hint(
+        "hybrid's host step starts once backward has ended and the global norm is known "
+        "(no speculative step to roll back); the same numbers"),
+    "zero_optimization.offload_optimizer.cpuadam_cores_perc": Hint(
+        "hybrid's host Adam runs on torch's intra-op threads (torch.set_num_threads, "
+        "OMP_NUM_THREADS at launch)", NUMBER),
     "zero_optimization.offload_param.buffer_count": Hint(
         "hybrid reads a unit's shard whole, two units ahead", INT),
     "zero_optimization.offload_param.buffer_size": Hint(

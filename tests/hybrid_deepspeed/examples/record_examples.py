@@ -30,6 +30,9 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     for name in a.runs.split(","):
         run = RUNS[name]
+        if run.against is not None:
+            print(f"{name}: held to {run.against}'s recording (DeepSpeed does not run it here)")
+            continue
         with tempfile.TemporaryDirectory(prefix=f"ds_example_{name}_") as tmp:
             import pathlib
             got = launch(name, "deepspeed", pathlib.Path(tmp), port=free_port())

@@ -55,10 +55,17 @@ class Run:
     # what the run's directory needs before the script starts (its files), made by the
     # harness so both runs read the same
     setup: Callable[[pathlib.Path], None] | None = None
-    # the stand-ins the script needs (cpu_env/<name>/ on PYTHONPATH): "vision" (torchvision)
-    # or "text" (datasets); only those, as transformers takes any importable torchvision
-    # for the real one
+    # the stand-ins the script needs (cpu_env/<name>/ on PYTHONPATH): "vision" (torchvision),
+    # "text" (datasets), "tracking" (wandb); only those, as transformers takes any
+    # importable torchvision for the real one
     standins: tuple[str, ...] = ("vision",)
+    # the run whose recording this one is held to, when DeepSpeed cannot run this one on a
+    # CPU (its SuperOffload asserts a CUDA device) and documents the same numbers as that
+    # one's; None: its own recording
+    against: str | None = None
+
+    def recording(self, name: str) -> pathlib.Path:
+        return RECORDED / f"{self.against or name}.json"
 
 
 def _cifar(stage: int) -> Run:
@@ -73,28 +80,92 @@ def _cifar(stage: int) -> Run:
 _BF16 = UPSTREAM / "bf16_master_weight"
 
 
-def _word_tokenizer(workdir: pathlib.Path) -> None:
-    """``workdir/tokenizer``: a word-level tokenizer over the datasets stand-in's words,
-    with RoBERTa's special tokens, saved as a Hugging Face tokenizer directory (what
-    HelloDeepSpeed's ``--tokenizer`` loads with ``AutoTokenizer``; its default,
-    roberta-base, is a download)."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    # the stand-in's words, read by path: importing it as ``datasets`` here would shadow
-    # the real package in this process
+def _words():
+    """The datasets stand-in's words module, loaded by its path: importing it as
+    ``datasets`` here would shadow the real package in this process."""
     spec = importlib.util.spec_from_file_location(
         "_example_words", HERE / "cpu_env" / "text" / "datasets" / "words.py")
     assert spec is not None and spec.loader is not None
     words = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(words)
-    special = ["<s>", "<pad>", "</s>", "<unk>", "<mask>"]
-    vocab = {w: i for i, w in enumerate([*special, *words.WORDS])}
-    core = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    return words
+
+
+def _save_word_tokenizer(folder: pathlib.Path, special: dict[str, str],
+                         extra: tuple[str, ...] = ()) -> int:
+    """A word-level tokenizer over the datasets stand-in's words (and ``extra``), with the
+    ``special`` tokens (role -> token, e.g. ``{"eos_token": "</s>"}``), saved in
+    ``folder`` as a Hugging Face tokenizer directory; returns its vocabulary size."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {w: i for i, w in enumerate(dict.fromkeys([*special.values(), *extra,
+                                                        *_words().WORDS]))}
+    core = Tokenizer(models.WordLevel(vocab, unk_token=special["unk_token"]))
     core.pre_tokenizer = pre_tokenizers.Whitespace()
-    PreTrainedTokenizerFast(tokenizer_object=core, bos_token="<s>", eos_token="</s>",
-                            pad_token="<pad>", unk_token="<unk>", mask_token="<mask>"
-                            ).save_pretrained(str(workdir / "tokenizer"))
+    PreTrainedTokenizerFast(tokenizer_object=core, **special).save_pretrained(str(folder))
+    return len(vocab)
+
+
+def _word_tokenizer(workdir: pathlib.Path) -> None:
+    """``workdir/tokenizer``: the word-level tokenizer with RoBERTa's special tokens (what
+    HelloDeepSpeed's ``--tokenizer`` loads with ``AutoTokenizer``; its default,
+    roberta-base, is a download)."""
+    _save_word_tokenizer(workdir / "tokenizer", {
+        "bos_token": "<s>", "pad_token": "<pad>", "eos_token": "</s>", "unk_token": "<unk>",
+        "mask_token": "<mask>"})
+
+
+def _tiny_llama(workdir: pathlib.Path) -> None:
+    """``workdir/model``: a Llama of 2 layers, hidden 64, seeded, saved in fp32 with the
+    word-level tokenizer beside it (Llama's special tokens, no pad token, and the words
+    of the Alpaca template): what SuperOffload's ``--model_name`` loads with
+    ``from_pretrained`` (its scripts name 8B-70B models, downloads)."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    folder = workdir / "model"
+    vocab = _save_word_tokenizer(folder, {"bos_token": "<s>", "eos_token": "</s>",
+                                          "unk_token": "<unk>"},
+                                 extra=("###", "Instruction", "Input", "Response", ":"))
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=vocab, hidden_size=64, intermediate_size=128,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                         max_position_embeddings=64, bos_token_id=0, eos_token_id=1)
+    LlamaForCausalLM(config).save_pretrained(str(folder))
+
+
+def _superoffload_config(mode: str, batch_size: int) -> dict:
+    """The ds_config SuperOffload's ``finetune_llama-8b_1gpu.sh`` writes for ``mode``
+    ("superoffload" or "zerooffload") and ``batch_size``, read from the script's own
+    here-document."""
+    script = (UPSTREAM / "DeepSpeed-SuperOffload" / "finetune_llama-8b_1gpu.sh").read_text()
+    body = re.search(rf'"\$MODE" = "{mode}" \]; then\ncat > "\$DS_CONFIG_JSON" << EOF\n'
+                     r"(.*?)\nEOF", script, re.S)
+    assert body is not None, f"no {mode} config in finetune_llama-8b_1gpu.sh"
+    return json.loads(body.group(1).replace("$BATCH_SIZE", str(batch_size)))
+
+
+def _superoffload(mode: str, against: str | None = None) -> Run:
+    # the script's own flags as its .sh passes them (activation checkpointing on, lr 1e-5
+    # though the script's optimizer takes its own 1e-3), shrunk: 32 tokens, 6 steps; the
+    # attention "eager" (flash-attention is a CUDA package); a step of 4 samples (its .sh's
+    # BATCH_SIZE default), 2 a rank
+    return Run("DeepSpeed-SuperOffload/finetune_zero3.py",
+               ("--deepspeed_config=ds_config.json", "--model_name", "model",
+                "--num_train_epochs", "1", "--lr", "1e-5", "--batch_size", "4",
+                "--weight_decay", "0.01", "--output_dir", "out", "--seed", "42",
+                "--max_length", "32", "--log_interval", "1",
+                "--dataset_name", "tatsu-lab/alpaca", "--dataset_percentage", "25.0",
+                "--bench_steps", "6", "--warmup_steps", "2", "--activation_checkpointing",
+                "--attn_implementation", "eager"),
+               # (rank 0's own handler's lines; the loss in them, 4 decimals of a bf16 run's
+               # loss, is held by the recorded losses, within one bf16 ulp)
+               compare="backward", printed=r"finetune_zero3 - INFO - Step +\d+ \| Loss: ",
+               bf16=True,
+               ds_config=_superoffload_config(mode, 4), setup=_tiny_llama,
+               standins=("text", "tracking"), against=against)
+
 
 RUNS: dict[str, Run] = {
     **{f"cifar_stage{s}": _cifar(s) for s in (0, 1, 2, 3)},
@@ -124,6 +195,14 @@ RUNS: dict[str, Run] = {
                          "--backend", "gloo"),
                         compare="train_batch", printed=r"^steps: \d+ loss: [\d.]+",
                         cifar_size=64, ds_config=PIPELINE_CONFIG),
+    # SuperOffload's fine-tuning script (an HF Llama, DeepSpeedCPUAdam as its optimizer,
+    # bf16, ZeRO 3 with the optimizer on the host) with its .sh's "zerooffload" config
+    "superoffload_zerooffload": _superoffload("zerooffload"),
+    # its "superoffload" config (ratio 0.8, super_offload, cpuadam_cores_perc): schedules of
+    # the same step, which DeepSpeed runs only on CUDA ("SuperOffload only supports NVIDIA
+    # CUDA GPUs"): held to the zerooffload recording
+    "superoffload_superoffload": _superoffload("superoffload",
+                                               against="superoffload_zerooffload"),
 }
 
 

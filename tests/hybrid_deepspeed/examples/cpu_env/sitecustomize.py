@@ -11,7 +11,8 @@ recorder of its losses. Nothing here changes a line of the script.
 * The stand-ins a run needs are in folders beside this file, each on PYTHONPATH only for
   the runs that need it (:mod:`..runs`): ``vision/torchvision`` (a CUDA-linked
   torchvision wheel does not load on a CPU torch, and CIFAR-10 would be downloaded),
-  ``text/datasets`` (wikitext would be downloaded).
+  ``text/datasets`` (wikitext and Alpaca would be downloaded), ``tracking/wandb`` (imported
+  by SuperOffload's script whether or not it logs there).
 * Each process writes its output a line at a time (two ranks share the launcher's
   stdout).
 * The losses: when the script imports ``deepspeed`` (DeepSpeed's, or hybrid's through

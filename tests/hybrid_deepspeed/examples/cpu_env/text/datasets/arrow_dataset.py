@@ -1,5 +1,5 @@
-"""``Dataset``: a list of records with the ``filter``, ``map``, ``len`` and indexing the
-HelloDeepSpeed script calls."""
+"""``Dataset``: a list of records with the ``filter``, ``map``, ``select``, ``len`` and
+indexing the examples call."""
 
 
 class Dataset:
@@ -9,8 +9,13 @@ class Dataset:
     def filter(self, keep):
         return Dataset(r for r in self._records if keep(r))
 
-    def map(self, fn):
+    def map(self, fn, batched=False, desc=None):
+        if batched:
+            raise NotImplementedError("the stand-in maps one record at a time")
         return Dataset({**r, **fn(r)} for r in self._records)
+
+    def select(self, indices):
+        return Dataset(self._records[i] for i in indices)
 
     def __len__(self):
         return len(self._records)
