@@ -10,7 +10,7 @@ What is here runs on :func:`hybrid.initialize`'s engine (one engine, not a
 second implementation): :func:`initialize` with DeepSpeed's signature,
 :func:`add_config_arguments`, :func:`init_distributed`, and the submodules
 ``zero`` (``Init``, ``GatheredParameters``), ``comm``, ``accelerator``
-(``get_accelerator``), ``checkpointing`` and ``pipe`` (``PipelineModule``,
+(``get_accelerator``, also at the top as DeepSpeed has it), ``checkpointing`` and ``pipe`` (``PipelineModule``,
 ``LayerSpec``, ``TiedLayerSpec``: a model as a list of layers on hybrid's pipeline, its
 engine's ``train_batch``), ``utils`` (``RepeatingLoader``, ``logger``, ``log_dist``, the
 ``safe_get_full_*`` readers, ``zero_to_fp32``), ``runtime`` (``utils``, ``lr_schedules``)
@@ -66,6 +66,7 @@ from hybrid.deepspeed import (
     utils,
     zero,
 )
+from hybrid.deepspeed.accelerator import get_accelerator
 from hybrid.deepspeed.comm import init_distributed
 from hybrid.deepspeed.door import add_config_arguments, initialize
 from hybrid.deepspeed.missing import refuse
@@ -74,7 +75,8 @@ from hybrid.deepspeed.pipe_engine import PipelineEngine
 from hybrid.engine.api import Engine as DeepSpeedEngine
 
 __all__ = ["DeepSpeedEngine", "PipelineEngine", "PipelineModule", "accelerator",
-           "add_config_arguments", "checkpointing", "comm", "init_distributed", "initialize",
+           "add_config_arguments", "checkpointing", "comm", "get_accelerator",
+           "init_distributed", "initialize",
            "moe", "ops", "pipe", "runtime", "utils", "zero"]
 
 # DeepSpeed names a script may reach for that hybrid does not have: name -> what instead
@@ -89,6 +91,7 @@ _NOT_HERE = {
                  "per rank, --log-throughput)",
     "DeepSpeedTransformerLayer": "build the layer from torch or transformers modules",
     "DeepSpeedConfig": "pass the ds_config (a path or a dict) to initialize(config=...)",
+    "replace_transformer_layer": "hybrid injects no kernels into a model",
     "add_tuning_arguments": "hybrid has no autotuner",
     "module_inject": "hybrid injects no kernels into a model",
 }

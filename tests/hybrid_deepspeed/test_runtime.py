@@ -265,6 +265,7 @@ REFUSED = [  # (module under deepspeed, name, words of the advice)
     ("", "monitor", "torch.utils.tensorboard"),
     ("", "profiling", "FlopCounterMode"),
     ("", "init_inference", "scripts/generate.py"),
+    ("", "replace_transformer_layer", "hybrid injects no kernels"),
 ]
 
 
@@ -325,8 +326,13 @@ def test_the_served_deepspeed_imports_are_hybrids(aliased):
          "from deepspeed.utils import logger, log_dist, safe_get_full_fp32_param\n"
          "from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint\n"
          "from deepspeed.runtime.activation_checkpointing import checkpointing as ac\n"
+         "from deepspeed.utils import set_z3_leaf_modules\n"
+         "from deepspeed import get_accelerator, comm as dist\n"
          "import deepspeed.runtime.activation_checkpointing.checkpointing as ac2\n"
          "import deepspeed\n", scope)
     assert scope["ac"] is scope["ac2"] is scope["deepspeed"].checkpointing  # one module
     assert scope["WarmupLR"] is lr_schedules.WarmupLR and scope["FusedAdam"] is FusedAdam
     assert scope["logger"] is deepspeed.utils.logger
+    assert scope["get_accelerator"] is deepspeed.accelerator.get_accelerator
+    assert scope["dist"] is deepspeed.comm
+    assert scope["set_z3_leaf_modules"] is deepspeed.utils.set_z3_leaf_modules
