@@ -6,19 +6,19 @@
     engine, optimizer, loader, sched = deepspeed.initialize(args=args, model=net,
                                                             model_parameters=net.parameters())
 
-What is here runs on :func:`hybrid.initialize`'s engine (one engine, not a
-second implementation): :func:`initialize` with DeepSpeed's signature,
-:func:`add_config_arguments`, :func:`init_distributed`, and the submodules
-``zero`` (``Init``, ``GatheredParameters``), ``comm``, ``accelerator``
-(``get_accelerator``, also at the top as DeepSpeed has it), ``checkpointing`` and ``pipe`` (``PipelineModule``,
+What is here runs on :func:`hybrid.initialize`'s engine (one engine, not a second
+implementation): :func:`initialize` with DeepSpeed's signature,
+:func:`add_config_arguments`, :func:`init_distributed`, and the submodules ``zero``
+(``Init``, ``GatheredParameters``), ``comm``, ``accelerator`` (``get_accelerator``, also
+at the top as DeepSpeed has it), ``checkpointing`` and ``pipe`` (``PipelineModule``,
 ``LayerSpec``, ``TiedLayerSpec``: a model as a list of layers on hybrid's pipeline, its
 engine's ``train_batch``), ``utils`` (``RepeatingLoader``, ``logger``, ``log_dist``, the
-``safe_get_full_*`` readers, ``zero_to_fp32``), ``runtime`` (``utils``, ``lr_schedules``)
-and ``ops.adam`` (``FusedAdam``, ``DeepSpeedCPUAdam``). docs/deepspeed.md has the table:
-each name "same", "mapped" (what it becomes) or "refused" (what to use instead).
-A DeepSpeed name that is not here is an AttributeError that says so, and what
-hybrid cannot honour (a client optimizer with the optimizer on NVMe, ...) is
-one ConfigError naming the call and what to use instead.
+``safe_get_full_*`` readers, ``zero_to_fp32``), ``runtime`` (``utils``,
+``lr_schedules``) and ``ops.adam`` (``FusedAdam``, ``DeepSpeedCPUAdam``).
+docs/deepspeed.md has the table: each name "same", "mapped" (what it becomes) or
+"refused" (what to use instead). A DeepSpeed name that is not here is an AttributeError
+that says so, and what hybrid cannot honour (a client optimizer with the optimizer on
+NVMe, ...) is one ConfigError naming the call and what to use instead.
 
 * :mod:`.door`          ``deepspeed.initialize`` and ``deepspeed.add_config_arguments`` over
                         hybrid's engine
