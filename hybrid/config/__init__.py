@@ -16,6 +16,7 @@
 * :mod:`.checks`             every check that can reject a command line, and its message
 * :mod:`.kinds`              the type a ds_config value or API argument must have, and its check
 * :mod:`.architecture`       the Llama-family flags (normalization, SwiGLU, RoPE, GQA, biases)
+* :mod:`.moe`                the mixture-of-experts flags as ``ModelConfig.moe``, and their checks
 * :mod:`.model`              the model section: the GPT's shape, padded vocabulary, parameter count
 * :mod:`.kernels`            the kernel flags and their ``HYBRID_*`` defaults
 * :mod:`.sections`           the frozen section each component takes, and the closed sets

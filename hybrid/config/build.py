@@ -28,6 +28,7 @@ from hybrid.config.deepspeed import apply_ds_config, load_ds_config
 from hybrid.config.flags import ROUTES, Flags, flag_name
 from hybrid.config.kernels import kernel_config_from_env, parse_kernel_choice
 from hybrid.config.model import ModelConfig
+from hybrid.config.moe import validate_moe
 from hybrid.config.sections import (
     AdamWConfig,
     CheckpointConfig,
@@ -180,6 +181,7 @@ def _run_checks(f: Flags, world_size: int, plan_only: bool) -> int:
     checks.check_parallel(f)
     checks.check_model(f)
     validate_architecture(f)  # the Llama-family flags; fills the SwiGLU width
+    validate_moe(f)  # the MoE flags that read each other (and the layouts MoE runs at)
     checks.check_batch(f, dp)
     checks.check_pipeline(f, dp)  # (after the batch: interleaving needs its micro-batches)
     checks.check_schedule(f)

@@ -78,6 +78,27 @@ class Flags:
     disable_bias_linear: bool = declared("disable_bias_linear")
     add_qkv_bias: bool = declared("add_qkv_bias")
 
+    # -- mixture of experts: MoEConfig
+    num_experts: int | None = declared("num_experts")
+    moe_router_topk: int = declared("moe_router_topk")
+    moe_ffn_hidden_size: int | None = declared("moe_ffn_hidden_size")
+    moe_layer_freq: str = declared("moe_layer_freq")
+    moe_shared_expert_intermediate_size: int | None = declared(
+        "moe_shared_expert_intermediate_size")
+    moe_router_score_function: str = declared("moe_router_score_function")
+    moe_router_pre_softmax: bool = declared("moe_router_pre_softmax")
+    moe_router_topk_scaling_factor: float | None = declared("moe_router_topk_scaling_factor")
+    moe_router_enable_expert_bias: bool = declared("moe_router_enable_expert_bias")
+    moe_router_bias_update_rate: float = declared("moe_router_bias_update_rate")
+    moe_router_load_balancing_type: str = declared("moe_router_load_balancing_type")
+    moe_aux_loss_coeff: float = declared("moe_aux_loss_coeff")
+    moe_z_loss_coeff: float | None = declared("moe_z_loss_coeff")
+    moe_expert_capacity_factor: float | None = declared("moe_expert_capacity_factor")
+    moe_token_drop_policy: str = declared("moe_token_drop_policy")
+    moe_pad_expert_input_to_capacity: bool = declared("moe_pad_expert_input_to_capacity")
+    moe_grouped_gemm: bool = declared("moe_grouped_gemm")
+    moe_token_dispatcher_type: str = declared("moe_token_dispatcher_type")
+
     # -- batch, length and evaluation: LoopConfig
     micro_batch_size: int = declared("micro_batch_size")
     global_batch_size: int | None = declared("global_batch_size")

@@ -24,6 +24,7 @@ from typing import Any
 
 from hybrid.config.architecture import ArchitectureFlags
 from hybrid.config.model import ModelConfig
+from hybrid.config.moe import MoEConfig
 from hybrid.config.options import declares, flag_of
 from hybrid.config.sections import (
     AdamWConfig,
@@ -66,6 +67,7 @@ SOURCES: tuple[Source, ...] = (
     Source("pipeline parallelism", SplitFlags),
     Source("model", ModelConfig, "model"),
     Source("model", ArchitectureFlags),
+    Source("mixture of experts", MoEConfig),
     Source("batch, length and evaluation", LoopConfig, "loop"),
     Source("learning rate", LRScheduleConfig, "lr_schedule"),
     Source("learning rate", LRLengthFlags),

@@ -109,7 +109,8 @@ def parse_args(argv: list[str] | None = None) -> Flags:
     implementation are dropped, and :attr:`Flags.ignored_megatron_flags` lists them.
     """
     from hybrid.config.megatron_flags import split_megatron_flags
-    ours, ignored = split_megatron_flags(list(sys.argv[1:] if argv is None else argv))
+    known = {flag_name(f.name) for f in dataclasses.fields(Flags)}
+    ours, ignored = split_megatron_flags(list(sys.argv[1:] if argv is None else argv), known)
     parser = build_parser(cls=_RaisingParser)
     ns, unknown = parser.parse_known_args(ours)
     if unknown:

@@ -7,16 +7,19 @@ never argparse's generic "unrecognized arguments". Three kinds:
 * **no effect**: flags that pick one of Megatron's implementations of the same
   math (fusions, mcore vs legacy, Transformer Engine) or tune its logging and
   data-loader internals. They are dropped; the run logs them once.
-* **only one value**: parallel sizes hybrid implements only as 1 (expert).
-  The value 1 is accepted; anything else is refused.
-* **refused**: features hybrid does not have (MoE, FP8, FSDP variants, ...),
-  each with what to use instead.
+* **only one value**: parallel sizes hybrid implements only as 1 (expert
+  parallelism, until it lands). The value 1 is accepted; anything else is refused.
+* **refused**: features hybrid does not have (FP8, FSDP variants, some MoE
+  options, ...), each with what to use instead. A prefix (``--moe-``) refuses the
+  flags under it that hybrid does not take as its own.
 
 Flags hybrid implements are fields of :class:`hybrid.config.flags.Flags`; anything
 in none of these tables is reported by the parser as an unknown flag.
 """
 
 from __future__ import annotations
+
+from collections.abc import Collection
 
 from hybrid.errors import ConfigError
 
@@ -49,20 +52,35 @@ NO_EFFECT: dict[str, int] = {
     # (hybrid's recompute needs neither: the boundaries are ordered on the stream)
     "--synchronize-each-layer": 0, "--profile-backward": 0,
     "--local_rank": 1,  # the deepspeed launcher's spelling
+    # MoE: fusions and overlaps of Megatron's kernels, its logging switch (hybrid logs every
+    # MoE layer's numbers every log line)
+    "--moe-permute-fusion": 0, "--moe-router-fusion": 0, "--moe-shared-expert-overlap": 0,
+    "--moe-per-layer-logging": 0, "--moe-use-legacy-grouped-gemm": 0,
 }
 
 # Megatron's "optimizer" is accepted only as the one hybrid runs.
 _ONLY_VALUE: dict[str, tuple[str, str]] = {
     "--optimizer": ("adam", "hybrid trains with AdamW (decoupled weight decay, as Megatron's "
                             "adam); drop --optimizer or pass adam"),
-    "--expert-model-parallel-size": ("1", "hybrid has no mixture of experts"),
-    "--expert-tensor-parallel-size": ("1", "hybrid has no mixture of experts"),
+    "--expert-model-parallel-size": ("1", "expert parallelism is not built yet: every rank "
+                                          "holds every expert"),
+    "--expert-tensor-parallel-size": ("1", "expert tensor parallelism is not built yet"),
+    "--moe-router-dtype": ("fp32", "hybrid decides routing in fp32"),
 }
 
-_MOE = "hybrid has no mixture-of-experts layers: train a dense model"
+_MOE = "hybrid's MoE layers do not have this option (docs/moe.md lists what they take)"
 _FP8 = "hybrid has no FP8 training: use --bf16"
 REFUSED: dict[str, str] = {
-    "--num-experts": _MOE, "--moe-": _MOE, "--fp8-format": _FP8, "--fp8-": _FP8,
+    "--moe-": _MOE, "--fp8-format": _FP8, "--fp8-": _FP8,
+    "--moe-router-num-groups": "group-limited routing is not built yet: route over all "
+                               "experts",
+    "--moe-router-group-topk": "group-limited routing is not built yet: route over all experts",
+    "--moe-use-upcycling": "hybrid does not turn a dense checkpoint into an MoE one",
+    "--moe-input-jitter-eps": "hybrid's router takes its input as it is",
+    "--moe-layer-recompute": "recompute whole blocks: --recompute-granularity full",
+    "--moe-extended-tp": "use --expert-tensor-parallel-size when it lands",
+    "--moe-enable-deepep": "hybrid has no DeepEP dispatcher: --moe-token-dispatcher-type "
+                           "alltoall",
     "--fp4-": _FP8,
     "--overlap-p2p-communication": "hybrid's pipeline schedules decide when their P2P "
                                    "transfers run: drop it",
@@ -103,17 +121,21 @@ REFUSED: dict[str, str] = {
 }
 
 
-def _refusal(name: str) -> str | None:
+def _refusal(name: str, known: Collection[str]) -> str | None:
     if name in REFUSED:
         return REFUSED[name]
+    if name in known or name in _ONLY_VALUE or name in NO_EFFECT:
+        return None  # (a prefix refuses only what no table here or Flags takes)
     for prefix, why in REFUSED.items():
         if prefix.endswith("-") and name.startswith(prefix):
             return why
     return None
 
 
-def split_megatron_flags(argv: list[str]) -> tuple[list[str], list[str]]:
-    """(the arguments hybrid parses, the no-effect flags dropped from them).
+def split_megatron_flags(argv: list[str], known: Collection[str] = ()
+                         ) -> tuple[list[str], list[str]]:
+    """(the arguments hybrid parses, the no-effect flags dropped from them); ``known``:
+    hybrid's own flags (``--moe-aux-loss-coeff``), which a refused prefix leaves alone.
 
     Raises ConfigError for a refused flag, or a one-value flag given another value.
     """
@@ -125,7 +147,7 @@ def split_megatron_flags(argv: list[str]) -> tuple[list[str], list[str]]:
             ours.append(arg)
             i += 1
             continue
-        why = _refusal(name)
+        why = _refusal(name, known)
         if why is not None:
             raise ConfigError(f"{name} is a Megatron-LM flag hybrid does not implement: {why}")
         if name in _ONLY_VALUE:

@@ -31,6 +31,7 @@ import math
 from dataclasses import dataclass, fields, replace
 
 from hybrid.config.architecture import architecture_fields, swiglu_ffn_hidden_size
+from hybrid.config.moe import MoEConfig
 from hybrid.config.options import flag_of, opt
 
 
@@ -77,6 +78,7 @@ class ModelConfig:
     compile: bool = opt(
         False, "torch.compile each transformer block's forward (same results to rounding; its "
         "speed was not measured)")
+    moe: MoEConfig | None = None  # the MoE layers (hybrid.config.moe); None: dense
 
     def __post_init__(self):
         if self.ffn_hidden_size is None:  # frozen: the one write, before anyone reads it
@@ -101,7 +103,8 @@ class ModelConfig:
         # checked flags always carry it; a saved dict without it: positions = sequence
         positions = get("max_position_embeddings", plain["seq_length"])
         return cls(ffn_hidden_size=get("ffn_hidden_size", None),  # None: filled per swiglu
-                   max_position_embeddings=positions, **plain, **architecture_fields(f))
+                   max_position_embeddings=positions, **plain, **architecture_fields(f),
+                   moe=MoEConfig.from_flags(f))
 
     def with_vocab_size(self, vocab_size: int) -> ModelConfig:
         """This model with the tokenizer's vocabulary of ``vocab_size`` ids."""
@@ -162,12 +165,40 @@ class ModelConfig:
     # dimension is a multiple of tp (whole heads, whole query groups, the padded
     # vocabulary), so the division is exact and the per-block and whole-model counts agree.
 
-    def _block_counts(self) -> tuple[int, int]:
-        """(split over TP, replicated) parameters of one transformer block."""
-        C, F = self.hidden_size, self.ffn_size
+    def is_moe_layer(self, i: int) -> bool:
+        """Whether layer ``i`` (global index) is an MoE layer ([Note: which layers are MoE]
+        in :mod:`hybrid.config.moe`)."""
+        return self.moe is not None and self.moe.layers(self.num_layers)[i]
+
+    @property
+    def expert_ffn_size(self) -> int:
+        """Each expert's MLP width: ``--moe-ffn-hidden-size``, else ``ffn_hidden_size``."""
+        assert self.moe is not None
+        return self.moe.moe_ffn_hidden_size or self.ffn_size
+
+    def _mlp_counts(self, moe: bool) -> tuple[int, int, float]:
+        """(split over TP, replicated, forward matmul FLOPs per token) of one block's MLP:
+        the dense MLP, or an MoE layer's router, experts (no biases) and shared expert,
+        its FLOPs those of the top-k experts a token goes to."""
+        C, parts = self.hidden_size, 2 if self.swiglu else 1
+        if not moe:
+            F, bias = self.ffn_size, int(self.add_bias_linear)
+            return (self.mlp_up_size * (C + bias) + F * C, bias * C,
+                    2 * (self.mlp_up_size * C + F * C))
+        assert self.moe is not None
+        E, k, Fe = self.moe.num_experts or 0, self.moe.moe_router_topk, self.expert_ffn_size
+        expert = (parts + 1) * Fe * C
+        shared = (parts + 1) * (self.moe.moe_shared_expert_intermediate_size or 0) * C
+        return E * expert + E * C + shared, 0, 2 * (k * expert + E * C + shared)
+
+    def _block_counts(self, moe: bool = False) -> tuple[int, int]:
+        """(split over TP, replicated) parameters of one transformer block (an MoE one:
+        ``moe``; its experts counted whole, as at TP 1)."""
+        C = self.hidden_size
         bias, qkv_bias = int(self.add_bias_linear), int(self.qkv_bias)
-        split = self.qkv_size * (C + qkv_bias) + C * C + self.mlp_up_size * (C + bias) + F * C
-        return split, 2 * self._norm_parameters + 2 * bias * C
+        mlp_split, mlp_replicated, _ = self._mlp_counts(moe)
+        split = self.qkv_size * (C + qkv_bias) + C * C + mlp_split
+        return split, 2 * self._norm_parameters + bias * C + mlp_replicated
 
     def _root_counts(self, tp: int) -> tuple[int, int]:
         """(split over TP, replicated) parameters outside the blocks, padded for ``tp``."""
@@ -181,10 +212,16 @@ class ModelConfig:
     def _norm_parameters(self) -> int:
         return (2 if self.normalization == "LayerNorm" else 1) * self.hidden_size
 
-    def block_parameters(self, tp: int = 1) -> int:
-        """Parameters of one transformer block on one TP rank of ``tp`` (see the note)."""
-        split, replicated = self._block_counts()
+    def block_parameters(self, tp: int = 1, moe: bool | None = None) -> int:
+        """Parameters of one transformer block on one TP rank of ``tp`` (see the note):
+        a dense block, an MoE one (``moe``), or by default the largest the model has."""
+        moe = self.moe is not None and any(self.moe.layers(self.num_layers)) \
+            if moe is None else moe
+        split, replicated = self._block_counts(moe)
         return split // tp + replicated
+
+    def _layers_parameters(self, tp: int, layers: range) -> int:
+        return sum(self.block_parameters(tp, self.is_moe_layer(i)) for i in layers)
 
     def root_parameters(self, tp: int = 1) -> int:
         """Parameters outside the blocks on one TP rank of ``tp``: embeddings, final norm,
@@ -192,13 +229,14 @@ class ModelConfig:
         split, replicated = self._root_counts(tp)
         return split // tp + replicated
 
-    def stage_parameters(self, tp: int, layers: int, first: bool, last: bool) -> int:
-        """Parameters one TP rank of a pipeline stage holds: its ``layers`` blocks, the
-        embeddings on the ``first`` stage, the final norm and the output layer on the
-        ``last`` one. With tied embeddings and more than one stage the last stage keeps
-        its own copy of the word embedding as the output layer (Megatron's; the two are
-        kept equal over the embedding group). One stage that is both: the whole model,
-        :meth:`num_parameters`."""
+    def stage_parameters(self, tp: int, layers: int, first: bool, last: bool,
+                         start: int = 0) -> int:
+        """Parameters one TP rank of a pipeline stage holds: its ``layers`` blocks (from
+        layer ``start``), the embeddings on the ``first`` stage, the final norm and the
+        output layer on the ``last`` one. With tied embeddings and more than one stage the
+        last stage keeps its own copy of the word embedding as the output layer
+        (Megatron's; the two are kept equal over the embedding group). One stage that is
+        both: the whole model, :meth:`num_parameters`."""
         C = self.hidden_size
         rows = self.padded_vocab_size(tp) * C  # one vocabulary-wide matrix
         positions = (self.max_position_embeddings * C
@@ -206,29 +244,35 @@ class ModelConfig:
         head = last and (self.untie_embeddings_and_output_weights or not first)
         split = rows * first + rows * head
         replicated = positions * first + self._norm_parameters * last
-        return layers * self.block_parameters(tp) + split // tp + replicated
+        return (self._layers_parameters(tp, range(start, start + layers)) + split // tp
+                + replicated)
 
     def num_parameters(self, tp: int = 1, *, per_rank: bool = True) -> int:
         """Parameters of this model run at TP size ``tp`` (the vocabulary padded for
         ``tp``): Psi, what one TP rank holds; with ``per_rank=False`` the whole model,
         every split parameter counted once."""
         if per_rank:
-            return self.num_layers * self.block_parameters(tp) + self.root_parameters(tp)
-        block, root = sum(self._block_counts()), sum(self._root_counts(tp))
-        return self.num_layers * block + root
+            return self._layers_parameters(tp, range(self.num_layers)) + self.root_parameters(tp)
+        blocks = sum(sum(self._block_counts(self.is_moe_layer(i)))
+                     for i in range(self.num_layers))
+        return blocks + sum(self._root_counts(tp))
 
     def flops_per_token(self, tp: int = 1) -> float:
         """Forward+backward FLOPs per token of a ``seq_length`` sample at TP size ``tp``
         (the head over the vocabulary padded for ``tp``): dense matmuls and attention
-        scores, summed over the TP ranks."""
+        scores, summed over the TP ranks; an MoE layer's MLP counts the top-k experts a
+        token goes to, its router and its shared expert."""
         return self.stage_flops_per_token(tp, self.num_layers, last=True)
 
-    def stage_flops_per_token(self, tp: int, layers: int, last: bool) -> float:
-        """:meth:`flops_per_token` of one pipeline stage: its ``layers`` blocks, and the
-        output layer on the ``last`` stage. The embedding is a lookup, no FLOPs, so the
-        first stage counts its blocks only; the stages' sum is the whole model's."""
-        C, F = self.hidden_size, self.ffn_size
-        matmul = 2 * (self.qkv_size * C + C * C + self.mlp_up_size * C + F * C) * layers \
+    def stage_flops_per_token(self, tp: int, layers: int, last: bool, start: int = 0) -> float:
+        """:meth:`flops_per_token` of one pipeline stage: its ``layers`` blocks (from layer
+        ``start``), and the output layer on the ``last`` stage. The embedding is a lookup,
+        no FLOPs, so the first stage counts its blocks only; the stages' sum is the whole
+        model's."""
+        C = self.hidden_size
+        ids = range(start, start + layers)
+        mlp = sum(self._mlp_counts(self.is_moe_layer(i))[2] for i in ids)
+        matmul = 2 * (self.qkv_size * C + C * C) * layers + mlp \
             + 2 * C * self.padded_vocab_size(tp) * last
         attention = 2 * 2 * self.seq_length * C * layers  # QK^T and AV
         return 3 * (matmul + attention)

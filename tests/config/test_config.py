@@ -98,12 +98,14 @@ def test_megatron_implementation_flags_are_dropped_and_listed():
 
 
 @pytest.mark.parametrize("flags,needle", [
-    (["--num-experts", "8"], "--num-experts is a Megatron-LM flag hybrid does not implement"),
-    (["--moe-router-topk", "2"], "mixture-of-experts"),
+    (["--moe-router-topk", "2"], "--moe-router-topk: options of MoE layers, and the model "
+                                 "has none: add --num-experts N"),
+    (["--moe-use-upcycling"], "--moe-use-upcycling is a Megatron-LM flag hybrid does not "
+                              "implement"),
     (["--fp8-format", "hybrid"], "use --bf16"),
     (["--use-torch-fsdp2"], "--zero-stage 3"),
     (["--expert-model-parallel-size", "2"], "--expert-model-parallel-size 2: hybrid implements "
-                                            "only 1"),
+                                            "only 1. expert parallelism is not built yet"),
     (["--optimizer", "sgd"], "--optimizer sgd: hybrid implements only adam"),
     (["--num-layerz", "2"], "--num-layerz is not a flag hybrid knows, nor a Megatron-LM flag it "
                             "maps (README: 'Coming from Megatron-LM'); did you mean "

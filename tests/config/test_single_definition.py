@@ -28,6 +28,7 @@ from hybrid.config.deepspeed import apply_ds_config
 from hybrid.config.deepspeed_keys import KEYS, Flag, kind_of
 from hybrid.config.flags import ROUTES, field_type, flag_name
 from hybrid.config.model import ModelConfig
+from hybrid.config.moe import MoEConfig
 from hybrid.config.options import BOUNDS
 from hybrid.config.sections import CP_COMM_TYPES
 from hybrid.errors import ConfigError
@@ -103,7 +104,8 @@ def test_every_section_field_has_one_source(monkeypatch):
     # the model section: routed fields, the architecture (from the Llama-family flags, with a
     # saved checkpoint's defaults), two widths with fallbacks, the tokenizer's vocabulary
     own = [*ROUTES["model"], *ARCHITECTURE_FIELDS, "ffn_hidden_size",
-           "max_position_embeddings", "vocab_size"]
+           "max_position_embeddings", "vocab_size",
+           "moe"]  # (the MoE section, from its own flags: hybrid/config/moe.py)
     assert sorted(own) == sorted(f.name for f in dataclasses.fields(ModelConfig))
 
 
@@ -118,8 +120,11 @@ def test_every_flag_is_read():
     """A flag not routed to a section is read by the code that derives fields or checks
     them (a flag nothing reads would be accepted and do nothing)."""
     readers = "\n".join((ROOT / "hybrid" / "config" / name).read_text()
-                        for name in ("build.py", "checks.py", "model.py", "architecture.py"))
+                        for name in ("build.py", "checks.py", "model.py", "architecture.py",
+                                     "moe.py"))
     routed = {flag for *_, flag in _routes()}
+    # MoEConfig.from_flags reads each of its fields by the field's own name
+    routed |= {f.name for f in dataclasses.fields(MoEConfig)}
     unread = [f.name for f in CLI_FIELDS if f.name not in routed | NO_EFFECT
               and not re.search(rf"(\.{f.name}\b|[\"']{f.name}[\"'])", readers)]
     assert not unread, f"flags nothing maps or reads: {unread}"
