@@ -35,6 +35,7 @@ from hybrid.tensor_parallel import (
 )
 from hybrid.tensor_parallel.cp_attention import ContextParallel
 from hybrid.tensor_parallel.weight_grad import WeightGradStore
+from models.moe import AuxLossScale, MoELayer
 
 
 def make_norm(cfg: ModelConfig, tp_group: CommGroup, sequence_parallel: bool) -> nn.Module:
@@ -156,6 +157,24 @@ class ParallelMLP(nn.Module):
         return self.proj(F.gelu(self.fc(x), approximate=self.approximate))
 
 
+def make_moe(cfg: ModelConfig, scale: AuxLossScale) -> MoELayer:
+    """An MoE layer of ``cfg.moe`` in place of the block's MLP (:class:`models.moe.MoELayer`;
+    at TP 1: the config refuses larger TP with MoE until expert tensor parallelism
+    lands)."""
+    moe = cfg.moe
+    assert moe is not None and moe.num_experts is not None
+    return MoELayer(cfg.hidden_size, cfg.expert_ffn_size, moe.num_experts, moe.moe_router_topk,
+                    swiglu=cfg.swiglu, scale=scale, balancing=moe.moe_router_load_balancing_type,
+                    aux_coeff=moe.moe_aux_loss_coeff, z_coeff=moe.moe_z_loss_coeff,
+                    shared_ffn=moe.moe_shared_expert_intermediate_size,
+                    pre_softmax=moe.moe_router_pre_softmax,
+                    score=moe.moe_router_score_function,
+                    topk_scaling=moe.moe_router_topk_scaling_factor,
+                    capacity_factor=moe.moe_expert_capacity_factor,
+                    drop_policy=moe.moe_token_drop_policy,
+                    init_method_std=cfg.init_method_std)
+
+
 def residual_rng(fork: bool, rng: TPRNGTracker | None):
     """The RNG context of residual-stream dropout. Replicated over TP, the default
     stream, identical on every TP rank, keeps the replicas equal; with SP or CP each
@@ -171,18 +190,21 @@ class Block(nn.Module):
     """Pre-norm transformer block. Input and output ``(B, T, C)``, replicated over TP
     (``(B, T / tp, C)``, this rank's tokens, with sequence parallelism); with context
     parallelism T is this CP rank's share of the sequence. ``weight_grads``: the model's
-    store for its linears' deferred weight gradients (a split backward), or None."""
+    store for its linears' deferred weight gradients (a split backward), or None.
+    ``moe``: the model's :class:`models.moe.AuxLossScale` when this block's MLP is a
+    mixture of experts (:func:`make_moe`), else None."""
 
     def __init__(self, cfg: ModelConfig, tp_group: CommGroup, rng: TPRNGTracker | None,
                  sequence_parallel: bool, cp: ContextParallel | None = None,
-                 weight_grads: WeightGradStore | None = None):
+                 weight_grads: WeightGradStore | None = None, moe: AuxLossScale | None = None):
         super().__init__()
         self.rng = rng
         self.fork_residual_rng = (sequence_parallel or cp is not None) and cfg.hidden_dropout > 0
         self.ln_1 = make_norm(cfg, tp_group, sequence_parallel)
         self.attn = ParallelAttention(cfg, tp_group, rng, sequence_parallel, cp, weight_grads)
         self.ln_2 = make_norm(cfg, tp_group, sequence_parallel)
-        self.mlp = ParallelMLP(cfg, tp_group, sequence_parallel, weight_grads)
+        self.mlp: nn.Module = (ParallelMLP(cfg, tp_group, sequence_parallel, weight_grads)
+                               if moe is None else make_moe(cfg, moe))
         self.drop = nn.Dropout(cfg.hidden_dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -89,6 +89,7 @@ from hybrid.tensor_parallel import (
 from hybrid.tensor_parallel.cp_attention import ContextParallel
 from hybrid.tensor_parallel.weight_grad import WeightGradStore
 from models.blocks import Block, make_norm, residual_rng
+from models.moe import AuxLossScale, MoELayer
 
 
 class LayerRange(nn.ModuleList):
@@ -194,8 +195,13 @@ class GPT(nn.Module):
                                                             cfg.hidden_size))
             self.drop = nn.Dropout(cfg.hidden_dropout)
             ids = [i for r in chunks for i in r]
+            # the MoE layers' losses get the step's backward factor ([Note: the MoE
+            # losses' gradient] in models/moe.py): one holder for the model's layers
+            self.moe_loss_scale = AuxLossScale()
             self.blocks = LayerRange(ids, (Block(cfg, tp_group, rng, sequence_parallel,
-                                                 context_parallel, wg) for _ in ids))
+                                                 context_parallel, wg,
+                                                 self.moe_loss_scale if cfg.is_moe_layer(i)
+                                                 else None) for i in ids))
             if post_process:
                 self.ln_f = make_norm(cfg, tp_group, sequence_parallel)
             if post_process and not tied:  # rows split like wte's
@@ -218,11 +224,25 @@ class GPT(nn.Module):
             return Init("zeros")
         if ".ln_" in name or name.startswith("ln_f"):
             return Init("ones")
-        if name.endswith("proj.weight"):  # residual projections: scaled by depth (GPT-2)
+        if name.endswith(("proj.weight", "experts.proj", "shared.proj")):
+            # residual projections (an MoE layer's experts' too): scaled by depth (GPT-2)
             return Init("normal", cfg.init_method_std / math.sqrt(2 * cfg.num_layers))
         if name in ("wte.weight", "output_layer.weight"):  # padding rows stay zero
             return Init("normal", cfg.init_method_std, valid_rows=cfg.vocab_size)
         return Init("normal", cfg.init_method_std)
+
+    def init_buffers(self, device: torch.device | str) -> None:
+        """Give the model's buffers (the MoE routers' expert biases) their starting values,
+        zeros, on ``device``: for a model built on the meta device (shapes only) or made
+        empty (``to_empty``), once its parameters are in place."""
+        for layer in self.moe_layers().values():
+            router = layer.experts.router
+            router.expert_bias = torch.zeros_like(router.expert_bias, device=device)
+
+    def moe_layers(self) -> dict[int, MoELayer]:
+        """This stage's MoE layers by global layer index (empty for a dense model)."""
+        return {i: b.mlp for i, b in zip(self.blocks.ids, self.blocks)
+                if isinstance(b.mlp, MoELayer)}
 
     def chunk_blocks(self, chunk: int) -> list[nn.Module]:
         """The blocks of model chunk ``chunk`` (all of them without interleaving)."""

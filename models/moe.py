@@ -79,7 +79,8 @@ class Router(nn.Module):
     expert_bias: torch.Tensor  # (a buffer)
 
     def __init__(self, hidden: int, num_experts: int, top_k: int,
-                 pre_softmax: bool = False, score: str = "softmax"):
+                 pre_softmax: bool = False, score: str = "softmax",
+                 topk_scaling: float | None = None):
         super().__init__()
         if not 1 <= top_k <= num_experts:
             raise ValueError(f"top_k {top_k} must be in [1, num_experts {num_experts}]")
@@ -88,7 +89,7 @@ class Router(nn.Module):
         if score == "sigmoid" and pre_softmax:
             raise ValueError("pre_softmax is a softmax router's: not with score='sigmoid'")
         self.num_experts, self.top_k, self.pre_softmax = num_experts, top_k, pre_softmax
-        self.score = score
+        self.score, self.topk_scaling = score, topk_scaling
         self.weight = nn.Parameter(torch.empty(num_experts, hidden))
         self.register_buffer("expert_bias", torch.zeros(num_experts), persistent=True)
 
@@ -112,6 +113,8 @@ class Router(nn.Module):
                                       descending=True, stable=True)
             top, experts = top[:, : self.top_k], experts[:, : self.top_k]
             gates = top if self.pre_softmax else torch.softmax(top, dim=-1)
+        if self.topk_scaling is not None:  # (DeepSeek's routed scaling factor)
+            gates = gates * self.topk_scaling
         counts = torch.bincount(experts.reshape(-1), minlength=self.num_experts)
         return Routing(experts, gates.to(x.dtype), logits, probs, counts)
 
@@ -126,6 +129,15 @@ class Router(nn.Module):
 
 
 DROP_POLICIES = ("probs", "position")
+
+
+def _init(weights, std: float) -> None:
+    """Normal(0, std) draws for a layer built on its own (a model draws its parameters by
+    name afterwards, :func:`hybrid.tensor_parallel.init_parameters`); none on the meta
+    device, where only shapes exist."""
+    for w in weights:
+        if w.device.type != "meta":
+            nn.init.normal_(w, std=std)
 
 
 class MoE(nn.Module):
@@ -143,8 +155,8 @@ class MoE(nn.Module):
 
     def __init__(self, hidden: int, ffn: int, num_experts: int, top_k: int, *,
                  swiglu: bool = False, pre_softmax: bool = False, score: str = "softmax",
-                 capacity_factor: float | None = None, drop_policy: str = "probs",
-                 init_method_std: float = 0.02):
+                 topk_scaling: float | None = None, capacity_factor: float | None = None,
+                 drop_policy: str = "probs", init_method_std: float = 0.02):
         super().__init__()
         if capacity_factor is not None and not capacity_factor > 0:
             raise ValueError(f"capacity_factor must be > 0 (None: dropless), got "
@@ -154,11 +166,10 @@ class MoE(nn.Module):
         parts = 2 if swiglu else 1
         self.swiglu, self.num_experts = swiglu, num_experts
         self.capacity_factor, self.drop_policy = capacity_factor, drop_policy
-        self.router = Router(hidden, num_experts, top_k, pre_softmax, score)
+        self.router = Router(hidden, num_experts, top_k, pre_softmax, score, topk_scaling)
         self.fc = nn.Parameter(torch.empty(num_experts, parts * ffn, hidden))
         self.proj = nn.Parameter(torch.empty(num_experts, hidden, ffn))
-        for w in (self.router.weight, self.fc, self.proj):
-            nn.init.normal_(w, std=init_method_std)
+        _init((self.router.weight, self.fc, self.proj), init_method_std)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, Routing]:
         """``x``: ``(..., hidden)`` -> (the same shape, the batch's :class:`Routing`, with
@@ -215,13 +226,7 @@ class MoE(nn.Module):
         return kept.view(t, k)
 
     def _expert(self, e: int, rows: torch.Tensor) -> torch.Tensor:
-        h = rows @ self.fc[e].t()
-        if self.swiglu:
-            gate, up = h.chunk(2, dim=-1)
-            h = F.silu(gate) * up
-        else:
-            h = F.gelu(h)
-        return h @ self.proj[e].t()
+        return _mlp(rows, self.fc[e], self.proj[e], self.swiglu)
 
 
 def switch_aux_loss(routing: Routing) -> torch.Tensor:
@@ -240,3 +245,162 @@ def router_z_loss(routing: Routing) -> torch.Tensor:
     tokens of logsumexp(logits)^2, a 0-dim fp32 tensor; times Megatron's
     ``--moe-z-loss-coeff``."""
     return torch.logsumexp(routing.logits, dim=-1).square().mean()
+
+
+def seq_aux_loss(routing: Routing, sequences: int) -> torch.Tensor:
+    """DeepSeek-V2's sequence-wise load-balancing loss (Megatron's ``seq_aux_loss``): the
+    Switch loss of each of ``sequences`` equal runs of the T tokens (a sequence each),
+    averaged over them. A 0-dim fp32 tensor, 1 for uniform routing."""
+    probs, experts = routing.probs, routing.experts
+    t, e = probs.shape
+    k = experts.shape[1]
+    per = t // sequences
+    counts = F.one_hot(experts.reshape(sequences, per * k), e).sum(dim=1)  # (S, E)
+    fraction = counts.to(probs.dtype) / (per * k)
+    return e * (fraction * probs.view(sequences, per, e).mean(dim=1)).sum(dim=1).mean()
+
+
+class AuxLossScale:
+    """What the step's backward multiplies a micro-batch's loss by (``1 / n`` micro-batches
+    times the fp16 loss scale): one per model, shared by its MoE layers, which inject
+    their losses' gradients times it ([Note: the MoE losses' gradient]). Set by the step
+    before its first forward (:func:`hybrid.train.step.train_step`); 1 when never set,
+    which is a plain ``loss.backward()`` of one micro-batch's loss."""
+
+    def __init__(self) -> None:
+        self.value = 1.0
+
+
+class MoEStats:
+    """What one MoE layer's routing did since the last :meth:`take`, counted once per
+    micro-batch's backward ([Note: the MoE losses' gradient]): the tokens each expert
+    got (assignments, ``(E,)`` int64), the assignments a capacity dropped, the sums of
+    the aux and z losses (unweighted) and the micro-batches counted. Kept as tensors on
+    the layer's device (no host sync until :meth:`take`)."""
+
+    def __init__(self, num_experts: int) -> None:
+        self.num_experts = num_experts
+        self._sums: torch.Tensor | None = None  # [dropped, aux, z] in fp64
+        self._counts: torch.Tensor | None = None
+        self.micro_batches = 0
+
+    def add(self, counts: torch.Tensor, sums: torch.Tensor) -> None:
+        if self._counts is None or self._sums is None:
+            self._counts, self._sums = counts.clone(), sums.clone()
+        else:
+            self._counts += counts
+            self._sums += sums
+        self.micro_batches += 1
+
+    def take(self) -> dict:
+        """The counts so far (``tokens_per_expert``, an ``(E,)`` int64 tensor on the host;
+        ``dropped``; the mean ``aux`` and ``z`` per micro-batch; ``micro_batches``), then
+        zero."""
+        n = max(self.micro_batches, 1)
+        counts = (torch.zeros(self.num_experts, dtype=torch.int64) if self._counts is None
+                  else self._counts.cpu())
+        dropped, aux, z = [0.0] * 3 if self._sums is None else self._sums.tolist()
+        out = {"tokens_per_expert": counts, "dropped": int(dropped), "aux": aux / n,
+               "z": z / n, "micro_batches": self.micro_batches}
+        self._sums = self._counts = None
+        self.micro_batches = 0
+        return out
+
+
+def _mlp(rows: torch.Tensor, fc: torch.Tensor, proj: torch.Tensor, swiglu: bool
+         ) -> torch.Tensor:
+    """One expert's MLP on its rows ``(n, C)``: ``fc`` ``(parts x f, C)``, GELU or the
+    gated SiLU pair, ``proj`` ``(C, f)``."""
+    h = rows @ fc.t()
+    if swiglu:
+        gate, up = h.chunk(2, dim=-1)
+        h = F.silu(gate) * up
+    else:
+        h = F.gelu(h)
+    return h @ proj.t()
+
+
+class SharedExpert(nn.Module):
+    """An expert every token goes through, ungated (Megatron's shared expert): ``fc``
+    ``(parts x ffn, hidden)``, ``proj`` ``(hidden, ffn)``, no biases."""
+
+    def __init__(self, hidden: int, ffn: int, swiglu: bool, init_method_std: float = 0.02):
+        super().__init__()
+        self.swiglu = swiglu
+        self.fc = nn.Parameter(torch.empty((2 if swiglu else 1) * ffn, hidden))
+        self.proj = nn.Parameter(torch.empty(hidden, ffn))
+        _init((self.fc, self.proj), init_method_std)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _mlp(x, self.fc, self.proj, self.swiglu)
+
+
+class _AttachLosses(torch.autograd.Function):
+    """Identity on ``y``; in backward, the gradient of ``loss`` is ``scale`` (the step's
+    factor) and the routing's statistics are counted ([Note: the MoE losses' gradient])."""
+
+    @staticmethod
+    def forward(ctx, y, loss, scale: AuxLossScale, stats: MoEStats,
+                record: tuple[torch.Tensor, torch.Tensor]):
+        ctx.scale, ctx.stats, ctx.record = scale, stats, record
+        return y.view_as(y)
+
+    @staticmethod
+    def backward(ctx, dy):
+        ctx.stats.add(*ctx.record)
+        grad = torch.full((), ctx.scale.value, dtype=torch.float32, device=dy.device)
+        return dy, grad, None, None, None
+
+
+class MoELayer(nn.Module):
+    """A block's MLP as a mixture of experts (:class:`MoE`), with an optional shared
+    expert every token also goes through, and the routing's losses: ``aux_coeff`` times
+    the load-balancing loss (``balancing``: "aux_loss", :func:`switch_aux_loss` over the
+    micro-batch's tokens; "seq_aux_loss", :func:`seq_aux_loss` per sequence; "none") plus
+    ``z_coeff`` times :func:`router_z_loss`. ``(B, T, C)`` in and out.
+
+    [Note: the MoE losses' gradient]
+    A layer's losses are not added to the model's output: under a pipeline the layer's
+    stage is not the one computing the loss, and under activation checkpointing the
+    forward that builds a graph is the recompute inside backward. So each is attached to
+    the layer's output by an identity whose backward gives the losses the gradient the
+    step gives the main loss, ``scale.value`` (:class:`AuxLossScale`): the same gradient
+    as adding them to every micro-batch's loss, at any PP size, with or without
+    recompute. The statistics are counted in that backward too, which runs once per
+    micro-batch whether the forward ran once or twice; evaluation counts nothing."""
+
+    def __init__(self, hidden: int, ffn: int, num_experts: int, top_k: int, *,
+                 swiglu: bool, scale: AuxLossScale, balancing: str = "aux_loss",
+                 aux_coeff: float = 0.0, z_coeff: float | None = None,
+                 shared_ffn: int | None = None, **moe_kw):
+        super().__init__()
+        if balancing not in ("aux_loss", "seq_aux_loss", "none"):
+            raise ValueError(f"balancing {balancing!r} must be aux_loss, seq_aux_loss or none")
+        self.experts = MoE(hidden, ffn, num_experts, top_k, swiglu=swiglu, **moe_kw)
+        self.shared = SharedExpert(hidden, shared_ffn, swiglu) if shared_ffn else None
+        self.balancing, self.aux_coeff, self.z_coeff = balancing, aux_coeff, z_coeff
+        self.scale = scale
+        self.stats = MoEStats(num_experts)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y, routing = self.experts(x)
+        if self.shared is not None:
+            y = y + self.shared(x)
+        if not (self.training and torch.is_grad_enabled()):
+            return y
+        loss = routing.logits.new_zeros(())
+        aux = z = routing.logits.new_zeros(())
+        if self.balancing == "aux_loss":
+            aux = switch_aux_loss(routing)
+        elif self.balancing == "seq_aux_loss":
+            aux = seq_aux_loss(routing, x.shape[0])
+        if self.aux_coeff and self.balancing != "none":
+            loss = loss + self.aux_coeff * aux
+        if self.z_coeff is not None:
+            z = router_z_loss(routing)
+            loss = loss + self.z_coeff * z
+        dropped = (torch.zeros((), device=x.device) if routing.kept is None
+                   else (~routing.kept).sum())
+        sums = torch.stack([dropped.double(), aux.detach().double(), z.detach().double()])
+        record = (routing.tokens_per_expert.detach(), sums)
+        return _AttachLosses.apply(y, loss, self.scale, self.stats, record)

@@ -63,5 +63,6 @@ def load_full_model(ckpt: str, device: str | torch.device = "cpu") -> tuple[GPT,
                   attention_backend="auto")
     model = GPT(cfg, ParallelState.single().tp_group, device="meta")
     model.to_empty(device="cpu")
+    model.init_buffers("cpu")
     load_full_weights(model, weights)
     return model.to(device).eval(), c

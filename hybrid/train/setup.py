@@ -97,6 +97,7 @@ def build_engine(cfg: TrainConfig, ps: ParallelState, vocab_size: int, rng: TPRN
                         # interleaved: one backward per chunk (hybrid/zero/parts.py)
                         parts=model.chunk_parameters() if len(model.chunks) > 1 else None,
                         recompute=ac.phase if ac is not None else None, tied=tied)
+    model.init_buffers(ps.device)  # (ZeRO drew the parameters; the buffers start here)
     if cfg.model.compile:
         compile_blocks(model.blocks)
     return model, ac, engine

@@ -1,12 +1,22 @@
 """models/moe.py on one process: the layer against a token-by-token reference (output and
 every gradient), the router's choices (ties to the lower expert, the gate rules), an
-expert without tokens, and the load-balancing loss's values."""
+expert without tokens, the load-balancing loss's values, and the block's MoE layer: its
+losses' gradient that of adding them to the loss, times the step's factor, its
+statistics counted once per backward and never in evaluation."""
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from models.moe import MoE, Router, router_z_loss, switch_aux_loss
+from models.moe import (
+    AuxLossScale,
+    MoE,
+    MoELayer,
+    Router,
+    router_z_loss,
+    seq_aux_loss,
+    switch_aux_loss,
+)
 
 
 def _reference(moe: MoE, x: torch.Tensor) -> torch.Tensor:
@@ -179,3 +189,65 @@ def test_equal_gates_keep_the_earlier_assignment_and_capacities_are_checked():
         MoE(4, 8, num_experts=2, top_k=1, capacity_factor=0.0)
     with pytest.raises(ValueError, match="drop_policy 'random' must be one of"):
         MoE(4, 8, num_experts=2, top_k=1, capacity_factor=1.0, drop_policy="random")
+
+
+# -- the MoE layer in a block: its losses' gradient, counted once -----------------------------
+
+
+def _layer(balancing: str, shared: int | None = None, scale: float = 1.0) -> MoELayer:
+    torch.manual_seed(0)
+    holder = AuxLossScale()
+    holder.value = scale
+    return MoELayer(16, 24, 6, 2, swiglu=True, scale=holder, balancing=balancing,
+                    aux_coeff=0.3, z_coeff=0.05, shared_ffn=shared,
+                    init_method_std=0.2).double()
+
+
+@pytest.mark.parametrize("balancing", ["aux_loss", "seq_aux_loss", "none"])
+@pytest.mark.parametrize("scale", [1.0, 0.125])
+def test_the_losses_gradient_is_that_of_adding_them_to_the_loss(balancing, scale):
+    """The layer attaches aux_coeff x the balancing loss + z_coeff x the z-loss to its
+    output: backward from ``scale`` x (the output's loss) gives every parameter the
+    gradient of ``scale`` x (that loss + the routing losses), the shared expert's too."""
+    layer = _layer(balancing, shared=8, scale=scale)
+    x = torch.randn(3, 5, 16, dtype=torch.float64, requires_grad=True)
+    target = torch.randn(3, 5, 16, dtype=torch.float64)
+    (scale * (layer(x) - target).square().mean()).backward()
+    got = [p.grad.clone() for p in layer.parameters()] + [x.grad.clone()]
+    for p in [*layer.parameters(), x]:
+        p.grad = None
+    y, routing = layer.experts(x)
+    y = y + layer.shared(x)
+    aux = {"aux_loss": switch_aux_loss(routing), "seq_aux_loss": seq_aux_loss(routing, 3),
+           "none": 0.0}[balancing]
+    loss = (y - target).square().mean() + 0.3 * aux + 0.05 * router_z_loss(routing)
+    (scale * loss).backward()
+    want = [p.grad for p in layer.parameters()] + [x.grad]
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w, rtol=1e-12, atol=1e-14)
+    stats = layer.stats.take()
+    assert stats["micro_batches"] == 1 and int(stats["tokens_per_expert"].sum()) == 30
+    assert stats["aux"] == pytest.approx(0.0 if balancing == "none" else float(aux.detach()))
+
+
+def test_the_sequence_loss_is_the_mean_of_each_sequences_switch_loss():
+    layer = _layer("seq_aux_loss")
+    x = torch.randn(4, 7, 16, dtype=torch.float64)
+    routing = layer.experts.router(x.reshape(-1, 16))
+    each = []
+    for s in range(4):
+        rows = slice(7 * s, 7 * s + 7)
+        one = layer.experts.router(x[s])
+        assert torch.equal(one.experts, routing.experts[rows])
+        each.append(switch_aux_loss(one))
+    torch.testing.assert_close(seq_aux_loss(routing, 4), torch.stack(each).mean())
+
+
+def test_evaluation_and_no_grad_attach_and_count_nothing():
+    layer = _layer("aux_loss")
+    x = torch.randn(2, 5, 16, dtype=torch.float64)
+    with torch.no_grad():
+        layer(x)
+    layer.eval()
+    layer(x).sum().backward()
+    assert layer.stats.take()["micro_batches"] == 0
