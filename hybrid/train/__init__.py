@@ -24,6 +24,7 @@
 * :mod:`.replicas`         --check-replicas-interval: replicated parameters bit-identical
 * :mod:`.nonfinite`        which micro-batch and parameters made a step non-finite
 * :mod:`.stragglers`       the slowest and fastest rank of a log interval
+* :mod:`.moe_stats`        the MoE layers' routing each step: the expert bias, the log line
 
 ``hybrid.initialize``'s engine, which reuses :mod:`.lr_schedule` and :mod:`.orphans`,
 is its own package one floor up: :mod:`hybrid.engine`.

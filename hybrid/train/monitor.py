@@ -79,8 +79,9 @@ class Monitor:
         """``m`` holds iteration, train_iters, consumed_samples, loss, lr, grad_norm,
         step_time_s, tokens_per_sec, and optionally loss_scale, skipped_iterations,
         tflops_per_rank, peak_memory_bytes, model_state_bytes, comm_bytes,
-        activation_checkpoint_bytes, and the fastest and slowest rank's step and busy
-        time: step_time_{min,max}_{s,rank}, busy_time_{min,max}_{s,rank}."""
+        activation_checkpoint_bytes, the fastest and slowest rank's step and busy
+        time: step_time_{min,max}_{s,rank}, busy_time_{min,max}_{s,rank}, and ``moe``: per
+        MoE layer its routing's numbers (:class:`hybrid.train.moe_stats.MoEWatch`)."""
         if not self.enabled:
             return
         parts = [f" iteration {m['iteration']:8d}/{m['train_iters']:8d}",
@@ -107,6 +108,11 @@ class Monitor:
         for key in ("time_breakdown_s", "offload_time_s"):  # rank 0's, per step
             if m.get(key):
                 parts.append(", ".join(f"{k} (ms): {v * 1000:.1f}" for k, v in m[key].items()))
+        for layer, v in (m.get("moe") or {}).items():  # (hybrid/train/moe_stats.py)
+            parts.append(f"moe {layer.replace('_', ' ')}: aux loss {v['aux_loss']:.4f}, "
+                         f"z loss {v['z_loss']:.4f}, tokens/expert "
+                         f"{v['tokens_per_expert_min']:.0f}-{v['tokens_per_expert_max']:.0f}, "
+                         f"dropped {v['dropped_per_step']:.0f}")
         if m.get("offload_speculation"):  # rank 0's tiles, over the interval
             parts.append("speculative tiles: " + ", ".join(
                 f"{k} {v}" for k, v in m["offload_speculation"].items()))

@@ -97,6 +97,10 @@ def train_step(model: GPT, engine: ZeroEngine, micro_batches, lr: float,
     ps = engine.ps
     batches = list(micro_batches)
     p, v = ps.pp_size, len(model.chunks)
+    # the MoE layers' losses get the gradient the main loss gets: 1 / n times the loss
+    # scale ([Note: the loss path] in hybrid/pipeline/step.py; models/moe.py, [Note: the
+    # MoE losses' gradient])
+    model.moe_loss_scale.value = engine.scaler.scale / len(batches)
     io: tuple[int, ...] | None = shape
     if p == 1:
         schedule, io, reshard_after_micro_batch = TRIVIAL, (), True  # (nothing is sent)

@@ -32,6 +32,7 @@ from hybrid.train.early_exit import EarlyExit
 from hybrid.train.host_memory import return_freed_memory
 from hybrid.train.lr_schedule import scheduled_lr
 from hybrid.train.metrics import IntervalMetrics, stage_flops_per_token
+from hybrid.train.moe_stats import MoEWatch
 from hybrid.train.monitor import Monitor
 from hybrid.train.phase_clock import PhaseClock
 from hybrid.train.replicas import ReplicaChecker
@@ -123,6 +124,9 @@ class Trainer:
         self._offload_prev: dict = {}  # engine.offload_seconds() at the last log line
         self._speculation_prev: dict = {}  # engine.offload_speculation() at the last one
         self.clock = PhaseClock(ps.device) if cfg.logging.timing_breakdown else None
+        # the MoE layers' routing: the expert bias's update, the log line's numbers
+        self.moe = (MoEWatch(self.model, ps, cfg.model.moe) if cfg.model.moe is not None
+                    else None)
 
     def train(self) -> list[dict]:
         """Train until ``--train-iters`` or ``--train-samples`` (or an exit flag); return
@@ -184,6 +188,8 @@ class Trainer:
             schedule=self.cfg.pipeline.schedule, shape=shape, dtype=dtype,
             reshard_after_micro_batch=self.cfg.pipeline.reshard_after_micro_batch)
         self.metrics.stop(loss, batch * self.cfg.model.seq_length)
+        if self.moe is not None:
+            self.moe.step()
         self.skips.add(st.iteration + 1, result, losses, st.consumed_samples, batch)
         st.iteration += 1
         st.consumed_samples += batch
@@ -225,6 +231,8 @@ class Trainer:
         if self.ac is not None:
             m["activation_checkpoint_bytes"] = self.ac.peak_bytes()
             self.ac.reset_peak()
+        if self.moe is not None:
+            m["moe"] = self.moe.line()
         self.monitor.log_iteration(m)
         return m
 

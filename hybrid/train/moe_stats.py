@@ -1,0 +1,100 @@
+"""What the MoE layers' routing did, step by step: the expert-bias update and the numbers
+the log line shows.
+
+    watch = MoEWatch(model, ps, moe_config)    # None-free: a dense model has no layers
+    watch.step()                               # after each optimizer step
+    watch.line()                               # at a log line: per layer, the interval's
+
+Each step :meth:`MoEWatch.step` takes every local MoE layer's counts
+(:class:`models.moe.MoEStats`: tokens per expert, dropped assignments, the aux and z
+losses' sums, counted once per micro-batch) and sums them over the data-parallel group
+in one all-reduce (the ``(layers x (E + 3))`` fp64 vector), so every DP rank holds the
+step's global counts. With ``--moe-router-enable-expert-bias`` each layer's router then
+moves its expert bias by those counts (:meth:`models.moe.Router.update_expert_bias`):
+alike on every DP rank, whose copies stay equal. The counts add up over the log
+interval; :meth:`MoEWatch.line` sums them over the pipeline group too (each stage holds
+other layers; zeros elsewhere), one all-reduce per log line, and gives per layer: the
+mean aux and z loss per micro-batch, the fewest and most tokens an expert got per step,
+and the dropped assignments per step.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from hybrid.config.moe import MoEConfig
+from hybrid.parallel.state import ParallelState
+from models.gpt import GPT
+
+
+class MoEWatch:
+    """The MoE layers of ``model`` (this stage's) over ``ps``'s DP and PP groups."""
+
+    def __init__(self, model: GPT, ps: ParallelState, moe: MoEConfig):
+        self.layers = model.moe_layers()  # global layer index -> MoELayer
+        self.ps, self.moe = ps, moe
+        self.num_layers = model.cfg.num_layers
+        self.experts = moe.num_experts or 0
+        self.steps = 0
+        # per global layer: [tokens per expert (E), dropped, aux sum, z sum, micro-batches]
+        self._interval = torch.zeros(self.num_layers, self.experts + 4, dtype=torch.float64)
+        self._min = torch.full((self.num_layers,), float("inf"), dtype=torch.float64)
+        self._max = torch.zeros(self.num_layers, dtype=torch.float64)
+
+    def step(self) -> None:
+        """After an optimizer step: the step's counts summed over DP, the expert biases
+        moved, the interval's sums grown (module doc)."""
+        if not self.layers:
+            return
+        rows = []
+        for layer in self.layers.values():
+            t = layer.stats.take()
+            rows.append(torch.cat([t["tokens_per_expert"].double(),
+                                   torch.tensor([t["dropped"], t["aux"] * t["micro_batches"],
+                                                 t["z"] * t["micro_batches"],
+                                                 t["micro_batches"]], dtype=torch.float64)]))
+        step = torch.stack(rows).to(self.ps.device)
+        self.ps.dp_cp_group.all_reduce(step)
+        step = step.cpu()
+        for row, (i, layer) in zip(step, self.layers.items()):
+            counts = row[: self.experts]
+            if self.moe.moe_router_enable_expert_bias:
+                router = layer.experts.router
+                router.update_expert_bias(counts.to(router.expert_bias.device),
+                                          self.moe.moe_router_bias_update_rate)
+            self._interval[i] += row
+            self._min[i] = min(float(self._min[i]), float(counts.min()))
+            self._max[i] = max(float(self._max[i]), float(counts.max()))
+        self.steps += 1
+
+    def line(self) -> dict[str, dict[str, float]]:
+        """Per MoE layer (``"layer_<i>"``) of the whole model, the interval's numbers
+        (module doc), equal on every rank; then the interval starts again. Empty for a
+        dense model."""
+        if self.moe.num_experts is None:
+            return {}
+        # each layer lives on one stage: a sum over the stages, zeros elsewhere (a stage's
+        # layers without a step yet, inf fewest, too)
+        fewest = torch.where(torch.isinf(self._min), 0.0, self._min)
+        sums = torch.cat([self._interval, fewest[:, None], self._max[:, None]], dim=1)
+        sums = sums.to(self.ps.device)
+        self.ps.pp_group.all_reduce(sums)
+        sums = sums.cpu()
+        out = {}
+        steps = max(self.steps, 1)
+        for i in range(self.num_layers):
+            micro = float(sums[i, self.experts + 3])
+            if micro == 0:
+                continue  # a dense layer (or no step yet)
+            out[f"layer_{i}"] = {
+                "aux_loss": float(sums[i, self.experts + 1]) / micro,
+                "z_loss": float(sums[i, self.experts + 2]) / micro,
+                "tokens_per_expert_min": float(sums[i, -2]),
+                "tokens_per_expert_max": float(sums[i, -1]),
+                "dropped_per_step": float(sums[i, self.experts]) / steps,
+            }
+        self._interval.zero_()
+        self._min.fill_(float("inf"))
+        self._max.zero_()
+        self.steps = 0
+        return out
