@@ -61,9 +61,13 @@ def check_model(meta: dict, model: torch.nn.Module, vocab_size: int | None, wher
     mine = model_signature(model) if signature is None else signature
     if set(saved) != set(mine):
         extra, missing = sorted(set(saved) - set(mine)), sorted(set(mine) - set(saved))
+        # an MoE layer's experts in one and a dense MLP in the other: say so first
+        experts = any(".mlp.experts." in n or ".mlp.shared." in n for n in extra + missing)
+        moe = ("--num-experts and --moe-layer-freq (one model has MoE layers where the other "
+               "has dense MLPs, or other MoE options), " if experts else "")
         raise CheckpointError(f"{where}: checkpoint is for a different model (it has "
                               f"{extra[:3]} this model lacks, lacks {missing[:3]}); check "
-                              f"--num-layers and the architecture flags (--normalization, "
+                              f"{moe}--num-layers and the architecture flags (--normalization, "
                               f"--position-embedding-type, --disable-bias-linear, "
                               f"--add-qkv-bias, --untie-embeddings-and-output-weights)")
     _check_gelu(meta, model, where)

@@ -66,6 +66,7 @@ class Start:
     consumed_samples: int
     checkpoint: str  # the checkpoint directory loaded
     finetune: dict | None  # what every save of this run records as metadata "finetune"
+    buffers: dict | None = None  # the model buffers it saved (metadata "buffers"), if any
 
 
 def start_from_checkpoint(ck: CheckpointConfig, engine: ZeroEngine, ps: ParallelState,
@@ -101,7 +102,8 @@ def start_from_checkpoint(ck: CheckpointConfig, engine: ZeroEngine, ps: Parallel
                              step=ck.ckpt_step if load_dir == ck.load else None)
     if loaded is None:
         return None
-    start = Start(loaded[0], loaded[1], info["checkpoint"], info["metadata"].get("finetune"))
+    start = Start(loaded[0], loaded[1], info["checkpoint"], info["metadata"].get("finetune"),
+                  info["metadata"].get("buffers"))
     fresh = [what for what, on in (("optimizer", not load_optim), ("RNG from --seed",
                                                                    not load_rng)) if on]
     log.info("resumed from %s at iteration %d (%d samples consumed)%s", start.checkpoint,

@@ -168,10 +168,6 @@ def validate_moe(f) -> None:
     if f.moe_router_pre_softmax and f.moe_router_score_function != "softmax":
         raise ConfigError("--moe-router-pre-softmax is a softmax router's: drop it with "
                           "--moe-router-score-function sigmoid")
-    if f.moe_router_enable_expert_bias and (f.save or f.load):
-        raise ConfigError("--moe-router-enable-expert-bias with --save or --load: the expert "
-                          "bias is not checkpointed yet, so a resume would lose it; train "
-                          "without checkpoints, or balance with --moe-aux-loss-coeff")
     if f.moe_pad_expert_input_to_capacity and f.moe_expert_capacity_factor is None:
         raise ConfigError("--moe-pad-expert-input-to-capacity pads to the capacity: add "
                           "--moe-expert-capacity-factor")

@@ -16,13 +16,21 @@ interval; :meth:`MoEWatch.line` sums them over the pipeline group too (each stag
 other layers; zeros elsewhere), one all-reduce per log line, and gives per layer: the
 mean aux and z loss per micro-batch, the fewest and most tokens an expert got per step,
 and the dropped assignments per step.
+
+The expert biases are model state the optimizer does not hold: :meth:`MoEWatch.buffers`
+gives the whole model's (every stage's, by parameter-style name) for a checkpoint's
+``metadata.json`` (``"buffers"``, written by rank 0: the biases are the same on every
+DP and TP rank), and :meth:`MoEWatch.load_buffers` puts a loaded checkpoint's back into
+this stage's layers, at any pipeline size.
 """
 
 from __future__ import annotations
 
 import torch
 
+from hybrid.checkpoint.save import gather_json
 from hybrid.config.moe import MoEConfig
+from hybrid.errors import CheckpointError
 from hybrid.parallel.state import ParallelState
 from models.gpt import GPT
 
@@ -98,3 +106,31 @@ class MoEWatch:
         self._max.zero_()
         self.steps = 0
         return out
+
+    def buffers(self) -> dict[str, list[float]]:
+        """The expert biases of every stage's MoE layers (collective over the pipeline
+        group), by name (``blocks.<i>.mlp.experts.router.expert_bias``); empty without
+        ``--moe-router-enable-expert-bias``."""
+        if not self.moe.moe_router_enable_expert_bias:
+            return {}
+        mine = {f"blocks.{i}.mlp.experts.router.expert_bias":
+                layer.experts.router.expert_bias.tolist() for i, layer in self.layers.items()}
+        out: dict[str, list[float]] = {}
+        for stage in gather_json(self.ps.pp_group, mine, self.ps.device):
+            out.update(stage)
+        return out
+
+    def load_buffers(self, saved: dict | None, checkpoint: str) -> None:
+        """Put ``saved`` (a checkpoint's ``"buffers"``) into this stage's layers; a
+        CheckpointError naming ``checkpoint`` when the run keeps an expert bias and the
+        checkpoint has none for one of its layers."""
+        if not self.moe.moe_router_enable_expert_bias:
+            return
+        for i, layer in self.layers.items():
+            name = f"blocks.{i}.mlp.experts.router.expert_bias"
+            if saved is None or name not in saved:
+                raise CheckpointError(
+                    f"{checkpoint}: no {name} (the run saved no expert bias): load it "
+                    f"without --moe-router-enable-expert-bias, or start from --seed")
+            bias = layer.experts.router.expert_bias
+            bias.copy_(torch.tensor(saved[name], dtype=bias.dtype))

@@ -99,11 +99,16 @@ class Trainer:
                                        cfg.model.hidden_size, ps, cfg.parallel.sequence_parallel),
                       DTYPES[cfg.precision.params_dtype])
         self.state = TrainState()
+        # the MoE layers' routing: the expert bias's update and checkpoint, the log line
+        self.moe = (MoEWatch(self.model, ps, cfg.model.moe) if cfg.model.moe is not None
+                    else None)
         # --load with --no-load-optim / --no-load-rng / --finetune (checkpoint/resume.py)
         self.start = start_from_checkpoint(cfg.checkpoint, self.engine, ps, cfg.seed, self.rng,
                                            vocab)
         if self.start is not None:
             self.state = TrainState(self.start.iteration, self.start.consumed_samples)
+            if self.moe is not None:
+                self.moe.load_buffers(self.start.buffers, self.start.checkpoint)
         setup_peak = memory_bytes(ps)[1]
         self.monitor = self._open_monitor()
         self._log_setup()
@@ -124,9 +129,6 @@ class Trainer:
         self._offload_prev: dict = {}  # engine.offload_seconds() at the last log line
         self._speculation_prev: dict = {}  # engine.offload_speculation() at the last one
         self.clock = PhaseClock(ps.device) if cfg.logging.timing_breakdown else None
-        # the MoE layers' routing: the expert bias's update, the log line's numbers
-        self.moe = (MoEWatch(self.model, ps, cfg.model.moe) if cfg.model.moe is not None
-                    else None)
 
     def train(self) -> list[dict]:
         """Train until ``--train-iters`` or ``--train-samples`` (or an exit flag); return
@@ -258,8 +260,15 @@ class Trainer:
                                self.cfg.to_dict(), self.rng, ck.keep_last,
                                self.tokenizer.vocab_size, optimizer=not ck.no_save_optim,
                                finetune=self.start.finetune if self.start is not None else None,
-                               owner=self.claim.record if self.claim is not None else None)
+                               owner=self.claim.record if self.claim is not None else None,
+                               extra_meta=self._buffers())
         log.info("saved checkpoint %s", path)
+
+    def _buffers(self) -> dict | None:
+        """The model's buffers a checkpoint keeps (the MoE routers' expert biases), as
+        metadata.json's ``"buffers"``; None when it has none (collective over PP)."""
+        buffers = self.moe.buffers() if self.moe is not None else {}
+        return {"buffers": buffers} if buffers else None
 
     def _open_monitor(self) -> Monitor:
         lg = self.cfg.logging

@@ -71,7 +71,3 @@ def test_layouts_moe_does_not_run_at_yet_are_refused_by_name():
     with pytest.raises(ConfigError, match=r"--tensor-model-parallel-size 2 with "
                                           r"--num-experts: .*run MoE at 1"):
         _cfg(*MOE, "--tensor-model-parallel-size", "2", world=2)
-    with pytest.raises(ConfigError, match=r"--moe-router-enable-expert-bias with --save or "
-                                          r"--load: the expert bias is not checkpointed yet"):
-        _cfg(*MOE, "--moe-router-score-function", "sigmoid",
-             "--moe-router-enable-expert-bias", "--save", "/tmp/nowhere_moe")

@@ -1,0 +1,104 @@
+"""Checkpoints of a model with MoE layers (every expert on every rank, EP 1): saved at
+DP 2 x PP 2 at ZeRO 3, resumed there to the last bit, and loaded at one process at ZeRO 1
+with the optimizer state, the curve going on; the sigmoid router's expert bias saved and
+restored (at another pipeline size too); a dense checkpoint and an MoE model (and the
+other way) refused, naming the parameters that differ."""
+
+import json
+import os
+import shutil
+
+import pytest
+
+from tests.helpers.launch import TINY, pretrain, read_json_log
+from tests.models.moe_grid import MOE
+
+ITERS = ["--train-iters", "6", "--eval-iters", "0"]
+
+
+def _ok(r):
+    assert r.returncode == 0, f"{r.stdout[-2000:]}\n{r.stderr[-3000:]}"
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """(checkpoint directory holding iteration 3, the uninterrupted curve's records)."""
+    tmp = tmp_path_factory.mktemp("moe_ckpt")
+    save, log = str(tmp / "ckpt"), str(tmp / "full.jsonl")
+    _ok(pretrain(4, [*TINY, *MOE, *ITERS, "--pipeline-model-parallel-size", "2",
+                     "--zero-stage", "3", "--save", save, "--save-interval", "3",
+                     "--log-json", log]))
+    os.remove(os.path.join(save, "latest"))  # resume from iteration 3, not the final save
+    shutil.rmtree(os.path.join(save, "iter_0000006"))
+    return save, read_json_log(log)
+
+
+def test_an_moe_run_resumes_to_the_last_bit(saved, tmp_path):
+    save, full = saved
+    log = str(tmp_path / "res.jsonl")
+    _ok(pretrain(4, [*TINY, *MOE, *ITERS, "--pipeline-model-parallel-size", "2",
+                     "--zero-stage", "3", "--load", save, "--log-json", log]))
+    resumed = read_json_log(log)
+    for key in ("loss", "grad_norm", "moe"):
+        assert [m[key] for m in resumed] == [m[key] for m in full[3:]], key
+
+
+def test_an_moe_checkpoint_loads_at_another_layout_and_goes_on(saved, tmp_path):
+    """PP 2 x DP 2 at ZeRO 3 -> one process at ZeRO 1: the same curve within 1e-5."""
+    save, full = saved
+    log = str(tmp_path / "one.jsonl")
+    _ok(pretrain(1, [*TINY, *MOE, *ITERS, "--zero-stage", "1", "--load", save,
+                     "--log-json", log]))
+    for got, want in zip(read_json_log(log), full[3:], strict=True):
+        assert abs(got["loss"] - want["loss"]) <= 1e-5 * want["loss"]
+        assert abs(got["grad_norm"] - want["grad_norm"]) <= 1e-5 * want["grad_norm"]
+
+
+def test_a_dense_checkpoint_and_an_moe_model_do_not_mix(saved, tmp_path):
+    """The MoE checkpoint into a dense model, and a dense one into the MoE model: exit 2,
+    one line naming the parameters and --num-experts."""
+    save, _ = saved
+    dense = [*TINY, "--num-layers", "4", "--global-batch-size", "8", *ITERS]
+    r = pretrain(1, [*dense, "--load", save])
+    assert r.returncode == 2 and "checkpoint is for a different model (it has " \
+        "['blocks.1.mlp.experts.fc', " in r.stderr and "check --num-experts" in r.stderr, r.stderr
+    dense_save = str(tmp_path / "dense")
+    _ok(pretrain(1, [*dense, "--train-iters", "1", "--save", dense_save]))
+    r = pretrain(1, [*TINY, *MOE, *ITERS, "--load", dense_save])
+    assert r.returncode == 2 and "lacks ['blocks.1.mlp.experts.fc', " in r.stderr \
+        and "check --num-experts" in r.stderr, r.stderr
+
+
+BIAS = ["--moe-router-score-function", "sigmoid", "--moe-router-enable-expert-bias",
+        "--moe-router-bias-update-rate", "0.05"]
+
+
+def test_the_expert_bias_is_saved_and_restored(saved, tmp_path):
+    """Saved at 3 of 6 at PP 2 x DP 2, resumed there and at one process: the same curve
+    (the bias moved the routing: without it restored the token counts part at once);
+    the checkpoint without a bias into a run that keeps one: exit 2, named."""
+    save, log = str(tmp_path / "ckpt"), str(tmp_path / "full.jsonl")
+    pp2 = ["--pipeline-model-parallel-size", "2", "--zero-stage", "1"]
+    _ok(pretrain(4, [*TINY, *MOE, *ITERS, *BIAS, *pp2, "--save", save, "--save-interval",
+                     "3", "--log-json", log]))
+    full = read_json_log(log)
+    os.remove(os.path.join(save, "latest"))
+    shutil.rmtree(os.path.join(save, "iter_0000006"))
+    with open(os.path.join(save, "iter_0000003", "metadata.json")) as f:
+        biases = json.load(f)["buffers"]
+    assert sorted(biases) == [f"blocks.{i}.mlp.experts.router.expert_bias" for i in (1, 3)]
+    assert all(len(v) == 4 and any(v) for v in biases.values())
+    for world, flags, name in ((4, pp2, "pp2"), (1, [], "one")):
+        out = str(tmp_path / f"{name}.jsonl")
+        _ok(pretrain(world, [*TINY, *MOE, *ITERS, *BIAS, *flags, "--load", save,
+                             "--log-json", out]))
+        resumed = read_json_log(out)
+        for got, want in zip(resumed, full[3:], strict=True):
+            assert abs(got["loss"] - want["loss"]) <= 1e-6 * want["loss"], name
+            for layer, numbers in want["moe"].items():  # (counts exact, losses rounded)
+                assert got["moe"][layer] == pytest.approx(numbers, rel=1e-6), (name, layer)
+        if name == "pp2":  # the same layout: to the last bit
+            assert [m["moe"] for m in resumed] == [m["moe"] for m in full[3:]]
+    r = pretrain(1, [*TINY, *MOE, *ITERS, *BIAS, "--load", saved[0]])
+    assert r.returncode == 2 and "mlp.experts.router.expert_bias (the run saved no expert " \
+        "bias)" in r.stderr, r.stderr[-2000:]
