@@ -8,7 +8,8 @@ Writes ``OUT_DIR/config.json`` and ``OUT_DIR/model.safetensors``: a
 Llama-shaped one (``--normalization RMSNorm --swiglu --position-embedding-type
 rope``, with or without GQA, untied output and biases), a ``Qwen2ForCausalLM``
 for a Llama-shaped one with Qwen2's biases (``--disable-bias-linear
---add-qkv-bias``: q, k and v only), which
+--add-qkv-bias``: q, k and v only), a ``MixtralForCausalLM`` for a Llama-shaped one
+with MoE layers (``--num-experts``, every layer, no shared expert), which
 ``transformers.AutoModelForCausalLM.from_pretrained(OUT_DIR)`` loads. A Llama or
 Qwen2 export leaves ``bos_token_id`` / ``eos_token_id`` unset: hybrid does not
 know the tokenizer's special ids. Needs the ``safetensors`` package (``pip
@@ -28,6 +29,7 @@ from hybrid.config.model import ModelConfig
 from hybrid.errors import CheckpointError
 from hybrid.hf.gpt2 import hf_config, to_hf
 from hybrid.hf.llama import llama_hf_config, qwen2_hf_config, to_hf_llama
+from hybrid.hf.mixtral import mixtral_hf_config, to_hf_mixtral
 
 
 def main(argv=None) -> int:
@@ -52,6 +54,8 @@ def main(argv=None) -> int:
             # the MLP width the model was built with (the flag may be unset: 4 x hidden)
             cfg = dict(cfg, ffn_hidden_size=ModelConfig.from_flags(cfg).ffn_hidden_size)
             kind, config = "GPT-2", hf_config(cfg, vocab)
+        elif cfg.get("num_experts"):  # MoE layers: a Mixtral, or refused naming the flag
+            kind, config = "Mixtral", mixtral_hf_config(cfg, vocab)
         elif is_qwen2(fields):  # biases on q, k and v only
             kind, config = "Qwen2", qwen2_hf_config(cfg, vocab)
         else:  # CheckpointError naming the flags when it is not a Llama either
@@ -59,6 +63,8 @@ def main(argv=None) -> int:
         weights = {n: s["master"] for n, s in params}
         if kind == "GPT-2":  # HF ties lm_head to wte, so only the embedding is stored
             tensors = to_hf(weights, cfg["num_layers"], cfg["num_attention_heads"], vocab)
+        elif kind == "Mixtral":
+            tensors = to_hf_mixtral(weights, cfg, vocab)
         else:
             tensors = to_hf_llama(weights, cfg, vocab)  # Qwen2 names its weights as Llama
     except CheckpointError as e:

@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Turn a Hugging Face GPT-2, Llama or Qwen2 model directory on disk into a hybrid checkpoint.
+"""Turn a Hugging Face GPT-2, Llama, Qwen2 or Mixtral model directory into a hybrid checkpoint.
 
     python scripts/import_hf.py HF_DIR SAVE_DIR
     bash scripts/pretrain_gpt.sh --load SAVE_DIR --num-layers ... (the flags it prints)
@@ -12,7 +12,10 @@ into any TP x DP x ZeRO layout. Prints the flags that match the model: for a
 ``--normalization RMSNorm --swiglu --position-embedding-type rope`` and, as the
 model has them, ``--group-query-attention``, ``--untie-embeddings-and-output-
 weights`` and ``--disable-bias-linear``; a ``Qwen2ForCausalLM`` (``model_type``
-qwen2, Qwen2 and Qwen2.5) adds ``--disable-bias-linear --add-qkv-bias``.
+qwen2, Qwen2 and Qwen2.5) adds ``--disable-bias-linear --add-qkv-bias``; a
+``MixtralForCausalLM`` (``model_type`` mixtral) is a Llama with ``--num-experts
+--moe-router-topk --moe-ffn-hidden-size`` (and ``--moe-aux-loss-coeff`` when it trains
+with its router loss).
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from hybrid.checkpoint.save import write_unsharded_checkpoint
 from hybrid.errors import CheckpointError
 from hybrid.hf.gpt2 import from_hf
 from hybrid.hf.llama import from_hf_llama, llama_flags, qwen2_flags
+from hybrid.hf.mixtral import from_hf_mixtral, mixtral_flags
 
 
 def _read_weights(hf_dir: str) -> dict:
@@ -94,8 +98,12 @@ def main(argv=None) -> int:
         elif kind in ("llama", "qwen2"):  # refuse what hybrid cannot express, before reading
             flags = llama_flags(hc) if kind == "llama" else qwen2_flags(hc)
             model = from_hf_llama(_read_weights(a.hf_dir), hc)
+        elif kind == "mixtral":
+            flags = mixtral_flags(hc)
+            model = from_hf_mixtral(_read_weights(a.hf_dir), hc)
         else:
-            raise CheckpointError(f"{path}: model_type {kind!r}, expected gpt2, llama or qwen2")
+            raise CheckpointError(f"{path}: model_type {kind!r}, expected gpt2, llama, qwen2 "
+                                  f"or mixtral")
         out = write_unsharded_checkpoint(a.save_dir, model, flags, hc["vocab_size"])
     except CheckpointError as e:
         print(f"import_hf.py: error: {e}", file=sys.stderr)

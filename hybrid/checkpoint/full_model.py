@@ -31,10 +31,15 @@ def saved_model_config(meta: dict) -> ModelConfig:
     return ModelConfig.from_flags(meta["config"]).with_vocab_size(meta["vocab_size"])
 
 
-def load_full_weights(model: GPT, weights: dict[str, torch.Tensor]) -> GPT:
+def load_full_weights(model: GPT, weights: dict[str, torch.Tensor],
+                      buffers: dict[str, list[float]] | None = None) -> GPT:
     """Load full (unsharded) ``weights`` into a TP-1 ``model``; the vocabulary
-    parameters may have any number of padding rows."""
-    sd = {}
+    parameters may have any number of padding rows. ``buffers``: a checkpoint's saved
+    buffers (metadata ``"buffers"``: the MoE routers' expert biases), by name; a buffer
+    not there keeps the model's own value."""
+    sd: dict[str, torch.Tensor] = {
+        name: (torch.tensor(buffers[name], dtype=b.dtype) if buffers and name in buffers
+               else b) for name, b in model.named_buffers()}
     vocab = model.cfg.vocab_size
     assert vocab is not None  # (a built GPT knows its vocabulary)
     for name, p in model.named_parameters():
@@ -64,5 +69,5 @@ def load_full_model(ckpt: str, device: str | torch.device = "cpu") -> tuple[GPT,
     model = GPT(cfg, ParallelState.single().tp_group, device="meta")
     model.to_empty(device="cpu")
     model.init_buffers("cpu")
-    load_full_weights(model, weights)
+    load_full_weights(model, weights, meta.get("buffers"))
     return model.to(device).eval(), c

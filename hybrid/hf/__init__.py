@@ -2,4 +2,5 @@
 
 * :mod:`.gpt2`  GPT-2 <-> hybrid's GPT; dispatches Llama/Qwen2 configs to :mod:`.llama`
 * :mod:`.llama` Llama and Qwen2 <-> hybrid's GPT with the Llama-family options
+* :mod:`.mixtral` Mixtral <-> hybrid's Llama-shaped GPT with MoE layers
 """

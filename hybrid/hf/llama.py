@@ -48,10 +48,12 @@ def _kinds(bias: bool) -> tuple[str, ...]:
     return ("weight", "bias") if bias else ("weight",)
 
 
-def to_hf_llama(model: dict[str, torch.Tensor], c: dict,
-                vocab_size: int) -> dict[str, torch.Tensor]:
+def to_hf_llama(model: dict[str, torch.Tensor], c: dict, vocab_size: int,
+                dense_mlp: bool = True) -> dict[str, torch.Tensor]:
     """hybrid state (full tensors) with saved config ``c`` -> ``LlamaForCausalLM`` state
-    (``Qwen2ForCausalLM``'s too: the same names, q/k/v biases with --add-qkv-bias)."""
+    (``Qwen2ForCausalLM``'s too: the same names, q/k/v biases with --add-qkv-bias).
+    ``dense_mlp`` False: the blocks' MLPs are left out (a Mixtral's experts,
+    :mod:`hybrid.hf.mixtral`)."""
     f = architecture_fields(c)
     qkv_bias, bias = f["add_bias_linear"] or f["add_qkv_bias"], f["add_bias_linear"]
     heads = c["num_attention_heads"]
@@ -70,6 +72,8 @@ def to_hf_llama(model: dict[str, torch.Tensor], c: dict,
                 out[f"{dst}self_attn.{name}_proj.{kind}"] = t
         for kind in _kinds(bias):
             out[f"{dst}self_attn.o_proj.{kind}"] = model[f"{src}attn.proj.{kind}"]
+            if not dense_mlp:
+                continue
             gate, up = model[f"{src}mlp.fc.{kind}"]  # (2, F, ...)
             out[f"{dst}mlp.gate_proj.{kind}"] = gate
             out[f"{dst}mlp.up_proj.{kind}"] = up
@@ -87,9 +91,11 @@ def _tied(hc: dict) -> bool:
     return bool(hc.get("tie_word_embeddings", False))
 
 
-def from_hf_llama(hf: dict[str, torch.Tensor], hc: dict) -> dict[str, torch.Tensor]:
+def from_hf_llama(hf: dict[str, torch.Tensor], hc: dict,
+                  dense_mlp: bool = True) -> dict[str, torch.Tensor]:
     """``LlamaForCausalLM`` or ``Qwen2ForCausalLM`` state dict with ``config.json``
-    ``hc`` -> hybrid state (unpadded vocabulary, fp32)."""
+    ``hc`` -> hybrid state (unpadded vocabulary, fp32). ``dense_mlp`` False: the
+    layers' MLPs are left out (a Mixtral's experts, :mod:`hybrid.hf.mixtral`)."""
     groups = hc.get("num_key_value_heads") or hc["num_attention_heads"]
     # Qwen2: q/k/v always have a bias, o_proj and the MLP never
     bias = bool(hc.get("attention_bias", False)) and not _is_qwen2(hc)
@@ -113,6 +119,8 @@ def from_hf_llama(hf: dict[str, torch.Tensor], hc: dict) -> dict[str, torch.Tens
             out[f"{dst}attn.qkv.{kind}"] = _qkv_from_hf(q, k, v, groups)
         for kind in _kinds(bias):
             out[f"{dst}attn.proj.{kind}"] = get(f"{src}self_attn.o_proj.{kind}")
+            if not dense_mlp:
+                continue
             out[f"{dst}mlp.fc.{kind}"] = torch.stack([get(f"{src}mlp.gate_proj.{kind}"),
                                                       get(f"{src}mlp.up_proj.{kind}")])
             out[f"{dst}mlp.proj.{kind}"] = get(f"{src}mlp.down_proj.{kind}")
