@@ -24,6 +24,24 @@ flows through, in stage order; its first and last rank form the embedding group 
 tied word embedding lives on both). With CP 1 the DP x CP groups are the DP groups; with
 PP 1 every rank is a whole pipeline and the ranks and groups are those of TP x CP x DP.
 
+[Note: the expert layout]
+The MoE layers lay the same ranks out again (Megatron's parallel folding,
+:class:`ExpertLayout`): within each pipeline stage, expert-tensor-parallel ranks
+adjacent, then expert-parallel, then expert-data-parallel (what is left); PP outermost
+as above, so a stage holds the same ranks in both layouts::
+
+    global rank = ((pp_rank * edp_size + edp_rank) * ep_size + ep_rank) * etp_size + etp_rank
+
+    world 8, ETP 1, EP 4:  EP groups   [0,1,2,3] [4,5,6,7]   (each holds every expert once)
+                           EDP groups  [0,4] [1,5] [2,6] [3,7]  (the same experts)
+
+An EP group holds the ranks the experts are split over (tokens go to their expert's rank
+by all-to-all within it); an EDP group the ranks holding the same experts (their
+gradients are reduced, and ZeRO shards them, over it); ETP x EP the ranks one MoE
+layer's tokens move between. It is megatron-core's ``RankGenerator(tp=ETP, ep=EP,
+dp=EDP, pp=PP, cp=1, order="tp-cp-ep-dp-pp")`` (tests/parallel/test_expert_layout.py
+holds the two equal on many settings).
+
 Group listings cost O(world) and one rank's own group O(its size), whatever the kind
 (:meth:`Layout.groups`, :meth:`Layout.group_of`). :mod:`hybrid.config` checks a command
 line against the layout before any worker starts; :mod:`hybrid.parallel.state` builds the
@@ -40,6 +58,8 @@ from hybrid.errors import ConfigError
 
 # Group kinds by the coordinates their members differ in (t: TP, c: CP, d: DP, p: PP).
 KINDS = {"tp": "t", "cp": "c", "dp": "d", "dp_cp": "cd", "pp": "p"}
+# The expert layout's kinds (t: ETP, e: EP, d: EDP, p: PP; the note above).
+EXPERT_KINDS = {"etp": "t", "ep": "e", "edp": "d", "etp_ep": "te", "pp": "p"}
 
 
 def check_layout(world_size: int, tensor_model_parallel_size: int,
@@ -76,8 +96,59 @@ class Coords(NamedTuple):
     pp: int
 
 
+class _Grid:
+    """Ranks as a grid of coordinates, the first of ``DIMS`` innermost (adjacent ranks):
+    the group arithmetic both layouts share. A subclass gives ``DIMS`` (one letter per
+    coordinate, inner to outer), ``KINDS`` (kind: the letters its members differ in) and
+    :meth:`_sizes` (letter: size)."""
+
+    DIMS: str
+    KINDS: dict[str, str]
+
+    @property
+    def _sizes(self) -> dict[str, int]:
+        raise NotImplementedError
+
+    @property
+    def _strides(self) -> dict[str, int]:
+        out, stride = {}, 1
+        for d in self.DIMS:
+            out[d] = stride
+            stride *= self._sizes[d]
+        return out
+
+    def _coords(self, rank: int) -> dict[str, int]:
+        sizes, strides = self._sizes, self._strides
+        return {d: rank // strides[d] % sizes[d] for d in self.DIMS}
+
+    def _offsets(self, vary: str) -> list[int]:
+        """Rank offsets of a group's members from its first, in ascending order."""
+        sizes, strides = self._sizes, self._strides
+        dims = sorted(vary, key=lambda d: strides[d], reverse=True)  # outermost first
+        return [sum(k * strides[d] for k, d in zip(ks, dims))
+                for ks in itertools.product(*(range(sizes[d]) for d in dims))]
+
+    def group_of(self, kind: str, rank: int) -> list[int]:
+        """The global ranks of ``rank``'s group of ``kind`` (the class's ``KINDS``) in
+        group-rank order: O(group size)."""
+        vary = self.KINDS[kind]
+        c = self._coords(rank)
+        first = rank - sum(c[d] * self._strides[d] for d in vary)
+        return [first + o for o in self._offsets(vary)]
+
+    def groups(self, kind: str) -> list[list[int]]:
+        """Every group of ``kind`` (the class's ``KINDS``), ordered by their first rank;
+        together they hold every rank once. O(world)."""
+        vary = self.KINDS[kind]
+        fixed = "".join(d for d in self.DIMS if d not in vary)
+        offsets = self._offsets(vary)
+        firsts = sorted(sum(k * self._strides[d] for k, d in zip(ks, fixed))
+                        for ks in itertools.product(*(range(self._sizes[d]) for d in fixed)))
+        return [[f + o for o in offsets] for f in firsts]
+
+
 @dataclass(frozen=True)
-class Layout:
+class Layout(_Grid):
     """The layout of ``world_size`` ranks at TP x CP x PP (DP is what is left), checked.
 
     ``Layout(8, tp=2, pp=2).group_of("pp", 1) == [1, 5]``.
@@ -87,6 +158,9 @@ class Layout:
     tp: int = 1
     cp: int = 1
     pp: int = 1
+
+    DIMS = "tcdp"
+    KINDS = KINDS
 
     def __post_init__(self):
         check_layout(self.world_size, self.tp, self.cp, self.pp)
@@ -99,44 +173,14 @@ class Layout:
     def _sizes(self) -> dict[str, int]:
         return {"t": self.tp, "c": self.cp, "d": self.dp, "p": self.pp}
 
-    @property
-    def _strides(self) -> dict[str, int]:
-        return {"t": 1, "c": self.tp, "d": self.tp * self.cp, "p": self.tp * self.cp * self.dp}
-
     def rank_of(self, tp: int = 0, cp: int = 0, dp: int = 0, pp: int = 0) -> int:
         """The global rank at these coordinates (the module's formula)."""
         return ((pp * self.dp + dp) * self.cp + cp) * self.tp + tp
 
     def coords_of(self, rank: int) -> Coords:
         """(tp, cp, dp, pp) of a global rank."""
-        s = self._strides
-        return Coords(rank % self.tp, rank // s["c"] % self.cp, rank // s["d"] % self.dp,
-                      rank // s["p"])
-
-    def _offsets(self, vary: str) -> list[int]:
-        """Rank offsets of a group's members from its first, in ascending order."""
-        sizes, strides = self._sizes, self._strides
-        dims = sorted(vary, key=lambda d: strides[d], reverse=True)  # outermost first
-        return [sum(k * strides[d] for k, d in zip(ks, dims))
-                for ks in itertools.product(*(range(sizes[d]) for d in dims))]
-
-    def group_of(self, kind: str, rank: int) -> list[int]:
-        """The global ranks of ``rank``'s group of ``kind`` (:data:`KINDS`) in group-rank
-        order: O(group size)."""
-        vary = KINDS[kind]
-        c = dict(zip("tcdp", self.coords_of(rank)))
-        first = rank - sum(c[d] * self._strides[d] for d in vary)
-        return [first + o for o in self._offsets(vary)]
-
-    def groups(self, kind: str) -> list[list[int]]:
-        """Every group of ``kind`` (:data:`KINDS`), ordered by their first rank; together they
-        hold every rank once. O(world)."""
-        vary = KINDS[kind]
-        fixed = "".join(d for d in "tcdp" if d not in vary)
-        offsets = self._offsets(vary)
-        firsts = sorted(sum(k * self._strides[d] for k, d in zip(ks, fixed))
-                        for ks in itertools.product(*(range(self._sizes[d]) for d in fixed)))
-        return [[f + o for o in offsets] for f in firsts]
+        c = self._coords(rank)
+        return Coords(c["t"], c["c"], c["d"], c["p"])
 
     def embedding_group_of(self, rank: int) -> list[int]:
         """The first and last stage ranks of ``rank``'s PP group (one rank at PP 1). A rank
@@ -156,6 +200,65 @@ class Layout:
         g = self.group_of("pp", rank)
         i = g.index(rank)
         return g[(i - 1) % len(g)], g[(i + 1) % len(g)]
+
+
+class ExpertCoords(NamedTuple):
+    """Where a rank sits in the expert layout: its rank in its ETP, EP, EDP and PP
+    groups."""
+
+    etp: int
+    ep: int
+    edp: int
+    pp: int
+
+
+def check_expert_layout(world_size: int, etp: int, ep: int, pp: int = 1) -> int:
+    """The expert-data-parallel size, or a ConfigError naming the flags to change."""
+    for flag, size in (("--expert-tensor-parallel-size", etp),
+                       ("--expert-model-parallel-size", ep)):
+        if size < 1:
+            raise ConfigError(f"{flag} must be >= 1, got {size}")
+    stage = world_size // pp
+    if stage % (etp * ep):
+        divisors = ", ".join(str(d) for d in range(1, stage + 1) if stage % d == 0)
+        raise ConfigError(f"--expert-tensor-parallel-size {etp} x --expert-model-parallel-size "
+                          f"{ep} = {etp * ep} does not divide a pipeline stage's {stage} ranks "
+                          f"(the world size {world_size} / --pipeline-model-parallel-size "
+                          f"{pp}): use one of {divisors}")
+    return stage // (etp * ep)
+
+
+@dataclass(frozen=True)
+class ExpertLayout(_Grid):
+    """The MoE layers' layout of ``world_size`` ranks at ETP x EP x PP (EDP is what is
+    left), checked ([Note: the expert layout]).
+
+    ``ExpertLayout(8, ep=4).group_of("edp", 1) == [1, 5]``.
+    """
+
+    world_size: int
+    etp: int = 1
+    ep: int = 1
+    pp: int = 1
+
+    DIMS = "tedp"
+    KINDS = EXPERT_KINDS
+
+    def __post_init__(self):
+        check_expert_layout(self.world_size, self.etp, self.ep, self.pp)
+
+    @property
+    def edp(self) -> int:
+        return self.world_size // (self.etp * self.ep * self.pp)
+
+    @property
+    def _sizes(self) -> dict[str, int]:
+        return {"t": self.etp, "e": self.ep, "d": self.edp, "p": self.pp}
+
+    def coords_of(self, rank: int) -> ExpertCoords:
+        """(etp, ep, edp, pp) of a global rank."""
+        c = self._coords(rank)
+        return ExpertCoords(c["t"], c["e"], c["d"], c["p"])
 
 
 def rank_of(tp_rank: int, cp_rank: int, dp_rank: int, tp_size: int, cp_size: int,

@@ -14,6 +14,7 @@ from __future__ import annotations
 import datetime
 import os
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -21,7 +22,7 @@ import torch.distributed as dist
 
 from hybrid.diagnostics.recorder import FlightRecorder, backstop
 from hybrid.parallel.comm import CommGroup, CommStats
-from hybrid.parallel.layout import Layout
+from hybrid.parallel.layout import ExpertLayout, Layout
 from hybrid.parallel.teardown import teardown_at_exit
 
 
@@ -48,6 +49,13 @@ class ParallelState:
     return at once, so a caller need not ask first (:attr:`in_embedding_group` says when
     it matters). At PP 1 ``pp_group`` is this rank alone too; neither makes a process
     group then, and the ranks and other groups are exactly those of TP x CP x DP.
+
+    Expert parallelism (the MoE layers' layout, :class:`hybrid.parallel.layout.ExpertLayout`):
+    ``ep_group`` holds the ranks one MoE layer's experts are split over (tokens reach
+    their experts' ranks by all-to-all within it), ``edp_group`` the ranks holding the
+    same experts (their gradients are reduced, and ZeRO shards them, over it). At EP 1
+    ``ep_group`` is this rank alone and ``edp_group`` is ``dp_cp_group`` itself: no
+    extra process group.
     """
 
     world_size: int
@@ -64,6 +72,16 @@ class ParallelState:
     dp_cp_group: CommGroup = field(repr=False)
     pp_group: CommGroup = field(repr=False)
     embedding_group: CommGroup = field(repr=False)
+    ep_group: CommGroup = field(repr=False)
+    edp_group: CommGroup = field(repr=False)
+
+    @property
+    def ep_size(self) -> int:
+        return self.ep_group.size
+
+    @property
+    def ep_rank(self) -> int:
+        return self.ep_group.rank
 
     @property
     def tp_size(self) -> int:
@@ -135,10 +153,12 @@ class ParallelState:
         timeout = datetime.timedelta(minutes=10)
         rec = FlightRecorder(0, 1, None, timeout, dump_dir=dump_dir,
                              check_collectives=check_collectives)
-        tp, dp, world, cp, pp, emb = (CommGroup(n, None, [0], 0, stats, timeout, rec)
-                                      for n in ("tp", "dp", "world", "cp", "pp", "embedding"))
+        tp, dp, world, cp, pp, emb, ep = (CommGroup(n, None, [0], 0, stats, timeout, rec)
+                                          for n in ("tp", "dp", "world", "cp", "pp",
+                                                    "embedding", "ep"))
         return cls(1, 0, tp, dp, world, torch.device(device), "none", timeout, stats, rec,
-                   cp_group=cp, dp_cp_group=dp, pp_group=pp, embedding_group=emb)
+                   cp_group=cp, dp_cp_group=dp, pp_group=pp, embedding_group=emb,
+                   ep_group=ep, edp_group=dp)
 
     @classmethod
     def build(cls, tensor_model_parallel_size: int,
@@ -147,8 +167,11 @@ class ParallelState:
               watch: bool | None = None, dump_dir: str | None = None,
               check_collectives: bool = False,
               context_parallel_size: int = 1,
-              pipeline_model_parallel_size: int = 1) -> ParallelState:
-        """Create the TP, CP, DP and PP groups of an initialized default process group.
+              pipeline_model_parallel_size: int = 1,
+              expert_model_parallel_size: int = 1) -> ParallelState:
+        """Create the TP, CP, DP and PP groups of an initialized default process group, and
+        the expert groups (EP > 1: at TP 1 and CP 1, the layouts expert parallelism runs at
+        so far).
 
         Every rank must call this with the same arguments. Group creation is local to
         each group: a rank creates only the groups it belongs to, one per kind, with
@@ -170,12 +193,17 @@ class ParallelState:
         configure the flight recorder (:mod:`hybrid.diagnostics.recorder`).
         """
         tp, cp = tensor_model_parallel_size, context_parallel_size
-        pp = pipeline_model_parallel_size
+        pp, ep = pipeline_model_parallel_size, expert_model_parallel_size
+        if ep > 1 and (tp > 1 or cp > 1):
+            raise ValueError(f"expert parallelism (EP {ep}) runs at TP 1 and CP 1 so far, "
+                             f"not TP {tp} x CP {cp}")
         if not dist.is_initialized():
             Layout(1, tp, cp, pp)  # (the check: sizes above 1 do not fit one process)
+            ExpertLayout(1, 1, ep, pp)
             return cls.single(device or "cpu", dump_dir, check_collectives)
         world, rank = dist.get_world_size(), dist.get_rank()
         layout = Layout(world, tp, cp, pp)
+        experts = ExpertLayout(world, 1, ep, pp)
         backend = dist.get_backend()
         if device is None:
             device = _default_device(backend)
@@ -193,7 +221,14 @@ class ParallelState:
         mine = {k: layout.group_of(k, rank) for k in kinds}
         if pp > 1:  # a middle stage's is itself alone (see _create_groups)
             mine["embedding"] = layout.embedding_group_of(rank)
-        pgs = _create_groups(layout, mine, group_timeout, device)
+        if ep > 1:
+            mine.update((k, experts.group_of(k, rank)) for k in ("ep", "edp"))
+
+        def every(kind: str) -> list[list[int]]:
+            if kind == "embedding":
+                return layout.embedding_groups()
+            return experts.groups(kind) if kind in ("ep", "edp") else layout.groups(kind)
+        pgs = _create_groups(every, mine, group_timeout, device)
         groups = {k: CommGroup(k, pgs[k], mine[k], rank, stats, timeout, rec)
                   for k in mine if len(mine[k]) > 1 or k != "embedding"}
         tp_group, dp_group = groups["tp"], groups["dp"]
@@ -206,9 +241,12 @@ class ParallelState:
             "embedding")
         world_group = CommGroup("world", dist.group.WORLD, list(range(world)), rank, stats,
                                 timeout, rec)
+        # EP 1: this rank alone, and the experts' data-parallel group is DP x CP
+        ep_group = groups["ep"] if ep > 1 else alone("ep")
+        edp_group = groups["edp"] if ep > 1 else dp_cp_group
         rec.start()
         return cls(world, rank, tp_group, dp_group, world_group, device, backend, timeout, stats,
-                   rec, cp_group, dp_cp_group, pp_group, embedding_group)
+                   rec, cp_group, dp_cp_group, pp_group, embedding_group, ep_group, edp_group)
 
     def close(self) -> None:
         """Stop the flight recorder's heartbeat (the process groups stay)."""
@@ -221,7 +259,8 @@ class ParallelState:
         the last reference): see :mod:`hybrid.parallel.teardown`."""
         self.close()
         for g in (self.tp_group, self.dp_group, self.cp_group, self.dp_cp_group,
-                  self.pp_group, self.embedding_group, self.world_group):
+                  self.pp_group, self.embedding_group, self.world_group, self.ep_group,
+                  self.edp_group):
             g.release()
 
     def describe(self) -> str:
@@ -239,13 +278,18 @@ class ParallelState:
         if p > 1:
             out += (f"\n  PP groups: {layout.groups('pp')}"
                     f"\n  embedding groups: {layout.embedding_groups()}")
+        if self.ep_size > 1:
+            experts = ExpertLayout(w, 1, self.ep_size, p)
+            out += (f"\n  EP groups: {experts.groups('ep')}"
+                    f"\n  expert DP groups: {experts.groups('edp')}")
         return out
 
 
-def _create_groups(layout: Layout, mine: dict[str, list[int]],
+def _create_groups(every: Callable[[str], list[list[int]]], mine: dict[str, list[int]],
                    timeout: datetime.timedelta, device: torch.device) -> dict[str, object]:
     """This rank's process group of each kind in ``mine`` (kind: its ranks, in the same
-    kind order on every rank), made by its members alone.
+    kind order on every rank), made by its members alone; ``every(kind)``: all the groups
+    of a kind (the fallback below creates them all).
 
     ``dist.new_group(ranks, use_local_synchronization=True)`` is called by the members of
     ``ranks`` only (a non-member returning at once is what makes it O(1) calls per kind).
@@ -281,8 +325,7 @@ def _create_groups(layout: Layout, mine: dict[str, list[int]],
                       stacklevel=3)
     pgs: dict[str, object] = {}
     for kind, ranks in mine.items():
-        every = layout.embedding_groups() if kind == "embedding" else layout.groups(kind)
-        for group in every:  # (the same order on every rank: the call is collective)
+        for group in every(kind):  # (the same order on every rank: the call is collective)
             pg = dist.new_group(group, timeout=timeout)
             if group == ranks:
                 pgs[kind] = pg
@@ -314,7 +357,8 @@ def init_distributed(tensor_model_parallel_size: int, timeout_minutes: float = 1
                      backend: str | None = None, dump_dir: str | None = None,
                      check_collectives: bool = False,
                      context_parallel_size: int = 1,
-                     pipeline_model_parallel_size: int = 1) -> ParallelState:
+                     pipeline_model_parallel_size: int = 1,
+                     expert_model_parallel_size: int = 1) -> ParallelState:
     """Join the job torchrun started (env RANK/WORLD_SIZE/MASTER_ADDR...) and build groups.
 
     Picks nccl + cuda:LOCAL_RANK when a GPU exists, gloo + cpu otherwise. A
@@ -345,7 +389,8 @@ def init_distributed(tensor_model_parallel_size: int, timeout_minutes: float = 1
     ps = ParallelState.build(tensor_model_parallel_size, timeout, device, store,
                              dump_dir=dump_dir, check_collectives=check_collectives,
                              context_parallel_size=context_parallel_size,
-                             pipeline_model_parallel_size=pipeline_model_parallel_size)
+                             pipeline_model_parallel_size=pipeline_model_parallel_size,
+                             expert_model_parallel_size=expert_model_parallel_size)
     # the groups go before the interpreter does, unless the program ends them first
     # (a gloo thread left behind can abort a finished run: hybrid/parallel/teardown.py)
     teardown_at_exit(ps)

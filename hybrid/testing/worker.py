@@ -97,14 +97,17 @@ class _Layouts:
         from hybrid.parallel.comm import CommGroup, CommStats
         from hybrid.parallel.state import ParallelState
 
-        tp, cp, pp = (*layout, 1, 1)[:3] if isinstance(layout, tuple) else (layout, 1, 1)
-        if (tp, cp, pp) not in self.built:  # collective: every rank sees the same calls in order
+        tp, cp, pp, ep = ((*layout, 1, 1, 1)[:4] if isinstance(layout, tuple)
+                          else (layout, 1, 1, 1))
+        key = (tp, cp, pp, ep)
+        if key not in self.built:  # collective: every rank sees the same calls in order
             _barrier(self.store, f"hybrid/pool/layout_{call_id}", dist.get_world_size())
-            self.built[tp, cp, pp] = ParallelState.build(tp, timeout=self.timeout,
-                                                         device=torch.device("cpu"),
-                                                         context_parallel_size=cp,
-                                                         pipeline_model_parallel_size=pp)
-        base, stats = self.built[tp, cp, pp], CommStats()
+            self.built[key] = ParallelState.build(tp, timeout=self.timeout,
+                                                  device=torch.device("cpu"),
+                                                  context_parallel_size=cp,
+                                                  pipeline_model_parallel_size=pp,
+                                                  expert_model_parallel_size=ep)
+        base, stats = self.built[key], CommStats()
         prefix = f"hybrid/call_{call_id}"
         rec = FlightRecorder(base.rank, base.world_size, dist.PrefixStore(prefix, self.store),
                              self.timeout, connections=tuple(
@@ -114,11 +117,13 @@ class _Layouts:
             return CommGroup(g.name, g.pg, g.ranks, g.global_rank, stats, g.timeout, rec)
 
         dp = fresh(base.dp_group)
+        dp_cp = dp if cp == 1 else fresh(base.dp_cp_group)
         ps = dataclasses.replace(base, tp_group=fresh(base.tp_group), dp_group=dp,
-                                 cp_group=fresh(base.cp_group),
-                                 dp_cp_group=dp if cp == 1 else fresh(base.dp_cp_group),
+                                 cp_group=fresh(base.cp_group), dp_cp_group=dp_cp,
                                  pp_group=fresh(base.pp_group),
                                  embedding_group=fresh(base.embedding_group),
+                                 ep_group=fresh(base.ep_group),
+                                 edp_group=dp_cp if ep == 1 else fresh(base.edp_group),
                                  world_group=fresh(base.world_group), comm_stats=stats,
                                  recorder=rec)
         rec.start()
