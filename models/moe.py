@@ -50,6 +50,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hybrid.parallel.comm import CommGroup
+from hybrid.tensor_parallel.experts import run_experts, run_local
+from hybrid.tensor_parallel.sharding import mark_expert_split
+
 
 @dataclass(frozen=True)
 class Routing:
@@ -151,12 +155,18 @@ class MoE(nn.Module):
     and the rest are dropped (they add nothing; the residual carries the token), kept
     by ``drop_policy``: "probs", the largest gates, or "position", the earliest tokens;
     equal gates keep the earlier assignment. Megatron's ``--moe-expert-capacity-factor``
-    and ``--moe-token-drop-policy``."""
+    and ``--moe-token-drop-policy``.
+
+    ``ep_group``: the experts split over an expert-parallel group, this rank holding
+    experts ``[r E / EP, (r + 1) E / EP)`` (``fc`` and ``proj`` hold those, marked
+    ``ep_spec``); the router stays whole, and each assignment runs on its expert's rank
+    (:func:`hybrid.tensor_parallel.experts.run_experts`). None: every expert here."""
 
     def __init__(self, hidden: int, ffn: int, num_experts: int, top_k: int, *,
                  swiglu: bool = False, pre_softmax: bool = False, score: str = "softmax",
                  topk_scaling: float | None = None, capacity_factor: float | None = None,
-                 drop_policy: str = "probs", init_method_std: float = 0.02):
+                 drop_policy: str = "probs", init_method_std: float = 0.02,
+                 ep_group: CommGroup | None = None):
         super().__init__()
         if capacity_factor is not None and not capacity_factor > 0:
             raise ValueError(f"capacity_factor must be > 0 (None: dropless), got "
@@ -166,9 +176,19 @@ class MoE(nn.Module):
         parts = 2 if swiglu else 1
         self.swiglu, self.num_experts = swiglu, num_experts
         self.capacity_factor, self.drop_policy = capacity_factor, drop_policy
+        ep = ep_group.size if ep_group is not None else 1
+        if num_experts % ep:
+            raise ValueError(f"num_experts {num_experts} is not divisible by the "
+                             f"expert-parallel size {ep}")
+        self.ep = ep_group
+        local = num_experts // ep
         self.router = Router(hidden, num_experts, top_k, pre_softmax, score, topk_scaling)
-        self.fc = nn.Parameter(torch.empty(num_experts, parts * ffn, hidden))
-        self.proj = nn.Parameter(torch.empty(num_experts, hidden, ffn))
+        self.fc = nn.Parameter(torch.empty(local, parts * ffn, hidden))
+        self.proj = nn.Parameter(torch.empty(local, hidden, ffn))
+        if ep_group is not None and ep > 1:
+            rank = ep_group.rank
+            mark_expert_split(self.fc, (num_experts, parts * ffn, hidden), rank, ep)
+            mark_expert_split(self.proj, (num_experts, hidden, ffn), rank, ep)
         _init((self.router.weight, self.fc, self.proj), init_method_std)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, Routing]:
@@ -190,12 +210,10 @@ class MoE(nn.Module):
         order = assignments[torch.sort(flat[assignments], stable=True).indices]
         counts = torch.bincount(flat[order], minlength=self.num_experts)
         rows = tokens[order // k]
-        out = torch.empty_like(rows)
-        start = 0
-        for e, n in enumerate(counts.tolist()):
-            if n:
-                out[start: start + n] = self._expert(e, rows[start: start + n])
-            start += n
+        if self.ep is None or self.ep.size == 1:
+            out = run_local(rows, counts.tolist(), self._expert)
+        else:  # each assignment on its expert's rank, and back
+            out = run_experts(rows, counts, self.ep, self._expert)
         # 3. combine: back to (T, k) in gate order, each times its gate, summed in that order
         per_assignment = tokens.new_zeros(flat.numel(), shape[-1])
         per_assignment[order] = out

@@ -29,7 +29,8 @@ import torch.distributed as dist
 from hybrid.diagnostics.entry import Entry, short_path
 from hybrid.diagnostics.report import mismatch_message
 
-OPS = ("all_reduce", "reduce_scatter", "all_gather", "broadcast", "all_to_all", "ring_exchange")
+OPS = ("all_reduce", "reduce_scatter", "all_gather", "broadcast", "all_to_all", "ring_exchange",
+       "all_to_all_v")
 _DTYPES = ("float32", "float16", "bfloat16", "float64", "int64", "int32", "int16", "int8",
            "uint8", "bool")
 _REDUCE = {dist.ReduceOp.SUM: "sum", dist.ReduceOp.PRODUCT: "product",

@@ -33,6 +33,7 @@ without touching torch.distributed, so single-process code runs the same path.
 from __future__ import annotations
 
 import datetime
+import math
 import time
 from dataclasses import dataclass, field
 
@@ -265,6 +266,24 @@ class CommGroup:
                          lambda a=False: dist.all_to_all_single(out.view(-1), inp.reshape(-1),
                                                                 group=self.pg, async_op=a),
                          async_op)
+
+    def all_to_all_v(self, out: torch.Tensor, inp: torch.Tensor, out_splits: list[int],
+                     in_splits: list[int]) -> None:
+        """Send rows ``[sum(in_splits[:j]), + in_splits[j])`` of ``inp`` to group rank ``j``;
+        rows ``[sum(out_splits[:j]), + out_splits[j])`` of ``out`` are what rank ``j`` sent
+        here (an MoE layer's tokens to their experts' ranks: unequal counts, each pair
+        agreed before). Rows are dim 0; recorded with the ``(size,)`` send counts, which
+        every rank's fingerprint shapes alike."""
+        if self.size == 1:
+            out.copy_(inp.reshape(out.shape))
+            return None
+        row = math.prod(inp.shape[1:])  # (a rank may send no rows at all)
+        sent = (sum(in_splits) - in_splits[self.rank]) * row * inp.element_size()
+        counts = torch.tensor(in_splits, dtype=torch.int64)
+        return self._run("all_to_all_v", "all_to_all", sent, counts,
+                         lambda a=False: dist.all_to_all_single(
+                             out, inp, output_split_sizes=out_splits,
+                             input_split_sizes=in_splits, group=self.pg, async_op=a), False)
 
     def ring_exchange(self, out: torch.Tensor, inp: torch.Tensor, async_op: bool = False):
         """Send ``inp`` to the next group rank (``rank + 1`` mod size) and receive the

@@ -19,6 +19,8 @@
                             by block
 * :mod:`.ulysses_attention` all-to-all context parallelism (DeepSpeed-Ulysses): the sequence
                             split traded for a head split around attention
+* :mod:`.experts`           an MoE layer's experts split over the EP group: assignments to
+                            their expert's rank by all-to-all, and back
 """
 
 from hybrid.tensor_parallel.column_linear import column_parallel_linear

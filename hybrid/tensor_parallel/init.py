@@ -84,9 +84,10 @@ def local_values(seed: int, name: str, init: Init, param: torch.Tensor, lo: int,
                  hi: int) -> torch.Tensor:
     """Elements ``[lo, hi)`` of this rank's TP slice of ``param`` flattened, fp32 CPU.
 
-    ``param`` may live on the meta device: only its shape and ``tp_spec`` are read.
+    ``param`` may live on the meta device: only its shape and ``tp_spec`` are read (or,
+    for an MoE layer's experts split over EP, ``ep_spec``: the same kind of slice).
     """
-    spec = getattr(param, "tp_spec", None)
+    spec = getattr(param, "tp_spec", None) or getattr(param, "ep_spec", None)
     shape = tuple(spec.full_shape) if spec is not None else tuple(param.shape)
     tp, rank, dim = (spec.size, spec.rank, spec.dim) if spec is not None else (1, 0, 0)
     rows, cols = math.prod(shape[:dim]), math.prod(shape[dim:])

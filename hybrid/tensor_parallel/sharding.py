@@ -42,6 +42,15 @@ def mark_split(param: nn.Parameter, full_shape, dim: int, rank: int, size: int) 
     return param
 
 
+def mark_expert_split(param: nn.Parameter, full_shape, rank: int, size: int) -> nn.Parameter:
+    """``param`` holds experts ``[rank E / size, (rank + 1) E / size)`` of a ``full_shape``
+    tensor stacked expert first (an MoE layer's experts over the EP group):
+    ``param.ep_spec``, split along dim 0. Its initial values are the full tensor's
+    (:func:`hybrid.tensor_parallel.init.local_values`), so they do not depend on EP."""
+    param.ep_spec = ShardSpec(tuple(full_shape), 0, rank, size)  # type: ignore[attr-defined]
+    return param
+
+
 def is_tp_split(param: torch.Tensor) -> bool:
     """True when the parameter is a TP shard (its grads differ per TP rank)."""
     spec = getattr(param, "tp_spec", None)

@@ -1,0 +1,115 @@
+"""Experts split over the expert-parallel group: an MoE layer's assignments go to their
+expert's rank by all-to-all, run there, and come back (the middle step of
+:class:`models.moe.MoE`, [Note: three steps] there).
+
+    out = run_experts(rows, counts, ep_group, expert)   # rows: (N, C), sorted by expert
+
+``rows`` are this rank's ``N`` assignments' inputs sorted by global expert, stably (an
+expert's rows in token order); ``counts`` ``(E,)`` int64 how many each global expert got
+here. EP rank ``r`` holds experts ``[r E / EP, (r + 1) E / EP)``; ``expert(e, x)`` runs
+local expert ``e`` on its rows ``x``. The result is ``rows``' outputs, in ``rows``' order.
+
+[Note: the exchange]
+1. **Counts.** One all-to-all of the ``(E,)`` counts (equal chunks of ``E / EP``) tells
+   each rank how many rows each source rank sends for each of its experts,
+   ``recv[j, e]``; the splits go to the host (one sync: the next exchange's sizes must
+   be known there).
+2. **Rows.** An all-to-all of unequal splits: a source sends its rows sorted by expert,
+   so they arrive grouped by source rank, then by expert.
+3. **Compute.** Each local expert runs once on all its rows, taken in source-rank order
+   (one permutation, computed from the counts), so every expert sees its rows in the
+   same order whatever the timing; an expert with no rows is skipped (its weights get a
+   zero gradient).
+4. **Back.** The reverse all-to-all gives each rank its own rows' outputs, in its order.
+
+[Note: every rank joins the backward]
+A backward exchange runs on a rank only if autograd reaches it there, and every rank of
+the group must join it. A rank whose experts got no rows computes nothing from what it
+received: without care its graph would stop there, its backward skip the first
+exchange's reverse, and the other ranks wait for it until the timeout. So both
+exchanges take a 0-dim ``anchor`` that requires grad (the node is recorded whatever the
+rows), and an empty computation is kept on the path as ``x * 0``.
+
+Both all-to-alls are autograd functions whose backward is the reverse exchange; every
+exchange runs through the group's door (:class:`hybrid.parallel.comm.CommGroup`:
+counted, under the timeouts, in the flight recorder). A rank whose tokens all go
+elsewhere, or whose experts get none, still joins every exchange with empty splits. At
+EP 1 nothing is exchanged: the experts run in order on the rows as they are.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from hybrid.parallel.comm import CommGroup
+
+Expert = Callable[[int, torch.Tensor], torch.Tensor]
+
+
+class _AllToAll(torch.autograd.Function):
+    """Rows to the group's ranks by ``in_splits``, ``out_splits`` received; backward: the
+    reverse exchange. ``anchor``: a 0-dim tensor that requires grad ([Note: every rank
+    joins the backward])."""
+
+    @staticmethod
+    def forward(ctx, inp: torch.Tensor, anchor: torch.Tensor, group: CommGroup,
+                out_splits: list[int], in_splits: list[int]) -> torch.Tensor:
+        ctx.group, ctx.out_splits, ctx.in_splits = group, out_splits, in_splits
+        out = inp.new_empty((sum(out_splits), *inp.shape[1:]))
+        group.all_to_all_v(out, inp.contiguous(), out_splits, in_splits)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        back = grad.new_empty((sum(ctx.in_splits), *grad.shape[1:]))
+        ctx.group.all_to_all_v(back, grad.contiguous(), ctx.in_splits, ctx.out_splits)
+        return back, None, None, None, None
+
+
+def run_local(rows: torch.Tensor, counts: list[int], expert: Expert) -> torch.Tensor:
+    """Each expert on its run of ``rows`` (sorted by expert, ``counts`` per expert), in
+    expert order; an expert with no rows is skipped."""
+    out = torch.empty_like(rows)
+    start = 0
+    for e, n in enumerate(counts):
+        if n:
+            out[start: start + n] = expert(e, rows[start: start + n])
+        start += n
+    return out
+
+
+def run_experts(rows: torch.Tensor, counts: torch.Tensor, group: CommGroup,
+                expert: Expert) -> torch.Tensor:
+    """The outputs of ``rows`` from their experts, over the EP ``group`` (module doc)."""
+    ep, total = group.size, counts.numel()
+    if ep == 1:
+        return run_local(rows, counts.tolist(), expert)
+    if total % ep:
+        raise ValueError(f"{total} experts do not split over EP {ep}")
+    local = total // ep
+    # 1. counts: recv[j, e] rows source j sends for local expert e
+    recv = torch.empty_like(counts)
+    group.all_to_all(recv, counts.contiguous())
+    recv = recv.view(ep, local).cpu()
+    in_splits = counts.view(ep, local).sum(dim=1).tolist()
+    out_splits = recv.sum(dim=1).tolist()
+    # 2. rows, grouped by source rank, then by expert
+    anchor = torch.zeros((), device=rows.device, requires_grad=torch.is_grad_enabled())
+    got = _AllToAll.apply(rows, anchor, group, out_splits, in_splits)
+    # 3. expert-major, source-minor: a run per expert, its sources in rank order
+    flat = recv.reshape(-1)
+    starts = (torch.cumsum(flat, 0) - flat).view(ep, local)
+    lengths, firsts = recv.t().reshape(-1), starts.t().reshape(-1)
+    run_start = torch.cumsum(lengths, 0) - lengths
+    n = int(lengths.sum())
+    order = (torch.repeat_interleave(firsts, lengths)
+             + torch.arange(n) - torch.repeat_interleave(run_start, lengths)).to(rows.device)
+    x = got[order]
+    computed = run_local(x, recv.sum(dim=0).tolist(), expert)
+    if x.requires_grad and not computed.requires_grad:  # no rows here: keep the path
+        computed = x * 0
+    back = torch.empty_like(computed).index_copy(0, order, computed)
+    # 4. each rank's rows back, in its order
+    return _AllToAll.apply(back, anchor, group, in_splits, out_splits)
