@@ -1,6 +1,7 @@
 """ZeRO-DP over the data-parallel group: stages 0-3, applied to a model from outside.
 
-* :mod:`.engine`           :func:`apply_zero`: ZeRO-DP applied to a model from outside
+* :mod:`.apply`            :func:`apply_zero`: ZeRO-DP applied to a model from outside
+* :mod:`.engine`           :class:`ZeroEngine`: a model's ZeRO state and its step verbs
 * :mod:`.plan`             the ZeRO stage, decided once as a plan of what is sharded over DP
 * :mod:`.units`            how ZeRO lays a model out: which parameters form each unit, and
                            making them real
@@ -21,7 +22,8 @@
 * :mod:`.offload`          where model states live off the device: the host and disk tiers
 """
 
-from hybrid.zero.engine import StepResult, ZeroEngine, apply_zero
+from hybrid.zero.apply import apply_zero
+from hybrid.zero.engine import StepResult, ZeroEngine
 from hybrid.zero.plan import ShardingPlan
 
 __all__ = ["apply_zero", "ZeroEngine", "StepResult", "ShardingPlan"]

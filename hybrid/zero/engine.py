@@ -65,7 +65,7 @@ from hybrid.recompute.phase import RecomputePhase
 from hybrid.tensor_parallel import is_tp_split
 from hybrid.zero.buffers import allocate_grads, allocate_master
 from hybrid.zero.client_optimizer import ClientShardOptimizer
-from hybrid.zero.gather_pipeline import GatherPipeline, ShardPublisher
+from hybrid.zero.gather_pipeline import GatherPipelines, ShardPublisher
 from hybrid.zero.grad_sync import DeviceShard, GradReducer, GradSink
 from hybrid.zero.loss_scaler import LossScaler, scaled_loss
 from hybrid.zero.offload.contracts import ShardOptimizer
@@ -77,7 +77,14 @@ from hybrid.zero.optimizer import ShardedAdamW, global_grad_norm
 from hybrid.zero.param_sync import ParamGatherer
 from hybrid.zero.parts import split_by_part
 from hybrid.zero.plan import ShardingPlan
-from hybrid.zero.units import Materializer, OwnedPiece, ValueSource, owned_pieces, plan_units
+from hybrid.zero.units import (
+    Materializer,
+    OwnedPiece,
+    ValueSource,
+    is_expert,
+    owned_pieces,
+    plan_units,
+)
 
 log = logging.getLogger("hybrid")
 
@@ -137,7 +144,7 @@ class ZeroEngine:
                                          lands=lands)
         # every parameter all-gather (stage 3's per-module ones, stages 1-2's after the
         # step) goes through one pipeline: two staging buffers of at most a bucket
-        self.param_pipeline = GatherPipeline(ps.dp_cp_group, zero.allgather_bucket_size, ps.device)
+        self.param_pipeline = GatherPipelines(zero.allgather_bucket_size, ps.device)
         self.publisher = ShardPublisher(self.param_pipeline, sharded=self.plan.optimizer)
         # (a root unit runs in every part's forward: its part says nothing of what follows)
         where = {id(u): k for u, k in zip(self.units, self.unit_parts)}
@@ -211,7 +218,7 @@ class ZeroEngine:
             rng = (pc.part.start, pc.part.stop)
             if decay_rule == "all" or pc.param.ndim >= 2:
                 decay[pc.unit].append(rng)
-            if is_tp_split(pc.param):
+            if is_tp_split(pc.param) or is_expert(pc.param):  # (summed over a group)
                 split[pc.unit].append(rng)
         # the last stage's copy of a tied embedding: the first stage counts it
         excluded = ([k for k, u in enumerate(self.units) if u in self.tied_units]
@@ -382,11 +389,14 @@ class ZeroEngine:
         # (on the device where the norm or the update reads them: landed ones are not read)
         grads = cast(list[torch.Tensor], [u.grad_shard for u in self.units])
         dp = self.ps.dp_cp_group if self.plan.optimizer else None
+        # the "split" terms are summed over TP; at stage 0 with experts over EP (at TP 1),
+        # each rank's experts are its own: summed over EP ([Note: expert units])
+        split = self.ps.ep_group if dp is None and self.ps.ep_size > 1 else self.ps.tp_group
         scale = self.scaler.scale * grad_divisor  # what the gradient is a multiple of
         # (landed gradients are on the host by now: their norm terms were taken on landing)
         squared = self.sink.squared_norms()
         norm, bad_loss = global_grad_norm(
-            self.optimizer, None if squared is not None else grads, self.ps.tp_group, dp, loss,
+            self.optimizer, None if squared is not None else grads, split, dp, loss,
             self.ps.dp_cp_group, squared, self.ps.pp_group if self.ps.pp_size > 1 else None,
             count_replicated=self._norm_counts_replicated)
         norm = norm / scale
@@ -537,51 +547,6 @@ class ZeroEngine:
         """Bytes of the reusable communication staging buffers: the gradient reducer's
         and the parameter gathers' (each at most two buckets)."""
         return {"reduce": self.reducer.temp_bytes(), "gather": self.param_pipeline.temp_bytes()}
-
-
-def apply_zero(model: nn.Module, ps: ParallelState, zero: ZeroConfig = ZeroConfig(), *,
-               adamw: AdamWConfig = AdamWConfig(), precision: PrecisionConfig = PrecisionConfig(),
-               offload: OffloadConfig = OffloadConfig(), values: ValueSource | None = None,
-               unit_modules: Iterable[nn.Module] | None = None,
-               parts: list[list[nn.Parameter]] | None = None,
-               recompute: RecomputePhase | None = None,
-               client: torch.optim.Optimizer | None = None, decay: str = "matrices",
-               tied: Collection[str] = ()) -> ZeroEngine:
-    """Wrap ``model`` for ZeRO stage ``zero.stage`` over ``ps.dp_cp_group`` ([Note: ZeRO ...]).
-
-    The sections (each defaults to its dataclass defaults): ``zero`` how the
-    states are sharded and communicated; ``adamw`` the optimizer and clipping;
-    ``precision`` the training and gradient dtypes and the fp16 loss scale;
-    ``offload`` what lives in host memory.
-
-    ``values(name, param, lo, hi)``: fp32 values of a TP-local flat range of a
-    parameter, for a model built on the meta device (e.g.
-    ``InitValues(seed, model.init_of)``); default: the parameters' own (fp32)
-    data. The engine keeps exact fp32 master weights and makes the parameters
-    ``precision.params_dtype`` views of its buffers.
-    ``unit_modules``: the modules whose parameters stage 3 gathers as one unit
-    (default ``model.blocks`` when it exists).
-    ``parts``: the model's parameters in disjoint lists that separate backwards reach
-    (an interleaved pipeline rank's chunks: ``GPT.chunk_parameters()``); each backward
-    then names its part (:meth:`ZeroEngine.begin_backward`, :mod:`hybrid.zero.parts`).
-    ``recompute``: the :class:`RecomputePhase` activation checkpointing sets,
-    so stage 3 keeps a recomputed block's parameters for its backward.
-    ``client``: a ``torch.optim`` optimizer over the model's parameters to step the
-    shard with instead of hybrid's AdamW (:mod:`hybrid.zero.client_optimizer`; its
-    groups' hyperparameters apply, ``adamw`` gives only the clipping). ``decay``:
-    which parameters hybrid's AdamW decays: "matrices" (Megatron's rule: no biases or
-    norms) or "all" (DeepSpeed's: what it is given). ``tied``: names of parameters of
-    which every rank of ``ps.embedding_group`` holds a copy (a tied word embedding under
-    pipeline parallelism): their gradients are summed over that group at the step and
-    the norm counts them on the first stage only ([Note: tied copies ...]); ignored where
-    the group is this rank alone.
-    """
-    blocks = getattr(model, "blocks", None)  # (a transformer's, by convention)
-    if unit_modules is None and blocks is not None:
-        unit_modules = list(blocks)
-    return ZeroEngine(model, ps, zero, adamw=adamw, precision=precision, offload=offload,
-                      values=values, unit_modules=unit_modules, parts=parts,
-                      recompute=recompute, client=client, decay=decay, tied=tied)
 
 
 def _tied_names(model: nn.Module, ps: ParallelState, tied: Collection[str]) -> tuple[str, ...]:
