@@ -157,10 +157,11 @@ class ParallelMLP(nn.Module):
         return self.proj(F.gelu(self.fc(x), approximate=self.approximate))
 
 
-def make_moe(cfg: ModelConfig, scale: AuxLossScale) -> MoELayer:
+def make_moe(cfg: ModelConfig, scale: AuxLossScale, ep_group: CommGroup | None = None
+             ) -> MoELayer:
     """An MoE layer of ``cfg.moe`` in place of the block's MLP (:class:`models.moe.MoELayer`;
     at TP 1: the config refuses larger TP with MoE until expert tensor parallelism
-    lands)."""
+    lands), its experts split over ``ep_group`` when given."""
     moe = cfg.moe
     assert moe is not None and moe.num_experts is not None
     return MoELayer(cfg.hidden_size, cfg.expert_ffn_size, moe.num_experts, moe.moe_router_topk,
@@ -172,7 +173,7 @@ def make_moe(cfg: ModelConfig, scale: AuxLossScale) -> MoELayer:
                     topk_scaling=moe.moe_router_topk_scaling_factor,
                     capacity_factor=moe.moe_expert_capacity_factor,
                     drop_policy=moe.moe_token_drop_policy,
-                    init_method_std=cfg.init_method_std)
+                    init_method_std=cfg.init_method_std, ep_group=ep_group)
 
 
 def residual_rng(fork: bool, rng: TPRNGTracker | None):
@@ -192,11 +193,12 @@ class Block(nn.Module):
     parallelism T is this CP rank's share of the sequence. ``weight_grads``: the model's
     store for its linears' deferred weight gradients (a split backward), or None.
     ``moe``: the model's :class:`models.moe.AuxLossScale` when this block's MLP is a
-    mixture of experts (:func:`make_moe`), else None."""
+    mixture of experts (:func:`make_moe`), else None; ``ep_group``: its experts' EP group."""
 
     def __init__(self, cfg: ModelConfig, tp_group: CommGroup, rng: TPRNGTracker | None,
                  sequence_parallel: bool, cp: ContextParallel | None = None,
-                 weight_grads: WeightGradStore | None = None, moe: AuxLossScale | None = None):
+                 weight_grads: WeightGradStore | None = None, moe: AuxLossScale | None = None,
+                 ep_group: CommGroup | None = None):
         super().__init__()
         self.rng = rng
         self.fork_residual_rng = (sequence_parallel or cp is not None) and cfg.hidden_dropout > 0
@@ -204,7 +206,7 @@ class Block(nn.Module):
         self.attn = ParallelAttention(cfg, tp_group, rng, sequence_parallel, cp, weight_grads)
         self.ln_2 = make_norm(cfg, tp_group, sequence_parallel)
         self.mlp: nn.Module = (ParallelMLP(cfg, tp_group, sequence_parallel, weight_grads)
-                               if moe is None else make_moe(cfg, moe))
+                               if moe is None else make_moe(cfg, moe, ep_group))
         self.drop = nn.Dropout(cfg.hidden_dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

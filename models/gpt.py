@@ -129,7 +129,8 @@ class GPT(nn.Module):
                  seed: int = 1234, device: torch.device | str = "cpu",
                  sequence_parallel: bool = False, context_parallel: ContextParallel | None = None,
                  layers: range | Sequence[range] | None = None, pre_process: bool = True,
-                 post_process: bool = True, split_backward: bool = False):
+                 post_process: bool = True, split_backward: bool = False,
+                 ep_group: CommGroup | None = None):
         """Build ``cfg`` (its ``vocab_size`` known) over ``tp_group`` on ``device`` and
         draw the init from ``seed`` -- or, with ``device="meta"``, only shapes: ZeRO then
         materializes what each rank keeps (``apply_zero(..., values=InitValues(seed,
@@ -142,7 +143,9 @@ class GPT(nn.Module):
         input and weight halves: the model makes ``weight_grads``, a
         :class:`~hybrid.tensor_parallel.weight_grad.WeightGradStore` its column- and
         row-parallel linears and its head defer their weight gradients to while the
-        executor's input half runs (None without the flag: plain linears)."""
+        executor's input half runs (None without the flag: plain linears). ``ep_group``:
+        the MoE layers' experts split over this expert-parallel group (None: every
+        expert on every rank)."""
         super().__init__()
         chunks = ((range(cfg.num_layers),) if layers is None
                   else (layers,) if isinstance(layers, range) else tuple(layers))
@@ -201,7 +204,7 @@ class GPT(nn.Module):
             self.blocks = LayerRange(ids, (Block(cfg, tp_group, rng, sequence_parallel,
                                                  context_parallel, wg,
                                                  self.moe_loss_scale if cfg.is_moe_layer(i)
-                                                 else None) for i in ids))
+                                                 else None, ep_group) for i in ids))
             if post_process:
                 self.ln_f = make_norm(cfg, tp_group, sequence_parallel)
             if post_process and not tied:  # rows split like wte's

@@ -181,7 +181,7 @@ def _run_checks(f: Flags, world_size: int, plan_only: bool) -> int:
     checks.check_parallel(f)
     checks.check_model(f)
     validate_architecture(f)  # the Llama-family flags; fills the SwiGLU width
-    validate_moe(f)  # the MoE flags that read each other (and the layouts MoE runs at)
+    validate_moe(f, world_size)  # the MoE flags that read each other, the expert layout
     checks.check_batch(f, dp)
     checks.check_pipeline(f, dp)  # (after the batch: interleaving needs its micro-batches)
     checks.check_schedule(f)

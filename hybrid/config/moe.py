@@ -25,6 +25,7 @@ from typing import Any
 
 from hybrid.config.options import opt
 from hybrid.errors import ConfigError
+from hybrid.parallel.layout import check_expert_layout
 
 LOAD_BALANCING_TYPES = ("aux_loss", "seq_aux_loss", "none")
 SCORE_FUNCTIONS = ("softmax", "sigmoid")
@@ -145,11 +146,13 @@ def _literal(node: ast.AST) -> Any:
     raise ValueError(f"{ast.dump(node)[:40]}... is not an int, a list, + or *")
 
 
-def validate_moe(f) -> None:
-    """The MoE checks that read two or more options of checked Flags, each one
-    ConfigError naming the flag to change."""
+def validate_moe(f, world_size: int) -> None:
+    """The MoE checks that read two or more options of checked Flags (and the expert
+    layout of ``world_size`` ranks), each one ConfigError naming the flag to change."""
     given = [fld.name for fld in fields(MoEConfig) if fld.name != "num_experts"
              and (fld.name in f.explicit_flags or getattr(f, fld.name) != fld.default)]
+    if f.expert_model_parallel_size > 1:
+        given.append("expert_model_parallel_size")
     if f.num_experts is None:
         if given:
             flags = ", ".join("--" + n.replace("_", "-") for n in given)
@@ -171,8 +174,17 @@ def validate_moe(f) -> None:
     if f.moe_pad_expert_input_to_capacity and f.moe_expert_capacity_factor is None:
         raise ConfigError("--moe-pad-expert-input-to-capacity pads to the capacity: add "
                           "--moe-expert-capacity-factor")
-    # [Note: what MoE composes with, so far] expert parallelism and the other axes inside
-    # the expert layer come next (issue 47); until then those layouts stop here
+    ep = f.expert_model_parallel_size
+    if f.num_experts % ep:
+        raise ConfigError(f"--num-experts {f.num_experts} is not divisible by "
+                          f"--expert-model-parallel-size {ep}")
+    check_expert_layout(world_size, 1, ep, f.pipeline_model_parallel_size)
+    if ep > 1 and (f.save or f.load):
+        raise ConfigError(f"--expert-model-parallel-size {ep} with --save or --load: "
+                          f"checkpoints of experts split over EP are not written yet; train "
+                          f"at EP 1 to save, or without checkpoints")
+    # [Note: what MoE composes with, so far] the other axes inside the expert layer come
+    # next (issue 47); until then those layouts stop here
     for flag, value, why in (
             ("--tensor-model-parallel-size", f.tensor_model_parallel_size,
              "tensor parallelism of the MoE layers (ETP) is not built yet"),

@@ -330,6 +330,9 @@ class ParallelConfig:
         False, "split norms, dropout and residuals along the sequence over TP (needs TP > 1)")
     context_parallel_size: int = opt(
         1, "CP degree: ranks splitting each sequence (attention across them, see --cp-comm-type)")
+    expert_model_parallel_size: int = opt(
+        1, "EP degree: ranks an MoE layer's experts are split over (tokens reach them by "
+        "all-to-all; the expert layout in hybrid/parallel/layout.py)", at_least=1)
     cp_comm_type: str = opt(
         "p2p", "how attention crosses the CP split: p2p (ring), all_gather (K/V once per layer) "
         "or a2a (Ulysses: heads split instead)", choices=CP_COMM_TYPES,

@@ -55,7 +55,8 @@ def build_model(cfg: TrainConfig, ps: ParallelState, vocab_size: int,
     return GPT(cfg.model.with_vocab_size(vocab_size), ps.tp_group, rng=rng, seed=cfg.seed,
                device=device or ps.device, sequence_parallel=par.sequence_parallel,
                context_parallel=cp, layers=layers, pre_process=first, post_process=last,
-               split_backward=cfg.pipeline.schedule == "zb_h1" and layers is not None)
+               split_backward=cfg.pipeline.schedule == "zb_h1" and layers is not None,
+               ep_group=ps.ep_group if ps.ep_size > 1 else None)
 
 
 def recompute_targets(model: GPT, rc: RecomputeConfig) -> list[torch.nn.Module]:

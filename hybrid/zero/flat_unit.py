@@ -50,9 +50,10 @@ class Pending(Protocol):
 
 class Gathers(Protocol):
     """What a unit asks of the pipeline its gathers run through
-    (:class:`~hybrid.zero.gather_pipeline.GatherPipeline`, which imports this module)."""
+    (:class:`~hybrid.zero.gather_pipeline.GatherPipeline`, which imports this module):
+    every rank of ``dp``'s ``shard`` into ``full``, the unit's own group."""
 
-    def start(self, full: torch.Tensor, shard: torch.Tensor) -> Pending: ...
+    def start(self, full: torch.Tensor, shard: torch.Tensor, dp: CommGroup) -> Pending: ...
 
 
 class ParamState(enum.Enum):
@@ -259,7 +260,7 @@ class FlatUnit:
         if self._home is not None:  # the shard comes back from its home for the gather
             self.shard.untyped_storage().resize_(self.shard_size * self.shard.element_size())
             self._home.load_into(self.shard)
-        self._pending = pipe.start(self.full, self.shard)
+        self._pending = pipe.start(self.full, self.shard, self.dp)
         self._state = ParamState.GATHERING
 
     def finish_gather(self, pipe: Gathers) -> None:

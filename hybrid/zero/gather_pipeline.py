@@ -74,6 +74,35 @@ class _Job:
         return self.left == 0
 
 
+class GatherPipelines:
+    """A :class:`GatherPipeline` per group the units gather over, made on first use: DP x
+    CP, and for an MoE model's experts over EP, the expert data-parallel group too
+    (hybrid/zero/units.py, [Note: expert units]). Each group's gathers keep their order;
+    the two groups' are independent collectives."""
+
+    def __init__(self, bucket: int, device: torch.device):
+        self.bucket, self.device = bucket, device
+        self._by: dict[int, GatherPipeline] = {}
+
+    def start(self, full: torch.Tensor, shard: torch.Tensor,
+              dp: CommGroup) -> _Direct | _Job:
+        """:meth:`GatherPipeline.start` on ``dp``'s pipeline."""
+        pipe = self._by.get(id(dp))
+        if pipe is None:
+            pipe = self._by[id(dp)] = GatherPipeline(dp, self.bucket, self.device)
+        return pipe.start(full, shard)
+
+    def wait_all(self) -> None:
+        for pipe in self._by.values():
+            pipe.wait_all()
+
+    def in_flight(self) -> int:
+        return sum(pipe.in_flight() for pipe in self._by.values())
+
+    def temp_bytes(self) -> int:
+        return sum(pipe.temp_bytes() for pipe in self._by.values())
+
+
 class ShardPublisher:
     """After an optimizer step: each whole unit's new shard all-gathered into its full
     buffer through ``pipe``, so every rank runs the new parameters (stages 1-2, and the
@@ -81,13 +110,13 @@ class ShardPublisher:
     else every rank updated the whole unit itself). Partitioned units are left alone:
     stage 3 gathers them when a module uses them."""
 
-    def __init__(self, pipe: GatherPipeline, sharded: bool):
+    def __init__(self, pipe: GatherPipelines, sharded: bool):
         self.pipe, self.sharded = pipe, sharded
 
     def publish(self, unit: FlatUnit) -> None:
         """Start re-assembling ``unit`` from the DP shards (asynchronously)."""
         if self.sharded and not unit.partition_params:
-            self.pipe.start(unit.full, unit.shard)
+            self.pipe.start(unit.full, unit.shard, unit.dp)
 
     def wait(self) -> None:
         """Every gather started so far has completed."""
@@ -114,9 +143,12 @@ class GatherPipeline:
         self._open: list = []  # handles not waited for yet, for wait_all
 
     # -- public -------------------------------------------------------------------
-    def start(self, full: torch.Tensor, shard: torch.Tensor) -> _Direct | _Job:
+    def start(self, full: torch.Tensor, shard: torch.Tensor,
+              dp: CommGroup | None = None) -> _Direct | _Job:
         """Begin gathering every rank's ``shard`` (S,) into ``full`` (dp * S,),
-        rank-major. Returns a handle whose ``wait()`` completes it."""
+        rank-major. Returns a handle whose ``wait()`` completes it. ``dp``: the unit's
+        group, this pipeline's (None: the same)."""
+        assert dp is None or dp is self.dp, (dp, self.dp)  # (GatherPipelines routes)
         n, S = self.dp.size, shard.numel()
         handle: _Direct | _Job
         if n * S <= self.bucket:

@@ -322,18 +322,18 @@ class GradReducer:
 
     # -- full gradient buffer (stages 0 and 1) ---------------------------------
     def _reduce_in_place(self, unit: FlatUnit) -> None:
-        g, n = unit.grad_full, self.dp.size
+        g, n, dp = unit.grad_full, unit.dp.size, unit.dp
         assert g is not None  # (stages 0-1: the unit's part of the full buffer)
         if self.replicas > 1:
             g.div_(self.replicas)  # mean, not sum: see [Note: gradient precision]
         if not self.plan.optimizer:  # contiguous chunks of at most a bucket, in place
             self._left[id(unit)] = len(range(0, g.numel(), self.bucket))
             for a in range(0, g.numel(), self.bucket):
-                self._push(self.dp.all_reduce(g[a: a + self.bucket], async_op=True), None, unit)
+                self._push(dp.all_reduce(g[a: a + self.bucket], async_op=True), None, unit)
         elif n * unit.shard_size <= self.bucket:
             own = g[unit.own_lo: unit.own_hi]
             self._left[id(unit)] = 1
-            self._push(self.dp.reduce_scatter(own, g, async_op=True), None, unit)
+            self._push(dp.reduce_scatter(own, g, async_op=True), None, unit)
         else:  # a unit larger than a bucket: stage it in pieces
             self._reduce_scatter_staged(unit, accumulate=False)
 
@@ -346,7 +346,7 @@ class GradReducer:
         overwrite it, packing from the full buffer (stage 1, whose shard is a
         view of the very gradients being reduced).
         """
-        S, n = unit.shard_size, self.dp.size
+        S, n, dp = unit.shard_size, unit.dp.size, unit.dp
         if accumulate:
             while not self.sink.open(unit):
                 self._retire_one()  # every landing buffer is taken: end the oldest unit
@@ -370,8 +370,8 @@ class GradReducer:
                     grid[r].copy_(full[lo: lo + w])
             if accumulate and self.replicas > 1:
                 grid.div_(self.replicas)  # (the full-buffer path divided already)
-            mine = grid[self.dp.rank]
-            work = self.dp.reduce_scatter(mine, tmp[: n * w], async_op=True)
+            mine = grid[dp.rank]
+            work = dp.reduce_scatter(mine, tmp[: n * w], async_op=True)
             dst = shard[k: k + w]
 
             def finalize(dst: torch.Tensor = dst, mine: torch.Tensor = mine,

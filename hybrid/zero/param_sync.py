@@ -51,11 +51,11 @@ from torch import nn
 
 from hybrid.recompute.phase import RecomputePhase
 from hybrid.zero.flat_unit import FlatUnit, ParamState
-from hybrid.zero.gather_pipeline import GatherPipeline
+from hybrid.zero.gather_pipeline import GatherPipelines
 
 
 class ParamGatherer:
-    def __init__(self, owners: list[tuple[nn.Module, FlatUnit]], pipe: GatherPipeline,
+    def __init__(self, owners: list[tuple[nn.Module, FlatUnit]], pipe: GatherPipelines,
                  recompute: RecomputePhase, parts: dict[int, int | None] | None = None,
                  home: dict[int, int] | None = None):
         """``parts``: the part of each unit by ``id`` (None for a root unit), when the

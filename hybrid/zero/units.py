@@ -17,6 +17,16 @@ At stage 3 they join the root unit, which stays gathered through the whole
 forward and the whole backward, so every block that uses them finds them
 whole.
 
+[Note: expert units]
+An MoE layer's experts split over the EP group (parameters marked ``ep_spec``) are held
+by the ranks of the expert data-parallel group (``ps.edp_group``), not by every DP rank:
+they go into units of their own over that group, so their gradients are reduced, their
+shards kept and their parameters gathered there. A stage-3 MoE block is then two units,
+its dense part over DP x CP and its experts over EDP, gathered around the same run. The
+mean is over the DP size for both ([Note: gradient precision] in grad_sync.py): each
+expert's gradient sums the tokens every DP rank sent it. At EP 1 the experts are dense
+parameters like the rest.
+
 [Note: a unit of its own]
 A parameter named in ``alone`` gets a unit holding it and nothing else: the
 same size and the same DP partition on every rank that holds a copy of it,
@@ -47,6 +57,7 @@ import torch
 from torch import nn
 
 from hybrid.config.sections import ZeroConfig
+from hybrid.parallel.comm import CommGroup
 from hybrid.parallel.state import ParallelState
 from hybrid.zero.flat_unit import FlatUnit
 from hybrid.zero.plan import ShardingPlan
@@ -68,10 +79,38 @@ def shared_param_ids(model: nn.Module) -> set[int]:
     return {k for k, c in count.items() if c > 1}
 
 
+def is_expert(p: torch.Tensor) -> bool:
+    """An MoE layer's experts split over the EP group (``ep_spec``): reduced and sharded
+    over the expert data-parallel group ([Note: expert units])."""
+    return getattr(p, "ep_spec", None) is not None
+
+
+def by_group(params: Sequence[nn.Parameter], ps: ParallelState
+             ) -> list[tuple[list[nn.Parameter], CommGroup]]:
+    """``params`` as (dense, DP x CP) and (experts, EDP), in order, the empty one left
+    out; at EP 1 all of them over DP x CP ([Note: expert units])."""
+    if ps.ep_size == 1:
+        return [(list(params), ps.dp_cp_group)] if params else []
+    dense = [p for p in params if not is_expert(p)]
+    experts = [p for p in params if is_expert(p)]
+    return [(g, group) for g, group in ((dense, ps.dp_cp_group), (experts, ps.edp_group))
+            if g]
+
+
 def bucket_units(params: Sequence[nn.Parameter], ps: ParallelState, bucket: int,
                  owns_all: bool, tag: str, deferred: bool = False) -> list[FlatUnit]:
     """Pack params, last first, into units of at most ``bucket`` elements (one
-    larger parameter makes a unit of its own)."""
+    larger parameter makes a unit of its own); an MoE layer's experts in units of their
+    own, over the expert data-parallel group ([Note: expert units])."""
+    out: list[FlatUnit] = []
+    for some, group in by_group(params, ps):
+        name = tag if group is ps.dp_cp_group else f"{tag}_experts"
+        out += _buckets(some, group, bucket, owns_all, name, deferred)
+    return out
+
+
+def _buckets(params: Sequence[nn.Parameter], group: CommGroup, bucket: int, owns_all: bool,
+             tag: str, deferred: bool) -> list[FlatUnit]:
     groups: list[list[nn.Parameter]] = []
     cur: list[nn.Parameter] = []
     size = 0
@@ -83,7 +122,7 @@ def bucket_units(params: Sequence[nn.Parameter], ps: ParallelState, bucket: int,
         size += p.numel()
     if cur:
         groups.append(cur)
-    return [FlatUnit(g, ps.dp_cp_group, owns_all=owns_all, deferred=deferred, name=f"{tag}{i}")
+    return [FlatUnit(g, group, owns_all=owns_all, deferred=deferred, name=f"{tag}{i}")
             for i, g in enumerate(groups)]
 
 
@@ -122,17 +161,18 @@ def plan_units(model: nn.Module, ps: ParallelState, cfg: ZeroConfig, plan: Shard
         mine = [p for p in m.parameters() if p.requires_grad and p.numel() >= thr
                 and id(p) not in shared and id(p) not in taken and id(p) not in solo_ids]
         taken.update(id(p) for p in mine)
-        if mine:
-            owners.append((m, FlatUnit(mine, ps.dp_cp_group, partition_params=True,
-                                       name=f"module{i}")))
+        for some, group in by_group(mine, ps):  # (an MoE block: its experts apart)
+            name = f"module{i}" if group is ps.dp_cp_group else f"module{i}_experts"
+            owners.append((m, FlatUnit(some, group, partition_params=True, name=name)))
     rest = [p for p in params if id(p) not in taken and p.numel() >= thr]
     # the root module's units, gathered from its forward to the end of its backward:
     # what no block owns, then the partitioned units of their own
     top = [(model, u) for u in lone if u.partition_params]
-    if rest:
-        top.insert(0, (model, FlatUnit(rest, ps.dp_cp_group, partition_params=True,
-                                       deferred=any(id(p) in shared for p in rest),
-                                       name="root")))
+    for k, (some, group) in enumerate(by_group(rest, ps)):
+        top.insert(k, (model, FlatUnit(some, group, partition_params=True,
+                                       deferred=any(id(p) in shared for p in some),
+                                       name="root" if group is ps.dp_cp_group
+                                       else "root_experts")))
     owners = top + owners
     return lone + units + [u for _, u in owners if u not in lone], owners
 

@@ -57,7 +57,8 @@ def test_the_layer_pattern_is_megatrons(freq, layers, want):
     ([*MOE, "--moe-router-load-balancing-type", "sinkhorn"], "no Sinkhorn routing"),
     ([*MOE, "--moe-router-num-groups", "2"], "group-limited routing is not built yet"),
     ([*MOE, "--moe-unknown-thing", "1"], "hybrid's MoE layers do not have this option"),
-    ([*MOE, "--expert-model-parallel-size", "2"], "expert parallelism is not built yet"),
+    ([*MOE, "--expert-model-parallel-size", "3"], "--num-experts 8 is not divisible by "
+                                                  "--expert-model-parallel-size 3"),
     ([*MOE, "--moe-router-dtype", "fp64"], "hybrid decides routing in fp32"),
     ([*MOE, "--moe-pad-expert-input-to-capacity"], "add --moe-expert-capacity-factor"),
 ])
@@ -71,3 +72,16 @@ def test_layouts_moe_does_not_run_at_yet_are_refused_by_name():
     with pytest.raises(ConfigError, match=r"--tensor-model-parallel-size 2 with "
                                           r"--num-experts: .*run MoE at 1"):
         _cfg(*MOE, "--tensor-model-parallel-size", "2", world=2)
+
+
+def test_ep_must_fit_a_pipeline_stage():
+    with pytest.raises(ConfigError, match=r"checkpoints of experts split over EP are not "
+                                          r"written yet"):
+        _cfg(*MOE, "--expert-model-parallel-size", "2", "--save", "/tmp/nowhere_moe", world=2)
+    assert _cfg(*MOE, "--expert-model-parallel-size", "4", world=4).parallel \
+        .expert_model_parallel_size == 4
+    with pytest.raises(ConfigError, match=r"--expert-tensor-parallel-size 1 x "
+                                          r"--expert-model-parallel-size 4 = 4 does not divide "
+                                          r"a pipeline stage's 2 ranks"):
+        _cfg(*MOE, "--expert-model-parallel-size", "4", "--pipeline-model-parallel-size", "2",
+             world=4)

@@ -64,6 +64,27 @@ CELLS: dict[str, tuple[int, list[str], list[str]]] = {
                  ["--moe-expert-capacity-factor", "0.75"]),
     "seq_aux_loss": (2, ["--moe-router-load-balancing-type", "seq_aux_loss"],
                      ["--moe-router-load-balancing-type", "seq_aux_loss"]),
+    # experts split over EP: their gradients reduced and sharded over the expert DP group
+    "ep2_zero0": (2, ["--expert-model-parallel-size", "2", "--zero-stage", "0"], []),
+    "ep2_zero1": (2, ["--expert-model-parallel-size", "2", "--zero-stage", "1"], []),
+    "ep2_zero2": (2, ["--expert-model-parallel-size", "2", "--zero-stage", "2",
+                      "--overlap-grad-reduce"], []),
+    "ep2_zero3": (2, ["--expert-model-parallel-size", "2", "--zero-stage", "3"], []),
+    "dp4_ep2_zero3": (4, ["--expert-model-parallel-size", "2", "--zero-stage", "3"], []),
+    "dp4_ep4_zero1": (4, ["--expert-model-parallel-size", "4", "--zero-stage", "1"], []),
+    "ep2_host": (2, ["--expert-model-parallel-size", "2", "--zero-stage", "2",
+                     "--offload-optimizer", "cpu"], []),
+    "ep2_nvme": (2, ["--expert-model-parallel-size", "2", "--zero-stage", "3",
+                     "--offload-optimizer", "nvme", "--offload-param", "nvme",
+                     "--offload-nvme-path", "{nvme}", "--offload-buffer-size", "65536"], []),
+    "pp2_ep2_1f1b": (4, PP2 + ["--expert-model-parallel-size", "2", "--zero-stage", "1"], []),
+    "pp2_ep2_zb_h1": (4, PP2 + ["--expert-model-parallel-size", "2", "--pipeline-schedule",
+                                "zb_h1"], []),
+    "ep2_recompute": (2, ["--expert-model-parallel-size", "2", "--recompute-granularity",
+                          "full", "--recompute-method", "uniform", "--recompute-num-layers",
+                          "2"], []),
+    "ep2_capacity": (2, ["--expert-model-parallel-size", "2", "--moe-expert-capacity-factor",
+                         "0.75"], ["--moe-expert-capacity-factor", "0.75"]),
     "sigmoid_bias": (2, ["--moe-router-score-function", "sigmoid",
                          "--moe-router-enable-expert-bias", "--moe-router-bias-update-rate",
                          "0.01"],
@@ -72,8 +93,10 @@ CELLS: dict[str, tuple[int, list[str], list[str]]] = {
                       "0.01"]),
 }
 # the suite's cells (tests/models/test_moe_grid.py): sharded states, a pipeline's split
-# backward, recompute, drops, the bias update
-DIAGONAL = ("dp2_zero3", "pp2_zb_h1", "recompute_full", "capacity", "sigmoid_bias")
+# backward, recompute, drops, the bias update; experts over EP at ZeRO 1, at ZeRO 3 with
+# an expert DP group of 2, and under a pipeline
+DIAGONAL = ("dp2_zero3", "pp2_zb_h1", "recompute_full", "capacity", "sigmoid_bias",
+            "ep2_zero1", "dp4_ep2_zero3", "pp2_ep2_zb_h1")
 
 
 def _train(n: int, flags: list[str], workdir: str, name: str):
