@@ -16,9 +16,12 @@ from hybrid.errors import CheckpointError
 # 4: a pipeline run's (PP > 1): version 3's files, zero_layout one entry per stage
 #    (layout.py's Note on stages); a PP 1 save still writes version 3, so a hybrid
 #    that predates pipelines reads it, and refuses a version 4 by its number
+# 5: experts over EP (EP > 1): zero_layout adds ep_size and the experts' names, whose
+#    units are sharded over the expert DP group (layout.py's Note on experts)
 VERSION = 3  # what saves write at PP 1
 PIPELINE_VERSION = 4  # what saves write at PP > 1
-READABLE = (2, 3, 4)  # what loads read (layout.SavedLayout.reads knows every data layout)
+EXPERT_VERSION = 5  # what saves write at EP > 1
+READABLE = (2, 3, 4, 5)  # what loads read (layout.SavedLayout.reads knows every data layout)
 _OLDER = {1: "one torch file per rank"}
 LATEST = "latest"
 

@@ -47,6 +47,17 @@ the first stage's: :data:`FIRST_STAGE_COPIES`). Their coordinates stay in the un
 below ``numel`` and outside those holes. Every rank of one stage has the same units;
 the stages differ. A PP 1 layout reads as one stage, so everything here takes any PP
 size, and a loader finds a name's pieces whichever stage wrote them.
+
+[Note: experts over EP, format 5]
+An MoE layer's experts split over the expert-parallel group (``ep_spec``) sit in ZeRO
+units of their own over the expert data-parallel group (hybrid/zero/units.py, [Note:
+expert units]). A save at EP > 1 writes version 5: its ``zero_layout`` adds ``ep_size``
+and ``experts`` (those parameters' names), whose split dim is 0 with the EP rank as the
+chunk. A stage's ZeRO rank ``d`` is EDP rank ``d // EP`` of EP rank ``d % EP`` (the
+expert layout, hybrid/parallel/layout.py), so an expert unit is sharded ``D / EP`` ways
+and chunk ``k``'s coordinate ``x`` lies in the file of ZeRO rank ``(x // S) * EP + k``
+(at stage 0, ZeRO rank ``k``, the EDP rank 0 of EP rank ``k``, saves its whole unit).
+Everything else is as above; an EP 1 save writes version 3 or 4.
 """
 
 from __future__ import annotations
@@ -57,6 +68,7 @@ from typing import NamedTuple
 
 from hybrid.checkpoint.files import rank_paths
 from hybrid.errors import CheckpointError
+from hybrid.tensor_parallel.sharding import split_spec
 
 # What a checkpoint can hold per element, in file order; ``--no-save-optim`` keeps the first.
 COLUMNS = ("master", "exp_avg", "exp_avg_sq")
@@ -81,21 +93,27 @@ def describe(engine, ps) -> dict:
     names = {id(p): n for n, p in engine.model.named_parameters()}
     # ZeRO's group is DP x CP (hybrid.zero.engine): its rank z is global rank z * tp +
     # tp_rank, so "dp" below (and in the files) is that group, and a checkpoint saved at
-    # one CP size reads at another like a change of DP size
+    # one CP size reads at another like a change of DP size. An expert unit's group is
+    # the expert DP group ([Note: experts over EP, format 5]).
     zero = ps.dp_cp_group
-    units, dp, dp_rank = engine.units, zero.size, zero.rank
+    units, dp = engine.units, zero.size
     # Stage 0 units own everything; with one DP rank both readings coincide.
     owns_all = dp > 1 and bool(units) and all(u.own_hi - u.own_lo == u.padded for u in units)
     for u in units:
-        s = -(-u.numel // dp)
-        want = (0, u.padded) if owns_all else (dp_rank * s, (dp_rank + 1) * s)
-        if u.padded != s * dp or (u.own_lo, u.own_hi) != want:
+        n, rank = u.dp.size, u.dp.rank
+        s = -(-u.numel // n)
+        want = (0, u.padded) if owns_all else (rank * s, (rank + 1) * s)
+        if u.padded != s * n or (u.own_lo, u.own_hi) != want:
             raise CheckpointError(f"ZeRO unit {u.name!r} owns [{u.own_lo}, {u.own_hi}) of "
-                                  f"{u.padded} on ZeRO rank {dp_rank}; the checkpoint "
+                                  f"{u.padded} on ZeRO rank {rank}; the checkpoint "
                                   f"format expects [{want[0]}, {want[1]})")
     out = {"tp_size": ps.tp_size, "dp_size": dp, "owns_all": owns_all,
            "split_dims": {n: _split_dim(p) for n, p in engine.model.named_parameters()},
            "units": [[[names[id(p)], p.numel()] for p in u.params] for u in units]}
+    if ps.ep_size > 1:
+        out["ep_size"] = ps.ep_size
+        out["experts"] = [n for n, p in engine.model.named_parameters()
+                          if getattr(p, "ep_spec", None) is not None]
     if ps.pp_size > 1:
         out["unsaved"] = unsaved_names(engine.model, ps.pp_rank)
     return out
@@ -117,10 +135,14 @@ def pipeline_layout(stages: list[dict], columns: list[str]) -> dict:
     for st in stages:
         for n, d in st["split_dims"].items():
             split_dims.setdefault(n, d)
-    return {"tp_size": stages[0]["tp_size"], "dp_size": stages[0]["dp_size"],
-            "pp_size": len(stages), "columns": list(columns), "split_dims": split_dims,
-            "stages": [{"owns_all": st["owns_all"], "units": st["units"],
-                        "unsaved": st.get("unsaved", [])} for st in stages]}
+    out = {"tp_size": stages[0]["tp_size"], "dp_size": stages[0]["dp_size"],
+           "pp_size": len(stages), "columns": list(columns), "split_dims": split_dims,
+           "stages": [{"owns_all": st["owns_all"], "units": st["units"],
+                       "unsaved": st.get("unsaved", [])} for st in stages]}
+    if "ep_size" in stages[0]:
+        out["ep_size"] = stages[0]["ep_size"]
+        out["experts"] = [n for st in stages for n in st["experts"]]
+    return out
 
 
 def single_file_layout(shapes: dict[str, list[int]]) -> dict:
@@ -132,7 +154,7 @@ def single_file_layout(shapes: dict[str, list[int]]) -> dict:
 
 
 def _split_dim(p) -> int | None:
-    spec = getattr(p, "tp_spec", None)
+    spec = split_spec(p)  # (a TP split, or experts over EP)
     return None if spec is None else spec.dim
 
 
@@ -184,6 +206,9 @@ class SavedLayout:
                                   f"(hybrid's AdamW: {list(COLUMNS)})")
         self.columns: tuple[str, ...] = tuple(cols)
         self.split_dims: dict[str, int | None] = z["split_dims"]
+        # [Note: experts over EP, format 5]
+        self.ep: int = z.get("ep_size", 1)
+        self.experts: frozenset[str] = frozenset(z.get("experts", ()))
         self.full_shapes: dict[str, list[int]] = meta["model"]
         stages = z["stages"] if "stages" in z else [{"owns_all": z["owns_all"],
                                                      "units": z["units"]}]
@@ -197,6 +222,7 @@ class SavedLayout:
         self.unit_numel: list[int] = []
         self._holes: dict[int, list[tuple[int, int]]] = {}  # unit -> unsaved coordinates
         self._where: dict[str, tuple[int, int, int]] = {}  # name -> (unit, offset, numel)
+        self.unit_experts: list[bool] = []  # sharded over the expert DP group
         for si, st in enumerate(stages):
             unsaved = set(st.get("unsaved", ()))
             self.stage_units.append([])
@@ -210,6 +236,7 @@ class SavedLayout:
                     off += n
                 self.unit_numel.append(off)
                 self.unit_stage.append(si)
+                self.unit_experts.append(bool(unit) and unit[0][0] in self.experts)
                 self.stage_units[-1].append(ui)
         self._base: dict[tuple[int, int], dict[int, int]] = {}  # (stage, d) -> unit -> row
 
@@ -234,16 +261,27 @@ class SavedLayout:
     def local_numel(self, name: str) -> int:
         return self._locate(name)[2]
 
+    def split_size(self, name: str) -> int:
+        """Into how many chunks ``name`` was split: the EP size for an MoE layer's experts,
+        the TP size otherwise (a replicated parameter's chunks are its TP replicas)."""
+        return self.ep if name in self.experts else self.tp
+
+    def _group(self, ui: int, d: int) -> tuple[int, int]:
+        """(size, rank of ZeRO rank ``d``) of the group unit ``ui`` is sharded over: DP x
+        CP, or for experts the expert DP group ([Note: experts over EP, format 5])."""
+        return (self.dp // self.ep, d // self.ep) if self.unit_experts[ui] else (self.dp, d)
+
     def _shard(self, ui: int) -> int:
-        return -(-self.unit_numel[ui] // self.dp)
+        return -(-self.unit_numel[ui] // self._group(ui, 0)[0])
 
     def _owned(self, ui: int, d: int) -> tuple[int, int]:
         """Unit coordinates of unit ``ui`` that DP rank ``d``'s file holds (padding excluded)."""
         n = self.unit_numel[ui]
+        rank = self._group(ui, d)[1]
         if self.stage_owns_all[self.unit_stage[ui]]:
-            return (0, n) if d == 0 else (0, 0)
+            return (0, n) if rank == 0 else (0, 0)
         s = self._shard(ui)
-        return min(d * s, n), min((d + 1) * s, n)
+        return min(rank * s, n), min((rank + 1) * s, n)
 
     def _saved_between(self, ui: int, a: int, b: int) -> int:
         """Rows among unit coordinates ``[a, b)`` of unit ``ui``: those outside its holes."""
@@ -304,14 +342,19 @@ class SavedLayout:
         owns_all = self.stage_owns_all[stage]
         x, y = off + a, off + b
         s = self._shard(ui)
+        # experts: ``t`` is the old EP rank, whose shards are ZeRO ranks (x // s) * EP + t
+        # (TP rank 0); else the TP rank, over the ZeRO ranks x // s
+        ep, tp_rank = (self.ep, 0) if self.unit_experts[ui] else (1, t)
+        first = t if self.unit_experts[ui] else 0
         while x < y:
-            d = 0 if owns_all else x // s
-            end = y if owns_all else min(y, (d + 1) * s)
+            shard = 0 if owns_all else x // s
+            d = shard * ep + first
+            end = y if owns_all else min(y, (shard + 1) * s)
             # (a saved name lies outside the holes, so its rows are contiguous)
             lo = self._owned(ui, d)[0]
             row = self._bases(d, stage)[ui] + self._saved_between(ui, lo, x)
             m, k = end - x, x - off - a
-            path, size = self.data_path(t, d, stage), self.data_bytes(d, stage)
+            path, size = self.data_path(tp_rank, d, stage), self.data_bytes(d, stage)
             if self.interleaved:  # column c of row r: element w * r + c
                 w = len(self.columns)
                 yield Read(path, size, row * w * ELEMENT_BYTES, m * w, k, m,

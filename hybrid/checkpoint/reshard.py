@@ -22,6 +22,11 @@ Spans are then cut at the old DP shard boundaries into file reads
 (:mod:`hybrid.checkpoint.layout`). When old and new split the parameter the
 same way, the old-local range *is* the new-local one: one span, exact.
 
+An MoE layer's experts split over EP (``ep_spec``, along dim 0) are the same kind of
+split, its chunks the old EP ranks' (:meth:`SavedLayout.split_size`; which files hold
+them: :mod:`hybrid.checkpoint.layout`, [Note: experts over EP, format 5]): any EP size
+reads any other.
+
 The padded vocabulary (``wte.weight`` and an untied ``output_layer.weight``,
 split along dim 0, so one row) may differ between TP sizes: new columns past
 the old full size are zero, and old ones past the new size are not read (rows
@@ -46,6 +51,7 @@ from hybrid.checkpoint.integrity import Integrity
 from hybrid.checkpoint.layout import COLUMNS, SavedLayout
 from hybrid.checkpoint.reader import RangeReader
 from hybrid.errors import CheckpointError
+from hybrid.tensor_parallel.sharding import split_spec
 
 KEYS = COLUMNS
 
@@ -62,7 +68,7 @@ class Target:
 
     @classmethod
     def of(cls, param, tp_rank: int) -> Target:
-        spec = getattr(param, "tp_spec", None)
+        spec = split_spec(param)  # (a TP split, or an MoE layer's experts over EP)
         if spec is None:
             return cls(param.shape, None, tp_rank, 1)
         return cls(spec.full_shape, spec.dim, spec.rank, spec.size)
@@ -154,7 +160,7 @@ class ParamSource:
         dim = target.dim if target.dim is not None else old_dim
         rows = _prod(new_shape[:dim]) if dim is not None else 1
         old_rows = _prod(old_shape[:dim]) if dim is not None else 1
-        old_t = lay.tp if old_dim is not None else 1
+        old_t = lay.split_size(name) if old_dim is not None else 1
         old_cols, new_cols = _prod(old_shape) // old_rows, _prod(new_shape) // rows
         new_t = target.size if target.dim is not None else 1
         if (old_rows != rows or old_cols % old_t or new_cols % new_t

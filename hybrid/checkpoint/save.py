@@ -64,6 +64,7 @@ import zlib
 import torch
 
 from hybrid.checkpoint.files import (
+    EXPERT_VERSION,
     LATEST,
     PIPELINE_VERSION,
     VERSION,
@@ -79,6 +80,7 @@ from hybrid.parallel.agree import agree_error
 from hybrid.parallel.state import ParallelState
 from hybrid.tensor_parallel import TPRNGTracker
 from hybrid.tensor_parallel.random import get_device_rng_state
+from hybrid.tensor_parallel.sharding import split_spec
 from hybrid.zero import ZeroEngine
 from hybrid.zero.state import check_saveable, iter_piece_values, shard_state
 
@@ -182,7 +184,7 @@ def save_checkpoint(save_dir: str, iteration: int, consumed_samples: int, engine
         checksums = {"algorithm": ALGORITHM, "headers": headers}
         if files:
             checksums["files"] = {n: [len(d), crc32(d)] for n, d in files.items()}
-        meta = {"version": VERSION if ps.pp_size == 1 else PIPELINE_VERSION,
+        meta = {"version": format_version(ps),
                 "iteration": iteration, "consumed_samples": consumed_samples,
                 "world_size": ps.world_size, "tensor_model_parallel_size": ps.tp_size,
                 "data_parallel_size": ps.dp_size, "context_parallel_size": ps.cp_size,
@@ -268,16 +270,20 @@ def _write_rank_files(save_dir: str, tmp: str, engine: ZeroEngine, ps: ParallelS
     # Owning everything (stage 0), every DP (x CP) replica holds the same values: ZeRO
     # rank 0's copy is the one saved (SavedLayout reads its files for all of a unit).
     zero_rank = ps.dp_cp_group.rank  # ZeRO shards over DP x CP (hybrid.zero.engine)
-    unsaved = frozenset(layout.get("unsaved", ()))  # a later stage's tied embedding copy
-    pieces = ([pc for pc in state["pieces"] if pc[0] not in unsaved]
-              if not (layout["owns_all"] and zero_rank != 0) else [])
+    unsaved = set(layout.get("unsaved", ()))  # a later stage's tied embedding copy
+    if layout["owns_all"]:  # the experts' replicas are the expert DP group's
+        experts = set(layout.get("experts", ()))
+        unsaved |= {n for n, _ in engine.model.named_parameters()
+                    if (n in experts and ps.edp_group.rank != 0)
+                    or (n not in experts and zero_rank != 0)}
+    pieces = [pc for pc in state["pieces"] if pc[0] not in unsaved]
     table: dict[str, list[tuple[int, int, int]]] = {}  # name -> [(lo, hi, first row)]
     rows = 0
     for pname, lo, hi in pieces:
         table.setdefault(pname, []).append((lo, hi, rows))
         rows += hi - lo
     specs = {n: _spec_dict(p) for n, p in engine.model.named_parameters()}
-    header = {"version": VERSION if ps.pp_size == 1 else PIPELINE_VERSION, "rank": ps.rank,
+    header = {"version": format_version(ps), "rank": ps.rank,
               "tp_rank": ps.tp_rank, "dp_rank": zero_rank, "pp_rank": ps.pp_rank,
               "specs": specs, "step": state["step"],
               "loss_scaler": state["loss_scaler"], "pieces": table, "data_rows": rows,
@@ -348,8 +354,15 @@ def _same_units_everywhere(ps: ParallelState, units: list) -> bool:
     return all(int(t[s]) == -int(t[pp + s]) for s in range(pp))
 
 
+def format_version(ps: ParallelState) -> int:
+    """The format a save at ``ps``'s layout writes (hybrid/checkpoint/files.py): experts over
+    EP, 5; else a pipeline, 4; else 3 (each older hybrid reads what it can)."""
+    return EXPERT_VERSION if ps.ep_size > 1 else (
+        PIPELINE_VERSION if ps.pp_size > 1 else VERSION)
+
+
 def _spec_dict(p) -> dict:
-    spec = getattr(p, "tp_spec", None)
+    spec = split_spec(p)  # (a TP split, or experts over EP)
     if spec is None:
         return {"full_shape": list(p.shape), "dim": None, "tp_rank": 0, "tp_size": 1}
     return {"full_shape": list(spec.full_shape), "dim": spec.dim, "tp_rank": spec.rank,

@@ -179,10 +179,6 @@ def validate_moe(f, world_size: int) -> None:
         raise ConfigError(f"--num-experts {f.num_experts} is not divisible by "
                           f"--expert-model-parallel-size {ep}")
     check_expert_layout(world_size, 1, ep, f.pipeline_model_parallel_size)
-    if ep > 1 and (f.save or f.load):
-        raise ConfigError(f"--expert-model-parallel-size {ep} with --save or --load: "
-                          f"checkpoints of experts split over EP are not written yet; train "
-                          f"at EP 1 to save, or without checkpoints")
     # [Note: what MoE composes with, so far] the other axes inside the expert layer come
     # next (issue 47); until then those layouts stop here
     for flag, value, why in (

@@ -57,8 +57,15 @@ def is_tp_split(param: torch.Tensor) -> bool:
     return spec is not None and spec.size > 1
 
 
+def split_spec(param: torch.Tensor) -> ShardSpec | None:
+    """How ``param`` is a slice of a fuller tensor: its ``tp_spec`` (a TP split) or its
+    ``ep_spec`` (experts over EP); None when whole here. A parameter is never both (the
+    experts split over EP run at TP 1)."""
+    return getattr(param, "tp_spec", None) or getattr(param, "ep_spec", None)
+
+
 def full_shape(param: torch.Tensor) -> tuple[int, ...]:
-    spec = getattr(param, "tp_spec", None)
+    spec = split_spec(param)
     return spec.full_shape if spec is not None else tuple(param.shape)
 
 
