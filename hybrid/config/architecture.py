@@ -47,6 +47,9 @@ class ArchitectureFlags:
         False, "the MLP's GELU is the tanh approximation (OpenAI's GPT-2; Hugging Face's "
         "gelu_new); default: the exact (erf) GELU, as Megatron's")
     position_embedding_type: str = opt("learned_absolute", "learned_absolute, rope or none")
+    no_position_embedding: bool = opt(
+        False, "Megatron's older spelling: no learned position embedding (--position-embedding-"
+        "type none; beside rope, which has none, it changes nothing)")
     rotary_base: float = opt(10000.0, "RoPE frequency base (theta)", above=0)
     rotary_percent: float = opt(
         1.0, "fraction of each head's channels RoPE rotates", above=0, at_most=1)
@@ -154,6 +157,8 @@ def validate_architecture(cfg) -> None:
     Megatron's default, with --group-query-attention) and, with --swiglu, the
     default ``ffn_hidden_size``."""
     tp = cfg.tensor_model_parallel_size
+    if cfg.no_position_embedding and cfg.position_embedding_type == "learned_absolute":
+        cfg.position_embedding_type = "none"  # (Megatron's add_position_embedding=False)
     if cfg.normalization not in NORMALIZATIONS:
         raise ConfigError(f"--normalization must be one of {', '.join(NORMALIZATIONS)}, "
                           f"got {cfg.normalization!r}")

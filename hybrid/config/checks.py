@@ -110,9 +110,9 @@ def _bound(b: float) -> str:
 
 def check_parallel(f: Flags) -> None:
     tp = f.tensor_model_parallel_size
-    if f.sequence_parallel and tp == 1:
-        raise ConfigError("--sequence-parallel needs --tensor-model-parallel-size > 1 "
-                          "(it splits the sequence over the TP group): drop it or raise TP")
+    if f.sequence_parallel and tp == 1:  # nothing to split: dropped, as Megatron drops it
+        f.sequence_parallel = False
+        f.ignored_megatron_flags.append("--sequence-parallel (TP 1: nothing to split)")
     if f.sequence_parallel and f.seq_length % tp:
         raise ConfigError(f"--sequence-parallel splits --seq-length {f.seq_length} over "
                           f"--tensor-model-parallel-size {tp}: use a multiple of {tp}")

@@ -67,6 +67,7 @@ class Flags:
     swiglu: bool = declared("swiglu")
     openai_gelu: bool = declared("openai_gelu")
     position_embedding_type: str = declared("position_embedding_type")
+    no_position_embedding: bool = declared("no_position_embedding")
     rotary_base: float = declared("rotary_base")
     rotary_percent: float = declared("rotary_percent")
     use_rope_scaling: bool = declared("use_rope_scaling")

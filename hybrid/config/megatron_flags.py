@@ -104,7 +104,6 @@ REFUSED: dict[str, str] = {
     "--calculate-per-token-loss": "hybrid averages the loss per micro-batch, as Megatron "
                                   "does by default",
     "--use-rotary-position-embeddings": "use --position-embedding-type rope",
-    "--no-position-embedding": "use --position-embedding-type none",
     "--apply-layernorm-1p": "hybrid's norms scale by their weight, not 1 + weight",
     "--weight-decay-incr-style": "--weight-decay is constant",
     "--start-weight-decay": "--weight-decay is constant",

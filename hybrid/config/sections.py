@@ -520,6 +520,9 @@ TOKENIZER_TYPES = {
     "GPT2BPETokenizer": "GPT2BPETokenizer", "gpt2bpe": "GPT2BPETokenizer",
     "HuggingFaceTokenizer": "HuggingFaceTokenizer", "hf": "HuggingFaceTokenizer",
     "NullTokenizer": "NullTokenizer", "null": "NullTokenizer",
+    # Megatron's SentencePiece tokenizers, read from the model's Hugging Face tokenizer
+    # (tokenizer.json or its directory): the same vocabulary and end-of-document id
+    "Llama2Tokenizer": "HuggingFaceTokenizer",
 }
 
 
@@ -534,7 +537,8 @@ class TokenizerFlags:
 
     tokenizer_type: str | None = opt(
         None, "byte, GPT2BPETokenizer (--vocab-file/--merge-file), HuggingFaceTokenizer "
-        "(--tokenizer-model) or NullTokenizer (--vocab-size); older names gpt2bpe, hf. Default: "
+        "(--tokenizer-model), Llama2Tokenizer (--tokenizer-model: the model's tokenizer.json) "
+        "or NullTokenizer (--vocab-size); older names gpt2bpe, hf. Default: "
         "GPT2BPETokenizer when both GPT-2 files are given, else byte", choices=TOKENIZER_TYPES,
         metavar="TYPE")
     vocab_file: str | None = opt(None, "GPT-2 vocab.json")

@@ -135,6 +135,10 @@ class HFTokenizer:
         json_path = os.path.join(path, "tokenizer.json") if os.path.isdir(path) else path
         if not os.path.exists(path):
             raise DataError(f"{flag} {path}: no such file or directory")
+        if path.endswith(".model"):  # (Megatron's Llama2Tokenizer takes the .model file)
+            raise DataError(f"{flag} {path}: a SentencePiece model file; hybrid reads the "
+                            f"model's Hugging Face tokenizer instead: give its tokenizer.json "
+                            f"or the model's directory")
         folder = path if os.path.isdir(path) else os.path.dirname(path)
         eos = _eos_token(folder, flag) or eod_token
         self._auto = None

@@ -71,10 +71,12 @@ def test_bad_recompute_and_sp_flags_name_the_flag(flags, message):
         _cfg(*flags)
 
 
-def test_sequence_parallel_needs_tp():
-    with pytest.raises(ConfigError, match="--sequence-parallel needs "
-                                          "--tensor-model-parallel-size > 1"):
-        _cfg("--sequence-parallel", world=1, tp=1)
+def test_sequence_parallel_at_tp_1_is_dropped_as_megatron_drops_it():
+    """Megatron's Mixtral script passes --sequence-parallel at TP 1: nothing to split,
+    so it is dropped and listed with the flags that had no effect."""
+    cfg = _cfg("--sequence-parallel", world=1, tp=1)
+    assert not cfg.parallel.sequence_parallel
+    assert cfg.flags.ignored_megatron_flags == ["--sequence-parallel (TP 1: nothing to split)"]
 
 
 @pytest.mark.parametrize("flag", ["--lr", "--min-lr", "--clip-grad", "--hidden-dropout",

@@ -123,3 +123,55 @@ def test_megatron_gpt3_175b_script_at_pp2_runs_and_resumes(tmp_path):
             assert abs(a[key] - b[key]) <= 1e-5 * abs(b[key]), (key, a, b)
     assert sorted(os.listdir(tmp_path / "ck")) == [".lock", "iter_0000004", "iter_0000008",
                                                    "latest", "owner.json"]
+
+
+SCRIPT_MIXTRAL = os.path.join(ROOT, "examples", "megatron", "train_mixtral_shrunk.sh")
+
+
+def _hf_tokenizer_data(tmp_path, run=_run):
+    """A word-level Hugging Face tokenizer.json over TEXT's words, and Megatron data made
+    with it by preprocess_data.py's own command line. Returns (tokenizer.json, prefix)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    words = sorted({w for w in TEXT.replace(",", " ").replace(".", " ").split()})
+    vocab = {w: i for i, w in enumerate(["<unk>", "</s>", *words, *map(str, range(200))])}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    path = str(tmp_path / "tokenizer.json")
+    tok.save(path)
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "</s>"}))
+    with open(tmp_path / "docs.jsonl", "w") as f:
+        for i in range(200):
+            f.write(json.dumps({"text": f"{i} " + TEXT * (1 + i % 3)}) + "\n")
+    run([sys.executable, "scripts/preprocess_data.py", "--input", str(tmp_path / "docs.jsonl"),
+         "--output-prefix", str(tmp_path / "mixtral"), "--tokenizer-type",
+         "HuggingFaceTokenizer", "--tokenizer-model", path, "--append-eod", "--workers", "1"])
+    return path, str(tmp_path / "mixtral_text_document")
+
+
+def test_megatron_mixtral_script_runs_with_pp_and_ep_and_resumes(tmp_path):
+    """examples/megatron/train_mixtral_shrunk.sh: Megatron's Mixtral 8x7B script with its
+    sizes shrunk and its parallelism kept (PP 4 x EP 2 of 8 ranks, 8 experts, top 2, the
+    alltoall dispatcher, --sequence-parallel at TP 1 dropped as Megatron drops it,
+    --no-position-embedding beside RoPE, Llama2Tokenizer from the model's tokenizer.json),
+    its flags run on 8 pooled ranks: 8 steps with the MoE layers' numbers in every line,
+    saved at 4 and 8; then 2 more steps from its own save, as its --no-load-optim
+    --no-load-rng say."""
+    tok, data = _hf_tokenizer_data(tmp_path, _in_process)
+    ckpt = str(tmp_path / "ckpt")
+    for iters in ("8", "10"):
+        launch, args = _script_argv(tmp_path, SCRIPT_MIXTRAL, ckpt, tok, data,
+                                    TRAIN_ITERS=iters)
+        assert launch[:2] == ["--nproc_per_node", "8"], launch
+        path = str(tmp_path / f"run{iters}.jsonl")
+        r = pretrain(8, args + ["--log-json", path])
+        assert r.returncode == 0, f"{r.stdout[-2000:]}\n{r.stderr[-3000:]}"
+        assert "world 8 = TP 1 x DP 2 x PP 4" in r.stdout and "EP groups" in r.stdout
+        log = read_json_log(path)
+        assert all(sorted(m["moe"]) == [f"layer_{i}" for i in range(4)] for m in log)
+        assert "moe layer 3: aux loss" in r.stdout
+    first, second = read_json_log(str(tmp_path / "run8.jsonl")), log
+    assert [m["iteration"] for m in first] == list(range(1, 9))
+    assert [m["iteration"] for m in second] == [9, 10]
+    assert first[-1]["loss"] < first[0]["loss"]
+    assert sorted(os.listdir(ckpt))[:4] == [".lock", "iter_0000004", "iter_0000008",
+                                            "iter_0000010"]

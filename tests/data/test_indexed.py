@@ -379,11 +379,28 @@ BASE = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4"
     (["--tokenizer-type", "HuggingFaceTokenizer"], "needs --tokenizer-model"),
     (["--tokenizer-type", "GPT2BPETokenizer"], "needs --vocab-file and --merge-file"),
     (["--tokenizer-type", "bpe"], "--tokenizer-type must be byte, GPT2BPETokenizer, gpt2bpe, "
-                                      "HuggingFaceTokenizer, hf, NullTokenizer or null, got .bpe."),
+                                      "HuggingFaceTokenizer, hf, NullTokenizer, null or "
+                                      "Llama2Tokenizer, got .bpe."),
 ])
 def test_data_flags_are_checked_naming_the_flags(flags, message):
     with pytest.raises(ConfigError, match=message):
         build_config(parse_args(BASE + flags), 1)
+
+
+def test_llama2_tokenizer_reads_the_hf_tokenizer_and_names_a_sentencepiece_file(tmp_path):
+    """Megatron's Llama2Tokenizer takes the model's SentencePiece .model file; hybrid's
+    reads its Hugging Face tokenizer, and a .model file is one DataError saying so."""
+    from hybrid.data.tokenizer import HFTokenizer
+    from hybrid.errors import DataError
+    cfg = build_config(parse_args(BASE + ["--tokenizer-type", "Llama2Tokenizer",
+                                          "--tokenizer-model", "tok.json"]), 1)
+    assert cfg.tokenizer.type == "HuggingFaceTokenizer"
+    model = tmp_path / "tokenizer.model"
+    model.write_bytes(b"\n\x0c")
+    with pytest.raises(DataError, match=r"--tokenizer-model .*tokenizer\.model: a SentencePiece "
+                                        r"model file; hybrid reads the model's Hugging Face "
+                                        r"tokenizer instead"):
+        HFTokenizer(str(model))
 
 
 def test_megatron_tokenizer_names_and_mock_data_config():
