@@ -17,7 +17,8 @@ DOCS = sorted([*ROOT.glob("docs/*.md"), ROOT / "README.md"])
 PATH = re.compile(r"\b((?:hybrid|scripts|tests|models|benchmarks|csrc|examples)/[\w./-]+"
                   r"\.(?:py|sh|cu|cpp|h|md|json))\b")
 # Paths of other projects that a doc names as theirs
-ELSEWHERE = {"examples/gpt3/train_gpt3_175b_distributed.sh"}  # Megatron-LM's
+ELSEWHERE = {"examples/gpt3/train_gpt3_175b_distributed.sh",  # Megatron-LM's
+             "examples/mixtral/train_mixtral_8x7b_distributed.sh"}
 
 
 def _cited():
