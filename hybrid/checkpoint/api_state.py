@@ -58,9 +58,10 @@ from hybrid.parallel.agree import agree_error
 log = logging.getLogger("hybrid")
 
 
-def _agreed_tag(ps, tag, where: str) -> str | None:
+def _agreed_tag(ps, tag, where: str, what: str = "tag") -> str | None:
     """Rank 0's ``tag`` (as a string; None for none) on every rank, and one warning on
-    rank 0 when some rank passed another. Collective over the world."""
+    rank 0 when some rank passed another (``what``: the argument's name, in it).
+    Collective over the world."""
     data = b"" if tag is None else str(tag).encode()
     mine = torch.tensor([-1 if tag is None else len(data), zlib.crc32(data)], dtype=torch.int64,
                         device=ps.device)
@@ -78,9 +79,9 @@ def _agreed_tag(ps, tag, where: str) -> str | None:
             ps.world_group.broadcast(buf, src=0)
         agreed = bytes(buf.cpu().tolist()).decode()
     if int(differ[0]) and ps.rank == 0:
-        log.warning("%s(tag=%r): the ranks passed different tags; every rank uses rank 0's, "
-                    "as they write one checkpoint together (pass the same tag on every rank)",
-                    where, agreed)
+        log.warning("%s(%s=%r): the ranks passed different values; every rank uses rank "
+                    "0's, as they write one checkpoint together (pass the same %s on every "
+                    "rank)", where, what, agreed, what)
     return agreed
 
 
@@ -219,6 +220,10 @@ def save_engine(engine, save_dir: str, tag, client_state: dict, save_latest: boo
     another run's checkpoints there are deleted instead of refused); returns its
     directory."""
     data = _encoded_client_state(engine.ps, client_state)
+    # (a script may name the directory by the clock on each rank, as DeepSpeedExamples'
+    # HelloDeepSpeed does: the ranks of one checkpoint write into rank 0's)
+    save_dir = _agreed_tag(engine.ps, save_dir, "save_checkpoint", "save_dir")
+    assert save_dir is not None  # (rank 0 passed one)
     tag = _agreed_tag(engine.ps, tag, "save_checkpoint")
     if tag is None and not save_latest:  # a name of its own, so that latest stays
         tag = f"global_step{engine.global_steps}"

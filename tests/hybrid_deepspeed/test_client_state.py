@@ -159,3 +159,22 @@ def test_every_rank_gets_rank_0s_client_state_and_its_refusal(tmp_path):
     for r in out:  # rank 0's values, on both ranks
         assert (r["path"], r["rank"], r["t"], r["seed"]) == (
             str(tmp_path / "iter_0000000"), 0, [0.0, 0.0], 0)
+
+
+def _each_rank_its_own_dir(ps, root):
+    """HelloDeepSpeed names its save directory by the clock on each rank: ranks that read
+    the clock in different seconds pass different directories."""
+    from hybrid import deepspeed
+    torch.manual_seed(0)
+    engine = deepspeed.initialize(model=torch.nn.Linear(4, 2), config=DS, mpu=ps)[0]
+    path = engine.save_checkpoint(os.path.join(root, f"run.{ps.rank}"))
+    return {"path": path, "listing": sorted(os.listdir(root))}
+
+
+def test_ranks_passing_different_save_dirs_write_one_checkpoint_in_rank_0s(tmp_path):
+    from tests.helpers.harness import run_ranks
+    out = run_ranks(_each_rank_its_own_dir, world_size=2, args=(str(tmp_path),))
+    assert [r["path"] for r in out] == [str(tmp_path / "run.0" / "iter_0000000")] * 2
+    assert out[1]["listing"] == ["run.0"]  # (rank 1's own name never made)
+    files = set(os.listdir(tmp_path / "run.0" / "iter_0000000"))
+    assert {"metadata.json", "rank_00000.bin", "rank_00001.bin"} <= files, files
