@@ -222,8 +222,9 @@ def save_engine(engine, save_dir: str, tag, client_state: dict, save_latest: boo
     data = _encoded_client_state(engine.ps, client_state)
     # (a script may name the directory by the clock on each rank, as DeepSpeedExamples'
     # HelloDeepSpeed does: the ranks of one checkpoint write into rank 0's)
-    save_dir = _agreed_tag(engine.ps, save_dir, "save_checkpoint", "save_dir")
-    assert save_dir is not None  # (rank 0 passed one)
+    agreed = _agreed_tag(engine.ps, save_dir, "save_checkpoint", "save_dir")
+    assert agreed is not None  # (rank 0 passed one)
+    save_dir = agreed
     tag = _agreed_tag(engine.ps, tag, "save_checkpoint")
     if tag is None and not save_latest:  # a name of its own, so that latest stays
         tag = f"global_step{engine.global_steps}"

@@ -28,6 +28,7 @@ No torch import: the launcher checks a command line with this module.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, fields, replace
 
 from hybrid.config.architecture import architecture_fields, swiglu_ffn_hidden_size
@@ -220,8 +221,23 @@ class ModelConfig:
         split, replicated = self._block_counts(moe)
         return split // tp + replicated
 
-    def _layers_parameters(self, tp: int, layers: range) -> int:
+    def _layers_parameters(self, tp: int, layers: Iterable[int]) -> int:
         return sum(self.block_parameters(tp, self.is_moe_layer(i)) for i in layers)
+
+    @staticmethod
+    def _ids(layers: int | Sequence[int], start: int) -> Sequence[int]:
+        """The layers a count from ``start``, or the global ids themselves, stand for."""
+        return range(start, start + layers) if isinstance(layers, int) else layers
+
+    def expert_parameters(self, layers: Iterable[int]) -> int:
+        """The routed experts' parameters (every expert, at TP 1) of ``layers``: what
+        expert parallelism splits; the router and a shared expert stay whole."""
+        if self.moe is None:
+            return 0
+        parts = 2 if self.swiglu else 1
+        per_layer = (self.moe.num_experts or 0) * (parts + 1) * self.expert_ffn_size \
+            * self.hidden_size
+        return per_layer * sum(self.is_moe_layer(i) for i in layers)
 
     def root_parameters(self, tp: int = 1) -> int:
         """Parameters outside the blocks on one TP rank of ``tp``: embeddings, final norm,
@@ -229,10 +245,11 @@ class ModelConfig:
         split, replicated = self._root_counts(tp)
         return split // tp + replicated
 
-    def stage_parameters(self, tp: int, layers: int, first: bool, last: bool,
+    def stage_parameters(self, tp: int, layers: int | Sequence[int], first: bool, last: bool,
                          start: int = 0) -> int:
-        """Parameters one TP rank of a pipeline stage holds: its ``layers`` blocks (from
-        layer ``start``), the embeddings on the ``first`` stage, the final norm and the
+        """Parameters one TP rank of a pipeline stage holds: its ``layers`` blocks (a count
+        from layer ``start``, or their global ids: an MoE model's layers differ), the
+        embeddings on the ``first`` stage, the final norm and the
         output layer on the ``last`` one. With tied embeddings and more than one stage the
         last stage keeps its own copy of the word embedding as the output layer
         (Megatron's; the two are kept equal over the embedding group). One stage that is
@@ -244,7 +261,7 @@ class ModelConfig:
         head = last and (self.untie_embeddings_and_output_weights or not first)
         split = rows * first + rows * head
         replicated = positions * first + self._norm_parameters * last
-        return (self._layers_parameters(tp, range(start, start + layers)) + split // tp
+        return (self._layers_parameters(tp, self._ids(layers, start)) + split // tp
                 + replicated)
 
     def num_parameters(self, tp: int = 1, *, per_rank: bool = True) -> int:
@@ -264,15 +281,17 @@ class ModelConfig:
         token goes to, its router and its shared expert."""
         return self.stage_flops_per_token(tp, self.num_layers, last=True)
 
-    def stage_flops_per_token(self, tp: int, layers: int, last: bool, start: int = 0) -> float:
-        """:meth:`flops_per_token` of one pipeline stage: its ``layers`` blocks (from layer
-        ``start``), and the output layer on the ``last`` stage. The embedding is a lookup,
-        no FLOPs, so the first stage counts its blocks only; the stages' sum is the whole
-        model's."""
+    def stage_flops_per_token(self, tp: int, layers: int | Sequence[int], last: bool,
+                              start: int = 0) -> float:
+        """:meth:`flops_per_token` of one pipeline stage: its ``layers`` blocks (a count from
+        layer ``start``, or their global ids), and the output layer on the ``last`` stage.
+        The embedding is a lookup, no FLOPs, so the first stage counts its blocks only; the
+        stages' sum is the whole model's."""
         C = self.hidden_size
-        ids = range(start, start + layers)
+        ids = self._ids(layers, start)
+        n = len(ids)
         mlp = sum(self._mlp_counts(self.is_moe_layer(i))[2] for i in ids)
-        matmul = 2 * (self.qkv_size * C + C * C) * layers + mlp \
+        matmul = 2 * (self.qkv_size * C + C * C) * n + mlp \
             + 2 * C * self.padded_vocab_size(tp) * last
-        attention = 2 * 2 * self.seq_length * C * layers  # QK^T and AV
+        attention = 2 * 2 * self.seq_length * C * n  # QK^T and AV
         return 3 * (matmul + attention)

@@ -274,8 +274,7 @@ def peak_memory(w: Workload, runtime_bytes: int = 0) -> dict:
     """Predicted peak bytes per rank: ``runtime_bytes`` (the process before the
     model: framework, CUDA context or interpreter, data) + model states +
     activations + ZeRO buffers."""
-    states = model_state_bytes(w.psi, w.shard_ranks, w.zero_stage, w.params_dtype,
-                               w.grads_dtype)
+    states = _states(w)
     acts = activation_bytes(w)
     bufs = buffer_bytes(w)
     total = runtime_bytes + states["total"] + acts["peak"] + bufs["total"]
@@ -283,14 +282,50 @@ def peak_memory(w: Workload, runtime_bytes: int = 0) -> dict:
             "activations": acts["peak"], "buffers": bufs["total"], "total": total}
 
 
+def _states(w: Workload) -> dict:
+    """Model-state bytes of this rank: the dense parameters' over DP x CP, and an MoE
+    model's experts (their ``1 / ep``) over the expert DP group."""
+    dense = model_state_bytes(w.psi - w.expert_psi, w.shard_ranks, w.zero_stage,
+                              w.params_dtype, w.grads_dtype)
+    if not w.expert_psi:
+        return dense
+    experts = model_state_bytes(w.expert_psi // w.ep, w.expert_shard_ranks, w.zero_stage,
+                                w.params_dtype, w.grads_dtype)
+    return {k: dense[k] + experts[k] for k in dense}
+
+
+def expert_exchange_bytes(w: Workload) -> int:
+    """Bytes this rank sends by all-to-all over the EP group per optimizer step, with
+    routing uniform over the experts: each MoE layer sends each of its micro-batch's
+    ``T k`` assignments' rows (C elements of the training dtype) that belong to another
+    EP rank's experts, ``(EP - 1) / EP`` of them, four times (to the experts and back,
+    in forward and in backward). 0 at EP 1."""
+    if w.ep == 1 or w.model.moe is None:
+        return 0
+    moe_layers = sum(w.model.is_moe_layer(i) for i in w.layer_ids(w.stage))
+    tokens = w.micro_batch_size * w.seq_per_rank
+    rows = tokens * w.model.moe.moe_router_topk * (w.ep - 1) / w.ep
+    per_layer = 4 * rows * w.model.hidden_size * BYTES[w.params_dtype]
+    return int(per_layer * moe_layers * w.micro_batches)
+
+
 def traffic_bytes(w: Workload) -> dict:
     """Bytes this rank sends over DP (x CP) per optimizer step (``comm_bytes_per_step``:
-    ZeRO's, by kind, and their ``"total"``). With CP also ``"cp_bytes_per_step"``: the
+    ZeRO's, by kind, and their ``"total"``; an MoE model's experts over their DP group
+    added, and ``"ep_bytes_per_step"``, their tokens' all-to-all, outside the total:
+    :func:`expert_exchange_bytes`). With CP also ``"cp_bytes_per_step"``: the
     attention's K/V exchange and the loss's all-reduce over the CP group, by kind and
     ``"total"`` (:func:`hybrid.estimate.context_parallel.bytes_per_step`); the same for
     every ZeRO stage, so not in ``"total"``, which :func:`choose_stage` compares."""
-    out = comm_bytes_per_step(w.psi, w.shard_ranks, w.zero_stage, w.micro_batches,
-                              w.params_dtype, w.grads_dtype, held=w.holds_stage)
+    out = comm_bytes_per_step(w.psi - w.expert_psi, w.shard_ranks, w.zero_stage,
+                              w.micro_batches, w.params_dtype, w.grads_dtype,
+                              held=w.holds_stage)
+    if w.expert_psi:  # the experts over their DP group, and the tokens' exchange
+        experts = comm_bytes_per_step(w.expert_psi // w.ep, w.expert_shard_ranks,
+                                      w.zero_stage, w.micro_batches, w.params_dtype,
+                                      w.grads_dtype, held=w.holds_stage)
+        out = {k: out[k] + experts[k] for k in out}
+        out["ep_bytes_per_step"] = expert_exchange_bytes(w)
     if w.cp > 1:
         out["cp_bytes_per_step"] = cp_terms.bytes_per_step(w)
     return out

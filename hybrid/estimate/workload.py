@@ -59,6 +59,9 @@ class Workload:
     chunk_layers: tuple[tuple[int, ...], ...] | None = None
     schedule: str = "1f1b"  # --pipeline-schedule (interleaved_1f1b with chunks)
     reshard_after_micro_batch: bool = False  # --pipeline-reshard-after-micro-batch
+    # the global layer ids of each stage (all its chunks): which of them are MoE layers
+    stage_layer_ids: tuple[tuple[int, ...], ...] | None = None
+    ep: int = 1  # expert-parallel ranks an MoE layer's experts are split over
 
     @property
     def holds_stage(self) -> bool:
@@ -97,11 +100,35 @@ class Workload:
         return self.stage_psi(self.stage)
 
     def stage_psi(self, stage: int) -> int:
-        """Parameters of one TP rank of pipeline stage ``stage``."""
+        """Parameters of one TP rank of pipeline stage ``stage`` (an MoE layer's experts
+        whole: :attr:`expert_psi` says how many of them, and EP splits them)."""
         if self.pp == 1 or self.stage_layers is None:
             return self.model.num_parameters(self.tp)
-        return self.model.stage_parameters(self.tp, self.stage_layers[stage], stage == 0,
-                                           stage == self.pp - 1)
+        layers = (self.stage_layer_ids[stage] if self.stage_layer_ids is not None
+                  else self.stage_layers[stage])
+        return self.model.stage_parameters(self.tp, layers, stage == 0, stage == self.pp - 1)
+
+    def layer_ids(self, stage: int) -> tuple[int, ...]:
+        """The global ids of stage ``stage``'s layers."""
+        if self.stage_layer_ids is not None:
+            return self.stage_layer_ids[stage]
+        if self.pp == 1 or self.stage_layers is None:
+            return tuple(range(self.model.num_layers))
+        start = sum(self.stage_layers[:stage])
+        return tuple(range(start, start + self.stage_layers[stage]))
+
+    @property
+    def expert_psi(self) -> int:
+        """The routed experts' parameters among :attr:`psi` (every expert of this stage's
+        MoE layers): this rank holds ``expert_psi / ep`` of them, sharded by ZeRO over
+        the expert DP group (:attr:`expert_shard_ranks`); the rest of ``psi`` over
+        :attr:`shard_ranks`."""
+        return self.model.expert_parameters(self.layer_ids(self.stage))
+
+    @property
+    def expert_shard_ranks(self) -> int:
+        """Ranks ZeRO shards the experts over: the expert DP group, DP x CP / EP."""
+        return self.shard_ranks // self.ep
 
     @property
     def vpp(self) -> int:
@@ -138,6 +165,8 @@ def workload(cfg, vocab_size: int, device: str = "cuda") -> Workload:
     stage_layers = tuple(split.rank_layers(s) for s in range(pp)) if piped else None
     chunk_layers = (tuple(tuple(len(split.layer_ids(s, c)) for c in range(split.vpp))
                           for s in range(pp)) if piped else None)
+    layer_ids = (tuple(tuple(i for c in range(split.vpp) for i in split.layer_ids(s, c))
+                       for s in range(pp)) if piped else None)
     return Workload(
         model=cfg.model.with_vocab_size(vocab_size),
         micro_batch_size=cfg.loop.micro_batch_size,
@@ -153,4 +182,5 @@ def workload(cfg, vocab_size: int, device: str = "cuda") -> Workload:
         cp_layout=p.cp_layout, loss_mask=cfg.data.eod_mask_loss, pp=pp,
         stage_layers=stage_layers, chunk_layers=chunk_layers,
         schedule=cfg.pipeline.schedule,
-        reshard_after_micro_batch=cfg.pipeline.reshard_after_micro_batch)
+        reshard_after_micro_batch=cfg.pipeline.reshard_after_micro_batch,
+        stage_layer_ids=layer_ids, ep=p.expert_model_parallel_size)

@@ -25,7 +25,8 @@ def stage_flops_per_token(model_cfg: ModelConfig, tp: int, split: StageSplit | N
     split, or at PP 1): summed over the pipeline ranks, the whole model's."""
     if split is None or split.pp == 1:
         return model_cfg.flops_per_token(tp)
-    return model_cfg.stage_flops_per_token(tp, split.rank_layers(pp_rank),
+    ids = [i for c in range(split.vpp) for i in split.layer_ids(pp_rank, c)]
+    return model_cfg.stage_flops_per_token(tp, ids,
                                            last=split.holds_loss(pp_rank, split.vpp - 1))
 
 

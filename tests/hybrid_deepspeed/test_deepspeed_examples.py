@@ -22,7 +22,8 @@ one bf16 ulp of DeepSpeed's (they differ from the third step by up to 2.2e-4, De
 reducing bf16 gradients where hybrid reduces fp32 ones), rank 0's step lines printed.
 Its "superoffload" config (``ratio``, ``super_offload``, ``cpuadam_cores_perc``; each
 accepted with a line saying what hybrid does), which DeepSpeed runs only on CUDA, is
-held to the same recording. Both run in the peer step (:data:`PEER_STEP`).
+held to the same recording. The bf16, HelloDeepSpeed and SuperOffload runs and CIFAR at
+stages 1 and 2 run in the peer step (:data:`PEER_STEP`).
 ``training/pipeline_parallelism/train.py`` (AlexNet cut into 2 pipeline stages by
 ``partition_method="parameters"``, ``deepspeed.runtime.utils.set_random_seed``,
 ``training_data=``): each ``train_batch()`` loss within 1e-5, and DeepSpeed's
@@ -83,12 +84,13 @@ def _compare(name: str, got: dict, want: dict) -> None:
 
 
 AT_ONCE = 5  # runs started together (the docstring below)
-# The CIFAR script at ZeRO 1 and 2 and SuperOffload's fine-tuning script run in the peer
-# step, against DeepSpeed run there too (test_the_peer_step_s_examples_against_deepspeed_itself):
-# the suite keeps CIFAR's extremes, stage 0 (nothing sharded) and stage 3 (everything),
-# within its 8 minutes.
-PEER_STEP = ("cifar_stage1", "cifar_stage2", "superoffload_zerooffload",
-             "superoffload_superoffload")
+# The CIFAR script at ZeRO 1 and 2, the bf16 master-weight and HelloDeepSpeed scripts and
+# SuperOffload's fine-tuning script run in the peer step, against DeepSpeed run there too
+# (test_the_peer_step_s_examples_against_deepspeed_itself): the suite keeps CIFAR's
+# extremes, stage 0 (nothing sharded) and stage 3 (everything), and the pipeline
+# example, within its 8 minutes.
+PEER_STEP = ("cifar_stage1", "cifar_stage2", "bf16_zero3", "hello_bert",
+             "superoffload_zerooffload", "superoffload_superoffload")
 
 
 def _against_recordings(names: list[str], tmp_path) -> list[str]:
@@ -117,9 +119,9 @@ def test_every_example_gives_deepspeed_s_losses(tmp_path):
 
 @pytest.mark.peer("deepspeed")
 def test_the_peer_step_s_examples_against_deepspeed_itself(tmp_path):
-    """The CIFAR script at stages 1 and 2 and SuperOffload's script: DeepSpeed run here
-    gives its recording, and hybrid-deepspeed gives it too (SuperOffload's own config,
-    which DeepSpeed runs only on CUDA, the zerooffload recording)."""
+    """The runs of :data:`PEER_STEP`: DeepSpeed run here gives its recording, and
+    hybrid-deepspeed gives it too (SuperOffload's own config, which DeepSpeed runs only on
+    CUDA, the zerooffload recording)."""
     for name in PEER_STEP:
         if RUNS[name].against is not None:
             continue
