@@ -35,6 +35,21 @@ def _hybrid(ckpt_dir):
     return script_module("generate").load_model(resolve_checkpoint(ckpt_dir), "cpu")[0]
 
 
+def exported_exactly(hf, save: str, out: str, kind: str, capsys):
+    """``export_hf`` of ``save`` into ``out``: the class transformers loads back is ``kind``
+    (its printed name too), and every tensor of ``hf`` comes back bit for bit (the round
+    trip moves no number). Returns the loaded model."""
+    assert script_module("export_hf").main([save, out]) == 0
+    assert f"({kind}, " in capsys.readouterr().out
+    back = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
+    assert type(back).__name__ == f"{kind}ForCausalLM"
+    mine, theirs = dict(back.state_dict()), hf.state_dict()
+    assert set(mine) == set(theirs)
+    for name, t in theirs.items():
+        assert torch.equal(mine[name], t), name
+    return back
+
+
 def _assert_same_model(hf, model, vocab):
     x = _tokens(vocab)
     with torch.no_grad():
@@ -117,11 +132,7 @@ def test_llama_from_transformers_imports_and_exports_exactly(tmp_path, tie, scal
         from hybrid.hf.llama import llama_flags
         flags = llama_flags(hf.config.to_dict())
         assert_same_at_tp2(hf, save, flags)
-    assert script_module("export_hf").main([save, out]) == 0
-    back = transformers.LlamaForCausalLM.from_pretrained(out).eval()
-    mine = dict(back.state_dict())
-    for name, t in hf.state_dict().items():
-        assert torch.equal(mine[name], t), name  # the round trip moves no number
+    back = exported_exactly(hf, save, out, "Llama", capsys)
     assert back.config.tie_word_embeddings == tie
     assert back.config.rope_parameters == hf.config.rope_parameters
     _assert_same_model(back, model, VOCAB)

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from tests.helpers.launch import TINY, pretrain, script_module
-from tests.hf.test_hf_llama import VOCAB, _assert_same_model, _hybrid
+from tests.hf.test_hf_llama import VOCAB, _assert_same_model, _hybrid, exported_exactly
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("safetensors.torch")
@@ -53,14 +53,7 @@ def test_mixtral_from_transformers_imports_trains_and_exports_exactly(tmp_path, 
             "--load", save, "--finetune", *flags]
     r = pretrain(2, args)
     assert r.returncode == 0, r.stderr[-3000:]
-    assert script_module("export_hf").main([save, out]) == 0
-    assert "(Mixtral, 2 layers" in capsys.readouterr().out
-    back = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
-    assert type(back).__name__ == "MixtralForCausalLM"
-    mine, theirs = dict(back.state_dict()), hf.state_dict()
-    assert set(mine) == set(theirs)
-    for name, t in theirs.items():
-        assert torch.equal(mine[name], t), name  # the round trip moves no number
+    back = exported_exactly(hf, save, out, "Mixtral", capsys)
     assert back.config.num_local_experts == 4 and back.config.router_aux_loss_coef == 0.02
     _assert_same_model(back, model, VOCAB)
 

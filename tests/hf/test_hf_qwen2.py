@@ -11,7 +11,13 @@ import pytest
 import torch
 
 from tests.helpers.launch import script_module
-from tests.hf.test_hf_llama import VOCAB, _assert_same_model, _hybrid, assert_same_at_tp2
+from tests.hf.test_hf_llama import (
+    VOCAB,
+    _assert_same_model,
+    _hybrid,
+    assert_same_at_tp2,
+    exported_exactly,
+)
 
 transformers = pytest.importorskip("transformers")
 safetensors = pytest.importorskip("safetensors.torch")
@@ -58,14 +64,7 @@ def test_qwen2_from_transformers_imports_and_exports_exactly(tmp_path, tie, caps
         from hybrid.hf.llama import qwen2_flags
         flags = qwen2_flags(hf.config.to_dict())
         assert_same_at_tp2(hf, save, flags)
-    assert script_module("export_hf").main([save, out]) == 0
-    assert "(Qwen2, 2 layers" in capsys.readouterr().out
-    back = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
-    assert type(back).__name__ == "Qwen2ForCausalLM"
-    mine, theirs = dict(back.state_dict()), hf.state_dict()
-    assert set(mine) == set(theirs)
-    for name, t in theirs.items():
-        assert torch.equal(mine[name], t), name  # the round trip moves no number
+    back = exported_exactly(hf, save, out, "Qwen2", capsys)
     assert back.config.tie_word_embeddings == tie and not back.config.use_sliding_window
     assert back.config.layer_types == ["full_attention"] * 2
     _assert_same_model(back, model, VOCAB)
