@@ -15,7 +15,7 @@ and evaluates once; it passes when every step's loss and grad norm and the valid
 loss are within :data:`TOLERANCE` (relative) of its reference's (:data:`LOOSER` in half
 precision). Each cell is one JSON line (the largest relative differences seen); the
 exit status is the number of failed cells (0: all held). tests/pipeline/test_proof_grid.py
-runs eight of its cells in the suite; the whole grid is this command.
+runs four of its cells in the suite; the whole grid is this command.
 """
 
 from __future__ import annotations

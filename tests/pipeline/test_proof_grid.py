@@ -1,16 +1,15 @@
-"""Part of the pipeline's proof grid (tests/pipeline/proof_grid.py) in the suite: eight
+"""Part of the pipeline's proof grid (tests/pipeline/proof_grid.py) in the suite: four
 cells at PP 4 (one or two layers a stage, tied embeddings across the first and last
-stage), each schedule twice, each cell trained, evaluated and held to its PP 1 reference
-within the grid's tolerance. The features left out here run at PP 2 in other tests
+stage), each schedule once, each cell trained, evaluated and held to its PP 1 reference
+within the grid's tolerance. Several features left out here run at PP 2 in other tests
 (ZeRO 1 and resharding, partitioned and selective recompute, the host tier at ZeRO 2,
-bf16: tests/scripts/test_pretrain_gpt.py, test_pipeline_precision.py); the whole grid
-(60 cells) is ``python -m tests.pipeline.proof_grid``."""
+bf16: tests/scripts/test_pretrain_gpt.py, test_pipeline_precision.py); every cell is in
+the whole grid (60 cells), ``python -m tests.pipeline.proof_grid``."""
 
 from tests.pipeline.proof_grid import FEATURES, LOOSER, SCHEDULES, TOLERANCE, Cell, cells, run
 
-SUITE = [Cell("gpipe", "zero0"), Cell("1f1b", "zero2"), Cell("zb_h1", "tp2_sp"),
-         Cell("interleaved", "zero3"), Cell("gpipe", "cp2"), Cell("1f1b", "nvme"),
-         Cell("zb_h1", "fp16"), Cell("interleaved", "host_param")]
+SUITE = [Cell("gpipe", "cp2"), Cell("1f1b", "zero2"), Cell("zb_h1", "fp16"),
+         Cell("interleaved", "zero3")]
 
 
 def test_the_grid_names_every_schedule_with_every_feature():
@@ -20,14 +19,14 @@ def test_the_grid_names_every_schedule_with_every_feature():
     assert set(SUITE) <= set(grid)
 
 
-def test_eight_cells_of_the_grid_follow_one_stage(tmp_path):
+def test_four_cells_of_the_grid_follow_one_stage(tmp_path):
     from hybrid.testing.pool import close_pools
     try:
         results = run(SUITE, str(tmp_path))
     finally:
         close_pools(8)  # (no other test runs 8 ranks: their memory back now)
     assert len(results) == len(SUITE)
-    assert sorted(r["schedule"] for r in results) == sorted(SCHEDULES * 2)
+    assert sorted(r["schedule"] for r in results) == sorted(SCHEDULES)
     for r in results:
         worst = max(r["loss"], r["grad_norm"], r["valid_loss"])
         assert r["ok"] and worst <= LOOSER.get(r["feature"], TOLERANCE), r
