@@ -150,7 +150,8 @@ def _check(results):
         # the one error, naming it; an unserved module is hybrid's own ModuleNotFoundError
         assert r["moe_groups"] == [{"params": [], "name": "p"}]
         assert r["moe"].startswith("NotImplementedError: deepspeed.moe.layer.MoE(num_experts=2)"
-                                   ": hybrid has no mixture of experts yet"), r["moe"]
+                                   ": DeepSpeed's MoE layer"), r["moe"]
+        assert "--num-experts" in r["moe"], r["moe"]
         assert r["profiler"].startswith("ModuleNotFoundError: No module named "
                                         "'deepspeed.profiling' under hybrid") and \
             "flops profiler" in r["profiler"], r["profiler"]

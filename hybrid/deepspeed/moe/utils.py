@@ -49,5 +49,5 @@ def split_params_into_different_moe_groups_for_optimizer(
 
 
 def __getattr__(name: str) -> NoReturn:
-    refuse("moe.utils", name, "hybrid has no mixture of experts yet; it serves the "
+    refuse("moe.utils", name, "DeepSpeed's MoE is not in hybrid yet; it serves the "
                               "parameter-group helpers only")
