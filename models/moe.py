@@ -310,19 +310,27 @@ class MoEStats:
             self._sums += sums
         self.micro_batches += 1
 
+    def take_row(self, device: torch.device) -> torch.Tensor:
+        """The counts so far as one fp64 row on ``device`` (no host sync): tokens per expert
+        ``(E,)``, then the sums of dropped, aux and z, then the micro-batches; then zero."""
+        counts = (torch.zeros(self.num_experts, dtype=torch.float64, device=device)
+                  if self._counts is None else self._counts.to(device, torch.float64))
+        sums = (torch.zeros(3, dtype=torch.float64, device=device) if self._sums is None
+                else self._sums.to(device, torch.float64))
+        micro = torch.full((1,), float(self.micro_batches), dtype=torch.float64, device=device)
+        self._sums = self._counts = None
+        self.micro_batches = 0
+        return torch.cat([counts, sums, micro])
+
     def take(self) -> dict:
         """The counts so far (``tokens_per_expert``, an ``(E,)`` int64 tensor on the host;
         ``dropped``; the mean ``aux`` and ``z`` per micro-batch; ``micro_batches``), then
         zero."""
-        n = max(self.micro_batches, 1)
-        counts = (torch.zeros(self.num_experts, dtype=torch.int64) if self._counts is None
-                  else self._counts.cpu())
-        dropped, aux, z = [0.0] * 3 if self._sums is None else self._sums.tolist()
-        out = {"tokens_per_expert": counts, "dropped": int(dropped), "aux": aux / n,
-               "z": z / n, "micro_batches": self.micro_batches}
-        self._sums = self._counts = None
-        self.micro_batches = 0
-        return out
+        row = self.take_row(torch.device("cpu")).tolist()
+        e, n = self.num_experts, max(int(row[-1]), 1)
+        return {"tokens_per_expert": torch.tensor(row[:e], dtype=torch.int64),
+                "dropped": int(row[e]), "aux": row[e + 1] / n, "z": row[e + 2] / n,
+                "micro_batches": int(row[-1])}
 
 
 def _mlp(rows: torch.Tensor, fc: torch.Tensor, proj: torch.Tensor, swiglu: bool

@@ -17,6 +17,12 @@ other layers; zeros elsewhere), one all-reduce per log line, and gives per layer
 mean aux and z loss per micro-batch, the fewest and most tokens an expert got per step,
 and the dropped assignments per step.
 
+[Note: no host sync in a step]
+Everything a step does here stays on the device (the counts, their all-reduce, the bias
+update, the interval's sums, minima and maxima): the values are read on the host at a
+log line only, as the loss is. (The routing itself syncs, once per MoE layer and
+micro-batch: the experts' row counts size their matmuls and the all-to-all's splits.)
+
 The expert biases are model state the optimizer does not hold: :meth:`MoEWatch.buffers`
 gives the whole model's (every stage's, by parameter-style name) for a checkpoint's
 ``metadata.json`` (``"buffers"``, written by rank 0: the biases are the same on every
@@ -44,35 +50,32 @@ class MoEWatch:
         self.num_layers = model.cfg.num_layers
         self.experts = moe.num_experts or 0
         self.steps = 0
-        # per global layer: [tokens per expert (E), dropped, aux sum, z sum, micro-batches]
-        self._interval = torch.zeros(self.num_layers, self.experts + 4, dtype=torch.float64)
-        self._min = torch.full((self.num_layers,), float("inf"), dtype=torch.float64)
-        self._max = torch.zeros(self.num_layers, dtype=torch.float64)
+        # per global layer: [tokens per expert (E), dropped, aux sum, z sum, micro-batches],
+        # on the device: a step reads no value ([Note: no host sync in a step])
+        dev = ps.device
+        self._interval = torch.zeros(self.num_layers, self.experts + 4, dtype=torch.float64,
+                                     device=dev)
+        self._min = torch.full((self.num_layers,), float("inf"), dtype=torch.float64,
+                               device=dev)
+        self._max = torch.zeros(self.num_layers, dtype=torch.float64, device=dev)
 
     def step(self) -> None:
         """After an optimizer step: the step's counts summed over DP, the expert biases
         moved, the interval's sums grown (module doc)."""
         if not self.layers:
             return
-        rows = []
-        for layer in self.layers.values():
-            t = layer.stats.take()
-            rows.append(torch.cat([t["tokens_per_expert"].double(),
-                                   torch.tensor([t["dropped"], t["aux"] * t["micro_batches"],
-                                                 t["z"] * t["micro_batches"],
-                                                 t["micro_batches"]], dtype=torch.float64)]))
-        step = torch.stack(rows).to(self.ps.device)
+        step = torch.stack([layer.stats.take_row(self.ps.device)
+                            for layer in self.layers.values()])
         self.ps.dp_cp_group.all_reduce(step)
-        step = step.cpu()
-        for row, (i, layer) in zip(step, self.layers.items()):
-            counts = row[: self.experts]
-            if self.moe.moe_router_enable_expert_bias:
+        ids = torch.tensor(list(self.layers), device=self.ps.device)
+        counts = step[:, : self.experts]
+        if self.moe.moe_router_enable_expert_bias:
+            for row, layer in zip(counts, self.layers.values()):
                 router = layer.experts.router
-                router.update_expert_bias(counts.to(router.expert_bias.device),
-                                          self.moe.moe_router_bias_update_rate)
-            self._interval[i] += row
-            self._min[i] = min(float(self._min[i]), float(counts.min()))
-            self._max[i] = max(float(self._max[i]), float(counts.max()))
+                router.update_expert_bias(row, self.moe.moe_router_bias_update_rate)
+        self._interval[ids] += step
+        self._min[ids] = torch.minimum(self._min[ids], counts.min(dim=1).values)
+        self._max[ids] = torch.maximum(self._max[ids], counts.max(dim=1).values)
         self.steps += 1
 
     def line(self) -> dict[str, dict[str, float]]:
