@@ -147,17 +147,7 @@ class GPT(nn.Module):
         the MoE layers' experts split over this expert-parallel group (None: every
         expert on every rank)."""
         super().__init__()
-        chunks = ((range(cfg.num_layers),) if layers is None
-                  else (layers,) if isinstance(layers, range) else tuple(layers))
-        stop = 0
-        for r in chunks:
-            if r.step != 1 or r.start < stop or r.stop > cfg.num_layers:
-                raise ValueError(f"layers {layers} is not a run of the model's "
-                                 f"{cfg.num_layers} (or ascending runs, one per chunk)")
-            stop = max(stop, r.stop)
-        if not chunks or (len(chunks) > 1 and pre_process and post_process):
-            raise ValueError("model chunks interleave over pipeline ranks: one rank holds "
-                             "the embeddings or the head, not both")
+        chunks = _chunks(cfg, layers, pre_process and post_process)
         if cfg.vocab_size is None:
             raise ValueError("the model needs its vocabulary: build it from "
                              "cfg.with_vocab_size(tokenizer.vocab_size)")
@@ -344,6 +334,26 @@ class GPT(nn.Module):
             return losses.mean()
         # a micro-batch of end-of-document tokens only counts nothing (not 0 / 0)
         return (losses * loss_mask).sum() / loss_mask.sum().clamp(min=1)
+
+
+def _chunks(cfg: ModelConfig, layers: range | Sequence[range] | None,
+            whole: bool) -> tuple[range, ...]:
+    """The global layers of each model chunk a rank builds (:class:`GPT`'s ``layers``:
+    None, the whole model; a range, one stage; ranges, an interleaved rank's chunks);
+    ValueError for anything else, or for chunks on a rank that is both first and last
+    (``whole``)."""
+    chunks = ((range(cfg.num_layers),) if layers is None
+              else (layers,) if isinstance(layers, range) else tuple(layers))
+    stop = 0
+    for r in chunks:
+        if r.step != 1 or r.start < stop or r.stop > cfg.num_layers:
+            raise ValueError(f"layers {layers} is not a run of the model's "
+                             f"{cfg.num_layers} (or ascending runs, one per chunk)")
+        stop = max(stop, r.stop)
+    if not chunks or (len(chunks) > 1 and whole):
+        raise ValueError("model chunks interleave over pipeline ranks: one rank holds "
+                         "the embeddings or the head, not both")
+    return chunks
 
 
 def _check_architecture(cfg: ModelConfig) -> None:

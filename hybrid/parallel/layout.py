@@ -50,6 +50,7 @@ process groups from it.
 
 from __future__ import annotations
 
+import abc
 import itertools
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -96,7 +97,7 @@ class Coords(NamedTuple):
     pp: int
 
 
-class _Grid:
+class _Grid(abc.ABC):
     """Ranks as a grid of coordinates, the first of ``DIMS`` innermost (adjacent ranks):
     the group arithmetic both layouts share. A subclass gives ``DIMS`` (one letter per
     coordinate, inner to outer), ``KINDS`` (kind: the letters its members differ in) and
@@ -106,8 +107,9 @@ class _Grid:
     KINDS: dict[str, str]
 
     @property
+    @abc.abstractmethod
     def _sizes(self) -> dict[str, int]:
-        raise NotImplementedError
+        """Each coordinate's size, by its letter."""
 
     @property
     def _strides(self) -> dict[str, int]:
