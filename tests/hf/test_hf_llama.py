@@ -5,6 +5,8 @@ trained by hybrid at TP 2 exports to a directory transformers loads and generate
 from exactly as hybrid does."""
 
 
+import json
+
 import pytest
 import torch
 
@@ -33,6 +35,19 @@ def _hybrid(ckpt_dir):
     """A checkpoint's model on one process, as scripts/generate.py builds it."""
     from hybrid.checkpoint import resolve_checkpoint
     return script_module("generate").load_model(resolve_checkpoint(ckpt_dir), "cpu")[0]
+
+
+def refused_on_import(hc: dict, field: str, tmp_path, capsys) -> None:
+    """``import_hf`` of a directory holding ``config.json`` ``hc`` alone: refused before any
+    weight is read, one line naming ``field``, exit 2, nothing written."""
+    hf_dir, save = tmp_path / "hf", tmp_path / "save"
+    hf_dir.mkdir()
+    (hf_dir / "config.json").write_text(json.dumps(hc))
+    capsys.readouterr()
+    assert script_module("import_hf").main([str(hf_dir), str(save)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"import_hf.py: error: config.json: {field} "), err
+    assert not save.exists()
 
 
 def exported_exactly(hf, save: str, out: str, kind: str, capsys):

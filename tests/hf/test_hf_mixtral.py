@@ -5,13 +5,18 @@ tokens, trains from there under ZeRO 2 at DP 2, and exports back to
 ``MixtralForCausalLM`` bit for bit; transformers 4's per-expert names import too. What a
 Mixtral cannot hold, or hybrid cannot express, is refused naming the flag or field."""
 
-import json
 
 import pytest
 import torch
 
 from tests.helpers.launch import TINY, pretrain, script_module
-from tests.hf.test_hf_llama import VOCAB, _assert_same_model, _hybrid, exported_exactly
+from tests.hf.test_hf_llama import (
+    VOCAB,
+    _assert_same_model,
+    _hybrid,
+    exported_exactly,
+    refused_on_import,
+)
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("safetensors.torch")
@@ -81,15 +86,7 @@ def test_transformers_4_per_expert_names_import_alike(tmp_path):
     ({"router_jitter_noise": 0.01}, "router_jitter_noise"),
 ])
 def test_mixtral_import_refuses_what_hybrid_cannot_express(tmp_path, capsys, change, field):
-    hc = dict(_mixtral_config().to_dict(), **change)
-    hf_dir, save = tmp_path / "hf", tmp_path / "save"
-    hf_dir.mkdir()
-    (hf_dir / "config.json").write_text(json.dumps(hc))
-    capsys.readouterr()
-    assert script_module("import_hf").main([str(hf_dir), str(save)]) == 2
-    err = capsys.readouterr().err
-    assert err.startswith(f"import_hf.py: error: config.json: {field} "), err
-    assert not save.exists()
+    refused_on_import(dict(_mixtral_config().to_dict(), **change), field, tmp_path, capsys)
 
 
 @pytest.mark.parametrize("extra, said", [

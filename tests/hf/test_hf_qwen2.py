@@ -5,7 +5,6 @@ same 32 greedy tokens, loads at TP 2 under ZeRO-3 with those logits, and exports
 back to ``Qwen2ForCausalLM`` bit for bit. What hybrid cannot express (sliding
 windows, other rope types, a head_dim of its own) is refused naming the field."""
 
-import json
 
 import pytest
 import torch
@@ -17,6 +16,7 @@ from tests.hf.test_hf_llama import (
     _hybrid,
     assert_same_at_tp2,
     exported_exactly,
+    refused_on_import,
 )
 
 transformers = pytest.importorskip("transformers")
@@ -78,15 +78,7 @@ def test_qwen2_from_transformers_imports_and_exports_exactly(tmp_path, tie, caps
 ])
 def test_qwen2_import_refuses_what_hybrid_cannot_express(tmp_path, capsys, change, field):
     """config.json alone: refused before any weight is read, nothing written."""
-    hc = dict(_qwen2_config(False).to_dict(), **change)
-    hf_dir, save = tmp_path / "hf", tmp_path / "save"
-    hf_dir.mkdir()
-    (hf_dir / "config.json").write_text(json.dumps(hc))
-    capsys.readouterr()
-    assert script_module("import_hf").main([str(hf_dir), str(save)]) == 2
-    err = capsys.readouterr().err
-    assert err.startswith(f"import_hf.py: error: config.json: {field} "), err
-    assert not save.exists()
+    refused_on_import(dict(_qwen2_config(False).to_dict(), **change), field, tmp_path, capsys)
 
 
 def test_qwen2_flags_that_are_not_llama_shaped_refuse_to_export(tmp_path, capsys):
