@@ -35,8 +35,8 @@ NVMe, ...) is one ConfigError naming the call and what to use instead.
 * :mod:`.runtime`       ``runtime.utils`` (``set_random_seed``, ``see_memory_usage``) and
                         ``runtime.lr_schedules`` (the scheduler classes) over hybrid's
 * :mod:`.ops`           ``ops.adam``: ``FusedAdam`` and ``DeepSpeedCPUAdam`` as torch's Adam(W)
-* :mod:`.moe`           ``moe.utils``' parameter-group helpers (no experts: groups as given);
-                        ``moe.layer.MoE`` refused when built
+* :mod:`.moe`           ``moe.layer.MoE`` (DeepSpeed's MoE layer, experts over an EP group)
+                        and ``moe.utils``' expert and parameter-group helpers
 * :mod:`.missing`       a DeepSpeed name hybrid does not serve, refused in hybrid's words
                         (AttributeError, or ImportError for ``from X import Y``)
 * :mod:`.hf`            Hugging Face's Trainer on hybrid's engine: a Trainer script changes

@@ -20,6 +20,7 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 from hybrid.config.deepspeed import load_ds_config
 from hybrid.deepspeed.checkpointing import PHASE
+from hybrid.deepspeed.moe.utils import attach_expert_groups, expert_parallel_size, has_moe_layers
 from hybrid.deepspeed.ops.adam import as_config_block
 from hybrid.deepspeed.pipe import PipelineModule
 from hybrid.deepspeed.pipe_engine import PipelineEngine, RepeatingLoader
@@ -27,7 +28,8 @@ from hybrid.engine import build
 from hybrid.engine.api import Engine
 from hybrid.engine.surface import EngineOptimizer
 from hybrid.errors import ConfigError
-from hybrid.parallel.state import ParallelState
+from hybrid.parallel.state import ParallelState, init_distributed
+from hybrid.train.orphans import end_with_launcher
 
 _WHERE = "deepspeed.initialize"
 
@@ -142,6 +144,12 @@ def _initialize(model: nn.Module, cfg: str | os.PathLike | Mapping | None, optim
             raise ConfigError(f"{_WHERE}(mpu=...) with a PipelineModule: the module holds "
                               f"its layout; pass it as PipelineModule(parallel_state=...) "
                               f"and leave mpu None")
+        if has_moe_layers(model)[0]:
+            if expert_parallel_size(model) > 1:
+                raise ConfigError(f"{_WHERE}: a PipelineModule with deepspeed.moe layers of "
+                                  f"ep_size > 1; hybrid splits DeepSpeed's experts over EP "
+                                  f"outside a pipeline only: use ep_size=1")
+            attach_expert_groups(model, model.ps)
         return _pipeline(model, cfg, optimizer, model_parameters, training_data, lr_scheduler,
                          collate_fn, seed)
     if mpu is not None:
@@ -161,10 +169,30 @@ def _initialize(model: nn.Module, cfg: str | os.PathLike | Mapping | None, optim
         raise ConfigError(f"{_WHERE}(dist_init_required=False): no process group yet; call "
                           f"deepspeed.init_distributed() first or leave dist_init_required "
                           f"None")
+    if has_moe_layers(model)[0]:
+        parallel_state = _with_experts(model, parallel_state, tensor_parallel_size)
     return build.initialize(model, cfg, model_parameters, optimizer, lr_scheduler, training_data,
                           parallel_state=parallel_state, tensor_parallel_size=tensor_parallel_size,
                           seed=seed, collate_fn=collate_fn, recompute_phase=PHASE,
                           caller=_WHERE)
+
+
+def _with_experts(model: nn.Module, parallel_state: ParallelState | None,
+                  tensor_parallel_size: int) -> ParallelState:
+    """The layout of a model with ``deepspeed.moe.layer.MoE`` layers: its EP size theirs
+    (the given layout must have it; joined from torchrun's environment with it
+    otherwise), each layer given the EP group and its experts marked
+    (:func:`hybrid.deepspeed.moe.utils.attach_expert_groups`)."""
+    ep = expert_parallel_size(model)
+    if parallel_state is None:  # (the worker's entry, as build.initialize's own join)
+        end_with_launcher(os.environ)
+        parallel_state = init_distributed(tensor_parallel_size, expert_model_parallel_size=ep)
+    elif parallel_state.ep_group.size != ep:
+        raise ConfigError(f"{_WHERE}: the model's MoE layers have ep_size {ep}, the "
+                          f"parallel_state's EP group {parallel_state.ep_group.size} ranks; "
+                          f"build it with expert_model_parallel_size={ep}")
+    attach_expert_groups(model, parallel_state)
+    return parallel_state
 
 
 def _pipeline(model: PipelineModule, cfg: str | os.PathLike | Mapping | None, optimizer: Any,

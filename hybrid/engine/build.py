@@ -41,6 +41,7 @@ from hybrid.recompute.phase import RecomputePhase
 from hybrid.tensor_parallel import InitValues, seed_all
 from hybrid.train.orphans import end_with_launcher
 from hybrid.zero import apply_zero
+from hybrid.zero.units import is_expert
 
 if TYPE_CHECKING:
     from torch.utils.data import DataLoader, Dataset
@@ -262,8 +263,9 @@ def _buffers_to(model: nn.Module, device: torch.device) -> None:
 @torch.no_grad()
 def _broadcast_from_first_replica(model: nn.Module, ps: ParallelState) -> None:
     """Every DP replica starts from DP rank 0's parameters and buffers (as DDP does),
-    whatever each process's own random init drew."""
+    whatever each process's own random init drew; an expert split over EP from the first
+    rank of its expert DP group (the ranks holding the same experts)."""
     if ps.dp_size == 1:
         return
     for t in list(model.parameters()) + list(model.buffers()):
-        ps.dp_group.broadcast(t.data, src=0)
+        (ps.edp_group if is_expert(t) else ps.dp_group).broadcast(t.data, src=0)

@@ -68,6 +68,20 @@ class _AllToAll(torch.autograd.Function):
         return back, None, None, None, None
 
 
+def exchange_blocks(rows: torch.Tensor, group: CommGroup) -> torch.Tensor:
+    """Block ``j`` of ``rows`` (dim 0 in ``group.size`` equal blocks) to group rank ``j``;
+    block ``j`` of the result is what rank ``j`` sent here (DeepSpeed's MoE exchange: every
+    expert's fixed-capacity block). Its backward is the reverse exchange; every rank joins
+    it ([Note: every rank joins the backward])."""
+    if group.size == 1:
+        return rows
+    if rows.shape[0] % group.size:
+        raise ValueError(f"{rows.shape[0]} rows do not split in {group.size} equal blocks")
+    splits = [rows.shape[0] // group.size] * group.size
+    anchor = torch.zeros((), device=rows.device, requires_grad=torch.is_grad_enabled())
+    return _AllToAll.apply(rows, anchor, group, splits, splits)
+
+
 def run_local(rows: torch.Tensor, counts: list[int], expert: Expert) -> torch.Tensor:
     """Each expert on its run of ``rows`` (sorted by expert, ``counts`` per expert), in
     expert order; an expert with no rows is skipped."""

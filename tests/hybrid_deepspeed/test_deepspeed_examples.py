@@ -22,8 +22,12 @@ one bf16 ulp of DeepSpeed's (they differ from the third step by up to 2.2e-4, De
 reducing bf16 gradients where hybrid reduces fp32 ones), rank 0's step lines printed.
 Its "superoffload" config (``ratio``, ``super_offload``, ``cpuadam_cores_perc``; each
 accepted with a line saying what hybrid does), which DeepSpeed runs only on CUDA, is
-held to the same recording. Every run but CIFAR at stage 3 runs in the peer step
-(:data:`PEER_STEP`), against DeepSpeed run there as well as its recording.
+held to the same recording. The CIFAR script with ``--moe`` (DeepSpeed's MoE layer:
+``run_ds_moe.sh``'s flags, 2 experts over EP 2 with RSample noise and their own
+optimizer groups, and ``run_ds_prmoe.sh``'s residual layers of 2 and 4 experts) at ZeRO 1
+and 2 against DeepSpeed's recording, and at ZeRO 3, which DeepSpeed refuses with MoE,
+held to ZeRO 2's. Every run but CIFAR at stage 3 (with and without MoE) runs in the peer
+step (:data:`PEER_STEP`), against DeepSpeed run there as well as its recording.
 ``training/pipeline_parallelism/train.py`` (AlexNet cut into 2 pipeline stages by
 ``partition_method="parameters"``, ``deepspeed.runtime.utils.set_random_seed``,
 ``training_data=``): each ``train_batch()`` loss within 1e-5, and DeepSpeed's
@@ -88,7 +92,8 @@ AT_ONCE = 5  # runs started together (the docstring below)
 # (test_the_peer_step_s_examples_against_deepspeed_itself): the suite keeps CIFAR at ZeRO 3
 # (everything sharded), against its recording, within its 8 minutes.
 PEER_STEP = ("cifar_stage0", "cifar_stage1", "cifar_stage2", "pipeline_pp2", "bf16_zero3",
-             "hello_bert", "superoffload_zerooffload", "superoffload_superoffload")
+             "hello_bert", "superoffload_zerooffload", "superoffload_superoffload",
+             "cifar_moe_stage1", "cifar_moe_stage2", "cifar_prmoe_stage2")
 
 
 def _against_recordings(names: list[str], tmp_path) -> list[str]:

@@ -1,15 +1,14 @@
-"""``deepspeed.moe``: what a dense script imports from it (DeepSpeed's MoE layer itself is
-not in hybrid yet; hybrid's own MoE layers are ``models.moe``).
+"""``deepspeed.moe``: DeepSpeed's mixture-of-experts layer and its helpers.
 
-* :mod:`.utils`  the parameter-group helpers a script calls whether or not it builds an
-                 MoE layer (``split_params_into_different_moe_groups_for_optimizer``,
-                 ``is_moe_param``, ``has_moe_layers``): with no expert parameter they leave
-                 the groups as they are, as DeepSpeed's do
-* :mod:`.layer`  ``MoE``, refused when built: DeepSpeed's gating is not in hybrid yet
+* :mod:`.layer`   ``MoE``: DeepSpeed's layer (its gating, capacity, random token
+                  selection, residual MoE), experts split over an expert-parallel group
+* :mod:`.gating`  the top-1, top-2 and top-k gatings (``deepspeed.moe.sharded_moe``'s)
+* :mod:`.utils`   which parameters are experts, the optimizer groups that keep them apart
+                  (``split_params_into_different_moe_groups_for_optimizer``), and the EP
+                  group ``deepspeed.initialize`` gives each layer
 
-DeepSpeedExamples' CIFAR script imports ``deepspeed.moe.utils`` at the top and builds
-``deepspeed.moe.layer.MoE`` only with ``--moe``: without it the script runs, with it the
-construction is the one error.
+DeepSpeedExamples' CIFAR script (``training/cifar/cifar10_deepspeed.py --moe``) runs
+unchanged; docs/moe.md says what is there and how it is checked against DeepSpeed.
 """
 
 from __future__ import annotations
@@ -17,11 +16,11 @@ from __future__ import annotations
 from typing import NoReturn
 
 from hybrid.deepspeed.missing import refuse
-from hybrid.deepspeed.moe import layer, utils
+from hybrid.deepspeed.moe import gating, layer, utils
 
-__all__ = ["layer", "utils"]
+__all__ = ["gating", "layer", "utils"]
 
 
 def __getattr__(name: str) -> NoReturn:
-    refuse("moe", name, "DeepSpeed's MoE is not in hybrid yet; deepspeed.moe serves utils "
-                        "(the parameter-group helpers) and layer.MoE (refused when built)")
+    refuse("moe", name, "deepspeed.moe serves layer (MoE), sharded_moe's gating as "
+                        "moe.gating, and utils")

@@ -77,6 +77,19 @@ def _cifar(stage: int) -> Run:
                compare="backward", printed=r"^\[ *1, +\d+\] loss: +[\d.]+$|^Accuracy.*")
 
 
+def _cifar_moe(stage: int, residual: bool = False, against: str | None = None) -> Run:
+    # run_ds_moe.sh's MoE flags (2 experts over EP 2, top-1, RSample noise, the experts'
+    # own optimizer groups) or run_ds_prmoe.sh's (a residual MoE layer of 2 experts and
+    # one of 4), on the stage's run above
+    experts = ("2", "4") if residual else ("2",)
+    mlp = ("--mlp-type", "residual") if residual else ()
+    base = _cifar(stage)
+    return dataclasses.replace(
+        base, args=(*base.args, "--moe", "--ep-world-size", "2", "--num-experts", *experts,
+                    "--top-k", "1", *mlp, "--noisy-gate-policy", "RSample",
+                    "--moe-param-group"), against=against)
+
+
 _BF16 = UPSTREAM / "bf16_master_weight"
 
 
@@ -169,6 +182,12 @@ def _superoffload(mode: str, against: str | None = None) -> Run:
 
 RUNS: dict[str, Run] = {
     **{f"cifar_stage{s}": _cifar(s) for s in (0, 1, 2, 3)},
+    # DeepSpeed's MoE layer, at ZeRO 1 and 2 against DeepSpeed; at ZeRO 3, which DeepSpeed
+    # refuses with MoE ("not supported with ZeRO Stage 3"), held to ZeRO 2's recording
+    # (the same arithmetic, sharded further)
+    **{f"cifar_moe_stage{s}": _cifar_moe(s) for s in (1, 2)},
+    "cifar_moe_stage3": _cifar_moe(3, against="cifar_moe_stage2"),
+    "cifar_prmoe_stage2": _cifar_moe(2, residual=True),
     # the bf16 master-weight example's baseline config (bf16, ZeRO 3, torch_autocast off),
     # its model shrunk by its own flags; it calls loss.backward() and writes its losses
     "bf16_zero3": Run("bf16_master_weight/train.py",
