@@ -94,13 +94,15 @@ parser.add_argument("--steps", type=int)
 parser = deepspeed.add_config_arguments(parser)
 args = parser.parse_args()
 deepspeed.init_distributed(dist_backend="gloo")
+import torch
 import torch.distributed as dist
 from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer
 groups = split_params_into_different_moe_groups_for_optimizer({"params": [], "name": "p"})
 try:
-    deepspeed.moe.layer.MoE(hidden_size=4, expert=None, num_experts=2)
+    deepspeed.moe.layer.MoE(hidden_size=4, expert=torch.nn.Linear(4, 4), num_experts=3,
+                            ep_size=2)
     moe = "built"
-except NotImplementedError as e:
+except ValueError as e:
     moe = f"{type(e).__name__}: {e}"
 try:
     from deepspeed.profiling.flops_profiler import get_model_profile
@@ -146,12 +148,12 @@ def _check(results):
         assert (r["deepspeed"], r["pipe"], r["loader"]) == (
             "hybrid.deepspeed", "hybrid.deepspeed.pipe", "hybrid.deepspeed.pipe_engine")
         assert r["same"] and r["spec"] == "hybrid.deepspeed.pipe" and r["device"] == "cpu"
-        # deepspeed.moe imports (the CIFAR example's top line); building an MoE layer is
-        # the one error, naming it; an unserved module is hybrid's own ModuleNotFoundError
+        # deepspeed.moe imports (the CIFAR example's top line); a layer of experts that
+        # do not split over its EP size is one error naming both; an unserved module is
+        # hybrid's own ModuleNotFoundError
         assert r["moe_groups"] == [{"params": [], "name": "p"}]
-        assert r["moe"].startswith("NotImplementedError: deepspeed.moe.layer.MoE(num_experts=2)"
-                                   ": DeepSpeed's MoE layer"), r["moe"]
-        assert "--num-experts" in r["moe"], r["moe"]
+        assert r["moe"] == ("ValueError: deepspeed.moe.layer.MoE: num_experts 3 must be a "
+                            "multiple of ep_size 2"), r["moe"]
         assert r["profiler"].startswith("ModuleNotFoundError: No module named "
                                         "'deepspeed.profiling' under hybrid") and \
             "flops profiler" in r["profiler"], r["profiler"]

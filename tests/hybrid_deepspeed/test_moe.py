@@ -106,10 +106,12 @@ def test_deepspeed_s_optimizer_groups():
         split_params_into_different_moe_groups_for_optimizer({"params": experts})
 
 
-def _train(ps, ep: int, stage: int, starve: bool):
+def _train(ps, ep: int, stage: int, starve: bool, save: str | None = None,
+           load: str | None = None):
     """A small net with a DeepSpeed MoE layer of 2 experts trained 3 steps through
-    deepspeed.initialize: (each step's loss, the full expert weights after, the expert
-    gradients' norms of the last step)."""
+    deepspeed.initialize: (each step's loss, the full expert weights after, the last
+    step's expert counts). ``save``: a checkpoint there after step 2; ``load``: start
+    from the one there, at step 3 (the data drawn as for the first two)."""
     from hybrid import deepspeed
     torch.manual_seed(0)
     layer = MoE(hidden_size=8, expert=nn.Linear(8, 8), num_experts=2, ep_size=ep, k=1,
@@ -126,14 +128,20 @@ def _train(ps, ep: int, stage: int, starve: bool):
     engine = deepspeed.initialize(model=model, model_parameters=groups, config=config,
                                   mpu=ps)[0]
     data = torch.Generator().manual_seed(1 + ps.dp_rank)
+    if load is not None:
+        engine.load_checkpoint(load)
     losses = []
-    for _ in range(3):
+    for step in range(3):
         x, y = torch.randn(6, 4, generator=data), torch.randint(0, 3, (6,), generator=data)
+        if load is not None and step < 2:  # (the checkpoint holds the generator's state)
+            continue
         h, _, counts = model["moe"](model["inp"](x))
         loss = nn.functional.cross_entropy(model["out"](torch.relu(h)), y)
         engine.backward(loss)
         engine.step()
         losses.append(loss.item())
+        if save is not None and step == 1:
+            engine.save_checkpoint(save)
     experts = layer.deepspeed_moe.experts.deepspeed_experts
     with deepspeed.zero.GatheredParameters(list(experts.parameters())):
         mine = [p.detach().clone() for p in experts.parameters()]
@@ -182,3 +190,15 @@ def test_an_expert_with_no_tokens_trains_nothing_and_waits_for_no_one():
     assert torch.equal(w1, start.weight.detach()) and torch.equal(b1, start.bias.detach())
     w0 = _expert_weights(got[0][1], 2)[0]
     assert not torch.equal(w0, start.weight.detach())
+
+
+def test_a_checkpoint_at_ep_2_resumes_the_curve(tmp_path):
+    """Saved after step 2 at EP 2 x ZeRO 3 (each rank its expert's shard), loaded by a
+    fresh engine: step 3's losses equal the uninterrupted run's, to the last bit (the
+    checkpoint holds torch's generator, so the gate's noise draws continue too)."""
+    whole = run_ranks(_train, world_size=2, ep=2, args=(2, 3, False, str(tmp_path)))
+    resumed = run_ranks(_train, world_size=2, ep=2, args=(2, 3, False, None, str(tmp_path)))
+    for r in (0, 1):
+        assert resumed[r][0] == whole[r][0][2:], r
+    for a, b in zip(whole[0][1], resumed[0][1]):
+        assert torch.equal(a, b)

@@ -129,7 +129,7 @@ def top1(logits: torch.Tensor, capacity_factor: float, min_capacity: int,
         capacity = min(_largest_count(exp_counts, ep_group), S)
     l_aux = torch.sum(gates.mean(dim=0) * mask.float().mean(dim=0)) * E
     score = mask * _uniform(mask.shape, logits.device, 0.0, 1.0) if use_rts else mask
-    if S < min_capacity:
+    if min_capacity > S:
         raise ValueError(f"deepspeed.moe top-1 gating: {S} tokens, fewer than min_capacity "
                          f"{min_capacity}; set min_capacity to 0 or give a larger batch")
     picked = torch.topk(score, k=min(capacity, S), dim=0).indices
