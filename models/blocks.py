@@ -168,6 +168,7 @@ def make_moe(cfg: ModelConfig, scale: AuxLossScale, ep_group: CommGroup | None =
                     swiglu=cfg.swiglu, scale=scale, balancing=moe.moe_router_load_balancing_type,
                     aux_coeff=moe.moe_aux_loss_coeff, z_coeff=moe.moe_z_loss_coeff,
                     shared_ffn=moe.moe_shared_expert_intermediate_size,
+                    shared_gate=moe.moe_shared_expert_gate,
                     pre_softmax=moe.moe_router_pre_softmax,
                     score=moe.moe_router_score_function,
                     topk_scaling=moe.moe_router_topk_scaling_factor,

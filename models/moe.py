@@ -347,18 +347,25 @@ def _mlp(rows: torch.Tensor, fc: torch.Tensor, proj: torch.Tensor, swiglu: bool
 
 
 class SharedExpert(nn.Module):
-    """An expert every token goes through, ungated (Megatron's shared expert): ``fc``
-    ``(parts x ffn, hidden)``, ``proj`` ``(hidden, ffn)``, no biases."""
+    """An expert every token goes through (Megatron's shared expert): ``fc``
+    ``(parts x ffn, hidden)``, ``proj`` ``(hidden, ffn)``, no biases. ``gated``: its
+    output times ``sigmoid(x @ gate.T)``, ``gate`` ``(1, hidden)`` (Qwen2-MoE's,
+    Megatron's ``moe_shared_expert_gate``); else ungated."""
 
-    def __init__(self, hidden: int, ffn: int, swiglu: bool, init_method_std: float = 0.02):
+    def __init__(self, hidden: int, ffn: int, swiglu: bool, init_method_std: float = 0.02,
+                 gated: bool = False):
         super().__init__()
         self.swiglu = swiglu
         self.fc = nn.Parameter(torch.empty((2 if swiglu else 1) * ffn, hidden))
         self.proj = nn.Parameter(torch.empty(hidden, ffn))
-        _init((self.fc, self.proj), init_method_std)
+        self.gate = nn.Parameter(torch.empty(1, hidden)) if gated else None
+        _init([w for w in (self.fc, self.proj, self.gate) if w is not None], init_method_std)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _mlp(x, self.fc, self.proj, self.swiglu)
+        y = _mlp(x, self.fc, self.proj, self.swiglu)
+        if self.gate is None:
+            return y
+        return y * torch.sigmoid(F.linear(x, self.gate))
 
 
 class _AttachLosses(torch.autograd.Function):
@@ -398,12 +405,13 @@ class MoELayer(nn.Module):
     def __init__(self, hidden: int, ffn: int, num_experts: int, top_k: int, *,
                  swiglu: bool, scale: AuxLossScale, balancing: str = "aux_loss",
                  aux_coeff: float = 0.0, z_coeff: float | None = None,
-                 shared_ffn: int | None = None, **moe_kw):
+                 shared_ffn: int | None = None, shared_gate: bool = False, **moe_kw):
         super().__init__()
         if balancing not in ("aux_loss", "seq_aux_loss", "none"):
             raise ValueError(f"balancing {balancing!r} must be aux_loss, seq_aux_loss or none")
         self.experts = MoE(hidden, ffn, num_experts, top_k, swiglu=swiglu, **moe_kw)
-        self.shared = SharedExpert(hidden, shared_ffn, swiglu) if shared_ffn else None
+        self.shared = (SharedExpert(hidden, shared_ffn, swiglu, gated=shared_gate)
+                       if shared_ffn else None)
         self.balancing, self.aux_coeff, self.z_coeff = balancing, aux_coeff, z_coeff
         self.scale = scale
         self.stats = MoEStats(num_experts)

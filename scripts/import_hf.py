@@ -32,6 +32,7 @@ from hybrid.errors import CheckpointError
 from hybrid.hf.gpt2 import from_hf
 from hybrid.hf.llama import from_hf_llama, llama_flags, qwen2_flags
 from hybrid.hf.mixtral import from_hf_mixtral, mixtral_flags
+from hybrid.hf.qwen2_moe import from_hf_qwen2_moe, qwen2_moe_flags
 
 
 def _read_weights(hf_dir: str) -> dict:
@@ -101,9 +102,12 @@ def main(argv=None) -> int:
         elif kind == "mixtral":
             flags = mixtral_flags(hc)
             model = from_hf_mixtral(_read_weights(a.hf_dir), hc)
+        elif kind == "qwen2_moe":
+            flags = qwen2_moe_flags(hc)
+            model = from_hf_qwen2_moe(_read_weights(a.hf_dir), hc)
         else:
-            raise CheckpointError(f"{path}: model_type {kind!r}, expected gpt2, llama, qwen2 "
-                                  f"or mixtral")
+            raise CheckpointError(f"{path}: model_type {kind!r}, expected gpt2, llama, qwen2, "
+                                  f"mixtral or qwen2_moe")
         out = write_unsharded_checkpoint(a.save_dir, model, flags, hc["vocab_size"])
     except CheckpointError as e:
         print(f"import_hf.py: error: {e}", file=sys.stderr)

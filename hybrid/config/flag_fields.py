@@ -87,6 +87,7 @@ class Flags:
     moe_layer_freq: str = declared("moe_layer_freq")
     moe_shared_expert_intermediate_size: int | None = declared(
         "moe_shared_expert_intermediate_size")
+    moe_shared_expert_gate: bool = declared("moe_shared_expert_gate")
     moe_router_score_function: str = declared("moe_router_score_function")
     moe_router_pre_softmax: bool = declared("moe_router_pre_softmax")
     moe_router_topk_scaling_factor: float | None = declared("moe_router_topk_scaling_factor")

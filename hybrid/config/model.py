@@ -190,6 +190,7 @@ class ModelConfig:
         E, k, Fe = self.moe.num_experts or 0, self.moe.moe_router_topk, self.expert_ffn_size
         expert = (parts + 1) * Fe * C
         shared = (parts + 1) * (self.moe.moe_shared_expert_intermediate_size or 0) * C
+        shared += C if self.moe.moe_shared_expert_gate else 0  # (its gate's weight vector)
         return E * expert + E * C + shared, 0, 2 * (k * expert + E * C + shared)
 
     def _block_counts(self, moe: bool = False) -> tuple[int, int]:

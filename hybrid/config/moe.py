@@ -49,6 +49,9 @@ class MoEConfig:
     moe_shared_expert_intermediate_size: int | None = opt(
         None, "width of a shared expert every token also goes through (default: none)",
         at_least=1)
+    moe_shared_expert_gate: bool = opt(
+        False, "the shared expert's output times a learnt sigmoid gate of the token (one "
+        "weight vector, Qwen2-MoE's); needs --moe-shared-expert-intermediate-size")
     moe_router_score_function: str = opt(
         "softmax", "softmax (Mixtral's) or sigmoid (DeepSeek-V3's) router scores",
         choices=SCORE_FUNCTIONS, refused={"sqrtsoftplus": "hybrid's routers are softmax or "
@@ -171,6 +174,9 @@ def validate_moe(f, world_size: int) -> None:
     if f.moe_router_pre_softmax and f.moe_router_score_function != "softmax":
         raise ConfigError("--moe-router-pre-softmax is a softmax router's: drop it with "
                           "--moe-router-score-function sigmoid")
+    if f.moe_shared_expert_gate and f.moe_shared_expert_intermediate_size is None:
+        raise ConfigError("--moe-shared-expert-gate gates the shared expert: add "
+                          "--moe-shared-expert-intermediate-size")
     if f.moe_pad_expert_input_to_capacity and f.moe_expert_capacity_factor is None:
         raise ConfigError("--moe-pad-expert-input-to-capacity pads to the capacity: add "
                           "--moe-expert-capacity-factor")

@@ -3,4 +3,6 @@
 * :mod:`.gpt2`  GPT-2 <-> hybrid's GPT; dispatches Llama/Qwen2 configs to :mod:`.llama`
 * :mod:`.llama` Llama and Qwen2 <-> hybrid's GPT with the Llama-family options
 * :mod:`.mixtral` Mixtral <-> hybrid's Llama-shaped GPT with MoE layers
+* :mod:`.qwen2_moe` Qwen2-MoE <-> hybrid's Llama-shaped GPT with MoE layers, a gated shared
+  expert and dense layers where it has them
 """

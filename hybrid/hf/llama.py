@@ -22,6 +22,8 @@ dict functions: no torch.distributed, no transformers import.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Collection
+
 import torch
 
 from hybrid.config.architecture import architecture_fields, is_llama
@@ -48,12 +50,27 @@ def _kinds(bias: bool) -> tuple[str, ...]:
     return ("weight", "bias") if bias else ("weight",)
 
 
+def _has_dense(dense_mlp: bool | Collection[int], layer: int) -> bool:
+    return dense_mlp if isinstance(dense_mlp, bool) else layer in dense_mlp
+
+
+def hf_getter(hf: dict[str, torch.Tensor]) -> Callable[[str], torch.Tensor]:
+    """``get(name)``: ``hf[name]`` or ``hf["model." + name]``; CheckpointError naming it
+    when neither is there."""
+    def get(k: str) -> torch.Tensor:
+        for key in (k, "model." + k):
+            if key in hf:
+                return hf[key]
+        raise CheckpointError(f"the Hugging Face weights have no {k!r}")
+    return get
+
+
 def to_hf_llama(model: dict[str, torch.Tensor], c: dict, vocab_size: int,
-                dense_mlp: bool = True) -> dict[str, torch.Tensor]:
+                dense_mlp: bool | Collection[int] = True) -> dict[str, torch.Tensor]:
     """hybrid state (full tensors) with saved config ``c`` -> ``LlamaForCausalLM`` state
     (``Qwen2ForCausalLM``'s too: the same names, q/k/v biases with --add-qkv-bias).
-    ``dense_mlp`` False: the blocks' MLPs are left out (a Mixtral's experts,
-    :mod:`hybrid.hf.mixtral`)."""
+    ``dense_mlp``: the layers whose MLP is a dense one (True: all; False: none, a
+    Mixtral's experts, :mod:`hybrid.hf.mixtral`); the others' MLPs are left out."""
     f = architecture_fields(c)
     qkv_bias, bias = f["add_bias_linear"] or f["add_qkv_bias"], f["add_bias_linear"]
     heads = c["num_attention_heads"]
@@ -72,7 +89,7 @@ def to_hf_llama(model: dict[str, torch.Tensor], c: dict, vocab_size: int,
                 out[f"{dst}self_attn.{name}_proj.{kind}"] = t
         for kind in _kinds(bias):
             out[f"{dst}self_attn.o_proj.{kind}"] = model[f"{src}attn.proj.{kind}"]
-            if not dense_mlp:
+            if not _has_dense(dense_mlp, i):
                 continue
             gate, up = model[f"{src}mlp.fc.{kind}"]  # (2, F, ...)
             out[f"{dst}mlp.gate_proj.{kind}"] = gate
@@ -81,8 +98,11 @@ def to_hf_llama(model: dict[str, torch.Tensor], c: dict, vocab_size: int,
     return {k: v.contiguous() for k, v in out.items()}
 
 
-def _is_qwen2(hc: dict) -> bool:
-    return hc.get("model_type") == "qwen2"
+def _qkv_bias_only(hc: dict) -> bool:
+    """Whether q, k and v alone have biases: a Qwen2's always, a Qwen2-MoE's by its
+    ``qkv_bias`` (transformers 4's: always)."""
+    kind = hc.get("model_type")
+    return kind == "qwen2" or (kind == "qwen2_moe" and bool(hc.get("qkv_bias", True)))
 
 
 def _tied(hc: dict) -> bool:
@@ -92,20 +112,17 @@ def _tied(hc: dict) -> bool:
 
 
 def from_hf_llama(hf: dict[str, torch.Tensor], hc: dict,
-                  dense_mlp: bool = True) -> dict[str, torch.Tensor]:
+                  dense_mlp: bool | Collection[int] = True) -> dict[str, torch.Tensor]:
     """``LlamaForCausalLM`` or ``Qwen2ForCausalLM`` state dict with ``config.json``
-    ``hc`` -> hybrid state (unpadded vocabulary, fp32). ``dense_mlp`` False: the
-    layers' MLPs are left out (a Mixtral's experts, :mod:`hybrid.hf.mixtral`)."""
+    ``hc`` -> hybrid state (unpadded vocabulary, fp32). ``dense_mlp``: the layers whose
+    MLP is a dense one (True: all; False: none, a Mixtral's experts,
+    :mod:`hybrid.hf.mixtral`); the others' MLPs are left out."""
     groups = hc.get("num_key_value_heads") or hc["num_attention_heads"]
-    # Qwen2: q/k/v always have a bias, o_proj and the MLP never
-    bias = bool(hc.get("attention_bias", False)) and not _is_qwen2(hc)
-    qkv_bias = bias or _is_qwen2(hc)
-
-    def get(k):
-        for key in (k, "model." + k):
-            if key in hf:
-                return hf[key]
-        raise CheckpointError(f"the Hugging Face weights have no {k!r}")
+    # the Qwen family: q/k/v have biases, o_proj and the MLP never
+    qwen = hc.get("model_type") in ("qwen2", "qwen2_moe")
+    bias = bool(hc.get("attention_bias", False)) and not qwen
+    qkv_bias = bias or _qkv_bias_only(hc)
+    get = hf_getter(hf)
     out = {"wte.weight": get("embed_tokens.weight"), "ln_f.weight": get("norm.weight")}
     if not _tied(hc):
         out["output_layer.weight"] = hf["lm_head.weight"] if "lm_head.weight" in hf \
@@ -119,7 +136,7 @@ def from_hf_llama(hf: dict[str, torch.Tensor], hc: dict,
             out[f"{dst}attn.qkv.{kind}"] = _qkv_from_hf(q, k, v, groups)
         for kind in _kinds(bias):
             out[f"{dst}attn.proj.{kind}"] = get(f"{src}self_attn.o_proj.{kind}")
-            if not dense_mlp:
+            if not _has_dense(dense_mlp, i):
                 continue
             out[f"{dst}mlp.fc.{kind}"] = torch.stack([get(f"{src}mlp.gate_proj.{kind}"),
                                                       get(f"{src}mlp.up_proj.{kind}")])
@@ -204,6 +221,13 @@ def qwen2_flags(hc: dict) -> dict:
     """hybrid's flags for a Qwen2 (or Qwen2.5) ``config.json``: a Llama with biases on
     q, k and v only (``--disable-bias-linear --add-qkv-bias``). Sliding-window
     attention is refused: hybrid's attention is full and causal on every layer."""
+    check_full_attention(hc)
+    return dict(_llama_shape_flags(hc), disable_bias_linear=True, add_qkv_bias=True)
+
+
+def check_full_attention(hc: dict) -> None:
+    """CheckpointError naming the field when a Qwen-family ``config.json`` asks for
+    sliding-window attention on some layer."""
     if hc.get("use_sliding_window", False):
         raise CheckpointError("config.json: use_sliding_window is true; hybrid's attention "
                               "is full causal attention on every layer")
@@ -211,7 +235,6 @@ def qwen2_flags(hc: dict) -> dict:
     if other:
         raise CheckpointError(f"config.json: layer_types has {', '.join(map(repr, other))}; "
                               f"hybrid implements only 'full_attention' layers")
-    return dict(_llama_shape_flags(hc), disable_bias_linear=True, add_qkv_bias=True)
 
 
 def _hf_shape_config(c: dict, vocab_size: int, family: str) -> tuple[dict, dict]:

@@ -25,7 +25,13 @@ import torch
 
 from hybrid.config.moe import MoEConfig
 from hybrid.errors import CheckpointError
-from hybrid.hf.llama import _hf_shape_config, _llama_shape_flags, from_hf_llama, to_hf_llama
+from hybrid.hf.llama import (
+    _hf_shape_config,
+    _llama_shape_flags,
+    from_hf_llama,
+    hf_getter,
+    to_hf_llama,
+)
 
 
 def mixtral_flags(hc: dict) -> dict:
@@ -46,20 +52,11 @@ def mixtral_flags(hc: dict) -> dict:
     return flags
 
 
-def _getter(hf: dict[str, torch.Tensor]):
-    def get(k: str) -> torch.Tensor:
-        for key in (k, "model." + k):
-            if key in hf:
-                return hf[key]
-        raise CheckpointError(f"the Hugging Face weights have no {k!r}")
-    return get
-
-
 def from_hf_mixtral(hf: dict[str, torch.Tensor], hc: dict) -> dict[str, torch.Tensor]:
     """``MixtralForCausalLM`` state dict with ``config.json`` ``hc`` -> hybrid state
     (unpadded vocabulary, fp32)."""
     out = from_hf_llama(hf, hc, dense_mlp=False)
-    get, experts = _getter(hf), hc["num_local_experts"]
+    get, experts = hf_getter(hf), hc["num_local_experts"]
     for i in range(hc["num_hidden_layers"]):
         src, dst = f"layers.{i}.", f"blocks.{i}.mlp.experts."
         if f"{src}mlp.gate.weight" in hf or f"model.{src}mlp.gate.weight" in hf:
@@ -96,7 +93,8 @@ def mixtral_hf_config(c: dict, vocab_size: int) -> dict:
     moe = MoEConfig.from_flags(c)
     assert moe is not None and moe.num_experts is not None  # (export_hf asks for MoE)
     defaults = MoEConfig()
-    for flag in ("moe_shared_expert_intermediate_size", "moe_router_score_function",
+    for flag in ("moe_shared_expert_intermediate_size", "moe_shared_expert_gate",
+                 "moe_router_score_function",
                  "moe_router_pre_softmax", "moe_router_topk_scaling_factor",
                  "moe_expert_capacity_factor"):
         if getattr(moe, flag) != getattr(defaults, flag):

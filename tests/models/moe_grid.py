@@ -6,7 +6,7 @@ against one process, through scripts/pretrain_gpt.py's work (on pooled ranks,
 
 The model: 4 layers, a dense first one and then MoE and dense in turn
 (``--moe-layer-freq "([0]+[1])*2"``), 4 experts of which each token takes 2, a shared
-expert, the load-balancing loss at 0.5 and the z-loss at 0.1 (large, so that a wrong
+expert behind its sigmoid gate (``--moe-shared-expert-gate``), the load-balancing loss at 0.5 and the z-loss at 0.1 (large, so that a wrong
 gradient of theirs shows in the norm). Every cell trains 3 steps of the same global
 batches (8 samples, micro-batches of 2: 4 micro-batches on one process, 2 a rank at DP
 2) and evaluates once; it passes when every step's loss and grad norm, the validation
@@ -36,6 +36,7 @@ from tests.helpers.launch import TINY, pretrain, read_json_log
 TOLERANCE = 1e-5
 MOE = ["--num-layers", "4", "--num-experts", "4", "--moe-router-topk", "2",
        "--moe-layer-freq", "([0]+[1])*2", "--moe-shared-expert-intermediate-size", "32",
+       "--moe-shared-expert-gate",
        "--moe-aux-loss-coeff", "0.5", "--moe-z-loss-coeff", "0.1", "--global-batch-size", "8",
        "--train-iters", "3", "--eval-interval", "3", "--eval-iters", "1"]
 PP2 = ["--pipeline-model-parallel-size", "2"]
