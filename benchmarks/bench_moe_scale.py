@@ -16,8 +16,9 @@ its own group of each kind, the expert ones included) and its stage's model unde
 :func:`hybrid.train.step.train_step` under 1F1B over 16 micro-batches.
 
 The fake group's all-to-alls are made symmetric: what a rank receives is what it sends
-(every EP peer routing as this rank does), so the split sizes agree and each step
-computes the same; a received activation is zeros (a peer sending zeros). The model is
+(every EP peer routing as this rank does), so the split sizes agree; a received
+activation is normal values from one seeded generator (zeros would send every token to
+the same experts). The model is
 small (one MoE layer a stage, hidden 128, sequence 16, micro-batch 1; 2 experts a token)
 but the layout is the real one.
 
@@ -44,7 +45,6 @@ import time
 import torch
 import torch.distributed as dist
 
-from benchmarks.bench_pipeline_scale import _zero_receives
 from benchmarks.timing import emit, median_of
 from hybrid.config import build_config, parse_args
 from hybrid.estimate.memory import expert_exchange_bytes, peak_memory
@@ -73,6 +73,30 @@ def flags(world: int, zero_stage: int, hidden: int = 128, seq: int = 16) -> list
             "--zero-stage", str(zero_stage), "--zero-param-persistence-threshold", "0",
             "--make-vocab-size-divisible-by", "1", "--tokenizer-type", "byte",
             "--hidden-dropout", "0", "--attention-dropout", "0"]
+
+
+@contextlib.contextmanager
+def _random_receives(seed: int = 0):
+    """Receives through the fake group leave their buffer as allocated: fill them with
+    normal values drawn from one seeded generator (a peer sending activations, another
+    each micro-batch). Zeros, as the pipeline bench sends, would give every token the
+    same router logits, hence the same experts: the exchange would be the degenerate
+    one."""
+    real = dist.batch_isend_irecv
+    gen = torch.Generator().manual_seed(seed)
+
+    def batch(ops):
+        works = real(ops)
+        for op in ops:
+            if op.op is dist.irecv:
+                op.tensor.copy_(torch.randn(op.tensor.shape, generator=gen))
+        return works
+
+    dist.batch_isend_irecv = batch
+    try:
+        yield
+    finally:
+        dist.batch_isend_irecv = real
 
 
 @contextlib.contextmanager
@@ -121,7 +145,7 @@ def last_rank(world: int, zero_stage: int = 1, steps: int = 1, hidden: int = 128
         act = activation_shape(lp.micro_batch_size, cfg.model.seq_length,
                                cfg.model.hidden_size, ps, cfg.parallel.sequence_parallel)
         step_s, losses, a2a = [], [], []
-        with _zero_receives(), _symmetric_all_to_all():
+        with _random_receives(), _symmetric_all_to_all():
             for _ in range(steps):
                 ps.comm_stats.reset()
                 t = time.perf_counter()
