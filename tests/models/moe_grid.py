@@ -6,8 +6,9 @@ against one process, through scripts/pretrain_gpt.py's work (on pooled ranks,
 
 The model: 4 layers, a dense first one and then MoE and dense in turn
 (``--moe-layer-freq "([0]+[1])*2"``), 4 experts of which each token takes 2, a shared
-expert behind its sigmoid gate (``--moe-shared-expert-gate``), the load-balancing loss at 0.5 and the z-loss at 0.1 (large, so that a wrong
-gradient of theirs shows in the norm). Every cell trains 3 steps of the same global
+expert behind its sigmoid gate (``--moe-shared-expert-gate``), the load-balancing loss
+at 0.5 and the z-loss at 0.1 (large, so that a wrong gradient of theirs shows in the
+norm). Every cell trains 3 steps of the same global
 batches (8 samples, micro-batches of 2: 4 micro-batches on one process, 2 a rank at DP
 2) and evaluates once; it passes when every step's loss and grad norm, the validation
 loss and each MoE layer's logged aux and z losses are within :data:`TOLERANCE`
