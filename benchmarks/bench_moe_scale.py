@@ -34,29 +34,32 @@ of random tokens is near it). Nothing is asserted about time;
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import dataclasses
-import os
-import platform
 import sys
 import time
 
 import torch
 import torch.distributed as dist
 
-from benchmarks.timing import emit, median_of
+from benchmarks.fake_rank import (
+    VOCAB,
+    abba,
+    fake_world,
+    filled_receives,
+    machine,
+    scale_args,
+    timed_steps,
+)
+from benchmarks.timing import emit
 from hybrid.config import build_config, parse_args
 from hybrid.estimate.memory import expert_exchange_bytes, peak_memory
 from hybrid.estimate.workload import workload
-from hybrid.kernels.dtypes import DTYPES
 from hybrid.parallel.state import ParallelState
 from hybrid.tensor_parallel import seed_all
 from hybrid.train.setup import build_engine
-from hybrid.train.step import activation_shape, train_step
 
 PP = 16
-VOCAB = 257  # the byte tokenizer's
 WORLDS = (64, 1024)
 
 
@@ -73,30 +76,6 @@ def flags(world: int, zero_stage: int, hidden: int = 128, seq: int = 16) -> list
             "--zero-stage", str(zero_stage), "--zero-param-persistence-threshold", "0",
             "--make-vocab-size-divisible-by", "1", "--tokenizer-type", "byte",
             "--hidden-dropout", "0", "--attention-dropout", "0"]
-
-
-@contextlib.contextmanager
-def _random_receives(seed: int = 0):
-    """Receives through the fake group leave their buffer as allocated: fill them with
-    normal values drawn from one seeded generator (a peer sending activations, another
-    each micro-batch). Zeros, as the pipeline bench sends, would give every token the
-    same router logits, hence the same experts: the exchange would be the degenerate
-    one."""
-    real = dist.batch_isend_irecv
-    gen = torch.Generator().manual_seed(seed)
-
-    def batch(ops):
-        works = real(ops)
-        for op in ops:
-            if op.op is dist.irecv:
-                op.tensor.copy_(torch.randn(op.tensor.shape, generator=gen))
-        return works
-
-    dist.batch_isend_irecv = batch
-    try:
-        yield
-    finally:
-        dist.batch_isend_irecv = real
 
 
 @contextlib.contextmanager
@@ -123,87 +102,50 @@ def _symmetric_all_to_all():
 def last_rank(world: int, zero_stage: int = 1, steps: int = 1, hidden: int = 128) -> dict:
     """Build and step rank ``world - 1`` of PP 16 x EP ``world / 16`` through the fake
     process group (module doc); its figures and the estimator's."""
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
     cfg = build_config(parse_args(flags(world, zero_stage, hidden)), world)
-    rank, ep = world - 1, world // PP
     t0 = time.perf_counter()
-    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
-    ps = None
-    try:
+    with fake_world(world) as rank:
         ps = ParallelState.build(1, pipeline_model_parallel_size=PP,
-                                 expert_model_parallel_size=ep)
-        groups_s = time.perf_counter() - t0
-        rng = seed_all(cfg.seed, ps.tp_rank, ps.dp_rank, ps.device)
-        model, _, engine = build_engine(cfg, ps, VOCAB, rng)
-        setup_s = time.perf_counter() - t0
-        lp = cfg.loop
-        gen = torch.Generator().manual_seed(cfg.seed)
-        batches = [(torch.randint(0, VOCAB, (lp.micro_batch_size, cfg.model.seq_length),
-                                  generator=gen),) * 2 for _ in range(cfg.num_micro_batches)]
-        dtype = DTYPES[cfg.precision.params_dtype]
-        act = activation_shape(lp.micro_batch_size, cfg.model.seq_length,
-                               cfg.model.hidden_size, ps, cfg.parallel.sequence_parallel)
-        step_s, losses, a2a = [], [], []
-        with _random_receives(), _symmetric_all_to_all():
-            for _ in range(steps):
-                ps.comm_stats.reset()
-                t = time.perf_counter()
-                loss, result, _ = train_step(model, engine, batches, 1e-3,
-                                             schedule=cfg.pipeline.schedule, shape=act,
-                                             dtype=dtype)
-                step_s.append(time.perf_counter() - t)
-                losses.append(float(loss))
-                a2a.append(ps.comm_stats.bytes["all_to_all"])
-        w = dataclasses.replace(workload(cfg, VOCAB, "cpu"), stage=ps.pp_rank)
-        measured = engine.model_state_bytes()
-        return {
-            "world": world, "rank": rank, "pp": ps.pp_size, "pp_rank": ps.pp_rank,
-            "dp": ps.dp_size, "ep": ps.ep_group.size, "ep_rank": ps.ep_group.rank,
-            "edp": ps.edp_group.size, "experts": cfg.model.moe.num_experts,
-            "zero_stage": zero_stage, "micro_batches": cfg.num_micro_batches,
-            "setup_s": setup_s, "setup_groups_s": groups_s,
-            "setup_model_s": setup_s - groups_s, "step_s": step_s, "losses": losses,
-            "skipped": bool(result.skipped),
-            "local_experts": [tuple(layer.experts.fc.shape)
-                              for layer in model.moe_layers().values()],
-            "model_state_bytes": measured["total"],
-            "model_state_bytes_estimated": peak_memory(w)["model_states"],
-            "all_to_all_bytes_per_step": a2a,
-            "all_to_all_bytes_estimated": expert_exchange_bytes(w)}
-    finally:
-        if ps is not None:
+                                 expert_model_parallel_size=world // PP)
+        try:
+            groups_s = time.perf_counter() - t0
+            rng = seed_all(cfg.seed, ps.tp_rank, ps.dp_rank, ps.device)
+            model, _, engine = build_engine(cfg, ps, VOCAB, rng)
+            setup_s = time.perf_counter() - t0
+            # a received activation: normal values from one seeded generator, another each
+            # micro-batch (zeros would give every token the same experts)
+            gen = torch.Generator().manual_seed(0)
+            with filled_receives(lambda t: t.copy_(torch.randn(t.shape, generator=gen))), \
+                    _symmetric_all_to_all():
+                stepped = timed_steps(cfg, ps, model, engine, steps, "all_to_all")
+            w = dataclasses.replace(workload(cfg, VOCAB, "cpu"), stage=ps.pp_rank)
+            assert cfg.model.moe is not None  # (the flags give experts)
+            return {
+                "world": world, "rank": rank, "pp": ps.pp_size, "pp_rank": ps.pp_rank,
+                "dp": ps.dp_size, "ep": ps.ep_group.size, "ep_rank": ps.ep_group.rank,
+                "edp": ps.edp_group.size, "experts": cfg.model.moe.num_experts,
+                "zero_stage": zero_stage, "micro_batches": cfg.num_micro_batches,
+                "setup_s": setup_s, "setup_groups_s": groups_s,
+                "setup_model_s": setup_s - groups_s, **stepped,
+                "local_experts": [tuple(layer.experts.fc.shape)
+                                  for layer in model.moe_layers().values()],
+                "model_state_bytes": engine.model_state_bytes()["total"],
+                "model_state_bytes_estimated": peak_memory(w)["model_states"],
+                "all_to_all_bytes_estimated": expert_exchange_bytes(w)}
+        finally:
             ps.release()
-        dist.destroy_process_group()
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--zero-stage", type=int, default=1, choices=(0, 1, 2, 3))
-    ap.add_argument("--rounds", type=int, default=5)
-    ap.add_argument("--steps", type=int, default=3, help="timed steps per round")
-    a = ap.parse_args(argv)
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    torch.set_num_threads(1)
-    emit({"bench": "moe_scale", "machine": {
-        "python": platform.python_version(), "torch": torch.__version__,
-        "cpus": os.cpu_count(), "threads": 1, "date": time.strftime("%Y-%m-%d")},
+    a = scale_args(__doc__, argv)
+    hidden = a.hidden or 128
+    emit({"bench": "moe_scale", "machine": machine(),
         "layout": f"PP {PP} x EP world/{PP} (= DP), one expert an EP rank, rank world - 1",
-        "flags": flags(1024, a.zero_stage), "rounds": a.rounds, "steps": a.steps,
+        "flags": flags(1024, a.zero_stage, hidden), "rounds": a.rounds, "steps": a.steps,
         "order": "ABBA by round, after one untimed build and step of each world"})
-    for world in WORLDS:  # warm-up: imports, lazy initializations, the allocator
-        last_rank(world, a.zero_stage)
-    runs: dict[int, list[dict]] = {w: [] for w in WORLDS}
-    for r in range(a.rounds):
-        for world in (WORLDS if r % 2 == 0 else WORLDS[::-1]):
-            runs[world].append(last_rank(world, a.zero_stage, a.steps))
-    records = {}
-    for world in WORLDS:
-        rec = dict(runs[world][-1])
-        for part in ("setup_s", "setup_groups_s", "setup_model_s"):
-            rec[part] = median_of(x[part] for x in runs[world])
-        rec["step_s"] = median_of(s for x in runs[world] for s in x["step_s"])
-        records[world] = rec
+    records = abba(WORLDS, a.rounds, a.steps,
+                   lambda world, steps: last_rank(world, a.zero_stage, steps, hidden))
+    for rec in records.values():
         emit(rec)
     small, big = records[WORLDS[0]], records[WORLDS[-1]]
     emit({"summary": {

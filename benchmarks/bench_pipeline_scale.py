@@ -36,30 +36,29 @@ holds the exact figures.
 
 from __future__ import annotations
 
-import argparse
-import contextlib
 import dataclasses
-import os
-import platform
 import sys
 import time
 
-import torch
-import torch.distributed as dist
-
-from benchmarks.timing import emit, median_of
+from benchmarks.fake_rank import (
+    VOCAB,
+    abba,
+    fake_world,
+    filled_receives,
+    machine,
+    scale_args,
+    timed_steps,
+)
+from benchmarks.timing import emit
 from hybrid.config import build_config, parse_args
 from hybrid.estimate.model_states import model_state_bytes
 from hybrid.estimate.pipeline import p2p_bytes_per_step
 from hybrid.estimate.workload import workload
-from hybrid.kernels.dtypes import DTYPES
 from hybrid.parallel.state import ParallelState
 from hybrid.tensor_parallel import seed_all
 from hybrid.train.setup import build_engine
-from hybrid.train.step import activation_shape, train_step
 
 TP, PP = 8, 8
-VOCAB = 257  # the byte tokenizer's
 WORLDS = (64, 1024)
 
 
@@ -80,119 +79,54 @@ def flags(world: int, zero_stage: int, layers: int = 8, hidden: int = 128, heads
             "--hidden-dropout", "0", "--attention-dropout", "0"]
 
 
-@contextlib.contextmanager
-def _zero_receives():
-    """Receives through the fake group leave their buffer as allocated: fill them with
-    zeros after the (real) batch_isend_irecv call, as a peer sending zeros would."""
-    real = dist.batch_isend_irecv
-
-    def batch(ops):
-        works = real(ops)
-        for op in ops:
-            if op.op is dist.irecv:
-                op.tensor.zero_()
-        return works
-
-    dist.batch_isend_irecv = batch
-    try:
-        yield
-    finally:
-        dist.batch_isend_irecv = real
-
-
 def last_rank(world: int, zero_stage: int = 1, steps: int = 1, **shape) -> dict:
     """Build and step rank ``world - 1`` of PP 8 x TP 8 x DP ``world / 64`` through the
     fake process group (module doc); its figures and the estimator's."""
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
     cfg = build_config(parse_args(flags(world, zero_stage, **shape)), world)
-    rank = world - 1
     t0 = time.perf_counter()
-    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
-    ps = None
-    try:
+    with fake_world(world) as rank:
         ps = ParallelState.build(TP, pipeline_model_parallel_size=PP)
-        groups_s = time.perf_counter() - t0
-        rng = seed_all(cfg.seed, ps.tp_rank, ps.dp_rank, ps.device)
-        model, _, engine = build_engine(cfg, ps, VOCAB, rng)
-        setup_s = time.perf_counter() - t0
-        lp = cfg.loop
-        gen = torch.Generator().manual_seed(cfg.seed)
-        batches = [(torch.randint(0, VOCAB, (lp.micro_batch_size, cfg.model.seq_length),
-                                  generator=gen),) * 2 for _ in range(cfg.num_micro_batches)]
-        dtype = DTYPES[cfg.precision.params_dtype]
-        act = activation_shape(lp.micro_batch_size, cfg.model.seq_length,
-                               cfg.model.hidden_size, ps, cfg.parallel.sequence_parallel)
-        step_s, losses, p2p = [], [], []
-        with _zero_receives():
-            for _ in range(steps):
-                ps.comm_stats.reset()
-                t = time.perf_counter()
-                loss, result, _ = train_step(model, engine, batches, 1e-3,
-                                             schedule=cfg.pipeline.schedule, shape=act,
-                                             dtype=dtype)
-                step_s.append(time.perf_counter() - t)
-                losses.append(float(loss))
-                p2p.append(ps.comm_stats.bytes["p2p"])
-        w = dataclasses.replace(workload(cfg, VOCAB, "cpu"), stage=ps.pp_rank)
-        estimate = model_state_bytes(w.psi, w.shard_ranks, zero_stage, w.params_dtype,
-                                     w.grads_dtype)
-        measured = engine.model_state_bytes()
-        return {
-            "world": world, "rank": rank, "tp": ps.tp_size, "dp": ps.dp_size,
-            "pp": ps.pp_size, "pp_rank": ps.pp_rank, "tp_rank": ps.tp_rank,
-            "is_last_stage": ps.is_last_stage, "zero_stage": zero_stage,
-            "micro_batches": cfg.num_micro_batches, "setup_s": setup_s,
-            "setup_groups_s": groups_s, "setup_model_s": setup_s - groups_s, "step_s": step_s,
-            "losses": losses, "skipped": bool(result.skipped),
-            "params": sum(p.numel() for p in model.parameters()),
-            "params_padded": sum(u.padded for u in engine.units),
-            "params_estimated": w.psi,
-            "model_state_bytes": {k: measured[k] for k in ("params", "grads", "optimizer",
-                                                           "total")},
-            "model_state_bytes_estimated": estimate,
-            "p2p_bytes_per_step": p2p,
-            "p2p_bytes_estimated": p2p_bytes_per_step(w)["ranks"][ps.pp_rank]}
-    finally:
-        if ps is not None:
+        try:
+            groups_s = time.perf_counter() - t0
+            rng = seed_all(cfg.seed, ps.tp_rank, ps.dp_rank, ps.device)
+            model, _, engine = build_engine(cfg, ps, VOCAB, rng)
+            setup_s = time.perf_counter() - t0
+            with filled_receives(lambda t: t.zero_()):  # (a peer sending zeros)
+                stepped = timed_steps(cfg, ps, model, engine, steps, "p2p")
+            w = dataclasses.replace(workload(cfg, VOCAB, "cpu"), stage=ps.pp_rank)
+            estimate = model_state_bytes(w.psi, w.shard_ranks, zero_stage, w.params_dtype,
+                                         w.grads_dtype)
+            measured = engine.model_state_bytes()
+            return {
+                "world": world, "rank": rank, "tp": ps.tp_size, "dp": ps.dp_size,
+                "pp": ps.pp_size, "pp_rank": ps.pp_rank, "tp_rank": ps.tp_rank,
+                "is_last_stage": ps.is_last_stage, "zero_stage": zero_stage,
+                "micro_batches": cfg.num_micro_batches, "setup_s": setup_s,
+                "setup_groups_s": groups_s, "setup_model_s": setup_s - groups_s, **stepped,
+                "params": sum(p.numel() for p in model.parameters()),
+                "params_padded": sum(u.padded for u in engine.units),
+                "params_estimated": w.psi,
+                "model_state_bytes": {k: measured[k] for k in ("params", "grads",
+                                                               "optimizer", "total")},
+                "model_state_bytes_estimated": estimate,
+                "p2p_bytes_estimated": p2p_bytes_per_step(w)["ranks"][ps.pp_rank]}
+        finally:
             ps.release()
-        dist.destroy_process_group()
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--zero-stage", type=int, default=1, choices=(0, 1, 2, 3))
-    ap.add_argument("--rounds", type=int, default=5)
-    ap.add_argument("--steps", type=int, default=3, help="timed steps per round")
-    ap.add_argument("--hidden", type=int, default=1024,
-                    help="hidden size (a multiple of 128 keeps ZeRO's units unpadded)")
-    a = ap.parse_args(argv)
-    shape = {"hidden": a.hidden}
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    torch.set_num_threads(1)
-    emit({"bench": "pipeline_scale", "machine": {
-        "python": platform.python_version(), "torch": torch.__version__,
-        "cpus": os.cpu_count(), "threads": 1, "date": time.strftime("%Y-%m-%d")},
+    a = scale_args(__doc__, argv)
+    # (a multiple of 128 keeps ZeRO's units unpadded)
+    shape = {"hidden": a.hidden or 1024}
+    emit({"bench": "pipeline_scale", "machine": machine(),
         "layout": f"PP {PP} x TP {TP} x DP world/64, rank world - 1",
         "flags": flags(1024, a.zero_stage, **shape), "rounds": a.rounds, "steps": a.steps,
         "order": "ABBA by round, after one untimed build and step of each world"})
-    for world in WORLDS:  # warm-up: imports, lazy initializations, the allocator
-        last_rank(world, a.zero_stage, **shape)
-    runs: dict[int, list[dict]] = {w: [] for w in WORLDS}
-    for r in range(a.rounds):
-        for world in (WORLDS if r % 2 == 0 else WORLDS[::-1]):
-            runs[world].append(last_rank(world, a.zero_stage, a.steps, **shape))
-    records = {}
-    for world in WORLDS:
-        rec = dict(runs[world][-1])
-        rec["setup_s"] = median_of(x["setup_s"] for x in runs[world])
-        rec["step_s"] = median_of(s for x in runs[world] for s in x["step_s"])
-        for part in ("setup_groups_s", "setup_model_s"):
-            rec[part] = median_of(x[part] for x in runs[world])
-        rec["setup_s_all"] = [round(x["setup_s"], 5) for x in runs[world]]
+    records = abba(WORLDS, a.rounds, a.steps,
+                   lambda world, steps: last_rank(world, a.zero_stage, steps, **shape))
+    for rec in records.values():
         rec["model_state_bytes_equal"] = (rec["model_state_bytes"]["total"]
                                           == rec["model_state_bytes_estimated"]["total"])
-        records[world] = rec
         emit(rec)
     small, big = records[WORLDS[0]], records[WORLDS[-1]]
     emit({"summary": {

@@ -65,6 +65,43 @@ def exported_exactly(hf, save: str, out: str, kind: str, capsys):
     return back
 
 
+def refused_on_export(extra: dict, said: str, tmp_path, capsys) -> None:
+    """``export_hf`` of a Llama-shaped MoE checkpoint (4 experts) with the saved flags
+    ``extra`` on top: refused, exit 2, the error holding ``said``."""
+    from hybrid.checkpoint.save import write_unsharded_checkpoint
+    odd = str(tmp_path / "odd")
+    write_unsharded_checkpoint(odd, {}, {"num_layers": 2, "hidden_size": 8,
+                                         "num_attention_heads": 1, "swiglu": True,
+                                         "normalization": "RMSNorm",
+                                         "position_embedding_type": "rope",
+                                         "disable_bias_linear": True, "num_experts": 4,
+                                         **extra}, 257)
+    capsys.readouterr()
+    assert script_module("export_hf").main([odd, str(tmp_path / "odd_hf")]) == 2
+    assert said in capsys.readouterr().err
+
+
+def saved_tiny(model_class, config, folder: str):
+    """``model_class(config)`` drawn from seed 1, in eval mode, saved by transformers in
+    ``folder``: (the model, ``folder``)."""
+    torch.manual_seed(1)
+    hf = model_class(config).eval()
+    hf.save_pretrained(folder)
+    return hf, folder
+
+
+def trains_from_import(printed: str, save: str) -> None:
+    """The flags ``import_hf`` printed train from its save: 2 steps at DP 2 under ZeRO 2 on
+    mock data (the null tokenizer's vocabulary one short of :data:`VOCAB`)."""
+    flags = printed.split("--load " + save + " ", 1)[1].split()
+    args = [*TINY, "--global-batch-size", "8", "--train-iters", "2", "--zero-stage", "2",
+            "--seq-length", "32", "--mock-data", "--tokenizer-type", "null", "--vocab-size",
+            str(VOCAB - 1),  # (the null tokenizer adds its end-of-document id)
+            "--load", save, "--finetune", *flags]
+    r = pretrain(2, args)
+    assert r.returncode == 0, r.stderr[-3000:]
+
+
 def _assert_same_model(hf, model, vocab):
     x = _tokens(vocab)
     with torch.no_grad():

@@ -9,13 +9,16 @@ Mixtral cannot hold, or hybrid cannot express, is refused naming the flag or fie
 import pytest
 import torch
 
-from tests.helpers.launch import TINY, pretrain, script_module
+from tests.helpers.launch import script_module
 from tests.hf.test_hf_llama import (
     VOCAB,
     _assert_same_model,
     _hybrid,
     exported_exactly,
+    refused_on_export,
     refused_on_import,
+    saved_tiny,
+    trains_from_import,
 )
 
 transformers = pytest.importorskip("transformers")
@@ -32,11 +35,8 @@ def _mixtral_config(**kw):
 
 
 def _tiny_mixtral(tmp_path, **kw):
-    torch.manual_seed(1)
-    hf = transformers.MixtralForCausalLM(_mixtral_config(**kw)).eval()
-    hf_dir = str(tmp_path / "mixtral")
-    hf.save_pretrained(hf_dir)
-    return hf, hf_dir
+    return saved_tiny(transformers.MixtralForCausalLM, _mixtral_config(**kw),
+                      str(tmp_path / "mixtral"))
 
 
 def test_mixtral_from_transformers_imports_trains_and_exports_exactly(tmp_path, capsys):
@@ -51,13 +51,7 @@ def test_mixtral_from_transformers_imports_trains_and_exports_exactly(tmp_path, 
     greedy = _assert_same_model(hf, model, VOCAB)
     assert len(set(greedy[8:])) > 1, greedy  # not one token repeated
     # trains from the import (DP 2, ZeRO 2): the flags it printed are the ones to pass
-    flags = printed.split("--load " + save + " ", 1)[1].split()
-    args = [*TINY, "--global-batch-size", "8", "--train-iters", "2", "--zero-stage", "2",
-            "--seq-length", "32", "--mock-data", "--tokenizer-type", "null", "--vocab-size",
-            str(VOCAB - 1),  # (the null tokenizer adds its end-of-document id)
-            "--load", save, "--finetune", *flags]
-    r = pretrain(2, args)
-    assert r.returncode == 0, r.stderr[-3000:]
+    trains_from_import(printed, save)
     back = exported_exactly(hf, save, out, "Mixtral", capsys)
     assert back.config.num_local_experts == 4 and back.config.router_aux_loss_coef == 0.02
     _assert_same_model(back, model, VOCAB)
@@ -96,14 +90,4 @@ def test_mixtral_import_refuses_what_hybrid_cannot_express(tmp_path, capsys, cha
                                    "layer is MoE"),
 ])
 def test_an_moe_model_mixtral_cannot_hold_refuses_to_export(tmp_path, capsys, extra, said):
-    from hybrid.checkpoint.save import write_unsharded_checkpoint
-    odd = str(tmp_path / "odd")
-    write_unsharded_checkpoint(odd, {}, {"num_layers": 2, "hidden_size": 8,
-                                         "num_attention_heads": 1, "swiglu": True,
-                                         "normalization": "RMSNorm",
-                                         "position_embedding_type": "rope",
-                                         "disable_bias_linear": True, "num_experts": 4,
-                                         **extra}, 257)
-    capsys.readouterr()
-    assert script_module("export_hf").main([odd, str(tmp_path / "odd_hf")]) == 2
-    assert said in capsys.readouterr().err
+    refused_on_export(extra, said, tmp_path, capsys)

@@ -10,13 +10,16 @@ What a Qwen2-MoE cannot hold is refused naming the flag."""
 import pytest
 import torch
 
-from tests.helpers.launch import TINY, pretrain, script_module
+from tests.helpers.launch import script_module
 from tests.hf.test_hf_llama import (
     VOCAB,
     _assert_same_model,
     _hybrid,
     exported_exactly,
+    refused_on_export,
     refused_on_import,
+    saved_tiny,
+    trains_from_import,
 )
 
 transformers = pytest.importorskip("transformers")
@@ -36,11 +39,8 @@ def _config(**kw):
 
 
 def _tiny(tmp_path, **kw):
-    torch.manual_seed(1)
-    hf = transformers.Qwen2MoeForCausalLM(_config(**kw)).eval()
-    hf_dir = str(tmp_path / "qwen2_moe")
-    hf.save_pretrained(hf_dir)
-    return hf, hf_dir
+    return saved_tiny(transformers.Qwen2MoeForCausalLM, _config(**kw),
+                      str(tmp_path / "qwen2_moe"))
 
 
 def test_qwen2_moe_from_transformers_imports_trains_and_exports_exactly(tmp_path, capsys):
@@ -59,13 +59,7 @@ def test_qwen2_moe_from_transformers_imports_trains_and_exports_exactly(tmp_path
     greedy = _assert_same_model(hf, model, VOCAB)
     assert len(set(greedy[8:])) > 1, greedy  # not one token repeated
     # trains from the import (DP 2, ZeRO 2): the flags it printed are the ones to pass
-    flags = printed.split("--load " + save + " ", 1)[1].split()
-    args = [*TINY, "--global-batch-size", "8", "--train-iters", "2", "--zero-stage", "2",
-            "--seq-length", "32", "--mock-data", "--tokenizer-type", "null", "--vocab-size",
-            str(VOCAB - 1),  # (the null tokenizer adds its end-of-document id)
-            "--load", save, "--finetune", *flags]
-    r = pretrain(2, args)
-    assert r.returncode == 0, r.stderr[-3000:]
+    trains_from_import(printed, save)
     back = exported_exactly(hf, save, out, "Qwen2Moe", capsys)
     assert back.config.mlp_only_layers == [0] and back.config.norm_topk_prob is False
     _assert_same_model(back, model, VOCAB)
@@ -109,17 +103,7 @@ def test_qwen2_moe_import_refuses_sliding_windows(tmp_path, capsys):
 
 
 def test_a_model_qwen2_moe_cannot_hold_refuses_to_export(tmp_path, capsys):
-    from hybrid.checkpoint.save import write_unsharded_checkpoint
-    odd = str(tmp_path / "odd")
-    write_unsharded_checkpoint(odd, {}, {"num_layers": 2, "hidden_size": 8,
-                                         "num_attention_heads": 1, "swiglu": True,
-                                         "normalization": "RMSNorm",
-                                         "position_embedding_type": "rope",
-                                         "disable_bias_linear": True, "num_experts": 4,
-                                         "moe_shared_expert_intermediate_size": 8,
-                                         "moe_shared_expert_gate": True,
-                                         "moe_expert_capacity_factor": 1.5}, 257)
-    capsys.readouterr()
-    assert script_module("export_hf").main([odd, str(tmp_path / "odd_hf")]) == 2
-    assert ("--moe-expert-capacity-factor 1.5: a Hugging Face Qwen2-MoE has no such option"
-            in capsys.readouterr().err)
+    refused_on_export({"moe_shared_expert_intermediate_size": 8, "moe_shared_expert_gate": True,
+                       "moe_expert_capacity_factor": 1.5},
+                      "--moe-expert-capacity-factor 1.5: a Hugging Face Qwen2-MoE has no such "
+                      "option", tmp_path, capsys)
