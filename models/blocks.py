@@ -174,7 +174,8 @@ def make_moe(cfg: ModelConfig, scale: AuxLossScale, ep_group: CommGroup | None =
                     topk_scaling=moe.moe_router_topk_scaling_factor,
                     capacity_factor=moe.moe_expert_capacity_factor,
                     drop_policy=moe.moe_token_drop_policy,
-                    init_method_std=cfg.init_method_std, ep_group=ep_group)
+                    init_method_std=cfg.init_method_std, ep_group=ep_group,
+                    groups=moe.router_groups)
 
 
 def residual_rng(fork: bool, rng: TPRNGTracker | None):

@@ -84,10 +84,17 @@ class Router(nn.Module):
 
     def __init__(self, hidden: int, num_experts: int, top_k: int,
                  pre_softmax: bool = False, score: str = "softmax",
-                 topk_scaling: float | None = None):
+                 topk_scaling: float | None = None, groups: tuple[int, int] | None = None):
         super().__init__()
         if not 1 <= top_k <= num_experts:
             raise ValueError(f"top_k {top_k} must be in [1, num_experts {num_experts}]")
+        if groups is not None:
+            n, pick = groups
+            if num_experts % n or not 1 <= pick <= n or top_k % pick \
+                    or top_k // pick > num_experts // n:
+                raise ValueError(f"groups {groups}: the experts must split into {n} groups, "
+                                 f"of which {pick} hold the top {top_k}, as many in each")
+        self.groups = groups
         if score not in SCORES:
             raise ValueError(f"score {score!r} must be one of {SCORES}")
         if score == "sigmoid" and pre_softmax:
@@ -106,21 +113,39 @@ class Router(nn.Module):
         if self.score == "sigmoid":
             scores = torch.sigmoid(logits)
             # the bias only ranks; its sort key has no gradient ([Note: three steps])
-            _, experts = torch.sort(scores.detach() + self.expert_bias, dim=-1,
-                                    descending=True, stable=True)
+            _, experts = torch.sort(self._in_groups(scores.detach() + self.expert_bias),
+                                    dim=-1, descending=True, stable=True)
             experts = experts[:, : self.top_k]
             top = scores.gather(1, experts)
             gates = top / top.sum(dim=-1, keepdim=True)
         else:
             # a stable sort: equal scores keep the lower expert index first
-            top, experts = torch.sort(probs if self.pre_softmax else logits, dim=-1,
-                                      descending=True, stable=True)
+            top, experts = torch.sort(self._in_groups(probs if self.pre_softmax else logits),
+                                      dim=-1, descending=True, stable=True)
             top, experts = top[:, : self.top_k], experts[:, : self.top_k]
             gates = top if self.pre_softmax else torch.softmax(top, dim=-1)
         if self.topk_scaling is not None:  # (DeepSeek's routed scaling factor)
             gates = gates * self.topk_scaling
         counts = torch.bincount(experts.reshape(-1), minlength=self.num_experts)
         return Routing(experts, gates.to(x.dtype), logits, probs, counts)
+
+    def _in_groups(self, key: torch.Tensor) -> torch.Tensor:
+        """Group-limited routing (DeepSeek's device- and node-limited routing, Megatron's
+        ``--moe-router-num-groups G --moe-router-group-topk P``): the experts in G equal
+        groups, a group scored by the sum of its top ``k / P`` keys, the key of every
+        expert outside a token's best P groups -inf, so its top k come from those groups.
+        Equal group scores go to the lower group (a stable sort). Without groups: ``key``."""
+        if self.groups is None:
+            return key
+        n, pick = self.groups
+        T = key.shape[0]
+        per_group = key.view(T, n, -1)
+        score = per_group.topk(self.top_k // pick, dim=-1).values.sum(dim=-1)
+        best = torch.sort(score.detach(), dim=-1, descending=True, stable=True).indices
+        keep = torch.zeros((T, n), dtype=torch.bool, device=key.device)
+        keep.scatter_(1, best[:, :pick], True)
+        return key.masked_fill(~keep.repeat_interleave(self.num_experts // n, dim=1),
+                               float("-inf"))
 
     @torch.no_grad()
     def update_expert_bias(self, tokens_per_expert: torch.Tensor, rate: float) -> None:
@@ -166,7 +191,7 @@ class MoE(nn.Module):
                  swiglu: bool = False, pre_softmax: bool = False, score: str = "softmax",
                  topk_scaling: float | None = None, capacity_factor: float | None = None,
                  drop_policy: str = "probs", init_method_std: float = 0.02,
-                 ep_group: CommGroup | None = None):
+                 ep_group: CommGroup | None = None, groups: tuple[int, int] | None = None):
         super().__init__()
         if capacity_factor is not None and not capacity_factor > 0:
             raise ValueError(f"capacity_factor must be > 0 (None: dropless), got "
@@ -182,7 +207,8 @@ class MoE(nn.Module):
                              f"expert-parallel size {ep}")
         self.ep = ep_group
         local = num_experts // ep
-        self.router = Router(hidden, num_experts, top_k, pre_softmax, score, topk_scaling)
+        self.router = Router(hidden, num_experts, top_k, pre_softmax, score, topk_scaling,
+                             groups)
         self.fc = nn.Parameter(torch.empty(local, parts * ffn, hidden))
         self.proj = nn.Parameter(torch.empty(local, hidden, ffn))
         if ep_group is not None and ep > 1:

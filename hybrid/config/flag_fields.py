@@ -91,6 +91,8 @@ class Flags:
     moe_router_score_function: str = declared("moe_router_score_function")
     moe_router_pre_softmax: bool = declared("moe_router_pre_softmax")
     moe_router_topk_scaling_factor: float | None = declared("moe_router_topk_scaling_factor")
+    moe_router_num_groups: int | None = declared("moe_router_num_groups")
+    moe_router_group_topk: int | None = declared("moe_router_group_topk")
     moe_router_enable_expert_bias: bool = declared("moe_router_enable_expert_bias")
     moe_router_bias_update_rate: float = declared("moe_router_bias_update_rate")
     moe_router_load_balancing_type: str = declared("moe_router_load_balancing_type")

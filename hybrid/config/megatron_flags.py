@@ -70,9 +70,6 @@ _MOE = "hybrid's MoE layers do not have this option (docs/moe.md lists what they
 _FP8 = "hybrid has no FP8 training: use --bf16"
 REFUSED: dict[str, str] = {
     "--moe-": _MOE, "--fp8-format": _FP8, "--fp8-": _FP8,
-    "--moe-router-num-groups": "group-limited routing is not built yet: route over all "
-                               "experts",
-    "--moe-router-group-topk": "group-limited routing is not built yet: route over all experts",
     "--moe-use-upcycling": "hybrid does not turn a dense checkpoint into an MoE one",
     "--moe-input-jitter-eps": "hybrid's router takes its input as it is",
     "--moe-layer-recompute": "recompute whole blocks: --recompute-granularity full",

@@ -61,6 +61,13 @@ class MoEConfig:
         "default: the top k logits, then a softmax over those k")
     moe_router_topk_scaling_factor: float | None = opt(
         None, "the gates are multiplied by this (DeepSeek's routed scaling factor)", above=0)
+    moe_router_num_groups: int | None = opt(
+        None, "group-limited routing: the experts in this many equal groups (DeepSeek's "
+        "devices or nodes), a token's experts from its best --moe-router-group-topk groups",
+        at_least=1)
+    moe_router_group_topk: int | None = opt(
+        None, "with --moe-router-num-groups: the groups a token's experts come from, each "
+        "group scored by the sum of its top (topk / this) router scores", at_least=1)
     moe_router_enable_expert_bias: bool = opt(
         False, "with --moe-router-score-function sigmoid: an expert bias that ranks experts, "
         "moved after each step toward the mean load (aux-loss-free balancing)")
@@ -113,6 +120,34 @@ class MoEConfig:
     @property
     def capacity_factor(self) -> float | None:
         return self.moe_expert_capacity_factor
+
+    @property
+    def router_groups(self) -> tuple[int, int] | None:
+        """(groups, groups a token picks) of group-limited routing; None: over all."""
+        if self.moe_router_num_groups is None or self.moe_router_group_topk is None:
+            return None
+        return self.moe_router_num_groups, self.moe_router_group_topk
+
+
+def _check_groups(f) -> None:
+    """Group-limited routing's flags: both or neither, the experts in equal groups, the
+    top k split evenly over the groups picked."""
+    n, pick, k, E = (f.moe_router_num_groups, f.moe_router_group_topk, f.moe_router_topk,
+                     f.num_experts)
+    if (n is None) != (pick is None):
+        given = "--moe-router-num-groups" if n is not None else "--moe-router-group-topk"
+        other = "--moe-router-group-topk" if n is not None else "--moe-router-num-groups"
+        raise ConfigError(f"{given} without {other}: group-limited routing takes both")
+    if n is None or pick is None:
+        return
+    if E % n:
+        raise ConfigError(f"--moe-router-num-groups {n} does not divide --num-experts {E}")
+    if pick > n:
+        raise ConfigError(f"--moe-router-group-topk {pick} is more than "
+                          f"--moe-router-num-groups {n}")
+    if k % pick or k // pick > E // n:
+        raise ConfigError(f"--moe-router-topk {k} must split evenly over "
+                          f"--moe-router-group-topk {pick} groups of {E // n} experts each")
 
 
 def moe_layer_pattern(freq: str, num_layers: int) -> tuple[bool, ...]:
@@ -174,6 +209,7 @@ def validate_moe(f, world_size: int) -> None:
     if f.moe_router_pre_softmax and f.moe_router_score_function != "softmax":
         raise ConfigError("--moe-router-pre-softmax is a softmax router's: drop it with "
                           "--moe-router-score-function sigmoid")
+    _check_groups(f)
     if f.moe_shared_expert_gate and f.moe_shared_expert_intermediate_size is None:
         raise ConfigError("--moe-shared-expert-gate gates the shared expert: add "
                           "--moe-shared-expert-intermediate-size")

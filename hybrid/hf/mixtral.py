@@ -96,6 +96,7 @@ def mixtral_hf_config(c: dict, vocab_size: int) -> dict:
     for flag in ("moe_shared_expert_intermediate_size", "moe_shared_expert_gate",
                  "moe_router_score_function",
                  "moe_router_pre_softmax", "moe_router_topk_scaling_factor",
+                 "moe_router_num_groups",
                  "moe_expert_capacity_factor"):
         if getattr(moe, flag) != getattr(defaults, flag):
             raise CheckpointError(f"--{flag.replace('_', '-')} {getattr(moe, flag)}: a "

@@ -127,6 +127,7 @@ def qwen2_moe_hf_config(c: dict, vocab_size: int) -> dict:
     assert moe is not None and moe.num_experts is not None
     defaults = MoEConfig()
     for flag in ("moe_router_score_function", "moe_router_topk_scaling_factor",
+                 "moe_router_num_groups",
                  "moe_expert_capacity_factor"):
         if getattr(moe, flag) != getattr(defaults, flag):
             raise CheckpointError(f"--{flag.replace('_', '-')} {getattr(moe, flag)}: a "

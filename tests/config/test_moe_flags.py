@@ -55,7 +55,15 @@ def test_the_layer_pattern_is_megatrons(freq, layers, want):
     ([*MOE, "--moe-layer-freq", "__import__('os')"], "give an int N or a list of 0/1"),
     ([*MOE, "--moe-router-enable-expert-bias"], "add --moe-router-score-function sigmoid"),
     ([*MOE, "--moe-router-load-balancing-type", "sinkhorn"], "no Sinkhorn routing"),
-    ([*MOE, "--moe-router-num-groups", "2"], "group-limited routing is not built yet"),
+    ([*MOE, "--moe-router-num-groups", "2"], "--moe-router-num-groups without "
+                                             "--moe-router-group-topk"),
+    ([*MOE, "--moe-router-num-groups", "3", "--moe-router-group-topk", "1"],
+     "--moe-router-num-groups 3 does not divide --num-experts 8"),
+    ([*MOE, "--moe-router-num-groups", "2", "--moe-router-group-topk", "4"],
+     "--moe-router-group-topk 4 is more than --moe-router-num-groups 2"),
+    ([*MOE, "--moe-router-topk", "3", "--moe-router-num-groups", "4",
+      "--moe-router-group-topk", "2"], "--moe-router-topk 3 must split evenly over "
+                                       "--moe-router-group-topk 2 groups of 2 experts each"),
     ([*MOE, "--moe-unknown-thing", "1"], "hybrid's MoE layers do not have this option"),
     ([*MOE, "--expert-model-parallel-size", "3"], "--num-experts 8 is not divisible by "
                                                   "--expert-model-parallel-size 3"),

@@ -87,6 +87,10 @@ CELLS: dict[str, tuple[int, list[str], list[str]]] = {
                           "2"], []),
     "ep2_capacity": (2, ["--expert-model-parallel-size", "2", "--moe-expert-capacity-factor",
                          "0.75"], ["--moe-expert-capacity-factor", "0.75"]),
+    # device-limited routing: each token's 2 experts on one EP rank (2 groups of 2)
+    "ep2_groups": (2, ["--expert-model-parallel-size", "2", "--moe-router-num-groups", "2",
+                       "--moe-router-group-topk", "1"],
+                   ["--moe-router-num-groups", "2", "--moe-router-group-topk", "1"]),
     "sigmoid_bias": (2, ["--moe-router-score-function", "sigmoid",
                          "--moe-router-enable-expert-bias", "--moe-router-bias-update-rate",
                          "0.01"],

@@ -251,3 +251,51 @@ def test_evaluation_and_no_grad_attach_and_count_nothing():
     layer.eval()
     layer(x).sum().backward()
     assert layer.stats.take()["micro_batches"] == 0
+
+
+def test_group_limited_routing_takes_its_experts_from_the_best_groups():
+    """8 experts in 4 groups, top 2 from the best 1 group: every token's two experts are
+    one group's, the group whose top 2 logits sum highest; without groups some token's two
+    experts lie in two groups (so the limit changed something); the gates are the softmax
+    of the chosen logits as ever."""
+    torch.manual_seed(0)
+    free = Router(16, 8, 2)
+    limited = Router(16, 8, 2, groups=(4, 1))
+    torch.nn.init.normal_(free.weight)
+    limited.weight.data.copy_(free.weight)
+    x = torch.randn(64, 16)
+    logits = x @ free.weight.t()
+    best = logits.view(64, 4, 2).sum(dim=-1).argmax(dim=-1)  # (2 experts a group: both)
+    r = limited(x)
+    assert torch.equal(r.experts.sort(dim=1).values, torch.stack([2 * best, 2 * best + 1], 1))
+    assert torch.allclose(r.gates, torch.softmax(logits.gather(1, r.experts), dim=-1))
+    unlimited = free(x).experts
+    assert (unlimited[:, 0] // 2 != unlimited[:, 1] // 2).any()
+
+
+@pytest.mark.peer("megatron.core")
+@pytest.mark.parametrize("score,pre_softmax,groups", [
+    ("softmax", False, None), ("softmax", False, (4, 2)), ("softmax", True, (4, 2)),
+    ("sigmoid", False, None), ("sigmoid", False, (8, 4))])
+def test_the_router_routes_as_megatrons(score, pre_softmax, groups):
+    """megatron-core 0.16.1's ``topk_routing_with_score_function`` on the same logits
+    (16 experts, top 4, the sigmoid's with an expert bias and DeepSeek's scaling): the same
+    experts chosen and the same gates, with and without group-limited routing."""
+    from megatron.core.transformer.moe.moe_utils import topk_routing_with_score_function
+    torch.manual_seed(0)
+    scaling = 2.5 if score == "sigmoid" else None
+    router = Router(32, 16, 4, pre_softmax=pre_softmax, score=score, topk_scaling=scaling,
+                    groups=groups)
+    torch.nn.init.normal_(router.weight)
+    if score == "sigmoid":
+        router.expert_bias.normal_(0, 0.1)
+    x = torch.randn(128, 32)
+    r = router(x)
+    probs, chosen = topk_routing_with_score_function(
+        x @ router.weight.t(), 4, use_pre_softmax=pre_softmax,
+        num_groups=groups[0] if groups else None, group_topk=groups[1] if groups else None,
+        scaling_factor=scaling, score_function=score,
+        expert_bias=router.expert_bias if score == "sigmoid" else None)
+    mine = torch.zeros(128, 16).scatter(1, r.experts, r.gates)
+    assert torch.equal(mine != 0, chosen.bool())
+    assert torch.allclose(mine, probs, rtol=1e-6, atol=1e-7)
