@@ -236,10 +236,11 @@ class MoE(nn.Module):
         order = assignments[torch.sort(flat[assignments], stable=True).indices]
         counts = torch.bincount(flat[order], minlength=self.num_experts)
         rows = tokens[order // k]
+        expert = self._experts()
         if self.ep is None or self.ep.size == 1:
-            out = run_local(rows, counts.tolist(), self._expert)
+            out = run_local(rows, counts.tolist(), expert)
         else:  # each assignment on its expert's rank, and back
-            out = run_experts(rows, counts, self.ep, self._expert)
+            out = run_experts(rows, counts, self.ep, expert)
         # 3. combine: back to (T, k) in gate order, each times its gate, summed in that order
         per_assignment = tokens.new_zeros(flat.numel(), shape[-1])
         per_assignment[order] = out
@@ -269,8 +270,16 @@ class MoE(nn.Module):
         kept[grouped] = rank < capacity
         return kept.view(t, k)
 
-    def _expert(self, e: int, rows: torch.Tensor) -> torch.Tensor:
-        return _mlp(rows, self.fc[e], self.proj[e], self.swiglu)
+    def _experts(self):
+        """``expert(e, rows)``: local expert ``e`` on its rows. The stacked weights are
+        split once a forward: indexing them per expert would make each expert's backward
+        a zero-filled gradient of the whole stack (E of them added, O(E^2) traffic);
+        one split's backward stacks the E gradients once."""
+        fcs, projs = self.fc.unbind(0), self.proj.unbind(0)
+
+        def expert(e: int, rows: torch.Tensor) -> torch.Tensor:
+            return _mlp(rows, fcs[e], projs[e], self.swiglu)
+        return expert
 
 
 def switch_aux_loss(routing: Routing) -> torch.Tensor:
