@@ -61,11 +61,11 @@ def _patch_moe_for_cpu() -> None:
     # without Transformer Engine, 0.16.1's router gating reads a name its failed import
     # never bound: None is its own "not installed" (torch.mm then)
     if not hasattr(moe_utils, "te_general_gemm"):
-        moe_utils.te_general_gemm = None  # type: ignore[attr-defined]
+        moe_utils.te_general_gemm = None
     stream = _HostStream()
-    MoEAlltoAllTokenDispatcher.cuda_dtoh_stream = stream  # type: ignore[assignment]
-    torch.cuda.current_stream = lambda device=None: stream  # type: ignore[assignment]
-    torch.cuda.stream = lambda s: contextlib.nullcontext()  # type: ignore[assignment]
+    MoEAlltoAllTokenDispatcher.cuda_dtoh_stream = stream
+    torch.cuda.current_stream = lambda device=None: stream  # type: ignore[assignment, return-value]
+    torch.cuda.stream = lambda s: contextlib.nullcontext()  # type: ignore[assignment, return-value]
 
 
 def _megatron_layer():
