@@ -64,7 +64,8 @@ def check_model(meta: dict, model: torch.nn.Module, vocab_size: int | None, wher
         # an MoE layer's experts in one and a dense MLP in the other: say so first
         experts = any(".mlp.experts." in n or ".mlp.shared." in n for n in extra + missing)
         moe = ("--num-experts and --moe-layer-freq (one model has MoE layers where the other "
-               "has dense MLPs, or other MoE options), " if experts else "")
+               "has dense MLPs, or other MoE options; a dense checkpoint becomes an MoE one "
+               "with scripts/upcycle_checkpoint.py), " if experts else "")
         raise CheckpointError(f"{where}: checkpoint is for a different model (it has "
                               f"{extra[:3]} this model lacks, lacks {missing[:3]}); check "
                               f"{moe}--num-layers and the architecture flags (--normalization, "

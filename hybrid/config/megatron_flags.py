@@ -70,7 +70,8 @@ _MOE = "hybrid's MoE layers do not have this option (docs/moe.md lists what they
 _FP8 = "hybrid has no FP8 training: use --bf16"
 REFUSED: dict[str, str] = {
     "--moe-": _MOE, "--fp8-format": _FP8, "--fp8-": _FP8,
-    "--moe-use-upcycling": "hybrid does not turn a dense checkpoint into an MoE one",
+    "--moe-use-upcycling": "turn the dense checkpoint into an MoE one with "
+                           "scripts/upcycle_checkpoint.py, then --load its output",
     "--moe-input-jitter-eps": "hybrid's router takes its input as it is",
     "--moe-layer-recompute": "recompute whole blocks: --recompute-granularity full",
     "--moe-extended-tp": "use --expert-tensor-parallel-size when it lands",

@@ -103,7 +103,8 @@ def test_megatron_implementation_flags_are_dropped_and_listed():
     (["--moe-router-topk", "2"], "--moe-router-topk: options of MoE layers, and the model "
                                  "has none: add --num-experts N"),
     (["--moe-use-upcycling"], "--moe-use-upcycling is a Megatron-LM flag hybrid does not "
-                              "implement"),
+                              "implement: turn the dense checkpoint into an MoE one with "
+                              "scripts/upcycle_checkpoint.py"),
     (["--fp8-format", "hybrid"], "use --bf16"),
     (["--use-torch-fsdp2"], "--zero-stage 3"),
     (["--expert-model-parallel-size", "2"], "--expert-model-parallel-size: options of MoE "
