@@ -14,7 +14,7 @@ def test_generate_from_a_tp2_checkpoint(tmp_path, capsys):
     """The script as a user runs it once; its main() in this process for the rest (the
     same code, without a torch import per call)."""
     save = str(tmp_path / "ckpt")
-    r = pretrain(2, TINY + ["--tensor-model-parallel-size", "2", "--train-iters", "30",
+    r = pretrain(2, TINY + ["--tensor-model-parallel-size", "2", "--train-iters", "6",
                             "--global-batch-size", "4", "--lr", "3e-3", "--save", save])
     assert r.returncode == 0, r.stderr[-3000:]
     flags = ["--load", save, "--prompt", "The ", "--max-new-tokens", "24", "--temperature", "0"]
