@@ -107,7 +107,7 @@ def test_deepspeed_s_optimizer_groups():
 
 
 def _train(ps, ep: int, stage: int, starve: bool, save: str | None = None,
-           load: str | None = None):
+           load: str | None = None, offload: bool = False):
     """A small net with a DeepSpeed MoE layer of 2 experts trained 3 steps through
     deepspeed.initialize: (each step's loss, the full expert weights after, the last
     step's expert counts). ``save``: a checkpoint there after step 2; ``load``: start
@@ -123,6 +123,9 @@ def _train(ps, ep: int, stage: int, starve: bool, save: str | None = None,
     config = {"train_micro_batch_size_per_gpu": 6, "gradient_accumulation_steps": 1,
               "optimizer": {"type": "Adam", "params": {"lr": 1e-2}},
               "zero_optimization": {"stage": stage}, "gradient_clipping": 1.0}
+    if offload:  # the optimizer states and the parameters on the host
+        config["zero_optimization"].update(offload_optimizer={"device": "cpu"},
+                                           offload_param={"device": "cpu"})
     groups = split_params_into_different_moe_groups_for_optimizer(
         {"params": [p for p in model.parameters() if p.requires_grad], "name": "parameters"})
     engine = deepspeed.initialize(model=model, model_parameters=groups, config=config,
@@ -164,14 +167,15 @@ def _expert_weights(full: list[torch.Tensor], ep: int) -> list[torch.Tensor]:
     return [w[:8], b[:8], w[8:], b[8:]]
 
 
-@pytest.mark.parametrize("stage", [1, 3])
-def test_experts_over_ep_give_ep_1_s_numbers(stage):
+@pytest.mark.parametrize("stage,offload", [(1, False), (3, False), (3, True)])
+def test_experts_over_ep_give_ep_1_s_numbers(stage, offload):
     """EP 2 (each rank one expert, tokens by all-to-all) against EP 1 (each rank both):
-    the losses of every rank and the final expert weights equal, at ZeRO 1 and ZeRO 3, up
-    to rounding: an expert's gradient is one matmul over both ranks' rows at EP 2, the
-    sum of two ranks' matmuls at EP 1."""
-    one = run_ranks(_train, world_size=2, args=(1, stage, False))
-    two = run_ranks(_train, world_size=2, ep=2, args=(2, stage, False))
+    the losses of every rank and the final expert weights equal, at ZeRO 1, ZeRO 3, and
+    ZeRO 3 with the optimizer and the parameters on the host, up to rounding: an
+    expert's gradient is one matmul over both ranks' rows at EP 2, the sum of two ranks'
+    matmuls at EP 1."""
+    one = run_ranks(_train, world_size=2, args=(1, stage, False, None, None, offload))
+    two = run_ranks(_train, world_size=2, ep=2, args=(2, stage, False, None, None, offload))
     for r in (0, 1):
         assert max(abs(a - b) for a, b in zip(one[r][0], two[r][0])) < 1e-6, r
     for a, b in zip(_expert_weights(one[0][1], 1), _expert_weights(two[0][1], 2)):
