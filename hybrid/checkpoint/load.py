@@ -66,6 +66,13 @@ def check_model(meta: dict, model: torch.nn.Module, vocab_size: int | None, wher
         moe = ("--num-experts and --moe-layer-freq (one model has MoE layers where the other "
                "has dense MLPs, or other MoE options; a dense checkpoint becomes an MoE one "
                "with scripts/upcycle_checkpoint.py), " if experts else "")
+        if any(".deepspeed_experts." in n for n in extra + missing):
+            # DeepSpeed's layer names its local experts 0..L-1 on every EP rank: the
+            # names, hence the model, depend on the EP size
+            saved_ep = meta.get("zero_layout", {}).get("ep_size", 1)
+            moe = (f"the deepspeed.moe layers' ep_size (their local experts are numbered "
+                   f"per EP rank: load at the EP size the checkpoint was saved at, "
+                   f"{saved_ep}), ")
         raise CheckpointError(f"{where}: checkpoint is for a different model (it has "
                               f"{extra[:3]} this model lacks, lacks {missing[:3]}); check "
                               f"{moe}--num-layers and the architecture flags (--normalization, "

@@ -8,8 +8,9 @@
 * Without DeepSpeed: the gating's arithmetic (capacity, dropped tokens' zero output,
   ``l_aux``), DeepSpeed's optimizer groups, and training through ``deepspeed.initialize``
   at 2 ranks: experts split over EP 2 give the losses and the final weights of EP 1,
-  at ZeRO 1 and at ZeRO 3 (which DeepSpeed refuses with MoE), including a batch whose
-  tokens all go to one rank's expert (the other's gets none: its gradient is zero).
+  at ZeRO 1 and at ZeRO 3 (which DeepSpeed refuses with MoE), with host offload too,
+  including a batch whose tokens all go to one rank's expert (the other's gets none:
+  its gradient is zero); a save at EP 2 resumes exactly, and at EP 1 is refused by name.
 DeepSpeedExamples' CIFAR script with ``--moe`` against DeepSpeed's recorded losses:
 test_deepspeed_examples.py.
 """
@@ -206,3 +207,22 @@ def test_a_checkpoint_at_ep_2_resumes_the_curve(tmp_path):
         assert resumed[r][0] == whole[r][0][2:], r
     for a, b in zip(whole[0][1], resumed[0][1]):
         assert torch.equal(a, b)
+
+
+def _load_at_ep_1(ps, path: str) -> str:
+    try:
+        _train(ps, 1, 3, False, None, path)
+    except Exception as e:  # noqa: BLE001 -- the error is the result
+        return f"{type(e).__name__}: {e}"
+    return "loaded"
+
+
+def test_a_checkpoint_of_deepspeed_s_layer_at_another_ep_size_is_refused(tmp_path):
+    """The layer numbers its local experts per EP rank (as DeepSpeed does), so a save at
+    EP 2 is another model at EP 1: one error naming the ep_size it was saved at, never
+    another rank's experts in place."""
+    run_ranks(_train, world_size=2, ep=2, args=(2, 3, False, str(tmp_path)))
+    got = run_ranks(_load_at_ep_1, world_size=2, args=(str(tmp_path),))
+    for said in got:
+        assert said.startswith("CheckpointError: ") and "checkpoint is for a different " \
+            "model" in said and "load at the EP size the checkpoint was saved at, 2" in said, said
