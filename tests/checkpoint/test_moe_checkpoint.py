@@ -104,40 +104,44 @@ def test_the_expert_bias_is_saved_and_restored(saved, tmp_path):
         "bias)" in r.stderr, r.stderr[-2000:]
 
 
-EP2_PP2 = ["--pipeline-model-parallel-size", "2", "--expert-model-parallel-size", "2"]
+# (world, EP) of the saving run, PP 2 under it; the other EP size the save is loaded at
+SAVED_AT = {0: (4, 2, 4), 3: (8, 4, 2)}
 
 
 @pytest.mark.parametrize("stage", [0, 3])
 def test_experts_over_ep_save_resume_and_reshard(tmp_path, stage):
-    """Saved at 3 of 6 with the experts over EP 2 (PP 2 x DP 2, ZeRO ``stage``: at stage 0
-    each EP rank writes its own experts whole), version 5: resumed there to the last bit;
-    loaded at one process (EP 1, ZeRO 1) and at EP 4 of 4 ranks (ZeRO 2), the curve goes
-    on within 1e-6; the one-process tools read every expert whole."""
+    """Saved at 3 of 6 with the experts over EP (ZeRO 0: EP 2 x PP 2 of 4 ranks, each EP
+    rank writing its own experts whole; ZeRO 3: EP 4 x PP 2 of 8 ranks, an expert a
+    rank), version 5: resumed there to the last bit; loaded at one process (EP 1, ZeRO 1)
+    and at another EP size of 4 ranks (ZeRO 2), the curve goes on within 1e-6; the
+    one-process tools read every expert whole."""
     save, log = str(tmp_path / "ckpt"), str(tmp_path / "full.jsonl")
-    zero = ["--zero-stage", str(stage)]
-    _ok(pretrain(4, [*TINY, *MOE, *ITERS, *EP2_PP2, *zero, "--save", save,
-                     "--save-interval", "3", "--log-json", log]))
+    world, ep, other_ep = SAVED_AT[stage]
+    layout = ["--pipeline-model-parallel-size", "2", "--expert-model-parallel-size", str(ep),
+              "--zero-stage", str(stage)]
+    _ok(pretrain(world, [*TINY, *MOE, *ITERS, *layout, "--save", save,
+                         "--save-interval", "3", "--log-json", log]))
     full = read_json_log(log)
     os.remove(os.path.join(save, "latest"))
     shutil.rmtree(os.path.join(save, "iter_0000006"))
     with open(os.path.join(save, "iter_0000003", "metadata.json")) as f:
         meta = json.load(f)
-    layout = meta["zero_layout"]
-    assert meta["version"] == 5 and layout["ep_size"] == 2
-    assert sorted(layout["experts"]) == sorted(f"blocks.{i}.mlp.experts.{w}" for i in (1, 3)
+    saved_layout = meta["zero_layout"]
+    assert meta["version"] == 5 and saved_layout["ep_size"] == ep
+    assert sorted(saved_layout["experts"]) == sorted(f"blocks.{i}.mlp.experts.{w}" for i in (1, 3)
                                                for w in ("fc", "proj"))
     assert meta["model"]["blocks.1.mlp.experts.fc"][0] == 4  # the full tensor: every expert
     out = str(tmp_path / "same.jsonl")
-    _ok(pretrain(4, [*TINY, *MOE, *ITERS, *EP2_PP2, *zero, "--load", save, "--log-json", out]))
+    _ok(pretrain(world, [*TINY, *MOE, *ITERS, *layout, "--load", save, "--log-json", out]))
     resumed = read_json_log(out)
     for key in ("loss", "grad_norm", "moe"):
         assert [m[key] for m in resumed] == [m[key] for m in full[3:]], key
-    for world, flags in ((1, ["--zero-stage", "1"]),
-                         (4, ["--expert-model-parallel-size", "4", "--zero-stage", "2"])):
-        out = str(tmp_path / f"w{world}.jsonl")
-        _ok(pretrain(world, [*TINY, *MOE, *ITERS, *flags, "--load", save, "--log-json", out]))
+    for n, flags in ((1, ["--zero-stage", "1"]),
+                     (4, ["--expert-model-parallel-size", str(other_ep), "--zero-stage", "2"])):
+        out = str(tmp_path / f"w{n}.jsonl")
+        _ok(pretrain(n, [*TINY, *MOE, *ITERS, *flags, "--load", save, "--log-json", out]))
         for got, want in zip(read_json_log(out), full[3:], strict=True):
-            assert abs(got["loss"] - want["loss"]) <= 1e-6 * want["loss"], (world, got, want)
+            assert abs(got["loss"] - want["loss"]) <= 1e-6 * want["loss"], (n, got, want)
             assert abs(got["grad_norm"] - want["grad_norm"]) <= 1e-5 * want["grad_norm"]
     from hybrid.checkpoint import iter_full_params
     _, params = iter_full_params(os.path.join(save, "iter_0000003"), ("master",))
