@@ -261,6 +261,8 @@ def finish(name: str, tool: str, workdir: pathlib.Path, proc: subprocess.Popen,
         proc.kill()
         raise RuntimeError(f"{name} under {tool} ran past {timeout:.0f} s") from None
     out = (workdir / "output.txt").read_text()
+    if code != 0 and tool == "deepspeed" and _torn_down(out, workdir):
+        code = 0  # (its result is whole: see _torn_down)
     if code != 0:
         raise RuntimeError(f"{name} under {tool} exited {code}:\n{out[-4000:]}")
     if run.loss_csv is not None:
@@ -272,6 +274,16 @@ def finish(name: str, tool: str, workdir: pathlib.Path, proc: subprocess.Popen,
     printed = [m.group(0) for line in out.splitlines()
                if (m := re.search(run.printed, line.strip()))]
     return {"ranks": ranks, "printed": printed}
+
+
+def _torn_down(out: str, workdir: pathlib.Path) -> bool:
+    """Whether DeepSpeed's run finished and aborted only in its processes' teardown: every
+    rank wrote its losses, and the launcher reports the C++ runtime's "terminate called
+    without an active exception" (a background thread still alive at interpreter exit,
+    seen once in the peer step with the residual MoE example's extra expert groups).
+    The numbers compared are all written by then; any other failure still fails."""
+    teardown = "terminate called without an active exception" in out
+    return teardown and all((workdir / f"rank{r}.json").exists() for r in (0, 1))
 
 
 def launch(name: str, tool: str, workdir: pathlib.Path, python: str = sys.executable,
