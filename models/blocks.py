@@ -34,6 +34,7 @@ from hybrid.tensor_parallel import (
     TPRNGTracker,
 )
 from hybrid.tensor_parallel.cp_attention import ContextParallel
+from hybrid.tensor_parallel.token_split import TokenSplit
 from hybrid.tensor_parallel.weight_grad import WeightGradStore
 from models.moe import AuxLossScale, MoELayer
 
@@ -157,11 +158,14 @@ class ParallelMLP(nn.Module):
         return self.proj(F.gelu(self.fc(x), approximate=self.approximate))
 
 
-def make_moe(cfg: ModelConfig, scale: AuxLossScale, ep_group: CommGroup | None = None
-             ) -> MoELayer:
-    """An MoE layer of ``cfg.moe`` in place of the block's MLP (:class:`models.moe.MoELayer`;
-    at TP 1: the config refuses larger TP with MoE until expert tensor parallelism
-    lands), its experts split over ``ep_group`` when given."""
+def make_moe(cfg: ModelConfig, scale: AuxLossScale, ep_group: CommGroup | None = None,
+             split: TokenSplit | None = None) -> MoELayer:
+    """An MoE layer of ``cfg.moe`` in place of the block's MLP (:class:`models.moe.MoELayer`),
+    its experts split over ``ep_group`` when given, each rank routing its own tokens of
+    a micro-batch ``split`` over sequence parallelism's TP group and CP (None: the rank
+    holds the whole micro-batch). The experts are whole on each rank (no expert tensor
+    parallelism): under TP the tokens must be split, and the EP group folds over the
+    TP ranks (Megatron's parallel folding)."""
     moe = cfg.moe
     assert moe is not None and moe.num_experts is not None
     return MoELayer(cfg.hidden_size, cfg.expert_ffn_size, moe.num_experts, moe.moe_router_topk,
@@ -175,7 +179,7 @@ def make_moe(cfg: ModelConfig, scale: AuxLossScale, ep_group: CommGroup | None =
                     capacity_factor=moe.moe_expert_capacity_factor,
                     drop_policy=moe.moe_token_drop_policy,
                     init_method_std=cfg.init_method_std, ep_group=ep_group,
-                    groups=moe.router_groups)
+                    groups=moe.router_groups, split=split)
 
 
 def residual_rng(fork: bool, rng: TPRNGTracker | None):
@@ -207,8 +211,13 @@ class Block(nn.Module):
         self.ln_1 = make_norm(cfg, tp_group, sequence_parallel)
         self.attn = ParallelAttention(cfg, tp_group, rng, sequence_parallel, cp, weight_grads)
         self.ln_2 = make_norm(cfg, tp_group, sequence_parallel)
+        if moe is not None and tp_group.size > 1 and not sequence_parallel:
+            raise ValueError("an MoE layer under TP routes each rank's own tokens: build the "
+                             "model with sequence_parallel (--sequence-parallel)")
+        split = (TokenSplit(tp_group if sequence_parallel else None, cp)
+                 if sequence_parallel or cp is not None else None)
         self.mlp: nn.Module = (ParallelMLP(cfg, tp_group, sequence_parallel, weight_grads)
-                               if moe is None else make_moe(cfg, moe, ep_group))
+                               if moe is None else make_moe(cfg, moe, ep_group, split))
         self.drop = nn.Dropout(cfg.hidden_dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -52,7 +52,9 @@ from torch import nn
 
 from hybrid.parallel.comm import CommGroup
 from hybrid.tensor_parallel.experts import run_experts, run_local
+from hybrid.tensor_parallel.mappings import sequence_parallel_param
 from hybrid.tensor_parallel.sharding import mark_expert_split
+from hybrid.tensor_parallel.token_split import TokenSplit
 
 
 @dataclass(frozen=True)
@@ -78,14 +80,18 @@ SCORES = ("softmax", "sigmoid")
 class Router(nn.Module):
     """hidden -> E logits, without bias; :meth:`forward` gives a :class:`Routing`.
     ``score``: one of :data:`SCORES` ([Note: three steps]); with "sigmoid" the buffer
-    ``expert_bias`` (E,) moves the choice, never the gates."""
+    ``expert_bias`` (E,) moves the choice, never the gates. ``sp``: the TP group when
+    sequence parallelism gives this rank its own tokens (the weight's gradient is then
+    summed over it, as a norm's is)."""
 
     expert_bias: torch.Tensor  # (a buffer)
 
     def __init__(self, hidden: int, num_experts: int, top_k: int,
                  pre_softmax: bool = False, score: str = "softmax",
-                 topk_scaling: float | None = None, groups: tuple[int, int] | None = None):
+                 topk_scaling: float | None = None, groups: tuple[int, int] | None = None,
+                 sp: CommGroup | None = None):
         super().__init__()
+        self.sp = sp
         if not 1 <= top_k <= num_experts:
             raise ValueError(f"top_k {top_k} must be in [1, num_experts {num_experts}]")
         if groups is not None:
@@ -106,7 +112,7 @@ class Router(nn.Module):
 
     def forward(self, x: torch.Tensor) -> Routing:
         """``x``: ``(T, hidden)``."""
-        logits = F.linear(x, self.weight)
+        logits = F.linear(x, _replicated(self.weight, self.sp))
         if logits.dtype in (torch.bfloat16, torch.float16):  # routing decided in fp32
             logits = logits.float()
         probs = torch.softmax(logits, dim=-1)
@@ -185,13 +191,20 @@ class MoE(nn.Module):
     ``ep_group``: the experts split over an expert-parallel group, this rank holding
     experts ``[r E / EP, (r + 1) E / EP)`` (``fc`` and ``proj`` hold those, marked
     ``ep_spec``); the router stays whole, and each assignment runs on its expert's rank
-    (:func:`hybrid.tensor_parallel.experts.run_experts`). None: every expert here."""
+    (:func:`hybrid.tensor_parallel.experts.run_experts`). None: every expert here.
+
+    ``split``: the ranks holding the rest of this micro-batch's tokens (sequence
+    parallelism's TP group, the CP group; :class:`hybrid.tensor_parallel.token_split.
+    TokenSplit`), ``x`` then ``(B, T_local, hidden)``: each rank routes its own tokens,
+    and a capacity is decided on the whole micro-batch's choices, gathered, as one
+    process decides it. None: ``x`` is the whole micro-batch."""
 
     def __init__(self, hidden: int, ffn: int, num_experts: int, top_k: int, *,
                  swiglu: bool = False, pre_softmax: bool = False, score: str = "softmax",
                  topk_scaling: float | None = None, capacity_factor: float | None = None,
                  drop_policy: str = "probs", init_method_std: float = 0.02,
-                 ep_group: CommGroup | None = None, groups: tuple[int, int] | None = None):
+                 ep_group: CommGroup | None = None, groups: tuple[int, int] | None = None,
+                 split: TokenSplit | None = None):
         super().__init__()
         if capacity_factor is not None and not capacity_factor > 0:
             raise ValueError(f"capacity_factor must be > 0 (None: dropless), got "
@@ -207,8 +220,9 @@ class MoE(nn.Module):
                              f"expert-parallel size {ep}")
         self.ep = ep_group
         local = num_experts // ep
+        self.split = split
         self.router = Router(hidden, num_experts, top_k, pre_softmax, score, topk_scaling,
-                             groups)
+                             groups, sp=None if split is None else split.tp)
         self.fc = nn.Parameter(torch.empty(local, parts * ffn, hidden))
         self.proj = nn.Parameter(torch.empty(local, hidden, ffn))
         if ep_group is not None and ep > 1:
@@ -228,7 +242,8 @@ class MoE(nn.Module):
         gates = routing.gates
         assignments = torch.arange(flat.numel(), device=flat.device)
         if self.capacity_factor is not None:
-            kept = self._kept(routing)
+            kept = (self._kept(routing.experts, routing.gates) if self.split is None
+                    else self._kept_over_split(routing, shape[0]))
             routing = replace(routing, kept=kept)
             assignments = assignments[kept.reshape(-1)]
             gates = gates * kept
@@ -250,14 +265,15 @@ class MoE(nn.Module):
             y = y + per_assignment[:, j] * gates[:, j: j + 1]
         return y.view(shape), routing
 
-    def _kept(self, routing: Routing) -> torch.Tensor:
-        """``(T, k)`` bool: the assignments within their expert's capacity (class doc)."""
-        t, k = routing.experts.shape
+    def _kept(self, experts: torch.Tensor, gates: torch.Tensor) -> torch.Tensor:
+        """``(T, k)`` bool: of the T tokens' chosen ``experts`` ``(T, k)`` with their
+        ``gates``, the assignments within their expert's capacity (class doc)."""
+        t, k = experts.shape
         assert self.capacity_factor is not None  # (called under a capacity)
         capacity = math.ceil(t * k / self.num_experts * self.capacity_factor)
-        flat = routing.experts.reshape(-1)
+        flat = experts.reshape(-1)
         if self.drop_policy == "probs":  # largest gate first, equal gates in order
-            priority = torch.sort(routing.gates.detach().reshape(-1), descending=True,
+            priority = torch.sort(gates.detach().reshape(-1), descending=True,
                                   stable=True).indices
         else:
             priority = torch.arange(flat.numel(), device=flat.device)
@@ -270,47 +286,86 @@ class MoE(nn.Module):
         kept[grouped] = rank < capacity
         return kept.view(t, k)
 
+    def _kept_over_split(self, routing: Routing, batch: int) -> torch.Tensor:
+        """:meth:`_kept` of this rank's tokens, decided on the whole micro-batch: every
+        rank's choices gathered over the split, put in the one-process token order,
+        and this rank's rows of the answer taken (the same drops at every layout)."""
+        assert self.split is not None
+        t = routing.experts.shape[0]
+        ids = self.split.token_ids(batch, t // batch, routing.experts.device)
+        every = self.split.gather(ids)
+        experts, gates = (torch.empty((every.numel(), r.shape[1]), dtype=r.dtype,
+                                      device=r.device)
+                          for r in (routing.experts, routing.gates))
+        experts[every] = self.split.gather(routing.experts)
+        gates[every] = self.split.gather(routing.gates)
+        return self._kept(experts, gates)[ids]
+
     def _experts(self):
         """``expert(e, rows)``: local expert ``e`` on its rows. The stacked weights are
         split once a forward: indexing them per expert would make each expert's backward
         a zero-filled gradient of the whole stack (E of them added, O(E^2) traffic);
         one split's backward stacks the E gradients once."""
-        fcs, projs = self.fc.unbind(0), self.proj.unbind(0)
+        fc, proj = self.fc, self.proj
+        if (self.ep is None or self.ep.size == 1) and self.split is not None:
+            # every expert on every TP rank, each running its own tokens: the gradient
+            # summed over TP, as a norm's under SP (over EP > 1 the exchange brings every
+            # rank's tokens to the expert instead)
+            fc, proj = _replicated(fc, self.split.tp), _replicated(proj, self.split.tp)
+        fcs, projs = fc.unbind(0), proj.unbind(0)
 
         def expert(e: int, rows: torch.Tensor) -> torch.Tensor:
             return _mlp(rows, fcs[e], projs[e], self.swiglu)
         return expert
 
 
-def switch_aux_loss(routing: Routing) -> torch.Tensor:
+def switch_aux_loss(routing: Routing, split: TokenSplit | None = None) -> torch.Tensor:
     """Switch Transformer's load-balancing loss of one batch ([Note: the load-balancing
     loss]): 1 for uniform routing. A 0-dim fp32 tensor; multiply by the coefficient
-    (Megatron's ``--moe-aux-loss-coeff``) and add to the loss."""
+    (Megatron's ``--moe-aux-loss-coeff``) and add to the loss. ``split``: ``routing`` is
+    this rank's part of a batch split over those ranks; the loss is the whole batch's,
+    its gradient through this rank's tokens (:mod:`hybrid.tensor_parallel.token_split`)."""
     probs, counts = routing.probs, routing.tokens_per_expert
     t, e = probs.shape
     k = routing.experts.shape[1]
+    if split is None:
+        mean = probs.mean(dim=0)
+    else:
+        t *= split.size
+        counts, mean = split.total(counts), split.total(probs.sum(dim=0)) / t
     fraction = counts.to(probs.dtype) / (t * k)
-    return e * (fraction * probs.mean(dim=0)).sum()
+    return e * (fraction * mean).sum()
 
 
-def router_z_loss(routing: Routing) -> torch.Tensor:
+def router_z_loss(routing: Routing, split: TokenSplit | None = None) -> torch.Tensor:
     """ST-MoE's router z-loss of one batch ([Note: the load-balancing loss]): the mean over
     tokens of logsumexp(logits)^2, a 0-dim fp32 tensor; times Megatron's
-    ``--moe-z-loss-coeff``."""
-    return torch.logsumexp(routing.logits, dim=-1).square().mean()
+    ``--moe-z-loss-coeff``. ``split``: as :func:`switch_aux_loss`'s."""
+    z = torch.logsumexp(routing.logits, dim=-1).square()
+    if split is None:
+        return z.mean()
+    return split.total(z.sum()) / (z.numel() * split.size)
 
 
-def seq_aux_loss(routing: Routing, sequences: int) -> torch.Tensor:
+def seq_aux_loss(routing: Routing, sequences: int, split: TokenSplit | None = None
+                 ) -> torch.Tensor:
     """DeepSeek-V2's sequence-wise load-balancing loss (Megatron's ``seq_aux_loss``): the
     Switch loss of each of ``sequences`` equal runs of the T tokens (a sequence each),
-    averaged over them. A 0-dim fp32 tensor, 1 for uniform routing."""
+    averaged over them. A 0-dim fp32 tensor, 1 for uniform routing. ``split``: as
+    :func:`switch_aux_loss`'s (each rank holding part of every sequence)."""
     probs, experts = routing.probs, routing.experts
     t, e = probs.shape
     k = experts.shape[1]
     per = t // sequences
     counts = F.one_hot(experts.reshape(sequences, per * k), e).sum(dim=1)  # (S, E)
+    if split is None:
+        mean = probs.view(sequences, per, e).mean(dim=1)
+    else:
+        per *= split.size
+        counts = split.total(counts)
+        mean = split.total(probs.view(sequences, -1, e).sum(dim=1)) / per
     fraction = counts.to(probs.dtype) / (per * k)
-    return e * (fraction * probs.view(sequences, per, e).mean(dim=1)).sum(dim=1).mean()
+    return e * (fraction * mean).sum(dim=1).mean()
 
 
 class AuxLossScale:
@@ -368,6 +423,12 @@ class MoEStats:
                 "micro_batches": int(row[-1])}
 
 
+def _replicated(weight: torch.Tensor, sp: CommGroup | None) -> torch.Tensor:
+    """A weight whole on every TP rank used on this rank's tokens: under sequence
+    parallelism (``sp``) its gradient is summed over TP (f on the parameter)."""
+    return weight if sp is None else sequence_parallel_param(weight, sp)
+
+
 def _mlp(rows: torch.Tensor, fc: torch.Tensor, proj: torch.Tensor, swiglu: bool
          ) -> torch.Tensor:
     """One expert's MLP on its rows ``(n, C)``: ``fc`` ``(parts x f, C)``, GELU or the
@@ -385,22 +446,24 @@ class SharedExpert(nn.Module):
     """An expert every token goes through (Megatron's shared expert): ``fc``
     ``(parts x ffn, hidden)``, ``proj`` ``(hidden, ffn)``, no biases. ``gated``: its
     output times ``sigmoid(x @ gate.T)``, ``gate`` ``(1, hidden)`` (Qwen2-MoE's,
-    Megatron's ``moe_shared_expert_gate``); else ungated."""
+    Megatron's ``moe_shared_expert_gate``); else ungated. ``sp``: as :class:`Router`'s
+    (the weights whole on every TP rank, each running its own tokens)."""
 
     def __init__(self, hidden: int, ffn: int, swiglu: bool, init_method_std: float = 0.02,
-                 gated: bool = False):
+                 gated: bool = False, sp: CommGroup | None = None):
         super().__init__()
-        self.swiglu = swiglu
+        self.swiglu, self.sp = swiglu, sp
         self.fc = nn.Parameter(torch.empty((2 if swiglu else 1) * ffn, hidden))
         self.proj = nn.Parameter(torch.empty(hidden, ffn))
         self.gate = nn.Parameter(torch.empty(1, hidden)) if gated else None
         _init([w for w in (self.fc, self.proj, self.gate) if w is not None], init_method_std)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = _mlp(x, self.fc, self.proj, self.swiglu)
+        y = _mlp(x, _replicated(self.fc, self.sp), _replicated(self.proj, self.sp),
+                 self.swiglu)
         if self.gate is None:
             return y
-        return y * torch.sigmoid(F.linear(x, self.gate))
+        return y * torch.sigmoid(F.linear(x, _replicated(self.gate, self.sp)))
 
 
 class _AttachLosses(torch.autograd.Function):
@@ -445,7 +508,9 @@ class MoELayer(nn.Module):
         if balancing not in ("aux_loss", "seq_aux_loss", "none"):
             raise ValueError(f"balancing {balancing!r} must be aux_loss, seq_aux_loss or none")
         self.experts = MoE(hidden, ffn, num_experts, top_k, swiglu=swiglu, **moe_kw)
-        self.shared = (SharedExpert(hidden, shared_ffn, swiglu, gated=shared_gate)
+        split = self.experts.split
+        self.shared = (SharedExpert(hidden, shared_ffn, swiglu, gated=shared_gate,
+                                    sp=None if split is None else split.tp)
                        if shared_ffn else None)
         self.balancing, self.aux_coeff, self.z_coeff = balancing, aux_coeff, z_coeff
         self.scale = scale
@@ -459,14 +524,15 @@ class MoELayer(nn.Module):
             return y
         loss = routing.logits.new_zeros(())
         aux = z = routing.logits.new_zeros(())
+        split = self.experts.split
         if self.balancing == "aux_loss":
-            aux = switch_aux_loss(routing)
+            aux = switch_aux_loss(routing, split)
         elif self.balancing == "seq_aux_loss":
-            aux = seq_aux_loss(routing, x.shape[0])
+            aux = seq_aux_loss(routing, x.shape[0], split)
         if self.aux_coeff and self.balancing != "none":
             loss = loss + self.aux_coeff * aux
         if self.z_coeff is not None:
-            z = router_z_loss(routing)
+            z = router_z_loss(routing, split)
             loss = loss + self.z_coeff * z
         dropped = (torch.zeros((), device=x.device) if routing.kept is None
                    else (~routing.kept).sum())

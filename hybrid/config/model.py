@@ -180,7 +180,7 @@ class ModelConfig:
     def _mlp_counts(self, moe: bool) -> tuple[int, int, float]:
         """(split over TP, replicated, forward matmul FLOPs per token) of one block's MLP:
         the dense MLP, or an MoE layer's router, experts (no biases) and shared expert,
-        its FLOPs those of the top-k experts a token goes to."""
+        its FLOPs those of the top-k experts a token goes to (all replicated over TP)."""
         C, parts = self.hidden_size, 2 if self.swiglu else 1
         if not moe:
             F, bias = self.ffn_size, int(self.add_bias_linear)
@@ -191,7 +191,9 @@ class ModelConfig:
         expert = (parts + 1) * Fe * C
         shared = (parts + 1) * (self.moe.moe_shared_expert_intermediate_size or 0) * C
         shared += C if self.moe.moe_shared_expert_gate else 0  # (its gate's weight vector)
-        return E * expert + E * C + shared, 0, 2 * (k * expert + E * C + shared)
+        # whole on every TP rank (the experts at ETP 1, the router and shared expert
+        # running each rank's own tokens under sequence parallelism)
+        return 0, E * expert + E * C + shared, 2 * (k * expert + E * C + shared)
 
     def _block_counts(self, moe: bool = False) -> tuple[int, int]:
         """(split over TP, replicated) parameters of one transformer block (an MoE one:

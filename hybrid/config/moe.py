@@ -221,12 +221,9 @@ def validate_moe(f, world_size: int) -> None:
         raise ConfigError(f"--num-experts {f.num_experts} is not divisible by "
                           f"--expert-model-parallel-size {ep}")
     check_expert_layout(world_size, 1, ep, f.pipeline_model_parallel_size)
-    # [Note: what MoE composes with, so far] the other axes inside the expert layer come
-    # next (issue 47); until then those layouts stop here
-    for flag, value, why in (
-            ("--tensor-model-parallel-size", f.tensor_model_parallel_size,
-             "tensor parallelism of the MoE layers (ETP) is not built yet"),
-            ("--context-parallel-size", f.context_parallel_size,
-             "the routing statistics over a sequence split by CP are not built yet")):
-        if value != 1:
-            raise ConfigError(f"{flag} {value} with --num-experts: {why}; run MoE at 1")
+    # [Note: MoE under TP] the experts are whole on each rank (ETP 1): a TP rank must
+    # route tokens of its own, which sequence parallelism gives it (Megatron's rule too)
+    if f.tensor_model_parallel_size > 1 and not f.sequence_parallel:
+        raise ConfigError(f"--tensor-model-parallel-size {f.tensor_model_parallel_size} with "
+                          f"--num-experts: the MoE layers route each TP rank's own tokens; "
+                          f"add --sequence-parallel")

@@ -127,8 +127,9 @@ class Workload:
 
     @property
     def expert_shard_ranks(self) -> int:
-        """Ranks ZeRO shards the experts over: the expert DP group, DP x CP / EP."""
-        return self.shard_ranks // self.ep
+        """Ranks ZeRO shards the experts over: the expert DP group, TP x DP x CP / EP (the
+        EP group folds over the stage's TP ranks too, the experts whole on each)."""
+        return self.shard_ranks * self.tp // self.ep
 
     @property
     def vpp(self) -> int:

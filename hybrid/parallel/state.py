@@ -170,8 +170,8 @@ class ParallelState:
               pipeline_model_parallel_size: int = 1,
               expert_model_parallel_size: int = 1) -> ParallelState:
         """Create the TP, CP, DP and PP groups of an initialized default process group, and
-        the expert groups (EP > 1: at TP 1 and CP 1, the layouts expert parallelism runs at
-        so far).
+        the expert groups (EP > 1: ETP 1, the EP groups folding over a stage's TP x CP x DP
+        ranks).
 
         Every rank must call this with the same arguments. Group creation is local to
         each group: a rank creates only the groups it belongs to, one per kind, with
@@ -194,9 +194,6 @@ class ParallelState:
         """
         tp, cp = tensor_model_parallel_size, context_parallel_size
         pp, ep = pipeline_model_parallel_size, expert_model_parallel_size
-        if ep > 1 and (tp > 1 or cp > 1):
-            raise ValueError(f"expert parallelism (EP {ep}) runs at TP 1 and CP 1 so far, "
-                             f"not TP {tp} x CP {cp}")
         if not dist.is_initialized():
             Layout(1, tp, cp, pp)  # (the check: sizes above 1 do not fit one process)
             ExpertLayout(1, 1, ep, pp)

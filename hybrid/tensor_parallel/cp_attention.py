@@ -20,6 +20,7 @@ import torch
 from hybrid.config.sections import CP_COMM_TYPES, CP_LAYOUTS
 from hybrid.parallel.comm import CommGroup
 from hybrid.tensor_parallel.context_parallel import segments
+from hybrid.tensor_parallel.mappings import sum_over_group
 from hybrid.tensor_parallel.ring_attention import (
     GatheredAttention,
     LocalAttention,
@@ -28,22 +29,6 @@ from hybrid.tensor_parallel.ring_attention import (
     draw_dropout_seed,
 )
 from hybrid.tensor_parallel.ulysses_attention import sdpa_causal, ulysses_attention
-
-
-class _SumOverGroup(torch.autograd.Function):
-    """Forward: all-reduce (sum) over ``group``; backward: identity. Each rank's
-    gradient is then the global sum's through its own terms only: summed over the
-    group later (ZeRO's reduction over DP x CP), they make the whole gradient."""
-
-    @staticmethod
-    def forward(ctx, x, group: CommGroup):
-        out = x.clone()
-        group.all_reduce(out)
-        return out
-
-    @staticmethod
-    def backward(ctx, g):
-        return g, None
 
 
 class ContextParallel:
@@ -93,10 +78,10 @@ class ContextParallel:
         CP rank's tokens; with ``loss_mask`` over the tokens it keeps), the same scalar
         on every CP rank: one all-reduce of [sum, count] over the CP group."""
         if loss_mask is None:
-            total = _SumOverGroup.apply(losses.sum().reshape(1), self.group)
+            total = sum_over_group(losses.sum().reshape(1), self.group)
             return total[0] / (losses.numel() * self.size)
         both = torch.stack([(losses * loss_mask).sum(), loss_mask.sum().to(losses.dtype)])
-        total = _SumOverGroup.apply(both, self.group)
+        total = sum_over_group(both, self.group)
         return total[0] / total[1].clamp(min=1)  # only end-of-document tokens: 0, not 0 / 0
 
     def _spec(self, q, k, dropout_p, seed, first_head) -> Spec:

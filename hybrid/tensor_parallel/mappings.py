@@ -215,6 +215,29 @@ class _ReduceScatterToSequence(torch.autograd.Function):
         return all_gather_sequence(grad, ctx.group), None
 
 
+class _SumKeepLocalGrad(torch.autograd.Function):
+    """Forward: all-reduce (sum) over ``group``; backward: identity."""
+
+    @staticmethod
+    def forward(ctx, x, group: CommGroup):
+        out = x.clone()
+        group.all_reduce(out)
+        return out
+
+    @staticmethod
+    def backward(ctx, g):
+        return g, None
+
+
+def sum_over_group(x: torch.Tensor, group: CommGroup) -> torch.Tensor:
+    """The sum of ``x`` over ``group`` (a rank's part of a quantity split over the group:
+    a loss over CP's share of the sequence, an MoE layer's routing statistics), whose
+    backward is the identity: each rank's gradient is the total's through its own terms
+    only, and summing the ranks' gradients later (ZeRO's reduction over DP x CP; f on a
+    sequence-parallel parameter over TP) makes the whole gradient."""
+    return _SumKeepLocalGrad.apply(x, group) if group.size > 1 else x
+
+
 def copy_to_tp(x: torch.Tensor, group: CommGroup) -> torch.Tensor:
     """Megatron's f: enter a TP region (identity forward, all-reduce backward)."""
     return _CopyToTP.apply(x, group) if group.size > 1 else x

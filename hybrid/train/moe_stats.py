@@ -8,7 +8,8 @@ the log line shows.
 Each step :meth:`MoEWatch.step` takes every local MoE layer's counts
 (:class:`models.moe.MoEStats`: tokens per expert, dropped assignments, the aux and z
 losses' sums, counted once per micro-batch) and sums them over the data-parallel group
-in one all-reduce (the ``(layers x (E + 3))`` fp64 vector), so every DP rank holds the
+(DP x CP, and TP, whose ranks route their own tokens under sequence parallelism)
+in one all-reduce each (the ``(layers x (E + 3))`` fp64 vector), so every DP rank holds the
 step's global counts. With ``--moe-router-enable-expert-bias`` each layer's router then
 moves its expert bias by those counts (:meth:`models.moe.Router.update_expert_bias`):
 alike on every DP rank, whose copies stay equal. The counts add up over the log
@@ -67,6 +68,10 @@ class MoEWatch:
         step = torch.stack([layer.stats.take_row(self.ps.device)
                             for layer in self.layers.values()])
         self.ps.dp_cp_group.all_reduce(step)
+        # under TP each rank routed its own tokens (sequence parallelism): theirs too.
+        # A micro-batch's losses, the same on each rank of its split, are summed as
+        # often as its micro-batches are counted, so their means stay its own
+        self.ps.tp_group.all_reduce(step)
         ids = torch.tensor(list(self.layers), device=self.ps.device)
         counts = step[:, : self.experts]
         if self.moe.moe_router_enable_expert_bias:

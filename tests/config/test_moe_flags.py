@@ -76,10 +76,14 @@ def test_each_bad_moe_combination_names_the_flag(argv, said):
     assert said in str(e.value), str(e.value)
 
 
-def test_layouts_moe_does_not_run_at_yet_are_refused_by_name():
+def test_moe_under_tp_needs_the_sequence_parallel_split_and_folds_ep_over_tp_and_cp():
     with pytest.raises(ConfigError, match=r"--tensor-model-parallel-size 2 with "
-                                          r"--num-experts: .*run MoE at 1"):
+                                          r"--num-experts: .*add --sequence-parallel"):
         _cfg(*MOE, "--tensor-model-parallel-size", "2", world=2)
+    cfg = _cfg(*MOE, "--tensor-model-parallel-size", "2", "--sequence-parallel",
+               "--context-parallel-size", "2", "--expert-model-parallel-size", "4", world=4)
+    assert (cfg.parallel.tensor_model_parallel_size, cfg.parallel.context_parallel_size,
+            cfg.parallel.expert_model_parallel_size) == (2, 2, 4)
 
 
 def test_ep_must_fit_a_pipeline_stage():

@@ -41,6 +41,8 @@ MOE = ["--num-layers", "4", "--num-experts", "4", "--moe-router-topk", "2",
        "--moe-aux-loss-coeff", "0.5", "--moe-z-loss-coeff", "0.1", "--global-batch-size", "8",
        "--train-iters", "3", "--eval-interval", "3", "--eval-iters", "1"]
 PP2 = ["--pipeline-model-parallel-size", "2"]
+TP2 = ["--tensor-model-parallel-size", "2", "--sequence-parallel"]
+CP2 = ["--context-parallel-size", "2"]
 # cell -> (world size, flags, reference flags: the same on one process)
 CELLS: dict[str, tuple[int, list[str], list[str]]] = {
     "dp2_zero0": (2, ["--zero-stage", "0"], []),
@@ -97,12 +99,30 @@ CELLS: dict[str, tuple[int, list[str], list[str]]] = {
                      ["--moe-router-score-function", "sigmoid",
                       "--moe-router-enable-expert-bias", "--moe-router-bias-update-rate",
                       "0.01"]),
+    # the attention's TP (with SP) and CP: each rank routes its own tokens, the losses,
+    # counts and drops are the whole micro-batch's; the EP group folds over TP and CP
+    "tp2": (2, TP2 + ["--zero-stage", "1"], []),
+    "tp2_ep2": (2, TP2 + ["--expert-model-parallel-size", "2", "--zero-stage", "1"], []),
+    "tp2_dp2_ep4_zero3": (4, TP2 + ["--expert-model-parallel-size", "4", "--zero-stage",
+                                    "3"], []),
+    "tp2_ep2_capacity": (2, TP2 + ["--expert-model-parallel-size", "2", "--zero-stage", "0",
+                                   "--moe-expert-capacity-factor", "0.75"],
+                         ["--moe-expert-capacity-factor", "0.75"]),
+    "cp2": (2, CP2 + ["--zero-stage", "2"], []),
+    "cp2_ep2": (2, CP2 + ["--expert-model-parallel-size", "2", "--zero-stage", "3"], []),
+    "cp2_seq_aux_loss": (2, CP2 + ["--moe-router-load-balancing-type", "seq_aux_loss"],
+                         ["--moe-router-load-balancing-type", "seq_aux_loss"]),
+    "tp2_cp2_ep4": (4, TP2 + CP2 + ["--expert-model-parallel-size", "4", "--zero-stage",
+                                    "1", "--moe-expert-capacity-factor", "0.75"],
+                    ["--moe-expert-capacity-factor", "0.75"]),
+    "pp2_tp2_ep2": (4, PP2 + TP2 + ["--expert-model-parallel-size", "2", "--zero-stage",
+                                    "1"], []),
 }
 # the suite's cells (tests/models/test_moe_grid.py): sharded states, a pipeline's split
-# backward, recompute, drops, the bias update; experts over EP at ZeRO 1, at ZeRO 3 with
-# an expert DP group of 2, and under a pipeline
+# backward, recompute, drops, the bias update; experts over EP folded over TP with drops
+# at ZeRO 0, at ZeRO 3 with an expert DP group of 2, under a pipeline, and over TP x CP
 DIAGONAL = ("dp2_zero3", "pp2_zb_h1", "recompute_full", "capacity", "sigmoid_bias",
-            "ep2_zero1", "dp4_ep2_zero3", "pp2_ep2_zb_h1")
+            "tp2_ep2_capacity", "dp4_ep2_zero3", "pp2_ep2_zb_h1", "tp2_cp2_ep4")
 
 
 def _train(n: int, flags: list[str], workdir: str, name: str):

@@ -1,10 +1,10 @@
 """Part of the MoE layout grid (tests/models/moe_grid.py) in the suite: :data:`DIAGONAL`,
-eight cells (ZeRO 3 at DP 2, ZB-H1 at PP 2, full recompute, a capacity that drops, the
-sigmoid router's expert bias; experts over EP 2 at ZeRO 1, at DP 4 ZeRO 3, and at PP 2
-with ZB-H1), each held to its one-process reference: losses, grad
-norms, the validation loss and each MoE layer's aux and z losses within the grid's
-tolerance, its token counts and drops the same. The whole grid (30 cells) is
-``python -m tests.models.moe_grid``."""
+nine cells (ZeRO 3 at DP 2, ZB-H1 at PP 2, full recompute, a capacity that drops, the
+sigmoid router's expert bias; experts over EP 2 folded over TP 2 with drops at ZeRO 0,
+at DP 4 ZeRO 3, at PP 2 with ZB-H1, and EP 4 over TP 2 x CP 2), each held to its
+one-process reference: losses, grad norms, the validation loss and each MoE layer's aux
+and z losses within the grid's tolerance, its token counts and drops the same. The
+whole grid is ``python -m tests.models.moe_grid``."""
 
 from tests.models.moe_grid import CELLS, DIAGONAL, TOLERANCE, run
 
