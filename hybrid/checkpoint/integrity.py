@@ -383,7 +383,7 @@ def previous_complete(ckpt: str) -> tuple[str, int] | None:
             for rank in range(meta["world_size"]) if ok else ():
                 stage, z, t = layout.coords(rank)  # (rank = (stage * dp + z) * tp + t)
                 if (os.path.getsize(layout.data_path(t, z, stage))
-                        != layout.data_bytes(z, stage)):
+                        != layout.data_bytes(z, stage, t)):
                     ok = False
                     break
         except (CheckpointError, OSError, KeyError, TypeError, ValueError):

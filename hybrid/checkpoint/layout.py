@@ -53,10 +53,12 @@ An MoE layer's experts split over the expert-parallel group (``ep_spec``) sit in
 units of their own over the expert data-parallel group (hybrid/zero/units.py, [Note:
 expert units]). A save at EP > 1 writes version 5: its ``zero_layout`` adds ``ep_size``
 and ``experts`` (those parameters' names), whose split dim is 0 with the EP rank as the
-chunk. A stage's ZeRO rank ``d`` is EDP rank ``d // EP`` of EP rank ``d % EP`` (the
-expert layout, hybrid/parallel/layout.py), so an expert unit is sharded ``D / EP`` ways
-and chunk ``k``'s coordinate ``x`` lies in the file of ZeRO rank ``(x // S) * EP + k``
-(at stage 0, ZeRO rank ``k``, the EDP rank 0 of EP rank ``k``, saves its whole unit).
+chunk. A stage's rank ``r = d * T + t`` (ZeRO rank ``d``, TP rank ``t``) is EDP rank
+``r // EP`` of EP rank ``r % EP`` (the expert layout, hybrid/parallel/layout.py: the EP
+group folds over TP), so an expert unit is sharded ``D T / EP`` ways and chunk ``k``'s
+coordinate ``x`` lies in the file of the stage's rank ``(x // S) * EP + k`` (at stage 0,
+rank ``k``, the EDP rank 0 of EP rank ``k``, saves its whole unit). The files of one
+stage then differ in size by TP rank too.
 Everything else is as above; an EP 1 save writes version 3 or 4.
 """
 
@@ -238,7 +240,7 @@ class SavedLayout:
                 self.unit_stage.append(si)
                 self.unit_experts.append(bool(unit) and unit[0][0] in self.experts)
                 self.stage_units[-1].append(ui)
-        self._base: dict[tuple[int, int], dict[int, int]] = {}  # (stage, d) -> unit -> row
+        self._base: dict[tuple[int, int, int], dict[int, int]] = {}  # (stage, d, t) -> ..
 
     @property
     def owns_all(self) -> bool:
@@ -266,18 +268,22 @@ class SavedLayout:
         the TP size otherwise (a replicated parameter's chunks are its TP replicas)."""
         return self.ep if name in self.experts else self.tp
 
-    def _group(self, ui: int, d: int) -> tuple[int, int]:
-        """(size, rank of ZeRO rank ``d``) of the group unit ``ui`` is sharded over: DP x
-        CP, or for experts the expert DP group ([Note: experts over EP, format 5])."""
-        return (self.dp // self.ep, d // self.ep) if self.unit_experts[ui] else (self.dp, d)
+    def _group(self, ui: int, d: int, t: int) -> tuple[int, int]:
+        """(size, rank of the stage's rank (ZeRO rank ``d``, TP rank ``t``)) of the group
+        unit ``ui`` is sharded over: DP x CP, or for experts the expert DP group, which
+        folds over TP ([Note: experts over EP, format 5])."""
+        if not self.unit_experts[ui]:
+            return self.dp, d
+        return self.dp * self.tp // self.ep, (d * self.tp + t) // self.ep
 
     def _shard(self, ui: int) -> int:
-        return -(-self.unit_numel[ui] // self._group(ui, 0)[0])
+        return -(-self.unit_numel[ui] // self._group(ui, 0, 0)[0])
 
-    def _owned(self, ui: int, d: int) -> tuple[int, int]:
-        """Unit coordinates of unit ``ui`` that DP rank ``d``'s file holds (padding excluded)."""
+    def _owned(self, ui: int, d: int, t: int = 0) -> tuple[int, int]:
+        """Unit coordinates of unit ``ui`` that the file of ZeRO rank ``d``, TP rank ``t``
+        holds (padding excluded)."""
         n = self.unit_numel[ui]
-        rank = self._group(ui, d)[1]
+        rank = self._group(ui, d, t)[1]
         if self.stage_owns_all[self.unit_stage[ui]]:
             return (0, n) if rank == 0 else (0, 0)
         s = self._shard(ui)
@@ -290,15 +296,17 @@ class SavedLayout:
             out -= max(0, min(b, y) - max(a, x))
         return out
 
-    def _bases(self, d: int, stage: int) -> dict[int, int]:
-        """Start row of every unit of ``stage`` in DP rank ``d``'s data file, and under
-        key -1 the total rows."""
-        key = (stage, d)
+    def _bases(self, d: int, stage: int, t: int = 0) -> dict[int, int]:
+        """Start row of every unit of ``stage`` in the data file of ZeRO rank ``d``, TP
+        rank ``t`` (the same for every TP rank without experts), and under key -1 the
+        total rows."""
+        t = t if self.experts else 0
+        key = (stage, d, t)
         if key not in self._base:
             rows, out = 0, {}
             for ui in self.stage_units[stage]:
                 out[ui] = rows
-                rows += self._saved_between(ui, *self._owned(ui, d))
+                rows += self._saved_between(ui, *self._owned(ui, d, t))
             out[-1] = rows
             self._base[key] = out
         return self._base[key]
@@ -308,13 +316,15 @@ class SavedLayout:
         """Saved with ``--no-save-optim``: the master column and no optimizer state."""
         return self.columns == ("master",)
 
-    def rows(self, d: int, stage: int = 0) -> int:
-        """Elements per column in the data file of every rank of ``stage`` with DP rank ``d``."""
-        return self._bases(d, stage)[-1]
+    def rows(self, d: int, stage: int = 0, t: int = 0) -> int:
+        """Elements per column in the data file of the rank of ``stage`` with ZeRO rank
+        ``d`` and TP rank ``t``."""
+        return self._bases(d, stage, t)[-1]
 
-    def data_bytes(self, d: int, stage: int = 0) -> int:
-        """Size the data file of every rank of ``stage`` with DP rank ``d`` must have."""
-        return self.rows(d, stage) * ELEMENT_BYTES * len(self.columns)
+    def data_bytes(self, d: int, stage: int = 0, t: int = 0) -> int:
+        """Size the data file of the rank of ``stage`` with ZeRO rank ``d`` and TP rank
+        ``t`` must have."""
+        return self.rows(d, stage, t) * ELEMENT_BYTES * len(self.columns)
 
     def data_path(self, t: int, d: int, stage: int = 0) -> str:
         return rank_paths(self.ckpt, rank_of(t, d, self.tp, stage, self.dp))[1]
@@ -342,25 +352,25 @@ class SavedLayout:
         owns_all = self.stage_owns_all[stage]
         x, y = off + a, off + b
         s = self._shard(ui)
-        # experts: ``t`` is the old EP rank, whose shards are ZeRO ranks (x // s) * EP + t
-        # (TP rank 0); else the TP rank, over the ZeRO ranks x // s
-        ep, tp_rank = (self.ep, 0) if self.unit_experts[ui] else (1, t)
-        first = t if self.unit_experts[ui] else 0
+        # experts: ``t`` is the old EP rank, whose shards are the stage's ranks
+        # (x // s) * EP + t (ZeRO rank d, TP rank tt: d * TP + tt); else the TP rank, over
+        # the ZeRO ranks x // s
+        experts = self.unit_experts[ui]
         while x < y:
             shard = 0 if owns_all else x // s
-            d = shard * ep + first
+            d, tt = divmod(shard * self.ep + t, self.tp) if experts else (shard, t)
             end = y if owns_all else min(y, (shard + 1) * s)
             # (a saved name lies outside the holes, so its rows are contiguous)
-            lo = self._owned(ui, d)[0]
-            row = self._bases(d, stage)[ui] + self._saved_between(ui, lo, x)
+            lo = self._owned(ui, d, tt)[0]
+            row = self._bases(d, stage, tt)[ui] + self._saved_between(ui, lo, x)
             m, k = end - x, x - off - a
-            path, size = self.data_path(tp_rank, d, stage), self.data_bytes(d, stage)
+            path, size = self.data_path(tt, d, stage), self.data_bytes(d, stage, tt)
             if self.interleaved:  # column c of row r: element w * r + c
                 w = len(self.columns)
                 yield Read(path, size, row * w * ELEMENT_BYTES, m * w, k, m,
                            [(p, c, w) for p, c in enumerate(cols)])
             else:  # column c of row r: element c * rows(d) + r
-                rows = self.rows(d, stage)
+                rows = self.rows(d, stage, tt)
                 for p, c in enumerate(cols):
                     yield Read(path, size, (c * rows + row) * ELEMENT_BYTES, m, k, m,
                                [(p, 0, 1)])

@@ -283,7 +283,7 @@ def _read_header(ckpt: str, ps: ParallelState, layout: SavedLayout,
         raise CheckpointError(f"{path}: corrupt checkpoint shard (not rank {ps.rank}'s header)")
     # Its data file must hold what the metadata's layout says it does.
     expect = layout.rows(ps.dp_cp_group.rank,  # ZeRO's rank: DP x CP (hybrid.zero.engine)
-                         ps.pp_rank)
+                         ps.pp_rank, ps.tp_group.rank)
     if header.get("data_rows") != expect:
         raise CheckpointError(f"{path}: piece table ({header.get('data_rows')} rows) "
                               f"disagrees with metadata.json's zero_layout ({expect} rows)")

@@ -147,3 +147,30 @@ def test_experts_over_ep_save_resume_and_reshard(tmp_path, stage):
     _, params = iter_full_params(os.path.join(save, "iter_0000003"), ("master",))
     shapes = {n: tuple(v["master"].shape) for n, v in params}
     assert shapes["blocks.3.mlp.experts.proj"] == (4, 64, 256)
+
+
+def test_experts_folded_over_tp_save_resume_and_reshard(tmp_path):
+    """Saved at 3 of 6 at TP 2 (SP) x DP 2 with the experts over EP 4 (the EP group
+    folding over TP, an expert a rank; ZeRO 1): resumed there to the last bit; loaded at
+    one process (EP 1, TP 1) and at TP 2 x EP 2 of 2 ranks (ZeRO 3), the curve going on
+    within 1e-6."""
+    save, log = str(tmp_path / "ckpt"), str(tmp_path / "full.jsonl")
+    tp = ["--tensor-model-parallel-size", "2", "--sequence-parallel"]
+    layout = [*tp, "--expert-model-parallel-size", "4", "--zero-stage", "1"]
+    _ok(pretrain(4, [*TINY, *MOE, *ITERS, *layout, "--save", save, "--save-interval", "3",
+                     "--log-json", log]))
+    full = read_json_log(log)
+    os.remove(os.path.join(save, "latest"))
+    shutil.rmtree(os.path.join(save, "iter_0000006"))
+    out = str(tmp_path / "same.jsonl")
+    _ok(pretrain(4, [*TINY, *MOE, *ITERS, *layout, "--load", save, "--log-json", out]))
+    resumed = read_json_log(out)
+    for key in ("loss", "grad_norm", "moe"):
+        assert [m[key] for m in resumed] == [m[key] for m in full[3:]], key
+    for n, flags in ((1, ["--zero-stage", "1"]),
+                     (2, [*tp, "--expert-model-parallel-size", "2", "--zero-stage", "3"])):
+        out = str(tmp_path / f"w{n}.jsonl")
+        _ok(pretrain(n, [*TINY, *MOE, *ITERS, *flags, "--load", save, "--log-json", out]))
+        for got, want in zip(read_json_log(out), full[3:], strict=True):
+            assert abs(got["loss"] - want["loss"]) <= 1e-6 * want["loss"], (n, got, want)
+            assert abs(got["grad_norm"] - want["grad_norm"]) <= 1e-5 * want["grad_norm"]
