@@ -306,7 +306,8 @@ class MoE(nn.Module):
         split once a forward: indexing them per expert would make each expert's backward
         a zero-filled gradient of the whole stack (E of them added, O(E^2) traffic);
         one split's backward stacks the E gradients once."""
-        fc, proj = self.fc, self.proj
+        fc: torch.Tensor = self.fc
+        proj: torch.Tensor = self.proj
         if (self.ep is None or self.ep.size == 1) and self.split is not None:
             # every expert on every TP rank, each running its own tokens: the gradient
             # summed over TP, as a norm's under SP (over EP > 1 the exchange brings every
