@@ -159,12 +159,13 @@ class ParallelMLP(nn.Module):
 
 
 def make_moe(cfg: ModelConfig, scale: AuxLossScale, ep_group: CommGroup | None = None,
-             split: TokenSplit | None = None) -> MoELayer:
+             split: TokenSplit | None = None, etp_group: CommGroup | None = None
+             ) -> MoELayer:
     """An MoE layer of ``cfg.moe`` in place of the block's MLP (:class:`models.moe.MoELayer`),
     its experts split over ``ep_group`` when given, each rank routing its own tokens of
     a micro-batch ``split`` over sequence parallelism's TP group and CP (None: the rank
-    holds the whole micro-batch). The experts are whole on each rank (no expert tensor
-    parallelism): under TP the tokens must be split, and the EP group folds over the
+    holds the whole micro-batch), each expert's hidden units split over ``etp_group``
+    when given. Under TP the tokens must be split, and the ETP x EP group folds over the
     TP ranks (Megatron's parallel folding)."""
     moe = cfg.moe
     assert moe is not None and moe.num_experts is not None
@@ -179,7 +180,7 @@ def make_moe(cfg: ModelConfig, scale: AuxLossScale, ep_group: CommGroup | None =
                     capacity_factor=moe.moe_expert_capacity_factor,
                     drop_policy=moe.moe_token_drop_policy,
                     init_method_std=cfg.init_method_std, ep_group=ep_group,
-                    groups=moe.router_groups, split=split)
+                    groups=moe.router_groups, split=split, etp_group=etp_group)
 
 
 def residual_rng(fork: bool, rng: TPRNGTracker | None):
@@ -199,12 +200,13 @@ class Block(nn.Module):
     parallelism T is this CP rank's share of the sequence. ``weight_grads``: the model's
     store for its linears' deferred weight gradients (a split backward), or None.
     ``moe``: the model's :class:`models.moe.AuxLossScale` when this block's MLP is a
-    mixture of experts (:func:`make_moe`), else None; ``ep_group``: its experts' EP group."""
+    mixture of experts (:func:`make_moe`), else None; ``ep_group``, ``etp_group``: its
+    experts' EP and ETP groups."""
 
     def __init__(self, cfg: ModelConfig, tp_group: CommGroup, rng: TPRNGTracker | None,
                  sequence_parallel: bool, cp: ContextParallel | None = None,
                  weight_grads: WeightGradStore | None = None, moe: AuxLossScale | None = None,
-                 ep_group: CommGroup | None = None):
+                 ep_group: CommGroup | None = None, etp_group: CommGroup | None = None):
         super().__init__()
         self.rng = rng
         self.fork_residual_rng = (sequence_parallel or cp is not None) and cfg.hidden_dropout > 0
@@ -217,7 +219,8 @@ class Block(nn.Module):
         split = (TokenSplit(tp_group if sequence_parallel else None, cp)
                  if sequence_parallel or cp is not None else None)
         self.mlp: nn.Module = (ParallelMLP(cfg, tp_group, sequence_parallel, weight_grads)
-                               if moe is None else make_moe(cfg, moe, ep_group, split))
+                               if moe is None else make_moe(cfg, moe, ep_group, split,
+                                                            etp_group))
         self.drop = nn.Dropout(cfg.hidden_dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

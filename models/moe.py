@@ -192,6 +192,10 @@ class MoE(nn.Module):
     experts ``[r E / EP, (r + 1) E / EP)`` (``fc`` and ``proj`` hold those, marked
     ``ep_spec``); the router stays whole, and each assignment runs on its expert's rank
     (:func:`hybrid.tensor_parallel.experts.run_experts`). None: every expert here.
+    ``etp_group``: each expert's ``ffn`` hidden units split over it (expert tensor
+    parallelism): ``fc`` holds this rank's ``ffn / ETP`` rows of each part, ``proj`` its
+    columns, and an expert's rows from every rank of the group run here, their partial
+    outputs summed back (:func:`hybrid.tensor_parallel.experts.run_sharded`).
 
     ``split``: the ranks holding the rest of this micro-batch's tokens (sequence
     parallelism's TP group, the CP group; :class:`hybrid.tensor_parallel.token_split.
@@ -204,7 +208,7 @@ class MoE(nn.Module):
                  topk_scaling: float | None = None, capacity_factor: float | None = None,
                  drop_policy: str = "probs", init_method_std: float = 0.02,
                  ep_group: CommGroup | None = None, groups: tuple[int, int] | None = None,
-                 split: TokenSplit | None = None):
+                 split: TokenSplit | None = None, etp_group: CommGroup | None = None):
         super().__init__()
         if capacity_factor is not None and not capacity_factor > 0:
             raise ValueError(f"capacity_factor must be > 0 (None: dropless), got "
@@ -218,17 +222,26 @@ class MoE(nn.Module):
         if num_experts % ep:
             raise ValueError(f"num_experts {num_experts} is not divisible by the "
                              f"expert-parallel size {ep}")
-        self.ep = ep_group
+        etp = etp_group.size if etp_group is not None else 1
+        if ffn % etp:
+            raise ValueError(f"the experts' hidden size {ffn} is not divisible by the "
+                             f"expert-tensor-parallel size {etp}")
+        self.ep, self.etp = ep_group, etp_group if etp > 1 else None
         local = num_experts // ep
         self.split = split
         self.router = Router(hidden, num_experts, top_k, pre_softmax, score, topk_scaling,
                              groups, sp=None if split is None else split.tp)
-        self.fc = nn.Parameter(torch.empty(local, parts * ffn, hidden))
-        self.proj = nn.Parameter(torch.empty(local, hidden, ffn))
-        if ep_group is not None and ep > 1:
-            rank = ep_group.rank
-            mark_expert_split(self.fc, (num_experts, parts * ffn, hidden), rank, ep)
-            mark_expert_split(self.proj, (num_experts, hidden, ffn), rank, ep)
+        self.fc = nn.Parameter(torch.empty(local, parts * ffn // etp, hidden))
+        self.proj = nn.Parameter(torch.empty(local, hidden, ffn // etp))
+        if ep * etp > 1:
+            rank = ep_group.rank if ep_group is not None else 0
+            t = etp_group.rank if etp_group is not None else 0
+            # under ETP: fc seen as (E x parts) rows of ffn x hidden, proj as (E x hidden)
+            # rows of ffn, each rank's rows cut into ETP column chunks
+            mark_expert_split(self.fc, (num_experts, parts * ffn, hidden), rank, ep,
+                              (num_experts * parts, t, etp) if etp > 1 else None)
+            mark_expert_split(self.proj, (num_experts, hidden, ffn), rank, ep,
+                              (num_experts * hidden, t, etp) if etp > 1 else None)
         _init((self.router.weight, self.fc, self.proj), init_method_std)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, Routing]:
@@ -252,10 +265,10 @@ class MoE(nn.Module):
         counts = torch.bincount(flat[order], minlength=self.num_experts)
         rows = tokens[order // k]
         expert = self._experts()
-        if self.ep is None or self.ep.size == 1:
+        if (self.ep is None or self.ep.size == 1) and self.etp is None:
             out = run_local(rows, counts.tolist(), expert)
-        else:  # each assignment on its expert's rank, and back
-            out = run_experts(rows, counts, self.ep, expert)
+        else:  # each assignment on its expert's rank(s), and back
+            out = run_experts(rows, counts, self.ep, expert, self.etp)
         # 3. combine: back to (T, k) in gate order, each times its gate, summed in that order
         per_assignment = tokens.new_zeros(flat.numel(), shape[-1])
         per_assignment[order] = out
@@ -308,7 +321,8 @@ class MoE(nn.Module):
         one split's backward stacks the E gradients once."""
         fc: torch.Tensor = self.fc
         proj: torch.Tensor = self.proj
-        if (self.ep is None or self.ep.size == 1) and self.split is not None:
+        if (self.ep is None or self.ep.size == 1) and self.etp is None \
+                and self.split is not None:
             # every expert on every TP rank, each running its own tokens: the gradient
             # summed over TP, as a norm's under SP (over EP > 1 the exchange brings every
             # rank's tokens to the expert instead)

@@ -98,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
     ps = init_distributed(par.tensor_model_parallel_size, par.timeout_minutes, par.backend,
                           diag.collective_dump_dir, diag.check_collectives,
                           par.context_parallel_size, par.pipeline_model_parallel_size,
-                          par.expert_model_parallel_size)
+                          par.expert_model_parallel_size, par.expert_tensor_parallel_size)
     # NCCL: a hang is found by the recorder's heartbeat, not raised here; say it the same
     # way, then end the process (hybrid/diagnostics/watch.py)
     ps.recorder.on_hang = lambda e: os._exit(_collective_fail(e))

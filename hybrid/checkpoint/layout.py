@@ -112,10 +112,15 @@ def describe(engine, ps) -> dict:
     out = {"tp_size": ps.tp_size, "dp_size": dp, "owns_all": owns_all,
            "split_dims": {n: _split_dim(p) for n, p in engine.model.named_parameters()},
            "units": [[[names[id(p)], p.numel()] for p in u.params] for u in units]}
-    if ps.ep_size > 1:
+    if ps.experts_split:
         out["ep_size"] = ps.ep_size
         out["experts"] = [n for n, p in engine.model.named_parameters()
                           if getattr(p, "ep_spec", None) is not None]
+        if ps.etp_size > 1:  # [Note: experts under ETP]: the rows each is seen as
+            out["etp_size"] = ps.etp_size
+            out["expert_rows"] = {n: p.ep_spec.inner[0] for n, p in
+                                  engine.model.named_parameters()
+                                  if getattr(p, "ep_spec", None) is not None}
     if ps.pp_size > 1:
         out["unsaved"] = unsaved_names(engine.model, ps.pp_rank)
     return out
@@ -144,6 +149,9 @@ def pipeline_layout(stages: list[dict], columns: list[str]) -> dict:
     if "ep_size" in stages[0]:
         out["ep_size"] = stages[0]["ep_size"]
         out["experts"] = [n for st in stages for n in st["experts"]]
+        if "etp_size" in stages[0]:
+            out["etp_size"] = stages[0]["etp_size"]
+            out["expert_rows"] = {n: r for st in stages for n, r in st["expert_rows"].items()}
     return out
 
 
@@ -211,6 +219,10 @@ class SavedLayout:
         # [Note: experts over EP, format 5]
         self.ep: int = z.get("ep_size", 1)
         self.experts: frozenset[str] = frozenset(z.get("experts", ()))
+        # [Note: experts under ETP]: each expert row block cut into ETP column chunks,
+        # the rows each expert tensor is seen as
+        self.etp: int = z.get("etp_size", 1)
+        self.expert_rows: dict[str, int] = z.get("expert_rows", {})
         self.full_shapes: dict[str, list[int]] = meta["model"]
         stages = z["stages"] if "stages" in z else [{"owns_all": z["owns_all"],
                                                      "units": z["units"]}]
@@ -274,7 +286,8 @@ class SavedLayout:
         folds over TP ([Note: experts over EP, format 5])."""
         if not self.unit_experts[ui]:
             return self.dp, d
-        return self.dp * self.tp // self.ep, (d * self.tp + t) // self.ep
+        chunks = self.ep * self.etp
+        return self.dp * self.tp // chunks, (d * self.tp + t) // chunks
 
     def _shard(self, ui: int) -> int:
         return -(-self.unit_numel[ui] // self._group(ui, 0, 0)[0])
@@ -352,13 +365,14 @@ class SavedLayout:
         owns_all = self.stage_owns_all[stage]
         x, y = off + a, off + b
         s = self._shard(ui)
-        # experts: ``t`` is the old EP rank, whose shards are the stage's ranks
-        # (x // s) * EP + t (ZeRO rank d, TP rank tt: d * TP + tt); else the TP rank, over
-        # the ZeRO ranks x // s
+        # experts: ``t`` is the old chunk (EP rank x ETP + ETP rank), whose shards are
+        # the stage's ranks (x // s) * EP * ETP + t (ZeRO rank d, TP rank tt: d * TP +
+        # tt); else the TP rank, over the ZeRO ranks x // s
         experts = self.unit_experts[ui]
         while x < y:
             shard = 0 if owns_all else x // s
-            d, tt = divmod(shard * self.ep + t, self.tp) if experts else (shard, t)
+            d, tt = (divmod(shard * self.ep * self.etp + t, self.tp) if experts
+                     else (shard, t))
             end = y if owns_all else min(y, (shard + 1) * s)
             # (a saved name lies outside the holes, so its rows are contiguous)
             lo = self._owned(ui, d, tt)[0]

@@ -22,10 +22,14 @@ Spans are then cut at the old DP shard boundaries into file reads
 (:mod:`hybrid.checkpoint.layout`). When old and new split the parameter the
 same way, the old-local range *is* the new-local one: one span, exact.
 
-An MoE layer's experts split over EP (``ep_spec``, along dim 0) are the same kind of
-split, its chunks the old EP ranks' (:meth:`SavedLayout.split_size`; which files hold
-them: :mod:`hybrid.checkpoint.layout`, [Note: experts over EP, format 5]): any EP size
-reads any other.
+[Note: experts as blocks]
+An MoE layer's experts split over EP (``ep_spec``) and under ETP also over their hidden
+units are read by a path of their own (:meth:`ParamSource._read_experts`): the tensor
+seen as R rows (``E`` at ETP 1; ``E x parts`` of ``fc``, ``E x hidden`` of ``proj``
+under ETP, as the save records), each rank's piece a block of EP rows cut into ETP
+column chunks, the old piece ``(b, c)`` the chunk ``b x ETP + c`` (which files hold it:
+:mod:`hybrid.checkpoint.layout`, [Note: experts over EP, format 5]). Any EP x ETP reads
+any other, and a checkpoint of every expert on every rank (EP 1) reads as one piece.
 
 The padded vocabulary (``wte.weight`` and an untied ``output_layer.weight``,
 split along dim 0, so one row) may differ between TP sizes: new columns past
@@ -61,17 +65,20 @@ class Target:
     of ``full_shape`` (``dim`` None: replicated; ``rank`` then only spreads reads
     over the old replicas)."""
 
-    __slots__ = ("full_shape", "dim", "rank", "size")
+    __slots__ = ("full_shape", "dim", "rank", "size", "inner", "expert")
 
-    def __init__(self, full_shape, dim: int | None, rank: int, size: int):
+    def __init__(self, full_shape, dim: int | None, rank: int, size: int,
+                 inner: tuple[int, int, int] | None = None, expert: bool = False):
         self.full_shape, self.dim, self.rank, self.size = tuple(full_shape), dim, rank, size
+        self.inner, self.expert = inner, expert  # (experts: ShardSpec.inner, ep_spec)
 
     @classmethod
     def of(cls, param, tp_rank: int) -> Target:
-        spec = split_spec(param)  # (a TP split, or an MoE layer's experts over EP)
+        spec = split_spec(param)  # (a TP split, or an MoE layer's experts over EP / ETP)
         if spec is None:
             return cls(param.shape, None, tp_rank, 1)
-        return cls(spec.full_shape, spec.dim, spec.rank, spec.size)
+        return cls(spec.full_shape, spec.dim, spec.rank, spec.size, spec.inner,
+                   getattr(param, "ep_spec", None) is not None)
 
 
 class _Geometry(NamedTuple):
@@ -125,6 +132,8 @@ class ParamSource:
 
     def read(self, name: str, target: Target, lo: int, hi: int) -> torch.Tensor:
         """Elements ``[lo, hi)`` of ``name`` as ``target`` holds it: ``(len(keys), hi - lo)``."""
+        if target.expert or name in self.layout.experts:
+            return self._read_experts(name, target, lo, hi)
         g = self._geometry(name, target)
         k = len(self.cols)
         if (g.old_split == (target.dim is not None) and g.old_width == g.new_width
@@ -146,6 +155,60 @@ class ParamSource:
                 self._read_rect(name, t, r0, r1, col - t_lo, end - t_lo, g.old_width,
                                 dst[:, :, col - a: end - a])
                 col = end
+        return out
+
+    def _read_experts(self, name: str, target: Target, lo: int, hi: int) -> torch.Tensor:
+        """:meth:`read` of an MoE layer's experts ([Note: experts as blocks]): old and new
+        each a grid of row blocks (EP) by column chunks (ETP) of the tensor seen as R
+        rows; the new local range's rectangles cut at the old grid's lines."""
+        lay = self.layout
+        old_shape = lay.full_shapes.get(name)
+        if old_shape is None:
+            raise CheckpointError(f"{lay.ckpt}: has no parameter {name!r}")
+        numel = _prod(target.full_shape)
+        rows = (target.inner[0] if target.inner is not None
+                else lay.expert_rows.get(name, target.full_shape[0]))
+        saved = name in lay.experts
+        old_blocks, old_chunks = (lay.ep, lay.etp if name in lay.expert_rows else 1) \
+            if saved else (1, 1)
+        new_blocks = target.size if target.expert else 1
+        new_chunks, new_c = (target.inner[2], target.inner[1]) if target.inner else (1, 0)
+        cols = numel // rows
+        if (_prod(old_shape) != numel or rows % old_blocks or rows % new_blocks
+                or cols % old_chunks or cols % new_chunks
+                or lay.local_numel(name) * old_blocks * old_chunks != numel):
+            raise CheckpointError(f"{lay.ckpt}: {name!r} is {old_shape} in {old_blocks} x "
+                                  f"{old_chunks} pieces there and {list(target.full_shape)} "
+                                  f"in {new_blocks} x {new_chunks} here; a different model")
+        k = len(self.cols)
+        old_h, old_w = rows // old_blocks, cols // old_chunks
+        new_h, new_w = rows // new_blocks, cols // new_chunks
+        new_r = target.rank if target.expert else 0
+        if (old_blocks, old_chunks) == (new_blocks, new_chunks):  # the same pieces
+            out = torch.empty(k, hi - lo)
+            self._read_span(name, new_r * old_chunks + new_c if saved else target.rank % lay.tp,
+                            lo, hi, out)
+            return out
+        out = torch.empty(k, hi - lo)
+        row0, col0 = new_r * new_h, new_c * new_w
+        for r0, r1, c0, c1 in rectangles(lo, hi, new_w):
+            start = r0 * new_w + c0 - lo
+            dst = out[:, start: start + (r1 - r0) * (c1 - c0)].view(k, r1 - r0, c1 - c0)
+            g = row0 + r0
+            while g < row0 + r1:  # cut at the old row blocks, then the old column chunks
+                b = g // old_h
+                g_end = min(row0 + r1, (b + 1) * old_h)
+                col = col0 + c0
+                while col < col0 + c1:
+                    c = col // old_w
+                    end = min(col0 + c1, (c + 1) * old_w)
+                    t = b * old_chunks + c if saved else target.rank % lay.tp
+                    self._read_rect(name, t, g - b * old_h, g_end - b * old_h,
+                                    col - c * old_w, end - c * old_w, old_w,
+                                    dst[:, g - row0 - r0: g_end - row0 - r0,
+                                        col - col0 - c0: end - col0 - c0])
+                    col = end
+                g = g_end
         return out
 
     def _geometry(self, name: str, target: Target) -> _Geometry:

@@ -357,7 +357,7 @@ def _same_units_everywhere(ps: ParallelState, units: list) -> bool:
 def format_version(ps: ParallelState) -> int:
     """The format a save at ``ps``'s layout writes (hybrid/checkpoint/files.py): experts over
     EP, 5; else a pipeline, 4; else 3 (each older hybrid reads what it can)."""
-    return EXPERT_VERSION if ps.ep_size > 1 else (
+    return EXPERT_VERSION if ps.experts_split else (
         PIPELINE_VERSION if ps.pp_size > 1 else VERSION)
 
 

@@ -26,6 +26,7 @@ class Flags:
     sequence_parallel: bool = declared("sequence_parallel")
     context_parallel_size: int = declared("context_parallel_size")
     expert_model_parallel_size: int = declared("expert_model_parallel_size")
+    expert_tensor_parallel_size: int = declared("expert_tensor_parallel_size")
     cp_comm_type: str = declared("cp_comm_type")
     cp_layout: str = declared("cp_layout")
     distributed_backend: str | None = declared("distributed_backend")  # ParallelConfig.backend

@@ -62,7 +62,6 @@ NO_EFFECT: dict[str, int] = {
 _ONLY_VALUE: dict[str, tuple[str, str]] = {
     "--optimizer": ("adam", "hybrid trains with AdamW (decoupled weight decay, as Megatron's "
                             "adam); drop --optimizer or pass adam"),
-    "--expert-tensor-parallel-size": ("1", "expert tensor parallelism is not built yet"),
     "--moe-router-dtype": ("fp32", "hybrid decides routing in fp32"),
 }
 

@@ -189,8 +189,9 @@ def validate_moe(f, world_size: int) -> None:
     layout of ``world_size`` ranks), each one ConfigError naming the flag to change."""
     given = [fld.name for fld in fields(MoEConfig) if fld.name != "num_experts"
              and (fld.name in f.explicit_flags or getattr(f, fld.name) != fld.default)]
-    if f.expert_model_parallel_size > 1:
-        given.append("expert_model_parallel_size")
+    for size in ("expert_model_parallel_size", "expert_tensor_parallel_size"):
+        if getattr(f, size) > 1:
+            given.append(size)
     if f.num_experts is None:
         if given:
             flags = ", ".join("--" + n.replace("_", "-") for n in given)
@@ -220,7 +221,12 @@ def validate_moe(f, world_size: int) -> None:
     if f.num_experts % ep:
         raise ConfigError(f"--num-experts {f.num_experts} is not divisible by "
                           f"--expert-model-parallel-size {ep}")
-    check_expert_layout(world_size, 1, ep, f.pipeline_model_parallel_size)
+    etp = f.expert_tensor_parallel_size
+    ffn = f.moe_ffn_hidden_size or f.ffn_hidden_size
+    if etp > 1 and ffn is not None and ffn % etp:
+        raise ConfigError(f"--moe-ffn-hidden-size {ffn} (each expert's hidden units) is not "
+                          f"divisible by --expert-tensor-parallel-size {etp}")
+    check_expert_layout(world_size, etp, ep, f.pipeline_model_parallel_size)
     # [Note: MoE under TP] the experts are whole on each rank (ETP 1): a TP rank must
     # route tokens of its own, which sequence parallelism gives it (Megatron's rule too)
     if f.tensor_model_parallel_size > 1 and not f.sequence_parallel:

@@ -333,6 +333,10 @@ class ParallelConfig:
     expert_model_parallel_size: int = opt(
         1, "EP degree: ranks an MoE layer's experts are split over (tokens reach them by "
         "all-to-all; the expert layout in hybrid/parallel/layout.py)", at_least=1)
+    expert_tensor_parallel_size: int = opt(
+        1, "ETP degree: ranks each expert's hidden units are split over (ETP innermost in "
+        "the expert layout, then EP; Megatron's default is the TP size, hybrid's 1, with the "
+        "same numbers)", at_least=1)
     cp_comm_type: str = opt(
         "p2p", "how attention crosses the CP split: p2p (ring), all_gather (K/V once per layer) "
         "or a2a (Ulysses: heads split instead)", choices=CP_COMM_TYPES,

@@ -284,13 +284,13 @@ def peak_memory(w: Workload, runtime_bytes: int = 0) -> dict:
 
 def _states(w: Workload) -> dict:
     """Model-state bytes of this rank: the dense parameters' over DP x CP, and an MoE
-    model's experts (their ``1 / ep``) over the expert DP group."""
+    model's experts (their ``1 / (ep x etp)``) over the expert DP group."""
     dense = model_state_bytes(w.psi - w.expert_psi, w.shard_ranks, w.zero_stage,
                               w.params_dtype, w.grads_dtype)
     if not w.expert_psi:
         return dense
-    experts = model_state_bytes(w.expert_psi // w.ep, w.expert_shard_ranks, w.zero_stage,
-                                w.params_dtype, w.grads_dtype)
+    experts = model_state_bytes(w.expert_psi // (w.ep * w.etp), w.expert_shard_ranks,
+                                w.zero_stage, w.params_dtype, w.grads_dtype)
     return {k: dense[k] + experts[k] for k in dense}
 
 
@@ -299,11 +299,12 @@ def expert_exchange_bytes(w: Workload) -> int:
     routing uniform over the experts: each MoE layer sends each of its micro-batch's
     ``T k`` assignments' rows (C elements of the training dtype) that belong to another
     EP rank's experts, ``(EP - 1) / EP`` of them, four times (to the experts and back,
-    in forward and in backward). 0 at EP 1."""
+    in forward and in backward). 0 at EP 1. Under sequence parallelism a rank routes its
+    ``1 / TP`` of the tokens; ETP's gather of each expert's rows is not counted."""
     if w.ep == 1 or w.model.moe is None:
         return 0
     moe_layers = sum(w.model.is_moe_layer(i) for i in w.layer_ids(w.stage))
-    tokens = w.micro_batch_size * w.seq_per_rank
+    tokens = w.micro_batch_size * w.seq_per_rank // (w.tp if w.sequence_parallel else 1)
     rows = tokens * w.model.moe.moe_router_topk * (w.ep - 1) / w.ep
     per_layer = 4 * rows * w.model.hidden_size * BYTES[w.params_dtype]
     return int(per_layer * moe_layers * w.micro_batches)
@@ -321,7 +322,7 @@ def traffic_bytes(w: Workload) -> dict:
                               w.micro_batches, w.params_dtype, w.grads_dtype,
                               held=w.holds_stage)
     if w.expert_psi:  # the experts over their DP group, and the tokens' exchange
-        experts = comm_bytes_per_step(w.expert_psi // w.ep, w.expert_shard_ranks,
+        experts = comm_bytes_per_step(w.expert_psi // (w.ep * w.etp), w.expert_shard_ranks,
                                       w.zero_stage, w.micro_batches, w.params_dtype,
                                       w.grads_dtype, held=w.holds_stage)
         out = {k: out[k] + experts[k] for k in out}

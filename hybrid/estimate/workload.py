@@ -62,6 +62,7 @@ class Workload:
     # the global layer ids of each stage (all its chunks): which of them are MoE layers
     stage_layer_ids: tuple[tuple[int, ...], ...] | None = None
     ep: int = 1  # expert-parallel ranks an MoE layer's experts are split over
+    etp: int = 1  # expert-tensor-parallel ranks each expert's hidden units are split over
 
     @property
     def holds_stage(self) -> bool:
@@ -120,16 +121,16 @@ class Workload:
     @property
     def expert_psi(self) -> int:
         """The routed experts' parameters among :attr:`psi` (every expert of this stage's
-        MoE layers): this rank holds ``expert_psi / ep`` of them, sharded by ZeRO over
+        MoE layers): this rank holds ``expert_psi / (ep x etp)`` of them, sharded by ZeRO over
         the expert DP group (:attr:`expert_shard_ranks`); the rest of ``psi`` over
         :attr:`shard_ranks`."""
         return self.model.expert_parameters(self.layer_ids(self.stage))
 
     @property
     def expert_shard_ranks(self) -> int:
-        """Ranks ZeRO shards the experts over: the expert DP group, TP x DP x CP / EP (the
-        EP group folds over the stage's TP ranks too, the experts whole on each)."""
-        return self.shard_ranks * self.tp // self.ep
+        """Ranks ZeRO shards the experts over: the expert DP group, TP x DP x CP / (EP x
+        ETP) (the ETP x EP group folds over the stage's TP ranks too)."""
+        return self.shard_ranks * self.tp // (self.ep * self.etp)
 
     @property
     def vpp(self) -> int:
@@ -184,4 +185,5 @@ def workload(cfg, vocab_size: int, device: str = "cuda") -> Workload:
         stage_layers=stage_layers, chunk_layers=chunk_layers,
         schedule=cfg.pipeline.schedule,
         reshard_after_micro_batch=cfg.pipeline.reshard_after_micro_batch,
-        stage_layer_ids=layer_ids, ep=p.expert_model_parallel_size)
+        stage_layer_ids=layer_ids, ep=p.expert_model_parallel_size,
+        etp=p.expert_tensor_parallel_size)

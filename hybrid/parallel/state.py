@@ -53,9 +53,10 @@ class ParallelState:
     Expert parallelism (the MoE layers' layout, :class:`hybrid.parallel.layout.ExpertLayout`):
     ``ep_group`` holds the ranks one MoE layer's experts are split over (tokens reach
     their experts' ranks by all-to-all within it), ``edp_group`` the ranks holding the
-    same experts (their gradients are reduced, and ZeRO shards them, over it). At EP 1
-    ``ep_group`` is this rank alone and ``edp_group`` is ``dp_cp_group`` itself: no
-    extra process group.
+    same experts (their gradients are reduced, and ZeRO shards them, over it),
+    ``etp_group`` the ranks each expert's hidden units are split over (expert tensor
+    parallelism, ETP). At EP 1 and ETP 1 ``ep_group`` and ``etp_group`` are this rank
+    alone and ``edp_group`` is ``dp_cp_group`` itself: no extra process group.
     """
 
     world_size: int
@@ -74,10 +75,21 @@ class ParallelState:
     embedding_group: CommGroup = field(repr=False)
     ep_group: CommGroup = field(repr=False)
     edp_group: CommGroup = field(repr=False)
+    etp_group: CommGroup = field(repr=False)
 
     @property
     def ep_size(self) -> int:
         return self.ep_group.size
+
+    @property
+    def etp_size(self) -> int:
+        return self.etp_group.size
+
+    @property
+    def experts_split(self) -> bool:
+        """The MoE layers' experts are split over ranks (EP or ETP above 1): their
+        parameters are marked and reduced over ``edp_group``."""
+        return self.ep_group.size * self.etp_group.size > 1
 
     @property
     def ep_rank(self) -> int:
@@ -153,12 +165,12 @@ class ParallelState:
         timeout = datetime.timedelta(minutes=10)
         rec = FlightRecorder(0, 1, None, timeout, dump_dir=dump_dir,
                              check_collectives=check_collectives)
-        tp, dp, world, cp, pp, emb, ep = (CommGroup(n, None, [0], 0, stats, timeout, rec)
-                                          for n in ("tp", "dp", "world", "cp", "pp",
-                                                    "embedding", "ep"))
+        tp, dp, world, cp, pp, emb, ep, etp = (
+            CommGroup(n, None, [0], 0, stats, timeout, rec)
+            for n in ("tp", "dp", "world", "cp", "pp", "embedding", "ep", "etp"))
         return cls(1, 0, tp, dp, world, torch.device(device), "none", timeout, stats, rec,
                    cp_group=cp, dp_cp_group=dp, pp_group=pp, embedding_group=emb,
-                   ep_group=ep, edp_group=dp)
+                   ep_group=ep, edp_group=dp, etp_group=etp)
 
     @classmethod
     def build(cls, tensor_model_parallel_size: int,
@@ -168,10 +180,11 @@ class ParallelState:
               check_collectives: bool = False,
               context_parallel_size: int = 1,
               pipeline_model_parallel_size: int = 1,
-              expert_model_parallel_size: int = 1) -> ParallelState:
+              expert_model_parallel_size: int = 1,
+              expert_tensor_parallel_size: int = 1) -> ParallelState:
         """Create the TP, CP, DP and PP groups of an initialized default process group, and
-        the expert groups (EP > 1: ETP 1, the EP groups folding over a stage's TP x CP x DP
-        ranks).
+        the expert groups (EP or ETP > 1: the ETP x EP groups folding over a stage's TP x
+        CP x DP ranks).
 
         Every rank must call this with the same arguments. Group creation is local to
         each group: a rank creates only the groups it belongs to, one per kind, with
@@ -194,13 +207,14 @@ class ParallelState:
         """
         tp, cp = tensor_model_parallel_size, context_parallel_size
         pp, ep = pipeline_model_parallel_size, expert_model_parallel_size
+        etp = expert_tensor_parallel_size
         if not dist.is_initialized():
             Layout(1, tp, cp, pp)  # (the check: sizes above 1 do not fit one process)
-            ExpertLayout(1, 1, ep, pp)
+            ExpertLayout(1, etp, ep, pp)
             return cls.single(device or "cpu", dump_dir, check_collectives)
         world, rank = dist.get_world_size(), dist.get_rank()
         layout = Layout(world, tp, cp, pp)
-        experts = ExpertLayout(world, 1, ep, pp)
+        experts = ExpertLayout(world, etp, ep, pp)
         backend = dist.get_backend()
         if device is None:
             device = _default_device(backend)
@@ -218,13 +232,15 @@ class ParallelState:
         mine = {k: layout.group_of(k, rank) for k in kinds}
         if pp > 1:  # a middle stage's is itself alone (see _create_groups)
             mine["embedding"] = layout.embedding_group_of(rank)
-        if ep > 1:
-            mine.update((k, experts.group_of(k, rank)) for k in ("ep", "edp"))
+        split = [k for k, n in (("ep", ep), ("etp", etp)) if n > 1]
+        if split:
+            mine.update((k, experts.group_of(k, rank)) for k in (*split, "edp"))
 
         def every(kind: str) -> list[list[int]]:
             if kind == "embedding":
                 return layout.embedding_groups()
-            return experts.groups(kind) if kind in ("ep", "edp") else layout.groups(kind)
+            return (experts.groups(kind) if kind in ("ep", "edp", "etp")
+                    else layout.groups(kind))
         pgs = _create_groups(every, mine, group_timeout, device)
         groups = {k: CommGroup(k, pgs[k], mine[k], rank, stats, timeout, rec)
                   for k in mine if len(mine[k]) > 1 or k != "embedding"}
@@ -238,12 +254,14 @@ class ParallelState:
             "embedding")
         world_group = CommGroup("world", dist.group.WORLD, list(range(world)), rank, stats,
                                 timeout, rec)
-        # EP 1: this rank alone, and the experts' data-parallel group is DP x CP
+        # EP 1 (ETP 1): this rank alone, and the experts' data-parallel group is DP x CP
         ep_group = groups["ep"] if ep > 1 else alone("ep")
-        edp_group = groups["edp"] if ep > 1 else dp_cp_group
+        etp_group = groups["etp"] if etp > 1 else alone("etp")
+        edp_group = groups["edp"] if split else dp_cp_group
         rec.start()
         return cls(world, rank, tp_group, dp_group, world_group, device, backend, timeout, stats,
-                   rec, cp_group, dp_cp_group, pp_group, embedding_group, ep_group, edp_group)
+                   rec, cp_group, dp_cp_group, pp_group, embedding_group, ep_group, edp_group,
+                   etp_group)
 
     def close(self) -> None:
         """Stop the flight recorder's heartbeat (the process groups stay)."""
@@ -257,7 +275,7 @@ class ParallelState:
         self.close()
         for g in (self.tp_group, self.dp_group, self.cp_group, self.dp_cp_group,
                   self.pp_group, self.embedding_group, self.world_group, self.ep_group,
-                  self.edp_group):
+                  self.edp_group, self.etp_group):
             g.release()
 
     def describe(self) -> str:
@@ -275,8 +293,10 @@ class ParallelState:
         if p > 1:
             out += (f"\n  PP groups: {layout.groups('pp')}"
                     f"\n  embedding groups: {layout.embedding_groups()}")
-        if self.ep_size > 1:
-            experts = ExpertLayout(w, 1, self.ep_size, p)
+        if self.experts_split:
+            experts = ExpertLayout(w, self.etp_size, self.ep_size, p)
+            if self.etp_size > 1:
+                out += f"\n  ETP groups: {experts.groups('etp')}"
             out += (f"\n  EP groups: {experts.groups('ep')}"
                     f"\n  expert DP groups: {experts.groups('edp')}")
         return out
@@ -355,7 +375,8 @@ def init_distributed(tensor_model_parallel_size: int, timeout_minutes: float = 1
                      check_collectives: bool = False,
                      context_parallel_size: int = 1,
                      pipeline_model_parallel_size: int = 1,
-                     expert_model_parallel_size: int = 1) -> ParallelState:
+                     expert_model_parallel_size: int = 1,
+                     expert_tensor_parallel_size: int = 1) -> ParallelState:
     """Join the job torchrun started (env RANK/WORLD_SIZE/MASTER_ADDR...) and build groups.
 
     Picks nccl + cuda:LOCAL_RANK when a GPU exists, gloo + cpu otherwise. A
@@ -387,7 +408,8 @@ def init_distributed(tensor_model_parallel_size: int, timeout_minutes: float = 1
                              dump_dir=dump_dir, check_collectives=check_collectives,
                              context_parallel_size=context_parallel_size,
                              pipeline_model_parallel_size=pipeline_model_parallel_size,
-                             expert_model_parallel_size=expert_model_parallel_size)
+                             expert_model_parallel_size=expert_model_parallel_size,
+                             expert_tensor_parallel_size=expert_tensor_parallel_size)
     # the groups go before the interpreter does, unless the program ends them first
     # (a gloo thread left behind can abort a finished run: hybrid/parallel/teardown.py)
     teardown_at_exit(ps)

@@ -20,7 +20,9 @@
 * :mod:`.ulysses_attention` all-to-all context parallelism (DeepSpeed-Ulysses): the sequence
                             split traded for a head split around attention
 * :mod:`.experts`           an MoE layer's experts split over the EP group: assignments to
-                            their expert's rank by all-to-all, and back
+                            their expert's rank by all-to-all, and back (and over ETP)
+* :mod:`.token_split`       the ranks holding parts of one micro-batch's tokens (SP, CP): the
+                            MoE layers' statistics summed or gathered over them
 """
 
 from hybrid.tensor_parallel.column_linear import column_parallel_linear

@@ -94,12 +94,90 @@ def run_local(rows: torch.Tensor, counts: list[int], expert: Expert) -> torch.Te
     return out
 
 
-def run_experts(rows: torch.Tensor, counts: torch.Tensor, group: CommGroup,
-                expert: Expert) -> torch.Tensor:
-    """The outputs of ``rows`` from their experts, over the EP ``group`` (module doc)."""
-    ep, total = group.size, counts.numel()
-    if ep == 1:
-        return run_local(rows, counts.tolist(), expert)
+class _GatherRows(torch.autograd.Function):
+    """Every ETP rank's rows ``(n_r, C)``, padded to the largest ``n``, stacked: ``(etp,
+    n, C)``; backward: the gradients summed over the group and this rank's rows kept
+    (reduce-scatter). ``anchor`` as :class:`_AllToAll`'s."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, anchor: torch.Tensor, group: CommGroup, n: int):
+        ctx.group, ctx.rows = group, x.shape[0]
+        padded = x.new_zeros((n, *x.shape[1:]))
+        padded[: x.shape[0]] = x
+        out = x.new_empty((group.size, n, *x.shape[1:]))
+        group.all_gather(out, padded)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        mine = grad.new_empty(grad.shape[1:])
+        ctx.group.reduce_scatter(mine, grad.contiguous())
+        return mine[: ctx.rows], None, None, None
+
+
+class _SumRows(torch.autograd.Function):
+    """The reverse of :class:`_GatherRows`: ``(etp, n, C)`` partial outputs summed over the
+    ETP group, block ``r`` to rank ``r``, its first ``rows`` kept (reduce-scatter);
+    backward: the all-gather."""
+
+    @staticmethod
+    def forward(ctx, y: torch.Tensor, group: CommGroup, rows: int):
+        ctx.group, ctx.n = group, y.shape[1]
+        mine = y.new_empty(y.shape[1:])
+        group.reduce_scatter(mine, y.contiguous())
+        return mine[:rows]
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        padded = grad.new_zeros((ctx.n, *grad.shape[1:]))
+        padded[: grad.shape[0]] = grad
+        out = grad.new_empty((ctx.group.size, ctx.n, *grad.shape[1:]))
+        ctx.group.all_gather(out, padded)
+        return out, None, None
+
+
+def run_sharded(rows: torch.Tensor, counts: list[int], expert: Expert,
+                etp: CommGroup | None) -> torch.Tensor:
+    """Each local expert on its run of ``rows`` (sorted by expert, ``counts`` per expert).
+    ``etp`` (expert tensor parallelism): each rank of that group holds a slice of every
+    local expert's hidden units, ``expert(e, x)`` giving a partial output; the group's
+    rows are gathered (sizes first: one all-gather of the counts, one host read), each
+    expert runs on its rows of every ETP rank (in ETP rank order), and the partial
+    outputs are summed back to the rank that sent each row (reduce-scatter). Every rank
+    of the group joins both exchanges, forward and backward, whatever its rows."""
+    if etp is None or etp.size == 1:
+        return run_local(rows, counts, expert)
+    local = len(counts)
+    mine = torch.tensor(counts, dtype=torch.int64, device=rows.device)
+    every = torch.empty(etp.size * local, dtype=torch.int64, device=rows.device)
+    etp.all_gather(every, mine)
+    every = every.view(etp.size, local).cpu()  # (etp, local): rows per rank and expert
+    n = int(every.sum(dim=1).max())
+    anchor = torch.zeros((), device=rows.device, requires_grad=torch.is_grad_enabled())
+    gathered = _GatherRows.apply(rows, anchor, etp, n)  # (etp, n, C)
+    # expert-major, ETP-rank-minor: a run per expert, its ranks' rows in rank order
+    starts = torch.cumsum(every, dim=1) - every + torch.arange(etp.size)[:, None] * n
+    lengths, firsts = every.t().reshape(-1), starts.t().reshape(-1)
+    run_start = torch.cumsum(lengths, 0) - lengths
+    total = int(lengths.sum())
+    order = (torch.repeat_interleave(firsts, lengths) + torch.arange(total)
+             - torch.repeat_interleave(run_start, lengths)).to(rows.device)
+    flat = gathered.reshape(-1, *rows.shape[1:])
+    x = flat[order]
+    computed = run_local(x, every.sum(dim=0).tolist(), expert)
+    if x.requires_grad and not computed.requires_grad:  # no rows in the group: keep the path
+        computed = x * 0
+    partial = torch.zeros_like(flat).index_copy(0, order, computed)
+    return _SumRows.apply(partial.view(etp.size, n, *rows.shape[1:]), etp, rows.shape[0])
+
+
+def run_experts(rows: torch.Tensor, counts: torch.Tensor, group: CommGroup | None,
+                expert: Expert, etp: CommGroup | None = None) -> torch.Tensor:
+    """The outputs of ``rows`` from their experts, over the EP ``group`` (module doc; None:
+    EP 1), each expert's hidden units split over ``etp`` when given (:func:`run_sharded`)."""
+    ep, total = 1 if group is None else group.size, counts.numel()
+    if group is None or ep == 1:
+        return run_sharded(rows, counts.tolist(), expert, etp)
     if total % ep:
         raise ValueError(f"{total} experts do not split over EP {ep}")
     local = total // ep
@@ -121,7 +199,7 @@ def run_experts(rows: torch.Tensor, counts: torch.Tensor, group: CommGroup,
     order = (torch.repeat_interleave(firsts, lengths)
              + torch.arange(n) - torch.repeat_interleave(run_start, lengths)).to(rows.device)
     x = got[order]
-    computed = run_local(x, recv.sum(dim=0).tolist(), expert)
+    computed = run_sharded(x, recv.sum(dim=0).tolist(), expert, etp)
     if x.requires_grad and not computed.requires_grad:  # no rows here: keep the path
         computed = x * 0
     back = torch.empty_like(computed).index_copy(0, order, computed)

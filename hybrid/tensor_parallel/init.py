@@ -33,6 +33,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from hybrid.tensor_parallel.sharding import local_block
+
 BLOCK = 1 << 16  # elements per seeded block: part of the definition of the init
 CHUNK = 1 << 22  # elements drawn at once: bounds the temporary memory
 
@@ -89,20 +91,22 @@ def local_values(seed: int, name: str, init: Init, param: torch.Tensor, lo: int,
     """
     spec = getattr(param, "tp_spec", None) or getattr(param, "ep_spec", None)
     shape = tuple(spec.full_shape) if spec is not None else tuple(param.shape)
-    tp, rank, dim = (spec.size, spec.rank, spec.dim) if spec is not None else (1, 0, 0)
-    rows, cols = math.prod(shape[:dim]), math.prod(shape[dim:])
-    width = cols // tp  # local row length
-    base = rank * width  # this rank's first column
-    if rows == 1:
-        return draw_full_range(seed, name, init, shape, base + lo, base + hi)
+    if spec is None:
+        return draw_full_range(seed, name, init, shape, lo, hi)
+    block = local_block(spec)  # (under ETP, experts: a block of rows, a column chunk)
+    cols, width, base, row0 = block.cols, block.width, block.col0, block.row0
+    if block.nrows == 1:
+        start = row0 * cols + base
+        return draw_full_range(seed, name, init, shape, start + lo, start + hi)
     out = torch.empty(hi - lo)
     if hi <= lo:
         return out
-    first, last = lo // width, (hi - 1) // width
+    first, last = lo // width, (hi - 1) // width  # (local rows)
     step = max(1, CHUNK // cols)
     for ra in range(first, last + 1, step):
         rb = min(last + 1, ra + step)
-        span = draw_full_range(seed, name, init, shape, ra * cols, rb * cols)
+        span = draw_full_range(seed, name, init, shape, (row0 + ra) * cols,
+                               (row0 + rb) * cols)
         mine = span.view(rb - ra, cols)[:, base: base + width].reshape(-1)
         a, z = max(lo, ra * width), min(hi, rb * width)
         out[a - lo: z - lo] = mine[a - ra * width: z - ra * width]

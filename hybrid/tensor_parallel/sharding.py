@@ -16,6 +16,7 @@ see :mod:`hybrid.tensor_parallel.init`.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -29,6 +30,10 @@ class ShardSpec:
     dim: int
     rank: int
     size: int
+    # [Note: experts under ETP] (rows R, r, n): the full tensor seen as R rows, this
+    # rank's block of them (chunk ``rank`` of ``size`` along dim 0) cut again into n
+    # equal column chunks, chunk r here; None: whole rows
+    inner: tuple[int, int, int] | None = None
 
     @property
     def offset(self) -> int:
@@ -42,13 +47,50 @@ def mark_split(param: nn.Parameter, full_shape, dim: int, rank: int, size: int) 
     return param
 
 
-def mark_expert_split(param: nn.Parameter, full_shape, rank: int, size: int) -> nn.Parameter:
+def mark_expert_split(param: nn.Parameter, full_shape, rank: int, size: int,
+                      inner: tuple[int, int, int] | None = None) -> nn.Parameter:
     """``param`` holds experts ``[rank E / size, (rank + 1) E / size)`` of a ``full_shape``
     tensor stacked expert first (an MoE layer's experts over the EP group):
-    ``param.ep_spec``, split along dim 0. Its initial values are the full tensor's
-    (:func:`hybrid.tensor_parallel.init.local_values`), so they do not depend on EP."""
-    param.ep_spec = ShardSpec(tuple(full_shape), 0, rank, size)  # type: ignore[attr-defined]
+    ``param.ep_spec``, split along dim 0; ``inner`` (expert tensor parallelism): only a
+    column chunk of those experts' rows (:class:`ShardSpec`). Its initial values are the
+    full tensor's (:func:`hybrid.tensor_parallel.init.local_values`), so they do not
+    depend on EP or ETP."""
+    param.ep_spec = ShardSpec(tuple(full_shape), 0, rank, size,  # type: ignore[attr-defined]
+                              inner)
     return param
+
+
+class Block(NamedTuple):
+    """The local tensor as a block of the full one seen as a ``rows x cols`` matrix:
+    local rows ``[row0, row0 + nrows)``, columns ``[col0, col0 + width)``, row-major."""
+
+    rows: int
+    cols: int
+    row0: int
+    nrows: int
+    col0: int
+    width: int
+
+
+def local_block(spec: ShardSpec) -> Block:
+    """Where the local tensor of ``spec`` sits in the full one (:class:`Block`). A TP
+    split along ``dim``: every row of the ``prod(full[:dim])``, the rank's column chunk;
+    experts over EP: one row, the rank's chunk; under ETP: the rank's block of ``R``
+    rows, its column chunk."""
+    numel = 1
+    for s in spec.full_shape:
+        numel *= s
+    if spec.inner is None:
+        rows = 1
+        for s in spec.full_shape[:spec.dim]:
+            rows *= s
+        cols = numel // rows
+        width = cols // spec.size
+        return Block(rows, cols, 0, rows, spec.rank * width, width)
+    rows_all, r, n = spec.inner
+    cols = numel // rows_all
+    local_rows, width = rows_all // spec.size, cols // n
+    return Block(rows_all, cols, spec.rank * local_rows, local_rows, r * width, width)
 
 
 def is_tp_split(param: torch.Tensor) -> bool:

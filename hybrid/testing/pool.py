@@ -255,11 +255,11 @@ atexit.register(shutdown_pools)
 
 def run_ranks(fn, world_size: int, tp: int = 1, args: tuple = (), timeout: float = 240,
               collective_timeout: float = 60, reuse: bool = True, early_exit=None,
-              grace_s: float = 5.0, cp: int = 1, pp: int = 1, ep: int = 1):
+              grace_s: float = 5.0, cp: int = 1, pp: int = 1, ep: int = 1, etp: int = 1):
     """Run ``fn(ps, *args)`` on ``world_size`` gloo ranks; return results by rank.
 
     ``tp``, ``cp``, ``pp``: the TP, CP and PP sizes of ``ps`` (DP is what is left);
-    ``ep``: its expert-parallel size.
+    ``ep``, ``etp``: its expert-parallel and expert-tensor-parallel sizes.
 
     ``fn`` must be importable by name (a module-level function) for spawn.
     ``reuse=False``: throwaway processes (see the module docstring).
@@ -267,8 +267,9 @@ def run_ranks(fn, world_size: int, tp: int = 1, args: tuple = (), timeout: float
     have not finished ``grace_s`` seconds later are killed with their pool and
     come back as None -- what torchrun does to a job one of whose workers failed.
     """
-    layout = (tp if cp == pp == ep == 1 else (tp, cp) if pp == ep == 1 else (tp, cp, pp)
-              if ep == 1 else (tp, cp, pp, ep))
+    layout = (tp if cp == pp == ep == etp == 1 else (tp, cp) if pp == ep == etp == 1
+              else (tp, cp, pp) if ep == etp == 1 else (tp, cp, pp, ep) if etp == 1
+              else (tp, cp, pp, ep, etp))
     if not reuse:
         pool = _Pool(world_size, collective_timeout)
         try:

@@ -97,16 +97,17 @@ class _Layouts:
         from hybrid.parallel.comm import CommGroup, CommStats
         from hybrid.parallel.state import ParallelState
 
-        tp, cp, pp, ep = ((*layout, 1, 1, 1)[:4] if isinstance(layout, tuple)
-                          else (layout, 1, 1, 1))
-        key = (tp, cp, pp, ep)
+        tp, cp, pp, ep, etp = ((*layout, 1, 1, 1, 1)[:5] if isinstance(layout, tuple)
+                               else (layout, 1, 1, 1, 1))
+        key = (tp, cp, pp, ep, etp)
         if key not in self.built:  # collective: every rank sees the same calls in order
             _barrier(self.store, f"hybrid/pool/layout_{call_id}", dist.get_world_size())
             self.built[key] = ParallelState.build(tp, timeout=self.timeout,
                                                   device=torch.device("cpu"),
                                                   context_parallel_size=cp,
                                                   pipeline_model_parallel_size=pp,
-                                                  expert_model_parallel_size=ep)
+                                                  expert_model_parallel_size=ep,
+                                                  expert_tensor_parallel_size=etp)
         base, stats = self.built[key], CommStats()
         prefix = f"hybrid/call_{call_id}"
         rec = FlightRecorder(base.rank, base.world_size, dist.PrefixStore(prefix, self.store),
@@ -123,7 +124,9 @@ class _Layouts:
                                  pp_group=fresh(base.pp_group),
                                  embedding_group=fresh(base.embedding_group),
                                  ep_group=fresh(base.ep_group),
-                                 edp_group=dp_cp if ep == 1 else fresh(base.edp_group),
+                                 edp_group=(dp_cp if ep == etp == 1
+                                            else fresh(base.edp_group)),
+                                 etp_group=fresh(base.etp_group),
                                  world_group=fresh(base.world_group), comm_stats=stats,
                                  recorder=rec)
         rec.start()

@@ -56,7 +56,8 @@ def build_model(cfg: TrainConfig, ps: ParallelState, vocab_size: int,
                device=device or ps.device, sequence_parallel=par.sequence_parallel,
                context_parallel=cp, layers=layers, pre_process=first, post_process=last,
                split_backward=cfg.pipeline.schedule == "zb_h1" and layers is not None,
-               ep_group=ps.ep_group if ps.ep_size > 1 else None)
+               ep_group=ps.ep_group if ps.ep_size > 1 else None,
+               etp_group=ps.etp_group if ps.etp_size > 1 else None)
 
 
 def recompute_targets(model: GPT, rc: RecomputeConfig) -> list[torch.nn.Module]:

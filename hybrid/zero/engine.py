@@ -223,13 +223,13 @@ class ZeroEngine:
         # the last stage's copy of a tied embedding: the first stage counts it
         excluded = ([k for k, u in enumerate(self.units) if u in self.tied_units]
                     if not self.ps.is_first_stage else [])
-        # [Note: expert units] unsharded, with experts over an EP group that folds over
-        # TP: the experts' squares are summed over EP, the TP shards' over TP, so the
-        # experts' are taken apart (step) and the optimizer's norm leaves them out
+        # [Note: expert units] unsharded, each rank's experts are its own: their squares
+        # are summed over ETP x EP, the TP shards' over TP (the groups overlap when EP
+        # folds over TP), so the experts' are taken apart (step) and the optimizer's norm
+        # leaves them out
         self._expert_norm_units = (
             [k for k, u in enumerate(self.units) if any(is_expert(p) for p in u.params)]
-            if not self.plan.optimizer and self.ps.ep_size > 1 and self.ps.tp_size > 1
-            else [])
+            if not self.plan.optimizer and self.ps.experts_split else [])
         excluded += self._expert_norm_units
         if client is not None:
             if self.swapped is not None:
@@ -397,20 +397,17 @@ class ZeroEngine:
         # (on the device where the norm or the update reads them: landed ones are not read)
         grads = cast(list[torch.Tensor], [u.grad_shard for u in self.units])
         dp = self.ps.dp_cp_group if self.plan.optimizer else None
-        # the "split" terms are summed over TP; at stage 0 with experts over EP (at TP 1),
-        # each rank's experts are its own: summed over EP ([Note: expert units]); at TP
-        # > 1 they are taken apart and summed over EP alone
-        split = (self.ps.ep_group if dp is None and self.ps.ep_size > 1
-                 and self.ps.tp_size == 1 else self.ps.tp_group)
+        # the "split" terms are summed over TP; at stage 0 the experts' apart, over ETP x
+        # EP ([Note: expert units])
         experts = None
         if self._expert_norm_units:
             experts = (torch.stack([squared_norm(grads[k]) for k in self._expert_norm_units])
-                       .sum(), self.ps.ep_group)
+                       .sum(), (self.ps.ep_group, self.ps.etp_group))
         scale = self.scaler.scale * grad_divisor  # what the gradient is a multiple of
         # (landed gradients are on the host by now: their norm terms were taken on landing)
         squared = self.sink.squared_norms()
         norm, bad_loss = global_grad_norm(
-            self.optimizer, None if squared is not None else grads, split, dp, loss,
+            self.optimizer, None if squared is not None else grads, self.ps.tp_group, dp, loss,
             self.ps.dp_cp_group, squared, self.ps.pp_group if self.ps.pp_size > 1 else None,
             count_replicated=self._norm_counts_replicated, experts=experts)
         norm = norm / scale

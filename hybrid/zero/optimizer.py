@@ -316,7 +316,7 @@ def global_grad_norm(opt: SquaredNorms, grads: list[torch.Tensor] | None, tp: Co
                      dp: CommGroup | None, loss: torch.Tensor | None = None,
                      loss_dp: CommGroup | None = None, squared: torch.Tensor | None = None,
                      pp: CommGroup | None = None, count_replicated: bool = True,
-                     experts: tuple[torch.Tensor, CommGroup] | None = None
+                     experts: tuple[torch.Tensor, tuple[CommGroup, ...]] | None = None
                      ) -> tuple[torch.Tensor, torch.Tensor]:
     """(L2 norm of the whole model's gradient, whether any rank's ``loss`` is not
     finite) from this rank's parts of the gradient, as 0-dim tensors on the
@@ -334,9 +334,9 @@ def global_grad_norm(opt: SquaredNorms, grads: list[torch.Tensor] | None, tp: Co
     ``count_replicated`` False: this rank's replicated parameters are left out of the
     norm (DeepSpeed's pipeline norm on a stage after the first, AdamWConfig.clip_norm_of),
     though a non-finite gradient among them still flags the step.
-    ``experts``: (the squared norm of gradients ``opt`` left out, the group their parts
-    are disjoint over): summed over that group and counted with the split terms (an
-    unsharded step's experts over an EP group that folds over TP).
+    ``experts``: (the squared norm of gradients ``opt`` left out, the groups their parts
+    are disjoint over): summed over those groups in turn and counted with the split
+    terms (an unsharded step's experts, over EP and ETP).
     """
     if squared is None:
         assert grads is not None  # (one of the two is given)
@@ -352,9 +352,10 @@ def global_grad_norm(opt: SquaredNorms, grads: list[torch.Tensor] | None, tp: Co
         dp.all_reduce(both)
     tp.all_reduce(both[:2])
     if experts is not None:
-        sq_e, group = experts
+        sq_e, groups = experts
         sq_e = sq_e.to(both.dtype).reshape(1).clone()
-        group.all_reduce(sq_e)
+        for group in groups:
+            group.all_reduce(sq_e)
         both[0] += sq_e[0]
     if dp is None and loss is not None and loss_dp is not None:
         loss_dp.all_reduce(both[1:2])

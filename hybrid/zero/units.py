@@ -89,7 +89,7 @@ def by_group(params: Sequence[nn.Parameter], ps: ParallelState
              ) -> list[tuple[list[nn.Parameter], CommGroup]]:
     """``params`` as (dense, DP x CP) and (experts, EDP), in order, the empty one left
     out; at EP 1 all of them over DP x CP ([Note: expert units])."""
-    if ps.ep_size == 1:
+    if not ps.experts_split:
         return [(list(params), ps.dp_cp_group)] if params else []
     dense = [p for p in params if not is_expert(p)]
     experts = [p for p in params if is_expert(p)]

@@ -44,11 +44,12 @@ def test_an_moe_run_resumes_to_the_last_bit(saved, tmp_path):
 
 
 def test_an_moe_checkpoint_loads_at_another_layout_and_goes_on(saved, tmp_path):
-    """PP 2 x DP 2 at ZeRO 3 -> one process at ZeRO 1: the same curve within 1e-5."""
+    """PP 2 x DP 2 at ZeRO 3 (every expert whole on every rank) -> 2 ranks with each
+    expert's hidden units over ETP 2, at ZeRO 1: the same curve within 1e-5."""
     save, full = saved
-    log = str(tmp_path / "one.jsonl")
-    _ok(pretrain(1, [*TINY, *MOE, *ITERS, "--zero-stage", "1", "--load", save,
-                     "--log-json", log]))
+    log = str(tmp_path / "etp.jsonl")
+    _ok(pretrain(2, [*TINY, *MOE, *ITERS, "--zero-stage", "1", "--expert-tensor-parallel-size",
+                     "2", "--load", save, "--log-json", log]))
     for got, want in zip(read_json_log(log), full[3:], strict=True):
         assert abs(got["loss"] - want["loss"]) <= 1e-5 * want["loss"]
         assert abs(got["grad_norm"] - want["grad_norm"]) <= 1e-5 * want["grad_norm"]
@@ -149,19 +150,25 @@ def test_experts_over_ep_save_resume_and_reshard(tmp_path, stage):
     assert shapes["blocks.3.mlp.experts.proj"] == (4, 64, 256)
 
 
-def test_experts_folded_over_tp_save_resume_and_reshard(tmp_path):
-    """Saved at 3 of 6 at TP 2 (SP) x DP 2 with the experts over EP 4 (the EP group
-    folding over TP, an expert a rank; ZeRO 1): resumed there to the last bit; loaded at
-    one process (EP 1, TP 1) and at TP 2 x EP 2 of 2 ranks (ZeRO 3), the curve going on
-    within 1e-6."""
+def test_experts_under_etp_folded_over_tp_save_resume_and_reshard(tmp_path):
+    """Saved at 3 of 6 at TP 2 (SP) x DP 2 with each expert's hidden units over ETP 2 and
+    the experts over EP 2 (the ETP x EP group folding over TP and DP; ZeRO 1): resumed
+    there to the last bit; loaded at one process (EP 1, ETP 1, TP 1) and at TP 2 x EP 2
+    without ETP on 2 ranks (ZeRO 3), the curve going on within 1e-6; the one-process
+    tools read every expert whole."""
     save, log = str(tmp_path / "ckpt"), str(tmp_path / "full.jsonl")
     tp = ["--tensor-model-parallel-size", "2", "--sequence-parallel"]
-    layout = [*tp, "--expert-model-parallel-size", "4", "--zero-stage", "1"]
+    layout = [*tp, "--expert-tensor-parallel-size", "2", "--expert-model-parallel-size", "2",
+              "--zero-stage", "1"]
     _ok(pretrain(4, [*TINY, *MOE, *ITERS, *layout, "--save", save, "--save-interval", "3",
                      "--log-json", log]))
     full = read_json_log(log)
     os.remove(os.path.join(save, "latest"))
     shutil.rmtree(os.path.join(save, "iter_0000006"))
+    with open(os.path.join(save, "iter_0000003", "metadata.json")) as f:
+        saved = json.load(f)["zero_layout"]
+    assert (saved["ep_size"], saved["etp_size"]) == (2, 2)
+    assert saved["expert_rows"]["blocks.1.mlp.experts.proj"] == 4 * 64  # E x hidden
     out = str(tmp_path / "same.jsonl")
     _ok(pretrain(4, [*TINY, *MOE, *ITERS, *layout, "--load", save, "--log-json", out]))
     resumed = read_json_log(out)
@@ -174,3 +181,7 @@ def test_experts_folded_over_tp_save_resume_and_reshard(tmp_path):
         for got, want in zip(read_json_log(out), full[3:], strict=True):
             assert abs(got["loss"] - want["loss"]) <= 1e-6 * want["loss"], (n, got, want)
             assert abs(got["grad_norm"] - want["grad_norm"]) <= 1e-5 * want["grad_norm"]
+    from hybrid.checkpoint import iter_full_params
+    _, params = iter_full_params(os.path.join(save, "iter_0000003"), ("master",))
+    shapes = {n: tuple(v["master"].shape) for n, v in params}
+    assert shapes["blocks.1.mlp.experts.fc"] == (4, 256, 64)

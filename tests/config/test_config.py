@@ -109,9 +109,8 @@ def test_megatron_implementation_flags_are_dropped_and_listed():
     (["--use-torch-fsdp2"], "--zero-stage 3"),
     (["--expert-model-parallel-size", "2"], "--expert-model-parallel-size: options of MoE "
                                             "layers, and the model has none"),
-    (["--expert-tensor-parallel-size", "2"], "--expert-tensor-parallel-size 2: hybrid "
-                                             "implements only 1. expert tensor parallelism is "
-                                             "not built yet"),
+    (["--expert-tensor-parallel-size", "2"], "--expert-tensor-parallel-size: options of MoE "
+                                             "layers, and the model has none"),
     (["--optimizer", "sgd"], "--optimizer sgd: hybrid implements only adam"),
     (["--num-layerz", "2"], "--num-layerz is not a flag hybrid knows, nor a Megatron-LM flag it "
                             "maps (README: 'Coming from Megatron-LM'); did you mean "

@@ -86,6 +86,20 @@ def test_moe_under_tp_needs_the_sequence_parallel_split_and_folds_ep_over_tp_and
             cfg.parallel.expert_model_parallel_size) == (2, 2, 4)
 
 
+def test_etp_splits_whole_hidden_units_and_etp_x_ep_fits_a_stage():
+    cfg = _cfg(*MOE, "--moe-ffn-hidden-size", "96", "--expert-tensor-parallel-size", "2",
+               "--expert-model-parallel-size", "2", world=4)
+    assert cfg.parallel.expert_tensor_parallel_size == 2
+    with pytest.raises(ConfigError, match=r"--moe-ffn-hidden-size 96 \(each expert's hidden "
+                                          r"units\) is not divisible by "
+                                          r"--expert-tensor-parallel-size 5"):
+        _cfg(*MOE, "--moe-ffn-hidden-size", "96", "--expert-tensor-parallel-size", "5", world=5)
+    with pytest.raises(ConfigError, match=r"--expert-tensor-parallel-size 2 x "
+                                          r"--expert-model-parallel-size 4 = 8 does not divide"):
+        _cfg(*MOE, "--expert-tensor-parallel-size", "2", "--expert-model-parallel-size", "4",
+             world=4)
+
+
 def test_ep_must_fit_a_pipeline_stage():
     assert _cfg(*MOE, "--expert-model-parallel-size", "4", world=4).parallel \
         .expert_model_parallel_size == 4

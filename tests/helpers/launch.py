@@ -144,7 +144,8 @@ def pretrain(nproc: int, args: list[str], timeout: float = 300, reuse: bool = Tr
                     tp=cfg.parallel.tensor_model_parallel_size,
                     cp=cfg.parallel.context_parallel_size,
                     pp=cfg.parallel.pipeline_model_parallel_size,
-                    ep=cfg.parallel.expert_model_parallel_size, args=(cfg,), timeout=timeout,
+                    ep=cfg.parallel.expert_model_parallel_size,
+                    etp=cfg.parallel.expert_tensor_parallel_size, args=(cfg,), timeout=timeout,
                     early_exit=lambda r: r[0] != 0, grace_s=grace_s, reuse=reuse, **extra)
     done = {rank: r for rank, r in enumerate(res) if r is not None}
     failed = [rank for rank, r in done.items() if r[0] != 0]

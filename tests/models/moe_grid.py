@@ -117,6 +117,17 @@ CELLS: dict[str, tuple[int, list[str], list[str]]] = {
                     ["--moe-expert-capacity-factor", "0.75"]),
     "pp2_tp2_ep2": (4, PP2 + TP2 + ["--expert-model-parallel-size", "2", "--zero-stage",
                                     "1"], []),
+    # expert tensor parallelism: each expert's hidden units over ETP ranks (innermost in
+    # the expert layout), alone, under the attention's TP, with EP, unsharded and at ZeRO 3
+    "etp2": (2, ["--expert-tensor-parallel-size", "2", "--zero-stage", "1"], []),
+    "etp2_ep2_zero0": (4, ["--expert-tensor-parallel-size", "2", "--expert-model-parallel-size",
+                           "2", "--zero-stage", "0"], []),
+    "tp2_etp2_ep2_zero3": (4, TP2 + ["--expert-tensor-parallel-size", "2",
+                                     "--expert-model-parallel-size", "2", "--zero-stage", "3"],
+                           []),
+    "tp2_etp2_capacity": (2, TP2 + ["--expert-tensor-parallel-size", "2", "--zero-stage", "2",
+                                    "--moe-expert-capacity-factor", "0.75"],
+                          ["--moe-expert-capacity-factor", "0.75"]),
 }
 # the suite's cells (tests/models/test_moe_grid.py): sharded states, a pipeline's split
 # backward, recompute, drops, the bias update; experts over EP folded over TP with drops
