@@ -149,12 +149,13 @@ def is_qwen2(fields: dict) -> bool:
 
 
 def is_gpt2(fields: dict) -> bool:
-    """True when the flags describe GPT-2 (every architecture flag at its default)."""
+    """True when the flags describe GPT-2 (every architecture flag at its default;
+    ``kv_channels`` is checked on export, against the hidden size)."""
     return (fields["normalization"] == "LayerNorm" and not fields["swiglu"]
             and fields["position_embedding_type"] == "learned_absolute"
             and fields["num_query_groups"] is None
             and not fields["untie_embeddings_and_output_weights"]
-            and fields["add_bias_linear"])
+            and fields["add_bias_linear"] and not fields["qk_layernorm"])
 
 
 def validate_architecture(cfg) -> None:
