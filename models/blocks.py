@@ -141,7 +141,8 @@ class ParallelAttention(nn.Module):
         # backward all-reduce over TP), which sums them and keeps the replicas equal,
         # with or without SP. Applied here, outside the core, so selective recompute
         # reruns the core from the normalized QKV and never the norms.
-        self.q_norm = self.k_norm = None
+        self.q_norm: nn.Module | None = None
+        self.k_norm: nn.Module | None = None
         if cfg.qk_layernorm:
             self.q_norm = make_norm(cfg, tp_group, True, width=cfg.head_size)
             self.k_norm = make_norm(cfg, tp_group, True, width=cfg.head_size)
@@ -155,7 +156,7 @@ class ParallelAttention(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         qkv = self.qkv(x)  # (B, T, ng * (nh / ng + 2) * hs); x is (B, T / tp, C) with SP
-        if self.q_norm is not None:
+        if self.q_norm is not None and self.k_norm is not None:  # (--qk-layernorm: both)
             qkv = norm_qk(qkv, self.q_norm, self.k_norm, self.q_per_group, self.head_size)
         return self.proj(self.core(qkv))  # (B, T, C) summed over TP; (B, T / tp, C) with SP
 

@@ -172,9 +172,10 @@ class ModelConfig:
     # [Note: parameter counts] Each count is (split over TP) // tp + replicated. Split:
     # the token embedding and an untied output layer (vocabulary rows), QKV and the MLP's
     # up-projection (weights and biases), both projections' weights. Replicated: learned
-    # positions, norms (the query and key norms too), the projections' biases. For a model GPT builds every split
-    # dimension is a multiple of tp (whole heads, whole query groups, the padded
-    # vocabulary), so the division is exact and the per-block and whole-model counts agree.
+    # positions, norms (the query and key norms too), the projections' biases. For a model
+    # GPT builds every split dimension is a multiple of tp (whole heads, whole query
+    # groups, the padded vocabulary), so the division is exact and the per-block and
+    # whole-model counts agree.
 
     def is_moe_layer(self, i: int) -> bool:
         """Whether layer ``i`` (global index) is an MoE layer ([Note: which layers are MoE]
