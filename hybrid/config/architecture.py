@@ -2,7 +2,8 @@
 
 Megatron names the flags (``--normalization RMSNorm --swiglu
 --position-embedding-type rope --group-query-attention --num-query-groups G
---untie-embeddings-and-output-weights --disable-bias-linear --add-qkv-bias``); the
+--untie-embeddings-and-output-weights --disable-bias-linear --add-qkv-bias
+--kv-channels --qk-layernorm``); the
 model section takes them as :class:`hybrid.config.model.ModelConfig` fields.
 :func:`architecture_fields` maps one to the other, from checked Flags or from the flat
 ``config`` dict
