@@ -7,8 +7,8 @@ and bias-free linears (all but QKV with ``add_qkv_bias``, as Qwen2). Every optio
 keeps the TP split a split of whole heads (whole query groups) and of whole MLP
 rows, so the block is the same function at every TP size.
 
-Shapes: B batch, T sequence, C hidden, hs head size; per TP rank nh query
-heads, ng query groups (key/value heads), f MLP width.
+Shapes: B batch, T sequence, C hidden, hs head size (``--kv-channels``, else C over
+the heads); per TP rank nh query heads, ng query groups (key/value heads), f MLP width.
 """
 
 from __future__ import annotations
@@ -39,11 +39,26 @@ from hybrid.tensor_parallel.weight_grad import WeightGradStore
 from models.moe import AuxLossScale, MoELayer
 
 
-def make_norm(cfg: ModelConfig, tp_group: CommGroup, sequence_parallel: bool) -> nn.Module:
-    """The block's and the final norm: ``cfg.normalization`` LayerNorm or RMSNorm."""
+def make_norm(cfg: ModelConfig, tp_group: CommGroup, sequence_parallel: bool,
+              width: int | None = None) -> nn.Module:
+    """The block's and the final norm: ``cfg.normalization`` LayerNorm or RMSNorm over
+    ``width`` channels (default the hidden size)."""
     norm = RMSNorm if cfg.normalization == "RMSNorm" else LayerNorm
-    return norm(cfg.hidden_size, tp_group, eps=cfg.norm_epsilon,
+    return norm(width or cfg.hidden_size, tp_group, eps=cfg.norm_epsilon,
                 sequence_parallel=sequence_parallel)
+
+
+def norm_qk(qkv: torch.Tensor, q_norm: nn.Module, k_norm: nn.Module, q_per_group: int,
+            head_size: int) -> torch.Tensor:
+    """``--qk-layernorm``: a fused QKV ``(B, T, ng * (nh / ng + 2) * hs)`` (the per-group
+    layout of :class:`AttentionCore`) with each query head normalized by ``q_norm`` and
+    each key head by ``k_norm`` over its ``hs`` channels; the value heads pass as they
+    are. Same shape out."""
+    B, T, _ = qkv.shape
+    r = q_per_group
+    x = qkv.view(B, T, -1, r + 2, head_size)  # (B, T, ng, r + 2, hs)
+    q, k = q_norm(x[:, :, :, :r]), k_norm(x[:, :, :, r:r + 1])
+    return torch.cat((q, k, x[:, :, :, r + 1:]), dim=3).view(B, T, -1)
 
 
 class AttentionCore(nn.Module):
@@ -95,7 +110,9 @@ class AttentionCore(nn.Module):
 
 
 class ParallelAttention(nn.Module):
-    """Causal self-attention with query groups (and so heads) split over the TP group."""
+    """Causal self-attention with query groups (and so heads) split over the TP group;
+    with ``qk_layernorm`` its ``q_norm`` and ``k_norm`` (:func:`norm_qk`) normalize the
+    query and key heads before the core rotates them."""
 
     def __init__(self, cfg: ModelConfig, tp_group: CommGroup, rng: TPRNGTracker | None,
                  sequence_parallel: bool, cp: ContextParallel | None = None,
@@ -119,12 +136,29 @@ class ParallelAttention(nn.Module):
         heads = cfg.num_attention_heads // tp
         if cp is not None:
             cp.check_heads(heads, cfg.query_groups // tp)
+        # --qk-layernorm: one weight (hs,) for every query head, one for every key head.
+        # Replicated over TP, but each TP rank normalizes other heads, so the gradients
+        # differ per rank: built on the norms' sequence-parallel path (forward identity,
+        # backward all-reduce over TP), which sums them and keeps the replicas equal,
+        # with or without SP. Applied here, outside the core, so selective recompute
+        # reruns the core from the normalized QKV and never the norms.
+        self.q_norm: nn.Module | None = None
+        self.k_norm: nn.Module | None = None
+        if cfg.qk_layernorm:
+            self.q_norm = make_norm(cfg, tp_group, True, width=cfg.head_size)
+            self.k_norm = make_norm(cfg, tp_group, True, width=cfg.head_size)
+        self.q_per_group, self.head_size = cfg.num_attention_heads // cfg.query_groups, \
+            cfg.head_size
         self.core = AttentionCore(cfg, rng, cp, head_offset=tp_group.rank * heads)
-        self.proj = RowParallelLinear(C, C, tp_group, bias=bias, input_is_parallel=True,
-                                      sequence_parallel=sp, weight_grads=weight_grads)
+        # heads x hs -> C: the hidden size unless --kv-channels gives the heads their width
+        self.proj = RowParallelLinear(cfg.attention_size, C, tp_group, bias=bias,
+                                      input_is_parallel=True, sequence_parallel=sp,
+                                      weight_grads=weight_grads)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         qkv = self.qkv(x)  # (B, T, ng * (nh / ng + 2) * hs); x is (B, T / tp, C) with SP
+        if self.q_norm is not None and self.k_norm is not None:  # (--qk-layernorm: both)
+            qkv = norm_qk(qkv, self.q_norm, self.k_norm, self.q_per_group, self.head_size)
         return self.proj(self.core(qkv))  # (B, T, C) summed over TP; (B, T / tp, C) with SP
 
 

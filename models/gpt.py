@@ -7,7 +7,8 @@ output head tied to the token embedding. The model is built from its section,
 the same names; a few make it a Llama: ``normalization="RMSNorm"``, ``swiglu``,
 ``position_embedding_type="rope"``, ``num_query_groups`` (GQA),
 ``untie_embeddings_and_output_weights`` and ``add_bias_linear=False`` (Qwen2:
-with ``add_qkv_bias``, a bias on the QKV projection only). The
+with ``add_qkv_bias``, a bias on the QKV projection only); Qwen3 adds
+``kv_channels`` (heads of their own width) and ``qk_layernorm``. The
 model knows nothing of data parallelism, ZeRO or activation checkpointing;
 those are applied from outside (``model.blocks`` is the list they wrap). The
 block itself is in :mod:`models.blocks`.
@@ -152,7 +153,7 @@ class GPT(nn.Module):
         if cfg.vocab_size is None:
             raise ValueError("the model needs its vocabulary: build it from "
                              "cfg.with_vocab_size(tokenizer.vocab_size)")
-        if cfg.hidden_size % cfg.num_attention_heads:
+        if cfg.kv_channels is None and cfg.hidden_size % cfg.num_attention_heads:
             raise ValueError(f"hidden_size {cfg.hidden_size} is not divisible by "
                              f"num_attention_heads {cfg.num_attention_heads}")
         if tp_group.size > 1 and cfg.attention_dropout > 0 and rng is None:
@@ -217,7 +218,8 @@ class GPT(nn.Module):
         cfg = self.cfg
         if name.endswith("bias"):
             return Init("zeros")
-        if ".ln_" in name or name.startswith("ln_f"):
+        if ".ln_" in name or name.startswith("ln_f") or name.endswith(
+                ("attn.q_norm.weight", "attn.k_norm.weight")):  # (--qk-layernorm's too)
             return Init("ones")
         if name.endswith(("proj.weight", "experts.proj", "shared.proj")):
             # residual projections (an MoE layer's experts' too): scaled by depth (GPT-2)

@@ -11,7 +11,10 @@ for a Llama-shaped one with Qwen2's biases (``--disable-bias-linear
 --add-qkv-bias``: q, k and v only), a ``MixtralForCausalLM`` for a Llama-shaped one
 with MoE layers (``--num-experts``, every layer, no shared expert), a
 ``Qwen2MoeForCausalLM`` for one whose MoE layers have a gated shared expert
-(``--moe-shared-expert-gate``; dense layers where ``--moe-layer-freq`` says), which
+(``--moe-shared-expert-gate``; dense layers where ``--moe-layer-freq`` says), a
+``Qwen3ForCausalLM`` for a bias-free Llama-shaped one with ``--qk-layernorm`` (heads
+``--kv-channels`` wide), a ``Qwen3MoeForCausalLM`` for that with MoE layers (routed
+experts only), which
 ``transformers.AutoModelForCausalLM.from_pretrained(OUT_DIR)`` loads. A Llama or
 Qwen2 export leaves ``bos_token_id`` / ``eos_token_id`` unset: hybrid does not
 know the tokenizer's special ids. Needs the ``safetensors`` package (``pip
@@ -33,6 +36,7 @@ from hybrid.hf.gpt2 import hf_config, to_hf
 from hybrid.hf.llama import llama_hf_config, qwen2_hf_config, to_hf_llama
 from hybrid.hf.mixtral import mixtral_hf_config, to_hf_mixtral
 from hybrid.hf.qwen2_moe import qwen2_moe_hf_config, to_hf_qwen2_moe
+from hybrid.hf.qwen3 import qwen3_hf_config, qwen3_moe_hf_config
 
 
 def main(argv=None) -> int:
@@ -57,10 +61,14 @@ def main(argv=None) -> int:
             # the MLP width the model was built with (the flag may be unset: 4 x hidden)
             cfg = dict(cfg, ffn_hidden_size=ModelConfig.from_flags(cfg).ffn_hidden_size)
             kind, config = "GPT-2", hf_config(cfg, vocab)
+        elif cfg.get("num_experts") and fields["qk_layernorm"]:  # q/k norms: Qwen3-MoE
+            kind, config = "Qwen3Moe", qwen3_moe_hf_config(cfg, vocab)
         elif cfg.get("num_experts") and cfg.get("moe_shared_expert_gate"):  # a gated shared
             kind, config = "Qwen2Moe", qwen2_moe_hf_config(cfg, vocab)       # expert: Qwen2-MoE
         elif cfg.get("num_experts"):  # MoE layers: a Mixtral, or refused naming the flag
             kind, config = "Mixtral", mixtral_hf_config(cfg, vocab)
+        elif fields["qk_layernorm"]:  # q and k normalized: a Qwen3, or refused naming why
+            kind, config = "Qwen3", qwen3_hf_config(cfg, vocab)
         elif is_qwen2(fields):  # biases on q, k and v only
             kind, config = "Qwen2", qwen2_hf_config(cfg, vocab)
         else:  # CheckpointError naming the flags when it is not a Llama either
@@ -70,10 +78,10 @@ def main(argv=None) -> int:
             tensors = to_hf(weights, cfg["num_layers"], cfg["num_attention_heads"], vocab)
         elif kind == "Mixtral":
             tensors = to_hf_mixtral(weights, cfg, vocab)
-        elif kind == "Qwen2Moe":
+        elif kind in ("Qwen2Moe", "Qwen3Moe"):  # (Qwen3-MoE's: no shared expert)
             tensors = to_hf_qwen2_moe(weights, cfg, vocab)
-        else:
-            tensors = to_hf_llama(weights, cfg, vocab)  # Qwen2 names its weights as Llama
+        else:  # Qwen2 and Qwen3 name their weights as Llama (Qwen3 adds q/k norms)
+            tensors = to_hf_llama(weights, cfg, vocab)
     except CheckpointError as e:
         print(f"export_hf.py: error: {e}", file=sys.stderr)
         return 2

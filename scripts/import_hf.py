@@ -1,5 +1,6 @@
 #!/usr/bin/env python
-"""Turn a Hugging Face GPT-2, Llama, Qwen2 or Mixtral model directory into a hybrid checkpoint.
+"""Turn a Hugging Face GPT-2, Llama, Qwen2, Qwen2-MoE, Qwen3, Qwen3-MoE or Mixtral model
+directory into a hybrid checkpoint.
 
     python scripts/import_hf.py HF_DIR SAVE_DIR
     bash scripts/pretrain_gpt.sh --load SAVE_DIR --num-layers ... (the flags it prints)
@@ -13,9 +14,13 @@ into any TP x DP x ZeRO layout. Prints the flags that match the model: for a
 model has them, ``--group-query-attention``, ``--untie-embeddings-and-output-
 weights`` and ``--disable-bias-linear``; a ``Qwen2ForCausalLM`` (``model_type``
 qwen2, Qwen2 and Qwen2.5) adds ``--disable-bias-linear --add-qkv-bias``; a
+``Qwen3ForCausalLM`` (``model_type`` qwen3) ``--disable-bias-linear --qk-layernorm``
+and ``--kv-channels`` (its ``head_dim``, when that is not hidden / heads); a
 ``MixtralForCausalLM`` (``model_type`` mixtral) is a Llama with ``--num-experts
 --moe-router-topk --moe-ffn-hidden-size`` (and ``--moe-aux-loss-coeff`` when it trains
-with its router loss).
+with its router loss); a ``Qwen2MoeForCausalLM`` and a ``Qwen3MoeForCausalLM``
+(``model_type`` qwen2_moe, qwen3_moe) are a Qwen2 and a Qwen3 with such experts
+(``--moe-layer-freq`` where some layers are dense; Qwen2-MoE's gated shared expert).
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ from hybrid.hf.gpt2 import from_hf
 from hybrid.hf.llama import from_hf_llama, llama_flags, qwen2_flags
 from hybrid.hf.mixtral import from_hf_mixtral, mixtral_flags
 from hybrid.hf.qwen2_moe import from_hf_qwen2_moe, qwen2_moe_flags
+from hybrid.hf.qwen3 import qwen3_flags, qwen3_moe_flags
 
 
 def _read_weights(hf_dir: str) -> dict:
@@ -70,6 +76,10 @@ def _gpt2(hf_dir: str, hc: dict) -> tuple[dict, dict]:
     return flags, from_hf(_read_weights(hf_dir), hc["n_layer"], hc["n_head"])
 
 
+# the dense Llama-shaped families, whose weights from_hf_llama maps: their flags
+_DENSE = {"llama": llama_flags, "qwen2": qwen2_flags, "qwen3": qwen3_flags}
+
+
 def _flag_words(flags: dict) -> str:
     words = []
     for k, v in flags.items():
@@ -96,18 +106,18 @@ def main(argv=None) -> int:
         kind = hc.get("model_type")
         if kind == "gpt2":
             flags, model = _gpt2(a.hf_dir, hc)
-        elif kind in ("llama", "qwen2"):  # refuse what hybrid cannot express, before reading
-            flags = llama_flags(hc) if kind == "llama" else qwen2_flags(hc)
+        elif kind in _DENSE:  # refuse what hybrid cannot express, before reading
+            flags = _DENSE[kind](hc)
             model = from_hf_llama(_read_weights(a.hf_dir), hc)
         elif kind == "mixtral":
             flags = mixtral_flags(hc)
             model = from_hf_mixtral(_read_weights(a.hf_dir), hc)
-        elif kind == "qwen2_moe":
-            flags = qwen2_moe_flags(hc)
+        elif kind in ("qwen2_moe", "qwen3_moe"):  # (the same expert names, Qwen3's unshared)
+            flags = qwen2_moe_flags(hc) if kind == "qwen2_moe" else qwen3_moe_flags(hc)
             model = from_hf_qwen2_moe(_read_weights(a.hf_dir), hc)
         else:
             raise CheckpointError(f"{path}: model_type {kind!r}, expected gpt2, llama, qwen2, "
-                                  f"mixtral or qwen2_moe")
+                                  f"qwen3, mixtral, qwen2_moe or qwen3_moe")
         out = write_unsharded_checkpoint(a.save_dir, model, flags, hc["vocab_size"])
     except CheckpointError as e:
         print(f"import_hf.py: error: {e}", file=sys.stderr)

@@ -69,6 +69,9 @@ SHAPE_FLAGS = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_s
                "position_embedding_type", "swiglu", "normalization",
                "untie_embeddings_and_output_weights", "disable_bias_linear", "add_qkv_bias",
                "tokenizer_type", "vocab_size", "make_vocab_size_divisible_by")
+# Shape flags added later: part of the record only when set, so the fingerprint of every
+# model without them (every record written before they existed) stays what it was.
+SHAPE_FLAGS_WHEN_SET = ("kv_channels", "qk_layernorm")
 
 log = logging.getLogger("hybrid")
 
@@ -100,8 +103,10 @@ class RunIdentity:
 
 
 def model_shape(config: dict) -> dict:
-    """The shape flags of a run's flat config (:data:`SHAPE_FLAGS`) and their hash."""
+    """The shape flags of a run's flat config (:data:`SHAPE_FLAGS`, and those of
+    :data:`SHAPE_FLAGS_WHEN_SET` that are set) and their hash."""
     fields = {k: config.get(k) for k in SHAPE_FLAGS}
+    fields |= {k: config[k] for k in SHAPE_FLAGS_WHEN_SET if config.get(k)}
     digest = hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:16]
     return {"fingerprint": digest, "fields": fields}
 

@@ -2,7 +2,8 @@
 
 Megatron names the flags (``--normalization RMSNorm --swiglu
 --position-embedding-type rope --group-query-attention --num-query-groups G
---untie-embeddings-and-output-weights --disable-bias-linear --add-qkv-bias``); the
+--untie-embeddings-and-output-weights --disable-bias-linear --add-qkv-bias
+--kv-channels --qk-layernorm``); the
 model section takes them as :class:`hybrid.config.model.ModelConfig` fields.
 :func:`architecture_fields` maps one to the other, from checked Flags or from the flat
 ``config`` dict
@@ -33,8 +34,9 @@ class ArchitectureFlags:
     :func:`validate_architecture` checks them)."""
 
     kv_channels: int | None = opt(
-        None, "head size: accepted when it is --hidden-size / --num-attention-heads (Megatron "
-        "scripts pass it)")
+        None, "width of each attention head (default --hidden-size / --num-attention-heads); "
+        "QKV is then (heads + 2 x query groups) x this wide and the output projection takes "
+        "heads x this (Qwen3's head_dim)", at_least=1)
     ffn_hidden_size: int | None = opt(
         None, "MLP width (default 4 x hidden; see --swiglu)", at_least=1)
     max_position_embeddings: int | None = opt(None, "positions (default: seq length)")
@@ -69,6 +71,9 @@ class ArchitectureFlags:
     disable_bias_linear: bool = opt(False, "no biases in the linear layers")
     add_qkv_bias: bool = opt(
         False, "a bias on the QKV projection even with --disable-bias-linear (Qwen2)")
+    qk_layernorm: bool = opt(
+        False, "normalize each query and key head (--normalization over its --kv-channels, "
+        "one weight per layer for q and one for k) before RoPE (Qwen3)")
 
 
 def swiglu_ffn_hidden_size(hidden_size: int) -> int:
@@ -109,6 +114,8 @@ def architecture_fields(c) -> dict:
             bool(_get(c, "untie_embeddings_and_output_weights", False)),
         "add_bias_linear": not _get(c, "disable_bias_linear", False),
         "add_qkv_bias": bool(_get(c, "add_qkv_bias", False)),
+        "kv_channels": _get(c, "kv_channels", None),
+        "qk_layernorm": bool(_get(c, "qk_layernorm", False)),
     }
 
 
@@ -118,7 +125,7 @@ ARCHITECTURE_FIELDS = ("normalization", "norm_epsilon", "swiglu", "openai_gelu",
                        "rotary_base", "rotary_percent", "rope_scaling_factor",
                        "rotary_seq_len_interpolation_factor", "num_query_groups",
                        "untie_embeddings_and_output_weights", "add_bias_linear",
-                       "add_qkv_bias")
+                       "add_qkv_bias", "kv_channels", "qk_layernorm")
 
 
 def is_llama(fields: dict) -> list[str]:
@@ -143,12 +150,13 @@ def is_qwen2(fields: dict) -> bool:
 
 
 def is_gpt2(fields: dict) -> bool:
-    """True when the flags describe GPT-2 (every architecture flag at its default)."""
+    """True when the flags describe GPT-2 (every architecture flag at its default;
+    ``kv_channels`` is checked on export, against the hidden size)."""
     return (fields["normalization"] == "LayerNorm" and not fields["swiglu"]
             and fields["position_embedding_type"] == "learned_absolute"
             and fields["num_query_groups"] is None
             and not fields["untie_embeddings_and_output_weights"]
-            and fields["add_bias_linear"])
+            and fields["add_bias_linear"] and not fields["qk_layernorm"])
 
 
 def validate_architecture(cfg) -> None:
@@ -186,7 +194,7 @@ def validate_architecture(cfg) -> None:
         if cfg.use_rope_scaling:
             raise ConfigError("--rotary-seq-len-interpolation-factor and --use-rope-scaling "
                               "both stretch RoPE to a longer context: give one")
-    head = cfg.hidden_size // cfg.num_attention_heads
+    head = cfg.kv_channels or cfg.hidden_size // cfg.num_attention_heads
     rotary_dim = int(head * cfg.rotary_percent)
     if cfg.position_embedding_type == "rope" and (rotary_dim < 2 or rotary_dim % 2):
         raise ConfigError(f"--rotary-percent {cfg.rotary_percent} of the head size {head} "

@@ -160,14 +160,12 @@ def _check_context_parallel(f: Flags) -> None:
 
 def check_model(f: Flags) -> None:
     tp = f.tensor_model_parallel_size
-    if f.hidden_size % f.num_attention_heads:
+    # with --kv-channels the heads have their own width (its bound, >= 1, is the field's
+    # own check): the hidden size then need not split into whole heads
+    if f.kv_channels is None and f.hidden_size % f.num_attention_heads:
         raise ConfigError(f"--hidden-size {f.hidden_size} is not divisible by "
-                          f"--num-attention-heads {f.num_attention_heads}")
-    head = f.hidden_size // f.num_attention_heads
-    if f.kv_channels is not None and f.kv_channels != head:
-        raise ConfigError(f"--kv-channels {f.kv_channels}: hybrid's heads are --hidden-size / "
-                          f"--num-attention-heads = {head} wide; drop --kv-channels or "
-                          f"change those two")
+                          f"--num-attention-heads {f.num_attention_heads}: give the head "
+                          f"width with --kv-channels, or change one of them")
     if f.num_attention_heads % tp:
         raise ConfigError(
             f"--num-attention-heads {f.num_attention_heads} is not divisible by "

@@ -80,6 +80,7 @@ class Flags:
     untie_embeddings_and_output_weights: bool = declared("untie_embeddings_and_output_weights")
     disable_bias_linear: bool = declared("disable_bias_linear")
     add_qkv_bias: bool = declared("add_qkv_bias")
+    qk_layernorm: bool = declared("qk_layernorm")
 
     # -- mixture of experts: MoEConfig
     num_experts: int | None = declared("num_experts")

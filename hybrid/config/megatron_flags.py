@@ -90,7 +90,7 @@ REFUSED: dict[str, str] = {
     "--ddp-bucket-size": "use --reduce-bucket-size and --allgather-bucket-size (elements)",
     "--multi-latent-attention": "hybrid has no multi-latent attention",
     "--mtp-num-layers": "hybrid has no multi-token prediction",
-    "--qk-layernorm": "hybrid has no QK LayerNorm", "--squared-relu": "hybrid has no squared ReLU",
+    "--squared-relu": "hybrid has no squared ReLU",
     "--apply-residual-connection-post-layernorm": "hybrid's blocks are pre-LayerNorm",
     "--reset-position-ids": "hybrid does not reset positions at document boundaries",
     "--reset-attention-mask": "hybrid attends across document boundaries (as Megatron "

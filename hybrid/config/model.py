@@ -76,6 +76,8 @@ class ModelConfig:
     untie_embeddings_and_output_weights: bool = False
     add_bias_linear: bool = True
     add_qkv_bias: bool = False  # QKV keeps a bias when add_bias_linear is off (Qwen2)
+    kv_channels: int | None = None  # each head's width; None: hidden_size / heads
+    qk_layernorm: bool = False  # q and k heads normalized (over their width) before RoPE
     compile: bool = opt(
         False, "torch.compile each transformer block's forward (same results to rounding; its "
         "speed was not measured)")
@@ -125,7 +127,15 @@ class ModelConfig:
 
     @property
     def head_size(self) -> int:
-        return self.hidden_size // self.num_attention_heads
+        """Each attention head's width: ``kv_channels``, else hidden / heads (which then
+        divides exactly: the config checks it)."""
+        return self.kv_channels or self.hidden_size // self.num_attention_heads
+
+    @property
+    def attention_size(self) -> int:
+        """Width of the attention output, the output projection's input: every query
+        head's ``head_size`` (the hidden size unless ``kv_channels`` says otherwise)."""
+        return self.num_attention_heads * self.head_size
 
     @property
     def query_groups(self) -> int:
@@ -162,9 +172,10 @@ class ModelConfig:
     # [Note: parameter counts] Each count is (split over TP) // tp + replicated. Split:
     # the token embedding and an untied output layer (vocabulary rows), QKV and the MLP's
     # up-projection (weights and biases), both projections' weights. Replicated: learned
-    # positions, norms, the projections' biases. For a model GPT builds every split
-    # dimension is a multiple of tp (whole heads, whole query groups, the padded
-    # vocabulary), so the division is exact and the per-block and whole-model counts agree.
+    # positions, norms (the query and key norms too), the projections' biases. For a model
+    # GPT builds every split dimension is a multiple of tp (whole heads, whole query
+    # groups, the padded vocabulary), so the division is exact and the per-block and
+    # whole-model counts agree.
 
     def is_moe_layer(self, i: int) -> bool:
         """Whether layer ``i`` (global index) is an MoE layer ([Note: which layers are MoE]
@@ -201,8 +212,9 @@ class ModelConfig:
         C = self.hidden_size
         bias, qkv_bias = int(self.add_bias_linear), int(self.qkv_bias)
         mlp_split, mlp_replicated, _ = self._mlp_counts(moe)
-        split = self.qkv_size * (C + qkv_bias) + C * C + mlp_split
-        return split, 2 * self._norm_parameters + bias * C + mlp_replicated
+        split = self.qkv_size * (C + qkv_bias) + self.attention_size * C + mlp_split
+        return split, 2 * self._norm_parameters + self._qk_norm_parameters + bias * C \
+            + mlp_replicated
 
     def _root_counts(self, tp: int) -> tuple[int, int]:
         """(split over TP, replicated) parameters outside the blocks, padded for ``tp``."""
@@ -215,6 +227,12 @@ class ModelConfig:
     @property
     def _norm_parameters(self) -> int:
         return (2 if self.normalization == "LayerNorm" else 1) * self.hidden_size
+
+    @property
+    def _qk_norm_parameters(self) -> int:
+        """One block's query and key norms (``qk_layernorm``), each ``head_size`` wide."""
+        per_norm = (2 if self.normalization == "LayerNorm" else 1) * self.head_size
+        return 2 * per_norm if self.qk_layernorm else 0
 
     def block_parameters(self, tp: int = 1, moe: bool | None = None) -> int:
         """Parameters of one transformer block on one TP rank of ``tp`` (see the note):
@@ -294,7 +312,8 @@ class ModelConfig:
         ids = self._ids(layers, start)
         n = len(ids)
         mlp = sum(self._mlp_counts(self.is_moe_layer(i))[2] for i in ids)
-        matmul = 2 * (self.qkv_size * C + C * C) * n + mlp \
+        matmul = 2 * (self.qkv_size * C + self.attention_size * C) * n + mlp \
             + 2 * C * self.padded_vocab_size(tp) * last
-        attention = 2 * 2 * self.seq_length * C * n  # QK^T and AV
+        # QK^T and AV, over every head's width (the hidden size unless kv_channels)
+        attention = 2 * 2 * self.seq_length * self.attention_size * n
         return 3 * (matmul + attention)

@@ -17,11 +17,17 @@ SDPA)::
 
     replicated over TP: LN-1 input and output, LN-2 input and output     4 sbh e
     split over TP:      QKV output (SDPA keeps q, k, v as views of it)    3 sbh e / t
-                        attention output (also the projection's input)    1 sbh e / t
+                        attention output (also the projection's input)    1 sbd e / t
                         MLP up output (GELU input) and GELU output        2 sbf e / t
     statistics:         two LayerNorms' mean and 1/std (fp32 on CUDA,   16 sb
                         the input's dtype on the CPU)
                         SDPA's log-sum-exp per head (fp32)                4 sb a / t
+
+Here ``d`` is the attention's width, heads x head size: ``h`` unless
+``--kv-channels`` gives the heads their own width (then the QKV output is
+``(a + 2g) kv_channels`` wide as well). ``--qk-layernorm`` adds the QKV output
+its norms keep (their input) and their statistics per query and key head; the
+normalized QKV then stands where the QKV output stood in the terms above.
 
 The Llama-family options change three terms. With ``g`` query groups the QKV
 output is ``(a + 2g) / a`` sbh wide: with GQA or RoPE it is split into fresh
@@ -93,24 +99,27 @@ def activation_bytes_per_layer(w: Workload) -> int:
     e = BYTES[w.params_dtype]
     r = _replicated_divisor(w)
     sbh = s * b * h
+    sbd = s * b * m.attention_size  # the attention output: sbh unless --kv-channels
     stats = 2 * s * b * _norm_row_bytes(w) // r
     # MLP: GELU's input and output (2f); SwiGLU's [gate | up] input and output (3f)
     mlp = (m.mlp_up_size + m.ffn_size) * s * b
     qkv = m.qkv_size * s * b  # 3 sbh without GQA
     if w.selective_recompute:  # the checkpoint holds the QKV output, SDPA keeps nothing
-        saved = 4 * sbh * e // r + (qkv + sbh + mlp) * e // t
+        saved = 4 * sbh * e // r + (qkv + sbd + mlp) * e // t
         attention = 0
     elif w.cp > 1:  # q, k, v (the QKV term), fp32 output, log-sum-exp: no scores
-        saved = 4 * sbh * e // r + (qkv + sbh + mlp) * e // t
+        saved = 4 * sbh * e // r + (qkv + sbd + mlp) * e // t
         attention = cp_terms.attention_saved_bytes(w)
     elif w.device == "cpu" and m.attention_dropout > 0:
         # the math kernel, in fp32: its own q, k, v (k, v repeated to every query
         # head) and the scores, not the QKV output
-        saved = 4 * sbh * e // r + (sbh + mlp) * e // t
-        attention = 3 * sbh * 4 // t + 3 * (a // t) * s * s * b * 4
+        saved = 4 * sbh * e // r + (sbd + mlp) * e // t
+        attention = 3 * sbd * 4 // t + 3 * (a // t) * s * s * b * 4
     else:
-        saved = 4 * sbh * e // r + (qkv + sbh + mlp) * e // t
+        saved = 4 * sbh * e // r + (qkv + sbd + mlp) * e // t
         attention = (a // t) * s * b * 4
+    if m.qk_layernorm:  # the q and k norms keep the QKV output they read, and stats per head
+        saved += qkv * e // t + s * b * (a + m.query_groups) // t * _norm_row_bytes(w)
     masks = 2 * sbh * (1 if w.device == "cuda" else e) // r if m.hidden_dropout > 0 else 0
     return saved + stats + attention + masks
 

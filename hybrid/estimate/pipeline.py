@@ -134,7 +134,7 @@ def stage_flops(w: Workload) -> tuple[StageFlops, ...]:
     # exact integers: ModelConfig's count is a product of ints (typed float)
     layer = int(model.stage_flops_per_token(tp, 1, last=False)) // 3  # M + A, forward
     head = int(model.stage_flops_per_token(tp, 0, last=True)) // 3  # H = 2 C V, forward
-    scores = 2 * 2 * model.seq_length * model.hidden_size  # A: its QK^T and AV terms
+    scores = 2 * 2 * model.seq_length * model.attention_size  # A: its QK^T and AV terms
     matmul = layer - scores  # M
     pieces = piece_layers(w)
     out = []

@@ -5,4 +5,6 @@
 * :mod:`.mixtral` Mixtral <-> hybrid's Llama-shaped GPT with MoE layers
 * :mod:`.qwen2_moe` Qwen2-MoE <-> hybrid's Llama-shaped GPT with MoE layers, a gated shared
   expert and dense layers where it has them
+* :mod:`.qwen3` Qwen3 and Qwen3-MoE configs (``--kv-channels``, ``--qk-layernorm``); their
+  weights map through :mod:`.llama` and :mod:`.qwen2_moe`
 """

@@ -17,6 +17,7 @@ import torch
 from einops import rearrange
 
 from hybrid.config.architecture import architecture_fields
+from hybrid.errors import CheckpointError
 
 
 def _per_head_to_qkv(t: torch.Tensor, heads: int) -> torch.Tensor:
@@ -75,7 +76,13 @@ def from_hf(hf: dict[str, torch.Tensor], num_layers: int, heads: int) -> dict[st
 
 
 def hf_config(cfg: dict, vocab_size: int) -> dict:
-    """GPT-2 ``config.json`` fields for a checkpoint's flat config dict."""
+    """GPT-2 ``config.json`` fields for a checkpoint's flat config dict; CheckpointError
+    for ``--kv-channels`` other than hidden / heads (a GPT-2's heads are that wide)."""
+    heads, hidden = cfg["num_attention_heads"], cfg["hidden_size"]
+    width = cfg.get("kv_channels")
+    if width is not None and width * heads != hidden:
+        raise CheckpointError(f"--kv-channels {width}: a Hugging Face GPT-2's heads are "
+                              f"--hidden-size / --num-attention-heads wide")
     return {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2",
             "vocab_size": vocab_size, "n_positions": cfg["max_position_embeddings"],
             "n_embd": cfg["hidden_size"], "n_layer": cfg["num_layers"],

@@ -1,10 +1,13 @@
-"""Name and layout mapping between hybrid's Llama-shaped GPT and Hugging Face's Llama
-and Qwen2.
+"""Name and layout mapping between hybrid's Llama-shaped GPT and Hugging Face's Llama,
+Qwen2 and (its attention) Qwen3.
 
 A hybrid model with ``--normalization RMSNorm --swiglu --position-embedding-type
 rope`` (and optionally GQA, untied output, no biases) is ``LlamaForCausalLM``;
 with ``--disable-bias-linear --add-qkv-bias`` (biases on q, k and v only) it is
-``Qwen2ForCausalLM``, whose weights are named as Llama's. What differs is only
+``Qwen2ForCausalLM``, whose weights are named as Llama's. ``head_dim`` is
+``--kv-channels`` (given when it is not hidden / heads). A Qwen3 adds
+``self_attn.q_norm`` and ``k_norm``, hybrid's ``attn.q_norm`` and ``attn.k_norm``
+(``--qk-layernorm``; :mod:`hybrid.hf.qwen3` has its config). What differs is only
 where the numbers sit:
 
 * hybrid fuses Q, K and V into one weight laid out per query group --
@@ -50,6 +53,10 @@ def _kinds(bias: bool) -> tuple[str, ...]:
     return ("weight", "bias") if bias else ("weight",)
 
 
+# the Hugging Face families whose attention normalizes q and k heads (--qk-layernorm)
+QK_NORM_TYPES = ("qwen3", "qwen3_moe")
+
+
 def _has_dense(dense_mlp: bool | Collection[int], layer: int) -> bool:
     return dense_mlp if isinstance(dense_mlp, bool) else layer in dense_mlp
 
@@ -83,6 +90,9 @@ def to_hf_llama(model: dict[str, torch.Tensor], c: dict, vocab_size: int,
         src, dst = f"blocks.{i}.", f"model.layers.{i}."
         out[dst + "input_layernorm.weight"] = model[src + "ln_1.weight"]
         out[dst + "post_attention_layernorm.weight"] = model[src + "ln_2.weight"]
+        if f["qk_layernorm"]:
+            for n in ("q_norm", "k_norm"):
+                out[f"{dst}self_attn.{n}.weight"] = model[f"{src}attn.{n}.weight"]
         for kind in _kinds(qkv_bias):
             q, k, v = _qkv_to_hf(model[f"{src}attn.qkv.{kind}"], groups, heads)
             for name, t in (("q", q), ("k", k), ("v", v)):
@@ -131,6 +141,9 @@ def from_hf_llama(hf: dict[str, torch.Tensor], hc: dict,
         src, dst = f"layers.{i}.", f"blocks.{i}."
         out[dst + "ln_1.weight"] = get(src + "input_layernorm.weight")
         out[dst + "ln_2.weight"] = get(src + "post_attention_layernorm.weight")
+        if hc.get("model_type") in QK_NORM_TYPES:
+            for n in ("q_norm", "k_norm"):
+                out[f"{dst}attn.{n}.weight"] = get(f"{src}self_attn.{n}.weight")
         for kind in _kinds(qkv_bias):
             q, k, v = (get(f"{src}self_attn.{n}_proj.{kind}") for n in "qkv")
             out[f"{dst}attn.qkv.{kind}"] = _qkv_from_hf(q, k, v, groups)
@@ -185,19 +198,23 @@ def _rope_parameters(f: dict) -> dict:
 
 
 def _llama_shape_flags(hc: dict) -> dict:
-    """The flags a Llama and a Qwen2 ``config.json`` share (all but the biases)."""
+    """The flags a Llama, a Qwen2 and a Qwen3 ``config.json`` share (all but the biases
+    and the q/k norms); ``head_dim``, when it is not hidden / heads, as --kv-channels."""
     heads, hidden = hc["num_attention_heads"], hc["hidden_size"]
     if hc.get("hidden_act", "silu") != "silu":
         raise CheckpointError(f"config.json: hidden_act {hc['hidden_act']!r}; SwiGLU is silu")
-    if hc.get("head_dim") not in (None, hidden // heads):
-        raise CheckpointError(f"config.json: head_dim {hc['head_dim']} is not hidden_size / "
-                              f"num_attention_heads ({hidden // heads}), which hybrid assumes")
+    head_dim = hc.get("head_dim")
+    if head_dim is not None and not (isinstance(head_dim, int) and head_dim >= 1):
+        raise CheckpointError(f"config.json: head_dim {head_dim!r} is not a positive integer")
     groups = hc.get("num_key_value_heads") or heads
     flags = {"num_layers": hc["num_hidden_layers"], "hidden_size": hidden,
-             "num_attention_heads": heads, "ffn_hidden_size": hc["intermediate_size"],
-             "max_position_embeddings": hc["max_position_embeddings"],
-             "normalization": "RMSNorm", "norm_epsilon": hc.get("rms_norm_eps", 1e-6),
-             "swiglu": True, "position_embedding_type": "rope", **_rope(hc)}
+             "num_attention_heads": heads}
+    if head_dim is not None and (hidden % heads or head_dim != hidden // heads):
+        flags["kv_channels"] = head_dim
+    flags |= {"ffn_hidden_size": hc["intermediate_size"],
+              "max_position_embeddings": hc["max_position_embeddings"],
+              "normalization": "RMSNorm", "norm_epsilon": hc.get("rms_norm_eps", 1e-6),
+              "swiglu": True, "position_embedding_type": "rope", **_rope(hc)}
     if groups != heads:
         flags.update(group_query_attention=True, num_query_groups=groups)
     if not _tied(hc):
@@ -237,20 +254,33 @@ def check_full_attention(hc: dict) -> None:
                               f"hybrid implements only 'full_attention' layers")
 
 
-def _hf_shape_config(c: dict, vocab_size: int, family: str) -> tuple[dict, dict]:
-    """(:func:`architecture_fields` of ``c``, the ``config.json`` keys Llama and Qwen2
-    share); CheckpointError naming the flags a Llama-shaped model needs."""
+def llama_shaped(c: dict, family: str) -> dict:
+    """:func:`architecture_fields` of saved config ``c``; CheckpointError naming the flags
+    a Llama-shaped Hugging Face ``family`` needs when ``c`` lacks them."""
     f = architecture_fields(c)
     missing = is_llama(f)
     if missing:
         raise CheckpointError(f"neither GPT-2 nor Llama-shaped: a Hugging Face {family} "
                               f"needs {', '.join(missing)}")
+    return f
+
+
+def _hf_shape_config(c: dict, vocab_size: int, family: str,
+                     qk_norm: bool = False) -> tuple[dict, dict]:
+    """(:func:`architecture_fields` of ``c``, the ``config.json`` keys the Llama-shaped
+    families share); CheckpointError naming the flags a Llama-shaped model needs, and
+    --qk-layernorm unless the ``family`` has q and k norms (``qk_norm``: Qwen3's)."""
+    f = llama_shaped(c, family)
+    if f["qk_layernorm"] and not qk_norm:
+        raise CheckpointError(f"--qk-layernorm: a Hugging Face {family} has no q/k norms "
+                              f"(Qwen3 and Qwen3-MoE have them)")
     heads = c["num_attention_heads"]
     rope = _rope_parameters(f)
     return f, {
         "vocab_size": vocab_size, "hidden_size": c["hidden_size"],
         "intermediate_size": c["ffn_hidden_size"],
         "num_hidden_layers": c["num_layers"], "num_attention_heads": heads,
+        "head_dim": f["kv_channels"] or c["hidden_size"] // heads,
         "num_key_value_heads": f["num_query_groups"] or heads, "hidden_act": "silu",
         "max_position_embeddings": c["max_position_embeddings"],
         "rms_norm_eps": f["norm_epsilon"],
@@ -270,7 +300,6 @@ def llama_hf_config(c: dict, vocab_size: int) -> dict:
     if f["add_qkv_bias"] and not f["add_bias_linear"]:
         raise CheckpointError("--add-qkv-bias without the other biases is Qwen2, not Llama")
     return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", **shape,
-            "head_dim": c["hidden_size"] // c["num_attention_heads"],
             "attention_bias": f["add_bias_linear"], "mlp_bias": f["add_bias_linear"]}
 
 

@@ -110,7 +110,6 @@ def mixtral_hf_config(c: dict, vocab_size: int) -> dict:
                               "--disable-bias-linear and no --add-qkv-bias")
     shape = dict(shape, intermediate_size=moe.moe_ffn_hidden_size or c["ffn_hidden_size"])
     return {"architectures": ["MixtralForCausalLM"], "model_type": "mixtral", **shape,
-            "head_dim": c["hidden_size"] // c["num_attention_heads"],
             "num_local_experts": moe.num_experts,
             "num_experts_per_tok": moe.moe_router_topk,
             "output_router_logits": moe.moe_aux_loss_coeff > 0,

@@ -84,7 +84,7 @@ def build_engine(cfg: TrainConfig, ps: ParallelState, vocab_size: int, rng: TPRN
     ``--compile`` of each block's forward."""
     m = cfg.model
     check_attention_backend(m.attention_backend, ps.device, DTYPES[cfg.precision.params_dtype],
-                            m.hidden_size // m.num_attention_heads, m.attention_dropout)
+                            m.head_size, m.attention_dropout)
     model = build_model(cfg, ps, vocab_size, rng, device="meta")
     model.train()
     rc = cfg.recompute

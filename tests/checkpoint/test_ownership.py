@@ -156,3 +156,17 @@ def test_a_torchrun_restart_is_the_same_run():
     assert a.id == b.id and "abc" in a.id
     assert RunIdentity.of_launch({"TORCHELASTIC_RUN_ID": "def"}).id != a.id
     assert RunIdentity.of_launch({}).id != RunIdentity.of_launch({}).id
+
+
+def test_the_qwen3_shape_flags_change_the_model_fingerprint_only_when_set():
+    """--kv-channels and --qk-layernorm fix parameter shapes, so they are part of the
+    model a save directory holds; unset, the fingerprint is the one records written
+    before the flags existed hold."""
+    from hybrid.checkpoint.ownership import model_shape
+    base = {"num_layers": 2, "hidden_size": 64, "num_attention_heads": 4}
+    plain = model_shape(base)["fingerprint"]
+    assert model_shape(dict(base, kv_channels=None, qk_layernorm=False))["fingerprint"] == plain
+    prints = {model_shape(dict(base, **kw))["fingerprint"]
+              for kw in ({"kv_channels": 32}, {"qk_layernorm": True},
+                         {"kv_channels": 32, "qk_layernorm": True})}
+    assert len(prints) == 3 and plain not in prints

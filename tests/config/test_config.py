@@ -278,10 +278,30 @@ def test_checkpoint_flags_reach_the_checkpoint_section():
     assert _cfg().checkpoint == type(ck)()  # all off by default
 
 
-def test_kv_channels_is_accepted_only_as_the_head_size():
-    assert build_config(parse_args(BASE + ["--kv-channels", "16"]), 1).model.hidden_size == 64
-    with pytest.raises(ConfigError, match="--kv-channels 32: hybrid's heads are"):
-        build_config(parse_args(BASE + ["--kv-channels", "32"]), 1)
+def test_kv_channels_sets_the_head_width_and_qk_layernorm_is_accepted():
+    m = build_config(parse_args(BASE + ["--kv-channels", "16"]), 1).model
+    assert (m.hidden_size, m.head_size, m.attention_size) == (64, 16, 64)
+    m = build_config(parse_args(BASE + ["--kv-channels", "32", "--qk-layernorm"]), 1).model
+    assert (m.head_size, m.attention_size, m.qkv_size, m.qk_layernorm) == (32, 128, 384, True)
+    assert not build_config(parse_args(BASE), 1).model.qk_layernorm
+    # heads of their own width: the hidden size need not split into whole heads
+    odd = ["--hidden-size", "60", "--num-attention-heads", "8"]
+    assert build_config(parse_args(BASE + odd + ["--kv-channels", "8"]), 1).model.head_size == 8
+    with pytest.raises(ConfigError, match="--hidden-size 60 is not divisible by "
+                                          "--num-attention-heads 8: give the head width"):
+        build_config(parse_args(BASE + odd), 1)
+
+
+@pytest.mark.parametrize("value", ["0", "-16"])
+def test_kv_channels_below_one_is_refused_naming_the_flag(value):
+    with pytest.raises(ConfigError, match=f"^--kv-channels must be >= 1, got {value}$"):
+        build_config(parse_args(BASE + ["--kv-channels", value]), 1)
+
+
+def test_kv_channels_whose_rope_share_is_odd_is_refused():
+    rope = ["--position-embedding-type", "rope", "--kv-channels", "6", "--rotary-percent", "0.5"]
+    with pytest.raises(ConfigError, match="--rotary-percent 0.5 of the head size 6 rotates 3"):
+        build_config(parse_args(BASE + rope), 1)
 
 
 # -- edge values found by the bad-input audit: each refused before any worker starts ------

@@ -362,3 +362,33 @@ def test_estimate_memory_script_reports_context_parallel_traffic():
     text = subprocess.run([sys.executable, script, *shape, "--format", "text"],
                           capture_output=True, text=True, check=True, env=env()).stdout
     assert "CP 2 (p2p, load_balanced): 1,024 tokens of each sequence per rank" in text
+
+
+# Qwen3-shaped: heads 16 wide (--kv-channels; 4 x 16 = 64 against the hidden 32), their
+# q and k normalized (--qk-layernorm)
+QWEN3 = dict(LLAMA, kv_channels=16, qk_layernorm=True)
+
+
+def test_qwen3_activations_and_parameters_follow_the_head_width():
+    """At TP 1 (one process): a layer saves what the estimator counts -- the wider QKV
+    and attention output, the QKV output the q and k norms keep and their statistics --
+    plain and with selective recompute; Psi is the built model's at TP 1 and 2."""
+    ps = ParallelState.single()
+    rc = RecomputeConfig(granularity="selective")
+    for case in CASES:
+        w = _workload(1, *case, arch=QWEN3)
+        one, two = (_saved_bytes(ps, n, *case, arch=QWEN3) for n in (1, 2))
+        assert two - one == activation_bytes_per_layer(w), case
+        one, two = (_saved_bytes(ps, n, *case, rc, arch=QWEN3) for n in (1, 2))
+        assert two - one == activation_bytes_per_layer(replace(w, selective_recompute=True))
+
+    class RankZeroOf:  # a TP group's size and rank: all a model needs to be built on meta
+        def __init__(self, size):
+            self.size, self.rank = size, 0
+
+    for tp in (1, 2):
+        w = _workload(tp, "fp32", 0.0, 0.0, layers=2, arch=QWEN3)
+        model = GPT(w.model, RankZeroOf(tp), device="meta")
+        assert w.psi == sum(p.numel() for p in model.parameters())
+        whole = sum(math.prod(full_shape(p)) for p in model.parameters())
+        assert w.model.num_parameters(tp, per_rank=False) == whole

@@ -3,7 +3,7 @@ transformers itself (GQA, tied and untied, nonzero q/k/v biases) imports into
 hybrid as ``--disable-bias-linear --add-qkv-bias`` with the same logits and the
 same 32 greedy tokens, loads at TP 2 under ZeRO-3 with those logits, and exports
 back to ``Qwen2ForCausalLM`` bit for bit. What hybrid cannot express (sliding
-windows, other rope types, a head_dim of its own) is refused naming the field."""
+windows, other rope types, a head_dim that is no width) is refused naming the field."""
 
 
 import pytest
@@ -74,7 +74,7 @@ def test_qwen2_from_transformers_imports_and_exports_exactly(tmp_path, tie, caps
     ({"use_sliding_window": True, "sliding_window": 16}, "use_sliding_window"),
     ({"layer_types": ["full_attention", "sliding_attention"]}, "layer_types"),
     ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0}}, "rope_type"),
-    ({"head_dim": 32}, "head_dim"),
+    ({"head_dim": -8}, "head_dim"),  # (another positive head_dim is --kv-channels)
 ])
 def test_qwen2_import_refuses_what_hybrid_cannot_express(tmp_path, capsys, change, field):
     """config.json alone: refused before any weight is read, nothing written."""

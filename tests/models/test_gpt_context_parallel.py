@@ -1,6 +1,7 @@
 """GPT under context parallelism against one process (same init, same data): loss,
-logits and gradients at CP 2 and 4, TP 1 and 2 (with SP), every comm type, GPT-2 and
-Llama-shaped (RoPE, GQA, RMSNorm, SwiGLU), --eod-mask-loss, attention dropout; then
+logits and gradients at CP 2 and 4, TP 1 and 2 (with SP), every comm type, GPT-2,
+Llama-shaped (RoPE, GQA, RMSNorm, SwiGLU) and Qwen3-shaped (--kv-channels,
+--qk-layernorm), --eod-mask-loss, attention dropout; then
 6 AdamW steps through ZeRO over DP x CP: the loss curve of one process and replicated
 parameters bit-identical on every rank that holds them."""
 
@@ -25,6 +26,8 @@ GPT2 = ModelConfig(vocab_size=V, num_layers=2, hidden_size=32, num_attention_hea
 LLAMA = replace(GPT2, normalization="RMSNorm", swiglu=True, ffn_hidden_size=48,
                 position_embedding_type="rope", num_query_groups=2,
                 untie_embeddings_and_output_weights=True, add_bias_linear=False)
+# Qwen3-shaped: heads 16 wide (4 x 16 = 64, not the hidden 32), q and k normalized
+QWEN3 = replace(LLAMA, kv_channels=16, qk_layernorm=True)
 
 
 def _data():
@@ -73,12 +76,13 @@ CASES = [("gpt2", 2, 1, False, "p2p", "load_balanced", 0.0),
          ("llama", 2, 2, True, "p2p", "load_balanced", 0.0),
          ("llama", 2, 2, False, "a2a", "load_balanced", 0.0),
          ("gpt2", 2, 2, True, "all_gather", "load_balanced", 0.1),
-         ("llama", 4, 1, False, "a2a", "load_balanced", 0.1)]
+         ("llama", 4, 1, False, "a2a", "load_balanced", 0.1),
+         ("qwen3", 2, 2, True, "p2p", "load_balanced", 0.0)]
 
 
 @pytest.mark.parametrize("name,cp,tp,sp,comm,layout,dropout", CASES)
 def test_gpt_cp_matches_one_process(name, cp, tp, sp, comm, layout, dropout):
-    cfg = replace(LLAMA if name == "llama" else GPT2, attention_dropout=dropout)
+    cfg = replace({"llama": LLAMA, "qwen3": QWEN3}.get(name, GPT2), attention_dropout=dropout)
     if comm == "a2a" and name == "llama":  # a2a splits each TP rank's query groups over CP
         cfg = replace(cfg, num_query_groups=4)
     ref = _reference(cfg, comm)

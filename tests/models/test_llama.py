@@ -54,6 +54,9 @@ OPTIONS = {  # name -> ModelConfig fields; 8 heads of 8 channels, 4 query groups
                  "position_embedding_type": "rope"},
     "llama": LLAMA,
     "qwen2": dict(LLAMA, add_qkv_bias=True),
+    # Qwen3: heads 16 wide (--kv-channels; 8 x 16 = 128, not the hidden 64) and their
+    # q and k normalized before RoPE (--qk-layernorm), weights replicated over TP
+    "qwen3": dict(LLAMA, kv_channels=16, qk_layernorm=True),
 }
 
 
@@ -71,13 +74,19 @@ def _batch():
 
 def _nonzero_qkv_bias(model):
     """Biases start at zero, which hides their layout: give every QKV bias one full
-    value per row (the same at every TP size) and keep this rank's rows of it."""
+    value per row (the same at every TP size) and keep this rank's rows of it. The
+    q and k norms' weights start at one, which would hide a norm applied to the wrong
+    heads: each gets its own values too (replicated, the same on every rank)."""
     for layer, block in enumerate(model.blocks):
         p = block.attn.qkv.bias
+        g = torch.Generator().manual_seed(100 + layer)
         if p is not None:
-            g = torch.Generator().manual_seed(100 + layer)
             with torch.no_grad():
                 p.copy_(shard_of(0.5 * torch.randn(full_shape(p), generator=g), p))
+        for norm in (block.attn.q_norm, block.attn.k_norm):
+            if norm is not None:
+                with torch.no_grad():
+                    norm.weight.copy_(1 + 0.5 * torch.randn(norm.weight.shape, generator=g))
 
 
 def _run_options(ps, names):
@@ -121,7 +130,12 @@ def test_options_change_the_model_they_name(reference):
     assert reference["llama"]["specs"]["blocks.0.mlp.fc.weight"].full_shape == (2, 128, 64)
     losses = {k: float(r["loss"]) for k, r in reference.items()}
     assert len(set(losses.values())) == len(losses), losses  # each option does something
-    for name in ("llama", "qwen2", "qkv_bias"):
+    w = reference["qwen3"]["weights"]  # (8 + 2 x 4) heads of 16 channels, 128 -> 64
+    assert w["blocks.0.attn.qkv.weight"].shape == ((8 + 2 * 4) * 16, 64)
+    assert w["blocks.0.attn.proj.weight"].shape == (64, 8 * 16)
+    assert w["blocks.1.attn.q_norm.weight"].shape == w["blocks.1.attn.k_norm.weight"].shape \
+        == (16,)
+    for name in ("llama", "qwen2", "qkv_bias", "qwen3"):
         cfg = _cfg(**OPTIONS[name])
         assert cfg.num_parameters() == sum(p.numel() for p in reference[name]["weights"].values())
 
@@ -150,6 +164,37 @@ def test_every_option_is_the_same_function_at_tp(reference, tp):
             torch.testing.assert_close(
                 g, ref_g.reshape(g.shape), rtol=1e-5, atol=1e-6,
                 msg=lambda m, name=name, pname=pname: f"{name} TP{tp} grad of {pname}: {m}")
+
+
+def _qwen3_sp(ps):
+    rng = seed_all(SEED, ps.tp_rank, ps.dp_rank, ps.device)
+    model = GPT(_cfg(**OPTIONS["qwen3"]), ps.tp_group, rng=rng, seed=SEED,
+                sequence_parallel=True)
+    _nonzero_qkv_bias(model)
+    x, y = _batch()
+    loss = model(x, y)
+    loss.backward()
+    return {"loss": loss.detach(), "grads": {n: p.grad for n, p in model.named_parameters()},
+            "specs": {n: getattr(p, "tp_spec", None) for n, p in model.named_parameters()}}
+
+
+def test_qwen3_attention_is_the_same_function_at_tp2_with_sequence_parallelism(reference):
+    """--kv-channels and --qk-layernorm under SP at TP 2: the one-process loss and
+    gradients to 1e-6, the q and k norms' gradients summed over TP (equal on both
+    ranks, each rank having normalized other heads)."""
+    ref = reference["qwen3"]
+    res = run_ranks(_qwen3_sp, world_size=2, tp=2)
+    for r in res:
+        assert abs(float(r["loss"]) - float(ref["loss"])) <= 1e-6
+    for pname, spec in res[0]["specs"].items():
+        g = unshard([r["grads"][pname] for r in res], spec)
+        ref_g = ref["grads"][pname]
+        if pname in ("wte.weight", "output_layer.weight"):
+            g, ref_g = g[:V], ref_g[:V]
+        torch.testing.assert_close(g, ref_g.reshape(g.shape), rtol=0, atol=1e-6,
+                                   msg=lambda m, pname=pname: f"grad of {pname}: {m}")
+        if pname.endswith(("q_norm.weight", "k_norm.weight")):
+            assert spec is None and torch.equal(res[0]["grads"][pname], res[1]["grads"][pname])
 
 
 # -- the ops' own backward passes ---------------------------------------------------------
