@@ -193,14 +193,15 @@ class ParallelMLP(nn.Module):
 
 
 def make_moe(cfg: ModelConfig, scale: AuxLossScale, ep_group: CommGroup | None = None,
-             split: TokenSplit | None = None, etp_group: CommGroup | None = None
-             ) -> MoELayer:
+             split: TokenSplit | None = None, etp_group: CommGroup | None = None,
+             dp_group: CommGroup | None = None) -> MoELayer:
     """An MoE layer of ``cfg.moe`` in place of the block's MLP (:class:`models.moe.MoELayer`),
     its experts split over ``ep_group`` when given, each rank routing its own tokens of
     a micro-batch ``split`` over sequence parallelism's TP group and CP (None: the rank
     holds the whole micro-batch), each expert's hidden units split over ``etp_group``
-    when given. Under TP the tokens must be split, and the ETP x EP group folds over the
-    TP ranks (Megatron's parallel folding)."""
+    when given; ``dp_group``: where ``global_aux_loss`` sums its counts. Under TP the
+    tokens must be split, and the ETP x EP group folds over the TP ranks (Megatron's
+    parallel folding)."""
     moe = cfg.moe
     assert moe is not None and moe.num_experts is not None
     return MoELayer(cfg.hidden_size, cfg.expert_ffn_size, moe.num_experts, moe.moe_router_topk,
@@ -214,7 +215,8 @@ def make_moe(cfg: ModelConfig, scale: AuxLossScale, ep_group: CommGroup | None =
                     capacity_factor=moe.moe_expert_capacity_factor,
                     drop_policy=moe.moe_token_drop_policy,
                     init_method_std=cfg.init_method_std, ep_group=ep_group,
-                    groups=moe.router_groups, split=split, etp_group=etp_group)
+                    groups=moe.router_groups, split=split, etp_group=etp_group,
+                    dp_group=dp_group)
 
 
 def residual_rng(fork: bool, rng: TPRNGTracker | None):
@@ -235,12 +237,13 @@ class Block(nn.Module):
     store for its linears' deferred weight gradients (a split backward), or None.
     ``moe``: the model's :class:`models.moe.AuxLossScale` when this block's MLP is a
     mixture of experts (:func:`make_moe`), else None; ``ep_group``, ``etp_group``: its
-    experts' EP and ETP groups."""
+    experts' EP and ETP groups; ``dp_group``: :func:`make_moe`'s."""
 
     def __init__(self, cfg: ModelConfig, tp_group: CommGroup, rng: TPRNGTracker | None,
                  sequence_parallel: bool, cp: ContextParallel | None = None,
                  weight_grads: WeightGradStore | None = None, moe: AuxLossScale | None = None,
-                 ep_group: CommGroup | None = None, etp_group: CommGroup | None = None):
+                 ep_group: CommGroup | None = None, etp_group: CommGroup | None = None,
+                 dp_group: CommGroup | None = None):
         super().__init__()
         self.rng = rng
         self.fork_residual_rng = (sequence_parallel or cp is not None) and cfg.hidden_dropout > 0
@@ -254,7 +257,7 @@ class Block(nn.Module):
                  if sequence_parallel or cp is not None else None)
         self.mlp: nn.Module = (ParallelMLP(cfg, tp_group, sequence_parallel, weight_grads)
                                if moe is None else make_moe(cfg, moe, ep_group, split,
-                                                            etp_group))
+                                                            etp_group, dp_group))
         self.drop = nn.Dropout(cfg.hidden_dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

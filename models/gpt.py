@@ -131,7 +131,8 @@ class GPT(nn.Module):
                  sequence_parallel: bool = False, context_parallel: ContextParallel | None = None,
                  layers: range | Sequence[range] | None = None, pre_process: bool = True,
                  post_process: bool = True, split_backward: bool = False,
-                 ep_group: CommGroup | None = None, etp_group: CommGroup | None = None):
+                 ep_group: CommGroup | None = None, etp_group: CommGroup | None = None,
+                 dp_group: CommGroup | None = None):
         """Build ``cfg`` (its ``vocab_size`` known) over ``tp_group`` on ``device`` and
         draw the init from ``seed`` -- or, with ``device="meta"``, only shapes: ZeRO then
         materializes what each rank keeps (``apply_zero(..., values=InitValues(seed,
@@ -147,7 +148,8 @@ class GPT(nn.Module):
         executor's input half runs (None without the flag: plain linears). ``ep_group``:
         the MoE layers' experts split over this expert-parallel group (None: every
         expert on every rank); ``etp_group``: each expert's hidden units split over this
-        expert-tensor-parallel group (None: whole)."""
+        expert-tensor-parallel group (None: whole); ``dp_group``: the data-parallel group
+        over which ``global_aux_loss`` counts (None: this rank's micro-batches alone)."""
         super().__init__()
         chunks = _chunks(cfg, layers, pre_process and post_process)
         if cfg.vocab_size is None:
@@ -196,7 +198,8 @@ class GPT(nn.Module):
             self.blocks = LayerRange(ids, (Block(cfg, tp_group, rng, sequence_parallel,
                                                  context_parallel, wg,
                                                  self.moe_loss_scale if cfg.is_moe_layer(i)
-                                                 else None, ep_group, etp_group)
+                                                 else None, ep_group, etp_group,
+                                                 dp_group)
                                            for i in ids))
             if post_process:
                 self.ln_f = make_norm(cfg, tp_group, sequence_parallel)

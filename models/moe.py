@@ -52,7 +52,7 @@ from torch import nn
 
 from hybrid.parallel.comm import CommGroup
 from hybrid.tensor_parallel.experts import run_experts, run_local
-from hybrid.tensor_parallel.mappings import sequence_parallel_param
+from hybrid.tensor_parallel.mappings import sequence_parallel_param, sum_over_group
 from hybrid.tensor_parallel.sharding import mark_expert_split
 from hybrid.tensor_parallel.token_split import TokenSplit
 
@@ -164,6 +164,7 @@ class Router(nn.Module):
 
 
 DROP_POLICIES = ("probs", "position")
+BALANCING = ("aux_loss", "seq_aux_loss", "global_aux_loss", "none")
 
 
 def _init(weights, std: float) -> None:
@@ -383,6 +384,64 @@ def seq_aux_loss(routing: Routing, sequences: int, split: TokenSplit | None = No
     return e * (fraction * mean).sum(dim=1).mean()
 
 
+class GlobalCounts:
+    """The running tokens per expert of :func:`global_aux_loss` (Megatron's
+    ``global_aux_loss``, after arXiv 2501.11873): each micro-batch's counts summed over
+    the ranks running micro-batches side by side (the token split and DP), added up over
+    the step's micro-batches so far, and averaged over them; :meth:`reset` at each
+    optimizer step (:meth:`hybrid.train.moe_stats.MoEWatch.step`).
+
+    [Note: the global loss's layout]
+    Unlike the other losses, its value is not a micro-batch's alone: it weighs a
+    micro-batch's router probabilities by the counts of every micro-batch run so far in
+    the step, on every DP rank, so it depends on how many DP ranks share a step and in
+    which order a rank's micro-batches run, as Megatron's does by definition. TP, CP, EP,
+    ETP, the pipeline schedule, the ZeRO stage and recompute leave it as one process with
+    the same micro-batches in the same order computes it (a recompute counts once: the
+    first forward under checkpointing runs without a graph, and counts nothing)."""
+
+    def __init__(self, num_experts: int, dp: CommGroup | None) -> None:
+        self.dp, self.num_experts = dp, num_experts
+        self.sum: torch.Tensor | None = None  # (made on the counts' device at the first add)
+        self.micro_batches = 0
+
+    def add(self, counts: torch.Tensor) -> torch.Tensor:
+        """This micro-batch's ``(E,)`` counts (already summed over the token split) summed
+        over DP and added; the running mean ``(E,)`` fp32 after it."""
+        counts = counts.to(torch.float32).clone()
+        if self.dp is not None:
+            self.dp.all_reduce(counts)
+        self.sum = counts if self.sum is None else self.sum + counts
+        self.micro_batches += 1
+        return self.sum / self.micro_batches
+
+    def reset(self) -> None:
+        self.sum = None
+        self.micro_batches = 0
+
+
+def global_aux_loss(routing: Routing, running: GlobalCounts,
+                    split: TokenSplit | None = None) -> torch.Tensor:
+    """The global-batch load-balancing loss ([Note: the global loss's layout]): Switch's
+    formula with the expert fractions of the step's running mean counts (:class:`GlobalCounts`)
+    over the tokens of every rank that shares the micro-batch (the split and DP), and the
+    mean router probabilities over the same tokens, summed to every rank with the
+    gradient through its own (:mod:`hybrid.tensor_parallel.token_split`). A 0-dim fp32
+    tensor, 1 for uniform routing."""
+    probs, counts = routing.probs, routing.tokens_per_expert
+    t, e = probs.shape
+    k = routing.experts.shape[1]
+    summed = probs.sum(dim=0)
+    if split is not None:
+        t *= split.size
+        counts, summed = split.total(counts), split.total(summed)
+    if running.dp is not None:
+        t *= running.dp.size
+        summed = sum_over_group(summed, running.dp)
+    fraction = running.add(counts) / (t * k)
+    return e * (fraction * summed / t).sum()
+
+
 class AuxLossScale:
     """What the step's backward multiplies a micro-batch's loss by (``1 / n`` micro-batches
     times the fp16 loss scale): one per model, shared by its MoE layers, which inject
@@ -502,8 +561,10 @@ class MoELayer(nn.Module):
     """A block's MLP as a mixture of experts (:class:`MoE`), with an optional shared
     expert every token also goes through, and the routing's losses: ``aux_coeff`` times
     the load-balancing loss (``balancing``: "aux_loss", :func:`switch_aux_loss` over the
-    micro-batch's tokens; "seq_aux_loss", :func:`seq_aux_loss` per sequence; "none") plus
-    ``z_coeff`` times :func:`router_z_loss`. ``(B, T, C)`` in and out.
+    micro-batch's tokens; "seq_aux_loss", :func:`seq_aux_loss` per sequence;
+    "global_aux_loss", :func:`global_aux_loss` with the step's running counts over
+    ``dp_group`` too; "none") plus ``z_coeff`` times :func:`router_z_loss`. ``(B, T, C)``
+    in and out.
 
     [Note: the MoE losses' gradient]
     A layer's losses are not added to the model's output: under a pipeline the layer's
@@ -518,10 +579,11 @@ class MoELayer(nn.Module):
     def __init__(self, hidden: int, ffn: int, num_experts: int, top_k: int, *,
                  swiglu: bool, scale: AuxLossScale, balancing: str = "aux_loss",
                  aux_coeff: float = 0.0, z_coeff: float | None = None,
-                 shared_ffn: int | None = None, shared_gate: bool = False, **moe_kw):
+                 shared_ffn: int | None = None, shared_gate: bool = False,
+                 dp_group: CommGroup | None = None, **moe_kw):
         super().__init__()
-        if balancing not in ("aux_loss", "seq_aux_loss", "none"):
-            raise ValueError(f"balancing {balancing!r} must be aux_loss, seq_aux_loss or none")
+        if balancing not in BALANCING:
+            raise ValueError(f"balancing {balancing!r} must be one of {BALANCING}")
         self.experts = MoE(hidden, ffn, num_experts, top_k, swiglu=swiglu, **moe_kw)
         split = self.experts.split
         self.shared = (SharedExpert(hidden, shared_ffn, swiglu, gated=shared_gate,
@@ -530,6 +592,8 @@ class MoELayer(nn.Module):
         self.balancing, self.aux_coeff, self.z_coeff = balancing, aux_coeff, z_coeff
         self.scale = scale
         self.stats = MoEStats(num_experts)
+        self.global_counts = (GlobalCounts(num_experts, dp_group)
+                              if balancing == "global_aux_loss" else None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y, routing = self.experts(x)
@@ -544,6 +608,8 @@ class MoELayer(nn.Module):
             aux = switch_aux_loss(routing, split)
         elif self.balancing == "seq_aux_loss":
             aux = seq_aux_loss(routing, x.shape[0], split)
+        elif self.global_counts is not None:
+            aux = global_aux_loss(routing, self.global_counts, split)
         if self.aux_coeff and self.balancing != "none":
             loss = loss + self.aux_coeff * aux
         if self.z_coeff is not None:

@@ -38,6 +38,39 @@ def patch_megatron_for_cpu():
     mrandom.CudaRNGStatesTracker.fork = lambda self, name=None: contextlib.nullcontext()
 
 
+class _HostStream:
+    """What megatron-core's alltoall dispatcher asks of a CUDA stream, on the host: it
+    copies its split sizes to the host on a side stream and waits for an event there; on
+    the CPU the copies are done when made, so waiting is nothing."""
+
+    def wait_stream(self, other) -> None:
+        return None  # (the host's work is in order already)
+
+    def record_event(self) -> _HostStream:
+        return self
+
+    def synchronize(self) -> None:
+        return None  # (nothing is in flight on the host)
+
+
+def patch_megatron_moe_for_cpu() -> None:
+    """Two more CUDA (and Transformer Engine) assumptions of megatron-core's MoE layer
+    beyond ../shared/BENCHMARKS.md's three: the alltoall dispatcher's CUDA streams (a host
+    stand-in that is also the current stream, so nothing is waited for) and the router's
+    unbound ``te_general_gemm``; no number changes."""
+    import torch
+    from megatron.core.transformer.moe import moe_utils
+    from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
+    # without Transformer Engine, 0.16.1's router gating reads a name its failed import
+    # never bound: None is its own "not installed" (torch.mm then)
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
+    stream = _HostStream()
+    MoEAlltoAllTokenDispatcher.cuda_dtoh_stream = stream
+    torch.cuda.current_stream = lambda device=None: stream  # type: ignore[assignment, return-value]
+    torch.cuda.stream = lambda s: contextlib.nullcontext()  # type: ignore[assignment, return-value]
+
+
 def import_megatron():
     """megatron-core's modules the bench uses (after :func:`patch_megatron_for_cpu`)."""
     from megatron.core import parallel_state  # noqa: F401

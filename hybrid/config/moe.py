@@ -27,7 +27,7 @@ from hybrid.config.options import opt
 from hybrid.errors import ConfigError
 from hybrid.parallel.layout import check_expert_layout
 
-LOAD_BALANCING_TYPES = ("aux_loss", "seq_aux_loss", "none")
+LOAD_BALANCING_TYPES = ("aux_loss", "seq_aux_loss", "global_aux_loss", "none")
 SCORE_FUNCTIONS = ("softmax", "sigmoid")
 DROP_POLICIES = ("probs", "position")
 DISPATCHERS = ("allgather", "alltoall")
@@ -75,10 +75,10 @@ class MoEConfig:
         1e-3, "how far the expert bias moves each step", at_least=0)
     moe_router_load_balancing_type: str = opt(
         "aux_loss", "aux_loss (Switch: over each micro-batch's tokens), seq_aux_loss (over each "
-        "sequence's, averaged) or none", choices=LOAD_BALANCING_TYPES,
-        refused={"global_aux_loss": "its value follows a running count over steps and DP "
-                                    "ranks: use aux_loss or seq_aux_loss",
-                 "sinkhorn": "hybrid has no Sinkhorn routing: use aux_loss"})
+        "sequence's, averaged), global_aux_loss (the expert fractions of the step's running "
+        "counts over every DP rank: its value depends on the DP size, as Megatron's) or none",
+        choices=LOAD_BALANCING_TYPES,
+        refused={"sinkhorn": "hybrid has no Sinkhorn routing: use aux_loss"})
     moe_aux_loss_coeff: float = opt(
         0.0, "weight of the load-balancing loss, per MoE layer", at_least=0)
     moe_z_loss_coeff: float | None = opt(

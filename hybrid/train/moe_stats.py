@@ -74,6 +74,9 @@ class MoEWatch:
         self.ps.tp_group.all_reduce(step)
         ids = torch.tensor(list(self.layers), device=self.ps.device)
         counts = step[:, : self.experts]
+        for layer in self.layers.values():  # global_aux_loss's running counts: per step
+            if layer.global_counts is not None:
+                layer.global_counts.reset()
         if self.moe.moe_router_enable_expert_bias:
             for row, layer in zip(counts, self.layers.values()):
                 router = layer.experts.router

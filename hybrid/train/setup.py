@@ -57,7 +57,8 @@ def build_model(cfg: TrainConfig, ps: ParallelState, vocab_size: int,
                context_parallel=cp, layers=layers, pre_process=first, post_process=last,
                split_backward=cfg.pipeline.schedule == "zb_h1" and layers is not None,
                ep_group=ps.ep_group if ps.ep_size > 1 else None,
-               etp_group=ps.etp_group if ps.etp_size > 1 else None)
+               etp_group=ps.etp_group if ps.etp_size > 1 else None,
+               dp_group=ps.dp_group if ps.dp_size > 1 else None)
 
 
 def recompute_targets(model: GPT, rc: RecomputeConfig) -> list[torch.nn.Module]:

@@ -43,6 +43,7 @@ MOE = ["--num-layers", "4", "--num-experts", "4", "--moe-router-topk", "2",
 PP2 = ["--pipeline-model-parallel-size", "2"]
 TP2 = ["--tensor-model-parallel-size", "2", "--sequence-parallel"]
 CP2 = ["--context-parallel-size", "2"]
+GLOBAL = ["--moe-router-load-balancing-type", "global_aux_loss"]
 # cell -> (world size, flags, reference flags: the same on one process)
 CELLS: dict[str, tuple[int, list[str], list[str]]] = {
     "dp2_zero0": (2, ["--zero-stage", "0"], []),
@@ -128,6 +129,13 @@ CELLS: dict[str, tuple[int, list[str], list[str]]] = {
     "tp2_etp2_capacity": (2, TP2 + ["--expert-tensor-parallel-size", "2", "--zero-stage", "2",
                                     "--moe-expert-capacity-factor", "0.75"],
                           ["--moe-expert-capacity-factor", "0.75"]),
+    # global_aux_loss (the step's running counts over DP: the same as one process where
+    # the micro-batches run as there, DP 1), under TP x EP, a pipeline, CP with recompute
+    "global_tp2_ep2": (2, TP2 + GLOBAL + ["--expert-model-parallel-size", "2"], GLOBAL),
+    "global_pp2_1f1b": (2, PP2 + GLOBAL + ["--pipeline-schedule", "1f1b"], GLOBAL),
+    "global_cp2_recompute": (2, CP2 + GLOBAL + ["--recompute-granularity", "full",
+                                                "--recompute-method", "uniform",
+                                                "--recompute-num-layers", "2"], GLOBAL),
 }
 # the suite's cells (tests/models/test_moe_grid.py): sharded states, a pipeline's split
 # backward, recompute, drops, the bias update; experts over EP folded over TP with drops

@@ -299,3 +299,98 @@ def test_the_router_routes_as_megatrons(score, pre_softmax, groups):
     mine = torch.zeros(128, 16).scatter(1, r.experts, r.gates)
     assert torch.equal(mine != 0, chosen.bool())
     assert torch.allclose(mine, probs, rtol=1e-6, atol=1e-7)
+
+
+def _global_aux_both(ps, micro_batches: int):
+    """(megatron-core's, hybrid's) per-micro-batch global_aux_loss values and router weight
+    gradients, 3 micro-batches of one step, then a reset and one micro-batch of the next:
+    megatron's TopKRouter on this throwaway process (its CPU patches stay here)."""
+    from benchmarks.peers.megatron_side import patch_megatron_for_cpu, patch_megatron_moe_for_cpu
+    patch_megatron_for_cpu()
+    patch_megatron_moe_for_cpu()  # (its router's unbound te_general_gemm, without TE)
+    from megatron.core import parallel_state
+    from megatron.core.process_groups_config import ProcessGroupCollection
+    from megatron.core.transformer.moe.moe_utils import (
+        clear_aux_losses_tracker,
+        get_moe_layer_wise_logging_tracker,
+    )
+    from megatron.core.transformer.moe.router import TopKRouter
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from models.moe import GlobalCounts, global_aux_loss
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=1)
+    e, k, c, coeff = 8, 2, 32, 0.1
+    config = TransformerConfig(
+        num_layers=1, hidden_size=c, num_attention_heads=4, num_moe_experts=e,
+        moe_router_topk=k, moe_router_load_balancing_type="global_aux_loss",
+        moe_aux_loss_coeff=coeff, use_cpu_initialization=True, add_bias_linear=False)
+    theirs = TopKRouter(config, ProcessGroupCollection.use_mpu_process_groups())
+    theirs.set_layer_number(1)
+    torch.manual_seed(0)
+    torch.nn.init.normal_(theirs.weight, std=0.5)
+    mine = Router(c, e, k)
+    mine.weight.data.copy_(theirs.weight.data)
+    running = GlobalCounts(e, None)
+    out = {"theirs": [], "mine": []}
+    for m in range(micro_batches + 1):
+        if m == micro_batches:  # the next step
+            theirs.reset_global_aux_loss_tracker()
+            running.reset()
+        x = torch.randn(16, 1, c)  # (S, B, C)
+        clear_aux_losses_tracker()
+        theirs.weight.grad = None
+        probs, _ = theirs(x)
+        (probs * 0).sum().backward()
+        value = get_moe_layer_wise_logging_tracker()["global_load_balancing_loss"]["values"]
+        out["theirs"].append((float(value[0]), theirs.weight.grad.clone()))
+        mine.weight.grad = None
+        loss = global_aux_loss(mine(x.view(-1, c)), running)
+        (coeff * loss).backward()
+        out["mine"].append((float(loss), mine.weight.grad.clone()))
+    parallel_state.destroy_model_parallel()
+    return out
+
+
+@pytest.mark.peer("megatron.core")
+def test_the_global_aux_loss_is_megatrons():
+    """megatron-core 0.16.1's TopKRouter with ``global_aux_loss`` (the expert fractions of
+    the step's running mean counts), over 3 micro-batches of a step and the first of the
+    next (after its reset): each micro-batch's loss and the router weight's gradient
+    equal hybrid's :func:`models.moe.global_aux_loss` within 1e-6."""
+    from hybrid.testing.pool import run_ranks
+    out = run_ranks(_global_aux_both, 1, args=(3,), reuse=False)[0]
+    for (want, want_grad), (got, got_grad) in zip(out["theirs"], out["mine"], strict=True):
+        assert abs(got - want) <= 1e-6 * abs(want), (got, want)
+        assert torch.allclose(got_grad, want_grad, rtol=1e-6, atol=1e-9)
+    # the running mean moves the value: a step's later micro-batches are not their own
+    fresh = [v for v, _ in out["mine"]]
+    assert len(set(fresh)) == len(fresh)
+
+
+def test_the_global_counts_run_over_a_step_and_start_again_at_the_next():
+    """``global_aux_loss``'s running counts: each micro-batch's training forward adds its
+    counts (an evaluation forward adds none), and the step's end (``MoEWatch.step``, after
+    the optimizer) starts them again."""
+    from hybrid.config import build_config, parse_args
+    from hybrid.parallel.state import ParallelState
+    from hybrid.train.moe_stats import MoEWatch
+    from hybrid.train.setup import build_model
+    cfg = build_config(parse_args(
+        ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
+         "--seq-length", "16", "--num-experts", "4", "--moe-aux-loss-coeff", "0.1",
+         "--moe-router-load-balancing-type", "global_aux_loss"]), world_size=1)
+    ps = ParallelState.single()
+    model = build_model(cfg, ps, 64, None)  # type: ignore[arg-type]  (no dropout)
+    layers = model.moe_layers()
+    tokens = torch.randint(0, 64, (2, 16))
+    for _ in range(2):
+        model(tokens, tokens).backward()
+    with torch.no_grad():
+        model.eval()
+        model(tokens, tokens)
+        model.train()
+    counts = [layer.global_counts for layer in layers.values()]
+    assert [(c.micro_batches, int(c.sum.sum())) for c in counts] == [(2, 2 * 32 * 2)] * 2
+    assert cfg.model.moe is not None
+    MoEWatch(model, ps, cfg.model.moe).step()
+    assert [(c.micro_batches, c.sum) for c in counts] == [(0, None)] * 2
