@@ -50,8 +50,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hybrid.kernels.grouped_linear import grouped_linear
 from hybrid.parallel.comm import CommGroup
-from hybrid.tensor_parallel.experts import run_experts, run_local
+from hybrid.tensor_parallel.experts import run_experts
 from hybrid.tensor_parallel.mappings import sequence_parallel_param, sum_over_group
 from hybrid.tensor_parallel.sharding import mark_expert_split
 from hybrid.tensor_parallel.token_split import TokenSplit
@@ -265,11 +266,11 @@ class MoE(nn.Module):
         order = assignments[torch.sort(flat[assignments], stable=True).indices]
         counts = torch.bincount(flat[order], minlength=self.num_experts)
         rows = tokens[order // k]
-        expert = self._experts()
+        experts = self._experts()
         if (self.ep is None or self.ep.size == 1) and self.etp is None:
-            out = run_local(rows, counts.tolist(), expert)
+            out = experts(rows, counts.tolist())
         else:  # each assignment on its expert's rank(s), and back
-            out = run_experts(rows, counts, self.ep, expert, self.etp)
+            out = run_experts(rows, counts, self.ep, experts, self.etp)
         # 3. combine: back to (T, k) in gate order, each times its gate, summed in that order
         per_assignment = tokens.new_zeros(flat.numel(), shape[-1])
         per_assignment[order] = out
@@ -316,10 +317,13 @@ class MoE(nn.Module):
         return self._kept(experts, gates)[ids]
 
     def _experts(self):
-        """``expert(e, rows)``: local expert ``e`` on its rows. The stacked weights are
-        split once a forward: indexing them per expert would make each expert's backward
-        a zero-filled gradient of the whole stack (E of them added, O(E^2) traffic);
-        one split's backward stacks the E gradients once."""
+        """``experts(rows, counts)``: each local expert's MLP on its run of ``rows`` (sorted
+        by expert, ``counts`` each), the up and down projections each one grouped matrix
+        multiply (:func:`hybrid.kernels.grouped_linear.grouped_linear`) and the
+        activation over all rows at once. The stacked weights are split once a forward:
+        indexing them per expert would make each expert's backward a zero-filled
+        gradient of the whole stack (E of them added, O(E^2) traffic); one split's
+        backward stacks the E gradients once."""
         fc: torch.Tensor = self.fc
         proj: torch.Tensor = self.proj
         if (self.ep is None or self.ep.size == 1) and self.etp is None \
@@ -330,9 +334,10 @@ class MoE(nn.Module):
             fc, proj = _replicated(fc, self.split.tp), _replicated(proj, self.split.tp)
         fcs, projs = fc.unbind(0), proj.unbind(0)
 
-        def expert(e: int, rows: torch.Tensor) -> torch.Tensor:
-            return _mlp(rows, fcs[e], projs[e], self.swiglu)
-        return expert
+        def experts(rows: torch.Tensor, counts: list[int]) -> torch.Tensor:
+            return grouped_linear(_activation(grouped_linear(rows, counts, fcs), self.swiglu),
+                                  counts, projs)
+        return experts
 
 
 def switch_aux_loss(routing: Routing, split: TokenSplit | None = None) -> torch.Tensor:
@@ -507,13 +512,16 @@ def _mlp(rows: torch.Tensor, fc: torch.Tensor, proj: torch.Tensor, swiglu: bool
          ) -> torch.Tensor:
     """One expert's MLP on its rows ``(n, C)``: ``fc`` ``(parts x f, C)``, GELU or the
     gated SiLU pair, ``proj`` ``(C, f)``."""
-    h = rows @ fc.t()
+    return _activation(rows @ fc.t(), swiglu) @ proj.t()
+
+
+def _activation(h: torch.Tensor, swiglu: bool) -> torch.Tensor:
+    """An expert's activation of its up-projection ``h`` ``(n, parts x f)``: GELU, or the
+    gated SiLU pair ``silu(gate) * up``."""
     if swiglu:
         gate, up = h.chunk(2, dim=-1)
-        h = F.silu(gate) * up
-    else:
-        h = F.gelu(h)
-    return h @ proj.t()
+        return F.silu(gate) * up
+    return F.gelu(h)
 
 
 class SharedExpert(nn.Module):

@@ -21,6 +21,8 @@ each op takes (``--no-kernels`` forces every fallback).
 * :mod:`.rms_norm`      RMSNorm over the last dimension, as Llama uses it
 * :mod:`.bias_gelu`     ``gelu(x + bias)`` for the GPT MLP: fused CUDA kernel, eager, or compile
 * :mod:`.swiglu`        SwiGLU, the gated MLP activation of Llama
+* :mod:`.grouped_linear` the MoE experts' matrix multiplies: each group of rows times its own
+                        weight
 * :mod:`.rotary`        a fused, grouped QKV split into query, key and value heads, with rotary
                         embeddings
 * :mod:`.attention`     Megatron's ``--attention-backend`` names mapped onto torch's SDPA kernels

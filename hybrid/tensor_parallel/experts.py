@@ -2,12 +2,14 @@
 expert's rank by all-to-all, run there, and come back (the middle step of
 :class:`models.moe.MoE`, [Note: three steps] there).
 
-    out = run_experts(rows, counts, ep_group, expert)   # rows: (N, C), sorted by expert
+    out = run_experts(rows, counts, ep_group, experts)   # rows: (N, C), sorted by expert
 
 ``rows`` are this rank's ``N`` assignments' inputs sorted by global expert, stably (an
 expert's rows in token order); ``counts`` ``(E,)`` int64 how many each global expert got
-here. EP rank ``r`` holds experts ``[r E / EP, (r + 1) E / EP)``; ``expert(e, x)`` runs
-local expert ``e`` on its rows ``x``. The result is ``rows``' outputs, in ``rows``' order.
+here. EP rank ``r`` holds experts ``[r E / EP, (r + 1) E / EP)``; ``experts(x, counts)``
+runs each local expert on its run of ``x`` (sorted by local expert, ``counts`` per
+expert; one with no rows skipped): the layer's grouped MLP. The result is ``rows``'
+outputs, in ``rows``' order.
 
 [Note: the exchange]
 1. **Counts.** One all-to-all of the ``(E,)`` counts (equal chunks of ``E / EP``) tells
@@ -45,7 +47,7 @@ import torch
 
 from hybrid.parallel.comm import CommGroup
 
-Expert = Callable[[int, torch.Tensor], torch.Tensor]
+Experts = Callable[[torch.Tensor, list[int]], torch.Tensor]
 
 
 class _AllToAll(torch.autograd.Function):
@@ -80,18 +82,6 @@ def exchange_blocks(rows: torch.Tensor, group: CommGroup) -> torch.Tensor:
     splits = [rows.shape[0] // group.size] * group.size
     anchor = torch.zeros((), device=rows.device, requires_grad=torch.is_grad_enabled())
     return _AllToAll.apply(rows, anchor, group, splits, splits)
-
-
-def run_local(rows: torch.Tensor, counts: list[int], expert: Expert) -> torch.Tensor:
-    """Each expert on its run of ``rows`` (sorted by expert, ``counts`` per expert), in
-    expert order; an expert with no rows is skipped."""
-    out = torch.empty_like(rows)
-    start = 0
-    for e, n in enumerate(counts):
-        if n:
-            out[start: start + n] = expert(e, rows[start: start + n])
-        start += n
-    return out
 
 
 class _GatherRows(torch.autograd.Function):
@@ -136,17 +126,17 @@ class _SumRows(torch.autograd.Function):
         return out, None, None
 
 
-def run_sharded(rows: torch.Tensor, counts: list[int], expert: Expert,
+def run_sharded(rows: torch.Tensor, counts: list[int], experts: Experts,
                 etp: CommGroup | None) -> torch.Tensor:
     """Each local expert on its run of ``rows`` (sorted by expert, ``counts`` per expert).
     ``etp`` (expert tensor parallelism): each rank of that group holds a slice of every
-    local expert's hidden units, ``expert(e, x)`` giving a partial output; the group's
+    local expert's hidden units, ``experts`` giving partial outputs; the group's
     rows are gathered (sizes first: one all-gather of the counts, one host read), each
     expert runs on its rows of every ETP rank (in ETP rank order), and the partial
     outputs are summed back to the rank that sent each row (reduce-scatter). Every rank
     of the group joins both exchanges, forward and backward, whatever its rows."""
     if etp is None or etp.size == 1:
-        return run_local(rows, counts, expert)
+        return experts(rows, counts)
     local = len(counts)
     mine = torch.tensor(counts, dtype=torch.int64, device=rows.device)
     every = torch.empty(etp.size * local, dtype=torch.int64, device=rows.device)
@@ -164,7 +154,7 @@ def run_sharded(rows: torch.Tensor, counts: list[int], expert: Expert,
              - torch.repeat_interleave(run_start, lengths)).to(rows.device)
     flat = gathered.reshape(-1, *rows.shape[1:])
     x = flat[order]
-    computed = run_local(x, every.sum(dim=0).tolist(), expert)
+    computed = experts(x, every.sum(dim=0).tolist())
     if x.requires_grad and not computed.requires_grad:  # no rows in the group: keep the path
         computed = x * 0
     partial = torch.zeros_like(flat).index_copy(0, order, computed)
@@ -172,12 +162,12 @@ def run_sharded(rows: torch.Tensor, counts: list[int], expert: Expert,
 
 
 def run_experts(rows: torch.Tensor, counts: torch.Tensor, group: CommGroup | None,
-                expert: Expert, etp: CommGroup | None = None) -> torch.Tensor:
+                experts: Experts, etp: CommGroup | None = None) -> torch.Tensor:
     """The outputs of ``rows`` from their experts, over the EP ``group`` (module doc; None:
     EP 1), each expert's hidden units split over ``etp`` when given (:func:`run_sharded`)."""
     ep, total = 1 if group is None else group.size, counts.numel()
     if group is None or ep == 1:
-        return run_sharded(rows, counts.tolist(), expert, etp)
+        return run_sharded(rows, counts.tolist(), experts, etp)
     if total % ep:
         raise ValueError(f"{total} experts do not split over EP {ep}")
     local = total // ep
@@ -199,7 +189,7 @@ def run_experts(rows: torch.Tensor, counts: torch.Tensor, group: CommGroup | Non
     order = (torch.repeat_interleave(firsts, lengths)
              + torch.arange(n) - torch.repeat_interleave(run_start, lengths)).to(rows.device)
     x = got[order]
-    computed = run_sharded(x, recv.sum(dim=0).tolist(), expert, etp)
+    computed = run_sharded(x, recv.sum(dim=0).tolist(), experts, etp)
     if x.requires_grad and not computed.requires_grad:  # no rows here: keep the path
         computed = x * 0
     back = torch.empty_like(computed).index_copy(0, order, computed)
