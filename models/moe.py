@@ -17,34 +17,26 @@ does for the dense MLP; the layer is written so that only the middle step change
    k (the gates sum to less than 1; Megatron's ``--moe-router-pre-softmax``).
    ``score="sigmoid"`` (DeepSeek-V3's): a sigmoid of each logit; the top k are chosen on
    the scores plus an expert bias that no gradient trains (aux-loss-free balancing,
-   :meth:`Router.update_expert_bias`), and the gates are the chosen unbiased scores
+   :meth:`models.router.Router.update_expert_bias`), and the gates are the chosen unbiased scores
    scaled to sum to 1. Top k is a stable descending sort, so equal scores go to the
    lower expert index: the choice never depends on the kernel's tie order, hence never
    on the layout.
 2. **Compute.** The T x k (token, expert) assignments are sorted by expert, stably (a
    token's assignments keep the token order within an expert), and each expert runs its
-   MLP on its rows in one matmul pair: a grouped GEMM written as a loop in expert order
-   (torch's grouped matmul is a private API). An expert with no rows is skipped; its
-   weights get a zero gradient.
+   MLP on its rows, each projection one grouped matrix multiply
+   (:func:`hybrid.kernels.grouped_linear.grouped_linear`, a loop in expert order). An
+   expert with no rows is skipped; its weights get a zero gradient.
 3. **Combine.** Each assignment's output goes back to its token, and the k outputs of a
    token are summed in the order of its gates (largest first), each times its gate: one
    fixed order of additions, whatever the batch or the layout.
 
-[Note: the load-balancing loss]
-:func:`switch_aux_loss` is Switch Transformer's (Megatron's ``aux_loss``): E times the
-sum over experts of (the fraction of the T x k assignments it got) times (its mean
-router probability over the T tokens), with the probabilities of a softmax over all E
-logits whatever ``pre_softmax`` says. It is 1 when routing is uniform, at least 1
-otherwise up to rounding, and its gradient reaches the router through the mean
-probabilities only (the counts are integers). :func:`router_z_loss` (ST-MoE's, Megatron's
-``--moe-z-loss-coeff``) keeps the logits small: the mean over tokens of the squared
-log-sum-exp of a token's logits.
+The routing losses are :mod:`models.moe_losses`'s; the router :mod:`models.router`'s.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 import torch
 import torch.nn.functional as F
@@ -53,115 +45,21 @@ from torch import nn
 from hybrid.kernels.grouped_linear import grouped_linear
 from hybrid.parallel.comm import CommGroup
 from hybrid.tensor_parallel.experts import run_experts
-from hybrid.tensor_parallel.mappings import sequence_parallel_param, sum_over_group
+from hybrid.tensor_parallel.mappings import sequence_parallel_param
 from hybrid.tensor_parallel.sharding import mark_expert_split
 from hybrid.tensor_parallel.token_split import TokenSplit
+from models.moe_losses import (
+    GlobalCounts,
+    global_aux_loss,
+    router_z_loss,
+    seq_aux_loss,
+    switch_aux_loss,
+)
+from models.router import SCORES, Router, Routing
 
-
-@dataclass(frozen=True)
-class Routing:
-    """What the router decided for a batch of T tokens, E experts, k per token.
-
-    ``experts``: ``(T, k)`` the chosen experts, largest score first; ``gates``: ``(T, k)``
-    their weights; ``logits``: ``(T, E)``, fp32 at least; ``probs``: ``(T, E)`` a softmax over all E
-    logits (the aux loss's); ``tokens_per_expert``: ``(E,)`` assignments each expert got
-    (int64)."""
-
-    experts: torch.Tensor
-    gates: torch.Tensor
-    logits: torch.Tensor
-    probs: torch.Tensor
-    tokens_per_expert: torch.Tensor
-    kept: torch.Tensor | None = None  # (T, k) under a capacity: the assignments computed
-
-
-SCORES = ("softmax", "sigmoid")
-
-
-class Router(nn.Module):
-    """hidden -> E logits, without bias; :meth:`forward` gives a :class:`Routing`.
-    ``score``: one of :data:`SCORES` ([Note: three steps]); with "sigmoid" the buffer
-    ``expert_bias`` (E,) moves the choice, never the gates. ``sp``: the TP group when
-    sequence parallelism gives this rank its own tokens (the weight's gradient is then
-    summed over it, as a norm's is)."""
-
-    expert_bias: torch.Tensor  # (a buffer)
-
-    def __init__(self, hidden: int, num_experts: int, top_k: int,
-                 pre_softmax: bool = False, score: str = "softmax",
-                 topk_scaling: float | None = None, groups: tuple[int, int] | None = None,
-                 sp: CommGroup | None = None):
-        super().__init__()
-        self.sp = sp
-        if not 1 <= top_k <= num_experts:
-            raise ValueError(f"top_k {top_k} must be in [1, num_experts {num_experts}]")
-        if groups is not None:
-            n, pick = groups
-            if num_experts % n or not 1 <= pick <= n or top_k % pick \
-                    or top_k // pick > num_experts // n:
-                raise ValueError(f"groups {groups}: the experts must split into {n} groups, "
-                                 f"of which {pick} hold the top {top_k}, as many in each")
-        self.groups = groups
-        if score not in SCORES:
-            raise ValueError(f"score {score!r} must be one of {SCORES}")
-        if score == "sigmoid" and pre_softmax:
-            raise ValueError("pre_softmax is a softmax router's: not with score='sigmoid'")
-        self.num_experts, self.top_k, self.pre_softmax = num_experts, top_k, pre_softmax
-        self.score, self.topk_scaling = score, topk_scaling
-        self.weight = nn.Parameter(torch.empty(num_experts, hidden))
-        self.register_buffer("expert_bias", torch.zeros(num_experts), persistent=True)
-
-    def forward(self, x: torch.Tensor) -> Routing:
-        """``x``: ``(T, hidden)``."""
-        logits = F.linear(x, _replicated(self.weight, self.sp))
-        if logits.dtype in (torch.bfloat16, torch.float16):  # routing decided in fp32
-            logits = logits.float()
-        probs = torch.softmax(logits, dim=-1)
-        if self.score == "sigmoid":
-            scores = torch.sigmoid(logits)
-            # the bias only ranks; its sort key has no gradient ([Note: three steps])
-            _, experts = torch.sort(self._in_groups(scores.detach() + self.expert_bias),
-                                    dim=-1, descending=True, stable=True)
-            experts = experts[:, : self.top_k]
-            top = scores.gather(1, experts)
-            gates = top / top.sum(dim=-1, keepdim=True)
-        else:
-            # a stable sort: equal scores keep the lower expert index first
-            top, experts = torch.sort(self._in_groups(probs if self.pre_softmax else logits),
-                                      dim=-1, descending=True, stable=True)
-            top, experts = top[:, : self.top_k], experts[:, : self.top_k]
-            gates = top if self.pre_softmax else torch.softmax(top, dim=-1)
-        if self.topk_scaling is not None:  # (DeepSeek's routed scaling factor)
-            gates = gates * self.topk_scaling
-        counts = torch.bincount(experts.reshape(-1), minlength=self.num_experts)
-        return Routing(experts, gates.to(x.dtype), logits, probs, counts)
-
-    def _in_groups(self, key: torch.Tensor) -> torch.Tensor:
-        """Group-limited routing (DeepSeek's device- and node-limited routing, Megatron's
-        ``--moe-router-num-groups G --moe-router-group-topk P``): the experts in G equal
-        groups, a group scored by the sum of its top ``k / P`` keys, the key of every
-        expert outside a token's best P groups -inf, so its top k come from those groups.
-        Equal group scores go to the lower group (a stable sort). Without groups: ``key``."""
-        if self.groups is None:
-            return key
-        n, pick = self.groups
-        T = key.shape[0]
-        per_group = key.view(T, n, -1)
-        score = per_group.topk(self.top_k // pick, dim=-1).values.sum(dim=-1)
-        best = torch.sort(score.detach(), dim=-1, descending=True, stable=True).indices
-        keep = torch.zeros((T, n), dtype=torch.bool, device=key.device)
-        keep.scatter_(1, best[:, :pick], True)
-        return key.masked_fill(~keep.repeat_interleave(self.num_experts // n, dim=1),
-                               float("-inf"))
-
-    @torch.no_grad()
-    def update_expert_bias(self, tokens_per_expert: torch.Tensor, rate: float) -> None:
-        """Aux-loss-free balancing (arXiv 2408.15664, DeepSeek-V3): each expert's bias
-        moves by ``rate`` toward the mean load, up when it got fewer assignments than
-        the mean, down when more (the sign of the difference), after an optimizer step
-        with the step's summed counts."""
-        load = tokens_per_expert.to(self.expert_bias.dtype)
-        self.expert_bias += rate * torch.sign(load.mean() - load)
+__all__ = ["BALANCING", "DROP_POLICIES", "SCORES", "AuxLossScale", "GlobalCounts", "MoE",
+           "MoELayer", "MoEStats", "Router", "Routing", "SharedExpert", "global_aux_loss",
+           "router_z_loss", "seq_aux_loss", "switch_aux_loss"]
 
 
 DROP_POLICIES = ("probs", "position")
@@ -338,113 +236,6 @@ class MoE(nn.Module):
             return grouped_linear(_activation(grouped_linear(rows, counts, fcs), self.swiglu),
                                   counts, projs)
         return experts
-
-
-def switch_aux_loss(routing: Routing, split: TokenSplit | None = None) -> torch.Tensor:
-    """Switch Transformer's load-balancing loss of one batch ([Note: the load-balancing
-    loss]): 1 for uniform routing. A 0-dim fp32 tensor; multiply by the coefficient
-    (Megatron's ``--moe-aux-loss-coeff``) and add to the loss. ``split``: ``routing`` is
-    this rank's part of a batch split over those ranks; the loss is the whole batch's,
-    its gradient through this rank's tokens (:mod:`hybrid.tensor_parallel.token_split`)."""
-    probs, counts = routing.probs, routing.tokens_per_expert
-    t, e = probs.shape
-    k = routing.experts.shape[1]
-    if split is None:
-        mean = probs.mean(dim=0)
-    else:
-        t *= split.size
-        counts, mean = split.total(counts), split.total(probs.sum(dim=0)) / t
-    fraction = counts.to(probs.dtype) / (t * k)
-    return e * (fraction * mean).sum()
-
-
-def router_z_loss(routing: Routing, split: TokenSplit | None = None) -> torch.Tensor:
-    """ST-MoE's router z-loss of one batch ([Note: the load-balancing loss]): the mean over
-    tokens of logsumexp(logits)^2, a 0-dim fp32 tensor; times Megatron's
-    ``--moe-z-loss-coeff``. ``split``: as :func:`switch_aux_loss`'s."""
-    z = torch.logsumexp(routing.logits, dim=-1).square()
-    if split is None:
-        return z.mean()
-    return split.total(z.sum()) / (z.numel() * split.size)
-
-
-def seq_aux_loss(routing: Routing, sequences: int, split: TokenSplit | None = None
-                 ) -> torch.Tensor:
-    """DeepSeek-V2's sequence-wise load-balancing loss (Megatron's ``seq_aux_loss``): the
-    Switch loss of each of ``sequences`` equal runs of the T tokens (a sequence each),
-    averaged over them. A 0-dim fp32 tensor, 1 for uniform routing. ``split``: as
-    :func:`switch_aux_loss`'s (each rank holding part of every sequence)."""
-    probs, experts = routing.probs, routing.experts
-    t, e = probs.shape
-    k = experts.shape[1]
-    per = t // sequences
-    counts = F.one_hot(experts.reshape(sequences, per * k), e).sum(dim=1)  # (S, E)
-    if split is None:
-        mean = probs.view(sequences, per, e).mean(dim=1)
-    else:
-        per *= split.size
-        counts = split.total(counts)
-        mean = split.total(probs.view(sequences, -1, e).sum(dim=1)) / per
-    fraction = counts.to(probs.dtype) / (per * k)
-    return e * (fraction * mean).sum(dim=1).mean()
-
-
-class GlobalCounts:
-    """The running tokens per expert of :func:`global_aux_loss` (Megatron's
-    ``global_aux_loss``, after arXiv 2501.11873): each micro-batch's counts summed over
-    the ranks running micro-batches side by side (the token split and DP), added up over
-    the step's micro-batches so far, and averaged over them; :meth:`reset` at each
-    optimizer step (:meth:`hybrid.train.moe_stats.MoEWatch.step`).
-
-    [Note: the global loss's layout]
-    Unlike the other losses, its value is not a micro-batch's alone: it weighs a
-    micro-batch's router probabilities by the counts of every micro-batch run so far in
-    the step, on every DP rank, so it depends on how many DP ranks share a step and in
-    which order a rank's micro-batches run, as Megatron's does by definition. TP, CP, EP,
-    ETP, the pipeline schedule, the ZeRO stage and recompute leave it as one process with
-    the same micro-batches in the same order computes it (a recompute counts once: the
-    first forward under checkpointing runs without a graph, and counts nothing)."""
-
-    def __init__(self, num_experts: int, dp: CommGroup | None) -> None:
-        self.dp, self.num_experts = dp, num_experts
-        self.sum: torch.Tensor | None = None  # (made on the counts' device at the first add)
-        self.micro_batches = 0
-
-    def add(self, counts: torch.Tensor) -> torch.Tensor:
-        """This micro-batch's ``(E,)`` counts (already summed over the token split) summed
-        over DP and added; the running mean ``(E,)`` fp32 after it."""
-        counts = counts.to(torch.float32).clone()
-        if self.dp is not None:
-            self.dp.all_reduce(counts)
-        self.sum = counts if self.sum is None else self.sum + counts
-        self.micro_batches += 1
-        return self.sum / self.micro_batches
-
-    def reset(self) -> None:
-        self.sum = None
-        self.micro_batches = 0
-
-
-def global_aux_loss(routing: Routing, running: GlobalCounts,
-                    split: TokenSplit | None = None) -> torch.Tensor:
-    """The global-batch load-balancing loss ([Note: the global loss's layout]): Switch's
-    formula with the expert fractions of the step's running mean counts (:class:`GlobalCounts`)
-    over the tokens of every rank that shares the micro-batch (the split and DP), and the
-    mean router probabilities over the same tokens, summed to every rank with the
-    gradient through its own (:mod:`hybrid.tensor_parallel.token_split`). A 0-dim fp32
-    tensor, 1 for uniform routing."""
-    probs, counts = routing.probs, routing.tokens_per_expert
-    t, e = probs.shape
-    k = routing.experts.shape[1]
-    summed = probs.sum(dim=0)
-    if split is not None:
-        t *= split.size
-        counts, summed = split.total(counts), split.total(summed)
-    if running.dp is not None:
-        t *= running.dp.size
-        summed = sum_over_group(summed, running.dp)
-    fraction = running.add(counts) / (t * k)
-    return e * (fraction * summed / t).sum()
 
 
 class AuxLossScale:
