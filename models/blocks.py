@@ -194,12 +194,15 @@ class ParallelMLP(nn.Module):
 
 def make_moe(cfg: ModelConfig, scale: AuxLossScale, ep_group: CommGroup | None = None,
              split: TokenSplit | None = None, etp_group: CommGroup | None = None,
-             dp_group: CommGroup | None = None) -> MoELayer:
+             dp_group: CommGroup | None = None,
+             weight_grads: WeightGradStore | None = None) -> MoELayer:
     """An MoE layer of ``cfg.moe`` in place of the block's MLP (:class:`models.moe.MoELayer`),
     its experts split over ``ep_group`` when given, each rank routing its own tokens of
     a micro-batch ``split`` over sequence parallelism's TP group and CP (None: the rank
     holds the whole micro-batch), each expert's hidden units split over ``etp_group``
-    when given; ``dp_group``: where ``global_aux_loss`` sums its counts. Under TP the
+    when given; ``dp_group``: where ``global_aux_loss`` sums its counts; ``weight_grads``:
+    the model's store, to which a split backward defers the experts' and the shared
+    expert's weight gradients. Under TP the
     tokens must be split, and the ETP x EP group folds over the TP ranks (Megatron's
     parallel folding)."""
     moe = cfg.moe
@@ -216,7 +219,7 @@ def make_moe(cfg: ModelConfig, scale: AuxLossScale, ep_group: CommGroup | None =
                     drop_policy=moe.moe_token_drop_policy,
                     init_method_std=cfg.init_method_std, ep_group=ep_group,
                     groups=moe.router_groups, split=split, etp_group=etp_group,
-                    dp_group=dp_group)
+                    dp_group=dp_group, weight_grads=weight_grads)
 
 
 def residual_rng(fork: bool, rng: TPRNGTracker | None):
@@ -257,7 +260,7 @@ class Block(nn.Module):
                  if sequence_parallel or cp is not None else None)
         self.mlp: nn.Module = (ParallelMLP(cfg, tp_group, sequence_parallel, weight_grads)
                                if moe is None else make_moe(cfg, moe, ep_group, split,
-                                                            etp_group, dp_group))
+                                                            etp_group, dp_group, weight_grads))
         self.drop = nn.Dropout(cfg.hidden_dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

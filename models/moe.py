@@ -42,12 +42,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hybrid.kernels.grouped_linear import grouped_linear
 from hybrid.parallel.comm import CommGroup
 from hybrid.tensor_parallel.experts import run_experts
 from hybrid.tensor_parallel.mappings import sequence_parallel_param
 from hybrid.tensor_parallel.sharding import mark_expert_split
 from hybrid.tensor_parallel.token_split import TokenSplit
+from hybrid.tensor_parallel.weight_grad import (
+    WeightGradStore,
+    deferrable_grouped_linear,
+    deferrable_linear,
+)
 from models.moe_losses import (
     GlobalCounts,
     global_aux_loss,
@@ -108,7 +112,8 @@ class MoE(nn.Module):
                  topk_scaling: float | None = None, capacity_factor: float | None = None,
                  drop_policy: str = "probs", init_method_std: float = 0.02,
                  ep_group: CommGroup | None = None, groups: tuple[int, int] | None = None,
-                 split: TokenSplit | None = None, etp_group: CommGroup | None = None):
+                 split: TokenSplit | None = None, etp_group: CommGroup | None = None,
+                 weight_grads: WeightGradStore | None = None):
         super().__init__()
         if capacity_factor is not None and not capacity_factor > 0:
             raise ValueError(f"capacity_factor must be > 0 (None: dropless), got "
@@ -127,6 +132,7 @@ class MoE(nn.Module):
             raise ValueError(f"the experts' hidden size {ffn} is not divisible by the "
                              f"expert-tensor-parallel size {etp}")
         self.ep, self.etp = ep_group, etp_group if etp > 1 else None
+        self.weight_grads = weight_grads
         local = num_experts // ep
         self.split = split
         self.router = Router(hidden, num_experts, top_k, pre_softmax, score, topk_scaling,
@@ -217,11 +223,12 @@ class MoE(nn.Module):
     def _experts(self):
         """``experts(rows, counts)``: each local expert's MLP on its run of ``rows`` (sorted
         by expert, ``counts`` each), the up and down projections each one grouped matrix
-        multiply (:func:`hybrid.kernels.grouped_linear.grouped_linear`) and the
-        activation over all rows at once. The stacked weights are split once a forward:
-        indexing them per expert would make each expert's backward a zero-filled
-        gradient of the whole stack (E of them added, O(E^2) traffic); one split's
-        backward stacks the E gradients once."""
+        multiply (:func:`hybrid.tensor_parallel.weight_grad.deferrable_grouped_linear`:
+        under a zero-bubble schedule's split backward the stacks' gradients wait for
+        its weight half, as the linears' do) and the activation over all rows at once.
+        The stacked weights are split once a forward: indexing them per expert would
+        make each expert's backward a zero-filled gradient of the whole stack (E of them
+        added, O(E^2) traffic); one split's backward stacks the E gradients once."""
         fc: torch.Tensor = self.fc
         proj: torch.Tensor = self.proj
         if (self.ep is None or self.ep.size == 1) and self.etp is None \
@@ -230,11 +237,11 @@ class MoE(nn.Module):
             # summed over TP, as a norm's under SP (over EP > 1 the exchange brings every
             # rank's tokens to the expert instead)
             fc, proj = _replicated(fc, self.split.tp), _replicated(proj, self.split.tp)
-        fcs, projs = fc.unbind(0), proj.unbind(0)
+        store = self.weight_grads
 
         def experts(rows: torch.Tensor, counts: list[int]) -> torch.Tensor:
-            return grouped_linear(_activation(grouped_linear(rows, counts, fcs), self.swiglu),
-                                  counts, projs)
+            h = deferrable_grouped_linear(rows, counts, fc, store)
+            return deferrable_grouped_linear(_activation(h, self.swiglu), counts, proj, store)
         return experts
 
 
@@ -299,13 +306,6 @@ def _replicated(weight: torch.Tensor, sp: CommGroup | None) -> torch.Tensor:
     return weight if sp is None else sequence_parallel_param(weight, sp)
 
 
-def _mlp(rows: torch.Tensor, fc: torch.Tensor, proj: torch.Tensor, swiglu: bool
-         ) -> torch.Tensor:
-    """One expert's MLP on its rows ``(n, C)``: ``fc`` ``(parts x f, C)``, GELU or the
-    gated SiLU pair, ``proj`` ``(C, f)``."""
-    return _activation(rows @ fc.t(), swiglu) @ proj.t()
-
-
 def _activation(h: torch.Tensor, swiglu: bool) -> torch.Tensor:
     """An expert's activation of its up-projection ``h`` ``(n, parts x f)``: GELU, or the
     gated SiLU pair ``silu(gate) * up``."""
@@ -320,20 +320,25 @@ class SharedExpert(nn.Module):
     ``(parts x ffn, hidden)``, ``proj`` ``(hidden, ffn)``, no biases. ``gated``: its
     output times ``sigmoid(x @ gate.T)``, ``gate`` ``(1, hidden)`` (Qwen2-MoE's,
     Megatron's ``moe_shared_expert_gate``); else ungated. ``sp``: as :class:`Router`'s
-    (the weights whole on every TP rank, each running its own tokens)."""
+    (the weights whole on every TP rank, each running its own tokens). ``weight_grads``:
+    the model's store, which a zero-bubble schedule's split backward defers ``fc``'s and
+    ``proj``'s gradients to (:mod:`hybrid.tensor_parallel.weight_grad`)."""
 
     def __init__(self, hidden: int, ffn: int, swiglu: bool, init_method_std: float = 0.02,
-                 gated: bool = False, sp: CommGroup | None = None):
+                 gated: bool = False, sp: CommGroup | None = None,
+                 weight_grads: WeightGradStore | None = None):
         super().__init__()
-        self.swiglu, self.sp = swiglu, sp
+        self.swiglu, self.sp, self.weight_grads = swiglu, sp, weight_grads
         self.fc = nn.Parameter(torch.empty((2 if swiglu else 1) * ffn, hidden))
         self.proj = nn.Parameter(torch.empty(hidden, ffn))
         self.gate = nn.Parameter(torch.empty(1, hidden)) if gated else None
         _init([w for w in (self.fc, self.proj, self.gate) if w is not None], init_method_std)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = _mlp(x, _replicated(self.fc, self.sp), _replicated(self.proj, self.sp),
-                 self.swiglu)
+        store = self.weight_grads
+        h = deferrable_linear(x, _replicated(self.fc, self.sp), store)
+        y = deferrable_linear(_activation(h, self.swiglu), _replicated(self.proj, self.sp),
+                              store)
         if self.gate is None:
             return y
         return y * torch.sigmoid(F.linear(x, _replicated(self.gate, self.sp)))
@@ -386,7 +391,8 @@ class MoELayer(nn.Module):
         self.experts = MoE(hidden, ffn, num_experts, top_k, swiglu=swiglu, **moe_kw)
         split = self.experts.split
         self.shared = (SharedExpert(hidden, shared_ffn, swiglu, gated=shared_gate,
-                                    sp=None if split is None else split.tp)
+                                    sp=None if split is None else split.tp,
+                                    weight_grads=self.experts.weight_grads)
                        if shared_ffn else None)
         self.balancing, self.aux_coeff, self.z_coeff = balancing, aux_coeff, z_coeff
         self.scale = scale

@@ -2,6 +2,7 @@
 
     y = grouped_linear(x, counts, weights)   # x (N, in), rows grouped in order;
                                              # weights[g] (out, in); y (N, out)
+    dx, dw = grouped_linear_grads(dy, x, counts, weights)   # its backward's two halves
 
 Row group ``g`` (``counts[g]`` rows, after the groups before it) times ``weights[g]``
 transposed, the groups' outputs in the same order: one linear per group that has rows,
@@ -19,7 +20,7 @@ from collections.abc import Sequence
 
 import torch
 
-from hybrid.kernels.linear import linear
+from hybrid.kernels.linear import linear, linear_grad_input, linear_grad_weight
 
 
 def grouped_linear(x: torch.Tensor, counts: Sequence[int],
@@ -37,3 +38,26 @@ def grouped_linear(x: torch.Tensor, counts: Sequence[int],
     if not parts:
         return x.new_empty((0, weights[0].shape[0]))
     return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+
+def grouped_linear_grads(dy: torch.Tensor, x: torch.Tensor, counts: Sequence[int],
+                         weights: torch.Tensor, want_input: bool = True
+                         ) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """The backward of :func:`grouped_linear` with ``weights`` stacked ``(G, out, in)``:
+    ``(dx (N, in) or None, dW (G, out, in))``, each group's by the linear's own backward
+    (:func:`hybrid.kernels.linear.linear_grad_input`, ``linear_grad_weight``); a group
+    with no rows gets a zero ``dW``. The two halves are apart so that a zero-bubble
+    pipeline can take ``dW`` later (:mod:`hybrid.tensor_parallel.weight_grad`)."""
+    dw = torch.zeros_like(weights)
+    dx_parts, start = [], 0
+    for g, n in enumerate(counts):
+        if n:
+            rows, grad = x[start: start + n], dy[start: start + n]
+            if want_input:
+                dx_parts.append(linear_grad_input(grad, weights[g]))
+            linear_grad_weight(grad, rows, False, out=dw[g])
+        start += n
+    if not want_input:
+        return None, dw
+    dx = torch.cat(dx_parts) if dx_parts else x.new_zeros(x.shape)
+    return dx, dw

@@ -55,6 +55,7 @@ from collections.abc import Callable, Iterator
 import torch
 
 from hybrid.kernels import linear
+from hybrid.kernels.grouped_linear import grouped_linear, grouped_linear_grads
 from hybrid.kernels.linear import linear_grad_input, linear_grad_weight
 
 Pairs = list[tuple[torch.Tensor, torch.Tensor]]  # (parameter, its gradient)
@@ -132,6 +133,46 @@ class _DeferrableLinear(torch.autograd.Function):
             if ctx.store.defer(lambda: [(param, linear_grad_weight(dy, x, False)[0])]):
                 return dx, None, None
         return dx, linear_grad_weight(dy, x, False)[0], None
+
+
+class _DeferrableGroupedLinear(torch.autograd.Function):
+    """:func:`hybrid.kernels.grouped_linear.grouped_linear` of a stacked ``(G, out, in)``
+    weight, the whole stack's gradient deferred to ``store`` when a deferring block is
+    open at backward time (an MoE layer's experts: one projection's G matmuls)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, counts, store):
+        ctx.save_for_backward(x, weight)
+        ctx.counts = counts
+        ctx.store = store if leaves(weight) else None
+        ctx.weight = weight if ctx.store is not None else None
+        return grouped_linear(x, counts, weight.unbind(0))
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, weight = ctx.saved_tensors
+        counts = ctx.counts
+        if ctx.store is not None:
+            param = ctx.weight
+            if ctx.store.defer(lambda: [(param, grouped_linear_grads(
+                    dy, x, counts, weight, want_input=False)[1])]):
+                dx = grouped_linear_grads(dy, x, counts, weight)[0] \
+                    if ctx.needs_input_grad[0] else None
+                return dx, None, None, None
+        dx, dw = grouped_linear_grads(dy, x, counts, weight, ctx.needs_input_grad[0])
+        return dx, dw, None, None
+
+
+def deferrable_grouped_linear(x: torch.Tensor, counts: list[int], weight: torch.Tensor,
+                              store: WeightGradStore | None) -> torch.Tensor:
+    """Each group of ``x``'s rows (``counts``) times its slice of the stacked ``weight``
+    ``(G, out, in)`` (:func:`hybrid.kernels.grouped_linear.grouped_linear`); with a
+    ``store``, the stack's weight gradient is what a deferring block takes for later, as
+    a linear's is (module doc). Without one, autograd through the stack's split (its
+    backward stacks the G gradients once)."""
+    if store is None:
+        return grouped_linear(x, counts, weight.unbind(0))
+    return _DeferrableGroupedLinear.apply(x, weight, counts, store)
 
 
 def deferrable_linear(x: torch.Tensor, weight: torch.Tensor,

@@ -394,3 +394,31 @@ def test_the_global_counts_run_over_a_step_and_start_again_at_the_next():
     assert cfg.model.moe is not None
     MoEWatch(model, ps, cfg.model.moe).step()
     assert [(c.micro_batches, c.sum) for c in counts] == [(0, None)] * 2
+
+
+def test_a_split_backward_defers_the_experts_weight_gradients():
+    """Under a zero-bubble schedule's input half (``WeightGradStore.deferring``) the
+    experts' stacked weights and the shared expert's take no gradient; the weight half
+    (``run_deferred``) gives them exactly the plain backward's, and the input gradient
+    is the plain one's too."""
+    from hybrid.tensor_parallel.weight_grad import WeightGradStore, run_deferred
+    torch.manual_seed(0)
+    store = WeightGradStore()
+    layer = MoELayer(16, 24, 4, 2, swiglu=True, scale=AuxLossScale(), shared_ffn=8,
+                     weight_grads=store)
+    x = torch.randn(2, 6, 16, requires_grad=True)
+    dy = torch.randn(2, 6, 16)
+    layer(x).backward(dy)
+    want = {n: p.grad.clone() for n, p in layer.named_parameters()}
+    want_x = x.grad.clone()
+    layer.zero_grad(set_to_none=True)
+    x.grad = None
+    with store.deferring() as later:
+        layer(x).backward(dy)
+    deferred = ("experts.fc", "experts.proj", "shared.fc", "shared.proj")
+    assert all(dict(layer.named_parameters())[n].grad is None for n in deferred)
+    assert len(later) == 4 and torch.equal(x.grad, want_x)
+    pairs = run_deferred(later)
+    torch.autograd.backward([p for p, _ in pairs], [g for _, g in pairs])
+    for n, p in layer.named_parameters():
+        assert torch.equal(p.grad, want[n]), n
