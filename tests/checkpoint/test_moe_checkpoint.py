@@ -11,6 +11,7 @@ import shutil
 import pytest
 
 from tests.helpers.launch import TINY, pretrain, read_json_log
+from tests.helpers.opened import opened_by_rank, own_files, recording_rank
 from tests.models.moe_grid import MOE
 
 ITERS = ["--train-iters", "6", "--eval-iters", "0"]
@@ -153,9 +154,10 @@ def test_experts_over_ep_save_resume_and_reshard(tmp_path, stage):
 def test_experts_under_etp_folded_over_tp_save_resume_and_reshard(tmp_path):
     """Saved at 3 of 6 at TP 2 (SP) x DP 2 with each expert's hidden units over ETP 2 and
     the experts over EP 2 (the ETP x EP group folding over TP and DP; ZeRO 1): resumed
-    there to the last bit; loaded at one process (EP 1, ETP 1, TP 1) and at TP 2 x EP 2
-    without ETP on 2 ranks (ZeRO 3), the curve going on within 1e-6; the one-process
-    tools read every expert whole."""
+    there to the last bit, each rank opening the metadata and its own two files only (its
+    experts' piece and its dense shard); loaded at one process (EP 1, ETP 1, TP 1) and at
+    TP 2 x EP 2 without ETP on 2 ranks (ZeRO 3), the curve going on within 1e-6; the
+    one-process tools read every expert whole."""
     save, log = str(tmp_path / "ckpt"), str(tmp_path / "full.jsonl")
     tp = ["--tensor-model-parallel-size", "2", "--sequence-parallel"]
     layout = [*tp, "--expert-tensor-parallel-size", "2", "--expert-model-parallel-size", "2",
@@ -170,10 +172,14 @@ def test_experts_under_etp_folded_over_tp_save_resume_and_reshard(tmp_path):
     assert (saved["ep_size"], saved["etp_size"]) == (2, 2)
     assert saved["expert_rows"]["blocks.1.mlp.experts.proj"] == 4 * 64  # E x hidden
     out = str(tmp_path / "same.jsonl")
-    _ok(pretrain(4, [*TINY, *MOE, *ITERS, *layout, "--load", save, "--log-json", out]))
+    r = pretrain(4, [*TINY, *MOE, *ITERS, *layout, "--load", save, "--log-json", out],
+                 rank_fn=recording_rank)
+    _ok(r)
     resumed = read_json_log(out)
     for key in ("loss", "grad_norm", "moe"):
         assert [m[key] for m in resumed] == [m[key] for m in full[3:]], key
+    for rank, files in opened_by_rank(r.stdout).items():
+        assert sorted(files) == sorted(["iter_0000003/metadata.json", *own_files(rank)])
     for n, flags in ((1, ["--zero-stage", "1"]),
                      (2, [*tp, "--expert-model-parallel-size", "2", "--zero-stage", "3"])):
         out = str(tmp_path / f"w{n}.jsonl")

@@ -14,6 +14,7 @@ import shutil
 import pytest
 
 from tests.helpers.launch import TINY, pretrain, read_json_log, run_script
+from tests.helpers.opened import opened_by_rank, own_files, recording_rank
 
 BASE = TINY + ["--num-layers", "4", "--global-batch-size", "8", "--train-iters", "6",
                "--eval-iters", "0", "--zero-param-persistence-threshold", "0"]
@@ -35,27 +36,6 @@ def _losses(path):
     return [m["loss"] for m in read_json_log(path)]
 
 
-def _recording_rank(ps, cfg):
-    """scripts/pretrain_gpt.py's work on one rank, recording every file it opens under
-    ``--load`` (an independent count of the checkpoint reader's); the list ends its
-    stdout as one line ``OPENED <rank> <json>``."""
-    from tests.helpers.launch import _pretrain_rank
-    from tests.helpers.opened import files_opened
-    with files_opened(cfg.checkpoint.load) as opened:
-        code, out, err, report = _pretrain_rank(ps, cfg)
-    return code, out + f"\nOPENED {ps.rank} {json.dumps(opened)}\n", err, report
-
-
-def _opened(stdout):
-    """{rank: [files opened under --load]} from :func:`_recording_rank`'s lines."""
-    out = {}
-    for line in stdout.splitlines():
-        if line.startswith("OPENED "):
-            _, rank, files = line.split(" ", 2)
-            out[int(rank)] = json.loads(files)
-    return out
-
-
 def _saved_at_3(tmp, name, world, layout, base=UNTIED):
     """(checkpoint directory holding iteration 3 only, the uninterrupted run's losses)."""
     save, log = str(tmp / name), str(tmp / f"{name}.jsonl")
@@ -74,12 +54,8 @@ def pp2_tp2(tmp_path_factory):
 def _resume(tmp_path, save, world, layout, base=UNTIED):
     log = str(tmp_path / f"resumed_{len(os.listdir(tmp_path))}.jsonl")  # (logs append)
     r = _ok(pretrain(world, base + layout + ["--load", save, "--log-json", log],
-                     rank_fn=_recording_rank))
-    return _losses(log), _opened(r.stdout)
-
-
-def _own_files(rank):
-    return {f"iter_0000003/rank_{rank:05d}.pt", f"iter_0000003/rank_{rank:05d}.bin"}
+                     rank_fn=recording_rank))
+    return _losses(log), opened_by_rank(r.stdout)
 
 
 @pytest.mark.parametrize("name,world,layout", [
@@ -104,10 +80,10 @@ def test_pp2_tp2_checkpoint_continues_the_curve_in_another_layout(pp2_tp2, tmp_p
         for rank, files in opened.items():
             old = rank // 2
             data = {f for f in files if f.endswith((".bin", ".pt"))}
-            assert data == _own_files(2 * old) | _own_files(2 * old + 1), (rank, files)
+            assert data == own_files(2 * old) | own_files(2 * old + 1), (rank, files)
 
 
-def test_same_layout_resume_of_a_pipeline_run_is_exact_and_reads_only_its_own_files(
+def test_same_layout_resume_of_a_pipeline_run_is_exact_and_reads_only_itsown_files(
         pp2_tp2, tmp_path):
     """PP 2 x TP 2 resumed as it was saved: losses 4-6 equal the uninterrupted run's to
     the last bit, and each rank opens the metadata, its own header and its own data file,
@@ -118,7 +94,7 @@ def test_same_layout_resume_of_a_pipeline_run_is_exact_and_reads_only_its_own_fi
     assert got == full[3:]
     for rank in range(4):
         assert sorted(opened[rank]) == sorted(["iter_0000003/metadata.json",
-                                               *_own_files(rank)]), (rank, opened[rank])
+                                               *own_files(rank)]), (rank, opened[rank])
 
 
 def test_pp4_checkpoint_resumes_at_pp2_dp2_reading_only_the_stage_s_old_files(tmp_path):
@@ -134,7 +110,7 @@ def test_pp4_checkpoint_resumes_at_pp2_dp2_reading_only_the_stage_s_old_files(tm
     for rank, files in opened.items():  # PP 2 x DP 2: ranks 0, 1 stage 0; 2, 3 stage 1
         s = rank // 2
         data = {f for f in files if f.endswith((".bin", ".pt"))}
-        assert data == _own_files(2 * s) | _own_files(2 * s + 1), (rank, files)
+        assert data == own_files(2 * s) | own_files(2 * s + 1), (rank, files)
 
 
 def test_a_tied_pipeline_run_resumes_at_pp1_and_at_pp2_on_its_curve(tmp_path):
