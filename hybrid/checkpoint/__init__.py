@@ -4,6 +4,7 @@
 checkpoint's ``client_state`` may hold (:mod:`hybrid.checkpoint.client_state`).
 
 * :mod:`.save`         sharded checkpoints: atomic save, exact resume, the files on disk
+* :mod:`.async_save`   ``--async-save``: the files written on a thread, published from the loop
 * :mod:`.load`         load a checkpoint into a running engine, in the same layout or any other
 * :mod:`.files`        finding and reading checkpoints on disk; every error names the file
 * :mod:`.layout`       where every saved value lives: the ``zero_layout`` of ``metadata.json``

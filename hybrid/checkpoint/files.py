@@ -110,9 +110,14 @@ def step_checkpoint(load_dir: str, step: int) -> str:
     names = complete_checkpoints(load_dir)
     if iter_name(step) not in names:
         have = ", ".join(n.removeprefix("iter_").lstrip("0") or "0" for n in names[-8:])
+        unfinished = f".tmp_{iter_name(step)}"
+        why = (f"; {unfinished} there is a save of it that never finished (a rank stopped "
+               f"while writing it), which no load takes"
+               if os.path.isdir(os.path.join(load_dir, unfinished)) else "")
         raise CheckpointError(f"--ckpt-step {step}: --load {load_dir} holds no complete "
                               f"checkpoint of iteration {step} "
-                              f"({f'its iterations: {have}' if names else 'it holds none'})")
+                              f"({f'its iterations: {have}' if names else 'it holds none'})"
+                              f"{why}")
     return os.path.join(load_dir, iter_name(step))
 
 

@@ -60,6 +60,7 @@ import json
 import os
 import shutil
 import zlib
+from collections.abc import Iterable
 
 import torch
 
@@ -161,7 +162,86 @@ def save_checkpoint(save_dir: str, iteration: int, consumed_samples: int, engine
     rank 0, the run's claim record (:mod:`hybrid.checkpoint.ownership`), written as
     ``save_dir``'s owner before anything else. ``info``: pass a dict to receive
     ``checksum_seconds``, this rank's time spent hashing what it wrote.
+
+    The three phases, apart for :class:`hybrid.checkpoint.async_save.AsyncSaver`:
+    :func:`prepare_save` (collective), :meth:`PendingSave.write` (this rank's files,
+    no collective) and :func:`finish_save` (collective).
     """
+    pending = prepare_save(save_dir, iteration, consumed_samples, engine, ps, config, rng,
+                           keep_last, vocab_size, optimizer=optimizer, finetune=finetune,
+                           extra_meta=extra_meta, extra_files=extra_files,
+                           checksum_block_bytes=checksum_block_bytes, owner=owner)
+    pending.write()
+    if info is not None:
+        info["checksum_seconds"] = pending.sums.seconds
+    return finish_save(pending, ps)
+
+
+class PendingSave:
+    """A save between :func:`prepare_save` and :func:`finish_save`: this rank's header
+    and what its data file holds, either read from the engine as written (``values``
+    None: a synchronous save, one piece in memory at a time) or a snapshot taken in
+    :func:`prepare_save` (``values``: per column, each piece's fp32 CPU rows, which the
+    step may go on from). :meth:`write` runs no collective, so a thread may run it."""
+
+    def __init__(self, save_dir: str, name: str, tmp: str, final: str, header: dict,
+                 columns: tuple, engine: ZeroEngine, unsaved: set[str], block_bytes: int,
+                 meta: dict | None, files: dict[str, bytes], keep_last: int | None,
+                 values: list[list[torch.Tensor]] | None):
+        self.save_dir, self.name, self.tmp, self.final = save_dir, name, tmp, final
+        self.header, self.columns, self.engine, self.unsaved = header, columns, engine, unsaved
+        self.meta, self.files, self.keep_last, self.values = meta, files, keep_last, values
+        self.sums = BlockSums(block_bytes)
+        self.error: str | None = None
+        self.digest = [0, 0]
+
+    def _column_values(self, c: int) -> Iterable[torch.Tensor]:
+        if self.values is not None:
+            return self.values[c]
+        return iter_piece_values(self.engine, (self.columns[c],), skip=self.unsaved)
+
+    def write(self) -> None:
+        """This rank's data file (column block by column block, hashed as written) and
+        header (with the data's block checksums); a failure is kept in ``error``."""
+        rank = self.header["rank"]
+        head_path, data_path = rank_paths(self.tmp, rank)
+        sums = self.sums
+
+        def write_data(f):
+            if self.header["data_rows"]:
+                for c in range(len(self.columns)):
+                    sums.column()
+                    for values in self._column_values(c):
+                        # (numpy's stubs give an ndarray its buffer on Python >= 3.12 only)
+                        view = memoryview(values.numpy()).cast("B")  # type: ignore[arg-type]
+                        sums.update(view)
+                        f.write(view)
+
+        path = data_path
+        try:
+            _fsync_write(data_path, write_data)
+            path = head_path
+            self.header["checksums"] = sums.table()
+            data = header_bytes(self.header)
+            self.digest = [len(data), crc32(data)]
+            _fsync_write(head_path, lambda f: f.write(data))
+        except (OSError, RuntimeError) as e:
+            self.error = f"--save {self.save_dir}: writing {path} failed on rank {rank} ({e})"
+        self.values = None  # (the snapshot's memory goes once written)
+
+
+def prepare_save(save_dir: str, iteration: int, consumed_samples: int, engine: ZeroEngine,
+                 ps: ParallelState, config: dict, rng: TPRNGTracker,
+                 keep_last: int | None = None, vocab_size: int | None = None, *,
+                 optimizer: bool = True, finetune: dict | None = None,
+                 extra_meta: dict | None = None, extra_files: dict[str, bytes] | None = None,
+                 checksum_block_bytes: int = BLOCK_BYTES, owner: dict | None = None,
+                 snapshot: bool = False) -> PendingSave:
+    """The collective first phase of :func:`save_checkpoint` (same arguments): the
+    temporary directory, the layouts checked and gathered, this rank's header (RNG
+    states, step, piece table) and, on rank 0, metadata.json's content. ``snapshot``:
+    copy this rank's saved values into host memory now, so the caller may go on
+    training while :meth:`PendingSave.write` runs."""
     if optimizer:
         check_saveable(engine)
     columns = tuple(engine.optimizer.columns) if optimizer else ("master",)
@@ -173,17 +253,11 @@ def save_checkpoint(save_dir: str, iteration: int, consumed_samples: int, engine
     state = shard_state(engine)
     if not optimizer:  # nothing of the optimizer is saved, its step and scale neither
         state["step"] = state["loss_scaler"] = None
-    error, digest, sums = _write_rank_files(save_dir, tmp, engine, ps, rng, state, mine,
-                                            columns, checksum_block_bytes)
-    if info is not None:
-        info["checksum_seconds"] = sums.seconds
-    _raise_agreed(ps, error, tmp)
-    headers = _gather_header_digests(ps, digest)
+    header, unsaved = _rank_header(engine, ps, rng, state, mine)
+    values = ([list(iter_piece_values(engine, (key,), skip=unsaved)) for key in columns]
+              if snapshot else None)
+    meta = None
     if ps.rank == 0:
-        files = dict(extra_files or {})
-        checksums = {"algorithm": ALGORITHM, "headers": headers}
-        if files:
-            checksums["files"] = {n: [len(d), crc32(d)] for n, d in files.items()}
         meta = {"version": format_version(ps),
                 "iteration": iteration, "consumed_samples": consumed_samples,
                 "world_size": ps.world_size, "tensor_model_parallel_size": ps.tp_size,
@@ -192,12 +266,33 @@ def save_checkpoint(save_dir: str, iteration: int, consumed_samples: int, engine
                 "vocab_size": vocab_size, "model": signature,
                 "step": state["step"], "loss_scaler": state["loss_scaler"],
                 "zero_layout": layout, "finetune": finetune, "config": config,
-                "checksums": checksums, **(extra_meta or {}), "complete": True}
-        error = _finish(save_dir, name, tmp, final, meta, files)
+                **(extra_meta or {}), "complete": True}
+    return PendingSave(save_dir, name, tmp, final, header, columns, engine, unsaved,
+                       checksum_block_bytes, meta, dict(extra_files or {}), keep_last, values)
+
+
+def finish_save(pending: PendingSave, ps: ParallelState) -> str:
+    """The collective last phase: every rank's write agreed on (a failure anywhere: the
+    temporary removed, the same CheckpointError everywhere), the headers' sizes and
+    crc32s gathered, rank 0's metadata.json written and the checkpoint published as
+    ``latest``; then the pruning. Returns the checkpoint's directory."""
+    _raise_agreed(ps, pending.error, pending.tmp)
+    headers = _gather_header_digests(ps, pending.digest)
+    error = None
+    if ps.rank == 0:
+        assert pending.meta is not None  # (rank 0 made it)
+        files = pending.files
+        checksums = {"algorithm": ALGORITHM, "headers": headers}
+        if files:
+            checksums["files"] = {n: [len(d), crc32(d)] for n, d in files.items()}
+        meta = dict(pending.meta, checksums=checksums)
+        meta["complete"] = meta.pop("complete")  # (written last, as before)
+        error = _finish(pending.save_dir, pending.name, pending.tmp, pending.final, meta,
+                        files)
     _raise_agreed(ps, error)
-    if ps.rank == 0 and keep_last:
-        _prune(save_dir, keep_last, keep=name)
-    return final
+    if ps.rank == 0 and pending.keep_last:
+        _prune(pending.save_dir, pending.keep_last, keep=pending.name)
+    return pending.final
 
 
 def _raise_agreed(ps: ParallelState, error: str | None, tmp: str | None = None) -> None:
@@ -260,13 +355,11 @@ def _whole_layout(engine: ZeroEngine, ps: ParallelState, mine: dict,
     return pipeline_layout([st["layout"] for st in stages], list(columns)), signature
 
 
-def _write_rank_files(save_dir: str, tmp: str, engine: ZeroEngine, ps: ParallelState,
-                      rng: TPRNGTracker, state: dict, layout: dict, columns: tuple,
-                      block_bytes: int) -> tuple[str | None, list[int], BlockSums]:
-    """This rank's data file (its pieces, column block by column block, one piece in
-    memory at a time, hashed as written; ``layout``'s ``unsaved`` names left out) and
-    header (with the data file's block checksums); (why not or None, [header bytes,
-    header crc32], the data's sums)."""
+def _rank_header(engine: ZeroEngine, ps: ParallelState, rng: TPRNGTracker, state: dict,
+                 layout: dict) -> tuple[dict, set[str]]:
+    """(This rank's header without its data checksums, the parameters its data file
+    leaves out: ``layout``'s ``unsaved`` names, and at ZeRO stage 0 the replicas no
+    other rank needs)."""
     # Owning everything (stage 0), every DP (x CP) replica holds the same values: ZeRO
     # rank 0's copy is the one saved (SavedLayout reads its files for all of a unit).
     zero_rank = ps.dp_cp_group.rank  # ZeRO shards over DP x CP (hybrid.zero.engine)
@@ -289,30 +382,7 @@ def _write_rank_files(save_dir: str, tmp: str, engine: ZeroEngine, ps: ParallelS
               "loss_scaler": state["loss_scaler"], "pieces": table, "data_rows": rows,
               "rng": {"device": get_device_rng_state(ps.device), "cpu": torch.get_rng_state(),
                       "tracker": rng.get_states()}}
-    head_path, data_path = rank_paths(tmp, ps.rank)
-    sums = BlockSums(block_bytes)
-
-    def write_data(f):
-        if pieces:
-            for key in columns:
-                sums.column()
-                for values in iter_piece_values(engine, (key,), skip=unsaved):
-                    # (numpy's stubs give an ndarray its buffer on Python >= 3.12 only)
-                    view = memoryview(values.numpy()).cast("B")  # type: ignore[arg-type]
-                    sums.update(view)
-                    f.write(view)
-
-    path, digest = data_path, [0, 0]
-    try:
-        _fsync_write(data_path, write_data)
-        path = head_path
-        header["checksums"] = sums.table()
-        data = header_bytes(header)
-        digest = [len(data), crc32(data)]
-        _fsync_write(head_path, lambda f: f.write(data))
-    except (OSError, RuntimeError) as e:
-        return f"--save {save_dir}: writing {path} failed on rank {ps.rank} ({e})", digest, sums
-    return None, digest, sums
+    return header, unsaved
 
 
 def _gather_header_digests(ps: ParallelState, digest: list[int]) -> dict:

@@ -38,7 +38,7 @@ NO_EFFECT: dict[str, int] = {
     "--log-params-norm": 0, "--log-num-zeros-in-grad": 0,
     "--log-loss-scale-to-tensorboard": 0, "--log-batch-size-to-tensorboard": 0,
     "--log-world-size-to-tensorboard": 0, "--tensorboard-log-interval": 1,
-    "--tensorboard-queue-size": 1, "--ckpt-format": 1, "--async-save": 0,
+    "--tensorboard-queue-size": 1, "--ckpt-format": 1,
     "--manual-gc": 0, "--manual-gc-interval": 1, "--empty-unused-memory-level": 1,
     "--distributed-backend-timeout": 1, "--ckpt-fully-parallel-save": 0,
     "--ckpt-fully-parallel-load": 0, "--dist-ckpt-strictness": 1,

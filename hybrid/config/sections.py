@@ -629,6 +629,10 @@ class CheckpointConfig:
     overwrite_save: bool = opt(
         False, "start a new run in a --save directory that holds another run's checkpoints, "
         "deleting them (without it such a run is refused)")
+    async_save: bool = opt(
+        False, "write checkpoints in the background: the step copies its values to host "
+        "memory and goes on; the checkpoint is published once every rank's files are "
+        "written (hybrid/checkpoint/async_save.py)")
 
 
 @dataclass(frozen=True)

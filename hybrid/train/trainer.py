@@ -14,9 +14,10 @@ import logging
 import time
 from dataclasses import dataclass
 
-from hybrid.checkpoint import save_checkpoint
+from hybrid.checkpoint.async_save import AsyncSaver
 from hybrid.checkpoint.ownership import RunIdentity, claim_save_dir
 from hybrid.checkpoint.resume import start_from_checkpoint
+from hybrid.checkpoint.save import finish_save, prepare_save
 from hybrid.config import TrainConfig
 from hybrid.data.dataset import build_datasets, dp_micro_batches
 from hybrid.data.tokenizer import build_tokenizer
@@ -129,6 +130,8 @@ class Trainer:
         self._offload_prev: dict = {}  # engine.offload_seconds() at the last log line
         self._speculation_prev: dict = {}  # engine.offload_speculation() at the last one
         self.clock = PhaseClock(ps.device) if cfg.logging.timing_breakdown else None
+        # --async-save: the save in flight, published from the loop (async_save.py)
+        self.saver = AsyncSaver(ps) if cfg.checkpoint.async_save else None
 
     def train(self) -> list[dict]:
         """Train until ``--train-iters`` or ``--train-samples`` (or an exit flag); return
@@ -137,9 +140,12 @@ class Trainer:
         s, ck = cfg.loop, cfg.checkpoint
         history, saved_at = [], st.iteration
         early = EarlyExit(s, self.ps, self.started)  # its SIGTERM handler: until close()
+        done = False
         try:
             while not finished(s, st.iteration, st.consumed_samples):
                 batch, result, logs = self.step()
+                if self.saver is not None:
+                    self._published(self.saver.poll())
                 if self.first_iteration_s is None:
                     self._first_iteration_done()
                 save_due = bool(ck.save and ck.save_interval
@@ -162,9 +168,14 @@ class Trainer:
             self.skips.settle(force=True)
             if ck.save and saved_at != st.iteration:
                 self.save()
+            if self.saver is not None:  # the end of the run waits for the save in flight
+                self._published(self.saver.wait())
+            done = True
             if finished(s, st.iteration, st.consumed_samples):
                 self.evaluate("test")
         finally:
+            if self.saver is not None and not done:  # an error: its files end, unpublished
+                self.saver.abandon()
             early.close()
             self.monitor.close()
             self.engine.close()  # the nvme tier's swap files are scratch: deleted here
@@ -256,13 +267,27 @@ class Trainer:
         """Checkpoint this iteration into ``--save`` (see :mod:`hybrid.checkpoint.save`)."""
         ck, st = self.cfg.checkpoint, self.state
         assert ck.save is not None  # (train() saves only with --save)
-        path = save_checkpoint(ck.save, st.iteration, st.consumed_samples, self.engine, self.ps,
-                               self.cfg.to_dict(), self.rng, ck.keep_last,
+        # (save_checkpoint's phases, the middle one on a thread with --async-save, after
+        # the save before it is published)
+        if self.saver is not None:
+            self._published(self.saver.wait())
+        pending = prepare_save(ck.save, st.iteration, st.consumed_samples, self.engine,
+                               self.ps, self.cfg.to_dict(), self.rng, ck.keep_last,
                                self.tokenizer.vocab_size, optimizer=not ck.no_save_optim,
                                finetune=self.start.finetune if self.start is not None else None,
                                owner=self.claim.record if self.claim is not None else None,
-                               extra_meta=self._buffers())
-        log.info("saved checkpoint %s", path)
+                               extra_meta=self._buffers(), snapshot=self.saver is not None)
+        if self.saver is None:
+            pending.write()
+            log.info("saved checkpoint %s", finish_save(pending, self.ps))
+            return
+        self.saver.start(pending)
+        log.info("saving checkpoint of iteration %d in the background", st.iteration)
+
+    def _published(self, path: str | None) -> None:
+        if path is not None:
+            log.info("saved checkpoint %s (written in the background; published at "
+                     "iteration %d)", path, self.state.iteration)
 
     def _buffers(self) -> dict | None:
         """The model's buffers a checkpoint keeps (the MoE routers' expert biases), as
