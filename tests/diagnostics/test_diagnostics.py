@@ -467,13 +467,16 @@ def _rank1_slow(ps, cfg):
 def test_straggler_fields_and_a_clean_run_under_every_check(tmp_path):
     path = str(tmp_path / "log.jsonl")
     # (the replica check reads the ZeRO-3 shards from their host homes here)
-    r = pretrain(4, TP2DP2 + ["--train-iters", "3", "--zero-stage", "3",
+    # (two steps: each log line is checked, the first and one after it)
+    r = pretrain(4, TP2DP2 + ["--train-iters", "2", "--zero-stage", "3",
                               "--zero-param-persistence-threshold", "1000",
                               "--offload-optimizer", "cpu", "--offload-param", "cpu",
                               "--check-collectives", "--check-replicas-interval", "1",
                               "--log-json", path], rank_fn=_rank1_slow)
     assert r.returncode == 0, r.stderr
-    for m in read_json_log(path):
+    log = read_json_log(path)
+    assert len(log) == 2, log
+    for m in log:
         assert m["busy_time_max_rank"] == 1, m
         # the sleep counts in rank 1's busy time and in no one else's
         assert m["busy_time_max_s"] - m["busy_time_min_s"] >= STRAGGLE_S / 2, m

@@ -6,10 +6,11 @@ One launch serves both proofs: across the two nodes it trains the curve a one-no
 trains, then every process of node 1 is killed and node 0 names the node (host and
 ranks) within 15 s, with where each of its ranks was last seen. The layout is PP 2 x TP
 2: each node a pipeline stage, the activations and their gradients crossing between the
-hosts (node 0 loses its next stage mid-schedule). DP across two nodes (each a TP pair)
-trains the one-node curve in tests/scripts/test_launch.py, over 127.0.0.1: its gloo
-reductions are the same calls whichever interface carries them, and a launch here costs
-15 s of the suite's 8 minutes.
+hosts (node 0 loses its next stage mid-schedule). Where this test can run,
+tests/scripts/test_launch.py's two launchers over 127.0.0.1 (DP 2 across the nodes) skip:
+this is the same claim, two nodes train the one-node curve, over real interfaces; where it
+cannot, that one runs (gloo's reductions are the same calls whichever interface carries
+them). A launch here costs 15 s of the suite's 8 minutes.
 """
 
 from __future__ import annotations
