@@ -48,6 +48,7 @@ from dataclasses import dataclass
 
 from hybrid.checkpoint.files import find_checkpoint, read_metadata
 from hybrid.checkpoint.load import load_checkpoint
+from hybrid.checkpoint.peers.importing import import_for_load
 from hybrid.config.sections import CheckpointConfig
 from hybrid.errors import CheckpointError
 from hybrid.parallel.agree import agree_error
@@ -70,13 +71,18 @@ class Start:
 
 
 def start_from_checkpoint(ck: CheckpointConfig, engine: ZeroEngine, ps: ParallelState,
-                          seed: int, rng: TPRNGTracker, vocab_size: int | None) -> Start | None:
+                          seed: int, rng: TPRNGTracker, vocab_size: int | None,
+                          config: dict | None = None, owner: dict | None = None
+                          ) -> Start | None:
     """Load what ``ck``'s flags ask for into ``engine`` and ``rng``; None when there is
     nothing to load (no ``--load``, or ``--load`` equal to ``--save`` and empty).
 
     Collective over the world (see :func:`load_checkpoint`); every error is raised on
     every rank with the same message. ``seed``: ``--seed`` (fresh RNG streams when
-    the world layout changed); the flags come from ``ck`` alone.
+    the world layout changed); the flags come from ``ck`` alone. A ``--load`` that holds
+    another framework's checkpoint is imported into ``--save`` first
+    (:func:`hybrid.checkpoint.peers.importing.import_for_load`; ``config``: the run's
+    flat flags, recorded with it; ``owner``: the run's claim on ``--save``).
     """
     if not ck.load:
         return None
@@ -95,11 +101,17 @@ def start_from_checkpoint(ck: CheckpointConfig, engine: ZeroEngine, ps: Parallel
         load_dir, load_optim, load_rng = ck.save, True, True
     else:
         load_dir, load_optim, load_rng = ck.load, not ck.no_load_optim, not ck.no_load_rng
+    step = ck.ckpt_step if load_dir == ck.load else None
+    if load_dir == ck.load:
+        imported = import_for_load(ck.load, ck.save, ps, config or {}, vocab_size,
+                                   None if ck.load_format == "auto" else ck.load_format,
+                                   ck.ckpt_step, owner)
+        if imported is not None:  # the peer's iteration, now hybrid's in --save
+            load_dir, step = imported
     info: dict = {}
     loaded = load_checkpoint(load_dir, engine, ps, seed, rng, vocab_size,
-                             allow_empty=load_dir == ck.save, load_optim=load_optim,
-                             load_rng=load_rng, info=info,
-                             step=ck.ckpt_step if load_dir == ck.load else None)
+                             allow_empty=load_dir == ck.save and step is None,
+                             load_optim=load_optim, load_rng=load_rng, info=info, step=step)
     if loaded is None:
         return None
     start = Start(loaded[0], loaded[1], info["checkpoint"], info["metadata"].get("finetune"),

@@ -217,6 +217,7 @@ class Flags:
     finetune: bool = declared("finetune")
     ckpt_step: int | None = declared("ckpt_step")
     overwrite_save: bool = declared("overwrite_save")
+    load_format: str = declared("load_format")
     async_save: bool = declared("async_save")
 
     # -- logging: LoggingConfig

@@ -629,6 +629,11 @@ class CheckpointConfig:
     overwrite_save: bool = opt(
         False, "start a new run in a --save directory that holds another run's checkpoints, "
         "deleting them (without it such a run is refused)")
+    load_format: str = opt(
+        "auto", "the format of --load's checkpoint: auto (hybrid's own, else the peer format "
+        "its files show), or one of them by name; a peer's checkpoint is imported into --save "
+        "as a hybrid one, then loaded (hybrid/checkpoint/peers)",
+        choices=("auto", "hybrid", "deepspeed", "megatron", "dcp"))
     async_save: bool = opt(
         False, "write checkpoints in the background: the step copies its values to host "
         "memory and goes on; the checkpoint is published once every rank's files are "

@@ -104,8 +104,9 @@ class Trainer:
         self.moe = (MoEWatch(self.model, ps, cfg.model.moe) if cfg.model.moe is not None
                     else None)
         # --load with --no-load-optim / --no-load-rng / --finetune (checkpoint/resume.py)
-        self.start = start_from_checkpoint(cfg.checkpoint, self.engine, ps, cfg.seed, self.rng,
-                                           vocab)
+        self.start = start_from_checkpoint(
+            cfg.checkpoint, self.engine, ps, cfg.seed, self.rng, vocab, cfg.to_dict(),
+            self.claim.record if self.claim is not None else None)
         if self.start is not None:
             self.state = TrainState(self.start.iteration, self.start.consumed_samples)
             if self.moe is not None:

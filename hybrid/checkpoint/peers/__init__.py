@@ -1,0 +1,66 @@
+"""Other frameworks' checkpoints: read them in (with their optimizer state) and write them back.
+
+* :mod:`.base`       :class:`~.base.PeerCheckpoint`, what every reader provides
+* :mod:`.importing`  a peer checkpoint written as a hybrid one, which ``--load`` then reads
+                     at any layout (:func:`~.importing.import_peer`)
+* :mod:`.deepspeed`  DeepSpeed ZeRO 0-3 (``global_stepN/``) and its universal format
+* :mod:`.megatron`   Megatron-LM ``torch_dist`` (and the legacy ``torch`` format)
+* :mod:`.dcp`        torch DCP as torchtitan writes it (FSDP2 / TP DTensors)
+
+:func:`open_peer` finds which format a directory holds (or takes the one a flag names)
+and opens it; each format module has ``detect(path) -> bool``, ``open(path) ->
+PeerCheckpoint`` and ``write(...)`` (the way back, :mod:`scripts.convert_checkpoint`).
+"""
+
+from __future__ import annotations
+
+import importlib
+
+from hybrid.checkpoint.peers.base import PeerCheckpoint
+from hybrid.errors import CheckpointError
+
+# format name (--load-format) -> its module; detection tries them in this order
+FORMATS = {"deepspeed": "hybrid.checkpoint.peers.deepspeed",
+           "megatron": "hybrid.checkpoint.peers.megatron",
+           "dcp": "hybrid.checkpoint.peers.dcp"}
+
+
+def _module(fmt: str):
+    if fmt not in FORMATS:
+        raise CheckpointError(f"--load-format {fmt}: not a checkpoint format hybrid reads "
+                              f"(hybrid, {', '.join(FORMATS)})")
+    try:
+        return importlib.import_module(FORMATS[fmt])
+    except ModuleNotFoundError as e:  # a format whose reader is not there
+        if e.name != FORMATS[fmt]:
+            raise
+        raise CheckpointError(f"--load-format {fmt}: hybrid does not read this format yet"
+                              ) from None
+
+
+def detect_peer(path: str) -> str | None:
+    """The peer format ``path`` holds (a :data:`FORMATS` key), or None."""
+    for fmt, name in FORMATS.items():
+        try:
+            mod = importlib.import_module(name)
+        except ModuleNotFoundError as e:
+            if e.name != name:
+                raise
+            continue
+        if mod.detect(path):
+            return fmt
+    return None
+
+
+def open_peer(path: str, fmt: str | None = None, step: int | None = None) -> PeerCheckpoint:
+    """The peer checkpoint under ``path`` (its newest iteration, or iteration ``step``),
+    opened in format ``fmt`` (None: detected). CheckpointError naming the file and what
+    is wrong when it is not one, or one of an unsupported version."""
+    fmt = fmt or detect_peer(path)
+    if fmt is None:
+        raise CheckpointError(f"{path}: not a checkpoint of a format hybrid reads "
+                              f"(hybrid, {', '.join(FORMATS)})")
+    return _module(fmt).open(path, step=step)
+
+
+__all__ = ["FORMATS", "PeerCheckpoint", "detect_peer", "open_peer"]

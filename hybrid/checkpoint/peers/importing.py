@@ -1,0 +1,111 @@
+"""A peer checkpoint written as a hybrid checkpoint, which every hybrid load then reads.
+
+[Note: import by conversion]
+A peer's files are laid out for the peer's layout (DeepSpeed's flat ZeRO partitions,
+Megatron's sharded tensors, DCP's chunks), and a hybrid run may take any other. Rather
+than teach every load path (resharding, experts, the vocabulary's padding, pipeline
+stages, offload tiers) each peer's files, the import writes the peer's iteration once as
+a hybrid checkpoint of one rank holding every parameter whole -- weights, fp32 masters,
+Adam moments, step count, iteration, consumed samples -- and the ordinary load reshards
+it to the run's layout. Memory holds one parameter at a time; the bytes written equal
+the model's state once. The hybrid checkpoint is an ``iter_N`` of the run's ``--save``
+directory (the peer's iteration, so the learning rate continues where it was): a
+restart of the same command finds it there and resumes from ``--save`` without reading
+the peer again. Nothing is written into the peer's directory.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import torch
+
+from hybrid.checkpoint.files import complete_checkpoints, iter_name, read_metadata
+from hybrid.checkpoint.ownership import write_owner
+from hybrid.checkpoint.peers import detect_peer, open_peer
+from hybrid.checkpoint.peers.base import PeerCheckpoint
+from hybrid.checkpoint.save import write_single_rank_checkpoint
+from hybrid.errors import CheckpointError
+from hybrid.parallel.agree import agree_error
+from hybrid.parallel.state import ParallelState
+
+log = logging.getLogger("hybrid")
+
+
+def import_peer(peer: PeerCheckpoint, save_dir: str, config: dict,
+                vocab_size: int | None) -> str:
+    """Write ``peer`` as hybrid checkpoint ``save_dir/iter_N`` (N: its iteration); return
+    its directory. ``config``: the run's flat flags, recorded as the checkpoint's, with
+    the ones the peer determines (``peer.flags``) over them; ``vocab_size``: the run's
+    tokenizer's, when the peer does not record one. One process (rank 0 of a run)."""
+    for line in peer.notes:
+        log.warning("%s (%s): %s", peer.path, peer.format, line)
+    os.makedirs(save_dir, exist_ok=True)
+    origin = {"format": peer.format, "path": os.path.abspath(peer.path),
+              "iteration": peer.iteration, "not_carried": list(peer.notes)}
+    out = write_single_rank_checkpoint(
+        save_dir, dict(peer.shapes), peer.read, tuple(peer.columns), {**config, **peer.flags},
+        peer.vocab_size if peer.vocab_size is not None else vocab_size,
+        iteration=peer.iteration, consumed_samples=peer.consumed_samples, step=peer.step,
+        extra={"imported_from": origin})
+    log.info("imported %s checkpoint %s (iteration %d) as %s", peer.format, peer.path,
+             peer.iteration, out)
+    return out
+
+
+def import_for_load(load_dir: str, save_dir: str | None, ps: ParallelState, config: dict,
+                    vocab_size: int | None, fmt: str | None = None, step: int | None = None,
+                    owner: dict | None = None) -> tuple[str, int] | None:
+    """Collective over the world: when ``load_dir`` holds a peer's checkpoint (format
+    ``fmt``, or detected), rank 0 imports its newest iteration (or ``step``) into
+    ``save_dir`` (:func:`import_peer`; recording ``owner``, the run's claim, as the
+    directory's owner) and every rank gets ``(save_dir, its iteration)`` to load; None
+    when ``load_dir`` holds no peer checkpoint (hybrid's own, or nothing). Errors (no
+    ``save_dir``, an unreadable peer checkpoint) are raised on every rank with rank 0's
+    message. An ``iter_N`` of ``save_dir`` already imported from the same checkpoint is
+    used as it is (a restart of the same command)."""
+    if fmt == "hybrid" or (fmt is None and complete_checkpoints(load_dir)):
+        return None  # hybrid's own checkpoints win over anything else in the directory
+    found = fmt if fmt is not None else detect_peer(load_dir)
+    if found is None:
+        return None
+    error, iteration = None, -1
+    if ps.rank == 0:
+        try:
+            if save_dir and os.path.realpath(save_dir) == os.path.realpath(load_dir):
+                raise CheckpointError(
+                    f"--load {load_dir} holds a {found} checkpoint and is also --save: hybrid "
+                    f"imports it into --save as a checkpoint of its own, whose names would "
+                    f"mix with the {found} ones; give --save a new directory")
+            if not save_dir:
+                raise CheckpointError(
+                    f"--load {load_dir} holds a {found} checkpoint: hybrid imports it into "
+                    f"--save as a checkpoint of its own (its iteration, weights and "
+                    f"optimizer state), then loads that; give --save")
+            peer = open_peer(load_dir, found, step)
+            try:
+                iteration = peer.iteration
+                done = os.path.join(save_dir, iter_name(iteration))
+                if os.path.isfile(os.path.join(done, "metadata.json")):
+                    origin = read_metadata(done).get("imported_from") or {}
+                    if origin.get("path") != os.path.abspath(peer.path):
+                        raise CheckpointError(
+                            f"--save {save_dir} already holds {iter_name(iteration)}, not "
+                            f"imported from {peer.path}: give --save a new directory")
+                    log.info("%s: imported from %s before; loading it", done, peer.path)
+                else:
+                    import_peer(peer, save_dir, config, vocab_size)
+                    if owner is not None:
+                        write_owner(save_dir, owner)
+            finally:
+                peer.close()
+        except (CheckpointError, OSError) as e:
+            error = str(e)
+    error = agree_error(ps, error)
+    if error:
+        raise CheckpointError(error)
+    t = torch.tensor([iteration], dtype=torch.long, device=ps.device)
+    ps.world_group.broadcast(t, src=0)
+    assert save_dir is not None  # (rank 0 raised otherwise, and every rank with it)
+    return save_dir, int(t.item())
