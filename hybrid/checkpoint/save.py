@@ -509,49 +509,53 @@ def write_single_rank_checkpoint(save_dir: str, shapes: dict[str, list[int]], re
     for n in shapes:
         table[n] = [(0, numel[n], rows)]
         rows += numel[n]
-    head_path, data_path = rank_paths(tmp, 0)
-    with open(data_path, "wb") as f:
-        f.truncate(rows * len(columns) * 4)
-        fd = f.fileno()
-        for n, shape in shapes.items():
-            values = read(n)
-            base = table[n][0][2]
-            for c, key in enumerate(columns):
-                t = values[key]
-                if list(t.shape) != list(shape):
-                    raise CheckpointError(f"{n}: {key} has shape {list(t.shape)}, "
-                                          f"expected {list(shape)}")
-                view = t.detach().float().contiguous().reshape(-1).numpy().data.cast("B")
-                os.pwrite(fd, view, (c * rows + base) * 4)
-        f.flush()
-        os.fsync(fd)
-    sums = BlockSums()
-    with open(data_path, "rb") as src:
-        for _ in columns:  # each column block is hashed as a save would, block by block
-            sums.column()
-            left = rows * 4
-            while left:
-                chunk = src.read(min(left, 8 << 20))
-                sums.update(memoryview(chunk))
-                left -= len(chunk)
-    specs = {n: {"full_shape": s, "dim": None, "tp_rank": 0, "tp_size": 1}
-             for n, s in shapes.items()}
-    header = {"version": VERSION, "rank": 0, "tp_rank": 0, "dp_rank": 0, "specs": specs,
-              "step": step, "loss_scaler": None, "pieces": table, "data_rows": rows,
-              "checksums": sums.table()}
-    data = header_bytes(header)
-    _fsync_write(head_path, lambda f: f.write(data))
-    layout = single_file_layout(shapes)
-    layout["columns"] = list(columns)
-    meta = {"version": VERSION, "iteration": iteration, "consumed_samples": consumed_samples,
-            "world_size": 1, "tensor_model_parallel_size": 1, "data_parallel_size": 1,
-            "zero_stage": 0, "vocab_size": vocab_size, "model": shapes, "step": step,
-            "loss_scaler": None, "zero_layout": layout, "config": config,
-            "checksums": {"algorithm": ALGORITHM,
-                          "headers": {os.path.basename(head_path): [len(data), crc32(data)]}},
-            **(extra or {}), "complete": True}
-    _fsync_write(os.path.join(tmp, "metadata.json"),
-                 lambda f: f.write(json.dumps(meta, indent=1).encode()))
+    try:
+        head_path, data_path = rank_paths(tmp, 0)
+        with open(data_path, "wb") as f:
+            f.truncate(rows * len(columns) * 4)
+            fd = f.fileno()
+            for n, shape in shapes.items():
+                values = read(n)
+                base = table[n][0][2]
+                for c, key in enumerate(columns):
+                    t = values[key]
+                    if list(t.shape) != list(shape):
+                        raise CheckpointError(f"{n}: {key} has shape {list(t.shape)}, "
+                                              f"expected {list(shape)}")
+                    view = t.detach().float().contiguous().reshape(-1).numpy().data.cast("B")
+                    os.pwrite(fd, view, (c * rows + base) * 4)
+            f.flush()
+            os.fsync(fd)
+        sums = BlockSums()
+        with open(data_path, "rb") as src:
+            for _ in columns:  # each column block is hashed as a save would, block by block
+                sums.column()
+                left = rows * 4
+                while left:
+                    chunk = src.read(min(left, 8 << 20))
+                    sums.update(memoryview(chunk))
+                    left -= len(chunk)
+        specs = {n: {"full_shape": s, "dim": None, "tp_rank": 0, "tp_size": 1}
+                 for n, s in shapes.items()}
+        header = {"version": VERSION, "rank": 0, "tp_rank": 0, "dp_rank": 0, "specs": specs,
+                  "step": step, "loss_scaler": None, "pieces": table, "data_rows": rows,
+                  "checksums": sums.table()}
+        data = header_bytes(header)
+        _fsync_write(head_path, lambda f: f.write(data))
+        layout = single_file_layout(shapes)
+        layout["columns"] = list(columns)
+        meta = {"version": VERSION, "iteration": iteration, "consumed_samples": consumed_samples,
+                "world_size": 1, "tensor_model_parallel_size": 1, "data_parallel_size": 1,
+                "zero_stage": 0, "vocab_size": vocab_size, "model": shapes, "step": step,
+                "loss_scaler": None, "zero_layout": layout, "config": config,
+                "checksums": {"algorithm": ALGORITHM,
+                              "headers": {os.path.basename(head_path): [len(data), crc32(data)]}},
+                **(extra or {}), "complete": True}
+        _fsync_write(os.path.join(tmp, "metadata.json"),
+                     lambda f: f.write(json.dumps(meta, indent=1).encode()))
+    except BaseException:  # a reader's error, a full disk: nothing is left behind
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     _publish(save_dir, name, tmp, final)
     return final
 
