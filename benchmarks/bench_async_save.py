@@ -13,7 +13,8 @@ removed after). Reported per rank 0, in seconds between barriers:
 * ``sync_blocked_s``: the whole :func:`hybrid.checkpoint.save_checkpoint`;
 * ``async_blocked_s``: what the loop waits for with ``--async-save``: the collective
   first phase with the snapshot of this rank's values into host memory
-  (:func:`hybrid.checkpoint.save.prepare_save` with ``snapshot=True``) and the thread's
+  (:func:`hybrid.checkpoint.save.prepare_save` into the saver's buffer, allocated at the
+  first async save and reused: ``runs`` shows the first one apart) and the thread's
   start (:class:`hybrid.checkpoint.async_save.AsyncSaver`);
 * ``async_total_s``: until that checkpoint is published (:meth:`AsyncSaver.wait`);
 * ``blocked_ratio``: the medians' ratio, async over sync (the issue's bar: at most 0.05).
@@ -72,7 +73,7 @@ def _session(ps, root: str, model_args: dict[str, Any], stage: int, nvme: str | 
         save = os.path.join(root, f"async{i}")
         with Stopwatch(barrier=barrier) as sw:
             saver.start(prepare_save(save, 1, 1, engine, ps, cfg.to_dict(), rng,
-                                     vocab_size=VOCAB, snapshot=True))
+                                     vocab_size=VOCAB, snapshot=saver.buffer))
         times["async"].append(sw.seconds)
         with Stopwatch(barrier=barrier) as total:
             saver.wait()

@@ -1,7 +1,8 @@
 """``--async-save``: a checkpoint written while training goes on.
 
     saver = AsyncSaver(ps)
-    saver.start(prepare_save(..., snapshot=True))   # the step's values copied to host memory
+    saver.wait()                                    # (the buffer is free: no save in flight)
+    saver.start(prepare_save(..., snapshot=saver.buffer))  # the step's values copied to host
     ...                                             # training goes on
     saver.poll()                                    # each iteration: published once all wrote
     saver.wait()                                    # the next save, the end of the run
@@ -37,7 +38,7 @@ import threading
 import torch
 import torch.distributed as dist
 
-from hybrid.checkpoint.save import PendingSave, finish_save
+from hybrid.checkpoint.save import PendingSave, SnapshotBuffer, finish_save
 from hybrid.parallel.state import ParallelState
 
 
@@ -47,6 +48,7 @@ class AsyncSaver:
 
     def __init__(self, ps: ParallelState):
         self.ps = ps
+        self.buffer = SnapshotBuffer()  # pass as prepare_save's snapshot (its Note)
         self._pending: PendingSave | None = None
         self._thread: threading.Thread | None = None
 

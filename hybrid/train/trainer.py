@@ -277,7 +277,8 @@ class Trainer:
                                self.tokenizer.vocab_size, optimizer=not ck.no_save_optim,
                                finetune=self.start.finetune if self.start is not None else None,
                                owner=self.claim.record if self.claim is not None else None,
-                               extra_meta=self._buffers(), snapshot=self.saver is not None)
+                               extra_meta=self._buffers(),
+                               snapshot=self.saver.buffer if self.saver is not None else False)
         if self.saver is None:
             pending.write()
             log.info("saved checkpoint %s", finish_save(pending, self.ps))
