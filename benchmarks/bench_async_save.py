@@ -45,6 +45,7 @@ def _session(ps, root: str, model_args: dict[str, Any], stage: int, nvme: str | 
     from hybrid.checkpoint import save_checkpoint
     from hybrid.checkpoint.async_save import AsyncSaver
     from hybrid.checkpoint.save import prepare_save
+    from hybrid.checkpoint.snapshot import snapshot_for
     from hybrid.config import Flags, build_config
     from hybrid.tensor_parallel import seed_all
     from hybrid.train.setup import build_engine
@@ -60,7 +61,8 @@ def _session(ps, root: str, model_args: dict[str, Any], stage: int, nvme: str | 
     engine.backward(model(tokens[:, :-1], tokens[:, 1:]))
     engine.step(1e-4)
     barrier = world_barrier(ps)
-    saver = AsyncSaver(ps)
+    saver = AsyncSaver(ps, snapshot_for(engine))  # as the trainer makes it, its memory
+    saver.buffer.reserve(3 * sum(pc.hi - pc.lo for pc in engine.owned_pieces()))  # touched
     times: dict[str, list[float]] = {"sync": [], "async": [], "async_total": []}
     for i in range(repeat):
         save = os.path.join(root, f"sync{i}")

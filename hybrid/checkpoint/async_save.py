@@ -38,7 +38,8 @@ import threading
 import torch
 import torch.distributed as dist
 
-from hybrid.checkpoint.save import PendingSave, SnapshotBuffer, finish_save
+from hybrid.checkpoint.save import PendingSave, finish_save
+from hybrid.checkpoint.snapshot import HostSnapshot, Snapshot
 from hybrid.parallel.state import ParallelState
 
 
@@ -46,9 +47,10 @@ class AsyncSaver:
     """This rank's save in flight, if any (module doc); every method but :meth:`abandon`
     is collective over the world, called by every rank at the same point of the loop."""
 
-    def __init__(self, ps: ParallelState):
+    def __init__(self, ps: ParallelState, buffer: Snapshot | None = None):
         self.ps = ps
-        self.buffer = SnapshotBuffer()  # pass as prepare_save's snapshot (its Note)
+        # prepare_save's ``snapshot`` (hybrid/checkpoint/snapshot.py: snapshot_for(engine))
+        self.buffer: Snapshot = buffer if buffer is not None else HostSnapshot()
         self._pending: PendingSave | None = None
         self._thread: threading.Thread | None = None
 

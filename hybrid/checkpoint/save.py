@@ -60,7 +60,7 @@ import json
 import os
 import shutil
 import zlib
-from collections.abc import Collection, Iterable
+from collections.abc import Iterable
 
 import torch
 
@@ -76,6 +76,7 @@ from hybrid.checkpoint.files import (
 from hybrid.checkpoint.integrity import ALGORITHM, BLOCK_BYTES, BlockSums, crc32, header_bytes
 from hybrid.checkpoint.layout import COLUMNS, describe, pipeline_layout, single_file_layout
 from hybrid.checkpoint.ownership import write_owner
+from hybrid.checkpoint.snapshot import HostSnapshot, Snapshot
 from hybrid.errors import CheckpointError
 from hybrid.parallel.agree import agree_error
 from hybrid.parallel.state import ParallelState
@@ -177,44 +178,6 @@ def save_checkpoint(save_dir: str, iteration: int, consumed_samples: int, engine
     return finish_save(pending, ps)
 
 
-class SnapshotBuffer:
-    """Host memory for one save's snapshot of this rank's values, kept from save to save.
-
-    [Note: a snapshot is a copy into memory already touched]
-    A snapshot copies every value this rank saves (12 bytes per parameter it owns, with
-    the moments) while the step waits. Into fresh memory that copy runs at the speed the
-    kernel maps pages (each first touch faults), several times slower than a copy into
-    memory mapped already; so the buffer is allocated once, at the first save, and every
-    later save copies into the same pages. It holds one flat fp32 block per column, and
-    the snapshot's pieces are views of it, in the data file's order.
-    """
-
-    def __init__(self) -> None:
-        self.flat = torch.empty(0)
-
-    def take(self, engine: ZeroEngine, columns: tuple[str, ...], unsaved: Collection[str],
-             rows: int) -> list[list[torch.Tensor]]:
-        """Per column, each saved piece's values (``rows`` in all), copied into the buffer."""
-        if self.flat.numel() < rows * len(columns):
-            self.flat = torch.empty(0)  # (the old block goes before the new one is made)
-            self.flat = torch.empty(rows * len(columns))
-        engine.wait_optimizer()
-        opt = engine.optimizer
-        out: list[list[torch.Tensor]] = []
-        for c, key in enumerate(columns):
-            at, pieces = c * rows, []
-            for pc in engine.owned_pieces():
-                if pc.name in unsaved:
-                    continue
-                src = opt.read_piece(key, pc.unit, pc.part)
-                dst = self.flat[at: at + src.numel()]
-                dst.copy_(src.reshape(-1))
-                pieces.append(dst)
-                at += src.numel()
-            out.append(pieces)
-        return out
-
-
 class PendingSave:
     """A save between :func:`prepare_save` and :func:`finish_save`: this rank's header
     and what its data file holds, either read from the engine as written (``values``
@@ -225,7 +188,7 @@ class PendingSave:
     def __init__(self, save_dir: str, name: str, tmp: str, final: str, header: dict,
                  columns: tuple, engine: ZeroEngine, unsaved: set[str], block_bytes: int,
                  meta: dict | None, files: dict[str, bytes], keep_last: int | None,
-                 values: list[list[torch.Tensor]] | None):
+                 values: list[Iterable[torch.Tensor]] | None):
         self.save_dir, self.name, self.tmp, self.final = save_dir, name, tmp, final
         self.header, self.columns, self.engine, self.unsaved = header, columns, engine, unsaved
         self.meta, self.files, self.keep_last, self.values = meta, files, keep_last, values
@@ -274,13 +237,13 @@ def prepare_save(save_dir: str, iteration: int, consumed_samples: int, engine: Z
                  optimizer: bool = True, finetune: dict | None = None,
                  extra_meta: dict | None = None, extra_files: dict[str, bytes] | None = None,
                  checksum_block_bytes: int = BLOCK_BYTES, owner: dict | None = None,
-                 snapshot: bool | SnapshotBuffer = False) -> PendingSave:
+                 snapshot: bool | Snapshot = False) -> PendingSave:
     """The collective first phase of :func:`save_checkpoint` (same arguments): the
     temporary directory, the layouts checked and gathered, this rank's header (RNG
     states, step, piece table) and, on rank 0, metadata.json's content. ``snapshot``:
     copy this rank's saved values into host memory now, so the caller may go on
-    training while :meth:`PendingSave.write` runs (a :class:`SnapshotBuffer`: into its
-    memory, kept from one save to the next)."""
+    training while :meth:`PendingSave.write` runs (a :class:`~hybrid.checkpoint.snapshot.
+    Snapshot`: the one the saver keeps, its memory or disk space reused from save to save)."""
     if optimizer:
         check_saveable(engine)
     columns = tuple(engine.optimizer.columns) if optimizer else ("master",)
@@ -295,8 +258,8 @@ def prepare_save(save_dir: str, iteration: int, consumed_samples: int, engine: Z
     header, unsaved = _rank_header(engine, ps, rng, state, mine)
     values = None
     if snapshot:
-        buffer = snapshot if isinstance(snapshot, SnapshotBuffer) else SnapshotBuffer()
-        values = buffer.take(engine, columns, unsaved, header["data_rows"])
+        taker = snapshot if not isinstance(snapshot, bool) else HostSnapshot()
+        values = taker.take(engine, columns, unsaved, header["data_rows"])
     meta = None
     if ps.rank == 0:
         meta = {"version": format_version(ps),

@@ -18,6 +18,7 @@ from hybrid.checkpoint.async_save import AsyncSaver
 from hybrid.checkpoint.ownership import RunIdentity, claim_save_dir
 from hybrid.checkpoint.resume import start_from_checkpoint
 from hybrid.checkpoint.save import finish_save, prepare_save
+from hybrid.checkpoint.snapshot import snapshot_for
 from hybrid.config import TrainConfig
 from hybrid.data.dataset import build_datasets, dp_micro_batches
 from hybrid.data.tokenizer import build_tokenizer
@@ -132,7 +133,12 @@ class Trainer:
         self._speculation_prev: dict = {}  # engine.offload_speculation() at the last one
         self.clock = PhaseClock(ps.device) if cfg.logging.timing_breakdown else None
         # --async-save: the save in flight, published from the loop (async_save.py)
-        self.saver = AsyncSaver(ps) if cfg.checkpoint.async_save else None
+        self.saver = (AsyncSaver(ps, snapshot_for(self.engine)) if cfg.checkpoint.async_save
+                      else None)
+        if self.saver is not None:  # the snapshot's memory, touched before the first save
+            columns = 1 if cfg.checkpoint.no_save_optim else len(self.engine.optimizer.columns)
+            self.saver.buffer.reserve(
+                columns * sum(pc.hi - pc.lo for pc in self.engine.owned_pieces()))
 
     def train(self) -> list[dict]:
         """Train until ``--train-iters`` or ``--train-samples`` (or an exit flag); return

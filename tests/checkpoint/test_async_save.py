@@ -104,3 +104,55 @@ def test_a_rank_killed_mid_write_leaves_the_last_checkpoint_and_the_partial_one_
     r = pretrain(1, RUN + ["--load", save, "--ckpt-step", "6"])
     assert r.returncode == 2 and ".tmp_iter_0000006 there is a save of it that never " \
         "finished" in r.stderr, r.stderr[-2000:]
+
+
+def test_the_nvme_tier_s_snapshot_is_a_copy_on_disk(tmp_path):
+    """ZeRO 3 with the optimizer on NVMe: the snapshot copies the swap file on disk (no
+    host buffer; the copy's name is gone at once) and reads what the step had when it was
+    taken, whatever later steps write into the swap file: every piece equals the values
+    read from the engine at that step, and differs from the next step's."""
+    import torch
+
+    from hybrid.checkpoint.snapshot import SNAPSHOT_FILE, DiskSnapshot, snapshot_for
+    from hybrid.config import Flags, build_config
+    from hybrid.parallel.state import ParallelState
+    from hybrid.tensor_parallel import seed_all
+    from hybrid.train.setup import build_engine
+    from hybrid.zero.state import iter_piece_values
+
+    ps = ParallelState.single()
+    cfg = build_config(Flags(num_layers=1, hidden_size=32, num_attention_heads=2,
+                             seq_length=16, micro_batch_size=1, zero_stage=3,
+                             offload_optimizer="nvme", offload_param="nvme",
+                             offload_nvme_path=str(tmp_path / "nvme"), hidden_dropout=0.0,
+                             attention_dropout=0.0), 1)
+    rng = seed_all(1, 0, 0, ps.device)
+    model, _, engine = build_engine(cfg, ps, 64, rng)
+    tokens = torch.randint(0, 64, (1, 17), generator=torch.Generator().manual_seed(0))
+
+    def step():
+        engine.zero_grad()
+        engine.backward(model(tokens[:, :-1], tokens[:, 1:]))
+        engine.step(1e-2)
+
+    try:
+        step()
+        snap = snapshot_for(engine)
+        assert isinstance(snap, DiskSnapshot)
+        columns = tuple(engine.optimizer.columns)
+        then = [[v.clone() for v in iter_piece_values(engine, (k,))] for k in columns]
+        rows = sum(v.numel() for v in then[0])
+        taken = snap.take(engine, columns, (), rows)
+        swap_dir = os.path.dirname(engine.optimizer.states.file.path)
+        assert SNAPSHOT_FILE not in os.listdir(swap_dir)  # (unlinked once open)
+        step()
+        step()  # the swap file now holds later states
+        later = [list(iter_piece_values(engine, (k,))) for k in columns]
+        for c, key in enumerate(columns):
+            got = list(taken[c])
+            assert len(got) == len(then[c])
+            assert all(torch.equal(g.reshape(-1), t.reshape(-1)) for g, t in zip(got, then[c]))
+            assert not all(torch.equal(g.reshape(-1), t.reshape(-1))
+                           for g, t in zip(got, later[c])), key
+    finally:
+        engine.close()

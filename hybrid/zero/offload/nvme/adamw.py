@@ -186,6 +186,12 @@ class SwappedAdamW(ShardBase):
     def master_range(self, lo: int, hi: int) -> torch.Tensor:
         return self.states.read_range("master", lo, hi)
 
+    def piece_range(self, part: int, where: slice) -> tuple[int, int]:
+        """The shard elements ``[lo, hi)`` of elements ``where`` of part ``part``: where
+        :attr:`states` keeps them."""
+        lo = self.offsets[part] + where.start
+        return lo, lo + where.stop - where.start
+
     def read_piece(self, key: str, part: int, where: slice) -> torch.Tensor:
         lo = self.offsets[part] + where.start
         return self.states.read_range(key, lo, lo + where.stop - where.start)

@@ -300,6 +300,12 @@ class SwappedStates:
         if error is not None:
             raise error
 
+    def written(self) -> None:
+        """Wait for the tiles being written back (reads ahead stay as they are): the file
+        then holds every state written so far (an asynchronous save copies it)."""
+        for r in list(self._writes.values()):
+            r.wait()
+
     # -- element ranges, outside the step (initialization, checkpoints) -------------
     def fill(self, master_values: FlatFill) -> None:
         """Initialize every tile: master from ``master_values(lo, hi, dst)`` (fills the
@@ -315,7 +321,7 @@ class SwappedStates:
     def read_range(self, key: str, lo: int, hi: int) -> torch.Tensor:
         """fp32 ``(hi - lo,)`` copy of plane ``key`` over shard elements ``[lo, hi)``."""
         out = torch.empty(hi - lo, dtype=torch.float32)
-        reqs = [self.io.read(self.file, off, out[a: b]) for off, a, b in self._spans(key, lo, hi)]
+        reqs = [self.io.read(self.file, off, out[a: b]) for off, a, b in self.spans(key, lo, hi)]
         for r in reqs:
             r.wait()
         return out
@@ -324,11 +330,11 @@ class SwappedStates:
         """Plane ``key`` over shard elements ``[lo, hi)`` <- ``values`` (``(hi - lo,)``)."""
         self.drain()  # (a read ahead would hold the old states)
         src = values.detach().to(torch.float32).contiguous()
-        reqs = [self.io.write(self.file, off, src[a: b]) for off, a, b in self._spans(key, lo, hi)]
+        reqs = [self.io.write(self.file, off, src[a: b]) for off, a, b in self.spans(key, lo, hi)]
         for r in reqs:
             r.wait()
 
-    def _spans(self, key: str, lo: int, hi: int) -> Iterator[tuple[int, int, int]]:
+    def spans(self, key: str, lo: int, hi: int) -> Iterator[tuple[int, int, int]]:
         """(file offset, start, stop) of each tile's part of ``[lo, hi)``, relative to lo."""
         plane = STATE_KEYS.index(key)  # the planes of a tile, in file order
         for k, within, a, b in tile_spans(lo, hi, self.tile):
