@@ -108,10 +108,18 @@ class HostSnapshot:
 class DiskSnapshot:
     """The nvme tier's swap file, copied on disk at each save (see the module doc).
 
-    The copy is opened, then unlinked: a crash leaves nothing behind, and the file goes
-    when the last column is read. Its space is checked before the copy: too little free
-    is a CheckpointError naming ``--offload-nvme-path`` (the save fails; training can go
-    on, as with any failed save)."""
+    [Note: copied behind the step]
+    The step does not wait for the copy. :meth:`take` starts a thread that copies the
+    swap file tile by tile, in tile order, and sets itself as the states' write guard
+    (:class:`~hybrid.zero.offload.nvme.tiles.TileGuard`): the next step writes tile ``k``
+    back only once the copy has passed it, and the checkpoint's writer reads a piece
+    only once the copy holds it. A step takes longer than the copy of its tiles only
+    when the disk is slower than the step; then the step waits for the tiles it would
+    overwrite, never for the whole copy. The copy is opened, then unlinked: a crash leaves
+    nothing behind, and its blocks go when the writer is done. Its space is checked
+    before it starts: too little free is a CheckpointError naming
+    ``--offload-nvme-path`` (the save fails; training can go on, as with any failed save).
+    """
 
     def reserve(self, numel: int) -> None:
         pass  # (nothing in memory; the disk space is checked at each copy)
@@ -121,9 +129,10 @@ class DiskSnapshot:
         engine.wait_optimizer()
         opt = engine.optimizer
         states = opt.states  # type: ignore[attr-defined]  # (snapshot_for chose this kind)
+        if isinstance(states.guard, TileCopy):
+            states.guard.wait_for(states.tiles - 1)  # (the last save's copy: done by now)
         states.written()
         src = states.file.path
-        path = os.path.join(os.path.dirname(src), SNAPSHOT_FILE)
         size = os.fstat(states.file.fd).st_size
         free = os.statvfs(os.path.dirname(src))
         if free.f_bavail * free.f_frsize < size:
@@ -131,7 +140,9 @@ class DiskSnapshot:
                 f"--offload-nvme-path {os.path.dirname(os.path.dirname(src))}: "
                 f"{free.f_bavail * free.f_frsize} bytes free, the --async-save copy of "
                 f"{src} needs {size}: free space there, or save without --async-save")
-        fd = _copy(src, path, size)
+        copy = TileCopy(src, os.path.join(os.path.dirname(src), SNAPSHOT_FILE),
+                        3 * states.tile * 4, states.tiles)
+        states.guard = copy
         pieces = [(pc.unit, pc.part) for pc in engine.owned_pieces() if pc.name not in unsaved]
         left = [len(columns)]
 
@@ -142,30 +153,72 @@ class DiskSnapshot:
                     out = torch.empty(hi - lo, dtype=torch.float32)
                     view = memoryview(out.numpy()).cast("B")  # type: ignore[arg-type]
                     for off, a, b in states.spans(key, lo, hi):
-                        _read_exactly(fd, view[a * 4: b * 4], off, path)
+                        copy.wait_for((off + (b - a) * 4 - 1) // copy.tile_bytes)
+                        if copy.error is not None:
+                            raise OSError(copy.error)  # (the save fails, naming it)
+                        _read_exactly(copy.fd, view[a * 4: b * 4], off, copy.path)
                     yield out
             finally:
                 left[0] -= 1
                 if left[0] == 0:
-                    os.close(fd)
+                    copy.close()
 
         return [column(key) for key in columns]
 
 
-def _copy(src: str, dst: str, size: int) -> int:
-    """``src`` copied to a new ``dst`` in the kernel; a read descriptor of the copy, whose
-    name is already gone."""
-    with open(src, "rb") as fin, open(dst, "wb") as fout:
-        done = 0
-        while done < size:
-            n = os.copy_file_range(fin.fileno(), fout.fileno(), size - done, done, done)
-            if n == 0:
-                raise CheckpointError(f"{src}: ended at {done} of {size} bytes while copied "
-                                      f"for --async-save")
-            done += n
-    fd = os.open(dst, os.O_RDONLY)
-    os.unlink(dst)
-    return fd
+class TileCopy:
+    """``src`` copied to ``path`` tile by tile on a thread, in the kernel
+    (``os.copy_file_range``); a :class:`~hybrid.zero.offload.nvme.tiles.TileGuard`.
+    ``fd``: the copy, open for reading (its name is gone once it is open)."""
+
+    def __init__(self, src: str, path: str, tile_bytes: int, tiles: int):
+        self.path, self.tile_bytes, self.tiles = path, tile_bytes, tiles
+        self.done = 0  # tiles copied
+        self.error: str | None = None
+        self._cond = threading.Condition()
+        self._src = os.open(src, os.O_RDONLY)
+        try:
+            self._dst = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            self.fd = os.open(path, os.O_RDONLY)
+            os.unlink(path)
+        except BaseException:
+            os.close(self._src)
+            raise
+        self._thread = threading.Thread(target=self._run, daemon=True,
+                                        name="hybrid-save-copy")
+        self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            size = os.fstat(self._src).st_size
+            for k in range(self.tiles):
+                at, end = k * self.tile_bytes, min(size, (k + 1) * self.tile_bytes)
+                while at < end:
+                    n = os.copy_file_range(self._src, self._dst, end - at, at, at)
+                    if n == 0:
+                        raise OSError(f"the swap file ended at byte {at}")
+                    at += n
+                with self._cond:
+                    self.done = k + 1
+                    self._cond.notify_all()
+        except OSError as e:
+            with self._cond:
+                self.error = f"copying the nvme tier's states for --async-save failed ({e})"
+                self._cond.notify_all()
+        finally:
+            os.close(self._src)
+            os.close(self._dst)
+
+    def wait_for(self, k: int) -> None:
+        """Return once tile ``k`` is copied (or the copy failed: the writer reports it)."""
+        with self._cond:
+            while self.done <= k and self.error is None:
+                self._cond.wait()
+
+    def close(self) -> None:
+        """After the last read: the copy's blocks go."""
+        self._thread.join()
+        os.close(self.fd)
 
 
 def _read_exactly(fd: int, view: memoryview, offset: int, path: str) -> None:

@@ -106,12 +106,24 @@ def test_a_rank_killed_mid_write_leaves_the_last_checkpoint_and_the_partial_one_
         "finished" in r.stderr, r.stderr[-2000:]
 
 
-def test_the_nvme_tier_s_snapshot_is_a_copy_on_disk(tmp_path):
+def test_the_nvme_tier_s_snapshot_is_a_copy_on_disk(tmp_path, monkeypatch):
     """ZeRO 3 with the optimizer on NVMe: the snapshot copies the swap file on disk (no
-    host buffer; the copy's name is gone at once) and reads what the step had when it was
-    taken, whatever later steps write into the swap file: every piece equals the values
+    host buffer; the copy's name is gone at once), on a thread behind the step, and reads
+    what the step had when it was taken, whatever later steps write into the swap file:
+    with 1024-element tiles and a copier slowed to 20 ms a tile, so that the next steps
+    reach tiles not yet copied (they wait for those only), every piece equals the values
     read from the engine at that step, and differs from the next step's."""
     import torch
+
+    import hybrid.checkpoint.snapshot as snapshot_module
+
+    copy_file_range = os.copy_file_range
+
+    def slow_copy(*args):
+        time.sleep(0.02)
+        return copy_file_range(*args)
+
+    monkeypatch.setattr(snapshot_module.os, "copy_file_range", slow_copy)
 
     from hybrid.checkpoint.snapshot import SNAPSHOT_FILE, DiskSnapshot, snapshot_for
     from hybrid.config import Flags, build_config
@@ -124,7 +136,8 @@ def test_the_nvme_tier_s_snapshot_is_a_copy_on_disk(tmp_path):
     cfg = build_config(Flags(num_layers=1, hidden_size=32, num_attention_heads=2,
                              seq_length=16, micro_batch_size=1, zero_stage=3,
                              offload_optimizer="nvme", offload_param="nvme",
-                             offload_nvme_path=str(tmp_path / "nvme"), hidden_dropout=0.0,
+                             offload_nvme_path=str(tmp_path / "nvme"),
+                             offload_buffer_size=1024, hidden_dropout=0.0,
                              attention_dropout=0.0), 1)
     rng = seed_all(1, 0, 0, ps.device)
     model, _, engine = build_engine(cfg, ps, 64, rng)
@@ -143,6 +156,7 @@ def test_the_nvme_tier_s_snapshot_is_a_copy_on_disk(tmp_path):
         then = [[v.clone() for v in iter_piece_values(engine, (k,))] for k in columns]
         rows = sum(v.numel() for v in then[0])
         taken = snap.take(engine, columns, (), rows)
+        assert engine.optimizer.states.tiles >= 8
         swap_dir = os.path.dirname(engine.optimizer.states.file.path)
         assert SNAPSHOT_FILE not in os.listdir(swap_dir)  # (unlinked once open)
         step()

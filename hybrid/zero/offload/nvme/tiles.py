@@ -109,6 +109,14 @@ class TileGrads(Protocol):
     def dtype(self) -> torch.dtype: ...
 
 
+class TileGuard(Protocol):
+    """Something reading the swap file that a tile's write must not overtake (an
+    asynchronous save's copy of it, hybrid/checkpoint/snapshot.py)."""
+
+    def wait_for(self, k: int) -> None:
+        """Return once tile ``k``'s old bytes are no longer needed."""
+
+
 class SwappedStates:
     """``n`` elements of master and both moments, in tiles of ``tile`` elements.
 
@@ -134,6 +142,8 @@ class SwappedStates:
         # the first ``_held`` of them: handed out by :meth:`ahead` (gradients read, states
         # perhaps updated by the caller), not written back ([Note: holding read-ahead tiles])
         self._held = 0
+        # a reader of the file's current bytes, ahead of whose progress no tile is written
+        self.guard: TileGuard | None = None
 
     def attach_grads(self, grads: TileGrads, pin: bool = False) -> None:
         """Read each tile's gradient from ``grads`` (a SwappedGrads in the same tiles)
@@ -194,6 +204,8 @@ class SwappedStates:
                     grad = self.grad_staging[j % c][: hi - lo]
                 master, exp_avg, exp_avg_sq = self.planes(buf, hi - lo)
                 yield Tile(k, master, exp_avg, exp_avg_sq, grad)
+                if self.guard is not None:
+                    self.guard.wait_for(k)
                 self._writes[j % c] = self.io.write(self.file, self._offset(k), buf)
                 if j + ahead < len(order):
                     self._read(j + ahead, order[j + ahead])
@@ -313,6 +325,8 @@ class SwappedStates:
         self.drain()  # (a read ahead would hold the old states)
         buf = self.staging[0]
         for k in range(self.tiles):
+            if self.guard is not None:
+                self.guard.wait_for(k)
             lo, hi = self.bounds(k)
             buf.zero_()
             master_values(lo, hi, buf[: hi - lo])
@@ -329,6 +343,8 @@ class SwappedStates:
     def write_range(self, key: str, lo: int, hi: int, values: torch.Tensor) -> None:
         """Plane ``key`` over shard elements ``[lo, hi)`` <- ``values`` (``(hi - lo,)``)."""
         self.drain()  # (a read ahead would hold the old states)
+        if self.guard is not None:
+            self.guard.wait_for(self.tiles - 1)
         src = values.detach().to(torch.float32).contiguous()
         reqs = [self.io.write(self.file, off, src[a: b]) for off, a, b in self.spans(key, lo, hi)]
         for r in reqs:
