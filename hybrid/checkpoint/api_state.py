@@ -46,12 +46,13 @@ import zlib
 import torch
 
 from hybrid.checkpoint import client_state as client
+from hybrid.checkpoint.async_save import AsyncSaver
 from hybrid.checkpoint.files import LATEST, iter_name
 from hybrid.checkpoint.integrity import Integrity
 from hybrid.checkpoint.load import load_checkpoint
 from hybrid.checkpoint.ownership import API, RunIdentity, SaveDirClaim, module_shape
 from hybrid.checkpoint.reader import RangeReader
-from hybrid.checkpoint.save import save_checkpoint
+from hybrid.checkpoint.save import finish_save, prepare_save
 from hybrid.errors import CheckpointError
 from hybrid.parallel.agree import agree_error
 
@@ -212,13 +213,17 @@ class SaveClaims:
 
 
 def save_engine(engine, save_dir: str, tag, client_state: dict, save_latest: bool = True,
-                overwrite: bool = False) -> str:
+                overwrite: bool = False, saver: AsyncSaver | None = None) -> str:
     """Collective over the world: write the engine's checkpoint (the module note) with
     rank 0's ``client_state`` (:func:`hybrid.checkpoint.client_state.encode`: any value
     the safe loader takes back, else a ValueError naming it before anything is
     written), into a directory the engine claims (the Note on owners; ``overwrite``:
     another run's checkpoints there are deleted instead of refused); returns its
-    directory."""
+    directory. ``saver``: write the files on its thread (the engine's, with
+    ``checkpoint.writer.decoupled``): the directory is published, and ``latest`` names a
+    tag's, when the saver's poll or wait finds every rank done."""
+    if saver is not None:
+        saver.wait()  # (at most one in flight: the one before is published first)
     data = _encoded_client_state(engine.ps, client_state)
     # (a script may name the directory by the clock on each rank, as DeepSpeedExamples'
     # HelloDeepSpeed does: the ranks of one checkpoint write into rank 0's)
@@ -241,16 +246,26 @@ def save_engine(engine, save_dir: str, tag, client_state: dict, save_latest: boo
                      "global_samples": engine.global_samples, "tag": name}}
     owner = engine.save_claims.record(engine, save_dir, overwrite)
     target = save_dir if name is None else os.path.join(save_dir, name)
-    path = save_checkpoint(target, engine.global_steps,
+    pending = prepare_save(target, engine.global_steps,
                            engine.global_steps * engine.train_batch_size(), engine.zero,
                            engine.ps, engine.cfg.to_dict(), engine.rng, extra_meta=extra,
                            extra_files=None if data is None else {client.FILE: data},
                            keep_last=None if name is None else 1,
-                           owner=owner if name is None else None)
-    if name is not None and save_latest:
-        if engine.ps.rank == 0:
-            _write_latest(save_dir, name)
-        _barrier(engine.ps)  # no rank reads latest before it names the tag
+                           owner=owner if name is None else None,
+                           snapshot=saver.buffer if saver is not None else False)
+
+    def name_it(path: str) -> None:
+        if name is not None and save_latest:
+            if engine.ps.rank == 0:
+                _write_latest(save_dir, name)
+            _barrier(engine.ps)  # no rank reads latest before it names the tag
+
+    if saver is not None:
+        saver.start(pending, after=name_it)
+        return pending.final
+    pending.write()
+    path = finish_save(pending, engine.ps)
+    name_it(path)
     return path
 
 

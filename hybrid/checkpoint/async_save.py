@@ -34,6 +34,7 @@ measures it against the synchronous write).
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -52,17 +53,20 @@ class AsyncSaver:
         # prepare_save's ``snapshot`` (hybrid/checkpoint/snapshot.py: snapshot_for(engine))
         self.buffer: Snapshot = buffer if buffer is not None else HostSnapshot()
         self._pending: PendingSave | None = None
+        self._after: Callable[[str], None] | None = None
         self._thread: threading.Thread | None = None
 
     @property
     def in_flight(self) -> bool:
         return self._pending is not None
 
-    def start(self, pending: PendingSave) -> None:
-        """Write ``pending`` (prepared with ``snapshot=True``) on a thread; the save
-        before it, if still in flight, is waited for first."""
+    def start(self, pending: PendingSave, after: Callable[[str], None] | None = None) -> None:
+        """Write ``pending`` (prepared with a snapshot, :attr:`buffer`) on a thread; the
+        save before it, if still in flight, is waited for first. ``after``: called with
+        the checkpoint's directory once it is published (collective, as the publishing
+        is: a tag's ``latest``)."""
         self.wait()
-        self._pending = pending
+        self._pending, self._after = pending, after
         self._thread = threading.Thread(target=pending.write, daemon=True,
                                         name=f"hybrid-save-{pending.name}")
         self._thread.start()
@@ -90,11 +94,15 @@ class AsyncSaver:
         collective: other ranks may be gone)."""
         if self._thread is not None:
             self._thread.join()
-        self._pending = self._thread = None
+        self._pending = self._thread = self._after = None
 
     def _finish(self) -> str:
         pending = self._pending
         assert pending is not None and self._thread is not None  # (a save was in flight)
         self._thread.join()
-        self._pending = self._thread = None
-        return finish_save(pending, self.ps)
+        after, self._after = self._after, None
+        self._pending = self._thread = self._after = None
+        path = finish_save(pending, self.ps)
+        if after is not None:
+            after(path)
+        return path

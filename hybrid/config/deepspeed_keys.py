@@ -170,7 +170,20 @@ _RULES: dict[str, object] = {
     "wandb": Refuse("hybrid writes --log-json and TensorBoard", OBJECT),
     "nebula": Refuse("hybrid saves with --save", OBJECT),
     "compile": Custom(OBJECT, {"enabled": BOOL}),
-    "checkpoint": Hint(_CKPT, OBJECT),
+    # (checkpoint.writer.decoupled is --async-save's key)
+    "checkpoint.tag_validation": Hint("hybrid agrees on a save's tag over the ranks and "
+                                      "refuses one that differs", STRING),
+    "checkpoint.checkpoint_serialization": Hint(_CKPT),
+    "checkpoint.load_universal": Hint("hybrid tells a checkpoint's format (its own, "
+                                      "DeepSpeed's ZeRO or universal one) by its files"),
+    "checkpoint.use_node_local_storage": Hint(_CKPT),
+    "checkpoint.parallel_write": Hint(_CKPT, OBJECT),
+    "checkpoint.writer.type": Hint(_CKPT, STRING),
+    "checkpoint.writer.io_buffer_size": Hint(_CKPT, NUMBER),
+    "checkpoint.writer.io_buffer_double": Hint(_CKPT),
+    "checkpoint.writer.show_statistics": Hint(_CKPT),
+    "checkpoint.writer.data_parallel": Hint(_CKPT, STRING.or_null()),
+    "checkpoint.writer.io_multiplier": Hint(_CKPT, NUMBER),
     # precision
     "fp16.consecutive_hysteresis": Refuse("hybrid's hysteresis counts overflows since the "
                                           "last scale change, as Megatron's does"),
@@ -279,4 +292,5 @@ KEYS: dict[str, object] = {**_RULES, **_FLAG_RULES}
 # Sections walked key by key (each must be an object; a key under them that KEYS lacks
 # is unknown).
 SECTIONS = ("fp16", "bf16", "bfloat16", "zero_optimization", "zero_optimization.offload_optimizer",
-            "zero_optimization.offload_param", "aio", "activation_checkpointing", "data_types")
+            "zero_optimization.offload_param", "aio", "activation_checkpointing", "data_types",
+            "checkpoint", "checkpoint.writer")

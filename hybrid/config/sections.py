@@ -637,7 +637,7 @@ class CheckpointConfig:
     async_save: bool = opt(
         False, "write checkpoints in the background: the step copies its values to host "
         "memory and goes on; the checkpoint is published once every rank's files are "
-        "written (hybrid/checkpoint/async_save.py)")
+        "written (hybrid/checkpoint/async_save.py)", ds="checkpoint.writer.decoupled")
 
 
 @dataclass(frozen=True)

@@ -45,6 +45,8 @@ import torch
 from torch import nn
 
 from hybrid.checkpoint.api_state import SaveClaims
+from hybrid.checkpoint.async_save import AsyncSaver
+from hybrid.checkpoint.snapshot import snapshot_for
 from hybrid.config import TrainConfig
 from hybrid.engine.progress import Progress
 from hybrid.engine.surface import EngineOptimizer, dataloader_of
@@ -108,6 +110,10 @@ class Engine:
         self._window: str | None = None  # how this window's backwards ran: "engine", "plain"
         self._user_scaled = False  # engine.scale(loss) was called in this window
         self.last_result: StepResult | None = None  # of the last optimizer step
+        # checkpoint.writer.decoupled (--async-save): the save in flight, published from
+        # the steps (hybrid/checkpoint/async_save.py)
+        self.saver = (AsyncSaver(ps, snapshot_for(zero)) if cfg.checkpoint.async_save
+                      else None)
         self._arm()
 
     # -- what scripts read (DeepSpeed's names and types) --------------------------------
@@ -350,6 +356,11 @@ class Engine:
         if self.lr_scheduler is not None and result.host_skipped is not True:
             self.lr_scheduler.step()
         self.progress.stepped(result)  # DeepSpeed's steps_per_print line
+        if self.saver is not None:  # (every rank steps here together: a collective poll)
+            published = self.saver.poll()
+            if published is not None:
+                log.info("saved checkpoint %s (written in the background; published at "
+                         "step %d)", published, self.global_steps)
 
     # -- data ----------------------------------------------------------------------------
     def deepspeed_io(self, dataset: Dataset, batch_size: int | None = None,
@@ -379,13 +390,16 @@ class Engine:
         it would not take back is a ValueError naming the value and its type, before
         anything is written. ``save_dir`` is claimed as ``--save`` is (api_state's Note on
         owners; ``overwrite=True`` deletes another run's checkpoints there). Returns the
-        directory written."""
+        directory written. With ``checkpoint.writer.decoupled`` (DeepSpeed's decoupled
+        writer; hybrid's ``--async-save``) the files are written on a thread: the
+        directory appears, with ``latest`` naming it, at a later ``step()`` once every
+        rank has written, at the next save or load, or at :meth:`close`."""
         from hybrid.checkpoint.api_state import save_engine
         if exclude_frozen_parameters:
             raise ConfigError("save_checkpoint(exclude_frozen_parameters=True): hybrid "
                               "saves every parameter; pass False")
         return save_engine(self, save_dir, tag, dict(client_state or {}), save_latest,
-                           overwrite)
+                           overwrite, self.saver)
 
     def load_checkpoint(self, load_dir: str, tag: str | None = None,
                         load_module_strict: bool = True, load_optimizer_states: bool = True,
@@ -400,6 +414,8 @@ class Engine:
         if custom_load_fn is not None:
             raise ConfigError("load_checkpoint(custom_load_fn=...): hybrid loads its own "
                               "format; pass None")
+        if self.saver is not None:
+            self.saver.wait()  # (a load of the save in flight finds it published)
         got = load_engine(self, load_dir, tag, load_optimizer_states and not load_module_only,
                           load_lr_scheduler_states and not load_module_only)
         self._arm()  # (the counters moved: the window the next micro-batch is in)
@@ -426,7 +442,10 @@ class Engine:
         return True
 
     def close(self) -> None:
-        """Finish the update in flight, delete any swap files, free the save directories."""
+        """Finish the update and the save in flight, delete any swap files, free the save
+        directories."""
+        if self.saver is not None:
+            self.saver.wait()
         self.zero.close()
         self.save_claims.release()
 

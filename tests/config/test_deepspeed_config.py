@@ -49,6 +49,7 @@ def _nest(key: str, value) -> dict:
 FLAG_VALUES = {
     "gradient_clipping": (0.5, "clip_grad", 0.5), "steps_per_print": (7, "log_interval", 7),
     "wall_clock_breakdown": (True, "timing_breakdown", True),
+    "checkpoint.writer.decoupled": (True, "async_save", True),
     "data_types.grad_accum_dtype": ("fp32", "accumulate_allreduce_grads_in_fp32", True),
     "fp16.enabled": (True, "fp16", True), "fp16.loss_scale": (128, "loss_scale", 128.0),
     "fp16.initial_scale_power": (12, "initial_loss_scale", 4096.0),

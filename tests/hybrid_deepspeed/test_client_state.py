@@ -6,6 +6,7 @@ client_state of older checkpoints still returned. One process, ``ParallelState.s
 import argparse
 import json
 import os
+import time
 from collections import OrderedDict, deque
 from pathlib import Path
 
@@ -178,3 +179,47 @@ def test_ranks_passing_different_save_dirs_write_one_checkpoint_in_rank_0s(tmp_p
     assert out[1]["listing"] == ["run.0"]  # (rank 1's own name never made)
     files = set(os.listdir(tmp_path / "run.0" / "iter_0000000"))
     assert {"metadata.json", "rank_00000.bin", "rank_00001.bin"} <= files, files
+
+
+def test_a_decoupled_writer_saves_in_the_background_the_same_bytes(tmp_path, monkeypatch):
+    """``checkpoint.writer.decoupled`` (--async-save): save_checkpoint returns once the
+    values are copied; with the write held back, the tag is not there (nor in ``latest``)
+    until a later step finds every rank done, and then its files equal, byte for byte, a
+    synchronous save's of the same step; its client state loads back."""
+    from hybrid.checkpoint.save import PendingSave
+
+    gate, write = [], PendingSave.write
+
+    def held_write(pending):
+        while not gate:
+            time.sleep(0.01)
+        write(pending)
+
+    def engine(config):
+        e = _engine_with(config)
+        x = torch.ones(2, 4)
+        e.backward(e(x).sum())
+        e.step()
+        return e
+
+    sync = engine(DS)
+    done = sync.save_checkpoint(str(tmp_path / "sync"), tag="t1", client_state={"epoch": 1})
+    monkeypatch.setattr(PendingSave, "write", held_write)
+    asyn = engine({**DS, "checkpoint": {"writer": {"decoupled": True}}})
+    path = asyn.save_checkpoint(str(tmp_path / "async"), tag="t1", client_state={"epoch": 1})
+    assert not os.path.exists(path) and not (tmp_path / "async" / "latest").exists()
+    gate.append(1)
+    while asyn.saver.in_flight:  # (a step polls; the thread ends soon after the gate)
+        asyn.backward(asyn(torch.ones(2, 4)).sum())
+        asyn.step()
+    assert (tmp_path / "async" / "latest").read_text().strip() == "t1"
+    for name in ("rank_00000.bin", "rank_00000.pt", "client_state.pt"):
+        assert (Path(path) / name).read_bytes() == (Path(done) / name).read_bytes()
+    assert _engine_with(DS).load_checkpoint(str(tmp_path / "async"))[1] == {"epoch": 1}
+    asyn.close()
+
+
+def _engine_with(config):
+    torch.manual_seed(0)
+    net = torch.nn.Linear(4, 2)
+    return deepspeed.initialize(model=net, config=config, mpu=ParallelState.single())[0]
