@@ -57,3 +57,27 @@ def pytest_runtest_makereport(item, call):
                                f"({call.excinfo.value}) but is not marked "
                                f"@pytest.mark.peer({module!r}): the peer step (pytest -m "
                                f"peer) would never run it")
+
+
+# -- DeepSpeed's CPU shared-memory buffers ------------------------------------------------
+# DeepSpeed on CPU allocates its all-reduce buffers as /dev/shm files
+# (deepspeed_allreduce_buffer_*) and leaves them when its processes end: each peer run
+# would keep tens of MB of RAM, which on this machine piled up to gigabytes across runs.
+# The ones made while the tests ran go when they end.
+_SHM_START = pytest.StashKey[float]()
+def pytest_sessionstart(session):
+    import time
+    session.config.stash[_SHM_START] = time.time() - 1
+
+
+def pytest_sessionfinish(session, exitstatus):
+    import glob
+    start = session.config.stash.get(_SHM_START, None)
+    if start is None:
+        return
+    for path in glob.glob("/dev/shm/deepspeed_allreduce_buffer_*"):
+        try:
+            if os.path.getmtime(path) >= start:
+                os.unlink(path)
+        except OSError:
+            pass
