@@ -47,11 +47,11 @@ def _flags(rec: dict, tp: int, world: int, stage: int, **extra) -> dict:
 
 
 def hybrid_continues(ps, rec: dict, load: str, save: str, stage: int, steps: int,
-                     export: str | None = None) -> list[float]:
+                     export_after: int | None = None) -> list[float]:
     """On every rank: hybrid's GPT built as training builds it, started from ``load`` (a
     DCP checkpoint, imported into ``save``) through the run's own resume, then ``steps``
-    steps on the recorded run's batches; the global losses. ``export``: afterwards save
-    a hybrid checkpoint there at the last iteration (the way back's start)."""
+    steps on the recorded run's batches; the global losses. ``export_after``: after that
+    many steps, save a hybrid checkpoint into ``save`` (the way back's start)."""
     import torch.distributed as dist
 
     from benchmarks.peers import titan_llama as tl
@@ -84,10 +84,11 @@ def hybrid_continues(ps, rec: dict, load: str, save: str, stage: int, steps: int
         t = loss.detach().reshape(1).clone()
         dist.all_reduce(t)
         losses.append(float(t) / ps.world_size)
+        if step == start.iteration + (export_after or 0):
+            engine.wait_optimizer()
+            save_checkpoint(save, step, gb * step, engine, ps, cfg.to_dict(), rng,
+                            vocab_size=vocab)
     engine.wait_optimizer()
-    if export:
-        save_checkpoint(export, start.iteration + steps, gb * (start.iteration + steps),
-                        engine, ps, rng, config=cfg.to_dict(), vocab_size=vocab)
     return losses
 
 
@@ -96,13 +97,130 @@ def _max_diff(a, b) -> float:
     return max(abs(x - y) for x, y in zip(a, b, strict=True))
 
 
-@pytest.mark.parametrize("tp,stage", [(1, 3), (2, 1)])
-def test_continues_the_recorded_run(tmp_path, tp, stage):
-    """ZeRO 3 over 2 ranks (the fixture's FSDP2 layout) and TP 2: the 10 losses after the
-    import equal torchtitan-style training's own within 2e-6."""
+def torch_continues(ps, rec: dict, load: str, steps: int) -> dict:
+    """On every rank: the recorder's FSDP2 model and AdamW, loaded from DCP checkpoint
+    ``load`` as torchtitan loads one, then ``steps`` steps on the recorded run's batches."""
+    from benchmarks.peers import titan_llama as tl
+    s = tl.shape(**rec["shape"])
+    model = tl.build(s, rec["seed"])
+    opt, sched = tl.make_optimizer(model)
+    start = tl.load(load, model, opt, sched)
+    gb, world = rec["micro_batch_per_rank"] * ps.world_size, ps.world_size
+    rows = slice(ps.rank * gb // world, (ps.rank + 1) * gb // world)
+    losses = []
+    for step in range(start + 1, start + 1 + steps):
+        x, y = tl.batch(rec["seed"], step, s, gb)
+        losses.append(tl.train_step(model, opt, sched, x[rows], y[rows]))
+    return {"step": start, "losses": losses}
+
+
+def test_zero3_continues_the_recorded_run_and_the_way_back_continues_in_torch(tmp_path):
+    """ZeRO 3 over 2 ranks (the fixture's FSDP2 layout): the 10 losses after the import
+    equal the recorded run's within 2e-6. The way back: the hybrid save at iteration 6
+    (3 steps in), written by ``convert_checkpoint.py export --to dcp`` as torchtitan's
+    step-6/, is loaded by the FSDP2 model and torch's AdamW (dcp.load,
+    set_model_state_dict, set_optimizer_state_dict), whose next 3 losses equal hybrid's
+    within 2e-6."""
+    from tests.helpers.launch import run_script
     rec = _record()
-    ckpt = _unpack(tmp_path)
-    out = run_ranks(hybrid_continues, world_size=2, tp=tp,
-                    args=(rec, ckpt, str(tmp_path / "save"), stage, 10))
-    want = rec["losses_after_save"]
-    assert _max_diff(out[0], want) <= TOL, (out[0], want)
+    save, out = tmp_path / "save", tmp_path / "titan"
+    hybrid = run_ranks(hybrid_continues, world_size=2, tp=1,
+                       args=(rec, _unpack(tmp_path), str(save), 3, 10, 3))[0]
+    assert _max_diff(hybrid, rec["losses_after_save"]) <= TOL, (hybrid, rec)
+    r = run_script("convert_checkpoint", ["export", "--to", "dcp",
+                                          str(save / "iter_0000006"), str(out)])
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["step"] == 6
+    got = run_ranks(torch_continues, world_size=2, args=(rec, str(out / "step-6"), 3))[0]
+    assert got["step"] == 6
+    assert _max_diff(got["losses"], hybrid[3:6]) <= TOL, (got["losses"], hybrid[3:6])
+
+
+def test_tp2_continues_the_recorded_run(tmp_path):
+    """Another layout, TP 2 with ZeRO 1: the same 10 losses within 2e-6."""
+    rec = _record()
+    out = run_ranks(hybrid_continues, world_size=2, tp=2,
+                    args=(rec, _unpack(tmp_path), str(tmp_path / "save"), 1, 10))
+    assert _max_diff(out[0], rec["losses_after_save"]) <= TOL, (out[0], rec)
+
+
+PRETRAIN = ["--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "255",
+            "--log-interval", "1", "--eval-iters", "1", "--zero-stage", "3"]
+
+
+def _cli(flags: dict) -> list[str]:
+    out = []
+    for k, v in flags.items():
+        flag = "--" + k.replace("_", "-")
+        if v is True:
+            out.append(flag)
+        elif v is not False:
+            out += [flag, str(v)]
+    return out
+
+
+def test_pretrain_gpt_resumes_at_the_fixture_s_step(tmp_path):
+    """``scripts/pretrain_gpt.py --load FIXTURE --save NEW`` (2 ranks, ZeRO 3, mock data
+    with the fixture's 256-token vocabulary): the import publishes NEW/iter_0000003 holding
+    the DCP checkpoint's tensors as the reader maps them, bit for bit, the run goes on
+    at iteration 4 and saves iteration 5."""
+    import torch
+
+    from hybrid.checkpoint import iter_full_params
+    from hybrid.checkpoint.peers import open_peer
+    from tests.helpers.launch import pretrain, read_json_log
+    rec = _record()
+    ckpt, save, log = _unpack(tmp_path), tmp_path / "new", str(tmp_path / "log.jsonl")
+    flags = _flags(rec, 1, 2, 3)
+    argv = _cli({k: v for k, v in flags.items() if k not in ("zero_stage", "seed")}) + \
+        PRETRAIN + ["--train-iters", "5", "--load", ckpt, "--save", str(save),
+                    "--log-json", log]
+    r = pretrain(2, argv)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert [m["iteration"] for m in read_json_log(log) if "split" not in m] == [4, 5]
+    assert sorted(n for n in os.listdir(save) if not n.startswith(".")) == [
+        "iter_0000003", "iter_0000005", "latest", "owner.json"]
+    peer = open_peer(ckpt)
+    peer.configure(dict(flags))
+    meta, params = iter_full_params(str(save / "iter_0000003"))
+    assert meta["iteration"] == 3 and meta["step"] == 3
+    assert meta["imported_from"]["format"] == peer.format
+    for name, cols in params:
+        want = peer.read(name)
+        for col in ("master", "exp_avg", "exp_avg_sq"):
+            assert torch.equal(cols[col], want[col]), (name, col)
+
+
+def test_bad_input_is_one_error_naming_the_file(tmp_path):
+    """A truncated .distcp, an empty .metadata (the fake of
+    tests/helpers/foreign_checkpoints.py), a run whose query groups do not fit wk's rows: one
+    CheckpointError naming the file and what is wrong; through pretrain_gpt.py, exit 2
+    and nothing published in --save."""
+    import shutil
+
+    from hybrid.checkpoint.peers import open_peer
+    from hybrid.errors import CheckpointError
+    from tests.helpers.launch import pretrain
+    rec = _record()
+    step = os.path.join(_unpack(tmp_path), "step-3")
+    cut = str(tmp_path / "cut")
+    shutil.copytree(step, cut)
+    data = os.path.join(cut, "__1_0.distcp")
+    with open(data, "r+b") as f:
+        f.truncate(os.path.getsize(data) // 2)
+    with pytest.raises(CheckpointError, match=rf"^{data}: truncated \("):
+        open_peer(cut)
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    (empty / ".metadata").write_text("")
+    (empty / "__0_0.distcp").write_text("")
+    with pytest.raises(CheckpointError, match=rf"^{empty}/.metadata: not a readable DCP"):
+        open_peer(str(empty))
+    flags = dict(_flags(rec, 1, 2, 3), num_query_groups=1)  # another model: 1 K/V head
+    argv = _cli({k: v for k, v in flags.items() if k not in ("zero_stage", "seed")}) + \
+        PRETRAIN + ["--train-iters", "5", "--load", step, "--save", str(tmp_path / "new")]
+    r = pretrain(2, argv)
+    assert r.returncode == 2
+    said = r.stderr.strip().splitlines()[-1]
+    assert f"{step}/.metadata: wq has 32 rows and wk 16, which 4 heads and 1 query" in said, said
+    assert not [n for n in os.listdir(tmp_path / "new") if "iter_" in n]
