@@ -224,3 +224,79 @@ def test_bad_input_is_one_error_naming_the_file(tmp_path):
     said = r.stderr.strip().splitlines()[-1]
     assert f"{step}/.metadata: wq has 32 rows and wk 16, which 4 heads and 1 query" in said, said
     assert not [n for n in os.listdir(tmp_path / "new") if "iter_" in n]
+
+
+def _resave(src: str, dst: str, edit) -> None:
+    """The DCP checkpoint ``src`` with its state dict changed by ``edit(sd)``, saved to
+    ``dst`` by ``dcp.save`` in this process (the fixture is ours: a full unpickle)."""
+    import warnings
+
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+    whole = os.path.join(os.path.dirname(dst), "whole.pt")
+    dcp_to_torch_save(src, whole)
+    sd = torch.load(whole, weights_only=False)
+    edit(sd)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save(sd, checkpoint_id=dst, no_dist=True)
+
+
+def test_newer_torchtitan_names_fused_qkv_state_and_tied_embeddings(tmp_path):
+    """Newer torchtitan saves q, k, v as ``attention.qkv_linear.wq|wk|wv`` (its fused
+    projection splits itself on save) but their Adam state as the fused parameter's,
+    ``qkv_linear.wqkv`` laid out ``(groups, heads / groups + 2, head size, C)``, and
+    names the output layer ``lm_head``; with weight tying, the output has no optimizer
+    state of its own. The fixture rewritten each way reads as the same tensors."""
+    import torch
+
+    from hybrid.checkpoint.peers import open_peer
+    rec = _record()
+    step = os.path.join(_unpack(tmp_path), "step-3")
+    sh = rec["shape"]
+    hd = sh["dim"] // sh["n_heads"]
+    r = sh["n_heads"] // sh["n_kv_heads"]
+
+    def newer(sd):
+        opt = sd["optimizer"]
+        for i in range(sh["n_layers"]):
+            a = f"layers.{i}.attention."
+            for w in ("wq", "wk", "wv"):
+                sd[f"{a}qkv_linear.{w}.weight"] = sd.pop(f"{a}{w}.weight")
+            for col in ("exp_avg", "exp_avg_sq"):
+                q, k, v = (opt.pop(f"state.{a}{w}.weight.{col}") for w in ("wq", "wk", "wv"))
+                parts = [q.reshape(sh["n_kv_heads"], r, hd, -1),
+                         k.reshape(sh["n_kv_heads"], 1, hd, -1),
+                         v.reshape(sh["n_kv_heads"], 1, hd, -1)]
+                opt[f"state.{a}qkv_linear.wqkv.weight.{col}"] = torch.cat(parts, 1).reshape(
+                    -1, sh["dim"])
+            opt[f"state.{a}qkv_linear.wqkv.weight.step"] = opt.pop(f"state.{a}wq.weight.step")
+            for w in ("wk", "wv"):
+                del opt[f"state.{a}{w}.weight.step"]
+        sd["lm_head.weight"] = sd.pop("output.weight")
+        for col in ("exp_avg", "exp_avg_sq", "step"):
+            opt[f"state.lm_head.weight.{col}"] = opt.pop(f"state.output.weight.{col}")
+
+    def tied(sd):
+        sd["output.weight"] = sd["tok_embeddings.weight"].clone()
+        for col in ("exp_avg", "exp_avg_sq", "step"):
+            del sd["optimizer"][f"state.output.weight.{col}"]
+
+    config = dict(_flags(rec, 1, 1, 1))
+    base = open_peer(step)
+    base.configure(config)
+    want = {n: base.read(n) for n in base.shapes}
+    for kind, edit in (("newer", newer), ("tied", tied)):
+        (tmp_path / kind).mkdir()
+        _resave(step, str(tmp_path / kind / "step-3"), edit)
+        peer = open_peer(str(tmp_path / kind))
+        peer.configure(config)
+        assert peer.iteration == 3 and peer.step == 3
+        assert peer.flags["untie_embeddings_and_output_weights"] == (kind == "newer")
+        assert set(peer.shapes) == set(base.shapes) - ({"output_layer.weight"}
+                                                        if kind == "tied" else set())
+        for name in peer.shapes:
+            got = peer.read(name)
+            for col in base.columns:
+                assert torch.equal(got[col], want[name][col]), (kind, name, col)

@@ -235,7 +235,13 @@ class DCPCheckpoint:
                                   f"0..{n - 1} (a pipeline stage's part?)")
         self.sources: dict[str, tuple[str, ...]] = {}
         top = dict(TOP)
-        self.tied = self._name("output.weight") not in self.entries
+        # tied (torchtitan's enable_weight_tying): no output entry, or one without
+        # optimizer state of its own while the embedding has some (the optimizer is built
+        # from named_parameters, which lists a shared parameter once)
+        out_name = self._name("output.weight")
+        self.tied = out_name not in self.entries or (
+            self._moment_key(out_name, "exp_avg") is None
+            and self._moment_key("tok_embeddings.weight", "exp_avg") is not None)
         if self.tied:
             del top["output_layer.weight"]
         self.sources.update(top)
@@ -265,14 +271,26 @@ class DCPCheckpoint:
                       "position_embedding_type": "rope", "disable_bias_linear": True,
                       "untie_embeddings_and_output_weights": not self.tied}
 
+    def _moment_key(self, name: str, col: str) -> str | None:
+        """The entry of moment ``col`` of torchtitan parameter ``name``: its own, or for
+        ``wq``/``wk``/``wv`` newer torchtitan's fused ``qkv_linear.wqkv`` (whose optimizer
+        state is the fused parameter's); None when there is none."""
+        own = f"{OPTIM}state.{self._name(name)}.{col}"
+        if own in self.entries:
+            return own
+        m = re.fullmatch(r"(layers\.\d+\.attention\.)w[qkv]\.weight", name)
+        fused = m and f"{OPTIM}state.{m.group(1)}qkv_linear.wqkv.weight.{col}"
+        return fused if fused and fused in self.entries else None
+
     def _map_state(self) -> None:
         def have(n: str, what: str) -> bool:
-            return f"{OPTIM}state.{self._name(n)}.{what}" in self.entries
+            return self._moment_key(n, what) is not None
         every = [s for src in self.sources.values() for s in src]
         if all(have(s, m) for s in every for m in MOMENTS):
             self.columns: tuple[str, ...] = ("master", *MOMENTS)
-            first = f"{OPTIM}state.{self._name(every[0])}.step"
-            self.step = int(float(self._value(first))) if first in self.entries else 0
+            first = (self._moment_key(every[0], "exp_avg") or "").removesuffix("exp_avg")
+            self.step = int(float(self._value(first + "step"))) \
+                if first + "step" in self.entries else 0
         elif any(have(s, m) for s in every for m in MOMENTS):
             missing = next(f"{OPTIM}state.{self._name(s)}.{m}" for s in every
                            for m in MOMENTS if not have(s, m))
@@ -357,10 +375,27 @@ class DCPCheckpoint:
         out = {}
         for col in self.columns:
             def get(n: str, col: str = col) -> torch.Tensor:
-                n = self._name(n)
-                return self._tensor(n if col == "master" else f"{OPTIM}state.{n}.{col}")
+                if col == "master":
+                    return self._tensor(self._name(n))
+                key = self._moment_key(n, col)
+                assert key is not None  # (every parameter's moments, checked at open)
+                return self._tensor(key)
             out[col] = self._combine(name, src, get)
         return out
+
+    def _qkv(self, src: tuple[str, ...], get: Callable[[str], torch.Tensor]):
+        """(q, k, v) rows of one layer, torchtitan's order: three entries, or (a moment
+        of newer torchtitan's fused projection, which ``get`` of ``wq`` returns) one
+        ``(groups, heads / groups + 2, head size, C)`` tensor, cut as that projection
+        cuts itself on save."""
+        first = get(src[0])
+        if first.shape[0] == self.q_rows:
+            return first, get(src[1]), get(src[2])
+        assert self.groups is not None  # (checked by the caller)
+        r, rest = self.q_rows // self.k_rows, first.shape[1:]
+        x = first.reshape(self.groups, r + 2, -1, *rest)
+        return (x[:, :r].reshape(-1, *rest), x[:, r].reshape(-1, *rest),
+                x[:, r + 1].reshape(-1, *rest))
 
     def _combine(self, name: str, src: tuple[str, ...],
                  get: Callable[[str], torch.Tensor]) -> torch.Tensor:
@@ -370,7 +405,7 @@ class DCPCheckpoint:
                     f"{self.meta_path}: a DCP checkpoint does not record the number of "
                     f"attention heads, which RoPE's row order needs: give "
                     f"--num-attention-heads (and --num-query-groups)")
-            q, k, v = (get(s) for s in src)
+            q, k, v = self._qkv(src, get)
             q = interleaved_to_halves(q, self.heads)
             k = interleaved_to_halves(k, self.groups)
             return _qkv_from_hf(q, k, v, self.groups)
