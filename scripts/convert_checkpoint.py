@@ -64,7 +64,7 @@ def export_dcp(argv) -> int:
     ap.add_argument("checkpoint", help="an iter_* directory, or a --save directory (newest)")
     ap.add_argument("output", help="the checkpoint folder to write step-N/ into")
     ap.add_argument("--lr", type=float, help="the learning rate the optimizer state holds "
-                                             "(default: hybrid's schedule at the iteration)")
+                                             "(default: hybrid's schedule's for the next step)")
     a = ap.parse_args(argv)
     try:
         summary = dcp.write(resolve_checkpoint(a.checkpoint), a.output, lr=a.lr)

@@ -248,7 +248,8 @@ def test_newer_torchtitan_names_fused_qkv_state_and_tied_embeddings(tmp_path):
     projection splits itself on save) but their Adam state as the fused parameter's,
     ``qkv_linear.wqkv`` laid out ``(groups, heads / groups + 2, head size, C)``, and
     names the output layer ``lm_head``; with weight tying, the output has no optimizer
-    state of its own. The fixture rewritten each way reads as the same tensors."""
+    state of its own. The fixture rewritten each way reads as the same tensors. The
+    saved AdamW hyperparameters the run's flags do not repeat are one note each."""
     import torch
 
     from hybrid.checkpoint.peers import open_peer
@@ -287,6 +288,12 @@ def test_newer_torchtitan_names_fused_qkv_state_and_tied_embeddings(tmp_path):
     base = open_peer(step)
     base.configure(config)
     want = {n: base.read(n) for n in base.shapes}
+    assert base.notes[3:] == []  # the recorder's AdamW is the flags' own
+    odd = open_peer(step)
+    odd.configure(dict(config, adam_beta2=0.999, lr=3e-4))
+    assert odd.notes[3:] == ["--adam-beta2: the checkpoint's optimizer has 0.95, this run "
+                             "0.999", "learning rate: the checkpoint's optimizer holds 0.001 "
+                             "for step 4; hybrid's schedule gives 0.0003 for it"]
     for kind, edit in (("newer", newer), ("tied", tied)):
         (tmp_path / kind).mkdir()
         _resave(step, str(tmp_path / kind / "step-3"), edit)

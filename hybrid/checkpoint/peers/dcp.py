@@ -366,6 +366,38 @@ class DCPCheckpoint:
                 f"{heads} heads and {groups} query groups of size {hd} do not make: the "
                 f"run's --num-attention-heads / --num-query-groups are not the checkpoint's")
         self.heads, self.groups = heads, groups
+        self._compare_hyperparameters(config)
+
+    def _compare_hyperparameters(self, config: dict) -> None:
+        """One note per AdamW hyperparameter of the checkpoint's param groups that the
+        run's flags do not repeat (they are the run's to give: hybrid's optimizer
+        follows its flags), and for weight decay on vectors (hybrid decays matrices
+        only)."""
+        def group(fqn: str, key: str):
+            k = f"{OPTIM}param_groups.{self._name(fqn)}.{key}"
+            return self._value(k) if k in self.entries else None
+        matrix, vector = "tok_embeddings.weight", "norm.weight"
+        betas = group(matrix, "betas")
+        pairs = [("adam_beta1", betas[0] if betas else None),
+                 ("adam_beta2", betas[1] if betas else None),
+                 ("adam_eps", group(matrix, "eps")),
+                 ("weight_decay", group(matrix, "weight_decay"))]
+        for flag, saved in pairs:
+            if saved is not None and flag in config and float(saved) != float(config[flag]):
+                self.notes.append(f"--{flag.replace('_', '-')}: the checkpoint's optimizer "
+                                  f"has {float(saved):g}, this run {float(config[flag]):g}")
+        decay = group(vector, "weight_decay")
+        if decay:
+            self.notes.append(f"weight decay: the checkpoint's optimizer decays {vector} by "
+                              f"{float(decay):g} (torchtitan's default decays every "
+                              f"parameter); hybrid decays matrices only")
+        lr = group(matrix, "lr")
+        if lr is not None and config.get("lr") is not None:
+            ours = _next_lr(config, self.iteration, self.consumed_samples)
+            if abs(float(lr) - ours) > 1e-9 * max(abs(ours), 1e-12):
+                self.notes.append(f"learning rate: the checkpoint's optimizer holds "
+                                  f"{float(lr):g} for step {self.iteration + 1}; hybrid's "
+                                  f"schedule gives {ours:g} for it")
 
     def read(self, name: str) -> dict[str, torch.Tensor]:
         """``{column: full fp32 tensor}`` of hybrid parameter ``name``."""
@@ -449,7 +481,7 @@ def write(ckpt: str, out_dir: str, lr: float | None = None) -> dict:
     without, hybrid's rule), ``lr_scheduler`` (a constant LambdaLR at the iteration),
     ``train_state``. No ``dataloader`` entry: load with
     ``checkpoint.exclude_from_loading = ["dataloader"]``. ``lr``: the learning rate the
-    optimizer holds (default: the schedule's at the iteration). Returns a summary.
+    optimizer holds (default: hybrid's schedule's for the next step). Returns a summary.
     Holds the model's state in memory (DCP writes one state dict)."""
     import torch.distributed.checkpoint as dcp
 
@@ -468,7 +500,7 @@ def write(ckpt: str, out_dir: str, lr: float | None = None) -> dict:
     groups = f["num_query_groups"] or heads
     iteration, step = int(meta["iteration"]), int(meta.get("step", meta["iteration"]))
     if lr is None:
-        lr = _scheduled_lr(c, iteration, int(meta.get("consumed_samples", 0)))
+        lr = _next_lr(c, iteration, int(meta.get("consumed_samples", 0)))
     group = {"lr": lr, "betas": (c.get("adam_beta1", 0.9), c.get("adam_beta2", 0.999)),
              "eps": c.get("adam_eps", 1e-8), "amsgrad": False, "maximize": False,
              "foreach": False, "capturable": False, "differentiable": False, "fused": None,
@@ -520,13 +552,19 @@ def write(ckpt: str, out_dir: str, lr: float | None = None) -> dict:
             "optimizer": with_moments, "heads": heads, "query_groups": groups, "lr": lr}
 
 
-def _scheduled_lr(c: dict, iteration: int, consumed_samples: int) -> float:
-    """hybrid's learning rate at ``iteration`` for saved config ``c``."""
+def _next_lr(c: dict, iteration: int, consumed_samples: int) -> float:
+    """hybrid's learning rate for the step after ``iteration`` (what a torch optimizer's
+    param groups hold between the two: its scheduler stepped after the optimizer) under
+    the checked flat flags ``c`` (a run's, or a checkpoint's saved config)."""
+    from types import SimpleNamespace
+
+    from hybrid.config.build import _section
+    from hybrid.config.sections import LRScheduleConfig
+    from hybrid.train.lr_schedule import scheduled_lr
     try:
-        from hybrid.config import Flags, build_config
-        from hybrid.train.lr_schedule import scheduled_lr
-        known = {k: v for k, v in c.items() if k in Flags.__dataclass_fields__}
-        cfg = build_config(Flags(**known), 1, environ={})
-        return float(scheduled_lr(cfg.lr_schedule, iteration, consumed_samples))
-    except Exception:  # noqa: BLE001 (a saved config the schedule cannot rebuild: its --lr)
+        f = SimpleNamespace(**c)
+        sched = _section(f, "lr_schedule", **LRScheduleConfig.derived(f))  # type: ignore[arg-type]
+        return float(scheduled_lr(sched, iteration + 1,
+                                  consumed_samples + int(c.get("global_batch_size") or 0)))
+    except (AttributeError, AssertionError, TypeError):  # a config from before a flag
         return float(c.get("lr") or 0.0)
