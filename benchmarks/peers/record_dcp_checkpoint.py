@@ -6,12 +6,15 @@ CheckpointManager saves, and the 10 losses it goes on with.
     OMP_NUM_THREADS=1 python benchmarks/peers/record_dcp_checkpoint.py [--out DIR]
 
 (DIR: tests/fixtures/peers/dcp by default; it is replaced.) It writes
-``DIR/checkpoint/step-3/`` (``.metadata``, ``__0_0.distcp``, ``__1_0.distcp``) and
-``DIR/losses.json``: the seed of the batches (:func:`benchmarks.peers.titan_llama.batch`),
-the shape, the optimizer, hybrid's flags for the same run, the 3 losses before the save
-and the 10 after it. The model is :mod:`benchmarks.peers.titan_llama`'s (torchtitan's
-names, arithmetic and checkpoint structure; torchtitan's own package does not import
-here, its note says why); FSDP2, AdamW and DCP are torch's own.
+``DIR/checkpoint.tar.xz``, the folder ``checkpoint/step-3/`` (``.metadata``,
+``__0_0.distcp``, ``__1_0.distcp``) as DCP wrote it, packed because DCP's per-entry
+pickles (a small file per tensor chunk and per hyperparameter) make it 1.2 MB and
+compress to 0.45 MB; and ``DIR/losses.json``: the seed of the batches
+(:func:`benchmarks.peers.titan_llama.batch`), the shape, the optimizer, hybrid's flags
+for the same run, the 3 losses before the save and the 10 after it. The model is
+:mod:`benchmarks.peers.titan_llama`'s (torchtitan's names, arithmetic and checkpoint
+structure; torchtitan's own package does not import here, its docstring says why);
+FSDP2, AdamW and DCP are torch's own.
 
 ``--load CKPT --steps K`` instead loads a DCP checkpoint of that structure (one this
 script wrote, or one ``scripts/convert_checkpoint.py export --to dcp`` wrote) into a fresh
@@ -26,6 +29,7 @@ import json
 import os
 import shutil
 import sys
+import tarfile
 
 import torch
 import torch.distributed as dist
@@ -112,6 +116,10 @@ def main(argv=None) -> int:
               "losses_before_save": res["before"], "losses_after_save": res["after"]}
     with open(os.path.join(a.out, "losses.json"), "w") as f:
         json.dump(record, f, indent=1)
+    folder = os.path.join(a.out, "checkpoint")
+    with tarfile.open(os.path.join(a.out, "checkpoint.tar.xz"), "w:xz") as tar:
+        tar.add(folder, arcname="checkpoint")
+    shutil.rmtree(folder)
     print(json.dumps({"after": res["after"]}))
     return 0
 

@@ -243,12 +243,13 @@ def _resave(src: str, dst: str, edit) -> None:
         dcp.save(sd, checkpoint_id=dst, no_dist=True)
 
 
-def test_newer_torchtitan_names_fused_qkv_state_and_tied_embeddings(tmp_path):
+def test_newer_names_fused_qkv_state_tied_embeddings_and_a_model_only_save(tmp_path):
     """Newer torchtitan saves q, k, v as ``attention.qkv_linear.wq|wk|wv`` (its fused
     projection splits itself on save) but their Adam state as the fused parameter's,
     ``qkv_linear.wqkv`` laid out ``(groups, heads / groups + 2, head size, C)``, and
     names the output layer ``lm_head``; with weight tying, the output has no optimizer
-    state of its own. The fixture rewritten each way reads as the same tensors. The
+    state of its own; a model-only save (torchtitan's last_save_model_only) has the
+    weights alone. The fixture rewritten each way reads as the same tensors. The
     saved AdamW hyperparameters the run's flags do not repeat are one note each."""
     import torch
 
@@ -284,6 +285,10 @@ def test_newer_torchtitan_names_fused_qkv_state_and_tied_embeddings(tmp_path):
         for col in ("exp_avg", "exp_avg_sq", "step"):
             del sd["optimizer"][f"state.output.weight.{col}"]
 
+    def model_only(sd):  # torchtitan's last_save_model_only: the model's entries alone
+        for key in ("optimizer", "lr_scheduler", "dataloader", "train_state"):
+            del sd[key]
+
     config = dict(_flags(rec, 1, 1, 1))
     base = open_peer(step)
     base.configure(config)
@@ -294,16 +299,20 @@ def test_newer_torchtitan_names_fused_qkv_state_and_tied_embeddings(tmp_path):
     assert odd.notes[3:] == ["--adam-beta2: the checkpoint's optimizer has 0.95, this run "
                              "0.999", "learning rate: the checkpoint's optimizer holds 0.001 "
                              "for step 4; hybrid's schedule gives 0.0003 for it"]
-    for kind, edit in (("newer", newer), ("tied", tied)):
+    for kind, edit in (("newer", newer), ("tied", tied), ("model_only", model_only)):
         (tmp_path / kind).mkdir()
         _resave(step, str(tmp_path / kind / "step-3"), edit)
         peer = open_peer(str(tmp_path / kind))
         peer.configure(config)
-        assert peer.iteration == 3 and peer.step == 3
-        assert peer.flags["untie_embeddings_and_output_weights"] == (kind == "newer")
+        assert (peer.iteration, peer.step) == ((0, 0) if kind == "model_only" else (3, 3))
+        assert peer.flags["untie_embeddings_and_output_weights"] == (kind != "tied")
         assert set(peer.shapes) == set(base.shapes) - ({"output_layer.weight"}
                                                         if kind == "tied" else set())
+        assert peer.columns == (("master",) if kind == "model_only" else base.columns)
+        assert ("no optimizer state (a model-only save): Adam's moments start at zero"
+                in peer.notes) == ("no train_state: iteration 0" in peer.notes) == (
+                    kind == "model_only")
         for name in peer.shapes:
             got = peer.read(name)
-            for col in base.columns:
+            for col in peer.columns:
                 assert torch.equal(got[col], want[name][col]), (kind, name, col)

@@ -108,7 +108,10 @@ def _steps(path: str) -> list[tuple[int, str]]:
 
 def detect(path: str) -> bool:
     """Whether ``path`` is a DCP checkpoint (``.metadata``) or a folder of torchtitan's
-    ``step-N`` ones: a few stat calls and globs, no file read."""
+    ``step-N`` ones: a few stat calls and globs, no file read. A Megatron-LM
+    ``torch_dist`` iteration (DCP too, with ``common.pt`` beside) is Megatron's."""
+    if os.path.isfile(os.path.join(path, "common.pt")):
+        return False
     return os.path.isfile(os.path.join(path, METADATA)) or bool(_steps(path))
 
 
