@@ -292,7 +292,10 @@ def test_newer_names_fused_qkv_state_tied_embeddings_and_a_model_only_save(tmp_p
     config = dict(_flags(rec, 1, 1, 1))
     base = open_peer(step)
     base.configure(config)
-    want = {n: base.read(n) for n in base.shapes}
+    # layer 0 and the top-level tensors: every layer maps alike
+    checked = [n for n in base.shapes if not n.startswith("blocks.") or
+               n.startswith("blocks.0.")]
+    want = {n: base.read(n) for n in checked}
     assert base.notes[3:] == []  # the recorder's AdamW is the flags' own
     odd = open_peer(step)
     odd.configure(dict(config, adam_beta2=0.999, lr=3e-4))
@@ -312,7 +315,7 @@ def test_newer_names_fused_qkv_state_tied_embeddings_and_a_model_only_save(tmp_p
         assert ("no optimizer state (a model-only save): Adam's moments start at zero"
                 in peer.notes) == ("no train_state: iteration 0" in peer.notes) == (
                     kind == "model_only")
-        for name in peer.shapes:
+        for name in (n for n in checked if n in peer.shapes):
             got = peer.read(name)
             for col in peer.columns:
                 assert torch.equal(got[col], want[name][col]), (kind, name, col)

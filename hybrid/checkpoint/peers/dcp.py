@@ -301,7 +301,11 @@ class DCPCheckpoint:
                                   f"not {missing!r} (not AdamW, or a partial checkpoint)")
         else:
             self.columns, self.step = ("master",), 0
-            self.notes.append("no optimizer state (a model-only save): Adam's moments start "
+            other = sorted({k.rsplit(".", 1)[1] for k in self.entries
+                            if k.startswith(f"{OPTIM}state.")})
+            self.notes.append(f"optimizer state of another optimizer ({', '.join(other)}), "
+                              f"not Adam's: Adam's moments start at zero" if other else
+                              "no optimizer state (a model-only save): Adam's moments start "
                               "at zero")
         self.iteration = int(self._value("train_state.step")) \
             if "train_state.step" in self.entries else 0
