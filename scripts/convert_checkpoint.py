@@ -65,9 +65,14 @@ def export_dcp(argv) -> int:
     ap.add_argument("output", help="the checkpoint folder to write step-N/ into")
     ap.add_argument("--lr", type=float, help="the learning rate the optimizer state holds "
                                              "(default: hybrid's schedule's for the next step)")
+    ap.add_argument("--param-groups", choices=("matrices", "one"), default="matrices",
+                    help="the loading optimizer's groups: matrices (weight decay on the "
+                         "matrices only, hybrid's rule) or one (decay on every parameter, "
+                         "torchtitan's default)")
     a = ap.parse_args(argv)
     try:
-        summary = dcp.write(resolve_checkpoint(a.checkpoint), a.output, lr=a.lr)
+        summary = dcp.write(resolve_checkpoint(a.checkpoint), a.output, lr=a.lr,
+                            groups=a.param_groups)
     except CheckpointError as e:
         print(f"convert_checkpoint.py: error: {e}", file=sys.stderr)
         return 2

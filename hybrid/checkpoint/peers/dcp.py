@@ -480,16 +480,23 @@ def _torchtitan_state(name: str, value: torch.Tensor, heads: int, groups: int
     return [(dst[0], value)]
 
 
-def write(ckpt: str, out_dir: str, lr: float | None = None) -> dict:
+def write(ckpt: str, out_dir: str, lr: float | None = None, groups: str = "matrices") -> dict:
     """Write hybrid checkpoint ``ckpt`` (an ``iter_N`` directory) as torchtitan's
     ``out_dir/step-N/`` DCP checkpoint (one writer; DCP reshards it at load to any FSDP2
     / TP layout): the model's FQNs, the optimizer's flat state (both moments, the step,
-    the hyperparameters of two groups: the matrices with weight decay, the rest
-    without, hybrid's rule), ``lr_scheduler`` (a constant LambdaLR at the iteration),
-    ``train_state``. No ``dataloader`` entry: load with
-    ``checkpoint.exclude_from_loading = ["dataloader"]``. ``lr``: the learning rate the
-    optimizer holds (default: hybrid's schedule's for the next step). Returns a summary.
-    Holds the model's state in memory (DCP writes one state dict)."""
+    each parameter's group hyperparameters), ``lr_scheduler`` (a LambdaLR's state at
+    the iteration, one base rate per group), ``train_state``. No ``dataloader`` entry:
+    load with ``checkpoint.exclude_from_loading = ["dataloader"]``.
+
+    ``lr``: the learning rate the optimizer holds (default: hybrid's schedule's for the
+    next step). ``groups``: the param groups of the optimizer that will load it, which
+    torch's ``set_optimizer_state_dict`` holds to one value per group: "matrices" (two
+    groups, weight decay on the matrices only: hybrid's rule, what continues hybrid's
+    run exactly) or "one" (one group, weight decay on every parameter: torchtitan's
+    default). Returns a summary. Holds the model's state in memory (DCP writes one
+    state dict)."""
+    if groups not in ("matrices", "one"):
+        raise ValueError(f"groups {groups!r}: 'matrices' or 'one'")
     import torch.distributed.checkpoint as dcp
 
     from hybrid.checkpoint import iter_full_params
@@ -504,7 +511,7 @@ def write(ckpt: str, out_dir: str, lr: float | None = None) -> dict:
                               f"norms; this checkpoint's model is not "
                               f"({', '.join(missing) or 'biases or q/k norms'})")
     heads = c["num_attention_heads"]
-    groups = f["num_query_groups"] or heads
+    kv = f["num_query_groups"] or heads
     iteration, step = int(meta["iteration"]), int(meta.get("step", meta["iteration"]))
     if lr is None:
         lr = _next_lr(c, iteration, int(meta.get("consumed_samples", 0)))
@@ -522,24 +529,25 @@ def write(ckpt: str, out_dir: str, lr: float | None = None) -> dict:
             # hybrid's padding rows past the vocabulary are not the model's
             cut = full[:vocab] if name in ("wte.weight", "output_layer.weight") and vocab \
                 else full
-            for tt, part in _torchtitan_state(name, cut, heads, groups):
+            for tt, part in _torchtitan_state(name, cut, heads, kv):
                 t = part.contiguous().clone()
                 if col == "master":
                     model[tt] = t
-                    decay = c.get("weight_decay", 0.01) if t.ndim >= 2 else 0.0
+                    decay = c.get("weight_decay", 0.01) if t.ndim >= 2 or groups == "one" \
+                        else 0.0
                     for key, v in (group | {"weight_decay": decay, "param_names": tt}).items():
                         optim[f"param_groups.{tt}.{key}"] = v
                     if with_moments:
                         optim[f"state.{tt}.step"] = torch.tensor(float(step))
                 else:
                     optim[f"state.{tt}.{col}"] = t
-    groups_lrs = [lr, lr]
+    groups_lrs = [lr] * (2 if groups == "matrices" else 1)
     state: dict[str, Any] = dict(model)
     state["optimizer"] = optim
     state["lr_scheduler"] = {"base_lrs": groups_lrs, "last_epoch": iteration,
                              "_step_count": iteration + 1, "_is_initial": False,
                              "_get_lr_called_within_step": False, "_last_lr": groups_lrs,
-                             "lr_lambdas": [None, None]}
+                             "lr_lambdas": [None] * len(groups_lrs)}
     state["train_state"] = {"step": iteration,
                             "ntokens_seen": int(meta.get("consumed_samples", 0))
                             * int(c.get("seq_length", 0))}
@@ -556,7 +564,8 @@ def write(ckpt: str, out_dir: str, lr: float | None = None) -> dict:
     except OSError as e:
         raise CheckpointError(f"{path}: cannot write ({e})") from e
     return {"path": path, "step": iteration, "tensors": len(model),
-            "optimizer": with_moments, "heads": heads, "query_groups": groups, "lr": lr}
+            "optimizer": with_moments, "heads": heads, "query_groups": kv, "lr": lr,
+            "param_groups": groups}
 
 
 def _next_lr(c: dict, iteration: int, consumed_samples: int) -> float:
