@@ -32,10 +32,11 @@ def _record() -> dict:
 
 
 def _unpack(tmp_path) -> str:
-    """The fixture's DCP checkpoint folder (``checkpoint/step-3``), unpacked from its
-    archive (kept compressed: DCP's per-entry pickles compress well)."""
+    """The fixture's torchtitan checkpoint folder (``checkpoint/``, holding ``step-3/``),
+    unpacked from its archive (kept compressed: DCP's per-entry pickles compress well)."""
+    safe = {"filter": "data"} if hasattr(tarfile, "data_filter") else {}  # Python >= 3.10.12
     with tarfile.open(os.path.join(FIXTURE, "checkpoint.tar.xz")) as tar:
-        tar.extractall(tmp_path, filter="data")
+        tar.extractall(tmp_path, **safe)  # type: ignore[arg-type]
     return str(tmp_path / "checkpoint")
 
 
