@@ -199,7 +199,7 @@ def test_bad_input_is_one_error_naming_the_file(tmp_path):
     and nothing published in --save."""
     import shutil
 
-    from hybrid.checkpoint.peers import open_peer
+    from hybrid.checkpoint.peers import dcp, open_peer
     from hybrid.errors import CheckpointError
     from tests.helpers.launch import pretrain
     rec = _record()
@@ -217,6 +217,8 @@ def test_bad_input_is_one_error_naming_the_file(tmp_path):
     (empty / "__0_0.distcp").write_text("")
     with pytest.raises(CheckpointError, match=rf"^{empty}/.metadata: not a readable DCP"):
         open_peer(str(empty))
+    (empty / "common.pt").write_text("")  # a Megatron-LM torch_dist iteration: Megatron's
+    assert not dcp.detect(str(empty)) and dcp.detect(cut) and dcp.detect(os.path.dirname(step))
     flags = dict(_flags(rec, 1, 2, 3), num_query_groups=1)  # another model: 1 K/V head
     argv = _cli({k: v for k, v in flags.items() if k not in ("zero_stage", "seed")}) + \
         PRETRAIN + ["--train-iters", "5", "--load", step, "--save", str(tmp_path / "new")]
@@ -254,7 +256,7 @@ def test_newer_names_fused_qkv_state_tied_embeddings_and_a_model_only_save(tmp_p
     saved AdamW hyperparameters the run's flags do not repeat are one note each."""
     import torch
 
-    from hybrid.checkpoint.peers import open_peer
+    from hybrid.checkpoint.peers import detect_peer, open_peer
     rec = _record()
     step = os.path.join(_unpack(tmp_path), "step-3")
     sh = rec["shape"]
@@ -306,6 +308,7 @@ def test_newer_names_fused_qkv_state_tied_embeddings_and_a_model_only_save(tmp_p
     for kind, edit in (("newer", newer), ("tied", tied), ("model_only", model_only)):
         (tmp_path / kind).mkdir()
         _resave(step, str(tmp_path / kind / "step-3"), edit)
+        assert detect_peer(str(tmp_path / kind)) == "dcp"
         peer = open_peer(str(tmp_path / kind))
         peer.configure(config)
         assert (peer.iteration, peer.step) == ((0, 0) if kind == "model_only" else (3, 3))
