@@ -3,12 +3,16 @@
 
     python scripts/convert_checkpoint.py CHECKPOINT_DIR_OR_SAVE_DIR OUT.pt [--with-optimizer]
     python scripts/convert_checkpoint.py verify CHECKPOINT_DIR_OR_SAVE_DIR
+    python scripts/convert_checkpoint.py export --to dcp CHECKPOINT_DIR_OR_SAVE_DIR OUT_DIR
 
 ``verify`` reads every file of the checkpoint (the newest one of a --save
 directory) and checks it against the checksums saved with it; it prints one
 JSON line (files, bytes, seconds) and exits 0, or names every damaged file and
 exits 2. A load checks the bytes it reads anyway; this checks a checkpoint
 before it is needed (after a copy, before deleting the ones before it).
+
+``export --to dcp`` writes the checkpoint as torchtitan's ``OUT_DIR/step-N/`` torch DCP
+checkpoint, model and optimizer state (hybrid/checkpoint/peers/dcp.py).
 
 OUT.pt holds ``{"model": {name: full fp32 tensor}, "metadata": {...}}`` (and
 ``"optimizer": {name: {"exp_avg", "exp_avg_sq"}}`` with --with-optimizer), loadable
@@ -49,10 +53,39 @@ def verify(argv) -> int:
     return 2 if report["damaged"] else 0
 
 
+def export_dcp(argv) -> int:
+    """``export --to dcp CKPT OUT``: a torchtitan-structured DCP checkpoint
+    (hybrid/checkpoint/peers/dcp.py, :func:`write`)."""
+    from hybrid.checkpoint.peers import dcp
+    ap = argparse.ArgumentParser(prog="convert_checkpoint.py export --to dcp",
+                                 description="write a hybrid checkpoint as torchtitan's "
+                                             "step-N/ DCP checkpoint, which FSDP2 / TP "
+                                             "runs load at any layout")
+    ap.add_argument("checkpoint", help="an iter_* directory, or a --save directory (newest)")
+    ap.add_argument("output", help="the checkpoint folder to write step-N/ into")
+    ap.add_argument("--lr", type=float, help="the learning rate the optimizer state holds "
+                                             "(default: hybrid's schedule's for the next step)")
+    ap.add_argument("--param-groups", choices=("matrices", "one"), default="matrices",
+                    help="the loading optimizer's groups: matrices (weight decay on the "
+                         "matrices only, hybrid's rule) or one (decay on every parameter, "
+                         "torchtitan's default)")
+    a = ap.parse_args(argv)
+    try:
+        summary = dcp.write(resolve_checkpoint(a.checkpoint), a.output, lr=a.lr,
+                            groups=a.param_groups)
+    except CheckpointError as e:
+        print(f"convert_checkpoint.py: error: {e}", file=sys.stderr)
+        return 2
+    print(json.dumps(summary))
+    return 0
+
+
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["verify"]:
         return verify(argv[1:])
+    if argv[:3] == ["export", "--to", "dcp"]:
+        return export_dcp(argv[3:])
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("checkpoint", help="an iter_* directory, or a --save directory (newest)")
     ap.add_argument("output", help="the single file to write")

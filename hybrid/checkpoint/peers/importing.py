@@ -38,7 +38,12 @@ def import_peer(peer: PeerCheckpoint, save_dir: str, config: dict,
     """Write ``peer`` as hybrid checkpoint ``save_dir/iter_N`` (N: its iteration); return
     its directory. ``config``: the run's flat flags, recorded as the checkpoint's, with
     the ones the peer determines (``peer.flags``) over them; ``vocab_size``: the run's
-    tokenizer's, when the peer does not record one. One process (rank 0 of a run)."""
+    tokenizer's, when the peer does not record one. One process (rank 0 of a run). A
+    peer whose format leaves part of the model's shape unrecorded (a DCP checkpoint's
+    head count) takes it from ``config`` first, through its ``configure(config)``."""
+    configure = getattr(peer, "configure", None)
+    if configure is not None:
+        configure(config)
     for line in peer.notes:
         log.warning("%s (%s): %s", peer.path, peer.format, line)
     os.makedirs(save_dir, exist_ok=True)
