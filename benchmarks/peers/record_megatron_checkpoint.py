@@ -258,6 +258,32 @@ def worker(a) -> None:
     world = dist.get_world_size()
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=a.tp)
     dp = world // a.tp
+    if a.resume:
+        resume(a, dp)
+    else:
+        record(a, dp)
+    dist.barrier()
+    parallel_state.destroy_model_parallel()
+    dist.destroy_process_group()
+
+
+def resume(a, dp: int) -> None:
+    """megatron-core's ``dist_checkpointing.load`` of ``a.resume`` (an ``iter_*`` hybrid
+    exported), then the steps on ``a.tokens``' batches; their losses into ``a.losses``."""
+    import torch
+    import torch.distributed as dist
+    with open(a.tokens) as f:
+        tokens = json.load(f)
+    run = Run(a.tp, dp)
+    iteration = run.load(a.resume)
+    losses = [run.step(torch.tensor(b)) for b in tokens]
+    if dist.get_rank() == 0:
+        with open(a.losses, "w") as f:
+            json.dump({"iteration": iteration, "losses": losses}, f)
+
+
+def record(a, dp: int) -> None:
+    import torch.distributed as dist
     run = Run(a.tp, dp)
     data = batches(SAVE_AT + CONTINUE, SHAPE["micro"] * dp, seed=7)
     first = [run.step(b) for b in data[:SAVE_AT]]
@@ -277,9 +303,6 @@ def worker(a) -> None:
                        "adam_beta2": BETA2, "adam_eps": EPS, "first_losses": first,
                        "losses": losses,
                        "tokens": [b.tolist() for b in data[SAVE_AT:]]}, f)
-    dist.barrier()
-    parallel_state.destroy_model_parallel()
-    dist.destroy_process_group()
 
 
 def main() -> int:
@@ -287,17 +310,24 @@ def main() -> int:
     p.add_argument("--out", default=OUT)
     p.add_argument("--tp", type=int, default=2)
     p.add_argument("--world", type=int, default=2)
+    p.add_argument("--resume", help="instead: an iter_* directory to load and continue "
+                                    "(on the batches of --tokens, a JSON list)")
+    p.add_argument("--tokens")
+    p.add_argument("--losses", help="with --resume: where the losses JSON goes")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     a = p.parse_args()
     if a.worker:
         worker(a)
         return 0
-    shutil.rmtree(a.out, ignore_errors=True)
-    os.makedirs(a.out)
+    more = ["--resume", a.resume, "--tokens", a.tokens, "--losses", a.losses] if a.resume else []
+    if not a.resume:
+        shutil.rmtree(a.out, ignore_errors=True)
+        os.makedirs(a.out)
     env = dict(os.environ, OMP_NUM_THREADS="1")
     return subprocess.call([sys.executable, "-m", "torch.distributed.run", "--standalone",
                             "--nproc-per-node", str(a.world), os.path.abspath(__file__),
-                            "--worker", "--out", a.out, "--tp", str(a.tp)], env=env, cwd=ROOT)
+                            "--worker", "--out", a.out, "--tp", str(a.tp), *more],
+                           env=env, cwd=ROOT)
 
 
 if __name__ == "__main__":

@@ -525,9 +525,9 @@ def write(hybrid_ckpt: str, out_dir: str, tp: int = 1, dp: int = 1) -> str:
             else:  # the layers stacked on a first axis, one chunk per layer
                 w.tensor(prefix + names.LAYERS_PREFIX + key, [num_layers, *t.shape],
                          [layer] + [0] * t.dim(), t.unsqueeze(0))
-    for i in range(num_layers):  # the (empty) extra state megatron-core's linears load
-        for lin in names.EXTRA_STATE:
-            w.obj(f"{names.LAYERS_PREFIX}{lin}._extra_state/shard_{i}_{num_layers}", None)
+    for i in range(num_layers):  # the (empty) extra state megatron-core's linears load,
+        for lin in names.EXTRA_STATE:  # a list of the rank's objects, as its save writes it
+            w.obj(f"{names.LAYERS_PREFIX}{lin}._extra_state/shard_{i}_{num_layers}", [None])
     w.close()
     vocab = shapes["wte.weight"][0]
     gbs = int(cfg.get("global_batch_size") or 0)
