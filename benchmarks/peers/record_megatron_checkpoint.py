@@ -135,7 +135,8 @@ class Run:
                               share_embeddings_and_output_weights=False,
                               position_embedding_type="rope", rotary_base=10000)
         self.model.train()
-        decay, no_decay = [], []
+        decay: list[torch.nn.Parameter] = []
+        no_decay: list[torch.nn.Parameter] = []
         for n, p in self.model.named_parameters():  # megatron-core's default groups
             (no_decay if p.dim() == 1 or n.endswith(".bias") else decay).append(p)
         # megatron-core's param groups: the scheduler sets weight_decay = wd * wd_mult
@@ -252,7 +253,7 @@ def worker(a) -> None:
     torch.set_num_threads(1)
     patch_megatron_for_cpu()
     # dist_checkpointing's writer waits for the device's copies: on the CPU none is in flight
-    torch.cuda.synchronize = lambda device=None: None  # type: ignore[assignment]
+    torch.cuda.synchronize = lambda device=None: None
     from megatron.core import parallel_state
     dist.init_process_group("gloo")
     world = dist.get_world_size()

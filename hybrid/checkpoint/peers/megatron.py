@@ -33,6 +33,7 @@ import json
 import os
 import pickle
 import re
+import shutil
 from typing import Any
 
 import torch
@@ -194,9 +195,8 @@ class DcpFiles:
         covered = 0
         for chunk in md.chunks:
             off, size = list(chunk.offsets), list(chunk.sizes)
-            if layer is not None:
-                if not off[0] <= layer < off[0] + size[0]:
-                    continue
+            if layer is not None and not off[0] <= layer < off[0] + size[0]:
+                continue  # (another layer's chunk)
             info = self.storage[MetadataIndex(key, chunk.offsets)]
             t = self._chunk(key, info, size)
             if layer is not None:
@@ -307,6 +307,7 @@ class MegatronCheckpoint:
             if key.startswith(names.LAYERS_PREFIX):
                 rest = key[len(names.LAYERS_PREFIX):]
                 m = re.match(r"(\d+)\.(.+)", rest)
+                places: list[tuple[int, str, int | None]]
                 if m:  # one layer's own tensor
                     part = names.layer_part(m.group(2))
                     places = [(int(m.group(1)), key, None)]
@@ -357,7 +358,10 @@ class MegatronCheckpoint:
             self.notes.append("no optimizer state: Adam's moments start at zero")
             return ("master",), 0
         state = opt.get("state") or {}
-        step = state.get("common_step")
+        step = state.get("common_step")  # (the non-distributed optimizer's)
+        if step is None:  # the distributed optimizer's: in its param groups
+            step = next((g["step"] for g in opt.get("param_groups") or []
+                         if isinstance(g, dict) and g.get("step") is not None), None)
         if step is None:
             self.notes.append("no optimizer step count (common_step): Adam's bias correction "
                               "counts from the iteration")
@@ -443,9 +447,10 @@ class _DcpWriter:
     one data file (``__0_0.distcp``) at its place in its full tensor, byte objects
     (megatron-core's ShardedObjects) as they are, and ``.metadata`` at the end."""
 
-    def __init__(self, out_dir: str):
-        self.dir, self.rel = out_dir, "__0_0.distcp"
-        self.f = builtins.open(os.path.join(out_dir, self.rel), "wb")
+    REL = "__0_0.distcp"  # the data file, in the directory
+
+    def __init__(self, out_dir: str, f):
+        self.dir, self.rel, self.f = out_dir, self.REL, f
         self.tensors: dict[str, tuple[list[int], list]] = {}
         self.objects: list[str] = []
         self.storage: dict = {}
@@ -480,13 +485,40 @@ class _DcpWriter:
         )
         self.f.flush()
         os.fsync(self.f.fileno())
-        self.f.close()
         md: dict = {k: TensorStorageMetadata(TensorProperties(dtype=torch.float32),
                                              torch.Size(full), chunks)
                     for k, (full, chunks) in self.tensors.items()}
         md.update({k: BytesStorageMetadata() for k in self.objects})
         with builtins.open(os.path.join(self.dir, DCP_METADATA), "wb") as f:
             pickle.dump(Metadata(state_dict_metadata=md, storage_data=self.storage), f)
+
+
+def _write_tensors(w: _DcpWriter, params, num_layers: int, swiglu: bool, ckpt: str) -> bool:
+    """Each parameter's columns as torch_dist's keys (the layers stacked, one chunk per
+    layer) and the linears' extra state; whether the moments were there."""
+    moments = True
+    for name, cols in params:
+        try:
+            layer, key = names.to_megatron(name)
+        except KeyError:
+            raise CheckpointError(f"{ckpt}: {name} has no place in megatron-core's GPTModel "
+                                  f"(hybrid writes its dense GPT layers)") from None
+        moments = moments and "exp_avg" in cols
+        for col, prefix in (("master", ""), ("exp_avg", "optimizer.state.exp_avg."),
+                            ("exp_avg_sq", "optimizer.state.exp_avg_sq.")):
+            if col not in cols:
+                continue
+            t = names.to_megatron_layout(name, cols[col], swiglu)
+            if layer is None:
+                w.tensor(prefix + key, list(t.shape), [0] * t.dim(), t)
+            else:  # the layers stacked on a first axis, one chunk per layer
+                w.tensor(prefix + names.LAYERS_PREFIX + key, [num_layers, *t.shape],
+                         [layer] + [0] * t.dim(), t.unsqueeze(0))
+    for i in range(num_layers):  # the (empty) extra state megatron-core's linears load,
+        for lin in names.EXTRA_STATE:  # a list of the rank's objects, as its save writes it
+            w.obj(f"{names.LAYERS_PREFIX}{lin}._extra_state/shard_{i}_{num_layers}", [None])
+    w.close()
+    return moments
 
 
 def write(hybrid_ckpt: str, out_dir: str, tp: int = 1, dp: int = 1) -> str:
@@ -504,31 +536,16 @@ def write(hybrid_ckpt: str, out_dir: str, tp: int = 1, dp: int = 1) -> str:
     cfg = meta.get("config") or {}
     swiglu = bool(cfg.get("swiglu"))
     it = int(meta["iteration"])
-    iter_dir = os.path.join(out_dir, f"iter_{it:07d}")
-    if os.path.exists(iter_dir):
-        raise CheckpointError(f"{iter_dir}: already exists; not overwriting it")
+    final = os.path.join(out_dir, f"iter_{it:07d}")
+    if os.path.exists(final):
+        raise CheckpointError(f"{final}: already exists; not overwriting it")
+    iter_dir = os.path.join(out_dir, f".tmp_iter_{it:07d}")  # published whole, at the end
+    shutil.rmtree(iter_dir, ignore_errors=True)
     os.makedirs(iter_dir)
     shapes = meta["model"]
     num_layers = int(cfg["num_layers"])
-    w = _DcpWriter(iter_dir)
-    moments = True
-    for name, cols in params:
-        layer, key = names.to_megatron(name)
-        moments = moments and "exp_avg" in cols
-        for col, prefix in (("master", ""), ("exp_avg", "optimizer.state.exp_avg."),
-                            ("exp_avg_sq", "optimizer.state.exp_avg_sq.")):
-            if col not in cols:
-                continue
-            t = names.to_megatron_layout(name, cols[col], swiglu)
-            if layer is None:
-                w.tensor(prefix + key, list(t.shape), [0] * t.dim(), t)
-            else:  # the layers stacked on a first axis, one chunk per layer
-                w.tensor(prefix + names.LAYERS_PREFIX + key, [num_layers, *t.shape],
-                         [layer] + [0] * t.dim(), t.unsqueeze(0))
-    for i in range(num_layers):  # the (empty) extra state megatron-core's linears load,
-        for lin in names.EXTRA_STATE:  # a list of the rank's objects, as its save writes it
-            w.obj(f"{names.LAYERS_PREFIX}{lin}._extra_state/shard_{i}_{num_layers}", [None])
-    w.close()
+    with builtins.open(os.path.join(iter_dir, _DcpWriter.REL), "wb") as f:
+        moments = _write_tensors(_DcpWriter(iter_dir, f), params, num_layers, swiglu, ckpt)
     vocab = shapes["wte.weight"][0]
     gbs = int(cfg.get("global_batch_size") or 0)
     lr, min_lr = float(cfg.get("lr") or 0.0), float(cfg.get("min_lr") or 0.0)
@@ -543,7 +560,7 @@ def write(hybrid_ckpt: str, out_dir: str, tp: int = 1, dp: int = 1) -> str:
     common = {
         "args": _namespace(cfg, meta, tp, dp, vocab, gbs), "checkpoint_version": 3.0,
         "iteration": it, "num_floating_point_operations_so_far": 0,
-        "optimizer": {"state": {"common_step": torch.tensor(float(meta.get("step", it)))}
+        "optimizer": {"state": {"common_step": torch.tensor(float(meta.get("step") or it))}
                       if moments else {},
                       "param_groups": [{**group, "weight_decay": wd, "wd_mult": 1.0},
                                        {**group, "weight_decay": 0.0, "wd_mult": 0.0}]},
@@ -556,9 +573,10 @@ def write(hybrid_ckpt: str, out_dir: str, tp: int = 1, dp: int = 1) -> str:
     with builtins.open(os.path.join(iter_dir, "metadata.json"), "w") as f:
         json.dump({"sharded_backend": "torch_dist", "sharded_backend_version": 1,
                    "common_backend": "torch", "common_backend_version": 1}, f)
+    os.replace(iter_dir, final)
     with builtins.open(os.path.join(out_dir, LATEST), "w") as f:
         f.write(str(it))
-    return iter_dir
+    return final
 
 
 __all__ = ["FORMAT", "detect", "open", "write", "MegatronCheckpoint", "is_iteration_dir"]
