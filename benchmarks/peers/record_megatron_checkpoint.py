@@ -2,6 +2,8 @@
 real megatron-core 0.16.1 on the CPU (gloo, 2 ranks, TP 2).
 
     OMP_NUM_THREADS=1 /work/venv-peers/bin/python benchmarks/peers/record_megatron_checkpoint.py
+    ... --model gpt2 --out DIR      (GPT-2's family: the peer test records it on the fly)
+    ... --resume DIR/iter_N --tokens BATCHES.json --losses OUT.json   (load and continue)
 
 A tiny Llama-shaped GPT (RMSNorm, SwiGLU, RoPE, GQA, no biases, untied output) of
 megatron-core's ``GPTModel`` (local layer spec, ../shared/BENCHMARKS.md's CPU patches) is
@@ -38,10 +40,15 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 OUT = os.path.join(ROOT, "tests", "fixtures", "peers", "megatron")
 SHAPE = dict(num_layers=2, hidden_size=32, heads=4, query_groups=2, ffn=64, vocab=128,
-             seq_length=16, micro=4)
+             seq_length=16, micro=4)  # (query_groups: the Llama's)
 LR, MIN_LR, WD, CLIP, SEED, BETA2, EPS = 1e-3, 1e-4, 0.01, 1.0, 1234, 0.999, 1e-8
 WARMUP, DECAY = 2, 40
 SAVE_AT, CONTINUE = 3, 10
+# the two model families: Llama's (the committed fixture) and GPT-2's (the peer test's)
+ARCH = {"llama": dict(normalization="RMSNorm", swiglu=True, position="rope", query_groups=2,
+                      bias=False, tied=False),
+        "gpt2": dict(normalization="LayerNorm", swiglu=False, position="learned_absolute",
+                     query_groups=SHAPE["heads"], bias=True, tied=True)}
 
 
 def batches(n: int, gbs: int, seed: int):
@@ -73,20 +80,21 @@ def cuda_as_cpu():
             setattr(torch, n, f)
 
 
-def megatron_args(tp: int, dp: int, iteration: int):
+def megatron_args(tp: int, dp: int, iteration: int, arch: str):
     """The Namespace Megatron-LM's ``save_checkpoint`` stores as ``args`` (the fields a
     reader of the checkpoint uses)."""
-    s = SHAPE
+    s, m = SHAPE, ARCH[arch]
     return argparse.Namespace(
         num_layers=s["num_layers"], hidden_size=s["hidden_size"],
-        num_attention_heads=s["heads"], group_query_attention=True,
-        num_query_groups=s["query_groups"], kv_channels=s["hidden_size"] // s["heads"],
+        num_attention_heads=s["heads"], group_query_attention=m["query_groups"] != s["heads"],
+        num_query_groups=m["query_groups"], kv_channels=s["hidden_size"] // s["heads"],
         ffn_hidden_size=s["ffn"], seq_length=s["seq_length"],
         max_position_embeddings=s["seq_length"], vocab_size=s["vocab"],
         padded_vocab_size=s["vocab"], make_vocab_size_divisible_by=s["vocab"] // tp,
-        normalization="RMSNorm", norm_epsilon=1e-5, swiglu=True,
-        position_embedding_type="rope", rotary_base=10000, rotary_percent=1.0,
-        add_bias_linear=False, add_qkv_bias=False, untie_embeddings_and_output_weights=True,
+        normalization=m["normalization"], norm_epsilon=1e-5, swiglu=m["swiglu"],
+        position_embedding_type=m["position"], rotary_base=10000, rotary_percent=1.0,
+        add_bias_linear=m["bias"], add_qkv_bias=False,
+        untie_embeddings_and_output_weights=not m["tied"],
         qk_layernorm=False, num_experts=None, hidden_dropout=0.0, attention_dropout=0.0,
         init_method_std=0.02, tensor_model_parallel_size=tp, pipeline_model_parallel_size=1,
         context_parallel_size=1, expert_model_parallel_size=1, data_parallel_size=dp,
@@ -104,7 +112,7 @@ def megatron_args(tp: int, dp: int, iteration: int):
 class Run:
     """megatron-core's GPTModel, its optimizer wrapper and scheduler on this rank."""
 
-    def __init__(self, tp: int, dp: int):
+    def __init__(self, tp: int, dp: int, arch: str):
         import torch
         import torch.nn.functional as F
         from megatron.core import parallel_state
@@ -115,25 +123,26 @@ class Run:
         from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
         from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
         from megatron.core.transformer.transformer_config import TransformerConfig
-        s = SHAPE
-        self.torch, self.tp, self.dp = torch, tp, dp
+        s, m = SHAPE, ARCH[arch]
+        self.torch, self.tp, self.dp, self.arch = torch, tp, dp, arch
         torch.manual_seed(SEED)
         cfg = TransformerConfig(
             num_layers=s["num_layers"], hidden_size=s["hidden_size"],
-            num_attention_heads=s["heads"], num_query_groups=s["query_groups"],
+            num_attention_heads=s["heads"], num_query_groups=m["query_groups"],
             ffn_hidden_size=s["ffn"], tensor_model_parallel_size=tp,
-            normalization="RMSNorm", layernorm_epsilon=1e-5, gated_linear_unit=True,
-            activation_func=F.silu, add_bias_linear=False, hidden_dropout=0.0,
+            normalization=m["normalization"], layernorm_epsilon=1e-5,
+            gated_linear_unit=m["swiglu"], activation_func=F.silu if m["swiglu"] else F.gelu,
+            add_bias_linear=m["bias"], hidden_dropout=0.0,
             attention_dropout=0.0, init_method_std=0.02, params_dtype=torch.float32,
             use_cpu_initialization=True, bias_activation_fusion=False,
             masked_softmax_fusion=False, bias_dropout_fusion=False, apply_rope_fusion=False,
             gradient_accumulation_fusion=False, persist_layer_norm=False)
         self.model = GPTModel(config=cfg,
                               transformer_layer_spec=get_gpt_layer_local_spec(
-                                  normalization="RMSNorm"),
+                                  normalization=m["normalization"]),
                               vocab_size=s["vocab"], max_sequence_length=s["seq_length"],
-                              share_embeddings_and_output_weights=False,
-                              position_embedding_type="rope", rotary_base=10000)
+                              share_embeddings_and_output_weights=m["tied"],
+                              position_embedding_type=m["position"], rotary_base=10000)
         self.model.train()
         decay: list[torch.nn.Parameter] = []
         no_decay: list[torch.nn.Parameter] = []
@@ -208,7 +217,8 @@ class Run:
         rng = {"random_rng_state": random.getstate(), "np_rng_state": np.random.get_state(),
                "torch_rng_state": self.torch.get_rng_state(), "rng_tracker_states": {}}
         tp_rank = parallel_state.get_tensor_model_parallel_rank()
-        return {"args": megatron_args(self.tp, self.dp, iteration), "checkpoint_version": 3.0,
+        return {"args": megatron_args(self.tp, self.dp, iteration, self.arch),
+                "checkpoint_version": 3.0,
                 "iteration": iteration, "model": model_sd,
                 "optimizer": self.opt.sharded_state_dict(model_sd),
                 "opt_param_scheduler": self.sched.state_dict(),
@@ -275,7 +285,7 @@ def resume(a, dp: int) -> None:
     import torch.distributed as dist
     with open(a.tokens) as f:
         tokens = json.load(f)
-    run = Run(a.tp, dp)
+    run = Run(a.tp, dp, a.model)
     iteration = run.load(a.resume)
     losses = [run.step(torch.tensor(b)) for b in tokens]
     if dist.get_rank() == 0:
@@ -285,12 +295,12 @@ def resume(a, dp: int) -> None:
 
 def record(a, dp: int) -> None:
     import torch.distributed as dist
-    run = Run(a.tp, dp)
+    run = Run(a.tp, dp, a.model)
     data = batches(SAVE_AT + CONTINUE, SHAPE["micro"] * dp, seed=7)
     first = [run.step(b) for b in data[:SAVE_AT]]
     save(run, a.out, SAVE_AT)
     losses = [run.step(b) for b in data[SAVE_AT:]]
-    again = Run(a.tp, dp)  # megatron-core's own load of the files continues the same
+    again = Run(a.tp, dp, a.model)  # megatron-core's own load of the files continues the same
     assert again.load(os.path.join(a.out, f"iter_{SAVE_AT:07d}")) == SAVE_AT
     reloaded = [again.step(b) for b in data[SAVE_AT:]]
     worst = max(abs(x - y) for x, y in zip(losses, reloaded))
@@ -298,7 +308,8 @@ def record(a, dp: int) -> None:
     if dist.get_rank() == 0:
         with open(os.path.join(a.out, "losses.json"), "w") as f:
             json.dump({"megatron_core": __import__("megatron.core").core.__version__,
-                       "tp": a.tp, "dp": dp, "iteration": SAVE_AT, "shape": SHAPE,
+                       "model": a.model, "tp": a.tp, "dp": dp, "iteration": SAVE_AT,
+                       "shape": SHAPE, "query_groups": ARCH[a.model]["query_groups"],
                        "lr": LR, "min_lr": MIN_LR, "warmup_iters": WARMUP,
                        "decay_iters": DECAY, "weight_decay": WD, "clip_grad": CLIP,
                        "adam_beta2": BETA2, "adam_eps": EPS, "first_losses": first,
@@ -311,6 +322,7 @@ def main() -> int:
     p.add_argument("--out", default=OUT)
     p.add_argument("--tp", type=int, default=2)
     p.add_argument("--world", type=int, default=2)
+    p.add_argument("--model", choices=sorted(ARCH), default="llama")
     p.add_argument("--resume", help="instead: an iter_* directory to load and continue "
                                     "(on the batches of --tokens, a JSON list)")
     p.add_argument("--tokens")
@@ -327,7 +339,8 @@ def main() -> int:
     env = dict(os.environ, OMP_NUM_THREADS="1")
     return subprocess.call([sys.executable, "-m", "torch.distributed.run", "--standalone",
                             "--nproc-per-node", str(a.world), os.path.abspath(__file__),
-                            "--worker", "--out", a.out, "--tp", str(a.tp), *more],
+                            "--worker", "--out", a.out, "--tp", str(a.tp), "--model", a.model,
+                            *more],
                            env=env, cwd=ROOT)
 
 

@@ -245,12 +245,14 @@ def _flags(args: Any) -> dict:
                          ("position_embedding_type", "position_embedding_type"),
                          ("untie_embeddings_and_output_weights",
                           "untie_embeddings_and_output_weights"),
-                         ("qk_layernorm", "qk_layernorm"), ("add_qkv_bias", "add_qkv_bias")):
+                         ("qk_layernorm", "qk_layernorm")):
         v = _arg(args, theirs)
         if v is not None:
             out[mine] = v
     if _arg(args, "add_bias_linear") is not None:
         out["disable_bias_linear"] = not args.add_bias_linear
+        # (biases on q, k and v alone: with every linear's, Megatron's qkv has one anyway)
+        out["add_qkv_bias"] = bool(_arg(args, "add_qkv_bias")) and not args.add_bias_linear
     if _arg(args, "group_query_attention"):
         out["group_query_attention"] = True
         out["num_query_groups"] = args.num_query_groups
