@@ -2,6 +2,8 @@
 real megatron-core 0.16.1 on the CPU (gloo, 2 ranks, TP 2).
 
     OMP_NUM_THREADS=1 /work/venv-peers/bin/python benchmarks/peers/record_megatron_checkpoint.py
+    ... --format torch              (Megatron-LM's legacy format, a smaller model, into
+                                     tests/fixtures/peers/megatron_legacy/)
     ... --model gpt2 --out DIR      (GPT-2's family: the peer test records it on the fly)
     ... --resume DIR/iter_N --tokens BATCHES.json --losses OUT.json   (load and continue)
 
@@ -17,7 +19,9 @@ builds -- the model's sharded state dict under ``model``, the optimizer's
 ``latest_checkpointed_iteration.txt``. Then it continues ``CONTINUE`` steps and records
 their losses, and checks megatron-core's own ``dist_checkpointing.load`` of the files
 continues with the same losses. ``losses.json`` holds the losses, the batches' tokens
-and the shape.
+and the shape. ``--format torch`` saves Megatron-LM's legacy format instead:
+``iter_0000003/mp_rank_XX/model_optim_rng.pt`` per TP rank, the same dict with the
+model's and the optimizer's plain state dicts (what Megatron-LM's load takes back).
 
 What is not megatron-core's own here (it asserts CUDA tensors in these places): the
 optimizer step is the ``torch.optim.AdamW`` it wraps, stepped directly after the gradient
@@ -41,6 +45,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 OUT = os.path.join(ROOT, "tests", "fixtures", "peers", "megatron")
 SHAPE = dict(num_layers=2, hidden_size=32, heads=4, query_groups=2, ffn=64, vocab=128,
              seq_length=16, micro=4)  # (query_groups: the Llama's)
+# --format torch (Megatron-LM's legacy files hold every value unsharded per TP rank): smaller
+LEGACY_SHAPE = dict(num_layers=1, hidden_size=16, heads=4, query_groups=2, ffn=32, vocab=64,
+                    seq_length=8, micro=2)
+LEGACY_OUT = os.path.join(ROOT, "tests", "fixtures", "peers", "megatron_legacy")
 LR, MIN_LR, WD, CLIP, SEED, BETA2, EPS = 1e-3, 1e-4, 0.01, 1.0, 1234, 0.999, 1e-8
 WARMUP, DECAY = 2, 40
 SAVE_AT, CONTINUE = 3, 10
@@ -226,6 +234,17 @@ class Run:
                                            replica_id=self.dp_rank),
                 "num_floating_point_operations_so_far": 0}
 
+    def load_legacy(self, iter_dir: str) -> int:
+        """Megatron-LM's load of its legacy format: the plain state dicts back."""
+        from megatron.core import parallel_state
+        tp_rank = parallel_state.get_tensor_model_parallel_rank()
+        sd = self.torch.load(os.path.join(iter_dir, f"mp_rank_{tp_rank:02d}",
+                                          "model_optim_rng.pt"), weights_only=False)
+        self.model.load_state_dict(sd["model"])
+        self.opt.load_state_dict(sd["optimizer"])
+        self.sched.load_state_dict(sd["opt_param_scheduler"])
+        return int(sd["iteration"])
+
     def load(self, iter_dir: str) -> int:
         from megatron.core import dist_checkpointing
         model_sd = self.model.sharded_state_dict()
@@ -238,15 +257,28 @@ class Run:
         return int(got["iteration"])
 
 
-def save(run: Run, save_dir: str, iteration: int) -> str:
+def save(run: Run, save_dir: str, iteration: int, fmt: str) -> str:
+    """``fmt`` torch_dist: megatron-core's dist_checkpointing.save of Megatron-LM's state
+    dict; torch: Megatron-LM's legacy ``mp_rank_XX/model_optim_rng.pt``, one per TP rank
+    (DP rank 0's), of the model's and the optimizer's plain state dicts."""
+    import torch
     import torch.distributed as dist
-    from megatron.core import dist_checkpointing
+    from megatron.core import dist_checkpointing, parallel_state
     iter_dir = os.path.join(save_dir, f"iter_{iteration:07d}")
     if dist.get_rank() == 0:
         os.makedirs(iter_dir, exist_ok=True)
     dist.barrier()
-    dist_checkpointing.save(run.state_dict(iteration), iter_dir,
-                            sharded_strategy=("torch_dist", 1))
+    if fmt == "torch_dist":
+        dist_checkpointing.save(run.state_dict(iteration), iter_dir,
+                                sharded_strategy=("torch_dist", 1))
+    elif run.dp_rank == 0:
+        sd = run.state_dict(iteration)
+        tp_rank = parallel_state.get_tensor_model_parallel_rank()
+        sd.update(model=run.model.state_dict_for_save_checkpoint(),
+                  optimizer=run.opt.state_dict(), rng_state=[sd["rng_state"].data[0]])
+        sd["args"].ckpt_format = "torch"
+        os.makedirs(os.path.join(iter_dir, f"mp_rank_{tp_rank:02d}"))
+        torch.save(sd, os.path.join(iter_dir, f"mp_rank_{tp_rank:02d}", "model_optim_rng.pt"))
     dist.barrier()
     if dist.get_rank() == 0:
         with open(os.path.join(save_dir, "latest_checkpointed_iteration.txt"), "w") as f:
@@ -298,17 +330,19 @@ def record(a, dp: int) -> None:
     run = Run(a.tp, dp, a.model)
     data = batches(SAVE_AT + CONTINUE, SHAPE["micro"] * dp, seed=7)
     first = [run.step(b) for b in data[:SAVE_AT]]
-    save(run, a.out, SAVE_AT)
+    save(run, a.out, SAVE_AT, a.format)
     losses = [run.step(b) for b in data[SAVE_AT:]]
     again = Run(a.tp, dp, a.model)  # megatron-core's own load of the files continues the same
-    assert again.load(os.path.join(a.out, f"iter_{SAVE_AT:07d}")) == SAVE_AT
+    load = again.load if a.format == "torch_dist" else again.load_legacy
+    assert load(os.path.join(a.out, f"iter_{SAVE_AT:07d}")) == SAVE_AT
     reloaded = [again.step(b) for b in data[SAVE_AT:]]
     worst = max(abs(x - y) for x, y in zip(losses, reloaded))
     assert worst == 0.0, f"megatron-core's reload continues differently ({worst})"
     if dist.get_rank() == 0:
         with open(os.path.join(a.out, "losses.json"), "w") as f:
             json.dump({"megatron_core": __import__("megatron.core").core.__version__,
-                       "model": a.model, "tp": a.tp, "dp": dp, "iteration": SAVE_AT,
+                       "format": a.format, "model": a.model, "tp": a.tp, "dp": dp,
+                       "iteration": SAVE_AT,
                        "shape": SHAPE, "query_groups": ARCH[a.model]["query_groups"],
                        "lr": LR, "min_lr": MIN_LR, "warmup_iters": WARMUP,
                        "decay_iters": DECAY, "weight_decay": WD, "clip_grad": CLIP,
@@ -323,12 +357,18 @@ def main() -> int:
     p.add_argument("--tp", type=int, default=2)
     p.add_argument("--world", type=int, default=2)
     p.add_argument("--model", choices=sorted(ARCH), default="llama")
+    p.add_argument("--format", choices=("torch_dist", "torch"), default="torch_dist",
+                   help="torch: Megatron-LM's legacy format, a smaller model, into "
+                        "tests/fixtures/peers/megatron_legacy by default")
     p.add_argument("--resume", help="instead: an iter_* directory to load and continue "
                                     "(on the batches of --tokens, a JSON list)")
     p.add_argument("--tokens")
     p.add_argument("--losses", help="with --resume: where the losses JSON goes")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     a = p.parse_args()
+    if a.format == "torch":
+        SHAPE.update(LEGACY_SHAPE)  # (before anything is built)
+        a.out = LEGACY_OUT if a.out == OUT else a.out
     if a.worker:
         worker(a)
         return 0
@@ -340,7 +380,7 @@ def main() -> int:
     return subprocess.call([sys.executable, "-m", "torch.distributed.run", "--standalone",
                             "--nproc-per-node", str(a.world), os.path.abspath(__file__),
                             "--worker", "--out", a.out, "--tp", str(a.tp), "--model", a.model,
-                            *more],
+                            "--format", a.format, *more],
                            env=env, cwd=ROOT)
 
 

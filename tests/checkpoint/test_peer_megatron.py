@@ -24,14 +24,16 @@ from tests.helpers.harness import run_ranks
 
 FIXTURE = os.path.join(os.path.dirname(os.path.dirname(__file__)), "fixtures", "peers",
                        "megatron")
-RECORD = os.path.join(FIXTURE, "losses.json")
 RECORDER = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(__file__))),
                         "benchmarks", "peers", "record_megatron_checkpoint.py")
 TOL = 2e-6
 
 
-def _record() -> dict:
-    with open(RECORD) as f:
+LEGACY = os.path.join(os.path.dirname(FIXTURE), "megatron_legacy")
+
+
+def _record(fixture: str = FIXTURE) -> dict:
+    with open(os.path.join(fixture, "losses.json")) as f:
         return json.load(f)
 
 
@@ -295,3 +297,16 @@ def test_gpt2_family_both_ways_with_megatron_core(tmp_path):
     got = json.loads(result.read_text())
     diff = max(abs(a - b) for a, b in zip(got["losses"], losses[len(rec["tokens"]):]))
     assert got["iteration"] == 13 and diff <= TOL, (diff, got, losses)
+
+
+def test_megatron_legacy_torch_format_continues_exactly_at_another_layout(tmp_path):
+    """Megatron-LM's legacy format (mp_rank_XX/model_optim_rng.pt per TP rank, the
+    optimizer's plain state dict), saved by megatron-core at TP 2: merged over TP and
+    continued at TP 1 x DP 2 (ZeRO 3) within 2e-6 of megatron-core."""
+    rec = _record(LEGACY)
+    peer = open_peer(LEGACY)
+    assert peer.format == "Megatron-LM torch (legacy)" and peer.step == 3
+    it, _, losses = run_ranks(_continue, world_size=2, tp=1,
+                              args=(LEGACY, str(tmp_path / "save"), 3, rec))[0]
+    diff = max(abs(a - b) for a, b in zip(losses, rec["losses"]))
+    assert it == 3 and diff <= TOL, (diff, losses, rec["losses"])

@@ -108,3 +108,30 @@ def to_megatron_layout(hybrid_name: str, t: torch.Tensor, swiglu: bool) -> torch
     if is_swiglu_fc(hybrid_name, swiglu):
         return t.reshape(-1, *t.shape[2:])
     return t
+
+
+# How Megatron's TP ranks split each hybrid part in its per-rank (legacy ``torch``)
+# files: the dimension cut, column-parallel (0: the vocabulary rows, QKV's query groups,
+# the MLP's first linear) or row-parallel (1); the rest is the same on every rank
+_TP_DIM = {"wte.weight": 0, "output_layer.weight": 0, "attn.qkv.weight": 0,
+           "attn.qkv.bias": 0, "mlp.fc.weight": 0, "mlp.fc.bias": 0,
+           "attn.proj.weight": 1, "mlp.proj.weight": 1}
+
+
+def tp_dim(hybrid_name: str) -> int | None:
+    """The dimension Megatron's TP ranks cut ``hybrid_name`` along, or None."""
+    m = _BLOCK.fullmatch(hybrid_name)
+    return _TP_DIM.get(m.group(2) if m else hybrid_name)
+
+
+def merge_tp(hybrid_name: str, shards: list[torch.Tensor], swiglu: bool) -> torch.Tensor:
+    """TP ranks' pieces of one parameter (Megatron's layout, rank order) as the full
+    tensor in hybrid's layout. A SwiGLU ``linear_fc1`` rank holds ``[its gate rows; its
+    up rows]``: the gates go together, then the ups."""
+    dim = tp_dim(hybrid_name)
+    if dim is None or len(shards) == 1:
+        return to_hybrid_layout(hybrid_name, shards[0], swiglu)
+    if is_swiglu_fc(hybrid_name, swiglu):
+        halves = [t.reshape(2, t.shape[0] // 2, *t.shape[1:]) for t in shards]
+        return torch.cat(halves, dim=1)
+    return torch.cat(shards, dim=dim)
