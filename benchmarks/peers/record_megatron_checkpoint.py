@@ -2,7 +2,7 @@
 real megatron-core 0.16.1 on the CPU (gloo, 2 ranks, TP 2).
 
     OMP_NUM_THREADS=1 /work/venv-peers/bin/python benchmarks/peers/record_megatron_checkpoint.py
-    ... --format torch              (Megatron-LM's legacy format, a smaller model, into
+    ... --format torch              (Megatron-LM's legacy format, into
                                      tests/fixtures/peers/megatron_legacy/)
     ... --model gpt2 --out DIR      (GPT-2's family: the peer test records it on the fly)
     ... --resume DIR/iter_N --tokens BATCHES.json --losses OUT.json   (load and continue)
@@ -43,11 +43,9 @@ import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 OUT = os.path.join(ROOT, "tests", "fixtures", "peers", "megatron")
-SHAPE = dict(num_layers=2, hidden_size=32, heads=4, query_groups=2, ffn=64, vocab=128,
-             seq_length=16, micro=4)  # (query_groups: the Llama's)
-# --format torch (Megatron-LM's legacy files hold every value unsharded per TP rank): smaller
-LEGACY_SHAPE = dict(num_layers=1, hidden_size=16, heads=4, query_groups=2, ffn=32, vocab=64,
-                    seq_length=8, micro=2)
+# (small: the fixtures are committed; query_groups: the Llama's)
+SHAPE = dict(num_layers=2, hidden_size=16, heads=4, query_groups=2, ffn=32, vocab=64,
+             seq_length=8, micro=2)
 LEGACY_OUT = os.path.join(ROOT, "tests", "fixtures", "peers", "megatron_legacy")
 LR, MIN_LR, WD, CLIP, SEED, BETA2, EPS = 1e-3, 1e-4, 0.01, 1.0, 1234, 0.999, 1e-8
 WARMUP, DECAY = 2, 40
@@ -358,7 +356,7 @@ def main() -> int:
     p.add_argument("--world", type=int, default=2)
     p.add_argument("--model", choices=sorted(ARCH), default="llama")
     p.add_argument("--format", choices=("torch_dist", "torch"), default="torch_dist",
-                   help="torch: Megatron-LM's legacy format, a smaller model, into "
+                   help="torch: Megatron-LM's legacy format, into "
                         "tests/fixtures/peers/megatron_legacy by default")
     p.add_argument("--resume", help="instead: an iter_* directory to load and continue "
                                     "(on the batches of --tokens, a JSON list)")
@@ -366,9 +364,8 @@ def main() -> int:
     p.add_argument("--losses", help="with --resume: where the losses JSON goes")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     a = p.parse_args()
-    if a.format == "torch":
-        SHAPE.update(LEGACY_SHAPE)  # (before anything is built)
-        a.out = LEGACY_OUT if a.out == OUT else a.out
+    if a.format == "torch" and a.out == OUT:
+        a.out = LEGACY_OUT
     if a.worker:
         worker(a)
         return 0

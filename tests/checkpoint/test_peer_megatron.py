@@ -131,14 +131,14 @@ def test_megatron_torch_dist_continues_exactly_at_its_layout(tmp_path):
 def test_reader_maps_names_shapes_step_and_says_what_does_not_come_over():
     peer = open_peer(FIXTURE)
     assert detect_peer(FIXTURE) == "megatron" and peer.format == "Megatron-LM torch_dist"
-    assert (peer.iteration, peer.consumed_samples, peer.step) == (3, 12, 3)
+    assert (peer.iteration, peer.consumed_samples, peer.step) == (3, 6, 3)
     assert peer.columns == ("master", "exp_avg", "exp_avg_sq")
-    assert peer.shapes["blocks.1.mlp.fc.weight"] == [2, 64, 32]
-    assert peer.shapes["blocks.0.attn.qkv.weight"] == [64, 32]  # 2 groups x (2 q + k + v) x 8
+    assert peer.shapes["blocks.1.mlp.fc.weight"] == [2, 32, 16]
+    assert peer.shapes["blocks.0.attn.qkv.weight"] == [32, 16]  # 2 groups x (2 q + k + v) x 4
     assert peer.flags["num_query_groups"] == 2 and peer.flags["swiglu"]
     assert any("RNG" in n for n in peer.notes)
     r = peer.read("blocks.1.ln_2.weight")
-    assert r["master"].shape == (32,) and r["exp_avg_sq"].min() >= 0
+    assert r["master"].shape == (16,) and r["exp_avg_sq"].min() >= 0
 
 
 def test_a_megatron_iteration_is_not_taken_for_a_hybrid_checkpoint():
@@ -253,10 +253,10 @@ def test_pretrain_gpt_load_of_a_megatron_save_directory_resumes_at_its_iteration
                      "--max-position-embeddings", str(s["seq_length"]),
                      "--normalization", "RMSNorm", "--swiglu", "--position-embedding-type",
                      "rope", "--disable-bias-linear", "--untie-embeddings-and-output-weights",
-                     "--micro-batch-size", "4", "--global-batch-size", "4",
-                     "--tensor-model-parallel-size", "2", "--make-vocab-size-divisible-by",
-                     "64", "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size",
-                     "100", "--hidden-dropout", "0", "--attention-dropout", "0",
+                     "--micro-batch-size", str(s["micro"]), "--global-batch-size",
+                     str(s["micro"]), "--tensor-model-parallel-size", "2",
+                     "--make-vocab-size-divisible-by", str(s["vocab"] // 2), "--mock-data",
+                     "--tokenizer-type", "NullTokenizer", "--vocab-size", str(s["vocab"] - 8), "--hidden-dropout", "0", "--attention-dropout", "0",
                      "--lr", "1e-3", "--train-iters", "5", "--eval-iters", "0",
                      "--log-interval", "1", "--load", FIXTURE, "--save", str(tmp_path / "new"),
                      "--log-json", log])
