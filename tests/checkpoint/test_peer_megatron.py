@@ -256,7 +256,8 @@ def test_pretrain_gpt_load_of_a_megatron_save_directory_resumes_at_its_iteration
                      "--micro-batch-size", str(s["micro"]), "--global-batch-size",
                      str(s["micro"]), "--tensor-model-parallel-size", "2",
                      "--make-vocab-size-divisible-by", str(s["vocab"] // 2), "--mock-data",
-                     "--tokenizer-type", "NullTokenizer", "--vocab-size", str(s["vocab"] - 8), "--hidden-dropout", "0", "--attention-dropout", "0",
+                     "--tokenizer-type", "NullTokenizer", "--vocab-size", str(s["vocab"] - 8),
+                     "--hidden-dropout", "0", "--attention-dropout", "0",
                      "--lr", "1e-3", "--train-iters", "5", "--eval-iters", "0",
                      "--log-interval", "1", "--load", FIXTURE, "--save", str(tmp_path / "new"),
                      "--log-json", log])
