@@ -158,6 +158,16 @@ def test_a_truncated_distcp_is_one_error_naming_the_file(tmp_path):
         open_peer(str(bad))
 
 
+def test_a_truncated_legacy_rank_file_is_one_error_naming_it(tmp_path):
+    bad = tmp_path / "legacy"
+    shutil.copytree(LEGACY, bad)
+    victim = bad / "iter_0000003" / "mp_rank_01" / "model_optim_rng.pt"
+    with open(victim, "r+b") as f:
+        f.truncate(os.path.getsize(victim) - 100)
+    with pytest.raises(CheckpointError, match=rf"{victim}: missing, truncated or not a torch"):
+        open_peer(str(bad))
+
+
 def test_another_model_shape_is_refused_by_the_load(tmp_path):
     """The import is one rank's checkpoint of Megatron's shapes; a run of another model
     (3 layers) is refused by the load's model check, naming the checkpoint."""
