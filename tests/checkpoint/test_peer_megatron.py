@@ -10,6 +10,7 @@ scheduler gave those iterations: the losses equal Megatron's within 2e-6.
 
 from __future__ import annotations
 
+import enum
 import json
 import os
 import shutil
@@ -321,3 +322,32 @@ def test_megatron_legacy_torch_format_continues_exactly_at_another_layout(tmp_pa
                               args=(LEGACY, str(tmp_path / "save"), 3, rec))[0]
     diff = max(abs(a - b) for a, b in zip(losses, rec["losses"]))
     assert it == 3 and diff <= TOL, (diff, losses, rec["losses"])
+
+
+class _Backend(enum.Enum):  # a class of the peer's own, as Megatron-LM's args hold
+    local = 1
+
+
+class _Runs:
+    def __reduce__(self):
+        return (os.remove, (self.path,))
+
+    def __init__(self, path):
+        self.path = path
+
+
+def test_megatron_s_own_classes_in_a_torch_file_come_back_as_stubs_and_run_nothing(tmp_path):
+    """args holding a class of Megatron-LM's own (an enum) is read without importing it,
+    and a file whose pickle would call a function runs nothing."""
+    import argparse
+
+    from hybrid.checkpoint.peers.megatron import load_megatron_file
+    canary = tmp_path / "canary"
+    canary.write_text("still here")
+    path = str(tmp_path / "common.pt")
+    torch.save({"args": argparse.Namespace(attention_backend=_Backend.local, num_layers=2),
+                "iteration": 7, "evil": _Runs(str(canary)), "w": torch.ones(2)}, path)
+    got = load_megatron_file(path)
+    assert got["iteration"] == 7 and got["args"].num_layers == 2 and canary.exists()
+    assert torch.equal(got["w"], torch.ones(2))
+    assert type(got["args"].attention_backend).__name__ == "_Stub"

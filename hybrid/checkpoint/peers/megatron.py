@@ -1,4 +1,5 @@
-"""Megatron-LM's ``torch_dist`` checkpoints (its default format): read in, written back.
+"""Megatron-LM's ``torch_dist`` checkpoints (its default format): read in, written back;
+its legacy ``torch`` format read in (:class:`LegacyCheckpoint`).
 
 A Megatron-LM save directory holds ``latest_checkpointed_iteration.txt`` and one
 ``iter_NNNNNNN/`` per save, written by ``megatron.core.dist_checkpointing.save``:
@@ -47,7 +48,6 @@ COMMON = "common.pt"
 DCP_METADATA = ".metadata"
 LEGACY_FILE = "model_optim_rng.pt"
 LEGACY = "Megatron-LM torch (legacy)"
-_ITER = re.compile(r"iter_(\d{7,})")
 _MASTER_KEYS = ("optimizer.state.fp32_param.", "optimizer.state.param.")
 _MOMENTS = ("exp_avg", "exp_avg_sq")
 
@@ -107,19 +107,34 @@ class _Stub:
         self.state = state
 
 
-class _StubUnpickler(pickle.Unpickler):
-    """torch's and the standard library's containers as themselves; any other class (a
-    megatron enum in ``args``) as :class:`_Stub`, so nothing of the peer is imported."""
+def _allowed(module: str, name: str) -> bool:
+    """The classes and functions a Megatron-LM torch file needs that are data, not code
+    to run: containers, ``argparse.Namespace``, torch's tensor and storage rebuilding,
+    dtypes and sizes, NumPy's arrays (its RNG state)."""
+    if module == "builtins":
+        return name in ("set", "frozenset", "slice", "complex", "bytearray", "range", "dict",
+                        "list", "tuple", "int", "float", "bool", "str", "bytes")
+    if (module, name) in (("collections", "OrderedDict"), ("argparse", "Namespace"),
+                          ("_codecs", "encode"), ("torch", "Size"), ("torch", "device"),
+                          ("torch._tensor", "_rebuild_from_type_v2"),
+                          ("torch.nn.parameter", "Parameter")):
+        return True
+    if module == "torch._utils":
+        return name.startswith("_rebuild_")
+    if module == "torch":
+        return name.endswith("Storage") or isinstance(getattr(torch, name, None), torch.dtype)
+    if module in ("numpy.core.multiarray", "numpy._core.multiarray"):
+        return name in ("_reconstruct", "scalar")
+    return (module, name) in (("numpy", "ndarray"), ("numpy", "dtype")) or (
+        module == "numpy.dtypes" and name.endswith("DType"))
 
-    _SAFE = ("torch", "collections", "argparse", "numpy", "_codecs")
+
+class _StubUnpickler(pickle.Unpickler):
+    """What :func:`_allowed` names as itself; any other class or function (a megatron
+    enum in ``args``) as :class:`_Stub`, so nothing of the peer is imported or run."""
 
     def find_class(self, module, name):
-        if module == "builtins" and name in ("set", "frozenset", "slice", "complex",
-                                             "bytearray", "range", "dict", "list", "tuple"):
-            return super().find_class(module, name)
-        if module.split(".")[0] in self._SAFE:
-            return super().find_class(module, name)
-        return _Stub
+        return super().find_class(module, name) if _allowed(module, name) else _Stub
 
 
 class _StubPickle:
