@@ -85,7 +85,7 @@ _FOREIGN = (
     ("DeepSpeed", ("mp_rank_*_model_states.pt", "*zero_pp_rank_*_optim_states.pt",
                    "*/mp_rank_*_model_states.pt", "*/*zero_pp_rank_*_optim_states.pt")),
     ("Megatron-LM", ("latest_checkpointed_iteration.txt", "mp_rank_*/model_optim_rng.pt",
-                     "*/mp_rank_*/model_optim_rng.pt", "iter_*/common.pt")),
+                     "*/mp_rank_*/model_optim_rng.pt", "iter_*/common.pt", "common.pt")),
     ("torch.distributed.checkpoint (DCP)", (".metadata", "*/.metadata")),
 )
 
@@ -138,8 +138,7 @@ def resolve_checkpoint(path: str) -> str:
     complete one under it (a ``--save`` directory); CheckpointError if none."""
     if is_hybrid_checkpoint(path):
         return path
-    refuse_foreign(path)  # (one of another framework's iterations)
-    ckpt = find_checkpoint(path)
+    ckpt = find_checkpoint(path)  # (refuses another framework's, by name)
     if ckpt is None:
         raise CheckpointError(f"{path}: no checkpoint there")
     return ckpt

@@ -18,7 +18,7 @@ import shutil
 import pytest
 import torch
 
-from hybrid.checkpoint.files import complete_checkpoints, find_checkpoint
+from hybrid.checkpoint.files import complete_checkpoints, find_checkpoint, resolve_checkpoint
 from hybrid.checkpoint.peers import detect_peer, open_peer
 from hybrid.errors import CheckpointError
 from tests.helpers.harness import run_ranks
@@ -147,6 +147,10 @@ def test_a_megatron_iteration_is_not_taken_for_a_hybrid_checkpoint():
     assert complete_checkpoints(FIXTURE) == []
     with pytest.raises(CheckpointError, match="holds a Megatron-LM checkpoint"):
         find_checkpoint(FIXTURE)
+    it = os.path.join(FIXTURE, "iter_0000003")
+    with pytest.raises(CheckpointError, match=f"{it} holds a Megatron-LM checkpoint "
+                                              f"\\({it}/common.pt\\)"):
+        resolve_checkpoint(it)
 
 
 def test_a_truncated_distcp_is_one_error_naming_the_file(tmp_path):
