@@ -1,4 +1,4 @@
-"""Record the Megatron-LM ``torch_dist`` fixture of tests/fixtures/peers/megatron/ with the
+"""Record the Megatron-LM ``torch_dist`` fixture of tests/fixtures/peers/megatron_dist/ with the
 real megatron-core 0.16.1 on the CPU (gloo, 2 ranks, TP 2).
 
     OMP_NUM_THREADS=1 /work/venv-peers/bin/python benchmarks/peers/record_megatron_checkpoint.py
@@ -42,7 +42,7 @@ import subprocess
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-OUT = os.path.join(ROOT, "tests", "fixtures", "peers", "megatron")
+OUT = os.path.join(ROOT, "tests", "fixtures", "peers", "megatron_dist")
 # (small: the fixtures are committed; query_groups: the Llama's)
 SHAPE = dict(num_layers=2, hidden_size=16, heads=4, query_groups=2, ffn=32, vocab=64,
              seq_length=8, micro=2)

@@ -1,11 +1,12 @@
-"""Megatron-LM torch_dist checkpoints (hybrid/checkpoint/peers/megatron.py): read in with
-their optimizer state and continued exactly, refused by name when bad, written back.
+"""Megatron-LM checkpoints (hybrid/checkpoint/peers/megatron.py): read in with their
+optimizer state and continued exactly, refused by name when bad, written back.
 
-The fixture (tests/fixtures/peers/megatron/, ``benchmarks/peers/record_megatron_checkpoint.py``)
-is megatron-core 0.16.1's own save, at TP 2, of a Llama-shaped GPT after 3 steps, with the
-losses of its next 10 steps on recorded token batches. hybrid imports it, loads it at
-Megatron's layout and at others, and steps the same batches at the rates Megatron's
-scheduler gave those iterations: the losses equal Megatron's within 2e-6.
+The fixtures (tests/fixtures/peers/megatron_dist/ and megatron_legacy/, recorded by
+``benchmarks/peers/record_megatron_checkpoint.py``) are megatron-core 0.16.1's own saves,
+at TP 2, of a Llama-shaped GPT after 3 steps -- torch_dist and the legacy torch format --
+with the losses of its next 10 steps on recorded token batches. hybrid imports them,
+loads them at Megatron's layout and at others, and steps the same batches at the rates
+Megatron's scheduler gave those iterations: the losses equal Megatron's within 2e-6.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from hybrid.errors import CheckpointError
 from tests.helpers.harness import run_ranks
 
 FIXTURE = os.path.join(os.path.dirname(os.path.dirname(__file__)), "fixtures", "peers",
-                       "megatron")
+                       "megatron_dist")
 RECORDER = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(__file__))),
                         "benchmarks", "peers", "record_megatron_checkpoint.py")
 TOL = 2e-6
@@ -345,7 +346,7 @@ def test_megatron_s_own_classes_in_a_torch_file_come_back_as_stubs_and_run_nothi
     and a file whose pickle would call a function runs nothing."""
     import argparse
 
-    from hybrid.checkpoint.peers.megatron import load_megatron_file
+    from hybrid.checkpoint.peers.megatron_files import load_megatron_file
     canary = tmp_path / "canary"
     canary.write_text("still here")
     path = str(tmp_path / "common.pt")
