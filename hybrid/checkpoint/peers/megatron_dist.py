@@ -31,8 +31,16 @@ def load_common(iter_dir: str) -> dict:
     """``common.pt`` (:func:`load_megatron_file`)."""
     return load_megatron_file(os.path.join(iter_dir, COMMON))
 
+
 def arg(args: Any, name: str, default=None):
+    """``args.name`` of Megatron-LM's Namespace (``default`` without it or without args)."""
     return getattr(args, name, default) if args is not None else default
+
+
+# the architecture flags Megatron-LM's args and hybrid's config name alike
+_SAME_FLAGS = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size",
+               "normalization", "swiglu", "position_embedding_type",
+               "untie_embeddings_and_output_weights", "qk_layernorm")
 
 
 def megatron_flags(args: Any) -> dict:
@@ -40,17 +48,10 @@ def megatron_flags(args: Any) -> dict:
     if args is None:
         return {}
     out: dict[str, Any] = {}
-    for mine, theirs in (("num_layers", "num_layers"), ("hidden_size", "hidden_size"),
-                         ("num_attention_heads", "num_attention_heads"),
-                         ("ffn_hidden_size", "ffn_hidden_size"),
-                         ("normalization", "normalization"), ("swiglu", "swiglu"),
-                         ("position_embedding_type", "position_embedding_type"),
-                         ("untie_embeddings_and_output_weights",
-                          "untie_embeddings_and_output_weights"),
-                         ("qk_layernorm", "qk_layernorm")):
-        v = arg(args, theirs)
+    for name in _SAME_FLAGS:
+        v = arg(args, name)
         if v is not None:
-            out[mine] = v
+            out[name] = v
     if arg(args, "add_bias_linear") is not None:
         out["disable_bias_linear"] = not args.add_bias_linear
         # (biases on q, k and v alone: with every linear's, Megatron's qkv has one anyway)
