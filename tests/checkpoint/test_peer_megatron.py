@@ -174,6 +174,24 @@ def test_a_truncated_legacy_rank_file_is_one_error_naming_it(tmp_path):
         open_peer(str(bad))
 
 
+def test_another_backend_or_two_saves_mixed_is_one_error_naming_the_file(tmp_path):
+    """An iteration another sharded backend wrote (zarr), and a legacy iteration whose
+    rank files come from two saves: refused, naming the file."""
+    zarr = tmp_path / "zarr"
+    shutil.copytree(FIXTURE, zarr)
+    meta = zarr / "iter_0000003" / "metadata.json"
+    meta.write_text(json.dumps({"sharded_backend": "zarr", "sharded_backend_version": 1}))
+    with pytest.raises(CheckpointError, match=rf"{meta}: sharded_backend 'zarr'"):
+        open_peer(str(zarr))
+    mixed = tmp_path / "mixed"
+    shutil.copytree(LEGACY, mixed)
+    other = mixed / "iter_0000003" / "mp_rank_01" / "model_optim_rng.pt"
+    sd = torch.load(other, weights_only=False)
+    torch.save(dict(sd, iteration=4), other)
+    with pytest.raises(CheckpointError, match=rf"{other}: iteration 4, \S+ is 3: files of two"):
+        open_peer(str(mixed))
+
+
 def test_another_model_shape_is_refused_by_the_load(tmp_path):
     """The import is one rank's checkpoint of Megatron's shapes; a run of another model
     (3 layers) is refused by the load's model check, naming the checkpoint."""
