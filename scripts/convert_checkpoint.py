@@ -4,6 +4,7 @@
     python scripts/convert_checkpoint.py CHECKPOINT_DIR_OR_SAVE_DIR OUT.pt [--with-optimizer]
     python scripts/convert_checkpoint.py verify CHECKPOINT_DIR_OR_SAVE_DIR
     python scripts/convert_checkpoint.py export --to dcp CHECKPOINT_DIR_OR_SAVE_DIR OUT_DIR
+    python scripts/convert_checkpoint.py export --to megatron CHECKPOINT_DIR_OR_SAVE_DIR OUT_DIR
 
 ``verify`` reads every file of the checkpoint (the newest one of a --save
 directory) and checks it against the checksums saved with it; it prints one
@@ -80,12 +81,39 @@ def export_dcp(argv) -> int:
     return 0
 
 
+def export_megatron(argv) -> int:
+    """``export --to megatron``: Megatron-LM's save directory (torch_dist), which
+    megatron-core's dist_checkpointing.load reads at any TP
+    (:func:`hybrid.checkpoint.peers.megatron.write`)."""
+    from hybrid.checkpoint.peers import megatron
+    ap = argparse.ArgumentParser(prog="convert_checkpoint.py export --to megatron",
+                                 description="write a hybrid checkpoint as a Megatron-LM "
+                                             "torch_dist save directory")
+    ap.add_argument("checkpoint", help="an iter_* directory, or a --save directory (newest)")
+    ap.add_argument("output", help="the Megatron-LM save directory to write (--load there)")
+    ap.add_argument("--tensor-model-parallel-size", type=int, default=1,
+                    help="the TP recorded in args (the files load at any TP)")
+    ap.add_argument("--data-parallel-size", type=int, default=1,
+                    help="the DP recorded in args")
+    a = ap.parse_args(argv)
+    try:
+        out = megatron.write(a.checkpoint, a.output, tp=a.tensor_model_parallel_size,
+                             dp=a.data_parallel_size)
+    except CheckpointError as e:
+        print(f"convert_checkpoint.py: error: {e}", file=sys.stderr)
+        return 2
+    print(f"wrote {out} (Megatron-LM torch_dist)")
+    return 0
+
+
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["verify"]:
         return verify(argv[1:])
     if argv[:3] == ["export", "--to", "dcp"]:
         return export_dcp(argv[3:])
+    if argv[:3] == ["export", "--to", "megatron"]:
+        return export_megatron(argv[3:])
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("checkpoint", help="an iter_* directory, or a --save directory (newest)")
     ap.add_argument("output", help="the single file to write")

@@ -32,11 +32,23 @@ def iter_name(iteration: int) -> str:
     return f"iter_{iteration:07d}"
 
 
+# A Megatron-LM torch_dist iteration is also an ``iter_NNNNNNN`` holding a metadata.json:
+# its common.pt and torch DCP's .metadata tell it apart (two stats, no read)
+_PEER_FILES = ("common.pt", ".metadata")
+
+
+def is_hybrid_checkpoint(d: str) -> bool:
+    """Whether ``d`` is a finished hybrid checkpoint's directory (its metadata.json, and
+    none of the files a Megatron-LM torch_dist iteration holds)."""
+    return (os.path.isfile(os.path.join(d, "metadata.json"))
+            and not any(os.path.exists(os.path.join(d, n)) for n in _PEER_FILES))
+
+
 def complete_checkpoints(save_dir: str) -> list[str]:
     """Names of the checkpoints under ``save_dir`` that finished (oldest first)."""
     out = []
     for d in sorted(glob.glob(os.path.join(save_dir, "iter_*"))):
-        if os.path.isfile(os.path.join(d, "metadata.json")):
+        if is_hybrid_checkpoint(d):
             out.append(os.path.basename(d))
     return out
 
@@ -50,7 +62,7 @@ def find_checkpoint(load_dir: str) -> str | None:
     if os.path.isfile(latest):
         with open(latest, encoding="utf-8", errors="replace") as f:
             name = f.read().strip()
-        if name and os.path.isfile(os.path.join(load_dir, name, "metadata.json")):
+        if name and is_hybrid_checkpoint(os.path.join(load_dir, name)):
             return os.path.join(load_dir, name)
         stale = name
     names = complete_checkpoints(load_dir)  # latest missing or stale: newest complete one
@@ -73,7 +85,7 @@ _FOREIGN = (
     ("DeepSpeed", ("mp_rank_*_model_states.pt", "*zero_pp_rank_*_optim_states.pt",
                    "*/mp_rank_*_model_states.pt", "*/*zero_pp_rank_*_optim_states.pt")),
     ("Megatron-LM", ("latest_checkpointed_iteration.txt", "mp_rank_*/model_optim_rng.pt",
-                     "*/mp_rank_*/model_optim_rng.pt", "iter_*/common.pt")),
+                     "*/mp_rank_*/model_optim_rng.pt", "iter_*/common.pt", "common.pt")),
     ("torch.distributed.checkpoint (DCP)", (".metadata", "*/.metadata")),
 )
 
@@ -124,9 +136,9 @@ def step_checkpoint(load_dir: str, step: int) -> str:
 def resolve_checkpoint(path: str) -> str:
     """``path`` itself if it is a checkpoint (``iter_*`` with metadata), else the newest
     complete one under it (a ``--save`` directory); CheckpointError if none."""
-    if os.path.isfile(os.path.join(path, "metadata.json")):
+    if is_hybrid_checkpoint(path):
         return path
-    ckpt = find_checkpoint(path)
+    ckpt = find_checkpoint(path)  # (refuses another framework's, by name)
     if ckpt is None:
         raise CheckpointError(f"{path}: no checkpoint there")
     return ckpt

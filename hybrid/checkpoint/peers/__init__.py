@@ -4,7 +4,13 @@
 * :mod:`.importing`  a peer checkpoint written as a hybrid one, which ``--load`` then reads
                      at any layout (:func:`~.importing.import_peer`)
 * :mod:`.deepspeed`  DeepSpeed ZeRO 0-3 (``global_stepN/``) and its universal format
-* :mod:`.megatron`   Megatron-LM ``torch_dist`` (and the legacy ``torch`` format)
+* :mod:`.megatron`   Megatron-LM ``torch_dist`` (and the legacy ``torch`` format): detect,
+                     open, write back
+* :mod:`.megatron_dist` Megatron-LM's ``torch_dist`` iterations read
+* :mod:`.megatron_legacy` Megatron-LM's legacy ``torch`` format (``mp_rank_XX/``) read
+* :mod:`.megatron_files` Megatron's torch files (data only) and torch DCP's chunks, on one
+                     process
+* :mod:`.megatron_names` megatron-core's GPTModel names and layouts <-> hybrid's
 * :mod:`.dcp`        torch DCP as torchtitan writes it (FSDP2 / TP DTensors)
 
 :func:`open_peer` finds which format a directory holds (or takes the one a flag names)

@@ -6,7 +6,8 @@ full-tensor layout (the fused, per-query-group QKV; SwiGLU's ``fc`` as ``(2, F, 
 the padded vocabulary rows as the peer saved them), one parameter at a time, so that
 :func:`hybrid.checkpoint.peers.importing.import_peer` can write it as a hybrid checkpoint
 that ``--load`` reads at any layout. The name tables are those of :mod:`hybrid.hf`
-(and, for Megatron's ``decoder.layers.N...`` names, :mod:`hybrid.checkpoint.peers.names`):
+(and, for Megatron's ``decoder.layers.N...`` names,
+:mod:`hybrid.checkpoint.peers.megatron_names`):
 one table per model family, shared with the Hugging Face import.
 
 What a reader cannot map (a scheduler of another shape, per-rank RNG streams of another

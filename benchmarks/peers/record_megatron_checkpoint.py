@@ -1,0 +1,385 @@
+"""Record the Megatron-LM ``torch_dist`` fixture of tests/fixtures/peers/megatron_dist/ with the
+real megatron-core 0.16.1 on the CPU (gloo, 2 ranks, TP 2).
+
+    OMP_NUM_THREADS=1 /work/venv-peers/bin/python benchmarks/peers/record_megatron_checkpoint.py
+    ... --format torch              (Megatron-LM's legacy format, into
+                                     tests/fixtures/peers/megatron_legacy/)
+    ... --model gpt2 --out DIR      (GPT-2's family: the peer test records it on the fly)
+    ... --resume DIR/iter_N --tokens BATCHES.json --losses OUT.json   (load and continue)
+
+A tiny Llama-shaped GPT (RMSNorm, SwiGLU, RoPE, GQA, no biases, untied output) of
+megatron-core's ``GPTModel`` (local layer spec, ../shared/BENCHMARKS.md's CPU patches) is
+trained for ``SAVE_AT`` steps on seeded token batches, then saved as Megatron-LM's
+``save_checkpoint`` saves in its default format: ``iter_0000003/`` written by
+``megatron.core.dist_checkpointing.save`` (torch_dist) from the state dict Megatron-LM
+builds -- the model's sharded state dict under ``model``, the optimizer's
+(megatron-core's ``FP32Optimizer`` around Adam) under ``optimizer``, ``iteration``,
+``args`` (a Namespace of Megatron-LM's fields), ``opt_param_scheduler`` (megatron-core's
+``OptimizerParamScheduler``), ``rng_state`` (one ShardedObject per TP rank) -- and
+``latest_checkpointed_iteration.txt``. Then it continues ``CONTINUE`` steps and records
+their losses, and checks megatron-core's own ``dist_checkpointing.load`` of the files
+continues with the same losses. ``losses.json`` holds the losses, the batches' tokens
+and the shape. ``--format torch`` saves Megatron-LM's legacy format instead:
+``iter_0000003/mp_rank_XX/model_optim_rng.pt`` per TP rank, the same dict with the
+model's and the optimizer's plain state dicts (what Megatron-LM's load takes back).
+
+What is not megatron-core's own here (it asserts CUDA tensors in these places): the
+optimizer step is the ``torch.optim.AdamW`` it wraps, stepped directly after the gradient
+clipping megatron-core's ``clip_grads`` does, in torch on the CPU; the distributed
+optimizer (``--use-distributed-optimizer``) could not be built on the CPU (its buffers
+and type checks are ``torch.cuda`` ones), so the optimizer state is the model-space one of
+the non-distributed optimizer (``optimizer.state.exp_avg.<param>``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+OUT = os.path.join(ROOT, "tests", "fixtures", "peers", "megatron_dist")
+# (small: the fixtures are committed; query_groups: the Llama's)
+SHAPE = dict(num_layers=2, hidden_size=16, heads=4, query_groups=2, ffn=32, vocab=64,
+             seq_length=8, micro=2)
+LEGACY_OUT = os.path.join(ROOT, "tests", "fixtures", "peers", "megatron_legacy")
+LR, MIN_LR, WD, CLIP, SEED, BETA2, EPS = 1e-3, 1e-4, 0.01, 1.0, 1234, 0.999, 1e-8
+WARMUP, DECAY = 2, 40
+SAVE_AT, CONTINUE = 3, 10
+# the two model families: Llama's (the committed fixture) and GPT-2's (the peer test's)
+ARCH = {"llama": dict(normalization="RMSNorm", swiglu=True, position="rope", query_groups=2,
+                      bias=False, tied=False),
+        "gpt2": dict(normalization="LayerNorm", swiglu=False, position="learned_absolute",
+                     query_groups=SHAPE["heads"], bias=True, tied=True)}
+
+
+def batches(n: int, gbs: int, seed: int):
+    import torch
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, SHAPE["vocab"], (gbs, SHAPE["seq_length"] + 1), generator=g)
+            for _ in range(n)]
+
+
+@contextlib.contextmanager
+def cuda_as_cpu():
+    """``device='cuda'`` -> the CPU in torch's factories, while megatron-core's optimizer
+    wrapper is built (it allocates its loss scale there)."""
+    import torch
+    saved = {n: getattr(torch, n) for n in ("tensor", "zeros", "ones", "empty")}
+
+    def wrap(f):
+        def g(*a, **k):
+            if str(k.get("device", "")).startswith("cuda"):
+                k["device"] = "cpu"
+            return f(*a, **k)
+        return g
+    for n, f in saved.items():
+        setattr(torch, n, wrap(f))
+    try:
+        yield
+    finally:
+        for n, f in saved.items():
+            setattr(torch, n, f)
+
+
+def megatron_args(tp: int, dp: int, iteration: int, arch: str):
+    """The Namespace Megatron-LM's ``save_checkpoint`` stores as ``args`` (the fields a
+    reader of the checkpoint uses)."""
+    s, m = SHAPE, ARCH[arch]
+    return argparse.Namespace(
+        num_layers=s["num_layers"], hidden_size=s["hidden_size"],
+        num_attention_heads=s["heads"], group_query_attention=m["query_groups"] != s["heads"],
+        num_query_groups=m["query_groups"], kv_channels=s["hidden_size"] // s["heads"],
+        ffn_hidden_size=s["ffn"], seq_length=s["seq_length"],
+        max_position_embeddings=s["seq_length"], vocab_size=s["vocab"],
+        padded_vocab_size=s["vocab"], make_vocab_size_divisible_by=s["vocab"] // tp,
+        normalization=m["normalization"], norm_epsilon=1e-5, swiglu=m["swiglu"],
+        position_embedding_type=m["position"], rotary_base=10000, rotary_percent=1.0,
+        add_bias_linear=m["bias"], add_qkv_bias=False,
+        untie_embeddings_and_output_weights=not m["tied"],
+        qk_layernorm=False, num_experts=None, hidden_dropout=0.0, attention_dropout=0.0,
+        init_method_std=0.02, tensor_model_parallel_size=tp, pipeline_model_parallel_size=1,
+        context_parallel_size=1, expert_model_parallel_size=1, data_parallel_size=dp,
+        world_size=tp * dp, micro_batch_size=s["micro"], global_batch_size=s["micro"] * dp,
+        optimizer="adam", lr=LR, min_lr=MIN_LR, lr_decay_style="cosine",
+        lr_warmup_iters=WARMUP, lr_decay_iters=DECAY, lr_warmup_init=0.0,
+        weight_decay=WD, start_weight_decay=WD, end_weight_decay=WD,
+        weight_decay_incr_style="constant", adam_beta1=0.9, adam_beta2=BETA2,
+        adam_eps=EPS, clip_grad=CLIP, seed=SEED, fp16=False, bf16=False,
+        params_dtype="torch.float32", use_distributed_optimizer=False, ckpt_format="torch_dist",
+        iteration=iteration, consumed_train_samples=iteration * s["micro"] * dp,
+        consumed_valid_samples=0, train_iters=SAVE_AT + CONTINUE, skipped_train_samples=0)
+
+
+class Run:
+    """megatron-core's GPTModel, its optimizer wrapper and scheduler on this rank."""
+
+    def __init__(self, tp: int, dp: int, arch: str):
+        import torch
+        import torch.nn.functional as F
+        from megatron.core import parallel_state
+        from megatron.core.models.gpt import GPTModel
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+        from megatron.core.optimizer import OptimizerConfig
+        from megatron.core.optimizer.optimizer import FP32Optimizer
+        from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+        from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
+        from megatron.core.transformer.transformer_config import TransformerConfig
+        s, m = SHAPE, ARCH[arch]
+        self.torch, self.tp, self.dp, self.arch = torch, tp, dp, arch
+        torch.manual_seed(SEED)
+        cfg = TransformerConfig(
+            num_layers=s["num_layers"], hidden_size=s["hidden_size"],
+            num_attention_heads=s["heads"], num_query_groups=m["query_groups"],
+            ffn_hidden_size=s["ffn"], tensor_model_parallel_size=tp,
+            normalization=m["normalization"], layernorm_epsilon=1e-5,
+            gated_linear_unit=m["swiglu"], activation_func=F.silu if m["swiglu"] else F.gelu,
+            add_bias_linear=m["bias"], hidden_dropout=0.0,
+            attention_dropout=0.0, init_method_std=0.02, params_dtype=torch.float32,
+            use_cpu_initialization=True, bias_activation_fusion=False,
+            masked_softmax_fusion=False, bias_dropout_fusion=False, apply_rope_fusion=False,
+            gradient_accumulation_fusion=False, persist_layer_norm=False)
+        self.model = GPTModel(config=cfg,
+                              transformer_layer_spec=get_gpt_layer_local_spec(
+                                  normalization=m["normalization"]),
+                              vocab_size=s["vocab"], max_sequence_length=s["seq_length"],
+                              share_embeddings_and_output_weights=m["tied"],
+                              position_embedding_type=m["position"], rotary_base=10000)
+        self.model.train()
+        decay: list[torch.nn.Parameter] = []
+        no_decay: list[torch.nn.Parameter] = []
+        for n, p in self.model.named_parameters():  # megatron-core's default groups
+            (no_decay if p.dim() == 1 or n.endswith(".bias") else decay).append(p)
+        # megatron-core's param groups: the scheduler sets weight_decay = wd * wd_mult
+        keys = {"lr_mult": 1.0, "is_expert_parallel": False, "is_decoupled_lr": False}
+        adam = torch.optim.AdamW([{"params": decay, "weight_decay": WD, "wd_mult": 1.0, **keys},
+                                  {"params": no_decay, "weight_decay": 0.0, "wd_mult": 0.0,
+                                   **keys}],
+                                 lr=LR, betas=(0.9, BETA2), eps=EPS)
+
+        def init_state_fn(opt, config=None):
+            for group in opt.param_groups:
+                for p in group["params"]:
+                    if len(opt.state[p]) == 0:
+                        opt.state[p]["exp_avg"] = torch.zeros_like(p.data)
+                        opt.state[p]["exp_avg_sq"] = torch.zeros_like(p.data)
+        with cuda_as_cpu():
+            self.opt = FP32Optimizer(adam, OptimizerConfig(
+                optimizer="adam", lr=LR, min_lr=MIN_LR, weight_decay=WD, adam_beta1=0.9,
+                adam_beta2=BETA2, adam_eps=EPS, clip_grad=CLIP), init_state_fn)
+        gbs = s["micro"] * dp
+        self.sched = OptimizerParamScheduler(
+            adam, init_lr=0.0, max_lr=LR, min_lr=MIN_LR, lr_warmup_steps=WARMUP * gbs,
+            lr_decay_steps=DECAY * gbs, lr_decay_style="cosine", start_wd=WD, end_wd=WD,
+            wd_incr_steps=DECAY * gbs, wd_incr_style="constant")
+        self.gbs = gbs
+        self.norm_params = [p for p in self.model.parameters()
+                            if param_is_not_tensor_parallel_duplicate(p)]
+        self.mp_group = parallel_state.get_model_parallel_group()
+        self.dp_group = parallel_state.get_data_parallel_group()
+        self.dp_rank = parallel_state.get_data_parallel_rank()
+        sq = s["seq_length"]
+        self.mask = torch.triu(torch.ones(sq, sq), 1).bool()[None, None]
+        self.pos = torch.arange(sq).unsqueeze(0).expand(s["micro"], sq)
+
+    def step(self, batch) -> float:
+        """One iteration on this DP rank's rows of ``batch`` (the global batch); the
+        global batch's mean loss."""
+        torch, dist = self.torch, self.torch.distributed
+        m = SHAPE["micro"]
+        mine = batch[self.dp_rank * m:(self.dp_rank + 1) * m]
+        self.opt.zero_grad()
+        loss = self.model(mine[:, :-1], self.pos, self.mask, labels=mine[:, 1:]).float().mean()
+        loss.backward()
+        for p in self.model.parameters():  # DP: the mean gradient (megatron's DDP)
+            dist.all_reduce(p.grad, group=self.dp_group)
+            p.grad.div_(self.dp)
+        # megatron.core.optimizer.clip_grads's sums (its buffers are hard-wired to 'cuda')
+        sq = torch.stack([torch.norm(p.grad) for p in self.norm_params]).square().sum()
+        sq = sq.reshape(1)
+        dist.all_reduce(sq, group=self.mp_group)
+        coeff = CLIP / (float(sq.item()) ** 0.5 + 1e-6)
+        if coeff < 1.0:
+            for p in self.model.parameters():
+                p.grad.mul_(coeff)
+        self.opt.optimizer.step()
+        self.sched.step(increment=self.gbs)
+        out = loss.detach().reshape(1)
+        dist.all_reduce(out, group=self.dp_group)
+        return float(out.item()) / self.dp
+
+    def state_dict(self, iteration: int) -> dict:
+        """What Megatron-LM's ``generate_state_dict`` builds for ``torch_dist``."""
+        import random
+
+        import numpy as np
+        from megatron.core import parallel_state
+        from megatron.core.dist_checkpointing.mapping import ShardedObject
+        model_sd = self.model.sharded_state_dict()
+        rng = {"random_rng_state": random.getstate(), "np_rng_state": np.random.get_state(),
+               "torch_rng_state": self.torch.get_rng_state(), "rng_tracker_states": {}}
+        tp_rank = parallel_state.get_tensor_model_parallel_rank()
+        return {"args": megatron_args(self.tp, self.dp, iteration, self.arch),
+                "checkpoint_version": 3.0,
+                "iteration": iteration, "model": model_sd,
+                "optimizer": self.opt.sharded_state_dict(model_sd),
+                "opt_param_scheduler": self.sched.state_dict(),
+                "rng_state": ShardedObject("rng_state", [rng], (1, self.tp), (0, tp_rank),
+                                           replica_id=self.dp_rank),
+                "num_floating_point_operations_so_far": 0}
+
+    def load_legacy(self, iter_dir: str) -> int:
+        """Megatron-LM's load of its legacy format: the plain state dicts back."""
+        from megatron.core import parallel_state
+        tp_rank = parallel_state.get_tensor_model_parallel_rank()
+        sd = self.torch.load(os.path.join(iter_dir, f"mp_rank_{tp_rank:02d}",
+                                          "model_optim_rng.pt"), weights_only=False)
+        self.model.load_state_dict(sd["model"])
+        self.opt.load_state_dict(sd["optimizer"])
+        self.sched.load_state_dict(sd["opt_param_scheduler"])
+        return int(sd["iteration"])
+
+    def load(self, iter_dir: str) -> int:
+        from megatron.core import dist_checkpointing
+        model_sd = self.model.sharded_state_dict()
+        want = {"model": model_sd, "optimizer": self.opt.sharded_state_dict(model_sd,
+                                                                            is_loading=True)}
+        got = dist_checkpointing.load(want, iter_dir)
+        self.model.load_state_dict(got["model"])
+        self.opt.load_state_dict(got["optimizer"])
+        self.sched.load_state_dict(got["opt_param_scheduler"])
+        return int(got["iteration"])
+
+
+def save(run: Run, save_dir: str, iteration: int, fmt: str) -> str:
+    """``fmt`` torch_dist: megatron-core's dist_checkpointing.save of Megatron-LM's state
+    dict; torch: Megatron-LM's legacy ``mp_rank_XX/model_optim_rng.pt``, one per TP rank
+    (DP rank 0's), of the model's and the optimizer's plain state dicts."""
+    import torch
+    import torch.distributed as dist
+    from megatron.core import dist_checkpointing, parallel_state
+    iter_dir = os.path.join(save_dir, f"iter_{iteration:07d}")
+    if dist.get_rank() == 0:
+        os.makedirs(iter_dir, exist_ok=True)
+    dist.barrier()
+    if fmt == "torch_dist":
+        dist_checkpointing.save(run.state_dict(iteration), iter_dir,
+                                sharded_strategy=("torch_dist", 1))
+    elif run.dp_rank == 0:
+        sd = run.state_dict(iteration)
+        tp_rank = parallel_state.get_tensor_model_parallel_rank()
+        sd.update(model=run.model.state_dict_for_save_checkpoint(),
+                  optimizer=run.opt.state_dict(), rng_state=[sd["rng_state"].data[0]])
+        sd["args"].ckpt_format = "torch"
+        os.makedirs(os.path.join(iter_dir, f"mp_rank_{tp_rank:02d}"))
+        torch.save(sd, os.path.join(iter_dir, f"mp_rank_{tp_rank:02d}", "model_optim_rng.pt"))
+    dist.barrier()
+    if dist.get_rank() == 0:
+        with open(os.path.join(save_dir, "latest_checkpointed_iteration.txt"), "w") as f:
+            f.write(str(iteration))
+    dist.barrier()
+    return iter_dir
+
+
+def worker(a) -> None:
+    import torch
+    import torch.distributed as dist
+    sys.path.insert(0, ROOT)
+    from benchmarks.peers.megatron_side import patch_megatron_for_cpu
+    torch.set_num_threads(1)
+    patch_megatron_for_cpu()
+    # dist_checkpointing's writer waits for the device's copies: on the CPU none is in flight
+    torch.cuda.synchronize = lambda device=None: None
+    from megatron.core import parallel_state
+    dist.init_process_group("gloo")
+    world = dist.get_world_size()
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=a.tp)
+    dp = world // a.tp
+    if a.resume:
+        resume(a, dp)
+    else:
+        record(a, dp)
+    dist.barrier()
+    parallel_state.destroy_model_parallel()
+    dist.destroy_process_group()
+
+
+def resume(a, dp: int) -> None:
+    """megatron-core's ``dist_checkpointing.load`` of ``a.resume`` (an ``iter_*`` hybrid
+    exported), then the steps on ``a.tokens``' batches; their losses into ``a.losses``."""
+    import torch
+    import torch.distributed as dist
+    with open(a.tokens) as f:
+        tokens = json.load(f)
+    run = Run(a.tp, dp, a.model)
+    iteration = run.load(a.resume)
+    losses = [run.step(torch.tensor(b)) for b in tokens]
+    if dist.get_rank() == 0:
+        with open(a.losses, "w") as f:
+            json.dump({"iteration": iteration, "losses": losses}, f)
+
+
+def record(a, dp: int) -> None:
+    import torch.distributed as dist
+    run = Run(a.tp, dp, a.model)
+    data = batches(SAVE_AT + CONTINUE, SHAPE["micro"] * dp, seed=7)
+    first = [run.step(b) for b in data[:SAVE_AT]]
+    save(run, a.out, SAVE_AT, a.format)
+    losses = [run.step(b) for b in data[SAVE_AT:]]
+    again = Run(a.tp, dp, a.model)  # megatron-core's own load of the files continues the same
+    load = again.load if a.format == "torch_dist" else again.load_legacy
+    assert load(os.path.join(a.out, f"iter_{SAVE_AT:07d}")) == SAVE_AT
+    reloaded = [again.step(b) for b in data[SAVE_AT:]]
+    worst = max(abs(x - y) for x, y in zip(losses, reloaded))
+    assert worst == 0.0, f"megatron-core's reload continues differently ({worst})"
+    if dist.get_rank() == 0:
+        with open(os.path.join(a.out, "losses.json"), "w") as f:
+            json.dump({"megatron_core": __import__("megatron.core").core.__version__,
+                       "format": a.format, "model": a.model, "tp": a.tp, "dp": dp,
+                       "iteration": SAVE_AT,
+                       "shape": SHAPE, "query_groups": ARCH[a.model]["query_groups"],
+                       "lr": LR, "min_lr": MIN_LR, "warmup_iters": WARMUP,
+                       "decay_iters": DECAY, "weight_decay": WD, "clip_grad": CLIP,
+                       "adam_beta2": BETA2, "adam_eps": EPS, "first_losses": first,
+                       "losses": losses,
+                       "tokens": [b.tolist() for b in data[SAVE_AT:]]}, f)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", default=OUT)
+    p.add_argument("--tp", type=int, default=2)
+    p.add_argument("--world", type=int, default=2)
+    p.add_argument("--model", choices=sorted(ARCH), default="llama")
+    p.add_argument("--format", choices=("torch_dist", "torch"), default="torch_dist",
+                   help="torch: Megatron-LM's legacy format, into "
+                        "tests/fixtures/peers/megatron_legacy by default")
+    p.add_argument("--resume", help="instead: an iter_* directory to load and continue "
+                                    "(on the batches of --tokens, a JSON list)")
+    p.add_argument("--tokens")
+    p.add_argument("--losses", help="with --resume: where the losses JSON goes")
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    a = p.parse_args()
+    if a.format == "torch" and a.out == OUT:
+        a.out = LEGACY_OUT
+    if a.worker:
+        worker(a)
+        return 0
+    more = ["--resume", a.resume, "--tokens", a.tokens, "--losses", a.losses] if a.resume else []
+    if not a.resume:
+        shutil.rmtree(a.out, ignore_errors=True)
+        os.makedirs(a.out)
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    return subprocess.call([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                            "--nproc-per-node", str(a.world), os.path.abspath(__file__),
+                            "--worker", "--out", a.out, "--tp", str(a.tp), "--model", a.model,
+                            "--format", a.format, *more],
+                           env=env, cwd=ROOT)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,223 @@
+"""Megatron-LM's checkpoints: detected, opened (:func:`open`) and written back (:func:`write`).
+
+A Megatron-LM save directory holds ``latest_checkpointed_iteration.txt`` and one
+``iter_NNNNNNN/`` per save. In ``torch_dist``, its default format, written by
+``megatron.core.dist_checkpointing.save``: ``metadata.json`` (``{"sharded_backend":
+"torch_dist", ...}``), ``common.pt`` (``args``, ``iteration``, ``opt_param_scheduler``,
+the optimizer's param groups and step) and torch DCP's ``.metadata`` and
+``__R_I.distcp`` files holding each tensor's chunks at their place in the full tensor
+(the layers stacked on a first axis) -- read by :mod:`.megatron_dist`. In the legacy
+``torch`` format, ``mp_rank_XX/model_optim_rng.pt`` per TP rank -- read by
+:mod:`.megatron_legacy`. The files themselves: :mod:`.megatron_files`; the names:
+:mod:`.megatron_names`.
+
+What comes over: the weights, the fp32 masters (a bf16/fp16 run's; an fp32 run's
+weights are its masters), Adam's moments, the iteration, ``args.consumed_train_samples``
+and the optimizer's step count; the scheduler's position is the iteration (hybrid's
+schedule is a function of it); what does not map is a line in ``notes``.
+
+:func:`write` is the way back: a hybrid checkpoint as a ``torch_dist`` ``iter_NNNNNNN/``
+that megatron-core's ``dist_checkpointing.load`` reads into a GPTModel and its (non-
+distributed) optimizer at any TP, one parameter in memory at a time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import builtins
+import glob
+import json
+import os
+import shutil
+from typing import Any
+
+import torch
+
+from hybrid.checkpoint.peers import megatron_names as names
+from hybrid.checkpoint.peers.megatron_dist import MegatronCheckpoint
+from hybrid.checkpoint.peers.megatron_files import (
+    COMMON,
+    DCP_METADATA,
+    FORMAT,
+    LATEST,
+    LEGACY_FILE,
+    DcpWriter,
+)
+from hybrid.checkpoint.peers.megatron_legacy import LegacyCheckpoint
+from hybrid.errors import CheckpointError
+
+
+def is_legacy_dir(path: str) -> bool:
+    """Whether ``path`` is an iteration of Megatron-LM's legacy ``torch`` format (one
+    glob)."""
+    return bool(glob.glob(os.path.join(glob.escape(path), "mp_rank_*", LEGACY_FILE)))
+
+
+def is_iteration_dir(path: str) -> bool:
+    """Whether ``path`` is one of Megatron's ``torch_dist`` iterations (two stats)."""
+    return (os.path.isfile(os.path.join(path, COMMON))
+            or os.path.isfile(os.path.join(path, DCP_METADATA)))
+
+
+def detect(path: str) -> bool:
+    """Whether ``path`` is a Megatron-LM ``torch_dist`` save directory or one of its
+    iterations: its ``latest_checkpointed_iteration.txt`` with an ``iter_*/common.pt``
+    next to it, or the iteration's own files. A bounded number of stats and globs."""
+    if is_iteration_dir(path) and os.path.isfile(os.path.join(path, "metadata.json")):
+        return True
+    if is_legacy_dir(path):
+        return True
+    if not os.path.isfile(os.path.join(path, LATEST)):
+        return False
+    here = glob.escape(path)
+    return bool(glob.glob(os.path.join(here, "iter_*", COMMON))
+                or glob.glob(os.path.join(here, "iter_*", "mp_rank_*", LEGACY_FILE)))
+
+
+def _iteration_dir(path: str, step: int | None) -> str:
+    if is_iteration_dir(path) or is_legacy_dir(path):
+        return path
+    if step is not None:
+        return os.path.join(path, f"iter_{step:07d}")
+    latest = os.path.join(path, LATEST)
+    try:
+        with builtins.open(latest, encoding="utf-8", errors="replace") as f:
+            text = f.read(64).strip()
+    except OSError as e:
+        raise CheckpointError(f"{latest}: cannot read it ({e})") from e
+    if text == "release":
+        return os.path.join(path, "release")
+    if not text.isdigit():
+        raise CheckpointError(f"{latest}: {text!r} is not an iteration number")
+    return os.path.join(path, f"iter_{int(text):07d}")
+def open(path: str, step: int | None = None) -> MegatronCheckpoint:  # noqa: A001
+    """The iteration ``path`` names (an ``iter_*`` directory), or under a save directory
+    the one ``latest_checkpointed_iteration.txt`` names (or ``step``): ``torch_dist``, or
+    the legacy ``torch`` format (``mp_rank_XX/model_optim_rng.pt``)."""
+    iter_dir = _iteration_dir(path, step)
+    if not os.path.isdir(iter_dir):
+        raise CheckpointError(f"{iter_dir}: no such Megatron-LM iteration directory")
+    if is_legacy_dir(iter_dir) and not is_iteration_dir(iter_dir):
+        return LegacyCheckpoint(iter_dir)
+    return MegatronCheckpoint(iter_dir)
+
+
+# -- the way back -------------------------------------------------------------------------
+
+def _namespace(cfg: dict, meta: dict, tp: int, dp: int, vocab: int, gbs: int) -> Any:
+    """Megatron-LM's ``args`` for hybrid's flat config (the fields its
+    ``check_checkpoint_args`` and a reader use)."""
+    heads = cfg["num_attention_heads"]
+    groups = cfg.get("num_query_groups") or heads
+    return argparse.Namespace(
+        num_layers=cfg["num_layers"], hidden_size=cfg["hidden_size"],
+        num_attention_heads=heads, group_query_attention=groups != heads,
+        num_query_groups=groups, kv_channels=cfg.get("kv_channels")
+        or cfg["hidden_size"] // heads, ffn_hidden_size=cfg.get("ffn_hidden_size"),
+        seq_length=cfg.get("seq_length"),
+        max_position_embeddings=cfg.get("max_position_embeddings"),
+        vocab_size=meta.get("vocab_size"), padded_vocab_size=vocab,
+        normalization=cfg.get("normalization", "LayerNorm"),
+        norm_epsilon=cfg.get("norm_epsilon") or 1e-5, swiglu=bool(cfg.get("swiglu")),
+        position_embedding_type=cfg.get("position_embedding_type", "learned_absolute"),
+        add_bias_linear=not cfg.get("disable_bias_linear", False),
+        add_qkv_bias=bool(cfg.get("add_qkv_bias")),
+        untie_embeddings_and_output_weights=bool(
+            cfg.get("untie_embeddings_and_output_weights")),
+        qk_layernorm=bool(cfg.get("qk_layernorm")), tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=1, data_parallel_size=dp, world_size=tp * dp,
+        micro_batch_size=cfg.get("micro_batch_size"), global_batch_size=gbs,
+        lr=cfg.get("lr"), min_lr=cfg.get("min_lr"), weight_decay=cfg.get("weight_decay"),
+        adam_beta1=cfg.get("adam_beta1"), adam_beta2=cfg.get("adam_beta2"),
+        adam_eps=cfg.get("adam_eps"), clip_grad=cfg.get("clip_grad"), seed=cfg.get("seed"),
+        use_distributed_optimizer=False, ckpt_format="torch_dist", fp16=False, bf16=False,
+        iteration=meta["iteration"], consumed_train_samples=meta.get("consumed_samples", 0),
+        consumed_valid_samples=0)
+
+def _write_tensors(w: DcpWriter, params, num_layers: int, swiglu: bool, ckpt: str) -> bool:
+    """Each parameter's columns as torch_dist's keys (the layers stacked, one chunk per
+    layer) and the linears' extra state; whether the moments were there."""
+    moments = True
+    for name, cols in params:
+        try:
+            layer, key = names.to_megatron(name)
+        except KeyError:
+            raise CheckpointError(f"{ckpt}: {name} has no place in megatron-core's GPTModel "
+                                  f"(hybrid writes its dense GPT layers)") from None
+        moments = moments and "exp_avg" in cols
+        for col, prefix in (("master", ""), ("exp_avg", "optimizer.state.exp_avg."),
+                            ("exp_avg_sq", "optimizer.state.exp_avg_sq.")):
+            if col not in cols:
+                continue
+            t = names.to_megatron_layout(name, cols[col], swiglu)
+            if layer is None:
+                w.tensor(prefix + key, list(t.shape), [0] * t.dim(), t)
+            else:  # the layers stacked on a first axis, one chunk per layer
+                w.tensor(prefix + names.LAYERS_PREFIX + key, [num_layers, *t.shape],
+                         [layer] + [0] * t.dim(), t.unsqueeze(0))
+    for i in range(num_layers):  # the (empty) extra state megatron-core's linears load,
+        for lin in names.EXTRA_STATE:  # a list of the rank's objects, as its save writes it
+            w.obj(f"{names.LAYERS_PREFIX}{lin}._extra_state/shard_{i}_{num_layers}", [None])
+    w.close()
+    return moments
+
+
+def write(hybrid_ckpt: str, out_dir: str, tp: int = 1, dp: int = 1) -> str:
+    """A hybrid checkpoint (an ``iter_*`` directory or a ``--save`` directory's newest)
+    as Megatron-LM save directory ``out_dir``: ``iter_NNNNNNN/`` in ``torch_dist`` (the
+    GPTModel's sharded keys, the layers stacked; the non-distributed optimizer's
+    ``optimizer.state.exp_avg.*`` / ``exp_avg_sq.*``, its step and two param groups --
+    decayed, and norms and biases undecayed -- in ``common.pt`` with ``args``,
+    ``iteration`` and ``opt_param_scheduler``) and ``latest_checkpointed_iteration.txt``.
+    ``tp``/``dp``: the layout recorded in ``args`` (the files load at any TP). One
+    parameter in memory at a time. Returns the iteration's directory."""
+    from hybrid.checkpoint import iter_full_params, resolve_checkpoint
+    ckpt = resolve_checkpoint(hybrid_ckpt)
+    meta, params = iter_full_params(ckpt)
+    cfg = meta.get("config") or {}
+    swiglu = bool(cfg.get("swiglu"))
+    it = int(meta["iteration"])
+    final = os.path.join(out_dir, f"iter_{it:07d}")
+    if os.path.exists(final):
+        raise CheckpointError(f"{final}: already exists; not overwriting it")
+    iter_dir = os.path.join(out_dir, f".tmp_iter_{it:07d}")  # published whole, at the end
+    shutil.rmtree(iter_dir, ignore_errors=True)
+    os.makedirs(iter_dir)
+    shapes = meta["model"]
+    num_layers = int(cfg["num_layers"])
+    with builtins.open(os.path.join(iter_dir, DcpWriter.REL), "wb") as f:
+        moments = _write_tensors(DcpWriter(iter_dir, f), params, num_layers, swiglu, ckpt)
+    vocab = shapes["wte.weight"][0]
+    gbs = int(cfg.get("global_batch_size") or 0)
+    lr, min_lr = float(cfg.get("lr") or 0.0), float(cfg.get("min_lr") or 0.0)
+    wd = float(cfg.get("weight_decay") or 0.0)
+    group = {"lr": lr, "betas": (cfg.get("adam_beta1", 0.9), cfg.get("adam_beta2", 0.999)),
+             "eps": cfg.get("adam_eps", 1e-8), "amsgrad": False, "maximize": False,
+             "foreach": None, "capturable": False, "differentiable": False, "fused": None,
+             "decoupled_weight_decay": True, "lr_mult": 1.0, "is_expert_parallel": False,
+             "is_decoupled_lr": False}
+    warm = int(cfg.get("lr_warmup_iters") or 0)
+    decay = int(cfg.get("lr_decay_iters") or cfg.get("train_iters") or 0)
+    common = {
+        "args": _namespace(cfg, meta, tp, dp, vocab, gbs), "checkpoint_version": 3.0,
+        "iteration": it, "num_floating_point_operations_so_far": 0,
+        "optimizer": {"state": {"common_step": torch.tensor(float(meta.get("step") or it))}
+                      if moments else {},
+                      "param_groups": [{**group, "weight_decay": wd, "wd_mult": 1.0},
+                                       {**group, "weight_decay": 0.0, "wd_mult": 0.0}]},
+        "opt_param_scheduler": {
+            "max_lr": lr, "lr_warmup_steps": warm * gbs, "num_steps": it * gbs,
+            "lr_decay_style": cfg.get("lr_decay_style", "linear"),
+            "lr_decay_steps": decay * gbs, "min_lr": min_lr, "start_wd": wd, "end_wd": wd,
+            "wd_incr_style": "constant", "wd_incr_steps": decay * gbs}}
+    torch.save(common, os.path.join(iter_dir, COMMON))
+    with builtins.open(os.path.join(iter_dir, "metadata.json"), "w") as f:
+        json.dump({"sharded_backend": "torch_dist", "sharded_backend_version": 1,
+                   "common_backend": "torch", "common_backend_version": 1}, f)
+    os.replace(iter_dir, final)
+    with builtins.open(os.path.join(out_dir, LATEST), "w") as f:
+        f.write(str(it))
+    return final
+
+
+__all__ = ["FORMAT", "detect", "open", "write", "MegatronCheckpoint", "is_iteration_dir"]

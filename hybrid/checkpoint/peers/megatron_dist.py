@@ -1,0 +1,205 @@
+"""Megatron-LM's ``torch_dist`` iterations read in: :class:`MegatronCheckpoint`.
+
+The DCP metadata give each tensor's full shape and where each chunk's bytes are; one
+hybrid parameter's chunks are read at a time (a layer's slice of a stacked tensor only).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from typing import Any
+
+import torch
+
+from hybrid.checkpoint.peers import megatron_names as names
+from hybrid.checkpoint.peers.megatron_files import (
+    COMMON,
+    DCP_METADATA,
+    FORMAT,
+    MOMENTS,
+    DcpFiles,
+    load_megatron_file,
+)
+from hybrid.errors import CheckpointError
+
+_MASTER_KEYS = ("optimizer.state.fp32_param.", "optimizer.state.param.")
+
+
+def load_common(iter_dir: str) -> dict:
+    """``common.pt`` (:func:`load_megatron_file`)."""
+    return load_megatron_file(os.path.join(iter_dir, COMMON))
+
+
+def arg(args: Any, name: str, default=None):
+    """``args.name`` of Megatron-LM's Namespace (``default`` without it or without args)."""
+    return getattr(args, name, default) if args is not None else default
+
+
+# the architecture flags Megatron-LM's args and hybrid's config name alike
+_SAME_FLAGS = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size",
+               "normalization", "swiglu", "position_embedding_type",
+               "untie_embeddings_and_output_weights", "qk_layernorm")
+
+
+def megatron_flags(args: Any) -> dict:
+    """hybrid's architecture flags for Megatron-LM's ``args`` (the ones it records)."""
+    if args is None:
+        return {}
+    out: dict[str, Any] = {}
+    for name in _SAME_FLAGS:
+        v = arg(args, name)
+        if v is not None:
+            out[name] = v
+    if arg(args, "add_bias_linear") is not None:
+        out["disable_bias_linear"] = not args.add_bias_linear
+        # (biases on q, k and v alone: with every linear's, Megatron's qkv has one anyway)
+        out["add_qkv_bias"] = bool(arg(args, "add_qkv_bias")) and not args.add_bias_linear
+    if arg(args, "group_query_attention"):
+        out["group_query_attention"] = True
+        out["num_query_groups"] = args.num_query_groups
+    return out
+
+
+class MegatronCheckpoint:
+    """One ``torch_dist`` iteration opened for reading (:class:`~.base.PeerCheckpoint`)."""
+
+    format = FORMAT
+
+    def __init__(self, iter_dir: str):
+        self.path = iter_dir
+        meta_path = os.path.join(iter_dir, "metadata.json")
+        try:
+            with open(meta_path, encoding="utf-8") as f:
+                meta = json.loads(f.read(1 << 16))
+        except (OSError, ValueError) as e:
+            raise CheckpointError(f"{meta_path}: missing or not JSON ({e}); not a "
+                                  f"Megatron-LM torch_dist iteration") from e
+        backend, version = meta.get("sharded_backend"), meta.get("sharded_backend_version")
+        if backend != "torch_dist" or version != 1:
+            raise CheckpointError(f"{meta_path}: sharded_backend {backend!r} version "
+                                  f"{version!r}; hybrid reads Megatron's torch_dist "
+                                  f"version 1 only")
+        common = load_common(iter_dir)
+        self.args = common.get("args")
+        self.files = DcpFiles(iter_dir)
+        self.iteration = int(common.get("iteration", arg(self.args, "iteration", 0)) or 0)
+        self.consumed_samples = int(arg(self.args, "consumed_train_samples", 0) or 0)
+        self.notes: list[str] = []
+        if arg(self.args, "consumed_train_samples") is None:
+            self.notes.append("no args.consumed_train_samples: the data position starts at 0")
+        self.swiglu = bool(arg(self.args, "swiglu", False))
+        self.flags = megatron_flags(self.args)
+        self.vocab_size = arg(self.args, "vocab_size")
+        self._keys: dict[str, tuple[str, int | None]] = {}  # hybrid name -> (key, layer)
+        self.shapes = self._map(os.path.join(iter_dir, DCP_METADATA))
+        if "swiglu" not in self.flags and any(n.endswith("mlp.fc.weight") for n in self.shapes):
+            self.notes.append("no args.swiglu: linear_fc1 read as a plain MLP's")
+        opt = common.get("optimizer") or {}
+        self.columns, self.step = self._optimizer(opt)
+        self._scheduler(common.get("opt_param_scheduler"))
+        self.notes.append("the RNG states (Python's, NumPy's, torch's and CUDA's per TP "
+                          "rank) do not map to hybrid's seeded streams: hybrid seeds them "
+                          "from --seed and the iteration")
+
+    def _map(self, where: str) -> dict[str, list[int]]:
+        per_layer: dict[int, dict[str, tuple[str, int | None]]] = {}
+        head: dict[str, str] = {}
+        for key in self.files.tensors:
+            if key.startswith(("optimizer.", "rng_state")):
+                continue
+            if key.startswith(names.LAYERS_PREFIX):
+                rest = key[len(names.LAYERS_PREFIX):]
+                m = re.match(r"(\d+)\.(.+)", rest)
+                places: list[tuple[int, str, int | None]]
+                if m:  # one layer's own tensor
+                    part = names.layer_part(m.group(2))
+                    places = [(int(m.group(1)), key, None)]
+                else:  # the layers stacked
+                    part = names.layer_part(rest)
+                    places = [(i, key, i) for i in range(self.files.shape(key)[0])]
+                if part is None:
+                    raise CheckpointError(f"{where}: {key} has no place in hybrid's GPT "
+                                          f"(hybrid maps {FORMAT}'s dense GPT layers)")
+                for i, k, layer in places:
+                    per_layer.setdefault(i, {})[part] = (k, layer)
+                continue
+            part = names.global_part(key)
+            if part is None:
+                raise CheckpointError(f"{where}: {key} has no place in hybrid's GPT")
+            head[part] = key
+        shapes: dict[str, list[int]] = {}
+
+        def add(name: str, key: str, layer: int | None) -> None:
+            shape = self.files.shape(key)[(1 if layer is not None else 0):]
+            if names.is_swiglu_fc(name, self.swiglu):
+                shape = [2, shape[0] // 2, *shape[1:]]
+            shapes[name], self._keys[name] = shape, (key, layer)
+        for part in ("wte.weight", "wpe.weight"):
+            if part in head:
+                add(part, head[part], None)
+        order = {h: j for j, (_, h) in enumerate(names.LAYER)}
+        for i in sorted(per_layer):
+            for part, (key, layer) in sorted(per_layer[i].items(), key=lambda x: order[x[0]]):
+                add(f"blocks.{i}.{part}", key, layer)
+        for part in ("ln_f.weight", "ln_f.bias", "output_layer.weight"):
+            if part in head:
+                add(part, head[part], None)
+        if not shapes:
+            raise CheckpointError(f"{where}: no model tensors")
+        return shapes
+
+    def _optimizer(self, opt: dict) -> tuple[tuple[str, ...], int]:
+        keys = set(self.files.tensors)
+        if any(k.startswith("optimizer.distributed.") for k in keys):
+            raise CheckpointError(
+                f"{os.path.join(self.path, DCP_METADATA)}: the distributed optimizer's "
+                f"state in its dp_reshardable layout (flat buffers per DP rank), which "
+                f"hybrid does not read: save it with --dist-ckpt-optim-fully-reshardable, "
+                f"or load with --no-load-optim")
+        first = next(iter(self._keys.values()))[0]
+        if not all(f"optimizer.state.{m}.{first}" in keys for m in MOMENTS):
+            self.notes.append("no optimizer state: Adam's moments start at zero")
+            return ("master",), 0
+        state = opt.get("state") or {}
+        step = state.get("common_step")  # (the non-distributed optimizer's)
+        if step is None:  # the distributed optimizer's: in its param groups
+            step = next((g["step"] for g in opt.get("param_groups") or []
+                         if isinstance(g, dict) and g.get("step") is not None), None)
+        if step is None:
+            self.notes.append("no optimizer step count (common_step): Adam's bias correction "
+                              "counts from the iteration")
+            step = self.iteration
+        return ("master", "exp_avg", "exp_avg_sq"), int(step)
+
+    def _scheduler(self, sched: dict | None) -> None:
+        if not sched:
+            self.notes.append("no opt_param_scheduler: the learning rate follows the run's "
+                              "flags at the iteration")
+            return
+        gbs = arg(self.args, "global_batch_size")
+        if gbs and sched.get("num_steps") != self.iteration * gbs:
+            self.notes.append(f"opt_param_scheduler.num_steps {sched.get('num_steps')} is "
+                              f"not iteration x global batch ({self.iteration} x {gbs}): "
+                              f"hybrid's schedule is a function of the iteration")
+        if sched.get("lr_decay_style") != "constant" or sched.get("lr_warmup_steps"):
+            self.notes.append("the learning rate: Megatron-LM's iteration k runs at its "
+                              "scheduler's rate after k - 1 steps, hybrid's at "
+                              "learning_rate(k): with warmup or decay the rates are one "
+                              "iteration apart")
+
+    def read(self, name: str) -> dict[str, torch.Tensor]:
+        key, layer = self._keys[name]
+
+        def get(k: str) -> torch.Tensor:
+            return names.to_hybrid_layout(name, self.files.read(k, layer), self.swiglu)
+        master_key = next((p + key for p in _MASTER_KEYS if p + key in self.files.tensors), key)
+        out = {"master": get(master_key)}
+        if len(self.columns) > 1:
+            for m in MOMENTS:
+                out[m] = get(f"optimizer.state.{m}.{key}")
+        return out
+
+    def close(self) -> None:
+        return None  # (each chunk's file is opened and closed as it is read)

@@ -1,0 +1,137 @@
+"""megatron-core's GPTModel parameter names and layouts <-> hybrid's GPT: the one table.
+
+Megatron's layer ``N`` of ``decoder.layers.N.<rest>`` is hybrid's ``blocks.N.<part>``
+(a ``torch_dist`` checkpoint stacks the layers: one tensor ``decoder.layers.<rest>`` of
+shape ``(num_layers, ...)``); the rest maps one to one. Two layouts are the same on both
+sides and need no permutation:
+
+* the fused QKV (``self_attention.linear_qkv``) is laid out per query group -- the
+  group's query heads, then its key head, then its value head, group after group --
+  as hybrid's ``attn.qkv``;
+* SwiGLU's ``mlp.linear_fc1`` holds ``[gate; up]`` as ``(2F, C)`` (megatron-core's
+  swiglu sharded factory saves each TP rank's gate and up halves at their places in
+  the full gate and the full up), hybrid's ``mlp.fc`` the same numbers as ``(2, F, C)``.
+
+Megatron's input and pre-MLP norms are named by the linear they feed
+(``linear_qkv.layer_norm_weight``, ``linear_fc1.layer_norm_weight``: Transformer
+Engine's fused modules, and what the local spec's ``sharded_state_dict`` saves them as
+too); its unfused modules' own names (``input_layernorm``, ``pre_mlp_layernorm``) are
+read as well. Pure name and tensor functions: no torch.distributed, no megatron import.
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+
+# Megatron's per-layer name (after "decoder.layers.[N.]") -> hybrid's (after "blocks.N.");
+# the first name of a hybrid part is the one written back
+LAYER: tuple[tuple[str, str], ...] = (
+    ("self_attention.linear_qkv.layer_norm_weight", "ln_1.weight"),
+    ("self_attention.linear_qkv.layer_norm_bias", "ln_1.bias"),
+    ("input_layernorm.weight", "ln_1.weight"),
+    ("input_layernorm.bias", "ln_1.bias"),
+    ("self_attention.linear_qkv.weight", "attn.qkv.weight"),
+    ("self_attention.linear_qkv.bias", "attn.qkv.bias"),
+    ("self_attention.q_layernorm.weight", "attn.q_norm.weight"),
+    ("self_attention.k_layernorm.weight", "attn.k_norm.weight"),
+    ("self_attention.linear_proj.weight", "attn.proj.weight"),
+    ("self_attention.linear_proj.bias", "attn.proj.bias"),
+    ("mlp.linear_fc1.layer_norm_weight", "ln_2.weight"),
+    ("mlp.linear_fc1.layer_norm_bias", "ln_2.bias"),
+    ("pre_mlp_layernorm.weight", "ln_2.weight"),
+    ("pre_mlp_layernorm.bias", "ln_2.bias"),
+    ("mlp.linear_fc1.weight", "mlp.fc.weight"),
+    ("mlp.linear_fc1.bias", "mlp.fc.bias"),
+    ("mlp.linear_fc2.weight", "mlp.proj.weight"),
+    ("mlp.linear_fc2.bias", "mlp.proj.bias"),
+)
+
+# the parameters outside the layers
+GLOBAL: tuple[tuple[str, str], ...] = (
+    ("embedding.word_embeddings.weight", "wte.weight"),
+    ("embedding.position_embeddings.weight", "wpe.weight"),
+    ("decoder.final_layernorm.weight", "ln_f.weight"),
+    ("decoder.final_layernorm.bias", "ln_f.bias"),
+    ("output_layer.weight", "output_layer.weight"),
+)
+
+# the linears whose (empty) Transformer Engine ``_extra_state`` megatron-core's
+# GPTModel saves and loads, per layer
+EXTRA_STATE = ("self_attention.linear_qkv", "self_attention.linear_proj", "mlp.linear_fc1",
+               "mlp.linear_fc2")
+
+LAYERS_PREFIX = "decoder.layers."
+_LAYER_TO_HYBRID = dict(LAYER)
+_GLOBAL_TO_HYBRID = dict(GLOBAL)
+_HYBRID_TO_LAYER = {h: m for m, h in reversed(LAYER)}  # (the first one listed wins)
+_HYBRID_TO_GLOBAL = {h: m for m, h in GLOBAL}
+_BLOCK = re.compile(r"blocks\.(\d+)\.(.+)")
+
+
+def layer_part(megatron_rest: str) -> str | None:
+    """hybrid's name within a block for Megatron's per-layer name, or None."""
+    return _LAYER_TO_HYBRID.get(megatron_rest)
+
+
+def global_part(megatron_name: str) -> str | None:
+    """hybrid's name for one of Megatron's parameters outside the layers, or None."""
+    return _GLOBAL_TO_HYBRID.get(megatron_name)
+
+
+def to_megatron(hybrid_name: str) -> tuple[int | None, str]:
+    """(layer, Megatron's name) for hybrid's ``hybrid_name``: the layer's index and the
+    name after ``decoder.layers.`` for a block's parameter, (None, full name) otherwise.
+    KeyError for a name Megatron's GPTModel has no place for."""
+    m = _BLOCK.fullmatch(hybrid_name)
+    if m:
+        return int(m.group(1)), _HYBRID_TO_LAYER[m.group(2)]
+    return None, _HYBRID_TO_GLOBAL[hybrid_name]
+
+
+def is_swiglu_fc(hybrid_name: str, swiglu: bool) -> bool:
+    return swiglu and hybrid_name.endswith("mlp.fc.weight") or (
+        swiglu and hybrid_name.endswith("mlp.fc.bias"))
+
+
+def to_hybrid_layout(hybrid_name: str, t: torch.Tensor, swiglu: bool) -> torch.Tensor:
+    """Megatron's tensor of ``hybrid_name`` in hybrid's layout: SwiGLU's ``(2F, ...)``
+    as ``(2, F, ...)``; everything else as it is."""
+    if is_swiglu_fc(hybrid_name, swiglu):
+        return t.reshape(2, t.shape[0] // 2, *t.shape[1:])
+    return t
+
+
+def to_megatron_layout(hybrid_name: str, t: torch.Tensor, swiglu: bool) -> torch.Tensor:
+    """Inverse of :func:`to_hybrid_layout`."""
+    if is_swiglu_fc(hybrid_name, swiglu):
+        return t.reshape(-1, *t.shape[2:])
+    return t
+
+
+# How Megatron's TP ranks split each hybrid part in its per-rank (legacy ``torch``)
+# files: the dimension cut, column-parallel (0: the vocabulary rows, QKV's query groups,
+# the MLP's first linear) or row-parallel (1); the rest is the same on every rank
+_TP_DIM = {"wte.weight": 0, "output_layer.weight": 0, "attn.qkv.weight": 0,
+           "attn.qkv.bias": 0, "mlp.fc.weight": 0, "mlp.fc.bias": 0,
+           "attn.proj.weight": 1, "mlp.proj.weight": 1}
+
+
+def tp_dim(hybrid_name: str) -> int | None:
+    """The dimension Megatron's TP ranks cut ``hybrid_name`` along, or None."""
+    m = _BLOCK.fullmatch(hybrid_name)
+    return _TP_DIM.get(m.group(2) if m else hybrid_name)
+
+
+def merge_tp(hybrid_name: str, shards: list[torch.Tensor], swiglu: bool) -> torch.Tensor:
+    """TP ranks' pieces of one parameter (Megatron's layout, rank order) as the full
+    tensor in hybrid's layout. A SwiGLU ``linear_fc1`` rank holds ``[its gate rows; its
+    up rows]``: the gates go together, then the ups."""
+    dim = tp_dim(hybrid_name)
+    if dim is None or len(shards) == 1:
+        return to_hybrid_layout(hybrid_name, shards[0], swiglu)
+    if is_swiglu_fc(hybrid_name, swiglu):
+        halves = [t.reshape(2, t.shape[0] // 2, *t.shape[1:]) for t in shards]
+        return torch.cat(halves, dim=1)
+    return torch.cat(shards, dim=dim)

@@ -1,0 +1,376 @@
+"""Megatron-LM checkpoints (hybrid/checkpoint/peers/megatron.py): read in with their
+optimizer state and continued exactly, refused by name when bad, written back.
+
+The fixtures (tests/fixtures/peers/megatron_dist/ and megatron_legacy/, recorded by
+``benchmarks/peers/record_megatron_checkpoint.py``) are megatron-core 0.16.1's own saves,
+at TP 2, of a Llama-shaped GPT after 3 steps -- torch_dist and the legacy torch format --
+with the losses of its next 10 steps on recorded token batches. hybrid imports them,
+loads them at Megatron's layout and at others, and steps the same batches at the rates
+Megatron's scheduler gave those iterations: the losses equal Megatron's within 2e-6.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+import os
+import shutil
+
+import pytest
+import torch
+
+from hybrid.checkpoint.files import complete_checkpoints, find_checkpoint, resolve_checkpoint
+from hybrid.checkpoint.peers import detect_peer, open_peer
+from hybrid.errors import CheckpointError
+from tests.helpers.harness import run_ranks
+
+FIXTURE = os.path.join(os.path.dirname(os.path.dirname(__file__)), "fixtures", "peers",
+                       "megatron_dist")
+RECORDER = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(__file__))),
+                        "benchmarks", "peers", "record_megatron_checkpoint.py")
+TOL = 2e-6
+
+
+LEGACY = os.path.join(os.path.dirname(FIXTURE), "megatron_legacy")
+
+
+def _record(fixture: str = FIXTURE) -> dict:
+    with open(os.path.join(fixture, "losses.json")) as f:
+        return json.load(f)
+
+
+def _flags(rec: dict, ps, zero_stage: int, micro: int):
+    from hybrid.config import Flags
+    s = rec["shape"]
+    llama = rec["model"] == "llama"  # else GPT-2's: LayerNorm, GELU, learned positions, tied
+    family = (dict(group_query_attention=True, num_query_groups=rec["query_groups"],
+                   normalization="RMSNorm", swiglu=True, position_embedding_type="rope",
+                   disable_bias_linear=True, untie_embeddings_and_output_weights=True)
+              if llama else {})
+    return Flags(num_layers=s["num_layers"], hidden_size=s["hidden_size"],
+                 num_attention_heads=s["heads"], ffn_hidden_size=s["ffn"],
+                 seq_length=s["seq_length"], max_position_embeddings=s["seq_length"],
+                 **family, micro_batch_size=micro, global_batch_size=s["micro"] * rec["dp"],
+                 tensor_model_parallel_size=ps.tp_size, hidden_dropout=0.0,
+                 attention_dropout=0.0, lr=rec["lr"], min_lr=rec["min_lr"],
+                 lr_decay_style="cosine", lr_warmup_iters=rec["warmup_iters"],
+                 lr_decay_iters=rec["decay_iters"], weight_decay=rec["weight_decay"],
+                 clip_grad=rec["clip_grad"], adam_beta1=0.9, adam_beta2=rec["adam_beta2"],
+                 adam_eps=rec["adam_eps"], zero_stage=zero_stage, seed=1234,
+                 make_vocab_size_divisible_by=rec["shape"]["vocab"] // ps.tp_size)
+
+
+def _megatron_lr(rec: dict, iteration: int) -> float:
+    """The rate Megatron-LM's iteration ``iteration`` runs at: its scheduler's after
+    ``iteration - 1`` steps (it steps the scheduler after the optimizer)."""
+    from hybrid.train.lr_schedule import learning_rate
+    return learning_rate(iteration - 1, rec["lr"], rec["min_lr"], rec["warmup_iters"],
+                         rec["decay_iters"], "cosine")
+
+
+def _continue(ps, load_dir: str, save_dir: str, zero_stage: int, rec: dict,
+              more: list | None = None):
+    """On each rank: import ``load_dir`` into ``save_dir``, load it at this layout, and
+    step the recorded batches: (iteration, consumed samples, the losses). With ``more``
+    (token batches): then save into ``save_dir`` and step those too, their losses
+    appended."""
+    import os
+
+    from hybrid.checkpoint.load import load_checkpoint
+    from hybrid.checkpoint.peers.importing import import_for_load
+    from hybrid.config import build_config
+    from hybrid.kernels import configure
+    from hybrid.tensor_parallel import seed_all
+    from hybrid.train.setup import build_engine
+    from hybrid.train.step import train_step
+    dp = ps.world_size // ps.tp_size
+    gbs = rec["shape"]["micro"] * rec["dp"]
+    micro = gbs // dp
+    cfg = build_config(_flags(rec, ps, zero_stage, micro), ps.world_size, environ=os.environ)
+    configure(cfg.kernels)
+    rng = seed_all(cfg.seed, ps.tp_rank, ps.dp_rank, ps.device, ps.cp_rank, ps.tp_size)
+    vocab = rec["shape"]["vocab"]
+    model, _, engine = build_engine(cfg, ps, vocab, rng)
+    model.train()
+    got = import_for_load(load_dir, save_dir, ps, cfg.to_dict(), vocab)
+    assert got is not None and got[1] == rec["iteration"]
+    it, consumed = load_checkpoint(got[0], engine, ps, cfg.seed, rng, vocab, step=got[1])
+    losses = []
+
+    def step(tokens) -> None:
+        b = torch.tensor(tokens)[ps.dp_rank * micro:(ps.dp_rank + 1) * micro]
+        loss, _, _ = train_step(model, engine, [(b[:, :-1].contiguous(), b[:, 1:].contiguous())],
+                                _megatron_lr(rec, it + len(losses) + 1))
+        t = loss.detach().reshape(1).clone()
+        ps.dp_group.all_reduce(t)
+        losses.append(float(t.item()) / dp)
+    for tokens in rec["tokens"]:
+        step(tokens)
+    if more is not None:
+        from hybrid.checkpoint import save_checkpoint
+        engine.wait_optimizer()
+        save_checkpoint(save_dir, it + len(losses), consumed + len(losses) * gbs, engine, ps,
+                        cfg.to_dict(), rng, vocab_size=vocab)
+        for tokens in more:
+            step(tokens)
+    engine.wait_optimizer()
+    return it, consumed, losses
+
+
+def test_megatron_torch_dist_continues_exactly_at_its_layout(tmp_path):
+    """TP 2 (Megatron's layout) at ZeRO 1: the 10 losses after the import equal
+    Megatron's own continuation's within 2e-6 (another layout: the write-back test)."""
+    rec = _record()
+    res = run_ranks(_continue, world_size=2, tp=2,
+                    args=(FIXTURE, str(tmp_path / "save"), 1, rec))
+    it, consumed, losses = res[0]
+    assert (it, consumed) == (rec["iteration"], rec["iteration"] * rec["shape"]["micro"])
+    diff = max(abs(a - b) for a, b in zip(losses, rec["losses"]))
+    assert len(losses) == 10 and diff <= TOL, (diff, losses, rec["losses"])
+    assert complete_checkpoints(str(tmp_path / "save")) == ["iter_0000003"]
+
+
+def test_reader_maps_names_shapes_step_and_says_what_does_not_come_over():
+    peer = open_peer(FIXTURE)
+    assert detect_peer(FIXTURE) == "megatron" and peer.format == "Megatron-LM torch_dist"
+    assert (peer.iteration, peer.consumed_samples, peer.step) == (3, 6, 3)
+    assert peer.columns == ("master", "exp_avg", "exp_avg_sq")
+    assert peer.shapes["blocks.1.mlp.fc.weight"] == [2, 32, 16]
+    assert peer.shapes["blocks.0.attn.qkv.weight"] == [32, 16]  # 2 groups x (2 q + k + v) x 4
+    assert peer.flags["num_query_groups"] == 2 and peer.flags["swiglu"]
+    assert any("RNG" in n for n in peer.notes)
+    r = peer.read("blocks.1.ln_2.weight")
+    assert r["master"].shape == (16,) and r["exp_avg_sq"].min() >= 0
+
+
+def test_a_megatron_iteration_is_not_taken_for_a_hybrid_checkpoint():
+    """Its iter_0000003/ also holds a metadata.json: hybrid's own lookups pass it by."""
+    assert complete_checkpoints(FIXTURE) == []
+    with pytest.raises(CheckpointError, match="holds a Megatron-LM checkpoint"):
+        find_checkpoint(FIXTURE)
+    it = os.path.join(FIXTURE, "iter_0000003")
+    with pytest.raises(CheckpointError, match=f"{it} holds a Megatron-LM checkpoint "
+                                              f"\\({it}/common.pt\\)"):
+        resolve_checkpoint(it)
+
+
+def test_a_truncated_distcp_is_one_error_naming_the_file(tmp_path):
+    bad = tmp_path / "mg"
+    shutil.copytree(FIXTURE, bad)
+    victim = bad / "iter_0000003" / "__1_0.distcp"
+    with open(victim, "r+b") as f:
+        f.truncate(os.path.getsize(victim) // 2)
+    with pytest.raises(CheckpointError, match=rf"{victim}: truncated"):
+        open_peer(str(bad))
+
+
+def test_a_truncated_legacy_rank_file_is_one_error_naming_it(tmp_path):
+    bad = tmp_path / "legacy"
+    shutil.copytree(LEGACY, bad)
+    victim = bad / "iter_0000003" / "mp_rank_01" / "model_optim_rng.pt"
+    with open(victim, "r+b") as f:
+        f.truncate(os.path.getsize(victim) - 100)
+    with pytest.raises(CheckpointError, match=rf"{victim}: missing, truncated or not a torch"):
+        open_peer(str(bad))
+
+
+def test_another_backend_or_two_saves_mixed_is_one_error_naming_the_file(tmp_path):
+    """An iteration another sharded backend wrote (zarr), and a legacy iteration whose
+    rank files come from two saves: refused, naming the file."""
+    zarr = tmp_path / "zarr"
+    shutil.copytree(FIXTURE, zarr)
+    meta = zarr / "iter_0000003" / "metadata.json"
+    meta.write_text(json.dumps({"sharded_backend": "zarr", "sharded_backend_version": 1}))
+    with pytest.raises(CheckpointError, match=rf"{meta}: sharded_backend 'zarr'"):
+        open_peer(str(zarr))
+    mixed = tmp_path / "mixed"
+    shutil.copytree(LEGACY, mixed)
+    other = mixed / "iter_0000003" / "mp_rank_01" / "model_optim_rng.pt"
+    sd = torch.load(other, weights_only=False)
+    torch.save(dict(sd, iteration=4), other)
+    with pytest.raises(CheckpointError, match=rf"{other}: iteration 4, \S+ is 3: files of two"):
+        open_peer(str(mixed))
+
+
+def test_another_model_shape_is_refused_by_the_load(tmp_path):
+    """The import is one rank's checkpoint of Megatron's shapes; a run of another model
+    (3 layers) is refused by the load's model check, naming the checkpoint."""
+    rec = _record()
+    rec["shape"] = dict(rec["shape"], num_layers=3)
+    with pytest.raises(Exception, match=r"CheckpointError: \S+metadata.json: checkpoint is "
+                                        r"for a different model"):
+        run_ranks(_continue, world_size=2, tp=2, args=(FIXTURE, str(tmp_path / "s"), 0, rec))
+
+
+def _more(rec: dict, n: int = 4) -> list:
+    g = torch.Generator().manual_seed(9)
+    s = rec["shape"]
+    return [torch.randint(0, s["vocab"], (s["micro"] * rec["dp"], s["seq_length"] + 1),
+                          generator=g).tolist() for _ in range(n)]
+
+
+def _exported(tmp_path, rec: dict, more: list) -> tuple[list[float], str]:
+    """hybrid continues the fixture 10 steps at another layout than Megatron's, TP 1 x
+    DP 2 at ZeRO 2 -- its losses within 2e-6 of Megatron's --, saves (iteration 13) and
+    steps ``more``: (those last losses, the Megatron checkpoint ``export --to megatron``
+    made of the save)."""
+    from tests.helpers.launch import script_module
+    save = str(tmp_path / "save")
+    _, _, losses = run_ranks(_continue, world_size=2, tp=1,
+                             args=(FIXTURE, save, 2, rec, more))[0]
+    diff = max(abs(a - b) for a, b in zip(losses, rec["losses"]))
+    assert diff <= TOL, (diff, losses, rec["losses"])
+    convert = script_module("convert_checkpoint").main
+    assert convert(["export", "--to", "megatron", save, str(tmp_path / "mg"),
+                    "--tensor-model-parallel-size", "2"]) == 0
+    return losses[len(rec["tokens"]):], str(tmp_path / "mg" / "iter_0000013")
+
+
+def test_another_layout_then_write_back_reads_in_the_same_and_continues_the_same(tmp_path):
+    """At TP 1 x DP 2 (ZeRO 2) the import continues within 2e-6 of Megatron too. The way
+    back without megatron-core: hybrid's save written as torch_dist, read by the reader,
+    is the same weights, moments and step, and continues with the losses hybrid's own
+    save continued with (bit for bit: the same numbers in another file)."""
+    from hybrid.checkpoint import iter_full_params
+    rec = _record()
+    more = _more(rec)
+    hybrid_losses, out = _exported(tmp_path, rec, more)
+    peer = open_peer(str(tmp_path / "mg"))
+    assert peer.path == out and (peer.iteration, peer.step) == (13, 13)
+    assert peer.consumed_samples == 13 * rec["shape"]["micro"]
+    _, params = iter_full_params(str(tmp_path / "save" / "iter_0000013"))
+    for name, cols in params:
+        back = peer.read(name)
+        for col, t in cols.items():
+            assert torch.equal(back[col], t), (name, col)
+    again = dict(rec, tokens=more, iteration=13)
+    it, _, losses = run_ranks(_continue, world_size=2, tp=1,  # (the layout hybrid saved at)
+                              args=(str(tmp_path / "mg"), str(tmp_path / "s2"), 2, again))[0]
+    assert it == 13 and losses == hybrid_losses
+
+
+@pytest.mark.peer("megatron.core")
+def test_megatron_core_loads_hybrid_s_export_and_continues_with_hybrid_s_losses(tmp_path):
+    """megatron-core 0.16.1's own dist_checkpointing.load of write()'s files into its
+    GPTModel and optimizer at TP 2 (benchmarks/peers/record_megatron_checkpoint.py
+    --resume), stepping the batches hybrid stepped after its save: the same losses
+    within 2e-6."""
+    import subprocess
+    import sys
+    rec = _record()
+    more = _more(rec)
+    hybrid_losses, out = _exported(tmp_path, rec, more)
+    tokens, result = tmp_path / "tokens.json", tmp_path / "megatron.json"
+    tokens.write_text(json.dumps(more))
+    script = RECORDER
+    run = subprocess.run([sys.executable, script, "--resume", out, "--tokens", str(tokens),
+                          "--losses", str(result), "--tp", "2", "--world", "2"],
+                         check=False, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    got = json.loads(result.read_text())
+    assert got["iteration"] == 13
+    diff = max(abs(a - b) for a, b in zip(got["losses"], hybrid_losses))
+    assert diff <= TOL, (diff, got["losses"], hybrid_losses)
+
+
+def test_pretrain_gpt_load_of_a_megatron_save_directory_resumes_at_its_iteration(tmp_path):
+    """scripts/pretrain_gpt.py --load FIXTURE --save NEW (the user's route): the import
+    lands in --save as iter_0000003 and training goes on from iteration 4."""
+    from tests.helpers.launch import pretrain, read_json_log
+    rec = _record()
+    s = rec["shape"]
+    log = str(tmp_path / "log.jsonl")
+    r = pretrain(2, ["--num-layers", str(s["num_layers"]), "--hidden-size", str(s["hidden_size"]),
+                     "--num-attention-heads", str(s["heads"]), "--group-query-attention",
+                     "--num-query-groups", str(s["query_groups"]),
+                     "--ffn-hidden-size", str(s["ffn"]), "--seq-length", str(s["seq_length"]),
+                     "--max-position-embeddings", str(s["seq_length"]),
+                     "--normalization", "RMSNorm", "--swiglu", "--position-embedding-type",
+                     "rope", "--disable-bias-linear", "--untie-embeddings-and-output-weights",
+                     "--micro-batch-size", str(s["micro"]), "--global-batch-size",
+                     str(s["micro"]), "--tensor-model-parallel-size", "2",
+                     "--make-vocab-size-divisible-by", str(s["vocab"] // 2), "--mock-data",
+                     "--tokenizer-type", "NullTokenizer", "--vocab-size", str(s["vocab"] - 8),
+                     "--hidden-dropout", "0", "--attention-dropout", "0",
+                     "--lr", "1e-3", "--train-iters", "5", "--eval-iters", "0",
+                     "--log-interval", "1", "--load", FIXTURE, "--save", str(tmp_path / "new"),
+                     "--log-json", log])
+    assert r.returncode == 0, f"{r.stdout[-2000:]}\n{r.stderr[-3000:]}"
+    assert [m["iteration"] for m in read_json_log(log)] == [4, 5]
+    assert complete_checkpoints(str(tmp_path / "new"))[0] == "iter_0000003"
+    assert "Megatron-LM torch_dist" in r.stdout and "RNG" in r.stdout
+
+
+@pytest.mark.peer("megatron.core")
+def test_gpt2_family_both_ways_with_megatron_core(tmp_path):
+    """GPT-2's family (LayerNorm with biases, GELU, learned positions, tied embeddings),
+    recorded here by megatron-core at TP 2: hybrid continues it at TP 1 x DP 2 (ZeRO 3)
+    within 2e-6 of megatron-core, then megatron-core continues hybrid's export of
+    hybrid's save with hybrid's losses."""
+    import subprocess
+    import sys
+    script = RECORDER
+    mg = str(tmp_path / "mg_gpt2")
+    run = subprocess.run([sys.executable, script, "--model", "gpt2", "--out", mg],
+                         check=False, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    with open(os.path.join(mg, "losses.json")) as f:
+        rec = json.load(f)
+    more = _more(rec)
+    save = str(tmp_path / "save")
+    _, _, losses = run_ranks(_continue, world_size=2, tp=1, args=(mg, save, 3, rec, more))[0]
+    diff = max(abs(a - b) for a, b in zip(losses, rec["losses"]))
+    assert diff <= TOL, (diff, losses, rec["losses"])
+    from hybrid.checkpoint.peers import megatron
+    out = megatron.write(save, str(tmp_path / "back"))
+    tokens, result = tmp_path / "tokens.json", tmp_path / "megatron.json"
+    tokens.write_text(json.dumps(more))
+    run = subprocess.run([sys.executable, script, "--model", "gpt2", "--resume", out,
+                          "--tokens", str(tokens), "--losses", str(result)],
+                         check=False, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    got = json.loads(result.read_text())
+    diff = max(abs(a - b) for a, b in zip(got["losses"], losses[len(rec["tokens"]):]))
+    assert got["iteration"] == 13 and diff <= TOL, (diff, got, losses)
+
+
+def test_megatron_legacy_torch_format_continues_exactly_at_another_layout(tmp_path):
+    """Megatron-LM's legacy format (mp_rank_XX/model_optim_rng.pt per TP rank, the
+    optimizer's plain state dict), saved by megatron-core at TP 2: merged over TP and
+    continued at TP 1 x DP 2 (ZeRO 3) within 2e-6 of megatron-core."""
+    rec = _record(LEGACY)
+    peer = open_peer(LEGACY)
+    assert peer.format == "Megatron-LM torch (legacy)" and peer.step == 3
+    it, _, losses = run_ranks(_continue, world_size=2, tp=1,
+                              args=(LEGACY, str(tmp_path / "save"), 3, rec))[0]
+    diff = max(abs(a - b) for a, b in zip(losses, rec["losses"]))
+    assert it == 3 and diff <= TOL, (diff, losses, rec["losses"])
+
+
+class _Backend(enum.Enum):  # a class of the peer's own, as Megatron-LM's args hold
+    local = 1
+
+
+class _Runs:
+    def __reduce__(self):
+        return (os.remove, (self.path,))
+
+    def __init__(self, path):
+        self.path = path
+
+
+def test_megatron_s_own_classes_in_a_torch_file_come_back_as_stubs_and_run_nothing(tmp_path):
+    """args holding a class of Megatron-LM's own (an enum) is read without importing it,
+    and a file whose pickle would call a function runs nothing."""
+    import argparse
+
+    from hybrid.checkpoint.peers.megatron_files import load_megatron_file
+    canary = tmp_path / "canary"
+    canary.write_text("still here")
+    path = str(tmp_path / "common.pt")
+    torch.save({"args": argparse.Namespace(attention_backend=_Backend.local, num_layers=2),
+                "iteration": 7, "evil": _Runs(str(canary)), "w": torch.ones(2)}, path)
+    got = load_megatron_file(path)
+    assert got["iteration"] == 7 and got["args"].num_layers == 2 and canary.exists()
+    assert torch.equal(got["w"], torch.ones(2))
+    assert type(got["args"].attention_backend).__name__ == "_Stub"
