@@ -1,0 +1,448 @@
+"""DeepSpeed ZeRO checkpoints (``engine.save_checkpoint``'s ``global_stepN/``), read with
+their optimizer state, and written back (:func:`write`).
+
+[Note: DeepSpeed's files, as 0.19.8 writes them]
+A save directory holds ``latest`` (the tag, ``global_stepN``) and one directory per tag:
+
+* ZeRO 0-2: ``mp_rank_00_model_states.pt``; ZeRO 3: one ``zero_pp_rank_R_mp_rank_00_
+  model_states.pt`` per DP rank (its ``module`` holds empty placeholders). Every one holds
+  ``param_shapes`` (a list, one ordered ``{name: torch.Size}`` per optimizer group: the
+  order the flat buffers follow), ``global_steps``, ``global_samples``,
+  ``lr_scheduler`` (the scheduler's state dict), ``dp_world_size``, ``mp_world_size``,
+  ``ds_version``, ``ds_config`` and the caller's client state.
+* ``zero_pp_rank_R_mp_rank_00_optim_states.pt`` per DP rank R, its
+  ``optimizer_state_dict``:
+
+  - stages 1 and 2: group g's parameters are laid end to end (each followed by
+    ``param_alignment_paddings[g][i]`` zeros) in one flat buffer, padded at its end to
+    ``partition_count * P`` elements, and rank R holds elements ``[R*P, (R+1)*P)``:
+    ``single_partition_of_fp32_groups[g]`` (the fp32 masters, saved *without* the
+    rank's end padding, ``group_paddings[g]`` elements) and
+    ``base_optimizer_state["state"][g]`` (torch's Adam state of that flat tensor:
+    ``exp_avg``, ``exp_avg_sq`` *with* the padding, and ``step``);
+    ``param_slice_mappings[g]`` names each parameter's ``(start, numel)`` in the rank's
+    partition (checked against the layout computed here);
+  - stage 3: every parameter is split on its own: padded to a multiple of the world size
+    W, rank R holds its elements ``[R*q, (R+1)*q)``, ``q = ceil(numel / W)``; a rank's
+    ``fp32_flat_groups`` (one per sub-group) hold its pieces of every parameter end to end
+    in ``param_shapes`` order, and ``optimizer_state_dict["state"][s]`` the Adam state of
+    sub-group s's flat tensor (same shape).
+
+The pickles name three DeepSpeed classes (``ZeroStageEnum``, ``LossScaler``,
+``fragment_address``): they are loaded with torch's weights-only loader, each class
+replaced by a plain stand-in, so neither DeepSpeed nor an arbitrary pickle runs here.
+Tensors are memory-mapped, and a rank's optimizer file is opened only when a parameter
+read needs its partition.
+
+What comes over: the fp32 masters, both Adam moments and the step count, the engine's
+``global_steps`` (the iteration) and ``global_samples`` (consumed samples), and the
+scheduler's state (:func:`engine_state`, for the ``load_checkpoint`` door). DeepSpeed
+saves no RNG state (a line in ``notes``); nor does it save the data position beyond
+``global_samples``.
+"""
+
+from __future__ import annotations
+
+import enum
+import glob
+import io
+import math
+import os
+import re
+from dataclasses import dataclass, field
+
+import torch
+
+from hybrid.errors import CheckpointError
+
+FORMAT = "DeepSpeed"
+LATEST = "latest"
+_MODEL = re.compile(r"^(?:zero_pp_rank_(\d+)_)?mp_rank_(\d+)_model_states\.pt$")
+_OPTIM = re.compile(r"^(?:bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")
+COLUMNS = ("master", "exp_avg", "exp_avg_sq")
+
+
+# -- loading DeepSpeed's pickles without DeepSpeed ------------------------------------------
+
+class _ZeroStage(int, enum.Enum):
+    """Stand-in for ``deepspeed.runtime.zero.config.ZeroStageEnum`` (an int)."""
+    disabled = 0
+    optimizer_states = 1
+    gradients = 2
+    weights = 3
+
+
+class _Record:
+    """Stand-in for a DeepSpeed object pickled by its attributes (a loss scaler, a
+    fragment address): its ``__dict__`` is what was saved."""
+
+
+class _LossScaler(_Record):
+    pass
+
+
+class _DynamicLossScaler(_Record):
+    pass
+
+
+class _FragmentAddress(_Record):
+    pass
+
+
+_STANDINS = [(_ZeroStage, "deepspeed.runtime.zero.config.ZeroStageEnum"),
+             (_LossScaler, "deepspeed.runtime.fp16.loss_scaler.LossScaler"),
+             (_DynamicLossScaler, "deepspeed.runtime.fp16.loss_scaler.DynamicLossScaler"),
+             (_FragmentAddress, "deepspeed.utils.tensor_fragment.fragment_address")]
+
+
+def load_file(path: str) -> dict:
+    """One of DeepSpeed's ``.pt`` files, its tensors memory-mapped (weights-only, the
+    DeepSpeed classes as stand-ins); CheckpointError naming the file otherwise."""
+    try:
+        size = os.path.getsize(path)
+    except OSError as e:
+        raise CheckpointError(f"{path}: cannot read it ({e.strerror})") from None
+    if size == 0:
+        raise CheckpointError(f"{path}: empty file (0 bytes): a truncated {FORMAT} "
+                              f"checkpoint file")
+    try:
+        with torch.serialization.safe_globals(_STANDINS):
+            state = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
+    except Exception as e:  # torch raises RuntimeError, UnpicklingError, EOFError, ...
+        why = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise CheckpointError(f"{path}: not a readable {FORMAT} checkpoint file (truncated "
+                              f"or damaged: {why[:200]})") from None
+    if not isinstance(state, dict):
+        raise CheckpointError(f"{path}: holds a {type(state).__name__}, not a {FORMAT} "
+                              f"checkpoint's dict")
+    return state
+
+
+def _need(state: dict, key: str, path: str):
+    if key not in state:
+        raise CheckpointError(f"{path}: no {key!r} in it: not a {FORMAT} checkpoint file of "
+                              f"a version hybrid reads (0.19.x)")
+    return state[key]
+
+
+# -- where the files are -------------------------------------------------------------------
+
+def _tag_dir(path: str, step: int | None) -> str | None:
+    """The tag's directory ``path`` means (it, when it holds model-state files; else
+    the one ``latest`` names, or ``global_step<step>``); None when neither."""
+    if step is not None:
+        d = os.path.join(path, f"global_step{step}")
+        return d if os.path.isdir(d) else None
+    if glob.glob(os.path.join(glob.escape(path), "*mp_rank_*_model_states.pt")):
+        return path
+    latest = os.path.join(path, LATEST)
+    if os.path.isfile(latest) and os.path.getsize(latest) < 4096:
+        with io.open(latest, encoding="utf-8", errors="replace") as f:
+            tag = f.read().strip()
+        d = os.path.join(path, tag)
+        if tag and os.sep not in tag and glob.glob(
+                os.path.join(glob.escape(d), "*mp_rank_*_model_states.pt")):
+            return d
+    return None
+
+
+def detect(path: str) -> bool:
+    """Whether ``path`` is a DeepSpeed save directory (``latest`` naming a tag that holds
+    model-state files) or one tag's directory. A few globs and one tiny file read."""
+    return os.path.isdir(path) and _tag_dir(path, None) is not None
+
+
+def _files(tag_dir: str, pattern: re.Pattern) -> dict[tuple[int, int], str]:
+    """(dp rank, mp rank) -> path of the files ``pattern`` matches in ``tag_dir``."""
+    out = {}
+    for name in sorted(os.listdir(tag_dir)):
+        m = pattern.match(name)
+        if m:
+            out[(int(m.group(1) or 0), int(m.group(2)))] = os.path.join(tag_dir, name)
+    return out
+
+
+# -- the layout of the flat partitions ------------------------------------------------------
+
+@dataclass
+class _Piece:
+    """Elements ``[start, start+numel)`` of a parameter's flattened full tensor are at
+    ``[offset, offset+numel)`` of flat tensor ``group`` of DP rank ``rank``'s file."""
+    rank: int
+    group: int
+    offset: int
+    start: int
+    numel: int
+
+
+@dataclass
+class _Layout:
+    """Where every parameter's elements are in the ranks' flat tensors."""
+    stage: int
+    world: int
+    pieces: dict[str, list[_Piece]] = field(default_factory=dict)
+
+
+def _layout_12(groups: list[dict[str, list[int]]], world: int, part: list[int],
+               paddings: list[list[int]] | None) -> _Layout:
+    """Stages 1 and 2: group g's flat buffer, partition ``part[g]`` elements a rank."""
+    lay = _Layout(2, world)
+    for g, shapes in enumerate(groups):
+        pos = 0
+        for i, (name, shape) in enumerate(shapes.items()):
+            n, done = math.prod(shape), 0
+            while done < n:
+                rank, off = divmod(pos + done, part[g])
+                take = min(n - done, part[g] - off)
+                lay.pieces.setdefault(name, []).append(_Piece(rank, g, off, done, take))
+                done += take
+            pos += n + (paddings[g][i] if paddings else 0)
+        if pos > world * part[g]:
+            raise ValueError(f"group {g}: {pos} elements do not fit {world} partitions of "
+                             f"{part[g]}")
+    return lay
+
+
+def _layout_3(groups: list[dict[str, list[int]]], world: int, sub: list[int]) -> _Layout:
+    """Stage 3: each parameter split W ways; ``sub``: the sizes of a rank's flat
+    sub-group tensors, which hold its pieces end to end."""
+    lay = _Layout(3, world)
+    bounds = [0]
+    for s in sub:
+        bounds.append(bounds[-1] + s)
+    pos = 0
+    for shapes in groups:
+        for name, shape in shapes.items():
+            n = math.prod(shape)
+            q = -(-n // world)
+            for rank in range(world):
+                lo, hi = rank * q, min(n, (rank + 1) * q)
+                at = pos
+                while lo < hi:  # (a piece may straddle two sub-groups)
+                    s = max(i for i in range(len(sub)) if bounds[i] <= at)
+                    take = min(hi - lo, bounds[s + 1] - at)
+                    if take <= 0:
+                        raise ValueError(f"{name}: past the end of the flat tensors")
+                    lay.pieces.setdefault(name, []).append(
+                        _Piece(rank, s, at - bounds[s], lo, take))
+                    lo, at = lo + take, at + take
+            pos += q
+    if pos != bounds[-1]:
+        raise ValueError(f"the parameters take {pos} elements a rank, the flat tensors "
+                         f"hold {bounds[-1]}")
+    return lay
+
+
+# -- the checkpoint --------------------------------------------------------------------------
+
+@dataclass
+class NameMap:
+    """How a DeepSpeed model's parameter names and tensors become hybrid's: ``names``
+    hybrid name -> DeepSpeed name (in hybrid's order); ``convert(hybrid_name, tensor)``
+    the full DeepSpeed tensor in hybrid's layout; ``shapes`` hybrid's full shapes; ``flags``
+    the model flags the names and shapes determine."""
+    names: dict[str, str]
+    shapes: dict[str, list[int]]
+    convert: object = None  # Callable[[str, Tensor], Tensor] | None: identity
+    flags: dict = field(default_factory=dict)
+    vocab_size: int | None = None
+
+
+class DeepSpeedCheckpoint:
+    """One tag of a DeepSpeed ZeRO checkpoint (the module note), as a
+    :class:`~hybrid.checkpoint.peers.base.PeerCheckpoint`. ``shapes``: the model's
+    parameters by DeepSpeed's names (its module's own), unless ``names`` maps them."""
+
+    def __init__(self, tag_dir: str, names=None):
+        self.path = tag_dir
+        self.notes: list[str] = []
+        models = _files(tag_dir, _MODEL)
+        if not models:
+            raise CheckpointError(f"{tag_dir}: no *mp_rank_*_model_states.pt: not a {FORMAT} "
+                                  f"checkpoint")
+        if any(mp for _, mp in models):
+            raise CheckpointError(f"{sorted(models.values())[-1]}: a {FORMAT} checkpoint with "
+                                  f"model parallelism (mp_rank > 0): hybrid reads DeepSpeed's "
+                                  f"data-parallel ZeRO checkpoints (mp_world_size 1)")
+        self.model_file = models[min(models)]
+        ms = load_file(self.model_file)
+        self.model_state = {k: ms.get(k) for k in (
+            "global_steps", "global_samples", "lr_scheduler", "skipped_steps", "ds_version",
+            "dp_world_size", "mp_world_size", "ds_config")}
+        version = str(ms.get("ds_version", ""))
+        if not version.startswith("0."):
+            raise CheckpointError(f"{self.model_file}: ds_version {version or 'missing'}: "
+                                  f"hybrid reads checkpoints of DeepSpeed 0.x (tested: 0.19.8)")
+        groups = [{k: [int(d) for d in v] for k, v in g.items()}
+                  for g in _need(ms, "param_shapes", self.model_file)]
+        if ms.get("frozen_param_shapes"):
+            self.notes.append(f"frozen parameters ({', '.join(ms['frozen_param_shapes'])}): "
+                              f"not read (no optimizer state)")
+        if int(ms.get("mp_world_size") or 1) != 1:
+            raise CheckpointError(f"{self.model_file}: mp_world_size "
+                                  f"{ms['mp_world_size']}: hybrid reads DeepSpeed checkpoints "
+                                  f"of mp_world_size 1")
+        self.iteration = int(_need(ms, "global_steps", self.model_file))
+        self.consumed_samples = int(ms.get("global_samples") or 0)
+        optims = _files(tag_dir, _OPTIM)
+        world = int(ms.get("dp_world_size") or len(optims))
+        if sorted(optims) != [(r, 0) for r in range(world)]:
+            have = ", ".join(os.path.basename(p) for p in optims.values()) or "none"
+            raise CheckpointError(f"{tag_dir}: {FORMAT} dp_world_size {world} (in "
+                                  f"{os.path.basename(self.model_file)}) needs "
+                                  f"zero_pp_rank_0..{world - 1}_mp_rank_00_optim_states.pt; "
+                                  f"there: {have} (an incomplete or mixed save)")
+        self.world = world
+        self._optim_paths = [optims[(r, 0)] for r in range(world)]
+        self._open: dict[int, dict] = {}
+        first = self._optim(0)
+        stage = int(_need(first, "zero_stage", self._optim_paths[0]))
+        self.stage = stage
+        self.format = f"{FORMAT} ZeRO {stage}"
+        self.ds_shapes = {k: v for g in groups for k, v in g.items()}
+        try:
+            if stage in (1, 2):
+                fp32 = _need(first, "single_partition_of_fp32_groups", self._optim_paths[0])
+                pads = _need(first, "group_paddings", self._optim_paths[0])
+                part = [int(t.numel()) + int(p) for t, p in zip(fp32, pads)]
+                self.layout = _layout_12(groups, world, part,
+                                         first.get("param_alignment_paddings"))
+                self._check_slice_mappings(0)
+            elif stage == 3:
+                sub = [int(t.numel()) for t in _need(first, "fp32_flat_groups",
+                                                     self._optim_paths[0])]
+                self.layout = _layout_3(groups, world, sub)
+            else:
+                raise CheckpointError(f"{self._optim_paths[0]}: zero_stage {stage}: hybrid "
+                                      f"reads DeepSpeed's ZeRO 1-3 optimizer files")
+        except ValueError as e:
+            raise CheckpointError(f"{self._optim_paths[0]}: its partitions do not match "
+                                  f"param_shapes of {os.path.basename(self.model_file)}: {e}"
+                                  ) from None
+        state = self._base_state(0)
+        self.columns = COLUMNS if state.get("state") else COLUMNS[:1]
+        self.step = 0
+        if state.get("state"):
+            step = next(iter(state["state"].values())).get("step", 0)
+            self.step = int(step.item() if isinstance(step, torch.Tensor) else step)
+        self.notes.append("RNG state: DeepSpeed saves none; the run's generators start from "
+                          "its seed")
+        if names is None:
+            names = NameMap({k: k for k in self.ds_shapes}, dict(self.ds_shapes))
+        self.names: NameMap = names
+        self.shapes = dict(names.shapes)
+        self.flags = dict(names.flags)
+        self.vocab_size = names.vocab_size
+
+    # -- files
+    def _optim(self, rank: int) -> dict:
+        if rank not in self._open:
+            path = self._optim_paths[rank]
+            self._open[rank] = _need(load_file(path), "optimizer_state_dict", path)
+        return self._open[rank]
+
+    def _base_state(self, rank: int) -> dict:
+        o = self._optim(rank)
+        key = "base_optimizer_state" if self.stage in (1, 2) else "optimizer_state_dict"
+        return _need(o, key, self._optim_paths[rank])
+
+    def _check_slice_mappings(self, rank: int) -> None:
+        """The parameters' places DeepSpeed recorded for ``rank`` equal the computed ones."""
+        maps = self._optim(rank).get("param_slice_mappings")
+        if not maps:
+            return
+        for g, mapping in enumerate(maps):
+            for name, addr in mapping.items():
+                mine = [p for p in self.layout.pieces.get(name, [])
+                        if p.rank == rank and p.group == g]
+                got = getattr(addr, "__dict__", {})
+                if [(p.offset, p.numel) for p in mine] != [(got.get("start"), got.get("numel"))]:
+                    raise CheckpointError(
+                        f"{self._optim_paths[rank]}: param_slice_mappings puts {name} at "
+                        f"{got}, the partition layout at "
+                        f"{[(p.offset, p.numel) for p in mine]} (a checkpoint of another "
+                        f"shape or world size)")
+
+    def _flat(self, rank: int, group: int, column: str, path: str) -> torch.Tensor:
+        o = self._optim(rank)
+        if column == "master":
+            key = ("single_partition_of_fp32_groups" if self.stage in (1, 2)
+                   else "fp32_flat_groups")
+            return _need(o, key, path)[group]
+        state = self._base_state(rank).get("state", {})
+        if group not in state or column not in state[group]:
+            raise CheckpointError(f"{path}: no {column} of flat group {group} in its "
+                                  f"optimizer state")
+        return state[group][column]
+
+    def read_ds(self, ds_name: str) -> dict[str, torch.Tensor]:
+        """``{column: full fp32 tensor}`` of DeepSpeed's parameter ``ds_name``, its shape."""
+        shape = self.ds_shapes[ds_name]
+        n = math.prod(shape)
+        out = {}
+        for column in self.columns:
+            flat = torch.empty(n, dtype=torch.float32)
+            for p in self.layout.pieces.get(ds_name, []):
+                path = self._optim_paths[p.rank]
+                if p.rank not in self._open and self.stage in (1, 2):
+                    self._optim(p.rank)
+                    self._check_slice_mappings(p.rank)
+                src = self._flat(p.rank, p.group, column, path)
+                if p.offset + p.numel > src.numel():
+                    raise CheckpointError(
+                        f"{path}: flat group {p.group} ({column}) holds {src.numel()} "
+                        f"elements, {ds_name} needs up to {p.offset + p.numel} (a truncated "
+                        f"or mixed-world checkpoint)")
+                flat[p.start:p.start + p.numel] = src.reshape(-1)[p.offset:p.offset + p.numel]
+            out[column] = flat.view(shape)
+        return out
+
+    def read(self, name: str) -> dict[str, torch.Tensor]:
+        values = self.read_ds(self.names.names[name])
+        convert = self.names.convert
+        if convert is not None:
+            values = {k: convert(name, v) for k, v in values.items()}  # type: ignore[operator]
+        return values
+
+    def close(self) -> None:
+        self._open.clear()
+
+
+def open(path: str, step: int | None = None, names=None) -> DeepSpeedCheckpoint:  # noqa: A001
+    """The DeepSpeed checkpoint under ``path`` (a save directory: the tag ``latest``
+    names, or ``global_step<step>``; or one tag's directory). ``names``: a
+    :class:`NameMap` (None: DeepSpeed's names as they are)."""
+    tag_dir = _tag_dir(path, step)
+    if tag_dir is None:
+        what = f"global_step{step}" if step is not None else f"{LATEST} naming a tag"
+        raise CheckpointError(f"{path}: no {FORMAT} checkpoint ({what} with "
+                              f"*mp_rank_*_model_states.pt)")
+    return DeepSpeedCheckpoint(tag_dir, names)
+
+
+def engine_state(path: str, step: int | None = None) -> dict:
+    """The engine's counters a DeepSpeed checkpoint records: ``global_steps``,
+    ``global_samples``, ``skipped_steps``, ``lr_scheduler`` (its state dict, or None), and
+    ``client_state`` (what the caller passed to ``save_checkpoint``). Reads the one
+    model-state file."""
+    tag_dir = _tag_dir(path, step)
+    if tag_dir is None:
+        raise CheckpointError(f"{path}: no {FORMAT} checkpoint")
+    models = _files(tag_dir, _MODEL)
+    if not models:
+        raise CheckpointError(f"{tag_dir}: no *mp_rank_*_model_states.pt")
+    ms = load_file(models[min(models)])
+    out = {k: ms.get(k) for k in ("global_steps", "global_samples", "skipped_steps",
+                                  "lr_scheduler")}
+    out["client_state"] = {k: v for k, v in ms.items() if k not in _ENGINE_KEYS}
+    return out
+
+
+# What DeepSpeed's engine writes into a model-state file itself; the rest is the caller's
+# client_state, which save_checkpoint merges in at the top level.
+_ENGINE_KEYS = frozenset((
+    "module", "buffer_names", "optimizer", "param_shapes", "frozen_param_shapes",
+    "shared_params", "frozen_param_fragments", "lr_scheduler", "data_sampler", "random_ltd",
+    "sparse_tensor_module_names", "skipped_steps", "global_steps", "global_samples",
+    "dp_world_size", "mp_world_size", "checkpoint_parallel_dimensions", "ds_config",
+    "ds_version", "universal_checkpoint_info"))
