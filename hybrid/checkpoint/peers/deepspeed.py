@@ -43,9 +43,10 @@ saves no RNG state (a line in ``notes``); nor does it save the data position bey
 
 from __future__ import annotations
 
+import builtins
 import enum
+import functools
 import glob
-import io
 import math
 import os
 import re
@@ -89,7 +90,7 @@ class _FragmentAddress(_Record):
     pass
 
 
-_STANDINS = [(_ZeroStage, "deepspeed.runtime.zero.config.ZeroStageEnum"),
+_STANDINS: list = [(_ZeroStage, "deepspeed.runtime.zero.config.ZeroStageEnum"),
              (_LossScaler, "deepspeed.runtime.fp16.loss_scaler.LossScaler"),
              (_DynamicLossScaler, "deepspeed.runtime.fp16.loss_scaler.DynamicLossScaler"),
              (_FragmentAddress, "deepspeed.utils.tensor_fragment.fragment_address")]
@@ -137,7 +138,7 @@ def _tag_dir(path: str, step: int | None) -> str | None:
         return path
     latest = os.path.join(path, LATEST)
     if os.path.isfile(latest) and os.path.getsize(latest) < 4096:
-        with io.open(latest, encoding="utf-8", errors="replace") as f:
+        with builtins.open(latest, encoding="utf-8", errors="replace") as f:
             tag = f.read().strip()
         d = os.path.join(path, tag)
         if tag and os.sep not in tag and glob.glob(
@@ -295,36 +296,12 @@ class DeepSpeedCheckpoint:
         self.world = world
         self._optim_paths = [optims[(r, 0)] for r in range(world)]
         self._open: dict[int, dict] = {}
-        first = self._optim(0)
-        stage = int(_need(first, "zero_stage", self._optim_paths[0]))
-        self.stage = stage
-        self.format = f"{FORMAT} ZeRO {stage}"
+        self._groups = groups
         self.ds_shapes = {k: v for g in groups for k, v in g.items()}
-        try:
-            if stage in (1, 2):
-                fp32 = _need(first, "single_partition_of_fp32_groups", self._optim_paths[0])
-                pads = _need(first, "group_paddings", self._optim_paths[0])
-                part = [int(t.numel()) + int(p) for t, p in zip(fp32, pads)]
-                self.layout = _layout_12(groups, world, part,
-                                         first.get("param_alignment_paddings"))
-                self._check_slice_mappings(0)
-            elif stage == 3:
-                sub = [int(t.numel()) for t in _need(first, "fp32_flat_groups",
-                                                     self._optim_paths[0])]
-                self.layout = _layout_3(groups, world, sub)
-            else:
-                raise CheckpointError(f"{self._optim_paths[0]}: zero_stage {stage}: hybrid "
-                                      f"reads DeepSpeed's ZeRO 1-3 optimizer files")
-        except ValueError as e:
-            raise CheckpointError(f"{self._optim_paths[0]}: its partitions do not match "
-                                  f"param_shapes of {os.path.basename(self.model_file)}: {e}"
-                                  ) from None
-        state = self._base_state(0)
-        self.columns = COLUMNS if state.get("state") else COLUMNS[:1]
-        self.step = 0
-        if state.get("state"):
-            step = next(iter(state["state"].values())).get("step", 0)
-            self.step = int(step.item() if isinstance(step, torch.Tensor) else step)
+        zero = (ms.get("ds_config") or {}).get("zero_optimization") or {}
+        stage = zero.get("stage", 0) if isinstance(zero, dict) else int(bool(zero))
+        self.stage = int(stage)
+        self.format = f"{FORMAT} ZeRO {self.stage}"
         self.notes.append("RNG state: DeepSpeed saves none; the run's generators start from "
                           "its seed")
         if names is None:
@@ -333,6 +310,50 @@ class DeepSpeedCheckpoint:
         self.shapes = dict(names.shapes)
         self.flags = dict(names.flags)
         self.vocab_size = names.vocab_size
+
+    # -- what needs an optimizer file: read when first asked (a restart that finds its
+    # import done asks for none of it)
+    @functools.cached_property
+    def layout(self) -> _Layout:
+        first, path = self._optim(0), self._optim_paths[0]
+        stage = int(_need(first, "zero_stage", path))
+        if stage != self.stage:
+            raise CheckpointError(f"{path}: zero_stage {stage}, but the ds_config in "
+                                  f"{os.path.basename(self.model_file)} says {self.stage} "
+                                  f"(files of two saves mixed)")
+        try:
+            if stage in (1, 2):
+                fp32 = _need(first, "single_partition_of_fp32_groups", path)
+                pads = _need(first, "group_paddings", path)
+                part = [int(t.numel()) + int(p) for t, p in zip(fp32, pads)]
+                layout = _layout_12(self._groups, self.world, part,
+                                    first.get("param_alignment_paddings"))
+            elif stage == 3:
+                sub = [int(t.numel()) for t in _need(first, "fp32_flat_groups", path)]
+                layout = _layout_3(self._groups, self.world, sub)
+            else:
+                raise CheckpointError(f"{path}: zero_stage {stage}: hybrid reads DeepSpeed's "
+                                      f"ZeRO 1-3 optimizer files")
+        except ValueError as e:
+            raise CheckpointError(f"{path}: its partitions do not match param_shapes of "
+                                  f"{os.path.basename(self.model_file)}: {e}") from None
+        self.__dict__["layout"] = layout
+        if stage in (1, 2):
+            self._check_slice_mappings(0)
+        return layout
+
+    @functools.cached_property
+    def columns(self) -> tuple[str, ...]:
+        self.layout  # noqa: B018 (the stage checked first)
+        return COLUMNS if self._base_state(0).get("state") else COLUMNS[:1]
+
+    @functools.cached_property
+    def step(self) -> int:
+        state = self._base_state(0).get("state") or {}
+        if not state:
+            return 0
+        step = next(iter(state.values())).get("step", 0)
+        return int(step.item() if isinstance(step, torch.Tensor) else step)
 
     # -- files
     def _optim(self, rank: int) -> dict:

@@ -1,0 +1,237 @@
+"""DeepSpeed 0.19.8 checkpoints into hybrid, and hybrid's back into DeepSpeed.
+
+The fixtures under tests/fixtures/peers/deepspeed/ were written by DeepSpeed itself
+(benchmarks/peers/record_deepspeed_checkpoint.py: 2 ranks, ZeRO 2 and ZeRO 3, 3 steps of
+:class:`Net`, then 10 more whose losses are in ``losses.json``). A script that calls
+``engine.load_checkpoint(dir)`` under ``import hybrid.deepspeed as deepspeed`` continues
+them: its next 10 losses equal DeepSpeed's within 2e-6, at DeepSpeed's layout (2 ranks,
+the same stage) and at others (1 rank; stage 1 from a stage-2 save, stage 3 from 2,
+stage 2 from 3). The masters and moments hybrid imported equal the ones in DeepSpeed's
+files, read here with torch.load and a few lines of arithmetic rather than the reader.
+Bad input is one CheckpointError naming the file, with nothing imported.
+
+Only the way back (:func:`test_deepspeed_continues_from_hybrid_s_export`) needs DeepSpeed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import math
+import os
+import pickle
+import shutil
+import types
+
+import pytest
+import torch
+
+from hybrid.checkpoint import iter_full_params
+from hybrid.errors import CheckpointError
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+FIXTURES = os.path.join(ROOT, "tests", "fixtures", "peers", "deepspeed")
+TOLERANCE = 2e-6
+
+
+def _recorder():
+    """benchmarks/peers/record_deepspeed_checkpoint.py: the model, config and batches
+    DeepSpeed trained with."""
+    path = os.path.join(ROOT, "benchmarks", "peers", "record_deepspeed_checkpoint.py")
+    spec = importlib.util.spec_from_file_location("record_deepspeed_checkpoint", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _copy(name: str, dst) -> str:
+    out = os.path.join(str(dst), name)
+    shutil.copytree(os.path.join(FIXTURES, name), out)
+    return out
+
+
+def _tree_digest(path: str) -> dict[str, str]:
+    out = {}
+    for d, _, files in os.walk(path):
+        for f in files:
+            p = os.path.join(d, f)
+            with open(p, "rb") as fh:
+                out[os.path.relpath(p, path)] = hashlib.sha256(fh.read()).hexdigest()
+    return out
+
+
+def _continue(ps, load_dir: str, stage: int) -> list[float]:
+    """A DeepSpeed user's script under hybrid: build, load_checkpoint, train 10 steps;
+    the global batch's loss of each (the mean over the DP ranks' micro-batches)."""
+    from hybrid import deepspeed
+    rec = _recorder()
+    torch.manual_seed(123)  # other initial weights: the load must replace them all
+    net = rec.Net()
+    engine, *_ = deepspeed.initialize(model=net, model_parameters=net.parameters(),
+                                      config=rec.config(stage), mpu=ps)
+    path, client = engine.load_checkpoint(load_dir)
+    assert path.endswith(os.path.join("hybrid_import", "iter_0000003")), path
+    assert (engine.global_steps, engine.global_samples) == (3, 24)
+    assert engine.lr_scheduler.state_dict() == {"last_batch_iteration": 2}
+    per, rank, world = rec.GLOBAL_BATCH // ps.dp_size, ps.dp_rank, ps.dp_size
+    losses = []
+    for step in range(rec.SAVED_AT, rec.SAVED_AT + rec.CONTINUED):
+        x, y = rec.batch(step)
+        loss = rec.loss_of(engine(x[rank * per:(rank + 1) * per]), y[rank * per:(rank + 1) * per])
+        engine.backward(loss)
+        engine.step()
+        mean = loss.detach().clone().reshape(1)
+        if world > 1:
+            ps.world_group.all_reduce(mean)
+        losses.append(float(mean) / world)
+    engine.close()
+    return losses
+
+
+def _two_ranks(ps, cases):
+    return [_continue(ps, d, stage) for d, stage in cases]
+
+
+def _worst(got, want) -> float:
+    assert len(got) == len(want) == 10
+    return max(abs(a - b) for a, b in zip(got, want))
+
+
+def _after(name: str) -> list[float]:
+    with open(os.path.join(FIXTURES, name, "losses.json")) as f:
+        return json.load(f)["after"]
+
+
+def test_a_deepspeed_checkpoint_continues_exactly_at_two_ranks(tmp_path):
+    """DeepSpeed's layout (DP 2, its stage) and another stage, in one 2-rank launch;
+    DeepSpeed's files and its ``latest`` are left as they were."""
+    from tests.helpers.harness import run_ranks
+    cases = [(_copy("net_zero2", tmp_path / "a"), 2), (_copy("net_zero3", tmp_path / "b"), 3),
+             (_copy("net_zero2", tmp_path / "c"), 3), (_copy("net_zero3", tmp_path / "d"), 2)]
+    before = {d: _tree_digest(os.path.join(d, "global_step3")) for d, _ in cases}
+    out = run_ranks(_two_ranks, world_size=2, args=(cases,))
+    assert out[0] == out[1]
+    for (d, stage), got in zip(cases, out[0]):
+        want = _after(os.path.basename(d))
+        assert _worst(got, want) <= TOLERANCE, (d, stage, got, want)
+        assert _tree_digest(os.path.join(d, "global_step3")) == before[d]
+        with open(os.path.join(d, "latest")) as f:
+            assert f.read().strip() == "global_step3"
+
+
+class _Anything:
+    """Whatever DeepSpeed class a pickle names, kept as its saved attributes."""
+
+    def __init__(self, *args, **kw):
+        self.args = args
+
+    def __setstate__(self, state):
+        self.__dict__.update(state if isinstance(state, dict) else {"state": state})
+
+
+class _Unpickler(pickle.Unpickler):
+    def find_class(self, module, name):
+        if module.startswith("deepspeed"):
+            return _Anything
+        return super().find_class(module, name)
+
+
+_PICKLE = types.SimpleNamespace(Unpickler=_Unpickler, load=pickle.load, __name__="p")
+
+
+def _deepspeed_full_values(tag_dir: str) -> dict[str, dict[str, torch.Tensor]]:
+    """Each parameter's master and moments, gathered from DeepSpeed's optimizer files as
+    zero_to_fp32 documents the layout (each rank's flat partition end to end at stages
+    1-2; each parameter split over the ranks at stage 3)."""
+    files = sorted(f for f in os.listdir(tag_dir) if f.endswith("optim_states.pt"))
+    states = [torch.load(os.path.join(tag_dir, f), weights_only=False,
+                         pickle_module=_PICKLE)["optimizer_state_dict"] for f in files]
+    model = next(f for f in os.listdir(tag_dir) if f.endswith("model_states.pt"))
+    shapes = torch.load(os.path.join(tag_dir, model), weights_only=False,
+                        pickle_module=_PICKLE)["param_shapes"][0]
+    out: dict[str, dict[str, torch.Tensor]] = {n: {} for n in shapes}
+    if "single_partition_of_fp32_groups" in states[0]:
+        flat = {"master": torch.cat([s["single_partition_of_fp32_groups"][0] for s in states])}
+        for k in ("exp_avg", "exp_avg_sq"):
+            flat[k] = torch.cat([s["base_optimizer_state"]["state"][0][k] for s in states])
+        at = 0
+        for n, shape in shapes.items():
+            for k, v in flat.items():
+                out[n][k] = v[at:at + math.prod(shape)].view(shape)
+            at += math.prod(shape)
+    else:
+        flats = [{"master": s["fp32_flat_groups"][0],
+                  **{k: s["optimizer_state_dict"]["state"][0][k] for k in ("exp_avg",
+                                                                          "exp_avg_sq")}}
+                 for s in states]
+        at = 0
+        for n, shape in shapes.items():
+            q = -(-math.prod(shape) // len(states))
+            for k in flats[0]:
+                whole = torch.cat([f[k][at:at + q] for f in flats])
+                out[n][k] = whole[:math.prod(shape)].view(shape)
+            at += q
+    return out
+
+
+def _one_rank_continues(load_dir: str, stage: int) -> list[float]:
+    from hybrid.parallel.state import ParallelState
+    return _continue(ParallelState.single(), load_dir, stage)
+
+
+@pytest.mark.parametrize("fixture,stage", [("net_zero2", 1), ("net_zero3", 3)])
+def test_one_rank_continues_and_imports_deepspeed_s_values(tmp_path, fixture, stage):
+    """At 1 rank (another DP size, and another stage from ZeRO 2): the same 10 losses;
+    the imported masters, moments and step are DeepSpeed's; a second load (a restart)
+    reads the import and none of DeepSpeed's optimizer files (emptied, it still loads)."""
+    d = _copy(fixture, tmp_path)
+    got = _one_rank_continues(d, stage)
+    assert _worst(got, _after(fixture)) <= TOLERANCE, got
+    want = _deepspeed_full_values(os.path.join(d, "global_step3"))
+    meta, params = iter_full_params(os.path.join(d, "hybrid_import", "iter_0000003"))
+    seen = dict(params)
+    assert sorted(seen) == sorted(want)
+    for n, values in want.items():
+        for k, v in values.items():
+            assert torch.equal(seen[n][k], v), (n, k)
+    assert (meta["step"], meta["iteration"], meta["consumed_samples"]) == (3, 3, 24)
+    assert meta["imported_from"]["format"] == f"DeepSpeed ZeRO {fixture[-1]}"
+    for f in os.listdir(os.path.join(d, "global_step3")):
+        if f.endswith("optim_states.pt"):  # emptied: a read of one would fail
+            open(os.path.join(d, "global_step3", f), "w").close()
+    assert _one_rank_continues(d, stage) == got
+
+
+def test_bad_deepspeed_checkpoints_are_one_error_naming_the_file(tmp_path):
+    """A truncated optimizer file, a missing rank's file, a model of another shape: one
+    CheckpointError each, naming the file; nothing imported."""
+    from hybrid import deepspeed
+    from hybrid.parallel.state import ParallelState
+    rec = _recorder()
+
+    def engine_of(net):
+        return deepspeed.initialize(model=net, model_parameters=net.parameters(),
+                                    config=rec.config(2), mpu=ParallelState.single())[0]
+
+    d = _copy("net_zero2", tmp_path / "truncated")
+    victim = os.path.join(d, "global_step3", "zero_pp_rank_1_mp_rank_00_optim_states.pt")
+    with open(victim, "r+b") as f:
+        f.truncate(os.path.getsize(victim) // 2)
+    with pytest.raises(CheckpointError, match=rf"^{victim}: not a readable DeepSpeed "
+                                              rf"checkpoint file \(truncated"):
+        engine_of(rec.Net()).load_checkpoint(d)
+    # nothing published (an unfinished .tmp_iter_* is what the next attempt replaces)
+    assert not [n for n in os.listdir(os.path.join(d, "hybrid_import")) if n[0] != "."]
+
+    d = _copy("net_zero3", tmp_path / "missing")
+    os.remove(os.path.join(d, "global_step3", "zero_pp_rank_1_mp_rank_00_optim_states.pt"))
+    with pytest.raises(CheckpointError, match=r"global_step3: DeepSpeed dp_world_size 2 .*"
+                                              r"zero_pp_rank_0\.\.1_mp_rank_00_optim_states"):
+        engine_of(rec.Net()).load_checkpoint(d)
+
+    d = _copy("net_zero2", tmp_path / "shape")
+    other = torch.nn.Sequential()
+    other.fc1, other.fc2 = torch.nn.Linear(7, 9), torch.nn.Linear(9, 6)
+    with pytest.raises(CheckpointError, match=r"fc2\.weight"):
+        engine_of(other).load_checkpoint(d)
