@@ -50,6 +50,7 @@ import glob
 import math
 import os
 import re
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -184,7 +185,7 @@ class _Layout:
     pieces: dict[str, list[_Piece]] = field(default_factory=dict)
 
 
-def _layout_12(groups: list[dict[str, list[int]]], world: int, part: list[int],
+def _layout_12(groups: Sequence[Mapping[str, Sequence[int]]], world: int, part: list[int],
                paddings: list[list[int]] | None) -> _Layout:
     """Stages 1 and 2: group g's flat buffer, partition ``part[g]`` elements a rank."""
     lay = _Layout(2, world)
@@ -204,7 +205,8 @@ def _layout_12(groups: list[dict[str, list[int]]], world: int, part: list[int],
     return lay
 
 
-def _layout_3(groups: list[dict[str, list[int]]], world: int, sub: list[int]) -> _Layout:
+def _layout_3(groups: Sequence[Mapping[str, Sequence[int]]], world: int,
+              sub: list[int]) -> _Layout:
     """Stage 3: each parameter split W ways; ``sub``: the sizes of a rank's flat
     sub-group tensors, which hold its pieces end to end."""
     lay = _Layout(3, world)
@@ -467,3 +469,12 @@ _ENGINE_KEYS = frozenset((
     "sparse_tensor_module_names", "skipped_steps", "global_steps", "global_samples",
     "dp_world_size", "mp_world_size", "checkpoint_parallel_dimensions", "ds_config",
     "ds_version", "universal_checkpoint_info"))
+
+
+def write(checkpoint: str, out_dir: str, dp_size: int = 1, zero_stage: int = 2,
+          **kw) -> str:
+    """The way back: hybrid checkpoint ``checkpoint`` as a DeepSpeed ZeRO ``zero_stage``
+    checkpoint of ``dp_size`` ranks under ``out_dir``
+    (:func:`hybrid.checkpoint.peers.deepspeed_export.write`)."""
+    from hybrid.checkpoint.peers.deepspeed_export import write as export
+    return export(checkpoint, out_dir, dp_size, zero_stage, **kw)
