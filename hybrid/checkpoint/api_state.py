@@ -337,7 +337,7 @@ def _import_peer(engine, load_dir: str, tag: str | None) -> tuple[str, int, dict
     """(the hybrid checkpoint directory, its iteration, the peer's engine record) when
     ``load_dir`` (or its ``tag``) holds another framework's checkpoint (the Note above);
     None otherwise. Collective over the world; errors raised on every rank."""
-    from hybrid.checkpoint.peers import detect_peer
+    from hybrid.checkpoint.peers import detect_peer, open_peer
     from hybrid.checkpoint.peers.importing import import_for_load
     src = load_dir if tag is None else os.path.join(load_dir, tag)
     if not os.path.isdir(src) or os.path.isfile(os.path.join(src, "metadata.json")):
@@ -345,8 +345,13 @@ def _import_peer(engine, load_dir: str, tag: str | None) -> tuple[str, int, dict
     fmt = detect_peer(src)
     if fmt is None:
         return None
+    def module_names(path: str, found: str, step: int | None):
+        if found == "deepspeed":  # the module DeepSpeed trained is this engine's
+            from hybrid.checkpoint.peers import deepspeed
+            return deepspeed.open(path, step, names="module")
+        return open_peer(path, found, step)
     got = import_for_load(src, os.path.join(load_dir, PEER_IMPORT), engine.ps,
-                          engine.cfg.to_dict(), None, fmt)
+                          engine.cfg.to_dict(), None, fmt, opener=module_names)
     if got is None:
         return None
     record: dict = {}

@@ -328,3 +328,28 @@ def test_deepspeed_continues_from_hybrid_s_export(tmp_path):
         assert theirs["start"] == 10 and theirs["samples"] == (10 + steps) * rec.GLOBAL_BATCH
         worst = max(abs(a - b) for a, b in zip(theirs["losses"], losses[10:]))
         assert len(theirs["losses"]) == steps and worst <= TOLERANCE, (stage, theirs, losses)
+
+
+def test_pretrain_gpt_continues_a_deepspeed_gpt2_run(tmp_path):
+    """The script route: DeepSpeed trained a transformers GPT2LMHeadModel (ZeRO 2, 2
+    ranks, its config.json beside ``latest`` as Hugging Face's Trainer leaves it) on the
+    batches ``pretrain_gpt.py`` reads; ``pretrain_gpt.py --load DS_DIR --save NEW``
+    imports it through GPT-2's name table and continues with DeepSpeed's next 10 losses,
+    at DeepSpeed's layout (DP 2, ZeRO 2) and at TP 2."""
+    from tests.helpers.launch import pretrain, read_json_log
+    rec = _recorder()
+    d = _copy("gpt2_zero2", tmp_path)
+    want = _after("gpt2_zero2")
+    for name, layout in (("dp2", ["--zero-stage", "2"]),
+                         ("tp2", ["--tensor-model-parallel-size", "2"])):
+        log = str(tmp_path / f"{name}.json")
+        r = pretrain(2, [*rec.GPT_ARGS, *layout, "--load", d, "--save",
+                         str(tmp_path / name), "--log-json", log])
+        assert r.returncode == 0, r.stderr[-3000:]
+        lines = read_json_log(log)
+        assert [m["iteration"] for m in lines] == list(range(4, 14))
+        assert _worst([m["loss"] for m in lines], want) <= TOLERANCE, (name, lines, want)
+    meta, params = iter_full_params(str(tmp_path / "tp2" / "iter_0000003"), ("master",))
+    params.close()
+    assert meta["imported_from"]["format"] == "DeepSpeed ZeRO 2"
+    assert meta["config"]["num_attention_heads"] == 2 and meta["vocab_size"] == 100

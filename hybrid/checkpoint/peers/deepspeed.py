@@ -47,6 +47,7 @@ import builtins
 import enum
 import functools
 import glob
+import json
 import math
 import os
 import re
@@ -307,6 +308,8 @@ class DeepSpeedCheckpoint:
         self.notes.append("RNG state: DeepSpeed saves none; the run's generators start from "
                           "its seed")
         if names is None:
+            names = _gpt2_names(tag_dir, self.ds_shapes)
+        if names is None or names == "module":
             names = NameMap({k: k for k in self.ds_shapes}, dict(self.ds_shapes))
         self.names: NameMap = names
         self.shapes = dict(names.shapes)
@@ -431,10 +434,73 @@ class DeepSpeedCheckpoint:
         self._open.clear()
 
 
+# [Note: whose names]
+# A DeepSpeed checkpoint names parameters by the module DeepSpeed trained. Loaded by a
+# script under hybrid.deepspeed (engine.load_checkpoint) the module is the same, so the
+# names stay as they are (names="module"). Loaded by pretrain_gpt.py --load, the model is
+# hybrid's GPT: a transformers GPT2LMHeadModel's names and layouts map through
+# hybrid.hf.gpt2's table (the one the Hugging Face import uses), with its config.json
+# (n_head: c_attn's rows go per head) beside `latest` or in the tag's directory, where
+# Hugging Face's Trainer writes it; other modules' names stay as they are (the load then
+# names what does not match).
+def _gpt2_names(tag_dir: str, ds_shapes: dict[str, list[int]]) -> NameMap | None:
+    """The :class:`NameMap` of a GPT2LMHeadModel's checkpoint, None for other models."""
+    if "transformer.h.0.attn.c_attn.weight" not in ds_shapes:
+        return None
+    from hybrid.hf.gpt2 import hf_names, param_from_hf
+    where = [os.path.join(tag_dir, "config.json"),
+             os.path.join(os.path.dirname(tag_dir.rstrip(os.sep)), "config.json")]
+    path = next((p for p in where if os.path.isfile(p)), None)
+    if path is None:
+        raise CheckpointError(f"{tag_dir}: a transformers GPT2LMHeadModel's {FORMAT} "
+                              f"checkpoint; hybrid needs the model's config.json (n_head) "
+                              f"beside 'latest' or in that directory, as Hugging Face's "
+                              f"Trainer saves it: model.config.save_pretrained(dir)")
+    try:
+        with builtins.open(path, encoding="utf-8") as f:
+            hc = json.load(f)
+        layers, heads = int(hc["n_layer"]), int(hc["n_head"])
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise CheckpointError(f"{path}: not a readable GPT-2 config.json ({e})") from None
+    if hc.get("model_type", "gpt2") != "gpt2":
+        raise CheckpointError(f"{path}: model_type {hc.get('model_type')!r}, but the "
+                              f"checkpoint's parameters are GPT-2's")
+    table = hf_names(layers)
+    missing = [d for d in table.values() if d not in ds_shapes]
+    extra = [d for d in ds_shapes if d not in table.values() and d != "lm_head.weight"]
+    if missing or extra:
+        raise CheckpointError(f"{tag_dir}: its parameters are not those of the {layers}-layer "
+                              f"GPT-2 of {path}: missing {missing[:4]}, extra {extra[:4]}")
+    shapes = {h: list(param_from_hf(h, torch.empty(ds_shapes[d], device="meta"), heads).shape)
+              for h, d in table.items()}
+    for key in ("scale_attn_by_inverse_layer_idx", "reorder_and_upcast_attn",
+                "add_cross_attention"):
+        if hc.get(key):
+            raise CheckpointError(f"{path}: {key} is true; hybrid's GPT-2 has no such option")
+    if hc.get("scale_attn_weights") is False:
+        raise CheckpointError(f"{path}: scale_attn_weights is false; hybrid's attention "
+                              f"scales by 1/sqrt(head size)")
+    act = hc.get("activation_function", "gelu_new")
+    if act not in ("gelu_new", "gelu_pytorch_tanh", "gelu"):
+        raise CheckpointError(f"{path}: activation_function {act!r}; hybrid's GPT-2 MLP "
+                              f"computes gelu_new, gelu_pytorch_tanh or gelu")
+    flags = {"num_layers": layers, "hidden_size": int(hc["n_embd"]),
+             "num_attention_heads": heads,
+             "ffn_hidden_size": int(hc.get("n_inner") or 4 * int(hc["n_embd"])),
+             "max_position_embeddings": int(hc["n_positions"]),
+             "openai_gelu": act != "gelu"}
+
+    def convert(name: str, t: torch.Tensor) -> torch.Tensor:
+        return param_from_hf(name, t, heads).contiguous()
+    return NameMap(table, shapes, convert, flags, int(hc["vocab_size"]))
+
+
 def open(path: str, step: int | None = None, names=None) -> DeepSpeedCheckpoint:  # noqa: A001
     """The DeepSpeed checkpoint under ``path`` (a save directory: the tag ``latest``
     names, or ``global_step<step>``; or one tag's directory). ``names``: a
-    :class:`NameMap` (None: DeepSpeed's names as they are)."""
+    :class:`NameMap`, ``"module"`` for DeepSpeed's names as they are, or None: a
+    GPT2LMHeadModel's mapped to hybrid's GPT (the Note on whose names), others as they
+    are."""
     tag_dir = _tag_dir(path, step)
     if tag_dir is None:
         what = f"global_step{step}" if step is not None else f"{LATEST} naming a tag"
