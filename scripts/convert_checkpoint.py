@@ -3,6 +3,14 @@
 
     python scripts/convert_checkpoint.py CHECKPOINT_DIR_OR_SAVE_DIR OUT.pt [--with-optimizer]
     python scripts/convert_checkpoint.py verify CHECKPOINT_DIR_OR_SAVE_DIR
+    python scripts/convert_checkpoint.py export --to deepspeed CHECKPOINT OUT_DIR \
+        [--dp-size N] [--zero-stage {1,2,3}] [--tag TAG]
+
+``export --to deepspeed`` writes DeepSpeed 0.19.8's ``OUT_DIR/global_stepN/`` (and
+``latest``) for DeepSpeed's ``engine.load_checkpoint(OUT_DIR)`` at that DP size and ZeRO
+stage: masters, Adam moments, step, ``global_steps``/``global_samples`` and the
+``hybrid.deepspeed`` engine's scheduler state; a ``pretrain_gpt.py`` GPT-2 as a
+transformers ``GPT2LMHeadModel`` (its ``config.json`` beside ``latest``).
 
 ``verify`` reads every file of the checkpoint (the newest one of a --save
 directory) and checks it against the checksums saved with it; it prints one
@@ -49,10 +57,39 @@ def verify(argv) -> int:
     return 2 if report["damaged"] else 0
 
 
+def export(argv) -> int:
+    """``export --to FORMAT CHECKPOINT OUT_DIR [layout options]``: a hybrid checkpoint in
+    another framework's format, which that framework loads and continues from."""
+    ap = argparse.ArgumentParser(prog="convert_checkpoint.py export",
+                                 description="write a hybrid checkpoint in another "
+                                             "framework's checkpoint format")
+    ap.add_argument("--to", required=True, choices=["deepspeed"], help="the format")
+    ap.add_argument("checkpoint", help="an iter_* directory, or a --save directory (newest)")
+    ap.add_argument("out_dir", help="the peer's save directory (its load_checkpoint dir)")
+    ap.add_argument("--dp-size", type=int, default=1,
+                    help="deepspeed: the data-parallel size DeepSpeed will load it at")
+    ap.add_argument("--zero-stage", type=int, default=2, choices=[1, 2, 3],
+                    help="deepspeed: the ZeRO stage of its optimizer files")
+    ap.add_argument("--tag", default=None, help="deepspeed: the tag (default global_stepN)")
+    a = ap.parse_args(argv)
+    try:
+        if a.to == "deepspeed":
+            from hybrid.checkpoint.peers.deepspeed import write
+            out = write(a.checkpoint, a.out_dir, a.dp_size, a.zero_stage, tag=a.tag)
+            what = f"DeepSpeed ZeRO {a.zero_stage} checkpoint for DP {a.dp_size}"
+    except CheckpointError as e:
+        print(f"convert_checkpoint.py: error: {e}", file=sys.stderr)
+        return 2
+    print(f"wrote {out}: a {what}")
+    return 0
+
+
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["verify"]:
         return verify(argv[1:])
+    if argv[:1] == ["export"]:
+        return export(argv[1:])
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("checkpoint", help="an iter_* directory, or a --save directory (newest)")
     ap.add_argument("output", help="the single file to write")

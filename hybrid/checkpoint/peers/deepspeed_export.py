@@ -17,6 +17,7 @@ parameter at a time), not the whole model's state.
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import pickle
@@ -91,12 +92,14 @@ def write(checkpoint: str, out_dir: str, dp_size: int = 1, zero_stage: int = 2, 
     ``out_dir/<tag>`` (default ``global_stepN``), and ``out_dir/latest`` naming it;
     return the tag's directory.
 
-    ``names``: hybrid name -> DeepSpeed name (default: the same; the parameters in the
-    checkpoint's order form DeepSpeed's one optimizer group, the order a DeepSpeed
-    engine built from ``model.parameters()`` has); ``convert(hybrid_name, tensor)``:
-    the tensor in DeepSpeed's layout. ``ds_config``: recorded in the files (DeepSpeed
-    does not read it back). CheckpointError for an existing tag, a checkpoint without
-    optimizer state, or a stage hybrid does not write."""
+    ``names``: hybrid name -> DeepSpeed name (default: a ``pretrain_gpt.py`` GPT's as a
+    transformers GPT2LMHeadModel's, with its ``config.json`` beside ``latest``; any other
+    model's names as they are); the parameters in the checkpoint's order form DeepSpeed's
+    one optimizer group, the order a DeepSpeed engine built from ``model.parameters()``
+    has. ``convert(hybrid_name, tensor)``: the tensor in DeepSpeed's layout.
+    ``ds_config``: recorded in the files (DeepSpeed does not read it back).
+    CheckpointError for an existing tag, a checkpoint without optimizer state, or a stage
+    hybrid does not write."""
     if zero_stage not in (1, 2, 3):
         raise CheckpointError(f"--zero-stage {zero_stage}: hybrid writes DeepSpeed ZeRO 1-3 "
                               f"checkpoints")
@@ -109,6 +112,9 @@ def write(checkpoint: str, out_dir: str, dp_size: int = 1, zero_stage: int = 2, 
     if meta.get("zero_layout", {}).get("columns") == ["master"]:
         raise CheckpointError(f"{ckpt}: saved without optimizer state (--no-save-optim): "
                               f"a DeepSpeed checkpoint to continue from needs its moments")
+    hf_config = None
+    if names is None and "blocks.0.attn.qkv.weight" in shapes:  # hybrid's GPT: as GPT-2
+        names, convert, hf_config = _gpt2_export(ckpt, meta)
     names = names or {n: n for n in shapes}
     iteration = int(meta["iteration"])
     tag = tag or f"global_step{iteration}"
@@ -194,10 +200,44 @@ def write(checkpoint: str, out_dir: str, dp_size: int = 1, zero_stage: int = 2, 
         _save({"module": module, **model_state},
               os.path.join(tmp, "mp_rank_00_model_states.pt"))
     os.replace(tmp, final)
+    if hf_config is not None:  # beside latest, where Hugging Face's Trainer keeps it
+        with open(os.path.join(out_dir, "config.json"), "w") as f:
+            json.dump(hf_config, f, indent=1)
     with open(os.path.join(out_dir, f".{LATEST}.tmp"), "w") as f:
         f.write(tag)
     os.replace(os.path.join(out_dir, f".{LATEST}.tmp"), os.path.join(out_dir, LATEST))
     return final
+
+
+def _gpt2_export(ckpt: str, meta: dict):
+    """(names, convert, config.json) writing hybrid's GPT as a transformers
+    GPT2LMHeadModel (hybrid.hf.gpt2's table; the vocabulary's padding rows dropped);
+    CheckpointError for a GPT that is not GPT-2 shaped (RMSNorm, SwiGLU, rotary, ...)."""
+    from hybrid.config.architecture import architecture_fields
+    from hybrid.hf.gpt2 import hf_config, hf_names, param_to_hf
+    cfg = meta.get("config") or {}
+    arch = architecture_fields(cfg)
+    gpt2 = {"normalization": "LayerNorm", "swiglu": False,
+            "position_embedding_type": "learned_absolute", "num_query_groups": None,
+            "untie_embeddings_and_output_weights": False, "add_bias_linear": True,
+            "qk_layernorm": False, "add_qkv_bias": False}
+    differ = [f"{k}={arch[k]!r}" for k, v in gpt2.items() if arch[k] != v]
+    if differ:
+        raise CheckpointError(f"{ckpt}: a GPT with {', '.join(differ)}: hybrid writes "
+                              f"DeepSpeed checkpoints of GPT-2 shaped models (a "
+                              f"transformers GPT2LMHeadModel)")
+    vocab, heads = meta.get("vocab_size"), int(cfg["num_attention_heads"])
+    if vocab is None:
+        raise CheckpointError(f"{ckpt}: no vocab_size in its metadata.json")
+    names = hf_names(int(cfg["num_layers"]))
+    extra = sorted(set(meta["model"]) - set(names))
+    if extra:
+        raise CheckpointError(f"{ckpt}: parameters GPT-2 has not: {', '.join(extra[:4])}")
+
+    def convert(name: str, t: torch.Tensor) -> torch.Tensor:
+        t = param_to_hf(name, t, heads)
+        return (t[:vocab] if name == "wte.weight" else t).contiguous()
+    return names, convert, hf_config(cfg, int(vocab))
 
 
 def _ds_shapes(ckpt: str, shapes: dict[str, list[int]], names: dict[str, str],
