@@ -353,3 +353,75 @@ def test_pretrain_gpt_continues_a_deepspeed_gpt2_run(tmp_path):
     params.close()
     assert meta["imported_from"]["format"] == "DeepSpeed ZeRO 2"
     assert meta["config"]["num_attention_heads"] == 2 and meta["vocab_size"] == 100
+
+
+def _deepspeed_gpt2_rank(rank: int, port: int, load_dir: str, steps: int, out: str):
+    """One DeepSpeed rank of a GPT2LMHeadModel built from the export's config.json: load,
+    train ``steps`` on pretrain_gpt.py's batches; rank 0 writes the global losses."""
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2",
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), DS_ACCELERATOR="cpu")
+    import deepspeed
+    from transformers import GPT2Config, GPT2LMHeadModel
+    deepspeed.init_distributed(dist_backend="gloo")
+    rec = _recorder()
+    config = GPT2Config.from_pretrained(load_dir)
+    config._attn_implementation = "eager"
+    model = GPT2LMHeadModel(config)
+    ds = {"train_batch_size": 4, "train_micro_batch_size_per_gpu": 2,
+          "gradient_clipping": 0.0, "steps_per_print": 10 ** 6,
+          "optimizer": {"type": "AdamW", "params": {"lr": 0.003, "weight_decay": 0.0,
+                                                    "torch_adam": True}},
+          "zero_optimization": {"stage": 3}}
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
+                                      config=ds)
+    engine.load_checkpoint(load_dir)
+    batch, start, losses = rec.gpt_batches(2, rank), engine.global_steps, []
+    for step in range(start, start + steps):
+        tokens, labels = batch(step)
+        logits = engine(tokens).logits
+        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]),
+                                                 labels.reshape(-1))
+        engine.backward(loss)
+        engine.step()
+        mean = loss.detach().clone()
+        torch.distributed.all_reduce(mean)
+        losses.append(float(mean) / 2)
+    if rank == 0:
+        with open(out, "w") as f:
+            json.dump({"start": start, "losses": losses}, f)
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
+
+
+@pytest.mark.peer("deepspeed")
+def test_deepspeed_continues_pretrain_gpt_s_export_as_gpt2(tmp_path):
+    """pretrain_gpt.py trains 10 steps (TP 2) and saves; ``convert_checkpoint.py export
+    --to deepspeed`` writes it for DeepSpeed at DP 2, ZeRO 3, as a transformers
+    GPT2LMHeadModel; DeepSpeed loads it and its next 3 losses equal hybrid's."""
+    pytest.importorskip("transformers")
+    from tests.helpers.launch import free_port, pretrain, read_json_log, run_script
+    rec, steps = _recorder(), 3
+    save, log = str(tmp_path / "hybrid"), str(tmp_path / "log.json")
+    args = [a if a != str(rec.SAVED_AT + rec.CONTINUED) else str(10 + steps)
+            for a in rec.GPT_ARGS]
+    r = pretrain(2, [*args, "--tensor-model-parallel-size", "2", "--save", save,
+                     "--save-interval", "10", "--log-json", log])
+    assert r.returncode == 0, r.stderr[-3000:]
+    ours = [m["loss"] for m in read_json_log(log)][10:]
+    out = str(tmp_path / "ds")
+    r = run_script("convert_checkpoint", ["export", "--to", "deepspeed",
+                                          os.path.join(save, "iter_0000010"), out,
+                                          "--dp-size", "2", "--zero-stage", "3"])
+    assert r.returncode == 0, r.stderr
+    got = str(tmp_path / "theirs.json")
+    torch.multiprocessing.spawn(_deepspeed_gpt2_rank, nprocs=2,
+                                args=(free_port(), out, steps, got))
+    with open(got) as f:
+        theirs = json.load(f)
+    assert theirs["start"] == 10 and len(ours) == steps
+    assert _worst_of(theirs["losses"], ours) <= TOLERANCE, (theirs, ours)
+
+
+def _worst_of(got, want) -> float:
+    assert len(got) == len(want)
+    return max(abs(a - b) for a, b in zip(got, want))

@@ -112,9 +112,10 @@ def write(checkpoint: str, out_dir: str, dp_size: int = 1, zero_stage: int = 2, 
     if meta.get("zero_layout", {}).get("columns") == ["master"]:
         raise CheckpointError(f"{ckpt}: saved without optimizer state (--no-save-optim): "
                               f"a DeepSpeed checkpoint to continue from needs its moments")
-    hf_config = None
+    hf_config, shared = None, {}
     if names is None and "blocks.0.attn.qkv.weight" in shapes:  # hybrid's GPT: as GPT-2
         names, convert, hf_config = _gpt2_export(ckpt, meta)
+        shared = {"lm_head.weight": "transformer.wte.weight"}  # tied: one parameter
     names = names or {n: n for n in shapes}
     iteration = int(meta["iteration"])
     tag = tag or f"global_step{iteration}"
@@ -177,7 +178,7 @@ def write(checkpoint: str, out_dir: str, dp_size: int = 1, zero_stage: int = 2, 
         del flat, state, base
     model_state = {"buffer_names": [], "optimizer": None,
                    "param_shapes": [OrderedDict((n, torch.Size(s)) for n, s in ds_shapes.items())],
-                   "frozen_param_shapes": OrderedDict(), "shared_params": {},
+                   "frozen_param_shapes": OrderedDict(), "shared_params": dict(shared),
                    "frozen_param_fragments": OrderedDict(),
                    "lr_scheduler": record["lr_scheduler"], "data_sampler": None,
                    "random_ltd": None, "skipped_steps": 0,
@@ -188,8 +189,10 @@ def write(checkpoint: str, out_dir: str, dp_size: int = 1, zero_stage: int = 2, 
                    "ds_config": config, "ds_version": VERSION}
     if zero_stage == 3:  # every rank's file, the module's parameters as empty placeholders
         for rank in range(dp_size):
-            _save({"module": OrderedDict((n, torch.empty(0)) for n in ds_shapes),
-                   **model_state},
+            module = OrderedDict((n, torch.empty(0)) for n in ds_shapes)
+            for alias, of in shared.items():
+                module[alias] = module[of]
+            _save({"module": module, **model_state},
                   os.path.join(tmp, f"zero_pp_rank_{rank}_mp_rank_00_model_states.pt"))
     else:  # the whole module, its weights the masters (fp32 training)
         _, params = iter_full_params(ckpt, ("master",))
@@ -197,6 +200,8 @@ def write(checkpoint: str, out_dir: str, dp_size: int = 1, zero_stage: int = 2, 
         for name, values in params:
             v = values["master"]
             module[names[name]] = convert(name, v) if convert is not None else v
+        for alias, of in shared.items():  # (the module's state dict names both)
+            module[alias] = module[of]
         _save({"module": module, **model_state},
               os.path.join(tmp, "mp_rank_00_model_states.pt"))
     os.replace(tmp, final)
