@@ -1,5 +1,6 @@
 """Record DeepSpeed 0.19.8 checkpoints (and the losses DeepSpeed trains after them) for
-hybrid's import tests: tests/fixtures/peers/deepspeed/.
+hybrid's import tests: tests/fixtures/peers/deepspeed-0.19.8/ (a folder name no import
+can take for the deepspeed package).
 
 Runs the real DeepSpeed on the CPU (DS_ACCELERATOR=cpu, gloo, 2 ranks, fp32,
 torch's AdamW through ``"torch_adam": true``): a tiny model is trained for 3 steps
@@ -19,7 +20,8 @@ Regenerate (two to three minutes on 2 cores; needs DeepSpeed 0.19.8 and transfor
 and this checkout's hybrid on the path for the data)::
 
     DS_ACCELERATOR=cpu OMP_NUM_THREADS=1 PYTHONPATH=. python \
-        benchmarks/peers/record_deepspeed_checkpoint.py tests/fixtures/peers/deepspeed [net] [gpt2]
+        benchmarks/peers/record_deepspeed_checkpoint.py \
+        tests/fixtures/peers/deepspeed-0.19.8 [net] [gpt2]
 """
 
 from __future__ import annotations
@@ -206,7 +208,7 @@ def _clean(out: str) -> None:
 
 
 def main(argv: list[str]) -> int:
-    root = argv[0] if argv else "tests/fixtures/peers/deepspeed"
+    root = argv[0] if argv else "tests/fixtures/peers/deepspeed-0.19.8"
     which = argv[1:] or ["net", "gpt2"]
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     if "gpt2" in which:

@@ -1,6 +1,6 @@
 """DeepSpeed 0.19.8 checkpoints into hybrid, and hybrid's back into DeepSpeed.
 
-The fixtures under tests/fixtures/peers/deepspeed/ were written by DeepSpeed itself
+The fixtures under tests/fixtures/peers/deepspeed-0.19.8/ were written by DeepSpeed itself
 (benchmarks/peers/record_deepspeed_checkpoint.py: 2 ranks, ZeRO 2 and ZeRO 3, 3 steps of
 :class:`Net`, then 10 more whose losses are in ``losses.json``). A script that calls
 ``engine.load_checkpoint(dir)`` under ``import hybrid.deepspeed as deepspeed`` continues
@@ -31,7 +31,7 @@ from hybrid.checkpoint import iter_full_params
 from hybrid.errors import CheckpointError
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-FIXTURES = os.path.join(ROOT, "tests", "fixtures", "peers", "deepspeed")
+FIXTURES = os.path.join(ROOT, "tests", "fixtures", "peers", "deepspeed-0.19.8")
 TOLERANCE = 2e-6
 
 

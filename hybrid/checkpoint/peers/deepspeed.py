@@ -1,38 +1,7 @@
 """DeepSpeed ZeRO checkpoints (``engine.save_checkpoint``'s ``global_stepN/``), read with
 their optimizer state, and written back (:func:`write`).
 
-[Note: DeepSpeed's files, as 0.19.8 writes them]
-A save directory holds ``latest`` (the tag, ``global_stepN``) and one directory per tag:
-
-* ZeRO 0-2: ``mp_rank_00_model_states.pt``; ZeRO 3: one ``zero_pp_rank_R_mp_rank_00_
-  model_states.pt`` per DP rank (its ``module`` holds empty placeholders). Every one holds
-  ``param_shapes`` (a list, one ordered ``{name: torch.Size}`` per optimizer group: the
-  order the flat buffers follow), ``global_steps``, ``global_samples``,
-  ``lr_scheduler`` (the scheduler's state dict), ``dp_world_size``, ``mp_world_size``,
-  ``ds_version``, ``ds_config`` and the caller's client state.
-* ``zero_pp_rank_R_mp_rank_00_optim_states.pt`` per DP rank R, its
-  ``optimizer_state_dict``:
-
-  - stages 1 and 2: group g's parameters are laid end to end (each followed by
-    ``param_alignment_paddings[g][i]`` zeros) in one flat buffer, padded at its end to
-    ``partition_count * P`` elements, and rank R holds elements ``[R*P, (R+1)*P)``:
-    ``single_partition_of_fp32_groups[g]`` (the fp32 masters, saved *without* the
-    rank's end padding, ``group_paddings[g]`` elements) and
-    ``base_optimizer_state["state"][g]`` (torch's Adam state of that flat tensor:
-    ``exp_avg``, ``exp_avg_sq`` *with* the padding, and ``step``);
-    ``param_slice_mappings[g]`` names each parameter's ``(start, numel)`` in the rank's
-    partition (checked against the layout computed here);
-  - stage 3: every parameter is split on its own: padded to a multiple of the world size
-    W, rank R holds its elements ``[R*q, (R+1)*q)``, ``q = ceil(numel / W)``; a rank's
-    ``fp32_flat_groups`` (one per sub-group) hold its pieces of every parameter end to end
-    in ``param_shapes`` order, and ``optimizer_state_dict["state"][s]`` the Adam state of
-    sub-group s's flat tensor (same shape).
-
-The pickles name three DeepSpeed classes (``ZeroStageEnum``, ``LossScaler``,
-``fragment_address``): they are loaded with torch's weights-only loader, each class
-replaced by a plain stand-in, so neither DeepSpeed nor an arbitrary pickle runs here.
-Tensors are memory-mapped, and a rank's optimizer file is opened only when a parameter
-read needs its partition.
+The files: :mod:`.deepspeed_files` (its Note).
 
 What comes over: the fp32 masters, both Adam moments and the step count, the engine's
 ``global_steps`` (the iteration) and ``global_samples`` (consumed samples), and the
@@ -44,89 +13,30 @@ saves no RNG state (a line in ``notes``); nor does it save the data position bey
 from __future__ import annotations
 
 import builtins
-import enum
 import functools
 import glob
 import json
 import math
 import os
 import re
-from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
 
+from hybrid.checkpoint.peers.deepspeed_files import (
+    FORMAT,
+    LATEST,
+    MODEL_FILE,
+    OPTIM_FILE,
+    Layout,
+    layout_3,
+    layout_12,
+    load_file,
+    need,
+)
 from hybrid.errors import CheckpointError
 
-FORMAT = "DeepSpeed"
-LATEST = "latest"
-_MODEL = re.compile(r"^(?:zero_pp_rank_(\d+)_)?mp_rank_(\d+)_model_states\.pt$")
-_OPTIM = re.compile(r"^(?:bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")
 COLUMNS = ("master", "exp_avg", "exp_avg_sq")
-
-
-# -- loading DeepSpeed's pickles without DeepSpeed ------------------------------------------
-
-class _ZeroStage(int, enum.Enum):
-    """Stand-in for ``deepspeed.runtime.zero.config.ZeroStageEnum`` (an int)."""
-    disabled = 0
-    optimizer_states = 1
-    gradients = 2
-    weights = 3
-
-
-class _Record:
-    """Stand-in for a DeepSpeed object pickled by its attributes (a loss scaler, a
-    fragment address): its ``__dict__`` is what was saved."""
-
-
-class _LossScaler(_Record):
-    pass
-
-
-class _DynamicLossScaler(_Record):
-    pass
-
-
-class _FragmentAddress(_Record):
-    pass
-
-
-_STANDINS: list = [(_ZeroStage, "deepspeed.runtime.zero.config.ZeroStageEnum"),
-             (_LossScaler, "deepspeed.runtime.fp16.loss_scaler.LossScaler"),
-             (_DynamicLossScaler, "deepspeed.runtime.fp16.loss_scaler.DynamicLossScaler"),
-             (_FragmentAddress, "deepspeed.utils.tensor_fragment.fragment_address")]
-
-
-def load_file(path: str) -> dict:
-    """One of DeepSpeed's ``.pt`` files, its tensors memory-mapped (weights-only, the
-    DeepSpeed classes as stand-ins); CheckpointError naming the file otherwise."""
-    try:
-        size = os.path.getsize(path)
-    except OSError as e:
-        raise CheckpointError(f"{path}: cannot read it ({e.strerror})") from None
-    if size == 0:
-        raise CheckpointError(f"{path}: empty file (0 bytes): a truncated {FORMAT} "
-                              f"checkpoint file")
-    try:
-        with torch.serialization.safe_globals(_STANDINS):
-            state = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
-    except Exception as e:  # torch raises RuntimeError, UnpicklingError, EOFError, ...
-        why = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise CheckpointError(f"{path}: not a readable {FORMAT} checkpoint file (truncated "
-                              f"or damaged: {why[:200]})") from None
-    if not isinstance(state, dict):
-        raise CheckpointError(f"{path}: holds a {type(state).__name__}, not a {FORMAT} "
-                              f"checkpoint's dict")
-    return state
-
-
-def _need(state: dict, key: str, path: str):
-    if key not in state:
-        raise CheckpointError(f"{path}: no {key!r} in it: not a {FORMAT} checkpoint file of "
-                              f"a version hybrid reads (0.19.x)")
-    return state[key]
-
 
 # -- where the files are -------------------------------------------------------------------
 
@@ -165,78 +75,6 @@ def _files(tag_dir: str, pattern: re.Pattern) -> dict[tuple[int, int], str]:
     return out
 
 
-# -- the layout of the flat partitions ------------------------------------------------------
-
-@dataclass
-class _Piece:
-    """Elements ``[start, start+numel)`` of a parameter's flattened full tensor are at
-    ``[offset, offset+numel)`` of flat tensor ``group`` of DP rank ``rank``'s file."""
-    rank: int
-    group: int
-    offset: int
-    start: int
-    numel: int
-
-
-@dataclass
-class _Layout:
-    """Where every parameter's elements are in the ranks' flat tensors."""
-    stage: int
-    world: int
-    pieces: dict[str, list[_Piece]] = field(default_factory=dict)
-
-
-def _layout_12(groups: Sequence[Mapping[str, Sequence[int]]], world: int, part: list[int],
-               paddings: list[list[int]] | None) -> _Layout:
-    """Stages 1 and 2: group g's flat buffer, partition ``part[g]`` elements a rank."""
-    lay = _Layout(2, world)
-    for g, shapes in enumerate(groups):
-        pos = 0
-        for i, (name, shape) in enumerate(shapes.items()):
-            n, done = math.prod(shape), 0
-            while done < n:
-                rank, off = divmod(pos + done, part[g])
-                take = min(n - done, part[g] - off)
-                lay.pieces.setdefault(name, []).append(_Piece(rank, g, off, done, take))
-                done += take
-            pos += n + (paddings[g][i] if paddings else 0)
-        if pos > world * part[g]:
-            raise ValueError(f"group {g}: {pos} elements do not fit {world} partitions of "
-                             f"{part[g]}")
-    return lay
-
-
-def _layout_3(groups: Sequence[Mapping[str, Sequence[int]]], world: int,
-              sub: list[int]) -> _Layout:
-    """Stage 3: each parameter split W ways; ``sub``: the sizes of a rank's flat
-    sub-group tensors, which hold its pieces end to end."""
-    lay = _Layout(3, world)
-    bounds = [0]
-    for s in sub:
-        bounds.append(bounds[-1] + s)
-    pos = 0
-    for shapes in groups:
-        for name, shape in shapes.items():
-            n = math.prod(shape)
-            q = -(-n // world)
-            for rank in range(world):
-                lo, hi = rank * q, min(n, (rank + 1) * q)
-                at = pos
-                while lo < hi:  # (a piece may straddle two sub-groups)
-                    s = max(i for i in range(len(sub)) if bounds[i] <= at)
-                    take = min(hi - lo, bounds[s + 1] - at)
-                    if take <= 0:
-                        raise ValueError(f"{name}: past the end of the flat tensors")
-                    lay.pieces.setdefault(name, []).append(
-                        _Piece(rank, s, at - bounds[s], lo, take))
-                    lo, at = lo + take, at + take
-            pos += q
-    if pos != bounds[-1]:
-        raise ValueError(f"the parameters take {pos} elements a rank, the flat tensors "
-                         f"hold {bounds[-1]}")
-    return lay
-
-
 # -- the checkpoint --------------------------------------------------------------------------
 
 @dataclass
@@ -260,7 +98,7 @@ class DeepSpeedCheckpoint:
     def __init__(self, tag_dir: str, names=None):
         self.path = tag_dir
         self.notes: list[str] = []
-        models = _files(tag_dir, _MODEL)
+        models = _files(tag_dir, MODEL_FILE)
         if not models:
             raise CheckpointError(f"{tag_dir}: no *mp_rank_*_model_states.pt: not a {FORMAT} "
                                   f"checkpoint")
@@ -278,7 +116,7 @@ class DeepSpeedCheckpoint:
             raise CheckpointError(f"{self.model_file}: ds_version {version or 'missing'}: "
                                   f"hybrid reads checkpoints of DeepSpeed 0.x (tested: 0.19.8)")
         groups = [{k: [int(d) for d in v] for k, v in g.items()}
-                  for g in _need(ms, "param_shapes", self.model_file)]
+                  for g in need(ms, "param_shapes", self.model_file)]
         if ms.get("frozen_param_shapes"):
             self.notes.append(f"frozen parameters ({', '.join(ms['frozen_param_shapes'])}): "
                               f"not read (no optimizer state)")
@@ -286,9 +124,9 @@ class DeepSpeedCheckpoint:
             raise CheckpointError(f"{self.model_file}: mp_world_size "
                                   f"{ms['mp_world_size']}: hybrid reads DeepSpeed checkpoints "
                                   f"of mp_world_size 1")
-        self.iteration = int(_need(ms, "global_steps", self.model_file))
+        self.iteration = int(need(ms, "global_steps", self.model_file))
         self.consumed_samples = int(ms.get("global_samples") or 0)
-        optims = _files(tag_dir, _OPTIM)
+        optims = _files(tag_dir, OPTIM_FILE)
         world = int(ms.get("dp_world_size") or len(optims))
         if sorted(optims) != [(r, 0) for r in range(world)]:
             have = ", ".join(os.path.basename(p) for p in optims.values()) or "none"
@@ -319,23 +157,23 @@ class DeepSpeedCheckpoint:
     # -- what needs an optimizer file: read when first asked (a restart that finds its
     # import done asks for none of it)
     @functools.cached_property
-    def layout(self) -> _Layout:
+    def layout(self) -> Layout:
         first, path = self._optim(0), self._optim_paths[0]
-        stage = int(_need(first, "zero_stage", path))
+        stage = int(need(first, "zero_stage", path))
         if stage != self.stage:
             raise CheckpointError(f"{path}: zero_stage {stage}, but the ds_config in "
                                   f"{os.path.basename(self.model_file)} says {self.stage} "
                                   f"(files of two saves mixed)")
         try:
             if stage in (1, 2):
-                fp32 = _need(first, "single_partition_of_fp32_groups", path)
-                pads = _need(first, "group_paddings", path)
+                fp32 = need(first, "single_partition_of_fp32_groups", path)
+                pads = need(first, "group_paddings", path)
                 part = [int(t.numel()) + int(p) for t, p in zip(fp32, pads)]
-                layout = _layout_12(self._groups, self.world, part,
+                layout = layout_12(self._groups, self.world, part,
                                     first.get("param_alignment_paddings"))
             elif stage == 3:
-                sub = [int(t.numel()) for t in _need(first, "fp32_flat_groups", path)]
-                layout = _layout_3(self._groups, self.world, sub)
+                sub = [int(t.numel()) for t in need(first, "fp32_flat_groups", path)]
+                layout = layout_3(self._groups, self.world, sub)
             else:
                 raise CheckpointError(f"{path}: zero_stage {stage}: hybrid reads DeepSpeed's "
                                       f"ZeRO 1-3 optimizer files")
@@ -364,13 +202,13 @@ class DeepSpeedCheckpoint:
     def _optim(self, rank: int) -> dict:
         if rank not in self._open:
             path = self._optim_paths[rank]
-            self._open[rank] = _need(load_file(path), "optimizer_state_dict", path)
+            self._open[rank] = need(load_file(path), "optimizer_state_dict", path)
         return self._open[rank]
 
     def _base_state(self, rank: int) -> dict:
         o = self._optim(rank)
         key = "base_optimizer_state" if self.stage in (1, 2) else "optimizer_state_dict"
-        return _need(o, key, self._optim_paths[rank])
+        return need(o, key, self._optim_paths[rank])
 
     def _check_slice_mappings(self, rank: int) -> None:
         """The parameters' places DeepSpeed recorded for ``rank`` equal the computed ones."""
@@ -394,7 +232,7 @@ class DeepSpeedCheckpoint:
         if column == "master":
             key = ("single_partition_of_fp32_groups" if self.stage in (1, 2)
                    else "fp32_flat_groups")
-            return _need(o, key, path)[group]
+            return need(o, key, path)[group]
         state = self._base_state(rank).get("state", {})
         if group not in state or column not in state[group]:
             raise CheckpointError(f"{path}: no {column} of flat group {group} in its "
@@ -517,7 +355,7 @@ def engine_state(path: str, step: int | None = None) -> dict:
     tag_dir = _tag_dir(path, step)
     if tag_dir is None:
         raise CheckpointError(f"{path}: no {FORMAT} checkpoint")
-    models = _files(tag_dir, _MODEL)
+    models = _files(tag_dir, MODEL_FILE)
     if not models:
         raise CheckpointError(f"{tag_dir}: no *mp_rank_*_model_states.pt")
     ms = load_file(models[min(models)])

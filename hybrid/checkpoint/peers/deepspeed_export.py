@@ -1,7 +1,7 @@
 """The way back: a hybrid checkpoint written as DeepSpeed 0.19.8's ZeRO checkpoint, which
 DeepSpeed's own ``engine.load_checkpoint`` loads and continues from.
 
-The files are those DeepSpeed writes (:mod:`hybrid.checkpoint.peers.deepspeed`'s Note),
+The files are those DeepSpeed writes (:mod:`hybrid.checkpoint.peers.deepspeed_files`' Note),
 for a DP size and a ZeRO stage (1, 2 or 3) of the caller's choosing: the fp32 masters,
 both Adam moments and the step count in each rank's flat partition (with DeepSpeed's
 padding), the engine's ``global_steps`` and ``global_samples``, and the scheduler's
@@ -29,19 +29,19 @@ from typing import Any
 import torch
 
 from hybrid.checkpoint import iter_full_params, resolve_checkpoint
-from hybrid.checkpoint.peers.deepspeed import (
-    _STANDINS,
+from hybrid.checkpoint.peers.deepspeed_files import (
     LATEST,
-    _FragmentAddress,
-    _layout_3,
-    _layout_12,
-    _LossScaler,
-    _ZeroStage,
+    STANDINS,
+    FragmentAddress,
+    LossScaler,
+    ZeroStage,
+    layout_3,
+    layout_12,
 )
 from hybrid.errors import CheckpointError
 
 VERSION = "0.19.8"  # the DeepSpeed version whose layout is written (and tested)
-_DS_NAME = {cls: tuple(path.rsplit(".", 1)) for cls, path in _STANDINS}
+_DS_NAME = {cls: tuple(path.rsplit(".", 1)) for cls, path in STANDINS}
 
 
 _PyPickler: Any = pickle._Pickler  # (the pure-Python pickler: save_global overridable)
@@ -134,14 +134,14 @@ def write(checkpoint: str, out_dir: str, dp_size: int = 1, zero_stage: int = 2, 
               "lr_scheduler": meta.get("lr_scheduler"), "step": int(meta.get("step") or 0)}
     group = _param_group(meta)
     config = ds_config or {"zero_optimization": {"stage": zero_stage}}
-    stage_enum = _ZeroStage(zero_stage)
+    stage_enum = ZeroStage(zero_stage)
     total = sum(math.prod(s) for s in ds_shapes.values())
     if zero_stage in (1, 2):
         part = _align(total, 2 * dp_size) // dp_size
-        layout = _layout_12(groups, dp_size, [part], None)
+        layout = layout_12(groups, dp_size, [part], None)
     else:
         per = [-(-math.prod(s) // dp_size) for s in ds_shapes.values()]
-        layout = _layout_3(groups, dp_size, [sum(per)])
+        layout = layout_3(groups, dp_size, [sum(per)])
         part = sum(per)
     for rank in range(dp_size):
         flat = {k: torch.zeros(part) for k in ("master", "exp_avg", "exp_avg_sq")}
@@ -155,11 +155,11 @@ def write(checkpoint: str, out_dir: str, dp_size: int = 1, zero_stage: int = 2, 
         state = {0: {"step": torch.tensor(float(record["step"])), "exp_avg": flat["exp_avg"],
                      "exp_avg_sq": flat["exp_avg_sq"]}}
         base = {"state": state, "param_groups": [{**group, "params": [0]}]}
-        scaler = _record(_LossScaler, cur_scale=1.0, dynamic=False)
+        scaler = _record(LossScaler, cur_scale=1.0, dynamic=False)
         if zero_stage in (1, 2):
             pad = min(part, max(0, (rank + 1) * part - total))  # past the model's end
             mappings = OrderedDict(
-                (n, _record(_FragmentAddress, numel=p.numel, start=p.offset))
+                (n, _record(FragmentAddress, numel=p.numel, start=p.offset))
                 for n in ds_shapes for p in layout.pieces[n] if p.rank == rank)
             osd = {"loss_scaler": scaler, "dynamic_loss_scale": False, "overflow": False,
                    "clip_grad": float(config.get("gradient_clipping", 0.0)),
