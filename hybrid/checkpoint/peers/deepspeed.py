@@ -126,7 +126,14 @@ class DeepSpeedCheckpoint:
                                   f"of mp_world_size 1")
         self.iteration = int(need(ms, "global_steps", self.model_file))
         self.consumed_samples = int(ms.get("global_samples") or 0)
+        zero = (ms.get("ds_config") or {}).get("zero_optimization")
+        stage = (zero.get("stage") if isinstance(zero, dict)
+                 else None if zero is None else int(bool(zero)))
         optims = _files(tag_dir, OPTIM_FILE)
+        if stage == 0 or (not optims and ms.get("optimizer") is not None):
+            raise CheckpointError(f"{self.model_file}: a {FORMAT} checkpoint without ZeRO (its "
+                                  f"optimizer state inside the model-state file): hybrid reads "
+                                  f"ZeRO 1-3 checkpoints (zero_pp_rank_*_optim_states.pt)")
         world = int(ms.get("dp_world_size") or len(optims))
         if sorted(optims) != [(r, 0) for r in range(world)]:
             have = ", ".join(os.path.basename(p) for p in optims.values()) or "none"
@@ -139,12 +146,15 @@ class DeepSpeedCheckpoint:
         self._open: dict[int, dict] = {}
         self._groups = groups
         self.ds_shapes = {k: v for g in groups for k, v in g.items()}
-        zero = (ms.get("ds_config") or {}).get("zero_optimization") or {}
-        stage = zero.get("stage", 0) if isinstance(zero, dict) else int(bool(zero))
-        self.stage = int(stage)
-        self.format = f"{FORMAT} ZeRO {self.stage}"
+        # the stage: the ds_config's, else the optimizer file's (read when first needed)
+        self.stage: int | None = None if stage is None else int(stage)
+        self.format = f"{FORMAT} ZeRO" + ("" if stage is None else f" {stage}")
         self.notes.append("RNG state: DeepSpeed saves none; the run's generators start from "
                           "its seed")
+        if names != "module":  # the --load route: hybrid's schedule, from the run's flags
+            self.notes.append(f"learning-rate schedule: hybrid's, from the run's flags at "
+                              f"iteration {self.iteration}; DeepSpeed's lr_scheduler state "
+                              f"({ms.get('lr_scheduler')}) is not read")
         if names is None:
             names = _gpt2_names(tag_dir, self.ds_shapes)
         if names is None or names == "module":
@@ -160,6 +170,8 @@ class DeepSpeedCheckpoint:
     def layout(self) -> Layout:
         first, path = self._optim(0), self._optim_paths[0]
         stage = int(need(first, "zero_stage", path))
+        if self.stage is None:
+            self.stage, self.format = stage, f"{FORMAT} ZeRO {stage}"
         if stage != self.stage:
             raise CheckpointError(f"{path}: zero_stage {stage}, but the ds_config in "
                                   f"{os.path.basename(self.model_file)} says {self.stage} "
@@ -192,6 +204,7 @@ class DeepSpeedCheckpoint:
 
     @functools.cached_property
     def step(self) -> int:
+        self.layout  # noqa: B018 (the stage known first)
         state = self._base_state(0).get("state") or {}
         if not state:
             return 0
