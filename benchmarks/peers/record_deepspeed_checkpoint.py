@@ -12,6 +12,9 @@ The model and the batches are defined here (:class:`Net`, :func:`batch`) and imp
 by the tests, so that hybrid builds the same model and feeds the same global batch of
 step ``i``, whatever its layout: rank ``r`` of ``n`` takes rows ``[r*B/n, (r+1)*B/n)``.
 
+The ZeRO 2 save is also converted by DeepSpeed's ``ds_to_universal`` into its universal
+format (``global_step3_universal/``, ``latest_universal``).
+
 A tiny transformers ``GPT2LMHeadModel`` is trained the same way at ZeRO 2 on the batches
 ``scripts/pretrain_gpt.py`` reads with :data:`GPT_ARGS` (its config.json saved beside
 ``latest``, as Hugging Face's Trainer does): the ``--load`` route.
@@ -30,6 +33,7 @@ import json
 import os
 import shutil
 import socket
+import subprocess
 import sys
 
 import torch
@@ -39,7 +43,7 @@ GLOBAL_BATCH = 8
 WORLD = 2
 SAVED_AT = 3      # steps before the save
 CONTINUED = 10    # steps recorded after it
-STAGES = (2, 3)
+STAGES = tuple(int(s) for s in os.environ.get("RECORD_STAGES", "2,3").split(","))
 LR = 1e-2
 
 
@@ -91,8 +95,8 @@ def _worker(rank: int, port: int, out_dir: str, stage: int) -> None:
     per = GLOBAL_BATCH // WORLD
     losses = []
     for step in range(SAVED_AT + CONTINUED):
-        if step == SAVED_AT:
-            engine.save_checkpoint(out_dir)
+        if step == SAVED_AT:  # (the info ds_to_universal asks of a client: none needed)
+            engine.save_checkpoint(out_dir, client_state={"universal_checkpoint_info": {}})
         x, y = batch(step)
         loss = loss_of(engine(x[rank * per:(rank + 1) * per]), y[rank * per:(rank + 1) * per])
         engine.backward(loss)
@@ -224,6 +228,13 @@ def main(argv: list[str]) -> int:
         os.makedirs(out)
         torch.multiprocessing.spawn(_worker, args=(_port(), out, stage), nprocs=WORLD)
         _clean(out)
+        if stage == 2:  # DeepSpeed's universal format of the same tag, by its own converter
+            subprocess.run([sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal",
+                            "--input_folder", os.path.join(out, f"global_step{SAVED_AT}"),
+                            "--output_folder",
+                            os.path.join(out, f"global_step{SAVED_AT}_universal"),
+                            "--num_extract_workers", "1", "--num_merge_workers", "1"],
+                           check=True, stdout=subprocess.DEVNULL)
         print(f"wrote {out}")
     return 0
 

@@ -203,6 +203,38 @@ def test_one_rank_continues_and_imports_deepspeed_s_values(tmp_path, fixture, st
     assert _one_rank_continues(d, stage) == got
 
 
+def test_deepspeed_s_universal_checkpoint_continues_the_same(tmp_path):
+    """ds_to_universal's conversion of the ZeRO 2 save (``global_step3_universal/``, one
+    file per parameter and value): load_checkpoint with its tag continues with
+    DeepSpeed's losses, its values those of the ZeRO files."""
+    from hybrid import deepspeed
+    from hybrid.checkpoint.peers import deepspeed as ds
+    from hybrid.parallel.state import ParallelState
+    rec = _recorder()
+    d = _copy("net_zero2", tmp_path)
+    universal, zero = ds.open(os.path.join(d, "global_step3_universal")), ds.open(d)
+    assert (universal.format, universal.step, universal.iteration) == (
+        "DeepSpeed universal", 3, 3)
+    for n in zero.shapes:
+        a, b = zero.read(n), universal.read(n)
+        assert all(torch.equal(a[k], b[k]) for k in a), n
+    torch.manual_seed(9)
+    net = rec.Net()
+    engine = deepspeed.initialize(model=net, model_parameters=net.parameters(),
+                                  config=rec.config(3), mpu=ParallelState.single())[0]
+    engine.load_checkpoint(d, tag="global_step3_universal")
+    assert (engine.global_steps, engine.lr_scheduler.state_dict()) == (
+        3, {"last_batch_iteration": 2})
+    losses = []
+    for step in range(rec.SAVED_AT, rec.SAVED_AT + rec.CONTINUED):
+        x, y = rec.batch(step)
+        loss = rec.loss_of(engine(x), y)
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    assert _worst(losses, _after("net_zero2")) <= TOLERANCE, losses
+
+
 def test_bad_deepspeed_checkpoints_are_one_error_naming_the_file(tmp_path):
     """A truncated optimizer file, a missing rank's file, a model of another shape: one
     CheckpointError each, naming the file; nothing imported."""

@@ -48,8 +48,10 @@ def _tag_dir(path: str, step: int | None) -> str | None:
         return d if os.path.isdir(d) else None
     if glob.glob(os.path.join(glob.escape(path), "*mp_rank_*_model_states.pt")):
         return path
-    latest = os.path.join(path, LATEST)
-    if os.path.isfile(latest) and os.path.getsize(latest) < 4096:
+    for name in (LATEST, LATEST + "_universal"):  # (ds_to_universal's, where it alone is)
+        latest = os.path.join(path, name)
+        if not os.path.isfile(latest) or os.path.getsize(latest) >= 4096:
+            continue
         with builtins.open(latest, encoding="utf-8", errors="replace") as f:
             tag = f.read().strip()
         d = os.path.join(path, tag)
@@ -96,6 +98,32 @@ class DeepSpeedCheckpoint:
     parameters by DeepSpeed's names (its module's own), unless ``names`` maps them."""
 
     def __init__(self, tag_dir: str, names=None):
+        ms = self._header(tag_dir)
+        zero = (ms.get("ds_config") or {}).get("zero_optimization")
+        stage = (zero.get("stage") if isinstance(zero, dict)
+                 else None if zero is None else int(bool(zero)))
+        optims = _files(tag_dir, OPTIM_FILE)
+        if stage == 0 or (not optims and ms.get("optimizer") is not None):
+            raise CheckpointError(f"{self.model_file}: a {FORMAT} checkpoint without ZeRO (its "
+                                  f"optimizer state inside the model-state file): hybrid reads "
+                                  f"ZeRO 1-3 checkpoints (zero_pp_rank_*_optim_states.pt)")
+        world = int(ms.get("dp_world_size") or len(optims))
+        if sorted(optims) != [(r, 0) for r in range(world)]:
+            have = ", ".join(os.path.basename(p) for p in optims.values()) or "none"
+            raise CheckpointError(f"{tag_dir}: {FORMAT} dp_world_size {world} (in "
+                                  f"{os.path.basename(self.model_file)}) needs "
+                                  f"zero_pp_rank_0..{world - 1}_mp_rank_00_optim_states.pt; "
+                                  f"there: {have} (an incomplete or mixed save)")
+        self.world = world
+        self._optim_paths = [optims[(r, 0)] for r in range(world)]
+        self._open: dict[int, dict] = {}
+        # the stage: the ds_config's, else the optimizer file's (read when first needed)
+        self.stage: int | None = None if stage is None else int(stage)
+        self.format = f"{FORMAT} ZeRO" + ("" if stage is None else f" {stage}")
+        self._bind(ms, names)
+
+    def _header(self, tag_dir: str) -> dict:
+        """Read the model-state file: the counters, ``param_shapes``; returns its dict."""
         self.path = tag_dir
         self.notes: list[str] = []
         models = _files(tag_dir, MODEL_FILE)
@@ -126,29 +154,12 @@ class DeepSpeedCheckpoint:
                                   f"of mp_world_size 1")
         self.iteration = int(need(ms, "global_steps", self.model_file))
         self.consumed_samples = int(ms.get("global_samples") or 0)
-        zero = (ms.get("ds_config") or {}).get("zero_optimization")
-        stage = (zero.get("stage") if isinstance(zero, dict)
-                 else None if zero is None else int(bool(zero)))
-        optims = _files(tag_dir, OPTIM_FILE)
-        if stage == 0 or (not optims and ms.get("optimizer") is not None):
-            raise CheckpointError(f"{self.model_file}: a {FORMAT} checkpoint without ZeRO (its "
-                                  f"optimizer state inside the model-state file): hybrid reads "
-                                  f"ZeRO 1-3 checkpoints (zero_pp_rank_*_optim_states.pt)")
-        world = int(ms.get("dp_world_size") or len(optims))
-        if sorted(optims) != [(r, 0) for r in range(world)]:
-            have = ", ".join(os.path.basename(p) for p in optims.values()) or "none"
-            raise CheckpointError(f"{tag_dir}: {FORMAT} dp_world_size {world} (in "
-                                  f"{os.path.basename(self.model_file)}) needs "
-                                  f"zero_pp_rank_0..{world - 1}_mp_rank_00_optim_states.pt; "
-                                  f"there: {have} (an incomplete or mixed save)")
-        self.world = world
-        self._optim_paths = [optims[(r, 0)] for r in range(world)]
-        self._open: dict[int, dict] = {}
         self._groups = groups
         self.ds_shapes = {k: v for g in groups for k, v in g.items()}
-        # the stage: the ds_config's, else the optimizer file's (read when first needed)
-        self.stage: int | None = None if stage is None else int(stage)
-        self.format = f"{FORMAT} ZeRO" + ("" if stage is None else f" {stage}")
+        return ms
+
+    def _bind(self, ms: dict, names) -> None:
+        """The names hybrid reads the parameters by (the Note on whose names)."""
         self.notes.append("RNG state: DeepSpeed saves none; the run's generators start from "
                           "its seed")
         if names != "module":  # the --load route: hybrid's schedule, from the run's flags
@@ -156,7 +167,7 @@ class DeepSpeedCheckpoint:
                               f"iteration {self.iteration}; DeepSpeed's lr_scheduler state "
                               f"({ms.get('lr_scheduler')}) is not read")
         if names is None:
-            names = _gpt2_names(tag_dir, self.ds_shapes)
+            names = _gpt2_names(self.path, self.ds_shapes)
         if names is None or names == "module":
             names = NameMap({k: k for k in self.ds_shapes}, dict(self.ds_shapes))
         self.names: NameMap = names
@@ -285,6 +296,57 @@ class DeepSpeedCheckpoint:
         self._open.clear()
 
 
+class DeepSpeedUniversal(DeepSpeedCheckpoint):
+    """DeepSpeed's universal checkpoint (``ds_to_universal``'s ``global_stepN_universal/``:
+    the model-state file, and ``zero/<name>/{fp32,exp_avg,exp_avg_sq,step}.pt`` holding
+    each parameter whole, as ``{"param": tensor, "cat_dim": ...}``), read as the ZeRO one
+    is. It holds no layout: any DP size and stage load it alike."""
+
+    def __init__(self, tag_dir: str, names=None):
+        ms = self._header(tag_dir)
+        self.stage, self.world = None, int(ms.get("dp_world_size") or 1)  # (what saved it)
+        self.format = f"{FORMAT} universal"
+        self._open = {}  # (no partition files: read_ds opens one file per value)
+        self._zero = os.path.join(tag_dir, "zero")
+        missing = [n for n in self.ds_shapes
+                   if not os.path.isfile(os.path.join(self._zero, n, "fp32.pt"))]
+        if missing:
+            raise CheckpointError(f"{self._zero}: no {missing[0]}/fp32.pt (of "
+                                  f"{len(missing)} parameters of param_shapes missing): an "
+                                  f"incomplete universal checkpoint")
+        self._bind(ms, names)
+
+    def _file(self, ds_name: str, what: str) -> str:
+        return os.path.join(self._zero, ds_name, f"{what}.pt")
+
+    @functools.cached_property
+    def columns(self) -> tuple[str, ...]:
+        first = next(iter(self.ds_shapes))
+        return COLUMNS if os.path.isfile(self._file(first, "exp_avg")) else COLUMNS[:1]
+
+    @functools.cached_property
+    def step(self) -> int:
+        path = self._file(next(iter(self.ds_shapes)), "step")
+        if not os.path.isfile(path):
+            return 0
+        step = load_file(path, want=(torch.Tensor, int, float))
+        return int(step.item() if isinstance(step, torch.Tensor) else step)
+
+    def read_ds(self, ds_name: str) -> dict[str, torch.Tensor]:
+        shape = self.ds_shapes[ds_name]
+        out = {}
+        for column, what in zip(self.columns, ("fp32", "exp_avg", "exp_avg_sq")):
+            path = self._file(ds_name, what)
+            saved = load_file(path, want=(dict, torch.Tensor))
+            t = saved.get("param") if isinstance(saved, dict) else saved
+            if not isinstance(t, torch.Tensor) or t.numel() != math.prod(shape):
+                got = list(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+                raise CheckpointError(f"{path}: holds {got}, param_shapes says {shape} (a "
+                                      f"universal checkpoint of another model, or damaged)")
+            out[column] = t.float().reshape(shape)
+        return out
+
+
 # [Note: whose names]
 # A DeepSpeed checkpoint names parameters by the module DeepSpeed trained. Loaded by a
 # script under hybrid.deepspeed (engine.load_checkpoint) the module is the same, so the
@@ -357,6 +419,8 @@ def open(path: str, step: int | None = None, names=None) -> DeepSpeedCheckpoint:
         what = f"global_step{step}" if step is not None else f"{LATEST} naming a tag"
         raise CheckpointError(f"{path}: no {FORMAT} checkpoint ({what} with "
                               f"*mp_rank_*_model_states.pt)")
+    if os.path.isdir(os.path.join(tag_dir, "zero")) and not _files(tag_dir, OPTIM_FILE):
+        return DeepSpeedUniversal(tag_dir, names)
     return DeepSpeedCheckpoint(tag_dir, names)
 
 

@@ -89,9 +89,10 @@ STANDINS: list = [(ZeroStage, "deepspeed.runtime.zero.config.ZeroStageEnum"),
              (FragmentAddress, "deepspeed.utils.tensor_fragment.fragment_address")]
 
 
-def load_file(path: str) -> dict:
+def load_file(path: str, want: type | tuple[type, ...] = dict):
     """One of DeepSpeed's ``.pt`` files, its tensors memory-mapped (weights-only, the
-    DeepSpeed classes as stand-ins); CheckpointError naming the file otherwise."""
+    DeepSpeed classes as stand-ins), holding a ``want`` (a dict: most files);
+    CheckpointError naming the file otherwise."""
     try:
         size = os.path.getsize(path)
     except OSError as e:
@@ -106,9 +107,9 @@ def load_file(path: str) -> dict:
         why = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise CheckpointError(f"{path}: not a readable {FORMAT} checkpoint file (truncated "
                               f"or damaged: {why[:200]})") from None
-    if not isinstance(state, dict):
-        raise CheckpointError(f"{path}: holds a {type(state).__name__}, not a {FORMAT} "
-                              f"checkpoint's dict")
+    if not isinstance(state, want):
+        raise CheckpointError(f"{path}: holds a {type(state).__name__}, not what a {FORMAT} "
+                              f"checkpoint holds there")
     return state
 
 
