@@ -355,12 +355,19 @@ def _import_peer(engine, load_dir: str, tag: str | None) -> tuple[str, int, dict
     if got is None:
         return None
     record: dict = {}
-    if fmt == "deepspeed":
+    error = None
+    if fmt == "deepspeed":  # every rank reads the one small model-state file itself
         from hybrid.checkpoint.peers.deepspeed import engine_state
-        ds = engine_state(src)
-        record = {"api": {"global_steps": ds["global_steps"],
-                          "global_samples": ds["global_samples"]},
-                  "lr_scheduler": ds["lr_scheduler"], "client_state": ds["client_state"]}
+        try:
+            ds = engine_state(src)
+            record = {"api": {"global_steps": ds["global_steps"],
+                              "global_samples": ds["global_samples"]},
+                      "lr_scheduler": ds["lr_scheduler"], "client_state": ds["client_state"]}
+        except CheckpointError as e:
+            error = str(e)
+    error = agree_error(engine.ps, error)
+    if error:
+        raise CheckpointError(error)
     return got[0], got[1], record
 
 

@@ -129,9 +129,13 @@ def write(checkpoint: str, out_dir: str, dp_size: int = 1, zero_stage: int = 2, 
     ds_shapes = _ds_shapes(ckpt, shapes, names, convert)
     groups = [ds_shapes]
     api = meta.get("api") or {}
-    record = {"global_steps": int(api.get("global_steps", iteration)),
-              "global_samples": int(api.get("global_samples", meta["consumed_samples"])),
-              "lr_scheduler": meta.get("lr_scheduler"), "step": int(meta.get("step") or 0)}
+    # (a pretrain_gpt.py run's schedule is its flags': written as DeepSpeed's own
+    # schedulers' state at that step, which is all their state dicts hold)
+    schedule = meta.get("lr_scheduler") or {"last_batch_iteration": iteration - 1}
+    record: dict[str, Any] = {
+        "global_steps": int(api.get("global_steps", iteration)),
+        "global_samples": int(api.get("global_samples", meta["consumed_samples"])),
+        "lr_scheduler": schedule, "step": int(meta.get("step") or 0)}
     group = _param_group(meta)
     config = ds_config or {"zero_optimization": {"stage": zero_stage}}
     stage_enum = ZeroStage(zero_stage)
