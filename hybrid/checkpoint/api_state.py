@@ -346,10 +346,12 @@ def _import_peer(engine, load_dir: str, tag: str | None) -> tuple[str, int, dict
     if fmt is None:
         return None
     def module_names(path: str, found: str, step: int | None):
-        if found == "deepspeed":  # the module DeepSpeed trained is this engine's
-            from hybrid.checkpoint.peers import deepspeed
-            return deepspeed.open(path, step, names="module")
-        return open_peer(path, found, step)
+        if found != "deepspeed":
+            return open_peer(path, found, step)
+        from hybrid.checkpoint.peers import deepspeed
+        peer = deepspeed.open(path, step, names="module")  # the module it trained is ours
+        _check_peer_model(peer, engine)  # before anything is written
+        return peer
     got = import_for_load(src, os.path.join(load_dir, PEER_IMPORT), engine.ps,
                           engine.cfg.to_dict(), None, fmt, opener=module_names)
     if got is None:
@@ -369,6 +371,24 @@ def _import_peer(engine, load_dir: str, tag: str | None) -> tuple[str, int, dict
     if error:
         raise CheckpointError(error)
     return got[0], got[1], record
+
+
+def _check_peer_model(peer, engine) -> None:
+    """CheckpointError naming the peer's file when its parameters are not the engine
+    module's (names and full shapes)."""
+    from hybrid.checkpoint.save import model_signature
+    mine, theirs = model_signature(engine.zero.model), peer.shapes
+    where = getattr(peer, "model_file", peer.path)
+    if set(mine) != set(theirs):
+        raise CheckpointError(
+            f"{where}: a checkpoint of another model: it has "
+            f"{sorted(set(theirs) - set(mine))[:3]} this engine's module lacks, lacks "
+            f"{sorted(set(mine) - set(theirs))[:3]}")
+    for name, shape in mine.items():
+        if list(theirs[name]) != list(shape):
+            raise CheckpointError(f"{where}: a checkpoint of another model: {name} is "
+                                  f"{list(theirs[name])} there and {list(shape)} in this "
+                                  f"engine's module")
 
 
 def _load_client_state(ps, ckpt: str, meta: dict) -> dict:
