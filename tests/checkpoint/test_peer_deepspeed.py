@@ -262,6 +262,14 @@ def test_bad_deepspeed_checkpoints_are_one_error_naming_the_file(tmp_path):
                                               r"zero_pp_rank_0\.\.1_mp_rank_00_optim_states"):
         engine_of(rec.Net()).load_checkpoint(d)
 
+    d = _copy("gpt2_zero2", tmp_path / "noconfig")  # a GPT-2's heads are in config.json
+    os.remove(os.path.join(d, "config.json"))
+    from hybrid.checkpoint.peers import deepspeed as ds
+    with pytest.raises(CheckpointError, match=rf"^{d}/global_step3: a transformers "
+                                              rf"GPT2LMHeadModel's DeepSpeed checkpoint; "
+                                              rf"hybrid needs the model's config.json"):
+        ds.open(d)
+
     d = _copy("net_zero2", tmp_path / "shape")
     other = torch.nn.Sequential()
     other.fc1, other.fc2 = torch.nn.Linear(7, 9), torch.nn.Linear(9, 6)
