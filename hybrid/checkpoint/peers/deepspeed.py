@@ -19,6 +19,7 @@ import json
 import math
 import os
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -39,6 +40,7 @@ from hybrid.errors import CheckpointError
 COLUMNS = ("master", "exp_avg", "exp_avg_sq")
 
 # -- where the files are -------------------------------------------------------------------
+
 
 def _tag_dir(path: str, step: int | None) -> str | None:
     """The tag's directory ``path`` means (it, when it holds model-state files; else
@@ -87,13 +89,13 @@ class NameMap:
     the model flags the names and shapes determine."""
     names: dict[str, str]
     shapes: dict[str, list[int]]
-    convert: object = None  # Callable[[str, Tensor], Tensor] | None: identity
+    convert: Callable[[str, torch.Tensor], torch.Tensor] | None = None  # None: as they are
     flags: dict = field(default_factory=dict)
     vocab_size: int | None = None
 
 
 class DeepSpeedCheckpoint:
-    """One tag of a DeepSpeed ZeRO checkpoint (the module note), as a
+    """One tag of a DeepSpeed ZeRO checkpoint (:mod:`.deepspeed_files`' Note), as a
     :class:`~hybrid.checkpoint.peers.base.PeerCheckpoint`. ``shapes``: the model's
     parameters by DeepSpeed's names (its module's own), unless ``names`` maps them."""
 
@@ -146,8 +148,14 @@ class DeepSpeedCheckpoint:
         groups = [{k: [int(d) for d in v] for k, v in g.items()}
                   for g in need(ms, "param_shapes", self.model_file)]
         if ms.get("frozen_param_shapes"):
-            self.notes.append(f"frozen parameters ({', '.join(ms['frozen_param_shapes'])}): "
-                              f"not read (no optimizer state)")
+            raise CheckpointError(f"{self.model_file}: frozen parameters "
+                                  f"({', '.join(list(ms['frozen_param_shapes'])[:4])}): hybrid "
+                                  f"reads DeepSpeed checkpoints whose parameters all train")
+        layers = glob.glob(os.path.join(glob.escape(tag_dir), "layer_*-model_states.pt"))
+        if layers:
+            raise CheckpointError(f"{sorted(layers)[0]}: a {FORMAT} pipeline (PipelineModule) "
+                                  f"checkpoint: hybrid reads DeepSpeed's data-parallel ZeRO "
+                                  f"checkpoints")
         if int(ms.get("mp_world_size") or 1) != 1:
             raise CheckpointError(f"{self.model_file}: mp_world_size "
                                   f"{ms['mp_world_size']}: hybrid reads DeepSpeed checkpoints "
@@ -289,7 +297,7 @@ class DeepSpeedCheckpoint:
         values = self.read_ds(self.names.names[name])
         convert = self.names.convert
         if convert is not None:
-            values = {k: convert(name, v) for k, v in values.items()}  # type: ignore[operator]
+            values = {k: convert(name, v) for k, v in values.items()}
         return values
 
     def close(self) -> None:
