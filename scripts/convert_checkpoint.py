@@ -5,6 +5,14 @@
     python scripts/convert_checkpoint.py verify CHECKPOINT_DIR_OR_SAVE_DIR
     python scripts/convert_checkpoint.py export --to dcp CHECKPOINT_DIR_OR_SAVE_DIR OUT_DIR
     python scripts/convert_checkpoint.py export --to megatron CHECKPOINT_DIR_OR_SAVE_DIR OUT_DIR
+    python scripts/convert_checkpoint.py export --to deepspeed CHECKPOINT_DIR_OR_SAVE_DIR OUT_DIR \
+        [--dp-size N] [--zero-stage {1,2,3}] [--tag TAG]
+
+``export --to deepspeed`` writes DeepSpeed 0.19.8's ``OUT_DIR/global_stepN/`` (and
+``latest``) for DeepSpeed's ``engine.load_checkpoint(OUT_DIR)`` at that DP size and ZeRO
+stage: masters, Adam moments, step, ``global_steps``/``global_samples`` and the
+``hybrid.deepspeed`` engine's scheduler state; a ``pretrain_gpt.py`` GPT-2 as a
+transformers ``GPT2LMHeadModel`` (its ``config.json`` beside ``latest``).
 
 ``verify`` reads every file of the checkpoint (the newest one of a --save
 directory) and checks it against the checksums saved with it; it prints one
@@ -106,6 +114,31 @@ def export_megatron(argv) -> int:
     return 0
 
 
+def export_deepspeed(argv) -> int:
+    """``export --to deepspeed CKPT OUT [--dp-size N] [--zero-stage K] [--tag T]``:
+    DeepSpeed's ZeRO checkpoint (:func:`hybrid.checkpoint.peers.deepspeed.write`)."""
+    from hybrid.checkpoint.peers.deepspeed import write
+    ap = argparse.ArgumentParser(prog="convert_checkpoint.py export --to deepspeed",
+                                 description="write a hybrid checkpoint as DeepSpeed's ZeRO "
+                                             "checkpoint, which its engine.load_checkpoint "
+                                             "continues from")
+    ap.add_argument("checkpoint", help="an iter_* directory, or a --save directory (newest)")
+    ap.add_argument("out_dir", help="the peer's save directory (its load_checkpoint dir)")
+    ap.add_argument("--dp-size", type=int, default=1,
+                    help="the data-parallel size DeepSpeed will load it at")
+    ap.add_argument("--zero-stage", type=int, default=2, choices=[1, 2, 3],
+                    help="the ZeRO stage of its optimizer files")
+    ap.add_argument("--tag", default=None, help="the tag (default global_stepN)")
+    a = ap.parse_args(argv)
+    try:
+        out = write(a.checkpoint, a.out_dir, a.dp_size, a.zero_stage, tag=a.tag)
+    except CheckpointError as e:
+        print(f"convert_checkpoint.py: error: {e}", file=sys.stderr)
+        return 2
+    print(f"wrote {out}: a DeepSpeed ZeRO {a.zero_stage} checkpoint for DP {a.dp_size}")
+    return 0
+
+
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["verify"]:
@@ -114,6 +147,8 @@ def main(argv=None) -> int:
         return export_dcp(argv[3:])
     if argv[:3] == ["export", "--to", "megatron"]:
         return export_megatron(argv[3:])
+    if argv[:3] == ["export", "--to", "deepspeed"]:
+        return export_deepspeed(argv[3:])
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("checkpoint", help="an iter_* directory, or a --save directory (newest)")
     ap.add_argument("output", help="the single file to write")

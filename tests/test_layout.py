@@ -31,8 +31,10 @@ LAYERS = [
     ["models", "hybrid.recompute"],
     ["hybrid.zero"],
     ["hybrid.pipeline"],  # schedules, their simulator, the executor, P2P
-    ["hybrid.checkpoint"],
+    # the Hugging Face name tables, pure tensor functions: the peers' checkpoints
+    # (hybrid.checkpoint.peers) map their names through the same tables
     ["hybrid.hf"],
+    ["hybrid.checkpoint"],
     ["hybrid.train"],  # the training loop
     # hybrid.initialize's engine: DeepSpeed's verbs on any nn.Module; it takes the loop's
     # LR schedule and orphan guard, and DeepSpeed's module layout (below) sits on it

@@ -19,8 +19,8 @@ checkpoint's ``client_state`` may hold (:mod:`hybrid.checkpoint.client_state`).
 * :mod:`.client_state` an API checkpoint's ``client_state``: picklable values, loaded back safely
 * :mod:`.full_model`   a whole checkpoint as one single-process model (TP 1), for generation
                        and export checks
-* :mod:`.peers`        other frameworks' checkpoints (DeepSpeed's, Megatron-LM's, torch DCP's)
-                       read in with their optimizer state, and written back
+* :mod:`.peers`        other frameworks' checkpoints (DeepSpeed, Megatron-LM, DCP): imported
+                       with their optimizer state, and written back
 """
 
 from hybrid.checkpoint.client_state import allow_client_state_types

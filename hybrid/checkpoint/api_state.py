@@ -305,16 +305,21 @@ def load_engine(engine, load_dir: str, tag, optimizer: bool, schedule: bool):
     damaged or unreadable client-state file is a CheckpointError naming it, raised
     after the weights were loaded and before the engine's counters change."""
     engine.save_claims.loaded.add(os.path.realpath(load_dir))  # a save there resumes
-    where = _resolve(load_dir, _agreed_tag(engine.ps, tag, "load_checkpoint"))
+    tag = _agreed_tag(engine.ps, tag, "load_checkpoint")
+    peer = _import_peer(engine, load_dir, tag)
+    where = peer[:2] if peer is not None else _resolve(load_dir, tag)
     if where is None:
         return None, None
     info: dict = {}
     got = load_checkpoint(where[0], engine.zero, engine.ps, engine.cfg.seed, engine.rng,
-                          allow_empty=tag is None, load_optim=optimizer, info=info,
-                          step=where[1])
+                          allow_empty=tag is None and peer is None, load_optim=optimizer,
+                          info=info, step=where[1])
     if got is None:
         return None, None
     meta = info["metadata"]
+    if peer is not None:  # the peer's counters and schedule, as its engine saved them
+        meta = {**meta, "api": peer[2].get("api", {}), "lr_scheduler": peer[2].get(
+            "lr_scheduler"), "client_state": peer[2].get("client_state", {})}
     state = _load_client_state(engine.ps, info["checkpoint"], meta)  # (before the counters)
     api = meta.get("api", {})
     steps = api.get("global_steps", meta["iteration"])
@@ -328,6 +333,77 @@ def load_engine(engine, load_dir: str, tag, optimizer: bool, schedule: bool):
     if schedule and meta.get("lr_scheduler") is not None and engine.lr_scheduler is not None:
         engine.lr_scheduler.load_state_dict(meta["lr_scheduler"])
     return info["checkpoint"], state
+
+
+# [Note: a peer's checkpoint through load_checkpoint]
+# engine.load_checkpoint(D) on another framework's save directory (DeepSpeed's, whose
+# scripts this door serves; Megatron's, DCP's) imports the peer's tag once as a hybrid
+# checkpoint of its own (hybrid.checkpoint.peers.importing: weights, fp32 masters, Adam
+# moments, step), into D/hybrid_import/iter_N, and loads that at the engine's layout.
+# Nothing of the peer's is changed: its files and its `latest` stay as they are, so the
+# peer itself loads D again. A later load of the same tag (a restart) finds the import
+# there and reads the peer's files no more. The engine's counters and the scheduler's
+# state come from the peer's own record (DeepSpeed: global_steps, global_samples,
+# lr_scheduler in its model-state file).
+PEER_IMPORT = "hybrid_import"
+
+
+def _import_peer(engine, load_dir: str, tag: str | None) -> tuple[str, int, dict] | None:
+    """(the hybrid checkpoint directory, its iteration, the peer's engine record) when
+    ``load_dir`` (or its ``tag``) holds another framework's checkpoint (the Note above);
+    None otherwise. Collective over the world; errors raised on every rank."""
+    from hybrid.checkpoint.peers import detect_peer, open_peer
+    from hybrid.checkpoint.peers.importing import import_for_load
+    src = load_dir if tag is None else os.path.join(load_dir, tag)
+    if not os.path.isdir(src) or os.path.isfile(os.path.join(src, "metadata.json")):
+        return None
+    fmt = detect_peer(src)
+    if fmt is None:
+        return None
+    def module_names(path: str, found: str, step: int | None):
+        if found != "deepspeed":
+            return open_peer(path, found, step)
+        from hybrid.checkpoint.peers import deepspeed
+        peer = deepspeed.open(path, step, names="module")  # the module it trained is ours
+        _check_peer_model(peer, engine)  # before anything is written
+        return peer
+    got = import_for_load(src, os.path.join(load_dir, PEER_IMPORT), engine.ps,
+                          engine.cfg.to_dict(), None, fmt, opener=module_names)
+    if got is None:
+        return None
+    record: dict = {}
+    error = None
+    if fmt == "deepspeed":  # every rank reads the one small model-state file itself
+        from hybrid.checkpoint.peers.deepspeed import engine_state
+        try:
+            ds = engine_state(src)
+            record = {"api": {"global_steps": ds["global_steps"],
+                              "global_samples": ds["global_samples"]},
+                      "lr_scheduler": ds["lr_scheduler"], "client_state": ds["client_state"]}
+        except CheckpointError as e:
+            error = str(e)
+    error = agree_error(engine.ps, error)
+    if error:
+        raise CheckpointError(error)
+    return got[0], got[1], record
+
+
+def _check_peer_model(peer, engine) -> None:
+    """CheckpointError naming the peer's file when its parameters are not the engine
+    module's (names and full shapes)."""
+    from hybrid.checkpoint.save import model_signature
+    mine, theirs = model_signature(engine.zero.model), peer.shapes
+    where = getattr(peer, "model_file", peer.path)
+    if set(mine) != set(theirs):
+        raise CheckpointError(
+            f"{where}: a checkpoint of another model: it has "
+            f"{sorted(set(theirs) - set(mine))[:3]} this engine's module lacks, lacks "
+            f"{sorted(set(mine) - set(theirs))[:3]}")
+    for name, shape in mine.items():
+        if list(theirs[name]) != list(shape):
+            raise CheckpointError(f"{where}: a checkpoint of another model: {name} is "
+                                  f"{list(theirs[name])} there and {list(shape)} in this "
+                                  f"engine's module")
 
 
 def _load_client_state(ps, ckpt: str, meta: dict) -> dict:

@@ -29,50 +29,67 @@ def _qkv_to_per_head(t: torch.Tensor, heads: int) -> torch.Tensor:
     return rearrange(t, "(three nh hs) ... -> (nh three hs) ...", nh=heads, three=3)
 
 
+# hybrid's names of one block -> Hugging Face's (under ``transformer.h.N.``)
+_BLOCK = {"ln_1.weight": "ln_1.weight", "ln_1.bias": "ln_1.bias",
+          "ln_2.weight": "ln_2.weight", "ln_2.bias": "ln_2.bias",
+          "attn.qkv.weight": "attn.c_attn.weight", "attn.qkv.bias": "attn.c_attn.bias",
+          "attn.proj.weight": "attn.c_proj.weight", "attn.proj.bias": "attn.c_proj.bias",
+          "mlp.fc.weight": "mlp.c_fc.weight", "mlp.fc.bias": "mlp.c_fc.bias",
+          "mlp.proj.weight": "mlp.c_proj.weight", "mlp.proj.bias": "mlp.c_proj.bias"}
+_TOP = {"wte.weight": "transformer.wte.weight", "wpe.weight": "transformer.wpe.weight",
+        "ln_f.weight": "transformer.ln_f.weight", "ln_f.bias": "transformer.ln_f.bias"}
+# Conv1D weights, stored (in, out): the transpose of hybrid's nn.Linear layout
+_CONV1D = ("attn.qkv.weight", "attn.proj.weight", "mlp.fc.weight", "mlp.proj.weight")
+
+
+def hf_names(num_layers: int) -> dict[str, str]:
+    """hybrid parameter name -> ``GPT2LMHeadModel`` name (``transformer.``...), in
+    hybrid's order: the one name table of GPT-2 (the weight import and export, and the
+    peers' checkpoints of a GPT-2, :mod:`hybrid.checkpoint.peers`)."""
+    out = dict(_TOP)
+    for i in range(num_layers):
+        out.update({f"blocks.{i}.{k}": f"transformer.h.{i}.{v}" for k, v in _BLOCK.items()})
+    return out
+
+
+def param_from_hf(name: str, t: torch.Tensor, heads: int) -> torch.Tensor:
+    """Hugging Face's tensor of hybrid parameter ``name``, in hybrid's layout (the
+    Conv1D weights transposed, c_attn's rows per head)."""
+    part = name.split(".", 2)[-1] if name.startswith("blocks.") else name
+    if part in _CONV1D:
+        t = t.t()
+    if part in ("attn.qkv.weight", "attn.qkv.bias"):
+        t = _qkv_to_per_head(t, heads)
+    return t
+
+
+def param_to_hf(name: str, t: torch.Tensor, heads: int) -> torch.Tensor:
+    """The inverse of :func:`param_from_hf` (the vocabulary's padding rows kept)."""
+    part = name.split(".", 2)[-1] if name.startswith("blocks.") else name
+    if part in ("attn.qkv.weight", "attn.qkv.bias"):
+        t = _per_head_to_qkv(t, heads)
+    if part in _CONV1D:
+        t = t.t()
+    return t
+
+
 def to_hf(model: dict[str, torch.Tensor], num_layers: int, heads: int,
           vocab_size: int) -> dict[str, torch.Tensor]:
     """hybrid state (full tensors) -> ``GPT2LMHeadModel`` state dict."""
-    out = {"transformer.wte.weight": model["wte.weight"][:vocab_size],
-           "transformer.wpe.weight": model["wpe.weight"],
-           "transformer.ln_f.weight": model["ln_f.weight"],
-           "transformer.ln_f.bias": model["ln_f.bias"]}
-    for i in range(num_layers):
-        src, dst = f"blocks.{i}.", f"transformer.h.{i}."
-        for ln in ("ln_1", "ln_2"):
-            out[dst + ln + ".weight"] = model[src + ln + ".weight"]
-            out[dst + ln + ".bias"] = model[src + ln + ".bias"]
-        out[dst + "attn.c_attn.weight"] = _per_head_to_qkv(
-            model[src + "attn.qkv.weight"], heads).t()
-        out[dst + "attn.c_attn.bias"] = _per_head_to_qkv(model[src + "attn.qkv.bias"], heads)
-        out[dst + "attn.c_proj.weight"] = model[src + "attn.proj.weight"].t()
-        out[dst + "attn.c_proj.bias"] = model[src + "attn.proj.bias"]
-        out[dst + "mlp.c_fc.weight"] = model[src + "mlp.fc.weight"].t()
-        out[dst + "mlp.c_fc.bias"] = model[src + "mlp.fc.bias"]
-        out[dst + "mlp.c_proj.weight"] = model[src + "mlp.proj.weight"].t()
-        out[dst + "mlp.c_proj.bias"] = model[src + "mlp.proj.bias"]
+    out = {}
+    for name, hf in hf_names(num_layers).items():
+        t = param_to_hf(name, model[name], heads)
+        out[hf] = t[:vocab_size] if name == "wte.weight" else t
     return {k: v.contiguous() for k, v in out.items()}
 
 
 def from_hf(hf: dict[str, torch.Tensor], num_layers: int, heads: int) -> dict[str, torch.Tensor]:
-    """``GPT2LMHeadModel`` state dict -> hybrid state (unpadded vocabulary)."""
+    """``GPT2LMHeadModel`` state dict -> hybrid state (unpadded vocabulary); its names with
+    or without the ``transformer.`` prefix."""
     def get(k):
-        return hf[k] if k in hf else hf["transformer." + k]
-    out = {"wte.weight": get("wte.weight"), "wpe.weight": get("wpe.weight"),
-           "ln_f.weight": get("ln_f.weight"), "ln_f.bias": get("ln_f.bias")}
-    for i in range(num_layers):
-        src, dst = f"h.{i}.", f"blocks.{i}."
-        for ln in ("ln_1", "ln_2"):
-            out[dst + ln + ".weight"] = get(src + ln + ".weight")
-            out[dst + ln + ".bias"] = get(src + ln + ".bias")
-        out[dst + "attn.qkv.weight"] = _qkv_to_per_head(get(src + "attn.c_attn.weight").t(), heads)
-        out[dst + "attn.qkv.bias"] = _qkv_to_per_head(get(src + "attn.c_attn.bias"), heads)
-        out[dst + "attn.proj.weight"] = get(src + "attn.c_proj.weight").t()
-        out[dst + "attn.proj.bias"] = get(src + "attn.c_proj.bias")
-        out[dst + "mlp.fc.weight"] = get(src + "mlp.c_fc.weight").t()
-        out[dst + "mlp.fc.bias"] = get(src + "mlp.c_fc.bias")
-        out[dst + "mlp.proj.weight"] = get(src + "mlp.c_proj.weight").t()
-        out[dst + "mlp.proj.bias"] = get(src + "mlp.c_proj.bias")
-    return {k: v.float().contiguous() for k, v in out.items()}
+        return hf[k] if k in hf else hf[k.removeprefix("transformer.")]
+    return {name: param_from_hf(name, get(k), heads).float().contiguous()
+            for name, k in hf_names(num_layers).items()}
 
 
 def hf_config(cfg: dict, vocab_size: int) -> dict:

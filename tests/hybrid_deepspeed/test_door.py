@@ -123,6 +123,11 @@ def test_load_on_another_framework_s_checkpoint_is_refused_by_name(tmp_path, fmt
              "Megatron-LM": "latest_checkpointed_iteration.txt",
              "torch.distributed.checkpoint (DCP)": ".metadata"}
     name = fmt.removesuffix(" torch_dist")
+    if name == "DeepSpeed":  # read for real now (the peer import): the empty file is named
+        assert said == (f"{tmp_path}/global_step4/mp_rank_00_model_states.pt: empty file "
+                        f"(0 bytes): a truncated DeepSpeed checkpoint file"), said
+        assert engine.global_steps == 0
+        return
     assert f"holds a {name} checkpoint (" in said and "hybrid does not read" in said, said
     assert f"{tmp_path}/{shown[name]})" in said or f"{tmp_path}/global_step4 holds" in said, said
     assert engine.global_steps == 0

@@ -61,7 +61,7 @@ def import_peer(peer: PeerCheckpoint, save_dir: str, config: dict,
 
 def import_for_load(load_dir: str, save_dir: str | None, ps: ParallelState, config: dict,
                     vocab_size: int | None, fmt: str | None = None, step: int | None = None,
-                    owner: dict | None = None) -> tuple[str, int] | None:
+                    owner: dict | None = None, opener=None) -> tuple[str, int] | None:
     """Collective over the world: when ``load_dir`` holds a peer's checkpoint (format
     ``fmt``, or detected), rank 0 imports its newest iteration (or ``step``) into
     ``save_dir`` (:func:`import_peer`; recording ``owner``, the run's claim, as the
@@ -69,7 +69,9 @@ def import_for_load(load_dir: str, save_dir: str | None, ps: ParallelState, conf
     when ``load_dir`` holds no peer checkpoint (hybrid's own, or nothing). Errors (no
     ``save_dir``, an unreadable peer checkpoint) are raised on every rank with rank 0's
     message. An ``iter_N`` of ``save_dir`` already imported from the same checkpoint is
-    used as it is (a restart of the same command)."""
+    used as it is (a restart of the same command). ``opener(load_dir, fmt, step)``: opens
+    the peer instead of :func:`open_peer` (``engine.load_checkpoint`` keeps the module's
+    own names)."""
     if fmt == "hybrid" or (fmt is None and complete_checkpoints(load_dir)):
         return None  # hybrid's own checkpoints win over anything else in the directory
     found = fmt if fmt is not None else detect_peer(load_dir)
@@ -88,7 +90,7 @@ def import_for_load(load_dir: str, save_dir: str | None, ps: ParallelState, conf
                     f"--load {load_dir} holds a {found} checkpoint: hybrid imports it into "
                     f"--save as a checkpoint of its own (its iteration, weights and "
                     f"optimizer state), then loads that; give --save")
-            peer = open_peer(load_dir, found, step)
+            peer = (opener or open_peer)(load_dir, found, step)
             try:
                 iteration = peer.iteration
                 done = os.path.join(save_dir, iter_name(iteration))

@@ -1,0 +1,243 @@
+"""Record DeepSpeed 0.19.8 checkpoints (and the losses DeepSpeed trains after them) for
+hybrid's import tests: tests/fixtures/peers/deepspeed-0.19.8/ (a folder name no import
+can take for the deepspeed package).
+
+Runs the real DeepSpeed on the CPU (DS_ACCELERATOR=cpu, gloo, 2 ranks, fp32,
+torch's AdamW through ``"torch_adam": true``): a tiny model is trained for 3 steps
+at ZeRO stage 2 and at stage 3, saved with ``engine.save_checkpoint``, then trained
+10 more steps, whose losses (the mean over both ranks' micro-batches, that is the
+global batch's) are written to ``losses.json`` beside the checkpoints.
+
+The model and the batches are defined here (:class:`Net`, :func:`batch`) and imported
+by the tests, so that hybrid builds the same model and feeds the same global batch of
+step ``i``, whatever its layout: rank ``r`` of ``n`` takes rows ``[r*B/n, (r+1)*B/n)``.
+
+The ZeRO 2 save is also converted by DeepSpeed's ``ds_to_universal`` into its universal
+format (``global_step3_universal/``, ``latest_universal``).
+
+A tiny transformers ``GPT2LMHeadModel`` is trained the same way at ZeRO 2 on the batches
+``scripts/pretrain_gpt.py`` reads with :data:`GPT_ARGS` (its config.json saved beside
+``latest``, as Hugging Face's Trainer does): the ``--load`` route.
+
+Regenerate (two to three minutes on 2 cores; needs DeepSpeed 0.19.8 and transformers,
+and this checkout's hybrid on the path for the data)::
+
+    DS_ACCELERATOR=cpu OMP_NUM_THREADS=1 PYTHONPATH=. python \
+        benchmarks/peers/record_deepspeed_checkpoint.py \
+        tests/fixtures/peers/deepspeed-0.19.8 [net] [gpt2]
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+
+import torch
+from torch import nn
+
+GLOBAL_BATCH = 8
+WORLD = 2
+SAVED_AT = 3      # steps before the save
+CONTINUED = 10    # steps recorded after it
+STAGES = tuple(int(s) for s in os.environ.get("RECORD_STAGES", "2,3").split(","))
+LR = 1e-2
+
+
+class Net(nn.Module):
+    """Odd sizes, so that the flat ZeRO partitions of 2 ranks carry padding."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1 = nn.Linear(7, 9)
+        self.fc2 = nn.Linear(9, 5)
+
+    def forward(self, x):
+        return self.fc2(torch.tanh(self.fc1(x)))
+
+
+def config(stage: int) -> dict:
+    """The ds_config both sides use (hybrid's engine reads DeepSpeed's config keys)."""
+    return {"train_batch_size": GLOBAL_BATCH, "gradient_accumulation_steps": 1,
+            "gradient_clipping": 0.0, "steps_per_print": 10 ** 6,
+            "optimizer": {"type": "AdamW", "params": {"lr": LR, "betas": [0.9, 0.999],
+                                                      "eps": 1e-8, "weight_decay": 0.01,
+                                                      "torch_adam": True}},
+            "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": 0.0,
+                                                         "warmup_max_lr": LR,
+                                                         "warmup_num_steps": 6}},
+            "zero_optimization": {"stage": stage}}
+
+
+def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The global batch of optimizer step ``step`` (0-based): inputs (B, 7), targets (B,)."""
+    g = torch.Generator().manual_seed(1000 + step)
+    return torch.randn(GLOBAL_BATCH, 7, generator=g), torch.randint(0, 5, (GLOBAL_BATCH,),
+                                                                     generator=g)
+
+
+def loss_of(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return nn.functional.cross_entropy(out, y)
+
+
+def _worker(rank: int, port: int, out_dir: str, stage: int) -> None:
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(WORLD),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    import deepspeed
+    deepspeed.init_distributed(dist_backend="gloo")
+    torch.manual_seed(0)
+    net = Net()
+    engine, *_ = deepspeed.initialize(model=net, model_parameters=net.parameters(),
+                                      config=config(stage))
+    per = GLOBAL_BATCH // WORLD
+    losses = []
+    for step in range(SAVED_AT + CONTINUED):
+        if step == SAVED_AT:  # (the info ds_to_universal asks of a client: none needed)
+            engine.save_checkpoint(out_dir, client_state={"universal_checkpoint_info": {}})
+        x, y = batch(step)
+        loss = loss_of(engine(x[rank * per:(rank + 1) * per]), y[rank * per:(rank + 1) * per])
+        engine.backward(loss)
+        engine.step()
+        mean = loss.detach().clone()
+        torch.distributed.all_reduce(mean)
+        losses.append(float(mean) / WORLD)
+    if rank == 0:
+        with open(os.path.join(out_dir, "losses.json"), "w") as f:
+            json.dump({"deepspeed": deepspeed.__version__, "world_size": WORLD,
+                       "zero_stage": stage, "saved_at": SAVED_AT, "before": losses[:SAVED_AT],
+                       "after": losses[SAVED_AT:]}, f, indent=1)
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
+
+
+# The script route: a transformers GPT2LMHeadModel trained by DeepSpeed on the batches
+# scripts/pretrain_gpt.py reads with these flags (hybrid's own data pipeline builds them
+# here, so both sides see the same tokens), then `pretrain_gpt.py --load DIR` continues.
+# AdamW as hybrid's with these flags: no weight decay (Megatron's decays no bias or norm,
+# DeepSpeed's one group all), no clipping, a constant rate.
+GPT_STAGE = 2
+GPT_ARGS = ["--num-layers", "2", "--hidden-size", "16", "--num-attention-heads", "2",
+            "--ffn-hidden-size", "64", "--seq-length", "16", "--max-position-embeddings", "16",
+            "--micro-batch-size", "2", "--global-batch-size", "4", "--mock-data",
+            "--tokenizer-type", "NullTokenizer", "--vocab-size", "99",
+            "--hidden-dropout", "0", "--attention-dropout", "0",
+            "--openai-gelu", "--lr", "0.003", "--min-lr", "0.003", "--lr-decay-style",
+            "constant", "--weight-decay", "0", "--clip-grad", "0", "--seed", "7",
+            "--train-iters", str(SAVED_AT + CONTINUED), "--eval-iters", "0",
+            "--log-interval", "1"]
+
+
+def gpt2_config():
+    """The GPT2LMHeadModel of GPT_ARGS (vocabulary: 99 ids and the end-of-document one)."""
+    from transformers import GPT2Config
+    return GPT2Config(vocab_size=100, n_positions=16, n_embd=16, n_layer=2, n_head=2,
+                      n_inner=64, activation_function="gelu_new", resid_pdrop=0.0,
+                      embd_pdrop=0.0, attn_pdrop=0.0, layer_norm_epsilon=1e-5,
+                      bos_token_id=99, eos_token_id=99)
+
+
+def gpt_batches(world: int, rank: int):
+    """Iteration i's (tokens, labels) of DP rank ``rank`` of ``world``: what
+    pretrain_gpt.py with GPT_ARGS feeds that rank (its micro-batches, concatenated)."""
+    from hybrid.config import build_config, parse_args
+    from hybrid.data.dataset import build_datasets, dp_micro_batches
+    from hybrid.data.tokenizer import build_tokenizer
+    cfg = build_config(parse_args(GPT_ARGS), world)
+    data = build_datasets(cfg.data, build_tokenizer(cfg.tokenizer))["train"]
+    gbs, mbs = cfg.loop.global_batch_size, cfg.loop.micro_batch_size
+
+    def at(i: int):
+        micro = dp_micro_batches(data, i * gbs, gbs, mbs, rank, world, torch.device("cpu"))
+        return torch.cat([m[0] for m in micro]), torch.cat([m[1] for m in micro])
+    return at
+
+
+def _gpt2_worker(rank: int, port: int, out_dir: str) -> None:
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(WORLD),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    import deepspeed
+    from transformers import GPT2LMHeadModel
+    deepspeed.init_distributed(dist_backend="gloo")
+    torch.manual_seed(0)
+    config = gpt2_config()
+    config._attn_implementation = "eager"  # (plain matmuls and softmax, as hybrid on the CPU)
+    model = GPT2LMHeadModel(config)
+    ds = {"train_batch_size": 4, "train_micro_batch_size_per_gpu": 2,
+          "gradient_clipping": 0.0, "steps_per_print": 10 ** 6,
+          "optimizer": {"type": "AdamW", "params": {"lr": 0.003, "betas": [0.9, 0.999],
+                                                    "eps": 1e-8, "weight_decay": 0.0,
+                                                    "torch_adam": True}},
+          "zero_optimization": {"stage": GPT_STAGE}}
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
+                                      config=ds)
+    batch = gpt_batches(WORLD, rank)
+    losses = []
+    for step in range(SAVED_AT + CONTINUED):
+        if step == SAVED_AT:
+            engine.save_checkpoint(out_dir)
+            if rank == 0:  # beside latest, as Hugging Face's Trainer writes it
+                model.config.save_pretrained(out_dir)
+        tokens, labels = batch(step)
+        logits = engine(tokens).logits
+        loss = nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]),
+                                           labels.reshape(-1))
+        engine.backward(loss)
+        engine.step()
+        mean = loss.detach().clone()
+        torch.distributed.all_reduce(mean)
+        losses.append(float(mean) / WORLD)
+    if rank == 0:
+        with open(os.path.join(out_dir, "losses.json"), "w") as f:
+            json.dump({"deepspeed": deepspeed.__version__, "world_size": WORLD,
+                       "zero_stage": GPT_STAGE, "saved_at": SAVED_AT,
+                       "pretrain_gpt_args": GPT_ARGS, "before": losses[:SAVED_AT],
+                       "after": losses[SAVED_AT:]}, f, indent=1)
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _clean(out: str) -> None:
+    for helper in ("zero_to_fp32.py", "zero_to_torch.py"):  # DeepSpeed's own scripts,
+        if os.path.exists(os.path.join(out, helper)):       # copied by every save
+            os.remove(os.path.join(out, helper))
+
+
+def main(argv: list[str]) -> int:
+    root = argv[0] if argv else "tests/fixtures/peers/deepspeed-0.19.8"
+    which = argv[1:] or ["net", "gpt2"]
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    if "gpt2" in which:
+        out = os.path.join(root, f"gpt2_zero{GPT_STAGE}")
+        shutil.rmtree(out, ignore_errors=True)
+        os.makedirs(out)
+        torch.multiprocessing.spawn(_gpt2_worker, args=(_port(), out), nprocs=WORLD)
+        _clean(out)
+        print(f"wrote {out}")
+    for stage in STAGES if "net" in which else ():
+        out = os.path.join(root, f"net_zero{stage}")
+        shutil.rmtree(out, ignore_errors=True)
+        os.makedirs(out)
+        torch.multiprocessing.spawn(_worker, args=(_port(), out, stage), nprocs=WORLD)
+        _clean(out)
+        if stage == 2:  # DeepSpeed's universal format of the same tag, by its own converter
+            subprocess.run([sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal",
+                            "--input_folder", os.path.join(out, f"global_step{SAVED_AT}"),
+                            "--output_folder",
+                            os.path.join(out, f"global_step{SAVED_AT}_universal"),
+                            "--num_extract_workers", "1", "--num_merge_workers", "1"],
+                           check=True, stdout=subprocess.DEVNULL)
+        print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

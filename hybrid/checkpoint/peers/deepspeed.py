@@ -1,0 +1,469 @@
+"""DeepSpeed ZeRO checkpoints (``engine.save_checkpoint``'s ``global_stepN/``), read with
+their optimizer state, and written back (:func:`write`).
+
+The files: :mod:`.deepspeed_files` (its Note).
+
+What comes over: the fp32 masters, both Adam moments and the step count, the engine's
+``global_steps`` (the iteration) and ``global_samples`` (consumed samples), and the
+scheduler's state (:func:`engine_state`, for the ``load_checkpoint`` door). DeepSpeed
+saves no RNG state (a line in ``notes``); nor does it save the data position beyond
+``global_samples``.
+"""
+
+from __future__ import annotations
+
+import builtins
+import functools
+import glob
+import json
+import math
+import os
+import re
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from hybrid.checkpoint.peers.deepspeed_files import (
+    FORMAT,
+    LATEST,
+    MODEL_FILE,
+    OPTIM_FILE,
+    Layout,
+    layout_3,
+    layout_12,
+    load_file,
+    need,
+)
+from hybrid.errors import CheckpointError
+
+COLUMNS = ("master", "exp_avg", "exp_avg_sq")
+
+# -- where the files are -------------------------------------------------------------------
+
+
+def _tag_dir(path: str, step: int | None) -> str | None:
+    """The tag's directory ``path`` means (it, when it holds model-state files; else
+    the one ``latest`` names, or ``global_step<step>``); None when neither."""
+    if step is not None:
+        d = os.path.join(path, f"global_step{step}")
+        return d if os.path.isdir(d) else None
+    if glob.glob(os.path.join(glob.escape(path), "*mp_rank_*_model_states.pt")):
+        return path
+    for name in (LATEST, LATEST + "_universal"):  # (ds_to_universal's, where it alone is)
+        latest = os.path.join(path, name)
+        if not os.path.isfile(latest) or os.path.getsize(latest) >= 4096:
+            continue
+        with builtins.open(latest, encoding="utf-8", errors="replace") as f:
+            tag = f.read().strip()
+        d = os.path.join(path, tag)
+        if tag and os.sep not in tag and glob.glob(
+                os.path.join(glob.escape(d), "*mp_rank_*_model_states.pt")):
+            return d
+    return None
+
+
+def detect(path: str) -> bool:
+    """Whether ``path`` is a DeepSpeed save directory (``latest`` naming a tag that holds
+    model-state files) or one tag's directory. A few globs and one tiny file read."""
+    return os.path.isdir(path) and _tag_dir(path, None) is not None
+
+
+def _files(tag_dir: str, pattern: re.Pattern) -> dict[tuple[int, int], str]:
+    """(dp rank, mp rank) -> path of the files ``pattern`` matches in ``tag_dir``."""
+    out = {}
+    for name in sorted(os.listdir(tag_dir)):
+        m = pattern.match(name)
+        if m:
+            out[(int(m.group(1) or 0), int(m.group(2)))] = os.path.join(tag_dir, name)
+    return out
+
+
+# -- the checkpoint --------------------------------------------------------------------------
+
+@dataclass
+class NameMap:
+    """How a DeepSpeed model's parameter names and tensors become hybrid's: ``names``
+    hybrid name -> DeepSpeed name (in hybrid's order); ``convert(hybrid_name, tensor)``
+    the full DeepSpeed tensor in hybrid's layout; ``shapes`` hybrid's full shapes; ``flags``
+    the model flags the names and shapes determine."""
+    names: dict[str, str]
+    shapes: dict[str, list[int]]
+    convert: Callable[[str, torch.Tensor], torch.Tensor] | None = None  # None: as they are
+    flags: dict = field(default_factory=dict)
+    vocab_size: int | None = None
+
+
+class DeepSpeedCheckpoint:
+    """One tag of a DeepSpeed ZeRO checkpoint (:mod:`.deepspeed_files`' Note), as a
+    :class:`~hybrid.checkpoint.peers.base.PeerCheckpoint`. ``shapes``: the model's
+    parameters by DeepSpeed's names (its module's own), unless ``names`` maps them."""
+
+    def __init__(self, tag_dir: str, names=None):
+        ms = self._header(tag_dir)
+        zero = (ms.get("ds_config") or {}).get("zero_optimization")
+        stage = (zero.get("stage") if isinstance(zero, dict)
+                 else None if zero is None else int(bool(zero)))
+        optims = _files(tag_dir, OPTIM_FILE)
+        if stage == 0 or (not optims and ms.get("optimizer") is not None):
+            raise CheckpointError(f"{self.model_file}: a {FORMAT} checkpoint without ZeRO (its "
+                                  f"optimizer state inside the model-state file): hybrid reads "
+                                  f"ZeRO 1-3 checkpoints (zero_pp_rank_*_optim_states.pt)")
+        world = int(ms.get("dp_world_size") or len(optims))
+        if sorted(optims) != [(r, 0) for r in range(world)]:
+            have = ", ".join(os.path.basename(p) for p in optims.values()) or "none"
+            raise CheckpointError(f"{tag_dir}: {FORMAT} dp_world_size {world} (in "
+                                  f"{os.path.basename(self.model_file)}) needs "
+                                  f"zero_pp_rank_0..{world - 1}_mp_rank_00_optim_states.pt; "
+                                  f"there: {have} (an incomplete or mixed save)")
+        self.world = world
+        self._optim_paths = [optims[(r, 0)] for r in range(world)]
+        self._open: dict[int, dict] = {}
+        # the stage: the ds_config's, else the optimizer file's (read when first needed)
+        self.stage: int | None = None if stage is None else int(stage)
+        self.format = f"{FORMAT} ZeRO" + ("" if stage is None else f" {stage}")
+        self._bind(ms, names)
+
+    def _header(self, tag_dir: str) -> dict:
+        """Read the model-state file: the counters, ``param_shapes``; returns its dict."""
+        self.path = tag_dir
+        self.notes: list[str] = []
+        models = _files(tag_dir, MODEL_FILE)
+        if not models:
+            raise CheckpointError(f"{tag_dir}: no *mp_rank_*_model_states.pt: not a {FORMAT} "
+                                  f"checkpoint")
+        if any(mp for _, mp in models):
+            raise CheckpointError(f"{sorted(models.values())[-1]}: a {FORMAT} checkpoint with "
+                                  f"model parallelism (mp_rank > 0): hybrid reads DeepSpeed's "
+                                  f"data-parallel ZeRO checkpoints (mp_world_size 1)")
+        self.model_file = models[min(models)]
+        ms = load_file(self.model_file)
+        self.model_state = {k: ms.get(k) for k in (
+            "global_steps", "global_samples", "lr_scheduler", "skipped_steps", "ds_version",
+            "dp_world_size", "mp_world_size", "ds_config")}
+        version = str(ms.get("ds_version", ""))
+        if not version.startswith("0."):
+            raise CheckpointError(f"{self.model_file}: ds_version {version or 'missing'}: "
+                                  f"hybrid reads checkpoints of DeepSpeed 0.x (tested: 0.19.8)")
+        groups = [{k: [int(d) for d in v] for k, v in g.items()}
+                  for g in need(ms, "param_shapes", self.model_file)]
+        if ms.get("frozen_param_shapes"):
+            raise CheckpointError(f"{self.model_file}: frozen parameters "
+                                  f"({', '.join(list(ms['frozen_param_shapes'])[:4])}): hybrid "
+                                  f"reads DeepSpeed checkpoints whose parameters all train")
+        layers = glob.glob(os.path.join(glob.escape(tag_dir), "layer_*-model_states.pt"))
+        if layers:
+            raise CheckpointError(f"{sorted(layers)[0]}: a {FORMAT} pipeline (PipelineModule) "
+                                  f"checkpoint: hybrid reads DeepSpeed's data-parallel ZeRO "
+                                  f"checkpoints")
+        if int(ms.get("mp_world_size") or 1) != 1:
+            raise CheckpointError(f"{self.model_file}: mp_world_size "
+                                  f"{ms['mp_world_size']}: hybrid reads DeepSpeed checkpoints "
+                                  f"of mp_world_size 1")
+        self.iteration = int(need(ms, "global_steps", self.model_file))
+        self.consumed_samples = int(ms.get("global_samples") or 0)
+        self._groups = groups
+        self.ds_shapes = {k: v for g in groups for k, v in g.items()}
+        return ms
+
+    def _bind(self, ms: dict, names) -> None:
+        """The names hybrid reads the parameters by (the Note on whose names)."""
+        self.notes.append("RNG state: DeepSpeed saves none; the run's generators start from "
+                          "its seed")
+        if names != "module":  # the --load route: hybrid's schedule, from the run's flags
+            self.notes.append(f"learning-rate schedule: hybrid's, from the run's flags at "
+                              f"iteration {self.iteration}; DeepSpeed's lr_scheduler state "
+                              f"({ms.get('lr_scheduler')}) is not read")
+        if names is None:
+            names = _gpt2_names(self.path, self.ds_shapes)
+        if names is None or names == "module":
+            names = NameMap({k: k for k in self.ds_shapes}, dict(self.ds_shapes))
+        self.names: NameMap = names
+        self.shapes = dict(names.shapes)
+        self.flags = dict(names.flags)
+        self.vocab_size = names.vocab_size
+
+    # -- what needs an optimizer file: read when first asked (a restart that finds its
+    # import done asks for none of it)
+    @functools.cached_property
+    def layout(self) -> Layout:
+        first, path = self._optim(0), self._optim_paths[0]
+        stage = int(need(first, "zero_stage", path))
+        if self.stage is None:
+            self.stage, self.format = stage, f"{FORMAT} ZeRO {stage}"
+        if stage != self.stage:
+            raise CheckpointError(f"{path}: zero_stage {stage}, but the ds_config in "
+                                  f"{os.path.basename(self.model_file)} says {self.stage} "
+                                  f"(files of two saves mixed)")
+        try:
+            if stage in (1, 2):
+                fp32 = need(first, "single_partition_of_fp32_groups", path)
+                pads = need(first, "group_paddings", path)
+                part = [int(t.numel()) + int(p) for t, p in zip(fp32, pads)]
+                layout = layout_12(self._groups, self.world, part,
+                                    first.get("param_alignment_paddings"))
+            elif stage == 3:
+                sub = [int(t.numel()) for t in need(first, "fp32_flat_groups", path)]
+                layout = layout_3(self._groups, self.world, sub)
+            else:
+                raise CheckpointError(f"{path}: zero_stage {stage}: hybrid reads DeepSpeed's "
+                                      f"ZeRO 1-3 optimizer files")
+        except ValueError as e:
+            raise CheckpointError(f"{path}: its partitions do not match param_shapes of "
+                                  f"{os.path.basename(self.model_file)}: {e}") from None
+        self.__dict__["layout"] = layout
+        if stage in (1, 2):
+            self._check_slice_mappings(0)
+        return layout
+
+    @functools.cached_property
+    def columns(self) -> tuple[str, ...]:
+        self.layout  # noqa: B018 (the stage checked first)
+        return COLUMNS if self._base_state(0).get("state") else COLUMNS[:1]
+
+    @functools.cached_property
+    def step(self) -> int:
+        self.layout  # noqa: B018 (the stage known first)
+        state = self._base_state(0).get("state") or {}
+        if not state:
+            return 0
+        step = next(iter(state.values())).get("step", 0)
+        return int(step.item() if isinstance(step, torch.Tensor) else step)
+
+    # -- files
+    def _optim(self, rank: int) -> dict:
+        if rank not in self._open:
+            path = self._optim_paths[rank]
+            self._open[rank] = need(load_file(path), "optimizer_state_dict", path)
+        return self._open[rank]
+
+    def _base_state(self, rank: int) -> dict:
+        o = self._optim(rank)
+        key = "base_optimizer_state" if self.stage in (1, 2) else "optimizer_state_dict"
+        return need(o, key, self._optim_paths[rank])
+
+    def _check_slice_mappings(self, rank: int) -> None:
+        """The parameters' places DeepSpeed recorded for ``rank`` equal the computed ones."""
+        maps = self._optim(rank).get("param_slice_mappings")
+        if not maps:
+            return
+        for g, mapping in enumerate(maps):
+            for name, addr in mapping.items():
+                mine = [p for p in self.layout.pieces.get(name, [])
+                        if p.rank == rank and p.group == g]
+                got = getattr(addr, "__dict__", {})
+                if [(p.offset, p.numel) for p in mine] != [(got.get("start"), got.get("numel"))]:
+                    raise CheckpointError(
+                        f"{self._optim_paths[rank]}: param_slice_mappings puts {name} at "
+                        f"{got}, the partition layout at "
+                        f"{[(p.offset, p.numel) for p in mine]} (a checkpoint of another "
+                        f"shape or world size)")
+
+    def _flat(self, rank: int, group: int, column: str, path: str) -> torch.Tensor:
+        o = self._optim(rank)
+        if column == "master":
+            key = ("single_partition_of_fp32_groups" if self.stage in (1, 2)
+                   else "fp32_flat_groups")
+            return need(o, key, path)[group]
+        state = self._base_state(rank).get("state", {})
+        if group not in state or column not in state[group]:
+            raise CheckpointError(f"{path}: no {column} of flat group {group} in its "
+                                  f"optimizer state")
+        return state[group][column]
+
+    def read_ds(self, ds_name: str) -> dict[str, torch.Tensor]:
+        """``{column: full fp32 tensor}`` of DeepSpeed's parameter ``ds_name``, its shape."""
+        shape = self.ds_shapes[ds_name]
+        n = math.prod(shape)
+        out = {}
+        for column in self.columns:
+            flat = torch.empty(n, dtype=torch.float32)
+            for p in self.layout.pieces.get(ds_name, []):
+                path = self._optim_paths[p.rank]
+                if p.rank not in self._open and self.stage in (1, 2):
+                    self._optim(p.rank)
+                    self._check_slice_mappings(p.rank)
+                src = self._flat(p.rank, p.group, column, path)
+                if p.offset + p.numel > src.numel():
+                    raise CheckpointError(
+                        f"{path}: flat group {p.group} ({column}) holds {src.numel()} "
+                        f"elements, {ds_name} needs up to {p.offset + p.numel} (a truncated "
+                        f"or mixed-world checkpoint)")
+                flat[p.start:p.start + p.numel] = src.reshape(-1)[p.offset:p.offset + p.numel]
+            out[column] = flat.view(shape)
+        return out
+
+    def read(self, name: str) -> dict[str, torch.Tensor]:
+        values = self.read_ds(self.names.names[name])
+        convert = self.names.convert
+        if convert is not None:
+            values = {k: convert(name, v) for k, v in values.items()}
+        return values
+
+    def close(self) -> None:
+        self._open.clear()
+
+
+class DeepSpeedUniversal(DeepSpeedCheckpoint):
+    """DeepSpeed's universal checkpoint (``ds_to_universal``'s ``global_stepN_universal/``:
+    the model-state file, and ``zero/<name>/{fp32,exp_avg,exp_avg_sq,step}.pt`` holding
+    each parameter whole, as ``{"param": tensor, "cat_dim": ...}``), read as the ZeRO one
+    is. It holds no layout: any DP size and stage load it alike."""
+
+    def __init__(self, tag_dir: str, names=None):
+        ms = self._header(tag_dir)
+        self.stage, self.world = None, int(ms.get("dp_world_size") or 1)  # (what saved it)
+        self.format = f"{FORMAT} universal"
+        self._open = {}  # (no partition files: read_ds opens one file per value)
+        self._zero = os.path.join(tag_dir, "zero")
+        missing = [n for n in self.ds_shapes
+                   if not os.path.isfile(os.path.join(self._zero, n, "fp32.pt"))]
+        if missing:
+            raise CheckpointError(f"{self._zero}: no {missing[0]}/fp32.pt (of "
+                                  f"{len(missing)} parameters of param_shapes missing): an "
+                                  f"incomplete universal checkpoint")
+        self._bind(ms, names)
+
+    def _file(self, ds_name: str, what: str) -> str:
+        return os.path.join(self._zero, ds_name, f"{what}.pt")
+
+    @functools.cached_property
+    def columns(self) -> tuple[str, ...]:
+        first = next(iter(self.ds_shapes))
+        return COLUMNS if os.path.isfile(self._file(first, "exp_avg")) else COLUMNS[:1]
+
+    @functools.cached_property
+    def step(self) -> int:
+        path = self._file(next(iter(self.ds_shapes)), "step")
+        if not os.path.isfile(path):
+            return 0
+        step = load_file(path, want=(torch.Tensor, int, float))
+        return int(step.item() if isinstance(step, torch.Tensor) else step)
+
+    def read_ds(self, ds_name: str) -> dict[str, torch.Tensor]:
+        shape = self.ds_shapes[ds_name]
+        out = {}
+        for column, what in zip(self.columns, ("fp32", "exp_avg", "exp_avg_sq")):
+            path = self._file(ds_name, what)
+            saved = load_file(path, want=(dict, torch.Tensor))
+            t = saved.get("param") if isinstance(saved, dict) else saved
+            if not isinstance(t, torch.Tensor) or t.numel() != math.prod(shape):
+                got = list(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+                raise CheckpointError(f"{path}: holds {got}, param_shapes says {shape} (a "
+                                      f"universal checkpoint of another model, or damaged)")
+            out[column] = t.float().reshape(shape)
+        return out
+
+
+# [Note: whose names]
+# A DeepSpeed checkpoint names parameters by the module DeepSpeed trained. Loaded by a
+# script under hybrid.deepspeed (engine.load_checkpoint) the module is the same, so the
+# names stay as they are (names="module"). Loaded by pretrain_gpt.py --load, the model is
+# hybrid's GPT: a transformers GPT2LMHeadModel's names and layouts map through
+# hybrid.hf.gpt2's table (the one the Hugging Face import uses), with its config.json
+# (n_head: c_attn's rows go per head) beside `latest` or in the tag's directory, where
+# Hugging Face's Trainer writes it; other modules' names stay as they are (the load then
+# names what does not match).
+def _gpt2_names(tag_dir: str, ds_shapes: dict[str, list[int]]) -> NameMap | None:
+    """The :class:`NameMap` of a GPT2LMHeadModel's checkpoint, None for other models."""
+    if "transformer.h.0.attn.c_attn.weight" not in ds_shapes:
+        return None
+    from hybrid.hf.gpt2 import hf_names, param_from_hf
+    where = [os.path.join(tag_dir, "config.json"),
+             os.path.join(os.path.dirname(tag_dir.rstrip(os.sep)), "config.json")]
+    path = next((p for p in where if os.path.isfile(p)), None)
+    if path is None:
+        raise CheckpointError(f"{tag_dir}: a transformers GPT2LMHeadModel's {FORMAT} "
+                              f"checkpoint; hybrid needs the model's config.json (n_head) "
+                              f"beside 'latest' or in that directory, as Hugging Face's "
+                              f"Trainer saves it: model.config.save_pretrained(dir)")
+    try:
+        with builtins.open(path, encoding="utf-8") as f:
+            hc = json.load(f)
+        layers, heads = int(hc["n_layer"]), int(hc["n_head"])
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise CheckpointError(f"{path}: not a readable GPT-2 config.json ({e})") from None
+    if hc.get("model_type", "gpt2") != "gpt2":
+        raise CheckpointError(f"{path}: model_type {hc.get('model_type')!r}, but the "
+                              f"checkpoint's parameters are GPT-2's")
+    table = hf_names(layers)
+    missing = [d for d in table.values() if d not in ds_shapes]
+    extra = [d for d in ds_shapes if d not in table.values() and d != "lm_head.weight"]
+    if missing or extra:
+        raise CheckpointError(f"{tag_dir}: its parameters are not those of the {layers}-layer "
+                              f"GPT-2 of {path}: missing {missing[:4]}, extra {extra[:4]}")
+    shapes = {h: list(param_from_hf(h, torch.empty(ds_shapes[d], device="meta"), heads).shape)
+              for h, d in table.items()}
+    for key in ("scale_attn_by_inverse_layer_idx", "reorder_and_upcast_attn",
+                "add_cross_attention"):
+        if hc.get(key):
+            raise CheckpointError(f"{path}: {key} is true; hybrid's GPT-2 has no such option")
+    if hc.get("scale_attn_weights") is False:
+        raise CheckpointError(f"{path}: scale_attn_weights is false; hybrid's attention "
+                              f"scales by 1/sqrt(head size)")
+    act = hc.get("activation_function", "gelu_new")
+    if act not in ("gelu_new", "gelu_pytorch_tanh", "gelu"):
+        raise CheckpointError(f"{path}: activation_function {act!r}; hybrid's GPT-2 MLP "
+                              f"computes gelu_new, gelu_pytorch_tanh or gelu")
+    flags = {"num_layers": layers, "hidden_size": int(hc["n_embd"]),
+             "num_attention_heads": heads,
+             "ffn_hidden_size": int(hc.get("n_inner") or 4 * int(hc["n_embd"])),
+             "max_position_embeddings": int(hc["n_positions"]),
+             "openai_gelu": act != "gelu"}
+
+    def convert(name: str, t: torch.Tensor) -> torch.Tensor:
+        return param_from_hf(name, t, heads).contiguous()
+    return NameMap(table, shapes, convert, flags, int(hc["vocab_size"]))
+
+
+def open(path: str, step: int | None = None, names=None) -> DeepSpeedCheckpoint:  # noqa: A001
+    """The DeepSpeed checkpoint under ``path`` (a save directory: the tag ``latest``
+    names, or ``global_step<step>``; or one tag's directory). ``names``: a
+    :class:`NameMap`, ``"module"`` for DeepSpeed's names as they are, or None: a
+    GPT2LMHeadModel's mapped to hybrid's GPT (the Note on whose names), others as they
+    are."""
+    tag_dir = _tag_dir(path, step)
+    if tag_dir is None:
+        what = f"global_step{step}" if step is not None else f"{LATEST} naming a tag"
+        raise CheckpointError(f"{path}: no {FORMAT} checkpoint ({what} with "
+                              f"*mp_rank_*_model_states.pt)")
+    if os.path.isdir(os.path.join(tag_dir, "zero")) and not _files(tag_dir, OPTIM_FILE):
+        return DeepSpeedUniversal(tag_dir, names)
+    return DeepSpeedCheckpoint(tag_dir, names)
+
+
+def engine_state(path: str, step: int | None = None) -> dict:
+    """The engine's counters a DeepSpeed checkpoint records: ``global_steps``,
+    ``global_samples``, ``skipped_steps``, ``lr_scheduler`` (its state dict, or None), and
+    ``client_state`` (what the caller passed to ``save_checkpoint``). Reads the one
+    model-state file."""
+    tag_dir = _tag_dir(path, step)
+    if tag_dir is None:
+        raise CheckpointError(f"{path}: no {FORMAT} checkpoint")
+    models = _files(tag_dir, MODEL_FILE)
+    if not models:
+        raise CheckpointError(f"{tag_dir}: no *mp_rank_*_model_states.pt")
+    ms = load_file(models[min(models)])
+    out = {k: ms.get(k) for k in ("global_steps", "global_samples", "skipped_steps",
+                                  "lr_scheduler")}
+    out["client_state"] = {k: v for k, v in ms.items() if k not in _ENGINE_KEYS}
+    return out
+
+
+# What DeepSpeed's engine writes into a model-state file itself; the rest is the caller's
+# client_state, which save_checkpoint merges in at the top level.
+_ENGINE_KEYS = frozenset((
+    "module", "buffer_names", "optimizer", "param_shapes", "frozen_param_shapes",
+    "shared_params", "frozen_param_fragments", "lr_scheduler", "data_sampler", "random_ltd",
+    "sparse_tensor_module_names", "skipped_steps", "global_steps", "global_samples",
+    "dp_world_size", "mp_world_size", "checkpoint_parallel_dimensions", "ds_config",
+    "ds_version", "universal_checkpoint_info"))
+
+
+def write(checkpoint: str, out_dir: str, dp_size: int = 1, zero_stage: int = 2,
+          **kw) -> str:
+    """The way back: hybrid checkpoint ``checkpoint`` as a DeepSpeed ZeRO ``zero_stage``
+    checkpoint of ``dp_size`` ranks under ``out_dir``
+    (:func:`hybrid.checkpoint.peers.deepspeed_export.write`)."""
+    from hybrid.checkpoint.peers.deepspeed_export import write as export
+    return export(checkpoint, out_dir, dp_size, zero_stage, **kw)

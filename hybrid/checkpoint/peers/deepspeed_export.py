@@ -1,0 +1,279 @@
+"""The way back: a hybrid checkpoint written as DeepSpeed 0.19.8's ZeRO checkpoint, which
+DeepSpeed's own ``engine.load_checkpoint`` loads and continues from.
+
+The files are those DeepSpeed writes (:mod:`hybrid.checkpoint.peers.deepspeed_files`' Note),
+for a DP size and a ZeRO stage (1, 2 or 3) of the caller's choosing: the fp32 masters,
+both Adam moments and the step count in each rank's flat partition (with DeepSpeed's
+padding), the engine's ``global_steps`` and ``global_samples``, and the scheduler's
+state where hybrid's engine saved one (the ``hybrid.deepspeed`` door's schedulers have
+DeepSpeed's state dicts). DeepSpeed's own classes in the pickles (the ZeRO stage enum,
+the loss scaler, the fragment addresses) are written under DeepSpeed's names by a
+pickler that does not import DeepSpeed, so the export runs where DeepSpeed is not
+installed.
+
+Memory: one rank's partitions at a time (the checkpoint is read once per DP rank, one
+parameter at a time), not the whole model's state.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import pickle
+import shutil
+import types
+from collections import OrderedDict
+from typing import Any
+
+import torch
+
+from hybrid.checkpoint import iter_full_params, resolve_checkpoint
+from hybrid.checkpoint.peers.deepspeed_files import (
+    LATEST,
+    STANDINS,
+    FragmentAddress,
+    LossScaler,
+    ZeroStage,
+    layout_3,
+    layout_12,
+)
+from hybrid.errors import CheckpointError
+
+VERSION = "0.19.8"  # the DeepSpeed version whose layout is written (and tested)
+_DS_NAME = {cls: tuple(path.rsplit(".", 1)) for cls, path in STANDINS}
+
+
+_PyPickler: Any = pickle._Pickler  # (the pure-Python pickler: save_global overridable)
+
+
+class _Pickler(_PyPickler):
+    """pickle's Python pickler, writing the stand-in classes under DeepSpeed's names."""
+
+    def save_global(self, obj, name=None):
+        target = _DS_NAME.get(obj)
+        if target is None:
+            super().save_global(obj, name)
+            return
+        module, qual = target
+        if self.proto >= 4:
+            self.save(module)
+            self.save(qual)
+            self.write(pickle.STACK_GLOBAL)
+        else:
+            self.write(pickle.GLOBAL + f"{module}\n{qual}\n".encode())
+        self.memoize(obj)
+
+    dispatch = dict(_PyPickler.dispatch)
+
+
+_PICKLE = types.SimpleNamespace(Pickler=_Pickler, __name__="pickle")
+
+
+def _save(obj, path: str) -> None:
+    torch.save(obj, path, pickle_module=_PICKLE)
+
+
+def _record(cls, **attrs):
+    out = cls.__new__(cls)
+    out.__dict__.update(attrs)
+    return out
+
+
+def _align(n: int, to: int) -> int:
+    return to * -(-n // to)
+
+
+def write(checkpoint: str, out_dir: str, dp_size: int = 1, zero_stage: int = 2, *,
+          names: dict[str, str] | None = None, convert=None, ds_config: dict | None = None,
+          tag: str | None = None) -> str:
+    """Write hybrid checkpoint ``checkpoint`` (an ``iter_N`` or a save directory: its
+    newest) as DeepSpeed ZeRO ``zero_stage`` checkpoint of ``dp_size`` ranks into
+    ``out_dir/<tag>`` (default ``global_stepN``), and ``out_dir/latest`` naming it;
+    return the tag's directory.
+
+    ``names``: hybrid name -> DeepSpeed name (default: a ``pretrain_gpt.py`` GPT's as a
+    transformers GPT2LMHeadModel's, with its ``config.json`` beside ``latest``; any other
+    model's names as they are); the parameters in the checkpoint's order form DeepSpeed's
+    one optimizer group, the order a DeepSpeed engine built from ``model.parameters()``
+    has. ``convert(hybrid_name, tensor)``: the tensor in DeepSpeed's layout.
+    ``ds_config``: recorded in the files (DeepSpeed does not read it back).
+    CheckpointError for an existing tag, a checkpoint without optimizer state, or a stage
+    hybrid does not write."""
+    if zero_stage not in (1, 2, 3):
+        raise CheckpointError(f"--zero-stage {zero_stage}: hybrid writes DeepSpeed ZeRO 1-3 "
+                              f"checkpoints")
+    if dp_size < 1:
+        raise CheckpointError(f"--dp {dp_size}: at least 1")
+    ckpt = resolve_checkpoint(checkpoint)
+    meta, params = iter_full_params(ckpt, ("master",))
+    shapes = {n: list(s) for n, s in meta["model"].items()}
+    params.close()
+    if meta.get("zero_layout", {}).get("columns") == ["master"]:
+        raise CheckpointError(f"{ckpt}: saved without optimizer state (--no-save-optim): "
+                              f"a DeepSpeed checkpoint to continue from needs its moments")
+    hf_config, shared = None, {}
+    if names is None and "blocks.0.attn.qkv.weight" in shapes:  # hybrid's GPT: as GPT-2
+        names, convert, hf_config = _gpt2_export(ckpt, meta)
+        shared = {"lm_head.weight": "transformer.wte.weight"}  # tied: one parameter
+    names = names or {n: n for n in shapes}
+    iteration = int(meta["iteration"])
+    tag = tag or f"global_step{iteration}"
+    final = os.path.join(out_dir, tag)
+    if os.path.exists(final):
+        raise CheckpointError(f"{final}: already exists; not overwriting it")
+    tmp = os.path.join(out_dir, f".tmp_{tag}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    os.makedirs(tmp)
+
+    ds_shapes = _ds_shapes(ckpt, shapes, names, convert)
+    groups = [ds_shapes]
+    api = meta.get("api") or {}
+    # (a pretrain_gpt.py run's schedule is its flags': written as DeepSpeed's own
+    # schedulers' state at that step, which is all their state dicts hold)
+    schedule = meta.get("lr_scheduler") or {"last_batch_iteration": iteration - 1}
+    record: dict[str, Any] = {
+        "global_steps": int(api.get("global_steps", iteration)),
+        "global_samples": int(api.get("global_samples", meta["consumed_samples"])),
+        "lr_scheduler": schedule, "step": int(meta.get("step") or 0)}
+    group = _param_group(meta)
+    config = ds_config or {"zero_optimization": {"stage": zero_stage}}
+    stage_enum = ZeroStage(zero_stage)
+    total = sum(math.prod(s) for s in ds_shapes.values())
+    if zero_stage in (1, 2):
+        part = _align(total, 2 * dp_size) // dp_size
+        layout = layout_12(groups, dp_size, [part], None)
+    else:
+        per = [-(-math.prod(s) // dp_size) for s in ds_shapes.values()]
+        layout = layout_3(groups, dp_size, [sum(per)])
+        part = sum(per)
+    for rank in range(dp_size):
+        flat = {k: torch.zeros(part) for k in ("master", "exp_avg", "exp_avg_sq")}
+        _, params = iter_full_params(ckpt)
+        for name, values in params:
+            mine = [p for p in layout.pieces[names[name]] if p.rank == rank]
+            for k, v in values.items() if mine else ():
+                whole = (convert(name, v) if convert is not None else v).reshape(-1)
+                for p in mine:
+                    flat[k][p.offset:p.offset + p.numel] = whole[p.start:p.start + p.numel]
+        state = {0: {"step": torch.tensor(float(record["step"])), "exp_avg": flat["exp_avg"],
+                     "exp_avg_sq": flat["exp_avg_sq"]}}
+        base = {"state": state, "param_groups": [{**group, "params": [0]}]}
+        scaler = _record(LossScaler, cur_scale=1.0, dynamic=False)
+        if zero_stage in (1, 2):
+            pad = min(part, max(0, (rank + 1) * part - total))  # past the model's end
+            mappings = OrderedDict(
+                (n, _record(FragmentAddress, numel=p.numel, start=p.offset))
+                for n in ds_shapes for p in layout.pieces[n] if p.rank == rank)
+            osd = {"loss_scaler": scaler, "dynamic_loss_scale": False, "overflow": False,
+                   "clip_grad": float(config.get("gradient_clipping", 0.0)),
+                   "base_optimizer_state": base,
+                   "single_partition_of_fp32_groups": [flat["master"][:part - pad].clone()],
+                   "zero_stage": stage_enum, "group_paddings": [pad],
+                   "param_alignment_paddings": [[0] * len(ds_shapes)],
+                   "partition_count": [dp_size], "ds_version": VERSION,
+                   "param_slice_mappings": [mappings]}
+        else:
+            osd = {"zero_stage": stage_enum, "loss_scaler": scaler,
+                   "dynamic_loss_scale": False, "overflow": False, "partition_count": dp_size,
+                   "optimizer_state_dict": base, "fp32_flat_groups": [flat["master"]]}
+        _save({"optimizer_state_dict": osd, "ds_config": config, "ds_version": VERSION},
+              os.path.join(tmp, f"zero_pp_rank_{rank}_mp_rank_00_optim_states.pt"))
+        del flat, state, base
+    model_state = {"buffer_names": [], "optimizer": None,
+                   "param_shapes": [OrderedDict((n, torch.Size(s)) for n, s in ds_shapes.items())],
+                   "frozen_param_shapes": OrderedDict(), "shared_params": dict(shared),
+                   "frozen_param_fragments": OrderedDict(),
+                   "lr_scheduler": record["lr_scheduler"], "data_sampler": None,
+                   "random_ltd": None, "skipped_steps": 0,
+                   "global_steps": record["global_steps"],
+                   "global_samples": record["global_samples"], "dp_world_size": dp_size,
+                   "mp_world_size": 1,
+                   "checkpoint_parallel_dimensions": {"pp_degree": 1, "tp_degree": 1},
+                   "ds_config": config, "ds_version": VERSION}
+    if zero_stage == 3:  # every rank's file, the module's parameters as empty placeholders
+        for rank in range(dp_size):
+            module = OrderedDict((n, torch.empty(0)) for n in ds_shapes)
+            for alias, of in shared.items():
+                module[alias] = module[of]
+            _save({"module": module, **model_state},
+                  os.path.join(tmp, f"zero_pp_rank_{rank}_mp_rank_00_model_states.pt"))
+    else:  # the whole module, its weights the masters (fp32 training)
+        _, params = iter_full_params(ckpt, ("master",))
+        module = OrderedDict()
+        for name, values in params:
+            v = values["master"]
+            module[names[name]] = convert(name, v) if convert is not None else v
+        for alias, of in shared.items():  # (the module's state dict names both)
+            module[alias] = module[of]
+        _save({"module": module, **model_state},
+              os.path.join(tmp, "mp_rank_00_model_states.pt"))
+    os.replace(tmp, final)
+    if hf_config is not None:  # beside latest, where Hugging Face's Trainer keeps it
+        with open(os.path.join(out_dir, "config.json"), "w") as f:
+            json.dump(hf_config, f, indent=1)
+    with open(os.path.join(out_dir, f".{LATEST}.tmp"), "w") as f:
+        f.write(tag)
+    os.replace(os.path.join(out_dir, f".{LATEST}.tmp"), os.path.join(out_dir, LATEST))
+    return final
+
+
+def _gpt2_export(ckpt: str, meta: dict):
+    """(names, convert, config.json) writing hybrid's GPT as a transformers
+    GPT2LMHeadModel (hybrid.hf.gpt2's table; the vocabulary's padding rows dropped);
+    CheckpointError for a GPT that is not GPT-2 shaped (RMSNorm, SwiGLU, rotary, ...)."""
+    from hybrid.config.architecture import architecture_fields
+    from hybrid.hf.gpt2 import hf_config, hf_names, param_to_hf
+    cfg = meta.get("config") or {}
+    arch = architecture_fields(cfg)
+    gpt2 = {"normalization": "LayerNorm", "swiglu": False,
+            "position_embedding_type": "learned_absolute", "num_query_groups": None,
+            "untie_embeddings_and_output_weights": False, "add_bias_linear": True,
+            "qk_layernorm": False, "add_qkv_bias": False}
+    differ = [f"{k}={arch[k]!r}" for k, v in gpt2.items() if arch[k] != v]
+    if differ:
+        raise CheckpointError(f"{ckpt}: a GPT with {', '.join(differ)}: hybrid writes "
+                              f"DeepSpeed checkpoints of GPT-2 shaped models (a "
+                              f"transformers GPT2LMHeadModel)")
+    vocab, heads = meta.get("vocab_size"), int(cfg["num_attention_heads"])
+    if vocab is None:
+        raise CheckpointError(f"{ckpt}: no vocab_size in its metadata.json")
+    names = hf_names(int(cfg["num_layers"]))
+    extra = sorted(set(meta["model"]) - set(names))
+    if extra:
+        raise CheckpointError(f"{ckpt}: parameters GPT-2 has not: {', '.join(extra[:4])}")
+
+    def convert(name: str, t: torch.Tensor) -> torch.Tensor:
+        t = param_to_hf(name, t, heads)
+        return (t[:vocab] if name == "wte.weight" else t).contiguous()
+    return names, convert, hf_config(cfg, int(vocab))
+
+
+def _ds_shapes(ckpt: str, shapes: dict[str, list[int]], names: dict[str, str],
+               convert) -> OrderedDict:
+    """DeepSpeed name -> shape, in the checkpoint's order (a ``convert`` may change a
+    shape: GPT-2's transposed Conv1D weights; the shape is taken from a meta tensor)."""
+    out: OrderedDict = OrderedDict()
+    for n, s in shapes.items():
+        if n not in names:
+            raise CheckpointError(f"{ckpt}: parameter {n} has no DeepSpeed name")
+        shape = s if convert is None else convert(n, torch.empty(s, device="meta")).shape
+        out[names[n]] = torch.Size(shape)
+    return out
+
+
+def _param_group(meta: dict) -> dict:
+    """torch AdamW's group settings for DeepSpeed's base optimizer: the ones the engine
+    saved (``optimizer_groups``: the rate the schedule last set), else the config's."""
+    saved = meta.get("optimizer_groups") or []
+    if len(saved) > 1:
+        raise CheckpointError("the checkpoint's optimizer has several parameter groups: "
+                              "hybrid writes DeepSpeed checkpoints of one group")
+    cfg = meta.get("config") or {}
+    g = dict(saved[0]) if saved else {}
+    betas = g.get("betas") or [cfg.get("adam_beta1", 0.9), cfg.get("adam_beta2", 0.999)]
+    return {"lr": float(g.get("lr", cfg.get("lr", 1e-3))), "betas": tuple(betas),
+            "eps": float(g.get("eps", cfg.get("adam_eps", 1e-8))),
+            "weight_decay": float(g.get("weight_decay", cfg.get("weight_decay", 0.0))),
+            "amsgrad": False, "maximize": False, "foreach": None, "capturable": False,
+            "differentiable": False, "fused": None, "decoupled_weight_decay": True}

@@ -1,0 +1,470 @@
+"""DeepSpeed 0.19.8 checkpoints into hybrid, and hybrid's back into DeepSpeed.
+
+The fixtures under tests/fixtures/peers/deepspeed-0.19.8/ were written by DeepSpeed itself
+(benchmarks/peers/record_deepspeed_checkpoint.py: 2 ranks, ZeRO 2 and ZeRO 3, 3 steps of
+:class:`Net`, then 10 more whose losses are in ``losses.json``). A script that calls
+``engine.load_checkpoint(dir)`` under ``import hybrid.deepspeed as deepspeed`` continues
+them: its next 10 losses equal DeepSpeed's within 2e-6, at DeepSpeed's layout (2 ranks,
+the same stage) and at others (1 rank; stage 1 from a stage-2 save, stage 3 from 2,
+stage 2 from 3). The masters and moments hybrid imported equal the ones in DeepSpeed's
+files, read here with torch.load and a few lines of arithmetic rather than the reader.
+Bad input is one CheckpointError naming the file, with nothing imported.
+
+Only the way back (:func:`test_deepspeed_continues_from_hybrid_s_export`) needs DeepSpeed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import math
+import os
+import pickle
+import shutil
+import types
+
+import pytest
+import torch
+
+from hybrid.checkpoint import iter_full_params
+from hybrid.errors import CheckpointError
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+FIXTURES = os.path.join(ROOT, "tests", "fixtures", "peers", "deepspeed-0.19.8")
+TOLERANCE = 2e-6
+
+
+def _recorder():
+    """benchmarks/peers/record_deepspeed_checkpoint.py: the model, config and batches
+    DeepSpeed trained with."""
+    path = os.path.join(ROOT, "benchmarks", "peers", "record_deepspeed_checkpoint.py")
+    spec = importlib.util.spec_from_file_location("record_deepspeed_checkpoint", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _copy(name: str, dst) -> str:
+    out = os.path.join(str(dst), name)
+    shutil.copytree(os.path.join(FIXTURES, name), out)
+    return out
+
+
+def _tree_digest(path: str) -> dict[str, str]:
+    out = {}
+    for d, _, files in os.walk(path):
+        for f in files:
+            p = os.path.join(d, f)
+            with open(p, "rb") as fh:
+                out[os.path.relpath(p, path)] = hashlib.sha256(fh.read()).hexdigest()
+    return out
+
+
+def _continue(ps, load_dir: str, stage: int) -> list[float]:
+    """A DeepSpeed user's script under hybrid: build, load_checkpoint, train 10 steps;
+    the global batch's loss of each (the mean over the DP ranks' micro-batches)."""
+    from hybrid import deepspeed
+    rec = _recorder()
+    torch.manual_seed(123)  # other initial weights: the load must replace them all
+    net = rec.Net()
+    engine, *_ = deepspeed.initialize(model=net, model_parameters=net.parameters(),
+                                      config=rec.config(stage), mpu=ps)
+    path, client = engine.load_checkpoint(load_dir)
+    assert path.endswith(os.path.join("hybrid_import", "iter_0000003")), path
+    assert (engine.global_steps, engine.global_samples) == (3, 24)
+    assert engine.lr_scheduler.state_dict() == {"last_batch_iteration": 2}
+    per, rank, world = rec.GLOBAL_BATCH // ps.dp_size, ps.dp_rank, ps.dp_size
+    losses = []
+    for step in range(rec.SAVED_AT, rec.SAVED_AT + rec.CONTINUED):
+        x, y = rec.batch(step)
+        loss = rec.loss_of(engine(x[rank * per:(rank + 1) * per]), y[rank * per:(rank + 1) * per])
+        engine.backward(loss)
+        engine.step()
+        mean = loss.detach().clone().reshape(1)
+        if world > 1:
+            ps.world_group.all_reduce(mean)
+        losses.append(float(mean) / world)
+    engine.close()
+    return losses
+
+
+def _two_ranks(ps, cases):
+    return [_continue(ps, d, stage) for d, stage in cases]
+
+
+def _worst(got, want) -> float:
+    assert len(got) == len(want) == 10
+    return max(abs(a - b) for a, b in zip(got, want))
+
+
+def _after(name: str) -> list[float]:
+    with open(os.path.join(FIXTURES, name, "losses.json")) as f:
+        return json.load(f)["after"]
+
+
+def test_a_deepspeed_checkpoint_continues_exactly_at_two_ranks(tmp_path):
+    """DeepSpeed's layout (DP 2, its stage) and another stage, in one 2-rank launch;
+    DeepSpeed's files and its ``latest`` are left as they were."""
+    from tests.helpers.harness import run_ranks
+    cases = [(_copy("net_zero2", tmp_path / "a"), 2), (_copy("net_zero3", tmp_path / "b"), 3),
+             (_copy("net_zero2", tmp_path / "c"), 3), (_copy("net_zero3", tmp_path / "d"), 2)]
+    before = {d: _tree_digest(os.path.join(d, "global_step3")) for d, _ in cases}
+    out = run_ranks(_two_ranks, world_size=2, args=(cases,))
+    assert out[0] == out[1]
+    for (d, stage), got in zip(cases, out[0]):
+        want = _after(os.path.basename(d))
+        assert _worst(got, want) <= TOLERANCE, (d, stage, got, want)
+        assert _tree_digest(os.path.join(d, "global_step3")) == before[d]
+        with open(os.path.join(d, "latest")) as f:
+            assert f.read().strip() == "global_step3"
+
+
+class _Anything:
+    """Whatever DeepSpeed class a pickle names, kept as its saved attributes."""
+
+    def __init__(self, *args, **kw):
+        self.args = args
+
+    def __setstate__(self, state):
+        self.__dict__.update(state if isinstance(state, dict) else {"state": state})
+
+
+class _Unpickler(pickle.Unpickler):
+    def find_class(self, module, name):
+        if module.startswith("deepspeed"):
+            return _Anything
+        return super().find_class(module, name)
+
+
+_PICKLE = types.SimpleNamespace(Unpickler=_Unpickler, load=pickle.load, __name__="p")
+
+
+def _deepspeed_full_values(tag_dir: str) -> dict[str, dict[str, torch.Tensor]]:
+    """Each parameter's master and moments, gathered from DeepSpeed's optimizer files as
+    zero_to_fp32 documents the layout (each rank's flat partition end to end at stages
+    1-2; each parameter split over the ranks at stage 3)."""
+    files = sorted(f for f in os.listdir(tag_dir) if f.endswith("optim_states.pt"))
+    states = [torch.load(os.path.join(tag_dir, f), weights_only=False,
+                         pickle_module=_PICKLE)["optimizer_state_dict"] for f in files]
+    model = next(f for f in os.listdir(tag_dir) if f.endswith("model_states.pt"))
+    shapes = torch.load(os.path.join(tag_dir, model), weights_only=False,
+                        pickle_module=_PICKLE)["param_shapes"][0]
+    out: dict[str, dict[str, torch.Tensor]] = {n: {} for n in shapes}
+    if "single_partition_of_fp32_groups" in states[0]:
+        flat = {"master": torch.cat([s["single_partition_of_fp32_groups"][0] for s in states])}
+        for k in ("exp_avg", "exp_avg_sq"):
+            flat[k] = torch.cat([s["base_optimizer_state"]["state"][0][k] for s in states])
+        at = 0
+        for n, shape in shapes.items():
+            for k, v in flat.items():
+                out[n][k] = v[at:at + math.prod(shape)].view(shape)
+            at += math.prod(shape)
+    else:
+        flats = [{"master": s["fp32_flat_groups"][0],
+                  **{k: s["optimizer_state_dict"]["state"][0][k] for k in ("exp_avg",
+                                                                          "exp_avg_sq")}}
+                 for s in states]
+        at = 0
+        for n, shape in shapes.items():
+            q = -(-math.prod(shape) // len(states))
+            for k in flats[0]:
+                whole = torch.cat([f[k][at:at + q] for f in flats])
+                out[n][k] = whole[:math.prod(shape)].view(shape)
+            at += q
+    return out
+
+
+def _one_rank_continues(load_dir: str, stage: int) -> list[float]:
+    from hybrid.parallel.state import ParallelState
+    return _continue(ParallelState.single(), load_dir, stage)
+
+
+@pytest.mark.parametrize("fixture,stage", [("net_zero2", 1), ("net_zero3", 3)])
+def test_one_rank_continues_and_imports_deepspeed_s_values(tmp_path, fixture, stage):
+    """At 1 rank (another DP size, and another stage from ZeRO 2): the same 10 losses;
+    the imported masters, moments and step are DeepSpeed's; a second load (a restart)
+    reads the import and none of DeepSpeed's optimizer files (emptied, it still loads)."""
+    d = _copy(fixture, tmp_path)
+    got = _one_rank_continues(d, stage)
+    assert _worst(got, _after(fixture)) <= TOLERANCE, got
+    want = _deepspeed_full_values(os.path.join(d, "global_step3"))
+    meta, params = iter_full_params(os.path.join(d, "hybrid_import", "iter_0000003"))
+    seen = dict(params)
+    assert sorted(seen) == sorted(want)
+    for n, values in want.items():
+        for k, v in values.items():
+            assert torch.equal(seen[n][k], v), (n, k)
+    assert (meta["step"], meta["iteration"], meta["consumed_samples"]) == (3, 3, 24)
+    assert meta["imported_from"]["format"] == f"DeepSpeed ZeRO {fixture[-1]}"
+    for f in os.listdir(os.path.join(d, "global_step3")):
+        if f.endswith("optim_states.pt"):  # emptied: a read of one would fail
+            open(os.path.join(d, "global_step3", f), "w").close()
+    assert _one_rank_continues(d, stage) == got
+
+
+def test_deepspeed_s_universal_checkpoint_continues_the_same(tmp_path):
+    """ds_to_universal's conversion of the ZeRO 2 save (``global_step3_universal/``, one
+    file per parameter and value): load_checkpoint with its tag continues with
+    DeepSpeed's losses, its values those of the ZeRO files."""
+    from hybrid import deepspeed
+    from hybrid.checkpoint.peers import deepspeed as ds
+    from hybrid.parallel.state import ParallelState
+    rec = _recorder()
+    d = _copy("net_zero2", tmp_path)
+    universal, zero = ds.open(os.path.join(d, "global_step3_universal")), ds.open(d)
+    assert (universal.format, universal.step, universal.iteration) == (
+        "DeepSpeed universal", 3, 3)
+    for n in zero.shapes:
+        a, b = zero.read(n), universal.read(n)
+        assert all(torch.equal(a[k], b[k]) for k in a), n
+    torch.manual_seed(9)
+    net = rec.Net()
+    engine = deepspeed.initialize(model=net, model_parameters=net.parameters(),
+                                  config=rec.config(3), mpu=ParallelState.single())[0]
+    engine.load_checkpoint(d, tag="global_step3_universal")
+    assert (engine.global_steps, engine.lr_scheduler.state_dict()) == (
+        3, {"last_batch_iteration": 2})
+    losses = []
+    for step in range(rec.SAVED_AT, rec.SAVED_AT + rec.CONTINUED):
+        x, y = rec.batch(step)
+        loss = rec.loss_of(engine(x), y)
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    assert _worst(losses, _after("net_zero2")) <= TOLERANCE, losses
+
+
+def test_bad_deepspeed_checkpoints_are_one_error_naming_the_file(tmp_path):
+    """A truncated optimizer file, a missing rank's file, a model of another shape: one
+    CheckpointError each, naming the file; nothing imported."""
+    from hybrid import deepspeed
+    from hybrid.parallel.state import ParallelState
+    rec = _recorder()
+
+    def engine_of(net):
+        return deepspeed.initialize(model=net, model_parameters=net.parameters(),
+                                    config=rec.config(2), mpu=ParallelState.single())[0]
+
+    d = _copy("net_zero2", tmp_path / "truncated")
+    victim = os.path.join(d, "global_step3", "zero_pp_rank_1_mp_rank_00_optim_states.pt")
+    with open(victim, "r+b") as f:
+        f.truncate(os.path.getsize(victim) // 2)
+    with pytest.raises(CheckpointError, match=rf"^{victim}: not a readable DeepSpeed "
+                                              rf"checkpoint file \(truncated"):
+        engine_of(rec.Net()).load_checkpoint(d)
+    # nothing published (an unfinished .tmp_iter_* is what the next attempt replaces)
+    assert not [n for n in os.listdir(os.path.join(d, "hybrid_import")) if n[0] != "."]
+
+    d = _copy("net_zero3", tmp_path / "missing")
+    os.remove(os.path.join(d, "global_step3", "zero_pp_rank_1_mp_rank_00_optim_states.pt"))
+    with pytest.raises(CheckpointError, match=r"global_step3: DeepSpeed dp_world_size 2 .*"
+                                              r"zero_pp_rank_0\.\.1_mp_rank_00_optim_states"):
+        engine_of(rec.Net()).load_checkpoint(d)
+
+    d = _copy("gpt2_zero2", tmp_path / "noconfig")  # a GPT-2's heads are in config.json
+    os.remove(os.path.join(d, "config.json"))
+    from hybrid.checkpoint.peers import deepspeed as ds
+    with pytest.raises(CheckpointError, match=rf"^{d}/global_step3: a transformers "
+                                              rf"GPT2LMHeadModel's DeepSpeed checkpoint; "
+                                              rf"hybrid needs the model's config.json"):
+        ds.open(d)
+
+    d = _copy("net_zero2", tmp_path / "shape")
+    other = torch.nn.Sequential()
+    other.fc1, other.fc2 = torch.nn.Linear(7, 9), torch.nn.Linear(9, 6)
+    with pytest.raises(CheckpointError, match=rf"^{d}/global_step3/mp_rank_00_model_states"
+                                              rf"\.pt: a checkpoint of another model: "
+                                              rf"fc2\.weight is \[5, 9\] there and \[6, 9\]"):
+        engine_of(other).load_checkpoint(d)
+    assert not os.path.exists(os.path.join(d, "hybrid_import"))  # refused before any write
+
+
+def test_an_export_reads_back_as_the_hybrid_checkpoint_it_came_from(tmp_path):
+    """The way back without DeepSpeed: hybrid's checkpoint written as DeepSpeed's at
+    several DP sizes and stages reads back (through the DeepSpeed reader, which checks
+    DeepSpeed's own slice records) to the same masters, moments, step and counters."""
+    from hybrid.checkpoint.peers import deepspeed as ds
+    d = _copy("net_zero3", tmp_path)
+    _one_rank_continues(d, 2)
+    src = os.path.join(d, "hybrid_import", "iter_0000003")
+    _, params = iter_full_params(src)
+    want = dict(params)
+    for stage, dp in ((1, 3), (2, 2), (3, 2), (3, 4)):
+        out = str(tmp_path / f"out{stage}{dp}")
+        assert ds.write(src, out, dp, stage) == os.path.join(out, "global_step3")
+        back = ds.open(out)
+        assert (back.stage, back.world, back.step, back.iteration, back.consumed_samples) == (
+            stage, dp, 3, 3, 24)
+        for n, values in want.items():
+            got = back.read(n)
+            assert all(torch.equal(got[k], v) for k, v in values.items()), (stage, dp, n)
+        back.close()
+    with pytest.raises(CheckpointError, match="global_step3: already exists"):
+        ds.write(src, str(tmp_path / "out22"), 2, 2)
+
+
+def _deepspeed_rank(rank: int, port: int, load_dir: str, stage: int, steps: int, out: str):
+    """One DeepSpeed rank: load ``load_dir``, train ``steps`` of the recorder's batches
+    from the checkpoint's step; rank 0 writes the global losses to ``out``."""
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2",
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), DS_ACCELERATOR="cpu")
+    import deepspeed
+    deepspeed.init_distributed(dist_backend="gloo")
+    rec = _recorder()
+    torch.manual_seed(77)
+    net = rec.Net()
+    engine, *_ = deepspeed.initialize(model=net, model_parameters=net.parameters(),
+                                      config=rec.config(stage))
+    path, _ = engine.load_checkpoint(load_dir)
+    assert path is not None
+    start, per = engine.global_steps, rec.GLOBAL_BATCH // 2
+    losses = []
+    for step in range(start, start + steps):
+        x, y = rec.batch(step)
+        loss = rec.loss_of(engine(x[rank * per:(rank + 1) * per]), y[rank * per:(rank + 1) * per])
+        engine.backward(loss)
+        engine.step()
+        mean = loss.detach().clone()
+        torch.distributed.all_reduce(mean)
+        losses.append(float(mean) / 2)
+    if rank == 0:
+        with open(out, "w") as f:
+            json.dump({"start": start, "losses": losses,
+                       "samples": engine.global_samples}, f)
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
+
+
+@pytest.mark.peer("deepspeed")
+def test_deepspeed_continues_from_hybrid_s_export(tmp_path):
+    """hybrid trains 10 steps and saves; its checkpoint exported as DeepSpeed's (2 ranks,
+    ZeRO 2 and ZeRO 3) is loaded by DeepSpeed 0.19.8's own engine.load_checkpoint, whose
+    next 5 losses equal hybrid's next 5 within 2e-6."""
+    from hybrid import deepspeed as hds
+    from hybrid.checkpoint.peers import deepspeed as ds
+    from hybrid.parallel.state import ParallelState
+    from tests.helpers.launch import free_port
+    rec, steps = _recorder(), 5
+    torch.manual_seed(0)
+    net = rec.Net()
+    engine, *_ = hds.initialize(model=net, model_parameters=net.parameters(),
+                                config=rec.config(2), mpu=ParallelState.single())
+    losses = []
+    for step in range(10 + steps):
+        if step == 10:
+            saved = engine.save_checkpoint(str(tmp_path / "hybrid"))
+        x, y = rec.batch(step)
+        loss = rec.loss_of(engine(x), y)
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    engine.close()
+    for stage in (2, 3):
+        out = str(tmp_path / f"ds{stage}")
+        ds.write(saved, out, 2, stage)
+        got = str(tmp_path / f"losses{stage}.json")
+        torch.multiprocessing.spawn(_deepspeed_rank, nprocs=2,
+                                    args=(free_port(), out, stage, steps, got))
+        with open(got) as f:
+            theirs = json.load(f)
+        assert theirs["start"] == 10 and theirs["samples"] == (10 + steps) * rec.GLOBAL_BATCH
+        worst = max(abs(a - b) for a, b in zip(theirs["losses"], losses[10:]))
+        assert len(theirs["losses"]) == steps and worst <= TOLERANCE, (stage, theirs, losses)
+
+
+def test_pretrain_gpt_continues_a_deepspeed_gpt2_run(tmp_path):
+    """The script route: DeepSpeed trained a transformers GPT2LMHeadModel (ZeRO 2, 2
+    ranks, its config.json beside ``latest`` as Hugging Face's Trainer leaves it) on the
+    batches ``pretrain_gpt.py`` reads; ``pretrain_gpt.py --load DS_DIR --save NEW``
+    imports it through GPT-2's name table and continues with DeepSpeed's next 10 losses,
+    at DeepSpeed's layout (DP 2, ZeRO 2) and at TP 2."""
+    from tests.helpers.launch import pretrain, read_json_log
+    rec = _recorder()
+    d = _copy("gpt2_zero2", tmp_path)
+    want = _after("gpt2_zero2")
+    for name, layout in (("dp2", ["--zero-stage", "2"]),
+                         ("tp2", ["--tensor-model-parallel-size", "2"])):
+        log = str(tmp_path / f"{name}.json")
+        r = pretrain(2, [*rec.GPT_ARGS, *layout, "--load", d, "--save",
+                         str(tmp_path / name), "--log-json", log])
+        assert r.returncode == 0, r.stderr[-3000:]
+        lines = read_json_log(log)
+        assert [m["iteration"] for m in lines] == list(range(4, 14))
+        assert _worst([m["loss"] for m in lines], want) <= TOLERANCE, (name, lines, want)
+    meta, params = iter_full_params(str(tmp_path / "tp2" / "iter_0000003"), ("master",))
+    params.close()
+    assert meta["imported_from"]["format"] == "DeepSpeed ZeRO 2"
+    assert meta["config"]["num_attention_heads"] == 2 and meta["vocab_size"] == 100
+
+
+def _deepspeed_gpt2_rank(rank: int, port: int, load_dir: str, steps: int, out: str):
+    """One DeepSpeed rank of a GPT2LMHeadModel built from the export's config.json: load,
+    train ``steps`` on pretrain_gpt.py's batches; rank 0 writes the global losses."""
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2",
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), DS_ACCELERATOR="cpu")
+    import deepspeed
+    from transformers import GPT2Config, GPT2LMHeadModel
+    deepspeed.init_distributed(dist_backend="gloo")
+    rec = _recorder()
+    config = GPT2Config.from_pretrained(load_dir)
+    config._attn_implementation = "eager"
+    model = GPT2LMHeadModel(config)
+    ds = {"train_batch_size": 4, "train_micro_batch_size_per_gpu": 2,
+          "gradient_clipping": 0.0, "steps_per_print": 10 ** 6,
+          "optimizer": {"type": "AdamW", "params": {"lr": 0.003, "weight_decay": 0.0,
+                                                    "torch_adam": True}},
+          "zero_optimization": {"stage": 3}}
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
+                                      config=ds)
+    engine.load_checkpoint(load_dir)
+    batch, start, losses = rec.gpt_batches(2, rank), engine.global_steps, []
+    for step in range(start, start + steps):
+        tokens, labels = batch(step)
+        logits = engine(tokens).logits
+        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]),
+                                                 labels.reshape(-1))
+        engine.backward(loss)
+        engine.step()
+        mean = loss.detach().clone()
+        torch.distributed.all_reduce(mean)
+        losses.append(float(mean) / 2)
+    if rank == 0:
+        with open(out, "w") as f:
+            json.dump({"start": start, "losses": losses}, f)
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
+
+
+@pytest.mark.peer("deepspeed")
+def test_deepspeed_continues_pretrain_gpt_s_export_as_gpt2(tmp_path):
+    """pretrain_gpt.py trains 10 steps (TP 2) and saves; ``convert_checkpoint.py export
+    --to deepspeed`` writes it for DeepSpeed at DP 2, ZeRO 3, as a transformers
+    GPT2LMHeadModel; DeepSpeed loads it and its next 3 losses equal hybrid's."""
+    pytest.importorskip("transformers")
+    from tests.helpers.launch import free_port, pretrain, read_json_log, run_script
+    rec, steps = _recorder(), 3
+    save, log = str(tmp_path / "hybrid"), str(tmp_path / "log.json")
+    args = [a if a != str(rec.SAVED_AT + rec.CONTINUED) else str(10 + steps)
+            for a in rec.GPT_ARGS]
+    r = pretrain(2, [*args, "--tensor-model-parallel-size", "2", "--save", save,
+                     "--save-interval", "10", "--log-json", log])
+    assert r.returncode == 0, r.stderr[-3000:]
+    ours = [m["loss"] for m in read_json_log(log)][10:]
+    out = str(tmp_path / "ds")
+    r = run_script("convert_checkpoint", ["export", "--to", "deepspeed",
+                                          os.path.join(save, "iter_0000010"), out,
+                                          "--dp-size", "2", "--zero-stage", "3"])
+    assert r.returncode == 0, r.stderr
+    got = str(tmp_path / "theirs.json")
+    torch.multiprocessing.spawn(_deepspeed_gpt2_rank, nprocs=2,
+                                args=(free_port(), out, steps, got))
+    with open(got) as f:
+        theirs = json.load(f)
+    assert theirs["start"] == 10 and len(ours) == steps
+    assert _worst_of(theirs["losses"], ours) <= TOLERANCE, (theirs, ours)
+
+
+def _worst_of(got, want) -> float:
+    assert len(got) == len(want)
+    return max(abs(a - b) for a, b in zip(got, want))
