@@ -149,6 +149,10 @@ def main(argv=None) -> int:
         return export_megatron(argv[3:])
     if argv[:3] == ["export", "--to", "deepspeed"]:
         return export_deepspeed(argv[3:])
+    if argv[:1] == ["export"]:
+        print("convert_checkpoint.py: error: export takes --to deepspeed, megatron or dcp "
+              "first (export --to FORMAT CHECKPOINT OUT_DIR)", file=sys.stderr)
+        return 2
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("checkpoint", help="an iter_* directory, or a --save directory (newest)")
     ap.add_argument("output", help="the single file to write")

@@ -5,6 +5,8 @@ checkpoint's ``client_state`` may hold (:mod:`hybrid.checkpoint.client_state`).
 
 * :mod:`.save`         sharded checkpoints: atomic save, exact resume, the files on disk
 * :mod:`.async_save`   ``--async-save``: the files written on a thread, published from the loop
+* :mod:`.snapshot`     what an asynchronous save copies while the step waits: host memory, or
+                       the nvme tier's swap file copied on disk
 * :mod:`.load`         load a checkpoint into a running engine, in the same layout or any other
 * :mod:`.files`        finding and reading checkpoints on disk; every error names the file
 * :mod:`.layout`       where every saved value lives: the ``zero_layout`` of ``metadata.json``

@@ -12,7 +12,7 @@ flags                  weights   iteration, data    optimizer   RNG
 
 "Fresh optimizer": both Adam moments zero, step count 0, the loss scaler as
 configured (Megatron keeps the loss scale in the optimizer state). The
-learning rate is a function of the iteration (:mod:`hybrid.train.lr_schedule`), so
+learning rate is a function of the iteration (:mod:`hybrid.config.lr_schedule`), so
 after ``--no-load-optim`` it continues where the checkpoint was; Megatron
 instead restarts its scheduler when the optimizer is not loaded.
 A checkpoint saved with ``--no-save-optim`` holds no optimizer state: loading
@@ -105,7 +105,7 @@ def start_from_checkpoint(ck: CheckpointConfig, engine: ZeroEngine, ps: Parallel
     if load_dir == ck.load:
         imported = import_for_load(ck.load, ck.save, ps, config or {}, vocab_size,
                                    None if ck.load_format == "auto" else ck.load_format,
-                                   ck.ckpt_step, owner)
+                                   ck.ckpt_step, owner, model=engine.model)
         if imported is not None:  # the peer's iteration, now hybrid's in --save
             load_dir, step = imported
     info: dict = {}

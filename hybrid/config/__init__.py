@@ -13,6 +13,8 @@
 * :mod:`.deepspeed_keys`     every ds_config key hybrid knows, what it does with each, and the
                              type of its value
 * :mod:`.deepspeed_schedule` a ds_config ``scheduler`` block as hybrid's learning-rate flags
+* :mod:`.lr_schedule`        the learning rate at an iteration or sample count, a pure function
+                             of the schedule's section; DeepSpeed's schedulers' counting
 * :mod:`.checks`             every check that can reject a command line, and its message
 * :mod:`.kinds`              the type a ds_config value or API argument must have, and its check
 * :mod:`.architecture`       the Llama-family flags (normalization, SwiGLU, RoPE, GQA, biases)

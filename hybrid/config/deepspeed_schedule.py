@@ -11,7 +11,7 @@ hybrid's schedule is Megatron's: warmup over ``--lr-warmup-iters`` from
                     to cos_min_ratio x lr at total_num_steps
 
 Steps count as DeepSpeed's schedulers count them (``--lr-schedule-steps deepspeed``,
-:func:`hybrid.train.lr_schedule.deepspeed_lr`): the first two optimizer steps run at
+:func:`hybrid.config.lr_schedule.deepspeed_lr`): the first two optimizer steps run at
 the warmup's start (WarmupCosineLR's first at 0), so the rates equal DeepSpeed's
 step for step.
 Every length comes from the scheduler's own keys: WarmupLR's schedule is its

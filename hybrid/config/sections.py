@@ -396,11 +396,11 @@ class LRScheduleConfig:
     hyperparameters are in :class:`AdamWConfig`).
 
     ``unit``: "iterations" or "samples" -- what ``warmup`` and ``decay`` count,
-    and what :func:`hybrid.train.lr_schedule.scheduled_lr` is stepped by.
+    and what :func:`hybrid.config.lr_schedule.scheduled_lr` is stepped by.
     Warmup rises from ``warmup_init`` to ``lr``, linearly or (``warmup_style``
     "log", DeepSpeed's default) as log(step) / log(warmup). ``steps``: "megatron"
     (optimizer step k takes the schedule's iteration k) or "deepspeed" (DeepSpeed's
-    schedulers' own counting and formulas: :func:`hybrid.train.lr_schedule.deepspeed_lr`).
+    schedulers' own counting and formulas: :func:`hybrid.config.lr_schedule.deepspeed_lr`).
     """
 
     lr: float = opt(1e-3, "peak learning rate", above=0)

@@ -4,7 +4,7 @@ Unlike WarmupLR and its kin (points of hybrid's warmup + decay schedule,
 :mod:`hybrid.config.deepspeed_schedule`), these two have shapes of their own,
 and OneCycle also cycles Adam's beta1. They are scheduler objects over the
 optimizer's ``param_groups``, counting as DeepSpeed's do ([Note: DeepSpeed's
-step counting] in :mod:`hybrid.train.lr_schedule`): built, they write the rate of
+step counting] in :mod:`hybrid.config.lr_schedule`): built, they write the rate of
 optimizer step 1; each ``step()`` after an applied optimizer step moves ``i`` (the
 count minus one) on and writes the next.
 

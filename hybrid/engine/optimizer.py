@@ -35,6 +35,7 @@ import torch
 from torch import nn
 
 from hybrid.config import TrainConfig
+from hybrid.config.lr_schedule import scheduled_lr
 from hybrid.config.sections import AdamWConfig, LRScheduleConfig
 from hybrid.engine.ds_schedulers import (
     GroupSchedule,
@@ -45,7 +46,6 @@ from hybrid.engine.ds_schedulers import (
 )
 from hybrid.engine.surface import EngineOptimizer
 from hybrid.errors import ConfigError
-from hybrid.train.lr_schedule import scheduled_lr
 from hybrid.zero.client_optimizer import check_groups
 
 log = logging.getLogger("hybrid")

@@ -7,7 +7,6 @@
 * :mod:`.step`             GPT's stages on :mod:`hybrid.pipeline.step`: one optimizer step and
                            one evaluation at any PP size
 * :mod:`.batches`          global batch ramp-up and run length, as functions of samples
-* :mod:`.lr_schedule`      the learning rate at an iteration or sample count
 * :mod:`.early_exit`       --exit-interval, --exit-duration-in-mins, --exit-signal-handler
 * :mod:`.orphans`          a worker ends with its launcher (Linux's parent-death signal)
 * :mod:`.error_report`     a failed worker's error line, said once by the launcher
@@ -26,6 +25,7 @@
 * :mod:`.stragglers`       the slowest and fastest rank of a log interval
 * :mod:`.moe_stats`        the MoE layers' routing each step: the expert bias, the log line
 
-``hybrid.initialize``'s engine, which reuses :mod:`.lr_schedule` and :mod:`.orphans`,
+``hybrid.initialize``'s engine, which reuses :mod:`.orphans` (and the schedule,
+:mod:`hybrid.config.lr_schedule`),
 is its own package one floor up: :mod:`hybrid.engine`.
 """

@@ -20,6 +20,7 @@ from hybrid.checkpoint.resume import start_from_checkpoint
 from hybrid.checkpoint.save import finish_save, prepare_save
 from hybrid.checkpoint.snapshot import snapshot_for
 from hybrid.config import TrainConfig
+from hybrid.config.lr_schedule import scheduled_lr
 from hybrid.data.dataset import build_datasets, dp_micro_batches
 from hybrid.data.tokenizer import build_tokenizer
 from hybrid.errors import ConfigError
@@ -32,7 +33,6 @@ from hybrid.train.activation_meter import SavedActivationMeter
 from hybrid.train.batches import finished, global_batch_size_at, total_iterations
 from hybrid.train.early_exit import EarlyExit
 from hybrid.train.host_memory import return_freed_memory
-from hybrid.train.lr_schedule import scheduled_lr
 from hybrid.train.metrics import IntervalMetrics, stage_flops_per_token
 from hybrid.train.moe_stats import MoEWatch
 from hybrid.train.monitor import Monitor

@@ -52,11 +52,11 @@ def _reference(ckpt, consumed, iteration, steps):
 
     from hybrid.checkpoint import merged_state
     from hybrid.config import build_config, parse_args
+    from hybrid.config.lr_schedule import scheduled_lr
     from hybrid.data.dataset import build_datasets, dp_micro_batches
     from hybrid.data.tokenizer import build_tokenizer
     from hybrid.parallel.state import ParallelState
     from hybrid.tensor_parallel import seed_all
-    from hybrid.train.lr_schedule import scheduled_lr
     from hybrid.train.setup import build_model
     cfg = build_config(parse_args(_args(1, 0)), 1)
     ps = ParallelState.single()

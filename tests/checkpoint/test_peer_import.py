@@ -33,6 +33,9 @@ class FakePeer:
         self.values = {n: {c: torch.randn(s, generator=g) for c in self.columns}
                        for n, s in self.shapes.items()}
 
+    def configure(self, config):
+        pass
+
     def read(self, name):
         self.asked.append(name)
         if name == self.fail_on:

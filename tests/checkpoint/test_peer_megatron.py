@@ -63,7 +63,7 @@ def _flags(rec: dict, ps, zero_stage: int, micro: int):
 def _megatron_lr(rec: dict, iteration: int) -> float:
     """The rate Megatron-LM's iteration ``iteration`` runs at: its scheduler's after
     ``iteration - 1`` steps (it steps the scheduler after the optimizer)."""
-    from hybrid.train.lr_schedule import learning_rate
+    from hybrid.config.lr_schedule import learning_rate
     return learning_rate(iteration - 1, rec["lr"], rec["min_lr"], rec["warmup_iters"],
                          rec["decay_iters"], "cosine")
 
@@ -92,7 +92,7 @@ def _continue(ps, load_dir: str, save_dir: str, zero_stage: int, rec: dict,
     vocab = rec["shape"]["vocab"]
     model, _, engine = build_engine(cfg, ps, vocab, rng)
     model.train()
-    got = import_for_load(load_dir, save_dir, ps, cfg.to_dict(), vocab)
+    got = import_for_load(load_dir, save_dir, ps, cfg.to_dict(), vocab, model=engine.model)
     assert got is not None and got[1] == rec["iteration"]
     it, consumed = load_checkpoint(got[0], engine, ps, cfg.seed, rng, vocab, step=got[1])
     losses = []
@@ -193,13 +193,14 @@ def test_another_backend_or_two_saves_mixed_is_one_error_naming_the_file(tmp_pat
 
 
 def test_another_model_shape_is_refused_by_the_load(tmp_path):
-    """The import is one rank's checkpoint of Megatron's shapes; a run of another model
-    (3 layers) is refused by the load's model check, naming the checkpoint."""
+    """A run of another model (3 layers) is refused before the import writes anything,
+    naming Megatron's checkpoint."""
     rec = _record()
     rec["shape"] = dict(rec["shape"], num_layers=3)
-    with pytest.raises(Exception, match=r"CheckpointError: \S+metadata.json: checkpoint is "
-                                        r"for a different model"):
+    with pytest.raises(Exception, match=r"CheckpointError: \S+iter_0000003 \(Megatron\S* "
+                                        r"\S+\): checkpoint is for a different model"):
         run_ranks(_continue, world_size=2, tp=2, args=(FIXTURE, str(tmp_path / "s"), 0, rec))
+    assert not os.path.exists(tmp_path / "s") or not os.listdir(tmp_path / "s")
 
 
 def _more(rec: dict, n: int = 4) -> list:

@@ -12,8 +12,8 @@ from hybrid.config import build_config, parse_args
 from hybrid.config.deepspeed import apply_ds_config
 from hybrid.config.deepspeed_keys import KEYS, Custom, Flag, Hint, Refuse, kind_of, quiet
 from hybrid.config.flags import Flags
+from hybrid.config.lr_schedule import scheduled_lr
 from hybrid.errors import ConfigError
-from hybrid.train.lr_schedule import scheduled_lr
 from tests.helpers.launch import TINY, pretrain, read_json_log, script_module
 
 

@@ -13,8 +13,8 @@ import pytest
 
 from hybrid.config import build_config, parse_args
 from hybrid.config.deepspeed import apply_ds_config
+from hybrid.config.lr_schedule import scheduled_lr
 from hybrid.engine.ds_schedulers import OneCycleSchedule, RangeTestSchedule, kind_of, settings
-from hybrid.train.lr_schedule import scheduled_lr
 from tests.engine.record_deepspeed_schedules import CASES, LR, PATH, STEPS, deepspeed_rates
 
 RECORDED = json.loads(Path(PATH).read_text(encoding="utf-8"))

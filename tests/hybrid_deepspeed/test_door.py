@@ -119,18 +119,16 @@ def test_load_on_another_framework_s_checkpoint_is_refused_by_name(tmp_path, fmt
     with pytest.raises(CheckpointError) as e:
         engine.load_checkpoint(str(tmp_path))
     said = str(e.value)
-    shown = {"DeepSpeed": "global_step4/mp_rank_00_model_states.pt",
-             "Megatron-LM": "latest_checkpointed_iteration.txt",
-             "torch.distributed.checkpoint (DCP)": ".metadata"}
-    name = fmt.removesuffix(" torch_dist")
-    if name == "DeepSpeed":  # read for real now (the peer import): the empty file is named
-        assert said == (f"{tmp_path}/global_step4/mp_rank_00_model_states.pt: empty file "
-                        f"(0 bytes): a truncated DeepSpeed checkpoint file"), said
-        assert engine.global_steps == 0
-        return
-    assert f"holds a {name} checkpoint (" in said and "hybrid does not read" in said, said
-    assert f"{tmp_path}/{shown[name]})" in said or f"{tmp_path}/global_step4 holds" in said, said
+    # each is read for real now (the peer import): the empty file met first is named
+    shown = {"DeepSpeed": ("global_step4/mp_rank_00_model_states.pt", "empty file"),
+             "Megatron-LM": ("iter_0000010/mp_rank_00/model_optim_rng.pt", "truncated"),
+             "Megatron-LM torch_dist": ("iter_0000010/metadata.json", "version"),
+             "torch.distributed.checkpoint (DCP)": (".metadata", "not a readable DCP")}
+    path, why = shown[fmt]
+    assert said.startswith(f"{tmp_path}/{path}: ") and why in said, said
     assert engine.global_steps == 0
+    assert not any(n.startswith("hybrid_import") and os.listdir(tmp_path / n)
+                   for n in os.listdir(tmp_path)), os.listdir(tmp_path)  # nothing imported
 
 
 def test_a_string_tag_round_trips_and_latest_names_it(tmp_path):

@@ -6,9 +6,9 @@ import os
 import pytest
 
 from hybrid.config import build_config, parse_args
+from hybrid.config.lr_schedule import learning_rate, scheduled_lr
 from hybrid.config.sections import LoopConfig
 from hybrid.train.batches import finished, global_batch_size_at, total_iterations
-from hybrid.train.lr_schedule import learning_rate, scheduled_lr
 
 BASE = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
         "--seq-length", "16", "--micro-batch-size", "2"]

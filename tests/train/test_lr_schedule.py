@@ -4,7 +4,7 @@ import math
 
 import pytest
 
-from hybrid.train.lr_schedule import learning_rate
+from hybrid.config.lr_schedule import learning_rate
 
 LR, MIN, WARM, DECAY = 1e-3, 1e-4, 10, 110
 

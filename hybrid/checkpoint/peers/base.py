@@ -54,6 +54,13 @@ class PeerCheckpoint(Protocol):
     vocab_size: int | None
     notes: list[str]
 
+    def configure(self, config: dict) -> None:
+        """Take what the format leaves unrecorded from the run's flat flags ``config`` (a
+        DCP checkpoint's head count, which its RoPE rows' order depends on), before any
+        :meth:`read`; CheckpointError naming the file when they do not fit its shapes.
+        Most formats record all they need: nothing to do."""
+        ...
+
     def read(self, name: str) -> dict[str, torch.Tensor]:
         """``{column: full fp32 tensor of shapes[name]}`` for each of ``columns``."""
         ...

@@ -575,8 +575,8 @@ def _next_lr(c: dict, iteration: int, consumed_samples: int) -> float:
     from types import SimpleNamespace
 
     from hybrid.config.build import _section
+    from hybrid.config.lr_schedule import scheduled_lr
     from hybrid.config.sections import LRScheduleConfig
-    from hybrid.train.lr_schedule import scheduled_lr
     try:
         f = SimpleNamespace(**c)
         sched = _section(f, "lr_schedule", **LRScheduleConfig.derived(f))  # type: ignore[arg-type]

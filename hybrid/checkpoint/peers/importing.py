@@ -22,10 +22,11 @@ import os
 import torch
 
 from hybrid.checkpoint.files import complete_checkpoints, iter_name, read_metadata
+from hybrid.checkpoint.load import check_model
 from hybrid.checkpoint.ownership import write_owner
 from hybrid.checkpoint.peers import detect_peer, open_peer
 from hybrid.checkpoint.peers.base import PeerCheckpoint
-from hybrid.checkpoint.save import write_single_rank_checkpoint
+from hybrid.checkpoint.save import whole_model_signature, write_single_rank_checkpoint
 from hybrid.errors import CheckpointError
 from hybrid.parallel.agree import agree_error
 from hybrid.parallel.state import ParallelState
@@ -40,10 +41,8 @@ def import_peer(peer: PeerCheckpoint, save_dir: str, config: dict,
     the ones the peer determines (``peer.flags``) over them; ``vocab_size``: the run's
     tokenizer's, when the peer does not record one. One process (rank 0 of a run). A
     peer whose format leaves part of the model's shape unrecorded (a DCP checkpoint's
-    head count) takes it from ``config`` first, through its ``configure(config)``."""
-    configure = getattr(peer, "configure", None)
-    if configure is not None:
-        configure(config)
+    head count) takes it from ``config`` first (:meth:`PeerCheckpoint.configure`)."""
+    peer.configure(config)
     for line in peer.notes:
         log.warning("%s (%s): %s", peer.path, peer.format, line)
     os.makedirs(save_dir, exist_ok=True)
@@ -61,7 +60,8 @@ def import_peer(peer: PeerCheckpoint, save_dir: str, config: dict,
 
 def import_for_load(load_dir: str, save_dir: str | None, ps: ParallelState, config: dict,
                     vocab_size: int | None, fmt: str | None = None, step: int | None = None,
-                    owner: dict | None = None, opener=None) -> tuple[str, int] | None:
+                    owner: dict | None = None, opener=None,
+                    model: torch.nn.Module | None = None) -> tuple[str, int] | None:
     """Collective over the world: when ``load_dir`` holds a peer's checkpoint (format
     ``fmt``, or detected), rank 0 imports its newest iteration (or ``step``) into
     ``save_dir`` (:func:`import_peer`; recording ``owner``, the run's claim, as the
@@ -71,12 +71,16 @@ def import_for_load(load_dir: str, save_dir: str | None, ps: ParallelState, conf
     message. An ``iter_N`` of ``save_dir`` already imported from the same checkpoint is
     used as it is (a restart of the same command). ``opener(load_dir, fmt, step)``: opens
     the peer instead of :func:`open_peer` (``engine.load_checkpoint`` keeps the module's
-    own names)."""
+    own names). ``model``: the run's model (one pipeline stage of it), which the peer's
+    names and shapes are checked against before anything is written (the message names
+    the peer's checkpoint)."""
     if fmt == "hybrid" or (fmt is None and complete_checkpoints(load_dir)):
         return None  # hybrid's own checkpoints win over anything else in the directory
     found = fmt if fmt is not None else detect_peer(load_dir)
     if found is None:
         return None
+    # the whole model's names and shapes (gathered over the pipeline: every rank is here)
+    signature = whole_model_signature(model, ps) if model is not None else None
     error, iteration = None, -1
     if ps.rank == 0:
         try:
@@ -102,6 +106,11 @@ def import_for_load(load_dir: str, save_dir: str | None, ps: ParallelState, conf
                             f"imported from {peer.path}: give --save a new directory")
                     log.info("%s: imported from %s before; loading it", done, peer.path)
                 else:
+                    peer.configure(config)  # (what it does not record, from the run's flags)
+                    if model is not None:  # another model: refused before anything is written
+                        check_model({"model": peer.shapes, "config": {**config, **peer.flags},
+                                     "vocab_size": peer.vocab_size}, model, vocab_size,
+                                    f"{peer.path} ({peer.format})", signature)
                     import_peer(peer, save_dir, config, vocab_size)
                     if owner is not None:
                         write_owner(save_dir, owner)

@@ -201,5 +201,8 @@ class MegatronCheckpoint:
                 out[m] = get(f"optimizer.state.{m}.{key}")
         return out
 
+    def configure(self, config: dict) -> None:
+        pass  # (the checkpoint records every shape it needs)
+
     def close(self) -> None:
         return None  # (each chunk's file is opened and closed as it is read)

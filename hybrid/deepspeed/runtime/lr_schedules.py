@@ -7,9 +7,9 @@
 Each class takes DeepSpeed's arguments and writes DeepSpeed's rates into
 ``optimizer.param_groups``: built, the rate of optimizer step 1; each ``step()`` (the
 engine calls it after every applied optimizer step) the next ([Note: DeepSpeed's step
-counting] in :mod:`hybrid.train.lr_schedule`). The numbers are those of the ds_config's
+counting] in :mod:`hybrid.config.lr_schedule`). The numbers are those of the ds_config's
 ``scheduler`` block, from the same functions: WarmupLR, WarmupDecayLR and WarmupCosineLR
-through :func:`hybrid.train.lr_schedule.deepspeed_lr` (per group: a list of rates, one a
+through :func:`hybrid.config.lr_schedule.deepspeed_lr` (per group: a list of rates, one a
 group, as DeepSpeed takes them), OneCycle and LRRangeTest through
 :mod:`hybrid.engine.ds_schedulers` (OneCycle also cycles beta1 when the groups have
 betas); they equal DeepSpeed 0.19.8's within 1e-12 (tests/hybrid_deepspeed/test_runtime.py).
@@ -26,6 +26,7 @@ import logging
 from collections.abc import Sequence
 from typing import Any, NoReturn
 
+from hybrid.config.lr_schedule import deepspeed_lr
 from hybrid.deepspeed.missing import refuse
 from hybrid.engine.ds_schedulers import (
     GroupSchedule,
@@ -34,7 +35,6 @@ from hybrid.engine.ds_schedulers import (
     settings,
 )
 from hybrid.errors import ConfigError
-from hybrid.train.lr_schedule import deepspeed_lr
 
 __all__ = ["LRRangeTest", "OneCycle", "WarmupCosineLR", "WarmupDecayLR", "WarmupLR"]
 
