@@ -297,7 +297,9 @@ class FlightRecorder:
         rec = self.record()
         rec["reason"] = reason
         rec["collectives"] = [e.to_dict() for e in list(self.ring)]
-        tmp = f"{path}.tmp{os.getpid()}"
+        # (the heartbeat's alarm and a failing collective may dump at once, one from each
+        # thread: each writes a file of its own, and the last one renamed stays)
+        tmp = f"{path}.tmp{os.getpid()}.{threading.get_ident()}"
         with open(tmp, "w", encoding="utf-8") as f:
             json.dump(rec, f, indent=1)
         os.replace(tmp, path)
