@@ -58,6 +58,15 @@ class Net(nn.Module):
     def forward(self, x):
         return self.fc2(torch.tanh(self.fc1(x)))
 
+def _step(engine, loss, world: int) -> float:
+    """One backward and step of ``engine``; the loss averaged over the ``world`` ranks."""
+    engine.backward(loss)
+    engine.step()
+    mean = loss.detach().clone()
+    torch.distributed.all_reduce(mean)
+    return float(mean) / world
+
+
 
 def config(stage: int) -> dict:
     """The ds_config both sides use (hybrid's engine reads DeepSpeed's config keys)."""
@@ -99,11 +108,7 @@ def _worker(rank: int, port: int, out_dir: str, stage: int) -> None:
             engine.save_checkpoint(out_dir, client_state={"universal_checkpoint_info": {}})
         x, y = batch(step)
         loss = loss_of(engine(x[rank * per:(rank + 1) * per]), y[rank * per:(rank + 1) * per])
-        engine.backward(loss)
-        engine.step()
-        mean = loss.detach().clone()
-        torch.distributed.all_reduce(mean)
-        losses.append(float(mean) / WORLD)
+        losses.append(_step(engine, loss, WORLD))
     if rank == 0:
         with open(os.path.join(out_dir, "losses.json"), "w") as f:
             json.dump({"deepspeed": deepspeed.__version__, "world_size": WORLD,
@@ -184,11 +189,7 @@ def _gpt2_worker(rank: int, port: int, out_dir: str) -> None:
         logits = engine(tokens).logits
         loss = nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]),
                                            labels.reshape(-1))
-        engine.backward(loss)
-        engine.step()
-        mean = loss.detach().clone()
-        torch.distributed.all_reduce(mean)
-        losses.append(float(mean) / WORLD)
+        losses.append(_step(engine, loss, WORLD))
     if rank == 0:
         with open(os.path.join(out_dir, "losses.json"), "w") as f:
             json.dump({"deepspeed": deepspeed.__version__, "world_size": WORLD,
