@@ -11,7 +11,9 @@ it to the run's layout. Memory holds one parameter at a time; the bytes written 
 the model's state once. The hybrid checkpoint is an ``iter_N`` of the run's ``--save``
 directory (the peer's iteration, so the learning rate continues where it was): a
 restart of the same command finds it there and resumes from ``--save`` without reading
-the peer again. Nothing is written into the peer's directory.
+the peer again. ``--load`` writes nothing into the peer's directory; ``engine.load_checkpoint``,
+which has no ``--save``, writes the import into ``hybrid_import/`` under it (beside the
+peer's own files, none of which changes: its ``latest`` names the peer's tag still).
 """
 
 from __future__ import annotations
