@@ -14,7 +14,10 @@ from tests.helpers.launch import TINY, pretrain, read_json_log
 from tests.helpers.opened import opened_by_rank, own_files, recording_rank
 from tests.models.moe_grid import MOE
 
-ITERS = ["--train-iters", "6", "--eval-iters", "0"]
+# saved at AT of TOTAL steps: AT = 2 leaves an optimizer state with a history (Adam's
+# moments past their first step) and TOTAL - AT = 2 steps of curve to compare after
+TOTAL, AT = 4, 2
+ITERS = ["--train-iters", str(TOTAL), "--eval-iters", "0"]
 
 
 def _ok(r):
@@ -23,14 +26,14 @@ def _ok(r):
 
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory):
-    """(checkpoint directory holding iteration 3, the uninterrupted curve's records)."""
+    """(checkpoint directory holding iteration AT, the uninterrupted curve's records)."""
     tmp = tmp_path_factory.mktemp("moe_ckpt")
     save, log = str(tmp / "ckpt"), str(tmp / "full.jsonl")
     _ok(pretrain(4, [*TINY, *MOE, *ITERS, "--pipeline-model-parallel-size", "2",
-                     "--zero-stage", "3", "--save", save, "--save-interval", "3",
+                     "--zero-stage", "3", "--save", save, "--save-interval", str(AT),
                      "--log-json", log]))
-    os.remove(os.path.join(save, "latest"))  # resume from iteration 3, not the final save
-    shutil.rmtree(os.path.join(save, "iter_0000006"))
+    os.remove(os.path.join(save, "latest"))  # resume from iteration AT, not the final save
+    shutil.rmtree(os.path.join(save, f"iter_{TOTAL:07d}"))
     return save, read_json_log(log)
 
 
@@ -41,7 +44,7 @@ def test_an_moe_run_resumes_to_the_last_bit(saved, tmp_path):
                      "--zero-stage", "3", "--load", save, "--log-json", log]))
     resumed = read_json_log(log)
     for key in ("loss", "grad_norm", "moe"):
-        assert [m[key] for m in resumed] == [m[key] for m in full[3:]], key
+        assert [m[key] for m in resumed] == [m[key] for m in full[AT:]], key
 
 
 def test_an_moe_checkpoint_loads_at_another_layout_and_goes_on(saved, tmp_path):
@@ -51,7 +54,7 @@ def test_an_moe_checkpoint_loads_at_another_layout_and_goes_on(saved, tmp_path):
     log = str(tmp_path / "etp.jsonl")
     _ok(pretrain(2, [*TINY, *MOE, *ITERS, "--zero-stage", "1", "--expert-tensor-parallel-size",
                      "2", "--load", save, "--log-json", log]))
-    for got, want in zip(read_json_log(log), full[3:], strict=True):
+    for got, want in zip(read_json_log(log), full[AT:], strict=True):
         assert abs(got["loss"] - want["loss"]) <= 1e-5 * want["loss"]
         assert abs(got["grad_norm"] - want["grad_norm"]) <= 1e-5 * want["grad_norm"]
 
@@ -73,6 +76,8 @@ def test_a_dense_checkpoint_and_an_moe_model_do_not_mix(saved, tmp_path):
 
 BIAS = ["--moe-router-score-function", "sigmoid", "--moe-router-enable-expert-bias",
         "--moe-router-bias-update-rate", "0.05"]
+# (the bias needs more than 2 steps of counts to move on every layer: saved at 3 of 6)
+BIAS_ITERS = ["--train-iters", "6", "--eval-iters", "0"]
 
 
 def test_the_expert_bias_is_saved_and_restored(saved, tmp_path):
@@ -81,7 +86,7 @@ def test_the_expert_bias_is_saved_and_restored(saved, tmp_path):
     the checkpoint without a bias into a run that keeps one: exit 2, named."""
     save, log = str(tmp_path / "ckpt"), str(tmp_path / "full.jsonl")
     pp2 = ["--pipeline-model-parallel-size", "2", "--zero-stage", "1"]
-    _ok(pretrain(4, [*TINY, *MOE, *ITERS, *BIAS, *pp2, "--save", save, "--save-interval",
+    _ok(pretrain(4, [*TINY, *MOE, *BIAS_ITERS, *BIAS, *pp2, "--save", save, "--save-interval",
                      "3", "--log-json", log]))
     full = read_json_log(log)
     os.remove(os.path.join(save, "latest"))
@@ -92,7 +97,7 @@ def test_the_expert_bias_is_saved_and_restored(saved, tmp_path):
     assert all(len(v) == 4 and any(v) for v in biases.values())
     for world, flags, name in ((4, pp2, "pp2"), (1, [], "one")):
         out = str(tmp_path / f"{name}.jsonl")
-        _ok(pretrain(world, [*TINY, *MOE, *ITERS, *BIAS, *flags, "--load", save,
+        _ok(pretrain(world, [*TINY, *MOE, *BIAS_ITERS, *BIAS, *flags, "--load", save,
                              "--log-json", out]))
         resumed = read_json_log(out)
         for got, want in zip(resumed, full[3:], strict=True):
@@ -101,7 +106,7 @@ def test_the_expert_bias_is_saved_and_restored(saved, tmp_path):
                 assert got["moe"][layer] == pytest.approx(numbers, rel=1e-6), (name, layer)
         if name == "pp2":  # the same layout: to the last bit
             assert [m["moe"] for m in resumed] == [m["moe"] for m in full[3:]]
-    r = pretrain(1, [*TINY, *MOE, *ITERS, *BIAS, "--load", saved[0]])
+    r = pretrain(1, [*TINY, *MOE, *BIAS_ITERS, *BIAS, "--load", saved[0]])
     assert r.returncode == 2 and "mlp.experts.router.expert_bias (the run saved no expert " \
         "bias)" in r.stderr, r.stderr[-2000:]
 
@@ -112,7 +117,7 @@ SAVED_AT = {0: (4, 2, 4), 3: (8, 4, 2)}
 
 @pytest.mark.parametrize("stage", [0, 3])
 def test_experts_over_ep_save_resume_and_reshard(tmp_path, stage):
-    """Saved at 3 of 6 with the experts over EP (ZeRO 0: EP 2 x PP 2 of 4 ranks, each EP
+    """Saved at 2 of 4 with the experts over EP (ZeRO 0: EP 2 x PP 2 of 4 ranks, each EP
     rank writing its own experts whole; ZeRO 3: EP 4 x PP 2 of 8 ranks, an expert a
     rank), version 5: resumed there to the last bit; loaded at one process (EP 1, ZeRO 1)
     and at another EP size of 4 ranks (ZeRO 2), the curve goes on within 1e-6; the
@@ -122,11 +127,11 @@ def test_experts_over_ep_save_resume_and_reshard(tmp_path, stage):
     layout = ["--pipeline-model-parallel-size", "2", "--expert-model-parallel-size", str(ep),
               "--zero-stage", str(stage)]
     _ok(pretrain(world, [*TINY, *MOE, *ITERS, *layout, "--save", save,
-                         "--save-interval", "3", "--log-json", log]))
+                         "--save-interval", str(AT), "--log-json", log]))
     full = read_json_log(log)
     os.remove(os.path.join(save, "latest"))
-    shutil.rmtree(os.path.join(save, "iter_0000006"))
-    with open(os.path.join(save, "iter_0000003", "metadata.json")) as f:
+    shutil.rmtree(os.path.join(save, f"iter_{TOTAL:07d}"))
+    with open(os.path.join(save, f"iter_{AT:07d}", "metadata.json")) as f:
         meta = json.load(f)
     saved_layout = meta["zero_layout"]
     assert meta["version"] == 5 and saved_layout["ep_size"] == ep
@@ -137,7 +142,7 @@ def test_experts_over_ep_save_resume_and_reshard(tmp_path, stage):
     _ok(pretrain(world, [*TINY, *MOE, *ITERS, *layout, "--load", save, "--log-json", out]))
     resumed = read_json_log(out)
     for key in ("loss", "grad_norm", "moe"):
-        assert [m[key] for m in resumed] == [m[key] for m in full[3:]], key
+        assert [m[key] for m in resumed] == [m[key] for m in full[AT:]], key
     shapes = _goes_on_elsewhere(tmp_path, save, full, (
         (1, ["--zero-stage", "1"]),
         (4, ["--expert-model-parallel-size", str(other_ep), "--zero-stage", "2"])))
@@ -145,22 +150,22 @@ def test_experts_over_ep_save_resume_and_reshard(tmp_path, stage):
 
 
 def _goes_on_elsewhere(tmp_path, save, full, layouts) -> dict:
-    """Iteration 3 of ``save`` loaded at each ``(world, flags)`` of ``layouts``: the next
+    """Iteration AT of ``save`` loaded at each ``(world, flags)`` of ``layouts``: the next
     losses within 1e-6 and grad norms within 1e-5 of the uninterrupted ``full`` run's.
     Returns every saved parameter's full shape as the one-process tools read it."""
     for n, flags in layouts:
         out = str(tmp_path / f"w{n}.jsonl")
         _ok(pretrain(n, [*TINY, *MOE, *ITERS, *flags, "--load", save, "--log-json", out]))
-        for got, want in zip(read_json_log(out), full[3:], strict=True):
+        for got, want in zip(read_json_log(out), full[AT:], strict=True):
             assert abs(got["loss"] - want["loss"]) <= 1e-6 * want["loss"], (n, got, want)
             assert abs(got["grad_norm"] - want["grad_norm"]) <= 1e-5 * want["grad_norm"]
     from hybrid.checkpoint import iter_full_params
-    _, params = iter_full_params(os.path.join(save, "iter_0000003"), ("master",))
+    _, params = iter_full_params(os.path.join(save, f"iter_{AT:07d}"), ("master",))
     return {n: tuple(v["master"].shape) for n, v in params}
 
 
 def test_experts_under_etp_folded_over_tp_save_resume_and_reshard(tmp_path):
-    """Saved at 3 of 6 at TP 2 (SP) x DP 2 with each expert's hidden units over ETP 2 and
+    """Saved at 2 of 4 at TP 2 (SP) x DP 2 with each expert's hidden units over ETP 2 and
     the experts over EP 2 (the ETP x EP group folding over TP and DP; ZeRO 1): resumed
     there to the last bit, each rank opening the metadata and its own two files only (its
     experts' piece and its dense shard); loaded at one process (EP 1, ETP 1, TP 1) and at
@@ -170,12 +175,12 @@ def test_experts_under_etp_folded_over_tp_save_resume_and_reshard(tmp_path):
     tp = ["--tensor-model-parallel-size", "2", "--sequence-parallel"]
     layout = [*tp, "--expert-tensor-parallel-size", "2", "--expert-model-parallel-size", "2",
               "--zero-stage", "1"]
-    _ok(pretrain(4, [*TINY, *MOE, *ITERS, *layout, "--save", save, "--save-interval", "3",
+    _ok(pretrain(4, [*TINY, *MOE, *ITERS, *layout, "--save", save, "--save-interval", str(AT),
                      "--log-json", log]))
     full = read_json_log(log)
     os.remove(os.path.join(save, "latest"))
-    shutil.rmtree(os.path.join(save, "iter_0000006"))
-    with open(os.path.join(save, "iter_0000003", "metadata.json")) as f:
+    shutil.rmtree(os.path.join(save, f"iter_{TOTAL:07d}"))
+    with open(os.path.join(save, f"iter_{AT:07d}", "metadata.json")) as f:
         saved = json.load(f)["zero_layout"]
     assert (saved["ep_size"], saved["etp_size"]) == (2, 2)
     assert saved["expert_rows"]["blocks.1.mlp.experts.proj"] == 4 * 64  # E x hidden
@@ -185,9 +190,9 @@ def test_experts_under_etp_folded_over_tp_save_resume_and_reshard(tmp_path):
     _ok(r)
     resumed = read_json_log(out)
     for key in ("loss", "grad_norm", "moe"):
-        assert [m[key] for m in resumed] == [m[key] for m in full[3:]], key
+        assert [m[key] for m in resumed] == [m[key] for m in full[AT:]], key
     for rank, files in opened_by_rank(r.stdout).items():
-        assert sorted(files) == sorted(["iter_0000003/metadata.json", *own_files(rank)])
+        assert sorted(files) == sorted([f"iter_{AT:07d}/metadata.json", *own_files(rank, AT)])
     shapes = _goes_on_elsewhere(tmp_path, save, full, (
         (1, ["--zero-stage", "1"]),
         (2, [*tp, "--expert-model-parallel-size", "2", "--zero-stage", "3"])))

@@ -80,18 +80,18 @@ def _dp_step(model, engine, ps, cfg, step):
     return float(total) / ps.dp_size, engine.step(cfg.lr_schedule.lr)
 
 
-def _train_steps(model, engine, ps, cfg):
-    """STEPS optimizer steps on the shared data: (mean losses over DP, grad norms)."""
+def _train_steps(model, engine, ps, cfg, steps=STEPS):
+    """``steps`` optimizer steps on the shared data: (mean losses over DP, grad norms)."""
     losses, norms = [], []
-    for step in range(STEPS):
+    for step in range(steps):
         loss, result = _dp_step(model, engine, ps, cfg, step)
         losses.append(loss)
         norms.append(float(result.grad_norm))
     return losses, norms
 
 
-def _train_stages(ps, variants):
-    """For each variant (stage, overrides): STEPS steps; losses, norms, final params.
+def _train_stages(ps, variants, steps=STEPS):
+    """For each variant (stage, overrides): ``steps`` steps; losses, norms, final params.
     ``recompute_granularity`` in the overrides wraps the blocks as training does."""
     out = []
     for stage, kw in variants:
@@ -102,14 +102,14 @@ def _train_stages(ps, variants):
             phase = apply_activation_checkpointing(model, ps, model.rng, cfg.recompute).phase
         engine = zero_engine(model, ps, cfg, values=InitValues(cfg.seed, model.init_of),
                              recompute=phase)
-        losses, norms = _train_steps(model, engine, ps, cfg)
+        losses, norms = _train_steps(model, engine, ps, cfg, steps)
         specs = {n: getattr(p, "tp_spec", None) for n, p in model.named_parameters()}
         out.append({"losses": losses, "norms": norms,
                     "params": _named_params(model, engine), "specs": specs})
     return out
 
 
-def _train_reference(model, cfg):
+def _train_reference(model, cfg, steps=STEPS):
     """Plain torch on a one-process model: torch.optim.AdamW (no decay on biases and
     norms), clip_grad_norm_, the whole global batch in MICRO-sized micro-batches."""
     params = list(model.parameters())
@@ -118,7 +118,7 @@ def _train_reference(model, cfg):
                              {"params": [p for p in params if p.ndim < 2],
                               "weight_decay": 0.0}], lr=cfg.lr_schedule.lr, eps=cfg.adamw.eps)
     losses, norms = [], []
-    for step in range(STEPS):
+    for step in range(steps):
         opt.zero_grad()
         batches = [(b[:, :-1], b[:, 1:]) for b in _global_batch(step).split(MICRO)]
         total = 0.0

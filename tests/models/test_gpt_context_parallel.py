@@ -105,7 +105,9 @@ def test_gpt_cp_matches_one_process(name, cp, tp, sp, comm, layout, dropout):
 
 
 # -- training through ZeRO over DP x CP -----------------------------------------------
-STEPS, GLOBAL, MICRO = 6, 8, 2
+# 4 steps over two batches: each batch seen twice, the one-process loss down by 0.33
+# (past the 0.3 the test asks) and two updates on Adam moments with a history
+STEPS, GLOBAL, MICRO = 4, 8, 2
 
 
 def _batch(step):
@@ -145,7 +147,7 @@ def _train(ps, stage, comm):
 @pytest.mark.parametrize("stage,comm", [(1, "p2p"), (3, "a2a")])
 def test_cp_training_follows_one_process_and_keeps_replicas_identical(stage, comm):
     """World 4 = DP 2 x CP 2: ZeRO shards over all four ranks, sums gradients over CP
-    and averages over DP; 6 AdamW steps give one process's losses, and every rank ends
+    and averages over DP; 4 AdamW steps give one process's losses, and every rank ends
     with bit-identical parameters."""
     ref_losses, ref_params = _train(ParallelState.single(), stage, comm)
     res = run_ranks(_train, world_size=4, cp=2, args=(stage, comm))

@@ -180,9 +180,10 @@ def test_sequence_parallel_composes_with_zero_and_recompute(tp=2):
     same loss curve and final parameters (relative 1e-5) with SP at ZeRO 3, with full
     recompute (also in groups of 2 layers), with --partition-activations (which SP
     makes moot: the block input is already this rank's 1/TP), and at ZeRO 2 with overlap
-    and optimizer offload; two micro-batches per step throughout."""
+    and optimizer offload; two micro-batches per step throughout, two steps (the second
+    on the first's Adam moments)."""
     variants = COMPOSE
-    res = run_ranks(_train_stages, world_size=4, tp=tp, args=(variants,))[0]
+    res = run_ranks(_train_stages, world_size=4, tp=tp, args=(variants, 2))[0]
     ref = res[0]
     for variant, r in zip(variants[1:], res[1:]):
         for la, lb in zip(ref["losses"], r["losses"]):
@@ -195,9 +196,9 @@ def test_sequence_parallel_in_bf16_follows_the_bf16_curve():
     """bf16 with fp32 gradients, TP2 x DP2: SP at ZeRO-3 against no SP at ZeRO-0. SP sums
     over TP in another order (reduce-scatter, not all-reduce), so the curves agree to
     bf16's rounding (1e-2 relative), not bit for bit; the final replicated parameters
-    stay equal across TP ranks."""
+    stay equal across TP ranks. Two steps (the second on the first's Adam moments)."""
     variants = [(0, {"bf16": True}), (3, {"bf16": True, **SP})]
-    res = run_ranks(_train_stages, world_size=4, tp=2, args=(variants,))
+    res = run_ranks(_train_stages, world_size=4, tp=2, args=(variants, 2))
     ref, sp = res[0]
     for la, lb in zip(ref["losses"], sp["losses"]):
         assert abs(la - lb) <= 1e-2 * abs(la), (ref["losses"], sp["losses"])

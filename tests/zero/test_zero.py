@@ -20,12 +20,16 @@ from tests.helpers.zero_reference import (
     zero_engine,
 )
 
+# the curves compared with the reference: 2 steps, the second on the first's Adam moments
+# (and, at stage 3, on the parameters the first step's shards updated and gathered anew)
+STEPS = 2
+
 
 @pytest.fixture(scope="module")
 def reference():
     """Plain torch: TP=1 GPT, torch.optim.AdamW, clip_grad_norm_, the whole global batch."""
     cfg = _train_cfg(1, 1)
-    return _train_reference(_gpt(cfg, ParallelState.single()), cfg)
+    return _train_reference(_gpt(cfg, ParallelState.single()), cfg, STEPS)
 
 
 VARIANTS = [(0, {}), (1, {}), (2, {}), (3, {}),
@@ -41,11 +45,11 @@ DP4 = [VARIANTS[1], VARIANTS[4], VARIANTS[5]]
 
 @pytest.mark.parametrize("tp,dp", [(2, 2), (1, 4)])
 def test_every_stage_matches_single_process_reference(reference, tp, dp):
-    """Losses, clipped grad norms and updated params after 3 steps, with accumulation
+    """Losses, clipped grad norms and updated params after STEPS steps, with accumulation
     (TP2xDP2 runs 2 micro-batches per step), buckets smaller than the largest
     parameter, and stage 3 with and without persistent small params."""
     variants = VARIANTS if dp == 2 else DP4
-    res = run_ranks(_train_stages, world_size=tp * dp, tp=tp, args=(variants,))
+    res = run_ranks(_train_stages, world_size=tp * dp, tp=tp, args=(variants, STEPS))
     _assert_matches_reference(res, reference, variants, tp, dp)
 
 
@@ -56,7 +60,7 @@ def test_one_process_reduces_without_hooks_and_matches_the_reference(reference):
     into shards, keeps them."""
     ps = ParallelState.single()
     variants = [(0, {}), (1, {})]
-    _assert_matches_reference([_train_stages(ps, variants)], reference, variants, 1, 1)
+    _assert_matches_reference([_train_stages(ps, variants, STEPS)], reference, variants, 1, 1)
     for stage, hooked in ((0, False), (1, False), (2, True)):
         cfg = _train_cfg(1, 1, zero_stage=stage)
         reducer = zero_engine(_gpt(cfg, ps), ps, cfg).reducer
@@ -67,6 +71,7 @@ def _assert_matches_reference(res, reference, variants, tp, dp):
     for v, (stage, kw) in enumerate(variants):
         what = f"stage {stage} {kw} TP{tp}xDP{dp}"
         got = res[0][v]
+        assert len(got["losses"]) == len(reference["losses"]) == STEPS, what
         for a, b in zip(got["losses"], reference["losses"]):
             assert abs(a - b) <= 1e-5 * abs(b), f"{what}: loss {a} vs {b}"
         for a, b in zip(got["norms"], reference["norms"]):
@@ -272,7 +277,7 @@ def test_offload_optimizer_stages_1_to_3_match_the_reference(reference, monkeypa
     if kernels != "compiled":
         # a pool of its own, whose workers take it into their kernel settings at start
         monkeypatch.setenv("HYBRID_NO_KERNELS", "1")
-    res = run_ranks(_train_stages, world_size=2, tp=1, args=(OFFLOAD,))
+    res = run_ranks(_train_stages, world_size=2, tp=1, args=(OFFLOAD, STEPS))
     _assert_matches_reference(res, reference, OFFLOAD, 1, 2)
     off, loaded = run_ranks(_cpu_adam_loaded, world_size=2, tp=1)[0]
     assert off == (kernels != "compiled")

@@ -89,11 +89,16 @@ def _tie(model):
     return model
 
 
+# the tied curves: 2 steps, the second on the first's Adam moments and on the shared
+# parameters the first step updated once (not once per use)
+STEPS = 2
+
+
 @pytest.fixture(scope="module")
 def tied_reference():
     """Plain torch on the tied TP1 model: AdamW, clip_grad_norm_, the whole batch."""
     cfg = _train_cfg(1, 1)
-    return _train_reference(_tie(_gpt(cfg, ParallelState.single())), cfg)
+    return _train_reference(_tie(_gpt(cfg, ParallelState.single())), cfg, STEPS)
 
 
 def _train_tied(ps, variants):
@@ -106,7 +111,7 @@ def _train_tied(ps, variants):
             phase = apply_activation_checkpointing(model, ps, None, cfg.recompute).phase
         engine = zero_engine(model, ps, cfg, values=InitValues(cfg.seed, model.init_of),
                             recompute=phase)
-        losses, _ = _train_steps(model, engine, ps, cfg)
+        losses, _ = _train_steps(model, engine, ps, cfg, STEPS)
         out.append({"losses": losses, "params": _named_params(model, engine),
                     "specs": {n: getattr(p, "tp_spec", None)
                               for n, p in model.named_parameters()}})
@@ -123,7 +128,7 @@ def test_shared_parameters_train_like_one_process(tied_reference, tp, dp):
     """A weight and a LayerNorm shared by two blocks, at every stage, with and without
     recompute (each checkpointed block then runs its own nested backward), stage 3
     with the shared LayerNorm persistent or partitioned (TP2: stages 0 and 3): losses
-    and parameters after 3 steps equal the one-process tied model's."""
+    and parameters after STEPS steps equal the one-process tied model's."""
     # at TP2 the stages where sharing meets TP-split weights differently: 0 (nothing
     # sharded) and 3 (the shared weight in the root unit, gathered per step)
     variants = TIED if tp == 1 else [v for v in TIED if v[0] in (0, 3)]
@@ -132,6 +137,7 @@ def test_shared_parameters_train_like_one_process(tied_reference, tp, dp):
     for v, (stage, recompute, kw) in enumerate(variants):
         what = f"stage {stage} recompute={recompute} {kw} TP{tp}xDP{dp}"
         got = res[0][v]
+        assert len(got["losses"]) == len(ref["losses"]) == STEPS, what
         for a, b in zip(got["losses"], ref["losses"]):
             assert abs(a - b) <= 1e-5 * abs(b), f"{what}: loss {a} vs {b}"
         assert set(got["params"]) == set(ref["params"])  # the tied names are the same
