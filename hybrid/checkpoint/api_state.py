@@ -348,7 +348,7 @@ def load_engine(engine, load_dir: str, tag, optimizer: bool, schedule: bool):
 PEER_IMPORT = "hybrid_import"
 
 
-def _import_peer(engine, load_dir: str, tag: str | None) -> tuple[str, int, dict] | None:
+def _import_peer(engine, load_dir: str, tag: str | None) -> tuple[str, int | None, dict] | None:
     """(the hybrid checkpoint directory, its iteration, the peer's engine record) when
     ``load_dir`` (or its ``tag``) holds another framework's checkpoint (the Note above);
     None otherwise. Collective over the world; errors raised on every rank."""
@@ -368,7 +368,8 @@ def _import_peer(engine, load_dir: str, tag: str | None) -> tuple[str, int, dict
         _check_peer_model(peer, engine)  # before anything is written
         return peer
     got = import_for_load(src, os.path.join(load_dir, PEER_IMPORT), engine.ps,
-                          engine.cfg.to_dict(), None, fmt, opener=module_names)
+                          engine.cfg.to_dict(), None, fmt, opener=module_names,
+                          newest_on_reuse=False)  # (the tag asked for: imports only there)
     if got is None:
         return None
     record: dict = {}

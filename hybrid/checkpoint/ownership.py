@@ -61,6 +61,22 @@ from hybrid.parallel.state import ParallelState
 
 OWNER = "owner.json"
 LOCK = ".lock"
+# written by an import of another framework's checkpoint (hybrid/checkpoint/peers/importing.py):
+# {"load": the --load directory it came from}. A later run with the same --load and --save
+# resumes this directory's run, as --load equal to --save does.
+IMPORTED = "imported_from.json"
+
+
+def imported_from(save_dir: str) -> str | None:
+    """The ``--load`` directory ``save_dir``'s checkpoints were imported from (realpath), or
+    None."""
+    try:
+        with open(os.path.join(save_dir, IMPORTED), encoding="utf-8") as f:
+            record = json.load(f)
+    except (OSError, ValueError):
+        return None
+    load = record.get("load") if isinstance(record, dict) else None
+    return load if isinstance(load, str) else None
 
 # The flags that fix a model's parameter shapes: what the ownership record's "model"
 # holds and compares (a checkpoint of other values is a checkpoint of another model).
@@ -157,7 +173,9 @@ def claim_save_dir(ck: CheckpointConfig, ps: ParallelState, run: RunIdentity,
         return None
     claim, error = None, None
     if ps.rank == 0:
-        resuming = ck.load is not None and os.path.realpath(ck.load) == os.path.realpath(ck.save)
+        # resuming: --load is --save, or the peer checkpoint --save's run was imported from
+        resuming = ck.load is not None and os.path.realpath(ck.load) in (
+            os.path.realpath(ck.save), imported_from(ck.save))
         try:
             claim = SaveDirClaim.take(ck.save, run, model_shape(config), resuming=resuming,
                                       overwrite=ck.overwrite_save, check_others=not ck.finetune)

@@ -164,7 +164,8 @@ def test_pretrain_gpt_resumes_at_the_fixture_s_step(tmp_path):
     """``scripts/pretrain_gpt.py --load FIXTURE --save NEW`` (2 ranks, ZeRO 3, mock data
     with the fixture's 256-token vocabulary): the import publishes NEW/iter_0000003 holding
     the DCP checkpoint's tensors as the reader maps them, bit for bit, the run goes on
-    at iteration 4 and saves iteration 5."""
+    at iteration 4 and saves iteration 5; the same command again resumes at 5 (--save's
+    newest), not at the import."""
     import torch
 
     from hybrid.checkpoint import iter_full_params
@@ -180,7 +181,7 @@ def test_pretrain_gpt_resumes_at_the_fixture_s_step(tmp_path):
     assert r.returncode == 0, r.stderr[-3000:]
     assert [m["iteration"] for m in read_json_log(log) if "split" not in m] == [4, 5]
     assert sorted(n for n in os.listdir(save) if not n.startswith(".")) == [
-        "iter_0000003", "iter_0000005", "latest", "owner.json"]
+        "imported_from.json", "iter_0000003", "iter_0000005", "latest", "owner.json"]
     peer = open_peer(ckpt)
     peer.configure(dict(flags))
     meta, params = iter_full_params(str(save / "iter_0000003"))
@@ -190,6 +191,13 @@ def test_pretrain_gpt_resumes_at_the_fixture_s_step(tmp_path):
         want = peer.read(name)
         for col in ("master", "exp_avg", "exp_avg_sq"):
             assert torch.equal(cols[col], want[col]), (name, col)
+    # the same command again, told to go on to 6: it finds its import, reads nothing of
+    # the DCP checkpoint and resumes from --save's newest (5), not from the import (3)
+    argv[argv.index("--train-iters") + 1] = "6"
+    r = pretrain(2, argv)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert [m["iteration"] for m in read_json_log(log) if "split" not in m][-1:] == [6]
+    assert "resumed from " + str(save / "iter_0000005") in r.stdout + r.stderr, r.stderr[-2000:]
 
 
 def test_bad_input_is_one_error_naming_the_file(tmp_path):

@@ -18,6 +18,7 @@ peer's own files, none of which changes: its ``latest`` names the peer's tag sti
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 
@@ -25,7 +26,7 @@ import torch
 
 from hybrid.checkpoint.files import complete_checkpoints, iter_name, read_metadata
 from hybrid.checkpoint.load import check_model
-from hybrid.checkpoint.ownership import write_owner
+from hybrid.checkpoint.ownership import IMPORTED, write_owner
 from hybrid.checkpoint.peers import detect_peer, open_peer
 from hybrid.checkpoint.peers.base import PeerCheckpoint
 from hybrid.checkpoint.save import whole_model_signature, write_single_rank_checkpoint
@@ -63,15 +64,19 @@ def import_peer(peer: PeerCheckpoint, save_dir: str, config: dict,
 def import_for_load(load_dir: str, save_dir: str | None, ps: ParallelState, config: dict,
                     vocab_size: int | None, fmt: str | None = None, step: int | None = None,
                     owner: dict | None = None, opener=None,
-                    model: torch.nn.Module | None = None) -> tuple[str, int] | None:
+                    model: torch.nn.Module | None = None, newest_on_reuse: bool = True
+                    ) -> tuple[str, int | None] | None:
     """Collective over the world: when ``load_dir`` holds a peer's checkpoint (format
     ``fmt``, or detected), rank 0 imports its newest iteration (or ``step``) into
     ``save_dir`` (:func:`import_peer`; recording ``owner``, the run's claim, as the
     directory's owner) and every rank gets ``(save_dir, its iteration)`` to load; None
     when ``load_dir`` holds no peer checkpoint (hybrid's own, or nothing). Errors (no
     ``save_dir``, an unreadable peer checkpoint) are raised on every rank with rank 0's
-    message. An ``iter_N`` of ``save_dir`` already imported from the same checkpoint is
-    used as it is (a restart of the same command). ``opener(load_dir, fmt, step)``: opens
+    message. When ``save_dir`` already holds ``iter_N`` imported from the same checkpoint
+    (a restart of the same command), nothing is read of the peer and, with
+    ``newest_on_reuse``, the iteration returned is None: load ``save_dir``'s newest
+    checkpoint, which may be a later save of this run (False: the import's iteration,
+    for a directory holding imports only, one per tag). ``opener(load_dir, fmt, step)``: opens
     the peer instead of :func:`open_peer` (``engine.load_checkpoint`` keeps the module's
     own names). ``model``: the run's model (one pipeline stage of it), which the peer's
     names and shapes are checked against before anything is written (the message names
@@ -83,7 +88,7 @@ def import_for_load(load_dir: str, save_dir: str | None, ps: ParallelState, conf
         return None
     # the whole model's names and shapes (gathered over the pipeline: every rank is here)
     signature = whole_model_signature(model, ps) if model is not None else None
-    error, iteration = None, -1
+    error, iteration = None, -1  # (-2: imported before, load save_dir's newest)
     if ps.rank == 0:
         try:
             if save_dir and os.path.realpath(save_dir) == os.path.realpath(load_dir):
@@ -106,7 +111,9 @@ def import_for_load(load_dir: str, save_dir: str | None, ps: ParallelState, conf
                         raise CheckpointError(
                             f"--save {save_dir} already holds {iter_name(iteration)}, not "
                             f"imported from {peer.path}: give --save a new directory")
-                    log.info("%s: imported from %s before; loading it", done, peer.path)
+                    log.info("%s: imported from %s before; loading %s", done, peer.path,
+                             f"{save_dir}'s newest checkpoint" if newest_on_reuse else done)
+                    iteration = -2 if newest_on_reuse else iteration
                 else:
                     peer.configure(config)  # (what it does not record, from the run's flags)
                     if model is not None:  # another model: refused before anything is written
@@ -116,6 +123,9 @@ def import_for_load(load_dir: str, save_dir: str | None, ps: ParallelState, conf
                     import_peer(peer, save_dir, config, vocab_size)
                     if owner is not None:
                         write_owner(save_dir, owner)
+                    # (a later run of the same --load and --save resumes this one's saves)
+                    with open(os.path.join(save_dir, IMPORTED), "w", encoding="utf-8") as f:
+                        json.dump({"load": os.path.realpath(load_dir)}, f)
             finally:
                 peer.close()
         except (CheckpointError, OSError) as e:
@@ -126,4 +136,4 @@ def import_for_load(load_dir: str, save_dir: str | None, ps: ParallelState, conf
     t = torch.tensor([iteration], dtype=torch.long, device=ps.device)
     ps.world_group.broadcast(t, src=0)
     assert save_dir is not None  # (rank 0 raised otherwise, and every rank with it)
-    return save_dir, int(t.item())
+    return save_dir, (None if int(t.item()) == -2 else int(t.item()))
