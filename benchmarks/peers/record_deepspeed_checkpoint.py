@@ -58,14 +58,15 @@ class Net(nn.Module):
     def forward(self, x):
         return self.fc2(torch.tanh(self.fc1(x)))
 
-def _step(engine, loss, world: int) -> float:
-    """One backward and step of ``engine``; the loss averaged over the ``world`` ranks."""
+
+def step_mean(engine, loss, world: int) -> float:
+    """One backward and step of ``engine``; the loss averaged over the ``world`` ranks
+    (the peer test steps DeepSpeed with it too)."""
     engine.backward(loss)
     engine.step()
     mean = loss.detach().clone()
     torch.distributed.all_reduce(mean)
     return float(mean) / world
-
 
 
 def config(stage: int) -> dict:
@@ -108,7 +109,7 @@ def _worker(rank: int, port: int, out_dir: str, stage: int) -> None:
             engine.save_checkpoint(out_dir, client_state={"universal_checkpoint_info": {}})
         x, y = batch(step)
         loss = loss_of(engine(x[rank * per:(rank + 1) * per]), y[rank * per:(rank + 1) * per])
-        losses.append(_step(engine, loss, WORLD))
+        losses.append(step_mean(engine, loss, WORLD))
     if rank == 0:
         with open(os.path.join(out_dir, "losses.json"), "w") as f:
             json.dump({"deepspeed": deepspeed.__version__, "world_size": WORLD,
@@ -189,7 +190,7 @@ def _gpt2_worker(rank: int, port: int, out_dir: str) -> None:
         logits = engine(tokens).logits
         loss = nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]),
                                            labels.reshape(-1))
-        losses.append(_step(engine, loss, WORLD))
+        losses.append(step_mean(engine, loss, WORLD))
     if rank == 0:
         with open(os.path.join(out_dir, "losses.json"), "w") as f:
             json.dump({"deepspeed": deepspeed.__version__, "world_size": WORLD,

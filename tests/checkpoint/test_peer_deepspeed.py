@@ -34,15 +34,6 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 FIXTURES = os.path.join(ROOT, "tests", "fixtures", "peers", "deepspeed-0.19.8")
 TOLERANCE = 2e-6
 
-def _step(engine, loss, world: int) -> float:
-    """One backward and step of ``engine``; the loss averaged over the ``world`` ranks."""
-    engine.backward(loss)
-    engine.step()
-    mean = loss.detach().clone()
-    torch.distributed.all_reduce(mean)
-    return float(mean) / world
-
-
 
 def _recorder():
     """benchmarks/peers/record_deepspeed_checkpoint.py: the model, config and batches
@@ -332,7 +323,7 @@ def _deepspeed_rank(rank: int, port: int, load_dir: str, stage: int, steps: int,
     for step in range(start, start + steps):
         x, y = rec.batch(step)
         loss = rec.loss_of(engine(x[rank * per:(rank + 1) * per]), y[rank * per:(rank + 1) * per])
-        losses.append(_step(engine, loss, 2))
+        losses.append(rec.step_mean(engine, loss, 2))
     if rank == 0:
         with open(out, "w") as f:
             json.dump({"start": start, "losses": losses,
@@ -429,7 +420,7 @@ def _deepspeed_gpt2_rank(rank: int, port: int, load_dir: str, steps: int, out: s
         logits = engine(tokens).logits
         loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]),
                                                  labels.reshape(-1))
-        losses.append(_step(engine, loss, 2))
+        losses.append(rec.step_mean(engine, loss, 2))
     if rank == 0:
         with open(out, "w") as f:
             json.dump({"start": start, "losses": losses}, f)
