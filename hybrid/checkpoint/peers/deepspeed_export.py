@@ -138,7 +138,6 @@ def write(checkpoint: str, out_dir: str, dp_size: int = 1, zero_stage: int = 2, 
         "lr_scheduler": schedule, "step": int(meta.get("step") or 0)}
     group = _param_group(meta)
     config = ds_config or {"zero_optimization": {"stage": zero_stage}}
-    stage_enum = ZeroStage(zero_stage)
     total = sum(math.prod(s) for s in ds_shapes.values())
     if zero_stage in (1, 2):
         part = _align(total, 2 * dp_size) // dp_size
@@ -156,30 +155,30 @@ def write(checkpoint: str, out_dir: str, dp_size: int = 1, zero_stage: int = 2, 
                 whole = (convert(name, v) if convert is not None else v).reshape(-1)
                 for p in mine:
                     flat[k][p.offset:p.offset + p.numel] = whole[p.start:p.start + p.numel]
-        state = {0: {"step": torch.tensor(float(record["step"])), "exp_avg": flat["exp_avg"],
-                     "exp_avg_sq": flat["exp_avg_sq"]}}
-        base = {"state": state, "param_groups": [{**group, "params": [0]}]}
-        scaler = _record(LossScaler, cur_scale=1.0, dynamic=False)
-        if zero_stage in (1, 2):
-            pad = min(part, max(0, (rank + 1) * part - total))  # past the model's end
-            mappings = OrderedDict(
-                (n, _record(FragmentAddress, numel=p.numel, start=p.offset))
-                for n in ds_shapes for p in layout.pieces[n] if p.rank == rank)
-            osd = {"loss_scaler": scaler, "dynamic_loss_scale": False, "overflow": False,
-                   "clip_grad": float(config.get("gradient_clipping", 0.0)),
-                   "base_optimizer_state": base,
-                   "single_partition_of_fp32_groups": [flat["master"][:part - pad].clone()],
-                   "zero_stage": stage_enum, "group_paddings": [pad],
-                   "param_alignment_paddings": [[0] * len(ds_shapes)],
-                   "partition_count": [dp_size], "ds_version": VERSION,
-                   "param_slice_mappings": [mappings]}
-        else:
-            osd = {"zero_stage": stage_enum, "loss_scaler": scaler,
-                   "dynamic_loss_scale": False, "overflow": False, "partition_count": dp_size,
-                   "optimizer_state_dict": base, "fp32_flat_groups": [flat["master"]]}
+        osd = _optimizer_state(flat, rank, dp_size, zero_stage, part, total, ds_shapes,
+                               layout, group, int(record["step"]), config)
         _save({"optimizer_state_dict": osd, "ds_config": config, "ds_version": VERSION},
               os.path.join(tmp, f"zero_pp_rank_{rank}_mp_rank_00_optim_states.pt"))
-        del flat, state, base
+        del flat, osd
+    _write_model_states(tmp, ckpt, ds_shapes, names, convert, shared, record, dp_size,
+                        zero_stage, config)
+    os.replace(tmp, final)
+    if hf_config is not None:  # beside latest, where Hugging Face's Trainer keeps it
+        with open(os.path.join(out_dir, "config.json"), "w") as f:
+            json.dump(hf_config, f, indent=1)
+    with open(os.path.join(out_dir, f".{LATEST}.tmp"), "w") as f:
+        f.write(tag)
+    os.replace(os.path.join(out_dir, f".{LATEST}.tmp"), os.path.join(out_dir, LATEST))
+    return final
+
+
+def _write_model_states(tmp: str, ckpt: str, ds_shapes: dict, names: dict, convert,
+                        shared: dict, record: dict, dp_size: int, zero_stage: int,
+                        config: dict) -> None:
+    """The model-state file(s) into ``tmp``: DeepSpeed's engine record (``record``'s
+    counters and schedule, ``param_shapes``, ``shared_params``) with the module -- at
+    stage 3 one file per rank, the parameters as empty placeholders; else one file, the
+    module's weights the masters (fp32 training), read one parameter at a time."""
     model_state = {"buffer_names": [], "optimizer": None,
                    "param_shapes": [OrderedDict((n, torch.Size(s)) for n, s in ds_shapes.items())],
                    "frozen_param_shapes": OrderedDict(), "shared_params": dict(shared),
@@ -208,14 +207,35 @@ def write(checkpoint: str, out_dir: str, dp_size: int = 1, zero_stage: int = 2, 
             module[alias] = module[of]
         _save({"module": module, **model_state},
               os.path.join(tmp, "mp_rank_00_model_states.pt"))
-    os.replace(tmp, final)
-    if hf_config is not None:  # beside latest, where Hugging Face's Trainer keeps it
-        with open(os.path.join(out_dir, "config.json"), "w") as f:
-            json.dump(hf_config, f, indent=1)
-    with open(os.path.join(out_dir, f".{LATEST}.tmp"), "w") as f:
-        f.write(tag)
-    os.replace(os.path.join(out_dir, f".{LATEST}.tmp"), os.path.join(out_dir, LATEST))
-    return final
+
+
+def _optimizer_state(flat: dict[str, torch.Tensor], rank: int, dp_size: int,
+                     zero_stage: int, part: int, total: int, ds_shapes: dict, layout,
+                     group: dict, step: int, config: dict) -> dict:
+    """DP rank ``rank``'s ``optimizer_state_dict`` as DeepSpeed's ZeRO ``zero_stage``
+    optimizer saves it: ``flat``'s partition of ``part`` elements (master and both
+    moments; ``total`` the model's elements) in its one group, with the fragment
+    addresses (stages 1-2) that DeepSpeed's loader checks."""
+    state = {0: {"step": torch.tensor(float(step)), "exp_avg": flat["exp_avg"],
+                 "exp_avg_sq": flat["exp_avg_sq"]}}
+    base = {"state": state, "param_groups": [{**group, "params": [0]}]}
+    scaler = _record(LossScaler, cur_scale=1.0, dynamic=False)
+    if zero_stage == 3:
+        return {"zero_stage": ZeroStage(zero_stage), "loss_scaler": scaler,
+                "dynamic_loss_scale": False, "overflow": False, "partition_count": dp_size,
+                "optimizer_state_dict": base, "fp32_flat_groups": [flat["master"]]}
+    pad = min(part, max(0, (rank + 1) * part - total))  # past the model's end
+    mappings = OrderedDict(
+        (n, _record(FragmentAddress, numel=p.numel, start=p.offset))
+        for n in ds_shapes for p in layout.pieces[n] if p.rank == rank)
+    return {"loss_scaler": scaler, "dynamic_loss_scale": False, "overflow": False,
+            "clip_grad": float(config.get("gradient_clipping", 0.0)),
+            "base_optimizer_state": base,
+            "single_partition_of_fp32_groups": [flat["master"][:part - pad].clone()],
+            "zero_stage": ZeroStage(zero_stage), "group_paddings": [pad],
+            "param_alignment_paddings": [[0] * len(ds_shapes)],
+            "partition_count": [dp_size], "ds_version": VERSION,
+            "param_slice_mappings": [mappings]}
 
 
 def _gpt2_export(ckpt: str, meta: dict):
