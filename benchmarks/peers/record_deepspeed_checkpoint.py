@@ -69,6 +69,19 @@ def step_mean(engine, loss, world: int) -> float:
     return float(mean) / world
 
 
+def end_rank() -> None:
+    """End a DeepSpeed rank whose results are written: a barrier, then ``os._exit(0)``
+    before interpreter teardown. DeepSpeed keeps its own references to the gloo groups,
+    so ``destroy_process_group`` cannot destroy them, and a gloo worker thread still
+    freeing a finished collective's tensors at teardown can abort the rank ("terminate
+    called without an active exception"; hybrid/parallel/teardown.py's note). The peer
+    test's ranks end here too."""
+    torch.distributed.barrier()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
 def config(stage: int) -> dict:
     """The ds_config both sides use (hybrid's engine reads DeepSpeed's config keys)."""
     return {"train_batch_size": GLOBAL_BATCH, "gradient_accumulation_steps": 1,
@@ -115,8 +128,7 @@ def _worker(rank: int, port: int, out_dir: str, stage: int) -> None:
             json.dump({"deepspeed": deepspeed.__version__, "world_size": WORLD,
                        "zero_stage": stage, "saved_at": SAVED_AT, "before": losses[:SAVED_AT],
                        "after": losses[SAVED_AT:]}, f, indent=1)
-    torch.distributed.barrier()
-    torch.distributed.destroy_process_group()
+    end_rank()
 
 
 # The script route: a transformers GPT2LMHeadModel trained by DeepSpeed on the batches
@@ -197,8 +209,7 @@ def _gpt2_worker(rank: int, port: int, out_dir: str) -> None:
                        "zero_stage": GPT_STAGE, "saved_at": SAVED_AT,
                        "pretrain_gpt_args": GPT_ARGS, "before": losses[:SAVED_AT],
                        "after": losses[SAVED_AT:]}, f, indent=1)
-    torch.distributed.barrier()
-    torch.distributed.destroy_process_group()
+    end_rank()
 
 
 def _port() -> int:

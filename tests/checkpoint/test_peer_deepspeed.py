@@ -22,7 +22,6 @@ import math
 import os
 import pickle
 import shutil
-import sys
 import types
 
 import pytest
@@ -305,19 +304,6 @@ def test_an_export_reads_back_as_the_hybrid_checkpoint_it_came_from(tmp_path):
         ds.write(src, str(tmp_path / "out22"), 2, 2)
 
 
-def _end_deepspeed_rank() -> None:
-    """End a spawned DeepSpeed rank whose results are written: a barrier, then
-    ``os._exit(0)`` before interpreter teardown. DeepSpeed keeps its own references
-    to the gloo groups, so ``destroy_process_group`` cannot destroy them, and a gloo
-    worker thread still freeing a finished collective's tensors at teardown aborts the
-    rank ("terminate called without an active exception"; it happened in CI):
-    hybrid/parallel/teardown.py's note tells the story."""
-    torch.distributed.barrier()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
-
-
 def _deepspeed_rank(rank: int, port: int, load_dir: str, stage: int, steps: int, out: str):
     """One DeepSpeed rank: load ``load_dir``, train ``steps`` of the recorder's batches
     from the checkpoint's step; rank 0 writes the global losses to ``out``."""
@@ -342,7 +328,7 @@ def _deepspeed_rank(rank: int, port: int, load_dir: str, stage: int, steps: int,
         with open(out, "w") as f:
             json.dump({"start": start, "losses": losses,
                        "samples": engine.global_samples}, f)
-    _end_deepspeed_rank()
+    rec.end_rank()
 
 
 @pytest.mark.peer("deepspeed")
@@ -437,7 +423,7 @@ def _deepspeed_gpt2_rank(rank: int, port: int, load_dir: str, steps: int, out: s
     if rank == 0:
         with open(out, "w") as f:
             json.dump({"start": start, "losses": losses}, f)
-    _end_deepspeed_rank()
+    rec.end_rank()
 
 
 @pytest.mark.peer("deepspeed")
