@@ -280,19 +280,35 @@ def test_bad_deepspeed_checkpoints_are_one_error_naming_the_file(tmp_path):
     assert not os.path.exists(os.path.join(d, "hybrid_import"))  # refused before any write
 
 
-def test_an_export_reads_back_as_the_hybrid_checkpoint_it_came_from(tmp_path):
+def test_an_export_reads_back_as_the_hybrid_checkpoint_it_came_from(tmp_path, monkeypatch):
     """The way back without DeepSpeed: hybrid's checkpoint written as DeepSpeed's at
     several DP sizes and stages reads back (through the DeepSpeed reader, which checks
-    DeepSpeed's own slice records) to the same masters, moments, step and counters."""
+    DeepSpeed's own slice records) to the same masters, moments, step and counters.
+    The export reads each parameter of the checkpoint twice (the optimizer's partitions,
+    then the module) whatever the DP size, and leaves no scratch files."""
     from hybrid.checkpoint.peers import deepspeed as ds
+    from hybrid.checkpoint.peers import deepspeed_export
     d = _copy("net_zero3", tmp_path)
     _one_rank_continues(d, 2)
     src = os.path.join(d, "hybrid_import", "iter_0000003")
     _, params = iter_full_params(src)
     want = dict(params)
+    reads: list[str] = []
+
+    def counting(ckpt, keys=None):
+        meta, params = iter_full_params(ckpt, keys)
+        return meta, ((reads.append(n), (n, v))[1] for n, v in params)
+    monkeypatch.setattr(deepspeed_export, "iter_full_params", counting)
     for stage, dp in ((1, 3), (2, 2), (3, 2), (3, 4)):
         out = str(tmp_path / f"out{stage}{dp}")
+        reads.clear()
         assert ds.write(src, out, dp, stage) == os.path.join(out, "global_step3")
+        passes = 2 if stage < 3 else 1  # (stage 3's module files hold placeholders)
+        assert sorted(reads) == sorted(passes * list(want)), (stage, dp, reads)
+        assert sorted(os.listdir(os.path.join(out, "global_step3"))) == sorted(
+            [f"zero_pp_rank_{r}_mp_rank_00_optim_states.pt" for r in range(dp)]
+            + (["mp_rank_00_model_states.pt"] if stage < 3 else
+               [f"zero_pp_rank_{r}_mp_rank_00_model_states.pt" for r in range(dp)]))
         back = ds.open(out)
         assert (back.stage, back.world, back.step, back.iteration, back.consumed_samples) == (
             stage, dp, 3, 3, 24)

@@ -11,8 +11,8 @@ the loss scaler, the fragment addresses) are written under DeepSpeed's names by 
 pickler that does not import DeepSpeed, so the export runs where DeepSpeed is not
 installed.
 
-Memory: one rank's partitions at a time (the checkpoint is read once per DP rank, one
-parameter at a time), not the whole model's state.
+The checkpoint is read once whatever the DP size, and memory holds one parameter at a
+time: the ranks' partitions are filled through files (:func:`_scatter_partitions`).
 """
 
 from __future__ import annotations
@@ -146,20 +146,16 @@ def write(checkpoint: str, out_dir: str, dp_size: int = 1, zero_stage: int = 2, 
         per = [-(-math.prod(s) // dp_size) for s in ds_shapes.values()]
         layout = layout_3(groups, dp_size, [sum(per)])
         part = sum(per)
-    for rank in range(dp_size):
-        flat = {k: torch.zeros(part) for k in ("master", "exp_avg", "exp_avg_sq")}
-        _, params = iter_full_params(ckpt)
-        for name, values in params:
-            mine = [p for p in layout.pieces[names[name]] if p.rank == rank]
-            for k, v in values.items() if mine else ():
-                whole = (convert(name, v) if convert is not None else v).reshape(-1)
-                for p in mine:
-                    flat[k][p.offset:p.offset + p.numel] = whole[p.start:p.start + p.numel]
+    flats = _scatter_partitions(ckpt, os.path.join(tmp, ".partitions"), dp_size, part,
+                                names, convert, layout)
+    for rank, flat in enumerate(flats):
         osd = _optimizer_state(flat, rank, dp_size, zero_stage, part, total, ds_shapes,
                                layout, group, int(record["step"]), config)
         _save({"optimizer_state_dict": osd, "ds_config": config, "ds_version": VERSION},
               os.path.join(tmp, f"zero_pp_rank_{rank}_mp_rank_00_optim_states.pt"))
-        del flat, osd
+        del osd
+    del flats
+    shutil.rmtree(os.path.join(tmp, ".partitions"))
     _write_model_states(tmp, ckpt, ds_shapes, names, convert, shared, record, dp_size,
                         zero_stage, config)
     os.replace(tmp, final)
@@ -170,6 +166,41 @@ def write(checkpoint: str, out_dir: str, dp_size: int = 1, zero_stage: int = 2, 
         f.write(tag)
     os.replace(os.path.join(out_dir, f".{LATEST}.tmp"), os.path.join(out_dir, LATEST))
     return final
+
+
+_COLUMNS = ("master", "exp_avg", "exp_avg_sq")
+
+
+def _scatter_partitions(ckpt: str, scratch: str, dp_size: int, part: int,
+                        names: dict[str, str], convert, layout) -> list[dict[str, torch.Tensor]]:
+    """Every DP rank's flat partitions (master and both moments, ``part`` elements each,
+    zero where DeepSpeed pads), filled in one pass over the checkpoint.
+
+    [Note: one read of the checkpoint, whatever the DP size]
+    A rank's partition takes a slice of every parameter at stage 3 (and of a run of
+    them at stages 1-2), so filling one rank at a time would read the checkpoint once
+    per rank: O(model x DP) bytes. Here each parameter is read once and its pieces go
+    to every rank's partition, and the partitions live in files under ``scratch``
+    (mapped, shared with the page cache), so memory holds one parameter, not the
+    model's state; the caller removes ``scratch`` once the ranks' files are written."""
+    os.makedirs(scratch)
+    flats = []
+    for rank in range(dp_size):
+        flat = {}
+        for k in _COLUMNS:
+            path = os.path.join(scratch, f"{rank}.{k}")
+            with open(path, "wb") as f:
+                f.truncate(4 * part)  # zeros, sparse until written
+            flat[k] = torch.from_file(path, shared=True, size=part, dtype=torch.float32)
+        flats.append(flat)
+    _, params = iter_full_params(ckpt, _COLUMNS)
+    for name, values in params:
+        pieces = layout.pieces[names[name]]
+        for k, v in values.items():
+            whole = (convert(name, v) if convert is not None else v).reshape(-1)
+            for p in pieces:
+                flats[p.rank][k][p.offset:p.offset + p.numel] = whole[p.start:p.start + p.numel]
+    return flats
 
 
 def _write_model_states(tmp: str, ckpt: str, ds_shapes: dict, names: dict, convert,
