@@ -4,7 +4,7 @@ can take for the deepspeed package).
 
 Runs the real DeepSpeed on the CPU (DS_ACCELERATOR=cpu, gloo, 2 ranks, fp32,
 torch's AdamW through ``"torch_adam": true``): a tiny model is trained for 3 steps
-at ZeRO stage 2 and at stage 3, saved with ``engine.save_checkpoint``, then trained
+without ZeRO (stage 0) and at stages 2 and 3, saved with ``engine.save_checkpoint``, then trained
 10 more steps, whose losses (the mean over both ranks' micro-batches, that is the
 global batch's) are written to ``losses.json`` beside the checkpoints.
 
@@ -43,7 +43,7 @@ GLOBAL_BATCH = 8
 WORLD = 2
 SAVED_AT = 3      # steps before the save
 CONTINUED = 10    # steps recorded after it
-STAGES = tuple(int(s) for s in os.environ.get("RECORD_STAGES", "2,3").split(","))
+STAGES = tuple(int(s) for s in os.environ.get("RECORD_STAGES", "0,2,3").split(","))
 LR = 1e-2
 
 

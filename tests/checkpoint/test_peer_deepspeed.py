@@ -15,6 +15,7 @@ Only the way back (:func:`test_deepspeed_continues_from_hybrid_s_export`) needs 
 
 from __future__ import annotations
 
+import glob
 import hashlib
 import importlib.util
 import json
@@ -104,11 +105,13 @@ def _after(name: str) -> list[float]:
 
 
 def test_a_deepspeed_checkpoint_continues_exactly_at_two_ranks(tmp_path):
-    """DeepSpeed's layout (DP 2, its stage) and another stage, in one 2-rank launch;
+    """DeepSpeed's layout (DP 2, its stage) and another stage (ZeRO 0's at ZeRO 2), in one
+    2-rank launch;
     DeepSpeed's files and its ``latest`` are left as they were."""
     from tests.helpers.harness import run_ranks
     cases = [(_copy("net_zero2", tmp_path / "a"), 2), (_copy("net_zero3", tmp_path / "b"), 3),
-             (_copy("net_zero2", tmp_path / "c"), 3), (_copy("net_zero3", tmp_path / "d"), 2)]
+             (_copy("net_zero2", tmp_path / "c"), 3), (_copy("net_zero3", tmp_path / "d"), 2),
+             (_copy("net_zero0", tmp_path / "e"), 2)]
     before = {d: _tree_digest(os.path.join(d, "global_step3")) for d, _ in cases}
     out = run_ranks(_two_ranks, world_size=2, args=(cases,))
     assert out[0] == out[1]
@@ -175,20 +178,33 @@ def _deepspeed_full_values(tag_dir: str) -> dict[str, dict[str, torch.Tensor]]:
     return out
 
 
+def _deepspeed_stage0_values(tag_dir: str) -> dict[str, dict[str, torch.Tensor]]:
+    """Stage 0's: the module's weights, and the torch optimizer's state of the i-th
+    parameter for the module's i-th (the net has no buffers, no tied weights)."""
+    ms = torch.load(os.path.join(tag_dir, "mp_rank_00_model_states.pt"), weights_only=False,
+                    pickle_module=_PICKLE)
+    state = ms["optimizer"]["state"]
+    return {n: {"master": w, **{k: state[i][k] for k in ("exp_avg", "exp_avg_sq")}}
+            for i, (n, w) in enumerate(ms["module"].items())}
+
+
 def _one_rank_continues(load_dir: str, stage: int) -> list[float]:
     from hybrid.parallel.state import ParallelState
     return _continue(ParallelState.single(), load_dir, stage)
 
 
-@pytest.mark.parametrize("fixture,stage", [("net_zero2", 1), ("net_zero3", 3)])
+@pytest.mark.parametrize("fixture,stage", [("net_zero2", 1), ("net_zero3", 3),
+                                           ("net_zero0", 3)])
 def test_one_rank_continues_and_imports_deepspeed_s_values(tmp_path, fixture, stage):
-    """At 1 rank (another DP size, and another stage from ZeRO 2): the same 10 losses;
-    the imported masters, moments and step are DeepSpeed's; a second load (a restart)
-    reads the import and none of DeepSpeed's optimizer files (emptied, it still loads)."""
+    """At 1 rank (another DP size, and another stage from DeepSpeed's): the same 10
+    losses; the imported masters, moments and step are DeepSpeed's; a second load (a
+    restart) reads the import and none of DeepSpeed's optimizer files (emptied, it still
+    loads)."""
     d = _copy(fixture, tmp_path)
     got = _one_rank_continues(d, stage)
     assert _worst(got, _after(fixture)) <= TOLERANCE, got
-    want = _deepspeed_full_values(os.path.join(d, "global_step3"))
+    want = (_deepspeed_stage0_values if fixture == "net_zero0" else _deepspeed_full_values)(
+        os.path.join(d, "global_step3"))
     meta, params = iter_full_params(os.path.join(d, "hybrid_import", "iter_0000003"))
     seen = dict(params)
     assert sorted(seen) == sorted(want)
@@ -236,8 +252,9 @@ def test_deepspeed_s_universal_checkpoint_continues_the_same(tmp_path):
 
 
 def test_bad_deepspeed_checkpoints_are_one_error_naming_the_file(tmp_path):
-    """A truncated optimizer file, a missing rank's file, a model of another shape: one
-    CheckpointError each, naming the file; nothing imported."""
+    """A truncated optimizer file, a missing rank's file (or all of them), ZeRO 0's
+    optimizer in another order than the module's parameters, a model of another shape:
+    one CheckpointError each, naming the file; nothing imported."""
     from hybrid import deepspeed
     from hybrid.parallel.state import ParallelState
     rec = _recorder()
@@ -261,6 +278,29 @@ def test_bad_deepspeed_checkpoints_are_one_error_naming_the_file(tmp_path):
     with pytest.raises(CheckpointError, match=r"global_step3: DeepSpeed dp_world_size 2 .*"
                                               r"zero_pp_rank_0\.\.1_mp_rank_00_optim_states"):
         engine_of(rec.Net()).load_checkpoint(d)
+
+    d = _copy("net_zero2", tmp_path / "nooptim")  # every optimizer file gone
+    for f in glob.glob(os.path.join(d, "global_step3", "*optim_states.pt")):
+        os.remove(f)
+    with pytest.raises(CheckpointError, match=r"global_step3: a DeepSpeed ZeRO 2 checkpoint "
+                                              r"without its zero_pp_rank_\*"):
+        engine_of(rec.Net()).load_checkpoint(d)
+
+    # ZeRO 0 names no optimizer state: an optimizer whose groups reorder the module's
+    # parameters (weights, then biases: DeepSpeed's examples' weight-decay split) is
+    # refused by shape, not read into the wrong parameters
+    d = _copy("net_zero0", tmp_path / "regrouped")
+    path = os.path.join(d, "global_step3", "mp_rank_00_model_states.pt")
+    ms = torch.load(path, weights_only=True)
+    st, group = ms["optimizer"]["state"], ms["optimizer"]["param_groups"][0]
+    ms["optimizer"] = {"state": {0: st[0], 1: st[2], 2: st[1], 3: st[3]},
+                       "param_groups": [{**group, "params": [0, 1]},
+                                        {**group, "params": [2, 3]}]}
+    torch.save(ms, path)
+    with pytest.raises(CheckpointError, match=rf"^{path}: the optimizer's parameter 1 holds "
+                                              rf"\[5, 9\], the module's fc1\.bias is \[9\]"):
+        engine_of(rec.Net()).load_checkpoint(d)
+    assert not os.path.exists(os.path.join(d, "hybrid_import"))
 
     d = _copy("gpt2_zero2", tmp_path / "noconfig")  # a GPT-2's heads are in config.json
     os.remove(os.path.join(d, "config.json"))
@@ -286,8 +326,7 @@ def test_an_export_reads_back_as_the_hybrid_checkpoint_it_came_from(tmp_path, mo
     DeepSpeed's own slice records) to the same masters, moments, step and counters.
     The export reads each parameter of the checkpoint twice (the optimizer's partitions,
     then the module) whatever the DP size, and leaves no scratch files."""
-    from hybrid.checkpoint.peers import deepspeed as ds
-    from hybrid.checkpoint.peers import deepspeed_export
+    from hybrid.checkpoint.peers import deepspeed as ds, deepspeed_export
     d = _copy("net_zero3", tmp_path)
     _one_rank_continues(d, 2)
     src = os.path.join(d, "hybrid_import", "iter_0000003")

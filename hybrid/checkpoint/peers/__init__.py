@@ -3,7 +3,7 @@
 * :mod:`.base`       :class:`~.base.PeerCheckpoint`, what every reader provides
 * :mod:`.importing`  a peer checkpoint written as a hybrid one, which ``--load`` then reads
                      at any layout (:func:`~.importing.import_peer`)
-* :mod:`.deepspeed`  DeepSpeed ZeRO 1-3 (``global_stepN/``) and its universal format, read
+* :mod:`.deepspeed`  DeepSpeed ZeRO 0-3 (``global_stepN/``) and its universal format, read
                      with the optimizer state
 * :mod:`.deepspeed_files` DeepSpeed's files: names, pickles read without DeepSpeed, the
                      flat partitions' layout

@@ -1,5 +1,6 @@
-"""DeepSpeed ZeRO checkpoints (``engine.save_checkpoint``'s ``global_stepN/``), read with
-their optimizer state, and written back (:func:`write`).
+"""DeepSpeed checkpoints (``engine.save_checkpoint``'s ``global_stepN/``: ZeRO 1-3, stage 0
+(:class:`DeepSpeedZero0`) and the universal format), read with their optimizer state, and
+written back (:func:`write`).
 
 The files: :mod:`.deepspeed_files` (its Note).
 
@@ -105,10 +106,7 @@ class DeepSpeedCheckpoint:
         stage = (zero.get("stage") if isinstance(zero, dict)
                  else None if zero is None else int(bool(zero)))
         optims = _files(tag_dir, OPTIM_FILE)
-        if stage == 0 or (not optims and ms.get("optimizer") is not None):
-            raise CheckpointError(f"{self.model_file}: a {FORMAT} checkpoint without ZeRO (its "
-                                  f"optimizer state inside the model-state file): hybrid reads "
-                                  f"ZeRO 1-3 checkpoints (zero_pp_rank_*_optim_states.pt)")
+        self._shapes_from(ms)
         world = int(ms.get("dp_world_size") or len(optims))
         if sorted(optims) != [(r, 0) for r in range(world)]:
             have = ", ".join(os.path.basename(p) for p in optims.values()) or "none"
@@ -145,8 +143,6 @@ class DeepSpeedCheckpoint:
         if not version.startswith("0."):
             raise CheckpointError(f"{self.model_file}: ds_version {version or 'missing'}: "
                                   f"hybrid reads checkpoints of DeepSpeed 0.x (tested: 0.19.8)")
-        groups = [{k: [int(d) for d in v] for k, v in g.items()}
-                  for g in need(ms, "param_shapes", self.model_file)]
         if ms.get("frozen_param_shapes"):
             raise CheckpointError(f"{self.model_file}: frozen parameters "
                                   f"({', '.join(list(ms['frozen_param_shapes'])[:4])}): hybrid "
@@ -162,9 +158,15 @@ class DeepSpeedCheckpoint:
                                   f"of mp_world_size 1")
         self.iteration = int(need(ms, "global_steps", self.model_file))
         self.consumed_samples = int(ms.get("global_samples") or 0)
+        return ms
+
+    def _shapes_from(self, ms: dict) -> None:
+        """The parameters' shapes by name, from ZeRO's ``param_shapes`` (one dict per
+        optimizer group, in the flat partitions' order)."""
+        groups = [{k: [int(d) for d in v] for k, v in g.items()}
+                  for g in need(ms, "param_shapes", self.model_file)]
         self._groups = groups
         self.ds_shapes = {k: v for g in groups for k, v in g.items()}
-        return ms
 
     def _bind(self, ms: dict, names) -> None:
         """The names hybrid reads the parameters by (the Note on whose names)."""
@@ -318,6 +320,7 @@ class DeepSpeedUniversal(DeepSpeedCheckpoint):
         self.stage, self.world = None, int(ms.get("dp_world_size") or 1)  # (what saved it)
         self.format = f"{FORMAT} universal"
         self._open = {}  # (no partition files: read_ds opens one file per value)
+        self._shapes_from(ms)
         self._zero = os.path.join(tag_dir, "zero")
         missing = [n for n in self.ds_shapes
                    if not os.path.isfile(os.path.join(self._zero, n, "fp32.pt"))]
@@ -355,6 +358,87 @@ class DeepSpeedUniversal(DeepSpeedCheckpoint):
                 raise CheckpointError(f"{path}: holds {got}, param_shapes says {shape} (a "
                                       f"universal checkpoint of another model, or damaged)")
             out[column] = t.float().reshape(shape)
+        return out
+
+
+class DeepSpeedZero0(DeepSpeedCheckpoint):
+    """DeepSpeed without ZeRO (stage 0, fp32 training, the default when the ds_config
+    has no ``zero_optimization``): one ``mp_rank_00_model_states.pt`` holding the module's
+    weights (the masters: fp32) and the torch optimizer's own state dict.
+
+    That state dict names no parameter: its i-th is the optimizer's i-th, which for an
+    optimizer built from ``model.parameters()`` is the module's i-th parameter (buffers,
+    and a tied weight's second name, left out). The order is taken so and checked by
+    shape, parameter by parameter; an order it does not match (parameter groups that
+    reorder the module's parameters) is one CheckpointError, as is DeepSpeed's fp16 or
+    bf16 optimizer state (masters of their own, not read here)."""
+
+    def __init__(self, tag_dir: str, names=None):
+        ms = self._header(tag_dir)
+        self.stage, self.world = 0, int(ms.get("dp_world_size") or 1)
+        self.format = f"{FORMAT} ZeRO 0"
+        self._open = {}
+        osd, where = ms.get("optimizer"), self.model_file
+        zero = (ms.get("ds_config") or {}).get("zero_optimization")
+        stage = zero.get("stage", 0) if isinstance(zero, dict) else int(bool(zero))
+        if stage or ms.get("param_shapes") is not None:
+            raise CheckpointError(f"{tag_dir}: a {FORMAT} ZeRO {stage or ''} checkpoint "
+                                  f"without its zero_pp_rank_*_mp_rank_00_optim_states.pt "
+                                  f"files (an incomplete save)")
+        if osd is None:
+            raise CheckpointError(f"{where}: no optimizer state (saved without it, or by "
+                                  f"an engine without an optimizer); hybrid imports a "
+                                  f"{FORMAT} checkpoint to continue its training")
+        if not isinstance(osd, dict) or set(osd) != {"state", "param_groups"}:
+            keys = sorted(osd)[:5] if isinstance(osd, dict) else type(osd).__name__
+            raise CheckpointError(f"{where}: the optimizer state is not a torch optimizer's "
+                                  f"({keys}): DeepSpeed's fp16/bf16 optimizer without ZeRO; "
+                                  f"hybrid reads fp32 stage-0 checkpoints and ZeRO 1-3 ones")
+        module = need(ms, "module", where)
+        buffers, seen, params = set(ms.get("buffer_names") or ()), set(), []
+        for name, t in module.items():
+            key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape))
+            if name not in buffers and key not in seen:
+                params.append(name)
+            seen.add(key)
+        order = [int(i) for g in osd["param_groups"] for i in g["params"]]
+        if len(order) != len(params):
+            raise CheckpointError(f"{where}: the optimizer holds {len(order)} parameters, the "
+                                  f"module {len(params)} (frozen parameters, or parameters of "
+                                  f"another model): hybrid maps them by order at stage 0")
+        self._module, self._state, self._index = module, osd["state"], dict(zip(params, order))
+        for name in params:
+            st = self._state.get(self._index[name]) or {}
+            got = st.get("exp_avg")
+            if st and (got is None or tuple(got.shape) != tuple(module[name].shape)):
+                raise CheckpointError(
+                    f"{where}: the optimizer's parameter {self._index[name]} holds "
+                    f"{list(got.shape) if got is not None else 'no exp_avg'}, the module's "
+                    f"{name} is {list(module[name].shape)}: the optimizer's parameter "
+                    f"order is not the module's (parameter groups that reorder them)")
+        self._groups = [{n: list(module[n].shape) for n in params}]
+        self.ds_shapes = dict(self._groups[0])
+        self._bind(ms, names)
+
+    @functools.cached_property
+    def columns(self) -> tuple[str, ...]:
+        return COLUMNS if self._state else COLUMNS[:1]
+
+    @functools.cached_property
+    def step(self) -> int:
+        if not self._state:
+            return 0
+        step = next(iter(self._state.values())).get("step", 0)
+        return int(step.item() if isinstance(step, torch.Tensor) else step)
+
+    def read_ds(self, ds_name: str) -> dict[str, torch.Tensor]:
+        out = {"master": self._module[ds_name].float().clone()}
+        if len(self.columns) > 1:
+            st = self._state.get(self._index[ds_name])
+            if not st:
+                raise CheckpointError(f"{self.model_file}: no optimizer state for "
+                                      f"{ds_name} (it never had a gradient)")
+            out.update({k: st[k].float().clone() for k in COLUMNS[1:]})
         return out
 
 
@@ -430,9 +514,11 @@ def open(path: str, step: int | None = None, names=None) -> DeepSpeedCheckpoint:
         what = f"global_step{step}" if step is not None else f"{LATEST} naming a tag"
         raise CheckpointError(f"{path}: no {FORMAT} checkpoint ({what} with "
                               f"*mp_rank_*_model_states.pt)")
-    if os.path.isdir(os.path.join(tag_dir, "zero")) and not _files(tag_dir, OPTIM_FILE):
+    if _files(tag_dir, OPTIM_FILE):
+        return DeepSpeedCheckpoint(tag_dir, names)
+    if os.path.isdir(os.path.join(tag_dir, "zero")):
         return DeepSpeedUniversal(tag_dir, names)
-    return DeepSpeedCheckpoint(tag_dir, names)
+    return DeepSpeedZero0(tag_dir, names)
 
 
 def engine_state(path: str, step: int | None = None) -> dict:
