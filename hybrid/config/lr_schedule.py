@@ -8,29 +8,31 @@ import math
 from hybrid.config.sections import LRScheduleConfig
 
 
-def learning_rate(iteration: int, lr: float, min_lr: float, warmup_iters: int,
+def learning_rate(done: int, lr: float, min_lr: float, warmup_iters: int,
                   decay_iters: int, style: str, warmup_init: float = 0.0,
                   warmup_style: str = "linear") -> float:
-    """LR for 1-based ``iteration``.
+    """LR of the step taken after ``done`` steps (or samples: whatever ``warmup_iters``
+    and ``decay_iters`` count) -- Megatron-LM's scheduler position, which counts what was
+    done before the step (the Note in :func:`scheduled_lr`).
 
     Warmup over ``warmup_iters`` from ``warmup_init`` towards ``lr``: the fraction
-    ``iteration / warmup_iters`` of the way (linear, Megatron's; ``lr / warmup_iters``
-    first with ``warmup_init`` 0) or ``log(iteration) / log(warmup_iters)`` (log,
-    DeepSpeed's WarmupLR default: ``warmup_init`` first). Then ``constant``,
-    ``linear`` or ``cosine`` decay to ``min_lr`` at ``decay_iters``, and ``min_lr`` after.
+    ``done / warmup_iters`` of the way (linear, Megatron's: the first step runs at
+    ``warmup_init``), or ``log(done + 1) / log(warmup_iters)`` (log, DeepSpeed's WarmupLR
+    shape, on the 1-based step). Then ``constant``, ``linear`` or ``cosine`` decay to
+    ``min_lr`` at ``decay_iters``, and ``min_lr`` after.
     """
-    if warmup_iters > 0 and iteration <= warmup_iters:
-        if warmup_style == "log":
-            frac = math.log(iteration) / math.log(warmup_iters) if warmup_iters > 1 else 1.0
-            return warmup_init + (lr - warmup_init) * frac
-        # (in this order: with warmup_init 0, exactly the lr * iteration / warmup of old)
-        return warmup_init + (lr - warmup_init) * iteration / warmup_iters
+    if warmup_style == "log" and warmup_iters > 0 and done + 1 <= warmup_iters:
+        frac = math.log(done + 1) / math.log(warmup_iters) if warmup_iters > 1 else 1.0
+        return warmup_init + (lr - warmup_init) * frac
+    if warmup_style != "log" and warmup_iters > 0 and done <= warmup_iters:
+        # (in this order: with warmup_init 0, exactly lr * done / warmup)
+        return warmup_init + (lr - warmup_init) * done / warmup_iters
     if style == "constant":
         return lr
-    if iteration >= decay_iters:
+    if done >= decay_iters:
         return min_lr
     span = max(1, decay_iters - warmup_iters)
-    frac = (iteration - warmup_iters) / span
+    frac = (done - warmup_iters) / span
     if style == "linear":
         return min_lr + (lr - min_lr) * (1.0 - frac)
     if style == "cosine":
@@ -72,16 +74,22 @@ def deepspeed_lr(step: int, lr: float, min_lr: float, warmup_iters: int, decay_i
     raise ValueError(f"unknown lr decay style {style!r}")
 
 
-def scheduled_lr(sched: LRScheduleConfig, iteration: int, consumed_samples: int) -> float:
-    """LR for the step that ends at 1-based ``iteration`` having consumed
-    ``consumed_samples`` (this step's batch included), under ``sched``: the
-    schedule counts iterations or samples, as ``sched.unit`` says. With a
-    constant batch the two give the same rates (the ratios are the same integers).
-    ``sched.steps`` "deepspeed": DeepSpeed's counting, by iterations
-    (:func:`deepspeed_lr`)."""
+def scheduled_lr(sched: LRScheduleConfig, iteration: int, consumed_before: int) -> float:
+    """LR of the step that makes 1-based ``iteration``, ``consumed_before`` samples
+    having been consumed before it, under ``sched``. ``sched.steps`` "deepspeed":
+    DeepSpeed's counting, by iterations (:func:`deepspeed_lr`).
+
+    [Note: Megatron's step counting]
+    Megatron-LM's OptimizerParamScheduler sets the rate at its construction (position 0)
+    and after each optimizer step (the position advanced by the global batch, in samples,
+    or by one iteration): iteration ``k`` runs at the position after ``k - 1`` steps, so a
+    linear warmup's first step runs at ``--lr-warmup-init`` (0 by default) and its
+    ``warmup + 1``-th at the peak. The position here is the same: ``iteration - 1``, or
+    ``consumed_before`` when the schedule counts samples. The two agree with a constant
+    batch (the ratios are the same integers); with a batch-size ramp the samples count."""
     if sched.steps == "deepspeed":
         return deepspeed_lr(iteration, sched.lr, sched.min_lr, sched.warmup, sched.decay,
                             sched.decay_style, sched.warmup_init, sched.warmup_style)
-    step = consumed_samples if sched.unit == "samples" else iteration
-    return learning_rate(step, sched.lr, sched.min_lr, sched.warmup, sched.decay,
+    done = consumed_before if sched.unit == "samples" else iteration - 1
+    return learning_rate(done, sched.lr, sched.min_lr, sched.warmup, sched.decay,
                          sched.decay_style, sched.warmup_init, sched.warmup_style)

@@ -399,7 +399,8 @@ class LRScheduleConfig:
     and what :func:`hybrid.config.lr_schedule.scheduled_lr` is stepped by.
     Warmup rises from ``warmup_init`` to ``lr``, linearly or (``warmup_style``
     "log", DeepSpeed's default) as log(step) / log(warmup). ``steps``: "megatron"
-    (optimizer step k takes the schedule's iteration k) or "deepspeed" (DeepSpeed's
+    (optimizer step k runs at the schedule's position after k - 1 steps, as Megatron-LM's
+    scheduler does) or "deepspeed" (DeepSpeed's
     schedulers' own counting and formulas: :func:`hybrid.config.lr_schedule.deepspeed_lr`).
     """
 
@@ -417,8 +418,8 @@ class LRScheduleConfig:
         "linear", "warmup shape: linear, or log (DeepSpeed's WarmupLR default: log(step) / "
         "log(warmup))", flag="lr_warmup_style", choices=("linear", "log"))
     steps: str = opt(
-        "megatron", "how a step's rate is counted: megatron (step k is iteration k of the "
-        "schedule), or deepspeed (DeepSpeed's schedulers: the warmup start for steps 1 and 2, "
+        "megatron", "how a step's rate is counted: megatron (step k runs at the schedule's "
+        "position after k - 1 steps, as Megatron-LM's scheduler), or deepspeed (DeepSpeed's schedulers: the warmup start for steps 1 and 2, "
         "DeepSpeed's formulas after; set by a ds_config scheduler block)", flag="lr_schedule_steps",
         choices=("megatron", "deepspeed"))
 

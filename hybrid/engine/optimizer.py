@@ -158,7 +158,7 @@ class ConfigSchedule(GroupSchedule):
 
     def lr_at(self, step: int) -> list[float]:
         """Every group's rate of 1-based optimizer step ``step``."""
-        return [scheduled_lr(s, step, step * self.batch) for s in self._scheds]
+        return [scheduled_lr(s, step, (step - 1) * self.batch) for s in self._scheds]
 
     def _values(self) -> tuple[list[float], list[tuple[float, float]] | None]:
         return self.lr_at(self.last_batch_iteration + 2), None

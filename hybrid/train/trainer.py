@@ -195,7 +195,7 @@ class Trainer:
         logged). The skip flag stays on the device (see :mod:`hybrid.train.skips`)."""
         s, st, ps = self.cfg.loop, self.state, self.ps
         batch = global_batch_size_at(s, st.consumed_samples)
-        self.lr = scheduled_lr(self.cfg.lr_schedule, st.iteration + 1, st.consumed_samples + batch)
+        self.lr = scheduled_lr(self.cfg.lr_schedule, st.iteration + 1, st.consumed_samples)
         logs = ((st.iteration + 1) % self.cfg.logging.log_interval == 0
                 or finished(s, st.iteration + 1, st.consumed_samples + batch))
         self.metrics.start()

@@ -60,14 +60,6 @@ def _flags(rec: dict, ps, zero_stage: int, micro: int):
                  make_vocab_size_divisible_by=rec["shape"]["vocab"] // ps.tp_size)
 
 
-def _megatron_lr(rec: dict, iteration: int) -> float:
-    """The rate Megatron-LM's iteration ``iteration`` runs at: its scheduler's after
-    ``iteration - 1`` steps (it steps the scheduler after the optimizer)."""
-    from hybrid.config.lr_schedule import learning_rate
-    return learning_rate(iteration - 1, rec["lr"], rec["min_lr"], rec["warmup_iters"],
-                         rec["decay_iters"], "cosine")
-
-
 def _continue(ps, load_dir: str, save_dir: str, zero_stage: int, rec: dict,
               more: list | None = None):
     """On each rank: import ``load_dir`` into ``save_dir``, load it at this layout, and
@@ -79,6 +71,7 @@ def _continue(ps, load_dir: str, save_dir: str, zero_stage: int, rec: dict,
     from hybrid.checkpoint.load import load_checkpoint
     from hybrid.checkpoint.peers.importing import import_for_load
     from hybrid.config import build_config
+    from hybrid.config.lr_schedule import scheduled_lr
     from hybrid.kernels import configure
     from hybrid.tensor_parallel import seed_all
     from hybrid.train.setup import build_engine
@@ -100,7 +93,7 @@ def _continue(ps, load_dir: str, save_dir: str, zero_stage: int, rec: dict,
     def step(tokens) -> None:
         b = torch.tensor(tokens)[ps.dp_rank * micro:(ps.dp_rank + 1) * micro]
         loss, _, _ = train_step(model, engine, [(b[:, :-1].contiguous(), b[:, 1:].contiguous())],
-                                _megatron_lr(rec, it + len(losses) + 1))
+                                scheduled_lr(cfg.lr_schedule, it + len(losses) + 1, 0))
         t = loss.detach().reshape(1).clone()
         ps.dp_group.all_reduce(t)
         losses.append(float(t.item()) / dp)

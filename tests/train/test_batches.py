@@ -56,7 +56,8 @@ def test_lr_in_samples_equals_lr_in_iterations_at_a_constant_batch():
                             "--lr", "1e-3", "--min-lr", "1e-4"]), 1)
     assert (it.lr_schedule.unit, sa.lr_schedule.unit) == ("iterations", "samples")
     for i in range(1, 51):
-        assert scheduled_lr(it.lr_schedule, i, i * gbs) == scheduled_lr(sa.lr_schedule, i, i * gbs)
+        assert scheduled_lr(it.lr_schedule, i, (i - 1) * gbs) == scheduled_lr(
+            sa.lr_schedule, i, (i - 1) * gbs)
     assert total_iterations(sa.loop) == 50
 
 
@@ -64,7 +65,7 @@ def test_warmup_fraction_is_a_fraction_of_the_decay_length():
     cfg = build_config(parse_args(BASE + ["--train-iters", "1000", "--lr-decay-iters", "800",
                              "--lr-warmup-fraction", "0.01"]), 1)
     assert (cfg.lr_schedule.warmup, cfg.lr_schedule.decay) == (8, 800)
-    assert scheduled_lr(cfg.lr_schedule, 4, 0) == learning_rate(4, 1e-3, 0.0, 8, 800, "constant")
+    assert scheduled_lr(cfg.lr_schedule, 4, 0) == learning_rate(3, 1e-3, 0.0, 8, 800, "constant")
 
 
 def test_iteration_based_rampup_takes_train_iters_steps():
@@ -94,8 +95,9 @@ def test_rampup_run_logs_the_schedule_and_resumes_exactly_after_exit_interval(tm
     consumed, expect = 0, []
     while not finished(cfg.loop, len(expect), consumed):
         batch = global_batch_size_at(cfg.loop, consumed)
+        lr = scheduled_lr(cfg.lr_schedule, len(expect) + 1, consumed)  # (samples before)
         consumed += batch
-        expect.append((batch, consumed, scheduled_lr(cfg.lr_schedule, len(expect) + 1, consumed)))
+        expect.append((batch, consumed, lr))
     assert [(m["global_batch_size"], m["consumed_samples"], m["lr"]) for m in log] == expect
     assert [b for b, _, _ in expect] == [4, 4, 4, 4, 8, 8, 8, 8] and expect[-1][1] == 48
 

@@ -580,7 +580,6 @@ def _next_lr(c: dict, iteration: int, consumed_samples: int) -> float:
     try:
         f = SimpleNamespace(**c)
         sched = _section(f, "lr_schedule", **LRScheduleConfig.derived(f))  # type: ignore[arg-type]
-        return float(scheduled_lr(sched, iteration + 1,
-                                  consumed_samples + int(c.get("global_batch_size") or 0)))
+        return float(scheduled_lr(sched, iteration + 1, consumed_samples))
     except (AttributeError, AssertionError, TypeError):  # a config from before a flag
         return float(c.get("lr") or 0.0)

@@ -183,11 +183,6 @@ class MegatronCheckpoint:
             self.notes.append(f"opt_param_scheduler.num_steps {sched.get('num_steps')} is "
                               f"not iteration x global batch ({self.iteration} x {gbs}): "
                               f"hybrid's schedule is a function of the iteration")
-        if sched.get("lr_decay_style") != "constant" or sched.get("lr_warmup_steps"):
-            self.notes.append("the learning rate: Megatron-LM's iteration k runs at its "
-                              "scheduler's rate after k - 1 steps, hybrid's at "
-                              "learning_rate(k): with warmup or decay the rates are one "
-                              "iteration apart")
 
     def read(self, name: str) -> dict[str, torch.Tensor]:
         key, layer = self._keys[name]
