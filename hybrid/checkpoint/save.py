@@ -488,7 +488,7 @@ def write_single_rank_checkpoint(save_dir: str, shapes: dict[str, list[int]], re
                                  columns: tuple[str, ...], config: dict,
                                  vocab_size: int | None, *, iteration: int = 0,
                                  consumed_samples: int = 0, step: int = 0,
-                                 extra: dict | None = None) -> str:
+                                 extra: dict | None = None, beat=None) -> str:
     """A checkpoint of one rank holding every parameter whole (TP 1, DP 1, stage 0), as
     ``SAVE/iter_N``, published atomically like a save (an existing one is refused).
 
@@ -499,7 +499,10 @@ def write_single_rank_checkpoint(save_dir: str, shapes: dict[str, list[int]], re
     parameter at a time whatever the model's size. The data file's checksums are then
     computed from the file in one sequential pass. ``step``: the optimizer's step count
     (0 with no moments); ``extra``: more metadata.json keys (where a checkpoint came from).
+    ``beat()``: called after each parameter and each 8 MiB hashed (the importing rank
+    keeps the waiting ones' collectives short: :mod:`hybrid.checkpoint.peers.importing`).
     """
+    beat = beat or (lambda: None)
     name = iter_name(iteration)
     final, tmp = os.path.join(save_dir, name), os.path.join(save_dir, f".tmp_{name}")
     if os.path.exists(final):
@@ -528,6 +531,7 @@ def write_single_rank_checkpoint(save_dir: str, shapes: dict[str, list[int]], re
                                               f"expected {list(shape)}")
                     view = t.detach().float().contiguous().reshape(-1).numpy().data.cast("B")
                     os.pwrite(fd, view, (c * rows + base) * 4)
+                beat()
             f.flush()
             os.fsync(fd)
         sums = BlockSums()
@@ -539,6 +543,7 @@ def write_single_rank_checkpoint(save_dir: str, shapes: dict[str, list[int]], re
                     chunk = src.read(min(left, 8 << 20))
                     sums.update(memoryview(chunk))
                     left -= len(chunk)
+                    beat()
         specs = {n: {"full_shape": s, "dim": None, "tp_rank": 0, "tp_size": 1}
                  for n, s in shapes.items()}
         header = {"version": VERSION, "rank": 0, "tp_rank": 0, "dp_rank": 0, "specs": specs,

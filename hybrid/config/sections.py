@@ -419,8 +419,9 @@ class LRScheduleConfig:
         "log(warmup))", flag="lr_warmup_style", choices=("linear", "log"))
     steps: str = opt(
         "megatron", "how a step's rate is counted: megatron (step k runs at the schedule's "
-        "position after k - 1 steps, as Megatron-LM's scheduler), or deepspeed (DeepSpeed's schedulers: the warmup start for steps 1 and 2, "
-        "DeepSpeed's formulas after; set by a ds_config scheduler block)", flag="lr_schedule_steps",
+        "position after k - 1 steps, as Megatron-LM's scheduler), or deepspeed (DeepSpeed's "
+        "schedulers: the warmup start for steps 1 and 2, DeepSpeed's formulas after; set by a "
+        "ds_config scheduler block)", flag="lr_schedule_steps",
         choices=("megatron", "deepspeed"))
 
     @staticmethod

@@ -91,3 +91,51 @@ def test_a_failed_import_writes_nothing_and_a_second_reuses_the_first(tmp_path, 
     with pytest.raises(CheckpointError, match="give --save"):
         import_for_load(peer_dir, None, ps, {}, 10, "deepspeed")
     assert import_for_load(peer_dir, str(save), ps, {}, 10, "hybrid") is None
+
+
+class SlowPeer(FakePeer):
+    """A peer whose every read takes 0.3 s: 9 reads outlast a 2 s collective timeout."""
+
+    def __init__(self, path):
+        super().__init__(path)
+        self.shapes = {f"blocks.{i}.ln_1.weight": [4] for i in range(9)}
+        g = torch.Generator().manual_seed(1)
+        self.values = {n: {c: torch.randn(s, generator=g) for c in self.columns}
+                       for n, s in self.shapes.items()}
+
+    def read(self, name):
+        import time
+        time.sleep(0.3)
+        return super().read(name)
+
+
+def _import_slowly(ps, peer_dir, save):
+    from hybrid.checkpoint.peers import importing
+    waits = []
+    real = importing.ImportWait
+
+    class Counted(real):
+        def __init__(self, ps):
+            super().__init__(ps)
+            waits.append(self)
+    importing.ImportWait = Counted
+    importing.open_peer = lambda path, fmt, step: SlowPeer(path)
+    try:
+        got = import_for_load(peer_dir, save, ps, {}, 10, "deepspeed")
+    finally:
+        importing.ImportWait = real
+    return got, waits[0].rounds, waits[0].every_s
+
+
+def test_an_import_longer_than_the_collective_timeout_keeps_the_other_ranks_waiting(tmp_path):
+    """[Note: waiting for an import of any size]: rank 0's import takes 2.7 s, the
+    collectives time out at 2 s; rank 1 waits through short rounds (every 0.5 s of the
+    import) and both ranks get the import."""
+    from tests.helpers.harness import run_ranks
+    peer_dir, save = str(tmp_path / "peer"), str(tmp_path / "save")
+    os.makedirs(peer_dir)
+    out = run_ranks(_import_slowly, world_size=2, args=(peer_dir, save), collective_timeout=2)
+    assert [o[0] for o in out] == [(save, 7), (save, 7)]
+    assert out[0][1] == out[1][1] >= 5 and out[0][2] == 0.5  # paired rounds, 1 per 0.5 s
+    _, state = merged_state(os.path.join(save, "iter_0000007"))
+    assert sorted(state) == sorted(SlowPeer(peer_dir).shapes)

@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import time
 
 import torch
 
@@ -38,13 +39,14 @@ log = logging.getLogger("hybrid")
 
 
 def import_peer(peer: PeerCheckpoint, save_dir: str, config: dict,
-                vocab_size: int | None) -> str:
+                vocab_size: int | None, beat=None) -> str:
     """Write ``peer`` as hybrid checkpoint ``save_dir/iter_N`` (N: its iteration); return
     its directory. ``config``: the run's flat flags, recorded as the checkpoint's, with
     the ones the peer determines (``peer.flags``) over them; ``vocab_size``: the run's
     tokenizer's, when the peer does not record one. One process (rank 0 of a run). A
     peer whose format leaves part of the model's shape unrecorded (a DCP checkpoint's
-    head count) takes it from ``config`` first (:meth:`PeerCheckpoint.configure`)."""
+    head count) takes it from ``config`` first (:meth:`PeerCheckpoint.configure`).
+    ``beat()``: called as the import goes (:class:`ImportWait`)."""
     peer.configure(config)
     for line in peer.notes:
         log.warning("%s (%s): %s", peer.path, peer.format, line)
@@ -55,10 +57,56 @@ def import_peer(peer: PeerCheckpoint, save_dir: str, config: dict,
         save_dir, dict(peer.shapes), peer.read, tuple(peer.columns), {**config, **peer.flags},
         peer.vocab_size if peer.vocab_size is not None else vocab_size,
         iteration=peer.iteration, consumed_samples=peer.consumed_samples, step=peer.step,
-        extra={"imported_from": origin})
+        extra={"imported_from": origin}, beat=beat)
     log.info("imported %s checkpoint %s (iteration %d) as %s", peer.format, peer.path,
              peer.iteration, out)
     return out
+
+
+class ImportWait:
+    """The other ranks' wait while rank 0 imports, in short collectives over the world.
+
+    [Note: waiting for an import of any size]
+    Rank 0 alone reads the peer and writes the import: time O(model), minutes to an hour
+    for a large model, longer than the collective timeout (``--distributed-timeout-
+    minutes``) a plain barrier would wait under. So the wait is a series of one-element
+    all-reduces (MAX) over the world: rank 0 joins one at least every ``every_s``
+    seconds of its import (:meth:`beat`, called per parameter and per hashed block) with
+    0, and a last one with 1 when it is done or failed (:meth:`done`); the other ranks
+    loop on them until they see the 1 (:meth:`wait`). Each collective waits at most
+    ``every_s``, a quarter of the timeout (a minute at most), so a long import never
+    times out, while a rank 0 that stopped (a hung file system, a dead process) still
+    ends the job at the timeout, named by the flight recorder like any stalled
+    collective. The number of rounds follows rank 0's clock; every rank takes each one,
+    so they stay paired."""
+
+    def __init__(self, ps: ParallelState):
+        self.ps = ps
+        self.every_s = min(60.0, ps.timeout.total_seconds() / 4)
+        self.last = time.monotonic()
+        self.rounds = 0
+
+    def _round(self, flag: int) -> bool:
+        t = torch.tensor([flag], dtype=torch.int64, device=self.ps.device)
+        self.ps.world_group.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
+        self.rounds += 1
+        self.last = time.monotonic()
+        return bool(t.item())
+
+    def beat(self) -> None:
+        """Rank 0, importing: a round when ``every_s`` has passed since the last."""
+        if self.ps.world_size > 1 and time.monotonic() - self.last >= self.every_s:
+            self._round(0)
+
+    def done(self) -> None:
+        """Rank 0: the import is over (written, reused or failed)."""
+        if self.ps.world_size > 1:
+            self._round(1)
+
+    def wait(self) -> None:
+        """The other ranks: until rank 0 is done."""
+        while not self._round(0):
+            pass
 
 
 def import_for_load(load_dir: str, save_dir: str | None, ps: ParallelState, config: dict,
@@ -89,7 +137,10 @@ def import_for_load(load_dir: str, save_dir: str | None, ps: ParallelState, conf
     # the whole model's names and shapes (gathered over the pipeline: every rank is here)
     signature = whole_model_signature(model, ps) if model is not None else None
     error, iteration = None, -1  # (-2: imported before, load save_dir's newest)
-    if ps.rank == 0:
+    waiting = ImportWait(ps)
+    if ps.rank != 0:
+        waiting.wait()
+    else:
         try:
             if save_dir and os.path.realpath(save_dir) == os.path.realpath(load_dir):
                 raise CheckpointError(
@@ -120,7 +171,7 @@ def import_for_load(load_dir: str, save_dir: str | None, ps: ParallelState, conf
                         check_model({"model": peer.shapes, "config": {**config, **peer.flags},
                                      "vocab_size": peer.vocab_size}, model, vocab_size,
                                     f"{peer.path} ({peer.format})", signature)
-                    import_peer(peer, save_dir, config, vocab_size)
+                    import_peer(peer, save_dir, config, vocab_size, waiting.beat)
                     if owner is not None:
                         write_owner(save_dir, owner)
                     # (a later run of the same --load and --save resumes this one's saves)
@@ -130,6 +181,8 @@ def import_for_load(load_dir: str, save_dir: str | None, ps: ParallelState, conf
                 peer.close()
         except (CheckpointError, OSError) as e:
             error = str(e)
+        finally:
+            waiting.done()
     error = agree_error(ps, error)
     if error:
         raise CheckpointError(error)
