@@ -18,6 +18,7 @@ import os
 import tarfile
 
 import pytest
+import torch
 
 from tests.helpers.harness import run_ranks
 from tests.helpers.launch import ROOT
@@ -135,6 +136,32 @@ def test_zero3_continues_the_recorded_run_and_the_way_back_continues_in_torch(tm
     got = run_ranks(torch_continues, world_size=2, args=(rec, str(out / "step-6"), 3))[0]
     assert got["step"] == 6
     assert _max_diff(got["losses"], hybrid[3:6]) <= TOL, (got["losses"], hybrid[3:6])
+    assert os.listdir(out) == ["step-6"]  # (the scratch files gone)
+    _every_tensor_dcp_writes_is_a_mapped_file(str(save / "iter_0000006"), tmp_path / "again")
+
+
+def _every_tensor_dcp_writes_is_a_mapped_file(ckpt: str, out) -> None:
+    """The export's state dict holds no tensor in memory but the step counts: each
+    weight and moment is a mapped scratch file (its storage names the file), so memory
+    holds about one parameter whatever the model's size."""
+    import torch.distributed.checkpoint as dcp
+
+    from hybrid.checkpoint.peers import dcp as peer
+    real, seen = dcp.save, {}
+
+    def save(state, **kw):
+        flat = {**{k: v for k, v in state.items() if isinstance(v, torch.Tensor)},
+                **state["optimizer"]}
+        seen.update({k: v.untyped_storage().filename for k, v in flat.items()
+                     if isinstance(v, torch.Tensor) and v.ndim > 0})
+        return real(state, **kw)
+    dcp.save = save
+    try:
+        peer.write(ckpt, str(out))
+    finally:
+        dcp.save = real
+    assert len(seen) > 20 and all(seen.values()), seen
+    assert os.listdir(out) == ["step-6"]
 
 
 def test_tp2_continues_the_recorded_run(tmp_path):

@@ -16,6 +16,7 @@
                      process
 * :mod:`.megatron_names` megatron-core's GPTModel names and layouts <-> hybrid's
 * :mod:`.dcp`        torch DCP as torchtitan writes it (FSDP2 / TP DTensors)
+* :mod:`.spill`      tensors parked in mapped scratch files, for the exports' writers
 
 :func:`open_peer` finds which format a directory holds (or takes the one a flag names)
 and opens it; each format module has ``detect(path) -> bool``, ``open(path) ->

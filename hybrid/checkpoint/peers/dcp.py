@@ -51,6 +51,7 @@ from typing import Any
 
 import torch
 
+from hybrid.checkpoint.peers.spill import Spill
 from hybrid.errors import CheckpointError
 from hybrid.hf.llama import _qkv_from_hf, _qkv_to_hf
 
@@ -493,8 +494,10 @@ def write(ckpt: str, out_dir: str, lr: float | None = None, groups: str = "matri
     torch's ``set_optimizer_state_dict`` holds to one value per group: "matrices" (two
     groups, weight decay on the matrices only: hybrid's rule, what continues hybrid's
     run exactly) or "one" (one group, weight decay on every parameter: torchtitan's
-    default). Returns a summary. Holds the model's state in memory (DCP writes one
-    state dict)."""
+    default). Returns a summary. DCP writes one state dict of the whole model: its
+    tensors are mapped files in a scratch directory beside ``out_dir``'s checkpoint
+    (:class:`~hybrid.checkpoint.peers.spill.Spill`), so memory holds about one
+    parameter."""
     if groups not in ("matrices", "one"):
         raise ValueError(f"groups {groups!r}: 'matrices' or 'one'")
     import torch.distributed.checkpoint as dcp
@@ -519,28 +522,38 @@ def write(ckpt: str, out_dir: str, lr: float | None = None, groups: str = "matri
              "eps": c.get("adam_eps", 1e-8), "amsgrad": False, "maximize": False,
              "foreach": False, "capturable": False, "differentiable": False, "fused": None,
              "decoupled_weight_decay": True, "initial_lr": lr}
+    path = os.path.join(out_dir, f"step-{iteration}")
+    if os.path.exists(path):
+        raise CheckpointError(f"{path}: already exists; not overwriting it")
     model: dict[str, torch.Tensor] = {}
     optim: dict = {}
     with_moments = False
     vocab = meta.get("vocab_size")
-    for name, cols in params:
-        with_moments = "exp_avg" in cols
-        for col, full in cols.items():
-            # hybrid's padding rows past the vocabulary are not the model's
-            cut = full[:vocab] if name in ("wte.weight", "output_layer.weight") and vocab \
-                else full
-            for tt, part in _torchtitan_state(name, cut, heads, kv):
-                t = part.contiguous().clone()
-                if col == "master":
-                    model[tt] = t
-                    decay = c.get("weight_decay", 0.01) if t.ndim >= 2 or groups == "one" \
-                        else 0.0
-                    for key, v in (group | {"weight_decay": decay, "param_names": tt}).items():
-                        optim[f"param_groups.{tt}.{key}"] = v
-                    if with_moments:
-                        optim[f"state.{tt}.step"] = torch.tensor(float(step))
-                else:
-                    optim[f"state.{tt}.{col}"] = t
+    # (the state dict dcp.save takes is the whole model's: its tensors are mapped files)
+    spill = Spill(os.path.join(out_dir, f".scratch_step-{iteration}"))
+    try:
+        for name, cols in params:
+            with_moments = "exp_avg" in cols
+            for col, full in cols.items():
+                # hybrid's padding rows past the vocabulary are not the model's
+                cut = full[:vocab] if name in ("wte.weight", "output_layer.weight") and vocab \
+                    else full
+                for tt, part in _torchtitan_state(name, cut, heads, kv):
+                    t = spill.keep(part)
+                    if col == "master":
+                        model[tt] = t
+                        decay = c.get("weight_decay", 0.01) if t.ndim >= 2 or groups == "one" \
+                            else 0.0
+                        named = group | {"weight_decay": decay, "param_names": tt}
+                        for key, v in named.items():
+                            optim[f"param_groups.{tt}.{key}"] = v
+                        if with_moments:
+                            optim[f"state.{tt}.step"] = torch.tensor(float(step))
+                    else:
+                        optim[f"state.{tt}.{col}"] = t
+    except BaseException:  # (a parameter torchtitan has no name for)
+        spill.close()
+        raise
     groups_lrs = [lr] * (2 if groups == "matrices" else 1)
     state: dict[str, Any] = dict(model)
     state["optimizer"] = optim
@@ -551,9 +564,6 @@ def write(ckpt: str, out_dir: str, lr: float | None = None, groups: str = "matri
     state["train_state"] = {"step": iteration,
                             "ntokens_seen": int(meta.get("consumed_samples", 0))
                             * int(c.get("seq_length", 0))}
-    path = os.path.join(out_dir, f"step-{iteration}")
-    if os.path.exists(path):
-        raise CheckpointError(f"{path}: already exists; not overwriting it")
     tmp = os.path.join(out_dir, f".tmp_step-{iteration}")
     os.makedirs(tmp, exist_ok=True)
     try:
@@ -563,6 +573,8 @@ def write(ckpt: str, out_dir: str, lr: float | None = None, groups: str = "matri
         os.replace(tmp, path)
     except OSError as e:
         raise CheckpointError(f"{path}: cannot write ({e})") from e
+    finally:
+        spill.close()  # (its files unlinked; their space is freed as the tensors go)
     return {"path": path, "step": iteration, "tensors": len(model),
             "optimizer": with_moments, "heads": heads, "query_groups": kv, "lr": lr,
             "param_groups": groups}

@@ -12,7 +12,7 @@ pickler that does not import DeepSpeed, so the export runs where DeepSpeed is no
 installed.
 
 The checkpoint is read once whatever the DP size, and memory holds one parameter at a
-time: the ranks' partitions are filled through files (:func:`_scatter_partitions`).
+time: the ranks' partitions are mapped files (:func:`_scatter_partitions`).
 """
 
 from __future__ import annotations
@@ -38,6 +38,7 @@ from hybrid.checkpoint.peers.deepspeed_files import (
     layout_3,
     layout_12,
 )
+from hybrid.checkpoint.peers.spill import Spill
 from hybrid.errors import CheckpointError
 
 VERSION = "0.19.8"  # the DeepSpeed version whose layout is written (and tested)
@@ -146,16 +147,18 @@ def write(checkpoint: str, out_dir: str, dp_size: int = 1, zero_stage: int = 2, 
         per = [-(-math.prod(s) // dp_size) for s in ds_shapes.values()]
         layout = layout_3(groups, dp_size, [sum(per)])
         part = sum(per)
-    flats = _scatter_partitions(ckpt, os.path.join(tmp, ".partitions"), dp_size, part,
-                                names, convert, layout)
-    for rank, flat in enumerate(flats):
-        osd = _optimizer_state(flat, rank, dp_size, zero_stage, part, total, ds_shapes,
-                               layout, group, int(record["step"]), config)
-        _save({"optimizer_state_dict": osd, "ds_config": config, "ds_version": VERSION},
-              os.path.join(tmp, f"zero_pp_rank_{rank}_mp_rank_00_optim_states.pt"))
-        del osd
-    del flats
-    shutil.rmtree(os.path.join(tmp, ".partitions"))
+    spill = Spill(os.path.join(tmp, ".partitions"))
+    try:
+        flats = _scatter_partitions(ckpt, spill, dp_size, part, names, convert, layout)
+        for rank, flat in enumerate(flats):
+            osd = _optimizer_state(flat, rank, dp_size, zero_stage, part, total, ds_shapes,
+                                   layout, group, int(record["step"]), config)
+            _save({"optimizer_state_dict": osd, "ds_config": config, "ds_version": VERSION},
+                  os.path.join(tmp, f"zero_pp_rank_{rank}_mp_rank_00_optim_states.pt"))
+            del osd
+        del flats
+    finally:
+        spill.close()
     _write_model_states(tmp, ckpt, ds_shapes, names, convert, shared, record, dp_size,
                         zero_stage, config)
     os.replace(tmp, final)
@@ -171,7 +174,7 @@ def write(checkpoint: str, out_dir: str, dp_size: int = 1, zero_stage: int = 2, 
 _COLUMNS = ("master", "exp_avg", "exp_avg_sq")
 
 
-def _scatter_partitions(ckpt: str, scratch: str, dp_size: int, part: int,
+def _scatter_partitions(ckpt: str, spill: Spill, dp_size: int, part: int,
                         names: dict[str, str], convert, layout) -> list[dict[str, torch.Tensor]]:
     """Every DP rank's flat partitions (master and both moments, ``part`` elements each,
     zero where DeepSpeed pads), filled in one pass over the checkpoint.
@@ -180,19 +183,9 @@ def _scatter_partitions(ckpt: str, scratch: str, dp_size: int, part: int,
     A rank's partition takes a slice of every parameter at stage 3 (and of a run of
     them at stages 1-2), so filling one rank at a time would read the checkpoint once
     per rank: O(model x DP) bytes. Here each parameter is read once and its pieces go
-    to every rank's partition, and the partitions live in files under ``scratch``
-    (mapped, shared with the page cache), so memory holds one parameter, not the
-    model's state; the caller removes ``scratch`` once the ranks' files are written."""
-    os.makedirs(scratch)
-    flats = []
-    for rank in range(dp_size):
-        flat = {}
-        for k in _COLUMNS:
-            path = os.path.join(scratch, f"{rank}.{k}")
-            with open(path, "wb") as f:
-                f.truncate(4 * part)  # zeros, sparse until written
-            flat[k] = torch.from_file(path, shared=True, size=part, dtype=torch.float32)
-        flats.append(flat)
+    to every rank's partition, and the partitions are mapped files (:class:`Spill`), so
+    memory holds one parameter, not the model's state."""
+    flats = [{k: spill.zeros(part) for k in _COLUMNS} for _ in range(dp_size)]
     _, params = iter_full_params(ckpt, _COLUMNS)
     for name, values in params:
         pieces = layout.pieces[names[name]]
