@@ -121,40 +121,63 @@ def _tied(hc: dict) -> bool:
     return bool(hc.get("tie_word_embeddings", False))
 
 
-def from_hf_llama(hf: dict[str, torch.Tensor], hc: dict,
-                  dense_mlp: bool | Collection[int] = True) -> dict[str, torch.Tensor]:
-    """``LlamaForCausalLM`` or ``Qwen2ForCausalLM`` state dict with ``config.json``
-    ``hc`` -> hybrid state (unpadded vocabulary, fp32). ``dense_mlp``: the layers whose
-    MLP is a dense one (True: all; False: none, a Mixtral's experts,
-    :mod:`hybrid.hf.mixtral`); the others' MLPs are left out."""
-    groups = hc.get("num_key_value_heads") or hc["num_attention_heads"]
+def hf_sources(hc: dict, dense_mlp: bool | Collection[int] = True
+               ) -> dict[str, tuple[str, ...]]:
+    """hybrid parameter name -> the Hugging Face weights it is made of (names without the
+    ``model.`` prefix a state dict may add), in hybrid's order, for ``LlamaForCausalLM``
+    or ``Qwen2ForCausalLM`` with ``config.json`` ``hc``: the one table of the Llama
+    family (:func:`param_from_hf` makes each parameter of its sources).
+    ``dense_mlp``: the layers whose MLP is a dense one (True: all; False: none, a
+    Mixtral's experts, :mod:`hybrid.hf.mixtral`); the others' MLPs are left out."""
     # the Qwen family: q/k/v have biases, o_proj and the MLP never
     qwen = hc.get("model_type") in ("qwen2", "qwen2_moe")
     bias = bool(hc.get("attention_bias", False)) and not qwen
     qkv_bias = bias or _qkv_bias_only(hc)
-    get = hf_getter(hf)
-    out = {"wte.weight": get("embed_tokens.weight"), "ln_f.weight": get("norm.weight")}
+    out: dict[str, tuple[str, ...]] = {"wte.weight": ("embed_tokens.weight",),
+                                       "ln_f.weight": ("norm.weight",)}
     if not _tied(hc):
-        out["output_layer.weight"] = hf["lm_head.weight"] if "lm_head.weight" in hf \
-            else get("lm_head.weight")
+        out["output_layer.weight"] = ("lm_head.weight",)
     for i in range(hc["num_hidden_layers"]):
         src, dst = f"layers.{i}.", f"blocks.{i}."
-        out[dst + "ln_1.weight"] = get(src + "input_layernorm.weight")
-        out[dst + "ln_2.weight"] = get(src + "post_attention_layernorm.weight")
+        out[dst + "ln_1.weight"] = (src + "input_layernorm.weight",)
+        out[dst + "ln_2.weight"] = (src + "post_attention_layernorm.weight",)
         if hc.get("model_type") in QK_NORM_TYPES:
             for n in ("q_norm", "k_norm"):
-                out[f"{dst}attn.{n}.weight"] = get(f"{src}self_attn.{n}.weight")
+                out[f"{dst}attn.{n}.weight"] = (f"{src}self_attn.{n}.weight",)
         for kind in _kinds(qkv_bias):
-            q, k, v = (get(f"{src}self_attn.{n}_proj.{kind}") for n in "qkv")
-            out[f"{dst}attn.qkv.{kind}"] = _qkv_from_hf(q, k, v, groups)
+            out[f"{dst}attn.qkv.{kind}"] = tuple(f"{src}self_attn.{n}_proj.{kind}" for n in "qkv")
         for kind in _kinds(bias):
-            out[f"{dst}attn.proj.{kind}"] = get(f"{src}self_attn.o_proj.{kind}")
+            out[f"{dst}attn.proj.{kind}"] = (f"{src}self_attn.o_proj.{kind}",)
             if not _has_dense(dense_mlp, i):
                 continue
-            out[f"{dst}mlp.fc.{kind}"] = torch.stack([get(f"{src}mlp.gate_proj.{kind}"),
-                                                      get(f"{src}mlp.up_proj.{kind}")])
-            out[f"{dst}mlp.proj.{kind}"] = get(f"{src}mlp.down_proj.{kind}")
-    return {k: v.float().contiguous() for k, v in out.items()}
+            out[f"{dst}mlp.fc.{kind}"] = (f"{src}mlp.gate_proj.{kind}", f"{src}mlp.up_proj.{kind}")
+            out[f"{dst}mlp.proj.{kind}"] = (f"{src}mlp.down_proj.{kind}",)
+    return out
+
+
+def param_from_hf(name: str, parts: list[torch.Tensor], hc: dict) -> torch.Tensor:
+    """hybrid parameter ``name`` (fp32, contiguous) from its :func:`hf_sources` tensors:
+    q, k and v fused per query group, gate and up stacked, the others as they are. Also
+    the Adam moments of the sources give the parameter's (elementwise state moves as
+    its weight does)."""
+    if ".attn.qkv." in name:
+        q, k, v = parts
+        t = _qkv_from_hf(q, k, v, hc.get("num_key_value_heads") or hc["num_attention_heads"])
+    elif ".mlp.fc." in name:
+        t = torch.stack(parts)
+    else:
+        (t,) = parts
+    return t.float().contiguous()
+
+
+def from_hf_llama(hf: dict[str, torch.Tensor], hc: dict,
+                  dense_mlp: bool | Collection[int] = True) -> dict[str, torch.Tensor]:
+    """``LlamaForCausalLM`` or ``Qwen2ForCausalLM`` state dict with ``config.json``
+    ``hc`` -> hybrid state (unpadded vocabulary, fp32), through :func:`hf_sources` and
+    :func:`param_from_hf`. ``dense_mlp``: as :func:`hf_sources`'."""
+    get = hf_getter(hf)
+    return {n: param_from_hf(n, [get(k) for k in srcs], hc)
+            for n, srcs in hf_sources(hc, dense_mlp).items()}
 
 
 def _rope(hc: dict) -> dict:
