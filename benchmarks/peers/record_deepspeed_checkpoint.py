@@ -17,14 +17,15 @@ format (``global_step3_universal/``, ``latest_universal``).
 
 A tiny transformers ``GPT2LMHeadModel`` is trained the same way at ZeRO 2 on the batches
 ``scripts/pretrain_gpt.py`` reads with :data:`GPT_ARGS` (its config.json saved beside
-``latest``, as Hugging Face's Trainer does): the ``--load`` route.
+``latest``, as Hugging Face's Trainer does): the ``--load`` route; and a tiny
+``LlamaForCausalLM`` (GQA, untied) the same way with :data:`LLAMA_ARGS`.
 
 Regenerate (two to three minutes on 2 cores; needs DeepSpeed 0.19.8 and transformers,
 and this checkout's hybrid on the path for the data)::
 
     DS_ACCELERATOR=cpu OMP_NUM_THREADS=1 PYTHONPATH=. python \
         benchmarks/peers/record_deepspeed_checkpoint.py \
-        tests/fixtures/peers/deepspeed-0.19.8 [net] [gpt2]
+        tests/fixtures/peers/deepspeed-0.19.8 [net] [gpt2] [llama]
 """
 
 from __future__ import annotations
@@ -157,13 +158,31 @@ def gpt2_config():
                       bos_token_id=99, eos_token_id=99)
 
 
-def gpt_batches(world: int, rank: int):
+# The same route for a transformers LlamaForCausalLM (GQA: 4 heads, 2 K/V heads, so TP 2
+# splits whole groups; untied; no biases), with the flags that make hybrid's GPT that Llama.
+LLAMA_ARGS = [{"--openai-gelu": "--swiglu"}.get(a, a) for a in GPT_ARGS] + [
+    "--num-attention-heads", "4", "--normalization", "RMSNorm", "--norm-epsilon", "1e-5",
+    "--position-embedding-type", "rope", "--group-query-attention", "--num-query-groups", "2",
+    "--untie-embeddings-and-output-weights", "--disable-bias-linear"]
+
+
+def llama_config():
+    """The LlamaForCausalLM of LLAMA_ARGS."""
+    from transformers import LlamaConfig
+    return LlamaConfig(vocab_size=100, hidden_size=16, intermediate_size=64,
+                       num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                       max_position_embeddings=16, rms_norm_eps=1e-5, rope_theta=10000.0,
+                       tie_word_embeddings=False, attention_bias=False, mlp_bias=False,
+                       bos_token_id=99, eos_token_id=99)
+
+
+def gpt_batches(world: int, rank: int, args: list[str] = GPT_ARGS):
     """Iteration i's (tokens, labels) of DP rank ``rank`` of ``world``: what
     pretrain_gpt.py with GPT_ARGS feeds that rank (its micro-batches, concatenated)."""
     from hybrid.config import build_config, parse_args
     from hybrid.data.dataset import build_datasets, dp_micro_batches
     from hybrid.data.tokenizer import build_tokenizer
-    cfg = build_config(parse_args(GPT_ARGS), world)
+    cfg = build_config(parse_args(args), world)
     data = build_datasets(cfg.data, build_tokenizer(cfg.tokenizer))["train"]
     gbs, mbs = cfg.loop.global_batch_size, cfg.loop.micro_batch_size
 
@@ -173,16 +192,17 @@ def gpt_batches(world: int, rank: int):
     return at
 
 
-def _gpt2_worker(rank: int, port: int, out_dir: str) -> None:
+def _hf_worker(rank: int, port: int, out_dir: str, family: str) -> None:
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(WORLD),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     import deepspeed
-    from transformers import GPT2LMHeadModel
+    from transformers import GPT2LMHeadModel, LlamaForCausalLM
     deepspeed.init_distributed(dist_backend="gloo")
     torch.manual_seed(0)
-    config = gpt2_config()
+    config = gpt2_config() if family == "gpt2" else llama_config()
     config._attn_implementation = "eager"  # (plain matmuls and softmax, as hybrid on the CPU)
-    model = GPT2LMHeadModel(config)
+    model = (GPT2LMHeadModel if family == "gpt2" else LlamaForCausalLM)(config)
+    args = GPT_ARGS if family == "gpt2" else LLAMA_ARGS
     ds = {"train_batch_size": 4, "train_micro_batch_size_per_gpu": 2,
           "gradient_clipping": 0.0, "steps_per_print": 10 ** 6,
           "optimizer": {"type": "AdamW", "params": {"lr": 0.003, "betas": [0.9, 0.999],
@@ -191,7 +211,7 @@ def _gpt2_worker(rank: int, port: int, out_dir: str) -> None:
           "zero_optimization": {"stage": GPT_STAGE}}
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
                                       config=ds)
-    batch = gpt_batches(WORLD, rank)
+    batch = gpt_batches(WORLD, rank, args)
     losses = []
     for step in range(SAVED_AT + CONTINUED):
         if step == SAVED_AT:
@@ -207,7 +227,7 @@ def _gpt2_worker(rank: int, port: int, out_dir: str) -> None:
         with open(os.path.join(out_dir, "losses.json"), "w") as f:
             json.dump({"deepspeed": deepspeed.__version__, "world_size": WORLD,
                        "zero_stage": GPT_STAGE, "saved_at": SAVED_AT,
-                       "pretrain_gpt_args": GPT_ARGS, "before": losses[:SAVED_AT],
+                       "pretrain_gpt_args": args, "before": losses[:SAVED_AT],
                        "after": losses[SAVED_AT:]}, f, indent=1)
     end_rank()
 
@@ -226,13 +246,15 @@ def _clean(out: str) -> None:
 
 def main(argv: list[str]) -> int:
     root = argv[0] if argv else "tests/fixtures/peers/deepspeed-0.19.8"
-    which = argv[1:] or ["net", "gpt2"]
+    which = argv[1:] or ["net", "gpt2", "llama"]
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    if "gpt2" in which:
-        out = os.path.join(root, f"gpt2_zero{GPT_STAGE}")
+    for family in ("gpt2", "llama"):
+        if family not in which:
+            continue
+        out = os.path.join(root, f"{family}_zero{GPT_STAGE}")
         shutil.rmtree(out, ignore_errors=True)
         os.makedirs(out)
-        torch.multiprocessing.spawn(_gpt2_worker, args=(_port(), out), nprocs=WORLD)
+        torch.multiprocessing.spawn(_hf_worker, args=(_port(), out, family), nprocs=WORLD)
         _clean(out)
         print(f"wrote {out}")
     for stage in STAGES if "net" in which else ():

@@ -423,20 +423,25 @@ def test_deepspeed_continues_from_hybrid_s_export(tmp_path):
         assert len(theirs["losses"]) == steps and worst <= TOLERANCE, (stage, theirs, losses)
 
 
-def test_pretrain_gpt_continues_a_deepspeed_gpt2_run(tmp_path):
-    """The script route: DeepSpeed trained a transformers GPT2LMHeadModel (ZeRO 2, 2
-    ranks, its config.json beside ``latest`` as Hugging Face's Trainer leaves it) on the
-    batches ``pretrain_gpt.py`` reads; ``pretrain_gpt.py --load DS_DIR --save NEW``
-    imports it through GPT-2's name table and continues with DeepSpeed's next 10 losses,
-    at DeepSpeed's layout (DP 2, ZeRO 2) and at TP 2."""
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_pretrain_gpt_continues_a_deepspeed_hugging_face_run(tmp_path, family):
+    """The script route: DeepSpeed trained a transformers GPT2LMHeadModel, or a
+    LlamaForCausalLM (GQA, untied), at ZeRO 2 on 2 ranks, its config.json beside
+    ``latest`` as Hugging Face's Trainer leaves it, on the batches ``pretrain_gpt.py``
+    reads; ``pretrain_gpt.py --load DS_DIR --save NEW`` imports it through the family's
+    name table (the Llama's q, k, v and gate, up fused with their moments) and continues
+    with DeepSpeed's next 10 losses: at DeepSpeed's layout (DP 2, ZeRO 2; GPT-2) and at
+    TP 2 (both)."""
     from tests.helpers.launch import pretrain, read_json_log
     rec = _recorder()
-    d = _copy("gpt2_zero2", tmp_path)
-    want = _after("gpt2_zero2")
-    for name, layout in (("dp2", ["--zero-stage", "2"]),
-                         ("tp2", ["--tensor-model-parallel-size", "2"])):
+    fixture = f"{family}_zero2"
+    d = _copy(fixture, tmp_path)
+    want = _after(fixture)
+    args = rec.GPT_ARGS if family == "gpt2" else rec.LLAMA_ARGS
+    layouts = (("dp2", ["--zero-stage", "2"]),) if family == "gpt2" else ()
+    for name, layout in (*layouts, ("tp2", ["--tensor-model-parallel-size", "2"])):
         log = str(tmp_path / f"{name}.json")
-        r = pretrain(2, [*rec.GPT_ARGS, *layout, "--load", d, "--save",
+        r = pretrain(2, [*args, *layout, "--load", d, "--save",
                          str(tmp_path / name), "--log-json", log])
         assert r.returncode == 0, r.stderr[-3000:]
         lines = read_json_log(log)
@@ -445,7 +450,8 @@ def test_pretrain_gpt_continues_a_deepspeed_gpt2_run(tmp_path):
     meta, params = iter_full_params(str(tmp_path / "tp2" / "iter_0000003"), ("master",))
     params.close()
     assert meta["imported_from"]["format"] == "DeepSpeed ZeRO 2"
-    assert meta["config"]["num_attention_heads"] == 2 and meta["vocab_size"] == 100
+    heads = 2 if family == "gpt2" else 4
+    assert meta["config"]["num_attention_heads"] == heads and meta["vocab_size"] == 100
 
 
 def _deepspeed_gpt2_rank(rank: int, port: int, load_dir: str, steps: int, out: str):

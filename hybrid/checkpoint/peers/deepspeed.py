@@ -20,7 +20,7 @@ import json
 import math
 import os
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 import torch
@@ -85,12 +85,14 @@ def _files(tag_dir: str, pattern: re.Pattern) -> dict[tuple[int, int], str]:
 @dataclass
 class NameMap:
     """How a DeepSpeed model's parameter names and tensors become hybrid's: ``names``
-    hybrid name -> DeepSpeed name (in hybrid's order); ``convert(hybrid_name, tensor)``
-    the full DeepSpeed tensor in hybrid's layout; ``shapes`` hybrid's full shapes; ``flags``
-    the model flags the names and shapes determine."""
-    names: dict[str, str]
+    hybrid name -> DeepSpeed name (in hybrid's order), or the DeepSpeed names it is made
+    of (a tuple: a Llama's q, k and v into one QKV); ``convert(hybrid_name, tensor)`` the
+    full DeepSpeed tensor in hybrid's layout, or ``convert(hybrid_name, [tensors])`` for
+    a tuple; ``shapes`` hybrid's full shapes; ``flags`` the model flags the names and
+    shapes determine."""
+    names: Mapping[str, str | tuple[str, ...]]
     shapes: dict[str, list[int]]
-    convert: Callable[[str, torch.Tensor], torch.Tensor] | None = None  # None: as they are
+    convert: Callable | None = None  # None: as they are
     flags: dict = field(default_factory=dict)
     vocab_size: int | None = None
 
@@ -177,7 +179,7 @@ class DeepSpeedCheckpoint:
                               f"iteration {self.iteration}; DeepSpeed's lr_scheduler state "
                               f"({ms.get('lr_scheduler')}) is not read")
         if names is None:
-            names = _gpt2_names(self.path, self.ds_shapes)
+            names = _hf_names(self.path, self.ds_shapes)
         if names is None or names == "module":
             names = NameMap({k: k for k in self.ds_shapes}, dict(self.ds_shapes))
         self.names: NameMap = names
@@ -296,8 +298,12 @@ class DeepSpeedCheckpoint:
         return out
 
     def read(self, name: str) -> dict[str, torch.Tensor]:
-        values = self.read_ds(self.names.names[name])
-        convert = self.names.convert
+        src, convert = self.names.names[name], self.names.convert
+        if isinstance(src, tuple):  # made of several (their moments move as they do)
+            assert convert is not None
+            parts = [self.read_ds(s) for s in src]
+            return {k: convert(name, [p[k] for p in parts]) for k in self.columns}
+        values = self.read_ds(src)
         if convert is not None:
             values = {k: convert(name, v) for k, v in values.items()}
         return values
@@ -451,24 +457,85 @@ class DeepSpeedZero0(DeepSpeedCheckpoint):
 # (n_head: c_attn's rows go per head) beside `latest` or in the tag's directory, where
 # Hugging Face's Trainer writes it; other modules' names stay as they are (the load then
 # names what does not match).
-def _gpt2_names(tag_dir: str, ds_shapes: dict[str, list[int]]) -> NameMap | None:
-    """The :class:`NameMap` of a GPT2LMHeadModel's checkpoint, None for other models."""
-    if "transformer.h.0.attn.c_attn.weight" not in ds_shapes:
+def _hf_names(tag_dir: str, ds_shapes: dict[str, list[int]]) -> NameMap | None:
+    """The :class:`NameMap` of a transformers GPT2LMHeadModel's, LlamaForCausalLM's or
+    Qwen2ForCausalLM's checkpoint (by its parameter names, its ``config.json`` read);
+    None for other models."""
+    if "transformer.h.0.attn.c_attn.weight" in ds_shapes:
+        family = "gpt2"
+    elif "model.layers.0.self_attn.q_proj.weight" in ds_shapes:
+        family = "llama"
+    else:
         return None
-    from hybrid.hf.gpt2 import hf_names, param_from_hf
+    path, hc = _hf_config(tag_dir, "GPT2LMHeadModel" if family == "gpt2" else
+                          "LlamaForCausalLM or Qwen2ForCausalLM")
+    return _gpt2_names(tag_dir, ds_shapes, path, hc) if family == "gpt2" else \
+        _llama_names(tag_dir, ds_shapes, path, hc)
+
+
+def _hf_config(tag_dir: str, what: str) -> tuple[str, dict]:
+    """(path, contents) of the Hugging Face model's ``config.json``, beside ``latest`` or
+    in the tag's directory."""
     where = [os.path.join(tag_dir, "config.json"),
              os.path.join(os.path.dirname(tag_dir.rstrip(os.sep)), "config.json")]
     path = next((p for p in where if os.path.isfile(p)), None)
     if path is None:
-        raise CheckpointError(f"{tag_dir}: a transformers GPT2LMHeadModel's {FORMAT} "
-                              f"checkpoint; hybrid needs the model's config.json (n_head) "
-                              f"beside 'latest' or in that directory, as Hugging Face's "
-                              f"Trainer saves it: model.config.save_pretrained(dir)")
+        raise CheckpointError(f"{tag_dir}: a transformers {what}'s {FORMAT} checkpoint; "
+                              f"hybrid needs the model's config.json (its heads, ...) beside "
+                              f"'latest' or in that directory, as Hugging Face's Trainer "
+                              f"saves it: model.config.save_pretrained(dir)")
     try:
         with builtins.open(path, encoding="utf-8") as f:
             hc = json.load(f)
+        if not isinstance(hc, dict):
+            raise ValueError("not a JSON object")
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"{path}: not a readable config.json ({e})") from None
+    return path, hc
+
+
+def _llama_names(tag_dir: str, ds_shapes: dict[str, list[int]], path: str,
+                 hc: dict) -> NameMap:
+    """A LlamaForCausalLM's or Qwen2ForCausalLM's checkpoint through hybrid.hf.llama's
+    table (:func:`~hybrid.hf.llama.hf_sources`; q, k and v fused per query group, gate and
+    up stacked, their moments alike)."""
+    from hybrid.hf.llama import hf_sources, llama_flags, param_from_hf, qwen2_flags
+    kind = hc.get("model_type")
+    if kind not in ("llama", "qwen2"):
+        raise CheckpointError(f"{path}: model_type {kind!r}; hybrid reads DeepSpeed "
+                              f"checkpoints of GPT-2, Llama and Qwen2 models by name")
+    try:
+        flags = llama_flags(hc) if kind == "llama" else qwen2_flags(hc)
+        sources = hf_sources(hc)
+    except (KeyError, TypeError, ValueError) as e:
+        raise CheckpointError(f"{path}: not a {kind} config.json hybrid reads ({e})") from None
+
+    def ds_name(hf: str) -> str:
+        return hf if hf in ds_shapes else "model." + hf
+    names = {h: tuple(ds_name(s) for s in srcs) for h, srcs in sources.items()}
+    used = {d for srcs in names.values() for d in srcs}  # (all tuples here)
+    missing = sorted(used - set(ds_shapes))
+    extra = sorted(set(ds_shapes) - used)
+    if missing or extra:
+        raise CheckpointError(f"{tag_dir}: its parameters are not those of the "
+                              f"{hc.get('num_hidden_layers')}-layer {kind} of {path}: "
+                              f"missing {missing[:4]}, extra {extra[:4]}")
+    shapes = {h: list(param_from_hf(h, [torch.empty(ds_shapes[d], device="meta")
+                                        for d in srcs], hc).shape)
+              for h, srcs in names.items()}
+
+    def convert(name: str, parts: list[torch.Tensor]) -> torch.Tensor:
+        return param_from_hf(name, parts, hc)
+    return NameMap(names, shapes, convert, flags, int(hc["vocab_size"]))
+
+
+def _gpt2_names(tag_dir: str, ds_shapes: dict[str, list[int]], path: str,
+                hc: dict) -> NameMap:
+    """A GPT2LMHeadModel's checkpoint through hybrid.hf.gpt2's table."""
+    from hybrid.hf.gpt2 import hf_names, param_from_hf
+    try:
         layers, heads = int(hc["n_layer"]), int(hc["n_head"])
-    except (OSError, ValueError, KeyError, TypeError) as e:
+    except (KeyError, TypeError, ValueError) as e:
         raise CheckpointError(f"{path}: not a readable GPT-2 config.json ({e})") from None
     if hc.get("model_type", "gpt2") != "gpt2":
         raise CheckpointError(f"{path}: model_type {hc.get('model_type')!r}, but the "
