@@ -6,7 +6,7 @@
     python scripts/convert_checkpoint.py export --to dcp CHECKPOINT_DIR_OR_SAVE_DIR OUT_DIR
     python scripts/convert_checkpoint.py export --to megatron CHECKPOINT_DIR_OR_SAVE_DIR OUT_DIR
     python scripts/convert_checkpoint.py export --to deepspeed CHECKPOINT_DIR_OR_SAVE_DIR OUT_DIR \
-        [--dp-size N] [--zero-stage {1,2,3}] [--tag TAG]
+        [--dp-size N] [--zero-stage {1,2,3}] [--tag TAG] [--param-groups matrices|one]
 
 ``export --to deepspeed`` writes DeepSpeed 0.19.8's ``OUT_DIR/global_stepN/`` (and
 ``latest``) for DeepSpeed's ``engine.load_checkpoint(OUT_DIR)`` at that DP size and ZeRO
@@ -115,7 +115,8 @@ def export_megatron(argv) -> int:
 
 
 def export_deepspeed(argv) -> int:
-    """``export --to deepspeed CKPT OUT [--dp-size N] [--zero-stage K] [--tag T]``:
+    """``export --to deepspeed CKPT OUT [--dp-size N] [--zero-stage K] [--tag T]
+    [--param-groups G]``:
     DeepSpeed's ZeRO checkpoint (:func:`hybrid.checkpoint.peers.deepspeed.write`)."""
     from hybrid.checkpoint.peers.deepspeed import write
     ap = argparse.ArgumentParser(prog="convert_checkpoint.py export --to deepspeed",
@@ -129,9 +130,15 @@ def export_deepspeed(argv) -> int:
     ap.add_argument("--zero-stage", type=int, default=2, choices=[1, 2, 3],
                     help="the ZeRO stage of its optimizer files")
     ap.add_argument("--tag", default=None, help="the tag (default global_stepN)")
+    ap.add_argument("--param-groups", default=None, choices=["matrices", "one"],
+                    help="DeepSpeed's optimizer groups: 'matrices' (weight decay on the "
+                         "matrices, none on biases and norms: hybrid's rule, Hugging Face's "
+                         "Trainer's groups; the default for a pretrain_gpt.py checkpoint) or "
+                         "'one' (model.parameters(); the default for a hybrid.deepspeed one)")
     a = ap.parse_args(argv)
     try:
-        out = write(a.checkpoint, a.out_dir, a.dp_size, a.zero_stage, tag=a.tag)
+        out = write(a.checkpoint, a.out_dir, a.dp_size, a.zero_stage, tag=a.tag,
+                    param_groups=a.param_groups)
     except CheckpointError as e:
         print(f"convert_checkpoint.py: error: {e}", file=sys.stderr)
         return 2

@@ -171,7 +171,7 @@ def llama_config():
     from transformers import LlamaConfig
     return LlamaConfig(vocab_size=100, hidden_size=16, intermediate_size=64,
                        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                       max_position_embeddings=16, rms_norm_eps=1e-5, rope_theta=10000.0,
+                       max_position_embeddings=16, rms_norm_eps=1e-5,  # (RoPE base 10000)
                        tie_word_embeddings=False, attention_bias=False, mlp_bias=False,
                        bos_token_id=99, eos_token_id=99)
 

@@ -357,6 +357,19 @@ def test_an_export_reads_back_as_the_hybrid_checkpoint_it_came_from(tmp_path, mo
         back.close()
     with pytest.raises(CheckpointError, match="global_step3: already exists"):
         ds.write(src, str(tmp_path / "out22"), 2, 2)
+    # Hugging Face's Trainer's groups: the matrices with the run's weight decay, then the
+    # biases without, each group flat and padded on its own
+    for stage in (2, 3):
+        out = str(tmp_path / f"groups{stage}")
+        ds.write(src, out, 2, stage, param_groups="matrices")
+        back = ds.open(out)
+        assert [list(g) for g in back._groups] == [["fc1.weight", "fc2.weight"],
+                                                   ["fc1.bias", "fc2.bias"]]
+        assert [g["weight_decay"] for g in back._base_state(1)["param_groups"]] == [0.01, 0.0]
+        for n, values in want.items():
+            got = back.read(n)
+            assert all(torch.equal(got[k], v) for k, v in values.items()), (stage, n)
+        back.close()
 
 
 def _deepspeed_rank(rank: int, port: int, load_dir: str, stage: int, steps: int, out: str):
@@ -471,8 +484,12 @@ def _deepspeed_gpt2_rank(rank: int, port: int, load_dir: str, steps: int, out: s
           "optimizer": {"type": "AdamW", "params": {"lr": 0.003, "weight_decay": 0.0,
                                                     "torch_adam": True}},
           "zero_optimization": {"stage": 3}}
-    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
-                                      config=ds)
+    # Hugging Face's Trainer's groups: weight decay on the matrices, none on the biases
+    # and norm weights, each in named_parameters() order
+    named = list(model.named_parameters())
+    groups = [{"params": [p for _, p in named if p.ndim >= 2], "weight_decay": 0.1},
+              {"params": [p for _, p in named if p.ndim < 2], "weight_decay": 0.0}]
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=groups, config=ds)
     engine.load_checkpoint(load_dir)
     batch, start, losses = rec.gpt_batches(2, rank), engine.global_steps, []
     for step in range(start, start + steps):
@@ -489,15 +506,18 @@ def _deepspeed_gpt2_rank(rank: int, port: int, load_dir: str, steps: int, out: s
 
 @pytest.mark.peer("deepspeed")
 def test_deepspeed_continues_pretrain_gpt_s_export_as_gpt2(tmp_path):
-    """pretrain_gpt.py trains 10 steps (TP 2) and saves; ``convert_checkpoint.py export
-    --to deepspeed`` writes it for DeepSpeed at DP 2, ZeRO 3, as a transformers
-    GPT2LMHeadModel; DeepSpeed loads it and its next 3 losses equal hybrid's."""
+    """pretrain_gpt.py trains 10 steps (TP 2, weight decay 0.1) and saves;
+    ``convert_checkpoint.py export --to deepspeed`` writes it for DeepSpeed at DP 2, ZeRO
+    3, as a transformers GPT2LMHeadModel with Hugging Face's Trainer's two optimizer
+    groups (decay on the matrices only, hybrid's rule too); DeepSpeed loads it into an
+    engine built with those groups and its next 3 losses equal hybrid's."""
     pytest.importorskip("transformers")
     from tests.helpers.launch import free_port, pretrain, read_json_log, run_script
     rec, steps = _recorder(), 3
     save, log = str(tmp_path / "hybrid"), str(tmp_path / "log.json")
     args = [a if a != str(rec.SAVED_AT + rec.CONTINUED) else str(10 + steps)
             for a in rec.GPT_ARGS]
+    args[args.index("--weight-decay") + 1] = "0.1"  # (on the matrices only: two groups)
     r = pretrain(2, [*args, "--tensor-model-parallel-size", "2", "--save", save,
                      "--save-interval", "10", "--log-json", log])
     assert r.returncode == 0, r.stderr[-3000:]

@@ -87,7 +87,7 @@ def _align(n: int, to: int) -> int:
 
 def write(checkpoint: str, out_dir: str, dp_size: int = 1, zero_stage: int = 2, *,
           names: dict[str, str] | None = None, convert=None, ds_config: dict | None = None,
-          tag: str | None = None) -> str:
+          tag: str | None = None, param_groups: str | None = None) -> str:
     """Write hybrid checkpoint ``checkpoint`` (an ``iter_N`` or a save directory: its
     newest) as DeepSpeed ZeRO ``zero_stage`` checkpoint of ``dp_size`` ranks into
     ``out_dir/<tag>`` (default ``global_stepN``), and ``out_dir/latest`` naming it;
@@ -95,9 +95,15 @@ def write(checkpoint: str, out_dir: str, dp_size: int = 1, zero_stage: int = 2, 
 
     ``names``: hybrid name -> DeepSpeed name (default: a ``pretrain_gpt.py`` GPT's as a
     transformers GPT2LMHeadModel's, with its ``config.json`` beside ``latest``; any other
-    model's names as they are); the parameters in the checkpoint's order form DeepSpeed's
-    one optimizer group, the order a DeepSpeed engine built from ``model.parameters()``
-    has. ``convert(hybrid_name, tensor)``: the tensor in DeepSpeed's layout.
+    model's names as they are). ``param_groups``: DeepSpeed's optimizer groups, each in
+    the checkpoint's order (the order of the module's ``named_parameters()``):
+    "matrices", two groups -- the parameters of two or more dimensions with the run's
+    weight decay, then the others (biases, norm weights) without, which is hybrid's rule
+    for ``pretrain_gpt.py`` and the split Hugging Face's Trainer and DeepSpeed's examples
+    build (the default for a ``pretrain_gpt.py`` checkpoint); "one", every parameter in
+    one group, as ``model.parameters()`` gives (the default for a ``hybrid.deepspeed``
+    engine's checkpoint of one group). ``convert(hybrid_name, tensor)``: the tensor in
+    DeepSpeed's layout.
     ``ds_config``: recorded in the files (DeepSpeed does not read it back).
     CheckpointError for an existing tag, a checkpoint without optimizer state, or a stage
     hybrid does not write."""
@@ -128,7 +134,7 @@ def write(checkpoint: str, out_dir: str, dp_size: int = 1, zero_stage: int = 2, 
     os.makedirs(tmp)
 
     ds_shapes = _ds_shapes(ckpt, shapes, names, convert)
-    groups = [ds_shapes]
+    groups, settings = _optimizer_groups(ckpt, meta, ds_shapes, param_groups)
     api = meta.get("api") or {}
     # (a pretrain_gpt.py run's schedule is its flags': written as DeepSpeed's own
     # schedulers' state at that step, which is all their state dicts hold)
@@ -137,29 +143,27 @@ def write(checkpoint: str, out_dir: str, dp_size: int = 1, zero_stage: int = 2, 
         "global_steps": int(api.get("global_steps", iteration)),
         "global_samples": int(api.get("global_samples", meta["consumed_samples"])),
         "lr_scheduler": schedule, "step": int(meta.get("step") or 0)}
-    group = _param_group(meta)
     config = ds_config or {"zero_optimization": {"stage": zero_stage}}
-    total = sum(math.prod(s) for s in ds_shapes.values())
+    totals = [sum(math.prod(s) for s in g.values()) for g in groups]
     if zero_stage in (1, 2):
-        part = _align(total, 2 * dp_size) // dp_size
-        layout = layout_12(groups, dp_size, [part], None)
-    else:
-        per = [-(-math.prod(s) // dp_size) for s in ds_shapes.values()]
-        layout = layout_3(groups, dp_size, [sum(per)])
-        part = sum(per)
+        parts = [_align(t, 2 * dp_size) // dp_size for t in totals]
+        layout = layout_12(groups, dp_size, parts, None)
+    else:  # (one sub-group per group: DeepSpeed's default sub_group_size is 1e9)
+        parts = [sum(-(-math.prod(s) // dp_size) for s in g.values()) for g in groups]
+        layout = layout_3(groups, dp_size, parts)
     spill = Spill(os.path.join(tmp, ".partitions"))
     try:
-        flats = _scatter_partitions(ckpt, spill, dp_size, part, names, convert, layout)
+        flats = _scatter_partitions(ckpt, spill, dp_size, parts, names, convert, layout)
         for rank, flat in enumerate(flats):
-            osd = _optimizer_state(flat, rank, dp_size, zero_stage, part, total, ds_shapes,
-                                   layout, group, int(record["step"]), config)
+            osd = _optimizer_state(flat, rank, dp_size, zero_stage, parts, totals, groups,
+                                   layout, settings, int(record["step"]), config)
             _save({"optimizer_state_dict": osd, "ds_config": config, "ds_version": VERSION},
                   os.path.join(tmp, f"zero_pp_rank_{rank}_mp_rank_00_optim_states.pt"))
             del osd
         del flats
     finally:
         spill.close()
-    _write_model_states(tmp, ckpt, ds_shapes, names, convert, shared, record, dp_size,
+    _write_model_states(tmp, ckpt, groups, names, convert, shared, record, dp_size,
                         zero_stage, config)
     os.replace(tmp, final)
     if hf_config is not None:  # beside latest, where Hugging Face's Trainer keeps it
@@ -174,10 +178,12 @@ def write(checkpoint: str, out_dir: str, dp_size: int = 1, zero_stage: int = 2, 
 _COLUMNS = ("master", "exp_avg", "exp_avg_sq")
 
 
-def _scatter_partitions(ckpt: str, spill: Spill, dp_size: int, part: int,
-                        names: dict[str, str], convert, layout) -> list[dict[str, torch.Tensor]]:
-    """Every DP rank's flat partitions (master and both moments, ``part`` elements each,
-    zero where DeepSpeed pads), filled in one pass over the checkpoint.
+def _scatter_partitions(ckpt: str, spill: Spill, dp_size: int, parts: list[int],
+                        names: dict[str, str], convert, layout
+                        ) -> list[list[dict[str, torch.Tensor]]]:
+    """Every DP rank's flat partitions of each group (master and both moments,
+    ``parts[g]`` elements each, zero where DeepSpeed pads), filled in one pass over the
+    checkpoint: ``[rank][group][column]``.
 
     [Note: one read of the checkpoint, whatever the DP size]
     A rank's partition takes a slice of every parameter at stage 3 (and of a run of
@@ -185,26 +191,30 @@ def _scatter_partitions(ckpt: str, spill: Spill, dp_size: int, part: int,
     per rank: O(model x DP) bytes. Here each parameter is read once and its pieces go
     to every rank's partition, and the partitions are mapped files (:class:`Spill`), so
     memory holds one parameter, not the model's state."""
-    flats = [{k: spill.zeros(part) for k in _COLUMNS} for _ in range(dp_size)]
+    flats = [[{k: spill.zeros(part) for k in _COLUMNS} for part in parts]
+             for _ in range(dp_size)]
     _, params = iter_full_params(ckpt, _COLUMNS)
     for name, values in params:
         pieces = layout.pieces[names[name]]
         for k, v in values.items():
             whole = (convert(name, v) if convert is not None else v).reshape(-1)
             for p in pieces:
-                flats[p.rank][k][p.offset:p.offset + p.numel] = whole[p.start:p.start + p.numel]
+                flats[p.rank][p.group][k][p.offset:p.offset + p.numel] = \
+                    whole[p.start:p.start + p.numel]
     return flats
 
 
-def _write_model_states(tmp: str, ckpt: str, ds_shapes: dict, names: dict, convert,
-                        shared: dict, record: dict, dp_size: int, zero_stage: int,
+def _write_model_states(tmp: str, ckpt: str, groups: list[OrderedDict], names: dict,
+                        convert, shared: dict, record: dict, dp_size: int, zero_stage: int,
                         config: dict) -> None:
     """The model-state file(s) into ``tmp``: DeepSpeed's engine record (``record``'s
     counters and schedule, ``param_shapes``, ``shared_params``) with the module -- at
     stage 3 one file per rank, the parameters as empty placeholders; else one file, the
     module's weights the masters (fp32 training), read one parameter at a time."""
+    ds_shapes = {n: s for g in groups for n, s in g.items()}
     model_state = {"buffer_names": [], "optimizer": None,
-                   "param_shapes": [OrderedDict((n, torch.Size(s)) for n, s in ds_shapes.items())],
+                   "param_shapes": [OrderedDict((n, torch.Size(s)) for n, s in g.items())
+                                    for g in groups],
                    "frozen_param_shapes": OrderedDict(), "shared_params": dict(shared),
                    "frozen_param_fragments": OrderedDict(),
                    "lr_scheduler": record["lr_scheduler"], "data_sampler": None,
@@ -233,33 +243,38 @@ def _write_model_states(tmp: str, ckpt: str, ds_shapes: dict, names: dict, conve
               os.path.join(tmp, "mp_rank_00_model_states.pt"))
 
 
-def _optimizer_state(flat: dict[str, torch.Tensor], rank: int, dp_size: int,
-                     zero_stage: int, part: int, total: int, ds_shapes: dict, layout,
-                     group: dict, step: int, config: dict) -> dict:
+def _optimizer_state(flat: list[dict[str, torch.Tensor]], rank: int, dp_size: int,
+                     zero_stage: int, parts: list[int], totals: list[int],
+                     groups: list[OrderedDict], layout, settings: list[dict], step: int,
+                     config: dict) -> dict:
     """DP rank ``rank``'s ``optimizer_state_dict`` as DeepSpeed's ZeRO ``zero_stage``
-    optimizer saves it: ``flat``'s partition of ``part`` elements (master and both
-    moments; ``total`` the model's elements) in its one group, with the fragment
-    addresses (stages 1-2) that DeepSpeed's loader checks."""
-    state = {0: {"step": torch.tensor(float(step)), "exp_avg": flat["exp_avg"],
-                 "exp_avg_sq": flat["exp_avg_sq"]}}
-    base = {"state": state, "param_groups": [{**group, "params": [0]}]}
+    optimizer saves it: per group ``g``, ``flat[g]``'s partition of ``parts[g]`` elements
+    (master and both moments; ``totals[g]`` the group's elements), with the fragment
+    addresses (stages 1-2) that DeepSpeed's loader checks; ``settings[g]`` the group's
+    torch AdamW settings."""
+    state = {g: {"step": torch.tensor(float(step)), "exp_avg": f["exp_avg"],
+                 "exp_avg_sq": f["exp_avg_sq"]} for g, f in enumerate(flat)}
+    base = {"state": state,
+            "param_groups": [{**s, "params": [g]} for g, s in enumerate(settings)]}
     scaler = _record(LossScaler, cur_scale=1.0, dynamic=False)
     if zero_stage == 3:
         return {"zero_stage": ZeroStage(zero_stage), "loss_scaler": scaler,
                 "dynamic_loss_scale": False, "overflow": False, "partition_count": dp_size,
-                "optimizer_state_dict": base, "fp32_flat_groups": [flat["master"]]}
-    pad = min(part, max(0, (rank + 1) * part - total))  # past the model's end
-    mappings = OrderedDict(
-        (n, _record(FragmentAddress, numel=p.numel, start=p.offset))
-        for n in ds_shapes for p in layout.pieces[n] if p.rank == rank)
+                "optimizer_state_dict": base, "fp32_flat_groups": [f["master"] for f in flat]}
+    pads = [min(part, max(0, (rank + 1) * part - total))  # past the group's end
+            for part, total in zip(parts, totals)]
+    mappings = [OrderedDict((n, _record(FragmentAddress, numel=p.numel, start=p.offset))
+                            for n in shapes for p in layout.pieces[n] if p.rank == rank)
+                for shapes in groups]
     return {"loss_scaler": scaler, "dynamic_loss_scale": False, "overflow": False,
             "clip_grad": float(config.get("gradient_clipping", 0.0)),
             "base_optimizer_state": base,
-            "single_partition_of_fp32_groups": [flat["master"][:part - pad].clone()],
-            "zero_stage": ZeroStage(zero_stage), "group_paddings": [pad],
-            "param_alignment_paddings": [[0] * len(ds_shapes)],
-            "partition_count": [dp_size], "ds_version": VERSION,
-            "param_slice_mappings": [mappings]}
+            "single_partition_of_fp32_groups": [f["master"][:part - pad].clone()
+                                                for f, part, pad in zip(flat, parts, pads)],
+            "zero_stage": ZeroStage(zero_stage), "group_paddings": pads,
+            "param_alignment_paddings": [[0] * len(g) for g in groups],
+            "partition_count": [dp_size] * len(groups), "ds_version": VERSION,
+            "param_slice_mappings": mappings}
 
 
 def _gpt2_export(ckpt: str, meta: dict):
@@ -306,13 +321,33 @@ def _ds_shapes(ckpt: str, shapes: dict[str, list[int]], names: dict[str, str],
     return out
 
 
-def _param_group(meta: dict) -> dict:
-    """torch AdamW's group settings for DeepSpeed's base optimizer: the ones the engine
-    saved (``optimizer_groups``: the rate the schedule last set), else the config's."""
+def _optimizer_groups(ckpt: str, meta: dict, ds_shapes: OrderedDict, mode: str | None
+                      ) -> tuple[list[OrderedDict], list[dict]]:
+    """(DeepSpeed's optimizer groups as name -> shape, in the checkpoint's order; each
+    one's torch AdamW settings) for ``param_groups`` ``mode`` (:func:`write`)."""
     saved = meta.get("optimizer_groups") or []
     if len(saved) > 1:
-        raise CheckpointError("the checkpoint's optimizer has several parameter groups: "
-                              "hybrid writes DeepSpeed checkpoints of one group")
+        raise CheckpointError(f"{ckpt}: its optimizer has {len(saved)} parameter groups, "
+                              f"whose members the checkpoint does not record: hybrid writes "
+                              f"DeepSpeed checkpoints of one group, or of the matrices/others "
+                              f"split of a pretrain_gpt.py run")
+    if mode is None:
+        mode = "one" if meta.get("api") else "matrices"
+    if mode not in ("one", "matrices"):
+        raise CheckpointError(f"--param-groups {mode!r}: 'matrices' or 'one'")
+    base = _param_group(meta, saved)
+    if mode == "one":
+        return [ds_shapes], [base]
+    split = [OrderedDict((n, s) for n, s in ds_shapes.items() if (len(s) >= 2) == matrix)
+             for matrix in (True, False)]
+    decay = [base["weight_decay"], 0.0]
+    kept = [(g, {**base, "weight_decay": d}) for g, d in zip(split, decay) if g]
+    return [g for g, _ in kept], [s for _, s in kept]
+
+
+def _param_group(meta: dict, saved: list[dict]) -> dict:
+    """torch AdamW's group settings for DeepSpeed's base optimizer: the ones the engine
+    saved (``optimizer_groups``: the rate the schedule last set), else the config's."""
     cfg = meta.get("config") or {}
     g = dict(saved[0]) if saved else {}
     betas = g.get("betas") or [cfg.get("adam_beta1", 0.9), cfg.get("adam_beta2", 0.999)]
