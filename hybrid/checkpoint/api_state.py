@@ -242,6 +242,7 @@ def save_engine(engine, save_dir: str, tag, client_state: dict, save_latest: boo
              "lr_scheduler": (None if engine.lr_scheduler is None
                               else _json_safe(engine.lr_scheduler.state_dict())),
              "optimizer_groups": _group_settings(engine.optimizer.param_groups),
+             "optimizer_group_members": engine.group_members,
              "api": {"global_steps": engine.global_steps, "micro_steps": engine.micro_steps,
                      "global_samples": engine.global_samples, "tag": name}}
     owner = engine.save_claims.record(engine, save_dir, overwrite)

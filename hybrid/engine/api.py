@@ -92,6 +92,9 @@ class Engine:
 
     progress: Progress  # DeepSpeed's steps_per_print lines (initialize makes it)
     save_claims: SaveClaims  # its save directories (api_state's Note on owners; initialize)
+    # the client optimizer's groups by parameter name (None: hybrid's AdamW, one group),
+    # which checkpoints record: the DeepSpeed export rebuilds the groups from them
+    group_members: list[list[str]] | None = None
     clip_norm_of = "model"  # the gradients the clip's norm counts (AdamWConfig.clip_norm_of)
     get_mom = property(lambda self: self.progress.get_mom)  # betas (SGD: momentum) by group
     skipped_steps = property(lambda self: self.progress.skipped)  # (fp16's skipped steps)

@@ -179,6 +179,10 @@ def initialize(model: nn.Module, config: str | os.PathLike | Mapping | None = No
     client = resolve_optimizer(model, model_parameters, optimizer, lr_scheduler, cfg.adamw,
                                cfg.lr_schedule.lr, caller,
                                torch_adamw=cycles_momentum(ds.get("scheduler")))
+    # (by name, before the engine points the client's groups at its shards)
+    named = {id(p): n for n, p in model.named_parameters()}
+    members = (None if client is None else
+               [[named[id(p)] for p in g["params"]] for g in client.param_groups])
     drop_last = bool(ds.get("dataloader_drop_last") or False)
     if ps.rank == 0:  # one warning per key the file set that this door does not use
         for note in flags.ds_config_notes + _loop_only(flags):
@@ -189,6 +193,7 @@ def initialize(model: nn.Module, config: str | os.PathLike | Mapping | None = No
                         lambda optim: resolve_schedule(lr_scheduler, ds, cfg, optim, caller),
                         tied, engine_type)
     engine.progress = Progress(ds, engine)  # (its step 0 line, with steps_per_print)
+    engine.group_members = members
     engine.save_claims = SaveClaims(RunIdentity.of_launch(os.environ))  # this launch's run
     loader: DataLoader | None = None
     if training_data is not None:

@@ -372,6 +372,58 @@ def test_an_export_reads_back_as_the_hybrid_checkpoint_it_came_from(tmp_path, mo
         back.close()
 
 
+def _groups(net) -> list[dict]:
+    """A script's own optimizer groups: weight decay on the weights (fc2's first), none on
+    the biases -- an order that is not the module's."""
+    return [{"params": [net.fc2.weight, net.fc1.weight], "weight_decay": 0.01},
+            {"params": [net.fc1.bias, net.fc2.bias], "weight_decay": 0.0}]
+
+
+def _trained_with_groups(tmp_path, steps: int) -> tuple[str, list[float]]:
+    """A hybrid.deepspeed engine over :func:`_groups`, 10 steps then a save, then
+    ``steps`` more: (the checkpoint, every loss)."""
+    from hybrid import deepspeed as hds
+    from hybrid.parallel.state import ParallelState
+    rec = _recorder()
+    torch.manual_seed(0)
+    net = rec.Net()
+    engine, *_ = hds.initialize(model=net, model_parameters=_groups(net),
+                                config=rec.config(2), mpu=ParallelState.single())
+    losses, saved = [], None
+    for step in range(10 + steps):
+        if step == 10:
+            saved = engine.save_checkpoint(str(tmp_path / "hybrid"))
+        x, y = rec.batch(step)
+        loss = rec.loss_of(engine(x), y)
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    saved = saved or engine.save_checkpoint(str(tmp_path / "hybrid"))
+    engine.close()
+    return saved, losses
+
+
+def test_a_script_s_optimizer_groups_go_back_as_deepspeed_s(tmp_path):
+    """A hybrid.deepspeed engine built over the script's own groups records them by name;
+    the export writes DeepSpeed's groups as the script built them (its order, its weight
+    decay), and the values read back."""
+    from hybrid.checkpoint.peers import deepspeed as ds
+    saved, _ = _trained_with_groups(tmp_path, 0)
+    _, params = iter_full_params(saved)
+    want = dict(params)
+    for stage in (2, 3):
+        out = str(tmp_path / f"ds{stage}")
+        ds.write(saved, out, 2, stage)
+        back = ds.open(out)
+        assert [list(g) for g in back._groups] == [["fc2.weight", "fc1.weight"],
+                                                   ["fc1.bias", "fc2.bias"]]
+        assert [g["weight_decay"] for g in back._base_state(0)["param_groups"]] == [0.01, 0.0]
+        for n, values in want.items():
+            got = back.read(n)
+            assert all(torch.equal(got[k], v) for k, v in values.items()), (stage, n)
+        back.close()
+
+
 def _deepspeed_rank(rank: int, port: int, load_dir: str, stage: int, steps: int, out: str):
     """One DeepSpeed rank: load ``load_dir``, train ``steps`` of the recorder's batches
     from the checkpoint's step; rank 0 writes the global losses to ``out``."""
@@ -382,7 +434,7 @@ def _deepspeed_rank(rank: int, port: int, load_dir: str, stage: int, steps: int,
     rec = _recorder()
     torch.manual_seed(77)
     net = rec.Net()
-    engine, *_ = deepspeed.initialize(model=net, model_parameters=net.parameters(),
+    engine, *_ = deepspeed.initialize(model=net, model_parameters=_groups(net),
                                       config=rec.config(stage))
     path, _ = engine.load_checkpoint(load_dir)
     assert path is not None
@@ -401,28 +453,14 @@ def _deepspeed_rank(rank: int, port: int, load_dir: str, stage: int, steps: int,
 
 @pytest.mark.peer("deepspeed")
 def test_deepspeed_continues_from_hybrid_s_export(tmp_path):
-    """hybrid trains 10 steps and saves; its checkpoint exported as DeepSpeed's (2 ranks,
-    ZeRO 2 and ZeRO 3) is loaded by DeepSpeed 0.19.8's own engine.load_checkpoint, whose
-    next 5 losses equal hybrid's next 5 within 2e-6."""
-    from hybrid import deepspeed as hds
+    """A hybrid.deepspeed script (its own two optimizer groups, out of the module's order)
+    trains 10 steps and saves; its checkpoint exported as DeepSpeed's (2 ranks, ZeRO 2 and
+    ZeRO 3) is loaded by DeepSpeed 0.19.8's own engine.load_checkpoint under the same
+    script's groups, whose next 5 losses equal hybrid's next 5 within 2e-6."""
     from hybrid.checkpoint.peers import deepspeed as ds
-    from hybrid.parallel.state import ParallelState
     from tests.helpers.launch import free_port
     rec, steps = _recorder(), 5
-    torch.manual_seed(0)
-    net = rec.Net()
-    engine, *_ = hds.initialize(model=net, model_parameters=net.parameters(),
-                                config=rec.config(2), mpu=ParallelState.single())
-    losses = []
-    for step in range(10 + steps):
-        if step == 10:
-            saved = engine.save_checkpoint(str(tmp_path / "hybrid"))
-        x, y = rec.batch(step)
-        loss = rec.loss_of(engine(x), y)
-        engine.backward(loss)
-        engine.step()
-        losses.append(loss.item())
-    engine.close()
+    saved, losses = _trained_with_groups(tmp_path, steps)
     for stage in (2, 3):
         out = str(tmp_path / f"ds{stage}")
         ds.write(saved, out, 2, stage)

@@ -95,8 +95,10 @@ def write(checkpoint: str, out_dir: str, dp_size: int = 1, zero_stage: int = 2, 
 
     ``names``: hybrid name -> DeepSpeed name (default: a ``pretrain_gpt.py`` GPT's as a
     transformers GPT2LMHeadModel's, with its ``config.json`` beside ``latest``; any other
-    model's names as they are). ``param_groups``: DeepSpeed's optimizer groups, each in
-    the checkpoint's order (the order of the module's ``named_parameters()``):
+    model's names as they are). ``param_groups``: DeepSpeed's optimizer groups: "saved",
+    those of a ``hybrid.deepspeed`` engine's client optimizer as its script built them
+    (recorded in the checkpoint; the default where they are); else each in the
+    checkpoint's order (the order of the module's ``named_parameters()``):
     "matrices", two groups -- the parameters of two or more dimensions with the run's
     weight decay, then the others (biases, norm weights) without, which is hybrid's rule
     for ``pretrain_gpt.py`` and the split Hugging Face's Trainer and DeepSpeed's examples
@@ -326,13 +328,21 @@ def _optimizer_groups(ckpt: str, meta: dict, ds_shapes: OrderedDict, mode: str |
     """(DeepSpeed's optimizer groups as name -> shape, in the checkpoint's order; each
     one's torch AdamW settings) for ``param_groups`` ``mode`` (:func:`write`)."""
     saved = meta.get("optimizer_groups") or []
+    members = meta.get("optimizer_group_members")
+    if mode is None:
+        mode = ("saved" if members else "one") if meta.get("api") else "matrices"
+    if mode == "saved":  # a hybrid.deepspeed engine's client groups, as its script built them
+        if not members:
+            raise CheckpointError(f"{ckpt}: records no optimizer groups (a pretrain_gpt.py "
+                                  f"run's, or one of hybrid's AdamW): 'matrices' or 'one'")
+        to_ds = dict(zip(meta["model"], ds_shapes))  # (hybrid -> DeepSpeed, in order)
+        groups = [OrderedDict((to_ds[n], ds_shapes[to_ds[n]]) for n in g) for g in members]
+        return groups, [_param_group(meta, [s]) for s in saved]
     if len(saved) > 1:
         raise CheckpointError(f"{ckpt}: its optimizer has {len(saved)} parameter groups, "
-                              f"whose members the checkpoint does not record: hybrid writes "
-                              f"DeepSpeed checkpoints of one group, or of the matrices/others "
-                              f"split of a pretrain_gpt.py run")
-    if mode is None:
-        mode = "one" if meta.get("api") else "matrices"
+                              f"whose members the checkpoint does not record (saved before "
+                              f"hybrid recorded them): hybrid writes it as DeepSpeed's with "
+                              f"one group or the matrices/others split (--param-groups)")
     if mode not in ("one", "matrices"):
         raise CheckpointError(f"--param-groups {mode!r}: 'matrices' or 'one'")
     base = _param_group(meta, saved)
