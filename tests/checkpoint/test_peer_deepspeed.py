@@ -325,7 +325,9 @@ def test_an_export_reads_back_as_the_hybrid_checkpoint_it_came_from(tmp_path, mo
     several DP sizes and stages reads back (through the DeepSpeed reader, which checks
     DeepSpeed's own slice records) to the same masters, moments, step and counters.
     The export reads each parameter of the checkpoint twice (the optimizer's partitions,
-    then the module) whatever the DP size, and leaves no scratch files."""
+    then the module) whatever the DP size, hands torch.save the module's weights and the
+    moments as mapped files (memory holds about one parameter), and leaves no scratch
+    files."""
     from hybrid.checkpoint.peers import deepspeed as ds, deepspeed_export
     d = _copy("net_zero3", tmp_path)
     _one_rank_continues(d, 2)
@@ -338,12 +340,26 @@ def test_an_export_reads_back_as_the_hybrid_checkpoint_it_came_from(tmp_path, mo
         meta, params = iter_full_params(ckpt, keys)
         return meta, ((reads.append(n), (n, v))[1] for n, v in params)
     monkeypatch.setattr(deepspeed_export, "iter_full_params", counting)
+    in_memory: list[str] = []  # module weights and moments torch.save got not file-backed
+    real_save = deepspeed_export._save
+
+    def save(obj, path):
+        osd = obj.get("optimizer_state_dict") or {}
+        base = osd.get("base_optimizer_state") or osd.get("optimizer_state_dict") or {}
+        tensors = {**obj.get("module", {}),
+                   **{f"{g}.{k}": v for g, st in base.get("state", {}).items()
+                      for k, v in st.items() if k != "step"}}
+        in_memory.extend(k for k, v in tensors.items()
+                         if v.numel() and v.untyped_storage().filename is None)
+        real_save(obj, path)
+    monkeypatch.setattr(deepspeed_export, "_save", save)
     for stage, dp in ((1, 3), (2, 2), (3, 2), (3, 4)):
         out = str(tmp_path / f"out{stage}{dp}")
         reads.clear()
         assert ds.write(src, out, dp, stage) == os.path.join(out, "global_step3")
         passes = 2 if stage < 3 else 1  # (stage 3's module files hold placeholders)
         assert sorted(reads) == sorted(passes * list(want)), (stage, dp, reads)
+        assert in_memory == [], (stage, dp, in_memory)  # (mapped scratch files)
         assert sorted(os.listdir(os.path.join(out, "global_step3"))) == sorted(
             [f"zero_pp_rank_{r}_mp_rank_00_optim_states.pt" for r in range(dp)]
             + (["mp_rank_00_model_states.pt"] if stage < 3 else

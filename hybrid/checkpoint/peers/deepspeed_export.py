@@ -11,8 +11,9 @@ the loss scaler, the fragment addresses) are written under DeepSpeed's names by 
 pickler that does not import DeepSpeed, so the export runs where DeepSpeed is not
 installed.
 
-The checkpoint is read once whatever the DP size, and memory holds one parameter at a
-time: the ranks' partitions are mapped files (:func:`_scatter_partitions`).
+The checkpoint is read once whatever the DP size (twice at stages 1-2: the module too),
+and memory holds one parameter at a time: the ranks' partitions and the module's weights
+are mapped files (:func:`_scatter_partitions`, :class:`~.spill.Spill`).
 """
 
 from __future__ import annotations
@@ -233,16 +234,20 @@ def _write_model_states(tmp: str, ckpt: str, groups: list[OrderedDict], names: d
                 module[alias] = module[of]
             _save({"module": module, **model_state},
                   os.path.join(tmp, f"zero_pp_rank_{rank}_mp_rank_00_model_states.pt"))
-    else:  # the whole module, its weights the masters (fp32 training)
-        _, params = iter_full_params(ckpt, ("master",))
-        module = OrderedDict()
-        for name, values in params:
-            v = values["master"]
-            module[names[name]] = convert(name, v) if convert is not None else v
-        for alias, of in shared.items():  # (the module's state dict names both)
-            module[alias] = module[of]
-        _save({"module": module, **model_state},
-              os.path.join(tmp, "mp_rank_00_model_states.pt"))
+    else:  # the whole module, its weights the masters (fp32 training), in mapped files
+        spill = Spill(os.path.join(tmp, ".module"))
+        try:
+            _, params = iter_full_params(ckpt, ("master",))
+            module = OrderedDict()
+            for name, values in params:
+                v = values["master"]
+                module[names[name]] = spill.keep(convert(name, v) if convert is not None else v)
+            for alias, of in shared.items():  # (the module's state dict names both)
+                module[alias] = module[of]
+            _save({"module": module, **model_state},
+                  os.path.join(tmp, "mp_rank_00_model_states.pt"))
+        finally:
+            spill.close()
 
 
 def _optimizer_state(flat: list[dict[str, torch.Tensor]], rank: int, dp_size: int,
