@@ -148,11 +148,11 @@ DIAGONAL = ("dp2_zero3", "pp2_zb_h1", "recompute_full", "capacity", "sigmoid_bia
             "tp2_ep2_capacity", "dp4_ep2_zero3", "pp2_ep2_zb_h1", "tp2_cp2_ep4")
 
 
-def _train(n: int, flags: list[str], workdir: str, name: str):
+def _train(n: int, flags: list[str], workdir: str, name: str, common: tuple[str, ...] = ()):
     """(training records, validation records) of one run, or raises naming it."""
     path = f"{workdir}/{name}.jsonl"
     flags = [f.replace("{nvme}", f"{workdir}/{name}.nvme") for f in flags]
-    r = pretrain(n, [*TINY, *MOE, "--log-json", path, *flags])
+    r = pretrain(n, [*TINY, *MOE, *common, "--log-json", path, *flags])
     if r.returncode != 0:
         raise AssertionError(f"{name} (exit {r.returncode}):\n{r.stdout[-2000:]}\n"
                              f"{r.stderr[-3000:]}")
@@ -187,17 +187,19 @@ def differences(ran, ref) -> dict:
     return rel
 
 
-def run(names: list[str], workdir: str, out=sys.stdout) -> list[dict]:
-    """Run the cells ``names`` (each reference once), one JSON line per cell on ``out``."""
+def run(names: list[str], workdir: str, out=sys.stdout,
+        common: tuple[str, ...] = ()) -> list[dict]:
+    """Run the cells ``names`` (each reference once), one JSON line per cell on ``out``;
+    ``common``: flags after :data:`MOE` in every run, the references' too."""
     refs: dict[tuple[str, ...], tuple] = {}
     results = []
     for name in names:
         n, flags, ref_flags = CELLS[name]
         key = tuple(ref_flags)
         if key not in refs:
-            refs[key] = _train(1, ref_flags, workdir, f"ref_{len(refs)}")
+            refs[key] = _train(1, ref_flags, workdir, f"ref_{len(refs)}", common)
         t = time.perf_counter()
-        rel = differences(_train(n, flags, workdir, name), refs[key])
+        rel = differences(_train(n, flags, workdir, name, common), refs[key])
         ok = (max(v for k, v in rel.items() if k != "moe_counts_differing") <= TOLERANCE
               and rel["moe_counts_differing"] == 0)
         line = {"cell": name, "world": n, **{k: float(f"{v:.3g}") for k, v in rel.items()},
