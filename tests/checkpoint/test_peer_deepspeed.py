@@ -375,13 +375,22 @@ def test_an_export_reads_back_as_the_hybrid_checkpoint_it_came_from(tmp_path, mo
         ds.write(src, str(tmp_path / "out22"), 2, 2)
     # Hugging Face's Trainer's groups: the matrices with the run's weight decay, then the
     # biases without, each group flat and padded on its own
+    _groups_read_back(src, str(tmp_path / "groups"), want, "matrices",
+                      [["fc1.weight", "fc2.weight"], ["fc1.bias", "fc2.bias"]])
+
+
+def _groups_read_back(src: str, out: str, want: dict, param_groups: str | None,
+                      groups: list[list[str]]) -> None:
+    """``src`` exported at DP 2, ZeRO 2 and 3, reads back with ``groups`` (names, in
+    order), weight decay 0.01 then 0.0, and ``want``'s values."""
+    from hybrid.checkpoint.peers import deepspeed as ds
     for stage in (2, 3):
-        out = str(tmp_path / f"groups{stage}")
-        ds.write(src, out, 2, stage, param_groups="matrices")
-        back = ds.open(out)
-        assert [list(g) for g in back._groups] == [["fc1.weight", "fc2.weight"],
-                                                   ["fc1.bias", "fc2.bias"]]
-        assert [g["weight_decay"] for g in back._base_state(1)["param_groups"]] == [0.01, 0.0]
+        ds.write(src, f"{out}{stage}", 2, stage, param_groups=param_groups)
+        back = ds.open(f"{out}{stage}")
+        assert [list(g) for g in back._groups] == groups
+        for rank in (0, 1):
+            decay = [g["weight_decay"] for g in back._base_state(rank)["param_groups"]]
+            assert decay == [0.01, 0.0], (stage, rank, decay)
         for n, values in want.items():
             got = back.read(n)
             assert all(torch.equal(got[k], v) for k, v in values.items()), (stage, n)
@@ -423,21 +432,10 @@ def test_a_script_s_optimizer_groups_go_back_as_deepspeed_s(tmp_path):
     """A hybrid.deepspeed engine built over the script's own groups records them by name;
     the export writes DeepSpeed's groups as the script built them (its order, its weight
     decay), and the values read back."""
-    from hybrid.checkpoint.peers import deepspeed as ds
     saved, _ = _trained_with_groups(tmp_path, 0)
     _, params = iter_full_params(saved)
-    want = dict(params)
-    for stage in (2, 3):
-        out = str(tmp_path / f"ds{stage}")
-        ds.write(saved, out, 2, stage)
-        back = ds.open(out)
-        assert [list(g) for g in back._groups] == [["fc2.weight", "fc1.weight"],
-                                                   ["fc1.bias", "fc2.bias"]]
-        assert [g["weight_decay"] for g in back._base_state(0)["param_groups"]] == [0.01, 0.0]
-        for n, values in want.items():
-            got = back.read(n)
-            assert all(torch.equal(got[k], v) for k, v in values.items()), (stage, n)
-        back.close()
+    _groups_read_back(saved, str(tmp_path / "ds"), dict(params), None,
+                      [["fc2.weight", "fc1.weight"], ["fc1.bias", "fc2.bias"]])
 
 
 def _deepspeed_rank(rank: int, port: int, load_dir: str, stage: int, steps: int, out: str):
