@@ -481,6 +481,38 @@ def _torchtitan_state(name: str, value: torch.Tensor, heads: int, groups: int
     return [(dst[0], value)]
 
 
+def _titan_entries(params, spill: Spill, group: dict, weight_decay: float, groups: str,
+                   heads: int, kv: int, vocab: int | None, step: int
+                   ) -> tuple[dict[str, torch.Tensor], dict, bool]:
+    """(the model's entries, the optimizer's flat entries, whether moments were saved)
+    of torchtitan's state dict, from ``params`` (:func:`~hybrid.checkpoint.iter_full_params`'
+    iterator), each tensor parked in ``spill``: the weights under torchtitan's names
+    (hybrid's vocabulary padding rows dropped), each parameter's group settings (``group``
+    with weight decay on the matrices only, or on all for ``groups`` "one") and its
+    moments and step."""
+    model: dict[str, torch.Tensor] = {}
+    optim: dict = {}
+    with_moments = False
+    for name, cols in params:
+        with_moments = "exp_avg" in cols
+        for col, full in cols.items():
+            # hybrid's padding rows past the vocabulary are not the model's
+            cut = full[:vocab] if name in ("wte.weight", "output_layer.weight") and vocab \
+                else full
+            for tt, part in _torchtitan_state(name, cut, heads, kv):
+                t = spill.keep(part)
+                if col != "master":
+                    optim[f"state.{tt}.{col}"] = t
+                    continue
+                model[tt] = t
+                decay = weight_decay if t.ndim >= 2 or groups == "one" else 0.0
+                for key, v in (group | {"weight_decay": decay, "param_names": tt}).items():
+                    optim[f"param_groups.{tt}.{key}"] = v
+                if with_moments:
+                    optim[f"state.{tt}.step"] = torch.tensor(float(step))
+    return model, optim, with_moments
+
+
 def write(ckpt: str, out_dir: str, lr: float | None = None, groups: str = "matrices") -> dict:
     """Write hybrid checkpoint ``ckpt`` (an ``iter_N`` directory) as torchtitan's
     ``out_dir/step-N/`` DCP checkpoint (one writer; DCP reshards it at load to any FSDP2
@@ -525,32 +557,12 @@ def write(ckpt: str, out_dir: str, lr: float | None = None, groups: str = "matri
     path = os.path.join(out_dir, f"step-{iteration}")
     if os.path.exists(path):
         raise CheckpointError(f"{path}: already exists; not overwriting it")
-    model: dict[str, torch.Tensor] = {}
-    optim: dict = {}
-    with_moments = False
-    vocab = meta.get("vocab_size")
     # (the state dict dcp.save takes is the whole model's: its tensors are mapped files)
     spill = Spill(os.path.join(out_dir, f".scratch_step-{iteration}"))
     try:
-        for name, cols in params:
-            with_moments = "exp_avg" in cols
-            for col, full in cols.items():
-                # hybrid's padding rows past the vocabulary are not the model's
-                cut = full[:vocab] if name in ("wte.weight", "output_layer.weight") and vocab \
-                    else full
-                for tt, part in _torchtitan_state(name, cut, heads, kv):
-                    t = spill.keep(part)
-                    if col == "master":
-                        model[tt] = t
-                        decay = c.get("weight_decay", 0.01) if t.ndim >= 2 or groups == "one" \
-                            else 0.0
-                        named = group | {"weight_decay": decay, "param_names": tt}
-                        for key, v in named.items():
-                            optim[f"param_groups.{tt}.{key}"] = v
-                        if with_moments:
-                            optim[f"state.{tt}.step"] = torch.tensor(float(step))
-                    else:
-                        optim[f"state.{tt}.{col}"] = t
+        model, optim, with_moments = _titan_entries(
+            params, spill, group, float(c.get("weight_decay", 0.01)), groups, heads, kv,
+            meta.get("vocab_size"), step)
     except BaseException:  # (a parameter torchtitan has no name for)
         spill.close()
         raise
