@@ -21,7 +21,7 @@ exits 2. A load checks the bytes it reads anyway; this checks a checkpoint
 before it is needed (after a copy, before deleting the ones before it).
 
 ``export --to dcp`` writes the checkpoint as torchtitan's ``OUT_DIR/step-N/`` torch DCP
-checkpoint, model and optimizer state (hybrid/checkpoint/peers/dcp.py).
+checkpoint, model and optimizer state (hybrid/checkpoint/peers/dcp_export.py).
 
 OUT.pt holds ``{"model": {name: full fp32 tensor}, "metadata": {...}}`` (and
 ``"optimizer": {name: {"exp_avg", "exp_avg_sq"}}`` with --with-optimizer), loadable
@@ -64,8 +64,8 @@ def verify(argv) -> int:
 
 def export_dcp(argv) -> int:
     """``export --to dcp CKPT OUT``: a torchtitan-structured DCP checkpoint
-    (hybrid/checkpoint/peers/dcp.py, :func:`write`)."""
-    from hybrid.checkpoint.peers import dcp
+    (hybrid/checkpoint/peers/dcp_export.py, :func:`write`)."""
+    from hybrid.checkpoint.peers import dcp_export
     ap = argparse.ArgumentParser(prog="convert_checkpoint.py export --to dcp",
                                  description="write a hybrid checkpoint as torchtitan's "
                                              "step-N/ DCP checkpoint, which FSDP2 / TP "
@@ -80,7 +80,7 @@ def export_dcp(argv) -> int:
                          "torchtitan's default)")
     a = ap.parse_args(argv)
     try:
-        summary = dcp.write(resolve_checkpoint(a.checkpoint), a.output, lr=a.lr,
+        summary = dcp_export.write(resolve_checkpoint(a.checkpoint), a.output, lr=a.lr,
                             groups=a.param_groups)
     except CheckpointError as e:
         print(f"convert_checkpoint.py: error: {e}", file=sys.stderr)

@@ -146,7 +146,7 @@ def _every_tensor_dcp_writes_is_a_mapped_file(ckpt: str, out) -> None:
     holds about one parameter whatever the model's size."""
     import torch.distributed.checkpoint as dcp
 
-    from hybrid.checkpoint.peers import dcp as peer
+    from hybrid.checkpoint.peers import dcp_export as peer
     real, seen = dcp.save, {}
 
     def save(state, **kw):

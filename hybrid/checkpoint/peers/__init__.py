@@ -18,6 +18,7 @@
                      process
 * :mod:`.megatron_names` megatron-core's GPTModel names and layouts <-> hybrid's
 * :mod:`.dcp`        torch DCP as torchtitan writes it (FSDP2 / TP DTensors)
+* :mod:`.dcp_export` the way back: a hybrid checkpoint as torchtitan's DCP ``step-N/``
 * :mod:`.spill`      tensors parked in mapped scratch files, for the exports' writers
 
 :func:`open_peer` finds which format a directory holds (or takes the one a flag names)
