@@ -4,8 +4,13 @@ Llama trained with FSDP2 on 2 gloo CPU processes, saved with DCP as torchtitan's
 CheckpointManager saves, and the 10 losses it goes on with.
 
     OMP_NUM_THREADS=1 python benchmarks/peers/record_dcp_checkpoint.py [--out DIR]
+    OMP_NUM_THREADS=1 python benchmarks/peers/record_dcp_checkpoint.py --tp 2 --world 4 \
+        --out tests/fixtures/peers/dcp_fsdp_tp
 
-(DIR: tests/fixtures/peers/dcp by default; it is replaced.) It writes
+(DIR: tests/fixtures/peers/dcp by default; it is replaced. ``--tp 2 --world 4`` records
+the 2-D fixture: FSDP2 over 2 data-parallel ranks of TP 2 DTensors, torchtitan's
+FSDP x TP layout, so each weight is saved in chunks split on both of its dimensions'
+owners.) It writes
 ``DIR/checkpoint.tar.xz``, the folder ``checkpoint/step-3/`` (``.metadata``,
 ``__0_0.distcp``, ``__1_0.distcp``) as DCP wrote it, packed because DCP's per-entry
 pickles (a small file per tensor chunk and per hyperparameter) make it 1.2 MB and
@@ -58,11 +63,12 @@ def run(job: dict) -> dict:
     """On every rank of an initialized gloo world: the record (``job["out"]``) or the
     continuation of a checkpoint (``job["load"]``); the losses (rank 0's dict)."""
     s = tl.shape()
-    rank, world = dist.get_rank(), dist.get_world_size()
-    gb = tl.MICRO * world
-    model = tl.build(s, SEED)
+    tp = job.get("tp", 1)
+    dp_rank, dp = dist.get_rank() // tp, dist.get_world_size() // tp
+    gb = tl.MICRO * dp
+    model = tl.build(s, SEED, tp)
     opt, sched = tl.make_optimizer(model)
-    rows = slice(rank * tl.MICRO, (rank + 1) * tl.MICRO)
+    rows = slice(dp_rank * tl.MICRO, (dp_rank + 1) * tl.MICRO)
 
     def steps(first: int, n: int) -> list[float]:
         losses = []
@@ -76,7 +82,7 @@ def run(job: dict) -> dict:
         return {"step": start, "losses": steps(start + 1, job["steps"])}
     before = steps(1, SAVE_STEP)
     tl.save(os.path.join(job["out"], "checkpoint"), model, opt, sched, SAVE_STEP, SEED,
-            SAVE_STEP * tl.MICRO * s.seq_len)
+            SAVE_STEP * gb * s.seq_len)
     after = steps(SAVE_STEP + 1, AFTER)
     return {"before": before, "after": after}
 
@@ -97,18 +103,26 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=os.path.join(ROOT, "tests", "fixtures", "peers", "dcp"))
     ap.add_argument("--load", help="continue this DCP checkpoint instead of recording")
     ap.add_argument("--steps", type=int, default=AFTER)
+    ap.add_argument("--tp", type=int, default=1, help="tensor-parallel size (2-D mesh)")
+    ap.add_argument("--world", type=int, default=2, help="gloo processes (TP x FSDP)")
     a = ap.parse_args(argv)
     if a.load:
-        print(json.dumps(launch({"load": os.path.abspath(a.load), "steps": a.steps})))
+        print(json.dumps(launch({"load": os.path.abspath(a.load), "steps": a.steps,
+                                 "tp": a.tp}, a.world)))
         return 0
     if os.path.isdir(a.out):
         shutil.rmtree(a.out)
     os.makedirs(a.out)
-    res = launch({"out": os.path.abspath(a.out)})
+    res = launch({"out": os.path.abspath(a.out), "tp": a.tp}, a.world)
     s = tl.shape()
+    fsdp = "fully_shard per block and root, gloo CPU"
+    if a.tp > 1:
+        fsdp += f"; over the dp dimension of a (dp {a.world // a.tp}, tp {a.tp}) mesh, " \
+                "after torchtitan's TP plan (titan_llama.tensor_parallel)"
     record = {"format": "torch DCP, torchtitan CheckpointManager structure",
-              "torch": torch.__version__, "seed": SEED, "world_size": 2,
-              "fsdp": "fully_shard per block and root, gloo CPU", "save_step": SAVE_STEP,
+              "torch": torch.__version__, "seed": SEED, "world_size": a.world,
+              "tensor_parallel": a.tp, "data_parallel_size": a.world // a.tp,
+              "fsdp": fsdp, "save_step": SAVE_STEP,
               "micro_batch_per_rank": tl.MICRO, "shape": tl.describe(s),
               "optimizer": {"torch.optim.AdamW": {**tl.OPTIM, "foreach": False},
                             "clip_grad_norm": tl.CLIP, "lr_scheduler": "LambdaLR constant"},

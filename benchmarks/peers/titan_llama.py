@@ -90,11 +90,12 @@ class Attention(nn.Module):
 
     def forward(self, x, table):
         b, n, _ = x.shape
-        q = self.wq(x).view(b, n, self.n_heads, self.hd)
-        k = self.wk(x).view(b, n, self.n_kv, self.hd)
-        v = self.wv(x).view(b, n, self.n_kv, self.hd)
+        # heads counted from the projections: under TP a rank holds its share of them
+        q = self.wq(x).view(b, n, -1, self.hd)
+        k = self.wk(x).view(b, n, -1, self.hd)
+        v = self.wv(x).view(b, n, -1, self.hd)
         q, k = rotate(q, table), rotate(k, table)
-        rep = self.n_heads // self.n_kv
+        rep = q.shape[2] // k.shape[2]
         k, v = (t.repeat_interleave(rep, dim=2) for t in (k, v))
         out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2),
                                              v.transpose(1, 2), is_causal=True)
@@ -148,9 +149,11 @@ def shape(**over) -> Shape:
     return Shape(**{**SHAPE, **over})
 
 
-def build(s: Shape, seed: int) -> Llama:
+def build(s: Shape, seed: int, tp: int = 1) -> Llama:
     """The model, drawn from ``seed`` whole on every rank, then each block and the root
-    sharded with FSDP2 over the world (gloo, CPU)."""
+    sharded with FSDP2 over the world (gloo, CPU). ``tp`` > 1: a 2-D mesh (dp, tp), rank
+    ``dp_rank * tp + tp_rank``; the model is first split over ``tp`` as torchtitan's
+    Llama3 plan splits it (:func:`tensor_parallel`), then FSDP2 shards over ``dp``."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     torch.manual_seed(seed)
@@ -159,11 +162,41 @@ def build(s: Shape, seed: int) -> Llama:
         for name, p in model.named_parameters():
             if p.ndim >= 2:
                 p.normal_(0.0, 0.02 if "output" not in name else s.dim ** -0.5)
-    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    world = dist.get_world_size()
+    if tp == 1:
+        mesh = init_device_mesh("cpu", (world,))
+    else:
+        mesh2 = init_device_mesh("cpu", (world // tp, tp), mesh_dim_names=("dp", "tp"))
+        tensor_parallel(model, mesh2["tp"])
+        mesh = mesh2["dp"]
     for layer in model.layers.values():
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
     return model
+
+
+def tensor_parallel(model: Llama, mesh) -> None:
+    """torchtitan's TP plan for Llama3 without sequence parallelism or loss parallelism:
+    the embedding split over the vocabulary (rows), q/k/v, w1 and w3 over their outputs
+    (column-parallel), wo and w2 over their inputs (row-parallel), the output layer over
+    the vocabulary with its logits gathered; the norms stay whole on every TP rank."""
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
+    parallelize_module(model, mesh, {
+        "tok_embeddings": RowwiseParallel(input_layouts=Replicate(),
+                                          output_layouts=Replicate()),
+        "output": ColwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
+    })
+    for layer in model.layers.values():
+        parallelize_module(layer, mesh, {
+            "attention.wq": ColwiseParallel(), "attention.wk": ColwiseParallel(),
+            "attention.wv": ColwiseParallel(), "attention.wo": RowwiseParallel(),
+            "feed_forward.w1": ColwiseParallel(), "feed_forward.w3": ColwiseParallel(),
+            "feed_forward.w2": RowwiseParallel()})
 
 
 def make_optimizer(model: nn.Module):
@@ -196,10 +229,20 @@ def train_step(model, opt, sched, tokens, labels) -> float:
     loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))
     loss.backward()
     grads = [p.grad for p in model.parameters() if p.grad is not None]
-    norm = torch.nn.utils.get_total_norm(grads, 2.0)
-    if isinstance(norm, DTensor):  # FSDP2: the shards' norms combined over the mesh
-        norm = norm.full_tensor()
-    torch.nn.utils.clip_grads_with_norm_(list(model.parameters()), CLIP, norm)
+    meshes = {g.device_mesh for g in grads if isinstance(g, DTensor)}
+    if len(meshes) > 1:
+        # FSDP2 x TP: the norms' gradients live on the 1-D dp mesh and the rest on the 2-D
+        # one, which torch's clip functions cannot mix; the same arithmetic per mesh
+        norm = torch.linalg.vector_norm(torch.stack(
+            [torch.linalg.vector_norm(g.full_tensor()) for g in grads]))
+        coef = torch.clamp(CLIP / (norm + 1e-6), max=1.0)
+        for g in grads:
+            g.mul_(coef)
+    else:
+        norm = torch.nn.utils.get_total_norm(grads, 2.0)
+        if isinstance(norm, DTensor):  # FSDP2: the shards' norms combined over the mesh
+            norm = norm.full_tensor()
+        torch.nn.utils.clip_grads_with_norm_(list(model.parameters()), CLIP, norm)
     opt.step()
     sched.step()
     opt.zero_grad()

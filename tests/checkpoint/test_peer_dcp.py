@@ -6,9 +6,10 @@ steps with FSDP2 on 2 gloo ranks and torch's AdamW, saved with DCP in the struct
 torchtitan's CheckpointManager, and the 10 losses the same run went on with. hybrid
 imports it (weights, fp32 masters, both moments, step count, iteration) and trains the
 same 10 batches: the losses equal the recorded ones within 2e-6, at the fixture's layout
-(2 ranks, ZeRO 3, FSDP's counterpart) and at TP 2. The way back: a hybrid checkpoint
-written as DCP, loaded by the FSDP2 model with torch's dcp.load and set_*_state_dict,
-goes on with hybrid's losses.
+(2 ranks, ZeRO 3, FSDP's counterpart). A second fixture (tests/fixtures/peers/dcp_fsdp_tp/)
+is the same run on torchtitan's 2-D layout, FSDP2 x TP 2 on 4 ranks; it continues at TP 2.
+The way back: a hybrid checkpoint written as DCP, loaded by the FSDP2 x TP model with
+torch's dcp.load and set_*_state_dict, goes on with hybrid's losses.
 """
 
 from __future__ import annotations
@@ -24,27 +25,32 @@ from tests.helpers.harness import run_ranks
 from tests.helpers.launch import ROOT
 
 FIXTURE = os.path.join(ROOT, "tests", "fixtures", "peers", "dcp")
+# the same run on a (dp 2, tp 2) mesh: FSDP2 over TP DTensors (strided shards), 4 ranks
+FIXTURE_2D = os.path.join(ROOT, "tests", "fixtures", "peers", "dcp_fsdp_tp")
 TOL = 2e-6
 
 
-def _record() -> dict:
-    with open(os.path.join(FIXTURE, "losses.json")) as f:
+def _record(fixture: str = FIXTURE) -> dict:
+    with open(os.path.join(fixture, "losses.json")) as f:
         return json.load(f)
 
 
-def _unpack(tmp_path) -> str:
+def _unpack(tmp_path, fixture: str = FIXTURE) -> str:
     """The fixture's torchtitan checkpoint folder (``checkpoint/``, holding ``step-3/``),
     unpacked from its archive (kept compressed: DCP's per-entry pickles compress well)."""
     safe = {"filter": "data"} if hasattr(tarfile, "data_filter") else {}  # Python >= 3.10.12
-    with tarfile.open(os.path.join(FIXTURE, "checkpoint.tar.xz")) as tar:
+    with tarfile.open(os.path.join(fixture, "checkpoint.tar.xz")) as tar:
         tar.extractall(tmp_path, **safe)  # type: ignore[arg-type]
     return str(tmp_path / "checkpoint")
 
 
+def _global_batch(rec: dict) -> int:
+    return rec["micro_batch_per_rank"] * rec.get("data_parallel_size", rec["world_size"])
+
+
 def _flags(rec: dict, tp: int, world: int, stage: int, **extra) -> dict:
-    micro = rec["micro_batch_per_rank"] * rec["world_size"] * tp // world
-    return dict(rec["hybrid_flags"], micro_batch_size=micro,
-                global_batch_size=rec["micro_batch_per_rank"] * rec["world_size"],
+    return dict(rec["hybrid_flags"], micro_batch_size=_global_batch(rec) * tp // world,
+                global_batch_size=_global_batch(rec),
                 tensor_model_parallel_size=tp, zero_stage=stage, seed=7, **extra)
 
 
@@ -100,15 +106,17 @@ def _max_diff(a, b) -> float:
 
 
 def torch_continues(ps, rec: dict, load: str, steps: int) -> dict:
-    """On every rank: the recorder's FSDP2 model and AdamW, loaded from DCP checkpoint
-    ``load`` as torchtitan loads one, then ``steps`` steps on the recorded run's batches."""
+    """On every rank: the recorder's FSDP2 model (over TP ``rec["tensor_parallel"]``, as
+    recorded) and AdamW, loaded from DCP checkpoint ``load`` as torchtitan loads one, then
+    ``steps`` steps on the recorded run's batches."""
     from benchmarks.peers import titan_llama as tl
     s = tl.shape(**rec["shape"])
-    model = tl.build(s, rec["seed"])
+    tp = rec.get("tensor_parallel", 1)
+    model = tl.build(s, rec["seed"], tp)
     opt, sched = tl.make_optimizer(model)
     start = tl.load(load, model, opt, sched)
-    gb, world = rec["micro_batch_per_rank"] * ps.world_size, ps.world_size
-    rows = slice(ps.rank * gb // world, (ps.rank + 1) * gb // world)
+    gb, dp, dp_rank = _global_batch(rec), ps.world_size // tp, ps.rank // tp
+    rows = slice(dp_rank * gb // dp, (dp_rank + 1) * gb // dp)
     losses = []
     for step in range(start + 1, start + 1 + steps):
         x, y = tl.batch(rec["seed"], step, s, gb)
@@ -116,27 +124,15 @@ def torch_continues(ps, rec: dict, load: str, steps: int) -> dict:
     return {"step": start, "losses": losses}
 
 
-def test_zero3_continues_the_recorded_run_and_the_way_back_continues_in_torch(tmp_path):
+def test_zero3_continues_the_recorded_run_and_its_export_holds_no_tensor_in_memory(tmp_path):
     """ZeRO 3 over 2 ranks (the fixture's FSDP2 layout): the 10 losses after the import
-    equal the recorded run's within 2e-6. The way back: the hybrid save at iteration 6
-    (3 steps in), written by ``convert_checkpoint.py export --to dcp`` as torchtitan's
-    step-6/, is loaded by the FSDP2 model and torch's AdamW (dcp.load,
-    set_model_state_dict, set_optimizer_state_dict), whose next 3 losses equal hybrid's
-    within 2e-6."""
-    from tests.helpers.launch import run_script
+    equal the recorded run's within 2e-6. The hybrid save at iteration 6 (3 steps in),
+    written as torchtitan's step-6/, hands ``dcp.save`` no tensor held in memory."""
     rec = _record()
-    save, out = tmp_path / "save", tmp_path / "titan"
+    save = tmp_path / "save"
     hybrid = run_ranks(hybrid_continues, world_size=2, tp=1,
                        args=(rec, _unpack(tmp_path), str(save), 3, 10, 3))[0]
     assert _max_diff(hybrid, rec["losses_after_save"]) <= TOL, (hybrid, rec)
-    r = run_script("convert_checkpoint", ["export", "--to", "dcp",
-                                          str(save / "iter_0000006"), str(out)])
-    assert r.returncode == 0, r.stderr
-    assert json.loads(r.stdout)["step"] == 6
-    got = run_ranks(torch_continues, world_size=2, args=(rec, str(out / "step-6"), 3))[0]
-    assert got["step"] == 6
-    assert _max_diff(got["losses"], hybrid[3:6]) <= TOL, (got["losses"], hybrid[3:6])
-    assert os.listdir(out) == ["step-6"]  # (the scratch files gone)
     _every_tensor_dcp_writes_is_a_mapped_file(str(save / "iter_0000006"), tmp_path / "again")
 
 
@@ -164,12 +160,29 @@ def _every_tensor_dcp_writes_is_a_mapped_file(ckpt: str, out) -> None:
     assert os.listdir(out) == ["step-6"]
 
 
-def test_tp2_continues_the_recorded_run(tmp_path):
-    """Another layout, TP 2 with ZeRO 1: the same 10 losses within 2e-6."""
-    rec = _record()
-    out = run_ranks(hybrid_continues, world_size=2, tp=2,
-                    args=(rec, _unpack(tmp_path), str(tmp_path / "save"), 1, 10))
-    assert _max_diff(out[0], rec["losses_after_save"]) <= TOL, (out[0], rec)
+def test_fsdp_x_tp_fixture_continues_at_tp2_and_the_way_back_loads_at_fsdp_x_tp(tmp_path):
+    """The 2-D fixture (FSDP2 over 2 DP ranks of TP 2 DTensors, 4 ranks: each weight saved
+    in chunks split by both owners, FSDP's strided ones inside TP's) imported at TP 2
+    with ZeRO 1: the 10 losses equal the recorded run's within 2e-6. The way back: the
+    hybrid save at iteration 6, written by ``convert_checkpoint.py export --to dcp`` as
+    torchtitan's step-6/, is loaded by the same FSDP2 x TP model and torch's AdamW
+    (dcp.load, set_model_state_dict, set_optimizer_state_dict; DCP reshards into its
+    layout), whose next 3 losses equal hybrid's within 2e-6."""
+    from tests.helpers.launch import run_script
+    rec = _record(FIXTURE_2D)
+    assert (rec["tensor_parallel"], rec["data_parallel_size"]) == (2, 2)
+    save, out = tmp_path / "save", tmp_path / "titan"
+    hybrid = run_ranks(hybrid_continues, world_size=2, tp=2,
+                       args=(rec, _unpack(tmp_path, FIXTURE_2D), str(save), 1, 10, 3))[0]
+    assert _max_diff(hybrid, rec["losses_after_save"]) <= TOL, (hybrid, rec)
+    r = run_script("convert_checkpoint", ["export", "--to", "dcp",
+                                          str(save / "iter_0000006"), str(out)])
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["step"] == 6
+    got = run_ranks(torch_continues, world_size=4, args=(rec, str(out / "step-6"), 3))[0]
+    assert got["step"] == 6
+    assert _max_diff(got["losses"], hybrid[3:6]) <= TOL, (got["losses"], hybrid[3:6])
+    assert os.listdir(out) == ["step-6"]  # (the scratch files gone)
 
 
 PRETRAIN = ["--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "255",
