@@ -20,12 +20,15 @@ A tiny transformers ``GPT2LMHeadModel`` is trained the same way at ZeRO 2 on the
 ``latest``, as Hugging Face's Trainer does): the ``--load`` route; and a tiny
 ``LlamaForCausalLM`` (GQA, untied) the same way with :data:`LLAMA_ARGS`.
 
+:class:`FrozenNet` (a frozen layer and a BatchNorm's buffers before :class:`Net`) is
+recorded at stages 2 and 3 (``frozen_zero2``, ``frozen_zero3``).
+
 Regenerate (two to three minutes on 2 cores; needs DeepSpeed 0.19.8 and transformers,
 and this checkout's hybrid on the path for the data)::
 
     DS_ACCELERATOR=cpu OMP_NUM_THREADS=1 PYTHONPATH=. python \
         benchmarks/peers/record_deepspeed_checkpoint.py \
-        tests/fixtures/peers/deepspeed-0.19.8 [net] [gpt2] [llama]
+        tests/fixtures/peers/deepspeed-0.19.8 [net] [gpt2] [llama] [frozen]
 """
 
 from __future__ import annotations
@@ -45,6 +48,7 @@ WORLD = 2
 SAVED_AT = 3      # steps before the save
 CONTINUED = 10    # steps recorded after it
 STAGES = tuple(int(s) for s in os.environ.get("RECORD_STAGES", "0,2,3").split(","))
+FROZEN_STAGES = (2, 3)  # FrozenNet: a frozen layer and buffers, DeepSpeed's two layouts
 LR = 1e-2
 
 
@@ -58,6 +62,22 @@ class Net(nn.Module):
 
     def forward(self, x):
         return self.fc2(torch.tanh(self.fc1(x)))
+
+
+class FrozenNet(nn.Module):
+    """:class:`Net` behind a frozen pretrained layer (``base``, ``requires_grad`` False,
+    so in no ZeRO partition: DeepSpeed saves it in ``frozen_param_fragments``) and a
+    BatchNorm without affine weights (running statistics: buffers only)."""
+
+    def __init__(self):
+        super().__init__()
+        self.base = nn.Linear(7, 7)
+        self.norm = nn.BatchNorm1d(7, affine=False)
+        self.head = Net()
+        self.base.requires_grad_(False)
+
+    def forward(self, x):
+        return self.head(self.norm(self.base(x)))
 
 
 def step_mean(engine, loss, world: int) -> float:
@@ -107,15 +127,16 @@ def loss_of(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return nn.functional.cross_entropy(out, y)
 
 
-def _worker(rank: int, port: int, out_dir: str, stage: int) -> None:
+def _worker(rank: int, port: int, out_dir: str, stage: int, frozen: bool = False) -> None:
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(WORLD),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     import deepspeed
     deepspeed.init_distributed(dist_backend="gloo")
     torch.manual_seed(0)
-    net = Net()
-    engine, *_ = deepspeed.initialize(model=net, model_parameters=net.parameters(),
-                                      config=config(stage))
+    net = FrozenNet() if frozen else Net()
+    engine, *_ = deepspeed.initialize(
+        model=net, model_parameters=[p for p in net.parameters() if p.requires_grad],
+        config=config(stage))
     per = GLOBAL_BATCH // WORLD
     losses = []
     for step in range(SAVED_AT + CONTINUED):
@@ -125,10 +146,13 @@ def _worker(rank: int, port: int, out_dir: str, stage: int) -> None:
         loss = loss_of(engine(x[rank * per:(rank + 1) * per]), y[rank * per:(rank + 1) * per])
         losses.append(step_mean(engine, loss, WORLD))
     if rank == 0:
+        record = {"deepspeed": deepspeed.__version__, "world_size": WORLD,
+                  "zero_stage": stage, "saved_at": SAVED_AT, "before": losses[:SAVED_AT],
+                  "after": losses[SAVED_AT:]}
+        if frozen:  # (the frozen weight never moves; the statistics are rank 0's)
+            record["model"] = "FrozenNet"
         with open(os.path.join(out_dir, "losses.json"), "w") as f:
-            json.dump({"deepspeed": deepspeed.__version__, "world_size": WORLD,
-                       "zero_stage": stage, "saved_at": SAVED_AT, "before": losses[:SAVED_AT],
-                       "after": losses[SAVED_AT:]}, f, indent=1)
+            json.dump(record, f, indent=1)
     end_rank()
 
 
@@ -246,7 +270,7 @@ def _clean(out: str) -> None:
 
 def main(argv: list[str]) -> int:
     root = argv[0] if argv else "tests/fixtures/peers/deepspeed-0.19.8"
-    which = argv[1:] or ["net", "gpt2", "llama"]
+    which = argv[1:] or ["net", "gpt2", "llama", "frozen"]
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     for family in ("gpt2", "llama"):
         if family not in which:
@@ -270,6 +294,13 @@ def main(argv: list[str]) -> int:
                             os.path.join(out, f"global_step{SAVED_AT}_universal"),
                             "--num_extract_workers", "1", "--num_merge_workers", "1"],
                            check=True, stdout=subprocess.DEVNULL)
+        print(f"wrote {out}")
+    for stage in FROZEN_STAGES if "frozen" in which else ():
+        out = os.path.join(root, f"frozen_zero{stage}")
+        shutil.rmtree(out, ignore_errors=True)
+        os.makedirs(out)
+        torch.multiprocessing.spawn(_worker, args=(_port(), out, stage, True), nprocs=WORLD)
+        _clean(out)
         print(f"wrote {out}")
     return 0
 

@@ -19,6 +19,7 @@ checkpoint's ``client_state`` may hold (:mod:`hybrid.checkpoint.client_state`).
 * :mod:`.api_state`    checkpoints of a ``hybrid.initialize`` engine: the script's format, plus
                        the engine's counters and schedule
 * :mod:`.client_state` an API checkpoint's ``client_state``: picklable values, loaded back safely
+* :mod:`.module_state` an API checkpoint's frozen parameters and persistent buffers, by name
 * :mod:`.full_model`   a whole checkpoint as one single-process model (TP 1), for generation
                        and export checks
 * :mod:`.peers`        other frameworks' checkpoints (DeepSpeed, Megatron-LM, DCP): imported

@@ -45,7 +45,7 @@ import zlib
 
 import torch
 
-from hybrid.checkpoint import client_state as client
+from hybrid.checkpoint import client_state as client, module_state
 from hybrid.checkpoint.async_save import AsyncSaver
 from hybrid.checkpoint.files import LATEST, iter_name
 from hybrid.checkpoint.integrity import Integrity
@@ -53,7 +53,7 @@ from hybrid.checkpoint.load import load_checkpoint
 from hybrid.checkpoint.ownership import API, RunIdentity, SaveDirClaim, module_shape
 from hybrid.checkpoint.reader import RangeReader
 from hybrid.checkpoint.save import finish_save, prepare_save
-from hybrid.errors import CheckpointError
+from hybrid.errors import CheckpointError, ConfigError
 from hybrid.parallel.agree import agree_error
 
 log = logging.getLogger("hybrid")
@@ -168,6 +168,22 @@ def _encoded_client_state(ps, client_state: dict) -> bytes | None:
     return data
 
 
+def _encoded_module_state(engine) -> bytes | None:
+    """Rank 0's module-state file (:mod:`hybrid.checkpoint.module_state`), None on other
+    ranks or when the module has no frozen parameter or buffer; a refusal is raised on
+    every rank. Collective over the world."""
+    data, error = None, None
+    if engine.ps.rank == 0:
+        try:
+            data = module_state.encode(engine.module, engine.ps.tp_size)
+        except ConfigError as e:
+            error = str(e)
+    error = agree_error(engine.ps, error)
+    if error:
+        raise ConfigError(error)
+    return data
+
+
 class SaveClaims:
     """The directory one engine saves into, claimed on its first save there and held until
     it saves elsewhere or :meth:`release` (the Note on owners; rank 0 holds the claim, the
@@ -225,6 +241,7 @@ def save_engine(engine, save_dir: str, tag, client_state: dict, save_latest: boo
     if saver is not None:
         saver.wait()  # (at most one in flight: the one before is published first)
     data = _encoded_client_state(engine.ps, client_state)
+    frozen = _encoded_module_state(engine)
     # (a script may name the directory by the clock on each rank, as DeepSpeedExamples'
     # HelloDeepSpeed does: the ranks of one checkpoint write into rank 0's)
     agreed = _agreed_tag(engine.ps, save_dir, "save_checkpoint", "save_dir")
@@ -239,6 +256,7 @@ def save_engine(engine, save_dir: str, tag, client_state: dict, save_latest: boo
     # tensors. (Checkpoints from before it hold a JSON "client_state": load_engine reads
     # those still.)
     extra = {"client_state_file": client.FILE,
+             "module_state_file": module_state.FILE if frozen else None,
              "lr_scheduler": (None if engine.lr_scheduler is None
                               else _json_safe(engine.lr_scheduler.state_dict())),
              "optimizer_groups": _group_settings(engine.optimizer.param_groups),
@@ -250,7 +268,9 @@ def save_engine(engine, save_dir: str, tag, client_state: dict, save_latest: boo
     pending = prepare_save(target, engine.global_steps,
                            engine.global_steps * engine.train_batch_size(), engine.zero,
                            engine.ps, engine.cfg.to_dict(), engine.rng, extra_meta=extra,
-                           extra_files=None if data is None else {client.FILE: data},
+                           extra_files=None if data is None else {
+                               client.FILE: data, **({module_state.FILE: frozen}
+                                                     if frozen else {})},
                            keep_last=None if name is None else 1,
                            owner=owner if name is None else None,
                            snapshot=saver.buffer if saver is not None else False)
@@ -322,6 +342,7 @@ def load_engine(engine, load_dir: str, tag, optimizer: bool, schedule: bool):
         meta = {**meta, "api": peer[2].get("api", {}), "lr_scheduler": peer[2].get(
             "lr_scheduler"), "client_state": peer[2].get("client_state", {})}
     state = _load_client_state(engine.ps, info["checkpoint"], meta)  # (before the counters)
+    _load_module_state(engine, info["checkpoint"], meta)
     api = meta.get("api", {})
     steps = api.get("global_steps", meta["iteration"])
     engine.global_steps = steps
@@ -394,7 +415,7 @@ def _check_peer_model(peer, engine) -> None:
     """CheckpointError naming the peer's file when its parameters are not the engine
     module's (names and full shapes)."""
     from hybrid.checkpoint.save import model_signature
-    mine, theirs = model_signature(engine.zero.model), peer.shapes
+    mine, theirs = model_signature(engine.zero.model), {**peer.shapes, **peer.frozen_shapes}
     where = getattr(peer, "model_file", peer.path)
     if set(mine) != set(theirs):
         raise CheckpointError(
@@ -434,3 +455,20 @@ def _load_client_state(ps, ckpt: str, meta: dict) -> dict:
         raise CheckpointError(error)
     assert state is not None  # (else every rank raised)
     return state
+
+
+def _load_module_state(engine, ckpt: str, meta: dict) -> None:
+    """Put the checkpoint's frozen parameters and buffers back into the engine's module
+    (:mod:`hybrid.checkpoint.module_state`; nothing for a save without them), on every
+    rank from the file itself, checked against its checksum. CheckpointError naming the
+    file, on every rank. Collective over the world."""
+    error = None
+    try:
+        saved = module_state.read(ckpt, meta)
+        if saved:
+            module_state.restore(engine.module, saved, os.path.join(ckpt, module_state.FILE))
+    except CheckpointError as e:
+        error = str(e)
+    error = agree_error(engine.ps, error)
+    if error:
+        raise CheckpointError(error)

@@ -488,7 +488,9 @@ def write_single_rank_checkpoint(save_dir: str, shapes: dict[str, list[int]], re
                                  columns: tuple[str, ...], config: dict,
                                  vocab_size: int | None, *, iteration: int = 0,
                                  consumed_samples: int = 0, step: int = 0,
-                                 extra: dict | None = None, beat=None) -> str:
+                                 extra: dict | None = None, beat=None,
+                                 frozen_shapes: dict[str, list[int]] | None = None,
+                                 files: dict[str, bytes] | None = None) -> str:
     """A checkpoint of one rank holding every parameter whole (TP 1, DP 1, stage 0), as
     ``SAVE/iter_N``, published atomically like a save (an existing one is refused).
 
@@ -501,6 +503,10 @@ def write_single_rank_checkpoint(save_dir: str, shapes: dict[str, list[int]], re
     (0 with no moments); ``extra``: more metadata.json keys (where a checkpoint came from).
     ``beat()``: called after each parameter and each 8 MiB hashed (the importing rank
     keeps the waiting ones' collectives short: :mod:`hybrid.checkpoint.peers.importing`).
+    ``frozen_shapes``: the model's frozen parameters (in its signature, ``model``, but in
+    no unit: their values go in ``files``); ``files``: {name: bytes}, small whole files
+    written beside metadata.json with their size and crc32 in its checksums, as
+    :func:`save_checkpoint`'s ``extra_files``.
     """
     beat = beat or (lambda: None)
     name = iter_name(iteration)
@@ -551,14 +557,19 @@ def write_single_rank_checkpoint(save_dir: str, shapes: dict[str, list[int]], re
                   "checksums": sums.table()}
         data = header_bytes(header)
         _fsync_write(head_path, lambda f: f.write(data))
+        for fname, fdata in (files or {}).items():
+            _fsync_write(os.path.join(tmp, fname), lambda f, d=fdata: f.write(d))
         layout = single_file_layout(shapes)
         layout["columns"] = list(columns)
         meta = {"version": VERSION, "iteration": iteration, "consumed_samples": consumed_samples,
                 "world_size": 1, "tensor_model_parallel_size": 1, "data_parallel_size": 1,
-                "zero_stage": 0, "vocab_size": vocab_size, "model": shapes, "step": step,
+                "zero_stage": 0, "vocab_size": vocab_size,
+                "model": {**shapes, **(frozen_shapes or {})}, "step": step,
                 "loss_scaler": None, "zero_layout": layout, "config": config,
                 "checksums": {"algorithm": ALGORITHM,
-                              "headers": {os.path.basename(head_path): [len(data), crc32(data)]}},
+                              "headers": {os.path.basename(head_path): [len(data), crc32(data)]},
+                              **({"files": {n: [len(d), crc32(d)] for n, d in files.items()}}
+                                 if files else {})},
                 **(extra or {}), "complete": True}
         _fsync_write(os.path.join(tmp, "metadata.json"),
                      lambda f: f.write(json.dumps(meta, indent=1).encode()))

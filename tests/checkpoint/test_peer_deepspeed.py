@@ -62,19 +62,25 @@ def _tree_digest(path: str) -> dict[str, str]:
     return out
 
 
-def _continue(ps, load_dir: str, stage: int) -> list[float]:
+def _continue(ps, load_dir: str, stage: int, frozen: dict | None = None) -> list[float]:
     """A DeepSpeed user's script under hybrid: build, load_checkpoint, train 10 steps;
-    the global batch's loss of each (the mean over the DP ranks' micro-batches)."""
+    the global batch's loss of each (the mean over the DP ranks' micro-batches).
+    ``frozen``: a dict to receive the recorder's FrozenNet's frozen weights and buffers
+    after the load (the model is that one then)."""
     from hybrid import deepspeed
     rec = _recorder()
     torch.manual_seed(123)  # other initial weights: the load must replace them all
-    net = rec.Net()
-    engine, *_ = deepspeed.initialize(model=net, model_parameters=net.parameters(),
-                                      config=rec.config(stage), mpu=ps)
+    net = rec.FrozenNet() if frozen is not None else rec.Net()
+    engine, *_ = deepspeed.initialize(
+        model=net, model_parameters=[p for p in net.parameters() if p.requires_grad],
+        config=rec.config(stage), mpu=ps)
     path, client = engine.load_checkpoint(load_dir)
     assert path.endswith(os.path.join("hybrid_import", "iter_0000003")), path
     assert (engine.global_steps, engine.global_samples) == (3, 24)
     assert engine.lr_scheduler.state_dict() == {"last_batch_iteration": 2}
+    if frozen is not None:
+        frozen.update({k: v.clone() for k, v in net.state_dict().items()
+                       if not k.startswith("head.")})
     per, rank, world = rec.GLOBAL_BATCH // ps.dp_size, ps.dp_rank, ps.dp_size
     losses = []
     for step in range(rec.SAVED_AT, rec.SAVED_AT + rec.CONTINUED):
@@ -141,6 +147,44 @@ class _Unpickler(pickle.Unpickler):
 
 
 _PICKLE = types.SimpleNamespace(Unpickler=_Unpickler, load=pickle.load, __name__="p")
+
+
+def _frozen_cases(ps, cases):
+    out = []
+    for d, stage in cases:
+        got: dict = {}
+        out.append((_continue(ps, d, stage, got), got))
+    return out
+
+
+def test_frozen_parameters_and_buffers_come_over_and_the_run_continues(tmp_path):
+    """DeepSpeed's FrozenNet (a frozen layer, in no ZeRO partition, and a BatchNorm's
+    running statistics) at ZeRO 2 and 3, continued at DP 2 at its stage and at ZeRO 1
+    from ZeRO 3's partitioned fragments: the 10 losses within 2e-6 of DeepSpeed's; the
+    frozen weight is the one DeepSpeed started from (the script's own, drawn from
+    another seed, is replaced), the statistics DeepSpeed's rank 0 saved."""
+    from tests.helpers.harness import run_ranks
+    rec = _recorder()
+    torch.manual_seed(0)
+    start = rec.FrozenNet()  # DeepSpeed's initial model: its frozen layer never moved
+    cases = [(_copy("frozen_zero2", tmp_path / "a"), 2), (_copy("frozen_zero3", tmp_path / "b"), 3),
+             (_copy("frozen_zero3", tmp_path / "c"), 1)]
+    out = run_ranks(_frozen_cases, world_size=2, args=(cases,))
+    for (d, stage), (losses, got) in zip(cases, out[0]):
+        want = _after(os.path.basename(d))
+        assert _worst(losses, want) <= TOLERANCE, (d, stage, losses, want)
+        ms = torch.load(os.path.join(d, "global_step3", "mp_rank_00_model_states.pt"
+                                     if "zero2" in d else
+                                     "zero_pp_rank_0_mp_rank_00_model_states.pt"),
+                        weights_only=False, pickle_module=_PICKLE)["module"]
+        assert sorted(got) == ["base.bias", "base.weight", "norm.num_batches_tracked",
+                               "norm.running_mean", "norm.running_var"]
+        for name in ("base.weight", "base.bias"):
+            assert torch.equal(got[name], start.state_dict()[name]), (d, name)
+        for name in ("norm.running_mean", "norm.running_var", "norm.num_batches_tracked"):
+            assert torch.equal(got[name], ms[name]), (d, name)
+        assert int(got["norm.num_batches_tracked"]) == 3
+        assert out[1][0][1].keys() == got.keys()  # (every rank took them)
 
 
 def _deepspeed_full_values(tag_dir: str) -> dict[str, dict[str, torch.Tensor]]:
@@ -438,17 +482,20 @@ def test_a_script_s_optimizer_groups_go_back_as_deepspeed_s(tmp_path):
                       [["fc2.weight", "fc1.weight"], ["fc1.bias", "fc2.bias"]])
 
 
-def _deepspeed_rank(rank: int, port: int, load_dir: str, stage: int, steps: int, out: str):
+def _deepspeed_rank(rank: int, port: int, load_dir: str, stage: int, steps: int, out: str,
+                    frozen: bool = False):
     """One DeepSpeed rank: load ``load_dir``, train ``steps`` of the recorder's batches
-    from the checkpoint's step; rank 0 writes the global losses to ``out``."""
+    from the checkpoint's step; rank 0 writes the global losses to ``out``. ``frozen``:
+    the recorder's FrozenNet over its trained parameters (else Net over :func:`_groups`)."""
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2",
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), DS_ACCELERATOR="cpu")
     import deepspeed
     deepspeed.init_distributed(dist_backend="gloo")
     rec = _recorder()
-    torch.manual_seed(77)
-    net = rec.Net()
-    engine, *_ = deepspeed.initialize(model=net, model_parameters=_groups(net),
+    torch.manual_seed(77)  # another start: the load must replace it, frozen layer too
+    net = rec.FrozenNet() if frozen else rec.Net()
+    params = ([p for p in net.parameters() if p.requires_grad] if frozen else _groups(net))
+    engine, *_ = deepspeed.initialize(model=net, model_parameters=params,
                                       config=rec.config(stage))
     path, _ = engine.load_checkpoint(load_dir)
     assert path is not None
@@ -484,6 +531,57 @@ def test_deepspeed_continues_from_hybrid_s_export(tmp_path):
         with open(got) as f:
             theirs = json.load(f)
         assert theirs["start"] == 10 and theirs["samples"] == (10 + steps) * rec.GLOBAL_BATCH
+        worst = max(abs(a - b) for a, b in zip(theirs["losses"], losses[10:]))
+        assert len(theirs["losses"]) == steps and worst <= TOLERANCE, (stage, theirs, losses)
+
+
+def _trained_frozen(ps, save: str, steps: int) -> list[float]:
+    """The recorder's FrozenNet under hybrid.deepspeed at DP 2 (each rank's BatchNorm on
+    its own rows, as DeepSpeed's), 10 steps then a save into ``save``, then ``steps``
+    more: every step's global loss."""
+    from hybrid import deepspeed as hds
+    rec = _recorder()
+    torch.manual_seed(0)
+    net = rec.FrozenNet()
+    engine, *_ = hds.initialize(model=net,
+                                model_parameters=[p for p in net.parameters() if p.requires_grad],
+                                config=rec.config(2), mpu=ps)
+    per, rank, losses = rec.GLOBAL_BATCH // 2, ps.dp_rank, []
+    for step in range(10 + steps):
+        if step == 10:
+            engine.save_checkpoint(save)
+        x, y = rec.batch(step)
+        loss = rec.loss_of(engine(x[rank * per:(rank + 1) * per]), y[rank * per:(rank + 1) * per])
+        engine.backward(loss)
+        engine.step()
+        mean = loss.detach().clone().reshape(1)
+        ps.world_group.all_reduce(mean)
+        losses.append(float(mean) / 2)
+    engine.close()
+    return losses
+
+
+@pytest.mark.peer("deepspeed")
+def test_deepspeed_continues_a_frozen_module_s_export(tmp_path):
+    """A hybrid.deepspeed FrozenNet (a frozen layer and BatchNorm statistics, saved in
+    module_state.pt) exported as DeepSpeed's at ZeRO 2 and 3 (the frozen layer in the
+    module and as DeepSpeed's frozen fragments, whole; or partitioned): DeepSpeed 0.19.8,
+    its script's own frozen layer drawn from another seed, loads it and its next 5
+    losses equal hybrid's within 2e-6."""
+    from hybrid.checkpoint.peers import deepspeed as ds
+    from tests.helpers.harness import run_ranks
+    from tests.helpers.launch import free_port
+    steps, save = 5, str(tmp_path / "hybrid")
+    losses = run_ranks(_trained_frozen, world_size=2, args=(save, steps))[0]
+    for stage in (2, 3):
+        out = str(tmp_path / f"ds{stage}")
+        ds.write(save, out, 2, stage)
+        got = str(tmp_path / f"losses{stage}.json")
+        torch.multiprocessing.spawn(_deepspeed_rank, nprocs=2,
+                                    args=(free_port(), out, stage, steps, got, True))
+        with open(got) as f:
+            theirs = json.load(f)
+        assert theirs["start"] == 10
         worst = max(abs(a - b) for a, b in zip(theirs["losses"], losses[10:]))
         assert len(theirs["losses"]) == steps and worst <= TOLERANCE, (stage, theirs, losses)
 

@@ -41,6 +41,8 @@ class PeerCheckpoint(Protocol):
             against these); may be empty.
         vocab_size: the tokenizer's vocabulary size the model was built for, or None.
         notes: one line per thing that does not come over.
+        frozen_shapes: the module's frozen parameters (no optimizer state; in no ZeRO
+            unit), name -> full shape; {} for a model that trains every parameter.
     """
 
     format: str
@@ -53,6 +55,7 @@ class PeerCheckpoint(Protocol):
     flags: dict
     vocab_size: int | None
     notes: list[str]
+    frozen_shapes: dict[str, list[int]]
 
     def configure(self, config: dict) -> None:
         """Take what the format leaves unrecorded from the run's flat flags ``config`` (a
@@ -63,6 +66,12 @@ class PeerCheckpoint(Protocol):
 
     def read(self, name: str) -> dict[str, torch.Tensor]:
         """``{column: full fp32 tensor of shapes[name]}`` for each of ``columns``."""
+        ...
+
+    def untrained(self) -> dict[str, torch.Tensor]:
+        """The frozen parameters of ``frozen_shapes`` and the module's persistent buffers,
+        whole, by name (what :mod:`hybrid.checkpoint.module_state` puts back); {} when
+        the checkpoint's model has neither."""
         ...
 
     def close(self) -> None:

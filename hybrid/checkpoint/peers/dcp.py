@@ -163,6 +163,7 @@ class DCPCheckpoint:
     full layout: :class:`hybrid.checkpoint.peers.base.PeerCheckpoint`."""
 
     format = FORMAT
+    frozen_shapes: dict[str, list[int]] = {}  # (a GPT: every parameter trains)
 
     def __init__(self, path: str):
         self.path = path
@@ -355,6 +356,9 @@ class DCPCheckpoint:
         return t
 
     # -- the contract --
+
+    def untrained(self) -> dict[str, torch.Tensor]:
+        return {}  # (a GPT: no frozen parameter, no persistent buffer)
 
     def configure(self, config: dict) -> None:
         """Take what the checkpoint does not record from the run's flat flags ``config``:

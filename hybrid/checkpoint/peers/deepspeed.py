@@ -128,10 +128,7 @@ class DeepSpeedCheckpoint:
         if not version.startswith("0."):
             raise CheckpointError(f"{self.model_file}: ds_version {version or 'missing'}: "
                                   f"hybrid reads checkpoints of DeepSpeed 0.x (tested: 0.19.8)")
-        if ms.get("frozen_param_shapes"):
-            raise CheckpointError(f"{self.model_file}: frozen parameters "
-                                  f"({', '.join(list(ms['frozen_param_shapes'])[:4])}): hybrid "
-                                  f"reads DeepSpeed checkpoints whose parameters all train")
+        self._model_states = ms  # (mapped: the module's frozen values and buffers, if asked)
         layers = glob.glob(os.path.join(glob.escape(tag_dir), "layer_*-model_states.pt"))
         if layers:
             raise CheckpointError(f"{sorted(layers)[0]}: a {FORMAT} pipeline (PipelineModule) "
@@ -154,7 +151,16 @@ class DeepSpeedCheckpoint:
         self.ds_shapes = {k: v for g in groups for k, v in g.items()}
 
     def _bind(self, ms: dict, names) -> None:
-        """The names hybrid reads the parameters by (the Note on whose names)."""
+        """The names hybrid reads the parameters by (the Note on whose names), and the
+        frozen parameters (``frozen_shapes``: only a module read by its own names has
+        any; the GPT routes refuse them by name)."""
+        self.frozen_shapes = self._frozen(ms)
+        if self.frozen_shapes and names != "module":
+            raise CheckpointError(f"{self.model_file}: frozen parameters "
+                                  f"({', '.join(list(self.frozen_shapes)[:4])}): hybrid's GPT "
+                                  f"trains every parameter; load it with engine.load_checkpoint "
+                                  f"on the module that froze them")
+        self._own_names = names == "module"
         self.notes.append("RNG state: DeepSpeed saves none; the run's generators start from "
                           "its seed")
         if names != "module":  # the --load route: hybrid's schedule, from the run's flags
@@ -291,6 +297,58 @@ class DeepSpeedCheckpoint:
             values = {k: convert(name, v) for k, v in values.items()}
         return values
 
+    def _frozen(self, ms: dict) -> dict[str, list[int]]:
+        """The module's frozen parameters (in no optimizer partition) by name: those of
+        ``frozen_param_shapes`` (ZeRO 2 and 3 record them), else the module's entries
+        that are neither a trained parameter, a tied one's second name, nor a buffer
+        (ZeRO 1 records none)."""
+        recorded = ms.get("frozen_param_shapes")
+        if recorded:
+            return {k: [int(d) for d in v] for k, v in recorded.items()}
+        module = ms.get("module") or {}
+        skip = (set(self.ds_shapes) | set(ms.get("shared_params") or {})
+                | set(ms.get("buffer_names") or ()))
+        return {k: list(t.shape) for k, t in module.items() if k not in skip}
+
+    def untrained(self) -> dict[str, torch.Tensor]:
+        """The module's frozen parameters and persistent buffers, whole, by name: from
+        the module's state dict in the model-state file, a frozen parameter of ZeRO 3
+        (partitioned like the rest) from every rank's ``frozen_param_fragments``; {} for
+        the GPT routes, whose model has neither."""
+        if not self._own_names:
+            return {}
+        ms, where = self._model_states, self.model_file
+        module = ms.get("module") or {}
+        buffers = [n for n in (ms.get("buffer_names") or ()) if n in module]
+        out = {n: module[n].detach().clone() for n in buffers}
+        fragments = self._fragments(ms) if self.frozen_shapes else {}
+        for name, shape in self.frozen_shapes.items():
+            t = fragments.get(name)
+            if t is None:
+                t = module.get(name)
+            if not isinstance(t, torch.Tensor) or t.numel() < math.prod(shape):
+                raise CheckpointError(f"{where}: no value of the frozen parameter {name} "
+                                      f"{shape} (frozen_param_fragments / module)")
+            out[name] = t.detach().reshape(-1)[:math.prod(shape)].clone().view(shape)
+        return out
+
+    def _fragments(self, ms: dict) -> dict[str, torch.Tensor]:
+        """The frozen parameters' ``frozen_param_fragments``: whole in the one model-state
+        file (ZeRO 1-2), one partition per rank's file at ZeRO 3 (concatenated in rank
+        order, the padding past the parameter's size left for the caller to cut)."""
+        models = _files(self.path, MODEL_FILE)
+        if len(models) == 1:
+            return dict(ms.get("frozen_param_fragments") or {})
+        parts: dict[str, list[torch.Tensor]] = {}
+        for key in sorted(models):
+            got = load_file(models[key]).get("frozen_param_fragments") or {}
+            for name in self.frozen_shapes:
+                if name not in got:
+                    raise CheckpointError(f"{models[key]}: no frozen_param_fragments of "
+                                          f"{name} (an incomplete or mixed save)")
+                parts.setdefault(name, []).append(got[name].reshape(-1))
+        return {n: torch.cat(p) for n, p in parts.items()}
+
     def configure(self, config: dict) -> None:
         pass  # (the checkpoint records every shape it needs)
 
@@ -408,6 +466,9 @@ class DeepSpeedZero0(DeepSpeedCheckpoint):
         self._groups = [{n: list(module[n].shape) for n in params}]
         self.ds_shapes = dict(self._groups[0])
         self._bind(ms, names)
+
+    def _frozen(self, ms: dict) -> dict[str, list[int]]:
+        return {}  # (a frozen parameter breaks the order above: refused there by name)
 
     @functools.cached_property
     def columns(self) -> tuple[str, ...]:

@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from hybrid.checkpoint import iter_full_params, resolve_checkpoint
+from hybrid.checkpoint import iter_full_params, module_state, resolve_checkpoint
 from hybrid.checkpoint.peers.deepspeed_files import (
     LATEST,
     STANDINS,
@@ -117,8 +117,13 @@ def write(checkpoint: str, out_dir: str, dp_size: int = 1, zero_stage: int = 2, 
         raise CheckpointError(f"--dp {dp_size}: at least 1")
     ckpt = resolve_checkpoint(checkpoint)
     meta, params = iter_full_params(ckpt, ("master",))
-    shapes = {n: list(s) for n, s in meta["model"].items()}
     params.close()
+    # a hybrid.deepspeed module's frozen parameters and buffers: in no unit, so not in
+    # the optimizer's partitions; DeepSpeed keeps them in its model-state files
+    untrained = module_state.read(ckpt, meta)
+    frozen = {n: untrained[n] for n in meta["model"] if n in untrained}
+    buffers = {n: t for n, t in untrained.items() if n not in frozen}
+    shapes = {n: list(s) for n, s in meta["model"].items() if n not in frozen}
     if meta.get("zero_layout", {}).get("columns") == ["master"]:
         raise CheckpointError(f"{ckpt}: saved without optimizer state (--no-save-optim): "
                               f"a DeepSpeed checkpoint to continue from needs its moments")
@@ -167,7 +172,7 @@ def write(checkpoint: str, out_dir: str, dp_size: int = 1, zero_stage: int = 2, 
     finally:
         spill.close()
     _write_model_states(tmp, ckpt, groups, names, convert, shared, record, dp_size,
-                        zero_stage, config)
+                        zero_stage, config, frozen, buffers)
     os.replace(tmp, final)
     if hf_config is not None:  # beside latest, where Hugging Face's Trainer keeps it
         with open(os.path.join(out_dir, "config.json"), "w") as f:
@@ -207,19 +212,46 @@ def _scatter_partitions(ckpt: str, spill: Spill, dp_size: int, parts: list[int],
     return flats
 
 
+def _frozen_fragments(frozen: dict[str, torch.Tensor], rank: int, dp_size: int,
+                      zero_stage: int) -> OrderedDict | None:
+    """DeepSpeed's ``frozen_param_fragments`` of one rank's model-state file: none at
+    stage 1 (DeepSpeed records frozen parameters from stage 2 on; the module holds
+    them), each whole at stage 2, at stage 3 the rank's partition of each (its share of
+    ``ceil(numel / dp)`` elements, zero-padded past the end) as ZeRO 3 splits it."""
+    if zero_stage == 1:
+        return None
+    out = OrderedDict()
+    for name, t in frozen.items():
+        if zero_stage == 2:
+            out[name] = t
+            continue
+        flat, part = t.reshape(-1), -(-t.numel() // dp_size)
+        piece = torch.zeros(part, dtype=t.dtype)
+        mine = flat[rank * part:(rank + 1) * part]
+        piece[:mine.numel()] = mine
+        out[name] = piece
+    return out
+
+
 def _write_model_states(tmp: str, ckpt: str, groups: list[OrderedDict], names: dict,
                         convert, shared: dict, record: dict, dp_size: int, zero_stage: int,
-                        config: dict) -> None:
+                        config: dict, frozen: dict[str, torch.Tensor],
+                        buffers: dict[str, torch.Tensor]) -> None:
     """The model-state file(s) into ``tmp``: DeepSpeed's engine record (``record``'s
     counters and schedule, ``param_shapes``, ``shared_params``) with the module -- at
     stage 3 one file per rank, the parameters as empty placeholders; else one file, the
-    module's weights the masters (fp32 training), read one parameter at a time."""
+    module's weights the masters (fp32 training), read one parameter at a time. A
+    module's ``frozen`` parameters and ``buffers`` (whole) go where DeepSpeed keeps
+    them: the buffers in the module (``buffer_names``), the frozen parameters in the
+    module at stages 1-2 and as ``frozen_param_shapes`` / ``frozen_param_fragments``
+    from stage 2 on (:func:`_frozen_fragments`)."""
     ds_shapes = {n: s for g in groups for n, s in g.items()}
-    model_state = {"buffer_names": [], "optimizer": None,
+    model_state = {"buffer_names": list(buffers), "optimizer": None,
                    "param_shapes": [OrderedDict((n, torch.Size(s)) for n, s in g.items())
                                     for g in groups],
-                   "frozen_param_shapes": OrderedDict(), "shared_params": dict(shared),
-                   "frozen_param_fragments": OrderedDict(),
+                   "frozen_param_shapes": (None if zero_stage == 1 else OrderedDict(
+                       (n, t.shape) for n, t in frozen.items())),
+                   "shared_params": dict(shared),
                    "lr_scheduler": record["lr_scheduler"], "data_sampler": None,
                    "random_ltd": None, "skipped_steps": 0,
                    "global_steps": record["global_steps"],
@@ -229,10 +261,12 @@ def _write_model_states(tmp: str, ckpt: str, groups: list[OrderedDict], names: d
                    "ds_config": config, "ds_version": VERSION}
     if zero_stage == 3:  # every rank's file, the module's parameters as empty placeholders
         for rank in range(dp_size):
-            module = OrderedDict((n, torch.empty(0)) for n in ds_shapes)
+            module = OrderedDict((n, torch.empty(0)) for n in [*ds_shapes, *frozen])
             for alias, of in shared.items():
                 module[alias] = module[of]
-            _save({"module": module, **model_state},
+            module.update(buffers)
+            _save({"module": module, **model_state, "frozen_param_fragments":
+                   _frozen_fragments(frozen, rank, dp_size, zero_stage)},
                   os.path.join(tmp, f"zero_pp_rank_{rank}_mp_rank_00_model_states.pt"))
     else:  # the whole module, its weights the masters (fp32 training), in mapped files
         spill = Spill(os.path.join(tmp, ".module"))
@@ -244,7 +278,10 @@ def _write_model_states(tmp: str, ckpt: str, groups: list[OrderedDict], names: d
                 module[names[name]] = spill.keep(convert(name, v) if convert is not None else v)
             for alias, of in shared.items():  # (the module's state dict names both)
                 module[alias] = module[of]
-            _save({"module": module, **model_state},
+            module.update(frozen)
+            module.update(buffers)
+            _save({"module": module, **model_state, "frozen_param_fragments":
+                   _frozen_fragments(frozen, 0, dp_size, zero_stage)},
                   os.path.join(tmp, "mp_rank_00_model_states.pt"))
         finally:
             spill.close()

@@ -25,6 +25,7 @@ import time
 
 import torch
 
+from hybrid.checkpoint import module_state
 from hybrid.checkpoint.files import complete_checkpoints, iter_name, read_metadata
 from hybrid.checkpoint.load import check_model
 from hybrid.checkpoint.ownership import IMPORTED, write_owner
@@ -53,11 +54,17 @@ def import_peer(peer: PeerCheckpoint, save_dir: str, config: dict,
     os.makedirs(save_dir, exist_ok=True)
     origin = {"format": peer.format, "path": os.path.abspath(peer.path),
               "iteration": peer.iteration, "not_carried": list(peer.notes)}
+    extra: dict = {"imported_from": origin}
+    files: dict[str, bytes] = {}
+    untrained = peer.untrained()  # (frozen parameters and buffers: a module's, whole)
+    if untrained:
+        files[module_state.FILE] = module_state.to_bytes(untrained)
+        extra["module_state_file"] = module_state.FILE
     out = write_single_rank_checkpoint(
         save_dir, dict(peer.shapes), peer.read, tuple(peer.columns), {**config, **peer.flags},
         peer.vocab_size if peer.vocab_size is not None else vocab_size,
         iteration=peer.iteration, consumed_samples=peer.consumed_samples, step=peer.step,
-        extra={"imported_from": origin}, beat=beat)
+        extra=extra, beat=beat, frozen_shapes=peer.frozen_shapes, files=files)
     log.info("imported %s checkpoint %s (iteration %d) as %s", peer.format, peer.path,
              peer.iteration, out)
     return out

@@ -66,6 +66,7 @@ class MegatronCheckpoint:
     """One ``torch_dist`` iteration opened for reading (:class:`~.base.PeerCheckpoint`)."""
 
     format = FORMAT
+    frozen_shapes: dict[str, list[int]] = {}  # (a GPT: every parameter trains)
 
     def __init__(self, iter_dir: str):
         self.path = iter_dir
@@ -195,6 +196,9 @@ class MegatronCheckpoint:
             for m in MOMENTS:
                 out[m] = get(f"optimizer.state.{m}.{key}")
         return out
+
+    def untrained(self) -> dict[str, torch.Tensor]:
+        return {}  # (a GPT: no frozen parameter, no persistent buffer)
 
     def configure(self, config: dict) -> None:
         pass  # (the checkpoint records every shape it needs)

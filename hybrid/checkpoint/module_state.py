@@ -1,0 +1,117 @@
+"""What a ``hybrid.initialize`` engine's checkpoint holds beside its ZeRO units: the
+module's frozen parameters and persistent buffers, by name, in one file.
+
+[Note: state outside the units]
+A ZeRO unit holds the parameters that train (their fp32 masters and moments); a frozen
+parameter (``requires_grad`` False: a pretrained part a script freezes before
+``initialize``) is in no unit and stays whole on every rank, and a persistent buffer
+(a BatchNorm's running statistics) is no parameter at all. Neither was written: a
+resumed run kept whatever its module held before the load, a silent difference from
+the run that saved (DeepSpeed's model-state file carries both). Rank 0 now writes them
+whole into ``module_state.pt`` beside metadata.json (one of its checksummed
+``extra_files``), and every rank puts them back by name after the units are loaded; a
+name or shape the module does not have is one CheckpointError naming the file. Every
+rank reads the file itself, as it reads metadata.json: the bytes are the frozen part's
+once per rank (DeepSpeed's ranks each read its whole module file too), and no
+collective is sized by them. A save made before this file existed loads as before,
+leaving the module's own values.
+
+A frozen parameter or buffer split over tensor parallelism (a ``tp_spec``) would be
+saved as rank 0's slice: the save refuses it by name rather than write a part.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+
+import torch
+
+from hybrid.checkpoint.integrity import Integrity
+from hybrid.checkpoint.reader import RangeReader
+from hybrid.errors import CheckpointError, ConfigError
+
+FILE = "module_state.pt"
+
+
+def _untrained(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The module's state-dict entries no optimizer trains, by state-dict name (a tied
+    parameter's every name counts as trained)."""
+    trained = {n for n, p in module.named_parameters(remove_duplicate=False)
+               if p.requires_grad}
+    return {n: t for n, t in module.state_dict(keep_vars=True).items() if n not in trained}
+
+
+def encode(module: torch.nn.Module, tp_size: int) -> bytes | None:
+    """The file's bytes: every frozen parameter and persistent buffer of ``module``,
+    whole, on the CPU (None when there is none). ConfigError naming one split over TP
+    (``tp_size`` > 1)."""
+    state = _untrained(module)
+    if not state:
+        return None
+    if tp_size > 1:
+        split = [n for n, t in state.items() if getattr(t, "tp_spec", None) is not None]
+        if split:
+            raise ConfigError(f"save_checkpoint: {split[0]} is frozen (or a buffer) and split "
+                              f"over tensor parallelism; hybrid saves the module's frozen "
+                              f"parameters and buffers whole from rank 0: let it train, or "
+                              f"keep it whole on every TP rank")
+    return to_bytes(state)
+
+
+def to_bytes(state: dict[str, torch.Tensor]) -> bytes:
+    """The file's bytes for ``state`` (name -> tensor, copied to the CPU): what
+    :func:`encode` writes, and what an import writes for a peer's module
+    (:func:`hybrid.checkpoint.peers.importing.import_peer`)."""
+    buf = io.BytesIO()
+    torch.save({n: t.detach().to("cpu", copy=True) for n, t in state.items()}, buf)
+    return buf.getvalue()
+
+
+def read(ckpt: str, meta: dict) -> dict[str, torch.Tensor]:
+    """The module-state file of checkpoint ``ckpt`` (``meta``: its metadata.json), checked
+    against its checksum and loaded safely (tensors on the CPU); {} for a save without
+    one. CheckpointError naming the file."""
+    path = file_in(ckpt, meta)
+    if path is None:
+        return {}
+    data = Integrity(ckpt, meta).read_file(path, RangeReader())
+    try:
+        saved = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+    except Exception as e:  # (any unpickling failure: a damaged file)
+        raise CheckpointError(f"{path}: does not load ({type(e).__name__}: {e})") from None
+    if not isinstance(saved, dict) or not all(isinstance(t, torch.Tensor)
+                                              for t in saved.values()):
+        raise CheckpointError(f"{path}: holds a {type(saved).__name__}, not the frozen "
+                              f"parameters and buffers by name")
+    return saved
+
+
+@torch.no_grad()
+def restore(module: torch.nn.Module, saved: dict[str, torch.Tensor], path: str) -> None:
+    """Copy ``saved`` (:func:`read` from ``path``) into ``module``'s frozen parameters and
+    buffers of the same names. CheckpointError naming ``path`` when the names or shapes
+    are not the module's."""
+    mine = _untrained(module)
+    if set(saved) != set(mine):
+        raise CheckpointError(
+            f"{path}: frozen parameters and buffers of another module: it has "
+            f"{sorted(set(saved) - set(mine))[:3]} this module lacks (or trains), lacks "
+            f"{sorted(set(mine) - set(saved))[:3]}")
+    for name, t in mine.items():
+        if tuple(saved[name].shape) != tuple(t.shape):
+            raise CheckpointError(f"{path}: {name} is {list(saved[name].shape)} there and "
+                                  f"{list(t.shape)} in this module")
+        t.copy_(saved[name])
+
+
+def file_in(ckpt: str, meta: dict) -> str | None:
+    """The module-state file of checkpoint ``ckpt`` (``meta``: its metadata.json), or None
+    for a save without one. CheckpointError when metadata names something else."""
+    name = meta.get("module_state_file")
+    if name is None:
+        return None
+    if name != FILE:
+        raise CheckpointError(f"{os.path.join(ckpt, 'metadata.json')}: module_state_file "
+                              f"{name!r} is not {FILE!r} (a damaged metadata.json)")
+    return os.path.join(ckpt, FILE)

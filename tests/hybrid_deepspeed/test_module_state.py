@@ -1,0 +1,102 @@
+"""A ``hybrid.initialize`` engine's frozen parameters and persistent buffers are saved
+and loaded (``module_state.pt``, :mod:`hybrid.checkpoint.module_state`): a resume from
+another start continues the saved run exactly, another module's state is one error
+naming the file. One process, ``ParallelState.single()``."""
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from hybrid import deepspeed
+from hybrid.checkpoint import module_state
+from hybrid.checkpoint.integrity import verify_checkpoint
+from hybrid.errors import CheckpointError, ConfigError
+from hybrid.parallel.state import ParallelState
+
+
+class Net(nn.Module):
+    """A frozen pretrained part, a BatchNorm (running statistics: buffers), a trained head."""
+
+    def __init__(self, norm: bool = True):
+        super().__init__()
+        self.base = nn.Linear(6, 8)
+        self.norm = nn.BatchNorm1d(8, affine=False) if norm else nn.Identity()
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, x):
+        return self.head(torch.tanh(self.norm(self.base(x))))
+
+
+def _engine(stage: int, seed: int, norm: bool = True):
+    torch.manual_seed(seed)  # another seed: another frozen part and head
+    net = Net(norm)
+    net.base.requires_grad_(False)
+    cfg = {"train_batch_size": 4, "optimizer": {"type": "Adam", "params": {"lr": 1e-2}},
+           "zero_optimization": {"stage": stage}}
+    params = [p for p in net.parameters() if p.requires_grad]
+    return deepspeed.initialize(model=net, model_parameters=params, config=cfg,
+                                mpu=ParallelState.single())[0]
+
+
+def _train(engine, steps) -> list[float]:
+    losses = []
+    for step in steps:
+        g = torch.Generator().manual_seed(step)
+        x, y = torch.randn(4, 6, generator=g), torch.randint(0, 3, (4,), generator=g)
+        loss = nn.functional.cross_entropy(engine(x), y)
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    return losses
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_frozen_parameters_and_buffers_come_back_and_the_run_continues_exactly(tmp_path,
+                                                                                stage):
+    """2 steps, save, 2 more; an engine built from another seed (another frozen layer,
+    fresh BatchNorm statistics) loads the save and its 2 steps are the saved run's, bit
+    for bit; its frozen weight and buffers are the saver's."""
+    engine = _engine(stage, 0)
+    _train(engine, range(2))
+    path = engine.save_checkpoint(str(tmp_path))
+    assert "module_state.pt" in os.listdir(path)
+    assert verify_checkpoint(path)["damaged"] == []
+    want = _train(engine, range(2, 4))
+    other = _engine(stage, 1)
+    assert not torch.equal(other.module.base.weight, engine.module.base.weight)
+    other.load_checkpoint(str(tmp_path))
+    saved = torch.load(os.path.join(path, "module_state.pt"), weights_only=True)
+    assert sorted(saved) == ["base.bias", "base.weight", "norm.num_batches_tracked",
+                             "norm.running_mean", "norm.running_var"]
+    assert int(saved["norm.num_batches_tracked"]) == 2
+    for name, t in saved.items():
+        assert torch.equal(other.module.state_dict()[name], t), name
+    assert _train(other, range(2, 4)) == want
+
+
+def test_another_module_s_buffers_and_a_damaged_file_are_one_error_naming_it(tmp_path):
+    path = _engine(1, 0).save_checkpoint(str(tmp_path))
+    file = os.path.join(path, "module_state.pt")
+    # the same parameters (the signature checked before), no BatchNorm statistics
+    with pytest.raises(CheckpointError, match=rf"^{file}: frozen parameters and buffers of "
+                                              r"another module: it has \['norm.num_batches"):
+        _engine(1, 0, norm=False).load_checkpoint(str(tmp_path))
+    data = bytearray(Path(file).read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    Path(file).write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match=rf"^{file}: bytes \[0, {len(data)}\) do not "
+                                              r"match their saved checksum"):
+        _engine(1, 0).load_checkpoint(str(tmp_path))
+
+
+def test_a_module_with_nothing_frozen_writes_no_file_and_a_split_frozen_one_is_refused():
+    assert module_state.encode(nn.Linear(2, 2), tp_size=1) is None
+    net = Net()
+    net.base.requires_grad_(False)
+    net.base.weight.tp_spec = object()  # (a TP-split parameter, as hybrid's layers mark one)
+    with pytest.raises(ConfigError, match=r"^save_checkpoint: base.weight is frozen"):
+        module_state.encode(net, tp_size=2)
+    assert module_state.encode(net, tp_size=1) is not None
