@@ -18,7 +18,9 @@ format (``global_step3_universal/``, ``latest_universal``).
 A tiny transformers ``GPT2LMHeadModel`` is trained the same way at ZeRO 2 on the batches
 ``scripts/pretrain_gpt.py`` reads with :data:`GPT_ARGS` (its config.json saved beside
 ``latest``, as Hugging Face's Trainer does): the ``--load`` route; and a tiny
-``LlamaForCausalLM`` (GQA, untied) the same way with :data:`LLAMA_ARGS`.
+``LlamaForCausalLM`` (GQA, untied) the same way with :data:`LLAMA_ARGS`. The
+GPT-2 is also recorded without ZeRO (``gpt2_zero0``: one model-state file, its tied
+embedding saved under both names).
 
 :class:`FrozenNet` (a frozen layer and a BatchNorm's buffers before :class:`Net`) is
 recorded at stages 2 and 3 (``frozen_zero2``, ``frozen_zero3``).
@@ -28,7 +30,7 @@ and this checkout's hybrid on the path for the data)::
 
     DS_ACCELERATOR=cpu OMP_NUM_THREADS=1 PYTHONPATH=. python \
         benchmarks/peers/record_deepspeed_checkpoint.py \
-        tests/fixtures/peers/deepspeed-0.19.8 [net] [gpt2] [llama] [frozen]
+        tests/fixtures/peers/deepspeed-0.19.8 [net] [gpt2] [llama] [frozen] [gpt2_zero0]
 """
 
 from __future__ import annotations
@@ -216,7 +218,7 @@ def gpt_batches(world: int, rank: int, args: list[str] = GPT_ARGS):
     return at
 
 
-def _hf_worker(rank: int, port: int, out_dir: str, family: str) -> None:
+def _hf_worker(rank: int, port: int, out_dir: str, family: str, stage: int = 2) -> None:
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(WORLD),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     import deepspeed
@@ -232,7 +234,7 @@ def _hf_worker(rank: int, port: int, out_dir: str, family: str) -> None:
           "optimizer": {"type": "AdamW", "params": {"lr": 0.003, "betas": [0.9, 0.999],
                                                     "eps": 1e-8, "weight_decay": 0.0,
                                                     "torch_adam": True}},
-          "zero_optimization": {"stage": GPT_STAGE}}
+          "zero_optimization": {"stage": stage}}
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
                                       config=ds)
     batch = gpt_batches(WORLD, rank, args)
@@ -250,7 +252,7 @@ def _hf_worker(rank: int, port: int, out_dir: str, family: str) -> None:
     if rank == 0:
         with open(os.path.join(out_dir, "losses.json"), "w") as f:
             json.dump({"deepspeed": deepspeed.__version__, "world_size": WORLD,
-                       "zero_stage": GPT_STAGE, "saved_at": SAVED_AT,
+                       "zero_stage": stage, "saved_at": SAVED_AT,
                        "pretrain_gpt_args": args, "before": losses[:SAVED_AT],
                        "after": losses[SAVED_AT:]}, f, indent=1)
     end_rank()
@@ -270,15 +272,17 @@ def _clean(out: str) -> None:
 
 def main(argv: list[str]) -> int:
     root = argv[0] if argv else "tests/fixtures/peers/deepspeed-0.19.8"
-    which = argv[1:] or ["net", "gpt2", "llama", "frozen"]
+    which = argv[1:] or ["net", "gpt2", "llama", "frozen", "gpt2_zero0"]
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    for family in ("gpt2", "llama"):
+    for family, stage in (("gpt2", GPT_STAGE), ("llama", GPT_STAGE), ("gpt2_zero0", 0)):
         if family not in which:
             continue
-        out = os.path.join(root, f"{family}_zero{GPT_STAGE}")
+        family = family.split("_")[0]
+        out = os.path.join(root, f"{family}_zero{stage}")
         shutil.rmtree(out, ignore_errors=True)
         os.makedirs(out)
-        torch.multiprocessing.spawn(_hf_worker, args=(_port(), out, family), nprocs=WORLD)
+        torch.multiprocessing.spawn(_hf_worker, args=(_port(), out, family, stage),
+                                    nprocs=WORLD)
         _clean(out)
         print(f"wrote {out}")
     for stage in STAGES if "net" in which else ():

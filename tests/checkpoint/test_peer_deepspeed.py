@@ -586,34 +586,32 @@ def test_deepspeed_continues_a_frozen_module_s_export(tmp_path):
         assert len(theirs["losses"]) == steps and worst <= TOLERANCE, (stage, theirs, losses)
 
 
-@pytest.mark.parametrize("family", ["gpt2", "llama"])
-def test_pretrain_gpt_continues_a_deepspeed_hugging_face_run(tmp_path, family):
-    """The script route: DeepSpeed trained a transformers GPT2LMHeadModel, or a
-    LlamaForCausalLM (GQA, untied), at ZeRO 2 on 2 ranks, its config.json beside
+@pytest.mark.parametrize("fixture,layout", [
+    ("gpt2_zero2", ["--zero-stage", "2"]), ("gpt2_zero0", ["--tensor-model-parallel-size", "2"]),
+    ("llama_zero2", ["--tensor-model-parallel-size", "2"])])
+def test_pretrain_gpt_continues_a_deepspeed_hugging_face_run(tmp_path, fixture, layout):
+    """The script route: DeepSpeed trained a transformers GPT2LMHeadModel (at ZeRO 2, and
+    without ZeRO: one model-state file naming the tied embedding twice), or a
+    LlamaForCausalLM (GQA, untied) at ZeRO 2, on 2 ranks, its config.json beside
     ``latest`` as Hugging Face's Trainer leaves it, on the batches ``pretrain_gpt.py``
     reads; ``pretrain_gpt.py --load DS_DIR --save NEW`` imports it through the family's
     name table (the Llama's q, k, v and gate, up fused with their moments) and continues
-    with DeepSpeed's next 10 losses: at DeepSpeed's layout (DP 2, ZeRO 2; GPT-2) and at
-    TP 2 (both)."""
+    with DeepSpeed's next 10 losses: at DeepSpeed's layout (DP 2, ZeRO 2) or at TP 2."""
     from tests.helpers.launch import pretrain, read_json_log
     rec = _recorder()
-    fixture = f"{family}_zero2"
     d = _copy(fixture, tmp_path)
     want = _after(fixture)
-    args = rec.GPT_ARGS if family == "gpt2" else rec.LLAMA_ARGS
-    layouts = (("dp2", ["--zero-stage", "2"]),) if family == "gpt2" else ()
-    for name, layout in (*layouts, ("tp2", ["--tensor-model-parallel-size", "2"])):
-        log = str(tmp_path / f"{name}.json")
-        r = pretrain(2, [*args, *layout, "--load", d, "--save",
-                         str(tmp_path / name), "--log-json", log])
-        assert r.returncode == 0, r.stderr[-3000:]
-        lines = read_json_log(log)
-        assert [m["iteration"] for m in lines] == list(range(4, 14))
-        assert _worst([m["loss"] for m in lines], want) <= TOLERANCE, (name, lines, want)
-    meta, params = iter_full_params(str(tmp_path / "tp2" / "iter_0000003"), ("master",))
+    args = rec.GPT_ARGS if fixture.startswith("gpt2") else rec.LLAMA_ARGS
+    log, save = str(tmp_path / "log.json"), tmp_path / "save"
+    r = pretrain(2, [*args, *layout, "--load", d, "--save", str(save), "--log-json", log])
+    assert r.returncode == 0, r.stderr[-3000:]
+    lines = read_json_log(log)
+    assert [m["iteration"] for m in lines] == list(range(4, 14))
+    assert _worst([m["loss"] for m in lines], want) <= TOLERANCE, (fixture, lines, want)
+    meta, params = iter_full_params(str(save / "iter_0000003"), ("master",))
     params.close()
-    assert meta["imported_from"]["format"] == "DeepSpeed ZeRO 2"
-    heads = 2 if family == "gpt2" else 4
+    assert meta["imported_from"]["format"] == f"DeepSpeed ZeRO {fixture[-1]}"
+    heads = 2 if fixture.startswith("gpt2") else 4
     assert meta["config"]["num_attention_heads"] == heads and meta["vocab_size"] == 100
 
 
