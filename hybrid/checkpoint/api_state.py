@@ -417,16 +417,8 @@ def _check_peer_model(peer, engine) -> None:
     from hybrid.checkpoint.save import model_signature
     mine, theirs = model_signature(engine.zero.model), {**peer.shapes, **peer.frozen_shapes}
     where = getattr(peer, "model_file", peer.path)
-    if set(mine) != set(theirs):
-        raise CheckpointError(
-            f"{where}: a checkpoint of another model: it has "
-            f"{sorted(set(theirs) - set(mine))[:3]} this engine's module lacks, lacks "
-            f"{sorted(set(mine) - set(theirs))[:3]}")
-    for name, shape in mine.items():
-        if list(theirs[name]) != list(shape):
-            raise CheckpointError(f"{where}: a checkpoint of another model: {name} is "
-                                  f"{list(theirs[name])} there and {list(shape)} in this "
-                                  f"engine's module")
+    module_state.same_shapes(f"{where}: a checkpoint of another model", theirs, mine,
+                             "this engine's module")
 
 
 def _load_client_state(ps, ckpt: str, meta: dict) -> dict:

@@ -93,16 +93,24 @@ def restore(module: torch.nn.Module, saved: dict[str, torch.Tensor], path: str) 
     buffers of the same names. CheckpointError naming ``path`` when the names or shapes
     are not the module's."""
     mine = _untrained(module)
-    if set(saved) != set(mine):
-        raise CheckpointError(
-            f"{path}: frozen parameters and buffers of another module: it has "
-            f"{sorted(set(saved) - set(mine))[:3]} this module lacks (or trains), lacks "
-            f"{sorted(set(mine) - set(saved))[:3]}")
+    same_shapes(f"{path}: frozen parameters and buffers of another module",
+                {n: list(t.shape) for n, t in saved.items()},
+                {n: list(t.shape) for n, t in mine.items()}, "this module")
     for name, t in mine.items():
-        if tuple(saved[name].shape) != tuple(t.shape):
-            raise CheckpointError(f"{path}: {name} is {list(saved[name].shape)} there and "
-                                  f"{list(t.shape)} in this module")
         t.copy_(saved[name])
+
+
+def same_shapes(what: str, theirs: dict[str, list[int]], mine: dict[str, list[int]],
+                owner: str) -> None:
+    """CheckpointError ``what`` and the first names one side has and the other lacks, or
+    the first name whose shape differs (``owner``: who "mine" are, in the message)."""
+    if set(theirs) != set(mine):
+        raise CheckpointError(f"{what}: it has {sorted(set(theirs) - set(mine))[:3]} "
+                              f"{owner} lacks, lacks {sorted(set(mine) - set(theirs))[:3]}")
+    for name, shape in mine.items():
+        if list(theirs[name]) != list(shape):
+            raise CheckpointError(f"{what}: {name} is {list(theirs[name])} there and "
+                                  f"{list(shape)} in {owner}")
 
 
 def file_in(ckpt: str, meta: dict) -> str | None:
