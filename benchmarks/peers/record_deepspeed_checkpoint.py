@@ -23,14 +23,17 @@ GPT-2 is also recorded without ZeRO (``gpt2_zero0``: one model-state file, its t
 embedding saved under both names).
 
 :class:`FrozenNet` (a frozen layer and a BatchNorm's buffers before :class:`Net`) is
-recorded at stages 2 and 3 (``frozen_zero2``, ``frozen_zero3``).
+recorded at stages 2 and 3 (``frozen_zero2``, ``frozen_zero3``), and at stage 2 saved with
+``exclude_frozen_parameters=True`` (``frozen_zero2_excluded``: what Hugging Face's Trainer
+saves for a PEFT model).
 
 Regenerate (two to three minutes on 2 cores; needs DeepSpeed 0.19.8 and transformers,
 and this checkout's hybrid on the path for the data)::
 
     DS_ACCELERATOR=cpu OMP_NUM_THREADS=1 PYTHONPATH=. python \
         benchmarks/peers/record_deepspeed_checkpoint.py \
-        tests/fixtures/peers/deepspeed-0.19.8 [net] [gpt2] [llama] [frozen] [gpt2_zero0]
+        tests/fixtures/peers/deepspeed-0.19.8 [net] [gpt2] [llama] [frozen] [gpt2_zero0] \
+        [frozen_excluded]
 """
 
 from __future__ import annotations
@@ -129,7 +132,8 @@ def loss_of(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return nn.functional.cross_entropy(out, y)
 
 
-def _worker(rank: int, port: int, out_dir: str, stage: int, frozen: bool = False) -> None:
+def _worker(rank: int, port: int, out_dir: str, stage: int, frozen: bool = False,
+            exclude: bool = False) -> None:
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(WORLD),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     import deepspeed
@@ -143,7 +147,8 @@ def _worker(rank: int, port: int, out_dir: str, stage: int, frozen: bool = False
     losses = []
     for step in range(SAVED_AT + CONTINUED):
         if step == SAVED_AT:  # (the info ds_to_universal asks of a client: none needed)
-            engine.save_checkpoint(out_dir, client_state={"universal_checkpoint_info": {}})
+            engine.save_checkpoint(out_dir, client_state={"universal_checkpoint_info": {}},
+                                   exclude_frozen_parameters=exclude)
         x, y = batch(step)
         loss = loss_of(engine(x[rank * per:(rank + 1) * per]), y[rank * per:(rank + 1) * per])
         losses.append(step_mean(engine, loss, WORLD))
@@ -153,6 +158,7 @@ def _worker(rank: int, port: int, out_dir: str, stage: int, frozen: bool = False
                   "after": losses[SAVED_AT:]}
         if frozen:  # (the frozen weight never moves; the statistics are rank 0's)
             record["model"] = "FrozenNet"
+            record["exclude_frozen_parameters"] = exclude
         with open(os.path.join(out_dir, "losses.json"), "w") as f:
             json.dump(record, f, indent=1)
     end_rank()
@@ -272,7 +278,7 @@ def _clean(out: str) -> None:
 
 def main(argv: list[str]) -> int:
     root = argv[0] if argv else "tests/fixtures/peers/deepspeed-0.19.8"
-    which = argv[1:] or ["net", "gpt2", "llama", "frozen", "gpt2_zero0"]
+    which = argv[1:] or ["net", "gpt2", "llama", "frozen", "gpt2_zero0", "frozen_excluded"]
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     for family, stage in (("gpt2", GPT_STAGE), ("llama", GPT_STAGE), ("gpt2_zero0", 0)):
         if family not in which:
@@ -299,11 +305,13 @@ def main(argv: list[str]) -> int:
                             "--num_extract_workers", "1", "--num_merge_workers", "1"],
                            check=True, stdout=subprocess.DEVNULL)
         print(f"wrote {out}")
-    for stage in FROZEN_STAGES if "frozen" in which else ():
-        out = os.path.join(root, f"frozen_zero{stage}")
+    frozen = [(s, False) for s in FROZEN_STAGES] if "frozen" in which else []
+    for stage, exclude in frozen + ([(2, True)] if "frozen_excluded" in which else []):
+        out = os.path.join(root, f"frozen_zero{stage}" + ("_excluded" if exclude else ""))
         shutil.rmtree(out, ignore_errors=True)
         os.makedirs(out)
-        torch.multiprocessing.spawn(_worker, args=(_port(), out, stage, True), nprocs=WORLD)
+        torch.multiprocessing.spawn(_worker, args=(_port(), out, stage, True, exclude),
+                                    nprocs=WORLD)
         _clean(out)
         print(f"wrote {out}")
     return 0

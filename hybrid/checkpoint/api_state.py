@@ -52,7 +52,7 @@ from hybrid.checkpoint.integrity import Integrity
 from hybrid.checkpoint.load import load_checkpoint
 from hybrid.checkpoint.ownership import API, RunIdentity, SaveDirClaim, module_shape
 from hybrid.checkpoint.reader import RangeReader
-from hybrid.checkpoint.save import finish_save, prepare_save
+from hybrid.checkpoint.save import finish_save, model_signature, prepare_save
 from hybrid.errors import CheckpointError, ConfigError
 from hybrid.parallel.agree import agree_error
 
@@ -168,14 +168,14 @@ def _encoded_client_state(ps, client_state: dict) -> bytes | None:
     return data
 
 
-def _encoded_module_state(engine) -> bytes | None:
+def _encoded_module_state(engine, exclude_frozen: bool) -> bytes | None:
     """Rank 0's module-state file (:mod:`hybrid.checkpoint.module_state`), None on other
     ranks or when the module has no frozen parameter or buffer; a refusal is raised on
     every rank. Collective over the world."""
     data, error = None, None
     if engine.ps.rank == 0:
         try:
-            data = module_state.encode(engine.module, engine.ps.tp_size)
+            data = module_state.encode(engine.module, engine.ps.tp_size, exclude_frozen)
         except ConfigError as e:
             error = str(e)
     error = agree_error(engine.ps, error)
@@ -229,7 +229,8 @@ class SaveClaims:
 
 
 def save_engine(engine, save_dir: str, tag, client_state: dict, save_latest: bool = True,
-                overwrite: bool = False, saver: AsyncSaver | None = None) -> str:
+                overwrite: bool = False, saver: AsyncSaver | None = None,
+                exclude_frozen: bool = False) -> str:
     """Collective over the world: write the engine's checkpoint (the module note) with
     rank 0's ``client_state`` (:func:`hybrid.checkpoint.client_state.encode`: any value
     the safe loader takes back, else a ValueError naming it before anything is
@@ -241,7 +242,7 @@ def save_engine(engine, save_dir: str, tag, client_state: dict, save_latest: boo
     if saver is not None:
         saver.wait()  # (at most one in flight: the one before is published first)
     data = _encoded_client_state(engine.ps, client_state)
-    frozen = _encoded_module_state(engine)
+    frozen = _encoded_module_state(engine, exclude_frozen)
     # (a script may name the directory by the clock on each rank, as DeepSpeedExamples'
     # HelloDeepSpeed does: the ranks of one checkpoint write into rank 0's)
     agreed = _agreed_tag(engine.ps, save_dir, "save_checkpoint", "save_dir")
@@ -257,6 +258,8 @@ def save_engine(engine, save_dir: str, tag, client_state: dict, save_latest: boo
     # those still.)
     extra = {"client_state_file": client.FILE,
              "module_state_file": module_state.FILE if frozen else None,
+             "module_state_excludes_frozen": exclude_frozen,
+             "frozen_parameters": module_state.frozen_names(engine.module),
              "lr_scheduler": (None if engine.lr_scheduler is None
                               else _json_safe(engine.lr_scheduler.state_dict())),
              "optimizer_groups": _group_settings(engine.optimizer.param_groups),
@@ -387,6 +390,9 @@ def _import_peer(engine, load_dir: str, tag: str | None) -> tuple[str, int | Non
             return open_peer(path, found, step)
         from hybrid.checkpoint.peers import deepspeed
         peer = deepspeed.open(path, step, names="module")  # the module it trained is ours
+        sig = model_signature(engine.zero.model)
+        peer.take_excluded({n: sig[n] for n in module_state.frozen_names(engine.module)
+                            if n in sig})
         _check_peer_model(peer, engine)  # before anything is written
         return peer
     got = import_for_load(src, os.path.join(load_dir, PEER_IMPORT), engine.ps,
@@ -414,7 +420,6 @@ def _import_peer(engine, load_dir: str, tag: str | None) -> tuple[str, int | Non
 def _check_peer_model(peer, engine) -> None:
     """CheckpointError naming the peer's file when its parameters are not the engine
     module's (names and full shapes)."""
-    from hybrid.checkpoint.save import model_signature
     mine, theirs = model_signature(engine.zero.model), {**peer.shapes, **peer.frozen_shapes}
     where = getattr(peer, "model_file", peer.path)
     module_state.same_shapes(f"{where}: a checkpoint of another model", theirs, mine,
@@ -458,7 +463,8 @@ def _load_module_state(engine, ckpt: str, meta: dict) -> None:
     try:
         saved = module_state.read(ckpt, meta)
         if saved:
-            module_state.restore(engine.module, saved, os.path.join(ckpt, module_state.FILE))
+            module_state.restore(engine.module, saved, os.path.join(ckpt, module_state.FILE),
+                                 bool(meta.get("module_state_excludes_frozen")))
     except CheckpointError as e:
         error = str(e)
     error = agree_error(engine.ps, error)

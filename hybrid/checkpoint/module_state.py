@@ -16,6 +16,11 @@ once per rank (DeepSpeed's ranks each read its whole module file too), and no
 collective is sized by them. A save made before this file existed loads as before,
 leaving the module's own values.
 
+``save_checkpoint(exclude_frozen_parameters=True)`` (DeepSpeed's flag, which Hugging
+Face's Trainer passes for a PEFT model) writes the buffers only: the frozen parameters
+are the script's to rebuild (a pretrained base loaded again), and the checkpoint says
+so (metadata ``module_state_excludes_frozen``), so its load keeps the module's own.
+
 A frozen parameter or buffer split over tensor parallelism (a ``tp_spec``) would be
 saved as rank 0's slice: the save refuses it by name rather than write a part.
 """
@@ -34,19 +39,26 @@ from hybrid.errors import CheckpointError, ConfigError
 FILE = "module_state.pt"
 
 
-def _untrained(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+def _untrained(module: torch.nn.Module, frozen: bool = True) -> dict[str, torch.Tensor]:
     """The module's state-dict entries no optimizer trains, by state-dict name (a tied
-    parameter's every name counts as trained)."""
-    trained = {n for n, p in module.named_parameters(remove_duplicate=False)
-               if p.requires_grad}
-    return {n: t for n, t in module.state_dict(keep_vars=True).items() if n not in trained}
+    parameter's every name counts as trained); ``frozen`` False: the buffers only."""
+    params = dict(module.named_parameters(remove_duplicate=False))
+    return {n: t for n, t in module.state_dict(keep_vars=True).items()
+            if not (n in params and (params[n].requires_grad or not frozen))}
 
 
-def encode(module: torch.nn.Module, tp_size: int) -> bytes | None:
-    """The file's bytes: every frozen parameter and persistent buffer of ``module``,
-    whole, on the CPU (None when there is none). ConfigError naming one split over TP
-    (``tp_size`` > 1)."""
-    state = _untrained(module)
+def frozen_names(module: torch.nn.Module) -> list[str]:
+    """The module's frozen parameters' names (``requires_grad`` False)."""
+    return [n for n, p in module.named_parameters(remove_duplicate=False)
+            if not p.requires_grad]
+
+
+def encode(module: torch.nn.Module, tp_size: int, exclude_frozen: bool = False
+           ) -> bytes | None:
+    """The file's bytes: every frozen parameter (none with ``exclude_frozen``) and
+    persistent buffer of ``module``, whole, on the CPU (None when there is none).
+    ConfigError naming one split over TP (``tp_size`` > 1)."""
+    state = _untrained(module, frozen=not exclude_frozen)
     if not state:
         return None
     if tp_size > 1:
@@ -88,11 +100,13 @@ def read(ckpt: str, meta: dict) -> dict[str, torch.Tensor]:
 
 
 @torch.no_grad()
-def restore(module: torch.nn.Module, saved: dict[str, torch.Tensor], path: str) -> None:
+def restore(module: torch.nn.Module, saved: dict[str, torch.Tensor], path: str,
+            excludes_frozen: bool = False) -> None:
     """Copy ``saved`` (:func:`read` from ``path``) into ``module``'s frozen parameters and
-    buffers of the same names. CheckpointError naming ``path`` when the names or shapes
-    are not the module's."""
-    mine = _untrained(module)
+    buffers of the same names (its buffers only when the save ``excludes_frozen``: the
+    module keeps its own frozen values). CheckpointError naming ``path`` when the names
+    or shapes are not the module's."""
+    mine = _untrained(module, frozen=not excludes_frozen)
     same_shapes(f"{path}: frozen parameters and buffers of another module",
                 {n: list(t.shape) for n, t in saved.items()},
                 {n: list(t.shape) for n, t in mine.items()}, "this module")

@@ -396,13 +396,13 @@ class Engine:
         directory written. With ``checkpoint.writer.decoupled`` (DeepSpeed's decoupled
         writer; hybrid's ``--async-save``) the files are written on a thread: the
         directory appears, with ``latest`` naming it, at a later ``step()`` once every
-        rank has written, at the next save or load, or at :meth:`close`."""
+        rank has written, at the next save or load, or at :meth:`close`. The module's
+        frozen parameters and buffers are saved too (``module_state.pt``); with
+        ``exclude_frozen_parameters`` the buffers only, and a load keeps the module's
+        own frozen values."""
         from hybrid.checkpoint.api_state import save_engine
-        if exclude_frozen_parameters:
-            raise ConfigError("save_checkpoint(exclude_frozen_parameters=True): hybrid "
-                              "saves every parameter; pass False")
         return save_engine(self, save_dir, tag, dict(client_state or {}), save_latest,
-                           overwrite, self.saver)
+                           overwrite, self.saver, exclude_frozen_parameters)
 
     def load_checkpoint(self, load_dir: str, tag: str | None = None,
                         load_module_strict: bool = True, load_optimizer_states: bool = True,

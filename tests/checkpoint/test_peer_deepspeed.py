@@ -187,6 +187,65 @@ def test_frozen_parameters_and_buffers_come_over_and_the_run_continues(tmp_path)
         assert out[1][0][1].keys() == got.keys()  # (every rank took them)
 
 
+def _continue_excluded(ps, load_dir: str) -> tuple[list[float], bool]:
+    """A PEFT-style script: the frozen base rebuilt as the script builds it (the recorder's
+    seed), the trained head scaled so that the load must replace it; load DeepSpeed's
+    save made with ``exclude_frozen_parameters``, train 10 steps: (the losses, whether
+    the frozen base is the script's own still)."""
+    from hybrid import deepspeed
+    rec = _recorder()
+    torch.manual_seed(0)
+    net = rec.FrozenNet()
+    base = net.base.weight.detach().clone()
+    with torch.no_grad():
+        for p in net.head.parameters():
+            p.mul_(3)
+    engine, *_ = deepspeed.initialize(
+        model=net, model_parameters=[p for p in net.parameters() if p.requires_grad],
+        config=rec.config(2), mpu=ps)
+    engine.load_checkpoint(load_dir)
+    per, rank = rec.GLOBAL_BATCH // 2, ps.dp_rank
+    losses = []
+    for step in range(rec.SAVED_AT, rec.SAVED_AT + rec.CONTINUED):
+        x, y = rec.batch(step)
+        loss = rec.loss_of(engine(x[rank * per:(rank + 1) * per]), y[rank * per:(rank + 1) * per])
+        engine.backward(loss)
+        engine.step()
+        mean = loss.detach().clone().reshape(1)
+        ps.world_group.all_reduce(mean)
+        losses.append(float(mean) / 2)
+    engine.close()
+    return losses, torch.equal(net.base.weight, base)
+
+
+def test_a_save_without_its_frozen_parameters_continues_on_the_module_s_own(tmp_path):
+    """DeepSpeed's ``save_checkpoint(exclude_frozen_parameters=True)`` (what Hugging Face's
+    Trainer saves for a PEFT model: no frozen values, no frozen shapes): a script whose
+    module freezes those parameters loads it, keeps its own frozen base (one line says
+    so), takes the rest and the buffers, and continues DeepSpeed's 10 losses within 2e-6
+    at DP 2; the same save into a module that freezes nothing is another model's."""
+    from hybrid import deepspeed
+    from hybrid.parallel.state import ParallelState
+    from tests.helpers.harness import run_ranks
+    d = _copy("frozen_zero2_excluded", tmp_path)
+    losses, kept = run_ranks(_continue_excluded, world_size=2, args=(d,))[0]
+    assert kept
+    want = _after("frozen_zero2_excluded")
+    assert _worst(losses, want) <= TOLERANCE, (losses, want)
+    meta = json.loads((tmp_path / "frozen_zero2_excluded" / "hybrid_import" / "iter_0000003" /
+                       "metadata.json").read_text())
+    assert meta["module_state_excludes_frozen"] and meta["frozen_parameters"] == [
+        "base.weight", "base.bias"]
+    rec = _recorder()
+    net = rec.FrozenNet()
+    net.base.requires_grad_(True)  # (trains everything: the base is missing from the save)
+    engine = deepspeed.initialize(model=net, model_parameters=net.parameters(),
+                                  config=rec.config(2), mpu=ParallelState.single())[0]
+    with pytest.raises(CheckpointError, match=r"a checkpoint of another model: it has \[\] "
+                                              r"this engine's module lacks, lacks \['base"):
+        engine.load_checkpoint(_copy("frozen_zero2_excluded", tmp_path / "b"))
+
+
 def _deepspeed_full_values(tag_dir: str) -> dict[str, dict[str, torch.Tensor]]:
     """Each parameter's master and moments, gathered from DeepSpeed's optimizer files as
     zero_to_fp32 documents the layout (each rank's flat partition end to end at stages
@@ -559,6 +618,44 @@ def _trained_frozen(ps, save: str, steps: int) -> list[float]:
         losses.append(float(mean) / 2)
     engine.close()
     return losses
+
+
+@pytest.mark.parametrize("exclude", [False, True])
+def test_a_frozen_module_s_export_reads_back(tmp_path, exclude):
+    """A hybrid.deepspeed FrozenNet's checkpoint exported at DP 2, ZeRO 2 and 3, read back
+    by hybrid's DeepSpeed reader: the frozen layer (whole at ZeRO 2, from both ranks'
+    fragments at ZeRO 3) and the buffers are the saved ones; saved with
+    ``exclude_frozen_parameters``, the export leaves the frozen layer out as DeepSpeed's
+    own such save does (only the buffers go)."""
+    from hybrid import deepspeed as hds
+    from hybrid.checkpoint.peers import deepspeed as ds
+    from hybrid.parallel.state import ParallelState
+    rec = _recorder()
+    torch.manual_seed(0)
+    net = rec.FrozenNet()
+    engine, *_ = hds.initialize(model=net,
+                                model_parameters=[p for p in net.parameters() if p.requires_grad],
+                                config=rec.config(2), mpu=ParallelState.single())
+    x, y = rec.batch(0)
+    engine.backward(rec.loss_of(engine(x), y))
+    engine.step()
+    saved = engine.save_checkpoint(str(tmp_path / "hybrid"), exclude_frozen_parameters=exclude)
+    want = {k: v.clone() for k, v in net.state_dict().items() if not k.startswith("head.")}
+    if exclude:
+        want = {k: v for k, v in want.items() if k.startswith("norm.")}
+    engine.close()
+    for stage in (2, 3):
+        out = str(tmp_path / f"ds{stage}")
+        ds.write(saved, out, 2, stage)
+        back = ds.open(out, names="module")
+        assert back.frozen_shapes == ({} if exclude else {"base.weight": [7, 7], "base.bias": [7]})
+        assert sorted(back.shapes) == sorted(n for n, p in net.named_parameters()
+                                             if p.requires_grad)
+        got = back.untrained()
+        assert sorted(got) == sorted(want), (stage, sorted(got))
+        for k, v in want.items():
+            assert torch.equal(got[k], v), (stage, k)
+        back.close()
 
 
 @pytest.mark.peer("deepspeed")

@@ -77,6 +77,31 @@ def test_frozen_parameters_and_buffers_come_back_and_the_run_continues_exactly(t
     assert _train(other, range(2, 4)) == want
 
 
+def test_exclude_frozen_parameters_saves_the_buffers_and_the_load_keeps_the_module_s_own(
+        tmp_path):
+    """DeepSpeed's ``exclude_frozen_parameters=True`` (Hugging Face's Trainer passes it for
+    a PEFT model): the file holds the buffers only; a script that rebuilds the same
+    frozen part (its pretrained base) continues the saved run bit for bit, and one with
+    another frozen part keeps it (the checkpoint does not claim to have it)."""
+    engine = _engine(3, 0)
+    _train(engine, range(2))
+    path = engine.save_checkpoint(str(tmp_path), exclude_frozen_parameters=True)
+    want = _train(engine, range(2, 4))
+    saved = torch.load(os.path.join(path, "module_state.pt"), weights_only=True)
+    assert sorted(saved) == ["norm.num_batches_tracked", "norm.running_mean",
+                             "norm.running_var"]
+    same = _engine(3, 0)  # the same frozen base, fresh statistics
+    with torch.no_grad():
+        same.module.head.weight.mul_(3)  # (the load must replace what trains)
+    same.load_checkpoint(str(tmp_path))
+    assert torch.equal(same.module.norm.running_mean, saved["norm.running_mean"])
+    assert _train(same, range(2, 4)) == want
+    other = _engine(3, 1)
+    base = other.module.base.weight.detach().clone()
+    other.load_checkpoint(str(tmp_path))
+    assert torch.equal(other.module.base.weight, base)
+
+
 def test_another_module_s_buffers_and_a_damaged_file_are_one_error_naming_it(tmp_path):
     path = _engine(1, 0).save_checkpoint(str(tmp_path))
     file = os.path.join(path, "module_state.pt")

@@ -43,6 +43,8 @@ class PeerCheckpoint(Protocol):
         notes: one line per thing that does not come over.
         frozen_shapes: the module's frozen parameters (no optimizer state; in no ZeRO
             unit), name -> full shape; {} for a model that trains every parameter.
+        excludes_frozen: the save left the frozen parameters' values out (DeepSpeed's
+            ``exclude_frozen_parameters``): the loading module keeps its own.
     """
 
     format: str
@@ -56,6 +58,7 @@ class PeerCheckpoint(Protocol):
     vocab_size: int | None
     notes: list[str]
     frozen_shapes: dict[str, list[int]]
+    excludes_frozen: bool
 
     def configure(self, config: dict) -> None:
         """Take what the format leaves unrecorded from the run's flat flags ``config`` (a

@@ -164,6 +164,7 @@ class DCPCheckpoint:
 
     format = FORMAT
     frozen_shapes: dict[str, list[int]] = {}  # (a GPT: every parameter trains)
+    excludes_frozen = False
 
     def __init__(self, path: str):
         self.path = path

@@ -155,6 +155,7 @@ class DeepSpeedCheckpoint:
         frozen parameters (``frozen_shapes``: only a module read by its own names has
         any; the GPT routes refuse them by name)."""
         self.frozen_shapes = self._frozen(ms)
+        self.excludes_frozen = False  # (a module that froze more says so: take_excluded)
         if self.frozen_shapes and names != "module":
             raise CheckpointError(f"{self.model_file}: frozen parameters "
                                   f"({', '.join(list(self.frozen_shapes)[:4])}): hybrid's GPT "
@@ -310,6 +311,20 @@ class DeepSpeedCheckpoint:
                 | set(ms.get("buffer_names") or ()))
         return {k: list(t.shape) for k, t in module.items() if k not in skip}
 
+    def take_excluded(self, frozen: dict[str, list[int]]) -> None:
+        """The loading module's frozen parameters ``frozen`` (name -> shape) that this
+        checkpoint lacks: a save with ``exclude_frozen_parameters`` (which records none
+        of them), so the module keeps its own values; a checkpoint that recorded frozen
+        parameters and lacks these is another model's, left to the names' check."""
+        missing = {n: s for n, s in frozen.items()
+                   if n not in self.shapes and n not in self.frozen_shapes}
+        if missing and not self.frozen_shapes:
+            self.frozen_shapes = dict(missing)
+            self.excludes_frozen = True
+            self.notes.append(f"frozen parameters: saved without them "
+                              f"(exclude_frozen_parameters); the module keeps its own "
+                              f"{', '.join(list(missing)[:4])}")
+
     def untrained(self) -> dict[str, torch.Tensor]:
         """The module's frozen parameters and persistent buffers, whole, by name: from
         the module's state dict in the model-state file, a frozen parameter of ZeRO 3
@@ -321,6 +336,8 @@ class DeepSpeedCheckpoint:
         module = ms.get("module") or {}
         buffers = [n for n in (ms.get("buffer_names") or ()) if n in module]
         out = {n: module[n].detach().clone() for n in buffers}
+        if self.excludes_frozen:
+            return out
         fragments = self._fragments(ms) if self.frozen_shapes else {}
         for name, shape in self.frozen_shapes.items():
             t = fragments.get(name)

@@ -120,10 +120,13 @@ def write(checkpoint: str, out_dir: str, dp_size: int = 1, zero_stage: int = 2, 
     params.close()
     # a hybrid.deepspeed module's frozen parameters and buffers: in no unit, so not in
     # the optimizer's partitions; DeepSpeed keeps them in its model-state files
+    # (saved with exclude_frozen_parameters: the names only, written as DeepSpeed writes
+    # such a save, without them)
     untrained = module_state.read(ckpt, meta)
+    frozen_names = set(meta.get("frozen_parameters") or ()) | (set(untrained) & set(meta["model"]))
     frozen = {n: untrained[n] for n in meta["model"] if n in untrained}
     buffers = {n: t for n, t in untrained.items() if n not in frozen}
-    shapes = {n: list(s) for n, s in meta["model"].items() if n not in frozen}
+    shapes = {n: list(s) for n, s in meta["model"].items() if n not in frozen_names}
     if meta.get("zero_layout", {}).get("columns") == ["master"]:
         raise CheckpointError(f"{ckpt}: saved without optimizer state (--no-save-optim): "
                               f"a DeepSpeed checkpoint to continue from needs its moments")

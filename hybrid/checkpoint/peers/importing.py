@@ -60,6 +60,9 @@ def import_peer(peer: PeerCheckpoint, save_dir: str, config: dict,
     if untrained:
         files[module_state.FILE] = module_state.to_bytes(untrained)
         extra["module_state_file"] = module_state.FILE
+    if peer.frozen_shapes:
+        extra["frozen_parameters"] = list(peer.frozen_shapes)
+        extra["module_state_excludes_frozen"] = peer.excludes_frozen
     out = write_single_rank_checkpoint(
         save_dir, dict(peer.shapes), peer.read, tuple(peer.columns), {**config, **peer.flags},
         peer.vocab_size if peer.vocab_size is not None else vocab_size,

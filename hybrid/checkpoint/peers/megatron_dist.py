@@ -67,6 +67,7 @@ class MegatronCheckpoint:
 
     format = FORMAT
     frozen_shapes: dict[str, list[int]] = {}  # (a GPT: every parameter trains)
+    excludes_frozen = False
 
     def __init__(self, iter_dir: str):
         self.path = iter_dir
