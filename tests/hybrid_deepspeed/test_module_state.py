@@ -102,6 +102,26 @@ def test_exclude_frozen_parameters_saves_the_buffers_and_the_load_keeps_the_modu
     assert torch.equal(other.module.base.weight, base)
 
 
+def test_zero_to_fp32_gives_the_buffers_and_frozen_parameters_as_deepspeed_s_does(tmp_path):
+    """``get_fp32_state_dict_from_zero_checkpoint``: the whole state dict, buffers and
+    frozen parameters with the trained masters (DeepSpeed's keys); the frozen ones left
+    out when asked, or when the save excluded them."""
+    from hybrid.deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+    engine = _engine(3, 0)
+    _train(engine, range(1))
+    engine.save_checkpoint(str(tmp_path / "all"))
+    engine.save_checkpoint(str(tmp_path / "some"), exclude_frozen_parameters=True)
+    full = engine.module.state_dict()
+    for where, exclude, frozen in (("all", False, True), ("all", True, False),
+                                   ("some", False, False)):
+        sd = get_fp32_state_dict_from_zero_checkpoint(str(tmp_path / where),
+                                                      exclude_frozen_parameters=exclude)
+        want = [n for n in full if frozen or not n.startswith("base.")]
+        assert sorted(sd) == sorted(want), (where, exclude)
+        for n in ("base.weight", "norm.running_var") if frozen else ("norm.running_var",):
+            assert torch.equal(sd[n], full[n]), n
+
+
 def test_another_module_s_buffers_and_a_damaged_file_are_one_error_naming_it(tmp_path):
     path = _engine(1, 0).save_checkpoint(str(tmp_path))
     file = os.path.join(path, "module_state.pt")

@@ -9,9 +9,10 @@ each parameter's fp32 master put together from every rank's pieces whatever the 
 stage, DP or TP size that wrote it (:func:`hybrid.checkpoint.reshard.iter_full_params`),
 one parameter in memory at a time besides the result. A directory of one save itself
 (``ckpt/iter_0000010``) is read as it is. No process group is needed: it runs in any
-process, as DeepSpeed's script does. The state dict holds the parameters the engine
-trained (what its checkpoint holds: frozen parameters are not in it), under the model's
-``named_parameters()`` names, on the CPU.
+process, as DeepSpeed's script does. The state dict holds, as DeepSpeed's does, the
+module's persistent buffers, its frozen parameters (unless ``exclude_frozen_parameters``,
+or the save excluded them) and the parameters the engine trained, under the module's
+state-dict names, on the CPU (:mod:`hybrid.checkpoint.module_state` for the first two).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from typing import NoReturn
 import torch
 from torch import nn
 
+from hybrid.checkpoint import module_state
 from hybrid.checkpoint.files import find_checkpoint, foreign_checkpoint, step_checkpoint
 from hybrid.checkpoint.reshard import iter_full_params
 from hybrid.deepspeed.missing import refuse
@@ -69,13 +71,18 @@ def get_fp32_state_dict_from_zero_checkpoint(checkpoint_dir: str, tag: object = 
                                              lazy_mode: bool = False
                                              ) -> dict[str, torch.Tensor]:
     """{parameter name: full fp32 tensor} of the save ``checkpoint_dir`` and ``tag`` name
-    (module doc). ``exclude_frozen_parameters``: either way (frozen parameters are not
-    saved); ``lazy_mode=True`` is refused: the tensors are read whole."""
+    (module doc), buffers and frozen parameters first. ``exclude_frozen_parameters``: the
+    frozen parameters left out; ``lazy_mode=True`` is refused: the tensors are read whole."""
     if lazy_mode:
         raise CheckpointError("get_fp32_state_dict_from_zero_checkpoint(lazy_mode=True): "
                               "hybrid reads the tensors whole; pass lazy_mode=False")
-    _, params = iter_full_params(_save_dir(os.fspath(checkpoint_dir), tag), ("master",))
-    return {name: values["master"] for name, values in params}
+    save = _save_dir(os.fspath(checkpoint_dir), tag)
+    meta, params = iter_full_params(save, ("master",))
+    frozen = set(meta.get("frozen_parameters") or ())
+    out = {n: t for n, t in module_state.read(save, meta).items()
+           if not (exclude_frozen_parameters and n in frozen)}
+    out.update((name, values["master"]) for name, values in params)
+    return out
 
 
 def load_state_dict_from_zero_checkpoint(model: nn.Module, checkpoint_dir: str,
