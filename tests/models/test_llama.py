@@ -22,6 +22,7 @@ from hybrid.tensor_parallel import full_shape, seed_all, shard_of, unshard
 from models.gpt import GPT
 from tests.helpers.harness import run_ranks
 from tests.helpers.zero_reference import (
+    BUCKETS,
     VOCAB,
     _named_params,
     _train_cfg,
@@ -255,7 +256,8 @@ def _train_llama(ps, variants):
     from hybrid.train.setup import build_engine
     out = []
     for stage, kw in variants:
-        cfg = _train_cfg(ps.world_size, ps.tp_size, zero_stage=stage, **LLAMA_FLAGS, **kw)
+        cfg = _train_cfg(ps.world_size, ps.tp_size, zero_stage=stage, **LLAMA_FLAGS,
+                         **BUCKETS, **kw)
         rng = seed_all(cfg.seed, ps.tp_rank, ps.dp_rank, ps.device)
         model, _, engine = build_engine(cfg, ps, VOCAB, rng)
         losses, norms = _train_steps(model, engine, ps, cfg, STEPS)
@@ -276,9 +278,10 @@ def llama_reference():
 
 @pytest.mark.parametrize("tp", [2, 4])
 def test_llama_trains_like_one_process_under_zero_recompute_and_sp(llama_reference, tp):
-    """2 AdamW steps with clipping and 2 micro-batches per step where DP is 2: the
-    losses, clipped grad norms and final parameters of the one-process plain-torch
-    run, at ZeRO 0-3, with full and selective recompute and sequence parallelism."""
+    """2 AdamW steps with clipping and 2 micro-batches per step where DP is 2, buckets
+    of 4000 (zero_reference.BUCKETS): the losses, clipped grad norms and final
+    parameters of the one-process plain-torch run, at ZeRO 0-3, with full and selective
+    recompute and sequence parallelism."""
     variants = COMPOSE[tp]
     res = run_ranks(_train_llama, world_size=4, tp=tp, args=(variants,))
     ref = llama_reference
