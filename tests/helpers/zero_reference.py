@@ -13,6 +13,17 @@ from models.gpt import GPT
 
 SEED, VOCAB, SEQ, STEPS, GLOBAL_BATCH, MICRO = 5, 257, 16, 3, 8, 2
 
+# Buckets of 4000 elements, for the curve tests whose subject is not bucketing (SP,
+# Llama, CP, shared parameters, the stages against the reference). Each collective round
+# costs wake-ups of every rank (4 ranks on 2 cores in CI), and at _train_cfg's 1000 a
+# step is hundreds of them; at 4000 it is about half as many, and the layouts stay the
+# same in kind: the embedding (12288 elements at TP 1, 8192 at TP 2, 4096 at TP 4) is
+# still larger than a bucket (a unit of its own at stages 0-2), other units still pack
+# several parameters, and stage 3's gathered units are still over a bucket. (The bounds
+# on messages and staging buffers are checked at 1000 in
+# tests/zero/test_zero.py::test_no_message_exceeds_the_bucket_whatever_the_model_size.)
+BUCKETS = {"reduce_bucket_size": 4000, "allgather_bucket_size": 4000}
+
 
 def _train_cfg(world, tp, **kw):
     base = dict(tensor_model_parallel_size=tp, num_layers=2, hidden_size=32,

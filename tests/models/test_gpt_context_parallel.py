@@ -17,7 +17,7 @@ from hybrid.tensor_parallel.context_parallel import cp_shard
 from hybrid.tensor_parallel.cp_attention import ContextParallel
 from models.gpt import GPT
 from tests.helpers.harness import run_ranks
-from tests.helpers.zero_reference import _train_cfg, zero_engine
+from tests.helpers.zero_reference import BUCKETS, _train_cfg, zero_engine
 
 SEED, V, T, B = 7, 257, 16, 2
 
@@ -118,7 +118,7 @@ def _batch(step):
 def _train(ps, stage, comm):
     cfg = _train_cfg(ps.world_size, ps.tp_size, zero_stage=stage, seq_length=T,
                      global_batch_size=GLOBAL, micro_batch_size=MICRO,
-                     context_parallel_size=ps.cp_size, cp_comm_type=comm)
+                     context_parallel_size=ps.cp_size, cp_comm_type=comm, **BUCKETS)
     model = _model(ps, GPT2, comm, "load_balanced", cp=ps.cp_size > 1)
     model = GPT(GPT2, ps.tp_group, rng=model.rng, seed=SEED, device="meta",
                 context_parallel=model.cp)
@@ -148,7 +148,7 @@ def _train(ps, stage, comm):
 def test_cp_training_follows_one_process_and_keeps_replicas_identical(stage, comm):
     """World 4 = DP 2 x CP 2: ZeRO shards over all four ranks, sums gradients over CP
     and averages over DP; 4 AdamW steps give one process's losses, and every rank ends
-    with bit-identical parameters."""
+    with bit-identical parameters. Buckets of 4000 (zero_reference.BUCKETS)."""
     ref_losses, ref_params = _train(ParallelState.single(), stage, comm)
     res = run_ranks(_train, world_size=4, cp=2, args=(stage, comm))
     for losses, params in res:

@@ -22,6 +22,7 @@ from hybrid.tensor_parallel import full_shape, seed_all, shard_of, unshard
 from models.gpt import GPT
 from tests.helpers.harness import run_ranks
 from tests.helpers.zero_reference import (
+    BUCKETS,
     VOCAB,
     _named_params,
     _train_cfg,
@@ -239,10 +240,14 @@ LLAMA_FLAGS = dict(normalization="RMSNorm", swiglu=True, ffn_hidden_size=64,
                    disable_bias_linear=True, num_attention_heads=8)
 SP = {"sequence_parallel": True}
 FULL, SELECTIVE = {"recompute_granularity": "full"}, {"recompute_granularity": "selective"}
+# at TP4 x DP1 the global batch of 8 in 2 micro-batches of 4 (not 4 of 2): accumulation
+# all the same, half the micro-batches' TP collective rounds (against the one-process
+# run's 4 of 2: the same mean loss)
+MICRO4 = {"micro_batch_size": 4}
 COMPOSE = {
     2: [(0, {}), (1, SELECTIVE), (2, {**SP, "overlap_comm": True}), (3, {**SP, **FULL}),
         (3, {**SP, **SELECTIVE, "zero_param_persistence_threshold": 100})],
-    4: [(1, SP), (3, {**SP, **FULL})],
+    4: [(1, {**SP, **MICRO4}), (3, {**SP, **FULL, **MICRO4})],
 }
 
 
@@ -255,7 +260,8 @@ def _train_llama(ps, variants):
     from hybrid.train.setup import build_engine
     out = []
     for stage, kw in variants:
-        cfg = _train_cfg(ps.world_size, ps.tp_size, zero_stage=stage, **LLAMA_FLAGS, **kw)
+        cfg = _train_cfg(ps.world_size, ps.tp_size, zero_stage=stage, **LLAMA_FLAGS,
+                         **BUCKETS, **kw)
         rng = seed_all(cfg.seed, ps.tp_rank, ps.dp_rank, ps.device)
         model, _, engine = build_engine(cfg, ps, VOCAB, rng)
         losses, norms = _train_steps(model, engine, ps, cfg, STEPS)
@@ -276,9 +282,10 @@ def llama_reference():
 
 @pytest.mark.parametrize("tp", [2, 4])
 def test_llama_trains_like_one_process_under_zero_recompute_and_sp(llama_reference, tp):
-    """2 AdamW steps with clipping and 2 micro-batches per step where DP is 2: the
-    losses, clipped grad norms and final parameters of the one-process plain-torch
-    run, at ZeRO 0-3, with full and selective recompute and sequence parallelism."""
+    """2 AdamW steps with clipping and 2 micro-batches per step (of 2 rows where DP is
+    2, of 4 at TP4 x DP1), buckets of 4000 (zero_reference.BUCKETS): the losses, clipped
+    grad norms and final parameters of the one-process plain-torch run (4 micro-batches
+    of 2), at ZeRO 0-3, with full and selective recompute and sequence parallelism."""
     variants = COMPOSE[tp]
     res = run_ranks(_train_llama, world_size=4, tp=tp, args=(variants,))
     ref = llama_reference

@@ -21,6 +21,7 @@ from hybrid.tensor_parallel import (
 from models.gpt import GPT
 from tests.helpers.harness import run_ranks
 from tests.helpers.zero_reference import (
+    BUCKETS,
     _dp_step,
     _gpt,
     _named_params,
@@ -169,10 +170,11 @@ def _rel(a, b):
 SP, RC = {"sequence_parallel": True}, {"recompute_granularity": "full"}
 # TP 2 variants (stage, overrides), each compared with the first. (SP at TP 4 under ZeRO
 # and recompute: tests/models/test_llama.py, whose Llama options make it the harder case.)
-COMPOSE = [(0, {}), (3, SP), (3, {**SP, **RC}), (0, {**SP, **RC, "partition_activations": True}),
-           (2, {**SP, "overlap_comm": True, "offload_optimizer": True}),
-           # both layers in one recompute group
-           (3, {**SP, **RC, "recompute_method": "uniform", "recompute_num_layers": 2})]
+COMPOSE: list[tuple[int, dict]] = [
+    (0, {}), (3, SP), (3, {**SP, **RC}), (0, {**SP, **RC, "partition_activations": True}),
+    (2, {**SP, "overlap_comm": True, "offload_optimizer": True}),
+    # both layers in one recompute group
+    (3, {**SP, **RC, "recompute_method": "uniform", "recompute_num_layers": 2})]
 
 
 def test_sequence_parallel_composes_with_zero_and_recompute(tp=2):
@@ -181,8 +183,8 @@ def test_sequence_parallel_composes_with_zero_and_recompute(tp=2):
     recompute (also in groups of 2 layers), with --partition-activations (which SP
     makes moot: the block input is already this rank's 1/TP), and at ZeRO 2 with overlap
     and optimizer offload; two micro-batches per step throughout, two steps (the second
-    on the first's Adam moments)."""
-    variants = COMPOSE
+    on the first's Adam moments). Buckets of 4000 (zero_reference.BUCKETS)."""
+    variants = [(stage, {**BUCKETS, **kw}) for stage, kw in COMPOSE]
     res = run_ranks(_train_stages, world_size=4, tp=tp, args=(variants, 2))[0]
     ref = res[0]
     for variant, r in zip(variants[1:], res[1:]):
@@ -197,7 +199,7 @@ def test_sequence_parallel_in_bf16_follows_the_bf16_curve():
     over TP in another order (reduce-scatter, not all-reduce), so the curves agree to
     bf16's rounding (1e-2 relative), not bit for bit; the final replicated parameters
     stay equal across TP ranks. Two steps (the second on the first's Adam moments)."""
-    variants = [(0, {"bf16": True}), (3, {"bf16": True, **SP})]
+    variants = [(0, {"bf16": True, **BUCKETS}), (3, {"bf16": True, **SP, **BUCKETS})]
     res = run_ranks(_train_stages, world_size=4, tp=2, args=(variants, 2))
     ref, sp = res[0]
     for la, lb in zip(ref["losses"], sp["losses"]):
@@ -209,10 +211,12 @@ def test_sequence_parallel_in_bf16_follows_the_bf16_curve():
 
 
 # fp16: a scale above this model's overflow threshold that halves on each overflow and
-# doubles after 2 clean steps, so steps overflow and are skipped early and again later
-FP16 = {"fp16": True, "initial_loss_scale": 2.0 ** 20, "loss_scale_window": 2,
+# doubles after 2 clean steps, so steps overflow and are skipped early and again later:
+# at ZeRO-3, TP2 x DP2, the first step is skipped, four are taken (the scale doubling
+# twice) and the sixth is skipped again
+FP16 = {"fp16": True, "initial_loss_scale": 2.0 ** 19, "loss_scale_window": 2,
         "hysteresis": 1}
-FP16_STEPS = 8
+FP16_STEPS = 6
 
 
 def _fp16_curves(ps, variants):
@@ -246,7 +250,7 @@ def test_sequence_parallel_in_fp16_skips_the_steps_tp_alone_skips():
     is the stages, not SP.) The final replicated
     parameters stay bit-identical across TP ranks. At ZeRO-3 only: SP's fp16 path is
     the same at every stage, and stage 3 is the one that also shards parameters."""
-    variants = [(3, {}), (3, SP)]
+    variants = [(3, BUCKETS), (3, {**SP, **BUCKETS})]
     res = run_ranks(_fp16_curves, world_size=4, tp=2, args=(variants,))
     for tp_only, sp in ((0, 1),):
         ref, got = res[0][tp_only], res[0][sp]

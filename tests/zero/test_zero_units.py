@@ -8,6 +8,7 @@ from hybrid.recompute.checkpointing import apply_activation_checkpointing
 from hybrid.tensor_parallel import InitValues
 from tests.helpers.harness import run_ranks
 from tests.helpers.zero_reference import (
+    BUCKETS,
     _gpt,
     _named_params,
     _train_cfg,
@@ -104,7 +105,7 @@ def tied_reference():
 def _train_tied(ps, variants):
     out = []
     for stage, recompute, kw in variants:
-        cfg = _train_cfg(ps.world_size, ps.tp_size, zero_stage=stage, **kw)
+        cfg = _train_cfg(ps.world_size, ps.tp_size, zero_stage=stage, **BUCKETS, **kw)
         model = _tie(_gpt(cfg, ps, device="meta"))
         phase = None
         if recompute:
@@ -128,7 +129,8 @@ def test_shared_parameters_train_like_one_process(tied_reference, tp, dp):
     """A weight and a LayerNorm shared by two blocks, at every stage, with and without
     recompute (each checkpointed block then runs its own nested backward), stage 3
     with the shared LayerNorm persistent or partitioned (TP2: stages 0 and 3): losses
-    and parameters after STEPS steps equal the one-process tied model's."""
+    and parameters after STEPS steps equal the one-process tied model's. Buckets of
+    4000 (zero_reference.BUCKETS)."""
     # at TP2 the stages where sharing meets TP-split weights differently: 0 (nothing
     # sharded) and 3 (the shared weight in the root unit, gathered per step)
     variants = TIED if tp == 1 else [v for v in TIED if v[0] in (0, 3)]
