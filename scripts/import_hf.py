@@ -32,7 +32,7 @@ import sys
 
 import torch
 
-from hybrid.checkpoint.save import write_unsharded_checkpoint
+from hybrid.checkpoint.single_rank import write_unsharded_checkpoint
 from hybrid.errors import CheckpointError
 from hybrid.hf.gpt2 import from_hf
 from hybrid.hf.llama import from_hf_llama, llama_flags, qwen2_flags

@@ -27,7 +27,7 @@ import sys
 import torch
 
 from hybrid.checkpoint import iter_full_params, resolve_checkpoint
-from hybrid.checkpoint.save import write_unsharded_checkpoint
+from hybrid.checkpoint.single_rank import write_unsharded_checkpoint
 from hybrid.config.architecture import architecture_fields
 from hybrid.config.moe import MoEConfig
 from hybrid.errors import CheckpointError, ConfigError

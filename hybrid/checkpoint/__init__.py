@@ -4,6 +4,7 @@
 checkpoint's ``client_state`` may hold (:mod:`hybrid.checkpoint.client_state`).
 
 * :mod:`.save`         sharded checkpoints: atomic save, exact resume, the files on disk
+* :mod:`.single_rank`  one-rank checkpoints of whole parameters (imports, HF weights, upcycling)
 * :mod:`.async_save`   ``--async-save``: the files written on a thread, published from the loop
 * :mod:`.snapshot`     what an asynchronous save copies while the step waits: host memory, or
                        the nvme tier's swap file copied on disk

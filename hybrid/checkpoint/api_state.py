@@ -168,7 +168,7 @@ def _encoded_client_state(ps, client_state: dict) -> bytes | None:
     return data
 
 
-def _encoded_module_state(engine, exclude_frozen: bool) -> bytes | None:
+def _encoded_module_state(engine, exclude_frozen: bool):
     """Rank 0's module-state file (:mod:`hybrid.checkpoint.module_state`), None on other
     ranks or when the module has no frozen parameter or buffer; a refusal is raised on
     every rank. Collective over the world."""

@@ -314,21 +314,51 @@ class Integrity:
         data = _read_whole(path, reader, "file")
         if self.headers is None:
             return data
+        want = self._file_sum(path)
+        t0 = time.perf_counter()
+        got = [len(data), crc32(data)]
+        self.seconds += time.perf_counter() - t0
+        self._compare_file(path, got, want)
+        return data
+
+    def check_file(self, path: str) -> None:
+        """``path``, one of the whole files listed in ``checksums["files"]``, checked
+        against its size and crc32 in 8 MiB reads, so that a large one (a module's
+        frozen parameters) is never held in memory to be checked. CheckpointError
+        naming the file."""
+        if self.headers is None:
+            if not os.path.isfile(path):
+                raise CheckpointError(f"{path}: missing checkpoint file")
+            return
+        want = self._file_sum(path)
+        crc, size = 0, 0
+        t0 = time.perf_counter()
+        try:
+            with open(path, "rb") as f:
+                while chunk := f.read(8 << 20):
+                    crc, size = crc32(chunk, crc), size + len(chunk)
+        except FileNotFoundError as e:
+            raise CheckpointError(f"{path}: missing checkpoint file") from e
+        except OSError as e:
+            raise CheckpointError(f"{path}: cannot read checkpoint file ({e})") from e
+        self.seconds += time.perf_counter() - t0
+        self._compare_file(path, [size, crc], want)
+
+    def _file_sum(self, path: str) -> list:
         want = self.files.get(os.path.basename(path))
         if not isinstance(want, list) or len(want) != 2:
             meta = os.path.join(self.ckpt, "metadata.json")
             raise CheckpointError(f"{path}: not among the checksums of {meta} (a damaged or "
                                   f"edited metadata.json)")
-        t0 = time.perf_counter()
-        got = [len(data), crc32(data)]
-        self.seconds += time.perf_counter() - t0
+        return want
+
+    def _compare_file(self, path: str, got: list[int], want: list) -> None:
         if got[0] != want[0]:
             raise CheckpointError(damaged_message(
                 self.ckpt, path, f"corrupt or truncated checkpoint file ({got[0]} bytes; "
                 f"{want[0]} when saved)", self.iteration))
         if got != list(want):
-            raise CheckpointError(self.damaged(path, 0, len(data)))
-        return data
+            raise CheckpointError(self.damaged(path, 0, got[0]))
 
     def verifier(self, data_path: str, size: int, reader) -> Verifier | None:
         """The Verifier of ``data_path`` (``size`` bytes), from its header (read through

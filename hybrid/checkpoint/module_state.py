@@ -12,9 +12,12 @@ whole into ``module_state.pt`` beside metadata.json (one of its checksummed
 ``extra_files``), and every rank puts them back by name after the units are loaded; a
 name or shape the module does not have is one CheckpointError naming the file. Every
 rank reads the file itself, as it reads metadata.json: the bytes are the frozen part's
-once per rank (DeepSpeed's ranks each read its whole module file too), and no
-collective is sized by them. A save made before this file existed loads as before,
-leaving the module's own values.
+once per rank, which every rank holds whole anyway (DeepSpeed's ranks each read its
+whole module file too), and no collective is sized by them. Neither side holds a
+second copy of a frozen base: the save streams the module's own tensors into the file
+(``torch.save`` to it, the checksum taken as the bytes pass), the load checks the file
+in 8 MiB reads and maps it, copying each tensor into its place. A save made before
+this file existed loads as before, leaving the module's own values.
 
 ``save_checkpoint(exclude_frozen_parameters=True)`` (DeepSpeed's flag, which Hugging
 Face's Trainer passes for a PEFT model) writes the buffers only: the frozen parameters
@@ -27,13 +30,11 @@ saved as rank 0's slice: the save refuses it by name rather than write a part.
 
 from __future__ import annotations
 
-import io
 import os
 
 import torch
 
 from hybrid.checkpoint.integrity import Integrity
-from hybrid.checkpoint.reader import RangeReader
 from hybrid.errors import CheckpointError, ConfigError
 
 FILE = "module_state.pt"
@@ -53,11 +54,13 @@ def frozen_names(module: torch.nn.Module) -> list[str]:
             if not p.requires_grad]
 
 
-def encode(module: torch.nn.Module, tp_size: int, exclude_frozen: bool = False
-           ) -> bytes | None:
-    """The file's bytes: every frozen parameter (none with ``exclude_frozen``) and
-    persistent buffer of ``module``, whole, on the CPU (None when there is none).
-    ConfigError naming one split over TP (``tp_size`` > 1)."""
+def encode(module: torch.nn.Module, tp_size: int, exclude_frozen: bool = False):
+    """The file, as a function writing it to a binary file (:func:`writer`): every frozen
+    parameter (none with ``exclude_frozen``) and persistent buffer of ``module``, whole
+    (None when there is none). The buffers are copied now (a step may move them before
+    an asynchronous save writes); the frozen parameters, which no step moves, are
+    written from the module's own tensors, so the save holds no second copy of a frozen
+    base. ConfigError naming one split over TP (``tp_size`` > 1)."""
     state = _untrained(module, frozen=not exclude_frozen)
     if not state:
         return None
@@ -68,28 +71,32 @@ def encode(module: torch.nn.Module, tp_size: int, exclude_frozen: bool = False
                               f"over tensor parallelism; hybrid saves the module's frozen "
                               f"parameters and buffers whole from rank 0: let it train, or "
                               f"keep it whole on every TP rank")
-    return to_bytes(state)
+    params = {n for n, _ in module.named_parameters(remove_duplicate=False)}
+    return writer({n: t.detach() if n in params else t.detach().clone()
+                   for n, t in state.items()})
 
 
-def to_bytes(state: dict[str, torch.Tensor]) -> bytes:
-    """The file's bytes for ``state`` (name -> tensor, copied to the CPU): what
-    :func:`encode` writes, and what an import writes for a peer's module
+def writer(state: dict[str, torch.Tensor]):
+    """The function that writes ``state`` (name -> tensor) as the file into a binary file
+    (``torch.save``, each tensor's bytes streamed from its storage, on the CPU): what
+    :func:`encode` saves, and what an import writes for a peer's module
     (:func:`hybrid.checkpoint.peers.importing.import_peer`)."""
-    buf = io.BytesIO()
-    torch.save({n: t.detach().to("cpu", copy=True) for n, t in state.items()}, buf)
-    return buf.getvalue()
+    def write(f) -> None:
+        torch.save({n: t if t.device.type == "cpu" else t.cpu() for n, t in state.items()}, f)
+    return write
 
 
 def read(ckpt: str, meta: dict) -> dict[str, torch.Tensor]:
     """The module-state file of checkpoint ``ckpt`` (``meta``: its metadata.json), checked
-    against its checksum and loaded safely (tensors on the CPU); {} for a save without
-    one. CheckpointError naming the file."""
+    against its checksum and loaded safely, its tensors mapped from the file (on the
+    CPU; copied where they are put back); {} for a save without one. CheckpointError
+    naming the file."""
     path = file_in(ckpt, meta)
     if path is None:
         return {}
-    data = Integrity(ckpt, meta).read_file(path, RangeReader())
+    Integrity(ckpt, meta).check_file(path)  # (in 8 MiB reads: never whole in memory)
     try:
-        saved = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+        saved = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     except Exception as e:  # (any unpickling failure: a damaged file)
         raise CheckpointError(f"{path}: does not load ({type(e).__name__}: {e})") from None
     if not isinstance(saved, dict) or not all(isinstance(t, torch.Tensor)

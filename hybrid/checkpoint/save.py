@@ -60,7 +60,8 @@ import json
 import os
 import shutil
 import zlib
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Mapping
+from typing import BinaryIO
 
 import torch
 
@@ -74,7 +75,7 @@ from hybrid.checkpoint.files import (
     rank_paths,
 )
 from hybrid.checkpoint.integrity import ALGORITHM, BLOCK_BYTES, BlockSums, crc32, header_bytes
-from hybrid.checkpoint.layout import COLUMNS, describe, pipeline_layout, single_file_layout
+from hybrid.checkpoint.layout import describe, pipeline_layout
 from hybrid.checkpoint.ownership import write_owner
 from hybrid.checkpoint.snapshot import HostSnapshot, Snapshot
 from hybrid.errors import CheckpointError
@@ -86,8 +87,12 @@ from hybrid.tensor_parallel.sharding import split_spec
 from hybrid.zero import ZeroEngine
 from hybrid.zero.state import check_saveable, iter_piece_values, shard_state
 
+# A small whole file rank 0 writes beside metadata.json: its bytes, or a function that
+# writes them to a binary file (a large one, streamed: a module's frozen parameters)
+ExtraFile = bytes | Callable[[BinaryIO], None]
 
-def _fsync_write(path: str, write) -> None:
+
+def fsync_write(path: str, write) -> None:
     with open(path, "wb") as f:
         write(f)
         f.flush()
@@ -142,7 +147,7 @@ def save_checkpoint(save_dir: str, iteration: int, consumed_samples: int, engine
                     ps: ParallelState, config: dict, rng: TPRNGTracker,
                     keep_last: int | None = None, vocab_size: int | None = None, *,
                     optimizer: bool = True, finetune: dict | None = None,
-                    extra_meta: dict | None = None, extra_files: dict[str, bytes] | None = None,
+                    extra_meta: dict | None = None, extra_files: dict[str, ExtraFile] | None = None,
                     checksum_block_bytes: int = BLOCK_BYTES, owner: dict | None = None,
                     info: dict | None = None) -> str:
     """Write checkpoint ``iteration`` (collective over the world); return its directory.
@@ -187,7 +192,7 @@ class PendingSave:
 
     def __init__(self, save_dir: str, name: str, tmp: str, final: str, header: dict,
                  columns: tuple, engine: ZeroEngine, unsaved: set[str], block_bytes: int,
-                 meta: dict | None, files: dict[str, bytes], keep_last: int | None,
+                 meta: dict | None, files: dict[str, ExtraFile], keep_last: int | None,
                  values: list[Iterable[torch.Tensor]] | None):
         self.save_dir, self.name, self.tmp, self.final = save_dir, name, tmp, final
         self.header, self.columns, self.engine, self.unsaved = header, columns, engine, unsaved
@@ -220,12 +225,12 @@ class PendingSave:
 
         path = data_path
         try:
-            _fsync_write(data_path, write_data)
+            fsync_write(data_path, write_data)
             path = head_path
             self.header["checksums"] = sums.table()
             data = header_bytes(self.header)
             self.digest = [len(data), crc32(data)]
-            _fsync_write(head_path, lambda f: f.write(data))
+            fsync_write(head_path, lambda f: f.write(data))
         except (OSError, RuntimeError) as e:
             self.error = f"--save {self.save_dir}: writing {path} failed on rank {rank} ({e})"
         self.values = None  # (the snapshot's memory goes once written)
@@ -235,7 +240,7 @@ def prepare_save(save_dir: str, iteration: int, consumed_samples: int, engine: Z
                  ps: ParallelState, config: dict, rng: TPRNGTracker,
                  keep_last: int | None = None, vocab_size: int | None = None, *,
                  optimizer: bool = True, finetune: dict | None = None,
-                 extra_meta: dict | None = None, extra_files: dict[str, bytes] | None = None,
+                 extra_meta: dict | None = None, extra_files: dict[str, ExtraFile] | None = None,
                  checksum_block_bytes: int = BLOCK_BYTES, owner: dict | None = None,
                  snapshot: bool | Snapshot = False) -> PendingSave:
     """The collective first phase of :func:`save_checkpoint` (same arguments): the
@@ -285,14 +290,9 @@ def finish_save(pending: PendingSave, ps: ParallelState) -> str:
     error = None
     if ps.rank == 0:
         assert pending.meta is not None  # (rank 0 made it)
-        files = pending.files
-        checksums = {"algorithm": ALGORITHM, "headers": headers}
-        if files:
-            checksums["files"] = {n: [len(d), crc32(d)] for n, d in files.items()}
-        meta = dict(pending.meta, checksums=checksums)
-        meta["complete"] = meta.pop("complete")  # (written last, as before)
+        meta = dict(pending.meta, checksums={"algorithm": ALGORITHM, "headers": headers})
         error = _finish(pending.save_dir, pending.name, pending.tmp, pending.final, meta,
-                        files)
+                        pending.files)
     _raise_agreed(ps, error)
     if ps.rank == 0 and pending.keep_last:
         _prune(pending.save_dir, pending.keep_last, keep=pending.name)
@@ -398,18 +398,54 @@ def _gather_header_digests(ps: ParallelState, digest: list[int]) -> dict:
             for r, (n, c) in enumerate(out.tolist())}
 
 
+class _Summed:
+    """A binary file's write side that keeps the size and crc32 of what passes through."""
+
+    def __init__(self, f):
+        self.f, self.size, self.crc = f, 0, 0
+
+    def write(self, data) -> int:
+        view = memoryview(data).cast("B")
+        self.crc, self.size = crc32(view, self.crc), self.size + len(view)
+        return self.f.write(view)
+
+    def flush(self) -> None:
+        self.f.flush()
+
+
+def write_files(tmp: str, files: Mapping[str, ExtraFile]) -> dict[str, list[int]]:
+    """``files`` written into ``tmp`` (each flushed to disk); {name: [size, crc32]}.
+    OSError for a name that is not a file's own."""
+    sums = {}
+    for file_name, data in files.items():
+        if os.path.basename(file_name) != file_name or file_name == "metadata.json":
+            raise OSError(f"{file_name!r} is not a file name of its own")
+        summed: list[_Summed] = []
+
+        def put(f, d=data, out=summed):
+            out.append(_Summed(f))
+            if callable(d):
+                d(out[0])
+            else:
+                out[0].write(d)
+        fsync_write(os.path.join(tmp, file_name), put)
+        sums[file_name] = [summed[0].size, summed[0].crc]
+    return sums
+
+
 def _finish(save_dir: str, name: str, tmp: str, final: str, meta: dict,
-            files: dict[str, bytes]) -> str | None:
-    """Rank 0: ``files`` ({name: bytes}) and metadata.json, then publish ``tmp`` as
-    ``final`` and point ``latest`` at it; why not (``tmp`` removed), or None."""
+            files: dict[str, ExtraFile]) -> str | None:
+    """Rank 0: ``files`` ({name: bytes, or a function writing them to a binary file}),
+    their sizes and crc32s into ``meta``'s checksums, and metadata.json, then publish
+    ``tmp`` as ``final`` and point ``latest`` at it; why not (``tmp`` removed), or None."""
     try:
-        for file_name, data in files.items():
-            if os.path.basename(file_name) != file_name or file_name == "metadata.json":
-                raise OSError(f"{file_name!r} is not a file name of its own")
-            _fsync_write(os.path.join(tmp, file_name), lambda f, d=data: f.write(d))
-        _fsync_write(os.path.join(tmp, "metadata.json"),
+        sums = write_files(tmp, files)
+        if sums:
+            meta["checksums"]["files"] = sums
+        meta["complete"] = meta.pop("complete")  # (written last, as before)
+        fsync_write(os.path.join(tmp, "metadata.json"),
                      lambda f: f.write(json.dumps(meta, indent=1).encode()))
-        _publish(save_dir, name, tmp, final)
+        publish(save_dir, name, tmp, final)
     except OSError as e:
         shutil.rmtree(tmp, ignore_errors=True)
         return f"--save {save_dir}: finishing checkpoint {name} failed ({e})"
@@ -443,7 +479,7 @@ def _spec_dict(p) -> dict:
             "tp_size": spec.size}
 
 
-def _publish(save_dir: str, name: str, tmp: str, final: str) -> None:
+def publish(save_dir: str, name: str, tmp: str, final: str) -> None:
     """tmp -> final (an older final of the same name moves aside first), then latest."""
     old = None
     if os.path.exists(final):
@@ -453,7 +489,7 @@ def _publish(save_dir: str, name: str, tmp: str, final: str) -> None:
     os.rename(tmp, final)
     _fsync_dir(save_dir)
     latest_tmp = os.path.join(save_dir, f".{LATEST}.tmp")
-    _fsync_write(latest_tmp, lambda f: f.write(name.encode()))
+    fsync_write(latest_tmp, lambda f: f.write(name.encode()))
     os.replace(latest_tmp, os.path.join(save_dir, LATEST))
     _fsync_dir(save_dir)
     if old:
@@ -465,123 +501,3 @@ def _prune(save_dir: str, keep_last: int, keep: str) -> None:
     for n in names[:-keep_last]:
         if n != keep:
             shutil.rmtree(os.path.join(save_dir, n), ignore_errors=True)
-
-
-def write_unsharded_checkpoint(save_dir: str, model: dict[str, torch.Tensor], config: dict,
-                               vocab_size: int, iteration: int = 0) -> str:
-    """A one-rank checkpoint of full fp32 weights with a fresh optimizer (single process).
-
-    For weights that come from elsewhere (a Hugging Face GPT-2): ``--load`` reads it
-    into any layout like any other checkpoint. Written one parameter at a time.
-    """
-    shapes = {n: list(t.shape) for n, t in model.items()}
-
-    def read(name: str) -> dict[str, torch.Tensor]:
-        t = model[name].detach().float()
-        return {"master": t, "exp_avg": torch.zeros_like(t), "exp_avg_sq": torch.zeros_like(t)}
-
-    return write_single_rank_checkpoint(save_dir, shapes, read, COLUMNS, config, vocab_size,
-                                        iteration=iteration)
-
-
-def write_single_rank_checkpoint(save_dir: str, shapes: dict[str, list[int]], read,
-                                 columns: tuple[str, ...], config: dict,
-                                 vocab_size: int | None, *, iteration: int = 0,
-                                 consumed_samples: int = 0, step: int = 0,
-                                 extra: dict | None = None, beat=None,
-                                 frozen_shapes: dict[str, list[int]] | None = None,
-                                 files: dict[str, bytes] | None = None) -> str:
-    """A checkpoint of one rank holding every parameter whole (TP 1, DP 1, stage 0), as
-    ``SAVE/iter_N``, published atomically like a save (an existing one is refused).
-
-    ``read(name)`` gives ``{column: full fp32 tensor}`` for each of ``columns`` (``master``
-    first; all of :data:`COLUMNS`, or ``master`` alone for a weights-only checkpoint);
-    it is called once per parameter, in ``shapes``' order, and each column is written at
-    its place in the data file as it comes (positional writes), so memory holds one
-    parameter at a time whatever the model's size. The data file's checksums are then
-    computed from the file in one sequential pass. ``step``: the optimizer's step count
-    (0 with no moments); ``extra``: more metadata.json keys (where a checkpoint came from).
-    ``beat()``: called after each parameter and each 8 MiB hashed (the importing rank
-    keeps the waiting ones' collectives short: :mod:`hybrid.checkpoint.peers.importing`).
-    ``frozen_shapes``: the model's frozen parameters (in its signature, ``model``, but in
-    no unit: their values go in ``files``); ``files``: {name: bytes}, small whole files
-    written beside metadata.json with their size and crc32 in its checksums, as
-    :func:`save_checkpoint`'s ``extra_files``.
-    """
-    beat = beat or (lambda: None)
-    name = iter_name(iteration)
-    final, tmp = os.path.join(save_dir, name), os.path.join(save_dir, f".tmp_{name}")
-    if os.path.exists(final):
-        raise CheckpointError(f"{final}: already exists; not overwriting it")
-    if columns not in (COLUMNS, COLUMNS[:1]):
-        raise ValueError(f"columns {columns}: all of {COLUMNS} or ('master',)")
-    shutil.rmtree(tmp, ignore_errors=True)  # an earlier attempt that never finished
-    os.makedirs(tmp)
-    numel = {n: _prod(s) for n, s in shapes.items()}
-    table, rows = {}, 0
-    for n in shapes:
-        table[n] = [(0, numel[n], rows)]
-        rows += numel[n]
-    try:
-        head_path, data_path = rank_paths(tmp, 0)
-        with open(data_path, "wb") as f:
-            f.truncate(rows * len(columns) * 4)
-            fd = f.fileno()
-            for n, shape in shapes.items():
-                values = read(n)
-                base = table[n][0][2]
-                for c, key in enumerate(columns):
-                    t = values[key]
-                    if list(t.shape) != list(shape):
-                        raise CheckpointError(f"{n}: {key} has shape {list(t.shape)}, "
-                                              f"expected {list(shape)}")
-                    view = t.detach().float().contiguous().reshape(-1).numpy().data.cast("B")
-                    os.pwrite(fd, view, (c * rows + base) * 4)
-                beat()
-            f.flush()
-            os.fsync(fd)
-        sums = BlockSums()
-        with open(data_path, "rb") as src:
-            for _ in columns:  # each column block is hashed as a save would, block by block
-                sums.column()
-                left = rows * 4
-                while left:
-                    chunk = src.read(min(left, 8 << 20))
-                    sums.update(memoryview(chunk))
-                    left -= len(chunk)
-                    beat()
-        specs = {n: {"full_shape": s, "dim": None, "tp_rank": 0, "tp_size": 1}
-                 for n, s in shapes.items()}
-        header = {"version": VERSION, "rank": 0, "tp_rank": 0, "dp_rank": 0, "specs": specs,
-                  "step": step, "loss_scaler": None, "pieces": table, "data_rows": rows,
-                  "checksums": sums.table()}
-        data = header_bytes(header)
-        _fsync_write(head_path, lambda f: f.write(data))
-        for fname, fdata in (files or {}).items():
-            _fsync_write(os.path.join(tmp, fname), lambda f, d=fdata: f.write(d))
-        layout = single_file_layout(shapes)
-        layout["columns"] = list(columns)
-        meta = {"version": VERSION, "iteration": iteration, "consumed_samples": consumed_samples,
-                "world_size": 1, "tensor_model_parallel_size": 1, "data_parallel_size": 1,
-                "zero_stage": 0, "vocab_size": vocab_size,
-                "model": {**shapes, **(frozen_shapes or {})}, "step": step,
-                "loss_scaler": None, "zero_layout": layout, "config": config,
-                "checksums": {"algorithm": ALGORITHM,
-                              "headers": {os.path.basename(head_path): [len(data), crc32(data)]},
-                              **({"files": {n: [len(d), crc32(d)] for n, d in files.items()}}
-                                 if files else {})},
-                **(extra or {}), "complete": True}
-        _fsync_write(os.path.join(tmp, "metadata.json"),
-                     lambda f: f.write(json.dumps(meta, indent=1).encode()))
-    except BaseException:  # a reader's error, a full disk: nothing is left behind
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    _publish(save_dir, name, tmp, final)
-    return final
-
-
-def _prod(shape) -> int:
-    out = 1
-    for s in shape:
-        out *= s
-    return out

@@ -335,20 +335,20 @@ def _save_with_full_disk(ps, save_dir):
     rng = seed_all(1, ps.tp_rank, ps.dp_rank, ps.device)
     engine = zero_engine(build_model(cfg, ps, 257, rng), ps, cfg)
     save_checkpoint(save_dir, 1, 8, engine, ps, cfg.to_dict(), rng)
-    real = save_mod._fsync_write
+    real = save_mod.fsync_write
 
     def full_disk(path, write):
         if ps.rank == 1 and path.endswith(".pt"):
             raise OSError(errno.ENOSPC, "No space left on device")
         real(path, write)
-    save_mod._fsync_write = full_disk
+    save_mod.fsync_write = full_disk
     error = None
     try:
         save_checkpoint(save_dir, 2, 16, engine, ps, cfg.to_dict(), rng)
     except CheckpointError as e:
         error = str(e)
     finally:
-        save_mod._fsync_write = real
+        save_mod.fsync_write = real
     # the interrupted save left the previous checkpoint loadable
     from hybrid.checkpoint import load_checkpoint
     return error, load_checkpoint(save_dir, engine, ps, cfg.seed, rng)

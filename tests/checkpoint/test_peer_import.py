@@ -20,6 +20,8 @@ from hybrid.parallel.state import ParallelState
 
 class FakePeer:
     format = "fake"
+    frozen_shapes: dict = {}  # (a GPT: nothing frozen, no buffers)
+    excludes_frozen = False
 
     def __init__(self, path, fail_on=None):
         g = torch.Generator().manual_seed(0)
@@ -41,6 +43,9 @@ class FakePeer:
         if name == self.fail_on:
             raise CheckpointError(f"{self.path}/part.bin: truncated")
         return self.values[name]
+
+    def untrained(self):
+        return {}
 
     def close(self):
         pass

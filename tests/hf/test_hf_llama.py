@@ -68,7 +68,7 @@ def exported_exactly(hf, save: str, out: str, kind: str, capsys):
 def refused_on_export(extra: dict, said: str, tmp_path, capsys) -> None:
     """``export_hf`` of a Llama-shaped MoE checkpoint (4 experts) with the saved flags
     ``extra`` on top: refused, exit 2, the error holding ``said``."""
-    from hybrid.checkpoint.save import write_unsharded_checkpoint
+    from hybrid.checkpoint.single_rank import write_unsharded_checkpoint
     odd = str(tmp_path / "odd")
     write_unsharded_checkpoint(odd, {}, {"num_layers": 2, "hidden_size": 8,
                                          "num_attention_heads": 1, "swiglu": True,
@@ -211,7 +211,7 @@ def test_hybrid_llama_exports_to_transformers(tmp_path, capsys):
     model = _hybrid(save)
     _assert_same_model(hf, model, 257)
 
-    from hybrid.checkpoint.save import write_unsharded_checkpoint
+    from hybrid.checkpoint.single_rank import write_unsharded_checkpoint
     odd = str(tmp_path / "odd")
     write_unsharded_checkpoint(odd, {}, {"num_layers": 0, "hidden_size": 8,
                                          "num_attention_heads": 1, "normalization": "RMSNorm"},

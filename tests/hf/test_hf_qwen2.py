@@ -82,7 +82,7 @@ def test_qwen2_import_refuses_what_hybrid_cannot_express(tmp_path, capsys, chang
 
 
 def test_qwen2_flags_that_are_not_llama_shaped_refuse_to_export(tmp_path, capsys):
-    from hybrid.checkpoint.save import write_unsharded_checkpoint
+    from hybrid.checkpoint.single_rank import write_unsharded_checkpoint
     odd = str(tmp_path / "odd")
     write_unsharded_checkpoint(odd, {}, {"num_layers": 0, "hidden_size": 8,
                                          "num_attention_heads": 1, "swiglu": True,

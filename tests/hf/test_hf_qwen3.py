@@ -179,7 +179,7 @@ def test_kv_channels_is_head_dim_in_every_llama_shaped_export():
      "neither GPT-2 nor Llama-shaped: a Hugging Face Qwen3 needs --normalization RMSNorm"),
 ])
 def test_a_dense_model_qwen3_cannot_hold_refuses_to_export(tmp_path, capsys, extra, said):
-    from hybrid.checkpoint.save import write_unsharded_checkpoint
+    from hybrid.checkpoint.single_rank import write_unsharded_checkpoint
     odd = str(tmp_path / "odd")
     write_unsharded_checkpoint(odd, {}, {"num_layers": 0, "hidden_size": 8,
                                          "num_attention_heads": 1, "swiglu": True,
@@ -194,7 +194,7 @@ def test_a_dense_model_qwen3_cannot_hold_refuses_to_export(tmp_path, capsys, ext
 def test_qk_layernorm_refuses_to_export_as_a_family_without_q_k_norms(tmp_path, capsys):
     """A GPT-2-shaped model with --qk-layernorm is no GPT-2 (its norms would be dropped):
     it goes the Llama-shaped way and is refused naming what that needs."""
-    from hybrid.checkpoint.save import write_unsharded_checkpoint
+    from hybrid.checkpoint.single_rank import write_unsharded_checkpoint
     odd = str(tmp_path / "odd")
     write_unsharded_checkpoint(odd, {}, {"num_layers": 0, "hidden_size": 8,
                                          "num_attention_heads": 1, "qk_layernorm": True},

@@ -31,7 +31,8 @@ from hybrid.checkpoint.load import check_model
 from hybrid.checkpoint.ownership import IMPORTED, write_owner
 from hybrid.checkpoint.peers import detect_peer, open_peer
 from hybrid.checkpoint.peers.base import PeerCheckpoint
-from hybrid.checkpoint.save import whole_model_signature, write_single_rank_checkpoint
+from hybrid.checkpoint.save import ExtraFile, whole_model_signature
+from hybrid.checkpoint.single_rank import write_single_rank_checkpoint
 from hybrid.errors import CheckpointError
 from hybrid.parallel.agree import agree_error
 from hybrid.parallel.state import ParallelState
@@ -55,10 +56,10 @@ def import_peer(peer: PeerCheckpoint, save_dir: str, config: dict,
     origin = {"format": peer.format, "path": os.path.abspath(peer.path),
               "iteration": peer.iteration, "not_carried": list(peer.notes)}
     extra: dict = {"imported_from": origin}
-    files: dict[str, bytes] = {}
+    files: dict[str, ExtraFile] = {}
     untrained = peer.untrained()  # (frozen parameters and buffers: a module's, whole)
     if untrained:
-        files[module_state.FILE] = module_state.to_bytes(untrained)
+        files[module_state.FILE] = module_state.writer(untrained)
         extra["module_state_file"] = module_state.FILE
     if peer.frozen_shapes:
         extra["frozen_parameters"] = list(peer.frozen_shapes)
