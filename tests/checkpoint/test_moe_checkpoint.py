@@ -164,15 +164,23 @@ def _goes_on_elsewhere(tmp_path, save, full, layouts) -> dict:
     return {n: tuple(v["master"].shape) for n, v in params}
 
 
+# The TP runs' global batch: a micro-batch under TP 2 with SP is ~100 collectives of the
+# TP group (SP's gathers and reductions, an all-reduce per norm and bias gradient), so at
+# MOE's 8 samples the 2-rank load at DP 1 ran 1393 of them; at 4, two micro-batches of 2
+# there and one a rank at DP 2, half as many. What is saved, opened and resumed is the
+# same state whatever the batch.
+TP_BATCH = ["--global-batch-size", "4"]
+
+
 def test_experts_under_etp_folded_over_tp_save_resume_and_reshard(tmp_path):
     """Saved at 2 of 4 at TP 2 (SP) x DP 2 with each expert's hidden units over ETP 2 and
     the experts over EP 2 (the ETP x EP group folding over TP and DP; ZeRO 1): resumed
     there to the last bit, each rank opening the metadata and its own two files only (its
     experts' piece and its dense shard); loaded at one process (EP 1, ETP 1, TP 1) and at
     TP 2 x EP 2 without ETP on 2 ranks (ZeRO 3), the curve going on within 1e-6; the
-    one-process tools read every expert whole."""
+    one-process tools read every expert whole. (Every run at :data:`TP_BATCH`.)"""
     save, log = str(tmp_path / "ckpt"), str(tmp_path / "full.jsonl")
-    tp = ["--tensor-model-parallel-size", "2", "--sequence-parallel"]
+    tp = ["--tensor-model-parallel-size", "2", "--sequence-parallel", *TP_BATCH]
     layout = [*tp, "--expert-tensor-parallel-size", "2", "--expert-model-parallel-size", "2",
               "--zero-stage", "1"]
     _ok(pretrain(4, [*TINY, *MOE, *ITERS, *layout, "--save", save, "--save-interval", str(AT),
@@ -194,6 +202,6 @@ def test_experts_under_etp_folded_over_tp_save_resume_and_reshard(tmp_path):
     for rank, files in opened_by_rank(r.stdout).items():
         assert sorted(files) == sorted([f"iter_{AT:07d}/metadata.json", *own_files(rank, AT)])
     shapes = _goes_on_elsewhere(tmp_path, save, full, (
-        (1, ["--zero-stage", "1"]),
+        (1, ["--zero-stage", "1", *TP_BATCH]),
         (2, [*tp, "--expert-model-parallel-size", "2", "--zero-stage", "3"])))
     assert shapes["blocks.1.mlp.experts.fc"] == (4, 256, 64)

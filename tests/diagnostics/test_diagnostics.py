@@ -52,13 +52,14 @@ def _patched_train_step(ps, cfg, before=None, after=None):
 
 # -- 1. a stuck rank: one report naming it ----------------------------------------------
 
-def _stop_rank3_at_step3(ps, cfg):
-    """Rank 3 freezes itself (SIGSTOP) as iteration 3 starts; every rank notes when it
-    returns, rank 3 when it stopped (next to the dump directory)."""
+def _stop_rank3_at_step2(ps, cfg):
+    """Rank 3 freezes itself (SIGSTOP) as iteration 2 starts (after a whole step, every
+    group's collectives numbered past 1); every rank notes when it returns, rank 3 when
+    it stopped (next to the dump directory)."""
     out_dir = os.path.dirname(cfg.diagnostics.collective_dump_dir)
 
     def before(ps, step):
-        if step == 3 and ps.rank == 3:
+        if step == 2 and ps.rank == 3:
             with open(os.path.join(out_dir, "stopped_at"), "w") as f:
                 f.write(repr(time.time()))
             os.kill(os.getpid(), signal.SIGSTOP)
@@ -76,7 +77,7 @@ def test_a_stopped_rank_is_named_once_with_where_it_was(tmp_path):
     # fresh ranks: the stopped one is killed at the end, and its groups are broken
     r = pretrain(4, TP2DP2 + ["--train-iters", "6", "--distributed-timeout-minutes",
                               str(timeout_s / 60), "--collective-dump-dir", dump],
-                 reuse=False, rank_fn=_stop_rank3_at_step3, grace_s=1.0)
+                 reuse=False, rank_fn=_stop_rank3_at_step2, grace_s=1.0)
     assert r.returncode == 2
     err = r.stderr
     # one report, on rank 2 (rank 3's TP peer, the first to wait for it) ...

@@ -31,6 +31,7 @@ import json
 import sys
 import tempfile
 import time
+from collections.abc import Mapping, Sequence
 
 from tests.helpers.launch import TINY, pretrain, read_json_log
 
@@ -187,19 +188,21 @@ def differences(ran, ref) -> dict:
     return rel
 
 
-def run(names: list[str], workdir: str, out=sys.stdout,
-        common: tuple[str, ...] = ()) -> list[dict]:
+def run(names: list[str], workdir: str, out=sys.stdout, common: tuple[str, ...] = (),
+        extra: Mapping[str, Sequence[str]] | None = None) -> list[dict]:
     """Run the cells ``names`` (each reference once), one JSON line per cell on ``out``;
-    ``common``: flags after :data:`MOE` in every run, the references' too."""
+    ``common``: flags after :data:`MOE` in every run, the references' too; ``extra``:
+    a cell's own further flags, its reference's too (a reference of its own)."""
     refs: dict[tuple[str, ...], tuple] = {}
     results = []
     for name in names:
         n, flags, ref_flags = CELLS[name]
-        key = tuple(ref_flags)
+        more = list((extra or {}).get(name, ()))
+        key = tuple(ref_flags + more)
         if key not in refs:
-            refs[key] = _train(1, ref_flags, workdir, f"ref_{len(refs)}", common)
+            refs[key] = _train(1, ref_flags + more, workdir, f"ref_{len(refs)}", common)
         t = time.perf_counter()
-        rel = differences(_train(n, flags, workdir, name, common), refs[key])
+        rel = differences(_train(n, flags + more, workdir, name, common), refs[key])
         ok = (max(v for k, v in rel.items() if k != "moe_counts_differing") <= TOLERANCE
               and rel["moe_counts_differing"] == 0)
         line = {"cell": name, "world": n, **{k: float(f"{v:.3g}") for k, v in rel.items()},

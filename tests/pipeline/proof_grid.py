@@ -98,15 +98,17 @@ def global_batch(flags: list[str]) -> int:
     return 8 if {"--tensor-model-parallel-size", "--context-parallel-size"} & set(flags) else 16
 
 
-def _train(n: int, layers: int, flags: list[str], workdir: str, name: str):
-    """(training records, validation records) of one run, or raises naming it."""
+def _train(n: int, layers: int, flags: list[str], workdir: str, name: str,
+           common: tuple[str, ...] = ()):
+    """(training records, validation records) of one run, or raises naming it;
+    ``common``: flags after the grid's own (they override them)."""
     path = f"{workdir}/{name}.jsonl"
     args = [a for a in TINY]
     args[args.index("--num-layers") + 1] = str(layers)
     flags = [f.replace("{nvme}", f"{workdir}/{name}.nvme") for f in flags]
     r = pretrain(n, args + ["--global-batch-size", str(global_batch(flags)),
                             "--train-iters", "3", "--eval-interval", "3", "--eval-iters", "1",
-                            "--log-json", path] + flags)
+                            "--log-json", path, *common] + flags)
     if r.returncode != 0:
         raise AssertionError(f"{name} (exit {r.returncode}):\n{r.stdout[-2000:]}\n"
                              f"{r.stderr[-3000:]}")
@@ -127,8 +129,10 @@ def differences(ran, ref) -> dict:
     return rel
 
 
-def run(grid: list[Cell], workdir: str, out=sys.stdout) -> list[dict]:
-    """Run ``grid`` (references first, each once), one JSON line per cell on ``out``."""
+def run(grid: list[Cell], workdir: str, out=sys.stdout,
+        common: tuple[str, ...] = ()) -> list[dict]:
+    """Run ``grid`` (references first, each once), one JSON line per cell on ``out``;
+    ``common``: flags in every run, the references' too (after the grid's own)."""
     refs = {}
     results = []
     for cell in grid:
@@ -137,11 +141,11 @@ def run(grid: list[Cell], workdir: str, out=sys.stdout) -> list[dict]:
         key = (cell.feature, cell.layers)
         if key not in refs:
             refs[key] = _train(n, cell.layers, both, workdir,
-                               f"ref_{cell.feature}_{cell.layers}")
+                               f"ref_{cell.feature}_{cell.layers}", common)
         t = time.perf_counter()
         ran = _train(4 * n, cell.layers,
                      cell.pipeline_flags() + [f for f in flags if f != PP_ONLY], workdir,
-                     f"{cell.schedule}_{cell.feature}")
+                     f"{cell.schedule}_{cell.feature}", common)
         rel = differences(ran, refs[key])
         line = {"schedule": cell.schedule, "feature": cell.feature, "world": 4 * n,
                 "layers": cell.layers, **{k: float(f"{v:.3g}") for k, v in rel.items()},
