@@ -280,10 +280,10 @@ def main(argv: list[str]) -> int:
     root = argv[0] if argv else "tests/fixtures/peers/deepspeed-0.19.8"
     which = argv[1:] or ["net", "gpt2", "llama", "frozen", "gpt2_zero0", "frozen_excluded"]
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    for family, stage in (("gpt2", GPT_STAGE), ("llama", GPT_STAGE), ("gpt2_zero0", 0)):
-        if family not in which:
+    for case, stage in (("gpt2", GPT_STAGE), ("llama", GPT_STAGE), ("gpt2_zero0", 0)):
+        if case not in which:
             continue
-        family = family.split("_")[0]
+        family = case.split("_")[0]
         out = os.path.join(root, f"{family}_zero{stage}")
         shutil.rmtree(out, ignore_errors=True)
         os.makedirs(out)
