@@ -48,10 +48,11 @@ LAYERS = [
 ]
 LAYER_OF = {unit: i for i, line in enumerate(LAYERS) for unit in line}
 # Packages that must import without torch: the launcher checks a command line with
-# them before any worker starts, and the estimator runs on a laptop.
+# them before any worker starts, and the estimator runs on a laptop. hybrid-deepspeed's
+# launcher hands over to torchrun, whose workers import torch themselves.
 TORCH_FREE = ["hybrid.config", "hybrid.estimate", "hybrid.parallel.layout",
               "hybrid.pipeline.actions", "hybrid.pipeline.schedules",
-              "hybrid.pipeline.simulator"]
+              "hybrid.pipeline.simulator", "hybrid.deepspeed.launcher"]
 
 
 def _module_name(path: pathlib.Path) -> str:

@@ -53,31 +53,50 @@ hybrid's own ZeRO engine is :mod:`hybrid.zero`, which a script never meets.
 
 from __future__ import annotations
 
-from typing import NoReturn
+import importlib
+from typing import TYPE_CHECKING, Any
 
-from hybrid.deepspeed import (
-    accelerator,
-    checkpointing,
-    comm,
-    moe,
-    ops,
-    pipe,
-    runtime,
-    utils,
-    zero,
-)
-from hybrid.deepspeed.accelerator import get_accelerator
-from hybrid.deepspeed.comm import init_distributed
-from hybrid.deepspeed.door import add_config_arguments, initialize
 from hybrid.deepspeed.missing import refuse
-from hybrid.deepspeed.pipe import PipelineModule
-from hybrid.deepspeed.pipe_engine import PipelineEngine
-from hybrid.engine.api import Engine as DeepSpeedEngine
+
+if TYPE_CHECKING:  # (what the names below resolve to, for the type checker)
+    from hybrid.deepspeed import (
+        accelerator,
+        checkpointing,
+        comm,
+        moe,
+        ops,
+        pipe,
+        runtime,
+        utils,
+        zero,
+    )
+    from hybrid.deepspeed.accelerator import get_accelerator
+    from hybrid.deepspeed.comm import init_distributed
+    from hybrid.deepspeed.door import add_config_arguments, initialize
+    from hybrid.deepspeed.pipe import PipelineModule
+    from hybrid.deepspeed.pipe_engine import PipelineEngine
+    from hybrid.engine.api import Engine as DeepSpeedEngine
 
 __all__ = ["DeepSpeedEngine", "PipelineEngine", "PipelineModule", "accelerator",
            "add_config_arguments", "checkpointing", "comm", "get_accelerator",
            "init_distributed", "initialize",
            "moe", "ops", "pipe", "runtime", "utils", "zero"]
+
+# [Note: imported on first use]
+# The launcher (``python -m hybrid.deepspeed``, ``hybrid-deepspeed``) is a submodule of
+# this package, so importing it runs this file first; it stays free of torch (about 2.5 s
+# of one core, before torchrun starts the workers, which import torch themselves) because
+# the names here are imported when a script first reaches for them, as DeepSpeed's
+# ``deepspeed.zero`` or ``deepspeed.initialize``.
+_SUBMODULES = frozenset(("accelerator", "checkpointing", "comm", "moe", "ops", "pipe",
+                         "runtime", "utils", "zero"))
+_NAMES = {"get_accelerator": ("accelerator", "get_accelerator"),
+          "init_distributed": ("comm", "init_distributed"),
+          "add_config_arguments": ("door", "add_config_arguments"),
+          "initialize": ("door", "initialize"),
+          "PipelineModule": ("pipe", "PipelineModule"),
+          "PipelineEngine": ("pipe_engine", "PipelineEngine")}
+
 
 # DeepSpeed names a script may reach for that hybrid does not have: name -> what instead
 _NOT_HERE = {
@@ -97,5 +116,20 @@ _NOT_HERE = {
 }
 
 
-def __getattr__(name: str) -> NoReturn:
-    refuse("", name, _NOT_HERE.get(name, "it is not one of DeepSpeed's names hybrid serves yet"))
+def __getattr__(name: str) -> Any:
+    if name in _SUBMODULES:
+        return importlib.import_module(f"hybrid.deepspeed.{name}")
+    if name in _NAMES:
+        module, attr = _NAMES[name]
+        value = getattr(importlib.import_module(f"hybrid.deepspeed.{module}"), attr)
+        globals()[name] = value  # (once)
+        return value
+    if name == "DeepSpeedEngine":
+        from hybrid.engine.api import Engine
+        return Engine
+    return refuse("", name, _NOT_HERE.get(
+        name, "it is not one of DeepSpeed's names hybrid serves yet"))
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))
