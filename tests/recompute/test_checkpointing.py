@@ -18,7 +18,10 @@ from models.gpt import GPT
 from tests.helpers.harness import run_ranks
 from tests.helpers.launch import TINY, pretrain, read_json_log
 
-B, T, C, LAYERS, SEED, STEPS = 3, 10, 32, 2, 5, 3
+# STEPS 2: the second step's dropout masks are drawn from the RNG state the first step's
+# recompute had to give back, and the second step is where a buffer allocated again would
+# show; a third step checked nothing more (the runs are TP collectives: 2 steps, 2/3 the time)
+B, T, C, LAYERS, SEED, STEPS = 3, 10, 32, 2, 5, 2
 PER_LAYER = B * T * C * 4  # bytes of one block's fp32 input (B, T, C)
 
 
@@ -253,7 +256,7 @@ def grouped():
 def test_uniform_groups_give_the_gradients_of_no_checkpointing(grouped):
     """Groups of 2 layers of 4, of 2 layers of 3 (the last group has one), and one
     group of all 3: the loss and every gradient equal no recompute's bit for bit over
-    3 steps with dropout 0.1 -- the RNG replayed from a group's start draws the masks
+    STEPS steps with dropout 0.1 -- the RNG replayed from a group's start draws the masks
     of all its layers -- also partitioned over TP, on the host and contiguous."""
     for rank, r in enumerate(grouped):
         for name, (layers, _, groups) in GROUPED.items():
@@ -290,12 +293,14 @@ def test_uniform_groups_store_one_input_per_group(grouped):
 
 
 def _zero3_grouped(ps):
-    """ZeRO-3 over DP 2 at TP 2, 3 layers, dropout 0.1: 3 AdamW steps with no
+    """ZeRO-3 over DP 2 at TP 2, 3 layers, dropout 0.1: STEPS AdamW steps with no
     recompute and with uniform groups of 2 (plain, partitioned); losses and params."""
     from hybrid.config.sections import ZeroConfig
     from hybrid.zero import apply_zero
-    zcfg = ZeroConfig(stage=3, param_persistence_threshold=0, reduce_bucket_size=1000,
-                      allgather_bucket_size=1000)
+    # buckets of 4000 (zero_reference.BUCKETS), not 1000: the subject is when blocks are
+    # gathered again, not how; a block (6448 elements at TP 2) still spans two buckets
+    zcfg = ZeroConfig(stage=3, param_persistence_threshold=0, reduce_bucket_size=4000,
+                      allgather_bucket_size=4000)
     out = {}
     for name, flags in (("none", None), ("uniform 2", _uniform(2)),
                         ("uniform 2 +partition", _uniform(2, partition=True))):

@@ -262,7 +262,11 @@ def test_fp16_overflow_on_one_rank_skips_the_step_everywhere():
         assert second["unchanged"] and second["master_unchanged"]
 
 
-OFFLOAD = [(stage, {"offload_optimizer": True}) for stage in (1, 2, 3)]
+# buckets of 4000 (BUCKETS, as test_every_stage_matches_single_process_reference): what
+# offload moves per unit does not depend on the bucket, and the embedding is still a unit
+# of its own larger than one
+OFFLOAD: list[tuple[int, dict]] = [(stage, {"offload_optimizer": True, **BUCKETS})
+                                   for stage in (1, 2, 3)]
 
 
 def _cpu_adam_loaded(ps):
@@ -291,7 +295,7 @@ def test_offload_optimizer_stages_1_to_3_match_the_reference(reference, monkeypa
 def test_offload_optimizer_in_bf16_equals_the_device_optimizer():
     """bf16 model: the offloaded step (bf16 grads down, bf16 params up, one fused
     pass on the host) follows the non-offloaded bf16 run's loss curve."""
-    variants = [(s, {"bf16": True, **kw}) for s in (1, 3)
+    variants = [(s, {"bf16": True, **BUCKETS, **kw}) for s in (1, 3)
                 for kw in ({}, {"offload_optimizer": True})]
     res = run_ranks(_train_stages, world_size=2, tp=1, args=(variants,))
     runs = res[0]
