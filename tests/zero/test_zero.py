@@ -104,11 +104,14 @@ def _bytes_per_stage(ps, flags, micro_batches=1):
     ``micro_batches`` micro-batches (counted by hybrid/parallel/comm.py), by collective kind."""
     out = {}
     for stage in range(4):
-        # Buckets of 4096 elements, smaller than the largest parameter (the 24,576-element
-        # embedding): a step is tens of collectives, not the hundreds of 1000-element ones.
+        # Buckets of 8192 elements, smaller than the largest parameters (the 24,576-element
+        # embedding, the 16,384 and 12,288 of each block's MLP and QKV weights): the bytes
+        # asserted do not depend on the bucket (only the rounding allowance, one byte per
+        # call, shrinks with it), and a step is half the collectives of 4096's (stage 3,
+        # 4 micro-batches: 217, not 397), each a wake-up of 4 ranks on 2 cores.
         cfg = _train_cfg(ps.world_size, 1, zero_stage=stage, hidden_size=64,
                          global_batch_size=ps.dp_size * MICRO * micro_batches,
-                         reduce_bucket_size=4096, allgather_bucket_size=4096, **flags)
+                         reduce_bucket_size=8192, allgather_bucket_size=8192, **flags)
         model = _gpt(cfg, ps)
         psi = sum(p.numel() for p in model.parameters())
         engine = zero_engine(model, ps, cfg)
