@@ -37,23 +37,28 @@ def _digest(directory):
     return h.hexdigest()
 
 
-def _save_at_3_and_resume(tmp_path, world, tp, stage, *extra):
-    """(uninterrupted log from iteration 4 on, resumed log): save at 3 of 6, resume."""
+def _save_at_2_and_resume(tmp_path, world, tp, stage, *extra):
+    """(uninterrupted log from iteration 3 on, resumed log): save at 2 of 4, resume. (Two
+    steps after the resume: the first on the loaded Adam moments, step count and RNG
+    states, the second on moments it updated; ITERS' 6 with a save at 3 checked nothing
+    more, for half again the steps.)"""
     full, resumed, save = (str(tmp_path / "full.jsonl"), str(tmp_path / "res.jsonl"),
                            str(tmp_path / "ckpt"))
-    _ok(pretrain(world, _args(tp, stage, *extra, "--save", save, "--save-interval", "3",
-                              "--log-json", full)))
-    os.remove(os.path.join(save, "latest"))  # resume from iteration 3, not the final save
+    iters = ["--train-iters", "4"]  # (after BASE's: the last one wins)
+    _ok(pretrain(world, _args(tp, stage, *extra, *iters, "--save", save, "--save-interval",
+                              "2", "--log-json", full)))
+    os.remove(os.path.join(save, "latest"))  # resume from iteration 2, not the final save
     import shutil
-    shutil.rmtree(os.path.join(save, "iter_0000006"))
-    _ok(pretrain(world, _args(tp, stage, *extra, "--load", save, "--log-json", resumed)))
-    return read_json_log(full)[3:], read_json_log(resumed)
+    shutil.rmtree(os.path.join(save, "iter_0000004"))
+    _ok(pretrain(world, _args(tp, stage, *extra, *iters, "--load", save,
+                              "--log-json", resumed)))
+    return read_json_log(full)[2:], read_json_log(resumed)
 
 
 @pytest.mark.parametrize("stage", [2, 3])
 def test_exact_resume_is_bit_identical(tmp_path, stage):
-    """TP2 x DP2, dropout on: save at 3 of 6, resume: losses and gradient norms
-    4..6 equal to the last bit. (Stages 0 and 1 save and load through the same owned
+    """TP2 x DP2, dropout on: save at 2 of 4, resume: losses and gradient norms
+    3..4 equal to the last bit. (Stages 0 and 1 save and load through the same owned
     pieces; test_reshard_continues_the_same_curve loads into both and continues the
     curve.) Stage 2 keeps its optimizer on the nvme tier: the
     checkpoint streams from the swap files, the restart rebuilds them from it, and
@@ -67,8 +72,8 @@ def test_exact_resume_is_bit_identical(tmp_path, stage):
     else:
         flags += ["--offload-optimizer", "cpu", "--offload-param", "nvme",
                   "--offload-nvme-path", str(swap)]
-    full, resumed = _save_at_3_and_resume(tmp_path, 4, 2, stage, *flags)
-    assert len(resumed) == len(full) == 3
+    full, resumed = _save_at_2_and_resume(tmp_path, 4, 2, stage, *flags)
+    assert len(resumed) == len(full) == 2
     assert [m["loss"] for m in resumed] == [m["loss"] for m in full]
     assert [m["grad_norm"] for m in resumed] == [m["grad_norm"] for m in full]
     assert full[0]["model_state_bytes"]["disk"] > 0
@@ -83,8 +88,8 @@ def test_exact_resume_with_sequence_parallel_dropout_and_selective_recompute(tmp
     one to the last bit."""
     flags = ["--hidden-dropout", "0.1", "--attention-dropout", "0.1", "--sequence-parallel",
              "--recompute-activations"]
-    full, resumed = _save_at_3_and_resume(tmp_path, 4, 2, 3, *flags)
-    assert len(resumed) == len(full) == 3
+    full, resumed = _save_at_2_and_resume(tmp_path, 4, 2, 3, *flags)
+    assert len(resumed) == len(full) == 2
     assert [m["loss"] for m in resumed] == [m["loss"] for m in full]
     assert [m["grad_norm"] for m in resumed] == [m["grad_norm"] for m in full]
 
