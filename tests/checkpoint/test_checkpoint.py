@@ -37,23 +37,28 @@ def _digest(directory):
     return h.hexdigest()
 
 
-def _save_at_3_and_resume(tmp_path, world, tp, stage, *extra):
-    """(uninterrupted log from iteration 4 on, resumed log): save at 3 of 6, resume."""
+def _save_at_2_and_resume(tmp_path, world, tp, stage, *extra):
+    """(uninterrupted log from iteration 3 on, resumed log): save at 2 of 4, resume. (Two
+    steps after the resume: the first on the loaded Adam moments, step count and RNG
+    states, the second on moments it updated; ITERS' 6 with a save at 3 checked nothing
+    more, for half again the steps.)"""
     full, resumed, save = (str(tmp_path / "full.jsonl"), str(tmp_path / "res.jsonl"),
                            str(tmp_path / "ckpt"))
-    _ok(pretrain(world, _args(tp, stage, *extra, "--save", save, "--save-interval", "3",
-                              "--log-json", full)))
-    os.remove(os.path.join(save, "latest"))  # resume from iteration 3, not the final save
+    iters = ["--train-iters", "4"]  # (after BASE's: the last one wins)
+    _ok(pretrain(world, _args(tp, stage, *extra, *iters, "--save", save, "--save-interval",
+                              "2", "--log-json", full)))
+    os.remove(os.path.join(save, "latest"))  # resume from iteration 2, not the final save
     import shutil
-    shutil.rmtree(os.path.join(save, "iter_0000006"))
-    _ok(pretrain(world, _args(tp, stage, *extra, "--load", save, "--log-json", resumed)))
-    return read_json_log(full)[3:], read_json_log(resumed)
+    shutil.rmtree(os.path.join(save, "iter_0000004"))
+    _ok(pretrain(world, _args(tp, stage, *extra, *iters, "--load", save,
+                              "--log-json", resumed)))
+    return read_json_log(full)[2:], read_json_log(resumed)
 
 
 @pytest.mark.parametrize("stage", [2, 3])
 def test_exact_resume_is_bit_identical(tmp_path, stage):
-    """TP2 x DP2, dropout on: save at 3 of 6, resume: losses and gradient norms
-    4..6 equal to the last bit. (Stages 0 and 1 save and load through the same owned
+    """TP2 x DP2, dropout on: save at 2 of 4, resume: losses and gradient norms
+    3..4 equal to the last bit. (Stages 0 and 1 save and load through the same owned
     pieces; test_reshard_continues_the_same_curve loads into both and continues the
     curve.) Stage 2 keeps its optimizer on the nvme tier: the
     checkpoint streams from the swap files, the restart rebuilds them from it, and
@@ -67,8 +72,8 @@ def test_exact_resume_is_bit_identical(tmp_path, stage):
     else:
         flags += ["--offload-optimizer", "cpu", "--offload-param", "nvme",
                   "--offload-nvme-path", str(swap)]
-    full, resumed = _save_at_3_and_resume(tmp_path, 4, 2, stage, *flags)
-    assert len(resumed) == len(full) == 3
+    full, resumed = _save_at_2_and_resume(tmp_path, 4, 2, stage, *flags)
+    assert len(resumed) == len(full) == 2
     assert [m["loss"] for m in resumed] == [m["loss"] for m in full]
     assert [m["grad_norm"] for m in resumed] == [m["grad_norm"] for m in full]
     assert full[0]["model_state_bytes"]["disk"] > 0
@@ -83,36 +88,41 @@ def test_exact_resume_with_sequence_parallel_dropout_and_selective_recompute(tmp
     one to the last bit."""
     flags = ["--hidden-dropout", "0.1", "--attention-dropout", "0.1", "--sequence-parallel",
              "--recompute-activations"]
-    full, resumed = _save_at_3_and_resume(tmp_path, 4, 2, 3, *flags)
-    assert len(resumed) == len(full) == 3
+    full, resumed = _save_at_2_and_resume(tmp_path, 4, 2, 3, *flags)
+    assert len(resumed) == len(full) == 2
     assert [m["loss"] for m in resumed] == [m["loss"] for m in full]
     assert [m["grad_norm"] for m in resumed] == [m["grad_norm"] for m in full]
 
 
+RESHARD_ITERS = 4  # saved at 2: two steps after each reshard (as _save_at_2_and_resume)
+
+
 @pytest.fixture(scope="module")
 def stage3_checkpoint(tmp_path_factory):
-    """TP2 x DP2 ZeRO-3 run saved at iteration 3, and its uninterrupted curve."""
+    """TP2 x DP2 ZeRO-3 run saved at iteration 2 (of 4), and its uninterrupted curve."""
     tmp = tmp_path_factory.mktemp("reshard")
     save, log = str(tmp / "ckpt"), str(tmp / "full.jsonl")
-    _ok(pretrain(4, _args(2, 3, "--save", save, "--save-interval", "3", "--keep-last", "1",
-                          "--log-json", log)))
-    # keep-last 1 left only the final save; make the iteration-3 one again for resharding
-    _ok(pretrain(4, _args(2, 3, "--save", str(tmp / "at3"), "--train-iters", "3")))
-    return str(tmp / "at3"), _losses(log), save
+    iters = ["--train-iters", str(RESHARD_ITERS)]
+    _ok(pretrain(4, _args(2, 3, *iters, "--save", save, "--save-interval", "2",
+                          "--keep-last", "1", "--log-json", log)))
+    # keep-last 1 left only the final save; make the iteration-2 one again for resharding
+    _ok(pretrain(4, _args(2, 3, "--save", str(tmp / "at2"), "--train-iters", "2")))
+    return str(tmp / "at2"), _losses(log), save
 
 
 @pytest.mark.parametrize("tp,dp,stage", [(1, 4, 1), (4, 1, 0), (1, 2, 2), (2, 1, 3)])
 def test_reshard_continues_the_same_curve(stage3_checkpoint, tmp_path, tp, dp, stage):
     ckpt, curve, _ = stage3_checkpoint
     log = str(tmp_path / "re.jsonl")
-    _ok(pretrain(tp * dp, _args(tp, stage, "--load", ckpt, "--log-json", log)))
-    for a, b in zip(_losses(log), curve[3:]):
+    _ok(pretrain(tp * dp, _args(tp, stage, "--train-iters", str(RESHARD_ITERS), "--load", ckpt,
+                                "--log-json", log)))
+    for a, b in zip(_losses(log), curve[2:], strict=True):
         assert abs(a - b) <= 1e-5 * abs(b)
 
 
 def test_keep_last_prunes_only_after_a_complete_save(stage3_checkpoint):
     _, _, save = stage3_checkpoint
-    assert sorted(os.listdir(save)) == [".lock", "iter_0000006", "latest", "owner.json"]
+    assert sorted(os.listdir(save)) == [".lock", "iter_0000004", "latest", "owner.json"]
 
 
 def test_convert_merges_into_one_file_equal_to_the_shards(stage3_checkpoint, tmp_path):
@@ -124,7 +134,7 @@ def test_convert_merges_into_one_file_equal_to_the_shards(stage3_checkpoint, tmp
     r = run_script("convert_checkpoint", [ckpt, out])
     assert r.returncode == 0, r.stderr
     merged = torch.load(out)
-    _, state = merged_state(os.path.join(ckpt, "iter_0000003"))
+    _, state = merged_state(os.path.join(ckpt, "iter_0000002"))
     assert set(merged["model"]) == set(state)
     for n, s in state.items():
         assert torch.equal(merged["model"][n], s["master"])

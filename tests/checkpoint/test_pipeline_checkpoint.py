@@ -3,8 +3,10 @@ ZeRO layout and continue the curve, each rank reading only the files of its stag
 pieces; the tools read them; a tied embedding's copy is saved once.
 
 Through scripts/pretrain_gpt.py's work on pooled ranks (tests.helpers.launch.pretrain),
-a 4-layer tiny Llama-shaped GPT, 8 samples a step: a run saves at iteration 3 of 6, and a resume
-in another layout logs iterations 4-6, compared with the uninterrupted run's.
+a 4-layer tiny Llama-shaped GPT, 8 samples a step: a run saves at iteration 2 of 4, and a resume
+in another layout logs iterations 3-4, compared with the uninterrupted run's. (Two steps after
+a resume: the first on the loaded optimizer state, the second on what it updated; a save at 3
+of 6 checked nothing more, for half again the steps of every run.)
 """
 
 import json
@@ -16,7 +18,7 @@ import pytest
 from tests.helpers.launch import TINY, pretrain, read_json_log, run_script
 from tests.helpers.opened import opened_by_rank, own_files, recording_rank
 
-BASE = TINY + ["--num-layers", "4", "--global-batch-size", "8", "--train-iters", "6",
+BASE = TINY + ["--num-layers", "4", "--global-batch-size", "8", "--train-iters", "4",
                "--eval-iters", "0", "--zero-param-persistence-threshold", "0"]
 # Llama-shaped (untied, so Hugging Face's LlamaForCausalLM exports it; SwiGLU's fused
 # weight reshards across TP and stages too)
@@ -36,19 +38,19 @@ def _losses(path):
     return [m["loss"] for m in read_json_log(path)]
 
 
-def _saved_at_3(tmp, name, world, layout, base=UNTIED):
-    """(checkpoint directory holding iteration 3 only, the uninterrupted run's losses)."""
+def _saved_at_2(tmp, name, world, layout, base=UNTIED):
+    """(checkpoint directory holding iteration 2 only, the uninterrupted run's losses)."""
     save, log = str(tmp / name), str(tmp / f"{name}.jsonl")
-    _ok(pretrain(world, base + layout + ["--save", save, "--save-interval", "3",
+    _ok(pretrain(world, base + layout + ["--save", save, "--save-interval", "2",
                                          "--log-json", log]))
-    os.remove(os.path.join(save, "latest"))  # resume from iteration 3, not the final save
-    shutil.rmtree(os.path.join(save, "iter_0000006"))
+    os.remove(os.path.join(save, "latest"))  # resume from iteration 2, not the final save
+    shutil.rmtree(os.path.join(save, "iter_0000004"))
     return save, _losses(log)
 
 
 @pytest.fixture(scope="module")
 def pp2_tp2(tmp_path_factory):
-    return _saved_at_3(tmp_path_factory.mktemp("pp2_tp2"), "ckpt", 4, PP2_TP2)
+    return _saved_at_2(tmp_path_factory.mktemp("pp2_tp2"), "ckpt", 4, PP2_TP2)
 
 
 def _resume(tmp_path, save, world, layout, base=UNTIED):
@@ -66,70 +68,70 @@ def _resume(tmp_path, save, world, layout, base=UNTIED):
 ])
 def test_pp2_tp2_checkpoint_continues_the_curve_in_another_layout(pp2_tp2, tmp_path, name,
                                                                    world, layout):
-    """Saved at PP 2 x TP 2 (ZeRO 1) after 3 steps, resumed at PP 1 x TP 1 (one rank), PP 1
-    x DP 2 (ZeRO 2), PP 1 x CP 2 (ZeRO 3) and PP 4 (ZeRO 0): losses 4-6 equal the
+    """Saved at PP 2 x TP 2 (ZeRO 1) after 2 steps, resumed at PP 1 x TP 1 (one rank), PP 1
+    x DP 2 (ZeRO 2), PP 1 x CP 2 (ZeRO 3) and PP 4 (ZeRO 0): losses 3-4 equal the
     uninterrupted PP 2 x TP 2 run's within 1e-5 (relative). At PP 4 each stage holds
     one old stage's layers and opens only that stage's two files (both TP ranks: the TP
     1 parameters are cut from both halves) with their headers."""
     save, full = pp2_tp2
     got, opened = _resume(tmp_path, save, world, layout)
-    assert len(got) == 3, name
-    for a, b in zip(got, full[3:], strict=True):
-        assert abs(a - b) <= 1e-5 * abs(b), (name, got, full[3:])
+    assert len(got) == 2, name
+    for a, b in zip(got, full[2:], strict=True):
+        assert abs(a - b) <= 1e-5 * abs(b), (name, got, full[2:])
     if name == "pp4_zero0":  # new stage s: layer s, in old stage s // 2 (old ranks 2s', 2s'+1)
         for rank, files in opened.items():
             old = rank // 2
             data = {f for f in files if f.endswith((".bin", ".pt"))}
-            assert data == own_files(2 * old) | own_files(2 * old + 1), (rank, files)
+            assert data == own_files(2 * old, 2) | own_files(2 * old + 1, 2), (rank, files)
 
 
 def test_same_layout_resume_of_a_pipeline_run_is_exact_and_reads_only_itsown_files(
         pp2_tp2, tmp_path):
-    """PP 2 x TP 2 resumed as it was saved: losses 4-6 equal the uninterrupted run's to
+    """PP 2 x TP 2 resumed as it was saved: losses 3-4 equal the uninterrupted run's to
     the last bit, and each rank opens the metadata, its own header and its own data file,
     nothing else (so the RNG states come back too; 'latest' was removed to resume from
-    iteration 3, the newest complete checkpoint left)."""
+    iteration 2, the newest complete checkpoint left)."""
     save, full = pp2_tp2
     got, opened = _resume(tmp_path, save, 4, PP2_TP2)
-    assert got == full[3:]
+    assert got == full[2:]
     for rank in range(4):
-        assert sorted(opened[rank]) == sorted(["iter_0000003/metadata.json",
-                                               *own_files(rank)]), (rank, opened[rank])
+        assert sorted(opened[rank]) == sorted(["iter_0000002/metadata.json",
+                                               *own_files(rank, 2)]), (rank, opened[rank])
 
 
 def test_pp4_checkpoint_resumes_at_pp2_dp2_reading_only_the_stage_s_old_files(tmp_path):
     """Saved at PP 4 (one layer per stage, ZeRO 0), resumed at PP 2 x DP 2 (ZeRO 3): losses
-    4-6 within 1e-5 of the uninterrupted PP 4 run's; a rank of new stage s (layers 2s,
+    3-4 within 1e-5 of the uninterrupted PP 4 run's; a rank of new stage s (layers 2s,
     2s+1) opens the files of old stages 2s and 2s+1 only."""
-    save, full = _saved_at_3(tmp_path, "pp4", 4, PP4)
+    save, full = _saved_at_2(tmp_path, "pp4", 4, PP4)
     got, opened = _resume(tmp_path, save, 4, ["--pipeline-model-parallel-size", "2",
                                               "--zero-stage", "3"])
-    assert len(got) == 3
-    for a, b in zip(got, full[3:], strict=True):
-        assert abs(a - b) <= 1e-5 * abs(b), (got, full[3:])
+    assert len(got) == 2
+    for a, b in zip(got, full[2:], strict=True):
+        assert abs(a - b) <= 1e-5 * abs(b), (got, full[2:])
     for rank, files in opened.items():  # PP 2 x DP 2: ranks 0, 1 stage 0; 2, 3 stage 1
         s = rank // 2
         data = {f for f in files if f.endswith((".bin", ".pt"))}
-        assert data == own_files(2 * s) | own_files(2 * s + 1), (rank, files)
+        assert data == own_files(2 * s, 2) | own_files(2 * s + 1, 2), (rank, files)
 
 
 def test_a_tied_pipeline_run_resumes_at_pp1_and_at_pp2_on_its_curve(tmp_path):
-    """GPT-2 with tied embeddings at PP 2 x DP 2 (ZeRO 1), saved after 3 steps: the last
+    """GPT-2 with tied embeddings at PP 2 x DP 2 (ZeRO 1), saved after 2 steps: the last
     stage's copy of wte.weight is not in the checkpoint, and resumes at PP 1 (one rank)
-    and at PP 2 x TP 2 (the copy read from the first stage's files) give losses 4-6
+    and at PP 2 x TP 2 (the copy read from the first stage's files) give losses 3-4
     within 1e-5 of the uninterrupted run's."""
     tied = BASE + ["--zero-stage", "1"]
-    save, full = _saved_at_3(tmp_path, "tied", 4, ["--pipeline-model-parallel-size", "2"],
+    save, full = _saved_at_2(tmp_path, "tied", 4, ["--pipeline-model-parallel-size", "2"],
                              base=tied)
-    with open(os.path.join(save, "iter_0000003", "metadata.json")) as f:
+    with open(os.path.join(save, "iter_0000002", "metadata.json")) as f:
         stages = json.load(f)["zero_layout"]["stages"]
     assert [st["unsaved"] for st in stages] == [[], ["wte.weight"]]
     for world, layout in ((1, []), (4, ["--pipeline-model-parallel-size", "2",
                                         "--tensor-model-parallel-size", "2"])):
         got, _ = _resume(tmp_path, save, world, layout, base=tied)
-        assert len(got) == 3, layout
-        for a, b in zip(got, full[3:], strict=True):
-            assert abs(a - b) <= 1e-5 * abs(b), (layout, got, full[3:])
+        assert len(got) == 2, layout
+        for a, b in zip(got, full[2:], strict=True):
+            assert abs(a - b) <= 1e-5 * abs(b), (layout, got, full[2:])
 
 
 def test_a_pipeline_checkpoint_says_which_stage_holds_which_names(pp2_tp2):
@@ -137,7 +139,7 @@ def test_a_pipeline_checkpoint_says_which_stage_holds_which_names(pp2_tp2):
     model's names and shapes, and per stage its units: the embeddings and layers 0-1 on
     stage 0, layers 2-3 and the head on stage 1; every name in exactly one stage."""
     save, _ = pp2_tp2
-    with open(os.path.join(save, "iter_0000003", "metadata.json")) as f:
+    with open(os.path.join(save, "iter_0000002", "metadata.json")) as f:
         meta = json.load(f)
     assert meta["version"] == 4 and meta["pipeline_model_parallel_size"] == 2
     z = meta["zero_layout"]
@@ -170,11 +172,11 @@ def _resave_at_pp1(ps, ckpt, out, args):
     from hybrid.tensor_parallel import seed_all
     from hybrid.train.setup import build_engine
     cfg = build_config(parse_args(args), ps.world_size)
-    vocab = read_metadata(os.path.join(ckpt, "iter_0000003"))["vocab_size"]
+    vocab = read_metadata(os.path.join(ckpt, "iter_0000002"))["vocab_size"]
     rng = seed_all(cfg.seed, ps.tp_rank, ps.dp_rank, ps.device)
     _, _, engine = build_engine(cfg, ps, vocab, rng)
     load_checkpoint(ckpt, engine, ps, cfg.seed, rng, vocab)
-    save_checkpoint(out, 3, 24, engine, ps, cfg.to_dict(), rng, vocab_size=vocab)
+    save_checkpoint(out, 2, 16, engine, ps, cfg.to_dict(), rng, vocab_size=vocab)
 
 
 def test_tools_read_a_pipeline_checkpoint(pp2_tp2, tmp_path):
@@ -203,7 +205,7 @@ def test_tools_read_a_pipeline_checkpoint(pp2_tp2, tmp_path):
     r = run_script("convert_checkpoint", [save, merged])
     assert r.returncode == 0 and "PP 2" in r.stdout, r.stdout + r.stderr
     model = torch.load(merged)["model"]
-    with open(os.path.join(save, "iter_0000003", "metadata.json")) as f:
+    with open(os.path.join(save, "iter_0000002", "metadata.json")) as f:
         shapes = json.load(f)["model"]
     assert {n: list(t.shape) for n, t in model.items()} == shapes
     r = run_script("convert_checkpoint", ["verify", save])

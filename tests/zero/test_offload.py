@@ -14,7 +14,7 @@ from hybrid.parallel.state import ParallelState
 from hybrid.tensor_parallel import InitValues, seed_all
 from models.gpt import GPT
 from tests.helpers.harness import run_ranks
-from tests.helpers.zero_reference import zero_engine
+from tests.helpers.zero_reference import BUCKETS, zero_engine
 
 VOCAB, SEQ, MICRO, BATCH, STEPS, SEED = 257, 16, 2, 8, 5, 5
 
@@ -49,7 +49,9 @@ def _params(model, engine):
 def _train(ps, variants):
     out = []
     for stage, kw in variants:
-        cfg = _cfg(ps.world_size, zero_stage=stage, offload_optimizer="cpu", **kw)
+        # buckets of 4000 (zero_reference.BUCKETS): still several units per step at
+        # stages 1-2 (the embedding, 12288 elements, one of its own), stage 3's whole blocks
+        cfg = _cfg(ps.world_size, zero_stage=stage, offload_optimizer="cpu", **BUCKETS, **kw)
         model = _gpt(cfg, ps, "meta")
         engine = zero_engine(model, ps, cfg, values=InitValues(cfg.seed, model.init_of))
         sent = []  # per step: (unit index, gradients arrived so far) for each unit sent down
