@@ -81,19 +81,25 @@ def _continue(ps, load_dir: str, stage: int, frozen: dict | None = None) -> list
     if frozen is not None:
         frozen.update({k: v.clone() for k, v in net.state_dict().items()
                        if not k.startswith("head.")})
-    per, rank, world = rec.GLOBAL_BATCH // ps.dp_size, ps.dp_rank, ps.dp_size
-    losses = []
-    for step in range(rec.SAVED_AT, rec.SAVED_AT + rec.CONTINUED):
-        x, y = rec.batch(step)
-        loss = rec.loss_of(engine(x[rank * per:(rank + 1) * per]), y[rank * per:(rank + 1) * per])
-        engine.backward(loss)
-        engine.step()
-        mean = loss.detach().clone().reshape(1)
-        if world > 1:
-            ps.world_group.all_reduce(mean)
-        losses.append(float(mean) / world)
+    losses = [_step(engine, ps, step) for step in range(rec.SAVED_AT,
+                                                         rec.SAVED_AT + rec.CONTINUED)]
     engine.close()
     return losses
+
+
+def _step(engine, ps, step: int) -> float:
+    """One step of the recorder's batch ``step`` on this DP rank's rows: the global loss
+    (the mean over the DP ranks' micro-batches)."""
+    rec = _recorder()
+    per, rank, world = rec.GLOBAL_BATCH // ps.dp_size, ps.dp_rank, ps.dp_size
+    x, y = rec.batch(step)
+    loss = rec.loss_of(engine(x[rank * per:(rank + 1) * per]), y[rank * per:(rank + 1) * per])
+    engine.backward(loss)
+    engine.step()
+    mean = loss.detach().clone().reshape(1)
+    if world > 1:
+        ps.world_group.all_reduce(mean)
+    return float(mean) / world
 
 
 def _two_ranks(ps, cases):
@@ -204,16 +210,8 @@ def _continue_excluded(ps, load_dir: str) -> tuple[list[float], bool]:
         model=net, model_parameters=[p for p in net.parameters() if p.requires_grad],
         config=rec.config(2), mpu=ps)
     engine.load_checkpoint(load_dir)
-    per, rank = rec.GLOBAL_BATCH // 2, ps.dp_rank
-    losses = []
-    for step in range(rec.SAVED_AT, rec.SAVED_AT + rec.CONTINUED):
-        x, y = rec.batch(step)
-        loss = rec.loss_of(engine(x[rank * per:(rank + 1) * per]), y[rank * per:(rank + 1) * per])
-        engine.backward(loss)
-        engine.step()
-        mean = loss.detach().clone().reshape(1)
-        ps.world_group.all_reduce(mean)
-        losses.append(float(mean) / 2)
+    losses = [_step(engine, ps, step) for step in range(rec.SAVED_AT,
+                                                         rec.SAVED_AT + rec.CONTINUED)]
     engine.close()
     return losses, torch.equal(net.base.weight, base)
 
@@ -605,17 +603,11 @@ def _trained_frozen(ps, save: str, steps: int) -> list[float]:
     engine, *_ = hds.initialize(model=net,
                                 model_parameters=[p for p in net.parameters() if p.requires_grad],
                                 config=rec.config(2), mpu=ps)
-    per, rank, losses = rec.GLOBAL_BATCH // 2, ps.dp_rank, []
+    losses = []
     for step in range(10 + steps):
         if step == 10:
             engine.save_checkpoint(save)
-        x, y = rec.batch(step)
-        loss = rec.loss_of(engine(x[rank * per:(rank + 1) * per]), y[rank * per:(rank + 1) * per])
-        engine.backward(loss)
-        engine.step()
-        mean = loss.detach().clone().reshape(1)
-        ps.world_group.all_reduce(mean)
-        losses.append(float(mean) / 2)
+        losses.append(_step(engine, ps, step))
     engine.close()
     return losses
 
