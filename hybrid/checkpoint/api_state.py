@@ -173,7 +173,16 @@ def _encoded_module_state(engine, exclude_frozen: bool):
     ranks or when the module has no frozen parameter or buffer; a refusal is raised on
     every rank. Collective over the world."""
     data, error = None, None
-    if engine.ps.rank == 0:
+    if engine.ps.pp_size > 1:
+        # each stage holds its own layers' state, and the file is rank 0's (stage 0's)
+        names = module_state.names(engine.module, exclude_frozen)
+        if names:
+            error = (f"save_checkpoint: {names[0]} of pipeline stage {engine.ps.pp_rank} is a "
+                     f"frozen parameter or a buffer, which hybrid does not save for a "
+                     f"pipeline engine yet (it would be lost); let it train, make the buffer "
+                     f"non-persistent, or pass exclude_frozen_parameters=True if it is a "
+                     f"frozen parameter the script rebuilds; nothing was written")
+    elif engine.ps.rank == 0:
         try:
             data = module_state.encode(engine.module, engine.ps.tp_size, exclude_frozen)
         except ConfigError as e:

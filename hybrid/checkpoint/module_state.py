@@ -25,7 +25,9 @@ are the script's to rebuild (a pretrained base loaded again), and the checkpoint
 so (metadata ``module_state_excludes_frozen``), so its load keeps the module's own.
 
 A frozen parameter or buffer split over tensor parallelism (a ``tp_spec``) would be
-saved as rank 0's slice: the save refuses it by name rather than write a part.
+saved as rank 0's slice, and a pipeline engine's stages each hold their own: the save
+refuses both by name rather than write a part (a pipeline's module state is not saved
+yet).
 """
 
 from __future__ import annotations
@@ -46,6 +48,11 @@ def _untrained(module: torch.nn.Module, frozen: bool = True) -> dict[str, torch.
     params = dict(module.named_parameters(remove_duplicate=False))
     return {n: t for n, t in module.state_dict(keep_vars=True).items()
             if not (n in params and (params[n].requires_grad or not frozen))}
+
+
+def names(module: torch.nn.Module, exclude_frozen: bool = False) -> list[str]:
+    """What :func:`encode` would write, by name (the buffers only with ``exclude_frozen``)."""
+    return list(_untrained(module, frozen=not exclude_frozen))
 
 
 def frozen_names(module: torch.nn.Module) -> list[str]:

@@ -7,6 +7,7 @@ a tuple with an integer member, and PP 2 x DP 2 at every ZeRO stage against one 
 from __future__ import annotations
 
 import math
+import os
 import re
 
 import pytest
@@ -343,3 +344,35 @@ def test_half_precision_train_batch_follows_fp32_and_an_overflow_skips_every_sta
     assert [s for _, _, s in skipped] == [2.0 ** (39 - i) for i in range(steps)], skipped
     assert skipped[0][0] == got[("fp16", 8)][0][0], (skipped, got[("fp16", 8)])
     assert all(math.isfinite(loss) for loss, _, _ in skipped), skipped
+
+
+def _save_with_a_buffer_in_stage_1(ps, save_dir: str) -> str:
+    from hybrid import deepspeed
+    torch.manual_seed(SEED)
+    layers = [nn.Linear(WIDTH, 16), nn.ReLU(), nn.Linear(16, 16), nn.BatchNorm1d(16),
+              nn.Linear(16, CLASSES)]
+    net = deepspeed.pipe.PipelineModule(layers=layers, loss_fn=nn.CrossEntropyLoss(),
+                                        num_stages=2, partition_method="uniform",
+                                        parallel_state=ps)
+    engine, _, _, _ = deepspeed.initialize(model=net, model_parameters=net.parameters(),
+                                           config=ds_config(stage=1))
+    try:
+        engine.save_checkpoint(save_dir)
+    except ConfigError as e:
+        return str(e)
+    finally:
+        engine.close()
+    return "saved"
+
+
+def test_a_pipeline_stage_s_buffers_are_refused_by_name_not_lost(tmp_path):
+    """A pipeline engine's frozen parameters and buffers live in their stage, and the module
+    state file is stage 0's: a save with a BatchNorm in stage 1 is one ConfigError naming
+    it on every rank, and nothing is written (before, its statistics were silently not
+    saved)."""
+    out = run_ranks(_save_with_a_buffer_in_stage_1, world_size=2, pp=2,
+                    args=(str(tmp_path / "ckpt"),))
+    assert out[0] == out[1]
+    assert re.match(r"save_checkpoint: \d\.running_mean of pipeline stage 1 is a frozen "
+                    r"parameter or a buffer", out[0]), out[0]
+    assert not os.path.exists(tmp_path / "ckpt")
