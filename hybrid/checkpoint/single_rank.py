@@ -94,16 +94,7 @@ def write_single_rank_checkpoint(save_dir: str, shapes: dict[str, list[int]], re
                 beat()
             f.flush()
             os.fsync(fd)
-        sums = BlockSums()
-        with open(data_path, "rb") as src:
-            for _ in columns:  # each column block is hashed as a save would, block by block
-                sums.column()
-                left = rows * 4
-                while left:
-                    chunk = src.read(min(left, 8 << 20))
-                    sums.update(memoryview(chunk))
-                    left -= len(chunk)
-                    beat()
+        sums = _hash_columns(data_path, len(columns), rows * 4, beat)
         specs = {n: {"full_shape": s, "dim": None, "tp_rank": 0, "tp_size": 1}
                  for n, s in shapes.items()}
         header = {"version": VERSION, "rank": 0, "tp_rank": 0, "dp_rank": 0, "specs": specs,
@@ -137,3 +128,19 @@ def _prod(shape) -> int:
     for s in shape:
         out *= s
     return out
+
+
+def _hash_columns(data_path: str, columns: int, column_bytes: int, beat) -> BlockSums:
+    """The block checksums of a data file of ``columns`` blocks of ``column_bytes`` each,
+    hashed as a save hashes its columns, reading 8 MiB at a time (``beat()`` after each)."""
+    sums = BlockSums()
+    with open(data_path, "rb") as src:
+        for _ in range(columns):
+            sums.column()
+            left = column_bytes
+            while left:
+                chunk = src.read(min(left, 8 << 20))
+                sums.update(memoryview(chunk))
+                left -= len(chunk)
+                beat()
+    return sums

@@ -335,7 +335,8 @@ class DeepSpeedCheckpoint:
         ms, where = self._model_states, self.model_file
         module = ms.get("module") or {}
         buffers = [n for n in (ms.get("buffer_names") or ()) if n in module]
-        out = {n: module[n].detach().clone() for n in buffers}
+        # (the file's mapped tensors, not copies: the import streams them to its file)
+        out = {n: module[n].detach() for n in buffers}
         if self.excludes_frozen:
             return out
         fragments = self._fragments(ms) if self.frozen_shapes else {}
@@ -346,7 +347,7 @@ class DeepSpeedCheckpoint:
             if not isinstance(t, torch.Tensor) or t.numel() < math.prod(shape):
                 raise CheckpointError(f"{where}: no value of the frozen parameter {name} "
                                       f"{shape} (frozen_param_fragments / module)")
-            out[name] = t.detach().reshape(-1)[:math.prod(shape)].clone().view(shape)
+            out[name] = t.detach().reshape(-1)[:math.prod(shape)].view(shape)
         return out
 
     def _fragments(self, ms: dict) -> dict[str, torch.Tensor]:

@@ -118,15 +118,7 @@ def write(checkpoint: str, out_dir: str, dp_size: int = 1, zero_stage: int = 2, 
     ckpt = resolve_checkpoint(checkpoint)
     meta, params = iter_full_params(ckpt, ("master",))
     params.close()
-    # a hybrid.deepspeed module's frozen parameters and buffers: in no unit, so not in
-    # the optimizer's partitions; DeepSpeed keeps them in its model-state files
-    # (saved with exclude_frozen_parameters: the names only, written as DeepSpeed writes
-    # such a save, without them)
-    untrained = module_state.read(ckpt, meta)
-    frozen_names = set(meta.get("frozen_parameters") or ()) | (set(untrained) & set(meta["model"]))
-    frozen = {n: untrained[n] for n in meta["model"] if n in untrained}
-    buffers = {n: t for n, t in untrained.items() if n not in frozen}
-    shapes = {n: list(s) for n, s in meta["model"].items() if n not in frozen_names}
+    shapes, frozen, buffers = _trained_frozen_buffers(ckpt, meta)
     if meta.get("zero_layout", {}).get("columns") == ["master"]:
         raise CheckpointError(f"{ckpt}: saved without optimizer state (--no-save-optim): "
                               f"a DeepSpeed checkpoint to continue from needs its moments")
@@ -187,6 +179,19 @@ def write(checkpoint: str, out_dir: str, dp_size: int = 1, zero_stage: int = 2, 
 
 
 _COLUMNS = ("master", "exp_avg", "exp_avg_sq")
+
+
+def _trained_frozen_buffers(ckpt: str, meta: dict) -> tuple[dict, dict, dict]:
+    """(the trained parameters' shapes, the frozen parameters, the buffers) of checkpoint
+    ``ckpt``. A hybrid.deepspeed module's frozen parameters and buffers are in no unit,
+    so not in the optimizer's partitions; DeepSpeed keeps them in its model-state files.
+    Saved with ``exclude_frozen_parameters``, the frozen ones are names only, and are
+    left out as DeepSpeed's own such save leaves them."""
+    untrained = module_state.read(ckpt, meta)
+    frozen = {n: untrained[n] for n in meta["model"] if n in untrained}
+    skip = set(meta.get("frozen_parameters") or ()) | set(frozen)
+    shapes = {n: list(s) for n, s in meta["model"].items() if n not in skip}
+    return shapes, frozen, {n: t for n, t in untrained.items() if n not in frozen}
 
 
 def _scatter_partitions(ckpt: str, spill: Spill, dp_size: int, parts: list[int],
