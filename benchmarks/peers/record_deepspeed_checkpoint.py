@@ -264,6 +264,73 @@ def _hf_worker(rank: int, port: int, out_dir: str, family: str, stage: int = 2) 
     end_rank()
 
 
+# A DeepSpeed PipelineModule (runtime/pipe): five layers cut uniformly into 2 stages
+# ([0, 3), [3, 5)), the first layer's weight tied to the last's (TiedLayerSpec, the last
+# using it transposed through forward_fn, as Megatron-DeepSpeed's GPT ties its embedding
+# and head), a parameterless layer between. trained by DeepSpeed's PipelineEngine
+# (train_batch: PIPE_MICRO rows a micro-batch, gradient accumulation to GLOBAL_BATCH) on
+# PIPE_STAGES x DP ranks; its layer and per-stage files are hybrid's pipeline import's
+# fixtures (pipe_zero0, pipe_zero1; pipe_dp2_zero1 at PP 2 x DP 2).
+PIPE_STAGES = 2
+PIPE_MICRO = 2
+
+
+def pipe_head(module, x):
+    """The tied weight's second use: the output layer, ``x @ W`` (W: 9 x 7)."""
+    return x @ module.weight
+
+
+def pipe_layers(layer_spec, tied_layer_spec) -> list:
+    """The layers, given DeepSpeed's LayerSpec and TiedLayerSpec classes (or hybrid's)."""
+    return [tied_layer_spec("embed", nn.Linear, 7, 9, bias=False),
+            layer_spec(nn.Linear, 9, 9), layer_spec(nn.Tanh), layer_spec(nn.Linear, 9, 9),
+            tied_layer_spec("embed", nn.Linear, 7, 9, bias=False, forward_fn=pipe_head)]
+
+
+def pipe_config(stage: int) -> dict:
+    """:func:`config` with PIPE_MICRO-row micro-batches (the accumulation: the rest)."""
+    out = config(stage)
+    del out["gradient_accumulation_steps"]
+    return {**out, "train_micro_batch_size_per_gpu": PIPE_MICRO}
+
+
+def pipe_micro_batches(step: int, dp_rank: int, dp_size: int) -> list:
+    """DP rank ``dp_rank``'s micro-batches of step ``step``: its rows of :func:`batch`
+    (``[r*B/n, (r+1)*B/n)``), PIPE_MICRO at a time, as (inputs, labels)."""
+    x, y = batch(step)
+    per = GLOBAL_BATCH // dp_size
+    x, y = x[dp_rank * per:(dp_rank + 1) * per], y[dp_rank * per:(dp_rank + 1) * per]
+    return [(x[i:i + PIPE_MICRO], y[i:i + PIPE_MICRO]) for i in range(0, per, PIPE_MICRO)]
+
+
+def _pipe_worker(rank: int, port: int, out_dir: str, stage: int, world: int) -> None:
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    import deepspeed
+    from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
+    deepspeed.init_distributed(dist_backend="gloo")
+    torch.manual_seed(0)
+    net = PipelineModule(pipe_layers(LayerSpec, TiedLayerSpec), num_stages=PIPE_STAGES,
+                         loss_fn=loss_of, partition_method="uniform")
+    engine, *_ = deepspeed.initialize(
+        model=net, model_parameters=[p for p in net.parameters() if p.requires_grad],
+        config=pipe_config(stage))
+    dp_rank, dp_size = engine.grid.get_data_parallel_id(), engine.grid.data_parallel_size
+    losses = []
+    for step in range(SAVED_AT + CONTINUED):
+        if step == SAVED_AT:
+            engine.save_checkpoint(out_dir)
+        loss = engine.train_batch(iter(pipe_micro_batches(step, dp_rank, dp_size)))
+        losses.append(float(loss))
+    if rank == 0:
+        with open(os.path.join(out_dir, "losses.json"), "w") as f:
+            json.dump({"deepspeed": deepspeed.__version__, "world_size": world,
+                       "pipeline_stages": PIPE_STAGES, "zero_stage": stage,
+                       "partition": net.parts, "saved_at": SAVED_AT,
+                       "before": losses[:SAVED_AT], "after": losses[SAVED_AT:]}, f, indent=1)
+    end_rank()
+
+
 def _port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -312,6 +379,17 @@ def main(argv: list[str]) -> int:
         os.makedirs(out)
         torch.multiprocessing.spawn(_worker, args=(_port(), out, stage, True, exclude),
                                     nprocs=WORLD)
+        _clean(out)
+        print(f"wrote {out}")
+    for case, stage, world in (("pipe_zero0", 0, 2), ("pipe_zero1", 1, 2),
+                               ("pipe_dp2_zero1", 1, 4)):
+        if case not in which:
+            continue
+        out = os.path.join(root, case)
+        shutil.rmtree(out, ignore_errors=True)
+        os.makedirs(out)
+        torch.multiprocessing.spawn(_pipe_worker, args=(_port(), out, stage, world),
+                                    nprocs=world)
         _clean(out)
         print(f"wrote {out}")
     return 0

@@ -52,7 +52,7 @@ from hybrid.checkpoint.integrity import Integrity
 from hybrid.checkpoint.load import load_checkpoint
 from hybrid.checkpoint.ownership import API, RunIdentity, SaveDirClaim, module_shape
 from hybrid.checkpoint.reader import RangeReader
-from hybrid.checkpoint.save import finish_save, model_signature, prepare_save
+from hybrid.checkpoint.save import finish_save, prepare_save, whole_model_signature
 from hybrid.errors import CheckpointError, ConfigError
 from hybrid.parallel.agree import agree_error
 
@@ -394,15 +394,22 @@ def _import_peer(engine, load_dir: str, tag: str | None) -> tuple[str, int | Non
     fmt = detect_peer(src)
     if fmt is None:
         return None
+    # the whole module's names and shapes (a pipeline's gathered over its stages: every
+    # rank is here; rank 0 alone opens the peer)
+    sig = whole_model_signature(engine.zero.model, engine.ps) if fmt == "deepspeed" else {}
+
     def module_names(path: str, found: str, step: int | None):
         if found != "deepspeed":
             return open_peer(path, found, step)
-        from hybrid.checkpoint.peers import deepspeed
-        peer = deepspeed.open(path, step, names="module")  # the module it trained is ours
-        sig = model_signature(engine.zero.model)
-        peer.take_excluded({n: sig[n] for n in module_state.frozen_names(engine.module)
-                            if n in sig})
-        _check_peer_model(peer, engine)  # before anything is written
+        from hybrid.checkpoint.peers import deepspeed, deepspeed_pipe
+        tag_dir = deepspeed_pipe.tag_dir_of(path, step)
+        if tag_dir is not None and deepspeed_pipe.is_pipeline(tag_dir):
+            peer = _open_pipeline(engine, tag_dir)
+        else:
+            peer = deepspeed.open(path, step, names="module")  # the module it trained is ours
+            peer.take_excluded({n: sig[n] for n in module_state.frozen_names(engine.module)
+                                if n in sig})
+        _check_peer_model(peer, sig)  # before anything is written
         return peer
     got = import_for_load(src, os.path.join(load_dir, PEER_IMPORT), engine.ps,
                           engine.cfg.to_dict(), None, fmt, opener=module_names,
@@ -426,10 +433,26 @@ def _import_peer(engine, load_dir: str, tag: str | None) -> tuple[str, int | Non
     return got[0], got[1], record
 
 
-def _check_peer_model(peer, engine) -> None:
+def _open_pipeline(engine, tag_dir: str):
+    """A DeepSpeed pipeline checkpoint (hybrid.checkpoint.peers.deepspeed_pipe), in the
+    names of the engine's PipelineModule, whose layer list names its files' entries;
+    refused by name into another module."""
+    from hybrid.checkpoint.peers import deepspeed_pipe
+    from hybrid.deepspeed.pipe import PipelineModule
+    if not isinstance(engine.module, PipelineModule):
+        raise CheckpointError(f"{tag_dir}: a DeepSpeed pipeline (PipelineModule) checkpoint "
+                              f"(layer_*-model_states.pt): load it with engine.load_checkpoint "
+                              f"on hybrid.deepspeed.pipe.PipelineModule, built from the same "
+                              f"layers; this engine's module is a "
+                              f"{type(engine.module).__name__}")
+    return deepspeed_pipe.DeepSpeedPipeline(
+        tag_dir, deepspeed_pipe.layer_prefixes(engine.module._layer_specs))
+
+
+def _check_peer_model(peer, mine: dict) -> None:
     """CheckpointError naming the peer's file when its parameters are not the engine
-    module's (names and full shapes)."""
-    mine, theirs = model_signature(engine.zero.model), {**peer.shapes, **peer.frozen_shapes}
+    module's (``mine``: the whole module's names and full shapes)."""
+    theirs = {**peer.shapes, **peer.frozen_shapes}
     where = getattr(peer, "model_file", peer.path)
     module_state.same_shapes(f"{where}: a checkpoint of another model", theirs, mine,
                              "this engine's module")
