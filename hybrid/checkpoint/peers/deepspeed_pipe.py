@@ -162,12 +162,10 @@ class DeepSpeedPipeline:
             raise CheckpointError(f"{self.model_file}: ZeRO stage {self.zero} in a pipeline "
                                   f"checkpoint: DeepSpeed's pipeline engine trains at ZeRO "
                                   f"0 and 1 only (files of another kind mixed in?)")
-        # each name read from the first stage holding it (a tied weight: every stage's)
-        self._owner: dict[str, int] = {}
-        for s, names in enumerate(self._stage_names):
-            for n in names:
-                self._owner.setdefault(n, s)
-        self.shapes = {n: list(self._stage_names[s][n]) for n, s in self._owner.items()}
+        self.shapes: dict[str, list[int]] = {}
+        for names in self._stage_names:  # (a tied weight: on several stages, one name)
+            for n, shape in names.items():
+                self.shapes.setdefault(n, list(shape))
         self._check_tied()
 
     # -- the files ----------------------------------------------------------------------
@@ -395,13 +393,26 @@ class DeepSpeedPipeline:
     def _master(self, name: str) -> torch.Tensor:
         """A parameter's value from its layer file (the first occurrence's for a tied one)."""
         for idx, layer in enumerate(self.layers):
-            if layer.prefix is not None and name.startswith(layer.prefix + ".") and \
-                    self._entries[idx] is not None and name in self._entries[idx]:
+            if layer.prefix is not None and name in (self._entries[idx] or {}):
                 return self._layer_state(idx)[name[len(layer.prefix) + 1:]].float().clone()
         raise CheckpointError(f"{self.path}: no layer file holds {name}")
 
     def read(self, name: str) -> dict[str, torch.Tensor]:
-        s = self._owner[name]
+        """The first stage's values of ``name``; a tied weight's, checked equal to every
+        other stage's copy (they step alike: a difference is two saves' files mixed)."""
+        holders = [s for s, names in enumerate(self._stage_names) if name in names]
+        out = self._read_stage(name, holders[0])
+        for s in holders[1:]:
+            other = self._read_stage(name, s)
+            for k, v in out.items():
+                if not torch.equal(v, other[k]):
+                    raise CheckpointError(
+                        f"{self.model_files[s]}: the {k} of the tied {name} on stage {s} "
+                        f"differs from stage {holders[0]}'s (its copies step alike: files "
+                        f"of two saves mixed)")
+        return out
+
+    def _read_stage(self, name: str, s: int) -> dict[str, torch.Tensor]:
         if self.zero == 1:
             return self._zero_stages[s].read_ds(name)
         out = {"master": self._master(name)}

@@ -1,0 +1,255 @@
+"""DeepSpeed 0.19.8 pipeline (PipelineModule) checkpoints into hybrid.deepspeed's
+PipelineModule (hybrid/checkpoint/peers/deepspeed_pipe.py).
+
+The fixtures under tests/fixtures/peers/deepspeed-0.19.8/pipe_* were written by DeepSpeed's
+own PipelineEngine (benchmarks/peers/record_deepspeed_checkpoint.py: the recorder's
+five-layer :func:`pipe_layers`, its first layer's weight tied to the last's, cut into 2
+stages; ``train_batch`` for 3 steps, saved, 10 more losses in ``losses.json``): without
+ZeRO (``pipe_zero0``) and at ZeRO 1 (``pipe_zero1``) on PP 2, and at ZeRO 1 on PP 2 x DP 2
+(``pipe_dp2_zero1``). A script that builds the same PipelineModule under ``import
+hybrid.deepspeed as deepspeed`` and calls ``engine.load_checkpoint(dir)`` continues them:
+its next 10 losses equal DeepSpeed's within 2e-6 at DeepSpeed's layout (PP 2), at
+another DP size (DP 2's save at DP 1) and at PP 1 with another ZeRO stage. The masters and
+moments hybrid imported equal the values in DeepSpeed's files, read here with torch.load
+rather than the reader. Bad input is one CheckpointError naming the file.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import os
+import pickle
+import shutil
+import types
+
+import pytest
+import torch
+
+from hybrid.checkpoint import iter_full_params
+from hybrid.errors import CheckpointError
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+FIXTURES = os.path.join(ROOT, "tests", "fixtures", "peers", "deepspeed-0.19.8")
+TOLERANCE = 2e-6
+
+
+def _recorder():
+    path = os.path.join(ROOT, "benchmarks", "peers", "record_deepspeed_checkpoint.py")
+    spec = importlib.util.spec_from_file_location("record_deepspeed_checkpoint", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _copy(name: str, dst) -> str:
+    out = os.path.join(str(dst), name)
+    shutil.copytree(os.path.join(FIXTURES, name), out)
+    return out
+
+
+def _after(name: str) -> list[float]:
+    with open(os.path.join(FIXTURES, name, "losses.json")) as f:
+        return json.load(f)["after"]
+
+
+def _worst(got, want) -> float:
+    assert len(got) == len(want) == 10
+    return max(abs(a - b) for a, b in zip(got, want))
+
+
+def _digest(path: str) -> dict[str, str]:
+    out = {}
+    for name in sorted(os.listdir(path)):
+        with open(os.path.join(path, name), "rb") as f:
+            out[name] = hashlib.sha256(f.read()).hexdigest()
+    return out
+
+
+def _continue(ps, load_dir: str, stage: int) -> list[float]:
+    """A DeepSpeed pipeline script under hybrid: the recorder's PipelineModule at
+    ``ps``'s PP size, load_checkpoint, 10 train_batch steps on this DP rank's
+    micro-batches: the global losses."""
+    from hybrid import deepspeed
+    rec = _recorder()
+    torch.manual_seed(123)  # other initial weights: the load must replace them all
+    net = deepspeed.pipe.PipelineModule(
+        rec.pipe_layers(deepspeed.pipe.LayerSpec, deepspeed.pipe.TiedLayerSpec),
+        num_stages=ps.pp_size, loss_fn=rec.loss_of, partition_method="uniform",
+        parallel_state=ps)
+    engine, *_ = deepspeed.initialize(model=net, model_parameters=list(net.parameters()),
+                                      config=rec.pipe_config(stage))
+    path, _ = engine.load_checkpoint(load_dir)
+    assert path.endswith(os.path.join("hybrid_import", "iter_0000003")), path
+    assert (engine.global_steps, engine.global_samples) == (3, 24)
+    assert engine.lr_scheduler.state_dict() == {"last_batch_iteration": 2}
+    losses = [float(engine.train_batch(iter(rec.pipe_micro_batches(step, ps.dp_rank,
+                                                                    ps.dp_size))))
+              for step in range(rec.SAVED_AT, rec.SAVED_AT + rec.CONTINUED)]
+    engine.close()
+    return losses
+
+
+def _cases(ps, cases):
+    return [_continue(ps, d, stage) for d, stage in cases]
+
+
+def test_a_deepspeed_pipeline_checkpoint_continues_at_pp2(tmp_path):
+    """One 2-rank launch at PP 2 (DeepSpeed's layout): the stage-0 save and the ZeRO 1
+    one at their stages, and the PP 2 x DP 2 save at DP 1 (its two DP partitions of each
+    stage joined): every rank's 10 losses within 2e-6 of DeepSpeed's; DeepSpeed's files
+    are left as they were."""
+    from tests.helpers.harness import run_ranks
+    cases = [(_copy("pipe_zero0", tmp_path / "a"), 0), (_copy("pipe_zero1", tmp_path / "b"), 1),
+             (_copy("pipe_dp2_zero1", tmp_path / "c"), 1)]
+    before = {d: _digest(os.path.join(d, "global_step3")) for d, _ in cases}
+    out = run_ranks(_cases, world_size=2, pp=2, args=(cases,))
+    assert out[0] == out[1]  # (train_batch's loss: the same on every stage)
+    for (d, stage), got in zip(cases, out[0]):
+        want = _after(os.path.basename(d))
+        assert _worst(got, want) <= TOLERANCE, (d, stage, got, want)
+        assert _digest(os.path.join(d, "global_step3")) == before[d]
+
+
+class _Anything:
+    """Whatever DeepSpeed class a pickle names, kept as its saved attributes."""
+
+    def __init__(self, *args, **kw):
+        self.args = args
+
+    def __setstate__(self, state):
+        self.__dict__.update(state if isinstance(state, dict) else {"state": state})
+
+
+class _Unpickler(pickle.Unpickler):
+    def find_class(self, module, name):
+        if module.startswith("deepspeed"):
+            return _Anything
+        return super().find_class(module, name)
+
+
+_PICKLE = types.SimpleNamespace(Unpickler=_Unpickler, load=pickle.load, __name__="p")
+
+
+def _load(path: str):
+    return torch.load(path, weights_only=False, pickle_module=_PICKLE)
+
+
+def _deepspeed_values(tag_dir: str) -> dict[str, dict[str, torch.Tensor]]:
+    """Each parameter's master and moments as DeepSpeed's files hold them, the tied
+    weight from stage 0's: without ZeRO, the layer files' weights (the recorder's
+    layers: 0 the tied module, 1 and 3 linears) and each stage's torch optimizer state
+    by position in its module's parameters; at ZeRO 1, each stage's DP partitions joined
+    in rank order, cut by its param_shapes."""
+    out: dict[str, dict[str, torch.Tensor]] = {}
+    for stage in (1, 0):  # (stage 0's tied weight last: it wins)
+        ms = _load(os.path.join(tag_dir, f"mp_rank_{stage:02d}_model_states.pt"))
+        if ms["optimizer"] is not None:
+            layers = {0: ["tied_modules.embed.weight", "1.weight", "1.bias"],
+                      1: ["tied_modules.embed.weight", "3.weight", "3.bias"]}[stage]
+            state = ms["optimizer"]["state"]
+            for i, name in enumerate(layers):
+                idx, attr = (0, "weight") if name.startswith("tied") else name.split(".")
+                master = _load(os.path.join(tag_dir, f"layer_{int(idx):02d}-model_states.pt"))
+                out[name] = {"master": master[attr], "exp_avg": state[i]["exp_avg"],
+                             "exp_avg_sq": state[i]["exp_avg_sq"]}
+            continue
+        files = sorted(f for f in os.listdir(tag_dir)
+                       if f.endswith(f"mp_rank_{stage:02d}_optim_states.pt"))
+        states = [_load(os.path.join(tag_dir, f))["optimizer_state_dict"] for f in files]
+        flat = {"master": torch.cat([s["single_partition_of_fp32_groups"][0] for s in states])}
+        for k in ("exp_avg", "exp_avg_sq"):
+            flat[k] = torch.cat([s["base_optimizer_state"]["state"][0][k] for s in states])
+        at = 0
+        for name, shape in ms["param_shapes"][0].items():
+            n = shape.numel()
+            out[name] = {k: v[at:at + n].view(shape) for k, v in flat.items()}
+            at += n
+    return out
+
+
+def _one_rank(load_dir: str, stage: int) -> list[float]:
+    from hybrid.parallel.state import ParallelState
+    return _continue(ParallelState.single(), load_dir, stage)
+
+
+@pytest.mark.parametrize("fixture,stage", [("pipe_zero0", 1), ("pipe_dp2_zero1", 0)])
+def test_pp1_continues_and_imports_deepspeed_s_values(tmp_path, fixture, stage):
+    """At PP 1 on one rank (another pipeline depth, DP size and ZeRO stage than
+    DeepSpeed's): the same 10 losses; the imported masters, moments and step are the
+    values in DeepSpeed's files, the tied weight stage 0's (equal to stage 1's)."""
+    d = _copy(fixture, tmp_path)
+    got = _one_rank(d, stage)
+    assert _worst(got, _after(fixture)) <= TOLERANCE, got
+    want = _deepspeed_values(os.path.join(d, "global_step3"))
+    meta, params = iter_full_params(os.path.join(d, "hybrid_import", "iter_0000003"))
+    seen = dict(params)
+    assert sorted(seen) == sorted(want) == ["1.bias", "1.weight", "3.bias", "3.weight",
+                                            "tied_modules.embed.weight"]
+    for n, values in want.items():
+        for k, v in values.items():
+            assert torch.equal(seen[n][k], v), (n, k)
+    assert (meta["step"], meta["iteration"], meta["consumed_samples"]) == (3, 3, 24)
+    assert meta["imported_from"]["format"] == f"DeepSpeed pipeline ZeRO {fixture[-1]} (PP 2)"
+
+
+def _open(d: str):
+    from hybrid.checkpoint.peers import deepspeed_pipe
+    from hybrid.deepspeed.pipe import LayerSpec, TiedLayerSpec
+    rec = _recorder()
+    peer = deepspeed_pipe.open(d, deepspeed_pipe.layer_prefixes(
+        rec.pipe_layers(LayerSpec, TiedLayerSpec)))
+    for name in peer.shapes:
+        peer.read(name)
+    peer.close()
+
+
+def test_bad_pipeline_checkpoints_are_one_error_naming_the_file(tmp_path):
+    """A missing layer file, a stage's missing optimizer partition, a tensor-parallel
+    (``model`` axis) save, the layers of another model (two layer files swapped), a tied
+    weight whose stages' copies differ: one CheckpointError each, naming the file; a
+    module that is not a PipelineModule is refused by name."""
+    from hybrid import deepspeed
+    from hybrid.parallel.state import ParallelState
+    d = _copy("pipe_zero0", tmp_path / "a")
+    os.remove(os.path.join(d, "global_step3", "layer_03-model_states.pt"))
+    with pytest.raises(CheckpointError, match=r"layer_03-model_states.pt: missing: layer 3"):
+        _open(d)
+    d = _copy("pipe_dp2_zero1", tmp_path / "b")
+    os.remove(os.path.join(d, "global_step3", "zero_pp_rank_1_mp_rank_01_optim_states.pt"))
+    with pytest.raises(CheckpointError, match=r"zero_pp_rank_1_mp_rank_01_optim_states.pt: "
+                                              r"missing: stage 1's optimizer partition"):
+        _open(d)
+    d = _copy("pipe_zero1", tmp_path / "c")
+    tag = os.path.join(d, "global_step3")
+    os.rename(os.path.join(tag, "layer_01-model_states.pt"),
+              os.path.join(tag, "layer_01-model_00-model_states.pt"))
+    with pytest.raises(CheckpointError, match=r"layer_01-model_00-model_states.pt: a DeepSpeed "
+                                              r"pipeline checkpoint with a model"):
+        _open(d)
+    d = _copy("pipe_zero0", tmp_path / "d")  # layers 1 and 3 swapped: stage 0 holds 9x9
+    tag = os.path.join(d, "global_step3")
+    os.rename(os.path.join(tag, "layer_00-model_states.pt"), os.path.join(tag, "x"))
+    os.rename(os.path.join(tag, "layer_01-model_states.pt"),
+              os.path.join(tag, "layer_00-model_states.pt"))
+    os.rename(os.path.join(tag, "x"), os.path.join(tag, "layer_01-model_states.pt"))
+    with pytest.raises(CheckpointError, match=r"no cut of the PipelineModule's 5 layers into "
+                                              r"2 stages"):
+        _open(d)
+    d = _copy("pipe_zero0", tmp_path / "f")  # stage 1's copy of the tied weight moved
+    path = os.path.join(d, "global_step3", "mp_rank_01_model_states.pt")
+    ms = torch.load(path, weights_only=True)
+    ms["optimizer"]["state"][0]["exp_avg"][0, 0] += 1e-3
+    torch.save(ms, path)
+    with pytest.raises(CheckpointError, match=r"mp_rank_01_model_states.pt: the exp_avg of the "
+                                              r"tied tied_modules.embed.weight on stage 1"):
+        _open(d)
+    rec = _recorder()
+    net = rec.Net()
+    engine = deepspeed.initialize(model=net, model_parameters=net.parameters(),
+                                  config=rec.config(1), mpu=ParallelState.single())[0]
+    with pytest.raises(CheckpointError, match=r"global_step3: a DeepSpeed pipeline "
+                                              r"\(PipelineModule\) checkpoint"):
+        engine.load_checkpoint(_copy("pipe_zero1", tmp_path / "e"))
+    engine.close()
