@@ -27,13 +27,19 @@ recorded at stages 2 and 3 (``frozen_zero2``, ``frozen_zero3``), and at stage 2 
 ``exclude_frozen_parameters=True`` (``frozen_zero2_excluded``: what Hugging Face's Trainer
 saves for a PEFT model).
 
+A DeepSpeed ``PipelineModule`` (:func:`pipe_layers`: five layers, the first's weight tied
+to the last's) is trained by DeepSpeed's ``PipelineEngine`` (``train_batch``) on 2 stages
+without ZeRO (``pipe_zero0``) and at ZeRO 1 (``pipe_zero1``), and at ZeRO 1 on PP 2 x DP 2
+(``pipe_dp2_zero1``, 4 ranks): per-layer files and per-stage optimizer state (about a
+minute for the three).
+
 Regenerate (two to three minutes on 2 cores; needs DeepSpeed 0.19.8 and transformers,
 and this checkout's hybrid on the path for the data)::
 
     DS_ACCELERATOR=cpu OMP_NUM_THREADS=1 PYTHONPATH=. python \
         benchmarks/peers/record_deepspeed_checkpoint.py \
         tests/fixtures/peers/deepspeed-0.19.8 [net] [gpt2] [llama] [frozen] [gpt2_zero0] \
-        [frozen_excluded]
+        [frozen_excluded] [pipe_zero0] [pipe_zero1] [pipe_dp2_zero1]
 """
 
 from __future__ import annotations
@@ -267,7 +273,7 @@ def _hf_worker(rank: int, port: int, out_dir: str, family: str, stage: int = 2) 
 # A DeepSpeed PipelineModule (runtime/pipe): five layers cut uniformly into 2 stages
 # ([0, 3), [3, 5)), the first layer's weight tied to the last's (TiedLayerSpec, the last
 # using it transposed through forward_fn, as Megatron-DeepSpeed's GPT ties its embedding
-# and head), a parameterless layer between. trained by DeepSpeed's PipelineEngine
+# and head), a parameterless layer between, trained by DeepSpeed's PipelineEngine
 # (train_batch: PIPE_MICRO rows a micro-batch, gradient accumulation to GLOBAL_BATCH) on
 # PIPE_STAGES x DP ranks; its layer and per-stage files are hybrid's pipeline import's
 # fixtures (pipe_zero0, pipe_zero1; pipe_dp2_zero1 at PP 2 x DP 2).
@@ -345,7 +351,8 @@ def _clean(out: str) -> None:
 
 def main(argv: list[str]) -> int:
     root = argv[0] if argv else "tests/fixtures/peers/deepspeed-0.19.8"
-    which = argv[1:] or ["net", "gpt2", "llama", "frozen", "gpt2_zero0", "frozen_excluded"]
+    which = argv[1:] or ["net", "gpt2", "llama", "frozen", "gpt2_zero0", "frozen_excluded",
+                         "pipe_zero0", "pipe_zero1", "pipe_dp2_zero1"]
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     for case, stage in (("gpt2", GPT_STAGE), ("llama", GPT_STAGE), ("gpt2_zero0", 0)):
         if case not in which:

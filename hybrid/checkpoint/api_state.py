@@ -438,15 +438,13 @@ def _open_pipeline(engine, tag_dir: str):
     names of the engine's PipelineModule, whose layer list names its files' entries;
     refused by name into another module."""
     from hybrid.checkpoint.peers import deepspeed_pipe
-    from hybrid.deepspeed.pipe import PipelineModule
-    if not isinstance(engine.module, PipelineModule):
+    if not callable(getattr(engine.module, "checkpoint_layers", None)):  # (a PipelineModule)
         raise CheckpointError(f"{tag_dir}: a DeepSpeed pipeline (PipelineModule) checkpoint "
                               f"(layer_*-model_states.pt): load it with engine.load_checkpoint "
                               f"on hybrid.deepspeed.pipe.PipelineModule, built from the same "
                               f"layers; this engine's module is a "
                               f"{type(engine.module).__name__}")
-    return deepspeed_pipe.DeepSpeedPipeline(
-        tag_dir, deepspeed_pipe.layer_prefixes(engine.module._layer_specs))
+    return deepspeed_pipe.DeepSpeedPipeline(tag_dir, deepspeed_pipe.layer_prefixes(engine.module))
 
 
 def _check_peer_model(peer, mine: dict) -> None:

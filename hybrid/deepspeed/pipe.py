@@ -402,6 +402,23 @@ class PipelineModule(nn.Module):
     def num_pipeline_stages(self) -> int:
         return self.num_stages
 
+    def checkpoint_layers(self) -> list[tuple[str | None, bool, tuple[str, ...]]]:
+        """What DeepSpeed's pipeline save writes of each layer, the whole list's: (its
+        parameters' name prefix -- ``"3"``, ``"tied_modules.<key>"``, None for a
+        function; whether it has a ``layer_II-model_states.pt``, which a tied occurrence
+        used through ``forward_fn`` has not; a tied layer's tied attributes). What
+        :mod:`hybrid.checkpoint.peers.deepspeed_pipe` names the files' entries by."""
+        out: list[tuple[str | None, bool, tuple[str, ...]]] = []
+        for idx, spec in enumerate(self._layer_specs):
+            if isinstance(spec, TiedLayerSpec):
+                out.append((f"tied_modules.{spec.key}", spec.forward_fn is None,
+                            tuple(spec.tied_weight_attr)))
+            elif isinstance(spec, (LayerSpec, nn.Module)):
+                out.append((str(idx), True, ()))
+            else:
+                out.append((None, False, ()))
+        return out
+
     # -- the stage's forward -------------------------------------------------------------
     def _checkpointable(self, funcs: Sequence[Callable]) -> bool:
         if self.checkpointable_layers is not None:

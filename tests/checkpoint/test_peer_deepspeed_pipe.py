@@ -196,10 +196,12 @@ def test_pp1_continues_and_imports_deepspeed_s_values(tmp_path, fixture, stage):
 
 def _open(d: str):
     from hybrid.checkpoint.peers import deepspeed_pipe
-    from hybrid.deepspeed.pipe import LayerSpec, TiedLayerSpec
+    from hybrid.deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
+    from hybrid.parallel.state import ParallelState
     rec = _recorder()
-    peer = deepspeed_pipe.open(d, deepspeed_pipe.layer_prefixes(
-        rec.pipe_layers(LayerSpec, TiedLayerSpec)))
+    net = PipelineModule(rec.pipe_layers(LayerSpec, TiedLayerSpec), num_stages=1,
+                         parallel_state=ParallelState.single())
+    peer = deepspeed_pipe.open(d, deepspeed_pipe.layer_prefixes(net))
     for name in peer.shapes:
         peer.read(name)
     peer.close()
@@ -208,8 +210,9 @@ def _open(d: str):
 def test_bad_pipeline_checkpoints_are_one_error_naming_the_file(tmp_path):
     """A missing layer file, a stage's missing optimizer partition, a tensor-parallel
     (``model`` axis) save, the layers of another model (two layer files swapped), a tied
-    weight whose stages' copies differ: one CheckpointError each, naming the file; a
-    module that is not a PipelineModule is refused by name."""
+    weight whose stages' copies differ: one CheckpointError each, naming the file; the
+    reader without a module (``--load``'s) and a module that is not a PipelineModule
+    refuse it by name."""
     from hybrid import deepspeed
     from hybrid.parallel.state import ParallelState
     d = _copy("pipe_zero0", tmp_path / "a")
@@ -245,6 +248,11 @@ def test_bad_pipeline_checkpoints_are_one_error_naming_the_file(tmp_path):
     with pytest.raises(CheckpointError, match=r"mp_rank_01_model_states.pt: the exp_avg of the "
                                               r"tied tied_modules.embed.weight on stage 1"):
         _open(d)
+    from hybrid.checkpoint.peers import deepspeed as ds
+    with pytest.raises(CheckpointError, match=r"layer_00-model_states.pt: a DeepSpeed pipeline "
+                                              r"\(PipelineModule\) checkpoint: hybrid reads it "
+                                              r"with engine.load_checkpoint"):
+        ds.open(d)  # (the --load route: no module to name the layer files' entries)
     rec = _recorder()
     net = rec.Net()
     engine = deepspeed.initialize(model=net, model_parameters=net.parameters(),

@@ -5,6 +5,8 @@
                      at any layout (:func:`~.importing.import_peer`)
 * :mod:`.deepspeed`  DeepSpeed ZeRO 0-3 (``global_stepN/``) and its universal format, read
                      with the optimizer state
+* :mod:`.deepspeed_pipe` DeepSpeed pipeline (PipelineModule) checkpoints: layer files and
+                     per-stage optimizer state, in the loading PipelineModule's names
 * :mod:`.deepspeed_files` DeepSpeed's files: names, pickles read without DeepSpeed, the
                      flat partitions' layout
 * :mod:`.deepspeed_names` a DeepSpeed checkpoint's names -> hybrid's (GPT-2, Llama, Qwen2

@@ -115,6 +115,12 @@ class DeepSpeedCheckpoint:
         if not models:
             raise CheckpointError(f"{tag_dir}: no *mp_rank_*_model_states.pt: not a {FORMAT} "
                                   f"checkpoint")
+        layers = glob.glob(os.path.join(glob.escape(tag_dir), "layer_*-model_states.pt"))
+        if layers:  # (hybrid.checkpoint.peers.deepspeed_pipe reads them, into the module)
+            raise CheckpointError(f"{sorted(layers)[0]}: a {FORMAT} pipeline (PipelineModule) "
+                                  f"checkpoint: hybrid reads it with engine.load_checkpoint "
+                                  f"on hybrid.deepspeed's PipelineModule built from the same "
+                                  f"layers (its layer list names the files' entries)")
         if any(mp for _, mp in models):
             raise CheckpointError(f"{sorted(models.values())[-1]}: a {FORMAT} checkpoint with "
                                   f"model parallelism (mp_rank > 0): hybrid reads DeepSpeed's "
@@ -129,11 +135,6 @@ class DeepSpeedCheckpoint:
             raise CheckpointError(f"{self.model_file}: ds_version {version or 'missing'}: "
                                   f"hybrid reads checkpoints of DeepSpeed 0.x (tested: 0.19.8)")
         self._model_states = ms  # (mapped: the module's frozen values and buffers, if asked)
-        layers = glob.glob(os.path.join(glob.escape(tag_dir), "layer_*-model_states.pt"))
-        if layers:
-            raise CheckpointError(f"{sorted(layers)[0]}: a {FORMAT} pipeline (PipelineModule) "
-                                  f"checkpoint: hybrid reads DeepSpeed's data-parallel ZeRO "
-                                  f"checkpoints")
         if int(ms.get("mp_world_size") or 1) != 1:
             raise CheckpointError(f"{self.model_file}: mp_world_size "
                                   f"{ms['mp_world_size']}: hybrid reads DeepSpeed checkpoints "

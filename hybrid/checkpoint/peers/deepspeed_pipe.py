@@ -30,8 +30,9 @@ A pipeline save's tag directory holds, for ``S`` stages and DP size ``D``:
 A tied weight is held, and its optimizer state kept, by every stage using it (equal:
 the copies step from the summed gradient); the first such stage's is read.
 
-What names each layer file's entries is the loading module (:func:`layer_prefixes`:
-which index is a plain layer, which a tied key's occurrence, which a function), so this
+What names each layer file's entries is the loading module (:func:`layer_prefixes`, from
+its ``checkpoint_layers()``: which index is a plain layer, which a tied key's
+occurrence, which a function), so this
 reader serves ``engine.load_checkpoint`` on hybrid's ``PipelineModule`` only. Refused, by
 name: a ``model`` axis (tensor-parallel pipeline checkpoints), buffers and frozen
 parameters (hybrid's pipeline engine checkpoints neither), a tied module spanning stages
@@ -74,21 +75,11 @@ class Layer:
     tied: tuple[str, ...] = ()
 
 
-def layer_prefixes(specs: Sequence) -> list[Layer]:
-    """The :class:`Layer` of each of a PipelineModule's ``layers`` (hybrid's specs)."""
-    from torch import nn
-
-    from hybrid.deepspeed.pipe import LayerSpec, TiedLayerSpec
-    out = []
-    for idx, spec in enumerate(specs):
-        if isinstance(spec, TiedLayerSpec):
-            out.append(Layer(f"tied_modules.{spec.key}", spec.forward_fn is None,
-                             tuple(spec.tied_weight_attr)))
-        elif isinstance(spec, (LayerSpec, nn.Module)):
-            out.append(Layer(str(idx), True))
-        else:
-            out.append(Layer(None, False))
-    return out
+def layer_prefixes(module) -> list[Layer]:
+    """The :class:`Layer` of each of a PipelineModule's layers (hybrid.deepspeed.pipe's
+    ``checkpoint_layers``)."""
+    return [Layer(prefix, saved, tuple(tied)) for prefix, saved, tied in
+            module.checkpoint_layers()]
 
 
 def is_pipeline(tag_dir: str) -> bool:
