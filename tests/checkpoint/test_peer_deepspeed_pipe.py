@@ -210,9 +210,9 @@ def _open(d: str):
 def test_bad_pipeline_checkpoints_are_one_error_naming_the_file(tmp_path):
     """A missing layer file, a stage's missing optimizer partition, a tensor-parallel
     (``model`` axis) save, the layers of another model (two layer files swapped), a tied
-    weight whose stages' copies differ: one CheckpointError each, naming the file; the
-    reader without a module (``--load``'s) and a module that is not a PipelineModule
-    refuse it by name."""
+    weight whose stages' copies differ, a stage's buffer: one CheckpointError each, naming
+    the file; the reader without a module (``--load``'s) and a module that is not a
+    PipelineModule refuse it by name."""
     from hybrid import deepspeed
     from hybrid.parallel.state import ParallelState
     d = _copy("pipe_zero0", tmp_path / "a")
@@ -247,6 +247,14 @@ def test_bad_pipeline_checkpoints_are_one_error_naming_the_file(tmp_path):
     torch.save(ms, path)
     with pytest.raises(CheckpointError, match=r"mp_rank_01_model_states.pt: the exp_avg of the "
                                               r"tied tied_modules.embed.weight on stage 1"):
+        _open(d)
+    d = _copy("pipe_zero0", tmp_path / "g")  # a stage with a buffer (a BatchNorm's)
+    path = os.path.join(d, "global_step3", "mp_rank_01_model_states.pt")
+    ms = torch.load(path, weights_only=True)
+    ms["buffer_names"] = ["3.running_mean"]
+    torch.save(ms, path)
+    with pytest.raises(CheckpointError, match=r"mp_rank_01_model_states.pt: buffers "
+                                              r"\(3.running_mean\) on pipeline stage 1"):
         _open(d)
     from hybrid.checkpoint.peers import deepspeed as ds
     with pytest.raises(CheckpointError, match=r"layer_00-model_states.pt: a DeepSpeed pipeline "
