@@ -132,6 +132,10 @@ class DeepSpeedPipeline:
         self._states = [self._stage_header(s, p) for s, p in enumerate(self.model_files)]
         ms = self._states[0]
         self.iteration = int(need(ms, "global_steps", self.model_file))
+        for path, other in zip(self.model_files[1:], self._states[1:]):
+            if other.get("global_steps") != self.iteration:
+                raise CheckpointError(f"{path}: global_steps {other.get('global_steps')}, "
+                                      f"stage 0's {self.iteration} (files of two saves mixed)")
         self.consumed_samples = int(ms.get("global_samples") or 0)
         zero = (ms.get("ds_config") or {}).get("zero_optimization")
         self.zero = int(zero.get("stage", 0) if isinstance(zero, dict) else bool(zero))
