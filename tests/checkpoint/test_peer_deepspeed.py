@@ -911,8 +911,8 @@ def test_bad_bf16_deepspeed_checkpoints_are_one_error_naming_the_file(tmp_path):
     """A bf16 save's optimizer file without its bf16_ name, or another save's (ZeRO 2's
     among BF16_Optimizer's), or missing; an fp16 run without ZeRO (its loss scale would
     not carry over): one CheckpointError each, naming the file. BF16_Optimizer's files
-    beside a model-state file of ZeRO 0 (a pipeline's bf16, or DeepSpeed before 0.10)
-    read as ZeRO 1's."""
+    beside a model-state file of ZeRO 0 (its ds_config edited: 0.19.8 builds
+    BF16_Optimizer without ZeRO only in a pipeline engine) read as ZeRO 1's."""
     from hybrid.checkpoint.peers import deepspeed as ds
     d = _copy("net_bf16_zero1", tmp_path / "renamed")
     tag = os.path.join(d, "global_step3")
