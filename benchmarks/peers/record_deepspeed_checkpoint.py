@@ -39,7 +39,14 @@ and this checkout's hybrid on the path for the data)::
     DS_ACCELERATOR=cpu OMP_NUM_THREADS=1 PYTHONPATH=. python \
         benchmarks/peers/record_deepspeed_checkpoint.py \
         tests/fixtures/peers/deepspeed-0.19.8 [net] [gpt2] [llama] [frozen] [gpt2_zero0] \
-        [frozen_excluded] [pipe_zero0] [pipe_zero1] [pipe_dp2_zero1]
+        [frozen_excluded] [pipe_zero0] [pipe_zero1] [pipe_dp2_zero1] [bf16]
+
+``bf16`` records :class:`Net` in bf16 (:data:`BF16_CASES`: each fixture's stage and
+DeepSpeed optimizer wrapper), the losses computed in fp32 from the bf16 logits.
+DeepSpeed's CPU accelerator trains bf16; it refuses fp16 on a CPU without oneDNN fp16
+(``ValueError: Type fp16 is not supported on your device.``: its ``is_fp16_supported``
+is ``torch.ops.mkldnn._is_mkldnn_fp16_supported()``, False on the CPUs these were
+recorded on), so there is no fp16 fixture.
 """
 
 from __future__ import annotations
@@ -352,7 +359,7 @@ def _clean(out: str) -> None:
 def main(argv: list[str]) -> int:
     root = argv[0] if argv else "tests/fixtures/peers/deepspeed-0.19.8"
     which = argv[1:] or ["net", "gpt2", "llama", "frozen", "gpt2_zero0", "frozen_excluded",
-                         "pipe_zero0", "pipe_zero1", "pipe_dp2_zero1"]
+                         "pipe_zero0", "pipe_zero1", "pipe_dp2_zero1", "bf16"]
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     for case, stage in (("gpt2", GPT_STAGE), ("llama", GPT_STAGE), ("gpt2_zero0", 0)):
         if case not in which:
@@ -399,7 +406,65 @@ def main(argv: list[str]) -> int:
                                     nprocs=world)
         _clean(out)
         print(f"wrote {out}")
+    for name in BF16_CASES if "bf16" in which else ():
+        out = os.path.join(root, name)
+        shutil.rmtree(out, ignore_errors=True)
+        os.makedirs(out)
+        torch.multiprocessing.spawn(_bf16_worker, args=(_port(), out, name), nprocs=WORLD)
+        _clean(out)
+        print(f"wrote {out}")
     return 0
+
+
+# bf16: DeepSpeed 0.19.8 picks its optimizer wrapper by stage and gradient-accumulation
+# dtype (engine._do_optimizer_sanity_check): without ZeRO, FP16_UnfusedOptimizer in bf16
+# (torch's AdamW is not a fused one; fp32 masters per parameter, in the model-state file's
+# "optimizer"); ZeRO 1 with fp32 gradient accumulation, BF16_Optimizer (Megatron-
+# DeepSpeed's, BLOOM's: bf16_zero_pp_rank_* files of flat fp32 partitions and no
+# zero_stage); ZeRO 2 and 3, the ZeRO optimizers in bf16 (bf16_zero_pp_rank_* files).
+# name -> (stage, ds_config keys beyond config(stage) and the bf16 block)
+BF16_CASES = {"net_bf16_zero0": (0, {}),
+              "net_bf16_zero1": (1, {"data_types": {"grad_accum_dtype": "fp32"}}),
+              "net_bf16_zero2": (2, {}),
+              "net_bf16_zero3": (3, {})}
+
+
+def bf16_config(name: str) -> dict:
+    """The ds_config of bf16 fixture ``name`` (both sides use it)."""
+    stage, extra = BF16_CASES[name]
+    return {**config(stage), "bf16": {"enabled": True}, **extra}
+
+
+def bf16_loss(model, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """The bf16 model's loss: bf16 inputs, cross entropy in fp32 of its bf16 logits (an
+    fp32 loss resolves far finer differences than a bf16 one)."""
+    return loss_of(model(x.to(torch.bfloat16)).float(), y)
+
+
+def _bf16_worker(rank: int, port: int, out_dir: str, name: str) -> None:
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(WORLD),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    import deepspeed
+    deepspeed.init_distributed(dist_backend="gloo")
+    torch.manual_seed(0)
+    net = Net()
+    engine, *_ = deepspeed.initialize(model=net, model_parameters=net.parameters(),
+                                      config=bf16_config(name))
+    per, losses = GLOBAL_BATCH // WORLD, []
+    for step in range(SAVED_AT + CONTINUED):
+        if step == SAVED_AT:
+            engine.save_checkpoint(out_dir)
+        x, y = batch(step)
+        rows = slice(rank * per, (rank + 1) * per)
+        losses.append(step_mean(engine, bf16_loss(engine, x[rows], y[rows]), WORLD))
+    if rank == 0:
+        with open(os.path.join(out_dir, "losses.json"), "w") as f:
+            json.dump({"deepspeed": deepspeed.__version__, "world_size": WORLD,
+                       "zero_stage": BF16_CASES[name][0], "bf16": True,
+                       "optimizer": type(engine.optimizer).__name__,
+                       "saved_at": SAVED_AT, "before": losses[:SAVED_AT],
+                       "after": losses[SAVED_AT:]}, f, indent=1)
+    end_rank()
 
 
 if __name__ == "__main__":

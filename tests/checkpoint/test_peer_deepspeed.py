@@ -10,6 +10,11 @@ stage 2 from 3). The masters and moments hybrid imported equal the ones in DeepS
 files, read here with torch.load and a few lines of arithmetic rather than the reader.
 Bad input is one CheckpointError naming the file, with nothing imported.
 
+The bf16 fixtures (``net_bf16_zero0..3``: DeepSpeed's bf16 without ZeRO, BF16_Optimizer,
+ZeRO 2 and 3) continue under hybrid's bf16 at DP 2 with DeepSpeed's losses bit for bit,
+at 1 rank within bf16's rounding of the gradients at another point; their masters and
+moments come over exactly (the tests at the end).
+
 Only the way back (:func:`test_deepspeed_continues_from_hybrid_s_export`) needs DeepSpeed.
 """
 
@@ -776,3 +781,178 @@ def test_deepspeed_continues_pretrain_gpt_s_export_as_gpt2(tmp_path):
 def _worst_of(got, want) -> float:
     assert len(got) == len(want)
     return max(abs(a - b) for a, b in zip(got, want))
+
+
+
+# -- bf16 ----------------------------------------------------------------------------------
+# DeepSpeed's bf16 saves (the recorder's BF16_CASES): without ZeRO (FP16_UnfusedOptimizer:
+# fp32 masters in the model-state file's "optimizer"), ZeRO 1 with BF16_Optimizer
+# (Megatron-DeepSpeed's flat partitions, no zero_stage), ZeRO 2 and 3, all in
+# bf16_zero_pp_rank_* files. DeepSpeed computes bf16 weight gradients and reduces them
+# over DP in bf16 (its grad_accum_dtype, the model's by default; BF16_Optimizer's fp32
+# accumulates micro-batches, of which these runs have one a step, after that reduction);
+# hybrid under bf16 reduces in fp32 unless data_types.grad_accum_dtype says bf16, so the
+# tests say it: then hybrid's arithmetic is DeepSpeed's and the losses match bit for bit.
+
+def _bf16_continue(ps, load_dir: str, stage: int) -> list[float]:
+    """:func:`_continue` for a bf16 fixture: its ds_config (bf16, fp32 masters; gradients
+    reduced in bf16 as DeepSpeed's were) at hybrid's ZeRO ``stage``, the recorder's bf16
+    loss."""
+    from hybrid import deepspeed
+    rec = _recorder()
+    torch.manual_seed(123)  # other initial weights: the load must replace them all
+    net = rec.Net()
+    config = {**rec.bf16_config(os.path.basename(load_dir)),
+              "zero_optimization": {"stage": stage},
+              "data_types": {"grad_accum_dtype": "bf16"}}
+    engine, *_ = deepspeed.initialize(model=net, model_parameters=net.parameters(),
+                                      config=config, mpu=ps)
+    assert net.fc1.weight.dtype == torch.bfloat16
+    engine.load_checkpoint(load_dir)
+    assert (engine.global_steps, engine.global_samples) == (3, 24)
+    per, rank, world = rec.GLOBAL_BATCH // ps.dp_size, ps.dp_rank, ps.dp_size
+    losses = []
+    for step in range(rec.SAVED_AT, rec.SAVED_AT + rec.CONTINUED):
+        x, y = rec.batch(step)
+        rows = slice(rank * per, (rank + 1) * per)
+        loss = rec.bf16_loss(engine, x[rows], y[rows])
+        engine.backward(loss)
+        engine.step()
+        mean = loss.detach().clone().reshape(1)
+        if world > 1:
+            ps.world_group.all_reduce(mean)
+        losses.append(float(mean) / world)
+    engine.close()
+    return losses
+
+
+def _bf16_cases(ps, cases):
+    return [_bf16_continue(ps, d, stage) for d, stage in cases]
+
+
+def test_deepspeed_bf16_checkpoints_continue_bit_for_bit_at_two_ranks(tmp_path):
+    """Each bf16 fixture continued at DP 2 under hybrid's bf16 (fp32 masters): at
+    DeepSpeed's stage and at others (ZeRO 0's at 2, BF16_Optimizer's at 3, ZeRO 2's at 3,
+    ZeRO 3's at 1), one launch. DP 2 rounds the bf16 gradients where DeepSpeed did, so the
+    10 losses are DeepSpeed's within fp32's 2e-6 (measured: equal; any weight that rounded
+    to another bf16 value would move the loss by about 1e-4)."""
+    from tests.helpers.harness import run_ranks
+    cases = [(_copy(name, tmp_path / f"{i}"), stage) for i, (name, stage) in enumerate([
+        ("net_bf16_zero0", 0), ("net_bf16_zero0", 2), ("net_bf16_zero1", 1),
+        ("net_bf16_zero1", 3), ("net_bf16_zero2", 2), ("net_bf16_zero2", 3),
+        ("net_bf16_zero3", 3), ("net_bf16_zero3", 1)])]
+    out = run_ranks(_bf16_cases, world_size=2, args=(cases,))
+    assert out[0] == out[1]
+    for (d, stage), got in zip(cases, out[0]):
+        want = _after(os.path.basename(d))
+        assert _worst(got, want) <= TOLERANCE, (d, stage, got, want)
+
+
+def _deepspeed_bf16_stage0_values(tag_dir: str) -> dict[str, dict[str, torch.Tensor]]:
+    """FP16_UnfusedOptimizer's (bf16 without ZeRO): the i-th parameter's master is its
+    fp32_groups' i-th, its moments the torch optimizer's state of parameter i."""
+    ms = torch.load(os.path.join(tag_dir, "mp_rank_00_model_states.pt"), weights_only=False,
+                    pickle_module=_PICKLE)
+    osd = ms["optimizer"]
+    state = osd["optimizer_state_dict"]["state"]
+    return {n: {"master": osd["fp32_groups"][0][i],
+                **{k: state[i][k] for k in ("exp_avg", "exp_avg_sq")}}
+            for i, n in enumerate(ms["module"])}
+
+
+# At DP 1, hybrid's bf16 weight gradient is the whole batch's rounded once, DeepSpeed's
+# the mean of two half batches' each rounded to bf16: the updates differ in the last bits
+# of the masters, and once a weight rounds to another bf16 value the losses move by about
+# 1e-4 (measured worst over these cases: 4.1e-4).
+BF16_OTHER_DP_TOLERANCE = 5e-4
+
+
+def test_one_rank_continues_a_bf16_checkpoint_on_deepspeed_s_fp32_masters(tmp_path):
+    """At 1 rank (another DP size) in bf16: hybrid's imported masters and moments are
+    DeepSpeed's fp32 values exactly (the masters from DeepSpeed's fp32 partitions or
+    fp32_groups, not the bf16 module weights, which are their rounding and differ), and
+    the 10 losses are DeepSpeed's within :data:`BF16_OTHER_DP_TOLERANCE`; Adam's step is
+    the file's (4 at ZeRO 0: FP16_UnfusedOptimizer steps once with zero gradients when
+    built), the iteration 3."""
+    from hybrid.parallel.state import ParallelState
+    for name, stage in (("net_bf16_zero0", 1), ("net_bf16_zero1", 3), ("net_bf16_zero2", 2),
+                        ("net_bf16_zero3", 0)):
+        d = _copy(name, tmp_path / name)
+        tag = os.path.join(d, "global_step3")
+        got = _bf16_continue(ParallelState.single(), d, stage)
+        want = (_deepspeed_bf16_stage0_values if name.endswith("0") else
+                _deepspeed_full_values)(tag)
+        meta, params = iter_full_params(os.path.join(d, "hybrid_import", "iter_0000003"))
+        seen = dict(params)
+        assert sorted(seen) == sorted(want) == ["fc1.bias", "fc1.weight", "fc2.bias",
+                                                "fc2.weight"]
+        for n, values in want.items():
+            for k, v in values.items():
+                assert v.dtype == torch.float32 and torch.equal(seen[n][k], v), (name, n, k)
+        assert (meta["step"], meta["iteration"]) == (4 if name.endswith("0") else 3, 3)
+        assert _worst(got, _after(name)) <= BF16_OTHER_DP_TOLERANCE, (name, got)
+        if name != "net_bf16_zero3":  # (ZeRO 3's module files hold placeholders)
+            module = torch.load(os.path.join(tag, "mp_rank_00_model_states.pt"),
+                                weights_only=False, pickle_module=_PICKLE)["module"]
+            for n, w in module.items():
+                assert w.dtype == torch.bfloat16
+                assert torch.equal(want[n]["master"].bfloat16(), w), (name, n)
+                assert not torch.equal(want[n]["master"], w.float()), (name, n)
+
+
+def _read_all(path: str) -> None:
+    from hybrid.checkpoint.peers import deepspeed as ds
+    ck = ds.open(path)
+    for n in ck.shapes:
+        ck.read(n)
+
+
+def test_bad_bf16_deepspeed_checkpoints_are_one_error_naming_the_file(tmp_path):
+    """A bf16 save's optimizer file without its bf16_ name, or another save's (ZeRO 2's
+    among BF16_Optimizer's), or missing; an fp16 run without ZeRO (its loss scale would
+    not carry over): one CheckpointError each, naming the file. BF16_Optimizer's files
+    beside a model-state file of ZeRO 0 (its ds_config edited: 0.19.8 builds
+    BF16_Optimizer without ZeRO only in a pipeline engine) read as ZeRO 1's."""
+    from hybrid.checkpoint.peers import deepspeed as ds
+    d = _copy("net_bf16_zero1", tmp_path / "renamed")
+    tag = os.path.join(d, "global_step3")
+    os.rename(os.path.join(tag, "bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt"),
+              os.path.join(tag, "zero_pp_rank_1_mp_rank_00_optim_states.pt"))
+    with pytest.raises(CheckpointError, match=rf"^{tag}/zero_pp_rank_1_mp_rank_00_optim_"
+                                              rf"states\.pt: not a bf16 run's optimizer file"):
+        _read_all(d)
+
+    d = _copy("net_bf16_zero1", tmp_path / "mixed")
+    victim = os.path.join(d, "global_step3", "bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt")
+    shutil.copy(os.path.join(FIXTURES, "net_bf16_zero2", "global_step3",
+                             os.path.basename(victim)), victim)
+    with pytest.raises(CheckpointError, match=rf"^{victim}: zero_stage 2, but bf16_zero_pp_"
+                                              rf"rank_0_mp_rank_00_optim_states\.pt holds "
+                                              rf"BF16_Optimizer \(files of two saves mixed\)"):
+        _read_all(d)
+
+    os.remove(victim)
+    with pytest.raises(CheckpointError, match=r"global_step3: DeepSpeed dp_world_size 2 .*"
+                                              r"needs bf16_zero_pp_rank_0\.\.1_mp_rank_00"):
+        _read_all(d)
+
+    d = _copy("net_bf16_zero0", tmp_path / "fp16")  # an fp16 run's files, as DeepSpeed's
+    path = os.path.join(d, "global_step3", "mp_rank_00_model_states.pt")  # are named
+    ms = torch.load(path, weights_only=True)
+    ms["module"] = {k: v.half() for k, v in ms["module"].items()}
+    ms["ds_config"] = {**ms["ds_config"], "fp16": {"enabled": True}}
+    ms["ds_config"].pop("bf16")
+    torch.save(ms, path)
+    with pytest.raises(CheckpointError, match=rf"^{path}: fp16 training without ZeRO"):
+        _read_all(d)
+
+    d = _copy("net_bf16_zero1", tmp_path / "stage0")
+    path = os.path.join(d, "global_step3", "mp_rank_00_model_states.pt")
+    ms = torch.load(path, weights_only=False, pickle_module=_PICKLE)
+    ms["ds_config"]["zero_optimization"] = {"stage": 0}
+    torch.save(ms, path)
+    ck, want = ds.open(d), _deepspeed_full_values(os.path.join(d, "global_step3"))
+    assert (ck.format, ck.step) == ("DeepSpeed ZeRO 0", 3)
+    for n, values in want.items():
+        got = ck.read(n)
+        assert all(torch.equal(got[k], v) for k, v in values.items()), n

@@ -9,6 +9,8 @@
                      per-stage optimizer state, in the loading PipelineModule's names
 * :mod:`.deepspeed_files` DeepSpeed's files: names, pickles read without DeepSpeed, the
                      flat partitions' layout
+* :mod:`.deepspeed_bf16` DeepSpeed's bf16 saves: file names, BF16_Optimizer's partitions,
+                     the fp32 masters without ZeRO
 * :mod:`.deepspeed_names` a DeepSpeed checkpoint's names -> hybrid's (GPT-2, Llama, Qwen2
                      through the Hugging Face import's tables)
 * :mod:`.deepspeed_export` the way back: a hybrid checkpoint as DeepSpeed's ZeRO 1-3 files

@@ -22,6 +22,7 @@ import re
 
 import torch
 
+from hybrid.checkpoint.peers import deepspeed_bf16 as bf16
 from hybrid.checkpoint.peers.deepspeed_files import (
     FORMAT,
     LATEST,
@@ -90,6 +91,7 @@ class DeepSpeedCheckpoint:
         zero = (ms.get("ds_config") or {}).get("zero_optimization")
         stage = (zero.get("stage") if isinstance(zero, dict)
                  else None if zero is None else int(bool(zero)))
+        prefix = bf16.optim_prefix(tag_dir, ms.get("ds_config"), self.model_file)
         optims = _files(tag_dir, OPTIM_FILE)
         self._shapes_from(ms)
         world = int(ms.get("dp_world_size") or len(optims))
@@ -97,7 +99,8 @@ class DeepSpeedCheckpoint:
             have = ", ".join(os.path.basename(p) for p in optims.values()) or "none"
             raise CheckpointError(f"{tag_dir}: {FORMAT} dp_world_size {world} (in "
                                   f"{os.path.basename(self.model_file)}) needs "
-                                  f"zero_pp_rank_0..{world - 1}_mp_rank_00_optim_states.pt; "
+                                  f"{prefix}zero_pp_rank_0..{world - 1}_mp_rank_00_"
+                                  f"optim_states.pt; "
                                   f"there: {have} (an incomplete or mixed save)")
         self.world = world
         self._optim_paths = [optims[(r, 0)] for r in range(world)]
@@ -183,6 +186,13 @@ class DeepSpeedCheckpoint:
     @functools.cached_property
     def layout(self) -> Layout:
         first, path = self._optim(0), self._optim_paths[0]
+        if bf16.is_bf16_optimizer(first):  # (read as ZeRO 1's; the format keeps its stage)
+            layout = bf16.bf16_layout(self._groups, self.world, first, path, self.stage,
+                                      self.model_file)
+            self.stage = 1
+            self.__dict__["layout"] = layout
+            self._check_slice_mappings(0)
+            return layout
         stage = int(need(first, "zero_stage", path))
         if self.stage is None:
             self.stage, self.format = stage, f"{FORMAT} ZeRO {stage}"
@@ -230,6 +240,9 @@ class DeepSpeedCheckpoint:
         if rank not in self._open:
             path = self._optim_paths[rank]
             self._open[rank] = need(load_file(path), "optimizer_state_dict", path)
+            if rank:
+                bf16.check_same_save(self._open[rank], path, self._optim(0),
+                                     self._optim_paths[0])
         return self._open[rank]
 
     def _base_state(self, rank: int) -> dict:
@@ -430,14 +443,16 @@ class DeepSpeedUniversal(DeepSpeedCheckpoint):
 class DeepSpeedZero0(DeepSpeedCheckpoint):
     """DeepSpeed without ZeRO (stage 0, fp32 training, the default when the ds_config
     has no ``zero_optimization``): one ``mp_rank_00_model_states.pt`` holding the module's
-    weights (the masters: fp32) and the torch optimizer's own state dict.
+    weights (the masters: fp32) and the torch optimizer's own state dict; or, trained in
+    bf16, the bf16 weights and DeepSpeed's FP16_UnfusedOptimizer's state, whose fp32
+    masters are read (:mod:`.deepspeed_bf16`' Note).
 
     That state dict names no parameter: its i-th is the optimizer's i-th, which for an
     optimizer built from ``model.parameters()`` is the module's i-th parameter (buffers,
     and a tied weight's second name, left out). The order is taken so and checked by
     shape, parameter by parameter; an order it does not match (parameter groups that
-    reorder the module's parameters) is one CheckpointError, as is DeepSpeed's fp16 or
-    bf16 optimizer state (masters of their own, not read here)."""
+    reorder the module's parameters) is one CheckpointError, as is fp16's state (its loss
+    scale is not carried over) and the fused FP16_Optimizer's."""
 
     def __init__(self, tag_dir: str, names=None):
         ms = self._header(tag_dir)
@@ -455,11 +470,13 @@ class DeepSpeedZero0(DeepSpeedCheckpoint):
             raise CheckpointError(f"{where}: no optimizer state (saved without it, or by "
                                   f"an engine without an optimizer); hybrid imports a "
                                   f"{FORMAT} checkpoint to continue its training")
+        osd, self._masters = bf16.unfused_masters(ms, osd, where)
         if not isinstance(osd, dict) or set(osd) != {"state", "param_groups"}:
             keys = sorted(osd)[:5] if isinstance(osd, dict) else type(osd).__name__
             raise CheckpointError(f"{where}: the optimizer state is not a torch optimizer's "
-                                  f"({keys}): DeepSpeed's fp16/bf16 optimizer without ZeRO; "
-                                  f"hybrid reads fp32 stage-0 checkpoints and ZeRO 1-3 ones")
+                                  f"({keys}) nor DeepSpeed's bf16 FP16_UnfusedOptimizer's: "
+                                  f"hybrid reads fp32 and bf16 stage-0 checkpoints and ZeRO "
+                                  f"1-3 ones")
         module = need(ms, "module", where)
         buffers, seen, params = set(ms.get("buffer_names") or ()), set(), []
         for name, t in module.items():
@@ -482,6 +499,10 @@ class DeepSpeedZero0(DeepSpeedCheckpoint):
                     f"{list(got.shape) if got is not None else 'no exp_avg'}, the module's "
                     f"{name} is {list(module[name].shape)}: the optimizer's parameter "
                     f"order is not the module's (parameter groups that reorder them)")
+        if self._masters is not None:
+            bf16.check_masters(self._masters, self._index, module, where)
+            self.notes.append("bf16: the fp32 masters are DeepSpeed's fp32_groups (the "
+                              "module's bf16 weights are their rounding)")
         self._groups = [{n: list(module[n].shape) for n in params}]
         self.ds_shapes = dict(self._groups[0])
         self._bind(ms, names)
@@ -501,7 +522,9 @@ class DeepSpeedZero0(DeepSpeedCheckpoint):
         return int(step.item() if isinstance(step, torch.Tensor) else step)
 
     def read_ds(self, ds_name: str) -> dict[str, torch.Tensor]:
-        out = {"master": self._module[ds_name].float().clone()}
+        master = (self._module[ds_name] if self._masters is None
+                  else self._masters[self._index[ds_name]])
+        out = {"master": master.float().clone()}
         if len(self.columns) > 1:
             st = self._state.get(self._index[ds_name])
             if not st:

@@ -1,0 +1,149 @@
+"""DeepSpeed's bf16 saves (and its fp16 ones, as far as they are refused), for the reader
+(:mod:`.deepspeed`): which files a save's optimizer state is in, BF16_Optimizer's flat
+partitions, and the fp32 masters of DeepSpeed's FP16_UnfusedOptimizer.
+
+[Note: DeepSpeed 0.19.8's bf16 saves]
+A bf16 run keeps fp32 masters beside the bf16 module weights (their rounding, which are
+never read as masters). DeepSpeed picks its optimizer wrapper by stage and gradient
+accumulation dtype (``engine._do_optimizer_sanity_check``):
+
+* without ZeRO: FP16_UnfusedOptimizer in bf16 (for torch's optimizers; the fused
+  FP16_Optimizer for DeepSpeed's fused Adam). No optimizer files: the model-state file's
+  ``optimizer`` holds ``fp32_groups`` (group g's masters, one tensor per parameter in the
+  torch optimizer's ``param_groups[g]`` order), ``optimizer_state_dict`` (the torch
+  optimizer's) and the loss-scale fields. It builds its optimizer's state with one step of
+  zero gradients, so Adam's step is one more than the engine's.
+* ZeRO 1 with ``data_types.grad_accum_dtype`` fp32 (and a pipeline engine's bf16 without
+  ZeRO: Megatron-DeepSpeed's, BLOOM's): BF16_Optimizer. ``bf16_zero_pp_rank_R_mp_rank_00_
+  optim_states.pt`` per DP rank holds ZeRO 1's flat partitions without ``zero_stage`` or
+  alignment paddings: ``single_partition_of_fp32_groups[g]`` is rank R's whole partition
+  (the last rank's end padding, ``group_paddings[g]``, included), ``base_optimizer_state``
+  the torch optimizer's, ``param_slice_mappings`` the parameters' places. Read as ZeRO 1's.
+* ZeRO 1-3 otherwise: the ZeRO optimizers, their files named ``bf16_zero_pp_rank_*`` (any
+  bf16 run's are), read as fp32's.
+
+fp16 is not recorded (DeepSpeed's CPU accelerator refuses it on CPUs without oneDNN fp16);
+fp16 without ZeRO is refused, its dynamic loss scale not being carried over.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from hybrid.checkpoint.peers.deepspeed_files import OPTIM_FILE, Layout, layout_12, need
+from hybrid.errors import CheckpointError
+
+
+def bf16_enabled(ds_config) -> bool | None:
+    """Whether a saved ds_config enables bf16 (None: no ds_config saved)."""
+    if not isinstance(ds_config, dict):
+        return None
+    block = ds_config.get("bf16", ds_config.get("bfloat16"))
+    enabled = block.get("enabled") if isinstance(block, dict) else None
+    return enabled is True or str(enabled).lower() == "true"
+
+
+def is_bf16_optimizer(optim: dict) -> bool:
+    """Whether an optimizer file's state is BF16_Optimizer's: ZeRO 1's flat fp32
+    partitions without a ``zero_stage``."""
+    return "zero_stage" not in optim and "single_partition_of_fp32_groups" in optim
+
+
+def optim_kind(optim: dict) -> str:
+    if is_bf16_optimizer(optim):
+        return "BF16_Optimizer"
+    stage = optim.get("zero_stage")
+    return f"zero_stage {int(stage)}" if stage is not None else "no zero_stage"
+
+
+def optim_prefix(tag_dir: str, ds_config, model_file: str) -> str:
+    """The prefix of the save's optimizer file names: ``bf16_`` for a bf16 run (whatever
+    its stage), else none. A file named otherwise than the ds_config's bf16 says, or than
+    the others, is another save's: one CheckpointError naming it."""
+    names = [n for n in sorted(os.listdir(tag_dir)) if OPTIM_FILE.match(n)]
+    bf16 = bf16_enabled(ds_config)
+    if bf16 is None:  # (no ds_config: the first file's naming rules)
+        bf16 = bool(names) and names[0].startswith("bf16_")
+    odd = [n for n in names if n.startswith("bf16_") != bf16]
+    if odd:
+        what = ("not a bf16 run's optimizer file (bf16_zero_pp_rank_*), but the ds_config "
+                "in {m} enables bf16" if bf16 else
+                "a bf16 run's optimizer file, but the ds_config in {m} does not enable bf16")
+        raise CheckpointError(f"{os.path.join(tag_dir, odd[0])}: "
+                              f"{what.format(m=os.path.basename(model_file))} "
+                              f"(files of two saves mixed)")
+    return "bf16_" if bf16 else ""
+
+
+def bf16_layout(groups, world: int, first: dict, path: str, stage: int | None,
+                model_file: str) -> Layout:
+    """BF16_Optimizer's partitions (the Note), from rank 0's file ``first`` at ``path``;
+    ``stage``: the ds_config's (0 or 1 where BF16_Optimizer saves)."""
+    if stage not in (None, 0, 1):
+        raise CheckpointError(f"{path}: DeepSpeed's BF16_Optimizer state (no zero_stage), "
+                              f"but the ds_config in {os.path.basename(model_file)} says "
+                              f"ZeRO {stage} (files of two saves mixed)")
+    part = [int(t.numel()) for t in need(first, "single_partition_of_fp32_groups", path)]
+    try:
+        return layout_12(groups, world, part, None)
+    except ValueError as e:
+        raise CheckpointError(f"{path}: its partitions do not match param_shapes of "
+                              f"{os.path.basename(model_file)}: {e}") from None
+
+
+def check_same_save(mine: dict, path: str, first: dict, first_path: str) -> None:
+    """A rank's optimizer file ``mine`` is of rank 0's kind (``first``): the same ZeRO
+    stage, or BF16_Optimizer's with partitions of the same size."""
+    kind, want = optim_kind(mine), optim_kind(first)
+    if kind == want == "BF16_Optimizer":
+        kind, want = (f"{kind} partitions of "
+                      f"{[int(t.numel()) for t in o['single_partition_of_fp32_groups']]}"
+                      for o in (mine, first))
+    if kind != want:
+        raise CheckpointError(f"{path}: {kind}, but {os.path.basename(first_path)} holds "
+                              f"{want} (files of two saves mixed)")
+
+
+def unfused_masters(ms: dict, osd, where: str) -> tuple:
+    """(the torch optimizer's state dict, the fp32 masters by its parameter index) of a
+    stage-0 model-state file's ``optimizer`` ``osd``: DeepSpeed's FP16_UnfusedOptimizer's
+    in bf16 (the Note); ``(osd, None)`` for a torch optimizer's own (fp32: the module's
+    weights are the masters). fp16, and the fused FP16_Optimizer, are one CheckpointError."""
+    if not isinstance(osd, dict) or "optimizer_state_dict" not in osd:
+        return osd, None
+    module = ms.get("module") or {}
+    if any(getattr(t, "dtype", None) == torch.float16 for t in module.values()):
+        raise CheckpointError(f"{where}: fp16 training without ZeRO (DeepSpeed's FP16 "
+                              f"optimizer, loss scale {osd.get('cur_scale')}): hybrid reads "
+                              f"fp32 and bf16 stage-0 checkpoints (an fp16 run's loss scale "
+                              f"would not carry over)")
+    if "fp32_groups" not in osd:
+        raise CheckpointError(f"{where}: DeepSpeed's fused FP16_Optimizer state "
+                              f"({sorted(osd)[:6]}: one flat fp32 master per group): hybrid "
+                              f"reads the unfused one DeepSpeed wraps torch's optimizers in")
+    inner = osd["optimizer_state_dict"]
+    if not isinstance(inner, dict) or "param_groups" not in inner:
+        raise CheckpointError(f"{where}: no torch optimizer state in its optimizer's "
+                              f"optimizer_state_dict")
+    order = [int(i) for g in inner["param_groups"] for i in g["params"]]
+    masters = [t for g in osd["fp32_groups"] for t in g]
+    if len(masters) != len(order) or any(
+            not isinstance(t, torch.Tensor) or t.dtype != torch.float32 for t in masters):
+        raise CheckpointError(f"{where}: fp32_groups holds {len(masters)} tensors (fp32 "
+                              f"ones?), the optimizer {len(order)} parameters")
+    return inner, dict(zip(order, masters))
+
+
+def check_masters(masters: dict, index: dict, module: dict, where: str) -> None:
+    """Each module parameter's fp32 master (by its optimizer index) has its shape: else
+    the optimizer's order is not the module's."""
+    for name, i in index.items():
+        got = masters.get(i)
+        if got is None or tuple(got.shape) != tuple(module[name].shape):
+            raise CheckpointError(
+                f"{where}: the optimizer's fp32 master {i} is "
+                f"{list(got.shape) if got is not None else 'missing'}, the module's {name} "
+                f"is {list(module[name].shape)}: the optimizer's parameter order is not the "
+                f"module's")
