@@ -182,11 +182,19 @@ def _encoded_module_state(engine, exclude_frozen: bool):
                      f"pipeline engine yet (it would be lost); let it train, make the buffer "
                      f"non-persistent, or pass exclude_frozen_parameters=True if it is a "
                      f"frozen parameter the script rebuilds; nothing was written")
-    elif engine.ps.rank == 0:
-        try:
-            data = module_state.encode(engine.module, engine.ps.tp_size, exclude_frozen)
-        except ConfigError as e:
-            error = str(e)
+    else:
+        # stage 3's partitioned frozen parameters, gathered unit by unit on every rank,
+        # kept by rank 0 ([Note: partitioned frozen parameters in the file])
+        zero = engine.zero
+        whole = (module_state.gather_frozen(zero.frozen_units, zero.param_pipeline,
+                                            keep=engine.ps.rank == 0)
+                 if not exclude_frozen else {})
+        if engine.ps.rank == 0:
+            try:
+                data = module_state.encode(engine.module, engine.ps.tp_size, exclude_frozen,
+                                           gathered=whole)
+            except ConfigError as e:
+                error = str(e)
     error = agree_error(engine.ps, error)
     if error:
         raise ConfigError(error)
@@ -494,7 +502,8 @@ def _load_module_state(engine, ckpt: str, meta: dict) -> None:
         saved = module_state.read(ckpt, meta)
         if saved:
             module_state.restore(engine.module, saved, os.path.join(ckpt, module_state.FILE),
-                                 bool(meta.get("module_state_excludes_frozen")))
+                                 bool(meta.get("module_state_excludes_frozen")),
+                                 frozen_units=engine.zero.frozen_units)
     except CheckpointError as e:
         error = str(e)
     error = agree_error(engine.ps, error)

@@ -19,6 +19,20 @@ second copy of a frozen base: the save streams the module's own tensors into the
 in 8 MiB reads and maps it, copying each tensor into its place. A save made before
 this file existed loads as before, leaving the module's own values.
 
+[Note: partitioned frozen parameters in the file]
+At ZeRO stage 3 the frozen parameters are partitioned over DP (hybrid/zero/units.py,
+[Note: frozen units]): no rank holds them whole, yet the file keeps its format (whole
+tensors by name, in the training dtype), so it loads at any stage and DP size, and a
+peer's import or ``zero_to_fp32`` reads it as before. The save gathers the frozen units
+one at a time (every rank: they are all-gathers; the device holds one unit whole at a
+time) and rank 0 copies each into host memory before releasing it
+(:func:`gather_frozen`): rank 0's host then holds the frozen base once while the file
+is written -- O(frozen model) on one host, the price of one file every reader knows;
+a file per rank of its shards would grow with the work only, and is not done. The load
+is every rank's own, as before, and copies only this rank's shard of each frozen unit
+out of the mapped file (:func:`restore`), so no rank's device holds a frozen parameter
+whole.
+
 ``save_checkpoint(exclude_frozen_parameters=True)`` (DeepSpeed's flag, which Hugging
 Face's Trainer passes for a PEFT model) writes the buffers only: the frozen parameters
 are the script's to rebuild (a pretrained base loaded again), and the checkpoint says
@@ -61,13 +75,35 @@ def frozen_names(module: torch.nn.Module) -> list[str]:
             if not p.requires_grad]
 
 
-def encode(module: torch.nn.Module, tp_size: int, exclude_frozen: bool = False):
+@torch.no_grad()
+def gather_frozen(units, pipe, keep: bool) -> dict[int, torch.Tensor]:
+    """Every partitioned frozen parameter of ``units`` (a stage-3 engine's
+    ``frozen_units``) whole, by ``id``, as a CPU copy where ``keep`` (rank 0), else {}:
+    each unit gathered through ``pipe`` and released again unless it was whole already
+    ([Note: partitioned frozen parameters in the file]). Collective over each unit's
+    group, in the units' order."""
+    out: dict[int, torch.Tensor] = {}
+    for u in units:
+        was = u.gathered
+        u.finish_gather(pipe)
+        if keep:
+            for p in u.params:
+                out[id(p)] = p.detach().to("cpu", copy=True)
+        if not was:
+            u.release()
+    return out
+
+
+def encode(module: torch.nn.Module, tp_size: int, exclude_frozen: bool = False,
+           gathered: dict[int, torch.Tensor] | None = None):
     """The file, as a function writing it to a binary file (:func:`writer`): every frozen
     parameter (none with ``exclude_frozen``) and persistent buffer of ``module``, whole
     (None when there is none). The buffers are copied now (a step may move them before
     an asynchronous save writes); the frozen parameters, which no step moves, are
     written from the module's own tensors, so the save holds no second copy of a frozen
-    base. ConfigError naming one split over TP (``tp_size`` > 1)."""
+    base. ``gathered``: the partitioned frozen parameters' whole values by ``id``
+    (:func:`gather_frozen`), written instead of the module's tensors, which hold only a
+    shard. ConfigError naming one split over TP (``tp_size`` > 1)."""
     state = _untrained(module, frozen=not exclude_frozen)
     if not state:
         return None
@@ -79,7 +115,9 @@ def encode(module: torch.nn.Module, tp_size: int, exclude_frozen: bool = False):
                               f"parameters and buffers whole from rank 0: let it train, or "
                               f"keep it whole on every TP rank")
     params = {n for n, _ in module.named_parameters(remove_duplicate=False)}
-    return writer({n: t.detach() if n in params else t.detach().clone()
+    whole = gathered or {}
+    return writer({n: whole[id(t)] if id(t) in whole else
+                   t.detach() if n in params else t.detach().clone()
                    for n, t in state.items()})
 
 
@@ -115,17 +153,28 @@ def read(ckpt: str, meta: dict) -> dict[str, torch.Tensor]:
 
 @torch.no_grad()
 def restore(module: torch.nn.Module, saved: dict[str, torch.Tensor], path: str,
-            excludes_frozen: bool = False) -> None:
+            excludes_frozen: bool = False, frozen_units=()) -> None:
     """Copy ``saved`` (:func:`read` from ``path``) into ``module``'s frozen parameters and
     buffers of the same names (its buffers only when the save ``excludes_frozen``: the
-    module keeps its own frozen values). CheckpointError naming ``path`` when the names
-    or shapes are not the module's."""
+    module keeps its own frozen values). ``frozen_units``: a stage-3 engine's
+    partitioned frozen units, whose parameters take only this rank's shard of their
+    values ([Note: partitioned frozen parameters in the file]). CheckpointError naming
+    ``path`` when the names or shapes are not the module's."""
     mine = _untrained(module, frozen=not excludes_frozen)
     same_shapes(f"{path}: frozen parameters and buffers of another module",
                 {n: list(t.shape) for n, t in saved.items()},
                 {n: list(t.shape) for n, t in mine.items()}, "this module")
+    name_of = {id(t): n for n, t in mine.items()}
+    partitioned: set[int] = set()
+    for u in frozen_units if not excludes_frozen else ():
+        for i, plo, ulo, n in u.segments(u.own_lo, u.own_hi):
+            a = ulo - u.own_lo
+            src = saved[name_of[id(u.params[i])]].reshape(-1)[plo: plo + n]
+            u.shard[a: a + n].copy_(src)
+        partitioned.update(id(p) for p in u.params if not u.gathered)
     for name, t in mine.items():
-        t.copy_(saved[name])
+        if id(t) not in partitioned:  # (a gathered unit's whole view too)
+            t.copy_(saved[name])
 
 
 def same_shapes(what: str, theirs: dict[str, list[int]], mine: dict[str, list[int]],

@@ -11,8 +11,9 @@ whatever a scheduler writes there) but not their parameters: each group's
 parameter the group held (:meth:`ZeroEngine.owned_pieces`). The client's own
 ``step()`` then updates the shard, and its state (momentum, moments) exists
 for this rank's elements only: ZeRO's 1/N. Parameters outside every group are
-an error; frozen parameters (``requires_grad`` False) are in no unit, so they
-take no state and no reduction.
+an error; frozen parameters (``requires_grad`` False) are in none of the units the
+optimizer steps (at stage 3 in frozen units only the gatherer sees: units.py, [Note:
+frozen units]), so they take no state and no reduction.
 
 [Note: element-wise optimizers]
 A piece is part of a parameter, so the client sees each parameter cut where the

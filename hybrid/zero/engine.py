@@ -18,6 +18,10 @@ stage    parameters      gradients          fp32 master + Adam moments
 3        1/N             1/N                1/N
 =======  ==============  =================  =======================================
 
+Frozen parameters (``requires_grad`` False) have no gradient nor optimizer state; at
+stage 3 they are partitioned too, 1/N each, in frozen units the gatherer gathers and
+nothing else sees (``frozen_units``; [Note: frozen units] in hybrid/zero/units.py).
+
 All parameters live as views of flat buffers (one for the whole units, one per
 module at stage 3), gradients too at stages 0-1 -- no per-parameter allocation
 in a step. Gradients are accumulated and reduced in ``precision.grads_dtype`` (fp32
@@ -83,6 +87,7 @@ from hybrid.zero.units import (
     ValueSource,
     is_expert,
     owned_pieces,
+    plan_frozen_units,
     plan_units,
 )
 
@@ -133,11 +138,17 @@ class ZeroEngine:
         self.unit_parts = [0] * len(self.units)
         if parts is not None:
             self.units, owners, self.unit_parts = split_by_part(self.units, owners, parts)
+        # [Note: frozen units] (hybrid/zero/units.py): stage 3 partitions the frozen
+        # parameters too, in units the gatherer gathers and nothing else sees
+        frozen = plan_frozen_units(model, ps, zero, self.plan, unit_modules) if parts is None \
+            else []
+        self.frozen_units = [u for _, u in frozen]
         self._pieces = owned_pieces(model, self.units)  # the layout is fixed from here on
         # [Note: the order of construction] Each part is built from the parts above it.
         self.tiers = OffloadTiers(offload, ps.rank, self.units, dtype=self.dtype,
                                   grad_dtype=self.grad_dtype, device=ps.device)
-        master = self._materialize(Materializer(model, values, self.units), offload)
+        master = self._materialize(Materializer(model, values, self.units + self.frozen_units),
+                                   offload)
         lands = self._gradients_land(offload)
         self.flat_grads = allocate_grads(self.units, sharded=self.plan.grads, dtype=self.dtype,
                                          grad_dtype=self.grad_dtype, device=ps.device,
@@ -148,12 +159,13 @@ class ZeroEngine:
         self.publisher = ShardPublisher(self.param_pipeline, sharded=self.plan.optimizer)
         # (a root unit runs in every part's forward: its part says nothing of what follows)
         where = {id(u): k for u, k in zip(self.units, self.unit_parts)}
-        self.gatherer = (ParamGatherer(owners, self.param_pipeline,
+        self.gatherer = (ParamGatherer(owners + frozen, self.param_pipeline,
                                        recompute or RecomputePhase(),
                                        parts={id(u): None if m is model else where[id(u)]
                                               for m, u in owners} if parts is not None else None,
-                                       home=where if parts is not None else None)
-                         if owners else None)
+                                       home=where if parts is not None else None,
+                                       frozen=self.frozen_units)
+                         if owners or frozen else None)
         self.optimizer = self._build_optimizer(master, adamw, offload, client, decay)
         self.offload = self._build_offload(offload)
         self.sink = self._pick_sink(lands)
@@ -197,6 +209,8 @@ class ZeroEngine:
         # (stage 3 with --offload-param: each shard goes home as soon as it is made)
         fill.bind(self.units, self.flat_params, dtype=self.dtype, device=ps.device,
                   bound=self.tiers.send_home)
+        # (a frozen unit's shard stays on the device: no tier of --offload-param holds it)
+        fill.bind(self.frozen_units, self.flat_params, dtype=self.dtype, device=ps.device)
         return master if master is not None else [u.shard for u in self.units]
 
     def _gradients_land(self, offload: OffloadConfig) -> bool:
@@ -345,8 +359,10 @@ class ZeroEngine:
         :meth:`params_held`; a unit it frees is gathered again at its next use."""
         if self.gatherer is None:
             return
-        self.gatherer.release(self.units if part is None else
-                              [u for u, k in zip(self.units, self.unit_parts) if k == part])
+        # (frozen units exist only for a model in one part, part 0: [Note: frozen units])
+        self.gatherer.release(self.gatherer.units if part is None else
+                              [u for u, k in zip(self.units, self.unit_parts) if k == part]
+                              + (self.frozen_units if part == 0 else []))
 
     def prefetch_step(self, lr: float | None = None, grad_divisor: float = 1.0) -> None:
         """This rank's backwards of the step have ended: start what the coming
@@ -504,7 +520,8 @@ class ZeroEngine:
             return 0 if t is None else t.untyped_storage().nbytes()
         params = nbytes(self.flat_params) + sum(
             u.shard.untyped_storage().nbytes() + u.full.untyped_storage().nbytes()
-            for u in self.units if u.partition_params) + self.tiers.param_device_bytes()
+            for u in self.units + self.frozen_units if u.partition_params
+        ) + self.tiers.param_device_bytes()
         opt = self.optimizer.state_bytes() + nbytes(self.flat_master)
         if self.offload is not None:
             opt += self.offload.nbytes()

@@ -40,11 +40,27 @@ backward. That pre-forward gather *is* the backward gather of the 3 Psi
 budget, so the post-forward hook must not free the parameters then: the
 block's backward follows at once. Activation checkpointing says so through
 the :class:`~hybrid.recompute.phase.RecomputePhase` it shares with this gatherer.
+
+[Note: releasing a frozen unit]
+A frozen unit (hybrid/zero/units.py, [Note: frozen units]) is gathered by the same
+hooks as a trainable one, but has no gradient, so the reducer never says its module's
+backward is over. Its module's input gradients do: a multi-grad hook on the tensors
+the forward was handed (by position or keyword) that require a gradient -- registered
+at the forward, or at the recompute forward of a checkpointed block -- fires when the
+node that made them is about to run, and autograd runs a ready node made later in
+forward first, so every node of the module that reads the frozen weights has run by
+then (a LoRA block's ``W x`` beside its ``B A x``: both feed the input's gradient).
+Releasing it with the module's trainable unit instead would be too early: the reducer
+packs that unit as soon as the adapter's gradients are in, and the ``W x`` node may
+still be to run. A module whose inputs need no gradient (the root module, a first
+block under a frozen embedding) keeps its frozen units until the end of backward
+(:meth:`ParamGatherer.release_all`), and nothing is released while units are held for
+a pipeline step.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping
 
 import torch
 from torch import nn
@@ -57,10 +73,11 @@ from hybrid.zero.gather_pipeline import GatherPipelines
 class ParamGatherer:
     def __init__(self, owners: list[tuple[nn.Module, FlatUnit]], pipe: GatherPipelines,
                  recompute: RecomputePhase, parts: dict[int, int | None] | None = None,
-                 home: dict[int, int] | None = None):
+                 home: dict[int, int] | None = None, frozen: Collection[FlatUnit] = ()):
         """``parts``: the part of each unit by ``id`` (None for a root unit), when the
         model is in parts ([Note: prefetch within a part]); None: one part. ``home``:
-        then the part of every unit, the root's too."""
+        then the part of every unit, the root's too. ``frozen``: the units of ``owners``
+        that hold frozen parameters ([Note: releasing a frozen unit])."""
         self.pipe = pipe
         self.recompute = recompute
         self._parts, self._home = parts, home
@@ -71,9 +88,14 @@ class ParamGatherer:
         self._recording = True
         self.hold = False  # [Note: held for a pipeline step]
         self._handles = []
+        self._frozen = {id(u) for u in frozen}  # [Note: releasing a frozen unit]
+        self._input_hooks: list = []
         for module, unit in owners:
             self._handles.append(module.register_forward_pre_hook(self._pre_forward(unit)))
             self._handles.append(module.register_forward_hook(self._post_forward(unit)))
+            if id(unit) in self._frozen:
+                self._handles.append(module.register_forward_pre_hook(
+                    self._watch_inputs(unit), with_kwargs=True))
 
     # -- ordering --------------------------------------------------------------
     def _next(self, unit: FlatUnit, backward: bool) -> FlatUnit | None:
@@ -119,6 +141,32 @@ class ParamGatherer:
             unit.finish_gather(self.pipe)
             self._prefetch(unit, backward=recomputing)
         return hook
+
+    def _watch_inputs(self, unit: FlatUnit
+                      ) -> Callable[[nn.Module, tuple[object, ...], dict[str, object]], None]:
+        """A forward pre-hook (with kwargs: a ``transformers`` layer is handed its hidden
+        states by keyword) that releases frozen ``unit`` once the gradients of the
+        forward's tensor inputs are complete ([Note: releasing a frozen unit])."""
+        def hook(module: nn.Module, args: tuple[object, ...], kwargs: dict[str, object]
+                 ) -> None:
+            if not torch.is_grad_enabled():
+                return
+            inputs = [a for a in (*args, *kwargs.values())
+                      if isinstance(a, torch.Tensor) and a.requires_grad]
+            if inputs:
+                self._when_complete(unit, inputs)
+        return hook
+
+    def _when_complete(self, unit: FlatUnit, inputs: list[torch.Tensor]) -> None:
+        handle = None
+
+        def done(grads: object) -> None:
+            if handle is not None:
+                handle.remove()
+            if not self.hold:
+                unit.release()
+        handle = torch.autograd.graph.register_multi_grad_hook(inputs, done, mode="all")
+        self._input_hooks.append(handle)
 
     def _post_forward(self, unit: FlatUnit
                       ) -> Callable[[nn.Module, tuple[object, ...], object], object]:
@@ -166,6 +214,9 @@ class ParamGatherer:
     def release_all(self) -> None:
         """Free everything gathered (end of step, or after an eval forward)."""
         self.release(self.units)
+        for h in self._input_hooks:  # (a hook on a leaf input that no backward reached)
+            h.remove()
+        self._input_hooks = []
 
     def release(self, units: Iterable[FlatUnit]) -> None:
         """Free ``units`` (a gather under way is finished first)."""

@@ -91,9 +91,14 @@ def load_shard_state(engine: ZeroEngine, fetch: Callable[[str, int, int], torch.
 def write_master_from_params(engine: ZeroEngine, params: Iterable[torch.Tensor]) -> None:
     """The full values of ``params`` (just changed in place, the same on every DP rank,
     inside :meth:`ZeroEngine.gathered`) become this rank's fp32 master pieces of them;
-    then the parameters are republished. The Adam moments are kept."""
+    then the parameters are republished. The Adam moments are kept. A frozen unit
+    holding one of them keeps this rank's shard of its new values (it has no master:
+    hybrid/zero/units.py, [Note: frozen units])."""
     engine.wait_optimizer()
     wanted = {id(p) for p in params}
+    for u in engine.frozen_units:
+        if u.gathered and any(id(p) in wanted for p in u.params):
+            u.shard.copy_(u.full[u.own_lo: u.own_hi])
     opt = engine.optimizer
     for pc in engine.owned_pieces():
         if id(pc.param) in wanted:

@@ -45,6 +45,25 @@ supplies fp32 values of a TP-local flat range (the block-seeded init of
 real parameter's own data). Units are
 filled chunk by chunk from it: a partitioned unit only its own shard, the
 fp32 master only this rank's ranges. So no rank ever holds more than it keeps.
+
+[Note: frozen units]
+At stage 3 a frozen parameter (``requires_grad`` False: the pretrained base under a
+LoRA adapter) is partitioned like a trainable one, as DeepSpeed's ZeRO-3 does, so no
+rank holds a frozen base whole. It goes into a *frozen unit* (:func:`plan_frozen_units`)
+of its own module (a block's frozen parameters one unit beside its trainable one; what
+no block owns, and a frozen parameter registered under several names, the root
+module's): a partitioned :class:`FlatUnit` like any other, gathered by the same hooks
+before the module's forward and again for its backward (its weights compute the
+gradient of the module's input), and released after each. It is in none of the
+engine's ``units``: no gradient is reduced for it, the optimizer has no piece of it, and
+there is no fp32 master: its shard in the training dtype is the value (fp32 values are
+read once, from the value source, at construction). What releases it after backward
+is not the reducer (it has no gradient to pack) but its module's input gradients
+being complete (hybrid/zero/param_sync.py, [Note: releasing a frozen unit]). A frozen
+parameter under ``param_persistence_threshold`` stays whole, as a small trainable one
+does, and so does one that is not floating point. Decided once at construction, at
+stage 3 only (other stages keep every parameter whole) and not for a model in parts
+(an interleaved pipeline's chunks: its frozen parameters stay whole).
 """
 
 from __future__ import annotations
@@ -175,6 +194,43 @@ def plan_units(model: nn.Module, ps: ParallelState, cfg: ZeroConfig, plan: Shard
                                        else "root_experts")))
     owners = top + owners
     return lone + units + [u for _, u in owners if u not in lone], owners
+
+
+def is_partitionable_frozen(p: torch.Tensor) -> bool:
+    """A frozen parameter stage 3 may partition ([Note: frozen units])."""
+    return not p.requires_grad and p.is_floating_point()
+
+
+def plan_frozen_units(model: nn.Module, ps: ParallelState, cfg: ZeroConfig,
+                      plan: ShardingPlan, unit_modules: Iterable[nn.Module] | None
+                      ) -> list[tuple[nn.Module, FlatUnit]]:
+    """Stage 3's frozen units as (owner module, unit): each unit module's frozen
+    parameters of at least ``param_persistence_threshold`` elements, then the root
+    module's (what no unit module owns, and frozen parameters registered under several
+    names); an MoE layer's experts apart, over their group ([Note: frozen units]).
+    Empty below stage 3."""
+    if not plan.params:
+        return []
+    thr = cfg.param_persistence_threshold
+    shared = shared_param_ids(model)
+    frozen = [p for p in model.parameters()
+              if is_partitionable_frozen(p) and p.numel() >= thr]
+    ids = {id(p) for p in frozen}
+    taken: set[int] = set()
+    out: list[tuple[nn.Module, FlatUnit]] = []
+    for i, m in enumerate(unit_modules or []):
+        mine = [p for p in m.parameters() if id(p) in ids and id(p) not in shared
+                and id(p) not in taken]
+        taken.update(id(p) for p in mine)
+        for some, group in by_group(mine, ps):
+            name = f"frozen{i}" if group is ps.dp_cp_group else f"frozen{i}_experts"
+            out.append((m, FlatUnit(some, group, partition_params=True, name=name)))
+    rest = [p for p in frozen if id(p) not in taken]
+    root = [(model, FlatUnit(some, group, partition_params=True,
+                             name="frozen_root" if group is ps.dp_cp_group
+                             else "frozen_root_experts"))
+            for some, group in by_group(rest, ps)]
+    return root + out
 
 
 class OwnedPiece(NamedTuple):

@@ -16,6 +16,8 @@ from hybrid.checkpoint import module_state
 from hybrid.checkpoint.integrity import verify_checkpoint
 from hybrid.errors import CheckpointError, ConfigError
 from hybrid.parallel.state import ParallelState
+from hybrid.zero.flat_unit import ParamState
+from tests.helpers.harness import run_ranks
 
 
 class Net(nn.Module):
@@ -31,15 +33,18 @@ class Net(nn.Module):
         return self.head(torch.tanh(self.norm(self.base(x))))
 
 
-def _engine(stage: int, seed: int, norm: bool = True):
+def _engine(stage: int, seed: int, norm: bool = True, mpu=None, **zero):
+    """``zero``: more of the ds_config's zero_optimization; ``mpu``: the ranks (one
+    process by default), each training on the same 4 samples."""
     torch.manual_seed(seed)  # another seed: another frozen part and head
     net = Net(norm)
     net.base.requires_grad_(False)
-    cfg = {"train_batch_size": 4, "optimizer": {"type": "Adam", "params": {"lr": 1e-2}},
-           "zero_optimization": {"stage": stage}}
+    mpu = mpu or ParallelState.single()
+    cfg = {"train_batch_size": 4 * mpu.dp_size,
+           "optimizer": {"type": "Adam", "params": {"lr": 1e-2}},
+           "zero_optimization": {"stage": stage, **zero}}
     params = [p for p in net.parameters() if p.requires_grad]
-    return deepspeed.initialize(model=net, model_parameters=params, config=cfg,
-                                mpu=ParallelState.single())[0]
+    return deepspeed.initialize(model=net, model_parameters=params, config=cfg, mpu=mpu)[0]
 
 
 def _train(engine, steps) -> list[float]:
@@ -76,6 +81,83 @@ def test_frozen_parameters_and_buffers_come_back_and_the_run_continues_exactly(t
     for name, t in saved.items():
         assert torch.equal(other.module.state_dict()[name], t), name
     assert _train(other, range(2, 4)) == want
+
+
+# ZeRO 3 partitions the frozen base (hybrid/zero/units.py, [Note: frozen units]) once it
+# is over the persistence threshold: 0 here, so every parameter is partitioned
+PARTITIONED = {"stage3_param_persistence_threshold": 0}
+
+
+def _partitioned_frozen_run(ps, root: str):
+    """At DP 2: 2 steps, save, 2 more; another seed's engine loads and continues; a
+    stage 2 engine (the frozen base whole) loads the same save."""
+    engine = _engine(3, 0, mpu=ps, **PARTITIONED)
+    start = module_state.gather_frozen(engine.zero.frozen_units, engine.zero.param_pipeline,
+                                       keep=True)[id(engine.module.base.weight)]
+    (unit,) = engine.zero.frozen_units
+    held = unit.shard.untyped_storage().nbytes() + unit.full.untyped_storage().nbytes()
+    _train(engine, range(2))
+    path = engine.save_checkpoint(root)
+    want = _train(engine, range(2, 4))
+    other = _engine(3, 1, mpu=ps, **PARTITIONED)
+    other.load_checkpoint(root)
+    (back,) = other.zero.frozen_units
+    shard = back.shard.clone()
+    got = _train(other, range(2, 4))
+    other.save_16bit_model(os.path.join(root, "16bit"))  # (gathers the frozen unit too)
+    # rank 1 writes the frozen weight (a pretrained value loaded by hand): every rank keeps
+    # its shard of it afterwards
+    w = other.module.base.weight
+    with deepspeed.zero.GatheredParameters([w], modifier_rank=1), torch.no_grad():
+        w.fill_(0.5 if ps.dp_rank == 1 else -1.0)
+    with other.zero.gathered():
+        modified = w.detach().clone()
+    stage2 = _engine(2, 1, mpu=ps)
+    stage2.load_checkpoint(root)
+    return {"path": path, "start": start, "held": held, "unit": (unit.numel, unit.padded),
+            "state": unit.state, "want": want, "got": got, "shard": shard,
+            "own": (back.own_lo, back.own_hi), "stage2_base": stage2.module.base.weight.clone(),
+            "stage2": _train(stage2, range(2, 4)), "modified": modified}
+
+
+def test_a_partitioned_frozen_base_round_trips_and_resumes_at_another_stage_and_dp(
+        tmp_path):
+    """ZeRO 3 at DP 2 with the frozen base partitioned (each rank holds half of it): the
+    save writes it whole (gathered unit by unit) and unchanged bit for bit; an engine
+    from another seed loads it (each rank its shard of it) and continues the saved run
+    bit for bit; a stage 2 engine at DP 2 and a one-process stage 3 engine load it whole
+    and continue the same curve; ``zero_to_fp32`` and ``save_16bit_model`` give it whole;
+    a ``GatheredParameters(modifier_rank=1)`` write of it stays."""
+    from hybrid.deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+    res = run_ranks(_partitioned_frozen_run, world_size=2, args=(str(tmp_path),))
+    r0 = res[0]
+    for r in res:
+        assert torch.equal(r["modified"], torch.full((8, 6), 0.5))
+    assert torch.equal(get_fp32_state_dict_from_zero_checkpoint(str(tmp_path))["base.weight"],
+                       r0["start"])
+    sixteen = torch.load(tmp_path / "16bit" / "pytorch_model.bin", weights_only=True)
+    assert torch.equal(sixteen["base.weight"], r0["start"])
+    numel, padded = r0["unit"]
+    assert numel == 6 * 8 + 8 and padded == 56
+    for r in res:
+        assert r["held"] == padded // 2 * 4 and r["state"] is ParamState.SHARDED
+        assert r["got"] == r0["want"] == r["want"]
+    saved = torch.load(os.path.join(r0["path"], "module_state.pt"), weights_only=True)
+    assert torch.equal(saved["base.weight"], r0["start"])  # (never trained)
+    flat = torch.cat([saved["base.weight"].reshape(-1), saved["base.bias"]])
+    for r in res:  # each rank took its shard of the file
+        lo, hi = r["own"]
+        assert torch.equal(r["shard"], flat[lo:hi])
+    assert torch.equal(r0["stage2_base"], saved["base.weight"])
+    for a, b in zip(r0["stage2"], r0["want"]):
+        assert abs(a - b) <= 1e-6 * abs(b), (r0["stage2"], r0["want"])
+    single = _engine(3, 1, **PARTITIONED)
+    assert single.zero.frozen_units  # (over DP 1: a unit all the same)
+    single.load_checkpoint(str(tmp_path))
+    with single.zero.gathered():
+        assert torch.equal(single.module.base.weight, saved["base.weight"])
+    for a, b in zip(_train(single, range(2, 4)), r0["want"]):
+        assert abs(a - b) <= 1e-6 * abs(b)
 
 
 def test_exclude_frozen_parameters_saves_the_buffers_and_the_load_keeps_the_module_s_own(
