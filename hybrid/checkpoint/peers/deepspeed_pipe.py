@@ -119,8 +119,13 @@ class DeepSpeedPipeline:
     :class:`~hybrid.checkpoint.peers.base.PeerCheckpoint` in the loading PipelineModule's
     names; ``layers``: its :func:`layer_prefixes`."""
 
-    def __init__(self, tag_dir: str, layers: Sequence[Layer]):
+    def __init__(self, tag_dir: str, layers: Sequence[Layer],
+                 first_copy: frozenset[str] = frozenset()):
         self.path, self.layers = tag_dir, list(layers)
+        # (a tied module's parameters that only its first stage's forward uses, as
+        # GPTModelPipe's position embeddings: read from that stage, the others' copies
+        # untrained and ignored)
+        self.first_copy = first_copy
         self.notes = ["RNG state: DeepSpeed saves none; the run's generators start from "
                       "its seed"]
         self.flags: dict = {}
@@ -399,7 +404,8 @@ class DeepSpeedPipeline:
             holders = [s for s, names in enumerate(self._stage_names)
                        if any(n.startswith(layer.prefix + ".") for n in names)]
             own = [n for n in self.shapes if n.startswith(layer.prefix + ".")
-                   and n[len(layer.prefix) + 1:] not in layer.tied]
+                   and n[len(layer.prefix) + 1:] not in layer.tied
+                   and n not in self.first_copy]
             if len(holders) > 1 and own:
                 raise CheckpointError(f"{self.model_files[holders[1]]}: {own[0]} of the tied "
                                       f"module on stages {holders} is not one of its tied "
@@ -440,6 +446,8 @@ class DeepSpeedPipeline:
         """The first stage's values of ``name``; a tied weight's, checked equal to every
         other stage's copy (they step alike: a difference is two saves' files mixed)."""
         holders = [s for s, names in enumerate(self._stage_names) if name in names]
+        if name in self.first_copy:
+            holders = holders[:1]
         out = self._read_stage(name, holders[0])
         for s in holders[1:]:
             other = self._read_stage(name, s)
