@@ -11,7 +11,12 @@ hybrid.deepspeed as deepspeed`` and calls ``engine.load_checkpoint(dir)`` contin
 its next 10 losses equal DeepSpeed's within 2e-6 at DeepSpeed's layout (PP 2), at
 another DP size (DP 2's save at DP 1) and at PP 1 with another ZeRO stage. The masters and
 moments hybrid imported equal the values in DeepSpeed's files, read here with torch.load
-rather than the reader. Bad input is one CheckpointError naming the file.
+rather than the reader. ``pipe_bf16``: the same model trained in bf16 without ZeRO
+(BF16_Optimizer under the PipelineEngine, as Megatron-DeepSpeed trains), continued in
+bf16. ``mds_gpt_zero1``: a PipelineModule with Megatron-DeepSpeed's GPTModelPipe layer
+list and parameter names (read from its source; recorded by DeepSpeed's own engine, not
+by Megatron-DeepSpeed) continued by ``pretrain_gpt.py --load``. Bad input is one
+CheckpointError naming the file.
 """
 
 from __future__ import annotations
@@ -309,3 +314,92 @@ def test_bad_pipeline_checkpoints_are_one_error_naming_the_file(tmp_path):
                                               r"\(PipelineModule\) checkpoint"):
         engine.load_checkpoint(_copy("pipe_zero1", tmp_path / "e"))
     engine.close()
+
+
+# Megatron-DeepSpeed's GPT: mds_gpt_zero1 is a PipelineModule with GPTModelPipe's layer
+# list and parameter names (as read from Megatron-DeepSpeed's source: the recorder's
+# mds_layers) for GPT_ARGS' model, trained by DeepSpeed 0.19.8's own PipelineEngine at
+# PP 2 ZeRO 1 on pretrain_gpt.py's batches -- not by Megatron-DeepSpeed, which needs CUDA.
+@pytest.mark.parametrize("layout", [["--pipeline-model-parallel-size", "2"],
+                                    ["--tensor-model-parallel-size", "2"]])
+def test_pretrain_gpt_continues_a_gptmodelpipe_checkpoint(tmp_path, layout):
+    """``pretrain_gpt.py --load`` detects GPTModelPipe's layer files and continues
+    DeepSpeed's next 10 losses within 2e-6 at PP 2 (DeepSpeed's layout) and at TP 2
+    (measured 9.5e-7 each); the import's values are the files': the per-head QKV as it
+    is, the position embeddings stage 0's (the head stage's copy, which its forward
+    never uses, stayed at its initial value), the masters and moments ZeRO 1's."""
+    from tests.helpers.launch import pretrain, read_json_log
+    rec = _recorder()
+    d = _copy("mds_gpt_zero1", tmp_path)
+    log, save = str(tmp_path / "log.json"), tmp_path / "save"
+    r = pretrain(2, [*rec.GPT_ARGS, *layout, "--load", d, "--save", str(save),
+                     "--log-json", log])
+    assert r.returncode == 0, r.stderr[-3000:]
+    lines = read_json_log(log)
+    assert [m["iteration"] for m in lines] == list(range(4, 14))
+    assert _worst([m["loss"] for m in lines], _after("mds_gpt_zero1")) <= TOLERANCE, lines
+    meta, params = iter_full_params(str(save / "iter_0000003"))
+    seen = dict(params)
+    assert meta["imported_from"]["format"] == "DeepSpeed pipeline (GPTModelPipe) ZeRO 1 (PP 2)"
+    assert (meta["step"], meta["iteration"], meta["consumed_samples"]) == (3, 3, 12)
+    tag = os.path.join(d, "global_step3")
+    want = _deepspeed_gpt_values(tag)
+    pairs = (("wpe.weight", "tied_modules.embed.position_embeddings.weight"),
+             ("blocks.0.attn.qkv.weight", "2.self_attention.query_key_value.weight"),
+             ("blocks.1.mlp.fc.bias", "3.mlp.dense_h_to_4h.bias"), ("ln_f.weight", "4.weight"))
+    for hybrid_name, ds_name in pairs:
+        for k, v in want[ds_name].items():
+            assert torch.equal(seen[hybrid_name][k], v), (hybrid_name, k)
+    unused = _load(os.path.join(tag, "layer_01-model_states.pt"))["position_embeddings.weight"]
+    assert not torch.equal(want["stage1.position_embeddings"]["master"], unused)
+
+
+def _deepspeed_gpt_values(tag_dir: str) -> dict[str, dict[str, torch.Tensor]]:
+    """mds_gpt_zero1's values by the module's names: each stage's one ZeRO 1 partition
+    (DP 1) cut by its param_shapes, stage 0's winning; the head stage's position
+    embeddings as ``stage1.position_embeddings``."""
+    out: dict[str, dict[str, torch.Tensor]] = {}
+    for stage in (1, 0):
+        ms = _load(os.path.join(tag_dir, f"mp_rank_{stage:02d}_model_states.pt"))
+        o = _load(os.path.join(tag_dir, f"zero_pp_rank_0_mp_rank_{stage:02d}_optim_states.pt"))
+        o = o["optimizer_state_dict"]
+        flat = {"master": o["single_partition_of_fp32_groups"][0],
+                **{k: o["base_optimizer_state"]["state"][0][k] for k in ("exp_avg", "exp_avg_sq")}}
+        at = 0
+        for name, shape in ms["param_shapes"][0].items():
+            n = shape.numel()
+            out[name] = {k: v[at:at + n].view(shape) for k, v in flat.items()}
+            at += n
+        if stage == 1:
+            out["stage1.position_embeddings"] = out["tied_modules.embed.position_embeddings.weight"]
+    return out
+
+
+def test_a_gptmodelpipe_save_missing_a_layer_file_is_one_error_naming_it(tmp_path):
+    """The --load route's reader (detected, no module): a transformer layer's, the final
+    norm's or the embedding's layer file missing is one CheckpointError naming that file;
+    a name GPTModelPipe's GELU GPT has no place for, and --swiglu, are refused by name."""
+    from hybrid.checkpoint.peers import open_peer
+    for i, what in ((3, r"missing: layer 3 \(3\)"), (4, r"missing: GPTModelPipe's final norm"),
+                    (1, r"missing: GPTModelPipe's embedding")):
+        d = _copy("mds_gpt_zero1", tmp_path / str(i))
+        os.remove(os.path.join(d, "global_step3", f"layer_{i:02d}-model_states.pt"))
+        with pytest.raises(CheckpointError, match=rf"layer_{i:02d}-model_states.pt: {what}"):
+            open_peer(d).close()
+    d = _copy("mds_gpt_zero1", tmp_path / "other")  # a parameter of another name
+    path = os.path.join(d, "global_step3", "layer_02-model_states.pt")
+    sd = torch.load(path, weights_only=True)
+    sd["input_layernorm.scale"] = sd.pop("input_layernorm.bias")
+    torch.save(sd, path)
+    path = os.path.join(d, "global_step3", "mp_rank_00_model_states.pt")
+    ms = _load(path)
+    ms["param_shapes"] = [{k.replace("2.input_layernorm.bias", "2.input_layernorm.scale"): v
+                           for k, v in g.items()} for g in ms["param_shapes"]]
+    torch.save(ms, path)
+    with pytest.raises(CheckpointError, match=r"layer_02-model_states.pt: 2.input_layernorm."
+                                              r"scale has no place in hybrid's GPT"):
+        open_peer(d).close()
+    peer = open_peer(_copy("mds_gpt_zero1", tmp_path / "swiglu"))
+    with pytest.raises(CheckpointError, match=r"loaded with --swiglu"):
+        peer.configure({"swiglu": True})
+    peer.close()
