@@ -545,9 +545,6 @@ def open(path: str, step: int | None = None, names=None) -> DeepSpeedCheckpoint:
         what = f"global_step{step}" if step is not None else f"{LATEST} naming a tag"
         raise CheckpointError(f"{path}: no {FORMAT} checkpoint ({what} with "
                               f"*mp_rank_*_model_states.pt)")
-    from hybrid.checkpoint.peers import deepspeed_gptpipe as gptpipe  # (it imports this)
-    if names is None and gptpipe.is_gpt_pipe(tag_dir):  # Megatron-DeepSpeed's GPT
-        return gptpipe.GPTPipeCheckpoint(tag_dir)       # type: ignore[return-value]
     if _files(tag_dir, OPTIM_FILE):
         return DeepSpeedCheckpoint(tag_dir, names)
     if os.path.isdir(os.path.join(tag_dir, "zero")):

@@ -111,6 +111,8 @@ class GPTPipeCheckpoint:
         for ds_name in self._pipe.shapes:
             self._ds[self._hybrid(ds_name, first, final)] = ds_name
         self.shapes = {h: list(self._pipe.shapes[d]) for h, d in self._ds.items()}
+        self.columns: tuple[str, ...] = self._pipe.columns  # (stage 0's optimizer file read)
+        self.step: int = self._pipe.step
         self.notes = [*self._pipe.notes,
                       f"learning-rate schedule: hybrid's, from the run's flags at iteration "
                       f"{self.iteration}; DeepSpeed's lr_scheduler state and "
@@ -145,14 +147,6 @@ class GPTPipeCheckpoint:
                                   f"head, RMSNorm, ...)")
         return part
 
-    @property
-    def columns(self) -> tuple[str, ...]:
-        return self._pipe.columns
-
-    @property
-    def step(self) -> int:
-        return self._pipe.step
-
     def configure(self, config: dict) -> None:
         if config.get("swiglu"):
             raise CheckpointError(f"{self.path}: a GPTModelPipe checkpoint loaded with "
@@ -169,4 +163,13 @@ class GPTPipeCheckpoint:
         self._pipe.close()
 
 
-__all__ = ["GPTPipeCheckpoint", "gpt_pipe_layers", "is_gpt_pipe"]
+def open_if_gpt_pipe(path: str, step: int | None = None) -> GPTPipeCheckpoint | None:
+    """The GPTModelPipe checkpoint under the DeepSpeed save directory (or tag) ``path``;
+    None when it holds no GPTModelPipe layer files (other DeepSpeed saves)."""
+    tag_dir = pipe.tag_dir_of(path, step)
+    if tag_dir is None or not pipe.is_pipeline(tag_dir) or not is_gpt_pipe(tag_dir):
+        return None
+    return GPTPipeCheckpoint(tag_dir)
+
+
+__all__ = ["GPTPipeCheckpoint", "gpt_pipe_layers", "is_gpt_pipe", "open_if_gpt_pipe"]
