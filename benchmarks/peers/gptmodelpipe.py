@@ -110,10 +110,16 @@ def mds_loss(logits, labels):
                                        labels.reshape(-1))
 
 
+def mds_output(logits):
+    """Layer L+4 of a bf16 run: GPTModelPipe's output cast to fp32 (float16_to_fp32)."""
+    return logits.float()
+
+
 def mds_layers(layer_spec, tied_layer_spec, layers: int = 2, hidden: int = 16,
                heads: int = MDS_HEADS, ffn: int = 64, vocab: int = 100,
-               positions: int = 16) -> list:
-    """GPTModelPipe's layer list (above) for GPT_ARGS' model."""
+               positions: int = 16, bf16: bool = False) -> list:
+    """GPTModelPipe's layer list (above) for GPT_ARGS' model (``bf16``: with the output
+    cast after the head)."""
     embed = (EmbeddingPipe, hidden, vocab, positions)
     return [mds_input,
             tied_layer_spec("embed", *embed, tied_weight_attr="word_embeddings_weight"),
@@ -121,7 +127,8 @@ def mds_layers(layer_spec, tied_layer_spec, layers: int = 2, hidden: int = 16,
               for _ in range(layers)],
             layer_spec(nn.LayerNorm, hidden, eps=1e-5),
             tied_layer_spec("embed", *embed, forward_fn=mds_logits,
-                            tied_weight_attr="word_embeddings_weight")]
+                            tied_weight_attr="word_embeddings_weight"),
+            *([mds_output] if bf16 else [])]
 
 
 def mds_config(stage: int) -> dict:

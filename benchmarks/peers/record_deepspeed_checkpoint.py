@@ -42,14 +42,15 @@ and this checkout's hybrid on the path for the data)::
         benchmarks/peers/record_deepspeed_checkpoint.py \
         tests/fixtures/peers/deepspeed-0.19.8 [net] [gpt2] [llama] [frozen] [gpt2_zero0] \
         [frozen_excluded] [pipe_zero0] [pipe_zero1] [pipe_dp2_zero1] [pipe_bf16] \
-        [mds_gpt_zero1] [bf16]
+        [mds_gpt_zero1] [mds_gpt_bf16] [bf16]
 
 ``mds_gpt_zero1`` records a PipelineModule with Megatron-DeepSpeed's GPTModelPipe layer
 list and parameter names (:mod:`benchmarks.peers.gptmodelpipe`, as read from
 Megatron-DeepSpeed's source) for the model of GPT_ARGS, trained by DeepSpeed's own
 PipelineEngine (PP 2, ZeRO 1, fp32) on pretrain_gpt.py's batches: the fixture of
-``pretrain_gpt.py --load`` for Megatron-DeepSpeed GPT checkpoints. Not written by
-Megatron-DeepSpeed, which needs CUDA and apex.
+``pretrain_gpt.py --load`` for Megatron-DeepSpeed GPT checkpoints; ``mds_gpt_bf16`` the
+same in bf16 without ZeRO (BF16_Optimizer, with GPTModelPipe's output cast). Not written
+by Megatron-DeepSpeed, which needs CUDA and apex.
 
 ``bf16`` records :class:`Net` in bf16 (:data:`BF16_CASES`: each fixture's stage and
 DeepSpeed optimizer wrapper), the losses computed in fp32 from the bf16 logits.
@@ -397,7 +398,7 @@ def main(argv: list[str]) -> int:
     root = argv[0] if argv else "tests/fixtures/peers/deepspeed-0.19.8"
     which = argv[1:] or ["net", "gpt2", "llama", "frozen", "gpt2_zero0", "frozen_excluded",
                          "pipe_zero0", "pipe_zero1", "pipe_dp2_zero1", "pipe_bf16",
-                         "mds_gpt_zero1", "bf16"]
+                         "mds_gpt_zero1", "mds_gpt_bf16", "bf16"]
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     for case, stage in (("gpt2", GPT_STAGE), ("llama", GPT_STAGE), ("gpt2_zero0", 0)):
         if case not in which:
@@ -445,13 +446,14 @@ def main(argv: list[str]) -> int:
                                     nprocs=world)
         _clean(out)
         print(f"wrote {out}")
-    for case, stage in (("mds_gpt_zero1", 1),):
+    for case, stage in (("mds_gpt_zero1", 1), ("mds_gpt_bf16", 0)):
         if case not in which:
             continue
         out = os.path.join(root, case)
         shutil.rmtree(out, ignore_errors=True)
         os.makedirs(out)
-        torch.multiprocessing.spawn(_mds_worker, args=(_port(), out, stage), nprocs=WORLD)
+        torch.multiprocessing.spawn(_mds_worker, args=(_port(), out, stage, "bf16" in case),
+                                    nprocs=WORLD)
         _clean(out)
         print(f"wrote {out}")
     for name in BF16_CASES if "bf16" in which else ():
@@ -520,18 +522,20 @@ def _bf16_worker(rank: int, port: int, out_dir: str, name: str) -> None:
 # PipelineEngine at PP 2 on pretrain_gpt.py's batches (mds_gpt_zero1).
 
 
-def _mds_worker(rank: int, port: int, out_dir: str, stage: int) -> None:
+def _mds_worker(rank: int, port: int, out_dir: str, stage: int, bf16: bool = False) -> None:
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(WORLD),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     import deepspeed
     from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
     deepspeed.init_distributed(dist_backend="gloo")
     torch.manual_seed(0)
-    net = PipelineModule(mds_layers(LayerSpec, TiedLayerSpec), num_stages=PIPE_STAGES,
-                         loss_fn=mds_loss, partition_method="type:transformer")
+    net = PipelineModule(mds_layers(LayerSpec, TiedLayerSpec, bf16=bf16),
+                         num_stages=PIPE_STAGES, loss_fn=mds_loss,
+                         partition_method="type:transformer")
+    config = {**mds_config(stage), **({"bf16": {"enabled": True}} if bf16 else {})}
     engine, *_ = deepspeed.initialize(
         model=net, model_parameters=[p for p in net.parameters() if p.requires_grad],
-        config=mds_config(stage))
+        config=config)
     batch = gpt_batches(1, 0)  # (PP 2 x DP 1: the whole global batch, 2 micro-batches)
     losses = []
     for step in range(SAVED_AT + CONTINUED):
@@ -544,6 +548,8 @@ def _mds_worker(rank: int, port: int, out_dir: str, stage: int) -> None:
         with open(os.path.join(out_dir, "losses.json"), "w") as f:
             json.dump({"deepspeed": deepspeed.__version__, "world_size": WORLD,
                        "pipeline_stages": PIPE_STAGES, "zero_stage": stage,
+                       **({"bf16": True, "optimizer": type(engine.optimizer).__name__}
+                          if bf16 else {}),
                        "model": "GPTModelPipe's layer list (from Megatron-DeepSpeed's "
                                 "source), recorded by DeepSpeed's PipelineEngine",
                        "partition": [int(p) for p in net.parts], "pretrain_gpt_args": GPT_ARGS,
