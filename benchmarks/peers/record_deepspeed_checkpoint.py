@@ -42,15 +42,15 @@ and this checkout's hybrid on the path for the data)::
         benchmarks/peers/record_deepspeed_checkpoint.py \
         tests/fixtures/peers/deepspeed-0.19.8 [net] [gpt2] [llama] [frozen] [gpt2_zero0] \
         [frozen_excluded] [pipe_zero0] [pipe_zero1] [pipe_dp2_zero1] [pipe_bf16] \
-        [mds_gpt_zero1] [mds_gpt_bf16] [bf16]
+        [mds_gpt_zero1] [mds_gpt_zero0] [mds_gpt_bf16] [bf16]
 
 ``mds_gpt_zero1`` records a PipelineModule with Megatron-DeepSpeed's GPTModelPipe layer
 list and parameter names (:mod:`benchmarks.peers.gptmodelpipe`, as read from
 Megatron-DeepSpeed's source) for the model of GPT_ARGS, trained by DeepSpeed's own
 PipelineEngine (PP 2, ZeRO 1, fp32) on pretrain_gpt.py's batches: the fixture of
-``pretrain_gpt.py --load`` for Megatron-DeepSpeed GPT checkpoints; ``mds_gpt_bf16`` the
-same in bf16 without ZeRO (BF16_Optimizer, with GPTModelPipe's output cast). Not written
-by Megatron-DeepSpeed, which needs CUDA and apex.
+``pretrain_gpt.py --load`` for Megatron-DeepSpeed GPT checkpoints; ``mds_gpt_zero0`` the
+same without ZeRO; ``mds_gpt_bf16`` in bf16 without ZeRO (BF16_Optimizer, with
+GPTModelPipe's output cast). Not written by Megatron-DeepSpeed, which needs CUDA and apex.
 
 ``bf16`` records :class:`Net` in bf16 (:data:`BF16_CASES`: each fixture's stage and
 DeepSpeed optimizer wrapper), the losses computed in fp32 from the bf16 logits.
@@ -398,7 +398,7 @@ def main(argv: list[str]) -> int:
     root = argv[0] if argv else "tests/fixtures/peers/deepspeed-0.19.8"
     which = argv[1:] or ["net", "gpt2", "llama", "frozen", "gpt2_zero0", "frozen_excluded",
                          "pipe_zero0", "pipe_zero1", "pipe_dp2_zero1", "pipe_bf16",
-                         "mds_gpt_zero1", "mds_gpt_bf16", "bf16"]
+                         "mds_gpt_zero1", "mds_gpt_zero0", "mds_gpt_bf16", "bf16"]
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     for case, stage in (("gpt2", GPT_STAGE), ("llama", GPT_STAGE), ("gpt2_zero0", 0)):
         if case not in which:
@@ -446,7 +446,7 @@ def main(argv: list[str]) -> int:
                                     nprocs=world)
         _clean(out)
         print(f"wrote {out}")
-    for case, stage in (("mds_gpt_zero1", 1), ("mds_gpt_bf16", 0)):
+    for case, stage in (("mds_gpt_zero1", 1), ("mds_gpt_zero0", 0), ("mds_gpt_bf16", 0)):
         if case not in which:
             continue
         out = os.path.join(root, case)

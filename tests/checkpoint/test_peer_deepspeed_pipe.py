@@ -330,13 +330,15 @@ GPT_BF16_TOLERANCE = 5e-4
 @pytest.mark.parametrize("fixture,layout", [
     ("mds_gpt_zero1", ["--pipeline-model-parallel-size", "2"]),
     ("mds_gpt_zero1", ["--tensor-model-parallel-size", "2"]),
+    ("mds_gpt_zero0", ["--tensor-model-parallel-size", "2"]),
     ("mds_gpt_bf16", ["--pipeline-model-parallel-size", "2", "--bf16",
                       "--no-accumulate-allreduce-grads-in-fp32"])])
 def test_pretrain_gpt_continues_a_gptmodelpipe_checkpoint(tmp_path, fixture, layout):
     """``pretrain_gpt.py --load`` detects GPTModelPipe's layer files and continues
     DeepSpeed's next 10 losses within 2e-6 at PP 2 (DeepSpeed's layout) and at TP 2
-    (measured 9.5e-7 each); the bf16 save (gradients accumulated in bf16, as DeepSpeed's
-    BF16_Optimizer under a PipelineEngine did) within :data:`GPT_BF16_TOLERANCE`. The
+    (measured 9.5e-7 each; the save without ZeRO at TP 2 too); the bf16 save (gradients
+    accumulated in bf16, as DeepSpeed's BF16_Optimizer under a PipelineEngine did) within
+    :data:`GPT_BF16_TOLERANCE`. The
     import's values are the files': the per-head QKV as it is, the position embeddings
     stage 0's (the head stage's copy, which its forward never uses, stayed at its initial
     value), the masters and moments the fp32 partitions (bf16's: not the layer files'
@@ -356,7 +358,8 @@ def test_pretrain_gpt_continues_a_gptmodelpipe_checkpoint(tmp_path, fixture, lay
     seen = dict(params)
     assert meta["imported_from"]["format"] == (
         "DeepSpeed pipeline (GPTModelPipe) bf16 BF16_Optimizer (PP 2)"
-        if fixture.endswith("bf16") else "DeepSpeed pipeline (GPTModelPipe) ZeRO 1 (PP 2)")
+        if fixture.endswith("bf16") else
+        f"DeepSpeed pipeline (GPTModelPipe) ZeRO {fixture[-1]} (PP 2)")
     assert (meta["step"], meta["iteration"], meta["consumed_samples"]) == (3, 3, 12)
     tag = os.path.join(d, "global_step3")
     want = _deepspeed_gpt_values(tag)
@@ -367,7 +370,13 @@ def test_pretrain_gpt_continues_a_gptmodelpipe_checkpoint(tmp_path, fixture, lay
         for k, v in want[ds_name].items():
             assert torch.equal(seen[hybrid_name][k].reshape(-1), v), (hybrid_name, k)
     first = _load(os.path.join(tag, "layer_01-model_states.pt"))["position_embeddings.weight"]
-    assert not torch.equal(want["stage1.position_embeddings"]["master"], first.reshape(-1))
+    unused = want["stage1.position_embeddings"]
+    assert unused is not None
+    if fixture == "mds_gpt_zero0":  # (no file holds stage 1's copy: its moments differ)
+        assert not torch.equal(unused["exp_avg_sq"],
+                               want["tied_modules.embed.position_embeddings.weight"]["exp_avg_sq"])
+    else:
+        assert not torch.equal(unused["master"], first.reshape(-1))
     qkv = _load(os.path.join(tag, "layer_02-model_states.pt"))[
         "self_attention.query_key_value.weight"]
     if fixture.endswith("bf16"):  # (the layer files' weights: the masters' rounding)
@@ -384,6 +393,22 @@ def _deepspeed_gpt_values(tag_dir: str) -> dict[str, dict[str, torch.Tensor]]:
     out: dict[str, dict[str, torch.Tensor]] = {}
     for stage in (1, 0):
         ms = _load(os.path.join(tag_dir, f"mp_rank_{stage:02d}_model_states.pt"))
+        if ms["param_shapes"] is None and "state" in ms["optimizer"]:  # ZeRO 0
+            # the stage module's parameters in order (tied module first), masters from
+            # the layer files (stage 0's), moments by position in its torch optimizer
+            files = {0: [1, 2], 1: [1, 3, 4]}[stage]
+            names = [(i, k) for i in files
+                     for k in _load(os.path.join(tag_dir, f"layer_{i:02d}-model_states.pt"))]
+            state = ms["optimizer"]["state"]
+            for j, (i, k) in enumerate(names):
+                n = f"tied_modules.embed.{k}" if i == 1 else f"{i}.{k}"
+                master = _load(os.path.join(tag_dir, f"layer_{i:02d}-model_states.pt"))[k]
+                out[n] = {"master": master.reshape(-1),
+                          **{m: state[j][m].reshape(-1) for m in ("exp_avg", "exp_avg_sq")}}
+            if stage == 1:
+                out["stage1.position_embeddings"] = out[
+                    "tied_modules.embed.position_embeddings.weight"]
+            continue
         (name,) = [f for f in os.listdir(tag_dir)
                    if f.endswith(f"zero_pp_rank_0_mp_rank_{stage:02d}_optim_states.pt")]
         o = _load(os.path.join(tag_dir, name))["optimizer_state_dict"]
