@@ -31,7 +31,9 @@ A DeepSpeed ``PipelineModule`` (:func:`pipe_layers`: five layers, the first's we
 to the last's) is trained by DeepSpeed's ``PipelineEngine`` (``train_batch``) on 2 stages
 without ZeRO (``pipe_zero0``) and at ZeRO 1 (``pipe_zero1``), and at ZeRO 1 on PP 2 x DP 2
 (``pipe_dp2_zero1``, 4 ranks): per-layer files and per-stage optimizer state (about a
-minute for the three).
+minute for the three); and in bf16 without ZeRO on 2 stages (``pipe_bf16``: DeepSpeed's
+PipelineEngine then trains with BF16_Optimizer, as Megatron-DeepSpeed's bf16 runs do;
+bf16 inputs, the loss in fp32 of the bf16 outputs).
 
 Regenerate (two to three minutes on 2 cores; needs DeepSpeed 0.19.8 and transformers,
 and this checkout's hybrid on the path for the data)::
@@ -39,7 +41,16 @@ and this checkout's hybrid on the path for the data)::
     DS_ACCELERATOR=cpu OMP_NUM_THREADS=1 PYTHONPATH=. python \
         benchmarks/peers/record_deepspeed_checkpoint.py \
         tests/fixtures/peers/deepspeed-0.19.8 [net] [gpt2] [llama] [frozen] [gpt2_zero0] \
-        [frozen_excluded] [pipe_zero0] [pipe_zero1] [pipe_dp2_zero1] [bf16]
+        [frozen_excluded] [pipe_zero0] [pipe_zero1] [pipe_dp2_zero1] [pipe_bf16] \
+        [mds_gpt_zero1] [mds_gpt_zero0] [mds_gpt_bf16] [bf16]
+
+``mds_gpt_zero1`` records a PipelineModule with Megatron-DeepSpeed's GPTModelPipe layer
+list and parameter names (:mod:`benchmarks.peers.gptmodelpipe`, as read from
+Megatron-DeepSpeed's source) for the model of GPT_ARGS, trained by DeepSpeed's own
+PipelineEngine (PP 2, ZeRO 1, fp32) on pretrain_gpt.py's batches: the fixture of
+``pretrain_gpt.py --load`` for Megatron-DeepSpeed GPT checkpoints; ``mds_gpt_zero0`` the
+same without ZeRO; ``mds_gpt_bf16`` in bf16 without ZeRO (BF16_Optimizer, with
+GPTModelPipe's output cast). Not written by Megatron-DeepSpeed, which needs CUDA and apex.
 
 ``bf16`` records :class:`Net` in bf16 (:data:`BF16_CASES`: each fixture's stage and
 DeepSpeed optimizer wrapper), the losses computed in fp32 from the bf16 logits.
@@ -60,6 +71,12 @@ import sys
 
 import torch
 from torch import nn
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+from benchmarks.peers.gptmodelpipe import mds_config, mds_layers, mds_loss  # noqa: E402
 
 GLOBAL_BATCH = 8
 WORLD = 2
@@ -316,7 +333,24 @@ def pipe_micro_batches(step: int, dp_rank: int, dp_size: int) -> list:
     return [(x[i:i + PIPE_MICRO], y[i:i + PIPE_MICRO]) for i in range(0, per, PIPE_MICRO)]
 
 
-def _pipe_worker(rank: int, port: int, out_dir: str, stage: int, world: int) -> None:
+def pipe_bf16_config() -> dict:
+    """``pipe_bf16``'s ds_config: :func:`pipe_config` without ZeRO, in bf16 (DeepSpeed's
+    PipelineEngine wraps its optimizer in BF16_Optimizer: Megatron-DeepSpeed's, BLOOM's)."""
+    return {**pipe_config(0), "bf16": {"enabled": True}}
+
+
+def pipe_bf16_loss(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """The bf16 pipeline's loss: cross entropy in fp32 of its bf16 outputs."""
+    return loss_of(out.float(), y)
+
+
+def pipe_bf16_micro_batches(step: int, dp_rank: int, dp_size: int) -> list:
+    """:func:`pipe_micro_batches` with bf16 inputs."""
+    return [(x.to(torch.bfloat16), y) for x, y in pipe_micro_batches(step, dp_rank, dp_size)]
+
+
+def _pipe_worker(rank: int, port: int, out_dir: str, stage: int, world: int,
+                 bf16: bool = False) -> None:
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     import deepspeed
@@ -324,21 +358,25 @@ def _pipe_worker(rank: int, port: int, out_dir: str, stage: int, world: int) -> 
     deepspeed.init_distributed(dist_backend="gloo")
     torch.manual_seed(0)
     net = PipelineModule(pipe_layers(LayerSpec, TiedLayerSpec), num_stages=PIPE_STAGES,
-                         loss_fn=loss_of, partition_method="uniform")
+                         loss_fn=pipe_bf16_loss if bf16 else loss_of,
+                         partition_method="uniform")
     engine, *_ = deepspeed.initialize(
         model=net, model_parameters=[p for p in net.parameters() if p.requires_grad],
-        config=pipe_config(stage))
+        config=pipe_bf16_config() if bf16 else pipe_config(stage))
     dp_rank, dp_size = engine.grid.get_data_parallel_id(), engine.grid.data_parallel_size
+    batches = pipe_bf16_micro_batches if bf16 else pipe_micro_batches
     losses = []
     for step in range(SAVED_AT + CONTINUED):
         if step == SAVED_AT:
             engine.save_checkpoint(out_dir)
-        loss = engine.train_batch(iter(pipe_micro_batches(step, dp_rank, dp_size)))
+        loss = engine.train_batch(iter(batches(step, dp_rank, dp_size)))
         losses.append(float(loss))
     if rank == 0:
         with open(os.path.join(out_dir, "losses.json"), "w") as f:
             json.dump({"deepspeed": deepspeed.__version__, "world_size": world,
                        "pipeline_stages": PIPE_STAGES, "zero_stage": stage,
+                       **({"bf16": True, "optimizer": type(engine.optimizer).__name__}
+                          if bf16 else {}),
                        "partition": net.parts, "saved_at": SAVED_AT,
                        "before": losses[:SAVED_AT], "after": losses[SAVED_AT:]}, f, indent=1)
     end_rank()
@@ -359,7 +397,8 @@ def _clean(out: str) -> None:
 def main(argv: list[str]) -> int:
     root = argv[0] if argv else "tests/fixtures/peers/deepspeed-0.19.8"
     which = argv[1:] or ["net", "gpt2", "llama", "frozen", "gpt2_zero0", "frozen_excluded",
-                         "pipe_zero0", "pipe_zero1", "pipe_dp2_zero1", "bf16"]
+                         "pipe_zero0", "pipe_zero1", "pipe_dp2_zero1", "pipe_bf16",
+                         "mds_gpt_zero1", "mds_gpt_zero0", "mds_gpt_bf16", "bf16"]
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     for case, stage in (("gpt2", GPT_STAGE), ("llama", GPT_STAGE), ("gpt2_zero0", 0)):
         if case not in which:
@@ -396,14 +435,25 @@ def main(argv: list[str]) -> int:
         _clean(out)
         print(f"wrote {out}")
     for case, stage, world in (("pipe_zero0", 0, 2), ("pipe_zero1", 1, 2),
-                               ("pipe_dp2_zero1", 1, 4)):
+                               ("pipe_dp2_zero1", 1, 4), ("pipe_bf16", 0, 2)):
         if case not in which:
             continue
         out = os.path.join(root, case)
         shutil.rmtree(out, ignore_errors=True)
         os.makedirs(out)
-        torch.multiprocessing.spawn(_pipe_worker, args=(_port(), out, stage, world),
+        torch.multiprocessing.spawn(_pipe_worker, args=(_port(), out, stage, world,
+                                                        case == "pipe_bf16"),
                                     nprocs=world)
+        _clean(out)
+        print(f"wrote {out}")
+    for case, stage in (("mds_gpt_zero1", 1), ("mds_gpt_zero0", 0), ("mds_gpt_bf16", 0)):
+        if case not in which:
+            continue
+        out = os.path.join(root, case)
+        shutil.rmtree(out, ignore_errors=True)
+        os.makedirs(out)
+        torch.multiprocessing.spawn(_mds_worker, args=(_port(), out, stage, "bf16" in case),
+                                    nprocs=WORLD)
         _clean(out)
         print(f"wrote {out}")
     for name in BF16_CASES if "bf16" in which else ():
@@ -462,6 +512,47 @@ def _bf16_worker(rank: int, port: int, out_dir: str, name: str) -> None:
             json.dump({"deepspeed": deepspeed.__version__, "world_size": WORLD,
                        "zero_stage": BF16_CASES[name][0], "bf16": True,
                        "optimizer": type(engine.optimizer).__name__,
+                       "saved_at": SAVED_AT, "before": losses[:SAVED_AT],
+                       "after": losses[SAVED_AT:]}, f, indent=1)
+    end_rank()
+
+
+# Megatron-DeepSpeed's GPT: benchmarks/peers/gptmodelpipe.py (GPTModelPipe's layer list and
+# parameter names as read from Megatron-DeepSpeed's source), trained by DeepSpeed's own
+# PipelineEngine at PP 2 on pretrain_gpt.py's batches (mds_gpt_zero1).
+
+
+def _mds_worker(rank: int, port: int, out_dir: str, stage: int, bf16: bool = False) -> None:
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(WORLD),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    import deepspeed
+    from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
+    deepspeed.init_distributed(dist_backend="gloo")
+    torch.manual_seed(0)
+    net = PipelineModule(mds_layers(LayerSpec, TiedLayerSpec, bf16=bf16),
+                         num_stages=PIPE_STAGES, loss_fn=mds_loss,
+                         partition_method="type:transformer")
+    config = {**mds_config(stage), **({"bf16": {"enabled": True}} if bf16 else {})}
+    engine, *_ = deepspeed.initialize(
+        model=net, model_parameters=[p for p in net.parameters() if p.requires_grad],
+        config=config)
+    batch = gpt_batches(1, 0)  # (PP 2 x DP 1: the whole global batch, 2 micro-batches)
+    losses = []
+    for step in range(SAVED_AT + CONTINUED):
+        if step == SAVED_AT:
+            engine.save_checkpoint(out_dir)
+        tokens, labels = batch(step)
+        micro = [(tokens[i:i + 2], labels[i:i + 2]) for i in range(0, 4, 2)]
+        losses.append(float(engine.train_batch(iter(micro))))
+    if rank == 0:
+        with open(os.path.join(out_dir, "losses.json"), "w") as f:
+            json.dump({"deepspeed": deepspeed.__version__, "world_size": WORLD,
+                       "pipeline_stages": PIPE_STAGES, "zero_stage": stage,
+                       **({"bf16": True, "optimizer": type(engine.optimizer).__name__}
+                          if bf16 else {}),
+                       "model": "GPTModelPipe's layer list (from Megatron-DeepSpeed's "
+                                "source), recorded by DeepSpeed's PipelineEngine",
+                       "partition": [int(p) for p in net.parts], "pretrain_gpt_args": GPT_ARGS,
                        "saved_at": SAVED_AT, "before": losses[:SAVED_AT],
                        "after": losses[SAVED_AT:]}, f, indent=1)
     end_rank()

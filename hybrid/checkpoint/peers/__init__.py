@@ -7,6 +7,8 @@
                      with the optimizer state
 * :mod:`.deepspeed_pipe` DeepSpeed pipeline (PipelineModule) checkpoints: layer files and
                      per-stage optimizer state, in the loading PipelineModule's names
+* :mod:`.deepspeed_gptpipe` Megatron-DeepSpeed's GPT (GPTModelPipe) pipeline checkpoints,
+                     in hybrid's GPT names (``pretrain_gpt.py --load``)
 * :mod:`.deepspeed_files` DeepSpeed's files: names, pickles read without DeepSpeed, the
                      flat partitions' layout
 * :mod:`.deepspeed_bf16` DeepSpeed's bf16 saves: file names, BF16_Optimizer's partitions,
@@ -26,8 +28,10 @@
 * :mod:`.spill`      tensors parked in mapped scratch files, for the exports' writers
 
 :func:`open_peer` finds which format a directory holds (or takes the one a flag names)
-and opens it; each format module has ``detect(path) -> bool``, ``open(path) ->
-PeerCheckpoint`` and ``write(...)`` (the way back, :mod:`scripts.convert_checkpoint`).
+and opens it (a DeepSpeed save of Megatron-DeepSpeed's GPTModelPipe with
+:mod:`.deepspeed_gptpipe`, which knows its layer files); each format module has
+``detect(path) -> bool``, ``open(path) -> PeerCheckpoint`` and ``write(...)`` (the way
+back, :mod:`scripts.convert_checkpoint`).
 """
 
 from __future__ import annotations
@@ -78,6 +82,11 @@ def open_peer(path: str, fmt: str | None = None, step: int | None = None) -> Pee
     if fmt is None:
         raise CheckpointError(f"{path}: not a checkpoint of a format hybrid reads "
                               f"(hybrid, {', '.join(FORMATS)})")
+    if fmt == "deepspeed":  # Megatron-DeepSpeed's GPT (GPTModelPipe): pipeline files
+        from hybrid.checkpoint.peers import deepspeed_gptpipe
+        peer = deepspeed_gptpipe.open_if_gpt_pipe(path, step)
+        if peer is not None:
+            return peer
     return _module(fmt).open(path, step=step)
 
 

@@ -19,6 +19,10 @@ accumulation dtype (``engine._do_optimizer_sanity_check``):
   alignment paddings: ``single_partition_of_fp32_groups[g]`` is rank R's whole partition
   (the last rank's end padding, ``group_paddings[g]``, included), ``base_optimizer_state``
   the torch optimizer's, ``param_slice_mappings`` the parameters' places. Read as ZeRO 1's.
+  A pipeline stage's (``bf16_zero_pp_rank_R_mp_rank_SS_optim_states.pt``) comes without
+  ``param_shapes`` (None in its model-state file, whose ``optimizer`` repeats the state):
+  its parameters' names and order are the ranks' ``param_slice_mappings``
+  (:func:`slice_names`), their shapes the layer files'.
 * ZeRO 1-3 otherwise: the ZeRO optimizers, their files named ``bf16_zero_pp_rank_*`` (any
   bf16 run's are), read as fp32's.
 
@@ -91,6 +95,28 @@ def bf16_layout(groups, world: int, first: dict, path: str, stage: int | None,
     except ValueError as e:
         raise CheckpointError(f"{path}: its partitions do not match param_shapes of "
                               f"{os.path.basename(model_file)}: {e}") from None
+
+
+def slice_names(optims: list[dict], paths: list[str]) -> list[list[str]]:
+    """The parameter names of each group of a pipeline stage's BF16_Optimizer without ZeRO
+    (``optims``: its DP ranks' ``optimizer_state_dict``s, from ``paths``), in their flat
+    order: the union, in rank order, of the ranks' ``param_slice_mappings`` (which such a
+    save has in place of ``param_shapes``: the Note)."""
+    groups: list[dict[str, None]] = []
+    for optim, path in zip(optims, paths):
+        if not is_bf16_optimizer(optim):
+            raise CheckpointError(f"{path}: {optim_kind(optim)}, but the pipeline save's "
+                                  f"ds_config says bf16 without ZeRO, whose optimizer is "
+                                  f"BF16_Optimizer (files of two saves mixed)")
+        maps = need(optim, "param_slice_mappings", path)
+        if groups and len(maps) != len(groups):
+            raise CheckpointError(f"{path}: {len(maps)} parameter groups, "
+                                  f"{os.path.basename(paths[0])} {len(groups)} (files of "
+                                  f"two saves mixed)")
+        groups = groups or [{} for _ in maps]
+        for names, mapping in zip(groups, maps):
+            names.update(dict.fromkeys(mapping))
+    return [list(g) for g in groups]
 
 
 def check_same_save(mine: dict, path: str, first: dict, first_path: str) -> None:

@@ -25,7 +25,12 @@ A pipeline save's tag directory holds, for ``S`` stages and DP size ``D``:
     parameters by the module's names (``tied_modules.<key>.<attr>``, ``<idx>.<param>``),
     and ``zero_pp_rank_R_mp_rank_SS_optim_states.pt`` per DP rank R of stage SS: the
     stage's flat partitions, laid out as a data-parallel ZeRO 1 save's
-    (:mod:`.deepspeed_files`).
+    (:mod:`.deepspeed_files`); or
+  - bf16 without ZeRO (Megatron-DeepSpeed's, BLOOM's): BF16_Optimizer's
+    ``bf16_zero_pp_rank_R_mp_rank_SS_optim_states.pt``, laid out as ZeRO 1's, with
+    ``param_shapes`` None: the names and their order are the files'
+    ``param_slice_mappings``, the shapes the layer files' (:mod:`.deepspeed_bf16`'s Note);
+    the layer files hold the bf16 weights, the masters are the partitions.
 
 A tied weight is held, and its optimizer state kept, by every stage using it (equal:
 the copies step from the summed gradient); the first such stage's is read.
@@ -35,7 +40,8 @@ its ``checkpoint_layers()``: which index is a plain layer, which a tied key's
 occurrence, which a function), so this
 reader serves ``engine.load_checkpoint`` on hybrid's ``PipelineModule`` only. Refused, by
 name: a ``model`` axis (tensor-parallel pipeline checkpoints), buffers and frozen
-parameters (hybrid's pipeline engine checkpoints neither), a tied module spanning stages
+parameters (hybrid's pipeline engine checkpoints neither), fp16 without ZeRO, a tied
+module spanning stages
 with parameters beyond its tied ones (each stage's own; hybrid keeps one), a missing
 layer or optimizer file, a layer list that is not the module's.
 """
@@ -50,7 +56,7 @@ from dataclasses import dataclass
 
 import torch
 
-from hybrid.checkpoint.peers import deepspeed as ds
+from hybrid.checkpoint.peers import deepspeed as ds, deepspeed_bf16 as bf16
 from hybrid.checkpoint.peers.deepspeed_files import (
     FORMAT,
     MODEL_FILE,
@@ -98,9 +104,12 @@ class _StageZero(ds.DeepSpeedCheckpoint):
     the data-parallel reader reads a whole model's."""
 
     def __init__(self, tag_dir: str, model_file: str, ms: dict, optim_paths: list[str],
-                 stage: int):
+                 stage: int, groups: list[dict[str, list[int]]] | None = None):
         self.path, self.model_file, self.notes = tag_dir, model_file, []
-        self._shapes_from(ms)
+        if groups is None:
+            self._shapes_from(ms)
+        else:  # (BF16_Optimizer without ZeRO: no param_shapes; the slice mappings' names)
+            self._groups, self.ds_shapes = groups, {k: v for g in groups for k, v in g.items()}
         self.world, self._optim_paths, self._open = len(optim_paths), optim_paths, {}
         self.stage, self.format = stage, f"{FORMAT} ZeRO {stage}"
 
@@ -110,8 +119,13 @@ class DeepSpeedPipeline:
     :class:`~hybrid.checkpoint.peers.base.PeerCheckpoint` in the loading PipelineModule's
     names; ``layers``: its :func:`layer_prefixes`."""
 
-    def __init__(self, tag_dir: str, layers: Sequence[Layer]):
+    def __init__(self, tag_dir: str, layers: Sequence[Layer],
+                 first_copy: frozenset[str] = frozenset()):
         self.path, self.layers = tag_dir, list(layers)
+        # (a tied module's parameters that only its first stage's forward uses, as
+        # GPTModelPipe's position embeddings: read from that stage, the others' copies
+        # untrained and ignored)
+        self.first_copy = first_copy
         self.notes = ["RNG state: DeepSpeed saves none; the run's generators start from "
                       "its seed"]
         self.flags: dict = {}
@@ -142,14 +156,26 @@ class DeepSpeedPipeline:
         self.format = f"{FORMAT} pipeline ZeRO {self.zero} (PP {stages})"
         self.dp = int(ms.get("dp_world_size") or 1)
         self._entries = [self._layer_entries(i) for i in range(len(self.layers))]
-        if self.zero == 1:
-            self._stage_names = [self._zero1_stage(s) for s in range(stages)]
+        # bf16 without ZeRO: DeepSpeed's PipelineEngine trains with BF16_Optimizer, whose
+        # bf16_zero_pp_rank_* files hold flat partitions as ZeRO 1's (deepspeed_bf16's Note)
+        self._bf16_run = bool(bf16.bf16_enabled(ms.get("ds_config")))
+        self.bf16 = self.zero == 0 and self._bf16_run
+        self._bf16_groups: list[list[dict[str, list[int]]]] = []
+        if self.bf16:
+            self.format = f"{FORMAT} pipeline bf16 BF16_Optimizer (PP {stages})"
+            self._stage_names = [self._bf16_stage(s) for s in range(stages)]
+            self.notes.append("bf16: the fp32 masters are BF16_Optimizer's partitions (the "
+                              "layer files' bf16 weights are their rounding)")
+        if self.zero == 1 or self.bf16:
+            if not self.bf16:
+                self._stage_names = [self._zero1_stage(s) for s in range(stages)]
             trained = {n for names in self._stage_names for n in names}
             for idx, entries in enumerate(self._entries):
                 frozen = [n for n in entries or {} if n not in trained]
                 if frozen:
+                    where = "param_slice_mappings" if self.bf16 else "param_shapes"
                     raise CheckpointError(f"{self._layer_file(idx)}: {frozen[0]} is in no "
-                                          f"stage's param_shapes: a frozen parameter; "
+                                          f"stage's {where}: a frozen parameter; "
                                           f"hybrid's pipeline engine trains every parameter")
         elif self.zero == 0:
             self._stage_names = self._partition_zero0()
@@ -270,6 +296,39 @@ class DeepSpeedPipeline:
                                   f"of another model, or a missing layer file)")
         return names
 
+    def _optim_paths(self, s: int) -> list[str]:
+        """Stage ``s``'s optimizer files, one per DP rank (one CheckpointError naming a
+        missing one)."""
+        optims = ds._files(self.path, OPTIM_FILE)
+        prefix = "bf16_" if self._bf16_run else ""
+        paths = []
+        for r in range(self.dp):
+            if (r, s) not in optims:
+                name = f"{prefix}zero_pp_rank_{r}_mp_rank_{s:02d}_optim_states.pt"
+                raise CheckpointError(
+                    f"{os.path.join(self.path, name)}: missing: stage {s}'s optimizer "
+                    f"partition of DP rank {r} (dp_world_size {self.dp}; an incomplete save)")
+            paths.append(optims[(r, s)])
+        return paths
+
+    def _bf16_stage(self, s: int) -> dict[str, list[int]]:
+        """Stage ``s``'s parameters under BF16_Optimizer: the names of its ranks'
+        ``param_slice_mappings`` (:func:`.deepspeed_bf16.slice_names`), the shapes the
+        layer files'."""
+        paths = self._optim_paths(s)
+        optims = [need(load_file(p), "optimizer_state_dict", p) for p in paths]
+        known = {n: shape for e in self._entries for n, shape in (e or {}).items()}
+        groups = []
+        for names in bf16.slice_names(optims, paths):
+            unsaved = [n for n in names if n not in known]
+            if unsaved:
+                raise CheckpointError(f"{paths[0]}: stage {s} trains {unsaved[0]}, which no "
+                                      f"layer file of the PipelineModule loading it holds (a "
+                                      f"checkpoint of another model, or a missing layer file)")
+            groups.append({n: known[n] for n in names})
+        self._bf16_groups.append(groups)
+        return {n: shape for g in groups for n, shape in g.items()}
+
     def _stage_params(self, lo: int, hi: int) -> dict[str, list[int]]:
         """The parameters of a stage holding layers ``[lo, hi)``, in its module's order:
         its tied modules' (keys by first occurrence), then its layers'."""
@@ -292,8 +351,8 @@ class DeepSpeedPipeline:
                                   f"imports a {FORMAT} checkpoint to continue its training")
         if not isinstance(osd, dict) or set(osd) != {"state", "param_groups"}:
             raise CheckpointError(f"{path}: the optimizer state is not a torch optimizer's: "
-                                  f"DeepSpeed's fp16/bf16 optimizer without ZeRO; hybrid "
-                                  f"reads fp32 pipeline checkpoints without ZeRO")
+                                  f"DeepSpeed's fp16 optimizer without ZeRO; hybrid "
+                                  f"reads fp32 and bf16 pipeline checkpoints without ZeRO")
         return [int(i) for g in osd["param_groups"] for i in g["params"]], osd["state"]
 
     def _fits(self, s: int, params: dict[str, list[int]]) -> bool:
@@ -345,7 +404,8 @@ class DeepSpeedPipeline:
             holders = [s for s, names in enumerate(self._stage_names)
                        if any(n.startswith(layer.prefix + ".") for n in names)]
             own = [n for n in self.shapes if n.startswith(layer.prefix + ".")
-                   and n[len(layer.prefix) + 1:] not in layer.tied]
+                   and n[len(layer.prefix) + 1:] not in layer.tied
+                   and n not in self.first_copy]
             if len(holders) > 1 and own:
                 raise CheckpointError(f"{self.model_files[holders[1]]}: {own[0]} of the tied "
                                       f"module on stages {holders} is not one of its tied "
@@ -355,29 +415,19 @@ class DeepSpeedPipeline:
     # -- the values -------------------------------------------------------------------------
     @functools.cached_property
     def _zero_stages(self) -> list[_StageZero]:
-        out = []
-        optims = ds._files(self.path, OPTIM_FILE)
-        for s, path in enumerate(self.model_files):
-            paths = []
-            for r in range(self.dp):
-                if (r, s) not in optims:
-                    name = f"zero_pp_rank_{r}_mp_rank_{s:02d}_optim_states.pt"
-                    raise CheckpointError(
-                        f"{os.path.join(self.path, name)}: missing: stage {s}'s optimizer "
-                        f"partition of DP rank {r} (dp_world_size {self.dp}; an incomplete save)")
-                paths.append(optims[(r, s)])
-            out.append(_StageZero(self.path, path, self._states[s], paths, 1))
-        return out
+        return [_StageZero(self.path, path, self._states[s], self._optim_paths(s), 1,
+                           self._bf16_groups[s] if self.bf16 else None)
+                for s, path in enumerate(self.model_files)]
 
     @functools.cached_property
     def columns(self) -> tuple[str, ...]:
-        if self.zero == 1:
+        if self.zero == 1 or self.bf16:
             return self._zero_stages[0].columns
         return COLUMNS if self._optimizer(0)[1] else COLUMNS[:1]
 
     @functools.cached_property
     def step(self) -> int:
-        if self.zero == 1:
+        if self.zero == 1 or self.bf16:
             return self._zero_stages[0].step
         state = self._optimizer(0)[1]
         if not state:
@@ -396,6 +446,8 @@ class DeepSpeedPipeline:
         """The first stage's values of ``name``; a tied weight's, checked equal to every
         other stage's copy (they step alike: a difference is two saves' files mixed)."""
         holders = [s for s, names in enumerate(self._stage_names) if name in names]
+        if name in self.first_copy:
+            holders = holders[:1]
         out = self._read_stage(name, holders[0])
         for s in holders[1:]:
             other = self._read_stage(name, s)
@@ -408,7 +460,7 @@ class DeepSpeedPipeline:
         return out
 
     def _read_stage(self, name: str, s: int) -> dict[str, torch.Tensor]:
-        if self.zero == 1:
+        if self.zero == 1 or self.bf16:
             return self._zero_stages[s].read_ds(name)
         out = {"master": self._master(name)}
         if len(self.columns) > 1:

@@ -12,6 +12,11 @@ sides and need no permutation:
   swiglu sharded factory saves each TP rank's gate and up halves at their places in
   the full gate and the full up), hybrid's ``mlp.fc`` the same numbers as ``(2, F, C)``.
 
+Megatron-LM's older names, which Megatron-DeepSpeed keeps (``query_key_value``,
+``dense``, ``post_attention_layernorm``, ``dense_h_to_4h``, ``dense_4h_to_h``), are read as
+their megatron-core counterparts (never written): the older QKV's rows per head,
+``[np, 3, hn]``, are the per-query-group layout above with one query head a group.
+
 Megatron's input and pre-MLP norms are named by the linear they feed
 (``linear_qkv.layer_norm_weight``, ``linear_fc1.layer_norm_weight``: Transformer
 Engine's fused modules, and what the local spec's ``sharded_state_dict`` saves them as
@@ -34,18 +39,28 @@ LAYER: tuple[tuple[str, str], ...] = (
     ("input_layernorm.bias", "ln_1.bias"),
     ("self_attention.linear_qkv.weight", "attn.qkv.weight"),
     ("self_attention.linear_qkv.bias", "attn.qkv.bias"),
+    ("self_attention.query_key_value.weight", "attn.qkv.weight"),
+    ("self_attention.query_key_value.bias", "attn.qkv.bias"),
     ("self_attention.q_layernorm.weight", "attn.q_norm.weight"),
     ("self_attention.k_layernorm.weight", "attn.k_norm.weight"),
     ("self_attention.linear_proj.weight", "attn.proj.weight"),
     ("self_attention.linear_proj.bias", "attn.proj.bias"),
+    ("self_attention.dense.weight", "attn.proj.weight"),
+    ("self_attention.dense.bias", "attn.proj.bias"),
     ("mlp.linear_fc1.layer_norm_weight", "ln_2.weight"),
     ("mlp.linear_fc1.layer_norm_bias", "ln_2.bias"),
     ("pre_mlp_layernorm.weight", "ln_2.weight"),
     ("pre_mlp_layernorm.bias", "ln_2.bias"),
+    ("post_attention_layernorm.weight", "ln_2.weight"),
+    ("post_attention_layernorm.bias", "ln_2.bias"),
     ("mlp.linear_fc1.weight", "mlp.fc.weight"),
     ("mlp.linear_fc1.bias", "mlp.fc.bias"),
+    ("mlp.dense_h_to_4h.weight", "mlp.fc.weight"),
+    ("mlp.dense_h_to_4h.bias", "mlp.fc.bias"),
     ("mlp.linear_fc2.weight", "mlp.proj.weight"),
     ("mlp.linear_fc2.bias", "mlp.proj.bias"),
+    ("mlp.dense_4h_to_h.weight", "mlp.proj.weight"),
+    ("mlp.dense_4h_to_h.bias", "mlp.proj.bias"),
 )
 
 # the parameters outside the layers
