@@ -35,6 +35,7 @@ from hybrid.engine.surface import EngineOptimizer, dataloader_of
 from hybrid.engine.zero_context import init_values, take_parts
 from hybrid.errors import ConfigError
 from hybrid.kernels import settings as kernel_settings
+from hybrid.kernels.dtypes import DTYPES
 from hybrid.parallel.state import ParallelState, init_distributed
 from hybrid.parallel.teardown import teardown_at_exit
 from hybrid.recompute.phase import RecomputePhase
@@ -226,6 +227,7 @@ def _build(model: nn.Module, cfg: TrainConfig, ps: ParallelState,
         _buffers_to(model, ps.device)
     else:
         model.to(ps.device)
+    _frozen_to(model, DTYPES[cfg.precision.params_dtype])
     zero = apply_zero(model, ps, cfg.zero, precision=cfg.precision, offload=cfg.offload,
                       adamw=replace(cfg.adamw, clip_norm_of=engine_type.clip_norm_of),
                       values=values, unit_modules=_units(model), recompute=recompute_phase,
@@ -257,6 +259,20 @@ def _loop_only(flags: Flags) -> list[str]:
     """Notes for loop-only settings the file changed from their defaults."""
     return [f"{key}: no effect through hybrid.initialize ({why})"
             for field, key, why in _LOOP_ONLY if getattr(flags, field) != getattr(Flags, field)]
+
+
+@torch.no_grad()
+def _frozen_to(model: nn.Module, dtype: torch.dtype) -> None:
+    """Frozen floating-point parameters in the training dtype, as DeepSpeed's
+    ``module.bfloat16()`` / ``half()`` leaves them: ZeRO casts the parameters that train
+    (its units are in ``dtype``), and a frozen base left in fp32 beside them fails the
+    first bf16 matmul. (Stage 3 partitions them in ``dtype`` anyway: [Note: frozen
+    units].) Buffers keep their dtype: torch's norms take a bf16 input with fp32
+    statistics, which stay the more exact."""
+    for p in model.parameters():
+        if not p.requires_grad and p.is_floating_point() and not p.is_meta \
+                and p.dtype != dtype:
+            p.data = p.data.to(dtype)
 
 
 def _buffers_to(model: nn.Module, device: torch.device) -> None:

@@ -266,3 +266,35 @@ def test_a_module_with_nothing_frozen_writes_no_file_and_a_split_frozen_one_is_r
     with pytest.raises(ConfigError, match=r"^save_checkpoint: base.weight is frozen"):
         module_state.encode(net, tp_size=2)
     assert module_state.encode(net, tp_size=1) is not None
+
+
+def test_a_frozen_base_trains_under_bf16_at_every_stage_in_the_training_dtype():
+    """bf16 (``"bf16": {"enabled": true}``): the frozen base is cast to bf16 with the
+    parameters that train, as DeepSpeed's ``module.bfloat16()`` does (left in fp32, the
+    first matmul of a bf16 input fails), at every stage; it stays the bf16 rounding of
+    its initial value, and the stages' losses are one curve."""
+    curves = {}
+    for stage in (0, 2, 3):
+        torch.manual_seed(0)
+        net = Net()
+        net.base.requires_grad_(False)
+        want = net.base.weight.detach().to(torch.bfloat16)
+        cfg = {"train_batch_size": 4, "bf16": {"enabled": True},
+               "optimizer": {"type": "Adam", "params": {"lr": 1e-2}},
+               "zero_optimization": {"stage": stage}}
+        params = [p for p in net.parameters() if p.requires_grad]
+        engine = deepspeed.initialize(model=net, model_parameters=params, config=cfg,
+                                      mpu=ParallelState.single())[0]
+        assert engine.module.base.weight.dtype == torch.bfloat16
+        losses = []
+        for step in range(3):
+            g = torch.Generator().manual_seed(step)
+            x, y = torch.randn(4, 6, generator=g), torch.randint(0, 3, (4,), generator=g)
+            loss = nn.functional.cross_entropy(engine(x.bfloat16()).float(), y)
+            engine.backward(loss)
+            engine.step()
+            losses.append(loss.item())
+        assert torch.equal(engine.module.base.weight, want)
+        curves[stage] = losses
+    assert curves[0] == curves[2] == curves[3], curves
+    assert curves[0][2] != curves[0][0]  # (the head trains)
