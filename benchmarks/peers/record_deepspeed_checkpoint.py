@@ -23,7 +23,8 @@ GPT-2 is also recorded without ZeRO (``gpt2_zero0``: one model-state file, its t
 embedding saved under both names).
 
 :class:`FrozenNet` (a frozen layer and a BatchNorm's buffers before :class:`Net`) is
-recorded at stages 2 and 3 (``frozen_zero2``, ``frozen_zero3``), and at stage 2 saved with
+recorded at stages 2 and 3 (``frozen_zero2``, ``frozen_zero3``) and without ZeRO
+(``frozen0``: ``frozen_zero0``), and at stage 2 saved with
 ``exclude_frozen_parameters=True`` (``frozen_zero2_excluded``: what Hugging Face's Trainer
 saves for a PEFT model).
 
@@ -41,7 +42,7 @@ and this checkout's hybrid on the path for the data)::
     DS_ACCELERATOR=cpu OMP_NUM_THREADS=1 PYTHONPATH=. python \
         benchmarks/peers/record_deepspeed_checkpoint.py \
         tests/fixtures/peers/deepspeed-0.19.8 [net] [gpt2] [llama] [frozen] [gpt2_zero0] \
-        [frozen_excluded] [pipe_zero0] [pipe_zero1] [pipe_dp2_zero1] [pipe_bf16] \
+        [frozen_excluded] [frozen0] [pipe_zero0] [pipe_zero1] [pipe_dp2_zero1] [pipe_bf16] \
         [mds_gpt_zero1] [mds_gpt_zero0] [mds_gpt_bf16] [bf16]
 
 ``mds_gpt_zero1`` records a PipelineModule with Megatron-DeepSpeed's GPTModelPipe layer
@@ -84,6 +85,8 @@ SAVED_AT = 3      # steps before the save
 CONTINUED = 10    # steps recorded after it
 STAGES = tuple(int(s) for s in os.environ.get("RECORD_STAGES", "0,2,3").split(","))
 FROZEN_STAGES = (2, 3)  # FrozenNet: a frozen layer and buffers, DeepSpeed's two layouts
+# (and without ZeRO, "frozen0": the module's state dict holds the frozen layer, and the
+# torch optimizer's numbered state the trained parameters only)
 LR = 1e-2
 
 
@@ -396,7 +399,8 @@ def _clean(out: str) -> None:
 
 def main(argv: list[str]) -> int:
     root = argv[0] if argv else "tests/fixtures/peers/deepspeed-0.19.8"
-    which = argv[1:] or ["net", "gpt2", "llama", "frozen", "gpt2_zero0", "frozen_excluded",
+    which = argv[1:] or ["net", "gpt2", "llama", "frozen", "frozen0", "gpt2_zero0",
+                         "frozen_excluded",
                          "pipe_zero0", "pipe_zero1", "pipe_dp2_zero1", "pipe_bf16",
                          "mds_gpt_zero1", "mds_gpt_zero0", "mds_gpt_bf16", "bf16"]
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
@@ -426,6 +430,7 @@ def main(argv: list[str]) -> int:
                            check=True, stdout=subprocess.DEVNULL)
         print(f"wrote {out}")
     frozen = [(s, False) for s in FROZEN_STAGES] if "frozen" in which else []
+    frozen += [(0, False)] if "frozen0" in which else []
     for stage, exclude in frozen + ([(2, True)] if "frozen_excluded" in which else []):
         out = os.path.join(root, f"frozen_zero{stage}" + ("_excluded" if exclude else ""))
         shutil.rmtree(out, ignore_errors=True)

@@ -414,9 +414,10 @@ def _import_peer(engine, load_dir: str, tag: str | None) -> tuple[str, int | Non
         if tag_dir is not None and deepspeed_pipe.is_pipeline(tag_dir):
             peer = _open_pipeline(engine, tag_dir)
         else:
-            peer = deepspeed.open(path, step, names="module")  # the module it trained is ours
-            peer.take_excluded({n: sig[n] for n in module_state.frozen_names(engine.module)
-                                if n in sig})
+            frozen = module_state.frozen_names(engine.module)
+            # (the module it trained is ours; a save without ZeRO names no frozen one)
+            peer = deepspeed.open(path, step, names="module", frozen=frozen)
+            peer.take_excluded({n: sig[n] for n in frozen if n in sig})
         _check_peer_model(peer, sig)  # before anything is written
         return peer
     got = import_for_load(src, os.path.join(load_dir, PEER_IMPORT), engine.ps,

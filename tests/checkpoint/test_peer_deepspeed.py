@@ -171,7 +171,9 @@ def _frozen_cases(ps, cases):
 def test_frozen_parameters_and_buffers_come_over_and_the_run_continues(tmp_path):
     """DeepSpeed's FrozenNet (a frozen layer, in no ZeRO partition, and a BatchNorm's
     running statistics) at ZeRO 2 and 3, continued at DP 2 at its stage and at ZeRO 1
-    from ZeRO 3's partitioned fragments: the 10 losses within 2e-6 of DeepSpeed's; the
+    from ZeRO 3's partitioned fragments; without ZeRO (the optimizer's numbered state
+    holds the trained parameters only: the loading module's frozen ones are left out of
+    its order) at stage 0 and at ZeRO 3: the 10 losses within 2e-6 of DeepSpeed's; the
     frozen weight is the one DeepSpeed started from (the script's own, drawn from
     another seed, is replaced), the statistics DeepSpeed's rank 0 saved."""
     from tests.helpers.harness import run_ranks
@@ -179,13 +181,14 @@ def test_frozen_parameters_and_buffers_come_over_and_the_run_continues(tmp_path)
     torch.manual_seed(0)
     start = rec.FrozenNet()  # DeepSpeed's initial model: its frozen layer never moved
     cases = [(_copy("frozen_zero2", tmp_path / "a"), 2), (_copy("frozen_zero3", tmp_path / "b"), 3),
-             (_copy("frozen_zero3", tmp_path / "c"), 1)]
+             (_copy("frozen_zero3", tmp_path / "c"), 1), (_copy("frozen_zero0", tmp_path / "d"), 0),
+             (_copy("frozen_zero0", tmp_path / "e"), 3)]
     out = run_ranks(_frozen_cases, world_size=2, args=(cases,))
     for (d, stage), (losses, got) in zip(cases, out[0]):
         want = _after(os.path.basename(d))
         assert _worst(losses, want) <= TOLERANCE, (d, stage, losses, want)
         ms = torch.load(os.path.join(d, "global_step3", "mp_rank_00_model_states.pt"
-                                     if "zero2" in d else
+                                     if "zero3" not in d else
                                      "zero_pp_rank_0_mp_rank_00_model_states.pt"),
                         weights_only=False, pickle_module=_PICKLE)["module"]
         assert sorted(got) == ["base.bias", "base.weight", "norm.num_batches_tracked",

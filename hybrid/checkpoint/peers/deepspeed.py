@@ -19,6 +19,7 @@ import glob
 import math
 import os
 import re
+from collections.abc import Collection
 
 import torch
 
@@ -452,9 +453,12 @@ class DeepSpeedZero0(DeepSpeedCheckpoint):
     and a tied weight's second name, left out). The order is taken so and checked by
     shape, parameter by parameter; an order it does not match (parameter groups that
     reorder the module's parameters) is one CheckpointError, as is fp16's state (its loss
-    scale is not carried over) and the fused FP16_Optimizer's."""
+    scale is not carried over) and the fused FP16_Optimizer's. ``frozen``: the loading
+    module's frozen parameters (``engine.load_checkpoint``), which the module's state
+    dict holds and the optimizer (built from those that train) does not: left out of the
+    order, and read as frozen values."""
 
-    def __init__(self, tag_dir: str, names=None):
+    def __init__(self, tag_dir: str, names=None, frozen: Collection[str] = ()):
         ms = self._header(tag_dir)
         self.stage, self.world = 0, int(ms.get("dp_world_size") or 1)
         self.format = f"{FORMAT} ZeRO 0"
@@ -479,16 +483,18 @@ class DeepSpeedZero0(DeepSpeedCheckpoint):
                                   f"1-3 ones")
         module = need(ms, "module", where)
         buffers, seen, params = set(ms.get("buffer_names") or ()), set(), []
+        self._frozen_given = [n for n in frozen if n in module and n not in buffers]
         for name, t in module.items():
             key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape))
-            if name not in buffers and key not in seen:
+            if name not in buffers and key not in seen and name not in frozen:
                 params.append(name)
             seen.add(key)
         order = [int(i) for g in osd["param_groups"] for i in g["params"]]
         if len(order) != len(params):
             raise CheckpointError(f"{where}: the optimizer holds {len(order)} parameters, the "
-                                  f"module {len(params)} (frozen parameters, or parameters of "
-                                  f"another model): hybrid maps them by order at stage 0")
+                                  f"module {len(params)} it trains (frozen parameters the "
+                                  f"loading module does not freeze, or parameters of another "
+                                  f"model): hybrid maps them by order at stage 0")
         self._module, self._state, self._index = module, osd["state"], dict(zip(params, order))
         for name in params:
             st = self._state.get(self._index[name]) or {}
@@ -508,7 +514,8 @@ class DeepSpeedZero0(DeepSpeedCheckpoint):
         self._bind(ms, names)
 
     def _frozen(self, ms: dict) -> dict[str, list[int]]:
-        return {}  # (a frozen parameter breaks the order above: refused there by name)
+        # (the file names none: the loading module's, when it froze some)
+        return {n: list(self._module[n].shape) for n in self._frozen_given}
 
     @functools.cached_property
     def columns(self) -> tuple[str, ...]:
@@ -534,12 +541,14 @@ class DeepSpeedZero0(DeepSpeedCheckpoint):
         return out
 
 
-def open(path: str, step: int | None = None, names=None) -> DeepSpeedCheckpoint:  # noqa: A001
+def open(path: str, step: int | None = None, names=None,  # noqa: A001
+         frozen: Collection[str] = ()) -> DeepSpeedCheckpoint:
     """The DeepSpeed checkpoint under ``path`` (a save directory: the tag ``latest``
     names, or ``global_step<step>``; or one tag's directory). ``names``: a
     :class:`NameMap`, ``"module"`` for DeepSpeed's names as they are, or None: a
     GPT2LMHeadModel's mapped to hybrid's GPT (the Note on whose names), others as they
-    are."""
+    are. ``frozen``: the loading module's frozen parameters (with ``"module"``), which a
+    save without ZeRO does not name."""
     tag_dir = _tag_dir(path, step)
     if tag_dir is None:
         what = f"global_step{step}" if step is not None else f"{LATEST} naming a tag"
@@ -549,7 +558,7 @@ def open(path: str, step: int | None = None, names=None) -> DeepSpeedCheckpoint:
         return DeepSpeedCheckpoint(tag_dir, names)
     if os.path.isdir(os.path.join(tag_dir, "zero")):
         return DeepSpeedUniversal(tag_dir, names)
-    return DeepSpeedZero0(tag_dir, names)
+    return DeepSpeedZero0(tag_dir, names, frozen)
 
 
 def engine_state(path: str, step: int | None = None) -> dict:
