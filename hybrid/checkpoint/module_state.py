@@ -31,7 +31,9 @@ is written -- O(frozen model) on one host, the price of one file every reader kn
 a file per rank of its shards would grow with the work only, and is not done. The load
 is every rank's own, as before, and copies only this rank's shard of each frozen unit
 out of the mapped file (:func:`restore`), so no rank's device holds a frozen parameter
-whole.
+whole; under ``--offload-param`` that shard goes to the unit's home (host memory or
+params.swp: hybrid/zero/offload/tiers.py, [Note: frozen units at home]) and the
+device keeps none of it. The save's gathers load each shard from its home.
 
 ``save_checkpoint(exclude_frozen_parameters=True)`` (DeepSpeed's flag, which Hugging
 Face's Trainer passes for a PEFT model) writes the buffers only: the frozen parameters
@@ -167,10 +169,11 @@ def restore(module: torch.nn.Module, saved: dict[str, torch.Tensor], path: str,
     name_of = {id(t): n for n, t in mine.items()}
     partitioned: set[int] = set()
     for u in frozen_units if not excludes_frozen else ():
+        shard = torch.zeros(u.shard_size, dtype=u.shard.dtype)  # (padding: zeros, as bound)
         for i, plo, ulo, n in u.segments(u.own_lo, u.own_hi):
             a = ulo - u.own_lo
-            src = saved[name_of[id(u.params[i])]].reshape(-1)[plo: plo + n]
-            u.shard[a: a + n].copy_(src)
+            shard[a: a + n].copy_(saved[name_of[id(u.params[i])]].reshape(-1)[plo: plo + n])
+        u.write_shard(shard)  # (to its home under --offload-param: the device keeps none)
         partitioned.update(id(p) for p in u.params if not u.gathered)
     for name, t in mine.items():
         if id(t) not in partitioned:  # (a gathered unit's whole view too)

@@ -20,7 +20,9 @@ stage    parameters      gradients          fp32 master + Adam moments
 
 Frozen parameters (``requires_grad`` False) have no gradient nor optimizer state; at
 stage 3 they are partitioned too, 1/N each, in frozen units the gatherer gathers and
-nothing else sees (``frozen_units``; [Note: frozen units] in hybrid/zero/units.py).
+nothing else sees (``frozen_units``; [Note: frozen units] in hybrid/zero/units.py),
+and with parameter offload their shards live off the device in parameter homes, as the
+trainable units' do ([Note: frozen units at home] in hybrid/zero/offload/tiers.py).
 
 All parameters live as views of flat buffers (one for the whole units, one per
 module at stage 3), gradients too at stages 0-1 -- no per-parameter allocation
@@ -146,7 +148,8 @@ class ZeroEngine:
         self._pieces = owned_pieces(model, self.units)  # the layout is fixed from here on
         # [Note: the order of construction] Each part is built from the parts above it.
         self.tiers = OffloadTiers(offload, ps.rank, self.units, dtype=self.dtype,
-                                  grad_dtype=self.grad_dtype, device=ps.device)
+                                  grad_dtype=self.grad_dtype, device=ps.device,
+                                  frozen=self.frozen_units)
         master = self._materialize(Materializer(model, values, self.units + self.frozen_units),
                                    offload)
         lands = self._gradients_land(offload)
@@ -209,8 +212,10 @@ class ZeroEngine:
         # (stage 3 with --offload-param: each shard goes home as soon as it is made)
         fill.bind(self.units, self.flat_params, dtype=self.dtype, device=ps.device,
                   bound=self.tiers.send_home)
-        # (a frozen unit's shard stays on the device: no tier of --offload-param holds it)
-        fill.bind(self.frozen_units, self.flat_params, dtype=self.dtype, device=ps.device)
+        # (a frozen unit's shard goes home too, though no step writes it back: [Note:
+        # frozen units at home] in hybrid/zero/offload/tiers.py)
+        fill.bind(self.frozen_units, self.flat_params, dtype=self.dtype, device=ps.device,
+                  bound=self.tiers.send_home)
         return master if master is not None else [u.shard for u in self.units]
 
     def _gradients_land(self, offload: OffloadConfig) -> bool:

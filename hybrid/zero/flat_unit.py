@@ -41,6 +41,15 @@ class ShardHome(Protocol):
     def values(self) -> torch.Tensor:
         """The shard as it is now, in host memory (for reading)."""
 
+    def store(self, values: torch.Tensor) -> Stored | None:
+        """The whole shard <- ``values``; returns what ends with its write (None: done)."""
+
+
+class Stored(Protocol):
+    """A write to a home under way: ``synchronize()`` waits for it."""
+
+    def synchronize(self) -> None: ...
+
 
 class Pending(Protocol):
     """A collective under way (a gather, a reduction): ``wait()`` completes it."""
@@ -241,6 +250,22 @@ class FlatUnit:
         """This rank's shard as it is now: ``shard``, or under parameter offload its
         home's values (host memory; a read for the disk tier). For reading only."""
         return self.shard if self._home is None else self._home.values()
+
+    @torch.no_grad()
+    def write_shard(self, values: torch.Tensor) -> None:
+        """This rank's shard <- ``values`` (``shard_size`` elements, any device), where it
+        lives: ``shard``, or under parameter offload its home (written through, waited
+        for; the device keeps nothing). For a unit no optimizer writes (a frozen unit:
+        hybrid/zero/units.py, [Note: frozen units]). A gathered unit's ``full`` is the
+        caller's to write too."""
+        assert self._state is not ParamState.GATHERING, self.name
+        assert values.numel() == self.shard_size, (self.name, values.numel(), self.shard_size)
+        if self._home is None:
+            self.shard.copy_(values)
+            return
+        done = self._home.store(values.to(self.shard.dtype))
+        if done is not None:
+            done.synchronize()
 
     def release(self) -> None:
         """Free the full parameters' memory; the views stay (FSDP's storage-resize trick).

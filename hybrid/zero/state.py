@@ -98,7 +98,7 @@ def write_master_from_params(engine: ZeroEngine, params: Iterable[torch.Tensor])
     wanted = {id(p) for p in params}
     for u in engine.frozen_units:
         if u.gathered and any(id(p) in wanted for p in u.params):
-            u.shard.copy_(u.full[u.own_lo: u.own_hi])
+            u.write_shard(u.full[u.own_lo: u.own_hi])  # (to its home, if offloaded)
     opt = engine.optimizer
     for pc in engine.owned_pieces():
         if id(pc.param) in wanted:

@@ -63,7 +63,9 @@ being complete (hybrid/zero/param_sync.py, [Note: releasing a frozen unit]). A f
 parameter under ``param_persistence_threshold`` stays whole, as a small trainable one
 does, and so does one that is not floating point. Decided once at construction, at
 stage 3 only (other stages keep every parameter whole) and not for a model in parts
-(an interleaved pipeline's chunks: its frozen parameters stay whole).
+(an interleaved pipeline's chunks: its frozen parameters stay whole). Under
+``--offload-param`` a frozen unit's shard lives off the device in a parameter home like
+a trainable unit's (hybrid/zero/offload/tiers.py, [Note: frozen units at home]).
 """
 
 from __future__ import annotations

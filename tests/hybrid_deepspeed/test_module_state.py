@@ -298,3 +298,71 @@ def test_a_frozen_base_trains_under_bf16_at_every_stage_in_the_training_dtype():
         curves[stage] = losses
     assert curves[0] == curves[2] == curves[3], curves
     assert curves[0][2] != curves[0][0]  # (the head trains)
+
+
+def _offloaded(root: str, param: str) -> dict:
+    """ZeRO-Infinity's ds_config keys: the optimizer on the host, the parameters on
+    ``param`` (params.swp under ``root`` for nvme)."""
+    where = {"device": param, **({"nvme_path": root} if param == "nvme" else {})}
+    return {**PARTITIONED, "offload_optimizer": {"device": "cpu"}, "offload_param": where}
+
+
+def _device_bytes(unit) -> int:
+    return unit.shard.untyped_storage().nbytes() + unit.full.untyped_storage().nbytes()
+
+
+def _offloaded_frozen_run(ps, root: str):
+    """At DP 2, the frozen base partitioned and offloaded (hybrid/zero/offload/tiers.py,
+    [Note: frozen units at home]): save on the host tier, load on the disk tier from
+    another seed, and into a stage 3 engine without parameter offload; a plain stage 3
+    save loads into an offloaded engine; a GatheredParameters write goes home."""
+    engine = _engine(3, 0, mpu=ps, **_offloaded(root, "cpu"))
+    (unit,) = engine.zero.frozen_units
+    start = unit.shard_values().clone()
+    _train(engine, range(2))
+    engine.save_checkpoint(f"{root}/off")
+    want = _train(engine, range(2, 4))
+    out = {"held": _device_bytes(unit), "start": start, "want": want}
+    for name, zero in (("nvme", _offloaded(f"{root}/swap", "nvme")), ("plain", PARTITIONED)):
+        other = _engine(3, 1, mpu=ps, **zero)
+        (back,) = other.zero.frozen_units
+        other.load_checkpoint(f"{root}/off")
+        out[name] = {"held": _device_bytes(back), "shard": back.shard_values().clone(),
+                     "got": _train(other, range(2, 4))}
+        if name == "plain":
+            other.save_checkpoint(f"{root}/plain")
+        other.close()
+    # the other way: a save without parameter offload into an offloaded engine
+    into = _engine(3, 1, mpu=ps, **_offloaded(f"{root}/swap2", "nvme"))
+    (back,) = into.zero.frozen_units
+    into.load_checkpoint(f"{root}/plain")
+    out["into"] = {"shard": back.shard_values().clone(), "held": _device_bytes(back)}
+    # rank 1 writes the frozen weight: every rank's home keeps its shard of it
+    w = into.module.base.weight
+    with deepspeed.zero.GatheredParameters([w], modifier_rank=1), torch.no_grad():
+        w.fill_(0.5 if ps.dp_rank == 1 else -1.0)
+    out["modified"] = (back.shard_values().clone(), _device_bytes(back), (back.own_lo, back.own_hi))
+    into.close()
+    return out
+
+
+def test_an_offloaded_frozen_base_round_trips_on_the_host_and_disk_tiers(tmp_path):
+    """ZeRO-Infinity at DP 2 with the frozen base partitioned and offloaded: the device
+    holds none of its bytes after a load (each rank's shard of the file goes to its
+    home); a resume on the disk tier from another seed continues the host tier's run bit
+    for bit, a stage 3 engine without parameter offload the same way; its save loads
+    back into an offloaded engine; a GatheredParameters(modifier_rank=1) write lands
+    in the homes."""
+    res = run_ranks(_offloaded_frozen_run, world_size=2, args=(str(tmp_path),))
+    flat = torch.cat([res[0]["start"], res[1]["start"]])  # (the padded unit, in rank order)
+    for rank, r in enumerate(res):
+        assert r["held"] == 0, r["held"]
+        mine = r["start"]
+        for name in ("nvme", "plain"):
+            assert r[name]["got"] == res[0]["want"] == r["want"], (rank, name, r[name]["got"])
+            assert torch.equal(r[name]["shard"], mine), (rank, name)
+        assert r["nvme"]["held"] == 0 and r["plain"]["held"] == mine.numel() * 4, r
+        assert r["into"]["held"] == 0 and torch.equal(r["into"]["shard"], mine), rank
+        shard, held, (lo, hi) = r["modified"]
+        want = torch.cat([torch.full((48,), 0.5), flat[48:56]])[lo:hi]  # (the bias stays)
+        assert held == 0 and torch.equal(shard, want), (rank, shard, want)

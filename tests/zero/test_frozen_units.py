@@ -9,6 +9,7 @@ from hybrid.parallel.state import ParallelState
 from hybrid.recompute.checkpointing import apply_activation_checkpointing
 from hybrid.tensor_parallel import InitValues
 from hybrid.zero.flat_unit import ParamState
+from hybrid.zero.offload.nvme.homes import disk_slots
 from tests.helpers.harness import run_ranks
 from tests.helpers.zero_reference import (
     BUCKETS,
@@ -238,3 +239,98 @@ def test_frozen_units_are_held_for_a_pipeline_step_and_freed_with_their_part():
         engine.release_params(0)
         assert all(u.state is ParamState.SHARDED for u in engine.frozen_units)
         assert all(u.state is ParamState.SHARDED for u in engine.units if u.partition_params)
+
+
+def _device_frozen_bytes(engine):
+    """Device bytes of the frozen units now: their shards' and full buffers' storages."""
+    return sum(u.shard.untyped_storage().nbytes() + u.full.untyped_storage().nbytes()
+               for u in engine.frozen_units)
+
+
+def _train_frozen_offloaded(ps, root):
+    """Stage 3 with the optimizer on the host, the parameters on the device, in host
+    memory and in params.swp: the frozen units' bytes where they live, and the curve."""
+    return {param: _one_offloaded(ps, root, param) for param in (None, "cpu", "nvme")}
+
+
+def _one_offloaded(ps, root, param):
+    """One run of :func:`_train_frozen_offloaded`, ``param``: the --offload-param tier."""
+    nvme = {"offload_nvme_path": f"{root}/{param}"} if param == "nvme" else {}
+    cfg = _train_cfg(ps.world_size, 1, zero_stage=3, **BUCKETS, offload_optimizer="cpu",
+                     offload_param=param, **nvme)
+    model = _gpt(cfg, ps, device="meta")
+    _freeze(model)
+    engine = zero_engine(model, ps, cfg, values=InitValues(cfg.seed, model.init_of))
+    start = _named_params(model, engine)
+    before = _device_frozen_bytes(engine)
+    ahead = []  # per load of a frozen unit's home: was its read already under way?
+    for h in engine.tiers.homes(engine.frozen_units) if param == "nvme" else ():
+        def load_into(shard, h=h, load=h.load_into):
+            ahead.append(h._read is not None)
+            load(shard)
+        h.load_into = load_into
+    during = []  # (block 1 is frozen whole: its unit is gathered while it runs)
+    model.blocks[1].register_forward_pre_hook(  # (after the gatherer's)
+        lambda *_: during.append(_device_frozen_bytes(engine)))
+    losses, norms = _train_steps(model, engine, ps, cfg, STEPS)
+    homes = engine.tiers.homes(engine.frozen_units)
+    out = {
+        "losses": losses, "norms": norms, "params": _named_params(model, engine),
+        "start": start, "bytes": (before, _device_frozen_bytes(engine)),
+        "during": during, "padded": sum(u.padded for u in engine.frozen_units) * 4,
+        "largest": max(u.padded for u in engine.frozen_units) * 4,
+        "homes": [type(h).__name__ for h in homes], "ahead": ahead,
+        "host": sum(h.host_bytes() for h in homes if h is not None),
+        "disk": engine.model_state_bytes()["disk"],
+        "slots": [disk_slots([u.shard_size for u in us], 4)[1] for us in (
+            [u for u in engine.units if u.partition_params], engine.frozen_units)],
+        "shards": [u.shard_values().clone() for u in engine.frozen_units],
+        "owned": sum(u.own_hi - u.own_lo for u in engine.units),
+        "optimizer": engine.optimizer.state_bytes()}
+    engine.close()
+    return out
+
+
+def test_offloaded_frozen_units_live_in_the_parameter_homes_and_train_the_same_curve(
+        tmp_path):
+    """ZeRO-Infinity on a frozen base ([Note: frozen units at home] in
+    hybrid/zero/offload/tiers.py), DP 2, the optimizer on the host: with --offload-param
+    cpu and nvme the frozen units' shards are in host memory / params.swp, the device
+    holds none of their bytes outside forward and backward (half of each padded unit
+    without parameter offload; a whole unit while it runs), and the curve is the one of
+    the run without parameter offload bit for bit (the one-process reference's within
+    the tolerance above); the frozen values never move; the optimizer's state is the
+    trainable elements' only."""
+    cfg = _train_cfg(1, 1)
+    ref_model = _gpt(cfg, ParallelState.single())
+    _freeze(ref_model)
+    ref = _train_reference(ref_model, cfg, STEPS)
+    res = run_ranks(_train_frozen_offloaded, world_size=2, tp=1, args=(str(tmp_path),))
+    for rank, by_tier in enumerate(res):
+        plain = by_tier[None]
+        half = plain["padded"] // 2
+        assert plain["bytes"] == (half, half), plain["bytes"]
+        assert plain["homes"] == ["NoneType"] * 3  # (no home: on the device)
+        for tier, home in (("cpu", "HostHome"), ("nvme", "DiskHome")):
+            got, what = by_tier[tier], f"rank {rank} {tier}"
+            assert got["bytes"] == (0, 0), (what, got["bytes"])
+            assert got["homes"] == [home] * 3, (what, got["homes"])
+            # (the largest frozen unit, block 1's, is gathered whole while it runs)
+            assert len(got["during"]) == 4 and all(b >= got["largest"] for b in got["during"]), \
+                (what, got["during"], got["largest"])
+            assert got["host"] == (half if tier == "cpu" else 0), (what, got["host"])
+            assert got["losses"] == plain["losses"] and got["norms"] == plain["norms"], what
+            for name, want in plain["params"].items():
+                assert torch.equal(got["params"][name], want), (what, name)
+                if name.startswith(FROZEN):
+                    assert torch.equal(got["params"][name], got["start"][name]), (what, name)
+            for a, b in zip(got["shards"], plain["shards"]):
+                assert torch.equal(a, b), what
+            assert got["optimizer"] == plain["optimizer"] == 8 * got["owned"], what  # (moments)
+        # the gatherer's read ahead reaches the frozen units' slots too
+        assert any(by_tier["nvme"]["ahead"]), by_tier["nvme"]["ahead"]
+        # params.swp holds the frozen units' slots as well as the trainable ones'
+        nvme = by_tier["nvme"]
+        assert nvme["disk"] == sum(nvme["slots"]) and nvme["slots"][1] >= half, nvme["slots"]
+    for a, b in zip(res[0][None]["losses"], ref["losses"]):
+        assert abs(a - b) <= 1e-5 * abs(b), (a, b)

@@ -1,6 +1,7 @@
 """Where one rank's model states live off the device, built once from :class:`OffloadConfig`.
 
-    tiers = OffloadTiers(offload, rank, units, dtype=dtype, grad_dtype=grad_dtype, device=device)
+    tiers = OffloadTiers(offload, rank, units, dtype=dtype, grad_dtype=grad_dtype, device=device,
+                         frozen=frozen_units)
     tiers.gds           # None, or why --offload-gds reads through host buffers here
     tiers.states        # the nvme tier's optimizer states (SwappedStates), or None
     tiers.grads         # ... and its gradient shard (SwappedGrads), or None
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import functools
 import logging
+from collections.abc import Sequence
 
 import torch
 
@@ -66,12 +68,27 @@ def host_pinning(asked: bool | None, device: torch.device) -> bool:
     return False
 
 
+# [Note: frozen units at home]
+# Stage 3's frozen units (hybrid/zero/units.py, [Note: frozen units]) -- a LoRA base,
+# often most of the model -- live in the same homes as the trainable units under
+# --offload-param: a HostHome each on the cpu tier, a slot of params.swp each on the
+# nvme tier (the file sized for them too), so outside forward and backward the device
+# holds none of their bytes. A gather loads them like any unit's (FlatUnit.start_gather)
+# and the gatherer's read ahead reaches them in the recorded order. They have no
+# optimizer piece: the optimizer's flat shard and its homes (:meth:`homes`, asked for
+# the engine's units) leave them out, so no step writes them back; what changes a frozen
+# value (a checkpoint's load, a GatheredParameters modifier) writes through the home
+# (FlatUnit.write_shard).
+
+
 class OffloadTiers:
     """The swap space, the I/O threads and the optimizer states of the nvme tier, and
     the parameter homes of ``--offload-param``.
 
     ``units``: the engine's units (their owned sizes, in shard order, make the
-    optimizer's flat shard); ``dtype``: the parameters' training dtype;
+    optimizer's flat shard); ``frozen``: stage 3's frozen units, which take parameter
+    homes too (slots in params.swp) but no optimizer state ([Note: frozen units at
+    home]); ``dtype``: the parameters' training dtype;
     ``grad_dtype``: the gradients'; ``device``: the training device (GDS reads land
     there). ``gds_file``: the cuFile binding (``torch.cuda.gds.GdsFile``; a test's
     stand-in).
@@ -79,7 +96,7 @@ class OffloadTiers:
 
     def __init__(self, cfg: OffloadConfig, rank: int, units: list[FlatUnit], *,
                  dtype: torch.dtype, grad_dtype: torch.dtype, device: torch.device,
-                 gds_file: gds.FileClass | None = None):
+                 frozen: Sequence[FlatUnit] = (), gds_file: gds.FileClass | None = None):
         self.cfg, self.device = cfg, device
         self.pin = host_pinning(cfg.pin_memory, device)
         self.space: SwapSpace | None = None
@@ -90,8 +107,10 @@ class OffloadTiers:
         self.gds: str | None = None  # why --offload-gds is not used here (None: used, or not asked)
         self._homes: list[ParamHome] = []
         self._home_of: dict[int, ParamHome] = {}  # id(unit) -> its home
-        n = sum(u.own_hi - u.own_lo for u in units)
-        self._partitioned = [u for u in units if u.partition_params] if cfg.param else []
+        n = sum(u.own_hi - u.own_lo for u in units)  # (the optimizer's: no frozen unit)
+        # [Note: frozen units at home]
+        self._partitioned = ([u for u in units if u.partition_params] + list(frozen)
+                             if cfg.param else [])
         self._slot_of = {id(u): k for k, u in enumerate(self._partitioned)}
         sizes = {}
         if cfg.optimizer == "nvme":
