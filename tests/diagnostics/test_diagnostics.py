@@ -7,6 +7,7 @@ import os
 import re
 import signal
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
@@ -71,13 +72,39 @@ def _stop_rank3_at_step2(ps, cfg):
             f.write(repr(time.time()))
 
 
-def test_a_stopped_rank_is_named_once_with_where_it_was(tmp_path):
-    timeout_s = 3.0
+STOPPED_TIMEOUT_S = 3.0
+
+
+def _stopped_rank_run(tmp_path):
+    """The job of :func:`test_a_stopped_rank_is_named_once_with_where_it_was`, on fresh
+    ranks: the stopped one is killed at the end, and its groups are broken."""
+    return pretrain(4, TP2DP2 + ["--train-iters", "6", "--distributed-timeout-minutes",
+                                 str(STOPPED_TIMEOUT_S / 60), "--collective-dump-dir",
+                                 str(tmp_path / "dump")],
+                    reuse=False, rank_fn=_stop_rank3_at_step2, grace_s=1.0)
+
+
+def _asleep_and_gone_run():
+    return run_ranks(_asleep_and_gone, world_size=3, tp=1, collective_timeout=3,
+                     reuse=False, early_exit=lambda r: r is not None, grace_s=0)[0]
+
+
+@pytest.fixture(scope="module")
+def silent_ranks(tmp_path_factory):
+    """The two jobs below whose ranks wait out a 3 s collective timeout, each on its own
+    fresh processes: run side by side. (the stopped rank's job, its directory; the
+    asleep-and-gone job's rank 0 result)."""
+    tmp_path = tmp_path_factory.mktemp("stopped")
+    with ThreadPoolExecutor(2) as pool:
+        stopped = pool.submit(_stopped_rank_run, tmp_path)
+        asleep = pool.submit(_asleep_and_gone_run)
+        return {"stopped": (stopped.result(), tmp_path), "asleep": asleep.result()}
+
+
+def test_a_stopped_rank_is_named_once_with_where_it_was(silent_ranks):
+    timeout_s = STOPPED_TIMEOUT_S
+    r, tmp_path = silent_ranks["stopped"]
     dump = str(tmp_path / "dump")
-    # fresh ranks: the stopped one is killed at the end, and its groups are broken
-    r = pretrain(4, TP2DP2 + ["--train-iters", "6", "--distributed-timeout-minutes",
-                              str(timeout_s / 60), "--collective-dump-dir", dump],
-                 reuse=False, rank_fn=_stop_rank3_at_step2, grace_s=1.0)
     assert r.returncode == 2
     err = r.stderr
     # one report, on rank 2 (rank 3's TP peer, the first to wait for it) ...
@@ -133,9 +160,8 @@ def _asleep_and_gone(ps):
     return "no error"
 
 
-def test_a_live_peer_and_one_that_left_are_named_with_their_lines():
-    msg, reporter = run_ranks(_asleep_and_gone, world_size=3, tp=1, collective_timeout=3,
-                              reuse=False, early_exit=lambda r: r is not None, grace_s=0)[0]
+def test_a_live_peer_and_one_that_left_are_named_with_their_lines(silent_ranks):
+    msg, reporter = silent_ranks["asleep"]
     from hybrid.testing import worker as multiprocess_worker
     at = "tests/diagnostics/test_diagnostics.py:{} in _asleep_and_gone"
     line = _line_of(multiprocess_worker.worker_main, 'out = fn(ps')

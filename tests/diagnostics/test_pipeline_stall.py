@@ -4,7 +4,9 @@ failed too, a pointer naming its own. Fresh ranks with a 2 s collective timeout:
 
 import re
 import time
+from concurrent.futures import ThreadPoolExecutor
 
+import pytest
 import torch
 
 from hybrid.errors import CollectiveError
@@ -46,10 +48,27 @@ ONE_F_ONE_B = ("F0.s0 SA0.s0>1 F1.s0 SA1.s0>1 RG0.s0<1 B0.s0 F2.s0 SA2.s0>1 RG1.
                "B2.s1 SG2.s1>0 END")
 
 
-def test_a_stage_that_stops_sending_is_named_by_the_one_waiting():
+# The two stuck pipelines below, each its own fresh ranks waiting out a 2 s timeout:
+# run side by side (their pools share nothing), each with its wall time.
+STUCK = {"stops_sending": (ONE_F_ONE_B, 2), "wait_for_each_other": (("RG0.s0<1 END",
+                                                                     "RA0.s1<0 END"), -1)}
+
+
+def _timed(lists, stop_at):
     t0 = time.perf_counter()
-    first, last = _run(ONE_F_ONE_B, stop_at=2)
-    assert time.perf_counter() - t0 < 30
+    return _run(lists, stop_at), time.perf_counter() - t0
+
+
+@pytest.fixture(scope="module")
+def stuck():
+    with ThreadPoolExecutor(len(STUCK)) as pool:
+        futures = {name: pool.submit(_timed, *args) for name, args in STUCK.items()}
+        return {name: f.result() for name, f in futures.items()}
+
+
+def test_a_stage_that_stops_sending_is_named_by_the_one_waiting(stuck):
+    (first, last), took = stuck["stops_sending"]
+    assert took < 30
     assert first is None  # stopped by the job once rank 1 reported
     msg, reporter = last
     assert reporter
@@ -65,10 +84,9 @@ def test_a_stage_that_stops_sending_is_named_by_the_one_waiting():
     assert msg.endswith("stuck: rank 0."), msg
 
 
-def test_two_stages_waiting_for_each_other_give_one_report_and_a_pointer():
+def test_two_stages_waiting_for_each_other_give_one_report_and_a_pointer(stuck):
     # both receive first: a deadlock the simulator would refuse, run here on purpose
-    lists = ("RG0.s0<1 END", "RA0.s1<0 END")
-    res = _run(lists)
+    res, _ = stuck["wait_for_each_other"]
     reports = [r for r in res if r is not None and r[1]]
     pointers = [r for r in res if r is not None and not r[1]]
     assert len(reports) == 1, res

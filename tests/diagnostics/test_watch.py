@@ -9,6 +9,7 @@ import sys
 import textwrap
 import time
 
+import pytest
 import torch
 import torch.distributed as dist
 
@@ -129,6 +130,7 @@ def _queued_then_host_wait(ps):
     return [(t - t0, msg, rep) for t, msg, rep in hangs], pending
 
 
+@pytest.mark.usefixtures("hang_alone")  # its process waits out its timeout meanwhile
 def test_a_collective_queued_past_the_timeout_is_reported_by_the_heartbeat():
     res = run_ranks(_queued_then_host_wait, world_size=2)
     (hangs0, pending0), (hangs1, pending1) = res
@@ -176,14 +178,30 @@ _ALONE = textwrap.dedent("""
 """)
 
 
-def test_by_default_a_hang_ends_the_process_with_the_report():
+@pytest.fixture(scope="module")
+def hang_alone():
+    """The process of :data:`_ALONE`, started when the heartbeat test above starts: both
+    mostly wait (on a timeout, on sleeping ranks), so they wait side by side. Its
+    (process, start time); killed at the module's end if no test read it."""
     t0 = time.time()
-    r = subprocess.run([sys.executable, "-c", _ALONE], capture_output=True, check=False, text=True,
-                       timeout=60)
+    p = subprocess.Popen([sys.executable, "-c", _ALONE], stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True)
+    yield p, t0
+    if p.poll() is None:
+        p.kill()
+        p.communicate()
+
+
+def test_by_default_a_hang_ends_the_process_with_the_report(hang_alone):
+    p, t0 = hang_alone
+    try:
+        out, err = p.communicate(timeout=max(1.0, t0 + 60 - time.time()))
+    finally:
+        if p.poll() is None:
+            p.kill()
     took = time.time() - t0
-    assert r.returncode == 2 and "still here" not in r.stdout, (r.returncode, r.stderr)
+    assert p.returncode == 2 and "still here" not in out, (p.returncode, err)
     assert took < 30, took
-    err = r.stderr
     assert err.startswith("rank 0: all_reduce #1 of the dp group (global ranks [0, 1]) did not "
                           "complete (timeout 1 s; still running "), err
     assert "\n  rank 1: published no record (it may have died before its first collective)." \
