@@ -63,10 +63,14 @@ def pytest_runtest_makereport(item, call):
 # DeepSpeed on CPU allocates its all-reduce buffers as /dev/shm files
 # (deepspeed_allreduce_buffer_*) and leaves them when its processes end: each peer run
 # would keep tens of MB of RAM, which on this machine piled up to gigabytes across runs.
-# The ones made while the tests ran go when they end.
+# The ones made while the tests ran go when they end: when all of them end, under -n 2
+# (pytest-xdist), so the controlling process does it, not a test process that finished
+# first while the other may still use its buffers.
 _SHM_START = pytest.StashKey[float]()
 def pytest_sessionstart(session):
     import time
+    if hasattr(session.config, "workerinput"):  # a pytest-xdist test process
+        return
     session.config.stash[_SHM_START] = time.time() - 1
 
 

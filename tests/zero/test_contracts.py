@@ -104,7 +104,7 @@ def test_the_check_above_can_fail():
         def load_into(self, dst) -> None: ...
 
     members = _members(flat_unit.ShardHome)
-    assert set(members) == {"prefetch", "load_into", "values"}
+    assert set(members) == {"prefetch", "load_into", "values", "store"}
     assert inspect.getattr_static(Short, "values", None) is None
     assert _params(vars(Short)["load_into"]) != _params(members["load_into"])
 
