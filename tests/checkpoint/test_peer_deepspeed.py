@@ -26,15 +26,14 @@ import importlib.util
 import json
 import math
 import os
-import pickle
 import shutil
-import types
 
 import pytest
 import torch
 
 from hybrid.checkpoint import iter_full_params
 from hybrid.errors import CheckpointError
+from tests.helpers.deepspeed_pickles import PICKLE as _PICKLE
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 FIXTURES = os.path.join(ROOT, "tests", "fixtures", "peers", "deepspeed-0.19.8")
@@ -140,24 +139,6 @@ def test_a_deepspeed_checkpoint_continues_exactly_at_two_ranks(tmp_path):
             assert f.read().strip() == "global_step3"
 
 
-class _Anything:
-    """Whatever DeepSpeed class a pickle names, kept as its saved attributes."""
-
-    def __init__(self, *args, **kw):
-        self.args = args
-
-    def __setstate__(self, state):
-        self.__dict__.update(state if isinstance(state, dict) else {"state": state})
-
-
-class _Unpickler(pickle.Unpickler):
-    def find_class(self, module, name):
-        if module.startswith("deepspeed"):
-            return _Anything
-        return super().find_class(module, name)
-
-
-_PICKLE = types.SimpleNamespace(Unpickler=_Unpickler, load=pickle.load, __name__="p")
 
 
 def _frozen_cases(ps, cases):

@@ -25,15 +25,14 @@ import hashlib
 import importlib.util
 import json
 import os
-import pickle
 import shutil
-import types
 
 import pytest
 import torch
 
 from hybrid.checkpoint import iter_full_params
 from hybrid.errors import CheckpointError
+from tests.helpers.deepspeed_pickles import load as _load
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 FIXTURES = os.path.join(ROOT, "tests", "fixtures", "peers", "deepspeed-0.19.8")
@@ -131,28 +130,8 @@ def test_a_deepspeed_pipeline_checkpoint_continues_at_pp2(tmp_path):
         assert _digest(os.path.join(d, "global_step3")) == before[d]
 
 
-class _Anything:
-    """Whatever DeepSpeed class a pickle names, kept as its saved attributes."""
-
-    def __init__(self, *args, **kw):
-        self.args = args
-
-    def __setstate__(self, state):
-        self.__dict__.update(state if isinstance(state, dict) else {"state": state})
 
 
-class _Unpickler(pickle.Unpickler):
-    def find_class(self, module, name):
-        if module.startswith("deepspeed"):
-            return _Anything
-        return super().find_class(module, name)
-
-
-_PICKLE = types.SimpleNamespace(Unpickler=_Unpickler, load=pickle.load, __name__="p")
-
-
-def _load(path: str):
-    return torch.load(path, weights_only=False, pickle_module=_PICKLE)
 
 
 def _deepspeed_values(tag_dir: str) -> dict[str, dict[str, torch.Tensor]]:
