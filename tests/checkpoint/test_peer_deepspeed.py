@@ -13,7 +13,9 @@ Bad input is one CheckpointError naming the file, with nothing imported.
 The bf16 fixtures (``net_bf16_zero0..3``: DeepSpeed's bf16 without ZeRO, BF16_Optimizer,
 ZeRO 2 and 3) continue under hybrid's bf16 at DP 2 with DeepSpeed's losses bit for bit,
 at 1 rank within bf16's rounding of the gradients at another point; their masters and
-moments come over exactly (the tests at the end).
+moments come over exactly (the tests at the end). hybrid's own bf16 run goes back as
+DeepSpeed's bf16 files (ZeRO 1, BF16_Optimizer, ZeRO 2 and 3), which DeepSpeed continues
+bit for bit at DP 2 holding hybrid's masters and moments exactly (the last tests).
 
 Only the way back (:func:`test_deepspeed_continues_from_hybrid_s_export`) needs DeepSpeed.
 """
@@ -959,3 +961,220 @@ def test_bad_bf16_deepspeed_checkpoints_are_one_error_naming_the_file(tmp_path):
     for n, values in want.items():
         got = ck.read(n)
         assert all(torch.equal(got[k], v) for k, v in values.items()), n
+
+
+# -- the bf16 way back -----------------------------------------------------------------------
+# hybrid trains the recorder's Net in bf16 (fp32 masters; gradients reduced in bf16, as
+# DeepSpeed's are by default) and its checkpoint is written as DeepSpeed's bf16 run saves.
+
+BF16_RUN = {"bf16": {"enabled": True}, "data_types": {"grad_accum_dtype": "bf16"}}
+# the DeepSpeed configs the bf16 exports are written for (and DeepSpeed loads them with):
+# ZeRO 1 with fp32 gradient accumulation builds BF16_Optimizer, the rest the ZeRO optimizers
+BF16_EXPORTS = {"zero1": (1, {}), "bf16_optimizer": (1, {"data_types": {"grad_accum_dtype":
+                                                                         "fp32"}}),
+                "zero2": (2, {}), "zero3": (3, {})}
+
+
+def _bf16_export_config(case: str) -> dict:
+    stage, extra = BF16_EXPORTS[case]
+    return {**_recorder().config(stage), "bf16": {"enabled": True}, **extra}
+
+
+def _trained_bf16(ps, save: str, steps: int) -> list[float]:
+    """The recorder's Net under hybrid.deepspeed in bf16 at ZeRO 2: 10 steps, a save into
+    ``save``, ``steps`` more; every step's global loss."""
+    from hybrid import deepspeed as hds
+    rec = _recorder()
+    torch.manual_seed(0)
+    net = rec.Net()
+    engine, *_ = hds.initialize(model=net, model_parameters=net.parameters(),
+                                config={**rec.config(2), **BF16_RUN}, mpu=ps)
+    per, rank, world = rec.GLOBAL_BATCH // ps.dp_size, ps.dp_rank, ps.dp_size
+    losses = []
+    for step in range(10 + steps):
+        if step == 10:
+            engine.save_checkpoint(save)
+        x, y = rec.batch(step)
+        rows = slice(rank * per, (rank + 1) * per)
+        loss = rec.bf16_loss(engine, x[rows], y[rows])
+        engine.backward(loss)
+        engine.step()
+        mean = loss.detach().clone().reshape(1)
+        if world > 1:
+            ps.world_group.all_reduce(mean)
+        losses.append(float(mean) / world)
+    if not steps:
+        engine.save_checkpoint(save)
+    engine.close()
+    return losses
+
+
+def _fixture_keys(name: str, file: str) -> list[str]:
+    """The keys DeepSpeed 0.19.8 wrote in a bf16 fixture's file (an optimizer file's
+    ``optimizer_state_dict``'s)."""
+    from hybrid.checkpoint.peers.deepspeed_files import load_file
+    got = load_file(os.path.join(FIXTURES, name, "global_step3", file))
+    return sorted(got.get("optimizer_state_dict", got))
+
+
+def test_a_bf16_export_is_deepspeed_s_bf16_files_and_reads_back(tmp_path):
+    """A checkpoint hybrid trained in bf16, exported (its own dtype: bf16 by default) for
+    DeepSpeed's bf16 configs at ZeRO 1 (the ZeRO optimizer's files, and BF16_Optimizer's
+    where the ds_config accumulates gradients in fp32), 2 and 3: the files are named and
+    keyed as DeepSpeed's own bf16 saves (the fixtures), the module's weights are the
+    masters' bf16 rounding (ZeRO 3's placeholders bf16), and hybrid's DeepSpeed reader
+    reads back the same fp32 masters, moments and step. The same checkpoint with
+    ``dtype="fp32"`` is fp32's files. A dtype hybrid does not write (fp16), or one the
+    given ds_config contradicts, is one CheckpointError, nothing written."""
+    from hybrid.checkpoint import resolve_checkpoint
+    from hybrid.checkpoint.peers import deepspeed as ds, deepspeed_bf16
+    from hybrid.checkpoint.peers.deepspeed_files import load_file
+    from hybrid.parallel.state import ParallelState
+    save = str(tmp_path / "hybrid")
+    _trained_bf16(ParallelState.single(), save, 0)
+    meta, params = iter_full_params(resolve_checkpoint(save))
+    want = dict(params)
+    assert meta["config"]["bf16"] and meta["step"] == 10
+    like = {"zero1": ("net_zero2", "zero_pp_rank_0", "zero_stage 1"),  # (fp32's: same keys)
+            "bf16_optimizer": ("net_bf16_zero1", "bf16_zero_pp_rank_0", "BF16_Optimizer"),
+            "zero2": ("net_bf16_zero2", "bf16_zero_pp_rank_0", "zero_stage 2"),
+            "zero3": ("net_bf16_zero3", "bf16_zero_pp_rank_0", "zero_stage 3")}
+    for case, dp in (("zero1", 2), ("bf16_optimizer", 3), ("zero2", 2), ("zero3", 2)):
+        stage = BF16_EXPORTS[case][0]
+        config = _bf16_export_config(case) if case == "bf16_optimizer" else None
+        out = str(tmp_path / case)
+        tag = ds.write(save, out, dp, stage, ds_config=config)
+        models = (["mp_rank_00_model_states.pt"] if stage < 3 else
+                  [f"zero_pp_rank_{r}_mp_rank_00_model_states.pt" for r in range(dp)])
+        assert sorted(os.listdir(tag)) == sorted(
+            [f"bf16_zero_pp_rank_{r}_mp_rank_00_optim_states.pt" for r in range(dp)] + models)
+        fixture, first, kind = like[case]
+        for r in range(dp):
+            osd = load_file(os.path.join(tag, f"bf16_zero_pp_rank_{r}_mp_rank_00_optim_"
+                                              f"states.pt"))["optimizer_state_dict"]
+            assert deepspeed_bf16.optim_kind(osd) == kind, (case, r)
+            assert sorted(osd) == _fixture_keys(fixture, f"{first}_mp_rank_00_optim_states.pt")
+            if case == "bf16_optimizer":  # (the partition whole; the padding on the last)
+                total, part = 122, -(-122 // (2 * dp)) * 2
+                assert [t.numel() for t in osd["single_partition_of_fp32_groups"]] == [part]
+                assert osd["group_paddings"] == [dp * part - total if r == dp - 1 else 0]
+        fixture_model = "mp_rank_00_model_states.pt" if stage < 3 else models[0]
+        for m in models:
+            ms = load_file(os.path.join(tag, m))
+            assert sorted(ms) == _fixture_keys(fixture if stage > 1 else "net_bf16_zero1",
+                                               fixture_model)
+            assert deepspeed_bf16.bf16_enabled(ms["ds_config"]) is True
+            for n, w in ms["module"].items():
+                assert w.dtype == torch.bfloat16, (case, n)
+                assert (w.numel() == 0 if stage == 3 else
+                        torch.equal(w, want[n]["master"].bfloat16())), (case, n)
+        back = ds.open(out)
+        assert (back.stage, back.world, back.step, back.iteration) == (stage, dp, 10, 10)
+        for n, values in want.items():
+            got = back.read(n)
+            assert all(torch.equal(got[k], v) for k, v in values.items()), (case, n)
+        back.close()
+
+    tag = ds.write(save, str(tmp_path / "fp32"), 2, 2, dtype="fp32")
+    assert sorted(os.listdir(tag)) == ["mp_rank_00_model_states.pt",
+                                       "zero_pp_rank_0_mp_rank_00_optim_states.pt",
+                                       "zero_pp_rank_1_mp_rank_00_optim_states.pt"]
+    module = load_file(os.path.join(tag, "mp_rank_00_model_states.pt"))["module"]
+    assert all(torch.equal(w, want[n]["master"]) for n, w in module.items())
+
+    bad = str(tmp_path / "bad")
+    with pytest.raises(CheckpointError, match=r"--dtype fp16: DeepSpeed's fp16 files hold a "
+                                              r"dynamic loss scale"):
+        ds.write(save, bad, 2, 2, dtype="fp16")
+    with pytest.raises(CheckpointError, match=r"--dtype bf16, but the ds_config given "
+                                              r"trains in fp32"):
+        ds.write(save, bad, 2, 2, dtype="bf16", ds_config=_recorder().config(2))
+    with pytest.raises(CheckpointError, match=r"the ds_config given enables fp16"):
+        ds.write(save, bad, 2, 2, ds_config={**_recorder().config(2),
+                                             "fp16": {"enabled": True}})
+    assert not os.path.exists(bad)
+
+
+def _deepspeed_bf16_rank(rank: int, port: int, cases: list, steps: int, out: str):
+    """One DeepSpeed rank: for each ``(load_dir, ds_config)``, a fresh Net (another seed)
+    under DeepSpeed's bf16, ``load_checkpoint``, the fp32 masters and moments DeepSpeed
+    holds (its safe_get_full_* API), then ``steps`` of the recorder's batches; rank 0
+    saves every case's results into ``out``."""
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2",
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), DS_ACCELERATOR="cpu")
+    import deepspeed
+    from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
+    deepspeed.init_distributed(dist_backend="gloo")
+    rec, results = _recorder(), []
+    for load_dir, config in cases:
+        torch.manual_seed(77)  # another start: the load must replace it
+        net = rec.Net()
+        engine, *_ = deepspeed.initialize(model=net, model_parameters=net.parameters(),
+                                          config=config)
+        path, _ = engine.load_checkpoint(load_dir)
+        assert path is not None
+        link = getattr(engine.optimizer, "_lazy_init_hp_params_optimizer_state", None)
+        if link is not None:  # (ZeRO 1-2 link the moments to the parameters at a step)
+            link()
+        held = {n: {"master": safe_get_full_fp32_param(p).clone(),
+                    **{k: safe_get_full_optimizer_state(p, k).clone()
+                       for k in ("exp_avg", "exp_avg_sq")}}
+                for n, p in net.named_parameters()}
+        start, per, losses = engine.global_steps, rec.GLOBAL_BATCH // 2, []
+        for step in range(start, start + steps):
+            x, y = rec.batch(step)
+            rows = slice(rank * per, (rank + 1) * per)
+            losses.append(rec.step_mean(engine, rec.bf16_loss(engine, x[rows], y[rows]), 2))
+        results.append({"start": start, "losses": losses, "held": held,
+                        "samples": engine.global_samples,
+                        "optimizer": type(engine.optimizer).__name__})
+    if rank == 0:
+        torch.save(results, out)
+    rec.end_rank()
+
+
+@pytest.mark.peer("deepspeed")
+def test_deepspeed_continues_hybrid_s_bf16_export(tmp_path):
+    """hybrid.deepspeed trains Net in bf16 at DP 2 (ZeRO 2, gradients reduced in bf16)
+    for 10 steps, saves, and trains 5 more; the checkpoint exported as DeepSpeed's bf16
+    run's at DP 2 -- ZeRO 1 (the ZeRO optimizer's files; BF16_Optimizer's through
+    ``convert_checkpoint.py export --to deepspeed --ds-config``), 2 and 3 -- is loaded by
+    DeepSpeed 0.19.8's own engine.load_checkpoint under that bf16 config: the fp32 masters
+    and moments it then holds are hybrid's exactly, and its next 5 losses are hybrid's bit
+    for bit (DP 2 rounds the bf16 gradients where hybrid's run did)."""
+    from hybrid.checkpoint import resolve_checkpoint
+    from hybrid.checkpoint.peers import deepspeed as ds
+    from tests.helpers.harness import run_ranks
+    from tests.helpers.launch import free_port, run_script
+    rec, steps, save = _recorder(), 5, str(tmp_path / "hybrid")
+    losses = run_ranks(_trained_bf16, world_size=2, args=(save, steps))[0]
+    _, params = iter_full_params(resolve_checkpoint(save))
+    want = dict(params)
+    cases = []
+    for case in BF16_EXPORTS:
+        out, config = str(tmp_path / case), _bf16_export_config(case)
+        if case == "bf16_optimizer":
+            path = str(tmp_path / "ds_config.json")
+            with open(path, "w") as f:
+                json.dump(config, f)
+            r = run_script("convert_checkpoint", ["export", "--to", "deepspeed", save, out,
+                                                  "--dp-size", "2", "--zero-stage", "1",
+                                                  "--ds-config", path])
+            assert r.returncode == 0 and "ZeRO 1 bf16 checkpoint" in r.stdout, r.stderr
+        else:  # (the checkpoint's own dtype: bf16)
+            ds.write(save, out, 2, BF16_EXPORTS[case][0])
+        cases.append((out, config))
+    got = str(tmp_path / "theirs.pt")
+    torch.multiprocessing.spawn(_deepspeed_bf16_rank, nprocs=2,
+                                args=(free_port(), cases, steps, got))
+    theirs = torch.load(got, weights_only=True)
+    kinds = {"zero1": "DeepSpeedZeroOptimizer", "bf16_optimizer": "BF16_Optimizer",
+             "zero2": "DeepSpeedZeroOptimizer", "zero3": "DeepSpeedZeroOptimizer_Stage3"}
+    for case, result in zip(BF16_EXPORTS, theirs):
+        assert result["optimizer"] == kinds[case], (case, result["optimizer"])
+        assert result["start"] == 10 and result["samples"] == (10 + steps) * rec.GLOBAL_BATCH
+        assert sorted(result["held"]) == sorted(want)
+        for n, values in want.items():
+            for k, v in values.items():
+                assert torch.equal(result["held"][n][k].float(), v), (case, n, k)
+        assert result["losses"] == losses[10:], (case, result["losses"], losses[10:])
