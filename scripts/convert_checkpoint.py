@@ -6,7 +6,7 @@
     python scripts/convert_checkpoint.py export --to dcp CHECKPOINT_DIR_OR_SAVE_DIR OUT_DIR
     python scripts/convert_checkpoint.py export --to megatron CHECKPOINT_DIR_OR_SAVE_DIR OUT_DIR
     python scripts/convert_checkpoint.py export --to deepspeed CHECKPOINT_DIR_OR_SAVE_DIR OUT_DIR \
-        [--dp-size N] [--zero-stage {1,2,3}] [--tag TAG] [--param-groups matrices|one] \
+        [--dp-size N] [--zero-stage {0,1,2,3}] [--tag TAG] [--param-groups matrices|one] \
         [--dtype fp32|bf16] [--ds-config DS_CONFIG.json]
 
 ``export --to deepspeed`` writes DeepSpeed 0.19.8's ``OUT_DIR/global_stepN/`` (and
@@ -131,8 +131,9 @@ def export_deepspeed(argv) -> int:
     ap.add_argument("out_dir", help="the peer's save directory (its load_checkpoint dir)")
     ap.add_argument("--dp-size", type=int, default=1,
                     help="the data-parallel size DeepSpeed will load it at")
-    ap.add_argument("--zero-stage", type=int, default=2, choices=[1, 2, 3],
-                    help="the ZeRO stage of its optimizer files")
+    ap.add_argument("--zero-stage", type=int, default=2, choices=[0, 1, 2, 3],
+                    help="the ZeRO stage of its optimizer files (0: none, the optimizer state in "
+                         "the model-state file)")
     ap.add_argument("--tag", default=None, help="the tag (default global_stepN)")
     ap.add_argument("--param-groups", default=None, choices=["matrices", "one"],
                     help="DeepSpeed's optimizer groups: 'matrices' (weight decay on the "

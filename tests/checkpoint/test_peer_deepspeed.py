@@ -582,14 +582,15 @@ def _deepspeed_rank(rank: int, port: int, load_dir: str, stage: int, steps: int,
 @pytest.mark.peer("deepspeed")
 def test_deepspeed_continues_from_hybrid_s_export(tmp_path):
     """A hybrid.deepspeed script (its own two optimizer groups, out of the module's order)
-    trains 10 steps and saves; its checkpoint exported as DeepSpeed's (2 ranks, ZeRO 2 and
-    ZeRO 3) is loaded by DeepSpeed 0.19.8's own engine.load_checkpoint under the same
-    script's groups, whose next 5 losses equal hybrid's next 5 within 2e-6."""
+    trains 10 steps and saves; its checkpoint exported as DeepSpeed's (2 ranks, without
+    ZeRO -- the torch optimizer's state dict in the model-state file --, ZeRO 2 and ZeRO 3)
+    is loaded by DeepSpeed 0.19.8's own engine.load_checkpoint under the same script's
+    groups, whose next 5 losses equal hybrid's next 5 within 2e-6."""
     from hybrid.checkpoint.peers import deepspeed as ds
     from tests.helpers.launch import free_port
     rec, steps = _recorder(), 5
     saved, losses = _trained_with_groups(tmp_path, steps)
-    for stage in (2, 3):
+    for stage in (0, 2, 3):
         out = str(tmp_path / f"ds{stage}")
         ds.write(saved, out, 2, stage)
         got = str(tmp_path / f"losses{stage}.json")
@@ -969,9 +970,10 @@ def test_bad_bf16_deepspeed_checkpoints_are_one_error_naming_the_file(tmp_path):
 
 BF16_RUN = {"bf16": {"enabled": True}, "data_types": {"grad_accum_dtype": "bf16"}}
 # the DeepSpeed configs the bf16 exports are written for (and DeepSpeed loads them with):
-# ZeRO 1 with fp32 gradient accumulation builds BF16_Optimizer, the rest the ZeRO optimizers
-BF16_EXPORTS = {"zero1": (1, {}), "bf16_optimizer": (1, {"data_types": {"grad_accum_dtype":
-                                                                         "fp32"}}),
+# ZeRO 1 with fp32 gradient accumulation builds BF16_Optimizer, ZeRO 1-3 otherwise the ZeRO
+# optimizers, no ZeRO FP16_UnfusedOptimizer
+BF16_EXPORTS = {"zero0": (0, {}), "zero1": (1, {}),
+                "bf16_optimizer": (1, {"data_types": {"grad_accum_dtype": "fp32"}}),
                 "zero2": (2, {}), "zero3": (3, {})}
 
 
@@ -1019,13 +1021,16 @@ def _fixture_keys(name: str, file: str) -> list[str]:
 
 def test_a_bf16_export_is_deepspeed_s_bf16_files_and_reads_back(tmp_path):
     """A checkpoint hybrid trained in bf16, exported (its own dtype: bf16 by default) for
-    DeepSpeed's bf16 configs at ZeRO 1 (the ZeRO optimizer's files, and BF16_Optimizer's
-    where the ds_config accumulates gradients in fp32), 2 and 3: the files are named and
-    keyed as DeepSpeed's own bf16 saves (the fixtures), the module's weights are the
-    masters' bf16 rounding (ZeRO 3's placeholders bf16), and hybrid's DeepSpeed reader
-    reads back the same fp32 masters, moments and step. The same checkpoint with
-    ``dtype="fp32"`` is fp32's files. A dtype hybrid does not write (fp16), or one the
-    given ds_config contradicts, is one CheckpointError, nothing written."""
+    DeepSpeed's bf16 configs without ZeRO (FP16_UnfusedOptimizer's state in the
+    model-state file), at ZeRO 1 (the ZeRO optimizer's files, and BF16_Optimizer's where
+    the ds_config accumulates gradients in fp32), 2 and 3: the files are named and keyed
+    as DeepSpeed's own bf16 saves (the fixtures), the module's weights are the masters'
+    bf16 rounding (ZeRO 3's placeholders bf16), and hybrid's DeepSpeed reader reads back
+    the same fp32 masters, moments and step. The same checkpoint with ``dtype="fp32"`` is
+    fp32's files (ZeRO 2, and stage 0: the torch optimizer's state dict). A dtype hybrid
+    does not write (fp16), one the given ds_config contradicts, or bf16 without ZeRO
+    under fp32 gradient accumulation (DeepSpeed does not start so) is one
+    CheckpointError, nothing written."""
     from hybrid.checkpoint import resolve_checkpoint
     from hybrid.checkpoint.peers import deepspeed as ds, deepspeed_bf16
     from hybrid.checkpoint.peers.deepspeed_files import load_file
@@ -1035,11 +1040,13 @@ def test_a_bf16_export_is_deepspeed_s_bf16_files_and_reads_back(tmp_path):
     meta, params = iter_full_params(resolve_checkpoint(save))
     want = dict(params)
     assert meta["config"]["bf16"] and meta["step"] == 10
-    like = {"zero1": ("net_zero2", "zero_pp_rank_0", "zero_stage 1"),  # (fp32's: same keys)
+    like = {"zero0": ("net_bf16_zero0", None, None),
+            "zero1": ("net_zero2", "zero_pp_rank_0", "zero_stage 1"),  # (fp32's: same keys)
             "bf16_optimizer": ("net_bf16_zero1", "bf16_zero_pp_rank_0", "BF16_Optimizer"),
             "zero2": ("net_bf16_zero2", "bf16_zero_pp_rank_0", "zero_stage 2"),
             "zero3": ("net_bf16_zero3", "bf16_zero_pp_rank_0", "zero_stage 3")}
-    for case, dp in (("zero1", 2), ("bf16_optimizer", 3), ("zero2", 2), ("zero3", 2)):
+    for case, dp in (("zero0", 2), ("zero1", 2), ("bf16_optimizer", 3), ("zero2", 2),
+                     ("zero3", 2)):
         stage = BF16_EXPORTS[case][0]
         config = _bf16_export_config(case) if case == "bf16_optimizer" else None
         out = str(tmp_path / case)
@@ -1047,9 +1054,10 @@ def test_a_bf16_export_is_deepspeed_s_bf16_files_and_reads_back(tmp_path):
         models = (["mp_rank_00_model_states.pt"] if stage < 3 else
                   [f"zero_pp_rank_{r}_mp_rank_00_model_states.pt" for r in range(dp)])
         assert sorted(os.listdir(tag)) == sorted(
-            [f"bf16_zero_pp_rank_{r}_mp_rank_00_optim_states.pt" for r in range(dp)] + models)
+            [f"bf16_zero_pp_rank_{r}_mp_rank_00_optim_states.pt" for r in range(dp)
+             if stage] + models)
         fixture, first, kind = like[case]
-        for r in range(dp):
+        for r in range(dp if stage else 0):
             osd = load_file(os.path.join(tag, f"bf16_zero_pp_rank_{r}_mp_rank_00_optim_"
                                               f"states.pt"))["optimizer_state_dict"]
             assert deepspeed_bf16.optim_kind(osd) == kind, (case, r)
@@ -1061,8 +1069,16 @@ def test_a_bf16_export_is_deepspeed_s_bf16_files_and_reads_back(tmp_path):
         fixture_model = "mp_rank_00_model_states.pt" if stage < 3 else models[0]
         for m in models:
             ms = load_file(os.path.join(tag, m))
-            assert sorted(ms) == _fixture_keys(fixture if stage > 1 else "net_bf16_zero1",
+            assert sorted(ms) == _fixture_keys(fixture if stage != 1 else "net_bf16_zero1",
                                                fixture_model)
+            if not stage:  # (FP16_UnfusedOptimizer's: the masters in the module's order)
+                theirs = load_file(os.path.join(FIXTURES, fixture, "global_step3",
+                                                fixture_model))["optimizer"]
+                assert sorted(ms["optimizer"]) == sorted(theirs)
+                assert list(ms["module"]) == ["fc1.weight", "fc1.bias", "fc2.weight",
+                                              "fc2.bias"]
+                assert all(torch.equal(t, want[n]["master"]) for n, t in
+                           zip(ms["module"], ms["optimizer"]["fp32_groups"][0]))
             assert deepspeed_bf16.bf16_enabled(ms["ds_config"]) is True
             for n, w in ms["module"].items():
                 assert w.dtype == torch.bfloat16, (case, n)
@@ -1081,6 +1097,15 @@ def test_a_bf16_export_is_deepspeed_s_bf16_files_and_reads_back(tmp_path):
                                        "zero_pp_rank_1_mp_rank_00_optim_states.pt"]
     module = load_file(os.path.join(tag, "mp_rank_00_model_states.pt"))["module"]
     assert all(torch.equal(w, want[n]["master"]) for n, w in module.items())
+    tag = ds.write(save, str(tmp_path / "fp32_0"), 2, 0, dtype="fp32")
+    assert os.listdir(tag) == ["mp_rank_00_model_states.pt"]
+    ms = load_file(os.path.join(tag, "mp_rank_00_model_states.pt"))
+    assert sorted(ms["optimizer"]) == ["param_groups", "state"]
+    assert all(torch.equal(w, want[n]["master"]) for n, w in ms["module"].items())
+    back = ds.open(tag)
+    for n, values in want.items():
+        got = back.read(n)
+        assert all(torch.equal(got[k], v) for k, v in values.items()), n
 
     bad = str(tmp_path / "bad")
     with pytest.raises(CheckpointError, match=r"--dtype fp16: DeepSpeed's fp16 files hold a "
@@ -1092,6 +1117,11 @@ def test_a_bf16_export_is_deepspeed_s_bf16_files_and_reads_back(tmp_path):
     with pytest.raises(CheckpointError, match=r"the ds_config given enables fp16"):
         ds.write(save, bad, 2, 2, ds_config={**_recorder().config(2),
                                              "fp16": {"enabled": True}})
+    with pytest.raises(CheckpointError, match=r"bf16 without ZeRO \(--zero-stage 0\) under "
+                                              r"a ds_config with data_types.grad_accum_dtype "
+                                              r"fp32: DeepSpeed 0.19.8 does not train so"):
+        ds.write(save, bad, 2, 0, ds_config={**_bf16_export_config("bf16_optimizer"),
+                                             "zero_optimization": {"stage": 0}})
     assert not os.path.exists(bad)
 
 
@@ -1116,10 +1146,17 @@ def _deepspeed_bf16_rank(rank: int, port: int, cases: list, steps: int, out: str
         link = getattr(engine.optimizer, "_lazy_init_hp_params_optimizer_state", None)
         if link is not None:  # (ZeRO 1-2 link the moments to the parameters at a step)
             link()
-        held = {n: {"master": safe_get_full_fp32_param(p).clone(),
-                    **{k: safe_get_full_optimizer_state(p, k).clone()
-                       for k in ("exp_avg", "exp_avg_sq")}}
-                for n, p in net.named_parameters()}
+        if config["zero_optimization"]["stage"]:
+            held = {n: {"master": safe_get_full_fp32_param(p).clone(),
+                        **{k: safe_get_full_optimizer_state(p, k).clone()
+                           for k in ("exp_avg", "exp_avg_sq")}}
+                    for n, p in net.named_parameters()}
+        else:  # FP16_UnfusedOptimizer: a master per parameter, in the optimizer's order
+            masters = [t for g in engine.optimizer.fp32_groups for t in g]
+            state = engine.optimizer.optimizer.state
+            held = {n: {"master": m.clone(), **{k: state[m][k].clone()
+                                                 for k in ("exp_avg", "exp_avg_sq")}}
+                    for (n, _), m in zip(net.named_parameters(), masters)}
         start, per, losses = engine.global_steps, rec.GLOBAL_BATCH // 2, []
         for step in range(start, start + steps):
             x, y = rec.batch(step)
@@ -1137,8 +1174,9 @@ def _deepspeed_bf16_rank(rank: int, port: int, cases: list, steps: int, out: str
 def test_deepspeed_continues_hybrid_s_bf16_export(tmp_path):
     """hybrid.deepspeed trains Net in bf16 at DP 2 (ZeRO 2, gradients reduced in bf16)
     for 10 steps, saves, and trains 5 more; the checkpoint exported as DeepSpeed's bf16
-    run's at DP 2 -- ZeRO 1 (the ZeRO optimizer's files; BF16_Optimizer's through
-    ``convert_checkpoint.py export --to deepspeed --ds-config``), 2 and 3 -- is loaded by
+    run's at DP 2 -- without ZeRO (FP16_UnfusedOptimizer's), ZeRO 1 (the ZeRO optimizer's
+    files; BF16_Optimizer's through ``convert_checkpoint.py export --to deepspeed
+    --ds-config``), 2 and 3 -- is loaded by
     DeepSpeed 0.19.8's own engine.load_checkpoint under that bf16 config: the fp32 masters
     and moments it then holds are hybrid's exactly, and its next 5 losses are hybrid's bit
     for bit (DP 2 rounds the bf16 gradients where hybrid's run did)."""
@@ -1168,8 +1206,9 @@ def test_deepspeed_continues_hybrid_s_bf16_export(tmp_path):
     torch.multiprocessing.spawn(_deepspeed_bf16_rank, nprocs=2,
                                 args=(free_port(), cases, steps, got))
     theirs = torch.load(got, weights_only=True)
-    kinds = {"zero1": "DeepSpeedZeroOptimizer", "bf16_optimizer": "BF16_Optimizer",
-             "zero2": "DeepSpeedZeroOptimizer", "zero3": "DeepSpeedZeroOptimizer_Stage3"}
+    kinds = {"zero0": "FP16_UnfusedOptimizer", "zero1": "DeepSpeedZeroOptimizer",
+             "bf16_optimizer": "BF16_Optimizer", "zero2": "DeepSpeedZeroOptimizer",
+             "zero3": "DeepSpeedZeroOptimizer_Stage3"}
     for case, result in zip(BF16_EXPORTS, theirs):
         assert result["optimizer"] == kinds[case], (case, result["optimizer"])
         assert result["start"] == 10 and result["samples"] == (10 + steps) * rec.GLOBAL_BATCH
