@@ -629,7 +629,8 @@ def test_a_frozen_module_s_export_reads_back(tmp_path, exclude):
     by hybrid's DeepSpeed reader: the frozen layer (whole at ZeRO 2, from both ranks'
     fragments at ZeRO 3) and the buffers are the saved ones; saved with
     ``exclude_frozen_parameters``, the export leaves the frozen layer out as DeepSpeed's
-    own such save does (only the buffers go)."""
+    own such save does (only the buffers go). Exported as bf16, they are bf16 (as
+    DeepSpeed's bf16 module holds them)."""
     from hybrid import deepspeed as hds
     from hybrid.checkpoint.peers import deepspeed as ds
     from hybrid.parallel.state import ParallelState
@@ -658,6 +659,17 @@ def test_a_frozen_module_s_export_reads_back(tmp_path, exclude):
         assert sorted(got) == sorted(want), (stage, sorted(got))
         for k, v in want.items():
             assert torch.equal(got[k], v), (stage, k)
+        back.close()
+    # as a bf16 run's (module.bfloat16()): the frozen layer and floating buffers in bf16
+    for stage in (2, 3):
+        out = str(tmp_path / f"bf16_{stage}")
+        ds.write(saved, out, 2, stage, dtype="bf16")
+        back = ds.open(out, names="module")
+        got = back.untrained()
+        assert sorted(got) == sorted(want), (stage, sorted(got))
+        for k, v in want.items():
+            bf16 = v.bfloat16() if v.is_floating_point() else v
+            assert got[k].dtype == bf16.dtype and torch.equal(got[k], bf16), (stage, k)
         back.close()
 
 
