@@ -1047,6 +1047,7 @@ def test_a_bf16_export_is_deepspeed_s_bf16_files_and_reads_back(tmp_path):
     from hybrid.checkpoint.peers import deepspeed as ds, deepspeed_bf16
     from hybrid.checkpoint.peers.deepspeed_files import load_file
     from hybrid.parallel.state import ParallelState
+    from tests.helpers.launch import run_script
     save = str(tmp_path / "hybrid")
     _trained_bf16(ParallelState.single(), save, 0)
     meta, params = iter_full_params(resolve_checkpoint(save))
@@ -1119,6 +1120,17 @@ def test_a_bf16_export_is_deepspeed_s_bf16_files_and_reads_back(tmp_path):
         got = back.read(n)
         assert all(torch.equal(got[k], v) for k, v in values.items()), n
 
+    # the script: --dtype, --ds-config (the same rules; an error is exit 2, one line)
+    r = run_script("convert_checkpoint", ["export", "--to", "deepspeed", save,
+                                          str(tmp_path / "cli"), "--dp-size", "2",
+                                          "--dtype", "fp32"])
+    assert r.returncode == 0 and "ZeRO 2 fp32 checkpoint for DP 2" in r.stdout, r.stderr
+    with open(tmp_path / "fp16.json", "w") as f:
+        json.dump({**_recorder().config(2), "fp16": {"enabled": True}}, f)
+    r = run_script("convert_checkpoint", ["export", "--to", "deepspeed", save,
+                                          str(tmp_path / "bad"), "--ds-config",
+                                          str(tmp_path / "fp16.json")])
+    assert r.returncode == 2 and "the ds_config given enables fp16" in r.stderr, r.stderr
     bad = str(tmp_path / "bad")
     with pytest.raises(CheckpointError, match=r"--dtype fp16: DeepSpeed's fp16 files hold a "
                                               r"dynamic loss scale"):
