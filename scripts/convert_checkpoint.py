@@ -6,13 +6,17 @@
     python scripts/convert_checkpoint.py export --to dcp CHECKPOINT_DIR_OR_SAVE_DIR OUT_DIR
     python scripts/convert_checkpoint.py export --to megatron CHECKPOINT_DIR_OR_SAVE_DIR OUT_DIR
     python scripts/convert_checkpoint.py export --to deepspeed CHECKPOINT_DIR_OR_SAVE_DIR OUT_DIR \
-        [--dp-size N] [--zero-stage {1,2,3}] [--tag TAG] [--param-groups matrices|one]
+        [--dp-size N] [--zero-stage {0,1,2,3}] [--tag TAG] [--param-groups matrices|one] \
+        [--dtype fp32|bf16] [--ds-config DS_CONFIG.json]
 
 ``export --to deepspeed`` writes DeepSpeed 0.19.8's ``OUT_DIR/global_stepN/`` (and
 ``latest``) for DeepSpeed's ``engine.load_checkpoint(OUT_DIR)`` at that DP size and ZeRO
 stage: masters, Adam moments, step, ``global_steps``/``global_samples`` and the
 ``hybrid.deepspeed`` engine's scheduler state; a ``pretrain_gpt.py`` GPT-2 as a
-transformers ``GPT2LMHeadModel`` (its ``config.json`` beside ``latest``).
+transformers ``GPT2LMHeadModel`` (its ``config.json`` beside ``latest``). ``--dtype bf16``
+writes a bf16 run's files (``bf16_zero_pp_rank_*``, the module's weights in bf16; the
+default for a checkpoint trained in bf16, or where ``--ds-config``, the DeepSpeed run's
+config recorded in the files, enables bf16).
 
 ``verify`` reads every file of the checkpoint (the newest one of a --save
 directory) and checks it against the checksums saved with it; it prints one
@@ -116,7 +120,7 @@ def export_megatron(argv) -> int:
 
 def export_deepspeed(argv) -> int:
     """``export --to deepspeed CKPT OUT [--dp-size N] [--zero-stage K] [--tag T]
-    [--param-groups G]``:
+    [--param-groups G] [--dtype D] [--ds-config F]``:
     DeepSpeed's ZeRO checkpoint (:func:`hybrid.checkpoint.peers.deepspeed.write`)."""
     from hybrid.checkpoint.peers.deepspeed import write
     ap = argparse.ArgumentParser(prog="convert_checkpoint.py export --to deepspeed",
@@ -127,22 +131,42 @@ def export_deepspeed(argv) -> int:
     ap.add_argument("out_dir", help="the peer's save directory (its load_checkpoint dir)")
     ap.add_argument("--dp-size", type=int, default=1,
                     help="the data-parallel size DeepSpeed will load it at")
-    ap.add_argument("--zero-stage", type=int, default=2, choices=[1, 2, 3],
-                    help="the ZeRO stage of its optimizer files")
+    ap.add_argument("--zero-stage", type=int, default=2, choices=[0, 1, 2, 3],
+                    help="the ZeRO stage of its optimizer files (0: none, the optimizer state in "
+                         "the model-state file)")
     ap.add_argument("--tag", default=None, help="the tag (default global_stepN)")
     ap.add_argument("--param-groups", default=None, choices=["matrices", "one"],
                     help="DeepSpeed's optimizer groups: 'matrices' (weight decay on the "
                          "matrices, none on biases and norms: hybrid's rule, Hugging Face's "
                          "Trainer's groups; the default for a pretrain_gpt.py checkpoint) or "
                          "'one' (model.parameters(); the default for a hybrid.deepspeed one)")
+    ap.add_argument("--dtype", default=None, choices=["fp32", "bf16"],
+                    help="the dtype DeepSpeed trains in: bf16 writes a bf16 run's files "
+                         "(default: --ds-config's, else the checkpoint's own)")
+    ap.add_argument("--ds-config", default=None,
+                    help="the DeepSpeed run's ds_config (JSON), recorded in the files; its "
+                         "bf16 block sets the dtype, and at ZeRO 1 in bf16 its "
+                         "data_types.grad_accum_dtype fp32 means BF16_Optimizer's files")
     a = ap.parse_args(argv)
     try:
+        ds_config = None
+        if a.ds_config is not None:
+            try:
+                with open(a.ds_config) as f:
+                    ds_config = json.load(f)
+            except (OSError, ValueError) as e:
+                raise CheckpointError(f"--ds-config {a.ds_config}: {e}") from None
+            if not isinstance(ds_config, dict):
+                raise CheckpointError(f"--ds-config {a.ds_config}: holds a "
+                                      f"{type(ds_config).__name__}, not a ds_config object")
         out = write(a.checkpoint, a.out_dir, a.dp_size, a.zero_stage, tag=a.tag,
-                    param_groups=a.param_groups)
+                    param_groups=a.param_groups, dtype=a.dtype, ds_config=ds_config)
     except CheckpointError as e:
         print(f"convert_checkpoint.py: error: {e}", file=sys.stderr)
         return 2
-    print(f"wrote {out}: a DeepSpeed ZeRO {a.zero_stage} checkpoint for DP {a.dp_size}")
+    dtype = "bf16" if any(n.startswith("bf16_") for n in os.listdir(out)) else "fp32"
+    print(f"wrote {out}: a DeepSpeed ZeRO {a.zero_stage} {dtype} checkpoint for DP "
+          f"{a.dp_size}")
     return 0
 
 

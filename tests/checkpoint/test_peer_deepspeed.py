@@ -13,7 +13,9 @@ Bad input is one CheckpointError naming the file, with nothing imported.
 The bf16 fixtures (``net_bf16_zero0..3``: DeepSpeed's bf16 without ZeRO, BF16_Optimizer,
 ZeRO 2 and 3) continue under hybrid's bf16 at DP 2 with DeepSpeed's losses bit for bit,
 at 1 rank within bf16's rounding of the gradients at another point; their masters and
-moments come over exactly (the tests at the end).
+moments come over exactly (the tests at the end). hybrid's own bf16 run goes back as
+DeepSpeed's bf16 files (ZeRO 1, BF16_Optimizer, ZeRO 2 and 3), which DeepSpeed continues
+bit for bit at DP 2 holding hybrid's masters and moments exactly (the last tests).
 
 Only the way back (:func:`test_deepspeed_continues_from_hybrid_s_export`) needs DeepSpeed.
 """
@@ -561,14 +563,15 @@ def _deepspeed_rank(rank: int, port: int, load_dir: str, stage: int, steps: int,
 @pytest.mark.peer("deepspeed")
 def test_deepspeed_continues_from_hybrid_s_export(tmp_path):
     """A hybrid.deepspeed script (its own two optimizer groups, out of the module's order)
-    trains 10 steps and saves; its checkpoint exported as DeepSpeed's (2 ranks, ZeRO 2 and
-    ZeRO 3) is loaded by DeepSpeed 0.19.8's own engine.load_checkpoint under the same
-    script's groups, whose next 5 losses equal hybrid's next 5 within 2e-6."""
+    trains 10 steps and saves; its checkpoint exported as DeepSpeed's (2 ranks, without
+    ZeRO -- the torch optimizer's state dict in the model-state file --, ZeRO 2 and ZeRO 3)
+    is loaded by DeepSpeed 0.19.8's own engine.load_checkpoint under the same script's
+    groups, whose next 5 losses equal hybrid's next 5 within 2e-6."""
     from hybrid.checkpoint.peers import deepspeed as ds
     from tests.helpers.launch import free_port
     rec, steps = _recorder(), 5
     saved, losses = _trained_with_groups(tmp_path, steps)
-    for stage in (2, 3):
+    for stage in (0, 2, 3):
         out = str(tmp_path / f"ds{stage}")
         ds.write(saved, out, 2, stage)
         got = str(tmp_path / f"losses{stage}.json")
@@ -607,7 +610,8 @@ def test_a_frozen_module_s_export_reads_back(tmp_path, exclude):
     by hybrid's DeepSpeed reader: the frozen layer (whole at ZeRO 2, from both ranks'
     fragments at ZeRO 3) and the buffers are the saved ones; saved with
     ``exclude_frozen_parameters``, the export leaves the frozen layer out as DeepSpeed's
-    own such save does (only the buffers go)."""
+    own such save does (only the buffers go). Exported as bf16, they are bf16 (as
+    DeepSpeed's bf16 module holds them)."""
     from hybrid import deepspeed as hds
     from hybrid.checkpoint.peers import deepspeed as ds
     from hybrid.parallel.state import ParallelState
@@ -636,6 +640,17 @@ def test_a_frozen_module_s_export_reads_back(tmp_path, exclude):
         assert sorted(got) == sorted(want), (stage, sorted(got))
         for k, v in want.items():
             assert torch.equal(got[k], v), (stage, k)
+        back.close()
+    # as a bf16 run's (module.bfloat16()): the frozen layer and floating buffers in bf16
+    for stage in (2, 3):
+        out = str(tmp_path / f"bf16_{stage}")
+        ds.write(saved, out, 2, stage, dtype="bf16")
+        back = ds.open(out, names="module")
+        got = back.untrained()
+        assert sorted(got) == sorted(want), (stage, sorted(got))
+        for k, v in want.items():
+            bf16 = v.bfloat16() if v.is_floating_point() else v
+            assert got[k].dtype == bf16.dtype and torch.equal(got[k], bf16), (stage, k)
         back.close()
 
 
@@ -940,3 +955,270 @@ def test_bad_bf16_deepspeed_checkpoints_are_one_error_naming_the_file(tmp_path):
     for n, values in want.items():
         got = ck.read(n)
         assert all(torch.equal(got[k], v) for k, v in values.items()), n
+
+
+# -- the bf16 way back -----------------------------------------------------------------------
+# hybrid trains the recorder's Net in bf16 (fp32 masters; gradients reduced in bf16, as
+# DeepSpeed's are by default) and its checkpoint is written as DeepSpeed's bf16 run saves.
+
+BF16_RUN = {"bf16": {"enabled": True}, "data_types": {"grad_accum_dtype": "bf16"}}
+# the DeepSpeed configs the bf16 exports are written for (and DeepSpeed loads them with):
+# ZeRO 1 with fp32 gradient accumulation builds BF16_Optimizer, ZeRO 1-3 otherwise the ZeRO
+# optimizers, no ZeRO FP16_UnfusedOptimizer
+BF16_EXPORTS = {"zero0": (0, {}), "zero1": (1, {}),
+                "bf16_optimizer": (1, {"data_types": {"grad_accum_dtype": "fp32"}}),
+                "zero2": (2, {}), "zero3": (3, {})}
+
+
+def _bf16_export_config(case: str) -> dict:
+    stage, extra = BF16_EXPORTS[case]
+    return {**_recorder().config(stage), "bf16": {"enabled": True}, **extra}
+
+
+def _trained_bf16(ps, save: str, steps: int) -> list[float]:
+    """The recorder's Net under hybrid.deepspeed in bf16 at ZeRO 2: 10 steps, a save into
+    ``save``, ``steps`` more; every step's global loss."""
+    from hybrid import deepspeed as hds
+    rec = _recorder()
+    torch.manual_seed(0)
+    net = rec.Net()
+    engine, *_ = hds.initialize(model=net, model_parameters=net.parameters(),
+                                config={**rec.config(2), **BF16_RUN}, mpu=ps)
+    per, rank, world = rec.GLOBAL_BATCH // ps.dp_size, ps.dp_rank, ps.dp_size
+    losses = []
+    for step in range(10 + steps):
+        if step == 10:
+            engine.save_checkpoint(save)
+        x, y = rec.batch(step)
+        rows = slice(rank * per, (rank + 1) * per)
+        loss = rec.bf16_loss(engine, x[rows], y[rows])
+        engine.backward(loss)
+        engine.step()
+        mean = loss.detach().clone().reshape(1)
+        if world > 1:
+            ps.world_group.all_reduce(mean)
+        losses.append(float(mean) / world)
+    if not steps:
+        engine.save_checkpoint(save)
+    engine.close()
+    return losses
+
+
+def _fixture_keys(name: str, file: str) -> list[str]:
+    """The keys DeepSpeed 0.19.8 wrote in a bf16 fixture's file (an optimizer file's
+    ``optimizer_state_dict``'s)."""
+    from hybrid.checkpoint.peers.deepspeed_files import load_file
+    got = load_file(os.path.join(FIXTURES, name, "global_step3", file))
+    return sorted(got.get("optimizer_state_dict", got))
+
+
+def test_a_bf16_export_is_deepspeed_s_bf16_files_and_reads_back(tmp_path):
+    """A checkpoint hybrid trained in bf16, exported (its own dtype: bf16 by default) for
+    DeepSpeed's bf16 configs without ZeRO (FP16_UnfusedOptimizer's state in the
+    model-state file), at ZeRO 1 (the ZeRO optimizer's files, and BF16_Optimizer's where
+    the ds_config accumulates gradients in fp32), 2 and 3: the files are named and keyed
+    as DeepSpeed's own bf16 saves (the fixtures), the module's weights are the masters'
+    bf16 rounding (ZeRO 3's placeholders bf16), and hybrid's DeepSpeed reader reads back
+    the same fp32 masters, moments and step. The same checkpoint with ``dtype="fp32"`` is
+    fp32's files (ZeRO 2, and stage 0: the torch optimizer's state dict). A dtype hybrid
+    does not write (fp16), one the given ds_config contradicts, or bf16 without ZeRO
+    under fp32 gradient accumulation (DeepSpeed does not start so) is one
+    CheckpointError, nothing written."""
+    from hybrid.checkpoint import resolve_checkpoint
+    from hybrid.checkpoint.peers import deepspeed as ds, deepspeed_bf16
+    from hybrid.checkpoint.peers.deepspeed_files import load_file
+    from hybrid.parallel.state import ParallelState
+    from tests.helpers.launch import run_script
+    save = str(tmp_path / "hybrid")
+    _trained_bf16(ParallelState.single(), save, 0)
+    meta, params = iter_full_params(resolve_checkpoint(save))
+    want = dict(params)
+    assert meta["config"]["bf16"] and meta["step"] == 10
+    like = {"zero0": ("net_bf16_zero0", None, None),
+            "zero1": ("net_zero2", "zero_pp_rank_0", "zero_stage 1"),  # (fp32's: same keys)
+            "bf16_optimizer": ("net_bf16_zero1", "bf16_zero_pp_rank_0", "BF16_Optimizer"),
+            "zero2": ("net_bf16_zero2", "bf16_zero_pp_rank_0", "zero_stage 2"),
+            "zero3": ("net_bf16_zero3", "bf16_zero_pp_rank_0", "zero_stage 3")}
+    for case, dp in (("zero0", 2), ("zero1", 2), ("bf16_optimizer", 3), ("zero2", 2),
+                     ("zero3", 2)):
+        stage = BF16_EXPORTS[case][0]
+        config = _bf16_export_config(case) if case == "bf16_optimizer" else None
+        out = str(tmp_path / case)
+        tag = ds.write(save, out, dp, stage, ds_config=config)
+        models = (["mp_rank_00_model_states.pt"] if stage < 3 else
+                  [f"zero_pp_rank_{r}_mp_rank_00_model_states.pt" for r in range(dp)])
+        assert sorted(os.listdir(tag)) == sorted(
+            [f"bf16_zero_pp_rank_{r}_mp_rank_00_optim_states.pt" for r in range(dp)
+             if stage] + models)
+        fixture, first, kind = like[case]
+        for r in range(dp if stage else 0):
+            osd = load_file(os.path.join(tag, f"bf16_zero_pp_rank_{r}_mp_rank_00_optim_"
+                                              f"states.pt"))["optimizer_state_dict"]
+            assert deepspeed_bf16.optim_kind(osd) == kind, (case, r)
+            assert sorted(osd) == _fixture_keys(fixture, f"{first}_mp_rank_00_optim_states.pt")
+            if case == "bf16_optimizer":  # (the partition whole; the padding on the last)
+                total, part = 122, -(-122 // (2 * dp)) * 2
+                assert [t.numel() for t in osd["single_partition_of_fp32_groups"]] == [part]
+                assert osd["group_paddings"] == [dp * part - total if r == dp - 1 else 0]
+        fixture_model = "mp_rank_00_model_states.pt" if stage < 3 else models[0]
+        for m in models:
+            ms = load_file(os.path.join(tag, m))
+            assert sorted(ms) == _fixture_keys(fixture if stage != 1 else "net_bf16_zero1",
+                                               fixture_model)
+            if not stage:  # (FP16_UnfusedOptimizer's: the masters in the module's order)
+                theirs = load_file(os.path.join(FIXTURES, fixture, "global_step3",
+                                                fixture_model))["optimizer"]
+                assert sorted(ms["optimizer"]) == sorted(theirs)
+                assert list(ms["module"]) == ["fc1.weight", "fc1.bias", "fc2.weight",
+                                              "fc2.bias"]
+                assert all(torch.equal(t, want[n]["master"]) for n, t in
+                           zip(ms["module"], ms["optimizer"]["fp32_groups"][0]))
+            assert deepspeed_bf16.bf16_enabled(ms["ds_config"]) is True
+            for n, w in ms["module"].items():
+                assert w.dtype == torch.bfloat16, (case, n)
+                assert (w.numel() == 0 if stage == 3 else
+                        torch.equal(w, want[n]["master"].bfloat16())), (case, n)
+        back = ds.open(out)
+        assert (back.stage, back.world, back.step, back.iteration) == (stage, dp, 10, 10)
+        for n, values in want.items():
+            got = back.read(n)
+            assert all(torch.equal(got[k], v) for k, v in values.items()), (case, n)
+        back.close()
+
+    tag = ds.write(save, str(tmp_path / "fp32"), 2, 2, dtype="fp32")
+    assert sorted(os.listdir(tag)) == ["mp_rank_00_model_states.pt",
+                                       "zero_pp_rank_0_mp_rank_00_optim_states.pt",
+                                       "zero_pp_rank_1_mp_rank_00_optim_states.pt"]
+    module = load_file(os.path.join(tag, "mp_rank_00_model_states.pt"))["module"]
+    assert all(torch.equal(w, want[n]["master"]) for n, w in module.items())
+    tag = ds.write(save, str(tmp_path / "fp32_0"), 2, 0, dtype="fp32")
+    assert os.listdir(tag) == ["mp_rank_00_model_states.pt"]
+    ms = load_file(os.path.join(tag, "mp_rank_00_model_states.pt"))
+    assert sorted(ms["optimizer"]) == ["param_groups", "state"]
+    assert all(torch.equal(w, want[n]["master"]) for n, w in ms["module"].items())
+    back = ds.open(tag)
+    for n, values in want.items():
+        got = back.read(n)
+        assert all(torch.equal(got[k], v) for k, v in values.items()), n
+
+    # the script: --dtype, --ds-config (the same rules; an error is exit 2, one line)
+    r = run_script("convert_checkpoint", ["export", "--to", "deepspeed", save,
+                                          str(tmp_path / "cli"), "--dp-size", "2",
+                                          "--dtype", "fp32"])
+    assert r.returncode == 0 and "ZeRO 2 fp32 checkpoint for DP 2" in r.stdout, r.stderr
+    with open(tmp_path / "fp16.json", "w") as f:
+        json.dump({**_recorder().config(2), "fp16": {"enabled": True}}, f)
+    r = run_script("convert_checkpoint", ["export", "--to", "deepspeed", save,
+                                          str(tmp_path / "bad"), "--ds-config",
+                                          str(tmp_path / "fp16.json")])
+    assert r.returncode == 2 and "the ds_config given enables fp16" in r.stderr, r.stderr
+    bad = str(tmp_path / "bad")
+    with pytest.raises(CheckpointError, match=r"--dtype fp16: DeepSpeed's fp16 files hold a "
+                                              r"dynamic loss scale"):
+        ds.write(save, bad, 2, 2, dtype="fp16")
+    with pytest.raises(CheckpointError, match=r"--dtype bf16, but the ds_config given "
+                                              r"trains in fp32"):
+        ds.write(save, bad, 2, 2, dtype="bf16", ds_config=_recorder().config(2))
+    with pytest.raises(CheckpointError, match=r"the ds_config given enables fp16"):
+        ds.write(save, bad, 2, 2, ds_config={**_recorder().config(2),
+                                             "fp16": {"enabled": True}})
+    with pytest.raises(CheckpointError, match=r"bf16 without ZeRO \(--zero-stage 0\) under "
+                                              r"a ds_config with data_types.grad_accum_dtype "
+                                              r"fp32: DeepSpeed 0.19.8 does not train so"):
+        ds.write(save, bad, 2, 0, ds_config={**_bf16_export_config("bf16_optimizer"),
+                                             "zero_optimization": {"stage": 0}})
+    assert not os.path.exists(bad)
+
+
+def _deepspeed_bf16_rank(rank: int, port: int, cases: list, steps: int, out: str):
+    """One DeepSpeed rank: for each ``(load_dir, ds_config)``, a fresh Net (another seed)
+    under DeepSpeed's bf16, ``load_checkpoint``, the fp32 masters and moments DeepSpeed
+    holds (its safe_get_full_* API), then ``steps`` of the recorder's batches; rank 0
+    saves every case's results into ``out``."""
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2",
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), DS_ACCELERATOR="cpu")
+    import deepspeed
+    from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
+    deepspeed.init_distributed(dist_backend="gloo")
+    rec, results = _recorder(), []
+    for load_dir, config in cases:
+        torch.manual_seed(77)  # another start: the load must replace it
+        net = rec.Net()
+        engine, *_ = deepspeed.initialize(model=net, model_parameters=net.parameters(),
+                                          config=config)
+        path, _ = engine.load_checkpoint(load_dir)
+        assert path is not None
+        link = getattr(engine.optimizer, "_lazy_init_hp_params_optimizer_state", None)
+        if link is not None:  # (ZeRO 1-2 link the moments to the parameters at a step)
+            link()
+        if config["zero_optimization"]["stage"]:
+            held = {n: {"master": safe_get_full_fp32_param(p).clone(),
+                        **{k: safe_get_full_optimizer_state(p, k).clone()
+                           for k in ("exp_avg", "exp_avg_sq")}}
+                    for n, p in net.named_parameters()}
+        else:  # FP16_UnfusedOptimizer: a master per parameter, in the optimizer's order
+            masters = [t for g in engine.optimizer.fp32_groups for t in g]
+            state = engine.optimizer.optimizer.state
+            held = {n: {"master": m.clone(), **{k: state[m][k].clone()
+                                                 for k in ("exp_avg", "exp_avg_sq")}}
+                    for (n, _), m in zip(net.named_parameters(), masters)}
+        start, per, losses = engine.global_steps, rec.GLOBAL_BATCH // 2, []
+        for step in range(start, start + steps):
+            x, y = rec.batch(step)
+            rows = slice(rank * per, (rank + 1) * per)
+            losses.append(rec.step_mean(engine, rec.bf16_loss(engine, x[rows], y[rows]), 2))
+        results.append({"start": start, "losses": losses, "held": held,
+                        "samples": engine.global_samples,
+                        "optimizer": type(engine.optimizer).__name__})
+    if rank == 0:
+        torch.save(results, out)
+    rec.end_rank()
+
+
+@pytest.mark.peer("deepspeed")
+def test_deepspeed_continues_hybrid_s_bf16_export(tmp_path):
+    """hybrid.deepspeed trains Net in bf16 at DP 2 (ZeRO 2, gradients reduced in bf16)
+    for 10 steps, saves, and trains 5 more; the checkpoint exported as DeepSpeed's bf16
+    run's at DP 2 -- without ZeRO (FP16_UnfusedOptimizer's), ZeRO 1 (the ZeRO optimizer's
+    files; BF16_Optimizer's through ``convert_checkpoint.py export --to deepspeed
+    --ds-config``), 2 and 3 -- is loaded by
+    DeepSpeed 0.19.8's own engine.load_checkpoint under that bf16 config: the fp32 masters
+    and moments it then holds are hybrid's exactly, and its next 5 losses are hybrid's bit
+    for bit (DP 2 rounds the bf16 gradients where hybrid's run did)."""
+    from hybrid.checkpoint import resolve_checkpoint
+    from hybrid.checkpoint.peers import deepspeed as ds
+    from tests.helpers.harness import run_ranks
+    from tests.helpers.launch import free_port, run_script
+    rec, steps, save = _recorder(), 5, str(tmp_path / "hybrid")
+    losses = run_ranks(_trained_bf16, world_size=2, args=(save, steps))[0]
+    _, params = iter_full_params(resolve_checkpoint(save))
+    want = dict(params)
+    cases = []
+    for case in BF16_EXPORTS:
+        out, config = str(tmp_path / case), _bf16_export_config(case)
+        if case == "bf16_optimizer":
+            path = str(tmp_path / "ds_config.json")
+            with open(path, "w") as f:
+                json.dump(config, f)
+            r = run_script("convert_checkpoint", ["export", "--to", "deepspeed", save, out,
+                                                  "--dp-size", "2", "--zero-stage", "1",
+                                                  "--ds-config", path])
+            assert r.returncode == 0 and "ZeRO 1 bf16 checkpoint" in r.stdout, r.stderr
+        else:  # (the checkpoint's own dtype: bf16)
+            ds.write(save, out, 2, BF16_EXPORTS[case][0])
+        cases.append((out, config))
+    got = str(tmp_path / "theirs.pt")
+    torch.multiprocessing.spawn(_deepspeed_bf16_rank, nprocs=2,
+                                args=(free_port(), cases, steps, got))
+    theirs = torch.load(got, weights_only=True)
+    kinds = {"zero0": "FP16_UnfusedOptimizer", "zero1": "DeepSpeedZeroOptimizer",
+             "bf16_optimizer": "BF16_Optimizer", "zero2": "DeepSpeedZeroOptimizer",
+             "zero3": "DeepSpeedZeroOptimizer_Stage3"}
+    for case, result in zip(BF16_EXPORTS, theirs):
+        assert result["optimizer"] == kinds[case], (case, result["optimizer"])
+        assert result["start"] == 10 and result["samples"] == (10 + steps) * rec.GLOBAL_BATCH
+        assert sorted(result["held"]) == sorted(want)
+        for n, values in want.items():
+            for k, v in values.items():
+                assert torch.equal(result["held"][n][k].float(), v), (case, n, k)
+        assert result["losses"] == losses[10:], (case, result["losses"], losses[10:])

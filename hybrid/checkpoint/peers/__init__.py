@@ -15,7 +15,7 @@
                      the fp32 masters without ZeRO
 * :mod:`.deepspeed_names` a DeepSpeed checkpoint's names -> hybrid's (GPT-2, Llama, Qwen2
                      through the Hugging Face import's tables)
-* :mod:`.deepspeed_export` the way back: a hybrid checkpoint as DeepSpeed's ZeRO 1-3 files
+* :mod:`.deepspeed_export` the way back: a hybrid checkpoint as DeepSpeed's ZeRO 0-3 files, bf16 too
 * :mod:`.megatron`   Megatron-LM ``torch_dist`` (and the legacy ``torch`` format): detect,
                      open, write back
 * :mod:`.megatron_dist` Megatron-LM's ``torch_dist`` iterations read

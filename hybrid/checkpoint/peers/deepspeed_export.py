@@ -2,16 +2,33 @@
 DeepSpeed's own ``engine.load_checkpoint`` loads and continues from.
 
 The files are those DeepSpeed writes (:mod:`hybrid.checkpoint.peers.deepspeed_files`' Note),
-for a DP size and a ZeRO stage (1, 2 or 3) of the caller's choosing: the fp32 masters,
+for a DP size and a ZeRO stage (0, 1, 2 or 3) of the caller's choosing: the fp32 masters,
 both Adam moments and the step count in each rank's flat partition (with DeepSpeed's
-padding), the engine's ``global_steps`` and ``global_samples``, and the scheduler's
-state where hybrid's engine saved one (the ``hybrid.deepspeed`` door's schedulers have
-DeepSpeed's state dicts). DeepSpeed's own classes in the pickles (the ZeRO stage enum,
-the loss scaler, the fragment addresses) are written under DeepSpeed's names by a
-pickler that does not import DeepSpeed, so the export runs where DeepSpeed is not
-installed.
+padding; without ZeRO, stage 0, the torch optimizer's state dict in the model-state
+file, whose module holds the masters), the engine's ``global_steps`` and
+``global_samples``, and the scheduler's state where hybrid's engine saved one (the
+``hybrid.deepspeed`` door's schedulers have DeepSpeed's state dicts). DeepSpeed's own
+classes in the pickles (the ZeRO stage enum, the loss scaler, the fragment addresses)
+are written under DeepSpeed's names by a pickler that does not import DeepSpeed, so the
+export runs where DeepSpeed is not installed.
 
-The checkpoint is read once whatever the DP size (twice at stages 1-2: the module too),
+[Note: the bf16 export]
+With ``dtype="bf16"`` the files are those of DeepSpeed's bf16 run (``bf16.enabled`` in
+the ds_config; :mod:`.deepspeed_bf16`' Note): the optimizer files named
+``bf16_zero_pp_rank_R_mp_rank_00_optim_states.pt``, the module's weights in the
+model-state file the bf16 rounding of the fp32 masters (ZeRO 3's placeholders, the
+frozen parameters and floating buffers bf16 too, as ``module.bfloat16()`` leaves them),
+and the fp32 masters and moments in the optimizer files as fp32's are. At ZeRO 1 a
+ds_config with ``data_types.grad_accum_dtype`` fp32 (and no optimizer offload) makes
+DeepSpeed build its BF16_Optimizer, whose files differ (no ``zero_stage``, no loss
+scaler, the rank's partition saved with its end padding, the padding recorded on the
+last rank only): written so; otherwise ZeRO 1's optimizer's. Without ZeRO (stage 0)
+DeepSpeed builds its FP16_UnfusedOptimizer in bf16 (gradients accumulated in bf16; in fp32
+it refuses to start): the model-state file's ``optimizer`` holds ``fp32_groups`` (the
+masters, per parameter), the torch optimizer's state dict and a static loss scale of 1.
+
+The checkpoint is read once whatever the DP size (twice at stages 1-2: the module too;
+once without ZeRO, whose one file holds both),
 and memory holds one parameter at a time: the ranks' partitions and the module's weights
 are mapped files (:func:`_scatter_partitions`, :class:`~.spill.Spill`).
 """
@@ -30,6 +47,7 @@ from typing import Any
 import torch
 
 from hybrid.checkpoint import iter_full_params, module_state, resolve_checkpoint
+from hybrid.checkpoint.peers.deepspeed_bf16 import bf16_enabled
 from hybrid.checkpoint.peers.deepspeed_files import (
     LATEST,
     STANDINS,
@@ -88,7 +106,8 @@ def _align(n: int, to: int) -> int:
 
 def write(checkpoint: str, out_dir: str, dp_size: int = 1, zero_stage: int = 2, *,
           names: dict[str, str] | None = None, convert=None, ds_config: dict | None = None,
-          tag: str | None = None, param_groups: str | None = None) -> str:
+          tag: str | None = None, param_groups: str | None = None,
+          dtype: str | None = None) -> str:
     """Write hybrid checkpoint ``checkpoint`` (an ``iter_N`` or a save directory: its
     newest) as DeepSpeed ZeRO ``zero_stage`` checkpoint of ``dp_size`` ranks into
     ``out_dir/<tag>`` (default ``global_stepN``), and ``out_dir/latest`` naming it;
@@ -108,10 +127,13 @@ def write(checkpoint: str, out_dir: str, dp_size: int = 1, zero_stage: int = 2, 
     engine's checkpoint of one group). ``convert(hybrid_name, tensor)``: the tensor in
     DeepSpeed's layout.
     ``ds_config``: recorded in the files (DeepSpeed does not read it back).
-    CheckpointError for an existing tag, a checkpoint without optimizer state, or a stage
-    hybrid does not write."""
-    if zero_stage not in (1, 2, 3):
-        raise CheckpointError(f"--zero-stage {zero_stage}: hybrid writes DeepSpeed ZeRO 1-3 "
+    ``dtype``: the training dtype DeepSpeed continues in, "fp32" or "bf16" (the Note on
+    the bf16 export); default: the ds_config's (its ``bf16.enabled``) where one is
+    given, else the checkpoint's own (bf16 for a ``--bf16`` / ``bf16.enabled`` run).
+    CheckpointError for an existing tag, a checkpoint without optimizer state, a stage
+    hybrid does not write, or a dtype it does not (:func:`_export_dtype`)."""
+    if zero_stage not in (0, 1, 2, 3):
+        raise CheckpointError(f"--zero-stage {zero_stage}: hybrid writes DeepSpeed ZeRO 0-3 "
                               f"checkpoints")
     if dp_size < 1:
         raise CheckpointError(f"--dp {dp_size}: at least 1")
@@ -122,6 +144,7 @@ def write(checkpoint: str, out_dir: str, dp_size: int = 1, zero_stage: int = 2, 
     if meta.get("zero_layout", {}).get("columns") == ["master"]:
         raise CheckpointError(f"{ckpt}: saved without optimizer state (--no-save-optim): "
                               f"a DeepSpeed checkpoint to continue from needs its moments")
+    bf16 = _export_dtype(ckpt, meta, dtype, ds_config, zero_stage) == "bf16"
     hf_config, shared = None, {}
     if names is None and "blocks.0.attn.qkv.weight" in shapes:  # hybrid's GPT: as GPT-2
         names, convert, hf_config = _gpt2_export(ckpt, meta)
@@ -146,7 +169,33 @@ def write(checkpoint: str, out_dir: str, dp_size: int = 1, zero_stage: int = 2, 
         "global_steps": int(api.get("global_steps", iteration)),
         "global_samples": int(api.get("global_samples", meta["consumed_samples"])),
         "lr_scheduler": schedule, "step": int(meta.get("step") or 0)}
-    config = ds_config or {"zero_optimization": {"stage": zero_stage}}
+    config = ds_config or {"zero_optimization": {"stage": zero_stage},
+                           **({"bf16": {"enabled": True}} if bf16 else {})}
+    if bf16:  # (as module.bfloat16() leaves them)
+        frozen, buffers = ({n: t.to(torch.bfloat16) if t.is_floating_point() else t
+                            for n, t in d.items()} for d in (frozen, buffers))
+    if zero_stage:
+        _write_zero(tmp, ckpt, zero_stage, groups, settings, names, convert, dp_size,
+                    int(record["step"]), config, bf16)
+    _write_model_states(tmp, ckpt, groups, names, convert, shared, record, dp_size,
+                        zero_stage, config, frozen, buffers, bf16, settings)
+    os.replace(tmp, final)
+    if hf_config is not None:  # beside latest, where Hugging Face's Trainer keeps it
+        with open(os.path.join(out_dir, "config.json"), "w") as f:
+            json.dump(hf_config, f, indent=1)
+    with open(os.path.join(out_dir, f".{LATEST}.tmp"), "w") as f:
+        f.write(tag)
+    os.replace(os.path.join(out_dir, f".{LATEST}.tmp"), os.path.join(out_dir, LATEST))
+    return final
+
+
+def _write_zero(tmp: str, ckpt: str, zero_stage: int, groups: list[OrderedDict],
+                settings: list[dict], names: dict, convert, dp_size: int, step: int,
+                config: dict, bf16: bool) -> None:
+    """ZeRO 1-3's optimizer files into ``tmp``: each DP rank's flat partitions."""
+    kind = ("BF16_Optimizer" if bf16 and zero_stage == 1 and _bf16_optimizer(config)
+            else "ZeRO")
+    prefix = "bf16_" if bf16 else ""
     totals = [sum(math.prod(s) for s in g.values()) for g in groups]
     if zero_stage in (1, 2):
         parts = [_align(t, 2 * dp_size) // dp_size for t in totals]
@@ -159,26 +208,62 @@ def write(checkpoint: str, out_dir: str, dp_size: int = 1, zero_stage: int = 2, 
         flats = _scatter_partitions(ckpt, spill, dp_size, parts, names, convert, layout)
         for rank, flat in enumerate(flats):
             osd = _optimizer_state(flat, rank, dp_size, zero_stage, parts, totals, groups,
-                                   layout, settings, int(record["step"]), config)
+                                   layout, settings, step, config, kind)
             _save({"optimizer_state_dict": osd, "ds_config": config, "ds_version": VERSION},
-                  os.path.join(tmp, f"zero_pp_rank_{rank}_mp_rank_00_optim_states.pt"))
+                  os.path.join(tmp, f"{prefix}zero_pp_rank_{rank}_mp_rank_00_optim_"
+                                    f"states.pt"))
             del osd
         del flats
     finally:
         spill.close()
-    _write_model_states(tmp, ckpt, groups, names, convert, shared, record, dp_size,
-                        zero_stage, config, frozen, buffers)
-    os.replace(tmp, final)
-    if hf_config is not None:  # beside latest, where Hugging Face's Trainer keeps it
-        with open(os.path.join(out_dir, "config.json"), "w") as f:
-            json.dump(hf_config, f, indent=1)
-    with open(os.path.join(out_dir, f".{LATEST}.tmp"), "w") as f:
-        f.write(tag)
-    os.replace(os.path.join(out_dir, f".{LATEST}.tmp"), os.path.join(out_dir, LATEST))
-    return final
 
 
 _COLUMNS = ("master", "exp_avg", "exp_avg_sq")
+
+
+def _export_dtype(ckpt: str, meta: dict, dtype: str | None, ds_config: dict | None,
+                  zero_stage: int) -> str:
+    """"fp32" or "bf16": ``dtype``, else the ds_config's, else the checkpoint's training
+    dtype. fp16 (DeepSpeed's fp16 files carry a dynamic loss scale, which hybrid does not
+    write), another name, a dtype the given ds_config contradicts (the files would not
+    be what DeepSpeed saves under it), or bf16 without ZeRO under a ds_config that
+    accumulates gradients in fp32 (DeepSpeed 0.19.8 does not start so): one
+    CheckpointError."""
+    cfg = meta.get("config") or {}
+    said = None
+    if ds_config is not None:
+        fp16 = ds_config.get("fp16")
+        if isinstance(fp16, dict) and str(fp16.get("enabled")).lower() == "true":
+            said = "fp16"
+        else:
+            said = "bf16" if bf16_enabled(ds_config) else "fp32"
+    want = dtype or said or ("bf16" if cfg.get("bf16") else "fp32")
+    if want not in ("fp32", "bf16"):
+        asked = f"--dtype {want}" if dtype else "the ds_config given enables fp16"
+        why = (": DeepSpeed's fp16 files hold a dynamic loss scale, which hybrid does not "
+               "write; export as bf16 or fp32 (the fp32 masters and moments come over "
+               "either way)" if want == "fp16" else ": fp32 or bf16")
+        raise CheckpointError(f"{ckpt}: {asked}{why}")
+    if said is not None and said != want:
+        raise CheckpointError(f"{ckpt}: --dtype {want}, but the ds_config given trains in "
+                              f"{said}: DeepSpeed under that config saves (and loads) "
+                              f"{said} files; give one that enables {want}")
+    accum = ((ds_config or {}).get("data_types") or {}).get("grad_accum_dtype")
+    if want == "bf16" and zero_stage == 0 and accum in ("fp32", "float32"):
+        raise CheckpointError(f"{ckpt}: bf16 without ZeRO (--zero-stage 0) under a ds_config "
+                              f"with data_types.grad_accum_dtype {accum}: DeepSpeed 0.19.8 "
+                              f"does not train so (bf16 weights with fp32 gradient "
+                              f"accumulation need ZeRO); use ZeRO 1 (its BF16_Optimizer) "
+                              f"or grad_accum_dtype bf16")
+    return want
+
+
+def _bf16_optimizer(config: dict) -> bool:
+    """Whether DeepSpeed 0.19.8 builds its BF16_Optimizer at ZeRO 1 in bf16 under
+    ``config``: gradients accumulated in fp32, no optimizer offload to the CPU."""
+    accum = (config.get("data_types") or {}).get("grad_accum_dtype")
+    offload = ((config.get("zero_optimization") or {}).get("offload_optimizer") or {})
+    return accum in ("fp32", "float32") and offload.get("device") not in ("cpu",)
 
 
 def _trained_frozen_buffers(ckpt: str, meta: dict) -> tuple[dict, dict, dict]:
@@ -223,10 +308,10 @@ def _scatter_partitions(ckpt: str, spill: Spill, dp_size: int, parts: list[int],
 def _frozen_fragments(frozen: dict[str, torch.Tensor], rank: int, dp_size: int,
                       zero_stage: int) -> OrderedDict | None:
     """DeepSpeed's ``frozen_param_fragments`` of one rank's model-state file: none at
-    stage 1 (DeepSpeed records frozen parameters from stage 2 on; the module holds
+    stages 0-1 (DeepSpeed records frozen parameters from stage 2 on; the module holds
     them), each whole at stage 2, at stage 3 the rank's partition of each (its share of
     ``ceil(numel / dp)`` elements, zero-padded past the end) as ZeRO 3 splits it."""
-    if zero_stage == 1:
+    if zero_stage < 2:
         return None
     out = OrderedDict()
     for name, t in frozen.items():
@@ -244,22 +329,26 @@ def _frozen_fragments(frozen: dict[str, torch.Tensor], rank: int, dp_size: int,
 def _write_model_states(tmp: str, ckpt: str, groups: list[OrderedDict], names: dict,
                         convert, shared: dict, record: dict, dp_size: int, zero_stage: int,
                         config: dict, frozen: dict[str, torch.Tensor],
-                        buffers: dict[str, torch.Tensor]) -> None:
+                        buffers: dict[str, torch.Tensor], bf16: bool,
+                        settings: list[dict]) -> None:
     """The model-state file(s) into ``tmp``: DeepSpeed's engine record (``record``'s
     counters and schedule, ``param_shapes``, ``shared_params``) with the module -- at
     stage 3 one file per rank, the parameters as empty placeholders; else one file, the
-    module's weights the masters (fp32 training), read one parameter at a time. A
+    module's weights the masters (fp32 training) or their bf16 rounding (``bf16``),
+    read one parameter at a time; at stage 0 with the optimizer's state too
+    (:func:`_stage0_optimizer`). A
     module's ``frozen`` parameters and ``buffers`` (whole) go where DeepSpeed keeps
     them: the buffers in the module (``buffer_names``), the frozen parameters in the
-    module at stages 1-2 and as ``frozen_param_shapes`` / ``frozen_param_fragments``
+    module at stages 0-2 and as ``frozen_param_shapes`` / ``frozen_param_fragments``
     from stage 2 on (:func:`_frozen_fragments`)."""
     ds_shapes = {n: s for g in groups for n, s in g.items()}
+    dtype = torch.bfloat16 if bf16 else torch.float32
     model_state = {"buffer_names": list(buffers), "optimizer": None,
-                   "param_shapes": [OrderedDict((n, torch.Size(s)) for n, s in g.items())
-                                    for g in groups],
-                   "frozen_param_shapes": (None if zero_stage == 1 else OrderedDict(
+                   "param_shapes": None if not zero_stage else [
+                       OrderedDict((n, torch.Size(s)) for n, s in g.items()) for g in groups],
+                   "frozen_param_shapes": (None if zero_stage < 2 else OrderedDict(
                        (n, t.shape) for n, t in frozen.items())),
-                   "shared_params": dict(shared),
+                   "shared_params": dict(shared) if zero_stage else None,
                    "lr_scheduler": record["lr_scheduler"], "data_sampler": None,
                    "random_ltd": None, "skipped_steps": 0,
                    "global_steps": record["global_steps"],
@@ -269,21 +358,30 @@ def _write_model_states(tmp: str, ckpt: str, groups: list[OrderedDict], names: d
                    "ds_config": config, "ds_version": VERSION}
     if zero_stage == 3:  # every rank's file, the module's parameters as empty placeholders
         for rank in range(dp_size):
-            module = OrderedDict((n, torch.empty(0)) for n in [*ds_shapes, *frozen])
+            module = OrderedDict((n, torch.empty(0, dtype=dtype))
+                                 for n in [*ds_shapes, *frozen])
             for alias, of in shared.items():
                 module[alias] = module[of]
             module.update(buffers)
             _save({"module": module, **model_state, "frozen_param_fragments":
                    _frozen_fragments(frozen, rank, dp_size, zero_stage)},
                   os.path.join(tmp, f"zero_pp_rank_{rank}_mp_rank_00_model_states.pt"))
-    else:  # the whole module, its weights the masters (fp32 training), in mapped files
+    else:  # the whole module, its weights the masters' (in dtype), in mapped files
         spill = Spill(os.path.join(tmp, ".module"))
         try:
-            _, params = iter_full_params(ckpt, ("master",))
-            module = OrderedDict()
+            _, params = iter_full_params(ckpt, ("master",) if zero_stage else _COLUMNS)
+            module, state = OrderedDict(), {}
             for name, values in params:
-                v = values["master"]
-                module[names[name]] = spill.keep(convert(name, v) if convert is not None else v)
+                v = {k: convert(name, t) if convert is not None else t
+                     for k, t in values.items()}
+                module[names[name]] = spill.keep(v["master"].to(dtype))
+                if not zero_stage:  # (fp32: the module's weights are the masters)
+                    state[names[name]] = {k: spill.keep(t) for k, t in v.items()
+                                          if bf16 or k != "master"}
+            if not zero_stage:  # (the module's order, which a save without ZeRO keeps)
+                model_state["optimizer"] = _stage0_optimizer(state, groups, settings,
+                                                             record, bf16)
+                module = OrderedDict((d, module[d]) for d in names.values() if d in module)
             for alias, of in shared.items():  # (the module's state dict names both)
                 module[alias] = module[of]
             module.update(frozen)
@@ -295,15 +393,37 @@ def _write_model_states(tmp: str, ckpt: str, groups: list[OrderedDict], names: d
             spill.close()
 
 
+def _stage0_optimizer(state: dict[str, dict[str, torch.Tensor]], groups: list[OrderedDict],
+                      settings: list[dict], record: dict, bf16: bool) -> dict:
+    """The model-state file's ``optimizer`` without ZeRO (``state``: each parameter's
+    moments, and its fp32 master in bf16, by DeepSpeed name): torch AdamW's state dict,
+    its parameters numbered in the groups' order; in bf16 wrapped as DeepSpeed's
+    FP16_UnfusedOptimizer saves it (:mod:`.deepspeed_bf16`' Note), the masters in
+    ``fp32_groups`` and a static loss scale of 1."""
+    order = [n for g in groups for n in g]
+    step = torch.tensor(float(record["step"]))
+    first = [sum(len(g) for g in groups[:i]) for i in range(len(groups))]
+    base = {"state": {i: {"step": step.clone(), "exp_avg": state[n]["exp_avg"],
+                          "exp_avg_sq": state[n]["exp_avg_sq"]} for i, n in enumerate(order)},
+            "param_groups": [{**s, "params": list(range(at, at + len(g)))}
+                             for g, s, at in zip(groups, settings, first)]}
+    if not bf16:
+        return base
+    return {"dynamic_loss_scale": False, "cur_scale": 1.0, "cur_iter": record["global_steps"],
+            "optimizer_state_dict": base,
+            "fp32_groups": [[state[n]["master"] for n in g] for g in groups]}
+
+
 def _optimizer_state(flat: list[dict[str, torch.Tensor]], rank: int, dp_size: int,
                      zero_stage: int, parts: list[int], totals: list[int],
                      groups: list[OrderedDict], layout, settings: list[dict], step: int,
-                     config: dict) -> dict:
+                     config: dict, kind: str = "ZeRO") -> dict:
     """DP rank ``rank``'s ``optimizer_state_dict`` as DeepSpeed's ZeRO ``zero_stage``
     optimizer saves it: per group ``g``, ``flat[g]``'s partition of ``parts[g]`` elements
     (master and both moments; ``totals[g]`` the group's elements), with the fragment
     addresses (stages 1-2) that DeepSpeed's loader checks; ``settings[g]`` the group's
-    torch AdamW settings."""
+    torch AdamW settings. ``kind`` "BF16_Optimizer": that optimizer's state at ZeRO 1
+    (the Note on the bf16 export)."""
     state = {g: {"step": torch.tensor(float(step)), "exp_avg": f["exp_avg"],
                  "exp_avg_sq": f["exp_avg_sq"]} for g, f in enumerate(flat)}
     base = {"state": state,
@@ -318,9 +438,17 @@ def _optimizer_state(flat: list[dict[str, torch.Tensor]], rank: int, dp_size: in
     mappings = [OrderedDict((n, _record(FragmentAddress, numel=p.numel, start=p.offset))
                             for n in shapes for p in layout.pieces[n] if p.rank == rank)
                 for shapes in groups]
+    clip = float(config.get("gradient_clipping", 0.0))
+    if kind == "BF16_Optimizer":  # (the whole partition; the padding on the last rank)
+        last = rank == dp_size - 1
+        return {"clip_grad": clip, "base_optimizer_state": base,
+                "single_partition_of_fp32_groups": [f["master"] for f in flat],
+                "group_paddings": [dp_size * part - total if last else 0
+                                   for part, total in zip(parts, totals)],
+                "partition_count": [dp_size] * len(groups), "ds_version": VERSION,
+                "param_slice_mappings": mappings}
     return {"loss_scaler": scaler, "dynamic_loss_scale": False, "overflow": False,
-            "clip_grad": float(config.get("gradient_clipping", 0.0)),
-            "base_optimizer_state": base,
+            "clip_grad": clip, "base_optimizer_state": base,
             "single_partition_of_fp32_groups": [f["master"][:part - pad].clone()
                                                 for f, part, pad in zip(flat, parts, pads)],
             "zero_stage": ZeroStage(zero_stage), "group_paddings": pads,
