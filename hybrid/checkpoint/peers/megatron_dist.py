@@ -348,10 +348,12 @@ class _Buckets:
 
     def read(self, name: str) -> dict[str, torch.Tensor]:
         shape = self._local_shape(name)
+        # (a parameter TP does not cut is the same on every TP rank: rank 0's)
+        places = self.place[name] if names.tp_dim(name) is not None else self.place[name][:1]
         out = {}
         for col, saved in (("master", "param"), ("exp_avg", "exp_avg"),
                            ("exp_avg_sq", "exp_avg_sq")):
             shards = [self.files.read_flat(f"{prefix}.{saved}", start, stop).reshape(shape)
-                      for prefix, start, stop in self.place[name]]
+                      for prefix, start, stop in places]
             out[col] = names.merge_tp(name, shards, self.ckpt.swiglu)
         return out
