@@ -1,34 +1,70 @@
 """Record the Megatron-LM ``torch_dist`` fixture of tests/fixtures/peers/megatron_dist/ with the
-real megatron-core 0.16.1 on the CPU (gloo, 2 ranks, TP 2).
+real megatron-core 0.16.1 on the CPU (gloo, 2 ranks, TP 2), and the distributed optimizer's
+(megatron_distopt_*: 4 ranks, TP 2 x DP 2).
 
     OMP_NUM_THREADS=1 /work/venv-peers/bin/python benchmarks/peers/record_megatron_checkpoint.py
     ... --format torch              (Megatron-LM's legacy format, into
                                      tests/fixtures/peers/megatron_legacy/)
     ... --model gpt2 --out DIR      (GPT-2's family: the peer test records it on the fly)
     ... --resume DIR/iter_N --tokens BATCHES.json --losses OUT.json   (load and continue)
+    ... --dist-opt dp_reshardable --tp 2 --world 4
+                                    (the distributed optimizer, TP 2 x DP 2, into
+                                     tests/fixtures/peers/megatron_distopt_dp_reshardable/)
+    ... --dist-opt fully_reshardable --ddp-bucket-size 0 --tp 2 --world 4
+                                    (into .../megatron_distopt_fully_reshardable/)
 
 A tiny Llama-shaped GPT (RMSNorm, SwiGLU, RoPE, GQA, no biases, untied output) of
 megatron-core's ``GPTModel`` (local layer spec, ../shared/BENCHMARKS.md's CPU patches) is
 trained for ``SAVE_AT`` steps on seeded token batches, then saved as Megatron-LM's
 ``save_checkpoint`` saves in its default format: ``iter_0000003/`` written by
 ``megatron.core.dist_checkpointing.save`` (torch_dist) from the state dict Megatron-LM
-builds -- the model's sharded state dict under ``model``, the optimizer's
-(megatron-core's ``FP32Optimizer`` around Adam) under ``optimizer``, ``iteration``,
-``args`` (a Namespace of Megatron-LM's fields), ``opt_param_scheduler`` (megatron-core's
-``OptimizerParamScheduler``), ``rng_state`` (one ShardedObject per TP rank) -- and
-``latest_checkpointed_iteration.txt``. Then it continues ``CONTINUE`` steps and records
-their losses, and checks megatron-core's own ``dist_checkpointing.load`` of the files
-continues with the same losses. ``losses.json`` holds the losses, the batches' tokens
-and the shape. ``--format torch`` saves Megatron-LM's legacy format instead:
-``iter_0000003/mp_rank_XX/model_optim_rng.pt`` per TP rank, the same dict with the
-model's and the optimizer's plain state dicts (what Megatron-LM's load takes back).
+builds -- the model's sharded state dict under ``model``, the optimizer's under
+``optimizer``, ``iteration``, ``args`` (a Namespace of Megatron-LM's fields),
+``opt_param_scheduler`` (megatron-core's ``OptimizerParamScheduler``), ``rng_state`` (one
+ShardedObject per TP rank) -- and ``latest_checkpointed_iteration.txt``. Then it
+continues ``CONTINUE`` steps and records their losses, and checks megatron-core's own
+``dist_checkpointing.load`` of the files continues with the same losses (bit for bit).
+``losses.json`` holds the losses, the batches' tokens and the shape. ``--format torch``
+saves Megatron-LM's legacy format instead: ``iter_0000003/mp_rank_XX/model_optim_rng.pt``
+per TP rank, the same dict with the model's and the optimizer's plain state dicts (what
+Megatron-LM's load takes back).
 
-What is not megatron-core's own here (it asserts CUDA tensors in these places): the
-optimizer step is the ``torch.optim.AdamW`` it wraps, stepped directly after the gradient
-clipping megatron-core's ``clip_grads`` does, in torch on the CPU; the distributed
-optimizer (``--use-distributed-optimizer``) could not be built on the CPU (its buffers
-and type checks are ``torch.cuda`` ones), so the optimizer state is the model-space one of
-the non-distributed optimizer (``optimizer.state.exp_avg.<param>``).
+The optimizer, by default: megatron-core's ``FP32Optimizer`` around torch's AdamW, stepped
+directly after the gradient clipping megatron-core's ``clip_grads`` does, in torch on the
+CPU (its buffers are hard-wired to 'cuda'), gradients all-reduced over DP by hand: state
+``optimizer.state.exp_avg.<param>``.
+
+``--dist-opt``: megatron-core's own ``--use-distributed-optimizer`` path, all of its code
+running: ``DistributedDataParallel`` (its param and grad buffers; with ``--ddp-bucket-size
+N`` > 0, ``overlap_grad_reduce`` and buckets of N, reduce-scattered as backward goes),
+``get_megatron_optimizer``'s ``DistributedOptimizer`` (torch's AdamW inside: no Apex or
+Transformer Engine here), ``finalize_model_grads`` and its ``step`` (clipping, the shard's
+AdamW, the params' all-gather), saved with the ``distrib_optim_sharding_type`` Megatron-LM
+passes: ``dp_reshardable`` (its default; keys ``optimizer.distributed.dp_group_idx_T.
+gbuf_idx_0.dtype_*.bucket_idx_B.{param,exp_avg,exp_avg_sq}``) or ``fully_reshardable``
+(``--dist-ckpt-optim-fully-reshardable``: ``optimizer.state.{param,exp_avg,exp_avg_sq}.
+<param>``). On gloo and the CPU it needs (:func:`cpu_tensors_as_cuda`) a CPU tensor's
+``type()`` to name its CUDA type, ``Tensor.cuda()`` to be the tensor, and ``device='cuda'``
+factories to make CPU tensors; no number changes. Its own reload needs three more steps
+for megatron-core 0.16.1 with torch's AdamW (found here, each on any device):
+``_init_optimizer_states_with_dummy_values`` before the loading state dict (a fresh
+optimizer's ``state_dict()`` asserts a per-parameter ``step``, distrib_optimizer.py:642);
+``torch.no_grad()`` around ``load_state_dict`` (fp32 params: the dp_reshardable load copies
+into views of parameters that require grad, distrib_optimizer.py:940); and each
+parameter's ``step`` set from the checkpoint's param groups afterwards
+(:meth:`Run._restore_steps`: the load shares one step tensor among all parameters and
+dp_reshardable's overwrites it with the dummy's 1; fully_reshardable's raises KeyError
+'step' at line 940 without :func:`keep_own_step`). Without the last, the reload's losses
+moved by up to 8.3e-4 from the uninterrupted run's; with them they are bit-equal.
+
+Not recorded: ``fully_sharded_model_space`` -- megatron-core 0.16.1 cannot save it
+(``ShardedTensor.validate_metadata_integrity`` raises "ShardedTensor.flattened_range is not
+supported", dist_checkpointing/mapping.py:134, for the flattened ranges it builds); and
+``fully_reshardable`` over several buckets -- its save slices the unpadded concatenation of
+the buckets at the padded buffer's offsets (as its code reads), so megatron-core's own
+reload of it continued up to 0.051 away from the uninterrupted run (bucket size 1000
+here): the fixture is saved with one bucket, Megatron-LM's default without
+``--overlap-grad-reduce``.
 """
 
 from __future__ import annotations
@@ -50,6 +86,9 @@ LEGACY_OUT = os.path.join(ROOT, "tests", "fixtures", "peers", "megatron_legacy")
 LR, MIN_LR, WD, CLIP, SEED, BETA2, EPS = 1e-3, 1e-4, 0.01, 1.0, 1234, 0.999, 1e-8
 WARMUP, DECAY = 2, 40
 SAVE_AT, CONTINUE = 3, 10
+# the distributed optimizer's DDP bucket size (--ddp-bucket-size, with --overlap-grad-reduce):
+# small, so the TP ranks' buffers split into several buckets, as a large model's do
+BUCKET = 1000
 # the two model families: Llama's (the committed fixture) and GPT-2's (the peer test's)
 ARCH = {"llama": dict(normalization="RMSNorm", swiglu=True, position="rope", query_groups=2,
                       bias=False, tied=False),
@@ -86,7 +125,66 @@ def cuda_as_cpu():
             setattr(torch, n, f)
 
 
-def megatron_args(tp: int, dp: int, iteration: int, arch: str):
+@contextlib.contextmanager
+def cpu_tensors_as_cuda():
+    """The distributed optimizer's CPU patches, on top of :func:`cuda_as_cpu`: a CPU
+    tensor's ``type()`` (no argument) names its CUDA type (its constructor accepts
+    ``torch.cuda.FloatTensor`` parameters only, and its step checks the grads' type), and
+    ``Tensor.cuda()`` is the tensor itself (its fully_reshardable save moves each DP rank's
+    flat shard there to all-gather it). No number changes."""
+    import torch
+    saved_type, saved_cuda = torch.Tensor.type, torch.Tensor.cuda
+
+    def type_(self, *a, **k):
+        out = saved_type(self, *a, **k)
+        if not a and not k and out.startswith("torch.") and not out.startswith("torch.cuda."):
+            return "torch.cuda." + out[len("torch."):]
+        return out
+    torch.Tensor.type = type_  # type: ignore[method-assign]
+    torch.Tensor.cuda = lambda self, *a, **k: self  # type: ignore[method-assign]
+    try:
+        with cuda_as_cpu():
+            yield
+    finally:
+        torch.Tensor.type, torch.Tensor.cuda = saved_type, saved_cuda  # type: ignore[method-assign]
+
+
+@contextlib.contextmanager
+def keep_own_step():
+    """The distributed optimizer's fully_reshardable load, with torch's AdamW: it copies
+    every entry of a parameter's optimizer state from the checkpoint's, ``step`` included,
+    which the checkpoint's does not hold (KeyError 'step', distrib_optimizer.py:940); the
+    state's own ``step`` is handed back to it instead (:meth:`Run._restore_steps` sets it
+    right after). dp_reshardable's source holds one: nothing changes there."""
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+    saved = DistributedOptimizer._set_main_param_and_optimizer_states
+
+    def set_states(self, model_param, tensors):
+        group_index, group_order = self.model_param_group_index_map[model_param]
+        main = self.optimizer.param_groups[group_index]["params"][group_order]
+        own = self.optimizer.state[main]
+        if "step" in own and "step" not in tensors:
+            tensors = {**tensors, "step": own["step"]}
+        return saved(self, model_param, tensors)
+    DistributedOptimizer._set_main_param_and_optimizer_states = set_states
+    try:
+        yield
+    finally:
+        DistributedOptimizer._set_main_param_and_optimizer_states = saved
+
+
+def sharded_metadata(dist_opt: str | None) -> dict:
+    """The ``metadata`` Megatron-LM's save_checkpoint hands the sharded state dicts: the
+    distributed optimizer's sharding type (``dp_reshardable``, its default, or
+    ``fully_reshardable`` under ``--dist-ckpt-optim-fully-reshardable``)."""
+    meta: dict = {"singleton_local_shards": False, "chained_optim_avoid_prefix": True}
+    if dist_opt:
+        meta["distrib_optim_sharding_type"] = dist_opt
+    return meta
+
+
+def megatron_args(tp: int, dp: int, iteration: int, arch: str, dist_opt: str | None = None,
+                  bucket: int = 0):
     """The Namespace Megatron-LM's ``save_checkpoint`` stores as ``args`` (the fields a
     reader of the checkpoint uses)."""
     s, m = SHAPE, ARCH[arch]
@@ -110,7 +208,12 @@ def megatron_args(tp: int, dp: int, iteration: int, arch: str):
         weight_decay=WD, start_weight_decay=WD, end_weight_decay=WD,
         weight_decay_incr_style="constant", adam_beta1=0.9, adam_beta2=BETA2,
         adam_eps=EPS, clip_grad=CLIP, seed=SEED, fp16=False, bf16=False,
-        params_dtype="torch.float32", use_distributed_optimizer=False, ckpt_format="torch_dist",
+        params_dtype="torch.float32", use_distributed_optimizer=bool(dist_opt),
+        dist_ckpt_optim_fully_reshardable=dist_opt == "fully_reshardable",
+        overlap_grad_reduce=bool(dist_opt and bucket),
+        ddp_bucket_size=bucket if dist_opt and bucket else None,
+        accumulate_allreduce_grads_in_fp32=False, transformer_impl="local",
+        ckpt_format="torch_dist",
         iteration=iteration, consumed_train_samples=iteration * s["micro"] * dp,
         consumed_valid_samples=0, train_iters=SAVE_AT + CONTINUE, skipped_train_samples=0)
 
@@ -118,19 +221,20 @@ def megatron_args(tp: int, dp: int, iteration: int, arch: str):
 class Run:
     """megatron-core's GPTModel, its optimizer wrapper and scheduler on this rank."""
 
-    def __init__(self, tp: int, dp: int, arch: str):
+    def __init__(self, tp: int, dp: int, arch: str, dist_opt: str | None = None,
+                 bucket: int = BUCKET):
         import torch
         import torch.nn.functional as F
         from megatron.core import parallel_state
         from megatron.core.models.gpt import GPTModel
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-        from megatron.core.optimizer import OptimizerConfig
-        from megatron.core.optimizer.optimizer import FP32Optimizer
         from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
         from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
         from megatron.core.transformer.transformer_config import TransformerConfig
         s, m = SHAPE, ARCH[arch]
         self.torch, self.tp, self.dp, self.arch = torch, tp, dp, arch
+        self.dist_opt, self.meta = dist_opt, sharded_metadata(dist_opt)
+        self.bucket = bucket
         torch.manual_seed(SEED)
         cfg = TransformerConfig(
             num_layers=s["num_layers"], hidden_size=s["hidden_size"],
@@ -150,6 +254,32 @@ class Run:
                               share_embeddings_and_output_weights=m["tied"],
                               position_embedding_type=m["position"], rotary_base=10000)
         self.model.train()
+        gbs = s["micro"] * dp
+        if dist_opt:
+            self._distributed_optimizer(cfg)
+            sched_opt = self.opt
+        else:
+            sched_opt = self._optimizer()
+        self.sched = OptimizerParamScheduler(
+            sched_opt, init_lr=0.0, max_lr=LR, min_lr=MIN_LR, lr_warmup_steps=WARMUP * gbs,
+            lr_decay_steps=DECAY * gbs, lr_decay_style="cosine", start_wd=WD, end_wd=WD,
+            wd_incr_steps=DECAY * gbs, wd_incr_style="constant")
+        self.gbs = gbs
+        self.norm_params = [p for p in self.model.parameters()
+                            if param_is_not_tensor_parallel_duplicate(p)]
+        self.mp_group = parallel_state.get_model_parallel_group()
+        self.dp_group = parallel_state.get_data_parallel_group()
+        self.dp_rank = parallel_state.get_data_parallel_rank()
+        sq = s["seq_length"]
+        self.mask = torch.triu(torch.ones(sq, sq), 1).bool()[None, None]
+        self.pos = torch.arange(sq).unsqueeze(0).expand(s["micro"], sq)
+
+    def _optimizer(self):
+        """megatron-core's FP32Optimizer around torch's AdamW, in megatron's param groups;
+        the AdamW (the scheduler's)."""
+        import torch
+        from megatron.core.optimizer import OptimizerConfig
+        from megatron.core.optimizer.optimizer import FP32Optimizer
         decay: list[torch.nn.Parameter] = []
         no_decay: list[torch.nn.Parameter] = []
         for n, p in self.model.named_parameters():  # megatron-core's default groups
@@ -171,24 +301,64 @@ class Run:
             self.opt = FP32Optimizer(adam, OptimizerConfig(
                 optimizer="adam", lr=LR, min_lr=MIN_LR, weight_decay=WD, adam_beta1=0.9,
                 adam_beta2=BETA2, adam_eps=EPS, clip_grad=CLIP), init_state_fn)
-        gbs = s["micro"] * dp
-        self.sched = OptimizerParamScheduler(
-            adam, init_lr=0.0, max_lr=LR, min_lr=MIN_LR, lr_warmup_steps=WARMUP * gbs,
-            lr_decay_steps=DECAY * gbs, lr_decay_style="cosine", start_wd=WD, end_wd=WD,
-            wd_incr_steps=DECAY * gbs, wd_incr_style="constant")
-        self.gbs = gbs
-        self.norm_params = [p for p in self.model.parameters()
-                            if param_is_not_tensor_parallel_duplicate(p)]
-        self.mp_group = parallel_state.get_model_parallel_group()
-        self.dp_group = parallel_state.get_data_parallel_group()
-        self.dp_rank = parallel_state.get_data_parallel_rank()
-        sq = s["seq_length"]
-        self.mask = torch.triu(torch.ones(sq, sq), 1).bool()[None, None]
-        self.pos = torch.arange(sq).unsqueeze(0).expand(s["micro"], sq)
+        return adam
+
+    def _distributed_optimizer(self, cfg) -> None:
+        """megatron-core's own: DistributedDataParallel (its param and grad buffers, in
+        buckets of ``BUCKET``, reduce-scattered as backward goes) and
+        ``get_megatron_optimizer``'s DistributedOptimizer (torch's AdamW inside, without
+        Apex or Transformer Engine), as Megatron-LM's ``--use-distributed-optimizer
+        --overlap-grad-reduce --ddp-bucket-size`` builds them."""
+        from megatron.core.distributed import (
+            DistributedDataParallel,
+            DistributedDataParallelConfig,
+        )
+        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+        self.ddp = DistributedDataParallel(cfg, DistributedDataParallelConfig(
+            use_distributed_optimizer=True, overlap_grad_reduce=bool(self.bucket),
+            bucket_size=self.bucket or None), self.model)
+        with cpu_tensors_as_cuda():
+            self.opt = get_megatron_optimizer(OptimizerConfig(
+                optimizer="adam", lr=LR, min_lr=MIN_LR, weight_decay=WD, adam_beta1=0.9,
+                adam_beta2=BETA2, adam_eps=EPS, clip_grad=CLIP, use_distributed_optimizer=True),
+                [self.ddp])
+
+    def _restore_steps(self) -> None:
+        """AdamW's per-parameter ``step`` after the distributed optimizer's load, as saved
+        (its param groups'): one tensor each (the module docstring says why)."""
+        for opt in self.opt.chained_optimizers:
+            for group in opt.optimizer.param_groups:
+                for p in group["params"]:
+                    opt.optimizer.state[p]["step"] = self.torch.tensor(float(group["step"]))
+
+    def dist_step(self, batch) -> float:
+        """One iteration as Megatron-LM's train_step runs it with the distributed optimizer:
+        the DDP buffers zeroed, forward and backward (the buckets' reduce-scatters as
+        their grads are ready), megatron-core's finalize_model_grads, then its optimizer's
+        step (grad-norm clipping, AdamW on this DP rank's shard, the all-gather of the
+        updated params)."""
+        from megatron.core.distributed import finalize_model_grads
+        dist = self.torch.distributed
+        m = SHAPE["micro"]
+        mine = batch[self.dp_rank * m:(self.dp_rank + 1) * m]
+        self.ddp.zero_grad_buffer()
+        self.opt.zero_grad()
+        loss = self.ddp(mine[:, :-1], self.pos, self.mask, labels=mine[:, 1:]).float().mean()
+        loss.backward()
+        finalize_model_grads([self.ddp])
+        with cpu_tensors_as_cuda():
+            ok, _, _ = self.opt.step()
+        assert ok
+        self.sched.step(increment=self.gbs)
+        out = loss.detach().reshape(1)
+        dist.all_reduce(out, group=self.dp_group)
+        return float(out.item()) / self.dp
 
     def step(self, batch) -> float:
         """One iteration on this DP rank's rows of ``batch`` (the global batch); the
         global batch's mean loss."""
+        if self.dist_opt:
+            return self.dist_step(batch)
         torch, dist = self.torch, self.torch.distributed
         m = SHAPE["micro"]
         mine = batch[self.dp_rank * m:(self.dp_rank + 1) * m]
@@ -212,6 +382,13 @@ class Run:
         dist.all_reduce(out, group=self.dp_group)
         return float(out.item()) / self.dp
 
+    def model_sd(self) -> dict:
+        """The GPTModel's sharded state dict (with the distributed optimizer, under
+        Megatron-LM's metadata)."""
+        if self.dist_opt:
+            return self.model.sharded_state_dict(metadata=self.meta)
+        return self.model.sharded_state_dict()
+
     def state_dict(self, iteration: int) -> dict:
         """What Megatron-LM's ``generate_state_dict`` builds for ``torch_dist``."""
         import random
@@ -219,14 +396,20 @@ class Run:
         import numpy as np
         from megatron.core import parallel_state
         from megatron.core.dist_checkpointing.mapping import ShardedObject
-        model_sd = self.model.sharded_state_dict()
+        model_sd = self.model_sd()
         rng = {"random_rng_state": random.getstate(), "np_rng_state": np.random.get_state(),
                "torch_rng_state": self.torch.get_rng_state(), "rng_tracker_states": {}}
         tp_rank = parallel_state.get_tensor_model_parallel_rank()
-        return {"args": megatron_args(self.tp, self.dp, iteration, self.arch),
+        if self.dist_opt:
+            with cpu_tensors_as_cuda():
+                optimizer = self.opt.sharded_state_dict(model_sd, metadata=self.meta)
+        else:
+            optimizer = self.opt.sharded_state_dict(model_sd)
+        return {"args": megatron_args(self.tp, self.dp, iteration, self.arch, self.dist_opt,
+                                      self.bucket),
                 "checkpoint_version": 3.0,
                 "iteration": iteration, "model": model_sd,
-                "optimizer": self.opt.sharded_state_dict(model_sd),
+                "optimizer": optimizer,
                 "opt_param_scheduler": self.sched.state_dict(),
                 "rng_state": ShardedObject("rng_state", [rng], (1, self.tp), (0, tp_rank),
                                            replica_id=self.dp_rank),
@@ -245,12 +428,28 @@ class Run:
 
     def load(self, iter_dir: str) -> int:
         from megatron.core import dist_checkpointing
-        model_sd = self.model.sharded_state_dict()
-        want = {"model": model_sd, "optimizer": self.opt.sharded_state_dict(model_sd,
-                                                                            is_loading=True)}
-        got = dist_checkpointing.load(want, iter_dir)
-        self.model.load_state_dict(got["model"])
-        self.opt.load_state_dict(got["optimizer"])
+        model_sd = self.model_sd()
+        if self.dist_opt:
+            # a fresh DistributedOptimizer around torch's AdamW has no per-parameter "step"
+            # for its state_dict() to read (distrib_optimizer.py:642 asserts one): megatron-
+            # core's own dummy initialization first (its fsdp_dtensor load's; a zero-grad
+            # step at the scheduler's initial LR 0, then overwritten by the load)
+            for opt in self.opt.chained_optimizers:
+                opt._init_optimizer_states_with_dummy_values()
+        with cpu_tensors_as_cuda():
+            opt_sd = (self.opt.sharded_state_dict(model_sd, is_loading=True, metadata=self.meta)
+                      if self.dist_opt else self.opt.sharded_state_dict(model_sd, is_loading=True))
+            want = {"model": model_sd, "optimizer": opt_sd}
+            got = dist_checkpointing.load(want, iter_dir)
+            self.model.load_state_dict(got["model"])
+            # (no_grad: with fp32 params the distributed optimizer's main params are views of
+            # the model's, which require grad, and its dp_reshardable load copies into them
+            # without torch.no_grad -- distrib_optimizer.py:940 raises "a view of a leaf
+            # Variable that requires grad is being used in an in-place operation")
+            with self.torch.no_grad(), keep_own_step():
+                self.opt.load_state_dict(got["optimizer"])
+        if self.dist_opt:
+            self._restore_steps()
         self.sched.load_state_dict(got["opt_param_scheduler"])
         return int(got["iteration"])
 
@@ -315,7 +514,7 @@ def resume(a, dp: int) -> None:
     import torch.distributed as dist
     with open(a.tokens) as f:
         tokens = json.load(f)
-    run = Run(a.tp, dp, a.model)
+    run = Run(a.tp, dp, a.model, a.dist_opt, a.ddp_bucket_size)
     iteration = run.load(a.resume)
     losses = [run.step(torch.tensor(b)) for b in tokens]
     if dist.get_rank() == 0:
@@ -325,12 +524,13 @@ def resume(a, dp: int) -> None:
 
 def record(a, dp: int) -> None:
     import torch.distributed as dist
-    run = Run(a.tp, dp, a.model)
+    run = Run(a.tp, dp, a.model, a.dist_opt, a.ddp_bucket_size)
     data = batches(SAVE_AT + CONTINUE, SHAPE["micro"] * dp, seed=7)
     first = [run.step(b) for b in data[:SAVE_AT]]
     save(run, a.out, SAVE_AT, a.format)
     losses = [run.step(b) for b in data[SAVE_AT:]]
-    again = Run(a.tp, dp, a.model)  # megatron-core's own load of the files continues the same
+    # megatron-core's own load of the files continues the same
+    again = Run(a.tp, dp, a.model, a.dist_opt, a.ddp_bucket_size)
     load = again.load if a.format == "torch_dist" else again.load_legacy
     assert load(os.path.join(a.out, f"iter_{SAVE_AT:07d}")) == SAVE_AT
     reloaded = [again.step(b) for b in data[SAVE_AT:]]
@@ -340,6 +540,8 @@ def record(a, dp: int) -> None:
         with open(os.path.join(a.out, "losses.json"), "w") as f:
             json.dump({"megatron_core": __import__("megatron.core").core.__version__,
                        "format": a.format, "model": a.model, "tp": a.tp, "dp": dp,
+                       "distributed_optimizer": a.dist_opt,
+                       "ddp_bucket_size": a.ddp_bucket_size if a.dist_opt else None,
                        "iteration": SAVE_AT,
                        "shape": SHAPE, "query_groups": ARCH[a.model]["query_groups"],
                        "lr": LR, "min_lr": MIN_LR, "warmup_iters": WARMUP,
@@ -358,6 +560,12 @@ def main() -> int:
     p.add_argument("--format", choices=("torch_dist", "torch"), default="torch_dist",
                    help="torch: Megatron-LM's legacy format, into "
                         "tests/fixtures/peers/megatron_legacy by default")
+    p.add_argument("--dist-opt", choices=("dp_reshardable", "fully_reshardable"),
+                   help="megatron-core's DistributedOptimizer, saved in this sharding type "
+                        "(into tests/fixtures/peers/megatron_distopt_<type> by default)")
+    p.add_argument("--ddp-bucket-size", type=int, default=BUCKET,
+                   help="with --dist-opt: DDP's bucket size under --overlap-grad-reduce; 0: "
+                        "Megatron-LM's default (no overlap: one bucket)")
     p.add_argument("--resume", help="instead: an iter_* directory to load and continue "
                                     "(on the batches of --tokens, a JSON list)")
     p.add_argument("--tokens")
@@ -366,6 +574,8 @@ def main() -> int:
     a = p.parse_args()
     if a.format == "torch" and a.out == OUT:
         a.out = LEGACY_OUT
+    if a.dist_opt and a.out == OUT:
+        a.out = os.path.join(os.path.dirname(OUT), f"megatron_distopt_{a.dist_opt}")
     if a.worker:
         worker(a)
         return 0
@@ -377,7 +587,9 @@ def main() -> int:
     return subprocess.call([sys.executable, "-m", "torch.distributed.run", "--standalone",
                             "--nproc-per-node", str(a.world), os.path.abspath(__file__),
                             "--worker", "--out", a.out, "--tp", str(a.tp), "--model", a.model,
-                            "--format", a.format, *more],
+                            "--format", a.format, *more,
+                            "--ddp-bucket-size", str(a.ddp_bucket_size),
+                            *(["--dist-opt", a.dist_opt] if a.dist_opt else [])],
                            env=env, cwd=ROOT)
 
 

@@ -12,9 +12,11 @@ the optimizer's param groups and step) and torch DCP's ``.metadata`` and
 :mod:`.megatron_names`.
 
 What comes over: the weights, the fp32 masters (a bf16/fp16 run's; an fp32 run's
-weights are its masters), Adam's moments, the iteration, ``args.consumed_train_samples``
-and the optimizer's step count; the scheduler's position is the iteration (hybrid's
-schedule is a function of it); what does not map is a line in ``notes``.
+weights are its masters), Adam's moments (the non-distributed optimizer's, and the
+distributed one's in its default ``dp_reshardable`` buckets or ``fully_reshardable``),
+the iteration, ``args.consumed_train_samples`` and the optimizer's step count; the
+scheduler's position is the iteration (hybrid's schedule is a function of it); what does
+not map is a line in ``notes``.
 
 :func:`write` is the way back: a hybrid checkpoint as a ``torch_dist`` ``iter_NNNNNNN/``
 that megatron-core's ``dist_checkpointing.load`` reads into a GPTModel and its (non-

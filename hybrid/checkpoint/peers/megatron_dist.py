@@ -2,6 +2,8 @@
 
 The DCP metadata give each tensor's full shape and where each chunk's bytes are; one
 hybrid parameter's chunks are read at a time (a layer's slice of a stacked tensor only).
+The distributed optimizer's default ``dp_reshardable`` state (flat buckets per TP rank)
+is mapped to parameters by :class:`_Buckets`.
 """
 
 from __future__ import annotations
@@ -25,6 +27,13 @@ from hybrid.checkpoint.peers.megatron_files import (
 from hybrid.errors import CheckpointError
 
 _MASTER_KEYS = ("optimizer.state.fp32_param.", "optimizer.state.param.")
+# the distributed optimizer's dp_reshardable state: per TP x PP rank (its DP group's index),
+# per grad buffer and dtype, per bucket, one flat tensor of each column
+_BUCKETS = "optimizer.distributed."
+_BUCKET_KEY = re.compile(r"optimizer\.distributed\.dp_group_idx_(\d+)\.gbuf_idx_(\d+)\."
+                         r"dtype_(.+)\.bucket_idx_(\d+)\.(param|exp_avg|exp_avg_sq)")
+# the buffers' alignment of each parameter's start (param_and_grad_buffer.py's)
+_PARAM_ALIGN = 64
 
 
 def load_common(iter_dir: str) -> dict:
@@ -99,6 +108,7 @@ class MegatronCheckpoint:
         if "swiglu" not in self.flags and any(n.endswith("mlp.fc.weight") for n in self.shapes):
             self.notes.append("no args.swiglu: linear_fc1 read as a plain MLP's")
         opt = common.get("optimizer") or {}
+        self._buckets: _Buckets | None = None
         self.columns, self.step = self._optimizer(opt)
         self._scheduler(common.get("opt_param_scheduler"))
         self.notes.append("the RNG states (Python's, NumPy's, torch's and CUDA's per TP "
@@ -154,26 +164,29 @@ class MegatronCheckpoint:
 
     def _optimizer(self, opt: dict) -> tuple[tuple[str, ...], int]:
         keys = set(self.files.tensors)
-        if any(k.startswith("optimizer.distributed.") for k in keys):
-            raise CheckpointError(
-                f"{os.path.join(self.path, DCP_METADATA)}: the distributed optimizer's "
-                f"state in its dp_reshardable layout (flat buffers per DP rank), which "
-                f"hybrid does not read: save it with --dist-ckpt-optim-fully-reshardable, "
-                f"or load with --no-load-optim")
-        first = next(iter(self._keys.values()))[0]
-        if not all(f"optimizer.state.{m}.{first}" in keys for m in MOMENTS):
+        groups = opt.get("param_groups")
+        if any(k.startswith(_BUCKETS) for k in keys):
+            self._buckets = _Buckets(self)
+            groups = self._buckets.param_groups
+        elif not self._has_moments(keys):
             self.notes.append("no optimizer state: Adam's moments start at zero")
             return ("master",), 0
+        if groups is None:  # the distributed optimizer's fully reshardable layouts
+            groups = (opt.get("optimizer") or {}).get("param_groups")
         state = opt.get("state") or {}
         step = state.get("common_step")  # (the non-distributed optimizer's)
         if step is None:  # the distributed optimizer's: in its param groups
-            step = next((g["step"] for g in opt.get("param_groups") or []
+            step = next((g["step"] for g in groups or []
                          if isinstance(g, dict) and g.get("step") is not None), None)
         if step is None:
             self.notes.append("no optimizer step count (common_step): Adam's bias correction "
                               "counts from the iteration")
             step = self.iteration
         return ("master", "exp_avg", "exp_avg_sq"), int(step)
+
+    def _has_moments(self, keys: set[str]) -> bool:
+        first = next(iter(self._keys.values()))[0]
+        return all(f"optimizer.state.{m}.{first}" in keys for m in MOMENTS)
 
     def _scheduler(self, sched: dict | None) -> None:
         if not sched:
@@ -188,6 +201,8 @@ class MegatronCheckpoint:
 
     def read(self, name: str) -> dict[str, torch.Tensor]:
         key, layer = self._keys[name]
+        if self._buckets is not None:
+            return self._buckets.read(name)
 
         def get(k: str) -> torch.Tensor:
             return names.to_hybrid_layout(name, self.files.read(k, layer), self.swiglu)
@@ -206,3 +221,139 @@ class MegatronCheckpoint:
 
     def close(self) -> None:
         return None  # (each chunk's file is opened and closed as it is read)
+
+
+class _Buckets:
+    """The distributed optimizer's ``dp_reshardable`` state (Megatron-LM's default with
+    ``--use-distributed-optimizer``): for each TP rank (``dp_group_idx_T``, PP 1), its
+    grad buffer's buckets, each saved as one flat tensor per column (``param``, the fp32
+    master; ``exp_avg``; ``exp_avg_sq``) of the bucket's length without its end padding,
+    each DP rank's shard of it at its place.
+
+    Where a parameter lies is megatron-core's ``_ParamAndGradBuffer`` layout, derived
+    here: the TP rank's parameters (their TP-local sizes, from the model's keys) in the
+    reverse of the GPTModel's parameter order (:func:`~.megatron_names.model_order`),
+    each starting at a multiple of 64, a bucket closing where its saved
+    ``per_bucket_numel_unpadded`` says. The derivation is checked against the files: every
+    parameter's range on every TP rank must be exactly tiled by saved chunks (megatron
+    saves each DP rank's piece of each parameter, and each gap, as a chunk of its own), for
+    the layer spec ``args.transformer_impl`` names or else the other one; neither fitting
+    is one error. One parameter's pieces are read at a time."""
+
+    def __init__(self, ckpt: MegatronCheckpoint):
+        self.ckpt, self.files = ckpt, ckpt.files
+        where = os.path.join(ckpt.path, DCP_METADATA)
+        buckets: dict[int, dict[int, str]] = {}  # TP rank -> bucket -> key prefix
+        for key in self.files.tensors:
+            m = _BUCKET_KEY.fullmatch(key)
+            if m is None:
+                if key.startswith(_BUCKETS):
+                    raise CheckpointError(f"{where}: {key}: a distributed optimizer key "
+                                          f"hybrid does not read")
+                continue
+            if m.group(2) != "0":
+                raise CheckpointError(f"{where}: {key}: a second grad buffer (another "
+                                      f"dtype, or expert parallel): hybrid reads a dense "
+                                      f"GPT's one buffer")
+            buckets.setdefault(int(m.group(1)), {})[int(m.group(4))] = key.rsplit(".", 1)[0]
+        tp = int(arg(ckpt.args, "tensor_model_parallel_size", 1) or 1)
+        pp = int(arg(ckpt.args, "pipeline_model_parallel_size", 1) or 1)
+        if pp != 1 or sorted(buckets) != list(range(tp)):
+            raise CheckpointError(f"{where}: the distributed optimizer's state of DP groups "
+                                  f"{sorted(buckets)} at TP {tp} x PP {pp}: hybrid reads "
+                                  f"its dp_reshardable layout at PP 1 (one group per TP rank)")
+        self.tp = tp
+        self.prefixes = {t: [b[i] for i in range(len(b))] for t, b in buckets.items()}
+        objects = set(self.files.objects)
+
+        def obj(t: int, what: str) -> Any:
+            key = next((k for k in objects if k.startswith(
+                f"{_BUCKETS}dp_group_idx_{t}.{what}/")), None)
+            if key is None:
+                raise CheckpointError(f"{where}: no {_BUCKETS}dp_group_idx_{t}.{what}")
+            value = self.files.read_object(key)
+            return value[0] if isinstance(value, list) and len(value) == 1 else value
+        groups = obj(0, "optimizer")
+        self.param_groups = groups.get("param_groups") if isinstance(groups, dict) else None
+        self.place: dict[str, list[tuple[str, int, int]]] = {}  # name -> per TP rank
+        specs = ["local", "transformer_engine"]
+        if arg(ckpt.args, "transformer_impl") == "transformer_engine":
+            specs.reverse()
+        for t in range(tp):
+            unpadded = obj(t, "per_bucket_numel_unpadded")
+            counts = unpadded[0] if isinstance(unpadded, list) and len(unpadded) == 1 else None
+            if not isinstance(counts, dict) or len(counts) != 1:
+                raise CheckpointError(f"{where}: dp_group_idx_{t}.per_bucket_numel_unpadded "
+                                      f"{unpadded!r}: hybrid reads one grad buffer of one "
+                                      f"dtype")
+            sizes = [int(n) for n in next(iter(counts.values()))]
+            if len(sizes) != len(self.prefixes[t]):
+                raise CheckpointError(f"{where}: dp_group_idx_{t}: {len(sizes)} buckets in "
+                                      f"per_bucket_numel_unpadded, "
+                                      f"{len(self.prefixes[t])} saved")
+            for spec in specs:
+                placed = self._layout(t, sizes, spec)
+                if placed is not None:
+                    break
+            else:
+                raise CheckpointError(
+                    f"{where}: the distributed optimizer's buckets of TP rank {t} do not "
+                    f"hold the model's parameters where megatron-core's buffer layout puts "
+                    f"them (in GPTModel's order, 64-aligned, buckets of {sizes}); hybrid "
+                    f"reads a dense GPT's dp_reshardable state")
+            for name, at in placed.items():
+                self.place.setdefault(name, []).append(at)
+
+    def _local_numel(self, name: str) -> int:
+        n = 1
+        for d in self._local_shape(name):
+            n *= d
+        return n
+
+    def _local_shape(self, name: str) -> list[int]:
+        """The megatron tensor's shape on one TP rank."""
+        key, layer = self.ckpt._keys[name]
+        shape = self.files.shape(key)[(1 if layer is not None else 0):]
+        dim = names.tp_dim(name)
+        if dim is not None and self.tp > 1:
+            shape[dim] //= self.tp
+        return shape
+
+    def _layout(self, t: int, sizes: list[int], spec: str) -> dict | None:
+        """Where each parameter of TP rank ``t`` lies, {name: (bucket key, start, stop)},
+        in megatron-core's layout under layer spec ``spec``, or None when the files'
+        chunks or bucket sizes say otherwise."""
+        order = names.model_order(list(self.ckpt.shapes), spec)[::-1]  # (the buffers')
+        out: dict[str, tuple[str, int, int]] = {}
+        bucket, pos, opened = 0, 0, False
+        for name in order:
+            if bucket >= len(sizes):
+                return None
+            start = -(-pos // _PARAM_ALIGN) * _PARAM_ALIGN
+            # megatron closes a bucket before a shared embedding (its unpadded size then
+            # ends at this aligned start; the fixtures, PP 1, have none)
+            if opened and start == sizes[bucket]:
+                bucket, start, opened = bucket + 1, 0, False
+                if bucket >= len(sizes):
+                    return None
+            stop = start + self._local_numel(name)
+            prefix = self.prefixes[t][bucket]
+            if stop > sizes[bucket] or not self.files.tiles(f"{prefix}.param", start, stop):
+                return None
+            out[name] = (prefix, start, stop)
+            pos, opened = stop, True
+            if stop == sizes[bucket]:
+                bucket, pos, opened = bucket + 1, 0, False
+        return out if bucket == len(sizes) and not opened else None
+
+    def read(self, name: str) -> dict[str, torch.Tensor]:
+        shape = self._local_shape(name)
+        # (a parameter TP does not cut is the same on every TP rank: rank 0's)
+        places = self.place[name] if names.tp_dim(name) is not None else self.place[name][:1]
+        out = {}
+        for col, saved in (("master", "param"), ("exp_avg", "exp_avg"),
+                           ("exp_avg_sq", "exp_avg_sq")):
+            shards = [self.files.read_flat(f"{prefix}.{saved}", start, stop).reshape(shape)
+                      for prefix, start, stop in places]
+            out[col] = names.merge_tp(name, shards, self.ckpt.swiglu)
+        return out

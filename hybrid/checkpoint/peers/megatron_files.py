@@ -103,7 +103,10 @@ class DcpFiles:
 
     def __init__(self, iter_dir: str):
         from torch.distributed.checkpoint import FileSystemReader
-        from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+        from torch.distributed.checkpoint.metadata import (
+            BytesStorageMetadata,
+            TensorStorageMetadata,
+        )
         self.dir = iter_dir
         where = os.path.join(iter_dir, DCP_METADATA)
         try:
@@ -113,6 +116,8 @@ class DcpFiles:
                                   f"({type(e).__name__}: {e})") from e
         self.tensors = {k: v for k, v in md.state_dict_metadata.items()
                         if isinstance(v, TensorStorageMetadata)}
+        self.objects = [k for k, v in md.state_dict_metadata.items()
+                        if isinstance(v, BytesStorageMetadata)]
         self.storage = md.storage_data
         self._check_files()
 
@@ -167,7 +172,42 @@ class DcpFiles:
                                   f"cover {covered} of its {out.numel()} values")
         return out
 
-    def _chunk(self, key: str, info, size: list[int]) -> torch.Tensor:
+    def _pieces(self, key: str, start: int, stop: int) -> list | None:
+        """The chunks of 1-D ``key`` that tile ``[start, stop)`` exactly, in order (one
+        starts at ``start``, one ends at ``stop``, none straddles either), or None."""
+        pieces = sorted(((int(c.offsets[0]), int(c.sizes[0]), c)
+                         for c in self.tensors[key].chunks
+                         if c.offsets[0] < stop and c.offsets[0] + c.sizes[0] > start),
+                        key=lambda x: x[0])
+        at = start
+        for off, n, _ in pieces:
+            if off != at or off + n > stop:
+                return None
+            at = off + n
+        return pieces if at == stop else None
+
+    def tiles(self, key: str, start: int, stop: int) -> bool:
+        """Whether the chunks of 1-D ``key`` tile ``[start, stop)`` exactly (metadata
+        only)."""
+        return self._pieces(key, start, stop) is not None
+
+    def read_flat(self, key: str, start: int, stop: int) -> torch.Tensor:
+        """Values ``[start, stop)`` of the 1-D tensor ``key``, from the chunks that tile
+        that range (:meth:`tiles` first: CheckpointError otherwise)."""
+        from torch.distributed.checkpoint.metadata import MetadataIndex
+        pieces = self._pieces(key, start, stop)
+        if pieces is None:
+            raise CheckpointError(f"{os.path.join(self.dir, DCP_METADATA)}: {key}: no "
+                                  f"chunks start at {start} and end at {stop}")
+        return torch.cat([self._chunk(key, self.storage[MetadataIndex(key, c.offsets)], [n])
+                          for _, n, c in pieces])
+
+    def read_object(self, key: str) -> Any:
+        """A byte object (a megatron-core ShardedObject: torch-saved) as data only."""
+        from torch.distributed.checkpoint.metadata import MetadataIndex
+        return self._load(key, self.storage[MetadataIndex(key)])
+
+    def _load(self, key: str, info) -> Any:
         path = os.path.join(self.dir, info.relative_path)
         try:
             with open(path, "rb") as f:
@@ -175,11 +215,15 @@ class DcpFiles:
                 data = f.read(info.length)
             if len(data) != info.length:
                 raise EOFError(f"{len(data)} of {info.length} bytes")
-            t = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+            return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
         except Exception as e:  # noqa: BLE001 -- OSError, EOF, a bad pickle: the file's
             raise CheckpointError(f"{path}: {key}: truncated or corrupt chunk "
                                   f"({type(e).__name__}: {e})") from e
+
+    def _chunk(self, key: str, info, size: list[int]) -> torch.Tensor:
+        t = self._load(key, info)
         if not isinstance(t, torch.Tensor) or list(t.shape) != size:
+            path = os.path.join(self.dir, info.relative_path)
             raise CheckpointError(f"{path}: {key}: a chunk of shape "
                                   f"{list(getattr(t, 'shape', []))}, the metadata says {size}")
         return t.float()

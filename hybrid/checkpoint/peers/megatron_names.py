@@ -77,6 +77,43 @@ GLOBAL: tuple[tuple[str, str], ...] = (
 EXTRA_STATE = ("self_attention.linear_qkv", "self_attention.linear_proj", "mlp.linear_fc1",
                "mlp.linear_fc2")
 
+# The order megatron-core's GPTModel registers a layer's parameters in (its
+# ``named_parameters()``; the distributed optimizer's buffers hold them in the reverse of
+# the model's order), as hybrid parts, for its two layer specs: the local one (norms as
+# modules of their own, before the attention and the MLP; the attention's output
+# projection is made before its fused QKV) -- checked on megatron-core 0.16.1's buffers --
+# and Transformer Engine's (the norms inside the linears they feed), as read from its
+# modules. The parameters outside the layers: the embeddings first, the final norm and the
+# output layer last.
+LAYER_ORDER = {
+    "local": ("ln_1.weight", "ln_1.bias", "attn.proj.weight", "attn.proj.bias",
+              "attn.qkv.weight", "attn.qkv.bias", "attn.q_norm.weight", "attn.k_norm.weight",
+              "ln_2.weight", "ln_2.bias", "mlp.fc.weight", "mlp.fc.bias", "mlp.proj.weight",
+              "mlp.proj.bias"),
+    "transformer_engine": ("attn.proj.weight", "attn.proj.bias", "ln_1.weight", "ln_1.bias",
+                           "attn.qkv.weight", "attn.qkv.bias", "attn.q_norm.weight",
+                           "attn.k_norm.weight", "ln_2.weight", "ln_2.bias", "mlp.fc.weight",
+                           "mlp.fc.bias", "mlp.proj.weight", "mlp.proj.bias"),
+}
+HEAD_ORDER = ("wte.weight", "wpe.weight")
+TAIL_ORDER = ("ln_f.weight", "ln_f.bias", "output_layer.weight")
+
+
+def model_order(names: list[str], spec: str) -> list[str]:
+    """``names`` (hybrid's, of one GPT) in megatron-core's GPTModel parameter order under
+    layer spec ``spec`` (a key of :data:`LAYER_ORDER`)."""
+    rank = {part: j for j, part in enumerate(LAYER_ORDER[spec])}
+
+    def key(name: str) -> tuple:
+        m = _BLOCK.fullmatch(name)
+        if m:
+            return (1, int(m.group(1)), rank.get(m.group(2), len(rank)))
+        if name in HEAD_ORDER:
+            return (0, HEAD_ORDER.index(name), 0)
+        return (2, TAIL_ORDER.index(name) if name in TAIL_ORDER else len(TAIL_ORDER), 0)
+    return sorted(names, key=key)
+
+
 LAYERS_PREFIX = "decoder.layers."
 _LAYER_TO_HYBRID = dict(LAYER)
 _GLOBAL_TO_HYBRID = dict(GLOBAL)
