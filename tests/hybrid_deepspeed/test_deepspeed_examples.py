@@ -50,6 +50,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import re
 
 import pytest
 
@@ -76,6 +77,36 @@ def _bf16_ulp(x: float) -> float:
     return 2.0 ** (math.frexp(abs(x))[1] - 8)
 
 
+# [Note: recordings and the CPU] A recording is DeepSpeed's numbers on the machine that
+# made it. Another CPU's torch kernels (its vector width: convolution and matmul blocked
+# differently) round differently, in DeepSpeed and in hybrid alike: on an AVX2-only
+# machine (2026-12-03) DeepSpeed and hybrid both gave pipeline_pp2's losses 4.1e-4 from
+# the recording made on an earlier machine and 1.2e-6 from each other, cifar_stage0's
+# 2.4e-7 and at most 2.4e-7.
+# So where DeepSpeed runs here (the peer step), hybrid is held to DeepSpeed run on the
+# same machine, and the recording to DeepSpeed within CROSS_CPU (relative).
+CROSS_CPU = 1e-3
+
+
+def _near_recording(name: str, got: dict, want: dict) -> None:
+    """DeepSpeed run here against its recording: the same losses within CROSS_CPU
+    (relative; [Note: recordings and the CPU]) and the same printed lines but for their
+    numbers."""
+    theirs = {int(k): v for k, v in want["ranks"].items()}
+    assert theirs.keys() == got["ranks"].keys(), name
+    for rank, want_losses in theirs.items():
+        ours = got["ranks"][rank]
+        assert len(ours) == len(want_losses), (name, rank)
+        for a, b in zip(ours, want_losses):
+            assert abs(a - b) <= CROSS_CPU * abs(b), (name, rank, a, b)
+    # the printed lines: the same lines, their numbers aside (the losses are above)
+    assert [_NUMBER.sub("#", t) for t in got["printed"]] == \
+        [_NUMBER.sub("#", t) for t in want["printed"]], name
+
+
+_NUMBER = re.compile(r"-?\d+(\.\d+)?(e-?\d+)?")
+
+
 def _compare(name: str, got: dict, want: dict) -> None:
     for rank in want["ranks"]:
         ours, theirs = got["ranks"][int(rank)], want["ranks"][rank]
@@ -98,17 +129,17 @@ PEER_STEP = ("cifar_stage0", "cifar_stage1", "cifar_stage2", "cifar_stage3", "pi
              "cifar_moe_stage1", "cifar_moe_stage2", "cifar_prmoe_stage2")
 
 
-def _against_recordings(names: list[str], tmp_path) -> list[str]:
+def _against_recordings(names: list[str], tmp_path, here: dict | None = None) -> list[str]:
     """Each of ``names`` under ``hybrid-deepspeed``, ``AT_ONCE`` at a time (a run is mostly
-    its processes starting: on 2 cores they overlap well), against its recording; what
-    differs."""
+    its processes starting: on 2 cores they overlap well), against DeepSpeed's run on this
+    machine where ``here`` has one, else its recording; what differs."""
     failed = []
     for first in range(0, len(names), AT_ONCE):
         group = names[first:first + AT_ONCE]
         started = {n: start(n, "hybrid", tmp_path / n, port=free_port()) for n in group}
         for name, proc in started.items():
             got = finish(name, "hybrid", tmp_path / name, proc)
-            want = json.loads(RUNS[name].recording(name).read_text())
+            want = (here or {}).get(name) or json.loads(RUNS[name].recording(name).read_text())
             assert got["printed"], f"{name}: the script printed none of {RUNS[name].printed!r}"
             try:
                 _compare(name, got, want)
@@ -124,17 +155,20 @@ def test_every_example_gives_deepspeed_s_losses(tmp_path):
 
 @pytest.mark.peer("deepspeed")
 def test_the_peer_step_s_examples_against_deepspeed_itself(tmp_path):
-    """The runs of :data:`PEER_STEP`: DeepSpeed run here gives its recording, and
-    hybrid-deepspeed gives it too (SuperOffload's own config, which DeepSpeed runs only on
+    """The runs of :data:`PEER_STEP`: DeepSpeed run here gives its recording (within
+    CROSS_CPU: [Note: recordings and the CPU]), and hybrid-deepspeed gives DeepSpeed's
+    numbers of this machine (SuperOffload's own config, which DeepSpeed runs only on
     CUDA, the zerooffload recording)."""
+    here = {}
     for name in PEER_STEP:
         if RUNS[name].against is not None:
             continue
         got = launch(name, "deepspeed", tmp_path / f"ds_{name}", port=free_port())
         want = json.loads(RUNS[name].recording(name).read_text())
-        assert {int(k): v for k, v in want["ranks"].items()} == got["ranks"], name
-        assert got["printed"] == want["printed"], name
-    failed = _against_recordings(list(PEER_STEP), tmp_path)
+        _near_recording(name, got, want)
+        here[name] = {"ranks": {str(r): v for r, v in got["ranks"].items()},
+                      "printed": got["printed"]}
+    failed = _against_recordings(list(PEER_STEP), tmp_path, here)
     assert not failed, "\n".join(failed)
 
 
@@ -157,8 +191,8 @@ def test_the_bf16_example_s_full_config_is_refused_by_name(tmp_path):
 @pytest.mark.peer("deepspeed")
 def test_the_recording_is_deepspeed_s_today(tmp_path):
     """DeepSpeed itself, run again: the recording of the pipeline example (the slowest to
-    drift: AlexNet through two stages) is what the installed DeepSpeed gives."""
+    drift: AlexNet through two stages) is what the installed DeepSpeed gives, within
+    CROSS_CPU ([Note: recordings and the CPU])."""
     got = launch("pipeline_pp2", "deepspeed", tmp_path, port=free_port())
     want = json.loads((RECORDED / "pipeline_pp2.json").read_text())
-    assert {int(k): v for k, v in want["ranks"].items()} == got["ranks"]
-    assert got["printed"] == want["printed"]
+    _near_recording("pipeline_pp2", got, want)

@@ -1,5 +1,6 @@
 """The recording in ``tests/hybrid_deepspeed/recorded/`` is reproducible: the recorder, rerun
-under the live DeepSpeed for one case, writes the same numbers as the committed file.
+under the live DeepSpeed for one case, writes the same record as the committed file (its
+numbers within CROSS_CPU on another machine than the one that made it).
 Skips, saying why, where DeepSpeed is not installed or is not the version recorded."""
 
 from __future__ import annotations
@@ -25,5 +26,29 @@ def test_the_recorder_reproduces_the_committed_numbers(tmp_path, case):
         pytest.skip(f"DeepSpeed {installed['deepspeed']} is installed, the recording is "
                     f"{committed['versions']['deepspeed']}'s")
     rerun = record([case], tmp_path, timeout=300)[case]
-    assert rerun == committed
-    assert (tmp_path / f"{case}.json").read_bytes() == (RECORDED / f"{case}.json").read_bytes()
+    # the same record, its numbers within CROSS_CPU of the committed ones (exact on the
+    # machine that made it: [Note: recordings and the CPU] in test_deepspeed_examples.py);
+    # transformers' version is the one installed, not a number of the run
+    _same(rerun, committed, case)
+
+
+CROSS_CPU = 1e-3
+
+
+def _same(got, want, where: str) -> None:
+    """``got`` is ``want`` with each float within CROSS_CPU (relative); versions but
+    transformers' equal."""
+    if isinstance(want, dict):
+        assert got.keys() == want.keys(), where
+        for k in want:
+            if where.endswith("versions") and k == "transformers":
+                continue
+            _same(got[k], want[k], f"{where}.{k}")
+    elif isinstance(want, list):
+        assert len(got) == len(want), where
+        for i, (a, b) in enumerate(zip(got, want)):
+            _same(a, b, f"{where}[{i}]")
+    elif isinstance(want, float):
+        assert abs(got - want) <= CROSS_CPU * abs(want), (where, got, want)
+    else:
+        assert got == want, (where, got, want)
