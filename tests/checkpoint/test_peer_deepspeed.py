@@ -93,13 +93,16 @@ def _continue(ps, load_dir: str, stage: int, frozen: dict | None = None) -> list
     return losses
 
 
-def _step(engine, ps, step: int) -> float:
-    """One step of the recorder's batch ``step`` on this DP rank's rows: the global loss
-    (the mean over the DP ranks' micro-batches)."""
+def _step(engine, ps, step: int, bf16: bool = False) -> float:
+    """One step of the recorder's batch ``step`` on this DP rank's rows (DeepSpeed's
+    engine or hybrid's; ``bf16``: the recorder's bf16 run's loss): the global loss (the
+    mean over the DP ranks' micro-batches)."""
     rec = _recorder()
     per, rank, world = rec.GLOBAL_BATCH // ps.dp_size, ps.dp_rank, ps.dp_size
     x, y = rec.batch(step)
-    loss = rec.loss_of(engine(x[rank * per:(rank + 1) * per]), y[rank * per:(rank + 1) * per])
+    rows = slice(rank * per, (rank + 1) * per)
+    loss = rec.bf16_loss(engine, x[rows], y[rows]) if bf16 else \
+        rec.loss_of(engine(x[rows]), y[rows])
     engine.backward(loss)
     engine.step()
     mean = loss.detach().clone().reshape(1)
@@ -809,18 +812,8 @@ def _bf16_continue(ps, load_dir: str, stage: int) -> list[float]:
     assert net.fc1.weight.dtype == torch.bfloat16
     engine.load_checkpoint(load_dir)
     assert (engine.global_steps, engine.global_samples) == (3, 24)
-    per, rank, world = rec.GLOBAL_BATCH // ps.dp_size, ps.dp_rank, ps.dp_size
-    losses = []
-    for step in range(rec.SAVED_AT, rec.SAVED_AT + rec.CONTINUED):
-        x, y = rec.batch(step)
-        rows = slice(rank * per, (rank + 1) * per)
-        loss = rec.bf16_loss(engine, x[rows], y[rows])
-        engine.backward(loss)
-        engine.step()
-        mean = loss.detach().clone().reshape(1)
-        if world > 1:
-            ps.world_group.all_reduce(mean)
-        losses.append(float(mean) / world)
+    losses = [_step(engine, ps, step, bf16=True)
+              for step in range(rec.SAVED_AT, rec.SAVED_AT + rec.CONTINUED)]
     engine.close()
     return losses
 
@@ -984,20 +977,11 @@ def _trained_bf16(ps, save: str, steps: int) -> list[float]:
     net = rec.Net()
     engine, *_ = hds.initialize(model=net, model_parameters=net.parameters(),
                                 config={**rec.config(2), **BF16_RUN}, mpu=ps)
-    per, rank, world = rec.GLOBAL_BATCH // ps.dp_size, ps.dp_rank, ps.dp_size
     losses = []
     for step in range(10 + steps):
         if step == 10:
             engine.save_checkpoint(save)
-        x, y = rec.batch(step)
-        rows = slice(rank * per, (rank + 1) * per)
-        loss = rec.bf16_loss(engine, x[rows], y[rows])
-        engine.backward(loss)
-        engine.step()
-        mean = loss.detach().clone().reshape(1)
-        if world > 1:
-            ps.world_group.all_reduce(mean)
-        losses.append(float(mean) / world)
+        losses.append(_step(engine, ps, step, bf16=True))
     if not steps:
         engine.save_checkpoint(save)
     engine.close()
