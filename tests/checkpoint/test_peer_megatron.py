@@ -542,8 +542,9 @@ def test_a_distributed_optimizer_export_it_cannot_write_is_one_line(tmp_path, ca
 def test_megatron_distributed_optimizer_loads_hybrid_s_export_and_continues(tmp_path):
     """hybrid continues megatron-core's dp_reshardable fixture at TP 1 x DP 2 (ZeRO 3),
     saves, steps 4 more batches, and exports its save with --megatron-dist-opt
-    dp_reshardable for two runs: TP 2 x DP 2 in buckets of 1000 and TP 1 x DP 2 in one
-    bucket. megatron-core's DistributedDataParallel + DistributedOptimizer loads each
+    dp_reshardable for two runs -- TP 2 x DP 2 in buckets of 1000, TP 1 x DP 2 in one
+    bucket -- and fully_reshardable (TP 1 x DP 2).
+    megatron-core's DistributedDataParallel + DistributedOptimizer loads each
     (benchmarks/peers/record_megatron_checkpoint.py --resume --dist-opt), saves what it
     loaded again -- read by hybrid's reader, the masters and moments of hybrid's save,
     bit for bit -- and steps the 4 batches: hybrid's losses within 2e-6."""
@@ -560,16 +561,17 @@ def test_megatron_distributed_optimizer_loads_hybrid_s_export_and_continues(tmp_
     tokens = tmp_path / "tokens.json"
     tokens.write_text(json.dumps(more))
     convert = script_module("convert_checkpoint").main
-    for tp, world, bucket in ((2, 4, 1000), (1, 2, 0)):
-        out = tmp_path / f"mg_tp{tp}"
+    for mode, tp, world, bucket in (("dp_reshardable", 2, 4, 1000), ("dp_reshardable", 1, 2, 0),
+                                    ("fully_reshardable", 1, 2, 0)):
+        out = tmp_path / f"mg_{mode}_tp{tp}"
         assert convert(["export", "--to", "megatron", save, str(out),
                         "--tensor-model-parallel-size", str(tp), "--data-parallel-size", "2",
-                        "--megatron-dist-opt", "dp_reshardable",
+                        "--megatron-dist-opt", mode,
                         *(["--megatron-ddp-bucket-size", str(bucket)] if bucket else [])]) == 0
-        result, again = tmp_path / f"megatron_tp{tp}.json", tmp_path / f"again_tp{tp}"
+        result, again = tmp_path / f"{out.name}.json", tmp_path / f"again_{out.name}"
         run = subprocess.run([sys.executable, RECORDER, "--resume", str(out / "iter_0000013"),
                               "--tokens", str(tokens), "--losses", str(result),
-                              "--resave", str(again), "--dist-opt", "dp_reshardable",
+                              "--resave", str(again), "--dist-opt", mode,
                               "--ddp-bucket-size", str(bucket), "--tp", str(tp),
                               "--world", str(world)],
                              check=False, capture_output=True, text=True, timeout=600)
@@ -577,4 +579,4 @@ def test_megatron_distributed_optimizer_loads_hybrid_s_export_and_continues(tmp_
         _same_state(open_peer(str(again)), os.path.join(save, "iter_0000013"))
         got = json.loads(result.read_text())
         diff = max(abs(a - b) for a, b in zip(got["losses"], hybrid_losses))
-        assert got["iteration"] == 13 and diff <= TOL, (tp, diff, got, hybrid_losses)
+        assert got["iteration"] == 13 and diff <= TOL, (out.name, diff, got, hybrid_losses)
