@@ -4,7 +4,10 @@
     python scripts/convert_checkpoint.py CHECKPOINT_DIR_OR_SAVE_DIR OUT.pt [--with-optimizer]
     python scripts/convert_checkpoint.py verify CHECKPOINT_DIR_OR_SAVE_DIR
     python scripts/convert_checkpoint.py export --to dcp CHECKPOINT_DIR_OR_SAVE_DIR OUT_DIR
-    python scripts/convert_checkpoint.py export --to megatron CHECKPOINT_DIR_OR_SAVE_DIR OUT_DIR
+    python scripts/convert_checkpoint.py export --to megatron CHECKPOINT_DIR_OR_SAVE_DIR OUT_DIR \
+        [--tensor-model-parallel-size T] [--data-parallel-size D] \
+        [--megatron-dist-opt dp_reshardable|fully_reshardable] \
+        [--megatron-layer-spec local|transformer_engine] [--megatron-ddp-bucket-size N]
     python scripts/convert_checkpoint.py export --to deepspeed CHECKPOINT_DIR_OR_SAVE_DIR OUT_DIR \
         [--dp-size N] [--zero-stage {0,1,2,3}] [--tag TAG] [--param-groups matrices|one] \
         [--dtype fp32|bf16] [--ds-config DS_CONFIG.json]
@@ -104,17 +107,37 @@ def export_megatron(argv) -> int:
     ap.add_argument("checkpoint", help="an iter_* directory, or a --save directory (newest)")
     ap.add_argument("output", help="the Megatron-LM save directory to write (--load there)")
     ap.add_argument("--tensor-model-parallel-size", type=int, default=1,
-                    help="the TP recorded in args (the files load at any TP)")
+                    help="the TP recorded in args (the non-distributed optimizer's files "
+                         "load at any TP; dp_reshardable's buckets are this TP's)")
     ap.add_argument("--data-parallel-size", type=int, default=1,
-                    help="the DP recorded in args")
+                    help="the DP recorded in args (dp_reshardable: its buckets' padding "
+                         "and chunks; they load at any DP)")
+    ap.add_argument("--megatron-dist-opt", default=None, metavar="{dp_reshardable,"
+                    "fully_reshardable}",
+                    help="write the optimizer state for megatron-core's DistributedOptimizer "
+                         "(--use-distributed-optimizer): dp_reshardable (Megatron-LM's "
+                         "default sharding type) or fully_reshardable "
+                         "(--dist-ckpt-optim-fully-reshardable); default: the non-"
+                         "distributed optimizer's")
+    ap.add_argument("--megatron-layer-spec", default="local",
+                    metavar="{local,transformer_engine}",
+                    help="dp_reshardable: the loading run's layer spec (--transformer-impl), "
+                         "which orders its parameters in the buckets")
+    ap.add_argument("--megatron-ddp-bucket-size", type=int, default=None,
+                    help="dp_reshardable: the loading run's --ddp-bucket-size under "
+                         "--overlap-grad-reduce (default: one bucket, Megatron-LM's without "
+                         "--overlap-grad-reduce)")
     a = ap.parse_args(argv)
     try:
         out = megatron.write(a.checkpoint, a.output, tp=a.tensor_model_parallel_size,
-                             dp=a.data_parallel_size)
+                             dp=a.data_parallel_size, dist_opt=a.megatron_dist_opt,
+                             spec=a.megatron_layer_spec,
+                             bucket_size=a.megatron_ddp_bucket_size)
     except CheckpointError as e:
         print(f"convert_checkpoint.py: error: {e}", file=sys.stderr)
         return 2
-    print(f"wrote {out} (Megatron-LM torch_dist)")
+    what = f", {a.megatron_dist_opt} optimizer state" if a.megatron_dist_opt else ""
+    print(f"wrote {out} (Megatron-LM torch_dist{what})")
     return 0
 
 

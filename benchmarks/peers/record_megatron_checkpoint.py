@@ -1,12 +1,11 @@
-"""Record the Megatron-LM ``torch_dist`` fixture of tests/fixtures/peers/megatron_dist/ with the
-real megatron-core 0.16.1 on the CPU (gloo, 2 ranks, TP 2), and the distributed optimizer's
-(megatron_distopt_*: 4 ranks, TP 2 x DP 2).
+"""Record the Megatron-LM ``torch_dist`` fixture of tests/fixtures/peers/megatron_dist/ with
+megatron-core 0.16.1 on the CPU (gloo, 2 ranks, TP 2), and megatron_distopt_* (4, TP2 x DP2).
 
     OMP_NUM_THREADS=1 /work/venv-peers/bin/python benchmarks/peers/record_megatron_checkpoint.py
-    ... --format torch              (Megatron-LM's legacy format, into
-                                     tests/fixtures/peers/megatron_legacy/)
+    ... --format torch              (Megatron-LM's legacy format, into .../megatron_legacy/)
     ... --model gpt2 --out DIR      (GPT-2's family: the peer test records it on the fly)
-    ... --resume DIR/iter_N --tokens BATCHES.json --losses OUT.json   (load and continue)
+    ... --resume DIR/iter_N --tokens BATCHES.json --losses OUT.json [--resave DIR2]
+                                    (load, [save what was loaded again,] and continue)
     ... --dist-opt dp_reshardable --tp 2 --world 4
                                     (the distributed optimizer, TP 2 x DP 2, into
                                      tests/fixtures/peers/megatron_distopt_dp_reshardable/)
@@ -26,8 +25,7 @@ continues ``CONTINUE`` steps and records their losses, and checks megatron-core'
 ``dist_checkpointing.load`` of the files continues with the same losses (bit for bit).
 ``losses.json`` holds the losses, the batches' tokens and the shape. ``--format torch``
 saves Megatron-LM's legacy format instead: ``iter_0000003/mp_rank_XX/model_optim_rng.pt``
-per TP rank, the same dict with the model's and the optimizer's plain state dicts (what
-Megatron-LM's load takes back).
+per TP rank, the same dict with the model's and the optimizer's plain state dicts.
 
 The optimizer, by default: megatron-core's ``FP32Optimizer`` around torch's AdamW, stepped
 directly after the gradient clipping megatron-core's ``clip_grads`` does, in torch on the
@@ -509,13 +507,16 @@ def worker(a) -> None:
 
 def resume(a, dp: int) -> None:
     """megatron-core's ``dist_checkpointing.load`` of ``a.resume`` (an ``iter_*`` hybrid
-    exported), then the steps on ``a.tokens``' batches; their losses into ``a.losses``."""
+    exported), then the steps on ``a.tokens``' batches; their losses into ``a.losses``.
+    ``a.resave``: first, the loaded state saved there by megatron-core."""
     import torch
     import torch.distributed as dist
     with open(a.tokens) as f:
         tokens = json.load(f)
     run = Run(a.tp, dp, a.model, a.dist_opt, a.ddp_bucket_size)
     iteration = run.load(a.resume)
+    if a.resave:  # what megatron-core loaded, saved again by megatron-core before stepping
+        save(run, a.resave, iteration, "torch_dist")
     losses = [run.step(torch.tensor(b)) for b in tokens]
     if dist.get_rank() == 0:
         with open(a.losses, "w") as f:
@@ -570,6 +571,7 @@ def main() -> int:
                                     "(on the batches of --tokens, a JSON list)")
     p.add_argument("--tokens")
     p.add_argument("--losses", help="with --resume: where the losses JSON goes")
+    p.add_argument("--resave", help="with --resume: save what was loaded there first")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     a = p.parse_args()
     if a.format == "torch" and a.out == OUT:
@@ -579,7 +581,8 @@ def main() -> int:
     if a.worker:
         worker(a)
         return 0
-    more = ["--resume", a.resume, "--tokens", a.tokens, "--losses", a.losses] if a.resume else []
+    more = ["--resume", a.resume, "--tokens", a.tokens, "--losses", a.losses,
+            *(["--resave", a.resave] if a.resave else [])] if a.resume else []
     if not a.resume:
         shutil.rmtree(a.out, ignore_errors=True)
         os.makedirs(a.out)

@@ -451,3 +451,132 @@ def test_gpt2_family_distributed_optimizer_recorded_here_continues_exactly(tmp_p
                              args=(mg, str(tmp_path / "save"), 3, rec))[0]
     diff = max(abs(a - b) for a, b in zip(losses, rec["losses"]))
     assert diff <= TOL, (diff, losses, rec["losses"])
+
+
+def _imported(tmp_path, fixture: str) -> str:
+    """``fixture`` imported as a hybrid checkpoint, on this process (no training)."""
+    from hybrid.checkpoint.peers.importing import import_peer
+    rec = _record(fixture)
+    cfg = {"lr": rec["lr"], "min_lr": rec["min_lr"], "weight_decay": rec["weight_decay"],
+           "global_batch_size": rec["shape"]["micro"] * rec["dp"]}
+    return import_peer(open_peer(fixture), str(tmp_path / "hybrid"), cfg,
+                       rec["shape"]["vocab"])
+
+
+def _same_state(peer, ckpt: str) -> None:
+    """Every parameter's master and moments read from ``peer`` equal ``ckpt``'s (bit
+    for bit)."""
+    from hybrid.checkpoint import iter_full_params
+    _, params = iter_full_params(ckpt)
+    for name, cols in params:
+        back = peer.read(name)
+        assert set(cols) == {"master", "exp_avg", "exp_avg_sq"}, (name, set(cols))
+        for col, t in cols.items():
+            assert torch.equal(back[col], t), (name, col)
+
+
+def test_distributed_optimizer_export_has_megatron_s_layout_and_reads_back(tmp_path):
+    """hybrid's import of megatron-core's own dp_reshardable save, exported for the
+    run that saved it (TP 2 x DP 2, local spec, buckets of 1000): every optimizer key
+    has the chunks megatron's save has (its offsets and sizes) and the same bucket
+    sizes; read back by hybrid's reader, this export, one at TP 1 x DP 2 in one bucket
+    and a fully_reshardable one give the import's masters and moments bit for bit."""
+    from hybrid.checkpoint.peers import megatron
+    from hybrid.checkpoint.peers.megatron_files import DcpFiles
+    ckpt = _imported(tmp_path, DISTOPT["dp_reshardable"])
+    out = megatron.write(ckpt, str(tmp_path / "dp22"), tp=2, dp=2,
+                         dist_opt="dp_reshardable", bucket_size=1000)
+    mine = DcpFiles(out)
+    theirs = DcpFiles(os.path.join(DISTOPT["dp_reshardable"], "iter_0000003"))
+
+    def chunks(files: DcpFiles) -> dict:
+        return {k: (files.shape(k), sorted((tuple(c.offsets), tuple(c.sizes))
+                                           for c in v.chunks))
+                for k, v in files.tensors.items() if k.startswith("optimizer.")}
+    assert chunks(mine) == chunks(theirs) and len(chunks(mine)) == 2 * 3 * 3
+    for t in range(2):
+        for what in ("per_bucket_numel", "per_bucket_numel_unpadded"):
+            key = f"optimizer.distributed.dp_group_idx_{t}.{what}/shard_0_1"
+            assert mine.read_object(key) == theirs.read_object(key), key
+        key = f"optimizer.distributed.dp_group_idx_{t}.optimizer/shard_0_1"
+        groups = [mine.read_object(key)[0]["param_groups"],
+                  theirs.read_object(key)[0]["param_groups"]]
+        assert [[sorted(g) for g in gs] for gs in groups] == [[sorted(g) for g in groups[1]]] * 2
+    peer = open_peer(str(tmp_path / "dp22"))
+    assert peer.step == 3 and len(peer._buckets.prefixes[0]) == 3
+    _same_state(peer, ckpt)
+    for mode, tp, bucket in (("dp_reshardable", 1, None), ("fully_reshardable", 2, None)):
+        megatron.write(ckpt, str(tmp_path / mode), tp=tp, dp=2, dist_opt=mode,
+                       bucket_size=bucket)
+        back = open_peer(str(tmp_path / mode))
+        assert back.step == 3 and back.args.use_distributed_optimizer, mode
+        _same_state(back, ckpt)
+
+
+@pytest.mark.parametrize("flags,says", [
+    (["--megatron-dist-opt", "zero3"], "--megatron-dist-opt zero3: not a distributed "
+                                       "optimizer layout hybrid writes"),
+    (["--megatron-ddp-bucket-size", "1000"], "--megatron-ddp-bucket-size 1000: a positive "
+                                             "size, and only with --megatron-dist-opt"),
+    (["--megatron-dist-opt", "dp_reshardable", "--megatron-layer-spec", "te"],
+     "--megatron-layer-spec te: not one of local, transformer_engine"),
+    (["--megatron-dist-opt", "dp_reshardable", "--tensor-model-parallel-size", "3"],
+     "TP 3 does not divide it"),
+])
+def test_a_distributed_optimizer_export_it_cannot_write_is_one_line(tmp_path, capsys, flags,
+                                                                     says):
+    """An unknown layout, a bucket size without dp_reshardable, an unknown layer spec, a
+    TP that does not divide the model: exit 2, one line naming the flag, nothing
+    written."""
+    from tests.helpers.launch import script_module
+    ckpt = _imported(tmp_path, DISTOPT["dp_reshardable"])
+    out = tmp_path / "mg"
+    convert = script_module("convert_checkpoint").main
+    assert convert(["export", "--to", "megatron", ckpt, str(out), *flags]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and says in err, err
+    assert not out.exists() or not any(out.iterdir())
+
+
+@pytest.mark.peer("megatron.core")
+def test_megatron_distributed_optimizer_loads_hybrid_s_export_and_continues(tmp_path):
+    """hybrid continues megatron-core's dp_reshardable fixture at TP 1 x DP 2 (ZeRO 3),
+    saves, steps 4 more batches, and exports its save with --megatron-dist-opt
+    dp_reshardable for two runs -- TP 2 x DP 2 in buckets of 1000, TP 1 x DP 2 in one
+    bucket -- and fully_reshardable (TP 1 x DP 2).
+    megatron-core's DistributedDataParallel + DistributedOptimizer loads each
+    (benchmarks/peers/record_megatron_checkpoint.py --resume --dist-opt), saves what it
+    loaded again -- read by hybrid's reader, the masters and moments of hybrid's save,
+    bit for bit -- and steps the 4 batches: hybrid's losses within 2e-6."""
+    import subprocess
+    import sys
+
+    from tests.helpers.launch import script_module
+    rec = _record(DISTOPT["dp_reshardable"])
+    more = _more(rec)
+    save = str(tmp_path / "save")
+    _, _, losses = run_ranks(_continue, world_size=2, tp=1,
+                             args=(DISTOPT["dp_reshardable"], save, 3, rec, more))[0]
+    hybrid_losses = losses[len(rec["tokens"]):]
+    tokens = tmp_path / "tokens.json"
+    tokens.write_text(json.dumps(more))
+    convert = script_module("convert_checkpoint").main
+    for mode, tp, world, bucket in (("dp_reshardable", 2, 4, 1000), ("dp_reshardable", 1, 2, 0),
+                                    ("fully_reshardable", 1, 2, 0)):
+        out = tmp_path / f"mg_{mode}_tp{tp}"
+        assert convert(["export", "--to", "megatron", save, str(out),
+                        "--tensor-model-parallel-size", str(tp), "--data-parallel-size", "2",
+                        "--megatron-dist-opt", mode,
+                        *(["--megatron-ddp-bucket-size", str(bucket)] if bucket else [])]) == 0
+        result, again = tmp_path / f"{out.name}.json", tmp_path / f"again_{out.name}"
+        run = subprocess.run([sys.executable, RECORDER, "--resume", str(out / "iter_0000013"),
+                              "--tokens", str(tokens), "--losses", str(result),
+                              "--resave", str(again), "--dist-opt", mode,
+                              "--ddp-bucket-size", str(bucket), "--tp", str(tp),
+                              "--world", str(world)],
+                             check=False, capture_output=True, text=True, timeout=600)
+        assert run.returncode == 0, run.stderr[-3000:]
+        _same_state(open_peer(str(again)), os.path.join(save, "iter_0000013"))
+        got = json.loads(result.read_text())
+        diff = max(abs(a - b) for a, b in zip(got["losses"], hybrid_losses))
+        assert got["iteration"] == 13 and diff <= TOL, (out.name, diff, got, hybrid_losses)

@@ -19,8 +19,11 @@ scheduler's position is the iteration (hybrid's schedule is a function of it); w
 not map is a line in ``notes``.
 
 :func:`write` is the way back: a hybrid checkpoint as a ``torch_dist`` ``iter_NNNNNNN/``
-that megatron-core's ``dist_checkpointing.load`` reads into a GPTModel and its (non-
-distributed) optimizer at any TP, one parameter in memory at a time.
+that megatron-core's ``dist_checkpointing.load`` reads into a GPTModel and its optimizer:
+the non-distributed one at any TP, or the DistributedOptimizer (its ``dp_reshardable``
+buckets laid out for the loading run's TP, layer spec and bucket size, or
+``fully_reshardable``: :mod:`.megatron_distopt_export`), one parameter in memory at a
+time.
 """
 
 from __future__ import annotations
@@ -43,6 +46,7 @@ from hybrid.checkpoint.peers.megatron_files import (
     FORMAT,
     LATEST,
     LEGACY_FILE,
+    MOMENTS,
     DcpWriter,
 )
 from hybrid.checkpoint.peers.megatron_legacy import LegacyCheckpoint
@@ -106,9 +110,11 @@ def open(path: str, step: int | None = None) -> MegatronCheckpoint:  # noqa: A00
 
 # -- the way back -------------------------------------------------------------------------
 
-def _namespace(cfg: dict, meta: dict, tp: int, dp: int, vocab: int, gbs: int) -> Any:
+def _namespace(cfg: dict, meta: dict, tp: int, dp: int, vocab: int, gbs: int,
+               dist: dict) -> Any:
     """Megatron-LM's ``args`` for hybrid's flat config (the fields its
-    ``check_checkpoint_args`` and a reader use)."""
+    ``check_checkpoint_args`` and a reader use); ``dist``: the distributed optimizer's
+    fields."""
     heads = cfg["num_attention_heads"]
     groups = cfg.get("num_query_groups") or heads
     return argparse.Namespace(
@@ -132,13 +138,16 @@ def _namespace(cfg: dict, meta: dict, tp: int, dp: int, vocab: int, gbs: int) ->
         lr=cfg.get("lr"), min_lr=cfg.get("min_lr"), weight_decay=cfg.get("weight_decay"),
         adam_beta1=cfg.get("adam_beta1"), adam_beta2=cfg.get("adam_beta2"),
         adam_eps=cfg.get("adam_eps"), clip_grad=cfg.get("clip_grad"), seed=cfg.get("seed"),
-        use_distributed_optimizer=False, ckpt_format="torch_dist", fp16=False, bf16=False,
+        ckpt_format="torch_dist", fp16=False, bf16=False,
         iteration=meta["iteration"], consumed_train_samples=meta.get("consumed_samples", 0),
-        consumed_valid_samples=0)
+        consumed_valid_samples=0, **dist)
 
-def _write_tensors(w: DcpWriter, params, num_layers: int, swiglu: bool, ckpt: str) -> bool:
+def _write_tensors(w: DcpWriter, params, num_layers: int, swiglu: bool, ckpt: str,
+                   opt=None) -> bool:
     """Each parameter's columns as torch_dist's keys (the layers stacked, one chunk per
-    layer) and the linears' extra state; whether the moments were there."""
+    layer) and the linears' extra state; whether the moments were there. The optimizer
+    state: the non-distributed optimizer's ``optimizer.state.exp_avg.*`` keys, or
+    ``opt``'s (a :mod:`.megatron_distopt_export` layout, handed each parameter)."""
     moments = True
     for name, cols in params:
         try:
@@ -147,16 +156,27 @@ def _write_tensors(w: DcpWriter, params, num_layers: int, swiglu: bool, ckpt: st
             raise CheckpointError(f"{ckpt}: {name} has no place in megatron-core's GPTModel "
                                   f"(hybrid writes its dense GPT layers)") from None
         moments = moments and "exp_avg" in cols
-        for col, prefix in (("master", ""), ("exp_avg", "optimizer.state.exp_avg."),
-                            ("exp_avg_sq", "optimizer.state.exp_avg_sq.")):
-            if col not in cols:
-                continue
-            t = names.to_megatron_layout(name, cols[col], swiglu)
+
+        def place(prefix: str, t: torch.Tensor, layer=layer, key=key, name=name) -> None:
+            t = names.to_megatron_layout(name, t, swiglu)
             if layer is None:
                 w.tensor(prefix + key, list(t.shape), [0] * t.dim(), t)
             else:  # the layers stacked on a first axis, one chunk per layer
                 w.tensor(prefix + names.LAYERS_PREFIX + key, [num_layers, *t.shape],
                          [layer] + [0] * t.dim(), t.unsqueeze(0))
+        place("", cols["master"])
+        if opt is not None:
+            if not moments:
+                raise CheckpointError(f"{ckpt}: no Adam moments (saved with "
+                                      f"--no-save-optim?): the distributed optimizer's "
+                                      f"state cannot be written")
+            opt.put(w, name, cols, place)
+        else:
+            for m in MOMENTS:
+                if m in cols:
+                    place(f"optimizer.state.{m}.", cols[m])
+    if opt is not None:
+        opt.finish(w)
     for i in range(num_layers):  # the (empty) extra state megatron-core's linears load,
         for lin in names.EXTRA_STATE:  # a list of the rank's objects, as its save writes it
             w.obj(f"{names.LAYERS_PREFIX}{lin}._extra_state/shard_{i}_{num_layers}", [None])
@@ -164,31 +184,50 @@ def _write_tensors(w: DcpWriter, params, num_layers: int, swiglu: bool, ckpt: st
     return moments
 
 
-def write(hybrid_ckpt: str, out_dir: str, tp: int = 1, dp: int = 1) -> str:
+def write(hybrid_ckpt: str, out_dir: str, tp: int = 1, dp: int = 1,
+          dist_opt: str | None = None, spec: str = "local",
+          bucket_size: int | None = None) -> str:
     """A hybrid checkpoint (an ``iter_*`` directory or a ``--save`` directory's newest)
     as Megatron-LM save directory ``out_dir``: ``iter_NNNNNNN/`` in ``torch_dist`` (the
-    GPTModel's sharded keys, the layers stacked; the non-distributed optimizer's
-    ``optimizer.state.exp_avg.*`` / ``exp_avg_sq.*``, its step and two param groups --
-    decayed, and norms and biases undecayed -- in ``common.pt`` with ``args``,
-    ``iteration`` and ``opt_param_scheduler``) and ``latest_checkpointed_iteration.txt``.
-    ``tp``/``dp``: the layout recorded in ``args`` (the files load at any TP). One
-    parameter in memory at a time. Returns the iteration's directory."""
+    GPTModel's sharded keys, the layers stacked; ``common.pt`` with ``args``,
+    ``iteration``, ``opt_param_scheduler`` and the optimizer's param groups -- decayed,
+    and norms and biases undecayed -- and step) and ``latest_checkpointed_iteration.txt``.
+    The optimizer state: without ``dist_opt``, the non-distributed optimizer's
+    ``optimizer.state.exp_avg.*`` / ``exp_avg_sq.*`` (the files load at any TP; ``tp``
+    and ``dp`` are recorded in ``args``); with ``dist_opt`` ``dp_reshardable`` or
+    ``fully_reshardable``, megatron-core's DistributedOptimizer's
+    (:mod:`.megatron_distopt_export`): dp_reshardable's buckets are laid out for a run
+    at TP ``tp``, DP ``dp``, layer spec ``spec`` (``local`` or ``transformer_engine``)
+    and DDP bucket size ``bucket_size`` (None: one bucket, Megatron-LM's default without
+    ``--overlap-grad-reduce``). One parameter in memory at a time. Returns the
+    iteration's directory; CheckpointError naming the flag for a request it cannot
+    honour, before anything is written."""
     from hybrid.checkpoint import iter_full_params, resolve_checkpoint
+    from hybrid.checkpoint.peers import megatron_distopt_export as distopt
+    distopt.check(dist_opt, tp, dp, spec, bucket_size)
     ckpt = resolve_checkpoint(hybrid_ckpt)
     meta, params = iter_full_params(ckpt)
     cfg = meta.get("config") or {}
     swiglu = bool(cfg.get("swiglu"))
     it = int(meta["iteration"])
+    step = int(meta.get("step") or it)
+    shapes = meta["model"]
+    opt = (distopt.layout(dist_opt, shapes, cfg, step, tp, dp, spec, bucket_size)
+           if dist_opt else None)
     final = os.path.join(out_dir, f"iter_{it:07d}")
     if os.path.exists(final):
         raise CheckpointError(f"{final}: already exists; not overwriting it")
     iter_dir = os.path.join(out_dir, f".tmp_iter_{it:07d}")  # published whole, at the end
     shutil.rmtree(iter_dir, ignore_errors=True)
     os.makedirs(iter_dir)
-    shapes = meta["model"]
     num_layers = int(cfg["num_layers"])
-    with builtins.open(os.path.join(iter_dir, DcpWriter.REL), "wb") as f:
-        moments = _write_tensors(DcpWriter(iter_dir, f), params, num_layers, swiglu, ckpt)
+    try:
+        with builtins.open(os.path.join(iter_dir, DcpWriter.REL), "wb") as f:
+            moments = _write_tensors(DcpWriter(iter_dir, f), params, num_layers, swiglu,
+                                     ckpt, opt)
+    except CheckpointError:
+        shutil.rmtree(iter_dir, ignore_errors=True)
+        raise
     vocab = shapes["wte.weight"][0]
     gbs = int(cfg.get("global_batch_size") or 0)
     lr, min_lr = float(cfg.get("lr") or 0.0), float(cfg.get("min_lr") or 0.0)
@@ -200,13 +239,18 @@ def write(hybrid_ckpt: str, out_dir: str, tp: int = 1, dp: int = 1) -> str:
              "is_decoupled_lr": False}
     warm = int(cfg.get("lr_warmup_iters") or 0)
     decay = int(cfg.get("lr_decay_iters") or cfg.get("train_iters") or 0)
+    optimizer = opt.common() if opt is not None else {
+        "state": {"common_step": torch.tensor(float(step))} if moments else {},
+        "param_groups": [{**group, "weight_decay": wd, "wd_mult": 1.0},
+                         {**group, "weight_decay": 0.0, "wd_mult": 0.0}]}
+    dist = {"use_distributed_optimizer": bool(dist_opt),
+            "dist_ckpt_optim_fully_reshardable": dist_opt == "fully_reshardable",
+            "overlap_grad_reduce": bucket_size is not None, "ddp_bucket_size": bucket_size,
+            "transformer_impl": spec}
     common = {
-        "args": _namespace(cfg, meta, tp, dp, vocab, gbs), "checkpoint_version": 3.0,
+        "args": _namespace(cfg, meta, tp, dp, vocab, gbs, dist), "checkpoint_version": 3.0,
         "iteration": it, "num_floating_point_operations_so_far": 0,
-        "optimizer": {"state": {"common_step": torch.tensor(float(meta.get("step") or it))}
-                      if moments else {},
-                      "param_groups": [{**group, "weight_decay": wd, "wd_mult": 1.0},
-                                       {**group, "weight_decay": 0.0, "wd_mult": 0.0}]},
+        "optimizer": optimizer,
         "opt_param_scheduler": {
             "max_lr": lr, "lr_warmup_steps": warm * gbs, "num_steps": it * gbs,
             "lr_decay_style": cfg.get("lr_decay_style", "linear"),

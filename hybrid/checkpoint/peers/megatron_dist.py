@@ -32,8 +32,6 @@ _MASTER_KEYS = ("optimizer.state.fp32_param.", "optimizer.state.param.")
 _BUCKETS = "optimizer.distributed."
 _BUCKET_KEY = re.compile(r"optimizer\.distributed\.dp_group_idx_(\d+)\.gbuf_idx_(\d+)\."
                          r"dtype_(.+)\.bucket_idx_(\d+)\.(param|exp_avg|exp_avg_sq)")
-# the buffers' alignment of each parameter's start (param_and_grad_buffer.py's)
-_PARAM_ALIGN = 64
 
 
 def load_common(iter_dir: str) -> dict:
@@ -321,30 +319,22 @@ class _Buckets:
 
     def _layout(self, t: int, sizes: list[int], spec: str) -> dict | None:
         """Where each parameter of TP rank ``t`` lies, {name: (bucket key, start, stop)},
-        in megatron-core's layout under layer spec ``spec``, or None when the files'
-        chunks or bucket sizes say otherwise."""
+        in megatron-core's layout under layer spec ``spec``
+        (:func:`~.megatron_names.bucket_layout`, buckets closed at the saved unpadded
+        ``sizes``), or None when the files' chunks or bucket sizes say otherwise."""
         order = names.model_order(list(self.ckpt.shapes), spec)[::-1]  # (the buffers')
+        placed, got = names.bucket_layout(
+            [(n, self._local_numel(n)) for n in order],
+            lambda b, stop: b < len(sizes) and stop >= sizes[b])
+        if got != sizes:
+            return None
         out: dict[str, tuple[str, int, int]] = {}
-        bucket, pos, opened = 0, 0, False
-        for name in order:
-            if bucket >= len(sizes):
-                return None
-            start = -(-pos // _PARAM_ALIGN) * _PARAM_ALIGN
-            # megatron closes a bucket before a shared embedding (its unpadded size then
-            # ends at this aligned start; the fixtures, PP 1, have none)
-            if opened and start == sizes[bucket]:
-                bucket, start, opened = bucket + 1, 0, False
-                if bucket >= len(sizes):
-                    return None
-            stop = start + self._local_numel(name)
+        for name, (bucket, start, stop) in placed.items():
             prefix = self.prefixes[t][bucket]
-            if stop > sizes[bucket] or not self.files.tiles(f"{prefix}.param", start, stop):
+            if not self.files.tiles(f"{prefix}.param", start, stop):
                 return None
             out[name] = (prefix, start, stop)
-            pos, opened = stop, True
-            if stop == sizes[bucket]:
-                bucket, pos, opened = bucket + 1, 0, False
-        return out if bucket == len(sizes) and not opened else None
+        return out
 
     def read(self, name: str) -> dict[str, torch.Tensor]:
         shape = self._local_shape(name)

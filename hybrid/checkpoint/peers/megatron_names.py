@@ -26,6 +26,7 @@ read as well. Pure name and tensor functions: no torch.distributed, no megatron 
 
 from __future__ import annotations
 
+import math
 import re
 
 import torch
@@ -187,3 +188,55 @@ def merge_tp(hybrid_name: str, shards: list[torch.Tensor], swiglu: bool) -> torc
         halves = [t.reshape(2, t.shape[0] // 2, *t.shape[1:]) for t in shards]
         return torch.cat(halves, dim=1)
     return torch.cat(shards, dim=dim)
+
+
+def split_tp(hybrid_name: str, t: torch.Tensor, tp: int, swiglu: bool) -> list[torch.Tensor]:
+    """Inverse of :func:`merge_tp`: hybrid's full tensor as its ``tp`` ranks' pieces in
+    Megatron's layout (a SwiGLU ``linear_fc1`` rank: ``[its gate rows; its up rows]``);
+    a part TP does not cut is the whole tensor on every rank."""
+    dim = tp_dim(hybrid_name)
+    if dim is None or tp == 1:
+        return [to_megatron_layout(hybrid_name, t, swiglu)] * tp
+    if is_swiglu_fc(hybrid_name, swiglu):
+        return [h.reshape(-1, *h.shape[2:]) for h in t.chunk(tp, dim=1)]
+    return list(t.chunk(tp, dim=dim))
+
+
+# megatron-core's grad buffer (``_ParamAndGradBuffer`` under the distributed optimizer):
+# each parameter starts at a multiple of 64 values, and each bucket's end is padded to a
+# multiple of lcm(DP, 128) so that it splits evenly into the DP ranks' shards
+PARAM_ALIGN = 64
+BUCKET_ALIGN = 128
+
+
+def bucket_layout(numels: list[tuple[str, int]], closes
+                  ) -> tuple[dict[str, tuple[int, int, int]], list[int]]:
+    """Where megatron-core's grad buffer puts one TP rank's parameters: ``numels`` are
+    (name, TP-local numel) in the buffer's order (the GPTModel's parameter order
+    reversed, :func:`model_order`); each starts at the next multiple of
+    :data:`PARAM_ALIGN` after the one before, counted from its bucket's start, and
+    ``closes(bucket, stop)`` says whether the bucket ends after a parameter ending at
+    ``stop`` (megatron: ``stop >= bucket_size``; the last bucket ends after the last
+    parameter). Returns ({name: (bucket, start, stop)} in bucket coordinates, each
+    bucket's unpadded numel). Shared embeddings (PP > 1) are not modelled: hybrid's
+    distributed-optimizer layouts are PP 1's."""
+    out: dict[str, tuple[int, int, int]] = {}
+    sizes: list[int] = []
+    bucket, pos = 0, 0
+    for name, n in numels:
+        start = -(-pos // PARAM_ALIGN) * PARAM_ALIGN
+        out[name] = (bucket, start, start + n)
+        pos = start + n
+        if closes(bucket, pos):
+            sizes.append(pos)
+            bucket, pos = bucket + 1, 0
+    if pos:  # (the last bucket, still open)
+        sizes.append(pos)
+    return out, sizes
+
+
+def padded_bucket(unpadded: int, dp: int) -> int:
+    """A bucket's numel in the buffer at DP size ``dp`` (its end padded: each DP rank's
+    shard is ``padded // dp``)."""
+    step = math.lcm(dp, BUCKET_ALIGN)
+    return -(-unpadded // step) * step

@@ -1,0 +1,174 @@
+"""The distributed optimizer's state in hybrid's Megatron export (``export --to megatron
+--megatron-dist-opt``): what megatron-core 0.16.1's DistributedOptimizer reads back.
+
+* ``dp_reshardable`` (Megatron-LM's default with ``--use-distributed-optimizer``): per TP
+  rank ``T`` (its DP group's index, PP 1), per bucket ``B`` of its grad buffer, one flat
+  fp32 tensor per column, ``optimizer.distributed.dp_group_idx_T.gbuf_idx_0.dtype_<pair>.
+  bucket_idx_B.{param,exp_avg,exp_avg_sq}`` of the bucket's unpadded length, each
+  parameter's TP-local piece at the place megatron-core's buffer gives it
+  (:func:`~.megatron_names.bucket_layout`, the same function the reader maps these files
+  with), cut where the DP ranks' shards meet, and the gaps (alignment padding) as zero
+  chunks; beside them the objects its load takes (``per_bucket_numel``,
+  ``per_bucket_numel_unpadded`` -- the load asserts the latter equals its own buffer's --
+  and ``optimizer``, the param groups with their ``step``).
+* ``fully_reshardable`` (``--dist-ckpt-optim-fully-reshardable``): model-shaped
+  ``optimizer.state.{param,exp_avg,exp_avg_sq}.<key>``, the param groups in
+  ``common.pt``.
+
+The bucket layout depends on the run that loads it: its TP size, layer spec (the
+parameter order) and DDP bucket size (``--overlap-grad-reduce --ddp-bucket-size``;
+without overlap, one bucket); the DP size sets only the padding and the chunks. Only an
+fp32 run's buffer (``dtype_(torch.float32, torch.float32)``) is written.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from hybrid.checkpoint.peers import megatron_names as names
+from hybrid.checkpoint.peers.megatron_files import DcpWriter
+from hybrid.errors import CheckpointError
+
+MODES = ("dp_reshardable", "fully_reshardable")
+SPECS = tuple(names.LAYER_ORDER)
+# the one grad buffer written: an fp32 run's (param dtype, grad dtype) and its key's text
+DTYPES = (torch.float32, torch.float32)
+_COLUMNS = (("master", "param"), ("exp_avg", "exp_avg"), ("exp_avg_sq", "exp_avg_sq"))
+
+
+def check(mode: str | None, tp: int, dp: int, spec: str, bucket_size: int | None) -> None:
+    """One CheckpointError naming the flag for a request :func:`write` cannot honour."""
+    if mode is not None and mode not in MODES:
+        raise CheckpointError(f"--megatron-dist-opt {mode}: not a distributed optimizer "
+                              f"layout hybrid writes ({', '.join(MODES)})")
+    if spec not in SPECS:
+        raise CheckpointError(f"--megatron-layer-spec {spec}: not one of {', '.join(SPECS)}")
+    if tp < 1 or dp < 1:
+        raise CheckpointError(f"--tensor-model-parallel-size {tp} / --data-parallel-size "
+                              f"{dp}: each must be at least 1")
+    if bucket_size is not None and (mode != "dp_reshardable" or bucket_size < 1):
+        raise CheckpointError(f"--megatron-ddp-bucket-size {bucket_size}: a positive size, "
+                              f"and only with --megatron-dist-opt dp_reshardable (the other "
+                              f"layouts do not depend on the buckets)")
+
+
+def param_groups(cfg: dict, step: int) -> list[dict]:
+    """megatron-core's two param groups (decayed; norms and biases undecayed), as its
+    DistributedOptimizer's ``state_dict()`` records them: the keys its load matches
+    groups by (``wd_mult``, ``lr_mult``, ``is_expert_parallel``, ``is_decoupled_lr``),
+    the scheduler's (``max_lr``, ``min_lr``) and torch AdamW's, ``step`` included."""
+    lr, wd = float(cfg.get("lr") or 0.0), float(cfg.get("weight_decay") or 0.0)
+    group = {"is_expert_parallel": False, "default_config": True, "lr_mult": 1.0,
+             "is_decoupled_lr": False, "max_lr": lr, "min_lr": float(cfg.get("min_lr") or 0.0),
+             "lr": lr, "betas": (cfg.get("adam_beta1", 0.9), cfg.get("adam_beta2", 0.999)),
+             "eps": cfg.get("adam_eps", 1e-8), "amsgrad": False, "maximize": False,
+             "foreach": None, "capturable": False, "differentiable": False, "fused": None,
+             "decoupled_weight_decay": True, "step": float(step)}
+    return [{**group, "wd_mult": 1.0, "weight_decay": wd},
+            {**group, "wd_mult": 0.0, "weight_decay": 0.0}]
+
+
+class FullyReshardable:
+    """``fully_reshardable``: each parameter's master and moments model-shaped, under
+    ``optimizer.state.{param,exp_avg,exp_avg_sq}.``; :meth:`put` is handed each
+    parameter's (megatron-layout) columns by the model writer."""
+
+    def __init__(self, groups: list[dict]):
+        self.groups = groups
+
+    def put(self, w: DcpWriter, name: str, cols: dict, place: Callable) -> None:
+        for col, saved in _COLUMNS:
+            place(f"optimizer.state.{saved}.", cols[col])
+
+    def finish(self, w: DcpWriter) -> None:
+        pass  # (nothing beyond the parameters' own keys)
+
+    def common(self) -> dict:
+        """``common.pt``'s ``optimizer``."""
+        return {"optimizer": {"param_groups": self.groups},
+                "param_state_sharding_type": "fully_reshardable"}
+
+
+class DpReshardable:
+    """``dp_reshardable``: megatron-core's buckets per TP rank (the module docstring).
+    ``shapes``: hybrid's full shapes of every parameter (the layout needs them all
+    before the first is written). One parameter's columns in memory at a time; the
+    gaps are written by :meth:`finish`."""
+
+    def __init__(self, shapes: dict[str, list[int]], tp: int, dp: int, spec: str,
+                 bucket_size: int | None, swiglu: bool, groups: list[dict]):
+        self.tp, self.dp, self.swiglu, self.groups = tp, dp, swiglu, groups
+        local = []
+        for name in names.model_order(list(shapes), spec)[::-1]:  # (the buffer's order)
+            n = 1
+            for d in shapes[name]:
+                n *= d
+            dim = names.tp_dim(name)
+            if dim is not None and shapes[name][dim + names.is_swiglu_fc(name, swiglu)] % tp:
+                raise CheckpointError(f"{name} {shapes[name]}: TP {tp} does not divide it "
+                                      f"(--tensor-model-parallel-size)")
+            local.append((name, n // tp if dim is not None else n))
+        self.place, self.unpadded = names.bucket_layout(
+            local, lambda b, stop: bucket_size is not None and stop >= bucket_size)
+        self.padded = [names.padded_bucket(n, dp) for n in self.unpadded]
+        self.written: list[list[tuple[int, int]]] = [[] for _ in self.unpadded]
+
+    def key(self, t: int, bucket: int, col: str) -> str:
+        return (f"optimizer.distributed.dp_group_idx_{t}.gbuf_idx_0.dtype_{DTYPES}."
+                f"bucket_idx_{bucket}.{col}")
+
+    def _pieces(self, bucket: int, start: int, stop: int) -> list[tuple[int, int]]:
+        """``[start, stop)`` of ``bucket`` cut where the DP ranks' shards meet (megatron
+        saves each rank's piece as a chunk of its own)."""
+        shard = self.padded[bucket] // self.dp
+        cuts = [start, *range((start // shard + 1) * shard, stop, shard), stop]
+        return list(zip(cuts[:-1], cuts[1:]))
+
+    def put(self, w: DcpWriter, name: str, cols: dict, place: Callable) -> None:
+        bucket, start, stop = self.place[name]
+        for col, saved in _COLUMNS:
+            flats = [p.reshape(-1) for p in names.split_tp(name, cols[col], self.tp,
+                                                           self.swiglu)]
+            for t, flat in enumerate(flats):
+                for a, b in self._pieces(bucket, start, stop):
+                    w.tensor(self.key(t, bucket, saved), [self.unpadded[bucket]], [a],
+                             flat[a - start:b - start])
+        self.written[bucket].append((start, stop))
+
+    def finish(self, w: DcpWriter) -> None:
+        """The gaps between parameters as zero chunks (megatron's load reads them), and
+        the objects of each TP rank's DP group."""
+        for bucket, spans in enumerate(self.written):
+            at = 0
+            for start, stop in [*sorted(spans), (self.unpadded[bucket], 0)]:
+                for a, b in self._pieces(bucket, at, start) if start > at else []:
+                    for t in range(self.tp):
+                        for _, saved in _COLUMNS:
+                            w.tensor(self.key(t, bucket, saved), [self.unpadded[bucket]],
+                                     [a], torch.zeros(b - a))
+                at = max(at, stop)
+        for t in range(self.tp):
+            prefix = f"optimizer.distributed.dp_group_idx_{t}."
+            # (a ShardedObject of one shard, as a list of the saving rank's objects)
+            w.obj(f"{prefix}per_bucket_numel/shard_0_1", [[{DTYPES: list(self.padded)}]])
+            w.obj(f"{prefix}per_bucket_numel_unpadded/shard_0_1",
+                  [[{DTYPES: list(self.unpadded)}]])
+            w.obj(f"{prefix}optimizer/shard_0_1", [{"param_groups": self.groups}])
+
+    def common(self) -> dict:
+        """``common.pt``'s ``optimizer`` (the param groups are in the objects)."""
+        return {"param_state_sharding_type": "dp_reshardable"}
+
+
+def layout(mode: str, shapes: dict[str, list[int]], cfg: dict, step: int, tp: int,
+           dp: int, spec: str, bucket_size: int | None):
+    """The writer of ``mode``'s optimizer state (:func:`check` first)."""
+    groups = param_groups(cfg, step)
+    if mode == "fully_reshardable":
+        return FullyReshardable(groups)
+    return DpReshardable(shapes, tp, dp, spec, bucket_size, bool(cfg.get("swiglu")), groups)
+
+
+__all__ = ["MODES", "SPECS", "check", "layout", "param_groups"]
