@@ -11,6 +11,9 @@ megatron-core 0.16.1 on the CPU (gloo, 2 ranks, TP 2), and megatron_distopt_* (4
                                      tests/fixtures/peers/megatron_distopt_dp_reshardable/)
     ... --dist-opt fully_reshardable --ddp-bucket-size 0 --tp 2 --world 4
                                     (into .../megatron_distopt_fully_reshardable/)
+    ... --dist-opt dp_reshardable --tp 2 --world 4 --bf16
+                                    (Megatron-LM's --bf16, into
+                                     .../megatron_distopt_dp_reshardable_bf16/)
 
 A tiny Llama-shaped GPT (RMSNorm, SwiGLU, RoPE, GQA, no biases, untied output) of
 megatron-core's ``GPTModel`` (local layer spec, ../shared/BENCHMARKS.md's CPU patches) is
@@ -55,6 +58,15 @@ dp_reshardable's overwrites it with the dummy's 1; fully_reshardable's raises Ke
 'step' at line 940 without :func:`keep_own_step`). Without the last, the reload's losses
 moved by up to 8.3e-4 from the uninterrupted run's; with them they are bit-equal.
 
+``--bf16`` (with ``--dist-opt``): Megatron-LM's ``--bf16`` run -- the GPTModel built in
+bf16 inside megatron-core's ``Float16Module`` (fp32 logits out), DDP reducing the grads
+in fp32 (``grad_reduce_in_fp32``: ``--accumulate-allreduce-grads-in-fp32``, which
+Megatron-LM turns on under ``--bf16``) and the DistributedOptimizer stepping fp32 masters
+of the bf16 params (its ``Float16`` path); its buffer's keys are
+``dtype_(torch.bfloat16, torch.float32)``, the weights bf16, the buckets' columns fp32.
+It runs on the CPU and gloo with the patches above and no others, and megatron-core's own
+reload continues bit for bit.
+
 Not recorded: ``fully_sharded_model_space`` -- megatron-core 0.16.1 cannot save it
 (``ShardedTensor.validate_metadata_integrity`` raises "ShardedTensor.flattened_range is not
 supported", dist_checkpointing/mapping.py:134, for the flattened ranges it builds); and
@@ -68,7 +80,6 @@ here): the fixture is saved with one bucket, Megatron-LM's default without
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import shutil
@@ -76,6 +87,15 @@ import subprocess
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+from benchmarks.peers.megatron_cpu_optim import (  # noqa: E402
+    cpu_tensors_as_cuda,
+    cuda_as_cpu,
+    keep_own_step,
+)
+
 OUT = os.path.join(ROOT, "tests", "fixtures", "peers", "megatron_dist")
 # (small: the fixtures are committed; query_groups: the Llama's)
 SHAPE = dict(num_layers=2, hidden_size=16, heads=4, query_groups=2, ffn=32, vocab=64,
@@ -101,76 +121,6 @@ def batches(n: int, gbs: int, seed: int):
             for _ in range(n)]
 
 
-@contextlib.contextmanager
-def cuda_as_cpu():
-    """``device='cuda'`` -> the CPU in torch's factories, while megatron-core's optimizer
-    wrapper is built (it allocates its loss scale there)."""
-    import torch
-    saved = {n: getattr(torch, n) for n in ("tensor", "zeros", "ones", "empty")}
-
-    def wrap(f):
-        def g(*a, **k):
-            if str(k.get("device", "")).startswith("cuda"):
-                k["device"] = "cpu"
-            return f(*a, **k)
-        return g
-    for n, f in saved.items():
-        setattr(torch, n, wrap(f))
-    try:
-        yield
-    finally:
-        for n, f in saved.items():
-            setattr(torch, n, f)
-
-
-@contextlib.contextmanager
-def cpu_tensors_as_cuda():
-    """The distributed optimizer's CPU patches, on top of :func:`cuda_as_cpu`: a CPU
-    tensor's ``type()`` (no argument) names its CUDA type (its constructor accepts
-    ``torch.cuda.FloatTensor`` parameters only, and its step checks the grads' type), and
-    ``Tensor.cuda()`` is the tensor itself (its fully_reshardable save moves each DP rank's
-    flat shard there to all-gather it). No number changes."""
-    import torch
-    saved_type, saved_cuda = torch.Tensor.type, torch.Tensor.cuda
-
-    def type_(self, *a, **k):
-        out = saved_type(self, *a, **k)
-        if not a and not k and out.startswith("torch.") and not out.startswith("torch.cuda."):
-            return "torch.cuda." + out[len("torch."):]
-        return out
-    torch.Tensor.type = type_  # type: ignore[method-assign]
-    torch.Tensor.cuda = lambda self, *a, **k: self  # type: ignore[method-assign]
-    try:
-        with cuda_as_cpu():
-            yield
-    finally:
-        torch.Tensor.type, torch.Tensor.cuda = saved_type, saved_cuda  # type: ignore[method-assign]
-
-
-@contextlib.contextmanager
-def keep_own_step():
-    """The distributed optimizer's fully_reshardable load, with torch's AdamW: it copies
-    every entry of a parameter's optimizer state from the checkpoint's, ``step`` included,
-    which the checkpoint's does not hold (KeyError 'step', distrib_optimizer.py:940); the
-    state's own ``step`` is handed back to it instead (:meth:`Run._restore_steps` sets it
-    right after). dp_reshardable's source holds one: nothing changes there."""
-    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
-    saved = DistributedOptimizer._set_main_param_and_optimizer_states
-
-    def set_states(self, model_param, tensors):
-        group_index, group_order = self.model_param_group_index_map[model_param]
-        main = self.optimizer.param_groups[group_index]["params"][group_order]
-        own = self.optimizer.state[main]
-        if "step" in own and "step" not in tensors:
-            tensors = {**tensors, "step": own["step"]}
-        return saved(self, model_param, tensors)
-    DistributedOptimizer._set_main_param_and_optimizer_states = set_states
-    try:
-        yield
-    finally:
-        DistributedOptimizer._set_main_param_and_optimizer_states = saved
-
-
 def sharded_metadata(dist_opt: str | None) -> dict:
     """The ``metadata`` Megatron-LM's save_checkpoint hands the sharded state dicts: the
     distributed optimizer's sharding type (``dp_reshardable``, its default, or
@@ -182,9 +132,10 @@ def sharded_metadata(dist_opt: str | None) -> dict:
 
 
 def megatron_args(tp: int, dp: int, iteration: int, arch: str, dist_opt: str | None = None,
-                  bucket: int = 0):
+                  bucket: int = 0, bf16: bool = False):
     """The Namespace Megatron-LM's ``save_checkpoint`` stores as ``args`` (the fields a
-    reader of the checkpoint uses)."""
+    reader of the checkpoint uses); ``bf16``: Megatron-LM's ``--bf16``, which turns on
+    ``--accumulate-allreduce-grads-in-fp32``."""
     s, m = SHAPE, ARCH[arch]
     return argparse.Namespace(
         num_layers=s["num_layers"], hidden_size=s["hidden_size"],
@@ -205,12 +156,13 @@ def megatron_args(tp: int, dp: int, iteration: int, arch: str, dist_opt: str | N
         lr_warmup_iters=WARMUP, lr_decay_iters=DECAY, lr_warmup_init=0.0,
         weight_decay=WD, start_weight_decay=WD, end_weight_decay=WD,
         weight_decay_incr_style="constant", adam_beta1=0.9, adam_beta2=BETA2,
-        adam_eps=EPS, clip_grad=CLIP, seed=SEED, fp16=False, bf16=False,
-        params_dtype="torch.float32", use_distributed_optimizer=bool(dist_opt),
+        adam_eps=EPS, clip_grad=CLIP, seed=SEED, fp16=False, bf16=bf16,
+        params_dtype="torch.bfloat16" if bf16 else "torch.float32",
+        use_distributed_optimizer=bool(dist_opt),
         dist_ckpt_optim_fully_reshardable=dist_opt == "fully_reshardable",
         overlap_grad_reduce=bool(dist_opt and bucket),
         ddp_bucket_size=bucket if dist_opt and bucket else None,
-        accumulate_allreduce_grads_in_fp32=False, transformer_impl="local",
+        accumulate_allreduce_grads_in_fp32=bf16, transformer_impl="local",
         ckpt_format="torch_dist",
         iteration=iteration, consumed_train_samples=iteration * s["micro"] * dp,
         consumed_valid_samples=0, train_iters=SAVE_AT + CONTINUE, skipped_train_samples=0)
@@ -220,7 +172,7 @@ class Run:
     """megatron-core's GPTModel, its optimizer wrapper and scheduler on this rank."""
 
     def __init__(self, tp: int, dp: int, arch: str, dist_opt: str | None = None,
-                 bucket: int = BUCKET):
+                 bucket: int = BUCKET, bf16: bool = False):
         import torch
         import torch.nn.functional as F
         from megatron.core import parallel_state
@@ -232,7 +184,8 @@ class Run:
         s, m = SHAPE, ARCH[arch]
         self.torch, self.tp, self.dp, self.arch = torch, tp, dp, arch
         self.dist_opt, self.meta = dist_opt, sharded_metadata(dist_opt)
-        self.bucket = bucket
+        self.bucket, self.bf16 = bucket, bf16
+        dtype = torch.bfloat16 if bf16 else torch.float32
         torch.manual_seed(SEED)
         cfg = TransformerConfig(
             num_layers=s["num_layers"], hidden_size=s["hidden_size"],
@@ -241,7 +194,7 @@ class Run:
             normalization=m["normalization"], layernorm_epsilon=1e-5,
             gated_linear_unit=m["swiglu"], activation_func=F.silu if m["swiglu"] else F.gelu,
             add_bias_linear=m["bias"], hidden_dropout=0.0,
-            attention_dropout=0.0, init_method_std=0.02, params_dtype=torch.float32,
+            attention_dropout=0.0, init_method_std=0.02, params_dtype=dtype, bf16=bf16,
             use_cpu_initialization=True, bias_activation_fusion=False,
             masked_softmax_fusion=False, bias_dropout_fusion=False, apply_rope_fusion=False,
             gradient_accumulation_fusion=False, persist_layer_norm=False)
@@ -251,6 +204,9 @@ class Run:
                               vocab_size=s["vocab"], max_sequence_length=s["seq_length"],
                               share_embeddings_and_output_weights=m["tied"],
                               position_embedding_type=m["position"], rotary_base=10000)
+        if bf16:  # Megatron-LM's --bf16 model: bf16 params, fp32 logits out
+            from megatron.core.transformer.module import Float16Module
+            self.model = Float16Module(cfg, self.model)
         self.model.train()
         gbs = s["micro"] * dp
         if dist_opt:
@@ -314,11 +270,14 @@ class Run:
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
         self.ddp = DistributedDataParallel(cfg, DistributedDataParallelConfig(
             use_distributed_optimizer=True, overlap_grad_reduce=bool(self.bucket),
+            # (Megatron-LM's --bf16 default: --accumulate-allreduce-grads-in-fp32)
+            grad_reduce_in_fp32=self.bf16,
             bucket_size=self.bucket or None), self.model)
         with cpu_tensors_as_cuda():
             self.opt = get_megatron_optimizer(OptimizerConfig(
                 optimizer="adam", lr=LR, min_lr=MIN_LR, weight_decay=WD, adam_beta1=0.9,
-                adam_beta2=BETA2, adam_eps=EPS, clip_grad=CLIP, use_distributed_optimizer=True),
+                adam_beta2=BETA2, adam_eps=EPS, clip_grad=CLIP, use_distributed_optimizer=True,
+                bf16=self.bf16, params_dtype=self.ddp.config.params_dtype),
                 [self.ddp])
 
     def _restore_steps(self) -> None:
@@ -404,7 +363,7 @@ class Run:
         else:
             optimizer = self.opt.sharded_state_dict(model_sd)
         return {"args": megatron_args(self.tp, self.dp, iteration, self.arch, self.dist_opt,
-                                      self.bucket),
+                                      self.bucket, self.bf16),
                 "checkpoint_version": 3.0,
                 "iteration": iteration, "model": model_sd,
                 "optimizer": optimizer,
@@ -485,7 +444,7 @@ def save(run: Run, save_dir: str, iteration: int, fmt: str) -> str:
 def worker(a) -> None:
     import torch
     import torch.distributed as dist
-    sys.path.insert(0, ROOT)
+
     from benchmarks.peers.megatron_side import patch_megatron_for_cpu
     torch.set_num_threads(1)
     patch_megatron_for_cpu()
@@ -513,7 +472,7 @@ def resume(a, dp: int) -> None:
     import torch.distributed as dist
     with open(a.tokens) as f:
         tokens = json.load(f)
-    run = Run(a.tp, dp, a.model, a.dist_opt, a.ddp_bucket_size)
+    run = Run(a.tp, dp, a.model, a.dist_opt, a.ddp_bucket_size, a.bf16)
     iteration = run.load(a.resume)
     if a.resave:  # what megatron-core loaded, saved again by megatron-core before stepping
         save(run, a.resave, iteration, "torch_dist")
@@ -525,13 +484,13 @@ def resume(a, dp: int) -> None:
 
 def record(a, dp: int) -> None:
     import torch.distributed as dist
-    run = Run(a.tp, dp, a.model, a.dist_opt, a.ddp_bucket_size)
+    run = Run(a.tp, dp, a.model, a.dist_opt, a.ddp_bucket_size, a.bf16)
     data = batches(SAVE_AT + CONTINUE, SHAPE["micro"] * dp, seed=7)
     first = [run.step(b) for b in data[:SAVE_AT]]
     save(run, a.out, SAVE_AT, a.format)
     losses = [run.step(b) for b in data[SAVE_AT:]]
     # megatron-core's own load of the files continues the same
-    again = Run(a.tp, dp, a.model, a.dist_opt, a.ddp_bucket_size)
+    again = Run(a.tp, dp, a.model, a.dist_opt, a.ddp_bucket_size, a.bf16)
     load = again.load if a.format == "torch_dist" else again.load_legacy
     assert load(os.path.join(a.out, f"iter_{SAVE_AT:07d}")) == SAVE_AT
     reloaded = [again.step(b) for b in data[SAVE_AT:]]
@@ -541,7 +500,7 @@ def record(a, dp: int) -> None:
         with open(os.path.join(a.out, "losses.json"), "w") as f:
             json.dump({"megatron_core": __import__("megatron.core").core.__version__,
                        "format": a.format, "model": a.model, "tp": a.tp, "dp": dp,
-                       "distributed_optimizer": a.dist_opt,
+                       "distributed_optimizer": a.dist_opt, "bf16": a.bf16,
                        "ddp_bucket_size": a.ddp_bucket_size if a.dist_opt else None,
                        "iteration": SAVE_AT,
                        "shape": SHAPE, "query_groups": ARCH[a.model]["query_groups"],
@@ -567,6 +526,9 @@ def main() -> int:
     p.add_argument("--ddp-bucket-size", type=int, default=BUCKET,
                    help="with --dist-opt: DDP's bucket size under --overlap-grad-reduce; 0: "
                         "Megatron-LM's default (no overlap: one bucket)")
+    p.add_argument("--bf16", action="store_true",
+                   help="with --dist-opt: Megatron-LM's --bf16 (bf16 params, fp32 masters, "
+                        "grads reduced in fp32), into ..._<type>_bf16 by default")
     p.add_argument("--resume", help="instead: an iter_* directory to load and continue "
                                     "(on the batches of --tokens, a JSON list)")
     p.add_argument("--tokens")
@@ -577,7 +539,10 @@ def main() -> int:
     if a.format == "torch" and a.out == OUT:
         a.out = LEGACY_OUT
     if a.dist_opt and a.out == OUT:
-        a.out = os.path.join(os.path.dirname(OUT), f"megatron_distopt_{a.dist_opt}")
+        a.out = os.path.join(os.path.dirname(OUT), f"megatron_distopt_{a.dist_opt}"
+                             + ("_bf16" if a.bf16 else ""))
+    if a.bf16 and not a.dist_opt:
+        p.error("--bf16 is recorded with --dist-opt only (megatron-core's DistributedOptimizer)")
     if a.worker:
         worker(a)
         return 0
@@ -592,7 +557,8 @@ def main() -> int:
                             "--worker", "--out", a.out, "--tp", str(a.tp), "--model", a.model,
                             "--format", a.format, *more,
                             "--ddp-bucket-size", str(a.ddp_bucket_size),
-                            *(["--dist-opt", a.dist_opt] if a.dist_opt else [])],
+                            *(["--dist-opt", a.dist_opt] if a.dist_opt else []),
+                            *(["--bf16"] if a.bf16 else [])],
                            env=env, cwd=ROOT)
 
 
