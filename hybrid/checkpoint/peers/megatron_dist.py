@@ -30,6 +30,7 @@ _MASTER_KEYS = ("optimizer.state.fp32_param.", "optimizer.state.param.")
 # the distributed optimizer's dp_reshardable state: per TP x PP rank (its DP group's index),
 # per grad buffer and dtype, per bucket, one flat tensor of each column
 _BUCKETS = "optimizer.distributed."
+_PAIRS = tuple(str(p) for p in names.BUFFER_DTYPES)  # (as the keys spell them)
 _BUCKET_KEY = re.compile(r"optimizer\.distributed\.dp_group_idx_(\d+)\.gbuf_idx_(\d+)\."
                          r"dtype_(.+)\.bucket_idx_(\d+)\.(param|exp_avg|exp_avg_sq)")
 
@@ -226,7 +227,10 @@ class _Buckets:
     ``--use-distributed-optimizer``): for each TP rank (``dp_group_idx_T``, PP 1), its
     grad buffer's buckets, each saved as one flat tensor per column (``param``, the fp32
     master; ``exp_avg``; ``exp_avg_sq``) of the bucket's length without its end padding,
-    each DP rank's shard of it at its place.
+    each DP rank's shard of it at its place. The buffer's key names its (param, grad)
+    dtype pair: an fp32 run's or a bf16 run's (:data:`~.megatron_names.BUFFER_DTYPES`;
+    the columns are fp32 in each, and the layout is the same); another pair, or two, is
+    one error naming the key.
 
     Where a parameter lies is megatron-core's ``_ParamAndGradBuffer`` layout, derived
     here: the TP rank's parameters (their TP-local sizes, from the model's keys) in the
@@ -249,6 +253,9 @@ class _Buckets:
                     raise CheckpointError(f"{where}: {key}: a distributed optimizer key "
                                           f"hybrid does not read")
                 continue
+            if m.group(3) not in _PAIRS:
+                raise CheckpointError(f"{where}: {key}: a grad buffer of dtypes "
+                                      f"{m.group(3)}; hybrid reads {', '.join(_PAIRS)}")
             if m.group(2) != "0":
                 raise CheckpointError(f"{where}: {key}: a second grad buffer (another "
                                       f"dtype, or expert parallel): hybrid reads a dense "
@@ -261,6 +268,11 @@ class _Buckets:
                                   f"{sorted(buckets)} at TP {tp} x PP {pp}: hybrid reads "
                                   f"its dp_reshardable layout at PP 1 (one group per TP rank)")
         self.tp = tp
+        self.dtypes = {key.split(".dtype_", 1)[1].split(".bucket_idx_")[0]
+                       for b in buckets.values() for key in b.values()}
+        if len(self.dtypes) != 1:
+            raise CheckpointError(f"{where}: the TP ranks' buffers have dtypes "
+                                  f"{sorted(self.dtypes)}: one run saves one pair")
         self.prefixes = {t: [b[i] for i in range(len(b))] for t, b in buckets.items()}
         objects = set(self.files.objects)
 
@@ -284,6 +296,10 @@ class _Buckets:
                 raise CheckpointError(f"{where}: dp_group_idx_{t}.per_bucket_numel_unpadded "
                                       f"{unpadded!r}: hybrid reads one grad buffer of one "
                                       f"dtype")
+            if {str(k) for k in counts} != self.dtypes:
+                raise CheckpointError(f"{where}: dp_group_idx_{t}.per_bucket_numel_unpadded "
+                                      f"is of dtypes {list(counts)}, its buckets' keys of "
+                                      f"{sorted(self.dtypes)}")
             sizes = [int(n) for n in next(iter(counts.values()))]
             if len(sizes) != len(self.prefixes[t]):
                 raise CheckpointError(f"{where}: dp_group_idx_{t}: {len(sizes)} buckets in "

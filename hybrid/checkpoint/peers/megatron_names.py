@@ -202,6 +202,23 @@ def split_tp(hybrid_name: str, t: torch.Tensor, tp: int, swiglu: bool) -> list[t
     return list(t.chunk(tp, dim=dim))
 
 
+# the grad buffers' (param dtype, grad dtype) pairs hybrid reads and writes, as megatron-core
+# names them in its dp_reshardable keys (``dtype_(torch.bfloat16, torch.float32)``): an fp32
+# run's, and a bf16 run's with its grads reduced in fp32 (Megatron-LM's default under --bf16,
+# --accumulate-allreduce-grads-in-fp32) or in bf16. The optimizer state is fp32 in each;
+# only the key and the model's weights differ
+BUFFER_DTYPES = ((torch.float32, torch.float32), (torch.bfloat16, torch.float32),
+                 (torch.bfloat16, torch.bfloat16))
+
+
+def buffer_dtypes(bf16: bool, grads_in_fp32: bool) -> tuple[torch.dtype, torch.dtype]:
+    """The grad buffer's (param dtype, grad dtype) of a run in bf16 or fp32 (one of
+    :data:`BUFFER_DTYPES`)."""
+    if not bf16:
+        return (torch.float32, torch.float32)
+    return (torch.bfloat16, torch.float32 if grads_in_fp32 else torch.bfloat16)
+
+
 # megatron-core's grad buffer (``_ParamAndGradBuffer`` under the distributed optimizer):
 # each parameter starts at a multiple of 64 values, and each bucket's end is padded to a
 # multiple of lcm(DP, 128) so that it splits evenly into the DP ranks' shards
