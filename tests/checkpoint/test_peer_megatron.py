@@ -16,6 +16,7 @@ from __future__ import annotations
 import enum
 import json
 import os
+import re
 import shutil
 
 import pytest
@@ -59,6 +60,7 @@ def _flags(rec: dict, ps, zero_stage: int, micro: int):
                  lr_decay_iters=rec["decay_iters"], weight_decay=rec["weight_decay"],
                  clip_grad=rec["clip_grad"], adam_beta1=0.9, adam_beta2=rec["adam_beta2"],
                  adam_eps=rec["adam_eps"], zero_stage=zero_stage, seed=1234,
+                 bf16=bool(rec.get("bf16")),
                  make_vocab_size_divisible_by=rec["shape"]["vocab"] // ps.tp_size)
 
 
@@ -454,11 +456,14 @@ def test_gpt2_family_distributed_optimizer_recorded_here_continues_exactly(tmp_p
 
 
 def _imported(tmp_path, fixture: str) -> str:
-    """``fixture`` imported as a hybrid checkpoint, on this process (no training)."""
+    """``fixture`` imported as a hybrid checkpoint, on this process (no training); a bf16
+    run's as a bf16 run's (reducing its grads in fp32, hybrid's default)."""
     from hybrid.checkpoint.peers.importing import import_peer
     rec = _record(fixture)
     cfg = {"lr": rec["lr"], "min_lr": rec["min_lr"], "weight_decay": rec["weight_decay"],
-           "global_batch_size": rec["shape"]["micro"] * rec["dp"]}
+           "global_batch_size": rec["shape"]["micro"] * rec["dp"],
+           **({"bf16": True, "accumulate_allreduce_grads_in_fp32": True}
+              if rec.get("bf16") else {})}
     return import_peer(open_peer(fixture), str(tmp_path / "hybrid"), cfg,
                        rec["shape"]["vocab"])
 
@@ -473,6 +478,111 @@ def _same_state(peer, ckpt: str) -> None:
         assert set(cols) == {"master", "exp_avg", "exp_avg_sq"}, (name, set(cols))
         for col, t in cols.items():
             assert torch.equal(back[col], t), (name, col)
+
+
+def _chunks(files) -> dict:
+    """Each optimizer key's full shape and its chunks' (offsets, sizes)."""
+    return {k: (files.shape(k), sorted((tuple(c.offsets), tuple(c.sizes)) for c in v.chunks))
+            for k, v in files.tensors.items() if k.startswith("optimizer.")}
+
+
+DISTOPT_BF16 = DISTOPT["dp_reshardable"] + "_bf16"
+
+
+def test_a_bf16_distributed_optimizer_save_reads_its_fp32_masters_and_moments():
+    """megatron-core's --bf16 DistributedOptimizer save (TP 2 x DP 2, buckets of 1000):
+    its buffer's keys are ``dtype_(torch.bfloat16, torch.float32)`` (bf16 params, grads
+    reduced in fp32), its weights bf16; hybrid reads the fp32 masters from the buckets --
+    each rounds to the saved bf16 weight bit for bit and is not it (the masters are
+    finer) -- and the moments, fp32."""
+    from hybrid.checkpoint.peers import megatron_names as names
+    rec = _record(DISTOPT_BF16)
+    assert rec["bf16"] and (rec["tp"], rec["dp"]) == (2, 2)
+    peer = open_peer(DISTOPT_BF16)
+    assert peer.step == 3 and peer.columns == ("master", "exp_avg", "exp_avg_sq")
+    assert peer._buckets.dtypes == {"(torch.bfloat16, torch.float32)"}
+    assert len(peer._buckets.prefixes[0]) == 3
+    finer = 0
+    for name in peer.shapes:
+        key, layer = peer._keys[name]
+        assert peer.files.tensors[key].properties.dtype == torch.bfloat16, key
+        weight = names.to_hybrid_layout(name, peer.files.read(key, layer), peer.swiglu)
+        got = peer.read(name)
+        assert all(t.dtype == torch.float32 for t in got.values()), name
+        assert torch.equal(got["master"].bfloat16().float(), weight), name
+        finer += not torch.equal(got["master"], weight)
+        assert got["exp_avg_sq"].min() >= 0 and got["exp_avg"].abs().max() > 0, name
+    assert finer == len(peer.shapes)
+
+
+def _renamed(tmp_path, fixture: str, rename) -> str:
+    """A copy of ``fixture`` whose DCP keys are ``rename(key)``."""
+    import pickle
+    out = tmp_path / "renamed"
+    shutil.copytree(fixture, out)
+    path = out / "iter_0000003" / ".metadata"
+    with open(path, "rb") as f:
+        md = pickle.load(f)
+    md.state_dict_metadata = {rename(k): v for k, v in md.state_dict_metadata.items()}
+    for index in md.storage_data:
+        object.__setattr__(index, "fqn", rename(index.fqn))
+    md.storage_data = dict(md.storage_data)
+    with open(path, "wb") as f:
+        pickle.dump(md, f)
+    return str(out)
+
+
+@pytest.mark.parametrize("old,new,says", [
+    ("(torch.bfloat16, torch.float32)", "(torch.float16, torch.float32)",
+     r"dtype_\(torch\.float16, torch\.float32\)\.bucket_idx_\d\.\w+: a grad buffer of "
+     r"dtypes \(torch\.float16, torch\.float32\); hybrid reads"),
+    ("dp_group_idx_1.gbuf_idx_0.dtype_(torch.bfloat16, torch.float32)",
+     "dp_group_idx_1.gbuf_idx_0.dtype_(torch.float32, torch.float32)",
+     r"the TP ranks' buffers have dtypes"),
+])
+def test_a_distributed_optimizer_buffer_of_another_dtype_pair_is_one_error(tmp_path, old, new,
+                                                                            says):
+    """An fp16 run's buffer (a pair hybrid does not read), and TP ranks' buffers of two
+    pairs: one CheckpointError naming the file and the key."""
+    bad = _renamed(tmp_path, DISTOPT_BF16, lambda k: k.replace(old, new))
+    where = re.escape(os.path.join(bad, "iter_0000003", ".metadata"))
+    with pytest.raises(CheckpointError, match=rf"^{where}: .*{says}"):
+        open_peer(bad)
+
+
+def test_a_bf16_export_writes_the_bf16_run_s_buffer_and_reads_back(tmp_path):
+    """hybrid's import of megatron-core's bf16 dp_reshardable save (as a bf16 run's),
+    exported for the run that saved it: its keys, chunks, bucket sizes and objects are
+    megatron's own save's (``dtype_(torch.bfloat16, torch.float32)``), its weights bf16
+    and equal to megatron's saved weights bit for bit, ``args.bf16``; read back, the
+    import's masters and moments bit for bit. Without fp32 grad reduction the pair is
+    ``(torch.bfloat16, torch.bfloat16)``."""
+    from hybrid.checkpoint.peers import megatron
+    from hybrid.checkpoint.peers.megatron_files import DcpFiles
+    ckpt = _imported(tmp_path, DISTOPT_BF16)
+    out = megatron.write(ckpt, str(tmp_path / "dp22"), tp=2, dp=2,
+                         dist_opt="dp_reshardable", bucket_size=1000)
+    mine, theirs = DcpFiles(out), DcpFiles(os.path.join(DISTOPT_BF16, "iter_0000003"))
+    assert _chunks(mine) == _chunks(theirs) and len(_chunks(mine)) == 2 * 3 * 3
+    for t in range(2):
+        for what in ("per_bucket_numel", "per_bucket_numel_unpadded"):
+            key = f"optimizer.distributed.dp_group_idx_{t}.{what}/shard_0_1"
+            assert mine.read_object(key) == theirs.read_object(key), key
+    for key, meta in theirs.tensors.items():
+        if not key.startswith("optimizer."):
+            assert mine.tensors[key].properties.dtype == meta.properties.dtype, key
+            assert torch.equal(mine.read(key), theirs.read(key)), key
+    back = open_peer(str(tmp_path / "dp22"))
+    assert back.args.bf16 and back.args.params_dtype == "torch.bfloat16"
+    _same_state(back, ckpt)
+    meta = tmp_path / "hybrid" / os.path.basename(ckpt) / "metadata.json"
+    saved = json.loads(meta.read_text())
+    saved["config"]["accumulate_allreduce_grads_in_fp32"] = False
+    meta.write_text(json.dumps(saved))
+    megatron.write(ckpt, str(tmp_path / "bf16grads"), tp=1, dp=2, dist_opt="dp_reshardable")
+    back = open_peer(str(tmp_path / "bf16grads"))
+    assert back._buckets.dtypes == {"(torch.bfloat16, torch.bfloat16)"}
+    _same_state(back, ckpt)
 
 
 def test_distributed_optimizer_export_has_megatron_s_layout_and_reads_back(tmp_path):

@@ -111,10 +111,11 @@ def open(path: str, step: int | None = None) -> MegatronCheckpoint:  # noqa: A00
 # -- the way back -------------------------------------------------------------------------
 
 def _namespace(cfg: dict, meta: dict, tp: int, dp: int, vocab: int, gbs: int,
-               dist: dict) -> Any:
+               dist: dict, dtypes: tuple[torch.dtype, torch.dtype]) -> Any:
     """Megatron-LM's ``args`` for hybrid's flat config (the fields its
     ``check_checkpoint_args`` and a reader use); ``dist``: the distributed optimizer's
-    fields."""
+    fields; ``dtypes``: the run's grad buffer's (param, grad) dtypes (its ``--bf16``
+    and ``--accumulate-allreduce-grads-in-fp32``)."""
     heads = cfg["num_attention_heads"]
     groups = cfg.get("num_query_groups") or heads
     return argparse.Namespace(
@@ -138,16 +139,20 @@ def _namespace(cfg: dict, meta: dict, tp: int, dp: int, vocab: int, gbs: int,
         lr=cfg.get("lr"), min_lr=cfg.get("min_lr"), weight_decay=cfg.get("weight_decay"),
         adam_beta1=cfg.get("adam_beta1"), adam_beta2=cfg.get("adam_beta2"),
         adam_eps=cfg.get("adam_eps"), clip_grad=cfg.get("clip_grad"), seed=cfg.get("seed"),
-        ckpt_format="torch_dist", fp16=False, bf16=False,
+        ckpt_format="torch_dist", fp16=False, bf16=dtypes[0] == torch.bfloat16,
+        params_dtype=str(dtypes[0]),
+        accumulate_allreduce_grads_in_fp32=dtypes != (torch.bfloat16, torch.bfloat16),
         iteration=meta["iteration"], consumed_train_samples=meta.get("consumed_samples", 0),
         consumed_valid_samples=0, **dist)
 
 def _write_tensors(w: DcpWriter, params, num_layers: int, swiglu: bool, ckpt: str,
-                   opt=None) -> bool:
+                   opt=None, weights: torch.dtype = torch.float32) -> bool:
     """Each parameter's columns as torch_dist's keys (the layers stacked, one chunk per
-    layer) and the linears' extra state; whether the moments were there. The optimizer
-    state: the non-distributed optimizer's ``optimizer.state.exp_avg.*`` keys, or
-    ``opt``'s (a :mod:`.megatron_distopt_export` layout, handed each parameter)."""
+    layer) and the linears' extra state; whether the moments were there. The weights in
+    ``weights`` (a bf16 run's: the masters rounded, as megatron-core's step leaves them);
+    the optimizer state fp32: the non-distributed optimizer's ``optimizer.state.exp_avg.*``
+    keys (and a bf16 run's masters, ``optimizer.state.fp32_param.*``), or ``opt``'s (a
+    :mod:`.megatron_distopt_export` layout, handed each parameter)."""
     moments = True
     for name, cols in params:
         try:
@@ -157,14 +162,15 @@ def _write_tensors(w: DcpWriter, params, num_layers: int, swiglu: bool, ckpt: st
                                   f"(hybrid writes its dense GPT layers)") from None
         moments = moments and "exp_avg" in cols
 
-        def place(prefix: str, t: torch.Tensor, layer=layer, key=key, name=name) -> None:
+        def place(prefix: str, t: torch.Tensor, dtype: torch.dtype = torch.float32,
+                  layer=layer, key=key, name=name) -> None:
             t = names.to_megatron_layout(name, t, swiglu)
             if layer is None:
-                w.tensor(prefix + key, list(t.shape), [0] * t.dim(), t)
+                w.tensor(prefix + key, list(t.shape), [0] * t.dim(), t, dtype)
             else:  # the layers stacked on a first axis, one chunk per layer
                 w.tensor(prefix + names.LAYERS_PREFIX + key, [num_layers, *t.shape],
-                         [layer] + [0] * t.dim(), t.unsqueeze(0))
-        place("", cols["master"])
+                         [layer] + [0] * t.dim(), t.unsqueeze(0), dtype)
+        place("", cols["master"], weights)
         if opt is not None:
             if not moments:
                 raise CheckpointError(f"{ckpt}: no Adam moments (saved with "
@@ -172,6 +178,8 @@ def _write_tensors(w: DcpWriter, params, num_layers: int, swiglu: bool, ckpt: st
                                       f"state cannot be written")
             opt.put(w, name, cols, place)
         else:
+            if weights != torch.float32:  # (an fp32 run's masters are its weights)
+                place("optimizer.state.fp32_param.", cols["master"])
             for m in MOMENTS:
                 if m in cols:
                     place(f"optimizer.state.{m}.", cols[m])
@@ -212,7 +220,10 @@ def write(hybrid_ckpt: str, out_dir: str, tp: int = 1, dp: int = 1,
     it = int(meta["iteration"])
     step = int(meta.get("step") or it)
     shapes = meta["model"]
-    opt = (distopt.layout(dist_opt, shapes, cfg, step, tp, dp, spec, bucket_size)
+    # (a bf16 run's buffer: grads in fp32 unless the run said otherwise, as in Megatron-LM)
+    dtypes = names.buffer_dtypes(bool(cfg.get("bf16")),
+                                 cfg.get("accumulate_allreduce_grads_in_fp32", True) is not False)
+    opt = (distopt.layout(dist_opt, shapes, cfg, step, tp, dp, spec, bucket_size, dtypes)
            if dist_opt else None)
     final = os.path.join(out_dir, f"iter_{it:07d}")
     if os.path.exists(final):
@@ -224,7 +235,7 @@ def write(hybrid_ckpt: str, out_dir: str, tp: int = 1, dp: int = 1,
     try:
         with builtins.open(os.path.join(iter_dir, DcpWriter.REL), "wb") as f:
             moments = _write_tensors(DcpWriter(iter_dir, f), params, num_layers, swiglu,
-                                     ckpt, opt)
+                                     ckpt, opt, dtypes[0])
     except CheckpointError:
         shutil.rmtree(iter_dir, ignore_errors=True)
         raise
@@ -248,7 +259,7 @@ def write(hybrid_ckpt: str, out_dir: str, tp: int = 1, dp: int = 1,
             "overlap_grad_reduce": bucket_size is not None, "ddp_bucket_size": bucket_size,
             "transformer_impl": spec}
     common = {
-        "args": _namespace(cfg, meta, tp, dp, vocab, gbs, dist), "checkpoint_version": 3.0,
+        "args": _namespace(cfg, meta, tp, dp, vocab, gbs, dist, dtypes), "checkpoint_version": 3.0,
         "iteration": it, "num_floating_point_operations_so_far": 0,
         "optimizer": optimizer,
         "opt_param_scheduler": {

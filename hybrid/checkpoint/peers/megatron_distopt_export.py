@@ -17,8 +17,13 @@
 
 The bucket layout depends on the run that loads it: its TP size, layer spec (the
 parameter order) and DDP bucket size (``--overlap-grad-reduce --ddp-bucket-size``;
-without overlap, one bucket); the DP size sets only the padding and the chunks. Only an
-fp32 run's buffer (``dtype_(torch.float32, torch.float32)``) is written.
+without overlap, one bucket); the DP size sets only the padding and the chunks. The
+buffer's dtype pair in the keys is the checkpoint's run's
+(:func:`~.megatron_names.buffer_dtypes`): ``dtype_(torch.float32, torch.float32)`` for an
+fp32 run, ``dtype_(torch.bfloat16, torch.float32)`` for a bf16 one (grads reduced in fp32,
+Megatron-LM's and hybrid's default under ``--bf16``; ``torch.bfloat16`` twice without);
+megatron-core's load finds its buffer's keys by that pair, so a run of another dtype
+does not load it. The columns are fp32 in each.
 """
 
 from __future__ import annotations
@@ -33,8 +38,6 @@ from hybrid.errors import CheckpointError
 
 MODES = ("dp_reshardable", "fully_reshardable")
 SPECS = tuple(names.LAYER_ORDER)
-# the one grad buffer written: an fp32 run's (param dtype, grad dtype) and its key's text
-DTYPES = (torch.float32, torch.float32)
 _COLUMNS = (("master", "param"), ("exp_avg", "exp_avg"), ("exp_avg_sq", "exp_avg_sq"))
 
 
@@ -98,8 +101,10 @@ class DpReshardable:
     gaps are written by :meth:`finish`."""
 
     def __init__(self, shapes: dict[str, list[int]], tp: int, dp: int, spec: str,
-                 bucket_size: int | None, swiglu: bool, groups: list[dict]):
+                 bucket_size: int | None, swiglu: bool, groups: list[dict],
+                 dtypes: tuple[torch.dtype, torch.dtype]):
         self.tp, self.dp, self.swiglu, self.groups = tp, dp, swiglu, groups
+        self.dtypes = dtypes  # (the buffer's (param, grad) pair: its keys and objects)
         local = []
         for name in names.model_order(list(shapes), spec)[::-1]:  # (the buffer's order)
             n = 1
@@ -116,7 +121,7 @@ class DpReshardable:
         self.written: list[list[tuple[int, int]]] = [[] for _ in self.unpadded]
 
     def key(self, t: int, bucket: int, col: str) -> str:
-        return (f"optimizer.distributed.dp_group_idx_{t}.gbuf_idx_0.dtype_{DTYPES}."
+        return (f"optimizer.distributed.dp_group_idx_{t}.gbuf_idx_0.dtype_{self.dtypes}."
                 f"bucket_idx_{bucket}.{col}")
 
     def _pieces(self, bucket: int, start: int, stop: int) -> list[tuple[int, int]]:
@@ -152,9 +157,9 @@ class DpReshardable:
         for t in range(self.tp):
             prefix = f"optimizer.distributed.dp_group_idx_{t}."
             # (a ShardedObject of one shard, as a list of the saving rank's objects)
-            w.obj(f"{prefix}per_bucket_numel/shard_0_1", [[{DTYPES: list(self.padded)}]])
+            w.obj(f"{prefix}per_bucket_numel/shard_0_1", [[{self.dtypes: list(self.padded)}]])
             w.obj(f"{prefix}per_bucket_numel_unpadded/shard_0_1",
-                  [[{DTYPES: list(self.unpadded)}]])
+                  [[{self.dtypes: list(self.unpadded)}]])
             w.obj(f"{prefix}optimizer/shard_0_1", [{"param_groups": self.groups}])
 
     def common(self) -> dict:
@@ -163,12 +168,15 @@ class DpReshardable:
 
 
 def layout(mode: str, shapes: dict[str, list[int]], cfg: dict, step: int, tp: int,
-           dp: int, spec: str, bucket_size: int | None):
-    """The writer of ``mode``'s optimizer state (:func:`check` first)."""
+           dp: int, spec: str, bucket_size: int | None,
+           dtypes: tuple[torch.dtype, torch.dtype]):
+    """The writer of ``mode``'s optimizer state (:func:`check` first); ``dtypes``: the
+    loading run's grad buffer (param, grad) dtypes."""
     groups = param_groups(cfg, step)
     if mode == "fully_reshardable":
         return FullyReshardable(groups)
-    return DpReshardable(shapes, tp, dp, spec, bucket_size, bool(cfg.get("swiglu")), groups)
+    return DpReshardable(shapes, tp, dp, spec, bucket_size, bool(cfg.get("swiglu")), groups,
+                         dtypes)
 
 
 __all__ = ["MODES", "SPECS", "check", "layout", "param_groups"]

@@ -241,6 +241,7 @@ class DcpWriter:
         self.tensors: dict[str, tuple[list[int], list]] = {}
         self.objects: list[str] = []
         self.storage: dict = {}
+        self.dtypes: dict[str, torch.dtype] = {}
 
     def _put(self, index, data: bytes) -> None:
         from torch.distributed.checkpoint.filesystem import _StorageInfo
@@ -248,11 +249,15 @@ class DcpWriter:
         self.f.write(data)
         self.storage[index] = _StorageInfo(self.rel, offset, len(data))
 
-    def tensor(self, key: str, full: list[int], offsets: list[int], t: torch.Tensor) -> None:
+    def tensor(self, key: str, full: list[int], offsets: list[int], t: torch.Tensor,
+               dtype: torch.dtype = torch.float32) -> None:
+        """One chunk of ``key`` (full shape ``full``) at ``offsets``, stored in ``dtype``
+        (a key's chunks share one)."""
         from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex
         buf = io.BytesIO()
-        torch.save(t.detach().float().contiguous().clone(), buf)
+        torch.save(t.detach().to(dtype).contiguous().clone(), buf)
         self._put(MetadataIndex(key, torch.Size(offsets)), buf.getvalue())
+        self.dtypes[key] = dtype
         self.tensors.setdefault(key, (full, []))[1].append(
             ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=t.shape))
 
@@ -272,7 +277,7 @@ class DcpWriter:
         )
         self.f.flush()
         os.fsync(self.f.fileno())
-        md: dict = {k: TensorStorageMetadata(TensorProperties(dtype=torch.float32),
+        md: dict = {k: TensorStorageMetadata(TensorProperties(dtype=self.dtypes[k]),
                                              torch.Size(full), chunks)
                     for k, (full, chunks) in self.tensors.items()}
         md.update({k: BytesStorageMetadata() for k in self.objects})
