@@ -23,7 +23,7 @@ that megatron-core's ``dist_checkpointing.load`` reads into a GPTModel and its o
 the non-distributed one at any TP, or the DistributedOptimizer (its ``dp_reshardable``
 buckets laid out for the loading run's TP, layer spec and bucket size, or
 ``fully_reshardable``: :mod:`.megatron_distopt_export`), one parameter in memory at a
-time.
+time; a bf16 checkpoint as a ``--bf16`` run's (bf16 weights, its buffer's dtype pair).
 """
 
 from __future__ import annotations
@@ -207,7 +207,9 @@ def write(hybrid_ckpt: str, out_dir: str, tp: int = 1, dp: int = 1,
     (:mod:`.megatron_distopt_export`): dp_reshardable's buckets are laid out for a run
     at TP ``tp``, DP ``dp``, layer spec ``spec`` (``local`` or ``transformer_engine``)
     and DDP bucket size ``bucket_size`` (None: one bucket, Megatron-LM's default without
-    ``--overlap-grad-reduce``). One parameter in memory at a time. Returns the
+    ``--overlap-grad-reduce``). A bf16 checkpoint (config ``bf16``) is written as a
+    Megatron-LM ``--bf16`` run's: bf16 weights, ``args.bf16``, its buffer's dtype pair
+    (:func:`~.megatron_names.buffer_dtypes`). One parameter in memory at a time. Returns the
     iteration's directory; CheckpointError naming the flag for a request it cannot
     honour, before anything is written."""
     from hybrid.checkpoint import iter_full_params, resolve_checkpoint
