@@ -7,7 +7,8 @@
     python scripts/convert_checkpoint.py export --to megatron CHECKPOINT_DIR_OR_SAVE_DIR OUT_DIR \
         [--tensor-model-parallel-size T] [--data-parallel-size D] \
         [--megatron-dist-opt dp_reshardable|fully_reshardable] \
-        [--megatron-layer-spec local|transformer_engine] [--megatron-ddp-bucket-size N]
+        [--megatron-layer-spec local|transformer_engine] [--megatron-ddp-bucket-size N] \
+        [--dtype fp32|bf16]
     python scripts/convert_checkpoint.py export --to deepspeed CHECKPOINT_DIR_OR_SAVE_DIR OUT_DIR \
         [--dp-size N] [--zero-stage {0,1,2,3}] [--tag TAG] [--param-groups matrices|one] \
         [--dtype fp32|bf16] [--ds-config DS_CONFIG.json]
@@ -127,12 +128,16 @@ def export_megatron(argv) -> int:
                     help="dp_reshardable: the loading run's --ddp-bucket-size under "
                          "--overlap-grad-reduce (default: one bucket, Megatron-LM's without "
                          "--overlap-grad-reduce)")
+    ap.add_argument("--dtype", default=None, metavar="{fp32,bf16}",
+                    help="the loading run's precision (bf16: Megatron-LM's --bf16, its "
+                         "weights bf16 and its grad buffer's keys dtype_(torch.bfloat16, "
+                         "torch.float32)); default: the checkpoint's")
     a = ap.parse_args(argv)
     try:
         out = megatron.write(a.checkpoint, a.output, tp=a.tensor_model_parallel_size,
                              dp=a.data_parallel_size, dist_opt=a.megatron_dist_opt,
                              spec=a.megatron_layer_spec,
-                             bucket_size=a.megatron_ddp_bucket_size)
+                             bucket_size=a.megatron_ddp_bucket_size, dtype=a.dtype)
     except CheckpointError as e:
         print(f"convert_checkpoint.py: error: {e}", file=sys.stderr)
         return 2

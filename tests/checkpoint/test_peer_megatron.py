@@ -556,8 +556,9 @@ def test_a_bf16_export_writes_the_bf16_run_s_buffer_and_reads_back(tmp_path):
     megatron's own save's (``dtype_(torch.bfloat16, torch.float32)``), its weights bf16
     and equal to megatron's saved weights bit for bit, ``args.bf16``; read back, the
     import's masters and moments bit for bit. Without fp32 grad reduction the pair is
-    ``(torch.bfloat16, torch.bfloat16)``."""
-    from hybrid.checkpoint.peers import megatron
+    ``(torch.bfloat16, torch.bfloat16)``; ``dtype`` (``--dtype``) writes this checkpoint
+    for an fp32 run, and an fp32 one for a bf16 run (its weights the masters rounded)."""
+    from hybrid.checkpoint.peers import megatron, megatron_names as names
     from hybrid.checkpoint.peers.megatron_files import DcpFiles
     ckpt = _imported(tmp_path, DISTOPT_BF16)
     out = megatron.write(ckpt, str(tmp_path / "dp22"), tp=2, dp=2,
@@ -583,6 +584,23 @@ def test_a_bf16_export_writes_the_bf16_run_s_buffer_and_reads_back(tmp_path):
     back = open_peer(str(tmp_path / "bf16grads"))
     assert back._buckets.dtypes == {"(torch.bfloat16, torch.bfloat16)"}
     _same_state(back, ckpt)
+    megatron.write(ckpt, str(tmp_path / "as_fp32"), tp=1, dp=2, dist_opt="dp_reshardable",
+                   dtype="fp32")
+    back = open_peer(str(tmp_path / "as_fp32"))
+    assert back._buckets.dtypes == {"(torch.float32, torch.float32)"} and not back.args.bf16
+    _same_state(back, ckpt)
+    fp32 = _imported(tmp_path / "fp32", DISTOPT["dp_reshardable"])
+    megatron.write(fp32, str(tmp_path / "as_bf16"), tp=1, dp=2, dist_opt="dp_reshardable",
+                   dtype="bf16")
+    back = open_peer(str(tmp_path / "as_bf16"))
+    assert back._buckets.dtypes == {"(torch.bfloat16, torch.float32)"} and back.args.bf16
+    _same_state(back, fp32)
+    for name in back.shapes:
+        key, layer = back._keys[name]
+        assert back.files.tensors[key].properties.dtype == torch.bfloat16, key
+        assert torch.equal(names.to_hybrid_layout(name, back.files.read(key, layer),
+                                                  back.swiglu),
+                           back.read(name)["master"].bfloat16().float()), name
 
 
 def test_distributed_optimizer_export_has_megatron_s_layout_and_reads_back(tmp_path):
@@ -632,12 +650,13 @@ def test_distributed_optimizer_export_has_megatron_s_layout_and_reads_back(tmp_p
      "--megatron-layer-spec te: not one of local, transformer_engine"),
     (["--megatron-dist-opt", "dp_reshardable", "--tensor-model-parallel-size", "3"],
      "TP 3 does not divide it"),
+    (["--dtype", "fp16"], "--dtype fp16: hybrid writes Megatron-LM's fp32 and bf16 runs'"),
 ])
 def test_a_distributed_optimizer_export_it_cannot_write_is_one_line(tmp_path, capsys, flags,
                                                                      says):
     """An unknown layout, a bucket size without dp_reshardable, an unknown layer spec, a
-    TP that does not divide the model: exit 2, one line naming the flag, nothing
-    written."""
+    TP that does not divide the model, a precision it does not write: exit 2, one line
+    naming the flag, nothing written."""
     from tests.helpers.launch import script_module
     ckpt = _imported(tmp_path, DISTOPT["dp_reshardable"])
     out = tmp_path / "mg"
@@ -707,7 +726,8 @@ def test_megatron_bf16_distributed_optimizer_both_ways(tmp_path):
     and exports its save (--megatron-dist-opt dp_reshardable, the same run's layout);
     megatron-core's bf16 DDP + DistributedOptimizer loads it, saves what it loaded again --
     hybrid's masters and moments bit for bit -- and steps the 4 batches: hybrid's losses
-    within BF16_TOL."""
+    within BF16_TOL. An fp32 checkpoint exported with ``--dtype bf16`` loads into the same
+    bf16 run, its masters and moments bit for bit."""
     import subprocess
     import sys
 
@@ -726,16 +746,25 @@ def test_megatron_bf16_distributed_optimizer_both_ways(tmp_path):
         "export", "--to", "megatron", save, str(out), "--tensor-model-parallel-size", "2",
         "--data-parallel-size", "2", "--megatron-dist-opt", "dp_reshardable",
         "--megatron-ddp-bucket-size", "1000"]) == 0
-    result, again = tmp_path / "mg.json", tmp_path / "again"
-    run = subprocess.run([sys.executable, RECORDER, "--resume", str(out / "iter_0000013"),
-                          "--tokens", str(tokens), "--losses", str(result), "--resave",
-                          str(again), "--dist-opt", "dp_reshardable", "--bf16",
-                          "--ddp-bucket-size", "1000", "--tp", "2", "--world", "4"],
-                         check=False, capture_output=True, text=True, timeout=600)
-    assert run.returncode == 0, run.stderr[-3000:]
-    _same_state(open_peer(str(again)), os.path.join(save, "iter_0000013"))
-    got = json.loads(result.read_text())
+
+    def megatron_bf16(out, it: int, again) -> dict:
+        result = tmp_path / f"{out.name}.json"
+        run = subprocess.run([sys.executable, RECORDER, "--resume", str(out / f"iter_{it:07d}"),
+                              "--tokens", str(tokens), "--losses", str(result), "--resave",
+                              str(again), "--dist-opt", "dp_reshardable", "--bf16",
+                              "--ddp-bucket-size", "1000", "--tp", "2", "--world", "4"],
+                             check=False, capture_output=True, text=True, timeout=600)
+        assert run.returncode == 0, run.stderr[-3000:]
+        return json.loads(result.read_text())
+    got = megatron_bf16(out, 13, tmp_path / "again")
+    _same_state(open_peer(str(tmp_path / "again")), os.path.join(save, "iter_0000013"))
+    fp32 = _imported(tmp_path / "fp32", DISTOPT["dp_reshardable"])
+    assert script_module("convert_checkpoint").main([
+        "export", "--to", "megatron", fp32, str(tmp_path / "as_bf16"), "--dtype", "bf16",
+        "--tensor-model-parallel-size", "2", "--data-parallel-size", "2",
+        "--megatron-dist-opt", "dp_reshardable", "--megatron-ddp-bucket-size", "1000"]) == 0
+    megatron_bf16(tmp_path / "as_bf16", 3, tmp_path / "again_fp32")
+    _same_state(open_peer(str(tmp_path / "again_fp32")), fp32)
     written = [a - b for a, b in zip(got["losses"], losses[n:])]
-    print("bf16 read", read, "written", written)
     assert max(map(abs, read)) <= BF16_TOL, (read, losses[:n], rec["losses"])
     assert got["iteration"] == 13 and max(map(abs, written)) <= BF16_TOL, (written, got)

@@ -194,7 +194,7 @@ def _write_tensors(w: DcpWriter, params, num_layers: int, swiglu: bool, ckpt: st
 
 def write(hybrid_ckpt: str, out_dir: str, tp: int = 1, dp: int = 1,
           dist_opt: str | None = None, spec: str = "local",
-          bucket_size: int | None = None) -> str:
+          bucket_size: int | None = None, dtype: str | None = None) -> str:
     """A hybrid checkpoint (an ``iter_*`` directory or a ``--save`` directory's newest)
     as Megatron-LM save directory ``out_dir``: ``iter_NNNNNNN/`` in ``torch_dist`` (the
     GPTModel's sharded keys, the layers stacked; ``common.pt`` with ``args``,
@@ -209,12 +209,16 @@ def write(hybrid_ckpt: str, out_dir: str, tp: int = 1, dp: int = 1,
     and DDP bucket size ``bucket_size`` (None: one bucket, Megatron-LM's default without
     ``--overlap-grad-reduce``). A bf16 checkpoint (config ``bf16``) is written as a
     Megatron-LM ``--bf16`` run's: bf16 weights, ``args.bf16``, its buffer's dtype pair
-    (:func:`~.megatron_names.buffer_dtypes`). One parameter in memory at a time. Returns the
+    (:func:`~.megatron_names.buffer_dtypes`); ``dtype`` ("fp32" or "bf16") writes for a
+    run of that precision instead. One parameter in memory at a time. Returns the
     iteration's directory; CheckpointError naming the flag for a request it cannot
     honour, before anything is written."""
     from hybrid.checkpoint import iter_full_params, resolve_checkpoint
     from hybrid.checkpoint.peers import megatron_distopt_export as distopt
     distopt.check(dist_opt, tp, dp, spec, bucket_size)
+    if dtype not in (None, "fp32", "bf16"):
+        raise CheckpointError(f"--dtype {dtype}: hybrid writes Megatron-LM's fp32 and bf16 "
+                              f"runs' files (fp32, bf16)")
     ckpt = resolve_checkpoint(hybrid_ckpt)
     meta, params = iter_full_params(ckpt)
     cfg = meta.get("config") or {}
@@ -223,7 +227,7 @@ def write(hybrid_ckpt: str, out_dir: str, tp: int = 1, dp: int = 1,
     step = int(meta.get("step") or it)
     shapes = meta["model"]
     # (a bf16 run's buffer: grads in fp32 unless the run said otherwise, as in Megatron-LM)
-    dtypes = names.buffer_dtypes(bool(cfg.get("bf16")),
+    dtypes = names.buffer_dtypes(dtype == "bf16" if dtype else bool(cfg.get("bf16")),
                                  cfg.get("accumulate_allreduce_grads_in_fp32", True) is not False)
     opt = (distopt.layout(dist_opt, shapes, cfg, step, tp, dp, spec, bucket_size, dtypes)
            if dist_opt else None)
