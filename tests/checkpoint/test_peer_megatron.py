@@ -574,7 +574,8 @@ def test_a_bf16_export_writes_the_bf16_run_s_buffer_and_reads_back(tmp_path):
     megatron's own save's (``dtype_(torch.bfloat16, torch.float32)``), its weights bf16
     and equal to megatron's saved weights bit for bit, ``args.bf16``; read back, the
     import's masters and moments bit for bit. Without fp32 grad reduction the pair is
-    ``(torch.bfloat16, torch.bfloat16)``; ``dtype`` (``--dtype``) writes this checkpoint
+    ``(torch.bfloat16, torch.bfloat16)``; without the distributed optimizer the masters
+    go as ``optimizer.state.fp32_param.*``; ``dtype`` (``--dtype``) writes this checkpoint
     for an fp32 run, and an fp32 one for a bf16 run (its weights the masters rounded)."""
     from hybrid.checkpoint.peers import megatron, megatron_names as names
     from hybrid.checkpoint.peers.megatron_files import DcpFiles
@@ -601,6 +602,10 @@ def test_a_bf16_export_writes_the_bf16_run_s_buffer_and_reads_back(tmp_path):
     megatron.write(ckpt, str(tmp_path / "bf16grads"), tp=1, dp=2, dist_opt="dp_reshardable")
     back = open_peer(str(tmp_path / "bf16grads"))
     assert back._buckets.dtypes == {"(torch.bfloat16, torch.bfloat16)"}
+    _same_state(back, ckpt)
+    megatron.write(ckpt, str(tmp_path / "plain"), tp=2)  # (the masters: fp32_param.*)
+    back = open_peer(str(tmp_path / "plain"))
+    assert back.args.bf16 and "optimizer.state.fp32_param.output_layer.weight" in back.files.tensors
     _same_state(back, ckpt)
     megatron.write(ckpt, str(tmp_path / "as_fp32"), tp=1, dp=2, dist_opt="dp_reshardable",
                    dtype="fp32")
