@@ -246,6 +246,7 @@ class _Buckets:
         self.ckpt, self.files = ckpt, ckpt.files
         where = os.path.join(ckpt.path, DCP_METADATA)
         buckets: dict[int, dict[int, str]] = {}  # TP rank -> bucket -> key prefix
+        self.dtypes: set[str] = set()  # the buffers' (param, grad) pairs, as keys spell them
         for key in self.files.tensors:
             m = _BUCKET_KEY.fullmatch(key)
             if m is None:
@@ -261,6 +262,7 @@ class _Buckets:
                                       f"dtype, or expert parallel): hybrid reads a dense "
                                       f"GPT's one buffer")
             buckets.setdefault(int(m.group(1)), {})[int(m.group(4))] = key.rsplit(".", 1)[0]
+            self.dtypes.add(m.group(3))
         tp = int(arg(ckpt.args, "tensor_model_parallel_size", 1) or 1)
         pp = int(arg(ckpt.args, "pipeline_model_parallel_size", 1) or 1)
         if pp != 1 or sorted(buckets) != list(range(tp)):
@@ -268,8 +270,6 @@ class _Buckets:
                                   f"{sorted(buckets)} at TP {tp} x PP {pp}: hybrid reads "
                                   f"its dp_reshardable layout at PP 1 (one group per TP rank)")
         self.tp = tp
-        self.dtypes = {key.split(".dtype_", 1)[1].split(".bucket_idx_")[0]
-                       for b in buckets.values() for key in b.values()}
         if len(self.dtypes) != 1:
             raise CheckpointError(f"{where}: the TP ranks' buffers have dtypes "
                                   f"{sorted(self.dtypes)}: one run saves one pair")
