@@ -20,6 +20,10 @@ def _stage(ps, lists, stop_at):
     from hybrid.pipeline.executor import run_actions
     stage = ps.pp_group.rank
     w = torch.nn.Parameter(torch.ones(4))
+    # A process's first backward with given gradients imports torch's symbolic shapes
+    # (sympy: 0.6 s on idle cores, past the 2 s timeout on loaded ones). Done here, before
+    # the pipeline, so rank 0 is found in its stalled forward, not in B0's import.
+    torch.autograd.backward([torch.ones(1, requires_grad=True) * 2], [torch.ones(1)])
 
     def forward(s, j, x):
         if s == 0:
