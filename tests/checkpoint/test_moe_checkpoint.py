@@ -111,20 +111,22 @@ def test_the_expert_bias_is_saved_and_restored(saved, tmp_path):
         "bias)" in r.stderr, r.stderr[-2000:]
 
 
-# (world, EP) of the saving run, PP 2 under it; the other EP size the save is loaded at
-SAVED_AT = {0: (4, 2, 4), 3: (8, 4, 2)}
+# (world, PP, EP) of the saving run; the other EP size the save is loaded at. ZeRO 3's
+# run has no PP: PP x ZeRO 3 resumes bit for bit in test_an_moe_run_resumes_to_the_last_bit
+# and PP x EP in stage 0's case, so 8 ranks on 2 cores would buy nothing more.
+SAVED_AT = {0: (4, 2, 2, 4), 3: (4, 1, 4, 2)}
 
 
 @pytest.mark.parametrize("stage", [0, 3])
 def test_experts_over_ep_save_resume_and_reshard(tmp_path, stage):
     """Saved at 2 of 4 with the experts over EP (ZeRO 0: EP 2 x PP 2 of 4 ranks, each EP
-    rank writing its own experts whole; ZeRO 3: EP 4 x PP 2 of 8 ranks, an expert a
-    rank), version 5: resumed there to the last bit; loaded at one process (EP 1, ZeRO 1)
+    rank writing its own experts whole; ZeRO 3: EP 4 of 4 ranks, an expert a rank),
+    version 5: resumed there to the last bit; loaded at one process (EP 1, ZeRO 1)
     and at another EP size of 4 ranks (ZeRO 2), the curve goes on within 1e-6; the
     one-process tools read every expert whole."""
     save, log = str(tmp_path / "ckpt"), str(tmp_path / "full.jsonl")
-    world, ep, other_ep = SAVED_AT[stage]
-    layout = ["--pipeline-model-parallel-size", "2", "--expert-model-parallel-size", str(ep),
+    world, pp, ep, other_ep = SAVED_AT[stage]
+    layout = ["--pipeline-model-parallel-size", str(pp), "--expert-model-parallel-size", str(ep),
               "--zero-stage", str(stage)]
     _ok(pretrain(world, [*TINY, *MOE, *ITERS, *layout, "--save", save,
                          "--save-interval", str(AT), "--log-json", log]))
