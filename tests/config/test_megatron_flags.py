@@ -7,6 +7,7 @@ on the straight run's curve."""
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 
@@ -100,14 +101,18 @@ def test_megatron_gpt3_175b_script_at_pp2_runs_and_resumes(tmp_path):
     """examples/megatron/train_gpt3_175b_pp2.sh: Megatron's GPT-3 175B script with its
     sizes shrunk and PP kept (TP 2 x PP 2, embeddings tied across the stages, fp16, the
     batch ramp-up, save and load in one directory). Its flags, as it hands them to
-    torchrun, run on 4 pooled ranks: 8 steps straight, and 4 steps then 4 more resumed
-    from the step-4 save, whose steps 5-8 follow the straight run's within 1e-5."""
+    torchrun, run on 4 pooled ranks: 8 steps straight (saving at 4 and 8 by the script's
+    --save-interval), then 4 more resumed from its step-4 save, which follow the straight
+    run's steps 5-8 within 1e-5."""
     vocab, merges, data = _megatron_data(tmp_path, _in_process)
     logs = {}
-    for name, iters in (("straight", "8"), ("first", "4"), ("resumed", "8")):
-        ckpt = str(tmp_path / ("ck_straight" if name == "straight" else "ck"))
-        launch, args = _script_argv(tmp_path, SCRIPT_PP2, ckpt, str(tmp_path / "tb"), vocab,
-                                    merges, data, TRAIN_ITERS=iters)
+    ckpt = tmp_path / "ck"
+    for name in ("straight", "resumed"):
+        if name == "resumed":  # from the step-4 save: without the pointer and the last save
+            os.remove(ckpt / "latest")
+            shutil.rmtree(ckpt / "iter_0000008")
+        launch, args = _script_argv(tmp_path, SCRIPT_PP2, str(ckpt), str(tmp_path / "tb"),
+                                    vocab, merges, data, TRAIN_ITERS="8")
         assert launch[:2] == ["--nproc_per_node", "4"], launch
         assert args[args.index("--pipeline-model-parallel-size") + 1] == "2"
         path = str(tmp_path / f"{name}.jsonl")
