@@ -38,6 +38,12 @@ VARIANTS = {"+".join(["recompute"] + [n for n, on in zip(("partition", "cpu", "c
 VARIANTS["first layer only"] = _flags(True, False, False, layers=1)
 
 
+def _variants(tp):
+    """The modes run at ``tp``: every one at TP 2; at TP 4 the partitioned ones, whose
+    bytes and gathers depend on TP (the others hold and run the same at any TP)."""
+    return {n: f for n, f in VARIANTS.items() if tp == 2 or f["partition_activations"]}
+
+
 def _model(ps, seed=SEED, layers=LAYERS):
     """The same weights and the same dropout streams for every variant."""
     rng = seed_all(seed, ps.tp_rank, ps.dp_rank, ps.device)
@@ -104,7 +110,7 @@ def _train(model, ac, steps=STEPS, sizes=None):
 def _all_variants(ps):
     out = {"none": _train(_model(ps)[0], None),
            "other seed": _train(_model(ps, seed=SEED + 1)[0], None)}
-    for name, flags in VARIANTS.items():
+    for name, flags in _variants(ps.tp_size).items():
         model, rng = _model(ps)
         names = [n for n, _ in model.named_parameters()], list(model.state_dict())
         ac = _apply(model, ps, rng, flags)
@@ -141,10 +147,10 @@ def test_every_mode_gives_the_gradients_of_no_checkpointing(runs):
     """Dropout 0.1 in the residual stream and attention: the recompute replays the
     forward's CPU and TP-tracker RNG, so the masks -- and the gradients -- match,
     step after step (the states of "now" come back after each recompute)."""
-    _, res = runs
+    tp, res = runs
     for rank, r in enumerate(res):
         ref = r["none"]
-        for name in VARIANTS:
+        for name in _variants(tp):
             assert r[name]["losses"] == pytest.approx(ref["losses"], rel=1e-6, abs=0)
             for pname, g in r[name]["grads"].items():
                 torch.testing.assert_close(
@@ -163,7 +169,7 @@ def test_partitioned_checkpoints_hold_one_tp_th_of_the_bytes(runs):
     unpartitioned, 1/TP of that partitioned; nothing is held after backward."""
     tp, res = runs
     for r in res:
-        for name, flags in VARIANTS.items():
+        for name, flags in _variants(tp).items():
             layers = flags["recompute_num_layers"] or LAYERS
             full = layers * PER_LAYER
             want = full // tp if flags["partition_activations"] else full
@@ -175,7 +181,8 @@ def test_partitioned_checkpoints_hold_one_tp_th_of_the_bytes(runs):
                 assert h["devices"] == {"cpu"}  # host with --cpu-checkpointing; CPU run anyway
                 if flags["contiguous_checkpointing"]:
                     assert h["storages"] == 1, name  # all layers in one buffer
-        assert r["recompute+partition"]["peaks"][0] <= r["recompute"]["peaks"][0] / tp * 1.05
+        plain = PER_LAYER * LAYERS  # what "recompute" holds at any TP (asserted at TP 2)
+        assert r["recompute+partition"]["peaks"][0] <= plain / tp * 1.05
 
 
 def test_buffers_are_allocated_once(runs):
@@ -189,9 +196,10 @@ def test_buffers_are_allocated_once(runs):
         a = r["recompute+partition"]["allocs"]
         assert a[0]["gather"] == a[-1]["gather"] == 1 and a[-1]["staging"] == 0
         assert a[-1]["tensor"] == STEPS * LAYERS
-        a = r["recompute+contiguous"]["allocs"]
-        assert a[-1] == {"gather": 0, "staging": 0, "contiguous": 1, "tensor": 0}
-        assert r["recompute"]["allocs"][-1] == dict.fromkeys(a[-1], 0)
+        if tp == 2:  # (not partitioned: run at TP 2 only)
+            a = r["recompute+contiguous"]["allocs"]
+            assert a[-1] == {"gather": 0, "staging": 0, "contiguous": 1, "tensor": 0}
+            assert r["recompute"]["allocs"][-1] == dict.fromkeys(a[-1], 0)
         # sizes B, B, 2B, B, 2B: one re-allocation for the larger micro-batch, then none
         g = r["growth"]["allocs"]
         assert [x["gather"] for x in g] == [1, 1, 2, 2, 2]
@@ -205,11 +213,11 @@ def test_recompute_num_layers_and_hooks(runs):
     gathers) fires twice per step on checkpointed blocks, once on the others.
     Parameter names and state_dict keys are unchanged by wrapping; evaluation
     under no_grad stores nothing; ``remove`` unwraps."""
-    _, res = runs
+    tp, res = runs
     for r in res:
         assert r["first layer only"]["calls"] == [2 * STEPS, STEPS]
         assert r["recompute+partition"]["calls"] == [2 * STEPS, 2 * STEPS]
-        assert all(r[name]["names kept"] for name in VARIANTS)
+        assert all(r[name]["names kept"] for name in _variants(tp))
         assert r["eval"] == {"same": True, "peak": 0} and r["removed"]
 
 
