@@ -159,11 +159,11 @@ def test_megatron_mixtral_script_runs_with_pp_and_ep_and_resumes(tmp_path):
     alltoall dispatcher, --sequence-parallel at TP 1 dropped as Megatron drops it,
     --no-position-embedding beside RoPE, Llama2Tokenizer from the model's tokenizer.json),
     its flags run on 8 pooled ranks: 4 steps with the MoE layers' numbers in every line,
-    saved at 4; then 2 more steps from its own save, as its --no-load-optim --no-load-rng
+    saved at 4; then one more step from its own save, as its --no-load-optim --no-load-rng
     say."""
     tok, data = _hf_tokenizer_data(tmp_path, _in_process)
     ckpt = str(tmp_path / "ckpt")
-    for iters in ("4", "6"):
+    for iters in ("4", "5"):
         launch, args = _script_argv(tmp_path, SCRIPT_MIXTRAL, ckpt, tok, data,
                                     TRAIN_ITERS=iters)
         assert launch[:2] == ["--nproc_per_node", "8"], launch
@@ -176,6 +176,6 @@ def test_megatron_mixtral_script_runs_with_pp_and_ep_and_resumes(tmp_path):
         assert "moe layer 3: aux loss" in r.stdout
     first, second = read_json_log(str(tmp_path / "run4.jsonl")), log
     assert [m["iteration"] for m in first] == list(range(1, 5))
-    assert [m["iteration"] for m in second] == [5, 6]
+    assert [m["iteration"] for m in second] == [5]
     assert first[-1]["loss"] < first[0]["loss"]
-    assert sorted(os.listdir(ckpt))[:3] == [".lock", "iter_0000004", "iter_0000006"]
+    assert sorted(os.listdir(ckpt))[:3] == [".lock", "iter_0000004", "iter_0000005"]
