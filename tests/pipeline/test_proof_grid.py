@@ -34,7 +34,7 @@ def test_four_cells_of_the_grid_follow_one_stage(tmp_path):
     try:
         results = run(SUITE, str(tmp_path), common=SHORT)
     finally:
-        close_pools(8)  # (no other test runs 8 ranks: their memory back now)
+        close_pools(8)  # (besides the Mixtral script test, no test runs 8 ranks: memory back)
     assert len(results) == len(SUITE)
     assert sorted(r["schedule"] for r in results) == sorted(SCHEDULES)
     for r in results:
