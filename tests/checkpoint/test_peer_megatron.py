@@ -710,12 +710,15 @@ def test_a_distributed_optimizer_export_it_cannot_write_is_one_line(tmp_path, ca
 def test_megatron_distributed_optimizer_loads_hybrid_s_export_and_continues(tmp_path):
     """hybrid continues megatron-core's dp_reshardable fixture at TP 1 x DP 2 (ZeRO 3),
     saves, steps 4 more batches, and exports its save with --megatron-dist-opt
-    dp_reshardable for two runs -- TP 2 x DP 2 in buckets of 1000, TP 1 x DP 2 in one
+    dp_reshardable for two runs -- TP 2 x DP 2 in buckets of 1000, TP 1 x DP 4 in one
     bucket -- and fully_reshardable (TP 1 x DP 2).
-    megatron-core's DistributedDataParallel + DistributedOptimizer loads each
-    (benchmarks/peers/record_megatron_checkpoint.py --resume --dist-opt), saves what it
-    loaded again -- read by hybrid's reader, the masters and moments of hybrid's save,
-    bit for bit -- and steps the 4 batches: hybrid's losses within 2e-6."""
+    megatron-core's DistributedDataParallel + DistributedOptimizer loads each at DP 2
+    (benchmarks/peers/record_megatron_checkpoint.py --resume --dist-opt) -- the TP 1 x
+    DP 4 export at another DP size than it was written for: dp_reshardable reshards over
+    DP (its buckets' unpadded sizes, what its load checks, do not depend on it), each of
+    the two ranks reading its shard across the chunks cut where four ranks' shards meet
+    --, saves what it loaded again -- read by hybrid's reader, the masters and moments of
+    hybrid's save, bit for bit -- and steps the 4 batches: hybrid's losses within 2e-6."""
     from tests.helpers.launch import script_module
     rec = _record(DISTOPT["dp_reshardable"])
     more = _more(rec)
@@ -726,11 +729,12 @@ def test_megatron_distributed_optimizer_loads_hybrid_s_export_and_continues(tmp_
     tokens = tmp_path / "tokens.json"
     tokens.write_text(json.dumps(more))
     convert = script_module("convert_checkpoint").main
-    for mode, tp, bucket in (("dp_reshardable", 2, 1000), ("dp_reshardable", 1, 0),
-                             ("fully_reshardable", 1, 0)):
-        out = tmp_path / f"mg_{mode}_tp{tp}"
+    # (the DP size written for; megatron-core loads each at DP 2, the global batch the same)
+    for mode, tp, dp, bucket in (("dp_reshardable", 2, 2, 1000), ("dp_reshardable", 1, 4, 0),
+                                 ("fully_reshardable", 1, 2, 0)):
+        out = tmp_path / f"mg_{mode}_tp{tp}_dp{dp}"
         assert convert(["export", "--to", "megatron", save, str(out),
-                        "--tensor-model-parallel-size", str(tp), "--data-parallel-size", "2",
+                        "--tensor-model-parallel-size", str(tp), "--data-parallel-size", str(dp),
                         "--megatron-dist-opt", mode,
                         *(["--megatron-ddp-bucket-size", str(bucket)] if bucket else [])]) == 0
         again = tmp_path / f"again_{out.name}"
