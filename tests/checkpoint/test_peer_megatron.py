@@ -591,9 +591,12 @@ def test_a_bf16_export_writes_the_bf16_run_s_buffer_and_reads_back(tmp_path):
     and equal to megatron's saved weights bit for bit, ``args.bf16``; read back, the
     import's masters and moments bit for bit. Without fp32 grad reduction the pair is
     ``(torch.bfloat16, torch.bfloat16)``; without the distributed optimizer the masters
-    go as ``optimizer.state.fp32_param.*``; ``dtype`` (``--dtype``) writes this checkpoint
-    for an fp32 run, and an fp32 one for a bf16 run (its weights the masters rounded)."""
+    go as ``optimizer.state.fp32_param.*``, the param groups and ``common_step`` under
+    ``common.pt``'s ``optimizer.optimizer`` (Float16OptimizerWithFloat16Params');
+    ``dtype`` (``--dtype``) writes this checkpoint for an fp32 run, and an fp32 one for a
+    bf16 run (its weights the masters rounded)."""
     from hybrid.checkpoint.peers import megatron, megatron_names as names
+    from hybrid.checkpoint.peers.megatron_dist import load_common
     from hybrid.checkpoint.peers.megatron_files import DcpFiles
     ckpt = _imported(tmp_path, DISTOPT_BF16)
     out = megatron.write(ckpt, str(tmp_path / "dp22"), tp=2, dp=2,
@@ -622,6 +625,10 @@ def test_a_bf16_export_writes_the_bf16_run_s_buffer_and_reads_back(tmp_path):
     megatron.write(ckpt, str(tmp_path / "plain"), tp=2)  # (the masters: fp32_param.*)
     back = open_peer(str(tmp_path / "plain"))
     assert back.args.bf16 and "optimizer.state.fp32_param.output_layer.weight" in back.files.tensors
+    # (Float16OptimizerWithFloat16Params' common state: its torch optimizer's, one level in)
+    inner = load_common(back.path)["optimizer"]["optimizer"]
+    assert back.step == 3 and float(inner["state"]["common_step"]) == 3.0
+    assert sorted(g["wd_mult"] for g in inner["param_groups"]) == [0.0, 1.0]
     _same_state(back, ckpt)
     megatron.write(ckpt, str(tmp_path / "as_fp32"), tp=1, dp=2, dist_opt="dp_reshardable",
                    dtype="fp32")
