@@ -5,7 +5,8 @@ megatron-core 0.16.1 on the CPU (gloo, 2 ranks, TP 2), and megatron_distopt_* (4
     ... --format torch              (Megatron-LM's legacy format, into .../megatron_legacy/)
     ... --model gpt2 --out DIR      (GPT-2's family: the peer test records it on the fly)
     ... --resume DIR/iter_N --tokens BATCHES.json --losses OUT.json [--resave DIR2]
-                                    (load, [save what was loaded again,] and continue)
+                                    (load, [save what was loaded again,] and continue;
+                                     the global batch is the batches' rows, at any DP)
     ... --dist-opt dp_reshardable --tp 2 --world 4
                                     (the distributed optimizer, TP 2 x DP 2, into
                                      tests/fixtures/peers/megatron_distopt_dp_reshardable/)
@@ -65,7 +66,12 @@ Megatron-LM turns on under ``--bf16``) and the DistributedOptimizer stepping fp3
 of the bf16 params (its ``Float16`` path); its buffer's keys are
 ``dtype_(torch.bfloat16, torch.float32)``, the weights bf16, the buckets' columns fp32.
 It runs on the CPU and gloo with the patches above and no others, and megatron-core's own
-reload continues bit for bit.
+reload continues bit for bit. ``--bf16`` without ``--dist-opt`` (with ``--resume`` only):
+the same model, DDP and grads without the distributed optimizer, so that
+``get_megatron_optimizer`` wraps torch's AdamW in ``Float16OptimizerWithFloat16Params``
+(fp32 masters of every bf16 param, ``optimizer.state.fp32_param.*`` in its save) -- the
+optimizer of Megatron-LM's ``--bf16`` without ``--use-distributed-optimizer``. No patch
+beyond the above.
 
 Not recorded: ``fully_sharded_model_space`` -- megatron-core 0.16.1 cannot save it
 (``ShardedTensor.validate_metadata_integrity`` raises "ShardedTensor.flattened_range is not
@@ -132,11 +138,13 @@ def sharded_metadata(dist_opt: str | None) -> dict:
 
 
 def megatron_args(tp: int, dp: int, iteration: int, arch: str, dist_opt: str | None = None,
-                  bucket: int = 0, bf16: bool = False):
+                  bucket: int = 0, bf16: bool = False, gbs: int | None = None):
     """The Namespace Megatron-LM's ``save_checkpoint`` stores as ``args`` (the fields a
     reader of the checkpoint uses); ``bf16``: Megatron-LM's ``--bf16``, which turns on
-    ``--accumulate-allreduce-grads-in-fp32``."""
+    ``--accumulate-allreduce-grads-in-fp32``; ``gbs``: the global batch (by default one
+    micro batch of ``SHAPE["micro"]`` rows per DP rank)."""
     s, m = SHAPE, ARCH[arch]
+    gbs = gbs or s["micro"] * dp
     return argparse.Namespace(
         num_layers=s["num_layers"], hidden_size=s["hidden_size"],
         num_attention_heads=s["heads"], group_query_attention=m["query_groups"] != s["heads"],
@@ -151,7 +159,7 @@ def megatron_args(tp: int, dp: int, iteration: int, arch: str, dist_opt: str | N
         qk_layernorm=False, num_experts=None, hidden_dropout=0.0, attention_dropout=0.0,
         init_method_std=0.02, tensor_model_parallel_size=tp, pipeline_model_parallel_size=1,
         context_parallel_size=1, expert_model_parallel_size=1, data_parallel_size=dp,
-        world_size=tp * dp, micro_batch_size=s["micro"], global_batch_size=s["micro"] * dp,
+        world_size=tp * dp, micro_batch_size=gbs // dp, global_batch_size=gbs,
         optimizer="adam", lr=LR, min_lr=MIN_LR, lr_decay_style="cosine",
         lr_warmup_iters=WARMUP, lr_decay_iters=DECAY, lr_warmup_init=0.0,
         weight_decay=WD, start_weight_decay=WD, end_weight_decay=WD,
@@ -164,15 +172,17 @@ def megatron_args(tp: int, dp: int, iteration: int, arch: str, dist_opt: str | N
         ddp_bucket_size=bucket if dist_opt and bucket else None,
         accumulate_allreduce_grads_in_fp32=bf16, transformer_impl="local",
         ckpt_format="torch_dist",
-        iteration=iteration, consumed_train_samples=iteration * s["micro"] * dp,
+        iteration=iteration, consumed_train_samples=iteration * gbs,
         consumed_valid_samples=0, train_iters=SAVE_AT + CONTINUE, skipped_train_samples=0)
 
 
 class Run:
-    """megatron-core's GPTModel, its optimizer wrapper and scheduler on this rank."""
+    """megatron-core's GPTModel, its optimizer wrapper and scheduler on this rank, stepping
+    global batches of ``gbs`` rows (by default ``SHAPE["micro"]`` per DP rank), each DP
+    rank its ``gbs / dp`` rows as one micro batch."""
 
     def __init__(self, tp: int, dp: int, arch: str, dist_opt: str | None = None,
-                 bucket: int = BUCKET, bf16: bool = False):
+                 bucket: int = BUCKET, bf16: bool = False, gbs: int | None = None):
         import torch
         import torch.nn.functional as F
         from megatron.core import parallel_state
@@ -185,6 +195,9 @@ class Run:
         self.torch, self.tp, self.dp, self.arch = torch, tp, dp, arch
         self.dist_opt, self.meta = dist_opt, sharded_metadata(dist_opt)
         self.bucket, self.bf16 = bucket, bf16
+        # megatron-core's DDP and get_megatron_optimizer: the distributed optimizer, and a
+        # --bf16 run's non-distributed one (Float16OptimizerWithFloat16Params)
+        self.ddp_path = bool(dist_opt or bf16)
         dtype = torch.bfloat16 if bf16 else torch.float32
         torch.manual_seed(SEED)
         cfg = TransformerConfig(
@@ -208,9 +221,9 @@ class Run:
             from megatron.core.transformer.module import Float16Module
             self.model = Float16Module(cfg, self.model)
         self.model.train()
-        gbs = s["micro"] * dp
-        if dist_opt:
-            self._distributed_optimizer(cfg)
+        gbs = gbs or s["micro"] * dp
+        if self.ddp_path:
+            self._megatron_optimizer(cfg)
             sched_opt = self.opt
         else:
             sched_opt = self._optimizer()
@@ -226,7 +239,7 @@ class Run:
         self.dp_rank = parallel_state.get_data_parallel_rank()
         sq = s["seq_length"]
         self.mask = torch.triu(torch.ones(sq, sq), 1).bool()[None, None]
-        self.pos = torch.arange(sq).unsqueeze(0).expand(s["micro"], sq)
+        self.pos = torch.arange(sq).unsqueeze(0).expand(gbs // dp, sq)
 
     def _optimizer(self):
         """megatron-core's FP32Optimizer around torch's AdamW, in megatron's param groups;
@@ -257,27 +270,31 @@ class Run:
                 adam_beta2=BETA2, adam_eps=EPS, clip_grad=CLIP), init_state_fn)
         return adam
 
-    def _distributed_optimizer(self, cfg) -> None:
+    def _megatron_optimizer(self, cfg) -> None:
         """megatron-core's own: DistributedDataParallel (its param and grad buffers, in
-        buckets of ``BUCKET``, reduce-scattered as backward goes) and
-        ``get_megatron_optimizer``'s DistributedOptimizer (torch's AdamW inside, without
-        Apex or Transformer Engine), as Megatron-LM's ``--use-distributed-optimizer
-        --overlap-grad-reduce --ddp-bucket-size`` builds them."""
+        buckets of ``BUCKET``, reduce-scattered -- all-reduced without the distributed
+        optimizer -- as backward goes) and ``get_megatron_optimizer``'s optimizer (torch's
+        AdamW inside, without Apex or Transformer Engine): the DistributedOptimizer, as
+        Megatron-LM's ``--use-distributed-optimizer --overlap-grad-reduce
+        --ddp-bucket-size`` builds them, or, for a --bf16 run without ``dist_opt``,
+        Float16OptimizerWithFloat16Params (fp32 masters of the bf16 params)."""
         from megatron.core.distributed import (
             DistributedDataParallel,
             DistributedDataParallelConfig,
         )
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
         self.ddp = DistributedDataParallel(cfg, DistributedDataParallelConfig(
-            use_distributed_optimizer=True, overlap_grad_reduce=bool(self.bucket),
+            use_distributed_optimizer=bool(self.dist_opt),
+            overlap_grad_reduce=bool(self.bucket),
             # (Megatron-LM's --bf16 default: --accumulate-allreduce-grads-in-fp32)
             grad_reduce_in_fp32=self.bf16,
             bucket_size=self.bucket or None), self.model)
         with cpu_tensors_as_cuda():
             self.opt = get_megatron_optimizer(OptimizerConfig(
                 optimizer="adam", lr=LR, min_lr=MIN_LR, weight_decay=WD, adam_beta1=0.9,
-                adam_beta2=BETA2, adam_eps=EPS, clip_grad=CLIP, use_distributed_optimizer=True,
-                bf16=self.bf16, params_dtype=self.ddp.config.params_dtype),
+                adam_beta2=BETA2, adam_eps=EPS, clip_grad=CLIP,
+                use_distributed_optimizer=bool(self.dist_opt), bf16=self.bf16,
+                params_dtype=self.ddp.config.params_dtype),
                 [self.ddp])
 
     def _restore_steps(self) -> None:
@@ -288,15 +305,16 @@ class Run:
                 for p in group["params"]:
                     opt.optimizer.state[p]["step"] = self.torch.tensor(float(group["step"]))
 
-    def dist_step(self, batch) -> float:
-        """One iteration as Megatron-LM's train_step runs it with the distributed optimizer:
-        the DDP buffers zeroed, forward and backward (the buckets' reduce-scatters as
-        their grads are ready), megatron-core's finalize_model_grads, then its optimizer's
-        step (grad-norm clipping, AdamW on this DP rank's shard, the all-gather of the
-        updated params)."""
+    def ddp_step(self, batch) -> float:
+        """One iteration as Megatron-LM's train_step runs it over megatron-core's DDP: the
+        DDP buffers zeroed, forward and backward (the buckets' reduce-scatters, or
+        all-reduces, as their grads are ready), megatron-core's finalize_model_grads, then
+        its optimizer's step (grad-norm clipping, AdamW on the fp32 masters -- this DP
+        rank's shard with the distributed optimizer, then the all-gather of the updated
+        params --, copied into the model's params)."""
         from megatron.core.distributed import finalize_model_grads
         dist = self.torch.distributed
-        m = SHAPE["micro"]
+        m = self.gbs // self.dp
         mine = batch[self.dp_rank * m:(self.dp_rank + 1) * m]
         self.ddp.zero_grad_buffer()
         self.opt.zero_grad()
@@ -314,10 +332,10 @@ class Run:
     def step(self, batch) -> float:
         """One iteration on this DP rank's rows of ``batch`` (the global batch); the
         global batch's mean loss."""
-        if self.dist_opt:
-            return self.dist_step(batch)
+        if self.ddp_path:
+            return self.ddp_step(batch)
         torch, dist = self.torch, self.torch.distributed
-        m = SHAPE["micro"]
+        m = self.gbs // self.dp
         mine = batch[self.dp_rank * m:(self.dp_rank + 1) * m]
         self.opt.zero_grad()
         loss = self.model(mine[:, :-1], self.pos, self.mask, labels=mine[:, 1:]).float().mean()
@@ -363,7 +381,7 @@ class Run:
         else:
             optimizer = self.opt.sharded_state_dict(model_sd)
         return {"args": megatron_args(self.tp, self.dp, iteration, self.arch, self.dist_opt,
-                                      self.bucket, self.bf16),
+                                      self.bucket, self.bf16, self.gbs),
                 "checkpoint_version": 3.0,
                 "iteration": iteration, "model": model_sd,
                 "optimizer": optimizer,
@@ -467,12 +485,13 @@ def worker(a) -> None:
 def resume(a, dp: int) -> None:
     """megatron-core's ``dist_checkpointing.load`` of ``a.resume`` (an ``iter_*`` hybrid
     exported), then the steps on ``a.tokens``' batches; their losses into ``a.losses``.
-    ``a.resave``: first, the loaded state saved there by megatron-core."""
+    ``a.resave``: first, the loaded state saved there by megatron-core. The global batch
+    is the batches' (at another DP size than the save's, the same rows per step)."""
     import torch
     import torch.distributed as dist
     with open(a.tokens) as f:
         tokens = json.load(f)
-    run = Run(a.tp, dp, a.model, a.dist_opt, a.ddp_bucket_size, a.bf16)
+    run = Run(a.tp, dp, a.model, a.dist_opt, a.ddp_bucket_size, a.bf16, gbs=len(tokens[0]))
     iteration = run.load(a.resume)
     if a.resave:  # what megatron-core loaded, saved again by megatron-core before stepping
         save(run, a.resave, iteration, "torch_dist")
@@ -527,8 +546,9 @@ def main() -> int:
                    help="with --dist-opt: DDP's bucket size under --overlap-grad-reduce; 0: "
                         "Megatron-LM's default (no overlap: one bucket)")
     p.add_argument("--bf16", action="store_true",
-                   help="with --dist-opt: Megatron-LM's --bf16 (bf16 params, fp32 masters, "
-                        "grads reduced in fp32), into ..._<type>_bf16 by default")
+                   help="Megatron-LM's --bf16 (bf16 params, fp32 masters, grads reduced in "
+                        "fp32): with --dist-opt, into ..._<type>_bf16 by default; without, "
+                        "the non-distributed optimizer, with --resume only")
     p.add_argument("--resume", help="instead: an iter_* directory to load and continue "
                                     "(on the batches of --tokens, a JSON list)")
     p.add_argument("--tokens")
@@ -541,8 +561,9 @@ def main() -> int:
     if a.dist_opt and a.out == OUT:
         a.out = os.path.join(os.path.dirname(OUT), f"megatron_distopt_{a.dist_opt}"
                              + ("_bf16" if a.bf16 else ""))
-    if a.bf16 and not a.dist_opt:
-        p.error("--bf16 is recorded with --dist-opt only (megatron-core's DistributedOptimizer)")
+    if a.bf16 and not a.dist_opt and not a.resume:
+        p.error("--bf16 is recorded with --dist-opt only (megatron-core's DistributedOptimizer); "
+                "without it, with --resume only")
     if a.worker:
         worker(a)
         return 0

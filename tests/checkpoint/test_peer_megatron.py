@@ -200,6 +200,22 @@ def test_another_model_shape_is_refused_by_the_load(tmp_path):
     assert not os.path.exists(tmp_path / "s") or not os.listdir(tmp_path / "s")
 
 
+def _megatron_resume(iter_dir, tokens, result, tp: int, world: int, *flags: str,
+                     resave=None) -> dict:
+    """megatron-core's load of ``iter_dir`` (benchmarks/peers/record_megatron_checkpoint.py
+    --resume) at TP ``tp`` over ``world`` ranks, [saving what it loaded into ``resave``,]
+    stepping the batches of ``tokens``: its JSON (``iteration``, ``losses``)."""
+    import subprocess
+    import sys
+    run = subprocess.run([sys.executable, RECORDER, "--resume", str(iter_dir), "--tokens",
+                          str(tokens), "--losses", str(result), "--tp", str(tp), "--world",
+                          str(world), *flags, *(["--resave", str(resave)] if resave else [])],
+                         check=False, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    with open(result) as f:
+        return json.load(f)
+
+
 def _more(rec: dict, n: int = 4) -> list:
     g = torch.Generator().manual_seed(9)
     s = rec["shape"]
@@ -575,9 +591,12 @@ def test_a_bf16_export_writes_the_bf16_run_s_buffer_and_reads_back(tmp_path):
     and equal to megatron's saved weights bit for bit, ``args.bf16``; read back, the
     import's masters and moments bit for bit. Without fp32 grad reduction the pair is
     ``(torch.bfloat16, torch.bfloat16)``; without the distributed optimizer the masters
-    go as ``optimizer.state.fp32_param.*``; ``dtype`` (``--dtype``) writes this checkpoint
-    for an fp32 run, and an fp32 one for a bf16 run (its weights the masters rounded)."""
+    go as ``optimizer.state.fp32_param.*``, the param groups and ``common_step`` under
+    ``common.pt``'s ``optimizer.optimizer`` (Float16OptimizerWithFloat16Params');
+    ``dtype`` (``--dtype``) writes this checkpoint for an fp32 run, and an fp32 one for a
+    bf16 run (its weights the masters rounded)."""
     from hybrid.checkpoint.peers import megatron, megatron_names as names
+    from hybrid.checkpoint.peers.megatron_dist import load_common
     from hybrid.checkpoint.peers.megatron_files import DcpFiles
     ckpt = _imported(tmp_path, DISTOPT_BF16)
     out = megatron.write(ckpt, str(tmp_path / "dp22"), tp=2, dp=2,
@@ -606,6 +625,10 @@ def test_a_bf16_export_writes_the_bf16_run_s_buffer_and_reads_back(tmp_path):
     megatron.write(ckpt, str(tmp_path / "plain"), tp=2)  # (the masters: fp32_param.*)
     back = open_peer(str(tmp_path / "plain"))
     assert back.args.bf16 and "optimizer.state.fp32_param.output_layer.weight" in back.files.tensors
+    # (Float16OptimizerWithFloat16Params' common state: its torch optimizer's, one level in)
+    inner = load_common(back.path)["optimizer"]["optimizer"]
+    assert back.step == 3 and float(inner["state"]["common_step"]) == 3.0
+    assert sorted(g["wd_mult"] for g in inner["param_groups"]) == [0.0, 1.0]
     _same_state(back, ckpt)
     megatron.write(ckpt, str(tmp_path / "as_fp32"), tp=1, dp=2, dist_opt="dp_reshardable",
                    dtype="fp32")
@@ -694,15 +717,15 @@ def test_a_distributed_optimizer_export_it_cannot_write_is_one_line(tmp_path, ca
 def test_megatron_distributed_optimizer_loads_hybrid_s_export_and_continues(tmp_path):
     """hybrid continues megatron-core's dp_reshardable fixture at TP 1 x DP 2 (ZeRO 3),
     saves, steps 4 more batches, and exports its save with --megatron-dist-opt
-    dp_reshardable for two runs -- TP 2 x DP 2 in buckets of 1000, TP 1 x DP 2 in one
+    dp_reshardable for two runs -- TP 2 x DP 2 in buckets of 1000, TP 1 x DP 4 in one
     bucket -- and fully_reshardable (TP 1 x DP 2).
-    megatron-core's DistributedDataParallel + DistributedOptimizer loads each
-    (benchmarks/peers/record_megatron_checkpoint.py --resume --dist-opt), saves what it
-    loaded again -- read by hybrid's reader, the masters and moments of hybrid's save,
-    bit for bit -- and steps the 4 batches: hybrid's losses within 2e-6."""
-    import subprocess
-    import sys
-
+    megatron-core's DistributedDataParallel + DistributedOptimizer loads each at DP 2
+    (benchmarks/peers/record_megatron_checkpoint.py --resume --dist-opt) -- the TP 1 x
+    DP 4 export at another DP size than it was written for: dp_reshardable reshards over
+    DP (its buckets' unpadded sizes, what its load checks, do not depend on it), each of
+    the two ranks reading its shard across the chunks cut where four ranks' shards meet
+    --, saves what it loaded again -- read by hybrid's reader, the masters and moments of
+    hybrid's save, bit for bit -- and steps the 4 batches: hybrid's losses within 2e-6."""
     from tests.helpers.launch import script_module
     rec = _record(DISTOPT["dp_reshardable"])
     more = _more(rec)
@@ -713,29 +736,44 @@ def test_megatron_distributed_optimizer_loads_hybrid_s_export_and_continues(tmp_
     tokens = tmp_path / "tokens.json"
     tokens.write_text(json.dumps(more))
     convert = script_module("convert_checkpoint").main
-    for mode, tp, world, bucket in (("dp_reshardable", 2, 4, 1000), ("dp_reshardable", 1, 2, 0),
-                                    ("fully_reshardable", 1, 2, 0)):
-        out = tmp_path / f"mg_{mode}_tp{tp}"
+    # (the DP size written for; megatron-core loads each at DP 2, the global batch the same)
+    for mode, tp, dp, bucket in (("dp_reshardable", 2, 2, 1000), ("dp_reshardable", 1, 4, 0),
+                                 ("fully_reshardable", 1, 2, 0)):
+        out = tmp_path / f"mg_{mode}_tp{tp}_dp{dp}"
         assert convert(["export", "--to", "megatron", save, str(out),
-                        "--tensor-model-parallel-size", str(tp), "--data-parallel-size", "2",
+                        "--tensor-model-parallel-size", str(tp), "--data-parallel-size", str(dp),
                         "--megatron-dist-opt", mode,
                         *(["--megatron-ddp-bucket-size", str(bucket)] if bucket else [])]) == 0
-        result, again = tmp_path / f"{out.name}.json", tmp_path / f"again_{out.name}"
-        run = subprocess.run([sys.executable, RECORDER, "--resume", str(out / "iter_0000013"),
-                              "--tokens", str(tokens), "--losses", str(result),
-                              "--resave", str(again), "--dist-opt", mode,
-                              "--ddp-bucket-size", str(bucket), "--tp", str(tp),
-                              "--world", str(world)],
-                             check=False, capture_output=True, text=True, timeout=600)
-        assert run.returncode == 0, run.stderr[-3000:]
+        again = tmp_path / f"again_{out.name}"
+        got = _megatron_resume(out / "iter_0000013", tokens, tmp_path / f"{out.name}.json", tp,
+                               2 * tp, "--dist-opt", mode, "--ddp-bucket-size", str(bucket),
+                               resave=again)
         _same_state(open_peer(str(again)), os.path.join(save, "iter_0000013"))
-        got = json.loads(result.read_text())
         diff = max(abs(a - b) for a, b in zip(got["losses"], hybrid_losses))
         assert got["iteration"] == 13 and diff <= TOL, (out.name, diff, got, hybrid_losses)
 
 
+@pytest.fixture(scope="module")
+def bf16_continued(tmp_path_factory) -> dict:
+    """hybrid's --bf16 continuation of megatron-core's --bf16 DistributedOptimizer save at
+    Megatron's layout (TP 2 x DP 2, ZeRO 1): its 10 losses, then its save (iteration 13)
+    and its losses on 4 more batches (``tokens``, a JSON file). Module-wide: the bf16 peer
+    tests export the one save."""
+    root = tmp_path_factory.mktemp("bf16")
+    rec = _record(DISTOPT_BF16)
+    more = _more(rec)
+    save = str(root / "save")
+    _, _, losses = run_ranks(_continue, world_size=4, tp=2,
+                             args=(DISTOPT_BF16, save, 1, rec, more))[0]
+    n = len(rec["tokens"])
+    tokens = root / "tokens.json"
+    tokens.write_text(json.dumps(more))
+    return {"rec": rec, "save": save, "read": losses[:n], "after": losses[n:],
+            "tokens": tokens}
+
+
 @pytest.mark.peer("megatron.core")
-def test_megatron_bf16_distributed_optimizer_both_ways(tmp_path):
+def test_megatron_bf16_distributed_optimizer_both_ways(tmp_path, bf16_continued):
     """megatron-core's --bf16 DistributedOptimizer save (TP 2 x DP 2, buckets of 1000)
     continued by hybrid's --bf16 at Megatron's layout (ZeRO 1): its 10 losses within
     BF16_TOL of megatron-core's own continuation. hybrid then saves, steps 4 more batches,
@@ -744,19 +782,9 @@ def test_megatron_bf16_distributed_optimizer_both_ways(tmp_path):
     hybrid's masters and moments bit for bit -- and steps the 4 batches: hybrid's losses
     within BF16_TOL. An fp32 checkpoint exported with ``--dtype bf16`` loads into the same
     bf16 run, its masters and moments bit for bit."""
-    import subprocess
-    import sys
-
     from tests.helpers.launch import script_module
-    rec = _record(DISTOPT_BF16)
-    more = _more(rec)
-    save = str(tmp_path / "save")
-    _, _, losses = run_ranks(_continue, world_size=4, tp=2,
-                             args=(DISTOPT_BF16, save, 1, rec, more))[0]
-    n = len(rec["tokens"])
-    read = [a - b for a, b in zip(losses[:n], rec["losses"])]
-    tokens = tmp_path / "tokens.json"
-    tokens.write_text(json.dumps(more))
+    rec, save, tokens = bf16_continued["rec"], bf16_continued["save"], bf16_continued["tokens"]
+    read = [a - b for a, b in zip(bf16_continued["read"], rec["losses"])]
     out = tmp_path / "mg"
     assert script_module("convert_checkpoint").main([
         "export", "--to", "megatron", save, str(out), "--tensor-model-parallel-size", "2",
@@ -764,14 +792,9 @@ def test_megatron_bf16_distributed_optimizer_both_ways(tmp_path):
         "--megatron-ddp-bucket-size", "1000"]) == 0
 
     def megatron_bf16(out, it: int, again) -> dict:
-        result = tmp_path / f"{out.name}.json"
-        run = subprocess.run([sys.executable, RECORDER, "--resume", str(out / f"iter_{it:07d}"),
-                              "--tokens", str(tokens), "--losses", str(result), "--resave",
-                              str(again), "--dist-opt", "dp_reshardable", "--bf16",
-                              "--ddp-bucket-size", "1000", "--tp", "2", "--world", "4"],
-                             check=False, capture_output=True, text=True, timeout=600)
-        assert run.returncode == 0, run.stderr[-3000:]
-        return json.loads(result.read_text())
+        return _megatron_resume(out / f"iter_{it:07d}", tokens, tmp_path / f"{out.name}.json",
+                                2, 4, "--dist-opt", "dp_reshardable", "--bf16",
+                                "--ddp-bucket-size", "1000", resave=again)
     got = megatron_bf16(out, 13, tmp_path / "again")
     _same_state(open_peer(str(tmp_path / "again")), os.path.join(save, "iter_0000013"))
     fp32 = _imported(tmp_path / "fp32", DISTOPT["dp_reshardable"])
@@ -781,6 +804,36 @@ def test_megatron_bf16_distributed_optimizer_both_ways(tmp_path):
         "--megatron-dist-opt", "dp_reshardable", "--megatron-ddp-bucket-size", "1000"]) == 0
     megatron_bf16(tmp_path / "as_bf16", 3, tmp_path / "again_fp32")
     _same_state(open_peer(str(tmp_path / "again_fp32")), fp32)
-    written = [a - b for a, b in zip(got["losses"], losses[n:])]
-    assert max(map(abs, read)) <= BF16_TOL, (read, losses[:n], rec["losses"])
+    written = [a - b for a, b in zip(got["losses"], bf16_continued["after"])]
+    assert max(map(abs, read)) <= BF16_TOL, (read, bf16_continued["read"], rec["losses"])
+    assert got["iteration"] == 13 and max(map(abs, written)) <= BF16_TOL, (written, got)
+
+
+@pytest.mark.peer("megatron.core")
+def test_megatron_bf16_non_distributed_optimizer_loads_hybrid_s_plain_export(tmp_path,
+                                                                             bf16_continued):
+    """hybrid's --bf16 save (continuing megatron-core's bf16 save at TP 2 x DP 2) exported
+    without --megatron-dist-opt: megatron-core's --bf16 run with its non-distributed
+    optimizer -- Float16OptimizerWithFloat16Params over DDP, grads reduced in fp32, as
+    get_megatron_optimizer builds it for Megatron-LM's --bf16 -- at TP 1 x DP 2 loads it
+    (the masters from ``optimizer.state.fp32_param.*``), saves what it loaded again --
+    bf16 weights; read by hybrid's reader, hybrid's fp32 masters, moments and step bit for
+    bit -- and steps the 4 batches hybrid stepped after its save: hybrid's losses within
+    BF16_TOL."""
+    from hybrid.checkpoint.peers.megatron_files import DcpFiles
+    from tests.helpers.launch import script_module
+    save = bf16_continued["save"]
+    out, again = tmp_path / "mg", tmp_path / "again"
+    assert script_module("convert_checkpoint").main([
+        "export", "--to", "megatron", save, str(out)]) == 0
+    got = _megatron_resume(out / "iter_0000013", bf16_continued["tokens"],
+                           tmp_path / "megatron.json", 1, 2, "--bf16", "--ddp-bucket-size", "0",
+                           resave=again)
+    back = open_peer(str(again))
+    assert back.args.bf16 and not back.args.use_distributed_optimizer and back.step == 13
+    files = DcpFiles(back.path)
+    assert files.tensors["output_layer.weight"].properties.dtype == torch.bfloat16
+    assert "optimizer.state.fp32_param.output_layer.weight" in files.tensors
+    _same_state(back, os.path.join(save, "iter_0000013"))
+    written = [a - b for a, b in zip(got["losses"], bf16_continued["after"])]
     assert got["iteration"] == 13 and max(map(abs, written)) <= BF16_TOL, (written, got)

@@ -192,6 +192,21 @@ def _write_tensors(w: DcpWriter, params, num_layers: int, swiglu: bool, ckpt: st
     return moments
 
 
+def _plain_optimizer(cfg: dict, step: int, moments: bool, fp32: bool) -> dict:
+    """``common.pt``'s ``optimizer`` for megatron-core's non-distributed optimizer: torch
+    AdamW's param groups (megatron-core's two, without the distributed optimizer's
+    ``step``) and the step as ``common_step``; an fp32 run's ``FP32Optimizer`` holds them
+    at the top, a bf16 run's ``Float16OptimizerWithFloat16Params`` under ``optimizer``
+    (its masters, ``fp32_from_fp16_params``, are the ``optimizer.state.fp32_param.*``
+    tensors)."""
+    from hybrid.checkpoint.peers.megatron_distopt_export import param_groups
+    torch_optimizer = {
+        "state": {"common_step": torch.tensor(float(step))} if moments else {},
+        "param_groups": [{k: v for k, v in g.items() if k != "step"}
+                         for g in param_groups(cfg, step)]}
+    return torch_optimizer if fp32 else {"optimizer": torch_optimizer}
+
+
 def write(hybrid_ckpt: str, out_dir: str, tp: int = 1, dp: int = 1,
           dist_opt: str | None = None, spec: str = "local",
           bucket_size: int | None = None, dtype: str | None = None) -> str:
@@ -209,10 +224,11 @@ def write(hybrid_ckpt: str, out_dir: str, tp: int = 1, dp: int = 1,
     and DDP bucket size ``bucket_size`` (None: one bucket, Megatron-LM's default without
     ``--overlap-grad-reduce``). A bf16 checkpoint (config ``bf16``) is written as a
     Megatron-LM ``--bf16`` run's: bf16 weights, ``args.bf16``, its buffer's dtype pair
-    (:func:`~.megatron_names.buffer_dtypes`); ``dtype`` ("fp32" or "bf16") writes for a
-    run of that precision instead. One parameter in memory at a time. Returns the
-    iteration's directory; CheckpointError naming the flag for a request it cannot
-    honour, before anything is written."""
+    (:func:`~.megatron_names.buffer_dtypes`) -- without ``dist_opt``, its
+    ``Float16OptimizerWithFloat16Params``' state (:func:`_plain_optimizer`); ``dtype``
+    ("fp32" or "bf16") writes for a run of that precision instead. One parameter in memory
+    at a time. Returns the iteration's directory; CheckpointError naming the flag for a
+    request it cannot honour, before anything is written."""
     from hybrid.checkpoint import iter_full_params, resolve_checkpoint
     from hybrid.checkpoint.peers import megatron_distopt_export as distopt
     distopt.check(dist_opt, tp, dp, spec, bucket_size)
@@ -249,17 +265,10 @@ def write(hybrid_ckpt: str, out_dir: str, tp: int = 1, dp: int = 1,
     gbs = int(cfg.get("global_batch_size") or 0)
     lr, min_lr = float(cfg.get("lr") or 0.0), float(cfg.get("min_lr") or 0.0)
     wd = float(cfg.get("weight_decay") or 0.0)
-    group = {"lr": lr, "betas": (cfg.get("adam_beta1", 0.9), cfg.get("adam_beta2", 0.999)),
-             "eps": cfg.get("adam_eps", 1e-8), "amsgrad": False, "maximize": False,
-             "foreach": None, "capturable": False, "differentiable": False, "fused": None,
-             "decoupled_weight_decay": True, "lr_mult": 1.0, "is_expert_parallel": False,
-             "is_decoupled_lr": False}
     warm = int(cfg.get("lr_warmup_iters") or 0)
     decay = int(cfg.get("lr_decay_iters") or cfg.get("train_iters") or 0)
-    optimizer = opt.common() if opt is not None else {
-        "state": {"common_step": torch.tensor(float(step))} if moments else {},
-        "param_groups": [{**group, "weight_decay": wd, "wd_mult": 1.0},
-                         {**group, "weight_decay": 0.0, "wd_mult": 0.0}]}
+    optimizer = opt.common() if opt is not None else _plain_optimizer(
+        cfg, step, moments, fp32=dtypes[0] == torch.float32)
     dist = {"use_distributed_optimizer": bool(dist_opt),
             "dist_ckpt_optim_fully_reshardable": dist_opt == "fully_reshardable",
             "overlap_grad_reduce": bucket_size is not None, "ddp_bucket_size": bucket_size,

@@ -170,10 +170,12 @@ class MegatronCheckpoint:
         elif not self._has_moments(keys):
             self.notes.append("no optimizer state: Adam's moments start at zero")
             return ("master",), 0
-        if groups is None:  # the distributed optimizer's fully reshardable layouts
+        if groups is None:  # fully_reshardable's, and a bf16 run's non-distributed optimizer's
             groups = (opt.get("optimizer") or {}).get("param_groups")
-        state = opt.get("state") or {}
-        step = state.get("common_step")  # (the non-distributed optimizer's)
+        # (the non-distributed optimizer's: FP32Optimizer's at the top, a --bf16 run's
+        # Float16OptimizerWithFloat16Params' under its torch optimizer's "optimizer")
+        state = opt.get("state") or (opt.get("optimizer") or {}).get("state") or {}
+        step = state.get("common_step")
         if step is None:  # the distributed optimizer's: in its param groups
             step = next((g["step"] for g in groups or []
                          if isinstance(g, dict) and g.get("step") is not None), None)
