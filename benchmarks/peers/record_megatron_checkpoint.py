@@ -1,5 +1,6 @@
 """Record the Megatron-LM ``torch_dist`` fixture of tests/fixtures/peers/megatron_dist/ with
-megatron-core 0.16.1 on the CPU (gloo, 2 ranks, TP 2), and megatron_distopt_* (4, TP2 x DP2).
+megatron-core 0.16.1 on the CPU (gloo, 2 ranks, TP 2), and megatron_distopt_* (4, TP2 x DP2;
+_pp2: TP 1 x PP 2 x DP 2).
 
     OMP_NUM_THREADS=1 /work/venv-peers/bin/python benchmarks/peers/record_megatron_checkpoint.py
     ... --format torch              (Megatron-LM's legacy format, into .../megatron_legacy/)
@@ -14,6 +15,9 @@ megatron-core 0.16.1 on the CPU (gloo, 2 ranks, TP 2), and megatron_distopt_* (4
     ... --dist-opt dp_reshardable --tp 2 --world 4 --bf16
                                     (Megatron-LM's --bf16, into
                                      .../megatron_distopt_dp_reshardable_bf16/)
+    ... --dist-opt dp_reshardable --tp 1 --pp 2 --world 4
+                                    (TP 1 x PP 2 x DP 2, megatron-core's pipeline
+                                     schedule, into .../megatron_distopt_dp_reshardable_pp2/)
 
 A tiny Llama-shaped GPT (RMSNorm, SwiGLU, RoPE, GQA, no biases, untied output) of
 megatron-core's ``GPTModel`` (local layer spec, ../shared/BENCHMARKS.md's CPU patches) is
@@ -67,6 +71,10 @@ of the bf16 params (its ``Float16`` path); its buffer's keys are
 It runs on the CPU and gloo with the patches above and no others, and megatron-core's own
 reload continues bit for bit.
 
+``--pp N`` (with ``--dist-opt``): megatron-core's pipeline schedule, its CPU patches in
+benchmarks/peers/megatron_pipeline.py; the rng_state objects are Megatron-LM's (PP, TP)
+grid.
+
 Not recorded: ``fully_sharded_model_space`` -- megatron-core 0.16.1 cannot save it
 (``ShardedTensor.validate_metadata_integrity`` raises "ShardedTensor.flattened_range is not
 supported", dist_checkpointing/mapping.py:134, for the flattened ranges it builds); and
@@ -80,6 +88,7 @@ here): the fixture is saved with one bucket, Megatron-LM's default without
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -95,6 +104,7 @@ from benchmarks.peers.megatron_cpu_optim import (  # noqa: E402
     cuda_as_cpu,
     keep_own_step,
 )
+from benchmarks.peers.megatron_pipeline import pipeline_loss  # noqa: E402
 
 OUT = os.path.join(ROOT, "tests", "fixtures", "peers", "megatron_dist")
 # (small: the fixtures are committed; query_groups: the Llama's)
@@ -132,7 +142,7 @@ def sharded_metadata(dist_opt: str | None) -> dict:
 
 
 def megatron_args(tp: int, dp: int, iteration: int, arch: str, dist_opt: str | None = None,
-                  bucket: int = 0, bf16: bool = False):
+                  bucket: int = 0, bf16: bool = False, pp: int = 1):
     """The Namespace Megatron-LM's ``save_checkpoint`` stores as ``args`` (the fields a
     reader of the checkpoint uses); ``bf16``: Megatron-LM's ``--bf16``, which turns on
     ``--accumulate-allreduce-grads-in-fp32``."""
@@ -149,9 +159,9 @@ def megatron_args(tp: int, dp: int, iteration: int, arch: str, dist_opt: str | N
         add_bias_linear=m["bias"], add_qkv_bias=False,
         untie_embeddings_and_output_weights=not m["tied"],
         qk_layernorm=False, num_experts=None, hidden_dropout=0.0, attention_dropout=0.0,
-        init_method_std=0.02, tensor_model_parallel_size=tp, pipeline_model_parallel_size=1,
+        init_method_std=0.02, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
         context_parallel_size=1, expert_model_parallel_size=1, data_parallel_size=dp,
-        world_size=tp * dp, micro_batch_size=s["micro"], global_batch_size=s["micro"] * dp,
+        world_size=tp * pp * dp, micro_batch_size=s["micro"], global_batch_size=s["micro"] * dp,
         optimizer="adam", lr=LR, min_lr=MIN_LR, lr_decay_style="cosine",
         lr_warmup_iters=WARMUP, lr_decay_iters=DECAY, lr_warmup_init=0.0,
         weight_decay=WD, start_weight_decay=WD, end_weight_decay=WD,
@@ -172,7 +182,7 @@ class Run:
     """megatron-core's GPTModel, its optimizer wrapper and scheduler on this rank."""
 
     def __init__(self, tp: int, dp: int, arch: str, dist_opt: str | None = None,
-                 bucket: int = BUCKET, bf16: bool = False):
+                 bucket: int = BUCKET, bf16: bool = False, pp: int = 1):
         import torch
         import torch.nn.functional as F
         from megatron.core import parallel_state
@@ -184,7 +194,7 @@ class Run:
         s, m = SHAPE, ARCH[arch]
         self.torch, self.tp, self.dp, self.arch = torch, tp, dp, arch
         self.dist_opt, self.meta = dist_opt, sharded_metadata(dist_opt)
-        self.bucket, self.bf16 = bucket, bf16
+        self.bucket, self.bf16, self.pp = bucket, bf16, pp
         dtype = torch.bfloat16 if bf16 else torch.float32
         torch.manual_seed(SEED)
         cfg = TransformerConfig(
@@ -197,13 +207,19 @@ class Run:
             attention_dropout=0.0, init_method_std=0.02, params_dtype=dtype, bf16=bf16,
             use_cpu_initialization=True, bias_activation_fusion=False,
             masked_softmax_fusion=False, bias_dropout_fusion=False, apply_rope_fusion=False,
-            gradient_accumulation_fusion=False, persist_layer_norm=False)
-        self.model = GPTModel(config=cfg,
-                              transformer_layer_spec=get_gpt_layer_local_spec(
-                                  normalization=m["normalization"]),
-                              vocab_size=s["vocab"], max_sequence_length=s["seq_length"],
-                              share_embeddings_and_output_weights=m["tied"],
-                              position_embedding_type=m["position"], rotary_base=10000)
+            gradient_accumulation_fusion=False, persist_layer_norm=False,
+            pipeline_model_parallel_size=pp, pipeline_dtype=dtype)
+        # (PP > 1, tied: the first and last stages' copies of the word embeddings are made
+        # equal by an all-reduce of ``weight.data.cuda()``: Tensor.cuda() the tensor here)
+        with cpu_tensors_as_cuda() if pp > 1 else contextlib.nullcontext():
+            self.model = GPTModel(config=cfg,
+                                  transformer_layer_spec=get_gpt_layer_local_spec(
+                                      normalization=m["normalization"]),
+                                  vocab_size=s["vocab"], max_sequence_length=s["seq_length"],
+                                  share_embeddings_and_output_weights=m["tied"],
+                                  position_embedding_type=m["position"], rotary_base=10000,
+                                  pre_process=parallel_state.is_pipeline_first_stage(),
+                                  post_process=parallel_state.is_pipeline_last_stage())
         if bf16:  # Megatron-LM's --bf16 model: bf16 params, fp32 logits out
             from megatron.core.transformer.module import Float16Module
             self.model = Float16Module(cfg, self.model)
@@ -222,6 +238,7 @@ class Run:
         self.norm_params = [p for p in self.model.parameters()
                             if param_is_not_tensor_parallel_duplicate(p)]
         self.mp_group = parallel_state.get_model_parallel_group()
+        self.pp_group = parallel_state.get_pipeline_model_parallel_group()
         self.dp_group = parallel_state.get_data_parallel_group()
         self.dp_rank = parallel_state.get_data_parallel_rank()
         sq = s["seq_length"]
@@ -300,8 +317,12 @@ class Run:
         mine = batch[self.dp_rank * m:(self.dp_rank + 1) * m]
         self.ddp.zero_grad_buffer()
         self.opt.zero_grad()
-        loss = self.ddp(mine[:, :-1], self.pos, self.mask, labels=mine[:, 1:]).float().mean()
-        loss.backward()
+        if self.pp > 1:
+            loss = pipeline_loss(self.ddp, mine, self.pos, self.mask, SHAPE["seq_length"],
+                                 m, self.pp_group)
+        else:
+            loss = self.ddp(mine[:, :-1], self.pos, self.mask, labels=mine[:, 1:]).float().mean()
+            loss.backward()
         finalize_model_grads([self.ddp])
         with cpu_tensors_as_cuda():
             ok, _, _ = self.opt.step()
@@ -363,13 +384,15 @@ class Run:
         else:
             optimizer = self.opt.sharded_state_dict(model_sd)
         return {"args": megatron_args(self.tp, self.dp, iteration, self.arch, self.dist_opt,
-                                      self.bucket, self.bf16),
+                                      self.bucket, self.bf16, self.pp),
                 "checkpoint_version": 3.0,
                 "iteration": iteration, "model": model_sd,
                 "optimizer": optimizer,
                 "opt_param_scheduler": self.sched.state_dict(),
-                "rng_state": ShardedObject("rng_state", [rng], (1, self.tp), (0, tp_rank),
-                                           replica_id=self.dp_rank),
+                "rng_state": ShardedObject(
+                    "rng_state", [rng], (self.pp, self.tp),
+                    (parallel_state.get_pipeline_model_parallel_rank(), tp_rank),
+                    replica_id=self.dp_rank),
                 "num_floating_point_operations_so_far": 0}
 
     def load_legacy(self, iter_dir: str) -> int:
@@ -453,8 +476,9 @@ def worker(a) -> None:
     from megatron.core import parallel_state
     dist.init_process_group("gloo")
     world = dist.get_world_size()
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=a.tp)
-    dp = world // a.tp
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=a.tp,
+                                             pipeline_model_parallel_size=a.pp)
+    dp = world // (a.tp * a.pp)
     if a.resume:
         resume(a, dp)
     else:
@@ -472,7 +496,7 @@ def resume(a, dp: int) -> None:
     import torch.distributed as dist
     with open(a.tokens) as f:
         tokens = json.load(f)
-    run = Run(a.tp, dp, a.model, a.dist_opt, a.ddp_bucket_size, a.bf16)
+    run = Run(a.tp, dp, a.model, a.dist_opt, a.ddp_bucket_size, a.bf16, a.pp)
     iteration = run.load(a.resume)
     if a.resave:  # what megatron-core loaded, saved again by megatron-core before stepping
         save(run, a.resave, iteration, "torch_dist")
@@ -484,13 +508,13 @@ def resume(a, dp: int) -> None:
 
 def record(a, dp: int) -> None:
     import torch.distributed as dist
-    run = Run(a.tp, dp, a.model, a.dist_opt, a.ddp_bucket_size, a.bf16)
+    run = Run(a.tp, dp, a.model, a.dist_opt, a.ddp_bucket_size, a.bf16, a.pp)
     data = batches(SAVE_AT + CONTINUE, SHAPE["micro"] * dp, seed=7)
     first = [run.step(b) for b in data[:SAVE_AT]]
     save(run, a.out, SAVE_AT, a.format)
     losses = [run.step(b) for b in data[SAVE_AT:]]
     # megatron-core's own load of the files continues the same
-    again = Run(a.tp, dp, a.model, a.dist_opt, a.ddp_bucket_size, a.bf16)
+    again = Run(a.tp, dp, a.model, a.dist_opt, a.ddp_bucket_size, a.bf16, a.pp)
     load = again.load if a.format == "torch_dist" else again.load_legacy
     assert load(os.path.join(a.out, f"iter_{SAVE_AT:07d}")) == SAVE_AT
     reloaded = [again.step(b) for b in data[SAVE_AT:]]
@@ -499,7 +523,7 @@ def record(a, dp: int) -> None:
     if dist.get_rank() == 0:
         with open(os.path.join(a.out, "losses.json"), "w") as f:
             json.dump({"megatron_core": __import__("megatron.core").core.__version__,
-                       "format": a.format, "model": a.model, "tp": a.tp, "dp": dp,
+                       "format": a.format, "model": a.model, "tp": a.tp, "dp": dp, "pp": a.pp,
                        "distributed_optimizer": a.dist_opt, "bf16": a.bf16,
                        "ddp_bucket_size": a.ddp_bucket_size if a.dist_opt else None,
                        "iteration": SAVE_AT,
@@ -516,6 +540,9 @@ def main() -> int:
     p.add_argument("--out", default=OUT)
     p.add_argument("--tp", type=int, default=2)
     p.add_argument("--world", type=int, default=2)
+    p.add_argument("--pp", type=int, default=1,
+                   help="pipeline stages (with --dist-opt: megatron-core's pipeline schedule), "
+                        "into ..._pp<N> by default")
     p.add_argument("--model", choices=sorted(ARCH), default="llama")
     p.add_argument("--format", choices=("torch_dist", "torch"), default="torch_dist",
                    help="torch: Megatron-LM's legacy format, into "
@@ -540,7 +567,9 @@ def main() -> int:
         a.out = LEGACY_OUT
     if a.dist_opt and a.out == OUT:
         a.out = os.path.join(os.path.dirname(OUT), f"megatron_distopt_{a.dist_opt}"
-                             + ("_bf16" if a.bf16 else ""))
+                             + ("_bf16" if a.bf16 else "") + (f"_pp{a.pp}" if a.pp > 1 else ""))
+    if a.pp > 1 and not a.dist_opt:
+        p.error("--pp is recorded with --dist-opt only (megatron-core's DistributedOptimizer)")
     if a.bf16 and not a.dist_opt:
         p.error("--bf16 is recorded with --dist-opt only (megatron-core's DistributedOptimizer)")
     if a.worker:
@@ -554,7 +583,8 @@ def main() -> int:
     env = dict(os.environ, OMP_NUM_THREADS="1")
     return subprocess.call([sys.executable, "-m", "torch.distributed.run", "--standalone",
                             "--nproc-per-node", str(a.world), os.path.abspath(__file__),
-                            "--worker", "--out", a.out, "--tp", str(a.tp), "--model", a.model,
+                            "--worker", "--out", a.out, "--tp", str(a.tp), "--pp", str(a.pp),
+                            "--model", a.model,
                             "--format", a.format, *more,
                             "--ddp-bucket-size", str(a.ddp_bucket_size),
                             *(["--dist-opt", a.dist_opt] if a.dist_opt else []),
