@@ -1,5 +1,6 @@
 """Record the Megatron-LM ``torch_dist`` fixture of tests/fixtures/peers/megatron_dist/ with
-megatron-core 0.16.1 on the CPU (gloo, 2 ranks, TP 2), and megatron_distopt_* (4, TP2 x DP2).
+megatron-core 0.16.1 on the CPU (gloo, 2 ranks, TP 2), and megatron_distopt_* (4, TP2 x DP2;
+_pp2: TP 1 x PP 2 x DP 2).
 
     OMP_NUM_THREADS=1 /work/venv-peers/bin/python benchmarks/peers/record_megatron_checkpoint.py
     ... --format torch              (Megatron-LM's legacy format, into .../megatron_legacy/)
@@ -15,6 +16,9 @@ megatron-core 0.16.1 on the CPU (gloo, 2 ranks, TP 2), and megatron_distopt_* (4
     ... --dist-opt dp_reshardable --tp 2 --world 4 --bf16
                                     (Megatron-LM's --bf16, into
                                      .../megatron_distopt_dp_reshardable_bf16/)
+    ... --dist-opt dp_reshardable --tp 1 --pp 2 --world 4
+                                    (TP 1 x PP 2 x DP 2, megatron-core's pipeline
+                                     schedule, into .../megatron_distopt_dp_reshardable_pp2/)
 
 A tiny Llama-shaped GPT (RMSNorm, SwiGLU, RoPE, GQA, no biases, untied output) of
 megatron-core's ``GPTModel`` (local layer spec, ../shared/BENCHMARKS.md's CPU patches) is
@@ -73,6 +77,10 @@ the same model, DDP and grads without the distributed optimizer, so that
 optimizer of Megatron-LM's ``--bf16`` without ``--use-distributed-optimizer``. No patch
 beyond the above.
 
+``--pp N`` (with ``--dist-opt``): megatron-core's pipeline schedule, its CPU patches in
+benchmarks/peers/megatron_pipeline.py; the rng_state objects are Megatron-LM's (PP, TP)
+grid.
+
 Not recorded: ``fully_sharded_model_space`` -- megatron-core 0.16.1 cannot save it
 (``ShardedTensor.validate_metadata_integrity`` raises "ShardedTensor.flattened_range is not
 supported", dist_checkpointing/mapping.py:134, for the flattened ranges it builds); and
@@ -86,6 +94,7 @@ here): the fixture is saved with one bucket, Megatron-LM's default without
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -101,79 +110,29 @@ from benchmarks.peers.megatron_cpu_optim import (  # noqa: E402
     cuda_as_cpu,
     keep_own_step,
 )
+from benchmarks.peers.megatron_pipeline import pipeline_loss  # noqa: E402
+from benchmarks.peers.megatron_recipe import (  # noqa: E402
+    ARCH,
+    BETA2,
+    BUCKET,
+    CLIP,
+    CONTINUE,
+    DECAY,
+    EPS,
+    LR,
+    MIN_LR,
+    SAVE_AT,
+    SEED,
+    SHAPE,
+    WARMUP,
+    WD,
+    batches,
+    megatron_args,
+    sharded_metadata,
+)
 
 OUT = os.path.join(ROOT, "tests", "fixtures", "peers", "megatron_dist")
-# (small: the fixtures are committed; query_groups: the Llama's)
-SHAPE = dict(num_layers=2, hidden_size=16, heads=4, query_groups=2, ffn=32, vocab=64,
-             seq_length=8, micro=2)
 LEGACY_OUT = os.path.join(ROOT, "tests", "fixtures", "peers", "megatron_legacy")
-LR, MIN_LR, WD, CLIP, SEED, BETA2, EPS = 1e-3, 1e-4, 0.01, 1.0, 1234, 0.999, 1e-8
-WARMUP, DECAY = 2, 40
-SAVE_AT, CONTINUE = 3, 10
-# the distributed optimizer's DDP bucket size (--ddp-bucket-size, with --overlap-grad-reduce):
-# small, so the TP ranks' buffers split into several buckets, as a large model's do
-BUCKET = 1000
-# the two model families: Llama's (the committed fixture) and GPT-2's (the peer test's)
-ARCH = {"llama": dict(normalization="RMSNorm", swiglu=True, position="rope", query_groups=2,
-                      bias=False, tied=False),
-        "gpt2": dict(normalization="LayerNorm", swiglu=False, position="learned_absolute",
-                     query_groups=SHAPE["heads"], bias=True, tied=True)}
-
-
-def batches(n: int, gbs: int, seed: int):
-    import torch
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(0, SHAPE["vocab"], (gbs, SHAPE["seq_length"] + 1), generator=g)
-            for _ in range(n)]
-
-
-def sharded_metadata(dist_opt: str | None) -> dict:
-    """The ``metadata`` Megatron-LM's save_checkpoint hands the sharded state dicts: the
-    distributed optimizer's sharding type (``dp_reshardable``, its default, or
-    ``fully_reshardable`` under ``--dist-ckpt-optim-fully-reshardable``)."""
-    meta: dict = {"singleton_local_shards": False, "chained_optim_avoid_prefix": True}
-    if dist_opt:
-        meta["distrib_optim_sharding_type"] = dist_opt
-    return meta
-
-
-def megatron_args(tp: int, dp: int, iteration: int, arch: str, dist_opt: str | None = None,
-                  bucket: int = 0, bf16: bool = False, gbs: int | None = None):
-    """The Namespace Megatron-LM's ``save_checkpoint`` stores as ``args`` (the fields a
-    reader of the checkpoint uses); ``bf16``: Megatron-LM's ``--bf16``, which turns on
-    ``--accumulate-allreduce-grads-in-fp32``; ``gbs``: the global batch (by default one
-    micro batch of ``SHAPE["micro"]`` rows per DP rank)."""
-    s, m = SHAPE, ARCH[arch]
-    gbs = gbs or s["micro"] * dp
-    return argparse.Namespace(
-        num_layers=s["num_layers"], hidden_size=s["hidden_size"],
-        num_attention_heads=s["heads"], group_query_attention=m["query_groups"] != s["heads"],
-        num_query_groups=m["query_groups"], kv_channels=s["hidden_size"] // s["heads"],
-        ffn_hidden_size=s["ffn"], seq_length=s["seq_length"],
-        max_position_embeddings=s["seq_length"], vocab_size=s["vocab"],
-        padded_vocab_size=s["vocab"], make_vocab_size_divisible_by=s["vocab"] // tp,
-        normalization=m["normalization"], norm_epsilon=1e-5, swiglu=m["swiglu"],
-        position_embedding_type=m["position"], rotary_base=10000, rotary_percent=1.0,
-        add_bias_linear=m["bias"], add_qkv_bias=False,
-        untie_embeddings_and_output_weights=not m["tied"],
-        qk_layernorm=False, num_experts=None, hidden_dropout=0.0, attention_dropout=0.0,
-        init_method_std=0.02, tensor_model_parallel_size=tp, pipeline_model_parallel_size=1,
-        context_parallel_size=1, expert_model_parallel_size=1, data_parallel_size=dp,
-        world_size=tp * dp, micro_batch_size=gbs // dp, global_batch_size=gbs,
-        optimizer="adam", lr=LR, min_lr=MIN_LR, lr_decay_style="cosine",
-        lr_warmup_iters=WARMUP, lr_decay_iters=DECAY, lr_warmup_init=0.0,
-        weight_decay=WD, start_weight_decay=WD, end_weight_decay=WD,
-        weight_decay_incr_style="constant", adam_beta1=0.9, adam_beta2=BETA2,
-        adam_eps=EPS, clip_grad=CLIP, seed=SEED, fp16=False, bf16=bf16,
-        params_dtype="torch.bfloat16" if bf16 else "torch.float32",
-        use_distributed_optimizer=bool(dist_opt),
-        dist_ckpt_optim_fully_reshardable=dist_opt == "fully_reshardable",
-        overlap_grad_reduce=bool(dist_opt and bucket),
-        ddp_bucket_size=bucket if dist_opt and bucket else None,
-        accumulate_allreduce_grads_in_fp32=bf16, transformer_impl="local",
-        ckpt_format="torch_dist",
-        iteration=iteration, consumed_train_samples=iteration * gbs,
-        consumed_valid_samples=0, train_iters=SAVE_AT + CONTINUE, skipped_train_samples=0)
 
 
 class Run:
@@ -182,7 +141,8 @@ class Run:
     rank its ``gbs / dp`` rows as one micro batch."""
 
     def __init__(self, tp: int, dp: int, arch: str, dist_opt: str | None = None,
-                 bucket: int = BUCKET, bf16: bool = False, gbs: int | None = None):
+                 bucket: int = BUCKET, bf16: bool = False, gbs: int | None = None,
+                 pp: int = 1):
         import torch
         import torch.nn.functional as F
         from megatron.core import parallel_state
@@ -194,7 +154,7 @@ class Run:
         s, m = SHAPE, ARCH[arch]
         self.torch, self.tp, self.dp, self.arch = torch, tp, dp, arch
         self.dist_opt, self.meta = dist_opt, sharded_metadata(dist_opt)
-        self.bucket, self.bf16 = bucket, bf16
+        self.bucket, self.bf16, self.pp = bucket, bf16, pp
         # megatron-core's DDP and get_megatron_optimizer: the distributed optimizer, and a
         # --bf16 run's non-distributed one (Float16OptimizerWithFloat16Params)
         self.ddp_path = bool(dist_opt or bf16)
@@ -210,13 +170,19 @@ class Run:
             attention_dropout=0.0, init_method_std=0.02, params_dtype=dtype, bf16=bf16,
             use_cpu_initialization=True, bias_activation_fusion=False,
             masked_softmax_fusion=False, bias_dropout_fusion=False, apply_rope_fusion=False,
-            gradient_accumulation_fusion=False, persist_layer_norm=False)
-        self.model = GPTModel(config=cfg,
-                              transformer_layer_spec=get_gpt_layer_local_spec(
-                                  normalization=m["normalization"]),
-                              vocab_size=s["vocab"], max_sequence_length=s["seq_length"],
-                              share_embeddings_and_output_weights=m["tied"],
-                              position_embedding_type=m["position"], rotary_base=10000)
+            gradient_accumulation_fusion=False, persist_layer_norm=False,
+            pipeline_model_parallel_size=pp, pipeline_dtype=dtype)
+        # (PP > 1, tied: the first and last stages' copies of the word embeddings are made
+        # equal by an all-reduce of ``weight.data.cuda()``: Tensor.cuda() the tensor here)
+        with cpu_tensors_as_cuda() if pp > 1 else contextlib.nullcontext():
+            self.model = GPTModel(config=cfg,
+                                  transformer_layer_spec=get_gpt_layer_local_spec(
+                                      normalization=m["normalization"]),
+                                  vocab_size=s["vocab"], max_sequence_length=s["seq_length"],
+                                  share_embeddings_and_output_weights=m["tied"],
+                                  position_embedding_type=m["position"], rotary_base=10000,
+                                  pre_process=parallel_state.is_pipeline_first_stage(),
+                                  post_process=parallel_state.is_pipeline_last_stage())
         if bf16:  # Megatron-LM's --bf16 model: bf16 params, fp32 logits out
             from megatron.core.transformer.module import Float16Module
             self.model = Float16Module(cfg, self.model)
@@ -235,6 +201,7 @@ class Run:
         self.norm_params = [p for p in self.model.parameters()
                             if param_is_not_tensor_parallel_duplicate(p)]
         self.mp_group = parallel_state.get_model_parallel_group()
+        self.pp_group = parallel_state.get_pipeline_model_parallel_group()
         self.dp_group = parallel_state.get_data_parallel_group()
         self.dp_rank = parallel_state.get_data_parallel_rank()
         sq = s["seq_length"]
@@ -318,8 +285,12 @@ class Run:
         mine = batch[self.dp_rank * m:(self.dp_rank + 1) * m]
         self.ddp.zero_grad_buffer()
         self.opt.zero_grad()
-        loss = self.ddp(mine[:, :-1], self.pos, self.mask, labels=mine[:, 1:]).float().mean()
-        loss.backward()
+        if self.pp > 1:
+            loss = pipeline_loss(self.ddp, mine, self.pos, self.mask, SHAPE["seq_length"],
+                                 m, self.pp_group)
+        else:
+            loss = self.ddp(mine[:, :-1], self.pos, self.mask, labels=mine[:, 1:]).float().mean()
+            loss.backward()
         finalize_model_grads([self.ddp])
         with cpu_tensors_as_cuda():
             ok, _, _ = self.opt.step()
@@ -381,13 +352,15 @@ class Run:
         else:
             optimizer = self.opt.sharded_state_dict(model_sd)
         return {"args": megatron_args(self.tp, self.dp, iteration, self.arch, self.dist_opt,
-                                      self.bucket, self.bf16, self.gbs),
+                                      self.bucket, self.bf16, self.gbs, self.pp),
                 "checkpoint_version": 3.0,
                 "iteration": iteration, "model": model_sd,
                 "optimizer": optimizer,
                 "opt_param_scheduler": self.sched.state_dict(),
-                "rng_state": ShardedObject("rng_state", [rng], (1, self.tp), (0, tp_rank),
-                                           replica_id=self.dp_rank),
+                "rng_state": ShardedObject(
+                    "rng_state", [rng], (self.pp, self.tp),
+                    (parallel_state.get_pipeline_model_parallel_rank(), tp_rank),
+                    replica_id=self.dp_rank),
                 "num_floating_point_operations_so_far": 0}
 
     def load_legacy(self, iter_dir: str) -> int:
@@ -471,8 +444,9 @@ def worker(a) -> None:
     from megatron.core import parallel_state
     dist.init_process_group("gloo")
     world = dist.get_world_size()
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=a.tp)
-    dp = world // a.tp
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=a.tp,
+                                             pipeline_model_parallel_size=a.pp)
+    dp = world // (a.tp * a.pp)
     if a.resume:
         resume(a, dp)
     else:
@@ -491,7 +465,8 @@ def resume(a, dp: int) -> None:
     import torch.distributed as dist
     with open(a.tokens) as f:
         tokens = json.load(f)
-    run = Run(a.tp, dp, a.model, a.dist_opt, a.ddp_bucket_size, a.bf16, gbs=len(tokens[0]))
+    run = Run(a.tp, dp, a.model, a.dist_opt, a.ddp_bucket_size, a.bf16, gbs=len(tokens[0]),
+              pp=a.pp)
     iteration = run.load(a.resume)
     if a.resave:  # what megatron-core loaded, saved again by megatron-core before stepping
         save(run, a.resave, iteration, "torch_dist")
@@ -503,13 +478,13 @@ def resume(a, dp: int) -> None:
 
 def record(a, dp: int) -> None:
     import torch.distributed as dist
-    run = Run(a.tp, dp, a.model, a.dist_opt, a.ddp_bucket_size, a.bf16)
+    run = Run(a.tp, dp, a.model, a.dist_opt, a.ddp_bucket_size, a.bf16, a.pp)
     data = batches(SAVE_AT + CONTINUE, SHAPE["micro"] * dp, seed=7)
     first = [run.step(b) for b in data[:SAVE_AT]]
     save(run, a.out, SAVE_AT, a.format)
     losses = [run.step(b) for b in data[SAVE_AT:]]
     # megatron-core's own load of the files continues the same
-    again = Run(a.tp, dp, a.model, a.dist_opt, a.ddp_bucket_size, a.bf16)
+    again = Run(a.tp, dp, a.model, a.dist_opt, a.ddp_bucket_size, a.bf16, a.pp)
     load = again.load if a.format == "torch_dist" else again.load_legacy
     assert load(os.path.join(a.out, f"iter_{SAVE_AT:07d}")) == SAVE_AT
     reloaded = [again.step(b) for b in data[SAVE_AT:]]
@@ -518,7 +493,7 @@ def record(a, dp: int) -> None:
     if dist.get_rank() == 0:
         with open(os.path.join(a.out, "losses.json"), "w") as f:
             json.dump({"megatron_core": __import__("megatron.core").core.__version__,
-                       "format": a.format, "model": a.model, "tp": a.tp, "dp": dp,
+                       "format": a.format, "model": a.model, "tp": a.tp, "dp": dp, "pp": a.pp,
                        "distributed_optimizer": a.dist_opt, "bf16": a.bf16,
                        "ddp_bucket_size": a.ddp_bucket_size if a.dist_opt else None,
                        "iteration": SAVE_AT,
@@ -535,6 +510,9 @@ def main() -> int:
     p.add_argument("--out", default=OUT)
     p.add_argument("--tp", type=int, default=2)
     p.add_argument("--world", type=int, default=2)
+    p.add_argument("--pp", type=int, default=1,
+                   help="pipeline stages (with --dist-opt: megatron-core's pipeline schedule), "
+                        "into ..._pp<N> by default")
     p.add_argument("--model", choices=sorted(ARCH), default="llama")
     p.add_argument("--format", choices=("torch_dist", "torch"), default="torch_dist",
                    help="torch: Megatron-LM's legacy format, into "
@@ -560,7 +538,9 @@ def main() -> int:
         a.out = LEGACY_OUT
     if a.dist_opt and a.out == OUT:
         a.out = os.path.join(os.path.dirname(OUT), f"megatron_distopt_{a.dist_opt}"
-                             + ("_bf16" if a.bf16 else ""))
+                             + ("_bf16" if a.bf16 else "") + (f"_pp{a.pp}" if a.pp > 1 else ""))
+    if a.pp > 1 and not a.dist_opt:
+        p.error("--pp is recorded with --dist-opt only (megatron-core's DistributedOptimizer)")
     if a.bf16 and not a.dist_opt and not a.resume:
         p.error("--bf16 is recorded with --dist-opt only (megatron-core's DistributedOptimizer); "
                 "without it, with --resume only")
@@ -575,7 +555,8 @@ def main() -> int:
     env = dict(os.environ, OMP_NUM_THREADS="1")
     return subprocess.call([sys.executable, "-m", "torch.distributed.run", "--standalone",
                             "--nproc-per-node", str(a.world), os.path.abspath(__file__),
-                            "--worker", "--out", a.out, "--tp", str(a.tp), "--model", a.model,
+                            "--worker", "--out", a.out, "--tp", str(a.tp), "--pp", str(a.pp),
+                            "--model", a.model,
                             "--format", a.format, *more,
                             "--ddp-bucket-size", str(a.ddp_bucket_size),
                             *(["--dist-opt", a.dist_opt] if a.dist_opt else []),

@@ -8,7 +8,9 @@ with the losses of its next 10 steps on recorded token batches. hybrid imports t
 loads them at Megatron's layout and at others, and steps the same batches at the rates
 Megatron's scheduler gave those iterations: the losses equal Megatron's within 2e-6.
 megatron_distopt_dp_reshardable/ and megatron_distopt_fully_reshardable/ are the same run
-under megatron-core's DistributedOptimizer at TP 2 x DP 2, in its two savable layouts.
+under megatron-core's DistributedOptimizer at TP 2 x DP 2, in its two savable layouts;
+megatron_distopt_dp_reshardable_pp2/ is the distributed optimizer at TP 1 x PP 2 x DP 2,
+stepped by megatron-core's pipeline schedule.
 """
 
 from __future__ import annotations
@@ -54,7 +56,8 @@ def _flags(rec: dict, ps, zero_stage: int, micro: int):
                  num_attention_heads=s["heads"], ffn_hidden_size=s["ffn"],
                  seq_length=s["seq_length"], max_position_embeddings=s["seq_length"],
                  **family, micro_batch_size=micro, global_batch_size=s["micro"] * rec["dp"],
-                 tensor_model_parallel_size=ps.tp_size, hidden_dropout=0.0,
+                 tensor_model_parallel_size=ps.tp_size,
+                 pipeline_model_parallel_size=ps.pp_size, hidden_dropout=0.0,
                  attention_dropout=0.0, lr=rec["lr"], min_lr=rec["min_lr"],
                  lr_decay_style="cosine", lr_warmup_iters=rec["warmup_iters"],
                  lr_decay_iters=rec["decay_iters"], weight_decay=rec["weight_decay"],
@@ -79,8 +82,8 @@ def _continue(ps, load_dir: str, save_dir: str, zero_stage: int, rec: dict,
     from hybrid.kernels import configure
     from hybrid.tensor_parallel import seed_all
     from hybrid.train.setup import build_engine
-    from hybrid.train.step import train_step
-    dp = ps.world_size // ps.tp_size
+    from hybrid.train.step import activation_shape, train_step
+    dp = ps.dp_size
     gbs = rec["shape"]["micro"] * rec["dp"]
     micro = gbs // dp
     cfg = build_config(_flags(rec, ps, zero_stage, micro), ps.world_size, environ=os.environ)
@@ -94,10 +97,14 @@ def _continue(ps, load_dir: str, save_dir: str, zero_stage: int, rec: dict,
     it, consumed = load_checkpoint(got[0], engine, ps, cfg.seed, rng, vocab, step=got[1])
     losses = []
 
+    shape = (activation_shape(micro, rec["shape"]["seq_length"], rec["shape"]["hidden_size"],
+                              ps, False) if ps.pp_size > 1 else None)
+
     def step(tokens) -> None:
         b = torch.tensor(tokens)[ps.dp_rank * micro:(ps.dp_rank + 1) * micro]
         loss, _, _ = train_step(model, engine, [(b[:, :-1].contiguous(), b[:, 1:].contiguous())],
-                                scheduled_lr(cfg.lr_schedule, it + len(losses) + 1, 0))
+                                scheduled_lr(cfg.lr_schedule, it + len(losses) + 1, 0),
+                                shape=shape)
         t = loss.detach().reshape(1).clone()
         ps.dp_group.all_reduce(t)
         losses.append(float(t.item()) / dp)
@@ -414,6 +421,108 @@ def test_megatron_distributed_optimizer_continues_exactly(tmp_path, mode, world,
     assert (it, consumed) == (3, 3 * rec["shape"]["micro"] * rec["dp"])
     diff = max(abs(a - b) for a, b in zip(losses, rec["losses"]))
     assert len(losses) == 10 and diff <= TOL, (diff, losses, rec["losses"])
+
+
+DISTOPT_PP2 = DISTOPT["dp_reshardable"] + "_pp2"
+
+
+@pytest.mark.parametrize("world,pp,zero", [
+    (4, 2, 1),  # Megatron's layout: PP 2 x DP 2, the optimizer sharded over DP
+    (2, 1, 1),  # PP 1 x DP 2
+])
+def test_megatron_pp2_distributed_optimizer_continues_exactly(tmp_path, world, pp, zero):
+    """megatron-core's DistributedOptimizer at TP 1 x PP 2 x DP 2 (its pipeline schedule
+    on gloo, dp_reshardable: one group of buckets per PP stage, the first stage's holding
+    layer 0 and the embeddings, the last's layer 1, the final norm and the output layer):
+    hybrid's 10 losses after the import equal megatron-core's own continuation's within
+    2e-6, at Megatron's layout (PP 2 x DP 2) and at PP 1 x DP 2."""
+    rec = _record(DISTOPT_PP2)
+    assert (rec["tp"], rec["pp"], rec["dp"]) == (1, 2, 2)
+    it, consumed, losses = run_ranks(_continue, world_size=world, tp=1, pp=pp,
+                                     args=(DISTOPT_PP2, str(tmp_path / "save"), zero,
+                                           rec))[0]
+    assert (it, consumed) == (3, 3 * rec["shape"]["micro"] * rec["dp"])
+    diff = max(abs(a - b) for a, b in zip(losses, rec["losses"]))
+    assert len(losses) == 10 and diff <= TOL, (diff, losses, rec["losses"])
+
+
+@pytest.mark.peer("megatron.core")
+@pytest.mark.parametrize("model,tp,hybrid_layouts", [
+    ("gpt2", 1, [(4, 1, 2, 1), (2, 1, 1, 3)]),  # tied embeddings: the last stage's copy
+    ("llama", 2, [(4, 2, 2, 1)]),  # TP 2 x PP 2: dp_group_idx = stage x TP + TP rank
+])
+def test_pp2_distributed_optimizer_recorded_here_reads_and_continues(tmp_path, model, tp,
+                                                                      hybrid_layouts):
+    """megatron-core's DistributedOptimizer at PP 2 (world 4), recorded here: GPT-2's
+    family at TP 1 x DP 2 (tied: the last stage's buffer holds its copy of the word
+    embeddings as the output layer, master and moments bit-equal to the first stage's)
+    and the Llama at TP 2 x DP 1. Every master read from the buckets equals the saved
+    weight, and hybrid's 10 losses equal megatron-core's within 2e-6 at each
+    (world, TP, PP, ZeRO stage) of ``hybrid_layouts``."""
+    import subprocess
+    import sys
+
+    from hybrid.checkpoint.peers import megatron_names as names
+    mg = str(tmp_path / "mg")
+    run = subprocess.run([sys.executable, RECORDER, "--model", model, "--dist-opt",
+                          "dp_reshardable", "--tp", str(tp), "--pp", "2", "--world", "4",
+                          "--out", mg], check=False, capture_output=True, text=True,
+                         timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    peer = open_peer(mg)
+    for name in peer.shapes:
+        key, layer = peer._keys[name]
+        weight = names.to_hybrid_layout(name, peer.files.read(key, layer), peer.swiglu)
+        assert torch.equal(peer.read(name)["master"], weight), name
+    buckets = peer._buckets
+    assert len(buckets.tied_copy) == (tp if model == "gpt2" else 0)
+    for (copy, lo, hi), (first, a, z) in zip(buckets.tied_copy, buckets.place["wte.weight"]):
+        assert copy.split(".")[2] == "dp_group_idx_1" and first.split(".")[2] == \
+            "dp_group_idx_0"
+        for col in ("param", "exp_avg", "exp_avg_sq"):
+            assert torch.equal(peer.files.read_flat(f"{copy}.{col}", lo, hi),
+                               peer.files.read_flat(f"{first}.{col}", a, z)), col
+    rec = _record(mg)
+    for world, htp, pp, zero in hybrid_layouts:
+        _, _, losses = run_ranks(_continue, world_size=world, tp=htp, pp=pp,
+                                 args=(mg, str(tmp_path / f"save{world}{htp}{pp}"), zero,
+                                       rec))[0]
+        diff = max(abs(a - b) for a, b in zip(losses, rec["losses"]))
+        assert diff <= TOL, (world, htp, pp, diff, losses, rec["losses"])
+
+
+def test_a_pp_split_hybrid_cannot_read_is_one_line_through_load(tmp_path):
+    """The PP 2 save with ``args.account_for_embedding_in_pipeline_split`` set (Megatron-LM
+    then counts the embedding as a layer when it splits the stages: another bucket
+    layout): scripts/pretrain_gpt.py --load exits 2 with one line naming common.pt and
+    the flag, and nothing is written into --save."""
+    from tests.helpers.launch import pretrain
+    bad = tmp_path / "bad"
+    shutil.copytree(DISTOPT_PP2, bad)
+    common = bad / "iter_0000003" / "common.pt"
+    sd = torch.load(common, weights_only=False)  # (the fixture is ours: a full unpickle)
+    sd["args"].account_for_embedding_in_pipeline_split = True
+    torch.save(sd, common)
+    rec = _record(DISTOPT_PP2)
+    s = rec["shape"]
+    r = pretrain(1, ["--num-layers", str(s["num_layers"]), "--hidden-size", str(s["hidden_size"]),
+                     "--num-attention-heads", str(s["heads"]), "--group-query-attention",
+                     "--num-query-groups", str(s["query_groups"]),
+                     "--ffn-hidden-size", str(s["ffn"]), "--seq-length", str(s["seq_length"]),
+                     "--max-position-embeddings", str(s["seq_length"]),
+                     "--normalization", "RMSNorm", "--swiglu", "--position-embedding-type",
+                     "rope", "--disable-bias-linear", "--untie-embeddings-and-output-weights",
+                     "--micro-batch-size", str(s["micro"]), "--global-batch-size",
+                     str(s["micro"]), "--make-vocab-size-divisible-by", str(s["vocab"]),
+                     "--mock-data", "--tokenizer-type", "NullTokenizer",
+                     "--vocab-size", str(s["vocab"] - 8), "--lr", "1e-3", "--train-iters", "5",
+                     "--eval-iters", "0", "--load", str(bad), "--save", str(tmp_path / "new")])
+    assert r.returncode == 2, r.stderr[-3000:]
+    said = r.stderr.strip().splitlines()[-1]
+    assert f"{common}: the distributed optimizer's state at PP 2 of args.num_layers 2, " \
+           f"args.account_for_embedding_in_pipeline_split True: hybrid reads" in said, said
+    assert not os.path.isdir(tmp_path / "new") or not [
+        n for n in os.listdir(tmp_path / "new") if "iter_" in n]
 
 
 def test_dp_reshardable_buckets_are_read_where_megatron_put_each_parameter():

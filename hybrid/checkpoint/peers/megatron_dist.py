@@ -31,6 +31,8 @@ _MASTER_KEYS = ("optimizer.state.fp32_param.", "optimizer.state.param.")
 # per grad buffer and dtype, per bucket, one flat tensor of each column
 _BUCKETS = "optimizer.distributed."
 _PAIRS = tuple(str(p) for p in names.BUFFER_DTYPES)  # (as the keys spell them)
+# the last stage's copy of tied word embeddings (PP > 1), in its buffer as the output layer
+_TIED_COPY = "output_layer.weight (tied)"
 _BUCKET_KEY = re.compile(r"optimizer\.distributed\.dp_group_idx_(\d+)\.gbuf_idx_(\d+)\."
                          r"dtype_(.+)\.bucket_idx_(\d+)\.(param|exp_avg|exp_avg_sq)")
 
@@ -226,7 +228,8 @@ class MegatronCheckpoint:
 
 class _Buckets:
     """The distributed optimizer's ``dp_reshardable`` state (Megatron-LM's default with
-    ``--use-distributed-optimizer``): for each TP rank (``dp_group_idx_T``, PP 1), its
+    ``--use-distributed-optimizer``): for each (PP stage, TP rank) -- ``dp_group_idx_G``,
+    G the rank in megatron's model-parallel group, ``stage * TP + TP rank`` -- its
     grad buffer's buckets, each saved as one flat tensor per column (``param``, the fp32
     master; ``exp_avg``; ``exp_avg_sq``) of the bucket's length without its end padding,
     each DP rank's shard of it at its place. The buffer's key names its (param, grad)
@@ -235,8 +238,10 @@ class _Buckets:
     one error naming the key.
 
     Where a parameter lies is megatron-core's ``_ParamAndGradBuffer`` layout, derived
-    here: the TP rank's parameters (their TP-local sizes, from the model's keys) in the
-    reverse of the GPTModel's parameter order (:func:`~.megatron_names.model_order`),
+    here: the stage's parameters on the TP rank (their TP-local sizes, from the model's
+    keys; a stage holds ``num_layers / PP`` consecutive layers, the first the embeddings,
+    the last the final norm and the output layer) in the reverse of the GPTModel's
+    parameter order (:func:`~.megatron_names.model_order`),
     each starting at a multiple of 64, a bucket closing where its saved
     ``per_bucket_numel_unpadded`` says. The derivation is checked against the files: every
     parameter's range on every TP rank must be exactly tiled by saved chunks (megatron
@@ -267,11 +272,13 @@ class _Buckets:
             self.dtypes.add(m.group(3))
         tp = int(arg(ckpt.args, "tensor_model_parallel_size", 1) or 1)
         pp = int(arg(ckpt.args, "pipeline_model_parallel_size", 1) or 1)
-        if pp != 1 or sorted(buckets) != list(range(tp)):
+        if sorted(buckets) != list(range(tp * pp)):
             raise CheckpointError(f"{where}: the distributed optimizer's state of DP groups "
                                   f"{sorted(buckets)} at TP {tp} x PP {pp}: hybrid reads "
-                                  f"its dp_reshardable layout at PP 1 (one group per TP rank)")
-        self.tp = tp
+                                  f"its dp_reshardable layout of one group per (PP stage, "
+                                  f"TP rank), {tp * pp} here")
+        self.tp, self.pp = tp, pp
+        self.stages = self._stages()
         if len(self.dtypes) != 1:
             raise CheckpointError(f"{where}: the TP ranks' buffers have dtypes "
                                   f"{sorted(self.dtypes)}: one run saves one pair")
@@ -288,10 +295,12 @@ class _Buckets:
         groups = obj(0, "optimizer")
         self.param_groups = groups.get("param_groups") if isinstance(groups, dict) else None
         self.place: dict[str, list[tuple[str, int, int]]] = {}  # name -> per TP rank
+        # the last stage's copy of tied word embeddings, per TP rank (PP > 1)
+        self.tied_copy: list[tuple[str, int, int]] = []
         specs = ["local", "transformer_engine"]
         if arg(ckpt.args, "transformer_impl") == "transformer_engine":
             specs.reverse()
-        for t in range(tp):
+        for t in range(tp * pp):
             unpadded = obj(t, "per_bucket_numel_unpadded")
             counts = unpadded[0] if isinstance(unpadded, list) and len(unpadded) == 1 else None
             if not isinstance(counts, dict) or len(counts) != 1:
@@ -312,13 +321,55 @@ class _Buckets:
                 if placed is not None:
                     break
             else:
+                stage = f"PP stage {t // tp}, " if pp > 1 else ""
                 raise CheckpointError(
-                    f"{where}: the distributed optimizer's buckets of TP rank {t} do not "
+                    f"{where}: the distributed optimizer's buckets of {stage}TP rank "
+                    f"{t % tp} do not "
                     f"hold the model's parameters where megatron-core's buffer layout puts "
                     f"them (in GPTModel's order, 64-aligned, buckets of {sizes}); hybrid "
                     f"reads a dense GPT's dp_reshardable state")
+            copy = placed.pop(_TIED_COPY, None)
+            if copy is not None:  # (its state is the first stage's: read there)
+                self.tied_copy.append(copy)
             for name, at in placed.items():
                 self.place.setdefault(name, []).append(at)
+
+    def _stages(self) -> list[list[str]]:
+        """Each PP stage's parameters (hybrid's names): Megatron-LM's even split of the
+        layers, the embeddings on the first stage, the final norm and the output layer on
+        the last. A split of other flags in ``common.pt``'s args (uneven first or last
+        stage, a pipeline layout, virtual stages) is one error naming them."""
+        args, pp = self.ckpt.args, self.pp
+        if pp == 1:
+            return [list(self.ckpt.shapes)]
+        layers = int(arg(args, "num_layers", 0) or 0)
+        other = {f: arg(args, f) for f in (
+            "virtual_pipeline_model_parallel_size", "num_layers_per_virtual_pipeline_stage",
+            "num_layers_in_first_pipeline_stage", "num_layers_in_last_pipeline_stage",
+            "pipeline_model_parallel_layout", "account_for_embedding_in_pipeline_split",
+            "account_for_loss_in_pipeline_split", "decoder_first_pipeline_num_layers",
+            "decoder_last_pipeline_num_layers")}
+        other = {f: v for f, v in other.items() if v}
+        if not layers or layers % pp or other:
+            raise CheckpointError(
+                f"{os.path.join(self.ckpt.path, COMMON)}: the distributed optimizer's "
+                f"state at PP {pp} of "
+                f"args.num_layers {layers or None}"
+                + "".join(f", args.{f} {v!r}" for f, v in other.items())
+                + ": hybrid reads its dp_reshardable layout at PP > 1 for Megatron-LM's "
+                  "even split of the layers only")
+        per = layers // pp
+        out: list[list[str]] = [[] for _ in range(pp)]
+        for name in self.ckpt.shapes:
+            m = re.fullmatch(r"blocks\.(\d+)\..+", name)
+            stage = (int(m.group(1)) // per if m else
+                     0 if name in names.HEAD_ORDER else pp - 1)
+            out[stage].append(name)
+        if not bool(arg(args, "untie_embeddings_and_output_weights", True)):
+            # tied: the last stage keeps a copy of the word embeddings as its output
+            # layer's weight, its gradient summed with the first's (the same values)
+            out[-1].append(_TIED_COPY)
+        return out
 
     def _local_numel(self, name: str) -> int:
         n = 1
@@ -328,6 +379,8 @@ class _Buckets:
 
     def _local_shape(self, name: str) -> list[int]:
         """The megatron tensor's shape on one TP rank."""
+        if name == _TIED_COPY:
+            name = "wte.weight"
         key, layer = self.ckpt._keys[name]
         shape = self.files.shape(key)[(1 if layer is not None else 0):]
         dim = names.tp_dim(name)
@@ -340,7 +393,7 @@ class _Buckets:
         in megatron-core's layout under layer spec ``spec``
         (:func:`~.megatron_names.bucket_layout`, buckets closed at the saved unpadded
         ``sizes``), or None when the files' chunks or bucket sizes say otherwise."""
-        order = names.model_order(list(self.ckpt.shapes), spec)[::-1]  # (the buffers')
+        order = names.model_order(self.stages[t // self.tp], spec)[::-1]  # (the buffers')
         placed, got = names.bucket_layout(
             [(n, self._local_numel(n)) for n in order],
             lambda b, stop: b < len(sizes) and stop >= sizes[b])

@@ -235,8 +235,9 @@ def bucket_layout(numels: list[tuple[str, int]], closes
     ``closes(bucket, stop)`` says whether the bucket ends after a parameter ending at
     ``stop`` (megatron: ``stop >= bucket_size``; the last bucket ends after the last
     parameter). Returns ({name: (bucket, start, stop)} in bucket coordinates, each
-    bucket's unpadded numel). Shared embeddings (PP > 1) are not modelled: hybrid's
-    distributed-optimizer layouts are PP 1's."""
+    bucket's unpadded numel). At PP > 1 it is called once per stage with that stage's
+    parameters; the reader adds a tied output layer's copy of the word embeddings to the
+    last stage's (megatron_dist.py), the writer writes PP 1's layouts only."""
     out: dict[str, tuple[int, int, int]] = {}
     sizes: list[int] = []
     bucket, pos = 0, 0
