@@ -294,25 +294,30 @@ def test_megatron_core_loads_hybrid_s_export_and_continues_with_hybrid_s_losses(
     assert diff <= TOL, (diff, got["losses"], hybrid_losses)
 
 
+def _llama_flags(s: dict, tp: int = 1) -> list[str]:
+    """pretrain_gpt.py's flags for the recorder's Llama of shape ``s`` (a record's
+    ``shape``) at TP ``tp``: one micro-batch a step, no dropout, mock data over the
+    recorded vocabulary."""
+    return ["--num-layers", str(s["num_layers"]), "--hidden-size", str(s["hidden_size"]),
+            "--num-attention-heads", str(s["heads"]), "--group-query-attention",
+            "--num-query-groups", str(s["query_groups"]),
+            "--ffn-hidden-size", str(s["ffn"]), "--seq-length", str(s["seq_length"]),
+            "--max-position-embeddings", str(s["seq_length"]),
+            "--normalization", "RMSNorm", "--swiglu", "--position-embedding-type",
+            "rope", "--disable-bias-linear", "--untie-embeddings-and-output-weights",
+            "--micro-batch-size", str(s["micro"]), "--global-batch-size", str(s["micro"]),
+            "--tensor-model-parallel-size", str(tp),
+            "--make-vocab-size-divisible-by", str(s["vocab"] // tp), "--mock-data",
+            "--tokenizer-type", "NullTokenizer", "--vocab-size", str(s["vocab"] - 8),
+            "--hidden-dropout", "0", "--attention-dropout", "0"]
+
+
 def test_pretrain_gpt_load_of_a_megatron_save_directory_resumes_at_its_iteration(tmp_path):
     """scripts/pretrain_gpt.py --load FIXTURE --save NEW (the user's route): the import
     lands in --save as iter_0000003 and training goes on from iteration 4."""
     from tests.helpers.launch import pretrain, read_json_log
-    rec = _record()
-    s = rec["shape"]
     log = str(tmp_path / "log.jsonl")
-    r = pretrain(2, ["--num-layers", str(s["num_layers"]), "--hidden-size", str(s["hidden_size"]),
-                     "--num-attention-heads", str(s["heads"]), "--group-query-attention",
-                     "--num-query-groups", str(s["query_groups"]),
-                     "--ffn-hidden-size", str(s["ffn"]), "--seq-length", str(s["seq_length"]),
-                     "--max-position-embeddings", str(s["seq_length"]),
-                     "--normalization", "RMSNorm", "--swiglu", "--position-embedding-type",
-                     "rope", "--disable-bias-linear", "--untie-embeddings-and-output-weights",
-                     "--micro-batch-size", str(s["micro"]), "--global-batch-size",
-                     str(s["micro"]), "--tensor-model-parallel-size", "2",
-                     "--make-vocab-size-divisible-by", str(s["vocab"] // 2), "--mock-data",
-                     "--tokenizer-type", "NullTokenizer", "--vocab-size", str(s["vocab"] - 8),
-                     "--hidden-dropout", "0", "--attention-dropout", "0",
+    r = pretrain(2, [*_llama_flags(_record()["shape"], tp=2),
                      "--lr", "1e-3", "--train-iters", "5", "--eval-iters", "0",
                      "--log-interval", "1", "--load", FIXTURE, "--save", str(tmp_path / "new"),
                      "--log-json", log])
@@ -503,20 +508,9 @@ def test_a_pp_split_hybrid_cannot_read_is_one_line_through_load(tmp_path):
     sd = torch.load(common, weights_only=False)  # (the fixture is ours: a full unpickle)
     sd["args"].account_for_embedding_in_pipeline_split = True
     torch.save(sd, common)
-    rec = _record(DISTOPT_PP2)
-    s = rec["shape"]
-    r = pretrain(1, ["--num-layers", str(s["num_layers"]), "--hidden-size", str(s["hidden_size"]),
-                     "--num-attention-heads", str(s["heads"]), "--group-query-attention",
-                     "--num-query-groups", str(s["query_groups"]),
-                     "--ffn-hidden-size", str(s["ffn"]), "--seq-length", str(s["seq_length"]),
-                     "--max-position-embeddings", str(s["seq_length"]),
-                     "--normalization", "RMSNorm", "--swiglu", "--position-embedding-type",
-                     "rope", "--disable-bias-linear", "--untie-embeddings-and-output-weights",
-                     "--micro-batch-size", str(s["micro"]), "--global-batch-size",
-                     str(s["micro"]), "--make-vocab-size-divisible-by", str(s["vocab"]),
-                     "--mock-data", "--tokenizer-type", "NullTokenizer",
-                     "--vocab-size", str(s["vocab"] - 8), "--lr", "1e-3", "--train-iters", "5",
-                     "--eval-iters", "0", "--load", str(bad), "--save", str(tmp_path / "new")])
+    r = pretrain(1, [*_llama_flags(_record(DISTOPT_PP2)["shape"]), "--lr", "1e-3",
+                     "--train-iters", "5", "--eval-iters", "0", "--load", str(bad),
+                     "--save", str(tmp_path / "new")])
     assert r.returncode == 2, r.stderr[-3000:]
     said = r.stderr.strip().splitlines()[-1]
     assert f"{common}: the distributed optimizer's state at PP 2 of args.num_layers 2, " \
