@@ -41,7 +41,7 @@ def sharded_metadata(dist_opt: str | None) -> dict:
 
 
 def megatron_args(tp: int, dp: int, iteration: int, arch: str, dist_opt: str | None = None,
-                  bucket: int = 0, bf16: bool = False, gbs: int | None = None,
+                  bucket: int = 0, bf16: bool = False, *, gbs: int | None = None,
                   pp: int = 1):
     """The Namespace Megatron-LM's ``save_checkpoint`` stores as ``args`` (the fields a
     reader of the checkpoint uses); ``bf16``: Megatron-LM's ``--bf16``, which turns on

@@ -141,7 +141,7 @@ class Run:
     rank its ``gbs / dp`` rows as one micro batch."""
 
     def __init__(self, tp: int, dp: int, arch: str, dist_opt: str | None = None,
-                 bucket: int = BUCKET, bf16: bool = False, gbs: int | None = None,
+                 bucket: int = BUCKET, bf16: bool = False, *, gbs: int | None = None,
                  pp: int = 1):
         import torch
         import torch.nn.functional as F
@@ -352,7 +352,7 @@ class Run:
         else:
             optimizer = self.opt.sharded_state_dict(model_sd)
         return {"args": megatron_args(self.tp, self.dp, iteration, self.arch, self.dist_opt,
-                                      self.bucket, self.bf16, self.gbs, self.pp),
+                                      self.bucket, self.bf16, gbs=self.gbs, pp=self.pp),
                 "checkpoint_version": 3.0,
                 "iteration": iteration, "model": model_sd,
                 "optimizer": optimizer,
@@ -478,13 +478,13 @@ def resume(a, dp: int) -> None:
 
 def record(a, dp: int) -> None:
     import torch.distributed as dist
-    run = Run(a.tp, dp, a.model, a.dist_opt, a.ddp_bucket_size, a.bf16, a.pp)
+    run = Run(a.tp, dp, a.model, a.dist_opt, a.ddp_bucket_size, a.bf16, pp=a.pp)
     data = batches(SAVE_AT + CONTINUE, SHAPE["micro"] * dp, seed=7)
     first = [run.step(b) for b in data[:SAVE_AT]]
     save(run, a.out, SAVE_AT, a.format)
     losses = [run.step(b) for b in data[SAVE_AT:]]
     # megatron-core's own load of the files continues the same
-    again = Run(a.tp, dp, a.model, a.dist_opt, a.ddp_bucket_size, a.bf16, a.pp)
+    again = Run(a.tp, dp, a.model, a.dist_opt, a.ddp_bucket_size, a.bf16, pp=a.pp)
     load = again.load if a.format == "torch_dist" else again.load_legacy
     assert load(os.path.join(a.out, f"iter_{SAVE_AT:07d}")) == SAVE_AT
     reloaded = [again.step(b) for b in data[SAVE_AT:]]
