@@ -451,6 +451,27 @@ def test_megatron_pp2_distributed_optimizer_continues_exactly(tmp_path, world, p
     assert len(losses) == 10 and diff <= TOL, (diff, losses, rec["losses"])
 
 
+def _recorded_here(tmp_path, *flags):
+    """(directory, its reader) of a dp_reshardable save megatron-core records here on 4
+    ranks with the recorder's ``flags``; every master read from its buckets equals the
+    saved weight (an fp32 run's masters are its weights)."""
+    import subprocess
+    import sys
+
+    from hybrid.checkpoint.peers import megatron_names as names
+    mg = str(tmp_path / "mg")
+    run = subprocess.run([sys.executable, RECORDER, "--dist-opt", "dp_reshardable",
+                          "--world", "4", "--out", mg, *flags],
+                         check=False, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    peer = open_peer(mg)
+    for name in peer.shapes:
+        key, layer = peer._keys[name]
+        weight = names.to_hybrid_layout(name, peer.files.read(key, layer), peer.swiglu)
+        assert torch.equal(peer.read(name)["master"], weight), name
+    return mg, peer
+
+
 @pytest.mark.peer("megatron.core")
 @pytest.mark.parametrize("model,tp,hybrid_layouts", [
     ("gpt2", 1, [(4, 1, 2, 1), (2, 1, 1, 3)]),  # tied embeddings: the last stage's copy
@@ -464,21 +485,7 @@ def test_pp2_distributed_optimizer_recorded_here_reads_and_continues(tmp_path, m
     and the Llama at TP 2 x DP 1. Every master read from the buckets equals the saved
     weight, and hybrid's 10 losses equal megatron-core's within 2e-6 at each
     (world, TP, PP, ZeRO stage) of ``hybrid_layouts``."""
-    import subprocess
-    import sys
-
-    from hybrid.checkpoint.peers import megatron_names as names
-    mg = str(tmp_path / "mg")
-    run = subprocess.run([sys.executable, RECORDER, "--model", model, "--dist-opt",
-                          "dp_reshardable", "--tp", str(tp), "--pp", "2", "--world", "4",
-                          "--out", mg], check=False, capture_output=True, text=True,
-                         timeout=600)
-    assert run.returncode == 0, run.stderr[-3000:]
-    peer = open_peer(mg)
-    for name in peer.shapes:
-        key, layer = peer._keys[name]
-        weight = names.to_hybrid_layout(name, peer.files.read(key, layer), peer.swiglu)
-        assert torch.equal(peer.read(name)["master"], weight), name
+    mg, peer = _recorded_here(tmp_path, "--model", model, "--tp", str(tp), "--pp", "2")
     buckets = peer._buckets
     assert len(buckets.tied_copy) == (tp if model == "gpt2" else 0)
     for (copy, lo, hi), (first, a, z) in zip(buckets.tied_copy, buckets.place["wte.weight"]):
@@ -553,20 +560,7 @@ def test_gpt2_family_distributed_optimizer_recorded_here_continues_exactly(tmp_p
     DP 2), recorded here: its biases, LayerNorm biases, learned positions and tied
     embedding are read where megatron put them -- the masters equal the saved weights --
     and hybrid continues at TP 1 x DP 2 (ZeRO 3) within 2e-6 of megatron-core."""
-    import subprocess
-    import sys
-
-    from hybrid.checkpoint.peers import megatron_names as names
-    mg = str(tmp_path / "mg")
-    run = subprocess.run([sys.executable, RECORDER, "--model", "gpt2", "--dist-opt",
-                          "dp_reshardable", "--tp", "2", "--world", "4", "--out", mg],
-                         check=False, capture_output=True, text=True, timeout=600)
-    assert run.returncode == 0, run.stderr[-3000:]
-    peer = open_peer(mg)
-    for name in peer.shapes:
-        key, layer = peer._keys[name]
-        weight = names.to_hybrid_layout(name, peer.files.read(key, layer), peer.swiglu)
-        assert torch.equal(peer.read(name)["master"], weight), name
+    mg, _ = _recorded_here(tmp_path, "--model", "gpt2", "--tp", "2")
     rec = _record(mg)
     _, _, losses = run_ranks(_continue, world_size=2, tp=1,
                              args=(mg, str(tmp_path / "save"), 3, rec))[0]
