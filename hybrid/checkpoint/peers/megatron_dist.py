@@ -31,8 +31,6 @@ _MASTER_KEYS = ("optimizer.state.fp32_param.", "optimizer.state.param.")
 # per grad buffer and dtype, per bucket, one flat tensor of each column
 _BUCKETS = "optimizer.distributed."
 _PAIRS = tuple(str(p) for p in names.BUFFER_DTYPES)  # (as the keys spell them)
-# the last stage's copy of tied word embeddings (PP > 1), in its buffer as the output layer
-_TIED_COPY = "output_layer.weight (tied)"
 _BUCKET_KEY = re.compile(r"optimizer\.distributed\.dp_group_idx_(\d+)\.gbuf_idx_(\d+)\."
                          r"dtype_(.+)\.bucket_idx_(\d+)\.(param|exp_avg|exp_avg_sq)")
 
@@ -238,16 +236,18 @@ class _Buckets:
     one error naming the key.
 
     Where a parameter lies is megatron-core's ``_ParamAndGradBuffer`` layout, derived
-    here: the stage's parameters on the TP rank (their TP-local sizes, from the model's
-    keys; a stage holds ``num_layers / PP`` consecutive layers, the first the embeddings,
-    the last the final norm and the output layer) in the reverse of the GPTModel's
-    parameter order (:func:`~.megatron_names.model_order`),
-    each starting at a multiple of 64, a bucket closing where its saved
-    ``per_bucket_numel_unpadded`` says. The derivation is checked against the files: every
-    parameter's range on every TP rank must be exactly tiled by saved chunks (megatron
-    saves each DP rank's piece of each parameter, and each gap, as a chunk of its own), for
-    the layer spec ``args.transformer_impl`` names or else the other one; neither fitting
-    is one error. One parameter's pieces are read at a time."""
+    by the functions the export writes with (:func:`~.megatron_names.pipeline_stages`,
+    :func:`~.megatron_names.stage_buffer`): the stage's parameters on the TP rank (their
+    TP-local sizes, from the model's keys; a stage holds ``num_layers / PP`` consecutive
+    layers, the first the embeddings, the last the final norm and the output layer) in
+    the reverse of the GPTModel's parameter order, each starting at a multiple of 64, a
+    bucket closing where its saved ``per_bucket_numel_unpadded`` says (tied embeddings at
+    PP > 1: the word embeddings and the last stage's copy in buckets of their own). The
+    derivation is checked against the files: every parameter's range on every TP rank
+    must be exactly tiled by saved chunks (megatron saves each DP rank's piece of each
+    parameter, and each gap, as a chunk of its own), for the layer spec
+    ``args.transformer_impl`` names or else the other one; neither fitting is one error.
+    One parameter's pieces are read at a time."""
 
     def __init__(self, ckpt: MegatronCheckpoint):
         self.ckpt, self.files = ckpt, ckpt.files
@@ -328,7 +328,7 @@ class _Buckets:
                     f"hold the model's parameters where megatron-core's buffer layout puts "
                     f"them (in GPTModel's order, 64-aligned, buckets of {sizes}); hybrid "
                     f"reads a dense GPT's dp_reshardable state")
-            copy = placed.pop(_TIED_COPY, None)
+            copy = placed.pop(names.TIED_COPY, None)
             if copy is not None:  # (its state is the first stage's: read there)
                 self.tied_copy.append(copy)
             for name, at in placed.items():
@@ -336,9 +336,9 @@ class _Buckets:
 
     def _stages(self) -> list[list[str]]:
         """Each PP stage's parameters (hybrid's names): Megatron-LM's even split of the
-        layers, the embeddings on the first stage, the final norm and the output layer on
-        the last. A split of other flags in ``common.pt``'s args (uneven first or last
-        stage, a pipeline layout, virtual stages) is one error naming them."""
+        layers (:func:`~.megatron_names.pipeline_stages`). A split of other flags in
+        ``common.pt``'s args (uneven first or last stage, a pipeline layout, virtual
+        stages) is one error naming them."""
         args, pp = self.ckpt.args, self.pp
         if pp == 1:
             return [list(self.ckpt.shapes)]
@@ -358,18 +358,8 @@ class _Buckets:
                 + "".join(f", args.{f} {v!r}" for f, v in other.items())
                 + ": hybrid reads its dp_reshardable layout at PP > 1 for Megatron-LM's "
                   "even split of the layers only")
-        per = layers // pp
-        out: list[list[str]] = [[] for _ in range(pp)]
-        for name in self.ckpt.shapes:
-            m = re.fullmatch(r"blocks\.(\d+)\..+", name)
-            stage = (int(m.group(1)) // per if m else
-                     0 if name in names.HEAD_ORDER else pp - 1)
-            out[stage].append(name)
-        if not bool(arg(args, "untie_embeddings_and_output_weights", True)):
-            # tied: the last stage keeps a copy of the word embeddings as its output
-            # layer's weight, its gradient summed with the first's (the same values)
-            out[-1].append(_TIED_COPY)
-        return out
+        tied = not bool(arg(args, "untie_embeddings_and_output_weights", True))
+        return names.pipeline_stages(list(self.ckpt.shapes), layers, pp, tied)
 
     def _local_numel(self, name: str) -> int:
         n = 1
@@ -379,7 +369,7 @@ class _Buckets:
 
     def _local_shape(self, name: str) -> list[int]:
         """The megatron tensor's shape on one TP rank."""
-        if name == _TIED_COPY:
+        if name == names.TIED_COPY:
             name = "wte.weight"
         key, layer = self.ckpt._keys[name]
         shape = self.files.shape(key)[(1 if layer is not None else 0):]
@@ -391,11 +381,10 @@ class _Buckets:
     def _layout(self, t: int, sizes: list[int], spec: str) -> dict | None:
         """Where each parameter of TP rank ``t`` lies, {name: (bucket key, start, stop)},
         in megatron-core's layout under layer spec ``spec``
-        (:func:`~.megatron_names.bucket_layout`, buckets closed at the saved unpadded
+        (:func:`~.megatron_names.stage_buffer`, buckets closed at the saved unpadded
         ``sizes``), or None when the files' chunks or bucket sizes say otherwise."""
-        order = names.model_order(self.stages[t // self.tp], spec)[::-1]  # (the buffers')
-        placed, got = names.bucket_layout(
-            [(n, self._local_numel(n)) for n in order],
+        placed, got = names.stage_buffer(
+            self.stages, t // self.tp, spec, self._local_numel,
             lambda b, stop: b < len(sizes) and stop >= sizes[b])
         if got != sizes:
             return None

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Collection
 
 import torch
 
@@ -226,31 +227,85 @@ PARAM_ALIGN = 64
 BUCKET_ALIGN = 128
 
 
-def bucket_layout(numels: list[tuple[str, int]], closes
+def bucket_layout(numels: list[tuple[str, int]], closes, alone: Collection[str] = ()
                   ) -> tuple[dict[str, tuple[int, int, int]], list[int]]:
-    """Where megatron-core's grad buffer puts one TP rank's parameters: ``numels`` are
-    (name, TP-local numel) in the buffer's order (the GPTModel's parameter order
-    reversed, :func:`model_order`); each starts at the next multiple of
+    """Where megatron-core's grad buffer puts one TP rank's parameters of one PP stage:
+    ``numels`` are (name, TP-local numel) in the buffer's order (the GPTModel's parameter
+    order reversed, :func:`model_order`); each starts at the next multiple of
     :data:`PARAM_ALIGN` after the one before, counted from its bucket's start, and
     ``closes(bucket, stop)`` says whether the bucket ends after a parameter ending at
     ``stop`` (megatron: ``stop >= bucket_size``; the last bucket ends after the last
-    parameter). Returns ({name: (bucket, start, stop)} in bucket coordinates, each
-    bucket's unpadded numel). At PP > 1 it is called once per stage with that stage's
-    parameters; the reader adds a tied output layer's copy of the word embeddings to the
-    last stage's (megatron_dist.py), the writer writes PP 1's layouts only."""
+    parameter). A name in ``alone`` (the shared word embeddings at PP > 1,
+    :func:`stage_buffer`) gets a bucket of its own: the bucket before it, when it holds a
+    parameter, ends where the aligned start would have been. Returns ({name: (bucket,
+    start, stop)} in bucket coordinates, each bucket's unpadded numel)."""
     out: dict[str, tuple[int, int, int]] = {}
     sizes: list[int] = []
     bucket, pos = 0, 0
     for name, n in numels:
         start = -(-pos // PARAM_ALIGN) * PARAM_ALIGN
+        if name in alone and pos:  # (megatron counts the alignment into the closed bucket)
+            sizes.append(start)
+            bucket, start = bucket + 1, 0
         out[name] = (bucket, start, start + n)
         pos = start + n
-        if closes(bucket, pos):
+        if name in alone or closes(bucket, pos):
             sizes.append(pos)
             bucket, pos = bucket + 1, 0
     if pos:  # (the last bucket, still open)
         sizes.append(pos)
     return out, sizes
+
+
+# The last PP stage's copy of tied word embeddings (megatron-core's output layer weight
+# there): a parameter of that stage's buffer as the output layer is at the end of the
+# model, its master and moments those of the first stage's word embeddings (their
+# gradients are summed across the two stages before each step)
+TIED_COPY = "output_layer.weight (tied)"
+
+
+def pipeline_stages(params: list[str], num_layers: int, pp: int, tied: bool
+                    ) -> list[list[str]]:
+    """Each PP stage's parameters (hybrid's names) in Megatron-LM's even split, the one
+    both the reader and the writer of dp_reshardable use: ``num_layers / pp`` consecutive
+    layers a stage, the embeddings on the first stage, the final norm and the output
+    layer on the last, and with ``tied`` (PP > 1) the last stage's :data:`TIED_COPY`.
+    ValueError when ``pp`` does not divide ``num_layers`` (the callers name their flag
+    first)."""
+    if pp == 1:
+        return [list(params)]
+    if num_layers < 1 or num_layers % pp:
+        raise ValueError(f"PP {pp} does not split {num_layers} layers evenly")
+    per = num_layers // pp
+    out: list[list[str]] = [[] for _ in range(pp)]
+    for name in params:
+        m = _BLOCK.fullmatch(name)
+        out[int(m.group(1)) // per if m else 0 if name in HEAD_ORDER else pp - 1].append(name)
+    if tied:
+        out[-1].append(TIED_COPY)
+    return out
+
+
+def stage_buffer(stages: list[list[str]], stage: int, spec: str, numel, closes
+                 ) -> tuple[dict[str, tuple[int, int, int]], list[int]]:
+    """One (PP stage, TP rank)'s grad buffer: stage ``stage`` of ``stages``
+    (:func:`pipeline_stages`) in the reverse of the GPTModel's order under layer spec
+    ``spec``, ``numel(name)`` each parameter's TP-local numel (:data:`TIED_COPY`'s is the
+    word embeddings'), laid out by :func:`bucket_layout` with ``closes``. With tied
+    embeddings at PP > 1 megatron-core marks the word embeddings and their copy
+    ``shared_embedding``, and its distributed optimizer's buffer gives each a bucket of
+    its own (the two stages' shards then line up)."""
+    shared = {"wte.weight", TIED_COPY} if any(TIED_COPY in s for s in stages) else set()
+    order = model_order(stages[stage], spec)[::-1]
+    return bucket_layout([(n, numel(n)) for n in order], closes, shared)
+
+
+def ddp_closes(stage: int, bucket_size: int | None):
+    """``closes`` for :func:`stage_buffer` of a run with DDP bucket size ``bucket_size``
+    (None: one bucket, no ``--overlap-grad-reduce``): megatron-core's
+    DistributedDataParallel buckets by size on the first PP stage only; a later stage's
+    buffer is one bucket (bar the shared embeddings' own)."""
+    return lambda b, stop: stage == 0 and bucket_size is not None and stop >= bucket_size
 
 
 def padded_bucket(unpadded: int, dp: int) -> int:
