@@ -6,6 +6,7 @@
     python scripts/convert_checkpoint.py export --to dcp CHECKPOINT_DIR_OR_SAVE_DIR OUT_DIR
     python scripts/convert_checkpoint.py export --to megatron CHECKPOINT_DIR_OR_SAVE_DIR OUT_DIR \
         [--tensor-model-parallel-size T] [--data-parallel-size D] \
+        [--pipeline-model-parallel-size P] \
         [--megatron-dist-opt dp_reshardable|fully_reshardable] \
         [--megatron-layer-spec local|transformer_engine] [--megatron-ddp-bucket-size N] \
         [--dtype fp32|bf16]
@@ -113,6 +114,11 @@ def export_megatron(argv) -> int:
     ap.add_argument("--data-parallel-size", type=int, default=1,
                     help="the DP recorded in args (dp_reshardable: its buckets' padding "
                          "and chunks; they load at any DP)")
+    ap.add_argument("--pipeline-model-parallel-size", type=int, default=1,
+                    help="the PP recorded in args (dp_reshardable: one group of buckets "
+                         "per stage and TP rank, for Megatron-LM's even split of the "
+                         "layers, which PP must divide; the tied word embeddings' copy on "
+                         "the last stage; the other optimizer layouts do not depend on it)")
     ap.add_argument("--megatron-dist-opt", default=None, metavar="{dp_reshardable,"
                     "fully_reshardable}",
                     help="write the optimizer state for megatron-core's DistributedOptimizer "
@@ -135,7 +141,8 @@ def export_megatron(argv) -> int:
     a = ap.parse_args(argv)
     try:
         out = megatron.write(a.checkpoint, a.output, tp=a.tensor_model_parallel_size,
-                             dp=a.data_parallel_size, dist_opt=a.megatron_dist_opt,
+                             dp=a.data_parallel_size, pp=a.pipeline_model_parallel_size,
+                             dist_opt=a.megatron_dist_opt,
                              spec=a.megatron_layer_spec,
                              bucket_size=a.megatron_ddp_bucket_size, dtype=a.dtype)
     except CheckpointError as e:

@@ -21,7 +21,7 @@ not map is a line in ``notes``.
 :func:`write` is the way back: a hybrid checkpoint as a ``torch_dist`` ``iter_NNNNNNN/``
 that megatron-core's ``dist_checkpointing.load`` reads into a GPTModel and its optimizer:
 the non-distributed one at any TP, or the DistributedOptimizer (its ``dp_reshardable``
-buckets laid out for the loading run's TP, layer spec and bucket size, or
+buckets laid out for the loading run's TP, PP, layer spec and bucket size, or
 ``fully_reshardable``: :mod:`.megatron_distopt_export`), one parameter in memory at a
 time; a bf16 checkpoint as a ``--bf16`` run's (bf16 weights, its buffer's dtype pair).
 """
@@ -111,7 +111,7 @@ def open(path: str, step: int | None = None) -> MegatronCheckpoint:  # noqa: A00
 # -- the way back -------------------------------------------------------------------------
 
 def _namespace(cfg: dict, meta: dict, tp: int, dp: int, vocab: int, gbs: int,
-               dist: dict, dtypes: tuple[torch.dtype, torch.dtype]) -> Any:
+               dist: dict, dtypes: tuple[torch.dtype, torch.dtype], pp: int = 1) -> Any:
     """Megatron-LM's ``args`` for hybrid's flat config (the fields its
     ``check_checkpoint_args`` and a reader use); ``dist``: the distributed optimizer's
     fields; ``dtypes``: the run's grad buffer's (param, grad) dtypes (its ``--bf16``
@@ -134,7 +134,7 @@ def _namespace(cfg: dict, meta: dict, tp: int, dp: int, vocab: int, gbs: int,
         untie_embeddings_and_output_weights=bool(
             cfg.get("untie_embeddings_and_output_weights")),
         qk_layernorm=bool(cfg.get("qk_layernorm")), tensor_model_parallel_size=tp,
-        pipeline_model_parallel_size=1, data_parallel_size=dp, world_size=tp * dp,
+        pipeline_model_parallel_size=pp, data_parallel_size=dp, world_size=tp * pp * dp,
         micro_batch_size=cfg.get("micro_batch_size"), global_batch_size=gbs,
         lr=cfg.get("lr"), min_lr=cfg.get("min_lr"), weight_decay=cfg.get("weight_decay"),
         adam_beta1=cfg.get("adam_beta1"), adam_beta2=cfg.get("adam_beta2"),
@@ -209,7 +209,7 @@ def _plain_optimizer(cfg: dict, step: int, moments: bool, fp32: bool) -> dict:
 
 def write(hybrid_ckpt: str, out_dir: str, tp: int = 1, dp: int = 1,
           dist_opt: str | None = None, spec: str = "local",
-          bucket_size: int | None = None, dtype: str | None = None) -> str:
+          bucket_size: int | None = None, dtype: str | None = None, pp: int = 1) -> str:
     """A hybrid checkpoint (an ``iter_*`` directory or a ``--save`` directory's newest)
     as Megatron-LM save directory ``out_dir``: ``iter_NNNNNNN/`` in ``torch_dist`` (the
     GPTModel's sharded keys, the layers stacked; ``common.pt`` with ``args``,
@@ -220,11 +220,14 @@ def write(hybrid_ckpt: str, out_dir: str, tp: int = 1, dp: int = 1,
     and ``dp`` are recorded in ``args``); with ``dist_opt`` ``dp_reshardable`` or
     ``fully_reshardable``, megatron-core's DistributedOptimizer's
     (:mod:`.megatron_distopt_export`): dp_reshardable's buckets are laid out for a run
-    at TP ``tp``, DP ``dp``, layer spec ``spec`` (``local`` or ``transformer_engine``)
-    and DDP bucket size ``bucket_size`` (None: one bucket, Megatron-LM's default without
-    ``--overlap-grad-reduce``). A bf16 checkpoint (config ``bf16``) is written as a
-    Megatron-LM ``--bf16`` run's: bf16 weights, ``args.bf16``, its buffer's dtype pair
-    (:func:`~.megatron_names.buffer_dtypes`) -- without ``dist_opt``, its
+    at TP ``tp``, DP ``dp``, PP ``pp`` (Megatron-LM's even split of the layers: one
+    group of buckets per stage and TP rank), layer spec ``spec`` (``local`` or
+    ``transformer_engine``) and DDP bucket size ``bucket_size`` (None: one bucket,
+    Megatron-LM's default without ``--overlap-grad-reduce``); the other layouts do not
+    depend on PP (``pp`` is only recorded in ``args``). A bf16 checkpoint (config
+    ``bf16``) is written as a Megatron-LM ``--bf16`` run's: bf16 weights, ``args.bf16``,
+    its buffer's dtype pair (:func:`~.megatron_names.buffer_dtypes`) -- without
+    ``dist_opt``, its
     ``Float16OptimizerWithFloat16Params``' state (:func:`_plain_optimizer`); ``dtype``
     ("fp32" or "bf16") writes for a run of that precision instead. One parameter in memory
     at a time. Returns the iteration's directory; CheckpointError naming the flag for a
@@ -245,7 +248,8 @@ def write(hybrid_ckpt: str, out_dir: str, tp: int = 1, dp: int = 1,
     # (a bf16 run's buffer: grads in fp32 unless the run said otherwise, as in Megatron-LM)
     dtypes = names.buffer_dtypes(dtype == "bf16" if dtype else bool(cfg.get("bf16")),
                                  cfg.get("accumulate_allreduce_grads_in_fp32", True) is not False)
-    opt = (distopt.layout(dist_opt, shapes, cfg, step, tp, dp, spec, bucket_size, dtypes)
+    distopt.stage_layers(cfg, pp)
+    opt = (distopt.layout(dist_opt, shapes, cfg, step, tp, dp, spec, bucket_size, dtypes, pp)
            if dist_opt else None)
     final = os.path.join(out_dir, f"iter_{it:07d}")
     if os.path.exists(final):
@@ -274,7 +278,8 @@ def write(hybrid_ckpt: str, out_dir: str, tp: int = 1, dp: int = 1,
             "overlap_grad_reduce": bucket_size is not None, "ddp_bucket_size": bucket_size,
             "transformer_impl": spec}
     common = {
-        "args": _namespace(cfg, meta, tp, dp, vocab, gbs, dist, dtypes), "checkpoint_version": 3.0,
+        "args": _namespace(cfg, meta, tp, dp, vocab, gbs, dist, dtypes, pp),
+        "checkpoint_version": 3.0,
         "iteration": it, "num_floating_point_operations_so_far": 0,
         "optimizer": optimizer,
         "opt_param_scheduler": {

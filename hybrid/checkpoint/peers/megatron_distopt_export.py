@@ -1,23 +1,33 @@
 """The distributed optimizer's state in hybrid's Megatron export (``export --to megatron
 --megatron-dist-opt``): what megatron-core 0.16.1's DistributedOptimizer reads back.
 
-* ``dp_reshardable`` (Megatron-LM's default with ``--use-distributed-optimizer``): per TP
-  rank ``T`` (its DP group's index, PP 1), per bucket ``B`` of its grad buffer, one flat
-  fp32 tensor per column, ``optimizer.distributed.dp_group_idx_T.gbuf_idx_0.dtype_<pair>.
-  bucket_idx_B.{param,exp_avg,exp_avg_sq}`` of the bucket's unpadded length, each
-  parameter's TP-local piece at the place megatron-core's buffer gives it
-  (:func:`~.megatron_names.bucket_layout`, the same function the reader maps these files
-  with), cut where the DP ranks' shards meet, and the gaps (alignment padding) as zero
-  chunks; beside them the objects its load takes (``per_bucket_numel``,
-  ``per_bucket_numel_unpadded`` -- the load asserts the latter equals its own buffer's --
-  and ``optimizer``, the param groups with their ``step``).
+* ``dp_reshardable`` (Megatron-LM's default with ``--use-distributed-optimizer``): per
+  (PP stage, TP rank) -- its DP group's index ``G = stage x TP + TP rank`` --, per bucket
+  ``B`` of its grad buffer, one flat fp32 tensor per column,
+  ``optimizer.distributed.dp_group_idx_G.gbuf_idx_0.dtype_<pair>.bucket_idx_B.{param,
+  exp_avg,exp_avg_sq}`` of the bucket's unpadded length, each of the stage's parameters'
+  TP-local piece at the place megatron-core's buffer gives it
+  (:func:`~.megatron_names.pipeline_stages` and :func:`~.megatron_names.stage_buffer`, the
+  functions the reader maps these files with), cut where the DP ranks' shards meet, and
+  the gaps (alignment padding) as zero chunks; beside them the objects its load takes
+  (``per_bucket_numel``, ``per_bucket_numel_unpadded`` -- the load asserts the latter
+  equals its own buffer's -- and ``optimizer``, the param groups with their ``step``).
+  At PP > 1 the stages split the layers evenly (``--pipeline-model-parallel-size`` must
+  divide them: no uneven first or last stage, no virtual stages), the embeddings on the
+  first, the final norm and the output layer on the last; with tied embeddings the last
+  stage's buffer also holds megatron-core's copy of the word embeddings (its output
+  layer's weight), written with the first stage's master and moments, and each of the
+  two copies is a bucket of its own, as megatron-core's buffer makes them.
 * ``fully_reshardable`` (``--dist-ckpt-optim-fully-reshardable``): model-shaped
   ``optimizer.state.{param,exp_avg,exp_avg_sq}.<key>``, the param groups in
-  ``common.pt``.
+  ``common.pt``: no layout, the same files at any TP, DP and PP (megatron-core's last
+  stage asks for its copy of tied word embeddings under the first stage's key,
+  ``embedding.word_embeddings.weight``, and gets the same master and moments).
 
-The bucket layout depends on the run that loads it: its TP size, layer spec (the
+The bucket layout depends on the run that loads it: its TP and PP sizes, layer spec (the
 parameter order) and DDP bucket size (``--overlap-grad-reduce --ddp-bucket-size``;
-without overlap, one bucket); the DP size sets only the padding and the chunks. The
+without overlap, one bucket; at PP > 1 megatron-core buckets the first stage only,
+:func:`~.megatron_names.ddp_closes`); the DP size sets only the padding and the chunks. The
 buffer's dtype pair in the keys is the checkpoint's run's
 (:func:`~.megatron_names.buffer_dtypes`): ``dtype_(torch.float32, torch.float32)`` for an
 fp32 run, ``dtype_(torch.bfloat16, torch.float32)`` for a bf16 one (grads reduced in fp32,
@@ -28,6 +38,7 @@ does not load it. The columns are fp32 in each.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 import torch
@@ -95,71 +106,89 @@ class FullyReshardable:
 
 
 class DpReshardable:
-    """``dp_reshardable``: megatron-core's buckets per TP rank (the module docstring).
-    ``shapes``: hybrid's full shapes of every parameter (the layout needs them all
-    before the first is written). One parameter's columns in memory at a time; the
-    gaps are written by :meth:`finish`."""
+    """``dp_reshardable``: megatron-core's buckets per (PP stage, TP rank) (the module
+    docstring). ``shapes``: hybrid's full shapes of every parameter (the layout needs
+    them all before the first is written). One parameter's columns in memory at a time;
+    the gaps are written by :meth:`finish`."""
 
-    def __init__(self, shapes: dict[str, list[int]], tp: int, dp: int, spec: str,
-                 bucket_size: int | None, swiglu: bool, groups: list[dict],
+    def __init__(self, shapes: dict[str, list[int]], tp: int, dp: int, pp: int, spec: str,
+                 bucket_size: int | None, cfg: dict, groups: list[dict],
                  dtypes: tuple[torch.dtype, torch.dtype]):
-        self.tp, self.dp, self.swiglu, self.groups = tp, dp, swiglu, groups
+        self.tp, self.dp, self.pp, self.groups = tp, dp, pp, groups
+        self.swiglu = bool(cfg.get("swiglu"))
         self.dtypes = dtypes  # (the buffer's (param, grad) pair: its keys and objects)
-        local = []
-        for name in names.model_order(list(shapes), spec)[::-1]:  # (the buffer's order)
-            n = 1
-            for d in shapes[name]:
-                n *= d
+        local: dict[str, int] = {}
+        for name, shape in shapes.items():
             dim = names.tp_dim(name)
-            if dim is not None and shapes[name][dim + names.is_swiglu_fc(name, swiglu)] % tp:
-                raise CheckpointError(f"{name} {shapes[name]}: TP {tp} does not divide it "
+            if dim is not None and shape[dim + names.is_swiglu_fc(name, self.swiglu)] % tp:
+                raise CheckpointError(f"{name} {shape}: TP {tp} does not divide it "
                                       f"(--tensor-model-parallel-size)")
-            local.append((name, n // tp if dim is not None else n))
-        self.place, self.unpadded = names.bucket_layout(
-            local, lambda b, stop: bucket_size is not None and stop >= bucket_size)
-        self.padded = [names.padded_bucket(n, dp) for n in self.unpadded]
-        self.written: list[list[tuple[int, int]]] = [[] for _ in self.unpadded]
+            local[name] = math.prod(shape) // (tp if dim is not None else 1)
+        tied = not cfg.get("untie_embeddings_and_output_weights")
+        stages = names.pipeline_stages(list(shapes), stage_layers(cfg, pp), pp, tied)
+        # name -> [(stage, bucket, start, stop)]: its place, and the tied copy's
+        self.place: dict[str, list[tuple[int, int, int, int]]] = {}
+        self.unpadded: list[list[int]] = []
+        for stage in range(pp):
+            placed, sizes = names.stage_buffer(
+                stages, stage, spec,
+                lambda n: local["wte.weight" if n == names.TIED_COPY else n],
+                names.ddp_closes(stage, bucket_size))
+            for name, (bucket, start, stop) in placed.items():
+                owner = "wte.weight" if name == names.TIED_COPY else name
+                self.place.setdefault(owner, []).append((stage, bucket, start, stop))
+            self.unpadded.append(sizes)
+        self.padded = [[names.padded_bucket(n, dp) for n in s] for s in self.unpadded]
+        self.written: list[list[list[tuple[int, int]]]] = [[[] for _ in s]
+                                                           for s in self.unpadded]
 
-    def key(self, t: int, bucket: int, col: str) -> str:
-        return (f"optimizer.distributed.dp_group_idx_{t}.gbuf_idx_0.dtype_{self.dtypes}."
+    def key(self, group: int, bucket: int, col: str) -> str:
+        return (f"optimizer.distributed.dp_group_idx_{group}.gbuf_idx_0.dtype_{self.dtypes}."
                 f"bucket_idx_{bucket}.{col}")
 
-    def _pieces(self, bucket: int, start: int, stop: int) -> list[tuple[int, int]]:
-        """``[start, stop)`` of ``bucket`` cut where the DP ranks' shards meet (megatron
-        saves each rank's piece as a chunk of its own)."""
-        shard = self.padded[bucket] // self.dp
+    def _pieces(self, stage: int, bucket: int, start: int, stop: int
+                ) -> list[tuple[int, int]]:
+        """``[start, stop)`` of ``bucket`` of ``stage`` cut where the DP ranks' shards
+        meet (megatron saves each rank's piece as a chunk of its own)."""
+        shard = self.padded[stage][bucket] // self.dp
         cuts = [start, *range((start // shard + 1) * shard, stop, shard), stop]
         return list(zip(cuts[:-1], cuts[1:]))
 
     def put(self, w: DcpWriter, name: str, cols: dict, place: Callable) -> None:
-        bucket, start, stop = self.place[name]
         for col, saved in _COLUMNS:
             flats = [p.reshape(-1) for p in names.split_tp(name, cols[col], self.tp,
                                                            self.swiglu)]
-            for t, flat in enumerate(flats):
-                for a, b in self._pieces(bucket, start, stop):
-                    w.tensor(self.key(t, bucket, saved), [self.unpadded[bucket]], [a],
-                             flat[a - start:b - start])
-        self.written[bucket].append((start, stop))
+            for stage, bucket, start, stop in self.place[name]:  # (and the tied copy's)
+                for t, flat in enumerate(flats):
+                    for a, b in self._pieces(stage, bucket, start, stop):
+                        w.tensor(self.key(stage * self.tp + t, bucket, saved),
+                                 [self.unpadded[stage][bucket]], [a],
+                                 flat[a - start:b - start])
+        for stage, bucket, start, stop in self.place[name]:
+            self.written[stage][bucket].append((start, stop))
 
     def finish(self, w: DcpWriter) -> None:
         """The gaps between parameters as zero chunks (megatron's load reads them), and
-        the objects of each TP rank's DP group."""
-        for bucket, spans in enumerate(self.written):
-            at = 0
-            for start, stop in [*sorted(spans), (self.unpadded[bucket], 0)]:
-                for a, b in self._pieces(bucket, at, start) if start > at else []:
-                    for t in range(self.tp):
-                        for _, saved in _COLUMNS:
-                            w.tensor(self.key(t, bucket, saved), [self.unpadded[bucket]],
-                                     [a], torch.zeros(b - a))
-                at = max(at, stop)
-        for t in range(self.tp):
-            prefix = f"optimizer.distributed.dp_group_idx_{t}."
+        the objects of each (stage, TP rank)'s DP group."""
+        for stage, buckets in enumerate(self.written):
+            for bucket, spans in enumerate(buckets):
+                end = self.unpadded[stage][bucket]
+                at = 0
+                for start, stop in [*sorted(spans), (end, 0)]:
+                    for a, b in self._pieces(stage, bucket, at, start) if start > at else []:
+                        for t in range(self.tp):
+                            for _, saved in _COLUMNS:
+                                w.tensor(self.key(stage * self.tp + t, bucket, saved), [end],
+                                         [a], torch.zeros(b - a))
+                    at = max(at, stop)
+        for group in range(self.pp * self.tp):
+            stage = group // self.tp
+            prefix = f"optimizer.distributed.dp_group_idx_{group}."
             # (a ShardedObject of one shard, as a list of the saving rank's objects)
-            w.obj(f"{prefix}per_bucket_numel/shard_0_1", [[{self.dtypes: list(self.padded)}]])
+            w.obj(f"{prefix}per_bucket_numel/shard_0_1",
+                  [[{self.dtypes: list(self.padded[stage])}]])
             w.obj(f"{prefix}per_bucket_numel_unpadded/shard_0_1",
-                  [[{self.dtypes: list(self.unpadded)}]])
+                  [[{self.dtypes: list(self.unpadded[stage])}]])
             w.obj(f"{prefix}optimizer/shard_0_1", [{"param_groups": self.groups}])
 
     def common(self) -> dict:
@@ -167,16 +196,28 @@ class DpReshardable:
         return {"param_state_sharding_type": "dp_reshardable"}
 
 
+def stage_layers(cfg: dict, pp: int) -> int:
+    """The model's layer count, which PP ``pp`` must split evenly (Megatron-LM's default
+    split, the one hybrid writes): CheckpointError naming the flag otherwise."""
+    layers = int(cfg.get("num_layers") or 0)
+    if pp < 1 or (pp > 1 and (layers < 1 or layers % pp)):
+        raise CheckpointError(
+            f"--pipeline-model-parallel-size {pp}: hybrid writes for Megatron-LM's even "
+            f"split of the model's {layers} layers over the stages (a positive PP dividing "
+            f"them; no uneven first or last stage, no virtual stages)")
+    return layers
+
+
 def layout(mode: str, shapes: dict[str, list[int]], cfg: dict, step: int, tp: int,
            dp: int, spec: str, bucket_size: int | None,
-           dtypes: tuple[torch.dtype, torch.dtype]):
+           dtypes: tuple[torch.dtype, torch.dtype], pp: int = 1):
     """The writer of ``mode``'s optimizer state (:func:`check` first); ``dtypes``: the
-    loading run's grad buffer (param, grad) dtypes."""
+    loading run's grad buffer (param, grad) dtypes; ``pp``: its PP size (dp_reshardable:
+    one group of buckets per stage and TP rank)."""
     groups = param_groups(cfg, step)
     if mode == "fully_reshardable":
         return FullyReshardable(groups)
-    return DpReshardable(shapes, tp, dp, spec, bucket_size, bool(cfg.get("swiglu")), groups,
-                         dtypes)
+    return DpReshardable(shapes, tp, dp, pp, spec, bucket_size, cfg, groups, dtypes)
 
 
-__all__ = ["MODES", "SPECS", "check", "layout", "param_groups"]
+__all__ = ["MODES", "SPECS", "check", "layout", "param_groups", "stage_layers"]
