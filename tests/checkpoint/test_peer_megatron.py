@@ -472,6 +472,20 @@ def _recorded_here(tmp_path, *flags):
     return mg, peer
 
 
+def _tied_copies_equal_the_first_stage_s(peer, tp: int) -> None:
+    """A tied PP 2 save's last-stage copy of the word embeddings (``dp_group_idx_{tp+t}``)
+    holds the first stage's master and moments (``dp_group_idx_t``), bit for bit."""
+    buckets = peer._buckets
+    assert len(buckets.tied_copy) == tp
+    for t, ((copy, lo, hi), (first, a, z)) in enumerate(zip(buckets.tied_copy,
+                                                            buckets.place["wte.weight"])):
+        assert copy.split(".")[2] == f"dp_group_idx_{tp + t}" and first.split(".")[2] == \
+            f"dp_group_idx_{t}"
+        for col in ("param", "exp_avg", "exp_avg_sq"):
+            assert torch.equal(peer.files.read_flat(f"{copy}.{col}", lo, hi),
+                               peer.files.read_flat(f"{first}.{col}", a, z)), col
+
+
 @pytest.mark.peer("megatron.core")
 @pytest.mark.parametrize("model,tp,hybrid_layouts", [
     ("gpt2", 1, [(4, 1, 2, 1), (2, 1, 1, 3)]),  # tied embeddings: the last stage's copy
@@ -484,23 +498,78 @@ def test_pp2_distributed_optimizer_recorded_here_reads_and_continues(tmp_path, m
     embeddings as the output layer, master and moments bit-equal to the first stage's)
     and the Llama at TP 2 x DP 1. Every master read from the buckets equals the saved
     weight, and hybrid's 10 losses equal megatron-core's within 2e-6 at each
-    (world, TP, PP, ZeRO stage) of ``hybrid_layouts``."""
+    (world, TP, PP, ZeRO stage) of ``hybrid_layouts``. GPT-2's goes on both ways at PP 2
+    x DP 2 (:func:`_pp2_gpt2_export_loads_in_megatron_core`): hybrid's run there also
+    saves and steps 4 more batches."""
     mg, peer = _recorded_here(tmp_path, "--model", model, "--tp", str(tp), "--pp", "2")
-    buckets = peer._buckets
-    assert len(buckets.tied_copy) == (tp if model == "gpt2" else 0)
-    for (copy, lo, hi), (first, a, z) in zip(buckets.tied_copy, buckets.place["wte.weight"]):
-        assert copy.split(".")[2] == "dp_group_idx_1" and first.split(".")[2] == \
-            "dp_group_idx_0"
-        for col in ("param", "exp_avg", "exp_avg_sq"):
-            assert torch.equal(peer.files.read_flat(f"{copy}.{col}", lo, hi),
-                               peer.files.read_flat(f"{first}.{col}", a, z)), col
+    if model == "gpt2":
+        _tied_copies_equal_the_first_stage_s(peer, tp)
+    else:
+        assert not peer._buckets.tied_copy
     rec = _record(mg)
-    for world, htp, pp, zero in hybrid_layouts:
+    more = _more(rec) if model == "gpt2" else None
+    for i, (world, htp, pp, zero) in enumerate(hybrid_layouts):
+        save = str(tmp_path / f"save{world}{htp}{pp}")
         _, _, losses = run_ranks(_continue, world_size=world, tp=htp, pp=pp,
-                                 args=(mg, str(tmp_path / f"save{world}{htp}{pp}"), zero,
-                                       rec))[0]
+                                 args=(mg, save, zero, rec, more if i == 0 else None))[0]
         diff = max(abs(a - b) for a, b in zip(losses, rec["losses"]))
         assert diff <= TOL, (world, htp, pp, diff, losses, rec["losses"])
+        if i == 0 and more is not None:
+            _pp2_gpt2_export_loads_in_megatron_core(tmp_path, mg, save, more,
+                                                    losses[len(rec["tokens"]):])
+
+
+def _pp2_gpt2_export_loads_in_megatron_core(tmp_path, mg: str, save: str, more: list,
+                                            hybrid_losses: list[float]) -> None:
+    """The export for PP 2 (GPT-2, tied, fp32; the first stage's copy of the word
+    embeddings and the last stage's each a bucket of their own):
+
+    * of hybrid's import of megatron-core's PP 2 x DP 2 save ``mg``, for that run (buckets
+      of 1000): every optimizer key has that save's chunks (offsets and sizes) and its
+      bucket sizes; read back, the import's masters and moments, the last stage's copy
+      the first stage's, bit for bit;
+    * of ``save`` (hybrid's PP 2 x DP 2 save at iteration 13, then ``more`` stepped for
+      ``hybrid_losses``): megatron-core loads the dp_reshardable export at PP 2 x DP 2
+      (``--pipeline-model-parallel-size 2 --data-parallel-size 2``), saves what it loaded
+      -- hybrid's masters and moments, its last stage's copy the first stage's, bit for
+      bit -- and steps ``more`` within 2e-6 of hybrid; the fully_reshardable export (the
+      same files as at PP 1) loads at PP 2 x DP 2 in one bucket and steps within 2e-6 too
+      (no re-save: megatron-core 0.16.1's fully_reshardable save is wrong over several
+      buckets, the recorder's docstring, and the tied copies make two here)."""
+    from hybrid.checkpoint.peers import megatron
+    from hybrid.checkpoint.peers.megatron_files import DcpFiles
+    from tests.helpers.launch import script_module
+    ckpt = _imported(tmp_path / "import", mg)
+    out = megatron.write(ckpt, str(tmp_path / "as_saved"), dp=2, pp=2,
+                         dist_opt="dp_reshardable", bucket_size=1000)
+    mine, theirs = DcpFiles(out), DcpFiles(os.path.join(mg, "iter_0000003"))
+    assert _chunks(mine) == _chunks(theirs)
+    for g in range(2):
+        for what in ("per_bucket_numel", "per_bucket_numel_unpadded"):
+            key = f"optimizer.distributed.dp_group_idx_{g}.{what}/shard_0_1"
+            assert mine.read_object(key) == theirs.read_object(key), key
+    back = open_peer(str(tmp_path / "as_saved"))
+    _same_state(back, ckpt)
+    _tied_copies_equal_the_first_stage_s(back, 1)
+    tokens = tmp_path / "tokens.json"
+    tokens.write_text(json.dumps(more))
+    convert = script_module("convert_checkpoint").main
+    for mode, bucket in (("dp_reshardable", 1000), ("fully_reshardable", 0)):
+        out = tmp_path / f"pp2_{mode}"
+        assert convert(["export", "--to", "megatron", save, str(out),
+                        "--pipeline-model-parallel-size", "2", "--data-parallel-size", "2",
+                        "--megatron-dist-opt", mode,
+                        *(["--megatron-ddp-bucket-size", str(bucket)] if bucket else [])]) == 0
+        again = tmp_path / "again" if mode == "dp_reshardable" else None
+        got = _megatron_resume(out / "iter_0000013", tokens, tmp_path / f"{mode}.json", 1, 4,
+                               "--model", "gpt2", "--pp", "2", "--dist-opt", mode,
+                               "--ddp-bucket-size", str(bucket), resave=again)
+        if again is not None:
+            back = open_peer(str(again))
+            _same_state(back, os.path.join(save, "iter_0000013"))
+            _tied_copies_equal_the_first_stage_s(back, 1)
+        diff = max(abs(a - b) for a, b in zip(got["losses"], hybrid_losses))
+        assert got["iteration"] == 13 and diff <= TOL, (mode, diff, got, hybrid_losses)
 
 
 def test_a_pp_split_hybrid_cannot_read_is_one_line_through_load(tmp_path):
@@ -784,6 +853,67 @@ def test_distributed_optimizer_export_has_megatron_s_layout_and_reads_back(tmp_p
         _same_state(back, ckpt)
 
 
+def _tiny_gpt2(tmp_path, layers: int = 4, seq: int = 5) -> str:
+    """A hybrid checkpoint of a GPT-2 (tied embeddings, biases, learned positions; 16
+    wide, 4 heads, FFN 32, vocab 64) written on this process: random masters and moments,
+    step 5. ``seq`` 5: the position embeddings' 80 values end off the 64 alignment."""
+    from hybrid.checkpoint.layout import COLUMNS
+    from hybrid.checkpoint.single_rank import write_single_rank_checkpoint
+    h, f, v = 16, 32, 64
+    shapes = {"wte.weight": [v, h], "wpe.weight": [seq, h]}
+    parts = {"ln_1.weight": [h], "ln_1.bias": [h], "attn.qkv.weight": [3 * h, h],
+             "attn.qkv.bias": [3 * h], "attn.proj.weight": [h, h], "attn.proj.bias": [h],
+             "ln_2.weight": [h], "ln_2.bias": [h], "mlp.fc.weight": [f, h], "mlp.fc.bias": [f],
+             "mlp.proj.weight": [h, f], "mlp.proj.bias": [h]}
+    for i in range(layers):
+        shapes.update({f"blocks.{i}.{part}": shape for part, shape in parts.items()})
+    shapes.update({"ln_f.weight": [h], "ln_f.bias": [h]})
+    g = torch.Generator().manual_seed(0)
+    cfg = dict(num_layers=layers, hidden_size=h, num_attention_heads=4, ffn_hidden_size=f,
+               seq_length=seq, max_position_embeddings=seq, lr=1e-3, min_lr=1e-4,
+               weight_decay=0.01, global_batch_size=4)
+    return write_single_rank_checkpoint(
+        str(tmp_path / "gpt2"), shapes,
+        lambda name: {c: torch.rand(shapes[name], generator=g) for c in COLUMNS},
+        COLUMNS, cfg, v, iteration=5, step=5)
+
+
+def test_pp2_distributed_optimizer_export_has_megatron_s_layout_and_reads_back(tmp_path):
+    """--megatron-dist-opt dp_reshardable --pipeline-model-parallel-size 2: hybrid's
+    import of megatron-core's own TP 1 x PP 2 x DP 2 save (the Llama), exported for that
+    run, has that save's optimizer chunks (every offset and size) and bucket sizes per
+    (stage, TP rank); a tied GPT-2 exported for TP 2 x PP 2 x DP 2 in buckets of 500
+    (4 layers, 2 a stage) reads back -- one group per (stage, TP rank), the last stage's
+    copy of the word embeddings in its own bucket holding the first stage's master and
+    moments -- as the checkpoint's masters and moments, bit for bit."""
+    from hybrid.checkpoint.peers import megatron
+    from hybrid.checkpoint.peers.megatron_files import DcpFiles
+    ckpt = _imported(tmp_path, DISTOPT_PP2)
+    out = megatron.write(ckpt, str(tmp_path / "pp2"), dp=2, pp=2, dist_opt="dp_reshardable",
+                         bucket_size=1000)
+    mine, theirs = DcpFiles(out), DcpFiles(os.path.join(DISTOPT_PP2, "iter_0000003"))
+    assert _chunks(mine) == _chunks(theirs)
+    for g in range(2):
+        for what in ("per_bucket_numel", "per_bucket_numel_unpadded"):
+            key = f"optimizer.distributed.dp_group_idx_{g}.{what}/shard_0_1"
+            assert mine.read_object(key) == theirs.read_object(key), key
+    back = open_peer(str(tmp_path / "pp2"))
+    assert back.args.pipeline_model_parallel_size == 2 and back.args.world_size == 4
+    _same_state(back, ckpt)
+    gpt2 = _tiny_gpt2(tmp_path)
+    megatron.write(gpt2, str(tmp_path / "gpt2_pp2"), tp=2, dp=2, pp=2,
+                   dist_opt="dp_reshardable", bucket_size=500)
+    back = open_peer(str(tmp_path / "gpt2_pp2"))
+    assert sorted(back._buckets.prefixes) == [0, 1, 2, 3] and back.step == 5
+    _tied_copies_equal_the_first_stage_s(back, 2)
+    for (copy, lo, hi), (first, a, z) in zip(back._buckets.tied_copy,
+                                             back._buckets.place["wte.weight"]):
+        # (each copy the whole of its bucket)
+        assert (lo, a) == (0, 0) and back.files.shape(f"{copy}.param") == [hi]
+        assert back.files.shape(f"{first}.param") == [z]
+    _same_state(back, gpt2)
+
+
 @pytest.mark.parametrize("flags,says", [
     (["--megatron-dist-opt", "zero3"], "--megatron-dist-opt zero3: not a distributed "
                                        "optimizer layout hybrid writes"),
@@ -794,12 +924,15 @@ def test_distributed_optimizer_export_has_megatron_s_layout_and_reads_back(tmp_p
     (["--megatron-dist-opt", "dp_reshardable", "--tensor-model-parallel-size", "3"],
      "TP 3 does not divide it"),
     (["--dtype", "fp16"], "--dtype fp16: hybrid writes Megatron-LM's fp32 and bf16 runs'"),
+    (["--megatron-dist-opt", "dp_reshardable", "--pipeline-model-parallel-size", "3"],
+     "--pipeline-model-parallel-size 3: hybrid writes for Megatron-LM's even split of the "
+     "model's 2 layers"),
 ])
 def test_a_distributed_optimizer_export_it_cannot_write_is_one_line(tmp_path, capsys, flags,
                                                                      says):
     """An unknown layout, a bucket size without dp_reshardable, an unknown layer spec, a
-    TP that does not divide the model, a precision it does not write: exit 2, one line
-    naming the flag, nothing written."""
+    TP that does not divide the model, a precision it does not write, a PP that does not
+    split the layers evenly: exit 2, one line naming the flag, nothing written."""
     from tests.helpers.launch import script_module
     ckpt = _imported(tmp_path, DISTOPT["dp_reshardable"])
     out = tmp_path / "mg"
