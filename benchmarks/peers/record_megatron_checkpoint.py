@@ -6,8 +6,9 @@ _pp2: TP 1 x PP 2 x DP 2).
     ... --format torch              (Megatron-LM's legacy format, into .../megatron_legacy/)
     ... --model gpt2 --out DIR      (GPT-2's family: the peer test records it on the fly)
     ... --resume DIR/iter_N --tokens BATCHES.json --losses OUT.json [--resave DIR2]
-                                    (load, [save what was loaded again,] and continue;
-                                     the global batch is the batches' rows, at any DP)
+        [--also DIR3/iter_M]        (load, [save what was loaded again,] and continue;
+                                     the global batch is the batches' rows, at any DP;
+                                     --also: another export, the same way, one launch)
     ... --dist-opt dp_reshardable --tp 2 --world 4
                                     (the distributed optimizer, TP 2 x DP 2, into
                                      tests/fixtures/peers/megatron_distopt_dp_reshardable/)
@@ -460,7 +461,9 @@ def resume(a, dp: int) -> None:
     """megatron-core's ``dist_checkpointing.load`` of ``a.resume`` (an ``iter_*`` hybrid
     exported), then the steps on ``a.tokens``' batches; their losses into ``a.losses``.
     ``a.resave``: first, the loaded state saved there by megatron-core. The global batch
-    is the batches' (at another DP size than the save's, the same rows per step)."""
+    is the batches' (at another DP size than the save's, the same rows per step).
+    ``a.also``: then each of these iterations the same way, in a fresh run of the same
+    flags in the sharding type its ``common.pt`` records (the losses under ``also``)."""
     import torch
     import torch.distributed as dist
     with open(a.tokens) as f:
@@ -470,10 +473,18 @@ def resume(a, dp: int) -> None:
     iteration = run.load(a.resume)
     if a.resave:  # what megatron-core loaded, saved again by megatron-core before stepping
         save(run, a.resave, iteration, "torch_dist")
-    losses = [run.step(torch.tensor(b)) for b in tokens]
+    out = {"iteration": iteration, "losses": [run.step(torch.tensor(b)) for b in tokens]}
+    for other in a.also or []:  # (one launch for several exports: a fresh run for each)
+        sharding = torch.load(os.path.join(other, "common.pt"), weights_only=False)[
+            "optimizer"]["param_state_sharding_type"]
+        run = Run(a.tp, dp, a.model, sharding, a.ddp_bucket_size, a.bf16,
+                  gbs=len(tokens[0]), pp=a.pp)
+        it = run.load(other)
+        out.setdefault("also", []).append(
+            {"iteration": it, "losses": [run.step(torch.tensor(b)) for b in tokens]})
     if dist.get_rank() == 0:
         with open(a.losses, "w") as f:
-            json.dump({"iteration": iteration, "losses": losses}, f)
+            json.dump(out, f)
 
 
 def record(a, dp: int) -> None:
@@ -532,6 +543,10 @@ def main() -> int:
     p.add_argument("--tokens")
     p.add_argument("--losses", help="with --resume: where the losses JSON goes")
     p.add_argument("--resave", help="with --resume: save what was loaded there first")
+    p.add_argument("--also", action="append",
+                   help="with --resume --dist-opt: then this iter_* directory, loaded into "
+                        "a fresh run of the same flags in the sharding type its common.pt "
+                        "records, stepping the same batches (its losses under 'also')")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     a = p.parse_args()
     if a.format == "torch" and a.out == OUT:
@@ -548,7 +563,8 @@ def main() -> int:
         worker(a)
         return 0
     more = ["--resume", a.resume, "--tokens", a.tokens, "--losses", a.losses,
-            *(["--resave", a.resave] if a.resave else [])] if a.resume else []
+            *(["--resave", a.resave] if a.resave else []),
+            *[f for d in a.also or [] for f in ("--also", d)]] if a.resume else []
     if not a.resume:
         shutil.rmtree(a.out, ignore_errors=True)
         os.makedirs(a.out)

@@ -208,15 +208,18 @@ def test_another_model_shape_is_refused_by_the_load(tmp_path):
 
 
 def _megatron_resume(iter_dir, tokens, result, tp: int, world: int, *flags: str,
-                     resave=None) -> dict:
+                     resave=None, also=()) -> dict:
     """megatron-core's load of ``iter_dir`` (benchmarks/peers/record_megatron_checkpoint.py
     --resume) at TP ``tp`` over ``world`` ranks, [saving what it loaded into ``resave``,]
-    stepping the batches of ``tokens``: its JSON (``iteration``, ``losses``)."""
+    stepping the batches of ``tokens``: its JSON (``iteration``, ``losses``; and for each
+    iteration of ``also``, loaded and stepped the same way in the same launch, one entry
+    of ``also``)."""
     import subprocess
     import sys
     run = subprocess.run([sys.executable, RECORDER, "--resume", str(iter_dir), "--tokens",
                           str(tokens), "--losses", str(result), "--tp", str(tp), "--world",
-                          str(world), *flags, *(["--resave", str(resave)] if resave else [])],
+                          str(world), *flags, *(["--resave", str(resave)] if resave else []),
+                          *[f for d in also for f in ("--also", str(d))]],
                          check=False, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
     with open(result) as f:
@@ -533,9 +536,9 @@ def _pp2_gpt2_export_loads_in_megatron_core(tmp_path, mg: str, save: str, more: 
       (``--pipeline-model-parallel-size 2 --data-parallel-size 2``), saves what it loaded
       -- hybrid's masters and moments, its last stage's copy the first stage's, bit for
       bit -- and steps ``more`` within 2e-6 of hybrid; the fully_reshardable export (the
-      same files as at PP 1) loads at PP 2 x DP 2 in one bucket and steps within 2e-6 too
-      (no re-save: megatron-core 0.16.1's fully_reshardable save is wrong over several
-      buckets, the recorder's docstring, and the tied copies make two here)."""
+      same files as at PP 1), loaded by a fresh run of the same flags (buckets of 1000)
+      in the same launch, steps within 2e-6 too (no re-save: megatron-core 0.16.1's
+      fully_reshardable save is wrong over several buckets, the recorder's docstring)."""
     from hybrid.checkpoint.peers import megatron
     from hybrid.checkpoint.peers.megatron_files import DcpFiles
     from tests.helpers.launch import script_module
@@ -554,22 +557,24 @@ def _pp2_gpt2_export_loads_in_megatron_core(tmp_path, mg: str, save: str, more: 
     tokens = tmp_path / "tokens.json"
     tokens.write_text(json.dumps(more))
     convert = script_module("convert_checkpoint").main
-    for mode, bucket in (("dp_reshardable", 1000), ("fully_reshardable", 0)):
-        out = tmp_path / f"pp2_{mode}"
-        assert convert(["export", "--to", "megatron", save, str(out),
+    for mode in ("dp_reshardable", "fully_reshardable"):
+        assert convert(["export", "--to", "megatron", save, str(tmp_path / mode),
                         "--pipeline-model-parallel-size", "2", "--data-parallel-size", "2",
                         "--megatron-dist-opt", mode,
-                        *(["--megatron-ddp-bucket-size", str(bucket)] if bucket else [])]) == 0
-        again = tmp_path / "again" if mode == "dp_reshardable" else None
-        got = _megatron_resume(out / "iter_0000013", tokens, tmp_path / f"{mode}.json", 1, 4,
-                               "--model", "gpt2", "--pp", "2", "--dist-opt", mode,
-                               "--ddp-bucket-size", str(bucket), resave=again)
-        if again is not None:
-            back = open_peer(str(again))
-            _same_state(back, os.path.join(save, "iter_0000013"))
-            _tied_copies_equal_the_first_stage_s(back, 1)
-        diff = max(abs(a - b) for a, b in zip(got["losses"], hybrid_losses))
-        assert got["iteration"] == 13 and diff <= TOL, (mode, diff, got, hybrid_losses)
+                        *(["--megatron-ddp-bucket-size", "1000"] if mode == "dp_reshardable"
+                          else [])]) == 0
+    # (one launch: the fully_reshardable export in a fresh run after the dp_reshardable one)
+    got = _megatron_resume(tmp_path / "dp_reshardable" / "iter_0000013", tokens,
+                           tmp_path / "megatron.json", 1, 4, "--model", "gpt2", "--pp", "2",
+                           "--dist-opt", "dp_reshardable", "--ddp-bucket-size", "1000",
+                           resave=tmp_path / "again",
+                           also=[tmp_path / "fully_reshardable" / "iter_0000013"])
+    back = open_peer(str(tmp_path / "again"))
+    _same_state(back, os.path.join(save, "iter_0000013"))
+    _tied_copies_equal_the_first_stage_s(back, 1)
+    for mode, run in (("dp_reshardable", got), ("fully_reshardable", got["also"][0])):
+        diff = max(abs(a - b) for a, b in zip(run["losses"], hybrid_losses))
+        assert run["iteration"] == 13 and diff <= TOL, (mode, diff, run, hybrid_losses)
 
 
 def test_a_pp_split_hybrid_cannot_read_is_one_line_through_load(tmp_path):
