@@ -473,7 +473,8 @@ def resume(a, dp: int) -> None:
     iteration = run.load(a.resume)
     if a.resave:  # what megatron-core loaded, saved again by megatron-core before stepping
         save(run, a.resave, iteration, "torch_dist")
-    out = {"iteration": iteration, "losses": [run.step(torch.tensor(b)) for b in tokens]}
+    out: dict = {"iteration": iteration,
+                 "losses": [run.step(torch.tensor(b)) for b in tokens]}
     for other in a.also or []:  # (one launch for several exports: a fresh run for each)
         sharding = torch.load(os.path.join(other, "common.pt"), weights_only=False)[
             "optimizer"]["param_state_sharding_type"]
