@@ -82,7 +82,24 @@ def test_what_hybrid_deepspeed_cannot_honour_is_named(argv, says):
 
 
 SCRIPT = """
-import argparse, json, os, sys
+import argparse, atexit, json, os, sys
+
+
+def gloo_threads():
+    # this process's threads that gloo started (its groups' workers, its transport loop)
+    n = 0
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/comm") as f:
+                n += "gloo" in f.read()
+        except OSError:  # (the thread ended meanwhile)
+            pass
+    return n
+
+
+# registered before hybrid's exit hook, so it runs after it (atexit is last in, first out)
+atexit.register(lambda: print(f"gloo threads at exit: {gloo_threads()}", file=sys.stderr,
+                              flush=True))
 import deepspeed
 from deepspeed.accelerator import get_accelerator
 from deepspeed.pipe import PipelineModule, LayerSpec
@@ -122,11 +139,36 @@ with open(os.path.join(os.environ["RESULTS"], f"{dist.get_rank()}.json"), "w") a
     "same": sys.modules["deepspeed.pipe"] is sys.modules["hybrid.deepspeed.pipe"],
     "spec": sys.modules["hybrid.deepspeed.pipe"].__spec__.name,
     "moe_groups": groups, "moe": moe, "profiler": profiler, "real_deepspeed": real}))
-dist.destroy_process_group()
+
+
+class Net(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(torch.nn.Linear(8, 8) for _ in range(3))
+        self.head = torch.nn.Linear(8, 1)
+
+    def forward(self, x):
+        for b in self.blocks:
+            x = torch.tanh(b(x))
+        return self.head(x).pow(2).mean()
+
+
+# a few ZeRO-3 steps, then the script just ends: no engine close, no destroy_process_group
+torch.manual_seed(0)
+net = Net()
+engine, *_ = deepspeed.initialize(model=net, model_parameters=net.parameters(), config={
+    "train_micro_batch_size_per_gpu": 2,
+    "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
+    "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}})
+for _ in range(2):
+    engine.backward(engine(torch.randn(2, 8)))
+    engine.step()
 """
 
 
-def _launch_and_read(tmp_path) -> list[dict]:
+def _launch_and_read(tmp_path) -> tuple[list[dict], str]:
+    """The script under ``python -m hybrid.deepspeed --num_gpus 2``: each rank's record
+    (by rank) and the launch's stderr."""
     script = tmp_path / "train.py"
     script.write_text(textwrap.dedent(SCRIPT))
     results = tmp_path / "results"
@@ -145,10 +187,16 @@ def _launch_and_read(tmp_path) -> list[dict]:
             break
     assert done.returncode == 0, done.stderr[-3000:]
     got = [json.loads(f.read_text()) for f in results.glob("*.json")]
-    return sorted(got, key=lambda r: r["rank"])
+    return sorted(got, key=lambda r: r["rank"]), done.stderr
 
 
-def _check(results):
+def _check(launched):
+    results, stderr = launched
+    # the script trains a few ZeRO-3 steps and just ends: it exits 0 (checked above), no
+    # rank aborts ("terminate called without an active exception"), and no gloo thread is
+    # left when the interpreter finalizes (hybrid/parallel/teardown.py)
+    assert "terminate called" not in stderr, stderr[-3000:]
+    assert stderr.count("gloo threads at exit: 0") == 2, stderr[-3000:]
     assert [r["rank"] for r in results] == [0, 1] and {r["world"] for r in results} == {2}
     for r in results:
         assert r["local_rank"] == r["env_local_rank"] == r["rank"] and r["steps"] == 3
@@ -169,7 +217,8 @@ def _check(results):
 
 def test_a_deepspeed_script_runs_unchanged_without_deepspeed(tmp_path):
     """On a machine without DeepSpeed: every ``deepspeed`` import is hybrid's, the ranks
-    get --local_rank, an unserved module is hybrid's own error."""
+    get --local_rank, an unserved module is hybrid's own error; a script that trains
+    through ``deepspeed.initialize`` and just ends, as users' scripts do, exits clean."""
     _check(_launch_and_read(tmp_path))
 
 
