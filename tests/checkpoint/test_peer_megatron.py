@@ -642,6 +642,39 @@ def test_gpt2_family_distributed_optimizer_recorded_here_continues_exactly(tmp_p
     assert diff <= TOL, (diff, losses, rec["losses"])
 
 
+@pytest.mark.peer("megatron.core")
+def test_a_distributed_optimizer_at_dp_3_reads_continues_and_is_written_back(tmp_path):
+    """DP 3, which does not divide 128: megatron-core pads each bucket to a multiple of
+    lcm(DP, 128) = 384, not 128, and cuts every shard at a third of it. Its
+    dp_reshardable save of GPT-2 at TP 1 x DP 3, recorded here, is read where megatron put
+    each parameter (the masters equal the saved weights), hybrid continues at DP 2
+    (ZeRO 1) within 2e-6 of megatron-core's own continuation, and hybrid's import
+    exported for DP 3 has megatron's own save's chunks (every offset and size) and bucket
+    sizes."""
+    from hybrid.checkpoint.peers import megatron
+    from hybrid.checkpoint.peers.megatron_files import DcpFiles
+    mg, _ = _recorded_here(tmp_path, "--model", "gpt2", "--tp", "1", "--world", "3")
+    rec = _record(mg)
+    assert (rec["tp"], rec["dp"]) == (1, 3)
+    _, _, losses = run_ranks(_continue, world_size=2, tp=1,
+                             args=(mg, str(tmp_path / "save"), 1, rec))[0]
+    diff = max(abs(a - b) for a, b in zip(losses, rec["losses"]))
+    assert diff <= TOL, (diff, losses, rec["losses"])
+    ckpt = _imported(tmp_path, mg)
+    out = megatron.write(ckpt, str(tmp_path / "dp3"), dp=3, dist_opt="dp_reshardable",
+                         bucket_size=1000)  # (the recorder's buckets)
+    mine, theirs = DcpFiles(out), DcpFiles(os.path.join(mg, f"iter_{rec['iteration']:07d}"))
+    assert _chunks(mine) == _chunks(theirs)
+    sizes = {}
+    for what in ("per_bucket_numel", "per_bucket_numel_unpadded"):
+        key = f"optimizer.distributed.dp_group_idx_0.{what}/shard_0_1"
+        sizes[what] = theirs.read_object(key)
+        assert mine.read_object(key) == sizes[what], key
+    # the padding DP 3 brings: each bucket's 1280 elements padded to 1536 (a multiple of
+    # 384; padding to 128 would have left them at 1280)
+    padded, unpadded = (next(iter(sizes[w][0][0].values())) for w in sizes)
+    assert all(n % 384 == 0 for n in padded) and padded != unpadded, sizes
+
 def _imported(tmp_path, fixture: str) -> str:
     """``fixture`` imported as a hybrid checkpoint, on this process (no training); a bf16
     run's as a bf16 run's (reducing its grads in fp32, hybrid's default)."""
