@@ -539,18 +539,10 @@ def _pp2_gpt2_export_loads_in_megatron_core(tmp_path, mg: str, save: str, more: 
       same files as at PP 1), loaded by a fresh run of the same flags (buckets of 1000)
       in the same launch, steps within 2e-6 too (no re-save: megatron-core 0.16.1's
       fully_reshardable save is wrong over several buckets, the recorder's docstring)."""
-    from hybrid.checkpoint.peers import megatron
-    from hybrid.checkpoint.peers.megatron_files import DcpFiles
     from tests.helpers.launch import script_module
     ckpt = _imported(tmp_path / "import", mg)
-    out = megatron.write(ckpt, str(tmp_path / "as_saved"), dp=2, pp=2,
-                         dist_opt="dp_reshardable", bucket_size=1000)
-    mine, theirs = DcpFiles(out), DcpFiles(os.path.join(mg, "iter_0000003"))
-    assert _chunks(mine) == _chunks(theirs)
-    for g in range(2):
-        for what in ("per_bucket_numel", "per_bucket_numel_unpadded"):
-            key = f"optimizer.distributed.dp_group_idx_{g}.{what}/shard_0_1"
-            assert mine.read_object(key) == theirs.read_object(key), key
+    _exported_as_saved(ckpt, str(tmp_path / "as_saved"), os.path.join(mg, "iter_0000003"), 2,
+                       dp=2, pp=2)
     back = open_peer(str(tmp_path / "as_saved"))
     _same_state(back, ckpt)
     _tied_copies_equal_the_first_stage_s(back, 1)
@@ -651,8 +643,6 @@ def test_a_distributed_optimizer_at_dp_3_reads_continues_and_is_written_back(tmp
     (ZeRO 1) within 2e-6 of megatron-core's own continuation, and hybrid's import
     exported for DP 3 has megatron's own save's chunks (every offset and size) and bucket
     sizes."""
-    from hybrid.checkpoint.peers import megatron
-    from hybrid.checkpoint.peers.megatron_files import DcpFiles
     mg, _ = _recorded_here(tmp_path, "--model", "gpt2", "--tp", "1", "--world", "3")
     rec = _record(mg)
     assert (rec["tp"], rec["dp"]) == (1, 3)
@@ -661,15 +651,10 @@ def test_a_distributed_optimizer_at_dp_3_reads_continues_and_is_written_back(tmp
     diff = max(abs(a - b) for a, b in zip(losses, rec["losses"]))
     assert diff <= TOL, (diff, losses, rec["losses"])
     ckpt = _imported(tmp_path, mg)
-    out = megatron.write(ckpt, str(tmp_path / "dp3"), dp=3, dist_opt="dp_reshardable",
-                         bucket_size=1000)  # (the recorder's buckets)
-    mine, theirs = DcpFiles(out), DcpFiles(os.path.join(mg, f"iter_{rec['iteration']:07d}"))
-    assert _chunks(mine) == _chunks(theirs)
-    sizes = {}
-    for what in ("per_bucket_numel", "per_bucket_numel_unpadded"):
-        key = f"optimizer.distributed.dp_group_idx_0.{what}/shard_0_1"
-        sizes[what] = theirs.read_object(key)
-        assert mine.read_object(key) == sizes[what], key
+    _, theirs = _exported_as_saved(ckpt, str(tmp_path / "dp3"),
+                                   os.path.join(mg, f"iter_{rec['iteration']:07d}"), 1, dp=3)
+    sizes = {w: theirs.read_object(f"optimizer.distributed.dp_group_idx_0.{w}/shard_0_1")
+             for w in ("per_bucket_numel", "per_bucket_numel_unpadded")}
     # the padding DP 3 brings: each bucket's 1280 elements padded to 1536 (a multiple of
     # 384; padding to 128 would have left them at 1280)
     padded, unpadded = (next(iter(sizes[w][0][0].values())) for w in sizes)
@@ -704,6 +689,24 @@ def _chunks(files) -> dict:
     """Each optimizer key's full shape and its chunks' (offsets, sizes)."""
     return {k: (files.shape(k), sorted((tuple(c.offsets), tuple(c.sizes)) for c in v.chunks))
             for k, v in files.tensors.items() if k.startswith("optimizer.")}
+
+
+def _exported_as_saved(ckpt: str, out_dir: str, saved: str, groups: int, **layout):
+    """``ckpt`` exported dp_reshardable into ``out_dir`` for the run ``layout`` names
+    (:func:`megatron.write`'s keywords; the recorder's buckets of 1000): its optimizer
+    chunks (every offset and size) and the bucket sizes of each of its ``groups`` bucket
+    groups are those of megatron-core's own save ``saved`` (an ``iter_*`` directory).
+    (the export's files, the save's)"""
+    from hybrid.checkpoint.peers import megatron
+    from hybrid.checkpoint.peers.megatron_files import DcpFiles
+    out = megatron.write(ckpt, out_dir, dist_opt="dp_reshardable", bucket_size=1000, **layout)
+    mine, theirs = DcpFiles(out), DcpFiles(saved)
+    assert _chunks(mine) == _chunks(theirs)
+    for g in range(groups):
+        for what in ("per_bucket_numel", "per_bucket_numel_unpadded"):
+            key = f"optimizer.distributed.dp_group_idx_{g}.{what}/shard_0_1"
+            assert mine.read_object(key) == theirs.read_object(key), key
+    return mine, theirs
 
 
 DISTOPT_BF16 = DISTOPT["dp_reshardable"] + "_bf16"
@@ -801,16 +804,10 @@ def test_a_bf16_export_writes_the_bf16_run_s_buffer_and_reads_back(tmp_path):
     bf16 run (its weights the masters rounded)."""
     from hybrid.checkpoint.peers import megatron, megatron_names as names
     from hybrid.checkpoint.peers.megatron_dist import load_common
-    from hybrid.checkpoint.peers.megatron_files import DcpFiles
     ckpt = _imported(tmp_path, DISTOPT_BF16)
-    out = megatron.write(ckpt, str(tmp_path / "dp22"), tp=2, dp=2,
-                         dist_opt="dp_reshardable", bucket_size=1000)
-    mine, theirs = DcpFiles(out), DcpFiles(os.path.join(DISTOPT_BF16, "iter_0000003"))
-    assert _chunks(mine) == _chunks(theirs) and len(_chunks(mine)) == 2 * 3 * 3
-    for t in range(2):
-        for what in ("per_bucket_numel", "per_bucket_numel_unpadded"):
-            key = f"optimizer.distributed.dp_group_idx_{t}.{what}/shard_0_1"
-            assert mine.read_object(key) == theirs.read_object(key), key
+    mine, theirs = _exported_as_saved(ckpt, str(tmp_path / "dp22"),
+                                      os.path.join(DISTOPT_BF16, "iter_0000003"), 2, tp=2, dp=2)
+    assert len(_chunks(mine)) == 2 * 3 * 3
     for key, meta in theirs.tensors.items():
         if not key.startswith("optimizer."):
             assert mine.tensors[key].properties.dtype == meta.properties.dtype, key
@@ -860,22 +857,12 @@ def test_distributed_optimizer_export_has_megatron_s_layout_and_reads_back(tmp_p
     sizes; read back by hybrid's reader, this export, one at TP 1 x DP 2 in one bucket
     and a fully_reshardable one give the import's masters and moments bit for bit."""
     from hybrid.checkpoint.peers import megatron
-    from hybrid.checkpoint.peers.megatron_files import DcpFiles
     ckpt = _imported(tmp_path, DISTOPT["dp_reshardable"])
-    out = megatron.write(ckpt, str(tmp_path / "dp22"), tp=2, dp=2,
-                         dist_opt="dp_reshardable", bucket_size=1000)
-    mine = DcpFiles(out)
-    theirs = DcpFiles(os.path.join(DISTOPT["dp_reshardable"], "iter_0000003"))
-
-    def chunks(files: DcpFiles) -> dict:
-        return {k: (files.shape(k), sorted((tuple(c.offsets), tuple(c.sizes))
-                                           for c in v.chunks))
-                for k, v in files.tensors.items() if k.startswith("optimizer.")}
-    assert chunks(mine) == chunks(theirs) and len(chunks(mine)) == 2 * 3 * 3
+    mine, theirs = _exported_as_saved(ckpt, str(tmp_path / "dp22"),
+                                      os.path.join(DISTOPT["dp_reshardable"], "iter_0000003"),
+                                      2, tp=2, dp=2)
+    assert len(_chunks(mine)) == 2 * 3 * 3
     for t in range(2):
-        for what in ("per_bucket_numel", "per_bucket_numel_unpadded"):
-            key = f"optimizer.distributed.dp_group_idx_{t}.{what}/shard_0_1"
-            assert mine.read_object(key) == theirs.read_object(key), key
         key = f"optimizer.distributed.dp_group_idx_{t}.optimizer/shard_0_1"
         groups = [mine.read_object(key)[0]["param_groups"],
                   theirs.read_object(key)[0]["param_groups"]]
@@ -925,16 +912,9 @@ def test_pp2_distributed_optimizer_export_has_megatron_s_layout_and_reads_back(t
     copy of the word embeddings in its own bucket holding the first stage's master and
     moments -- as the checkpoint's masters and moments, bit for bit."""
     from hybrid.checkpoint.peers import megatron
-    from hybrid.checkpoint.peers.megatron_files import DcpFiles
     ckpt = _imported(tmp_path, DISTOPT_PP2)
-    out = megatron.write(ckpt, str(tmp_path / "pp2"), dp=2, pp=2, dist_opt="dp_reshardable",
-                         bucket_size=1000)
-    mine, theirs = DcpFiles(out), DcpFiles(os.path.join(DISTOPT_PP2, "iter_0000003"))
-    assert _chunks(mine) == _chunks(theirs)
-    for g in range(2):
-        for what in ("per_bucket_numel", "per_bucket_numel_unpadded"):
-            key = f"optimizer.distributed.dp_group_idx_{g}.{what}/shard_0_1"
-            assert mine.read_object(key) == theirs.read_object(key), key
+    _exported_as_saved(ckpt, str(tmp_path / "pp2"), os.path.join(DISTOPT_PP2, "iter_0000003"),
+                       2, dp=2, pp=2)
     back = open_peer(str(tmp_path / "pp2"))
     assert back.args.pipeline_model_parallel_size == 2 and back.args.world_size == 4
     _same_state(back, ckpt)
