@@ -501,69 +501,77 @@ def test_pp2_distributed_optimizer_recorded_here_reads_and_continues(tmp_path, m
     embeddings as the output layer, master and moments bit-equal to the first stage's)
     and the Llama at TP 2 x DP 1. Every master read from the buckets equals the saved
     weight, and hybrid's 10 losses equal megatron-core's within 2e-6 at each
-    (world, TP, PP, ZeRO stage) of ``hybrid_layouts``. GPT-2's goes on both ways at PP 2
-    x DP 2 (:func:`_pp2_gpt2_export_loads_in_megatron_core`): hybrid's run there also
-    saves and steps 4 more batches."""
+    (world, TP, PP, ZeRO stage) of ``hybrid_layouts``. Each goes on both ways at its
+    recorded layout (:func:`_pp2_export_loads_in_megatron_core`): hybrid's run there
+    also saves and steps 4 more batches."""
     mg, peer = _recorded_here(tmp_path, "--model", model, "--tp", str(tp), "--pp", "2")
     if model == "gpt2":
         _tied_copies_equal_the_first_stage_s(peer, tp)
     else:
         assert not peer._buckets.tied_copy
     rec = _record(mg)
-    more = _more(rec) if model == "gpt2" else None
+    more = _more(rec)
     for i, (world, htp, pp, zero) in enumerate(hybrid_layouts):
         save = str(tmp_path / f"save{world}{htp}{pp}")
         _, _, losses = run_ranks(_continue, world_size=world, tp=htp, pp=pp,
                                  args=(mg, save, zero, rec, more if i == 0 else None))[0]
         diff = max(abs(a - b) for a, b in zip(losses, rec["losses"]))
         assert diff <= TOL, (world, htp, pp, diff, losses, rec["losses"])
-        if i == 0 and more is not None:
-            _pp2_gpt2_export_loads_in_megatron_core(tmp_path, mg, save, more,
-                                                    losses[len(rec["tokens"]):])
+        if i == 0:
+            _pp2_export_loads_in_megatron_core(tmp_path, mg, save, more,
+                                               losses[len(rec["tokens"]):], model, tp)
 
 
-def _pp2_gpt2_export_loads_in_megatron_core(tmp_path, mg: str, save: str, more: list,
-                                            hybrid_losses: list[float]) -> None:
-    """The export for PP 2 (GPT-2, tied, fp32; the first stage's copy of the word
-    embeddings and the last stage's each a bucket of their own):
+def _pp2_export_loads_in_megatron_core(tmp_path, mg: str, save: str, more: list,
+                                       hybrid_losses: list[float], model: str,
+                                       tp: int) -> None:
+    """The export for PP 2 at TP ``tp`` of the world of 4 (fp32; ``model`` "gpt2" is tied:
+    the first stage's copy of the word embeddings and the last stage's each a bucket of
+    their own):
 
-    * of hybrid's import of megatron-core's PP 2 x DP 2 save ``mg``, for that run (buckets
-      of 1000): every optimizer key has that save's chunks (offsets and sizes) and its
-      bucket sizes; read back, the import's masters and moments, the last stage's copy
-      the first stage's, bit for bit;
-    * of ``save`` (hybrid's PP 2 x DP 2 save at iteration 13, then ``more`` stepped for
-      ``hybrid_losses``): megatron-core loads the dp_reshardable export at PP 2 x DP 2
-      (``--pipeline-model-parallel-size 2 --data-parallel-size 2``), saves what it loaded
-      -- hybrid's masters and moments, its last stage's copy the first stage's, bit for
-      bit -- and steps ``more`` within 2e-6 of hybrid; the fully_reshardable export (the
-      same files as at PP 1), loaded by a fresh run of the same flags (buckets of 1000)
-      in the same launch, steps within 2e-6 too (no re-save: megatron-core 0.16.1's
-      fully_reshardable save is wrong over several buckets, the recorder's docstring)."""
+    * of hybrid's import of megatron-core's save ``mg``, for that run (buckets of 1000):
+      every optimizer key has that save's chunks (offsets and sizes) and each (stage, TP
+      rank) group its bucket sizes; read back, the import's masters and moments (a tied
+      last stage's copy the first stage's), bit for bit;
+    * of ``save`` (hybrid's save at iteration 13 at the same layout, then ``more``
+      stepped for ``hybrid_losses``): megatron-core loads the dp_reshardable export at
+      that layout (``--tensor-model-parallel-size``, ``--pipeline-model-parallel-size
+      2``, ``--data-parallel-size``), saves what it loaded -- hybrid's masters and
+      moments, bit for bit -- and steps ``more`` within 2e-6 of hybrid; the
+      fully_reshardable export (the same files as at PP 1), loaded by a fresh run of the
+      same flags (buckets of 1000) in the same launch, steps within 2e-6 too (no re-save:
+      megatron-core 0.16.1's fully_reshardable save is wrong over several buckets, the
+      recorder's docstring)."""
     from tests.helpers.launch import script_module
+    dp = 4 // (2 * tp)
+    tied = model == "gpt2"
     ckpt = _imported(tmp_path / "import", mg)
-    _exported_as_saved(ckpt, str(tmp_path / "as_saved"), os.path.join(mg, "iter_0000003"), 2,
-                       dp=2, pp=2)
+    _exported_as_saved(ckpt, str(tmp_path / "as_saved"), os.path.join(mg, "iter_0000003"),
+                       2 * tp, tp=tp, dp=dp, pp=2)
     back = open_peer(str(tmp_path / "as_saved"))
     _same_state(back, ckpt)
-    _tied_copies_equal_the_first_stage_s(back, 1)
+    if tied:
+        _tied_copies_equal_the_first_stage_s(back, tp)
     tokens = tmp_path / "tokens.json"
     tokens.write_text(json.dumps(more))
     convert = script_module("convert_checkpoint").main
     for mode in ("dp_reshardable", "fully_reshardable"):
         assert convert(["export", "--to", "megatron", save, str(tmp_path / mode),
-                        "--pipeline-model-parallel-size", "2", "--data-parallel-size", "2",
+                        "--tensor-model-parallel-size", str(tp),
+                        "--pipeline-model-parallel-size", "2", "--data-parallel-size", str(dp),
                         "--megatron-dist-opt", mode,
                         *(["--megatron-ddp-bucket-size", "1000"] if mode == "dp_reshardable"
                           else [])]) == 0
     # (one launch: the fully_reshardable export in a fresh run after the dp_reshardable one)
     got = _megatron_resume(tmp_path / "dp_reshardable" / "iter_0000013", tokens,
-                           tmp_path / "megatron.json", 1, 4, "--model", "gpt2", "--pp", "2",
+                           tmp_path / "megatron.json", tp, 4, "--model", model, "--pp", "2",
                            "--dist-opt", "dp_reshardable", "--ddp-bucket-size", "1000",
                            resave=tmp_path / "again",
                            also=[tmp_path / "fully_reshardable" / "iter_0000013"])
     back = open_peer(str(tmp_path / "again"))
     _same_state(back, os.path.join(save, "iter_0000013"))
-    _tied_copies_equal_the_first_stage_s(back, 1)
+    if tied:
+        _tied_copies_equal_the_first_stage_s(back, tp)
     for mode, run in (("dp_reshardable", got), ("fully_reshardable", got["also"][0])):
         diff = max(abs(a - b) for a, b in zip(run["losses"], hybrid_losses))
         assert run["iteration"] == 13 and diff <= TOL, (mode, diff, run, hybrid_losses)
