@@ -764,6 +764,42 @@ def test_megatron_bf16_distributed_optimizer_continues_within_bf16_rounding(tmp_
     assert it == 3 and len(losses) == 10 and diff <= BF16_TOL, (diff, losses, rec["losses"])
 
 
+
+@pytest.mark.peer("megatron.core")
+def test_a_bf16_fully_reshardable_save_recorded_here_continues_within_bf16_rounding(tmp_path):
+    """megatron-core's --bf16 DistributedOptimizer saved fully_reshardable (GPT-2, TP 1 x
+    DP 2, recorded here): its weights bf16, and hybrid reads the model-shaped fp32
+    masters -- each rounds to the saved weight bit for bit and is not it -- and fp32
+    moments; hybrid's --bf16 continues at DP 2 (ZeRO 3) within BF16_TOL of megatron-core's
+    own continuation."""
+    import subprocess
+    import sys
+
+    from hybrid.checkpoint.peers import megatron_names as names
+    mg = str(tmp_path / "mg")
+    run = subprocess.run([sys.executable, RECORDER, "--dist-opt", "fully_reshardable", "--bf16",
+                          "--model", "gpt2", "--tp", "1", "--world", "2", "--out", mg],
+                         check=False, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    rec = _record(mg)
+    assert rec["bf16"] and rec["distributed_optimizer"] == "fully_reshardable"
+    peer = open_peer(mg)
+    assert peer.columns == ("master", "exp_avg", "exp_avg_sq")
+    finer = 0
+    for name in peer.shapes:
+        key, layer = peer._keys[name]
+        assert peer.files.tensors[key].properties.dtype == torch.bfloat16, key
+        weight = names.to_hybrid_layout(name, peer.files.read(key, layer), peer.swiglu)
+        got = peer.read(name)
+        assert all(t.dtype == torch.float32 for t in got.values()), name
+        assert torch.equal(got["master"].bfloat16().float(), weight), name
+        finer += not torch.equal(got["master"], weight)
+    assert finer == len(peer.shapes)
+    it, _, losses = run_ranks(_continue, world_size=2, tp=1,
+                              args=(mg, str(tmp_path / "save"), 3, rec))[0]
+    diff = max(abs(a - b) for a, b in zip(losses, rec["losses"]))
+    assert it == rec["iteration"] and diff <= BF16_TOL, (diff, losses, rec["losses"])
+
 def _renamed(tmp_path, fixture: str, rename) -> str:
     """A copy of ``fixture`` whose DCP keys are ``rename(key)``."""
     import pickle
