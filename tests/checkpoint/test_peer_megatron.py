@@ -726,19 +726,11 @@ DISTOPT_BF16 = DISTOPT["dp_reshardable"] + "_bf16"
 BF16_TOL = 2e-4
 
 
-def test_a_bf16_distributed_optimizer_save_reads_its_fp32_masters_and_moments():
-    """megatron-core's --bf16 DistributedOptimizer save (TP 2 x DP 2, buckets of 1000):
-    its buffer's keys are ``dtype_(torch.bfloat16, torch.float32)`` (bf16 params, grads
-    reduced in fp32), its weights bf16; hybrid reads the fp32 masters from the buckets --
-    each rounds to the saved bf16 weight bit for bit and is not it (the masters are
-    finer) -- and the moments, fp32."""
+def _bf16_masters_round_to_their_weights(peer) -> None:
+    """A bf16 run's save: every weight bf16; every column hybrid reads of it fp32, each
+    master rounding to its saved weight bit for bit and none equal to it (the masters
+    are finer), the moments those of a run that stepped."""
     from hybrid.checkpoint.peers import megatron_names as names
-    rec = _record(DISTOPT_BF16)
-    assert rec["bf16"] and (rec["tp"], rec["dp"]) == (2, 2)
-    peer = open_peer(DISTOPT_BF16)
-    assert peer.step == 3 and peer.columns == ("master", "exp_avg", "exp_avg_sq")
-    assert peer._buckets.dtypes == {"(torch.bfloat16, torch.float32)"}
-    assert len(peer._buckets.prefixes[0]) == 3
     finer = 0
     for name in peer.shapes:
         key, layer = peer._keys[name]
@@ -750,6 +742,20 @@ def test_a_bf16_distributed_optimizer_save_reads_its_fp32_masters_and_moments():
         finer += not torch.equal(got["master"], weight)
         assert got["exp_avg_sq"].min() >= 0 and got["exp_avg"].abs().max() > 0, name
     assert finer == len(peer.shapes)
+
+def test_a_bf16_distributed_optimizer_save_reads_its_fp32_masters_and_moments():
+    """megatron-core's --bf16 DistributedOptimizer save (TP 2 x DP 2, buckets of 1000):
+    its buffer's keys are ``dtype_(torch.bfloat16, torch.float32)`` (bf16 params, grads
+    reduced in fp32), its weights bf16; hybrid reads the fp32 masters from the buckets --
+    each rounds to the saved bf16 weight bit for bit and is not it (the masters are
+    finer) -- and the moments, fp32."""
+    rec = _record(DISTOPT_BF16)
+    assert rec["bf16"] and (rec["tp"], rec["dp"]) == (2, 2)
+    peer = open_peer(DISTOPT_BF16)
+    assert peer.step == 3 and peer.columns == ("master", "exp_avg", "exp_avg_sq")
+    assert peer._buckets.dtypes == {"(torch.bfloat16, torch.float32)"}
+    assert len(peer._buckets.prefixes[0]) == 3
+    _bf16_masters_round_to_their_weights(peer)
 
 
 def test_megatron_bf16_distributed_optimizer_continues_within_bf16_rounding(tmp_path):
@@ -764,7 +770,6 @@ def test_megatron_bf16_distributed_optimizer_continues_within_bf16_rounding(tmp_
     assert it == 3 and len(losses) == 10 and diff <= BF16_TOL, (diff, losses, rec["losses"])
 
 
-
 @pytest.mark.peer("megatron.core")
 def test_a_bf16_fully_reshardable_save_recorded_here_continues_within_bf16_rounding(tmp_path):
     """megatron-core's --bf16 DistributedOptimizer saved fully_reshardable (GPT-2, TP 1 x
@@ -775,7 +780,6 @@ def test_a_bf16_fully_reshardable_save_recorded_here_continues_within_bf16_round
     import subprocess
     import sys
 
-    from hybrid.checkpoint.peers import megatron_names as names
     mg = str(tmp_path / "mg")
     run = subprocess.run([sys.executable, RECORDER, "--dist-opt", "fully_reshardable", "--bf16",
                           "--model", "gpt2", "--tp", "1", "--world", "2", "--out", mg],
@@ -785,16 +789,7 @@ def test_a_bf16_fully_reshardable_save_recorded_here_continues_within_bf16_round
     assert rec["bf16"] and rec["distributed_optimizer"] == "fully_reshardable"
     peer = open_peer(mg)
     assert peer.columns == ("master", "exp_avg", "exp_avg_sq")
-    finer = 0
-    for name in peer.shapes:
-        key, layer = peer._keys[name]
-        assert peer.files.tensors[key].properties.dtype == torch.bfloat16, key
-        weight = names.to_hybrid_layout(name, peer.files.read(key, layer), peer.swiglu)
-        got = peer.read(name)
-        assert all(t.dtype == torch.float32 for t in got.values()), name
-        assert torch.equal(got["master"].bfloat16().float(), weight), name
-        finer += not torch.equal(got["master"], weight)
-    assert finer == len(peer.shapes)
+    _bf16_masters_round_to_their_weights(peer)
     it, _, losses = run_ranks(_continue, world_size=2, tp=1,
                               args=(mg, str(tmp_path / "save"), 3, rec))[0]
     diff = max(abs(a - b) for a, b in zip(losses, rec["losses"]))
