@@ -10,7 +10,9 @@ Megatron's scheduler gave those iterations: the losses equal Megatron's within 2
 megatron_distopt_dp_reshardable/ and megatron_distopt_fully_reshardable/ are the same run
 under megatron-core's DistributedOptimizer at TP 2 x DP 2, in its two savable layouts;
 megatron_distopt_dp_reshardable_pp2/ is the distributed optimizer at TP 1 x PP 2 x DP 2,
-stepped by megatron-core's pipeline schedule.
+stepped by megatron-core's pipeline schedule; megatron_moe_ep2/ is a mixture of experts (4
+SequentialMLP experts, top 2) at EP 2 x DP 2 under megatron-core's chained non-distributed
+optimizers.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ TOL = 2e-6
 
 
 LEGACY = os.path.join(os.path.dirname(FIXTURE), "megatron_legacy")
+MOE = os.path.join(os.path.dirname(FIXTURE), "megatron_moe_ep2")
 
 
 def _record(fixture: str = FIXTURE) -> dict:
@@ -51,7 +54,13 @@ def _flags(rec: dict, ps, zero_stage: int, micro: int):
     family = (dict(group_query_attention=True, num_query_groups=rec["query_groups"],
                    normalization="RMSNorm", swiglu=True, position_embedding_type="rope",
                    disable_bias_linear=True, untie_embeddings_and_output_weights=True)
-              if llama else {})
+              if llama or rec["model"] == "mixtral" else {})
+    moe = rec.get("moe")
+    if moe:  # (megatron-core's local spec: every layer's MLP the experts, dropless)
+        family.update(num_experts=moe["experts"], moe_router_topk=moe["topk"],
+                      moe_ffn_hidden_size=rec["shape"]["ffn"],
+                      moe_aux_loss_coeff=moe["aux_loss"],
+                      expert_model_parallel_size=ps.ep_size)
     return Flags(num_layers=s["num_layers"], hidden_size=s["hidden_size"],
                  num_attention_heads=s["heads"], ffn_hidden_size=s["ffn"],
                  seq_length=s["seq_length"], max_position_embeddings=s["seq_length"],
@@ -132,6 +141,22 @@ def test_megatron_torch_dist_continues_exactly_at_its_layout(tmp_path):
     diff = max(abs(a - b) for a, b in zip(losses, rec["losses"]))
     assert len(losses) == 10 and diff <= TOL, (diff, losses, rec["losses"])
     assert complete_checkpoints(str(tmp_path / "save")) == ["iter_0000003"]
+
+
+@pytest.mark.parametrize("ep", [2, 1])
+def test_megatron_moe_continues_exactly_at_ep2_and_at_ep1(tmp_path, ep):
+    """megatron-core's MoE GPT (4 SequentialMLP experts, top 2 of a softmax router, the
+    switch aux loss at 1e-2, alltoall dispatcher) saved at EP 2 x DP 2 with its chained
+    non-distributed optimizers: hybrid imports it -- the experts of both EP ranks at their
+    global index, the router, Adam's moments of both optimizers -- and its next 10 losses
+    equal megatron-core's within 2e-6, at EP 2 (Megatron's layout) and at EP 1."""
+    rec = _record(MOE)
+    res = run_ranks(_continue, world_size=2, ep=ep,
+                    args=(MOE, str(tmp_path / "save"), 1, rec))
+    it, _, losses = res[0]
+    assert it == rec["iteration"]
+    diff = max(abs(a - b) for a, b in zip(losses, rec["losses"]))
+    assert len(losses) == 10 and diff <= TOL, (diff, losses, rec["losses"])
 
 
 def test_reader_maps_names_shapes_step_and_says_what_does_not_come_over():

@@ -26,7 +26,12 @@ from hybrid.checkpoint.peers.megatron_files import (
 )
 from hybrid.errors import CheckpointError
 
-_MASTER_KEYS = ("optimizer.state.fp32_param.", "optimizer.state.param.")
+_MASTER_COLUMNS = ("fp32_param", "param")
+# the non-distributed optimizer's per-parameter state: ``optimizer.state.<column>.<key>``,
+# or, for an MoE run's chained optimizers (one for the dense parameters, one for the
+# experts'), ``chained_<i>.optimizer.state.<column>.<key>``
+_STATE_KEY = re.compile(r"(chained_\d+\.)?optimizer\.state\.(fp32_param|param|exp_avg|"
+                        r"exp_avg_sq)\.(.+)")
 # the distributed optimizer's dp_reshardable state: per TP x PP rank (its DP group's index),
 # per grad buffer and dtype, per bucket, one flat tensor of each column
 _BUCKETS = "optimizer.distributed."
@@ -48,7 +53,12 @@ def arg(args: Any, name: str, default=None):
 # the architecture flags Megatron-LM's args and hybrid's config name alike
 _SAME_FLAGS = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size",
                "normalization", "swiglu", "position_embedding_type",
-               "untie_embeddings_and_output_weights", "qk_layernorm")
+               "untie_embeddings_and_output_weights", "qk_layernorm", "num_experts")
+# a mixture of experts' shape and routing (with args.num_experts only: Megatron-LM's args
+# carry its MoE defaults for a dense model too)
+_MOE_FLAGS = ("moe_router_topk", "moe_ffn_hidden_size", "moe_router_score_function",
+              "moe_router_pre_softmax", "moe_router_topk_scaling_factor",
+              "moe_shared_expert_intermediate_size")
 
 
 def megatron_flags(args: Any) -> dict:
@@ -56,7 +66,7 @@ def megatron_flags(args: Any) -> dict:
     if args is None:
         return {}
     out: dict[str, Any] = {}
-    for name in _SAME_FLAGS:
+    for name in _SAME_FLAGS + (_MOE_FLAGS if arg(args, "num_experts") else ()):
         v = arg(args, name)
         if v is not None:
             out[name] = v
@@ -103,6 +113,12 @@ class MegatronCheckpoint:
         self.flags = megatron_flags(self.args)
         self.vocab_size = arg(self.args, "vocab_size")
         self._keys: dict[str, tuple[str, int | None]] = {}  # hybrid name -> (key, layer)
+        # the non-distributed optimizer's state: (column, model key) -> its tensor's key
+        self._state: dict[tuple[str, str], str] = {}
+        for key in self.files.tensors:
+            m = _STATE_KEY.fullmatch(key)
+            if m:
+                self._state[(m.group(2), m.group(3))] = key
         self.shapes = self._map(os.path.join(iter_dir, DCP_METADATA))
         if "swiglu" not in self.flags and any(n.endswith("mlp.fc.weight") for n in self.shapes):
             self.notes.append("no args.swiglu: linear_fc1 read as a plain MLP's")
@@ -118,8 +134,12 @@ class MegatronCheckpoint:
         per_layer: dict[int, dict[str, tuple[str, int | None]]] = {}
         head: dict[str, str] = {}
         for key in self.files.tensors:
-            if key.startswith(("optimizer.", "rng_state")):
+            if key.startswith(("optimizer.", "rng_state")) or _STATE_KEY.fullmatch(key):
                 continue
+            if key.startswith("chained_"):
+                raise CheckpointError(f"{where}: {key}: a chained optimizer's state hybrid "
+                                      f"does not read (the distributed optimizer's of an "
+                                      f"MoE run: its expert buffer)")
             if key.startswith(names.LAYERS_PREFIX):
                 rest = key[len(names.LAYERS_PREFIX):]
                 m = re.match(r"(\d+)\.(.+)", rest)
@@ -176,6 +196,16 @@ class MegatronCheckpoint:
         # Float16OptimizerWithFloat16Params' under its torch optimizer's "optimizer")
         state = opt.get("state") or (opt.get("optimizer") or {}).get("state") or {}
         step = state.get("common_step")
+        if step is None and opt and all(isinstance(k, int) for k in opt):
+            # an MoE run's chained optimizers (dense, experts): one step, theirs
+            steps = {float(o.get("state", {}).get("common_step", -1)) for o in opt.values()
+                     if isinstance(o, dict)}
+            if len(steps) != 1 or -1 in steps:
+                raise CheckpointError(f"{os.path.join(self.path, COMMON)}: the chained "
+                                      f"optimizers' common_step {sorted(steps)}: hybrid "
+                                      f"reads one step for all parameters")
+            step = steps.pop()
+            groups = [g for o in opt.values() for g in o.get("param_groups") or []]
         if step is None:  # the distributed optimizer's: in its param groups
             step = next((g["step"] for g in groups or []
                          if isinstance(g, dict) and g.get("step") is not None), None)
@@ -187,7 +217,7 @@ class MegatronCheckpoint:
 
     def _has_moments(self, keys: set[str]) -> bool:
         first = next(iter(self._keys.values()))[0]
-        return all(f"optimizer.state.{m}.{first}" in keys for m in MOMENTS)
+        return all((m, first) in self._state for m in MOMENTS)
 
     def _scheduler(self, sched: dict | None) -> None:
         if not sched:
@@ -207,11 +237,14 @@ class MegatronCheckpoint:
 
         def get(k: str) -> torch.Tensor:
             return names.to_hybrid_layout(name, self.files.read(k, layer), self.swiglu)
-        master_key = next((p + key for p in _MASTER_KEYS if p + key in self.files.tensors), key)
+        master_key = next((self._state[(c, key)] for c in _MASTER_COLUMNS
+                           if (c, key) in self._state), key)
         out = {"master": get(master_key)}
         if len(self.columns) > 1:
             for m in MOMENTS:
-                out[m] = get(f"optimizer.state.{m}.{key}")
+                if (m, key) not in self._state:
+                    raise CheckpointError(f"{self.path}: no optimizer state {m} of {key}")
+                out[m] = get(self._state[(m, key)])
         return out
 
     def untrained(self) -> dict[str, torch.Tensor]:
