@@ -565,11 +565,10 @@ def main() -> int:
     a = p.parse_args()
     if a.format == "torch" and a.out == OUT:
         a.out = LEGACY_OUT
-    if a.dist_opt and a.out == OUT:
-        a.out = os.path.join(os.path.dirname(OUT), f"megatron_distopt_{a.dist_opt}"
-                             + ("_bf16" if a.bf16 else "") + (f"_pp{a.pp}" if a.pp > 1 else ""))
-    if moe_config(a.model) and a.out == OUT:
-        a.out = os.path.join(os.path.dirname(OUT), f"megatron_moe_ep{a.ep}")
+    if (a.dist_opt or moe_config(a.model)) and a.out == OUT:  # (experts: megatron_moe_ep<N>_)
+        a.out = os.path.join(os.path.dirname(OUT), (f"megatron_moe_ep{a.ep}_" if moe_config(
+            a.model) else "megatron_") + (f"distopt_{a.dist_opt}" if a.dist_opt else "")
+            + ("_bf16" if a.bf16 else "") + (f"_pp{a.pp}" if a.pp > 1 else "")).rstrip("_")
     if a.pp > 1 and not a.dist_opt:
         p.error("--pp is recorded with --dist-opt only (megatron-core's DistributedOptimizer)")
     if a.bf16 and not a.dist_opt and not a.resume:
