@@ -12,7 +12,8 @@ under megatron-core's DistributedOptimizer at TP 2 x DP 2, in its two savable la
 megatron_distopt_dp_reshardable_pp2/ is the distributed optimizer at TP 1 x PP 2 x DP 2,
 stepped by megatron-core's pipeline schedule; megatron_moe_ep2/ is a mixture of experts (4
 SequentialMLP experts, top 2) at EP 2 x DP 2 under megatron-core's chained non-distributed
-optimizers.
+optimizers, and megatron_moe_ep2_distopt_dp_reshardable/ the same under its chained
+distributed optimizers.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ TOL = 2e-6
 
 LEGACY = os.path.join(os.path.dirname(FIXTURE), "megatron_legacy")
 MOE = os.path.join(os.path.dirname(FIXTURE), "megatron_moe_ep2")
+MOE_DISTOPT = MOE + "_distopt_dp_reshardable"
 
 
 def _record(fixture: str = FIXTURE) -> dict:
@@ -143,20 +145,39 @@ def test_megatron_torch_dist_continues_exactly_at_its_layout(tmp_path):
     assert complete_checkpoints(str(tmp_path / "save")) == ["iter_0000003"]
 
 
+@pytest.mark.parametrize("fixture", [MOE, MOE_DISTOPT], ids=["plain", "distopt"])
 @pytest.mark.parametrize("ep", [2, 1])
-def test_megatron_moe_continues_exactly_at_ep2_and_at_ep1(tmp_path, ep):
+def test_megatron_moe_continues_exactly_at_ep2_and_at_ep1(tmp_path, ep, fixture):
     """megatron-core's MoE GPT (4 SequentialMLP experts, top 2 of a softmax router, the
     switch aux loss at 1e-2, alltoall dispatcher) saved at EP 2 x DP 2 with its chained
-    non-distributed optimizers: hybrid imports it -- the experts of both EP ranks at their
-    global index, the router, Adam's moments of both optimizers -- and its next 10 losses
-    equal megatron-core's within 2e-6, at EP 2 (Megatron's layout) and at EP 1."""
-    rec = _record(MOE)
+    optimizers -- non-distributed, and distributed (dp_reshardable: the dense buffer, and
+    the expert optimizer's buffer per EP rank): hybrid imports it -- the experts of both
+    EP ranks at their global index, the router, Adam's moments of both optimizers -- and
+    its next 10 losses equal megatron-core's within 2e-6, at EP 2 (Megatron's layout) and
+    at EP 1."""
+    rec = _record(fixture)
     res = run_ranks(_continue, world_size=2, ep=ep,
-                    args=(MOE, str(tmp_path / "save"), 1, rec))
+                    args=(fixture, str(tmp_path / "save"), 1, rec))
     it, _, losses = res[0]
     assert it == rec["iteration"]
     diff = max(abs(a - b) for a, b in zip(losses, rec["losses"]))
     assert len(losses) == 10 and diff <= TOL, (diff, losses, rec["losses"])
+
+
+def test_moe_expert_buckets_hold_each_ep_ranks_experts_where_megatron_put_them():
+    """The MoE distributed optimizer's buckets, read: every master (each EP rank's local
+    experts among them) equals the saved weight bit for bit, and the moments equal the
+    same run's non-distributed save's within 1e-8 (two runs of the same steps)."""
+    dist, plain = open_peer(MOE_DISTOPT), open_peer(MOE)
+    assert dist.step == plain.step == 3 and list(dist.shapes) == list(plain.shapes)
+    assert any(n.endswith("mlp.experts.fc") for n in dist.shapes)
+    for name in dist.shapes:
+        got, want = dist.read(name), plain.read(name)
+        key, layer = dist._keys[name]
+        saved = dist.files.read(key, layer)
+        assert torch.equal(got["master"].reshape(saved.shape), saved), name
+        for m in ("exp_avg", "exp_avg_sq"):
+            assert torch.allclose(got[m], want[m], rtol=0, atol=1e-8), (name, m)
 
 
 def test_reader_maps_names_shapes_step_and_says_what_does_not_come_over():
