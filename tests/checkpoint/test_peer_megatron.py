@@ -1151,3 +1151,24 @@ def test_megatron_bf16_non_distributed_optimizer_loads_hybrid_s_plain_export(tmp
     _same_state(back, os.path.join(save, "iter_0000013"))
     written = [a - b for a, b in zip(got["losses"], bf16_continued["after"])]
     assert got["iteration"] == 13 and max(map(abs, written)) <= BF16_TOL, (written, got)
+
+
+@pytest.mark.parametrize("old,new,says", [
+    # a shared expert's linears (hybrid's MoE names map the routed experts only)
+    ("decoder.layers.mlp.experts.experts.linear_fc2.weight",
+     "decoder.layers.mlp.shared_experts.linear_fc2.weight",
+     r"decoder\.layers\.mlp\.shared_experts\.linear_fc2\.weight has no place in hybrid's GPT"),
+    # the expert optimizer's groups not one per EP rank
+    ("chained_1.optimizer.distributed.dp_group_idx_1.", "chained_1.optimizer.distributed."
+     "dp_group_idx_2.", r"the expert optimizer's state of groups \[0, 2\] at TP 1, PP 1, "
+     r"expert TP 1, EP 2"),
+], ids=["shared_expert", "expert_groups"])
+def test_moe_names_and_expert_buffers_hybrid_cannot_read_are_one_error(tmp_path, old, new,
+                                                                      says):
+    """An MoE save hybrid does not map (a shared expert's keys; the expert optimizer's
+    buckets in groups other than one per EP rank): one CheckpointError naming the file and
+    what it met."""
+    bad = _renamed(tmp_path, MOE_DISTOPT, lambda k: k.replace(old, new))
+    where = re.escape(os.path.join(bad, "iter_0000003", ".metadata"))
+    with pytest.raises(CheckpointError, match=rf"^{where}: .*{says}"):
+        open_peer(bad)
