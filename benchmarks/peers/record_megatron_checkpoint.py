@@ -20,7 +20,8 @@ _pp2: TP 1 x PP 2 x DP 2).
     ... --dist-opt dp_reshardable --tp 1 --pp 2 --world 4
                                     (TP 1 x PP 2 x DP 2, megatron-core's pipeline
                                      schedule, into .../megatron_distopt_dp_reshardable_pp2/)
-    ... --model mixtral --ep 2 --tp 1 --world 2 --ddp-bucket-size 0   (megatron_moe_ep2/)
+    ... --model mixtral --ep 2 --tp 1 --world 2 --ddp-bucket-size 0 [--dist-opt dp_reshardable]
+                                    (into .../megatron_moe_ep2[_distopt_dp_reshardable]/)
 
 A tiny Llama-shaped GPT (RMSNorm, SwiGLU, RoPE, GQA, no biases, untied output) of
 megatron-core's ``GPTModel`` (local layer spec, ../shared/BENCHMARKS.md's CPU patches) is
