@@ -54,10 +54,11 @@ class _HostStream:
 
 
 def patch_megatron_moe_for_cpu() -> None:
-    """Two more CUDA (and Transformer Engine) assumptions of megatron-core's MoE layer
+    """Three more CUDA (and Transformer Engine) assumptions of megatron-core's MoE layer
     beyond ../shared/BENCHMARKS.md's three: the alltoall dispatcher's CUDA streams (a host
-    stand-in that is also the current stream, so nothing is waited for) and the router's
-    unbound ``te_general_gemm``; no number changes."""
+    stand-in that is also the current stream, so nothing is waited for), its split sizes
+    as host arrays at EP > 1, and the router's unbound ``te_general_gemm``; no number
+    changes."""
     import torch
     from megatron.core.transformer.moe import moe_utils
     from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
@@ -67,6 +68,17 @@ def patch_megatron_moe_for_cpu() -> None:
         moe_utils.te_general_gemm = None
     stream = _HostStream()
     MoEAlltoAllTokenDispatcher.cuda_dtoh_stream = stream
+    # its split sizes, at EP > 1: on a GPU the copy to the host makes them NumPy arrays,
+    # which all_to_all_single takes as lists of ints; a CPU tensor stays a tensor, which it
+    # refuses -- the same arrays here
+    from megatron.core.transformer.moe import token_dispatcher
+    to_host = token_dispatcher.maybe_move_tensor_to_cpu
+
+    def host_splits(tensor, as_numpy=False, record_stream=False):
+        if as_numpy and torch.is_tensor(tensor) and not tensor.is_cuda:
+            return tensor.numpy()
+        return to_host(tensor, as_numpy=as_numpy, record_stream=record_stream)
+    token_dispatcher.maybe_move_tensor_to_cpu = host_splits
     torch.cuda.current_stream = lambda device=None: stream  # type: ignore[assignment, return-value]
     torch.cuda.stream = lambda s: contextlib.nullcontext()  # type: ignore[assignment, return-value]
 

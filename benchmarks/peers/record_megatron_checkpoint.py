@@ -20,6 +20,8 @@ _pp2: TP 1 x PP 2 x DP 2).
     ... --dist-opt dp_reshardable --tp 1 --pp 2 --world 4
                                     (TP 1 x PP 2 x DP 2, megatron-core's pipeline
                                      schedule, into .../megatron_distopt_dp_reshardable_pp2/)
+    ... --model mixtral --ep 2 --tp 1 --world 2 --ddp-bucket-size 0 [--dist-opt dp_reshardable]
+                                    (into .../megatron_moe_ep2[_distopt_dp_reshardable]/)
 
 A tiny Llama-shaped GPT (RMSNorm, SwiGLU, RoPE, GQA, no biases, untied output) of
 megatron-core's ``GPTModel`` (local layer spec, ../shared/BENCHMARKS.md's CPU patches) is
@@ -129,6 +131,8 @@ from benchmarks.peers.megatron_recipe import (  # noqa: E402
     WD,
     batches,
     megatron_args,
+    moe_config,
+    moe_record,
     sharded_metadata,
 )
 
@@ -143,7 +147,7 @@ class Run:
 
     def __init__(self, tp: int, dp: int, arch: str, dist_opt: str | None = None,
                  bucket: int = BUCKET, bf16: bool = False, *, gbs: int | None = None,
-                 pp: int = 1):
+                 pp: int = 1, ep: int = 1):
         import torch
         import torch.nn.functional as F
         from megatron.core import parallel_state
@@ -155,10 +159,11 @@ class Run:
         s, m = SHAPE, ARCH[arch]
         self.torch, self.tp, self.dp, self.arch = torch, tp, dp, arch
         self.dist_opt, self.meta = dist_opt, sharded_metadata(dist_opt)
-        self.bucket, self.bf16, self.pp = bucket, bf16, pp
-        # megatron-core's DDP and get_megatron_optimizer: the distributed optimizer, and a
-        # --bf16 run's non-distributed one (Float16OptimizerWithFloat16Params)
-        self.ddp_path = bool(dist_opt or bf16)
+        self.bucket, self.bf16, self.pp, self.ep = bucket, bf16, pp, ep
+        moe = moe_config(arch)
+        # megatron-core's DDP and get_megatron_optimizer: the distributed optimizer, a --bf16
+        # run's non-distributed one (Float16OptimizerWithFloat16Params), an MoE run's (moe_config)
+        self.ddp_path = bool(dist_opt or bf16 or moe)
         dtype = torch.bfloat16 if bf16 else torch.float32
         torch.manual_seed(SEED)
         cfg = TransformerConfig(
@@ -172,12 +177,14 @@ class Run:
             use_cpu_initialization=True, bias_activation_fusion=False,
             masked_softmax_fusion=False, bias_dropout_fusion=False, apply_rope_fusion=False,
             gradient_accumulation_fusion=False, persist_layer_norm=False,
-            pipeline_model_parallel_size=pp, pipeline_dtype=dtype)
+            pipeline_model_parallel_size=pp, pipeline_dtype=dtype,
+            expert_model_parallel_size=ep, **moe)
         # (PP > 1, tied: the first and last stages' copies of the word embeddings are made
         # equal by an all-reduce of ``weight.data.cuda()``: Tensor.cuda() the tensor here)
         with cpu_tensors_as_cuda() if pp > 1 else contextlib.nullcontext():
             self.model = GPTModel(config=cfg,
                                   transformer_layer_spec=get_gpt_layer_local_spec(
+                                      num_experts=moe.get("num_moe_experts"),
                                       normalization=m["normalization"]),
                                   vocab_size=s["vocab"], max_sequence_length=s["seq_length"],
                                   share_embeddings_and_output_weights=m["tied"],
@@ -353,7 +360,8 @@ class Run:
         else:
             optimizer = self.opt.sharded_state_dict(model_sd)
         return {"args": megatron_args(self.tp, self.dp, iteration, self.arch, self.dist_opt,
-                                      self.bucket, self.bf16, gbs=self.gbs, pp=self.pp),
+                                      self.bucket, self.bf16, gbs=self.gbs, pp=self.pp,
+                                      ep=self.ep),
                 "checkpoint_version": 3.0,
                 "iteration": iteration, "model": model_sd,
                 "optimizer": optimizer,
@@ -437,16 +445,19 @@ def worker(a) -> None:
     import torch
     import torch.distributed as dist
 
-    from benchmarks.peers.megatron_side import patch_megatron_for_cpu
+    from benchmarks.peers.megatron_side import patch_megatron_for_cpu, patch_megatron_moe_for_cpu
     torch.set_num_threads(1)
     patch_megatron_for_cpu()
+    if moe_config(a.model):  # (the alltoall dispatcher's CUDA streams, the router's gemm)
+        patch_megatron_moe_for_cpu()
     # dist_checkpointing's writer waits for the device's copies: on the CPU none is in flight
     torch.cuda.synchronize = lambda device=None: None
     from megatron.core import parallel_state
     dist.init_process_group("gloo")
     world = dist.get_world_size()
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=a.tp,
-                                             pipeline_model_parallel_size=a.pp)
+                                             pipeline_model_parallel_size=a.pp,
+                                             expert_model_parallel_size=a.ep)
     dp = world // (a.tp * a.pp)
     if a.resume:
         resume(a, dp)
@@ -469,7 +480,7 @@ def resume(a, dp: int) -> None:
     with open(a.tokens) as f:
         tokens = json.load(f)
     run = Run(a.tp, dp, a.model, a.dist_opt, a.ddp_bucket_size, a.bf16, gbs=len(tokens[0]),
-              pp=a.pp)
+              pp=a.pp, ep=a.ep)
     iteration = run.load(a.resume)
     if a.resave:  # what megatron-core loaded, saved again by megatron-core before stepping
         save(run, a.resave, iteration, "torch_dist")
@@ -479,7 +490,7 @@ def resume(a, dp: int) -> None:
         sharding = torch.load(os.path.join(other, "common.pt"), weights_only=False)[
             "optimizer"]["param_state_sharding_type"]
         run = Run(a.tp, dp, a.model, sharding, a.ddp_bucket_size, a.bf16,
-                  gbs=len(tokens[0]), pp=a.pp)
+                  gbs=len(tokens[0]), pp=a.pp, ep=a.ep)
         it = run.load(other)
         out.setdefault("also", []).append(
             {"iteration": it, "losses": [run.step(torch.tensor(b)) for b in tokens]})
@@ -490,13 +501,13 @@ def resume(a, dp: int) -> None:
 
 def record(a, dp: int) -> None:
     import torch.distributed as dist
-    run = Run(a.tp, dp, a.model, a.dist_opt, a.ddp_bucket_size, a.bf16, pp=a.pp)
+    run = Run(a.tp, dp, a.model, a.dist_opt, a.ddp_bucket_size, a.bf16, pp=a.pp, ep=a.ep)
     data = batches(SAVE_AT + CONTINUE, SHAPE["micro"] * dp, seed=7)
     first = [run.step(b) for b in data[:SAVE_AT]]
     save(run, a.out, SAVE_AT, a.format)
     losses = [run.step(b) for b in data[SAVE_AT:]]
     # megatron-core's own load of the files continues the same
-    again = Run(a.tp, dp, a.model, a.dist_opt, a.ddp_bucket_size, a.bf16, pp=a.pp)
+    again = Run(a.tp, dp, a.model, a.dist_opt, a.ddp_bucket_size, a.bf16, pp=a.pp, ep=a.ep)
     load = again.load if a.format == "torch_dist" else again.load_legacy
     assert load(os.path.join(a.out, f"iter_{SAVE_AT:07d}")) == SAVE_AT
     reloaded = [again.step(b) for b in data[SAVE_AT:]]
@@ -506,6 +517,7 @@ def record(a, dp: int) -> None:
         with open(os.path.join(a.out, "losses.json"), "w") as f:
             json.dump({"megatron_core": __import__("megatron.core").core.__version__,
                        "format": a.format, "model": a.model, "tp": a.tp, "dp": dp, "pp": a.pp,
+                       "ep": a.ep, "moe": moe_record(a.model),
                        "distributed_optimizer": a.dist_opt, "bf16": a.bf16,
                        "ddp_bucket_size": a.ddp_bucket_size if a.dist_opt else None,
                        "iteration": SAVE_AT,
@@ -525,7 +537,9 @@ def main() -> int:
     p.add_argument("--pp", type=int, default=1,
                    help="pipeline stages (with --dist-opt: megatron-core's pipeline schedule), "
                         "into ..._pp<N> by default")
-    p.add_argument("--model", choices=sorted(ARCH), default="llama")
+    p.add_argument("--model", choices=sorted(ARCH), default="llama",
+                   help="mixtral: experts in every layer, into .../megatron_moe_ep<EP>")
+    p.add_argument("--ep", type=int, default=1, help="megatron's --expert-model-parallel-size")
     p.add_argument("--format", choices=("torch_dist", "torch"), default="torch_dist",
                    help="torch: Megatron-LM's legacy format, into "
                         "tests/fixtures/peers/megatron_legacy by default")
@@ -552,9 +566,10 @@ def main() -> int:
     a = p.parse_args()
     if a.format == "torch" and a.out == OUT:
         a.out = LEGACY_OUT
-    if a.dist_opt and a.out == OUT:
-        a.out = os.path.join(os.path.dirname(OUT), f"megatron_distopt_{a.dist_opt}"
-                             + ("_bf16" if a.bf16 else "") + (f"_pp{a.pp}" if a.pp > 1 else ""))
+    if (a.dist_opt or moe_config(a.model)) and a.out == OUT:  # (experts: megatron_moe_ep<N>_)
+        a.out = os.path.join(os.path.dirname(OUT), (f"megatron_moe_ep{a.ep}_" if moe_config(
+            a.model) else "megatron_") + (f"distopt_{a.dist_opt}" if a.dist_opt else "")
+            + ("_bf16" if a.bf16 else "") + (f"_pp{a.pp}" if a.pp > 1 else "")).rstrip("_")
     if a.pp > 1 and not a.dist_opt:
         p.error("--pp is recorded with --dist-opt only (megatron-core's DistributedOptimizer)")
     if a.bf16 and not a.dist_opt and not a.resume:
@@ -573,7 +588,7 @@ def main() -> int:
     return subprocess.call([sys.executable, "-m", "torch.distributed.run", "--standalone",
                             "--nproc-per-node", str(a.world), os.path.abspath(__file__),
                             "--worker", "--out", a.out, "--tp", str(a.tp), "--pp", str(a.pp),
-                            "--model", a.model,
+                            "--ep", str(a.ep), "--model", a.model,
                             "--format", a.format, *more,
                             "--ddp-bucket-size", str(a.ddp_bucket_size),
                             *(["--dist-opt", a.dist_opt] if a.dist_opt else []),

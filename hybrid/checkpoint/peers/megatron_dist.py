@@ -3,12 +3,14 @@
 The DCP metadata give each tensor's full shape and where each chunk's bytes are; one
 hybrid parameter's chunks are read at a time (a layer's slice of a stacked tensor only).
 The distributed optimizer's default ``dp_reshardable`` state (flat buckets per TP rank)
-is mapped to parameters by :class:`_Buckets`.
+is mapped to parameters by :class:`_Buckets` (an MoE run's two chained optimizers too:
+the dense buffer, and the experts' per EP rank).
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 from typing import Any
@@ -26,13 +28,21 @@ from hybrid.checkpoint.peers.megatron_files import (
 )
 from hybrid.errors import CheckpointError
 
-_MASTER_KEYS = ("optimizer.state.fp32_param.", "optimizer.state.param.")
+_MASTER_COLUMNS = ("fp32_param", "param")
+# the non-distributed optimizer's per-parameter state: ``optimizer.state.<column>.<key>``,
+# or, for an MoE run's chained optimizers (one for the dense parameters, one for the
+# experts'), ``chained_<i>.optimizer.state.<column>.<key>``
+_STATE_KEY = re.compile(r"(chained_\d+\.)?optimizer\.state\.(fp32_param|param|exp_avg|"
+                        r"exp_avg_sq)\.(.+)")
 # the distributed optimizer's dp_reshardable state: per TP x PP rank (its DP group's index),
 # per grad buffer and dtype, per bucket, one flat tensor of each column
 _BUCKETS = "optimizer.distributed."
 _PAIRS = tuple(str(p) for p in names.BUFFER_DTYPES)  # (as the keys spell them)
-_BUCKET_KEY = re.compile(r"optimizer\.distributed\.dp_group_idx_(\d+)\.gbuf_idx_(\d+)\."
-                         r"dtype_(.+)\.bucket_idx_(\d+)\.(param|exp_avg|exp_avg_sq)")
+# (an MoE run's chained distributed optimizers, dense and expert, each ``chained_<i>.``)
+_BUCKET_KEY = re.compile(r"((?:chained_\d+\.)?)optimizer\.distributed\.dp_group_idx_(\d+)\."
+                         r"gbuf_idx_(\d+)\.dtype_(.+)\.bucket_idx_(\d+)\."
+                         r"(param|exp_avg|exp_avg_sq)")
+_EXPERTS = ("mlp.experts.fc", "mlp.experts.proj")  # (hybrid's stacked experts, per layer)
 
 
 def load_common(iter_dir: str) -> dict:
@@ -48,7 +58,12 @@ def arg(args: Any, name: str, default=None):
 # the architecture flags Megatron-LM's args and hybrid's config name alike
 _SAME_FLAGS = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size",
                "normalization", "swiglu", "position_embedding_type",
-               "untie_embeddings_and_output_weights", "qk_layernorm")
+               "untie_embeddings_and_output_weights", "qk_layernorm", "num_experts")
+# a mixture of experts' shape and routing (with args.num_experts only: Megatron-LM's args
+# carry its MoE defaults for a dense model too)
+_MOE_FLAGS = ("moe_router_topk", "moe_ffn_hidden_size", "moe_router_score_function",
+              "moe_router_pre_softmax", "moe_router_topk_scaling_factor",
+              "moe_shared_expert_intermediate_size")
 
 
 def megatron_flags(args: Any) -> dict:
@@ -56,7 +71,7 @@ def megatron_flags(args: Any) -> dict:
     if args is None:
         return {}
     out: dict[str, Any] = {}
-    for name in _SAME_FLAGS:
+    for name in _SAME_FLAGS + (_MOE_FLAGS if arg(args, "num_experts") else ()):
         v = arg(args, name)
         if v is not None:
             out[name] = v
@@ -103,6 +118,12 @@ class MegatronCheckpoint:
         self.flags = megatron_flags(self.args)
         self.vocab_size = arg(self.args, "vocab_size")
         self._keys: dict[str, tuple[str, int | None]] = {}  # hybrid name -> (key, layer)
+        # the non-distributed optimizer's state: (column, model key) -> its tensor's key
+        self._state: dict[tuple[str, str], str] = {}
+        for key in self.files.tensors:
+            m = _STATE_KEY.fullmatch(key)
+            if m:
+                self._state[(m.group(2), m.group(3))] = key
         self.shapes = self._map(os.path.join(iter_dir, DCP_METADATA))
         if "swiglu" not in self.flags and any(n.endswith("mlp.fc.weight") for n in self.shapes):
             self.notes.append("no args.swiglu: linear_fc1 read as a plain MLP's")
@@ -118,8 +139,12 @@ class MegatronCheckpoint:
         per_layer: dict[int, dict[str, tuple[str, int | None]]] = {}
         head: dict[str, str] = {}
         for key in self.files.tensors:
-            if key.startswith(("optimizer.", "rng_state")):
+            if (key.startswith(("optimizer.", "rng_state")) or _STATE_KEY.fullmatch(key)
+                    or _BUCKET_KEY.fullmatch(key)):
                 continue
+            if key.startswith("chained_"):
+                raise CheckpointError(f"{where}: {key}: a chained optimizer's state hybrid "
+                                      f"does not read")
             if key.startswith(names.LAYERS_PREFIX):
                 rest = key[len(names.LAYERS_PREFIX):]
                 m = re.match(r"(\d+)\.(.+)", rest)
@@ -164,7 +189,7 @@ class MegatronCheckpoint:
     def _optimizer(self, opt: dict) -> tuple[tuple[str, ...], int]:
         keys = set(self.files.tensors)
         groups = opt.get("param_groups")
-        if any(k.startswith(_BUCKETS) for k in keys):
+        if any(k.startswith(_BUCKETS) or _BUCKET_KEY.fullmatch(k) for k in keys):
             self._buckets = _Buckets(self)
             groups = self._buckets.param_groups
         elif not self._has_moments(keys):
@@ -176,6 +201,17 @@ class MegatronCheckpoint:
         # Float16OptimizerWithFloat16Params' under its torch optimizer's "optimizer")
         state = opt.get("state") or (opt.get("optimizer") or {}).get("state") or {}
         step = state.get("common_step")
+        if (step is None and self._buckets is None and opt
+                and all(isinstance(k, int) for k in opt)):
+            # an MoE run's chained optimizers (dense, experts): one step, theirs
+            steps = {float(o.get("state", {}).get("common_step", -1)) for o in opt.values()
+                     if isinstance(o, dict)}
+            if len(steps) != 1 or -1 in steps:
+                raise CheckpointError(f"{os.path.join(self.path, COMMON)}: the chained "
+                                      f"optimizers' common_step {sorted(steps)}: hybrid "
+                                      f"reads one step for all parameters")
+            step = steps.pop()
+            groups = [g for o in opt.values() for g in o.get("param_groups") or []]
         if step is None:  # the distributed optimizer's: in its param groups
             step = next((g["step"] for g in groups or []
                          if isinstance(g, dict) and g.get("step") is not None), None)
@@ -187,7 +223,7 @@ class MegatronCheckpoint:
 
     def _has_moments(self, keys: set[str]) -> bool:
         first = next(iter(self._keys.values()))[0]
-        return all(f"optimizer.state.{m}.{first}" in keys for m in MOMENTS)
+        return all((m, first) in self._state for m in MOMENTS)
 
     def _scheduler(self, sched: dict | None) -> None:
         if not sched:
@@ -207,11 +243,14 @@ class MegatronCheckpoint:
 
         def get(k: str) -> torch.Tensor:
             return names.to_hybrid_layout(name, self.files.read(k, layer), self.swiglu)
-        master_key = next((p + key for p in _MASTER_KEYS if p + key in self.files.tensors), key)
+        master_key = next((self._state[(c, key)] for c in _MASTER_COLUMNS
+                           if (c, key) in self._state), key)
         out = {"master": get(master_key)}
         if len(self.columns) > 1:
             for m in MOMENTS:
-                out[m] = get(f"optimizer.state.{m}.{key}")
+                if (m, key) not in self._state:
+                    raise CheckpointError(f"{self.path}: no optimizer state {m} of {key}")
+                out[m] = get(self._state[(m, key)])
         return out
 
     def untrained(self) -> dict[str, torch.Tensor]:
@@ -252,7 +291,8 @@ class _Buckets:
     def __init__(self, ckpt: MegatronCheckpoint):
         self.ckpt, self.files = ckpt, ckpt.files
         where = os.path.join(ckpt.path, DCP_METADATA)
-        buckets: dict[int, dict[int, str]] = {}  # TP rank -> bucket -> key prefix
+        # chain ("", or an MoE run's "chained_<i>.") -> group -> bucket -> key prefix
+        chains: dict[str, dict[int, dict[int, str]]] = {}
         self.dtypes: set[str] = set()  # the buffers' (param, grad) pairs, as keys spell them
         for key in self.files.tensors:
             m = _BUCKET_KEY.fullmatch(key)
@@ -261,15 +301,44 @@ class _Buckets:
                     raise CheckpointError(f"{where}: {key}: a distributed optimizer key "
                                           f"hybrid does not read")
                 continue
-            if m.group(3) not in _PAIRS:
+            if m.group(4) not in _PAIRS:
                 raise CheckpointError(f"{where}: {key}: a grad buffer of dtypes "
-                                      f"{m.group(3)}; hybrid reads {', '.join(_PAIRS)}")
-            if m.group(2) != "0":
+                                      f"{m.group(4)}; hybrid reads {', '.join(_PAIRS)}")
+            if m.group(3) != "0":
                 raise CheckpointError(f"{where}: {key}: a second grad buffer (another "
-                                      f"dtype, or expert parallel): hybrid reads a dense "
-                                      f"GPT's one buffer")
-            buckets.setdefault(int(m.group(1)), {})[int(m.group(4))] = key.rsplit(".", 1)[0]
-            self.dtypes.add(m.group(3))
+                                      f"dtype): hybrid reads one buffer per optimizer")
+            chains.setdefault(m.group(1), {}).setdefault(int(m.group(2)), {})[
+                int(m.group(5))] = key.rsplit(".", 1)[0]
+            self.dtypes.add(m.group(4))
+        objects = set(self.files.objects)
+
+        def obj(t: int, what: str, chain: str | None = None) -> Any:
+            chain = self.chain if chain is None else chain
+            key = next((k for k in objects if k.startswith(
+                f"{chain}{_BUCKETS}dp_group_idx_{t}.{what}/")), None)
+            if key is None:
+                raise CheckpointError(f"{where}: no {chain}{_BUCKETS}dp_group_idx_{t}.{what}")
+            value = self.files.read_object(key)
+            return value[0] if isinstance(value, list) and len(value) == 1 else value
+        self._obj = obj
+        # which optimizer holds what: the dense parameters, and an MoE run's experts (the
+        # second of megatron-core's chained optimizers, its param groups is_expert_parallel)
+        expert: str | None = None
+        self.chain = ""
+        self.param_groups = None
+        for chain in sorted(chains):
+            saved = obj(min(chains[chain]), "optimizer", chain)
+            groups = saved.get("param_groups") if isinstance(saved, dict) else None
+            if any(isinstance(g, dict) and g.get("is_expert_parallel") for g in groups or []):
+                expert = chain
+            else:
+                self.chain, self.param_groups = chain, groups
+        if len(chains) > 2 or (len(chains) == 2 and expert is None):
+            raise CheckpointError(f"{where}: distributed optimizers {sorted(chains)}: hybrid "
+                                  f"reads one, or an MoE run's dense and expert ones")
+        if expert is None and any(n.endswith(_EXPERTS) for n in ckpt.shapes):
+            raise CheckpointError(f"{where}: experts without the expert optimizer's state")
+        buckets = chains[self.chain]
         tp = int(arg(ckpt.args, "tensor_model_parallel_size", 1) or 1)
         pp = int(arg(ckpt.args, "pipeline_model_parallel_size", 1) or 1)
         if sorted(buckets) != list(range(tp * pp)):
@@ -283,17 +352,6 @@ class _Buckets:
             raise CheckpointError(f"{where}: the TP ranks' buffers have dtypes "
                                   f"{sorted(self.dtypes)}: one run saves one pair")
         self.prefixes = {t: [b[i] for i in range(len(b))] for t, b in buckets.items()}
-        objects = set(self.files.objects)
-
-        def obj(t: int, what: str) -> Any:
-            key = next((k for k in objects if k.startswith(
-                f"{_BUCKETS}dp_group_idx_{t}.{what}/")), None)
-            if key is None:
-                raise CheckpointError(f"{where}: no {_BUCKETS}dp_group_idx_{t}.{what}")
-            value = self.files.read_object(key)
-            return value[0] if isinstance(value, list) and len(value) == 1 else value
-        groups = obj(0, "optimizer")
-        self.param_groups = groups.get("param_groups") if isinstance(groups, dict) else None
         self.place: dict[str, list[tuple[str, int, int]]] = {}  # name -> per TP rank
         # the last stage's copy of tied word embeddings, per TP rank (PP > 1)
         self.tied_copy: list[tuple[str, int, int]] = []
@@ -301,21 +359,7 @@ class _Buckets:
         if arg(ckpt.args, "transformer_impl") == "transformer_engine":
             specs.reverse()
         for t in range(tp * pp):
-            unpadded = obj(t, "per_bucket_numel_unpadded")
-            counts = unpadded[0] if isinstance(unpadded, list) and len(unpadded) == 1 else None
-            if not isinstance(counts, dict) or len(counts) != 1:
-                raise CheckpointError(f"{where}: dp_group_idx_{t}.per_bucket_numel_unpadded "
-                                      f"{unpadded!r}: hybrid reads one grad buffer of one "
-                                      f"dtype")
-            if {str(k) for k in counts} != self.dtypes:
-                raise CheckpointError(f"{where}: dp_group_idx_{t}.per_bucket_numel_unpadded "
-                                      f"is of dtypes {list(counts)}, its buckets' keys of "
-                                      f"{sorted(self.dtypes)}")
-            sizes = [int(n) for n in next(iter(counts.values()))]
-            if len(sizes) != len(self.prefixes[t]):
-                raise CheckpointError(f"{where}: dp_group_idx_{t}: {len(sizes)} buckets in "
-                                      f"per_bucket_numel_unpadded, "
-                                      f"{len(self.prefixes[t])} saved")
+            sizes = self._sizes(self.chain, t, len(self.prefixes[t]))
             for spec in specs:
                 placed = self._layout(t, sizes, spec)
                 if placed is not None:
@@ -333,6 +377,68 @@ class _Buckets:
                 self.tied_copy.append(copy)
             for name, at in placed.items():
                 self.place.setdefault(name, []).append(at)
+        # name -> per EP rank, per local expert: (bucket key, start, stop)
+        self.expert_place: dict[str, list[list[tuple[str, int, int]]]] = {}
+        if expert is not None:
+            self._experts(expert, chains[expert])
+
+    def _sizes(self, chain: str, t: int, saved: int) -> list[int]:
+        """Group ``t``'s saved unpadded bucket sizes (of ``saved`` buckets)."""
+        where = f"{os.path.join(self.ckpt.path, DCP_METADATA)}: {chain}dp_group_idx_{t}"
+        unpadded = self._obj(t, "per_bucket_numel_unpadded", chain)
+        counts = unpadded[0] if isinstance(unpadded, list) and len(unpadded) == 1 else None
+        if not isinstance(counts, dict) or len(counts) != 1:
+            raise CheckpointError(f"{where}.per_bucket_numel_unpadded {unpadded!r}: hybrid "
+                                  f"reads one grad buffer of one dtype")
+        if {str(k) for k in counts} != self.dtypes:
+            raise CheckpointError(f"{where}.per_bucket_numel_unpadded is of dtypes "
+                                  f"{list(counts)}, its buckets' keys of "
+                                  f"{sorted(self.dtypes)}")
+        sizes = [int(n) for n in next(iter(counts.values()))]
+        if len(sizes) != saved:
+            raise CheckpointError(f"{where}: {len(sizes)} buckets in "
+                                  f"per_bucket_numel_unpadded, {saved} saved")
+        return sizes
+
+    def _experts(self, chain: str, groups: dict[int, dict[int, str]]) -> None:
+        """An MoE run's expert optimizer (megatron-core's second chained one): one group
+        per EP rank (``dp_group_idx_<EP rank>``, at TP 1, PP 1, expert TP 1), its buffer
+        holding the rank's local experts -- layer after layer, local expert after local
+        expert, ``linear_fc1`` then ``linear_fc2``, each one parameter of its own -- in the
+        reverse of that order, laid out as the dense buffer (:func:`~.megatron_names.
+        bucket_layout`) and checked against the saved chunks the same way."""
+        where = os.path.join(self.ckpt.path, DCP_METADATA)
+        args, shapes = self.ckpt.args, self.ckpt.shapes
+        ep = int(arg(args, "expert_model_parallel_size", 1) or 1)
+        etp = int(arg(args, "expert_tensor_parallel_size", 1) or 1)
+        if self.tp != 1 or self.pp != 1 or etp != 1 or sorted(groups) != list(range(ep)):
+            raise CheckpointError(
+                f"{where}: the expert optimizer's state of groups {sorted(groups)} at TP "
+                f"{self.tp}, PP {self.pp}, expert TP {etp}, EP {ep}: hybrid reads its "
+                f"dp_reshardable layout at TP 1, PP 1 and expert TP 1, one group per EP rank")
+        experts = [n for n in shapes if n.endswith(_EXPERTS)]
+        local = shapes[experts[0]][0] // ep
+        layers: dict[str, list[str]] = {}
+        for n in experts:  # (fc before proj in each layer: megatron's fc1, fc2)
+            layers.setdefault(n.rsplit(".mlp.", 1)[0], []).append(n)
+        order = [(n, k) for pair in layers.values() for k in range(local) for n in pair]
+        numel = {n: math.prod(shapes[n][1:]) for n in experts}
+        self.expert_place = {n: [[] for _ in range(ep)] for n in experts}
+        for e in range(ep):
+            prefixes = [groups[e][b] for b in range(len(groups[e]))]
+            sizes = self._sizes(chain, e, len(prefixes))
+            placed, got = names.bucket_layout(
+                [(f"{n}/{k}", numel[n]) for n, k in reversed(order)],
+                lambda b, stop, sizes=sizes: b < len(sizes) and stop >= sizes[b])
+            if got != sizes or not all(self.files.tiles(
+                    f"{prefixes[b]}.param", start, stop) for b, start, stop in placed.values()):
+                raise CheckpointError(
+                    f"{where}: the expert optimizer's buckets of EP rank {e} do not hold "
+                    f"its {local} local experts where megatron-core's buffer layout puts "
+                    f"them (buckets of {sizes})")
+            for n, k in order:
+                b, start, stop = placed[f"{n}/{k}"]
+                self.expert_place[n][e].append((prefixes[b], start, stop))
 
     def _stages(self) -> list[list[str]]:
         """Each PP stage's parameters (hybrid's names): Megatron-LM's even split of the
@@ -340,8 +446,9 @@ class _Buckets:
         ``common.pt``'s args (uneven first or last stage, a pipeline layout, virtual
         stages) is one error naming them."""
         args, pp = self.ckpt.args, self.pp
+        dense = [n for n in self.ckpt.shapes if not n.endswith(_EXPERTS)]
         if pp == 1:
-            return [list(self.ckpt.shapes)]
+            return [dense]
         layers = int(arg(args, "num_layers", 0) or 0)
         other = {f: arg(args, f) for f in (
             "virtual_pipeline_model_parallel_size", "num_layers_per_virtual_pipeline_stage",
@@ -359,7 +466,7 @@ class _Buckets:
                 + ": hybrid reads its dp_reshardable layout at PP > 1 for Megatron-LM's "
                   "even split of the layers only")
         tied = not bool(arg(args, "untie_embeddings_and_output_weights", True))
-        return names.pipeline_stages(list(self.ckpt.shapes), layers, pp, tied)
+        return names.pipeline_stages(dense, layers, pp, tied)
 
     def _local_numel(self, name: str) -> int:
         n = 1
@@ -397,6 +504,13 @@ class _Buckets:
         return out
 
     def read(self, name: str) -> dict[str, torch.Tensor]:
+        if name in self.expert_place:  # (each EP rank's local experts, in global order)
+            shape = self.ckpt.shapes[name][1:]
+            return {col: torch.stack([
+                self.files.read_flat(f"{prefix}.{saved}", start, stop).reshape(shape)
+                for rank in self.expert_place[name] for prefix, start, stop in rank])
+                for col, saved in (("master", "param"), ("exp_avg", "exp_avg"),
+                                   ("exp_avg_sq", "exp_avg_sq"))}
         shape = self._local_shape(name)
         # (a parameter TP does not cut is the same on every TP rank: rank 0's)
         places = self.place[name] if names.tp_dim(name) is not None else self.place[name][:1]

@@ -12,6 +12,14 @@ sides and need no permutation:
   swiglu sharded factory saves each TP rank's gate and up halves at their places in
   the full gate and the full up), hybrid's ``mlp.fc`` the same numbers as ``(2, F, C)``.
 
+A mixture-of-experts layer (megatron-core's local spec: ``TopKRouter``, ``SequentialMLP``)
+maps its router ``mlp.router.weight`` ``(E, C)`` to hybrid's ``mlp.experts.router.weight``
+and its experts to hybrid's stacked ``mlp.experts.fc`` ``(E, 2F, C)`` and
+``mlp.experts.proj`` ``(E, C, F)``: ``torch_dist`` saves each EP rank's local experts
+``local_experts.K`` at their global index on an expert axis, ``mlp.experts.experts.
+linear_fc1.weight`` of shape ``(num_layers, E, 2F, C)`` -- each expert's rows
+``[gate; up]``, hybrid's order -- so the EP ranks' pieces are one tensor already.
+
 Megatron-LM's older names, which Megatron-DeepSpeed keeps (``query_key_value``,
 ``dense``, ``post_attention_layernorm``, ``dense_h_to_4h``, ``dense_4h_to_h``), are read as
 their megatron-core counterparts (never written): the older QKV's rows per head,
@@ -63,6 +71,13 @@ LAYER: tuple[tuple[str, str], ...] = (
     ("mlp.linear_fc2.bias", "mlp.proj.bias"),
     ("mlp.dense_4h_to_h.weight", "mlp.proj.weight"),
     ("mlp.dense_4h_to_h.bias", "mlp.proj.bias"),
+    # a mixture of experts (the local spec's TopKRouter and SequentialMLP): the router's
+    # (E, C) logit weight (a sigmoid router's expert_bias is not mapped: refused); each
+    # expert's linears, saved under their global expert index as one (E, ...) tensor per
+    # layer -- [gate; up] rows per expert, as hybrid's (E, 2F, C)
+    ("mlp.router.weight", "mlp.experts.router.weight"),
+    ("mlp.experts.experts.linear_fc1.weight", "mlp.experts.fc"),
+    ("mlp.experts.experts.linear_fc2.weight", "mlp.experts.proj"),
 )
 
 # the parameters outside the layers
