@@ -1193,6 +1193,18 @@ def test_moe_names_and_expert_buffers_hybrid_cannot_read_are_one_error(tmp_path,
         open_peer(bad)
 
 
+def test_an_moe_checkpoint_is_not_exported_to_megatron(tmp_path):
+    """hybrid's import of megatron-core's MoE save, exported back: one CheckpointError
+    naming the checkpoint and num_experts, before anything is written (the experts'
+    layout per EP rank and the chained optimizers are read, not written)."""
+    from hybrid.checkpoint.peers import megatron
+    ckpt = _imported(tmp_path, MOE)
+    with pytest.raises(CheckpointError, match=r"a mixture of experts \(num_experts 4\): "
+                                              r"export --to megatron writes dense GPTs"):
+        megatron.write(ckpt, str(tmp_path / "out"))
+    assert not os.path.exists(tmp_path / "out")
+
+
 @pytest.mark.peer("megatron.core")
 def test_moe_distributed_optimizer_over_two_expert_dp_ranks_recorded_here(tmp_path):
     """megatron-core's MoE GPT under its distributed optimizer at EP 2 x DP 4, recorded

@@ -241,6 +241,11 @@ def write(hybrid_ckpt: str, out_dir: str, tp: int = 1, dp: int = 1,
     ckpt = resolve_checkpoint(hybrid_ckpt)
     meta, params = iter_full_params(ckpt)
     cfg = meta.get("config") or {}
+    if cfg.get("num_experts"):  # (the name table maps experts only into hybrid)
+        raise CheckpointError(f"{ckpt}: a mixture of experts (num_experts "
+                              f"{cfg['num_experts']}): export --to megatron writes dense "
+                              f"GPTs; Megatron's MoE layout (experts per EP rank, the chained "
+                              f"optimizers) is read, not written")
     swiglu = bool(cfg.get("swiglu"))
     it = int(meta["iteration"])
     step = int(meta.get("step") or it)
