@@ -6,7 +6,7 @@
     python scripts/convert_checkpoint.py export --to dcp CHECKPOINT_DIR_OR_SAVE_DIR OUT_DIR
     python scripts/convert_checkpoint.py export --to megatron CHECKPOINT_DIR_OR_SAVE_DIR OUT_DIR \
         [--tensor-model-parallel-size T] [--data-parallel-size D] \
-        [--pipeline-model-parallel-size P] \
+        [--pipeline-model-parallel-size P] [--expert-model-parallel-size E] \
         [--megatron-dist-opt dp_reshardable|fully_reshardable] \
         [--megatron-layer-spec local|transformer_engine] [--megatron-ddp-bucket-size N] \
         [--dtype fp32|bf16]
@@ -119,6 +119,10 @@ def export_megatron(argv) -> int:
                          "per stage and TP rank, for Megatron-LM's even split of the "
                          "layers, which PP must divide; the tied word embeddings' copy on "
                          "the last stage; the other optimizer layouts do not depend on it)")
+    ap.add_argument("--expert-model-parallel-size", type=int, default=1,
+                    help="an MoE checkpoint: the EP recorded in args (dp_reshardable: one "
+                         "group of expert buckets per EP rank, over DP / EP ranks; the "
+                         "non-distributed optimizer's files load at any EP)")
     ap.add_argument("--megatron-dist-opt", default=None, metavar="{dp_reshardable,"
                     "fully_reshardable}",
                     help="write the optimizer state for megatron-core's DistributedOptimizer "
@@ -144,7 +148,8 @@ def export_megatron(argv) -> int:
                              dp=a.data_parallel_size, pp=a.pipeline_model_parallel_size,
                              dist_opt=a.megatron_dist_opt,
                              spec=a.megatron_layer_spec,
-                             bucket_size=a.megatron_ddp_bucket_size, dtype=a.dtype)
+                             bucket_size=a.megatron_ddp_bucket_size, dtype=a.dtype,
+                             ep=a.expert_model_parallel_size)
     except CheckpointError as e:
         print(f"convert_checkpoint.py: error: {e}", file=sys.stderr)
         return 2
