@@ -715,12 +715,15 @@ def test_a_distributed_optimizer_at_dp_3_reads_continues_and_is_written_back(tmp
     assert all(n % 384 == 0 for n in padded) and padded != unpadded, sizes
 
 def _imported(tmp_path, fixture: str) -> str:
-    """``fixture`` imported as a hybrid checkpoint, on this process (no training); a bf16
-    run's as a bf16 run's (reducing its grads in fp32, hybrid's default)."""
+    """``fixture`` imported as a hybrid checkpoint, on this process (no training), with the
+    recorded run's rates and schedule; a bf16 run's as a bf16 run's (reducing its grads in
+    fp32, hybrid's default)."""
     from hybrid.checkpoint.peers.importing import import_peer
     rec = _record(fixture)
     cfg = {"lr": rec["lr"], "min_lr": rec["min_lr"], "weight_decay": rec["weight_decay"],
            "global_batch_size": rec["shape"]["micro"] * rec["dp"],
+           "lr_warmup_iters": rec["warmup_iters"], "lr_decay_iters": rec["decay_iters"],
+           "lr_decay_style": "cosine",
            **({"bf16": True, "accumulate_allreduce_grads_in_fp32": True}
               if rec.get("bf16") else {})}
     return import_peer(open_peer(fixture), str(tmp_path / "hybrid"), cfg,
@@ -1324,15 +1327,22 @@ def test_megatron_core_loads_hybrid_s_moe_export_and_continues(tmp_path):
 
 @pytest.mark.peer("megatron.core")
 def test_moe_distributed_optimizer_over_two_expert_dp_ranks_recorded_here(tmp_path):
-    """megatron-core's MoE GPT under its distributed optimizer at EP 2 x DP 4, recorded
-    here: each EP rank's expert buffer is sharded over an expert-data-parallel group of 2
-    (the committed fixture's is of 1). Every master read from the dense and expert buckets
-    equals the saved weight, and hybrid at megatron's layout (EP 2 x DP 4, 2 rows a rank)
-    continues within 2e-6 of megatron-core's own continuation. (At DP 2, 4 rows a rank,
-    it was 1.1e-5 apart, measured: the switch aux loss is a function of each rank's
-    tokens.)"""
+    """megatron-core's MoE GPT under its distributed optimizer at EP 2 x DP 4 in buckets of
+    1000 (``--overlap-grad-reduce``), recorded here: each EP rank's expert buffer is
+    sharded over an expert-data-parallel group of 2 (the committed fixture's is of 1) and
+    split into 4 buckets, the dense one into 3. Every master read from the dense and
+    expert buckets equals the saved weight, and hybrid at megatron's layout (EP 2 x DP 4,
+    2 rows a rank) continues within 2e-6 of megatron-core's own continuation. (At DP 2, 4
+    rows a rank, it was 1.1e-5 apart, measured: the switch aux loss is a function of each
+    rank's tokens.) The way back for that run: hybrid's import exported with
+    ``ep=2, dp=4`` and buckets of 1000 has megatron's own save's chunks (every offset and
+    size, cut where the expert-DP ranks' shards meet) and bucket sizes in both chained
+    optimizers, and megatron-core at EP 2 x DP 4 loads it and continues with its own
+    recorded losses within 2e-6."""
+    from hybrid.checkpoint.peers import megatron
+    from hybrid.checkpoint.peers.megatron_files import DcpFiles
     mg, peer = _recorded_here(tmp_path, "--model", "mixtral", "--ep", "2", "--tp", "1",
-                              "--ddp-bucket-size", "0")
+                              "--ddp-bucket-size", "1000")
     rec = _record(mg)
     assert (rec["ep"], rec["dp"]) == (2, 4)
     assert any(n.endswith("mlp.experts.fc") for n in peer.shapes)
@@ -1340,3 +1350,19 @@ def test_moe_distributed_optimizer_over_two_expert_dp_ranks_recorded_here(tmp_pa
                              args=(mg, str(tmp_path / "save"), 1, rec))[0]
     diff = max(abs(a - b) for a, b in zip(losses, rec["losses"]))
     assert diff <= TOL, (diff, losses, rec["losses"])
+    out = megatron.write(_imported(tmp_path, mg), str(tmp_path / "back"), ep=2, dp=4,
+                         dist_opt="dp_reshardable", bucket_size=1000)
+    mine, theirs = DcpFiles(out), DcpFiles(os.path.join(mg, "iter_0000003"))
+    assert _chunks(mine) == _chunks(theirs) and len(_chunks(mine)) == 3 * (3 + 2 * 4)
+    sizes = [k for k in theirs.objects if "per_bucket_numel" in k]
+    assert len(sizes) == 2 * 3
+    for key in sizes:
+        assert mine.read_object(key) == theirs.read_object(key), key
+    tokens = tmp_path / "tokens.json"
+    tokens.write_text(json.dumps(rec["tokens"]))
+    got = _megatron_resume(out, tokens, tmp_path / "back.json", 1, 4, "--model", "mixtral",
+                           "--ep", "2", "--dist-opt", "dp_reshardable", "--ddp-bucket-size",
+                           "1000")
+    diff = max(abs(a - b) for a, b in zip(got["losses"], rec["losses"]))
+    print(f"megatron-core from hybrid's export vs its own continuation: max |diff| {diff:.3g}")
+    assert got["iteration"] == 3 and diff <= TOL, (diff, got, rec["losses"])
