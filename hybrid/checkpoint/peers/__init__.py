@@ -21,6 +21,8 @@
 * :mod:`.megatron_dist` Megatron-LM's ``torch_dist`` iterations read
 * :mod:`.megatron_distopt_export` the way back for megatron-core's DistributedOptimizer:
                      its ``dp_reshardable`` buckets or ``fully_reshardable`` state
+* :mod:`.megatron_moe_export` the way back for a mixture of experts: megatron-core's
+                     chained dense and expert optimizers, its MoE args
 * :mod:`.megatron_legacy` Megatron-LM's legacy ``torch`` format (``mp_rank_XX/``) read
 * :mod:`.megatron_files` Megatron's torch files (data only) and torch DCP's chunks, on one
                      process

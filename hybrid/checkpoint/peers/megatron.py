@@ -23,7 +23,9 @@ that megatron-core's ``dist_checkpointing.load`` reads into a GPTModel and its o
 the non-distributed one at any TP, or the DistributedOptimizer (its ``dp_reshardable``
 buckets laid out for the loading run's TP, PP, layer spec and bucket size, or
 ``fully_reshardable``: :mod:`.megatron_distopt_export`), one parameter in memory at a
-time; a bf16 checkpoint as a ``--bf16`` run's (bf16 weights, its buffer's dtype pair).
+time; a bf16 checkpoint as a ``--bf16`` run's (bf16 weights, its buffer's dtype pair); a
+mixture of experts as megatron-core's MoE GPT at EP ``ep`` with its chained dense and
+expert optimizers (:mod:`.megatron_moe_export`).
 """
 
 from __future__ import annotations

@@ -34,6 +34,11 @@ fp32 run, ``dtype_(torch.bfloat16, torch.float32)`` for a bf16 one (grads reduce
 Megatron-LM's and hybrid's default under ``--bf16``; ``torch.bfloat16`` twice without);
 megatron-core's load finds its buffer's keys by that pair, so a run of another dtype
 does not load it. The columns are fp32 in each.
+
+An MoE checkpoint (dp_reshardable at TP 1, PP 1): megatron-core's two chained distributed
+optimizers, :class:`Chained` -- the dense buffer as above under ``chained_0.``, and the
+experts' under ``chained_1.``, one group per EP rank (:class:`ExpertDpReshardable`);
+``common.pt``'s ``optimizer`` ``{0: ..., 1: ...}``.
 """
 
 from __future__ import annotations
