@@ -1287,6 +1287,30 @@ def test_an_moe_export_it_cannot_write_is_one_line(tmp_path, capsys, flags, conf
         assert "--expert-model-parallel-size 2: " in capsys.readouterr().err
 
 
+def test_an_moe_checkpoint_with_dense_layers_is_not_exported(tmp_path):
+    """An MoE checkpoint whose first layer is dense (``--moe-layer-freq [0,1]``: its MLP
+    ``mlp.fc`` / ``mlp.proj``): one CheckpointError naming the flag and the dense layer,
+    nothing written (megatron-core's stacked ``decoder.layers.*`` keys hold every layer)."""
+    from hybrid.checkpoint import iter_full_params
+    from hybrid.checkpoint.layout import COLUMNS
+    from hybrid.checkpoint.peers import megatron
+    from hybrid.checkpoint.single_rank import write_single_rank_checkpoint
+    meta, params = iter_full_params(_imported(tmp_path, MOE))
+    cols = dict(params)
+    shapes = {n: list(c["master"].shape) for n, c in cols.items()
+              if not n.startswith("blocks.0.mlp.experts.")}
+    shapes.update({"blocks.0.mlp.fc.weight": [2, 32, 16], "blocks.0.mlp.proj.weight": [16, 32]})
+    cfg = dict(meta["config"], moe_layer_freq="[0,1]")
+    ckpt = write_single_rank_checkpoint(
+        str(tmp_path / "mixed"), shapes,
+        lambda n: cols.get(n) or {c: torch.zeros(shapes[n]) for c in COLUMNS},
+        COLUMNS, cfg, 64, iteration=3, step=3)
+    with pytest.raises(CheckpointError, match=r"--moe-layer-freq '\[0,1\]': layers \[0\] are "
+                                              r"dense; export --to megatron writes an MoE GPT"):
+        megatron.write(ckpt, str(tmp_path / "out"))
+    assert not os.path.exists(tmp_path / "out")
+
+
 @pytest.mark.peer("megatron.core")
 def test_megatron_core_loads_hybrid_s_moe_export_and_continues(tmp_path):
     """hybrid continues megatron-core's MoE save at its layout (EP 2 x DP 2, ZeRO 1),
