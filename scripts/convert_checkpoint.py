@@ -12,7 +12,7 @@
         [--dtype fp32|bf16]
     python scripts/convert_checkpoint.py export --to deepspeed CHECKPOINT_DIR_OR_SAVE_DIR OUT_DIR \
         [--dp-size N] [--zero-stage {0,1,2,3}] [--tag TAG] [--param-groups matrices|one] \
-        [--dtype fp32|bf16] [--ds-config DS_CONFIG.json]
+        [--dtype fp32|bf16|fp16] [--ds-config DS_CONFIG.json]
 
 ``export --to deepspeed`` writes DeepSpeed 0.19.8's ``OUT_DIR/global_stepN/`` (and
 ``latest``) for DeepSpeed's ``engine.load_checkpoint(OUT_DIR)`` at that DP size and ZeRO
@@ -21,7 +21,9 @@ stage: masters, Adam moments, step, ``global_steps``/``global_samples`` and the
 transformers ``GPT2LMHeadModel`` (its ``config.json`` beside ``latest``). ``--dtype bf16``
 writes a bf16 run's files (``bf16_zero_pp_rank_*``, the module's weights in bf16; the
 default for a checkpoint trained in bf16, or where ``--ds-config``, the DeepSpeed run's
-config recorded in the files, enables bf16).
+config recorded in the files, enables bf16); ``--dtype fp16`` an fp16 run's, with its
+loss scale (the default for a checkpoint trained in fp16, or a ``--ds-config`` enabling
+fp16).
 
 ``verify`` reads every file of the checkpoint (the newest one of a --save
 directory) and checks it against the checksums saved with it; it prints one
@@ -180,8 +182,9 @@ def export_deepspeed(argv) -> int:
                          "matrices, none on biases and norms: hybrid's rule, Hugging Face's "
                          "Trainer's groups; the default for a pretrain_gpt.py checkpoint) or "
                          "'one' (model.parameters(); the default for a hybrid.deepspeed one)")
-    ap.add_argument("--dtype", default=None, choices=["fp32", "bf16"],
-                    help="the dtype DeepSpeed trains in: bf16 writes a bf16 run's files "
+    ap.add_argument("--dtype", default=None, choices=["fp32", "bf16", "fp16"],
+                    help="the dtype DeepSpeed trains in: bf16 (fp16) writes a bf16 (an fp16) "
+                         "run's files "
                          "(default: --ds-config's, else the checkpoint's own)")
     ap.add_argument("--ds-config", default=None,
                     help="the DeepSpeed run's ds_config (JSON), recorded in the files; its "
@@ -204,10 +207,19 @@ def export_deepspeed(argv) -> int:
     except CheckpointError as e:
         print(f"convert_checkpoint.py: error: {e}", file=sys.stderr)
         return 2
-    dtype = "bf16" if any(n.startswith("bf16_") for n in os.listdir(out)) else "fp32"
+    dtype = _written_dtype(out)
     print(f"wrote {out}: a DeepSpeed ZeRO {a.zero_stage} {dtype} checkpoint for DP "
           f"{a.dp_size}")
     return 0
+
+
+def _written_dtype(tag_dir: str) -> str:
+    """The dtype of the DeepSpeed run an export's files are for (its recorded ds_config)."""
+    from hybrid.checkpoint.peers.deepspeed_bf16 import bf16_enabled, fp16_enabled
+    from hybrid.checkpoint.peers.deepspeed_files import load_file
+    model = sorted(n for n in os.listdir(tag_dir) if n.endswith("model_states.pt"))[0]
+    config = load_file(os.path.join(tag_dir, model)).get("ds_config")
+    return "bf16" if bf16_enabled(config) else "fp16" if fp16_enabled(config) else "fp32"
 
 
 def main(argv=None) -> int:

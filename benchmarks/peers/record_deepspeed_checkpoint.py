@@ -43,7 +43,7 @@ and this checkout's hybrid on the path for the data)::
         benchmarks/peers/record_deepspeed_checkpoint.py \
         tests/fixtures/peers/deepspeed-0.19.8 [net] [gpt2] [llama] [frozen] [gpt2_zero0] \
         [frozen_excluded] [frozen0] [pipe_zero0] [pipe_zero1] [pipe_dp2_zero1] [pipe_bf16] \
-        [mds_gpt_zero1] [mds_gpt_zero0] [mds_gpt_bf16] [bf16]
+        [mds_gpt_zero1] [mds_gpt_zero0] [mds_gpt_bf16] [bf16] [fp16]
 
 ``mds_gpt_zero1`` records a PipelineModule with Megatron-DeepSpeed's GPTModelPipe layer
 list and parameter names (:mod:`benchmarks.peers.gptmodelpipe`, as read from
@@ -55,10 +55,10 @@ GPTModelPipe's output cast). Not written by Megatron-DeepSpeed, which needs CUDA
 
 ``bf16`` records :class:`Net` in bf16 (:data:`BF16_CASES`: each fixture's stage and
 DeepSpeed optimizer wrapper), the losses computed in fp32 from the bf16 logits.
-DeepSpeed's CPU accelerator trains bf16; it refuses fp16 on a CPU without oneDNN fp16
-(``ValueError: Type fp16 is not supported on your device.``: its ``is_fp16_supported``
-is ``torch.ops.mkldnn._is_mkldnn_fp16_supported()``, False on the CPUs these were
-recorded on), so there is no fp16 fixture.
+``fp16`` records :class:`Net` in fp16 with dynamic loss scaling without ZeRO and at
+ZeRO 2 and 3 (:mod:`benchmarks.peers.deepspeed_fp16`: DeepSpeed's CPU accelerator refuses
+fp16 on a CPU without oneDNN fp16, and that module's documented patch makes its one
+query answer True, changing no number DeepSpeed computes).
 """
 
 from __future__ import annotations
@@ -77,6 +77,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
+from benchmarks.peers import deepspeed_fp16  # noqa: E402
 from benchmarks.peers.gptmodelpipe import mds_config, mds_layers, mds_loss  # noqa: E402
 
 GLOBAL_BATCH = 8
@@ -402,7 +403,7 @@ def main(argv: list[str]) -> int:
     which = argv[1:] or ["net", "gpt2", "llama", "frozen", "frozen0", "gpt2_zero0",
                          "frozen_excluded",
                          "pipe_zero0", "pipe_zero1", "pipe_dp2_zero1", "pipe_bf16",
-                         "mds_gpt_zero1", "mds_gpt_zero0", "mds_gpt_bf16", "bf16"]
+                         "mds_gpt_zero1", "mds_gpt_zero0", "mds_gpt_bf16", "bf16", "fp16"]
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     for case, stage in (("gpt2", GPT_STAGE), ("llama", GPT_STAGE), ("gpt2_zero0", 0)):
         if case not in which:
@@ -461,7 +462,8 @@ def main(argv: list[str]) -> int:
                                     nprocs=WORLD)
         _clean(out)
         print(f"wrote {out}")
-    for name in BF16_CASES if "bf16" in which else ():
+    fp16 = [n for n in deepspeed_fp16.FP16_CASES if "fp16" in which or n in which]
+    for name in [*(BF16_CASES if "bf16" in which else ()), *fp16]:
         out = os.path.join(root, name)
         shutil.rmtree(out, ignore_errors=True)
         os.makedirs(out)
@@ -499,6 +501,8 @@ def bf16_loss(model, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
 def _bf16_worker(rank: int, port: int, out_dir: str, name: str) -> None:
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(WORLD),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    if name in deepspeed_fp16.FP16_CASES:  # (fp16: its module, under the CPU patch)
+        deepspeed_fp16.record(sys.modules[__name__], rank, out_dir, name)
     import deepspeed
     deepspeed.init_distributed(dist_backend="gloo")
     torch.manual_seed(0)

@@ -228,6 +228,16 @@ class DeepSpeedCheckpoint:
         return COLUMNS if self._base_state(0).get("state") else COLUMNS[:1]
 
     @functools.cached_property
+    def loss_scaler(self) -> dict | None:
+        """An fp16 run's loss scaler as hybrid's state (None otherwise; the notes say what
+        does not map): :func:`.deepspeed_bf16.loss_scaler_state`."""
+        state, notes = bf16.loss_scaler_state(self._optim(0).get("loss_scaler"),
+                                              self.model_state["ds_config"],
+                                              self._optim_paths[0])
+        self.notes.extend(notes)
+        return state
+
+    @functools.cached_property
     def step(self) -> int:
         self.layout  # noqa: B018 (the stage known first)
         state = self._base_state(0).get("state") or {}
@@ -445,15 +455,15 @@ class DeepSpeedZero0(DeepSpeedCheckpoint):
     """DeepSpeed without ZeRO (stage 0, fp32 training, the default when the ds_config
     has no ``zero_optimization``): one ``mp_rank_00_model_states.pt`` holding the module's
     weights (the masters: fp32) and the torch optimizer's own state dict; or, trained in
-    bf16, the bf16 weights and DeepSpeed's FP16_UnfusedOptimizer's state, whose fp32
-    masters are read (:mod:`.deepspeed_bf16`' Note).
+    bf16 or fp16, those weights and DeepSpeed's FP16_UnfusedOptimizer's state, whose fp32
+    masters are read (:mod:`.deepspeed_bf16`' Notes), with fp16's loss scale.
 
     That state dict names no parameter: its i-th is the optimizer's i-th, which for an
     optimizer built from ``model.parameters()`` is the module's i-th parameter (buffers,
     and a tied weight's second name, left out). The order is taken so and checked by
     shape, parameter by parameter; an order it does not match (parameter groups that
-    reorder the module's parameters) is one CheckpointError, as is fp16's state (its loss
-    scale is not carried over) and the fused FP16_Optimizer's. ``frozen``: the loading
+    reorder the module's parameters) is one CheckpointError, as is the fused
+    FP16_Optimizer's state. ``frozen``: the loading
     module's frozen parameters (``engine.load_checkpoint``), which the module's state
     dict holds and the optimizer (built from those that train) does not: left out of the
     order, and read as frozen values."""
@@ -478,8 +488,8 @@ class DeepSpeedZero0(DeepSpeedCheckpoint):
         if not isinstance(osd, dict) or set(osd) != {"state", "param_groups"}:
             keys = sorted(osd)[:5] if isinstance(osd, dict) else type(osd).__name__
             raise CheckpointError(f"{where}: the optimizer state is not a torch optimizer's "
-                                  f"({keys}) nor DeepSpeed's bf16 FP16_UnfusedOptimizer's: "
-                                  f"hybrid reads fp32 and bf16 stage-0 checkpoints and ZeRO "
+                                  f"({keys}) nor DeepSpeed's FP16_UnfusedOptimizer's: "
+                                  f"hybrid reads fp32, bf16, fp16 stage-0 checkpoints and ZeRO "
                                   f"1-3 ones")
         module = need(ms, "module", where)
         buffers, seen, params = set(ms.get("buffer_names") or ()), set(), []
@@ -505,10 +515,13 @@ class DeepSpeedZero0(DeepSpeedCheckpoint):
                     f"{list(got.shape) if got is not None else 'no exp_avg'}, the module's "
                     f"{name} is {list(module[name].shape)}: the optimizer's parameter "
                     f"order is not the module's (parameter groups that reorder them)")
+        self.loss_scaler, more = bf16.loss_scaler_state(ms["optimizer"], ms.get("ds_config"),
+                                                        where)
         if self._masters is not None:
             bf16.check_masters(self._masters, self._index, module, where)
-            self.notes.append("bf16: the fp32 masters are DeepSpeed's fp32_groups (the "
-                              "module's bf16 weights are their rounding)")
+            self.notes.append(f"{'fp16' if more else 'bf16'}: the fp32 masters are "
+                              f"DeepSpeed's fp32_groups (the module's weights their rounding)")
+        self.notes.extend(more)
         self._groups = [{n: list(module[n].shape) for n in params}]
         self.ds_shapes = dict(self._groups[0])
         self._bind(ms, names)

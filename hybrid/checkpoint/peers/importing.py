@@ -50,6 +50,7 @@ def import_peer(peer: PeerCheckpoint, save_dir: str, config: dict,
     head count) takes it from ``config`` first (:meth:`PeerCheckpoint.configure`).
     ``beat()``: called as the import goes (:class:`ImportWait`)."""
     peer.configure(config)
+    scaler = getattr(peer, "loss_scaler", None)  # (fp16's; its notes before they are logged)
     for line in peer.notes:
         log.warning("%s (%s): %s", peer.path, peer.format, line)
     os.makedirs(save_dir, exist_ok=True)
@@ -68,7 +69,8 @@ def import_peer(peer: PeerCheckpoint, save_dir: str, config: dict,
         save_dir, dict(peer.shapes), peer.read, tuple(peer.columns), {**config, **peer.flags},
         peer.vocab_size if peer.vocab_size is not None else vocab_size,
         iteration=peer.iteration, consumed_samples=peer.consumed_samples, step=peer.step,
-        extra=extra, beat=beat, frozen_shapes=peer.frozen_shapes, files=files)
+        extra=extra, beat=beat, frozen_shapes=peer.frozen_shapes, files=files,
+        loss_scaler=scaler)
     log.info("imported %s checkpoint %s (iteration %d) as %s", peer.format, peer.path,
              peer.iteration, out)
     return out
