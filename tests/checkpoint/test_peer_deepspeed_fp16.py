@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import os
 
+import pytest
 import torch
 
 from tests.checkpoint.test_peer_deepspeed import (
@@ -176,3 +177,119 @@ def test_one_rank_continues_an_fp16_checkpoint_until_the_layouts_overflow_apart(
     assert got["scales"][:2] == [2.0 ** 17] * 2 and got["skipped"] == [0] * 10, got
     assert max(abs(a - b) for a, b in zip(got["losses"][:2], want[:2])) <= TOLERANCE, got
     assert _worst(got["losses"], want) <= OTHER_DP_BOUND, got
+
+
+# -- the fp16 way back -------------------------------------------------------------------------
+# hybrid trains the recorder's Net in fp16 (the fixtures' dynamic loss scaling) and its
+# checkpoint is written as DeepSpeed's fp16 run saves, loss scaler included.
+
+def _trained_fp16(ps, save: str, steps: int) -> dict:
+    """Net under hybrid.deepspeed in fp16 at ZeRO 2: 10 steps, a save into ``save``,
+    ``steps`` more; every step's global loss, and the scale each step ran at."""
+    from hybrid import deepspeed as hds
+    rec, f16 = _recorder(), _fp16()
+    torch.manual_seed(0)
+    net = rec.Net()
+    engine, *_ = hds.initialize(model=net, model_parameters=net.parameters(),
+                                config=f16.fp16_config(rec.config(2)), mpu=ps)
+    out: dict = {"losses": [], "scales": [], "skipped": []}
+    for step in range(10 + steps):
+        if step == 10:
+            engine.save_checkpoint(save)
+        out["scales"].append(float(engine.zero.scaler.scale))
+        out["losses"].append(_fp16_step(engine, ps, step))
+        out["skipped"].append(int(engine.skipped_steps))
+    engine.close()
+    return out
+
+
+def _deepspeed_fp16_rank(rank: int, port: int, cases: list, steps: int, out: str):
+    """One DeepSpeed rank (fp16 under the recorder's CPU patch): for each ``(load_dir,
+    ds_config)``, a fresh Net (another seed), ``load_checkpoint``, then ``steps`` of the
+    recorder's batches; rank 0 saves each case's losses, scales and skips into ``out``."""
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2",
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), DS_ACCELERATOR="cpu")
+    import deepspeed
+    rec, f16 = _recorder(), _fp16()
+    f16.allow_fp16_on_cpu()
+    deepspeed.init_distributed(dist_backend="gloo")
+    results = []
+    for load_dir, config in cases:
+        torch.manual_seed(77)  # another start: the load must replace it
+        net = rec.Net()
+        engine, *_ = deepspeed.initialize(model=net, model_parameters=net.parameters(),
+                                          config=config)
+        path, _ = engine.load_checkpoint(load_dir)
+        assert path is not None
+        start, per = engine.global_steps, rec.GLOBAL_BATCH // 2
+        got: dict = {"start": start, "losses": [], "scales": [], "skipped": [],
+                     "optimizer": type(engine.optimizer).__name__,
+                     "scaler": f16.scaler_state(engine)}
+        for step in range(start, start + steps):
+            x, y = rec.batch(step)
+            rows = slice(rank * per, (rank + 1) * per)
+            got["scales"].append(float(engine.optimizer.loss_scale))
+            got["losses"].append(rec.step_mean(
+                engine, f16.fp16_loss(rec.loss_of, engine, x[rows], y[rows]), 2))
+            got["skipped"].append(int(engine.skipped_steps))
+        results.append(got)
+    if rank == 0:
+        torch.save(results, out)
+    rec.end_rank()
+
+
+# DeepSpeed 0.19.8's ZeRO optimizers update the loss scale before they unscale the step's
+# gradients (stage_1_and_2.py and stage3.py: _update_scale, then unscale_and_clip_grads by
+# self.loss_scale): on the step where the scale doubles, DeepSpeed steps on half the true
+# gradient; hybrid unscales by the scale the loss was scaled by. hybrid's run doubles after
+# step 13 (the window of 9 clean steps since its overflow at step 4), and so does
+# DeepSpeed's from the export (the scales agree), so the losses agree through step 13 and
+# step 14's moves by that half step (measured 4.7e-4).
+GROWTH_BOUND = 1e-3
+
+
+@pytest.mark.peer("deepspeed")
+def test_deepspeed_continues_hybrid_s_fp16_export(tmp_path):
+    """hybrid.deepspeed trains Net in fp16 at DP 2 (ZeRO 2, dynamic loss scaling) for 10
+    steps, saves, and trains 5 more; the checkpoint exported as DeepSpeed's fp16 run's at
+    DP 2 -- ZeRO 1 (through ``convert_checkpoint.py export --to deepspeed --dtype fp16``),
+    2 and 3 -- is loaded by DeepSpeed 0.19.8's engine.load_checkpoint under the same
+    fp16 config (its CPU accelerator patched as the recorder's): the scale it holds is
+    hybrid's, its next 5 scales (the doubling after step 13 included) and skipped steps
+    are hybrid's, and its losses are hybrid's within 2e-6 through step 13 (measured:
+    equal) and within :data:`GROWTH_BOUND` at step 14. Without ZeRO
+    (FP16_UnfusedOptimizer's fields) DeepSpeed loads hybrid's scale too; its losses are
+    not compared (it does not scale the loss: ZERO0_BOUND's note)."""
+    from hybrid.checkpoint.peers import deepspeed as ds
+    from tests.helpers.harness import run_ranks
+    from tests.helpers.launch import free_port, run_script
+    rec, f16, steps, save = _recorder(), _fp16(), 5, str(tmp_path / "hybrid")
+    ours = run_ranks(_trained_fp16, world_size=2, args=(save, steps))[0]
+    cases = []
+    for stage in (1, 2, 3, 0):
+        out, config = str(tmp_path / f"zero{stage}"), f16.fp16_config(rec.config(stage))
+        if stage == 1:
+            r = run_script("convert_checkpoint", ["export", "--to", "deepspeed", save, out,
+                                                  "--dp-size", "2", "--zero-stage", "1",
+                                                  "--dtype", "fp16"])
+            assert r.returncode == 0 and "ZeRO 1 fp16 checkpoint" in r.stdout, r.stderr
+        else:  # (the checkpoint's own dtype: fp16)
+            ds.write(save, out, 2, stage)
+        cases.append((out, config))
+    got = str(tmp_path / "theirs.pt")
+    torch.multiprocessing.spawn(_deepspeed_fp16_rank, nprocs=2,
+                                args=(free_port(), cases, steps, got))
+    theirs = torch.load(got, weights_only=True)
+    kinds = ["DeepSpeedZeroOptimizer", "DeepSpeedZeroOptimizer", "DeepSpeedZeroOptimizer_Stage3",
+             "FP16_UnfusedOptimizer"]
+    for (out, _), kind, result in zip(cases, kinds, theirs):
+        assert result["optimizer"] == kind and result["start"] == 10, (out, result)
+        assert result["scales"][0] == ours["scales"][10], (out, result, ours["scales"])
+        if kind == "FP16_UnfusedOptimizer":
+            continue
+        assert result["scales"] == ours["scales"][10:], (out, result, ours["scales"])
+        skipped = [s - ours["skipped"][9] for s in ours["skipped"][10:]]
+        assert result["skipped"] == skipped, (out, result["skipped"], skipped)
+        diff = [abs(a - b) for a, b in zip(result["losses"], ours["losses"][10:])]
+        assert max(diff[:4]) <= TOLERANCE and diff[4] <= GROWTH_BOUND, (out, diff)
+        assert diff[4] > TOLERANCE, (out, diff)  # (DeepSpeed's halved step, as said above)
