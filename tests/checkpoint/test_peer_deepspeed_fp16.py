@@ -293,3 +293,47 @@ def test_deepspeed_continues_hybrid_s_fp16_export(tmp_path):
         diff = [abs(a - b) for a, b in zip(result["losses"], ours["losses"][10:])]
         assert max(diff[:4]) <= TOLERANCE and diff[4] <= GROWTH_BOUND, (out, diff)
         assert diff[4] > TOLERANCE, (out, diff)  # (DeepSpeed's halved step, as said above)
+
+
+def test_an_fp16_import_exports_as_deepspeed_s_own_fp16_files(tmp_path):
+    """Without DeepSpeed: each fp16 fixture imported (its masters, moments, step and loss
+    scale as a hybrid checkpoint) and exported back under its own ds_config, at its own
+    DP size and stage, is DeepSpeed's save again where it matters: the same files and
+    keys, the module's fp16 weights and the fp32 masters and moments bit for bit, and the
+    loss scaler DeepSpeed pickled (ZeRO 2-3: every DynamicLossScaler field, the counters
+    included) or FP16_UnfusedOptimizer's loss-scale fields (no ZeRO)."""
+    from hybrid.checkpoint.peers import deepspeed as ds
+    from hybrid.checkpoint.peers.deepspeed_files import load_file
+    from hybrid.checkpoint.peers.importing import import_peer
+    for name in ("net_fp16_zero0", "net_fp16_zero2", "net_fp16_zero3"):
+        theirs = os.path.join(FIXTURES, name, "global_step3")
+        peer = ds.open(os.path.join(FIXTURES, name), names="module")
+        stage, config = peer.stage, peer.model_state["ds_config"]
+        src = import_peer(peer, str(tmp_path / name / "hybrid"), {}, None)
+        peer.close()
+        tag = ds.write(src, str(tmp_path / name / "out"), 2, stage, ds_config=config,
+                       param_groups="one")  # (DeepSpeed's run: model.parameters())
+        assert sorted(os.listdir(tag)) == sorted(os.listdir(theirs)), name
+        for f in os.listdir(tag):
+            mine, want = load_file(os.path.join(tag, f)), load_file(os.path.join(theirs, f))
+            assert sorted(mine) == sorted(want), (name, f)
+            for k, v in want.get("module", {}).items():
+                assert v.dtype == torch.float16 and torch.equal(mine["module"][k], v), (f, k)
+            if stage == 0:  # (FP16_UnfusedOptimizer's fields, the masters per parameter)
+                keys = ("dynamic_loss_scale", "cur_scale", "cur_iter", "last_overflow_iter",
+                        "scale_factor", "scale_window")
+                assert ({k: mine["optimizer"][k] for k in keys}
+                        == {k: want["optimizer"][k] for k in keys}), name
+                assert all(torch.equal(a, b) for a, b in zip(
+                    mine["optimizer"]["fp32_groups"][0], want["optimizer"]["fp32_groups"][0]))
+            if "optimizer_state_dict" in want:
+                a, b = (x["optimizer_state_dict"] for x in (mine, want))
+                assert type(a["loss_scaler"]).__name__ == "DynamicLossScaler", (name, f)
+                assert a["loss_scaler"].__dict__ == b["loss_scaler"].__dict__, (name, f)
+                assert a["dynamic_loss_scale"] is b["dynamic_loss_scale"] is True
+        back, orig = ds.open(tag), ds.open(os.path.join(FIXTURES, name))
+        assert back.loss_scaler == orig.loss_scaler, name  # (DeepSpeed's padding: not
+        for n in orig.shapes:  # compared, it holds whatever was in memory there)
+            assert all(torch.equal(back.read(n)[k], v) for k, v in orig.read(n).items()), n
+        back.close()
+        orig.close()
