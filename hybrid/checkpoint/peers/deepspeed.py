@@ -228,14 +228,9 @@ class DeepSpeedCheckpoint:
         return COLUMNS if self._base_state(0).get("state") else COLUMNS[:1]
 
     @functools.cached_property
-    def loss_scaler(self) -> dict | None:
-        """An fp16 run's loss scaler as hybrid's state (None otherwise; the notes say what
-        does not map): :func:`.deepspeed_bf16.loss_scaler_state`."""
-        state, notes = bf16.loss_scaler_state(self._optim(0).get("loss_scaler"),
-                                              self.model_state["ds_config"],
-                                              self._optim_paths[0])
-        self.notes.extend(notes)
-        return state
+    def loss_scaler(self) -> dict | None:  # (fp16's, as hybrid's: .deepspeed_bf16's)
+        return bf16.loss_scaler_state(self._optim(0).get("loss_scaler"), self.model_state[
+            "ds_config"], self._optim_paths[0], self.notes)
 
     @functools.cached_property
     def step(self) -> int:
@@ -452,21 +447,19 @@ class DeepSpeedUniversal(DeepSpeedCheckpoint):
 
 
 class DeepSpeedZero0(DeepSpeedCheckpoint):
-    """DeepSpeed without ZeRO (stage 0, fp32 training, the default when the ds_config
-    has no ``zero_optimization``): one ``mp_rank_00_model_states.pt`` holding the module's
-    weights (the masters: fp32) and the torch optimizer's own state dict; or, trained in
-    bf16 or fp16, those weights and DeepSpeed's FP16_UnfusedOptimizer's state, whose fp32
-    masters are read (:mod:`.deepspeed_bf16`' Notes), with fp16's loss scale.
+    """DeepSpeed without ZeRO (stage 0, the default when the ds_config has no
+    ``zero_optimization``): one ``mp_rank_00_model_states.pt`` holding the module's weights
+    (fp32: the masters) and the torch optimizer's state dict, in bf16 or fp16 wrapped in
+    FP16_UnfusedOptimizer's (its fp32 masters read; fp16's loss scale: :mod:`.deepspeed_bf16`).
 
     That state dict names no parameter: its i-th is the optimizer's i-th, which for an
     optimizer built from ``model.parameters()`` is the module's i-th parameter (buffers,
     and a tied weight's second name, left out). The order is taken so and checked by
     shape, parameter by parameter; an order it does not match (parameter groups that
     reorder the module's parameters) is one CheckpointError, as is the fused
-    FP16_Optimizer's state. ``frozen``: the loading
-    module's frozen parameters (``engine.load_checkpoint``), which the module's state
-    dict holds and the optimizer (built from those that train) does not: left out of the
-    order, and read as frozen values."""
+    FP16_Optimizer's state. ``frozen``: the loading module's frozen parameters
+    (``engine.load_checkpoint``), which the module's state dict holds and the optimizer
+    (built from those that train) does not: left out of the order, read as frozen."""
 
     def __init__(self, tag_dir: str, names=None, frozen: Collection[str] = ()):
         ms = self._header(tag_dir)
@@ -484,6 +477,7 @@ class DeepSpeedZero0(DeepSpeedCheckpoint):
             raise CheckpointError(f"{where}: no optimizer state (saved without it, or by "
                                   f"an engine without an optimizer); hybrid imports a "
                                   f"{FORMAT} checkpoint to continue its training")
+        self.loss_scaler = bf16.loss_scaler_state(osd, ms.get("ds_config"), where, self.notes)
         osd, self._masters = bf16.unfused_masters(ms, osd, where)
         if not isinstance(osd, dict) or set(osd) != {"state", "param_groups"}:
             keys = sorted(osd)[:5] if isinstance(osd, dict) else type(osd).__name__
@@ -515,13 +509,8 @@ class DeepSpeedZero0(DeepSpeedCheckpoint):
                     f"{list(got.shape) if got is not None else 'no exp_avg'}, the module's "
                     f"{name} is {list(module[name].shape)}: the optimizer's parameter "
                     f"order is not the module's (parameter groups that reorder them)")
-        self.loss_scaler, more = bf16.loss_scaler_state(ms["optimizer"], ms.get("ds_config"),
-                                                        where)
         if self._masters is not None:
-            bf16.check_masters(self._masters, self._index, module, where)
-            self.notes.append(f"{'fp16' if more else 'bf16'}: the fp32 masters are "
-                              f"DeepSpeed's fp32_groups (the module's weights their rounding)")
-        self.notes.extend(more)
+            self.notes.append(bf16.check_masters(self._masters, self._index, module, where))
         self._groups = [{n: list(module[n].shape) for n in params}]
         self.ds_shapes = dict(self._groups[0])
         self._bind(ms, names)

@@ -1,6 +1,7 @@
 """DeepSpeed's bf16 and fp16 saves, for the reader (:mod:`.deepspeed`): which files a
 save's optimizer state is in, BF16_Optimizer's flat partitions, the fp32 masters of
-DeepSpeed's FP16_UnfusedOptimizer, and an fp16 run's loss scaler as hybrid's.
+DeepSpeed's FP16_UnfusedOptimizer, and an fp16 run's loss scaler as hybrid's (and, for
+the export, hybrid's as DeepSpeed's).
 
 [Note: DeepSpeed 0.19.8's bf16 saves]
 A bf16 run keeps fp32 masters beside the bf16 module weights (their rounding, which are
@@ -43,6 +44,7 @@ window (Megatron's rule): a line of the import's notes says so.
 
 from __future__ import annotations
 
+import math
 import os
 
 import torch
@@ -67,13 +69,13 @@ def fp16_enabled(ds_config) -> bool:
     return enabled is True or str(enabled).lower() == "true"
 
 
-def loss_scaler_state(held, ds_config, where: str) -> tuple[dict | None, list[str]]:
-    """(hybrid's LossScaler state dict, the notes) for an fp16 run's loss scaler ``held``
-    (the Note on fp16 saves: a ZeRO optimizer file's pickled scaler, or
-    FP16_UnfusedOptimizer's state dict); ``(None, [])`` for a run not in fp16 (its scale
-    is 1). A scaler without a scale is one CheckpointError naming ``where``."""
+def loss_scaler_state(held, ds_config, where: str, notes: list[str]) -> dict | None:
+    """hybrid's LossScaler state dict for an fp16 run's loss scaler ``held`` (the Note on
+    fp16 saves: a ZeRO optimizer file's pickled scaler, or FP16_UnfusedOptimizer's state
+    dict), appending to ``notes`` what does not map; None for a run not in fp16 (its
+    scale is 1). A scaler without a scale is one CheckpointError naming ``where``."""
     if not fp16_enabled(ds_config):
-        return None, []
+        return None
     attrs: dict = held if isinstance(held, dict) else getattr(held, "__dict__", {})
     scale = attrs.get("cur_scale")
     if not isinstance(scale, (int, float)) or not scale > 0:
@@ -81,10 +83,10 @@ def loss_scaler_state(held, ds_config, where: str) -> tuple[dict | None, list[st
                               f"(cur_scale {scale!r})")
     dynamic = attrs.get("dynamic", attrs.get("dynamic_loss_scale")) is True
     if not dynamic:
-        return {"scale": float(scale), "clean_steps": 0, "hysteresis_left": 1}, []
+        return {"scale": float(scale), "clean_steps": 0, "hysteresis_left": 1}
     unfused = isinstance(held, dict)  # (FP16_UnfusedOptimizer: no hysteresis)
     clean = int(attrs["cur_iter"]) - int(attrs["last_overflow_iter"]) - 2
-    notes = [f"fp16 loss scale {float(scale):g} carried over (next doubling at DeepSpeed's "
+    notes += [f"fp16 loss scale {float(scale):g} carried over (next doubling at DeepSpeed's "
              f"step); after an overflow hybrid doubles it after fp16.loss_scale_window "
              f"clean steps, DeepSpeed after one more"]
     if unfused:
@@ -96,7 +98,45 @@ def loss_scaler_state(held, ds_config, where: str) -> tuple[dict | None, list[st
         notes.append("fp16 consecutive_hysteresis: DeepSpeed restored the hysteresis "
                      "after each clean step; hybrid restores it when the scale grows")
     return {"scale": float(scale), "clean_steps": clean,
-            "hysteresis_left": 1 if unfused else int(attrs.get("cur_hysteresis", 1))}, notes
+            "hysteresis_left": 1 if unfused else int(attrs.get("cur_hysteresis", 1))}
+
+
+def fp16_block(meta: dict) -> dict:
+    """The ds_config ``fp16`` block of the checkpoint's run (its loss-scale flags)."""
+    cfg = meta.get("config") or {}
+    static = cfg.get("loss_scale")
+    return {"enabled": True, "loss_scale": float(static or 0),
+            "initial_scale_power": int(math.log2(float(cfg.get("initial_loss_scale") or
+                                                        2.0 ** 16))),
+            "loss_scale_window": int(cfg.get("loss_scale_window") or 1000),
+            "hysteresis": int(cfg.get("hysteresis") or 2),
+            "min_loss_scale": float(cfg.get("min_loss_scale") or 1.0)}
+
+
+def deepspeed_scaler(meta: dict, config: dict, record: dict) -> dict:
+    """The export's (:mod:`.deepspeed_export`): hybrid's fp16 loss scaler as DeepSpeed
+    holds it, :func:`loss_scaler_state` backwards:
+    ``{"dynamic": bool, "fields": {...}}``, the fields DeepSpeed's DynamicLossScaler (or
+    static LossScaler) pickles. The scale and counters are the checkpoint's
+    (``loss_scaler``), the settings ``config``'s fp16 block."""
+    given = config.get("fp16")
+    block: dict = given if isinstance(given, dict) else fp16_block(meta)
+    saved = meta.get("loss_scaler") or {}
+    static = float(block.get("loss_scale") or 0)
+    if static:
+        return {"dynamic": False, "fields": {"cur_scale": static, "dynamic": False}}
+    hysteresis = int(block.get("hysteresis", 2))
+    scale = float(saved.get("scale", 2.0 ** int(block.get("initial_scale_power", 16))))
+    at = int(record["global_steps"])  # (DeepSpeed doubles at a positive multiple of the
+    clean = int(saved.get("clean_steps", 0))  # window of at - last_overflow_iter - 1)
+    return {"dynamic": True, "fields": {
+        "cur_scale": scale, "dynamic": True, "cur_iter": at,
+        "last_overflow_iter": at - clean - 2 if clean >= 0 else at - 1,
+        "scale_factor": 2.0, "scale_window": int(block.get("loss_scale_window", 1000)),
+        "min_scale": float(block.get("min_loss_scale", 1.0)), "delayed_shift": hysteresis,
+        "cur_hysteresis": max(1, int(saved.get("hysteresis_left", hysteresis))),
+        "consecutive_hysteresis": False, "raise_error_at_min_scale": True,
+        "dtype": torch.float16}}
 
 
 def is_bf16_optimizer(optim: dict) -> bool:
@@ -207,9 +247,10 @@ def unfused_masters(ms: dict, osd, where: str) -> tuple:
     return inner, dict(zip(order, masters))
 
 
-def check_masters(masters: dict, index: dict, module: dict, where: str) -> None:
+def check_masters(masters: dict, index: dict, module: dict, where: str) -> str:
     """Each module parameter's fp32 master (by its optimizer index) has its shape: else
-    the optimizer's order is not the module's."""
+    the optimizer's order is not the module's. Returns the note saying where the masters
+    come from."""
     for name, i in index.items():
         got = masters.get(i)
         if got is None or tuple(got.shape) != tuple(module[name].shape):
@@ -218,3 +259,7 @@ def check_masters(masters: dict, index: dict, module: dict, where: str) -> None:
                 f"{list(got.shape) if got is not None else 'missing'}, the module's {name} "
                 f"is {list(module[name].shape)}: the optimizer's parameter order is not the "
                 f"module's")
+    half = {torch.float16: "fp16", torch.bfloat16: "bf16"}
+    dtype = next((half[t.dtype] for t in module.values() if t.dtype in half), "bf16/fp16")
+    return (f"{dtype}: the fp32 masters are DeepSpeed's fp32_groups (the module's weights "
+            f"their rounding)")

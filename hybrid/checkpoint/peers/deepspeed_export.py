@@ -31,8 +31,8 @@ masters, per parameter), the torch optimizer's state dict and a static loss scal
 With ``dtype="fp16"`` the files are those of DeepSpeed's fp16 run (:mod:`.deepspeed_bf16`'
 Note on fp16 saves): laid out as the bf16 export's, the optimizer files named
 ``zero_pp_rank_*`` (no ``bf16_``), the module's weights the masters' fp16 rounding, and
-the loss scaler hybrid saved (:func:`_fp16_scaler`) as DeepSpeed's: at ZeRO 1-3 its
-pickled DynamicLossScaler (the fp16 settings of the run's config, its scale and
+the loss scaler hybrid saved as DeepSpeed's (:func:`.deepspeed_bf16.deepspeed_scaler`): at
+ZeRO 1-3 its pickled DynamicLossScaler (the fp16 settings of the run's config, its scale and
 hysteresis left, ``last_overflow_iter`` placed so that DeepSpeed's next doubling falls
 on hybrid's step), without ZeRO FP16_UnfusedOptimizer's fields; a static scale
 (``--loss-scale``) as DeepSpeed's LossScaler.
@@ -57,7 +57,11 @@ from typing import Any
 import torch
 
 from hybrid.checkpoint import iter_full_params, module_state, resolve_checkpoint
-from hybrid.checkpoint.peers.deepspeed_bf16 import bf16_enabled
+from hybrid.checkpoint.peers.deepspeed_bf16 import (
+    bf16_enabled,
+    deepspeed_scaler,
+    fp16_block,
+)
 from hybrid.checkpoint.peers.deepspeed_files import (
     LATEST,
     STANDINS,
@@ -183,8 +187,8 @@ def write(checkpoint: str, out_dir: str, dp_size: int = 1, zero_stage: int = 2, 
         "lr_scheduler": schedule, "step": int(meta.get("step") or 0)}
     config = ds_config or {"zero_optimization": {"stage": zero_stage},
                            **({"bf16": {"enabled": True}} if bf16 else {}),
-                           **({"fp16": _fp16_block(meta)} if half == "fp16" else {})}
-    record["scaler"] = _fp16_scaler(meta, config, record) if half == "fp16" else None
+                           **({"fp16": fp16_block(meta)} if half == "fp16" else {})}
+    record["scaler"] = deepspeed_scaler(meta, config, record) if half == "fp16" else None
     if half != "fp32":  # (as module.bfloat16() / .half() leaves them)
         frozen, buffers = ({n: t.to(_DTYPES[half]) if t.is_floating_point() else t
                             for n, t in d.items()} for d in (frozen, buffers))
@@ -207,7 +211,7 @@ def _write_zero(tmp: str, ckpt: str, zero_stage: int, groups: list[OrderedDict],
                 settings: list[dict], names: dict, convert, dp_size: int, step: int,
                 config: dict, bf16: bool, scaler=None) -> None:
     """ZeRO 1-3's optimizer files into ``tmp``: each DP rank's flat partitions
-    (``scaler``: an fp16 run's loss scaler, :func:`_fp16_scaler`)."""
+    (``scaler``: an fp16 run's loss scaler, :func:`.deepspeed_bf16.deepspeed_scaler`)."""
     kind = ("BF16_Optimizer" if bf16 and zero_stage == 1 and _bf16_optimizer(config)
             else "ZeRO")
     prefix = "bf16_" if bf16 else ""
@@ -235,43 +239,6 @@ def _write_zero(tmp: str, ckpt: str, zero_stage: int, groups: list[OrderedDict],
 
 _COLUMNS = ("master", "exp_avg", "exp_avg_sq")
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-
-
-def _fp16_block(meta: dict) -> dict:
-    """The ds_config ``fp16`` block of the checkpoint's run (its loss-scale flags)."""
-    cfg = meta.get("config") or {}
-    static = cfg.get("loss_scale")
-    return {"enabled": True, "loss_scale": float(static or 0),
-            "initial_scale_power": int(math.log2(float(cfg.get("initial_loss_scale") or
-                                                        2.0 ** 16))),
-            "loss_scale_window": int(cfg.get("loss_scale_window") or 1000),
-            "hysteresis": int(cfg.get("hysteresis") or 2),
-            "min_loss_scale": float(cfg.get("min_loss_scale") or 1.0)}
-
-
-def _fp16_scaler(meta: dict, config: dict, record: dict) -> dict:
-    """An fp16 run's loss scaler as DeepSpeed holds it (the Note on the fp16 export):
-    ``{"dynamic": bool, "fields": {...}}``, the fields DeepSpeed's DynamicLossScaler (or
-    static LossScaler) pickles. The scale and counters are the checkpoint's
-    (``loss_scaler``), the settings ``config``'s fp16 block."""
-    given = config.get("fp16")
-    block: dict = given if isinstance(given, dict) else _fp16_block(meta)
-    saved = meta.get("loss_scaler") or {}
-    static = float(block.get("loss_scale") or 0)
-    if static:
-        return {"dynamic": False, "fields": {"cur_scale": static, "dynamic": False}}
-    hysteresis = int(block.get("hysteresis", 2))
-    scale = float(saved.get("scale", 2.0 ** int(block.get("initial_scale_power", 16))))
-    at = int(record["global_steps"])  # (DeepSpeed doubles at a positive multiple of the
-    clean = int(saved.get("clean_steps", 0))  # window of at - last_overflow_iter - 1)
-    return {"dynamic": True, "fields": {
-        "cur_scale": scale, "dynamic": True, "cur_iter": at,
-        "last_overflow_iter": at - clean - 2 if clean >= 0 else at - 1,
-        "scale_factor": 2.0, "scale_window": int(block.get("loss_scale_window", 1000)),
-        "min_scale": float(block.get("min_loss_scale", 1.0)), "delayed_shift": hysteresis,
-        "cur_hysteresis": max(1, int(saved.get("hysteresis_left", hysteresis))),
-        "consecutive_hysteresis": False, "raise_error_at_min_scale": True,
-        "dtype": torch.float16}}
 
 
 def _export_dtype(ckpt: str, meta: dict, dtype: str | None, ds_config: dict | None,
@@ -477,7 +444,8 @@ def _optimizer_state(flat: list[dict[str, torch.Tensor]], rank: int, dp_size: in
     (master and both moments; ``totals[g]`` the group's elements), with the fragment
     addresses (stages 1-2) that DeepSpeed's loader checks; ``settings[g]`` the group's
     torch AdamW settings. ``kind`` "BF16_Optimizer": that optimizer's state at ZeRO 1
-    (the Note on the bf16 export). ``fp16``: an fp16 run's scaler (:func:`_fp16_scaler`)."""
+    (the Note on the bf16 export). ``fp16``: an fp16 run's scaler
+    (:func:`.deepspeed_bf16.deepspeed_scaler`)."""
     state = {g: {"step": torch.tensor(float(step)), "exp_avg": f["exp_avg"],
                  "exp_avg_sq": f["exp_avg_sq"]} for g, f in enumerate(flat)}
     base = {"state": state,
