@@ -13,9 +13,16 @@ DeepSpeed's own code, unpatched; torch computes the fp16 matmuls on the CPU as i
 for any fp16 tensor. The patch changes no number DeepSpeed computes.
 
 The fixtures (:data:`FP16_CASES`) train :class:`Net` as the fp32 and bf16 ones do, with
-dynamic loss scaling (:func:`fp16_config`): a first scale of 2**16 overflows the tiny
-model's fp16 gradients, so the runs skip steps and lower their scale before the save,
-and the small window grows it again in the 10 steps recorded after it.
+dynamic loss scaling (:func:`fp16_config`): at ZeRO 2 and 3 a first scale of 2**18
+overflows the tiny model's fp16 gradients at steps 0 and 1 (the hysteresis of 2 spent,
+then halved: saved at 2**17 with no overflow left before the next halving), and again at
+step 4 after the save (halved at once to 2**16). The window of 9 keeps a doubling out of
+the 10 recorded steps: after an overflow DeepSpeed doubles after window + 1 clean steps,
+hybrid after window, and on the step it doubles DeepSpeed's ZeRO optimizers unscale the
+gradients by the doubled scale (the export's peer test shows that step). Without ZeRO
+DeepSpeed 0.19.8 never scales the loss (``engine.backward`` scales it for ZeRO optimizers
+only) while FP16_UnfusedOptimizer divides the gradients by its scale: that fixture never
+overflows, and its steps are on gradients 2**18 times too small (recorded as it runs).
 """
 
 from __future__ import annotations
