@@ -337,3 +337,34 @@ def test_an_fp16_import_exports_as_deepspeed_s_own_fp16_files(tmp_path):
             assert all(torch.equal(back.read(n)[k], v) for k, v in orig.read(n).items()), n
         back.close()
         orig.close()
+
+
+def _edit(path: str, edit) -> None:
+    """Rewrite DeepSpeed file ``path`` after ``edit(state)`` (its DeepSpeed objects kept
+    under DeepSpeed's names: the export's pickler)."""
+    from hybrid.checkpoint.peers.deepspeed_export import _save
+    from hybrid.checkpoint.peers.deepspeed_files import load_file
+    state = load_file(path)
+    edit(state)
+    _save(state, path + ".new")
+    os.replace(path + ".new", path)
+
+
+def test_an_fp16_file_without_its_loss_scale_is_one_error_naming_it(tmp_path):
+    """An fp16 save whose loss scaler lost its scale (ZeRO 2's pickled scaler) or its
+    counters (FP16_UnfusedOptimizer's ``cur_iter``): one CheckpointError naming the file."""
+    from hybrid.checkpoint.peers import deepspeed as ds
+    from hybrid.errors import CheckpointError
+    d = _copy("net_fp16_zero2", tmp_path)
+    path = os.path.join(d, "global_step3", "zero_pp_rank_0_mp_rank_00_optim_states.pt")
+    _edit(path, lambda sd: sd["optimizer_state_dict"]["loss_scaler"].__dict__.pop("cur_scale"))
+    ck = ds.open(d)
+    with pytest.raises(CheckpointError, match=rf"^{path}: an fp16 run's file without its "
+                                              rf"loss scale \(cur_scale None\)$"):
+        ck.loss_scaler  # noqa: B018
+    d = _copy("net_fp16_zero0", tmp_path)
+    path = os.path.join(d, "global_step3", "mp_rank_00_model_states.pt")
+    _edit(path, lambda sd: sd["optimizer"].pop("cur_iter"))
+    with pytest.raises(CheckpointError, match=rf"^{path}: an fp16 run's dynamic loss scale "
+                                              rf"without its counters \(cur_iter None"):
+        ds.open(d)

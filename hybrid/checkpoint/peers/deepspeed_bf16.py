@@ -73,7 +73,8 @@ def loss_scaler_state(held, ds_config, where: str, notes: list[str]) -> dict | N
     """hybrid's LossScaler state dict for an fp16 run's loss scaler ``held`` (the Note on
     fp16 saves: a ZeRO optimizer file's pickled scaler, or FP16_UnfusedOptimizer's state
     dict), appending to ``notes`` what does not map; None for a run not in fp16 (its
-    scale is 1). A scaler without a scale is one CheckpointError naming ``where``."""
+    scale is 1). A scaler without a scale or its counters is one CheckpointError naming
+    ``where``."""
     if not fp16_enabled(ds_config):
         return None
     attrs: dict = held if isinstance(held, dict) else getattr(held, "__dict__", {})
@@ -85,7 +86,11 @@ def loss_scaler_state(held, ds_config, where: str, notes: list[str]) -> dict | N
     if not dynamic:
         return {"scale": float(scale), "clean_steps": 0, "hysteresis_left": 1}
     unfused = isinstance(held, dict)  # (FP16_UnfusedOptimizer: no hysteresis)
-    clean = int(attrs["cur_iter"]) - int(attrs["last_overflow_iter"]) - 2
+    at, last = attrs.get("cur_iter"), attrs.get("last_overflow_iter")
+    if not isinstance(at, int) or not isinstance(last, int) or last >= at:
+        raise CheckpointError(f"{where}: an fp16 run's dynamic loss scale without its "
+                              f"counters (cur_iter {at!r}, last_overflow_iter {last!r})")
+    clean = at - last - 2
     notes += [f"fp16 loss scale {float(scale):g} carried over (next doubling at DeepSpeed's "
              f"step); after an overflow hybrid doubles it after fp16.loss_scale_window "
              f"clean steps, DeepSpeed after one more"]
