@@ -23,6 +23,7 @@ gradients by the doubled scale (the export's peer test shows that step). Without
 DeepSpeed 0.19.8 never scales the loss (``engine.backward`` scales it for ZeRO optimizers
 only) while FP16_UnfusedOptimizer divides the gradients by its scale: that fixture never
 overflows, and its steps are on gradients 2**18 times too small (recorded as it runs).
+The ZeRO 2 save is also converted by DeepSpeed's ``ds_to_universal`` (:data:`UNIVERSAL`).
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ HYSTERESIS = 2
 # name -> ZeRO stage (DeepSpeed's optimizer: FP16_UnfusedOptimizer without ZeRO for
 # torch's AdamW, the ZeRO optimizers otherwise)
 FP16_CASES = {"net_fp16_zero0": 0, "net_fp16_zero2": 2, "net_fp16_zero3": 3}
+UNIVERSAL = ("net_fp16_zero2",)  # also converted by DeepSpeed's ds_to_universal
 
 
 def allow_fp16_on_cpu() -> None:
@@ -85,7 +87,8 @@ def record(rec, rank: int, out_dir: str, name: str) -> None:
     per, losses, scales, skipped = rec.GLOBAL_BATCH // rec.WORLD, [], [], []
     for step in range(rec.SAVED_AT + rec.CONTINUED):
         if step == rec.SAVED_AT:
-            engine.save_checkpoint(out_dir)
+            # (the info ds_to_universal asks of a client: none needed)
+            engine.save_checkpoint(out_dir, client_state={"universal_checkpoint_info": {}})
             saved = scaler_state(engine)
         x, y = rec.batch(step)
         rows = slice(rank * per, (rank + 1) * per)

@@ -392,6 +392,15 @@ def _port() -> int:
         return s.getsockname()[1]
 
 
+def _universal(out: str) -> None:
+    """DeepSpeed's ``ds_to_universal`` of the save in ``out`` (beside it, ``_universal``)."""
+    subprocess.run([sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal",
+                    "--input_folder", os.path.join(out, f"global_step{SAVED_AT}"),
+                    "--output_folder", os.path.join(out, f"global_step{SAVED_AT}_universal"),
+                    "--num_extract_workers", "1", "--num_merge_workers", "1"],
+                   check=True, stdout=subprocess.DEVNULL)
+
+
 def _clean(out: str) -> None:
     for helper in ("zero_to_fp32.py", "zero_to_torch.py"):  # DeepSpeed's own scripts,
         if os.path.exists(os.path.join(out, helper)):       # copied by every save
@@ -423,12 +432,7 @@ def main(argv: list[str]) -> int:
         torch.multiprocessing.spawn(_worker, args=(_port(), out, stage), nprocs=WORLD)
         _clean(out)
         if stage == 2:  # DeepSpeed's universal format of the same tag, by its own converter
-            subprocess.run([sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal",
-                            "--input_folder", os.path.join(out, f"global_step{SAVED_AT}"),
-                            "--output_folder",
-                            os.path.join(out, f"global_step{SAVED_AT}_universal"),
-                            "--num_extract_workers", "1", "--num_merge_workers", "1"],
-                           check=True, stdout=subprocess.DEVNULL)
+            _universal(out)
         print(f"wrote {out}")
     frozen = [(s, False) for s in FROZEN_STAGES] if "frozen" in which else []
     frozen += [(0, False)] if "frozen0" in which else []
@@ -469,6 +473,8 @@ def main(argv: list[str]) -> int:
         os.makedirs(out)
         torch.multiprocessing.spawn(_bf16_worker, args=(_port(), out, name), nprocs=WORLD)
         _clean(out)
+        if name in deepspeed_fp16.UNIVERSAL:  # (and its universal format)
+            _universal(out)
         print(f"wrote {out}")
     return 0
 

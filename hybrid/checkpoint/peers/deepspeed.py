@@ -229,8 +229,8 @@ class DeepSpeedCheckpoint:
 
     @functools.cached_property
     def loss_scaler(self) -> dict | None:  # (fp16's, as hybrid's: .deepspeed_bf16's)
-        return bf16.loss_scaler_state(self._optim(0).get("loss_scaler"), self.model_state[
-            "ds_config"], self._optim_paths[0], self.notes)
+        held, path = self._optim(0).get("loss_scaler"), self._optim_paths[0]
+        return bf16.loss_scaler_state(held, self.model_state["ds_config"], path, self.notes)
 
     @functools.cached_property
     def step(self) -> int:
@@ -396,9 +396,9 @@ class DeepSpeedCheckpoint:
 
 class DeepSpeedUniversal(DeepSpeedCheckpoint):
     """DeepSpeed's universal checkpoint (``ds_to_universal``'s ``global_stepN_universal/``:
-    the model-state file, and ``zero/<name>/{fp32,exp_avg,exp_avg_sq,step}.pt`` holding
-    each parameter whole, as ``{"param": tensor, "cat_dim": ...}``), read as the ZeRO one
-    is. It holds no layout: any DP size and stage load it alike."""
+    the model-state file, ``zero/<name>/{fp32,exp_avg,exp_avg_sq,step}.pt`` holding each
+    parameter whole, as ``{"param": tensor, ...}``, and ``zero/optimizer_state.pt``), read
+    as the ZeRO one is: no layout, any DP size and stage load it alike."""
 
     def __init__(self, tag_dir: str, names=None):
         ms = self._header(tag_dir)
@@ -417,6 +417,12 @@ class DeepSpeedUniversal(DeepSpeedCheckpoint):
 
     def _file(self, ds_name: str, what: str) -> str:
         return os.path.join(self._zero, ds_name, f"{what}.pt")
+
+    @functools.cached_property
+    def loss_scaler(self) -> dict | None:  # (fp16's: ds_to_universal keeps the scaler here)
+        path = os.path.join(self._zero, "optimizer_state.pt")
+        held = (load_file(path) if os.path.isfile(path) else {}).get("loss_scaler")
+        return bf16.loss_scaler_state(held, self.model_state["ds_config"], path, self.notes)
 
     @functools.cached_property
     def columns(self) -> tuple[str, ...]:
@@ -545,12 +551,11 @@ class DeepSpeedZero0(DeepSpeedCheckpoint):
 
 def open(path: str, step: int | None = None, names=None,  # noqa: A001
          frozen: Collection[str] = ()) -> DeepSpeedCheckpoint:
-    """The DeepSpeed checkpoint under ``path`` (a save directory: the tag ``latest``
-    names, or ``global_step<step>``; or one tag's directory). ``names``: a
-    :class:`NameMap`, ``"module"`` for DeepSpeed's names as they are, or None: a
-    GPT2LMHeadModel's mapped to hybrid's GPT (the Note on whose names), others as they
-    are. ``frozen``: the loading module's frozen parameters (with ``"module"``), which a
-    save without ZeRO does not name."""
+    """The DeepSpeed checkpoint under ``path`` (a save directory: the tag ``latest`` names,
+    or ``global_step<step>``; or one tag's directory). ``names``: a :class:`NameMap`,
+    ``"module"`` for DeepSpeed's names as they are, or None: a GPT2LMHeadModel's mapped to
+    hybrid's GPT (the Note on whose names), others as they are. ``frozen``: the loading
+    module's frozen parameters (with ``"module"``), which a save without ZeRO names not."""
     tag_dir = _tag_dir(path, step)
     if tag_dir is None:
         what = f"global_step{step}" if step is not None else f"{LATEST} naming a tag"
@@ -564,10 +569,9 @@ def open(path: str, step: int | None = None, names=None,  # noqa: A001
 
 
 def engine_state(path: str, step: int | None = None) -> dict:
-    """The engine's counters a DeepSpeed checkpoint records: ``global_steps``,
-    ``global_samples``, ``skipped_steps``, ``lr_scheduler`` (its state dict, or None), and
-    ``client_state`` (what the caller passed to ``save_checkpoint``). Reads the one
-    model-state file."""
+    """The engine's counters a DeepSpeed checkpoint records (``global_steps``,
+    ``global_samples``, ``skipped_steps``, ``lr_scheduler``: its state dict, or None) and
+    ``client_state`` (the caller's to ``save_checkpoint``), from the one model-state file."""
     tag_dir = _tag_dir(path, step)
     if tag_dir is None:
         raise CheckpointError(f"{path}: no {FORMAT} checkpoint")
@@ -581,20 +585,16 @@ def engine_state(path: str, step: int | None = None) -> dict:
     return out
 
 
-# What DeepSpeed's engine writes into a model-state file itself; the rest is the caller's
-# client_state, which save_checkpoint merges in at the top level.
-_ENGINE_KEYS = frozenset((
-    "module", "buffer_names", "optimizer", "param_shapes", "frozen_param_shapes",
-    "shared_params", "frozen_param_fragments", "lr_scheduler", "data_sampler", "random_ltd",
-    "sparse_tensor_module_names", "skipped_steps", "global_steps", "global_samples",
-    "dp_world_size", "mp_world_size", "checkpoint_parallel_dimensions", "ds_config",
-    "ds_version", "universal_checkpoint_info"))
+# What DeepSpeed's engine writes into a model-state file; the rest is the client_state.
+_ENGINE_KEYS = frozenset(("module", "buffer_names", "optimizer", "param_shapes",
+    "frozen_param_shapes", "ds_config", "shared_params", "frozen_param_fragments", "lr_scheduler",
+    "data_sampler", "random_ltd", "sparse_tensor_module_names", "skipped_steps", "global_steps",
+    "global_samples", "ds_version", "dp_world_size", "mp_world_size",
+    "checkpoint_parallel_dimensions", "universal_checkpoint_info"))
 
 
-def write(checkpoint: str, out_dir: str, dp_size: int = 1, zero_stage: int = 2,
-          **kw) -> str:
-    """The way back: hybrid checkpoint ``checkpoint`` as a DeepSpeed ZeRO ``zero_stage``
-    checkpoint of ``dp_size`` ranks under ``out_dir``
-    (:func:`hybrid.checkpoint.peers.deepspeed_export.write`)."""
+def write(checkpoint: str, out_dir: str, dp_size: int = 1, zero_stage: int = 2, **kw) -> str:
+    """The way back: hybrid checkpoint ``checkpoint`` as DeepSpeed ZeRO ``zero_stage``'s of
+    ``dp_size`` ranks under ``out_dir`` (:func:`.deepspeed_export.write`)."""
     from hybrid.checkpoint.peers.deepspeed_export import write as export
     return export(checkpoint, out_dir, dp_size, zero_stage, **kw)
