@@ -507,8 +507,9 @@ def bf16_loss(model, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
 def _bf16_worker(rank: int, port: int, out_dir: str, name: str) -> None:
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(WORLD),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    if name in deepspeed_fp16.FP16_CASES:  # (fp16: its module, under the CPU patch)
-        deepspeed_fp16.record(sys.modules[__name__], rank, out_dir, name)
+    if name in deepspeed_fp16.FP16_CASES:  # (fp16: its module, under the CPU patch; the
+        deepspeed_fp16.record(sys.modules[__name__], rank, out_dir, name)  # rank ends there)
+        return
     import deepspeed
     deepspeed.init_distributed(dist_backend="gloo")
     torch.manual_seed(0)
