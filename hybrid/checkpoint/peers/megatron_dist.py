@@ -84,6 +84,21 @@ def megatron_flags(args: Any) -> dict:
     return out
 
 
+# the tokenizers Megatron-LM builds from --vocab-size alone, adding their EOD token
+_NULL_TOKENIZERS = ("NullTokenizer", "NullMultimodalTokenizer")
+
+
+def tokenizer_vocab(args: Any) -> int | None:
+    """The tokenizer's vocabulary Megatron-LM's ``args`` record: ``vocab_size`` is the size
+    before the EOD token the Null tokenizers add, the whole vocabulary for TikTokenizer's,
+    and unused by the other tokenizers (their files say: None, not recorded); without
+    ``tokenizer_type`` (not Megatron-LM's own save) ``vocab_size`` as it is."""
+    size, kind = arg(args, "vocab_size"), arg(args, "tokenizer_type")
+    if size is None or kind in (None, "TikTokenizer"):
+        return size
+    return int(size) + 1 if kind in _NULL_TOKENIZERS else None
+
+
 class MegatronCheckpoint:
     """One ``torch_dist`` iteration opened for reading (:class:`~.base.PeerCheckpoint`)."""
 
@@ -115,7 +130,7 @@ class MegatronCheckpoint:
             self.notes.append("no args.consumed_train_samples: the data position starts at 0")
         self.swiglu = bool(arg(self.args, "swiglu", False))
         self.flags = megatron_flags(self.args)
-        self.vocab_size = arg(self.args, "vocab_size")
+        self.vocab_size = tokenizer_vocab(self.args)
         self._keys: dict[str, tuple[str, int | None]] = {}  # hybrid name -> (key, layer)
         # the non-distributed optimizer's state: (column, model key) -> its tensor's key
         self._state: dict[tuple[str, str], str] = {}

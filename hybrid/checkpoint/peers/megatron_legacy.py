@@ -10,7 +10,12 @@ import re
 import torch
 
 from hybrid.checkpoint.peers import megatron_names as names
-from hybrid.checkpoint.peers.megatron_dist import MegatronCheckpoint, arg, megatron_flags
+from hybrid.checkpoint.peers.megatron_dist import (
+    MegatronCheckpoint,
+    arg,
+    megatron_flags,
+    tokenizer_vocab,
+)
 from hybrid.checkpoint.peers.megatron_files import (
     LEGACY,
     LEGACY_FILE,
@@ -54,7 +59,7 @@ class LegacyCheckpoint(MegatronCheckpoint):
         self.notes = []
         self.swiglu = bool(arg(self.args, "swiglu", False))
         self.flags = megatron_flags(self.args)
-        self.vocab_size = arg(self.args, "vocab_size")
+        self.vocab_size = tokenizer_vocab(self.args)
         model = first.get("model")
         if not isinstance(model, dict):
             raise CheckpointError(f"{paths[0]}: no model state dict")
