@@ -1,0 +1,74 @@
+"""A checkpoint written by Megatron-LM's own ``save_checkpoint`` (not by the Megatron
+recorder's rebuild of its contents) is read and continued exactly.
+
+The fixture tests/fixtures/peers/megatron_lm_save/ is recorded by
+benchmarks/peers/record_megatron_lm_save.py: Megatron-LM's ``megatron/training`` at the
+tag core_v0.16.1 -- its argument parser, ``validate_args``, global variables and
+``checkpointing.save_checkpoint`` -- over megatron-core 0.16.1's GPT-2-family GPTModel
+and DistributedOptimizer (dp_reshardable, one bucket) at TP 1 x DP 2 on the CPU, after 3
+steps, with the losses of megatron-core's next 10. Megatron-LM is not installed in CI, so
+the fixture is committed and the recorder regenerates it given ``--megatron-lm DIR``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+from hybrid.checkpoint.peers import open_peer
+from hybrid.checkpoint.peers.megatron_dist import load_common, tokenizer_vocab
+from tests.checkpoint.test_peer_megatron import TOL, _continue, _record
+from tests.helpers.harness import run_ranks
+
+FIXTURE = os.path.join(os.path.dirname(os.path.dirname(__file__)), "fixtures", "peers",
+                       "megatron_lm_save")
+
+
+def test_megatron_lm_s_own_save_continues_within_2e_6(tmp_path):
+    """hybrid imports Megatron-LM's save at its layout (TP 1 x DP 2, ZeRO 1: the optimizer
+    sharded as Megatron's) and its 10 losses equal megatron-core's own continuation's
+    within 2e-6, from iteration 3 and the 12 samples consumed."""
+    rec = _record(FIXTURE)
+    assert rec["writer"] == "megatron.training.checkpointing.save_checkpoint"
+    assert (rec["tp"], rec["dp"], rec["distributed_optimizer"]) == (1, 2, "dp_reshardable")
+    it, consumed, losses = run_ranks(_continue, world_size=2, tp=1,
+                                     args=(FIXTURE, str(tmp_path / "save"), 1, rec))[0]
+    assert (it, consumed) == (3, 3 * rec["shape"]["micro"] * rec["dp"])
+    diff = max(abs(a - b) for a, b in zip(losses, rec["losses"]))
+    assert len(losses) == 10 and diff <= TOL, (diff, losses, rec["losses"])
+
+
+def test_what_megatron_lm_s_save_holds_beyond_the_recorder_s_is_read_right():
+    """Its ``args`` are Megatron-LM's whole Namespace: ``--tokenizer-type NullTokenizer
+    --vocab-size 63`` records the vocabulary before the EOD token the tokenizer adds (64
+    tokens, the model's 64 rows); ``common.pt`` also holds ``content_metadata`` and the
+    FLOPs so far, which change nothing read."""
+    peer = open_peer(FIXTURE)
+    try:
+        assert (peer.args.tokenizer_type, peer.args.vocab_size) == ("NullTokenizer", 63)
+        assert peer.vocab_size == 64 == peer.shapes["wte.weight"][0]
+        assert (peer.iteration, peer.consumed_samples, peer.step) == (3, 12, 3)
+        # (its args hold megatron-core's AttnBackend enum: read as a stub, nothing imported)
+        common = load_common(os.path.join(FIXTURE, "iter_0000003"))
+        stub = type(common["args"].attention_backend)
+        assert stub.__module__ == "hybrid.checkpoint.peers.megatron_files", stub
+        assert common["content_metadata"]["distrib_optim_sharding_type"] == "dp_reshardable"
+        assert common["num_floating_point_operations_so_far"] > 0
+        assert peer.columns == ("master", "exp_avg", "exp_avg_sq")
+    finally:
+        peer.close()
+
+
+def test_the_tokenizer_vocabulary_megatron_lm_s_args_record():
+    """``vocab_size`` per Megatron-LM's tokenizers: before EOD for the Null ones, the whole
+    vocabulary for TikTokenizer's, unused (None) by those read from files; without
+    ``tokenizer_type`` as it is."""
+    def ns(**kw):
+        return argparse.Namespace(**kw)
+    assert tokenizer_vocab(ns(tokenizer_type="NullTokenizer", vocab_size=63)) == 64
+    assert tokenizer_vocab(ns(tokenizer_type="NullMultimodalTokenizer", vocab_size=9)) == 10
+    assert tokenizer_vocab(ns(tokenizer_type="TikTokenizer", vocab_size=131072)) == 131072
+    assert tokenizer_vocab(ns(tokenizer_type="GPT2BPETokenizer", vocab_size=50000)) is None
+    assert tokenizer_vocab(ns(tokenizer_type="GPT2BPETokenizer", vocab_size=None)) is None
+    assert tokenizer_vocab(ns(vocab_size=64)) == 64
+    assert tokenizer_vocab(None) is None
