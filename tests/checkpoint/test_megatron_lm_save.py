@@ -72,3 +72,28 @@ def test_the_tokenizer_vocabulary_megatron_lm_s_args_record():
     assert tokenizer_vocab(ns(tokenizer_type="GPT2BPETokenizer", vocab_size=None)) is None
     assert tokenizer_vocab(ns(vocab_size=64)) == 64
     assert tokenizer_vocab(None) is None
+
+
+def test_the_legacy_format_s_distributed_optimizer_file_is_one_line(tmp_path):
+    """Megatron-LM's ``--ckpt-format torch --use-distributed-optimizer`` keeps the
+    moments in ``mp_rank_XX/distrib_optim.pt`` beside a ``model_optim_rng.pt`` whose
+    optimizer holds param groups only: the reader says in one line that it does not read
+    that file (weights only), rather than taking the save for one without optimizer."""
+    import shutil
+
+    import torch
+    legacy = os.path.join(os.path.dirname(FIXTURE), "megatron_legacy")
+    it = tmp_path / "iter_0000003"
+    shutil.copytree(os.path.join(legacy, "iter_0000003"), it)
+    for rank in sorted(it.iterdir()):
+        sd = torch.load(rank / "model_optim_rng.pt", weights_only=False)
+        sd["optimizer"] = {"param_groups": sd["optimizer"]["param_groups"]}
+        torch.save(sd, rank / "model_optim_rng.pt")
+        torch.save({"buckets_coalesced": True}, rank / "distrib_optim.pt")
+    peer = open_peer(str(it))
+    try:
+        assert peer.columns == ("master",)
+        lines = [n for n in peer.notes if "distrib_optim.pt" in n]
+        assert len(lines) == 1 and "not read" in lines[0], peer.notes
+    finally:
+        peer.close()

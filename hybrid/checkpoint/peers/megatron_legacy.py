@@ -78,6 +78,13 @@ class LegacyCheckpoint(MegatronCheckpoint):
             state = self._inner(first)["state"]
             some = state[next(iter(self._opt_ids.values()))]
             self.step = int(some.get("step", self.iteration))
+        elif os.path.isfile(os.path.join(os.path.dirname(paths[0]), "distrib_optim.pt")):
+            # (Megatron-LM's --use-distributed-optimizer in this format: the moments go to
+            # a file of their own, the grad buffers coalesced, which hybrid does not read)
+            self.notes.append(f"{os.path.dirname(paths[0])}/distrib_optim.pt: the "
+                              f"distributed optimizer's state in the legacy format is not "
+                              f"read (save with --ckpt-format torch_dist to carry it): "
+                              f"weights only, Adam's moments start at zero")
         else:
             self.notes.append("no optimizer state: Adam's moments start at zero")
         self._scheduler(first.get("opt_param_scheduler"))
