@@ -512,7 +512,7 @@ def record(a, dp: int) -> None:
     assert load(os.path.join(a.out, f"iter_{SAVE_AT:07d}")) == SAVE_AT
     reloaded = [again.step(b) for b in data[SAVE_AT:]]
     worst = max(abs(x - y) for x, y in zip(losses, reloaded))
-    assert worst == 0.0, f"megatron-core's reload continues differently ({worst})"
+    assert losses == reloaded, f"megatron-core's reload continues differently ({worst}; NaN?)"
     if dist.get_rank() == 0:
         with open(os.path.join(a.out, "losses.json"), "w") as f:
             json.dump({"megatron_core": __import__("megatron.core").core.__version__,
