@@ -15,8 +15,15 @@ from __future__ import annotations
 import argparse
 import os
 
+import pytest
+
 from hybrid.checkpoint.peers import open_peer
-from hybrid.checkpoint.peers.megatron_dist import load_common, tokenizer_vocab
+from hybrid.checkpoint.peers.megatron_dist import (
+    check_run_numbers,
+    load_common,
+    tokenizer_vocab,
+)
+from hybrid.errors import CheckpointError
 from tests.checkpoint.test_peer_megatron import TOL, _continue, _record
 from tests.helpers.harness import run_ranks
 
@@ -97,3 +104,29 @@ def test_the_legacy_format_s_distributed_optimizer_file_is_one_line(tmp_path):
         assert len(lines) == 1 and "not read" in lines[0], peer.notes
     finally:
         peer.close()
+
+
+def test_a_norm_epsilon_or_rope_other_than_the_run_s_is_one_error_naming_the_flag():
+    """Megatron-LM's args record the norm epsilon (``layernorm_epsilon`` in its own save,
+    ``norm_epsilon`` before) and RoPE's base and percent, which hybrid takes from the
+    run's flags: another value than the run's is one error naming the flag; the same,
+    or a field not recorded, passes."""
+    peer = open_peer(FIXTURE)
+    try:
+        assert peer.args.layernorm_epsilon == 1e-5 and not hasattr(peer.args, "norm_epsilon")
+        peer.configure({"norm_epsilon": 1e-5, "rotary_base": 500000.0})  # (GPT-2: no RoPE)
+        with pytest.raises(CheckpointError, match=r"args\.layernorm_epsilon is 1e-05, this "
+                           r"run's --norm-epsilon 1e-06: give --norm-epsilon 1e-05"):
+            peer.configure({"norm_epsilon": 1e-6})
+    finally:
+        peer.close()
+    rope = argparse.Namespace(position_embedding_type="rope", norm_epsilon=1e-6,
+                              rotary_base=500000, rotary_percent=1.0)
+    check_run_numbers(rope, {"norm_epsilon": 1e-6, "rotary_base": 5e5}, "x")
+    check_run_numbers(rope, {}, "x")
+    with pytest.raises(CheckpointError, match=r"x: its args\.rotary_base is 500000, this "
+                       r"run's --rotary-base 10000: give --rotary-base 500000"):
+        check_run_numbers(rope, {"norm_epsilon": 1e-6, "rotary_base": 1e4}, "x")
+    half = argparse.Namespace(position_embedding_type="rope", rotary_percent=0.5)
+    with pytest.raises(CheckpointError, match="give --rotary-percent 0.5"):
+        check_run_numbers(half, {"rotary_percent": 1.0}, "x")

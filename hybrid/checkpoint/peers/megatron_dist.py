@@ -99,6 +99,32 @@ def tokenizer_vocab(args: Any) -> int | None:
     return int(size) + 1 if kind in _NULL_TOKENIZERS else None
 
 
+# the model's numbers hybrid takes from the run's flags (as Megatron-LM's own load does):
+# (hybrid's flag, Megatron-LM's args names, newest first; whether only with RoPE)
+_RUN_NUMBERS = (("norm_epsilon", ("layernorm_epsilon", "norm_epsilon"), False),
+                ("rotary_base", ("rotary_base",), True),
+                ("rotary_percent", ("rotary_percent",), True))
+
+
+def check_run_numbers(args: Any, config: dict, where: str) -> None:
+    """One error naming the flag where Megatron-LM's ``args`` record a norm epsilon (its
+    ``layernorm_epsilon``, ``norm_epsilon`` before), or with RoPE a rotary base or
+    percent, other than the run's ``config``: continued at another, the model would
+    compute other numbers from the same weights."""
+    rope = arg(args, "position_embedding_type") == "rope"
+    for flag, saved_as, rope_only in _RUN_NUMBERS:
+        if rope_only and not rope:
+            continue
+        name = next((n for n in saved_as if arg(args, n) is not None), None)
+        if name is None or flag not in config:
+            continue
+        saved, mine = float(getattr(args, name)), float(config[flag])
+        if saved != mine:
+            raise CheckpointError(
+                f"{where}: its args.{name} is {saved:g}, this run's --{flag.replace('_', '-')}"
+                f" {mine:g}: give --{flag.replace('_', '-')} {saved:g} (Megatron's model)")
+
+
 class MegatronCheckpoint:
     """One ``torch_dist`` iteration opened for reading (:class:`~.base.PeerCheckpoint`)."""
 
@@ -271,7 +297,10 @@ class MegatronCheckpoint:
         return {}  # (a GPT: no frozen parameter, no persistent buffer)
 
     def configure(self, config: dict) -> None:
-        pass  # (the checkpoint records every shape it needs)
+        """The checkpoint records every shape it needs; the numbers of the model its args
+        record and hybrid takes from the run's flags must be the run's
+        (:func:`check_run_numbers`)."""
+        check_run_numbers(self.args, config, self.path)
 
     def close(self) -> None:
         return None  # (each chunk's file is opened and closed as it is read)
