@@ -110,7 +110,8 @@ def test_a_norm_epsilon_or_rope_other_than_the_run_s_is_one_error_naming_the_fla
     """Megatron-LM's args record the norm epsilon (``layernorm_epsilon`` in its own save,
     ``norm_epsilon`` before) and RoPE's base and percent, which hybrid takes from the
     run's flags: another value than the run's is one error naming the flag; the same,
-    or a field not recorded, passes."""
+    or a field not recorded, passes. A switch of the same shapes' computation hybrid does
+    not have (interleaved RoPE, LayerNorm 1p, squared ReLU) is one error naming it."""
     peer = open_peer(FIXTURE)
     try:
         assert peer.args.layernorm_epsilon == 1e-5 and not hasattr(peer.args, "norm_epsilon")
@@ -130,3 +131,7 @@ def test_a_norm_epsilon_or_rope_other_than_the_run_s_is_one_error_naming_the_fla
     half = argparse.Namespace(position_embedding_type="rope", rotary_percent=0.5)
     with pytest.raises(CheckpointError, match="give --rotary-percent 0.5"):
         check_run_numbers(half, {"rotary_percent": 1.0}, "x")
+    for switch in ("rotary_interleaved", "apply_layernorm_1p", "squared_relu"):
+        on = argparse.Namespace(position_embedding_type="rope", **{switch: True})
+        with pytest.raises(CheckpointError, match=rf"x: its args\.{switch} is on"):
+            check_run_numbers(on, {}, "x")

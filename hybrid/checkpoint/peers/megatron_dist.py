@@ -106,12 +106,22 @@ _RUN_NUMBERS = (("norm_epsilon", ("layernorm_epsilon", "norm_epsilon"), False),
                 ("rotary_percent", ("rotary_percent",), True))
 
 
+# Megatron-LM's switches of the same shapes' computation hybrid's GPT does not have
+_NO_SUCH_SWITCH = ("rotary_interleaved", "apply_layernorm_1p", "squared_relu")
+
+
 def check_run_numbers(args: Any, config: dict, where: str) -> None:
     """One error naming the flag where Megatron-LM's ``args`` record a norm epsilon (its
     ``layernorm_epsilon``, ``norm_epsilon`` before), or with RoPE a rotary base or
     percent, other than the run's ``config``: continued at another, the model would
-    compute other numbers from the same weights."""
+    compute other numbers from the same weights; and one naming a switch of that kind
+    hybrid does not have (:data:`_NO_SUCH_SWITCH`) the save turned on."""
     rope = arg(args, "position_embedding_type") == "rope"
+    for switch in _NO_SUCH_SWITCH:
+        if arg(args, switch) and (rope or switch != "rotary_interleaved"):
+            raise CheckpointError(f"{where}: its args.{switch} is on (Megatron-LM's "
+                                  f"--{switch.replace('_', '-')}), which hybrid's GPT does "
+                                  f"not compute")
     for flag, saved_as, rope_only in _RUN_NUMBERS:
         if rope_only and not rope:
             continue
