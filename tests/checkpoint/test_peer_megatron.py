@@ -500,17 +500,17 @@ def test_megatron_pp2_distributed_optimizer_continues_exactly(tmp_path, world, p
     assert len(losses) == 10 and diff <= TOL, (diff, losses, rec["losses"])
 
 
-def _recorded_here(tmp_path, *flags):
-    """(directory, its reader) of a dp_reshardable save megatron-core records here on 4
-    ranks with the recorder's ``flags``; every master read from its buckets equals the
-    saved weight (an fp32 run's masters are its weights)."""
+def _recorded_here(tmp_path, *flags, world: int = 4):
+    """(directory, its reader) of a dp_reshardable save megatron-core records here on
+    ``world`` ranks with the recorder's ``flags``; every master read from its buckets
+    equals the saved weight (an fp32 run's masters are its weights)."""
     import subprocess
     import sys
 
     from hybrid.checkpoint.peers import megatron_names as names
     mg = str(tmp_path / "mg")
     run = subprocess.run([sys.executable, RECORDER, "--dist-opt", "dp_reshardable",
-                          "--world", "4", "--out", mg, *flags],
+                          "--world", str(world), "--out", mg, *flags],
                          check=False, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
     peer = open_peer(mg)
@@ -521,15 +521,16 @@ def _recorded_here(tmp_path, *flags):
     return mg, peer
 
 
-def _tied_copies_equal_the_first_stage_s(peer, tp: int) -> None:
-    """A tied PP 2 save's last-stage copy of the word embeddings (``dp_group_idx_{tp+t}``)
-    holds the first stage's master and moments (``dp_group_idx_t``), bit for bit."""
+def _tied_copies_equal_the_first_stage_s(peer, tp: int, pp: int = 2) -> None:
+    """A tied PP ``pp`` save's last-stage copy of the word embeddings
+    (``dp_group_idx_{(pp-1)tp+t}``) holds the first stage's master and moments
+    (``dp_group_idx_t``), bit for bit."""
     buckets = peer._buckets
     assert len(buckets.tied_copy) == tp
     for t, ((copy, lo, hi), (first, a, z)) in enumerate(zip(buckets.tied_copy,
                                                             buckets.place["wte.weight"])):
-        assert copy.split(".")[2] == f"dp_group_idx_{tp + t}" and first.split(".")[2] == \
-            f"dp_group_idx_{t}"
+        assert copy.split(".")[2] == f"dp_group_idx_{(pp - 1) * tp + t}" and \
+            first.split(".")[2] == f"dp_group_idx_{t}"
         for col in ("param", "exp_avg", "exp_avg_sq"):
             assert torch.equal(peer.files.read_flat(f"{copy}.{col}", lo, hi),
                                peer.files.read_flat(f"{first}.{col}", a, z)), col
@@ -570,8 +571,10 @@ def test_pp2_distributed_optimizer_recorded_here_reads_and_continues(tmp_path, m
 
 def _pp2_export_loads_in_megatron_core(tmp_path, mg: str, save: str, more: list,
                                        hybrid_losses: list[float], model: str,
-                                       tp: int) -> None:
-    """The export for PP 2 at TP ``tp`` of the world of 4 (fp32; ``model`` "gpt2" is tied:
+                                       tp: int, pp: int = 2, split: tuple = ()) -> None:
+    """The export for PP ``pp`` (2 unless said; ``split``: the recorder's flags of the
+    layers and their split, the same for megatron-core's load) at TP ``tp`` of the world
+    of 4 (fp32; ``model`` "gpt2" is tied:
     the first stage's copy of the word embeddings and the last stage's each a bucket of
     their own):
 
@@ -589,38 +592,71 @@ def _pp2_export_loads_in_megatron_core(tmp_path, mg: str, save: str, more: list,
       megatron-core 0.16.1's fully_reshardable save is wrong over several buckets, the
       recorder's docstring)."""
     from tests.helpers.launch import script_module
-    dp = 4 // (2 * tp)
+    dp = 4 // (pp * tp)
     tied = model == "gpt2"
     ckpt = _imported(tmp_path / "import", mg)
     _exported_as_saved(ckpt, str(tmp_path / "as_saved"), os.path.join(mg, "iter_0000003"),
-                       2 * tp, tp=tp, dp=dp, pp=2)
+                       pp * tp, tp=tp, dp=dp, pp=pp)
     back = open_peer(str(tmp_path / "as_saved"))
     _same_state(back, ckpt)
     if tied:
-        _tied_copies_equal_the_first_stage_s(back, tp)
+        _tied_copies_equal_the_first_stage_s(back, tp, pp)
     tokens = tmp_path / "tokens.json"
     tokens.write_text(json.dumps(more))
     convert = script_module("convert_checkpoint").main
     for mode in ("dp_reshardable", "fully_reshardable"):
         assert convert(["export", "--to", "megatron", save, str(tmp_path / mode),
                         "--tensor-model-parallel-size", str(tp),
-                        "--pipeline-model-parallel-size", "2", "--data-parallel-size", str(dp),
+                        "--pipeline-model-parallel-size", str(pp),
+                        "--data-parallel-size", str(dp),
                         "--megatron-dist-opt", mode,
                         *(["--megatron-ddp-bucket-size", "1000"] if mode == "dp_reshardable"
                           else [])]) == 0
     # (one launch: the fully_reshardable export in a fresh run after the dp_reshardable one)
     got = _megatron_resume(tmp_path / "dp_reshardable" / "iter_0000013", tokens,
-                           tmp_path / "megatron.json", tp, 4, "--model", model, "--pp", "2",
-                           "--dist-opt", "dp_reshardable", "--ddp-bucket-size", "1000",
+                           tmp_path / "megatron.json", tp, 4, "--model", model, "--pp",
+                           str(pp), *split, "--dist-opt", "dp_reshardable",
+                           "--ddp-bucket-size", "1000",
                            resave=tmp_path / "again",
                            also=[tmp_path / "fully_reshardable" / "iter_0000013"])
     back = open_peer(str(tmp_path / "again"))
     _same_state(back, os.path.join(save, "iter_0000013"))
     if tied:
-        _tied_copies_equal_the_first_stage_s(back, tp)
+        _tied_copies_equal_the_first_stage_s(back, tp, pp)
     for mode, run in (("dp_reshardable", got), ("fully_reshardable", got["also"][0])):
         diff = max(abs(a - b) for a, b in zip(run["losses"], hybrid_losses))
         assert run["iteration"] == 13 and diff <= TOL, (mode, diff, run, hybrid_losses)
+
+
+@pytest.mark.peer("megatron.core")
+def test_pp4_distributed_optimizer_recorded_here_reads_and_continues(tmp_path):
+    """megatron-core's DistributedOptimizer at TP 1 x PP 4 x DP 1 of GPT-2's family (tied,
+    4 layers: one a stage; the first stage's buffer in buckets of 1000, the others one
+    bucket each bar the last stage's copy of the word embeddings, a bucket of its own),
+    recorded here: every master read from the 4 stages' buckets equals the saved weight,
+    the last stage's copy of the word embeddings the first's; hybrid's 10 losses equal
+    megatron-core's within 2e-6 at PP 4 (Megatron's layout) and at PP 1 x DP 2, and the
+    export for PP 4 goes on in megatron-core (:func:`_pp2_export_loads_in_megatron_core`
+    at PP 4: the import's export has megatron-core's chunks and bucket sizes, megatron-
+    core's re-save of hybrid's export is hybrid's masters and moments bit for bit, its
+    next 4 losses within 2e-6 of hybrid's)."""
+    split = ("--layers", "4")
+    mg, peer = _recorded_here(tmp_path, "--model", "gpt2", "--tp", "1", "--pp", "4", *split)
+    _tied_copies_equal_the_first_stage_s(peer, 1, 4)
+    rec = _record(mg)
+    assert (rec["tp"], rec["pp"], rec["dp"], rec["shape"]["num_layers"]) == (1, 4, 1, 4)
+    assert [len(peer._buckets.prefixes[g]) for g in range(4)] == [4, 1, 1, 2]
+    more = _more(rec)
+    for i, (world, pp) in enumerate([(4, 4), (2, 1)]):
+        save = str(tmp_path / f"save{world}{pp}")
+        _, _, losses = run_ranks(_continue, world_size=world, tp=1, pp=pp,
+                                 args=(mg, save, 1, rec, more if i == 0 else None))[0]
+        diff = max(abs(a - b) for a, b in zip(losses, rec["losses"]))
+        assert diff <= TOL, (world, pp, diff, losses, rec["losses"])
+        if i == 0:
+            _pp2_export_loads_in_megatron_core(tmp_path, mg, save, more,
+                                               losses[len(rec["tokens"]):], "gpt2", 1, 4,
+                                               split)
 
 
 def test_a_pp_split_hybrid_cannot_read_is_one_line_through_load(tmp_path):
