@@ -6,7 +6,8 @@
     python scripts/convert_checkpoint.py export --to dcp CHECKPOINT_DIR_OR_SAVE_DIR OUT_DIR
     python scripts/convert_checkpoint.py export --to megatron CHECKPOINT_DIR_OR_SAVE_DIR OUT_DIR \
         [--tensor-model-parallel-size T] [--data-parallel-size D] \
-        [--pipeline-model-parallel-size P] \
+        [--pipeline-model-parallel-size P] [--decoder-first-pipeline-num-layers F] \
+        [--decoder-last-pipeline-num-layers L] \
         [--megatron-dist-opt dp_reshardable|fully_reshardable] \
         [--megatron-layer-spec local|transformer_engine] [--megatron-ddp-bucket-size N] \
         [--dtype fp32|bf16]
@@ -116,9 +117,16 @@ def export_megatron(argv) -> int:
                          "and chunks; they load at any DP)")
     ap.add_argument("--pipeline-model-parallel-size", type=int, default=1,
                     help="the PP recorded in args (dp_reshardable: one group of buckets "
-                         "per stage and TP rank, for Megatron-LM's even split of the "
-                         "layers, which PP must divide; the tied word embeddings' copy on "
-                         "the last stage; the other optimizer layouts do not depend on it)")
+                         "per stage and TP rank, for Megatron-LM's split of the layers "
+                         "(even, which PP must divide, or the next two flags'); the tied "
+                         "word embeddings' copy on the last stage; the other optimizer "
+                         "layouts do not depend on it)")
+    ap.add_argument("--decoder-first-pipeline-num-layers", type=int, default=None,
+                    help="with --pipeline-model-parallel-size: the loading run's layers on "
+                         "its first stage (Megatron-LM's flag; the rest split evenly)")
+    ap.add_argument("--decoder-last-pipeline-num-layers", type=int, default=None,
+                    help="with --pipeline-model-parallel-size: the loading run's layers on "
+                         "its last stage")
     ap.add_argument("--megatron-dist-opt", default=None, metavar="{dp_reshardable,"
                     "fully_reshardable}",
                     help="write the optimizer state for megatron-core's DistributedOptimizer "
@@ -144,7 +152,9 @@ def export_megatron(argv) -> int:
                              dp=a.data_parallel_size, pp=a.pipeline_model_parallel_size,
                              dist_opt=a.megatron_dist_opt,
                              spec=a.megatron_layer_spec,
-                             bucket_size=a.megatron_ddp_bucket_size, dtype=a.dtype)
+                             bucket_size=a.megatron_ddp_bucket_size, dtype=a.dtype,
+                             first=a.decoder_first_pipeline_num_layers,
+                             last=a.decoder_last_pipeline_num_layers)
     except CheckpointError as e:
         print(f"convert_checkpoint.py: error: {e}", file=sys.stderr)
         return 2

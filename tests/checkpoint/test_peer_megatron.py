@@ -63,6 +63,10 @@ def _flags(rec: dict, ps, zero_stage: int, micro: int):
                       moe_ffn_hidden_size=rec["shape"]["ffn"],
                       moe_aux_loss_coeff=moe["aux_loss"],
                       expert_model_parallel_size=ps.ep_size)
+    # (a test's uneven first / last PP stage, {"first": F, "last": L}: at PP > 1 only)
+    ends = rec.get("ends", {}) if ps.pp_size > 1 else {}
+    family.update(decoder_first_pipeline_num_layers=ends.get("first"),
+                  decoder_last_pipeline_num_layers=ends.get("last"))
     return Flags(num_layers=s["num_layers"], hidden_size=s["hidden_size"],
                  num_attention_heads=s["heads"], ffn_hidden_size=s["ffn"],
                  seq_length=s["seq_length"], max_position_embeddings=s["seq_length"],
@@ -571,10 +575,12 @@ def test_pp2_distributed_optimizer_recorded_here_reads_and_continues(tmp_path, m
 
 def _pp2_export_loads_in_megatron_core(tmp_path, mg: str, save: str, more: list,
                                        hybrid_losses: list[float], model: str,
-                                       tp: int, pp: int = 2, split: tuple = ()) -> None:
+                                       tp: int, pp: int = 2, split: tuple = (),
+                                       ends: dict | None = None) -> None:
     """The export for PP ``pp`` (2 unless said; ``split``: the recorder's flags of the
-    layers and their split, the same for megatron-core's load) at TP ``tp`` of the world
-    of 4 (fp32; ``model`` "gpt2" is tied:
+    layers and their split, the same for megatron-core's load; ``ends``: an uneven
+    {"first": F, "last": L} stage's layers, the export's ``--decoder-first/last-pipeline-
+    num-layers``) at TP ``tp`` of the world of 4 (fp32; ``model`` "gpt2" is tied:
     the first stage's copy of the word embeddings and the last stage's each a bucket of
     their own):
 
@@ -594,9 +600,10 @@ def _pp2_export_loads_in_megatron_core(tmp_path, mg: str, save: str, more: list,
     from tests.helpers.launch import script_module
     dp = 4 // (pp * tp)
     tied = model == "gpt2"
+    ends = ends or {}
     ckpt = _imported(tmp_path / "import", mg)
     _exported_as_saved(ckpt, str(tmp_path / "as_saved"), os.path.join(mg, "iter_0000003"),
-                       pp * tp, tp=tp, dp=dp, pp=pp)
+                       pp * tp, tp=tp, dp=dp, pp=pp, **ends)
     back = open_peer(str(tmp_path / "as_saved"))
     _same_state(back, ckpt)
     if tied:
@@ -609,6 +616,8 @@ def _pp2_export_loads_in_megatron_core(tmp_path, mg: str, save: str, more: list,
                         "--tensor-model-parallel-size", str(tp),
                         "--pipeline-model-parallel-size", str(pp),
                         "--data-parallel-size", str(dp),
+                        *[f for end, n in ends.items()
+                          for f in (f"--decoder-{end}-pipeline-num-layers", str(n))],
                         "--megatron-dist-opt", mode,
                         *(["--megatron-ddp-bucket-size", "1000"] if mode == "dp_reshardable"
                           else [])]) == 0
@@ -657,6 +666,43 @@ def test_pp4_distributed_optimizer_recorded_here_reads_and_continues(tmp_path):
             _pp2_export_loads_in_megatron_core(tmp_path, mg, save, more,
                                                losses[len(rec["tokens"]):], "gpt2", 1, 4,
                                                split)
+
+
+@pytest.mark.peer("megatron.core")
+def test_uneven_pp_stages_distributed_optimizer_recorded_here_reads_and_continues(tmp_path):
+    """megatron-core's DistributedOptimizer at TP 1 x PP 4 x DP 1 of GPT-2's family (tied,
+    6 layers) with uneven first and last stages (TransformerConfig's
+    ``num_layers_in_first_pipeline_stage`` 1 and ``num_layers_in_last_pipeline_stage`` 3,
+    saved in args as Megatron-LM's ``decoder_first_pipeline_num_layers`` /
+    ``decoder_last_pipeline_num_layers``: stages of 1, 1, 1 and 3 layers), recorded here:
+    every master read from the buckets equals the saved weight; hybrid's 10 losses equal
+    megatron-core's within 2e-6 at that split of PP 4 and at PP 1 x DP 2; the export with
+    ``--decoder-first-pipeline-num-layers 1 --decoder-last-pipeline-num-layers 3`` has
+    megatron-core's chunks and bucket sizes, and megatron-core loads it at that split,
+    re-saves hybrid's masters and moments bit for bit and steps within 2e-6 of hybrid
+    (:func:`_pp2_export_loads_in_megatron_core`)."""
+    split = ("--layers", "6", "--first-stage-layers", "1", "--last-stage-layers", "3")
+    mg, peer = _recorded_here(tmp_path, "--model", "gpt2", "--tp", "1", "--pp", "4", *split)
+    _tied_copies_equal_the_first_stage_s(peer, 1, 4)
+    args = peer.args
+    assert (args.decoder_first_pipeline_num_layers, args.decoder_last_pipeline_num_layers,
+            args.num_layers) == (1, 3, 6)
+    # the last stage's buffer holds its 3 layers, the final norm and the tied copy
+    assert [sum(n.startswith("blocks.") and n.endswith("ln_1.weight") for n in s)
+            for s in peer._buckets.stages] == [1, 1, 1, 3]
+    ends = {"first": 1, "last": 3}
+    rec = dict(_record(mg), ends=ends)
+    more = _more(rec)
+    for i, (world, pp) in enumerate([(4, 4), (2, 1)]):
+        save = str(tmp_path / f"save{world}{pp}")
+        _, _, losses = run_ranks(_continue, world_size=world, tp=1, pp=pp,
+                                 args=(mg, save, 1, rec, more if i == 0 else None))[0]
+        diff = max(abs(a - b) for a, b in zip(losses, rec["losses"]))
+        assert diff <= TOL, (world, pp, diff, losses, rec["losses"])
+        if i == 0:
+            _pp2_export_loads_in_megatron_core(tmp_path, mg, save, more,
+                                               losses[len(rec["tokens"]):], "gpt2", 1, 4,
+                                               split, ends)
 
 
 def test_a_pp_split_hybrid_cannot_read_is_one_line_through_load(tmp_path):
@@ -1064,14 +1110,22 @@ def test_pp2_distributed_optimizer_export_has_megatron_s_layout_and_reads_back(t
      "TP 3 does not divide it"),
     (["--dtype", "fp16"], "--dtype fp16: hybrid writes Megatron-LM's fp32 and bf16 runs'"),
     (["--megatron-dist-opt", "dp_reshardable", "--pipeline-model-parallel-size", "3"],
-     "--pipeline-model-parallel-size 3: hybrid writes for Megatron-LM's even split of the "
-     "model's 2 layers"),
+     "--pipeline-model-parallel-size 3: hybrid writes for Megatron-LM's split of the "
+     "model's 2 layers over the stages (even, or an uneven first or last stage"),
+    (["--megatron-dist-opt", "dp_reshardable", "--pipeline-model-parallel-size", "2",
+      "--decoder-first-pipeline-num-layers", "2"],
+     "--pipeline-model-parallel-size 2 --decoder-first-pipeline-num-layers 2: hybrid writes "
+     "for Megatron-LM's split of the model's 2 layers"),
+    (["--decoder-last-pipeline-num-layers", "1"],
+     "--pipeline-model-parallel-size 1 --decoder-last-pipeline-num-layers 1: uneven first "
+     "or last stages need PP 2 or more"),
 ])
 def test_a_distributed_optimizer_export_it_cannot_write_is_one_line(tmp_path, capsys, flags,
                                                                      says):
     """An unknown layout, a bucket size without dp_reshardable, an unknown layer spec, a
     TP that does not divide the model, a precision it does not write, a PP that does not
-    split the layers evenly: exit 2, one line naming the flag, nothing written."""
+    split the layers evenly, an uneven first stage leaving the last none, an uneven stage
+    at PP 1: exit 2, one line naming the flags, nothing written."""
     from tests.helpers.launch import script_module
     ckpt = _imported(tmp_path, DISTOPT["dp_reshardable"])
     out = tmp_path / "mg"

@@ -209,7 +209,8 @@ def _plain_optimizer(cfg: dict, step: int, moments: bool, fp32: bool) -> dict:
 
 def write(hybrid_ckpt: str, out_dir: str, tp: int = 1, dp: int = 1,
           dist_opt: str | None = None, spec: str = "local",
-          bucket_size: int | None = None, dtype: str | None = None, pp: int = 1) -> str:
+          bucket_size: int | None = None, dtype: str | None = None, pp: int = 1,
+          first: int | None = None, last: int | None = None) -> str:
     """A hybrid checkpoint (an ``iter_*`` directory or a ``--save`` directory's newest)
     as Megatron-LM save directory ``out_dir``: ``iter_NNNNNNN/`` in ``torch_dist`` (the
     GPTModel's sharded keys, the layers stacked; ``common.pt`` with ``args``,
@@ -220,8 +221,10 @@ def write(hybrid_ckpt: str, out_dir: str, tp: int = 1, dp: int = 1,
     and ``dp`` are recorded in ``args``); with ``dist_opt`` ``dp_reshardable`` or
     ``fully_reshardable``, megatron-core's DistributedOptimizer's
     (:mod:`.megatron_distopt_export`): dp_reshardable's buckets are laid out for a run
-    at TP ``tp``, DP ``dp``, PP ``pp`` (Megatron-LM's even split of the layers: one
-    group of buckets per stage and TP rank), layer spec ``spec`` (``local`` or
+    at TP ``tp``, DP ``dp``, PP ``pp`` (Megatron-LM's even split of the layers, or
+    ``first`` / ``last`` layers on the first / last stage and the rest even -- its
+    ``--decoder-first/last-pipeline-num-layers``, recorded in ``args`` --: one group of
+    buckets per stage and TP rank), layer spec ``spec`` (``local`` or
     ``transformer_engine``) and DDP bucket size ``bucket_size`` (None: one bucket,
     Megatron-LM's default without ``--overlap-grad-reduce``); the other layouts do not
     depend on PP (``pp`` is only recorded in ``args``). A bf16 checkpoint (config
@@ -253,9 +256,9 @@ def write(hybrid_ckpt: str, out_dir: str, tp: int = 1, dp: int = 1,
     # (a bf16 run's buffer: grads in fp32 unless the run said otherwise, as in Megatron-LM)
     dtypes = names.buffer_dtypes(dtype == "bf16" if dtype else bool(cfg.get("bf16")),
                                  cfg.get("accumulate_allreduce_grads_in_fp32", True) is not False)
-    distopt.stage_layers(cfg, pp)
-    opt = (distopt.layout(dist_opt, shapes, cfg, step, tp, dp, spec, bucket_size, dtypes, pp)
-           if dist_opt else None)
+    counts = distopt.stage_layers(cfg, pp, first, last)
+    opt = (distopt.layout(dist_opt, shapes, cfg, step, tp, dp, spec, bucket_size, dtypes, pp,
+                          counts) if dist_opt else None)
     final = os.path.join(out_dir, f"iter_{it:07d}")
     if os.path.exists(final):
         raise CheckpointError(f"{final}: already exists; not overwriting it")
@@ -281,7 +284,8 @@ def write(hybrid_ckpt: str, out_dir: str, tp: int = 1, dp: int = 1,
     dist = {"use_distributed_optimizer": bool(dist_opt),
             "dist_ckpt_optim_fully_reshardable": dist_opt == "fully_reshardable",
             "overlap_grad_reduce": bucket_size is not None, "ddp_bucket_size": bucket_size,
-            "transformer_impl": spec}
+            "transformer_impl": spec, "decoder_first_pipeline_num_layers": first,
+            "decoder_last_pipeline_num_layers": last}
     common = {
         "args": _namespace(cfg, meta, tp, dp, vocab, gbs, dist, dtypes, pp),
         "checkpoint_version": 3.0,

@@ -26,7 +26,8 @@ from hybrid.checkpoint.peers.megatron_files import (
     DcpFiles,
     load_megatron_file,
 )
-from hybrid.errors import CheckpointError
+from hybrid.config.stage_split import split_layers
+from hybrid.errors import CheckpointError, ConfigError
 
 _MASTER_COLUMNS = ("fp32_param", "param")
 # the non-distributed optimizer's per-parameter state: ``optimizer.state.<column>.<key>``,
@@ -441,32 +442,40 @@ class _Buckets:
                 self.expert_place[n][e].append((prefixes[b], start, stop))
 
     def _stages(self) -> list[list[str]]:
-        """Each PP stage's parameters (hybrid's names): Megatron-LM's even split of the
-        layers (:func:`~.megatron_names.pipeline_stages`). A split of other flags in
-        ``common.pt``'s args (uneven first or last stage, a pipeline layout, virtual
-        stages) is one error naming them."""
+        """Each PP stage's parameters (hybrid's names): Megatron-LM's split of the layers,
+        even or with the uneven first or last stage ``common.pt``'s args name
+        (``decoder_first_pipeline_num_layers`` / ``decoder_last_pipeline_num_layers``,
+        Megatron-LM's ``--decoder-first/last-pipeline-num-layers``; megatron-core's
+        ``num_layers_in_first/last_pipeline_stage`` read the same), the rest split evenly
+        (:func:`~.megatron_names.split_stages`). Virtual stages, a pipeline layout, or the
+        embedding or loss counted as a layer are one error naming the args."""
         args, pp = self.ckpt.args, self.pp
         dense = [n for n in self.ckpt.shapes if not n.endswith(_EXPERTS)]
         if pp == 1:
             return [dense]
         layers = int(arg(args, "num_layers", 0) or 0)
+        ends = {f: arg(args, f) or arg(args, core) for f, core in (
+            ("decoder_first_pipeline_num_layers", "num_layers_in_first_pipeline_stage"),
+            ("decoder_last_pipeline_num_layers", "num_layers_in_last_pipeline_stage"))}
         other = {f: arg(args, f) for f in (
             "virtual_pipeline_model_parallel_size", "num_layers_per_virtual_pipeline_stage",
-            "num_layers_in_first_pipeline_stage", "num_layers_in_last_pipeline_stage",
             "pipeline_model_parallel_layout", "account_for_embedding_in_pipeline_split",
-            "account_for_loss_in_pipeline_split", "decoder_first_pipeline_num_layers",
-            "decoder_last_pipeline_num_layers")}
+            "account_for_loss_in_pipeline_split")}
         other = {f: v for f, v in other.items() if v}
-        if not layers or layers % pp or other:
+        said = "".join(f", args.{f} {v!r}" for f, v in {**ends, **other}.items() if v)
+        where = (f"{os.path.join(self.ckpt.path, COMMON)}: the distributed optimizer's state "
+                 f"at PP {pp} of args.num_layers {layers or None}{said}")
+        if not layers or other:
             raise CheckpointError(
-                f"{os.path.join(self.ckpt.path, COMMON)}: the distributed optimizer's "
-                f"state at PP {pp} of "
-                f"args.num_layers {layers or None}"
-                + "".join(f", args.{f} {v!r}" for f, v in other.items())
-                + ": hybrid reads its dp_reshardable layout at PP > 1 for Megatron-LM's "
-                  "even split of the layers only")
+                f"{where}: hybrid reads its dp_reshardable layout at PP > 1 for Megatron-LM's "
+                f"even split of the layers or an uneven first or last stage only")
+        try:
+            split = split_layers(layers, pp, first=ends["decoder_first_pipeline_num_layers"],
+                                 last=ends["decoder_last_pipeline_num_layers"])
+        except ConfigError as e:
+            raise CheckpointError(f"{where}: not a split Megatron-LM makes ({e})") from None
         tied = not bool(arg(args, "untie_embeddings_and_output_weights", True))
-        return names.pipeline_stages(dense, layers, pp, tied)
+        return names.split_stages(dense, list(split.layers), tied)
 
     def _local_numel(self, name: str) -> int:
         n = 1

@@ -13,8 +13,10 @@
   (``per_bucket_numel``, ``per_bucket_numel_unpadded`` -- the load asserts the latter
   equals its own buffer's -- and ``optimizer``, the param groups with their ``step``).
   At PP > 1 the stages split the layers evenly (``--pipeline-model-parallel-size`` must
-  divide them: no uneven first or last stage, no virtual stages), the embeddings on the
-  first, the final norm and the output layer on the last; with tied embeddings the last
+  divide them) or with an uneven first or last stage
+  (``--decoder-first-pipeline-num-layers`` / ``--decoder-last-pipeline-num-layers``, the
+  rest even; no virtual stages), the embeddings on the first, the final norm and the
+  output layer on the last; with tied embeddings the last
   stage's buffer also holds megatron-core's copy of the word embeddings (its output
   layer's weight), written with the first stage's master and moments, and each of the
   two copies is a bucket of its own, as megatron-core's buffer makes them.
@@ -45,7 +47,8 @@ import torch
 
 from hybrid.checkpoint.peers import megatron_names as names
 from hybrid.checkpoint.peers.megatron_files import DcpWriter
-from hybrid.errors import CheckpointError
+from hybrid.config.stage_split import FIRST, LAST, split_layers
+from hybrid.errors import CheckpointError, ConfigError
 
 MODES = ("dp_reshardable", "fully_reshardable")
 SPECS = tuple(names.LAYER_ORDER)
@@ -108,12 +111,13 @@ class FullyReshardable:
 class DpReshardable:
     """``dp_reshardable``: megatron-core's buckets per (PP stage, TP rank) (the module
     docstring). ``shapes``: hybrid's full shapes of every parameter (the layout needs
-    them all before the first is written). One parameter's columns in memory at a time;
+    them all before the first is written); ``counts``: each stage's layers
+    (:func:`stage_layers`). One parameter's columns in memory at a time;
     the gaps are written by :meth:`finish`."""
 
     def __init__(self, shapes: dict[str, list[int]], tp: int, dp: int, pp: int, spec: str,
                  bucket_size: int | None, cfg: dict, groups: list[dict],
-                 dtypes: tuple[torch.dtype, torch.dtype]):
+                 dtypes: tuple[torch.dtype, torch.dtype], counts: list[int]):
         self.tp, self.dp, self.pp, self.groups = tp, dp, pp, groups
         self.swiglu = bool(cfg.get("swiglu"))
         self.dtypes = dtypes  # (the buffer's (param, grad) pair: its keys and objects)
@@ -125,7 +129,7 @@ class DpReshardable:
                                       f"(--tensor-model-parallel-size)")
             local[name] = math.prod(shape) // (tp if dim is not None else 1)
         tied = not cfg.get("untie_embeddings_and_output_weights")
-        stages = names.pipeline_stages(list(shapes), stage_layers(cfg, pp), pp, tied)
+        stages = names.split_stages(list(shapes), counts, tied)
         # name -> [(stage, bucket, start, stop)]: its place, and the tied copy's
         self.place: dict[str, list[tuple[int, int, int, int]]] = {}
         self.unpadded: list[list[int]] = []
@@ -196,28 +200,42 @@ class DpReshardable:
         return {"param_state_sharding_type": "dp_reshardable"}
 
 
-def stage_layers(cfg: dict, pp: int) -> int:
-    """The model's layer count, which PP ``pp`` must split evenly (Megatron-LM's default
-    split, the one hybrid writes): CheckpointError naming the flag otherwise."""
+def stage_layers(cfg: dict, pp: int, first: int | None = None,
+                 last: int | None = None) -> list[int]:
+    """Each PP stage's layer count in the loading run's split of the model's layers:
+    Megatron-LM's even split, or with ``first`` / ``last`` layers on the first / last stage
+    (``--decoder-first-pipeline-num-layers`` / ``--decoder-last-pipeline-num-layers``) and
+    the rest even (:func:`hybrid.config.stage_split.split_layers`, Megatron-LM's rules);
+    one CheckpointError naming the flags for a split Megatron-LM does not make."""
     layers = int(cfg.get("num_layers") or 0)
-    if pp < 1 or (pp > 1 and (layers < 1 or layers % pp)):
+    flags = (f"--pipeline-model-parallel-size {pp}" + "".join(
+        f" {flag} {n}" for flag, n in ((FIRST, first), (LAST, last)) if n is not None))
+    if pp < 1 or (pp == 1 and (first or last)):
+        raise CheckpointError(f"{flags}: uneven first or last stages need PP 2 or more")
+    if pp == 1:
+        return [layers]
+    try:
+        return list(split_layers(layers, pp, first=first, last=last).layers)
+    except ConfigError as e:
         raise CheckpointError(
-            f"--pipeline-model-parallel-size {pp}: hybrid writes for Megatron-LM's even "
-            f"split of the model's {layers} layers over the stages (a positive PP dividing "
-            f"them; no uneven first or last stage, no virtual stages)")
-    return layers
+            f"{flags}: hybrid writes for Megatron-LM's split of the model's {layers} layers "
+            f"over the stages (even, or an uneven first or last stage and the rest even; no "
+            f"virtual stages): {e}") from None
 
 
 def layout(mode: str, shapes: dict[str, list[int]], cfg: dict, step: int, tp: int,
            dp: int, spec: str, bucket_size: int | None,
-           dtypes: tuple[torch.dtype, torch.dtype], pp: int = 1):
+           dtypes: tuple[torch.dtype, torch.dtype], pp: int = 1,
+           counts: list[int] | None = None):
     """The writer of ``mode``'s optimizer state (:func:`check` first); ``dtypes``: the
     loading run's grad buffer (param, grad) dtypes; ``pp``: its PP size (dp_reshardable:
-    one group of buckets per stage and TP rank)."""
+    one group of buckets per stage and TP rank), ``counts`` its stages' layers
+    (:func:`stage_layers`; None: the even split)."""
     groups = param_groups(cfg, step)
     if mode == "fully_reshardable":
         return FullyReshardable(groups)
-    return DpReshardable(shapes, tp, dp, pp, spec, bucket_size, cfg, groups, dtypes)
+    return DpReshardable(shapes, tp, dp, pp, spec, bucket_size, cfg, groups, dtypes,
+                         counts or stage_layers(cfg, pp))
 
 
 __all__ = ["MODES", "SPECS", "check", "layout", "param_groups", "stage_layers"]
