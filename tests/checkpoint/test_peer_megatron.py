@@ -728,6 +728,38 @@ def test_a_pp_split_hybrid_cannot_read_is_one_line_through_load(tmp_path):
         n for n in os.listdir(tmp_path / "new") if "iter_" in n]
 
 
+@pytest.mark.parametrize("field,value,says", [
+    ("decoder_first_pipeline_num_layers", 2, "args.decoder_first_pipeline_num_layers 2: not "
+                                             "a split Megatron-LM makes"),
+    ("virtual_pipeline_model_parallel_size", 2, "args.virtual_pipeline_model_parallel_size 2: "
+                                                "hybrid reads its dp_reshardable layout at "
+                                                "PP > 1 for Megatron-LM's even split of the "
+                                                "layers or an uneven first or last stage only"),
+    ("decoder_first_pipeline_num_layers", 1, None),  # (1 + 1: the even split, read)
+])
+def test_the_pp_split_is_read_from_common_pt_s_args(tmp_path, field, value, says):
+    """The PP 2 fixture (2 layers) with ``field`` set in ``common.pt``'s args: an uneven
+    first stage of 1 layer is the even split and reads the same masters; one of 2 leaves
+    the last stage none, and virtual stages are not read: each one CheckpointError naming
+    common.pt and the arg."""
+    bad = tmp_path / "pp2"
+    shutil.copytree(DISTOPT_PP2, bad)
+    common = bad / "iter_0000003" / "common.pt"
+    sd = torch.load(common, weights_only=False)  # (the fixture is ours: a full unpickle)
+    setattr(sd["args"], field, value)
+    torch.save(sd, common)
+    if says is None:
+        assert torch.equal(open_peer(str(bad)).read("blocks.1.mlp.fc.weight")["exp_avg"],
+                           open_peer(DISTOPT_PP2).read("blocks.1.mlp.fc.weight")["exp_avg"])
+        return
+    with pytest.raises(CheckpointError) as e:
+        open_peer(str(bad))
+    said = str(e.value)
+    assert "\n" not in said and said.startswith(f"{common}: the distributed optimizer's "
+                                                 f"state at PP 2 of args.num_layers 2, ")
+    assert says in said, said
+
+
 def test_dp_reshardable_buckets_are_read_where_megatron_put_each_parameter():
     """The derived bucket layout reads each parameter's fp32 master equal to the model's
     saved weight (bit for bit: an fp32 run's masters are its weights), and the moments
