@@ -84,7 +84,7 @@ beyond the above.
 benchmarks/peers/megatron_pipeline.py; the rng_state objects are Megatron-LM's (PP, TP)
 grid. ``--layers L`` (the model's layers; 2 by default) and ``--first-stage-layers`` /
 ``--last-stage-layers`` (megatron-core's uneven first and last stages) split the layers
-(its ``Split``); the flags are parsed in benchmarks/peers/megatron_flags.py.
+(its ``Split``); the flags are parsed in benchmarks/peers/megatron_cli.py.
 
 Not recorded: ``fully_sharded_model_space`` -- megatron-core 0.16.1 cannot save it
 (``ShardedTensor.validate_metadata_integrity`` raises "ShardedTensor.flattened_range is not
@@ -109,12 +109,12 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
+from benchmarks.peers.megatron_cli import layer_split, parse, worker_argv  # noqa: E402
 from benchmarks.peers.megatron_cpu_optim import (  # noqa: E402
     cpu_tensors_as_cuda,
     cuda_as_cpu,
     keep_own_step,
 )
-from benchmarks.peers.megatron_flags import layer_split, parse, worker_argv  # noqa: E402
 from benchmarks.peers.megatron_pipeline import Split, pipeline_loss  # noqa: E402
 from benchmarks.peers.megatron_recipe import (  # noqa: E402
     ARCH,

@@ -10,7 +10,9 @@ Megatron's scheduler gave those iterations: the losses equal Megatron's within 2
 megatron_distopt_dp_reshardable/ and megatron_distopt_fully_reshardable/ are the same run
 under megatron-core's DistributedOptimizer at TP 2 x DP 2, in its two savable layouts;
 megatron_distopt_dp_reshardable_pp2/ is the distributed optimizer at TP 1 x PP 2 x DP 2,
-stepped by megatron-core's pipeline schedule; megatron_moe_ep2/ is a mixture of experts (4
+stepped by megatron-core's pipeline schedule (and _pp2_vpp2/ GPT-2's family at TP 1 x PP 2
+with 2 model chunks a rank, its interleaved schedule: benchmarks/peers/
+record_megatron_vpp.py); megatron_moe_ep2/ is a mixture of experts (4
 SequentialMLP experts, top 2) at EP 2 x DP 2 under megatron-core's chained non-distributed
 optimizers, and megatron_moe_ep2_distopt_dp_reshardable/ the same under its chained
 distributed optimizers.
@@ -67,6 +69,8 @@ def _flags(rec: dict, ps, zero_stage: int, micro: int):
     ends = rec.get("ends", {}) if ps.pp_size > 1 else {}
     family.update(decoder_first_pipeline_num_layers=ends.get("first"),
                   decoder_last_pipeline_num_layers=ends.get("last"))
+    if ps.pp_size > 1 and rec.get("vpp"):  # (a virtual pipeline's save, at its PP)
+        family.update(virtual_pipeline_model_parallel_size=rec["vpp"])
     return Flags(num_layers=s["num_layers"], hidden_size=s["hidden_size"],
                  num_attention_heads=s["heads"], ffn_hidden_size=s["ffn"],
                  seq_length=s["seq_length"], max_position_embeddings=s["seq_length"],
@@ -100,7 +104,8 @@ def _continue(ps, load_dir: str, save_dir: str, zero_stage: int, rec: dict,
     from hybrid.train.step import activation_shape, train_step
     dp = ps.dp_size
     gbs = rec["shape"]["micro"] * rec["dp"]
-    micro = gbs // dp
+    rows = gbs // dp  # (a DP rank's; in micro-batches of rec's "micro_batch" rows if given)
+    micro = rec.get("micro_batch") or rows
     cfg = build_config(_flags(rec, ps, zero_stage, micro), ps.world_size, environ=os.environ)
     configure(cfg.kernels)
     rng = seed_all(cfg.seed, ps.tp_rank, ps.dp_rank, ps.device, ps.cp_rank, ps.tp_size)
@@ -116,8 +121,9 @@ def _continue(ps, load_dir: str, save_dir: str, zero_stage: int, rec: dict,
                               ps, False) if ps.pp_size > 1 else None)
 
     def step(tokens) -> None:
-        b = torch.tensor(tokens)[ps.dp_rank * micro:(ps.dp_rank + 1) * micro]
-        loss, _, _ = train_step(model, engine, [(b[:, :-1].contiguous(), b[:, 1:].contiguous())],
+        b = torch.tensor(tokens)[ps.dp_rank * rows:(ps.dp_rank + 1) * rows]
+        loss, _, _ = train_step(model, engine, [(m[:, :-1].contiguous(), m[:, 1:].contiguous())
+                                                for m in b.split(micro)],
                                 scheduled_lr(cfg.lr_schedule, it + len(losses) + 1, 0),
                                 shape=shape)
         t = loss.detach().reshape(1).clone()
@@ -705,6 +711,51 @@ def test_uneven_pp_stages_distributed_optimizer_recorded_here_reads_and_continue
                                                split, ends)
 
 
+DISTOPT_VPP = DISTOPT_PP2 + "_vpp2"
+
+
+def test_virtual_pipeline_stages_buffers_are_read_per_model_chunk():
+    """megatron-core's dp_reshardable save of a virtual pipeline (GPT-2's family, tied, 4
+    layers, TP 1 x PP 2 with 2 model chunks per PP rank: benchmarks/peers/
+    record_megatron_vpp.py): each PP rank's DP group holds one grad buffer per chunk
+    (``gbuf_idx_V``), its ``per_bucket_numel_unpadded`` one entry per chunk; the first
+    chunk of the first rank in buckets of 1000, the others one bucket bar the last
+    piece's tied copy of the word embeddings. Every master read equals the saved weight
+    (bit for bit), the tied copy's master and moments the first piece's."""
+    peer = open_peer(DISTOPT_VPP)
+    b = peer._buckets
+    assert (b.tp, b.pp, b.vpp) == (1, 2, 2) and len(b.prefixes) == 4
+    # (buffer index: group x V + chunk; the pieces in model order: chunk x PP + PP rank)
+    assert [len(b.prefixes[t]) for t in range(4)] == [4, 1, 1, 2]
+    assert [p.split(".")[2:4] for p in (b.prefixes[1][0], b.prefixes[2][0])] == [
+        ["dp_group_idx_0", "gbuf_idx_1"], ["dp_group_idx_1", "gbuf_idx_0"]]
+    assert [[n.split(".")[1] for n in s if n.endswith("ln_1.weight")] for s in b.stages] == [
+        ["0"], ["1"], ["2"], ["3"]]
+    _tied_copies_equal_the_first_stage_s(peer, 1, 2)
+    from hybrid.checkpoint.peers import megatron_names as names
+    for name in peer.shapes:
+        key, layer = peer._keys[name]
+        weight = names.to_hybrid_layout(name, peer.files.read(key, layer), peer.swiglu)
+        assert torch.equal(peer.read(name)["master"], weight), name
+
+
+@pytest.mark.peer("megatron.core")
+@pytest.mark.parametrize("world,pp", [(2, 2), (2, 1)])
+def test_virtual_pipeline_distributed_optimizer_continues_exactly(tmp_path, world, pp):
+    """The virtual pipeline's save (:func:`test_virtual_pipeline_stages_buffers_are_read_
+    per_model_chunk`): hybrid's 10 losses after the import equal megatron-core's own
+    continuation's (its interleaved schedule) within 2e-6, at PP 2 with 2 model chunks a
+    rank (Megatron's layout) and at PP 1 x DP 2."""
+    # (the interleaved schedule runs micro-batches in groups of PP: 2 of 1 row, as recorded)
+    rec = dict(_record(DISTOPT_VPP), micro_batch=1)
+    assert (rec["pp"], rec["vpp"], rec["shape"]["num_layers"]) == (2, 2, 4)
+    it, consumed, losses = run_ranks(_continue, world_size=world, tp=1, pp=pp,
+                                     args=(DISTOPT_VPP, str(tmp_path / "save"), 1, rec))[0]
+    assert (it, consumed) == (3, 3 * rec["shape"]["micro"] * rec["dp"])
+    diff = max(abs(a - b) for a, b in zip(losses, rec["losses"]))
+    assert len(losses) == 10 and diff <= TOL, (diff, losses, rec["losses"])
+
+
 def test_a_pp_split_hybrid_cannot_read_is_one_line_through_load(tmp_path):
     """The PP 2 save with ``args.account_for_embedding_in_pipeline_split`` set (Megatron-LM
     then counts the embedding as a layer when it splits the stages: another bucket
@@ -731,17 +782,20 @@ def test_a_pp_split_hybrid_cannot_read_is_one_line_through_load(tmp_path):
 @pytest.mark.parametrize("field,value,says", [
     ("decoder_first_pipeline_num_layers", 2, "args.decoder_first_pipeline_num_layers 2: not "
                                              "a split Megatron-LM makes"),
+    ("pipeline_model_parallel_layout", "Et|tL", "args.pipeline_model_parallel_layout "
+                                                "'Et|tL': hybrid reads its dp_reshardable "
+                                                "layout at PP > 1 for Megatron-LM's even split "
+                                                "of the layers or an uneven first or last "
+                                                "stage only (virtual stages too)"),
     ("virtual_pipeline_model_parallel_size", 2, "args.virtual_pipeline_model_parallel_size 2: "
-                                                "hybrid reads its dp_reshardable layout at "
-                                                "PP > 1 for Megatron-LM's even split of the "
-                                                "layers or an uneven first or last stage only"),
+                                                "not a split Megatron-LM makes"),
     ("decoder_first_pipeline_num_layers", 1, None),  # (1 + 1: the even split, read)
 ])
 def test_the_pp_split_is_read_from_common_pt_s_args(tmp_path, field, value, says):
     """The PP 2 fixture (2 layers) with ``field`` set in ``common.pt``'s args: an uneven
     first stage of 1 layer is the even split and reads the same masters; one of 2 leaves
-    the last stage none, and virtual stages are not read: each one CheckpointError naming
-    common.pt and the arg."""
+    the last stage none, 2 virtual stages a rank leave a chunk no layer, and a pipeline
+    layout is not read: each one CheckpointError naming common.pt and the arg."""
     bad = tmp_path / "pp2"
     shutil.copytree(DISTOPT_PP2, bad)
     common = bad / "iter_0000003" / "common.pt"
