@@ -276,10 +276,13 @@ class _Buckets:
     one error naming the key.
 
     Where a parameter lies is megatron-core's ``_ParamAndGradBuffer`` layout, derived
-    by the functions the export writes with (:func:`~.megatron_names.pipeline_stages`,
+    by the functions the export writes with (:func:`~.megatron_names.split_stages`,
     :func:`~.megatron_names.stage_buffer`): the stage's parameters on the TP rank (their
-    TP-local sizes, from the model's keys; a stage holds ``num_layers / PP`` consecutive
-    layers, the first the embeddings, the last the final norm and the output layer) in
+    TP-local sizes, from the model's keys; a stage holds its consecutive layers of
+    Megatron-LM's split -- ``num_layers / PP``, or the uneven first or last stage's and
+    the rest even --, the first the embeddings, the last the final norm and the output
+    layer; with virtual stages, V per PP rank, each model chunk of a stage is a grad
+    buffer of its own, ``gbuf_idx_v``, over piece ``v x PP + stage`` of the model) in
     the reverse of the GPTModel's parameter order, each starting at a multiple of 64, a
     bucket closing where its saved ``per_bucket_numel_unpadded`` says (tied embeddings at
     PP > 1: the word embeddings and the last stage's copy in buckets of their own). The
@@ -292,7 +295,8 @@ class _Buckets:
     def __init__(self, ckpt: MegatronCheckpoint):
         self.ckpt, self.files = ckpt, ckpt.files
         where = os.path.join(ckpt.path, DCP_METADATA)
-        # chain ("", or an MoE run's "chained_<i>.") -> group -> bucket -> key prefix
+        # chain ("", or an MoE run's "chained_<i>.") -> buffer (group x V + chunk) -> bucket
+        # -> key prefix
         chains: dict[str, dict[int, dict[int, str]]] = {}
         self.dtypes: set[str] = set()  # the buffers' (param, grad) pairs, as keys spell them
         self.tp = int(arg(ckpt.args, "tensor_model_parallel_size", 1) or 1)
@@ -514,8 +518,9 @@ class _Buckets:
         return shape
 
     def _layout(self, t: int, sizes: list[int], spec: str) -> dict | None:
-        """Where each parameter of TP rank ``t`` lies, {name: (bucket key, start, stop)},
-        in megatron-core's layout under layer spec ``spec``
+        """Where each parameter of grad buffer ``t`` (DP group x V + model chunk) lies,
+        {name: (bucket key, start, stop)}, in megatron-core's layout under layer spec
+        ``spec``
         (:func:`~.megatron_names.stage_buffer`, buckets closed at the saved unpadded
         ``sizes``), or None when the files' chunks or bucket sizes say otherwise."""
         group, chunk = divmod(t, self.vpp)  # (the piece: chunk x PP + PP rank)

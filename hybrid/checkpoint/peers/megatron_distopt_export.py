@@ -7,7 +7,7 @@
   ``optimizer.distributed.dp_group_idx_G.gbuf_idx_0.dtype_<pair>.bucket_idx_B.{param,
   exp_avg,exp_avg_sq}`` of the bucket's unpadded length, each of the stage's parameters'
   TP-local piece at the place megatron-core's buffer gives it
-  (:func:`~.megatron_names.pipeline_stages` and :func:`~.megatron_names.stage_buffer`, the
+  (:func:`~.megatron_names.split_stages` and :func:`~.megatron_names.stage_buffer`, the
   functions the reader maps these files with), cut where the DP ranks' shards meet, and
   the gaps (alignment padding) as zero chunks; beside them the objects its load takes
   (``per_bucket_numel``, ``per_bucket_numel_unpadded`` -- the load asserts the latter

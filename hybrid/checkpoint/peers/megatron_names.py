@@ -314,7 +314,7 @@ def split_stages(params: list[str], counts: list[int], tied: bool) -> list[list[
 def stage_buffer(stages: list[list[str]], stage: int, spec: str, numel, closes
                  ) -> tuple[dict[str, tuple[int, int, int]], list[int]]:
     """One (PP stage, TP rank)'s grad buffer: stage ``stage`` of ``stages``
-    (:func:`pipeline_stages`) in the reverse of the GPTModel's order under layer spec
+    (:func:`split_stages`) in the reverse of the GPTModel's order under layer spec
     ``spec``, ``numel(name)`` each parameter's TP-local numel (:data:`TIED_COPY`'s is the
     word embeddings'), laid out by :func:`bucket_layout` with ``closes``. With tied
     embeddings at PP > 1 megatron-core marks the word embeddings and their copy
