@@ -7,7 +7,7 @@
     python scripts/convert_checkpoint.py export --to megatron CHECKPOINT_DIR_OR_SAVE_DIR OUT_DIR \
         [--tensor-model-parallel-size T] [--data-parallel-size D] \
         [--pipeline-model-parallel-size P] [--decoder-first-pipeline-num-layers F] \
-        [--decoder-last-pipeline-num-layers L] \
+        [--decoder-last-pipeline-num-layers L] [--virtual-pipeline-model-parallel-size V] \
         [--megatron-dist-opt dp_reshardable|fully_reshardable] \
         [--megatron-layer-spec local|transformer_engine] [--megatron-ddp-bucket-size N] \
         [--dtype fp32|bf16]
@@ -127,6 +127,9 @@ def export_megatron(argv) -> int:
     ap.add_argument("--decoder-last-pipeline-num-layers", type=int, default=None,
                     help="with --pipeline-model-parallel-size: the loading run's layers on "
                          "its last stage")
+    ap.add_argument("--virtual-pipeline-model-parallel-size", type=int, default=None,
+                    help="with --pipeline-model-parallel-size: the loading run's model "
+                         "chunks per stage (dp_reshardable: one grad buffer each)")
     ap.add_argument("--megatron-dist-opt", default=None, metavar="{dp_reshardable,"
                     "fully_reshardable}",
                     help="write the optimizer state for megatron-core's DistributedOptimizer "
@@ -154,7 +157,8 @@ def export_megatron(argv) -> int:
                              spec=a.megatron_layer_spec,
                              bucket_size=a.megatron_ddp_bucket_size, dtype=a.dtype,
                              first=a.decoder_first_pipeline_num_layers,
-                             last=a.decoder_last_pipeline_num_layers)
+                             last=a.decoder_last_pipeline_num_layers,
+                             vpp=a.virtual_pipeline_model_parallel_size)
     except CheckpointError as e:
         print(f"convert_checkpoint.py: error: {e}", file=sys.stderr)
         return 2

@@ -3,6 +3,9 @@ fixture tests/fixtures/peers/megatron_distopt_dp_reshardable_pp2_vpp2/ (GPT-2's 
 tied, 4 layers, TP 1 x PP 2 x DP 1 with 2 model chunks per PP rank: 2 ranks).
 
     OMP_NUM_THREADS=1 /work/venv-peers/bin/python benchmarks/peers/record_megatron_vpp.py
+    ... --resume DIR/iter_N --tokens BATCHES.json --losses OUT.json [--resave DIR2]
+                        (megatron-core's load of an export for this run, [saved again,]
+                         stepping the batches: their losses into OUT.json)
 
 Megatron-LM's ``--num-layers-per-virtual-pipeline-stage 1`` on 4 layers at PP 2
 (``virtual_pipeline_model_parallel_size`` 2): each PP rank builds one GPTModel per model
@@ -21,8 +24,12 @@ optimizer's dp_reshardable state (one grad buffer per chunk: ``dp_group_idx_G.gb
 and ``per_bucket_numel_unpadded`` a list of one entry per chunk) --, then continues
 ``CONTINUE`` steps and writes losses.json as benchmarks/peers/record_megatron_checkpoint.py
 does (the losses of the steps after the save, their batches). The CPU patches are the
-main recorder's (its ``--pp`` run's); megatron-core's own reload of this save is not run
-here.
+main recorder's (its ``--pp`` run's); megatron-core's own reload of the save continues
+bit for bit (checked here). ``--resume`` loads as the main recorder's does (with its three steps for
+megatron-core 0.16.1's DistributedOptimizer around torch's AdamW: the dummy state
+first, ``torch.no_grad()`` and ``keep_own_step`` around the load, each parameter's
+``step`` from the param groups after it), every chunk's sharded state dict under its
+``model<v>``.
 """
 
 from __future__ import annotations
@@ -155,6 +162,31 @@ class VirtualRun:
         torch.distributed.all_reduce(loss, group=self.ps.get_pipeline_model_parallel_group())
         return float(loss.item())
 
+    def load(self, iter_dir: str) -> int:
+        """megatron-core's ``dist_checkpointing.load`` of ``iter_dir`` into the chunks, the
+        optimizer and the scheduler (the module docstring); the iteration."""
+        from megatron.core import dist_checkpointing
+
+        from benchmarks.peers.megatron_cpu_optim import cpu_tensors_as_cuda, keep_own_step
+        meta = sharded_metadata("dp_reshardable")
+        model_sd = {f"model{v}": m.sharded_state_dict(metadata=meta)
+                    for v, m in enumerate(self.chunks)}
+        for opt in self.opt.chained_optimizers:
+            opt._init_optimizer_states_with_dummy_values()
+        with cpu_tensors_as_cuda():
+            opt_sd = self.opt.sharded_state_dict(model_sd, is_loading=True, metadata=meta)
+            got = dist_checkpointing.load({**model_sd, "optimizer": opt_sd}, iter_dir)
+            for v, m in enumerate(self.chunks):
+                m.load_state_dict(got[f"model{v}"])
+            with self.torch.no_grad(), keep_own_step():
+                self.opt.load_state_dict(got["optimizer"])
+        for opt in self.opt.chained_optimizers:
+            for group in opt.optimizer.param_groups:
+                for p in group["params"]:
+                    opt.optimizer.state[p]["step"] = self.torch.tensor(float(group["step"]))
+        self.sched.load_state_dict(got["opt_param_scheduler"])
+        return int(got["iteration"])
+
     def save(self, out: str, iteration: int) -> None:
         """Megatron-LM's torch_dist save of a virtual pipeline (``model0``, ``model1``)."""
         import random
@@ -196,7 +228,7 @@ class VirtualRun:
         dist.barrier()
 
 
-def worker(out: str) -> None:
+def worker(a: argparse.Namespace) -> None:
     import torch
     import torch.distributed as dist
 
@@ -209,10 +241,40 @@ def worker(out: str) -> None:
     parallel_state.initialize_model_parallel(pipeline_model_parallel_size=PP,
                                              virtual_pipeline_model_parallel_size=VPP)
     run = VirtualRun()
+    if a.resume:
+        resume(run, a)
+    else:
+        record(run, a.out)
+    dist.barrier()
+    parallel_state.destroy_model_parallel()
+    dist.destroy_process_group()
+
+
+def resume(run: VirtualRun, a: argparse.Namespace) -> None:
+    """``a.resume`` loaded (and saved again into ``a.resave``), then the batches of
+    ``a.tokens`` stepped: {"iteration", "losses"} into ``a.losses``."""
+    import torch
+    with open(a.tokens) as f:
+        tokens = json.load(f)
+    iteration = run.load(a.resume)
+    if a.resave:
+        run.save(a.resave, iteration)
+    out = {"iteration": iteration, "losses": [run.step(torch.tensor(b)) for b in tokens]}
+    if torch.distributed.get_rank() == 0:
+        with open(a.losses, "w") as f:
+            json.dump(out, f)
+
+
+def record(run: VirtualRun, out: str) -> None:
+    import torch.distributed as dist
     data = batches(SAVE_AT + CONTINUE, SHAPE["micro"], seed=7)
     first = [run.step(b) for b in data[:SAVE_AT]]
     run.save(out, SAVE_AT)
     losses = [run.step(b) for b in data[SAVE_AT:]]
+    again = VirtualRun()  # megatron-core's own load of the files continues the same
+    assert again.load(os.path.join(out, f"iter_{SAVE_AT:07d}")) == SAVE_AT
+    worst = max(abs(x - again.step(b)) for x, b in zip(losses, data[SAVE_AT:]))
+    assert worst == 0.0, f"megatron-core's reload continues differently ({worst})"
     if dist.get_rank() == 0:
         with open(os.path.join(out, "losses.json"), "w") as f:
             json.dump({"megatron_core": __import__("megatron.core").core.__version__,
@@ -225,24 +287,28 @@ def worker(out: str) -> None:
                        "clip_grad": CLIP, "adam_beta2": BETA2, "adam_eps": EPS,
                        "first_losses": first, "losses": losses,
                        "tokens": [b.tolist() for b in data[SAVE_AT:]]}, f)
-    dist.barrier()
-    parallel_state.destroy_model_parallel()
-    dist.destroy_process_group()
 
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default=OUT)
+    p.add_argument("--resume", help="instead: an iter_* directory to load and continue")
+    p.add_argument("--tokens", help="with --resume: the batches (a JSON list)")
+    p.add_argument("--losses", help="with --resume: where the losses JSON goes")
+    p.add_argument("--resave", help="with --resume: save what was loaded there first")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     a = p.parse_args()
     if a.worker:
-        worker(a.out)
+        worker(a)
         return 0
-    shutil.rmtree(a.out, ignore_errors=True)
-    os.makedirs(a.out)
+    if not a.resume:
+        shutil.rmtree(a.out, ignore_errors=True)
+        os.makedirs(a.out)
+    more = ["--resume", a.resume, "--tokens", a.tokens, "--losses", a.losses,
+            *(["--resave", a.resave] if a.resave else [])] if a.resume else []
     return subprocess.call([sys.executable, "-m", "torch.distributed.run", "--standalone",
                             "--nproc-per-node", str(PP), os.path.abspath(__file__),
-                            "--worker", "--out", a.out],
+                            "--worker", "--out", a.out, *more],
                            env=dict(os.environ, OMP_NUM_THREADS="1"), cwd=ROOT)
 
 

@@ -756,6 +756,51 @@ def test_virtual_pipeline_distributed_optimizer_continues_exactly(tmp_path, worl
     assert len(losses) == 10 and diff <= TOL, (diff, losses, rec["losses"])
 
 
+@pytest.mark.peer("megatron.core")
+def test_virtual_pipeline_export_loads_in_megatron_core(tmp_path):
+    """Back the other way with virtual stages: the export of the virtual pipeline's import
+    for its run (PP 2 x V 2, buckets of 1000) has megatron-core's chunks and bucket sizes
+    (one grad buffer per model chunk) and reads back the import's masters and moments;
+    hybrid's PP 2 x V 2 continuation saved at iteration 13 (then 4 more batches stepped),
+    exported with ``--virtual-pipeline-model-parallel-size 2``, is loaded by megatron-core
+    at PP 2 x V 2 (benchmarks/peers/record_megatron_vpp.py --resume), re-saved -- hybrid's
+    masters and moments, the tied copy the first piece's, bit for bit -- and steps the 4
+    batches within 2e-6 of hybrid."""
+    import subprocess
+    import sys
+
+    from tests.helpers.launch import script_module
+    rec = dict(_record(DISTOPT_VPP), micro_batch=1)
+    more = _more(rec)
+    save = str(tmp_path / "save")
+    _, _, losses = run_ranks(_continue, world_size=2, tp=1, pp=2,
+                             args=(DISTOPT_VPP, save, 1, rec, more))[0]
+    ckpt = _imported(tmp_path / "import", DISTOPT_VPP)
+    _exported_as_saved(ckpt, str(tmp_path / "as_saved"),
+                       os.path.join(DISTOPT_VPP, "iter_0000003"), 2, tp=1, dp=1, pp=2, vpp=2)
+    _same_state(open_peer(str(tmp_path / "as_saved")), ckpt)
+    assert script_module("convert_checkpoint").main([
+        "export", "--to", "megatron", save, str(tmp_path / "mg"),
+        "--pipeline-model-parallel-size", "2", "--virtual-pipeline-model-parallel-size", "2",
+        "--megatron-dist-opt", "dp_reshardable", "--megatron-ddp-bucket-size", "1000"]) == 0
+    tokens = tmp_path / "tokens.json"
+    tokens.write_text(json.dumps(more))
+    recorder = os.path.join(os.path.dirname(RECORDER), "record_megatron_vpp.py")
+    run = subprocess.run([sys.executable, recorder, "--resume",
+                          str(tmp_path / "mg" / "iter_0000013"), "--tokens", str(tokens),
+                          "--losses", str(tmp_path / "megatron.json"), "--resave",
+                          str(tmp_path / "again")],
+                         check=False, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    back = open_peer(str(tmp_path / "again"))
+    assert back._buckets.vpp == 2
+    _same_state(back, os.path.join(save, "iter_0000013"))
+    _tied_copies_equal_the_first_stage_s(back, 1, 2)
+    got = json.loads((tmp_path / "megatron.json").read_text())
+    diff = max(abs(a - b) for a, b in zip(got["losses"], losses[len(rec["tokens"]):]))
+    assert got["iteration"] == 13 and diff <= TOL, (diff, got, losses)
+
+
 def test_a_pp_split_hybrid_cannot_read_is_one_line_through_load(tmp_path):
     """The PP 2 save with ``args.account_for_embedding_in_pipeline_split`` set (Megatron-LM
     then counts the embedding as a layer when it splits the stages: another bucket
@@ -1204,7 +1249,7 @@ def test_pp2_distributed_optimizer_export_has_megatron_s_layout_and_reads_back(t
      "for Megatron-LM's split of the model's 2 layers"),
     (["--decoder-last-pipeline-num-layers", "1"],
      "--pipeline-model-parallel-size 1 --decoder-last-pipeline-num-layers 1: uneven first "
-     "or last stages need PP 2 or more"),
+     "or last stages and virtual stages need PP 2 or more"),
 ])
 def test_a_distributed_optimizer_export_it_cannot_write_is_one_line(tmp_path, capsys, flags,
                                                                      says):

@@ -210,7 +210,7 @@ def _plain_optimizer(cfg: dict, step: int, moments: bool, fp32: bool) -> dict:
 def write(hybrid_ckpt: str, out_dir: str, tp: int = 1, dp: int = 1,
           dist_opt: str | None = None, spec: str = "local",
           bucket_size: int | None = None, dtype: str | None = None, pp: int = 1,
-          first: int | None = None, last: int | None = None) -> str:
+          first: int | None = None, last: int | None = None, vpp: int | None = None) -> str:
     """A hybrid checkpoint (an ``iter_*`` directory or a ``--save`` directory's newest)
     as Megatron-LM save directory ``out_dir``: ``iter_NNNNNNN/`` in ``torch_dist`` (the
     GPTModel's sharded keys, the layers stacked; ``common.pt`` with ``args``,
@@ -224,7 +224,8 @@ def write(hybrid_ckpt: str, out_dir: str, tp: int = 1, dp: int = 1,
     at TP ``tp``, DP ``dp``, PP ``pp`` (Megatron-LM's even split of the layers, or
     ``first`` / ``last`` layers on the first / last stage and the rest even -- its
     ``--decoder-first/last-pipeline-num-layers``, recorded in ``args`` --: one group of
-    buckets per stage and TP rank), layer spec ``spec`` (``local`` or
+    buckets per stage and TP rank; with ``vpp`` model chunks a stage, one grad buffer per
+    chunk), layer spec ``spec`` (``local`` or
     ``transformer_engine``) and DDP bucket size ``bucket_size`` (None: one bucket,
     Megatron-LM's default without ``--overlap-grad-reduce``); the other layouts do not
     depend on PP (``pp`` is only recorded in ``args``). A bf16 checkpoint (config
@@ -256,7 +257,7 @@ def write(hybrid_ckpt: str, out_dir: str, tp: int = 1, dp: int = 1,
     # (a bf16 run's buffer: grads in fp32 unless the run said otherwise, as in Megatron-LM)
     dtypes = names.buffer_dtypes(dtype == "bf16" if dtype else bool(cfg.get("bf16")),
                                  cfg.get("accumulate_allreduce_grads_in_fp32", True) is not False)
-    counts = distopt.stage_layers(cfg, pp, first, last)
+    counts = distopt.stage_layers(cfg, pp, first, last, vpp)
     opt = (distopt.layout(dist_opt, shapes, cfg, step, tp, dp, spec, bucket_size, dtypes, pp,
                           counts) if dist_opt else None)
     final = os.path.join(out_dir, f"iter_{it:07d}")
@@ -285,7 +286,8 @@ def write(hybrid_ckpt: str, out_dir: str, tp: int = 1, dp: int = 1,
             "dist_ckpt_optim_fully_reshardable": dist_opt == "fully_reshardable",
             "overlap_grad_reduce": bucket_size is not None, "ddp_bucket_size": bucket_size,
             "transformer_impl": spec, "decoder_first_pipeline_num_layers": first,
-            "decoder_last_pipeline_num_layers": last}
+            "decoder_last_pipeline_num_layers": last,
+            "virtual_pipeline_model_parallel_size": vpp}
     common = {
         "args": _namespace(cfg, meta, tp, dp, vocab, gbs, dist, dtypes, pp),
         "checkpoint_version": 3.0,

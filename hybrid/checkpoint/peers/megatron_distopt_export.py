@@ -15,8 +15,11 @@
   At PP > 1 the stages split the layers evenly (``--pipeline-model-parallel-size`` must
   divide them) or with an uneven first or last stage
   (``--decoder-first-pipeline-num-layers`` / ``--decoder-last-pipeline-num-layers``, the
-  rest even; no virtual stages), the embeddings on the first, the final norm and the
-  output layer on the last; with tied embeddings the last
+  rest even), the embeddings on the first, the final norm and the output layer on the
+  last; with virtual stages (``--virtual-pipeline-model-parallel-size V``) each stage's
+  group holds one grad buffer per model chunk, ``gbuf_idx_v`` over piece ``v x PP +
+  stage`` of the model, and its ``per_bucket_numel`` objects one entry per chunk (what
+  megatron-core 0.16.1 saves); megatron-core buckets piece 0 only; with tied embeddings the last
   stage's buffer also holds megatron-core's copy of the word embeddings (its output
   layer's weight), written with the first stage's master and moments, and each of the
   two copies is a bucket of its own, as megatron-core's buffer makes them.
@@ -47,7 +50,7 @@ import torch
 
 from hybrid.checkpoint.peers import megatron_names as names
 from hybrid.checkpoint.peers.megatron_files import DcpWriter
-from hybrid.config.stage_split import FIRST, LAST, split_layers
+from hybrid.config.stage_split import FIRST, LAST, VPP, split_layers
 from hybrid.errors import CheckpointError, ConfigError
 
 MODES = ("dp_reshardable", "fully_reshardable")
@@ -111,9 +114,11 @@ class FullyReshardable:
 class DpReshardable:
     """``dp_reshardable``: megatron-core's buckets per (PP stage, TP rank) (the module
     docstring). ``shapes``: hybrid's full shapes of every parameter (the layout needs
-    them all before the first is written); ``counts``: each stage's layers
-    (:func:`stage_layers`). One parameter's columns in memory at a time;
-    the gaps are written by :meth:`finish`."""
+    them all before the first is written); ``counts``: each piece's layers
+    (:func:`stage_layers`; with V virtual stages per PP rank, PP x V pieces in model
+    order, piece ``i`` model chunk ``i // PP`` of stage ``i % PP``: a grad buffer of its
+    own, ``gbuf_idx_<i // PP>`` of the stage's groups). One parameter's columns in memory
+    at a time; the gaps are written by :meth:`finish`."""
 
     def __init__(self, shapes: dict[str, list[int]], tp: int, dp: int, pp: int, spec: str,
                  bucket_size: int | None, cfg: dict, groups: list[dict],
@@ -130,10 +135,10 @@ class DpReshardable:
             local[name] = math.prod(shape) // (tp if dim is not None else 1)
         tied = not cfg.get("untie_embeddings_and_output_weights")
         stages = names.split_stages(list(shapes), counts, tied)
-        # name -> [(stage, bucket, start, stop)]: its place, and the tied copy's
+        # name -> [(piece, bucket, start, stop)]: its place, and the tied copy's
         self.place: dict[str, list[tuple[int, int, int, int]]] = {}
-        self.unpadded: list[list[int]] = []
-        for stage in range(pp):
+        self.unpadded: list[list[int]] = []  # (per piece)
+        for stage in range(len(counts)):  # (the pieces: the stages without virtual ones)
             placed, sizes = names.stage_buffer(
                 stages, stage, spec,
                 lambda n: local["wte.weight" if n == names.TIED_COPY else n],
@@ -146,9 +151,12 @@ class DpReshardable:
         self.written: list[list[list[tuple[int, int]]]] = [[[] for _ in s]
                                                            for s in self.unpadded]
 
-    def key(self, group: int, bucket: int, col: str) -> str:
-        return (f"optimizer.distributed.dp_group_idx_{group}.gbuf_idx_0.dtype_{self.dtypes}."
-                f"bucket_idx_{bucket}.{col}")
+    def key(self, piece: int, t: int, bucket: int, col: str) -> str:
+        """The key of ``piece``'s bucket on TP rank ``t``: its stage's DP group, its model
+        chunk's grad buffer."""
+        group, chunk = (piece % self.pp) * self.tp + t, piece // self.pp
+        return (f"optimizer.distributed.dp_group_idx_{group}.gbuf_idx_{chunk}.dtype_"
+                f"{self.dtypes}.bucket_idx_{bucket}.{col}")
 
     def _pieces(self, stage: int, bucket: int, start: int, stop: int
                 ) -> list[tuple[int, int]]:
@@ -165,7 +173,7 @@ class DpReshardable:
             for stage, bucket, start, stop in self.place[name]:  # (and the tied copy's)
                 for t, flat in enumerate(flats):
                     for a, b in self._pieces(stage, bucket, start, stop):
-                        w.tensor(self.key(stage * self.tp + t, bucket, saved),
+                        w.tensor(self.key(stage, t, bucket, saved),
                                  [self.unpadded[stage][bucket]], [a],
                                  flat[a - start:b - start])
         for stage, bucket, start, stop in self.place[name]:
@@ -182,17 +190,18 @@ class DpReshardable:
                     for a, b in self._pieces(stage, bucket, at, start) if start > at else []:
                         for t in range(self.tp):
                             for _, saved in _COLUMNS:
-                                w.tensor(self.key(stage * self.tp + t, bucket, saved), [end],
+                                w.tensor(self.key(stage, t, bucket, saved), [end],
                                          [a], torch.zeros(b - a))
                     at = max(at, stop)
         for group in range(self.pp * self.tp):
-            stage = group // self.tp
+            pieces = range(group // self.tp, len(self.unpadded), self.pp)  # (its chunks)
             prefix = f"optimizer.distributed.dp_group_idx_{group}."
-            # (a ShardedObject of one shard, as a list of the saving rank's objects)
+            # (a ShardedObject of one shard, as a list of the saving rank's objects: one
+            # entry per grad buffer, one per model chunk)
             w.obj(f"{prefix}per_bucket_numel/shard_0_1",
-                  [[{self.dtypes: list(self.padded[stage])}]])
+                  [[{self.dtypes: list(self.padded[p])} for p in pieces]])
             w.obj(f"{prefix}per_bucket_numel_unpadded/shard_0_1",
-                  [[{self.dtypes: list(self.unpadded[stage])}]])
+                  [[{self.dtypes: list(self.unpadded[p])} for p in pieces]])
             w.obj(f"{prefix}optimizer/shard_0_1", [{"param_groups": self.groups}])
 
     def common(self) -> dict:
@@ -201,26 +210,30 @@ class DpReshardable:
 
 
 def stage_layers(cfg: dict, pp: int, first: int | None = None,
-                 last: int | None = None) -> list[int]:
-    """Each PP stage's layer count in the loading run's split of the model's layers:
-    Megatron-LM's even split, or with ``first`` / ``last`` layers on the first / last stage
+                 last: int | None = None, vpp: int | None = None) -> list[int]:
+    """Each pipeline piece's layer count in the loading run's split of the model's layers
+    (a stage's, or with ``vpp`` model chunks per stage, ``--virtual-pipeline-model-
+    parallel-size``, PP x V pieces in model order): Megatron-LM's even split, or with
+    ``first`` / ``last`` layers on the first / last stage
     (``--decoder-first-pipeline-num-layers`` / ``--decoder-last-pipeline-num-layers``) and
     the rest even (:func:`hybrid.config.stage_split.split_layers`, Megatron-LM's rules);
     one CheckpointError naming the flags for a split Megatron-LM does not make."""
     layers = int(cfg.get("num_layers") or 0)
     flags = (f"--pipeline-model-parallel-size {pp}" + "".join(
-        f" {flag} {n}" for flag, n in ((FIRST, first), (LAST, last)) if n is not None))
-    if pp < 1 or (pp == 1 and (first or last)):
-        raise CheckpointError(f"{flags}: uneven first or last stages need PP 2 or more")
+        f" {flag} {n}" for flag, n in ((FIRST, first), (LAST, last), (VPP, vpp))
+        if n is not None))
+    if pp < 1 or (pp == 1 and (first or last or vpp)):
+        raise CheckpointError(f"{flags}: uneven first or last stages and virtual stages "
+                              f"need PP 2 or more")
     if pp == 1:
         return [layers]
     try:
-        return list(split_layers(layers, pp, first=first, last=last).layers)
+        return list(split_layers(layers, pp, vpp, first=first, last=last).layers)
     except ConfigError as e:
         raise CheckpointError(
             f"{flags}: hybrid writes for Megatron-LM's split of the model's {layers} layers "
-            f"over the stages (even, or an uneven first or last stage and the rest even; no "
-            f"virtual stages): {e}") from None
+            f"over the stages (even, or an uneven first or last stage and the rest even; "
+            f"virtual stages of either): {e}") from None
 
 
 def layout(mode: str, shapes: dict[str, list[int]], cfg: dict, step: int, tp: int,
