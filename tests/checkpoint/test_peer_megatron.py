@@ -582,11 +582,12 @@ def test_pp2_distributed_optimizer_recorded_here_reads_and_continues(tmp_path, m
 def _pp2_export_loads_in_megatron_core(tmp_path, mg: str, save: str, more: list,
                                        hybrid_losses: list[float], model: str,
                                        tp: int, pp: int = 2, split: tuple = (),
-                                       ends: dict | None = None) -> None:
+                                       ends: dict | None = None, world: int = 4) -> None:
     """The export for PP ``pp`` (2 unless said; ``split``: the recorder's flags of the
     layers and their split, the same for megatron-core's load; ``ends``: an uneven
     {"first": F, "last": L} stage's layers, the export's ``--decoder-first/last-pipeline-
-    num-layers``) at TP ``tp`` of the world of 4 (fp32; ``model`` "gpt2" is tied:
+    num-layers``) at TP ``tp`` of the world of ``world`` (4 unless said; fp32; ``model``
+    "gpt2" is tied:
     the first stage's copy of the word embeddings and the last stage's each a bucket of
     their own):
 
@@ -604,7 +605,7 @@ def _pp2_export_loads_in_megatron_core(tmp_path, mg: str, save: str, more: list,
       megatron-core 0.16.1's fully_reshardable save is wrong over several buckets, the
       recorder's docstring)."""
     from tests.helpers.launch import script_module
-    dp = 4 // (pp * tp)
+    dp = world // (pp * tp)
     tied = model == "gpt2"
     ends = ends or {}
     ckpt = _imported(tmp_path / "import", mg)
@@ -629,7 +630,7 @@ def _pp2_export_loads_in_megatron_core(tmp_path, mg: str, save: str, more: list,
                           else [])]) == 0
     # (one launch: the fully_reshardable export in a fresh run after the dp_reshardable one)
     got = _megatron_resume(tmp_path / "dp_reshardable" / "iter_0000013", tokens,
-                           tmp_path / "megatron.json", tp, 4, "--model", model, "--pp",
+                           tmp_path / "megatron.json", tp, world, "--model", model, "--pp",
                            str(pp), *split, "--dist-opt", "dp_reshardable",
                            "--ddp-bucket-size", "1000",
                            resave=tmp_path / "again",
@@ -645,24 +646,26 @@ def _pp2_export_loads_in_megatron_core(tmp_path, mg: str, save: str, more: list,
 
 @pytest.mark.peer("megatron.core")
 def test_pp4_distributed_optimizer_recorded_here_reads_and_continues(tmp_path):
-    """megatron-core's DistributedOptimizer at TP 1 x PP 4 x DP 1 of GPT-2's family (tied,
+    """megatron-core's DistributedOptimizer at TP 1 x PP 4 x DP 2 of GPT-2's family (tied,
     4 layers: one a stage; the first stage's buffer in buckets of 1000, the others one
     bucket each bar the last stage's copy of the word embeddings, a bucket of its own),
-    recorded here: every master read from the 4 stages' buckets equals the saved weight,
-    the last stage's copy of the word embeddings the first's; hybrid's 10 losses equal
-    megatron-core's within 2e-6 at PP 4 (Megatron's layout) and at PP 1 x DP 2, and the
-    export for PP 4 goes on in megatron-core (:func:`_pp2_export_loads_in_megatron_core`
-    at PP 4: the import's export has megatron-core's chunks and bucket sizes, megatron-
-    core's re-save of hybrid's export is hybrid's masters and moments bit for bit, its
-    next 4 losses within 2e-6 of hybrid's)."""
+    recorded here on 8 ranks: every master read from the 4 stages' buckets equals the
+    saved weight, the last stage's copy of the word embeddings the first's; hybrid's 10
+    losses equal megatron-core's within 2e-6 at PP 4 x DP 2 (Megatron's layout) and at PP
+    1 x DP 2, and the export for PP 4 x DP 2 goes on in megatron-core
+    (:func:`_pp2_export_loads_in_megatron_core` at PP 4 on 8 ranks: the import's export
+    has megatron-core's chunks and bucket sizes, megatron-core's re-save of hybrid's export
+    is hybrid's masters and moments bit for bit, its next 4 losses within 2e-6 of
+    hybrid's)."""
     split = ("--layers", "4")
-    mg, peer = _recorded_here(tmp_path, "--model", "gpt2", "--tp", "1", "--pp", "4", *split)
+    mg, peer = _recorded_here(tmp_path, "--model", "gpt2", "--tp", "1", "--pp", "4", *split,
+                              world=8)
     _tied_copies_equal_the_first_stage_s(peer, 1, 4)
     rec = _record(mg)
-    assert (rec["tp"], rec["pp"], rec["dp"], rec["shape"]["num_layers"]) == (1, 4, 1, 4)
+    assert (rec["tp"], rec["pp"], rec["dp"], rec["shape"]["num_layers"]) == (1, 4, 2, 4)
     assert [len(peer._buckets.prefixes[g]) for g in range(4)] == [4, 1, 1, 2]
     more = _more(rec)
-    for i, (world, pp) in enumerate([(4, 4), (2, 1)]):
+    for i, (world, pp) in enumerate([(8, 4), (2, 1)]):
         save = str(tmp_path / f"save{world}{pp}")
         _, _, losses = run_ranks(_continue, world_size=world, tp=1, pp=pp,
                                  args=(mg, save, 1, rec, more if i == 0 else None))[0]
@@ -671,7 +674,7 @@ def test_pp4_distributed_optimizer_recorded_here_reads_and_continues(tmp_path):
         if i == 0:
             _pp2_export_loads_in_megatron_core(tmp_path, mg, save, more,
                                                losses[len(rec["tokens"]):], "gpt2", 1, 4,
-                                               split)
+                                               split, world=8)
 
 
 @pytest.mark.peer("megatron.core")
