@@ -1250,6 +1250,10 @@ def test_pp2_distributed_optimizer_export_has_megatron_s_layout_and_reads_back(t
       "--decoder-first-pipeline-num-layers", "2"],
      "--pipeline-model-parallel-size 2 --decoder-first-pipeline-num-layers 2: hybrid writes "
      "for Megatron-LM's split of the model's 2 layers"),
+    (["--megatron-dist-opt", "dp_reshardable", "--pipeline-model-parallel-size", "2",
+      "--virtual-pipeline-model-parallel-size", "2"],
+     "--pipeline-model-parallel-size 2 --virtual-pipeline-model-parallel-size 2: hybrid "
+     "writes for Megatron-LM's split of the model's 2 layers"),
     (["--decoder-last-pipeline-num-layers", "1"],
      "--pipeline-model-parallel-size 1 --decoder-last-pipeline-num-layers 1: uneven first "
      "or last stages and virtual stages need PP 2 or more"),
@@ -1258,8 +1262,9 @@ def test_a_distributed_optimizer_export_it_cannot_write_is_one_line(tmp_path, ca
                                                                      says):
     """An unknown layout, a bucket size without dp_reshardable, an unknown layer spec, a
     TP that does not divide the model, a precision it does not write, a PP that does not
-    split the layers evenly, an uneven first stage leaving the last none, an uneven stage
-    at PP 1: exit 2, one line naming the flags, nothing written."""
+    split the layers evenly, an uneven first stage leaving the last none, virtual stages
+    leaving a chunk no layer, an uneven stage at PP 1: exit 2, one line naming the flags,
+    nothing written."""
     from tests.helpers.launch import script_module
     ckpt = _imported(tmp_path, DISTOPT["dp_reshardable"])
     out = tmp_path / "mg"
