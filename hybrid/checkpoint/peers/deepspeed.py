@@ -150,9 +150,11 @@ class DeepSpeedCheckpoint:
     def _shapes_from(self, ms: dict) -> None:
         """The parameters' shapes by name, from ZeRO's ``param_shapes`` (one dict per
         optimizer group, in the flat partitions' order)."""
-        groups = [{k: [int(d) for d in v] for k, v in g.items()}
-                  for g in need(ms, "param_shapes", self.model_file)]
-        self._groups = groups
+        shapes = need(ms, "param_shapes", self.model_file)
+        if not isinstance(shapes, (list, tuple)):  # (None: a save without ZeRO's, mixed in)
+            raise CheckpointError(f"{self.model_file}: param_shapes {shapes!r} (a save without "
+                                  f"ZeRO) beside ZeRO's files: files of two saves mixed")
+        self._groups = groups = [{k: [int(d) for d in v] for k, v in g.items()} for g in shapes]
         self.ds_shapes = {k: v for g in groups for k, v in g.items()}
 
     def _bind(self, ms: dict, names) -> None:

@@ -1,0 +1,32 @@
+"""Bad input around the peers' checkpoints, as a user meets it (the acceptance pass of
+docs/checkpoints.md): files of two DeepSpeed saves mixed, a format forced on another
+format's checkpoint, a ``--save`` directory holding a peer's checkpoint, a legacy Megatron
+file of a version whose layout hybrid does not read, an export or an import on a full
+disk. Each is one CheckpointError naming the file or the flag, and nothing is left
+behind. On the committed fixtures, on one process, no training."""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import pytest
+
+from hybrid.checkpoint.peers import open_peer
+from hybrid.errors import CheckpointError
+from tests.checkpoint.test_peer_deepspeed import _copy as _copy_deepspeed
+from tests.checkpoint.test_peer_megatron import FIXTURE
+
+DEEPSPEED = os.path.join(os.path.dirname(FIXTURE), "deepspeed-0.19.8")
+
+
+def test_a_zero0_model_state_file_beside_zero_optimizer_files_is_one_error(tmp_path):
+    """A stage-0 save's model-state file (param_shapes None) copied over a ZeRO 2 save's:
+    one line naming the file, not a TypeError."""
+    d = _copy_deepspeed("gpt2_zero2", tmp_path)
+    model = os.path.join(d, "global_step3", "mp_rank_00_model_states.pt")
+    shutil.copy(os.path.join(DEEPSPEED, "gpt2_zero0", "global_step3",
+                             "mp_rank_00_model_states.pt"), model)
+    with pytest.raises(CheckpointError, match=rf"^{model}: param_shapes None \(a save without "
+                                              rf"ZeRO\) beside ZeRO's files: files of two"):
+        open_peer(d)
