@@ -30,3 +30,23 @@ def test_a_zero0_model_state_file_beside_zero_optimizer_files_is_one_error(tmp_p
     with pytest.raises(CheckpointError, match=rf"^{model}: param_shapes None \(a save without "
                                               rf"ZeRO\) beside ZeRO's files: files of two"):
         open_peer(d)
+
+
+def test_a_format_forced_on_another_format_s_checkpoint_names_the_flag(tmp_path):
+    """--load-format megatron on a DeepSpeed save, dcp on a Megatron one, hybrid on a
+    Megatron one: the flag and the format the files show, not a missing file of the
+    forced format's or 'which hybrid does not read'."""
+    from hybrid.checkpoint.peers.importing import import_for_load
+    from hybrid.parallel.state import ParallelState
+    gpt2 = os.path.join(DEEPSPEED, "gpt2_zero2")
+    with pytest.raises(CheckpointError, match=rf"^--load-format megatron: {gpt2} holds a "
+                                              rf"deepspeed checkpoint, not a megatron one"):
+        open_peer(gpt2, "megatron")
+    with pytest.raises(CheckpointError, match=rf"^--load-format dcp: {FIXTURE} holds a "
+                                              rf"megatron checkpoint"):
+        open_peer(FIXTURE, "dcp")
+    save = str(tmp_path / "save")
+    with pytest.raises(CheckpointError, match=rf"^--load-format hybrid: --load {FIXTURE} "
+                                              rf"holds a megatron checkpoint, not a hybrid"):
+        import_for_load(FIXTURE, save, ParallelState.single(), {}, None, "hybrid")
+    assert not os.path.exists(save)
