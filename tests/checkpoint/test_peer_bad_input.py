@@ -50,3 +50,23 @@ def test_a_format_forced_on_another_format_s_checkpoint_names_the_flag(tmp_path)
                                               rf"holds a megatron checkpoint, not a hybrid"):
         import_for_load(FIXTURE, save, ParallelState.single(), {}, None, "hybrid")
     assert not os.path.exists(save)
+
+
+def test_a_save_directory_holding_a_peer_s_checkpoint_is_refused(tmp_path):
+    """--save on a DeepSpeed save directory: refused before anything is written (hybrid's
+    ``latest`` replaced DeepSpeed's, which then named no tag DeepSpeed could load); on
+    a Megatron one, the message names --save, not --load."""
+    from hybrid.checkpoint.ownership import RunIdentity, claim_save_dir
+    from hybrid.config.sections import CheckpointConfig
+    from hybrid.parallel.state import ParallelState
+    run = RunIdentity("test", "host", 1, 0.0)
+    for name, src, fmt in (("ds", os.path.join(DEEPSPEED, "gpt2_zero2"), "DeepSpeed"),
+                           ("mg", FIXTURE, "Megatron-LM")):
+        d = str(tmp_path / name)
+        shutil.copytree(src, d)
+        before = sorted(os.listdir(d))
+        ck = CheckpointConfig(save=d, load=str(tmp_path / "elsewhere"))
+        with pytest.raises(CheckpointError, match=rf"^--save {d} holds a {fmt} checkpoint "
+                                                  rf"\({d}/\S+\): hybrid's saves there"):
+            claim_save_dir(ck, ParallelState.single(), run, {"num_layers": 2})
+        assert sorted(os.listdir(d)) == before  # (not even the lock)
