@@ -11,11 +11,12 @@ import os
 import shutil
 
 import pytest
+import torch
 
 from hybrid.checkpoint.peers import open_peer
 from hybrid.errors import CheckpointError
 from tests.checkpoint.test_peer_deepspeed import _copy as _copy_deepspeed
-from tests.checkpoint.test_peer_megatron import FIXTURE
+from tests.checkpoint.test_peer_megatron import FIXTURE, LEGACY
 
 DEEPSPEED = os.path.join(os.path.dirname(FIXTURE), "deepspeed-0.19.8")
 
@@ -70,3 +71,20 @@ def test_a_save_directory_holding_a_peer_s_checkpoint_is_refused(tmp_path):
                                                   rf"\({d}/\S+\): hybrid's saves there"):
             claim_save_dir(ck, ParallelState.single(), run, {"num_layers": 2})
         assert sorted(os.listdir(d)) == before  # (not even the lock)
+
+
+def test_a_legacy_megatron_file_of_another_checkpoint_version_is_one_error(tmp_path):
+    """checkpoint_version 1.0 (Megatron-LM's QKV rows in another order) and a missing
+    one (version 0): refused naming the file, not read into the wrong rows."""
+    for version in (1.0, None):
+        d = tmp_path / f"v{version}"
+        shutil.copytree(LEGACY, d)
+        for rank in ("00", "01"):
+            path = d / "iter_0000003" / f"mp_rank_{rank}" / "model_optim_rng.pt"
+            sd = torch.load(path, weights_only=False)
+            sd.pop("checkpoint_version")
+            torch.save(sd if version is None else dict(sd, checkpoint_version=version), path)
+        first = d / "iter_0000003" / "mp_rank_00" / "model_optim_rng.pt"
+        with pytest.raises(CheckpointError, match=rf"^{first}: checkpoint_version "
+                                                  rf"{version or 0}; hybrid reads"):
+            open_peer(str(d))
