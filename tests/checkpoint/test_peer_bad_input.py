@@ -7,8 +7,11 @@ behind. On the committed fixtures, on one process, no training."""
 
 from __future__ import annotations
 
+import contextlib
 import os
+import resource
 import shutil
+import sys
 
 import pytest
 import torch
@@ -88,3 +91,64 @@ def test_a_legacy_megatron_file_of_another_checkpoint_version_is_one_error(tmp_p
         with pytest.raises(CheckpointError, match=rf"^{first}: checkpoint_version "
                                                   rf"{version or 0}; hybrid reads"):
             open_peer(str(d))
+
+
+@contextlib.contextmanager
+def _disk_full_after(nbytes: int):
+    """Writes past ``nbytes`` of any file fail with EFBIG (RLIMIT_FSIZE: Python ignores
+    SIGXFSZ), a full disk's error for the writers. No bytecode is cached meanwhile: a
+    module imported under the limit would leave a cut .pyc (one short write), which every
+    later import of it fails on."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    was = sys.dont_write_bytecode
+    sys.dont_write_bytecode = True
+    resource.setrlimit(resource.RLIMIT_FSIZE, (nbytes, hard))
+    try:
+        yield
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+        sys.dont_write_bytecode = was
+
+
+def test_an_export_on_a_full_disk_is_one_error_and_leaves_nothing(tmp_path):
+    """export --to megatron | dcp | deepspeed when the disk fills: one CheckpointError
+    naming the output, no temporary directory left (before: a traceback, and
+    ``.tmp_iter_*`` / ``.tmp_step-*`` / ``.tmp_global_step*`` left in OUT)."""
+    from hybrid.checkpoint.peers import dcp_export, deepspeed, megatron
+    from hybrid.checkpoint.peers.importing import import_peer
+    llama = import_peer(open_peer(LEGACY), str(tmp_path / "llama"), {}, None)
+    gpt2 = import_peer(open_peer(os.path.join(DEEPSPEED, "gpt2_zero2")),
+                       str(tmp_path / "gpt2"), {"hidden_dropout": 0.0, "attention_dropout": 0.0,
+                                                "init_method_std": 0.02}, None)
+    writers = {"megatron": lambda out: megatron.write(llama, out),
+               "dcp": lambda out: dcp_export.write(llama, out),
+               "deepspeed": lambda out: deepspeed.write(gpt2, out, 2, 2)}
+    for name, write in writers.items():
+        out = str(tmp_path / name)
+        with _disk_full_after(8192), pytest.raises(CheckpointError) as e:
+            write(out)
+        said = str(e.value)
+        assert said.startswith(f"{out}") and "File too large" in said, (name, said)
+        assert "\n" not in said, (name, said)
+        assert [n for n in os.listdir(out) if n.startswith(".")] == [], name
+    # a truncated shard of the checkpoint: its own message, and no .tmp_global_step3 left
+    shard = os.path.join(gpt2, "rank_00000.bin")
+    os.truncate(shard, os.path.getsize(shard) // 2)
+    out = str(tmp_path / "truncated")
+    with pytest.raises(CheckpointError, match=rf"^{shard}: corrupt or truncated"):
+        writers["deepspeed"](out)
+    assert os.listdir(out) == []
+
+
+def test_an_import_on_a_full_disk_names_save(tmp_path):
+    """The import's write failing (a full --save disk) says --save and the load, not a
+    bare '[Errno 27] File too large'; nothing is published."""
+    from hybrid.checkpoint.peers.importing import import_for_load
+    from hybrid.parallel.state import ParallelState
+    save = str(tmp_path / "save")
+    with _disk_full_after(8192), pytest.raises(CheckpointError) as e:
+        import_for_load(LEGACY, save, ParallelState.single(), {}, None)
+    said = str(e.value)
+    assert said.startswith(f"--save {save}: the import of {LEGACY} failed (") and (
+        "File too large" in said), said
+    assert [n for n in os.listdir(save) if n.startswith("iter_")] == []

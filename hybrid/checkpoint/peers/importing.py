@@ -198,8 +198,12 @@ def import_for_load(load_dir: str, save_dir: str | None, ps: ParallelState, conf
                         json.dump({"load": os.path.realpath(load_dir)}, f)
             finally:
                 peer.close()
-        except (CheckpointError, OSError) as e:
+        except CheckpointError as e:
             error = str(e)
+        except OSError as e:  # (a full disk's write names no file: name --save)
+            error = (f"--save {save_dir}: the import of {load_dir} failed "
+                     f"({f'{e.filename}: ' if e.filename else ''}{e.strerror or e}); nothing "
+                     f"of it was published there")
         finally:
             waiting.done()
     error = agree_error(ps, error)

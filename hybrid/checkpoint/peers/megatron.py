@@ -284,9 +284,9 @@ def write(hybrid_ckpt: str, out_dir: str, tp: int = 1, dp: int = 1,
         raise CheckpointError(f"{final}: already exists; not overwriting it")
     iter_dir = os.path.join(out_dir, f".tmp_iter_{it:07d}")  # published whole, at the end
     shutil.rmtree(iter_dir, ignore_errors=True)
-    os.makedirs(iter_dir)
-    num_layers = int(cfg["num_layers"])
-    try:
+    try:  # (a failure leaves nothing: a full disk is one line naming OUT)
+        os.makedirs(iter_dir)
+        num_layers = int(cfg["num_layers"])
         with builtins.open(os.path.join(iter_dir, DcpWriter.REL), "wb") as f:
             w = DcpWriter(iter_dir, f)
             if moe:  # (the chained optimizers; the experts' own extra state)
@@ -296,37 +296,40 @@ def write(hybrid_ckpt: str, out_dir: str, tp: int = 1, dp: int = 1,
                     megatron_moe_export.extra_state(num_layers, int(cfg["num_experts"])))
             else:
                 moments = _write_tensors(w, params, num_layers, swiglu, ckpt, opt, dtypes[0])
+        vocab = shapes["wte.weight"][0]
+        gbs = int(cfg.get("global_batch_size") or 0)
+        lr, min_lr = float(cfg.get("lr") or 0.0), float(cfg.get("min_lr") or 0.0)
+        wd = float(cfg.get("weight_decay") or 0.0)
+        warm = int(cfg.get("lr_warmup_iters") or 0)
+        decay = int(cfg.get("lr_decay_iters") or cfg.get("train_iters") or 0)
+        optimizer = opt.common() if opt is not None else _plain_optimizer(
+            cfg, step, moments, fp32=dtypes[0] == torch.float32, moe=moe)
+        dist = {"use_distributed_optimizer": bool(dist_opt),
+                "dist_ckpt_optim_fully_reshardable": dist_opt == "fully_reshardable",
+                "overlap_grad_reduce": bucket_size is not None, "ddp_bucket_size": bucket_size,
+                "transformer_impl": spec}
+        common = {
+            "args": _namespace(cfg, meta, tp, dp, vocab, gbs, dist, dtypes, pp,
+                               megatron_moe_export.moe_args(cfg, shapes, ep) if moe else None),
+            "checkpoint_version": 3.0,
+            "iteration": it, "num_floating_point_operations_so_far": 0,
+            "optimizer": optimizer,
+            "opt_param_scheduler": {
+                "max_lr": lr, "lr_warmup_steps": warm * gbs, "num_steps": it * gbs,
+                "lr_decay_style": cfg.get("lr_decay_style", "linear"),
+                "lr_decay_steps": decay * gbs, "min_lr": min_lr, "start_wd": wd, "end_wd": wd,
+                "wd_incr_style": "constant", "wd_incr_steps": decay * gbs}}
+        torch.save(common, os.path.join(iter_dir, COMMON))
+        with builtins.open(os.path.join(iter_dir, "metadata.json"), "w") as f:
+            json.dump({"sharded_backend": "torch_dist", "sharded_backend_version": 1,
+                       "common_backend": "torch", "common_backend_version": 1}, f)
+        os.replace(iter_dir, final)
     except CheckpointError:
         shutil.rmtree(iter_dir, ignore_errors=True)
         raise
-    vocab = shapes["wte.weight"][0]
-    gbs = int(cfg.get("global_batch_size") or 0)
-    lr, min_lr = float(cfg.get("lr") or 0.0), float(cfg.get("min_lr") or 0.0)
-    wd = float(cfg.get("weight_decay") or 0.0)
-    warm = int(cfg.get("lr_warmup_iters") or 0)
-    decay = int(cfg.get("lr_decay_iters") or cfg.get("train_iters") or 0)
-    optimizer = opt.common() if opt is not None else _plain_optimizer(
-        cfg, step, moments, fp32=dtypes[0] == torch.float32, moe=moe)
-    dist = {"use_distributed_optimizer": bool(dist_opt),
-            "dist_ckpt_optim_fully_reshardable": dist_opt == "fully_reshardable",
-            "overlap_grad_reduce": bucket_size is not None, "ddp_bucket_size": bucket_size,
-            "transformer_impl": spec}
-    common = {
-        "args": _namespace(cfg, meta, tp, dp, vocab, gbs, dist, dtypes, pp,
-                           megatron_moe_export.moe_args(cfg, shapes, ep) if moe else None),
-        "checkpoint_version": 3.0,
-        "iteration": it, "num_floating_point_operations_so_far": 0,
-        "optimizer": optimizer,
-        "opt_param_scheduler": {
-            "max_lr": lr, "lr_warmup_steps": warm * gbs, "num_steps": it * gbs,
-            "lr_decay_style": cfg.get("lr_decay_style", "linear"),
-            "lr_decay_steps": decay * gbs, "min_lr": min_lr, "start_wd": wd, "end_wd": wd,
-            "wd_incr_style": "constant", "wd_incr_steps": decay * gbs}}
-    torch.save(common, os.path.join(iter_dir, COMMON))
-    with builtins.open(os.path.join(iter_dir, "metadata.json"), "w") as f:
-        json.dump({"sharded_backend": "torch_dist", "sharded_backend_version": 1,
-                   "common_backend": "torch", "common_backend_version": 1}, f)
-    os.replace(iter_dir, final)
+    except (OSError, RuntimeError) as e:  # (torch.save's write errors are RuntimeErrors)
+        shutil.rmtree(iter_dir, ignore_errors=True)
+        raise CheckpointError(f"{out_dir}: cannot write the export ({e})") from e
     with builtins.open(os.path.join(out_dir, LATEST), "w") as f:
         f.write(str(it))
     return final
