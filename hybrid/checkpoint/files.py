@@ -138,6 +138,13 @@ def resolve_checkpoint(path: str) -> str:
     complete one under it (a ``--save`` directory); CheckpointError if none."""
     if is_hybrid_checkpoint(path):
         return path
+    found = (foreign_checkpoint(path) if os.path.isdir(path) and not complete_checkpoints(path)
+             else None)
+    if found is not None:  # (a tool's input: hybrid reads it, through an import)
+        raise CheckpointError(f"{path} holds a {found[0]} checkpoint ({found[1]}), not a "
+                              f"hybrid one, which this tool reads: import it first "
+                              f"(scripts/pretrain_gpt.py --load {path} --save NEW and the "
+                              f"model's flags) and give it NEW")
     ckpt = find_checkpoint(path)  # (refuses another framework's, by name)
     if ckpt is None:
         raise CheckpointError(f"{path}: no checkpoint there")

@@ -2,8 +2,9 @@
 docs/checkpoints.md): files of two DeepSpeed saves mixed, a format forced on another
 format's checkpoint, a ``--save`` directory holding a peer's checkpoint, a legacy Megatron
 file of a version whose layout hybrid does not read, an export or an import on a full
-disk. Each is one CheckpointError naming the file or the flag, and nothing is left
-behind. On the committed fixtures, on one process, no training."""
+disk, a tool given a peer's checkpoint. Each is one CheckpointError naming the file or
+the flag, and nothing is left behind. On the committed fixtures, on one process, no
+training."""
 
 from __future__ import annotations
 
@@ -152,3 +153,17 @@ def test_an_import_on_a_full_disk_names_save(tmp_path):
     assert said.startswith(f"--save {save}: the import of {LEGACY} failed (") and (
         "File too large" in said), said
     assert [n for n in os.listdir(save) if n.startswith("iter_")] == []
+
+
+def test_a_tool_given_a_peer_s_checkpoint_says_to_import_it_first(tmp_path, capsys):
+    """convert_checkpoint.py export of a DeepSpeed save directory (not a hybrid one):
+    one line saying the tool reads hybrid checkpoints and how to import it, exit 2 and
+    no output (before: "which hybrid does not read ... point --load at ...")."""
+    from tests.helpers.launch import script_module
+    gpt2, out = os.path.join(DEEPSPEED, "gpt2_zero2"), str(tmp_path / "out")
+    assert script_module("convert_checkpoint").main(
+        ["export", "--to", "megatron", gpt2, out]) == 2
+    said = capsys.readouterr().err.strip()
+    assert said.startswith(f"convert_checkpoint.py: error: {gpt2} holds a DeepSpeed "
+                           f"checkpoint (") and "import it first" in said, said
+    assert "\n" not in said and not os.path.exists(out)
