@@ -51,6 +51,7 @@ import sys
 import torch
 
 from hybrid.checkpoint import iter_full_params, resolve_checkpoint
+from hybrid.checkpoint.files import complete_checkpoints
 from hybrid.checkpoint.integrity import verify_checkpoint
 from hybrid.errors import CheckpointError
 
@@ -73,6 +74,17 @@ def verify(argv) -> int:
     return 2 if report["damaged"] else 0
 
 
+def _refuse_hybrid_output(out: str) -> None:
+    """An export's output directory that holds hybrid checkpoints (often the checkpoint's
+    own --save directory) is refused: the peer's files would go beside hybrid's, and
+    DeepSpeed's ``latest`` over hybrid's."""
+    names = complete_checkpoints(out) if os.path.isdir(out) else []
+    if names:
+        raise CheckpointError(f"{out}: holds hybrid checkpoints ({names[-1]}), which the "
+                              f"export would write beside (DeepSpeed's latest over "
+                              f"hybrid's): give a new output directory")
+
+
 def export_dcp(argv) -> int:
     """``export --to dcp CKPT OUT``: a torchtitan-structured DCP checkpoint
     (hybrid/checkpoint/peers/dcp_export.py, :func:`write`)."""
@@ -91,6 +103,7 @@ def export_dcp(argv) -> int:
                          "torchtitan's default)")
     a = ap.parse_args(argv)
     try:
+        _refuse_hybrid_output(a.output)
         summary = dcp_export.write(resolve_checkpoint(a.checkpoint), a.output, lr=a.lr,
                             groups=a.param_groups)
     except CheckpointError as e:
@@ -146,6 +159,7 @@ def export_megatron(argv) -> int:
                          "torch.float32)); default: the checkpoint's")
     a = ap.parse_args(argv)
     try:
+        _refuse_hybrid_output(a.output)
         out = megatron.write(a.checkpoint, a.output, tp=a.tensor_model_parallel_size,
                              dp=a.data_parallel_size, pp=a.pipeline_model_parallel_size,
                              dist_opt=a.megatron_dist_opt,
@@ -192,6 +206,7 @@ def export_deepspeed(argv) -> int:
                          "data_types.grad_accum_dtype fp32 means BF16_Optimizer's files")
     a = ap.parse_args(argv)
     try:
+        _refuse_hybrid_output(a.out_dir)
         ds_config = None
         if a.ds_config is not None:
             try:

@@ -2,9 +2,9 @@
 docs/checkpoints.md): files of two DeepSpeed saves mixed, a format forced on another
 format's checkpoint, a ``--save`` directory holding a peer's checkpoint, a legacy Megatron
 file of a version whose layout hybrid does not read, an export or an import on a full
-disk, a tool given a peer's checkpoint. Each is one CheckpointError naming the file or
-the flag, and nothing is left behind. On the committed fixtures, on one process, no
-training."""
+disk, a tool given a peer's checkpoint, an export into a hybrid save directory or another
+model's DeepSpeed one. Each is one CheckpointError naming the file or the flag, and
+nothing is left behind. On the committed fixtures, on one process, no training."""
 
 from __future__ import annotations
 
@@ -167,3 +167,42 @@ def test_a_tool_given_a_peer_s_checkpoint_says_to_import_it_first(tmp_path, caps
     assert said.startswith(f"convert_checkpoint.py: error: {gpt2} holds a DeepSpeed "
                            f"checkpoint (") and "import it first" in said, said
     assert "\n" not in said and not os.path.exists(out)
+
+
+def test_an_export_into_a_hybrid_save_directory_or_another_model_s_is_refused(tmp_path,
+                                                                             capsys):
+    """export's output given as the checkpoint's own --save directory (DeepSpeed's
+    ``latest`` replaced hybrid's there), or a DeepSpeed save directory of another model
+    (its config.json, which its tags are read with, replaced): exit 2, one line, nothing
+    written."""
+    from hybrid.checkpoint.peers.importing import import_peer
+    from tests.helpers.launch import script_module
+    convert = script_module("convert_checkpoint").main
+    save = str(tmp_path / "save")
+    import_peer(open_peer(os.path.join(DEEPSPEED, "gpt2_zero2")), save,
+                {"hidden_dropout": 0.0, "attention_dropout": 0.0, "init_method_std": 0.02},
+                None)
+    before = sorted(os.listdir(save))
+    for to in ("deepspeed", "megatron", "dcp"):
+        assert convert(["export", "--to", to, save, save]) == 2, to
+        said = capsys.readouterr().err.strip()
+        assert said == (f"convert_checkpoint.py: error: {save}: holds hybrid checkpoints "
+                        f"(iter_0000003), which the export would write beside (DeepSpeed's "
+                        f"latest over hybrid's): give a new output directory"), said
+    assert sorted(os.listdir(save)) == before
+    other = _copy_deepspeed("gpt2_zero2", tmp_path / "other")
+    config = os.path.join(other, "config.json")
+    with open(config) as f:
+        text = f.read()
+    with open(config, "w") as f:
+        f.write(text.replace('"n_layer": 2', '"n_layer": 4'))
+    before = sorted(os.listdir(other))
+    again = ["--dp-size", "2", "--tag", "global_step3_again"]
+    assert convert(["export", "--to", "deepspeed", save, other, *again]) == 2
+    said = capsys.readouterr().err.strip()
+    assert said.startswith(f"convert_checkpoint.py: error: {config}: another model's "
+                           f"config.json (n_layer differ)"), said
+    assert sorted(os.listdir(other)) == before
+    # the same model's DeepSpeed directory takes the export beside its own tag
+    shutil.copy(os.path.join(DEEPSPEED, "gpt2_zero2", "config.json"), config)
+    assert convert(["export", "--to", "deepspeed", save, other, *again]) == 0

@@ -171,6 +171,7 @@ def write(checkpoint: str, out_dir: str, dp_size: int = 1, zero_stage: int = 2, 
     final = os.path.join(out_dir, tag)
     if os.path.exists(final):
         raise CheckpointError(f"{final}: already exists; not overwriting it")
+    _check_config_json(out_dir, hf_config)
     tmp = os.path.join(out_dir, f".tmp_{tag}")
     shutil.rmtree(tmp, ignore_errors=True)
     try:  # (a failure leaves nothing: a full disk is one line naming OUT)
@@ -211,6 +212,25 @@ def write(checkpoint: str, out_dir: str, dp_size: int = 1, zero_stage: int = 2, 
         f.write(tag)
     os.replace(os.path.join(out_dir, f".{LATEST}.tmp"), os.path.join(out_dir, LATEST))
     return final
+
+
+def _check_config_json(out_dir: str, hf_config: dict | None) -> None:
+    """CheckpointError when ``out_dir`` holds another model's ``config.json`` (another
+    run's save directory: its tags read with it), which the export would replace."""
+    path = os.path.join(out_dir, "config.json")
+    if hf_config is None or not os.path.isfile(path):
+        return
+    try:
+        with open(path) as f:
+            old = json.load(f)
+    except (OSError, ValueError):
+        old = None  # (not a config.json anything reads)
+    new = json.loads(json.dumps(hf_config))
+    differ = [k for k in new if isinstance(old, dict) and k in old and old[k] != new[k]]
+    if differ:
+        raise CheckpointError(f"{path}: another model's config.json ({', '.join(differ[:3])} "
+                              f"differ), which the export would replace: give a new output "
+                              f"directory")
 
 
 def _write_zero(tmp: str, ckpt: str, zero_stage: int, groups: list[OrderedDict],
