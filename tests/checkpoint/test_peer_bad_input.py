@@ -4,7 +4,8 @@ format's checkpoint, a ``--save`` directory holding a peer's checkpoint, a legac
 file of a version whose layout hybrid does not read, an export or an import on a full
 disk, a tool given a peer's checkpoint, an export into a hybrid save directory or another
 model's DeepSpeed one. Each is one CheckpointError naming the file or the flag, and
-nothing is left behind. On the committed fixtures, on one process, no training."""
+nothing is left behind. And --finetune from a peer's checkpoint, which was refused. On
+the committed fixtures, on one process (the finetune: one pooled rank)."""
 
 from __future__ import annotations
 
@@ -206,3 +207,22 @@ def test_an_export_into_a_hybrid_save_directory_or_another_model_s_is_refused(tm
     # the same model's DeepSpeed directory takes the export beside its own tag
     shutil.copy(os.path.join(DEEPSPEED, "gpt2_zero2", "config.json"), config)
     assert convert(["export", "--to", "deepspeed", save, other, *again]) == 0
+
+
+def test_finetune_from_a_peer_s_checkpoint_imports_it_beside_the_new_series(tmp_path):
+    """--finetune --load DS_DIR --save NEW (it said "which hybrid does not read"): the
+    import goes to NEW/.finetune_import, and the series starts at iteration 1 from its
+    weights (the finetune record of the series' checkpoint names it)."""
+    from hybrid.checkpoint import read_metadata
+    from tests.checkpoint.test_peer_deepspeed import _recorder
+    from tests.helpers.launch import pretrain, read_json_log
+    gpt2, save, log = os.path.join(DEEPSPEED, "gpt2_zero2"), tmp_path / "ft", tmp_path / "log"
+    r = pretrain(1, [*_recorder().GPT_ARGS, "--train-iters", "1", "--finetune", "--load",
+                     gpt2, "--save", str(save), "--log-json", str(log)])
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert [m["iteration"] for m in read_json_log(str(log))] == [1]
+    assert sorted(os.listdir(save)) == [".finetune_import", ".lock", "iter_0000001",
+                                        "latest", "owner.json"]
+    origin = read_metadata(str(save / "iter_0000001"))["finetune"]
+    assert origin == {"load": gpt2, "iteration": 3, "checkpoint": str(
+        save / ".finetune_import" / "iter_0000003")}, origin
