@@ -108,10 +108,11 @@ def refuse_foreign(path: str) -> None:
     if found is not None:
         fmt, shown_by = found
         raise CheckpointError(
-            f"{path} holds a {fmt} checkpoint ({shown_by}), which hybrid does not read "
-            f"(skipping it would start training over from the initial weights): point --load "
-            f"(or load_checkpoint) at a directory hybrid saved, or at an empty one to start "
-            f"fresh")
+            f"{path} holds a {fmt} checkpoint ({shown_by}), which hybrid does not read as it "
+            f"is: incomplete (a latest naming a tag or iteration not there) or of a kind "
+            f"hybrid does not import (docs/checkpoints.md); skipping it would start training "
+            f"over from the initial weights: point --load (or load_checkpoint) at a directory "
+            f"hybrid saved, or at an empty one to start fresh")
 
 
 def step_checkpoint(load_dir: str, step: int) -> str:

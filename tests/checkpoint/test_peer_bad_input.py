@@ -226,3 +226,25 @@ def test_finetune_from_a_peer_s_checkpoint_imports_it_beside_the_new_series(tmp_
     origin = read_metadata(str(save / "iter_0000001"))["finetune"]
     assert origin == {"load": gpt2, "iteration": 3, "checkpoint": str(
         save / ".finetune_import" / "iter_0000003")}, origin
+
+
+def test_a_megatron_release_checkpoint_is_found_and_a_dangling_latest_said(tmp_path):
+    """Megatron-LM's ``release`` (latest_checkpointed_iteration.txt saying "release",
+    its converters' output) is detected and read (it was 'which hybrid does not read');
+    a DeepSpeed ``latest`` naming a tag that is not there is said to be incomplete."""
+    from hybrid.checkpoint.files import find_checkpoint
+    from hybrid.checkpoint.peers import detect_peer
+    d = tmp_path / "released"
+    shutil.copytree(LEGACY, d)
+    os.rename(d / "iter_0000003", d / "release")
+    (d / "latest_checkpointed_iteration.txt").write_text("release")
+    assert detect_peer(str(d)) == "megatron"
+    peer = open_peer(str(d))
+    assert (peer.path, peer.iteration) == (str(d / "release"), 3)
+    ds = _copy_deepspeed("gpt2_zero2", tmp_path)
+    with open(os.path.join(ds, "latest"), "w") as f:
+        f.write("global_step9")
+    assert detect_peer(ds) is None
+    with pytest.raises(CheckpointError, match=rf"^{ds} holds a DeepSpeed checkpoint .*: "
+                                              rf"incomplete \(a latest naming a tag"):
+        find_checkpoint(ds)

@@ -71,7 +71,8 @@ def is_iteration_dir(path: str) -> bool:
 def detect(path: str) -> bool:
     """Whether ``path`` is a Megatron-LM ``torch_dist`` save directory or one of its
     iterations: its ``latest_checkpointed_iteration.txt`` with an ``iter_*/common.pt``
-    next to it, or the iteration's own files. A bounded number of stats and globs."""
+    (or ``release/``'s) next to it, or the iteration's own files. A bounded number of
+    stats and globs."""
     if is_iteration_dir(path) and os.path.isfile(os.path.join(path, "metadata.json")):
         return True
     if is_legacy_dir(path):
@@ -79,8 +80,9 @@ def detect(path: str) -> bool:
     if not os.path.isfile(os.path.join(path, LATEST)):
         return False
     here = glob.escape(path)
-    return bool(glob.glob(os.path.join(here, "iter_*", COMMON))
-                or glob.glob(os.path.join(here, "iter_*", "mp_rank_*", LEGACY_FILE)))
+    return any(glob.glob(os.path.join(here, it, COMMON))  # (release: a released checkpoint)
+               or glob.glob(os.path.join(here, it, "mp_rank_*", LEGACY_FILE))
+               for it in ("iter_*", "release"))
 
 
 def _iteration_dir(path: str, step: int | None) -> str:
