@@ -8,12 +8,13 @@
         [--tensor-model-parallel-size T] [--data-parallel-size D] \
         [--pipeline-model-parallel-size P] [--decoder-first-pipeline-num-layers F] \
         [--decoder-last-pipeline-num-layers L] [--virtual-pipeline-model-parallel-size V] \
+        [--expert-model-parallel-size E] \
         [--megatron-dist-opt dp_reshardable|fully_reshardable] \
         [--megatron-layer-spec local|transformer_engine] [--megatron-ddp-bucket-size N] \
         [--dtype fp32|bf16]
     python scripts/convert_checkpoint.py export --to deepspeed CHECKPOINT_DIR_OR_SAVE_DIR OUT_DIR \
         [--dp-size N] [--zero-stage {0,1,2,3}] [--tag TAG] [--param-groups matrices|one] \
-        [--dtype fp32|bf16] [--ds-config DS_CONFIG.json]
+        [--dtype fp32|bf16|fp16] [--ds-config DS_CONFIG.json]
 
 ``export --to deepspeed`` writes DeepSpeed 0.19.8's ``OUT_DIR/global_stepN/`` (and
 ``latest``) for DeepSpeed's ``engine.load_checkpoint(OUT_DIR)`` at that DP size and ZeRO
@@ -22,7 +23,9 @@ stage: masters, Adam moments, step, ``global_steps``/``global_samples`` and the
 transformers ``GPT2LMHeadModel`` (its ``config.json`` beside ``latest``). ``--dtype bf16``
 writes a bf16 run's files (``bf16_zero_pp_rank_*``, the module's weights in bf16; the
 default for a checkpoint trained in bf16, or where ``--ds-config``, the DeepSpeed run's
-config recorded in the files, enables bf16).
+config recorded in the files, enables bf16); ``--dtype fp16`` an fp16 run's, with its
+loss scale (the default for a checkpoint trained in fp16, or a ``--ds-config`` enabling
+fp16).
 
 ``verify`` reads every file of the checkpoint (the newest one of a --save
 directory) and checks it against the checksums saved with it; it prints one
@@ -50,6 +53,7 @@ import sys
 import torch
 
 from hybrid.checkpoint import iter_full_params, resolve_checkpoint
+from hybrid.checkpoint.files import complete_checkpoints
 from hybrid.checkpoint.integrity import verify_checkpoint
 from hybrid.errors import CheckpointError
 
@@ -72,6 +76,17 @@ def verify(argv) -> int:
     return 2 if report["damaged"] else 0
 
 
+def _refuse_hybrid_output(out: str) -> None:
+    """An export's output directory that holds hybrid checkpoints (often the checkpoint's
+    own --save directory) is refused: the peer's files would go beside hybrid's, and
+    DeepSpeed's ``latest`` over hybrid's."""
+    names = complete_checkpoints(out) if os.path.isdir(out) else []
+    if names:
+        raise CheckpointError(f"{out}: holds hybrid checkpoints ({names[-1]}), which the "
+                              f"export would write beside (DeepSpeed's latest over "
+                              f"hybrid's): give a new output directory")
+
+
 def export_dcp(argv) -> int:
     """``export --to dcp CKPT OUT``: a torchtitan-structured DCP checkpoint
     (hybrid/checkpoint/peers/dcp_export.py, :func:`write`)."""
@@ -90,6 +105,7 @@ def export_dcp(argv) -> int:
                          "torchtitan's default)")
     a = ap.parse_args(argv)
     try:
+        _refuse_hybrid_output(a.output)
         summary = dcp_export.write(resolve_checkpoint(a.checkpoint), a.output, lr=a.lr,
                             groups=a.param_groups)
     except CheckpointError as e:
@@ -130,6 +146,10 @@ def export_megatron(argv) -> int:
     ap.add_argument("--virtual-pipeline-model-parallel-size", type=int, default=None,
                     help="with --pipeline-model-parallel-size: the loading run's model "
                          "chunks per stage (dp_reshardable: one grad buffer each)")
+    ap.add_argument("--expert-model-parallel-size", type=int, default=1,
+                    help="an MoE checkpoint: the EP recorded in args (dp_reshardable: one "
+                         "group of expert buckets per EP rank, over DP / EP ranks; the "
+                         "non-distributed optimizer's files load at any EP)")
     ap.add_argument("--megatron-dist-opt", default=None, metavar="{dp_reshardable,"
                     "fully_reshardable}",
                     help="write the optimizer state for megatron-core's DistributedOptimizer "
@@ -151,6 +171,7 @@ def export_megatron(argv) -> int:
                          "torch.float32)); default: the checkpoint's")
     a = ap.parse_args(argv)
     try:
+        _refuse_hybrid_output(a.output)
         out = megatron.write(a.checkpoint, a.output, tp=a.tensor_model_parallel_size,
                              dp=a.data_parallel_size, pp=a.pipeline_model_parallel_size,
                              dist_opt=a.megatron_dist_opt,
@@ -158,7 +179,8 @@ def export_megatron(argv) -> int:
                              bucket_size=a.megatron_ddp_bucket_size, dtype=a.dtype,
                              first=a.decoder_first_pipeline_num_layers,
                              last=a.decoder_last_pipeline_num_layers,
-                             vpp=a.virtual_pipeline_model_parallel_size)
+                             vpp=a.virtual_pipeline_model_parallel_size,
+                             ep=a.expert_model_parallel_size)
     except CheckpointError as e:
         print(f"convert_checkpoint.py: error: {e}", file=sys.stderr)
         return 2
@@ -189,8 +211,9 @@ def export_deepspeed(argv) -> int:
                          "matrices, none on biases and norms: hybrid's rule, Hugging Face's "
                          "Trainer's groups; the default for a pretrain_gpt.py checkpoint) or "
                          "'one' (model.parameters(); the default for a hybrid.deepspeed one)")
-    ap.add_argument("--dtype", default=None, choices=["fp32", "bf16"],
-                    help="the dtype DeepSpeed trains in: bf16 writes a bf16 run's files "
+    ap.add_argument("--dtype", default=None, choices=["fp32", "bf16", "fp16"],
+                    help="the dtype DeepSpeed trains in: bf16 (fp16) writes a bf16 (an fp16) "
+                         "run's files "
                          "(default: --ds-config's, else the checkpoint's own)")
     ap.add_argument("--ds-config", default=None,
                     help="the DeepSpeed run's ds_config (JSON), recorded in the files; its "
@@ -198,6 +221,7 @@ def export_deepspeed(argv) -> int:
                          "data_types.grad_accum_dtype fp32 means BF16_Optimizer's files")
     a = ap.parse_args(argv)
     try:
+        _refuse_hybrid_output(a.out_dir)
         ds_config = None
         if a.ds_config is not None:
             try:
@@ -213,10 +237,19 @@ def export_deepspeed(argv) -> int:
     except CheckpointError as e:
         print(f"convert_checkpoint.py: error: {e}", file=sys.stderr)
         return 2
-    dtype = "bf16" if any(n.startswith("bf16_") for n in os.listdir(out)) else "fp32"
+    dtype = _written_dtype(out)
     print(f"wrote {out}: a DeepSpeed ZeRO {a.zero_stage} {dtype} checkpoint for DP "
           f"{a.dp_size}")
     return 0
+
+
+def _written_dtype(tag_dir: str) -> str:
+    """The dtype of the DeepSpeed run an export's files are for (its recorded ds_config)."""
+    from hybrid.checkpoint.peers.deepspeed_bf16 import bf16_enabled, fp16_enabled
+    from hybrid.checkpoint.peers.deepspeed_files import load_file
+    model = sorted(n for n in os.listdir(tag_dir) if n.endswith("model_states.pt"))[0]
+    config = load_file(os.path.join(tag_dir, model)).get("ds_config")
+    return "bf16" if bf16_enabled(config) else "fp16" if fp16_enabled(config) else "fp32"
 
 
 def main(argv=None) -> int:

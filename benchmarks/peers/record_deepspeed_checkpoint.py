@@ -43,7 +43,7 @@ and this checkout's hybrid on the path for the data)::
         benchmarks/peers/record_deepspeed_checkpoint.py \
         tests/fixtures/peers/deepspeed-0.19.8 [net] [gpt2] [llama] [frozen] [gpt2_zero0] \
         [frozen_excluded] [frozen0] [pipe_zero0] [pipe_zero1] [pipe_dp2_zero1] [pipe_bf16] \
-        [mds_gpt_zero1] [mds_gpt_zero0] [mds_gpt_bf16] [bf16]
+        [mds_gpt_zero1] [mds_gpt_zero0] [mds_gpt_bf16] [bf16] [fp16]
 
 ``mds_gpt_zero1`` records a PipelineModule with Megatron-DeepSpeed's GPTModelPipe layer
 list and parameter names (:mod:`benchmarks.peers.gptmodelpipe`, as read from
@@ -55,10 +55,10 @@ GPTModelPipe's output cast). Not written by Megatron-DeepSpeed, which needs CUDA
 
 ``bf16`` records :class:`Net` in bf16 (:data:`BF16_CASES`: each fixture's stage and
 DeepSpeed optimizer wrapper), the losses computed in fp32 from the bf16 logits.
-DeepSpeed's CPU accelerator trains bf16; it refuses fp16 on a CPU without oneDNN fp16
-(``ValueError: Type fp16 is not supported on your device.``: its ``is_fp16_supported``
-is ``torch.ops.mkldnn._is_mkldnn_fp16_supported()``, False on the CPUs these were
-recorded on), so there is no fp16 fixture.
+``fp16`` records :class:`Net` in fp16 with dynamic loss scaling without ZeRO and at
+ZeRO 2 and 3 (:mod:`benchmarks.peers.deepspeed_fp16`: DeepSpeed's CPU accelerator refuses
+fp16 on a CPU without oneDNN fp16, and that module's documented patch makes its one
+query answer True, changing no number DeepSpeed computes).
 """
 
 from __future__ import annotations
@@ -77,6 +77,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
+from benchmarks.peers import deepspeed_fp16  # noqa: E402
 from benchmarks.peers.gptmodelpipe import mds_config, mds_layers, mds_loss  # noqa: E402
 
 GLOBAL_BATCH = 8
@@ -391,6 +392,15 @@ def _port() -> int:
         return s.getsockname()[1]
 
 
+def _universal(out: str) -> None:
+    """DeepSpeed's ``ds_to_universal`` of the save in ``out`` (beside it, ``_universal``)."""
+    subprocess.run([sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal",
+                    "--input_folder", os.path.join(out, f"global_step{SAVED_AT}"),
+                    "--output_folder", os.path.join(out, f"global_step{SAVED_AT}_universal"),
+                    "--num_extract_workers", "1", "--num_merge_workers", "1"],
+                   check=True, stdout=subprocess.DEVNULL)
+
+
 def _clean(out: str) -> None:
     for helper in ("zero_to_fp32.py", "zero_to_torch.py"):  # DeepSpeed's own scripts,
         if os.path.exists(os.path.join(out, helper)):       # copied by every save
@@ -402,7 +412,7 @@ def main(argv: list[str]) -> int:
     which = argv[1:] or ["net", "gpt2", "llama", "frozen", "frozen0", "gpt2_zero0",
                          "frozen_excluded",
                          "pipe_zero0", "pipe_zero1", "pipe_dp2_zero1", "pipe_bf16",
-                         "mds_gpt_zero1", "mds_gpt_zero0", "mds_gpt_bf16", "bf16"]
+                         "mds_gpt_zero1", "mds_gpt_zero0", "mds_gpt_bf16", "bf16", "fp16"]
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     for case, stage in (("gpt2", GPT_STAGE), ("llama", GPT_STAGE), ("gpt2_zero0", 0)):
         if case not in which:
@@ -422,12 +432,7 @@ def main(argv: list[str]) -> int:
         torch.multiprocessing.spawn(_worker, args=(_port(), out, stage), nprocs=WORLD)
         _clean(out)
         if stage == 2:  # DeepSpeed's universal format of the same tag, by its own converter
-            subprocess.run([sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal",
-                            "--input_folder", os.path.join(out, f"global_step{SAVED_AT}"),
-                            "--output_folder",
-                            os.path.join(out, f"global_step{SAVED_AT}_universal"),
-                            "--num_extract_workers", "1", "--num_merge_workers", "1"],
-                           check=True, stdout=subprocess.DEVNULL)
+            _universal(out)
         print(f"wrote {out}")
     frozen = [(s, False) for s in FROZEN_STAGES] if "frozen" in which else []
     frozen += [(0, False)] if "frozen0" in which else []
@@ -461,12 +466,15 @@ def main(argv: list[str]) -> int:
                                     nprocs=WORLD)
         _clean(out)
         print(f"wrote {out}")
-    for name in BF16_CASES if "bf16" in which else ():
+    fp16 = [n for n in deepspeed_fp16.FP16_CASES if "fp16" in which or n in which]
+    for name in [*(BF16_CASES if "bf16" in which else ()), *fp16]:
         out = os.path.join(root, name)
         shutil.rmtree(out, ignore_errors=True)
         os.makedirs(out)
         torch.multiprocessing.spawn(_bf16_worker, args=(_port(), out, name), nprocs=WORLD)
         _clean(out)
+        if name in deepspeed_fp16.UNIVERSAL:  # (and its universal format)
+            _universal(out)
         print(f"wrote {out}")
     return 0
 
@@ -499,6 +507,9 @@ def bf16_loss(model, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
 def _bf16_worker(rank: int, port: int, out_dir: str, name: str) -> None:
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(WORLD),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    if name in deepspeed_fp16.FP16_CASES:  # (fp16: its module, under the CPU patch; the
+        deepspeed_fp16.record(sys.modules[__name__], rank, out_dir, name)  # rank ends there)
+        return
     import deepspeed
     deepspeed.init_distributed(dist_backend="gloo")
     torch.manual_seed(0)

@@ -44,7 +44,8 @@ def write_single_rank_checkpoint(save_dir: str, shapes: dict[str, list[int]], re
                                  consumed_samples: int = 0, step: int = 0,
                                  extra: dict | None = None, beat=None,
                                  frozen_shapes: dict[str, list[int]] | None = None,
-                                 files: Mapping[str, ExtraFile] | None = None) -> str:
+                                 files: Mapping[str, ExtraFile] | None = None,
+                                 loss_scaler: dict | None = None) -> str:
     """A checkpoint of one rank holding every parameter whole (TP 1, DP 1, stage 0), as
     ``SAVE/iter_N``, published atomically like a save (an existing one is refused).
 
@@ -60,7 +61,8 @@ def write_single_rank_checkpoint(save_dir: str, shapes: dict[str, list[int]], re
     ``frozen_shapes``: the model's frozen parameters (in its signature, ``model``, but in
     no unit: their values go in ``files``); ``files``: {name: bytes}, small whole files
     written beside metadata.json with their size and crc32 in its checksums, as
-    :func:`save_checkpoint`'s ``extra_files``.
+    :func:`save_checkpoint`'s ``extra_files``. ``loss_scaler``: an fp16 run's
+    :class:`~hybrid.zero.loss_scaler.LossScaler` state (None: the run's own start).
     """
     beat = beat or (lambda: None)
     name = iter_name(iteration)
@@ -98,7 +100,7 @@ def write_single_rank_checkpoint(save_dir: str, shapes: dict[str, list[int]], re
         specs = {n: {"full_shape": s, "dim": None, "tp_rank": 0, "tp_size": 1}
                  for n, s in shapes.items()}
         header = {"version": VERSION, "rank": 0, "tp_rank": 0, "dp_rank": 0, "specs": specs,
-                  "step": step, "loss_scaler": None, "pieces": table, "data_rows": rows,
+                  "step": step, "loss_scaler": loss_scaler, "pieces": table, "data_rows": rows,
                   "checksums": sums.table()}
         data = header_bytes(header)
         fsync_write(head_path, lambda f: f.write(data))
@@ -109,7 +111,7 @@ def write_single_rank_checkpoint(save_dir: str, shapes: dict[str, list[int]], re
                 "world_size": 1, "tensor_model_parallel_size": 1, "data_parallel_size": 1,
                 "zero_stage": 0, "vocab_size": vocab_size,
                 "model": {**shapes, **(frozen_shapes or {})}, "step": step,
-                "loss_scaler": None, "zero_layout": layout, "config": config,
+                "loss_scaler": loss_scaler, "zero_layout": layout, "config": config,
                 "checksums": {"algorithm": ALGORITHM,
                               "headers": {os.path.basename(head_path): [len(data), crc32(data)]},
                               **({"files": file_sums} if file_sums else {})},

@@ -54,7 +54,8 @@ class LossScaler:
                 self.scale = max(self.scale / 2.0, self.min_scale)
             return
         self._clean_steps += 1
-        if self._clean_steps % self.window == 0:
+        if self._clean_steps > 0 and self._clean_steps % self.window == 0:  # (an imported
+            # count of -1 starts one step later: DeepSpeed's first step after an overflow)
             self.scale *= 2.0
             self._hysteresis_left = self.hysteresis
 
@@ -63,6 +64,10 @@ class LossScaler:
                 "hysteresis_left": self._hysteresis_left}
 
     def load_state_dict(self, state: dict) -> None:
+        """A saved dynamic scale and its counters; a static or unscaled run (another
+        dtype, ``--loss-scale``) keeps the scale its config gives."""
+        if not self.dynamic:
+            return
         self.scale = state["scale"]
         self._clean_steps = state["clean_steps"]
         self._hysteresis_left = state["hysteresis_left"]

@@ -901,8 +901,8 @@ def _read_all(path: str) -> None:
 
 def test_bad_bf16_deepspeed_checkpoints_are_one_error_naming_the_file(tmp_path):
     """A bf16 save's optimizer file without its bf16_ name, or another save's (ZeRO 2's
-    among BF16_Optimizer's), or missing; an fp16 run without ZeRO (its loss scale would
-    not carry over): one CheckpointError each, naming the file. BF16_Optimizer's files
+    among BF16_Optimizer's), or missing: one CheckpointError each, naming the file (fp16
+    saves are read: test_peer_deepspeed_fp16.py). BF16_Optimizer's files
     beside a model-state file of ZeRO 0 (its ds_config edited: 0.19.8 builds
     BF16_Optimizer without ZeRO only in a pipeline engine) read as ZeRO 1's."""
     from hybrid.checkpoint.peers import deepspeed as ds
@@ -926,16 +926,6 @@ def test_bad_bf16_deepspeed_checkpoints_are_one_error_naming_the_file(tmp_path):
     os.remove(victim)
     with pytest.raises(CheckpointError, match=r"global_step3: DeepSpeed dp_world_size 2 .*"
                                               r"needs bf16_zero_pp_rank_0\.\.1_mp_rank_00"):
-        _read_all(d)
-
-    d = _copy("net_bf16_zero0", tmp_path / "fp16")  # an fp16 run's files, as DeepSpeed's
-    path = os.path.join(d, "global_step3", "mp_rank_00_model_states.pt")  # are named
-    ms = torch.load(path, weights_only=True)
-    ms["module"] = {k: v.half() for k, v in ms["module"].items()}
-    ms["ds_config"] = {**ms["ds_config"], "fp16": {"enabled": True}}
-    ms["ds_config"].pop("bf16")
-    torch.save(ms, path)
-    with pytest.raises(CheckpointError, match=rf"^{path}: fp16 training without ZeRO"):
         _read_all(d)
 
     d = _copy("net_bf16_zero1", tmp_path / "stage0")
@@ -1005,9 +995,9 @@ def test_a_bf16_export_is_deepspeed_s_bf16_files_and_reads_back(tmp_path):
     bf16 rounding (ZeRO 3's placeholders bf16), and hybrid's DeepSpeed reader reads back
     the same fp32 masters, moments and step. The same checkpoint with ``dtype="fp32"`` is
     fp32's files (ZeRO 2, and stage 0: the torch optimizer's state dict). A dtype hybrid
-    does not write (fp16), one the given ds_config contradicts, or bf16 without ZeRO
+    does not know (fp8), one the given ds_config contradicts, or bf16 without ZeRO
     under fp32 gradient accumulation (DeepSpeed does not start so) is one
-    CheckpointError, nothing written."""
+    CheckpointError, nothing written (fp16: test_peer_deepspeed_fp16.py)."""
     from hybrid.checkpoint import resolve_checkpoint
     from hybrid.checkpoint.peers import deepspeed as ds, deepspeed_bf16
     from hybrid.checkpoint.peers.deepspeed_files import load_file
@@ -1094,18 +1084,18 @@ def test_a_bf16_export_is_deepspeed_s_bf16_files_and_reads_back(tmp_path):
         json.dump({**_recorder().config(2), "fp16": {"enabled": True}}, f)
     r = run_script("convert_checkpoint", ["export", "--to", "deepspeed", save,
                                           str(tmp_path / "bad"), "--ds-config",
-                                          str(tmp_path / "fp16.json")])
-    assert r.returncode == 2 and "the ds_config given enables fp16" in r.stderr, r.stderr
+                                          str(tmp_path / "fp16.json"), "--dtype", "bf16"])
+    assert r.returncode == 2 and "but the ds_config given trains in fp16" in r.stderr, r.stderr
     bad = str(tmp_path / "bad")
-    with pytest.raises(CheckpointError, match=r"--dtype fp16: DeepSpeed's fp16 files hold a "
-                                              r"dynamic loss scale"):
-        ds.write(save, bad, 2, 2, dtype="fp16")
+    with pytest.raises(CheckpointError, match=r"--dtype fp8: fp32, bf16 or fp16"):
+        ds.write(save, bad, 2, 2, dtype="fp8")
     with pytest.raises(CheckpointError, match=r"--dtype bf16, but the ds_config given "
                                               r"trains in fp32"):
         ds.write(save, bad, 2, 2, dtype="bf16", ds_config=_recorder().config(2))
-    with pytest.raises(CheckpointError, match=r"the ds_config given enables fp16"):
-        ds.write(save, bad, 2, 2, ds_config={**_recorder().config(2),
-                                             "fp16": {"enabled": True}})
+    with pytest.raises(CheckpointError, match=r"--dtype fp32, but the ds_config given "
+                                              r"trains in fp16"):
+        ds.write(save, bad, 2, 2, dtype="fp32", ds_config={**_recorder().config(2),
+                                                           "fp16": {"enabled": True}})
     with pytest.raises(CheckpointError, match=r"bf16 without ZeRO \(--zero-stage 0\) under "
                                               r"a ds_config with data_types.grad_accum_dtype "
                                               r"fp32: DeepSpeed 0.19.8 does not train so"):

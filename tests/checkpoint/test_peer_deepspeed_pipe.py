@@ -22,39 +22,21 @@ CheckpointError naming the file.
 from __future__ import annotations
 
 import hashlib
-import importlib.util
 import json
 import os
-import shutil
 
 import pytest
 import torch
 
 from hybrid.checkpoint import iter_full_params
 from hybrid.errors import CheckpointError
+from tests.checkpoint.test_peer_deepspeed import FIXTURES, TOLERANCE, _copy, _recorder
 from tests.helpers.deepspeed_pickles import load as _load
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-FIXTURES = os.path.join(ROOT, "tests", "fixtures", "peers", "deepspeed-0.19.8")
-TOLERANCE = 2e-6
 # pipe_bf16 at PP 1: the tied weight's two uses' bf16 gradients are summed by autograd on
 # one stage, where DeepSpeed's two stages each rounded their own and summed them after:
 # other bf16 roundings, which move the 10 losses by 2.7e-4 (measured; at PP 2: equal).
 BF16_PP1_TOLERANCE = 5e-4
-
-
-def _recorder():
-    path = os.path.join(ROOT, "benchmarks", "peers", "record_deepspeed_checkpoint.py")
-    spec = importlib.util.spec_from_file_location("record_deepspeed_checkpoint", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-def _copy(name: str, dst) -> str:
-    out = os.path.join(str(dst), name)
-    shutil.copytree(os.path.join(FIXTURES, name), out)
-    return out
 
 
 def _after(name: str) -> list[float]:

@@ -931,12 +931,15 @@ def test_a_distributed_optimizer_at_dp_3_reads_continues_and_is_written_back(tmp
     assert all(n % 384 == 0 for n in padded) and padded != unpadded, sizes
 
 def _imported(tmp_path, fixture: str) -> str:
-    """``fixture`` imported as a hybrid checkpoint, on this process (no training); a bf16
-    run's as a bf16 run's (reducing its grads in fp32, hybrid's default)."""
+    """``fixture`` imported as a hybrid checkpoint, on this process (no training), with the
+    recorded run's rates and schedule; a bf16 run's as a bf16 run's (reducing its grads in
+    fp32, hybrid's default)."""
     from hybrid.checkpoint.peers.importing import import_peer
     rec = _record(fixture)
     cfg = {"lr": rec["lr"], "min_lr": rec["min_lr"], "weight_decay": rec["weight_decay"],
            "global_batch_size": rec["shape"]["micro"] * rec["dp"],
+           "lr_warmup_iters": rec["warmup_iters"], "lr_decay_iters": rec["decay_iters"],
+           "lr_decay_style": "cosine",
            **({"bf16": True, "accumulate_allreduce_grads_in_fp32": True}
               if rec.get("bf16") else {})}
     return import_peer(open_peer(fixture), str(tmp_path / "hybrid"), cfg,
@@ -956,9 +959,10 @@ def _same_state(peer, ckpt: str) -> None:
 
 
 def _chunks(files) -> dict:
-    """Each optimizer key's full shape and its chunks' (offsets, sizes)."""
+    """Each optimizer key's full shape and its chunks' (offsets, sizes) (an MoE run's
+    chained ``chained_<i>.optimizer.*`` too)."""
     return {k: (files.shape(k), sorted((tuple(c.offsets), tuple(c.sizes)) for c in v.chunks))
-            for k, v in files.tensors.items() if k.startswith("optimizer.")}
+            for k, v in files.tensors.items() if re.match(r"(chained_\d+\.)?optimizer\.", k)}
 
 
 def _exported_as_saved(ckpt: str, out_dir: str, saved: str, groups: int, **layout):
@@ -1422,33 +1426,197 @@ def test_moe_names_and_expert_buffers_hybrid_cannot_read_are_one_error(tmp_path,
         open_peer(bad)
 
 
-def test_an_moe_checkpoint_is_not_exported_to_megatron(tmp_path):
-    """hybrid's import of megatron-core's MoE save, exported back: one CheckpointError
-    naming the checkpoint and num_experts, before anything is written (the experts'
-    layout per EP rank and the chained optimizers are read, not written)."""
+@pytest.mark.parametrize("fixture", [MOE, MOE_DISTOPT], ids=["plain", "distopt"])
+def test_an_moe_export_of_the_import_is_megatron_s_own_save(tmp_path, fixture):
+    """hybrid's import of megatron-core's MoE save (EP 2 x DP 2), exported for that run
+    (``ep=2``; dp_reshardable for DP 2): the same tensor keys and byte objects (the RNG
+    state aside), every model tensor -- the router, each expert at its global index --
+    bit-equal; without the distributed optimizer every ``chained_0.`` (dense) and
+    ``chained_1.`` (expert) ``optimizer.state.*`` tensor bit-equal and ``common.pt``'s
+    ``optimizer`` the same two entries (their param groups and ``common_step``); with it
+    every bucket key's chunks (offsets and sizes) and each group's bucket sizes megatron's
+    own, and every master and moment read from the buckets the save's bit for bit; the
+    MoE flags in ``args``."""
     from hybrid.checkpoint.peers import megatron
+    from hybrid.checkpoint.peers.megatron_dist import load_common
+    from hybrid.checkpoint.peers.megatron_files import DcpFiles
+    dist = fixture == MOE_DISTOPT
+    out = megatron.write(_imported(tmp_path, fixture), str(tmp_path / "mg"), ep=2, dp=2,
+                         **({"dist_opt": "dp_reshardable"} if dist else {}))
+    mine, theirs = DcpFiles(out), DcpFiles(os.path.join(fixture, "iter_0000003"))
+    assert sorted(mine.tensors) == sorted(theirs.tensors)
+    assert sorted(mine.objects) == sorted(k for k in theirs.objects if "rng_state" not in k)
+    for key in theirs.tensors:
+        if ".distributed." not in key:
+            assert torch.equal(mine.read(key), theirs.read(key)), key
+    common, saved = load_common(out)["optimizer"], load_common(theirs.dir)["optimizer"]
+    assert sorted(common) == sorted(saved) == [0, 1]
+    if dist:
+        assert common == saved
+        assert _chunks(mine) == _chunks(theirs) and len(_chunks(mine)) == 3 * 3
+        for key in theirs.objects:
+            if "per_bucket_numel" in key:
+                assert mine.read_object(key) == theirs.read_object(key), key
+        back, peer = open_peer(out), open_peer(fixture)
+        assert list(back.shapes) == list(peer.shapes) and back.step == peer.step == 3
+        for name in peer.shapes:
+            got, want = back.read(name), peer.read(name)
+            assert all(torch.equal(got[c], want[c]) for c in want), name
+    else:
+        for i in (0, 1):
+            assert float(common[i]["state"]["common_step"]) == 3.0
+            assert [(g["is_expert_parallel"], g["wd_mult"]) for g in common[i]["param_groups"]] \
+                == [(g["is_expert_parallel"], g["wd_mult"]) for g in saved[i]["param_groups"]]
+    args = load_common(out)["args"]
+    assert (args.num_experts, args.expert_model_parallel_size, args.moe_router_topk,
+            args.moe_ffn_hidden_size) == (4, 2, 2, 32)
+
+
+@pytest.mark.parametrize("flags,config,says", [
+    (["--tensor-model-parallel-size", "2"], {}, "--tensor-model-parallel-size 2: hybrid "
+                                                "writes an MoE checkpoint for TP 1 and PP 1"),
+    (["--expert-model-parallel-size", "3"], {}, "--expert-model-parallel-size 3: must "
+                                                "divide the 4 experts"),
+    (["--expert-model-parallel-size", "4", "--data-parallel-size", "2", "--megatron-dist-opt",
+      "dp_reshardable"], {}, "--expert-model-parallel-size 4: must divide the 4 experts and "
+                             "--data-parallel-size 2"),
+    (["--megatron-dist-opt", "fully_reshardable"], {}, "--megatron-dist-opt "
+                                                       "fully_reshardable: an MoE checkpoint"),
+    (["--dtype", "bf16"], {}, "a bf16 run: an MoE checkpoint is written for an fp32 run"),
+    ([], {"moe_shared_expert_intermediate_size": 32}, "--moe-shared-expert-intermediate-size "
+                                                      "32: export --to megatron writes"),
+    ([], {"moe_grouped_gemm": True}, "--moe-grouped-gemm True: export --to megatron writes"),
+    ([], {"moe_router_enable_expert_bias": True}, "--moe-router-enable-expert-bias True"),
+], ids=["tp", "ep_experts", "ep_dp", "fully_reshardable", "bf16", "shared_expert",
+        "grouped_gemm", "expert_bias"])
+def test_an_moe_export_it_cannot_write_is_one_line(tmp_path, capsys, flags, config, says):
+    """An MoE checkpoint exported for TP 2, an EP that does not split the experts (or the
+    DP ranks, dp_reshardable), fully_reshardable, a bf16 run; a checkpoint of a shared
+    expert, grouped GEMM or an expert bias (its config): exit 2, one line naming the flag,
+    nothing written. A dense GPT exported for EP 2: the same."""
+    from tests.helpers.launch import script_module
     ckpt = _imported(tmp_path, MOE)
-    with pytest.raises(CheckpointError, match=r"a mixture of experts \(num_experts 4\): "
-                                              r"export --to megatron writes dense GPTs"):
+    if config:
+        meta = os.path.join(ckpt, "metadata.json")
+        with open(meta) as f:
+            saved = json.load(f)
+        saved["config"].update(config)
+        with open(meta, "w") as f:
+            json.dump(saved, f)
+    out = tmp_path / "mg"
+    convert = script_module("convert_checkpoint").main
+    assert convert(["export", "--to", "megatron", ckpt, str(out), *flags]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and says in err, err
+    assert not out.exists() or not any(out.iterdir())
+    if flags == ["--tensor-model-parallel-size", "2"]:
+        dense = _imported(tmp_path / "dense", FIXTURE)
+        assert convert(["export", "--to", "megatron", dense, str(out),
+                        "--expert-model-parallel-size", "2"]) == 2
+        assert "--expert-model-parallel-size 2: " in capsys.readouterr().err
+
+
+def test_an_moe_checkpoint_with_dense_layers_is_not_exported(tmp_path):
+    """An MoE checkpoint whose first layer is dense (``--moe-layer-freq [0,1]``: its MLP
+    ``mlp.fc`` / ``mlp.proj``): one CheckpointError naming the flag and the dense layer,
+    nothing written (megatron-core's stacked ``decoder.layers.*`` keys hold every layer)."""
+    from hybrid.checkpoint import iter_full_params
+    from hybrid.checkpoint.layout import COLUMNS
+    from hybrid.checkpoint.peers import megatron
+    from hybrid.checkpoint.single_rank import write_single_rank_checkpoint
+    meta, params = iter_full_params(_imported(tmp_path, MOE))
+    cols = dict(params)
+    shapes = {n: list(c["master"].shape) for n, c in cols.items()
+              if not n.startswith("blocks.0.mlp.experts.")}
+    shapes.update({"blocks.0.mlp.fc.weight": [2, 32, 16], "blocks.0.mlp.proj.weight": [16, 32]})
+    cfg = dict(meta["config"], moe_layer_freq="[0,1]")
+    ckpt = write_single_rank_checkpoint(
+        str(tmp_path / "mixed"), shapes,
+        lambda n: cols.get(n) or {c: torch.zeros(shapes[n]) for c in COLUMNS},
+        COLUMNS, cfg, 64, iteration=3, step=3)
+    with pytest.raises(CheckpointError, match=r"--moe-layer-freq '\[0,1\]': layers \[0\] are "
+                                              r"dense; export --to megatron writes an MoE GPT"):
         megatron.write(ckpt, str(tmp_path / "out"))
     assert not os.path.exists(tmp_path / "out")
 
 
 @pytest.mark.peer("megatron.core")
+def test_megatron_core_loads_hybrid_s_moe_export_and_continues(tmp_path):
+    """hybrid continues megatron-core's MoE save at its layout (EP 2 x DP 2, ZeRO 1),
+    saves (iteration 13), steps 4 more batches, and exports its save for EP 2 x DP 2 --
+    the chained non-distributed optimizers, and dp_reshardable (the dense buffer, the
+    experts' per EP rank). megatron-core's MoE GPT (4 SequentialMLP experts, alltoall) at
+    EP 2 x DP 2 loads each with its own dist_checkpointing.load (benchmarks/peers/
+    record_megatron_checkpoint.py --resume --model mixtral --ep 2), saves what it loaded
+    again -- read by hybrid's reader, hybrid's masters and moments bit for bit -- and
+    steps the 4 batches: hybrid's losses within 2e-6."""
+    from tests.helpers.launch import script_module
+    rec = _record(MOE)
+    more = _more(rec)
+    save = str(tmp_path / "save")
+    _, _, losses = run_ranks(_continue, world_size=2, ep=2,
+                             args=(MOE, save, 1, rec, more))[0]
+    diff = max(abs(a - b) for a, b in zip(losses, rec["losses"]))
+    assert diff <= TOL, (diff, losses, rec["losses"])
+    hybrid_losses = losses[len(rec["tokens"]):]
+    tokens = tmp_path / "tokens.json"
+    tokens.write_text(json.dumps(more))
+    convert = script_module("convert_checkpoint").main
+    for mode in ("plain", "dp_reshardable"):
+        out = tmp_path / f"mg_{mode}"
+        dist = ["--megatron-dist-opt", mode] if mode != "plain" else []
+        assert convert(["export", "--to", "megatron", save, str(out),
+                        "--expert-model-parallel-size", "2", "--data-parallel-size", "2",
+                        *dist]) == 0
+        again = tmp_path / f"again_{mode}"
+        got = _megatron_resume(out / "iter_0000013", tokens, tmp_path / f"{mode}.json", 1, 2,
+                               "--model", "mixtral", "--ep", "2", "--ddp-bucket-size", "0",
+                               *(["--dist-opt", mode] if dist else []), resave=again)
+        _same_state(open_peer(str(again)), os.path.join(save, "iter_0000013"))
+        diff = max(abs(a - b) for a, b in zip(got["losses"], hybrid_losses))
+        print(f"{mode}: megatron-core's losses vs hybrid's: max |diff| {diff:.3g}")
+        assert got["iteration"] == 13 and diff <= TOL, (mode, diff, got, hybrid_losses)
+
+
+@pytest.mark.peer("megatron.core")
 def test_moe_distributed_optimizer_over_two_expert_dp_ranks_recorded_here(tmp_path):
-    """megatron-core's MoE GPT under its distributed optimizer at EP 2 x DP 4, recorded
-    here: each EP rank's expert buffer is sharded over an expert-data-parallel group of 2
-    (the committed fixture's is of 1). Every master read from the dense and expert buckets
-    equals the saved weight, and hybrid at megatron's layout (EP 2 x DP 4, 2 rows a rank)
-    continues within 2e-6 of megatron-core's own continuation. (At DP 2, 4 rows a rank,
-    it was 1.1e-5 apart, measured: the switch aux loss is a function of each rank's
-    tokens.)"""
+    """megatron-core's MoE GPT under its distributed optimizer at EP 2 x DP 4 in buckets of
+    1000 (``--overlap-grad-reduce``), recorded here: each EP rank's expert buffer is
+    sharded over an expert-data-parallel group of 2 (the committed fixture's is of 1) and
+    split into 4 buckets, the dense one into 3. Every master read from the dense and
+    expert buckets equals the saved weight, and hybrid at megatron's layout (EP 2 x DP 4,
+    2 rows a rank) continues within 2e-6 of megatron-core's own continuation. (At DP 2, 4
+    rows a rank, it was 1.1e-5 apart, measured: the switch aux loss is a function of each
+    rank's tokens.) The way back for that run: hybrid's import exported with
+    ``ep=2, dp=4`` and buckets of 1000 has megatron's own save's chunks (every offset and
+    size, cut where the expert-DP ranks' shards meet) and bucket sizes in both chained
+    optimizers, and megatron-core at EP 2 x DP 4 loads it and continues with its own
+    recorded losses within 2e-6."""
+    from hybrid.checkpoint.peers import megatron
+    from hybrid.checkpoint.peers.megatron_files import DcpFiles
     mg, peer = _recorded_here(tmp_path, "--model", "mixtral", "--ep", "2", "--tp", "1",
-                              "--ddp-bucket-size", "0")
+                              "--ddp-bucket-size", "1000")
     rec = _record(mg)
     assert (rec["ep"], rec["dp"]) == (2, 4)
     assert any(n.endswith("mlp.experts.fc") for n in peer.shapes)
     _, _, losses = run_ranks(_continue, world_size=4, ep=2,
                              args=(mg, str(tmp_path / "save"), 1, rec))[0]
     diff = max(abs(a - b) for a, b in zip(losses, rec["losses"]))
+    print(f"hybrid at EP 2 x DP 4 vs megatron-core's continuation: max |diff| {diff:.3g}")
     assert diff <= TOL, (diff, losses, rec["losses"])
+    out = megatron.write(_imported(tmp_path, mg), str(tmp_path / "back"), ep=2, dp=4,
+                         dist_opt="dp_reshardable", bucket_size=1000)
+    mine, theirs = DcpFiles(out), DcpFiles(os.path.join(mg, "iter_0000003"))
+    assert _chunks(mine) == _chunks(theirs) and len(_chunks(mine)) == 3 * (3 + 2 * 4)
+    sizes = [k for k in theirs.objects if "per_bucket_numel" in k]
+    assert len(sizes) == 2 * 3
+    for key in sizes:
+        assert mine.read_object(key) == theirs.read_object(key), key
+    tokens = tmp_path / "tokens.json"
+    tokens.write_text(json.dumps(rec["tokens"]))
+    got = _megatron_resume(out, tokens, tmp_path / "back.json", 1, 4, "--model", "mixtral",
+                           "--ep", "2", "--dist-opt", "dp_reshardable", "--ddp-bucket-size",
+                           "1000")
+    diff = max(abs(a - b) for a, b in zip(got["losses"], rec["losses"]))
+    print(f"megatron-core from hybrid's export vs its own continuation: max |diff| {diff:.3g}")
+    assert got["iteration"] == 3 and diff <= TOL, (diff, got, rec["losses"])

@@ -1,14 +1,10 @@
 """DeepSpeed checkpoints (``engine.save_checkpoint``'s ``global_stepN/``: ZeRO 1-3, stage 0
 (:class:`DeepSpeedZero0`) and the universal format), read with their optimizer state, and
-written back (:func:`write`).
-
-The files: :mod:`.deepspeed_files` (its Note).
-
-What comes over: the fp32 masters, both Adam moments and the step count, the engine's
-``global_steps`` (the iteration) and ``global_samples`` (consumed samples), and the
-scheduler's state (:func:`engine_state`, for the ``load_checkpoint`` door). DeepSpeed
-saves no RNG state (a line in ``notes``); nor does it save the data position beyond
-``global_samples``.
+written back (:func:`write`). The files: :mod:`.deepspeed_files` (its Note). What comes
+over: the fp32 masters, both Adam moments and the step count, the engine's ``global_steps``
+(the iteration) and ``global_samples`` (consumed samples), and the scheduler's state
+(:func:`engine_state`, for the ``load_checkpoint`` door). DeepSpeed saves no RNG state (a
+line in ``notes``); nor does it save the data position beyond ``global_samples``.
 """
 
 from __future__ import annotations
@@ -148,12 +144,14 @@ class DeepSpeedCheckpoint:
         return ms
 
     def _shapes_from(self, ms: dict) -> None:
-        """The parameters' shapes by name, from ZeRO's ``param_shapes`` (one dict per
+        """The parameters' shapes by name, from ZeRO's ``param_shapes`` (a dict per
         optimizer group, in the flat partitions' order)."""
-        groups = [{k: [int(d) for d in v] for k, v in g.items()}
-                  for g in need(ms, "param_shapes", self.model_file)]
-        self._groups = groups
-        self.ds_shapes = {k: v for g in groups for k, v in g.items()}
+        shapes = need(ms, "param_shapes", self.model_file)
+        if not isinstance(shapes, (list, tuple)):  # (None: a save without ZeRO's, mixed in)
+            raise CheckpointError(f"{self.model_file}: param_shapes {shapes!r} (a save without "
+                                  f"ZeRO) beside ZeRO's files: files of two saves mixed")
+        self._groups = [{k: [int(d) for d in v] for k, v in g.items()} for g in shapes]
+        self.ds_shapes = {k: v for g in self._groups for k, v in g.items()}
 
     def _bind(self, ms: dict, names) -> None:
         """The names hybrid reads the parameters by (the Note on whose names), and the
@@ -226,6 +224,11 @@ class DeepSpeedCheckpoint:
     def columns(self) -> tuple[str, ...]:
         self.layout  # noqa: B018 (the stage checked first)
         return COLUMNS if self._base_state(0).get("state") else COLUMNS[:1]
+
+    @functools.cached_property
+    def loss_scaler(self) -> dict | None:  # (fp16's, as hybrid's: .deepspeed_bf16's)
+        held, path = self._optim(0).get("loss_scaler"), self._optim_paths[0]
+        return bf16.loss_scaler_state(held, self.model_state["ds_config"], path, self.notes)
 
     @functools.cached_property
     def step(self) -> int:
@@ -391,9 +394,9 @@ class DeepSpeedCheckpoint:
 
 class DeepSpeedUniversal(DeepSpeedCheckpoint):
     """DeepSpeed's universal checkpoint (``ds_to_universal``'s ``global_stepN_universal/``:
-    the model-state file, and ``zero/<name>/{fp32,exp_avg,exp_avg_sq,step}.pt`` holding
-    each parameter whole, as ``{"param": tensor, "cat_dim": ...}``), read as the ZeRO one
-    is. It holds no layout: any DP size and stage load it alike."""
+    the model-state file, ``zero/<name>/{fp32,exp_avg,exp_avg_sq,step}.pt`` holding each
+    parameter whole, as ``{"param": tensor, ...}``, and ``zero/optimizer_state.pt``), read
+    as the ZeRO one is: no layout, any DP size and stage load it alike."""
 
     def __init__(self, tag_dir: str, names=None):
         ms = self._header(tag_dir)
@@ -412,6 +415,12 @@ class DeepSpeedUniversal(DeepSpeedCheckpoint):
 
     def _file(self, ds_name: str, what: str) -> str:
         return os.path.join(self._zero, ds_name, f"{what}.pt")
+
+    @functools.cached_property
+    def loss_scaler(self) -> dict | None:  # (fp16's: ds_to_universal keeps the scaler here)
+        path = os.path.join(self._zero, "optimizer_state.pt")
+        held = (load_file(path) if os.path.isfile(path) else {}).get("loss_scaler")
+        return bf16.loss_scaler_state(held, self.model_state["ds_config"], path, self.notes)
 
     @functools.cached_property
     def columns(self) -> tuple[str, ...]:
@@ -442,21 +451,19 @@ class DeepSpeedUniversal(DeepSpeedCheckpoint):
 
 
 class DeepSpeedZero0(DeepSpeedCheckpoint):
-    """DeepSpeed without ZeRO (stage 0, fp32 training, the default when the ds_config
-    has no ``zero_optimization``): one ``mp_rank_00_model_states.pt`` holding the module's
-    weights (the masters: fp32) and the torch optimizer's own state dict; or, trained in
-    bf16, the bf16 weights and DeepSpeed's FP16_UnfusedOptimizer's state, whose fp32
-    masters are read (:mod:`.deepspeed_bf16`' Note).
+    """DeepSpeed without ZeRO (stage 0, the default when the ds_config has no
+    ``zero_optimization``): one ``mp_rank_00_model_states.pt`` holding the module's weights
+    (fp32: the masters) and the torch optimizer's state dict, in bf16 or fp16 wrapped in
+    FP16_UnfusedOptimizer's (its fp32 masters read; fp16's loss scale: :mod:`.deepspeed_bf16`).
 
     That state dict names no parameter: its i-th is the optimizer's i-th, which for an
     optimizer built from ``model.parameters()`` is the module's i-th parameter (buffers,
     and a tied weight's second name, left out). The order is taken so and checked by
     shape, parameter by parameter; an order it does not match (parameter groups that
-    reorder the module's parameters) is one CheckpointError, as is fp16's state (its loss
-    scale is not carried over) and the fused FP16_Optimizer's. ``frozen``: the loading
-    module's frozen parameters (``engine.load_checkpoint``), which the module's state
-    dict holds and the optimizer (built from those that train) does not: left out of the
-    order, and read as frozen values."""
+    reorder the module's parameters) is one CheckpointError, as is the fused
+    FP16_Optimizer's state. ``frozen``: the loading module's frozen parameters
+    (``engine.load_checkpoint``), which the module's state dict holds and the optimizer
+    (built from those that train) does not: left out of the order, read as frozen."""
 
     def __init__(self, tag_dir: str, names=None, frozen: Collection[str] = ()):
         ms = self._header(tag_dir)
@@ -474,12 +481,13 @@ class DeepSpeedZero0(DeepSpeedCheckpoint):
             raise CheckpointError(f"{where}: no optimizer state (saved without it, or by "
                                   f"an engine without an optimizer); hybrid imports a "
                                   f"{FORMAT} checkpoint to continue its training")
+        self.loss_scaler = bf16.loss_scaler_state(osd, ms.get("ds_config"), where, self.notes)
         osd, self._masters = bf16.unfused_masters(ms, osd, where)
         if not isinstance(osd, dict) or set(osd) != {"state", "param_groups"}:
             keys = sorted(osd)[:5] if isinstance(osd, dict) else type(osd).__name__
             raise CheckpointError(f"{where}: the optimizer state is not a torch optimizer's "
-                                  f"({keys}) nor DeepSpeed's bf16 FP16_UnfusedOptimizer's: "
-                                  f"hybrid reads fp32 and bf16 stage-0 checkpoints and ZeRO "
+                                  f"({keys}) nor DeepSpeed's FP16_UnfusedOptimizer's: "
+                                  f"hybrid reads fp32, bf16, fp16 stage-0 checkpoints and ZeRO "
                                   f"1-3 ones")
         module = need(ms, "module", where)
         buffers, seen, params = set(ms.get("buffer_names") or ()), set(), []
@@ -506,9 +514,7 @@ class DeepSpeedZero0(DeepSpeedCheckpoint):
                     f"{name} is {list(module[name].shape)}: the optimizer's parameter "
                     f"order is not the module's (parameter groups that reorder them)")
         if self._masters is not None:
-            bf16.check_masters(self._masters, self._index, module, where)
-            self.notes.append("bf16: the fp32 masters are DeepSpeed's fp32_groups (the "
-                              "module's bf16 weights are their rounding)")
+            self.notes.append(bf16.check_masters(self._masters, self._index, module, where))
         self._groups = [{n: list(module[n].shape) for n in params}]
         self.ds_shapes = dict(self._groups[0])
         self._bind(ms, names)
@@ -543,12 +549,11 @@ class DeepSpeedZero0(DeepSpeedCheckpoint):
 
 def open(path: str, step: int | None = None, names=None,  # noqa: A001
          frozen: Collection[str] = ()) -> DeepSpeedCheckpoint:
-    """The DeepSpeed checkpoint under ``path`` (a save directory: the tag ``latest``
-    names, or ``global_step<step>``; or one tag's directory). ``names``: a
-    :class:`NameMap`, ``"module"`` for DeepSpeed's names as they are, or None: a
-    GPT2LMHeadModel's mapped to hybrid's GPT (the Note on whose names), others as they
-    are. ``frozen``: the loading module's frozen parameters (with ``"module"``), which a
-    save without ZeRO does not name."""
+    """The DeepSpeed checkpoint under ``path`` (a save directory: the tag ``latest`` names,
+    or ``global_step<step>``; or one tag's directory). ``names``: a :class:`NameMap`,
+    ``"module"`` for DeepSpeed's names as they are, or None: a GPT2LMHeadModel's mapped to
+    hybrid's GPT (the Note on whose names), others as they are. ``frozen``: the loading
+    module's frozen parameters (with ``"module"``), which a save without ZeRO names not."""
     tag_dir = _tag_dir(path, step)
     if tag_dir is None:
         what = f"global_step{step}" if step is not None else f"{LATEST} naming a tag"
@@ -562,10 +567,9 @@ def open(path: str, step: int | None = None, names=None,  # noqa: A001
 
 
 def engine_state(path: str, step: int | None = None) -> dict:
-    """The engine's counters a DeepSpeed checkpoint records: ``global_steps``,
-    ``global_samples``, ``skipped_steps``, ``lr_scheduler`` (its state dict, or None), and
-    ``client_state`` (what the caller passed to ``save_checkpoint``). Reads the one
-    model-state file."""
+    """The engine's counters a DeepSpeed checkpoint records (``global_steps``,
+    ``global_samples``, ``skipped_steps``, ``lr_scheduler``: its state dict, or None) and
+    ``client_state`` (the caller's to ``save_checkpoint``), from the one model-state file."""
     tag_dir = _tag_dir(path, step)
     if tag_dir is None:
         raise CheckpointError(f"{path}: no {FORMAT} checkpoint")
@@ -579,20 +583,16 @@ def engine_state(path: str, step: int | None = None) -> dict:
     return out
 
 
-# What DeepSpeed's engine writes into a model-state file itself; the rest is the caller's
-# client_state, which save_checkpoint merges in at the top level.
-_ENGINE_KEYS = frozenset((
-    "module", "buffer_names", "optimizer", "param_shapes", "frozen_param_shapes",
-    "shared_params", "frozen_param_fragments", "lr_scheduler", "data_sampler", "random_ltd",
-    "sparse_tensor_module_names", "skipped_steps", "global_steps", "global_samples",
-    "dp_world_size", "mp_world_size", "checkpoint_parallel_dimensions", "ds_config",
-    "ds_version", "universal_checkpoint_info"))
+# What DeepSpeed's engine writes into a model-state file; the rest is the client_state.
+_ENGINE_KEYS = frozenset(("module", "buffer_names", "optimizer", "param_shapes",
+    "frozen_param_shapes", "ds_config", "shared_params", "frozen_param_fragments", "lr_scheduler",
+    "data_sampler", "random_ltd", "sparse_tensor_module_names", "skipped_steps", "global_steps",
+    "global_samples", "ds_version", "dp_world_size", "mp_world_size",
+    "checkpoint_parallel_dimensions", "universal_checkpoint_info"))
 
 
-def write(checkpoint: str, out_dir: str, dp_size: int = 1, zero_stage: int = 2,
-          **kw) -> str:
-    """The way back: hybrid checkpoint ``checkpoint`` as a DeepSpeed ZeRO ``zero_stage``
-    checkpoint of ``dp_size`` ranks under ``out_dir``
-    (:func:`hybrid.checkpoint.peers.deepspeed_export.write`)."""
+def write(checkpoint: str, out_dir: str, dp_size: int = 1, zero_stage: int = 2, **kw) -> str:
+    """The way back: hybrid checkpoint ``checkpoint`` as DeepSpeed ZeRO ``zero_stage``'s of
+    ``dp_size`` ranks under ``out_dir`` (:func:`.deepspeed_export.write`)."""
     from hybrid.checkpoint.peers.deepspeed_export import write as export
     return export(checkpoint, out_dir, dp_size, zero_stage, **kw)

@@ -1,6 +1,7 @@
-"""DeepSpeed's bf16 saves (and its fp16 ones, as far as they are refused), for the reader
-(:mod:`.deepspeed`): which files a save's optimizer state is in, BF16_Optimizer's flat
-partitions, and the fp32 masters of DeepSpeed's FP16_UnfusedOptimizer.
+"""DeepSpeed's bf16 and fp16 saves, for the reader (:mod:`.deepspeed`): which files a
+save's optimizer state is in, BF16_Optimizer's flat partitions, the fp32 masters of
+DeepSpeed's FP16_UnfusedOptimizer, and an fp16 run's loss scaler as hybrid's (and, for
+the export, hybrid's as DeepSpeed's).
 
 [Note: DeepSpeed 0.19.8's bf16 saves]
 A bf16 run keeps fp32 masters beside the bf16 module weights (their rounding, which are
@@ -26,12 +27,24 @@ accumulation dtype (``engine._do_optimizer_sanity_check``):
 * ZeRO 1-3 otherwise: the ZeRO optimizers, their files named ``bf16_zero_pp_rank_*`` (any
   bf16 run's are), read as fp32's.
 
-fp16 is not recorded (DeepSpeed's CPU accelerator refuses it on CPUs without oneDNN fp16);
-fp16 without ZeRO is refused, its dynamic loss scale not being carried over.
+[Note: DeepSpeed 0.19.8's fp16 saves]
+An fp16 run's files are laid out as the bf16 run's above (the optimizer files named
+``zero_pp_rank_*``, without ``bf16_``; without ZeRO, FP16_UnfusedOptimizer's state in the
+model-state file), the module's fp16 weights the rounding of the fp32 masters, which are
+read. Its loss scale comes over as hybrid's :class:`~hybrid.zero.loss_scaler.LossScaler`
+state (:func:`loss_scaler_state`): ZeRO 1-3 pickle their DynamicLossScaler
+(``loss_scaler``: ``cur_scale``, ``cur_iter``, ``last_overflow_iter``, ``cur_hysteresis``,
+...), FP16_UnfusedOptimizer saves ``cur_scale``, ``cur_iter`` and ``last_overflow_iter``
+and has no hysteresis (it halves on every overflow). DeepSpeed doubles the scale when
+``cur_iter - last_overflow_iter - 1`` is a positive multiple of the window, hybrid when
+its count of clean steps is: the count is set so that the next doubling falls on
+DeepSpeed's step. After an overflow DeepSpeed waits window + 1 clean steps, hybrid
+window (Megatron's rule): a line of the import's notes says so.
 """
 
 from __future__ import annotations
 
+import math
 import os
 
 import torch
@@ -47,6 +60,88 @@ def bf16_enabled(ds_config) -> bool | None:
     block = ds_config.get("bf16", ds_config.get("bfloat16"))
     enabled = block.get("enabled") if isinstance(block, dict) else None
     return enabled is True or str(enabled).lower() == "true"
+
+
+def fp16_enabled(ds_config) -> bool:
+    """Whether a saved ds_config enables fp16."""
+    block = ds_config.get("fp16") if isinstance(ds_config, dict) else None
+    enabled = block.get("enabled") if isinstance(block, dict) else None
+    return enabled is True or str(enabled).lower() == "true"
+
+
+def loss_scaler_state(held, ds_config, where: str, notes: list[str]) -> dict | None:
+    """hybrid's LossScaler state dict for an fp16 run's loss scaler ``held`` (the Note on
+    fp16 saves: a ZeRO optimizer file's pickled scaler, or FP16_UnfusedOptimizer's state
+    dict), appending to ``notes`` what does not map; None for a run not in fp16 (its
+    scale is 1). A scaler without a scale or its counters is one CheckpointError naming
+    ``where``."""
+    if not fp16_enabled(ds_config):
+        return None
+    attrs: dict = held if isinstance(held, dict) else getattr(held, "__dict__", {})
+    scale = attrs.get("cur_scale")
+    if not isinstance(scale, (int, float)) or not scale > 0:
+        raise CheckpointError(f"{where}: an fp16 run's file without its loss scale "
+                              f"(cur_scale {scale!r})")
+    dynamic = attrs.get("dynamic", attrs.get("dynamic_loss_scale")) is True
+    if not dynamic:
+        return {"scale": float(scale), "clean_steps": 0, "hysteresis_left": 1}
+    unfused = isinstance(held, dict)  # (FP16_UnfusedOptimizer: no hysteresis)
+    at, last = attrs.get("cur_iter"), attrs.get("last_overflow_iter")
+    if not isinstance(at, int) or not isinstance(last, int) or last >= at:
+        raise CheckpointError(f"{where}: an fp16 run's dynamic loss scale without its "
+                              f"counters (cur_iter {at!r}, last_overflow_iter {last!r})")
+    clean = at - last - 2
+    notes += [f"fp16 loss scale {float(scale):g} carried over (next doubling at DeepSpeed's "
+             f"step); after an overflow hybrid doubles it after fp16.loss_scale_window "
+             f"clean steps, DeepSpeed after one more"]
+    if unfused:
+        notes.append("fp16 without ZeRO: DeepSpeed's FP16_UnfusedOptimizer halves the "
+                     "scale on every overflow (no hysteresis): the import leaves one "
+                     "overflow to the next halving; after the scale grows, hybrid's "
+                     "fp16.hysteresis applies (set it to 1 to keep DeepSpeed's)")
+    elif attrs.get("consecutive_hysteresis"):
+        notes.append("fp16 consecutive_hysteresis: DeepSpeed restored the hysteresis "
+                     "after each clean step; hybrid restores it when the scale grows")
+    return {"scale": float(scale), "clean_steps": clean,
+            "hysteresis_left": 1 if unfused else int(attrs.get("cur_hysteresis", 1))}
+
+
+def fp16_block(meta: dict) -> dict:
+    """The ds_config ``fp16`` block of the checkpoint's run (its loss-scale flags)."""
+    cfg = meta.get("config") or {}
+    static = cfg.get("loss_scale")
+    return {"enabled": True, "loss_scale": float(static or 0),
+            "initial_scale_power": int(math.log2(float(cfg.get("initial_loss_scale") or
+                                                        2.0 ** 16))),
+            "loss_scale_window": int(cfg.get("loss_scale_window") or 1000),
+            "hysteresis": int(cfg.get("hysteresis") or 2),
+            "min_loss_scale": float(cfg.get("min_loss_scale") or 1.0)}
+
+
+def deepspeed_scaler(meta: dict, config: dict, record: dict) -> dict:
+    """The export's (:mod:`.deepspeed_export`): hybrid's fp16 loss scaler as DeepSpeed
+    holds it, :func:`loss_scaler_state` backwards:
+    ``{"dynamic": bool, "fields": {...}}``, the fields DeepSpeed's DynamicLossScaler (or
+    static LossScaler) pickles. The scale and counters are the checkpoint's
+    (``loss_scaler``), the settings ``config``'s fp16 block."""
+    given = config.get("fp16")
+    block: dict = given if isinstance(given, dict) else fp16_block(meta)
+    saved = meta.get("loss_scaler") or {}
+    static = float(block.get("loss_scale") or 0)
+    if static:
+        return {"dynamic": False, "fields": {"cur_scale": static, "dynamic": False}}
+    hysteresis = int(block.get("hysteresis", 2))
+    scale = float(saved.get("scale", 2.0 ** int(block.get("initial_scale_power", 16))))
+    at = int(record["global_steps"])  # (DeepSpeed doubles at a positive multiple of the
+    clean = int(saved.get("clean_steps", 0))  # window of at - last_overflow_iter - 1)
+    return {"dynamic": True, "fields": {
+        "cur_scale": scale, "dynamic": True, "cur_iter": at,
+        "last_overflow_iter": at - clean - 2 if clean >= 0 else at - 1,
+        "scale_factor": 2.0, "scale_window": int(block.get("loss_scale_window", 1000)),
+        "min_scale": float(block.get("min_loss_scale", 1.0)), "delayed_shift": hysteresis,
+        "cur_hysteresis": max(1, int(saved.get("hysteresis_left", hysteresis))),
+        "consecutive_hysteresis": False, "raise_error_at_min_scale": True,
+        "dtype": torch.float16}}
 
 
 def is_bf16_optimizer(optim: dict) -> bool:
@@ -136,15 +231,10 @@ def unfused_masters(ms: dict, osd, where: str) -> tuple:
     """(the torch optimizer's state dict, the fp32 masters by its parameter index) of a
     stage-0 model-state file's ``optimizer`` ``osd``: DeepSpeed's FP16_UnfusedOptimizer's
     in bf16 (the Note); ``(osd, None)`` for a torch optimizer's own (fp32: the module's
-    weights are the masters). fp16, and the fused FP16_Optimizer, are one CheckpointError."""
+    weights are the masters). In fp16 the same (its loss scale: :func:`loss_scaler_state`).
+    The fused FP16_Optimizer is one CheckpointError."""
     if not isinstance(osd, dict) or "optimizer_state_dict" not in osd:
         return osd, None
-    module = ms.get("module") or {}
-    if any(getattr(t, "dtype", None) == torch.float16 for t in module.values()):
-        raise CheckpointError(f"{where}: fp16 training without ZeRO (DeepSpeed's FP16 "
-                              f"optimizer, loss scale {osd.get('cur_scale')}): hybrid reads "
-                              f"fp32 and bf16 stage-0 checkpoints (an fp16 run's loss scale "
-                              f"would not carry over)")
     if "fp32_groups" not in osd:
         raise CheckpointError(f"{where}: DeepSpeed's fused FP16_Optimizer state "
                               f"({sorted(osd)[:6]}: one flat fp32 master per group): hybrid "
@@ -162,9 +252,10 @@ def unfused_masters(ms: dict, osd, where: str) -> tuple:
     return inner, dict(zip(order, masters))
 
 
-def check_masters(masters: dict, index: dict, module: dict, where: str) -> None:
+def check_masters(masters: dict, index: dict, module: dict, where: str) -> str:
     """Each module parameter's fp32 master (by its optimizer index) has its shape: else
-    the optimizer's order is not the module's."""
+    the optimizer's order is not the module's. Returns the note saying where the masters
+    come from."""
     for name, i in index.items():
         got = masters.get(i)
         if got is None or tuple(got.shape) != tuple(module[name].shape):
@@ -173,3 +264,7 @@ def check_masters(masters: dict, index: dict, module: dict, where: str) -> None:
                 f"{list(got.shape) if got is not None else 'missing'}, the module's {name} "
                 f"is {list(module[name].shape)}: the optimizer's parameter order is not the "
                 f"module's")
+    half = {torch.float16: "fp16", torch.bfloat16: "bf16"}
+    dtype = next((half[t.dtype] for t in module.values() if t.dtype in half), "bf16/fp16")
+    return (f"{dtype}: the fp32 masters are DeepSpeed's fp32_groups (the module's weights "
+            f"their rounding)")

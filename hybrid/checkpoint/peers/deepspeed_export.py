@@ -27,6 +27,16 @@ DeepSpeed builds its FP16_UnfusedOptimizer in bf16 (gradients accumulated in bf1
 it refuses to start): the model-state file's ``optimizer`` holds ``fp32_groups`` (the
 masters, per parameter), the torch optimizer's state dict and a static loss scale of 1.
 
+[Note: the fp16 export]
+With ``dtype="fp16"`` the files are those of DeepSpeed's fp16 run (:mod:`.deepspeed_bf16`'
+Note on fp16 saves): laid out as the bf16 export's, the optimizer files named
+``zero_pp_rank_*`` (no ``bf16_``), the module's weights the masters' fp16 rounding, and
+the loss scaler hybrid saved as DeepSpeed's (:func:`.deepspeed_bf16.deepspeed_scaler`): at
+ZeRO 1-3 its pickled DynamicLossScaler (the fp16 settings of the run's config, its scale and
+hysteresis left, ``last_overflow_iter`` placed so that DeepSpeed's next doubling falls
+on hybrid's step), without ZeRO FP16_UnfusedOptimizer's fields; a static scale
+(``--loss-scale``) as DeepSpeed's LossScaler.
+
 The checkpoint is read once whatever the DP size (twice at stages 1-2: the module too;
 once without ZeRO, whose one file holds both),
 and memory holds one parameter at a time: the ranks' partitions and the module's weights
@@ -47,10 +57,15 @@ from typing import Any
 import torch
 
 from hybrid.checkpoint import iter_full_params, module_state, resolve_checkpoint
-from hybrid.checkpoint.peers.deepspeed_bf16 import bf16_enabled
+from hybrid.checkpoint.peers.deepspeed_bf16 import (
+    bf16_enabled,
+    deepspeed_scaler,
+    fp16_block,
+)
 from hybrid.checkpoint.peers.deepspeed_files import (
     LATEST,
     STANDINS,
+    DynamicLossScaler,
     FragmentAddress,
     LossScaler,
     ZeroStage,
@@ -127,9 +142,9 @@ def write(checkpoint: str, out_dir: str, dp_size: int = 1, zero_stage: int = 2, 
     engine's checkpoint of one group). ``convert(hybrid_name, tensor)``: the tensor in
     DeepSpeed's layout.
     ``ds_config``: recorded in the files (DeepSpeed does not read it back).
-    ``dtype``: the training dtype DeepSpeed continues in, "fp32" or "bf16" (the Note on
-    the bf16 export); default: the ds_config's (its ``bf16.enabled``) where one is
-    given, else the checkpoint's own (bf16 for a ``--bf16`` / ``bf16.enabled`` run).
+    ``dtype``: the training dtype DeepSpeed continues in, "fp32", "bf16" or "fp16" (the
+    Notes on the bf16 and fp16 exports); default: the ds_config's (``bf16.enabled``,
+    ``fp16.enabled``) where one is given, else the checkpoint's own.
     CheckpointError for an existing tag, a checkpoint without optimizer state, a stage
     hybrid does not write, or a dtype it does not (:func:`_export_dtype`)."""
     if zero_stage not in (0, 1, 2, 3):
@@ -144,7 +159,8 @@ def write(checkpoint: str, out_dir: str, dp_size: int = 1, zero_stage: int = 2, 
     if meta.get("zero_layout", {}).get("columns") == ["master"]:
         raise CheckpointError(f"{ckpt}: saved without optimizer state (--no-save-optim): "
                               f"a DeepSpeed checkpoint to continue from needs its moments")
-    bf16 = _export_dtype(ckpt, meta, dtype, ds_config, zero_stage) == "bf16"
+    half = _export_dtype(ckpt, meta, dtype, ds_config, zero_stage)
+    bf16 = half == "bf16"
     hf_config, shared = None, {}
     if names is None and "blocks.0.attn.qkv.weight" in shapes:  # hybrid's GPT: as GPT-2
         names, convert, hf_config = _gpt2_export(ckpt, meta)
@@ -155,31 +171,40 @@ def write(checkpoint: str, out_dir: str, dp_size: int = 1, zero_stage: int = 2, 
     final = os.path.join(out_dir, tag)
     if os.path.exists(final):
         raise CheckpointError(f"{final}: already exists; not overwriting it")
+    _check_config_json(out_dir, hf_config)
     tmp = os.path.join(out_dir, f".tmp_{tag}")
     shutil.rmtree(tmp, ignore_errors=True)
-    os.makedirs(tmp)
-
-    ds_shapes = _ds_shapes(ckpt, shapes, names, convert)
-    groups, settings = _optimizer_groups(ckpt, meta, ds_shapes, param_groups)
-    api = meta.get("api") or {}
-    # (a pretrain_gpt.py run's schedule is its flags': written as DeepSpeed's own
-    # schedulers' state at that step, which is all their state dicts hold)
-    schedule = meta.get("lr_scheduler") or {"last_batch_iteration": iteration - 1}
-    record: dict[str, Any] = {
-        "global_steps": int(api.get("global_steps", iteration)),
-        "global_samples": int(api.get("global_samples", meta["consumed_samples"])),
-        "lr_scheduler": schedule, "step": int(meta.get("step") or 0)}
-    config = ds_config or {"zero_optimization": {"stage": zero_stage},
-                           **({"bf16": {"enabled": True}} if bf16 else {})}
-    if bf16:  # (as module.bfloat16() leaves them)
-        frozen, buffers = ({n: t.to(torch.bfloat16) if t.is_floating_point() else t
-                            for n, t in d.items()} for d in (frozen, buffers))
-    if zero_stage:
-        _write_zero(tmp, ckpt, zero_stage, groups, settings, names, convert, dp_size,
-                    int(record["step"]), config, bf16)
-    _write_model_states(tmp, ckpt, groups, names, convert, shared, record, dp_size,
-                        zero_stage, config, frozen, buffers, bf16, settings)
-    os.replace(tmp, final)
+    try:  # (a failure leaves nothing: a full disk is one line naming OUT)
+        os.makedirs(tmp)
+        ds_shapes = _ds_shapes(ckpt, shapes, names, convert)
+        groups, settings = _optimizer_groups(ckpt, meta, ds_shapes, param_groups)
+        api = meta.get("api") or {}
+        # (a pretrain_gpt.py run's schedule is its flags': written as DeepSpeed's own
+        # schedulers' state at that step, which is all their state dicts hold)
+        schedule = meta.get("lr_scheduler") or {"last_batch_iteration": iteration - 1}
+        record: dict[str, Any] = {
+            "global_steps": int(api.get("global_steps", iteration)),
+            "global_samples": int(api.get("global_samples", meta["consumed_samples"])),
+            "lr_scheduler": schedule, "step": int(meta.get("step") or 0)}
+        config = ds_config or {"zero_optimization": {"stage": zero_stage},
+                               **({"bf16": {"enabled": True}} if bf16 else {}),
+                               **({"fp16": fp16_block(meta)} if half == "fp16" else {})}
+        record["scaler"] = deepspeed_scaler(meta, config, record) if half == "fp16" else None
+        if half != "fp32":  # (as module.bfloat16() / .half() leaves them)
+            frozen, buffers = ({n: t.to(_DTYPES[half]) if t.is_floating_point() else t
+                                for n, t in d.items()} for d in (frozen, buffers))
+        if zero_stage:
+            _write_zero(tmp, ckpt, zero_stage, groups, settings, names, convert, dp_size,
+                        int(record["step"]), config, bf16, record["scaler"])
+        _write_model_states(tmp, ckpt, groups, names, convert, shared, record, dp_size,
+                            zero_stage, config, frozen, buffers, half, settings)
+        os.replace(tmp, final)
+    except BaseException as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(e, (OSError, RuntimeError)) and not isinstance(e, CheckpointError):
+            # (a full disk: torch.save's write errors are RuntimeErrors)
+            raise CheckpointError(f"{out_dir}: cannot write the export ({e})") from e
+        raise
     if hf_config is not None:  # beside latest, where Hugging Face's Trainer keeps it
         with open(os.path.join(out_dir, "config.json"), "w") as f:
             json.dump(hf_config, f, indent=1)
@@ -189,10 +214,30 @@ def write(checkpoint: str, out_dir: str, dp_size: int = 1, zero_stage: int = 2, 
     return final
 
 
+def _check_config_json(out_dir: str, hf_config: dict | None) -> None:
+    """CheckpointError when ``out_dir`` holds another model's ``config.json`` (another
+    run's save directory: its tags read with it), which the export would replace."""
+    path = os.path.join(out_dir, "config.json")
+    if hf_config is None or not os.path.isfile(path):
+        return
+    try:
+        with open(path) as f:
+            old = json.load(f)
+    except (OSError, ValueError):
+        old = None  # (not a config.json anything reads)
+    new = json.loads(json.dumps(hf_config))
+    differ = [k for k in new if isinstance(old, dict) and k in old and old[k] != new[k]]
+    if differ:
+        raise CheckpointError(f"{path}: another model's config.json ({', '.join(differ[:3])} "
+                              f"differ), which the export would replace: give a new output "
+                              f"directory")
+
+
 def _write_zero(tmp: str, ckpt: str, zero_stage: int, groups: list[OrderedDict],
                 settings: list[dict], names: dict, convert, dp_size: int, step: int,
-                config: dict, bf16: bool) -> None:
-    """ZeRO 1-3's optimizer files into ``tmp``: each DP rank's flat partitions."""
+                config: dict, bf16: bool, scaler=None) -> None:
+    """ZeRO 1-3's optimizer files into ``tmp``: each DP rank's flat partitions
+    (``scaler``: an fp16 run's loss scaler, :func:`.deepspeed_bf16.deepspeed_scaler`)."""
     kind = ("BF16_Optimizer" if bf16 and zero_stage == 1 and _bf16_optimizer(config)
             else "ZeRO")
     prefix = "bf16_" if bf16 else ""
@@ -208,7 +253,7 @@ def _write_zero(tmp: str, ckpt: str, zero_stage: int, groups: list[OrderedDict],
         flats = _scatter_partitions(ckpt, spill, dp_size, parts, names, convert, layout)
         for rank, flat in enumerate(flats):
             osd = _optimizer_state(flat, rank, dp_size, zero_stage, parts, totals, groups,
-                                   layout, settings, step, config, kind)
+                                   layout, settings, step, config, kind, scaler)
             _save({"optimizer_state_dict": osd, "ds_config": config, "ds_version": VERSION},
                   os.path.join(tmp, f"{prefix}zero_pp_rank_{rank}_mp_rank_00_optim_"
                                     f"states.pt"))
@@ -219,14 +264,14 @@ def _write_zero(tmp: str, ckpt: str, zero_stage: int, groups: list[OrderedDict],
 
 
 _COLUMNS = ("master", "exp_avg", "exp_avg_sq")
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def _export_dtype(ckpt: str, meta: dict, dtype: str | None, ds_config: dict | None,
                   zero_stage: int) -> str:
-    """"fp32" or "bf16": ``dtype``, else the ds_config's, else the checkpoint's training
-    dtype. fp16 (DeepSpeed's fp16 files carry a dynamic loss scale, which hybrid does not
-    write), another name, a dtype the given ds_config contradicts (the files would not
-    be what DeepSpeed saves under it), or bf16 without ZeRO under a ds_config that
+    """"fp32", "bf16" or "fp16": ``dtype``, else the ds_config's, else the checkpoint's
+    training dtype. Another name, a dtype the given ds_config contradicts (the files would
+    not be what DeepSpeed saves under it), or bf16 without ZeRO under a ds_config that
     accumulates gradients in fp32 (DeepSpeed 0.19.8 does not start so): one
     CheckpointError."""
     cfg = meta.get("config") or {}
@@ -237,13 +282,10 @@ def _export_dtype(ckpt: str, meta: dict, dtype: str | None, ds_config: dict | No
             said = "fp16"
         else:
             said = "bf16" if bf16_enabled(ds_config) else "fp32"
-    want = dtype or said or ("bf16" if cfg.get("bf16") else "fp32")
-    if want not in ("fp32", "bf16"):
-        asked = f"--dtype {want}" if dtype else "the ds_config given enables fp16"
-        why = (": DeepSpeed's fp16 files hold a dynamic loss scale, which hybrid does not "
-               "write; export as bf16 or fp32 (the fp32 masters and moments come over "
-               "either way)" if want == "fp16" else ": fp32 or bf16")
-        raise CheckpointError(f"{ckpt}: {asked}{why}")
+    want = dtype or said or ("bf16" if cfg.get("bf16") else "fp16" if cfg.get("fp16")
+                             else "fp32")
+    if want not in ("fp32", "bf16", "fp16"):
+        raise CheckpointError(f"{ckpt}: --dtype {want}: fp32, bf16 or fp16")
     if said is not None and said != want:
         raise CheckpointError(f"{ckpt}: --dtype {want}, but the ds_config given trains in "
                               f"{said}: DeepSpeed under that config saves (and loads) "
@@ -329,12 +371,13 @@ def _frozen_fragments(frozen: dict[str, torch.Tensor], rank: int, dp_size: int,
 def _write_model_states(tmp: str, ckpt: str, groups: list[OrderedDict], names: dict,
                         convert, shared: dict, record: dict, dp_size: int, zero_stage: int,
                         config: dict, frozen: dict[str, torch.Tensor],
-                        buffers: dict[str, torch.Tensor], bf16: bool,
+                        buffers: dict[str, torch.Tensor], half: str,
                         settings: list[dict]) -> None:
     """The model-state file(s) into ``tmp``: DeepSpeed's engine record (``record``'s
     counters and schedule, ``param_shapes``, ``shared_params``) with the module -- at
     stage 3 one file per rank, the parameters as empty placeholders; else one file, the
-    module's weights the masters (fp32 training) or their bf16 rounding (``bf16``),
+    module's weights the masters (fp32 training) or their rounding (``half``: "bf16",
+    "fp16"),
     read one parameter at a time; at stage 0 with the optimizer's state too
     (:func:`_stage0_optimizer`). A
     module's ``frozen`` parameters and ``buffers`` (whole) go where DeepSpeed keeps
@@ -342,7 +385,7 @@ def _write_model_states(tmp: str, ckpt: str, groups: list[OrderedDict], names: d
     module at stages 0-2 and as ``frozen_param_shapes`` / ``frozen_param_fragments``
     from stage 2 on (:func:`_frozen_fragments`)."""
     ds_shapes = {n: s for g in groups for n, s in g.items()}
-    dtype = torch.bfloat16 if bf16 else torch.float32
+    dtype, lowp = _DTYPES[half], half != "fp32"  # (bf16, fp16: masters apart)
     model_state = {"buffer_names": list(buffers), "optimizer": None,
                    "param_shapes": None if not zero_stage else [
                        OrderedDict((n, torch.Size(s)) for n, s in g.items()) for g in groups],
@@ -377,10 +420,10 @@ def _write_model_states(tmp: str, ckpt: str, groups: list[OrderedDict], names: d
                 module[names[name]] = spill.keep(v["master"].to(dtype))
                 if not zero_stage:  # (fp32: the module's weights are the masters)
                     state[names[name]] = {k: spill.keep(t) for k, t in v.items()
-                                          if bf16 or k != "master"}
+                                          if lowp or k != "master"}
             if not zero_stage:  # (the module's order, which a save without ZeRO keeps)
                 model_state["optimizer"] = _stage0_optimizer(state, groups, settings,
-                                                             record, bf16)
+                                                             record, half)
                 module = OrderedDict((d, module[d]) for d in names.values() if d in module)
             for alias, of in shared.items():  # (the module's state dict names both)
                 module[alias] = module[of]
@@ -394,12 +437,12 @@ def _write_model_states(tmp: str, ckpt: str, groups: list[OrderedDict], names: d
 
 
 def _stage0_optimizer(state: dict[str, dict[str, torch.Tensor]], groups: list[OrderedDict],
-                      settings: list[dict], record: dict, bf16: bool) -> dict:
+                      settings: list[dict], record: dict, half: str) -> dict:
     """The model-state file's ``optimizer`` without ZeRO (``state``: each parameter's
     moments, and its fp32 master in bf16, by DeepSpeed name): torch AdamW's state dict,
     its parameters numbered in the groups' order; in bf16 wrapped as DeepSpeed's
     FP16_UnfusedOptimizer saves it (:mod:`.deepspeed_bf16`' Note), the masters in
-    ``fp32_groups`` and a static loss scale of 1."""
+    ``fp32_groups`` and a static loss scale of 1 (fp16: the run's scaler's fields)."""
     order = [n for g in groups for n in g]
     step = torch.tensor(float(record["step"]))
     first = [sum(len(g) for g in groups[:i]) for i in range(len(groups))]
@@ -407,31 +450,39 @@ def _stage0_optimizer(state: dict[str, dict[str, torch.Tensor]], groups: list[Or
                           "exp_avg_sq": state[n]["exp_avg_sq"]} for i, n in enumerate(order)},
             "param_groups": [{**s, "params": list(range(at, at + len(g)))}
                              for g, s, at in zip(groups, settings, first)]}
-    if not bf16:
+    if half == "fp32":
         return base
-    return {"dynamic_loss_scale": False, "cur_scale": 1.0, "cur_iter": record["global_steps"],
-            "optimizer_state_dict": base,
+    scaler = record.get("scaler") or {"dynamic": False, "fields": {"cur_scale": 1.0}}
+    fields = {k: scaler["fields"][k] for k in ("cur_scale", "cur_iter", "last_overflow_iter",
+                                               "scale_factor", "scale_window")
+              if k in scaler["fields"]}
+    return {"dynamic_loss_scale": scaler["dynamic"], "cur_iter": record["global_steps"],
+            **fields, "optimizer_state_dict": base,
             "fp32_groups": [[state[n]["master"] for n in g] for g in groups]}
 
 
 def _optimizer_state(flat: list[dict[str, torch.Tensor]], rank: int, dp_size: int,
                      zero_stage: int, parts: list[int], totals: list[int],
                      groups: list[OrderedDict], layout, settings: list[dict], step: int,
-                     config: dict, kind: str = "ZeRO") -> dict:
+                     config: dict, kind: str = "ZeRO", fp16=None) -> dict:
     """DP rank ``rank``'s ``optimizer_state_dict`` as DeepSpeed's ZeRO ``zero_stage``
     optimizer saves it: per group ``g``, ``flat[g]``'s partition of ``parts[g]`` elements
     (master and both moments; ``totals[g]`` the group's elements), with the fragment
     addresses (stages 1-2) that DeepSpeed's loader checks; ``settings[g]`` the group's
     torch AdamW settings. ``kind`` "BF16_Optimizer": that optimizer's state at ZeRO 1
-    (the Note on the bf16 export)."""
+    (the Note on the bf16 export). ``fp16``: an fp16 run's scaler
+    (:func:`.deepspeed_bf16.deepspeed_scaler`)."""
     state = {g: {"step": torch.tensor(float(step)), "exp_avg": f["exp_avg"],
                  "exp_avg_sq": f["exp_avg_sq"]} for g, f in enumerate(flat)}
     base = {"state": state,
             "param_groups": [{**s, "params": [g]} for g, s in enumerate(settings)]}
     scaler = _record(LossScaler, cur_scale=1.0, dynamic=False)
+    dynamic = bool(fp16 and fp16["dynamic"])
+    if fp16:
+        scaler = _record(DynamicLossScaler if dynamic else LossScaler, **fp16["fields"])
     if zero_stage == 3:
         return {"zero_stage": ZeroStage(zero_stage), "loss_scaler": scaler,
-                "dynamic_loss_scale": False, "overflow": False, "partition_count": dp_size,
+                "dynamic_loss_scale": dynamic, "overflow": False, "partition_count": dp_size,
                 "optimizer_state_dict": base, "fp32_flat_groups": [f["master"] for f in flat]}
     pads = [min(part, max(0, (rank + 1) * part - total))  # past the group's end
             for part, total in zip(parts, totals)]
@@ -447,7 +498,7 @@ def _optimizer_state(flat: list[dict[str, torch.Tensor]], rank: int, dp_size: in
                                    for part, total in zip(parts, totals)],
                 "partition_count": [dp_size] * len(groups), "ds_version": VERSION,
                 "param_slice_mappings": mappings}
-    return {"loss_scaler": scaler, "dynamic_loss_scale": False, "overflow": False,
+    return {"loss_scaler": scaler, "dynamic_loss_scale": dynamic, "overflow": False,
             "clip_grad": clip, "base_optimizer_state": base,
             "single_partition_of_fp32_groups": [f["master"][:part - pad].clone()
                                                 for f, part, pad in zip(flat, parts, pads)],

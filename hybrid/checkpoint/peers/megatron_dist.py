@@ -10,7 +10,6 @@ the dense buffer, and the experts' per EP rank).
 from __future__ import annotations
 
 import json
-import math
 import os
 import re
 from typing import Any
@@ -43,7 +42,7 @@ _PAIRS = tuple(str(p) for p in names.BUFFER_DTYPES)  # (as the keys spell them)
 _BUCKET_KEY = re.compile(r"((?:chained_\d+\.)?)optimizer\.distributed\.dp_group_idx_(\d+)\."
                          r"gbuf_idx_(\d+)\.dtype_(.+)\.bucket_idx_(\d+)\."
                          r"(param|exp_avg|exp_avg_sq)")
-_EXPERTS = ("mlp.experts.fc", "mlp.experts.proj")  # (hybrid's stacked experts, per layer)
+_EXPERTS = names.EXPERTS  # (hybrid's stacked experts, per layer)
 
 
 def load_common(iter_dir: str) -> dict:
@@ -433,18 +432,12 @@ class _Buckets:
                 f"dp_reshardable layout at TP 1, PP 1 and expert TP 1, one group per EP rank")
         experts = [n for n in shapes if n.endswith(_EXPERTS)]
         local = shapes[experts[0]][0] // ep
-        layers: dict[str, list[str]] = {}
-        for n in experts:  # (fc before proj in each layer: megatron's fc1, fc2)
-            layers.setdefault(n.rsplit(".mlp.", 1)[0], []).append(n)
-        order = [(n, k) for pair in layers.values() for k in range(local) for n in pair]
-        numel = {n: math.prod(shapes[n][1:]) for n in experts}
         self.expert_place = {n: [[] for _ in range(ep)] for n in experts}
         for e in range(ep):
             prefixes = [groups[e][b] for b in range(len(groups[e]))]
             sizes = self._sizes(chain, e, len(prefixes))
-            placed, got = names.bucket_layout(
-                [(f"{n}/{k}", numel[n]) for n, k in reversed(order)],
-                lambda b, stop, sizes=sizes: b < len(sizes) and stop >= sizes[b])
+            order, placed, got = names.expert_buffer(
+                shapes, ep, lambda b, stop, sizes=sizes: b < len(sizes) and stop >= sizes[b])
             if got != sizes or not all(self.files.tiles(
                     f"{prefixes[b]}.param", start, stop) for b, start, stop in placed.values()):
                 raise CheckpointError(
@@ -452,7 +445,7 @@ class _Buckets:
                     f"its {local} local experts where megatron-core's buffer layout puts "
                     f"them (buckets of {sizes})")
             for n, k in order:
-                b, start, stop = placed[f"{n}/{k}"]
+                b, start, stop = placed[(n, k)]
                 self.expert_place[n][e].append((prefixes[b], start, stop))
 
     def _stages(self) -> tuple[list[list[str]], int]:

@@ -39,6 +39,11 @@ fp32 run, ``dtype_(torch.bfloat16, torch.float32)`` for a bf16 one (grads reduce
 Megatron-LM's and hybrid's default under ``--bf16``; ``torch.bfloat16`` twice without);
 megatron-core's load finds its buffer's keys by that pair, so a run of another dtype
 does not load it. The columns are fp32 in each.
+
+An MoE checkpoint (dp_reshardable at TP 1, PP 1): megatron-core's two chained distributed
+optimizers, :class:`Chained` -- the dense buffer as above under ``chained_0.``, and the
+experts' under ``chained_1.``, one group per EP rank (:class:`ExpertDpReshardable`);
+``common.pt``'s ``optimizer`` ``{0: ..., 1: ...}``.
 """
 
 from __future__ import annotations
@@ -122,8 +127,9 @@ class DpReshardable:
 
     def __init__(self, shapes: dict[str, list[int]], tp: int, dp: int, pp: int, spec: str,
                  bucket_size: int | None, cfg: dict, groups: list[dict],
-                 dtypes: tuple[torch.dtype, torch.dtype], counts: list[int]):
-        self.tp, self.dp, self.pp, self.groups = tp, dp, pp, groups
+                 dtypes: tuple[torch.dtype, torch.dtype], counts: list[int],
+                 chain: str = ""):
+        self.tp, self.dp, self.pp, self.groups, self.chain = tp, dp, pp, groups, chain
         self.swiglu = bool(cfg.get("swiglu"))
         self.dtypes = dtypes  # (the buffer's (param, grad) pair: its keys and objects)
         local: dict[str, int] = {}
@@ -155,16 +161,14 @@ class DpReshardable:
         """The key of ``piece``'s bucket on TP rank ``t``: its stage's DP group, its model
         chunk's grad buffer."""
         group, chunk = (piece % self.pp) * self.tp + t, piece // self.pp
-        return (f"optimizer.distributed.dp_group_idx_{group}.gbuf_idx_{chunk}.dtype_"
-                f"{self.dtypes}.bucket_idx_{bucket}.{col}")
+        return (f"{self.chain}optimizer.distributed.dp_group_idx_{group}.gbuf_idx_{chunk}."
+                f"dtype_{self.dtypes}.bucket_idx_{bucket}.{col}")
 
     def _pieces(self, stage: int, bucket: int, start: int, stop: int
                 ) -> list[tuple[int, int]]:
         """``[start, stop)`` of ``bucket`` of ``stage`` cut where the DP ranks' shards
         meet (megatron saves each rank's piece as a chunk of its own)."""
-        shard = self.padded[stage][bucket] // self.dp
-        cuts = [start, *range((start // shard + 1) * shard, stop, shard), stop]
-        return list(zip(cuts[:-1], cuts[1:]))
+        return shard_pieces(self.padded[stage][bucket] // self.dp, start, stop)
 
     def put(self, w: DcpWriter, name: str, cols: dict, place: Callable) -> None:
         for col, saved in _COLUMNS:
@@ -195,18 +199,109 @@ class DpReshardable:
                     at = max(at, stop)
         for group in range(self.pp * self.tp):
             pieces = range(group // self.tp, len(self.unpadded), self.pp)  # (its chunks)
-            prefix = f"optimizer.distributed.dp_group_idx_{group}."
-            # (a ShardedObject of one shard, as a list of the saving rank's objects: one
-            # entry per grad buffer, one per model chunk)
-            w.obj(f"{prefix}per_bucket_numel/shard_0_1",
-                  [[{self.dtypes: list(self.padded[p])} for p in pieces]])
-            w.obj(f"{prefix}per_bucket_numel_unpadded/shard_0_1",
-                  [[{self.dtypes: list(self.unpadded[p])} for p in pieces]])
-            w.obj(f"{prefix}optimizer/shard_0_1", [{"param_groups": self.groups}])
+            group_objects(w, f"{self.chain}optimizer.distributed.dp_group_idx_{group}.",
+                          self.dtypes, [self.padded[p] for p in pieces],
+                          [self.unpadded[p] for p in pieces], self.groups)
 
     def common(self) -> dict:
         """``common.pt``'s ``optimizer`` (the param groups are in the objects)."""
         return {"param_state_sharding_type": "dp_reshardable"}
+
+
+def shard_pieces(shard: int, start: int, stop: int) -> list[tuple[int, int]]:
+    """``[start, stop)`` of a bucket cut where the DP ranks' shards of ``shard`` values
+    meet (megatron saves each rank's piece as a chunk of its own)."""
+    cuts = [start, *range((start // shard + 1) * shard, stop, shard), stop]
+    return list(zip(cuts[:-1], cuts[1:]))
+
+
+def group_objects(w: DcpWriter, prefix: str, dtypes, padded: list[list[int]],
+                  unpadded: list[list[int]], groups: list[dict]) -> None:
+    """The objects megatron-core's load of one DP group's buckets takes (``prefix``:
+    its keys' ``[chained_<i>.]optimizer.distributed.dp_group_idx_<G>.``); ``padded`` and
+    ``unpadded``: the bucket sizes of each of its grad buffers (one per model chunk)."""
+    # (a ShardedObject of one shard, as a list of the saving rank's objects: one entry
+    # per grad buffer)
+    w.obj(f"{prefix}per_bucket_numel/shard_0_1", [[{dtypes: list(p)} for p in padded]])
+    w.obj(f"{prefix}per_bucket_numel_unpadded/shard_0_1",
+          [[{dtypes: list(u)} for u in unpadded]])
+    w.obj(f"{prefix}optimizer/shard_0_1", [{"param_groups": groups}])
+
+
+class ExpertDpReshardable:
+    """An MoE run's expert optimizer in ``dp_reshardable`` (megatron-core's second chained
+    one, keys ``chained_1.optimizer.distributed.dp_group_idx_<EP rank>.``): one group per
+    EP rank, its buffer holding the rank's local experts where
+    :func:`~.megatron_names.expert_buffer` puts them (the reader's layout), each bucket
+    padded for and cut at the shards of the expert-data-parallel group (``edp`` ranks:
+    DP / EP at TP 1); ``groups``: its param groups. :meth:`put` is handed each expert
+    tensor ``(E, ...)`` of hybrid's."""
+
+    def __init__(self, shapes: dict[str, list[int]], ep: int, edp: int,
+                 bucket_size: int | None, groups: list[dict],
+                 dtypes: tuple[torch.dtype, torch.dtype], chain: str):
+        self.ep, self.edp, self.groups, self.dtypes, self.chain = ep, edp, groups, dtypes, chain
+        experts = {n: s for n, s in shapes.items() if n.endswith(names.EXPERTS)}
+        self.local = next(iter(experts.values()))[0] // ep
+        _, self.placed, self.unpadded = names.expert_buffer(experts, ep,
+                                                            names.ddp_closes(0, bucket_size))
+        self.padded = [names.padded_bucket(n, edp) for n in self.unpadded]
+        self.written: list[list[tuple[int, int]]] = [[] for _ in self.unpadded]
+
+    def key(self, rank: int, bucket: int, col: str) -> str:
+        return (f"{self.chain}optimizer.distributed.dp_group_idx_{rank}.gbuf_idx_0."
+                f"dtype_{self.dtypes}.bucket_idx_{bucket}.{col}")
+
+    def _pieces(self, bucket: int, start: int, stop: int) -> list[tuple[int, int]]:
+        return shard_pieces(self.padded[bucket] // self.edp, start, stop)
+
+    def put(self, w: DcpWriter, name: str, cols: dict, place: Callable) -> None:
+        for col, saved in _COLUMNS:
+            for e in range(self.ep):
+                for k in range(self.local):
+                    bucket, start, stop = self.placed[(name, k)]
+                    flat = cols[col][e * self.local + k].reshape(-1)
+                    for a, b in self._pieces(bucket, start, stop):
+                        w.tensor(self.key(e, bucket, saved), [self.unpadded[bucket]], [a],
+                                 flat[a - start:b - start])
+        for k in range(self.local):
+            bucket, start, stop = self.placed[(name, k)]
+            self.written[bucket].append((start, stop))
+
+    def finish(self, w: DcpWriter) -> None:
+        """The gaps as zero chunks and each EP rank's group's objects."""
+        for bucket, spans in enumerate(self.written):
+            end, at = self.unpadded[bucket], 0
+            for start, stop in [*sorted(spans), (end, 0)]:
+                for a, b in self._pieces(bucket, at, start) if start > at else []:
+                    for e in range(self.ep):
+                        for _, saved in _COLUMNS:
+                            w.tensor(self.key(e, bucket, saved), [end], [a], torch.zeros(b - a))
+                at = max(at, stop)
+        for e in range(self.ep):
+            group_objects(w, f"{self.chain}optimizer.distributed.dp_group_idx_{e}.",
+                          self.dtypes, [self.padded], [self.unpadded], self.groups)
+
+    def common(self) -> dict:
+        return {"param_state_sharding_type": "dp_reshardable"}
+
+
+class Chained:
+    """An MoE run's two chained distributed optimizers (dense, experts): each parameter's
+    state to its own; ``common.pt``'s ``optimizer`` ``{0: dense, 1: experts}``."""
+
+    def __init__(self, dense: DpReshardable, experts: ExpertDpReshardable):
+        self.dense, self.experts = dense, experts
+
+    def put(self, w: DcpWriter, name: str, cols: dict, place: Callable) -> None:
+        (self.experts if name.endswith(names.EXPERTS) else self.dense).put(w, name, cols, place)
+
+    def finish(self, w: DcpWriter) -> None:
+        self.dense.finish(w)
+        self.experts.finish(w)
+
+    def common(self) -> dict:
+        return {0: self.dense.common(), 1: self.experts.common()}
 
 
 def stage_layers(cfg: dict, pp: int, first: int | None = None,
@@ -239,16 +334,27 @@ def stage_layers(cfg: dict, pp: int, first: int | None = None,
 def layout(mode: str, shapes: dict[str, list[int]], cfg: dict, step: int, tp: int,
            dp: int, spec: str, bucket_size: int | None,
            dtypes: tuple[torch.dtype, torch.dtype], pp: int = 1,
-           counts: list[int] | None = None):
+           counts: list[int] | None = None, ep: int = 1):
     """The writer of ``mode``'s optimizer state (:func:`check` first); ``dtypes``: the
     loading run's grad buffer (param, grad) dtypes; ``pp``: its PP size (dp_reshardable:
-    one group of buckets per stage and TP rank), ``counts`` its stages' layers
-    (:func:`stage_layers`; None: the even split)."""
+    one group of buckets per stage and TP rank), ``counts`` its pieces' layers
+    (:func:`stage_layers`; None: the even split); an MoE checkpoint's (dp_reshardable, TP 1,
+    PP 1): the dense and expert optimizers chained, the experts' groups per EP rank of
+    ``ep`` over ``dp / ep`` expert-data-parallel ranks (:class:`Chained`)."""
     groups = param_groups(cfg, step)
     if mode == "fully_reshardable":
         return FullyReshardable(groups)
-    return DpReshardable(shapes, tp, dp, pp, spec, bucket_size, cfg, groups, dtypes,
-                         counts or stage_layers(cfg, pp))
+    counts = counts or stage_layers(cfg, pp)
+    if not any(n.endswith(names.EXPERTS) for n in shapes):
+        return DpReshardable(shapes, tp, dp, pp, spec, bucket_size, cfg, groups, dtypes,
+                             counts)
+    from hybrid.checkpoint.peers import megatron_moe_export as moe
+    dense = {n: s for n, s in shapes.items() if not n.endswith(names.EXPERTS)}
+    return Chained(
+        DpReshardable(dense, tp, dp, pp, spec, bucket_size, cfg, groups, dtypes, counts,
+                      moe.DENSE_CHAIN),
+        ExpertDpReshardable(shapes, ep, dp // ep, bucket_size, moe.expert_groups(groups),
+                            dtypes, moe.EXPERT_CHAIN))
 
 
 __all__ = ["MODES", "SPECS", "check", "layout", "param_groups", "stage_layers"]

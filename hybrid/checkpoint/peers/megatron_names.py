@@ -338,3 +338,32 @@ def padded_bucket(unpadded: int, dp: int) -> int:
     shard is ``padded // dp``)."""
     step = math.lcm(dp, BUCKET_ALIGN)
     return -(-unpadded // step) * step
+
+
+# hybrid's stacked experts of an MoE layer, ``(E, ...)`` each: megatron-core's
+# ``linear_fc1`` and ``linear_fc2`` of every local expert (SequentialMLP)
+EXPERTS = ("mlp.experts.fc", "mlp.experts.proj")
+
+
+def expert_buffer(shapes: dict[str, list[int]], ep: int, closes
+                  ) -> tuple[list[tuple[str, int]], dict[tuple[str, int], tuple[int, int, int]],
+                             list[int]]:
+    """One EP rank's expert grad buffer (megatron-core's second DDP buffer, the same on
+    every EP rank): its ``E / ep`` local experts -- layer after layer, local expert after
+    local expert, ``linear_fc1`` then ``linear_fc2``, each one parameter of its own -- in
+    the reverse of that order, laid out by :func:`bucket_layout` with ``closes``.
+    ``shapes``: hybrid's full shapes (the experts' ``(E, ...)`` among them). Returns (the
+    model order, [(name, local expert)]; {(name, local expert): (bucket, start, stop)};
+    each bucket's unpadded numel). EP rank ``e``'s local expert ``k`` is global expert
+    ``e * E / ep + k``."""
+    experts = [n for n in shapes if n.endswith(EXPERTS)]
+    experts.sort(key=lambda n: (int(n.split(".")[1]), n.endswith(EXPERTS[1])))
+    local = shapes[experts[0]][0] // ep if experts else 0
+    layers: dict[str, list[str]] = {}
+    for n in experts:
+        layers.setdefault(n.rsplit(".mlp.", 1)[0], []).append(n)
+    order = [(n, k) for pair in layers.values() for k in range(local) for n in pair]
+    numel = {n: math.prod(shapes[n][1:]) for n in experts}
+    keyed = {f"{n}/{k}": (n, k) for n, k in order}
+    placed, sizes = bucket_layout([(f"{n}/{k}", numel[n]) for n, k in reversed(order)], closes)
+    return order, {keyed[key]: at for key, at in placed.items()}, sizes
