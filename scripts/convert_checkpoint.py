@@ -6,7 +6,9 @@
     python scripts/convert_checkpoint.py export --to dcp CHECKPOINT_DIR_OR_SAVE_DIR OUT_DIR
     python scripts/convert_checkpoint.py export --to megatron CHECKPOINT_DIR_OR_SAVE_DIR OUT_DIR \
         [--tensor-model-parallel-size T] [--data-parallel-size D] \
-        [--pipeline-model-parallel-size P] [--expert-model-parallel-size E] \
+        [--pipeline-model-parallel-size P] [--decoder-first-pipeline-num-layers F] \
+        [--decoder-last-pipeline-num-layers L] [--virtual-pipeline-model-parallel-size V] \
+        [--expert-model-parallel-size E] \
         [--megatron-dist-opt dp_reshardable|fully_reshardable] \
         [--megatron-layer-spec local|transformer_engine] [--megatron-ddp-bucket-size N] \
         [--dtype fp32|bf16]
@@ -51,6 +53,7 @@ import sys
 import torch
 
 from hybrid.checkpoint import iter_full_params, resolve_checkpoint
+from hybrid.checkpoint.files import complete_checkpoints
 from hybrid.checkpoint.integrity import verify_checkpoint
 from hybrid.errors import CheckpointError
 
@@ -73,6 +76,17 @@ def verify(argv) -> int:
     return 2 if report["damaged"] else 0
 
 
+def _refuse_hybrid_output(out: str) -> None:
+    """An export's output directory that holds hybrid checkpoints (often the checkpoint's
+    own --save directory) is refused: the peer's files would go beside hybrid's, and
+    DeepSpeed's ``latest`` over hybrid's."""
+    names = complete_checkpoints(out) if os.path.isdir(out) else []
+    if names:
+        raise CheckpointError(f"{out}: holds hybrid checkpoints ({names[-1]}), which the "
+                              f"export would write beside (DeepSpeed's latest over "
+                              f"hybrid's): give a new output directory")
+
+
 def export_dcp(argv) -> int:
     """``export --to dcp CKPT OUT``: a torchtitan-structured DCP checkpoint
     (hybrid/checkpoint/peers/dcp_export.py, :func:`write`)."""
@@ -91,6 +105,7 @@ def export_dcp(argv) -> int:
                          "torchtitan's default)")
     a = ap.parse_args(argv)
     try:
+        _refuse_hybrid_output(a.output)
         summary = dcp_export.write(resolve_checkpoint(a.checkpoint), a.output, lr=a.lr,
                             groups=a.param_groups)
     except CheckpointError as e:
@@ -118,9 +133,19 @@ def export_megatron(argv) -> int:
                          "and chunks; they load at any DP)")
     ap.add_argument("--pipeline-model-parallel-size", type=int, default=1,
                     help="the PP recorded in args (dp_reshardable: one group of buckets "
-                         "per stage and TP rank, for Megatron-LM's even split of the "
-                         "layers, which PP must divide; the tied word embeddings' copy on "
-                         "the last stage; the other optimizer layouts do not depend on it)")
+                         "per stage and TP rank, for Megatron-LM's split of the layers "
+                         "(even, which PP must divide, or the next two flags'); the tied "
+                         "word embeddings' copy on the last stage; the other optimizer "
+                         "layouts do not depend on it)")
+    ap.add_argument("--decoder-first-pipeline-num-layers", type=int, default=None,
+                    help="with --pipeline-model-parallel-size: the loading run's layers on "
+                         "its first stage (Megatron-LM's flag; the rest split evenly)")
+    ap.add_argument("--decoder-last-pipeline-num-layers", type=int, default=None,
+                    help="with --pipeline-model-parallel-size: the loading run's layers on "
+                         "its last stage")
+    ap.add_argument("--virtual-pipeline-model-parallel-size", type=int, default=None,
+                    help="with --pipeline-model-parallel-size: the loading run's model "
+                         "chunks per stage (dp_reshardable: one grad buffer each)")
     ap.add_argument("--expert-model-parallel-size", type=int, default=1,
                     help="an MoE checkpoint: the EP recorded in args (dp_reshardable: one "
                          "group of expert buckets per EP rank, over DP / EP ranks; the "
@@ -146,11 +171,15 @@ def export_megatron(argv) -> int:
                          "torch.float32)); default: the checkpoint's")
     a = ap.parse_args(argv)
     try:
+        _refuse_hybrid_output(a.output)
         out = megatron.write(a.checkpoint, a.output, tp=a.tensor_model_parallel_size,
                              dp=a.data_parallel_size, pp=a.pipeline_model_parallel_size,
                              dist_opt=a.megatron_dist_opt,
                              spec=a.megatron_layer_spec,
                              bucket_size=a.megatron_ddp_bucket_size, dtype=a.dtype,
+                             first=a.decoder_first_pipeline_num_layers,
+                             last=a.decoder_last_pipeline_num_layers,
+                             vpp=a.virtual_pipeline_model_parallel_size,
                              ep=a.expert_model_parallel_size)
     except CheckpointError as e:
         print(f"convert_checkpoint.py: error: {e}", file=sys.stderr)
@@ -192,6 +221,7 @@ def export_deepspeed(argv) -> int:
                          "data_types.grad_accum_dtype fp32 means BF16_Optimizer's files")
     a = ap.parse_args(argv)
     try:
+        _refuse_hybrid_output(a.out_dir)
         ds_config = None
         if a.ds_config is not None:
             try:

@@ -77,14 +77,16 @@ def sharded_metadata(dist_opt: str | None) -> dict:
 
 def megatron_args(tp: int, dp: int, iteration: int, arch: str, dist_opt: str | None = None,
                   bucket: int = 0, bf16: bool = False, *, gbs: int | None = None,
-                  pp: int = 1, ep: int = 1):
+                  pp: int = 1, ep: int = 1, split: dict | None = None):
     """The Namespace Megatron-LM's ``save_checkpoint`` stores as ``args`` (the fields a
     reader of the checkpoint uses); ``bf16``: Megatron-LM's ``--bf16``, which turns on
     ``--accumulate-allreduce-grads-in-fp32``; ``gbs``: the global batch (by default one
-    micro batch of ``SHAPE["micro"]`` rows per DP rank)."""
+    micro batch of ``SHAPE["micro"]`` rows per DP rank); ``split``: the fields of the
+    run's split of the layers over the PP stages (``num_layers`` and the uneven stages',
+    benchmarks/peers/megatron_pipeline.py's ``Split.args``)."""
     s, m = SHAPE, ARCH[arch]
     gbs = gbs or s["micro"] * dp
-    return argparse.Namespace(
+    ns = argparse.Namespace(
         num_layers=s["num_layers"], hidden_size=s["hidden_size"],
         num_attention_heads=s["heads"], group_query_attention=m["query_groups"] != s["heads"],
         num_query_groups=m["query_groups"], kv_channels=s["hidden_size"] // s["heads"],
@@ -119,3 +121,5 @@ def megatron_args(tp: int, dp: int, iteration: int, arch: str, dist_opt: str | N
         ckpt_format="torch_dist",
         iteration=iteration, consumed_train_samples=iteration * gbs,
         consumed_valid_samples=0, train_iters=SAVE_AT + CONTINUE, skipped_train_samples=0)
+    vars(ns).update(split or {})
+    return ns

@@ -82,7 +82,9 @@ beyond the above.
 
 ``--pp N`` (with ``--dist-opt``): megatron-core's pipeline schedule, its CPU patches in
 benchmarks/peers/megatron_pipeline.py; the rng_state objects are Megatron-LM's (PP, TP)
-grid.
+grid. ``--layers L`` (the model's layers; 2 by default) and ``--first-stage-layers`` /
+``--last-stage-layers`` (megatron-core's uneven first and last stages) split the layers
+(its ``Split``); the flags are parsed in benchmarks/peers/megatron_cli.py.
 
 Not recorded: ``fully_sharded_model_space`` -- megatron-core 0.16.1 cannot save it
 (``ShardedTensor.validate_metadata_integrity`` raises "ShardedTensor.flattened_range is not
@@ -96,7 +98,6 @@ here): the fixture is saved with one bucket, Megatron-LM's default without
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import json
 import os
@@ -108,12 +109,13 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
+from benchmarks.peers.megatron_cli import layer_split, parse, worker_argv  # noqa: E402
 from benchmarks.peers.megatron_cpu_optim import (  # noqa: E402
     cpu_tensors_as_cuda,
     cuda_as_cpu,
     keep_own_step,
 )
-from benchmarks.peers.megatron_pipeline import pipeline_loss  # noqa: E402
+from benchmarks.peers.megatron_pipeline import Split, pipeline_loss  # noqa: E402
 from benchmarks.peers.megatron_recipe import (  # noqa: E402
     ARCH,
     BETA2,
@@ -147,7 +149,7 @@ class Run:
 
     def __init__(self, tp: int, dp: int, arch: str, dist_opt: str | None = None,
                  bucket: int = BUCKET, bf16: bool = False, *, gbs: int | None = None,
-                 pp: int = 1, ep: int = 1):
+                 pp: int = 1, ep: int = 1, split: Split | None = None):
         import torch
         import torch.nn.functional as F
         from megatron.core import parallel_state
@@ -156,8 +158,9 @@ class Run:
         from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
         from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
         from megatron.core.transformer.transformer_config import TransformerConfig
-        s, m = SHAPE, ARCH[arch]
-        self.torch, self.tp, self.dp, self.arch = torch, tp, dp, arch
+        split = split or Split()
+        s, m = split.shape, ARCH[arch]
+        self.split, self.torch, self.tp, self.dp, self.arch = split, torch, tp, dp, arch
         self.dist_opt, self.meta = dist_opt, sharded_metadata(dist_opt)
         self.bucket, self.bf16, self.pp, self.ep = bucket, bf16, pp, ep
         moe = moe_config(arch)
@@ -178,7 +181,7 @@ class Run:
             masked_softmax_fusion=False, bias_dropout_fusion=False, apply_rope_fusion=False,
             gradient_accumulation_fusion=False, persist_layer_norm=False,
             pipeline_model_parallel_size=pp, pipeline_dtype=dtype,
-            expert_model_parallel_size=ep, **moe)
+            expert_model_parallel_size=ep, **moe, **split.config())
         # (PP > 1, tied: the first and last stages' copies of the word embeddings are made
         # equal by an all-reduce of ``weight.data.cuda()``: Tensor.cuda() the tensor here)
         with cpu_tensors_as_cuda() if pp > 1 else contextlib.nullcontext():
@@ -361,7 +364,7 @@ class Run:
             optimizer = self.opt.sharded_state_dict(model_sd)
         return {"args": megatron_args(self.tp, self.dp, iteration, self.arch, self.dist_opt,
                                       self.bucket, self.bf16, gbs=self.gbs, pp=self.pp,
-                                      ep=self.ep),
+                                      ep=self.ep, split=self.split.args()),
                 "checkpoint_version": 3.0,
                 "iteration": iteration, "model": model_sd,
                 "optimizer": optimizer,
@@ -480,7 +483,7 @@ def resume(a, dp: int) -> None:
     with open(a.tokens) as f:
         tokens = json.load(f)
     run = Run(a.tp, dp, a.model, a.dist_opt, a.ddp_bucket_size, a.bf16, gbs=len(tokens[0]),
-              pp=a.pp, ep=a.ep)
+              pp=a.pp, ep=a.ep, split=layer_split(a))
     iteration = run.load(a.resume)
     if a.resave:  # what megatron-core loaded, saved again by megatron-core before stepping
         save(run, a.resave, iteration, "torch_dist")
@@ -490,7 +493,7 @@ def resume(a, dp: int) -> None:
         sharding = torch.load(os.path.join(other, "common.pt"), weights_only=False)[
             "optimizer"]["param_state_sharding_type"]
         run = Run(a.tp, dp, a.model, sharding, a.ddp_bucket_size, a.bf16,
-                  gbs=len(tokens[0]), pp=a.pp, ep=a.ep)
+                  gbs=len(tokens[0]), pp=a.pp, ep=a.ep, split=layer_split(a))
         it = run.load(other)
         out.setdefault("also", []).append(
             {"iteration": it, "losses": [run.step(torch.tensor(b)) for b in tokens]})
@@ -501,13 +504,15 @@ def resume(a, dp: int) -> None:
 
 def record(a, dp: int) -> None:
     import torch.distributed as dist
-    run = Run(a.tp, dp, a.model, a.dist_opt, a.ddp_bucket_size, a.bf16, pp=a.pp, ep=a.ep)
+    run = Run(a.tp, dp, a.model, a.dist_opt, a.ddp_bucket_size, a.bf16, pp=a.pp, ep=a.ep,
+                split=layer_split(a))
     data = batches(SAVE_AT + CONTINUE, SHAPE["micro"] * dp, seed=7)
     first = [run.step(b) for b in data[:SAVE_AT]]
     save(run, a.out, SAVE_AT, a.format)
     losses = [run.step(b) for b in data[SAVE_AT:]]
     # megatron-core's own load of the files continues the same
-    again = Run(a.tp, dp, a.model, a.dist_opt, a.ddp_bucket_size, a.bf16, pp=a.pp, ep=a.ep)
+    again = Run(a.tp, dp, a.model, a.dist_opt, a.ddp_bucket_size, a.bf16, pp=a.pp, ep=a.ep,
+                split=layer_split(a))
     load = again.load if a.format == "torch_dist" else again.load_legacy
     assert load(os.path.join(a.out, f"iter_{SAVE_AT:07d}")) == SAVE_AT
     reloaded = [again.step(b) for b in data[SAVE_AT:]]
@@ -521,7 +526,7 @@ def record(a, dp: int) -> None:
                        "distributed_optimizer": a.dist_opt, "bf16": a.bf16,
                        "ddp_bucket_size": a.ddp_bucket_size if a.dist_opt else None,
                        "iteration": SAVE_AT,
-                       "shape": SHAPE, "query_groups": ARCH[a.model]["query_groups"],
+                       "shape": run.split.shape, "query_groups": ARCH[a.model]["query_groups"],
                        "lr": LR, "min_lr": MIN_LR, "warmup_iters": WARMUP,
                        "decay_iters": DECAY, "weight_decay": WD, "clip_grad": CLIP,
                        "adam_beta2": BETA2, "adam_eps": EPS, "first_losses": first,
@@ -530,70 +535,17 @@ def record(a, dp: int) -> None:
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--out", default=OUT)
-    p.add_argument("--tp", type=int, default=2)
-    p.add_argument("--world", type=int, default=2)
-    p.add_argument("--pp", type=int, default=1,
-                   help="pipeline stages (with --dist-opt: megatron-core's pipeline schedule), "
-                        "into ..._pp<N> by default")
-    p.add_argument("--model", choices=sorted(ARCH), default="llama",
-                   help="mixtral: experts in every layer, into .../megatron_moe_ep<EP>")
-    p.add_argument("--ep", type=int, default=1, help="megatron's --expert-model-parallel-size")
-    p.add_argument("--format", choices=("torch_dist", "torch"), default="torch_dist",
-                   help="torch: Megatron-LM's legacy format, into "
-                        "tests/fixtures/peers/megatron_legacy by default")
-    p.add_argument("--dist-opt", choices=("dp_reshardable", "fully_reshardable"),
-                   help="megatron-core's DistributedOptimizer, saved in this sharding type "
-                        "(into tests/fixtures/peers/megatron_distopt_<type> by default)")
-    p.add_argument("--ddp-bucket-size", type=int, default=BUCKET,
-                   help="with --dist-opt: DDP's bucket size under --overlap-grad-reduce; 0: "
-                        "Megatron-LM's default (no overlap: one bucket)")
-    p.add_argument("--bf16", action="store_true",
-                   help="Megatron-LM's --bf16 (bf16 params, fp32 masters, grads reduced in "
-                        "fp32): with --dist-opt, into ..._<type>_bf16 by default; without, "
-                        "the non-distributed optimizer, with --resume only")
-    p.add_argument("--resume", help="instead: an iter_* directory to load and continue "
-                                    "(on the batches of --tokens, a JSON list)")
-    p.add_argument("--tokens")
-    p.add_argument("--losses", help="with --resume: where the losses JSON goes")
-    p.add_argument("--resave", help="with --resume: save what was loaded there first")
-    p.add_argument("--also", action="append",
-                   help="with --resume --dist-opt: then this iter_* directory, loaded into "
-                        "a fresh run of the same flags in the sharding type its common.pt "
-                        "records, stepping the same batches (its losses under 'also')")
-    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    a = p.parse_args()
-    if a.format == "torch" and a.out == OUT:
-        a.out = LEGACY_OUT
-    if (a.dist_opt or moe_config(a.model)) and a.out == OUT:  # (experts: megatron_moe_ep<N>_)
-        a.out = os.path.join(os.path.dirname(OUT), (f"megatron_moe_ep{a.ep}_" if moe_config(
-            a.model) else "megatron_") + (f"distopt_{a.dist_opt}" if a.dist_opt else "")
-            + ("_bf16" if a.bf16 else "") + (f"_pp{a.pp}" if a.pp > 1 else "")).rstrip("_")
-    if a.pp > 1 and not a.dist_opt:
-        p.error("--pp is recorded with --dist-opt only (megatron-core's DistributedOptimizer)")
-    if a.bf16 and not a.dist_opt and not a.resume:
-        p.error("--bf16 is recorded with --dist-opt only (megatron-core's DistributedOptimizer); "
-                "without it, with --resume only")
+    a = parse(__doc__.split("\n\n")[0], OUT, LEGACY_OUT)
     if a.worker:
         worker(a)
         return 0
-    more = ["--resume", a.resume, "--tokens", a.tokens, "--losses", a.losses,
-            *(["--resave", a.resave] if a.resave else []),
-            *[f for d in a.also or [] for f in ("--also", d)]] if a.resume else []
     if not a.resume:
         shutil.rmtree(a.out, ignore_errors=True)
         os.makedirs(a.out)
     env = dict(os.environ, OMP_NUM_THREADS="1")
     return subprocess.call([sys.executable, "-m", "torch.distributed.run", "--standalone",
                             "--nproc-per-node", str(a.world), os.path.abspath(__file__),
-                            "--worker", "--out", a.out, "--tp", str(a.tp), "--pp", str(a.pp),
-                            "--ep", str(a.ep), "--model", a.model,
-                            "--format", a.format, *more,
-                            "--ddp-bucket-size", str(a.ddp_bucket_size),
-                            *(["--dist-opt", a.dist_opt] if a.dist_opt else []),
-                            *(["--bf16"] if a.bf16 else [])],
-                           env=env, cwd=ROOT)
+                            *worker_argv(a)], env=env, cwd=ROOT)
 
 
 if __name__ == "__main__":

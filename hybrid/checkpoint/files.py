@@ -108,10 +108,11 @@ def refuse_foreign(path: str) -> None:
     if found is not None:
         fmt, shown_by = found
         raise CheckpointError(
-            f"{path} holds a {fmt} checkpoint ({shown_by}), which hybrid does not read "
-            f"(skipping it would start training over from the initial weights): point --load "
-            f"(or load_checkpoint) at a directory hybrid saved, or at an empty one to start "
-            f"fresh")
+            f"{path} holds a {fmt} checkpoint ({shown_by}), which hybrid does not read as it "
+            f"is: incomplete (a latest naming a tag or iteration not there) or of a kind "
+            f"hybrid does not import (docs/checkpoints.md); skipping it would start training "
+            f"over from the initial weights: point --load (or load_checkpoint) at a directory "
+            f"hybrid saved, or at an empty one to start fresh")
 
 
 def step_checkpoint(load_dir: str, step: int) -> str:
@@ -138,6 +139,13 @@ def resolve_checkpoint(path: str) -> str:
     complete one under it (a ``--save`` directory); CheckpointError if none."""
     if is_hybrid_checkpoint(path):
         return path
+    found = (foreign_checkpoint(path) if os.path.isdir(path) and not complete_checkpoints(path)
+             else None)
+    if found is not None:  # (a tool's input: hybrid reads it, through an import)
+        raise CheckpointError(f"{path} holds a {found[0]} checkpoint ({found[1]}), not a "
+                              f"hybrid one, which this tool reads: import it first "
+                              f"(scripts/pretrain_gpt.py --load {path} --save NEW and the "
+                              f"model's flags) and give it NEW")
     ckpt = find_checkpoint(path)  # (refuses another framework's, by name)
     if ckpt is None:
         raise CheckpointError(f"{path}: no checkpoint there")

@@ -53,7 +53,7 @@ import uuid
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 
-from hybrid.checkpoint.files import LATEST, complete_checkpoints
+from hybrid.checkpoint.files import LATEST, complete_checkpoints, foreign_checkpoint
 from hybrid.config.sections import CheckpointConfig
 from hybrid.errors import CheckpointError
 from hybrid.parallel.agree import agree_error
@@ -177,6 +177,7 @@ def claim_save_dir(ck: CheckpointConfig, ps: ParallelState, run: RunIdentity,
         resuming = ck.load is not None and os.path.realpath(ck.load) in (
             os.path.realpath(ck.save), imported_from(ck.save))
         try:
+            _refuse_peer_save_dir(ck.save)
             claim = SaveDirClaim.take(ck.save, run, model_shape(config), resuming=resuming,
                                       overwrite=ck.overwrite_save, check_others=not ck.finetune)
         except CheckpointError as e:
@@ -185,6 +186,19 @@ def claim_save_dir(ck: CheckpointConfig, ps: ParallelState, run: RunIdentity,
     if error:
         raise CheckpointError(error)  # (rank 0 took nothing: only it can fail)
     return claim
+
+
+def _refuse_peer_save_dir(directory: str) -> None:
+    """CheckpointError when ``--save`` holds another framework's checkpoint and none of
+    hybrid's: hybrid's saves would replace its ``latest`` (DeepSpeed's name too) or take
+    its ``iter_N`` names (Megatron-LM's), so the peer could no longer load it."""
+    if not os.path.isdir(directory) or complete_checkpoints(directory):
+        return  # (a directory hybrid saved into already is hybrid's)
+    found = foreign_checkpoint(directory)
+    if found is not None:
+        raise CheckpointError(f"--save {directory} holds a {found[0]} checkpoint "
+                              f"({found[1]}): hybrid's saves there would overwrite its "
+                              f"files; give --save a new directory")
 
 
 # [Note: one lock per process]

@@ -58,6 +58,10 @@ from hybrid.zero import ZeroEngine
 
 log = logging.getLogger("hybrid")
 
+# where --finetune imports a peer's --load: a directory of --save's own, hidden from its
+# checkpoints (the finetune series starts at iteration 0 beside it)
+FINETUNE_IMPORT = ".finetune_import"
+
 
 @dataclass(frozen=True)
 class Start:
@@ -96,7 +100,13 @@ def start_from_checkpoint(ck: CheckpointConfig, engine: ZeroEngine, ps: Parallel
         if error:
             raise CheckpointError(error)
         if own is None:
-            return _finetune(ck, engine, ps, seed, rng, vocab_size)
+            # a peer's checkpoint is imported first, into a directory of its own under
+            # --save (the finetune series' iter_N would take its name), then finetuned from
+            scratch = os.path.join(ck.save, FINETUNE_IMPORT) if ck.save else None
+            imported = import_for_load(ck.load, scratch, ps, config or {}, vocab_size,
+                                       None if ck.load_format == "auto" else ck.load_format,
+                                       ck.ckpt_step, model=engine.model)
+            return _finetune(ck, engine, ps, seed, rng, vocab_size, *(imported or (None,)))
         assert ck.save is not None  # (own is a checkpoint in it)
         load_dir, load_optim, load_rng = ck.save, True, True
     else:
@@ -136,12 +146,15 @@ def start_from_checkpoint(ck: CheckpointConfig, engine: ZeroEngine, ps: Parallel
 
 
 def _finetune(ck: CheckpointConfig, engine: ZeroEngine, ps: ParallelState, seed: int,
-              rng: TPRNGTracker, vocab_size: int | None) -> Start:
-    """The weights of ``--load``'s newest checkpoint; iteration and samples 0."""
+              rng: TPRNGTracker, vocab_size: int | None, imported: str | None = None,
+              step: int | None = None) -> Start:
+    """The weights of ``--load``'s newest checkpoint (or of ``imported``, a peer's import
+    of it, at ``step``: None for its newest); iteration and samples 0."""
     assert ck.load is not None  # (the caller's condition)
     info: dict = {}
-    loaded = load_checkpoint(ck.load, engine, ps, seed, rng, vocab_size, load_optim=False,
-                             load_rng=False, info=info, step=ck.ckpt_step)
+    loaded = load_checkpoint(imported or ck.load, engine, ps, seed, rng, vocab_size,
+                             load_optim=False, load_rng=False, info=info,
+                             step=step if imported else ck.ckpt_step)
     assert loaded is not None  # (not allow_empty: no checkpoint raises)
     iteration, _ = loaded
     ckpt = info["checkpoint"]

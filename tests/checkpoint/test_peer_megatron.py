@@ -10,7 +10,9 @@ Megatron's scheduler gave those iterations: the losses equal Megatron's within 2
 megatron_distopt_dp_reshardable/ and megatron_distopt_fully_reshardable/ are the same run
 under megatron-core's DistributedOptimizer at TP 2 x DP 2, in its two savable layouts;
 megatron_distopt_dp_reshardable_pp2/ is the distributed optimizer at TP 1 x PP 2 x DP 2,
-stepped by megatron-core's pipeline schedule; megatron_moe_ep2/ is a mixture of experts (4
+stepped by megatron-core's pipeline schedule (and _pp2_vpp2/ GPT-2's family at TP 1 x PP 2
+with 2 model chunks a rank, its interleaved schedule: benchmarks/peers/
+record_megatron_vpp.py); megatron_moe_ep2/ is a mixture of experts (4
 SequentialMLP experts, top 2) at EP 2 x DP 2 under megatron-core's chained non-distributed
 optimizers, and megatron_moe_ep2_distopt_dp_reshardable/ the same under its chained
 distributed optimizers.
@@ -63,6 +65,12 @@ def _flags(rec: dict, ps, zero_stage: int, micro: int):
                       moe_ffn_hidden_size=rec["shape"]["ffn"],
                       moe_aux_loss_coeff=moe["aux_loss"],
                       expert_model_parallel_size=ps.ep_size)
+    # (a test's uneven first / last PP stage, {"first": F, "last": L}: at PP > 1 only)
+    ends = rec.get("ends", {}) if ps.pp_size > 1 else {}
+    family.update(decoder_first_pipeline_num_layers=ends.get("first"),
+                  decoder_last_pipeline_num_layers=ends.get("last"))
+    if ps.pp_size > 1 and rec.get("vpp"):  # (a virtual pipeline's save, at its PP)
+        family.update(virtual_pipeline_model_parallel_size=rec["vpp"])
     return Flags(num_layers=s["num_layers"], hidden_size=s["hidden_size"],
                  num_attention_heads=s["heads"], ffn_hidden_size=s["ffn"],
                  seq_length=s["seq_length"], max_position_embeddings=s["seq_length"],
@@ -96,7 +104,8 @@ def _continue(ps, load_dir: str, save_dir: str, zero_stage: int, rec: dict,
     from hybrid.train.step import activation_shape, train_step
     dp = ps.dp_size
     gbs = rec["shape"]["micro"] * rec["dp"]
-    micro = gbs // dp
+    rows = gbs // dp  # (a DP rank's; in micro-batches of rec's "micro_batch" rows if given)
+    micro = rec.get("micro_batch") or rows
     cfg = build_config(_flags(rec, ps, zero_stage, micro), ps.world_size, environ=os.environ)
     configure(cfg.kernels)
     rng = seed_all(cfg.seed, ps.tp_rank, ps.dp_rank, ps.device, ps.cp_rank, ps.tp_size)
@@ -112,8 +121,9 @@ def _continue(ps, load_dir: str, save_dir: str, zero_stage: int, rec: dict,
                               ps, False) if ps.pp_size > 1 else None)
 
     def step(tokens) -> None:
-        b = torch.tensor(tokens)[ps.dp_rank * micro:(ps.dp_rank + 1) * micro]
-        loss, _, _ = train_step(model, engine, [(b[:, :-1].contiguous(), b[:, 1:].contiguous())],
+        b = torch.tensor(tokens)[ps.dp_rank * rows:(ps.dp_rank + 1) * rows]
+        loss, _, _ = train_step(model, engine, [(m[:, :-1].contiguous(), m[:, 1:].contiguous())
+                                                for m in b.split(micro)],
                                 scheduled_lr(cfg.lr_schedule, it + len(losses) + 1, 0),
                                 shape=shape)
         t = loss.detach().reshape(1).clone()
@@ -500,17 +510,17 @@ def test_megatron_pp2_distributed_optimizer_continues_exactly(tmp_path, world, p
     assert len(losses) == 10 and diff <= TOL, (diff, losses, rec["losses"])
 
 
-def _recorded_here(tmp_path, *flags):
-    """(directory, its reader) of a dp_reshardable save megatron-core records here on 4
-    ranks with the recorder's ``flags``; every master read from its buckets equals the
-    saved weight (an fp32 run's masters are its weights)."""
+def _recorded_here(tmp_path, *flags, world: int = 4):
+    """(directory, its reader) of a dp_reshardable save megatron-core records here on
+    ``world`` ranks with the recorder's ``flags``; every master read from its buckets
+    equals the saved weight (an fp32 run's masters are its weights)."""
     import subprocess
     import sys
 
     from hybrid.checkpoint.peers import megatron_names as names
     mg = str(tmp_path / "mg")
     run = subprocess.run([sys.executable, RECORDER, "--dist-opt", "dp_reshardable",
-                          "--world", "4", "--out", mg, *flags],
+                          "--world", str(world), "--out", mg, *flags],
                          check=False, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
     peer = open_peer(mg)
@@ -521,15 +531,16 @@ def _recorded_here(tmp_path, *flags):
     return mg, peer
 
 
-def _tied_copies_equal_the_first_stage_s(peer, tp: int) -> None:
-    """A tied PP 2 save's last-stage copy of the word embeddings (``dp_group_idx_{tp+t}``)
-    holds the first stage's master and moments (``dp_group_idx_t``), bit for bit."""
+def _tied_copies_equal_the_first_stage_s(peer, tp: int, pp: int = 2) -> None:
+    """A tied PP ``pp`` save's last-stage copy of the word embeddings
+    (``dp_group_idx_{(pp-1)tp+t}``) holds the first stage's master and moments
+    (``dp_group_idx_t``), bit for bit."""
     buckets = peer._buckets
     assert len(buckets.tied_copy) == tp
     for t, ((copy, lo, hi), (first, a, z)) in enumerate(zip(buckets.tied_copy,
                                                             buckets.place["wte.weight"])):
-        assert copy.split(".")[2] == f"dp_group_idx_{tp + t}" and first.split(".")[2] == \
-            f"dp_group_idx_{t}"
+        assert copy.split(".")[2] == f"dp_group_idx_{(pp - 1) * tp + t}" and \
+            first.split(".")[2] == f"dp_group_idx_{t}"
         for col in ("param", "exp_avg", "exp_avg_sq"):
             assert torch.equal(peer.files.read_flat(f"{copy}.{col}", lo, hi),
                                peer.files.read_flat(f"{first}.{col}", a, z)), col
@@ -570,8 +581,13 @@ def test_pp2_distributed_optimizer_recorded_here_reads_and_continues(tmp_path, m
 
 def _pp2_export_loads_in_megatron_core(tmp_path, mg: str, save: str, more: list,
                                        hybrid_losses: list[float], model: str,
-                                       tp: int) -> None:
-    """The export for PP 2 at TP ``tp`` of the world of 4 (fp32; ``model`` "gpt2" is tied:
+                                       tp: int, pp: int = 2, split: tuple = (),
+                                       ends: dict | None = None, world: int = 4) -> None:
+    """The export for PP ``pp`` (2 unless said; ``split``: the recorder's flags of the
+    layers and their split, the same for megatron-core's load; ``ends``: an uneven
+    {"first": F, "last": L} stage's layers, the export's ``--decoder-first/last-pipeline-
+    num-layers``) at TP ``tp`` of the world of ``world`` (4 unless said; fp32; ``model``
+    "gpt2" is tied:
     the first stage's copy of the word embeddings and the last stage's each a bucket of
     their own):
 
@@ -589,38 +605,203 @@ def _pp2_export_loads_in_megatron_core(tmp_path, mg: str, save: str, more: list,
       megatron-core 0.16.1's fully_reshardable save is wrong over several buckets, the
       recorder's docstring)."""
     from tests.helpers.launch import script_module
-    dp = 4 // (2 * tp)
+    dp = world // (pp * tp)
     tied = model == "gpt2"
+    ends = ends or {}
     ckpt = _imported(tmp_path / "import", mg)
     _exported_as_saved(ckpt, str(tmp_path / "as_saved"), os.path.join(mg, "iter_0000003"),
-                       2 * tp, tp=tp, dp=dp, pp=2)
+                       pp * tp, tp=tp, dp=dp, pp=pp, **ends)
     back = open_peer(str(tmp_path / "as_saved"))
     _same_state(back, ckpt)
     if tied:
-        _tied_copies_equal_the_first_stage_s(back, tp)
+        _tied_copies_equal_the_first_stage_s(back, tp, pp)
     tokens = tmp_path / "tokens.json"
     tokens.write_text(json.dumps(more))
     convert = script_module("convert_checkpoint").main
     for mode in ("dp_reshardable", "fully_reshardable"):
         assert convert(["export", "--to", "megatron", save, str(tmp_path / mode),
                         "--tensor-model-parallel-size", str(tp),
-                        "--pipeline-model-parallel-size", "2", "--data-parallel-size", str(dp),
+                        "--pipeline-model-parallel-size", str(pp),
+                        "--data-parallel-size", str(dp),
+                        *[f for end, n in ends.items()
+                          for f in (f"--decoder-{end}-pipeline-num-layers", str(n))],
                         "--megatron-dist-opt", mode,
                         *(["--megatron-ddp-bucket-size", "1000"] if mode == "dp_reshardable"
                           else [])]) == 0
     # (one launch: the fully_reshardable export in a fresh run after the dp_reshardable one)
     got = _megatron_resume(tmp_path / "dp_reshardable" / "iter_0000013", tokens,
-                           tmp_path / "megatron.json", tp, 4, "--model", model, "--pp", "2",
-                           "--dist-opt", "dp_reshardable", "--ddp-bucket-size", "1000",
+                           tmp_path / "megatron.json", tp, world, "--model", model, "--pp",
+                           str(pp), *split, "--dist-opt", "dp_reshardable",
+                           "--ddp-bucket-size", "1000",
                            resave=tmp_path / "again",
                            also=[tmp_path / "fully_reshardable" / "iter_0000013"])
     back = open_peer(str(tmp_path / "again"))
     _same_state(back, os.path.join(save, "iter_0000013"))
     if tied:
-        _tied_copies_equal_the_first_stage_s(back, tp)
+        _tied_copies_equal_the_first_stage_s(back, tp, pp)
     for mode, run in (("dp_reshardable", got), ("fully_reshardable", got["also"][0])):
         diff = max(abs(a - b) for a, b in zip(run["losses"], hybrid_losses))
         assert run["iteration"] == 13 and diff <= TOL, (mode, diff, run, hybrid_losses)
+
+
+@pytest.mark.peer("megatron.core")
+def test_pp4_distributed_optimizer_recorded_here_reads_and_continues(tmp_path):
+    """megatron-core's DistributedOptimizer at TP 1 x PP 4 x DP 2 of GPT-2's family (tied,
+    4 layers: one a stage; the first stage's buffer in buckets of 1000, the others one
+    bucket each bar the last stage's copy of the word embeddings, a bucket of its own),
+    recorded here on 8 ranks: every master read from the 4 stages' buckets equals the
+    saved weight, the last stage's copy of the word embeddings the first's; hybrid's 10
+    losses equal megatron-core's within 2e-6 at PP 4 x DP 2 (Megatron's layout) and at PP
+    1 x DP 2, and the export for PP 4 x DP 2 goes on in megatron-core
+    (:func:`_pp2_export_loads_in_megatron_core` at PP 4 on 8 ranks: the import's export
+    has megatron-core's chunks and bucket sizes, megatron-core's re-save of hybrid's export
+    is hybrid's masters and moments bit for bit, its next 4 losses within 2e-6 of
+    hybrid's)."""
+    split = ("--layers", "4")
+    mg, peer = _recorded_here(tmp_path, "--model", "gpt2", "--tp", "1", "--pp", "4", *split,
+                              world=8)
+    _tied_copies_equal_the_first_stage_s(peer, 1, 4)
+    rec = _record(mg)
+    assert (rec["tp"], rec["pp"], rec["dp"], rec["shape"]["num_layers"]) == (1, 4, 2, 4)
+    assert [len(peer._buckets.prefixes[g]) for g in range(4)] == [4, 1, 1, 2]
+    more = _more(rec)
+    for i, (world, pp) in enumerate([(8, 4), (2, 1)]):
+        save = str(tmp_path / f"save{world}{pp}")
+        _, _, losses = run_ranks(_continue, world_size=world, tp=1, pp=pp,
+                                 args=(mg, save, 1, rec, more if i == 0 else None))[0]
+        diff = max(abs(a - b) for a, b in zip(losses, rec["losses"]))
+        assert diff <= TOL, (world, pp, diff, losses, rec["losses"])
+        if i == 0:
+            _pp2_export_loads_in_megatron_core(tmp_path, mg, save, more,
+                                               losses[len(rec["tokens"]):], "gpt2", 1, 4,
+                                               split, world=8)
+
+
+@pytest.mark.peer("megatron.core")
+def test_uneven_pp_stages_distributed_optimizer_recorded_here_reads_and_continues(tmp_path):
+    """megatron-core's DistributedOptimizer at TP 1 x PP 4 x DP 1 of GPT-2's family (tied,
+    6 layers) with uneven first and last stages (TransformerConfig's
+    ``num_layers_in_first_pipeline_stage`` 1 and ``num_layers_in_last_pipeline_stage`` 3,
+    saved in args as Megatron-LM's ``decoder_first_pipeline_num_layers`` /
+    ``decoder_last_pipeline_num_layers``: stages of 1, 1, 1 and 3 layers), recorded here:
+    every master read from the buckets equals the saved weight; hybrid's 10 losses equal
+    megatron-core's within 2e-6 at that split of PP 4 and at PP 1 x DP 2; the export with
+    ``--decoder-first-pipeline-num-layers 1 --decoder-last-pipeline-num-layers 3`` has
+    megatron-core's chunks and bucket sizes, and megatron-core loads it at that split,
+    re-saves hybrid's masters and moments bit for bit and steps within 2e-6 of hybrid
+    (:func:`_pp2_export_loads_in_megatron_core`)."""
+    split = ("--layers", "6", "--first-stage-layers", "1", "--last-stage-layers", "3")
+    mg, peer = _recorded_here(tmp_path, "--model", "gpt2", "--tp", "1", "--pp", "4", *split)
+    _tied_copies_equal_the_first_stage_s(peer, 1, 4)
+    args = peer.args
+    assert (args.decoder_first_pipeline_num_layers, args.decoder_last_pipeline_num_layers,
+            args.num_layers) == (1, 3, 6)
+    # the last stage's buffer holds its 3 layers, the final norm and the tied copy
+    assert [sum(n.startswith("blocks.") and n.endswith("ln_1.weight") for n in s)
+            for s in peer._buckets.stages] == [1, 1, 1, 3]
+    ends = {"first": 1, "last": 3}
+    rec = dict(_record(mg), ends=ends)
+    more = _more(rec)
+    for i, (world, pp) in enumerate([(4, 4), (2, 1)]):
+        save = str(tmp_path / f"save{world}{pp}")
+        _, _, losses = run_ranks(_continue, world_size=world, tp=1, pp=pp,
+                                 args=(mg, save, 1, rec, more if i == 0 else None))[0]
+        diff = max(abs(a - b) for a, b in zip(losses, rec["losses"]))
+        assert diff <= TOL, (world, pp, diff, losses, rec["losses"])
+        if i == 0:
+            _pp2_export_loads_in_megatron_core(tmp_path, mg, save, more,
+                                               losses[len(rec["tokens"]):], "gpt2", 1, 4,
+                                               split, ends)
+
+
+DISTOPT_VPP = DISTOPT_PP2 + "_vpp2"
+
+
+def test_virtual_pipeline_stages_buffers_are_read_per_model_chunk():
+    """megatron-core's dp_reshardable save of a virtual pipeline (GPT-2's family, tied, 4
+    layers, TP 1 x PP 2 with 2 model chunks per PP rank: benchmarks/peers/
+    record_megatron_vpp.py): each PP rank's DP group holds one grad buffer per chunk
+    (``gbuf_idx_V``), its ``per_bucket_numel_unpadded`` one entry per chunk; the first
+    chunk of the first rank in buckets of 1000, the others one bucket bar the last
+    piece's tied copy of the word embeddings. Every master read equals the saved weight
+    (bit for bit), the tied copy's master and moments the first piece's."""
+    peer = open_peer(DISTOPT_VPP)
+    b = peer._buckets
+    assert (b.tp, b.pp, b.vpp) == (1, 2, 2) and len(b.prefixes) == 4
+    # (buffer index: group x V + chunk; the pieces in model order: chunk x PP + PP rank)
+    assert [len(b.prefixes[t]) for t in range(4)] == [4, 1, 1, 2]
+    assert [p.split(".")[2:4] for p in (b.prefixes[1][0], b.prefixes[2][0])] == [
+        ["dp_group_idx_0", "gbuf_idx_1"], ["dp_group_idx_1", "gbuf_idx_0"]]
+    assert [[n.split(".")[1] for n in s if n.endswith("ln_1.weight")] for s in b.stages] == [
+        ["0"], ["1"], ["2"], ["3"]]
+    _tied_copies_equal_the_first_stage_s(peer, 1, 2)
+    from hybrid.checkpoint.peers import megatron_names as names
+    for name in peer.shapes:
+        key, layer = peer._keys[name]
+        weight = names.to_hybrid_layout(name, peer.files.read(key, layer), peer.swiglu)
+        assert torch.equal(peer.read(name)["master"], weight), name
+
+
+@pytest.mark.peer("megatron.core")
+@pytest.mark.parametrize("world,pp", [(2, 2), (2, 1)])
+def test_virtual_pipeline_distributed_optimizer_continues_exactly(tmp_path, world, pp):
+    """The virtual pipeline's save (:func:`test_virtual_pipeline_stages_buffers_are_read_
+    per_model_chunk`): hybrid's 10 losses after the import equal megatron-core's own
+    continuation's (its interleaved schedule) within 2e-6, at PP 2 with 2 model chunks a
+    rank (Megatron's layout) and at PP 1 x DP 2."""
+    # (the interleaved schedule runs micro-batches in groups of PP: 2 of 1 row, as recorded)
+    rec = dict(_record(DISTOPT_VPP), micro_batch=1)
+    assert (rec["pp"], rec["vpp"], rec["shape"]["num_layers"]) == (2, 2, 4)
+    it, consumed, losses = run_ranks(_continue, world_size=world, tp=1, pp=pp,
+                                     args=(DISTOPT_VPP, str(tmp_path / "save"), 1, rec))[0]
+    assert (it, consumed) == (3, 3 * rec["shape"]["micro"] * rec["dp"])
+    diff = max(abs(a - b) for a, b in zip(losses, rec["losses"]))
+    assert len(losses) == 10 and diff <= TOL, (diff, losses, rec["losses"])
+
+
+@pytest.mark.peer("megatron.core")
+def test_virtual_pipeline_export_loads_in_megatron_core(tmp_path):
+    """Back the other way with virtual stages: the export of the virtual pipeline's import
+    for its run (PP 2 x V 2, buckets of 1000) has megatron-core's chunks and bucket sizes
+    (one grad buffer per model chunk) and reads back the import's masters and moments;
+    hybrid's PP 2 x V 2 continuation saved at iteration 13 (then 4 more batches stepped),
+    exported with ``--virtual-pipeline-model-parallel-size 2``, is loaded by megatron-core
+    at PP 2 x V 2 (benchmarks/peers/record_megatron_vpp.py --resume), re-saved -- hybrid's
+    masters and moments, the tied copy the first piece's, bit for bit -- and steps the 4
+    batches within 2e-6 of hybrid."""
+    import subprocess
+    import sys
+
+    from tests.helpers.launch import script_module
+    rec = dict(_record(DISTOPT_VPP), micro_batch=1)
+    more = _more(rec)
+    save = str(tmp_path / "save")
+    _, _, losses = run_ranks(_continue, world_size=2, tp=1, pp=2,
+                             args=(DISTOPT_VPP, save, 1, rec, more))[0]
+    ckpt = _imported(tmp_path / "import", DISTOPT_VPP)
+    _exported_as_saved(ckpt, str(tmp_path / "as_saved"),
+                       os.path.join(DISTOPT_VPP, "iter_0000003"), 2, tp=1, dp=1, pp=2, vpp=2)
+    _same_state(open_peer(str(tmp_path / "as_saved")), ckpt)
+    assert script_module("convert_checkpoint").main([
+        "export", "--to", "megatron", save, str(tmp_path / "mg"),
+        "--pipeline-model-parallel-size", "2", "--virtual-pipeline-model-parallel-size", "2",
+        "--megatron-dist-opt", "dp_reshardable", "--megatron-ddp-bucket-size", "1000"]) == 0
+    tokens = tmp_path / "tokens.json"
+    tokens.write_text(json.dumps(more))
+    recorder = os.path.join(os.path.dirname(RECORDER), "record_megatron_vpp.py")
+    run = subprocess.run([sys.executable, recorder, "--resume",
+                          str(tmp_path / "mg" / "iter_0000013"), "--tokens", str(tokens),
+                          "--losses", str(tmp_path / "megatron.json"), "--resave",
+                          str(tmp_path / "again")],
+                         check=False, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    back = open_peer(str(tmp_path / "again"))
+    assert back._buckets.vpp == 2
+    _same_state(back, os.path.join(save, "iter_0000013"))
+    _tied_copies_equal_the_first_stage_s(back, 1, 2)
+    got = json.loads((tmp_path / "megatron.json").read_text())
+    diff = max(abs(a - b) for a, b in zip(got["losses"], losses[len(rec["tokens"]):]))
+    assert got["iteration"] == 13 and diff <= TOL, (diff, got, losses)
 
 
 def test_a_pp_split_hybrid_cannot_read_is_one_line_through_load(tmp_path):
@@ -644,6 +825,41 @@ def test_a_pp_split_hybrid_cannot_read_is_one_line_through_load(tmp_path):
            f"args.account_for_embedding_in_pipeline_split True: hybrid reads" in said, said
     assert not os.path.isdir(tmp_path / "new") or not [
         n for n in os.listdir(tmp_path / "new") if "iter_" in n]
+
+
+@pytest.mark.parametrize("field,value,says", [
+    ("decoder_first_pipeline_num_layers", 2, "args.decoder_first_pipeline_num_layers 2: not "
+                                             "a split Megatron-LM makes"),
+    ("pipeline_model_parallel_layout", "Et|tL", "args.pipeline_model_parallel_layout "
+                                                "'Et|tL': hybrid reads its dp_reshardable "
+                                                "layout at PP > 1 for Megatron-LM's even split "
+                                                "of the layers or an uneven first or last "
+                                                "stage only (virtual stages too)"),
+    ("virtual_pipeline_model_parallel_size", 2, "args.virtual_pipeline_model_parallel_size 2: "
+                                                "not a split Megatron-LM makes"),
+    ("decoder_first_pipeline_num_layers", 1, None),  # (1 + 1: the even split, read)
+])
+def test_the_pp_split_is_read_from_common_pt_s_args(tmp_path, field, value, says):
+    """The PP 2 fixture (2 layers) with ``field`` set in ``common.pt``'s args: an uneven
+    first stage of 1 layer is the even split and reads the same masters; one of 2 leaves
+    the last stage none, 2 virtual stages a rank leave a chunk no layer, and a pipeline
+    layout is not read: each one CheckpointError naming common.pt and the arg."""
+    bad = tmp_path / "pp2"
+    shutil.copytree(DISTOPT_PP2, bad)
+    common = bad / "iter_0000003" / "common.pt"
+    sd = torch.load(common, weights_only=False)  # (the fixture is ours: a full unpickle)
+    setattr(sd["args"], field, value)
+    torch.save(sd, common)
+    if says is None:
+        assert torch.equal(open_peer(str(bad)).read("blocks.1.mlp.fc.weight")["exp_avg"],
+                           open_peer(DISTOPT_PP2).read("blocks.1.mlp.fc.weight")["exp_avg"])
+        return
+    with pytest.raises(CheckpointError) as e:
+        open_peer(str(bad))
+    said = str(e.value)
+    assert "\n" not in said and said.startswith(f"{common}: the distributed optimizer's "
+                                                 f"state at PP 2 of args.num_layers 2, ")
+    assert says in said, said
 
 
 def test_dp_reshardable_buckets_are_read_where_megatron_put_each_parameter():
@@ -1032,14 +1248,27 @@ def test_pp2_distributed_optimizer_export_has_megatron_s_layout_and_reads_back(t
      "TP 3 does not divide it"),
     (["--dtype", "fp16"], "--dtype fp16: hybrid writes Megatron-LM's fp32 and bf16 runs'"),
     (["--megatron-dist-opt", "dp_reshardable", "--pipeline-model-parallel-size", "3"],
-     "--pipeline-model-parallel-size 3: hybrid writes for Megatron-LM's even split of the "
-     "model's 2 layers"),
+     "--pipeline-model-parallel-size 3: hybrid writes for Megatron-LM's split of the "
+     "model's 2 layers over the stages (even, or an uneven first or last stage"),
+    (["--megatron-dist-opt", "dp_reshardable", "--pipeline-model-parallel-size", "2",
+      "--decoder-first-pipeline-num-layers", "2"],
+     "--pipeline-model-parallel-size 2 --decoder-first-pipeline-num-layers 2: hybrid writes "
+     "for Megatron-LM's split of the model's 2 layers"),
+    (["--megatron-dist-opt", "dp_reshardable", "--pipeline-model-parallel-size", "2",
+      "--virtual-pipeline-model-parallel-size", "2"],
+     "--pipeline-model-parallel-size 2 --virtual-pipeline-model-parallel-size 2: hybrid "
+     "writes for Megatron-LM's split of the model's 2 layers"),
+    (["--decoder-last-pipeline-num-layers", "1"],
+     "--pipeline-model-parallel-size 1 --decoder-last-pipeline-num-layers 1: uneven first "
+     "or last stages and virtual stages need PP 2 or more"),
 ])
 def test_a_distributed_optimizer_export_it_cannot_write_is_one_line(tmp_path, capsys, flags,
                                                                      says):
     """An unknown layout, a bucket size without dp_reshardable, an unknown layer spec, a
     TP that does not divide the model, a precision it does not write, a PP that does not
-    split the layers evenly: exit 2, one line naming the flag, nothing written."""
+    split the layers evenly, an uneven first stage leaving the last none, virtual stages
+    leaving a chunk no layer, an uneven stage at PP 1: exit 2, one line naming the flags,
+    nothing written."""
     from tests.helpers.launch import script_module
     ckpt = _imported(tmp_path, DISTOPT["dp_reshardable"])
     out = tmp_path / "mg"

@@ -86,12 +86,21 @@ def open_peer(path: str, fmt: str | None = None, step: int | None = None) -> Pee
     if fmt is None:
         raise CheckpointError(f"{path}: not a checkpoint of a format hybrid reads "
                               f"(hybrid, {', '.join(FORMATS)})")
-    if fmt == "deepspeed":  # Megatron-DeepSpeed's GPT (GPTModelPipe): pipeline files
-        from hybrid.checkpoint.peers import deepspeed_gptpipe
-        peer = deepspeed_gptpipe.open_if_gpt_pipe(path, step)
-        if peer is not None:
-            return peer
-    return _module(fmt).open(path, step=step)
+    try:
+        if fmt == "deepspeed":  # Megatron-DeepSpeed's GPT (GPTModelPipe): pipeline files
+            from hybrid.checkpoint.peers import deepspeed_gptpipe
+            peer = deepspeed_gptpipe.open_if_gpt_pipe(path, step)
+            if peer is not None:
+                return peer
+        return _module(fmt).open(path, step=step)
+    except CheckpointError:
+        # a format forced (--load-format) on another format's checkpoint: say so, not
+        # which of the forced format's files is missing
+        other = detect_peer(path)
+        if other is None or other == fmt:
+            raise
+        raise CheckpointError(f"--load-format {fmt}: {path} holds a {other} checkpoint, not "
+                              f"a {fmt} one: give --load-format {other} or auto") from None
 
 
 __all__ = ["FORMATS", "PeerCheckpoint", "detect_peer", "open_peer"]

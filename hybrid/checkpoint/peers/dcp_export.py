@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import warnings
 from typing import Any
 
@@ -91,6 +92,7 @@ def write(ckpt: str, out_dir: str, lr: float | None = None, groups: str = "matri
     if groups not in ("matrices", "one"):
         raise ValueError(f"groups {groups!r}: 'matrices' or 'one'")
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
 
     from hybrid.checkpoint import iter_full_params
     from hybrid.config.architecture import architecture_fields, is_llama
@@ -116,11 +118,17 @@ def write(ckpt: str, out_dir: str, lr: float | None = None, groups: str = "matri
     if os.path.exists(path):
         raise CheckpointError(f"{path}: already exists; not overwriting it")
     # (the state dict dcp.save takes is the whole model's: its tensors are mapped files)
-    spill = Spill(os.path.join(out_dir, f".scratch_step-{iteration}"))
+    try:
+        spill = Spill(os.path.join(out_dir, f".scratch_step-{iteration}"))
+    except OSError as e:
+        raise CheckpointError(f"{path}: cannot write ({e})") from e
     try:
         model, optim, with_moments = _titan_entries(
             params, spill, group, float(c.get("weight_decay", 0.01)), groups, heads, kv,
             meta.get("vocab_size"), step)
+    except OSError as e:  # (the scratch files on a full disk)
+        spill.close()
+        raise CheckpointError(f"{path}: cannot write ({e})") from e
     except BaseException:  # (a parameter torchtitan has no name for)
         spill.close()
         raise
@@ -135,14 +143,16 @@ def write(ckpt: str, out_dir: str, lr: float | None = None, groups: str = "matri
                             "ntokens_seen": int(meta.get("consumed_samples", 0))
                             * int(c.get("seq_length", 0))}
     tmp = os.path.join(out_dir, f".tmp_step-{iteration}")
-    os.makedirs(tmp, exist_ok=True)
     try:
+        os.makedirs(tmp, exist_ok=True)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             dcp.save(state, checkpoint_id=tmp, no_dist=True)
         os.replace(tmp, path)
-    except OSError as e:
-        raise CheckpointError(f"{path}: cannot write ({e})") from e
+    except (OSError, CheckpointException) as e:  # (dcp.save wraps its writer's errors)
+        shutil.rmtree(tmp, ignore_errors=True)
+        why = e if isinstance(e, OSError) else next(iter(e.failures.values()))[0]
+        raise CheckpointError(f"{path}: cannot write ({why})") from None
     finally:
         spill.close()  # (its files unlinked; their space is freed as the tensors go)
     return {"path": path, "step": iteration, "tensors": len(model),

@@ -1,14 +1,10 @@
 """DeepSpeed checkpoints (``engine.save_checkpoint``'s ``global_stepN/``: ZeRO 1-3, stage 0
 (:class:`DeepSpeedZero0`) and the universal format), read with their optimizer state, and
-written back (:func:`write`).
-
-The files: :mod:`.deepspeed_files` (its Note).
-
-What comes over: the fp32 masters, both Adam moments and the step count, the engine's
-``global_steps`` (the iteration) and ``global_samples`` (consumed samples), and the
-scheduler's state (:func:`engine_state`, for the ``load_checkpoint`` door). DeepSpeed
-saves no RNG state (a line in ``notes``); nor does it save the data position beyond
-``global_samples``.
+written back (:func:`write`). The files: :mod:`.deepspeed_files` (its Note). What comes
+over: the fp32 masters, both Adam moments and the step count, the engine's ``global_steps``
+(the iteration) and ``global_samples`` (consumed samples), and the scheduler's state
+(:func:`engine_state`, for the ``load_checkpoint`` door). DeepSpeed saves no RNG state (a
+line in ``notes``); nor does it save the data position beyond ``global_samples``.
 """
 
 from __future__ import annotations
@@ -148,12 +144,14 @@ class DeepSpeedCheckpoint:
         return ms
 
     def _shapes_from(self, ms: dict) -> None:
-        """The parameters' shapes by name, from ZeRO's ``param_shapes`` (one dict per
+        """The parameters' shapes by name, from ZeRO's ``param_shapes`` (a dict per
         optimizer group, in the flat partitions' order)."""
-        groups = [{k: [int(d) for d in v] for k, v in g.items()}
-                  for g in need(ms, "param_shapes", self.model_file)]
-        self._groups = groups
-        self.ds_shapes = {k: v for g in groups for k, v in g.items()}
+        shapes = need(ms, "param_shapes", self.model_file)
+        if not isinstance(shapes, (list, tuple)):  # (None: a save without ZeRO's, mixed in)
+            raise CheckpointError(f"{self.model_file}: param_shapes {shapes!r} (a save without "
+                                  f"ZeRO) beside ZeRO's files: files of two saves mixed")
+        self._groups = [{k: [int(d) for d in v] for k, v in g.items()} for g in shapes]
+        self.ds_shapes = {k: v for g in self._groups for k, v in g.items()}
 
     def _bind(self, ms: dict, names) -> None:
         """The names hybrid reads the parameters by (the Note on whose names), and the

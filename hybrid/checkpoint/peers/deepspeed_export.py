@@ -171,33 +171,40 @@ def write(checkpoint: str, out_dir: str, dp_size: int = 1, zero_stage: int = 2, 
     final = os.path.join(out_dir, tag)
     if os.path.exists(final):
         raise CheckpointError(f"{final}: already exists; not overwriting it")
+    _check_config_json(out_dir, hf_config)
     tmp = os.path.join(out_dir, f".tmp_{tag}")
     shutil.rmtree(tmp, ignore_errors=True)
-    os.makedirs(tmp)
-
-    ds_shapes = _ds_shapes(ckpt, shapes, names, convert)
-    groups, settings = _optimizer_groups(ckpt, meta, ds_shapes, param_groups)
-    api = meta.get("api") or {}
-    # (a pretrain_gpt.py run's schedule is its flags': written as DeepSpeed's own
-    # schedulers' state at that step, which is all their state dicts hold)
-    schedule = meta.get("lr_scheduler") or {"last_batch_iteration": iteration - 1}
-    record: dict[str, Any] = {
-        "global_steps": int(api.get("global_steps", iteration)),
-        "global_samples": int(api.get("global_samples", meta["consumed_samples"])),
-        "lr_scheduler": schedule, "step": int(meta.get("step") or 0)}
-    config = ds_config or {"zero_optimization": {"stage": zero_stage},
-                           **({"bf16": {"enabled": True}} if bf16 else {}),
-                           **({"fp16": fp16_block(meta)} if half == "fp16" else {})}
-    record["scaler"] = deepspeed_scaler(meta, config, record) if half == "fp16" else None
-    if half != "fp32":  # (as module.bfloat16() / .half() leaves them)
-        frozen, buffers = ({n: t.to(_DTYPES[half]) if t.is_floating_point() else t
-                            for n, t in d.items()} for d in (frozen, buffers))
-    if zero_stage:
-        _write_zero(tmp, ckpt, zero_stage, groups, settings, names, convert, dp_size,
-                    int(record["step"]), config, bf16, record["scaler"])
-    _write_model_states(tmp, ckpt, groups, names, convert, shared, record, dp_size,
-                        zero_stage, config, frozen, buffers, half, settings)
-    os.replace(tmp, final)
+    try:  # (a failure leaves nothing: a full disk is one line naming OUT)
+        os.makedirs(tmp)
+        ds_shapes = _ds_shapes(ckpt, shapes, names, convert)
+        groups, settings = _optimizer_groups(ckpt, meta, ds_shapes, param_groups)
+        api = meta.get("api") or {}
+        # (a pretrain_gpt.py run's schedule is its flags': written as DeepSpeed's own
+        # schedulers' state at that step, which is all their state dicts hold)
+        schedule = meta.get("lr_scheduler") or {"last_batch_iteration": iteration - 1}
+        record: dict[str, Any] = {
+            "global_steps": int(api.get("global_steps", iteration)),
+            "global_samples": int(api.get("global_samples", meta["consumed_samples"])),
+            "lr_scheduler": schedule, "step": int(meta.get("step") or 0)}
+        config = ds_config or {"zero_optimization": {"stage": zero_stage},
+                               **({"bf16": {"enabled": True}} if bf16 else {}),
+                               **({"fp16": fp16_block(meta)} if half == "fp16" else {})}
+        record["scaler"] = deepspeed_scaler(meta, config, record) if half == "fp16" else None
+        if half != "fp32":  # (as module.bfloat16() / .half() leaves them)
+            frozen, buffers = ({n: t.to(_DTYPES[half]) if t.is_floating_point() else t
+                                for n, t in d.items()} for d in (frozen, buffers))
+        if zero_stage:
+            _write_zero(tmp, ckpt, zero_stage, groups, settings, names, convert, dp_size,
+                        int(record["step"]), config, bf16, record["scaler"])
+        _write_model_states(tmp, ckpt, groups, names, convert, shared, record, dp_size,
+                            zero_stage, config, frozen, buffers, half, settings)
+        os.replace(tmp, final)
+    except BaseException as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(e, (OSError, RuntimeError)) and not isinstance(e, CheckpointError):
+            # (a full disk: torch.save's write errors are RuntimeErrors)
+            raise CheckpointError(f"{out_dir}: cannot write the export ({e})") from e
+        raise
     if hf_config is not None:  # beside latest, where Hugging Face's Trainer keeps it
         with open(os.path.join(out_dir, "config.json"), "w") as f:
             json.dump(hf_config, f, indent=1)
@@ -205,6 +212,25 @@ def write(checkpoint: str, out_dir: str, dp_size: int = 1, zero_stage: int = 2, 
         f.write(tag)
     os.replace(os.path.join(out_dir, f".{LATEST}.tmp"), os.path.join(out_dir, LATEST))
     return final
+
+
+def _check_config_json(out_dir: str, hf_config: dict | None) -> None:
+    """CheckpointError when ``out_dir`` holds another model's ``config.json`` (another
+    run's save directory: its tags read with it), which the export would replace."""
+    path = os.path.join(out_dir, "config.json")
+    if hf_config is None or not os.path.isfile(path):
+        return
+    try:
+        with open(path) as f:
+            old = json.load(f)
+    except (OSError, ValueError):
+        old = None  # (not a config.json anything reads)
+    new = json.loads(json.dumps(hf_config))
+    differ = [k for k in new if isinstance(old, dict) and k in old and old[k] != new[k]]
+    if differ:
+        raise CheckpointError(f"{path}: another model's config.json ({', '.join(differ[:3])} "
+                              f"differ), which the export would replace: give a new output "
+                              f"directory")
 
 
 def _write_zero(tmp: str, ckpt: str, zero_stage: int, groups: list[OrderedDict],

@@ -142,6 +142,12 @@ def import_for_load(load_dir: str, save_dir: str | None, ps: ParallelState, conf
     own names). ``model``: the run's model (one pipeline stage of it), which the peer's
     names and shapes are checked against before anything is written (the message names
     the peer's checkpoint)."""
+    if fmt == "hybrid" and not complete_checkpoints(load_dir) and os.path.isdir(load_dir):
+        forced = detect_peer(load_dir)  # (every rank sees the same files: raised on each)
+        if forced is not None:
+            raise CheckpointError(f"--load-format hybrid: --load {load_dir} holds a {forced} "
+                                  f"checkpoint, not a hybrid one: give --load-format "
+                                  f"{forced} or auto to import it")
     if fmt == "hybrid" or (fmt is None and complete_checkpoints(load_dir)):
         return None  # hybrid's own checkpoints win over anything else in the directory
     found = fmt if fmt is not None else detect_peer(load_dir)
@@ -192,8 +198,12 @@ def import_for_load(load_dir: str, save_dir: str | None, ps: ParallelState, conf
                         json.dump({"load": os.path.realpath(load_dir)}, f)
             finally:
                 peer.close()
-        except (CheckpointError, OSError) as e:
+        except CheckpointError as e:
             error = str(e)
+        except OSError as e:  # (a full disk's write names no file: name --save)
+            error = (f"--save {save_dir}: the import of {load_dir} failed "
+                     f"({f'{e.filename}: ' if e.filename else ''}{e.strerror or e}); nothing "
+                     f"of it was published there")
         finally:
             waiting.done()
     error = agree_error(ps, error)

@@ -71,7 +71,8 @@ def is_iteration_dir(path: str) -> bool:
 def detect(path: str) -> bool:
     """Whether ``path`` is a Megatron-LM ``torch_dist`` save directory or one of its
     iterations: its ``latest_checkpointed_iteration.txt`` with an ``iter_*/common.pt``
-    next to it, or the iteration's own files. A bounded number of stats and globs."""
+    (or ``release/``'s) next to it, or the iteration's own files. A bounded number of
+    stats and globs."""
     if is_iteration_dir(path) and os.path.isfile(os.path.join(path, "metadata.json")):
         return True
     if is_legacy_dir(path):
@@ -79,8 +80,9 @@ def detect(path: str) -> bool:
     if not os.path.isfile(os.path.join(path, LATEST)):
         return False
     here = glob.escape(path)
-    return bool(glob.glob(os.path.join(here, "iter_*", COMMON))
-                or glob.glob(os.path.join(here, "iter_*", "mp_rank_*", LEGACY_FILE)))
+    return any(glob.glob(os.path.join(here, it, COMMON))  # (release: a released checkpoint)
+               or glob.glob(os.path.join(here, it, "mp_rank_*", LEGACY_FILE))
+               for it in ("iter_*", "release"))
 
 
 def _iteration_dir(path: str, step: int | None) -> str:
@@ -228,7 +230,8 @@ def _plain_optimizer(cfg: dict, step: int, moments: bool, fp32: bool, moe: bool 
 def write(hybrid_ckpt: str, out_dir: str, tp: int = 1, dp: int = 1,
           dist_opt: str | None = None, spec: str = "local",
           bucket_size: int | None = None, dtype: str | None = None, pp: int = 1,
-          ep: int = 1) -> str:
+          ep: int = 1, first: int | None = None, last: int | None = None,
+          vpp: int | None = None) -> str:
     """A hybrid checkpoint (an ``iter_*`` directory or a ``--save`` directory's newest)
     as Megatron-LM save directory ``out_dir``: ``iter_NNNNNNN/`` in ``torch_dist`` (the
     GPTModel's sharded keys, the layers stacked; ``common.pt`` with ``args``,
@@ -239,8 +242,11 @@ def write(hybrid_ckpt: str, out_dir: str, tp: int = 1, dp: int = 1,
     and ``dp`` are recorded in ``args``); with ``dist_opt`` ``dp_reshardable`` or
     ``fully_reshardable``, megatron-core's DistributedOptimizer's
     (:mod:`.megatron_distopt_export`): dp_reshardable's buckets are laid out for a run
-    at TP ``tp``, DP ``dp``, PP ``pp`` (Megatron-LM's even split of the layers: one
-    group of buckets per stage and TP rank), layer spec ``spec`` (``local`` or
+    at TP ``tp``, DP ``dp``, PP ``pp`` (Megatron-LM's even split of the layers, or
+    ``first`` / ``last`` layers on the first / last stage and the rest even -- its
+    ``--decoder-first/last-pipeline-num-layers``, recorded in ``args`` --: one group of
+    buckets per stage and TP rank; with ``vpp`` model chunks a stage, one grad buffer per
+    chunk), layer spec ``spec`` (``local`` or
     ``transformer_engine``) and DDP bucket size ``bucket_size`` (None: one bucket,
     Megatron-LM's default without ``--overlap-grad-reduce``); the other layouts do not
     depend on PP (``pp`` is only recorded in ``args``). A bf16 checkpoint (config
@@ -276,17 +282,17 @@ def write(hybrid_ckpt: str, out_dir: str, tp: int = 1, dp: int = 1,
                                   dtypes[0] != torch.float32)
     elif ep != 1:
         raise CheckpointError(f"--expert-model-parallel-size {ep}: {ckpt} has no experts")
-    distopt.stage_layers(cfg, pp)
+    counts = distopt.stage_layers(cfg, pp, first, last, vpp)
     opt = (distopt.layout(dist_opt, shapes, cfg, step, tp, dp, spec, bucket_size, dtypes, pp,
-                          ep) if dist_opt else None)
+                          counts, ep) if dist_opt else None)
     final = os.path.join(out_dir, f"iter_{it:07d}")
     if os.path.exists(final):
         raise CheckpointError(f"{final}: already exists; not overwriting it")
     iter_dir = os.path.join(out_dir, f".tmp_iter_{it:07d}")  # published whole, at the end
     shutil.rmtree(iter_dir, ignore_errors=True)
-    os.makedirs(iter_dir)
-    num_layers = int(cfg["num_layers"])
-    try:
+    try:  # (a failure leaves nothing: a full disk is one line naming OUT)
+        os.makedirs(iter_dir)
+        num_layers = int(cfg["num_layers"])
         with builtins.open(os.path.join(iter_dir, DcpWriter.REL), "wb") as f:
             w = DcpWriter(iter_dir, f)
             if moe:  # (the chained optimizers; the experts' own extra state)
@@ -296,37 +302,42 @@ def write(hybrid_ckpt: str, out_dir: str, tp: int = 1, dp: int = 1,
                     megatron_moe_export.extra_state(num_layers, int(cfg["num_experts"])))
             else:
                 moments = _write_tensors(w, params, num_layers, swiglu, ckpt, opt, dtypes[0])
+        vocab = shapes["wte.weight"][0]
+        gbs = int(cfg.get("global_batch_size") or 0)
+        lr, min_lr = float(cfg.get("lr") or 0.0), float(cfg.get("min_lr") or 0.0)
+        wd = float(cfg.get("weight_decay") or 0.0)
+        warm = int(cfg.get("lr_warmup_iters") or 0)
+        decay = int(cfg.get("lr_decay_iters") or cfg.get("train_iters") or 0)
+        optimizer = opt.common() if opt is not None else _plain_optimizer(
+            cfg, step, moments, fp32=dtypes[0] == torch.float32, moe=moe)
+        dist = {"use_distributed_optimizer": bool(dist_opt),
+                "dist_ckpt_optim_fully_reshardable": dist_opt == "fully_reshardable",
+                "overlap_grad_reduce": bucket_size is not None, "ddp_bucket_size": bucket_size,
+                "transformer_impl": spec, "decoder_first_pipeline_num_layers": first,
+                "decoder_last_pipeline_num_layers": last,
+                "virtual_pipeline_model_parallel_size": vpp}
+        common = {
+            "args": _namespace(cfg, meta, tp, dp, vocab, gbs, dist, dtypes, pp,
+                               megatron_moe_export.moe_args(cfg, shapes, ep) if moe else None),
+            "checkpoint_version": 3.0,
+            "iteration": it, "num_floating_point_operations_so_far": 0,
+            "optimizer": optimizer,
+            "opt_param_scheduler": {
+                "max_lr": lr, "lr_warmup_steps": warm * gbs, "num_steps": it * gbs,
+                "lr_decay_style": cfg.get("lr_decay_style", "linear"),
+                "lr_decay_steps": decay * gbs, "min_lr": min_lr, "start_wd": wd, "end_wd": wd,
+                "wd_incr_style": "constant", "wd_incr_steps": decay * gbs}}
+        torch.save(common, os.path.join(iter_dir, COMMON))
+        with builtins.open(os.path.join(iter_dir, "metadata.json"), "w") as f:
+            json.dump({"sharded_backend": "torch_dist", "sharded_backend_version": 1,
+                       "common_backend": "torch", "common_backend_version": 1}, f)
+        os.replace(iter_dir, final)
     except CheckpointError:
         shutil.rmtree(iter_dir, ignore_errors=True)
         raise
-    vocab = shapes["wte.weight"][0]
-    gbs = int(cfg.get("global_batch_size") or 0)
-    lr, min_lr = float(cfg.get("lr") or 0.0), float(cfg.get("min_lr") or 0.0)
-    wd = float(cfg.get("weight_decay") or 0.0)
-    warm = int(cfg.get("lr_warmup_iters") or 0)
-    decay = int(cfg.get("lr_decay_iters") or cfg.get("train_iters") or 0)
-    optimizer = opt.common() if opt is not None else _plain_optimizer(
-        cfg, step, moments, fp32=dtypes[0] == torch.float32, moe=moe)
-    dist = {"use_distributed_optimizer": bool(dist_opt),
-            "dist_ckpt_optim_fully_reshardable": dist_opt == "fully_reshardable",
-            "overlap_grad_reduce": bucket_size is not None, "ddp_bucket_size": bucket_size,
-            "transformer_impl": spec}
-    common = {
-        "args": _namespace(cfg, meta, tp, dp, vocab, gbs, dist, dtypes, pp,
-                           megatron_moe_export.moe_args(cfg, shapes, ep) if moe else None),
-        "checkpoint_version": 3.0,
-        "iteration": it, "num_floating_point_operations_so_far": 0,
-        "optimizer": optimizer,
-        "opt_param_scheduler": {
-            "max_lr": lr, "lr_warmup_steps": warm * gbs, "num_steps": it * gbs,
-            "lr_decay_style": cfg.get("lr_decay_style", "linear"),
-            "lr_decay_steps": decay * gbs, "min_lr": min_lr, "start_wd": wd, "end_wd": wd,
-            "wd_incr_style": "constant", "wd_incr_steps": decay * gbs}}
-    torch.save(common, os.path.join(iter_dir, COMMON))
-    with builtins.open(os.path.join(iter_dir, "metadata.json"), "w") as f:
-        json.dump({"sharded_backend": "torch_dist", "sharded_backend_version": 1,
-                   "common_backend": "torch", "common_backend_version": 1}, f)
-    os.replace(iter_dir, final)
+    except (OSError, RuntimeError) as e:  # (torch.save's write errors are RuntimeErrors)
+        shutil.rmtree(iter_dir, ignore_errors=True)
+        raise CheckpointError(f"{out_dir}: cannot write the export ({e})") from e
     with builtins.open(os.path.join(out_dir, LATEST), "w") as f:
         f.write(str(it))
     return final

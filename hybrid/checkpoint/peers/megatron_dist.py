@@ -25,7 +25,8 @@ from hybrid.checkpoint.peers.megatron_files import (
     DcpFiles,
     load_megatron_file,
 )
-from hybrid.errors import CheckpointError
+from hybrid.config.stage_split import split_layers
+from hybrid.errors import CheckpointError, ConfigError
 
 _MASTER_COLUMNS = ("fp32_param", "param")
 # the non-distributed optimizer's per-parameter state: ``optimizer.state.<column>.<key>``,
@@ -328,10 +329,13 @@ class _Buckets:
     one error naming the key.
 
     Where a parameter lies is megatron-core's ``_ParamAndGradBuffer`` layout, derived
-    by the functions the export writes with (:func:`~.megatron_names.pipeline_stages`,
+    by the functions the export writes with (:func:`~.megatron_names.split_stages`,
     :func:`~.megatron_names.stage_buffer`): the stage's parameters on the TP rank (their
-    TP-local sizes, from the model's keys; a stage holds ``num_layers / PP`` consecutive
-    layers, the first the embeddings, the last the final norm and the output layer) in
+    TP-local sizes, from the model's keys; a stage holds its consecutive layers of
+    Megatron-LM's split -- ``num_layers / PP``, or the uneven first or last stage's and
+    the rest even --, the first the embeddings, the last the final norm and the output
+    layer; with virtual stages, V per PP rank, each model chunk of a stage is a grad
+    buffer of its own, ``gbuf_idx_v``, over piece ``v x PP + stage`` of the model) in
     the reverse of the GPTModel's parameter order, each starting at a multiple of 64, a
     bucket closing where its saved ``per_bucket_numel_unpadded`` says (tied embeddings at
     PP > 1: the word embeddings and the last stage's copy in buckets of their own). The
@@ -344,9 +348,15 @@ class _Buckets:
     def __init__(self, ckpt: MegatronCheckpoint):
         self.ckpt, self.files = ckpt, ckpt.files
         where = os.path.join(ckpt.path, DCP_METADATA)
-        # chain ("", or an MoE run's "chained_<i>.") -> group -> bucket -> key prefix
+        # chain ("", or an MoE run's "chained_<i>.") -> buffer (group x V + chunk) -> bucket
+        # -> key prefix
         chains: dict[str, dict[int, dict[int, str]]] = {}
         self.dtypes: set[str] = set()  # the buffers' (param, grad) pairs, as keys spell them
+        self.tp = int(arg(ckpt.args, "tensor_model_parallel_size", 1) or 1)
+        self.pp = int(arg(ckpt.args, "pipeline_model_parallel_size", 1) or 1)
+        # each model piece's parameters; V, the model chunks (virtual stages) per PP rank,
+        # each a grad buffer of its own (gbuf_idx_v): a buffer's index is group x V + v
+        self.stages, self.vpp = self._stages()
         for key in self.files.tensors:
             m = _BUCKET_KEY.fullmatch(key)
             if m is None:
@@ -357,10 +367,12 @@ class _Buckets:
             if m.group(4) not in _PAIRS:
                 raise CheckpointError(f"{where}: {key}: a grad buffer of dtypes "
                                       f"{m.group(4)}; hybrid reads {', '.join(_PAIRS)}")
-            if m.group(3) != "0":
+            if int(m.group(3)) >= self.vpp:
                 raise CheckpointError(f"{where}: {key}: a second grad buffer (another "
-                                      f"dtype): hybrid reads one buffer per optimizer")
-            chains.setdefault(m.group(1), {}).setdefault(int(m.group(2)), {})[
+                                      f"dtype): hybrid reads one buffer per optimizer "
+                                      f"and model chunk")
+            chains.setdefault(m.group(1), {}).setdefault(
+                int(m.group(2)) * self.vpp + int(m.group(3)), {})[
                 int(m.group(5))] = key.rsplit(".", 1)[0]
             self.dtypes.add(m.group(4))
         objects = set(self.files.objects)
@@ -380,7 +392,7 @@ class _Buckets:
         self.chain = ""
         self.param_groups = None
         for chain in sorted(chains):
-            saved = obj(min(chains[chain]), "optimizer", chain)
+            saved = obj(min(chains[chain]) // self.vpp, "optimizer", chain)
             groups = saved.get("param_groups") if isinstance(saved, dict) else None
             if any(isinstance(g, dict) and g.get("is_expert_parallel") for g in groups or []):
                 expert = chain
@@ -392,15 +404,14 @@ class _Buckets:
         if expert is None and any(n.endswith(_EXPERTS) for n in ckpt.shapes):
             raise CheckpointError(f"{where}: experts without the expert optimizer's state")
         buckets = chains[self.chain]
-        tp = int(arg(ckpt.args, "tensor_model_parallel_size", 1) or 1)
-        pp = int(arg(ckpt.args, "pipeline_model_parallel_size", 1) or 1)
-        if sorted(buckets) != list(range(tp * pp)):
-            raise CheckpointError(f"{where}: the distributed optimizer's state of DP groups "
-                                  f"{sorted(buckets)} at TP {tp} x PP {pp}: hybrid reads "
-                                  f"its dp_reshardable layout of one group per (PP stage, "
-                                  f"TP rank), {tp * pp} here")
-        self.tp, self.pp = tp, pp
-        self.stages = self._stages()
+        tp, pp, vpp = self.tp, self.pp, self.vpp
+        if sorted(buckets) != list(range(tp * pp * vpp)):
+            chunks = f" x V {vpp}" if vpp > 1 else ""
+            raise CheckpointError(f"{where}: the distributed optimizer's state of grad "
+                                  f"buffers {sorted(buckets)} (DP group x V + chunk) at TP "
+                                  f"{tp} x PP {pp}{chunks}: hybrid reads its dp_reshardable "
+                                  f"layout of one group per (PP stage, TP rank), one buffer "
+                                  f"per model chunk, {tp * pp * vpp} here")
         if len(self.dtypes) != 1:
             raise CheckpointError(f"{where}: the TP ranks' buffers have dtypes "
                                   f"{sorted(self.dtypes)}: one run saves one pair")
@@ -411,17 +422,18 @@ class _Buckets:
         specs = ["local", "transformer_engine"]
         if arg(ckpt.args, "transformer_impl") == "transformer_engine":
             specs.reverse()
-        for t in range(tp * pp):
-            sizes = self._sizes(self.chain, t, len(self.prefixes[t]))
+        for t in range(tp * pp * vpp):
+            sizes = self._sizes(self.chain, t // vpp, len(self.prefixes[t]), t % vpp, vpp)
             for spec in specs:
                 placed = self._layout(t, sizes, spec)
                 if placed is not None:
                     break
             else:
-                stage = f"PP stage {t // tp}, " if pp > 1 else ""
+                stage = f"PP stage {t // vpp // tp}, " if pp > 1 else ""
+                stage += f"model chunk {t % vpp}, " if vpp > 1 else ""
                 raise CheckpointError(
                     f"{where}: the distributed optimizer's buckets of {stage}TP rank "
-                    f"{t % tp} do not "
+                    f"{t // vpp % tp} do not "
                     f"hold the model's parameters where megatron-core's buffer layout puts "
                     f"them (in GPTModel's order, 64-aligned, buckets of {sizes}); hybrid "
                     f"reads a dense GPT's dp_reshardable state")
@@ -435,11 +447,14 @@ class _Buckets:
         if expert is not None:
             self._experts(expert, chains[expert])
 
-    def _sizes(self, chain: str, t: int, saved: int) -> list[int]:
-        """Group ``t``'s saved unpadded bucket sizes (of ``saved`` buckets)."""
+    def _sizes(self, chain: str, t: int, saved: int, chunk: int = 0,
+               chunks: int = 1) -> list[int]:
+        """Group ``t``'s saved unpadded bucket sizes (of ``saved`` buckets) of its grad
+        buffer ``chunk`` (model chunk; of ``chunks``, one buffer each)."""
         where = f"{os.path.join(self.ckpt.path, DCP_METADATA)}: {chain}dp_group_idx_{t}"
         unpadded = self._obj(t, "per_bucket_numel_unpadded", chain)
-        counts = unpadded[0] if isinstance(unpadded, list) and len(unpadded) == 1 else None
+        counts = (unpadded[chunk] if isinstance(unpadded, list) and len(unpadded) == chunks
+                  else None)
         if not isinstance(counts, dict) or len(counts) != 1:
             raise CheckpointError(f"{where}.per_bucket_numel_unpadded {unpadded!r}: hybrid "
                                   f"reads one grad buffer of one dtype")
@@ -487,33 +502,50 @@ class _Buckets:
                 b, start, stop = placed[(n, k)]
                 self.expert_place[n][e].append((prefixes[b], start, stop))
 
-    def _stages(self) -> list[list[str]]:
-        """Each PP stage's parameters (hybrid's names): Megatron-LM's even split of the
-        layers (:func:`~.megatron_names.pipeline_stages`). A split of other flags in
-        ``common.pt``'s args (uneven first or last stage, a pipeline layout, virtual
-        stages) is one error naming them."""
+    def _stages(self) -> tuple[list[list[str]], int]:
+        """(Each model piece's parameters (hybrid's names), V): Megatron-LM's split of the
+        layers into PP x V pieces (V the model chunks per PP rank,
+        ``args.virtual_pipeline_model_parallel_size``, or 1; piece ``i`` is chunk ``i //
+        PP`` of PP rank ``i % PP``), even or with the uneven first or last stage
+        ``common.pt``'s args name (``decoder_first_pipeline_num_layers`` /
+        ``decoder_last_pipeline_num_layers``, Megatron-LM's ``--decoder-first/last-
+        pipeline-num-layers``; megatron-core's ``num_layers_in_first/last_pipeline_stage``
+        read the same), the rest split evenly (:func:`~.megatron_names.split_stages`). A
+        pipeline layout, or the embedding or loss counted as a layer, is one error naming
+        the args."""
         args, pp = self.ckpt.args, self.pp
         dense = [n for n in self.ckpt.shapes if not n.endswith(_EXPERTS)]
         if pp == 1:
-            return [dense]
+            return [dense], 1
         layers = int(arg(args, "num_layers", 0) or 0)
+        ends = {f: arg(args, f) or arg(args, core) for f, core in (
+            ("decoder_first_pipeline_num_layers", "num_layers_in_first_pipeline_stage"),
+            ("decoder_last_pipeline_num_layers", "num_layers_in_last_pipeline_stage"))}
+        chunks = {f: arg(args, f) for f in ("virtual_pipeline_model_parallel_size",
+                                            "num_layers_per_virtual_pipeline_stage")}
         other = {f: arg(args, f) for f in (
-            "virtual_pipeline_model_parallel_size", "num_layers_per_virtual_pipeline_stage",
-            "num_layers_in_first_pipeline_stage", "num_layers_in_last_pipeline_stage",
             "pipeline_model_parallel_layout", "account_for_embedding_in_pipeline_split",
-            "account_for_loss_in_pipeline_split", "decoder_first_pipeline_num_layers",
-            "decoder_last_pipeline_num_layers")}
+            "account_for_loss_in_pipeline_split")}
         other = {f: v for f, v in other.items() if v}
-        if not layers or layers % pp or other:
+        said = "".join(f", args.{f} {v!r}" for f, v in {**ends, **chunks, **other}.items()
+                       if v)
+        where = (f"{os.path.join(self.ckpt.path, COMMON)}: the distributed optimizer's state "
+                 f"at PP {pp} of args.num_layers {layers or None}{said}")
+        if not layers or other:
             raise CheckpointError(
-                f"{os.path.join(self.ckpt.path, COMMON)}: the distributed optimizer's "
-                f"state at PP {pp} of "
-                f"args.num_layers {layers or None}"
-                + "".join(f", args.{f} {v!r}" for f, v in other.items())
-                + ": hybrid reads its dp_reshardable layout at PP > 1 for Megatron-LM's "
-                  "even split of the layers only")
+                f"{where}: hybrid reads its dp_reshardable layout at PP > 1 for Megatron-LM's "
+                f"even split of the layers or an uneven first or last stage only (virtual "
+                f"stages too)")
+        try:
+            split = split_layers(
+                layers, pp, chunks["virtual_pipeline_model_parallel_size"] or None,
+                layers_per_virtual_stage=chunks["num_layers_per_virtual_pipeline_stage"],
+                first=ends["decoder_first_pipeline_num_layers"],
+                last=ends["decoder_last_pipeline_num_layers"])
+        except ConfigError as e:
+            raise CheckpointError(f"{where}: not a split Megatron-LM makes ({e})") from None
         tied = not bool(arg(args, "untie_embeddings_and_output_weights", True))
-        return names.pipeline_stages(dense, layers, pp, tied)
+        return names.split_stages(dense, list(split.layers), tied), split.vpp
 
     def _local_numel(self, name: str) -> int:
         n = 1
@@ -533,12 +565,14 @@ class _Buckets:
         return shape
 
     def _layout(self, t: int, sizes: list[int], spec: str) -> dict | None:
-        """Where each parameter of TP rank ``t`` lies, {name: (bucket key, start, stop)},
-        in megatron-core's layout under layer spec ``spec``
+        """Where each parameter of grad buffer ``t`` (DP group x V + model chunk) lies,
+        {name: (bucket key, start, stop)}, in megatron-core's layout under layer spec
+        ``spec``
         (:func:`~.megatron_names.stage_buffer`, buckets closed at the saved unpadded
         ``sizes``), or None when the files' chunks or bucket sizes say otherwise."""
+        group, chunk = divmod(t, self.vpp)  # (the piece: chunk x PP + PP rank)
         placed, got = names.stage_buffer(
-            self.stages, t // self.tp, spec, self._local_numel,
+            self.stages, chunk * self.pp + group // self.tp, spec, self._local_numel,
             lambda b, stop: b < len(sizes) and stop >= sizes[b])
         if got != sizes:
             return None

@@ -7,14 +7,19 @@
   ``optimizer.distributed.dp_group_idx_G.gbuf_idx_0.dtype_<pair>.bucket_idx_B.{param,
   exp_avg,exp_avg_sq}`` of the bucket's unpadded length, each of the stage's parameters'
   TP-local piece at the place megatron-core's buffer gives it
-  (:func:`~.megatron_names.pipeline_stages` and :func:`~.megatron_names.stage_buffer`, the
+  (:func:`~.megatron_names.split_stages` and :func:`~.megatron_names.stage_buffer`, the
   functions the reader maps these files with), cut where the DP ranks' shards meet, and
   the gaps (alignment padding) as zero chunks; beside them the objects its load takes
   (``per_bucket_numel``, ``per_bucket_numel_unpadded`` -- the load asserts the latter
   equals its own buffer's -- and ``optimizer``, the param groups with their ``step``).
   At PP > 1 the stages split the layers evenly (``--pipeline-model-parallel-size`` must
-  divide them: no uneven first or last stage, no virtual stages), the embeddings on the
-  first, the final norm and the output layer on the last; with tied embeddings the last
+  divide them) or with an uneven first or last stage
+  (``--decoder-first-pipeline-num-layers`` / ``--decoder-last-pipeline-num-layers``, the
+  rest even), the embeddings on the first, the final norm and the output layer on the
+  last; with virtual stages (``--virtual-pipeline-model-parallel-size V``) each stage's
+  group holds one grad buffer per model chunk, ``gbuf_idx_v`` over piece ``v x PP +
+  stage`` of the model, and its ``per_bucket_numel`` objects one entry per chunk (what
+  megatron-core 0.16.1 saves); megatron-core buckets piece 0 only; with tied embeddings the last
   stage's buffer also holds megatron-core's copy of the word embeddings (its output
   layer's weight), written with the first stage's master and moments, and each of the
   two copies is a bucket of its own, as megatron-core's buffer makes them.
@@ -50,7 +55,8 @@ import torch
 
 from hybrid.checkpoint.peers import megatron_names as names
 from hybrid.checkpoint.peers.megatron_files import DcpWriter
-from hybrid.errors import CheckpointError
+from hybrid.config.stage_split import FIRST, LAST, VPP, split_layers
+from hybrid.errors import CheckpointError, ConfigError
 
 MODES = ("dp_reshardable", "fully_reshardable")
 SPECS = tuple(names.LAYER_ORDER)
@@ -113,12 +119,16 @@ class FullyReshardable:
 class DpReshardable:
     """``dp_reshardable``: megatron-core's buckets per (PP stage, TP rank) (the module
     docstring). ``shapes``: hybrid's full shapes of every parameter (the layout needs
-    them all before the first is written). One parameter's columns in memory at a time;
-    the gaps are written by :meth:`finish`."""
+    them all before the first is written); ``counts``: each piece's layers
+    (:func:`stage_layers`; with V virtual stages per PP rank, PP x V pieces in model
+    order, piece ``i`` model chunk ``i // PP`` of stage ``i % PP``: a grad buffer of its
+    own, ``gbuf_idx_<i // PP>`` of the stage's groups). One parameter's columns in memory
+    at a time; the gaps are written by :meth:`finish`."""
 
     def __init__(self, shapes: dict[str, list[int]], tp: int, dp: int, pp: int, spec: str,
                  bucket_size: int | None, cfg: dict, groups: list[dict],
-                 dtypes: tuple[torch.dtype, torch.dtype], chain: str = ""):
+                 dtypes: tuple[torch.dtype, torch.dtype], counts: list[int],
+                 chain: str = ""):
         self.tp, self.dp, self.pp, self.groups, self.chain = tp, dp, pp, groups, chain
         self.swiglu = bool(cfg.get("swiglu"))
         self.dtypes = dtypes  # (the buffer's (param, grad) pair: its keys and objects)
@@ -130,11 +140,11 @@ class DpReshardable:
                                       f"(--tensor-model-parallel-size)")
             local[name] = math.prod(shape) // (tp if dim is not None else 1)
         tied = not cfg.get("untie_embeddings_and_output_weights")
-        stages = names.pipeline_stages(list(shapes), stage_layers(cfg, pp), pp, tied)
-        # name -> [(stage, bucket, start, stop)]: its place, and the tied copy's
+        stages = names.split_stages(list(shapes), counts, tied)
+        # name -> [(piece, bucket, start, stop)]: its place, and the tied copy's
         self.place: dict[str, list[tuple[int, int, int, int]]] = {}
-        self.unpadded: list[list[int]] = []
-        for stage in range(pp):
+        self.unpadded: list[list[int]] = []  # (per piece)
+        for stage in range(len(counts)):  # (the pieces: the stages without virtual ones)
             placed, sizes = names.stage_buffer(
                 stages, stage, spec,
                 lambda n: local["wte.weight" if n == names.TIED_COPY else n],
@@ -147,8 +157,11 @@ class DpReshardable:
         self.written: list[list[list[tuple[int, int]]]] = [[[] for _ in s]
                                                            for s in self.unpadded]
 
-    def key(self, group: int, bucket: int, col: str) -> str:
-        return (f"{self.chain}optimizer.distributed.dp_group_idx_{group}.gbuf_idx_0."
+    def key(self, piece: int, t: int, bucket: int, col: str) -> str:
+        """The key of ``piece``'s bucket on TP rank ``t``: its stage's DP group, its model
+        chunk's grad buffer."""
+        group, chunk = (piece % self.pp) * self.tp + t, piece // self.pp
+        return (f"{self.chain}optimizer.distributed.dp_group_idx_{group}.gbuf_idx_{chunk}."
                 f"dtype_{self.dtypes}.bucket_idx_{bucket}.{col}")
 
     def _pieces(self, stage: int, bucket: int, start: int, stop: int
@@ -164,7 +177,7 @@ class DpReshardable:
             for stage, bucket, start, stop in self.place[name]:  # (and the tied copy's)
                 for t, flat in enumerate(flats):
                     for a, b in self._pieces(stage, bucket, start, stop):
-                        w.tensor(self.key(stage * self.tp + t, bucket, saved),
+                        w.tensor(self.key(stage, t, bucket, saved),
                                  [self.unpadded[stage][bucket]], [a],
                                  flat[a - start:b - start])
         for stage, bucket, start, stop in self.place[name]:
@@ -181,13 +194,14 @@ class DpReshardable:
                     for a, b in self._pieces(stage, bucket, at, start) if start > at else []:
                         for t in range(self.tp):
                             for _, saved in _COLUMNS:
-                                w.tensor(self.key(stage * self.tp + t, bucket, saved), [end],
+                                w.tensor(self.key(stage, t, bucket, saved), [end],
                                          [a], torch.zeros(b - a))
                     at = max(at, stop)
         for group in range(self.pp * self.tp):
-            stage = group // self.tp
+            pieces = range(group // self.tp, len(self.unpadded), self.pp)  # (its chunks)
             group_objects(w, f"{self.chain}optimizer.distributed.dp_group_idx_{group}.",
-                          self.dtypes, self.padded[stage], self.unpadded[stage], self.groups)
+                          self.dtypes, [self.padded[p] for p in pieces],
+                          [self.unpadded[p] for p in pieces], self.groups)
 
     def common(self) -> dict:
         """``common.pt``'s ``optimizer`` (the param groups are in the objects)."""
@@ -201,13 +215,16 @@ def shard_pieces(shard: int, start: int, stop: int) -> list[tuple[int, int]]:
     return list(zip(cuts[:-1], cuts[1:]))
 
 
-def group_objects(w: DcpWriter, prefix: str, dtypes, padded: list[int],
-                  unpadded: list[int], groups: list[dict]) -> None:
+def group_objects(w: DcpWriter, prefix: str, dtypes, padded: list[list[int]],
+                  unpadded: list[list[int]], groups: list[dict]) -> None:
     """The objects megatron-core's load of one DP group's buckets takes (``prefix``:
-    its keys' ``[chained_<i>.]optimizer.distributed.dp_group_idx_<G>.``)."""
-    # (a ShardedObject of one shard, as a list of the saving rank's objects)
-    w.obj(f"{prefix}per_bucket_numel/shard_0_1", [[{dtypes: list(padded)}]])
-    w.obj(f"{prefix}per_bucket_numel_unpadded/shard_0_1", [[{dtypes: list(unpadded)}]])
+    its keys' ``[chained_<i>.]optimizer.distributed.dp_group_idx_<G>.``); ``padded`` and
+    ``unpadded``: the bucket sizes of each of its grad buffers (one per model chunk)."""
+    # (a ShardedObject of one shard, as a list of the saving rank's objects: one entry
+    # per grad buffer)
+    w.obj(f"{prefix}per_bucket_numel/shard_0_1", [[{dtypes: list(p)} for p in padded]])
+    w.obj(f"{prefix}per_bucket_numel_unpadded/shard_0_1",
+          [[{dtypes: list(u)} for u in unpadded]])
     w.obj(f"{prefix}optimizer/shard_0_1", [{"param_groups": groups}])
 
 
@@ -263,7 +280,7 @@ class ExpertDpReshardable:
                 at = max(at, stop)
         for e in range(self.ep):
             group_objects(w, f"{self.chain}optimizer.distributed.dp_group_idx_{e}.",
-                          self.dtypes, self.padded, self.unpadded, self.groups)
+                          self.dtypes, [self.padded], [self.unpadded], self.groups)
 
     def common(self) -> dict:
         return {"param_state_sharding_type": "dp_reshardable"}
@@ -287,35 +304,54 @@ class Chained:
         return {0: self.dense.common(), 1: self.experts.common()}
 
 
-def stage_layers(cfg: dict, pp: int) -> int:
-    """The model's layer count, which PP ``pp`` must split evenly (Megatron-LM's default
-    split, the one hybrid writes): CheckpointError naming the flag otherwise."""
+def stage_layers(cfg: dict, pp: int, first: int | None = None,
+                 last: int | None = None, vpp: int | None = None) -> list[int]:
+    """Each pipeline piece's layer count in the loading run's split of the model's layers
+    (a stage's, or with ``vpp`` model chunks per stage, ``--virtual-pipeline-model-
+    parallel-size``, PP x V pieces in model order): Megatron-LM's even split, or with
+    ``first`` / ``last`` layers on the first / last stage
+    (``--decoder-first-pipeline-num-layers`` / ``--decoder-last-pipeline-num-layers``) and
+    the rest even (:func:`hybrid.config.stage_split.split_layers`, Megatron-LM's rules);
+    one CheckpointError naming the flags for a split Megatron-LM does not make."""
     layers = int(cfg.get("num_layers") or 0)
-    if pp < 1 or (pp > 1 and (layers < 1 or layers % pp)):
+    flags = (f"--pipeline-model-parallel-size {pp}" + "".join(
+        f" {flag} {n}" for flag, n in ((FIRST, first), (LAST, last), (VPP, vpp))
+        if n is not None))
+    if pp < 1 or (pp == 1 and (first or last or vpp)):
+        raise CheckpointError(f"{flags}: uneven first or last stages and virtual stages "
+                              f"need PP 2 or more")
+    if pp == 1:
+        return [layers]
+    try:
+        return list(split_layers(layers, pp, vpp, first=first, last=last).layers)
+    except ConfigError as e:
         raise CheckpointError(
-            f"--pipeline-model-parallel-size {pp}: hybrid writes for Megatron-LM's even "
-            f"split of the model's {layers} layers over the stages (a positive PP dividing "
-            f"them; no uneven first or last stage, no virtual stages)")
-    return layers
+            f"{flags}: hybrid writes for Megatron-LM's split of the model's {layers} layers "
+            f"over the stages (even, or an uneven first or last stage and the rest even; "
+            f"virtual stages of either): {e}") from None
 
 
 def layout(mode: str, shapes: dict[str, list[int]], cfg: dict, step: int, tp: int,
            dp: int, spec: str, bucket_size: int | None,
-           dtypes: tuple[torch.dtype, torch.dtype], pp: int = 1, ep: int = 1):
+           dtypes: tuple[torch.dtype, torch.dtype], pp: int = 1,
+           counts: list[int] | None = None, ep: int = 1):
     """The writer of ``mode``'s optimizer state (:func:`check` first); ``dtypes``: the
     loading run's grad buffer (param, grad) dtypes; ``pp``: its PP size (dp_reshardable:
-    one group of buckets per stage and TP rank); an MoE checkpoint's (dp_reshardable, TP 1,
+    one group of buckets per stage and TP rank), ``counts`` its pieces' layers
+    (:func:`stage_layers`; None: the even split); an MoE checkpoint's (dp_reshardable, TP 1,
     PP 1): the dense and expert optimizers chained, the experts' groups per EP rank of
     ``ep`` over ``dp / ep`` expert-data-parallel ranks (:class:`Chained`)."""
     groups = param_groups(cfg, step)
     if mode == "fully_reshardable":
         return FullyReshardable(groups)
+    counts = counts or stage_layers(cfg, pp)
     if not any(n.endswith(names.EXPERTS) for n in shapes):
-        return DpReshardable(shapes, tp, dp, pp, spec, bucket_size, cfg, groups, dtypes)
+        return DpReshardable(shapes, tp, dp, pp, spec, bucket_size, cfg, groups, dtypes,
+                             counts)
     from hybrid.checkpoint.peers import megatron_moe_export as moe
     dense = {n: s for n, s in shapes.items() if not n.endswith(names.EXPERTS)}
     return Chained(
-        DpReshardable(dense, tp, dp, pp, spec, bucket_size, cfg, groups, dtypes,
+        DpReshardable(dense, tp, dp, pp, spec, bucket_size, cfg, groups, dtypes, counts,
                       moe.DENSE_CHAIN),
         ExpertDpReshardable(shapes, ep, dp // ep, bucket_size, moe.expert_groups(groups),
                             dtypes, moe.EXPERT_CHAIN))

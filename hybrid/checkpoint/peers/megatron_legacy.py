@@ -45,6 +45,12 @@ class LegacyCheckpoint(MegatronCheckpoint):
         self.ranks = [load_megatron_file(p) for p in paths]
         self.paths = paths
         first = self.ranks[0]
+        version = first.get("checkpoint_version", 0)  # (Megatron-LM's default when absent)
+        if not isinstance(version, (int, float)) or not 2 <= version <= 3:
+            # (before 2.0 the QKV rows were laid out otherwise; after 3.0, unknown)
+            raise CheckpointError(f"{paths[0]}: checkpoint_version {version!r}; hybrid "
+                                  f"reads Megatron-LM's legacy checkpoints of version 2.0 "
+                                  f"to 3.0 (tested: 3.0)")
         self.args = first.get("args")
         tp = arg(self.args, "tensor_model_parallel_size", len(paths))
         if tp != len(paths):

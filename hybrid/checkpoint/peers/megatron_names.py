@@ -281,21 +281,31 @@ TIED_COPY = "output_layer.weight (tied)"
 
 def pipeline_stages(params: list[str], num_layers: int, pp: int, tied: bool
                     ) -> list[list[str]]:
-    """Each PP stage's parameters (hybrid's names) in Megatron-LM's even split, the one
-    both the reader and the writer of dp_reshardable use: ``num_layers / pp`` consecutive
-    layers a stage, the embeddings on the first stage, the final norm and the output
-    layer on the last, and with ``tied`` (PP > 1) the last stage's :data:`TIED_COPY`.
+    """Each PP stage's parameters (hybrid's names) in Megatron-LM's even split:
+    ``num_layers / pp`` consecutive layers a stage (:func:`split_stages` of that split).
     ValueError when ``pp`` does not divide ``num_layers`` (the callers name their flag
     first)."""
     if pp == 1:
         return [list(params)]
     if num_layers < 1 or num_layers % pp:
         raise ValueError(f"PP {pp} does not split {num_layers} layers evenly")
-    per = num_layers // pp
-    out: list[list[str]] = [[] for _ in range(pp)]
+    return split_stages(params, [num_layers // pp] * pp, tied)
+
+
+def split_stages(params: list[str], counts: list[int], tied: bool) -> list[list[str]]:
+    """Each pipeline piece's parameters (hybrid's names), the split both the reader and
+    the writer of dp_reshardable use: piece ``i`` holds the next ``counts[i]`` layers in
+    model order (Megatron-LM's split, even or with an uneven first or last stage:
+    :func:`hybrid.config.stage_split.split_layers`'s ``layers``), the embeddings on the
+    first piece, the final norm and the output layer on the last, and with ``tied`` (more
+    than one piece) the last piece's :data:`TIED_COPY`."""
+    if len(counts) == 1:
+        return [list(params)]
+    owner = [i for i, n in enumerate(counts) for _ in range(n)]  # layer -> piece
+    out: list[list[str]] = [[] for _ in counts]
     for name in params:
         m = _BLOCK.fullmatch(name)
-        out[int(m.group(1)) // per if m else 0 if name in HEAD_ORDER else pp - 1].append(name)
+        out[owner[int(m.group(1))] if m else 0 if name in HEAD_ORDER else -1].append(name)
     if tied:
         out[-1].append(TIED_COPY)
     return out
@@ -304,7 +314,7 @@ def pipeline_stages(params: list[str], num_layers: int, pp: int, tied: bool
 def stage_buffer(stages: list[list[str]], stage: int, spec: str, numel, closes
                  ) -> tuple[dict[str, tuple[int, int, int]], list[int]]:
     """One (PP stage, TP rank)'s grad buffer: stage ``stage`` of ``stages``
-    (:func:`pipeline_stages`) in the reverse of the GPTModel's order under layer spec
+    (:func:`split_stages`) in the reverse of the GPTModel's order under layer spec
     ``spec``, ``numel(name)`` each parameter's TP-local numel (:data:`TIED_COPY`'s is the
     word embeddings'), laid out by :func:`bucket_layout` with ``closes``. With tied
     embeddings at PP > 1 megatron-core marks the word embeddings and their copy
