@@ -18,11 +18,8 @@ import os
 import pytest
 
 from hybrid.checkpoint.peers import open_peer
-from hybrid.checkpoint.peers.megatron_dist import (
-    check_run_numbers,
-    load_common,
-    tokenizer_vocab,
-)
+from hybrid.checkpoint.peers.megatron_args import check_run_numbers, tokenizer_vocab
+from hybrid.checkpoint.peers.megatron_dist import load_common
 from hybrid.errors import CheckpointError
 from tests.checkpoint.test_peer_megatron import TOL, _continue, _record
 from tests.helpers.harness import run_ranks

@@ -18,6 +18,7 @@
 * :mod:`.deepspeed_export` the way back: a hybrid checkpoint as DeepSpeed's ZeRO 0-3 files, bf16 too
 * :mod:`.megatron`   Megatron-LM ``torch_dist`` (and the legacy ``torch`` format): detect,
                      open, write back
+* :mod:`.megatron_args` Megatron-LM's ``args`` read against the run's flags
 * :mod:`.megatron_dist` Megatron-LM's ``torch_dist`` iterations read
 * :mod:`.megatron_distopt_export` the way back for megatron-core's DistributedOptimizer:
                      its ``dp_reshardable`` buckets or ``fully_reshardable`` state

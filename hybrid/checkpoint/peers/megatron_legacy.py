@@ -10,12 +10,8 @@ import re
 import torch
 
 from hybrid.checkpoint.peers import megatron_names as names
-from hybrid.checkpoint.peers.megatron_dist import (
-    MegatronCheckpoint,
-    arg,
-    megatron_flags,
-    tokenizer_vocab,
-)
+from hybrid.checkpoint.peers.megatron_args import arg, megatron_flags, tokenizer_vocab
+from hybrid.checkpoint.peers.megatron_dist import MegatronCheckpoint
 from hybrid.checkpoint.peers.megatron_files import (
     LEGACY,
     LEGACY_FILE,
