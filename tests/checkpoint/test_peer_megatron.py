@@ -1462,6 +1462,8 @@ def test_an_moe_export_of_the_import_is_megatron_s_own_save(tmp_path, fixture):
     args = load_common(out)["args"]
     assert (args.num_experts, args.expert_model_parallel_size, args.moe_router_topk,
             args.moe_ffn_hidden_size) == (4, 2, 2, 32)
+    # (the epsilon under Megatron-LM 0.16.1's name and the older one)
+    assert args.layernorm_epsilon == args.norm_epsilon == 1e-5
 
 
 @pytest.mark.parametrize("flags,config,says", [

@@ -125,6 +125,7 @@ def _namespace(cfg: dict, meta: dict, tp: int, dp: int, vocab: int, gbs: int,
     (:func:`~.megatron_moe_export.moe_args`)."""
     heads = cfg["num_attention_heads"]
     groups = cfg.get("num_query_groups") or heads
+    eps = cfg.get("norm_epsilon") or 1e-5
     return argparse.Namespace(
         num_layers=cfg["num_layers"], hidden_size=cfg["hidden_size"],
         num_attention_heads=heads, group_query_attention=groups != heads,
@@ -134,7 +135,8 @@ def _namespace(cfg: dict, meta: dict, tp: int, dp: int, vocab: int, gbs: int,
         max_position_embeddings=cfg.get("max_position_embeddings"),
         vocab_size=meta.get("vocab_size"), padded_vocab_size=vocab,
         normalization=cfg.get("normalization", "LayerNorm"),
-        norm_epsilon=cfg.get("norm_epsilon") or 1e-5, swiglu=bool(cfg.get("swiglu")),
+        # (Megatron-LM 0.16.1's args name it layernorm_epsilon, older ones norm_epsilon)
+        norm_epsilon=eps, layernorm_epsilon=eps, swiglu=bool(cfg.get("swiglu")),
         position_embedding_type=cfg.get("position_embedding_type", "learned_absolute"),
         add_bias_linear=not cfg.get("disable_bias_linear", False),
         add_qkv_bias=bool(cfg.get("add_qkv_bias")),
