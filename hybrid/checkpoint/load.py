@@ -84,9 +84,12 @@ def check_model(meta: dict, model: torch.nn.Module, vocab_size: int | None, wher
         # The padded rows can hide it: the extra ids would hit untrained rows, and the
         # others likely mean other tokens. (Fewer ids is allowed: an imported Hugging
         # Face config's vocab_size often exceeds its tokenizer's.)
-        tok = meta.get("config", {}).get("tokenizer_type")
+        # (an import's config is the importing run's: its tokenizer is not the peer's)
+        origin = meta.get("imported_from")
+        tok = (f"its {origin['format']} run's tokenizer" if origin else
+               f"--tokenizer-type {meta.get('config', {}).get('tokenizer_type')}")
         raise CheckpointError(f"{where}: checkpoint was trained on a vocabulary of "
-                              f"{saved_vocab} tokens (--tokenizer-type {tok}), this run's "
+                              f"{saved_vocab} tokens ({tok}), this run's "
                               f"tokenizer has {vocab_size}: give the checkpoint's tokenizer "
                               f"(--tokenizer-type, --vocab-file/--merge-file, "
                               f"--tokenizer-model, --vocab-size)")

@@ -248,3 +248,19 @@ def test_a_megatron_release_checkpoint_is_found_and_a_dangling_latest_said(tmp_p
     with pytest.raises(CheckpointError, match=rf"^{ds} holds a DeepSpeed checkpoint .*: "
                                               rf"incomplete \(a latest naming a tag"):
         find_checkpoint(ds)
+
+
+def test_a_peer_s_smaller_vocabulary_names_the_peer_s_tokenizer_not_the_run_s():
+    """A peer checkpoint of 64 tokens loaded by a run whose tokenizer has 100: the line
+    says the checkpoint's vocabulary came with the peer's run's tokenizer; the config an
+    import carries is the importing run's, so its ``--tokenizer-type`` (here byte) is not
+    the peer's and is not named."""
+    from hybrid.checkpoint.load import check_model
+    shapes = {"wte.weight": [64, 8]}
+    meta = {"model": shapes, "config": {"tokenizer_type": "byte"}, "vocab_size": 64}
+    with pytest.raises(CheckpointError) as e:
+        check_model({**meta, "imported_from": {"format": "megatron"}}, None, 100, "X", shapes)
+    assert "64 tokens (its megatron run's tokenizer), this run's tokenizer has 100" in str(e.value)
+    assert "byte" not in str(e.value)
+    with pytest.raises(CheckpointError, match=r"64 tokens \(--tokenizer-type byte\)"):
+        check_model(meta, None, 100, "X", shapes)  # (hybrid's own: its flag)

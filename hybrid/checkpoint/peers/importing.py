@@ -188,7 +188,8 @@ def import_for_load(load_dir: str, save_dir: str | None, ps: ParallelState, conf
                     peer.configure(config)  # (what it does not record, from the run's flags)
                     if model is not None:  # another model: refused before anything is written
                         check_model({"model": peer.shapes, "config": {**config, **peer.flags},
-                                     "vocab_size": peer.vocab_size}, model, vocab_size,
+                                     "vocab_size": peer.vocab_size,
+                                     "imported_from": {"format": peer.format}}, model, vocab_size,
                                     f"{peer.path} ({peer.format})", signature)
                     import_peer(peer, save_dir, config, vocab_size, waiting.beat)
                     if owner is not None:
